@@ -1,0 +1,69 @@
+"""The attention backend interface every backend implements, and the per-step metadata it reads.
+
+A step is a ragged batch: request `b` contributes query rows `qo_indptr[b]:qo_indptr[b+1]`
+(a prefill chunk, or one row for a decode) and attends over its KV pages
+`paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]]`, whose last page holds
+`paged_kv_last_page_len[b]` tokens. The causal mask is aligned to the END of each KV sequence:
+query row i of a chunk of length q over a KV length of n sees keys 0 .. n - q + i.
+
+The engine calls `plan(meta)` once per step, then `run(layer, q, k, v)` in every layer. `run`
+first writes the step's new K/V into the pool at `meta.slot_mapping` (so a chunk attends to
+itself), then attends. Names follow FlashInfer's so the backends read alike.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from flashlet.kv_pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Device tensors are views into persistent buffers; the `*_host`
+    lists are the same values on the CPU, for backends that plan on the host."""
+
+    num_tokens: int
+    num_seqs: int
+    positions: torch.Tensor  # [num_tokens] int64, position of each query token
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat pool slot each new K/V row goes to
+    qo_indptr: torch.Tensor  # [num_seqs + 1] int32
+    paged_kv_indptr: torch.Tensor  # [num_seqs + 1] int32
+    paged_kv_indices: torch.Tensor  # [num_pages_in_step] int32
+    paged_kv_last_page_len: torch.Tensor  # [num_seqs] int32
+    kv_lens: torch.Tensor  # [num_seqs] int32, KV length of each sequence including this step
+    logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
+    qo_indptr_host: list[int]
+    paged_kv_indptr_host: list[int]
+    kv_lens_host: list[int]
+    is_pure_decode: bool  # every sequence has exactly one query row
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a KVPool. Subclasses implement `plan` and `_attend`."""
+
+    name = "abstract"
+
+    def __init__(self, kv_pool: KVPool, num_q_heads: int, scale: float | None = None):
+        self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = kv_pool.num_kv_heads
+        self.head_dim = kv_pool.head_dim
+        self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.meta: AttentionMetadata | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare for one step; called once before the layers run."""
+        self.meta = meta
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""
+        self.kv_pool.write(layer, k, v, self.meta.slot_mapping)
+        return self._attend(layer, q)
+
+    @abstractmethod
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q over the pool, K/V of this step already written."""

@@ -1,0 +1,95 @@
+"""EngineConfig: every engine default in one frozen dataclass; command-line flags are built from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+
+import torch
+
+BACKENDS = ("torch", "flashinfer", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # folder, hub id, .gguf file; None = the embedded default model
+    config: str | None = None  # a config.json path or preset name: random weights at that shape
+    backend: str = "torch"  # attention backend: torch | flashinfer | triton
+    device: str | None = None  # default: cuda if available, else cpu
+    dtype: str | None = None  # float32 | bfloat16 | float16; default: bf16 on cuda, fp32 on cpu
+    page_size: int = 16  # tokens per KV page
+    max_num_pages: int | None = None  # KV pool size; default from kv_memory_gb / GPU memory
+    kv_memory_gb: float = 1.0  # KV pool budget on the CPU when max_num_pages is not given
+    gpu_memory_utilization: float = 0.6  # fraction of free GPU memory the KV pool may take
+    max_num_seqs: int = 256  # running requests at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
+    seed: int = 0  # for random weights
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r} (choose from {', '.join(BACKENDS)})")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_pages is not None and self.max_num_pages < 1:
+            raise ValueError(f"max_num_pages must be >= 1, got {self.max_num_pages}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_num_seqs so every decode fits in a step"
+            )
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return torch_dtype(self.dtype)
+        return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line, generated from the fields above ----------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                parser.add_argument(flag, type=_cli_type(f), default=f.default,
+                                    choices=BACKENDS if f.name == "backend" else None)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _cli_type(f):
+    text = str(f.type)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from float32, bfloat16, float16)")
+    return DTYPES[name]

@@ -1,0 +1,42 @@
+"""The model's elementwise operations in plain PyTorch. A fused implementation (Triton kernels
+in `flashlet/kernels/`) provides the same methods and is swapped in by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H] -> RMSNorm(x) * weight, reduced in fp32 as Hugging Face does."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x, residual, weight, eps):
+        """(x + residual) -> (RMSNorm of the sum, the sum as the new residual)."""
+        if residual is not None:
+            x = x + residual
+        return cls.rms_norm(x, weight, eps), x
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(q, k, positions, cos_sin_cache):
+        """Rotate-half RoPE. q [T, Hq, D], k [T, Hkv, D]; cos_sin_cache [max_pos, D] (cos | sin)."""
+        cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,179 @@
+"""Radix prefix cache over KV pages.
+
+A radix tree keyed by token ids at page granularity: each node holds a run of whole pages
+(`len(key) == len(pages) * page_size`) and the K/V of those tokens, computed after exactly the
+tokens on the path from the root. A request that starts with a cached prefix adopts those pages
+instead of recomputing them.
+
+Ownership: every page of the pool is in exactly one place: the allocator's free list, one tree
+node, or one request's private tail. Requests that use tree pages hold a lock on their deepest
+node; `lock_ref` counts the requests whose locked path passes through a node. Only unlocked
+leaves are evicted, least recently used first.
+
+Interface: `match_prefix`, `insert`, `lock` / `unlock`, `evict`, `check_integrity`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from flashlet.kv_pool import PageAllocator
+
+
+class RadixNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], pages: list[int], parent: "RadixNode | None"):
+        self.key = key  # token ids, a whole number of pages
+        self.pages = pages
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = RadixNode([], [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self.num_pages = 0  # pages held by the tree
+        self.hit_tokens = 0  # statistics for the engine's hit rate
+        self.queried_tokens = 0
+
+    # ---- lookup and insertion -------------------------------------------------------------
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
+        """Longest cached prefix of `tokens` in whole pages -> (its pages, the node it ends at)."""
+        node, pages, i = self.root, [], 0
+        now = next(self._clock)
+        node.last_access = now
+        while i + self.page_size <= len(tokens):
+            child = node.children.get(self._page_key(tokens, i))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            pages += child.pages
+            i += len(child.key)
+            node = child
+        return pages, node
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Add `tokens` (whole pages) with their `pages`; returns how many tokens were cached
+        already. Pages past that point now belong to the tree; the caller still owns (and must
+        free) its pages for the part that was already cached."""
+        assert len(tokens) == len(pages) * self.page_size
+        prefix_pages, node = self.match_prefix(tokens)
+        done = len(prefix_pages) * self.page_size
+        if done < len(tokens):
+            child = RadixNode(list(tokens[done:]), list(pages[len(prefix_pages):]), node)
+            child.last_access = next(self._clock)
+            node.children[self._page_key(tokens, done)] = child
+            self.num_pages += len(child.pages)
+        return done
+
+    # ---- locks and eviction ---------------------------------------------------------------
+    def lock(self, node: RadixNode | None) -> None:
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        while node is not None:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            node = node.parent
+
+    def num_evictable_pages(self) -> int:
+        return sum(len(n.pages) for n in self._nodes() if n.lock_ref == 0)
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, LRU first; returns pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.num_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[self._page_key(leaf.key, 0)]
+            if self._evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> None:
+        """Drop every unlocked page (used by tests and to release memory)."""
+        self.evict(self.num_pages)
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_integrity(self, requests) -> None:
+        """Assert the ownership and lock invariants against the live `requests`."""
+        tree_pages, expected_locks = [], {id(self.root): 1}
+        for req in requests:
+            path_pages, node = [], req.tree_node
+            while node is not None:
+                expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
+                path_pages = node.pages + path_pages
+                node = node.parent
+            assert req.page_ids[: req.num_tree_pages] == path_pages, (
+                f"request {req.request_id}: tree pages do not match its locked path"
+            )
+        for node in self._nodes():
+            assert len(node.key) == len(node.pages) * self.page_size, "node key/page mismatch"
+            assert node.lock_ref == expected_locks.get(id(node), 0), (
+                f"node lock_ref {node.lock_ref} != {expected_locks.get(id(node), 0)} requests"
+            )
+            for k, child in node.children.items():
+                assert child.parent is node and self._page_key(child.key, 0) == k
+                assert child.pages, "empty non-root node"
+            tree_pages += node.pages
+        assert len(tree_pages) == self.num_pages, "tree page count drifted"
+        private = [p for r in requests for p in r.page_ids[r.num_tree_pages :]]
+        owned = tree_pages + private
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        free = self.allocator.free_pages()
+        assert not free & set(owned), "an owned page is on the free list"
+        assert len(free) + len(owned) == self.allocator.num_pages, (
+            f"page leak: {self.allocator.num_pages - len(free) - len(owned)} pages owned by nobody"
+        )
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _page_key(self, tokens, start) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    def _common_pages(self, key: list[int], tokens: list[int], start: int) -> int:
+        """How many whole pages of `key` equal `tokens[start:]`."""
+        ps, n = self.page_size, 0
+        while (n + 1) * ps <= len(key) and start + (n + 1) * ps <= len(tokens):
+            if key[n * ps : (n + 1) * ps] != tokens[start + n * ps : start + (n + 1) * ps]:
+                break
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Split `node` after `num_pages` pages; returns the new upper node."""
+        cut = num_pages * self.page_size
+        upper = RadixNode(node.key[:cut], node.pages[:num_pages], node.parent)
+        upper.lock_ref = node.lock_ref  # every lock through `node` passes through `upper`
+        upper.last_access = node.last_access
+        node.parent.children[self._page_key(upper.key, 0)] = upper
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def _evictable_leaf(self, node: RadixNode) -> bool:
+        return node is not self.root and not node.children and node.lock_ref == 0
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,77 @@
+"""A request's life: its tokens, how many of them have K/V in the pool, its pages, its output."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashlet.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    page_ids: list[int] = field(default_factory=list)  # this request's page table
+    num_tree_pages: int = 0  # leading pages owned by the prefix cache (locked through tree_node)
+    tree_node: object = None  # deepest radix node this request holds a lock on
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    output_text: str = ""
+    prefix_offset: int = 0  # detokenizer window over output_token_ids
+    read_offset: int = 0
+    num_sent_chars: int = 0  # characters of output_text already streamed out
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta), or the final result."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # every output token so far
+    text: str = ""  # all output text so far
+    num_cached_tokens: int = 0
+    error: str | None = None

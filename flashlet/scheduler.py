@@ -1,0 +1,179 @@
+"""The scheduler: which requests run this step and how many tokens each computes.
+
+There is no prefill phase and no decode phase: every request has tokens computed and tokens
+still to compute. Each step, in order:
+1. every running request with one token to compute (a decode) gets it;
+2. running requests part-way through their prompt get a chunk of what budget is left;
+3. waiting requests are admitted (longest cached prefix first adopted) while the token budget,
+   `max_num_seqs` and free pages allow.
+When pages run out, unlocked prefix-cache pages are evicted first; then the newest running
+request is preempted: its pages are released (full pages go into the prefix cache) and it waits
+to be recomputed, keeping the tokens it has generated so its output does not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flashlet.kv_pool import OutOfPages, PageAllocator
+from flashlet.radix_cache import RadixCache
+from flashlet.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(n == 1 for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_prefix_cache: bool = True):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_cache = enable_prefix_cache
+        self.cache = RadixCache(allocator, page_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the policy -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        prefills = [r for r in self.running if r.num_tokens_to_compute > 1]
+        for req in decodes + prefills:
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or no budget left for chunks
+            n = min(req.num_tokens_to_compute, budget)
+            if self._reserve_or_preempt(req, n, out):
+                out.scheduled.append((req, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _reserve_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Find pages for `req`'s next `n` tokens, preempting newer requests; False if `req`
+        itself had to be preempted."""
+        while not self._reserve(req, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._adopt_cached_prefix(req)
+            n = min(req.num_tokens_to_compute, budget)
+            if not self._reserve(req, req.num_computed_tokens + n):
+                self.release(req, cache=False)
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:  # a recompute after preemption is not a cache hit
+                req.num_cached_tokens = req.num_computed_tokens
+                self.cache.queried_tokens += req.num_prompt_tokens
+                self.cache.hit_tokens += req.num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    # ---- pages ----------------------------------------------------------------------------
+    def _adopt_cached_prefix(self, req: Request) -> None:
+        """Take the longest cached prefix, never the last token (one query token must run)."""
+        if not self.enable_prefix_cache:
+            return
+        usable = (req.num_tokens - 1) // self.page_size * self.page_size
+        tokens = req.all_token_ids[:usable]
+        pages, node = self.cache.match_prefix(tokens)
+        self.cache.lock(node)
+        req.page_ids, req.num_tree_pages, req.tree_node = list(pages), len(pages), node
+        req.num_computed_tokens = len(pages) * self.page_size
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` pages for `num_tokens` tokens, evicting cached pages if needed."""
+        need = -(-num_tokens // self.page_size) - len(req.page_ids)
+        if need <= 0:
+            return True
+        if self.allocator.num_free < need:
+            self.cache.evict(need - self.allocator.num_free)
+        try:
+            req.page_ids += self.allocator.allocate(need)
+        except OutOfPages:
+            return False
+        return True
+
+    def cache_computed_pages(self, req: Request) -> None:
+        """Hand `req`'s newly completed full pages to the prefix cache (deduplicating)."""
+        if not self.enable_prefix_cache:
+            return
+        num_full = req.num_computed_tokens // self.page_size
+        if num_full <= req.num_tree_pages:
+            return
+        tokens = req.all_token_ids[: num_full * self.page_size]
+        already = self.cache.insert(tokens, req.page_ids[:num_full]) // self.page_size
+        # Where the tree already held these tokens our own copies are duplicates: free them.
+        self.allocator.free(req.page_ids[req.num_tree_pages : max(already, req.num_tree_pages)])
+        pages, node = self.cache.match_prefix(tokens)
+        self.cache.lock(node)
+        self.cache.unlock(req.tree_node)
+        req.page_ids[:num_full] = pages
+        req.num_tree_pages, req.tree_node = num_full, node
+
+    def release(self, req: Request, cache: bool = True) -> None:
+        """Give back every page `req` holds (full computed pages go to the prefix cache)."""
+        if cache:
+            self.cache_computed_pages(req)
+        self.allocator.free(req.page_ids[req.num_tree_pages :])
+        self.cache.unlock(req.tree_node)
+        req.page_ids, req.num_tree_pages, req.tree_node = [], 0, None
+        req.num_computed_tokens = 0
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.release(req, cache=req.finish_reason not in ("abort", "error"))
+        req.status = RequestStatus.FINISHED
+
+    def check_integrity(self) -> None:
+        """Pages are owned exactly once (free list, tree, or one request) and locks add up."""
+        live = list(self.running) + [r for r in self.waiting if r.page_ids or r.tree_node]
+        self.cache.check_integrity(live)
+        for req in self.running:
+            assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
+        for req in self.waiting:
+            assert not req.page_ids and req.tree_node is None, "a waiting request holds pages"

@@ -186,26 +186,37 @@ def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes."""
-    from flashlet.model import CausalLM, ModelConfig, hf_to_flashlet_names
-
     model_dir = resolve_model_dir(source)
     try:
-        cfg = ModelConfig.from_file(model_dir / "config.json")
+        hf_config = json.loads((model_dir / "config.json").read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
+    model = model_from_hf_tensors(hf_config, read_hf_tensors(model_dir), device, dtype, ops,
+                                  where=str(model_dir))
+    return model, load_tokenizer(model_dir), model_dir
+
+
+def model_from_hf_tensors(hf_config: dict, tensors: dict, device="cpu", dtype=torch.float32,
+                          ops=None, where="weights"):
+    """Our CausalLM from a Hugging Face config dict and its tensors (HF parameter names)."""
+    from flashlet.model import CausalLM, ModelConfig, hf_to_flashlet_names
+
+    try:
+        cfg = ModelConfig.from_hf(hf_config)
     except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"{model_dir}/config.json: {e}") from e
-    tensors = read_hf_tensors(model_dir)
+        raise ModelLoadError(f"{where}: config: {e}") from e
     state = {}
     for ours, theirs in hf_to_flashlet_names(cfg):
         missing = [t for t in theirs if t not in tensors]
         if missing:
-            raise ModelLoadError(f"{model_dir}: weights lack {', '.join(missing[:3])}")
+            raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
         state[ours] = torch.cat([tensors[t] for t in theirs], dim=0)
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
         model = CausalLM(cfg, **kwargs)
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
-    return _finish(model, device, dtype), load_tokenizer(model_dir), model_dir
+    return _finish(model, device, dtype)
 
 
 def _finish(model, device, dtype):

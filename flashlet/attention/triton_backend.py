@@ -1,0 +1,131 @@
+"""The Triton attention backend: `flashlet/kernels/` decode and ragged prefill kernels.
+
+- Pure-decode steps run `decode_attention` (grid (B, Hkv, S): one program per sequence, KV
+  group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
+  is chosen in `plan` from the batch size alone, so a CUDA graph captured for a batch size is
+  valid for any KV lengths; the per-sequence split count is derived on the device from
+  `kv_lens`. The split partials live in buffers allocated once, in the constructor.
+- Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
+  launch over the ragged batch.
+
+`plan` does host arithmetic only (no device allocation, no copies). `run` launches kernels on
+tensors the metadata already holds: no host sync, no `.item()`, no `.tolist()`, so a pure-decode
+`run` can be captured in a CUDA graph (its output is allocated by the caching allocator, which
+graphs capture). The K/V write is the base class's `kv_pool.write`; `run_rope` is an optional
+fused path (RoPE + K/V write in one kernel) for a caller that has not rotated q/k yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashlet.attention.base import AttentionBackend, AttentionMetadata
+from flashlet.kernels.decode_attention import choose_num_splits, decode_attention
+from flashlet.kernels.prefill_attention import prefill_attention
+from flashlet.kernels.rope_kv_write import rope_kv_write
+from flashlet.kv_pool import KVPool
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        num_q_heads: int,
+        scale: float | None = None,
+        *,
+        max_batch_size: int = 256,
+        max_pages_per_seq: int | None = None,
+        max_kv_splits: int = 64,
+        min_split_tokens: int = 128,
+        num_sms: int | None = None,
+        decode_block_n: int = 64,
+        prefill_block_m: int = 64,
+        prefill_block_n: int = 64,
+    ):
+        """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
+        which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
+        pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
+        down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU)."""
+        super().__init__(kv_pool, num_q_heads, scale)
+        if num_q_heads % self.num_kv_heads:
+            raise ValueError(f"{num_q_heads} query heads do not split into {self.num_kv_heads} KV heads")
+        device = kv_pool.k_cache.device
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        if max_pages_per_seq is None:
+            max_pages_per_seq = kv_pool.num_pages
+        max_tokens = max_pages_per_seq * kv_pool.page_size
+        useful = -(-max_tokens // min_split_tokens)
+        self.max_batch_size = max_batch_size
+        self.max_kv_splits = max(1, min(max_kv_splits, useful))
+        self.min_split_tokens = min_split_tokens
+        self.num_sms = num_sms
+        self.decode_block_n = decode_block_n
+        self.prefill_block_m = prefill_block_m
+        self.prefill_block_n = prefill_block_n
+        # Split scratch, sized for the worst batch: rows = max over B of B * S(B).
+        rows = max((b * self._splits_for(b) for b in range(1, max_batch_size + 1) if self._splits_for(b) > 1), default=0)
+        self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
+        self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
+        self._num_splits = 1
+        self._max_q_len = 0
+
+    def _splits_for(self, num_seqs: int) -> int:
+        if num_seqs > self.max_batch_size:
+            return 1
+        return choose_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        super().plan(meta)
+        if meta.is_pure_decode:
+            self._num_splits = self._splits_for(meta.num_seqs)
+        else:
+            qo = meta.qo_indptr_host
+            self._max_q_len = max((qo[i + 1] - qo[i] for i in range(meta.num_seqs)), default=0)
+
+    def run_rope(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Like `run`, for q/k not yet rotated: RoPE on q and k and the K/V pool write in one
+        kernel (the rotated k is only written to the pool), then attention."""
+        q, _ = rope_kv_write(
+            q, k, v, positions, cos_sin_cache,
+            self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer], self.meta.slot_mapping,
+            return_k=False,
+        )
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
+        if not meta.is_pure_decode:
+            return prefill_attention(
+                q, k_cache, v_cache,
+                meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
+                max_q_len=self._max_q_len,
+                block_m=self.prefill_block_m,
+                block_n=self.prefill_block_n,
+            )
+        out = torch.empty_like(q)
+        n, s = meta.num_seqs, self._num_splits
+        decode_attention(
+            q[:n], k_cache, v_cache,
+            meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
+            out=out[:n],
+            num_splits=s,
+            min_split_tokens=self.min_split_tokens,
+            block_n=self.decode_block_n,
+            mid_o=self._mid_o[: n * s] if s > 1 else None,
+            mid_lse=self._mid_lse[: n * s] if s > 1 else None,
+        )
+        if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
+            out[n:].zero_()
+        return out

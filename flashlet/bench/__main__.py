@@ -1,0 +1,5 @@
+import sys
+
+from flashlet.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,132 @@
+"""`--url`: load a running flashlet server through `POST /generate_stream` (SSE) with httpx.
+
+Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
+TTFT and inter-token latency are measured on the client: TTFT from sending the request to the
+first event carrying text; ITL between successive text events. Output tokens come from the
+final event's `usage` when the server reports it, else one per text event. Prompts are text:
+words from a fixed list, one word per requested token (roughly one token each in BPE vocabs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+
+from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now
+from flashlet.bench.trace import Trace
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education foot boy age policy music market sense nation plan college interest death "
+    "experience effect use class control care field development role effort rate heart drug "
+    "show leader light voice wife police mind price report decision son view relationship town "
+    "road arm difference value building action model season society tax director position "
+    "player record paper space ground form event official matter center couple site project "
+    "activity star table need court oil situation cost industry figure street image phone data "
+    "picture practice piece land product doctor wall patient worker news test movie north love"
+).split()
+
+
+def text_specs(n: int, prompt_range, output_range, seed: int, stream: int = 0) -> list[Spec]:
+    lengths = np.random.default_rng(seed)
+    p_lens = lengths.integers(prompt_range[0], prompt_range[1] + 1, size=n)
+    o_lens = lengths.integers(output_range[0], output_range[1] + 1, size=n)
+    rng = np.random.default_rng([seed, stream, 104729])
+    return [Spec(" ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=int(p))), int(o), int(p))
+            for p, o in zip(p_lens, o_lens)]
+
+
+async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float) -> None:
+    payload = {"prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens, "temperature": 0}
+    trace.submit[i] = now()
+    times, usage, events = [], None, 0
+    try:
+        async with client.stream("POST", "/generate_stream", json=payload, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")[:200]
+                raise RuntimeError(f"HTTP {resp.status_code}: {body}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    raise RuntimeError(str(event["error"]))
+                if event.get("text"):
+                    times.append(now())
+                    events += 1
+                if event.get("finish_reason") is not None:
+                    usage = event.get("usage") or {}
+    except Exception as e:  # one failed request is counted, not fatal
+        trace.failed += 1
+        trace.extra.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:300])
+        return
+    n_tokens = (usage or {}).get("completion_tokens") or (usage or {}).get("output_tokens") or events
+    trace.token_times[i] = times  # ITL is between text events (an event may carry several tokens)
+    trace.outputs[i] = [0] * n_tokens  # only the count is known on this side
+    trace.extra["text_events"] = trace.extra.get("text_events", 0) + events
+
+
+async def _closed(url, specs, concurrency, timeout, task) -> Trace:
+    import httpx
+
+    trace = Trace(requested=[s.max_new_tokens for s in specs], prompt_lens=[s.prompt_len for s in specs])
+    queue = list(range(len(specs)))[::-1]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        async def client_loop():
+            while queue:
+                i = queue.pop()
+                await _one(client, specs[i], trace, i, timeout)
+                task.advance()
+
+        trace.start = now()
+        await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(specs)))))
+        trace.end = now()
+    return trace
+
+
+async def _open(url, specs, rate, seed, timeout, task) -> Trace:
+    import httpx
+
+    trace = Trace(requested=[s.max_new_tokens for s in specs], prompt_lens=[s.prompt_len for s in specs])
+    gaps = np.random.default_rng([seed, 31337]).exponential(1.0 / rate, size=len(specs))
+    arrivals = np.cumsum(gaps) - gaps[0]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        async def fire(i):
+            await asyncio.sleep(max(0.0, trace.start + arrivals[i] - now()))
+            await _one(client, specs[i], trace, i, timeout)
+            task.advance()
+
+        trace.start = now()
+        await asyncio.gather(*(fire(i) for i in range(len(specs))))
+        trace.end = now()
+    trace.extra["arrival_rate"] = rate
+    return trace
+
+
+def run(args, progress: Progress = NO_PROGRESS) -> dict:
+    if args.rate:
+        specs = text_specs(args.num_requests, args.prompt_len_range, args.output_len_range, args.seed, 1)
+        task = progress.task(f"open loop {args.rate} req/s", len(specs))
+        trace = asyncio.run(_open(args.url, specs, args.rate, args.seed, args.request_timeout, task))
+        return {"mode": "open-loop", "rate": args.rate, **trace.metrics()}
+    levels = []
+    for li, c in enumerate(args.concurrency):
+        specs = text_specs(args.level_requests[li], args.prompt_len_range, args.output_len_range,
+                           args.seed, li + 1)
+        task = progress.task(f"{args.url} c={c}", len(specs))
+        trace = asyncio.run(_closed(args.url, specs, c, args.request_timeout, task))
+        levels.append({"concurrency": c, **trace.metrics()})
+    return {"mode": "closed-loop", "levels": levels}

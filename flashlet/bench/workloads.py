@@ -1,0 +1,429 @@
+"""The in-process workloads. Each drives an Engine through `add_request` / `step` and returns
+a JSON-ready dict; timings wrap `engine.step()` with a device synchronize on CUDA.
+
+- closed-loop: N clients; when a client's request finishes it sends its next one before the
+  next step. Per concurrency level: output tok/s, req/s, TTFT (queue wait included), ITL, step.
+- decode-sat: B sequences prefilled, then only the pure-decode steps are timed.
+- single: one stream; decode tok/s against the memory-bandwidth limit (copy bandwidth measured
+  here, on the same device).
+- offline: every request submitted at once (nano-vllm's throughput workload).
+- scheduler: CPU cost of `scheduler.schedule()` + `buffers.fill()` for one step, no forward.
+- kernels: `flashlet.kernels.bench.run_kernel_sweep`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from flashlet.bench.common import (
+    NO_PROGRESS,
+    Progress,
+    Spec,
+    copy_bandwidth,
+    make_specs,
+    now,
+    samples,
+    summarize,
+    synchronizer,
+)
+from flashlet.bench.trace import Trace
+from flashlet.sampling import SamplingParams
+
+WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
+
+
+# ---- the engine loop -----------------------------------------------------------------------
+def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
+    """Closed loop over `specs` with `concurrency` clients (len(specs) clients = all at once).
+
+    A request's TTFT runs from its submission (so it includes time spent waiting to be
+    scheduled) to the end of the step that produced its first token."""
+    sync = synchronizer(engine.device)
+    n = len(specs)
+    trace = Trace(requested=[s.max_new_tokens for s in specs], prompt_lens=[s.prompt_len for s in specs])
+    index_of: dict[int, int] = {}
+    next_i = 0
+
+    def submit(t: float) -> None:
+        nonlocal next_i
+        s = specs[next_i]
+        rid = engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
+                                                          ignore_eos=True))
+        index_of[rid] = next_i
+        trace.submit[next_i] = t
+        next_i += 1
+
+    preempt0 = engine.scheduler.num_preemptions
+    done = 0
+    sync()
+    trace.start = now()
+    for _ in range(min(concurrency, n)):
+        submit(trace.start)
+    while done < n:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"the engine went idle with {n - done} requests unfinished")
+        t0 = now()
+        outs = engine.step()
+        sync()
+        t1 = now()
+        trace.step_s.append(t1 - t0)
+        for out in outs:
+            i = index_of.get(out.request_id)
+            if i is None:
+                continue
+            if out.finish_reason in ("abort", "error"):
+                raise RuntimeError(f"request {out.request_id} failed: {out.error or out.finish_reason}")
+            trace.token_times[i].extend([t1] * len(out.new_token_ids))
+            if out.finished:
+                trace.outputs[i] = list(out.token_ids)
+                done += 1
+                if task is not None:
+                    task.advance()
+                if next_i < n:
+                    submit(t1)
+    trace.end = now()
+    trace.num_preemptions = engine.scheduler.num_preemptions - preempt0
+    return trace
+
+
+def warmup(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> None:
+    """Run a small batch through every code path once (allocator, kernels, compilation)."""
+    vocab = engine.model_config.vocab_size
+    specs = make_specs(max(1, batch), (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
+                       seed, stream=WARMUP_STREAM)
+    run_engine(engine, specs, len(specs))
+
+
+def check_counts(trace: Trace, what: str) -> None:
+    """ignore_eos makes lengths exact: every request must get exactly what it asked for."""
+    for i, (want, got) in enumerate(zip(trace.requested, trace.outputs)):
+        if got is None or len(got) != want:
+            raise RuntimeError(f"{what}: request {i} got {None if got is None else len(got)} "
+                               f"tokens, asked for {want}")
+
+
+# ---- closed loop ---------------------------------------------------------------------------
+def level_specs(args, vocab: int, level: int) -> list[Spec]:
+    """The requests of concurrency level `level` (index): same lengths, fresh tokens."""
+    return make_specs(args.level_requests[level], tuple(args.prompt_len_range),
+                      tuple(args.output_len_range), vocab, args.seed, stream=level + 1)
+
+
+def closed_loop(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    vocab = engine.model_config.vocab_size
+    levels, outputs = [], {}
+    for li, c in enumerate(args.concurrency):
+        specs = level_specs(args, vocab, li)
+        if args.warmup:
+            warmup(engine, min(c, len(specs)), args.prompt_len_range[0], 4, args.seed + li)
+        task = progress.task(f"closed-loop c={c}", len(specs))
+        trace = run_engine(engine, specs, c, task)
+        check_counts(trace, f"closed-loop c={c}")
+        outputs[c] = trace.outputs
+        levels.append({"concurrency": c, **trace.metrics()})
+    return {"levels": levels, "_outputs": outputs}
+
+
+# ---- decode saturation ---------------------------------------------------------------------
+def decode_sat_margin(args) -> int:
+    """Extra output tokens per sequence beyond the timed decode steps: the steps it may decode
+    while the rest of the batch is still being prefilled (chunked prefill), plus slack."""
+    return math.ceil(args.decode_batch * args.decode_prompt_len / args.max_num_batched_tokens) + 8
+
+
+def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    B, P, D = args.decode_batch, args.decode_prompt_len, args.decode_tokens
+    vocab = engine.model_config.vocab_size
+    sync = synchronizer(engine.device)
+    if args.warmup:
+        warmup(engine, B, min(P, 16), 4, args.seed)
+    specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)
+    sched = engine.scheduler
+    ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
+                                                       ignore_eos=True)) for s in specs]
+    preempt0 = sched.num_preemptions
+
+    def all_decoding() -> bool:
+        return (not sched.waiting and len(sched.running) == B
+                and all(r.num_tokens_to_compute == 1 for r in sched.running))
+
+    # Phase 1 (untimed): prefill every sequence.
+    sync()
+    t0 = now()
+    prefill_steps = 0
+    while not all_decoding():
+        if not engine.has_unfinished() or prefill_steps > 100_000:
+            raise RuntimeError("decode-sat: the batch never reached pure decode")
+        for out in engine.step():
+            if out.finished:
+                raise RuntimeError("decode-sat: a sequence finished during prefill (margin too small)")
+        prefill_steps += 1
+    sync()
+    prefill_s = now() - t0
+    # Phase 2 (timed): D pure-decode steps of the whole batch.
+    task = progress.task(f"decode-sat B={B}", D)
+    step_s, tokens = [], 0
+    for _ in range(D):
+        t0 = now()
+        outs = engine.step()
+        sync()
+        step_s.append(now() - t0)
+        got = sum(len(o.new_token_ids) for o in outs)
+        if got != B or any(o.finished for o in outs):
+            raise RuntimeError(f"decode-sat: a decode step returned {got} tokens for {B} sequences")
+        tokens += got
+        task.advance()
+    for rid in ids:  # the margin tokens are not needed
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    total = sum(step_s)
+    return {
+        "batch": B, "prompt_len": P, "decode_steps": D, "decode_tokens": tokens,
+        "decode_tokens_requested": B * D, "decode_time_s": total,
+        "decode_tok_s": tokens / total, "ms_per_step": total / D * 1e3,
+        "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
+        "num_preemptions": sched.num_preemptions - preempt0,
+        "samples": {"step_ms": samples(step_s, 1e3)},
+    }
+
+
+# ---- a single stream -----------------------------------------------------------------------
+def bytes_per_token(engine, kv_len: float) -> dict:
+    """Bytes one decode step of one sequence must read: every weight once (the embedding
+    matrix only through the LM head when tied; one row of it otherwise) and the K/V of
+    `kv_len` tokens."""
+    cfg, model = engine.model_config, engine.model
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        weights -= (cfg.vocab_size - 1) * cfg.hidden_size * elem
+    kv_elem = engine.kv_pool.k_cache.element_size()
+    kv = 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * kv_elem
+    return {"weights": int(weights), "kv": float(kv), "total": float(weights + kv),
+            "kv_len_mean": kv_len, "param_dtype_bytes": elem}
+
+
+def single(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    P, T = args.single_prompt_len, args.single_tokens
+    vocab = engine.model_config.vocab_size
+    if args.warmup:
+        warmup(engine, 1, min(P, 16), 4, args.seed)
+    bandwidth = copy_bandwidth(engine.device, args.bandwidth_mib)
+    specs = make_specs(1, (P, P), (T, T), vocab, args.seed, stream=1)
+    task = progress.task("single stream", 1)
+    trace = run_engine(engine, specs, 1, task)
+    check_counts(trace, "single")
+    times = trace.token_times[0]
+    result = single_figures(times, trace.submit[0], T, bytes_per_token(engine, P + T / 2), bandwidth)
+    result.update(prompt_len=P, output_tokens=len(trace.outputs[0]), output_tokens_requested=T,
+                  copy_bandwidth=bandwidth, num_steps=len(trace.step_s),
+                  step_ms=summarize(trace.step_s, 1e3))
+    result["_outputs"] = {1: trace.outputs}
+    return result
+
+
+def single_figures(times: list[float], submit: float, T: int, nbytes: dict, bandwidth: dict) -> dict:
+    """Decode tok/s (tokens 2..T over the time between the first and the last token) and the
+    fraction of the copy-bandwidth limit it reaches."""
+    decode_s = times[-1] - times[0]
+    tok_s = (T - 1) / decode_s if decode_s > 0 else 0.0
+    achieved = nbytes["total"] * tok_s / 1e9
+    limit_tok_s = bandwidth["gb_per_s"] * 1e9 / nbytes["total"]
+    itl = np.diff(times)
+    return {
+        "decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s if tok_s else None,
+        "ttft_ms": (times[0] - submit) * 1e3, "decode_time_s": decode_s,
+        "bytes_per_token": nbytes, "achieved_gb_per_s": achieved,
+        "bandwidth_limit_tok_s": limit_tok_s,
+        "fraction_of_bandwidth_limit": achieved / bandwidth["gb_per_s"],
+        "itl_ms": summarize(itl, 1e3), "samples": {"itl_ms": samples(itl, 1e3)},
+    }
+
+
+# ---- offline batch -------------------------------------------------------------------------
+def offline_specs(args, vocab: int) -> list[Spec]:
+    return make_specs(args.num_requests, tuple(args.prompt_len_range),
+                      tuple(args.output_len_range), vocab, args.seed, stream=1)
+
+
+def offline(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    vocab = engine.model_config.vocab_size
+    specs = offline_specs(args, vocab)
+    if args.warmup:
+        warmup(engine, min(len(specs), 8), 32, 4, args.seed)
+    task = progress.task(f"offline {len(specs)} requests", len(specs))
+    trace = run_engine(engine, specs, len(specs), task)
+    check_counts(trace, "offline")
+    m = trace.metrics()
+    m["total_time_s"] = m["duration_s"]
+    m["_outputs"] = {len(specs): trace.outputs}
+    return m
+
+
+# ---- the scheduler micro-benchmark ---------------------------------------------------------
+def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
+    """CPU time of `scheduler.schedule()` + `buffers.fill()` per step, with tokens committed by
+    hand (no forward pass): a tiny one-layer model, CPU tensors.
+
+    - decode: `sched_running` running sequences, every one decoding;
+    - mixed: `sched_running - sched_prefill_chunks` decodes plus `sched_prefill_chunks` new
+      requests admitted each step, each a whole prefill chunk of `sched_chunk_len` tokens
+      (so the step fills the default token budget). After the step they are finished (their
+      pages go to the prefix cache) and as many fresh ones queued, outside the timed region.
+      The pool has room for all of them: no eviction.
+    - mixed-evict: the same with a pool full of cached pages, so admissions evict first."""
+    from flashlet.bench.engines import TINY_SCHED_CONFIG, write_config
+    from flashlet.config import EngineConfig
+    from flashlet.engine import Engine
+
+    R, K, ctx, steps = (args.sched_running, args.sched_prefill_chunks, args.sched_context,
+                        args.sched_steps)
+    chunk = args.sched_chunk_len
+    ps = args.page_size
+    warm = max(5, steps // 10)
+    # Tokens a decode sequence may generate: while the others are prefilled, then every step.
+    generated = math.ceil(R * ctx / max(1, args.sched_budget - R)) + 2 + warm + steps + 2
+    decode_pages = R * math.ceil((ctx + generated) / ps)
+    chunk_pages = K * math.ceil(chunk / ps)  # what one step's new requests hold
+    cfg = write_config(TINY_SCHED_CONFIG)
+    results = {}
+    scenarios = (("decode", 0, decode_pages + 64),
+                 # room for every finished request's pages: the prefix cache never evicts
+                 ("mixed", K, decode_pages + (warm + steps + 4) * chunk_pages + 64),
+                 # a pool full of cached pages: every step's admissions evict LRU leaves first
+                 ("mixed-evict", K, decode_pages + 2 * chunk_pages + 16))
+    for scenario, num_prefill, pages in scenarios:
+        if scenario != "decode" and K == 0:
+            continue
+        engine = Engine(EngineConfig(
+            config=str(cfg), device="cpu", dtype="float32", backend="torch", page_size=ps,
+            max_num_pages=pages, max_num_seqs=R, max_num_batched_tokens=args.sched_budget,
+            enable_prefix_cache=args.enable_prefix_cache, max_model_len=None, seed=args.seed))
+        results[scenario] = _sched_scenario(engine, R - num_prefill, num_prefill, ctx, chunk,
+                                            generated, steps, warm, args.seed, progress, scenario)
+        results[scenario]["pool_pages"] = pages
+    for r in results.values():
+        r["target_us"] = 1000.0
+        r["meets_target"] = r["us_per_step"]["mean"] < 1000.0
+    return {"scenarios": results, "config": {"model": "tiny one-layer (no forward)",
+                                             "page_size": ps, "context": ctx,
+                                             "token_budget": args.sched_budget,
+                                             "prefill_chunk_len": chunk, "steps": steps},
+            "timer": "time.perf_counter_ns around schedule() + fill(), CPU tensors"}
+
+
+def _sched_scenario(engine, num_decodes, num_prefill, ctx, chunk, generated, steps, warm, seed,
+                    progress, name) -> dict:
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    sched, buffers = engine.scheduler, engine.buffers
+
+    def add(n_tokens: int, max_new: int):
+        return engine.requests[engine.add_request(
+            rng.integers(0, vocab, size=n_tokens).tolist(),
+            SamplingParams(max_new_tokens=max_new, ignore_eos=True))]
+
+    def commit(out, sampling):
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+        for req in sampling:
+            req.output_token_ids.append((req.output_token_ids[-1] + 1) % vocab
+                                        if req.output_token_ids else 2)
+        for req, _ in out.scheduled:
+            sched.cache_computed_pages(req)
+
+    for _ in range(num_decodes):
+        add(ctx, generated)  # never reached: nothing here finishes a decode
+    while sched.waiting or any(r.num_tokens_to_compute > 1 for r in sched.running):
+        out = sched.schedule()
+        _, _, sampling = buffers.fill(out)
+        commit(out, sampling)
+    fresh = [add(chunk, 1) for _ in range(num_prefill)]
+    evicted = [0]
+    evict = sched.cache.evict
+
+    def counting_evict(n):  # count what the timed steps evict (this engine is ours alone)
+        freed = evict(n)
+        evicted[0] += freed
+        return freed
+
+    sched.cache.evict = counting_evict
+    task = progress.task(f"scheduler {name}", warm + steps)
+    times, shapes = [], set()
+    for i in range(warm + steps):
+        t0 = time.perf_counter_ns()
+        out = sched.schedule()
+        _, meta, sampling = buffers.fill(out)
+        t1 = time.perf_counter_ns()
+        commit(out, sampling)
+        n_pre = sum(1 for _, n in out.scheduled if n > 1)
+        shapes.add((len(out.scheduled) - n_pre, n_pre, meta.num_tokens))
+        if i >= warm:
+            times.append((t1 - t0) / 1e3)
+        else:
+            evicted[0] = 0
+        for req in fresh:  # the step's new requests are done: make room for the next ones
+            req.finish_reason = "length"
+            sched.finish(req)
+            engine.requests.pop(req.request_id, None)
+        fresh = [add(chunk, 1) for _ in range(num_prefill)]
+        task.advance()
+    expected = (num_decodes, num_prefill, num_decodes + num_prefill * chunk)
+    if shapes != {expected}:
+        raise RuntimeError(f"scheduler {name}: steps were {sorted(shapes)}, expected {expected}")
+    engine.check_integrity()
+    return {"decodes": num_decodes, "prefill_chunks": num_prefill,
+            "running": num_decodes + num_prefill, "tokens_per_step": expected[2],
+            "steps": steps, "warmup_steps": warm, "evicted_pages_per_step": evicted[0] / steps,
+            "us_per_step": summarize(times),
+            "samples": {"us_per_step": samples(times, digits=2)}}
+
+
+# ---- the kernel sweep ----------------------------------------------------------------------
+def kernels(args, progress: Progress = NO_PROGRESS, log=None) -> dict:
+    """Delegate to `flashlet.kernels.bench.run_kernel_sweep`, passing the keyword arguments its
+    signature takes: device, dtype, page size, seed, quick/smoke and, with --model/--config,
+    the model's attention and MLP shapes (else the sweep's default, Qwen2.5-0.5B)."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module("flashlet.kernels.bench")
+    fn = mod.run_kernel_sweep
+    offered = {"device": args.kernel_device, "dtype": args.dtype, "page_size": args.page_size,
+               "seed": args.seed, "quick": args.kernels_quick, "smoke": args.kernels_smoke,
+               "progress": progress, "log": log}
+    if args.config is not None or args.model is not None:
+        from flashlet.bench.engines import hf_config_dict
+        from flashlet.config import EngineConfig
+        from flashlet.model import ModelConfig
+
+        cfg = ModelConfig.from_hf(hf_config_dict(EngineConfig(model=args.model, config=args.config)))
+        offered.update(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, hidden=cfg.hidden_size,
+                       intermediate=cfg.intermediate_size)
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if (k in params or takes_any) and v is not None}
+    rows = fn(**kwargs)
+    called = {k: v for k, v in kwargs.items() if k not in ("progress", "log")}
+    return {"sweep": _jsonable(rows), "called_with": _jsonable(called)}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "__dataclass_fields__"):
+        import dataclasses
+
+        return _jsonable(dataclasses.asdict(x))
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    return str(x)

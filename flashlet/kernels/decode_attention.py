@@ -1,0 +1,319 @@
+"""Paged GQA decode attention over the NHD pool, split-KV with a log-sum-exp merge.
+
+Work. Each of B sequences has one query row (Hq heads of dim D) and attends over all of its
+`kv_lens[b]` cached keys/values. The keys live in pages of the pool
+`k_cache [pages, page_size, Hkv, D]`; sequence b's pages are
+`kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`, its token t is at page `t // page_size`, row
+`t % page_size` of its list. Query head h reads KV head `h // G`, with G = Hq / Hkv.
+
+Bytes (the floor, N = sum(kv_lens), e = element size):
+    K and V:   2 * N * Hkv * D * e          (each page read ONCE per KV group, not per q head)
+    Q and O:   2 * B * Hq * D * e
+    page ids:  4 * sum(pages)               (int32)
+    split-KV partials add 2 * B * S * Hq * (D + 1) * 4 (written then read; mostly L2).
+FLOPs: 4 * N * Hq * D (QK^T and PV, a multiply-add counted as 2).
+
+Design.
+- Grid (B, Hkv, S). One program owns one sequence, one KV head and one split: it loads the G
+  query heads of that group as a [GP, D] tile and streams its token range of K/V in blocks
+  of BLOCK_N tokens, so every K/V row is fetched once for the whole group.
+- The group is padded to GP = max(16, next_pow2(G)) rows so that QK^T and PV are `tl.dot`s
+  (tensor-core MMAs need M >= 16). Padded rows load zeros (masked, no memory traffic) and are
+  never stored; decode is memory-bound, so the wasted MMA rows cost nothing measurable.
+  G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work.
+- Tokens map to pages per token (a gather of page ids), so any power-of-two page size works,
+  from 1 (one page per token) to larger than BLOCK_N.
+- Split-KV. S (a power of two, a compile-time constant) is the most splits a sequence may use;
+  the launcher picks it from the batch size alone (see `choose_num_splits`), so a CUDA graph
+  captured for a batch size stays valid whatever the KV lengths are when it is replayed.
+  On the device each sequence uses n_b = min(S, ceil(kv_len / min_split_tokens)) splits of a
+  whole number of BLOCK_N blocks; programs with split >= n_b exit at once. Each split writes
+  its normalised partial output and its log2-sum-exp to fp32 scratch, and a merge kernel
+  (grid (B, Hkv, GP / HPP), HPP >= 2 heads per program, as many as keep its [S, HPP, D] fp32
+  tile within 8192 elements) combines the n_b partials: o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m).
+  With S = 1 the main kernel writes the output directly and no merge is launched.
+- Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
+  value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
+- A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_range(kv_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(number of splits this sequence uses, tokens per split: a multiple of BLOCK_N)."""
+    n = tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_TOKENS), NUM_SPLITS)
+    n = tl.maximum(n, 1)
+    split_len = tl.cdiv(tl.cdiv(kv_len, n), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, BLOCK_N)
+    n = tl.maximum(tl.cdiv(kv_len, split_len), 1)
+    return n, split_len
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, MidO, MidLse,
+    KvIndptr, KvIndices, KvLens,
+    qk_scale,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_len = tl.load(KvLens + b)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    if split >= n_splits:
+        return
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    page_base = tl.load(KvIndptr + b)
+
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+    for blk in range(start, end, BLOCK_N):
+        t = blk + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        page = tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = t % PAGE_SIZE
+        k = tl.load(
+            k_head + page[:, None] * stride_kp + row[:, None] * stride_kt + d[None, :],
+            mask=t_mask[:, None],
+            other=0.0,
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [GP, BN], log2 units
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + page[:, None] * stride_vp + row[:, None] * stride_vt + d[None, :],
+            mask=t_mask[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        slot = b * NUM_SPLITS + split
+        mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+        tl.store(mid_ptrs, out, mask=g_mask[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    MidO, MidLse, O, KvLens,
+    stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    j = tl.program_id(2)
+    kv_len = tl.load(KvLens + b)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    s = tl.arange(0, NUM_SPLITS)
+    g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
+    heads = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    mask2 = (s[:, None] < n_splits) & (g[None, :] < GROUP)  # [S, HPP]
+    slot = b * NUM_SPLITS + s
+    lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2, other=float("-inf"))
+    m = tl.max(lse, 0)  # [HPP]
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[None, :])  # masked and empty splits: 2^-inf = 0
+    o_ptrs = MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM + d[None, None, :]
+    o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [S, HPP, D]
+    den = tl.sum(w, 0)
+    num = tl.sum(w[:, :, None] * o, 0)  # [HPP, D]
+    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
+    o_out = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_out, out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def group_pad(group: int) -> int:
+    """Rows of the query tile for a KV group of `group` heads (>= 16 for tl.dot)."""
+    return max(16, _next_pow2(group))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """Most splits per sequence, from the batch shape only (so it is CUDA-graph stable).
+
+    Aims at about two programs per SM: S = next_pow2(2 * SMs / (B * Hkv)), clamped to
+    [1, max_splits]. Large batches get S = 1 (no partials, no merge)."""
+    want = _next_pow2(math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads)))
+    return max(1, min(want, _prev_pow2(max_splits)))
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int = 1,
+    min_split_tokens: int = 128,
+    block_n: int = 64,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
+
+    kv_indptr [B + 1] int32, kv_indices int32 page ids, kv_lens [B] int32 (tokens, the newest
+    included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
+    mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
+    split scratch (allocated here when None). Returns out [B, Hq, D] in q's dtype. No host sync.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
+    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k/v cache rows must be contiguous in head_dim")
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits > 1:
+        rows = batch * num_splits
+        if mid_o is None:
+            mid_o = torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        if mid_lse is None:
+            mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
+        if mid_o.shape[0] < rows or mid_lse.shape[0] < rows or not (mid_o.is_contiguous() and mid_lse.is_contiguous()):
+            raise ValueError(f"split scratch holds {mid_o.shape[0]} rows, needs {rows} contiguous")
+    else:
+        mid_o, mid_lse = out, out  # unused (NUM_SPLITS == 1 writes O directly)
+    precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse,
+        kv_indptr, kv_indices, kv_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad(group),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_TOKENS=min_split_tokens,
+        INPUT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        gp = group_pad(group)
+        # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
+        hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
+        _merge_kernel[(batch, num_kv_heads, gp // hpp)](
+            mid_o, mid_lse, out, kv_lens,
+            out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            GROUP=group,
+            HEADS_PER_PROG=hpp,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            MIN_SPLIT_TOKENS=min_split_tokens,
+            BLOCK_N=block_n,
+            num_warps=4 if num_splits * hpp * head_dim <= 8192 else 8,
+        )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain PyTorch: gather each sequence's pages, softmax(q K^T * scale) V in fp32."""
+    batch, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    indptr, lens = kv_indptr.tolist(), kv_lens.tolist()
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        n = lens[b]
+        if n == 0:
+            continue
+        pages = kv_indices[indptr[b] : indptr[b] + (n + page_size - 1) // page_size].long()
+        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,5 @@
+import sys
+
+from flashlet.server.cli import main
+
+sys.exit(main())

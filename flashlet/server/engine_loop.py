@@ -1,0 +1,288 @@
+"""The engine loop: one background thread owns the Engine and runs `Engine.step()`.
+
+The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asyncio event
+loops, possibly several) talk to the loop through a command deque guarded by a condition
+variable: `submit`, `abort`, `call`. Each request has a `RequestStream`; the loop pushes that
+request's output deltas into the stream's asyncio.Queue with `loop.call_soon_threadsafe`, so
+tokens stream out as each step makes them. With nothing to do the thread sleeps on the
+condition (no busy spin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from flashlet.request import RequestOutput
+from flashlet.sampling import SamplingParams
+
+log = logging.getLogger("flashlet.server")
+
+
+class Overloaded(Exception):
+    """Too many requests are queued already (maps to HTTP 503 with Retry-After)."""
+
+
+class NotReady(Exception):
+    """The model is still loading, failed to load, or the loop is shutting down (HTTP 503)."""
+
+
+class StreamError:
+    """Put on a stream instead of a RequestOutput when its request could not run."""
+
+    def __init__(self, message: str, status: int = 500):
+        self.message = message
+        self.status = status
+
+
+class RequestStream:
+    """One request's channel from the engine thread back to the asyncio handler."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams):
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.aloop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | StreamError] = asyncio.Queue()
+        self.request_id: int | None = None  # the engine's id, set on the loop thread
+        self.cancelled = False
+        self.finished = False  # set by the handler when it has seen the last output
+
+    def put(self, item: RequestOutput | StreamError) -> None:
+        """Called on the engine thread."""
+        try:
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def get(self) -> RequestOutput | StreamError:
+        return await self.queue.get()
+
+
+class EngineLoop:
+    """Owns an Engine on a background thread. Thread-safe: every public method may be called
+    from any thread. `engine_factory` runs on the loop thread (so loading does not block the
+    caller); `ready` is set once the engine exists and the loop runs."""
+
+    def __init__(self, engine=None, engine_factory: Callable[[], Any] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        if (engine is None) == (engine_factory is None):
+            raise ValueError("pass exactly one of engine and engine_factory")
+        self.engine = engine
+        self._factory = engine_factory
+        self._on_fatal = on_fatal
+        self._cond = threading.Condition()
+        self._cmds: deque[tuple] = deque()
+        self._streams: dict[int, RequestStream] = {}  # engine request id -> stream
+        self._num_pending_submits = 0
+        self._engine_waiting = 0
+        self._paused = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot: dict = {}  # engine.stats() after the latest iteration (replaced whole)
+        self.num_iterations = 0
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name="flashlet-engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort every request still in flight, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready.wait(0.05):
+            if self.error is not None or self.stopped.is_set():
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return True
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and not self.stopped.is_set() and not self._stopping
+
+    # ---- commands (any thread) ------------------------------------------------------------
+    def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
+        """Queue a request; raises Overloaded when `max_waiting` requests wait already."""
+        with self._cond:
+            if not self.is_ready:
+                raise NotReady("the engine is not ready" if not self._stopping
+                               else "the server is shutting down")
+            if max_waiting is not None and self.num_queued >= max_waiting:
+                raise Overloaded(f"{self.num_queued} requests are queued already "
+                                 f"(max_waiting={max_waiting})")
+            self._num_pending_submits += 1
+            self._cmds.append(("submit", stream))
+            self._cond.notify()
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop a request (idempotent); its pages are freed before the next step."""
+        with self._cond:
+            if stream.cancelled or stream.finished:
+                return
+            stream.cancelled = True
+            self._cmds.append(("abort", stream))
+            self._cond.notify()
+
+    def abort_all(self) -> None:
+        with self._cond:
+            self._cmds.append(("abort_all",))
+            self._cond.notify()
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the loop thread between two steps; returns a Future.
+
+        fn may drive the engine itself (e.g. `LLM.generate` in tests) only while no server
+        request is in flight: the outputs it steps out would not reach their streams."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._cmds.append(("call", fn, fut))
+            self._cond.notify()
+        return fut
+
+    def pause(self) -> None:
+        """Test hook: stop stepping (commands are still applied, so submits queue up)."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet admitted by the scheduler."""
+        return self._num_pending_submits + self._engine_waiting
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self.engine is None:
+                self.engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
+            self.error = e
+            log.error("engine failed to start: %s", e)
+            self.stopped.set()
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return
+        self.snapshot = self.engine.stats()
+        self.ready.set()
+        try:
+            self._serve()
+        finally:
+            self.stopped.set()
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._cmds or self._stopping
+                           or (not self._paused and engine.has_unfinished())):
+                    self._cond.wait()
+                cmds, self._cmds = self._cmds, deque()
+                stopping = self._stopping
+            for cmd in cmds:
+                self._apply(cmd)
+            if stopping:
+                self._abort_all()
+                self._step()  # deliver the abort outputs
+                self._update_counts()
+                self._fail_leftovers("the server shut down")
+                return
+            if not self._paused and engine.has_unfinished():
+                self._step()
+            self._update_counts()
+            self.num_iterations += 1
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            stream = cmd[1]
+            rid = None
+            try:
+                if not stream.cancelled:
+                    rid = self.engine.add_request(stream.prompt_token_ids, stream.params)
+            except ValueError as e:
+                stream.put(StreamError(str(e), status=400))
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
+                log.exception("add_request failed")
+                stream.put(StreamError(f"could not queue the request: {e}", status=500))
+            with self._cond:  # moves from "pending" to the engine's waiting queue atomically
+                self._num_pending_submits -= 1
+                if rid is not None:
+                    self._engine_waiting += 1
+            if rid is not None:
+                stream.request_id = rid
+                self._streams[rid] = stream
+        elif kind == "abort":
+            stream = cmd[1]
+            if stream.request_id is not None:  # the pages are freed now, whatever else runs
+                self.engine.abort(stream.request_id)
+                self._streams.pop(stream.request_id, None)  # its reader is gone
+        elif kind == "abort_all":
+            self._abort_all()
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
+            log.exception("engine step failed")
+            for rid, stream in list(self._streams.items()):
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    pass
+                stream.put(StreamError(f"engine step failed: {e}", status=500))
+            self._streams.clear()
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_leftovers(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream.put(StreamError(message, status=503))
+        self._streams.clear()
+
+    def _update_counts(self) -> None:
+        stats = self.engine.stats()
+        with self._cond:
+            self._engine_waiting = stats["waiting"]
+        self.snapshot = stats

@@ -1,0 +1,214 @@
+"""Bad input to `python -m flashlet.bench` is refused with a message on stderr and exit code 2
+before any model is loaded; plus the --url client against a fake streaming server, and the
+building blocks (request specs, statistics, tables)."""
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from flashlet.bench import main
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+BAD = [
+    (["--backend", "nope"], "invalid choice: 'nope'"),
+    (["--workload", "nope"], "invalid choice: 'nope'"),
+    (["--config", "no-such-preset"], "unknown config 'no-such-preset'"),
+    (["--config", "{tiny}", "--backend", "flashinfer", "--device", "cpu"], "needs a CUDA device"),
+    (["--config", "{tiny}", "--concurrency", "0"], "--concurrency levels must be >= 1"),
+    (["--config", "{tiny}", "--concurrency", "4", "4"], "must be distinct"),
+    (["--config", "{tiny}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--config", "{tiny}", "--num-requests", "2", "--concurrency", "4"], "--num-requests (2)"),
+    (["--config", "{tiny}", "--prompt-len-range", "50", "10"], "1 <= LO <= HI"),
+    (["--config", "{tiny}", "--max-num-pages", "2"], "KV pool too small: one request"),
+    (["--config", "qwen2.5-0.5b", "--max-num-pages", "8"], "KV pool too small: one request"),
+    (["--config", "{tiny}", "--max-num-pages", "60", "--concurrency", "1", "8",
+      "--prompt-len-range", "32", "100"], "KV pool too small for 8 concurrent"),
+    (["--config", "{tiny}", "--workload", "decode-sat", "--max-num-pages", "100"],
+     "KV pool too small for 128 concurrent"),
+    (["--config", "{tiny}", "--prompt-len-range", "32", "1020"], "exceeds the model's context"),
+    (["--config", "{tiny}", "--concurrency", "300"], "exceed --max-num-seqs 256"),
+    (["--config", "{tiny}", "--model", "x"], "not both"),
+    (["--model", "/no/such/folder"], "model:"),
+    (["--config", "{tiny}", "--dtype", "int3"], "unknown dtype"),
+    (["--config", "{tiny}", "--rate", "2"], "--rate (open-loop Poisson arrivals) needs --url"),
+    (["--workload", "scheduler", "--peer", "hf"], "--peer applies to"),
+    (["--workload", "scheduler", "--sched-prefill-chunks", "300"], "--sched-prefill-chunks"),
+    (["--workload", "single", "--config", "{tiny}", "--single-tokens", "1"], "--single-tokens must be >= 2"),
+    (["--url", "http://127.0.0.1:{port}"], "cannot connect to the server"),
+    (["--url", "ftp://x"], "must start with http://"),
+    (["--url", "http://127.0.0.1:1", "--workload", "offline"], "--url runs the closed-loop"),
+    (["--peer", "vllm"], "invalid choice: 'vllm'"),
+    (["--workload", "kernels", "--device", "cpu"], "pass --kernels-smoke"),
+    (["--workload", "kernels", "--config", "no-such-preset", "--kernels-smoke", "--device", "cpu"],
+     "unknown config"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_input_exits_before_work(argv, message, tiny_config, no_model_load, capsys):
+    argv = [a.replace("{tiny}", tiny_config).replace("{port}", str(closed_port())) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "usage:" in err  # argparse's error format: usage line, then the message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message; CUDA is present")
+def test_cuda_device_without_cuda(tiny_config, no_model_load, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", tiny_config, "--device", "cuda", "--quiet"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_kernels_absent_is_a_clear_error(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashlet.kernels.bench", None)  # as if the file were absent
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "kernels", "--quiet"])
+    assert exc.value.code == 2
+    assert "run_kernel_sweep" in capsys.readouterr().err
+
+
+def test_unwritable_out_is_refused_up_front(tiny_config, tmp_path, no_model_load, capsys):
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    with pytest.raises(SystemExit):
+        main(["--config", tiny_config, "--out", str(folder), "--quiet"])
+    assert "is a directory" in capsys.readouterr().err
+
+
+# ---- --url against a fake server ---------------------------------------------------------
+class FakeServer(BaseHTTPRequestHandler):
+    """POST /generate_stream: one SSE event per token, a final event with usage, [DONE]."""
+
+    seen = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeServer.seen.append((self.path, body))
+        if self.path != "/generate_stream":
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_new_tokens"]
+        for i in range(n):
+            self.wfile.write(f"data: {json.dumps({'text': f' w{i}'})}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.002)
+        final = {"text": "", "finish_reason": "length",
+                 "usage": {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    FakeServer.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_url_closed_loop(run_bench, fake_server, tmp_path):
+    out, _, rec = run_bench("--url", fake_server, "--concurrency", 1, 3, "--num-requests", 6,
+                            "--prompt-len-range", 5, 20, "--max-new-tokens", 4,
+                            "--plot", tmp_path / "p")
+    assert rec["workload"] == "url" and rec["url"] == fake_server
+    assert "model" not in rec  # nothing was loaded locally
+    for lv in rec["results"]["levels"]:
+        assert lv["completed"] == 6 and lv["failed"] == 0
+        assert lv["output_tokens"] == lv["output_tokens_requested"] == 24
+        assert lv["ttft_ms"]["n"] == 6 and lv["itl_ms"]["n"] == 6 * 3
+        assert lv["ttft_ms"]["min"] > 0 and lv["output_tok_s"] > 0
+    assert len(FakeServer.seen) == 12
+    path, body = FakeServer.seen[0]
+    assert set(body) == {"prompt", "max_new_tokens", "temperature"}
+    assert body["temperature"] == 0 and body["max_new_tokens"] == 4
+    assert 5 <= len(body["prompt"].split()) <= 20
+    assert "| concurrency | engine |" in out and "server" in out
+    assert len(rec["plots"]) == 4
+
+
+def test_url_open_loop(run_bench, fake_server):
+    out, _, rec = run_bench("--url", fake_server, "--rate", 50, "--num-requests", 5,
+                            "--prompt-len-range", 5, 10, "--max-new-tokens", 3)
+    r = rec["results"]
+    assert r["mode"] == "open-loop" and r["rate"] == 50
+    assert r["completed"] == 5 and r["output_tokens"] == 15 and r["failed"] == 0
+    assert "open-loop" in out
+
+
+def test_url_counts_failures(run_bench, fake_server, monkeypatch):
+    """A server error is counted as a failed request, not a crash."""
+    monkeypatch.setattr(FakeServer, "do_POST", lambda self: (self.send_response(500),
+                                                             self.end_headers()))
+    _, _, rec = run_bench("--url", fake_server, "--concurrency", 2, "--num-requests", 2,
+                          "--prompt-len-range", 3, 3, "--max-new-tokens", 2)
+    lv = rec["results"]["levels"][0]
+    assert lv["failed"] == 2 and lv["completed"] == 0 and "HTTP 500" in lv["errors"][0]
+
+
+# ---- building blocks -----------------------------------------------------------------------
+def test_specs_are_seeded_and_in_range():
+    from flashlet.bench.common import make_specs
+
+    a = make_specs(50, (32, 768), (5, 9), 1000, seed=3, stream=1)
+    b = make_specs(50, (32, 768), (5, 9), 1000, seed=3, stream=1)
+    c = make_specs(50, (32, 768), (5, 9), 1000, seed=3, stream=2)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert [s.prompt_len for s in a] == [s.prompt_len for s in c]  # same lengths per level
+    assert [s.prompt for s in a] != [s.prompt for s in c]  # fresh tokens per level
+    assert all(32 <= s.prompt_len == len(s.prompt) <= 768 for s in a)
+    assert all(5 <= s.max_new_tokens <= 9 for s in a)
+    assert all(0 <= t < 1000 for s in a for t in s.prompt)
+    assert len({s.prompt_len for s in a}) > 10  # mixed lengths
+
+
+def test_summarize_and_table():
+    from flashlet.bench.common import summarize
+    from flashlet.bench.report import table
+
+    s = summarize([1, 2, 3, 4, 100], scale=1e3)
+    assert s["n"] == 5 and s["p50"] == 3000 and s["max"] == 100_000 and s["mean"] == 22_000
+    assert summarize([])["n"] == 0
+    t = table(["a", "b"], [[1, 2.5], ["x", None]])
+    assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2.50 |", "| x | – |"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    import sys
+
+    from flashlet.bench.common import Progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with Progress() as p:
+        assert p.enabled
+        task = p.task("work", 3)
+        for _ in range(3):
+            task.advance()
+        assert p._progress.tasks[0].completed == 3

@@ -1,0 +1,240 @@
+"""Smoke runs of every workload of `python -m flashlet.bench` on a tiny model (CPU), checking the
+JSON record, the markdown table, the plots, and that the figures add up."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img.std() > 0, f"{path} is blank"
+
+
+def check_common(record, workload):
+    assert record["schema"] == "flashlet-bench/1"
+    assert record["workload"] == workload
+    assert record["command"].startswith("python -m flashlet.bench")
+    assert record["date"][:2] == "20" and "T" in record["date"]
+    assert record["git"]["commit"] == "unknown" or len(record["git"]["commit"]) == 40
+    env = record["env"]
+    assert env["torch"] == torch.__version__ and env["device"] and env["device_name"]
+    assert "cuda" in env and "transformers" in env
+
+
+def check_latency(summary, n=None):
+    assert summary["n"] > 0 if n is None else summary["n"] == n
+    assert 0 <= summary["min"] <= summary["p50"] <= summary["p99"] <= summary["max"]
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+
+
+def test_closed_loop_json_table_and_plots(run_bench, tiny_config, tmp_path):
+    plots = tmp_path / "plots"
+    out, _, rec = run_bench("--config", tiny_config, "--concurrency", 1, 3,
+                            "--prompt-len-range", 8, 40, "--max-new-tokens", 5,
+                            "--num-requests", 6, "--plot", plots)
+    check_common(rec, "closed-loop")
+    assert rec["model"]["num_params"] > 0 and rec["engine"]["backend"] == "torch"
+    assert rec["params"]["prompt_len_range"] == [8, 40]
+    levels = rec["results"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["num_requests"] == lv["completed"] == 6 and lv["failed"] == 0
+        assert lv["output_tokens"] == lv["output_tokens_requested"] == 6 * 5
+        assert 6 * 8 <= lv["prompt_tokens"] <= 6 * 40
+        assert lv["duration_s"] > 0
+        assert math.isclose(lv["output_tok_s"], lv["output_tokens"] / lv["duration_s"], rel_tol=1e-9)
+        assert math.isclose(lv["requests_per_s"], 6 / lv["duration_s"], rel_tol=1e-9)
+        check_latency(lv["ttft_ms"], 6)
+        check_latency(lv["itl_ms"], 6 * 4)  # 5 tokens: 4 gaps per request
+        check_latency(lv["step_ms"])
+        assert lv["num_steps"] == lv["step_ms"]["n"] >= 5
+        assert len(lv["samples"]["ttft_ms"]) == 6 and len(lv["samples"]["itl_ms"]) == 24
+        # Every step's time is inside the level's wall time.
+        assert lv["step_ms"]["mean"] * lv["num_steps"] <= lv["duration_s"] * 1e3 * 1.001
+    assert any("queue wait" in n for n in rec["notes"])
+    assert "| concurrency | engine |" in out and "TTFT p50 (ms)*" in out and "queue wait" in out
+    names = {Path(p).name for p in rec["plots"]}
+    assert names == {"throughput.png", "ttft.png", "ttft_distribution.png", "itl_distribution.png"}
+    for p in rec["plots"]:
+        check_png(p)
+
+
+def test_peer_hf_same_weights_and_ratio(run_bench, tiny_qwen2):
+    """--model folder: both sides read the same weights; greedy outputs agree token for token."""
+    out, _, rec = run_bench("--model", tiny_qwen2, "--concurrency", 1, 2,
+                            "--prompt-len-range", 4, 24, "--max-new-tokens", 6,
+                            "--num-requests", 4, "--peer", "hf", "hf-static")
+    hf = rec["peers"]["hf"]
+    assert "skipped" not in hf and "error" not in hf
+    ours = {lv["concurrency"]: lv for lv in rec["results"]["levels"]}
+    for lv in hf["levels"]:
+        assert lv["output_tokens"] == lv["output_tokens_requested"] == 4 * 6
+        assert lv["output_tok_s"] > 0 and lv["ttft_ms"]["n"] == 4
+        assert lv["token_match"] == {"compared": 4, "identical": 4, "first_token_identical": 4}
+        assert math.isclose(lv["ratio_output_tok_s"],
+                            ours[lv["concurrency"]]["output_tok_s"] / lv["output_tok_s"])
+    static = rec["peers"]["hf-static"]
+    if torch.cuda.is_available():
+        assert "levels" in static
+    else:
+        assert "CUDA" in static["skipped"] and "hf-static" in out
+    assert "flashlet / hf" in out
+
+
+def test_hf_twin_from_random_config_has_our_weights(tiny_config):
+    """--config: the HF model is built from the engine's tensors; the logits must agree."""
+    from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet.bench.engines import hf_model_for
+
+    engine = Engine(EngineConfig(config=tiny_config, device="cpu", max_num_pages=64))
+    hf = hf_model_for(engine)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(ids).logits[0, -1].float()
+    engine.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    input_ids, meta, _ = engine.buffers.fill(engine.scheduler.schedule())
+    ours = engine.runner.forward(input_ids, meta)[0]  # the prompt's last position
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_sat(run_bench, tiny_config, tmp_path):
+    out, _, rec = run_bench("--config", tiny_config, "--workload", "decode-sat",
+                            "--decode-batch", 4, "--decode-prompt-len", 20, "--decode-tokens", 6,
+                            "--peer", "hf", "--plot", tmp_path / "p")
+    check_common(rec, "decode-sat")
+    r = rec["results"]
+    assert r["decode_tokens"] == r["decode_tokens_requested"] == 4 * 6
+    assert r["step_ms"]["n"] == 6 and r["num_preemptions"] == 0 and r["prefill_steps"] >= 1
+    assert math.isclose(r["decode_tok_s"], 24 / r["decode_time_s"])
+    assert math.isclose(r["ms_per_step"], r["step_ms"]["mean"])
+    hf = rec["peers"]["hf"]
+    assert hf["decode_tokens"] == 24 and hf["decode_tok_s"] > 0
+    assert math.isclose(hf["ratio_decode_tok_s"], r["decode_tok_s"] / hf["decode_tok_s"])
+    assert "decode tok/s" in out and "| hf |" in out
+    for p in rec["plots"]:
+        check_png(p)
+
+
+def test_single_bandwidth(run_bench, tiny_config):
+    out, _, rec = run_bench("--config", tiny_config, "--workload", "single",
+                            "--single-tokens", 10, "--single-prompt-len", 8,
+                            "--bandwidth-mib", 16, "--peer", "hf")
+    check_common(rec, "single")
+    r = rec["results"]
+    assert r["output_tokens"] == r["output_tokens_requested"] == 10
+    assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["itl_ms"]["n"] == 9
+    assert math.isclose(r["decode_tok_s"], 9 / r["decode_time_s"])
+    bw = r["copy_bandwidth"]
+    assert bw["gb_per_s"] > 0 and bw["bytes_per_copy"] == 2 * 16 * 2**20
+    b = r["bytes_per_token"]
+    # Tied embeddings, fp32: every parameter once.
+    cfg = rec["model"]["config"]
+    from flashlet.model import ModelConfig
+
+    n_params = ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])}).num_params()
+    assert b["weights"] == 4 * n_params
+    kv_per_token = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    assert math.isclose(b["kv"], kv_per_token * (8 + 10 / 2))
+    assert math.isclose(r["achieved_gb_per_s"], b["total"] * r["decode_tok_s"] / 1e9)
+    assert math.isclose(r["fraction_of_bandwidth_limit"], r["achieved_gb_per_s"] / bw["gb_per_s"])
+    assert 0 < r["fraction_of_bandwidth_limit"] < 1
+    hf = rec["peers"]["hf"]
+    assert hf["output_tokens"] == 10 and hf["token_match"]["compared"] == 1
+    assert "of bandwidth limit" in out
+
+
+def test_offline(run_bench, tiny_config):
+    out, _, rec = run_bench("--config", tiny_config, "--workload", "offline",
+                            "--num-requests", 6, "--prompt-len-range", 10, 50,
+                            "--output-len-range", 2, 9, "--peer", "hf")
+    check_common(rec, "offline")
+    r = rec["results"]
+    assert r["completed"] == 6 and r["output_tokens"] == r["output_tokens_requested"]
+    assert 6 * 2 <= r["output_tokens"] <= 6 * 9
+    assert math.isclose(r["output_tok_s"], r["output_tokens"] / r["total_time_s"])
+    hf = rec["peers"]["hf"]
+    assert hf["output_tokens"] == r["output_tokens"]  # the same requests, the same lengths
+    assert hf["generated_tokens"] >= hf["output_tokens"]
+    assert "total time (s)" in out
+
+
+def test_scheduler(run_bench, tmp_path):
+    out, _, rec = run_bench("--workload", "scheduler", "--sched-running", 24,
+                            "--sched-prefill-chunks", 4, "--sched-context", 40,
+                            "--sched-steps", 20, "--max-num-batched-tokens", 128,
+                            "--plot", tmp_path / "p")
+    check_common(rec, "scheduler")
+    sc = rec["results"]["scenarios"]
+    assert set(sc) == {"decode", "mixed", "mixed-evict"}
+    assert sc["decode"]["decodes"] == 24 and sc["decode"]["prefill_chunks"] == 0
+    assert sc["mixed"]["decodes"] == 20 and sc["mixed"]["prefill_chunks"] == 4
+    assert sc["mixed"]["tokens_per_step"] == 20 + 4 * ((128 - 20) // 4)
+    assert sc["mixed"]["evicted_pages_per_step"] == 0 < sc["mixed-evict"]["evicted_pages_per_step"]
+    for s in sc.values():
+        check_latency(s["us_per_step"], 20)
+        assert s["meets_target"] == (s["us_per_step"]["mean"] < 1000)
+    assert "mean < 1 ms" in out
+    for p in rec["plots"]:
+        check_png(p)
+
+
+def test_kernels_delegates(run_bench, monkeypatch, tiny_config):
+    import importlib.machinery
+    import types
+
+    calls = {}
+
+    def run_kernel_sweep(device=None, *, quick=False, smoke=False, num_kv_heads=None, log=None):
+        calls.update(device=device, quick=quick, smoke=smoke, num_kv_heads=num_kv_heads)
+        return [{"kernel": "decode_attention", "us": 12.5}, {"kernel": "rmsnorm", "us": 3.0}]
+
+    mod = types.ModuleType("flashlet.kernels.bench")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flashlet.kernels.bench", None)
+    mod.run_kernel_sweep = run_kernel_sweep
+    monkeypatch.setitem(sys.modules, "flashlet.kernels.bench", mod)
+    out, _, rec = run_bench("--workload", "kernels", "--kernels-quick", "--kernels-smoke",
+                            "--device", "cpu", "--config", tiny_config)
+    # Only what the signature takes; the model's shapes when --config is given.
+    assert calls == {"device": "cpu", "quick": True, "smoke": True, "num_kv_heads": 2}
+    assert rec["results"]["sweep"][0]["kernel"] == "decode_attention"
+    assert "| kernel | us |" in out and "decode_attention" in out
+
+
+def test_kernels_real_sweep_smoke(run_bench):
+    """The real flashlet.kernels.bench in smoke mode (tiny shapes; the Triton interpreter on CPU)."""
+    pytest.importorskip("flashlet.kernels.bench", reason="flashlet/kernels/bench.py is not in this tree")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out, _, rec = run_bench("--workload", "kernels", "--kernels-smoke", "--device", device)
+    rows = rec["results"]["sweep"]
+    assert rows and all("kernel" in r for r in rows)
+    assert {"decode", "rms_norm"} <= {r["kernel"] for r in rows}
+    assert rec["results"]["called_with"]["smoke"] is True
+    assert "| kernel | batch | context |" in out
+
+
+def test_module_entry_point(tiny_config, tmp_path):
+    """`python -m flashlet.bench` itself (a subprocess: __main__, exit code, stdout table)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashlet.bench", "--config", tiny_config, "--workload", "single",
+         "--single-tokens", "4", "--single-prompt-len", "4", "--bandwidth-mib", "8",
+         "--no-warmup", "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "| flashlet |" in proc.stdout and (tmp_path / "r.json").exists()

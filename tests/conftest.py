@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Qwen2 / Llama models saved as Hugging Face folders, and the
+embedded demo model. Triton kernels run through the interpreter when there is no GPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+import pytest  # noqa: E402
+
+TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def save_tiny_model(kind: str, folder, seed: int = 0, **overrides):
+    """Build a tiny random HF model (`qwen2` or `llama`) and save it as a model folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    dims = {**TINY_DIMS, **overrides}
+    if kind == "qwen2":
+        cfg = Qwen2Config(**dims, rope_theta=1e6, tie_word_embeddings=True, eos_token_id=1)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(**dims, rope_theta=1e4, tie_word_embeddings=False, eos_token_id=1)
+        model = LlamaForCausalLM(cfg)
+    # Larger-than-default init so tiny models have peaked, non-degenerate greedy choices.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    return save_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", params=["qwen2", "llama"])
+def tiny_model(request, tmp_path_factory):
+    return save_tiny_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    from flashlet.weights import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def demo_llm(demo_model_dir):
+    from flashlet import LLM
+
+    return LLM(str(demo_model_dir))
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,125 @@
+"""Paged GQA decode attention against its PyTorch reference (fp32, tiny shapes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashlet.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+    group_pad,
+)
+
+NAN = float("nan")
+
+
+def _check(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits, head_dim=16, block_n=16, min_split_tokens=16, seed=0):
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=seed)
+    hq = group * num_kv_heads
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(kv_lens), hq, head_dim, generator=gen).to(kh.device)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"])
+    scale = head_dim**-0.5
+    out = torch.full_like(q, NAN)
+    rows = len(kv_lens) * num_splits
+    mid_o = torch.full((rows + 2, hq, head_dim), NAN, device=kh.device)  # larger than needed, poisoned
+    mid_lse = torch.full((rows + 2, hq), NAN, device=kh.device)
+    got = decode_attention(
+        *args, scale, out=out, num_splits=num_splits, min_split_tokens=min_split_tokens, block_n=block_n,
+        mid_o=mid_o if num_splits > 1 else None, mid_lse=mid_lse if num_splits > 1 else None,
+    )
+    assert got is out
+    assert not torch.isnan(out).any(), "an output element was not written"
+    want = decode_attention_reference(*args, scale)
+    assert kh.rel_err(out, want) < 1e-5
+    return out, want
+
+
+@pytest.mark.parametrize(
+    "group,num_kv_heads,page_size,kv_lens,num_splits,head_dim",
+    [
+        (1, 2, 1, [1, 5, 17], 1, 16),  # MHA, one token per page
+        (3, 1, 8, [1, 8, 9, 23], 2, 32),  # SmolLM2 group; lengths at and past a page boundary
+        (7, 2, 16, [16, 17, 31, 1], 4, 16),  # Qwen2.5 group, page 16, 4 splits
+        (8, 1, 16, [40, 3], 4, 32),  # group 8 (pads to 16)
+        (7, 1, 8, [1], 4, 16),  # a single token, more splits than tokens
+        (3, 3, 32, [100], 8, 16),  # pages larger than a block, splits of unequal use
+        (1, 1, 4, [64, 63, 65], 2, 16),  # exact multiples of block and split
+    ],
+)
+def test_decode_matches_reference(kh, group, num_kv_heads, page_size, kv_lens, num_splits, head_dim):
+    _check(kh, group=group, num_kv_heads=num_kv_heads, page_size=page_size, kv_lens=kv_lens,
+           num_splits=num_splits, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_empty_sequence_gives_zeros(kh, num_splits):
+    """A kv_len of 0 (a padding row of a CUDA-graph batch) is written as zeros, never NaN."""
+    out, want = _check(kh, group=7, num_kv_heads=1, page_size=8, kv_lens=[0, 5, 33], num_splits=num_splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_decode_block_larger_than_context(kh):
+    _check(kh, group=3, num_kv_heads=2, page_size=16, kv_lens=[3, 20], num_splits=1, block_n=64, min_split_tokens=128)
+
+
+def test_decode_splits_agree_with_each_other(kh):
+    """The merge must not depend on how the sequence was split."""
+    outs = [
+        _check(kh, group=7, num_kv_heads=1, page_size=8, kv_lens=[57, 12], num_splits=s, seed=3)[0] for s in (1, 2, 8)
+    ]
+    for o in outs[1:]:
+        assert kh.rel_err(o, outs[0]) < 1e-5
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    group=st.sampled_from([1, 3, 7, 8]),
+    num_kv_heads=st.integers(1, 2),
+    page_size=st.sampled_from([1, 2, 8, 16]),
+    kv_lens=st.lists(st.integers(1, 48), min_size=1, max_size=3),
+    num_splits=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_decode_random(kh, group, num_kv_heads, page_size, kv_lens, num_splits, seed):
+    _check(kh, group=group, num_kv_heads=num_kv_heads, page_size=page_size, kv_lens=kv_lens,
+           num_splits=num_splits, seed=seed)
+
+
+def test_decode_rejects_bad_arguments(kh):
+    paged = kh.make_paged([4], 4, 2, 16)
+    args = (paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.25)
+    with pytest.raises(ValueError, match="KV groups"):
+        decode_attention(torch.randn(1, 3, 16, device=kh.device), *args)
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention(torch.randn(1, 4, 16, device=kh.device), *args, num_splits=3)
+    with pytest.raises(ValueError, match="scratch"):
+        decode_attention(
+            torch.randn(1, 4, 16, device=kh.device), *args, num_splits=4,
+            mid_o=torch.empty(2, 4, 16, device=kh.device), mid_lse=torch.empty(2, 4, device=kh.device),
+        )
+
+
+def test_choose_num_splits():
+    for sms in (4, 132):
+        prev = None
+        for batch in (1, 2, 8, 32, 128, 256, 1024):
+            s = choose_num_splits(batch, 2, sms, 64)
+            assert s >= 1 and s & (s - 1) == 0 and s <= 64
+            if prev is not None:
+                assert s <= prev  # more sequences, fewer splits
+            prev = s
+        assert choose_num_splits(1024, 2, sms, 64) == 1
+    assert choose_num_splits(1, 2, 132, 64) == 64
+    assert choose_num_splits(1, 2, 132, 48) == 32  # the cap is rounded down to a power of two
+
+
+def test_group_pad():
+    assert [group_pad(g) for g in (1, 3, 7, 8, 16, 17)] == [16, 16, 16, 16, 16, 32]
+    assert all(math.log2(group_pad(g)).is_integer() for g in range(1, 40))

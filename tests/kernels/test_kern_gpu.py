@@ -1,0 +1,211 @@
+"""The kernels and TritonBackend at real shapes on a GPU (bf16), CUDA-graph capture of a decode
+step, and a short benchmark sweep. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.attention.base import AttentionMetadata
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_reference
+from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
+from flashlet.kernels.silu_mul import silu_and_mul, silu_and_mul_reference
+from flashlet.kv_pool import KVPool
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+NAN = float("nan")
+MODELS = {"qwen2.5-0.5b": (14, 2), "smollm2": (9, 3)}  # (q heads, kv heads); head_dim 64, page 16
+
+
+def _sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _randn(*shape, seed=0, dtype=BF16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("splits", ["auto", 1])
+def test_decode_bf16(kh, model, splits):
+    hq, hkv = MODELS[model]
+    kv_lens = [1, 15, 16, 17, 300, 1000, 2049, 4096]
+    paged = kh.make_paged(kv_lens, 16, hkv, 64, dtype=BF16, device=DEV)
+    q = _randn(len(kv_lens), hq, 64, seed=1)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.125)
+    s = choose_num_splits(len(kv_lens), hkv, _sms(), 64) if splits == "auto" else 1
+    out = torch.full_like(q, NAN)
+    decode_attention(*args, out=out, num_splits=s)
+    assert not torch.isnan(out).any()
+    assert kh.rel_err(out, decode_attention_reference(*args)) < 1e-2
+
+
+def test_decode_fp32_gpu(kh):
+    kv_lens = [1, 17, 999, 4096]
+    paged = kh.make_paged(kv_lens, 16, 2, 64, dtype=torch.float32, device=DEV)
+    q = _randn(len(kv_lens), 14, 64, seed=2, dtype=torch.float32)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.125)
+    for s in (1, 16):
+        out = decode_attention(*args, num_splits=s)
+        assert kh.rel_err(out, decode_attention_reference(*args)) < 1e-4  # IEEE dots; GPU exp2 is approximate
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_prefill_mixed_bf16(kh, model):
+    hq, hkv = MODELS[model]
+    kv_lens = [4096, 1000, 600, 1, 77, 2048]
+    q_lens = [512, 1, 600, 1, 13, 1]
+    paged = kh.make_paged(kv_lens, 16, hkv, 64, dtype=BF16, device=DEV)
+    qo = [0]
+    for n in q_lens:
+        qo.append(qo[-1] + n)
+    q = _randn(qo[-1], hq, 64, seed=3)
+    qo_t = torch.tensor(qo, dtype=torch.int32, device=DEV)
+    args = (q, paged["k_cache"], paged["v_cache"], qo_t, paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.125)
+    out = torch.full_like(q, NAN)
+    prefill_attention(*args, max_q_len=max(q_lens), out=out)
+    assert not torch.isnan(out).any()
+    assert kh.rel_err(out, prefill_attention_reference(*args)) < 1e-2
+
+
+def test_elementwise_bf16(kh):
+    t, hidden, inter = 300, 896, 4864
+    x, r, w = _randn(t, hidden, seed=4), _randn(t, hidden, seed=5), _randn(hidden, seed=6)
+    assert kh.rel_err(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)) < 1e-2
+    (a, b), (ra, rb) = add_rms_norm(x, r, w, 1e-6), add_rms_norm_reference(x, r, w, 1e-6)
+    assert kh.rel_err(a, ra) < 1e-2 and torch.equal(b, rb)
+    gu = _randn(t, 2 * inter, seed=7)
+    assert kh.rel_err(silu_and_mul(gu), silu_and_mul_reference(gu)) < 1e-2
+
+    qkv = _randn(t, 18, 64, seed=8)
+    q, k, v = qkv.split([14, 2, 2], dim=1)
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    cs = kh.cos_sin_cache(4096, 64, base=1e6, device=DEV)
+    kc, vc = torch.zeros(40, 16, 2, 64, dtype=BF16, device=DEV), torch.zeros(40, 16, 2, 64, dtype=BF16, device=DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    slots = torch.randperm(640, device=DEV)[:t]
+    (q1, k1), (q2, k2) = rope_kv_write(q, k, v, pos, cs, kc, vc, slots), rope_kv_write_reference(
+        q, k, v, pos, cs, kc_ref, vc_ref, slots
+    )
+    assert kh.rel_err(q1, q2) < 1e-2 and kh.rel_err(k1, k2) < 1e-2
+    assert kh.rel_err(kc, kc_ref) < 1e-2 and torch.equal(vc, vc_ref)
+
+
+def _bf16_pool(layers=2, pages=1400, seed=0):
+    pool = KVPool(layers, pages, 16, 2, 64, BF16, DEV)
+    pool.k_cache.copy_(_randn(*pool.k_cache.shape, seed=seed))
+    pool.v_cache.copy_(_randn(*pool.v_cache.shape, seed=seed + 1))
+    return pool
+
+
+@pytest.mark.parametrize(
+    "seqs,shared",
+    [
+        ([(4096, 1), (1, 1), (1500, 1), (17, 1), (4000, 1)], {4: (0, 100)}),  # pure decode
+        ([(4096, 512), (300, 1), (2000, 1), (64, 64), (1024, 1)], {2: (0, 50)}),  # mixed step
+    ],
+)
+def test_backend_matches_torch_bf16(kh, seqs, shared):
+    pool = _bf16_pool()
+    meta, _ = kh.make_step(pool, seqs, shared_prefix_pages=shared, device=DEV)
+    ref, tri = TorchBackend(pool, 14), TritonBackend(pool, 14)
+    ref.plan(meta)
+    tri.plan(meta)
+    for layer in range(2):
+        q = _randn(meta.num_tokens, 14, 64, seed=10 + layer)
+        k = _randn(meta.num_tokens, 2, 64, seed=20 + layer)
+        v = _randn(meta.num_tokens, 2, 64, seed=30 + layer)
+        want = ref.run(layer, q, k, v)
+        got = tri.run(layer, q, k, v)
+        assert not torch.isnan(got).any()
+        assert kh.rel_err(got, want) < 1e-2
+
+
+def test_plan_allocates_nothing_and_run_does_not_sync(kh):
+    pool = _bf16_pool(layers=1)
+    meta, _ = kh.make_step(pool, [(2000, 1), (5, 1), (700, 1)], device=DEV)
+    tri = TritonBackend(pool, 14)
+    q, k, v = _randn(3, 14, 64, seed=1), _randn(3, 2, 64, seed=2), _randn(3, 2, 64, seed=3)
+    tri.plan(meta)
+    tri.run(0, q, k, v)  # compile outside the checks
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    tri.plan(meta)
+    assert torch.cuda.memory_allocated() == before
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tri.run(0, q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_decode_step_replays_in_a_cuda_graph(kh):
+    """Capture run() for a batch of 4 decodes once; replay it with other KV lengths."""
+    batch, max_pages, hq = 4, 256, 14
+    pool = _bf16_pool(layers=1, pages=batch * max_pages + 4)
+    pages = [pool.allocator.allocate(max_pages) for _ in range(batch)]
+    i32 = dict(dtype=torch.int32, device=DEV)
+    indices = torch.tensor([p for own in pages for p in own], **i32)
+    indptr = torch.arange(batch + 1, **i32) * max_pages
+    kv_lens, last = torch.zeros(batch, **i32), torch.zeros(batch, **i32)
+    positions, slots = torch.zeros(batch, dtype=torch.int64, device=DEV), torch.zeros(batch, dtype=torch.int64, device=DEV)
+    meta = AttentionMetadata(
+        num_tokens=batch, num_seqs=batch, positions=positions, slot_mapping=slots,
+        qo_indptr=torch.arange(batch + 1, **i32), paged_kv_indptr=indptr, paged_kv_indices=indices,
+        paged_kv_last_page_len=last, kv_lens=kv_lens,
+        logits_indices=torch.arange(batch, dtype=torch.int64, device=DEV),
+        qo_indptr_host=list(range(batch + 1)), paged_kv_indptr_host=indptr.tolist(), kv_lens_host=[0] * batch,
+        is_pure_decode=True,
+    )
+
+    def set_lengths(lens):
+        kv_lens.copy_(torch.tensor(lens))
+        last.copy_(torch.tensor([(n - 1) % 16 + 1 for n in lens]))
+        positions.copy_(torch.tensor([n - 1 for n in lens]))
+        slots.copy_(torch.tensor([pages[b][(n - 1) // 16] * 16 + (n - 1) % 16 for b, n in enumerate(lens)]))
+        meta.kv_lens_host = list(lens)
+
+    q, k, v = _randn(batch, hq, 64, seed=1), _randn(batch, 2, 64, seed=2), _randn(batch, 2, 64, seed=3)
+    tri = TritonBackend(pool, hq)
+    set_lengths([100, 1, 37, 2000])
+    tri.plan(meta)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            tri.run(0, q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.run(0, q, k, v)
+
+    for seed, lens in enumerate(([100, 1, 37, 2000], [101, 4096, 38, 2001], [5, 3000, 1, 16])):
+        set_lengths(lens)
+        q.copy_(_randn(batch, hq, 64, seed=40 + seed))
+        k.copy_(_randn(batch, 2, 64, seed=50 + seed))
+        v.copy_(_randn(batch, 2, 64, seed=60 + seed))
+        tri.plan(meta)
+        graph.replay()
+        ref = TorchBackend(pool, hq)
+        ref.plan(meta)
+        want = ref.run(0, q, k, v)
+        assert kh.rel_err(out, want) < 1e-2, lens
+
+
+def test_bench_sweep_on_gpu():
+    from flashlet.kernels.bench import KERNELS, run_kernel_sweep
+
+    rows = run_kernel_sweep("cuda", batches=(1, 4), contexts=(128, 1024), repeats=3)
+    assert {r["kernel"] for r in rows} == set(KERNELS)
+    assert rows[0]["copy_gbps"] > 100
+    for r in rows:
+        assert r["triton_us"] > 0 and r["reference_us"] > 0, r
+        assert r["max_rel_err_vs_reference"] < 2e-2, r

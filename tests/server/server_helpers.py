@@ -1,0 +1,101 @@
+"""Helpers for the server tests: a real uvicorn server on a background thread, SSE parsing,
+and the "engine is idle and leaks nothing" check."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+
+from flashlet.weights import EMBEDDED_MODEL_NAME
+
+MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
+API_KEY = "test-key-123"
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 and a free port (the socket is bound here, so no
+    other process can take the port in between), on a daemon thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def parse_sse(lines) -> list:
+    """`data:` payloads of an SSE stream: dicts, and the string "[DONE]"."""
+    events = []
+    for line in lines:
+        if isinstance(line, bytes):
+            line = line.decode()
+        line = line.strip()
+        if not line.startswith("data:"):
+            assert not line, f"unexpected SSE line {line!r}"
+            continue
+        data = line[len("data:"):].strip()
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _check(engine) -> dict:
+    engine.check_integrity()
+    return {**engine.stats(), "has_unfinished": engine.has_unfinished(),
+            "num_requests": len(engine.requests)}
+
+
+def idle_stats(loop, timeout: float = 60.0) -> dict:
+    """Wait until the engine loop has nothing in flight, then (on the loop thread) check the
+    scheduler/allocator integrity and return engine.stats()."""
+    wait_until(lambda: loop.num_streams == 0 and loop.num_queued == 0, timeout,
+               "the engine loop to go idle")
+    stats = loop.call(_check).result(timeout)
+    if stats["has_unfinished"]:  # an abort's output is still to be stepped out
+        stats = wait_until(lambda: (s := loop.call(_check).result(timeout)) and
+                           not s["has_unfinished"] and s, timeout, "the engine to finish")
+    return stats
+
+
+def assert_no_leaks(stats: dict) -> None:
+    assert stats["running"] == 0, stats
+    assert stats["waiting"] == 0, stats
+    assert stats["num_requests"] == 0, stats
+    # Every page still in use belongs to the prefix cache: no request holds any.
+    assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats

@@ -1,0 +1,109 @@
+"""Bad input raises a clear error naming the problem, and leaves no KV page allocated."""
+
+import json
+import shutil
+
+import pytest
+
+from flashlet import LLM, SamplingParams
+from flashlet.weights import ModelLoadError, embedded_gguf_path, load_model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2):
+    return LLM(str(tiny_qwen2), max_model_len=64)
+
+
+def no_pages_held(llm):
+    return llm.engine.kv_pool.allocator.num_used == llm.engine.scheduler.cache.num_pages
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([[]], "prompt is empty"),
+    ([[1, 2, 999999]], "token ids must be integers"),
+    ([[5] * 60], "exceeds the model's context"),
+    ([], "no prompts given"),
+])
+def test_bad_prompts(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, SamplingParams(max_new_tokens=10))
+    assert no_pages_held(llm) and not llm.engine.has_unfinished()
+
+
+def test_text_prompt_without_tokenizer_is_an_error(llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello")
+
+
+def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[5, 6], []])
+    assert not llm.engine.has_unfinished() and no_pages_held(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_or_id(tmp_path):
+    with pytest.raises(ModelLoadError, match="no-such-org/no-such-model"):
+        load_model("no-such-org/no-such-model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_truncated_safetensors(tiny_qwen2, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen2, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot read safetensors"):
+        load_model(str(broken))
+
+
+def test_unsupported_architecture_in_config(tiny_qwen2, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_qwen2, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'mamba'"):
+        load_model(str(other))
+
+
+def test_truncated_gguf(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(embedded_gguf_path().read_bytes()[:4096])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model(str(bad))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(junk))
+
+
+def test_gguf_of_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        load_model(str(path))

@@ -1,0 +1,206 @@
+"""Engine and scheduler: continuous batching, chunked prefill, prefix reuse, preemption, aborts."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashlet import Engine, EngineConfig, LLM, SamplingParams
+
+GREEDY = dict(ignore_eos=True)
+
+
+def step(engine, done):
+    """One step; finished outputs are collected into `done`."""
+    for out in engine.step():
+        if out.finished:
+            done[out.request_id] = out
+
+
+def run_all(engine, check=True, done=None):
+    """Step until idle, checking integrity after every step; returns finished outputs by id."""
+    done = {} if done is None else done
+    while engine.has_unfinished():
+        step(engine, done)
+        if check:
+            engine.check_integrity()
+    return done
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_qwen2):
+    """Greedy tokens of a prompt run alone, with no prefix cache (the reference)."""
+    llm = LLM(str(tiny_qwen2), enable_prefix_cache=False)
+    memo = {}
+
+    def reference(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = llm.generate([prompt], SamplingParams(max_new_tokens=n, **GREEDY))[0].token_ids
+        return memo[key]
+
+    return reference
+
+
+def assert_no_pages_beyond_cache(engine):
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_pages_used"] == stats["kv_pages_cached"]
+    engine.scheduler.cache.reset()
+    assert engine.kv_pool.allocator.num_used == 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_arrivals_match_each_prompt_alone(tiny_qwen2, alone, data):
+    num_pages = data.draw(st.integers(12, 40), label="num_pages")
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=num_pages,
+                                 max_num_seqs=data.draw(st.integers(1, 6)),
+                                 max_num_batched_tokens=data.draw(st.integers(8, 40))))
+    shared = data.draw(st.lists(st.integers(2, 255), min_size=0, max_size=12), label="shared")
+    reqs = data.draw(st.lists(st.tuples(
+        st.lists(st.integers(2, 255), min_size=1, max_size=20),  # own suffix
+        st.booleans(),  # uses the shared prefix
+        st.integers(1, 10),  # max_new_tokens
+        st.integers(0, 3),  # steps to wait before arriving
+        st.booleans(),  # aborted after arriving
+    ), min_size=1, max_size=6), label="requests")
+    expected, aborted, done = {}, set(), {}
+    for suffix, use_shared, n, delay, abort in reqs:
+        for _ in range(delay):
+            step(engine, done)
+            engine.check_integrity()
+        prompt = (shared if use_shared else []) + suffix
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=n, **GREEDY))
+        expected[rid] = (prompt, n)
+        if abort:
+            step(engine, done)
+            engine.abort(rid)
+            aborted.add(rid)
+            engine.check_integrity()
+    run_all(engine, done=done)
+    assert set(done) == set(expected), "a request was lost"
+    for rid, (prompt, n) in expected.items():
+        if rid in aborted:
+            assert done[rid].finish_reason in ("abort", "length")
+            continue
+        assert done[rid].token_ids == alone(prompt, n)
+    assert_no_pages_beyond_cache(engine)
+
+
+def test_prefix_reuse_computes_only_the_remainder(tiny_qwen2, alone):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=16))
+    rng = random.Random(0)
+    prefix = [rng.randrange(2, 256) for _ in range(200)]
+    first, second = prefix + [7, 8, 9], prefix + [30, 31]
+    a = engine.add_request(first, SamplingParams(max_new_tokens=4, **GREEDY))
+    out_a = run_all(engine)[a]
+    counted = []
+    original = engine.runner.forward
+    engine.runner.forward = lambda ids, meta: counted.append(meta.num_tokens) or original(ids, meta)
+    b = engine.add_request(second, SamplingParams(max_new_tokens=4, **GREEDY))
+    out_b = run_all(engine)[b]
+    assert out_a.num_cached_tokens == 0
+    assert out_b.num_cached_tokens == 200 // 16 * 16
+    assert counted[0] == len(second) - 192, "the cached prefix was computed again"
+    assert out_b.token_ids == alone(second, 4)
+    assert engine.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(tiny_qwen2, alone):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
+                                 max_num_seqs=4, max_num_batched_tokens=64,
+                                 enable_prefix_cache=False))
+    prompts = [[3 + i] * 10 + [i + 40] for i in range(4)]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20, **GREEDY)) for p in prompts]
+    done = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0, "the pool was not small enough to preempt"
+    for rid, p in zip(ids, prompts):
+        assert done[rid].token_ids == alone(p, 20)
+    assert engine.kv_pool.allocator.num_used == 0
+
+
+def test_long_prompt_is_chunked_while_others_decode(tiny_qwen2, alone):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_seqs=4,
+                                 max_num_batched_tokens=16))
+    short = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=12, **GREEDY))
+    engine.step()  # the short request is now decoding
+    long_prompt = [(i * 7) % 250 + 2 for i in range(60)]
+    long = engine.add_request(long_prompt, SamplingParams(max_new_tokens=3, **GREEDY))
+    layouts = []
+    original = engine.runner.forward
+    engine.runner.forward = lambda ids, m: layouts.append(list(m.qo_indptr_host)) or original(ids, m)
+    done = run_all(engine)
+    chunk_steps = [q for q in layouts if len(q) == 3 and q[1] == 1 and q[2] > 2]
+    assert len(chunk_steps) >= 3, f"prompt was not spread over steps: {layouts}"
+    assert all(q[2] - q[1] <= 15 for q in chunk_steps), "a chunk exceeded the token budget"
+    assert done[short].token_ids == alone([5, 6, 7], 12)
+    assert done[long].token_ids == alone(long_prompt, 3)
+
+
+def test_soak_thousand_requests_no_leak_no_loss(tiny_qwen2):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=64,
+                                 max_num_seqs=32, max_num_batched_tokens=128))
+    rng = random.Random(1)
+    ids, done = set(), {}
+    for i in range(1000):
+        prompt = [rng.randrange(2, 256) for _ in range(rng.randrange(1, 12))]
+        ids.add(engine.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(1, 4),
+                                                          **GREEDY)))
+        if i % 8 == 7:
+            for out in engine.step():
+                done[out.request_id] = out if out.finished else done.get(out.request_id)
+    done.update(run_all(engine, check=False))
+    engine.check_integrity()
+    finished = {k for k, v in done.items() if v is not None and v.finished}
+    assert finished == ids, f"{len(ids - finished)} requests lost"
+    assert_no_pages_beyond_cache(engine)
+
+
+def test_abort_of_unknown_or_finished_request_is_a_no_op(tiny_qwen2):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2)))
+    assert engine.abort(12345) is False
+    rid = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=2))
+    run_all(engine)
+    assert engine.abort(rid) is False
+    rid = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=50, **GREEDY))
+    engine.step()
+    assert engine.abort(rid) is True
+    assert engine.abort(rid) is False
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert_no_pages_beyond_cache(engine)
+
+
+def test_request_that_can_never_fit_is_rejected_up_front(tiny_qwen2):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=4))
+    with pytest.raises(ValueError, match="could never run"):
+        engine.add_request(list(range(2, 20)), SamplingParams(max_new_tokens=8))
+    assert not engine.has_unfinished()
+
+
+def test_sampling_failure_fails_only_that_request(tiny_qwen2, alone, monkeypatch):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2)))
+    bad = engine.add_request([9, 9, 9], SamplingParams(max_new_tokens=5, temperature=0.7, seed=1))
+    good = engine.add_request([8, 8, 8], SamplingParams(max_new_tokens=5, **GREEDY))
+    import flashlet.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine_module, "sample_one", broken)
+    done = run_all(engine)
+    assert done[bad].finish_reason == "error" and "boom" in done[bad].error
+    assert done[good].token_ids == alone([8, 8, 8], 5)
+    assert_no_pages_beyond_cache(engine)
+
+
+def test_seeded_sampling_reproduces(tiny_qwen2):
+    llm = LLM(str(tiny_qwen2))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=42,
+                            ignore_eos=True)
+    a = llm.generate([[5, 6, 7]], params)[0].token_ids
+    b = llm.generate([[5, 6, 7]], params)[0].token_ids
+    c = llm.generate([[5, 6, 7]], SamplingParams(**{**params.__dict__, "seed": 43}))[0].token_ids
+    assert a == b and a != c

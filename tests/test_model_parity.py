@@ -1,0 +1,67 @@
+"""Our forward pass against Hugging Face transformers on the same weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from flashlet import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], list(range(20, 60)), [200] * 5 + [9, 8, 7]]
+
+
+def record_logits(llm):
+    """Wrap the runner so every step's sampled-row logits are kept (in step order)."""
+    seen = []
+    forward = llm.engine.runner.forward
+
+    def wrapped(input_ids, meta):
+        logits = forward(input_ids, meta)
+        seen.append(logits.clone())
+        return logits
+
+    llm.engine.runner.forward = wrapped
+    return seen
+
+
+def hf_greedy(model_dir, prompt, n):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None  # exactly n tokens, as ignore_eos does on our side
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, max_new_tokens=n, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def test_logits_and_greedy_tokens_match_transformers(tiny_model):
+    llm = LLM(str(tiny_model))
+    for prompt in PROMPTS[:2]:
+        seen = record_logits(llm)
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+        llm.engine.runner.forward = type(llm.engine.runner).forward.__get__(llm.engine.runner)
+        ref_tokens, ref_logits = hf_greedy(tiny_model, prompt, 32)
+        ours = torch.cat(seen)
+        assert out.token_ids == ref_tokens
+        assert ours.shape == ref_logits.shape
+        assert (ours - ref_logits).abs().max().item() < 1e-4
+
+
+def test_ragged_batch_equals_each_prompt_alone(tiny_model):
+    llm = LLM(str(tiny_model))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    together = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, together):
+        alone = LLM(str(tiny_model), enable_prefix_cache=False).generate([prompt], params)[0]
+        assert out.token_ids == alone.token_ids
+
+
+@pytest.mark.slow
+def test_demo_model_matches_transformers_token_for_token(demo_llm, demo_model_dir):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    outs = demo_llm.generate(prompts, SamplingParams(max_new_tokens=20))
+    hf = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs):
+        ids = demo_llm.tokenizer(prompt, return_tensors="pt").input_ids
+        ref = hf.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+        n = min(len(ref), len(out.token_ids))
+        assert out.token_ids[:n] == ref[:n] and n > 0
+    assert "Paris" in outs[0].text

@@ -58,12 +58,13 @@ class StepBuffers:
         values = dict(input_ids=ids, positions=pos, slot_mapping=slots, qo_indptr=qo,
                       paged_kv_indptr=kv_ptr, paged_kv_indices=kv_idx,
                       paged_kv_last_page_len=last, kv_lens=kv_lens, logits_indices=logit_rows)
-        views = {}
+        views, host = {}, {}
         for name, vals in values.items():
             n = len(vals)
             self.np[name][:n] = vals
+            host[name] = self.host[name][:n]
             if self.dev[name] is not self.host[name]:
-                self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+                self.dev[name][:n].copy_(host[name], non_blocking=True)
             views[name] = self.dev[name][:n]
         meta = AttentionMetadata(
             num_tokens=len(ids), num_seqs=len(sched.scheduled), positions=views["positions"],
@@ -72,6 +73,6 @@ class StepBuffers:
             paged_kv_last_page_len=views["paged_kv_last_page_len"], kv_lens=views["kv_lens"],
             logits_indices=views["logits_indices"], qo_indptr_host=qo,
             paged_kv_indptr_host=kv_ptr, kv_lens_host=kv_lens,
-            is_pure_decode=sched.is_pure_decode,
+            is_pure_decode=sched.is_pure_decode, host_tensors=host,
         )
         return views["input_ids"], meta, sampling

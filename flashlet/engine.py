@@ -68,7 +68,7 @@ class Engine:
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_num_seqs * max_pages_per_seq, config.page_size,
                                    self.device)
-        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device)
+        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step

@@ -75,7 +75,9 @@ class KVPool:
     ):
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # One page more than the allocator hands out: a scratch page that padding rows of a
+        # CUDA-graph batch write to and read from, so they never touch a live page.
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
@@ -84,6 +86,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.allocator = PageAllocator(num_pages)
+        self.scratch_page = num_pages
 
     @staticmethod
     def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:

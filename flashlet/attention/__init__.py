@@ -11,7 +11,7 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
     if name == "torch":
         from flashlet.attention.torch_ref import TorchBackend
 
-        return TorchBackend(kv_pool, num_q_heads)
+        return TorchBackend(kv_pool, num_q_heads, **kwargs)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer backend needs a CUDA device; use --backend torch on CPU")

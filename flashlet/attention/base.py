@@ -40,12 +40,21 @@ class AttentionMetadata:
     paged_kv_indptr_host: list[int]
     kv_lens_host: list[int]
     is_pure_decode: bool  # every sequence has exactly one query row
+    host_tensors: dict = None  # the same arrays as (pinned) CPU tensors, by field name
 
 
 class AttentionBackend(ABC):
-    """Paged attention over a KVPool. Subclasses implement `plan` and `_attend`."""
+    """Paged attention over a KVPool. Subclasses implement `plan` and `_attend`.
+
+    A backend that sets `supports_cuda_graph` can serve pure-decode steps captured in CUDA
+    graphs: the model runner pads the batch to a captured size, calls `plan_graph(meta, size)`
+    outside the graph before every replay, and `run()` inside the graph must then read only
+    device buffers that keep their addresses (no host sync, no allocation that depends on the
+    step). `graph_key(meta)` names any extra shape a capture depends on.
+    """
 
     name = "abstract"
+    supports_cuda_graph = False
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, scale: float | None = None):
         self.kv_pool = kv_pool
@@ -58,6 +67,14 @@ class AttentionBackend(ABC):
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one step; called once before the layers run."""
         self.meta = meta
+
+    def plan_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
+        """Plan a pure-decode step padded to `batch_size` for replay in a CUDA graph."""
+        self.plan(meta)
+
+    def graph_key(self, meta: AttentionMetadata) -> tuple:
+        """Extra shape (beyond the padded batch size) that a captured graph is specific to."""
+        return ()
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""

@@ -1,6 +1,8 @@
 """The dense PyTorch reference backend: gathers each sequence's pages and runs SDPA.
 
-Slow and obvious on purpose: it is the oracle every other backend is tested against.
+Slow and obvious on purpose: it is the oracle every other backend is tested against. On CUDA,
+pure-decode steps take a batched path instead (a padded page table, one masked attention for
+the whole batch) that can be captured in a CUDA graph: the GPU baseline for the other backends.
 """
 
 from __future__ import annotations
@@ -21,15 +23,68 @@ def causal_mask_aligned_to_end(q_len: int, kv_len: int, device) -> torch.Tensor:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_pool, num_q_heads, scale=None, max_batch_size: int = 256,
+                 max_pages_per_seq: int | None = None, batched_decode: bool | None = None, **_):
+        super().__init__(kv_pool, num_q_heads, scale)
+        device = kv_pool.k_cache.device
+        # The batched decode path is the default on CUDA; tests turn it on for the CPU too.
+        self.supports_cuda_graph = device.type == "cuda" if batched_decode is None else batched_decode
+        self._padded = None  # (batch, pages per row) while a batched decode step is planned
+        if self.supports_cuda_graph:
+            max_pages = max_pages_per_seq or kv_pool.num_pages
+            self._page_table = torch.zeros(max_batch_size, max_pages, dtype=torch.int64,
+                                           device=device)
+            self._kv_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
+        self._padded = None
+        if self.supports_cuda_graph and meta.is_pure_decode and meta.num_seqs <= len(self._kv_lens):
+            self._plan_batched_decode(meta)
+            return
         # Host-side page lists per sequence, computed once per step and reused by every layer.
         indices = meta.paged_kv_indices.to("cpu", torch.int64)
         ptr = meta.paged_kv_indptr_host
         self._pages = [indices[ptr[b] : ptr[b + 1]].to(meta.positions.device) for b in range(meta.num_seqs)]
         self._masks = {}
 
+    def plan_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
+        super().plan(meta)
+        self._plan_batched_decode(meta)
+
+    def graph_key(self, meta: AttentionMetadata) -> tuple:
+        return (self._padded[1],)
+
+    def _plan_batched_decode(self, meta: AttentionMetadata) -> None:
+        """Fill the padded page table; its width is rounded up to a power of two so that few
+        graphs cover all context lengths."""
+        ptr = meta.paged_kv_indptr_host
+        width = 1 << (max(ptr[b + 1] - ptr[b] for b in range(meta.num_seqs)) - 1).bit_length()
+        width = min(width, self._page_table.shape[1])
+        table = torch.full((meta.num_seqs, width), self.kv_pool.scratch_page, dtype=torch.int64)
+        indices = meta.host_tensors["paged_kv_indices"]
+        for b in range(meta.num_seqs):
+            table[b, : ptr[b + 1] - ptr[b]] = indices[ptr[b] : ptr[b + 1]]
+        self._page_table[: meta.num_seqs, :width].copy_(table, non_blocking=True)
+        self._kv_lens[: meta.num_seqs].copy_(meta.host_tensors["kv_lens"], non_blocking=True)
+        self._padded = (meta.num_seqs, width)
+
+    def _attend_batched_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        batch, width = self._padded
+        ps, hkv, d = self.kv_pool.page_size, self.num_kv_heads, self.head_dim
+        table = self._page_table[:batch, :width]
+        k = self.kv_pool.k_cache[layer][table].view(batch, width * ps, hkv, d)  # [B, L, Hkv, D]
+        v = self.kv_pool.v_cache[layer][table].view(batch, width * ps, hkv, d)
+        qg = q.view(batch, hkv, -1, d)  # [B, Hkv, G, D]
+        scores = torch.einsum("bhgd,blhd->bhgl", qg.float(), k.float()) * self.scale
+        visible = torch.arange(width * ps, device=q.device) < self._kv_lens[:batch, None]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, -1, d)
+
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self._padded is not None:
+            return self._attend_batched_decode(layer, q)
         meta = self.meta
         out = torch.empty_like(q)
         k_pages, v_pages = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]

@@ -28,6 +28,7 @@ from flashlet.kv_pool import KVPool
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graph = True
 
     def __init__(
         self,

@@ -251,12 +251,14 @@ def plot(record: dict, folder: str | Path) -> list[str]:
 
     def save(fig, name):
         path = folder / name
+        for ax in fig.axes:
+            ax.title.set_fontsize(10)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(str(path))
 
-    label = f"{record.get('model', {}).get('name', '')} {record.get('env', {}).get('device_name') or ''}".strip()
+    label = _plot_label(record)
     if res.get("levels"):
         ours = "server" if wl == "url" else "flashlet"
         runs = [(ours, res["levels"])] + [(n, p["levels"]) for n, p in _peer_runs(record)
@@ -319,6 +321,18 @@ def plot(record: dict, folder: str | Path) -> list[str]:
                 ax.set_title(f"{wl}: {title.split(' (')[0]} distribution\n{label}")
                 save(fig, f"{key.split('_')[0]}_distribution.png")
     return written
+
+
+def _plot_label(record: dict) -> str:
+    """A short subtitle: model, backend, device (titles must fit the figure)."""
+    name = str((record.get("model") or {}).get("name") or record.get("url") or "")
+    if name.startswith("embedded default"):
+        name = "smollm2-135m-instruct"
+    name = Path(name).name.removesuffix(".json") if "/" in name else name
+    device = str(record.get("env", {}).get("device_name") or "")
+    device = device if len(device) <= 32 else device[:30] + "…"
+    backend = (record.get("engine") or {}).get("backend")
+    return " · ".join(x for x in (name, backend, device) if x)
 
 
 def _concurrency_axis(ax, ylabel: str, title: str, levels=()) -> None:

@@ -38,6 +38,9 @@ from flashlet.server.protocol import (ChatCompletionRequest, CompletionRequest, 
 log = logging.getLogger("flashlet.server")
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
+# top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
+# values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
+MIN_TOP_P = 1e-8
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error",
@@ -278,6 +281,7 @@ class Server:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
         if temperature < MIN_TEMPERATURE:
             temperature = 0.0
+        top_p = max(top_p, MIN_TOP_P)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if seed is not None:
             seed %= 2**64  # torch generators take [0, 2**64)

@@ -26,7 +26,8 @@ def run_bench(tmp_path, capsys):
     from flashlet.bench import main
 
     def run(*argv, out=True):
-        argv = [str(a) for a in argv] + ["--quiet"]
+        # CPU and fp32 on any machine (deterministic greedy agreement); a later --device wins.
+        argv = ["--device", "cpu"] + [str(a) for a in argv] + ["--quiet"]
         path = tmp_path / "results.json"
         if out:
             argv += ["--out", str(path)]

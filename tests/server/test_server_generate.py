@@ -128,3 +128,19 @@ def test_metrics(server, idle):
         assert gauge in samples, gauge
     assert value("flashlet_kv_pages_total") > 0
     assert 0.0 <= value("flashlet_prefix_cache_hit_rate") <= 1.0
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.65, "top_p": 5e-324},  # rounds to 0 in float32: must not empty the sampler
+    {"temperature": 1e-9},  # numerically greedy
+    {"temperature": 2.0, "top_k": 2**31 - 1},
+    {"temperature": 1.0, "seed": -1},
+    {"temperature": 1.0, "seed": 2**70},
+    {"prompt": "\u0000\U0001F600 caf\u00e9 <|im_end|>", "stop": ["\U0001F600", "\n"]},
+], ids=["tiny top_p", "tiny temperature", "hot, huge top_k", "negative seed", "huge seed",
+        "odd text"])
+def test_extreme_but_valid_params(server, params, idle):
+    body = {"prompt": PROMPT, "max_new_tokens": 2, **params}
+    r = httpx.post(server.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["finish_reason"] in ("length", "stop")

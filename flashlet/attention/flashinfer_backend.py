@@ -1,0 +1,75 @@
+"""FlashInfer backend: one ragged `BatchPrefillWithPagedKVCacheWrapper.plan()` per step and one
+`run()` per layer serve prefill chunks and decodes together.
+
+Pure-decode steps that the model runner replays as CUDA graphs get a wrapper of their own per
+padded batch size, built with `use_cuda_graph=True` over fixed index buffers: `plan()` runs
+outside the graph (it cannot be captured) and the captured `run()` reads those buffers. Decode
+uses the same prefill kernel with one query row per sequence, which handles any GQA group size
+(Qwen2.5-0.5B's is 7, which FlashInfer's CUDA-core decode kernels do not support). FA2 is asked
+for explicitly: on Hopper `auto` picks FA3, which suits single-row queries poorly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flashinfer
+
+from flashlet.attention.base import AttentionBackend, AttentionMetadata
+
+WORKSPACE_BYTES = 128 * 2**20
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = True
+
+    def __init__(self, kv_pool, num_q_heads, scale=None, max_batch_size: int = 256,
+                 max_pages_per_seq: int | None = None, **_):
+        super().__init__(kv_pool, num_q_heads, scale)
+        device = kv_pool.k_cache.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self.max_pages_per_seq = max_pages_per_seq or kv_pool.num_pages
+        self.graph_wrappers: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
+        self.active = self.wrapper
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        super().plan(meta)
+        self.active = self.wrapper
+        self._plan(self.wrapper, meta)
+
+    def plan_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
+        """Plan a padded pure-decode step into the fixed buffers of that batch size's wrapper."""
+        super().plan(meta)
+        if batch_size not in self.graph_wrappers:
+            self.graph_wrappers[batch_size] = self._graph_wrapper(batch_size)
+        self.active = self.graph_wrappers[batch_size]
+        self._plan(self.active, meta)
+
+    def graph_key(self, meta: AttentionMetadata) -> tuple:
+        return ()
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        cache = (self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer])
+        return self.active.run(q, cache)
+
+    def _plan(self, wrapper, meta: AttentionMetadata) -> None:
+        host = meta.host_tensors  # pinned CPU copies: plan() schedules on the host
+        wrapper.plan(
+            host["qo_indptr"], host["paged_kv_indptr"], host["paged_kv_indices"],
+            host["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+            self.kv_pool.page_size, causal=True, sm_scale=self.scale,
+            q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype)
+
+    def _graph_wrapper(self, batch_size: int):
+        device = self.workspace.device
+        int32 = dict(dtype=torch.int32, device=device)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=torch.arange(batch_size + 1, **int32),
+            paged_kv_indptr_buf=torch.zeros(batch_size + 1, **int32),
+            paged_kv_indices_buf=torch.zeros(batch_size * self.max_pages_per_seq, **int32),
+            paged_kv_last_page_len_buf=torch.zeros(batch_size, **int32),
+            backend="fa2")

@@ -27,6 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
+    fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     seed: int = 0  # for random weights
 
     def __post_init__(self):

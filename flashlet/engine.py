@@ -48,7 +48,7 @@ class Engine:
         self.dtype = config.resolved_dtype()
         if config.device and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but CUDA is not available")
-        ops = _ops_for(config.backend, self.device)
+        ops = _ops_for(config, self.device)
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
             self.model = random_model(cfg, self.device, self.dtype, config.seed, ops=ops)
@@ -78,22 +78,26 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; raises ValueError (allocating nothing) if it can never run."""
         params = params or SamplingParams()
-        params.validate()
         token_ids = self.encode(prompt)
-        total = len(token_ids) + params.max_new_tokens
+        self.check_request(len(token_ids), params)
+        req = Request(next(self._ids), token_ids, params, make_generator(params, self.device))
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if a request of this size could never run."""
+        params.validate()
+        total = num_prompt_tokens + params.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                 f"{total} exceeds the model's context of {self.max_model_len} tokens")
         pages = -(-total // self.config.page_size)
         if pages > self.kv_pool.num_pages:
             raise ValueError(
                 f"request needs {pages} KV pages but the pool has only {self.kv_pool.num_pages}: "
                 f"it could never run (raise max_num_pages or shorten it)")
-        req = Request(next(self._ids), token_ids, params, make_generator(params, self.device))
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
-        return req.request_id
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -171,7 +175,7 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_token_ids.append(token)
-        text = self._detokenize(req)
+        self._detokenize(req)
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
@@ -182,17 +186,18 @@ class Engine:
         if req.finish_reason is not None:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-            text = self._flush_text(req)
-        return self._output(req, [token], text)
+        # Stop strings are cut before anything is emitted, and a tail that could still grow
+        # into one is held back until the request finishes.
+        return self._output(req, [token], self._emit(req, holdback=not req.is_finished))
 
     # ---- text -----------------------------------------------------------------------------
-    def _detokenize(self, req: Request) -> str:
-        """Decode the newest token into req.output_text; return the text safe to emit now.
+    def _detokenize(self, req: Request) -> None:
+        """Decode the newest token into req.output_text.
 
         Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which
         merge spaces across tokens give the same text as decoding everything at once."""
         if self.tokenizer is None:
-            return ""
+            return
         ids = req.output_token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset],
                                        skip_special_tokens=True)
@@ -200,7 +205,6 @@ class Engine:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # not a partial UTF-8 char
             req.output_text += full[len(prefix) :]
             req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        return self._emit(req, holdback=True)
 
     def _emit(self, req: Request, holdback: bool) -> str:
         """Text not yet sent, minus a tail that could still become a stop string."""
@@ -271,9 +275,9 @@ class Engine:
         return max(1, min(int(budget // per_page), cap))
 
 
-def _ops_for(backend: str, device: torch.device):
-    """Fused Triton elementwise kernels go with the Triton backend on CUDA; else plain PyTorch."""
-    if backend == "triton" and device.type == "cuda":
+def _ops_for(config: EngineConfig, device: torch.device):
+    """Fused Triton elementwise kernels on CUDA (any attention backend); else plain PyTorch."""
+    if config.fused_ops and device.type == "cuda":
         from flashlet.kernels.ops import TritonOps
 
         return TritonOps

@@ -59,6 +59,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> torch
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False  # the most likely token always stays, however small top_p is
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[0]

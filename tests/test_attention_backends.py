@@ -45,7 +45,7 @@ def random_step(pool, rng, seqs, device="cpu"):
 def compare(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=torch.float32, device="cpu"):
     rng = random.Random(0)
     torch.manual_seed(0)
-    pool = KVPool(1, 64, ps, hkv, d, dtype, device)
+    pool = KVPool(1, sum(-(-(b + q) // ps) for b, q in seqs) + 1, ps, hkv, d, dtype, device)
     pool.k_cache.normal_()
     pool.v_cache.normal_()
     meta = random_step(pool, rng, seqs, device)
@@ -65,6 +65,12 @@ def compare(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=torch.float32, de
 def test_batched_decode_path_matches_the_per_sequence_loop():
     err = compare(lambda pool, hq: TorchBackend(pool, hq, batched_decode=True),
                   [(0, 1), (5, 1), (8, 1), (13, 1), (30, 1)])
+    assert err < 1e-6
+
+
+def test_batched_decode_path_on_a_long_and_short_mix():
+    err = compare(lambda pool, hq: TorchBackend(pool, hq, batched_decode=True),
+                  [(0, 1), (16, 1), (100, 1), (300, 1)], ps=16)
     assert err < 1e-6
 
 

@@ -204,3 +204,24 @@ def test_seeded_sampling_reproduces(tiny_qwen2):
     b = llm.generate([[5, 6, 7]], params)[0].token_ids
     c = llm.generate([[5, 6, 7]], SamplingParams(**{**params.__dict__, "seed": 43}))[0].token_ids
     assert a == b and a != c
+
+
+def test_stop_string_never_reaches_the_stream(demo_llm):
+    engine = demo_llm.engine
+    rid = engine.add_request("The capital of France is", SamplingParams(max_new_tokens=8, stop=["P"]))
+    deltas, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.new_text)
+                final = out
+    assert final.finish_reason == "stop" and "P" not in final.text
+    assert "".join(deltas) == final.text
+
+
+def test_tiny_top_p_keeps_the_most_likely_token(tiny_qwen2):
+    llm = LLM(str(tiny_qwen2))
+    sampled = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                       top_p=5e-324, seed=0, ignore_eos=True))
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert sampled[0].token_ids == greedy[0].token_ids

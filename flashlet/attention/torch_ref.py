@@ -62,11 +62,13 @@ class TorchBackend(AttentionBackend):
         width = 1 << (max(ptr[b + 1] - ptr[b] for b in range(meta.num_seqs)) - 1).bit_length()
         width = min(width, self._page_table.shape[1])
         table = torch.full((meta.num_seqs, width), self.kv_pool.scratch_page, dtype=torch.int64)
-        indices = meta.host_tensors["paged_kv_indices"]
+        host = meta.host_tensors or {}
+        indices = host.get("paged_kv_indices", meta.paged_kv_indices.cpu())
         for b in range(meta.num_seqs):
             table[b, : ptr[b + 1] - ptr[b]] = indices[ptr[b] : ptr[b + 1]]
         self._page_table[: meta.num_seqs, :width].copy_(table, non_blocking=True)
-        self._kv_lens[: meta.num_seqs].copy_(meta.host_tensors["kv_lens"], non_blocking=True)
+        kv_lens = torch.tensor(meta.kv_lens_host[: meta.num_seqs], dtype=torch.int64)
+        self._kv_lens[: meta.num_seqs].copy_(kv_lens, non_blocking=True)
         self._padded = (meta.num_seqs, width)
 
     def _attend_batched_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,9 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         if not args.rate > 0:
             err(f"--rate must be > 0 requests/s, got {args.rate}")
     for name in ("threads", "num_requests", "max_new_tokens", "decode_batch", "decode_prompt_len",
-                 "decode_tokens", "single_prompt_len", "sched_running", "sched_context",
-                 "sched_steps", "bandwidth_mib", "peer_max_requests", "peer_batch_size"):
+                 "decode_tokens", "single_tokens", "single_prompt_len", "sched_running",
+                 "sched_context", "sched_chunk_len", "sched_steps", "bandwidth_mib",
+                 "peer_max_requests", "peer_batch_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
             err(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -170,7 +171,7 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             err("the kernels workload delegates to flashlet.kernels.bench.run_kernel_sweep, "
                 "which is not in this build (flashlet/kernels/bench.py is missing)")
         args.kernel_device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        kdev = torch.device(args.kernel_device)
+        kdev = _device(err, args.kernel_device)
         if kdev.type == "cuda" and not torch.cuda.is_available():
             err("--device cuda was asked for but CUDA is not available on this machine")
         if kdev.type != "cuda" and not args.kernels_smoke:
@@ -227,6 +228,16 @@ def _resolve_scheduler(err, args) -> None:
     args.sched_budget = budget
 
 
+def _device(err, name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        err(f"--device {name!r} is not a device: {str(e).splitlines()[0]}")
+    if device.type not in ("cpu", "cuda"):
+        err(f"--device {name!r}: flashlet runs on cpu or cuda")
+    return device
+
+
 def _check_writable_dir(err, folder: Path, flag: str) -> None:
     probe = folder
     while not probe.exists():
@@ -263,7 +274,7 @@ def _resolve_model(err, args) -> dict:
         mcfg = ModelConfig.from_hf(hf_cfg)
     except (ValueError, KeyError, OSError, ModelLoadError) as e:
         err(f"model: {e}")
-    device = ecfg.resolved_device()
+    device = _device(err, ecfg.device) if ecfg.device else ecfg.resolved_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         err("--device cuda was asked for but CUDA is not available on this machine")
     _check_backend(err, ecfg, mcfg, device)

@@ -60,8 +60,11 @@ class HFRunner:
         self.eos, self.pad = eos, pad
 
     def generate(self, prompts: list[list[int]], new_tokens: int, pad_to: int | None = None,
-                 rows: int | None = None):
-        """One left-padded batch -> (start, end, token times, new token ids per row)."""
+                 rows: int | None = None, max_cache_len: int | None = None):
+        """One left-padded batch -> (start, end, token times, new token ids per row).
+        `rows` pads the batch with copies of the first prompt (static shapes); `max_cache_len`
+        sizes the static cache for the worst case, so that calls of any length up to it reuse
+        one compiled decode graph."""
         L = max(pad_to or 0, max(len(p) for p in prompts))
         padded = list(prompts) + [prompts[0]] * ((rows or len(prompts)) - len(prompts))
         ids = torch.full((len(padded), L), self.pad, dtype=torch.long)
@@ -70,10 +73,10 @@ class HFRunner:
             ids[i, L - len(p):] = torch.tensor(p)
             mask[i, L - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        extra = {"cache_implementation": "static", "max_cache_len": max_cache_len} if self.static else {}
         cfg = self._GenConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               num_beams=1, pad_token_id=self.pad, eos_token_id=self.eos,
-                              use_cache=True,
-                              cache_implementation="static" if self.static else None)
+                              use_cache=True, **extra)
         clock = self._Clock(self.device)
         self.sync()
         t0 = now()
@@ -87,26 +90,32 @@ class HFRunner:
             raise RuntimeError(f"HF generated {len(clock.times)} steps, asked for {new_tokens}")
         return t0, t1, clock.times, new
 
+    def warmup(self, prompts, new_tokens: int, pad_to=None, rows=None, max_cache_len=None):
+        """Untimed first calls: lazy initialisation; with a static cache, torch.compile and the
+        CUDA-graph recording of the decode step at the timed shapes (same rows, same cache
+        length), with a few tokens only."""
+        if self.static:
+            for _ in range(2):
+                self.generate(prompts, min(new_tokens, 4), pad_to, rows, max_cache_len)
+        else:
+            self.generate(prompts[:2], min(new_tokens, 2))
+
     def trace(self, specs: list[Spec], batch_size: int, task=None) -> Trace:
         """Static batches of `batch_size` over `specs`, back to back. TTFT of a row is from its
         batch's start (a closed-loop client resubmits when its batch ends: no queue)."""
         batches = [specs[i : i + batch_size] for i in range(0, len(specs), batch_size)]
         pad_to = max(s.prompt_len for s in specs) if self.static else None
-        rows = batch_size if self.static else None
+        rows = min(batch_size, len(specs)) if self.static else None
         gen_all = max(s.max_new_tokens for s in specs) if self.static else None
-        # Warm-up: first-call costs; with a static cache, compilation at the timed shapes.
-        first = [s.prompt for s in batches[0]]
-        if self.static:
-            for _ in range(2):
-                self.generate(first, gen_all, pad_to, rows)
-        else:
-            self.generate(first[:2], 2)
+        cache_len = pad_to + gen_all if self.static else None
+        self.warmup([s.prompt for s in batches[0]], gen_all or 2, pad_to, rows, cache_len)
         trace = Trace(requested=[s.max_new_tokens for s in specs],
                       prompt_lens=[s.prompt_len for s in specs])
         generated, i = 0, 0
         for batch in batches:
             gen = gen_all or max(s.max_new_tokens for s in batch)
-            t0, t1, times, new = self.generate([s.prompt for s in batch], gen, pad_to, rows)
+            t0, t1, times, new = self.generate([s.prompt for s in batch], gen, pad_to, rows,
+                                               cache_len)
             if i == 0:
                 trace.start = t0
             trace.end = t1
@@ -181,13 +190,9 @@ def _decode_sat(runner, args, ours, vocab, progress, kind) -> dict:
     B, P, D = args.decode_batch, args.decode_prompt_len, args.decode_tokens
     specs = make_specs(B, (P, P), (D + 1, D + 1), vocab, args.seed, stream=1)
     prompts = [s.prompt for s in specs]
-    if runner.static:
-        for _ in range(2):
-            runner.generate(prompts, D + 1)
-    else:
-        runner.generate(prompts[:2], 2)
+    runner.warmup(prompts, D + 1, max_cache_len=P + D + 1)
     task = progress.task(f"{kind} decode B={B}", 1)
-    t0, t1, times, new = runner.generate(prompts, D + 1)
+    t0, t1, times, new = runner.generate(prompts, D + 1, max_cache_len=P + D + 1)
     task.advance()
     decode_s = times[-1] - times[0]
     steps = [b - a for a, b in zip(times, times[1:])]
@@ -205,13 +210,9 @@ def _single(runner, args, ours, vocab, progress, kind) -> dict:
 
     P, T = args.single_prompt_len, args.single_tokens
     specs = make_specs(1, (P, P), (T, T), vocab, args.seed, stream=1)
-    if runner.static:
-        for _ in range(2):
-            runner.generate([specs[0].prompt], T)
-    else:
-        runner.generate([specs[0].prompt], 2)
+    runner.warmup([specs[0].prompt], T, max_cache_len=P + T)
     task = progress.task(f"{kind} single", 1)
-    t0, _, times, new = runner.generate([specs[0].prompt], T)
+    t0, _, times, new = runner.generate([specs[0].prompt], T, max_cache_len=P + T)
     task.advance()
     fig = single_figures(times, t0, T, ours["bytes_per_token"], ours["copy_bandwidth"])
     fig.update(output_tokens=len(new[0]), token_match=match(ours.get("_outputs", {}).get(1), new),

@@ -1,10 +1,14 @@
 """`--url`: load a running flashlet server through `POST /generate_stream` (SSE) with httpx.
 
 Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
-TTFT and inter-token latency are measured on the client: TTFT from sending the request to the
-first event carrying text; ITL between successive text events. Output tokens come from the
-final event's `usage` when the server reports it, else one per text event. Prompts are text:
-words from a fixed list, one word per requested token (roughly one token each in BPE vocabs).
+The server sends one `data: {"text": ...}` event per generated token (its text may be empty
+while the detokenizer holds bytes back), then a final event with `finish_reason` and `usage`,
+then `data: [DONE]`. TTFT and inter-token latency are measured on the client: TTFT from
+sending the request to the first token event; ITL between successive token events. Output
+tokens come from the final event's `usage.completion_tokens` (else one per token event).
+Requests ask for `ignore_eos` so that output lengths are exact, as in-process. Prompts are
+text: words from a fixed list, one word per requested token (about one token each in BPE
+vocabularies; the server's usage.prompt_tokens gives the exact count).
 """
 
 from __future__ import annotations
@@ -44,10 +48,14 @@ def text_specs(n: int, prompt_range, output_range, seed: int, stream: int = 0) -
             for p, o in zip(p_lens, o_lens)]
 
 
-async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float) -> None:
-    payload = {"prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens, "temperature": 0}
-    trace.submit[i] = now()
-    times, usage, events = [], None, 0
+async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float,
+               due: float | None = None) -> None:
+    """Send request i and record its token arrivals. `due`: its scheduled arrival (open loop),
+    so that a late send counts against TTFT."""
+    payload = {"prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens, "temperature": 0,
+               "ignore_eos": True}
+    trace.submit[i] = now() if due is None else due
+    times, usage = [], None
     try:
         async with client.stream("POST", "/generate_stream", json=payload, timeout=timeout) as resp:
             if resp.status_code != 200:
@@ -62,19 +70,23 @@ async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float) -> None
                 event = json.loads(data)
                 if event.get("error"):
                     raise RuntimeError(str(event["error"]))
-                if event.get("text"):
-                    times.append(now())
-                    events += 1
                 if event.get("finish_reason") is not None:
                     usage = event.get("usage") or {}
+                elif "text" in event:  # one event per generated token
+                    times.append(now())
     except Exception as e:  # one failed request is counted, not fatal
         trace.failed += 1
         trace.extra.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:300])
         return
-    n_tokens = (usage or {}).get("completion_tokens") or (usage or {}).get("output_tokens") or events
-    trace.token_times[i] = times  # ITL is between text events (an event may carry several tokens)
+    if usage is None:
+        trace.failed += 1
+        trace.extra.setdefault("errors", []).append("the stream ended without a final event")
+        return
+    n_tokens = usage.get("completion_tokens", len(times))
+    trace.token_times[i] = times
     trace.outputs[i] = [0] * n_tokens  # only the count is known on this side
-    trace.extra["text_events"] = trace.extra.get("text_events", 0) + events
+    trace.extra["server_prompt_tokens"] = (trace.extra.get("server_prompt_tokens", 0)
+                                           + usage.get("prompt_tokens", 0))
 
 
 async def _closed(url, specs, concurrency, timeout, task) -> Trace:
@@ -105,8 +117,9 @@ async def _open(url, specs, rate, seed, timeout, task) -> Trace:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         async def fire(i):
-            await asyncio.sleep(max(0.0, trace.start + arrivals[i] - now()))
-            await _one(client, specs[i], trace, i, timeout)
+            due = trace.start + arrivals[i]
+            await asyncio.sleep(max(0.0, due - now()))
+            await _one(client, specs[i], trace, i, timeout, due)
             task.advance()
 
         trace.start = now()

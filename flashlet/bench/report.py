@@ -288,9 +288,15 @@ def plot(record: dict, folder: str | Path) -> list[str]:
             ax.legend(fontsize=8)
             save(fig, f"{key.split('_')[0]}_distribution.png")
     elif wl == "scheduler":
+        import numpy as np
+
         fig, ax = plt.subplots(figsize=(6, 4))
+        every = [v for s in res["scenarios"].values() for v in s["samples"]["us_per_step"]]
+        lo, hi = max(min(every), 1e-1), max(max(every), 1000)
+        bins = np.geomspace(lo * 0.9, hi * 1.1, 60)
         for name, s in res["scenarios"].items():
-            ax.hist(s["samples"]["us_per_step"], bins=50, alpha=0.6, label=name)
+            ax.hist(s["samples"]["us_per_step"], bins=bins, alpha=0.6, label=name)
+        ax.set_xscale("log")
         ax.axvline(1000, color="red", linestyle="--", label="1 ms target")
         ax.set_xlabel("schedule + fill (us per step)")
         ax.set_ylabel("steps")
@@ -355,4 +361,4 @@ def _cdf(ax, values, label) -> None:
 
     v = np.sort(np.asarray(values, dtype=float))
     if v.size:
-        ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label)
+        ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label, drawstyle="steps-post")

@@ -89,11 +89,16 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
     return trace
 
 
-def warmup(engine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> None:
-    """Run a small batch through every code path once (allocator, kernels, compilation)."""
-    vocab = engine.model_config.vocab_size
-    specs = make_specs(max(1, batch), (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
+def warmup(engine, batch: int, prompt_len: int, seed: int) -> None:
+    """Run a small untimed batch through every code path first (allocator, kernels, Triton
+    compilation). Output lengths 2, 3, ..., batch + 1 make the decode batch shrink one by one
+    from `batch` to 1, so that the CUDA graphs captured per (padded) decode batch size exist
+    before the timed run rather than being captured inside it."""
+    batch = max(1, min(batch, engine.config.max_num_seqs))
+    specs = make_specs(batch, (prompt_len, prompt_len), (2, 2), engine.model_config.vocab_size,
                        seed, stream=WARMUP_STREAM)
+    for i, s in enumerate(specs):
+        s.max_new_tokens = 2 + i
     run_engine(engine, specs, len(specs))
 
 
@@ -118,7 +123,7 @@ def closed_loop(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     for li, c in enumerate(args.concurrency):
         specs = level_specs(args, vocab, li)
         if args.warmup:
-            warmup(engine, min(c, len(specs)), args.prompt_len_range[0], 4, args.seed + li)
+            warmup(engine, min(c, len(specs)), min(16, args.prompt_len_range[0]), args.seed + li)
         task = progress.task(f"closed-loop c={c}", len(specs))
         trace = run_engine(engine, specs, c, task)
         check_counts(trace, f"closed-loop c={c}")
@@ -139,7 +144,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     vocab = engine.model_config.vocab_size
     sync = synchronizer(engine.device)
     if args.warmup:
-        warmup(engine, B, min(P, 16), 4, args.seed)
+        warmup(engine, B, min(P, 16), args.seed)
     specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)
     sched = engine.scheduler
     ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
@@ -211,7 +216,7 @@ def single(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     P, T = args.single_prompt_len, args.single_tokens
     vocab = engine.model_config.vocab_size
     if args.warmup:
-        warmup(engine, 1, min(P, 16), 4, args.seed)
+        warmup(engine, 1, min(P, 16), args.seed)
     bandwidth = copy_bandwidth(engine.device, args.bandwidth_mib)
     specs = make_specs(1, (P, P), (T, T), vocab, args.seed, stream=1)
     task = progress.task("single stream", 1)
@@ -254,7 +259,7 @@ def offline(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     vocab = engine.model_config.vocab_size
     specs = offline_specs(args, vocab)
     if args.warmup:
-        warmup(engine, min(len(specs), 8), 32, 4, args.seed)
+        warmup(engine, len(specs), min(16, args.prompt_len_range[0]), args.seed)
     task = progress.task(f"offline {len(specs)} requests", len(specs))
     trace = run_engine(engine, specs, len(specs), task)
     check_counts(trace, "offline")

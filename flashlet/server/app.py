@@ -41,7 +41,7 @@ MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it a
 # top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
 # values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
 MIN_TOP_P = 1e-8
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error",
                499: "client_closed_request", 500: "server_error", 503: "server_error"}

@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.max_waiting is not None and args.max_waiting < 0:
-        print("error: --max-waiting must be >= 0", file=sys.stderr)
+    if args.max_waiting < 1:
+        print("error: --max-waiting must be >= 1", file=sys.stderr)
         return 2
     name = args.served_model_name or default_model_name(engine_config)
 

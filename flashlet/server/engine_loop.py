@@ -151,6 +151,8 @@ class EngineLoop:
         request is in flight: the outputs it steps out would not reach their streams."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
+            if self._stopping or self.stopped.is_set():
+                raise NotReady("the engine loop has stopped")
             self._cmds.append(("call", fn, fut))
             self._cond.notify()
         return fut
@@ -212,7 +214,13 @@ class EngineLoop:
                 self._fail_leftovers("the server shut down")
                 return
             if not self._paused and engine.has_unfinished():
-                self._step()
+                steps = engine.num_steps
+                if not self._step() and engine.num_steps == steps:
+                    # Unfinished work but nothing could be scheduled (it should not happen:
+                    # add_request refuses what can never fit): do not spin, wait a little.
+                    with self._cond:
+                        if not self._cmds:
+                            self._cond.wait(0.01)
             self._update_counts()
             self.num_iterations += 1
 
@@ -255,7 +263,8 @@ class EngineLoop:
         for rid in list(self._streams):
             self.engine.abort(rid)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One engine step; delivers its outputs and returns how many there were."""
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
@@ -267,7 +276,7 @@ class EngineLoop:
                     pass
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
-            return
+            return 0
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -275,11 +284,20 @@ class EngineLoop:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+        return len(outputs)
 
     def _fail_leftovers(self, message: str) -> None:
         for stream in self._streams.values():
             stream.put(StreamError(message, status=503))
         self._streams.clear()
+        with self._cond:  # nothing queued after this point will ever run
+            cmds, self._cmds = self._cmds, deque()
+            self._num_pending_submits = 0
+        for cmd in cmds:
+            if cmd[0] == "submit":
+                cmd[1].put(StreamError(message, status=503))
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(NotReady(message))
 
     def _update_counts(self) -> None:
         stats = self.engine.stats()

@@ -51,6 +51,9 @@ BAD = [
     (["--url", "ftp://x"], "must start with http://"),
     (["--url", "http://127.0.0.1:1", "--workload", "offline"], "--url runs the closed-loop"),
     (["--peer", "vllm"], "invalid choice: 'vllm'"),
+    (["--config", "{tiny}", "--device", "tpu9"], "is not a device"),
+    (["--config", "{tiny}", "--workload", "single", "--single-tokens", "0"], "--single-tokens must be >= 1"),
+    (["--config", "{tiny}", "--page-size", "3"], "page_size must be a power of two"),
     (["--workload", "kernels", "--device", "cpu"], "pass --kernels-smoke"),
     (["--workload", "kernels", "--config", "no-such-preset", "--kernels-smoke", "--device", "cpu"],
      "unknown config"),
@@ -147,7 +150,8 @@ def test_url_closed_loop(run_bench, fake_server, tmp_path):
         assert lv["ttft_ms"]["min"] > 0 and lv["output_tok_s"] > 0
     assert len(FakeServer.seen) == 12
     path, body = FakeServer.seen[0]
-    assert set(body) == {"prompt", "max_new_tokens", "temperature"}
+    assert set(body) == {"prompt", "max_new_tokens", "temperature", "ignore_eos"}
+    assert body["ignore_eos"] is True
     assert body["temperature"] == 0 and body["max_new_tokens"] == 4
     assert 5 <= len(body["prompt"].split()) <= 20
     assert "| concurrency | engine |" in out and "server" in out

@@ -235,3 +235,34 @@ def test_module_entry_point(tiny_config, tmp_path):
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "| flashlet |" in proc.stdout and (tmp_path / "r.json").exists()
+
+
+def test_allow_preemption_keeps_counts_exact(run_bench, tiny_config):
+    """A pool too small for every client at once: refused by default (see the bad-input tests),
+    run with --allow-preemption; preempted requests still produce exactly what they asked."""
+    _, _, rec = run_bench("--config", tiny_config, "--concurrency", 4, "--num-requests", 4,
+                          "--prompt-len-range", 30, 32, "--max-new-tokens", 24,
+                          "--max-num-pages", 12, "--allow-preemption")
+    lv = rec["results"]["levels"][0]
+    assert rec["engine"]["num_pages"] == 12
+    assert lv["completed"] == 4 and lv["output_tokens"] == lv["output_tokens_requested"] == 96
+    assert lv["num_preemptions"] >= 1
+
+
+def test_hf_static_runner_shapes_on_cpu(tiny_qwen2):
+    """The hf-static peer's code path (static cache sized once, rows and prompt length padded
+    to one shape) without the compile that only CUDA gets: the same tokens as the dynamic one."""
+    from transformers import AutoModelForCausalLM
+
+    from flashlet.bench.common import make_specs
+    from flashlet.bench.peers import HFRunner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    specs = make_specs(5, (3, 20), (2, 6), 256, seed=1, stream=1)  # 3 batches of 2, the last short
+    dyn = HFRunner(model, "cpu", static=False).trace(specs, 2)
+    sta = HFRunner(model, "cpu", static=True).trace(specs, 2)
+    assert sta.outputs == dyn.outputs
+    assert [len(o) for o in sta.outputs] == [s.max_new_tokens for s in specs]
+    assert sta.extra["padded_prompt_len"] == max(s.prompt_len for s in specs)
+    longest = max(s.max_new_tokens for s in specs)
+    assert sta.extra["generated_tokens"] == 3 * 2 * longest  # every batch: 2 rows, longest output

@@ -14,7 +14,7 @@ from schemathesis.generation import GenerationMode  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MAX_EXAMPLES = 120  # bounded: the whole test stays well under a minute on 2 cores
+MAX_EXAMPLES = 250  # bounded: the whole test stays well under a minute on 2 cores
 
 
 def test_openapi_schema_documents_the_api(fuzz_server):

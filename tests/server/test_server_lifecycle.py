@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -193,3 +192,10 @@ def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
         assert "could not start the engine" in p.log
     finally:
         p.kill()
+
+
+def test_engine_does_not_import_the_server_stack():
+    code = ("import sys, flashlet; from flashlet import LLM, Engine, SamplingParams; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'prometheus_client', 'starlette') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)

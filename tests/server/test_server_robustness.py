@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -93,3 +94,15 @@ def test_backpressure_503_beyond_max_waiting(small_queue_server, engine_loop, id
         assert first.result(300).status_code == 200
     r = httpx.post(url + "/generate", json=body, timeout=300)  # room again
     assert r.status_code == 200, r.text
+
+
+def test_idle_loop_sleeps(server, engine_loop, idle):
+    """With nothing to do, the engine thread waits on its condition: no busy spin."""
+    idle_stats(engine_loop)
+    before = engine_loop.num_iterations
+    time.sleep(0.5)
+    assert engine_loop.num_iterations == before
+    r = httpx.post(server.url + "/generate", json={"prompt": "Hi", "max_new_tokens": 1},
+                   timeout=300)
+    assert r.status_code == 200
+    assert engine_loop.num_iterations > before  # woken by the submit

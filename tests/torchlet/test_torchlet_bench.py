@@ -18,11 +18,12 @@ def test_bench_runs_versions_on_random_weights(tiny_model_dirs, tmp_path, capsys
     table = capsys.readouterr().out
     assert "| version | tok/s b=1 | x prev b=1 | tok/s b=4 | x prev b=4 | note |" in table
     rows = {row["version"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["v00_full_recompute", "v02_kv_cache", "v07_cuda_graph", "v08_paged_gqa_py"]
+    names = ["v00_full_recompute", "v02_kv_cache", "v07_cuda_graph", "v08_paged_gqa_py"]
+    assert list(rows) == names
     for version in ["v00_full_recompute", "v02_kv_cache", "v08_paged_gqa_py"]:
         assert all(value > 0 for value in rows[version]["tok_s"].values())
-    v02, v08 = rows["v02_kv_cache"], rows["v08_paged_gqa_py"]
-    assert v02["speedup"]["4"] == pytest.approx(v02["tok_s"]["4"] / rows["v00_full_recompute"]["tok_s"]["4"])
+    v00, v02, v08 = rows["v00_full_recompute"], rows["v02_kv_cache"], rows["v08_paged_gqa_py"]
+    assert v02["speedup"]["4"] == pytest.approx(v02["tok_s"]["4"] / v00["tok_s"]["4"])
     if not torch.cuda.is_available():
         assert "needs CUDA" in rows["v07_cuda_graph"]["note"]
         assert rows["v07_cuda_graph"]["tok_s"]["1"] is None

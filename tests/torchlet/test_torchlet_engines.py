@@ -24,7 +24,8 @@ def test_requests_join_while_others_decode(version, tiny_model_dirs, tiny_prompt
     llm.generate(tiny_prompts, max_new_tokens=6)
     kinds = [kind for kind, _ in llm.step_log]
     assert max(len(ids) for _, ids in llm.step_log) == 2  # never more than max_batch_size
-    assert sorted({i for kind, ids in llm.step_log if kind == "prefill" for i in ids}) == [0, 1, 2, 3, 4]
+    prefilled = sorted(i for kind, ids in llm.step_log if kind == "prefill" for i in ids)
+    assert prefilled == [0, 1, 2, 3, 4]  # each request prefilled exactly once
     first_decode = kinds.index("decode")
     assert "prefill" in kinds[first_decode:], "later requests should be admitted mid-decode"
 
@@ -139,7 +140,12 @@ def test_unknown_hub_id_error_names_it(monkeypatch):
 
 @pytest.mark.parametrize(
     "prompts, error",
-    [([], "no prompts"), ([[]], "empty prompt"), ([[5, 999]], r"\[0, 320\)"), (["text"], "tokenizer")],
+    [
+        ([], "no prompts"),
+        ([[]], "empty prompt"),
+        ([[5, 999]], r"\[0, 320\)"),
+        (["text"], "tokenizer"),
+    ],
 )
 def test_bad_prompts_are_refused(prompts, error, tiny_model_dirs):
     llm = make_llm("v03_request_states", tiny_model_dirs["qwen2"])
@@ -158,6 +164,7 @@ def test_text_prompts_use_the_tokenizer(demo_model_path):
 def test_dtype_names():
     cpu = torch.device("cpu")
     assert pick_dtype(None, cpu) is torch.float32
-    assert pick_dtype("bf16", cpu) is torch.bfloat16 and pick_dtype(torch.float16, cpu) is torch.float16
+    assert pick_dtype("bf16", cpu) is torch.bfloat16
+    assert pick_dtype(torch.float16, cpu) is torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         pick_dtype("float8", cpu)

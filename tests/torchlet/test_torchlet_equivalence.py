@@ -42,7 +42,8 @@ def staggered_eos(outputs: list[list[int]]) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dirs, tiny_prompts):
-    """v00's tokens per tiny model: plain, and with an EOS that stops requests at staggered steps."""
+    """v00's tokens per tiny model: plain, and with an EOS that stops requests at different
+    steps."""
     result = {}
     for kind, model_dir in tiny_model_dirs.items():
         plain = token_ids(v00_completions(model_dir, tiny_prompts))

@@ -27,7 +27,7 @@ def rung_violations(previous_dir: Path, folder: Path, entry: VersionEntry) -> li
     problems = [f"{entry.name}: unlisted new file {f}" for f in sorted(after - expected_after)]
     problems += [f"{entry.name}: unlisted missing file {f}" for f in sorted(expected_after - after)]
     problems += [f"{entry.name}: 'added' {f} existed before" for f in entry.added if f in before]
-    problems += [f"{entry.name}: 'removed' {f} did not exist" for f in entry.removed if f not in before]
+    problems += [f"{entry.name}: 'removed' {f} absent" for f in entry.removed if f not in before]
     for name in sorted(before & after):
         same = (previous_dir / name).read_bytes() == (folder / name).read_bytes()
         if same and name in entry.changed:
@@ -54,7 +54,8 @@ def test_unchanged_files_are_byte_identical_to_the_previous_version():
 def test_the_identity_check_catches_an_unlisted_change(tmp_path):
     entries = load_manifest()[:3]
     for entry in entries:
-        shutil.copytree(entry.folder, tmp_path / entry.name, ignore=shutil.ignore_patterns("__pycache__"))
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(entry.folder, tmp_path / entry.name, ignore=ignore)
     assert manifest_violations(entries, tmp_path) == []
     config = tmp_path / entries[2].name / "config.py"
     config.write_text(config.read_text() + "\n# an edit nobody listed\n")

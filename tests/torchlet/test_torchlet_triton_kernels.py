@@ -135,7 +135,8 @@ def test_paged_gqa_decode_ignores_what_lies_past_the_sequence():
         k_cache[last_page, seq_len % 4 or 4 :] = float("nan")
         v_cache[last_page, seq_len % 4 or 4 :] = float("nan")
     k_cache[0], v_cache[0] = float("nan"), float("nan")  # the null page, too
-    torch.testing.assert_close(paged_gqa_decode(q, k_cache, v_cache, page_table, lens, scale), clean)
+    poisoned = paged_gqa_decode(q, k_cache, v_cache, page_table, lens, scale)
+    torch.testing.assert_close(poisoned, clean)
 
 
 def test_paged_gqa_decode_wants_power_of_two_pages():

@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="HF folder or hub id (default: the embedded model)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, help="default: 32 (4 for Triton on CPU)")
     return parser.parse_args(argv)
 
 
@@ -40,10 +40,13 @@ def main(llm_class, argv: list[str] | None = None) -> None:
         print(f"{VERSION}: {e}", file=sys.stderr)
         sys.exit(1)
     prompts = [chat_prompt(llm.tokenizer, question) for question in QUESTIONS]
+    max_new_tokens = args.max_new_tokens or (4 if triton_interpreted(llm) else 32)
     start = time.perf_counter()
-    completions = llm.generate(prompts, max_new_tokens=args.max_new_tokens)
+    completions = llm.generate(prompts, max_new_tokens=max_new_tokens)
     elapsed = time.perf_counter() - start
     print(f"torchlet {VERSION} on {llm.device} ({llm.dtype}) {options or ''}")
+    if triton_interpreted(llm):
+        print("(Triton kernels in Triton's CPU interpreter: correct but slow, hence short answers)")
     for question, completion in zip(QUESTIONS, completions):
         print(f"\n> {question}\n{completion.text.strip()}  [{completion.finish_reason}]")
     num_tokens = sum(len(c.token_ids) for c in completions)
@@ -56,6 +59,11 @@ def demo_options(llm_class) -> dict:
     if "max_batch_size" in inspect.signature(llm_class.__init__).parameters:
         return {"max_batch_size": DEMO_MAX_BATCH_SIZE}
     return {}
+
+
+def triton_interpreted(llm) -> bool:
+    """This rung has Triton kernels (v09+) and no GPU to run them on."""
+    return llm.device.type != "cuda" and any(Path(__file__).parent.glob("triton_*.py"))
 
 
 def print_step_log(step_log: list | None) -> None:

@@ -18,7 +18,7 @@ class PrefillBatch:
 
     positions: torch.Tensor  # [num_tokens] position of each token inside its own request
     req_indptr: torch.Tensor  # [num_requests + 1], on the CPU: Python loops over it
-    slots: torch.Tensor  # [num_tokens] the slot (= KV cache row) of each token's request
+    slots: torch.Tensor  # [num_tokens] the decode slot of each token's request
 
     @classmethod
     def from_prompts(
@@ -36,7 +36,7 @@ class PrefillBatch:
 @dataclass
 class DecodeBatch:
     """One new token per decode slot, every slot, in slot order: a fixed-width batch whose row s
-    is slot s and KV cache row s. Empty slots carry a dummy token at position 0."""
+    is slot s. Empty slots carry a dummy token at position 0, and their output is ignored."""
 
     positions: torch.Tensor  # [num_slots] position of each slot's new token
     slots: torch.Tensor  # [num_slots] = 0, 1, ..., num_slots - 1

@@ -1,0 +1,51 @@
+"""`--url` against the real flashlet server (the demo model behind uvicorn on a free port)."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server extra (fastapi) is not installed")
+uvicorn = pytest.importorskip("uvicorn", reason="the server extra (uvicorn) is not installed")
+pytest.importorskip("httpx", reason="--url mode needs httpx")
+
+
+@pytest.fixture
+def live_server(demo_llm):
+    from flashlet.server import EngineLoop, ServerConfig, create_app
+
+    loop = EngineLoop(engine=demo_llm.engine).start()
+    assert loop.wait_ready(30)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, ServerConfig(model_name="demo")),
+                                           host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        loop.stop()
+
+
+def test_url_against_the_real_server(run_bench, live_server):
+    out, _, rec = run_bench("--url", live_server, "--concurrency", 1, 2, "--num-requests", 3,
+                            "--prompt-len-range", 4, 12, "--max-new-tokens", 4)
+    for lv in rec["results"]["levels"]:
+        assert lv["failed"] == 0, lv.get("errors")
+        assert lv["completed"] == 3
+        assert lv["output_tokens"] == lv["output_tokens_requested"] == 12  # ignore_eos: exact
+        assert lv["ttft_ms"]["n"] == 3 and lv["ttft_ms"]["min"] > 0
+        assert lv["itl_ms"]["n"] == 3 * 3  # one event per token
+        assert lv["server_prompt_tokens"] >= 3 * 4  # at least one token per word
+    assert "| 2 | server |" in out

@@ -31,7 +31,7 @@ if [[ $MODE == bench || $MODE == all ]]; then
   shift || true
   B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --max-num-pages 8192"
   for backend in torch flashinfer triton; do
-    peer=""; [[ $backend == torch ]] && peer="--peer hf --peer hf-static"
+    peer=""; [[ $backend == torch ]] && peer="--peer hf hf-static"
     for w in single decode-sat offline closed-loop; do
       $B --backend $backend --workload $w $peer --out "$OUT/bench-$backend-$w.json" "$@" \
         2>&1 | tee -a "$OUT/bench.log"

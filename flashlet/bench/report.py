@@ -1,4 +1,24 @@
-"""The outputs: the JSON record, markdown tables for stdout, PNG plots (matplotlib, Agg)."""
+"""The outputs: the JSON record, markdown tables for stdout, PNG plots (matplotlib, Agg).
+
+The JSON record (schema "flashlet-bench/1"):
+    workload, command, argv, date (UTC), git {commit, dirty}, params (the resolved sizes),
+    env {device, device_name, torch, cuda, cudnn, transformers, triton, flashinfer, gpu_*, cpu},
+    model {name, weights, num_params, dtype, config}, engine (EngineConfig + num_pages),
+    results (per workload, below), peers {hf, hf-static: figures + ratio_* = ours / theirs, or
+    skipped / error}, notes, plots.
+    closed-loop / url: results.levels[] = {concurrency, num_requests, completed, failed,
+        prompt_tokens, output_tokens, output_tokens_requested, duration_s, output_tok_s,
+        total_tok_s, requests_per_s, ttft_ms, itl_ms, step_ms ({n, mean, p50, p90, p99, min,
+        max}), num_steps, num_preemptions, samples {ttft_ms[], itl_ms[]}}
+    decode-sat: batch, prompt_len, decode_steps, decode_tokens, decode_tok_s, ms_per_step,
+        step_ms, prefill_steps, prefill_s
+    single: decode_tok_s, ms_per_token, ttft_ms, itl_ms, bytes_per_token {weights, kv, total},
+        copy_bandwidth {gb_per_s, ...}, achieved_gb_per_s, fraction_of_bandwidth_limit
+    offline: as one closed-loop level, plus total_time_s
+    scheduler: scenarios {decode, mixed, mixed-evict}: us_per_step, meets_target, ...
+    kernels: sweep (the rows of flashlet.kernels.bench.run_kernel_sweep), called_with
+All times are in the unit their key names (ms, us, s).
+"""
 
 from __future__ import annotations
 

@@ -417,6 +417,7 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
           "single": workloads.single, "offline": workloads.offline}[args.workload]
     results = fn(engine, args, progress)
     record["results"] = results
+    _checkpoint(args, record)
     _say_results(say, args.workload, results, "flashlet")
     if args.workload in ("closed-loop", "offline"):
         record["notes"].append(report_note())
@@ -430,8 +431,17 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
         for kind in args.peer:
             res = peers.run(kind, hf_model, args.workload, args, results, vocab, device, progress)
             record["peers"][kind] = res
+            _checkpoint(args, record)
             _say_results(say, args.workload, res, kind)
         del hf_model
+
+
+def _checkpoint(args, record: dict) -> None:
+    """Write what is measured so far (a run killed during a long peer keeps our figures)."""
+    if args.out is not None:
+        from flashlet.bench.report import write_json
+
+        write_json({**record, "partial": True}, args.out)
 
 
 def _say_results(say, workload: str, res: dict, name: str) -> None:

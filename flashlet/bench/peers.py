@@ -164,6 +164,12 @@ def run(kind: str, model, workload: str, args, ours: dict, vocab: int, device,
         return {**_describe(kind), **fn(runner, args, ours, vocab, progress, kind)}
     except torch.OutOfMemoryError as e:
         return {**_describe(kind), "error": f"out of memory: {str(e).splitlines()[0][:200]}"}
+    except Exception as e:  # noqa: BLE001 - a failing peer must not lose our own figures
+        import sys
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        return {**_describe(kind), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
 def _closed_loop(runner, args, ours, vocab, progress, kind) -> dict:

@@ -49,6 +49,7 @@ def test_closed_loop_json_table_and_plots(run_bench, tiny_config, tmp_path):
                             "--prompt-len-range", 8, 40, "--max-new-tokens", 5,
                             "--num-requests", 6, "--plot", plots)
     check_common(rec, "closed-loop")
+    assert "partial" not in rec  # the checkpoints written during the run were replaced
     assert rec["model"]["num_params"] > 0 and rec["engine"]["backend"] == "torch"
     assert rec["params"]["prompt_len_range"] == [8, 40]
     levels = rec["results"]["levels"]
@@ -266,3 +267,17 @@ def test_hf_static_runner_shapes_on_cpu(tiny_qwen2):
     assert sta.extra["padded_prompt_len"] == max(s.prompt_len for s in specs)
     longest = max(s.max_new_tokens for s in specs)
     assert sta.extra["generated_tokens"] == 3 * 2 * longest  # every batch: 2 rows, longest output
+
+
+def test_a_failing_peer_keeps_our_figures(run_bench, tiny_config, monkeypatch):
+    from flashlet.bench import peers
+
+    def broken(self, *a, **k):
+        raise RuntimeError("generate broke")
+
+    monkeypatch.setattr(peers.HFRunner, "generate", broken)
+    out, _, rec = run_bench("--config", tiny_config, "--workload", "single", "--single-tokens", 4,
+                            "--single-prompt-len", 4, "--bandwidth-mib", 8, "--peer", "hf")
+    assert rec["results"]["decode_tok_s"] > 0
+    assert rec["peers"]["hf"]["error"] == "RuntimeError: generate broke"
+    assert "peer hf: error: RuntimeError: generate broke" in out

@@ -87,35 +87,49 @@ class ModelRunner:
 
 class _StaticDecodeBuffers:
     """Fixed-address inputs and metadata of captured decode graphs, refilled (and padded with
-    rows on the scratch page) before each replay."""
+    rows on the scratch page) before each replay. Metadata is staged in pinned host memory so
+    its copies to the device are asynchronous."""
+
+    META = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+            "kv_lens")
 
     def __init__(self, max_size: int, max_pages_per_seq: int, kv_pool, device):
         self.scratch_slot = kv_pool.scratch_page * kv_pool.page_size
         self.scratch_page = kv_pool.scratch_page
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_size, **i64)
         self.positions = torch.zeros(max_size, **i64)
         self.slot_mapping = torch.zeros(max_size, **i64)
         self.logits_indices = torch.arange(max_size, **i64)
-        self.qo_indptr = torch.arange(max_size + 1, **i32)
-        self.paged_kv_indptr = torch.zeros(max_size + 1, **i32)
-        self.paged_kv_indices = torch.zeros(max_size * max_pages_per_seq, **i32)
-        self.paged_kv_last_page_len = torch.zeros(max_size, **i32)
-        self.kv_lens = torch.zeros(max_size, **i32)
+        sizes = {"qo_indptr": max_size + 1, "paged_kv_indptr": max_size + 1,
+                 "paged_kv_indices": max_size * max_pages_per_seq + max_size,
+                 "paged_kv_last_page_len": max_size, "kv_lens": max_size}
+        self.host = {k: torch.zeros(n, dtype=torch.int32, pin_memory=True) for k, n in sizes.items()}
+        self.np = {k: v.numpy() for k, v in self.host.items()}
+        self.dev = {k: torch.zeros(n, dtype=torch.int32, device=device) for k, n in sizes.items()}
+        self.np["qo_indptr"][:] = range(max_size + 1)
 
     def fill(self, input_ids, meta: AttentionMetadata, size: int) -> AttentionMetadata:
         n, pad = meta.num_seqs, size - meta.num_seqs
-        host = meta.host_tensors
-        num_pages = int(meta.paged_kv_indptr_host[-1])
-        ones = torch.ones(pad, dtype=torch.int32)
-        padded = {  # CPU tensors of the padded batch
-            "qo_indptr": torch.arange(size + 1, dtype=torch.int32),
-            "paged_kv_indptr": torch.cat([host["paged_kv_indptr"],
-                                          num_pages + torch.arange(1, pad + 1, dtype=torch.int32)]),
-            "paged_kv_indices": torch.cat([host["paged_kv_indices"], ones * self.scratch_page]),
-            "paged_kv_last_page_len": torch.cat([host["paged_kv_last_page_len"], ones]),
-            "kv_lens": torch.cat([host["kv_lens"], ones]),
-        }
+        src = meta.host_tensors
+        num_pages = meta.paged_kv_indptr_host[-1]
+        kv_indptr_host = meta.paged_kv_indptr_host + list(range(num_pages + 1, num_pages + pad + 1))
+        np_ = self.np
+        np_["paged_kv_indptr"][: size + 1] = kv_indptr_host
+        np_["paged_kv_indices"][:num_pages] = src["paged_kv_indices"].numpy()
+        np_["paged_kv_indices"][num_pages : num_pages + pad] = self.scratch_page
+        np_["paged_kv_last_page_len"][:n] = src["paged_kv_last_page_len"].numpy()
+        np_["paged_kv_last_page_len"][n:size] = 1
+        np_["kv_lens"][:n] = src["kv_lens"].numpy()
+        np_["kv_lens"][n:size] = 1
+        lengths = {"qo_indptr": size + 1, "paged_kv_indptr": size + 1,
+                   "paged_kv_indices": num_pages + pad, "paged_kv_last_page_len": size,
+                   "kv_lens": size}
+        host, dev = {}, {}
+        for name, length in lengths.items():
+            host[name] = self.host[name][:length]
+            dev[name] = self.dev[name][:length]
+            dev[name].copy_(host[name], non_blocking=True)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(meta.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -123,17 +137,11 @@ class _StaticDecodeBuffers:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.scratch_slot)
-        views = {}
-        for name, values in padded.items():
-            view = getattr(self, name)[: len(values)]
-            view.copy_(values, non_blocking=True)
-            views[name] = view
         return AttentionMetadata(
             num_tokens=size, num_seqs=size, positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size], qo_indptr=views["qo_indptr"],
-            paged_kv_indptr=views["paged_kv_indptr"], paged_kv_indices=views["paged_kv_indices"],
-            paged_kv_last_page_len=views["paged_kv_last_page_len"], kv_lens=views["kv_lens"],
-            logits_indices=self.logits_indices[:size],
-            qo_indptr_host=padded["qo_indptr"].tolist(),
-            paged_kv_indptr_host=padded["paged_kv_indptr"].tolist(),
-            kv_lens_host=padded["kv_lens"].tolist(), is_pure_decode=True, host_tensors=padded)
+            slot_mapping=self.slot_mapping[:size], qo_indptr=dev["qo_indptr"],
+            paged_kv_indptr=dev["paged_kv_indptr"], paged_kv_indices=dev["paged_kv_indices"],
+            paged_kv_last_page_len=dev["paged_kv_last_page_len"], kv_lens=dev["kv_lens"],
+            logits_indices=self.logits_indices[:size], qo_indptr_host=list(range(size + 1)),
+            paged_kv_indptr_host=kv_indptr_host, kv_lens_host=meta.kv_lens_host + [1] * pad,
+            is_pure_decode=True, host_tensors=host)

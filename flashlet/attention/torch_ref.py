@@ -35,6 +35,10 @@ class TorchBackend(AttentionBackend):
             self._page_table = torch.zeros(max_batch_size, max_pages, dtype=torch.int64,
                                            device=device)
             self._kv_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+            pin = device.type == "cuda"
+            self._table_host = torch.zeros(max_batch_size, max_pages, dtype=torch.int64,
+                                           pin_memory=pin)
+            self._kv_lens_host = torch.zeros(max_batch_size, dtype=torch.int64, pin_memory=pin)
 
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
@@ -61,13 +65,17 @@ class TorchBackend(AttentionBackend):
         ptr = meta.paged_kv_indptr_host
         width = 1 << (max(ptr[b + 1] - ptr[b] for b in range(meta.num_seqs)) - 1).bit_length()
         width = min(width, self._page_table.shape[1])
-        table = torch.full((meta.num_seqs, width), self.kv_pool.scratch_page, dtype=torch.int64)
+        # Staged in pinned host memory, so the copies below do not wait for the GPU.
+        table = self._table_host[: meta.num_seqs, :width]
+        table_np = table.numpy()
+        table_np[:] = self.kv_pool.scratch_page
         host = meta.host_tensors or {}
-        indices = host.get("paged_kv_indices", meta.paged_kv_indices.cpu())
+        indices = host.get("paged_kv_indices", meta.paged_kv_indices.cpu()).numpy()
         for b in range(meta.num_seqs):
-            table[b, : ptr[b + 1] - ptr[b]] = indices[ptr[b] : ptr[b + 1]]
+            table_np[b, : ptr[b + 1] - ptr[b]] = indices[ptr[b] : ptr[b + 1]]
         self._page_table[: meta.num_seqs, :width].copy_(table, non_blocking=True)
-        kv_lens = torch.tensor(meta.kv_lens_host[: meta.num_seqs], dtype=torch.int64)
+        kv_lens = self._kv_lens_host[: meta.num_seqs]
+        kv_lens.numpy()[:] = meta.kv_lens_host[: meta.num_seqs]
         self._kv_lens[: meta.num_seqs].copy_(kv_lens, non_blocking=True)
         self._padded = (meta.num_seqs, width)
 

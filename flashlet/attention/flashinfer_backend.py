@@ -58,15 +58,15 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, wrapper, meta: AttentionMetadata) -> None:
         host = meta.host_tensors  # pinned CPU copies: plan() schedules on the host
         qo = meta.qo_indptr_host
-        # Passing the maxima spares plan() a Python loop over tensor elements (ms at batch 128).
+        # Passing the longest query spares plan() a Python loop over tensor elements. (Passing
+        # max_sequence_kv too trips an unbound variable in flashinfer 0.6.18's plan().)
         max_q = max(qo[b + 1] - qo[b] for b in range(meta.num_seqs))
         wrapper.plan(
             host["qo_indptr"], host["paged_kv_indptr"], host["paged_kv_indices"],
             host["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.kv_pool.page_size, causal=True, sm_scale=self.scale,
             q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype,
-            max_token_per_sequence=max_q, max_sequence_kv=max(meta.kv_lens_host),
-            seq_lens=host["kv_lens"])
+            max_token_per_sequence=max_q, seq_lens=host["kv_lens"])
 
     def _graph_wrapper(self, batch_size: int):
         device = self.workspace.device

@@ -40,12 +40,14 @@ class StepBuffers:
         sampling = []
         for req, n in sched.scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            tokens = req.all_token_ids
-            ids += tokens[start:end]
+            ids += req.token_slice(start, end)
             positions = range(start, end)
             pos += positions
             pages = req.page_ids
-            slots += [pages[p // ps] * ps + p % ps for p in positions]
+            if n == 1:
+                slots.append(pages[start // ps] * ps + start % ps)
+            else:
+                slots += [pages[p // ps] * ps + p % ps for p in positions]
             num_pages = -(-end // ps)
             kv_idx += pages[:num_pages]
             qo.append(qo[-1] + n)

@@ -40,15 +40,16 @@ class StepBuffers:
         sampling = []
         for req, n in sched.scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            ids += req.token_slice(start, end)
-            positions = range(start, end)
-            pos += positions
             pages = req.page_ids
-            if n == 1:
+            if n == 1:  # a decode: the common case, kept free of temporaries
+                ids.append(req.token_at(start))
+                pos.append(start)
                 slots.append(pages[start // ps] * ps + start % ps)
             else:
-                slots += [pages[p // ps] * ps + p % ps for p in positions]
-            num_pages = -(-end // ps)
+                ids += req.token_slice(start, end)
+                pos += range(start, end)
+                slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            num_pages = (end + ps - 1) // ps
             kv_idx += pages[:num_pages]
             qo.append(qo[-1] + n)
             kv_ptr.append(kv_ptr[-1] + num_pages)
@@ -63,7 +64,7 @@ class StepBuffers:
         views, host = {}, {}
         for name, vals in values.items():
             n = len(vals)
-            self.np[name][:n] = vals
+            self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)  # faster than from a list
             host[name] = self.host[name][:n]
             if self.dev[name] is not self.host[name]:
                 self.dev[name][:n].copy_(host[name], non_blocking=True)

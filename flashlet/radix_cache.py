@@ -41,6 +41,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by the tree
+        self._leaves: set[RadixNode] = set()  # childless nodes other than the root
         self.hit_tokens = 0  # statistics for the engine's hit rate
         self.queried_tokens = 0
 
@@ -74,6 +75,8 @@ class RadixCache:
             child = RadixNode(list(tokens[done:]), list(pages[len(prefix_pages):]), node)
             child.last_access = next(self._clock)
             node.children[self._page_key(tokens, done)] = child
+            self._leaves.discard(node)
+            self._leaves.add(child)
             self.num_pages += len(child.pages)
         return done
 
@@ -94,7 +97,7 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, LRU first; returns pages freed."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable_leaf(n)]
+        heap = [(n.last_access, id(n), n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -104,8 +107,11 @@ class RadixCache:
             self.num_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key, 0)]
-            if self._evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._leaves.discard(leaf)
+            if parent is not self.root and not parent.children:
+                self._leaves.add(parent)
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     def reset(self) -> None:
@@ -135,6 +141,8 @@ class RadixCache:
                 assert child.pages, "empty non-root node"
             tree_pages += node.pages
         assert len(tree_pages) == self.num_pages, "tree page count drifted"
+        leaves = {n for n in self._nodes() if n is not self.root and not n.children}
+        assert leaves == self._leaves, "the leaf set drifted from the tree"
         private = [p for r in requests for p in r.page_ids[r.num_tree_pages :]]
         owned = tree_pages + private
         assert len(owned) == len(set(owned)), "a page is owned twice"
@@ -167,9 +175,6 @@ class RadixCache:
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         upper.children[self._page_key(node.key, 0)] = node
         return upper
-
-    def _evictable_leaf(self, node: RadixNode) -> bool:
-        return node is not self.root and not node.children and node.lock_ref == 0
 
     def _nodes(self):
         stack = [self.root]

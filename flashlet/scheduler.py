@@ -58,8 +58,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-        prefills = [r for r in self.running if r.num_tokens_to_compute > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            (decodes if r.num_tokens_to_compute == 1 else prefills).append(r)
         for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left for chunks

@@ -56,8 +56,8 @@ def docs_server(docs_site):
         thread.join(timeout=5)
 
 
-@pytest.fixture(scope="session")
-def docs_browser():
+@pytest.fixture(scope="module")  # not session: Playwright's sync API keeps an event loop
+def docs_browser():  # running in this thread while it lives, which breaks later asyncio.run()
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (install Debian's: apt-get install -y chromium)")
     sync_api = pytest.importorskip(

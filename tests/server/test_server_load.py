@@ -57,8 +57,20 @@ def test_64_concurrent_streams(server, engine_loop, idle):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    errors = []
+
+    def run_clients():  # its own thread, so no event loop of another test can be in the way
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # re-raised below, in the test's thread
+            errors.append(e)
+
+    clients = threading.Thread(target=run_clients)
     try:
-        asyncio.run(main())
+        clients.start()
+        clients.join()
+        if errors:
+            raise errors[0]
     finally:
         done.set()
         watcher.join()

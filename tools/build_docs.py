@@ -47,8 +47,17 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
-import jinja2
-import markdown
+try:
+    import jinja2
+    import markdown
+except ImportError as missing:  # plain `python3 tools/build_docs.py`: use the project's venv
+    _venv = Path(__file__).resolve().parent.parent / ".venv"
+    if (_venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != _venv.resolve():
+        import os
+
+        os.execv(str(_venv / "bin" / "python"), [str(_venv / "bin" / "python"), *sys.argv])
+    sys.exit(f"build_docs.py needs markdown, jinja2 and pygments ({missing.name} is missing): "
+             "run `make setup` or `pip install -e '.[docs]'`")
 from markdown.extensions.toc import slugify_unicode
 from pygments import highlight
 from pygments.formatters import HtmlFormatter

@@ -11,6 +11,9 @@ for explicitly: on Hopper `auto` picks FA3, which suits single-row queries poorl
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 import flashinfer
@@ -18,6 +21,7 @@ import flashinfer
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 2**20
+log = logging.getLogger("flashlet")
 
 
 class FlashInferBackend(AttentionBackend):
@@ -34,6 +38,10 @@ class FlashInferBackend(AttentionBackend):
         self.max_pages_per_seq = max_pages_per_seq or kv_pool.num_pages
         self.graph_wrappers: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self.active = self.wrapper
+        cache = os.environ.get("FLASHINFER_WORKSPACE_BASE", "~")
+        log.info("flashinfer %s: kernels are compiled on first use and kept under %s/.cache/"
+                 "flashinfer (set FLASHINFER_WORKSPACE_BASE to keep them between runs)",
+                 flashinfer.__version__, cache)
 
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)

@@ -105,8 +105,10 @@ class Engine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, not text")
-            return list(self.tokenizer.encode(prompt) or []) or \
-                _raise(ValueError("prompt encodes to no tokens"))
+            token_ids = list(self.tokenizer.encode(prompt))
+            if not token_ids:
+                raise ValueError("prompt encodes to no tokens")
+            return token_ids
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -124,7 +126,7 @@ class Engine:
             return False
         req.finish_reason = "abort"
         self.scheduler.finish(req)
-        self._pending.append(self._output(req, [], self._flush_text(req)))
+        self._pending.append(self._output(req, [], self._emit(req, holdback=False)))
         del self.requests[request_id]
         return True
 
@@ -215,9 +217,6 @@ class Engine:
         text, req.num_sent_chars = req.output_text[req.num_sent_chars : end], end
         return text
 
-    def _flush_text(self, req: Request) -> str:
-        return self._emit(req, holdback=False)
-
     def _hit_stop_string(self, req: Request) -> bool:
         found = [i for i in (req.output_text.find(s) for s in req.params.stop) if i >= 0]
         if not found:
@@ -283,6 +282,3 @@ def _ops_for(config: EngineConfig, device: torch.device):
         return TritonOps
     return None
 
-
-def _raise(e: Exception):
-    raise e

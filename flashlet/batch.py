@@ -12,9 +12,6 @@ from flashlet.scheduler import SchedulerOutput
 
 
 class StepBuffers:
-    NAMES = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
-             "paged_kv_indices", "paged_kv_last_page_len", "kv_lens", "logits_indices")
-
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, page_size: int, device):
         self.page_size = page_size
         self.device = torch.device(device)

@@ -36,10 +36,8 @@ class LLM:
                 ids.append(self.engine.add_request(p, params))
             finished = self._run_until_done(set(ids))
         except BaseException:
-            for rid in ids:
+            for rid in ids:  # frees their pages at once; nothing of this call is left queued
                 self.engine.abort(rid)
-            while self.engine._pending:
-                self.engine.step()
             raise
         return [finished[i] for i in ids]
 

@@ -109,7 +109,7 @@ class Scheduler:
         if not self.enable_prefix_cache:
             return
         usable = (req.num_tokens - 1) // self.page_size * self.page_size
-        tokens = req.all_token_ids[:usable]
+        tokens = req.token_slice(0, usable)
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         req.page_ids, req.num_tree_pages, req.tree_node = list(pages), len(pages), node
@@ -135,7 +135,7 @@ class Scheduler:
         num_full = req.num_computed_tokens // self.page_size
         if num_full <= req.num_tree_pages:
             return
-        tokens = req.all_token_ids[: num_full * self.page_size]
+        tokens = req.token_slice(0, num_full * self.page_size)
         already = self.cache.insert(tokens, req.page_ids[:num_full]) // self.page_size
         # Where the tree already held these tokens our own copies are duplicates: free them.
         self.allocator.free(req.page_ids[req.num_tree_pages : max(already, req.num_tree_pages)])

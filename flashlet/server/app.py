@@ -150,15 +150,13 @@ class Generation:
         self.server, self.stream, self.endpoint, self.t0 = server, stream, endpoint, t0
         self.ttft: float | None = None
         self.final: RequestOutput | None = None
-        self.holdback = max((len(s) for s in stream.params.stop), default=1) - 1
 
     async def deltas(self) -> AsyncIterator[tuple[str, RequestOutput]]:
         """Yield (new text, output) per engine delta, ending with the finished output.
 
-        The text is cut from the output's full text with our own holdback of the longest stop
-        string, so a stop string (or text past it) is never streamed out, whatever the token
-        boundaries (the engine emits before it checks stop strings)."""
-        metrics, sent, last = self.server.metrics, 0, None
+        The engine cuts stop strings before it emits and holds back any tail that could still
+        become one, so its `new_text` can be streamed as it is."""
+        metrics, last = self.server.metrics, None
         while True:
             item = await self.stream.get()
             if isinstance(item, StreamError):
@@ -172,15 +170,11 @@ class Generation:
                 else:
                     metrics.itl.observe(now - last)
                 last = now
-            text = item.text
-            end = len(text) if item.finished else len(text) - self.holdback
-            delta = text[sent:end] if end > sent else ""
-            sent = max(sent, end)
             if item.finished:
                 self.stream.finished = True
                 self.final = item
                 metrics.observe_finished(self.endpoint, item, now - self.t0)
-            yield delta, item
+            yield item.new_text, item
             if item.finished:
                 return
 

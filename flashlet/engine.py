@@ -229,7 +229,8 @@ class Engine:
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_ids, new_text=new_text,
             finished=req.is_finished, finish_reason=req.finish_reason,
-            prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids) if req.is_finished else None,
             text=req.output_text, num_cached_tokens=req.num_cached_tokens, error=req.error)
 
     def check_integrity(self) -> None:

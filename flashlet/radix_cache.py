@@ -10,7 +10,8 @@ node, or one request's private tail. Requests that use tree pages hold a lock on
 node; `lock_ref` counts the requests whose locked path passes through a node. Only unlocked
 leaves are evicted, least recently used first.
 
-Interface: `match_prefix`, `insert`, `lock` / `unlock`, `evict`, `check_integrity`.
+Interface: `match_prefix`, `insert`, `extend_locked`, `lock` / `unlock`, `evict`,
+`check_integrity`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,24 @@ class RadixCache:
             self._leaves.add(child)
             self.num_pages += len(child.pages)
         return done
+
+    def extend_locked(self, node: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode | None:
+        """Hang `tokens` (whole pages) with their `pages` below `node`, the end of a path that
+        one request holds locked, and move that request's lock to the new node: the fast path
+        of a decoding request whose latest page just filled (no walk from the root). Returns
+        None, changing nothing, when `node` already has a child starting with these tokens
+        (use `insert` then)."""
+        key = self._page_key(tokens, 0)
+        if key in node.children:
+            return None
+        child = RadixNode(list(tokens), list(pages), node)
+        child.last_access = next(self._clock)
+        child.lock_ref = 1  # the request's lock now ends here; the path above already counts it
+        node.children[key] = child
+        self._leaves.discard(node)
+        self._leaves.add(child)
+        self.num_pages += len(child.pages)
+        return child
 
     # ---- locks and eviction ---------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:

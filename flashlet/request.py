@@ -84,7 +84,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None  # every output token so far
+    token_ids: list[int] | None = None  # every output token, in the final output only
     text: str = ""  # all output text so far
     num_cached_tokens: int = 0
     error: str | None = None

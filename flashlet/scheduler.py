@@ -132,11 +132,19 @@ class Scheduler:
         """Hand `req`'s newly completed full pages to the prefix cache (deduplicating)."""
         if not self.enable_prefix_cache:
             return
-        num_full = req.num_computed_tokens // self.page_size
+        ps = self.page_size
+        num_full = req.num_computed_tokens // ps
         if num_full <= req.num_tree_pages:
             return
-        tokens = req.token_slice(0, num_full * self.page_size)
-        already = self.cache.insert(tokens, req.page_ids[:num_full]) // self.page_size
+        if req.tree_node is not None:  # the common case: pages appended below the locked path
+            node = self.cache.extend_locked(
+                req.tree_node, req.token_slice(req.num_tree_pages * ps, num_full * ps),
+                req.page_ids[req.num_tree_pages : num_full])
+            if node is not None:
+                req.num_tree_pages, req.tree_node = num_full, node
+                return
+        tokens = req.token_slice(0, num_full * ps)
+        already = self.cache.insert(tokens, req.page_ids[:num_full]) // ps
         # Where the tree already held these tokens our own copies are duplicates: free them.
         self.allocator.free(req.page_ids[req.num_tree_pages : max(already, req.num_tree_pages)])
         pages, node = self.cache.match_prefix(tokens)

@@ -108,6 +108,19 @@ def test_prefix_reuse_computes_only_the_remainder(tiny_qwen2, alone):
     assert engine.stats()["prefix_cache_hit_rate"] > 0
 
 
+def test_identical_requests_decoding_together_share_their_pages(tiny_qwen2, alone):
+    """Twins fill the same pages at the same step: the first hangs each new page below its
+    locked path, the second finds it there and gives its own copy back."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=64))
+    prompt = [5, 9, 13, 17, 21, 25]
+    ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=14, **GREEDY)) for _ in range(2)]
+    done = run_all(engine)  # integrity after every step
+    assert [done[i].token_ids for i in ids] == [alone(prompt, 14)] * 2
+    assert engine.kv_pool.allocator.num_used == engine.scheduler.cache.num_pages
+    assert engine.scheduler.cache.num_pages == (len(prompt) + 14 - 1) // 4, "duplicate pages were kept"
+    assert_no_pages_beyond_cache(engine)
+
+
 def test_preemption_under_a_small_pool_keeps_outputs(tiny_qwen2, alone):
     engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
                                  max_num_seqs=4, max_num_batched_tokens=64,

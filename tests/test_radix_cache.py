@@ -82,3 +82,26 @@ def test_integrity_catches_a_leaked_page():
         assert "leak" in str(e)
     else:
         raise AssertionError("a leaked page went unnoticed")
+
+
+def test_extend_locked_moves_the_lock_and_refuses_an_existing_child():
+    alloc = PageAllocator(8)
+    cache = RadixCache(alloc, PS)
+    first = alloc.allocate(1)
+    cache.insert([1] * 4, first)
+    pages, node = cache.match_prefix([1] * 4)
+    cache.lock(node)
+    user = holder(list(pages), node, 1)
+    mine = alloc.allocate(1)
+    child = cache.extend_locked(node, [2] * 4, mine)
+    assert child is not None and child.parent is node
+    user.page_ids, user.tree_node, user.num_tree_pages = first + mine, child, 2
+    cache.check_integrity([user])  # lock counts: the path through `child` holds one lock
+    assert cache.match_prefix([1] * 4 + [2] * 4)[0] == first + mine
+    other = alloc.allocate(1)
+    assert cache.extend_locked(node, [2] * 4, other) is None, "a duplicate child was hung"
+    alloc.free(other)
+    cache.check_integrity([user])
+    cache.unlock(child)
+    assert cache.evict(10) == 2
+    cache.check_integrity([])

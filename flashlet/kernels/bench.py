@@ -271,11 +271,12 @@ def run_kernel_sweep(
                 if fi is not None:
 
                     def make():
-                        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=hq // hkv >= 4)
-                        try:
-                            w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-                        except TypeError:
-                            w.plan(indptr, indices, last, hq, hkv, d, ps, data_type=dtype, sm_scale=scale)
+                        # As flashlet's FlashInfer backend runs decode: the FA2 prefill kernel
+                        # with one query row per sequence (any GQA group size, e.g. 7).
+                        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+                        qo = torch.arange(batch + 1, dtype=torch.int32, device=device)
+                        w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=True,
+                               q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
                         return lambda: w.run(q, (kc, vc))
 
                     fn, fi_err = _try(make)
@@ -314,12 +315,9 @@ def run_kernel_sweep(
                 if fi is not None:
 
                     def make():
-                        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-                        try:
-                            w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=True,
-                                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-                        except TypeError:
-                            w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=True, sm_scale=scale)
+                        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+                        w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=True,
+                               q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
                         return lambda: w.run(q, (kc, vc))
 
                     fn, fi_err = _try(make)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from flashlet.attention.base import AttentionMetadata
+from flashlet.request import PLACEHOLDER
 from flashlet.scheduler import SchedulerOutput
 
 
@@ -18,8 +19,10 @@ class StepBuffers:
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                  "qo_indptr": max_seqs + 1, "paged_kv_indptr": max_seqs + 1,
                  "paged_kv_indices": max_pages, "paged_kv_last_page_len": max_seqs,
-                 "kv_lens": max_seqs, "logits_indices": max_seqs}
-        int64 = {"input_ids", "positions", "slot_mapping", "logits_indices"}
+                 "kv_lens": max_seqs, "logits_indices": max_seqs,
+                 "feed_rows": max_seqs, "feed_src": max_seqs}
+        int64 = {"input_ids", "positions", "slot_mapping", "logits_indices", "feed_rows",
+                 "feed_src"}
         pin = self.device.type == "cuda"
         self.host, self.dev, self.np = {}, {}, {}
         for name, size in sizes.items():
@@ -27,11 +30,15 @@ class StepBuffers:
             self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=pin)
             self.np[name] = self.host[name].numpy()
             self.dev[name] = self.host[name] if not pin else torch.zeros(size, dtype=dtype, device=device)
+        # Decode rows whose input token is still a placeholder (overlap): input_ids[feed_rows]
+        # must take the previous step's sampled tokens[feed_src]. None when there are none.
+        self.feed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fill(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list]:
         """Write the step's inputs; returns (input_ids, metadata, requests that sample)."""
         ps = self.page_size
         ids, pos, slots, qo, kv_ptr, kv_idx, last, kv_lens, logit_rows = ([] for _ in range(9))
+        feed_rows, feed_src = [], []
         qo.append(0)
         kv_ptr.append(0)
         sampling = []
@@ -39,7 +46,12 @@ class StepBuffers:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             pages = req.page_ids
             if n == 1:  # a decode: the common case, kept free of temporaries
-                ids.append(req.token_at(start))
+                token = req.token_at(start)
+                if token == PLACEHOLDER:
+                    feed_rows.append(len(ids))
+                    feed_src.append(req.sample_row)
+                    token = 0
+                ids.append(token)
                 pos.append(start)
                 slots.append(pages[start // ps] * ps + start % ps)
             else:
@@ -57,7 +69,8 @@ class StepBuffers:
                 sampling.append(req)
         values = dict(input_ids=ids, positions=pos, slot_mapping=slots, qo_indptr=qo,
                       paged_kv_indptr=kv_ptr, paged_kv_indices=kv_idx,
-                      paged_kv_last_page_len=last, kv_lens=kv_lens, logits_indices=logit_rows)
+                      paged_kv_last_page_len=last, kv_lens=kv_lens, logits_indices=logit_rows,
+                      feed_rows=feed_rows, feed_src=feed_src)
         views, host = {}, {}
         for name, vals in values.items():
             n = len(vals)
@@ -66,6 +79,7 @@ class StepBuffers:
             if self.dev[name] is not self.host[name]:
                 self.dev[name][:n].copy_(host[name], non_blocking=True)
             views[name] = self.dev[name][:n]
+        self.feed = (views["feed_rows"], views["feed_src"]) if feed_rows else None
         meta = AttentionMetadata(
             num_tokens=len(ids), num_seqs=len(sched.scheduled), positions=views["positions"],
             slot_mapping=views["slot_mapping"], qo_indptr=views["qo_indptr"],

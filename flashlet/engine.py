@@ -1,7 +1,16 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 A step is: schedule -> fill the batch buffers -> backend.plan() -> model forward (backend.run()
-in every layer) -> sample -> update requests (stop checks, detokenize) -> outputs.
+in every layer) -> sample on the device -> read the tokens -> update requests (stop checks,
+detokenize) -> outputs.
+
+Overlap (`EngineConfig.overlap`, on by default): `step()` launches step N on the device and
+only then reads step N-1's tokens and does its bookkeeping, so the host's Python runs while the
+GPU computes. Step N is scheduled before step N-1's tokens are known: each request that sampled
+in step N-1 holds a placeholder as its newest token, its decode row in step N takes the real
+token straight from step N-1's device tensor, and the host writes the value in when it reads
+it. A request that stops on step N-1's token (EOS, a stop string) has run one row too many in
+step N; that row's token is dropped. A request that reached max_new_tokens is not scheduled.
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
-from flashlet.request import Request, RequestOutput, RequestStatus
+from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
 from flashlet.sampling import SamplingParams, make_generator, sample_one
-from flashlet.scheduler import Scheduler
+from flashlet.scheduler import Scheduler, SchedulerOutput
 from flashlet.weights import load_model, random_model
 
 log = logging.getLogger("flashlet")
@@ -72,6 +81,8 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
+        self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
+        self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
 
     # ---- requests in ----------------------------------------------------------------------
@@ -125,67 +136,103 @@ class Engine:
                      "unknown" if req is None else "already finished")
             return False
         req.finish_reason = "abort"
+        req.drop_placeholders()
         self.scheduler.finish(req)
         self._pending.append(self._output(req, [], self._emit(req, holdback=False)))
         del self.requests[request_id]
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._in_flight is not None)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the previous one (overlap) or this one."""
         outputs, self._pending = self._pending, []
+        previous, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return outputs
+        launched = self._launch(sched, previous) if sched.scheduled else None
+        if previous is not None:
+            outputs += self._finish(previous)
+        if launched is not None:
+            if self.config.overlap:
+                self._in_flight = launched
+            else:
+                outputs += self._finish(launched)
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
+        """Run the model and sample on the device; nothing here waits for the device."""
+        self.runner.wait_inputs_staged()  # the host staging buffers are free again
         input_ids, meta, sampling = self.buffers.fill(sched)
+        if self.buffers.feed is not None:
+            # Decode rows whose input is the previous step's token, still on the device.
+            rows, src = self.buffers.feed
+            input_ids.index_copy_(0, rows, previous.tokens.index_select(0, src))
         logits = self.runner.forward(input_ids, meta)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-        tokens = self._sample(logits, sampling)
-        for req in sampling:
-            outputs.append(self._append_token(req, tokens.get(req.request_id)))
-        for req, _ in sched.scheduled:
+        tokens, errors = self._sample(logits, sampling)
+        buffer = self._token_buffers[self.num_steps % 2]
+        launched = LaunchedStep(sched, sampling, tokens, buffer.stage(tokens), errors)
+        for row, req in enumerate(sampling):
+            launched.slots.append(len(req.output_token_ids))
+            req.output_token_ids.append(PLACEHOLDER)
+            req.sample_row = row
+        self.num_steps += 1
+        return launched
+
+    def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for the device) and update its requests."""
+        values = launched.read()
+        outputs = []
+        for row, req in enumerate(launched.sampling):
+            if req.is_finished:  # aborted, or stopped by the step before: this row is void
+                continue
+            token = launched.errors.get(row, values[row])
+            outputs.append(self._append_token(req, launched.slots[row], token))
+        for req, _ in launched.sched.scheduled:
             if not req.is_finished:
                 self.scheduler.cache_computed_pages(req)
-        self.num_steps += 1
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[int, int | Exception]:
-        """logits [len(reqs), vocab] -> token per request id (or the exception that one raised)."""
-        if not reqs:
-            return {}
-        greedy = logits.argmax(dim=-1).tolist()
-        result = {}
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """logits [len(reqs), vocab] -> (tokens [len(reqs)] int64 on the device, {row: the
+        exception a request's sampling raised}). Greedy rows take the argmax."""
+        tokens = logits.argmax(dim=-1)
+        errors = {}
         for i, req in enumerate(reqs):
             if req.params.is_greedy:
-                result[req.request_id] = greedy[i]
                 continue
             try:
-                result[req.request_id] = int(sample_one(logits[i], req.params, req.generator))
+                tokens[i] = sample_one(logits[i], req.params, req.generator)
             except Exception as e:  # one bad request must not fail the batch
-                result[req.request_id] = e
-        return result
+                errors[i] = e
+        return tokens, errors
 
-    def _append_token(self, req: Request, token) -> RequestOutput:
-        if isinstance(token, Exception) or token is None:
+    def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
+        """Write the token sampled for `req` into its output slot (a placeholder until now),
+        then the stop checks."""
+        if isinstance(token, Exception):
             req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
+            req.drop_placeholders()
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             return self._output(req, [], "")
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        req.output_token_ids.append(token)
-        self._detokenize(req)
+        req.output_token_ids[slot] = token
+        self._detokenize(req, slot + 1)
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
         elif p.stop and self._hit_stop_string(req):
             req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_new_tokens:
+        elif slot + 1 >= p.max_new_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:
+            req.drop_placeholders()  # a row the next step ran after this stop
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
         # Stop strings are cut before anything is emitted, and a tail that could still grow
@@ -193,8 +240,8 @@ class Engine:
         return self._output(req, [token], self._emit(req, holdback=not req.is_finished))
 
     # ---- text -----------------------------------------------------------------------------
-    def _detokenize(self, req: Request) -> None:
-        """Decode the newest token into req.output_text.
+    def _detokenize(self, req: Request, end: int) -> None:
+        """Decode the output tokens up to `end` (those read so far) into req.output_text.
 
         Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which
         merge spaces across tokens give the same text as decoding everything at once."""
@@ -203,10 +250,10 @@ class Engine:
         ids = req.output_token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset],
                                        skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[req.prefix_offset :], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[req.prefix_offset : end], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # not a partial UTF-8 char
             req.output_text += full[len(prefix) :]
-            req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+            req.prefix_offset, req.read_offset = req.read_offset, end
 
     def _emit(self, req: Request, holdback: bool) -> str:
         """Text not yet sent, minus a tail that could still become a stop string."""
@@ -283,3 +330,44 @@ def _ops_for(config: EngineConfig, device: torch.device):
         return TritonOps
     return None
 
+
+
+class TokenBuffer:
+    """Pinned host memory that a step's sampled tokens are copied into without blocking, and
+    the event that says the copy is done. The engine alternates two: with overlap, one step's
+    tokens are read while the next step's copy is queued."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.on_cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.on_cuda)
+        self.event = torch.cuda.Event() if self.on_cuda else None
+
+    def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
+        if self.on_cuda:
+            self.host[: tokens.numel()].copy_(tokens, non_blocking=True)
+            self.event.record()
+        else:
+            self.host[: tokens.numel()].copy_(tokens)
+        return self
+
+    def read(self, n: int) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:n].tolist()
+
+
+class LaunchedStep:
+    """A step on its way through the device: what ran, who samples, and where their tokens
+    will be."""
+
+    def __init__(self, sched: SchedulerOutput, sampling: list[Request], tokens: torch.Tensor,
+                 staged: TokenBuffer, errors: dict[int, Exception]):
+        self.sched = sched
+        self.sampling = sampling  # requests that sample, in row order
+        self.tokens = tokens  # [len(sampling)] on the device: the next step's decode inputs
+        self.staged = staged
+        self.errors = errors
+        self.slots: list[int] = []  # per row: the index in output_token_ids of its placeholder
+
+    def read(self) -> list[int]:
+        return self.staged.read(len(self.sampling))

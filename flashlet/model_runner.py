@@ -43,6 +43,15 @@ class ModelRunner:
         if self.use_graphs:
             self._static = _StaticDecodeBuffers(self.graph_sizes[-1], max_pages_per_seq,
                                                 kv_pool, self.device)
+        # Recorded once a step's host-to-device copies are queued (inputs, metadata, the
+        # backend's plan), before its kernels: when it has fired, pinned staging memory may be
+        # rewritten for the next step without waiting for this step's kernels.
+        self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def wait_inputs_staged(self) -> None:
+        """Block until the previous step's inputs have reached the device."""
+        if self._staged is not None:
+            self._staged.synchronize()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -50,6 +59,7 @@ class ModelRunner:
         if self.use_graphs and meta.is_pure_decode and meta.num_seqs <= self.graph_sizes[-1]:
             return self._replay(input_ids, meta)
         self.backend.plan(meta)
+        self._mark_staged()
         hidden = self.model(input_ids, meta.positions, self.backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
@@ -62,8 +72,13 @@ class ModelRunner:
         if key not in self.graphs:
             self.graphs[key] = self._capture(size)
         graph, logits = self.graphs[key]
+        self._mark_staged()
         graph.replay()
         return logits[: meta.num_seqs]
+
+    def _mark_staged(self) -> None:
+        if self._staged is not None:
+            self._staged.record()
 
     def _decode_body(self, size: int) -> torch.Tensor:
         hidden = self.model(self._static.input_ids[:size], self._static.positions[:size],

@@ -11,6 +11,10 @@ import torch
 from flashlet.sampling import SamplingParams
 
 
+# An output token sampled on the device whose value the host has not read yet (see engine.py).
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,6 +41,7 @@ class Request:
     prefix_offset: int = 0  # detokenizer window over output_token_ids
     read_offset: int = 0
     num_sent_chars: int = 0  # characters of output_text already streamed out
+    sample_row: int = 0  # row of this request in the last launched step's sampled tokens
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -72,6 +77,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def has_all_tokens(self) -> bool:
+        """Every output token it may produce is sampled: only reading the last one is left."""
+        return len(self.output_token_ids) >= self.params.max_new_tokens
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens sampled after the request stopped (their values were never read)."""
+        while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
+            self.output_token_ids.pop()
 
 
 @dataclass

@@ -60,7 +60,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
         for r in self.running:
-            (decodes if r.num_tokens_to_compute == 1 else prefills).append(r)
+            if r.num_tokens_to_compute > 1:
+                prefills.append(r)
+            elif not r.has_all_tokens:  # else it only waits for its last token to be read
+                decodes.append(r)
         for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left for chunks

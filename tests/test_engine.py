@@ -57,7 +57,8 @@ def test_random_arrivals_match_each_prompt_alone(tiny_qwen2, alone, data):
     num_pages = data.draw(st.integers(12, 40), label="num_pages")
     engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=num_pages,
                                  max_num_seqs=data.draw(st.integers(1, 6)),
-                                 max_num_batched_tokens=data.draw(st.integers(8, 40))))
+                                 max_num_batched_tokens=data.draw(st.integers(8, 40)),
+                                 overlap=data.draw(st.booleans(), label="overlap")))
     shared = data.draw(st.lists(st.integers(2, 255), min_size=0, max_size=12), label="shared")
     reqs = data.draw(st.lists(st.tuples(
         st.lists(st.integers(2, 255), min_size=1, max_size=20),  # own suffix
@@ -86,6 +87,53 @@ def test_random_arrivals_match_each_prompt_alone(tiny_qwen2, alone, data):
             assert done[rid].finish_reason in ("abort", "length")
             continue
         assert done[rid].token_ids == alone(prompt, n)
+    assert_no_pages_beyond_cache(engine)
+
+
+def test_overlap_gives_the_outputs_of_one_step_at_a_time(tiny_qwen2):
+    """With overlap, requests that stop on EOS have run one row too many: that row's token must
+    never appear, and nothing else may change (tokens, finish reasons, pages)."""
+    prompts = [[3 + i, 7, 11 + 2 * i] * (1 + i % 3) for i in range(8)]
+
+    def run(overlap, eos=None):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_seqs=5,
+                                     max_num_batched_tokens=32, overlap=overlap))
+        if eos is not None:
+            engine.eos_token_ids = {eos}
+        rows = []
+        forward = engine.runner.forward
+        engine.runner.forward = lambda ids, meta: rows.append(meta.num_tokens) or forward(ids, meta)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=6 + i)) for i, p in enumerate(prompts)]
+        done = run_all(engine)
+        assert_no_pages_beyond_cache(engine)
+        return [(done[i].token_ids, done[i].finish_reason) for i in ids], sum(rows)
+
+    # An EOS that never comes: every request runs to length, and overlap computes no extra row.
+    plain, rows = run(overlap=False, eos=-5)
+    assert run(overlap=True, eos=-5) == (plain, rows)
+    counts = {}
+    for tokens, _ in plain:
+        for t in set(tokens[:-1]):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)  # the token that stops the most requests early
+    expected = run(overlap=False, eos=eos)[0]
+    assert sum(reason == "stop" for _, reason in expected) >= 2, "the EOS stopped too few requests"
+    assert run(overlap=True, eos=eos)[0] == expected
+
+
+def test_abort_while_a_step_is_in_flight(tiny_qwen2, alone):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, overlap=True))
+    keep = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=6, **GREEDY))
+    gone = engine.add_request([7, 8, 9], SamplingParams(max_new_tokens=50, **GREEDY))
+    done = {}
+    for _ in range(3):
+        step(engine, done)
+    assert engine._in_flight is not None, "no step was in flight"
+    assert engine.abort(gone) is True
+    done = run_all(engine, done=done)
+    assert done[gone].finish_reason == "abort"
+    assert all(t >= 0 for t in done[gone].token_ids), "a placeholder leaked into the output"
+    assert done[keep].token_ids == alone([4, 5, 6], 6)
     assert_no_pages_beyond_cache(engine)
 
 

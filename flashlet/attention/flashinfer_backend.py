@@ -69,8 +69,11 @@ class FlashInferBackend(AttentionBackend):
         # Passing the longest query spares plan() a Python loop over tensor elements. (Passing
         # max_sequence_kv too trips an unbound variable in flashinfer 0.6.18's plan().)
         max_q = max(qo[b + 1] - qo[b] for b in range(meta.num_seqs))
+        # The page indices go in as the device copy: plan() copies them into the graph
+        # wrapper's buffer, and from host memory that copy would block until the GPU is idle
+        # (no overlap). The small arrays stay on the host, where plan() reads them.
         wrapper.plan(
-            host["qo_indptr"], host["paged_kv_indptr"], host["paged_kv_indices"],
+            host["qo_indptr"], host["paged_kv_indptr"], meta.paged_kv_indices,
             host["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.kv_pool.page_size, causal=True, sm_scale=self.scale,
             q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import pytest
@@ -95,6 +96,26 @@ def triton_can_run() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
+@functools.cache
+def triton_interpreter_multiplies_bf16() -> bool:
+    """Whether Triton's CPU interpreter multiplies two bf16 tensors correctly. Triton 3.9's keeps
+    bf16 as uint16 and runs arithmetic on the bit patterns (products come out wildly wrong), so
+    bf16 Triton kernels can only be checked on a GPU there; a fixed interpreter passes this."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def multiply(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.load(a_ptr + offsets) * tl.load(b_ptr + offsets))
+
+    a = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.5, 0.25, -4.0, 2.0], dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    multiply[(1,)](a, b, out, BLOCK=4)
+    return torch.equal(out, a * b)
+
+
 def skip_unless_runnable(version: str) -> None:
     """CUDA-graph rungs skip without CUDA; Triton rungs need CUDA or the interpreter."""
     if version in CUDA_ONLY_VERSIONS and not torch.cuda.is_available():
@@ -103,15 +124,89 @@ def skip_unless_runnable(version: str) -> None:
         pytest.skip("needs CUDA, or TRITON_INTERPRET=1 set before triton was first imported")
 
 
-def make_llm(version: str, model_dir, **options):
-    """The rung's engine in fp32 on the test device; options it does not take are dropped."""
+def make_llm(version: str, model_dir, dtype: str = "float32", **options):
+    """The rung's engine on the test device (fp32 unless told); options it does not take are
+    dropped."""
     import inspect
 
     cls = llm_class(version)
     accepted = inspect.signature(cls.__init__).parameters
     kept = {name: value for name, value in options.items() if name in accepted}
-    return cls(str(model_dir), device=DEVICE, dtype="float32", **kept)
+    return cls(str(model_dir), device=DEVICE, dtype=dtype, **kept)
 
 
 def token_ids(completions) -> list[list[int]]:
     return [c.token_ids for c in completions]
+
+
+# --- bf16: greedy tokens may part ways, but only between near-ties ------------------------------
+
+TOP_K = 5
+
+
+def in_top_k(token: int, logits: torch.Tensor, k: int = TOP_K) -> bool:
+    """Whether fewer than k tokens score strictly higher than `token`: ties count in its favour,
+    so the answer does not depend on how a top-k routine orders equal (bf16-rounded) logits."""
+    return int((logits > logits[token]).sum()) < k
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (a length difference counts), or None."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def next_token_logits(llm, prefix: list[int]) -> torch.Tensor:
+    """The logits [vocab_size] from which `llm` picks the token after `prefix` (token ids).
+
+    Works for every rung without touching its code: the rung's own generate(max_new_tokens=1)
+    runs while an instance-level wrapper around `llm.model.logits` (every rung's LM-head method,
+    called exactly once for a one-token generation: v00's next_token, or the later rungs'
+    prefill) records what it returns. The recorded row's argmax must be the token generated."""
+    model = llm.model
+    calls = []
+    unwrapped = model.logits
+
+    def recording_logits(hidden):
+        logits = unwrapped(hidden)
+        calls.append(logits.detach().float().clone())
+        return logits
+
+    model.logits = recording_logits  # shadows the class's method on this instance only
+    try:
+        [completion] = llm.generate([prefix], max_new_tokens=1, ignore_eos=True)
+    finally:
+        del model.logits
+    assert len(calls) == 1 and calls[0].shape[0] == 1, "expected one [1, vocab] logits call"
+    logits = calls[0][0]
+    assert completion.token_ids == [int(logits.argmax())], "recorded logits are not the ones used"
+    return logits
+
+
+def check_greedy_tokens_near(reference_llm, llm, prompt, reference_tokens, tokens, k=TOP_K):
+    """The bf16 rule: two engines' greedy tokens for `prompt` are identical, or, at the first
+    position where they differ, each side's token is in the other side's top k there (the logits
+    of each engine after the same prefix: the prompt and the tokens both generated before).
+    Each side's logits there come from a one-prompt run of its own generate over that prefix
+    (next_token_logits), not from the batched step that produced the differing token.
+    Returns "identical" or f"top-{k}"; raises AssertionError otherwise."""
+    position = first_difference(reference_tokens, tokens)
+    if position is None:
+        return "identical"
+    assert position < min(len(reference_tokens), len(tokens)), "one side stopped early"
+    prefix = list(prompt) + list(tokens[:position])
+    reference_token, token = reference_tokens[position], tokens[position]
+    reference_logits = next_token_logits(reference_llm, prefix)
+    logits = next_token_logits(llm, prefix)
+    where = f"prompt {list(prompt)}, first difference at new token {position}"
+    assert in_top_k(reference_token, logits, k), (
+        f"{where}: the reference's token {reference_token} is not in the engine's top {k} "
+        f"{logits.topk(k).indices.tolist()}"
+    )
+    assert in_top_k(token, reference_logits, k), (
+        f"{where}: the engine's token {token} is not in the reference's top {k} "
+        f"{reference_logits.topk(k).indices.tolist()}"
+    )
+    return f"top-{k}"

@@ -106,8 +106,7 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = ops.rope(q, k, positions, cos_sin)
-        o = attn.run(layer_idx, q, k, v)  # [T, Hq, D]
+        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, ops)  # RoPE, K/V write, attend
         x = self.o_proj(o.reshape(-1, self.q_size))
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         x = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -37,6 +37,17 @@ class TorchOps:
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+    @staticmethod
+    def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """RoPE on q and k, then k and v stored into one layer's pool at flat `slot_mapping`.
+        Returns the rotated q (the rotated k lives only in the pool)."""
+        q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
+        flat = (-1,) + tuple(k_cache.shape[2:])
+        k_cache.view(flat).index_copy_(0, slot_mapping, k)
+        v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        return q
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -6,9 +6,9 @@ A step is a ragged batch: request `b` contributes query rows `qo_indptr[b]:qo_in
 `paged_kv_last_page_len[b]` tokens. The causal mask is aligned to the END of each KV sequence:
 query row i of a chunk of length q over a KV length of n sees keys 0 .. n - q + i.
 
-The engine calls `plan(meta)` once per step, then `run(layer, q, k, v)` in every layer. `run`
-first writes the step's new K/V into the pool at `meta.slot_mapping` (so a chunk attends to
-itself), then attends. Names follow FlashInfer's so the backends read alike.
+The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, ...)` in every
+layer (`run(layer, q, k, v)` for q/k already rotated). Both first write the step's new K/V into
+the pool at `meta.slot_mapping` (so a chunk attends to itself), then attend. Names follow FlashInfer's so the backends read alike.
 """
 
 from __future__ import annotations
@@ -79,6 +79,13 @@ class AttentionBackend(ABC):
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""
         self.kv_pool.write(layer, k, v, self.meta.slot_mapping)
+        return self._attend(layer, q)
+
+    def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache, ops) -> torch.Tensor:
+        """`run` for q/k not rotated yet: `ops.rope_kv_write` applies RoPE and writes K/V into
+        the pool (one fused kernel with the Triton ops), then attention."""
+        q = ops.rope_kv_write(q, k, v, positions, cos_sin_cache, self.kv_pool.k_cache[layer],
+                              self.kv_pool.v_cache[layer], self.meta.slot_mapping)
         return self._attend(layer, q)
 
     @abstractmethod

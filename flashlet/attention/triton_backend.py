@@ -11,8 +11,7 @@
 `plan` does host arithmetic only (no device allocation, no copies). `run` launches kernels on
 tensors the metadata already holds: no host sync, no `.item()`, no `.tolist()`, so a pure-decode
 `run` can be captured in a CUDA graph (its output is allocated by the caching allocator, which
-graphs capture). The K/V write is the base class's `kv_pool.write`; `run_rope` is an optional
-fused path (RoPE + K/V write in one kernel) for a caller that has not rotated q/k yet.
+graphs capture). The K/V write (fused with RoPE in the model's path) is the base class's.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels.decode_attention import choose_num_splits, decode_attention
 from flashlet.kernels.prefill_attention import prefill_attention
-from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kv_pool import KVPool
 
 
@@ -85,24 +83,6 @@ class TritonBackend(AttentionBackend):
         else:
             qo = meta.qo_indptr_host
             self._max_q_len = max((qo[i + 1] - qo[i] for i in range(meta.num_seqs)), default=0)
-
-    def run_rope(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Like `run`, for q/k not yet rotated: RoPE on q and k and the K/V pool write in one
-        kernel (the rotated k is only written to the pool), then attention."""
-        q, _ = rope_kv_write(
-            q, k, v, positions, cos_sin_cache,
-            self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer], self.meta.slot_mapping,
-            return_k=False,
-        )
-        return self._attend(layer, q)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flashlet.attention.base import AttentionBackend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels.ops import TritonOps
 from flashlet.kv_pool import KVPool
 from flashlet.ops import TorchOps
 
@@ -99,7 +100,8 @@ def test_random_ragged_steps(kh, group, page_size, seqs, share, seed):
     _compare(kh, pool, group * hkv, steps, shared=shared, seed=seed)
 
 
-def test_run_rope_matches_rope_then_run(kh):
+@pytest.mark.parametrize("ops", [TorchOps, TritonOps], ids=["torch-ops", "triton-ops"])
+def test_run_rope_matches_rope_then_run(kh, ops):
     pool = _pool(kh, head_dim=32)
     meta, _ = kh.make_step(pool, [(20, 6), (11, 1)])
     cs = kh.cos_sin_cache(64, 32)
@@ -115,7 +117,7 @@ def test_run_rope_matches_rope_then_run(kh):
     k_after, v_after = pool.k_cache.clone(), pool.v_cache.clone()  # the pool as the oracle left it
     pool.k_cache[0].view(-1, 2, 32)[meta.slot_mapping] = float("nan")  # run_rope must rewrite these
     pool.v_cache[0].view(-1, 2, 32)[meta.slot_mapping] = float("nan")
-    got = tri.run_rope(0, q, k, v, meta.positions, cs)
+    got = tri.run_rope(0, q, k, v, meta.positions, cs, ops)
     assert kh.rel_err(got, want) < 1e-5
     assert kh.rel_err(pool.k_cache, k_after) < 1e-5 and torch.equal(pool.v_cache, v_after)
 

@@ -3,6 +3,11 @@ any work starts), dispatch to a workload, then the JSON / markdown / plots.
 
     python -m flashlet.bench --backend torch --concurrency 1 8 32 128 --max-new-tokens 32 \
         --max-num-pages 8192 --out results.json
+    python -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
+        --backend torch flashinfer triton --workload decode-sat --peer hf
+
+Several --backend names run the workload once per backend, in that order, each on a fresh
+Engine with the same (seeded) weights; the peers run once, after the last backend.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 
 from flashlet.bench import engines
 from flashlet.bench.common import Progress, environment, git_commit, utc_now
-from flashlet.config import EngineConfig
+from flashlet.config import BACKENDS, EngineConfig
 
 WORKLOADS = ("closed-loop", "decode-sat", "single", "offline", "scheduler", "kernels")
 MODEL_WORKLOADS = ("closed-loop", "decode-sat", "single", "offline")
@@ -39,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng = p.add_argument_group("engine (flashlet.EngineConfig; --config NAME|FILE = random weights "
                                "at that shape, e.g. qwen2.5-0.5b; neither = the embedded model)")
     EngineConfig.add_cli_args(eng)
+    eng.add_argument("--backend", dest="backends", nargs="+", choices=BACKENDS, metavar="NAME",
+                     default=[EngineConfig.backend],
+                     help=f"attention backend(s) from {', '.join(BACKENDS)} (default: "
+                          f"{EngineConfig.backend}); several run one after another, in this order")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="closed-loop")
@@ -135,6 +144,12 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         err(f"--peer applies to {', '.join(MODEL_WORKLOADS)}, not {wl!r}")
     if args.peer:
         args.peer = list(dict.fromkeys(args.peer))
+    repeated = [b for b in dict.fromkeys(args.backends) if args.backends.count(b) > 1]
+    if repeated:
+        err(f"--backend names {', '.join(repeated)} more than once")
+    if len(args.backends) > 1 and (args.url is not None or wl not in MODEL_WORKLOADS):
+        err(f"several --backend names apply only to the in-process {', '.join(MODEL_WORKLOADS)} "
+            f"workloads, not {'--url' if args.url is not None else repr(wl)}")
     if args.request_timeout <= 0:
         err("--request-timeout must be > 0")
 
@@ -259,14 +274,14 @@ def _check_server(err, url: str) -> None:
 
 
 def _resolve_model(err, args) -> dict:
-    """Model, device, backend, lengths and pool size, all before a weight is read."""
+    """Model, device, backends, lengths and pool size, all before a weight is read."""
     from flashlet.model import ModelConfig
     from flashlet.weights import ModelLoadError
 
     if args.model is not None and args.config is not None:
         err("give --model (real weights) or --config (random weights at a shape), not both")
-    try:
-        ecfg = EngineConfig.from_cli(args)
+    try:  # the first backend; the others differ in nothing else
+        ecfg = EngineConfig.from_cli(argparse.Namespace(**vars(args), backend=args.backends[0]))
     except (ValueError, TypeError) as e:
         err(str(e))
     try:
@@ -277,7 +292,8 @@ def _resolve_model(err, args) -> dict:
     device = _device(err, ecfg.device) if ecfg.device else ecfg.resolved_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         err("--device cuda was asked for but CUDA is not available on this machine")
-    _check_backend(err, ecfg, mcfg, device)
+    for backend in args.backends:
+        _check_backend(err, ecfg.replace(backend=backend), mcfg, device)
 
     max_len = min(args.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     wl = args.workload
@@ -395,30 +411,32 @@ def report_note() -> str:
 
 
 def _run_model_workload(parser, args, info, record, progress, say) -> None:
+    """Each backend in turn on a fresh Engine (the previous one released first), then the peers
+    on the last engine's weights, which every backend shared (seeded random or loaded)."""
     from flashlet.bench import peers, workloads
 
     ecfg, mcfg = info["engine_config"], info["model_config"]
     record["env"] = environment(info["device"])
-    say(f"loading {'config ' + ecfg.config if ecfg.config else 'model ' + str(ecfg.model or 'embedded default')}"
-        f" on {info['device']} ...")
-    engine = engines.build_engine(ecfg)
-    if ecfg.max_num_pages is None:  # the pool size is known only now: check it before any work
-        check_pool(parser.error, args, engine.kv_pool.num_pages)
-    record["model"] = {
-        "name": ecfg.config or ecfg.model or "embedded default (smollm2-135m-instruct)",
-        "weights": "random (seeded) at the config's shape" if ecfg.config else "loaded",
-        "model_dir": str(engine.model_dir) if engine.model_dir else None,
-        "num_params": mcfg.num_params(), "dtype": str(engine.dtype).removeprefix("torch."),
-        "config": dataclasses.asdict(mcfg),
-    }
-    record["engine"] = {**dataclasses.asdict(ecfg), "num_pages": engine.kv_pool.num_pages,
-                        "max_model_len": engine.max_model_len}
     fn = {"closed-loop": workloads.closed_loop, "decode-sat": workloads.decode_sat,
           "single": workloads.single, "offline": workloads.offline}[args.workload]
-    results = fn(engine, args, progress)
-    record["results"] = results
-    _checkpoint(args, record)
-    _say_results(say, args.workload, results, "flashlet")
+    what = f"config {ecfg.config}" if ecfg.config else f"model {ecfg.model or 'embedded default'}"
+    engine = None
+    for i, backend in enumerate(args.backends):
+        engines.release(engine)  # the previous backend's (none the first time)
+        say(f"loading {what} on {info['device']} with the {backend} backend ...")
+        engine = engines.build_engine(ecfg.replace(backend=backend))
+        if ecfg.max_num_pages is None:  # the pool size is known only now: check it before any work
+            check_pool(parser.error, args, engine.kv_pool.num_pages)
+        engine_info = {**dataclasses.asdict(engine.config), "num_pages": engine.kv_pool.num_pages,
+                       "max_model_len": engine.max_model_len}
+        results = fn(engine, args, progress)
+        if i == 0:  # the first backend is where readers of one-backend records look
+            record.update(model=_model_record(ecfg, mcfg, engine), engine=engine_info,
+                          results=results, backends={}, engines={})
+        record["backends"][backend] = results
+        record["engines"][backend] = engine_info
+        _checkpoint(args, record)
+        _say_results(say, args.workload, results, f"flashlet ({backend})")
     if args.workload in ("closed-loop", "offline"):
         record["notes"].append(report_note())
     if args.peer:
@@ -428,16 +446,28 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
         engines.release(engine)  # give the KV pool's memory to the peer
         del engine
         record["peers"] = {}
-        for kind in args.peer:
-            res = peers.run(kind, hf_model, args.workload, args, results, vocab, device, progress)
+        for kind in args.peer:  # ratios and token matches against the first backend
+            res = peers.run(kind, hf_model, args.workload, args, record["results"], vocab, device,
+                            progress)
             record["peers"][kind] = res
             _checkpoint(args, record)
             _say_results(say, args.workload, res, kind)
         del hf_model
 
 
+def _model_record(ecfg: EngineConfig, mcfg, engine) -> dict:
+    return {
+        "name": ecfg.config or ecfg.model or "embedded default (smollm2-135m-instruct)",
+        "weights": "random (seeded) at the config's shape" if ecfg.config else "loaded",
+        "model_dir": str(engine.model_dir) if engine.model_dir else None,
+        "num_params": mcfg.num_params(), "dtype": str(engine.dtype).removeprefix("torch."),
+        "config": dataclasses.asdict(mcfg),
+    }
+
+
 def _checkpoint(args, record: dict) -> None:
-    """Write what is measured so far (a run killed during a long peer keeps our figures)."""
+    """Write what is measured so far (a run killed during a later backend or a long peer keeps
+    the figures already measured)."""
     if args.out is not None:
         from flashlet.bench.report import write_json
 

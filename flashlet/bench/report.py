@@ -4,8 +4,9 @@ The JSON record (schema "flashlet-bench/1"):
     workload, command, argv, date (UTC), git {commit, dirty}, params (the resolved sizes),
     env {device, device_name, torch, cuda, cudnn, transformers, triton, flashinfer, gpu_*, cpu},
     model {name, weights, num_params, dtype, config}, engine (EngineConfig + num_pages),
-    results (per workload, below), peers {hf, hf-static: figures + ratio_* = ours / theirs, or
-    skipped / error}, notes, plots.
+    results (per workload, below), backends {name: results} (every --backend, in run order; the
+    first is `results`), engines {name: engine}, peers {hf, hf-static: figures + ratio_* =
+    first backend / theirs, or skipped / error}, notes, plots.
     closed-loop / url: results.levels[] = {concurrency, num_requests, completed, failed,
         prompt_tokens, output_tokens, output_tokens_requested, duration_s, output_tok_s,
         total_tok_s, requests_per_s, ttft_ms, itl_ms, step_ms ({n, mean, p50, p90, p99, min,
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from flashlet.bench.common import ratio
 
 TTFT_NOTE = ("TTFT counts from a request's submission to its first token, so it includes the "
              "time it waited to be scheduled (queue wait); for static-batch peers it runs from "
@@ -80,8 +83,30 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _ours(record: dict) -> list[tuple[str, dict]]:
+    """(row label, results) of the server, or of every flashlet backend in the order they ran."""
+    if record["workload"] == "url":
+        return [("server", record["results"])]
+    return [(f"flashlet ({name})", res) for name, res in record["backends"].items()]
+
+
 def _peer_runs(record: dict) -> list[tuple[str, dict]]:
     return [(name, p) for name, p in (record.get("peers") or {}).items()]
+
+
+def _engine_rows(ours, peers, row, key: str) -> list[list]:
+    """`row(name, figures)` for every flashlet backend, then for every peer; each row ends in one
+    `flashlet / peer` cell per peer: the backend's figure `key` over the peer's."""
+    rows = [row(name, r) + [_x(ratio(r[key], p[key])) for _, p in peers] for name, r in ours]
+    return rows + [row(name, p) + ["–"] * len(peers) for name, p in peers]
+
+
+def _x(r) -> str:
+    return "–" if r is None else f"{r:.2f}x"
+
+
+def _ratio_headers(peers) -> list[str]:
+    return [f"flashlet / {name}" for name, _ in peers]
 
 
 def _skipped_lines(record: dict) -> list[str]:
@@ -122,7 +147,8 @@ def _setup_line(record: dict) -> str:
     else:
         bits.append(f"model {m.get('name', '?')}"
                     + (f" ({m['num_params'] / 1e6:.1f}M params)" if m.get("num_params") else ""))
-        bits.append(f"backend {record.get('engine', {}).get('backend')}")
+        names = list(record["backends"])
+        bits.append(("backend " if len(names) == 1 else "backends ") + ", ".join(names))
         bits.append(f"{env.get('device')} ({env.get('device_name')})")
         bits.append(f"dtype {m.get('dtype')}")
     for key in ("prompt_len_range", "output_len_range"):
@@ -134,88 +160,71 @@ def _setup_line(record: dict) -> str:
     return "; ".join(bits)
 
 
-def _md_closed(record: dict, ours_name: str = "flashlet") -> str:
-    res = record["results"]
-    runs = [(ours_name, res)] + [(n, p) for n, p in _peer_runs(record) if p.get("levels")]
+def _md_closed(record: dict) -> str:
+    """At each concurrency level, one row per engine: every backend, then the peers."""
+    ours = _ours(record)
+    peers = [(n, p) for n, p in _peer_runs(record) if p.get("levels")]
     rows = []
-    for lv in res["levels"]:
-        c = lv["concurrency"]
-        for name, run in runs:
-            m = next((x for x in run["levels"] if x["concurrency"] == c), None)
-            if m is None:
-                continue
-            rows.append([str(c), name, m["completed"], m["output_tok_s"], m["requests_per_s"],
-                         m["ttft_ms"]["p50"], m["ttft_ms"]["p99"], m["itl_ms"]["p50"],
-                         m["itl_ms"]["p99"], m["step_ms"]["mean"]])
-    out = [table(["concurrency", "engine", "requests", "output tok/s", "req/s",
-                  "TTFT p50 (ms)*", "TTFT p99 (ms)*", "ITL p50 (ms)", "ITL p99 (ms)",
-                  "mean step (ms)"], rows), "", f"\\* {TTFT_NOTE}"]
-    peers = [(n, p) for n, p in runs[1:]]
-    if peers:
-        headers = ["concurrency", f"{ours_name} tok/s"]
-        for n, _ in peers:
-            headers += [f"{n} tok/s", f"{ours_name} / {n}"]
-        rows = []
-        for lv in res["levels"]:
-            row = [str(lv["concurrency"]), lv["output_tok_s"]]
-            for _, p in peers:
-                m = next((x for x in p["levels"] if x["concurrency"] == lv["concurrency"]), {})
-                row += [m.get("output_tok_s"), _x(m.get("ratio_output_tok_s"))]
-            rows.append(row)
-        out += ["", table(headers, rows)]
-    return "\n".join(out)
+    for c in [lv["concurrency"] for lv in ours[0][1]["levels"]]:
+        ours_c = [(n, _level(r, c)) for n, r in ours]
+        peers_c = [(n, _level(p, c)) for n, p in peers]
+        rows += [[str(c)] + r for r in _engine_rows(ours_c, peers_c, _closed_row, "output_tok_s")]
+    headers = ["concurrency", "engine", "requests", "output tok/s", "req/s", "TTFT p50 (ms)*",
+               "TTFT p99 (ms)*", "ITL p50 (ms)", "ITL p99 (ms)", "mean step (ms)"]
+    return "\n".join([table(headers + _ratio_headers(peers), rows), "", f"\\* {TTFT_NOTE}"])
 
 
-def _x(r) -> str:
-    return "–" if r is None else f"{r:.2f}x"
+def _level(run: dict, concurrency: int) -> dict:
+    return next(m for m in run["levels"] if m["concurrency"] == concurrency)
+
+
+def _closed_row(name: str, m: dict) -> list:
+    return [name, m["completed"], m["output_tok_s"], m["requests_per_s"], m["ttft_ms"]["p50"],
+            m["ttft_ms"]["p99"], m["itl_ms"]["p50"], m["itl_ms"]["p99"], m["step_ms"]["mean"]]
 
 
 def _md_decode(record: dict) -> str:
-    r = record["results"]
-    rows = [["flashlet", r["batch"], r["prompt_len"], r["decode_steps"], r["decode_tok_s"],
-             r["ms_per_step"], r["step_ms"]["p50"], r["step_ms"]["p99"], "–"]]
-    for name, p in _peer_runs(record):
-        if "decode_tok_s" in p:
-            rows.append([name, p["batch"], p["prompt_len"], p["decode_steps"], p["decode_tok_s"],
-                         p["ms_per_step"], p["step_ms"]["p50"], p["step_ms"]["p99"],
-                         _x(p.get("ratio_decode_tok_s"))])
+    peers = [(n, p) for n, p in _peer_runs(record) if "decode_tok_s" in p]
+
+    def row(name, m):
+        return [name, m["batch"], m["prompt_len"], m["decode_steps"], m["decode_tok_s"],
+                m["ms_per_step"], m["step_ms"]["p50"], m["step_ms"]["p99"]]
+
     return table(["engine", "batch", "prompt", "decode steps", "decode tok/s", "ms/step",
-                  "step p50 (ms)", "step p99 (ms)", "flashlet / peer"], rows) + \
+                  "step p50 (ms)", "step p99 (ms)"] + _ratio_headers(peers),
+                 _engine_rows(_ours(record), peers, row, "decode_tok_s")) + \
         "\n\nOnly pure-decode steps of the whole batch are timed (prefill excluded)."
 
 
 def _md_single(record: dict) -> str:
     r = record["results"]
-    bw = r["copy_bandwidth"]["gb_per_s"]
+    peers = [(n, p) for n, p in _peer_runs(record) if "decode_tok_s" in p]
 
-    def row(name, m, ratio):
+    def row(name, m):
+        bw = m.get("copy_bandwidth", r["copy_bandwidth"])  # a peer's limit: the first backend's
         return [name, m["decode_tok_s"], m["ms_per_token"], m["ttft_ms"],
-                m["bytes_per_token"]["total"] / 1e6, m["achieved_gb_per_s"], bw,
-                f"{100 * m['fraction_of_bandwidth_limit']:.1f}%", m["bandwidth_limit_tok_s"], ratio]
+                m["bytes_per_token"]["total"] / 1e6, m["achieved_gb_per_s"], bw["gb_per_s"],
+                f"{100 * m['fraction_of_bandwidth_limit']:.1f}%", m["bandwidth_limit_tok_s"]]
 
-    rows = [row("flashlet", r, "–")]
-    for name, p in _peer_runs(record):
-        if "decode_tok_s" in p:
-            rows.append(row(name, p, _x(p.get("ratio_decode_tok_s"))))
-    return table(["engine", "decode tok/s", "ms/token", "TTFT (ms)", "MB read/token",
-                  "achieved GB/s", "copy GB/s", "of bandwidth limit", "limit tok/s",
-                  "flashlet / peer"], rows) + (
+    headers = ["engine", "decode tok/s", "ms/token", "TTFT (ms)", "MB read/token",
+               "achieved GB/s", "copy GB/s", "of bandwidth limit", "limit tok/s"]
+    return table(headers + _ratio_headers(peers),
+                 _engine_rows(_ours(record), peers, row, "decode_tok_s")) + (
         f"\n\nOne stream, prompt {r['prompt_len']} tokens, {r['output_tokens']} tokens generated. "
         "Bytes per token: every weight once plus the mean K/V read; the limit is the copy "
         "bandwidth measured in this run on this device ((read + write) bytes / time).")
 
 
 def _md_offline(record: dict) -> str:
-    r = record["results"]
-    rows = [["flashlet", r["completed"], r["prompt_tokens"], r["output_tokens"], r["total_time_s"],
-             r["output_tok_s"], r["total_tok_s"], r["num_preemptions"], "–"]]
-    for name, p in _peer_runs(record):
-        if "output_tok_s" in p:
-            rows.append([name, p["completed"], p["prompt_tokens"], p["output_tokens"],
-                         p["total_time_s"], p["output_tok_s"], p["total_tok_s"], "–",
-                         _x(p.get("ratio_output_tok_s"))])
+    peers = [(n, p) for n, p in _peer_runs(record) if "output_tok_s" in p]
+
+    def row(name, m):
+        return [name, m["completed"], m["prompt_tokens"], m["output_tokens"], m["total_time_s"],
+                m["output_tok_s"], m["total_tok_s"], m["num_preemptions"]]
+
     return table(["engine", "requests", "input tokens", "output tokens", "total time (s)",
-                  "output tok/s", "total tok/s", "preemptions", "flashlet / peer"], rows)
+                  "output tok/s", "total tok/s", "preemptions"] + _ratio_headers(peers),
+                 _engine_rows(_ours(record), peers, row, "output_tok_s"))
 
 
 def _md_sched(record: dict) -> str:
@@ -247,7 +256,7 @@ def _md_kernels(record: dict) -> str:
 def _md_url(record: dict) -> str:
     r = record["results"]
     if r.get("mode") == "closed-loop":
-        return _md_closed(record, ours_name="server")
+        return _md_closed(record)
     return table(["mode", "rate (req/s)", "requests", "failed", "output tok/s", "req/s",
                   "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)"],
                  [["open-loop", r["rate"], r["completed"], r["failed"], r["output_tok_s"],
@@ -280,9 +289,8 @@ def plot(record: dict, folder: str | Path) -> list[str]:
 
     label = _plot_label(record)
     if res.get("levels"):
-        ours = "server" if wl == "url" else "flashlet"
-        runs = [(ours, res["levels"])] + [(n, p["levels"]) for n, p in _peer_runs(record)
-                                          if p.get("levels")]
+        ours = _ours(record)
+        runs = [(n, r["levels"]) for n, r in ours + _peer_runs(record) if r.get("levels")]
         levels_c = [m["concurrency"] for m in res["levels"]]
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, levels in runs:
@@ -299,13 +307,16 @@ def plot(record: dict, folder: str | Path) -> list[str]:
         _concurrency_axis(ax, "TTFT (ms, incl. queue wait)", f"time to first token\n{label}", levels_c)
         save(fig, "ttft.png")
         for key, title in (("ttft_ms", "TTFT (ms, incl. queue wait)"), ("itl_ms", "inter-token latency (ms)")):
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for m in res["levels"]:
-                _cdf(ax, m["samples"][key], f"c={m['concurrency']}")
-            ax.set_xlabel(title)
-            ax.set_ylabel("fraction of samples")
-            ax.set_title(f"{ours} {title.split(' (')[0]} distribution\n{label}")
-            ax.legend(fontsize=8)
+            # one panel per backend, a curve per concurrency level in each
+            fig, axes = plt.subplots(1, len(ours), figsize=(6 * len(ours), 4), squeeze=False,
+                                     sharex=True, sharey=True)
+            for ax, (name, run) in zip(axes[0], ours):
+                for m in run["levels"]:
+                    _cdf(ax, m["samples"][key], f"c={m['concurrency']}")
+                ax.set_xlabel(title)
+                ax.set_title(f"{name} {title.split(' (')[0]} distribution\n{label}")
+                ax.legend(fontsize=8)
+            axes[0][0].set_ylabel("fraction of samples")
             save(fig, f"{key.split('_')[0]}_distribution.png")
     elif wl == "scheduler":
         import numpy as np
@@ -325,10 +336,12 @@ def plot(record: dict, folder: str | Path) -> list[str]:
         save(fig, "scheduler_us_per_step.png")
     elif wl in ("decode-sat", "single", "offline") or res.get("mode") == "open-loop":
         key = {"decode-sat": "decode_tok_s", "single": "decode_tok_s"}.get(wl, "output_tok_s")
-        names = ["flashlet"] + [n for n, p in _peer_runs(record) if key in p]
-        values = [res[key]] + [p[key] for n, p in _peer_runs(record) if key in p]
+        ours = _ours(record)
+        peers = [(n, p) for n, p in _peer_runs(record) if key in p]
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar(names, values, color=["tab:blue"] + ["tab:gray"] * (len(names) - 1))
+        ax.bar([n for n, _ in ours + peers], [r[key] for _, r in ours + peers],
+               color=["tab:blue"] * len(ours) + ["tab:gray"] * len(peers))
+        ax.tick_params(axis="x", labelrotation=15)
         if wl == "single":
             ax.axhline(res["bandwidth_limit_tok_s"], color="red", linestyle="--",
                        label="copy-bandwidth limit")
@@ -336,28 +349,32 @@ def plot(record: dict, folder: str | Path) -> list[str]:
         ax.set_ylabel(key.replace("_", " ").replace("tok s", "tok/s"))
         ax.set_title(f"{wl}\n{label}")
         save(fig, "throughput.png")
-        dist = res.get("samples", {})
         for key, title in (("step_ms", "decode step time (ms)"), ("itl_ms", "inter-token latency (ms)"),
                            ("ttft_ms", "TTFT (ms, incl. queue wait)")):
-            if dist.get(key):
+            series = [(n, r["samples"][key]) for n, r in ours if r.get("samples", {}).get(key)]
+            if series:
                 fig, ax = plt.subplots(figsize=(6, 4))
-                _cdf(ax, dist[key], "flashlet")
+                for name, values in series:
+                    _cdf(ax, values, name)
                 ax.set_xlabel(title)
                 ax.set_ylabel("fraction of samples")
                 ax.set_title(f"{wl}: {title.split(' (')[0]} distribution\n{label}")
+                ax.legend(fontsize=8)
                 save(fig, f"{key.split('_')[0]}_distribution.png")
     return written
 
 
 def _plot_label(record: dict) -> str:
-    """A short subtitle: model, backend, device (titles must fit the figure)."""
+    """A short subtitle: model, backend (when only one ran: the legends name several), device
+    (titles must fit the figure)."""
     name = str((record.get("model") or {}).get("name") or record.get("url") or "")
     if name.startswith("embedded default"):
         name = "smollm2-135m-instruct"
     name = Path(name).name.removesuffix(".json") if "/" in name else name
     device = str(record.get("env", {}).get("device_name") or "")
     device = device if len(device) <= 32 else device[:30] + "…"
-    backend = (record.get("engine") or {}).get("backend")
+    backends = list(record.get("backends") or ())
+    backend = backends[0] if len(backends) == 1 else None
     return " · ".join(x for x in (name, backend, device) if x)
 
 

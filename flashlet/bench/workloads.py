@@ -1,5 +1,6 @@
 """The in-process workloads. Each drives an Engine through `add_request` / `step` and returns
-a JSON-ready dict; timings wrap `engine.step()` with a device synchronize on CUDA.
+a JSON-ready dict; timings wrap `engine.step()`, which returns once the host holds the tokens
+it reports (no extra device synchronize per step: that would undo the engine's overlap).
 
 - closed-loop: N clients; when a client's request finishes it sends its next one before the
   next step. Per concurrency level: output tok/s, req/s, TTFT (queue wait included), ITL, step.
@@ -66,8 +67,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
         if not engine.has_unfinished():
             raise RuntimeError(f"the engine went idle with {n - done} requests unfinished")
         t0 = now()
-        outs = engine.step()
-        sync()
+        outs = engine.step()  # returns once the host has read the tokens it reports
         t1 = now()
         trace.step_s.append(t1 - t0)
         for out in outs:
@@ -166,15 +166,16 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
             if out.finished:
                 raise RuntimeError("decode-sat: a sequence finished during prefill (margin too small)")
         prefill_steps += 1
+    engine.step()  # one untimed decode step: with overlap, it delivers the last prefill's tokens
     sync()
     prefill_s = now() - t0
-    # Phase 2 (timed): D pure-decode steps of the whole batch.
+    # Phase 2 (timed): D pure-decode steps of the whole batch. Each step() returns once the
+    # host has read a whole step's tokens (with overlap: the step before the one it launches).
     task = progress.task(f"decode-sat B={B}", D)
     step_s, tokens = [], 0
     for _ in range(D):
         t0 = now()
         outs = engine.step()
-        sync()
         step_s.append(now() - t0)
         got = sum(len(o.new_token_ids) for o in outs)
         if got != B or any(o.finished for o in outs):

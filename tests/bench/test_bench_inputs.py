@@ -24,6 +24,14 @@ def closed_port() -> int:
 
 BAD = [
     (["--backend", "nope"], "invalid choice: 'nope'"),
+    (["--config", "{tiny}", "--backend", "torch", "nope"], "invalid choice: 'nope'"),
+    (["--config", "{tiny}", "--backend", "torch", "triton", "torch"],
+     "--backend names torch more than once"),
+    (["--config", "{tiny}", "--backend", "torch", "flashinfer", "--device", "cpu"],
+     "backend 'flashinfer' is not available on cpu"),
+    (["--workload", "scheduler", "--backend", "torch", "triton"],
+     "several --backend names apply only to the in-process closed-loop"),
+    (["--url", "http://127.0.0.1:1", "--backend", "torch", "triton"], "workloads, not --url"),
     (["--workload", "nope"], "invalid choice: 'nope'"),
     (["--config", "no-such-preset"], "unknown config 'no-such-preset'"),
     (["--config", "{tiny}", "--backend", "flashinfer", "--device", "cpu"], "needs a CUDA device"),
@@ -77,6 +85,17 @@ def test_cuda_device_without_cuda(tiny_config, no_model_load, capsys):
         main(["--config", tiny_config, "--device", "cuda", "--quiet"])
     assert exc.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message; CUDA is present")
+def test_triton_on_cpu_needs_the_interpreter(tiny_config, no_model_load, monkeypatch, capsys):
+    """Every --backend name is checked up front, not only the first."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", tiny_config, "--device", "cpu", "--backend", "torch", "triton",
+              "--quiet"])
+    assert exc.value.code == 2
+    assert "the triton backend needs a CUDA device" in capsys.readouterr().err
 
 
 def test_kernels_absent_is_a_clear_error(monkeypatch, capsys):

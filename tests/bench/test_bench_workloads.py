@@ -235,7 +235,7 @@ def test_module_entry_point(tiny_config, tmp_path):
          "--no-warmup", "--out", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "| flashlet |" in proc.stdout and (tmp_path / "r.json").exists()
+    assert "| flashlet (torch) |" in proc.stdout and (tmp_path / "r.json").exists()
 
 
 def test_allow_preemption_keeps_counts_exact(run_bench, tiny_config):
@@ -281,3 +281,125 @@ def test_a_failing_peer_keeps_our_figures(run_bench, tiny_config, monkeypatch):
     assert rec["results"]["decode_tok_s"] > 0
     assert rec["peers"]["hf"]["error"] == "RuntimeError: generate broke"
     assert "peer hf: error: RuntimeError: generate broke" in out
+
+
+# ---- several backends in one run -----------------------------------------------------------
+# triton is the second backend: on CUDA, else on the CPU in the Triton interpreter (the top-level
+# conftest sets TRITON_INTERPRET=1 when there is no GPU); tiny workloads keep that quick.
+MULTI_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_backend_rows(out, rec, key):
+    """A row per backend whose `flashlet / hf` cell is its figure `key` over the peer's."""
+    lines = out.splitlines()
+    assert "| flashlet / hf |" in lines[4]  # the table's header
+    theirs = rec["peers"]["hf"][key]
+    for name, r in rec["backends"].items():
+        row = next(line for line in lines if line.startswith(f"| flashlet ({name}) |"))
+        assert row.endswith(f"| {r[key] / theirs:.2f}x |"), row
+    assert next(line for line in lines if line.startswith("| hf |")).endswith("| – |")
+
+
+def test_backends_single_fresh_engine_each(run_bench, tiny_config, monkeypatch):
+    """Each backend on its own engine (the previous one released first), a checkpoint after
+    each, the peer once at the end; `results` and `engine` stay the first backend's."""
+    from flashlet.bench import engines, report
+
+    events, checkpoints = [], []
+    build, release, write_json = engines.build_engine, engines.release, report.write_json
+
+    def logged_build(cfg):
+        events.append(f"build {cfg.backend}")
+        return build(cfg)
+
+    def logged_release(engine):
+        if engine is not None:
+            events.append(f"release {engine.config.backend}")
+        release(engine)
+
+    def logged_write_json(record, path):
+        checkpoints.append((record.get("partial", False), list(record["backends"]),
+                            list(record.get("peers", ()))))
+        return write_json(record, path)
+
+    monkeypatch.setattr(engines, "build_engine", logged_build)
+    monkeypatch.setattr(engines, "release", logged_release)
+    monkeypatch.setattr(report, "write_json", logged_write_json)
+    out, _, rec = run_bench("--device", MULTI_DEVICE, "--config", tiny_config,
+                            "--workload", "single", "--backend", "torch", "triton",
+                            "--single-tokens", 6, "--single-prompt-len", 8, "--bandwidth-mib", 8,
+                            "--no-warmup", "--peer", "hf")
+    assert events == ["build torch", "release torch", "build triton", "release triton"]
+    both = ["torch", "triton"]
+    assert checkpoints == [(True, ["torch"], []), (True, both, []), (True, both, ["hf"]),
+                           (False, both, ["hf"])]
+    assert list(rec["backends"]) == list(rec["engines"]) == both
+    assert rec["results"] == rec["backends"]["torch"] and rec["engine"] == rec["engines"]["torch"]
+    for name, r in rec["backends"].items():
+        assert rec["engines"][name]["backend"] == name
+        assert r["output_tokens"] == r["output_tokens_requested"] == 6 and r["itl_ms"]["n"] == 5
+        assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["bytes_per_token"] == rec["results"]["bytes_per_token"]  # one model, one KV size
+    same = [{k: v for k, v in e.items() if k not in ("backend", "num_pages")}
+            for e in rec["engines"].values()]
+    assert same[0] == same[1]  # nothing but the backend differs
+    hf = rec["peers"]["hf"]
+    assert hf["output_tokens"] == 6 and hf["token_match"]["compared"] == 1
+    first = rec["results"]["decode_tok_s"]
+    assert math.isclose(hf["ratio_decode_tok_s"], first / hf["decode_tok_s"])
+    assert "backends torch, triton" in out
+    check_backend_rows(out, rec, "decode_tok_s")
+
+
+@pytest.mark.parametrize("workload,argv,key,tokens", [
+    ("decode-sat", ["--decode-batch", 2, "--decode-prompt-len", 6, "--decode-tokens", 3],
+     "decode_tok_s", "decode_tokens"),
+    ("offline", ["--num-requests", 3, "--prompt-len-range", 4, 12, "--output-len-range", 2, 4],
+     "output_tok_s", "output_tokens"),
+])
+def test_backends_batch_workloads(run_bench, tiny_config, tmp_path, workload, argv, key, tokens):
+    out, _, rec = run_bench("--device", MULTI_DEVICE, "--config", tiny_config,
+                            "--workload", workload, "--backend", "triton", "torch", *argv,
+                            "--no-warmup", "--peer", "hf", "--plot", tmp_path / "p")
+    assert list(rec["backends"]) == ["triton", "torch"]  # in the order given
+    assert rec["results"] == rec["backends"]["triton"]
+    for r in rec["backends"].values():  # the same requests, every token produced
+        assert r[tokens] == r[f"{tokens}_requested"] == rec["results"][tokens] > 0
+        assert r[key] > 0
+    check_backend_rows(out, rec, key)
+    for p in rec["plots"]:
+        check_png(p)
+
+
+def test_backends_closed_loop_rows_and_plots(run_bench, tiny_config, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    legends = {}
+    savefig = Figure.savefig
+
+    def keep_legends(fig, path, **kwargs):
+        legends[Path(path).name] = [t.get_text() for ax in fig.axes if ax.get_legend()
+                                    for t in ax.get_legend().get_texts()]
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_legends)
+    out, _, rec = run_bench("--device", MULTI_DEVICE, "--config", tiny_config,
+                            "--backend", "torch", "triton", "--concurrency", 1, 2,
+                            "--num-requests", 2, "--prompt-len-range", 4, 12,
+                            "--max-new-tokens", 3, "--no-warmup", "--plot", tmp_path / "p")
+    levels = {name: r["levels"] for name, r in rec["backends"].items()}
+    assert list(levels) == ["torch", "triton"]
+    for torch_lv, triton_lv in zip(levels["torch"], levels["triton"]):
+        assert torch_lv["prompt_tokens"] == triton_lv["prompt_tokens"]  # the same requests
+        for lv in (torch_lv, triton_lv):
+            assert lv["completed"] == 2 and lv["output_tokens"] == 6
+            assert lv["output_tokens"] == lv["output_tokens_requested"]
+            assert lv["output_tok_s"] > 0
+    for c in (1, 2):
+        for name in ("torch", "triton"):
+            assert f"| {c} | flashlet ({name}) | 2 |" in out
+    assert legends["throughput.png"] == ["flashlet (torch)", "flashlet (triton)"]
+    assert legends["ttft.png"][::2] == ["flashlet (torch) p50", "flashlet (triton) p50"]
+    assert legends["ttft_distribution.png"] == ["c=1", "c=2"] * 2  # a panel per backend
+    for p in rec["plots"]:
+        check_png(p)

@@ -1,7 +1,8 @@
 """Kernel sweep: every Triton kernel of this package against its PyTorch reference and, where
 `flashinfer` imports, against FlashInfer's equivalent.
 
-Each row gives the median time in microseconds (CUDA events around each call, the L2 flushed
+Each row gives the median time in microseconds (CUDA events around each call, replayed from a
+CUDA graph where it can be captured so that the host's launch cost is not timed; the L2 flushed
 before each repeat by zeroing a 256 MiB buffer), the bytes the kernel must move (its floor, as
 the kernel's docstring derives it) and the FLOPs it must do, the achieved bandwidth
 (bytes / time) and its fraction of the copy bandwidth measured in the same run (a
@@ -67,8 +68,14 @@ class _Timer:
             torch.empty(256 << 20, dtype=torch.uint8, device=device) if (flush_l2 and device.type == "cuda") else None
         )
 
-    def __call__(self, fn: Callable[[], object]) -> float:
-        """Median microseconds of fn()."""
+    def __call__(self, fn: Callable[[], object], graph: bool = True) -> float:
+        """Median microseconds of fn() on the device.
+
+        On CUDA, fn is captured in a CUDA graph when it can be (as the engine runs its decode
+        steps) and the graph is replayed between the timing events: otherwise the host's launch
+        cost (tens of microseconds for a Triton kernel launched from Python) would be timed
+        instead of a small kernel. graph=False (for a function known to sync with the host), or a
+failed capture, times fn as it is called."""
         for _ in range(self.warmup):
             fn()
         if self.device.type != "cuda":
@@ -78,6 +85,7 @@ class _Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e6)
             return statistics.median(times)
+        run = (_as_graph(fn) if graph else None) or fn
         torch.cuda.synchronize(self.device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
@@ -85,10 +93,27 @@ class _Timer:
             if self.flush is not None:
                 self.flush.zero_()
             starts[i].record()
-            fn()
+            run()
             ends[i].record()
         torch.cuda.synchronize(self.device)
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def _as_graph(fn: Callable[[], object]) -> Callable[[], object] | None:
+    """fn captured in a CUDA graph (its replay), or None when fn cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn()  # warm on the side stream, as torch.cuda.graphs advises
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # a host sync or another uncapturable call: time it as it is called
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -96,7 +121,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     timer = _Timer(device, repeats, 2, flush_l2=False)
-    us = timer(lambda: dst.copy_(src))
+    us = timer(lambda: dst.copy_(src), graph=False)
     del src, dst
     return 2 * nbytes / (us * 1e-6) / 1e9
 
@@ -310,7 +335,7 @@ def run_kernel_sweep(
                     return pre.prefill_attention_reference(q, kc, vc, qo, indptr, indices, lens, scale)
 
                 err = _rel_err(tri(), ref())
-                times = {"triton": timer(tri), "reference": timer(ref)}
+                times = {"triton": timer(tri), "reference": timer(ref, graph=False)}  # the reference syncs
                 fi_err = "flashinfer not importable" if fi is None else None
                 if fi is not None:
 
@@ -349,7 +374,7 @@ def run_kernel_sweep(
                 return rope.rope_kv_write_reference(q, k, v, pos, cos_sin, kc, vc, slots)
 
             err = max(_rel_err(a, b) for a, b in zip(tri(), ref()))
-            times = {"triton": timer(tri), "reference": timer(ref)}
+            times = {"triton": timer(tri), "reference": timer(ref, graph=False)}  # the reference syncs
             fi_err = "flashinfer not importable" if fi is None else None
             if fi is not None:
 

@@ -323,11 +323,12 @@ class Engine:
 
 
 def _ops_for(config: EngineConfig, device: torch.device):
-    """Fused Triton elementwise kernels on CUDA (any attention backend); else plain PyTorch."""
+    """Fused Triton kernels on CUDA (any attention backend), with our GEMV for one-row steps
+    unless `gemv` is off; else plain PyTorch."""
     if config.fused_ops and device.type == "cuda":
-        from flashlet.kernels.ops import TritonOps
+        from flashlet.kernels.ops import TritonOps, TritonOpsCublas
 
-        return TritonOps
+        return TritonOps if config.gemv else TritonOpsCublas
     return None
 
 

@@ -101,15 +101,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, layer_idx, attn, ops):
         # x, residual: [T, hidden]
         x, residual = ops.add_rms_norm(x, residual, self.input_norm, self.eps)
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, ops)  # RoPE, K/V write, attend
-        x = self.o_proj(o.reshape(-1, self.q_size))
+        x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
-        x = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        x = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))
+        x = ops.linear(x, self.down_proj.weight)
         return x, residual
 
 
@@ -141,7 +142,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32."""
-        return (hidden @ self.lm_head_weight.t()).float()
+        return self.ops.linear(hidden, self.lm_head_weight).float()
 
 
 def rope_cache(cfg: ModelConfig) -> torch.Tensor:

@@ -11,6 +11,11 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
+        return F.linear(x, weight, bias)
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, H] -> RMSNorm(x) * weight, reduced in fp32 as Hugging Face does."""
         xf = x.float()

@@ -51,7 +51,7 @@ def write_json(record: dict, path: str | Path) -> Path:
     return path
 
 
-KERNEL_COLUMNS = ("kernel", "batch", "context", "tokens", "triton_us", "reference_us",
+KERNEL_COLUMNS = ("kernel", "batch", "context", "tokens", "n", "k", "triton_us", "reference_us",
                   "flashinfer_us", "triton_gbps", "triton_frac_copy_bw", "flashinfer_frac_copy_bw",
                   "speedup_vs_reference", "speedup_vs_flashinfer", "max_rel_err_vs_reference")
 

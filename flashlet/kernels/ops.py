@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from flashlet.kernels import rmsnorm as _rmsnorm
+from flashlet.kernels.gemv import gemv
 from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kernels.silu_mul import silu_and_mul as _silu_and_mul
 
 
 class TritonOps:
     name = "triton"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight [N, K].T (+ bias): our GEMV kernel for one row (a single stream's
+        decode step), cuBLAS for more."""
+        if x.shape[0] == 1:
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,3 +59,13 @@ class TritonOps:
         q_out, _ = rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                  return_k=False)
         return q_out
+
+
+class TritonOpsCublas(TritonOps):
+    """TritonOps with every matmul on cuBLAS (`EngineConfig(gemv=False)`)."""
+
+    name = "triton-cublas"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)

@@ -169,7 +169,7 @@ def test_triton_ops_interface_matches_torch_ops():
     import inspect
 
     assert TritonOps.name == "triton"
-    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rope"):
+    for name in ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "rope_kv_write"):
         assert list(inspect.signature(getattr(TritonOps, name)).parameters) == list(
             inspect.signature(getattr(TorchOps, name)).parameters
         ), name

@@ -28,7 +28,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
-    gemv: bool = True  # with fused_ops: a one-row step's matmuls on our Triton GEMV, not cuBLAS
+    gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     seed: int = 0  # for random weights
 

@@ -324,11 +324,11 @@ class Engine:
 
 def _ops_for(config: EngineConfig, device: torch.device):
     """Fused Triton kernels on CUDA (any attention backend), with our GEMV for one-row steps
-    unless `gemv` is off; else plain PyTorch."""
+    when `gemv` is on; else plain PyTorch."""
     if config.fused_ops and device.type == "cuda":
-        from flashlet.kernels.ops import TritonOps, TritonOpsCublas
+        from flashlet.kernels.ops import TritonOps, TritonOpsGemv
 
-        return TritonOps if config.gemv else TritonOpsCublas
+        return TritonOpsGemv if config.gemv else TritonOps
     return None
 
 

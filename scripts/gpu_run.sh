@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
-#   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-cublas decode-sat
+#   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
 #                                             offline closed-loop kernels progression all (default)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-cublas decode-sat offline closed-loop kernels progression)
+  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -52,8 +52,8 @@ for part in "${PARTS[@]}"; do
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     single) run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \
               --out "$OUT/json/single.json" ;;
-    single-cublas) run 200 $B --max-num-pages 8192 --workload single --no-gemv \
-                     --out "$OUT/json/single-cublas.json" ;;
+    single-gemv) run 200 $B --max-num-pages 8192 --workload single --gemv \
+                   --out "$OUT/json/single-gemv.json" ;;
     decode-sat) run 300 $B --max-num-pages 8192 --workload decode-sat --peer hf \
                   --out "$OUT/json/decode-sat.json" ;;
     offline) run 500 $B --max-num-pages 32768 --workload offline --peer hf \

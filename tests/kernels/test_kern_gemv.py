@@ -1,5 +1,5 @@
 """The one-row GEMV against F.linear: odd sizes (masking at both block edges), bias, a weight
-that is a view; and TritonOps.linear's dispatch (GEMV for one row, cuBLAS for more)."""
+that is a view; and TritonOpsGemv.linear's dispatch (GEMV for one row, cuBLAS for more)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashlet.kernels.gemv import block_n_for, gemv, gemv_reference
-from flashlet.kernels.ops import TritonOps, TritonOpsCublas
+from flashlet.kernels.ops import TritonOps, TritonOpsGemv
 from flashlet.ops import TorchOps
 
 
@@ -52,7 +52,7 @@ def test_linear_dispatch(kh, monkeypatch):
     monkeypatch.setattr(ops_module, "gemv", lambda *a: calls.append(a) or gemv(*a))
     w = _randn(6, 10, seed=5, device=kh.device)
     one, two = _randn(1, 10, seed=6, device=kh.device), _randn(2, 10, seed=7, device=kh.device)
-    for ops in (TritonOps, TritonOpsCublas):
+    for ops in (TritonOps, TritonOpsGemv):
         for x in (one, two):
             assert kh.rel_err(ops.linear(x, w), TorchOps.linear(x, w)) < 1e-5
-    assert len(calls) == 1, "only TritonOps with one row goes through the GEMV"
+    assert len(calls) == 1, "only TritonOpsGemv with one row goes through the GEMV"

@@ -223,7 +223,8 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_token_ids[slot] = token
-        self._detokenize(req, slot + 1)
+        if self.tokenizer is not None:
+            self._detokenize(req, slot + 1)
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
@@ -245,8 +246,6 @@ class Engine:
 
         Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which
         merge spaces across tokens give the same text as decoding everything at once."""
-        if self.tokenizer is None:
-            return
         ids = req.output_token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset],
                                        skip_special_tokens=True)
@@ -257,7 +256,8 @@ class Engine:
 
     def _emit(self, req: Request, holdback: bool) -> str:
         """Text not yet sent, minus a tail that could still become a stop string."""
-        keep = max((len(s) for s in req.params.stop), default=1) - 1 if holdback else 0
+        stop = req.params.stop
+        keep = max(len(s) for s in stop) - 1 if holdback and stop else 0
         end = max(len(req.output_text) - keep, 0)
         if end <= req.num_sent_chars:
             return ""

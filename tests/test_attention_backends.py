@@ -52,7 +52,7 @@ def compare(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=torch.float32, de
     q = torch.randn(meta.num_tokens, hq, d, dtype=dtype, device=device)
     k = torch.randn(meta.num_tokens, hkv, d, dtype=dtype, device=device)
     v = torch.randn(meta.num_tokens, hkv, d, dtype=dtype, device=device)
-    ref = TorchBackend(pool, hq)
+    ref = TorchBackend(pool, hq, batched_decode=False)  # the oracle: the per-sequence loop
     ref.plan(meta)
     expected = ref.run(0, q, k, v)
     other = make_backend(pool, hq)

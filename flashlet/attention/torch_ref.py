@@ -1,8 +1,10 @@
 """The dense PyTorch reference backend: gathers each sequence's pages and runs SDPA.
 
-Slow and obvious on purpose: it is the oracle every other backend is tested against. On CUDA,
-pure-decode steps take a batched path instead (a padded page table, one masked attention for
-the whole batch) that can be captured in a CUDA graph: the GPU baseline for the other backends.
+Slow and obvious on purpose: it is the oracle every other backend is tested against
+(`batched_decode=False`: every step through the per-sequence loop). By default pure-decode
+steps take a batched path instead (a padded page table, one masked attention for the whole
+batch), checked against the loop: it can be captured in a CUDA graph, the GPU baseline for the
+other backends, and on the CPU it spares a Python loop over the sequences.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, kv_pool, num_q_heads, scale=None, max_batch_size: int = 256,
-                 max_pages_per_seq: int | None = None, batched_decode: bool | None = None, **_):
+                 max_pages_per_seq: int | None = None, batched_decode: bool = True, **_):
         super().__init__(kv_pool, num_q_heads, scale)
         device = kv_pool.k_cache.device
-        # The batched decode path is the default on CUDA; tests turn it on for the CPU too.
-        self.supports_cuda_graph = device.type == "cuda" if batched_decode is None else batched_decode
+        self.supports_cuda_graph = batched_decode  # graphs are captured on CUDA only
         self._padded = None  # (batch, pages per row) while a batched decode step is planned
         if self.supports_cuda_graph:
             max_pages = max_pages_per_seq or kv_pool.num_pages

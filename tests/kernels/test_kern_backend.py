@@ -29,7 +29,7 @@ def _pool(kh, *, layers=2, pages=64, page_size=8, num_kv_heads=2, head_dim=16, s
 
 def _compare(kh, pool, num_q_heads, seqs, *, shared=None, seed=0, **kwargs):
     meta, _ = kh.make_step(pool, seqs, shared_prefix_pages=shared)
-    ref, tri = TorchBackend(pool, num_q_heads), TritonBackend(pool, num_q_heads, **{**SMALL, **kwargs})
+    ref, tri = TorchBackend(pool, num_q_heads, batched_decode=False), TritonBackend(pool, num_q_heads, **{**SMALL, **kwargs})
     ref.plan(meta)
     tri.plan(meta)
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +109,7 @@ def test_run_rope_matches_rope_then_run(kh, ops):
     q = torch.randn(meta.num_tokens, 14, 32, generator=g).to(kh.device)
     k = torch.randn(meta.num_tokens, 2, 32, generator=g).to(kh.device)
     v = torch.randn(meta.num_tokens, 2, 32, generator=g).to(kh.device)
-    ref, tri = TorchBackend(pool, 14), TritonBackend(pool, 14, **SMALL)
+    ref, tri = TorchBackend(pool, 14, batched_decode=False), TritonBackend(pool, 14, **SMALL)
     ref.plan(meta)
     tri.plan(meta)
     qr, kr = TorchOps.rope(q, k, meta.positions, cs)
@@ -130,7 +130,7 @@ def test_decode_rows_past_the_batch_are_zero(kh):
     q = torch.randn(4, 6, 16).to(kh.device)  # two padding rows
     out = tri._attend(0, q)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
-    ref = TorchBackend(pool, 6)
+    ref = TorchBackend(pool, 6, batched_decode=False)
     ref.plan(meta)
     assert kh.rel_err(out[:2], ref._attend(0, q[:2])) < 1e-5
 

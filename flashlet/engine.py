@@ -136,10 +136,8 @@ class Engine:
                      "unknown" if req is None else "already finished")
             return False
         req.finish_reason = "abort"
-        req.drop_placeholders()
-        self.scheduler.finish(req)
+        self._retire(req)
         self._pending.append(self._output(req, [], self._emit(req, holdback=False)))
-        del self.requests[request_id]
         return True
 
     def has_unfinished(self) -> bool:
@@ -216,9 +214,7 @@ class Engine:
         then the stop checks."""
         if isinstance(token, Exception):
             req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
-            req.drop_placeholders()
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
+            self._retire(req)
             return self._output(req, [], "")
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -233,12 +229,16 @@ class Engine:
         elif slot + 1 >= p.max_new_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:
-            req.drop_placeholders()  # a row the next step ran after this stop
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
+            self._retire(req)
         # Stop strings are cut before anything is emitted, and a tail that could still grow
         # into one is held back until the request finishes.
         return self._output(req, [token], self._emit(req, holdback=not req.is_finished))
+
+    def _retire(self, req: Request) -> None:
+        """A finished request (its finish_reason set) gives back its pages and leaves."""
+        req.drop_placeholders()  # rows launched after it stopped, never to be read
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
 
     # ---- text -----------------------------------------------------------------------------
     def _detokenize(self, req: Request, end: int) -> None:
@@ -330,7 +330,6 @@ def _ops_for(config: EngineConfig, device: torch.device):
 
         return TritonOpsGemv if config.gemv else TritonOps
     return None
-
 
 
 class TokenBuffer:

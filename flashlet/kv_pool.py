@@ -95,6 +95,12 @@ class KVPool:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
         """Store new K/V rows: k, v [num_tokens, kv_heads, head_dim] at flat slots [num_tokens]."""
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache[layer].view(flat).index_copy_(0, slot_mapping, k)
-        self.v_cache[layer].view(flat).index_copy_(0, slot_mapping, v)
+        store_kv(self.k_cache[layer], self.v_cache[layer], k, v, slot_mapping)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """One layer's pool [pages, page_size, kv_heads, head_dim]: k, v rows to flat slots."""
+    flat = (-1,) + tuple(k_cache.shape[2:])
+    k_cache.view(flat).index_copy_(0, slot_mapping, k)
+    v_cache.view(flat).index_copy_(0, slot_mapping, v)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashlet.kv_pool import store_kv
+
 
 class TorchOps:
     name = "torch"
@@ -41,15 +43,12 @@ class TorchOps:
         cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-
     @staticmethod
     def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
         """RoPE on q and k, then k and v stored into one layer's pool at flat `slot_mapping`.
         Returns the rotated q (the rotated k lives only in the pool)."""
         q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
-        flat = (-1,) + tuple(k_cache.shape[2:])
-        k_cache.view(flat).index_copy_(0, slot_mapping, k)
-        v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        store_kv(k_cache, v_cache, k, v, slot_mapping)
         return q
 
 

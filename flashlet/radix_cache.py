@@ -73,12 +73,7 @@ class RadixCache:
         prefix_pages, node = self.match_prefix(tokens)
         done = len(prefix_pages) * self.page_size
         if done < len(tokens):
-            child = RadixNode(list(tokens[done:]), list(pages[len(prefix_pages):]), node)
-            child.last_access = next(self._clock)
-            node.children[self._page_key(tokens, done)] = child
-            self._leaves.discard(node)
-            self._leaves.add(child)
-            self.num_pages += len(child.pages)
+            self._attach(node, tokens[done:], pages[len(prefix_pages):])
         return done
 
     def extend_locked(self, node: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode | None:
@@ -87,16 +82,10 @@ class RadixCache:
         of a decoding request whose latest page just filled (no walk from the root). Returns
         None, changing nothing, when `node` already has a child starting with these tokens
         (use `insert` then)."""
-        key = self._page_key(tokens, 0)
-        if key in node.children:
+        if self._page_key(tokens, 0) in node.children:
             return None
-        child = RadixNode(list(tokens), list(pages), node)
-        child.last_access = next(self._clock)
+        child = self._attach(node, tokens, pages)
         child.lock_ref = 1  # the request's lock now ends here; the path above already counts it
-        node.children[key] = child
-        self._leaves.discard(node)
-        self._leaves.add(child)
-        self.num_pages += len(child.pages)
         return child
 
     # ---- locks and eviction ---------------------------------------------------------------
@@ -183,6 +172,16 @@ class RadixCache:
                 break
             n += 1
         return n
+
+    def _attach(self, parent: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode:
+        """A new leaf below `parent` holding `tokens` (whole pages) and their `pages`."""
+        child = RadixNode(list(tokens), list(pages), parent)
+        child.last_access = next(self._clock)
+        parent.children[self._page_key(child.key, 0)] = child
+        self._leaves.discard(parent)
+        self._leaves.add(child)
+        self.num_pages += len(child.pages)
+        return child
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Split `node` after `num_pages` pages; returns the new upper node."""

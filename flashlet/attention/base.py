@@ -8,7 +8,8 @@ query row i of a chunk of length q over a KV length of n sees keys 0 .. n - q + 
 
 The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, ...)` in every
 layer (`run(layer, q, k, v)` for q/k already rotated). Both first write the step's new K/V into
-the pool at `meta.slot_mapping` (so a chunk attends to itself), then attend. Names follow FlashInfer's so the backends read alike.
+the pool at `meta.slot_mapping` (so a chunk attends to itself), then attend. Names follow
+FlashInfer's so the backends read alike.
 """
 
 from __future__ import annotations

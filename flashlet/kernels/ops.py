@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import torch
 
-import torch.nn.functional as F
-
 from flashlet.kernels import rmsnorm as _rmsnorm
 from flashlet.kernels.gemv import gemv
 from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kernels.silu_mul import silu_and_mul as _silu_and_mul
+from flashlet.ops import TorchOps
 
 
 class TritonOps:
     name = "triton"
 
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] @ weight [N, K].T (+ bias): cuBLAS (see TritonOpsGemv for our GEMV)."""
-        return F.linear(x, weight, bias)
+    linear = staticmethod(TorchOps.linear)  # cuBLAS (TritonOpsGemv: our GEMV for one row)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,4 +65,4 @@ class TritonOpsGemv(TritonOps):
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 1:
             return gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return TorchOps.linear(x, weight, bias)

@@ -45,13 +45,15 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlet.kernels import tuning
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_range(kv_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(kv_len, NUM_SPLITS: tl.constexpr, min_split_tokens, BLOCK_N: tl.constexpr):
     """(number of splits this sequence uses, tokens per split: a multiple of BLOCK_N)."""
-    n = tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_TOKENS), NUM_SPLITS)
+    n = tl.minimum(tl.cdiv(kv_len, min_split_tokens), NUM_SPLITS)
     n = tl.maximum(n, 1)
     split_len = tl.cdiv(tl.cdiv(kv_len, n), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, BLOCK_N)
@@ -59,11 +61,12 @@ def _split_range(kv_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexp
     return n, split_len
 
 
-@triton.jit
+# min_split_tokens is a runtime value (not specialised on), so tuning it compiles nothing new.
+@triton.jit(do_not_specialize=["min_split_tokens"])
 def _decode_kernel(
     Q, K, V, O, MidO, MidLse,
     KvIndptr, KvIndices, KvLens,
-    qk_scale,
+    qk_scale, min_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -74,7 +77,6 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_TOKENS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -82,7 +84,7 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.load(KvLens + b)
-    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
@@ -138,16 +140,15 @@ def _decode_kernel(
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_split_tokens"])
 def _merge_kernel(
     MidO, MidLse, O, KvLens,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, min_split_tokens,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits."""
@@ -155,7 +156,7 @@ def _merge_kernel(
     kvh = tl.program_id(1)
     j = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
-    n_splits, _ = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
     s = tl.arange(0, NUM_SPLITS)
     g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     heads = kvh * GROUP + g
@@ -184,17 +185,12 @@ def group_pad(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int, waves: int = 2) -> int:
     """Most splits per sequence, from the batch shape only (so it is CUDA-graph stable).
 
-    Aims at about two programs per SM: S = next_pow2(2 * SMs / (B * Hkv)), clamped to
+    Aims at about `waves` programs per SM: S = next_pow2(waves * SMs / (B * Hkv)), clamped to
     [1, max_splits]. Large batches get S = 1 (no partials, no merge)."""
-    want = _next_pow2(math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads)))
-    return max(1, min(want, _prev_pow2(max_splits)))
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+    return tuning.num_splits(num_seqs, num_kv_heads, num_sms, waves, max_splits)
 
 
 def decode_attention(
@@ -257,7 +253,7 @@ def decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E,
+        scale * LOG2E, min_split_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -268,7 +264,6 @@ def decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MIN_SPLIT_TOKENS=min_split_tokens,
         INPUT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -279,13 +274,12 @@ def decode_attention(
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
         _merge_kernel[(batch, num_kv_heads, gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), min_split_tokens,
             NUM_Q_HEADS=num_q_heads,
             GROUP=group,
             HEADS_PER_PROG=hpp,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            MIN_SPLIT_TOKENS=min_split_tokens,
             BLOCK_N=block_n,
             num_warps=4 if num_splits * hpp * head_dim <= 8192 else 8,
         )

@@ -52,6 +52,7 @@ def preset_config_path(name_or_path: str) -> Path:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
+        started = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -84,6 +85,19 @@ class Engine:
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
+        self.start_report = self._warm_up(time.perf_counter() - started)
+
+    def _warm_up(self, load_s: float) -> dict:
+        """Compile every kernel variant and capture every graph now, not in the first requests
+        (flashlet/warmup.py); returns the start time split into load / warm-up / capture."""
+        report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
+        if self.config.warmup and self.device.type == "cuda":
+            from flashlet.warmup import warm_up
+
+            report.update(warm_up(self), warmed_up=True)
+        log.info("engine start: load %.2f s, warm-up %.2f s, graph capture %.2f s (backend %s)",
+                 report["load_s"], report["warmup_s"], report["capture_s"], self.runner.backend.name)
+        return report
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:

@@ -31,7 +31,7 @@ class EngineConfig:
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     seed: int = 0  # for random weights
-    warmup: bool = True  # CUDA: compile every kernel variant, capture every graph before serving
+    warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -91,7 +91,7 @@ class Engine:
         """Compile every kernel variant and capture every graph now, not in the first requests
         (flashlet/warmup.py); returns the start time split into load / warm-up / capture."""
         report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
-        if self.config.warmup and self.device.type == "cuda":
+        if self.config.warmup_at_start and self.device.type == "cuda":
             from flashlet.warmup import warm_up
 
             report.update(warm_up(self), warmed_up=True)

@@ -123,6 +123,15 @@ class Bench:
     def __init__(self, calls: int, reps: int):
         self.calls, self.reps = calls, reps
 
+    def safe_us(self, make_fns, what: str) -> float:
+        """time_us(make_fns()), or inf (and a note) when the config fails to compile or run."""
+        try:
+            return self.time_us(make_fns())
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: the config is out
+            print(f"  ! {what}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            return float("inf")
+
     def time_us(self, fns) -> float:
         """Median µs per call of fns (a list, one per layer, cycled) replayed from a graph."""
         fns[0]()  # compile, allocate
@@ -236,7 +245,11 @@ def flashinfer_fns(case: Case, workspace):
 
 
 def check(fns, reference, what: str) -> bool:
-    got = fns[0]().float()
+    try:
+        got = fns[0]().float()
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is dropped
+        print(f"  ! {what}: {type(e).__name__}: {str(e)[:160]}: dropped", flush=True)
+        return False
     err = (got - reference).abs().max().item()
     ok = err < 3e-2 * max(1.0, reference.abs().max().item())
     if not ok:
@@ -267,7 +280,7 @@ def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
         default = tuning.default_decode(d, group, b)
 
         def score(cfg):
-            return [bench.time_us(triton_decode_fns(c, cfg, num_sms)) for c in cases.values()]
+            return [bench.safe_us(lambda: triton_decode_fns(c, cfg, num_sms), f"decode {cfg}") for c in cases.values()]
 
         stage1 = {DecodeConfig(block_n=t[0], num_warps=t[1], num_stages=t[2]): None for t in tiles}
         times = {cfg: score(cfg) for cfg in stage1}
@@ -278,7 +291,8 @@ def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
         if default not in times:
             times[default] = score(default)
         winner, _ = best({c: geomean(t) for c, t in times.items()})
-        fi = [bench.time_us(flashinfer_fns(c, workspace)) for c in cases.values()] if workspace is not None else None
+        fi = [bench.safe_us(lambda: flashinfer_fns(c, workspace), "flashinfer") for c in cases.values()] \
+            if workspace is not None else None
         decode_entries[(d, group, b)] = winner
         tri_all += times[winner]
         fi_all += fi or []
@@ -292,12 +306,13 @@ def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
         for t in args.prefill_tiles[bucket_name]:
             cfg = PrefillConfig(*t)
             if check(triton_prefill_fns(small_ref, cfg), sref, f"{name} prefill {t}"):
-                times[cfg] = [bench.time_us(triton_prefill_fns(c, cfg)) for c in cases]
+                times[cfg] = [bench.safe_us(lambda: triton_prefill_fns(c, cfg), f"prefill {cfg}") for c in cases]
         default = tuning.default_prefill(d, group, bucket)
         if default not in times:
-            times[default] = [bench.time_us(triton_prefill_fns(c, default)) for c in cases]
+            times[default] = [bench.safe_us(lambda: triton_prefill_fns(c, default), f"prefill {default}") for c in cases]
         winner, _ = best({c: geomean(t) for c, t in times.items()})
-        fi = [bench.time_us(flashinfer_fns(c, workspace)) for c in cases] if workspace is not None else None
+        fi = [bench.safe_us(lambda: flashinfer_fns(c, workspace), "flashinfer") for c in cases] \
+            if workspace is not None else None
         prefill_entries[(d, group, bucket)] = winner
         tri_all += times[winner]
         fi_all += fi or []
@@ -357,7 +372,12 @@ def main(argv=None) -> int:
             skipped.append(name)
             continue
         t0 = time.perf_counter()
-        rows, dec, pre, ratio = tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, torch.bfloat16)
+        try:
+            rows, dec, pre, ratio = tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, torch.bfloat16)
+        except Exception as e:  # noqa: BLE001 - keep the other shapes' results
+            print(f"\n{name}: failed: {type(e).__name__}: {e}", flush=True)
+            skipped.append(f"{name} (failed)")
+            continue
         decode.update(dec)
         prefill.update(pre)
         if ratio is not None:

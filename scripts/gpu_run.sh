@@ -71,7 +71,7 @@ for part in "${PARTS[@]}"; do
     nocompile) run 300 $PYTEST tests/gpu/test_gpu_warmup.py ;;  # nothing compiles after start
     warm)  # engine start, cold (empty Triton and FlashInfer caches) then warm (the same caches)
       for b in triton flashinfer; do
-        d=$(mktemp -d)
+        d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
         for label in cold warm; do
           run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
             python3 scripts/start_time.py --config qwen2.5-0.5b --backend $b --label $label \

@@ -125,3 +125,28 @@ def test_compile_counter_counts_a_new_triton_variant():
     with count_triton_compiles() as again:
         silu_and_mul(x, block=32)
     assert first.count >= 1 and again.count == 0
+
+
+@pytest.mark.slow
+def test_warm_up_runs_every_triton_variant_step(tiny_qwen2):
+    """The Triton backend's warm-up steps (interpreter on the CPU): one chunk step per prefill
+    bucket (a 1-token chunk included) and one eager decode step per decode variant; the engine
+    then gives the same tokens as the torch backend."""
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
+                       max_num_pages=32)
+    engine = Engine(cfg.replace(backend="triton"))
+    report = warm_up(engine)
+    backend = engine.runner.backend
+    assert report["chunk_lengths"] == [1, tuning.PREFILL_QLEN_BUCKETS[0] + 1]
+    assert {backend.decode_variant(b) for b in report["decode_sizes"]} == \
+        {backend.decode_variant(b) for b in range(1, 5)}
+    assert engine.kv_pool.allocator.num_used == 0
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    outs = []
+    for e in (engine, Engine(cfg.replace(backend="torch"))):
+        rid = e.add_request([3, 1, 4, 1, 5, 9, 2, 6], params)
+        done = {}
+        while e.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        outs.append(done[rid])
+    assert outs[0] == outs[1]

@@ -43,8 +43,8 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self.active = self.wrapper
         cache = os.environ.get("FLASHINFER_WORKSPACE_BASE", "~")
-        log.info("flashinfer %s: kernels are compiled on first use and kept under %s/.cache/"
-                 "flashinfer (set FLASHINFER_WORKSPACE_BASE to keep them between runs)",
+        log.info("flashinfer %s: kernels are compiled on first use (engine start warms them up) "
+                 "and kept under %s/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE moves them)",
                  flashinfer.__version__, cache)
 
     def plan(self, meta: AttentionMetadata) -> None:

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
 #                                             offline closed-loop kernels progression all (default)
 #                                             and, not in all (issue 14, ~12 min together):
-#                                             nocompile warm e2e shapes tune
+#                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
+#                                             without the start warm-up, for comparison)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -88,6 +89,13 @@ for part in "${PARTS[@]}"; do
           --out "$OUT/json/e2e-decode-$b.json"
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-*.json ;;
+    e2e-lazy)  # the same decode-sat without the start warm-up: what graphs built lazily cost
+      for b in triton flashinfer; do
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --no-warmup-at-start --out "$OUT/json/e2e-lazy-decode-$b.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-lazy-*.json ;;
     shapes)  # 64 x 300-token prompts, 64 new tokens, end to end (first run) and repeated
       for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
         run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \

@@ -47,4 +47,4 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
     raise ValueError(f"unknown attention backend {name!r} (choose from auto, torch, flashinfer, triton)")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "create_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "create_backend", "resolve_backend"]

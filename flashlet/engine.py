@@ -54,6 +54,7 @@ def preset_config_path(name_or_path: str) -> Path:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
+        started = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -88,6 +89,24 @@ class Engine:
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
+        self.start_report = self._warm_up(time.perf_counter() - started)
+
+    def _warm_up(self, load_s: float) -> dict:
+        """Compile every kernel variant and capture every graph now, not in the first requests
+        (flashlet/warmup.py); returns the start time split into load / warm-up / capture."""
+        report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
+        if self.config.warmup_at_start and self.device.type == "cuda":
+            from flashlet.warmup import warm_up
+
+            report.update(warm_up(self), warmed_up=True)
+        log.info("engine start: load %.2f s, warm-up %.2f s, graph capture %.2f s (backend %s)",
+                 report["load_s"], report["warmup_s"], report["capture_s"], self.backend_name)
+        return report
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend that runs (what "auto" resolved to)."""
+        return self.runner.backend.name
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -13,7 +13,7 @@ from flashlet.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, backend: str = "torch", device=None,
+    def __init__(self, model: str | None = None, backend: str = "auto", device=None,
                  dtype=None, page_size: int = 16, max_num_pages: int | None = None, **kwargs):
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")

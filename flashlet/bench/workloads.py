@@ -308,7 +308,7 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
         engine = Engine(EngineConfig(
             config=str(cfg), device="cpu", dtype="float32", backend="torch", page_size=ps,
             max_num_pages=pages, max_num_seqs=R, max_num_batched_tokens=args.sched_budget,
-            enable_prefix_cache=args.enable_prefix_cache, max_model_len=None, seed=args.seed))
+            enable_prefix_cache=args.enable_prefix_cache, max_model_len=None, weights_seed=args.weights_seed))
         results[scenario] = _sched_scenario(engine, R - num_prefill, num_prefill, ctx, chunk,
                                             generated, steps, warm, args.seed, progress, scenario)
         results[scenario]["pool_pages"] = pages

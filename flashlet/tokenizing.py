@@ -6,7 +6,8 @@ Three guarantees:
   own markers still are control tokens); `allow_special=True` is for trusted callers;
 - an over-long prompt is refused before it is tokenized: no token is longer than the
   vocabulary's longest entry, so a text of more than `limit * max_token_chars` characters
-  cannot fit in `limit` tokens, whatever it holds;
+  cannot fit in `limit` tokens, whatever it holds; a shorter but long text is tokenized
+  first only as far as a prefix that normally holds more than `limit` tokens;
 - `TextEncoder` tokenizes on worker threads that each own a copy of the tokenizer (a Hugging
   Face fast tokenizer must not be used by two threads at once, and `split_special_tokens`
   flips a flag on it), so unrelated requests never wait on one lock.
@@ -20,6 +21,12 @@ import copy
 import secrets
 import threading
 from typing import Any
+
+
+# Texts longer than limit x PROBE_CHARS_PER_TOKEN characters are first tokenized only that
+# far (English averages ~4 characters a token); PROBE_SLACK absorbs a token cut in two.
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_SLACK = 8
 
 
 class PromptTooLong(ValueError):
@@ -119,7 +126,15 @@ class TextEncoder:
 
     def encode(self, text: str, what: str = "prompt") -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
-        return encode_text(self._tokenizer(), text, allow_special=self.allow_special)
+        tokenizer = self._tokenizer()
+        probe = self.limit_tokens * PROBE_CHARS_PER_TOKEN
+        if len(text) > probe:  # most over-long texts show it in their first few characters
+            head = encode_text(tokenizer, text[:probe], allow_special=self.allow_special)
+            if len(head) > self.limit_tokens + PROBE_SLACK:
+                raise PromptTooLong(
+                    f"{what} is longer than the context of {self.limit_tokens} tokens (its "
+                    f"first {probe} characters alone are {len(head)} tokens)")
+        return encode_text(tokenizer, text, allow_special=self.allow_special)
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))

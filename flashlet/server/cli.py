@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="open HTTP connections at once; the next one gets 503 and is "
                              "closed (default: %(default)s)")
     server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="log messages at this level and above (default: %(default)s)")
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                         help="log one line per request")
     engine = parser.add_argument_group("engine")

@@ -33,7 +33,7 @@ class EngineConfig:
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
-    weights_seed: int = 0  # seeds the random weights of --config (sampling has its own seed)
+    weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -449,8 +449,10 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
 
     # ---- health, models, metrics ---------------------------------------------------------
-    @app.api_route("/health", methods=["GET", "HEAD"],
-                   responses={503: {"description": "Loading, failed or shutting down"}})
+    health_responses = {503: {"description": "Loading, failed or shutting down"}}
+
+    @app.head("/health", operation_id="health_head", responses=health_responses)
+    @app.get("/health", responses=health_responses)
     async def health():
         if server.draining or not loop.is_ready:
             if loop.error is not None:

@@ -69,7 +69,7 @@ class ApiError(Exception):
 class ServerConfig:
     model_name: str = "flashlet"
     api_key: str | None = None
-    max_waiting: int | None = 512  # queued (not yet running) requests before 503s
+    max_waiting: int | None = 512  # requests waiting for a running slot before 503s
     max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
     retry_after_s: int = 1
     allow_special_tokens: bool = False  # parse control tokens in user text (trusted callers)

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every endpoint but /health")
     server.add_argument("--max-waiting", type=int, default=ServerConfig.max_waiting,
-                        help="queued (not yet running) requests allowed; beyond: 503 + Retry-After")
+                        help="requests that may wait for a free running slot; beyond: 503 + "
+                             "Retry-After (default: %(default)s)")
     server.add_argument("--served-model-name", default=None,
                         help="the model id of the /v1 API (default: from --model)")
     server.add_argument("--max-tokens-cap", type=int, default=None,

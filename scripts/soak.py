@@ -33,6 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_SERVER_ARGS = ["--max-num-pages", "64", "--max-num-seqs", "32"]
+GRACE_S = 30.0  # how long requests may run on after the deadline
 ACTIONS = ("generate", "stream", "stream_abort", "completion_stream_abort", "disconnect",
            "chat_or_completion")
 
@@ -179,9 +180,15 @@ async def client_loop(url: str, deadline: float, args, tally: Tally, seed: int) 
 
 
 async def load(url: str, seconds: float, args, tally: Tally, seed: int) -> None:
+    """Clients start requests until the deadline; what still runs GRACE_S after it is cut
+    off (the client disconnects: one more abort for the server to clean up)."""
     deadline = time.monotonic() + seconds
-    await asyncio.gather(*(client_loop(url, deadline, args, tally, seed * 1000 + i)
-                           for i in range(args.concurrency)))
+    clients = asyncio.gather(*(client_loop(url, deadline, args, tally, seed * 1000 + i)
+                               for i in range(args.concurrency)))
+    try:
+        await asyncio.wait_for(clients, seconds + GRACE_S)
+    except TimeoutError:
+        tally.saw("cut_at_deadline")
 
 
 def wait_idle(url: str, timeout: float = 120) -> dict[str, float]:

@@ -63,7 +63,7 @@ class Engine:
         ops = _ops_for(config, self.device)
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
-            self.model = random_model(cfg, self.device, self.dtype, config.seed, ops=ops)
+            self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops)
             self.tokenizer, self.model_dir = None, None
         else:
             self.model, self.tokenizer, self.model_dir = load_model(

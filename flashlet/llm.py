@@ -10,6 +10,7 @@ from flashlet.detokenizer import TextOutputs
 from flashlet.engine import Engine
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
+from flashlet.tokenizing import chat_ids
 
 
 class LLM:
@@ -46,19 +47,23 @@ class LLM:
             raise
         return [finished[i] for i in ids]
 
-    def chat(self, conversations, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate replies to chat conversations (lists of {role, content}), chat template applied."""
+    def chat(self, conversations, params: SamplingParams | None = None, *,
+             allow_special_tokens: bool = False) -> list[RequestOutput]:
+        """Generate replies to chat conversations (lists of {role, content}), chat template
+        applied; control-token text in message content stays text unless allowed."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+        return self.generate([self.apply_chat_template(c, allow_special_tokens=allow_special_tokens)
+                              for c in conversations], params)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], *,
+                            allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation, ending with the assistant's turn opening.
+        Message content is encoded as text: `<|im_end|>` written in a message is not the
+        control token (flashlet/tokenizing.py), unless `allow_special_tokens`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        if not messages:
-            raise ValueError("the message list is empty")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens)
 
     def _run_until_done(self, ids: set[int]) -> dict[int, RequestOutput]:
         finished = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -16,8 +16,14 @@ class SamplingParams:
     seed: int | None = None  # a fixed seed reproduces sampled output
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
-    def __post_init__(self):
+    def __post_init__(self, max_tokens: int | None):
+        if max_tokens is not None:
+            if self.max_new_tokens not in (max_tokens, _DEFAULT_MAX_NEW_TOKENS):
+                raise ValueError(f"max_tokens ({max_tokens!r}) and max_new_tokens "
+                                 f"({self.max_new_tokens!r}) disagree: give one of them")
+            self.max_new_tokens = max_tokens
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
@@ -38,6 +44,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+_DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
+                                     doc="vLLM's name for max_new_tokens")
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="closed-loop")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seeds the prompts and lengths (--weights-seed seeds random weights)")
     w.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY,
                    help="closed-loop client counts, one level each")
     w.add_argument("--num-requests", type=int, default=None,

@@ -17,23 +17,24 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
 from flashlet.server.engine_loop import (EngineLoop, NotReady, Overloaded, RequestStream,
                                          StreamError)
+from flashlet.server.limits import HttpLimits, LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import Metrics, MetricsMiddleware
 from flashlet.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                       GenerateRequest, GenerateResponse, ModelList)
+from flashlet.tokenizing import PromptTooLong, TextEncoder
 
 log = logging.getLogger("flashlet.server")
 
@@ -43,6 +44,7 @@ MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it a
 MIN_TOP_P = 1e-8
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
+               408: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error",
                499: "client_closed_request", 500: "server_error", 503: "server_error"}
 
@@ -67,51 +69,56 @@ class ApiError(Exception):
 class ServerConfig:
     model_name: str = "flashlet"
     api_key: str | None = None
-    max_waiting: int | None = 512  # queued (not yet running) requests before 503s
+    max_waiting: int | None = 512  # requests waiting for a running slot before 503s
     max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
     retry_after_s: int = 1
+    allow_special_tokens: bool = False  # parse control tokens in user text (trusted callers)
+    limits: HttpLimits = field(default_factory=HttpLimits)  # body size/time, connections
 
 
 @dataclass
 class ModelContext:
-    """What handlers need from the engine, copied once on the loop thread: the engine's own
-    tokenizer is used by the loop thread (decode) and HF fast tokenizers must not be used
-    from two threads at once, so handlers get a private copy behind a lock."""
+    """What handlers need from the engine, copied once on the loop thread. Text is encoded by
+    a TextEncoder (flashlet/tokenizing.py): on its own threads and tokenizer copies, user text
+    never becoming control tokens, over-long text refused before it is tokenized."""
 
-    tokenizer: Any
+    encoder: TextEncoder | None
     max_model_len: int
     vocab_size: int
     page_size: int
     num_pages: int
-    lock: threading.Lock
 
     @classmethod
-    def from_engine(cls, engine) -> "ModelContext":
-        return cls(tokenizer=copy.deepcopy(engine.tokenizer), max_model_len=engine.max_model_len,
+    def from_engine(cls, engine, allow_special_tokens: bool = False) -> "ModelContext":
+        limit = min(engine.max_model_len, engine.kv_pool.num_pages * engine.config.page_size)
+        encoder = None if engine.tokenizer is None else TextEncoder(
+            copy.deepcopy(engine.tokenizer), limit, allow_special=allow_special_tokens)
+        return cls(encoder=encoder, max_model_len=engine.max_model_len,
                    vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
-                   num_pages=engine.stats()["kv_pages_total"], lock=threading.Lock())
+                   num_pages=engine.stats()["kv_pages_total"])
 
-    def encode(self, text: str, param: str) -> list[int]:
-        if self.tokenizer is None:
+    async def encode(self, text: str, param: str) -> list[int]:
+        if self.encoder is None:
             raise ApiError(400, f"{param}: this model has no tokenizer: send token ids, not text",
                            param)
-        with self.lock:
-            ids = list(self.tokenizer.encode(text) or [])
+        try:
+            ids = await self.encoder.encode_async(text, param)
+        except PromptTooLong as e:
+            raise ApiError(400, f"{param}: {e}", param, "context_length_exceeded") from None
         if not ids:
             raise ApiError(400, f"{param}: encodes to no tokens", param)
         return ids
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        if self.encoder is None or not self.encoder.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            with self.lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True)
+            ids = await self.encoder.chat_async(messages)
+        except PromptTooLong as e:
+            raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise ApiError(400, f"messages: the chat template rejected them: {e}",
                            "messages") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if not ids:
             raise ApiError(400, "messages: the chat template produced no tokens", "messages")
         return ids
@@ -254,7 +261,9 @@ class Server:
     async def context(self) -> ModelContext:
         self.check_accepting()
         if self._ctx is None:
-            ctx = await asyncio.wrap_future(self.loop.call(ModelContext.from_engine))
+            allow = self.config.allow_special_tokens
+            ctx = await asyncio.wrap_future(
+                self.loop.call(lambda engine: ModelContext.from_engine(engine, allow)))
             with self._ctx_lock:
                 if self._ctx is None:
                     self._ctx = ctx
@@ -324,7 +333,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # OpenAI's list-of-prompts form, with one prompt
         if isinstance(prompt, str):
-            return await run_in_threadpool(ctx.encode, prompt, param)
+            return await ctx.encode(prompt, param)
         ctx.check_token_ids(prompt, param)
         return list(prompt)
 
@@ -440,7 +449,10 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
 
     # ---- health, models, metrics ---------------------------------------------------------
-    @app.get("/health", responses={503: {"description": "Loading, failed or shutting down"}})
+    health_responses = {503: {"description": "Loading, failed or shutting down"}}
+
+    @app.head("/health", operation_id="health_head", responses=health_responses)
+    @app.get("/health", responses=health_responses)
     async def health():
         if server.draining or not loop.is_ready:
             if loop.error is not None:
@@ -471,7 +483,10 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         t0 = time.monotonic()
         ctx = await server.context()
         ids = await server.prompt_ids(ctx, body.prompt)
-        max_tokens = ctx.budget(len(ids), body.max_new_tokens, None, "prompt", "max_new_tokens")
+        # Not sent: the default, cut to what the context leaves (never a 400 about it).
+        sent = body.max_new_tokens if "max_new_tokens" in body.model_fields_set else None
+        max_tokens = ctx.budget(len(ids), sent, GenerateRequest.model_fields[
+            "max_new_tokens"].default, "prompt", "max_new_tokens")
         params = server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
                                         body.seed, body.stop, body.ignore_eos)
         return server.start(ids, params, endpoint, t0)
@@ -483,7 +498,8 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         if out is None:
             return _client_gone()
         gen.check_error()
-        return {"text": out.text, "finish_reason": out.finish_reason, "usage": gen.usage(),
+        return {"text": out.text, "token_ids": list(out.token_ids or ()),
+                "finish_reason": out.finish_reason, "usage": gen.usage(),
                 "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                 "latency_ms": round(gen.latency_ms, 3)}
 
@@ -501,7 +517,8 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
                         yield sse({"text": delta})
                         delta = ""
                     if out.finished:  # text left here only when it ended without a token
-                        final = {"text": delta, "finish_reason": out.finish_reason,
+                        final = {"text": delta, "token_ids": list(out.token_ids or ()),
+                                 "finish_reason": out.finish_reason,
                                  "usage": gen.usage(),
                                  "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                                  "latency_ms": round(gen.latency_ms, 3)}
@@ -576,7 +593,7 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         server.check_model(body.model)
         ctx = await server.context()
         messages = [m.as_template_dict() for m in body.messages]
-        ids = await run_in_threadpool(ctx.chat_ids, messages)
+        ids = await ctx.chat_ids(messages)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -622,6 +639,9 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
         return EventStream(events(), gen)
 
     _customize_openapi(app)
+    app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
+    server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
+    app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
     return app

@@ -83,6 +83,8 @@ class EngineLoop:
         self._streams: dict[int, RequestStream] = {}  # engine request id -> stream
         self._num_pending_submits = 0
         self._engine_waiting = 0
+        self._running = 0  # the engine's running requests after the latest step
+        self._max_num_seqs = 0  # set once the engine exists
         self._paused = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -126,8 +128,8 @@ class EngineLoop:
             if not self.is_ready:
                 raise NotReady("the engine is not ready" if not self._stopping
                                else "the server is shutting down")
-            if max_waiting is not None and self.num_queued >= max_waiting:
-                raise Overloaded(f"{self.num_queued} requests are queued already "
+            if max_waiting is not None and self.num_waiting >= max_waiting:
+                raise Overloaded(f"{self.num_waiting} requests are waiting already "
                                  f"(max_waiting={max_waiting})")
             self._num_pending_submits += 1
             self._cmds.append(("submit", stream))
@@ -177,6 +179,14 @@ class EngineLoop:
         return self._num_pending_submits + self._engine_waiting
 
     @property
+    def num_waiting(self) -> int:
+        """Queued requests that will not run at the next step: those beyond the running
+        slots left free (an idle server with N free slots takes a burst of N + max_waiting).
+        Read under the condition; `_running` is from the latest step."""
+        free = 0 if self._paused else max(0, self._max_num_seqs - self._running)
+        return max(0, self.num_queued - free)
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 
@@ -194,6 +204,7 @@ class EngineLoop:
             return
         self.text_outputs = TextOutputs(self.engine, self.engine.tokenizer)
         self.snapshot = self.engine.stats()
+        self._max_num_seqs = self.engine.config.max_num_seqs
         self.ready.set()
         try:
             self._serve()
@@ -310,4 +321,5 @@ class EngineLoop:
         stats = self.engine.stats()
         with self._cond:
             self._engine_waiting = stats["waiting"]
+            self._running = stats["running"]
         self.snapshot = stats

@@ -74,6 +74,7 @@ class Usage(BaseModel):
 
 class GenerateResponse(BaseModel):
     text: str
+    token_ids: list[int]  # the generated tokens (all a model without a tokenizer can give)
     finish_reason: str
     usage: Usage
     ttft_ms: float | None

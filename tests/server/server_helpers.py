@@ -10,6 +10,7 @@ import time
 
 import uvicorn
 
+from flashlet.server.limits import uvicorn_options
 from flashlet.weights import EMBEDDED_MODEL_NAME
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
@@ -26,7 +27,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off",
+                                **uvicorn_options(app.state.limit_stats))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name=f"uvicorn-{self.port}", daemon=True)

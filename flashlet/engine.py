@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 

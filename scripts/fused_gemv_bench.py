@@ -190,7 +190,7 @@ def main() -> int:
 
     props = torch.cuda.get_device_properties(0)
     log(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-        f"cutlass-dsl {getattr(cutlass, '__version__', '?')}")
+        f"cutlass-dsl {getattr(cutlass, '__version__', '?')} from {cutlass.__file__}")
     copy_gbs = guarded("copy bandwidth", copy_bandwidth_gbs) or float("nan")
     log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
@@ -226,15 +226,17 @@ def main() -> int:
             row["check"] = verdict or "FAILED"
             failures += verdict is None
             row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
-            if not pdl:
+            if not pdl and epilogue == "none":
+                row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k)
+            elif not pdl:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
                 row["torch_us"] = guarded(f"{label} torch", time_torch, "seq", epilogue, bank, copies, n, k)
-                if epilogue == "none":
-                    row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k)
-                if epilogue in ("none", "bias"):
-                    row["triton_us"] = guarded(f"{label} triton", time_triton, epilogue, bank, copies, n, k)
+            if not pdl and epilogue in ("none", "bias"):
+                row["triton_us"] = guarded(f"{label} triton", time_triton, epilogue, bank, copies, n, k)
             if row.get("cute_us"):
                 row["gbs"] = row["bytes"] / (row["cute_us"] * 1e-6) / 1e9
                 row["of_copy"] = row["gbs"] / copy_gbs
+                torch_us = row.get("cublas_us") or row.get("torch_us")
+                row["speedup"] = torch_us / row["cute_us"] if torch_us else None
             log(f"{label}: plan {row['plan']}, compiled in {secs:.2f}s, {row['check']}, "
                 f"{row.get('cute_us') or float('nan'):.2f} us")
             rows.append(row)
@@ -247,12 +249,15 @@ def main() -> int:
     log("")
     log(f"copy bandwidth {copy_gbs:.0f} GB/s; times are per call inside a CUDA graph that cycles "
         f"through >= {L2_DEFEAT_BYTES >> 20} MB of weights (median of 20 replays)")
-    log("| shape | variant | MB | cute us | GB/s | of copy | cuBLAS us | torch seq us | triton us | compile s | check |")
-    log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    log("speed-up: cuBLAS (or the unfused PyTorch sequence) time / CuTe time; +pdl rows are a chain of "
+        "PDL launches (weights loaded before griddepcontrol.wait)")
+    log("| shape | variant | MB | cute us | GB/s | of copy | cuBLAS us | torch seq us | triton us | speed-up | compile s | check |")
+    log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         log(f"| {r['shape']} {r['n']}x{r['k']} | {r['variant']} | {r['bytes'] / 1e6:.2f} | "
             f"{f(r.get('cute_us'), '.2f')} | {f(r.get('gbs'), '.0f')} | {f(r.get('of_copy'), '.2f')} | "
             f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('torch_us'), '.2f')} | {f(r.get('triton_us'), '.2f')} | "
+            f"{f(r.get('speedup'), '.2f')} | "
             f"{f(r.get('compile_s'), '.2f')} | {r.get('check', '-')} |")
     log(f"total {time.perf_counter() - t_start:.0f}s, {failures} failed stage(s)")
     if args.json:

@@ -414,9 +414,11 @@ class CuteGemv:
         if self._compiled is None:
             d = _dsl()
             p = self.plan
-            x = torch.zeros(p.k, dtype=torch.bfloat16, device=self.device)
-            w = torch.zeros(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
-            extra = torch.zeros(p.n_out, dtype=torch.bfloat16, device=self.device)
+            # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
+            x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
+            w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
+            extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
+                     if p.epilogue in ("bias", "residual") else None)
             t0 = time.perf_counter()
             self._compiled = d["cute"].compile(
                 d["launcher"], *self._args(x, w, extra, self.out_like()), self._stream(),

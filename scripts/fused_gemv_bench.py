@@ -171,11 +171,60 @@ def time_triton(epilogue, bank, copies, n, k):
     return graph_time_us(max(copies, 8), lambda i: gemv(x, bank[i % copies], bias))
 
 
+def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
+    """All of a token's GEMVs (24 x QKV, O, gate+up, down, then the LM head with argmax) in one
+    graph, the outputs feeding the next inputs as in the model (norms and attention left out).
+    pdl None: the same chain in PyTorch (cuBLAS + unfused epilogues). Returns the time and, for
+    CuTe, the final hidden state and token after the same number of replays, so the PDL run
+    can be compared bit for bit with the plain one (a missed dependency would show there)."""
+    layers, hidden, inter, vocab = 24, 896, 4864, 151936
+    # O and down are scaled down so that, without the norms, the hidden state stays bounded.
+    w = [dict(qkv=rand(1152, hidden, seed=10 * i, scale=hidden ** -0.5),
+              bias=rand(1152, seed=10 * i + 1),
+              o=rand(hidden, hidden, seed=10 * i + 2, scale=0.1 * hidden ** -0.5),
+              gate_up=rand(2 * inter, hidden, seed=10 * i + 3, scale=hidden ** -0.5),
+              down=rand(hidden, inter, seed=10 * i + 4, scale=0.02 * inter ** -0.5)) for i in range(layers)]
+    head = rand(vocab, hidden, seed=999, scale=hidden ** -0.5)
+    h0 = rand(1, hidden, seed=5)
+    h = torch.empty_like(h0)  # every replay starts from h0, so every replay computes the same
+    if pdl is None:
+        def token(_):
+            h.copy_(h0)
+            x = h
+            for lw in w:
+                qkv = F.linear(x, lw["qkv"], lw["bias"])
+                x = F.linear(qkv[:, :hidden], lw["o"]) + x
+                gate, up = F.linear(x, lw["gate_up"]).chunk(2, dim=-1)
+                x = F.linear(F.silu(gate) * up, lw["down"]) + x
+            return F.linear(x, head).argmax(dim=-1)
+        return graph_time_us(1, token), None
+    make = dict(qkv=(1152, hidden, "bias"), o=(hidden, hidden, "residual"),
+                gate_up=(2 * inter, hidden, "silu_mul"), down=(hidden, inter, "residual"),
+                head=(vocab, hidden, "argmax"))
+    g = {name: cute_gemv.CuteGemv(*shape, pdl=pdl) for name, shape in make.items()}
+    qkv_out, act = g["qkv"].out_like(), g["gate_up"].out_like()
+    token_out = g["head"].out_like()
+
+    def token(_):
+        h.copy_(h0)
+        for lw in w:
+            g["qkv"](h, lw["qkv"], lw["bias"], out=qkv_out)
+            g["o"](qkv_out[:, :hidden], lw["o"], h, out=h)          # the residual add in place
+            g["gate_up"](h, lw["gate_up"], out=act)
+            g["down"](act, lw["down"], h, out=h)
+        g["head"](h, head, out=token_out)
+
+    us = graph_time_us(1, token)
+    torch.cuda.synchronize()
+    return us, torch.cat([h.view(-1).float(), token_out.float()])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--no-pdl", action="store_true", help="skip the PDL chain variant")
+    ap.add_argument("--no-token", action="store_true", help="skip the whole-token GEMV chain")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -259,10 +308,30 @@ def main() -> int:
             f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('torch_us'), '.2f')} | {f(r.get('triton_us'), '.2f')} | "
             f"{f(r.get('speedup'), '.2f')} | "
             f"{f(r.get('compile_s'), '.2f')} | {r.get('check', '-')} |")
+    token = {}
+    if not args.no_token and not args.only:
+        floor_us = 0.988e9 / (copy_gbs * 1e9) * 1e6
+        log("")
+        log(f"a token's GEMVs only (24 layers x QKV+bias, O+residual, gate_up+SiLU-mul, down+residual, "
+            f"LM head+argmax; no norms or attention), one graph; the bytes floor is {floor_us:.0f} us")
+        finals = {}
+        for label, pdl in (("cuBLAS + PyTorch epilogues", None), ("CuTe", False), ("CuTe + PDL", True)):
+            res = guarded(f"token chain {label}", time_token_chain, pdl)
+            failures += res is None
+            if res:
+                us, finals[label] = res
+                token[label] = us
+                log(f"  {label}: {us:.0f} us/token ({1e6 / us:.0f} tok/s ceiling, "
+                    f"{floor_us / us:.2f} of the bytes floor)")
+        if finals.get("CuTe") is not None and finals.get("CuTe + PDL") is not None:
+            same = torch.equal(finals["CuTe"], finals["CuTe + PDL"])
+            failures += not same
+            log(f"  CuTe + PDL final hidden state and token {'bit-identical to' if same else 'DIFFER from'} "
+                f"the plain chain's")
     log(f"total {time.perf_counter() - t_start:.0f}s, {failures} failed stage(s)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(copy_gbs=copy_gbs, rows=rows), fh, indent=1)
+            json.dump(dict(copy_gbs=copy_gbs, rows=rows, token_chain_us=token), fh, indent=1)
     return 1 if failures else 0
 
 

@@ -98,6 +98,7 @@ PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
 @pytest.mark.parametrize("n, k, epilogue, pdl", [

@@ -152,7 +152,7 @@ def weight_bank(n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
     return rand(copies, n, k, seed=seed, scale=k ** -0.5), copies
 
 
-def time_variant(gemv, epilogue, bank, copies, k, pdl_label=""):
+def time_variant(gemv, epilogue, bank, copies, k):
     n_out = gemv.plan.n_out
     x = rand(k, seed=7)
     extra = rand(n_out, seed=8) if epilogue in ("bias", "residual") else None

@@ -18,13 +18,15 @@ owns (R * C independent 16-byte loads, all in flight at once: nothing waits befo
 one is issued), then reads x (L1-resident after the first warp), converts, multiplies, and the
 L lanes reduce with butterfly shuffles. Lane 0 of the group applies the epilogue and stores.
 For the small projections the whole matrix is in flight in one wave (no split-K is needed:
-at K = 4864 a warp per row already gives each lane 19 loads in flight); the grid loops over
-tiles only where rows outnumber what one wave holds (the LM head). The argmax epilogue keeps a
-running (value, index) per group, reduces it through shared memory per CTA, writes one
-partial per CTA, and the last CTA to finish (a counter it resets) reduces the partials, so one
-launch yields the token. With `pdl=True` the kernel issues its weight loads before
-`griddepcontrol.wait`, so under Programmatic Dependent Launch they overlap the previous
-kernel's tail: the form the fused decode path will use (see FUSED_NOTES.md).
+at K = 4864 a warp per row already gives each lane 19 loads in flight, and 896 one-warp CTAs
+cover the 132 SMs about seven times). Each CTA owns one tile of rows, except with argmax: a
+resident grid of two CTAs per SM loops over the LM head's tiles keeping a running (value,
+index) per group, reduces it through shared memory, writes one partial per CTA, and the last
+CTA to finish (a counter it resets) reduces the partials, so one launch yields the token.
+With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`, so under
+Programmatic Dependent Launch they overlap the previous kernel's tail: the form the fused
+decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
+the residual): each output is read and written by the same lane group.
 
 The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
 never needs it; `CuteUnavailable` says how to install it when it is missing.

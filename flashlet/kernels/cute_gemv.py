@@ -130,7 +130,7 @@ def lanes_for(k: int) -> int:
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
-              pdl: bool = False, max_loads: int = 24) -> GemvPlan:
+              pdl: bool = False, max_loads: int = 16) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
@@ -143,7 +143,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     chunks = k // (VEC * lanes)
     rows_per_out = 2 if epilogue == "silu_mul" else 1
     # Rows in flight per group: as many as fit `max_loads` 16-byte loads per lane (registers),
-    # but no more than leaves two tiles per SM.
+    # but no more than leaves two tiles per SM. ptxas does not keep them all in flight: in the
+    # sm_90a SASS a one-row lane issues nearly all its loads before the first FMA, but with two
+    # or three rows it issues 10-17 and interleaves the rest (FUSED_NOTES.md); the benchmark
+    # runs R = 1 beside the default to measure which wins.
     outs_per_group = max(1, max_loads // (chunks * rows_per_out))
 
     def tiles(warps: int, outs_per_group: int) -> int:
@@ -158,8 +161,9 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         warps //= 2
     grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves
     if epilogue == "argmax":
-        # A resident grid that loops over tiles: few partials for the last CTA to reduce.
-        grid = min(grid, 2 * num_sms)
+        # A resident grid that loops over tiles: few partials for the last CTA to reduce. Three
+        # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
+        grid = min(grid, 3 * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl)
 
 
@@ -204,6 +208,14 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
 
+    # Without PDL x is ready at launch: load it once, before the weights. Measured in the SASS
+    # (sm_90a): with x loaded inside the tile, ptxas interleaves and issues only 10-14 of a
+    # lane's 16-byte loads before the first FMA; with x first it issues nearly all (36 of 39 at
+    # K = 4864), which is the point of the design.
+    x_early = []
+    if cutlass.const_expr(not pdl):
+        for j in cutlass.range_constexpr(chunks):
+            x_early.append(mX[sub + j * lanes, None].load())
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
     for tile in range(bidx, num_tiles, gdim):
@@ -217,11 +229,14 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
             for h in cutlass.range_constexpr(rows_per_out):
                 for j in cutlass.range_constexpr(chunks):
                     w.append(mW[safe + h * n_out, sub + j * lanes, None].load())
-        if cutlass.const_expr(pdl):
-            cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
         xs = []
         for j in cutlass.range_constexpr(chunks):
-            xs.append(mX[sub + j * lanes, None].load())
+            if cutlass.const_expr(pdl):
+                if cutlass.const_expr(j == 0):
+                    cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
+                xs.append(mX[sub + j * lanes, None].load())
+            else:
+                xs.append(x_early[j])
         acc = []
         for i in cutlass.range_constexpr(rows_in_flight):
             acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
@@ -362,9 +377,10 @@ class CuteGemv:
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
-                 pdl: bool = False):
+                 pdl: bool = False, max_loads: int = 16):
         self.device = torch.device(device)
-        self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl)
+        self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
+                              max_loads=max_loads)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)

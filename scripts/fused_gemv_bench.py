@@ -282,17 +282,20 @@ def main() -> int:
             failures += 1
             continue
         bank, copies = bank_copies
-        variants = [(e, False, 16) for e in epilogues]
+        # (epilogue, pdl, max_loads, staged): the model's variants, then the comparisons.
+        variants = [(e, False, 16, False) for e in epilogues]
         if not args.no_pdl:
-            variants.append(("none", True, 16))
-        if cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group, for comparison
-            variants.append(("none", False, 8))
-        for epilogue, pdl, max_loads in variants:
-            tag = epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
+            variants.append(("none", True, 16, False))
+        if cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group
+            variants.append(("none", False, 8, False))
+        variants.append(("none", False, 24, True))  # weights through shared memory (cp.async)
+        for epilogue, pdl, max_loads, staged in variants:
+            tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
+                   + (" staged" if staged else ""))
             label = f"{name} {n}x{k} {tag}"
             row = dict(shape=name, n=n, k=k, variant=tag, bytes=n * k * 2)
             gemv = guarded(f"{label} plan", cute_gemv.CuteGemv, n, k, epilogue, pdl=pdl,
-                           max_loads=max_loads)
+                           max_loads=max_loads, staged=staged)
             if gemv is None:
                 failures += 1
                 continue
@@ -308,11 +311,12 @@ def main() -> int:
             row["check"] = verdict or "FAILED"
             failures += verdict is None
             row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
-            if not pdl and epilogue == "none" and max_loads == 16:
+            baseline = not pdl and max_loads == 16 and not staged
+            if baseline and epilogue == "none":
                 row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k)
-            elif not pdl:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
+            elif baseline:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
                 row["torch_us"] = guarded(f"{label} torch", time_torch, "seq", epilogue, bank, copies, n, k)
-            if not pdl and epilogue in ("none", "bias") and max_loads == 16:
+            if baseline and epilogue in ("none", "bias"):
                 row["triton_us"] = guarded(f"{label} triton", time_triton, epilogue, bank, copies, n, k)
             if row.get("cute_us"):
                 row["gbs"] = row["bytes"] / (row["cute_us"] * 1e-6) / 1e9

@@ -71,7 +71,7 @@ def _dsl():
         import cutlass
         import cutlass.cute as cute
         import cutlass.utils.distributed  # noqa: F401  (atomicAdd for the argmax epilogue)
-        from cutlass.cute.runtime import from_dlpack
+        from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
     except Exception as e:  # ImportError, or a broken native library underneath
         raise CuteUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
     g = globals()
@@ -84,7 +84,7 @@ def _dsl():
         g[helper.__name__] = cute.jit(helper)
     launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
-                launcher=launcher)
+                launcher=launcher, make_fake=make_fake_compact_tensor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +102,7 @@ class GemvPlan:
     warps: int           # warps per CTA
     grid: int            # CTAs launched
     pdl: bool = False
+    staged: bool = False  # weights go through shared memory by cp.async (see plan_gemv)
 
     @property
     def groups_per_cta(self) -> int:
@@ -130,10 +131,16 @@ def lanes_for(k: int) -> int:
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
-              pdl: bool = False, max_loads: int = 16) -> GemvPlan:
-    """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid."""
+              pdl: bool = False, max_loads: int = 16, staged: bool = False) -> GemvPlan:
+    """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
+
+    staged=True copies the weights into shared memory with cp.async (16 bytes a copy) instead
+    of loading them into registers: ptxas cannot defer those copies, so every one is in flight
+    at once whatever the register count (the alternative the benchmark measures)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
+    if staged and epilogue == "argmax":
+        raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
     if k % VEC or k <= 0:
         raise ValueError(f"K must be a positive multiple of {VEC} (16-byte loads), got {k}")
     if epilogue == "silu_mul" and n_rows % 2:
@@ -159,12 +166,15 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     warps = 4
     while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
         warps //= 2
+    while staged and warps > 1 and warps * 32 * outs_per_group * rows_per_out * chunks * 16 > 48 << 10:
+        warps //= 2  # stay within the 48 KB of shared memory a CTA gets without opting in
     grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves
     if epilogue == "argmax":
         # A resident grid that loops over tiles: few partials for the last CTA to reduce. Three
         # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
         grid = min(grid, 3 * num_sms)
-    return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl)
+    return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
+                    staged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +200,7 @@ _deferred = _Deferred()
 
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid):
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
     # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax);
     # mE: bias or residual [n_out] (a dummy otherwise); mPart*: [grid] partials (argmax).
     tidx, _, _ = cute.arch.thread_idx()
@@ -216,6 +226,15 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
     if cutlass.const_expr(not pdl):
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
+    if cutlass.const_expr(staged):
+        # One 16-byte slot per (thread, row chunk); consecutive threads in consecutive slots.
+        threads = warps * 32
+        sW = cutlass.utils.SmemAllocator().allocate_tensor(
+            cutlass.BFloat16, cute.make_layout((threads, rows_in_flight * chunks, VEC),
+                                               stride=(VEC, threads * VEC, 1)), byte_alignment=16)
+        g2s = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+            cutlass.BFloat16, num_bits_per_copy=128)
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
     for tile in range(bidx, num_tiles, gdim):
@@ -228,7 +247,13 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
             safe = cutlass.min(out, n_out - 1)  # tail groups re-read a valid row, store nothing
             for h in cutlass.range_constexpr(rows_per_out):
                 for j in cutlass.range_constexpr(chunks):
-                    w.append(mW[safe + h * n_out, sub + j * lanes, None].load())
+                    src = mW[safe + h * n_out, sub + j * lanes, None]
+                    if cutlass.const_expr(staged):
+                        cute.copy(g2s, src, sW[tidx, (o * rows_per_out + h) * chunks + j, None])
+                    else:
+                        w.append(src.load())
+        if cutlass.const_expr(staged):
+            cute.arch.cp_async_commit_group()
         xs = []
         for j in cutlass.range_constexpr(chunks):
             if cutlass.const_expr(pdl):
@@ -237,6 +262,10 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
                 xs.append(mX[sub + j * lanes, None].load())
             else:
                 xs.append(x_early[j])
+        if cutlass.const_expr(staged):
+            cute.arch.cp_async_wait_group(0)  # this thread's own copies: no barrier needed
+            for i in cutlass.range_constexpr(rows_in_flight * chunks):
+                w.append(sW[tidx, i, None].load())
         acc = []
         for i in cutlass.range_constexpr(rows_in_flight):
             acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
@@ -347,13 +376,15 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 
 @_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter, stream,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid):
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
     _gemv_kernel_compiled(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
-                          n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid).launch(
+                          n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                          staged).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl)
 
 
-_PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid")
+_PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
+                "staged")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
 
@@ -377,10 +408,10 @@ class CuteGemv:
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
-                 pdl: bool = False, max_loads: int = 16):
+                 pdl: bool = False, max_loads: int = 16, staged: bool = False):
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads)
+                              max_loads=max_loads, staged=staged)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)
@@ -419,28 +450,50 @@ class CuteGemv:
         aligned = functools.partial(d["from_dlpack"], assumed_align=16)
         return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
-                d["from_dlpack"](self._parts_val), d["from_dlpack"](self._parts_idx),
-                d["from_dlpack"](self._counter)]
+                d["from_dlpack"](self._parts_val, assumed_align=4),
+                d["from_dlpack"](self._parts_idx, assumed_align=4),
+                d["from_dlpack"](self._counter, assumed_align=4)]
 
     def _stream(self):
         d = _dsl()
         handle = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         return d["cuda"].CUstream(handle)
 
+    def _fake_args(self):
+        """Global-memory stand-ins with the call's shapes, for tracing on a machine without a
+        GPU (from_dlpack of a CPU tensor would give generic pointers, which cp.async refuses)."""
+        d = _dsl()
+        p = self.plan
+        c = d["cutlass"]
+
+        def fake(dtype, shape, align):
+            return d["make_fake"](dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                  assumed_align=align)
+
+        out_shape = (1,) if p.epilogue == "argmax" else (p.n_out,)
+        extra_shape = (p.n_out,) if p.epilogue in ("bias", "residual") else tuple(self._dummy.shape)
+        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.k // VEC, VEC), 16),
+                fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
+                fake(c.BFloat16, extra_shape, 16), fake(c.Float32, tuple(self._parts_val.shape), 4),
+                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4)]
+
     def compile(self) -> float:
         """Compile for this plan (once); returns the seconds it took."""
         if self._compiled is None:
             d = _dsl()
             p = self.plan
-            # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
-            x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
-            w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
-            extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
-                     if p.epilogue in ("bias", "residual") else None)
+            if self.device.type == "cuda":
+                # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
+                x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
+                w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
+                extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
+                         if p.epilogue in ("bias", "residual") else None)
+                args = self._args(x, w, extra, self.out_like())
+            else:
+                args = self._fake_args()
             t0 = time.perf_counter()
             self._compiled = d["cute"].compile(
-                d["launcher"], *self._args(x, w, extra, self.out_like()), self._stream(),
-                p.n_out, p.lanes, p.chunks, p.outs_per_group, p.warps, p.epilogue, p.pdl, p.grid)
+                d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
             self.compile_seconds = time.perf_counter() - t0
         return self.compile_seconds
 

@@ -30,6 +30,9 @@ needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 GPU_CASES = [(1152, 896, "none"), (1152, 896, "bias"), (896, 896, "residual"), (9728, 896, "silu_mul"),
              (896, 4864, "none"), (896, 4864, "residual"), (151936, 896, "none"), (151936, 896, "argmax")]
 GPU_CASES += [(136, 200, e) for e in EPILOGUES] + [(96, 64, "silu_mul"), (96, 64, "argmax")]
+GPU_VARIANTS = ([(*c, False, False) for c in GPU_CASES] + [(896, 896, "residual", True, False)]
+                + [(896, 4864, "residual", False, True), (9728, 896, "silu_mul", True, True),
+                   (136, 200, "bias", False, True)])  # (n, k, epilogue, pdl, staged)
 
 
 @pytest.mark.parametrize("n, k", QWEN05_SHAPES)
@@ -87,33 +90,37 @@ def test_missing_dsl_gives_install_hint(monkeypatch):
 PTX_SCRIPT = textwrap.dedent("""
     import glob, sys, torch
     from flashlet.kernels.cute_gemv import CuteGemv
-    n, k, epilogue, pdl = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+    n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
     try:
-        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl).compile()
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
-          "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"))
+          "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
+          "CPASYNC", ptx.count("cp.async.cg.shared.global"))
 """)
 
 
 @pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
-@pytest.mark.parametrize("n, k, epilogue, pdl", [
-    (1152, 896, "bias", 0), (896, 896, "residual", 1), (9728, 896, "silu_mul", 0),
-    (896, 4864, "residual", 0), (151936, 896, "argmax", 0),
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged", [
+    (1152, 896, "bias", 0, 0), (896, 896, "residual", 1, 0), (9728, 896, "silu_mul", 0, 0),
+    (896, 4864, "residual", 0, 0), (151936, 896, "argmax", 0, 0), (9728, 896, "silu_mul", 1, 1),
 ])
-def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl):
+def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
-    res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path)],
+    res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
+                          str(staged)],
                          env=env, capture_output=True, text=True, timeout=300)
     counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
     assert counts, res.stdout[-2000:] + res.stderr[-2000:]
-    p = plan_gemv(n, k, epilogue)
-    assert int(counts["W128"]) >= p.loads_in_flight_per_lane  # weights (and x) as 16-byte loads
+    p = plan_gemv(n, k, epilogue, staged=bool(staged))
+    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks  # x: C loads
+    assert weights >= p.loads_in_flight_per_lane             # every weight chunk, 16 bytes a copy
+    assert (int(counts["CPASYNC"]) > 0) == bool(staged)
     assert int(counts["STORE"]) >= 1
     assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
     assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
@@ -130,9 +137,9 @@ def _inputs(n, k, epilogue, seed):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("n, k, epilogue, pdl", [(*c, False) for c in GPU_CASES] + [(896, 896, "residual", True)])
-def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl):
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl)
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged", GPU_VARIANTS)
+def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl, staged):
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, staged=staged)
     for seed in (0, 1):  # a second call also checks the argmax counter was reset
         x, w, extra = _inputs(n, k, epilogue, seed)
         out = gemv.out_like()

@@ -428,21 +428,28 @@ class CuteGemv:
         return torch.empty(1, self.plan.n_out, dtype=torch.bfloat16, device=self.device)
 
     def _check(self, x, weight, extra, out):
+        """Refuse, before any launch, what the compiled layouts would misread."""
         p = self.plan
-        if weight.shape != (p.n_rows, p.k) or weight.dtype != torch.bfloat16:
-            raise ValueError(f"weight must be bf16 [{p.n_rows}, {p.k}], got {weight.dtype} {tuple(weight.shape)}")
-        if not weight.is_contiguous() or weight.data_ptr() % 16:
-            raise ValueError("weight must be contiguous and 16-byte aligned (row-major, as nn.Linear stores it)")
-        if x.numel() != p.k or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
-            raise ValueError(f"x must be one contiguous, 16-byte aligned bf16 row of {p.k}, got {x.dtype} {tuple(x.shape)}")
+
+        def bad(t, numel, dtype):  # the kernel assumes contiguous, 16-byte aligned tensors
+            return t.numel() != numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16
+
+        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, torch.bfloat16):
+            raise ValueError(f"weight must be a contiguous, 16-byte aligned bf16 [{p.n_rows}, {p.k}] "
+                             f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
+        if bad(x, p.k, torch.bfloat16):
+            raise ValueError(f"x must be one contiguous, 16-byte aligned bf16 row of {p.k}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
         wants_extra = p.epilogue in ("bias", "residual")
         if wants_extra != (extra is not None):
             raise ValueError(f"epilogue {p.epilogue!r} {'needs' if wants_extra else 'takes no'} extra tensor")
-        if extra is not None and (extra.numel() != p.n_out or extra.dtype != torch.bfloat16 or not extra.is_contiguous()):
-            raise ValueError(f"{p.epilogue} must be a contiguous bf16 tensor of {p.n_out}, got {extra.dtype} {tuple(extra.shape)}")
-        want = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, p.n_out), torch.bfloat16)
-        if (tuple(out.shape), out.dtype) != want or not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError(f"out must be {want[1]} {want[0]}, got {out.dtype} {tuple(out.shape)}")
+        if extra is not None and bad(extra, p.n_out, torch.bfloat16):
+            raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {p.n_out}, "
+                             f"got {extra.dtype} {tuple(extra.shape)}")
+        shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, p.n_out), torch.bfloat16)
+        if tuple(out.shape) != shape or bad(out, math.prod(shape), dtype):
+            raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
 
     def _args(self, x, weight, extra, out):
         d = _dsl()

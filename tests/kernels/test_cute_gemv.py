@@ -156,13 +156,16 @@ def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl, staged):
             assert kh.rel_err(out, gemv_reference(x, w, epilogue, extra)) < 1e-2
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("bad", ["weight_shape", "weight_dtype", "missing_bias", "x_len"])
+@pytest.mark.parametrize("bad", ["weight_shape", "weight_dtype", "weight_view", "missing_bias", "x_len",
+                                 "misaligned_x", "out_shape"])
 def test_bad_inputs_are_refused_before_launch(bad):
-    gemv = CuteGemv(96, 64, "bias")
-    x, w, b = _inputs(96, 64, "bias", 0)
-    args = dict(weight_shape=(x, w[:64], b), weight_dtype=(x, w.float(), b), missing_bias=(x, w, None),
-                x_len=(x[:32], w, b))[bad]
+    gemv = CuteGemv(96, 64, "bias", device="cpu")  # the checks run before the DSL is needed
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    w = torch.zeros(96, 64, dtype=torch.bfloat16)
+    b = torch.zeros(96, dtype=torch.bfloat16)
+    args = dict(weight_shape=(x, w[:64], b), weight_dtype=(x, w.float(), b), weight_view=(x, w.t().contiguous().t(), b),
+                missing_bias=(x, w, None), x_len=(x[:32], w, b), misaligned_x=(torch.zeros(72, dtype=torch.bfloat16)[1:65], w, b),
+                out_shape=(x, w, b))[bad]
+    out = torch.zeros(1, 95, dtype=torch.bfloat16) if bad == "out_shape" else gemv.out_like()
     with pytest.raises(ValueError):
-        gemv(*args)
+        gemv(*args, out=out)

@@ -166,8 +166,14 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     warps = 4
     while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
         warps //= 2
-    while staged and warps > 1 and warps * 32 * outs_per_group * rows_per_out * chunks * 16 > 48 << 10:
+    def staged_bytes(warps: int) -> int:
+        return warps * 32 * outs_per_group * rows_per_out * chunks * 16
+
+    while staged and warps > 1 and staged_bytes(warps) > 48 << 10:
         warps //= 2  # stay within the 48 KB of shared memory a CTA gets without opting in
+    if staged and staged_bytes(warps) > 48 << 10:
+        raise ValueError(f"K = {k} needs {staged_bytes(warps)} bytes of shared memory a warp staged; "
+                         "use the register variant")
     grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves
     if epilogue == "argmax":
         # A resident grid that loops over tiles: few partials for the last CTA to reduce. Three

@@ -8,14 +8,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-BACKENDS = ("torch", "flashinfer", "triton")
+BACKENDS = ("auto", "torch", "flashinfer", "triton")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # folder, hub id, .gguf file; None = the embedded default model
     config: str | None = None  # a config.json path or preset name: random weights at that shape
-    backend: str = "torch"  # attention backend: torch | flashinfer | triton
+    backend: str = "auto"  # attention backend: auto | torch | flashinfer | triton
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # float32 | bfloat16 | float16; default: bf16 on cuda, fp32 on cpu
     page_size: int = 16  # tokens per KV page
@@ -31,6 +31,7 @@ class EngineConfig:
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     seed: int = 0  # for random weights
+    warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -7,9 +7,13 @@ one loader reads them all.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import struct
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,7 +50,7 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_dir() -> Path:
     """The embedded default model as a Hugging Face folder, converted from GGUF on first use."""
-    return convert_gguf(embedded_gguf_path(), cache_dir() / EMBEDDED_MODEL_NAME)
+    return convert_gguf(embedded_gguf_path())
 
 
 def _check_gguf_header(path: Path) -> None:
@@ -74,38 +78,68 @@ def gguf_architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF file into a Hugging Face folder once; later calls return the cache."""
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    marker = out_dir / ".converted"
-    stamp = f"{gguf_path.resolve()}:{gguf_path.stat().st_size}"
-    if marker.exists() and marker.read_text() == stamp:
+def convert_gguf(gguf_path: Path, cache: Path | None = None) -> Path:
+    """Dequantize a GGUF file into a Hugging Face folder once; later calls return the cache.
+
+    The folder is named after the file's size and sha256 (`cache`, default `cache_dir()`), so
+    every checkout and process on a machine shares one copy of each distinct file. It is
+    written into a temporary folder under a lock and renamed into place whole: a process sees
+    either no folder or a finished one, and only one process converts."""
+    from filelock import FileLock
+
+    gguf_path = Path(gguf_path)
+    cache = Path(cache) if cache is not None else cache_dir()
+    out_dir = cache / gguf_cache_name(gguf_path)
+    if (out_dir / ".converted").exists():
         return out_dir
+    _check_architecture(gguf_path)  # before anything is written
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / f"{out_dir.name}.lock")):
+        if (out_dir / ".converted").exists():  # another process converted it meanwhile
+            return out_dir
+        for stale in cache.glob(f".{out_dir.name}.tmp-*"):  # left by a process that died
+            shutil.rmtree(stale, ignore_errors=True)
+        if out_dir.exists():  # no marker: not ours to trust (the rename is whole, so: odd)
+            shutil.rmtree(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=cache))
+        try:
+            _convert_into(gguf_path, tmp)
+            (tmp / ".converted").write_text(str(gguf_path.resolve()))
+            os.rename(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def gguf_cache_name(gguf_path: Path) -> str:
+    """`<stem>-<size>-<sha256 prefix>`: the converted cache folder's name (about 0.3 s for the
+    embedded model's 94 MB)."""
+    with open(gguf_path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return f"{gguf_path.stem}-{gguf_path.stat().st_size}-{digest[:16]}"
+
+
+def _check_architecture(gguf_path: Path) -> None:
     arch = gguf_architecture(gguf_path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{gguf_path}: unsupported architecture {arch!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+
+
+def _convert_into(gguf_path: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = str(gguf_path.parent), gguf_path.name
+    parent, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot convert GGUF ({type(e).__name__}: {e})") from e
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _save_hf_folder(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    marker.write_text(stamp)
-    return out_dir
+    _save_hf_folder(model, folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _save_hf_folder(model, folder: Path) -> None:
@@ -141,7 +175,7 @@ def resolve_model_dir(source: str | Path | None) -> Path:
     if path.suffix == ".gguf":
         if not path.exists():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        return convert_gguf(path, cache_dir() / f"gguf-{path.stem}-{path.stat().st_size}")
+        return convert_gguf(path)
     if path.exists():
         raise ModelLoadError(f"{path} is a file but not a .gguf model; pass a model folder")
     return _hub_snapshot(str(source))
@@ -166,22 +200,48 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from e
 
 
-def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a folder's *.safetensors files (sharded or not), on the CPU."""
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one checkpoint tensor lives, read from its file's header (no data touched)."""
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, F16, I8, ...
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a folder's safetensors checkpoint, sharded (model.safetensors.index.json)
+    or not, by name; only the file headers are read."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: the index names shards that are missing: {', '.join(missing[:3])}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    tensors = {}
+    from safetensors import safe_open
+
+    found = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    tensors[name] = sf.get_tensor(name)
+                    part = sf.get_slice(name)
+                    found[name] = StoredTensor(f, tuple(part.get_shape()), part.get_dtype())
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from e
-    return tensors
+    return found
 
 
 def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
@@ -191,36 +251,83 @@ def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
         hf_config = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
-    model = model_from_hf_tensors(hf_config, read_hf_tensors(model_dir), device, dtype, ops,
-                                  where=str(model_dir))
+    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops)
     return model, load_tokenizer(model_dir), model_dir
 
 
-def model_from_hf_tensors(hf_config: dict, tensors: dict, device="cpu", dtype=torch.float32,
-                          ops=None, where="weights"):
-    """Our CausalLM from a Hugging Face config dict and its tensors (HF parameter names)."""
-    from flashlet.model import CausalLM, ModelConfig, hf_to_flashlet_names
+def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=torch.float32,
+                          ops=None):
+    """Our CausalLM from a config dict and a safetensors folder, streamed to `device` tensor by
+    tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
+    into its slice of our fused parameter on the device, and dropped, so the host never holds
+    more than the shard being read (mapped) and one tensor."""
+    from flashlet.model import CausalLM, ModelConfig
 
+    where = str(model_dir)
     try:
         cfg = ModelConfig.from_hf(hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{where}: config: {e}") from e
-    state = {}
-    for ours, theirs in hf_to_flashlet_names(cfg):
-        missing = [t for t in theirs if t not in tensors]
-        if missing:
-            raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
-        state[ours] = torch.cat([tensors[t] for t in theirs], dim=0)
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
-        model = CausalLM(cfg, **kwargs)
+        model = CausalLM(cfg, **kwargs).to(dtype)  # no fp32 detour: allocate in the target dtype
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where)
     model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=True)
+    params = dict(model.named_parameters())
+    _stream_tensors(plan, params, torch.device(device))
     return _finish(model, device, dtype)
 
 
+def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], where: str):
+    """file -> [(HF name, our parameter, first row)]; every tensor checked against the shape
+    the config gives our parameter, before anything is allocated."""
+    from flashlet.model import hf_to_flashlet_names
+
+    plan: dict[Path, list] = {}
+    for ours, theirs in hf_to_flashlet_names(cfg):
+        missing = [t for t in theirs if t not in stored]
+        if missing:
+            raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
+        want, row = shapes.pop(ours), 0
+        for name in theirs:
+            t = stored[name]
+            if t.dtype not in FLOAT_DTYPES:
+                raise ModelLoadError(f"{where}: tensor {name} is {t.dtype}: quantized or integer "
+                                     f"weights are not supported (need {'/'.join(FLOAT_DTYPES)})")
+            if t.shape[1:] != want[1:]:
+                raise ModelLoadError(f"{where}: tensor {name} has shape {t.shape}, the config "
+                                     f"implies (..., {', '.join(map(str, want[1:]))})")
+            plan.setdefault(t.file, []).append((name, ours, row))
+            row += t.shape[0]
+        if row != want[0]:
+            parts = " + ".join(str(stored[n].shape[0]) for n in theirs)
+            raise ModelLoadError(f"{where}: {', '.join(theirs)} have {parts} rows, the config "
+                                 f"implies {want[0]}")
+    if shapes:
+        raise AssertionError(f"hf_to_flashlet_names misses {', '.join(shapes)}")
+    return plan
+
+
+def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device) -> None:
+    from safetensors import safe_open
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        for file, copies in plan.items():
+            try:
+                with safe_open(str(file), framework="pt", device=str(device)) as sf:
+                    for name, ours, row in copies:
+                        tensor = sf.get_tensor(name)
+                        params[ours][row:row + tensor.shape[0]].copy_(tensor)
+                        del tensor
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from e
+
+
 def _finish(model, device, dtype):
-    """Cast to dtype, keeping the RoPE table in fp32 (recomputed, never round-tripped)."""
+    """Cast to dtype, keeping the RoPE table in fp32 (recomputed on the host, never round-tripped)."""
     from flashlet.model import rope_cache
 
     model = model.to(dtype)

@@ -2,8 +2,13 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
-#                                             offline closed-loop kernels progression all (default)
-#                                             fused (not in all: needs the CuTe DSL, see below)
+#                                             offline closed-loop kernels progression fidelity
+#                                             load all (default)
+#                                             and, not in all (issue 14, ~12 min together):
+#                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
+#                                             without the start warm-up, for comparison)
+#                                             and fused (issue 16, not in all: needs the CuTe DSL,
+#                                             see below; ~2-4 min)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -21,7 +26,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression)
+  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression
+         fidelity load)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -72,6 +78,47 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
+    fidelity) run 480 python3 scripts/fidelity.py --dtype bfloat16 \
+                --json "$OUT/json/fidelity.json" ;;
+    load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \
+            --dir "${LOAD_DIR:-/tmp/flashlet-load-qwen2.5-7b}" ;;
+    # ---- issue 14: what a user gets (each bounded; together about 12 minutes) ----
+    nocompile) run 300 $PYTEST tests/gpu/test_gpu_warmup.py ;;  # nothing compiles after start
+    warm)  # engine start, cold (empty Triton and FlashInfer caches) then warm (the same caches)
+      for b in triton flashinfer; do
+        d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
+        for label in cold warm; do
+          run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
+            python3 scripts/start_time.py --config qwen2.5-0.5b --backend $b --label $label \
+            --append "$OUT/json/start.jsonl"
+        done
+      done
+      run 20 python3 scripts/start_time.py --table "$OUT/json/start.jsonl" ;;
+    e2e)  # offline first run in a fresh process vs a repeat; decode-sat T(129)-T(1) vs harness
+      for b in triton flashinfer; do
+        run 180 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 32768 --workload offline --out "$OUT/json/e2e-offline-$b.json"
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --out "$OUT/json/e2e-decode-$b.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-*.json ;;
+    e2e-lazy)  # the same decode-sat without the start warm-up: what graphs built lazily cost
+      for b in triton flashinfer; do
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --no-warmup-at-start --out "$OUT/json/e2e-lazy-decode-$b.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-lazy-*.json ;;
+    shapes)  # 64 x 300-token prompts, 64 new tokens, end to end (first run) and repeated
+      for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
+        run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \
+          --backend triton flashinfer auto --workload offline --num-requests 64 \
+          --prompt-len-range 300 300 --output-len-range 64 64 --max-num-pages 8192 \
+          --out "$OUT/json/shapes-$c.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
+    tune) run 260 python3 scripts/tune_triton.py --budget-s 160 --json "$OUT/json/tune.json" ;;
     fused) if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
            fi

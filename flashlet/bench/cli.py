@@ -295,7 +295,7 @@ def _resolve_model(err, args) -> dict:
     for backend in args.backends:
         _check_backend(err, ecfg.replace(backend=backend), mcfg, device)
 
-    max_len = min(args.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    max_len = min(args.max_model_len or mcfg.max_context_len, mcfg.max_context_len)
     wl = args.workload
     if wl == "closed-loop":
         longest, batch = args.prompt_len_range[1] + args.output_len_range[1], max(args.concurrency)
@@ -426,10 +426,15 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
         say(f"loading {what} on {info['device']} with the {backend} backend ...")
         engine = engines.build_engine(ecfg.replace(backend=backend))
         if ecfg.max_num_pages is None:  # the pool size is known only now: check it before any work
-            check_pool(parser.error, args, engine.kv_pool.num_pages)
-        engine_info = {**dataclasses.asdict(engine.config), "num_pages": engine.kv_pool.num_pages,
-                       "max_model_len": engine.max_model_len}
+            check_pool(parser.error, args, engine.stats()["kv_pages_total"])
+        engine_info = {**dataclasses.asdict(engine.config),
+                       "num_pages": engine.stats()["kv_pages_total"],
+                       "max_model_len": engine.max_model_len,
+                       "backend": engine.backend_name,  # what "auto" resolved to
+                       "start": _jsonable_start(engine)}
         results = fn(engine, args, progress)
+        if "first_run" in results:  # first in a fresh process only for the first engine built
+            results["first_run"]["first_engine_in_process"] = i == 0
         if i == 0:  # the first backend is where readers of one-backend records look
             record.update(model=_model_record(ecfg, mcfg, engine), engine=engine_info,
                           results=results, backends={}, engines={})
@@ -453,6 +458,11 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
             _checkpoint(args, record)
             _say_results(say, args.workload, res, kind)
         del hf_model
+
+
+def _jsonable_start(engine) -> dict:
+    """Engine start: seconds to load, warm up and capture graphs, and what warm-up ran."""
+    return dict(getattr(engine, "start_report", None) or {})
 
 
 def _model_record(ecfg: EngineConfig, mcfg, engine) -> dict:

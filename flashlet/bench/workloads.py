@@ -4,16 +4,21 @@ it reports (no extra device synchronize per step: that would undo the engine's o
 
 - closed-loop: N clients; when a client's request finishes it sends its next one before the
   next step. Per concurrency level: output tok/s, req/s, TTFT (queue wait included), ITL, step.
-- decode-sat: B sequences prefilled, then only the pure-decode steps are timed.
+- decode-sat: B sequences prefilled, then only the pure-decode steps are timed (steady state);
+  beside it, first, the end-to-end figure a user gets: T(D + 1 new tokens) - T(1 new token) of
+  the same batch through add_request/step, from submission to the last token.
 - single: one stream; decode tok/s against the memory-bandwidth limit (copy bandwidth measured
-  here, on the same device).
-- offline: every request submitted at once (nano-vllm's throughput workload).
+  here, on the same device), and end to end (submission to the last token).
+- offline: every request submitted at once (nano-vllm's throughput workload): the first run
+  straight after Engine start (no bench warm-up), then a repeat with fresh prompts.
+- closed-loop: its figures are end to end already (first submission to the last token).
 - scheduler: CPU cost of `scheduler.schedule()` + `buffers.fill()` for one step, no forward.
 - kernels: `flashlet.kernels.bench.run_kernel_sweep`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -30,10 +35,16 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
+from flashlet.batch import StepBuffers
 from flashlet.bench.trace import Trace
+from flashlet.kv_pool import PageAllocator
+from flashlet.request import Request
 from flashlet.sampling import SamplingParams
+from flashlet.scheduler import Scheduler
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
+REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths
+E2E_STREAMS = (20_021, 20_022)  # decode-sat's end-to-end runs: 1 new token, then D + 1
 
 
 # ---- the engine loop -----------------------------------------------------------------------
@@ -57,7 +68,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
         trace.submit[next_i] = t
         next_i += 1
 
-    preempt0 = engine.scheduler.num_preemptions
+    preempt0 = engine.stats()["num_preemptions"]
     done = 0
     sync()
     trace.start = now()
@@ -85,7 +96,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
                 if next_i < n:
                     submit(t1)
     trace.end = now()
-    trace.num_preemptions = engine.scheduler.num_preemptions - preempt0
+    trace.num_preemptions = engine.stats()["num_preemptions"] - preempt0
     return trace
 
 
@@ -139,21 +150,38 @@ def decode_sat_margin(args) -> int:
     return math.ceil(args.decode_batch * args.decode_prompt_len / args.max_num_batched_tokens) + 8
 
 
+def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progress = NO_PROGRESS) -> dict:
+    """What a user gets from D decode steps of B sequences: T(D + 1 new) - T(1 new), each the
+    wall clock from submitting the batch to its last token (fresh prompts each, so no prefix
+    hits); whatever happens between prefill and steady decoding (graph captures, kernels
+    compiled on first use, the ramp) is inside it, as it is for a user."""
+    vocab = engine.model_config.vocab_size
+    times = []
+    for stream, new in zip(E2E_STREAMS, (1, D + 1)):
+        specs = make_specs(B, (P, P), (new, new), vocab, seed, stream=stream)
+        trace = run_engine(engine, specs, B, progress.task(f"decode-sat end to end, {new} new", B))
+        check_counts(trace, f"decode-sat end to end ({new} new)")
+        times.append(trace.duration)
+    t1, tn = times
+    return {"t_1_new_s": t1, "t_new_s": tn, "new_tokens": D + 1,
+            "decode_tok_s": B * D / (tn - t1) if tn > t1 else None}
+
+
 def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     B, P, D = args.decode_batch, args.decode_prompt_len, args.decode_tokens
     vocab = engine.model_config.vocab_size
     sync = synchronizer(engine.device)
+    # First, before any bench warm-up: the end-to-end figure, as a fresh engine gives it.
+    end_to_end = decode_end_to_end(engine, B, P, D, args.seed, progress)
     if args.warmup:
         warmup(engine, B, min(P, 16), args.seed)
     specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)
-    sched = engine.scheduler
     ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
                                                        ignore_eos=True)) for s in specs]
-    preempt0 = sched.num_preemptions
+    preempt0 = engine.stats()["num_preemptions"]
 
     def all_decoding() -> bool:
-        return (not sched.waiting and len(sched.running) == B
-                and all(r.num_tokens_to_compute == 1 for r in sched.running))
+        return engine.stats()["waiting"] == 0 and engine.num_decoding() == B
 
     # Phase 1 (untimed): prefill every sequence.
     sync()
@@ -187,12 +215,15 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     while engine.has_unfinished():
         engine.step()
     total = sum(step_s)
+    e2e = end_to_end["decode_tok_s"]
+    end_to_end["over_steady"] = e2e * total / tokens if e2e else None
     return {
+        "end_to_end": end_to_end,
         "batch": B, "prompt_len": P, "decode_steps": D, "decode_tokens": tokens,
         "decode_tokens_requested": B * D, "decode_time_s": total,
         "decode_tok_s": tokens / total, "ms_per_step": total / D * 1e3,
         "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
-        "num_preemptions": sched.num_preemptions - preempt0,
+        "num_preemptions": engine.stats()["num_preemptions"] - preempt0,
         "samples": {"step_ms": samples(step_s, 1e3)},
     }
 
@@ -207,7 +238,7 @@ def bytes_per_token(engine, kv_len: float) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.tie_word_embeddings:
         weights -= (cfg.vocab_size - 1) * cfg.hidden_size * elem
-    kv_elem = engine.kv_pool.k_cache.element_size()
+    kv_elem = engine.dtype.itemsize
     kv = 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * kv_elem
     return {"weights": int(weights), "kv": float(kv), "total": float(weights + kv),
             "kv_len_mean": kv_len, "param_dtype_bytes": elem}
@@ -237,12 +268,14 @@ def single_figures(times: list[float], submit: float, T: int, nbytes: dict, band
     fraction of the copy-bandwidth limit it reaches."""
     decode_s = times[-1] - times[0]
     tok_s = (T - 1) / decode_s if decode_s > 0 else 0.0
+    total_s = times[-1] - submit
     achieved = nbytes["total"] * tok_s / 1e9
     limit_tok_s = bandwidth["gb_per_s"] * 1e9 / nbytes["total"]
     itl = np.diff(times)
     return {
         "decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s if tok_s else None,
         "ttft_ms": (times[0] - submit) * 1e3, "decode_time_s": decode_s,
+        "end_to_end_s": total_s, "end_to_end_tok_s": T / total_s if total_s > 0 else 0.0,
         "bytes_per_token": nbytes, "achieved_gb_per_s": achieved,
         "bandwidth_limit_tok_s": limit_tok_s,
         "fraction_of_bandwidth_limit": achieved / bandwidth["gb_per_s"],
@@ -256,24 +289,37 @@ def offline_specs(args, vocab: int) -> list[Spec]:
                       tuple(args.output_len_range), vocab, args.seed, stream=1)
 
 
+FIRST_RUN_KEYS = ("duration_s", "output_tok_s", "total_tok_s", "completed", "output_tokens",
+                  "num_steps", "num_preemptions")
+
+
 def offline(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    """The first run comes straight after Engine start: no bench warm-up before it (--warmup
+    does not apply), only what the engine does at start. The repeat, fresh prompts of the same
+    lengths, is the steady figure (the top-level fields)."""
     vocab = engine.model_config.vocab_size
     specs = offline_specs(args, vocab)
-    if args.warmup:
-        warmup(engine, len(specs), min(16, args.prompt_len_range[0]), args.seed)
-    task = progress.task(f"offline {len(specs)} requests", len(specs))
-    trace = run_engine(engine, specs, len(specs), task)
-    check_counts(trace, "offline")
+    first = run_engine(engine, specs, len(specs), progress.task(f"offline {len(specs)} requests, first run", len(specs)))
+    check_counts(first, "offline first run")
+    repeat_specs = make_specs(args.num_requests, tuple(args.prompt_len_range), tuple(args.output_len_range),
+                              vocab, args.seed, stream=REPEAT_STREAM)
+    trace = run_engine(engine, repeat_specs, len(repeat_specs),
+                       progress.task(f"offline {len(specs)} requests, repeat", len(specs)))
+    check_counts(trace, "offline repeat")
     m = trace.metrics()
     m["total_time_s"] = m["duration_s"]
-    m["_outputs"] = {len(specs): trace.outputs}
+    f = first.metrics(keep_samples=False)
+    m["first_run"] = {k: f[k] for k in FIRST_RUN_KEYS}
+    m["first_over_repeat"] = f["output_tok_s"] / m["output_tok_s"] if m["output_tok_s"] else None
+    m["_outputs"] = {len(specs): first.outputs}  # the prompts the peers run
     return m
 
 
 # ---- the scheduler micro-benchmark ---------------------------------------------------------
 def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
-    """CPU time of `scheduler.schedule()` + `buffers.fill()` per step, with tokens committed by
-    hand (no forward pass): a tiny one-layer model, CPU tensors.
+    """CPU time of `scheduler.schedule()` + `buffers.fill()` per step, on a scheduler and step
+    buffers of their own (no model, no forward pass; CPU tensors). Each step's made-up tokens go
+    through the engine's own `on_launch` / `update`, untimed.
 
     - decode: `sched_running` running sequences, every one decoding;
     - mixed: `sched_running - sched_prefill_chunks` decodes plus `sched_prefill_chunks` new
@@ -282,9 +328,7 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
       pages go to the prefix cache) and as many fresh ones queued, outside the timed region.
       The pool has room for all of them: no eviction.
     - mixed-evict: the same with a pool full of cached pages, so admissions evict first."""
-    from flashlet.bench.engines import TINY_SCHED_CONFIG, write_config
-    from flashlet.config import EngineConfig
-    from flashlet.engine import Engine
+    from flashlet.bench.engines import TINY_SCHED_CONFIG
 
     R, K, ctx, steps = (args.sched_running, args.sched_prefill_chunks, args.sched_context,
                         args.sched_steps)
@@ -295,7 +339,7 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
     generated = math.ceil(R * ctx / max(1, args.sched_budget - R)) + 2 + warm + steps + 2
     decode_pages = R * math.ceil((ctx + generated) / ps)
     chunk_pages = K * math.ceil(chunk / ps)  # what one step's new requests hold
-    cfg = write_config(TINY_SCHED_CONFIG)
+    vocab, max_len = TINY_SCHED_CONFIG["vocab_size"], TINY_SCHED_CONFIG["max_position_embeddings"]
     results = {}
     scenarios = (("decode", 0, decode_pages + 64),
                  # room for every finished request's pages: the prefix cache never evicts
@@ -305,12 +349,11 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
     for scenario, num_prefill, pages in scenarios:
         if scenario != "decode" and K == 0:
             continue
-        engine = Engine(EngineConfig(
-            config=str(cfg), device="cpu", dtype="float32", backend="torch", page_size=ps,
-            max_num_pages=pages, max_num_seqs=R, max_num_batched_tokens=args.sched_budget,
-            enable_prefix_cache=args.enable_prefix_cache, max_model_len=None, seed=args.seed))
-        results[scenario] = _sched_scenario(engine, R - num_prefill, num_prefill, ctx, chunk,
-                                            generated, steps, warm, args.seed, progress, scenario)
+        sched = Scheduler(PageAllocator(pages), ps, R, args.sched_budget, args.enable_prefix_cache)
+        buffers = StepBuffers(args.sched_budget, R, R * -(-max_len // ps), ps, "cpu")
+        results[scenario] = _sched_scenario(sched, buffers, vocab, R - num_prefill, num_prefill,
+                                            ctx, chunk, generated, steps, warm, args.seed,
+                                            progress, scenario)
         results[scenario]["pool_pages"] = pages
     for r in results.values():
         r["target_us"] = 1000.0
@@ -322,69 +365,49 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
             "timer": "time.perf_counter_ns around schedule() + fill(), CPU tensors"}
 
 
-def _sched_scenario(engine, num_decodes, num_prefill, ctx, chunk, generated, steps, warm, seed,
-                    progress, name) -> dict:
+def _sched_scenario(sched, buffers, vocab, num_decodes, num_prefill, ctx, chunk, generated,
+                    steps, warm, seed, progress, name) -> dict:
     rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
-    sched, buffers = engine.scheduler, engine.buffers
+    ids = itertools.count()
 
     def add(n_tokens: int, max_new: int):
-        return engine.requests[engine.add_request(
-            rng.integers(0, vocab, size=n_tokens).tolist(),
-            SamplingParams(max_new_tokens=max_new, ignore_eos=True))]
+        sched.add(Request(next(ids), rng.integers(0, vocab, size=n_tokens).tolist(),
+                          SamplingParams(max_new_tokens=max_new, ignore_eos=True)))
 
-    def commit(out, sampling):
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-        for req in sampling:
-            req.output_token_ids.append((req.output_token_ids[-1] + 1) % vocab
-                                        if req.output_token_ids else 2)
-        for req, _ in out.scheduled:
-            sched.cache_computed_pages(req)
+    def complete(out):  # as the engine does once the step's tokens are read
+        sched.on_launch(out)
+        sched.update(out, [(r.num_tokens * 7 + 2) % vocab for r in out.sampling])
 
     for _ in range(num_decodes):
         add(ctx, generated)  # never reached: nothing here finishes a decode
     while sched.waiting or any(r.num_tokens_to_compute > 1 for r in sched.running):
         out = sched.schedule()
-        _, _, sampling = buffers.fill(out)
-        commit(out, sampling)
-    fresh = [add(chunk, 1) for _ in range(num_prefill)]
-    evicted = [0]
-    evict = sched.cache.evict
-
-    def counting_evict(n):  # count what the timed steps evict (this engine is ours alone)
-        freed = evict(n)
-        evicted[0] += freed
-        return freed
-
-    sched.cache.evict = counting_evict
+        buffers.fill(out)
+        complete(out)
     task = progress.task(f"scheduler {name}", warm + steps)
-    times, shapes = [], set()
+    times, shapes, evicted = [], set(), 0
     for i in range(warm + steps):
+        for _ in range(num_prefill):  # each lives one step: max_new_tokens=1 retires it
+            add(chunk, 1)
+        evicted_before = sched.cache.num_evicted_pages
         t0 = time.perf_counter_ns()
         out = sched.schedule()
-        _, meta, sampling = buffers.fill(out)
+        _, meta, _ = buffers.fill(out)
         t1 = time.perf_counter_ns()
-        commit(out, sampling)
+        complete(out)
         n_pre = sum(1 for _, n in out.scheduled if n > 1)
         shapes.add((len(out.scheduled) - n_pre, n_pre, meta.num_tokens))
         if i >= warm:
             times.append((t1 - t0) / 1e3)
-        else:
-            evicted[0] = 0
-        for req in fresh:  # the step's new requests are done: make room for the next ones
-            req.finish_reason = "length"
-            sched.finish(req)
-            engine.requests.pop(req.request_id, None)
-        fresh = [add(chunk, 1) for _ in range(num_prefill)]
+            evicted += sched.cache.num_evicted_pages - evicted_before
         task.advance()
     expected = (num_decodes, num_prefill, num_decodes + num_prefill * chunk)
     if shapes != {expected}:
         raise RuntimeError(f"scheduler {name}: steps were {sorted(shapes)}, expected {expected}")
-    engine.check_integrity()
+    sched.check_integrity()
     return {"decodes": num_decodes, "prefill_chunks": num_prefill,
             "running": num_decodes + num_prefill, "tokens_per_step": expected[2],
-            "steps": steps, "warmup_steps": warm, "evicted_pages_per_step": evicted[0] / steps,
+            "steps": steps, "warmup_steps": warm, "evicted_pages_per_step": evicted / steps,
             "us_per_step": summarize(times),
             "samples": {"us_per_step": samples(times, digits=2)}}
 

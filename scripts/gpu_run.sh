@@ -7,12 +7,20 @@
 #                                             and, not in all (issue 14, ~12 min together):
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
+#                                             and fused (issue 16, not in all: needs the CuTe DSL,
+#                                             see below; ~2-4 min)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
 # lacks) are installed from .whl/ when present; compiled FlashInfer kernels are kept in
 # .fi_cache/ (FLASHINFER_WORKSPACE_BASE; unpacked from .fi_prev/fi_cache.tgz when present) so a
-# second start skips compilation. Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
+# second start skips compilation. The fused part takes the CuTe DSL from /tmp/cute when a run
+# before it installed it there (pip install --no-deps --target /tmp/cute
+# nvidia_cutlass_dsl-4.3.5-cp312-*.whl, plus cuda-bindings and cuda-pathfinder wheels if the
+# machine's python lacks `cuda.bindings`), else from the wheels in .whl/cute/; --target skips
+# the wheel's .pth file, so its two import roots go on PYTHONPATH here, in front of /tmp/site
+# (FlashInfer's dependencies may bring a newer cutlass).
+# Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +119,14 @@ for part in "${PARTS[@]}"; do
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
     tune) run 260 python3 scripts/tune_triton.py --budget-s 160 --json "$OUT/json/tune.json" ;;
+    fused) if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
+           fi
+           export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
+           python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \
+             2>&1 | tail -1 | tee -a "$LOG"
+           run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
+           run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

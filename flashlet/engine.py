@@ -29,8 +29,10 @@ from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.sampling import SamplingParams, TokenLogprob, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
+from flashlet.structured import StructuredOutputs, advance
 from flashlet.weights import load_model, random_model
 
 log = logging.getLogger("flashlet")
@@ -69,6 +71,9 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(self.device, self.eos_token_ids)
+        self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+                           if self.tokenizer is not None else None)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
@@ -92,6 +97,10 @@ class Engine:
         token_ids = self.encode(prompt)
         self.check_request(len(token_ids), params)
         req = Request(next(self._ids), token_ids, params, make_generator(params, self.device))
+        if params.is_constrained:
+            req.grammar = self.structured.matcher(params.response_format)
+        if params.logprobs is not None:
+            req.output_logprobs = []
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
@@ -99,6 +108,13 @@ class Engine:
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if a request of this size could never run."""
         params.validate()
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab}")
+        if params.is_constrained:
+            if self.structured is None:
+                raise ValueError("response_format needs a model with a tokenizer")
+            self.structured.compile(params.response_format)  # ValueError if invalid; cached
         total = num_prompt_tokens + params.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -149,6 +165,10 @@ class Engine:
         """Launch the next step, then finish the previous one (overlap) or this one."""
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.constrained:
+            # A grammar's next mask needs the token in flight: no overlap (see structured.py).
+            outputs += self._finish(previous)
+            previous = None
         sched = self.scheduler.schedule()
         launched = self._launch(sched, previous) if sched.scheduled else None
         if previous is not None:
@@ -171,9 +191,9 @@ class Engine:
         logits = self.runner.forward(input_ids, meta)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-        tokens, errors = self._sample(logits, sampling)
+        sampled = self.sampler.sample(logits, sampling)
         buffer = self._token_buffers[self.num_steps % 2]
-        launched = LaunchedStep(sched, sampling, tokens, buffer.stage(tokens), errors)
+        launched = LaunchedStep(sched, sampling, sampled, buffer.stage(sampled.tokens))
         for row, req in enumerate(sampling):
             launched.slots.append(len(req.output_token_ids))
             req.output_token_ids.append(PLACEHOLDER)
@@ -189,29 +209,23 @@ class Engine:
             if req.is_finished:  # aborted, or stopped by the step before: this row is void
                 continue
             token = launched.errors.get(row, values[row])
-            outputs.append(self._append_token(req, launched.slots[row], token))
+            logprob = launched.logprobs.get(row) if launched.logprobs is not None else None
+            outputs.append(self._append_token(req, launched.slots[row], token, logprob))
         for req, _ in launched.sched.scheduled:
             if not req.is_finished:
                 self.scheduler.cache_computed_pages(req)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
-        """logits [len(reqs), vocab] -> (tokens [len(reqs)] int64 on the device, {row: the
-        exception a request's sampling raised}). Greedy rows take the argmax."""
-        tokens = logits.argmax(dim=-1)
-        errors = {}
-        for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                continue
-            try:
-                tokens[i] = sample_one(logits[i], req.params, req.generator)
-            except Exception as e:  # one bad request must not fail the batch
-                errors[i] = e
-        return tokens, errors
-
-    def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
+    def _append_token(self, req: Request, slot: int, token,
+                      logprob: TokenLogprob | None = None) -> RequestOutput:
         """Write the token sampled for `req` into its output slot (a placeholder until now),
         then the stop checks."""
+        grammar_done = None
+        if req.grammar is not None and not isinstance(token, Exception):
+            try:
+                grammar_done = advance(req.grammar, token)
+            except ValueError as e:
+                token = e
         if isinstance(token, Exception):
             req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
             self._retire(req)
@@ -219,12 +233,16 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_token_ids[slot] = token
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
         if self.tokenizer is not None:
             self._detokenize(req, slot + 1)
         p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
-        elif p.stop and self._hit_stop_string(req):
+        elif token in p.stop_token_ids or grammar_done:
+            req.finish_reason = "stop"
+        elif p.stop and slot + 1 >= p.min_tokens and self._hit_stop_string(req):
             req.finish_reason = "stop"
         elif slot + 1 >= p.max_new_tokens:
             req.finish_reason = "length"
@@ -237,6 +255,7 @@ class Engine:
     def _retire(self, req: Request) -> None:
         """A finished request (its finish_reason set) gives back its pages and leaves."""
         req.drop_placeholders()  # rows launched after it stopped, never to be read
+        self.sampler.release(req)
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 
@@ -278,7 +297,11 @@ class Engine:
             finished=req.is_finished, finish_reason=req.finish_reason,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids) if req.is_finished else None,
-            text=req.output_text, num_cached_tokens=req.num_cached_tokens, error=req.error)
+            text=req.output_text, num_cached_tokens=req.num_cached_tokens, error=req.error,
+            new_logprobs=(req.output_logprobs[len(req.output_logprobs) - len(new_ids):]
+                          if req.output_logprobs is not None else None),
+            logprobs=(list(req.output_logprobs)
+                      if req.output_logprobs is not None and req.is_finished else None))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -360,13 +383,15 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, sampling: list[Request], tokens: torch.Tensor,
-                 staged: TokenBuffer, errors: dict[int, Exception]):
+    def __init__(self, sched: SchedulerOutput, sampling: list[Request], sampled: SamplerOutput,
+                 staged: TokenBuffer):
         self.sched = sched
         self.sampling = sampling  # requests that sample, in row order
-        self.tokens = tokens  # [len(sampling)] on the device: the next step's decode inputs
+        self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
         self.staged = staged
-        self.errors = errors
+        self.errors = sampled.errors
+        self.logprobs: StepLogprobs | None = sampled.logprobs
+        self.constrained = any(req.grammar is not None for req in sampling)
         self.slots: list[int] = []  # per row: the index in output_token_ids of its placeholder
 
     def read(self) -> list[int]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashlet.sampling import SamplingParams
+from flashlet.sampling import SamplingParams, TokenLogprob
 
 
 # An output token sampled on the device whose value the host has not read yet (see engine.py).
@@ -42,6 +42,8 @@ class Request:
     read_offset: int = 0
     num_sent_chars: int = 0  # characters of output_text already streamed out
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
+    grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
+    output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -103,3 +105,9 @@ class RequestOutput:
     text: str = ""  # all output text so far
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
+    logprobs: list[TokenLogprob] | None = None  # one per output token, in the final output only
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None

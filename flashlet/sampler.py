@@ -79,9 +79,9 @@ class Sampler:
                                     tokens[self._index(lp_rows)])
         return SamplerOutput(tokens, errors, logprobs)
 
-    def release(self, req) -> None:
+    def release(self, request_id: int) -> None:
         """A request left the engine: its penalty row is free for another."""
-        slot = self.slot_of.pop(req.request_id, None)
+        slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
 

@@ -101,12 +101,16 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
                                         vocab_size=logits.shape[1], indices=filled)
 
 
-def advance(matcher, token: int) -> str | None:
-    """Feed a sampled token to a request's matcher -> None to go on, "stop" when the grammar
-    is complete; ValueError if the grammar rejects the token."""
-    if not matcher.accept_token(token):
-        raise ValueError(f"token {token} does not fit the response format")
-    return "stop" if matcher.is_terminated() else None
+def advance_grammars(reqs: list, tokens: list) -> None:
+    """Feed each constrained request its sampled token (tokens: one per row, an Exception where
+    sampling failed); a token its grammar rejects becomes that row's error. The grammar ends on
+    an EOS token, which ends the request as any EOS does."""
+    for row, req in enumerate(reqs):
+        token = tokens[row]
+        if req.grammar is None or req.is_finished or isinstance(token, Exception):
+            continue  # unconstrained, a void row (stopped a step before), or failed already
+        if not req.grammar.accept_token(token):
+            tokens[row] = ValueError(f"token {token} does not fit the response format")
 
 
 def tool_call_format(tools: list[dict], tool_choice="required",

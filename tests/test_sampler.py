@@ -197,7 +197,7 @@ def test_penalty_counts_follow_the_sampled_tokens_on_the_device():
         want = torch.bincount(torch.tensor(seen[r]), minlength=VOCAB).to(torch.int32)
         assert torch.equal(sampler.counts[slot], want)
         assert sampler.prompt_mask[slot].nonzero().flatten().tolist() == [3, 4, 5]
-    sampler.release(reqs[0])
+    sampler.release(reqs[0].request_id)
     assert reqs[0].request_id not in sampler.slot_of and sampler.free_slots
 
 

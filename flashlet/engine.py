@@ -223,6 +223,7 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.scheduler.eos_token_ids = frozenset(ids)
+        self.sampler.eos_token_ids = sorted(ids)  # min_tokens keeps them from being sampled
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -62,7 +62,10 @@ class StructuredOutputs:
         if kind == "json_object":
             return compiler.compile_builtin_json_grammar()
         if kind == "json_schema":
-            return compiler.compile_json_schema(json.dumps(fmt["json_schema"]["schema"]))
+            # Compact JSON: small models otherwise tend to loop on whitespace (vLLM's
+            # disable_any_whitespace for the same reason).
+            return compiler.compile_json_schema(json.dumps(fmt["json_schema"]["schema"]),
+                                                any_whitespace=False)
         if kind == "grammar":
             return compiler.compile_grammar(fmt["grammar"])
         if kind == "structural_tag":
@@ -124,7 +127,7 @@ def tool_call_format(tools: list[dict], tool_choice="required",
         raise ValueError(f"tool_choice {tool_choice!r} does not constrain the output")
     try:
         tag = xgr.get_builtin_structural_tag(model_format, tools=tools, tool_choice=tool_choice,
-                                             reasoning=False)
+                                             reasoning=False, max_whitespace_cnt=1)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"invalid tools or tool_choice: {e}") from None
     return {"type": "structural_tag", "format": tag.model_dump(mode="json")["format"]}

@@ -57,7 +57,8 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1), errors, None)
         logits = logits.to(torch.float32, copy=True)  # never write into the runner's buffer
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        raw_logprobs = (torch.log_softmax(logits[self._index(lp_rows)], dim=-1)
+                        if lp_rows else None)
         apply_grammar_masks(logits, reqs, errors)
         self._mask_early_stops(logits, reqs)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
@@ -101,9 +102,8 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> torch.Tensor:
         slots = self._index([self._slot(reqs[i], logits.shape[1]) for i in rows])
         row_index = self._index(rows)
-        values = torch.tensor([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
-                                reqs[i].params.repetition_penalty] for i in rows],
-                              dtype=torch.float32).to(self.device, non_blocking=True)
+        values = self._tensor([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
+                                reqs[i].params.repetition_penalty] for i in rows], torch.float32)
         penalised = apply_penalties(logits[row_index], self.counts[slots], self.prompt_mask[slots],
                                     values[:, 0], values[:, 1], values[:, 2])
         return logits.index_copy(0, row_index, penalised)
@@ -118,9 +118,9 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, reqs: list, rows: list[int], errors: dict) -> torch.Tensor:
         """Sample the given rows (logits [len(rows), vocab]) -> tokens [len(rows)]."""
         params = [reqs[i].params for i in rows]
-        temperature, top_k, top_p, min_p = (
-            torch.tensor(column, dtype=torch.float32).to(self.device, non_blocking=True)
-            for column in zip(*[(p.temperature, p.top_k, p.top_p, p.min_p) for p in params]))
+        columns = self._tensor([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
+                               torch.float32)
+        temperature, top_k, top_p, min_p = columns.unbind(1)
         probs = sampling_probs(logits, temperature, top_k, top_p, min_p,
                                use_min_p=any(p.min_p > 0 for p in params),
                                use_top=any(p.top_k > 0 or p.top_p < 1 for p in params))
@@ -158,7 +158,15 @@ class Sampler:
         self.free_slots += range(new - 1, old - 1, -1)
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._tensor(values, torch.int64)
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host values -> a device tensor, without waiting for the device (a copy from pinned
+        memory is queued; one from pageable memory would stall the overlap)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 # ---- pure functions on tensors (tests check them against per-row references) -------------

@@ -100,7 +100,9 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
         except Exception as e:  # one bad request must not fail the batch
             errors[i] = e
     if filled:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+        if logits.is_cuda:
+            bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask,
                                         vocab_size=logits.shape[1], indices=filled)
 
 

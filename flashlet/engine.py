@@ -13,6 +13,8 @@ in step N-1 holds a placeholder as its newest token, its decode row in step N ta
 token straight from step N-1's device tensor, and the host writes the value in when it reads
 it. A request that stops on step N-1's token (EOS, a stop string) has run one row too many in
 step N; that row's token is dropped. A request that reached max_new_tokens is not scheduled.
+A step that sampled a grammar-constrained request is read before the next one is scheduled
+(its next token mask needs the token; see structured.py).
 """
 
 from __future__ import annotations

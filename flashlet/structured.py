@@ -15,6 +15,7 @@ the matcher's work runs while the model computes.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 
 import torch
@@ -33,11 +34,16 @@ class StructuredOutputs:
         self.cache_size = cache_size
         self._compiler = None  # built on first use: TokenizerInfo walks the whole vocabulary
         self._compiled: OrderedDict[str, object] = OrderedDict()  # canonical format -> grammar
+        self._lock = threading.Lock()  # the server checks requests outside the engine's thread
         self.num_compiled = 0
 
     def compile(self, fmt: dict):
         """A response_format -> xgrammar's CompiledGrammar; ValueError if it is invalid."""
         key = json.dumps(fmt, sort_keys=True)
+        with self._lock:
+            return self._compile_cached(key, fmt)
+
+    def _compile_cached(self, key: str, fmt: dict):
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]

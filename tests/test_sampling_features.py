@@ -211,3 +211,31 @@ def test_invalid_schemas_and_tools_are_clear_value_errors(tokenizer_llm):
         tokenizer_llm.generate(["x"], SamplingParams(ignore_eos=True,
                                                      response_format={"type": "json_object"}))
     assert tokenizer_llm.engine.stats()["requests"] == 0
+
+
+def test_grammar_mask_leaves_exactly_the_allowed_tokens(tokenizer_llm):
+    """apply_grammar_masks against a direct reading of the matcher: a row with a grammar keeps
+    the tokens its grammar allows next (and only those), a free row keeps everything."""
+    import torch
+    import xgrammar as xgr
+
+    from flashlet.request import Request
+    from flashlet.structured import apply_grammar_masks
+
+    structured = tokenizer_llm.engine.structured
+    fmt = {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}
+    params = SamplingParams(response_format=fmt)
+    constrained = Request(0, [1], params)
+    constrained.grammar = structured.matcher(fmt)
+    free = Request(1, [1], SamplingParams())
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0))
+    masked = logits.clone()
+    apply_grammar_masks(masked, [free, constrained], {})
+    assert torch.equal(masked[0], logits[0])
+    allowed = masked[1].isfinite().nonzero().flatten().tolist()
+    texts = {tokenizer_llm.tokenizer.decode([t]) for t in allowed}
+    assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    reference = xgr.allocate_token_bitmask(1, 49152)
+    structured.matcher(fmt).fill_next_token_bitmask(reference, 0)
+    bits = [(int(reference[0, t // 32]) >> (t % 32)) & 1 for t in range(49152)]
+    assert allowed == [t for t, bit in enumerate(bits) if bit]

@@ -111,7 +111,8 @@ class Scheduler:
         for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
             if req.is_finished:  # aborted, or stopped by the step before: this row is void
                 continue
-            if logprobs is not None and req.output_logprobs is not None:
+            if (logprobs is not None and req.output_logprobs is not None
+                    and not isinstance(token, Exception)):
                 req.output_logprobs.append(logprobs.get(row))
             outputs.append(self._append_token(req, slot, token))
         for req, _ in out.scheduled:

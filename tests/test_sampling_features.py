@@ -10,7 +10,7 @@ import pytest
 from flashlet import LLM, SamplingParams
 from flashlet.structured import tool_call_format
 
-from conftest import save_tiny_model
+from tests.conftest import save_tiny_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

@@ -31,6 +31,7 @@ class EngineConfig:
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     seed: int = 0  # for random weights
+    tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -47,6 +48,8 @@ class EngineConfig:
             )
         if self.dtype is not None:
             torch_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

@@ -41,6 +41,10 @@ class LLM:
             raise
         return [finished[i] for i in ids]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when the program exits)."""
+        self.engine.shutdown()
+
     def chat(self, conversations, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template applied."""
         if conversations and isinstance(conversations[0], dict):

@@ -184,7 +184,7 @@ def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
+def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes."""
     model_dir = resolve_model_dir(source)
     try:
@@ -192,13 +192,14 @@ def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
     model = model_from_hf_tensors(hf_config, read_hf_tensors(model_dir), device, dtype, ops,
-                                  where=str(model_dir))
+                                  where=str(model_dir), tp=tp)
     return model, load_tokenizer(model_dir), model_dir
 
 
 def model_from_hf_tensors(hf_config: dict, tensors: dict, device="cpu", dtype=torch.float32,
-                          ops=None, where="weights"):
-    """Our CausalLM from a Hugging Face config dict and its tensors (HF parameter names)."""
+                          ops=None, where="weights", tp=None):
+    """Our CausalLM from a Hugging Face config dict and its tensors (HF parameter names);
+    with `tp` (flashlet.parallel.TensorParallel), only this rank's slices."""
     from flashlet.model import CausalLM, ModelConfig, hf_to_flashlet_names
 
     try:
@@ -212,6 +213,10 @@ def model_from_hf_tensors(hf_config: dict, tensors: dict, device="cpu", dtype=to
             raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
         state[ours] = torch.cat([tensors[t] for t in theirs], dim=0)
     kwargs = {} if ops is None else {"ops": ops}
+    if tp is not None:  # tensor parallel: keep this rank's slices
+        from flashlet.parallel import shard_state_dict
+
+        state, kwargs["tp"] = shard_state_dict(state, cfg, tp.shape(cfg)), tp
     with torch.device("meta"):
         model = CausalLM(cfg, **kwargs)
     model = model.to_empty(device=device)
@@ -228,10 +233,13 @@ def _finish(model, device, dtype):
     return model.eval()
 
 
-def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None):
-    """A model with random weights at `cfg`'s shape (for benchmarks at a real size)."""
+def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=None):
+    """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
+    this rank's slices of the very weights one device would draw."""
     from flashlet.model import CausalLM
 
+    if tp is not None:
+        return _shard_model(random_model(cfg, device, dtype, seed, ops), tp)
     torch.manual_seed(seed)
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device(device):
@@ -254,3 +262,18 @@ def load_tokenizer(model_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.clean_up_tokenization_spaces = False  # it corrupts BPE text; decode verbatim
     return tokenizer
+
+
+def _shard_model(full, tp):
+    """The rank's tensor-parallel slice of a whole model (which it then drops)."""
+    from flashlet.model import CausalLM
+    from flashlet.parallel import shard_state_dict
+
+    cfg, ops, device = full.config, full.ops, full.norm.device
+    state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))
+    del full
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=ops, tp=tp)
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    return _finish(model, device, state["norm"].dtype)

@@ -194,6 +194,9 @@ class EngineLoop:
         try:
             self._serve()
         finally:
+            shutdown = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
+            if shutdown is not None:
+                shutdown()
             self.stopped.set()
 
     def _serve(self) -> None:

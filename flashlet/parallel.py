@@ -150,6 +150,7 @@ class TensorParallel:
         self.failure: str | None = None  # set by the watchdog when a worker died
         self._watchdog: threading.Thread | None = None
         self._closed = False
+        self.threads_before = torch.get_num_threads()  # restored on shutdown
 
     def shape(self, cfg) -> LocalShape:
         return local_shape(cfg, self.rank, self.world_size)
@@ -306,10 +307,12 @@ class TensorParallel:
                 p.join(5)
         if self.failure is None and dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self.threads_before)
 
 
 def _dead_message(dead) -> str:
-    parts = [f"pid {p.pid} exit code {p.exitcode}" for p in dead]
+    parts = [f"pid {p.pid} " + (f"killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0
+                                else f"exit code {p.exitcode}") for p in dead]
     return ("tensor-parallel worker died (" + "; ".join(parts)
             + "): the engine cannot continue; see the worker's output above for its error")
 
@@ -335,6 +338,7 @@ def start(config, device: torch.device) -> TensorParallel | None:
     world = config.tensor_parallel_size
     if world == 1:
         return None
+    check_split(config)  # before any process starts
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     workers = []
     if launched_by_torchrun():
@@ -347,6 +351,9 @@ def start(config, device: torch.device) -> TensorParallel | None:
         workers = _spawn_workers(config, world, device)
     device = _rank_device(device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # ranks share the cores: spinning OpenMP threads would starve peers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout())
@@ -357,11 +364,25 @@ def start(config, device: torch.device) -> TensorParallel | None:
             p.kill()
         raise WorkerDiedError(f"tensor-parallel start-up failed on rank {rank}: {e}") from e
     tp = TensorParallel(rank, world, local_rank, device, control, workers)
+    tp.threads_before = threads
     tp.start_watchdog()
     if rank == 0:
         atexit.register(tp.shutdown)  # workers stop even if the engine is never shut down
     log.info("tensor parallel: rank %d of %d on %s (%s)", rank, world, device, backend)
     return tp
+
+
+def check_split(config) -> None:
+    """Raise ValueError if the model of `config` does not split over its ranks."""
+    from flashlet.engine import preset_config_path
+    from flashlet.model import ModelConfig
+    from flashlet.weights import resolve_model_dir
+
+    if config.config is not None:
+        path = preset_config_path(config.config)
+    else:
+        path = resolve_model_dir(config.model) / "config.json"
+    local_shape(ModelConfig.from_file(path), 0, config.tensor_parallel_size)
 
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:

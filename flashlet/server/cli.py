@@ -108,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-waiting must be >= 1", file=sys.stderr)
         return 2
     name = args.served_model_name or default_model_name(engine_config)
+    from flashlet.parallel import launched_rank
+
+    if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
+        # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP.
+        from flashlet.engine import Engine
+
+        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
+        return 0
 
     def load():
         from flashlet.engine import Engine

@@ -77,8 +77,10 @@ class Engine:
             self.model, self.tokenizer, self.model_dir = load_model(
                 config.model, self.device, self.dtype, ops=ops, tp=self.tp)
         self.model_config = cfg = self.model.config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or cfg.max_context_len, cfg.max_context_len)
+        if cfg.sliding_window and cfg.sliding_window == cfg.max_context_len:
+            log.info("context capped at the sliding window, %d tokens (there the window attends "
+                     "to every token: exact)", cfg.sliding_window)
         self.eos_token_ids = self._eos_ids()
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
@@ -120,7 +122,8 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{total} exceeds the model's context of {self.max_model_len} tokens")
+                f"{total} exceeds the model's context of {self.max_model_len} tokens"
+                + self._context_note())
         pages = -(-total // self.config.page_size)
         if pages > self.kv_pool.num_pages:
             raise ValueError(
@@ -331,6 +334,13 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
         }
+
+    def _context_note(self) -> str:
+        window = self.model_config.sliding_window
+        if window and self.max_model_len == window:
+            return (f" (capped at the model's sliding window: longer sequences would need "
+                    f"sliding-window attention, which flashlet does not implement)")
+        return ""
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -102,38 +102,63 @@ def local_shape(cfg, rank: int = 0, world_size: int = 1) -> LocalShape:
                       intermediate_start=rank * inter, vocab_start=rank * vocab_rows)
 
 
-def shard_state_dict(state: dict, cfg, shape: LocalShape) -> dict:
-    """A full state dict in our parameter names -> this rank's slices of it (copies)."""
-    d, h = cfg.head_dim, cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * d
-    q_rows = slice(shape.q_head_start * d, (shape.q_head_start + shape.num_heads) * d)
-    kv_rows = slice(shape.kv_head_start * d, (shape.kv_head_start + shape.num_kv_heads) * d)
+def _parts(name: str, cfg) -> list[int] | None:
+    """Rows of each checkpoint tensor fused into our parameter `name` (q|k|v, gate|up), or
+    None for a parameter that is not fused."""
+    d = cfg.head_dim
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        return [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    if name.endswith("gate_up_proj.weight"):
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    return None
+
+
+def _slice_part(name: str, part: int, t: torch.Tensor, cfg, shape: LocalShape):
+    """Part `part` of our parameter `name` (whole, as in the checkpoint) -> (its first row in
+    this rank's parameter, this rank's slice of it)."""
+    d = cfg.head_dim
+    q = slice(shape.q_head_start * d, (shape.q_head_start + shape.num_heads) * d)
+    kv = slice(shape.kv_head_start * d, (shape.kv_head_start + shape.num_kv_heads) * d)
     mlp = slice(shape.intermediate_start, shape.intermediate_start + shape.intermediate_size)
+    local_q, local_kv = shape.num_heads * d, shape.num_kv_heads * d
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # column-parallel, by heads
+        return (0, t[q]) if part == 0 else (local_q + (part - 1) * local_kv, t[kv])
+    if name.endswith("gate_up_proj.weight"):  # column-parallel, by intermediate rows
+        return part * shape.intermediate_size, t[mlp]
+    if name.endswith("o_proj.weight"):  # row-parallel: the input columns of this rank's heads
+        return 0, t[:, q]
+    if name.endswith("down_proj.weight"):
+        return 0, t[:, mlp]
+    if name in ("embed_tokens.weight", "lm_head"):  # vocab-parallel
+        return 0, t[shape.vocab_start : shape.vocab_start + shape.vocab_rows]
+    return 0, t  # norms, O's bias (added once, after the all-reduce): on every rank whole
+
+
+def shard_state_dict(state: dict, cfg, shape: LocalShape) -> dict:
+    """A whole state dict in our parameter names -> this rank's slices of it (copies)."""
     out = {}
     for name, t in state.items():
-        leaf = name.rsplit(".", 2)[-2] if "." in name else name
-        if leaf == "qkv_proj":  # rows: q heads, then k heads, then v heads
-            q, k, v = t.split([h, kv, kv], dim=0)
-            t = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]], dim=0)
-        elif leaf == "o_proj":
-            t = t[:, q_rows]
-        elif leaf == "gate_up_proj":
-            gate, up = t.chunk(2, dim=0)
-            t = torch.cat([gate[mlp], up[mlp]], dim=0)
-        elif leaf == "down_proj":
-            t = t[:, mlp]
-        elif name in ("embed_tokens.weight", "lm_head"):
-            t = _vocab_rows(t, shape)
+        sizes = _parts(name, cfg) or [t.shape[0]]
+        pieces = [_slice_part(name, i, part, cfg, shape)[1]
+                  for i, part in enumerate(t.split(sizes, dim=0))]
+        t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        if name in ("embed_tokens.weight", "lm_head") and t.shape[0] < shape.vocab_rows:
+            pad = t.new_zeros((shape.vocab_rows - t.shape[0],) + tuple(t.shape[1:]))
+            t = torch.cat([t, pad], dim=0)  # the last rank: padded to the common shard size
         out[name] = t.contiguous().clone()
     return out
 
 
-def _vocab_rows(t: torch.Tensor, shape: LocalShape) -> torch.Tensor:
-    rows = t[shape.vocab_start : shape.vocab_start + shape.vocab_rows]
-    if rows.shape[0] < shape.vocab_rows:  # the last rank: pad to the common shard size
-        pad = rows.new_zeros((shape.vocab_rows - rows.shape[0],) + tuple(t.shape[1:]))
-        rows = torch.cat([rows, pad], dim=0)
-    return rows
+def checkpoint_slicer(cfg, shape: LocalShape):
+    """For the streaming loader: (our name, first row in the whole parameter, checkpoint
+    tensor) -> (first row in this rank's parameter, this rank's slice of the tensor)."""
+
+    def slice_tensor(name: str, row: int, t: torch.Tensor):
+        sizes = _parts(name, cfg) or [t.shape[0]]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return _slice_part(name, starts.index(row), t, cfg, shape)
+
+    return slice_tensor
 
 
 # ---- one rank's view of the group ----------------------------------------------------------

@@ -295,7 +295,7 @@ def _resolve_model(err, args) -> dict:
     for backend in args.backends:
         _check_backend(err, ecfg.replace(backend=backend), mcfg, device)
 
-    max_len = min(args.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    max_len = min(args.max_model_len or mcfg.max_context_len, mcfg.max_context_len)
     wl = args.workload
     if wl == "closed-loop":
         longest, batch = args.prompt_len_range[1] + args.output_len_range[1], max(args.concurrency)

@@ -4,8 +4,9 @@ The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asy
 loops, possibly several) talk to the loop through a command deque guarded by a condition
 variable: `submit`, `abort`, `call`. Each request has a `RequestStream`; the loop pushes that
 request's output deltas into the stream's asyncio.Queue with `loop.call_soon_threadsafe`, so
-tokens stream out as each step makes them. With nothing to do the thread sleeps on the
-condition (no busy spin).
+tokens stream out as each step makes them. The engine's outputs are token ids; the loop gives
+them their text (and ends requests on stop strings) with detokenizer.TextOutputs. With nothing
+to do the thread sleeps on the condition (no busy spin).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from flashlet.detokenizer import TextOutputs
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
 
@@ -73,6 +75,7 @@ class EngineLoop:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self.engine = engine
+        self.text_outputs: TextOutputs | None = None  # made with the engine, on the loop thread
         self._factory = engine_factory
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
@@ -189,6 +192,7 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
+        self.text_outputs = TextOutputs(self.engine, self.engine.tokenizer)
         self.snapshot = self.engine.stats()
         self.ready.set()
         try:
@@ -247,10 +251,12 @@ class EngineLoop:
             if rid is not None:
                 stream.request_id = rid
                 self._streams[rid] = stream
+                self.text_outputs.add(rid, stream.params)
         elif kind == "abort":
             stream = cmd[1]
             if stream.request_id is not None:  # the pages are freed now, whatever else runs
                 self.engine.abort(stream.request_id)
+                self.text_outputs.forget(stream.request_id)
                 self._streams.pop(stream.request_id, None)  # its reader is gone
         elif kind == "abort_all":
             self._abort_all()
@@ -269,7 +275,7 @@ class EngineLoop:
     def _step(self) -> int:
         """One engine step; delivers its outputs and returns how many there were."""
         try:
-            outputs = self.engine.step()
+            outputs = self.text_outputs.process(self.engine.step())
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             for rid, stream in list(self._streams.items()):
@@ -277,6 +283,7 @@ class EngineLoop:
                     self.engine.abort(rid)
                 except Exception:  # noqa: BLE001
                     pass
+                self.text_outputs.forget(rid)
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
             return 0

@@ -3,6 +3,7 @@
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
 #                                             offline closed-loop kernels progression all (default)
+#                                             tp (tensor parallelism; needs 2 GPUs; not in all)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -65,6 +66,17 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
+    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table
+        if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
+          echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue
+        fi
+        for shape in qwen2.5-7b qwen2.5-14b; do
+          for n in 1 2; do
+            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n \
+              --backend "${TP_BACKEND:-flashinfer}" --out "$OUT/json/tp-$shape-$n.json"
+          done
+        done
+        run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -34,16 +34,18 @@ PROFILE_STEPS = 20
 
 def run(a) -> dict:
     ecfg = EngineConfig(config=a.config, dtype=a.dtype, backend=a.backend,
-                        tensor_parallel_size=a.tp, max_num_seqs=DECODE_BATCH,
-                        max_num_pages=a.max_num_pages, max_num_batched_tokens=2048)
+                        tensor_parallel_size=a.tp, max_num_seqs=a.decode_batch,
+                        max_num_pages=a.max_num_pages, max_num_batched_tokens=2048,
+                        cuda_graph=a.cuda_graph)
     t0 = time.monotonic()
     engine = Engine(ecfg)
     result = {"config": a.config, "tp": a.tp, "backend": a.backend,
-              "load_s": time.monotonic() - t0}
+              "load_s": time.monotonic() - t0, "decode_batch": a.decode_batch,
+              "decode_prompt_len": a.decode_prompt_len}
     result.update(greedy(engine))
-    args = argparse.Namespace(single_prompt_len=32, single_tokens=256, warmup=True, seed=0,
-                              bandwidth_mib=256, decode_batch=DECODE_BATCH,
-                              decode_prompt_len=DECODE_PROMPT_LEN, decode_tokens=DECODE_STEPS,
+    args = argparse.Namespace(single_prompt_len=32, single_tokens=a.single_tokens, warmup=True,
+                              seed=0, bandwidth_mib=256, decode_batch=a.decode_batch,
+                              decode_prompt_len=a.decode_prompt_len, decode_tokens=a.decode_steps,
                               max_num_batched_tokens=ecfg.max_num_batched_tokens)
     single = workloads.single(engine, args)
     result["single_ms_per_token"] = single["ms_per_token"]
@@ -51,7 +53,7 @@ def run(a) -> dict:
     sat = workloads.decode_sat(engine, args)
     result["decode_sat_tok_s"] = sat["decode_tok_s"]
     result["decode_sat_ms_per_step"] = sat["ms_per_step"]
-    result["decode_collectives_ms"] = profile_collectives(engine, batch=DECODE_BATCH)
+    result["decode_collectives_ms"] = profile_collectives(engine, batch=a.decode_batch)
     engine.shutdown()
     return result
 
@@ -110,11 +112,13 @@ def profile_collectives(engine, batch: int) -> dict:
         engine.step()
     reduce_us = gather_us = 0.0
     for ev in prof.key_averages():
-        name = ev.key.lower()
+        name = ev.key.lower().replace("_", "")
+        if "nccl" not in name or "kernel" not in name:  # GPU kernels only, not host-side ops
+            continue
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if "nccl" in name and "allreduce" in name.replace("_", ""):
+        if "allreduce" in name:
             reduce_us += us
-        elif "nccl" in name and "allgather" in name.replace("_", ""):
+        elif "allgather" in name:
             gather_us += us
     return {"all_reduce_ms": reduce_us / PROFILE_STEPS / 1e3,
             "all_gather_ms": gather_us / PROFILE_STEPS / 1e3,
@@ -126,18 +130,25 @@ def report(paths: list[str]) -> None:
     by_shape: dict[str, dict[int, dict]] = {}
     for r in runs:
         by_shape.setdefault(r["config"], {})[r["tp"]] = r
-    print("| shape | TP | single ms/token | decode-sat 64x300 tok/s | all-reduce ms/step "
-          "(B=1 / B=64) | all-gather ms/step (B=1 / B=64) | greedy vs TP=1 |")
-    print("|---|---|---|---|---|---|---|")
+    b, p = runs[0]["decode_batch"], runs[0]["decode_prompt_len"]
+    print(f"| shape | TP | single ms/token | decode-sat {b}x{p} tok/s | all-reduce ms/step "
+          f"(B=1 / B={b}) | all-gather ms/step (B=1 / B={b}) | profiled step ms (B=1 / B={b}) "
+          f"| greedy vs TP=1 |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape, by_tp in by_shape.items():
         base = by_tp.get(1)
         for tp, r in sorted(by_tp.items()):
             s, d = r["single_collectives_ms"], r["decode_collectives_ms"]
             agree = "reference" if tp == 1 or base is None else compare(base, r)
+            steps = (f"{s['step_ms']:.2f} / {d['step_ms']:.2f}" if s["step_ms"] is not None
+                     else "-")
             print(f"| {shape} | {tp} | {r['single_ms_per_token']:.2f} | "
                   f"{r['decode_sat_tok_s']:.0f} | {s['all_reduce_ms']:.3f} / "
                   f"{d['all_reduce_ms']:.3f} | {s['all_gather_ms']:.3f} / "
-                  f"{d['all_gather_ms']:.3f} | {agree} |")
+                  f"{d['all_gather_ms']:.3f} | {steps} | {agree} |")
+            if tp > 1 and d["all_reduce_ms"] == 0:
+                print("\n(no NCCL kernel in the profile: the profiler did not trace the kernels "
+                      "inside CUDA graphs; rerun with --no-cuda-graph for eager figures)")
     for shape, by_tp in by_shape.items():
         base = by_tp.get(1)
         for tp, r in sorted(by_tp.items()):
@@ -176,7 +187,12 @@ def main() -> int:
     r.add_argument("--tp", type=int, required=True)
     r.add_argument("--backend", default="flashinfer")
     r.add_argument("--max-num-pages", type=int, default=2048)
+    r.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--single-tokens", type=int, default=256)
+    r.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
+    r.add_argument("--decode-prompt-len", type=int, default=DECODE_PROMPT_LEN)
+    r.add_argument("--decode-steps", type=int, default=DECODE_STEPS)
     r.add_argument("--out", required=True)
     rep = sub.add_parser("report")
     rep.add_argument("files", nargs="+")

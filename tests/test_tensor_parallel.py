@@ -17,8 +17,6 @@ from flashlet import LLM, SamplingParams
 from flashlet.model import ModelConfig
 from flashlet.parallel import WorkerDiedError, local_shape, shard_state_dict
 
-pytestmark = pytest.mark.slow  # each engine starts a second process
-
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), [3] * 7, list(range(100, 123))]
 
@@ -39,6 +37,7 @@ def _pair(folder, prompts=PROMPTS, params=GREEDY, **kwargs):
     return want, got, again, stats
 
 
+@pytest.mark.slow  # starts a second process
 def test_qwen2_replicated_kv_head_padded_vocab_chunked_prefill_and_preemption(tmp_path):
     # One K/V head for two ranks (replicated), a vocabulary that does not split evenly, a
     # token budget that chunks every long prompt, a pool too small for all four at once.
@@ -50,14 +49,31 @@ def test_qwen2_replicated_kv_head_padded_vocab_chunked_prefill_and_preemption(tm
     assert stats["num_preemptions"] > 0
 
 
-def test_llama_split_kv_heads_prefix_cache(tmp_path):
-    folder = save_tiny_model("llama", tmp_path / "l")
+def _randomize_biases(folder):
+    """HF initialises biases to zero; random ones show a bias added on every rank, not once."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in state.items():
+        if name.endswith(".bias"):
+            state[name] = torch.randn(t.shape, generator=gen) * 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow  # starts a second process
+def test_llama_split_kv_heads_o_bias_prefix_cache(tmp_path):
+    # attention_bias: Q/K/V biases split with their heads, O's bias added once.
+    folder = _randomize_biases(save_tiny_model("llama", tmp_path / "l", attention_bias=True))
     want, got, again, stats = _pair(folder, max_num_batched_tokens=32, max_num_seqs=4)
     assert got == want
     assert again == want
     assert stats["prefix_cache_hit_rate"] > 0
 
 
+@pytest.mark.slow  # starts a second process
 def test_triton_backend(tmp_path):
     # Interpreted Triton on the CPU is slow: two short prompts, a few tokens.
     folder = save_tiny_model("llama", tmp_path / "l")
@@ -67,6 +83,7 @@ def test_triton_backend(tmp_path):
     assert again == want
 
 
+@pytest.mark.slow  # starts a second process
 def test_dead_worker_raises_a_clear_error_in_rank_0(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "l")
     llm = LLM(str(folder), device="cpu", tensor_parallel_size=2)
@@ -91,6 +108,31 @@ def test_bad_split_is_refused_before_any_process_starts(tmp_path):
 
 
 # ---- the split itself, no processes --------------------------------------------------------
+class _Rank:
+    """Stands in for TensorParallel where only the split is needed (no collective runs)."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def shape(self, cfg):
+        return local_shape(cfg, self.rank, self.world_size)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_streamed_checkpoint_slices_match_the_sliced_whole_model(tmp_path, rank):
+    from flashlet.weights import load_model
+
+    folder = _randomize_biases(save_tiny_model("llama", tmp_path / "l", attention_bias=True,
+                                               vocab_size=255))
+    whole, _, _ = load_model(str(folder))
+    part, _, _ = load_model(str(folder), tp=_Rank(rank, 2))
+    want = shard_state_dict(whole.state_dict(), whole.config, local_shape(whole.config, rank, 2))
+    got = part.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def _cfg(**kw):
     base = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=6,
                 num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2, rms_norm_eps=1e-6,

@@ -175,6 +175,7 @@ class TensorParallel:
         self.failure: str | None = None  # set by the watchdog when a worker died
         self._watchdog: threading.Thread | None = None
         self._closed = False
+        self._reported = False  # rank 0's caller got a WorkerDiedError
         self.threads_before = torch.get_num_threads()  # restored on shutdown
 
     def shape(self, cfg) -> LocalShape:
@@ -212,7 +213,10 @@ class TensorParallel:
     def agree_min(self, value: int) -> int:
         """The smallest `value` over all ranks (e.g. KV pages every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        except RuntimeError as e:  # a rank died while loading
+            raise self._failed(e) from e
         return int(t.item())
 
     # ---- the step channel: rank 0 -> workers ---------------------------------------------
@@ -250,7 +254,7 @@ class TensorParallel:
         try:
             dist.broadcast(t, src=0, group=self.control)
         except RuntimeError as e:
-            raise WorkerDiedError(self._describe_failure(e)) from e
+            raise self._failed(e) from e
 
     # ---- failures and shutdown ------------------------------------------------------------
     def start_watchdog(self) -> None:
@@ -283,7 +287,7 @@ class TensorParallel:
     def _exit_if_still_blocked(self) -> None:
         deadline = time.monotonic() + DEAD_WORKER_GRACE_S
         while time.monotonic() < deadline:
-            if self._closed:
+            if self._closed or self._reported:
                 return
             time.sleep(WATCHDOG_PERIOD_S)
         print(f"flashlet: {self.failure}; rank 0 is still blocked in a collective after "
@@ -293,12 +297,17 @@ class TensorParallel:
     def check(self) -> None:
         """Raise WorkerDiedError if the watchdog saw a worker die."""
         if self.failure is not None:
+            self._reported = True
             raise WorkerDiedError(self.failure)
+
+    def _failed(self, error: BaseException) -> WorkerDiedError:
+        """The error rank 0's caller gets (the watchdog then leaves the process alone)."""
+        self._reported = True
+        return WorkerDiedError(self._describe_failure(error))
 
     def _describe_failure(self, error: BaseException) -> str:
         dead = [p for p in self.workers if not p.is_alive()]
         if dead:
-            time.sleep(0)  # exit codes are set once is_alive() is False
             return _dead_message(dead)
         if self.failure is not None:
             return self.failure
@@ -309,8 +318,9 @@ class TensorParallel:
         """The WorkerDiedError behind `error`, if a worker is dead (None: an ordinary error)."""
         if isinstance(error, WorkerDiedError):
             return error
-        if self.failure is not None or any(not p.is_alive() for p in self.workers):
-            return WorkerDiedError(self._describe_failure(error))
+        if (self.failure is not None or any(not p.is_alive() for p in self.workers)
+                or isinstance(error, dist.DistError)):  # e.g. a peer gone under torchrun
+            return self._failed(error)
         return None
 
     def shutdown(self, join_timeout_s: float = 30.0) -> None:
@@ -330,7 +340,8 @@ class TensorParallel:
                 log.warning("tensor-parallel worker pid %d did not stop; terminating it", p.pid)
                 p.kill()
                 p.join(5)
-        if self.failure is None and dist.is_initialized():
+        # After a failure NCCL's communicators are aborted already; gloo's close cleanly.
+        if dist.is_initialized() and (self.failure is None or self.device.type != "cuda"):
             dist.destroy_process_group()
         torch.set_num_threads(self.threads_before)
 

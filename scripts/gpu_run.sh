@@ -3,7 +3,7 @@
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
 #                                             offline closed-loop kernels progression all (default)
-#                                             tp (tensor parallelism; needs 2 GPUs; not in all)
+#                                             tp tp-tests (tensor parallelism, 2 GPUs; not in all)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -77,6 +77,7 @@ for part in "${PARTS[@]}"; do
           done
         done
         run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
+    tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from tests.conftest import save_tiny_model
 from flashlet import LLM, SamplingParams
 from flashlet.model import ModelConfig
 from flashlet.parallel import WorkerDiedError, local_shape, shard_state_dict

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     uv: UvicornServer | None = None
 
     def on_fatal(error: BaseException) -> None:
-        log.error("could not start the engine: %s", error)
+        if loop.ready.is_set():  # it ran, then went down (a tensor-parallel worker died)
+            log.error("the engine went down: %s", error)
+        else:
+            log.error("could not start the engine: %s", error)
         if uv is not None:
             uv.should_exit = True
 

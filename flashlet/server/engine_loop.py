@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any, Callable
 
 from flashlet.detokenizer import TextOutputs
+from flashlet.parallel import WorkerDiedError
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
 
@@ -286,6 +287,8 @@ class EngineLoop:
                 self.text_outputs.forget(rid)
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
+            if isinstance(e, WorkerDiedError):  # the engine is down for good: stop serving
+                self._fatal(e)
             return 0
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -295,6 +298,13 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
         return len(outputs)
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        with self._cond:
+            self._stopping = True
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
     def _fail_leftovers(self, message: str) -> None:
         for stream in self._streams.values():

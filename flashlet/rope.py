@@ -59,8 +59,7 @@ def rope_parameters(hf_config: dict) -> dict:
     if rope_type in ("yarn", "llama3") and "original_max_position_embeddings" not in raw:
         # Transformers falls back to max_position_embeddings for these types.
         raw["original_max_position_embeddings"] = hf_config.get("max_position_embeddings")
-    missing = [k for k in REQUIRED_KEYS[rope_type] if raw.get(k) is None and
-               not (rope_type == "yarn" and k == "factor")]
+    missing = [k for k in REQUIRED_KEYS[rope_type] if raw.get(k) is None]
     if missing:
         raise ValueError(f"RoPE scaling {rope_type!r} lacks {', '.join(missing)}")
     return {"rope_type": rope_type, **raw}

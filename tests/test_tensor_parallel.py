@@ -83,6 +83,43 @@ def test_triton_backend(tmp_path):
     assert again == want
 
 
+TORCHRUN_SCRIPT = """
+import sys
+from flashlet import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+print("TOKENS", out[0].token_ids, flush=True)
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow  # starts two processes
+def test_torchrun_starts_the_same_engine(tmp_path):
+    # Both ranks run the script; rank 1 serves inside the LLM constructor and exits with rank 0.
+    import socket
+    import subprocess
+    import sys
+
+    folder = save_tiny_model("llama", tmp_path / "l")
+    want = LLM(str(folder), device="cpu").generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import flashlet
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(flashlet.__file__))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           str(script), str(folder)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS")]
+    assert lines == [f"TOKENS {want}"]  # printed by rank 0 only
+
+
 @pytest.mark.slow  # starts a second process
 def test_dead_worker_raises_a_clear_error_in_rank_0(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "l")

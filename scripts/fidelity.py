@@ -14,6 +14,15 @@ noise the low-precision dtype itself adds where it decides the argmax (printed w
 when flashlet's agreement is more than 1 point under HF-low's, or a disagreement is not a
 near-tie.
 
+Where flashlet's low-precision arithmetic differs from transformers' on purpose: Q, K, V (and
+gate, up) are one fused GEMM each (the same dot products, possibly another cuBLAS kernel and
+accumulation order); on CUDA the fused Triton RoPE rotates in fp32 and rounds once, where
+transformers rounds each product and the sum to bf16 (the torch path rounds as transformers
+does); the FlashInfer and Triton attention kernels keep the softmax and the P.V accumulation in
+fp32 with online rescaling instead of SDPA's kernels. RMSNorm (with the residual add rounded to
+the activation dtype first), SiLU-mul, the cos/sin table (fp32, rounded to bf16 at use) and the
+LM head (bf16 GEMM, then fp32) follow transformers.
+
     python scripts/fidelity.py                               # every preset, bf16, all backends
     python scripts/fidelity.py --config qwen3-0.6b --backend triton --json out.json
 """

@@ -2,8 +2,9 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
-#                                             offline closed-loop kernels progression all (default)
-#                                             tp tp-tests (tensor parallelism, 2 GPUs; not in all)
+#                                             offline closed-loop kernels progression fidelity
+#                                             load all (default); tp tp-tests (tensor
+#                                             parallelism, 2 GPUs; not in all)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -15,7 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression)
+  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression
+         fidelity load)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -66,6 +68,10 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
+    fidelity) run 480 python3 scripts/fidelity.py --dtype bfloat16 \
+                --json "$OUT/json/fidelity.json" ;;
+    load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \
+            --dir "${LOAD_DIR:-/tmp/flashlet-load-qwen2.5-7b}" ;;
     tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
           echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue

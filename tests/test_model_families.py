@@ -210,3 +210,22 @@ def test_generation_config_eos_ids_stop_generation(tmp_path):
         out = paged_llm(folder).generate([prompt], SamplingParams(max_new_tokens=10))[0]
         assert out.finish_reason == "stop"
         assert out.token_ids == tokens[:stop_at + 1]
+
+
+def test_tokenizer_and_chat_template_come_from_the_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = save_family("qwen3", tmp_path / "chat")
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "[", "]", "hello", "there", "user"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}{{ m.role }} [ {{ m.content }} ]{% endfor %}"
+    tok.save_pretrained(folder)
+    llm = paged_llm(folder)
+    ids = llm.apply_chat_template([{"role": "user", "content": "hello there"}])
+    assert ids == [vocab[w] for w in ["user", "[", "hello", "there", "]"]]
+    assert 1 in llm.engine.eos_token_ids  # the tokenizer's eos
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_new_tokens=4))[0]
+    assert out.token_ids and isinstance(out.text, str)

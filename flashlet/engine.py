@@ -185,6 +185,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the group (a no-op on one device)."""
         if self.tp is not None:
+            self.runner.graphs.clear()  # captured collectives go before their communicator
             self.tp.shutdown()
 
     def _step(self) -> list[RequestOutput]:

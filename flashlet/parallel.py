@@ -324,7 +324,8 @@ class TensorParallel:
         return None
 
     def shutdown(self, join_timeout_s: float = 30.0) -> None:
-        """Rank 0: tell the workers to stop, wait for them, leave the group. Idempotent."""
+        """Rank 0: tell the workers to stop, leave the group (every rank at once, since NCCL's
+        tear-down may wait for the peers), wait for the workers. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -333,6 +334,11 @@ class TensorParallel:
                 self._control_broadcast(torch.tensor([_STOP] + [0] * (1 + len(STEP_FIELDS))))
             except WorkerDiedError as e:
                 log.warning("tensor-parallel shutdown: %s", e)
+        # After a failure NCCL's communicators are aborted already; gloo's close cleanly.
+        if dist.is_initialized() and (self.failure is None or self.device.type != "cuda"):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dist.destroy_process_group()
         deadline = time.monotonic() + join_timeout_s
         for p in self.workers:
             p.join(max(deadline - time.monotonic(), 0.1))
@@ -340,9 +346,6 @@ class TensorParallel:
                 log.warning("tensor-parallel worker pid %d did not stop; terminating it", p.pid)
                 p.kill()
                 p.join(5)
-        # After a failure NCCL's communicators are aborted already; gloo's close cleanly.
-        if dist.is_initialized() and (self.failure is None or self.device.type != "cuda"):
-            dist.destroy_process_group()
         torch.set_num_threads(self.threads_before)
 
 
@@ -375,6 +378,9 @@ def start(config, device: torch.device) -> TensorParallel | None:
     if world == 1:
         return None
     check_split(config)  # before any process starts
+    if dist.is_initialized():
+        raise ValueError("a torch.distributed group is already running in this process (another "
+                         "tensor-parallel engine?): shut it down first")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     workers = []
     if launched_by_torchrun():

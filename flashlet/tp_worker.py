@@ -40,6 +40,7 @@ def serve(engine) -> None:
         input_ids, meta = buffers.write(layout, is_pure_decode)
         tp.recv_input_ids(input_ids)
         runner.forward(input_ids, meta)
+    runner.graphs.clear()  # captured collectives go before their communicator
     tp.shutdown()
 
 

@@ -306,6 +306,7 @@ class TensorParallel:
         return WorkerDiedError(self._describe_failure(error))
 
     def _describe_failure(self, error: BaseException) -> str:
+        self._worker_dies_soon(error)
         dead = [p for p in self.workers if not p.is_alive()]
         if dead:
             return _dead_message(dead)
@@ -318,10 +319,21 @@ class TensorParallel:
         """The WorkerDiedError behind `error`, if a worker is dead (None: an ordinary error)."""
         if isinstance(error, WorkerDiedError):
             return error
-        if (self.failure is not None or any(not p.is_alive() for p in self.workers)
+        if (self.failure is not None or self._worker_dies_soon(error)
                 or isinstance(error, dist.DistError)):  # e.g. a peer gone under torchrun
             return self._failed(error)
         return None
+
+    def _worker_dies_soon(self, error: BaseException, within_s: float = 2.0) -> bool:
+        """Whether a worker is dead or about to be: a peer's closed socket can reach rank 0
+        before the dying process can be reaped."""
+        deadline = time.monotonic() + (within_s if isinstance(error, RuntimeError) else 0)
+        while True:
+            if any(not p.is_alive() for p in self.workers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def shutdown(self, join_timeout_s: float = 30.0) -> None:
         """Rank 0: tell the workers to stop, leave the group (every rank at once, since NCCL's

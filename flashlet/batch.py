@@ -83,7 +83,8 @@ class StepBuffers:
             if isinstance(vals, np.ndarray):
                 self.np[name][:n] = vals
             else:
-                self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)  # faster than from a list
+                # fromiter: faster than from a list
+                self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)
             host[name] = self.host[name][:n]
             if self.dev[name] is not self.host[name]:
                 self.dev[name][:n].copy_(host[name], non_blocking=True)

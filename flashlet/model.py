@@ -208,7 +208,8 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.local = tp.shape(cfg) if tp is not None else local_shape(cfg)
         self.embed_tokens = nn.Embedding(self.local.vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.local, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.local, tp)
+                                    for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(self.local.vocab_rows, cfg.hidden_size))

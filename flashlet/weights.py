@@ -271,7 +271,8 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
         raise ModelLoadError(f"{where}: config: {e}") from e
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
-        model = CausalLM(cfg, **kwargs, tp=tp).to(dtype)  # no fp32 detour: allocate in the target dtype
+        # No fp32 detour: allocate in the target dtype.
+        model = CausalLM(cfg, **kwargs, tp=tp).to(dtype)
         whole = model if tp is None else CausalLM(cfg)  # the checkpoint's shapes
     shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where)

@@ -72,14 +72,15 @@ for part in "${PARTS[@]}"; do
                 --json "$OUT/json/fidelity.json" ;;
     load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \
             --dir "${LOAD_DIR:-/tmp/flashlet-load-qwen2.5-7b}" ;;
-    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table
+    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
+        # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
           echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue
         fi
         for shape in qwen2.5-7b qwen2.5-14b; do
           for n in 1 2; do
-            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n \
-              --backend "${TP_BACKEND:-flashinfer}" --out "$OUT/json/tp-$shape-$n.json"
+            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n --single-tokens 128 \
+              --backend "${TP_BACKEND:-triton}" --out "$OUT/json/tp-$shape-$n.json"
           done
         done
         run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;

@@ -185,7 +185,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--config", required=True)
     r.add_argument("--tp", type=int, required=True)
-    r.add_argument("--backend", default="flashinfer")
+    r.add_argument("--backend", default="triton")
     r.add_argument("--max-num-pages", type=int, default=2048)
     r.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--dtype", default="bfloat16")

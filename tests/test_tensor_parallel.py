@@ -186,7 +186,8 @@ def test_shards_hold_exactly_their_heads(world, kv_heads):
     qkv = torch.arange(q_size + 2 * kv_size, dtype=torch.float32)[:, None].expand(-1, 8)
     state = {"layers.0.qkv_proj.weight": qkv, "layers.0.qkv_proj.bias": qkv[:, 0],
              "layers.0.o_proj.weight": torch.arange(q_size, dtype=torch.float32).expand(8, -1),
-             "layers.0.gate_up_proj.weight": torch.arange(16, dtype=torch.float32)[:, None].expand(-1, 8),
+             "layers.0.gate_up_proj.weight":
+                 torch.arange(16, dtype=torch.float32)[:, None].expand(-1, 8),
              "layers.0.down_proj.weight": torch.arange(8, dtype=torch.float32).expand(8, -1),
              "embed_tokens.weight": torch.arange(10, dtype=torch.float32)[:, None].expand(-1, 8),
              "norm": torch.ones(8)}

@@ -89,7 +89,7 @@ class ModelContext:
     def from_engine(cls, engine) -> "ModelContext":
         return cls(tokenizer=copy.deepcopy(engine.tokenizer), max_model_len=engine.max_model_len,
                    vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
-                   num_pages=engine.kv_pool.num_pages, lock=threading.Lock())
+                   num_pages=engine.stats()["kv_pages_total"], lock=threading.Lock())
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:

@@ -86,12 +86,12 @@ class UvicornServer(uvicorn.Server):
 
 
 def _describe(engine, host: str, port: int, name: str, seconds: float) -> str:
-    pool = engine.kv_pool
-    mib = 2 * pool.k_cache.numel() * pool.k_cache.element_size() / 2**20
+    stats, page_size = engine.stats(), engine.config.page_size
+    pages, mib = stats["kv_pages_total"], stats["kv_pool_bytes"] / 2**20
     return (f"model {name} ({engine.model_dir or engine.config.config or 'random'}) loaded in "
             f"{seconds:.1f} s | backend {engine.config.backend} on {engine.device} "
-            f"({str(engine.dtype).removeprefix('torch.')}) | KV pool {pool.num_pages} pages x "
-            f"{pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens ({mib:.0f} MiB) "
+            f"({str(engine.dtype).removeprefix('torch.')}) | KV pool {pages} pages x "
+            f"{page_size} tokens = {pages * page_size} tokens ({mib:.0f} MiB) "
             f"| context {engine.max_model_len} | serving on http://{host}:{port}")
 
 

@@ -71,6 +71,10 @@ class LLM:
             raise
         return [out for group in groups for out in _best(params, [finished[i] for i in group])]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when the program exits)."""
+        self.engine.shutdown()
+
     def chat(self, conversations, params: SamplingParams | None = None, *,
              allow_special_tokens: bool = False) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template

@@ -9,7 +9,8 @@
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
-#                                             see below; ~2-4 min)
+#                                             see below; ~2-4 min); tp tp-tests (tensor
+#                                             parallelism, 2 GPUs; not in all)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -131,6 +132,19 @@ for part in "${PARTS[@]}"; do
              2>&1 | tail -1 | tee -a "$LOG"
            run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
            run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
+    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
+        # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
+        if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
+          echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue
+        fi
+        for shape in qwen2.5-7b qwen2.5-14b; do
+          for n in 1 2; do
+            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n --single-tokens 128 \
+              --backend "${TP_BACKEND:-triton}" --out "$OUT/json/tp-$shape-$n.json"
+          done
+        done
+        run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
+    tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -150,6 +150,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             err(f"--{name.replace('_', '-')} must be LO HI with 1 <= LO <= HI, got {v[0]} {v[1]}")
     if args.peer and wl not in MODEL_WORKLOADS:
         err(f"--peer applies to {', '.join(MODEL_WORKLOADS)}, not {wl!r}")
+    if args.peer and args.tensor_parallel_size > 1:
+        err("--peer runs the engine's weights on one device: use --tensor-parallel-size 1")
     if args.peer:
         args.peer = list(dict.fromkeys(args.peer))
     repeated = [b for b in dict.fromkeys(args.backends) if args.backends.count(b) > 1]

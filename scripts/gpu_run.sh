@@ -10,7 +10,11 @@
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
 #                                             see below; ~2-4 min); tp tp-tests (tensor
-#                                             parallelism, 2 GPUs; not in all)
+#                                             parallelism, 2 GPUs; not in all); core-ab
+#                                             sampled-ab (issue 20 / 17 A-B tables; not in all)
+# Two GPUs: run two instances side by side, each on one, e.g.
+#   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
+#   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -59,10 +63,23 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 }
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
+BF="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
+    --backend flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 for part in "${PARTS[@]}"; do
   case $part in
     tests) run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py ;;
+    core-ab)  # issue 20's before/after table: the harness workloads, no peers, the two fast
+              # backends (the "before" is the same command on the older tree, same day)
+      for w in single decode-sat; do
+        run 250 $BF --max-num-pages 8192 --workload $w --out "$OUT/json/ab-$w.json"
+      done
+      run 280 $BF --max-num-pages 32768 --workload offline --out "$OUT/json/ab-offline.json" ;;
+    sampled-ab)  # issue 17: decode-sat greedy vs temperature 0.7 / top-p 0.9 / penalties
+      run 200 $BF --max-num-pages 8192 --workload decode-sat --out "$OUT/json/sab-greedy.json"
+      run 200 $BF --max-num-pages 8192 --workload decode-sat --temperature 0.7 --top-p 0.9 \
+        --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1 \
+        --out "$OUT/json/sab-sampled.json" ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     single) run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

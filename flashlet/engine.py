@@ -29,6 +29,7 @@ from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
+from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams, make_generator, sample_one
 from flashlet.scheduler import Scheduler, SchedulerOutput
 from flashlet.weights import load_model, random_model
@@ -97,18 +98,10 @@ class Engine:
         return req.request_id
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError if a request of this size could never run."""
+        """Raise ValueError if a request of this size could never run (a last defensive check:
+        LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
-        total = num_prompt_tokens + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        pages = -(-total // self.config.page_size)
-        if pages > self.kv_pool.num_pages:
-            raise ValueError(
-                f"request needs {pages} KV pages but the pool has only {self.kv_pool.num_pages}: "
-                f"it could never run (raise max_num_pages or shorten it)")
+        RequestLimits.of_engine(self).check_fits(num_prompt_tokens, params.max_new_tokens)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -120,13 +113,7 @@ class Engine:
             if not token_ids:
                 raise ValueError("prompt encodes to no tokens")
             return token_ids
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return token_ids
+        return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request and free its pages now; False (a no-op) if it is unknown or done."""

@@ -7,6 +7,7 @@ import torch
 from flashlet.config import EngineConfig
 from flashlet.engine import Engine
 from flashlet.request import RequestOutput
+from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 
 
@@ -27,12 +28,13 @@ class LLM:
         returns one finished output per prompt, in order."""
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
-        params.validate()
-        for p in prompts:  # check every prompt before any is queued
-            self.engine.encode(p)
+        limits = RequestLimits.of_engine(self.engine)
+        # Check every prompt before any is queued (the server checks with the same rules).
+        prompt_ids = [self.engine.encode(p) for p in prompts]
+        prompt_ids = [limits.check(p, params) for p in prompt_ids]
         ids = []
         try:
-            for p in prompts:
+            for p in prompt_ids:
                 ids.append(self.engine.add_request(p, params))
             finished = self._run_until_done(set(ids))
         except BaseException:

@@ -1,8 +1,11 @@
-"""`python -m flashlet.server`: parse flags, start the engine loop and uvicorn, shut down cleanly.
+"""`python -m flashlet.server`: parse flags, start the engine cores and uvicorn, shut down cleanly.
 
-Uvicorn starts at once; the model loads on the engine thread meanwhile (GET /health answers
-503 until it is ready). SIGINT/SIGTERM: stop accepting, let in-flight requests finish for up
-to --shutdown-timeout seconds, abort the rest, stop the engine thread, exit 0.
+This process is the API server (HTTP, tokenizing, detokenizing, SSE); the engine runs in
+--data-parallel-size engine-core processes (core_client.py). Uvicorn starts at once; the cores
+load the model meanwhile (GET /health answers 503 until every core is ready). SIGINT/SIGTERM:
+stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the
+rest, stop the cores, exit 0. If a core dies, the requests in flight end with a 500 error,
+/health answers 503 ("failed") and the server exits with status 1 (a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +23,7 @@ import uvicorn
 
 from flashlet.config import EngineConfig
 from flashlet.server.app import ServerConfig, create_app
-from flashlet.server.engine_loop import EngineLoop
+from flashlet.server.core_client import CoreClient
 
 log = logging.getLogger("flashlet.server")
 
@@ -43,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may run on after SIGINT/SIGTERM "
                              "before they are aborted")
+    server.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engine-core processes behind this server (one per GPU on CUDA); "
+                             "each request goes to the core caching the longest prefix of it")
+    server.add_argument("--tokenizer", default=None,
+                        help="a folder with tokenizer files to use instead of the model's (e.g. "
+                             "for random weights from --config)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
@@ -60,6 +70,9 @@ def default_model_name(config: EngineConfig) -> str:
         return EMBEDDED_MODEL_NAME
     path = Path(config.model)
     return path.name if path.exists() else config.model
+
+
+FATAL_EXIT_DELAY_S = 2.0  # /health answers 503 "failed" this long before the server exits
 
 
 class UvicornServer(uvicorn.Server):
@@ -85,14 +98,15 @@ class UvicornServer(uvicorn.Server):
             timer.cancel()
 
 
-def _describe(engine, host: str, port: int, name: str, seconds: float) -> str:
-    pool = engine.kv_pool
-    mib = 2 * pool.k_cache.numel() * pool.k_cache.element_size() / 2**20
-    return (f"model {name} ({engine.model_dir or engine.config.config or 'random'}) loaded in "
-            f"{seconds:.1f} s | backend {engine.config.backend} on {engine.device} "
-            f"({str(engine.dtype).removeprefix('torch.')}) | KV pool {pool.num_pages} pages x "
-            f"{pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens ({mib:.0f} MiB) "
-            f"| context {engine.max_model_len} | serving on http://{host}:{port}")
+def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, name: str,
+              seconds: float) -> str:
+    info = client.cores[0].info
+    cores = f"{client.num_cores} engine cores, each with " if client.num_cores > 1 else ""
+    return (f"model {name} ({info['model_dir'] or config.config or 'random'}) loaded in "
+            f"{seconds:.1f} s | backend {config.backend} on {info['device']} ({info['dtype']}) | "
+            f"{cores}KV pool {info['num_pages']} pages x {info['page_size']} tokens = "
+            f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB) | "
+            f"context {info['max_model_len']} | serving on http://{host}:{port}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,24 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or default_model_name(engine_config)
 
-    def load():
-        from flashlet.engine import Engine
-
-        t0 = time.monotonic()
-        log.info("loading model %s (backend %s)...", engine_config.model or name,
-                 engine_config.backend)
-        engine = Engine(engine_config)
-        log.info("%s", _describe(engine, args.host, args.port, name, time.monotonic() - t0))
-        return engine
-
+    if args.data_parallel_size < 1:
+        print("error: --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
     uv: UvicornServer | None = None
 
     def on_fatal(error: BaseException) -> None:
-        log.error("could not start the engine: %s", error)
+        log.error("could not start the engine: %s" if not client.ready.is_set()
+                  else "stopping: %s", error)
         if uv is not None:
-            uv.should_exit = True
+            threading.Timer(FATAL_EXIT_DELAY_S if client.ready.is_set() else 0.0,
+                            lambda: setattr(uv, "should_exit", True)).start()
 
-    loop = EngineLoop(engine_factory=load, on_fatal=on_fatal)
+    t0 = time.monotonic()
+    log.info("loading model %s (backend %s) in %d engine core(s)...",
+             engine_config.model or name, engine_config.backend, args.data_parallel_size)
+    client = loop = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
+
+    def announce() -> None:
+        if client.wait_ready():
+            log.info("%s", _describe(client, engine_config, args.host, args.port, name,
+                                     time.monotonic() - t0))
+
     app = create_app(loop, ServerConfig(model_name=name, api_key=args.api_key,
                                         max_waiting=args.max_waiting,
                                         max_tokens_cap=args.max_tokens_cap))
@@ -140,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     loop.start()
+    threading.Thread(target=announce, daemon=True).start()
     try:
         uv.run()
     finally:

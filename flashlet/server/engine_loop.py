@@ -1,4 +1,6 @@
-"""The engine loop: one background thread owns the Engine and runs `Engine.step()`.
+"""The engine loop: one background thread owns the Engine and runs `Engine.step()` (the
+in-thread engine client: tests and embedding use it; `python -m flashlet.server` runs the engine
+in its own process instead, see core_client.py).
 
 The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asyncio event
 loops, possibly several) talk to the loop through a command deque guarded by a condition
@@ -19,6 +21,7 @@ from collections import deque
 from typing import Any, Callable
 
 from flashlet.request import RequestOutput
+from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 
 log = logging.getLogger("flashlet.server")
@@ -48,7 +51,8 @@ class RequestStream:
         self.params = params
         self.aloop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestOutput | StreamError] = asyncio.Queue()
-        self.request_id: int | None = None  # the engine's id, set on the loop thread
+        self.request_id: int | str | None = None  # set by the loop (or core client) on submit
+        self.core = 0  # the engine core it was routed to (data parallel)
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 
@@ -58,6 +62,12 @@ class RequestStream:
             self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    @staticmethod
+    def put_all(items: list[tuple["RequestStream", object]]) -> None:
+        """On the event loop: hand out one step's items (one wake-up for all of them)."""
+        for stream, item in items:
+            stream.queue.put_nowait(item)
 
     async def get(self) -> RequestOutput | StreamError:
         return await self.queue.get()
@@ -87,6 +97,8 @@ class EngineLoop:
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.snapshot: dict = {}  # engine.stats() after the latest iteration (replaced whole)
+        self.limits: RequestLimits | None = None  # set once the engine exists
+        self.tokenizer = None
         self.num_iterations = 0
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -130,8 +142,9 @@ class EngineLoop:
             self._cmds.append(("submit", stream))
             self._cond.notify()
 
-    def abort(self, stream: RequestStream) -> None:
-        """Stop a request (idempotent); its pages are freed before the next step."""
+    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+        """Stop a request (idempotent); its pages are freed before the next step. The front end
+        ends it with `finish_reason` itself (e.g. "stop" for a stop string it found)."""
         with self._cond:
             if stream.cancelled or stream.finished:
                 return
@@ -173,6 +186,12 @@ class EngineLoop:
         """Requests accepted but not yet admitted by the scheduler."""
         return self._num_pending_submits + self._engine_waiting
 
+    def core_stats(self) -> list[dict]:
+        """The one engine's latest stats, as CoreClient gives one per core."""
+        s = self.snapshot or {}
+        return [{**s, "waiting": s.get("waiting", 0) + self._num_pending_submits,
+                 "in_flight": len(self._streams) + self._num_pending_submits}]
+
     @property
     def num_streams(self) -> int:
         return len(self._streams)
@@ -190,6 +209,8 @@ class EngineLoop:
                 self._on_fatal(e)
             return
         self.snapshot = self.engine.stats()
+        self.limits = RequestLimits.of_engine(self.engine)
+        self.tokenizer = self.engine.tokenizer
         self.ready.set()
         try:
             self._serve()

@@ -169,7 +169,8 @@ def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2, sig):
 
         t = threading.Thread(target=consume)
         t.start()
-        wait_until(lambda: "flashlet_requests_running 1.0" in httpx.get(p.url + "/metrics").text,
+        wait_until(lambda:
+                   'flashlet_requests_running{core="0"} 1.0' in httpx.get(p.url + "/metrics").text,
                    60, "the stream to be running", interval=0.05)
         p.proc.send_signal(sig)
         assert p.proc.wait(60) == 0, p.log

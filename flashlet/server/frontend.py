@@ -1,0 +1,333 @@
+"""The API process's request path: tokenize and check a request, send its token ids to the
+engine (an engine-core process through CoreClient, or the in-thread EngineLoop), then turn the
+token ids that come back into text (IncrementalDetokenizer: stop strings are found here and end
+the request in the engine), SSE events and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from flashlet.detokenizer import IncrementalDetokenizer
+from flashlet.request_check import RequestError, RequestLimits
+from flashlet.sampling import SamplingParams
+from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
+from flashlet.server.errors import ApiError
+from flashlet.server.metrics import Metrics
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
+# top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
+# values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
+MIN_TOP_P = 1e-8
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "flashlet"
+    api_key: str | None = None
+    max_waiting: int | None = 512  # queued (not yet running) requests before 503s
+    max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
+    retry_after_s: int = 1
+
+
+@dataclass
+class ModelContext:
+    """What handlers need to check and run requests: the tokenizer and the request limits.
+
+    HF fast tokenizers must not be used from two threads at once: encoding runs on worker
+    threads (a long prompt must not block the event loop) with one private copy behind a lock;
+    decoding runs on the app's event loop with another."""
+
+    tokenizer: Any
+    decoder: Any  # a second copy, used on the event loop only (IncrementalDetokenizer)
+    limits: RequestLimits
+    lock: threading.Lock
+
+    @classmethod
+    def of(cls, loop) -> "ModelContext":
+        """Copies of a started engine client's tokenizer, and its limits."""
+        tokenizer = loop.tokenizer
+        return cls(tokenizer=copy.deepcopy(tokenizer), decoder=copy.deepcopy(tokenizer),
+                   limits=loop.limits, lock=threading.Lock())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def detokenizer(self, stop) -> IncrementalDetokenizer | None:
+        return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{param}: this model has no tokenizer: send token ids, not text",
+                           param)
+        with self.lock:
+            ids = list(self.tokenizer.encode(text) or [])
+        if not ids:
+            raise ApiError(400, f"{param}: encodes to no tokens", param)
+        return ids
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "messages: this model has no chat template", "messages")
+        try:
+            with self.lock:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise ApiError(400, f"messages: the chat template rejected them: {e}",
+                           "messages") from None
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if not ids:
+            raise ApiError(400, "messages: the chat template produced no tokens", "messages")
+        return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        try:
+            return self.limits.check_prompt_ids(ids, param)
+        except RequestError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
+
+    def budget(self, num_prompt: int, max_tokens: int | None, default: int | None,
+               prompt_param: str, tokens_param: str) -> int:
+        """The request's max new tokens, checked against the context and the KV pool."""
+        try:
+            return self.limits.max_new_tokens(num_prompt, max_tokens, default, prompt_param,
+                                              tokens_param)
+        except RequestError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
+
+
+@dataclass
+class Delta:
+    """What one engine step gave one request, as handlers see it."""
+
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Generation:
+    """One queued request seen from the handler: its text (detokenized here, stop strings
+    found here), its timing and its metrics."""
+
+    def __init__(self, server: "Server", stream: RequestStream, endpoint: str, t0: float,
+                 detokenizer: IncrementalDetokenizer | None):
+        self.server, self.stream, self.endpoint, self.t0 = server, stream, endpoint, t0
+        self.detokenizer = detokenizer
+        self.ttft: float | None = None
+        self.token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.final: Delta | None = None
+
+    @property
+    def text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.text
+
+    async def deltas(self) -> AsyncIterator[tuple[str, Delta]]:
+        """Yield (new text, delta) per engine step, ending with the finished one. Text that
+        could still become a stop string is held back until it cannot."""
+        metrics, last = self.server.metrics, None
+        while True:
+            item = await self.stream.get()
+            if isinstance(item, StreamError):
+                self.stream.finished = True
+                self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
+                raise ApiError(item.status, item.message)
+            now = time.monotonic()
+            ids = item.new_token_ids
+            if ids:
+                if self.ttft is None:
+                    self.ttft = now - self.t0
+                    metrics.ttft.observe(self.ttft)
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                self.token_ids.extend(ids)
+            text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
+            delta = Delta(list(ids), item.finished, item.finish_reason, item.error)
+            if stopped:  # a stop string: end the request in the engine too
+                self.server.loop.abort(self.stream, "stop")
+                delta.finished, delta.finish_reason = True, "stop"
+            elif item.finished and self.detokenizer is not None:
+                text += self.detokenizer.finish()
+            if delta.finished:
+                self._finish(delta, item, now)
+            yield text, delta
+            if delta.finished:
+                return
+
+    def _finish(self, delta: Delta, item, now: float) -> None:
+        self.stream.finished = True
+        self.final = delta
+        self.num_cached_tokens = item.num_cached_tokens
+        self.server.metrics.observe_finished(self.endpoint, delta.finish_reason,
+                                             len(self.stream.prompt_token_ids),
+                                             self.num_cached_tokens, len(self.token_ids),
+                                             now - self.t0)
+
+    async def collect(self) -> Delta:
+        async for _ in self.deltas():
+            pass
+        return self.final
+
+    def abort(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        if not self.stream.finished and not self.stream.cancelled:
+            self.server.loop.abort(self.stream)
+            self.server.metrics.requests_finished.labels(self.endpoint, "abort").inc()
+
+    @property
+    def latency_ms(self) -> float:
+        return (time.monotonic() - self.t0) * 1000
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.stream.prompt_token_ids),
+                "completion_tokens": len(self.token_ids),
+                "cached_tokens": self.num_cached_tokens}
+
+    def openai_usage(self) -> dict:
+        u = self.usage()
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def check_error(self) -> None:
+        if self.final.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {self.final.error}")
+
+
+class EventStream(StreamingResponse):
+    """SSE response that aborts its request when it ends early (client gone, cancelled)."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort()
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Server:
+    """Holds the app's state: the engine client (CoreClient or EngineLoop), its config, metrics
+    and the model context."""
+
+    def __init__(self, loop, config: ServerConfig):
+        self.loop = loop
+        self.config = config
+        self.metrics = Metrics(loop)
+        self.draining = False
+        self._ctx: ModelContext | None = None
+        self._ctx_lock = threading.Lock()
+        self.created = int(time.time())
+
+    async def context(self) -> ModelContext:
+        self.check_accepting()
+        if self._ctx is None:
+            ctx = await run_in_threadpool(ModelContext.of, self.loop)
+            with self._ctx_lock:
+                if self._ctx is None:
+                    self._ctx = ctx
+        return self._ctx
+
+    def check_accepting(self) -> None:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", headers=retry)
+        if not self.loop.is_ready:
+            why = ("the model failed to load" if self.loop.error is not None
+                   else "the model is still loading")
+            raise ApiError(503, why, code="not_ready", headers=retry)
+
+    def sampling_params(self, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                        seed: int | None, stop, ignore_eos: bool) -> SamplingParams:
+        if self.config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        top_p = max(top_p, MIN_TOP_P)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if seed is not None:
+            seed %= 2**64  # torch generators take [0, 2**64)
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                  top_p=top_p, top_k=max(top_k, 0), seed=seed, stop=stop,
+                                  ignore_eos=ignore_eos)
+        except ValueError as e:  # names the field
+            raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+    def start(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
+              endpoint: str, t0: float) -> Generation:
+        # Stop strings are found here, on the text: the engine gets token ids only.
+        stream = RequestStream(token_ids, dataclasses.replace(params, stop=[]))
+        try:
+            self.loop.submit(stream, self.config.max_waiting)
+        except Overloaded as e:
+            self.metrics.requests_rejected.labels("overloaded").inc()
+            raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except NotReady as e:
+            self.metrics.requests_rejected.labels("not_ready").inc()
+            raise ApiError(503, str(e), code="not_ready",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        return Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+
+    async def run_to_end(self, request: Request, gen: Generation) -> Delta | None:
+        """Wait for the whole answer; None if the client went away first (request aborted)."""
+        collector = asyncio.ensure_future(gen.collect())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if collector.done():
+                return collector.result()
+            return None
+        finally:
+            for task in (collector, watcher):
+                task.cancel()
+            gen.abort()  # a no-op once finished
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(404, f"model: the model `{model}` does not exist; this server serves "
+                           f"`{self.config.model_name}`", "model", "model_not_found")
+
+    async def prompt_ids(self, ctx: ModelContext, prompt, param: str = "prompt") -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # OpenAI's list-of-prompts form, with one prompt
+        if isinstance(prompt, str):
+            return await run_in_threadpool(ctx.encode, prompt, param)
+        return ctx.check_token_ids(prompt, param)
+
+
+def client_gone() -> Response:
+    return Response(status_code=499)
+

@@ -1,64 +1,144 @@
-"""Incremental detokenizing with stop strings: token ids in, text safe to emit out.
+"""Token ids -> text, one request at a time, in whichever process talks to the user.
 
-Stand-in written on branch `serve` against the API the `core` branch provides; on merge, the
-`core` version replaces this file.
+The engine deals only in token ids (EOS, stop token ids, max_new_tokens). Text, stop strings and
+the holdback of a tail that could still become a stop string live here, so that the same code
+serves the in-process users (`LLM`, the server's engine loop) and an API-server process that
+receives token ids from an engine-core process.
+
+`TextOutputs` is the small adapter for in-process users: it turns the engine's token outputs
+into outputs with text, and ends a request through `engine.abort(..., finish_reason="stop")`
+when a stop string appears.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
+
+from flashlet.request import RequestOutput
 
 
 class IncrementalDetokenizer:
-    """Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which merge
-    spaces across tokens give the same text as decoding everything at once; cuts stop strings
-    and holds back a tail that could still grow into one."""
+    """One request's output tokens -> its text, a piece at a time.
+
+    Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which merge
+    spaces across tokens give the same text as decoding everything at once, and waits while the
+    window ends in a partial UTF-8 character. With stop strings, the text is cut before the
+    first one, and a tail that could still grow into one is held back until `finish()`."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.stop = list(stop)
+        self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._num_sent = 0
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all text so far (cut at a stop string)
         self.stopped = False
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # the window over _token_ids that is decoded each time
+        self._read_offset = 0
+        self._num_sent_chars = 0  # characters of text already returned
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, bool]:
-        """Add tokens; returns (new text safe to emit now, whether a stop string was hit)."""
+        """Add tokens; returns (new text safe to emit now, whether a stop string was hit).
+
+        After a stop string the text is cut before it, the held tail is dropped, and further
+        pushes return ("", True)."""
         if self.stopped:
             return "", True
-        for token in token_ids:
-            self.token_ids.append(token)
-            self._decode_tail()
-        if self.stop:
-            found = [i for i in (self.text.find(s, max(self._num_sent - self._holdback, 0))
-                                 for s in self.stop) if i >= 0]
-            if found:
-                self.text = self.text[: min(found)]
-                self.stopped = True
-                return self._emit(0), True
-        return self._emit(self._holdback), False
+        searched = max(len(self.text) - self._holdback, 0)  # no stop string starts before here
+        self._token_ids.extend(token_ids)
+        self._decode()
+        if self.stop and self._find_stop(searched):
+            self.stopped = True
+            return self._emit(len(self.text)), True
+        return self._emit(len(self.text) - self._holdback), False
 
     def finish(self) -> str:
-        """The held-back tail, at the end of a request not stopped by a stop string."""
-        return self._emit(0)
+        """The held-back tail, at the end of a request that did not stop on a stop string."""
+        return self._emit(len(self.text))
 
-    def _decode_tail(self) -> None:
-        ids, end = self.token_ids, len(self.token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self._prefix_offset : self._read_offset],
-                        skip_special_tokens=self.skip_special_tokens)
-        full = decode(ids[self._prefix_offset : end], skip_special_tokens=self.skip_special_tokens)
+    def _decode(self) -> None:
+        ids, end = self._token_ids, len(self._token_ids)
+        prefix = self._decode_ids(ids[self._prefix_offset : self._read_offset])
+        full = self._decode_ids(ids[self._prefix_offset : end])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # not a partial UTF-8 char
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, end
 
-    def _emit(self, keep: int) -> str:
-        end = max(len(self.text) - keep, 0)
-        if end <= self._num_sent:
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _find_stop(self, start: int) -> bool:
+        """Cut text before the earliest stop string at or after `start`; True if one was found."""
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if not found:
+            return False
+        self.text = self.text[: min(found)]
+        return True
+
+    def _emit(self, end: int) -> str:
+        if end <= self._num_sent_chars:
             return ""
-        new, self._num_sent = self.text[self._num_sent : end], end
+        new, self._num_sent_chars = self.text[self._num_sent_chars : end], end
         return new
+
+
+class TextOutputs:
+    """Fills in the text of an in-process engine's outputs, one IncrementalDetokenizer per
+    request, and ends a request on a stop string (`engine.abort(rid, finish_reason="stop")`).
+
+    Call `add(request_id, params)` after `engine.add_request`, then pass every `engine.step()`
+    result through `process`. Without a tokenizer, outputs pass through with empty text (and
+    stop strings cannot apply)."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._detoks: dict[int, IncrementalDetokenizer | None] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._ended: set[int] = set()  # stopped here: the engine's echo of the abort is dropped
+
+    def add(self, request_id: int, params) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop or ())
+        self._detoks[request_id] = detok
+        self._token_ids[request_id] = []
+
+    def forget(self, request_id: int) -> None:
+        """Stop tracking a request (its caller is gone)."""
+        self._detoks.pop(request_id, None)
+        self._token_ids.pop(request_id, None)
+
+    def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        result = []
+        for out in outputs:
+            if out.request_id in self._ended:
+                self._ended.discard(out.request_id)
+                continue
+            if out.request_id not in self._detoks:
+                result.append(out)  # not ours: passed on as it is
+                continue
+            result.append(self._with_text(out))
+        return result
+
+    def _with_text(self, out: RequestOutput) -> RequestOutput:
+        rid = out.request_id
+        detok = self._detoks[rid]
+        token_ids = self._token_ids[rid]
+        token_ids.extend(out.new_token_ids)
+        if detok is None:
+            new_text, stopped = "", False
+        else:
+            new_text, stopped = detok.push(out.new_token_ids)
+        if stopped and not out.finished:
+            self.engine.abort(rid, finish_reason="stop")
+            self._ended.add(rid)
+            out = replace(out, finished=True, finish_reason="stop", token_ids=list(token_ids))
+        elif out.finished and detok is not None and not stopped:
+            new_text += detok.finish()
+        elif stopped:
+            out = replace(out, finish_reason="stop")
+        if out.finished:
+            self.forget(rid)
+        return replace(out, new_text=new_text, text=detok.text if detok else "")

@@ -1,8 +1,10 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 A step is: schedule -> fill the batch buffers -> backend.plan() -> model forward (backend.run()
-in every layer) -> sample on the device -> read the tokens -> update requests (stop checks,
-detokenize) -> outputs.
+in every layer) -> sample on the device -> read the tokens -> `scheduler.update` (stop checks,
+pages, retiring) -> outputs. The engine deals in token ids only: text and stop strings belong to
+the front end (detokenizer.py), which ends a request on a stop string with
+`abort(request_id, finish_reason="stop")`.
 
 Overlap (`EngineConfig.overlap`, on by default): `step()` launches step N on the device and
 only then reads step N-1's tokens and does its bookkeeping, so the host's Python runs while the
@@ -18,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
-from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
+from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams, make_generator, sample_one
 from flashlet.scheduler import Scheduler, SchedulerOutput
@@ -69,17 +70,16 @@ class Engine:
         self.model_config = cfg = self.model.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        self.eos_token_ids = self._eos_ids()
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_cache)
+                                   config.max_num_batched_tokens, config.enable_prefix_cache,
+                                   self._eos_ids())
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_num_seqs * max_pages_per_seq, config.page_size,
                                    self.device)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
-        self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
@@ -87,15 +87,18 @@ class Engine:
         self.num_steps = 0
 
     # ---- requests in ----------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; raises ValueError (allocating nothing) if it can never run."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: int | None = None) -> int:
+        """Queue a request (under `request_id` if given, else a fresh id); raises ValueError
+        (allocating nothing) if it can never run or the id is in use."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt)
         self.check_request(len(token_ids), params)
-        req = Request(next(self._ids), token_ids, params, make_generator(params, self.device))
-        self.requests[req.request_id] = req
+        if request_id is None:
+            request_id = next(i for i in self._ids if i not in self.scheduler.requests)
+        req = Request(request_id, token_ids, params, make_generator(params, self.device))
         self.scheduler.add(req)
-        return req.request_id
+        return request_id
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if a request of this size could never run (a last defensive check:
@@ -115,16 +118,17 @@ class Engine:
             return token_ids
         return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
-    def abort(self, request_id: int) -> bool:
-        """Stop a request and free its pages now; False (a no-op) if it is unknown or done."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            log.info("abort of request %s is a no-op: %s", request_id,
-                     "unknown" if req is None else "already finished")
+    def abort(self, request_id: int, finish_reason: str = "abort") -> bool:
+        """End a request and free its pages now (with finish_reason "stop", as for a stop
+        string the front end found, its full computed pages go to the prefix cache); its final
+        output comes with the next step. False (a no-op) if it is unknown or finished."""
+        if finish_reason not in ("abort", "stop"):
+            raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
+        output = self.scheduler.abort(request_id, finish_reason)
+        if output is None:
+            log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
-        req.finish_reason = "abort"
-        self._retire(req)
-        self._pending.append(self._output(req, [], self._emit(req, holdback=False)))
+        self._pending.append(output)
         return True
 
     def has_unfinished(self) -> bool:
@@ -150,37 +154,23 @@ class Engine:
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
         """Run the model and sample on the device; nothing here waits for the device."""
         self.runner.wait_inputs_staged()  # the host staging buffers are free again
-        input_ids, meta, sampling = self.buffers.fill(sched)
+        input_ids, meta, _ = self.buffers.fill(sched)
         if self.buffers.feed is not None:
             # Decode rows whose input is the previous step's token, still on the device.
             rows, src = self.buffers.feed
             input_ids.index_copy_(0, rows, previous.tokens.index_select(0, src))
         logits = self.runner.forward(input_ids, meta)
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-        tokens, errors = self._sample(logits, sampling)
+        tokens, errors = self._sample(logits, sched.sampling)
+        self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
-        launched = LaunchedStep(sched, sampling, tokens, buffer.stage(tokens), errors)
-        for row, req in enumerate(sampling):
-            launched.slots.append(len(req.output_token_ids))
-            req.output_token_ids.append(PLACEHOLDER)
-            req.sample_row = row
         self.num_steps += 1
-        return launched
+        return LaunchedStep(sched, tokens, buffer.stage(tokens), errors)
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
         values = launched.read()
-        outputs = []
-        for row, req in enumerate(launched.sampling):
-            if req.is_finished:  # aborted, or stopped by the step before: this row is void
-                continue
-            token = launched.errors.get(row, values[row])
-            outputs.append(self._append_token(req, launched.slots[row], token))
-        for req, _ in launched.sched.scheduled:
-            if not req.is_finished:
-                self.scheduler.cache_computed_pages(req)
-        return outputs
+        tokens = [launched.errors.get(row, v) for row, v in enumerate(values)]
+        return self.scheduler.update(launched.sched, tokens)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]):
         """logits [len(reqs), vocab] -> (tokens [len(reqs)] int64 on the device, {row: the
@@ -196,76 +186,14 @@ class Engine:
                 errors[i] = e
         return tokens, errors
 
-    def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
-        """Write the token sampled for `req` into its output slot (a placeholder until now),
-        then the stop checks."""
-        if isinstance(token, Exception):
-            req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
-            self._retire(req)
-            return self._output(req, [], "")
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        req.output_token_ids[slot] = token
-        if self.tokenizer is not None:
-            self._detokenize(req, slot + 1)
-        p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
-        elif p.stop and self._hit_stop_string(req):
-            req.finish_reason = "stop"
-        elif slot + 1 >= p.max_new_tokens:
-            req.finish_reason = "length"
-        if req.finish_reason is not None:
-            self._retire(req)
-        # Stop strings are cut before anything is emitted, and a tail that could still grow
-        # into one is held back until the request finishes.
-        return self._output(req, [token], self._emit(req, holdback=not req.is_finished))
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a request (unless ignore_eos); the scheduler applies them."""
+        return self.scheduler.eos_token_ids
 
-    def _retire(self, req: Request) -> None:
-        """A finished request (its finish_reason set) gives back its pages and leaves."""
-        req.drop_placeholders()  # rows launched after it stopped, never to be read
-        self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
-
-    # ---- text -----------------------------------------------------------------------------
-    def _detokenize(self, req: Request, end: int) -> None:
-        """Decode the output tokens up to `end` (those read so far) into req.output_text.
-
-        Decodes a two-offset window (as Hugging Face's TGI does) so that tokenizers which
-        merge spaces across tokens give the same text as decoding everything at once."""
-        ids = req.output_token_ids
-        prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset],
-                                       skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[req.prefix_offset : end], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # not a partial UTF-8 char
-            req.output_text += full[len(prefix) :]
-            req.prefix_offset, req.read_offset = req.read_offset, end
-
-    def _emit(self, req: Request, holdback: bool) -> str:
-        """Text not yet sent, minus a tail that could still become a stop string."""
-        stop = req.params.stop
-        keep = max(len(s) for s in stop) - 1 if holdback and stop else 0
-        end = max(len(req.output_text) - keep, 0)
-        if end <= req.num_sent_chars:
-            return ""
-        text, req.num_sent_chars = req.output_text[req.num_sent_chars : end], end
-        return text
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        found = [i for i in (req.output_text.find(s) for s in req.params.stop) if i >= 0]
-        if not found:
-            return False
-        req.output_text = req.output_text[: min(found)]
-        return True
-
-    # ---- outputs and bookkeeping ----------------------------------------------------------
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, new_text=new_text,
-            finished=req.is_finished, finish_reason=req.finish_reason,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids) if req.is_finished else None,
-            text=req.output_text, num_cached_tokens=req.num_cached_tokens, error=req.error)
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.scheduler.eos_token_ids = frozenset(ids)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -273,6 +201,7 @@ class Engine:
     def stats(self) -> dict:
         cache = self.scheduler.cache
         return {
+            "requests": len(self.scheduler.requests),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_total": self.kv_pool.num_pages,
@@ -347,14 +276,12 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, sampling: list[Request], tokens: torch.Tensor,
-                 staged: TokenBuffer, errors: dict[int, Exception]):
-        self.sched = sched
-        self.sampling = sampling  # requests that sample, in row order
+    def __init__(self, sched: SchedulerOutput, tokens: torch.Tensor, staged: TokenBuffer,
+                 errors: dict[int, Exception]):
+        self.sched = sched  # its `sampling` requests sample, in row order
         self.tokens = tokens  # [len(sampling)] on the device: the next step's decode inputs
         self.staged = staged
         self.errors = errors
-        self.slots: list[int] = []  # per row: the index in output_token_ids of its placeholder
 
     def read(self) -> list[int]:
-        return self.staged.read(len(self.sampling))
+        return self.staged.read(len(self.sched.sampling))

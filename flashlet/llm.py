@@ -1,10 +1,12 @@
-"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, a loop over Engine.step()."""
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, a loop over Engine.step()
+whose token outputs get their text (and stop strings) from detokenizer.TextOutputs."""
 
 from __future__ import annotations
 
 import torch
 
 from flashlet.config import EngineConfig
+from flashlet.detokenizer import TextOutputs
 from flashlet.engine import Engine
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestLimits
@@ -22,6 +24,7 @@ class LLM:
                                    page_size=page_size, max_num_pages=max_num_pages, **kwargs)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.text_outputs = TextOutputs(self.engine, self.tokenizer)
 
     def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts (a string, a list of strings, or token-id lists) as one ragged batch;
@@ -36,10 +39,12 @@ class LLM:
         try:
             for p in prompt_ids:
                 ids.append(self.engine.add_request(p, params))
+                self.text_outputs.add(ids[-1], params)
             finished = self._run_until_done(set(ids))
         except BaseException:
             for rid in ids:  # frees their pages at once; nothing of this call is left queued
                 self.engine.abort(rid)
+                self.text_outputs.forget(rid)
             raise
         return [finished[i] for i in ids]
 
@@ -62,7 +67,7 @@ class LLM:
         while len(finished) < len(ids):
             if not self.engine.has_unfinished():
                 raise RuntimeError("engine went idle with requests unfinished")
-            for out in self.engine.step():
+            for out in self.text_outputs.process(self.engine.step()):
                 if out.finished and out.request_id in ids:
                     finished[out.request_id] = out
         return finished

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import NamedTuple, Sequence
 
 from flashlet.kv_pool import PageAllocator
 
@@ -34,6 +35,16 @@ class RadixNode:
         self.last_access = 0
 
 
+class PageHolder(NamedTuple):
+    """What one user of the pool holds, as `check_integrity` needs it (a request, seen by the
+    scheduler): the node it locks, the tree pages on that path, and its private pages."""
+
+    locked_node: RadixNode | None
+    tree_pages: list[int]
+    private_pages: list[int]
+    name: str = ""
+
+
 class RadixCache:
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
@@ -45,6 +56,7 @@ class RadixCache:
         self._leaves: set[RadixNode] = set()  # childless nodes other than the root
         self.hit_tokens = 0  # statistics for the engine's hit rate
         self.queried_tokens = 0
+        self.num_evicted_pages = 0
 
     # ---- lookup and insertion -------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
@@ -100,9 +112,6 @@ class RadixCache:
             node.lock_ref -= 1
             node = node.parent
 
-    def num_evictable_pages(self) -> int:
-        return sum(len(n.pages) for n in self._nodes() if n.lock_ref == 0)
-
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, LRU first; returns pages freed."""
         heap = [(n.last_access, id(n), n) for n in self._leaves if n.lock_ref == 0]
@@ -120,6 +129,7 @@ class RadixCache:
                 self._leaves.add(parent)
                 if parent.lock_ref == 0:
                     heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.num_evicted_pages += freed
         return freed
 
     def reset(self) -> None:
@@ -127,18 +137,18 @@ class RadixCache:
         self.evict(self.num_pages)
 
     # ---- checks ---------------------------------------------------------------------------
-    def check_integrity(self, requests) -> None:
-        """Assert the ownership and lock invariants against the live `requests`."""
+    def check_integrity(self, holders: Sequence[PageHolder]) -> None:
+        """Assert the ownership and lock invariants against everything the pool's live users
+        hold (`holders`)."""
         tree_pages, expected_locks = [], {id(self.root): 1}
-        for req in requests:
-            path_pages, node = [], req.tree_node
+        for h in holders:
+            path_pages, node = [], h.locked_node
             while node is not None:
                 expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
                 path_pages = node.pages + path_pages
                 node = node.parent
-            assert req.page_ids[: req.num_tree_pages] == path_pages, (
-                f"request {req.request_id}: tree pages do not match its locked path"
-            )
+            assert h.tree_pages == path_pages, (
+                f"{h.name}: tree pages do not match its locked path")
         for node in self._nodes():
             assert len(node.key) == len(node.pages) * self.page_size, "node key/page mismatch"
             assert node.lock_ref == expected_locks.get(id(node), 0), (
@@ -151,7 +161,7 @@ class RadixCache:
         assert len(tree_pages) == self.num_pages, "tree page count drifted"
         leaves = {n for n in self._nodes() if n is not self.root and not n.children}
         assert leaves == self._leaves, "the leaf set drifted from the tree"
-        private = [p for r in requests for p in r.page_ids[r.num_tree_pages :]]
+        private = [p for h in holders for p in h.private_pages]
         owned = tree_pages + private
         assert len(owned) == len(set(owned)), "a page is owned twice"
         free = self.allocator.free_pages()

@@ -1,9 +1,12 @@
-"""A request's life: its tokens, how many of them have K/V in the pool, its pages, its output."""
+"""A request's life: its tokens, how many of them have K/V in the pool, its pages, its output.
+
+The scheduler is the one writer of a request's scheduling state and pages (scheduler.py); the
+engine reads them to build a step. Text is not here: the front end detokenizes (detokenizer.py).
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +26,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)  # identity, not field-by-field comparison: `req in running` stays cheap
 class Request:
-    request_id: int
+    request_id: int  # the engine's, or the caller's (e.g. an API-server process)
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
@@ -37,24 +40,14 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
-    output_text: str = ""
-    prefix_offset: int = 0  # detokenizer window over output_token_ids
-    read_offset: int = 0
-    num_sent_chars: int = 0  # characters of output_text already streamed out
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list."""
+        """(prompt + output tokens)[start:end] without building the whole list."""
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p : end - p]
@@ -89,17 +82,27 @@ class Request:
             self.output_token_ids.pop()
 
 
+    def output(self, new_token_ids: list[int]) -> "RequestOutput":
+        """This step's delta (the final result too, once finished)."""
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=new_token_ids, finished=self.is_finished,
+            finish_reason=self.finish_reason, prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids) if self.is_finished else None,
+            num_cached_tokens=self.num_cached_tokens, error=self.error)
+
+
 @dataclass
 class RequestOutput:
-    """What one step produced for one request (a delta), or the final result."""
+    """What one step produced for one request (a delta), or the final result. The engine fills
+    the token fields; the text fields are filled by the front end (detokenizer.TextOutputs)."""
 
     request_id: int
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None  # every output token, in the final output only
-    text: str = ""  # all output text so far
     num_cached_tokens: int = 0
     error: str | None = None
+    new_text: str = ""  # text safe to stream now (stop strings cut, a possible one held back)
+    text: str = ""  # all output text so far

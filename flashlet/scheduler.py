@@ -9,6 +9,12 @@ still to compute. Each step, in order:
 When pages run out, unlocked prefix-cache pages are evicted first; then the newest running
 request is preempted: its pages are released (full pages go into the prefix cache) and it waits
 to be recomputed, keeping the tokens it has generated so its output does not change.
+
+The scheduler is the one owner of its requests' scheduling state and pages. After a step is
+launched, `on_launch` counts its tokens as computed and gives each request that samples a
+placeholder for its token; once the tokens are read, `update` writes them in, applies the stop
+checks (EOS, max_new_tokens), caches completed pages and retires finished requests. With
+overlap (engine.py) the next step is scheduled between the two.
 """
 
 from __future__ import annotations
@@ -17,14 +23,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
-from flashlet.radix_cache import RadixCache
-from flashlet.request import Request, RequestStatus
+from flashlet.radix_cache import PageHolder, RadixCache
+from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    # Requests whose scheduled tokens reach their last token: each samples one, in row order.
+    sampling: list[Request] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # per sampling row: its placeholder's index
 
     @property
     def num_batched_tokens(self) -> int:
@@ -37,18 +46,24 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_cache: bool = True):
+                 max_num_batched_tokens: int, enable_prefix_cache: bool = True,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_cache = enable_prefix_cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.cache = RadixCache(allocator, page_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is in use")
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -73,7 +88,58 @@ class Scheduler:
                 budget -= n
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        out.sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
         return out
+
+    # ---- after a step ---------------------------------------------------------------------
+    def on_launch(self, out: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed, and each request that
+        samples holds a placeholder for the token until `update` writes it in."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+        out.slots = []
+        for row, req in enumerate(out.sampling):
+            out.slots.append(len(req.output_token_ids))
+            req.output_token_ids.append(PLACEHOLDER)
+            req.sample_row = row
+
+    def update(self, out: SchedulerOutput, tokens: list) -> list[RequestOutput]:
+        """The launched step's sampled tokens (one per sampling row; an Exception where that
+        row's sampling failed) -> the requests' outputs. Stop checks, page caching, retiring."""
+        outputs = []
+        for req, slot, token in zip(out.sampling, out.slots, tokens):
+            if req.is_finished:  # aborted, or stopped by the step before: this row is void
+                continue
+            outputs.append(self._append_token(req, slot, token))
+        for req, _ in out.scheduled:
+            if not req.is_finished:
+                self.cache_computed_pages(req)
+        return outputs
+
+    def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
+        if isinstance(token, Exception):
+            req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
+            self.finish(req)
+            return req.output([])
+        req.output_token_ids[slot] = token
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif slot + 1 >= p.max_new_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.finish(req)
+        return req.output([token])
+
+    def abort(self, request_id: int, finish_reason: str = "abort") -> RequestOutput | None:
+        """End a request now (pages freed; with "stop", its full computed pages are cached);
+        its final output, or None if it is unknown or finished already."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.finish_reason = finish_reason
+        self.finish(req)
+        return req.output([])
 
     def _reserve_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Find pages for `req`'s next `n` tokens, preempting newer requests; False if `req`
@@ -174,6 +240,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
+        """A request whose finish_reason is set gives back its pages and leaves."""
+        req.drop_placeholders()  # rows launched after it stopped, never to be read
+        self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -184,7 +253,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Pages are owned exactly once (free list, tree, or one request) and locks add up."""
         live = list(self.running) + [r for r in self.waiting if r.page_ids or r.tree_node]
-        self.cache.check_integrity(live)
+        self.cache.check_integrity([
+            PageHolder(r.tree_node, r.page_ids[: r.num_tree_pages],
+                       r.page_ids[r.num_tree_pages :], f"request {r.request_id}") for r in live])
         for req in self.running:
             assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
         for req in self.waiting:

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
+from flashlet.detokenizer import TextOutputs
 
 GREEDY = dict(ignore_eos=True)
 
@@ -267,17 +268,40 @@ def test_seeded_sampling_reproduces(tiny_qwen2):
     assert a == b and a != c
 
 
-def test_stop_string_never_reaches_the_stream(demo_llm):
-    engine = demo_llm.engine
-    rid = engine.add_request("The capital of France is", SamplingParams(max_new_tokens=8, stop=["P"]))
-    deltas, final = [], None
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_string_never_reaches_the_stream(demo_model_dir, overlap):
+    engine = Engine(EngineConfig(model=str(demo_model_dir), overlap=overlap, max_num_pages=64))
+    text_outputs = TextOutputs(engine, engine.tokenizer)
+    params = SamplingParams(max_new_tokens=8, stop=["P"])
+    rid = engine.add_request("The capital of France is", params)
+    text_outputs.add(rid, params)
+    deltas, finals = [], []
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                deltas.append(out.new_text)
-                final = out
+        for out in text_outputs.process(engine.step()):
+            assert out.request_id == rid, "the engine's echo of the stop was not dropped"
+            deltas.append(out.new_text)
+            finals += [out] if out.finished else []
+    [final] = finals
     assert final.finish_reason == "stop" and "P" not in final.text
     assert "".join(deltas) == final.text
+    full = engine.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert "P" in full and full.startswith(final.text), "the stop string was not in the tokens"
+    engine.check_integrity()
+    assert engine.stats()["requests"] == 0
+
+
+def test_engine_outputs_are_token_ids_and_take_caller_ids(demo_llm):
+    engine = demo_llm.engine
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    assert engine.add_request("Hello", params, request_id=1000) == 1000
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request([1, 2, 3], params, request_id=1000)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {1000}
+    assert all(o.new_text == "" and o.text == "" for o in outs), "the engine detokenized"
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
 
 
 def test_tiny_top_p_keeps_the_most_likely_token(tiny_qwen2):

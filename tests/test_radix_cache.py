@@ -1,15 +1,13 @@
 """The radix prefix cache: matching, insertion, locks, LRU eviction, integrity."""
 
-from types import SimpleNamespace
-
 from flashlet.kv_pool import PageAllocator
-from flashlet.radix_cache import RadixCache
+from flashlet.radix_cache import PageHolder, RadixCache
 
 PS = 4
 
 
 def holder(pages, node, n_tree, rid=0):
-    return SimpleNamespace(request_id=rid, page_ids=pages, tree_node=node, num_tree_pages=n_tree)
+    return PageHolder(node, pages[:n_tree], pages[n_tree:], f"holder {rid}")
 
 
 def test_match_returns_longest_whole_page_prefix():
@@ -95,7 +93,7 @@ def test_extend_locked_moves_the_lock_and_refuses_an_existing_child():
     mine = alloc.allocate(1)
     child = cache.extend_locked(node, [2] * 4, mine)
     assert child is not None and child.parent is node
-    user.page_ids, user.tree_node, user.num_tree_pages = first + mine, child, 2
+    user = holder(first + mine, child, 2)
     cache.check_integrity([user])  # lock counts: the path through `child` holds one lock
     assert cache.match_prefix([1] * 4 + [2] * 4)[0] == first + mine
     other = alloc.allocate(1)

@@ -14,6 +14,7 @@ it reports (no extra device synchronize per step: that would undo the engine's o
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -30,8 +31,12 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
+from flashlet.batch import StepBuffers
 from flashlet.bench.trace import Trace
+from flashlet.kv_pool import PageAllocator
+from flashlet.request import Request
 from flashlet.sampling import SamplingParams
+from flashlet.scheduler import Scheduler
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 
@@ -272,8 +277,9 @@ def offline(engine, args, progress: Progress = NO_PROGRESS) -> dict:
 
 # ---- the scheduler micro-benchmark ---------------------------------------------------------
 def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
-    """CPU time of `scheduler.schedule()` + `buffers.fill()` per step, with tokens committed by
-    hand (no forward pass): a tiny one-layer model, CPU tensors.
+    """CPU time of `scheduler.schedule()` + `buffers.fill()` per step, on a scheduler and step
+    buffers of their own (no model, no forward pass; CPU tensors). Each step's made-up tokens go
+    through the engine's own `on_launch` / `update`, untimed.
 
     - decode: `sched_running` running sequences, every one decoding;
     - mixed: `sched_running - sched_prefill_chunks` decodes plus `sched_prefill_chunks` new
@@ -282,9 +288,7 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
       pages go to the prefix cache) and as many fresh ones queued, outside the timed region.
       The pool has room for all of them: no eviction.
     - mixed-evict: the same with a pool full of cached pages, so admissions evict first."""
-    from flashlet.bench.engines import TINY_SCHED_CONFIG, write_config
-    from flashlet.config import EngineConfig
-    from flashlet.engine import Engine
+    from flashlet.bench.engines import TINY_SCHED_CONFIG
 
     R, K, ctx, steps = (args.sched_running, args.sched_prefill_chunks, args.sched_context,
                         args.sched_steps)
@@ -295,7 +299,7 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
     generated = math.ceil(R * ctx / max(1, args.sched_budget - R)) + 2 + warm + steps + 2
     decode_pages = R * math.ceil((ctx + generated) / ps)
     chunk_pages = K * math.ceil(chunk / ps)  # what one step's new requests hold
-    cfg = write_config(TINY_SCHED_CONFIG)
+    vocab, max_len = TINY_SCHED_CONFIG["vocab_size"], TINY_SCHED_CONFIG["max_position_embeddings"]
     results = {}
     scenarios = (("decode", 0, decode_pages + 64),
                  # room for every finished request's pages: the prefix cache never evicts
@@ -305,12 +309,11 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
     for scenario, num_prefill, pages in scenarios:
         if scenario != "decode" and K == 0:
             continue
-        engine = Engine(EngineConfig(
-            config=str(cfg), device="cpu", dtype="float32", backend="torch", page_size=ps,
-            max_num_pages=pages, max_num_seqs=R, max_num_batched_tokens=args.sched_budget,
-            enable_prefix_cache=args.enable_prefix_cache, max_model_len=None, seed=args.seed))
-        results[scenario] = _sched_scenario(engine, R - num_prefill, num_prefill, ctx, chunk,
-                                            generated, steps, warm, args.seed, progress, scenario)
+        sched = Scheduler(PageAllocator(pages), ps, R, args.sched_budget, args.enable_prefix_cache)
+        buffers = StepBuffers(args.sched_budget, R, R * -(-max_len // ps), ps, "cpu")
+        results[scenario] = _sched_scenario(sched, buffers, vocab, R - num_prefill, num_prefill,
+                                            ctx, chunk, generated, steps, warm, args.seed,
+                                            progress, scenario)
         results[scenario]["pool_pages"] = pages
     for r in results.values():
         r["target_us"] = 1000.0
@@ -322,69 +325,49 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
             "timer": "time.perf_counter_ns around schedule() + fill(), CPU tensors"}
 
 
-def _sched_scenario(engine, num_decodes, num_prefill, ctx, chunk, generated, steps, warm, seed,
-                    progress, name) -> dict:
+def _sched_scenario(sched, buffers, vocab, num_decodes, num_prefill, ctx, chunk, generated,
+                    steps, warm, seed, progress, name) -> dict:
     rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
-    sched, buffers = engine.scheduler, engine.buffers
+    ids = itertools.count()
 
     def add(n_tokens: int, max_new: int):
-        return engine.requests[engine.add_request(
-            rng.integers(0, vocab, size=n_tokens).tolist(),
-            SamplingParams(max_new_tokens=max_new, ignore_eos=True))]
+        sched.add(Request(next(ids), rng.integers(0, vocab, size=n_tokens).tolist(),
+                          SamplingParams(max_new_tokens=max_new, ignore_eos=True)))
 
-    def commit(out, sampling):
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-        for req in sampling:
-            req.output_token_ids.append((req.output_token_ids[-1] + 1) % vocab
-                                        if req.output_token_ids else 2)
-        for req, _ in out.scheduled:
-            sched.cache_computed_pages(req)
+    def complete(out):  # as the engine does once the step's tokens are read
+        sched.on_launch(out)
+        sched.update(out, [(r.num_tokens * 7 + 2) % vocab for r in out.sampling])
 
     for _ in range(num_decodes):
         add(ctx, generated)  # never reached: nothing here finishes a decode
     while sched.waiting or any(r.num_tokens_to_compute > 1 for r in sched.running):
         out = sched.schedule()
-        _, _, sampling = buffers.fill(out)
-        commit(out, sampling)
-    fresh = [add(chunk, 1) for _ in range(num_prefill)]
-    evicted = [0]
-    evict = sched.cache.evict
-
-    def counting_evict(n):  # count what the timed steps evict (this engine is ours alone)
-        freed = evict(n)
-        evicted[0] += freed
-        return freed
-
-    sched.cache.evict = counting_evict
+        buffers.fill(out)
+        complete(out)
     task = progress.task(f"scheduler {name}", warm + steps)
-    times, shapes = [], set()
+    times, shapes, evicted = [], set(), 0
     for i in range(warm + steps):
+        for _ in range(num_prefill):  # each lives one step: max_new_tokens=1 retires it
+            add(chunk, 1)
+        evicted_before = sched.cache.num_evicted_pages
         t0 = time.perf_counter_ns()
         out = sched.schedule()
-        _, meta, sampling = buffers.fill(out)
+        _, meta, _ = buffers.fill(out)
         t1 = time.perf_counter_ns()
-        commit(out, sampling)
+        complete(out)
         n_pre = sum(1 for _, n in out.scheduled if n > 1)
         shapes.add((len(out.scheduled) - n_pre, n_pre, meta.num_tokens))
         if i >= warm:
             times.append((t1 - t0) / 1e3)
-        else:
-            evicted[0] = 0
-        for req in fresh:  # the step's new requests are done: make room for the next ones
-            req.finish_reason = "length"
-            sched.finish(req)
-            engine.requests.pop(req.request_id, None)
-        fresh = [add(chunk, 1) for _ in range(num_prefill)]
+            evicted += sched.cache.num_evicted_pages - evicted_before
         task.advance()
     expected = (num_decodes, num_prefill, num_decodes + num_prefill * chunk)
     if shapes != {expected}:
         raise RuntimeError(f"scheduler {name}: steps were {sorted(shapes)}, expected {expected}")
-    engine.check_integrity()
+    sched.check_integrity()
     return {"decodes": num_decodes, "prefill_chunks": num_prefill,
             "running": num_decodes + num_prefill, "tokens_per_step": expected[2],
-            "steps": steps, "warmup_steps": warm, "evicted_pages_per_step": evicted[0] / steps,
+            "steps": steps, "warmup_steps": warm, "evicted_pages_per_step": evicted / steps,
             "us_per_step": summarize(times),
             "samples": {"us_per_step": samples(times, digits=2)}}
 

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
+import itertools
 from collections import defaultdict
 from typing import Callable
 
@@ -63,7 +63,8 @@ class CoreClient:
         self.tokenizer_source = tokenizer
         self._on_fatal = on_fatal
         self.cores: list[CoreProcess] = []
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count()
         self._lock = threading.Lock()  # _streams, the counts, the sockets' sends
         self._probes: dict[int, concurrent.futures.Future] = {}
         self._stopping = False
@@ -159,7 +160,7 @@ class CoreClient:
                                  f"(max_waiting={max_waiting})")
             core = self.cores[self.router.route(stream.prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
-            stream.request_id = uuid.uuid4().hex
+            stream.request_id = next(self._ids)
             stream.core = core.index
             core.num_in_flight += 1
             core.num_routed += 1

@@ -31,13 +31,13 @@ IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 
 # ---- messages in ---------------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
+    request_id: int  # the API process's id; the engine uses it as its own
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings are the API process's: it sends none
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[str]
+    request_ids: list[int]
     finish_reason: str = "abort"  # "stop" when the API process found a stop string
 
 
@@ -56,7 +56,7 @@ CoreInput = AddRequest | AbortRequests | Probe | Shutdown
 class CoreOutput(msgspec.Struct, array_like=True):
     """One request's share of a step (the attributes Generation reads off RequestOutput too)."""
 
-    request_id: str
+    request_id: int
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
@@ -98,7 +98,7 @@ def engine_info(engine) -> dict:
 
 
 def core_stats(engine) -> dict[str, float]:
-    return {**engine.stats(), "num_requests": len(engine.requests)}
+    return {**engine.stats(), "num_requests": len(engine.scheduler.requests)}
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
 
 
 class EngineCore:
-    """The busy loop around one Engine; owns the map of API request ids to engine ids."""
+    """The busy loop around one Engine (which takes the API process's request ids as its own)."""
 
     def __init__(self, engine, core: int, inbox, outbox, parent_pid: int):
         self.engine, self.core = engine, core
@@ -143,8 +143,6 @@ class EngineCore:
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
-        self.engine_ids: dict[str, int] = {}  # API request id -> engine request id
-        self.api_ids: dict[int, str] = {}
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
 
@@ -180,21 +178,18 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, AbortRequests):
-            for rid in msg.request_ids:
-                eid = self.engine_ids.get(rid)
-                if eid is not None:  # its pages are freed now; its output is not needed
-                    self.engine.abort(eid)
-                    self._forget(eid)
+            for rid in msg.request_ids:  # their pages are freed now
+                self.engine.abort(rid, msg.finish_reason)
         elif isinstance(msg, Probe):
             self._probe()
         elif isinstance(msg, Shutdown):
-            for eid in list(self.api_ids):
-                self.engine.abort(eid)
+            for rid in list(self.engine.scheduler.requests):
+                self.engine.abort(rid)
             self.stopping = True
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            eid = self.engine.add_request(msg.prompt_token_ids, msg.params)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id)
         except ValueError as e:
             self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
             return
@@ -203,13 +198,6 @@ class EngineCore:
             self.errors.append(CoreOutput(msg.request_id, [], True, "error",
                                           f"could not queue the request: {e}"))
             return
-        self.engine_ids[msg.request_id] = eid
-        self.api_ids[eid] = msg.request_id
-
-    def _forget(self, eid: int) -> None:
-        rid = self.api_ids.pop(eid, None)
-        if rid is not None:
-            self.engine_ids.pop(rid, None)
 
     def _step(self) -> list[CoreOutput]:
         try:
@@ -217,27 +205,17 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {e}")
-        results = []
-        for out in outputs:
-            rid = self.api_ids.get(out.request_id)
-            if rid is None:  # aborted by the API process: nobody reads it
-                continue
-            results.append(CoreOutput(rid, out.new_token_ids, out.finished, out.finish_reason,
-                                      out.error, out.num_cached_tokens))
-            if out.finished:
-                self._forget(out.request_id)
-        return results
+        return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
+                           out.error, out.num_cached_tokens) for out in outputs]
 
     def _fail_all(self, message: str) -> list[CoreOutput]:
         results = []
-        for eid, rid in list(self.api_ids.items()):
+        for rid in list(self.engine.scheduler.requests):
             try:
-                self.engine.abort(eid)
+                self.engine.abort(rid)
             except Exception:  # noqa: BLE001
                 pass
             results.append(CoreOutput(rid, [], True, "error", message))
-        self.api_ids.clear()
-        self.engine_ids.clear()
         return results
 
     def _send(self, outputs: list[CoreOutput]) -> None:

@@ -6,8 +6,9 @@ The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asy
 loops, possibly several) talk to the loop through a command deque guarded by a condition
 variable: `submit`, `abort`, `call`. Each request has a `RequestStream`; the loop pushes that
 request's output deltas into the stream's asyncio.Queue with `loop.call_soon_threadsafe`, so
-tokens stream out as each step makes them. With nothing to do the thread sleeps on the
-condition (no busy spin).
+tokens stream out as each step makes them. The engine's outputs are token ids; the handlers
+give them their text (server/frontend.py), as they do for an engine-core process. With nothing
+to do the thread sleeps on the condition (no busy spin).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class EngineLoop:
             if stream.cancelled or stream.finished:
                 return
             stream.cancelled = True
-            self._cmds.append(("abort", stream))
+            self._cmds.append(("abort", stream, finish_reason))
             self._cond.notify()
 
     def abort_all(self) -> None:
@@ -266,9 +267,9 @@ class EngineLoop:
                 stream.request_id = rid
                 self._streams[rid] = stream
         elif kind == "abort":
-            stream = cmd[1]
+            stream, finish_reason = cmd[1], cmd[2]
             if stream.request_id is not None:  # the pages are freed now, whatever else runs
-                self.engine.abort(stream.request_id)
+                self.engine.abort(stream.request_id, finish_reason)
                 self._streams.pop(stream.request_id, None)  # its reader is gone
         elif kind == "abort_all":
             self._abort_all()

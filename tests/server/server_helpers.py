@@ -78,7 +78,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
 def _check(engine) -> dict:
     engine.check_integrity()
     return {**engine.stats(), "has_unfinished": engine.has_unfinished(),
-            "num_requests": len(engine.requests)}
+            "num_requests": len(engine.scheduler.requests)}
 
 
 def idle_stats(loop, timeout: float = 60.0) -> dict:

@@ -1,0 +1,110 @@
+"""IncrementalDetokenizer against the obvious reference: decode everything at once, cut at the
+first stop string. A byte-level toy tokenizer makes partial UTF-8 characters and merges easy to
+provoke; the demo model's real tokenizer checks the BPE space handling."""
+
+import random
+
+import pytest
+
+from flashlet.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """Token id = one byte; decode joins the bytes (invalid UTF-8 becomes U+FFFD, like HF)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def reference(tokenizer, ids, stop=()):
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(found)], True) if found else (text, False)
+
+
+def run(detok, ids, chunk_sizes):
+    """Push ids in chunks; returns (every emitted piece joined, stopped)."""
+    pieces, stopped, i = [], False, 0
+    for n in chunk_sizes:
+        if i >= len(ids):
+            break
+        new, stopped = detok.push(ids[i : i + n])
+        pieces.append(new)
+        i += n
+        if stopped:
+            break
+    if not stopped:
+        pieces.append(detok.finish())
+    return "".join(pieces), stopped
+
+
+def test_streamed_text_equals_one_decode_with_partial_utf8_characters():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo → wörld ✓ 你好")
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([t])[0] for t in ids]
+    assert all("\ufffd" not in p for p in pieces)  # a partial character is never emitted
+    assert "".join(pieces) + detok.finish() == detok.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_strings_and_holdback_match_the_reference(seed):
+    rng = random.Random(seed)
+    tok = ByteTokenizer()
+    text = "".join(rng.choice("ab c→") for _ in range(rng.randint(1, 40)))
+    stop = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 4)))
+            for _ in range(rng.randint(0, 3))]
+    ids = tok.encode(text)
+    chunks = [rng.randint(1, 4) for _ in range(len(ids))]
+    detok = IncrementalDetokenizer(tok, stop)
+    emitted, stopped = run(detok, ids, chunks)
+    want, want_stopped = reference(tok, ids, stop)
+    assert (emitted, stopped) == (want, want_stopped)
+    assert detok.text == want
+
+
+def test_a_tail_that_may_become_a_stop_string_is_held_back():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, stop=["STOP"])
+    assert detok.push(tok.encode("abcST")) == ("ab", False)  # "cST" could still become STOP
+    assert detok.push(tok.encode("x")) == ("c", False)  # the last len("STOP") - 1 wait
+    assert detok.finish() == "STx"
+    assert detok.text == "abcSTx"
+
+
+def test_stop_string_cuts_the_text_and_drops_the_held_tail():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, stop=["END", "xyz"])
+    assert detok.push(tok.encode("hello E")) == ("hello", False)
+    assert detok.push(tok.encode("ND and more")) == (" ", True)
+    assert detok.text == "hello "
+    assert detok.push(tok.encode("later")) == ("", True)  # stopped: nothing more
+
+
+def test_the_earliest_stop_string_wins():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, stop=["stop", "ong"])
+    text, stopped = detok.push(tok.encode("a long stop"))
+    assert stopped and text == detok.text == "a l"
+
+
+def test_real_tokenizer_streaming_equals_one_decode(demo_llm):
+    tok = demo_llm.tokenizer
+    ids = tok.encode(" Hello,  world! It's   a fine day — isn't it? 12 345")
+    detok = IncrementalDetokenizer(tok)
+    emitted = "".join(detok.push([t])[0] for t in ids) + detok.finish()
+    assert emitted == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped_unless_asked_for(demo_llm):
+    tok = demo_llm.tokenizer
+    ids = tok.encode("Hi") + [tok.eos_token_id]
+    skipped = IncrementalDetokenizer(tok)
+    kept = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    for d in (skipped, kept):
+        d.push(ids)
+        d.finish()
+    assert skipped.text == "Hi" and kept.text == "Hi" + tok.eos_token

@@ -2,13 +2,15 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
-#                                             offline closed-loop kernels progression all (default)
+#                                             offline closed-loop kernels progression serve
+#                                             all (default: every part but serve)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
 # lacks) are installed from .whl/ when present; compiled FlashInfer kernels are kept in
 # .fi_cache/ (FLASHINFER_WORKSPACE_BASE; unpacked from .fi_prev/fi_cache.tgz when present) so a
-# second start skips compilation. Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
+# second start skips compilation. `serve` (the server against in-process, same workload) needs the
+# server's wheels in .whl/ and the tokenizer folder .tok/smollm2 (scripts/export_tokenizer.py). Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +67,10 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
+    serve) run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
+             --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
+             -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+             --max-num-pages 16384 ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -130,33 +130,37 @@ class Generation:
         self.token_ids: list[int] = []
         self.num_cached_tokens = 0
         self.final: Delta | None = None
+        self._held: StreamError | None = None  # an error to raise after the tokens before it
 
     @property
     def text(self) -> str:
         return "" if self.detokenizer is None else self.detokenizer.text
 
     async def deltas(self) -> AsyncIterator[tuple[str, Delta]]:
-        """Yield (new text, delta) per engine step, ending with the finished one. Text that
-        could still become a stop string is held back until it cannot."""
+        """Yield (new text, delta) per batch of engine outputs, ending with the finished one.
+        A delta holds every token that arrived since the handler last looked (one, unless the
+        handler fell behind the engine: then several go out in one event, which says how many).
+        Text that could still become a stop string is held back until it cannot."""
         metrics, last = self.server.metrics, None
         while True:
-            item = await self.stream.get()
+            item, ids = await self._next_batch()
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
                 raise ApiError(item.status, item.message)
             now = time.monotonic()
-            ids = item.new_token_ids
             if ids:
+                gaps = len(ids)
                 if self.ttft is None:
                     self.ttft = now - self.t0
                     metrics.ttft.observe(self.ttft)
-                else:
-                    metrics.itl.observe(now - last)
+                    gaps, last = gaps - 1, self.t0
+                for _ in range(gaps):  # tokens that came together share the wait evenly
+                    metrics.itl.observe((now - last) / len(ids))
                 last = now
                 self.token_ids.extend(ids)
             text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
-            delta = Delta(list(ids), item.finished, item.finish_reason, item.error)
+            delta = Delta(ids, item.finished, item.finish_reason, item.error)
             if stopped:  # a stop string: end the request in the engine too
                 self.server.loop.abort(self.stream, "stop")
                 delta.finished, delta.finish_reason = True, "stop"
@@ -167,6 +171,23 @@ class Generation:
             yield text, delta
             if delta.finished:
                 return
+
+    async def _next_batch(self):
+        """The next output (waiting for it) merged with every one already queued behind it:
+        (the last output or a StreamError, all their new token ids)."""
+        item, self._held = self._held or await self.stream.get(), None
+        if isinstance(item, StreamError):
+            return item, []
+        ids = list(item.new_token_ids)
+        queue = self.stream.queue
+        while not item.finished and not queue.empty():
+            following = queue.get_nowait()
+            if isinstance(following, StreamError):
+                self._held = following  # after these tokens
+                break
+            ids += following.new_token_ids
+            item = following
+        return item, ids
 
     def _finish(self, delta: Delta, item, now: float) -> None:
         self.stream.finished = True

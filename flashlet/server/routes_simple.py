@@ -66,7 +66,8 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                 "latency_ms": round(gen.latency_ms, 3)}
 
     @app.post("/generate_stream", response_class=StreamingResponse,
-              responses={**sse_response("Server-Sent Events: one `data: {\"text\"}` per token, "
+              responses={**sse_response("Server-Sent Events: one `data: {\"text\"}` per token (or "
+                                         "per batch of tokens, with `num_tokens`), "
                                          "a final event with finish_reason and usage, then "
                                          "`data: [DONE]`"), **gen_errors})
     async def generate_stream(body: GenerateRequest):
@@ -75,8 +76,9 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         async def events():
             try:
                 async for delta, out in gen.deltas():
-                    if out.new_token_ids:  # one event per token (its text may be held back)
-                        yield sse({"text": delta})
+                    n = len(out.new_token_ids)
+                    if n:  # an event per token, or per batch of n saying so (text may be held back)
+                        yield sse({"text": delta} if n == 1 else {"text": delta, "num_tokens": n})
                         delta = ""
                     if out.finished:  # text left here only when it ended without a token
                         final = {"text": delta, "finish_reason": out.finish_reason,

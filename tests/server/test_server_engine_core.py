@@ -6,14 +6,16 @@ Tiny random model (no tokenizer: token ids in, token ids out)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
+import signal
 import threading
 import time
 
 import httpx
 import pytest
-from server_helpers import ServerThread, parse_sse, wait_until
+from server_helpers import ServerProcess, ServerThread, parse_sse, wait_until
 
 from flashlet import EngineConfig
 from flashlet.server import CoreClient, ServerConfig, create_app
@@ -148,3 +150,27 @@ def test_a_dead_core_ends_every_open_request_with_an_error(tiny_qwen2):
         if srv is not None:
             srv.stop()
         client.stop()
+
+
+def test_the_cli_exits_nonzero_when_its_engine_core_dies(tiny_qwen2):
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        def failed_or_gone():
+            try:
+                return httpx.get(p.url + "/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                return p.proc.poll() is not None
+
+        wait_until(failed_or_gone, 5, "/health to turn 503")
+        assert p.proc.wait(60) == 1, p.log
+        assert time.monotonic() - killed < 30
+        assert "engine core 0 died" in p.log
+    finally:
+        p.kill()

@@ -72,6 +72,7 @@ class CoreClient:
         self._dir = tempfile.mkdtemp(prefix="flashlet-")
         self._zmq = zmq.Context()
         self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
+        self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(f"ipc://{self._dir}/out")
         self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply)
         self._encoder = msgspec.msgpack.Encoder()
@@ -87,6 +88,7 @@ class CoreClient:
         spawn = multiprocessing.get_context("spawn")
         for i in range(self.num_cores):
             inbox = self._zmq.socket(zmq.PUSH)
+            inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains it each step
             address = f"ipc://{self._dir}/in{i}"
             inbox.bind(address)
             process = spawn.Process(
@@ -164,9 +166,11 @@ class CoreClient:
             stream.core = core.index
             core.num_in_flight += 1
             core.num_routed += 1
+            if not self._send_locked(core, AddRequest(stream.request_id, stream.prompt_token_ids,
+                                                      stream.params)):
+                core.num_in_flight -= 1
+                raise NotReady(f"engine core {core.index} cannot take requests")
             self._streams[stream.request_id] = stream
-            self._send_locked(core, AddRequest(stream.request_id, stream.prompt_token_ids,
-                                               stream.params))
 
     def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
@@ -218,11 +222,14 @@ class CoreClient:
         with self._lock:
             self._send_locked(core, msg)
 
-    def _send_locked(self, core: CoreProcess, msg) -> None:
+    def _send_locked(self, core: CoreProcess, msg) -> bool:
+        """Send a message to a core (queued without limit); False if the socket is closed."""
         try:
             core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # its queue is full or closed: the core is stuck or gone
+            return True
+        except zmq.ZMQError as e:
             log.error("could not send to engine core %d: %s", core.index, e)
+            return False
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:

@@ -113,7 +113,9 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)
+    inbox.setsockopt(zmq.RCVHWM, 0)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # a step's message is never dropped
     outbox.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     try:

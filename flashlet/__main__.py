@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     engine = llm.engine
     print(f"model: {engine.model_dir or config.config} | backend {config.backend} | "
           f"{engine.device} {str(engine.dtype).removeprefix('torch.')} | "
-          f"KV pool {engine.kv_pool.num_pages} pages x {config.page_size} tokens | "
+          f"KV pool {engine.stats()['kv_pages_total']} pages x {config.page_size} tokens | "
           f"loaded in {load_s:.1f} s")
     prompts = args.prompts or DEMO_PROMPTS
     if args.chat:

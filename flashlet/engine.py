@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -85,6 +86,7 @@ class Engine:
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
+        self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -160,6 +162,8 @@ class Engine:
             rows, src = self.buffers.feed
             input_ids.index_copy_(0, rows, previous.tokens.index_select(0, src))
         logits = self.runner.forward(input_ids, meta)
+        for observe in self._step_observers:
+            observe(meta, logits)
         tokens, errors = self._sample(logits, sched.sampling)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
@@ -198,6 +202,20 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def observe_steps(self, fn) -> Callable[[], None]:
+        """Call fn(meta, logits) after each step's forward pass (logits: the sampled rows',
+        not to be changed); returns a function that stops it. For tests and tools."""
+        self._step_observers.append(fn)
+        return lambda: self._step_observers.remove(fn)
+
+    def reset_prefix_cache(self) -> int:
+        """Free every prefix-cache page no request uses; returns how many were freed."""
+        return self.scheduler.cache.reset()
+
+    def num_decoding(self) -> int:
+        """Running requests whose next step is a decode (one token to compute)."""
+        return sum(r.num_tokens_to_compute == 1 for r in self.scheduler.running)
+
     def stats(self) -> dict:
         cache = self.scheduler.cache
         return {
@@ -205,11 +223,13 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_total": self.kv_pool.num_pages,
+            "kv_pool_bytes": self.kv_pool.num_bytes,
             "kv_pages_used": self.kv_pool.allocator.num_used,
             "kv_pages_cached": cache.num_pages,
             "prefix_cache_hit_rate": cache.hit_tokens / max(cache.queried_tokens, 1),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "cuda_graphs": len(self.runner.graphs),
         }
 
     def _eos_ids(self) -> set[int]:

@@ -88,6 +88,11 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
         self.scratch_page = num_pages
 
+    @property
+    def num_bytes(self) -> int:
+        """K and V together, the scratch page included."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
     @staticmethod
     def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -132,9 +132,9 @@ class RadixCache:
         self.num_evicted_pages += freed
         return freed
 
-    def reset(self) -> None:
-        """Drop every unlocked page (used by tests and to release memory)."""
-        self.evict(self.num_pages)
+    def reset(self) -> int:
+        """Drop every unlocked page (to release memory); returns how many were freed."""
+        return self.evict(self.num_pages)
 
     # ---- checks ---------------------------------------------------------------------------
     def check_integrity(self, holders: Sequence[PageHolder]) -> None:

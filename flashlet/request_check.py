@@ -32,7 +32,7 @@ class RequestLimits:
     @classmethod
     def of_engine(cls, engine) -> "RequestLimits":
         return cls(engine.max_model_len, engine.model_config.vocab_size,
-                   engine.config.page_size, engine.kv_pool.num_pages)
+                   engine.config.page_size, engine.stats()["kv_pages_total"])
 
     @property
     def max_tokens(self) -> int:

@@ -32,8 +32,7 @@ def main(argv=None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=dtype).to(args.device)
     hf.generation_config.eos_token_id = None  # both sides run exactly max_new_tokens, no EOS rule
     logits_seen = []
-    forward = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda ids, meta: logits_seen.append(forward(ids, meta)) or logits_seen[-1]
+    stop_recording = llm.engine.observe_steps(lambda meta, logits: logits_seen.append(logits.clone()))
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     same, agree, total, max_diff = 0, 0, 0, 0.0
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
         max_diff = max(max_diff, (mine - ref_logits).abs().max().item())
         print(f"{prompt!r} -> {ours.text!r}  [{'identical' if ref == ours.token_ids else 'DIFFERS'}]")
 
-    llm.engine.runner.forward = forward
+    stop_recording()
     batch = PROMPTS * 4
     t0 = time.perf_counter()
     outs = llm.generate(batch, params)

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / args.steps * 1e3
     print(f"## {args.backend} batch {args.batch}: {ms:.3f} ms/step, {args.batch / ms * 1e3:.0f} "
-          f"tok/s, graphs captured: {sorted(engine.runner.graphs)}")
+          f"tok/s, graphs captured: {engine.stats()['cuda_graphs']}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

@@ -15,7 +15,8 @@ def llm(tiny_qwen2):
 
 
 def no_pages_held(llm):
-    return llm.engine.kv_pool.allocator.num_used == llm.engine.scheduler.cache.num_pages
+    stats = llm.engine.stats()
+    return stats["kv_pages_used"] == stats["kv_pages_cached"]
 
 
 @pytest.mark.parametrize("prompt, message", [

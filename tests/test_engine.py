@@ -48,8 +48,8 @@ def assert_no_pages_beyond_cache(engine):
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["kv_pages_used"] == stats["kv_pages_cached"]
-    engine.scheduler.cache.reset()
-    assert engine.kv_pool.allocator.num_used == 0
+    engine.reset_prefix_cache()
+    assert engine.stats()["kv_pages_used"] == 0
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
@@ -102,8 +102,7 @@ def test_overlap_gives_the_outputs_of_one_step_at_a_time(tiny_qwen2):
         if eos is not None:
             engine.eos_token_ids = {eos}
         rows = []
-        forward = engine.runner.forward
-        engine.runner.forward = lambda ids, meta: rows.append(meta.num_tokens) or forward(ids, meta)
+        engine.observe_steps(lambda meta, logits: rows.append(meta.num_tokens))
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=6 + i)) for i, p in enumerate(prompts)]
         done = run_all(engine)
         assert_no_pages_beyond_cache(engine)
@@ -146,8 +145,7 @@ def test_prefix_reuse_computes_only_the_remainder(tiny_qwen2, alone):
     a = engine.add_request(first, SamplingParams(max_new_tokens=4, **GREEDY))
     out_a = run_all(engine)[a]
     counted = []
-    original = engine.runner.forward
-    engine.runner.forward = lambda ids, meta: counted.append(meta.num_tokens) or original(ids, meta)
+    engine.observe_steps(lambda meta, logits: counted.append(meta.num_tokens))
     b = engine.add_request(second, SamplingParams(max_new_tokens=4, **GREEDY))
     out_b = run_all(engine)[b]
     assert out_a.num_cached_tokens == 0
@@ -165,8 +163,9 @@ def test_identical_requests_decoding_together_share_their_pages(tiny_qwen2, alon
     ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=14, **GREEDY)) for _ in range(2)]
     done = run_all(engine)  # integrity after every step
     assert [done[i].token_ids for i in ids] == [alone(prompt, 14)] * 2
-    assert engine.kv_pool.allocator.num_used == engine.scheduler.cache.num_pages
-    assert engine.scheduler.cache.num_pages == (len(prompt) + 14 - 1) // 4, "duplicate pages were kept"
+    stats = engine.stats()
+    assert stats["kv_pages_used"] == stats["kv_pages_cached"]
+    assert stats["kv_pages_cached"] == (len(prompt) + 14 - 1) // 4, "duplicate pages were kept"
     assert_no_pages_beyond_cache(engine)
 
 
@@ -177,10 +176,10 @@ def test_preemption_under_a_small_pool_keeps_outputs(tiny_qwen2, alone):
     prompts = [[3 + i] * 10 + [i + 40] for i in range(4)]
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20, **GREEDY)) for p in prompts]
     done = run_all(engine)
-    assert engine.scheduler.num_preemptions > 0, "the pool was not small enough to preempt"
+    assert engine.stats()["num_preemptions"] > 0, "the pool was not small enough to preempt"
     for rid, p in zip(ids, prompts):
         assert done[rid].token_ids == alone(p, 20)
-    assert engine.kv_pool.allocator.num_used == 0
+    assert engine.stats()["kv_pages_used"] == 0
 
 
 def test_long_prompt_is_chunked_while_others_decode(tiny_qwen2, alone):
@@ -191,8 +190,7 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_qwen2, alone):
     long_prompt = [(i * 7) % 250 + 2 for i in range(60)]
     long = engine.add_request(long_prompt, SamplingParams(max_new_tokens=3, **GREEDY))
     layouts = []
-    original = engine.runner.forward
-    engine.runner.forward = lambda ids, m: layouts.append(list(m.qo_indptr_host)) or original(ids, m)
+    engine.observe_steps(lambda meta, logits: layouts.append(list(meta.qo_indptr_host)))
     done = run_all(engine)
     chunk_steps = [q for q in layouts if len(q) == 3 and q[1] == 1 and q[2] > 2]
     assert len(chunk_steps) >= 3, f"prompt was not spread over steps: {layouts}"

@@ -10,17 +10,10 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], list(range(20, 60)), [200] * 5 
 
 
 def record_logits(llm):
-    """Wrap the runner so every step's sampled-row logits are kept (in step order)."""
+    """Keep every step's sampled-row logits (in step order); returns (them, stop keeping)."""
     seen = []
-    forward = llm.engine.runner.forward
-
-    def wrapped(input_ids, meta):
-        logits = forward(input_ids, meta)
-        seen.append(logits.clone())
-        return logits
-
-    llm.engine.runner.forward = wrapped
-    return seen
+    stop = llm.engine.observe_steps(lambda meta, logits: seen.append(logits.clone()))
+    return seen, stop
 
 
 def hf_greedy(model_dir, prompt, n):
@@ -35,9 +28,9 @@ def hf_greedy(model_dir, prompt, n):
 def test_logits_and_greedy_tokens_match_transformers(tiny_model):
     llm = LLM(str(tiny_model))
     for prompt in PROMPTS[:2]:
-        seen = record_logits(llm)
+        seen, stop = record_logits(llm)
         out = llm.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
-        llm.engine.runner.forward = type(llm.engine.runner).forward.__get__(llm.engine.runner)
+        stop()
         ref_tokens, ref_logits = hf_greedy(tiny_model, prompt, 32)
         ours = torch.cat(seen)
         assert out.token_ids == ref_tokens

@@ -426,8 +426,9 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
         say(f"loading {what} on {info['device']} with the {backend} backend ...")
         engine = engines.build_engine(ecfg.replace(backend=backend))
         if ecfg.max_num_pages is None:  # the pool size is known only now: check it before any work
-            check_pool(parser.error, args, engine.kv_pool.num_pages)
-        engine_info = {**dataclasses.asdict(engine.config), "num_pages": engine.kv_pool.num_pages,
+            check_pool(parser.error, args, engine.stats()["kv_pages_total"])
+        engine_info = {**dataclasses.asdict(engine.config),
+                       "num_pages": engine.stats()["kv_pages_total"],
                        "max_model_len": engine.max_model_len}
         results = fn(engine, args, progress)
         if i == 0:  # the first backend is where readers of one-backend records look

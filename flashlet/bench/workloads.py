@@ -62,7 +62,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
         trace.submit[next_i] = t
         next_i += 1
 
-    preempt0 = engine.scheduler.num_preemptions
+    preempt0 = engine.stats()["num_preemptions"]
     done = 0
     sync()
     trace.start = now()
@@ -90,7 +90,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
                 if next_i < n:
                     submit(t1)
     trace.end = now()
-    trace.num_preemptions = engine.scheduler.num_preemptions - preempt0
+    trace.num_preemptions = engine.stats()["num_preemptions"] - preempt0
     return trace
 
 
@@ -151,14 +151,12 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     if args.warmup:
         warmup(engine, B, min(P, 16), args.seed)
     specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)
-    sched = engine.scheduler
     ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
                                                        ignore_eos=True)) for s in specs]
-    preempt0 = sched.num_preemptions
+    preempt0 = engine.stats()["num_preemptions"]
 
     def all_decoding() -> bool:
-        return (not sched.waiting and len(sched.running) == B
-                and all(r.num_tokens_to_compute == 1 for r in sched.running))
+        return engine.stats()["waiting"] == 0 and engine.num_decoding() == B
 
     # Phase 1 (untimed): prefill every sequence.
     sync()
@@ -197,7 +195,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
         "decode_tokens_requested": B * D, "decode_time_s": total,
         "decode_tok_s": tokens / total, "ms_per_step": total / D * 1e3,
         "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
-        "num_preemptions": sched.num_preemptions - preempt0,
+        "num_preemptions": engine.stats()["num_preemptions"] - preempt0,
         "samples": {"step_ms": samples(step_s, 1e3)},
     }
 
@@ -212,7 +210,7 @@ def bytes_per_token(engine, kv_len: float) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.tie_word_embeddings:
         weights -= (cfg.vocab_size - 1) * cfg.hidden_size * elem
-    kv_elem = engine.kv_pool.k_cache.element_size()
+    kv_elem = engine.dtype.itemsize
     kv = 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * kv_elem
     return {"weights": int(weights), "kv": float(kv), "total": float(weights + kv),
             "kv_len_mean": kv_len, "param_dtype_bytes": elem}

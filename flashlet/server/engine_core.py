@@ -88,17 +88,18 @@ CoreMessage = StepOutputs | CoreReady | ProbeReply
 
 
 def engine_info(engine) -> dict:
+    stats = engine.stats()
     return {"max_model_len": engine.max_model_len,
             "vocab_size": engine.model_config.vocab_size,
-            "page_size": engine.config.page_size, "num_pages": engine.kv_pool.num_pages,
+            "page_size": engine.config.page_size, "num_pages": stats["kv_pages_total"],
             "model_dir": str(engine.model_dir) if engine.model_dir else None,
-            "kv_mib": 2 * engine.kv_pool.k_cache.numel() * engine.kv_pool.k_cache.element_size()
-            / 2**20, "device": str(engine.device),
+            "kv_mib": stats["kv_pool_bytes"] / 2**20, "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
 def core_stats(engine) -> dict[str, float]:
-    return {**engine.stats(), "num_requests": len(engine.scheduler.requests)}
+    stats = engine.stats()
+    return {**stats, "num_requests": stats["requests"]}
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -145,6 +146,7 @@ class EngineCore:
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
+        self.unfinished: set[int] = set()  # ids added and not finished yet
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
 
@@ -182,16 +184,18 @@ class EngineCore:
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
                 self.engine.abort(rid, msg.finish_reason)
+                self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
             self._probe()
         elif isinstance(msg, Shutdown):
-            for rid in list(self.engine.scheduler.requests):
+            for rid in list(self.unfinished):
                 self.engine.abort(rid)
             self.stopping = True
 
     def _add(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id)
+            self.unfinished.add(msg.request_id)
         except ValueError as e:
             self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
             return
@@ -207,17 +211,21 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {e}")
+        for out in outputs:
+            if out.finished:
+                self.unfinished.discard(out.request_id)
         return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
                            out.error, out.num_cached_tokens) for out in outputs]
 
     def _fail_all(self, message: str) -> list[CoreOutput]:
         results = []
-        for rid in list(self.engine.scheduler.requests):
+        for rid in list(self.unfinished):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001
                 pass
             results.append(CoreOutput(rid, [], True, "error", message))
+        self.unfinished.clear()
         return results
 
     def _send(self, outputs: list[CoreOutput]) -> None:

@@ -106,8 +106,10 @@ def test_hf_twin_from_random_config_has_our_weights(tiny_config):
     with torch.no_grad():
         theirs = hf(ids).logits[0, -1].float()
     engine.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True))
-    input_ids, meta, _ = engine.buffers.fill(engine.scheduler.schedule())
-    ours = engine.runner.forward(input_ids, meta)[0]  # the prompt's last position
+    seen = []
+    engine.observe_steps(lambda meta, logits: seen.append(logits.clone()))
+    engine.step()
+    ours = seen[0][0]  # the prompt's last position
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 

@@ -39,8 +39,7 @@ def run_engine(backend, cuda_graph, prompts, n=64, record=None, **config):
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, cuda_graph=cuda_graph,
                                  max_num_pages=2048, max_num_seqs=16, max_model_len=4096, **config))
     if record is not None:
-        forward = engine.runner.forward
-        engine.runner.forward = lambda ids, meta: record.append(forward(ids, meta).clone()) or record[-1]
+        engine.observe_steps(lambda meta, logits: record.append(logits.clone()))
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
     done = {}
     while engine.has_unfinished():
@@ -60,7 +59,7 @@ def test_graph_replay_gives_the_eager_tokens(backend):
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     eager, _ = run_engine(backend, False, PROMPTS)
     graphed, engine = run_engine(backend, True, PROMPTS)
-    assert engine.runner.graphs, "no CUDA graph was captured"
+    assert engine.stats()["cuda_graphs"] > 0, "no CUDA graph was captured"
     assert graphed == eager
 
 

@@ -82,8 +82,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
 
 def _check(engine) -> dict:
     engine.check_integrity()
-    return {**engine.stats(), "has_unfinished": engine.has_unfinished(),
-            "num_requests": len(engine.scheduler.requests)}
+    stats = engine.stats()
+    return {**stats, "has_unfinished": engine.has_unfinished(), "num_requests": stats["requests"]}
 
 
 def idle_stats(loop, timeout: float = 60.0) -> dict:

@@ -117,10 +117,11 @@ class CoreClient:
         """Stop every core (aborting what is in flight) and the reader thread."""
         with self._lock:
             already, self._stopping = self._stopping, True
-        if not already:
-            self._fail_all("the server shut down", 503)
-            for core in self.cores:
-                self._send(core, Shutdown())
+        if already:
+            return
+        self._fail_all("the server shut down", 503)
+        for core in self.cores:
+            self._send(core, Shutdown())
         deadline = time.monotonic() + (timeout or 30.0)
         for core in self.cores:
             core.process.join(max(deadline - time.monotonic(), 0.1))
@@ -248,7 +249,11 @@ class CoreClient:
                         break
                     except zmq.ZMQError:
                         return
-                    self._handle(self._decoder.decode(frame))
+                    try:
+                        self._handle(self._decoder.decode(frame))
+                    except Exception as e:  # noqa: BLE001 - never leave a request hanging
+                        log.exception("bad message from an engine core")
+                        self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
             if not self._stopping and self.error is None:
                 self._check_processes()
 

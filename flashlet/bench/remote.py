@@ -138,12 +138,14 @@ def server_steps(url: str) -> list[float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
-    except httpx.HTTPError:
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=30)
+        if response.status_code != 200:
+            return None
+        for family in text_string_to_metric_families(response.text):
+            if family.name == "flashlet_engine_steps":
+                return [s.value for s in family.samples if s.name.endswith("_total")]
+    except (httpx.HTTPError, ValueError):  # no server metrics here (not flashlet, or older)
         return None
-    for family in text_string_to_metric_families(text):
-        if family.name == "flashlet_engine_steps":
-            return [s.value for s in family.samples if s.name.endswith("_total")]
     return None
 
 

@@ -41,6 +41,7 @@ from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.request import Request, RequestOutput
+from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
@@ -154,11 +155,9 @@ class Engine:
         return request_id
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError if a request of this size could never run."""
+        """Raise ValueError if a request of this size could never run (a last defensive check:
+        LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab}")
         if params.is_constrained:
             if self.structured is None:
                 raise ValueError("response_format needs a model with a tokenizer")
@@ -166,17 +165,9 @@ class Engine:
                 raise ValueError("ignore_eos cannot be combined with a response_format: "
                                  "the grammar ends the output")
             self.structured.compile(params.response_format)  # ValueError if invalid; cached
-        total = num_prompt_tokens + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{total} exceeds the model's context of {self.max_model_len} tokens"
-                + self._context_note())
-        pages = -(-total // self.config.page_size)
-        if pages > self.kv_pool.num_pages:
-            raise ValueError(
-                f"request needs {pages} KV pages but the pool has only {self.kv_pool.num_pages}: "
-                f"it could never run (raise max_num_pages or shorten it)")
+        limits = RequestLimits.of_engine(self)
+        limits.check_stop_token_ids(params)
+        limits.check_fits(num_prompt_tokens, params.max_new_tokens)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -188,13 +179,7 @@ class Engine:
             if not token_ids:
                 raise ValueError("prompt encodes to no tokens")
             return token_ids
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return token_ids
+        return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
     def abort(self, request_id: int, finish_reason: str = "abort") -> bool:
         """End a request and free its pages now (with finish_reason "stop", as for a stop
@@ -326,7 +311,8 @@ class Engine:
             "cuda_graphs": len(self.runner.graphs),
         }
 
-    def _context_note(self) -> str:
+    def context_note(self) -> str:
+        """Added to context-overflow errors: why max_model_len is what it is, if not obvious."""
         window = self.model_config.sliding_window
         if window and self.max_model_len == window:
             return (f" (capped at the model's sliding window: longer sequences would need "

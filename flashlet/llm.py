@@ -11,6 +11,7 @@ from flashlet.config import EngineConfig
 from flashlet.detokenizer import TextOutputs
 from flashlet.engine import Engine
 from flashlet.request import RequestOutput
+from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 from flashlet.tokenizing import chat_ids
 
@@ -38,8 +39,9 @@ class LLM:
         best_of > n, best_of are sampled and the n of highest cumulative logprob kept."""
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
-        params.validate()
-        prompt_ids = [self.engine.encode(p) for p in prompts]  # check all before queueing any
+        limits = RequestLimits.of_engine(self.engine)
+        # Check every prompt before any is queued (the server checks with the same rules).
+        prompt_ids = [limits.check(self.engine.encode(p), params) for p in prompts]
         num_samples = params.best_of or params.n
         groups: list[list[int]] = []
         mine: set[int] = set()

@@ -10,8 +10,9 @@
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
 #                                             see below; ~2-4 min); tp tp-tests (tensor
-#                                             parallelism, 2 GPUs; not in all); core-ab
-#                                             sampled-ab (issue 20 / 17 A-B tables; not in all)
+#                                             parallelism, 2 GPUs; not in all); serve (the server
+#                                             against in-process, same workload; not in all);
+#                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
 #   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
@@ -26,6 +27,8 @@
 # machine's python lacks `cuda.bindings`), else from the wheels in .whl/cute/; --target skips
 # the wheel's .pth file, so its two import roots go on PYTHONPATH here, in front of /tmp/site
 # (FlashInfer's dependencies may bring a newer cutlass).
+# `serve` (the server against in-process, same workload) needs the server's wheels in .whl/
+# and the tokenizer folder .tok/smollm2 (scripts/export_tokenizer.py).
 # Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail
@@ -162,6 +165,10 @@ for part in "${PARTS[@]}"; do
         done
         run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
     tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
+    serve) run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
+             --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
+             -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+             --max-num-pages 16384 ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -3,9 +3,12 @@
 Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
 The server sends one `data: {"text": ...}` event per generated token (its text may be empty
 while the detokenizer holds bytes back), then a final event with `finish_reason` and `usage`,
-then `data: [DONE]`. TTFT and inter-token latency are measured on the client: TTFT from
-sending the request to the first token event; ITL between successive token events. Output
-tokens come from the final event's `usage.completion_tokens` (else one per token event).
+then `data: [DONE]`. TTFT and inter-token latency are measured on the client, per token: every
+token gets the arrival time of the event that carried it (an event may say it carries several
+with `num_tokens`; flashlet's carry one each), so ITL is per token, not per SSE chunk; events
+that arrive in one network read share its time, as they would for any client. Output tokens
+come from the final event's `usage.completion_tokens` (else one per token). "mean step" is the
+server's: the level's duration over the engine steps its /metrics counted meanwhile (per core).
 Requests ask for `ignore_eos` so that output lengths are exact, as in-process. Prompts are
 text: words from a fixed list, one word per requested token (about one token each in BPE
 vocabularies; the server's usage.prompt_tokens gives the exact count).
@@ -72,8 +75,8 @@ async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float,
                     raise RuntimeError(str(event["error"]))
                 if event.get("finish_reason") is not None:
                     usage = event.get("usage") or {}
-                elif "text" in event:  # one event per generated token
-                    times.append(now())
+                elif "text" in event:  # a token event (one token unless it says otherwise)
+                    times.extend([now()] * int(event.get("num_tokens", 1)))
     except Exception as e:  # one failed request is counted, not fatal
         trace.failed += 1
         trace.extra.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:300])
@@ -129,6 +132,36 @@ async def _open(url, specs, rate, seed, timeout, task) -> Trace:
     return trace
 
 
+def server_steps(url: str) -> list[float] | None:
+    """The engine steps each core has run, from the server's /metrics (None if unreadable)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=30)
+        if response.status_code != 200:
+            return None
+        for family in text_string_to_metric_families(response.text):
+            if family.name == "flashlet_engine_steps":
+                return [s.value for s in family.samples if s.name.endswith("_total")]
+    except (httpx.HTTPError, ValueError):  # no server metrics here (not flashlet, or older)
+        return None
+    return None
+
+
+def _mean_step(before, after, duration: float) -> dict | None:
+    """step_ms from the server's step counters: its mean is the level's duration per step of a
+    core (the cores step side by side); no distribution is known on this side."""
+    if not before or not after or len(before) != len(after):
+        return None
+    steps = [b - a for a, b in zip(before, after) if b > a]
+    if not steps:
+        return None
+    mean = duration * 1e3 / (sum(steps) / len(steps))
+    return {"n": int(sum(steps)), "mean": mean, "p50": None, "p90": None, "p99": None,
+            "min": None, "max": None}
+
+
 def run(args, progress: Progress = NO_PROGRESS) -> dict:
     if args.rate:
         specs = text_specs(args.num_requests, args.prompt_len_range, args.output_len_range, args.seed, 1)
@@ -140,6 +173,11 @@ def run(args, progress: Progress = NO_PROGRESS) -> dict:
         specs = text_specs(args.level_requests[li], args.prompt_len_range, args.output_len_range,
                            args.seed, li + 1)
         task = progress.task(f"{args.url} c={c}", len(specs))
+        before = server_steps(args.url)
         trace = asyncio.run(_closed(args.url, specs, c, args.request_timeout, task))
-        levels.append({"concurrency": c, **trace.metrics()})
+        level = {"concurrency": c, **trace.metrics()}
+        step = _mean_step(before, server_steps(args.url), trace.duration)
+        if step is not None:
+            level["step_ms"], level["num_steps"] = step, step["n"]
+        levels.append(level)
     return {"mode": "closed-loop", "levels": levels}

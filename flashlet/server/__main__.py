@@ -2,4 +2,5 @@ import sys
 
 from flashlet.server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned engine-core processes import this module too
+    sys.exit(main())

@@ -1,13 +1,16 @@
-"""`python -m flashlet.server`: parse flags, start the engine loop and uvicorn, shut down cleanly.
+"""`python -m flashlet.server`: parse flags, start the engine cores and uvicorn, shut down cleanly.
 
-Everything that can be checked without the model is checked first (flags, sampling limits,
-that the backend runs on this machine, that the port is free): bad usage is one line on
-stderr and exit code 2, a port that cannot be bound exit code 1, and no model is loaded.
-Uvicorn then starts at once; the model loads on the engine thread meanwhile (GET /health
-answers 503 until it is ready). SIGINT/SIGTERM at any moment: stop accepting, let in-flight
-requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0; during the
-model load, exit 0 at once (the load cannot be interrupted, so the process does not wait
-for it). A model that fails to load: exit code 1.
+This process is the API server (HTTP, tokenizing, detokenizing, SSE); the engine runs in
+--data-parallel-size engine-core processes (core_client.py). Everything that can be checked
+without the model is checked first (flags, sampling limits, that the backend runs on this
+machine, that the port is free): bad usage is one line on stderr and exit code 2, a port that
+cannot be bound exit code 1, and no engine core is started. Uvicorn then starts at once; the
+cores load the model meanwhile (GET /health answers 503 until every core is ready).
+SIGINT/SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout
+seconds, abort the rest, stop the cores, exit 0; during the model load, end the loading cores
+and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the requests in
+flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
+(a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ import uvicorn
 
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
 from flashlet.server.app import ServerConfig, create_app
-from flashlet.server.engine_loop import EngineLoop
+from flashlet.server.core_client import CoreClient
 from flashlet.server.limits import HttpLimits, uvicorn_options
 
 log = logging.getLogger("flashlet.server")
@@ -69,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-connections", type=int, default=limits.max_connections,
                         help="open HTTP connections at once; the next one gets 503 and is "
                              "closed (default: %(default)s)")
+    server.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engine-core processes behind this server (one per GPU on CUDA); "
+                             "each request goes to the core caching the longest prefix of it "
+                             "(default: %(default)s)")
+    server.add_argument("--tokenizer", default=None,
+                        help="a folder with tokenizer files to use instead of the model's (e.g. "
+                             "for random weights from --config)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log messages at this level and above (default: %(default)s)")
@@ -88,6 +98,9 @@ def default_model_name(config: EngineConfig) -> str:
         return EMBEDDED_MODEL_NAME
     path = Path(config.model)
     return path.name if path.exists() else config.model
+
+
+FATAL_EXIT_DELAY_S = 2.0  # /health answers 503 "failed" this long before the server exits
 
 
 class UvicornServer(uvicorn.Server):
@@ -113,14 +126,15 @@ class UvicornServer(uvicorn.Server):
             timer.cancel()
 
 
-def _describe(engine, host: str, port: int, name: str, seconds: float) -> str:
-    stats, page_size = engine.stats(), engine.config.page_size
-    pages, mib = stats["kv_pages_total"], stats["kv_pool_bytes"] / 2**20
-    return (f"model {name} ({engine.model_dir or engine.config.config or 'random'}) loaded in "
-            f"{seconds:.1f} s | backend {engine.backend_name} on {engine.device} "
-            f"({str(engine.dtype).removeprefix('torch.')}) | KV pool {pages} pages x "
-            f"{page_size} tokens = {pages * page_size} tokens ({mib:.0f} MiB) "
-            f"| context {engine.max_model_len} | serving on http://{host}:{port}")
+def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, name: str,
+              seconds: float) -> str:
+    info = client.cores[0].info
+    cores = f"{client.num_cores} engine cores, each with " if client.num_cores > 1 else ""
+    return (f"model {name} ({info['model_dir'] or config.config or 'random'}) loaded in "
+            f"{seconds:.1f} s | backend {info['backend']} on {info['device']} ({info['dtype']}) | "
+            f"{cores}KV pool {info['num_pages']} pages x {info['page_size']} tokens = "
+            f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB) | "
+            f"context {info['max_model_len']} | serving on http://{host}:{port}")
 
 
 def _check_server_args(args) -> HttpLimits:
@@ -131,6 +145,10 @@ def _check_server_args(args) -> HttpLimits:
         raise ValueError("--max-tokens-cap must be >= 1")
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {args.tokenizer}: not a folder")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     try:
@@ -170,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # one line, exit code 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from flashlet.parallel import launched_rank
+
+    if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
+        # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP; it
+        # binds no port (rank 0 on the same host does).
+        from flashlet.engine import Engine
+
+        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
+        return 0
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -178,72 +205,63 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     port = sock.getsockname()[1]
     name = args.served_model_name or default_model_name(engine_config)
-    from flashlet.parallel import launched_rank
-
-    if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
-        # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP.
-        from flashlet.engine import Engine
-
-        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
-        return 0
-
-    def load():
-        from flashlet.engine import Engine
-
-        t0 = time.monotonic()
-        log.info("loading model %s (backend %s)...", engine_config.model or name,
-                 engine_config.backend)
-        engine = Engine(engine_config)
-        log.info("%s", _describe(engine, args.host, port, name, time.monotonic() - t0))
-        return engine
-
     uv: UvicornServer | None = None
     stop_requested = False
 
     def on_signal(signum, frame) -> None:
-        # Before uvicorn installs its own handlers, and after it restores ours.
+        # Before uvicorn installs its own handlers, and after it restores ours (uvicorn
+        # re-raises the signal it caught once it has stopped: a clean shutdown exits 0).
         nonlocal stop_requested
         stop_requested = True
         if uv is not None:
             uv.should_exit = True
 
     def on_fatal(error: BaseException) -> None:
-        if loop.ready.is_set():  # it ran, then went down (a tensor-parallel worker died)
-            log.error("the engine went down: %s", error)
+        if client.ready.is_set():  # it ran, then went down (a core or a TP worker died)
+            log.error("stopping: %s", error)
         else:
             log.error("could not start the engine: %s", error)
         if uv is not None:
-            uv.should_exit = True
+            threading.Timer(FATAL_EXIT_DELAY_S if client.ready.is_set() else 0.0,
+                            lambda: setattr(uv, "should_exit", True)).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    loop = EngineLoop(engine_factory=load, on_fatal=on_fatal)
-    app = create_app(loop, ServerConfig(model_name=name, api_key=args.api_key,
-                                        max_waiting=args.max_waiting,
-                                        max_tokens_cap=args.max_tokens_cap,
-                                        allow_special_tokens=args.allow_special_tokens,
-                                        limits=limits))
+    t0 = time.monotonic()
+    log.info("loading model %s (backend %s) in %d engine core(s)...",
+             engine_config.model or name, engine_config.backend, args.data_parallel_size)
+    client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
+
+    def announce() -> None:
+        if client.wait_ready():
+            log.info("%s", _describe(client, engine_config, args.host, port, name,
+                                     time.monotonic() - t0))
+
+    app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
+                                          max_waiting=args.max_waiting,
+                                          max_tokens_cap=args.max_tokens_cap,
+                                          allow_special_tokens=args.allow_special_tokens,
+                                          limits=limits))
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
                                log_level=args.log_level, access_log=args.access_log,
                                timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
                                lifespan="off", **uvicorn_options(app.state.limit_stats))
     uv = UvicornServer(uv_config, app, args.shutdown_timeout)
     uv.should_exit = stop_requested
-    loop.start()
+    if not stop_requested:
+        client.start()
+        threading.Thread(target=announce, daemon=True).start()
     try:
         uv.run(sockets=[sock])
     finally:
-        if not loop.ready.is_set() and loop.error is None:
-            # Stopped while the model loads: the loader thread cannot be interrupted, and
-            # waiting for it (or leaving it to interpreter shutdown, where torch's threads
-            # abort the process) is what a SIGTERM must not do. Leave now.
+        loading = not client.ready.is_set() and client.error is None
+        # Stopped while the cores load: they are ended at once (a load cannot be interrupted,
+        # and waiting for it is what a SIGTERM must not do).
+        client.stop(timeout=30)
+        if loading:
             log.info("server stopped while the model was loading")
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0 if stop_requested else 1)
-        loop.stop(timeout=30)
-    if loop.error is not None:
+            return 0 if stop_requested else 1
+    if client.error is not None:
         return 1
     if not uv.started:
         return 1

@@ -1,11 +1,13 @@
-"""The engine loop: one background thread owns the Engine and runs `Engine.step()`.
+"""The engine loop: one background thread owns the Engine and runs `Engine.step()` (the
+in-thread engine client: tests and embedding use it; `python -m flashlet.server` runs the engine
+in its own process instead, see core_client.py).
 
 The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asyncio event
 loops, possibly several) talk to the loop through a command deque guarded by a condition
 variable: `submit`, `abort`, `call`. Each request has a `RequestStream`; the loop pushes that
 request's output deltas into the stream's asyncio.Queue with `loop.call_soon_threadsafe`, so
-tokens stream out as each step makes them. The engine's outputs are token ids; the loop gives
-them their text (and ends requests on stop strings) with detokenizer.TextOutputs. With nothing
+tokens stream out as each step makes them. The engine's outputs are token ids; the handlers
+give them their text (server/frontend.py), as they do for an engine-core process. With nothing
 to do the thread sleeps on the condition (no busy spin).
 """
 
@@ -19,9 +21,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from flashlet.detokenizer import TextOutputs
 from flashlet.parallel import WorkerDiedError
 from flashlet.request import RequestOutput
+from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 
 log = logging.getLogger("flashlet.server")
@@ -51,7 +53,8 @@ class RequestStream:
         self.params = params
         self.aloop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestOutput | StreamError] = asyncio.Queue()
-        self.request_id: int | None = None  # the engine's id, set on the loop thread
+        self.request_id: int | str | None = None  # set by the loop (or core client) on submit
+        self.core = 0  # the engine core it was routed to (data parallel)
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 
@@ -61,6 +64,12 @@ class RequestStream:
             self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    @staticmethod
+    def put_all(items: list[tuple["RequestStream", object]]) -> None:
+        """On the event loop: hand out one step's items (one wake-up for all of them)."""
+        for stream, item in items:
+            stream.queue.put_nowait(item)
 
     async def get(self) -> RequestOutput | StreamError:
         return await self.queue.get()
@@ -76,7 +85,6 @@ class EngineLoop:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self.engine = engine
-        self.text_outputs: TextOutputs | None = None  # made with the engine, on the loop thread
         self._factory = engine_factory
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
@@ -93,6 +101,8 @@ class EngineLoop:
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.snapshot: dict = {}  # engine.stats() after the latest iteration (replaced whole)
+        self.limits: RequestLimits | None = None  # set once the engine exists
+        self.tokenizer = None
         self.num_iterations = 0
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -136,13 +146,14 @@ class EngineLoop:
             self._cmds.append(("submit", stream))
             self._cond.notify()
 
-    def abort(self, stream: RequestStream) -> None:
-        """Stop a request (idempotent); its pages are freed before the next step."""
+    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+        """Stop a request (idempotent); its pages are freed before the next step. The front end
+        ends it with `finish_reason` itself (e.g. "stop" for a stop string it found)."""
         with self._cond:
             if stream.cancelled or stream.finished:
                 return
             stream.cancelled = True
-            self._cmds.append(("abort", stream))
+            self._cmds.append(("abort", stream, finish_reason))
             self._cond.notify()
 
     def abort_all(self) -> None:
@@ -179,6 +190,12 @@ class EngineLoop:
         """Requests accepted but not yet admitted by the scheduler."""
         return self._num_pending_submits + self._engine_waiting
 
+    def core_stats(self) -> list[dict]:
+        """The one engine's latest stats, as CoreClient gives one per core."""
+        s = self.snapshot or {}
+        return [{**s, "waiting": s.get("waiting", 0) + self._num_pending_submits,
+                 "in_flight": len(self._streams) + self._num_pending_submits}]
+
     @property
     def num_waiting(self) -> int:
         """Queued requests that will not run at the next step: those beyond the running
@@ -203,9 +220,10 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
-        self.text_outputs = TextOutputs(self.engine, self.engine.tokenizer)
         self.snapshot = self.engine.stats()
         self._max_num_seqs = self.engine.config.max_num_seqs
+        self.limits = RequestLimits.of_engine(self.engine)
+        self.tokenizer = self.engine.tokenizer
         self.ready.set()
         try:
             self._serve()
@@ -263,12 +281,10 @@ class EngineLoop:
             if rid is not None:
                 stream.request_id = rid
                 self._streams[rid] = stream
-                self.text_outputs.add(rid, stream.params)
         elif kind == "abort":
-            stream = cmd[1]
+            stream, finish_reason = cmd[1], cmd[2]
             if stream.request_id is not None:  # the pages are freed now, whatever else runs
-                self.engine.abort(stream.request_id)
-                self.text_outputs.forget(stream.request_id)
+                self.engine.abort(stream.request_id, finish_reason)
                 self._streams.pop(stream.request_id, None)  # its reader is gone
         elif kind == "abort_all":
             self._abort_all()
@@ -287,7 +303,7 @@ class EngineLoop:
     def _step(self) -> int:
         """One engine step; delivers its outputs and returns how many there were."""
         try:
-            outputs = self.text_outputs.process(self.engine.step())
+            outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             for rid, stream in list(self._streams.items()):
@@ -295,7 +311,6 @@ class EngineLoop:
                     self.engine.abort(rid)
                 except Exception:  # noqa: BLE001
                     pass
-                self.text_outputs.forget(rid)
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
             if isinstance(e, WorkerDiedError):  # the engine is down for good: stop serving

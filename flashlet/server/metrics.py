@@ -5,8 +5,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from flashlet.server.engine_loop import EngineLoop
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 ENDPOINTS = ("/health", "/generate", "/generate_stream", "/v1/models", "/v1/completions",
              "/v1/chat/completions", "/metrics", "/openapi.json", "/docs")
@@ -14,40 +12,49 @@ METHODS = ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")
 
 
 class EngineCollector:
-    """Gauges read from the engine loop's latest stats snapshot at scrape time."""
+    """Per-core gauges (label `core`) read at scrape time from each engine core's latest stats:
+    the client's `core_stats()` (CoreClient: from every core's last step message)."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop):
         self.loop = loop
 
     def describe(self):
         return []  # collected lazily: the engine may not exist yet
 
     def collect(self):
-        s = self.loop.snapshot or {}
+        per_core = self.loop.core_stats()
         gauges = [
-            ("flashlet_requests_running", "Requests the scheduler is running", s.get("running", 0)),
+            ("flashlet_requests_running", "Requests the scheduler is running", "running"),
             ("flashlet_requests_waiting", "Requests accepted and waiting to be scheduled",
-             s.get("waiting", 0) + self.loop._num_pending_submits),
+             "waiting"),
+            ("flashlet_requests_in_flight", "Requests routed to the core and not finished",
+             "in_flight"),
             ("flashlet_kv_pages_used", "KV pool pages in use (requests and prefix cache)",
-             s.get("kv_pages_used", 0)),
-            ("flashlet_kv_pages_total", "KV pool size in pages", s.get("kv_pages_total", 0)),
-            ("flashlet_kv_pages_cached", "KV pages held by the prefix cache",
-             s.get("kv_pages_cached", 0)),
+             "kv_pages_used"),
+            ("flashlet_kv_pages_total", "KV pool size in pages", "kv_pages_total"),
+            ("flashlet_kv_pages_cached", "KV pages held by the prefix cache", "kv_pages_cached"),
             ("flashlet_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
-             "prompt tokens admitted", s.get("prefix_cache_hit_rate", 0.0)),
-            ("flashlet_engine_ready", "1 once the model is loaded and the loop runs",
-             1.0 if self.loop.is_ready else 0.0),
+             "prompt tokens admitted", "prefix_cache_hit_rate"),
         ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        yield CounterMetricFamily("flashlet_preemptions", "Requests preempted for KV pages",
-                                  value=float(s.get("num_preemptions", 0)))
-        yield CounterMetricFamily("flashlet_engine_steps", "Engine steps run",
-                                  value=float(s.get("num_steps", 0)))
+        for name, doc, key in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["core"])
+            for core, s in enumerate(per_core):
+                family.add_metric([str(core)], float(s.get(key, 0)))
+            yield family
+        yield GaugeMetricFamily("flashlet_engine_ready", "1 once every engine core is loaded "
+                                "and serving", value=1.0 if self.loop.is_ready else 0.0)
+        counters = [("flashlet_preemptions", "Requests preempted for KV pages", "num_preemptions"),
+                    ("flashlet_engine_steps", "Engine steps run", "num_steps"),
+                    ("flashlet_requests_routed", "Requests routed to the core", "routed")]
+        for name, doc, key in counters:
+            family = CounterMetricFamily(name, doc, labels=["core"])
+            for core, s in enumerate(per_core):
+                family.add_metric([str(core)], float(s.get(key, 0)))
+            yield family
 
 
 class Metrics:
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop):
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter(
             "flashlet_http_requests", "HTTP requests by endpoint, method and status code",
@@ -80,12 +87,13 @@ class Metrics:
         method = method if method in METHODS else "other"
         self.http_requests.labels(endpoint, method, str(status)).inc()
 
-    def observe_finished(self, endpoint: str, out, latency_s: float) -> None:
-        self.requests_finished.labels(endpoint, out.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids or ()))
-        self.cached_tokens.inc(out.num_cached_tokens)
-        self.generation_tokens.inc(len(out.token_ids or ()))
-        if out.finish_reason in ("stop", "length"):
+    def observe_finished(self, endpoint: str, finish_reason: str | None, num_prompt: int,
+                         num_cached: int, num_output: int, latency_s: float) -> None:
+        self.requests_finished.labels(endpoint, finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.cached_tokens.inc(num_cached)
+        self.generation_tokens.inc(num_output)
+        if finish_reason in ("stop", "length"):
             self.e2e.observe(latency_s)
 
 

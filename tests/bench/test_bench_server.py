@@ -48,4 +48,6 @@ def test_url_against_the_real_server(run_bench, live_server):
         assert lv["ttft_ms"]["n"] == 3 and lv["ttft_ms"]["min"] > 0
         assert lv["itl_ms"]["n"] == 3 * 3  # one event per token
         assert lv["server_prompt_tokens"] >= 3 * 4  # at least one token per word
+        # "mean step": the level's time over the server's engine steps in it (not 0)
+        assert lv["num_steps"] >= 4 and 0 < lv["step_ms"]["mean"] <= lv["duration_s"] * 1e3
     assert "| 2 | server |" in out

@@ -4,9 +4,13 @@ and the "engine is idle and leaks nothing" check."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -15,6 +19,7 @@ from flashlet.weights import EMBEDDED_MODEL_NAME
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
 API_KEY = "test-key-123"
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ServerThread:
@@ -101,3 +106,52 @@ def assert_no_leaks(stats: dict) -> None:
     assert stats["num_requests"] == 0, stats
     # Every page still in use belongs to the prefix cache: no request holds any.
     assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m flashlet.server` in a subprocess, its log collected on a thread."""
+
+    def __init__(self, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flashlet.server", "--port", str(self.port), *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+STEP_DELAY_S = 0.2
+
+
+def run_slow_engine_core(*args) -> None:
+    """An engine-core process whose steps each take STEP_DELAY_S longer (so that a burst of
+    requests lands while the first ones run). CoreClient spawns it by reference: tests set
+    `flashlet.server.core_client.run_engine_core` to this function."""
+    from flashlet.engine import Engine
+    from flashlet.server.engine_core import run_engine_core
+
+    step = Engine.step
+    Engine.step = lambda self: (time.sleep(STEP_DELAY_S), step(self))[1]
+    run_engine_core(*args)

@@ -1,6 +1,7 @@
 """The command lines fail fast and explain themselves (issue 19): one-line usage errors with
-exit code 2 before any model loads, the port and the backend checked first, SIGTERM during
-the model load, help text for every flag, a sampling --seed apart from --weights-seed."""
+exit code 2 before any model loads (no engine core starts), the port and the backend checked
+first, SIGTERM during the model load (in the engine-core process), help text for every flag, a
+sampling --seed apart from --weights-seed."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from server_helpers import wait_until
-from test_server_lifecycle import _Proc
+from server_helpers import ServerProcess, wait_until
 
 from flashlet import SamplingParams
 from flashlet.__main__ import build_parser as generate_parser
@@ -82,45 +83,74 @@ def test_port_in_use_is_reported_before_the_model_loads(tiny_qwen2):
 
 
 SLOW_LOAD = """
-import sys, time
-import flashlet.engine
+import sys
+sys.path.insert(0, {folder!r})
+import slow_core
+import flashlet.server.core_client
 
-def slow_init(self, *args, **kwargs):  # a load that takes long, as a big model's does
-    time.sleep(300)
-
-flashlet.engine.Engine.__init__ = slow_init
+flashlet.server.core_client.run_engine_core = slow_core.run  # spawned by reference
 from flashlet.server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+SLOW_CORE = """
+import os, time
+import flashlet.engine
+from flashlet.server.engine_core import run_engine_core
+
+def slow_init(self, *args, **kwargs):  # a load that takes long, as a big model's does
+    with open(os.path.join(os.path.dirname(__file__), "core.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+
+def run(*args):  # the engine-core process
+    flashlet.engine.Engine.__init__ = slow_init
+    run_engine_core(*args)
+"""
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # a zombie waits only for its parent to reap it
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_during_model_load_exits_at_once(tiny_qwen2, sig):
+def test_signal_during_model_load_exits_at_once(tiny_qwen2, sig, tmp_path):
+    """The model loads in the engine-core process: a signal then ends the core and the server
+    at once, with exit code 0, and leaves no core process behind."""
+    (tmp_path / "slow_core.py").write_text(SLOW_CORE)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, "--model", str(tiny_qwen2),
-                             "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD.format(folder=str(tmp_path)),
+                             "--model", str(tiny_qwen2), "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    pid_file = tmp_path / "core.pid"
     try:
-        while "loading model" not in "".join(lines):
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
+                   "the engine core to start loading", interval=0.05)
+        core_pid = int(pid_file.read_text())
+        assert "loading model" in "".join(lines)
         time.sleep(0.5)  # uvicorn is up and listening by now
         t0 = time.monotonic()
         proc.send_signal(sig)
         rc = proc.wait(10)
         elapsed = time.monotonic() - t0
-        log = "".join(lines) + proc.stdout.read()
+        reader.join(5)
+        log = "".join(lines)
         assert rc == 0, log
         assert elapsed < 5, elapsed
         assert "stopped while the model was loading" in log
         assert "terminate called" not in log and "serving on" not in log
+        wait_until(lambda: _process_gone(core_pid), 5, "the engine core to be gone")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -157,8 +187,7 @@ def test_sampling_params_takes_vllms_max_tokens():
 def test_random_weights_server_returns_token_ids(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_CONFIG))
-    p = _Proc("--config", str(config),
-              "--max-num-pages", "32", "--no-access-log")
+    p = ServerProcess("--config", str(config), "--max-num-pages", "32", "--no-access-log")
     try:
         wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
                    "the server to start", interval=0.1)

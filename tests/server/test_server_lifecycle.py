@@ -3,9 +3,7 @@ and shutdown on SIGINT/SIGTERM (in-flight requests end, exit code 0). Tiny rando
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ServerThread, assert_no_leaks, idle_stats, parse_sse, wait_until
+from server_helpers import (ServerProcess, ServerThread, assert_no_leaks, idle_stats, parse_sse,
+                            wait_until)
 
 from flashlet import Engine, EngineConfig
 from flashlet.server import EngineLoop, ServerConfig, create_app
@@ -57,7 +56,7 @@ def test_health_is_503_until_the_model_is_loaded(tiny_qwen2):
                           json={"prompt": [5, 6, 7], "max_new_tokens": 3,
                                 "ignore_eos": True}) as s:
             events = parse_sse(s.iter_lines())
-        assert len(events) == 5 and events[-1] == "[DONE]"
+        assert events[-1] == "[DONE]" and sum(e.get("num_tokens", 1) for e in events[:-2]) == 3
         assert events[-2]["usage"]["completion_tokens"] == 3
         # Text needs a tokenizer, chat a template: 400s that say so.
         r = httpx.post(srv.url + "/generate", json={"prompt": "hello"})
@@ -104,45 +103,11 @@ def test_cli_flags_come_from_engine_config():
         build_parser().parse_args(["--backend", "nope"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Proc:
-    """`python -m flashlet.server` in a subprocess, its log collected on a thread."""
-
-    def __init__(self, *args):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flashlet.server", "--port", str(self.port), *args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2, sig):
-    p = _Proc("--model", str(tiny_qwen2), "--max-num-pages", "64", "--shutdown-timeout", "1",
-              "--no-access-log")
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64",
+                      "--shutdown-timeout", "1", "--no-access-log")
     try:
         wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
                    "the server to load its model", interval=0.1)
@@ -169,7 +134,8 @@ def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2, sig):
 
         t = threading.Thread(target=consume)
         t.start()
-        wait_until(lambda: "flashlet_requests_running 1.0" in httpx.get(p.url + "/metrics").text,
+        wait_until(lambda:
+                   'flashlet_requests_running{core="0"} 1.0' in httpx.get(p.url + "/metrics").text,
                    60, "the stream to be running", interval=0.05)
         p.proc.send_signal(sig)
         assert p.proc.wait(60) == 0, p.log
@@ -186,7 +152,7 @@ def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2, sig):
 
 @pytest.mark.slow
 def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
-    p = _Proc("--model", str(tmp_path / "missing-model"))
+    p = ServerProcess("--model", str(tmp_path / "missing-model"))
     try:
         assert p.proc.wait(120) != 0
         assert "could not start the engine" in p.log

@@ -1,0 +1,103 @@
+"""The one place a request is checked before it is queued: prompt token ids, its length and
+token budget against the context and the KV pool, and its sampling parameters.
+
+`LLM`, the server's API process and the engine (a last defensive check) all call these, so a
+request is refused with the same words wherever it comes in. Errors are `RequestError`, a
+ValueError that names the request field at fault (`param`) and, for context overflows, carries
+OpenAI's `context_length_exceeded` code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashlet.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the model's context, its vocabulary and the KV pool."""
+
+    max_model_len: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    context_note: str = ""  # why the context is what it is, when that is not obvious
+
+    @classmethod
+    def of_engine(cls, engine) -> "RequestLimits":
+        return cls(engine.max_model_len, engine.model_config.vocab_size,
+                   engine.config.page_size, engine.stats()["kv_pages_total"],
+                   engine.context_note())
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold."""
+        return min(self.max_model_len, self.num_pages * self.page_size)
+
+    def check_prompt_ids(self, token_ids, param: str = "prompt") -> list[int]:
+        """Token ids -> a list, or RequestError if empty or out of the vocabulary."""
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise RequestError(f"{param} is empty", param)
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+               for t in token_ids):
+            raise RequestError(f"{param}: token ids must be integers in [0, {self.vocab_size})",
+                               param)
+        return token_ids
+
+    def max_new_tokens(self, num_prompt: int, requested: int | None, default: int | None = None,
+                       prompt_param: str = "prompt",
+                       tokens_param: str = "max_new_tokens") -> int:
+        """The request's max new tokens (`requested`, else `default` or all the room left),
+        checked against the context and the KV pool."""
+        limit = self.max_tokens
+        if num_prompt >= limit:
+            raise RequestError(
+                f"{prompt_param}: the prompt is {num_prompt} tokens but the model's context is "
+                f"{self.max_model_len} tokens (KV pool {self.num_pages * self.page_size}); leave "
+                f"room for at least one new token{self.context_note}", prompt_param,
+                "context_length_exceeded")
+        if requested is None:
+            return limit - num_prompt if default is None else min(default, limit - num_prompt)
+        self.check_fits(num_prompt, requested, tokens_param)
+        return requested
+
+    def check_fits(self, num_prompt: int, max_new_tokens: int,
+                   tokens_param: str = "max_new_tokens") -> None:
+        """RequestError unless prompt + max_new_tokens fit the context and the KV pool."""
+        total = num_prompt + max_new_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"{tokens_param}: prompt ({num_prompt} tokens) + {tokens_param} "
+                f"({max_new_tokens}) = {total} exceeds the model's context of "
+                f"{self.max_model_len} tokens{self.context_note}", tokens_param,
+                "context_length_exceeded")
+        pages = -(-total // self.page_size)
+        if pages > self.num_pages:
+            raise RequestError(
+                f"{tokens_param}: the request needs {pages} KV pages but the pool has only "
+                f"{self.num_pages}: it could never run (raise max_num_pages or shorten it)",
+                tokens_param)
+
+    def check_stop_token_ids(self, params: SamplingParams) -> None:
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}",
+                               "stop_token_ids")
+
+    def check(self, token_ids, params: SamplingParams) -> list[int]:
+        """Everything about one request of token ids: the prompt, its budget, its params."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        self.check_stop_token_ids(params)
+        token_ids = self.check_prompt_ids(token_ids)
+        self.check_fits(len(token_ids), params.max_new_tokens)
+        return token_ids

@@ -1,0 +1,396 @@
+"""The API process's side of the engine cores: start them, route requests, read their steps.
+
+`CoreClient` has EngineLoop's interface (submit / abort / abort_all / is_ready / stop ...), so
+the app serves either: the in-thread EngineLoop (tests, embedding) or engine-core processes
+(`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
+cores (engine_core.py), and runs one reader thread that receives every core's per-step message
+and hands each request's outputs to its stream, one event-loop wake-up per step and loop. The
+same thread watches the processes: when a core dies, every request in flight ends with a 500
+error, /health turns 503 ("failed") and `on_fatal` runs (the CLI exits non-zero: restarting a
+core would drop its cache and its requests anyway, and a supervisor restarts servers better).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+import itertools
+from collections import defaultdict
+from typing import Callable
+
+import msgspec
+import zmq
+
+from flashlet.config import EngineConfig
+from flashlet.request_check import RequestLimits
+from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
+                                         ProbeReply, Shutdown, StepOutputs, run_engine_core)
+from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
+from flashlet.server.router import PrefixRouter
+
+log = logging.getLogger("flashlet.server")
+
+READER_POLL_MS = 100  # how often the reader checks the processes when no message comes
+
+
+class CoreProcess:
+    """One engine-core process and what the API process knows of it."""
+
+    def __init__(self, index: int, process, inbox):
+        self.index = index
+        self.process = process
+        self.inbox = inbox  # PUSH socket into the core (guarded by CoreClient._send_lock)
+        self.info: dict | None = None  # from CoreReady
+        self.stats: dict = {}  # from its latest message
+        self.num_in_flight = 0  # requests routed here and not finished
+        self.num_routed = 0
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, data_parallel_size: int = 1,
+                 tokenizer: str | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self.config = config
+        self.num_cores = data_parallel_size
+        self.tokenizer_source = tokenizer
+        self._on_fatal = on_fatal
+        self.cores: list[CoreProcess] = []
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # _streams, the counts, the sockets' sends
+        self._probes: dict[int, concurrent.futures.Future] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._dir = tempfile.mkdtemp(prefix="flashlet-")
+        self._zmq = zmq.Context()
+        self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
+        self._outbox.setsockopt(zmq.RCVHWM, 0)
+        self._outbox.bind(f"ipc://{self._dir}/out")
+        self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.router: PrefixRouter | None = None
+        self.limits: RequestLimits | None = None
+        self.tokenizer = None
+        self.ready = threading.Event()
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def start(self) -> "CoreClient":
+        spawn = multiprocessing.get_context("spawn")
+        for i in range(self.num_cores):
+            inbox = self._zmq.socket(zmq.PUSH)
+            inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains it each step
+            address = f"ipc://{self._dir}/in{i}"
+            inbox.bind(address)
+            # Daemonic unless it must start processes itself (tensor parallelism's ranks): it
+            # stops with this process either way (stop(), or it notices its parent is gone).
+            process = spawn.Process(
+                target=run_engine_core, name=f"flashlet-core{i}",
+                daemon=self.config.tensor_parallel_size == 1,
+                args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid()))
+            with _cuda_visible(self._device_for(i)):
+                process.start()
+            self.cores.append(CoreProcess(i, process, inbox))
+        self._thread = threading.Thread(target=self._read, name="flashlet-core-reader",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _device_for(self, i: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES for core i: one GPU per core when there are several."""
+        if self.num_cores == 1 or self.config.resolved_device().type != "cuda":
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(d) for d in range(self.num_cores)]
+        if i >= len(devices):
+            raise ValueError(f"--data-parallel-size {self.num_cores} needs {self.num_cores} GPUs; "
+                             f"CUDA_VISIBLE_DEVICES lists {len(devices)}")
+        return devices[i]
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop every core (aborting what is in flight) and the reader thread. A core still
+        loading the model is ended at once: a load cannot be interrupted, nor waited for when
+        the server is told to stop."""
+        with self._lock:
+            already, self._stopping = self._stopping, True
+        if already:
+            return
+        self._fail_all("the server shut down", 503)
+        for core in self.cores:
+            if core.info is None:
+                core.process.kill()  # it ignores SIGTERM (see run_engine_core)
+            else:
+                self._send(core, Shutdown())
+        deadline = time.monotonic() + (timeout or 30.0)
+        for core in self.cores:
+            core.process.join(max(deadline - time.monotonic(), 0.1))
+            if core.process.is_alive():
+                log.warning("engine core %d did not stop: killing it", core.index)
+                core.process.kill()
+                core.process.join(5)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        for core in self.cores:
+            core.inbox.close(linger=0)
+        self._outbox.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self.stopped.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready.wait(0.05):
+            if self.error is not None or self.stopped.is_set():
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return True
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.error is None and not self._stopping
+
+    # ---- requests (any thread) ------------------------------------------------------------
+    def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
+        """Route a request to a core and send it; raises Overloaded or NotReady."""
+        with self._lock:
+            if not self.is_ready:
+                raise NotReady("the engine is not ready" if not self._stopping
+                               else "the server is shutting down")
+            if max_waiting is not None and self.num_waiting >= max_waiting:
+                raise Overloaded(f"{self.num_waiting} requests are waiting already "
+                                 f"(max_waiting={max_waiting})")
+            core = self.cores[self.router.route(stream.prompt_token_ids,
+                                                [c.num_in_flight for c in self.cores])]
+            stream.request_id = next(self._ids)
+            stream.core = core.index
+            core.num_in_flight += 1
+            core.num_routed += 1
+            add = AddRequest.of(stream.request_id, stream.prompt_token_ids, stream.params)
+            if not self._send_locked(core, add):
+                core.num_in_flight -= 1
+                raise NotReady(f"engine core {core.index} cannot take requests")
+            self._streams[stream.request_id] = stream
+
+    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+        """End a request in its core (idempotent); its pages are freed before the next step."""
+        with self._lock:
+            if stream.cancelled or stream.finished or stream.request_id is None:
+                return
+            stream.cancelled = True
+            if self._streams.pop(stream.request_id, None) is None:
+                return  # finished meanwhile
+            core = self.cores[stream.core]
+            core.num_in_flight -= 1
+            self._send_locked(core, AbortRequests([stream.request_id], finish_reason))
+
+    def abort_all(self) -> None:
+        with self._lock:
+            by_core = defaultdict(list)
+            for rid, stream in self._streams.items():
+                by_core[stream.core].append(rid)
+            for index, rids in by_core.items():
+                self._send_locked(self.cores[index], AbortRequests(rids))
+        # Their outputs are dropped by the cores: end the streams here.
+        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
+
+    def probe(self, timeout: float = 30.0) -> list[dict]:
+        """Each core's engine stats after an integrity check (raises if one fails)."""
+        futures = []
+        for core in self.cores:
+            fut = concurrent.futures.Future()
+            with self._lock:
+                self._probes[core.index] = fut
+                self._send_locked(core, Probe())
+            futures.append(fut)
+        return [f.result(timeout) for f in futures]
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests routed but not yet running (from the cores' latest stats)."""
+        return sum(max(c.num_in_flight - int(c.stats.get("running", 0)), 0) for c in self.cores)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that will not run at their core's next step: per core, those queued there
+        (in flight to it or in its waiting queue) beyond the running slots it has free, as of its
+        latest step (an idle core with N free slots takes a burst of N + max_waiting). Read under
+        the lock."""
+        total = 0
+        for core in self.cores:
+            running = int(core.stats.get("running", 0))
+            queued = max(core.num_in_flight - running, 0)
+            free = max(self.config.max_num_seqs - running, 0)
+            total += max(queued - free, 0)
+        return total
+
+    def core_stats(self) -> list[dict]:
+        return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight}
+                for c in self.cores]
+
+    def _send(self, core: CoreProcess, msg) -> None:
+        with self._lock:
+            self._send_locked(core, msg)
+
+    def _send_locked(self, core: CoreProcess, msg) -> bool:
+        """Send a message to a core (queued without limit); False if the socket is closed."""
+        try:
+            core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            log.error("could not send to engine core %d: %s", core.index, e)
+            return False
+
+    # ---- the reader thread ----------------------------------------------------------------
+    def _read(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._outbox, zmq.POLLIN)
+        while not self._stopping:  # stop() ends every stream itself
+            try:
+                events = dict(poller.poll(READER_POLL_MS))
+            except zmq.ZMQError:
+                return  # the context was closed by stop()
+            if self._outbox in events:
+                while True:
+                    try:
+                        frame = self._outbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError:
+                        return
+                    try:
+                        self._handle(self._decoder.decode(frame))
+                    except Exception as e:  # noqa: BLE001 - never leave a request hanging
+                        log.exception("bad message from an engine core")
+                        self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
+            if not self._stopping and self.error is None:
+                self._check_processes()
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            self._deliver(msg)
+        elif isinstance(msg, CoreReady):
+            self._core_ready(msg)
+        elif isinstance(msg, ProbeReply):
+            fut = self._probes.pop(msg.core, None)
+            if fut is not None:
+                if msg.error is not None:
+                    fut.set_exception(AssertionError(f"engine core {msg.core}: {msg.error}"))
+                else:
+                    fut.set_result(msg.stats)
+
+    def _deliver(self, msg: StepOutputs) -> None:
+        core = self.cores[msg.core]
+        core.stats = msg.stats
+        by_loop = defaultdict(list)
+        with self._lock:
+            for out in msg.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # aborted here already
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                    core.num_in_flight -= 1
+                if out.finish_reason == "error" and not out.new_token_ids and out.status == 400:
+                    by_loop[stream.aloop].append((stream, StreamError(out.error, 400)))
+                else:
+                    by_loop[stream.aloop].append((stream, out))
+        for aloop, items in by_loop.items():  # one wake-up per event loop and step
+            try:
+                aloop.call_soon_threadsafe(RequestStream.put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+    def _core_ready(self, msg: CoreReady) -> None:
+        if msg.error is not None:
+            self._fatal(RuntimeError(f"engine core {msg.core} could not start: {msg.error}"))
+            return
+        self.cores[msg.core].info = msg.info
+        log.info("engine core %d ready (pid %d)", msg.core, msg.pid)
+        if all(c.info is not None for c in self.cores):
+            try:
+                self._load_front_end(self.cores[0].info)
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer folder that is not one
+                self._fatal(RuntimeError(f"could not load the tokenizer: {e}"))
+                return
+            self.ready.set()
+
+    def _load_front_end(self, info: dict) -> None:
+        from flashlet.weights import load_tokenizer
+
+        source = self.tokenizer_source or info.get("model_dir")
+        self.tokenizer = load_tokenizer(source) if source else None
+        if self.tokenizer_source and self.tokenizer is None:
+            raise ValueError(f"{self.tokenizer_source} holds no tokenizer files")
+        self.limits = RequestLimits(int(info["max_model_len"]), int(info["vocab_size"]),
+                                    int(info["page_size"]), int(info["num_pages"]),
+                                    info.get("context_note", ""))
+        self.router = PrefixRouter(self.num_cores, self.limits.page_size)
+
+    def _check_processes(self) -> None:
+        for core in self.cores:
+            code = core.process.exitcode
+            if code is not None:
+                self._fatal(RuntimeError(f"engine core {core.index} died (exit code {code})"))
+                return
+
+    def _fatal(self, error: BaseException) -> None:
+        log.error("%s", error)
+        self.error = error
+        self._fail_all(f"{error}; the server cannot serve any more", 500)
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+
+    def _fail_all(self, message: str, status: int) -> None:
+        self._end_all(lambda rid: StreamError(message, status))
+
+    def _end_all(self, make_item: Callable) -> None:
+        """End every request in flight with make_item(request id) as its last item."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+            for core in self.cores:
+                core.num_in_flight = 0
+        by_loop = defaultdict(list)
+        for stream in streams:
+            by_loop[stream.aloop].append((stream, make_item(stream.request_id)))
+        for aloop, items in by_loop.items():
+            try:
+                aloop.call_soon_threadsafe(RequestStream.put_all, items)
+            except RuntimeError:
+                pass
+
+
+class _cuda_visible:
+    """Set CUDA_VISIBLE_DEVICES while a spawned process starts (it copies the environment)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, devices: str | None):
+        self.devices = devices
+
+    def __enter__(self):
+        if self.devices is not None:
+            self._lock.acquire()
+            self.saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.devices
+
+    def __exit__(self, *exc):
+        if self.devices is not None:
+            if self.saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = self.saved
+            self._lock.release()

@@ -1,0 +1,262 @@
+"""The engine-core process: one Engine and its step loop, fed over ZeroMQ, never waiting on HTTP.
+
+The API-server process (core_client.py) starts one of these per data-parallel rank with
+multiprocessing's spawn context. Messages are msgspec msgpack structs, on two ipc sockets the
+API process binds: requests in (token ids + sampling params, aborts, probes, shutdown) on a
+PULL socket of its own, and out on a shared PUSH socket ONE message per engine step carrying
+every request's new token ids and finish info, with the engine's stats. The core never sees
+text: tokenizing, detokenizing and stop strings are the API process's job, so a stop string
+found there comes back in as an abort.
+
+The loop: when the engine has work, take whatever arrived (without waiting), step, send the
+step's outputs; when idle, block on the socket (waking every second to check that the API
+process is still alive: an orphaned core exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import msgspec
+
+from flashlet.sampling import SamplingParams
+
+log = logging.getLogger("flashlet.server")
+
+IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+
+
+# ---- messages in ---------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: int  # the API process's id; the engine uses it as its own
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams' fields; no stop strings (the API process's)
+
+    @classmethod
+    def of(cls, request_id: int, prompt_token_ids: list[int],
+           params: SamplingParams) -> "AddRequest":
+        # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
+        # (max_tokens), and __init__ validates them again on the way in.
+        return cls(request_id, prompt_token_ids,
+                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.params)
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[int]
+    finish_reason: str = "abort"  # "stop" when the API process found a stop string
+
+
+class Probe(msgspec.Struct, tag=True, array_like=True):
+    """Check the engine's integrity and reply with its stats (tests, diagnostics)."""
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = AddRequest | AbortRequests | Probe | Shutdown
+
+
+# ---- messages out --------------------------------------------------------------------------------
+class CoreOutput(msgspec.Struct, array_like=True):
+    """One request's share of a step (the attributes Generation reads off RequestOutput too)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    core: int
+    outputs: list[CoreOutput]
+    stats: dict[str, float]
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    core: int
+    info: dict[str, object]  # the request limits, the model folder, a one-line description
+    error: str | None = None  # set instead when the engine could not be built
+    pid: int = 0
+
+
+class ProbeReply(msgspec.Struct, tag=True, array_like=True):
+    core: int
+    stats: dict[str, float]
+    error: str | None = None
+
+
+CoreMessage = StepOutputs | CoreReady | ProbeReply
+
+
+def engine_info(engine) -> dict:
+    stats = engine.stats()
+    return {"max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+            "page_size": engine.config.page_size, "num_pages": stats["kv_pages_total"],
+            "context_note": engine.context_note(), "backend": engine.backend_name,
+            "model_dir": str(engine.model_dir) if engine.model_dir else None,
+            "kv_mib": stats["kv_pool_bytes"] / 2**20, "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch.")}
+
+
+def core_stats(engine) -> dict[str, float]:
+    stats = engine.stats()
+    return {**stats, "num_requests": stats["requests"]}
+
+
+# ---- the process ---------------------------------------------------------------------------------
+def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """The spawned process's entry point: build the Engine, say ready, serve until Shutdown."""
+    import zmq
+
+    # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every
+    # process of the server: the API process decides when cores stop (it kills a core that
+    # is still loading).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s core{core}: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # a step's message is never dropped
+    outbox.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from flashlet.engine import Engine
+
+        engine = Engine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits
+        outbox.send(encoder.encode(CoreReady(core, {}, f"{type(e).__name__}: {e}", os.getpid())))
+        outbox.close(linger=5000)
+        ctx.term()
+        return
+    outbox.send(encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid())))
+    try:
+        EngineCore(engine, core, inbox, outbox, parent_pid).run()
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=2000)
+        ctx.term()
+
+
+class EngineCore:
+    """The busy loop around one Engine (which takes the API process's request ids as its own)."""
+
+    def __init__(self, engine, core: int, inbox, outbox, parent_pid: int):
+        self.engine, self.core = engine, core
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.unfinished: set[int] = set()  # ids added and not finished yet
+        self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
+        self.stopping = False
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            busy = engine.has_unfinished()
+            self._receive(wait=not busy)
+            if self.stopping:
+                break
+            if engine.has_unfinished():
+                self._send(self._step())
+            elif self.errors or busy:  # went idle: say so (the stats show no page held)
+                self._send([])
+
+    def _receive(self, wait: bool) -> None:
+        import zmq
+
+        if wait:
+            while not self.inbox.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:  # the API process is gone
+                    log.error("the API server process exited; engine core %d stops", self.core)
+                    self.stopping = True
+                    return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._apply(self.decoder.decode(frame))
+
+    def _apply(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:  # their pages are freed now
+                self.engine.abort(rid, msg.finish_reason)
+                self.unfinished.discard(rid)
+        elif isinstance(msg, Probe):
+            self._probe()
+        elif isinstance(msg, Shutdown):
+            for rid in list(self.unfinished):
+                self.engine.abort(rid)
+            self.stopping = True
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.engine.add_request(msg.prompt_token_ids, msg.sampling_params(),
+                                    request_id=msg.request_id)
+            self.unfinished.add(msg.request_id)
+        except ValueError as e:
+            self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
+            return
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
+            log.exception("add_request failed")
+            self.errors.append(CoreOutput(msg.request_id, [], True, "error",
+                                          f"could not queue the request: {e}"))
+            return
+
+    def _step(self) -> list[CoreOutput]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
+            log.exception("engine step failed")
+            return self._fail_all(f"engine step failed: {e}")
+        for out in outputs:
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+        return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
+                           out.error, out.num_cached_tokens) for out in outputs]
+
+    def _fail_all(self, message: str) -> list[CoreOutput]:
+        results = []
+        for rid in list(self.unfinished):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                pass
+            results.append(CoreOutput(rid, [], True, "error", message))
+        self.unfinished.clear()
+        return results
+
+    def _send(self, outputs: list[CoreOutput]) -> None:
+        outputs, self.errors = self.errors + outputs, []
+        stats = core_stats(self.engine)
+        stats["time"] = time.monotonic()
+        self.outbox.send(self.encoder.encode(StepOutputs(self.core, outputs, stats)))
+
+    def _probe(self) -> None:
+        error = None
+        try:
+            self.engine.check_integrity()
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            error = f"{type(e).__name__}: {e}"
+        stats = {**core_stats(self.engine), "has_unfinished": float(self.engine.has_unfinished())}
+        self.outbox.send(self.encoder.encode(ProbeReply(self.core, stats, error)))

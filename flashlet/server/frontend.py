@@ -1,0 +1,364 @@
+"""The API process's request path: tokenize and check a request, send its token ids to the
+engine (an engine-core process through CoreClient, or the in-thread EngineLoop), then turn the
+token ids that come back into text (IncrementalDetokenizer: stop strings are found here and end
+the request in the engine), SSE events and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from flashlet.detokenizer import IncrementalDetokenizer
+from flashlet.request_check import RequestError, RequestLimits
+from flashlet.sampling import SamplingParams
+from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
+from flashlet.server.errors import ApiError
+from flashlet.server.limits import HttpLimits
+from flashlet.server.metrics import Metrics
+from flashlet.tokenizing import PromptTooLong, TextEncoder
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
+# top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
+# values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
+MIN_TOP_P = 1e-8
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "flashlet"
+    api_key: str | None = None
+    max_waiting: int | None = 512  # requests waiting for a running slot before 503s
+    max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
+    retry_after_s: int = 1
+    allow_special_tokens: bool = False  # parse control tokens in user text (trusted callers)
+    limits: HttpLimits = field(default_factory=HttpLimits)  # body size/time, connections
+
+
+@dataclass
+class ModelContext:
+    """What handlers need to check and run requests: the text encoder, a decoder and the
+    request limits.
+
+    Text is encoded by a TextEncoder (flashlet/tokenizing.py): on its own threads and tokenizer
+    copies (a long prompt must not block the event loop; HF fast tokenizers must not be used
+    from two threads at once), user text never becoming control tokens, over-long text refused
+    before it is tokenized. Decoding runs on the app's event loop with a copy of its own."""
+
+    encoder: TextEncoder | None
+    decoder: Any  # a tokenizer copy, used on the event loop only (IncrementalDetokenizer)
+    limits: RequestLimits
+
+    @classmethod
+    def of(cls, loop, allow_special_tokens: bool = False) -> "ModelContext":
+        """An encoder and a decoder over a started engine client's tokenizer, and its limits."""
+        tokenizer, limits = loop.tokenizer, loop.limits
+        if tokenizer is None:
+            return cls(encoder=None, decoder=None, limits=limits)
+        encoder = TextEncoder(copy.deepcopy(tokenizer), limits.max_tokens,
+                              allow_special=allow_special_tokens)
+        return cls(encoder=encoder, decoder=copy.deepcopy(tokenizer), limits=limits)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def detokenizer(self, stop) -> IncrementalDetokenizer | None:
+        return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        if self.encoder is None:
+            raise ApiError(400, f"{param}: this model has no tokenizer: send token ids, not text",
+                           param)
+        try:
+            ids = await self.encoder.encode_async(text, param)
+        except PromptTooLong as e:
+            raise ApiError(400, f"{param}: {e}", param, "context_length_exceeded") from None
+        if not ids:
+            raise ApiError(400, f"{param}: encodes to no tokens", param)
+        return ids
+
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        if self.encoder is None or not self.encoder.has_chat_template:
+            raise ApiError(400, "messages: this model has no chat template", "messages")
+        try:
+            ids = await self.encoder.chat_async(messages)
+        except PromptTooLong as e:
+            raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise ApiError(400, f"messages: the chat template rejected them: {e}",
+                           "messages") from None
+        if not ids:
+            raise ApiError(400, "messages: the chat template produced no tokens", "messages")
+        return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        try:
+            return self.limits.check_prompt_ids(ids, param)
+        except RequestError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
+
+    def budget(self, num_prompt: int, max_tokens: int | None, default: int | None,
+               prompt_param: str, tokens_param: str) -> int:
+        """The request's max new tokens, checked against the context and the KV pool."""
+        try:
+            return self.limits.max_new_tokens(num_prompt, max_tokens, default, prompt_param,
+                                              tokens_param)
+        except RequestError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
+
+
+@dataclass
+class Delta:
+    """What one engine step gave one request, as handlers see it."""
+
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Generation:
+    """One queued request seen from the handler: its text (detokenized here, stop strings
+    found here), its timing and its metrics."""
+
+    def __init__(self, server: "Server", stream: RequestStream, endpoint: str, t0: float,
+                 detokenizer: IncrementalDetokenizer | None):
+        self.server, self.stream, self.endpoint, self.t0 = server, stream, endpoint, t0
+        self.detokenizer = detokenizer
+        self.ttft: float | None = None
+        self.token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.final: Delta | None = None
+        self._held: StreamError | None = None  # an error to raise after the tokens before it
+
+    @property
+    def text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.text
+
+    async def deltas(self) -> AsyncIterator[tuple[str, Delta]]:
+        """Yield (new text, delta) per batch of engine outputs, ending with the finished one.
+        A delta holds every token that arrived since the handler last looked (one, unless the
+        handler fell behind the engine: then several go out in one event, which says how many).
+        Text that could still become a stop string is held back until it cannot."""
+        metrics, last = self.server.metrics, None
+        while True:
+            item, ids = await self._next_batch()
+            if isinstance(item, StreamError):
+                self.stream.finished = True
+                self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
+                raise ApiError(item.status, item.message)
+            now = time.monotonic()
+            if ids:
+                gaps = len(ids)
+                if self.ttft is None:
+                    self.ttft = now - self.t0
+                    metrics.ttft.observe(self.ttft)
+                    gaps, last = gaps - 1, self.t0
+                for _ in range(gaps):  # tokens that came together share the wait evenly
+                    metrics.itl.observe((now - last) / len(ids))
+                last = now
+                self.token_ids.extend(ids)
+            text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
+            delta = Delta(ids, item.finished, item.finish_reason, item.error)
+            if stopped:  # a stop string: end the request in the engine too
+                self.server.loop.abort(self.stream, "stop")
+                delta.finished, delta.finish_reason = True, "stop"
+            elif item.finished and self.detokenizer is not None:
+                text += self.detokenizer.finish()
+            if delta.finished:
+                self._finish(delta, item, now)
+            yield text, delta
+            if delta.finished:
+                return
+
+    async def _next_batch(self):
+        """The next output (waiting for it) merged with every one already queued behind it:
+        (the last output or a StreamError, all their new token ids)."""
+        item, self._held = self._held or await self.stream.get(), None
+        if isinstance(item, StreamError):
+            return item, []
+        ids = list(item.new_token_ids)
+        queue = self.stream.queue
+        while not item.finished and not queue.empty():
+            following = queue.get_nowait()
+            if isinstance(following, StreamError):
+                self._held = following  # after these tokens
+                break
+            ids += following.new_token_ids
+            item = following
+        return item, ids
+
+    def _finish(self, delta: Delta, item, now: float) -> None:
+        self.stream.finished = True
+        self.final = delta
+        self.num_cached_tokens = item.num_cached_tokens
+        self.server.metrics.observe_finished(self.endpoint, delta.finish_reason,
+                                             len(self.stream.prompt_token_ids),
+                                             self.num_cached_tokens, len(self.token_ids),
+                                             now - self.t0)
+
+    async def collect(self) -> Delta:
+        async for _ in self.deltas():
+            pass
+        return self.final
+
+    def abort(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        if not self.stream.finished and not self.stream.cancelled:
+            self.server.loop.abort(self.stream)
+            self.server.metrics.requests_finished.labels(self.endpoint, "abort").inc()
+
+    @property
+    def latency_ms(self) -> float:
+        return (time.monotonic() - self.t0) * 1000
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.stream.prompt_token_ids),
+                "completion_tokens": len(self.token_ids),
+                "cached_tokens": self.num_cached_tokens}
+
+    def openai_usage(self) -> dict:
+        u = self.usage()
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def check_error(self) -> None:
+        if self.final.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {self.final.error}")
+
+
+class EventStream(StreamingResponse):
+    """SSE response that aborts its request when it ends early (client gone, cancelled)."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort()
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Server:
+    """Holds the app's state: the engine client (CoreClient or EngineLoop), its config, metrics
+    and the model context."""
+
+    def __init__(self, loop, config: ServerConfig):
+        self.loop = loop
+        self.config = config
+        self.metrics = Metrics(loop)
+        self.draining = False
+        self._ctx: ModelContext | None = None
+        self._ctx_lock = threading.Lock()
+        self.created = int(time.time())
+
+    async def context(self) -> ModelContext:
+        self.check_accepting()
+        if self._ctx is None:
+            ctx = await run_in_threadpool(ModelContext.of, self.loop,
+                                          self.config.allow_special_tokens)
+            with self._ctx_lock:
+                if self._ctx is None:
+                    self._ctx = ctx
+        return self._ctx
+
+    def check_accepting(self) -> None:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", headers=retry)
+        if not self.loop.is_ready:
+            why = ("the model failed to load" if self.loop.error is not None
+                   else "the model is still loading")
+            raise ApiError(503, why, code="not_ready", headers=retry)
+
+    def sampling_params(self, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                        seed: int | None, stop, ignore_eos: bool) -> SamplingParams:
+        if self.config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        top_p = max(top_p, MIN_TOP_P)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if seed is not None:
+            seed %= 2**64  # torch generators take [0, 2**64)
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                  top_p=top_p, top_k=max(top_k, 0), seed=seed, stop=stop,
+                                  ignore_eos=ignore_eos)
+        except ValueError as e:  # names the field
+            raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+    def start(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
+              endpoint: str, t0: float) -> Generation:
+        # Stop strings are found here, on the text: the engine gets token ids only.
+        stream = RequestStream(token_ids, dataclasses.replace(params, stop=[]))
+        try:
+            self.loop.submit(stream, self.config.max_waiting)
+        except Overloaded as e:
+            self.metrics.requests_rejected.labels("overloaded").inc()
+            raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except NotReady as e:
+            self.metrics.requests_rejected.labels("not_ready").inc()
+            raise ApiError(503, str(e), code="not_ready",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        return Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+
+    async def run_to_end(self, request: Request, gen: Generation) -> Delta | None:
+        """Wait for the whole answer; None if the client went away first (request aborted)."""
+        collector = asyncio.ensure_future(gen.collect())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if collector.done():
+                return collector.result()
+            return None
+        finally:
+            for task in (collector, watcher):
+                task.cancel()
+            gen.abort()  # a no-op once finished
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(404, f"model: the model `{model}` does not exist; this server serves "
+                           f"`{self.config.model_name}`", "model", "model_not_found")
+
+    async def prompt_ids(self, ctx: ModelContext, prompt, param: str = "prompt") -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # OpenAI's list-of-prompts form, with one prompt
+        if isinstance(prompt, str):
+            return await ctx.encode(prompt, param)
+        return ctx.check_token_ids(prompt, param)
+
+
+def client_gone() -> Response:
+    return Response(status_code=499)
+

@@ -1,0 +1,105 @@
+"""The simple endpoints: /health, /v1/models, /metrics, /generate and /generate_stream."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from flashlet.server.errors import ApiError, error_responses, sse_response
+from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
+from flashlet.server.protocol import GenerateRequest, GenerateResponse, ModelList
+
+
+def add_simple_routes(app: FastAPI, server: Server) -> None:
+    loop, config = server.loop, server.config
+    gen_errors = error_responses(400, 401, 503)
+
+    # ---- health, models, metrics ---------------------------------------------------------
+    health_responses = {503: {"description": "Loading, failed or shutting down"}}
+
+    @app.head("/health", operation_id="health_head", responses=health_responses)
+    @app.get("/health", responses=health_responses)
+    async def health():
+        if server.draining or not loop.is_ready:
+            if loop.error is not None:
+                status = "failed"
+            elif server.draining or loop.ready.is_set():
+                status = "shutting down"
+            else:
+                status = "loading"
+            return JSONResponse({"status": status}, status_code=503,
+                                headers={"Retry-After": str(config.retry_after_s)})
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
+    async def models():
+        ctx = await server.context()
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": server.created,
+            "owned_by": "flashlet", "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {}}},
+        **error_responses(401)})
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- /generate ------------------------------------------------------------------------
+    async def _start_generate(body: GenerateRequest, endpoint: str) -> Generation:
+        t0 = time.monotonic()
+        ctx = await server.context()
+        ids = await server.prompt_ids(ctx, body.prompt)
+        # Not sent: the default, cut to what the context leaves (never a 400 about it).
+        sent = body.max_new_tokens if "max_new_tokens" in body.model_fields_set else None
+        max_tokens = ctx.budget(len(ids), sent, GenerateRequest.model_fields[
+            "max_new_tokens"].default, "prompt", "max_new_tokens")
+        params = server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
+                                        body.seed, body.stop, body.ignore_eos)
+        return server.start(ctx, ids, params, endpoint, t0)
+
+    @app.post("/generate", response_model=GenerateResponse, responses=gen_errors)
+    async def generate(body: GenerateRequest, request: Request):
+        gen = await _start_generate(body, "generate")
+        out = await server.run_to_end(request, gen)
+        if out is None:
+            return client_gone()
+        gen.check_error()
+        return {"text": gen.text, "token_ids": list(gen.token_ids),
+                "finish_reason": out.finish_reason, "usage": gen.usage(),
+                "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
+                "latency_ms": round(gen.latency_ms, 3)}
+
+    @app.post("/generate_stream", response_class=StreamingResponse,
+              responses={**sse_response("Server-Sent Events: one `data: {\"text\"}` per token (or "
+                                         "per batch of tokens, with `num_tokens`), "
+                                         "a final event with finish_reason and usage, then "
+                                         "`data: [DONE]`"), **gen_errors})
+    async def generate_stream(body: GenerateRequest):
+        gen = await _start_generate(body, "generate_stream")
+
+        async def events():
+            try:
+                async for delta, out in gen.deltas():
+                    n = len(out.new_token_ids)
+                    if n:  # an event per token, or per batch of n saying so (text may be held back)
+                        yield sse({"text": delta} if n == 1 else {"text": delta, "num_tokens": n})
+                        delta = ""
+                    if out.finished:  # text left here only when it ended without a token
+                        final = {"text": delta, "token_ids": list(gen.token_ids),
+                                 "finish_reason": out.finish_reason,
+                                 "usage": gen.usage(),
+                                 "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
+                                 "latency_ms": round(gen.latency_ms, 3)}
+                        if out.finish_reason == "error":
+                            final["error"] = out.error
+                        yield sse(final)
+                    elif delta:
+                        yield sse({"text": delta})
+            except ApiError as e:
+                yield sse(e.body())
+            yield DONE
+
+        return EventStream(events(), gen)

@@ -1,0 +1,150 @@
+"""The same closed-loop workload in-process and through the server, in one run, as one table.
+
+    python scripts/serve_compare.py --out DIR [--concurrency 1 16 64 256] [--max-new-tokens 128]
+        [--tokenizer .tok/smollm2] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
+        --backend triton --dtype bfloat16 --max-num-pages 16384)
+
+1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts);
+2. `python -m flashlet.server` with ENGINE FLAGS (+ --tokenizer) on a free port, then
+   `python -m flashlet.bench --url` against it (text prompts, about one token per word; the
+   server counts the exact prompt tokens), then SIGTERM;
+3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios.
+Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _workload_flags(args) -> list[str]:
+    flags = ["--workload", "closed-loop", "--concurrency", *map(str, args.concurrency),
+             "--max-new-tokens", str(args.max_new_tokens), "--prompt-len-range",
+             *map(str, args.prompt_len_range), "--quiet"]
+    if args.num_requests:
+        flags += ["--num-requests", str(args.num_requests)]
+    return flags
+
+
+def run_in_process(args, engine_flags: list[str], out: Path) -> dict:
+    path = out / "inprocess.json"
+    subprocess.run([sys.executable, "-m", "flashlet.bench", *engine_flags, *_workload_flags(args),
+                    "--out", str(path)], check=True, timeout=args.timeout)
+    record = json.loads(path.read_text())
+    return next(iter(record["backends"].values()))
+
+
+def run_server(args, engine_flags: list[str], out: Path) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server_flags = list(engine_flags)
+    if args.tokenizer:
+        server_flags += ["--tokenizer", args.tokenizer]
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flashlet.server", "--port", str(port),
+                             "--no-access-log", "--max-waiting", "100000", *server_flags],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}): see {out}/server.log")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not get ready in time")
+            time.sleep(0.5)
+        path = out / "server.json"
+        subprocess.run([sys.executable, "-m", "flashlet.bench", "--url", url,
+                        *_workload_flags(args), "--out", str(path)], check=True,
+                       timeout=args.timeout)
+        return json.loads(path.read_text())["results"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def _ratio(a, b) -> str:
+    return "–" if not a or not b else f"{a / b:.2f}"
+
+
+def table(inproc: dict, server: dict) -> str:
+    head = ("| concurrency | in-process tok/s | server tok/s | server / in-process | "
+            "TTFT p50 in / server (ms) | TTFT p99 in / server (ms) | ITL p50 in / server (ms) | "
+            "ITL p50 server / in-process | server failed |")
+    lines = [head, "|" + "---|" * 9]
+    by_c = {lv["concurrency"]: lv for lv in server["levels"]}
+    for lv in inproc["levels"]:
+        sv = by_c.get(lv["concurrency"])
+        if sv is None:
+            continue
+        lines.append(
+            f"| {lv['concurrency']} | {lv['output_tok_s']:,.1f} | {sv['output_tok_s']:,.1f} | "
+            f"{_ratio(sv['output_tok_s'], lv['output_tok_s'])} | "
+            f"{lv['ttft_ms']['p50']:.1f} / {sv['ttft_ms']['p50']:.1f} | "
+            f"{lv['ttft_ms']['p99']:.1f} / {sv['ttft_ms']['p99']:.1f} | "
+            f"{lv['itl_ms']['p50']:.2f} / {sv['itl_ms']['p50']:.2f} | "
+            f"{_ratio(sv['itl_ms']['p50'], lv['itl_ms']['p50'])} | {sv['failed']} |")
+    return "\n".join(lines)
+
+
+NOTES = ("Closed loop, the same lengths on both sides (prompt lengths uniform in the range, "
+         "max_new_tokens each, ignore_eos). In-process prompts are token ids; the server's are "
+         "text, about one token per word. TTFT and ITL are per token: in-process when the engine "
+         "hands the token out, through the server when the client reads its SSE event. Random "
+         "weights at the qwen2.5-0.5b shape with the vocabulary of the embedded SmolLM2 tokenizer "
+         "(49152 instead of 151936: preset qwen2.5-0.5b-smolvocab) so that every sampled id "
+         "decodes; the output head is 3x narrower than the real model's.")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 768])
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
+    p.add_argument("--timeout", type=float, default=900)
+    args, engine_flags = p.parse_known_args(argv)
+    engine_flags = [f for f in engine_flags if f != "--"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    inproc = run_in_process(args, engine_flags, out)
+    server = run_server(args, engine_flags, out)
+    print(table(inproc, server))
+    print()
+    print(NOTES)
+    print(f"engine flags: {' '.join(engine_flags)}; concurrency {args.concurrency}, "
+          f"{args.max_new_tokens} new tokens, prompts {args.prompt_len_range[0]}-"
+          f"{args.prompt_len_range[1]} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The engine in its own processes: `CoreClient` with two engine cores behind one app (data
+parallel, prefix-aware routing, nothing leaked), and what happens when a core dies (every open
+request ends with a 5xx error, /health turns 503 within 5 s, the CLI exits non-zero).
+Admission counts what really waits in the cores. Tiny random model (no tokenizer: token ids
+in, token ids out)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from concurrent.futures import ThreadPoolExecutor
+
+from server_helpers import (ServerProcess, ServerThread, parse_sse, run_slow_engine_core,
+                            wait_until)
+
+from flashlet import EngineConfig
+import flashlet.server.core_client
+from flashlet.server import CoreClient, ServerConfig, create_app
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16
+
+
+def _config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), max_num_pages=512, page_size=PAGE)
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_qwen2):
+    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2).start()
+    srv = None
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
+        yield client, srv
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+def assert_cores_idle(client: CoreClient) -> None:
+    """Every core idle, its integrity checked, no page held but by its prefix cache."""
+    wait_until(lambda: client.num_streams == 0, 60, "the requests to end")
+    for stats in wait_until(lambda: (s := client.probe()) and
+                            all(not c["has_unfinished"] for c in s) and s, 60, "idle cores"):
+        assert stats["running"] == stats["waiting"] == stats["num_requests"] == 0, stats
+        assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> list:
+    body = {"prompt": prompt, "max_new_tokens": n, "ignore_eos": True}
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        return parse_sse([line async for line in r.aiter_lines()])
+
+
+def test_two_cores_serve_64_concurrent_streams(dp_server):
+    client, srv = dp_server
+    routed_before = [c["routed"] for c in client.core_stats()]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(5, 40))] for _ in range(64)]
+
+    async def main():
+        limits = httpx.Limits(max_connections=80, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(_stream(http, srv.url, p, 4) for p in prompts))
+
+    results = asyncio.run(main())
+    for events in results:
+        assert events[-1] == "[DONE]", events
+        assert sum(e.get("num_tokens", 1) for e in events[:-2]) == 4, events
+        assert events[-2]["finish_reason"] == "length"
+        assert events[-2]["usage"]["completion_tokens"] == 4
+    routed = [c["routed"] - b for c, b in zip(client.core_stats(), routed_before)]
+    assert sum(routed) == 64 and min(routed) >= 16, routed  # both cores took a fair share
+    assert_cores_idle(client)
+    text = httpx.get(srv.url + "/metrics").text
+    for core in ("0", "1"):
+        assert f'flashlet_kv_pages_total{{core="{core}"}} 512.0' in text
+        assert re.search(rf'flashlet_requests_routed_total{{core="{core}"}} [1-9]', text)
+
+
+def test_a_shared_prefix_goes_to_the_core_that_cached_it(dp_server):
+    client, srv = dp_server
+    rng = random.Random(1)
+    prefix = [rng.randrange(2, 256) for _ in range(4 * PAGE)]
+    before = [c["routed"] for c in client.core_stats()]
+    first = httpx.post(srv.url + "/generate", timeout=120, json={
+        "prompt": prefix + [7], "max_new_tokens": 2, "ignore_eos": True}).json()
+    assert first["usage"]["cached_tokens"] == 0
+    after = [c["routed"] for c in client.core_stats()]
+    home = [a - b for a, b in zip(after, before)].index(1)
+    for i in range(6):
+        r = httpx.post(srv.url + "/generate", timeout=120, json={
+            "prompt": prefix + [9, i + 3], "max_new_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["cached_tokens"] >= 4 * PAGE, r.json()  # a cache hit there
+    final = [c["routed"] for c in client.core_stats()]
+    assert final[home] - after[home] == 6 and sum(final) - sum(after) == 6
+    assert_cores_idle(client)
+
+
+def test_a_dead_core_ends_every_open_request_with_an_error(tiny_qwen2):
+    client = CoreClient(_config(tiny_qwen2)).start()
+    srv = None
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
+        streams: list = [None] * 3
+        plain: list = [None]
+
+        def stream(i):
+            body = {"prompt": [3, 4, 5 + i], "max_new_tokens": 400, "ignore_eos": True}
+            with httpx.stream("POST", srv.url + "/generate_stream", json=body, timeout=60) as r:
+                streams[i] = parse_sse(r.iter_lines())
+
+        def post():
+            plain[0] = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": [3, 9], "max_tokens": 400, "ignore_eos": True})
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads.append(threading.Thread(target=post))
+        for t in threads:
+            t.start()
+        wait_until(lambda: client.num_streams == 4 and client.core_stats()[0].get("running") == 4,
+                   60, "the requests to run")
+        client.cores[0].process.kill()
+        killed = time.monotonic()
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5,
+                   "/health to turn 503")
+        assert time.monotonic() - killed < 5
+        assert httpx.get(srv.url + "/health").json() == {"status": "failed"}
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive(), "a request hangs after its core died"
+        for events in streams:
+            assert events[-1] == "[DONE]", events[-3:]
+            error = events[-2]["error"]
+            assert error["type"] == "server_error" and "engine core 0 died" in error["message"]
+        assert plain[0].status_code == 500
+        assert "engine core 0 died" in plain[0].json()["error"]["message"]
+        r = httpx.post(srv.url + "/generate", json={"prompt": [1, 2]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+def test_the_cli_exits_nonzero_when_its_engine_core_dies(tiny_qwen2):
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        def failed_or_gone():
+            try:
+                return httpx.get(p.url + "/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                return p.proc.poll() is not None
+
+        wait_until(failed_or_gone, 5, "/health to turn 503")
+        assert p.proc.wait(60) == 1, p.log
+        assert time.monotonic() - killed < 30
+        assert "engine core 0 died" in p.log
+    finally:
+        p.kill()
+
+
+def test_an_idle_core_takes_a_burst_of_free_slots_plus_max_waiting(tiny_qwen2, monkeypatch):
+    """As the in-thread test of test_server_hardening.py, through an engine-core process:
+    --max-num-seqs 2 --max-waiting 2 on an idle server take a burst of 4 (2 run, 2 wait); with
+    2 running and 2 waiting in the core, the next is refused. The count is the core's per-step
+    stats plus the requests in flight to it (a burst lands before any step reports)."""
+    monkeypatch.setattr(flashlet.server.core_client, "run_engine_core", run_slow_engine_core)
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=64, max_num_seqs=2)
+    client = CoreClient(config).start()
+    srv = None
+    body = {"prompt": [5, 6, 7], "max_new_tokens": 3, "ignore_eos": True}
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny",
+                                                           max_waiting=2))).start()
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: httpx.post(srv.url + "/generate", json=body,
+                                                       timeout=120).status_code, range(4)))
+        assert codes == [200] * 4, codes
+        # Now really full: 2 running and 2 waiting in the core (long requests, slow steps).
+        long = {**body, "max_new_tokens": 40}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(httpx.post, srv.url + "/generate", json=long, timeout=120)
+                       for _ in range(4)]
+            wait_until(lambda: client.core_stats()[0].get("running") == 2
+                       and client.core_stats()[0].get("waiting") == 2, 60,
+                       "2 requests running and 2 waiting")
+            r = httpx.post(srv.url + "/generate", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+            assert [f.result().status_code for f in futures] == [200] * 4
+        assert_cores_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()

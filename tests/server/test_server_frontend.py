@@ -1,0 +1,78 @@
+"""The API process's pieces without a server: how a handler batches the outputs it fell behind
+on, and the data-parallel router's rule (longest cached prefix unless unbalanced)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from flashlet.request import RequestOutput
+from flashlet.sampling import SamplingParams
+from flashlet.server.engine_loop import RequestStream, StreamError
+from flashlet.server.errors import ApiError
+from flashlet.server.frontend import Generation
+from flashlet.server.metrics import Metrics
+from flashlet.server.router import PrefixRouter
+
+
+def _generation(items) -> Generation:
+    stream = RequestStream([1, 2, 3], SamplingParams(max_new_tokens=3))
+    for item in items:
+        stream.queue.put_nowait(item)
+    loop = SimpleNamespace(core_stats=lambda: [], is_ready=True, abort=lambda *a: None)
+    server = SimpleNamespace(metrics=Metrics(loop), loop=loop)
+    return Generation(server, stream, "generate", time.monotonic(), None)
+
+
+def _out(token: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(0, [token], finished, "length" if finished else None)
+
+
+def test_outputs_queued_together_go_out_as_one_delta():
+    async def main():
+        gen = _generation([_out(5), _out(6), _out(7, finished=True)])
+        return [d async for _, d in gen.deltas()], gen
+
+    deltas, gen = asyncio.run(main())
+    assert [d.new_token_ids for d in deltas] == [[5, 6, 7]]
+    assert deltas[0].finished and deltas[0].finish_reason == "length"
+    assert gen.usage()["completion_tokens"] == 3
+
+
+def test_an_error_after_tokens_comes_after_them():
+    async def main():
+        gen = _generation([_out(5), _out(6), StreamError("engine core 0 died", 500)])
+        seen = []
+        with pytest.raises(ApiError) as e:
+            async for _, d in gen.deltas():
+                seen.append(d.new_token_ids)
+        return seen, e.value
+
+    seen, error = asyncio.run(main())
+    assert seen == [[5, 6]]
+    assert error.status == 500 and "died" in error.message
+
+
+def test_router_sends_a_prefix_to_the_core_that_has_it():
+    router = PrefixRouter(num_cores=3, page_size=4, balance_abs=4, balance_rel=1.5)
+    prefix = list(range(100, 112))  # three pages
+    assert router.route(prefix + [1], [0, 0, 0]) == 0  # nothing cached: least loaded (first)
+    assert router.route([7, 7, 7, 7, 7], [1, 0, 0]) == 1  # no match: least loaded
+    assert router.route(prefix + [2, 3], [1, 1, 0]) == 0  # the longest prefix wins over load
+    assert router.route(prefix[:8] + [9] * 8, [2, 1, 0]) == 0  # a two-page match still
+    # Unbalanced beyond both thresholds: the least loaded core, whatever it caches.
+    assert router.route(prefix + [4], [9, 1, 2]) == 1
+    # After that, core 1 holds the prefix too; at equal match the less loaded one wins.
+    assert router.route(prefix + [5], [3, 2, 0]) == 1
+
+
+def test_router_forgets_least_recently_used_pages():
+    router = PrefixRouter(num_cores=2, page_size=2, max_pages_per_core=2)
+    assert router.route([1, 2, 3, 4], [0, 0]) == 0
+    assert router.route([5, 6, 7, 8], [1, 0]) == 1
+    assert router.route([9, 9, 9, 9], [0, 0]) == 0  # evicts [1, 2] and [1, 2, 3, 4] from core 0
+    assert router.indexes[0].match(router.indexes[0].page_keys([1, 2, 3, 4])) == 0
+    assert router.route([5, 6, 7, 8], [5, 5]) == 1  # core 1 still has it

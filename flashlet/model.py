@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self._norm_heads(q, self.q_norm, ops), self._norm_heads(k, self.k_norm, ops)
-        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, ops)  # RoPE, K/V write, attend
+        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin)  # RoPE, K/V into the pool, attend
         x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         x = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))

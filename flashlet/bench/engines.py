@@ -88,7 +88,7 @@ def release(engine: Engine | None) -> None:
     """Drop the engine's tensors (the KV pool above all) so a peer gets the device memory."""
     if engine is None:
         return
-    for name in ("runner", "kv_pool", "model", "buffers"):
+    for name in ("runner", "kv_pool", "model"):
         if hasattr(engine, name):
             setattr(engine, name, None)
     import gc

@@ -86,52 +86,67 @@ class StepLayout:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields by name (StepLayout(**tensors) rebuilds it)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in LAYOUT_DTYPES}
 
 
 LAYOUT_DTYPES = {f.name: torch.int32 if f.name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices",
                                                    "paged_kv_last_page_len", "kv_lens") else torch.int64
                  for f in fields(StepLayout)}
-_NP = {name: np.int32 if dtype == torch.int32 else np.int64 for name, dtype in LAYOUT_DTYPES.items()}
 
 
 def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     """The layout of a step whose sequences are `rows` (StepRow, or 5-tuples in its order)."""
     ps = page_size
-    ids, starts, lens, num_pages, page_ids, sample, feed_src = [], [], [], [], [], [], []
+    ids, lens, ends, num_pages, page_ids, sample, feed_src = [], [], [], [], [], [], []
     for tokens, start, pages, samples, src in rows:  # the one loop over the sequences
         n = len(tokens)
-        count = (start + n + ps - 1) // ps
+        end = start + n
+        count = (end + ps - 1) // ps
         ids += tokens
-        starts.append(start)
         lens.append(n)
+        ends.append(end)
         num_pages.append(count)
         page_ids += pages[:count]
         sample.append(samples)
         feed_src.append(src)
     num_seqs, num_tokens = len(lens), len(ids)
-    lens_ = _array(lens, num_seqs)
+    kv_lens = _array(ends, num_seqs)
     pages_ = _array(num_pages, num_seqs)
-    table = _array(page_ids, len(page_ids))
+    table = np.fromiter(page_ids, np.int32, len(page_ids))
     if len(table) != pages_.sum():
         raise ValueError("a row's page table holds fewer pages than its tokens need")
-    qo = _indptr(lens_)
+    # Per token: its sequence, its position, and the pool slot its K/V goes to.
+    if num_tokens == num_seqs and 0 not in lens:  # pure decode: one row per sequence
+        qo = np.arange(num_seqs + 1)
+        seq, positions = qo[:-1], kv_lens - 1
+    else:
+        lens_ = _array(lens, num_seqs)
+        qo = _indptr(lens_)
+        seq = np.repeat(np.arange(num_seqs), lens_)
+        positions = np.arange(num_tokens) + (kv_lens - qo[1:])[seq]
     kv_ptr = _indptr(pages_)
-    kv_lens = _array(starts, num_seqs) + lens_
-    # Vectorised per token: its sequence, position, and the pool slot its K/V goes to.
-    seq = np.repeat(np.arange(num_seqs), lens_)
-    positions = np.arange(num_tokens) + (kv_lens - lens_ - qo[:-1])[seq]
-    slots = table[kv_ptr[:-1][seq] + positions // ps] * ps + positions % ps
+    page, offset = np.divmod(positions, ps)
+    slots = table[kv_ptr[:-1][seq] + page] * ps + offset
+    last = kv_lens - np.maximum(pages_ - 1, 0) * ps
+    logits = qo[1:] - 1
+    if False in sample:
+        logits = logits[np.fromiter(sample, bool, num_seqs)]
     input_ids = _array(ids, num_tokens)
     feed_rows = np.flatnonzero(input_ids == PLACEHOLDER)
-    input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
-    values = dict(
-        input_ids=input_ids, positions=positions, slot_mapping=slots, qo_indptr=qo,
-        paged_kv_indptr=kv_ptr, paged_kv_indices=table,
-        paged_kv_last_page_len=kv_lens - np.maximum(pages_ - 1, 0) * ps, kv_lens=kv_lens,
-        logits_indices=(qo[1:] - 1)[np.fromiter(sample, bool, num_seqs)],
-        feed_rows=feed_rows, feed_src=_array(feed_src, num_seqs)[seq[feed_rows]])
-    return StepLayout(**{k: torch.from_numpy(np.ascontiguousarray(v, _NP[k])) for k, v in values.items()})
+    if len(feed_rows):
+        input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+        feed_src_ = _array(feed_src, num_seqs)[seq[feed_rows]]
+    else:
+        feed_src_ = feed_rows
+    i32 = np.int32
+    return StepLayout(
+        input_ids=torch.from_numpy(input_ids), positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots), qo_indptr=torch.from_numpy(qo.astype(i32)),
+        paged_kv_indptr=torch.from_numpy(kv_ptr.astype(i32)),
+        paged_kv_indices=torch.from_numpy(table),
+        paged_kv_last_page_len=torch.from_numpy(last.astype(i32)),
+        kv_lens=torch.from_numpy(kv_lens.astype(i32)), logits_indices=torch.from_numpy(logits),
+        feed_rows=torch.from_numpy(feed_rows), feed_src=torch.from_numpy(feed_src_))
 
 
 def _array(values: list, n: int) -> np.ndarray:
@@ -183,6 +198,7 @@ class StepBuffers:
             self.np[name] = self.host[name].numpy()
             self.dev[name] = (torch.zeros(size, dtype=dtype, device=self.device) if self.staged
                               else self.host[name])
+        self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_layout(cls, layout: StepLayout, device) -> "StepBuffers":
@@ -205,7 +221,7 @@ class StepBuffers:
             self._pad(layout, pad_to, lengths)
         host, dev = {}, {}
         for name, n in lengths.items():
-            host[name], dev[name] = self.host[name][:n], self.dev[name][:n]
+            host[name], dev[name] = self._view(name, n)
             if self.staged and n:
                 dev[name].copy_(host[name], non_blocking=True)
         if lengths["feed_rows"]:
@@ -220,6 +236,15 @@ class StepBuffers:
             paged_kv_last_page_len=dev["paged_kv_last_page_len"], kv_lens=dev["kv_lens"],
             logits_indices=dev["logits_indices"], num_padding=lengths["kv_lens"] - layout.num_seqs)
         return dev["input_ids"], meta
+
+    def _view(self, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host, device) views of a buffer's first n entries, kept: slicing costs more."""
+        views = self._views.get((name, n))
+        if views is None:
+            if len(self._views) >= 8192:  # bounded: page counts take many values
+                self._views.clear()
+            views = self._views[name, n] = (self.host[name][:n], self.dev[name][:n])
+        return views
 
     def _pad(self, layout: StepLayout, size: int, lengths: dict) -> None:
         """Rows num_seqs..size: one token at position 0 of a sequence of one token on the

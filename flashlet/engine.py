@@ -1,10 +1,10 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 A step is: schedule -> build its layout (batch.py) -> load it into the step buffers ->
-backend.plan() -> model forward (backend.run_rope() in every layer) -> sample on the device -> read the tokens -> `scheduler.update` (stop checks,
-pages, retiring) -> outputs. The engine deals in token ids only: text and stop strings belong to
-the front end (detokenizer.py), which ends a request on a stop string with
-`abort(request_id, finish_reason="stop")`.
+backend.plan() -> model forward (backend.run_rope() in every layer) -> sample on the device ->
+read the tokens -> `scheduler.update` (stop checks, pages, retiring) -> outputs. The engine
+deals in token ids only: text and stop strings belong to the front end (detokenizer.py), which
+ends a request on a stop string with `abort(request_id, finish_reason="stop")`.
 
 Overlap (`EngineConfig.overlap`, on by default): `step()` launches step N on the device and
 only then reads step N-1's tokens and does its bookkeeping, so the host's Python runs while the

@@ -216,7 +216,10 @@ class StepBuffers:
         lengths = {}
         for name, tensor in layout.tensors().items():
             n = lengths[name] = tensor.shape[0]
-            self.np[name][:n] = tensor.numpy()
+            buffer = self.np[name]
+            if n > len(buffer):
+                raise ValueError(f"the step's {name} has {n} entries; the buffers hold {len(buffer)}")
+            buffer[:n] = tensor.numpy()
         if pad_to is not None and pad_to > layout.num_seqs:
             self._pad(layout, pad_to, lengths)
         host, dev = {}, {}

@@ -35,6 +35,7 @@ class EngineConfig:
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
+    tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -51,6 +52,8 @@ class EngineConfig:
             )
         if self.dtype is not None:
             torch_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

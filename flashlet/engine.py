@@ -13,6 +13,14 @@ in step N-1 holds a placeholder as its newest token, its decode row in step N ta
 token straight from step N-1's device tensor, and the host writes the value in when it reads
 it. A request that stops on step N-1's token (EOS, a stop string) has run one row too many in
 step N; that row's token is dropped. A request that reached max_new_tokens is not scheduled.
+A step that sampled a grammar-constrained request is read before the next one is scheduled
+(its next token mask needs the token; see structured.py).
+
+Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
+engine is rank 0, the only one that schedules and samples; every step's layout and input ids
+go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
+by torchrun) the constructor runs the worker loop (flashlet/tp_worker.py) and then raises
+SystemExit(0) when rank 0 shuts down, so a script run under torchrun goes on only on rank 0.
 """
 
 from __future__ import annotations
@@ -26,14 +34,17 @@ from typing import Callable
 
 import torch
 
+from flashlet import parallel
 from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.request import Request, RequestOutput
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
+from flashlet.structured import StructuredOutputs, advance_grammars
 from flashlet.weights import load_model, random_model
 
 log = logging.getLogger("flashlet")
@@ -61,25 +72,32 @@ class Engine:
         self.dtype = config.resolved_dtype()
         if config.device and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but CUDA is not available")
+        self.tp = parallel.start(config, self.device)  # None unless tensor_parallel_size > 1
+        if self.tp is not None:
+            self.device = self.tp.device  # this rank's GPU
         ops = _ops_for(config, self.device)
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
-            self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops)
+            self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops,
+                                      tp=self.tp)
             self.tokenizer, self.model_dir = None, None
         else:
             self.model, self.tokenizer, self.model_dir = load_model(
-                config.model, self.device, self.dtype, ops=ops)
+                config.model, self.device, self.dtype, ops=ops, tp=self.tp)
         self.model_config = cfg = self.model.config
         self.max_model_len = min(config.max_model_len or cfg.max_context_len, cfg.max_context_len)
         if cfg.sliding_window and cfg.sliding_window == cfg.max_context_len:
             log.info("context capped at the sliding window, %d tokens (there the window attends "
                      "to every token: exact)", cfg.sliding_window)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
-                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-                              fused_rope=config.fused_ops and self.device.type == "cuda")
+                              self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
+                              self.device, fused_rope=config.fused_ops and self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids())
+        self.sampler = Sampler(self.device, self.eos_token_ids)
+        self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+                           if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
         self._ids = itertools.count()
@@ -88,13 +106,20 @@ class Engine:
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
+        if self.tp is not None and self.tp.rank != 0:
+            from flashlet.tp_worker import serve
+
+            serve(self)  # until rank 0 shuts down
+            raise SystemExit(0)
         self.start_report = self._warm_up(time.perf_counter() - started)
 
     def _warm_up(self, load_s: float) -> dict:
         """Compile every kernel variant and capture every graph now, not in the first requests
-        (flashlet/warmup.py); returns the start time split into load / warm-up / capture."""
+        (flashlet/warmup.py); returns the start time split into load / warm-up / capture.
+        Under tensor parallelism the warm-up's synthetic steps would bypass the step channel
+        to the workers, so it is skipped there (graphs are then captured on first use)."""
         report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
-        if self.config.warmup_at_start and self.device.type == "cuda":
+        if self.config.warmup_at_start and self.device.type == "cuda" and self.tp is None:
             from flashlet.warmup import warm_up
 
             report.update(warm_up(self), warmed_up=True)
@@ -118,12 +143,26 @@ class Engine:
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self.scheduler.requests)
         req = Request(request_id, token_ids, params, make_generator(params, self.device))
+        if params.is_constrained:
+            req.grammar = self.structured.matcher(params.response_format)
+        if params.logprobs is not None:
+            req.output_logprobs = []
         self.scheduler.add(req)
         return request_id
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if a request of this size could never run."""
         params.validate()
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab}")
+        if params.is_constrained:
+            if self.structured is None:
+                raise ValueError("response_format needs a model with a tokenizer")
+            if params.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a response_format: "
+                                 "the grammar ends the output")
+            self.structured.compile(params.response_format)  # ValueError if invalid; cached
         total = num_prompt_tokens + params.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -161,6 +200,7 @@ class Engine:
         if finish_reason not in ("abort", "stop"):
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
         output = self.scheduler.abort(request_id, finish_reason)
+        self.sampler.release(request_id)
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
@@ -174,8 +214,30 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (overlap) or this one."""
+        if self.tp is None:
+            return self._step()
+        self.tp.check()  # a worker died: every later step fails the same way
+        try:
+            return self._step()
+        except Exception as e:
+            failure = self.tp.failure_from(e)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (a no-op on one device)."""
+        if self.tp is not None:
+            self.runner.graphs.clear()  # captured collectives go before their communicator
+            self.tp.shutdown()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.constrained:
+            # A grammar's next mask needs the token in flight: no overlap (see structured.py).
+            outputs += self._finish(previous)
+            previous = None
         sched = self.scheduler.schedule()
         launched = self._launch(sched, previous) if sched.scheduled else None
         if previous is not None:
@@ -193,34 +255,28 @@ class Engine:
         # Decode rows whose input is the previous step's token take it from the device.
         fed = previous.tokens if previous is not None else None
         input_ids, meta = self.runner.load(layout, fed)
+        if self.tp is not None:  # the workers run the same step
+            self.tp.send_step(layout, input_ids)
         logits = self.runner.forward(input_ids, meta)
         for observe in self._step_observers:
             observe(meta, logits)
-        tokens, errors = self._sample(logits, sched.sampling)
+        sampled = self.sampler.sample(logits, sched.sampling)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
-        return LaunchedStep(sched, tokens, buffer.stage(tokens), errors)
+        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens))
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
         values = launched.read()
         tokens = [launched.errors.get(row, v) for row, v in enumerate(values)]
-        return self.scheduler.update(launched.sched, tokens)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
-        """logits [len(reqs), vocab] -> (tokens [len(reqs)] int64 on the device, {row: the
-        exception a request's sampling raised}). Greedy rows take the argmax."""
-        tokens = logits.argmax(dim=-1)
-        errors = {}
-        for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                continue
-            try:
-                tokens[i] = sample_one(logits[i], req.params, req.generator)
-            except Exception as e:  # one bad request must not fail the batch
-                errors[i] = e
-        return tokens, errors
+        if launched.constrained:
+            advance_grammars(launched.sched.sampling, tokens)
+        outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
+        for out in outputs:
+            if out.finished:
+                self.sampler.release(out.request_id)
+        return outputs
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -230,6 +286,7 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.scheduler.eos_token_ids = frozenset(ids)
+        self.sampler.eos_token_ids = sorted(ids)  # min_tokens keeps them from being sampled
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -285,8 +342,8 @@ class Engine:
         cfg, c = self.model_config, self.config
         if c.max_num_pages is not None:
             return c.max_num_pages
-        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads,
-                                         cfg.head_dim, self.dtype)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size,
+                                         self.model.local.num_kv_heads, cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * c.gpu_memory_utilization
@@ -294,7 +351,10 @@ class Engine:
             budget = c.kv_memory_gb * 2**30
         # Never more than every sequence at full length needs.
         cap = c.max_num_seqs * -(-self.max_model_len // c.page_size)
-        return max(1, min(int(budget // per_page), cap))
+        num_pages = max(1, min(int(budget // per_page), cap))
+        if self.tp is not None:  # page ids are shared: every rank's pool must hold them all
+            num_pages = self.tp.agree_min(num_pages)
+        return num_pages
 
 
 def _ops_for(config: EngineConfig, device: torch.device):
@@ -335,12 +395,13 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, tokens: torch.Tensor, staged: TokenBuffer,
-                 errors: dict[int, Exception]):
+    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer):
         self.sched = sched  # its `sampling` requests sample, in row order
-        self.tokens = tokens  # [len(sampling)] on the device: the next step's decode inputs
+        self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
         self.staged = staged
-        self.errors = errors
+        self.errors = sampled.errors
+        self.logprobs: StepLogprobs | None = sampled.logprobs
+        self.constrained = any(req.grammar is not None for req in sched.sampling)
 
     def read(self) -> list[int]:
         return self.staged.read(len(self.sched.sampling))

@@ -26,6 +26,7 @@ from torch import nn
 
 from flashlet import rope
 from flashlet.ops import TorchOps
+from flashlet.parallel import LocalShape, local_shape
 
 # model_type -> the architecture its config.json names.
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -149,12 +150,14 @@ def active_sliding_window(cfg: dict, model_type: str) -> int | None:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: LocalShape, tp=None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        # `local`: this rank's heads and MLP slice under tensor parallelism, else the model's.
+        self.q_size, self.kv_size = local.num_heads * d, local.num_kv_heads * d
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
+        self.tp = tp
         self.input_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         if cfg.qk_norm:
@@ -162,8 +165,8 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(d))
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_attn_norm = nn.Parameter(torch.ones(h))
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * local.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(local.intermediate_size, h, bias=False)
 
     def forward(self, x, residual, positions, cos_sin, layer_idx, attn, ops):
         # x, residual: [T, hidden]
@@ -176,10 +179,17 @@ class DecoderLayer(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self._norm_heads(q, self.q_norm, ops), self._norm_heads(k, self.k_norm, ops)
         o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin)  # RoPE, K/V into the pool, attend
-        x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        if self.tp is None:
+            x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        else:  # row-parallel O: sum the ranks' partial outputs, then the bias once
+            x = self.tp.all_reduce(ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight))
+            if self.o_proj.bias is not None:
+                x = x + self.o_proj.bias
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         x = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))
         x = ops.linear(x, self.down_proj.weight)
+        if self.tp is not None:  # row-parallel down
+            x = self.tp.all_reduce(x)
         return x, residual
 
     def _norm_heads(self, x, weight, ops):
@@ -190,15 +200,19 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The decoder. `forward` returns final hidden states; `compute_logits` the LM head."""
 
-    def __init__(self, cfg: ModelConfig, ops=TorchOps):
+    def __init__(self, cfg: ModelConfig, ops=TorchOps, tp=None):
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        # Tensor parallelism (flashlet.parallel.TensorParallel): this rank's slice; None = all.
+        self.tp = tp
+        self.local = tp.shape(cfg) if tp is not None else local_shape(cfg)
+        self.embed_tokens = nn.Embedding(self.local.vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.local, tp)
+                                    for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = nn.Parameter(torch.empty(self.local.vocab_rows, cfg.hidden_size))
         self.register_buffer("cos_sin_cache", rope_cache(cfg), persistent=False)
 
     @property
@@ -207,7 +221,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (K/V written through `attn`)."""
-        x, residual = self.embed_tokens(input_ids), None
+        if self.tp is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:  # vocab-parallel: each rank looks up its own id range
+            x, residual = self.tp.embed(self.embed_tokens.weight, input_ids,
+                                        self.local.vocab_start), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.cos_sin_cache, i, attn, self.ops)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
@@ -215,7 +233,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.ops.linear(hidden, self.lm_head_weight).float()
+        logits = self.ops.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # vocab-parallel: gather every rank's columns
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
 
 def rope_cache(cfg: ModelConfig) -> torch.Tensor:

@@ -244,23 +244,24 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
     return found
 
 
-def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
+def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes."""
     model_dir = resolve_model_dir(source)
     try:
         hf_config = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
-    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops)
+    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops, tp=tp)
     return model, load_tokenizer(model_dir), model_dir
 
 
 def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=torch.float32,
-                          ops=None):
+                          ops=None, tp=None):
     """Our CausalLM from a config dict and a safetensors folder, streamed to `device` tensor by
     tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
     into its slice of our fused parameter on the device, and dropped, so the host never holds
-    more than the shard being read (mapped) and one tensor."""
+    more than the shard being read (mapped) and one tensor. With `tp`
+    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first."""
     from flashlet.model import CausalLM, ModelConfig
 
     where = str(model_dir)
@@ -270,12 +271,22 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
         raise ModelLoadError(f"{where}: config: {e}") from e
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
-        model = CausalLM(cfg, **kwargs).to(dtype)  # no fp32 detour: allocate in the target dtype
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        # No fp32 detour: allocate in the target dtype.
+        model = CausalLM(cfg, **kwargs, tp=tp).to(dtype)
+        whole = model if tp is None else CausalLM(cfg)  # the checkpoint's shapes
+    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
-    _stream_tensors(plan, params, torch.device(device))
+    shard = None
+    if tp is not None:
+        from flashlet.parallel import checkpoint_slicer
+
+        shard = checkpoint_slicer(cfg, tp.shape(cfg))
+        with torch.no_grad():
+            for p in params.values():  # the vocabulary padding of the last rank stays zero
+                p.zero_()
+    _stream_tensors(plan, params, torch.device(device), shard)
     return _finish(model, device, dtype)
 
 
@@ -309,7 +320,8 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
     return plan
 
 
-def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device) -> None:
+def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device,
+                    shard=None) -> None:
     from safetensors import safe_open
 
     if device.type == "cuda" and device.index is None:
@@ -320,6 +332,8 @@ def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device) 
                 with safe_open(str(file), framework="pt", device=str(device)) as sf:
                     for name, ours, row in copies:
                         tensor = sf.get_tensor(name)
+                        if shard is not None:  # tensor parallel: this rank's rows or columns
+                            row, tensor = shard(ours, row, tensor)
                         params[ours][row:row + tensor.shape[0]].copy_(tensor)
                         del tensor
             except Exception as e:
@@ -335,9 +349,13 @@ def _finish(model, device, dtype):
     return model.eval()
 
 
-def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None):
-    """A model with random weights at `cfg`'s shape (for benchmarks at a real size)."""
+def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=None):
+    """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
+    this rank's slices of the very weights one device would draw."""
     from flashlet.model import CausalLM
+
+    if tp is not None:
+        return _shard_model(random_model(cfg, device, dtype, seed, ops), tp)
 
     torch.manual_seed(seed)
     kwargs = {} if ops is None else {"ops": ops}
@@ -350,6 +368,21 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None):
             else:
                 p.normal_(0, 0.02)
     return _finish(model, device, dtype)
+
+
+def _shard_model(full, tp):
+    """The rank's tensor-parallel slice of a whole model (which it then drops)."""
+    from flashlet.model import CausalLM
+    from flashlet.parallel import shard_state_dict
+
+    cfg, ops, device = full.config, full.ops, full.norm.device
+    state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))
+    del full
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=ops, tp=tp)
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    return _finish(model, device, state["norm"].dtype)
 
 
 def load_tokenizer(model_dir: Path):

@@ -85,7 +85,7 @@ def engine_for(args, config: str, backend: str) -> Engine:
     return Engine(EngineConfig(config=config, backend=backend, device=args.device, dtype=args.dtype,
                                page_size=args.page_size, max_num_pages=pages, max_num_seqs=4,
                                max_num_batched_tokens=args.chunk, enable_prefix_cache=False,
-                               cuda_graph=False, seed=args.seed))
+                               cuda_graph=False, weights_seed=args.seed))
 
 
 def flashlet_logits(engine: Engine, seqs: list[list[int]]) -> torch.Tensor:

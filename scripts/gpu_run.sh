@@ -2,13 +2,19 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
+#                                             decode-sat-sampled
 #                                             offline closed-loop kernels progression fidelity
 #                                             load all (default)
 #                                             and, not in all (issue 14, ~12 min together):
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
-#                                             see below; ~2-4 min)
+#                                             see below; ~2-4 min); tp tp-tests (tensor
+#                                             parallelism, 2 GPUs; not in all); core-ab
+#                                             sampled-ab (issue 20 / 17 A-B tables; not in all)
+# Two GPUs: run two instances side by side, each on one, e.g.
+#   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
+#   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -26,8 +32,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression
-         fidelity load)
+  PARTS=(tests torchlet single single-gemv decode-sat decode-sat-sampled offline closed-loop
+         kernels progression fidelity load)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -57,10 +63,23 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 }
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
+BF="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
+    --backend flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 for part in "${PARTS[@]}"; do
   case $part in
     tests) run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py ;;
+    core-ab)  # issue 20's before/after table: the harness workloads, no peers, the two fast
+              # backends (the "before" is the same command on the older tree, same day)
+      for w in single decode-sat; do
+        run 250 $BF --max-num-pages 8192 --workload $w --out "$OUT/json/ab-$w.json"
+      done
+      run 280 $BF --max-num-pages 32768 --workload offline --out "$OUT/json/ab-offline.json" ;;
+    sampled-ab)  # issue 17: decode-sat greedy vs temperature 0.7 / top-p 0.9 / penalties
+      run 200 $BF --max-num-pages 8192 --workload decode-sat --out "$OUT/json/sab-greedy.json"
+      run 200 $BF --max-num-pages 8192 --workload decode-sat --temperature 0.7 --top-p 0.9 \
+        --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1 \
+        --out "$OUT/json/sab-sampled.json" ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     single) run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \
@@ -69,6 +88,9 @@ for part in "${PARTS[@]}"; do
                    --out "$OUT/json/single-gemv.json" ;;
     decode-sat) run 300 $B --max-num-pages 8192 --workload decode-sat --peer hf \
                   --out "$OUT/json/decode-sat.json" ;;
+    decode-sat-sampled) run 300 $B --max-num-pages 8192 --workload decode-sat \
+                  --temperature 0.7 --top-p 0.9 --presence-penalty 0.5 --frequency-penalty 0.5 \
+                  --repetition-penalty 1.1 --out "$OUT/json/decode-sat-sampled.json" ;;
     offline) run 500 $B --max-num-pages 32768 --workload offline --peer hf \
                --peer-max-requests 32 --out "$OUT/json/offline.json" ;;
     closed-loop) run 400 $B --max-num-pages 8192 --workload closed-loop \
@@ -127,6 +149,19 @@ for part in "${PARTS[@]}"; do
              2>&1 | tail -1 | tee -a "$LOG"
            run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
            run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
+    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
+        # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
+        if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
+          echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue
+        fi
+        for shape in qwen2.5-7b qwen2.5-14b; do
+          for n in 1 2; do
+            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n --single-tokens 128 \
+              --backend "${TP_BACKEND:-triton}" --out "$OUT/json/tp-$shape-$n.json"
+          done
+        done
+        run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
+    tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--allow-preemption", action="store_true",
                    help="run even when the KV pool cannot hold every concurrent request")
 
+    samp = p.add_argument_group("sampling (decode-sat; greedy unless given)")
+    for flag, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                       ("presence-penalty", float), ("frequency-penalty", float),
+                       ("repetition-penalty", float)):
+        samp.add_argument(f"--{flag}", type=kind, default=None)
+
     peer = p.add_argument_group("peers")
     peer.add_argument("--peer", choices=PEERS, nargs="+", action="extend", default=None,
                       help="also run Hugging Face transformers generate on the same weights")
@@ -144,6 +150,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             err(f"--{name.replace('_', '-')} must be LO HI with 1 <= LO <= HI, got {v[0]} {v[1]}")
     if args.peer and wl not in MODEL_WORKLOADS:
         err(f"--peer applies to {', '.join(MODEL_WORKLOADS)}, not {wl!r}")
+    if args.peer and args.tensor_parallel_size > 1:
+        err("--peer runs the engine's weights on one device: use --tensor-parallel-size 1")
     if args.peer:
         args.peer = list(dict.fromkeys(args.peer))
     repeated = [b for b in dict.fromkeys(args.backends) if args.backends.count(b) > 1]
@@ -505,7 +513,9 @@ def _params(args) -> dict:
         "closed-loop": ["concurrency", "level_requests", "prompt_len_range", "output_len_range",
                         "num_requests", "rate"],
         "offline": ["num_requests", "prompt_len_range", "output_len_range"],
-        "decode-sat": ["decode_batch", "decode_prompt_len", "decode_tokens"],
+        "decode-sat": ["decode_batch", "decode_prompt_len", "decode_tokens", "temperature",
+                       "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty"],
         "single": ["single_prompt_len", "single_tokens", "bandwidth_mib"],
         "scheduler": ["sched_running", "sched_prefill_chunks", "sched_context", "sched_chunk_len",
                       "sched_steps", "sched_budget"],
@@ -513,5 +523,6 @@ def _params(args) -> dict:
     }[args.workload]
     out = {k: getattr(args, k, None) for k in keys}
     out.update(seed=args.seed, warmup=args.warmup, peers=args.peer or [],
-               peer_max_requests=args.peer_max_requests, greedy=True, ignore_eos=True)
+               peer_max_requests=args.peer_max_requests,
+               greedy=args.workload != "decode-sat" or not args.temperature, ignore_eos=True)
     return out

@@ -178,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     port = sock.getsockname()[1]
     name = args.served_model_name or default_model_name(engine_config)
+    from flashlet.parallel import launched_rank
+
+    if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
+        # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP.
+        from flashlet.engine import Engine
+
+        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
+        return 0
 
     def load():
         from flashlet.engine import Engine
@@ -200,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             uv.should_exit = True
 
     def on_fatal(error: BaseException) -> None:
-        log.error("could not start the engine: %s", error)
+        if loop.ready.is_set():  # it ran, then went down (a tensor-parallel worker died)
+            log.error("the engine went down: %s", error)
+        else:
+            log.error("could not start the engine: %s", error)
         if uv is not None:
             uv.should_exit = True
 

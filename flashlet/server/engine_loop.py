@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any, Callable
 
 from flashlet.detokenizer import TextOutputs
+from flashlet.parallel import WorkerDiedError
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
 
@@ -209,6 +210,9 @@ class EngineLoop:
         try:
             self._serve()
         finally:
+            shutdown = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
+            if shutdown is not None:
+                shutdown()
             self.stopped.set()
 
     def _serve(self) -> None:
@@ -294,6 +298,8 @@ class EngineLoop:
                 self.text_outputs.forget(rid)
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
+            if isinstance(e, WorkerDiedError):  # the engine is down for good: stop serving
+                self._fatal(e)
             return 0
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -303,6 +309,13 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
         return len(outputs)
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        with self._cond:
+            self._stopping = True
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
     def _fail_leftovers(self, message: str) -> None:
         for stream in self._streams.values():

@@ -89,8 +89,8 @@ class StepLayout:
         return {name: getattr(self, name) for name in LAYOUT_DTYPES}
 
 
-LAYOUT_DTYPES = {f.name: torch.int32 if f.name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices",
-                                                   "paged_kv_last_page_len", "kv_lens") else torch.int64
+_INT32 = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "kv_lens")
+LAYOUT_DTYPES = {f.name: torch.int32 if f.name in _INT32 else torch.int64
                  for f in fields(StepLayout)}
 
 
@@ -218,7 +218,8 @@ class StepBuffers:
             n = lengths[name] = tensor.shape[0]
             buffer = self.np[name]
             if n > len(buffer):
-                raise ValueError(f"the step's {name} has {n} entries; the buffers hold {len(buffer)}")
+                raise ValueError(f"the step's {name} has {n} entries; "
+                                 f"the buffers hold {len(buffer)}")
             buffer[:n] = tensor.numpy()
         if pad_to is not None and pad_to > layout.num_seqs:
             self._pad(layout, pad_to, lengths)
@@ -230,7 +231,8 @@ class StepBuffers:
         if lengths["feed_rows"]:
             if fed_tokens is None:
                 raise ValueError("the step has fed rows but no previous step's tokens were given")
-            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed_tokens.index_select(0, dev["feed_src"]))
+            fed = fed_tokens.index_select(0, dev["feed_src"])
+            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed)
         staged = StepLayout(**host)
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
@@ -255,7 +257,7 @@ class StepBuffers:
         if not layout.is_pure_decode:
             raise ValueError("only a pure-decode step is padded to a CUDA-graph batch size")
         if self.scratch_page is None:
-            raise ValueError("padding needs the pool's scratch page (StepBuffers(scratch_page=...))")
+            raise ValueError("padding needs the pool's scratch page: StepBuffers(scratch_page=)")
         if size > self.max_seqs:
             raise ValueError(f"cannot pad to {size} sequences: the buffers hold {self.max_seqs}")
         n, num_pages, a = layout.num_seqs, layout.paged_kv_indices.shape[0], self.np

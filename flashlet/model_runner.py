@@ -87,7 +87,8 @@ class ModelRunner:
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int) -> torch.Tensor:
-        if meta.num_seqs != size or input_ids.data_ptr() != self.buffers.dev["input_ids"].data_ptr():
+        loaded = input_ids.data_ptr() == self.buffers.dev["input_ids"].data_ptr()
+        if meta.num_seqs != size or not loaded:
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
         self.backend.plan_graph(meta, size)

@@ -2,9 +2,9 @@
 
 The loop is three calls per step: receive the layout (host tensors, over gloo), load it into
 the step buffers as rank 0 does (`ModelRunner.load`: the same CUDA-graph padding) and receive
-the input ids on the device, then the same forward as rank 0
-(its all-reduces and the logits all-gather pair with rank 0's; the logits are dropped, since
-only rank 0 samples). A STOP message from rank 0 ends it.
+the input ids on the device, then the same forward as rank 0 (its all-reduces and the logits
+all-gather pair with rank 0's; the logits are dropped, since only rank 0 samples). A STOP
+message from rank 0 ends it.
 """
 
 from __future__ import annotations

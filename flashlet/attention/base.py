@@ -98,7 +98,8 @@ class AttentionBackend(ABC):
     def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache) -> torch.Tensor:
         """`run` for q/k not rotated yet: the pool applies RoPE and writes K/V
         (`KVPool.write_rope`, one fused kernel on CUDA), then attention."""
-        q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, self.meta.slot_mapping)
+        slots = self.meta.slot_mapping
+        q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots)
         return self._attend(layer, q)
 
     @abstractmethod

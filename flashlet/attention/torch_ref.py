@@ -50,8 +50,9 @@ class TorchBackend(AttentionBackend):
             return
         # Host-side page lists per sequence, computed once per step and reused by every layer.
         host = meta.host
-        indices = host.paged_kv_indices.to(torch.int64).split(np.diff(host.paged_kv_indptr.numpy()).tolist())
-        self._pages = [pages.to(meta.positions.device) for pages in indices]
+        counts = np.diff(host.paged_kv_indptr.numpy()).tolist()
+        pages = host.paged_kv_indices.to(torch.int64).split(counts)
+        self._pages = [own.to(meta.positions.device) for own in pages]
         self._qo, self._kv_lens_list = host.qo_indptr.tolist(), host.kv_lens.tolist()
         self._masks = {}
 

@@ -92,9 +92,9 @@ class EngineConfig:
 
 def check_backend_runs_here(config: EngineConfig) -> None:
     """Raise ValueError, before any model loads, when the backend cannot run on this machine:
-    flashinfer needs CUDA; triton needs CUDA unless TRITON_INTERPRET=1 asks for the (slow)
-    interpreter."""
-    if config.backend == "torch" or config.resolved_device().type == "cuda":
+    flashinfer needs CUDA; auto is torch off CUDA; triton needs CUDA unless TRITON_INTERPRET=1
+    asks for the (slow) interpreter."""
+    if config.backend in ("torch", "auto") or config.resolved_device().type == "cuda":
         return
     if config.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         return

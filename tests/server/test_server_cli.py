@@ -38,7 +38,7 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("module,args,needle", [
-    ("flashlet", ["--temperature", "-1"], "temperature must be >= 0"),
+    ("flashlet", ["--temperature", "-1"], "temperature must be finite and >= 0"),
     ("flashlet", ["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     ("flashlet", ["--top-p", "0"], "top_p must be in (0, 1]"),
     ("flashlet", ["--page-size", "3"], "page_size must be a power of two"),

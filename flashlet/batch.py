@@ -1,109 +1,280 @@
-"""Turns a SchedulerOutput into the step's model inputs and AttentionMetadata, written in place
-into persistent buffers (pinned host memory, copied to the device once per step) so that no
-tensor is allocated per step and a CUDA graph can capture the step."""
+"""A step's batch layout: built once, from rows, by `build_layout`; put on the device by
+`StepBuffers`. Every step goes through these two: the engine's, the warm-up's synthetic ones and
+the tests'.
+
+- `build_layout(rows, page_size)` is a pure function: each row is one sequence's part of the
+  step (its new token ids, how many tokens it has computed, its page table) and the result is a
+  `StepLayout`, a small set of named CPU tensors (input ids, positions, slot mapping,
+  FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
+  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput.
+- `StepBuffers.load(layout)` copies a layout into persistent buffers: pinned host staging,
+  copied to the device without blocking, so no tensor is allocated per step and a CUDA graph
+  reads the same addresses every replay. Asked to (`pad_to`), it pads a pure-decode step to a
+  captured batch size with rows that write to and read from the pool's scratch page, and it
+  feeds the previous step's sampled tokens (still on the device) into the rows that take them.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from flashlet.attention.base import AttentionMetadata
 from flashlet.request import PLACEHOLDER
-from flashlet.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from flashlet.scheduler import SchedulerOutput
+
+
+class StepRow(NamedTuple):
+    """One sequence's part of a step."""
+
+    token_ids: Sequence[int]  # its new tokens (PLACEHOLDER: the previous step's sampled token)
+    num_computed: int  # tokens before them whose K/V are in the pool: the first one's position
+    page_ids: Sequence[int]  # its page table, covering num_computed + len(token_ids) tokens
+    sample: bool = True  # its last row's logits are sampled
+    feed_src: int = 0  # for a PLACEHOLDER token: its row in the previous step's sampled tokens
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)
+
+
+@dataclass
+class StepLayout:
+    """One step's batch layout as CPU tensors. T tokens (query rows) over B sequences; request
+    b's rows are qo_indptr[b]:qo_indptr[b+1] and its pages
+    paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]] (see attention/base.py)."""
+
+    input_ids: torch.Tensor  # [T] int64 (0 in a fed row until the device writes the token)
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: the flat pool slot each new K/V row goes to
+    qo_indptr: torch.Tensor  # [B + 1] int32
+    paged_kv_indptr: torch.Tensor  # [B + 1] int32
+    paged_kv_indices: torch.Tensor  # [pages] int32
+    paged_kv_last_page_len: torch.Tensor  # [B] int32
+    kv_lens: torch.Tensor  # [B] int32: KV length of each sequence including this step
+    logits_indices: torch.Tensor  # [S] int64: the rows whose logits are sampled
+    feed_rows: torch.Tensor = field(default_factory=_empty)  # [F] int64: rows whose input is
+    feed_src: torch.Tensor = field(default_factory=_empty)  # previous step's sampled[feed_src]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @cached_property
+    def query_lens(self) -> np.ndarray:
+        """[B] query rows of each sequence."""
+        return np.diff(self.qo_indptr.numpy())
+
+    @cached_property
+    def is_pure_decode(self) -> bool:
+        """Every sequence has exactly one query row."""
+        return bool((self.query_lens == 1).all())
+
+    @cached_property
+    def max_query_len(self) -> int:
+        return int(self.query_lens.max(initial=0))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields by name (StepLayout(**tensors) rebuilds it)."""
+        return {name: getattr(self, name) for name in LAYOUT_DTYPES}
+
+
+_INT32 = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "kv_lens")
+LAYOUT_DTYPES = {f.name: torch.int32 if f.name in _INT32 else torch.int64
+                 for f in fields(StepLayout)}
+
+
+def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
+    """The layout of a step whose sequences are `rows` (StepRow, or 5-tuples in its order)."""
+    ps = page_size
+    ids, lens, ends, num_pages, page_ids, sample, feed_src = [], [], [], [], [], [], []
+    for tokens, start, pages, samples, src in rows:  # the one loop over the sequences
+        n = len(tokens)
+        end = start + n
+        count = (end + ps - 1) // ps
+        ids += tokens
+        lens.append(n)
+        ends.append(end)
+        num_pages.append(count)
+        page_ids += pages[:count]
+        sample.append(samples)
+        feed_src.append(src)
+    num_seqs, num_tokens = len(lens), len(ids)
+    kv_lens = _array(ends, num_seqs)
+    pages_ = _array(num_pages, num_seqs)
+    table = np.fromiter(page_ids, np.int32, len(page_ids))
+    if len(table) != pages_.sum():
+        raise ValueError("a row's page table holds fewer pages than its tokens need")
+    # Per token: its sequence, its position, and the pool slot its K/V goes to.
+    if num_tokens == num_seqs and 0 not in lens:  # pure decode: one row per sequence
+        qo = np.arange(num_seqs + 1)
+        seq, positions = qo[:-1], kv_lens - 1
+    else:
+        lens_ = _array(lens, num_seqs)
+        qo = _indptr(lens_)
+        seq = np.repeat(np.arange(num_seqs), lens_)
+        positions = np.arange(num_tokens) + (kv_lens - qo[1:])[seq]
+    kv_ptr = _indptr(pages_)
+    page, offset = np.divmod(positions, ps)
+    slots = table[kv_ptr[:-1][seq] + page] * ps + offset
+    last = kv_lens - np.maximum(pages_ - 1, 0) * ps
+    logits = qo[1:] - 1
+    if False in sample:
+        logits = logits[np.fromiter(sample, bool, num_seqs)]
+    input_ids = _array(ids, num_tokens)
+    feed_rows = np.flatnonzero(input_ids == PLACEHOLDER)
+    if len(feed_rows):
+        input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+        feed_src_ = _array(feed_src, num_seqs)[seq[feed_rows]]
+    else:
+        feed_src_ = feed_rows
+    i32 = np.int32
+    return StepLayout(
+        input_ids=torch.from_numpy(input_ids), positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots), qo_indptr=torch.from_numpy(qo.astype(i32)),
+        paged_kv_indptr=torch.from_numpy(kv_ptr.astype(i32)),
+        paged_kv_indices=torch.from_numpy(table),
+        paged_kv_last_page_len=torch.from_numpy(last.astype(i32)),
+        kv_lens=torch.from_numpy(kv_lens.astype(i32)), logits_indices=torch.from_numpy(logits),
+        feed_rows=torch.from_numpy(feed_rows), feed_src=torch.from_numpy(feed_src_))
+
+
+def _array(values: list, n: int) -> np.ndarray:
+    return np.fromiter(values, np.int64, n)  # faster than np.array from a list
+
+
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def step_rows(sched: "SchedulerOutput"):
+    """The scheduled requests as StepRows (generated: the builder's loop is the only one)."""
+    for req, n in sched.scheduled:
+        start = req.num_computed_tokens
+        end = start + n
+        tokens = (req.token_at(start),) if n == 1 else req.token_slice(start, end)
+        yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
+
+
+def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
+    """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
+    return build_layout(step_rows(sched), page_size)
 
 
 class StepBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, page_size: int, device):
-        self.page_size = page_size
+    """Persistent buffers that a step's layout is loaded into: on CUDA pinned host staging and
+    device buffers (the copies between them do not block the host); on the CPU one set."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device,
+                 scratch_page: int | None = None, page_size: int = 1):
+        """max_pages: page-table entries of one step (one more per sequence is kept for the
+        padding rows). scratch_page / page_size: the pool's page that padding rows use."""
         self.device = torch.device(device)
-        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "qo_indptr": max_seqs + 1, "paged_kv_indptr": max_seqs + 1,
-                 "paged_kv_indices": max_pages, "paged_kv_last_page_len": max_seqs,
-                 "kv_lens": max_seqs, "logits_indices": max_seqs,
-                 "feed_rows": max_seqs, "feed_src": max_seqs}
-        int64 = {"input_ids", "positions", "slot_mapping", "logits_indices", "feed_rows",
-                 "feed_src"}
-        pin = self.device.type == "cuda"
-        self.host, self.dev, self.np = {}, {}, {}
+        self.scratch_page, self.page_size = scratch_page, page_size
+        self.max_seqs = max_seqs
+        max_tokens = max(max_tokens, max_seqs)  # a padded decode step has max_seqs tokens
+        sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens,
+                     qo_indptr=max_seqs + 1, paged_kv_indptr=max_seqs + 1,
+                     paged_kv_indices=max_pages + max_seqs, paged_kv_last_page_len=max_seqs,
+                     kv_lens=max_seqs, logits_indices=max_seqs, feed_rows=max_seqs,
+                     feed_src=max_seqs)
+        self.staged = self.device.type == "cuda"  # else the host buffers are the device's
+        self.host, self.np, self.dev = {}, {}, {}
         for name, size in sizes.items():
-            dtype = torch.int64 if name in int64 else torch.int32
-            self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=pin)
+            dtype = LAYOUT_DTYPES[name]
+            self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=self.staged)
             self.np[name] = self.host[name].numpy()
-            self.dev[name] = self.host[name] if not pin else torch.zeros(size, dtype=dtype, device=device)
-        # Decode rows whose input token is still a placeholder (overlap): input_ids[feed_rows]
-        # must take the previous step's sampled tokens[feed_src]. None when there are none.
-        self.feed: tuple[torch.Tensor, torch.Tensor] | None = None
+            self.dev[name] = (torch.zeros(size, dtype=dtype, device=self.device) if self.staged
+                              else self.host[name])
+        self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def fill(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list]:
-        """Write the step's inputs; returns (input_ids, metadata, requests that sample)."""
-        ps = self.page_size
-        ids, pos, slots, qo, kv_ptr, kv_idx, last, kv_lens, logit_rows = ([] for _ in range(9))
-        feed_rows, feed_src = [], []
-        qo.append(0)
-        kv_ptr.append(0)
-        sampling = []
-        for req, n in sched.scheduled:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            pages = req.page_ids
-            if n == 1:  # a decode: the common case, kept free of temporaries
-                token = req.token_at(start)
-                if token == PLACEHOLDER:
-                    feed_rows.append(len(ids))
-                    feed_src.append(req.sample_row)
-                    token = 0
-                ids.append(token)
-                pos.append(start)
-                slots.append(pages[start // ps] * ps + start % ps)
-            else:
-                ids += req.token_slice(start, end)
-                pos += range(start, end)
-                slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
-            num_pages = (end + ps - 1) // ps
-            kv_idx += pages[:num_pages]
-            qo.append(qo[-1] + n)
-            kv_ptr.append(kv_ptr[-1] + num_pages)
-            last.append(end - (num_pages - 1) * ps)
-            kv_lens.append(end)
-            if end == req.num_tokens:
-                logit_rows.append(qo[-1] - 1)
-                sampling.append(req)
-        values = dict(input_ids=ids, positions=pos, slot_mapping=slots, qo_indptr=qo,
-                      paged_kv_indptr=kv_ptr, paged_kv_indices=kv_idx,
-                      paged_kv_last_page_len=last, kv_lens=kv_lens, logits_indices=logit_rows,
-                      feed_rows=feed_rows, feed_src=feed_src)
-        input_ids, meta = self.write(values, sched.is_pure_decode)
-        return input_ids, meta, sampling
+    @classmethod
+    def for_layout(cls, layout: StepLayout, device) -> "StepBuffers":
+        """Buffers just large enough for `layout` (tests and tools; the engine keeps one set)."""
+        return cls(layout.num_tokens, max(layout.num_seqs, len(layout.feed_rows)),
+                   layout.paged_kv_indices.shape[0], device)
 
-    def write(self, values: dict, is_pure_decode: bool) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Copy a step's layout ({field: list or int array}) into the buffers; `fill` builds it
-        from a schedule, a tensor-parallel worker receives it from rank 0."""
-        views, host = {}, {}
-        for name, vals in values.items():
-            n = len(vals)
-            if isinstance(vals, np.ndarray):
-                self.np[name][:n] = vals
-            else:
-                # fromiter: faster than from a list
-                self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)
-            host[name] = self.host[name][:n]
-            if self.dev[name] is not self.host[name]:
-                self.dev[name][:n].copy_(host[name], non_blocking=True)
-            views[name] = self.dev[name][:n]
-        feeds = len(values.get("feed_rows", ()))
-        self.feed = (views["feed_rows"], views["feed_src"]) if feeds else None
-        qo, kv_ptr, kv_lens = (_as_list(values[k]) for k in ("qo_indptr", "paged_kv_indptr",
-                                                              "kv_lens"))
+    def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
+             pad_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Copy `layout` into the buffers -> (input_ids [T], metadata), views of the device
+        buffers. fed_tokens: the previous step's sampled tokens on the device, which the fed
+        rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
+        batch) with rows on the scratch page. The pinned staging must be free (the previous
+        step's copies done: ModelRunner.wait_inputs_staged)."""
+        lengths = {}
+        for name, tensor in layout.tensors().items():
+            n = lengths[name] = tensor.shape[0]
+            buffer = self.np[name]
+            if n > len(buffer):
+                raise ValueError(f"the step's {name} has {n} entries; "
+                                 f"the buffers hold {len(buffer)}")
+            buffer[:n] = tensor.numpy()
+        if pad_to is not None and pad_to > layout.num_seqs:
+            self._pad(layout, pad_to, lengths)
+        host, dev = {}, {}
+        for name, n in lengths.items():
+            host[name], dev[name] = self._view(name, n)
+            if self.staged and n:
+                dev[name].copy_(host[name], non_blocking=True)
+        if lengths["feed_rows"]:
+            if fed_tokens is None:
+                raise ValueError("the step has fed rows but no previous step's tokens were given")
+            fed = fed_tokens.index_select(0, dev["feed_src"])
+            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed)
+        staged = StepLayout(**host)
         meta = AttentionMetadata(
-            num_tokens=len(values["input_ids"]), num_seqs=len(qo) - 1, positions=views["positions"],
-            slot_mapping=views["slot_mapping"], qo_indptr=views["qo_indptr"],
-            paged_kv_indptr=views["paged_kv_indptr"], paged_kv_indices=views["paged_kv_indices"],
-            paged_kv_last_page_len=views["paged_kv_last_page_len"], kv_lens=views["kv_lens"],
-            logits_indices=views["logits_indices"], qo_indptr_host=qo,
-            paged_kv_indptr_host=kv_ptr, kv_lens_host=kv_lens,
-            is_pure_decode=is_pure_decode, host_tensors=host,
-        )
-        return views["input_ids"], meta
+            host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
+            qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
+            paged_kv_indices=dev["paged_kv_indices"],
+            paged_kv_last_page_len=dev["paged_kv_last_page_len"], kv_lens=dev["kv_lens"],
+            logits_indices=dev["logits_indices"], num_padding=lengths["kv_lens"] - layout.num_seqs)
+        return dev["input_ids"], meta
+
+    def _view(self, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host, device) views of a buffer's first n entries, kept: slicing costs more."""
+        views = self._views.get((name, n))
+        if views is None:
+            if len(self._views) >= 8192:  # bounded: page counts take many values
+                self._views.clear()
+            views = self._views[name, n] = (self.host[name][:n], self.dev[name][:n])
+        return views
+
+    def _pad(self, layout: StepLayout, size: int, lengths: dict) -> None:
+        """Rows num_seqs..size: one token at position 0 of a sequence of one token on the
+        scratch page (its K/V written there, its output unused). Not sampled."""
+        if not layout.is_pure_decode:
+            raise ValueError("only a pure-decode step is padded to a CUDA-graph batch size")
+        if self.scratch_page is None:
+            raise ValueError("padding needs the pool's scratch page: StepBuffers(scratch_page=)")
+        if size > self.max_seqs:
+            raise ValueError(f"cannot pad to {size} sequences: the buffers hold {self.max_seqs}")
+        n, num_pages, a = layout.num_seqs, layout.paged_kv_indices.shape[0], self.np
+        a["input_ids"][n:size] = 0
+        a["positions"][n:size] = 0
+        a["slot_mapping"][n:size] = self.scratch_page * self.page_size
+        a["qo_indptr"][n + 1 : size + 1] = np.arange(n + 1, size + 1)
+        a["paged_kv_indptr"][n + 1 : size + 1] = np.arange(num_pages + 1, num_pages + size - n + 1)
+        a["paged_kv_indices"][num_pages : num_pages + size - n] = self.scratch_page
+        a["paged_kv_last_page_len"][n:size] = 1
+        a["kv_lens"][n:size] = 1
+        for name in ("input_ids", "positions", "slot_mapping", "paged_kv_last_page_len", "kv_lens"):
+            lengths[name] = size
+        lengths["qo_indptr"] = lengths["paged_kv_indptr"] = size + 1
+        lengths["paged_kv_indices"] = num_pages + size - n
 
 
-def _as_list(values) -> list:
-    return values if isinstance(values, list) else values.tolist()
+def load_layout(layout: StepLayout, device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """`layout` on `device` through buffers of its own size: for tests and tools."""
+    return StepBuffers.for_layout(layout, device).load(layout)

@@ -1,10 +1,10 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
-A step is: schedule -> fill the batch buffers -> backend.plan() -> model forward (backend.run()
-in every layer) -> sample on the device -> read the tokens -> `scheduler.update` (stop checks,
-pages, retiring) -> outputs. The engine deals in token ids only: text and stop strings belong to
-the front end (detokenizer.py), which ends a request on a stop string with
-`abort(request_id, finish_reason="stop")`.
+A step is: schedule -> build its layout (batch.py) -> load it into the step buffers ->
+backend.plan() -> model forward (backend.run_rope() in every layer) -> sample on the device ->
+read the tokens -> `scheduler.update` (stop checks, pages, retiring) -> outputs. The engine
+deals in token ids only: text and stop strings belong to the front end (detokenizer.py), which
+ends a request on a stop string with `abort(request_id, finish_reason="stop")`.
 
 Overlap (`EngineConfig.overlap`, on by default): `step()` launches step N on the device and
 only then reads step N-1's tokens and does its bookkeeping, so the host's Python runs while the
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from flashlet import parallel
-from flashlet.batch import StepBuffers
+from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
@@ -92,7 +92,7 @@ class Engine:
                      "to every token: exact)", cfg.sliding_window)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
-                              self.device)
+                              self.device, fused_rope=config.fused_ops and self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids())
@@ -100,9 +100,6 @@ class Engine:
         self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
                            if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_num_seqs * max_pages_per_seq, config.page_size,
-                                   self.device)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
@@ -239,14 +236,12 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
         """Run the model and sample on the device; nothing here waits for the device."""
-        self.runner.wait_inputs_staged()  # the host staging buffers are free again
-        input_ids, meta, _ = self.buffers.fill(sched)
-        if self.buffers.feed is not None:
-            # Decode rows whose input is the previous step's token, still on the device.
-            rows, src = self.buffers.feed
-            input_ids.index_copy_(0, rows, previous.tokens.index_select(0, src))
+        layout = layout_of(sched, self.config.page_size)
+        # Decode rows whose input is the previous step's token take it from the device.
+        fed = previous.tokens if previous is not None else None
+        input_ids, meta = self.runner.load(layout, fed)
         if self.tp is not None:  # the workers run the same step
-            self.tp.send_step(meta, input_ids)
+            self.tp.send_step(layout, input_ids)
         logits = self.runner.forward(input_ids, meta)
         for observe in self._step_observers:
             observe(meta, logits)

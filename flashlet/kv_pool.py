@@ -3,12 +3,16 @@ free-list allocator that hands pages out.
 
 Layout `[layers, pages, page_size, kv_heads, head_dim]` is FlashInfer's NHD: flattening
 `pages * page_size` gives one row per token slot, so writing a step's new K/V is one
-`index_copy_` at the step's slot mapping.
+`index_copy_` at the step's slot mapping. The pool is the one place K/V are written: `write`
+stores rows as given, `write_rope` rotates q and k first (RoPE) and stores k and v, as one fused
+Triton kernel (`flashlet/kernels/rope_kv_write.py`) on CUDA or as PyTorch ops elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
+
+from flashlet.ops import TorchOps
 
 
 class OutOfPages(RuntimeError):
@@ -72,7 +76,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused_rope: bool | None = None,
     ):
+        """fused_rope: `write_rope` as the Triton kernel (default: on CUDA); else PyTorch ops."""
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         # One page more than the allocator hands out: a scratch page that padding rows of a
@@ -87,6 +93,13 @@ class KVPool:
         self.head_dim = head_dim
         self.allocator = PageAllocator(num_pages)
         self.scratch_page = num_pages
+        if fused_rope is None:
+            fused_rope = self.k_cache.device.type == "cuda"
+        self._rope_kernel = None
+        if fused_rope:
+            from flashlet.kernels.rope_kv_write import rope_kv_write  # imports Triton: only here
+
+            self._rope_kernel = rope_kv_write
 
     @property
     def num_bytes(self) -> int:
@@ -100,12 +113,20 @@ class KVPool:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
         """Store new K/V rows: k, v [num_tokens, kv_heads, head_dim] at flat slots [num_tokens]."""
-        store_kv(self.k_cache[layer], self.v_cache[layer], k, v, slot_mapping)
+        flat = (-1,) + tuple(self.k_cache.shape[3:])
+        self.k_cache[layer].view(flat).index_copy_(0, slot_mapping, k)
+        self.v_cache[layer].view(flat).index_copy_(0, slot_mapping, v)
 
-
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """One layer's pool [pages, page_size, kv_heads, head_dim]: k, v rows to flat slots."""
-    flat = (-1,) + tuple(k_cache.shape[2:])
-    k_cache.view(flat).index_copy_(0, slot_mapping, k)
-    v_cache.view(flat).index_copy_(0, slot_mapping, v)
+    def write_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+        """RoPE on q [T, Hq, D] and k [T, Hkv, D] at positions [T] (cos_sin_cache [max_pos, D]:
+        cos | sin), then the rotated k and v stored at flat slots [T]. Returns the rotated q
+        (the rotated k lives only in the pool)."""
+        if self._rope_kernel is not None:
+            q, _ = self._rope_kernel(q, k, v, positions, cos_sin_cache, self.k_cache[layer],
+                                     self.v_cache[layer], slot_mapping, return_k=False)
+            return q
+        q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
+        self.write(layer, k, v, slot_mapping)
+        return q

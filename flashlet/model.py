@@ -178,7 +178,7 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self._norm_heads(q, self.q_norm, ops), self._norm_heads(k, self.k_norm, ops)
-        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, ops)  # RoPE, K/V write, attend
+        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin)  # RoPE, K/V into the pool, attend
         if self.tp is None:
             x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
         else:  # row-parallel O: sum the ranks' partial outputs, then the bias once

@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashlet.kv_pool import store_kv
-
 
 class TorchOps:
     name = "torch"
@@ -42,14 +40,6 @@ class TorchOps:
         """Rotate-half RoPE. q [T, Hq, D], k [T, Hkv, D]; cos_sin_cache [max_pos, D] (cos | sin)."""
         cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    @staticmethod
-    def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-        """RoPE on q and k, then k and v stored into one layer's pool at flat `slot_mapping`.
-        Returns the rotated q (the rotated k lives only in the pool)."""
-        q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
-        store_kv(k_cache, v_cache, k, v, slot_mapping)
-        return q
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashlet.batch import LAYOUT_DTYPES, StepLayout
+
 log = logging.getLogger("flashlet")
 
 # Bounds start-up (rendezvous, model loading on every rank) and every collective of the
@@ -52,7 +54,8 @@ WATCHDOG_PERIOD_S = 0.2
 # ends the process (a collective on a dead peer can block in C++ where no exception reaches it).
 DEAD_WORKER_GRACE_S = 30.0
 
-# The step layout sent to the workers: AttentionMetadata.host_tensors, in this order.
+# The step layout sent to the workers: these StepLayout fields (flashlet/batch.py), in this
+# order. Not the fed rows: the workers get the input ids, fed tokens included, from rank 0.
 STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
                "paged_kv_indices", "paged_kv_last_page_len", "kv_lens", "logits_indices")
 _STOP, _STEP = 0, 1
@@ -220,28 +223,27 @@ class TensorParallel:
         return int(t.item())
 
     # ---- the step channel: rank 0 -> workers ---------------------------------------------
-    def send_step(self, meta, input_ids: torch.Tensor) -> None:
-        """Rank 0: the step's layout (host, gloo) and its input ids (device) to every worker."""
-        host = meta.host_tensors
-        header = torch.tensor([_STEP, int(meta.is_pure_decode)]
-                              + [host[f].numel() for f in STEP_FIELDS], dtype=torch.int64)
-        body = torch.cat([host[f].to(torch.int64) for f in STEP_FIELDS])
+    def send_step(self, layout, input_ids: torch.Tensor) -> None:
+        """Rank 0: the step's layout (a StepLayout as built, not padded: each rank pads it
+        the same way; host, gloo) and its input ids (device, as loaded) to every worker."""
+        fields = [getattr(layout, f) for f in STEP_FIELDS]
+        header = torch.tensor([_STEP] + [t.numel() for t in fields], dtype=torch.int64)
+        body = torch.cat([t.to(torch.int64) for t in fields])
         self._control_broadcast(header)
         self._control_broadcast(body)
         self._broadcast_input_ids(input_ids)
 
     def recv_step(self):
-        """A worker: the next step's (layout {field: int64 array}, is_pure_decode), or None
-        when rank 0 shuts down."""
-        header = torch.empty(2 + len(STEP_FIELDS), dtype=torch.int64)
+        """A worker: the next step's StepLayout, or None when rank 0 shuts down."""
+        header = torch.empty(1 + len(STEP_FIELDS), dtype=torch.int64)
         self._control_broadcast(header)
         if header[0].item() == _STOP:
             return None
-        sizes = header[2:].tolist()
+        sizes = header[1:].tolist()
         body = torch.empty(sum(sizes), dtype=torch.int64)
         self._control_broadcast(body)
-        fields = dict(zip(STEP_FIELDS, (p.numpy() for p in body.split(sizes))))
-        return fields, bool(header[1].item())
+        parts = body.split(sizes)
+        return StepLayout(**{f: p.to(LAYOUT_DTYPES[f]) for f, p in zip(STEP_FIELDS, parts)})
 
     def recv_input_ids(self, input_ids: torch.Tensor) -> None:
         """A worker: the step's input ids from rank 0, into its own device buffer."""
@@ -343,7 +345,7 @@ class TensorParallel:
         self._closed = True
         if self.rank == 0 and self.failure is None and all(p.is_alive() for p in self.workers):
             try:
-                self._control_broadcast(torch.tensor([_STOP] + [0] * (1 + len(STEP_FIELDS))))
+                self._control_broadcast(torch.tensor([_STOP] + [0] * len(STEP_FIELDS)))
             except WorkerDiedError as e:
                 log.warning("tensor-parallel shutdown: %s", e)
         # After a failure NCCL's communicators are aborted already; gloo's close cleanly.

@@ -1,9 +1,10 @@
 """A tensor-parallel worker (ranks 1..N-1): runs rank 0's steps on its slice of the model.
 
-The loop is three calls per step: receive the layout (host tensors, over gloo), write it into
-the step buffers and receive the input ids on the device, then the same forward as rank 0
-(its all-reduces and the logits all-gather pair with rank 0's; the logits are dropped, since
-only rank 0 samples). A STOP message from rank 0 ends it.
+The loop is three calls per step: receive the layout (host tensors, over gloo), load it into
+the step buffers as rank 0 does (`ModelRunner.load`: the same CUDA-graph padding) and receive
+the input ids on the device, then the same forward as rank 0 (its all-reduces and the logits
+all-gather pair with rank 0's; the logits are dropped, since only rank 0 samples). A STOP
+message from rank 0 ends it.
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ def worker_main(config, rank: int, world_size: int, master_port: str) -> None:
 
 def serve(engine) -> None:
     """Run rank 0's steps until it sends STOP, then leave the group."""
-    tp, runner, buffers = engine.tp, engine.runner, engine.buffers
+    tp, runner = engine.tp, engine.runner
     log.info("tensor-parallel worker rank %d ready", tp.rank)
     while True:
-        runner.wait_inputs_staged()  # the host staging buffers are free again
-        step = tp.recv_step()
-        if step is None:
+        layout = tp.recv_step()
+        if layout is None:
             break
-        layout, is_pure_decode = step
-        input_ids, meta = buffers.write(layout, is_pure_decode)
+        input_ids, meta = runner.load(layout)  # waits until the host staging is free
         tp.recv_input_ids(input_ids)
         runner.forward(input_ids, meta)
     runner.graphs.clear()  # captured collectives go before their communicator

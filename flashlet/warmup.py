@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from flashlet.attention.base import AttentionMetadata
+from flashlet.batch import StepLayout, StepRow, build_layout
 from flashlet.sampling import SamplingParams, make_generator, sample_one
 
 log = logging.getLogger("flashlet")
@@ -39,11 +39,12 @@ def representatives(variant_of, values) -> list[int]:
 
 
 def chunk_lengths(backend, max_chunk: int) -> list[int]:
-    """Longest-chunk lengths whose steps together compile every prefill variant."""
+    """Longest-chunk lengths whose steps together compile every prefill variant. A step whose
+    chunks are all one token long is a pure-decode step, so the lengths start at 2."""
     variant = getattr(backend, "prefill_variant", None)
     if variant is None:
         return [min(16, max_chunk)]
-    return representatives(variant, range(1, max_chunk + 1))
+    return representatives(variant, range(2, max_chunk + 1))
 
 
 def decode_sizes(runner, max_num_seqs: int) -> list[int]:
@@ -57,35 +58,13 @@ def decode_sizes(runner, max_num_seqs: int) -> list[int]:
     return representatives(variant, range(1, max_num_seqs + 1))
 
 
-def synthetic_step(num_seqs: int, q_len: int, kv_pool, device, vocab: int,
-                   pure_decode: bool) -> tuple[torch.Tensor, AttentionMetadata]:
+def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayout:
     """`num_seqs` sequences of `q_len` new tokens (no cached prefix), every token on the pool's
-    scratch page: the dtypes and layout of `batch.StepBuffers`, so the same kernels specialise."""
-    ps, scratch = kv_pool.page_size, kv_pool.scratch_page
-    pages = -(-q_len // ps)
-    qo = [i * q_len for i in range(num_seqs + 1)]
-    kv_ptr = [i * pages for i in range(num_seqs + 1)]
-    last = [q_len - (pages - 1) * ps] * num_seqs
-    positions = list(range(q_len)) * num_seqs
-    slots = [scratch * ps + p % ps for p in positions]
-    ints = dict(input_ids=[(7 * i) % vocab for i in range(len(positions))], positions=positions,
-                slot_mapping=slots, logits_indices=[qo[b + 1] - 1 for b in range(num_seqs)])
-    int32 = dict(qo_indptr=qo, paged_kv_indptr=kv_ptr,
-                 paged_kv_indices=[scratch] * (pages * num_seqs), paged_kv_last_page_len=last,
-                 kv_lens=[q_len] * num_seqs)
-    pin = torch.device(device).type == "cuda"
-    host = {k: torch.tensor(v, dtype=torch.int32).pin_memory() if pin else torch.tensor(v, dtype=torch.int32)
-            for k, v in int32.items()}
-    dev = {k: v.to(device) for k, v in host.items()}
-    dev.update({k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in ints.items()})
-    meta = AttentionMetadata(
-        num_tokens=len(positions), num_seqs=num_seqs, positions=dev["positions"],
-        slot_mapping=dev["slot_mapping"], qo_indptr=dev["qo_indptr"],
-        paged_kv_indptr=dev["paged_kv_indptr"], paged_kv_indices=dev["paged_kv_indices"],
-        paged_kv_last_page_len=dev["paged_kv_last_page_len"], kv_lens=dev["kv_lens"],
-        logits_indices=dev["logits_indices"], qo_indptr_host=qo, paged_kv_indptr_host=kv_ptr,
-        kv_lens_host=[q_len] * num_seqs, is_pure_decode=pure_decode, host_tensors=host)
-    return dev["input_ids"], meta
+    scratch page: built like every step (`batch.build_layout`), so the same kernels specialise."""
+    pages = [kv_pool.scratch_page] * -(-q_len // kv_pool.page_size)
+    rows = [StepRow([(7 * (b * q_len + i)) % vocab for i in range(q_len)], 0, pages)
+            for b in range(num_seqs)]
+    return build_layout(rows, kv_pool.page_size)
 
 
 def warm_up(engine) -> dict:
@@ -100,12 +79,12 @@ def warm_up(engine) -> dict:
     with count_triton_compiles() as compiles:
         t0 = time.perf_counter()
         for q_len in chunks:  # one sequence with a chunk of q_len tokens
-            runner.forward(*synthetic_step(1, q_len, engine.kv_pool, engine.device, vocab, False))
+            runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab)))
         _warm_sampling(engine)
         sync()
         t1 = time.perf_counter()
         for size in sizes:
-            runner.forward(*synthetic_step(size, 1, engine.kv_pool, engine.device, vocab, True))
+            runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
     report = {"warmup_s": t1 - t0, "capture_s": t2 - t1, "chunk_lengths": chunks,

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from flashlet.attention.base import AttentionMetadata
 from flashlet.attention.torch_ref import TorchBackend
+from flashlet.batch import StepRow, build_layout, load_layout
 from flashlet.kv_pool import KVPool
 
 
@@ -14,32 +14,15 @@ def random_step(pool, rng, seqs, device="cpu"):
     """Build a step: seqs = [(kv_len_before, q_len)], pages allocated from the pool, with the
     first two sequences sharing their first page (a cached prefix)."""
     ps = pool.page_size
-    pages_of, positions, slots, qo, kv_ptr, kv_idx, last, kv_lens = [], [], [], [0], [0], [], [], []
+    rows = []
     shared = pool.allocator.allocate(1)
     for i, (before, q_len) in enumerate(seqs):
-        total = before + q_len
-        n_pages = -(-total // ps)
+        n_pages = -(-(before + q_len) // ps)
         pages = shared if i < 2 and before >= ps else []
         pages = pages + pool.allocator.allocate(n_pages - len(pages))
-        for p in range(before, total):
-            positions.append(p)
-            slots.append(pages[p // ps] * ps + p % ps)
-        qo.append(qo[-1] + q_len)
-        kv_ptr.append(kv_ptr[-1] + n_pages)
-        kv_idx += pages
-        last.append(total - (n_pages - 1) * ps)
-        kv_lens.append(total)
-    t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=device)
-    host = {"qo_indptr": t(qo).cpu(), "paged_kv_indptr": t(kv_ptr).cpu(),
-            "paged_kv_indices": t(kv_idx).cpu(), "paged_kv_last_page_len": t(last).cpu(),
-            "kv_lens": t(kv_lens).cpu()}
-    return AttentionMetadata(
-        num_tokens=qo[-1], num_seqs=len(seqs), positions=t(positions, torch.int64),
-        slot_mapping=t(slots, torch.int64), qo_indptr=t(qo), paged_kv_indptr=t(kv_ptr),
-        paged_kv_indices=t(kv_idx), paged_kv_last_page_len=t(last), kv_lens=t(kv_lens),
-        logits_indices=t([q - 1 for q in qo[1:]], torch.int64), qo_indptr_host=qo,
-        paged_kv_indptr_host=kv_ptr, kv_lens_host=kv_lens,
-        is_pure_decode=all(q == 1 for _, q in seqs), host_tensors=host)
+        rows.append(StepRow([0] * q_len, before, pages))
+    _, meta = load_layout(build_layout(rows, ps), device)
+    return meta
 
 
 def compare(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=torch.float32, device="cpu"):

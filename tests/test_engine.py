@@ -190,7 +190,7 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_qwen2, alone):
     long_prompt = [(i * 7) % 250 + 2 for i in range(60)]
     long = engine.add_request(long_prompt, SamplingParams(max_new_tokens=3, **GREEDY))
     layouts = []
-    engine.observe_steps(lambda meta, logits: layouts.append(list(meta.qo_indptr_host)))
+    engine.observe_steps(lambda meta, logits: layouts.append(meta.host.qo_indptr.tolist()))
     done = run_all(engine)
     chunk_steps = [q for q in layouts if len(q) == 3 and q[1] == 1 and q[2] > 2]
     assert len(chunk_steps) >= 3, f"prompt was not spread over steps: {layouts}"

@@ -130,14 +130,14 @@ def test_compile_counter_counts_a_new_triton_variant():
 @pytest.mark.slow
 def test_warm_up_runs_every_triton_variant_step(tiny_qwen2):
     """The Triton backend's warm-up steps (interpreter on the CPU): one chunk step per prefill
-    bucket (a 1-token chunk included) and one eager decode step per decode variant; the engine
-    then gives the same tokens as the torch backend."""
+    bucket (from 2 tokens: a step of 1-token chunks is a pure-decode step) and one eager decode
+    step per decode variant; the engine then gives the same tokens as the torch backend."""
     cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
                        max_num_pages=32)
     engine = Engine(cfg.replace(backend="triton"))
     report = warm_up(engine)
     backend = engine.runner.backend
-    assert report["chunk_lengths"] == [1, tuning.PREFILL_QLEN_BUCKETS[0] + 1]
+    assert report["chunk_lengths"] == [2, tuning.PREFILL_QLEN_BUCKETS[0] + 1]
     assert {backend.decode_variant(b) for b in report["decode_sizes"]} == \
         {backend.decode_variant(b) for b in range(1, 5)}
     assert engine.kv_pool.allocator.num_used == 0

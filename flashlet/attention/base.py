@@ -6,9 +6,10 @@ A step is a ragged batch: request `b` contributes query rows `qo_indptr[b]:qo_in
 `paged_kv_last_page_len[b]` tokens. The causal mask is aligned to the END of each KV sequence:
 query row i of a chunk of length q over a KV length of n sees keys 0 .. n - q + i.
 
-The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, ...)` in every
-layer (`run(layer, q, k, v)` for q/k already rotated). Both first write the step's new K/V into
-the pool at `meta.slot_mapping` (so a chunk attends to itself), then attend. Names follow
+The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, positions,
+cos_sin_cache)` in every layer (`run(layer, q, k, v)` for q/k already rotated). Both first have
+the KV pool write the step's new K/V at `meta.slot_mapping` (`KVPool.write_rope` / `write`: the
+one place K/V enter the pool), so that a chunk attends to itself, then attend. Names follow
 FlashInfer's so the backends read alike.
 """
 
@@ -16,19 +17,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashlet.kv_pool import KVPool
 
+if TYPE_CHECKING:
+    from flashlet.batch import StepLayout
+
 
 @dataclass
 class AttentionMetadata:
-    """One step's batch layout. Device tensors are views into persistent buffers; the `*_host`
-    lists are the same values on the CPU, for backends that plan on the host."""
+    """One step's batch layout on the device (views into persistent buffers, fixed addresses)
+    and `host`, the same layout on the host (pinned on CUDA), which backends plan from."""
 
-    num_tokens: int
-    num_seqs: int
+    host: StepLayout
     positions: torch.Tensor  # [num_tokens] int64, position of each query token
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat pool slot each new K/V row goes to
     qo_indptr: torch.Tensor  # [num_seqs + 1] int32
@@ -37,11 +41,20 @@ class AttentionMetadata:
     paged_kv_last_page_len: torch.Tensor  # [num_seqs] int32
     kv_lens: torch.Tensor  # [num_seqs] int32, KV length of each sequence including this step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
-    qo_indptr_host: list[int]
-    paged_kv_indptr_host: list[int]
-    kv_lens_host: list[int]
-    is_pure_decode: bool  # every sequence has exactly one query row
-    host_tensors: dict = None  # the same arrays as (pinned) CPU tensors, by field name
+    num_padding: int = 0  # last rows: a pure-decode step padded to a CUDA graph's batch size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host.num_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.host.num_seqs
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every sequence has exactly one query row."""
+        return self.host.is_pure_decode
 
 
 class AttentionBackend(ABC):
@@ -82,11 +95,11 @@ class AttentionBackend(ABC):
         self.kv_pool.write(layer, k, v, self.meta.slot_mapping)
         return self._attend(layer, q)
 
-    def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache, ops) -> torch.Tensor:
-        """`run` for q/k not rotated yet: `ops.rope_kv_write` applies RoPE and writes K/V into
-        the pool (one fused kernel with the Triton ops), then attention."""
-        q = ops.rope_kv_write(q, k, v, positions, cos_sin_cache, self.kv_pool.k_cache[layer],
-                              self.kv_pool.v_cache[layer], self.meta.slot_mapping)
+    def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache) -> torch.Tensor:
+        """`run` for q/k not rotated yet: the pool applies RoPE and writes K/V
+        (`KVPool.write_rope`, one fused kernel on CUDA), then attention."""
+        slots = self.meta.slot_mapping
+        q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots)
         return self._attend(layer, q)
 
     @abstractmethod

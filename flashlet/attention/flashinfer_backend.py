@@ -68,20 +68,19 @@ class FlashInferBackend(AttentionBackend):
         return self.active.run(q, cache)
 
     def _plan(self, wrapper, meta: AttentionMetadata) -> None:
-        host = meta.host_tensors  # pinned CPU copies: plan() schedules on the host
-        qo = meta.qo_indptr_host
+        host = meta.host  # pinned CPU copies: plan() schedules on the host
         # Passing the longest query spares plan() a Python loop over tensor elements. (Passing
         # max_sequence_kv too trips an unbound variable in flashinfer 0.6.18's plan().)
-        max_q = 1 if meta.is_pure_decode else max(qo[b + 1] - qo[b] for b in range(meta.num_seqs))
+        max_q = host.max_query_len
         # The page indices go in as the device copy: plan() copies them into the graph
         # wrapper's buffer, and from host memory that copy would block until the GPU is idle
         # (no overlap). The small arrays stay on the host, where plan() reads them.
         wrapper.plan(
-            host["qo_indptr"], host["paged_kv_indptr"], meta.paged_kv_indices,
-            host["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+            host.qo_indptr, host.paged_kv_indptr, meta.paged_kv_indices,
+            host.paged_kv_last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.kv_pool.page_size, causal=True, sm_scale=self.scale,
             q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype,
-            max_token_per_sequence=max_q, seq_lens=host["kv_lens"])
+            max_token_per_sequence=max_q, seq_lens=host.kv_lens)
 
     def _graph_wrapper(self, batch_size: int):
         device = self.workspace.device

@@ -9,6 +9,7 @@ other backends, and on the CPU it spares a Python loop over the sequences.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,9 +49,11 @@ class TorchBackend(AttentionBackend):
             self._plan_batched_decode(meta)
             return
         # Host-side page lists per sequence, computed once per step and reused by every layer.
-        indices = meta.paged_kv_indices.to("cpu", torch.int64)
-        ptr = meta.paged_kv_indptr_host
-        self._pages = [indices[ptr[b] : ptr[b + 1]].to(meta.positions.device) for b in range(meta.num_seqs)]
+        host = meta.host
+        counts = np.diff(host.paged_kv_indptr.numpy()).tolist()
+        pages = host.paged_kv_indices.to(torch.int64).split(counts)
+        self._pages = [own.to(meta.positions.device) for own in pages]
+        self._qo, self._kv_lens_list = host.qo_indptr.tolist(), host.kv_lens.tolist()
         self._masks = {}
 
     def plan_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
@@ -63,22 +66,19 @@ class TorchBackend(AttentionBackend):
     def _plan_batched_decode(self, meta: AttentionMetadata) -> None:
         """Fill the padded page table; its width is rounded up to a power of two so that few
         graphs cover all context lengths."""
-        ptr = meta.paged_kv_indptr_host
-        width = 1 << (max(ptr[b + 1] - ptr[b] for b in range(meta.num_seqs)) - 1).bit_length()
-        width = min(width, self._page_table.shape[1])
+        host, n = meta.host, meta.num_seqs
+        counts = np.diff(host.paged_kv_indptr.numpy())  # [n] pages of each sequence
+        width = min(1 << (int(counts.max()) - 1).bit_length(), self._page_table.shape[1])
         # Staged in pinned host memory, so the copies below do not wait for the GPU.
-        table = self._table_host[: meta.num_seqs, :width]
+        table = self._table_host[:n, :width]
         table_np = table.numpy()
         table_np[:] = self.kv_pool.scratch_page
-        host = meta.host_tensors or {}
-        indices = host.get("paged_kv_indices", meta.paged_kv_indices.cpu()).numpy()
-        for b in range(meta.num_seqs):
-            table_np[b, : ptr[b + 1] - ptr[b]] = indices[ptr[b] : ptr[b + 1]]
-        self._page_table[: meta.num_seqs, :width].copy_(table, non_blocking=True)
-        kv_lens = self._kv_lens_host[: meta.num_seqs]
-        kv_lens.numpy()[:] = meta.kv_lens_host[: meta.num_seqs]
-        self._kv_lens[: meta.num_seqs].copy_(kv_lens, non_blocking=True)
-        self._padded = (meta.num_seqs, width)
+        table_np[np.arange(width) < counts[:, None]] = host.paged_kv_indices.numpy()  # row-major
+        self._page_table[:n, :width].copy_(table, non_blocking=True)
+        kv_lens = self._kv_lens_host[:n]
+        kv_lens.numpy()[:] = host.kv_lens.numpy()
+        self._kv_lens[:n].copy_(kv_lens, non_blocking=True)
+        self._padded = (n, width)
 
     def _attend_batched_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         batch, width = self._padded
@@ -100,9 +100,9 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         k_pages, v_pages = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
         group = self.num_q_heads // self.num_kv_heads
-        qo = meta.qo_indptr_host
+        qo = self._qo
         for b in range(meta.num_seqs):
-            kv_len = meta.kv_lens_host[b]
+            kv_len = self._kv_lens_list[b]
             q_len = qo[b + 1] - qo[b]
             # k, v: [kv_len, kv_heads, head_dim] gathered from this sequence's pages
             k = k_pages[self._pages[b]].flatten(0, 1)[:kv_len]

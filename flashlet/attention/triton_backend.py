@@ -114,8 +114,7 @@ class TritonBackend(AttentionBackend):
             self._num_splits = self._splits_for(meta.num_seqs)
             self._decode_cfg = self.decode_config(meta.num_seqs)
         else:
-            qo = meta.qo_indptr_host
-            self._max_q_len = max((qo[i + 1] - qo[i] for i in range(meta.num_seqs)), default=0)
+            self._max_q_len = meta.host.max_query_len
             self._prefill_cfg = self.prefill_config(self._max_q_len)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

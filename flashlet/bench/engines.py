@@ -90,7 +90,7 @@ def release(engine: Engine | None) -> None:
         return
     if hasattr(engine, "shutdown"):
         engine.shutdown()  # tensor-parallel workers give their GPUs back too
-    for name in ("runner", "kv_pool", "model", "buffers"):
+    for name in ("runner", "kv_pool", "model"):
         if hasattr(engine, name):
             setattr(engine, name, None)
     import gc

@@ -268,7 +268,8 @@ def _md_sched(record: dict) -> str:
                      "yes" if s["meets_target"] else "NO"])
     return table(["scenario", "running", "decodes", "prefill chunks", "tokens/step",
                   "evicted pages/step", "mean (us)", "p50 (us)", "p99 (us)", "mean < 1 ms"], rows) + \
-        "\n\nCPU time of scheduler.schedule() + buffers.fill() per step (no forward pass)."
+        "\n\nCPU time of scheduler.schedule() + the step layout (layout_of + StepBuffers.load) " \
+        "per step (no forward pass)."
 
 
 def _md_kernels(record: dict) -> str:
@@ -360,7 +361,7 @@ def plot(record: dict, folder: str | Path) -> list[str]:
             ax.hist(s["samples"]["us_per_step"], bins=bins, alpha=0.6, label=name)
         ax.set_xscale("log")
         ax.axvline(1000, color="red", linestyle="--", label="1 ms target")
-        ax.set_xlabel("schedule + fill (us per step)")
+        ax.set_xlabel("schedule + layout (us per step)")
         ax.set_ylabel("steps")
         ax.set_title("scheduler CPU time per step")
         ax.legend()

@@ -1,10 +1,9 @@
 """`TritonOps`: the model's elementwise operations on the Triton kernels of this package.
 
 Same methods and signatures as `flashlet.ops.TorchOps`, swapped in by name ("triton").
-Every method returns new tensors and leaves its inputs untouched, as TorchOps does;
-`rope_kv_write` rotates q and k and writes k and v into the pool in one kernel (what the model
-runs, through `AttentionBackend.run_rope`). Inputs must be CUDA tensors, or CPU tensors under
-TRITON_INTERPRET=1.
+Every method returns new tensors and leaves its inputs untouched, as TorchOps does. (RoPE fused
+with the K/V write is the KV pool's: `KVPool.write_rope`.) Inputs must be CUDA tensors, or CPU
+tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -44,14 +43,6 @@ class TritonOps:
         Returns new (q, k); one kernel rotates both."""
         q_out, k_out = rope_kv_write(q, k, None, positions, cos_sin_cache, None, None, None)
         return q_out, k_out
-
-    @staticmethod
-    def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-        """RoPE on q and k and the K/V write into one layer's pool, one kernel. Returns the
-        rotated q (the rotated k is written only to the pool)."""
-        q_out, _ = rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                 return_k=False)
-        return q_out
 
 
 class TritonOpsGemv(TritonOps):

@@ -18,7 +18,7 @@ Design.
   program serves a whole group and a decode (q_len = 1) still fills G rows of its tile.
 - Grid (ceil(max_q_len * G / BLOCK_M), B, Hkv). Tiles are numbered from the END of each
   sequence (pid 0 is its last, most expensive tile) so heavy tiles start first; programs past a
-  sequence's rows exit at once. max_q_len comes from the host (`qo_indptr_host`).
+  sequence's rows exit at once. max_q_len comes from the host (`StepLayout.max_query_len`).
 - Keys are streamed in BLOCK_N blocks gathered through the page table token by token (any
   power-of-two page size). Blocks every row of the tile fully sees (keys < prefix + first
   token + 1, rounded down to BLOCK_N) run without a mask; the rest, up to the last row's

@@ -93,3 +93,22 @@ def test_whole_model_logits_match_torch_backend(backend):
         i = diverged
         assert tokens[0][i] in ref_logits[i][0].topk(5).indices.tolist()
         assert ref_tokens[0][i] in ours_logits[i][0].topk(5).indices.tolist()
+
+
+def test_step_buffers_stage_pad_and_feed_on_cuda():
+    """One step through pinned staging: the device buffers hold the host layout (padded to a
+    graph batch on the scratch page), and the fed row takes the previous step's device token."""
+    from flashlet.batch import StepBuffers, StepRow, build_layout
+    from flashlet.request import PLACEHOLDER
+
+    layout = build_layout([StepRow([PLACEHOLDER], 20, [2, 3], True, 1), StepRow([9], 0, [5])], 16)
+    buffers = StepBuffers(8, 4, 16, "cuda", scratch_page=99, page_size=16)
+    input_ids, meta = buffers.load(layout, torch.tensor([7, 8], device="cuda"), pad_to=4)
+    torch.cuda.synchronize()
+    assert input_ids.tolist() == [8, 9, 0, 0]
+    assert meta.host.qo_indptr.is_pinned() and meta.num_padding == 2
+    assert meta.host.slot_mapping.tolist() == [3 * 16 + 4, 5 * 16, 99 * 16, 99 * 16]
+    for name in ("positions", "slot_mapping", "qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                 "paged_kv_last_page_len", "kv_lens", "logits_indices"):
+        assert getattr(meta, name).is_cuda
+        assert getattr(meta, name).tolist() == getattr(meta.host, name).tolist(), name

@@ -81,15 +81,16 @@ def cos_sin_cache(max_pos: int, head_dim: int, base: float = 10000.0, device=DEV
 
 
 def make_step(pool, seqs, *, shared_prefix_pages=None, device=DEVICE):
-    """AttentionMetadata for one step over `pool`: seqs is [(kv_len, q_len)], the q_len newest
-    tokens of each sequence being this step's rows. Pages come from the pool's allocator;
-    shared_prefix_pages {seq: (other_seq, n)} makes seq reuse other_seq's first n pages (which
-    must hold no token of this step). Returns (meta, pages per sequence)."""
-    from flashlet.attention.base import AttentionMetadata
+    """AttentionMetadata for one step over `pool` (built by `flashlet.batch`, as the engine's
+    steps are): seqs is [(kv_len, q_len)], the q_len newest tokens of each sequence being this
+    step's rows. Pages come from the pool's allocator; shared_prefix_pages {seq: (other_seq, n)}
+    makes seq reuse other_seq's first n pages (which must hold no token of this step). Returns
+    (meta, pages per sequence)."""
+    from flashlet.batch import StepRow, build_layout, load_layout
 
     ps = pool.page_size
     shared_prefix_pages = shared_prefix_pages or {}
-    pages, positions, slots = [], [], []
+    pages, rows = [], []
     for b, (kv_len, q_len) in enumerate(seqs):
         assert 1 <= q_len <= kv_len or (q_len == 0 and kv_len >= 0)
         own = []
@@ -99,31 +100,8 @@ def make_step(pool, seqs, *, shared_prefix_pages=None, device=DEVICE):
             assert n * ps <= kv_len - q_len and n * ps <= seqs[other][0] - seqs[other][1]
         own += pool.allocator.allocate(-(-kv_len // ps) - len(own))
         pages.append(own)
-        for pos in range(kv_len - q_len, kv_len):
-            positions.append(pos)
-            slots.append(own[pos // ps] * ps + pos % ps)
-    qo, kv_indptr = [0], [0]
-    for (kv_len, q_len), own in zip(seqs, pages):
-        qo.append(qo[-1] + q_len)
-        kv_indptr.append(kv_indptr[-1] + len(own))
-    last = [kv_len - (len(own) - 1) * ps if own else 0 for (kv_len, _), own in zip(seqs, pages)]
-    i32 = dict(dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        num_tokens=qo[-1],
-        num_seqs=len(seqs),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        qo_indptr=torch.tensor(qo, **i32),
-        paged_kv_indptr=torch.tensor(kv_indptr, **i32),
-        paged_kv_indices=torch.tensor([p for own in pages for p in own] or [0], **i32)[: kv_indptr[-1]],
-        paged_kv_last_page_len=torch.tensor(last, **i32),
-        kv_lens=torch.tensor([n for n, _ in seqs], **i32),
-        logits_indices=torch.tensor([x - 1 for x in qo[1:]], dtype=torch.int64, device=device),
-        qo_indptr_host=qo,
-        paged_kv_indptr_host=kv_indptr,
-        kv_lens_host=[n for n, _ in seqs],
-        is_pure_decode=all(q == 1 for _, q in seqs),
-    )
+        rows.append(StepRow([0] * q_len, kv_len - q_len, own))
+    _, meta = load_layout(build_layout(rows, ps), device)
     return meta, pages
 
 

@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from flashlet.attention.base import AttentionBackend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
-from flashlet.kernels.ops import TritonOps
 from flashlet.kv_pool import KVPool
 from flashlet.ops import TorchOps
 
 SMALL = dict(num_sms=4, min_split_tokens=16, decode_block_n=16, prefill_block_m=32, prefill_block_n=16)
 
 
-def _pool(kh, *, layers=2, pages=64, page_size=8, num_kv_heads=2, head_dim=16, seed=0):
-    pool = KVPool(layers, pages, page_size, num_kv_heads, head_dim, torch.float32, kh.device)
+def _pool(kh, *, layers=2, pages=64, page_size=8, num_kv_heads=2, head_dim=16, seed=0, fused_rope=None):
+    pool = KVPool(layers, pages, page_size, num_kv_heads, head_dim, torch.float32, kh.device,
+                  fused_rope=fused_rope)
     g = torch.Generator().manual_seed(seed)
     pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))  # stands for earlier steps' K/V
     pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
@@ -100,9 +100,11 @@ def test_random_ragged_steps(kh, group, page_size, seqs, share, seed):
     _compare(kh, pool, group * hkv, steps, shared=shared, seed=seed)
 
 
-@pytest.mark.parametrize("ops", [TorchOps, TritonOps], ids=["torch-ops", "triton-ops"])
-def test_run_rope_matches_rope_then_run(kh, ops):
-    pool = _pool(kh, head_dim=32)
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-write", "triton-write"])
+def test_run_rope_matches_rope_then_run(kh, fused):
+    """The model's path (the pool rotates and writes K/V, then attention) against RoPE in
+    PyTorch followed by run() on the oracle, with the pool's PyTorch and Triton writes."""
+    pool = _pool(kh, head_dim=32, fused_rope=fused)
     meta, _ = kh.make_step(pool, [(20, 6), (11, 1)])
     cs = kh.cos_sin_cache(64, 32)
     g = torch.Generator().manual_seed(4)
@@ -117,7 +119,7 @@ def test_run_rope_matches_rope_then_run(kh, ops):
     k_after, v_after = pool.k_cache.clone(), pool.v_cache.clone()  # the pool as the oracle left it
     pool.k_cache[0].view(-1, 2, 32)[meta.slot_mapping] = float("nan")  # run_rope must rewrite these
     pool.v_cache[0].view(-1, 2, 32)[meta.slot_mapping] = float("nan")
-    got = tri.run_rope(0, q, k, v, meta.positions, cs, ops)
+    got = tri.run_rope(0, q, k, v, meta.positions, cs)
     assert kh.rel_err(got, want) < 1e-5
     assert kh.rel_err(pool.k_cache, k_after) < 1e-5 and torch.equal(pool.v_cache, v_after)
 

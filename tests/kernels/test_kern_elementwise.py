@@ -88,6 +88,25 @@ def test_rope_without_k_out(kh):
     assert kh.rel_err(got_q, want_q) < 1e-5 and kh.rel_err(kc, kc_ref) < 1e-5
 
 
+def test_pool_write_rope_is_the_same_on_the_kernel_and_in_pytorch(kh):
+    """KVPool.write_rope, the one place K/V enter the pool: the Triton kernel against PyTorch
+    ops on a strided q/k/v (a fused QKV projection's views), layer 1 of a two-layer pool."""
+    from flashlet.kv_pool import KVPool
+
+    q, k, v, pos, cs, _, _, slots = _rope_case(kh, 7, 14, 2, 64, 4, seed=3)
+    slots = slots.clamp_min(0).unique()[:3]  # distinct slots, no padding row
+    q, k, v, pos = q[:3], k[:3], v[:3], pos[:3]
+    pools = [KVPool(2, 8, 4, 2, 64, torch.float32, kh.device, fused_rope=f) for f in (False, True)]
+    rotated = [pool.write_rope(1, q, k, v, pos, cs, slots) for pool in pools]
+    assert kh.rel_err(rotated[1], rotated[0]) < 1e-5
+    assert kh.rel_err(pools[1].k_cache, pools[0].k_cache) < 1e-5
+    assert torch.equal(pools[1].v_cache, pools[0].v_cache)
+    assert pools[0].k_cache[0].abs().sum() == 0 and pools[0].k_cache[1].abs().sum() > 0
+    want_q, want_k = TorchOps.rope(q, k, pos, cs)
+    assert torch.equal(rotated[0], want_q)
+    assert torch.equal(pools[0].k_cache[1].view(-1, 2, 64)[slots], want_k)
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 
@@ -169,7 +188,7 @@ def test_triton_ops_interface_matches_torch_ops():
     import inspect
 
     assert TritonOps.name == "triton"
-    for name in ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "rope_kv_write"):
+    for name in ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rope"):
         assert list(inspect.signature(getattr(TritonOps, name)).parameters) == list(
             inspect.signature(getattr(TorchOps, name)).parameters
         ), name

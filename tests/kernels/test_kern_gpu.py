@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.attention.base import AttentionMetadata
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
+from flashlet.batch import StepBuffers, StepRow, build_layout
 from flashlet.kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_reference
 from flashlet.kernels.gemv import gemv, gemv_reference
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference
@@ -161,35 +161,20 @@ def test_plan_allocates_nothing_and_run_does_not_sync(kh):
 
 
 def test_decode_step_replays_in_a_cuda_graph(kh):
-    """Capture run() for a batch of 4 decodes once; replay it with other KV lengths."""
+    """Capture run() for a batch of 4 decodes once; replay it with other KV lengths, each step
+    loaded into the same step buffers (as the model runner does)."""
     batch, max_pages, hq = 4, 256, 14
     pool = _bf16_pool(layers=1, pages=batch * max_pages + 4)
     pages = [pool.allocator.allocate(max_pages) for _ in range(batch)]
-    i32 = dict(dtype=torch.int32, device=DEV)
-    indices = torch.tensor([p for own in pages for p in own], **i32)
-    indptr = torch.arange(batch + 1, **i32) * max_pages
-    kv_lens, last = torch.zeros(batch, **i32), torch.zeros(batch, **i32)
-    positions, slots = torch.zeros(batch, dtype=torch.int64, device=DEV), torch.zeros(batch, dtype=torch.int64, device=DEV)
-    meta = AttentionMetadata(
-        num_tokens=batch, num_seqs=batch, positions=positions, slot_mapping=slots,
-        qo_indptr=torch.arange(batch + 1, **i32), paged_kv_indptr=indptr, paged_kv_indices=indices,
-        paged_kv_last_page_len=last, kv_lens=kv_lens,
-        logits_indices=torch.arange(batch, dtype=torch.int64, device=DEV),
-        qo_indptr_host=list(range(batch + 1)), paged_kv_indptr_host=indptr.tolist(), kv_lens_host=[0] * batch,
-        is_pure_decode=True,
-    )
+    buffers = StepBuffers(batch, batch, batch * max_pages, DEV)
 
-    def set_lengths(lens):
-        kv_lens.copy_(torch.tensor(lens))
-        last.copy_(torch.tensor([(n - 1) % 16 + 1 for n in lens]))
-        positions.copy_(torch.tensor([n - 1 for n in lens]))
-        slots.copy_(torch.tensor([pages[b][(n - 1) // 16] * 16 + (n - 1) % 16 for b, n in enumerate(lens)]))
-        meta.kv_lens_host = list(lens)
+    def load(lens):  # one decode row per sequence, at its last position
+        rows = [StepRow([0], n - 1, pages[b]) for b, n in enumerate(lens)]
+        return buffers.load(build_layout(rows, 16))[1]
 
     q, k, v = _randn(batch, hq, 64, seed=1), _randn(batch, 2, 64, seed=2), _randn(batch, 2, 64, seed=3)
     tri = TritonBackend(pool, hq)
-    set_lengths([100, 1, 37, 2000])
-    tri.plan(meta)
+    tri.plan(load([100, 1, 37, 2000]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -201,7 +186,7 @@ def test_decode_step_replays_in_a_cuda_graph(kh):
         out = tri.run(0, q, k, v)
 
     for seed, lens in enumerate(([100, 1, 37, 2000], [101, 4096, 38, 2001], [5, 3000, 1, 16])):
-        set_lengths(lens)
+        meta = load(lens)
         q.copy_(_randn(batch, hq, 64, seed=40 + seed))
         k.copy_(_randn(batch, 2, 64, seed=50 + seed))
         v.copy_(_randn(batch, 2, 64, seed=60 + seed))

@@ -1,0 +1,174 @@
+"""The one step-layout builder (`batch.build_layout`) against a per-token reference, and the step
+buffers: CUDA-graph padding onto the scratch page, fed rows, and the runner's graph path on the
+CPU (a stand-in graph that re-runs the captured body) against eager steps."""
+
+import random
+
+import pytest
+import torch
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.batch import StepBuffers, StepRow, build_layout, load_layout
+from flashlet.kv_pool import KVPool
+from flashlet.request import PLACEHOLDER
+
+
+def reference_layout(rows, ps):
+    """Token by token, the obvious way."""
+    out = {k: [] for k in ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
+                           "paged_kv_indices", "paged_kv_last_page_len", "kv_lens",
+                           "logits_indices", "feed_rows", "feed_src")}
+    out["qo_indptr"].append(0)
+    out["paged_kv_indptr"].append(0)
+    for tokens, start, pages, sample, src in rows:
+        for i, token in enumerate(tokens):
+            pos = start + i
+            if token == PLACEHOLDER:
+                out["feed_rows"].append(len(out["input_ids"]))
+                out["feed_src"].append(src)
+            out["input_ids"].append(0 if token == PLACEHOLDER else token)
+            out["positions"].append(pos)
+            out["slot_mapping"].append(pages[pos // ps] * ps + pos % ps)
+        kv_len = start + len(tokens)
+        used = [pages[p] for p in range(-(-kv_len // ps))]
+        out["paged_kv_indices"] += used
+        out["qo_indptr"].append(len(out["input_ids"]))
+        out["paged_kv_indptr"].append(len(out["paged_kv_indices"]))
+        out["paged_kv_last_page_len"].append(kv_len - (len(used) - 1) * ps if used else 0)
+        out["kv_lens"].append(kv_len)
+        if sample:
+            out["logits_indices"].append(len(out["input_ids"]) - 1)
+    return out
+
+
+def random_rows(rng, ps, decode_only=False):
+    rows = []
+    for _ in range(rng.randrange(1, 7)):
+        start = rng.randrange(0, 40)
+        n = 1 if decode_only or rng.random() < 0.5 else rng.randrange(0, 20)
+        tokens = [PLACEHOLDER if n == 1 and rng.random() < 0.5 else rng.randrange(1, 100)
+                  for _ in range(n)]
+        pages = rng.sample(range(200), -(-(start + n) // ps) + rng.randrange(0, 3))  # spare pages
+        rows.append(StepRow(tokens, start, pages, rng.random() < 0.8, rng.randrange(0, 8)))
+    return rows
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_builder_matches_the_token_by_token_reference(ps):
+    rng = random.Random(ps)
+    for trial in range(60):
+        rows = random_rows(rng, ps, decode_only=trial % 3 == 0)
+        layout = build_layout(rows, ps)
+        want = reference_layout(rows, ps)
+        for name, tensor in layout.tensors().items():
+            assert tensor.tolist() == want[name], (name, rows)
+        lens = [len(r.token_ids) for r in rows]
+        assert layout.is_pure_decode == all(n == 1 for n in lens)
+        assert layout.max_query_len == max(lens)
+        assert layout.paged_kv_indptr.dtype == torch.int32 and layout.slot_mapping.dtype == torch.int64
+
+
+def test_a_page_table_too_short_for_its_tokens_is_refused():
+    with pytest.raises(ValueError, match="fewer pages"):
+        build_layout([StepRow([1, 2, 3, 4, 5], 0, [7])], 4)
+
+
+def test_fed_rows_take_the_previous_steps_tokens():
+    layout = build_layout([StepRow([PLACEHOLDER], 3, [0], True, 2), StepRow([9, 8], 0, [1]),
+                           StepRow([PLACEHOLDER], 0, [2], True, 0)], 4)
+    buffers = StepBuffers.for_layout(layout, "cpu")
+    input_ids, _ = buffers.load(layout, fed_tokens=torch.tensor([50, 60, 70]))
+    assert input_ids.tolist() == [70, 9, 8, 50]
+    with pytest.raises(ValueError, match="previous step's tokens"):
+        buffers.load(layout)
+
+
+def test_padding_rows_use_the_scratch_page_and_leave_real_rows_alone():
+    """A decode step of 3 padded to 8, as for a CUDA graph: padding rows are one-token
+    sequences on the scratch page, and the torch backend's graph path (plan_graph, batched)
+    gives the real rows the per-sequence oracle's output."""
+    torch.manual_seed(0)
+    ps, hq, hkv, d = 4, 6, 2, 8
+    pool = KVPool(1, 40, ps, hkv, d, torch.float32, "cpu")
+    pool.k_cache.normal_()
+    pool.v_cache.normal_()
+    rows = [StepRow([5], 9, [3, 4, 5]), StepRow([6], 0, [7]), StepRow([7], 20, [8, 9, 10, 11, 12, 13])]
+    layout = build_layout(rows, ps)
+    buffers = StepBuffers(16, 8, 8 * 10, "cpu", scratch_page=pool.scratch_page, page_size=ps)
+    input_ids, meta = buffers.load(layout, pad_to=8)
+    host = meta.host
+    assert meta.num_seqs == 8 and meta.num_padding == 5 and meta.is_pure_decode
+    assert input_ids.tolist() == [5, 6, 7] + [0] * 5
+    assert host.slot_mapping.tolist()[3:] == [pool.scratch_page * ps] * 5
+    assert host.paged_kv_indices.tolist() == [3, 4, 5, 7, 8, 9, 10, 11, 12, 13] + [pool.scratch_page] * 5
+    assert host.paged_kv_indptr.tolist() == [0, 3, 4, 10, 11, 12, 13, 14, 15]
+    assert host.kv_lens.tolist() == [10, 1, 21] + [1] * 5
+    assert host.logits_indices.tolist() == [0, 1, 2]  # padding rows are not sampled
+
+    q = torch.randn(8, hq, d)
+    k, v = torch.randn(8, hkv, d), torch.randn(8, hkv, d)
+    graphed = TorchBackend(pool, hq)
+    graphed.plan_graph(meta, 8)
+    got = graphed.run(0, q, k, v)
+    _, eager = load_layout(layout, "cpu")
+    oracle = TorchBackend(pool, hq, batched_decode=False)
+    oracle.plan(eager)
+    assert torch.allclose(got[:3], oracle.run(0, q[:3], k[:3], v[:3]), atol=1e-6)
+
+
+class ReplayEagerly:
+    """Stands in for a captured CUDA graph on the CPU: replay() re-runs the captured body, which
+    reads the step buffers at the padded batch size, into the same output tensor."""
+
+    def __init__(self, body):
+        self.body = body
+        self.logits = body()
+
+    def replay(self):
+        self.logits.copy_(self.body())
+
+
+def _graphs_on_the_cpu(engine):
+    runner = engine.runner
+    runner.use_graphs = True
+
+    def capture(size):
+        graph = ReplayEagerly(lambda: runner._decode_body(size))
+        return graph, graph.logits
+
+    runner._capture = capture
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
+    """The runner's CUDA-graph path (padding in load, plan_graph, the body reading the buffers at
+    the padded size, logits of the real rows) on the CPU, against eager steps."""
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8,
+                       max_num_batched_tokens=32, overlap=overlap)
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9, [1, 2]]
+    outs = []
+    for graphs in (False, True):
+        engine = Engine(cfg)
+        if graphs:
+            _graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=10 + 3 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        outs.append([done[i] for i in ids])
+        if graphs:
+            sizes = {key[0] for key in engine.runner.graphs}
+            assert sizes >= {4, 2, 1} and sizes <= {1, 2, 4, 8}, sizes
+    assert outs[0] == outs[1]
+
+
+def test_a_graph_step_not_loaded_by_the_runner_is_refused(tiny_qwen2):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8))
+    _graphs_on_the_cpu(engine)
+    layout = build_layout([StepRow([5], 3, [0]), StepRow([6], 2, [1]), StepRow([7], 1, [2])], 16)
+    with pytest.raises(ValueError, match="ModelRunner.load"):
+        engine.runner.forward(*load_layout(layout, "cpu"))
+    logits = engine.runner.forward(*engine.runner.load(layout))
+    assert logits.shape[0] == 3

@@ -64,24 +64,16 @@ def greedy(engine) -> dict:
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
                for _ in range(NUM_PROMPTS)]
-    gaps: dict[int, list[float]] = {}
-    sample = engine._sample
-
-    def recording_sample(logits, reqs):  # the logits every token is chosen from
-        top = logits.topk(2, dim=-1).values
-        for req, (a, b) in zip(reqs, top.tolist()):
-            gaps.setdefault(req.request_id, []).append(a - b)
-        return sample(logits, reqs)
-
-    engine._sample = recording_sample
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-           for p in prompts]
-    tokens = {}
+    # logprobs=2: the two most likely tokens' log-probabilities from the raw logits, whose
+    # difference is the top-2 logit gap behind each greedy token.
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens, gaps = {}, {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.token_ids
-    engine._sample = sample
+                gaps[out.request_id] = [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs]
     return {"tokens": [tokens[i] for i in ids], "gaps": [gaps[i] for i in ids]}
 
 

@@ -58,10 +58,10 @@ def test_dead_worker_raises_in_rank_0(tiny_folder):
     llm = LLM(str(tiny_folder), device="cuda", tensor_parallel_size=2, max_num_pages=512)
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
-        threading.Timer(1.0, os.kill, (llm.engine.tp.workers[0].pid, signal.SIGKILL)).start()
+        threading.Timer(0.3, os.kill, (llm.engine.tp.workers[0].pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match="worker died"):
-            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=4000, ignore_eos=True))
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=500, ignore_eos=True))
         assert time.monotonic() - t0 < 60
     finally:
         llm.shutdown()

@@ -13,6 +13,8 @@ in step N-1 holds a placeholder as its newest token, its decode row in step N ta
 token straight from step N-1's device tensor, and the host writes the value in when it reads
 it. A request that stops on step N-1's token (EOS, a stop string) has run one row too many in
 step N; that row's token is dropped. A request that reached max_new_tokens is not scheduled.
+A step that sampled a grammar-constrained request is read before the next one is scheduled
+(its next token mask needs the token; see structured.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
+from flashlet.structured import StructuredOutputs, advance_grammars
 from flashlet.weights import load_model, random_model
 
 log = logging.getLogger("flashlet")
@@ -76,6 +80,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids())
+        self.sampler = Sampler(self.device, self.eos_token_ids)
+        self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+                           if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_num_seqs * max_pages_per_seq, config.page_size,
@@ -99,6 +106,10 @@ class Engine:
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self.scheduler.requests)
         req = Request(request_id, token_ids, params, make_generator(params, self.device))
+        if params.is_constrained:
+            req.grammar = self.structured.matcher(params.response_format)
+        if params.logprobs is not None:
+            req.output_logprobs = []
         self.scheduler.add(req)
         return request_id
 
@@ -106,7 +117,16 @@ class Engine:
         """Raise ValueError if a request of this size could never run (a last defensive check:
         LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
-        RequestLimits.of_engine(self).check_fits(num_prompt_tokens, params.max_new_tokens)
+        limits = RequestLimits.of_engine(self)
+        limits.check_stop_token_ids(params.stop_token_ids)
+        if params.is_constrained:
+            if self.structured is None:
+                raise ValueError("response_format needs a model with a tokenizer")
+            if params.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a response_format: "
+                                 "the grammar ends the output")
+            self.structured.compile(params.response_format)  # ValueError if invalid; cached
+        limits.check_fits(num_prompt_tokens, params.max_new_tokens)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -127,6 +147,7 @@ class Engine:
         if finish_reason not in ("abort", "stop"):
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
         output = self.scheduler.abort(request_id, finish_reason)
+        self.sampler.release(request_id)
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
@@ -142,6 +163,10 @@ class Engine:
         """Launch the next step, then finish the previous one (overlap) or this one."""
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.constrained:
+            # A grammar's next mask needs the token in flight: no overlap (see structured.py).
+            outputs += self._finish(previous)
+            previous = None
         sched = self.scheduler.schedule()
         launched = self._launch(sched, previous) if sched.scheduled else None
         if previous is not None:
@@ -164,31 +189,23 @@ class Engine:
         logits = self.runner.forward(input_ids, meta)
         for observe in self._step_observers:
             observe(meta, logits)
-        tokens, errors = self._sample(logits, sched.sampling)
+        sampled = self.sampler.sample(logits, sched.sampling)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
-        return LaunchedStep(sched, tokens, buffer.stage(tokens), errors)
+        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens))
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
         values = launched.read()
         tokens = [launched.errors.get(row, v) for row, v in enumerate(values)]
-        return self.scheduler.update(launched.sched, tokens)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
-        """logits [len(reqs), vocab] -> (tokens [len(reqs)] int64 on the device, {row: the
-        exception a request's sampling raised}). Greedy rows take the argmax."""
-        tokens = logits.argmax(dim=-1)
-        errors = {}
-        for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                continue
-            try:
-                tokens[i] = sample_one(logits[i], req.params, req.generator)
-            except Exception as e:  # one bad request must not fail the batch
-                errors[i] = e
-        return tokens, errors
+        if launched.constrained:
+            advance_grammars(launched.sched.sampling, tokens)
+        outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
+        for out in outputs:
+            if out.finished:
+                self.sampler.release(out.request_id)
+        return outputs
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -198,6 +215,7 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.scheduler.eos_token_ids = frozenset(ids)
+        self.sampler.eos_token_ids = sorted(ids)  # min_tokens keeps them from being sampled
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -296,12 +314,13 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, tokens: torch.Tensor, staged: TokenBuffer,
-                 errors: dict[int, Exception]):
+    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer):
         self.sched = sched  # its `sampling` requests sample, in row order
-        self.tokens = tokens  # [len(sampling)] on the device: the next step's decode inputs
+        self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
         self.staged = staged
-        self.errors = errors
+        self.errors = sampled.errors
+        self.logprobs: StepLogprobs | None = sampled.logprobs
+        self.constrained = any(req.grammar is not None for req in sched.sampling)
 
     def read(self) -> list[int]:
         return self.staged.read(len(self.sched.sampling))

@@ -3,6 +3,8 @@ whose token outputs get their text (and stop strings) from detokenizer.TextOutpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashlet.config import EngineConfig
@@ -28,25 +30,48 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts (a string, a list of strings, or token-id lists) as one ragged batch;
-        returns one finished output per prompt, in order."""
+        returns the finished outputs in prompt order: one per prompt, or with `params.n` > 1
+        n per prompt, grouped (prompt i's samples are outputs[i * n : (i + 1) * n]).
+
+        The samples of one prompt share its KV pages: the first is admitted alone and the
+        others once its prompt is computed, so they find the prompt in the prefix cache. With
+        best_of > n, best_of are sampled and the n of highest cumulative logprob kept."""
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
         prompt_ids = [self.engine.encode(p) for p in prompts]
         prompt_ids = [limits.check(p, params) for p in prompt_ids]
-        ids = []
+        num_samples = params.best_of or params.n
+        groups: list[list[int]] = []
+        mine: set[int] = set()
+        siblings_due: dict[int, tuple[list[int], list[int]]] = {}  # first id -> (prompt, group)
+
+        def add(token_ids: list[int], index: int) -> int:
+            sample = _sample_params(params, index, num_samples)
+            rid = self.engine.add_request(token_ids, sample)
+            self.text_outputs.add(rid, sample)
+            mine.add(rid)
+            return rid
+
+        def on_output(out: RequestOutput) -> None:
+            due = siblings_due.pop(out.request_id, None)
+            if due is not None:  # the first sample's prompt is computed and cached: fork
+                token_ids, group = due
+                group += [add(token_ids, k) for k in range(1, num_samples)]
+
         try:
-            for p in prompt_ids:
-                ids.append(self.engine.add_request(p, params))
-                self.text_outputs.add(ids[-1], params)
-            finished = self._run_until_done(set(ids))
+            for token_ids in prompt_ids:
+                groups.append([add(token_ids, 0)])
+                if num_samples > 1:
+                    siblings_due[groups[-1][0]] = (token_ids, groups[-1])
+            finished = self._run_until_done(mine, len(prompts) * num_samples, on_output)
         except BaseException:
-            for rid in ids:  # frees their pages at once; nothing of this call is left queued
+            for rid in (r for group in groups for r in group):  # frees their pages at once
                 self.engine.abort(rid)
                 self.text_outputs.forget(rid)
             raise
-        return [finished[i] for i in ids]
+        return [out for group in groups for out in _best(params, [finished[i] for i in group])]
 
     def chat(self, conversations, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template applied."""
@@ -62,15 +87,44 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def _run_until_done(self, ids: set[int]) -> dict[int, RequestOutput]:
+    def _run_until_done(self, ids: set[int], count: int,
+                        on_output=None) -> dict[int, RequestOutput]:
+        """Step until `count` of the requests in `ids` (a set that may grow meanwhile) have
+        finished; on_output sees each of their outputs first."""
         finished = {}
-        while len(finished) < len(ids):
+        while len(finished) < count:
             if not self.engine.has_unfinished():
                 raise RuntimeError("engine went idle with requests unfinished")
             for out in self.text_outputs.process(self.engine.step()):
-                if out.finished and out.request_id in ids:
+                if out.request_id not in ids:
+                    continue
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
                     finished[out.request_id] = out
         return finished
+
+
+def _sample_params(params: SamplingParams, index: int, num_samples: int) -> SamplingParams:
+    """The parameters of one of a prompt's samples: seed + index (as vLLM), so seeded samples
+    differ from each other yet reproduce; logprobs on where best_of ranks by them."""
+    changes = dict(n=1, best_of=None)
+    if params.seed is not None:
+        changes["seed"] = params.seed + index
+    if num_samples > params.n and params.logprobs is None:
+        changes["logprobs"] = 0
+    return dataclasses.replace(params, **changes)
+
+
+def _best(params: SamplingParams, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The n outputs to return of a prompt's samples (all of them unless best_of > n)."""
+    if len(outputs) == params.n:
+        return outputs
+    best = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[: params.n]
+    if params.logprobs is None:  # asked for the ranking only
+        for out in best:
+            out.logprobs = None
+    return best
 
 
 def _as_prompt_list(prompts) -> list:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashlet.sampling import SamplingParams
+from flashlet.sampling import SamplingParams, TokenLogprob
 
 
 # An output token sampled on the device whose value the host has not read yet (see engine.py).
@@ -41,6 +41,8 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
+    grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
+    output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
@@ -88,7 +90,12 @@ class Request:
             request_id=self.request_id, new_token_ids=new_token_ids, finished=self.is_finished,
             finish_reason=self.finish_reason, prompt_token_ids=self.prompt_token_ids,
             token_ids=list(self.output_token_ids) if self.is_finished else None,
-            num_cached_tokens=self.num_cached_tokens, error=self.error)
+            num_cached_tokens=self.num_cached_tokens, error=self.error,
+            new_logprobs=self._logprobs(-len(new_token_ids)) if new_token_ids else None,
+            logprobs=self._logprobs(0) if self.is_finished else None)
+
+    def _logprobs(self, start: int) -> list[TokenLogprob] | None:
+        return None if self.output_logprobs is None else self.output_logprobs[start:]
 
 
 @dataclass
@@ -104,5 +111,11 @@ class RequestOutput:
     token_ids: list[int] | None = None  # every output token, in the final output only
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
+    logprobs: list[TokenLogprob] | None = None  # one per output token, in the final output only
     new_text: str = ""  # text safe to stream now (stop strings cut, a possible one held back)
     text: str = ""  # all output text so far
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None

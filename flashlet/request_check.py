@@ -82,6 +82,10 @@ class RequestLimits:
                 f"{self.num_pages}: it could never run (raise max_num_pages or shorten it)",
                 tokens_param)
 
+    def check_stop_token_ids(self, stop_token_ids, param: str = "stop_token_ids") -> None:
+        if any(t >= self.vocab_size for t in stop_token_ids):
+            raise RequestError(f"{param} must be < the vocabulary size {self.vocab_size}", param)
+
     def check(self, token_ids, params: SamplingParams) -> list[int]:
         """Everything about one request of token ids: the prompt, its budget, its params."""
         try:
@@ -89,5 +93,6 @@ class RequestLimits:
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         token_ids = self.check_prompt_ids(token_ids)
+        self.check_stop_token_ids(params.stop_token_ids)
         self.check_fits(len(token_ids), params.max_new_tokens)
         return token_ids

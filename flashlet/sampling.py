@@ -1,10 +1,18 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters (validated), per-token logprobs, and the slow per-row reference sampler
+(`sample_one`); the batched sampler the engine uses is flashlet/sampler.py."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
+
+# Response formats a request may ask for; all but "text" constrain the output with a grammar
+# (flashlet/structured.py). "grammar" (EBNF) and "structural_tag" (xgrammar's JSON form, which
+# tool calls use) are our extensions beside OpenAI's three.
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar", "structural_tag")
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 @dataclass
@@ -13,43 +21,126 @@ class SamplingParams:
     temperature: float = 0.0  # 0 is exact greedy (argmax)
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (>0) / multiplies (<0) logits of prompt+output tokens
     seed: int | None = None  # a fixed seed reproduces sampled output
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request; the token is kept
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
+    n: int = 1  # samples per prompt (LLM.generate); they share the prompt's KV pages
+    best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
+    response_format: dict | None = None  # {"type": one of RESPONSE_FORMATS, ...}
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logprobs, bool):  # OpenAI's chat API: logprobs=True, top_logprobs=0
+            self.logprobs = 0 if self.logprobs else None
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not 0 < self.repetition_penalty <= 100:  # also rejects NaN
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of integers >= 0")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], "
+                             f"got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        _check_response_format(self.response_format)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def is_constrained(self) -> bool:
+        """True when a grammar constrains the output (json, a schema, a grammar, a tool call)."""
+        return self.response_format is not None and self.response_format["type"] != "text"
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability and the `logprobs` most likely tokens at its position,
+    all from the model's own distribution (raw logits; see flashlet/sampler.py)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_response_format(fmt) -> None:
+    """The shape of a response_format (the grammar itself is checked when it is compiled)."""
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+        raise ValueError(f"response_format must be a dict whose type is one of "
+                         f"{', '.join(RESPONSE_FORMATS)}, got {fmt!r}")
+    kind = fmt["type"]
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
+        try:
+            json.dumps(spec["schema"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the json_schema schema is not JSON: {e}") from None
+    elif kind == "grammar" and (not isinstance(fmt.get("grammar"), str) or not fmt["grammar"].strip()):
+        raise ValueError('response_format grammar needs {"grammar": "<EBNF text>"}')
+    elif kind == "structural_tag" and not isinstance(fmt.get("format"), dict):
+        raise ValueError('response_format structural_tag needs {"format": {...}} '
+                         "(xgrammar's structural tag)")
+
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:
-    if params.is_greedy:
+    """A generator for a seeded sampling request; unseeded requests share the global one."""
+    if params.is_greedy or params.seed is None:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    gen.manual_seed(params.seed)
     return gen
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-    """logits [vocab] fp32 -> a 0-d token tensor, with temperature, top-k and top-p."""
+    """The slow reference: logits [vocab] fp32 -> a 0-d token tensor, with temperature, top-k
+    and top-p (tests compare the batched sampler with it)."""
     logits = logits / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]

@@ -103,13 +103,17 @@ class Scheduler:
             req.output_token_ids.append(PLACEHOLDER)
             req.sample_row = row
 
-    def update(self, out: SchedulerOutput, tokens: list) -> list[RequestOutput]:
+    def update(self, out: SchedulerOutput, tokens: list, logprobs=None) -> list[RequestOutput]:
         """The launched step's sampled tokens (one per sampling row; an Exception where that
-        row's sampling failed) -> the requests' outputs. Stop checks, page caching, retiring."""
+        row's sampling failed) and their logprobs (sampler.StepLogprobs, for the rows that
+        asked) -> the requests' outputs. Stop checks, page caching, retiring."""
         outputs = []
-        for req, slot, token in zip(out.sampling, out.slots, tokens):
+        for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
             if req.is_finished:  # aborted, or stopped by the step before: this row is void
                 continue
+            if (logprobs is not None and req.output_logprobs is not None
+                    and not isinstance(token, Exception)):
+                req.output_logprobs.append(logprobs.get(row))
             outputs.append(self._append_token(req, slot, token))
         for req, _ in out.scheduled:
             if not req.is_finished:
@@ -123,7 +127,7 @@ class Scheduler:
             return req.output([])
         req.output_token_ids[slot] = token
         p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             req.finish_reason = "stop"
         elif slot + 1 >= p.max_new_tokens:
             req.finish_reason = "length"

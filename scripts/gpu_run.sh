@@ -2,8 +2,8 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
-#                                             offline closed-loop kernels progression serve
-#                                             all (default: every part but serve)
+#                                             decode-sat-sampled offline closed-loop kernels
+#                                             progression serve all (default: every part but serve)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-gemv decode-sat offline closed-loop kernels progression)
+  PARTS=(tests torchlet single single-gemv decode-sat decode-sat-sampled offline closed-loop kernels progression)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -58,6 +58,9 @@ for part in "${PARTS[@]}"; do
                    --out "$OUT/json/single-gemv.json" ;;
     decode-sat) run 300 $B --max-num-pages 8192 --workload decode-sat --peer hf \
                   --out "$OUT/json/decode-sat.json" ;;
+    decode-sat-sampled) run 300 $B --max-num-pages 8192 --workload decode-sat \
+                  --temperature 0.7 --top-p 0.9 --presence-penalty 0.5 --frequency-penalty 0.5 \
+                  --repetition-penalty 1.1 --out "$OUT/json/decode-sat-sampled.json" ;;
     offline) run 500 $B --max-num-pages 32768 --workload offline --peer hf \
                --peer-max-requests 32 --out "$OUT/json/offline.json" ;;
     closed-loop) run 400 $B --max-num-pages 8192 --workload closed-loop \

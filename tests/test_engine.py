@@ -244,12 +244,12 @@ def test_sampling_failure_fails_only_that_request(tiny_qwen2, alone, monkeypatch
     engine = Engine(EngineConfig(model=str(tiny_qwen2)))
     bad = engine.add_request([9, 9, 9], SamplingParams(max_new_tokens=5, temperature=0.7, seed=1))
     good = engine.add_request([8, 8, 8], SamplingParams(max_new_tokens=5, **GREEDY))
-    import flashlet.engine as engine_module
+    import flashlet.sampler as sampler_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine_module, "sample_one", broken)
+    monkeypatch.setattr(sampler_module, "seeded_noise", broken)  # the seeded row's own draw
     done = run_all(engine)
     assert done[bad].finish_reason == "error" and "boom" in done[bad].error
     assert done[good].token_ids == alone([8, 8, 8], 5)

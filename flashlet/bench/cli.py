@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--allow-preemption", action="store_true",
                    help="run even when the KV pool cannot hold every concurrent request")
 
+    samp = p.add_argument_group("sampling (decode-sat; greedy unless given)")
+    for flag, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                       ("presence-penalty", float), ("frequency-penalty", float),
+                       ("repetition-penalty", float)):
+        samp.add_argument(f"--{flag}", type=kind, default=None)
+
     peer = p.add_argument_group("peers")
     peer.add_argument("--peer", choices=PEERS, nargs="+", action="extend", default=None,
                       help="also run Hugging Face transformers generate on the same weights")
@@ -494,7 +500,9 @@ def _params(args) -> dict:
         "closed-loop": ["concurrency", "level_requests", "prompt_len_range", "output_len_range",
                         "num_requests", "rate"],
         "offline": ["num_requests", "prompt_len_range", "output_len_range"],
-        "decode-sat": ["decode_batch", "decode_prompt_len", "decode_tokens"],
+        "decode-sat": ["decode_batch", "decode_prompt_len", "decode_tokens", "temperature",
+                       "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty"],
         "single": ["single_prompt_len", "single_tokens", "bandwidth_mib"],
         "scheduler": ["sched_running", "sched_prefill_chunks", "sched_context", "sched_chunk_len",
                       "sched_steps", "sched_budget"],
@@ -502,5 +510,6 @@ def _params(args) -> dict:
     }[args.workload]
     out = {k: getattr(args, k, None) for k in keys}
     out.update(seed=args.seed, warmup=args.warmup, peers=args.peer or [],
-               peer_max_requests=args.peer_max_requests, greedy=True, ignore_eos=True)
+               peer_max_requests=args.peer_max_requests,
+               greedy=args.workload != "decode-sat" or not args.temperature, ignore_eos=True)
     return out

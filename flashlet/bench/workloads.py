@@ -138,6 +138,17 @@ def closed_loop(engine, args, progress: Progress = NO_PROGRESS) -> dict:
 
 
 # ---- decode saturation ---------------------------------------------------------------------
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty")
+
+
+def sampling_params(args, max_new_tokens: int) -> SamplingParams:
+    """A request's sampling from the bench's --temperature etc. (greedy when none is given);
+    ignore_eos keeps the lengths exact."""
+    chosen = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k, None) is not None}
+    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **chosen)
+
+
 def decode_sat_margin(args) -> int:
     """Extra output tokens per sequence beyond the timed decode steps: the steps it may decode
     while the rest of the batch is still being prefilled (chunked prefill), plus slack."""
@@ -151,8 +162,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     if args.warmup:
         warmup(engine, B, min(P, 16), args.seed)
     specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)
-    ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
-                                                       ignore_eos=True)) for s in specs]
+    ids = [engine.add_request(s.prompt, sampling_params(args, s.max_new_tokens)) for s in specs]
     preempt0 = engine.stats()["num_preemptions"]
 
     def all_decoding() -> bool:

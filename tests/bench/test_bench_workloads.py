@@ -131,6 +131,17 @@ def test_decode_sat(run_bench, tiny_config, tmp_path):
         check_png(p)
 
 
+def test_decode_sat_with_sampling_and_penalties(run_bench, tiny_config):
+    _, _, rec = run_bench("--config", tiny_config, "--workload", "decode-sat",
+                          "--decode-batch", 3, "--decode-prompt-len", 8, "--decode-tokens", 4,
+                          "--temperature", 0.7, "--top-p", 0.9, "--presence-penalty", 0.5,
+                          "--frequency-penalty", 0.5, "--repetition-penalty", 1.1)
+    params = rec["params"]
+    assert params["temperature"] == 0.7 and params["top_p"] == 0.9 and not params["greedy"]
+    assert params["repetition_penalty"] == 1.1
+    assert rec["results"]["decode_tokens"] == 3 * 4
+
+
 def test_single_bandwidth(run_bench, tiny_config):
     out, _, rec = run_bench("--config", tiny_config, "--workload", "single",
                             "--single-tokens", 10, "--single-prompt-len", 8,

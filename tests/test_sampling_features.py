@@ -1,0 +1,241 @@
+"""Sampling features through LLM.generate on tiny random models: logprobs, n samples sharing
+the prompt's pages, penalties, stop_token_ids, min_tokens, structured output (json_schema and a
+named tool call, with a real tokenizer), bad parameters."""
+
+import json
+import shutil
+
+import pytest
+
+from flashlet import LLM, SamplingParams
+from flashlet.structured import tool_call_format
+
+from tests.conftest import save_tiny_model
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2):
+    return LLM(str(tiny_qwen2))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_llm(tmp_path_factory, demo_model_dir):
+    """A tiny random Llama with the demo model's tokenizer (49152 tokens): a real vocabulary
+    for grammars, at the speed of a tiny model."""
+    folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-tok"), vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, folder / name)
+    return LLM(str(folder))
+
+
+def greedy(llm, prompt=PROMPT, n=24, **kwargs):
+    return llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, **kwargs))[0]
+
+
+def test_logprobs_one_per_token_and_the_greedy_token_is_top_1(llm):
+    plain = greedy(llm)
+    out = greedy(llm, logprobs=3)
+    assert out.token_ids == plain.token_ids  # asking for logprobs changes no token
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and len(lp.top) == 3
+        assert lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs(llm):
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
+                                                    logprobs=0, ignore_eos=True))
+    deltas, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas += out.new_logprobs or []
+                final = out
+    assert [lp.token_id for lp in deltas] == final.token_ids
+    assert all(lp.top == [] for lp in deltas)
+
+
+def test_n_samples_are_distinct_and_share_the_prompts_pages(llm):
+    prompt = list(range(2, 42))  # 40 tokens: two full pages of 16 to share
+    outs = llm.generate([prompt, [3, 4, 5]], SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                            n=3, ignore_eos=True))
+    assert len(outs) == 6
+    samples = [tuple(o.token_ids) for o in outs[:3]]
+    assert len(set(samples)) == 3
+    # The first sample computed the prompt; the other two adopted its two full pages.
+    assert [o.num_cached_tokens for o in outs[1:3]] == [32, 32]
+    assert all(o.prompt_token_ids == prompt for o in outs[:3])
+    stats = llm.engine.stats()
+    assert stats["kv_pages_used"] == stats["kv_pages_cached"]  # nothing leaked
+
+
+def test_seeded_n_samples_reproduce(llm):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=11, ignore_eos=True)
+    a = [o.token_ids for o in llm.generate([PROMPT], params)]
+    b = [o.token_ids for o in llm.generate([PROMPT], params)]
+    assert a == b and a[0] != a[1]
+
+
+def test_best_of_keeps_the_most_likely_samples(llm):
+    outs = llm.generate([PROMPT], SamplingParams(max_new_tokens=6, temperature=1.0, n=2,
+                                                 best_of=5, seed=1, ignore_eos=True))
+    assert len(outs) == 2 and all(o.logprobs is None for o in outs)
+    ranked = llm.generate([PROMPT], SamplingParams(max_new_tokens=6, temperature=1.0, n=5,
+                                                   seed=1, logprobs=0, ignore_eos=True))
+    best = sorted(ranked, key=lambda o: o.cumulative_logprob, reverse=True)[:2]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in best]
+
+
+def most_repeated(tokens):
+    return max(tokens.count(t) for t in set(tokens))
+
+
+def test_penalties_change_a_repetitive_greedy_output(llm):
+    plain = greedy(llm, n=40).token_ids
+    assert most_repeated(plain) >= 4  # the tiny model loops: the case penalties are for
+    for kwargs in (dict(repetition_penalty=1.8), dict(frequency_penalty=1.5),
+                   dict(presence_penalty=2.0)):
+        tokens = greedy(llm, n=40, **kwargs).token_ids
+        assert tokens != plain and most_repeated(tokens) < most_repeated(plain), kwargs
+
+
+def test_stop_token_ids_end_the_request_and_keep_the_token(llm):
+    plain = greedy(llm).token_ids
+    stop = plain[3]
+    first = plain.index(stop)
+    out = greedy(llm, stop_token_ids=[stop])
+    assert out.finish_reason == "stop" and out.token_ids == plain[: first + 1]
+
+
+def test_min_tokens_holds_back_stop_token_ids(llm):
+    plain = greedy(llm).token_ids
+    stop = plain[0]
+    out = greedy(llm, stop_token_ids=[stop], min_tokens=5)
+    assert stop not in out.token_ids[:5]
+    assert len(out.token_ids) >= 5
+
+
+def test_bad_sampling_parameters_are_clear_value_errors(llm):
+    for kwargs, word in [(dict(min_p=1.5), "min_p"), (dict(presence_penalty=3), "presence"),
+                         (dict(repetition_penalty=0), "repetition"), (dict(n=0), "n must"),
+                         (dict(n=3, best_of=2), "best_of"), (dict(logprobs=21), "logprobs"),
+                         (dict(min_tokens=100, max_new_tokens=10), "min_tokens"),
+                         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+                         (dict(response_format={"type": "xml"}), "response_format"),
+                         (dict(response_format={"type": "json_schema"}), "json_schema")]:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([PROMPT], SamplingParams(stop_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="tokenizer"):  # this tiny model has none
+        llm.generate([PROMPT], SamplingParams(response_format={"type": "json_object"}))
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["red", "blue"]}}}}
+
+
+def check_person(obj):
+    assert set(obj) == {"name", "age", "tags"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    assert len(obj["tags"]) <= 2 and all(t in ("red", "blue") for t in obj["tags"])
+
+
+@pytest.mark.slow
+def test_json_schema_output_parses_and_validates(tokenizer_llm):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    free = tokenizer_llm.generate(["A person:"], SamplingParams(max_new_tokens=20))[0]
+    with pytest.raises(ValueError):  # the random model left alone writes no JSON
+        json.loads(free.text)
+    outs = tokenizer_llm.generate(["A person:", "Someone else:"], SamplingParams(
+        max_new_tokens=60, temperature=1.0, seed=5, response_format=fmt))
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        check_person(json.loads(out.text))
+    structured = tokenizer_llm.engine.structured
+    before = structured.num_compiled
+    tokenizer_llm.generate(["Again:"], SamplingParams(max_new_tokens=60, response_format=fmt))
+    assert structured.num_compiled == before  # compiled once, cached by schema
+
+
+def test_constrained_and_free_requests_share_a_batch(tokenizer_llm):
+    """A constrained request turns overlap off while it runs; a free one beside it still gets
+    exactly the tokens it gets alone."""
+    fmt = {"type": "json_schema", "json_schema": {"schema": PERSON}}
+    alone = tokenizer_llm.generate(["Hello"], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    engine = tokenizer_llm.engine
+    free = engine.add_request("Hello", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    constrained = engine.add_request("A person:", SamplingParams(max_new_tokens=60,
+                                                                 response_format=fmt))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[free].token_ids == alone[0].token_ids
+    check_person(json.loads(tokenizer_llm.tokenizer.decode(done[constrained].token_ids[:-1])))
+
+
+def test_named_tool_call_has_valid_json_arguments(tokenizer_llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 10}}}}}]
+    fmt = tool_call_format(tools, {"type": "function", "function": {"name": "get_weather"}})
+    out = tokenizer_llm.generate(["Weather in Paris?"], SamplingParams(
+        max_new_tokens=60, response_format=fmt))[0]
+    assert out.text.startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert out.text.rstrip().endswith("</tool_call>"), out.text
+    call = json.loads(out.text.removeprefix("<tool_call>").strip().removesuffix("</tool_call>"))
+    assert call["name"] == "get_weather" and isinstance(call["arguments"]["city"], str)
+
+
+def test_invalid_schemas_and_tools_are_clear_value_errors(tokenizer_llm):
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}
+    with pytest.raises(ValueError, match="invalid json_schema"):
+        tokenizer_llm.generate(["x"], SamplingParams(response_format=bad))
+    with pytest.raises(ValueError, match="invalid grammar"):
+        tokenizer_llm.generate(["x"], SamplingParams(
+            response_format={"type": "grammar", "grammar": "root ::= (("}))
+    with pytest.raises(ValueError, match="tool_choice"):
+        tool_call_format([], "auto")
+    with pytest.raises(ValueError, match="ignore_eos"):
+        tokenizer_llm.generate(["x"], SamplingParams(ignore_eos=True,
+                                                     response_format={"type": "json_object"}))
+    assert tokenizer_llm.engine.stats()["requests"] == 0
+
+
+def test_grammar_mask_leaves_exactly_the_allowed_tokens(tokenizer_llm):
+    """apply_grammar_masks against a direct reading of the matcher: a row with a grammar keeps
+    the tokens its grammar allows next (and only those), a free row keeps everything."""
+    import torch
+    import xgrammar as xgr
+
+    from flashlet.request import Request
+    from flashlet.structured import apply_grammar_masks
+
+    structured = tokenizer_llm.engine.structured
+    fmt = {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}
+    params = SamplingParams(response_format=fmt)
+    constrained = Request(0, [1], params)
+    constrained.grammar = structured.matcher(fmt)
+    free = Request(1, [1], SamplingParams())
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0))
+    masked = logits.clone()
+    apply_grammar_masks(masked, [free, constrained], {})
+    assert torch.equal(masked[0], logits[0])
+    allowed = masked[1].isfinite().nonzero().flatten().tolist()
+    texts = {tokenizer_llm.tokenizer.decode([t]) for t in allowed}
+    assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    reference = xgr.allocate_token_bitmask(1, 49152)
+    structured.matcher(fmt).fill_next_token_bitmask(reference, 0)
+    bits = [(int(reference[0, t // 32]) >> (t % 32)) & 1 for t in range(49152)]
+    assert allowed == [t for t, bit in enumerate(bits) if bit]

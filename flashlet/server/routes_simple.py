@@ -49,7 +49,8 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         t0 = time.monotonic()
         ctx = await server.context()
         ids = await server.prompt_ids(ctx, body.prompt)
-        max_tokens = ctx.budget(len(ids), body.max_new_tokens, None, "prompt", "max_new_tokens")
+        requested, tokens_param = body.token_budget
+        max_tokens = ctx.budget(len(ids), requested, None, "prompt", tokens_param)
         params = server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
                                         body.seed, body.stop, body.ignore_eos)
         return server.start(ctx, ids, params, endpoint, t0)

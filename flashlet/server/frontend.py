@@ -39,6 +39,7 @@ class ServerConfig:
     max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
     retry_after_s: int = 1
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
 
 
 @dataclass

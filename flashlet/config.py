@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
 
-BACKENDS = ("torch", "flashinfer", "triton")
+BACKENDS = ("auto", "torch", "flashinfer", "triton")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # folder, hub id, .gguf file; None = the embedded default model
     config: str | None = None  # a config.json path or preset name: random weights at that shape
-    backend: str = "torch"  # attention backend: torch | flashinfer | triton
+    backend: str = "auto"  # attention backend: auto | torch | flashinfer | triton
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # float32 | bfloat16 | float16; default: bf16 on cuda, fp32 on cpu
     page_size: int = 16  # tokens per KV page
@@ -25,12 +28,14 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_cache: bool = True
+    enable_prefix_cache: bool = True  # reuse the KV pages of shared prompt prefixes (radix cache)
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
-    seed: int = 0  # for random weights
+    weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
+    warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
+    tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -47,6 +52,8 @@ class EngineConfig:
             )
         if self.dtype is not None:
             torch_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
@@ -64,17 +71,57 @@ class EngineConfig:
     # ---- command line, generated from the fields above ----------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field; its help is the field's comment above."""
+        helps = field_comments(cls)
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            help = helps.get(f.name, "").replace("%", "%%")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            else:
-                parser.add_argument(flag, type=_cli_type(f), default=f.default,
-                                    choices=BACKENDS if f.name == "backend" else None)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=help)
+                continue
+            if "default" not in help:
+                help += " (default: %(default)s)"
+            parser.add_argument(flag, type=_cli_type(f), default=f.default, help=help,
+                                choices=BACKENDS if f.name == "backend" else None)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def check_backend_runs_here(config: EngineConfig) -> None:
+    """Raise ValueError, before any model loads, when the backend cannot run on this machine:
+    flashinfer needs CUDA; triton needs CUDA unless TRITON_INTERPRET=1 asks for the (slow)
+    interpreter."""
+    if config.backend in ("torch", "auto") or config.resolved_device().type == "cuda":
+        return
+    if config.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    where = "no CUDA GPU is available" if not torch.cuda.is_available() else \
+        f"the device is {config.resolved_device()}"
+    hint = " (or set TRITON_INTERPRET=1 for Triton's slow CPU interpreter)" \
+        if config.backend == "triton" else ""
+    raise ValueError(f"--backend {config.backend} needs a CUDA GPU but {where}: "
+                     f"use --backend torch{hint}")
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Each dataclass field's trailing `# comment` in the source: one place for the docs of a
+    setting, read by the flags' help."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source (e.g. a frozen build): flags without help
+        return {}
+    pattern = re.compile(r"^    (\w+): [^#\n]*#\s*(.+)$", re.M)
+    return {name: text.strip() for name, text in pattern.findall(source)}
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line errors (`prog: error: ...`, exit code 2), no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _cli_type(f):

@@ -15,6 +15,12 @@ it. A request that stops on step N-1's token (EOS, a stop string) has run one ro
 step N; that row's token is dropped. A request that reached max_new_tokens is not scheduled.
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
+
+Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
+engine is rank 0, the only one that schedules and samples; every step's layout and input ids
+go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
+by torchrun) the constructor runs the worker loop (flashlet/tp_worker.py) and then raises
+SystemExit(0) when rank 0 shuts down, so a script run under torchrun goes on only on rank 0.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from flashlet import parallel
 from flashlet.batch import StepBuffers
 from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
@@ -59,24 +67,32 @@ def preset_config_path(name_or_path: str) -> Path:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
+        started = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         if config.device and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but CUDA is not available")
+        self.tp = parallel.start(config, self.device)  # None unless tensor_parallel_size > 1
+        if self.tp is not None:
+            self.device = self.tp.device  # this rank's GPU
         ops = _ops_for(config, self.device)
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
-            self.model = random_model(cfg, self.device, self.dtype, config.seed, ops=ops)
+            self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops,
+                                      tp=self.tp)
             self.tokenizer, self.model_dir = None, None
         else:
             self.model, self.tokenizer, self.model_dir = load_model(
-                config.model, self.device, self.dtype, ops=ops)
+                config.model, self.device, self.dtype, ops=ops, tp=self.tp)
         self.model_config = cfg = self.model.config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or cfg.max_context_len, cfg.max_context_len)
+        if cfg.sliding_window and cfg.sliding_window == cfg.max_context_len:
+            log.info("context capped at the sliding window, %d tokens (there the window attends "
+                     "to every token: exact)", cfg.sliding_window)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
-                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                              self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
+                              self.device)
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids())
@@ -95,6 +111,31 @@ class Engine:
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
+        if self.tp is not None and self.tp.rank != 0:
+            from flashlet.tp_worker import serve
+
+            serve(self)  # until rank 0 shuts down
+            raise SystemExit(0)
+        self.start_report = self._warm_up(time.perf_counter() - started)
+
+    def _warm_up(self, load_s: float) -> dict:
+        """Compile every kernel variant and capture every graph now, not in the first requests
+        (flashlet/warmup.py); returns the start time split into load / warm-up / capture.
+        Under tensor parallelism the warm-up's synthetic steps would bypass the step channel
+        to the workers, so it is skipped there (graphs are then captured on first use)."""
+        report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
+        if self.config.warmup_at_start and self.device.type == "cuda" and self.tp is None:
+            from flashlet.warmup import warm_up
+
+            report.update(warm_up(self), warmed_up=True)
+        log.info("engine start: load %.2f s, warm-up %.2f s, graph capture %.2f s (backend %s)",
+                 report["load_s"], report["warmup_s"], report["capture_s"], self.backend_name)
+        return report
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend that runs (what "auto" resolved to)."""
+        return self.runner.backend.name
 
     def use_tokenizer(self, tokenizer) -> None:
         """Give a model built without one (random weights) a tokenizer, which structured output
@@ -145,8 +186,6 @@ class Engine:
         """Raise ValueError if a request of this size could never run (a last defensive check:
         LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
-        limits = RequestLimits.of_engine(self)
-        limits.check_stop_token_ids(params.stop_token_ids)
         if params.is_constrained:
             if self.structured is None:
                 raise ValueError("response_format needs a model with a tokenizer")
@@ -154,6 +193,8 @@ class Engine:
                 raise ValueError("ignore_eos cannot be combined with a response_format: "
                                  "the grammar ends the output")
             self.structured.compile(params.response_format)  # ValueError if invalid; cached
+        limits = RequestLimits.of_engine(self)
+        limits.check_stop_token_ids(params)
         limits.check_fits(num_prompt_tokens, params.max_new_tokens)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -198,6 +239,24 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (overlap) or this one."""
+        if self.tp is None:
+            return self._step()
+        self.tp.check()  # a worker died: every later step fails the same way
+        try:
+            return self._step()
+        except Exception as e:
+            failure = self.tp.failure_from(e)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (a no-op on one device)."""
+        if self.tp is not None:
+            self.runner.graphs.clear()  # captured collectives go before their communicator
+            self.tp.shutdown()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and previous.constrained:
@@ -225,6 +284,8 @@ class Engine:
             # Decode rows whose input is the previous step's token, still on the device.
             rows, src = self.buffers.feed
             input_ids.index_copy_(0, rows, previous.tokens.index_select(0, src))
+        if self.tp is not None:  # the workers run the same step
+            self.tp.send_step(meta, input_ids)
         logits = self.runner.forward(input_ids, meta)
         for observe in self._step_observers:
             observe(meta, logits)
@@ -289,6 +350,14 @@ class Engine:
             "cuda_graphs": len(self.runner.graphs),
         }
 
+    def context_note(self) -> str:
+        """Added to context-overflow errors: why max_model_len is what it is, if not obvious."""
+        window = self.model_config.sliding_window
+        if window and self.max_model_len == window:
+            return (f" (capped at the model's sliding window: longer sequences would need "
+                    f"sliding-window attention, which flashlet does not implement)")
+        return ""
+
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -303,8 +372,8 @@ class Engine:
         cfg, c = self.model_config, self.config
         if c.max_num_pages is not None:
             return c.max_num_pages
-        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size, cfg.num_kv_heads,
-                                         cfg.head_dim, self.dtype)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size,
+                                         self.model.local.num_kv_heads, cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * c.gpu_memory_utilization
@@ -312,7 +381,10 @@ class Engine:
             budget = c.kv_memory_gb * 2**30
         # Never more than every sequence at full length needs.
         cap = c.max_num_seqs * -(-self.max_model_len // c.page_size)
-        return max(1, min(int(budget // per_page), cap))
+        num_pages = max(1, min(int(budget // per_page), cap))
+        if self.tp is not None:  # page ids are shared: every rank's pool must hold them all
+            num_pages = self.tp.agree_min(num_pages)
+        return num_pages
 
 
 def _ops_for(config: EngineConfig, device: torch.device):

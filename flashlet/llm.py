@@ -12,10 +12,11 @@ from flashlet.engine import Engine
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams, sample_params
+from flashlet.tokenizing import chat_ids
 
 
 class LLM:
-    def __init__(self, model: str | None = None, backend: str = "torch", device=None,
+    def __init__(self, model: str | None = None, backend: str = "auto", device=None,
                  dtype=None, page_size: int = 16, max_num_pages: int | None = None, **kwargs):
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
@@ -39,8 +40,7 @@ class LLM:
         params = params or SamplingParams()
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
-        prompt_ids = [self.engine.encode(p) for p in prompts]
-        prompt_ids = [limits.check(p, params) for p in prompt_ids]
+        prompt_ids = [limits.check(self.engine.encode(p), params) for p in prompts]
         num_samples = params.best_of or params.n
         groups: list[list[int]] = []
         mine: set[int] = set()
@@ -72,19 +72,27 @@ class LLM:
             raise
         return [out for group in groups for out in _best(params, [finished[i] for i in group])]
 
-    def chat(self, conversations, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate replies to chat conversations (lists of {role, content}), chat template applied."""
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when the program exits)."""
+        self.engine.shutdown()
+
+    def chat(self, conversations, params: SamplingParams | None = None, *,
+             allow_special_tokens: bool = False) -> list[RequestOutput]:
+        """Generate replies to chat conversations (lists of {role, content}), chat template
+        applied; control-token text in message content stays text unless allowed."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+        return self.generate([self.apply_chat_template(c, allow_special_tokens=allow_special_tokens)
+                              for c in conversations], params)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], *,
+                            allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation, ending with the assistant's turn opening.
+        Message content is encoded as text: `<|im_end|>` written in a message is not the
+        control token (flashlet/tokenizing.py), unless `allow_special_tokens`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        if not messages:
-            raise ValueError("the message list is empty")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens)
 
     def _run_until_done(self, ids: set[int], count: int,
                         on_output=None) -> dict[int, RequestOutput]:

@@ -1,9 +1,18 @@
-"""The decoder forward pass for Qwen2 (Qwen2.5) and Llama (SmolLM2) models.
+"""One decoder for every family we run: Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3 (dense).
 
-One loop covers both: embedding, then per layer RMSNorm, fused QKV projection (Qwen2 has a bias),
-RoPE, paged grouped-query attention through the step's attention backend, output projection,
-residual, RMSNorm, SwiGLU MLP (fused gate/up), residual; final norm and the LM head (tied to
-the embedding in both families' small models).
+One loop covers them all: embedding, then per layer RMSNorm, fused QKV projection, (Qwen3: a
+per-head RMSNorm on q and k), RoPE, paged grouped-query attention through the step's attention
+backend, output projection, residual, RMSNorm, SwiGLU MLP (fused gate/up), residual; final norm
+and the LM head (tied to the embedding where the config says so).
+
+The families differ only in ModelConfig fields, read from config.json by `ModelConfig.from_hf`:
+    qkv_bias       Qwen2 always; Llama/Qwen3 with attention_bias (which also biases o_proj)
+    o_bias         attention_bias on Llama and Qwen3
+    qk_norm        Qwen3: RMSNorm over head_dim on q and k before RoPE
+    head_dim       given by the config (Qwen3, Mistral-Nemo) or hidden_size / num_heads
+    rope_scaling   default | linear | dynamic | yarn | llama3 (`flashlet.rope` builds the table)
+    sliding_window Mistral (and Qwen with use_sliding_window): honoured by capping the context
+                   at the window, where sliding-window attention equals full attention
 """
 
 from __future__ import annotations
@@ -15,9 +24,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flashlet import rope
 from flashlet.ops import TorchOps
+from flashlet.parallel import LocalShape, local_shape
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# model_type -> the architecture its config.json names.
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx",
+                   "olmoe", "phimoe", "granitemoe", "jamba", "llama4")
 
 
 @dataclass(frozen=True)
@@ -36,21 +51,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    o_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
+    sliding_window: int | None = None  # set only where some layer really slides
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict; raises ValueError on what we cannot run."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported RoPE scaling {rope_type!r}: only plain RoPE is implemented")
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        """Build from a Hugging Face config.json dict; raises ValueError naming what we cannot run."""
+        model_type = _check_supported(cfg)
         heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False)) and model_type != "mistral"
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -60,19 +71,30 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=float(theta),
+            rope_theta=rope.rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qkv_bias=model_type == "qwen2" or attention_bias,
             eos_token_ids=eos,
+            o_bias=attention_bias and model_type != "qwen2",
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope.rope_parameters(cfg),
+            sliding_window=active_sliding_window(cfg, model_type),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf(json.loads(Path(path).read_text()))
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence we run exactly: the (scaled) RoPE's context, capped at the
+        sliding window (within it, sliding-window attention is full attention)."""
+        length = rope.context_length(self.rope_scaling, self.max_position_embeddings)
+        return min(length, self.sliding_window) if self.sliding_window else length
 
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -80,23 +102,71 @@ class ModelConfig:
         layer = qkv + self.num_heads * d * h + 3 * h * i + 2 * h
         if self.qkv_bias:
             layer += (self.num_heads + 2 * self.num_kv_heads) * d
+        layer += h * self.o_bias + 2 * d * self.qk_norm
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
 
+def _check_supported(cfg: dict) -> str:
+    """The config's model_type if we run it exactly; else ValueError naming what is missing."""
+    model_type = cfg.get("model_type")
+    if model_type in MOE_MODEL_TYPES or any(k in cfg for k in ("num_experts", "num_local_experts")):
+        raise ValueError(f"model_type {model_type!r} is a mixture-of-experts model: MoE layers "
+                         f"are not implemented (dense {', '.join(SUPPORTED_MODEL_TYPES)} only)")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantized checkpoint (quantization_config, quant_method {method!r}): "
+                         "quantized weights are not implemented; use the unquantized model")
+    archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
+    if not all(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"unsupported architecture {archs[0]!r}: only the *ForCausalLM head is implemented")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU with silu is implemented")
+    if cfg.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias: true (MLP projections with a bias are not implemented)")
+    return model_type
+
+
+def active_sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The attention window if some layer uses one: Mistral's `sliding_window` when set; Qwen's
+    only with use_sliding_window (its configs carry the field switched off), and only if a layer
+    at or past `max_window_layers` exists, as Transformers builds its layer_types."""
+    window = cfg.get("sliding_window")
+    if not window or model_type not in ("mistral", "qwen2", "qwen3"):
+        return None
+    if model_type == "mistral":
+        return window
+    if not cfg.get("use_sliding_window"):
+        return None
+    first = cfg.get("max_window_layers", 28)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return window if "sliding_attention" in layer_types else None
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: LocalShape, tp=None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        # `local`: this rank's heads and MLP slice under tensor parallelism, else the model's.
+        self.q_size, self.kv_size = local.num_heads * d, local.num_kv_heads * d
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
+        self.tp = tp
         self.input_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(d))
+            self.k_norm = nn.Parameter(torch.ones(d))
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_attn_norm = nn.Parameter(torch.ones(h))
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * local.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(local.intermediate_size, h, bias=False)
 
     def forward(self, x, residual, positions, cos_sin, layer_idx, attn, ops):
         # x, residual: [T, hidden]
@@ -106,26 +176,43 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self._norm_heads(q, self.q_norm, ops), self._norm_heads(k, self.k_norm, ops)
         o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, ops)  # RoPE, K/V write, attend
-        x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+        if self.tp is None:
+            x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        else:  # row-parallel O: sum the ranks' partial outputs, then the bias once
+            x = self.tp.all_reduce(ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight))
+            if self.o_proj.bias is not None:
+                x = x + self.o_proj.bias
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
         x = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))
         x = ops.linear(x, self.down_proj.weight)
+        if self.tp is not None:  # row-parallel down
+            x = self.tp.all_reduce(x)
         return x, residual
+
+    def _norm_heads(self, x, weight, ops):
+        """Qwen3's RMSNorm of each head vector: x [T, H, D] -> [T, H, D]."""
+        return ops.rms_norm(x.reshape(-1, self.head_dim), weight, self.eps).view(x.shape)
 
 
 class CausalLM(nn.Module):
-    """Qwen2/Llama decoder. `forward` returns final hidden states; `compute_logits` the LM head."""
+    """The decoder. `forward` returns final hidden states; `compute_logits` the LM head."""
 
-    def __init__(self, cfg: ModelConfig, ops=TorchOps):
+    def __init__(self, cfg: ModelConfig, ops=TorchOps, tp=None):
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        # Tensor parallelism (flashlet.parallel.TensorParallel): this rank's slice; None = all.
+        self.tp = tp
+        self.local = tp.shape(cfg) if tp is not None else local_shape(cfg)
+        self.embed_tokens = nn.Embedding(self.local.vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.local, tp)
+                                    for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = nn.Parameter(torch.empty(self.local.vocab_rows, cfg.hidden_size))
         self.register_buffer("cos_sin_cache", rope_cache(cfg), persistent=False)
 
     @property
@@ -134,7 +221,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (K/V written through `attn`)."""
-        x, residual = self.embed_tokens(input_ids), None
+        if self.tp is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:  # vocab-parallel: each rank looks up its own id range
+            x, residual = self.tp.embed(self.embed_tokens.weight, input_ids,
+                                        self.local.vocab_start), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.cos_sin_cache, i, attn, self.ops)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
@@ -142,16 +233,16 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.ops.linear(hidden, self.lm_head_weight).float()
+        logits = self.ops.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # vocab-parallel: gather every rank's columns
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
 
 def rope_cache(cfg: ModelConfig) -> torch.Tensor:
-    """[max_positions, head_dim] fp32: cos of the half-dim frequencies, then sin."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    pos = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
-    freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    """[max_context_len, head_dim] fp32: cos | sin of each position (`flashlet.rope`)."""
+    return rope.cos_sin_cache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                              cfg.max_position_embeddings, cfg.max_context_len)
 
 
 def hf_to_flashlet_names(cfg: ModelConfig):
@@ -164,7 +255,12 @@ def hf_to_flashlet_names(cfg: ModelConfig):
         yield ours + "qkv_proj.weight", [a + ".weight" for a in attn]
         if cfg.qkv_bias:
             yield ours + "qkv_proj.bias", [a + ".bias" for a in attn]
+        if cfg.qk_norm:
+            yield ours + "q_norm", [hf + "self_attn.q_norm.weight"]
+            yield ours + "k_norm", [hf + "self_attn.k_norm.weight"]
         yield ours + "o_proj.weight", [hf + "self_attn.o_proj.weight"]
+        if cfg.o_bias:
+            yield ours + "o_proj.bias", [hf + "self_attn.o_proj.bias"]
         yield ours + "post_attn_norm", [hf + "post_attention_layernorm.weight"]
         yield ours + "gate_up_proj.weight", [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
         yield ours + "down_proj.weight", [hf + "mlp.down_proj.weight"]

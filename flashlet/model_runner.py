@@ -31,7 +31,7 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.device = torch.device(device)
-        self.backend = create_backend(config.backend, kv_pool, model.config.num_heads,
+        self.backend = create_backend(config.backend, kv_pool, model.local.num_heads,
                                       max_batch_size=config.max_num_seqs,
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"

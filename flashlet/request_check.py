@@ -28,11 +28,13 @@ class RequestLimits:
     vocab_size: int
     page_size: int
     num_pages: int
+    context_note: str = ""  # why the context is what it is, when that is not obvious
 
     @classmethod
     def of_engine(cls, engine) -> "RequestLimits":
         return cls(engine.max_model_len, engine.model_config.vocab_size,
-                   engine.config.page_size, engine.stats()["kv_pages_total"])
+                   engine.config.page_size, engine.stats()["kv_pages_total"],
+                   engine.context_note())
 
     @property
     def max_tokens(self) -> int:
@@ -60,7 +62,8 @@ class RequestLimits:
             raise RequestError(
                 f"{prompt_param}: the prompt is {num_prompt} tokens but the model's context is "
                 f"{self.max_model_len} tokens (KV pool {self.num_pages * self.page_size}); leave "
-                f"room for at least one new token", prompt_param, "context_length_exceeded")
+                f"room for at least one new token{self.context_note}", prompt_param,
+                "context_length_exceeded")
         if requested is None:
             return limit - num_prompt if default is None else min(default, limit - num_prompt)
         self.check_fits(num_prompt, requested, tokens_param)
@@ -74,7 +77,8 @@ class RequestLimits:
             raise RequestError(
                 f"{tokens_param}: prompt ({num_prompt} tokens) + {tokens_param} "
                 f"({max_new_tokens}) = {total} exceeds the model's context of "
-                f"{self.max_model_len} tokens", tokens_param, "context_length_exceeded")
+                f"{self.max_model_len} tokens{self.context_note}", tokens_param,
+                "context_length_exceeded")
         pages = -(-total // self.page_size)
         if pages > self.num_pages:
             raise RequestError(
@@ -82,9 +86,10 @@ class RequestLimits:
                 f"{self.num_pages}: it could never run (raise max_num_pages or shorten it)",
                 tokens_param)
 
-    def check_stop_token_ids(self, stop_token_ids, param: str = "stop_token_ids") -> None:
-        if any(t >= self.vocab_size for t in stop_token_ids):
-            raise RequestError(f"{param} must be < the vocabulary size {self.vocab_size}", param)
+    def check_stop_token_ids(self, params: SamplingParams) -> None:
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}",
+                               "stop_token_ids")
 
     def check(self, token_ids, params: SamplingParams) -> list[int]:
         """Everything about one request of token ids: the prompt, its budget, its params."""
@@ -92,7 +97,7 @@ class RequestLimits:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        self.check_stop_token_ids(params)
         token_ids = self.check_prompt_ids(token_ids)
-        self.check_stop_token_ids(params.stop_token_ids)
         self.check_fits(len(token_ids), params.max_new_tokens)
         return token_ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -35,8 +35,14 @@ class SamplingParams:
     n: int = 1  # samples per prompt (LLM.generate); they share the prompt's KV pages
     best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
     response_format: dict | None = None  # {"type": one of RESPONSE_FORMATS, ...}
+    max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
-    def __post_init__(self):
+    def __post_init__(self, max_tokens: int | None):
+        if max_tokens is not None:
+            if self.max_new_tokens not in (max_tokens, _DEFAULT_MAX_NEW_TOKENS):
+                raise ValueError(f"max_tokens ({max_tokens!r}) and max_new_tokens "
+                                 f"({self.max_new_tokens!r}) disagree: give one of them")
+            self.max_new_tokens = max_tokens
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.logprobs, bool):  # OpenAI's chat API: logprobs=True, top_logprobs=0
@@ -139,6 +145,11 @@ def sample_params(params: SamplingParams, index: int, num_samples: int) -> Sampl
     if num_samples > params.n and params.logprobs is None:
         changes["logprobs"] = 0
     return dataclasses.replace(params, **changes)
+
+
+_DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
+                                     doc="vLLM's name for max_new_tokens")
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:

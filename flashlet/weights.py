@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -199,61 +200,148 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from e
 
 
-def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a folder's *.safetensors files (sharded or not), on the CPU."""
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one checkpoint tensor lives, read from its file's header (no data touched)."""
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, F16, I8, ...
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a folder's safetensors checkpoint, sharded (model.safetensors.index.json)
+    or not, by name; only the file headers are read."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: the index names shards that are missing: {', '.join(missing[:3])}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    tensors = {}
+    from safetensors import safe_open
+
+    found = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    tensors[name] = sf.get_tensor(name)
+                    part = sf.get_slice(name)
+                    found[name] = StoredTensor(f, tuple(part.get_shape()), part.get_dtype())
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from e
-    return tensors
+    return found
 
 
-def load_model(source=None, device="cpu", dtype=torch.float32, ops=None):
+def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes."""
     model_dir = resolve_model_dir(source)
     try:
         hf_config = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
-    model = model_from_hf_tensors(hf_config, read_hf_tensors(model_dir), device, dtype, ops,
-                                  where=str(model_dir))
+    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops, tp=tp)
     return model, load_tokenizer(model_dir), model_dir
 
 
-def model_from_hf_tensors(hf_config: dict, tensors: dict, device="cpu", dtype=torch.float32,
-                          ops=None, where="weights"):
-    """Our CausalLM from a Hugging Face config dict and its tensors (HF parameter names)."""
-    from flashlet.model import CausalLM, ModelConfig, hf_to_flashlet_names
+def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=torch.float32,
+                          ops=None, tp=None):
+    """Our CausalLM from a config dict and a safetensors folder, streamed to `device` tensor by
+    tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
+    into its slice of our fused parameter on the device, and dropped, so the host never holds
+    more than the shard being read (mapped) and one tensor. With `tp`
+    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first."""
+    from flashlet.model import CausalLM, ModelConfig
 
+    where = str(model_dir)
     try:
         cfg = ModelConfig.from_hf(hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{where}: config: {e}") from e
-    state = {}
-    for ours, theirs in hf_to_flashlet_names(cfg):
-        missing = [t for t in theirs if t not in tensors]
-        if missing:
-            raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
-        state[ours] = torch.cat([tensors[t] for t in theirs], dim=0)
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
-        model = CausalLM(cfg, **kwargs)
+        # No fp32 detour: allocate in the target dtype.
+        model = CausalLM(cfg, **kwargs, tp=tp).to(dtype)
+        whole = model if tp is None else CausalLM(cfg)  # the checkpoint's shapes
+    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+    plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where)
     model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=True)
+    params = dict(model.named_parameters())
+    shard = None
+    if tp is not None:
+        from flashlet.parallel import checkpoint_slicer
+
+        shard = checkpoint_slicer(cfg, tp.shape(cfg))
+        with torch.no_grad():
+            for p in params.values():  # the vocabulary padding of the last rank stays zero
+                p.zero_()
+    _stream_tensors(plan, params, torch.device(device), shard)
     return _finish(model, device, dtype)
 
 
+def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], where: str):
+    """file -> [(HF name, our parameter, first row)]; every tensor checked against the shape
+    the config gives our parameter, before anything is allocated."""
+    from flashlet.model import hf_to_flashlet_names
+
+    plan: dict[Path, list] = {}
+    for ours, theirs in hf_to_flashlet_names(cfg):
+        missing = [t for t in theirs if t not in stored]
+        if missing:
+            raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
+        want, row = shapes.pop(ours), 0
+        for name in theirs:
+            t = stored[name]
+            if t.dtype not in FLOAT_DTYPES:
+                raise ModelLoadError(f"{where}: tensor {name} is {t.dtype}: quantized or integer "
+                                     f"weights are not supported (need {'/'.join(FLOAT_DTYPES)})")
+            if t.shape[1:] != want[1:]:
+                raise ModelLoadError(f"{where}: tensor {name} has shape {t.shape}, the config "
+                                     f"implies (..., {', '.join(map(str, want[1:]))})")
+            plan.setdefault(t.file, []).append((name, ours, row))
+            row += t.shape[0]
+        if row != want[0]:
+            parts = " + ".join(str(stored[n].shape[0]) for n in theirs)
+            raise ModelLoadError(f"{where}: {', '.join(theirs)} have {parts} rows, the config "
+                                 f"implies {want[0]}")
+    if shapes:
+        raise AssertionError(f"hf_to_flashlet_names misses {', '.join(shapes)}")
+    return plan
+
+
+def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device,
+                    shard=None) -> None:
+    from safetensors import safe_open
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        for file, copies in plan.items():
+            try:
+                with safe_open(str(file), framework="pt", device=str(device)) as sf:
+                    for name, ours, row in copies:
+                        tensor = sf.get_tensor(name)
+                        if shard is not None:  # tensor parallel: this rank's rows or columns
+                            row, tensor = shard(ours, row, tensor)
+                        params[ours][row:row + tensor.shape[0]].copy_(tensor)
+                        del tensor
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from e
+
+
 def _finish(model, device, dtype):
-    """Cast to dtype, keeping the RoPE table in fp32 (recomputed, never round-tripped)."""
+    """Cast to dtype, keeping the RoPE table in fp32 (recomputed on the host, never round-tripped)."""
     from flashlet.model import rope_cache
 
     model = model.to(dtype)
@@ -261,9 +349,13 @@ def _finish(model, device, dtype):
     return model.eval()
 
 
-def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None):
-    """A model with random weights at `cfg`'s shape (for benchmarks at a real size)."""
+def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=None):
+    """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
+    this rank's slices of the very weights one device would draw."""
     from flashlet.model import CausalLM
+
+    if tp is not None:
+        return _shard_model(random_model(cfg, device, dtype, seed, ops), tp)
 
     torch.manual_seed(seed)
     kwargs = {} if ops is None else {"ops": ops}
@@ -276,6 +368,21 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None):
             else:
                 p.normal_(0, 0.02)
     return _finish(model, device, dtype)
+
+
+def _shard_model(full, tp):
+    """The rank's tensor-parallel slice of a whole model (which it then drops)."""
+    from flashlet.model import CausalLM
+    from flashlet.parallel import shard_state_dict
+
+    cfg, ops, device = full.config, full.ops, full.norm.device
+    state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))
+    del full
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=ops, tp=tp)
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    return _finish(model, device, state["norm"].dtype)
 
 
 def load_tokenizer(model_dir: Path):

@@ -2,21 +2,37 @@
 # Sets up and runs the GPU tests and benchmarks on a fresh CUDA machine that has only this
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
-#                                             decode-sat-sampled offline closed-loop kernels
-#                                             progression serve all (default: every part but serve)
+#                                             decode-sat-sampled
+#                                             offline closed-loop kernels progression fidelity
+#                                             load all (default)
+#                                             and, not in all (issue 14, ~12 min together):
+#                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
+#                                             without the start warm-up, for comparison)
+#                                             and fused (issue 16, not in all: needs the CuTe DSL,
+#                                             see below; ~2-4 min); tp tp-tests (tensor
+#                                             parallelism, 2 GPUs; not in all); serve (the server
+#                                             against in-process, same workload; not in all)
 # Every benchmark runs the torch, flashinfer and triton backends in one invocation, beside the
 # Hugging Face peers, on the qwen2.5-0.5b preset in bf16.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
 # lacks) are installed from .whl/ when present; compiled FlashInfer kernels are kept in
 # .fi_cache/ (FLASHINFER_WORKSPACE_BASE; unpacked from .fi_prev/fi_cache.tgz when present) so a
-# second start skips compilation. `serve` (the server against in-process, same workload) needs the
-# server's wheels in .whl/ and the tokenizer folder .tok/smollm2 (scripts/export_tokenizer.py). Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
+# second start skips compilation. The fused part takes the CuTe DSL from /tmp/cute when a run
+# before it installed it there (pip install --no-deps --target /tmp/cute
+# nvidia_cutlass_dsl-4.3.5-cp312-*.whl, plus cuda-bindings and cuda-pathfinder wheels if the
+# machine's python lacks `cuda.bindings`), else from the wheels in .whl/cute/; --target skips
+# the wheel's .pth file, so its two import roots go on PYTHONPATH here, in front of /tmp/site
+# (FlashInfer's dependencies may bring a newer cutlass).
+# `serve` (the server against in-process, same workload) needs the server's wheels in .whl/
+# and the tokenizer folder .tok/smollm2 (scripts/export_tokenizer.py).
+# Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
-  PARTS=(tests torchlet single single-gemv decode-sat decode-sat-sampled offline closed-loop kernels progression)
+  PARTS=(tests torchlet single single-gemv decode-sat decode-sat-sampled offline closed-loop
+         kernels progression fidelity load)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT" "$OUT/json"
 LOG="$OUT/log.txt"
@@ -70,6 +86,68 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
+    fidelity) run 480 python3 scripts/fidelity.py --dtype bfloat16 \
+                --json "$OUT/json/fidelity.json" ;;
+    load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \
+            --dir "${LOAD_DIR:-/tmp/flashlet-load-qwen2.5-7b}" ;;
+    # ---- issue 14: what a user gets (each bounded; together about 12 minutes) ----
+    nocompile) run 300 $PYTEST tests/gpu/test_gpu_warmup.py ;;  # nothing compiles after start
+    warm)  # engine start, cold (empty Triton and FlashInfer caches) then warm (the same caches)
+      for b in triton flashinfer; do
+        d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
+        for label in cold warm; do
+          run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
+            python3 scripts/start_time.py --config qwen2.5-0.5b --backend $b --label $label \
+            --append "$OUT/json/start.jsonl"
+        done
+      done
+      run 20 python3 scripts/start_time.py --table "$OUT/json/start.jsonl" ;;
+    e2e)  # offline first run in a fresh process vs a repeat; decode-sat T(129)-T(1) vs harness
+      for b in triton flashinfer; do
+        run 180 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 32768 --workload offline --out "$OUT/json/e2e-offline-$b.json"
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --out "$OUT/json/e2e-decode-$b.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-*.json ;;
+    e2e-lazy)  # the same decode-sat without the start warm-up: what graphs built lazily cost
+      for b in triton flashinfer; do
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend $b --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --no-warmup-at-start --out "$OUT/json/e2e-lazy-decode-$b.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-lazy-*.json ;;
+    shapes)  # 64 x 300-token prompts, 64 new tokens, end to end (first run) and repeated
+      for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
+        run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \
+          --backend triton flashinfer auto --workload offline --num-requests 64 \
+          --prompt-len-range 300 300 --output-len-range 64 64 --max-num-pages 8192 \
+          --out "$OUT/json/shapes-$c.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
+    tune) run 260 python3 scripts/tune_triton.py --budget-s 160 --json "$OUT/json/tune.json" ;;
+    fused) if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
+           fi
+           export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
+           python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \
+             2>&1 | tail -1 | tee -a "$LOG"
+           run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
+           run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
+    tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
+        # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
+        if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then
+          echo "part tp needs 2 GPUs" | tee -a "$LOG"; status=2; continue
+        fi
+        for shape in qwen2.5-7b qwen2.5-14b; do
+          for n in 1 2; do
+            run 170 python3 scripts/tp_bench.py run --config $shape --tp $n --single-tokens 128 \
+              --backend "${TP_BACKEND:-triton}" --out "$OUT/json/tp-$shape-$n.json"
+          done
+        done
+        run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
+    tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
     serve) run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
              --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
              -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
+
+log = logging.getLogger("flashlet")
+
+
+def resolve_backend(name: str, device, head_dim: int, group: int) -> tuple[str, str]:
+    """(the backend `name` stands for, why). "auto": torch off CUDA; on CUDA the faster of
+    triton and flashinfer for this shape (`flashlet.kernels.tuning.preferred_backend`)."""
+    if name != "auto":
+        return name, "asked for by name"
+    if device.type != "cuda":
+        return "torch", f"auto on {device.type}: the torch backend"
+    from flashlet.kernels.tuning import preferred_backend
+
+    return preferred_backend(head_dim, group, importlib.util.find_spec("flashinfer") is not None)
 
 
 def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionBackend:
     """Build the backend `name` over `kv_pool`; a clear error if it cannot run on this device."""
     device = kv_pool.k_cache.device
+    if name == "auto":
+        name, why = resolve_backend(name, device, kv_pool.head_dim, num_q_heads // kv_pool.num_kv_heads)
+        log.info("backend auto: %s (%s)", name, why)
     if name == "torch":
         from flashlet.attention.torch_ref import TorchBackend
 
@@ -24,7 +44,7 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
         from flashlet.attention.triton_backend import TritonBackend
 
         return TritonBackend(kv_pool, num_q_heads, **kwargs)
-    raise ValueError(f"unknown attention backend {name!r} (choose from torch, flashinfer, triton)")
+    raise ValueError(f"unknown attention backend {name!r} (choose from auto, torch, flashinfer, triton)")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "create_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "create_backend", "resolve_backend"]

@@ -3,7 +3,11 @@
 
 Pure-decode steps that the model runner replays as CUDA graphs get a wrapper of their own per
 padded batch size, built with `use_cuda_graph=True` over fixed index buffers: `plan()` runs
-outside the graph (it cannot be captured) and the captured `run()` reads those buffers. Decode
+outside the graph (it cannot be captured) and the captured `run()` reads those buffers. The
+wrappers, their graphs and the JIT-compiled kernel module all come into being at engine start
+(`flashlet/warmup.py`): built lazily, they cost the first decode steps after a prefill hundreds
+of milliseconds, which the harness (warmed up) never saw but every user did. `plan()` reads
+only pinned host arrays and copies the page indices device to device: no step waits for the GPU. Decode
 uses the same prefill kernel with one query row per sequence, which handles any GQA group size
 (Qwen2.5-0.5B's is 7, which FlashInfer's CUDA-core decode kernels do not support). FA2 is asked
 for explicitly: on Hopper `auto` picks FA3, which suits single-row queries poorly.
@@ -39,8 +43,8 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self.active = self.wrapper
         cache = os.environ.get("FLASHINFER_WORKSPACE_BASE", "~")
-        log.info("flashinfer %s: kernels are compiled on first use and kept under %s/.cache/"
-                 "flashinfer (set FLASHINFER_WORKSPACE_BASE to keep them between runs)",
+        log.info("flashinfer %s: kernels are compiled on first use (engine start warms them up) "
+                 "and kept under %s/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE moves them)",
                  flashinfer.__version__, cache)
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -68,7 +72,7 @@ class FlashInferBackend(AttentionBackend):
         qo = meta.qo_indptr_host
         # Passing the longest query spares plan() a Python loop over tensor elements. (Passing
         # max_sequence_kv too trips an unbound variable in flashinfer 0.6.18's plan().)
-        max_q = max(qo[b + 1] - qo[b] for b in range(meta.num_seqs))
+        max_q = 1 if meta.is_pure_decode else max(qo[b + 1] - qo[b] for b in range(meta.num_seqs))
         # The page indices go in as the device copy: plan() copies them into the graph
         # wrapper's buffer, and from host memory that copy would block until the GPU is idle
         # (no overlap). The small arrays stay on the host, where plan() reads them.

@@ -2,11 +2,14 @@
 
 - Pure-decode steps run `decode_attention` (grid (B, Hkv, S): one program per sequence, KV
   group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
-  is chosen in `plan` from the batch size alone, so a CUDA graph captured for a batch size is
-  valid for any KV lengths; the per-sequence split count is derived on the device from
-  `kv_lens`. The split partials live in buffers allocated once, in the constructor.
+  and the tile sizes are chosen in `plan` from the batch size alone (`kernels/tuning.py`), so
+  a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
+  count is derived on the device from `kv_lens`. The split partials live in buffers allocated once, in the constructor.
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
-  launch over the ragged batch.
+  launch over the ragged batch, its tiles chosen from a bucket of the longest chunk.
+
+`decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
+that `flashlet/warmup.py` covers at engine start.
 
 `plan` does host arithmetic only (no device allocation, no copies). `run` launches kernels on
 tensors the metadata already holds: no host sync, no `.item()`, no `.tolist()`, so a pure-decode
@@ -16,10 +19,13 @@ graphs capture). The K/V write (fused with RoPE in the model's path) is the base
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
-from flashlet.kernels.decode_attention import choose_num_splits, decode_attention
+from flashlet.kernels import tuning
+from flashlet.kernels.decode_attention import decode_attention
 from flashlet.kernels.prefill_attention import prefill_attention
 from flashlet.kv_pool import KVPool
 
@@ -37,16 +43,18 @@ class TritonBackend(AttentionBackend):
         max_batch_size: int = 256,
         max_pages_per_seq: int | None = None,
         max_kv_splits: int = 64,
-        min_split_tokens: int = 128,
+        min_split_tokens: int | None = None,
         num_sms: int | None = None,
-        decode_block_n: int = 64,
-        prefill_block_m: int = 64,
-        prefill_block_n: int = 64,
+        decode_block_n: int | None = None,
+        prefill_block_m: int | None = None,
+        prefill_block_n: int | None = None,
     ):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
         pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
-        down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU)."""
+        down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU).
+        min_split_tokens, decode_block_n, prefill_block_m/n: fixed values for every batch
+        instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables)."""
         super().__init__(kv_pool, num_q_heads, scale)
         if num_q_heads % self.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads do not split into {self.num_kv_heads} KV heads")
@@ -55,58 +63,93 @@ class TritonBackend(AttentionBackend):
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         if max_pages_per_seq is None:
             max_pages_per_seq = kv_pool.num_pages
-        max_tokens = max_pages_per_seq * kv_pool.page_size
-        useful = -(-max_tokens // min_split_tokens)
+        self.group = num_q_heads // self.num_kv_heads
+        self.max_tokens = max_pages_per_seq * kv_pool.page_size
         self.max_batch_size = max_batch_size
-        self.max_kv_splits = max(1, min(max_kv_splits, useful))
-        self.min_split_tokens = min_split_tokens
+        self.split_cap = max_kv_splits
         self.num_sms = num_sms
-        self.decode_block_n = decode_block_n
-        self.prefill_block_m = prefill_block_m
-        self.prefill_block_n = prefill_block_n
+        self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
+        self._prefill_overrides = _given(block_m=prefill_block_m, block_n=prefill_block_n)
+        self.max_kv_splits = max(self._max_splits(self.decode_config(b)) for b in tuning.DECODE_BATCH_BUCKETS)
         # Split scratch, sized for the worst batch: rows = max over B of B * S(B).
         rows = max((b * self._splits_for(b) for b in range(1, max_batch_size + 1) if self._splits_for(b) > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         self._num_splits = 1
+        self._decode_cfg = self.decode_config(1)
+        self._prefill_cfg = self.prefill_config(1)
         self._max_q_len = 0
+
+    # ---- launch configurations: functions of the batch shape only (see kernels/tuning.py) ----
+    def decode_config(self, num_seqs: int) -> tuning.DecodeConfig:
+        cfg = tuning.decode_config(self.head_dim, self.group, num_seqs)
+        return dataclasses.replace(cfg, **self._decode_overrides)
+
+    def prefill_config(self, max_q_len: int) -> tuning.PrefillConfig:
+        cfg = tuning.prefill_config(self.head_dim, self.group, max_q_len)
+        return dataclasses.replace(cfg, **self._prefill_overrides)
+
+    def _max_splits(self, cfg: tuning.DecodeConfig) -> int:
+        """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
+        return max(1, min(self.split_cap, -(-self.max_tokens // cfg.min_split_tokens)))
 
     def _splits_for(self, num_seqs: int) -> int:
         if num_seqs > self.max_batch_size:
             return 1
-        return choose_num_splits(num_seqs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        cfg = self.decode_config(num_seqs)
+        return tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
 
+    def decode_variant(self, num_seqs: int) -> tuple:
+        """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
+        return self.decode_config(num_seqs), self._splits_for(num_seqs)
+
+    def prefill_variant(self, max_q_len: int) -> tuple:
+        """What a step with a chunk (longest `max_q_len`) compiles."""
+        return (self.prefill_config(max_q_len),)
+
+    # ---- plan / run -----------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
         if meta.is_pure_decode:
             self._num_splits = self._splits_for(meta.num_seqs)
+            self._decode_cfg = self.decode_config(meta.num_seqs)
         else:
             qo = meta.qo_indptr_host
             self._max_q_len = max((qo[i + 1] - qo[i] for i in range(meta.num_seqs)), default=0)
+            self._prefill_cfg = self.prefill_config(self._max_q_len)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
         if not meta.is_pure_decode:
+            pc = self._prefill_cfg
             return prefill_attention(
                 q, k_cache, v_cache,
                 meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
                 max_q_len=self._max_q_len,
-                block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n,
+                block_m=pc.block_m,
+                block_n=pc.block_n,
+                num_warps=pc.num_warps,
+                num_stages=pc.num_stages,
             )
         out = torch.empty_like(q)
-        n, s = meta.num_seqs, self._num_splits
+        n, s, dc = meta.num_seqs, self._num_splits, self._decode_cfg
         decode_attention(
             q[:n], k_cache, v_cache,
             meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
             out=out[:n],
             num_splits=s,
-            min_split_tokens=self.min_split_tokens,
-            block_n=self.decode_block_n,
+            min_split_tokens=dc.min_split_tokens,
+            block_n=dc.block_n,
             mid_o=self._mid_o[: n * s] if s > 1 else None,
             mid_lse=self._mid_lse[: n * s] if s > 1 else None,
+            num_warps=dc.num_warps,
+            num_stages=dc.num_stages,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
         return out
+
+
+def _given(**values) -> dict:
+    return {k: v for k, v in values.items() if v is not None}

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="closed-loop")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seeds the prompts and lengths (--weights-seed seeds random weights)")
     w.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY,
                    help="closed-loop client counts, one level each")
     w.add_argument("--num-requests", type=int, default=None,
@@ -148,6 +150,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             err(f"--{name.replace('_', '-')} must be LO HI with 1 <= LO <= HI, got {v[0]} {v[1]}")
     if args.peer and wl not in MODEL_WORKLOADS:
         err(f"--peer applies to {', '.join(MODEL_WORKLOADS)}, not {wl!r}")
+    if args.peer and args.tensor_parallel_size > 1:
+        err("--peer runs the engine's weights on one device: use --tensor-parallel-size 1")
     if args.peer:
         args.peer = list(dict.fromkeys(args.peer))
     repeated = [b for b in dict.fromkeys(args.backends) if args.backends.count(b) > 1]
@@ -301,7 +305,7 @@ def _resolve_model(err, args) -> dict:
     for backend in args.backends:
         _check_backend(err, ecfg.replace(backend=backend), mcfg, device)
 
-    max_len = min(args.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    max_len = min(args.max_model_len or mcfg.max_context_len, mcfg.max_context_len)
     wl = args.workload
     if wl == "closed-loop":
         longest, batch = args.prompt_len_range[1] + args.output_len_range[1], max(args.concurrency)
@@ -435,8 +439,12 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
             check_pool(parser.error, args, engine.stats()["kv_pages_total"])
         engine_info = {**dataclasses.asdict(engine.config),
                        "num_pages": engine.stats()["kv_pages_total"],
-                       "max_model_len": engine.max_model_len}
+                       "max_model_len": engine.max_model_len,
+                       "backend": engine.backend_name,  # what "auto" resolved to
+                       "start": _jsonable_start(engine)}
         results = fn(engine, args, progress)
+        if "first_run" in results:  # first in a fresh process only for the first engine built
+            results["first_run"]["first_engine_in_process"] = i == 0
         if i == 0:  # the first backend is where readers of one-backend records look
             record.update(model=_model_record(ecfg, mcfg, engine), engine=engine_info,
                           results=results, backends={}, engines={})
@@ -460,6 +468,11 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
             _checkpoint(args, record)
             _say_results(say, args.workload, res, kind)
         del hf_model
+
+
+def _jsonable_start(engine) -> dict:
+    """Engine start: seconds to load, warm up and capture graphs, and what warm-up ran."""
+    return dict(getattr(engine, "start_report", None) or {})
 
 
 def _model_record(ecfg: EngineConfig, mcfg, engine) -> dict:

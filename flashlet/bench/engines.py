@@ -88,6 +88,8 @@ def release(engine: Engine | None) -> None:
     """Drop the engine's tensors (the KV pool above all) so a peer gets the device memory."""
     if engine is None:
         return
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()  # tensor-parallel workers give their GPUs back too
     for name in ("runner", "kv_pool", "model", "buffers"):
         if hasattr(engine, name):
             setattr(engine, name, None)

@@ -87,7 +87,13 @@ def _ours(record: dict) -> list[tuple[str, dict]]:
     """(row label, results) of the server, or of every flashlet backend in the order they ran."""
     if record["workload"] == "url":
         return [("server", record["results"])]
-    return [(f"flashlet ({name})", res) for name, res in record["backends"].items()]
+    engines = record.get("engines") or {}
+
+    def label(name):  # "auto" says what it resolved to
+        resolved = (engines.get(name) or {}).get("backend", name)
+        return f"flashlet ({name})" if resolved == name else f"flashlet ({name}: {resolved})"
+
+    return [(label(name), res) for name, res in record["backends"].items()]
 
 
 def _peer_runs(record: dict) -> list[tuple[str, dict]]:
@@ -187,13 +193,19 @@ def _md_decode(record: dict) -> str:
     peers = [(n, p) for n, p in _peer_runs(record) if "decode_tok_s" in p]
 
     def row(name, m):
+        e2e = m.get("end_to_end") or {}
         return [name, m["batch"], m["prompt_len"], m["decode_steps"], m["decode_tok_s"],
+                e2e.get("decode_tok_s"), _x(e2e.get("over_steady")),
                 m["ms_per_step"], m["step_ms"]["p50"], m["step_ms"]["p99"]]
 
-    return table(["engine", "batch", "prompt", "decode steps", "decode tok/s", "ms/step",
+    return table(["engine", "batch", "prompt", "decode steps", "decode tok/s (steady)",
+                  "end to end tok/s", "end to end / steady", "ms/step",
                   "step p50 (ms)", "step p99 (ms)"] + _ratio_headers(peers),
                  _engine_rows(_ours(record), peers, row, "decode_tok_s")) + \
-        "\n\nOnly pure-decode steps of the whole batch are timed (prefill excluded)."
+        "\n\nSteady: only pure-decode steps of the whole batch are timed (prefill excluded), " \
+        "after a warm-up batch. End to end, measured first on the fresh engine: " \
+        "batch x steps / (T(steps + 1 new tokens) - T(1 new token)), each T from submitting the " \
+        "batch to its last token." + _start_lines(record)
 
 
 def _md_single(record: dict) -> str:
@@ -202,11 +214,11 @@ def _md_single(record: dict) -> str:
 
     def row(name, m):
         bw = m.get("copy_bandwidth", r["copy_bandwidth"])  # a peer's limit: the first backend's
-        return [name, m["decode_tok_s"], m["ms_per_token"], m["ttft_ms"],
+        return [name, m["decode_tok_s"], m.get("end_to_end_tok_s"), m["ms_per_token"], m["ttft_ms"],
                 m["bytes_per_token"]["total"] / 1e6, m["achieved_gb_per_s"], bw["gb_per_s"],
                 f"{100 * m['fraction_of_bandwidth_limit']:.1f}%", m["bandwidth_limit_tok_s"]]
 
-    headers = ["engine", "decode tok/s", "ms/token", "TTFT (ms)", "MB read/token",
+    headers = ["engine", "decode tok/s", "end to end tok/s", "ms/token", "TTFT (ms)", "MB read/token",
                "achieved GB/s", "copy GB/s", "of bandwidth limit", "limit tok/s"]
     return table(headers + _ratio_headers(peers),
                  _engine_rows(_ours(record), peers, row, "decode_tok_s")) + (
@@ -219,12 +231,31 @@ def _md_offline(record: dict) -> str:
     peers = [(n, p) for n, p in _peer_runs(record) if "output_tok_s" in p]
 
     def row(name, m):
-        return [name, m["completed"], m["prompt_tokens"], m["output_tokens"], m["total_time_s"],
-                m["output_tok_s"], m["total_tok_s"], m["num_preemptions"]]
+        first = m.get("first_run") or {}
+        return [name, m["completed"], m["prompt_tokens"], m["output_tokens"],
+                first.get("output_tok_s"), first.get("duration_s"), m["output_tok_s"],
+                m["total_time_s"], _x(m.get("first_over_repeat")), m["total_tok_s"],
+                m["num_preemptions"]]
 
-    return table(["engine", "requests", "input tokens", "output tokens", "total time (s)",
-                  "output tok/s", "total tok/s", "preemptions"] + _ratio_headers(peers),
-                 _engine_rows(_ours(record), peers, row, "output_tok_s"))
+    return table(["engine", "requests", "input tokens", "output tokens", "first run output tok/s",
+                  "first run (s)", "output tok/s", "total time (s)", "first / repeat",
+                  "repeat total tok/s", "preemptions"] + _ratio_headers(peers),
+                 _engine_rows(_ours(record), peers, row, "output_tok_s")) + \
+        "\n\nEnd to end, from submitting every request to the last token. The first run comes " \
+        "straight after engine start (no warm-up batch); output tok/s and total time are the " \
+        "repeat's, fresh prompts of the same lengths. Peers: one run." + _start_lines(record)
+
+
+def _start_lines(record: dict) -> str:
+    """Engine start time per backend: load / warm-up (kernels compiled) / graph capture."""
+    lines = []
+    for name, eng in (record.get("engines") or {}).items():
+        st = eng.get("start") or {}
+        if "load_s" in st:
+            lines.append(f"- {name} ({eng.get('backend', name)}): start {fmt(st['load_s'])} s load, "
+                         f"{fmt(st['warmup_s'])} s warm-up, {fmt(st['capture_s'])} s graph capture"
+                         + (f", {st.get('triton_compiles')} Triton kernels" if st.get("triton_compiles") is not None else ""))
+    return ("\n\nEngine start:\n" + "\n".join(lines)) if lines else ""
 
 
 def _md_sched(record: dict) -> str:

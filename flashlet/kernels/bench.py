@@ -244,6 +244,7 @@ def run_kernel_sweep(
     hq, hkv, d, ps = shapes["num_q_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["page_size"]
     scale = d**-0.5
     dec, pre, rope, rms, silu, gemv_mod = _kernels()
+    from flashlet.kernels import tuning
     from flashlet.kernels.decode_attention import choose_num_splits
 
     fi = _flashinfer() if device.type == "cuda" else None
@@ -282,14 +283,17 @@ def run_kernel_sweep(
             if "decode" in kernels:
                 kc, vc, indptr, indices, lens, last = _paged(batch, ctx, ps, hkv, d, dtype, device, gen)
                 q = torch.randn(batch, hq, d, generator=gen, device=device).to(dtype)
-                splits = choose_num_splits(batch, hkv, num_sms, 64)
+                cfg = tuning.decode_config(d, hq // hkv, batch)  # what the engine launches
+                splits = choose_num_splits(batch, hkv, num_sms, 64, cfg.waves)
                 mid_o = torch.empty(batch * splits, hq, d, dtype=torch.float32, device=device)
                 mid_lse = torch.empty(batch * splits, hq, dtype=torch.float32, device=device)
                 out = torch.empty_like(q)
 
                 def tri():
                     return dec.decode_attention(
-                        q, kc, vc, indptr, indices, lens, scale, out=out, num_splits=splits, mid_o=mid_o, mid_lse=mid_lse
+                        q, kc, vc, indptr, indices, lens, scale, out=out, num_splits=splits, mid_o=mid_o,
+                        mid_lse=mid_lse, min_split_tokens=cfg.min_split_tokens, block_n=cfg.block_n,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     )
 
                 def ref():
@@ -332,9 +336,12 @@ def run_kernel_sweep(
                 qo = torch.tensor(qo_host, dtype=torch.int32, device=device)
                 q = torch.randn(qo_host[-1], hq, d, generator=gen, device=device).to(dtype)
                 out = torch.empty_like(q)
+                pc = tuning.prefill_config(d, hq // hkv, q_len)  # what the engine launches
 
                 def tri():
-                    return pre.prefill_attention(q, kc, vc, qo, indptr, indices, lens, scale, max_q_len=q_len, out=out)
+                    return pre.prefill_attention(q, kc, vc, qo, indptr, indices, lens, scale, max_q_len=q_len,
+                                                 out=out, block_m=pc.block_m, block_n=pc.block_n,
+                                                 num_warps=pc.num_warps, num_stages=pc.num_stages)
 
                 def ref():
                     return pre.prefill_attention_reference(q, kc, vc, qo, indptr, indices, lens, scale)

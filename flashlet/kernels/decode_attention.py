@@ -23,9 +23,11 @@ Design.
   G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work.
 - Tokens map to pages per token (a gather of page ids), so any power-of-two page size works,
   from 1 (one page per token) to larger than BLOCK_N.
-- Split-KV. S (a power of two, a compile-time constant) is the most splits a sequence may use;
-  the launcher picks it from the batch size alone (see `choose_num_splits`), so a CUDA graph
-  captured for a batch size stays valid whatever the KV lengths are when it is replayed.
+- Split-KV. S (a power of two) is the most splits a sequence may use; the launcher picks it
+  from the batch size alone (see `choose_num_splits`), so a CUDA graph captured for a batch
+  size stays valid whatever the KV lengths are when it is replayed. S and min_split_tokens are
+  runtime arguments of the main kernel (one compiled variant per tile shape, split or not);
+  only the small merge kernel is compiled per S.
   On the device each sequence uses n_b = min(S, ceil(kv_len / min_split_tokens)) splits of a
   whole number of BLOCK_N blocks; programs with split >= n_b exit at once. Each split writes
   its normalised partial output and its log2-sum-exp to fp32 scratch, and a merge kernel
@@ -45,25 +47,29 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlet.kernels import tuning
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_range(kv_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(number of splits this sequence uses, tokens per split: a multiple of BLOCK_N)."""
-    n = tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_TOKENS), NUM_SPLITS)
+def _split_range(kv_len, num_splits, min_split_tokens, block_n):
+    """(number of splits this sequence uses, tokens per split: a multiple of block_n)."""
+    n = tl.minimum(tl.cdiv(kv_len, min_split_tokens), num_splits)
     n = tl.maximum(n, 1)
-    split_len = tl.cdiv(tl.cdiv(kv_len, n), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, BLOCK_N)
+    split_len = tl.cdiv(tl.cdiv(kv_len, n), block_n) * block_n
+    split_len = tl.maximum(split_len, block_n)
     n = tl.maximum(tl.cdiv(kv_len, split_len), 1)
     return n, split_len
 
 
-@triton.jit
+# The split count and the smallest split are runtime values (not specialised on): one compiled
+# kernel serves every batch size of a tile shape, split (SPLIT) or not.
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
 def _decode_kernel(
     Q, K, V, O, MidO, MidLse,
     KvIndptr, KvIndices, KvLens,
-    qk_scale,
+    qk_scale, min_split_tokens, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -73,8 +79,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_TOKENS: tl.constexpr,
+    SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -82,7 +87,7 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.load(KvLens + b)
-    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
@@ -127,35 +132,33 @@ def _decode_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
     else:
-        slot = b * NUM_SPLITS + split
+        slot = b * num_splits + split
         mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
         tl.store(mid_ptrs, out, mask=g_mask[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_split_tokens", "block_n"])
 def _merge_kernel(
     MidO, MidLse, O, KvLens,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, min_split_tokens, block_n,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_TOKENS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
     """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     j = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
-    n_splits, _ = _split_range(kv_len, NUM_SPLITS, MIN_SPLIT_TOKENS, BLOCK_N)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n)
     s = tl.arange(0, NUM_SPLITS)
     g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     heads = kvh * GROUP + g
@@ -184,17 +187,12 @@ def group_pad(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int, waves: int = 2) -> int:
     """Most splits per sequence, from the batch shape only (so it is CUDA-graph stable).
 
-    Aims at about two programs per SM: S = next_pow2(2 * SMs / (B * Hkv)), clamped to
+    Aims at about `waves` programs per SM: S = next_pow2(waves * SMs / (B * Hkv)), clamped to
     [1, max_splits]. Large batches get S = 1 (no partials, no merge)."""
-    want = _next_pow2(math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads)))
-    return max(1, min(want, _prev_pow2(max_splits)))
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+    return tuning.num_splits(num_seqs, num_kv_heads, num_sms, waves, max_splits)
 
 
 def decode_attention(
@@ -252,12 +250,12 @@ def decode_attention(
         if mid_o.shape[0] < rows or mid_lse.shape[0] < rows or not (mid_o.is_contiguous() and mid_lse.is_contiguous()):
             raise ValueError(f"split scratch holds {mid_o.shape[0]} rows, needs {rows} contiguous")
     else:
-        mid_o, mid_lse = out, out  # unused (NUM_SPLITS == 1 writes O directly)
+        mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E,
+        scale * LOG2E, min_split_tokens, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -267,8 +265,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        MIN_SPLIT_TOKENS=min_split_tokens,
+        SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -279,14 +276,12 @@ def decode_attention(
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
         _merge_kernel[(batch, num_kv_heads, gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), min_split_tokens, block_n,
             NUM_Q_HEADS=num_q_heads,
             GROUP=group,
             HEADS_PER_PROG=hpp,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            MIN_SPLIT_TOKENS=min_split_tokens,
-            BLOCK_N=block_n,
             num_warps=4 if num_splits * hpp * head_dim <= 8192 else 8,
         )
     return out

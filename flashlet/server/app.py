@@ -1,5 +1,6 @@
 """The FastAPI app: the routes (routes_simple.py, routes_openai.py) around one `Server`
-(frontend.py), OpenAI-shaped errors (errors.py), API-key auth and metrics middleware.
+(frontend.py), OpenAI-shaped errors (errors.py), API-key auth, metrics and request-limit
+middleware (limits.py: body size and time caps; the CLI adds the connection caps to uvicorn).
 
 Handlers validate everything they can before queueing (pydantic for the body; tokenization,
 context length and KV-pool fit with request_check.py, the rules LLM and the engine use too), so
@@ -20,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 
 from flashlet.server.errors import ApiError, install_error_handlers
 from flashlet.server.frontend import Server, ServerConfig
+from flashlet.server.limits import LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import MetricsMiddleware
 from flashlet.server.routes_openai import add_openai_routes
 from flashlet.server.routes_simple import add_simple_routes
@@ -42,6 +44,9 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     add_openai_routes(app, server)
     _add_pages(app)
     _customize_openapi(app)
+    app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
+    server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
+    app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
     if config.allowed_origins:  # outermost: a preflight carries no API key

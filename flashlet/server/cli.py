@@ -1,11 +1,16 @@
 """`python -m flashlet.server`: parse flags, start the engine cores and uvicorn, shut down cleanly.
 
 This process is the API server (HTTP, tokenizing, detokenizing, SSE); the engine runs in
---data-parallel-size engine-core processes (core_client.py). Uvicorn starts at once; the cores
-load the model meanwhile (GET /health answers 503 until every core is ready). SIGINT/SIGTERM:
-stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the
-rest, stop the cores, exit 0. If a core dies, the requests in flight end with a 500 error,
-/health answers 503 ("failed") and the server exits with status 1 (a supervisor restarts it).
+--data-parallel-size engine-core processes (core_client.py). Everything that can be checked
+without the model is checked first (flags, sampling limits, that the backend runs on this
+machine, that the port is free): bad usage is one line on stderr and exit code 2, a port that
+cannot be bound exit code 1, and no engine core is started. Uvicorn then starts at once; the
+cores load the model meanwhile (GET /health answers 503 until every core is ready).
+SIGINT/SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout
+seconds, abort the rest, stop the cores, exit 0; during the model load, end the loading cores
+and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the requests in
+flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
+(a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -22,27 +28,30 @@ from pathlib import Path
 
 import uvicorn
 
-from flashlet.config import EngineConfig
+from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
 from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.core_client import CoreClient
+from flashlet.server.limits import HttpLimits, uvicorn_options
 
 log = logging.getLogger("flashlet.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m flashlet.server",
         description="flashlet HTTP server: /generate, /generate_stream, an OpenAI-compatible "
                     "/v1 API and /metrics. With no --model it serves the embedded default model.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model (vLLM's `vllm serve MODEL`)")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                        "(default: %(default)s; 0.0.0.0 exposes the server to the network)")
+    server.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every endpoint but /health")
     server.add_argument("--max-waiting", type=int, default=ServerConfig.max_waiting,
-                        help="queued (not yet running) requests allowed; beyond: 503 + Retry-After")
+                        help="requests that may wait for a free running slot; beyond: 503 + "
+                             "Retry-After (default: %(default)s)")
     server.add_argument("--served-model-name", default=None,
                         help="the model id of the /v1 API (default: from --model)")
     server.add_argument("--max-tokens-cap", type=int, default=None,
@@ -50,9 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may run on after SIGINT/SIGTERM "
                              "before they are aborted")
+    server.add_argument("--allow-special-tokens", action="store_true",
+                        help="parse control tokens (e.g. <|im_start|>) written in prompts and "
+                             "message content; only for trusted callers (default: off, such "
+                             "text is encoded as plain text)")
+    limits = HttpLimits()
+    server.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes,
+                        help="largest request body; beyond: 413 (default: %(default)s)")
+    server.add_argument("--body-timeout", type=float, default=limits.body_timeout_s,
+                        help="seconds a request body may take to arrive; beyond: 408 and the "
+                             "connection is closed (default: %(default)s)")
+    server.add_argument("--header-timeout", type=float, default=limits.header_timeout_s,
+                        help="seconds a connection may take to send a complete request head "
+                             "(default: %(default)s)")
+    server.add_argument("--max-connections", type=int, default=limits.max_connections,
+                        help="open HTTP connections at once; the next one gets 503 and is "
+                             "closed (default: %(default)s)")
     server.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine-core processes behind this server (one per GPU on CUDA); "
-                             "each request goes to the core caching the longest prefix of it")
+                             "each request goes to the core caching the longest prefix of it "
+                             "(default: %(default)s)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")
@@ -63,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CORS: origins whose web pages may call this server, comma-separated "
                              "or a JSON list (e.g. http://localhost:3000, or '*' for any)")
     server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
-    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="log messages at this level and above (default: %(default)s)")
+    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                        help="log one line per request")
     engine = parser.add_argument_group("engine")
     EngineConfig.add_cli_args(engine)
     # vLLM's names for some of the flags above (SUPPRESS: only set when given).
@@ -155,73 +183,142 @@ def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, na
     info = client.cores[0].info
     cores = f"{client.num_cores} engine cores, each with " if client.num_cores > 1 else ""
     return (f"model {name} ({info['model_dir'] or config.config or 'random'}) loaded in "
-            f"{seconds:.1f} s | backend {config.backend} on {info['device']} ({info['dtype']}) | "
+            f"{seconds:.1f} s | backend {info['backend']} on {info['device']} ({info['dtype']}) | "
             f"{cores}KV pool {info['num_pages']} pages x {info['page_size']} tokens = "
             f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB) | "
             f"context {info['max_model_len']} | serving on http://{host}:{port}")
 
 
+def _check_server_args(args) -> HttpLimits:
+    """Raise ValueError naming the first bad server flag."""
+    if args.max_waiting < 1:
+        raise ValueError("--max-waiting must be >= 1")
+    if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
+        raise ValueError("--max-tokens-cap must be >= 1")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {args.tokenizer}: not a folder")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        return HttpLimits(max_request_bytes=args.max_request_bytes,
+                          body_timeout_s=args.body_timeout, header_timeout_s=args.header_timeout,
+                          max_connections=args.max_connections)
+    except ValueError as e:  # names the field: say the flag
+        field = str(e).split(" ", 1)[0]
+        flag = {"max_request_bytes": "--max-request-bytes", "body_timeout_s": "--body-timeout",
+                "header_timeout_s": "--header-timeout",
+                "max_connections": "--max-connections"}.get(field, field)
+        raise ValueError(f"{flag}{str(e)[len(field):]}") from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the model loads (OSError if it cannot be)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         _model_argument(args)
         engine_config = EngineConfig.from_cli(args)
+        limits = _check_server_args(args)
         chat_template = read_chat_template(args.chat_template)
+        check_backend_runs_here(engine_config)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.max_waiting < 1:
-        print("error: --max-waiting must be >= 1", file=sys.stderr)
-        return 2
-    name = args.served_model_name or default_model_name(engine_config)
+        parser.error(str(e))  # one line, exit code 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from flashlet.parallel import launched_rank
 
-    if args.data_parallel_size < 1:
-        print("error: --data-parallel-size must be >= 1", file=sys.stderr)
-        return 2
+    if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
+        # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP; it
+        # binds no port (rank 0 on the same host does).
+        from flashlet.engine import Engine
+
+        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
+        return 0
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"{parser.prog}: error: cannot listen on {args.host}:{args.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    name = args.served_model_name or default_model_name(engine_config)
     uv: UvicornServer | None = None
+    stop_requested = False
+
+    def on_signal(signum, frame) -> None:
+        # Before uvicorn installs its own handlers, and after it restores ours (uvicorn
+        # re-raises the signal it caught once it has stopped: a clean shutdown exits 0).
+        nonlocal stop_requested
+        stop_requested = True
+        if uv is not None:
+            uv.should_exit = True
 
     def on_fatal(error: BaseException) -> None:
-        log.error("could not start the engine: %s" if not client.ready.is_set()
-                  else "stopping: %s", error)
+        if client.ready.is_set():  # it ran, then went down (a core or a TP worker died)
+            log.error("stopping: %s", error)
+        else:
+            log.error("could not start the engine: %s", error)
         if uv is not None:
             threading.Timer(FATAL_EXIT_DELAY_S if client.ready.is_set() else 0.0,
                             lambda: setattr(uv, "should_exit", True)).start()
 
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     t0 = time.monotonic()
     log.info("loading model %s (backend %s) in %d engine core(s)...",
              engine_config.model or name, engine_config.backend, args.data_parallel_size)
-    client = loop = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
+    client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
 
     def announce() -> None:
         if client.wait_ready():
-            log.info("%s", _describe(client, engine_config, args.host, args.port, name,
+            log.info("%s", _describe(client, engine_config, args.host, port, name,
                                      time.monotonic() - t0))
 
-    app = create_app(loop, ServerConfig(model_name=name, api_key=args.api_key,
-                                        max_waiting=args.max_waiting,
-                                        max_tokens_cap=args.max_tokens_cap,
-                                        chat_template=chat_template,
-                                        allowed_origins=args.allowed_origins))
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+    app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
+                                          max_waiting=args.max_waiting,
+                                          max_tokens_cap=args.max_tokens_cap,
+                                          allow_special_tokens=args.allow_special_tokens,
+                                          limits=limits, chat_template=chat_template,
+                                          allowed_origins=args.allowed_origins))
+    uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
                                log_level=args.log_level, access_log=args.access_log,
                                timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
-                               lifespan="off")
+                               lifespan="off", **uvicorn_options(app.state.limit_stats))
     uv = UvicornServer(uv_config, app, args.shutdown_timeout)
-    # uvicorn re-raises the signal it caught once it has stopped, under the handlers it found
-    # installed: make those no-ops so that a clean shutdown exits 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    loop.start()
-    threading.Thread(target=announce, daemon=True).start()
+    uv.should_exit = stop_requested
+    if not stop_requested:
+        client.start()
+        threading.Thread(target=announce, daemon=True).start()
     try:
-        uv.run()
+        uv.run(sockets=[sock])
     finally:
-        loop.stop(timeout=30)
-    if loop.error is not None:
+        loading = not client.ready.is_set() and client.error is None
+        # Stopped while the cores load: they are ended at once (a load cannot be interrupted,
+        # and waiting for it is what a SIGTERM must not do).
+        client.stop(timeout=30)
+        if loading:
+            log.info("server stopped while the model was loading")
+            return 0 if stop_requested else 1
+    if client.error is not None:
         return 1
     if not uv.started:
-        return 1  # e.g. the port was taken
+        return 1
     log.info("server stopped")
     return 0

@@ -91,8 +91,11 @@ class CoreClient:
             inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains it each step
             address = f"ipc://{self._dir}/in{i}"
             inbox.bind(address)
+            # Daemonic unless it must start processes itself (tensor parallelism's ranks): it
+            # stops with this process either way (stop(), or it notices its parent is gone).
             process = spawn.Process(
-                target=run_engine_core, name=f"flashlet-core{i}", daemon=True,
+                target=run_engine_core, name=f"flashlet-core{i}",
+                daemon=self.config.tensor_parallel_size == 1,
                 args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid(),
                       self.tokenizer_source))
             with _cuda_visible(self._device_for(i)):
@@ -115,14 +118,19 @@ class CoreClient:
         return devices[i]
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Stop every core (aborting what is in flight) and the reader thread."""
+        """Stop every core (aborting what is in flight) and the reader thread. A core still
+        loading the model is ended at once: a load cannot be interrupted, nor waited for when
+        the server is told to stop."""
         with self._lock:
             already, self._stopping = self._stopping, True
         if already:
             return
         self._fail_all("the server shut down", 503)
         for core in self.cores:
-            self._send(core, Shutdown())
+            if core.info is None:
+                core.process.kill()  # it ignores SIGTERM (see run_engine_core)
+            else:
+                self._send(core, Shutdown())
         deadline = time.monotonic() + (timeout or 30.0)
         for core in self.cores:
             core.process.join(max(deadline - time.monotonic(), 0.1))
@@ -164,8 +172,8 @@ class CoreClient:
             if not self.is_ready:
                 raise NotReady("the engine is not ready" if not self._stopping
                                else "the server is shutting down")
-            if max_waiting is not None and self.num_queued >= max_waiting:
-                raise Overloaded(f"{self.num_queued} requests are queued already "
+            if max_waiting is not None and self.num_waiting >= max_waiting:
+                raise Overloaded(f"{self.num_waiting} requests are waiting already "
                                  f"(max_waiting={max_waiting})")
             core = self.cores[self.router.route(streams[0].prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
@@ -173,9 +181,9 @@ class CoreClient:
             for stream in streams:
                 stream.request_id = next(self._ids)
                 stream.core = core.index
-                messages.append(AddRequest(stream.request_id, stream.prompt_token_ids,
-                                           stream.params, streams[0].request_id
-                                           if stream is not streams[0] else None))
+                after = streams[0].request_id if stream is not streams[0] else None
+                messages.append(AddRequest.of(stream.request_id, stream.prompt_token_ids,
+                                              stream.params, after))
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
             for i, msg in enumerate(messages):
@@ -229,6 +237,20 @@ class CoreClient:
         """Requests routed but not yet running (from the cores' latest stats)."""
         return sum(max(c.num_in_flight - int(c.stats.get("running", 0)), 0) for c in self.cores)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests that will not run at their core's next step: per core, those queued there
+        (in flight to it or in its waiting queue) beyond the running slots it has free, as of its
+        latest step (an idle core with N free slots takes a burst of N + max_waiting). Read under
+        the lock."""
+        total = 0
+        for core in self.cores:
+            running = int(core.stats.get("running", 0))
+            queued = max(core.num_in_flight - running, 0)
+            free = max(self.config.max_num_seqs - running, 0)
+            total += max(queued - free, 0)
+        return total
+
     def core_stats(self) -> list[dict]:
         return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight}
                 for c in self.cores]
@@ -250,7 +272,7 @@ class CoreClient:
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self._outbox, zmq.POLLIN)
-        while not self.stopped.is_set():
+        while not self._stopping:  # stop() ends every stream itself
             try:
                 events = dict(poller.poll(READER_POLL_MS))
             except zmq.ZMQError:
@@ -328,7 +350,8 @@ class CoreClient:
         if self.tokenizer_source and self.tokenizer is None:
             raise ValueError(f"{self.tokenizer_source} holds no tokenizer files")
         self.limits = RequestLimits(int(info["max_model_len"]), int(info["vocab_size"]),
-                                    int(info["page_size"]), int(info["num_pages"]))
+                                    int(info["page_size"]), int(info["num_pages"]),
+                                    info.get("context_note", ""))
         self.router = PrefixRouter(self.num_cores, self.limits.page_size)
 
     def _check_processes(self) -> None:

@@ -16,10 +16,12 @@ process is still alive: an orphaned core exits).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
 import time
+from typing import Any
 
 import msgspec
 
@@ -35,8 +37,19 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: int  # the API process's id; the engine uses it as its own
     prompt_token_ids: list[int]
-    params: SamplingParams  # stop strings are the API process's: it sends none
-    after: int | None = None  # the first sample of the same prompt (n > 1): see Engine.add_request
+    params: dict[str, Any]  # SamplingParams' fields; no stop strings (the API process's)
+    after: int | None = None  # the first sample of this prompt (n > 1): Engine.add_request
+
+    @classmethod
+    def of(cls, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+           after: int | None = None) -> "AddRequest":
+        # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
+        # (max_tokens), and __init__ validates them again on the way in.
+        return cls(request_id, prompt_token_ids,
+                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}, after)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.params)
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -96,6 +109,7 @@ def engine_info(engine) -> dict:
     return {"max_model_len": engine.max_model_len,
             "vocab_size": engine.model_config.vocab_size,
             "page_size": engine.config.page_size, "num_pages": stats["kv_pages_total"],
+            "context_note": engine.context_note(), "backend": engine.backend_name,
             "model_dir": str(engine.model_dir) if engine.model_dir else None,
             "kv_mib": stats["kv_pool_bytes"] / 2**20, "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch.")}
@@ -112,8 +126,11 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown."""
     import zmq
 
-    # Ctrl-C reaches the whole process group: the API process decides when cores stop.
+    # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every
+    # process of the server: the API process decides when cores stop (it kills a core that
+    # is still loading).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s core{core}: %(message)s")
     ctx = zmq.Context()
@@ -160,7 +177,8 @@ class EngineCore:
         self.stopping = False
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
         # compiled grammars are cached), in arrival order: request id -> (future, message).
-        self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest]] = {}
+        self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest,
+                                        SamplingParams]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
 
     def run(self) -> None:
@@ -173,7 +191,8 @@ class EngineCore:
             self._add_compiled()
             if engine.has_unfinished():
                 self._send(self._step())
-            elif self.errors or (busy and not self.compiling):  # went idle: say so (the stats show no page held)
+            elif self.errors or (busy and not self.compiling):
+                # Went idle: say so (the stats show no page held).
                 self._send([])
         self.compiler.shutdown(wait=False, cancel_futures=True)
 
@@ -211,17 +230,22 @@ class EngineCore:
             self.stopping = True
 
     def _add(self, msg: AddRequest) -> None:
-        structured = self.engine.structured
-        if msg.params.is_constrained and structured is not None:
-            future = self.compiler.submit(structured.compile, msg.params.response_format)
-            self.compiling[msg.request_id] = (future, msg)
+        try:
+            params = msg.sampling_params()
+        except (TypeError, ValueError) as e:
+            self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
             return
-        self._add_now(msg)
+        structured = self.engine.structured
+        if params.is_constrained and structured is not None:
+            future = self.compiler.submit(structured.compile, params.response_format)
+            self.compiling[msg.request_id] = (future, msg, params)
+            return
+        self._add_now(msg, params)
 
     def _add_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready, in arrival order."""
         while self.compiling:
-            rid, (future, msg) = next(iter(self.compiling.items()))
+            rid, (future, msg, params) = next(iter(self.compiling.items()))
             if not future.done():
                 return
             del self.compiling[rid]
@@ -229,11 +253,11 @@ class EngineCore:
             if error is not None:
                 self.errors.append(CoreOutput(rid, [], True, "error", str(error), 0, 400))
             else:
-                self._add_now(msg)  # the engine's own check finds the grammar in the cache
+                self._add_now(msg, params)  # the engine's check finds the grammar cached
 
-    def _add_now(self, msg: AddRequest) -> None:
+    def _add_now(self, msg: AddRequest, params: SamplingParams) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id,
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id,
                                     after=msg.after)
             self.unfinished.add(msg.request_id)
         except ValueError as e:

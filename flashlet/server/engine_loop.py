@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from flashlet.parallel import WorkerDiedError
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
@@ -92,6 +93,8 @@ class EngineLoop:
         self._streams: dict[int, RequestStream] = {}  # engine request id -> stream
         self._num_pending_submits = 0
         self._engine_waiting = 0
+        self._running = 0  # the engine's running requests after the latest step
+        self._max_num_seqs = 0  # set once the engine exists
         self._paused = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -142,8 +145,8 @@ class EngineLoop:
             if not self.is_ready:
                 raise NotReady("the engine is not ready" if not self._stopping
                                else "the server is shutting down")
-            if max_waiting is not None and self.num_queued >= max_waiting:
-                raise Overloaded(f"{self.num_queued} requests are queued already "
+            if max_waiting is not None and self.num_waiting >= max_waiting:
+                raise Overloaded(f"{self.num_waiting} requests are waiting already "
                                  f"(max_waiting={max_waiting})")
             for i, stream in enumerate(streams):
                 stream.leader = streams[0] if i else None
@@ -202,6 +205,14 @@ class EngineLoop:
                  "in_flight": len(self._streams) + self._num_pending_submits}]
 
     @property
+    def num_waiting(self) -> int:
+        """Queued requests that will not run at the next step: those beyond the running
+        slots left free (an idle server with N free slots takes a burst of N + max_waiting).
+        Read under the condition; `_running` is from the latest step."""
+        free = 0 if self._paused else max(0, self._max_num_seqs - self._running)
+        return max(0, self.num_queued - free)
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 
@@ -218,12 +229,16 @@ class EngineLoop:
                 self._on_fatal(e)
             return
         self.snapshot = self.engine.stats()
+        self._max_num_seqs = self.engine.config.max_num_seqs
         self.limits = RequestLimits.of_engine(self.engine)
         self.tokenizer = self.engine.tokenizer
         self.ready.set()
         try:
             self._serve()
         finally:
+            shutdown = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
+            if shutdown is not None:
+                shutdown()
             self.stopped.set()
 
     def _serve(self) -> None:
@@ -308,6 +323,8 @@ class EngineLoop:
                     pass
                 stream.put(StreamError(f"engine step failed: {e}", status=500))
             self._streams.clear()
+            if isinstance(e, WorkerDiedError):  # the engine is down for good: stop serving
+                self._fatal(e)
             return 0
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -317,6 +334,13 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
         return len(outputs)
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        with self._cond:
+            self._stopping = True
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
     def _fail_leftovers(self, message: str) -> None:
         for stream in self._streams.values():
@@ -335,4 +359,5 @@ class EngineLoop:
         stats = self.engine.stats()
         with self._cond:
             self._engine_waiting = stats["waiting"]
+            self._running = stats["running"]
         self.snapshot = stats

@@ -15,6 +15,7 @@ from flashlet.server.protocol import ErrorResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
+               408: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error",
                499: "client_closed_request", 500: "server_error", 503: "server_error"}
 

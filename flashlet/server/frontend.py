@@ -11,7 +11,7 @@ import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -23,7 +23,9 @@ from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
 from flashlet.server.errors import ApiError
+from flashlet.server.limits import HttpLimits
 from flashlet.server.metrics import Metrics
+from flashlet.tokenizing import PromptTooLong, TextEncoder
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
 # top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
@@ -35,36 +37,42 @@ MIN_TOP_P = 1e-8
 class ServerConfig:
     model_name: str = "flashlet"
     api_key: str | None = None
-    max_waiting: int | None = 512  # queued (not yet running) requests before 503s
+    max_waiting: int | None = 512  # requests waiting for a running slot before 503s
     max_tokens_cap: int | None = None  # clamp every request's token budget (e.g. for fuzzing)
     retry_after_s: int = 1
+    allow_special_tokens: bool = False  # parse control tokens in user text (trusted callers)
+    limits: HttpLimits = field(default_factory=HttpLimits)  # body size/time, connections
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
 
 
 @dataclass
 class ModelContext:
-    """What handlers need to check and run requests: the tokenizer and the request limits.
+    """What handlers need to check and run requests: the text encoder, a decoder and the
+    request limits.
 
-    HF fast tokenizers must not be used from two threads at once: encoding runs on worker
-    threads (a long prompt must not block the event loop) with one private copy behind a lock;
-    decoding runs on the app's event loop with another."""
+    Text is encoded by a TextEncoder (flashlet/tokenizing.py): on its own threads and tokenizer
+    copies (a long prompt must not block the event loop; HF fast tokenizers must not be used
+    from two threads at once), user text never becoming control tokens, over-long text refused
+    before it is tokenized. Decoding runs on the app's event loop with a copy of its own."""
 
-    tokenizer: Any
-    decoder: Any  # a second copy, used on the event loop only (IncrementalDetokenizer)
+    encoder: TextEncoder | None
+    decoder: Any  # a tokenizer copy, used on the event loop only (IncrementalDetokenizer)
     limits: RequestLimits
-    lock: threading.Lock
-    _supports_tools: bool | None = None
 
     @classmethod
-    def of(cls, loop, chat_template: str | None = None) -> "ModelContext":
-        """Copies of a started engine client's tokenizer (with `chat_template` instead of its
-        own, if given), and its limits."""
-        tokenizer = copy.deepcopy(loop.tokenizer)
-        if tokenizer is not None and chat_template is not None:
+    def of(cls, loop, allow_special_tokens: bool = False,
+           chat_template: str | None = None) -> "ModelContext":
+        """An encoder and a decoder over a started engine client's tokenizer (with
+        `chat_template` instead of its own, if given), and its limits."""
+        tokenizer, limits = loop.tokenizer, loop.limits
+        if tokenizer is None:
+            return cls(encoder=None, decoder=None, limits=limits)
+        tokenizer = copy.deepcopy(tokenizer)
+        if chat_template is not None:
             tokenizer.chat_template = chat_template
-        return cls(tokenizer=tokenizer, decoder=copy.deepcopy(tokenizer),
-                   limits=loop.limits, lock=threading.Lock())
+        encoder = TextEncoder(tokenizer, limits.max_tokens, allow_special=allow_special_tokens)
+        return cls(encoder=encoder, decoder=copy.deepcopy(tokenizer), limits=limits)
 
     @property
     def max_model_len(self) -> int:
@@ -73,12 +81,14 @@ class ModelContext:
     def detokenizer(self, stop) -> IncrementalDetokenizer | None:
         return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
 
-    def encode(self, text: str, param: str) -> list[int]:
-        if self.tokenizer is None:
+    async def encode(self, text: str, param: str) -> list[int]:
+        if self.encoder is None:
             raise ApiError(400, f"{param}: this model has no tokenizer: send token ids, not text",
                            param)
-        with self.lock:
-            ids = list(self.tokenizer.encode(text) or [])
+        try:
+            ids = await self.encoder.encode_async(text, param)
+        except PromptTooLong as e:
+            raise ApiError(400, f"{param}: {e}", param, "context_length_exceeded") from None
         if not ids:
             raise ApiError(400, f"{param}: encodes to no tokens", param)
         return ids
@@ -90,40 +100,21 @@ class ModelContext:
     def ids_text(self, token_ids: list[int]) -> str:
         return "" if self.decoder is None else self.decoder.decode(token_ids)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+    async def supports_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (see tokenizing.py)."""
+        return (self.encoder is not None and self.encoder.has_chat_template
+                and await self.encoder.supports_tools_async())
 
-    def supports_tools(self) -> bool:
-        """Whether the chat template shows the model its tools: it renders a conversation
-        differently with a tool than without (computed once)."""
-        if self._supports_tools is None:
-            probe = [{"role": "user", "content": "hi"}]
-            tool = {"type": "function", "function": {
-                "name": "flashlet_probe", "description": "probe",
-                "parameters": {"type": "object", "properties": {}}}}
-            try:
-                with self.lock:
-                    plain = self.tokenizer.apply_chat_template(probe, tokenize=False,
-                                                               add_generation_prompt=True)
-                    with_tool = self.tokenizer.apply_chat_template(
-                        probe, tools=[tool], tokenize=False, add_generation_prompt=True)
-                self._supports_tools = plain != with_tool
-            except Exception:  # noqa: BLE001 - a template that cannot render tools has none
-                self._supports_tools = False
-        return self._supports_tools
-
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        if not self.has_chat_template:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if self.encoder is None or not self.encoder.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            with self.lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True, tools=tools)
+            ids = await self.encoder.chat_async(messages, tools)
+        except PromptTooLong as e:
+            raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise ApiError(400, f"messages: the chat template rejected them: {e}",
                            "messages") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if not ids:
             raise ApiError(400, "messages: the chat template produced no tokens", "messages")
         return ids
@@ -322,7 +313,9 @@ class Server:
     async def context(self) -> ModelContext:
         self.check_accepting()
         if self._ctx is None:
-            ctx = await run_in_threadpool(ModelContext.of, self.loop, self.config.chat_template)
+            ctx = await run_in_threadpool(ModelContext.of, self.loop,
+                                          self.config.allow_special_tokens,
+                                          self.config.chat_template)
             with self._ctx_lock:
                 if self._ctx is None:
                     self._ctx = ctx
@@ -410,7 +403,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # OpenAI's list-of-prompts form, with one prompt
         if isinstance(prompt, str):
-            return await run_in_threadpool(ctx.encode, prompt, param)
+            return await ctx.encode(prompt, param)
         return ctx.check_token_ids(prompt, param)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP = 16
+DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.sampling's limit)
@@ -62,7 +63,8 @@ class ErrorResponse(BaseModel):
 class GenerateRequest(_Strict):
     prompt: NonEmptyText | TokenIds = Field(
         description="The prompt: text, or a list of token ids.")
-    max_new_tokens: MaxTokens | None = Field(None, description="Default 64.")
+    max_new_tokens: MaxTokens | None = Field(
+        None, description=f"Default {DEFAULT_MAX_NEW_TOKENS}, or what the context leaves.")
     max_tokens: MaxTokens | None = Field(None, description="The same as max_new_tokens.")
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
@@ -78,11 +80,11 @@ class GenerateRequest(_Strict):
         return self
 
     @property
-    def token_budget(self) -> tuple[int, str]:
-        """(the max new tokens, the field it came from)."""
+    def token_budget(self) -> tuple[int | None, str]:
+        """(the max new tokens asked for, None if neither field was sent; that field)."""
         if self.max_tokens is not None:
             return self.max_tokens, "max_tokens"
-        return (64 if self.max_new_tokens is None else self.max_new_tokens), "max_new_tokens"
+        return self.max_new_tokens, "max_new_tokens"
 
 
 class Usage(BaseModel):
@@ -93,6 +95,7 @@ class Usage(BaseModel):
 
 class GenerateResponse(BaseModel):
     text: str
+    token_ids: list[int]  # the generated tokens (all a model without a tokenizer can give)
     finish_reason: str
     usage: Usage
     ttft_ms: float | None

@@ -17,7 +17,6 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from starlette.concurrency import run_in_threadpool
 
 from flashlet.request_check import RequestError
 from flashlet.sampling import SamplingParams, TokenLogprob
@@ -114,13 +113,13 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         ctx = await server.context()
         tool_choice = body.effective_tool_choice
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools else None
-        if tool_choice == "auto" and not await run_in_threadpool(_supports_tools, ctx):
+        if tool_choice == "auto" and not await ctx.supports_tools():
             raise ApiError(400, "tool_choice: 'auto' needs a chat template that shows the model "
                            "its tools, and this model's has no tool support (use tool_choice "
                            "'required' or a named function, which a grammar enforces, or give "
                            "--chat-template)", "tool_choice")
         messages = [m.as_template_dict() for m in body.messages]
-        ids = await run_in_threadpool(ctx.chat_ids, messages, tools)
+        ids = await ctx.chat_ids(messages, tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -192,17 +191,18 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
         raise ApiError(400, "ignore_eos: cannot be combined with response_format or forced tool "
                        "calls (the grammar ends the output)", "ignore_eos")
     stop_token_ids = list(body.stop_token_ids or [])
-    try:
-        ctx.limits.check_stop_token_ids(stop_token_ids)
-    except RequestError as e:
-        raise ApiError(400, e.message, e.param) from None
-    return server.sampling_params(
+    params = server.sampling_params(
         max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stop,
         body.ignore_eos, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
         min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
         n=body.n, best_of=best_of, response_format=response_format)
+    try:
+        ctx.limits.check_stop_token_ids(params)
+    except RequestError as e:
+        raise ApiError(400, e.message, e.param) from None
+    return params
 
 
 def _response_format(body) -> dict | None:
@@ -223,10 +223,6 @@ def _tool_call_format(tools: list[dict], tool_choice) -> dict:
         return tool_call_format(tools, choice)
     except ValueError as e:
         raise ApiError(400, f"tools: {e}", "tools") from None
-
-
-def _supports_tools(ctx: ModelContext) -> bool:
-    return ctx.has_chat_template and ctx.supports_tools()
 
 
 def _include_usage(body) -> bool:

@@ -10,7 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
-from flashlet.server.protocol import GenerateRequest, GenerateResponse, ModelList
+from flashlet.server.protocol import (DEFAULT_MAX_NEW_TOKENS, GenerateRequest, GenerateResponse,
+                                      ModelList)
 
 
 def add_simple_routes(app: FastAPI, server: Server) -> None:
@@ -18,7 +19,10 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
     gen_errors = error_responses(400, 401, 503)
 
     # ---- health, models, metrics ---------------------------------------------------------
-    @app.get("/health", responses={503: {"description": "Loading, failed or shutting down"}})
+    health_responses = {503: {"description": "Loading, failed or shutting down"}}
+
+    @app.head("/health", operation_id="health_head", responses=health_responses)
+    @app.get("/health", responses=health_responses)
     async def health():
         if server.draining or not loop.is_ready:
             if loop.error is not None:
@@ -49,8 +53,10 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         t0 = time.monotonic()
         ctx = await server.context()
         ids = await server.prompt_ids(ctx, body.prompt)
+        # Not sent: the default, cut to what the context leaves (never a 400 about it).
         requested, tokens_param = body.token_budget
-        max_tokens = ctx.budget(len(ids), requested, None, "prompt", tokens_param)
+        max_tokens = ctx.budget(len(ids), requested, DEFAULT_MAX_NEW_TOKENS, "prompt",
+                                tokens_param)
         params = server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
                                         body.seed, body.stop, body.ignore_eos)
         return server.start(ctx, ids, params, endpoint, t0)
@@ -62,7 +68,8 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         if out is None:
             return client_gone()
         gen.check_error()
-        return {"text": gen.text, "finish_reason": out.finish_reason, "usage": gen.usage(),
+        return {"text": gen.text, "token_ids": list(gen.token_ids),
+                "finish_reason": out.finish_reason, "usage": gen.usage(),
                 "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                 "latency_ms": round(gen.latency_ms, 3)}
 
@@ -82,7 +89,8 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                         yield sse({"text": delta} if n == 1 else {"text": delta, "num_tokens": n})
                         delta = ""
                     if out.finished:  # text left here only when it ended without a token
-                        final = {"text": delta, "finish_reason": out.finish_reason,
+                        final = {"text": delta, "token_ids": list(gen.token_ids),
+                                 "finish_reason": out.finish_reason,
                                  "usage": gen.usage(),
                                  "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                                  "latency_ms": round(gen.latency_ms, 3)}

@@ -127,6 +127,11 @@ def test_decode_sat(run_bench, tiny_config, tmp_path):
     assert hf["decode_tokens"] == 24 and hf["decode_tok_s"] > 0
     assert math.isclose(hf["ratio_decode_tok_s"], r["decode_tok_s"] / hf["decode_tok_s"])
     assert "decode tok/s" in out and "| hf |" in out
+    e2e = r["end_to_end"]  # T(7 new) - T(1 new), through add_request/step, before the warm-up
+    assert e2e["new_tokens"] == 7 and e2e["t_new_s"] > e2e["t_1_new_s"] > 0
+    assert math.isclose(e2e["decode_tok_s"], 4 * 6 / (e2e["t_new_s"] - e2e["t_1_new_s"]))
+    assert math.isclose(e2e["over_steady"], e2e["decode_tok_s"] / r["decode_tok_s"])
+    assert "end to end tok/s" in out and "Engine start:" in out
     for p in rec["plots"]:
         check_png(p)
 
@@ -168,6 +173,9 @@ def test_single_bandwidth(run_bench, tiny_config):
     hf = rec["peers"]["hf"]
     assert hf["output_tokens"] == 10 and hf["token_match"]["compared"] == 1
     assert "of bandwidth limit" in out
+    # end to end: submission to the last token, TTFT included
+    assert math.isclose(r["end_to_end_tok_s"], 10 / r["end_to_end_s"])
+    assert r["end_to_end_s"] >= r["decode_time_s"] + r["ttft_ms"] / 1e3 - 1e-6
 
 
 def test_offline(run_bench, tiny_config):
@@ -183,6 +191,12 @@ def test_offline(run_bench, tiny_config):
     assert hf["output_tokens"] == r["output_tokens"]  # the same requests, the same lengths
     assert hf["generated_tokens"] >= hf["output_tokens"]
     assert "total time (s)" in out
+    first = r["first_run"]  # straight after engine start; the top-level figures are the repeat's
+    assert first["completed"] == 6 and first["output_tokens"] == r["output_tokens"]
+    assert first["first_engine_in_process"] is True
+    assert math.isclose(r["first_over_repeat"], first["output_tok_s"] / r["output_tok_s"])
+    assert "first run output tok/s" in out and "first / repeat" in out
+    assert rec["engine"]["start"]["load_s"] > 0 and rec["engine"]["backend"] == "torch"
 
 
 def test_scheduler(run_bench, tmp_path):
@@ -248,7 +262,8 @@ def test_module_entry_point(tiny_config, tmp_path):
          "--no-warmup", "--out", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "| flashlet (torch) |" in proc.stdout and (tmp_path / "r.json").exists()
+    # the default backend, auto, is the torch backend on the CPU
+    assert "| flashlet (auto: torch) |" in proc.stdout and (tmp_path / "r.json").exists()
 
 
 def test_allow_preemption_keeps_counts_exact(run_bench, tiny_config):
@@ -353,7 +368,7 @@ def test_backends_single_fresh_engine_each(run_bench, tiny_config, monkeypatch):
         assert r["output_tokens"] == r["output_tokens_requested"] == 6 and r["itl_ms"]["n"] == 5
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
         assert r["bytes_per_token"] == rec["results"]["bytes_per_token"]  # one model, one KV size
-    same = [{k: v for k, v in e.items() if k not in ("backend", "num_pages")}
+    same = [{k: v for k, v in e.items() if k not in ("backend", "num_pages", "start")}
             for e in rec["engines"].values()]
     assert same[0] == same[1]  # nothing but the backend differs
     hf = rec["peers"]["hf"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from flashlet.server.limits import uvicorn_options
 from flashlet.weights import EMBEDDED_MODEL_NAME
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
@@ -31,7 +32,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off",
+                                **uvicorn_options(app.state.limit_stats))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name=f"uvicorn-{self.port}", daemon=True)
@@ -138,3 +140,18 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+STEP_DELAY_S = 0.2
+
+
+def run_slow_engine_core(*args) -> None:
+    """An engine-core process whose steps each take STEP_DELAY_S longer (so that a burst of
+    requests lands while the first ones run). CoreClient spawns it by reference: tests set
+    `flashlet.server.core_client.run_engine_core` to this function."""
+    from flashlet.engine import Engine
+    from flashlet.server.engine_core import run_engine_core
+
+    step = Engine.step
+    Engine.step = lambda self: (time.sleep(STEP_DELAY_S), step(self))[1]
+    run_engine_core(*args)

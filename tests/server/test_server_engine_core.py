@@ -1,7 +1,8 @@
 """The engine in its own processes: `CoreClient` with two engine cores behind one app (data
 parallel, prefix-aware routing, nothing leaked), and what happens when a core dies (every open
 request ends with a 5xx error, /health turns 503 within 5 s, the CLI exits non-zero).
-Tiny random model (no tokenizer: token ids in, token ids out)."""
+Admission counts what really waits in the cores. Tiny random model (no tokenizer: token ids
+in, token ids out)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, ServerThread, parse_sse, wait_until
+from concurrent.futures import ThreadPoolExecutor
+
+from server_helpers import (ServerProcess, ServerThread, parse_sse, run_slow_engine_core,
+                            wait_until)
 
 from flashlet import EngineConfig
+import flashlet.server.core_client
 from flashlet.server import CoreClient, ServerConfig, create_app
 
 pytestmark = pytest.mark.slow
@@ -174,3 +179,39 @@ def test_the_cli_exits_nonzero_when_its_engine_core_dies(tiny_qwen2):
         assert "engine core 0 died" in p.log
     finally:
         p.kill()
+
+
+def test_an_idle_core_takes_a_burst_of_free_slots_plus_max_waiting(tiny_qwen2, monkeypatch):
+    """As the in-thread test of test_server_hardening.py, through an engine-core process:
+    --max-num-seqs 2 --max-waiting 2 on an idle server take a burst of 4 (2 run, 2 wait); with
+    2 running and 2 waiting in the core, the next is refused. The count is the core's per-step
+    stats plus the requests in flight to it (a burst lands before any step reports)."""
+    monkeypatch.setattr(flashlet.server.core_client, "run_engine_core", run_slow_engine_core)
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=64, max_num_seqs=2)
+    client = CoreClient(config).start()
+    srv = None
+    body = {"prompt": [5, 6, 7], "max_new_tokens": 3, "ignore_eos": True}
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny",
+                                                           max_waiting=2))).start()
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: httpx.post(srv.url + "/generate", json=body,
+                                                       timeout=120).status_code, range(4)))
+        assert codes == [200] * 4, codes
+        # Now really full: 2 running and 2 waiting in the core (long requests, slow steps).
+        long = {**body, "max_new_tokens": 40}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(httpx.post, srv.url + "/generate", json=long, timeout=120)
+                       for _ in range(4)]
+            wait_until(lambda: client.core_stats()[0].get("running") == 2
+                       and client.core_stats()[0].get("waiting") == 2, 60,
+                       "2 requests running and 2 waiting")
+            r = httpx.post(srv.url + "/generate", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+            assert [f.result().status_code for f in futures] == [200] * 4
+        assert_cores_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()

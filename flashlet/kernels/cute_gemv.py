@@ -1,0 +1,533 @@
+"""One decode row's linear layer in CuTe DSL: y[N] = W[N, K] @ x[K], with fused epilogues.
+
+Work. W [N, K] bf16 row-major (nn.Linear's layout), x [K] bf16; products summed in fp32,
+rounded once to bf16. Epilogues, each folded into the same kernel:
+  none       y = W x                                   [N]
+  bias       y = W x + b                               [N]   (the QKV projection)
+  residual   y = W x + r                               [N]   (O and down: the residual add)
+  silu_mul   y = silu(g) * u, g|u = W x split in half  [N/2] (the fused gate+up projection)
+  argmax     token = argmax(W x)                       int32 (greedy sampling off the LM head)
+
+Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * N * K. At batch 1 only the
+bytes matter, so the design is about keeping enough loads in flight.
+
+Design. A group of L lanes (L = 32, 16, 8 ... the largest power of two dividing K / 8) owns
+a row; each lane holds C = K / (8 L) 16-byte chunks of that row, so a row is read as C
+coalesced runs of L * 16 bytes. Every lane first issues the loads for all R rows its group
+owns (R * C independent 16-byte loads, all in flight at once: nothing waits before the last
+one is issued), then reads x (L1-resident after the first warp), converts, multiplies, and the
+L lanes reduce with butterfly shuffles. Lane 0 of the group applies the epilogue and stores.
+For the small projections the whole matrix is in flight in one wave (no split-K is needed:
+at K = 4864 a warp per row already gives each lane 19 loads in flight, and 896 one-warp CTAs
+cover the 132 SMs about seven times). Each CTA owns one tile of rows, except with argmax: a
+resident grid of two CTAs per SM loops over the LM head's tiles keeping a running (value,
+index) per group, reduces it through shared memory, writes one partial per CTA, and the last
+CTA to finish (a counter it resets) reduces the partials, so one launch yields the token.
+With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`, so under
+Programmatic Dependent Launch they overlap the previous kernel's tail: the form the fused
+decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
+the residual): each output is read and written by the same lane group.
+
+The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
+never needs it; `CuteUnavailable` says how to install it when it is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import torch
+
+EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax")
+VEC = 8  # bf16 elements in one 16-byte load
+INSTALL_HINT = (
+    "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
+    "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
+    "and DIR on PYTHONPATH (--target does not process the wheel's .pth file)"
+)
+
+
+class CuteUnavailable(RuntimeError):
+    """The CuTe DSL (nvidia-cutlass-dsl) cannot be imported."""
+
+
+def cute_available() -> tuple[bool, str]:
+    """(True, "") when `cutlass.cute` imports, else (False, the reason)."""
+    try:
+        _dsl()
+    except CuteUnavailable as e:
+        return False, str(e)
+    return True, ""
+
+
+@functools.cache
+def _dsl():
+    """Import the DSL once; the kernel functions below are decorated here, not at import."""
+    try:
+        import cuda.bindings.driver as cuda_driver
+        import cutlass
+        import cutlass.cute as cute
+        import cutlass.utils.distributed  # noqa: F401  (atomicAdd for the argmax epilogue)
+        from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+    except Exception as e:  # ImportError, or a broken native library underneath
+        raise CuteUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
+    g = globals()
+    g.update(cutlass=cutlass, cute=cute)
+    # Compile-time parameters are marked here: the annotations need `cutlass`, imported late.
+    for fn, names in _CONSTEXPR_PARAMS.items():
+        fn.__annotations__ = {name: cutlass.Constexpr for name in names}
+    g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
+    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish):
+        g[helper.__name__] = cute.jit(helper)
+    launcher = cute.jit(_gemv_launch)
+    return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
+                launcher=launcher, make_fake=make_fake_compact_tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: how rows and chunks map onto lanes, warps and CTAs (plain Python, testable on CPU).
+
+@dataclasses.dataclass(frozen=True)
+class GemvPlan:
+    n_rows: int          # rows of W
+    k: int               # columns of W
+    n_out: int           # outputs (n_rows, or n_rows / 2 for silu_mul)
+    epilogue: str
+    lanes: int           # L: lanes that share one row
+    chunks: int          # C: 16-byte chunks per lane per row
+    outs_per_group: int  # outputs a lane group owns in one tile (rows in flight: x2 for silu_mul)
+    warps: int           # warps per CTA
+    grid: int            # CTAs launched
+    pdl: bool = False
+    staged: bool = False  # weights go through shared memory by cp.async (see plan_gemv)
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.warps * (32 // self.lanes)
+
+    @property
+    def outs_per_tile(self) -> int:
+        return self.groups_per_cta * self.outs_per_group
+
+    @property
+    def num_tiles(self) -> int:
+        return math.ceil(self.n_out / self.outs_per_tile)
+
+    @property
+    def loads_in_flight_per_lane(self) -> int:
+        return self.outs_per_group * self.chunks * (2 if self.epilogue == "silu_mul" else 1)
+
+
+def lanes_for(k: int) -> int:
+    """The largest power of two up to 32 dividing K / 8: lanes that share one row."""
+    chunks = k // VEC
+    lanes = 32
+    while chunks % lanes:
+        lanes //= 2
+    return lanes
+
+
+def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
+              pdl: bool = False, max_loads: int = 16, staged: bool = False) -> GemvPlan:
+    """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
+
+    staged=True copies the weights into shared memory with cp.async (16 bytes a copy) instead
+    of loading them into registers: ptxas cannot defer those copies, so every one is in flight
+    at once whatever the register count (the alternative the benchmark measures)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
+    if staged and epilogue == "argmax":
+        raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
+    if k % VEC or k <= 0:
+        raise ValueError(f"K must be a positive multiple of {VEC} (16-byte loads), got {k}")
+    if epilogue == "silu_mul" and n_rows % 2:
+        raise ValueError(f"silu_mul needs an even number of rows (gate | up), got {n_rows}")
+    n_out = n_rows // 2 if epilogue == "silu_mul" else n_rows
+    lanes = lanes_for(k)
+    chunks = k // (VEC * lanes)
+    rows_per_out = 2 if epilogue == "silu_mul" else 1
+    # Rows in flight per group: as many as fit `max_loads` 16-byte loads per lane (registers),
+    # but no more than leaves two tiles per SM. ptxas does not keep them all in flight: in the
+    # sm_90a SASS a one-row lane issues nearly all its loads before the first FMA, but with two
+    # or three rows it issues 10-17 and interleaves the rest (FUSED_NOTES.md); the benchmark
+    # runs R = 1 beside the default to measure which wins.
+    outs_per_group = max(1, max_loads // (chunks * rows_per_out))
+
+    def tiles(warps: int, outs_per_group: int) -> int:
+        return math.ceil(n_out / (warps * (32 // lanes) * outs_per_group))
+
+    while outs_per_group > 1 and tiles(4, outs_per_group) < 2 * num_sms:
+        outs_per_group //= 2
+    # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits for
+    # it, so aim for four or more CTAs per SM.
+    warps = 4
+    while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
+        warps //= 2
+    def staged_bytes(warps: int) -> int:
+        return warps * 32 * outs_per_group * rows_per_out * chunks * 16
+
+    while staged and warps > 1 and staged_bytes(warps) > 48 << 10:
+        warps //= 2  # stay within the 48 KB of shared memory a CTA gets without opting in
+    if staged and staged_bytes(warps) > 48 << 10:
+        raise ValueError(f"K = {k} needs {staged_bytes(warps)} bytes of shared memory a warp staged; "
+                         "use the register variant")
+    grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves
+    if epilogue == "argmax":
+        # A resident grid that loops over tiles: few partials for the last CTA to reduce. Three
+        # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
+        grid = min(grid, 3 * num_sms)
+    return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
+                    staged)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel. These functions are plain Python until `_dsl()` decorates them; `cute` and
+# `cutlass` are module globals filled in by `_dsl()`.
+
+class _Deferred:
+    """Stands in for `cute` at import time. The DSL's preprocessor rewrites only functions that
+    carry a `.jit` / `.kernel` decorator in their source, so these mark them; `_dsl()` applies
+    the real decorators once the DSL is imported."""
+
+    @staticmethod
+    def kernel(fn):
+        return fn
+
+    @staticmethod
+    def jit(fn):
+        return fn
+
+
+_deferred = _Deferred()
+
+
+@_deferred.kernel
+def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
+    # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax);
+    # mE: bias or residual [n_out] (a dummy otherwise); mPart*: [grid] partials (argmax).
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    lane = tidx % 32
+    sub = lane % lanes                       # this lane's place within its row's lane group
+    group = (tidx // 32) * (32 // lanes) + lane // lanes
+    groups_per_cta = warps * (32 // lanes)
+    outs_per_tile = groups_per_cta * outs_per_group
+    num_tiles = (n_out + outs_per_tile - 1) // outs_per_tile
+    rows_per_out = 2 if epilogue == "silu_mul" else 1
+    rows_in_flight = outs_per_group * rows_per_out
+
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
+
+    # Without PDL x is ready at launch: load it once, before the weights. Measured in the SASS
+    # (sm_90a): with x loaded inside the tile, ptxas interleaves and issues only 10-14 of a
+    # lane's 16-byte loads before the first FMA; with x first it issues nearly all (36 of 39 at
+    # K = 4864), which is the point of the design.
+    x_early = []
+    if cutlass.const_expr(not pdl):
+        for j in cutlass.range_constexpr(chunks):
+            x_early.append(mX[sub + j * lanes, None].load())
+    if cutlass.const_expr(staged):
+        # One 16-byte slot per (thread, row chunk); consecutive threads in consecutive slots.
+        threads = warps * 32
+        sW = cutlass.utils.SmemAllocator().allocate_tensor(
+            cutlass.BFloat16, cute.make_layout((threads, rows_in_flight * chunks, VEC),
+                                               stride=(VEC, threads * VEC, 1)), byte_alignment=16)
+        g2s = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+            cutlass.BFloat16, num_bits_per_copy=128)
+    best_val = cutlass.Float32(-math.inf)
+    best_idx = cutlass.Int32(0)
+    for tile in range(bidx, num_tiles, gdim):
+        # Issue every weight load of this tile before any of them is used.
+        outs = []
+        w = []
+        for o in cutlass.range_constexpr(outs_per_group):
+            out = tile * outs_per_tile + o * groups_per_cta + group
+            outs.append(out)
+            safe = cutlass.min(out, n_out - 1)  # tail groups re-read a valid row, store nothing
+            for h in cutlass.range_constexpr(rows_per_out):
+                for j in cutlass.range_constexpr(chunks):
+                    src = mW[safe + h * n_out, sub + j * lanes, None]
+                    if cutlass.const_expr(staged):
+                        cute.copy(g2s, src, sW[tidx, (o * rows_per_out + h) * chunks + j, None])
+                    else:
+                        w.append(src.load())
+        if cutlass.const_expr(staged):
+            cute.arch.cp_async_commit_group()
+        xs = []
+        for j in cutlass.range_constexpr(chunks):
+            if cutlass.const_expr(pdl):
+                if cutlass.const_expr(j == 0):
+                    cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
+                xs.append(mX[sub + j * lanes, None].load())
+            else:
+                xs.append(x_early[j])
+        if cutlass.const_expr(staged):
+            cute.arch.cp_async_wait_group(0)  # this thread's own copies: no barrier needed
+            for i in cutlass.range_constexpr(rows_in_flight * chunks):
+                w.append(sW[tidx, i, None].load())
+        acc = []
+        for i in cutlass.range_constexpr(rows_in_flight):
+            acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
+        for j in cutlass.range_constexpr(chunks):
+            xv = xs[j].to(cutlass.Float32)
+            for i in cutlass.range_constexpr(rows_in_flight):
+                acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
+        sums = []
+        for i in cutlass.range_constexpr(rows_in_flight):
+            s = acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            sums.append(cute.arch.warp_reduction_sum(s, threads_in_group=lanes))
+        for o in cutlass.range_constexpr(outs_per_group):
+            out = outs[o]
+            y = sums[o * rows_per_out]
+            if cutlass.const_expr(epilogue == "silu_mul"):
+                up = sums[o * rows_per_out + 1]
+                y = y / (cutlass.Float32(1.0) + cute.math.exp(-y, fastmath=True)) * up
+            if cutlass.const_expr(epilogue == "bias" or epilogue == "residual"):
+                y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
+            if cutlass.const_expr(epilogue == "argmax"):
+                # Strictly greater: a group meets its rows in increasing order, so ties keep
+                # the first index, as torch.argmax does.
+                if out < n_out:
+                    if y > best_val:
+                        best_val = y
+                        best_idx = out
+            else:
+                if sub == 0:
+                    if out < n_out:
+                        mY[out] = y.to(mY.element_type)
+
+    if cutlass.const_expr(epilogue == "argmax"):
+        _argmax_finish(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
+                       warps, grid)
+
+
+@_deferred.jit
+def _argmax_pick(val, idx, other_val, other_idx):
+    """The better of two (value, index) pairs: larger value, then smaller index (torch's rule)."""
+    better = other_val > val
+    if other_val == val:
+        better = other_idx < idx
+    if better:
+        val = other_val
+        idx = other_idx
+    return val, idx
+
+
+@_deferred.jit
+def _argmax_warp(val, idx):
+    """Every lane ends with its warp's best (value, index)."""
+    for offset in cutlass.range_constexpr(5):
+        other_val = cute.arch.shuffle_sync_bfly(val, offset=16 >> offset)
+        other_idx = cute.arch.shuffle_sync_bfly(idx, offset=16 >> offset)
+        val, idx = _argmax_pick(val, idx, other_val, other_idx)
+    return val, idx
+
+
+@_deferred.jit
+def _argmax_cta(val, idx, sVal, sIdx, tidx, warps):
+    """Thread 0 ends with its CTA's best (value, index); smem holds one pair per warp."""
+    val, idx = _argmax_warp(val, idx)
+    if tidx % 32 == 0:
+        sVal[tidx // 32] = val
+        sIdx[tidx // 32] = idx
+    cute.arch.sync_threads()
+    if tidx == 0:
+        for wi in cutlass.range_constexpr(1, warps):
+            val, idx = _argmax_pick(val, idx, sVal[wi], sIdx[wi])
+    return val, idx
+
+
+@_deferred.jit
+def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
+                   warps, grid):
+    # Each CTA publishes its best pair, then counts itself done; the last one to count reduces
+    # the partials (the pattern of CUDA's threadFenceReduction sample) and resets the counter.
+    smem = cutlass.utils.SmemAllocator()
+    sVal = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps), byte_alignment=16)
+    sIdx = smem.allocate_tensor(cutlass.Int32, cute.make_layout(warps), byte_alignment=16)
+    sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+    val, idx = _argmax_cta(best_val, best_idx, sVal, sIdx, tidx, warps)
+    if tidx == 0:
+        mPartVal[bidx] = val
+        mPartIdx[bidx] = idx
+        cute.arch.fence_acq_rel_gpu()
+        sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if sLast[0] == gdim - 1:
+        cute.arch.fence_acq_rel_gpu()
+        val = cutlass.Float32(-math.inf)
+        idx = cutlass.Int32(0)
+        # All loads first (clamped: a repeated partial cannot change the answer), then compare.
+        part_vals = []
+        part_idxs = []
+        for r in cutlass.range_constexpr((grid + warps * 32 - 1) // (warps * 32)):
+            p = cutlass.min(tidx + r * warps * 32, gdim - 1)
+            part_vals.append(mPartVal[p])
+            part_idxs.append(mPartIdx[p])
+        for r in cutlass.range_constexpr(len(part_vals)):
+            val, idx = _argmax_pick(val, idx, part_vals[r], part_idxs[r])
+        cute.arch.sync_threads()  # sVal / sIdx are reused
+        val, idx = _argmax_cta(val, idx, sVal, sIdx, tidx, warps)
+        if tidx == 0:
+            mToken[0] = idx
+            mCounter[0] = cutlass.Int32(0)
+
+
+@_deferred.jit
+def _gemv_launch(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter, stream,
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
+    _gemv_kernel_compiled(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
+                          n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                          staged).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl)
+
+
+_PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
+                "staged")
+_CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
+                     _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side.
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # tracing on a CPU machine: plan for the H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class CuteGemv:
+    """One compiled GEMV for a fixed weight shape [N, K] and epilogue; call it with tensors.
+
+    `gemv(x, weight, extra)` -> y (bf16 [1, N], or [1, N/2] for silu_mul) or the token (int32
+    [1] for argmax). `extra` is the bias (bias) or the residual (residual), else None. The
+    argmax counter and partials belong to this object: do not run one object on two streams
+    at once.
+    """
+
+    def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
+                 pdl: bool = False, max_loads: int = 16, staged: bool = False):
+        self.device = torch.device(device)
+        self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
+                              max_loads=max_loads, staged=staged)
+        p = self.plan
+        f32, i32 = torch.float32, torch.int32
+        self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)
+        self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
+        self._counter = torch.zeros(1, dtype=i32, device=self.device)  # the kernel resets it
+        self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
+        self._compiled = None
+        self.compile_seconds: float | None = None
+
+    def out_like(self) -> torch.Tensor:
+        """A new output tensor of the right shape and dtype."""
+        if self.plan.epilogue == "argmax":
+            return torch.zeros(1, dtype=torch.int32, device=self.device)
+        return torch.empty(1, self.plan.n_out, dtype=torch.bfloat16, device=self.device)
+
+    def _check(self, x, weight, extra, out):
+        """Refuse, before any launch, what the compiled layouts would misread."""
+        p = self.plan
+
+        def bad(t, numel, dtype):  # the kernel assumes contiguous, 16-byte aligned tensors
+            return t.numel() != numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16
+
+        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, torch.bfloat16):
+            raise ValueError(f"weight must be a contiguous, 16-byte aligned bf16 [{p.n_rows}, {p.k}] "
+                             f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
+        if bad(x, p.k, torch.bfloat16):
+            raise ValueError(f"x must be one contiguous, 16-byte aligned bf16 row of {p.k}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        wants_extra = p.epilogue in ("bias", "residual")
+        if wants_extra != (extra is not None):
+            raise ValueError(f"epilogue {p.epilogue!r} {'needs' if wants_extra else 'takes no'} extra tensor")
+        if extra is not None and bad(extra, p.n_out, torch.bfloat16):
+            raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {p.n_out}, "
+                             f"got {extra.dtype} {tuple(extra.shape)}")
+        shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, p.n_out), torch.bfloat16)
+        if tuple(out.shape) != shape or bad(out, math.prod(shape), dtype):
+            raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+
+    def _args(self, x, weight, extra, out):
+        d = _dsl()
+        p = self.plan
+        aligned = functools.partial(d["from_dlpack"], assumed_align=16)
+        return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.k // VEC, VEC)),
+                aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
+                d["from_dlpack"](self._parts_val, assumed_align=4),
+                d["from_dlpack"](self._parts_idx, assumed_align=4),
+                d["from_dlpack"](self._counter, assumed_align=4)]
+
+    def _stream(self):
+        d = _dsl()
+        handle = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        return d["cuda"].CUstream(handle)
+
+    def _fake_args(self):
+        """Global-memory stand-ins with the call's shapes, for tracing on a machine without a
+        GPU (from_dlpack of a CPU tensor would give generic pointers, which cp.async refuses)."""
+        d = _dsl()
+        p = self.plan
+        c = d["cutlass"]
+
+        def fake(dtype, shape, align):
+            return d["make_fake"](dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                  assumed_align=align)
+
+        out_shape = (1,) if p.epilogue == "argmax" else (p.n_out,)
+        extra_shape = (p.n_out,) if p.epilogue in ("bias", "residual") else tuple(self._dummy.shape)
+        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.k // VEC, VEC), 16),
+                fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
+                fake(c.BFloat16, extra_shape, 16), fake(c.Float32, tuple(self._parts_val.shape), 4),
+                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4)]
+
+    def compile(self) -> float:
+        """Compile for this plan (once); returns the seconds it took."""
+        if self._compiled is None:
+            d = _dsl()
+            p = self.plan
+            if self.device.type == "cuda":
+                # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
+                x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
+                w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
+                extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
+                         if p.epilogue in ("bias", "residual") else None)
+                args = self._args(x, w, extra, self.out_like())
+            else:
+                args = self._fake_args()
+            t0 = time.perf_counter()
+            self._compiled = d["cute"].compile(
+                d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
+            self.compile_seconds = time.perf_counter() - t0
+        return self.compile_seconds
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
+                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.out_like() if out is None else out
+        self._check(x, weight, extra, out)
+        self.compile()
+        self._compiled(*self._args(x, weight, extra, out), self._stream())
+        return out
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
+                   extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The slow obvious answer in fp32 on the same bf16 inputs (argmax: the fp32 logits' argmax)."""
+    y = weight.float() @ x.float().reshape(-1)
+    if epilogue in ("bias", "residual"):
+        y = y + extra.float().reshape(-1)
+    if epilogue == "silu_mul":
+        gate, up = y.chunk(2)
+        y = torch.nn.functional.silu(gate) * up
+    if epilogue == "argmax":
+        return y.argmax().reshape(1).to(torch.int32)
+    return y.reshape(1, -1)

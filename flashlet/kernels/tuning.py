@@ -1,0 +1,118 @@
+"""Launch configurations of the Triton attention kernels, per shape, and the backend `auto` picks.
+
+Every choice here is a function of the model's shape (head_dim, GQA group size) and of a
+bucket of the batch: never of a KV length. That keeps the set of compiled kernel variants
+finite and known at engine start (`flashlet/warmup.py` compiles all of them), and a CUDA graph
+captured for a decode batch size stays valid for any KV lengths: the decode kernel adapts to
+the lengths on the device (the number of splits a sequence uses comes from `kv_lens`).
+
+- Decode: bucket = the smallest of DECODE_BATCH_BUCKETS that holds the batch size (the last
+  one holds every larger batch). Config: BLOCK_N keys per block, warps, stages, the smallest
+  KV split in tokens, and `waves`: how many programs per SM the split count aims at.
+- Prefill (every step with a chunk): bucket = the smallest of PREFILL_QLEN_BUCKETS that holds
+  the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles).
+
+DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.py` (H200),
+pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
+BACKEND_PREFERENCE is that script's comparison with FlashInfer, per (head_dim, group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
+PREFILL_QLEN_BUCKETS = (16, 1 << 30)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split_tokens: int = 128
+    waves: int = 2  # programs per SM the split count aims at
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# (head_dim, group, batch bucket) -> DecodeConfig. Measured on an H200 (scripts/tune_triton.py).
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+# (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
+PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
+# (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).
+BACKEND_PREFERENCE: dict[tuple[int, int], str] = {}
+
+
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= value; the last bucket for anything larger."""
+    for b in buckets:
+        if value <= b:
+            return b
+    return buckets[-1]
+
+
+def default_decode(head_dim: int, group: int, batch_bucket: int) -> DecodeConfig:
+    """Reasoned defaults. head_dim 64 is the measured Qwen2.5-0.5B choice. At head_dim 128 a
+    key block is twice the bytes and the [16, 128] accumulator twice the registers: half the
+    keys per block, an extra stage to keep loads in flight, and more splits (more programs)
+    since each program streams fewer tokens per iteration."""
+    if head_dim >= 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=4)
+    return DecodeConfig()
+
+
+def default_prefill(head_dim: int, group: int, qlen_bucket: int) -> PrefillConfig:
+    """Short chunks (mixed steps) fill a 64-row tile only with G >= 4 rows per token: use 32
+    rows for small groups. head_dim 128: 8 warps share the [BM, 128] fp32 accumulator."""
+    short = qlen_bucket <= PREFILL_QLEN_BUCKETS[0]
+    block_m = 32 if short and group < 4 else 64
+    if head_dim >= 128:
+        return PrefillConfig(block_m=block_m, block_n=32 if short else 64, num_warps=8 if not short else 4)
+    return PrefillConfig(block_m=block_m)
+
+
+def decode_config(head_dim: int, group: int, num_seqs: int) -> DecodeConfig:
+    b = bucket(num_seqs, DECODE_BATCH_BUCKETS)
+    return DECODE_TABLE.get((head_dim, group, b)) or default_decode(head_dim, group, b)
+
+
+def prefill_config(head_dim: int, group: int, max_q_len: int) -> PrefillConfig:
+    b = bucket(max_q_len, PREFILL_QLEN_BUCKETS)
+    return PREFILL_TABLE.get((head_dim, group, b)) or default_prefill(head_dim, group, b)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int, max_splits: int) -> int:
+    """Most KV splits per sequence, from the batch shape only (so it is CUDA-graph stable):
+    next_pow2(waves * SMs / (B * Hkv)), clamped to [1, prev_pow2(max_splits)]."""
+    want = _next_pow2(math.ceil(waves * num_sms / max(1, num_seqs * num_kv_heads)))
+    return max(1, min(want, _prev_pow2(max_splits)))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def preferred_backend(head_dim: int, group: int, flashinfer_ok: bool) -> tuple[str, str]:
+    """(backend, why) for `--backend auto` on CUDA."""
+    measured = BACKEND_PREFERENCE.get((head_dim, group))
+    if measured is not None:
+        if measured == "flashinfer" and not flashinfer_ok:
+            return "triton", f"flashinfer measured faster for head_dim {head_dim}, group {group}, but it is not importable"
+        return measured, f"measured faster for head_dim {head_dim}, group {group} (scripts/tune_triton.py)"
+    # Not measured: our kernels are tuned at head_dim 64; FlashInfer's FA2 kernels at 128.
+    if head_dim >= 128 and flashinfer_ok:
+        return "flashinfer", f"no measurement for head_dim {head_dim}, group {group}: FlashInfer's default at head_dim >= 128"
+    return "triton", f"no measurement for head_dim {head_dim}, group {group}: Triton (tuned at head_dim 64)" + (
+        "" if flashinfer_ok else "; flashinfer is not importable")

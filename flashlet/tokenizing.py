@@ -1,0 +1,183 @@
+"""Text -> token ids for text a caller does not control.
+
+Three guarantees:
+- user text never becomes control tokens: a prompt or a chat message that *contains* the text
+  `<|im_end|>` is encoded as those characters, not as the control token (the chat template's
+  own markers still are control tokens); `allow_special=True` is for trusted callers;
+- an over-long prompt is refused before it is tokenized: no token is longer than the
+  vocabulary's longest entry, so a text of more than `limit * max_token_chars` characters
+  cannot fit in `limit` tokens, whatever it holds; a shorter but long text is tokenized
+  first only as far as a prefix that normally holds more than `limit` tokens;
+- `TextEncoder` tokenizes on worker threads that each own a copy of the tokenizer (a Hugging
+  Face fast tokenizer must not be used by two threads at once, and `split_special_tokens`
+  flips a flag on it), so unrelated requests never wait on one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import secrets
+import threading
+from typing import Any
+
+
+# Texts longer than limit x PROBE_CHARS_PER_TOKEN characters are first tokenized only that
+# far (English averages ~4 characters a token); PROBE_SLACK absorbs a token cut in two.
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_SLACK = 8
+
+
+class PromptTooLong(ValueError):
+    """The prompt cannot fit in the context (found before or after tokenizing)."""
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The strings the tokenizer would turn into special (control) tokens."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = [t.content for t in decoder.values() if getattr(t, "special", False)]
+    return texts or list(getattr(tokenizer, "all_special_tokens", []) or [])
+
+
+def max_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry.
+
+    Byte-level BPE spells each byte as one character, and a character is at least one byte;
+    SentencePiece entries are the characters themselves."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def encode_text(tokenizer, text: str, *, allow_special: bool = False,
+                add_special_tokens: bool = True) -> list[int]:
+    """Encode text; special-token strings in it stay text unless `allow_special`."""
+    out = tokenizer(text, add_special_tokens=add_special_tokens,
+                    split_special_tokens=not allow_special)
+    return list(out["input_ids"])
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         tools=tools)
+
+
+def template_shows_tools(tokenizer) -> bool:
+    """Whether the chat template shows the model its tools: it renders a conversation
+    differently with a tool than without."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe", "description": "a probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        return render_chat(tokenizer, probe) != render_chat(tokenizer, probe, [tool])
+    except Exception:  # noqa: BLE001 - a template that cannot render tools has no tool support
+        return False
+
+
+def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
+             tools: list[dict] | None = None) -> list[int]:
+    """Apply the chat template and encode it; message content is encoded as text.
+
+    When no content holds a special-token string the result is exactly what
+    `apply_chat_template(..., tokenize=True)` gives. Otherwise each content is fenced with a
+    random marker, the template is rendered, and the fenced spans are encoded with special
+    tokens split (the template's own text with them parsed)."""
+    if not messages:
+        raise ValueError("the message list is empty")
+    specials = special_token_texts(tokenizer)
+    contents = [m.get("content") for m in messages]
+    hostile = not allow_special and any(
+        isinstance(c, str) and any(s in c for s in specials) for c in contents)
+    if not hostile:
+        return encode_text(tokenizer, render_chat(tokenizer, messages, tools), allow_special=True,
+                           add_special_tokens=False)
+    marker = "\u2063" + secrets.token_hex(8) + "\u2063"  # never in the content: random
+    fenced = [{**m, "content": f"{marker}{m['content']}{marker}"}
+              if isinstance(m.get("content"), str) else m for m in messages]
+    parts = render_chat(tokenizer, fenced, tools).split(marker)
+    if len(parts) % 2 == 0:
+        raise ValueError("the chat template altered the message content")
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if part:  # even parts: the template's text; odd parts: message content
+            ids += encode_text(tokenizer, part, allow_special=i % 2 == 0,
+                               add_special_tokens=False)
+    return ids
+
+
+def check_chars(num_chars: int, limit_tokens: int, chars_per_token: int, what: str) -> None:
+    """Refuse, without tokenizing, a text that cannot fit in `limit_tokens` tokens."""
+    if num_chars > limit_tokens * chars_per_token:
+        raise PromptTooLong(
+            f"{what} is {num_chars} characters: more than the context of {limit_tokens} tokens "
+            f"can hold (no token spans more than {chars_per_token} characters)")
+
+
+class TextEncoder:
+    """Thread-safe, bounded text encoding for the server.
+
+    `limit_tokens` is the most prompt tokens any request may have; a text longer than
+    `limit_tokens * max_token_chars` characters is refused at once. Encoding runs on a small
+    thread pool (`encode_async`, `chat_async`), each thread with its own tokenizer copy."""
+
+    def __init__(self, tokenizer, limit_tokens: int, *, allow_special: bool = False,
+                 num_threads: int = 2):
+        self.tokenizer = tokenizer
+        self.limit_tokens = limit_tokens
+        self.allow_special = allow_special
+        self.chars_per_token = max_token_chars(tokenizer)
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._supports_tools: bool | None = None
+        self._local = threading.local()
+        self._copy_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
+                                                           thread_name_prefix="flashlet-tokenize")
+
+    def _tokenizer(self):
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._copy_lock:  # deepcopy reads the shared original
+                tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tok
+
+    def encode(self, text: str, what: str = "prompt") -> list[int]:
+        check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
+        tokenizer = self._tokenizer()
+        probe = self.limit_tokens * PROBE_CHARS_PER_TOKEN
+        if len(text) > probe:  # most over-long texts show it in their first few characters
+            head = encode_text(tokenizer, text[:probe], allow_special=self.allow_special)
+            if len(head) > self.limit_tokens + PROBE_SLACK:
+                raise PromptTooLong(
+                    f"{what} is longer than the context of {self.limit_tokens} tokens (its "
+                    f"first {probe} characters alone are {len(head)} tokens)")
+        return encode_text(tokenizer, text, allow_special=self.allow_special)
+
+    def chat(self, messages: list[dict[str, Any]],
+             tools: list[dict] | None = None) -> list[int]:
+        num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
+        return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
+                        tools=tools)
+
+    def supports_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (computed once)."""
+        if self._supports_tools is None:
+            self._supports_tools = template_shows_tools(self._tokenizer())
+        return self._supports_tools
+
+    async def encode_async(self, text: str, what: str = "prompt") -> list[int]:
+        check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
+                                                                what)
+
+    async def chat_async(self, messages: list[dict[str, Any]],
+                         tools: list[dict] | None = None) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
+                                                                tools)
+
+    async def supports_tools_async(self) -> bool:
+        if self._supports_tools is not None:
+            return self._supports_tools
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.supports_tools)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,56 @@
+"""A tensor-parallel worker (ranks 1..N-1): runs rank 0's steps on its slice of the model.
+
+The loop is three calls per step: receive the layout (host tensors, over gloo), write it into
+the step buffers and receive the input ids on the device, then the same forward as rank 0
+(its all-reduces and the logits all-gather pair with rank 0's; the logits are dropped, since
+only rank 0 samples). A STOP message from rank 0 ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger("flashlet")
+
+
+def worker_main(config, rank: int, world_size: int, master_port: str) -> None:
+    """Entry point of a rank that rank 0 spawned: the env:// variables torchrun would set,
+    then the engine, whose constructor runs `serve` on any rank but 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    _exit_with_parent()
+    from flashlet.engine import Engine
+
+    Engine(config)
+
+
+def serve(engine) -> None:
+    """Run rank 0's steps until it sends STOP, then leave the group."""
+    tp, runner, buffers = engine.tp, engine.runner, engine.buffers
+    log.info("tensor-parallel worker rank %d ready", tp.rank)
+    while True:
+        runner.wait_inputs_staged()  # the host staging buffers are free again
+        step = tp.recv_step()
+        if step is None:
+            break
+        layout, is_pure_decode = step
+        input_ids, meta = buffers.write(layout, is_pure_decode)
+        tp.recv_input_ids(input_ids)
+        runner.forward(input_ids, meta)
+    runner.graphs.clear()  # captured collectives go before their communicator
+    tp.shutdown()
+
+
+def _exit_with_parent() -> None:
+    """A spawned worker whose rank 0 vanished (killed, not shut down) exits too."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="flashlet-tp-parent-watch", daemon=True).start()

@@ -1,0 +1,60 @@
+"""GPU: after Engine start nothing compiles and no graph is captured, whatever the work: context
+lengths from 1 to several thousand tokens, decode batches of every size up to max_num_seqs,
+chunked prefills mixed with decodes, greedy and top-k/top-p sampling."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT_LENS = [1, 2, 15, 16, 17, 63, 100, 511, 1000, 2047, 3000, 6000]
+
+
+def _workload(engine):
+    """Yield nothing; run requests in three waves so every decode batch size 1..64 occurs."""
+    from flashlet import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    waves = [
+        # long and short prompts together: chunked prefill mixed with decodes, lengths to 6k
+        [(n, 8 + i) for i, n in enumerate(PROMPT_LENS)],
+        # 64 short requests ending one step apart: the decode batch shrinks through 64..1
+        [(3 + i % 5, 2 + i) for i in range(64)],
+        # a few sampled requests decoding past 4k tokens of context
+        [(4000 + 50 * i, 40) for i in range(3)],
+    ]
+    for w, wave in enumerate(waves):
+        for i, (n, new) in enumerate(wave):
+            params = SamplingParams(max_new_tokens=new, ignore_eos=True, **(
+                dict(temperature=0.8, top_k=40, top_p=0.9, seed=i) if (i + w) % 3 == 0 else {}))
+            engine.add_request([(17 * j + 31 * i + w) % vocab for j in range(n)], params)
+        done = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.finish_reason in (None, "length"), out.error
+                done += out.finished
+        assert done == len(wave)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
+def test_nothing_compiles_or_captures_after_start(backend):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    import triton
+
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip(f"triton {triton.__version__} has no compile hooks")
+    from flashlet import Engine, EngineConfig
+    from flashlet.warmup import count_triton_compiles
+
+    engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, max_num_seqs=64,
+                                 max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4))
+    start = engine.start_report
+    assert start["warmed_up"] and start["graphs"] == len(engine.runner.graph_sizes)
+    graphs = dict(engine.runner.graphs)
+    with count_triton_compiles() as compiles:
+        _workload(engine)
+    assert compiles.count == 0, f"compiled after start: {compiles.names}"
+    assert engine.runner.graphs.keys() == graphs.keys(), "a CUDA graph was captured after start"

@@ -1,0 +1,171 @@
+"""The CuTe DSL decode GEMV (flashlet/kernels/cute_gemv.py).
+
+On any machine: the plan (lanes, chunks, rows in flight, grid) at the model's shapes and its
+input checks. With the CuTe DSL installed but no GPU: each variant traces and lowers to PTX
+for sm_90a with 16-byte weight loads (the driver load at the end fails without a GPU; the PTX
+is what is checked). With CUDA and the DSL: every variant against an fp32 reference on random
+inputs, output poisoned first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flashlet.kernels import cute_gemv
+from flashlet.kernels.cute_gemv import EPILOGUES, VEC, CuteGemv, gemv_reference, lanes_for, plan_gemv
+
+QWEN05_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896)]
+HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
+needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:160]}")
+GPU_SKIP = ("needs CUDA" if not torch.cuda.is_available()
+            else None if HAVE_CUTE else f"needs the CuTe DSL: {NO_CUTE_REASON[:160]}")
+needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+# The model's shapes with the epilogue each one has in the model, plus odd small shapes.
+GPU_CASES = [(1152, 896, "none"), (1152, 896, "bias"), (896, 896, "residual"), (9728, 896, "silu_mul"),
+             (896, 4864, "none"), (896, 4864, "residual"), (151936, 896, "none"), (151936, 896, "argmax")]
+GPU_CASES += [(136, 200, e) for e in EPILOGUES] + [(96, 64, "silu_mul"), (96, 64, "argmax")]
+GPU_VARIANTS = ([(*c, False, False) for c in GPU_CASES] + [(896, 896, "residual", True, False)]
+                + [(896, 4864, "residual", False, True), (9728, 896, "silu_mul", True, True),
+                   (136, 200, "bias", False, True)])  # (n, k, epilogue, pdl, staged)
+
+
+@pytest.mark.parametrize("n, k", QWEN05_SHAPES)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_plan_covers_every_row_and_column_once(n, k, epilogue):
+    p = plan_gemv(n, k, epilogue)
+    assert p.lanes * p.chunks * VEC == k                     # a row's chunks split evenly
+    assert p.num_tiles * p.outs_per_tile >= p.n_out          # every output has a group
+    assert (p.num_tiles - 1) * p.outs_per_tile < p.n_out     # and no tile is wholly idle
+    assert 1 <= p.grid <= p.num_tiles
+    one_output = p.chunks * (2 if epilogue == "silu_mul" else 1)
+    assert p.loads_in_flight_per_lane <= max(24, one_output)  # registers bound the rows in flight
+    if epilogue != "argmax":
+        assert p.grid == p.num_tiles                         # one tile per CTA, no loop
+
+
+def test_plan_keeps_small_shapes_spread_over_the_sms():
+    for n, k in QWEN05_SHAPES[:4]:
+        assert plan_gemv(n, k, num_sms=132).grid >= 2 * 132
+
+
+def test_lanes_are_the_largest_power_of_two_dividing_the_chunks():
+    assert lanes_for(896) == 16 and lanes_for(4864) == 32 and lanes_for(8) == 1 and lanes_for(24) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    ((128, 900), "multiple of 8"),
+    ((127, 64, "silu_mul"), "even number"),
+    ((128, 64, "gelu"), "unknown epilogue"),
+])
+def test_plan_rejects_bad_shapes(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(*args)
+
+
+def test_reference_epilogues_match_plain_pytorch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, generator=g).to(torch.bfloat16)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    r = torch.randn(32, generator=g).to(torch.bfloat16)
+    y = w.float() @ x.float()
+    assert torch.equal(gemv_reference(x, w, "residual", r), (y + r.float()).reshape(1, -1))
+    gate, up = y[:16], y[16:]
+    assert torch.allclose(gemv_reference(x, w, "silu_mul"), (gate * torch.sigmoid(gate) * up).reshape(1, -1))
+    assert gemv_reference(x, w, "argmax").item() == int(y.argmax())
+
+
+def test_missing_dsl_gives_install_hint(monkeypatch):
+    if HAVE_CUTE:
+        pytest.skip("the CuTe DSL is installed here; the missing-package message cannot be shown")
+    with pytest.raises(cute_gemv.CuteUnavailable, match="nvidia-cutlass-dsl==4.3.5"):
+        CuteGemv(128, 64, device="cpu").compile()
+
+
+PTX_SCRIPT = textwrap.dedent("""
+    import glob, sys, torch
+    from flashlet.kernels.cute_gemv import CuteGemv
+    n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
+    try:
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged).compile()
+    except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
+        print("compile stopped:", type(e).__name__)
+    ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
+    print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
+          "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
+          "CPASYNC", ptx.count("cp.async.cg.shared.global"))
+""")
+
+
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged", [
+    (1152, 896, "bias", 0, 0), (896, 896, "residual", 1, 0), (9728, 896, "silu_mul", 0, 0),
+    (896, 4864, "residual", 0, 0), (151936, 896, "argmax", 0, 0), (9728, 896, "silu_mul", 1, 1),
+])
+def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
+                          str(staged)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
+    assert counts, res.stdout[-2000:] + res.stderr[-2000:]
+    p = plan_gemv(n, k, epilogue, staged=bool(staged))
+    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks  # x: C loads
+    assert weights >= p.loads_in_flight_per_lane             # every weight chunk, 16 bytes a copy
+    assert (int(counts["CPASYNC"]) > 0) == bool(staged)
+    assert int(counts["STORE"]) >= 1
+    assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
+    assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
+
+
+def _inputs(n, k, epilogue, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    extra = torch.randn(n_out, generator=g, device="cuda").to(torch.bfloat16) if epilogue in ("bias", "residual") else None
+    return x, w, extra
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged", GPU_VARIANTS)
+def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl, staged):
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, staged=staged)
+    for seed in (0, 1):  # a second call also checks the argmax counter was reset
+        x, w, extra = _inputs(n, k, epilogue, seed)
+        out = gemv.out_like()
+        out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        gemv(x, w, extra, out=out)
+        torch.cuda.synchronize()
+        if epilogue == "argmax":
+            logits = w.float() @ x.float()
+            token = int(out.item())
+            assert 0 <= token < n
+            assert float(logits.max() - logits[token]) <= 1e-3 * float(logits.abs().max())
+        else:
+            assert not torch.isnan(out).any()
+            assert kh.rel_err(out, gemv_reference(x, w, epilogue, extra)) < 1e-2
+
+
+@pytest.mark.parametrize("bad", ["weight_shape", "weight_dtype", "weight_view", "missing_bias", "x_len",
+                                 "misaligned_x", "out_shape"])
+def test_bad_inputs_are_refused_before_launch(bad):
+    gemv = CuteGemv(96, 64, "bias", device="cpu")  # the checks run before the DSL is needed
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    w = torch.zeros(96, 64, dtype=torch.bfloat16)
+    b = torch.zeros(96, dtype=torch.bfloat16)
+    args = dict(weight_shape=(x, w[:64], b), weight_dtype=(x, w.float(), b), weight_view=(x, w.t().contiguous().t(), b),
+                missing_bias=(x, w, None), x_len=(x[:32], w, b), misaligned_x=(torch.zeros(72, dtype=torch.bfloat16)[1:65], w, b),
+                out_shape=(x, w, b))[bad]
+    out = torch.zeros(1, 95, dtype=torch.bfloat16) if bad == "out_shape" else gemv.out_like()
+    with pytest.raises(ValueError):
+        gemv(*args, out=out)

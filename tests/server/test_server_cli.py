@@ -1,0 +1,205 @@
+"""The command lines fail fast and explain themselves (issue 19): one-line usage errors with
+exit code 2 before any model loads (no engine core starts), the port and the backend checked
+first, SIGTERM during the model load (in the engine-core process), help text for every flag, a
+sampling --seed apart from --weights-seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from server_helpers import ServerProcess, wait_until
+
+from flashlet import SamplingParams
+from flashlet.__main__ import build_parser as generate_parser
+from flashlet.config import EngineConfig
+from flashlet.server.cli import build_parser as server_parser
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = {  # random weights at a tiny Qwen2 shape (no tokenizer)
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True, "eos_token_id": 1,
+}
+
+
+def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("module,args,needle", [
+    ("flashlet", ["--temperature", "-1"], "temperature must be finite and >= 0"),
+    ("flashlet", ["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    ("flashlet", ["--top-p", "0"], "top_p must be in (0, 1]"),
+    ("flashlet", ["--page-size", "3"], "page_size must be a power of two"),
+    ("flashlet", ["--max-num-seqs", "x"], "invalid int value"),
+    ("flashlet.server", ["--max-waiting", "0"], "--max-waiting must be >= 1"),
+    ("flashlet.server", ["--max-request-bytes", "0"], "--max-request-bytes must be > 0"),
+    ("flashlet.server", ["--max-tokens-cap", "-3"], "--max-tokens-cap must be >= 1"),
+    ("flashlet.server", ["--nope"], "unrecognized arguments: --nope"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
+def test_bad_usage_is_one_line_and_exit_code_2_before_loading(module, args, needle):
+    done = _run("-m", module, *args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert "model:" not in done.stdout and "loading model" not in done.stderr  # nothing loaded
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine "
+                    "without CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_backend_without_cuda_is_refused_at_start(backend):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for module in ("flashlet.server", "flashlet"):
+        done = _run("-m", module, "--backend", backend, env=env)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], done.stderr
+        assert "loading model" not in done.stderr
+
+
+def test_port_in_use_is_reported_before_the_model_loads(tiny_qwen2):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _run("-m", "flashlet.server", "--model", str(tiny_qwen2), "--port", str(port))
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "loading model" not in done.stderr and "serving on" not in done.stderr
+
+
+SLOW_LOAD = """
+import sys
+sys.path.insert(0, {folder!r})
+import slow_core
+import flashlet.server.core_client
+
+flashlet.server.core_client.run_engine_core = slow_core.run  # spawned by reference
+from flashlet.server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+SLOW_CORE = """
+import os, time
+import flashlet.engine
+from flashlet.server.engine_core import run_engine_core
+
+def slow_init(self, *args, **kwargs):  # a load that takes long, as a big model's does
+    with open(os.path.join(os.path.dirname(__file__), "core.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+
+def run(*args):  # the engine-core process
+    flashlet.engine.Engine.__init__ = slow_init
+    run_engine_core(*args)
+"""
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # a zombie waits only for its parent to reap it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_model_load_exits_at_once(tiny_qwen2, sig, tmp_path):
+    """The model loads in the engine-core process: a signal then ends the core and the server
+    at once, with exit code 0, and leaves no core process behind."""
+    (tmp_path / "slow_core.py").write_text(SLOW_CORE)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD.format(folder=str(tmp_path)),
+                             "--model", str(tiny_qwen2), "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    pid_file = tmp_path / "core.pid"
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text(), 120,
+                   "the engine core to start loading", interval=0.05)
+        core_pid = int(pid_file.read_text())
+        assert "loading model" in "".join(lines)
+        time.sleep(0.5)  # uvicorn is up and listening by now
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(10)
+        elapsed = time.monotonic() - t0
+        reader.join(5)
+        log = "".join(lines)
+        assert rc == 0, log
+        assert elapsed < 5, elapsed
+        assert "stopped while the model was loading" in log
+        assert "terminate called" not in log and "serving on" not in log
+        wait_until(lambda: _process_gone(core_pid), 5, "the engine core to be gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_every_flag_has_help():
+    for parser in (server_parser(), generate_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and action.help.removesuffix(" (default: %(default)s)"), \
+                    f"{parser.prog} {action.option_strings[0]} has no help"
+    text = server_parser().format_help()
+    assert "tokens per KV page" in text  # from EngineConfig's field comment
+
+
+def test_sampling_seed_is_not_the_weights_seed():
+    args = generate_parser().parse_args(["--seed", "7", "--weights-seed", "3", "--temperature",
+                                         "0.8"])
+    assert args.seed == 7 and EngineConfig.from_cli(args).weights_seed == 3
+    assert server_parser().parse_args(["--weights-seed", "5"]).weights_seed == 5
+
+
+def test_sampling_params_takes_vllms_max_tokens():
+    assert SamplingParams(max_tokens=5).max_new_tokens == 5
+    assert SamplingParams(max_new_tokens=9).max_tokens == 9
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=5, max_new_tokens=9)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.mark.slow
+def test_random_weights_server_returns_token_ids(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    p = ServerProcess("--config", str(config),
+              "--max-num-pages", "32", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
+                   "the server to start", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        import httpx
+
+        r = httpx.post(p.url + "/generate", timeout=60,
+                       json={"prompt": [1, 2, 3], "max_new_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == "" and len(r.json()["token_ids"]) == 3
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(60) == 0, p.log
+    finally:
+        p.kill()

@@ -1,0 +1,92 @@
+"""Every `--config` preset: read by ModelConfig and by the matching transformers config class
+with the same shapes, the same parameter tensors (a meta-device HF model against our names),
+the same RoPE table, and the parameter count the model's publisher states."""
+
+import json
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
+
+from flashlet import rope
+from flashlet.engine import PRESETS_DIR
+from flashlet.model import ModelConfig, hf_to_flashlet_names
+
+CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+                  "qwen3": Qwen3Config}
+# Parameter counts as published on each model card (tied embeddings counted once).
+PUBLISHED_PARAMS = {
+    "qwen2.5-0.5b": 0.49e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.61e9, "qwen2.5-14b": 14.7e9,
+    "qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "llama-3.2-1b": 1.24e9, "llama-3.1-8b": 8.03e9,
+    "mistral-7b": 7.24e9, "tinyllama-1.1b": 1.1e9,
+}
+PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def test_every_preset_has_a_published_count():
+    assert set(PRESETS) == set(PUBLISHED_PARAMS)
+
+
+def hf_config(name):
+    raw = json.loads((PRESETS_DIR / f"{name}.json").read_text())
+    raw.pop("torch_dtype", None)
+    return raw, CONFIG_CLASSES[raw["model_type"]](**raw)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_matches_transformers_config(name):
+    raw, hf = hf_config(name)
+    ours = ModelConfig.from_hf(raw)
+    assert (ours.hidden_size, ours.intermediate_size, ours.num_layers, ours.num_heads,
+            ours.num_kv_heads, ours.vocab_size) == (
+        hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads,
+        hf.num_key_value_heads, hf.vocab_size)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.rope_scaling["rope_type"] == hf.rope_parameters["rope_type"]
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    assert ours.sliding_window == getattr(hf, "sliding_window", None)
+    assert abs(ours.num_params() / PUBLISHED_PARAMS[name] - 1) < 0.02
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_tensors_match_transformers_model(name):
+    raw, hf = hf_config(name)
+    ours = ModelConfig.from_hf(raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    theirs = dict(model.named_parameters(remove_duplicate=False))
+    used = set()
+    for _, names in hf_to_flashlet_names(ours):
+        assert all(n in theirs for n in names), names
+        used.update(names)
+    if ours.tie_word_embeddings:
+        used.add("lm_head.weight")
+    assert used == set(theirs)
+    hf_count = sum(p.numel() for p in model.parameters())  # ties counted once
+    assert ours.num_params() == hf_count
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_rope_table_matches_transformers(name):
+    raw, hf = hf_config(name)
+    ours = ModelConfig.from_hf(raw)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = hf.rope_parameters["rope_type"]
+    if rope_type == "default":
+        d = ours.head_dim
+        inv_freq = 1.0 / (hf.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        factor = 1.0
+    else:
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    positions = torch.tensor([0, 1, 4095, 8191, 8192, 30000])
+    positions = positions[positions < ours.max_context_len]
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    expected = torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
+    table = rope.cos_sin_cache(ours.head_dim, ours.rope_theta, ours.rope_scaling,
+                               ours.max_position_embeddings, int(positions.max()) + 1)
+    assert torch.equal(table[positions], expected)

@@ -111,11 +111,23 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 JsonObject = dict[str, Any]
 
 
+# The drafts whose meta-schemas are built into jsonschema-rs. Any other `$schema` is refused
+# here: the validator would fetch it over the network (a request from the server to any URL).
+KNOWN_DRAFTS = {f"{scheme}://json-schema.org/{path}" for scheme in ("http", "https") for path in (
+    "draft-04/schema", "draft-06/schema", "draft-07/schema", "draft/2019-09/schema",
+    "draft/2020-12/schema")}
+
+
 def _json_schema(schema: dict) -> dict:
     """A JSON schema, checked against its draft's meta-schema (a typo is an error, not a
     constraint silently ignored)."""
     import jsonschema_rs
 
+    draft = schema.get("$schema")
+    if draft is not None and (not isinstance(draft, str)
+                              or draft.rstrip("#") not in KNOWN_DRAFTS):
+        raise ValueError(f"$schema {draft!r} is not a JSON Schema draft this server knows "
+                         "(draft-04, -06, -07, 2019-09, 2020-12)")
     try:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as e:

@@ -221,6 +221,8 @@ BAD = [  # (endpoint, body, a word the message must contain)
      "JSON schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {  # never fetched
+        "name": "x", "schema": {"$schema": "http://127.0.0.1:9/meta"}}}}, "$schema"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ("chat", {"stop_token_ids": [10**7]}, "stop_token_ids"),

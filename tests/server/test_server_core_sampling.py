@@ -79,3 +79,30 @@ def test_json_schema_compiles_in_the_core(core_server):
     assert r.status_code == 400, r.text
     assert "json_schema" in r.json()["error"]["message"]
     assert_idle(client)
+
+
+def test_random_weights_get_the_tokenizer_for_grammars(demo_model_dir, tmp_path):
+    """--config (random weights, no tokenizer) + --tokenizer: the core compiles grammars with
+    the tokenizer it is given."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+              "tie_word_embeddings": True, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    client = CoreClient(EngineConfig(config=str(tmp_path / "config.json"), max_num_pages=64),
+                        tokenizer=str(demo_model_dir)).start()
+    srv = None
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
+        r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+            "model": NAME, "prompt": "Some JSON:", "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].lstrip().startswith("{")
+        assert_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()

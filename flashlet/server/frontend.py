@@ -290,6 +290,11 @@ def sse(payload: Any) -> str:
 DONE = "data: [DONE]\n\n"
 
 
+async def _collect_all(gens: list[Generation]) -> list[Delta]:
+    # A task around the gather: cancelling it cancels the gather and retrieves its outcome.
+    return await asyncio.gather(*(g.collect() for g in gens))
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -381,7 +386,7 @@ class Server:
     async def run_all_to_end(self, request: Request, gens: list[Generation]) -> list | None:
         """Wait for every answer (their final deltas); None if the client went away first
         (all aborted). An error in one aborts the others and is raised."""
-        collector = asyncio.ensure_future(asyncio.gather(*(g.collect() for g in gens)))
+        collector = asyncio.ensure_future(_collect_all(gens))
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -20,6 +20,9 @@ PUBLISHED_PARAMS = {
     "qwen2.5-0.5b": 0.49e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.61e9, "qwen2.5-14b": 14.7e9,
     "qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "llama-3.2-1b": 1.24e9, "llama-3.1-8b": 8.03e9,
     "mistral-7b": 7.24e9, "tinyllama-1.1b": 1.1e9,
+    # Qwen2.5-0.5B's 494.0M less the embedding rows (tied to the LM head) of the vocabulary
+    # SmolLM2's tokenizer does not have.
+    "qwen2.5-0.5b-smolvocab": 494.0e6 - (151936 - 49152) * 896,
 }
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

@@ -212,8 +212,7 @@ def test_sampling_params_takes_vllms_max_tokens():
 def test_random_weights_server_returns_token_ids(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_CONFIG))
-    p = ServerProcess("--config", str(config),
-              "--max-num-pages", "32", "--no-access-log")
+    p = ServerProcess("--config", str(config), "--max-num-pages", "32", "--no-access-log")
     try:
         wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
                    "the server to start", interval=0.1)

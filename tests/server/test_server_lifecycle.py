@@ -106,8 +106,8 @@ def test_cli_flags_come_from_engine_config():
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2, sig):
-    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64", "--shutdown-timeout", "1",
-              "--no-access-log")
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64",
+                      "--shutdown-timeout", "1", "--no-access-log")
     try:
         wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
                    "the server to load its model", interval=0.1)

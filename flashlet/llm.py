@@ -40,7 +40,8 @@ class LLM:
         params = params or SamplingParams()
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
-        prompt_ids = [limits.check(self.engine.encode(p), params) for p in prompts]
+        prompt_ids = [self.engine.encode(p) for p in prompts]  # every prompt's ids first
+        prompt_ids = [limits.check(p, params) for p in prompt_ids]
         num_samples = params.best_of or params.n
         groups: list[list[int]] = []
         mine: set[int] = set()

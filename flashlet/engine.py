@@ -103,6 +103,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
+        self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
@@ -133,23 +134,50 @@ class Engine:
         """The attention backend that runs (what "auto" resolved to)."""
         return self.runner.backend.name
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Give a model built without one (random weights) a tokenizer, which structured output
+        needs (its grammars are compiled against the vocabulary)."""
+        self.tokenizer = tokenizer
+        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
+                                            self.eos_token_ids)
+
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: int | None = None) -> int:
+                    request_id: int | None = None, after: int | None = None) -> int:
         """Queue a request (under `request_id` if given, else a fresh id); raises ValueError
-        (allocating nothing) if it can never run or the id is in use."""
+        (allocating nothing) if it can never run or the id is in use.
+
+        `after`: another sample of the same prompt (n > 1). This one is held until that request
+        has computed the prompt (its first output), so it finds the prompt's pages in the
+        prefix cache instead of computing them again."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt)
         self.check_request(len(token_ids), params)
         if request_id is None:
-            request_id = next(i for i in self._ids if i not in self.scheduler.requests)
+            request_id = next(i for i in self._ids if not self._id_in_use(i))
+        elif self._id_in_use(request_id):
+            raise ValueError(f"request id {request_id} is in use")
         req = Request(request_id, token_ids, params, make_generator(params, self.device))
         if params.is_constrained:
             req.grammar = self.structured.matcher(params.response_format)
         if params.logprobs is not None:
             req.output_logprobs = []
-        self.scheduler.add(req)
+        leader = self.scheduler.requests.get(after) if after is not None else None
+        if leader is not None and not leader.output_token_ids:
+            self._held.setdefault(after, []).append(req)
+        else:
+            self.scheduler.add(req)
         return request_id
+
+    def _id_in_use(self, request_id: int) -> bool:
+        return request_id in self.scheduler.requests or any(
+            r.request_id == request_id for held in self._held.values() for r in held)
+
+    def _release_held(self, outputs: list[RequestOutput]) -> None:
+        """Queue the samples held for a request that has computed its prompt (or ended)."""
+        for out in outputs:
+            for req in self._held.pop(out.request_id, ()):
+                self.scheduler.add(req)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if a request of this size could never run (a last defensive check:
@@ -184,7 +212,7 @@ class Engine:
         output comes with the next step. False (a no-op) if it is unknown or finished."""
         if finish_reason not in ("abort", "stop"):
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
-        output = self.scheduler.abort(request_id, finish_reason)
+        output = self.scheduler.abort(request_id, finish_reason) or self._abort_held(request_id)
         self.sampler.release(request_id)
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
@@ -192,9 +220,18 @@ class Engine:
         self._pending.append(output)
         return True
 
+    def _abort_held(self, request_id: int) -> RequestOutput | None:
+        for held in self._held.values():
+            for req in held:
+                if req.request_id == request_id:
+                    held.remove(req)
+                    return RequestOutput(request_id, [], True, "abort", req.prompt_token_ids,
+                                         token_ids=[])
+        return None
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
-                or self._in_flight is not None)
+                or self._in_flight is not None or any(self._held.values()))
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -232,6 +269,8 @@ class Engine:
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)
+        if self._held:
+            self._release_held(outputs)
         return outputs
 
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":

@@ -3,7 +3,6 @@ whose token outputs get their text (and stop strings) from detokenizer.TextOutpu
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -12,7 +11,7 @@ from flashlet.detokenizer import TextOutputs
 from flashlet.engine import Engine
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestLimits
-from flashlet.sampling import SamplingParams
+from flashlet.sampling import SamplingParams, sample_params
 from flashlet.tokenizing import chat_ids
 
 
@@ -41,14 +40,15 @@ class LLM:
         params = params or SamplingParams()
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
-        prompt_ids = [limits.check(self.engine.encode(p), params) for p in prompts]
+        prompt_ids = [self.engine.encode(p) for p in prompts]  # every prompt's ids first
+        prompt_ids = [limits.check(p, params) for p in prompt_ids]
         num_samples = params.best_of or params.n
         groups: list[list[int]] = []
         mine: set[int] = set()
         siblings_due: dict[int, tuple[list[int], list[int]]] = {}  # first id -> (prompt, group)
 
         def add(token_ids: list[int], index: int) -> int:
-            sample = _sample_params(params, index, num_samples)
+            sample = sample_params(params, index, num_samples)
             rid = self.engine.add_request(token_ids, sample)
             self.text_outputs.add(rid, sample)
             mine.add(rid)
@@ -111,17 +111,6 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return finished
-
-
-def _sample_params(params: SamplingParams, index: int, num_samples: int) -> SamplingParams:
-    """The parameters of one of a prompt's samples: seed + index (as vLLM), so seeded samples
-    differ from each other yet reproduce; logprobs on where best_of ranks by them."""
-    changes = dict(n=1, best_of=None)
-    if params.seed is not None:
-        changes["seed"] = params.seed + index
-    if num_samples > params.n and params.logprobs is None:
-        changes["logprobs"] = 0
-    return dataclasses.replace(params, **changes)
 
 
 def _best(params: SamplingParams, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import InitVar, dataclass, field
 
@@ -133,6 +134,17 @@ def _check_response_format(fmt) -> None:
     elif kind == "structural_tag" and not isinstance(fmt.get("format"), dict):
         raise ValueError('response_format structural_tag needs {"format": {...}} '
                          "(xgrammar's structural tag)")
+
+
+def sample_params(params: SamplingParams, index: int, num_samples: int) -> SamplingParams:
+    """The parameters of one of a prompt's samples: seed + index (as vLLM), so seeded samples
+    differ from each other yet reproduce; logprobs on where best_of ranks by them."""
+    changes = dict(n=1, best_of=None)
+    if params.seed is not None:
+        changes["seed"] = params.seed + index
+    if num_samples > params.n and params.logprobs is None:
+        changes["logprobs"] = 0
+    return dataclasses.replace(params, **changes)
 
 
 _DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens

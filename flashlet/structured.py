@@ -15,6 +15,7 @@ the matcher's work runs while the model computes.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -50,7 +51,9 @@ class StructuredOutputs:
         try:
             grammar = self._compile(fmt)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for bad input
-            raise ValueError(f"invalid {fmt['type']} response_format: {e}") from None
+            # Its messages start "[12:00:00] /project/cpp/file.cc:94: ": keep what follows.
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
+            raise ValueError(f"invalid {fmt['type']} response_format: {reason}") from None
         self.num_compiled += 1
         self._compiled[key] = grammar
         if len(self._compiled) > self.cache_size:

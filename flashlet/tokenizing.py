@@ -56,11 +56,25 @@ def encode_text(tokenizer, text: str, *, allow_special: bool = False,
     return list(out["input_ids"])
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         tools=tools)
 
 
-def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False) -> list[int]:
+def template_shows_tools(tokenizer) -> bool:
+    """Whether the chat template shows the model its tools: it renders a conversation
+    differently with a tool than without."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe", "description": "a probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        return render_chat(tokenizer, probe) != render_chat(tokenizer, probe, [tool])
+    except Exception:  # noqa: BLE001 - a template that cannot render tools has no tool support
+        return False
+
+
+def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
+             tools: list[dict] | None = None) -> list[int]:
     """Apply the chat template and encode it; message content is encoded as text.
 
     When no content holds a special-token string the result is exactly what
@@ -74,12 +88,12 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False) ->
     hostile = not allow_special and any(
         isinstance(c, str) and any(s in c for s in specials) for c in contents)
     if not hostile:
-        return encode_text(tokenizer, render_chat(tokenizer, messages), allow_special=True,
+        return encode_text(tokenizer, render_chat(tokenizer, messages, tools), allow_special=True,
                            add_special_tokens=False)
     marker = "\u2063" + secrets.token_hex(8) + "\u2063"  # never in the content: random
     fenced = [{**m, "content": f"{marker}{m['content']}{marker}"}
               if isinstance(m.get("content"), str) else m for m in messages]
-    parts = render_chat(tokenizer, fenced).split(marker)
+    parts = render_chat(tokenizer, fenced, tools).split(marker)
     if len(parts) % 2 == 0:
         raise ValueError("the chat template altered the message content")
     ids: list[int] = []
@@ -112,6 +126,7 @@ class TextEncoder:
         self.allow_special = allow_special
         self.chars_per_token = max_token_chars(tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._supports_tools: bool | None = None
         self._local = threading.local()
         self._copy_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
@@ -136,18 +151,33 @@ class TextEncoder:
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special)
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]],
+             tools: list[dict] | None = None) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
-        return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special)
+        return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
+                        tools=tools)
+
+    def supports_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (computed once)."""
+        if self._supports_tools is None:
+            self._supports_tools = template_shows_tools(self._tokenizer())
+        return self._supports_tools
 
     async def encode_async(self, text: str, what: str = "prompt") -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
                                                                 what)
 
-    async def chat_async(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages)
+    async def chat_async(self, messages: list[dict[str, Any]],
+                         tools: list[dict] | None = None) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
+                                                                tools)
+
+    async def supports_tools_async(self) -> bool:
+        if self._supports_tools is not None:
+            return self._supports_tools
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.supports_tools)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -308,3 +308,27 @@ def test_tiny_top_p_keeps_the_most_likely_token(tiny_qwen2):
                                                        top_p=5e-324, seed=0, ignore_eos=True))
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert sampled[0].token_ids == greedy[0].token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_sample_held_after_another_finds_its_prompt_cached(tiny_qwen2, alone, overlap):
+    """add_request(after=first): the sample waits until the first has computed the prompt,
+    then admits with the prompt's full pages from the prefix cache (n > 1 in the server)."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=16, overlap=overlap))
+    prompt = [random.Random(1).randrange(2, 256) for _ in range(70)]
+    params = SamplingParams(max_new_tokens=5, **GREEDY)
+    first = engine.add_request(prompt, params)
+    second = engine.add_request(prompt, params, after=first)
+    third = engine.add_request(prompt, params, after=first)
+    assert engine.stats()["waiting"] == 1  # the other two are held
+    dropped = engine.add_request(prompt, params, after=first)
+    assert engine.abort(dropped)  # a held sample: aborted before it ever ran
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request(prompt, params, request_id=second)
+    done = run_all(engine)
+    assert done[dropped].finish_reason == "abort" and done[dropped].token_ids == []
+    assert done[first].num_cached_tokens == 0
+    for rid in (second, third):
+        assert done[rid].num_cached_tokens == 64  # the prompt's full pages
+        assert done[rid].token_ids == done[first].token_ids == alone(prompt, 5)
+    assert_no_pages_beyond_cache(engine)

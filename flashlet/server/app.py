@@ -11,8 +11,13 @@ body shape `{"error": {"message", "type", "param", "code"}}` on every endpoint.
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from flashlet.server.errors import ApiError, install_error_handlers
 from flashlet.server.frontend import Server, ServerConfig
@@ -23,25 +28,47 @@ from flashlet.server.routes_simple import add_simple_routes
 
 __all__ = ["ApiError", "ServerConfig", "create_app"]
 
+STATIC_DIR = Path(__file__).parent / "static"
+
 
 def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     """Build the app around a started engine client: a CoreClient (engine-core processes) or an
     EngineLoop (the engine on a thread). Several apps may share one."""
     config = config or ServerConfig()
     server = Server(loop, config)
-    app = FastAPI(title="flashlet", version="0.1.0",
+    app = FastAPI(title="flashlet", version="0.1.0", docs_url=None, redoc_url=None,
                   description="flashlet inference server: /generate and an OpenAI-compatible API")
     app.state.server = server
     install_error_handlers(app)
     add_simple_routes(app, server)
     add_openai_routes(app, server)
+    _add_pages(app)
     _customize_openapi(app)
     app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
     server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
     app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
+    if config.allowed_origins:  # outermost: a preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+def _add_pages(app: FastAPI) -> None:
+    """The chat page at / and Swagger UI at /docs, both from files served here (no CDN)."""
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="flashlet API",
+                                   swagger_js_url="/static/swagger/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger/swagger-ui.css",
+                                   swagger_favicon_url="data:,")
 
 
 def _customize_openapi(app: FastAPI) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m flashlet.server",
         description="flashlet HTTP server: /generate, /generate_stream, an OpenAI-compatible "
                     "/v1 API and /metrics. With no --model it serves the embedded default model.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on "
                         "(default: %(default)s; 0.0.0.0 exposes the server to the network)")
@@ -79,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, used instead of the "
+                             "tokenizer's")
+    server.add_argument("--allowed-origins", type=_origins, default=(),
+                        help="CORS: origins whose web pages may call this server, comma-separated "
+                             "or a JSON list (e.g. http://localhost:3000, or '*' for any)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log messages at this level and above (default: %(default)s)")
@@ -86,7 +95,50 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log one line per request")
     engine = parser.add_argument_group("engine")
     EngineConfig.add_cli_args(engine)
+    # vLLM's names for some of the flags above (SUPPRESS: only set when given).
+    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_cache",
+                        action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                        help="the same as --enable-prefix-cache")
+    engine.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS,
+                        help="the same as --page-size")
+    engine.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
+                        default=argparse.SUPPRESS, help="the same as --no-cuda-graph")
     return parser
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: a JSON list (vLLM's form) or comma-separated origins."""
+    if text.lstrip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+    else:
+        origins = [o.strip() for o in text.split(",")]
+    return tuple(o for o in origins if o)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: not a file and not a Jinja template")
+
+
+def _model_argument(args: argparse.Namespace) -> None:
+    """The positional MODEL is --model; giving both (differently) is an error."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag} and --model "
+                             f"{args.model}")
+        args.model = args.model_tag
 
 
 def default_model_name(config: EngineConfig) -> str:
@@ -181,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _model_argument(args)
         engine_config = EngineConfig.from_cli(args)
         limits = _check_server_args(args)
+        chat_template = read_chat_template(args.chat_template)
         check_backend_runs_here(engine_config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         parser.error(str(e))  # one line, exit code 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -241,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                           max_waiting=args.max_waiting,
                                           max_tokens_cap=args.max_tokens_cap,
                                           allow_special_tokens=args.allow_special_tokens,
-                                          limits=limits))
+                                          limits=limits, chat_template=chat_template,
+                                          allowed_origins=args.allowed_origins))
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
                                log_level=args.log_level, access_log=args.access_log,
                                timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,

@@ -96,7 +96,8 @@ class CoreClient:
             process = spawn.Process(
                 target=run_engine_core, name=f"flashlet-core{i}",
                 daemon=self.config.tensor_parallel_size == 1,
-                args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid()))
+                args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid(),
+                      self.tokenizer_source))
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))
@@ -162,6 +163,11 @@ class CoreClient:
     # ---- requests (any thread) ------------------------------------------------------------
     def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
         """Route a request to a core and send it; raises Overloaded or NotReady."""
+        self.submit_group([stream], max_waiting)
+
+    def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
+        """Route the samples of one prompt (n > 1) to one core together, all or none; the core
+        runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
             if not self.is_ready:
                 raise NotReady("the engine is not ready" if not self._stopping
@@ -169,17 +175,25 @@ class CoreClient:
             if max_waiting is not None and self.num_waiting >= max_waiting:
                 raise Overloaded(f"{self.num_waiting} requests are waiting already "
                                  f"(max_waiting={max_waiting})")
-            core = self.cores[self.router.route(stream.prompt_token_ids,
+            core = self.cores[self.router.route(streams[0].prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
-            stream.request_id = next(self._ids)
-            stream.core = core.index
-            core.num_in_flight += 1
-            core.num_routed += 1
-            add = AddRequest.of(stream.request_id, stream.prompt_token_ids, stream.params)
-            if not self._send_locked(core, add):
-                core.num_in_flight -= 1
-                raise NotReady(f"engine core {core.index} cannot take requests")
-            self._streams[stream.request_id] = stream
+            messages = []
+            for stream in streams:
+                stream.request_id = next(self._ids)
+                stream.core = core.index
+                after = streams[0].request_id if stream is not streams[0] else None
+                messages.append(AddRequest.of(stream.request_id, stream.prompt_token_ids,
+                                              stream.params, after))
+            core.num_in_flight += len(streams)
+            core.num_routed += len(streams)
+            for i, msg in enumerate(messages):
+                if not self._send_locked(core, msg):
+                    core.num_in_flight -= len(streams)
+                    if i:  # the ones sent already: take them back
+                        self._send_locked(core, AbortRequests([m.request_id for m in messages[:i]]))
+                    raise NotReady(f"engine core {core.index} cannot take requests")
+            for stream in streams:
+                self._streams[stream.request_id] = stream
 
     def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""

@@ -15,6 +15,7 @@ process is still alive: an orphaned core exits).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -24,11 +25,12 @@ from typing import Any
 
 import msgspec
 
-from flashlet.sampling import SamplingParams
+from flashlet.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger("flashlet.server")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar compiles
 
 
 # ---- messages in ---------------------------------------------------------------------------------
@@ -36,14 +38,15 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: int  # the API process's id; the engine uses it as its own
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams' fields; no stop strings (the API process's)
+    after: int | None = None  # the first sample of this prompt (n > 1): Engine.add_request
 
     @classmethod
-    def of(cls, request_id: int, prompt_token_ids: list[int],
-           params: SamplingParams) -> "AddRequest":
+    def of(cls, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+           after: int | None = None) -> "AddRequest":
         # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
         # (max_tokens), and __init__ validates them again on the way in.
         return cls(request_id, prompt_token_ids,
-                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}, after)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.params)
@@ -76,6 +79,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     num_cached_tokens: int = 0
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -117,7 +121,8 @@ def core_stats(engine) -> dict[str, float]:
 
 
 # ---- the process ---------------------------------------------------------------------------------
-def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent_pid: int) -> None:
+def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent_pid: int,
+                    tokenizer: str | None = None) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown."""
     import zmq
 
@@ -140,6 +145,10 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
         from flashlet.engine import Engine
 
         engine = Engine(config)
+        if engine.tokenizer is None and tokenizer is not None:  # random weights + --tokenizer
+            from flashlet.weights import load_tokenizer
+
+            engine.use_tokenizer(load_tokenizer(tokenizer))
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits
         outbox.send(encoder.encode(CoreReady(core, {}, f"{type(e).__name__}: {e}", os.getpid())))
         outbox.close(linger=5000)
@@ -166,23 +175,33 @@ class EngineCore:
         self.unfinished: set[int] = set()  # ids added and not finished yet
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
+        # Constrained requests whose grammar compiles on a worker thread (off the step loop;
+        # compiled grammars are cached), in arrival order: request id -> (future, message).
+        self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest,
+                                        SamplingParams]] = {}
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
 
     def run(self) -> None:
         engine = self.engine
         while not self.stopping:
             busy = engine.has_unfinished()
-            self._receive(wait=not busy)
+            self._receive(wait=not busy, timeout_ms=COMPILE_POLL_MS if self.compiling else None)
             if self.stopping:
                 break
+            self._add_compiled()
             if engine.has_unfinished():
                 self._send(self._step())
-            elif self.errors or busy:  # went idle: say so (the stats show no page held)
+            elif self.errors or (busy and not self.compiling):
+                # Went idle: say so (the stats show no page held).
                 self._send([])
+        self.compiler.shutdown(wait=False, cancel_futures=True)
 
-    def _receive(self, wait: bool) -> None:
+    def _receive(self, wait: bool, timeout_ms: int | None = None) -> None:
         import zmq
 
-        if wait:
+        if wait and timeout_ms is not None:
+            self.inbox.poll(timeout_ms)
+        elif wait:
             while not self.inbox.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:  # the API process is gone
                     log.error("the API server process exited; engine core %d stops", self.core)
@@ -200,6 +219,7 @@ class EngineCore:
             self._add(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
+                self.compiling.pop(rid, None)
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
@@ -211,8 +231,34 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.sampling_params(),
-                                    request_id=msg.request_id)
+            params = msg.sampling_params()
+        except (TypeError, ValueError) as e:
+            self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
+            return
+        structured = self.engine.structured
+        if params.is_constrained and structured is not None:
+            future = self.compiler.submit(structured.compile, params.response_format)
+            self.compiling[msg.request_id] = (future, msg, params)
+            return
+        self._add_now(msg, params)
+
+    def _add_compiled(self) -> None:
+        """Queue the constrained requests whose grammar is ready, in arrival order."""
+        while self.compiling:
+            rid, (future, msg, params) = next(iter(self.compiling.items()))
+            if not future.done():
+                return
+            del self.compiling[rid]
+            error = future.exception()
+            if error is not None:
+                self.errors.append(CoreOutput(rid, [], True, "error", str(error), 0, 400))
+            else:
+                self._add_now(msg, params)  # the engine's check finds the grammar cached
+
+    def _add_now(self, msg: AddRequest, params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id,
+                                    after=msg.after)
             self.unfinished.add(msg.request_id)
         except ValueError as e:
             self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
@@ -233,7 +279,8 @@ class EngineCore:
             if out.finished:
                 self.unfinished.discard(out.request_id)
         return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
-                           out.error, out.num_cached_tokens) for out in outputs]
+                           out.error, out.num_cached_tokens, new_logprobs=out.new_logprobs)
+                for out in outputs]
 
     def _fail_all(self, message: str) -> list[CoreOutput]:
         results = []

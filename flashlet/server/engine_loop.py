@@ -55,6 +55,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | StreamError] = asyncio.Queue()
         self.request_id: int | str | None = None  # set by the loop (or core client) on submit
         self.core = 0  # the engine core it was routed to (data parallel)
+        self.leader: RequestStream | None = None  # the first sample of its prompt (n > 1)
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 
@@ -135,6 +136,11 @@ class EngineLoop:
     # ---- commands (any thread) ------------------------------------------------------------
     def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
         """Queue a request; raises Overloaded when `max_waiting` requests wait already."""
+        self.submit_group([stream], max_waiting)
+
+    def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
+        """Queue the samples of one prompt together (n > 1): all or none. The engine runs the
+        others once the first has computed the prompt, so they share its KV pages."""
         with self._cond:
             if not self.is_ready:
                 raise NotReady("the engine is not ready" if not self._stopping
@@ -142,8 +148,10 @@ class EngineLoop:
             if max_waiting is not None and self.num_waiting >= max_waiting:
                 raise Overloaded(f"{self.num_waiting} requests are waiting already "
                                  f"(max_waiting={max_waiting})")
-            self._num_pending_submits += 1
-            self._cmds.append(("submit", stream))
+            for i, stream in enumerate(streams):
+                stream.leader = streams[0] if i else None
+                self._num_pending_submits += 1
+                self._cmds.append(("submit", stream))
             self._cond.notify()
 
     def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
@@ -268,7 +276,9 @@ class EngineLoop:
             rid = None
             try:
                 if not stream.cancelled:
-                    rid = self.engine.add_request(stream.prompt_token_ids, stream.params)
+                    leader = stream.leader.request_id if stream.leader is not None else None
+                    rid = self.engine.add_request(stream.prompt_token_ids, stream.params,
+                                                  after=leader)
             except ValueError as e:
                 stream.put(StreamError(str(e), status=400))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from flashlet.detokenizer import IncrementalDetokenizer
 from flashlet.request_check import RequestError, RequestLimits
-from flashlet.sampling import SamplingParams
+from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
 from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
@@ -42,6 +42,8 @@ class ServerConfig:
     retry_after_s: int = 1
     allow_special_tokens: bool = False  # parse control tokens in user text (trusted callers)
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size/time, connections
+    chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
 
 
 @dataclass
@@ -59,13 +61,17 @@ class ModelContext:
     limits: RequestLimits
 
     @classmethod
-    def of(cls, loop, allow_special_tokens: bool = False) -> "ModelContext":
-        """An encoder and a decoder over a started engine client's tokenizer, and its limits."""
+    def of(cls, loop, allow_special_tokens: bool = False,
+           chat_template: str | None = None) -> "ModelContext":
+        """An encoder and a decoder over a started engine client's tokenizer (with
+        `chat_template` instead of its own, if given), and its limits."""
         tokenizer, limits = loop.tokenizer, loop.limits
         if tokenizer is None:
             return cls(encoder=None, decoder=None, limits=limits)
-        encoder = TextEncoder(copy.deepcopy(tokenizer), limits.max_tokens,
-                              allow_special=allow_special_tokens)
+        tokenizer = copy.deepcopy(tokenizer)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        encoder = TextEncoder(tokenizer, limits.max_tokens, allow_special=allow_special_tokens)
         return cls(encoder=encoder, decoder=copy.deepcopy(tokenizer), limits=limits)
 
     @property
@@ -87,11 +93,23 @@ class ModelContext:
             raise ApiError(400, f"{param}: encodes to no tokens", param)
         return ids
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs (on the event loop, as the detokenizer)."""
+        return "" if self.decoder is None else self.decoder.decode([token_id])
+
+    def ids_text(self, token_ids: list[int]) -> str:
+        return "" if self.decoder is None else self.decoder.decode(token_ids)
+
+    async def supports_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (see tokenizing.py)."""
+        return (self.encoder is not None and self.encoder.has_chat_template
+                and await self.encoder.supports_tools_async())
+
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self.encoder is None or not self.encoder.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            ids = await self.encoder.chat_async(messages)
+            ids = await self.encoder.chat_async(messages, tools)
         except PromptTooLong as e:
             raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
@@ -125,6 +143,7 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if asked for
 
 
 class Generation:
@@ -140,6 +159,12 @@ class Generation:
         self.num_cached_tokens = 0
         self.final: Delta | None = None
         self._held: StreamError | None = None  # an error to raise after the tokens before it
+        self.logprobs: list[TokenLogprob] | None = (
+            [] if stream.params.logprobs is not None else None)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs or ())
 
     @property
     def text(self) -> str:
@@ -152,7 +177,7 @@ class Generation:
         Text that could still become a stop string is held back until it cannot."""
         metrics, last = self.server.metrics, None
         while True:
-            item, ids = await self._next_batch()
+            item, ids, logprobs = await self._next_batch()
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
@@ -168,8 +193,11 @@ class Generation:
                     metrics.itl.observe((now - last) / len(ids))
                 last = now
                 self.token_ids.extend(ids)
+                if self.logprobs is not None:
+                    self.logprobs.extend(logprobs)
             text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
-            delta = Delta(ids, item.finished, item.finish_reason, item.error)
+            delta = Delta(ids, item.finished, item.finish_reason, item.error,
+                          logprobs if self.logprobs is not None else None)
             if stopped:  # a stop string: end the request in the engine too
                 self.server.loop.abort(self.stream, "stop")
                 delta.finished, delta.finish_reason = True, "stop"
@@ -183,11 +211,11 @@ class Generation:
 
     async def _next_batch(self):
         """The next output (waiting for it) merged with every one already queued behind it:
-        (the last output or a StreamError, all their new token ids)."""
+        (the last output or a StreamError, all their new token ids, their logprobs)."""
         item, self._held = self._held or await self.stream.get(), None
         if isinstance(item, StreamError):
-            return item, []
-        ids = list(item.new_token_ids)
+            return item, [], []
+        ids, logprobs = list(item.new_token_ids), list(item.new_logprobs or ())
         queue = self.stream.queue
         while not item.finished and not queue.empty():
             following = queue.get_nowait()
@@ -195,8 +223,9 @@ class Generation:
                 self._held = following  # after these tokens
                 break
             ids += following.new_token_ids
+            logprobs += following.new_logprobs or ()
             item = following
-        return item, ids
+        return item, ids, logprobs
 
     def _finish(self, delta: Delta, item, now: float) -> None:
         self.stream.finished = True
@@ -239,18 +268,19 @@ class Generation:
 
 
 class EventStream(StreamingResponse):
-    """SSE response that aborts its request when it ends early (client gone, cancelled)."""
+    """SSE response that aborts its requests when it ends early (client gone, cancelled)."""
 
-    def __init__(self, content, generation: Generation):
+    def __init__(self, content, generation: "Generation | list[Generation]"):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
+        self.generations = generation if isinstance(generation, list) else [generation]
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.abort()
+            for gen in self.generations:
+                gen.abort()
 
 
 def sse(payload: Any) -> str:
@@ -258,6 +288,11 @@ def sse(payload: Any) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+async def _collect_all(gens: list[Generation]) -> list[Delta]:
+    # A task around the gather: cancelling it cancels the gather and retrieves its outcome.
+    return await asyncio.gather(*(g.collect() for g in gens))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -284,7 +319,8 @@ class Server:
         self.check_accepting()
         if self._ctx is None:
             ctx = await run_in_threadpool(ModelContext.of, self.loop,
-                                          self.config.allow_special_tokens)
+                                          self.config.allow_special_tokens,
+                                          self.config.chat_template)
             with self._ctx_lock:
                 if self._ctx is None:
                     self._ctx = ctx
@@ -300,7 +336,9 @@ class Server:
             raise ApiError(503, why, code="not_ready", headers=retry)
 
     def sampling_params(self, max_tokens: int, temperature: float, top_p: float, top_k: int,
-                        seed: int | None, stop, ignore_eos: bool) -> SamplingParams:
+                        seed: int | None, stop, ignore_eos: bool, **extra) -> SamplingParams:
+        """SamplingParams from a request's fields (`extra`: more SamplingParams fields);
+        ApiError 400 naming the field if they do not go together."""
         if self.config.max_tokens_cap is not None:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
         if temperature < MIN_TEMPERATURE:
@@ -312,16 +350,23 @@ class Server:
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                                   top_p=top_p, top_k=max(top_k, 0), seed=seed, stop=stop,
-                                  ignore_eos=ignore_eos)
+                                  ignore_eos=ignore_eos, **extra)
         except ValueError as e:  # names the field
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
     def start(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
               endpoint: str, t0: float) -> Generation:
+        return self.start_samples(ctx, token_ids, params, endpoint, t0, 1)[0]
+
+    def start_samples(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
+                      endpoint: str, t0: float, num_samples: int) -> list[Generation]:
+        """Queue `num_samples` samples of one prompt (n, best_of) together: one engine core
+        runs them, the first computing the prompt and the others sharing its KV pages."""
         # Stop strings are found here, on the text: the engine gets token ids only.
-        stream = RequestStream(token_ids, dataclasses.replace(params, stop=[]))
+        samples = [sample_params(params, i, num_samples) for i in range(num_samples)]
+        streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[])) for p in samples]
         try:
-            self.loop.submit(stream, self.config.max_waiting)
+            self.loop.submit_group(streams, self.config.max_waiting)
         except Overloaded as e:
             self.metrics.requests_rejected.labels("overloaded").inc()
             raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",
@@ -330,11 +375,18 @@ class Server:
             self.metrics.requests_rejected.labels("not_ready").inc()
             raise ApiError(503, str(e), code="not_ready",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None
-        return Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+        return [Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+                for stream in streams]
 
     async def run_to_end(self, request: Request, gen: Generation) -> Delta | None:
         """Wait for the whole answer; None if the client went away first (request aborted)."""
-        collector = asyncio.ensure_future(gen.collect())
+        finals = await self.run_all_to_end(request, [gen])
+        return None if finals is None else finals[0]
+
+    async def run_all_to_end(self, request: Request, gens: list[Generation]) -> list | None:
+        """Wait for every answer (their final deltas); None if the client went away first
+        (all aborted). An error in one aborts the others and is raised."""
+        collector = asyncio.ensure_future(_collect_all(gens))
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -344,7 +396,8 @@ class Server:
         finally:
             for task in (collector, watcher):
                 task.cancel()
-            gen.abort()  # a no-op once finished
+            for gen in gens:
+                gen.abort()  # a no-op once finished
 
     def check_model(self, model: str) -> None:
         if model != self.config.model_name:

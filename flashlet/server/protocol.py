@@ -8,11 +8,17 @@ neutral value, so a client never silently gets something other than what it aske
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP = 16
+DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
+MAX_N = 16  # samples per prompt (n, best_of)
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.sampling's limit)
+MAX_TOOLS = 64
 
 
 def _utf8(value: str) -> str:
@@ -57,13 +63,28 @@ class ErrorResponse(BaseModel):
 class GenerateRequest(_Strict):
     prompt: NonEmptyText | TokenIds = Field(
         description="The prompt: text, or a list of token ids.")
-    max_new_tokens: MaxTokens = 64
+    max_new_tokens: MaxTokens | None = Field(
+        None, description=f"Default {DEFAULT_MAX_NEW_TOKENS}, or what the context leaves.")
+    max_tokens: MaxTokens | None = Field(None, description="The same as max_new_tokens.")
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
     seed: Seed | None = None
     stop: Stop = None
     ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _one_token_budget(self):
+        if self.max_new_tokens is not None and self.max_tokens is not None:
+            raise ValueError("max_tokens: give max_new_tokens or max_tokens, not both")
+        return self
+
+    @property
+    def token_budget(self) -> tuple[int | None, str]:
+        """(the max new tokens asked for, None if neither field was sent; that field)."""
+        if self.max_tokens is not None:
+            return self.max_tokens, "max_tokens"
+        return self.max_new_tokens, "max_new_tokens"
 
 
 class Usage(BaseModel):
@@ -86,22 +107,96 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+JsonObject = dict[str, Any]
+
+
+# The drafts whose meta-schemas are built into jsonschema-rs. Any other `$schema` is refused
+# here: the validator would fetch it over the network (a request from the server to any URL).
+KNOWN_DRAFTS = {f"{scheme}://json-schema.org/{path}" for scheme in ("http", "https") for path in (
+    "draft-04/schema", "draft-06/schema", "draft-07/schema", "draft/2019-09/schema",
+    "draft/2020-12/schema")}
+
+
+def _json_schema(schema: dict) -> dict:
+    """A JSON schema, checked against its draft's meta-schema (a typo is an error, not a
+    constraint silently ignored)."""
+    import jsonschema_rs
+
+    draft = schema.get("$schema")
+    if draft is not None and (not isinstance(draft, str)
+                              or draft.rstrip("#") not in KNOWN_DRAFTS):
+        raise ValueError(f"$schema {draft!r} is not a JSON Schema draft this server knows "
+                         "(draft-04, -06, -07, 2019-09, 2020-12)")
+    try:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as e:
+        raise ValueError(f"is not a valid JSON schema: {e.message}") from None
+    except jsonschema_rs.ReferencingError as e:
+        raise ValueError(f"is not a valid JSON schema: {e}") from None
+    return schema
+
+
+def _json_object_text(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object (as text)")
+    return text
+
+
+JsonSchema = Annotated[JsonObject, AfterValidator(_json_schema)]
+
+
+class JsonSchemaSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject
+                           | ResponseFormatJsonSchema, Field(discriminator="type")]
+
+
 class _OpenAISampling(_Strict):
     model: Text
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = -1  # an extension (vLLM's): -1 = off
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     seed: Seed | None = None
     ignore_eos: bool = False  # an extension
     user: Text | None = None
-    # Accepted at their neutral values only: this server does not implement them.
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    response_format: ResponseFormat | None = None
+    # Extensions (vLLM's names).
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP * 4)] | None = None
+    # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
     @model_validator(mode="after")
@@ -111,13 +206,35 @@ class _OpenAISampling(_Strict):
         return self
 
 
+PromptItem = NonEmptyText | TokenIds
+
+
 class CompletionRequest(_OpenAISampling):
-    prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText | TokenIds],
-                                                Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
-    logprobs: Literal[0] | None = None
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    prompt: PromptItem | Annotated[list[PromptItem], Field(min_length=1, max_length=MAX_PROMPTS)]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: streaming needs best_of == n (the best samples are "
+                             "known only at the end)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs is not supported (this server does not "
+                             "compute the prompt's logprobs)")
+        return self
+
+    @property
+    def prompts(self) -> list:
+        """The prompts, as a list (one string or token-id list each)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class TextPart(_Strict):
@@ -126,6 +243,41 @@ class TextPart(_Strict):
 
 
 Content = Text | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class FunctionCall(_Strict):
+    name: NonEmptyText
+    arguments: Annotated[Text, AfterValidator(_json_object_text)]  # JSON text, as OpenAI's
+
+
+class ToolCall(_Strict):
+    id: NonEmptyText
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _Message(_Strict):
@@ -152,17 +304,67 @@ class UserMessage(_Message):
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: Content | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        message = super().as_template_dict()
+        if self.tool_calls:
+            # Chat templates (Qwen2.5's, HF's convention) take the arguments as a mapping.
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        return message
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage,
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: NonEmptyText
+
+    def as_template_dict(self) -> dict[str, Any]:
+        return {**super().as_template_dict(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
                         Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
+                not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r}")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ValueError("tools: function names must be unique")
+        if self.uses_tools and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with tools")
+        return self
+
+    @property
+    def effective_tool_choice(self):
+        """The tool choice in force: OpenAI's default is "auto" with tools, "none" without."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.effective_tool_choice != "none"
 
 
 class ModelCard(_Open):

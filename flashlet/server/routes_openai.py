@@ -1,28 +1,36 @@
-"""The OpenAI-compatible endpoints: /v1/completions and /v1/chat/completions."""
+"""The OpenAI-compatible endpoints: /v1/completions and /v1/chat/completions.
+
+A request of n samples (and best_of on completions) is n engine requests queued together on
+one engine core (Server.start_samples); their choices are streamed interleaved, each chunk
+naming its choice's index. Logprobs, penalties, min_p, min_tokens, stop_token_ids and seeds are
+SamplingParams fields; response_format and forced tool calls become an xgrammar grammar that
+the engine core compiles (flashlet/structured.py). Tool calls come back parsed from Qwen2.5's
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` syntax.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 
-from flashlet.sampling import SamplingParams
+from flashlet.request_check import RequestError
+from flashlet.sampling import SamplingParams, TokenLogprob
 from flashlet.server.errors import ApiError, error_responses, sse_response
-from flashlet.server.frontend import DONE, EventStream, Server, client_gone, sse
-from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest
+from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContext, Server,
+                                      client_gone, sse)
+from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def add_openai_routes(app: FastAPI, server: Server) -> None:
     config = server.config
-
-    # ---- OpenAI-compatible ----------------------------------------------------------------
-    def _openai_params(body, max_tokens: int) -> SamplingParams:
-        return server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
-                                      body.seed, body.stop, body.ignore_eos)
-
-    def _include_usage(body) -> bool:
-        return bool(body.stream_options and body.stream_options.include_usage)
 
     @app.post("/v1/completions", responses={
         **sse_response("A completion, or with stream=true Server-Sent Events of chunks"),
@@ -31,42 +39,70 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         t0 = time.monotonic()
         server.check_model(body.model)
         ctx = await server.context()
-        ids = await server.prompt_ids(ctx, body.prompt)
-        max_tokens = ctx.budget(len(ids), body.max_tokens, 16, "prompt", "max_tokens")
-        gen = server.start(ctx, ids, _openai_params(body, max_tokens), "completions", t0)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": cid, "object": "text_completion", "created": created,
-                "model": config.model_name}
+        num_samples = body.best_of or body.n
+        prompts = []  # (token ids, max tokens) per prompt, all checked before any is queued
+        for i, prompt in enumerate(body.prompts):
+            param = "prompt" if len(body.prompts) == 1 else f"prompt[{i}]"
+            ids = await server.prompt_ids(ctx, prompt, param)
+            prompts.append((ids, ctx.budget(len(ids), body.max_tokens, 16, param, "max_tokens")))
+        response_format = _response_format(body)
+        gens: list[Generation] = []
+        try:
+            for ids, max_tokens in prompts:
+                params = _params(server, ctx, body, max_tokens, body.logprobs, response_format,
+                                 best_of=body.best_of)
+                gens += server.start_samples(ctx, ids, params, "completions", t0, num_samples)
+        except BaseException:
+            for gen in gens:
+                gen.abort()
+            raise
+        echoes = [ctx.ids_text(ids) if body.echo else "" for ids, _ in prompts]
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": config.model_name}
+        want_logprobs = body.logprobs is not None
 
         if not body.stream:
-            out = await server.run_to_end(request, gen)
-            if out is None:
+            finals = await server.run_all_to_end(request, gens)
+            if finals is None:
                 return client_gone()
-            gen.check_error()
-            return {**base, "choices": [{"index": 0, "text": gen.text, "logprobs": None,
-                                         "finish_reason": out.finish_reason}],
-                    "usage": gen.openai_usage()}
+            for gen in gens:
+                gen.check_error()
+            choices = []
+            for p, echo in enumerate(echoes):
+                group = gens[p * num_samples:(p + 1) * num_samples]
+                for j, gen in enumerate(_best_of(group, body.n)):
+                    lp = (_completion_logprobs(ctx, gen.logprobs, len(echo))
+                          if want_logprobs else None)
+                    choices.append({"index": p * body.n + j, "text": echo + gen.text,
+                                    "logprobs": lp, "finish_reason": gen.final.finish_reason})
+            return {**base, "choices": choices, "usage": _usage(gens, prompts, num_samples)}
 
         include_usage = _include_usage(body)
         extra = {"usage": None} if include_usage else {}
 
+        def chunk(index: int, text: str, finish_reason=None, logprobs=None) -> str:
+            return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                             "finish_reason": finish_reason}], **extra})
+
         async def events():
+            sent = [len(echoes[i // num_samples]) for i in range(len(gens))]  # text offsets
+            for i in range(len(gens)):
+                if echoes[i // num_samples]:
+                    yield chunk(i, echoes[i // num_samples])
             try:
-                async for delta, out in gen.deltas():
-                    if out.finished:
-                        yield sse({**base, "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                                        "finish_reason": out.finish_reason}],
-                                   **extra})
-                        if include_usage:
-                            yield sse({**base, "choices": [], "usage": gen.openai_usage()})
-                    elif delta:
-                        yield sse({**base, "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                                        "finish_reason": None}], **extra})
+                async for i, text, delta in _interleave(gens):
+                    lp = (_completion_logprobs(ctx, delta.logprobs, sent[i])
+                          if want_logprobs and delta.logprobs else None)
+                    sent[i] += len(text)
+                    if delta.finished or text or lp:
+                        yield chunk(i, text, delta.finish_reason if delta.finished else None, lp)
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": _usage(gens, prompts, num_samples)})
             except ApiError as e:
                 yield sse(e.body())
             yield DONE
 
-        return EventStream(events(), gen)
+        return EventStream(events(), gens)
 
     @app.post("/v1/chat/completions", responses={
         **sse_response("A chat completion, or with stream=true Server-Sent Events of chunks"),
@@ -75,48 +111,241 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         t0 = time.monotonic()
         server.check_model(body.model)
         ctx = await server.context()
+        tool_choice = body.effective_tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools else None
+        if tool_choice == "auto" and not await ctx.supports_tools():
+            raise ApiError(400, "tool_choice: 'auto' needs a chat template that shows the model "
+                           "its tools, and this model's has no tool support (use tool_choice "
+                           "'required' or a named function, which a grammar enforces, or give "
+                           "--chat-template)", "tool_choice")
         messages = [m.as_template_dict() for m in body.messages]
-        ids = await ctx.chat_ids(messages)
+        ids = await ctx.chat_ids(messages, tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         max_tokens = ctx.budget(len(ids), requested, None, "messages", tokens_param)
-        gen = server.start(ctx, ids, _openai_params(body, max_tokens), "chat", t0)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": cid, "object": "chat.completion", "created": created,
-                "model": config.model_name}
+        response_format = (_tool_call_format(tools, tool_choice)
+                           if tool_choice not in ("none", "auto") else _response_format(body))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _params(server, ctx, body, max_tokens, logprobs, response_format)
+        gens = server.start_samples(ctx, ids, params, "chat", t0, body.n)
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": config.model_name}
+        parse_tools = body.uses_tools
+        prompts = [(ids, max_tokens)]
 
         if not body.stream:
-            out = await server.run_to_end(request, gen)
-            if out is None:
+            finals = await server.run_all_to_end(request, gens)
+            if finals is None:
                 return client_gone()
-            gen.check_error()
-            return {**base, "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": gen.text},
-                "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": gen.openai_usage()}
+            choices = []
+            for i, gen in enumerate(gens):
+                gen.check_error()
+                message, finish_reason = _assistant_message(gen.text, gen.final.finish_reason,
+                                                            parse_tools)
+                choices.append({"index": i, "message": message, "finish_reason": finish_reason,
+                                "logprobs": _chat_logprobs(ctx, gen.logprobs, logprobs)})
+            return {**base, "choices": choices, "usage": _usage(gens, prompts, body.n)}
 
         include_usage = _include_usage(body)
         extra = {"usage": None} if include_usage else {}
-        chunk = {**base, "object": "chat.completion.chunk"}
+        head = {**base, "object": "chat.completion.chunk"}
 
-        def choice(delta: dict, finish_reason=None) -> dict:
-            return {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish_reason}], **extra}
+        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+            return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": finish_reason}], **extra})
 
         async def events():
-            yield sse(choice({"role": "assistant", "content": ""}))
+            for i in range(len(gens)):
+                yield chunk(i, {"role": "assistant", "content": ""})
             try:
-                async for delta, out in gen.deltas():
-                    if out.finished:
-                        yield sse(choice({"content": delta} if delta else {}, out.finish_reason))
-                        if include_usage:
-                            yield sse({**chunk, "choices": [], "usage": gen.openai_usage()})
-                    elif delta:
-                        yield sse(choice({"content": delta}))
+                async for i, text, delta in _interleave(gens):
+                    gen = gens[i]
+                    if parse_tools:  # the whole text is parsed once it is complete
+                        if delta.finished:
+                            message, reason = _assistant_message(gen.text, delta.finish_reason,
+                                                                 True)
+                            message.pop("role")
+                            yield chunk(i, _indexed_tool_calls(message), reason,
+                                        _chat_logprobs(ctx, gen.logprobs, logprobs))
+                        continue
+                    lp = _chat_logprobs(ctx, delta.logprobs, logprobs) if delta.logprobs else None
+                    if delta.finished:
+                        yield chunk(i, {"content": text} if text else {}, delta.finish_reason, lp)
+                    elif text or lp:
+                        yield chunk(i, {"content": text}, None, lp)
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": _usage(gens, prompts, body.n)})
             except ApiError as e:
                 yield sse(e.body())
             yield DONE
 
-        return EventStream(events(), gen)
+        return EventStream(events(), gens)
+
+
+# ---- request -> SamplingParams -------------------------------------------------------------
+def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: int | None,
+            response_format: dict | None, best_of: int | None = None) -> SamplingParams:
+    if response_format is not None and body.ignore_eos:
+        raise ApiError(400, "ignore_eos: cannot be combined with response_format or forced tool "
+                       "calls (the grammar ends the output)", "ignore_eos")
+    stop_token_ids = list(body.stop_token_ids or [])
+    params = server.sampling_params(
+        max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stop,
+        body.ignore_eos, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
+        n=body.n, best_of=best_of, response_format=response_format)
+    try:
+        ctx.limits.check_stop_token_ids(params)
+    except RequestError as e:
+        raise ApiError(400, e.message, e.param) from None
+    return params
+
+
+def _response_format(body) -> dict | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"schema": fmt.json_schema.schema_}}
+
+
+def _tool_call_format(tools: list[dict], tool_choice) -> dict:
+    from flashlet.structured import tool_call_format
+
+    choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
+              else tool_choice)
+    try:
+        return tool_call_format(tools, choice)
+    except ValueError as e:
+        raise ApiError(400, f"tools: {e}", "tools") from None
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# ---- results -> OpenAI's shapes --------------------------------------------------------------
+async def _interleave(gens: list[Generation]):
+    """(choice index, new text, delta) from every generation as they come; the first error
+    ends the whole stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for text, delta in gen.deltas():
+                queue.put_nowait((i, text, delta))
+        except ApiError as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ApiError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _best_of(group: list[Generation], n: int) -> list[Generation]:
+    """The n samples of highest cumulative logprob (all of them when best_of == n)."""
+    if len(group) == n:
+        return group
+    return sorted(group, key=lambda g: g.cumulative_logprob, reverse=True)[:n]
+
+
+def _usage(gens: list[Generation], prompts: list, num_samples: int) -> dict:
+    """OpenAI's usage: every prompt once, every sample's completion."""
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    completion_tokens = sum(len(g.token_ids) for g in gens)
+    cached = sum(max(g.num_cached_tokens for g in gens[p * num_samples:(p + 1) * num_samples])
+                 for p in range(len(prompts)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _chat_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
+                   top: int | None) -> dict | None:
+    if entries is None or top is None:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top[:top]]}
+                        for e in entries], "refusal": None}
+
+
+def _completion_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
+                         offset: int) -> dict | None:
+    """The legacy completions shape; text_offset counts from the start of the choice's text."""
+    if entries is None:
+        return None
+    tokens, offsets = [], []
+    for e in entries:
+        token = ctx.token_text(e.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{ctx.token_text(t): _logprob(lp) for t, lp in e.top}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def _assistant_message(text: str, finish_reason: str, parse_tools: bool) -> tuple[dict, str]:
+    """The assistant message of a choice and its finish reason ("tool_calls" when it called)."""
+    calls = _parse_tool_calls(text) if parse_tools else []
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    content = TOOL_CALL.sub("", text).strip() or None
+    return ({"role": "assistant", "content": content, "tool_calls": calls},
+            "tool_calls" if finish_reason == "stop" else finish_reason)
+
+
+def _parse_tool_calls(text: str) -> list[dict]:
+    """Qwen2.5's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> OpenAI's
+    tool_calls; none if any block is not such JSON (then the text stays plain content)."""
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return []
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)}})
+    return calls
+
+
+def _indexed_tool_calls(message: dict) -> dict:
+    """A streamed delta's tool calls carry their index (OpenAI's chunk shape)."""
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+    if message.get("content") is None:
+        message.pop("content", None)
+    return message

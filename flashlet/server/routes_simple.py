@@ -10,7 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
-from flashlet.server.protocol import GenerateRequest, GenerateResponse, ModelList
+from flashlet.server.protocol import (DEFAULT_MAX_NEW_TOKENS, GenerateRequest, GenerateResponse,
+                                      ModelList)
 
 
 def add_simple_routes(app: FastAPI, server: Server) -> None:
@@ -53,9 +54,9 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         ctx = await server.context()
         ids = await server.prompt_ids(ctx, body.prompt)
         # Not sent: the default, cut to what the context leaves (never a 400 about it).
-        sent = body.max_new_tokens if "max_new_tokens" in body.model_fields_set else None
-        max_tokens = ctx.budget(len(ids), sent, GenerateRequest.model_fields[
-            "max_new_tokens"].default, "prompt", "max_new_tokens")
+        requested, tokens_param = body.token_budget
+        max_tokens = ctx.budget(len(ids), requested, DEFAULT_MAX_NEW_TOKENS, "prompt",
+                                tokens_param)
         params = server.sampling_params(max_tokens, body.temperature, body.top_p, body.top_k,
                                         body.seed, body.stop, body.ignore_eos)
         return server.start(ctx, ids, params, endpoint, t0)

@@ -110,16 +110,18 @@ CASES = {
     "chat temperature above 2": ("/v1/chat/completions", _j({**OK_CHAT, "temperature": 2.5}),
                                  "temperature", 400),
     "chat top_p 0": ("/v1/chat/completions", _j({**OK_CHAT, "top_p": 0}), "top_p", 400),
-    "chat n 2": ("/v1/chat/completions", _j({**OK_CHAT, "n": 2}), "n", 400),
+    "chat n 17": ("/v1/chat/completions", _j({**OK_CHAT, "n": 17}), "n", 400),
     "chat unknown field": ("/v1/chat/completions", _j({**OK_CHAT, "foo": True}), "foo", 400),
     "chat stream not bool": ("/v1/chat/completions", _j({**OK_CHAT, "stream": "yes"}), "stream",
                              400),
     "chat stream_options without stream": (
         "/v1/chat/completions", _j({**OK_CHAT, "stream_options": {"include_usage": True}}),
         "stream_options", 400),
-    "chat penalty unsupported": ("/v1/chat/completions",
-                                 _j({**OK_CHAT, "presence_penalty": 0.5}), "presence_penalty",
-                                 400),
+    "chat penalty out of range": ("/v1/chat/completions",
+                                  _j({**OK_CHAT, "presence_penalty": 2.5}), "presence_penalty",
+                                  400),
+    "chat logit_bias unsupported": ("/v1/chat/completions",
+                                    _j({**OK_CHAT, "logit_bias": {"5": 1.0}}), "logit_bias", 400),
     "chat over-long message": ("/v1/chat/completions", _j({**OK_CHAT, "messages": [
         {"role": "user", "content": LONG_PROMPT}]}), "messages", 400),
     "chat malformed json": ("/v1/chat/completions", b"{'model': 1}", "JSON", 400),
@@ -127,15 +129,15 @@ CASES = {
     "completion missing prompt": ("/v1/completions", _j({"model": MODEL_NAME}), "prompt", 400),
     "completion empty prompt": ("/v1/completions", _j({"model": MODEL_NAME, "prompt": ""}),
                                 "prompt", 400),
-    "completion two prompts": ("/v1/completions",
-                               _j({"model": MODEL_NAME, "prompt": ["a", "b"]}), "prompt", 400),
+    "completion an empty prompt of two": (
+        "/v1/completions", _j({"model": MODEL_NAME, "prompt": ["a", ""]}), "prompt", 400),
     "completion over-long": ("/v1/completions", _j({"model": MODEL_NAME, "prompt": LONG_PROMPT}),
                              "prompt", 400),
     "completion max_tokens past context": (
         "/v1/completions", _j({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 10**5}),
         "max_tokens", 400),
-    "completion echo": ("/v1/completions", _j({"model": MODEL_NAME, "prompt": "hi",
-                                               "echo": True}), "echo", 400),
+    "completion echo with logprobs": ("/v1/completions", _j({
+        "model": MODEL_NAME, "prompt": "hi", "echo": True, "logprobs": 1}), "echo", 400),
 }
 
 

@@ -48,6 +48,9 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
     ("flashlet.server", ["--max-request-bytes", "0"], "--max-request-bytes must be > 0"),
     ("flashlet.server", ["--max-tokens-cap", "-3"], "--max-tokens-cap must be >= 1"),
     ("flashlet.server", ["--nope"], "unrecognized arguments: --nope"),
+    ("flashlet.server", ["a", "--model", "b"], "the model is given twice"),
+    ("flashlet.server", ["--chat-template", "no/such/file.jinja"], "not a file and not a Jinja"),
+    ("flashlet.server", ["--allowed-origins", "[1]"], "JSON list of strings"),
 ], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
 def test_bad_usage_is_one_line_and_exit_code_2_before_loading(module, args, needle):
     done = _run("-m", module, *args)
@@ -165,6 +168,28 @@ def test_every_flag_has_help():
                     f"{parser.prog} {action.option_strings[0]} has no help"
     text = server_parser().format_help()
     assert "tokens per KV page" in text  # from EngineConfig's field comment
+
+
+def test_vllm_flag_names_and_positional_model(tmp_path):
+    from flashlet.server.cli import _model_argument, read_chat_template
+
+    args = server_parser().parse_args(["some/model", "--block-size", "32", "--enforce-eager",
+                                       "--no-enable-prefix-caching", "--allowed-origins",
+                                       '["http://a.test", "http://b.test"]'])
+    _model_argument(args)
+    config = EngineConfig.from_cli(args)
+    assert (config.model, config.page_size, config.cuda_graph, config.enable_prefix_cache) == (
+        "some/model", 32, False, False)
+    assert args.allowed_origins == ("http://a.test", "http://b.test")
+    defaults = EngineConfig.from_cli(server_parser().parse_args([]))
+    assert (defaults.page_size, defaults.cuda_graph, defaults.enable_prefix_cache) == (
+        EngineConfig.page_size, EngineConfig.cuda_graph, EngineConfig.enable_prefix_cache)
+    assert server_parser().parse_args(["--allowed-origins", "http://a, http://b"]
+                                      ).allowed_origins == ("http://a", "http://b")
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == read_chat_template(template) == template
 
 
 def test_sampling_seed_is_not_the_weights_seed():

@@ -1,0 +1,266 @@
+"""Issue #17 through the OpenAI API (the official `openai` client): logprobs, n and best_of,
+penalties, structured output, tool calls, echo and prompt lists, stream usage, and the 400s
+for what does not go together."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import httpx
+import pytest
+from server_helpers import MODEL_NAME, parse_sse
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+jsonschema_rs = pytest.importorskip("jsonschema_rs", reason="jsonschema-rs is not installed")
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def chat(client, **kwargs):
+    kwargs.setdefault("messages", MESSAGES)
+    return client.chat.completions.create(model=MODEL_NAME, **kwargs)
+
+
+def test_chat_logprobs_one_per_token_greedy_is_top1(client, idle):
+    r = chat(client, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the top one
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True)
+
+
+def test_completion_logprobs_and_stream(client, idle):
+    r = client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=6,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert max(top.values()) == pytest.approx(logprob) and token in top
+    # Streamed: the same tokens and logprobs, chunk by chunk.
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=6,
+                                            temperature=0, logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs)
+
+
+def test_n_samples_are_distinct_and_share_the_prompt(client, idle):
+    r = chat(client, max_tokens=8, temperature=1.0, n=3, seed=7,
+             messages=[{"role": "user", "content": "Write a random word: " + "x" * 40}])
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 3
+    assert 3 <= r.usage.completion_tokens <= 24  # summed over the choices
+    # A new prompt: the two later samples found the first one's prompt pages in the cache.
+    assert r.usage.prompt_tokens_details.cached_tokens >= 32
+    # Seeded samples reproduce.
+    again = chat(client, max_tokens=8, temperature=1.0, n=3, seed=7,
+                 messages=[{"role": "user", "content": "Write a random word: " + "x" * 40}])
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_n_streamed_with_choice_index_and_usage(client, idle):
+    chunks = list(chat(client, max_tokens=5, temperature=0, n=2, stream=True,
+                       stream_options={"include_usage": True}))
+    text = collections.defaultdict(str)
+    finished = {}
+    for c in chunks[:-1]:
+        assert c.usage is None and len(c.choices) == 1
+        choice = c.choices[0]
+        text[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert text[0] == text[1]  # greedy
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_best_of_keeps_the_most_likely(client, idle):
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6,
+                                  temperature=1.0, n=1, best_of=4, seed=3, logprobs=0)
+    assert len(r.choices) == 1
+    best = sum(r.choices[0].logprobs.token_logprobs)
+    samples = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
+                                        max_tokens=6, temperature=1.0, n=4, seed=3, logprobs=0)
+    sums = [sum(c.logprobs.token_logprobs) for c in samples.choices]
+    assert best == pytest.approx(max(sums))
+    assert r.usage.completion_tokens == 24  # every sample counts
+
+
+def test_penalties_change_a_repetitive_output(client, idle):
+    prompt = "I like cats. I like cats. I like cats. I like cats."
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12,
+                                      temperature=0)
+    most = collections.Counter(plain.choices[0].text.split()).most_common(1)[0][1]
+    assert most >= 3  # the model repeats itself
+    for kwargs in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                   {"extra_body": {"repetition_penalty": 3.0}}):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12,
+                                      temperature=0, **kwargs)
+        assert r.choices[0].text != plain.choices[0].text, kwargs
+        words = collections.Counter(r.choices[0].text.split())
+        assert not words or words.most_common(1)[0][1] < most, (kwargs, r.choices[0].text)
+
+
+def test_min_tokens_min_p_and_stop_token_ids(client, engine_loop, idle):
+    eos = engine_loop.tokenizer.eos_token_id
+    r = chat(client, max_tokens=12, temperature=0,
+             extra_body={"min_tokens": 12, "min_p": 0.1, "stop_token_ids": [eos]})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    first = client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=4,
+                                      temperature=0, logprobs=0)
+    stop_id = engine_loop.tokenizer.convert_tokens_to_ids(
+        engine_loop.tokenizer.tokenize(first.choices[0].logprobs.tokens[1])[0])
+    stopped = client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=4,
+                                        temperature=0, extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 2  # the stop token is kept
+
+
+def test_json_schema_output_parses_and_validates(client, idle):
+    r = chat(client, max_tokens=60, temperature=0,
+             messages=[{"role": "user", "content": "Describe a person as JSON."}],
+             response_format={"type": "json_schema",
+                              "json_schema": {"name": "person", "schema": PERSON}})
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    jsonschema_rs.validate(PERSON, value)
+    r = chat(client, max_tokens=60, temperature=0, response_format={"type": "json_object"},
+             messages=[{"role": "user", "content": "Give me a JSON object."}])
+    content = r.choices[0].message.content
+    assert content.startswith("{")  # a small model may not close a free-form object in time
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+def test_named_tool_call_has_valid_arguments(client, idle):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for stream in (False, True):
+        kwargs = dict(max_tokens=80, temperature=0, messages=messages, tools=[WEATHER_TOOL],
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if stream:
+            chunks = list(chat(client, stream=True, **kwargs))
+            calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                     for t in c.choices[0].delta.tool_calls]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            r = chat(client, **kwargs)
+            calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert finish == "tool_calls" and len(calls) == 1
+        assert calls[0].type == "function" and calls[0].function.name == "get_weather"
+        assert calls[0].id.startswith("call_")
+        jsonschema_rs.validate(WEATHER_TOOL["function"]["parameters"],
+                               json.loads(calls[0].function.arguments))
+    # The call and its result go back into the history, through the chat template.
+    r = chat(client, max_tokens=80, temperature=0, tools=[WEATHER_TOOL], tool_choice="required",
+             messages=messages + [
+                 {"role": "assistant", "content": None, "tool_calls": [{
+                     "id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_echo_and_prompt_lists(client, engine_loop, idle):
+    ids = engine_loop.tokenizer.encode("Hello there")
+    r = client.completions.create(model=MODEL_NAME, prompt=["The sky is", ids], max_tokens=3,
+                                  temperature=0, n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text.startswith("The sky is") and r.choices[0].text == r.choices[1].text
+    assert r.choices[2].text.startswith("Hello there")
+    assert r.usage.prompt_tokens == len(engine_loop.tokenizer.encode("The sky is")) + len(ids)
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=3,
+                                            temperature=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_generate_accepts_max_tokens(server, idle):
+    r = httpx.post(server.url + "/generate", json={"prompt": "Hi", "max_tokens": 3}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(server.url + "/generate",
+                   json={"prompt": "Hi", "max_tokens": 3, "max_new_tokens": 3})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+BAD = [  # (endpoint, body, a word the message must contain)
+    ("chat", {"top_logprobs": 2}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"n": 17}, "n"),
+    ("chat", {"tools": [WEATHER_TOOL]}, "tool"),  # SmolLM2's template shows no tools: no "auto"
+    ("chat", {"tool_choice": "required"}, "tools"),
+    ("chat", {"tools": [WEATHER_TOOL],
+              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ("chat", {"tools": [WEATHER_TOOL], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ("chat", {"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "JSON schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {  # never fetched
+        "name": "x", "schema": {"$schema": "http://127.0.0.1:9/meta"}}}}, "$schema"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("chat", {"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "arguments"),
+    ("completions", {"best_of": 1, "n": 2}, "best_of"),
+    ("completions", {"best_of": 3, "n": 1, "stream": True}, "best_of"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"prompt": ["a"] * 65}, "prompt"),
+    ("completions", {"prompt": ["a", ""]}, "prompt"),
+    ("completions", {"suffix": "x"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("endpoint,extra,word", BAD, ids=[f"{e}-{w}" for e, _, w in BAD])
+def test_bad_combinations_are_400(server, endpoint, extra, word, idle):
+    if endpoint == "chat":
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **extra}
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, **extra}
+        path = "/v1/completions"
+    r = httpx.post(server.url + path, json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert word.lower() in error["message"].lower(), error
+
+
+def test_stream_without_usage_has_no_usage_field(server, idle):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3,
+                            "stream": True, "n": 2}) as r:
+        events = parse_sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}

@@ -31,7 +31,8 @@ from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
                                          ProbeReply, Shutdown, StepOutputs, run_engine_core)
-from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
+from flashlet.server.engine_loop import (EngineClient, NotReady, Overloaded, RequestStream,
+                                         StreamError)
 from flashlet.server.router import PrefixRouter
 
 log = logging.getLogger("flashlet.server")
@@ -52,7 +53,7 @@ class CoreProcess:
         self.num_routed = 0
 
 
-class CoreClient:
+class CoreClient(EngineClient):
     def __init__(self, config: EngineConfig, data_parallel_size: int = 1,
                  tokenizer: str | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None):
@@ -147,24 +148,11 @@ class CoreClient:
         shutil.rmtree(self._dir, ignore_errors=True)
         self.stopped.set()
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.ready.wait(0.05):
-            if self.error is not None or self.stopped.is_set():
-                return False
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-        return True
-
     @property
     def is_ready(self) -> bool:
         return self.ready.is_set() and self.error is None and not self._stopping
 
     # ---- requests (any thread) ------------------------------------------------------------
-    def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
-        """Route a request to a core and send it; raises Overloaded or NotReady."""
-        self.submit_group([stream], max_waiting)
-
     def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
         """Route the samples of one prompt (n > 1) to one core together, all or none; the core
         runs the others once the first has computed the prompt, so they share its KV pages."""

@@ -76,7 +76,35 @@ class RequestStream:
         return await self.queue.get()
 
 
-class EngineLoop:
+class EngineClient:
+    """What the server's front end shares between the engine owners (EngineLoop on a thread,
+    CoreClient over engine-core processes): `ready` / `stopped` / `error`, and requests
+    submitted one at a time or as a group (`submit_group`, in the subclass)."""
+
+    ready: threading.Event
+    stopped: threading.Event
+    error: BaseException | None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the engine runs; False if it failed, stopped, or `timeout` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready.wait(0.05):
+            if self.error is not None or self.stopped.is_set():
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return True
+
+    def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
+        """Send one request; raises Overloaded when `max_waiting` requests wait already, or
+        NotReady."""
+        self.submit_group([stream], max_waiting)
+
+    def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
+        raise NotImplementedError
+
+
+class EngineLoop(EngineClient):
     """Owns an Engine on a background thread. Thread-safe: every public method may be called
     from any thread. `engine_factory` runs on the loop thread (so loading does not block the
     caller); `ready` is set once the engine exists and the loop runs."""
@@ -120,24 +148,11 @@ class EngineLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.ready.wait(0.05):
-            if self.error is not None or self.stopped.is_set():
-                return False
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-        return True
-
     @property
     def is_ready(self) -> bool:
         return self.ready.is_set() and not self.stopped.is_set() and not self._stopping
 
     # ---- commands (any thread) ------------------------------------------------------------
-    def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
-        """Queue a request; raises Overloaded when `max_waiting` requests wait already."""
-        self.submit_group([stream], max_waiting)
-
     def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
         """Queue the samples of one prompt together (n > 1): all or none. The engine runs the
         others once the first has computed the prompt, so they share its KV pages."""

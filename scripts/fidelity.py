@@ -35,11 +35,11 @@ floor (the fp32 output rounded to bf16). Then the RoPE kernel alone against fp32
 
 Where flashlet's low-precision arithmetic differs from transformers' on purpose: Q, K, V (and
 gate, up) are one fused GEMM each (the same dot products, possibly another cuBLAS kernel and
-accumulation order); on CUDA the fused Triton RoPE rotates in fp32 and rounds once, where
-transformers rounds each product and the sum to bf16 (the torch path rounds as transformers
-does); the FlashInfer and Triton attention kernels keep the softmax and the P.V accumulation in
+accumulation order); RoPE (the fused Triton kernel on CUDA, PyTorch ops elsewhere) rotates in
+fp32 with the fp32 cos/sin table and rounds once, where transformers rounds cos/sin, each
+product and the sum to bf16; the FlashInfer and Triton attention kernels keep the softmax and the P.V accumulation in
 fp32 with online rescaling instead of SDPA's kernels. RMSNorm (with the residual add rounded to
-the activation dtype first), SiLU-mul, the cos/sin table (fp32, rounded to bf16 at use) and the
+the activation dtype first), SiLU-mul, the cos/sin table's values (fp32, the same formulas) and the
 LM head (bf16 GEMM, then fp32) follow transformers.
 
     python scripts/fidelity.py                               # every preset, bf16, all backends
@@ -122,7 +122,7 @@ def default_backends(device: str) -> list[str]:
 def engine_for(args, config: str, backend: str) -> Engine:
     """An engine for one sequence at a time; `flashinfer-nosplit` is FlashInfer planned with
     disable_split_kv."""
-    pages = -(-(args.seq_len + 1) // args.page_size) + 4
+    pages = 2 * -(-(args.seq_len + 1) // args.page_size) + 4  # one sequence at a time
     engine = Engine(EngineConfig(config=config, backend=backend.removesuffix("-nosplit"),
                                  device=args.device, dtype=args.dtype, page_size=args.page_size,
                                  max_num_pages=pages, max_num_seqs=4,
@@ -468,18 +468,16 @@ def attention_errors(cfg, table, backends, dtype, device, args, qk_scale: float,
 def hf_way_attention(per_seq, rows_of, table, dtype, with_rope, num_heads):
     """Transformers' bf16 attention for the same rows: RoPE in bf16 ops (cos/sin rounded, each
     product rounded), then SDPA over the whole sequence at once with is_causal."""
-    from flashlet.ops import TorchOps
-
     outs = []
     for s in per_seq:
         q, k, v = s["q"], s["k"], s["v"]
         if with_rope:
-            q, k = TorchOps.rope(q, k, torch.arange(q.shape[0], device=q.device), table)
+            q, k = rope_hf_bf16(q, k, torch.arange(q.shape[0], device=q.device), table)
         group = num_heads // k.shape[1]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-            v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
-        outs.append(o.transpose(0, 1).float())
+        o = torch.nn.functional.scaled_dot_product_attention(  # [1, H, L, D] as transformers calls it
+            q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
+            v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
+        outs.append(o[0].transpose(0, 1).float())
     return torch.stack([outs[i][p] for i, p in rows_of])
 
 
@@ -499,29 +497,32 @@ def attention_table(errors: dict, scale: float, with_rope: bool, cfg) -> str:
              "relative error of each (row, head) output vector, RMS / max over them, x1e-3",
              "| path | " + " | ".join(kinds) + " |", "|---" * (1 + len(kinds)) + "|"]
     for name, by_kind in errors.items():
-        cells = [f"{1e3 * by_kind[k][0]:.3f} / {1e3 * by_kind[k][1]:.3f}" for k in kinds]
+        cells = [f"{1e3 * by_kind[k][0]:.3g} / {1e3 * by_kind[k][1]:.3g}" for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 @torch.inference_mode()
 def rope_errors(cfg, table, dtype, device, seed: int) -> dict:
-    """RoPE alone: bf16 q/k rotated at positions 0-319 and 8000-8319 by each implementation,
+    """RoPE alone: bf16 q/k rotated at positions 0-319 and 8000-8319 (or the table's last 320)
+    by each implementation,
     against the fp64 rotation with the fp32 table (what HF fp32 computes)."""
     from flashlet.ops import TorchOps
 
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out = {}
-    for label, lo in (("positions 0-319", 0), ("positions 8000-8319", 8000)):
+    far = max(0, min(8000, table.shape[0] - 320))  # 8000 where the table reaches that far
+    for label, lo in (("positions 0-319", 0), (f"positions {far}-{far + 319}", far)):
         pos = torch.arange(lo, lo + 320, device=device)
         q = (torch.randn(320, hq, d, generator=gen) * 0.02 * math.sqrt(cfg.hidden_size)).to(dtype).to(device)
         k = (torch.randn(320, hkv, d, generator=gen) * 0.02 * math.sqrt(cfg.hidden_size)).to(dtype).to(device)
         ref_q, ref_k = TorchOps.rope(q.double(), k.double(), pos, table.double())
         paths = {"floor (fp64 result rounded once)": (ref_q.to(dtype), ref_k.to(dtype)),
-                 "torch ops (HF bf16: cos/sin and each op in bf16)": TorchOps.rope(q, k, pos, table),
-                 "fp32 math, bf16 cos/sin, one rounding": _rope_fp32_math(q, k, pos, table.to(dtype).float()),
-                 "fp32 math, fp32 cos/sin, one rounding": _rope_fp32_math(q, k, pos, table)}
+                 "HF bf16 (cos/sin and each op in bf16)": rope_hf_bf16(q, k, pos, table),
+                 "fp32 math, bf16 cos/sin, one rounding (fused kernel before)":
+                     TorchOps.rope(q, k, pos, table.to(dtype).float()),
+                 "TorchOps.rope (fp32 math and cos/sin, one rounding)": TorchOps.rope(q, k, pos, table)}
         if device.type == "cuda":
             from flashlet.kernels.rope_kv_write import rope_kv_write
 
@@ -535,11 +536,15 @@ def rope_errors(cfg, table, dtype, device, seed: int) -> dict:
     return out
 
 
-def _rope_fp32_math(q, k, pos, table):
-    from flashlet.ops import TorchOps
+def rope_hf_bf16(q, k, positions, table):
+    """Transformers' RoPE in q's dtype: cos/sin rounded to it, then each product and sum."""
+    cos, sin = table[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
 
-    q32, k32 = TorchOps.rope(q.float(), k.float(), pos, table.float())
-    return q32.to(q.dtype), k32.to(k.dtype)
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 def rope_table(errors: dict) -> str:
@@ -548,7 +553,7 @@ def rope_table(errors: dict) -> str:
              "q/k vector, RMS / max, x1e-3",
              "| path | " + " | ".join(labels) + " |", "|---" * (1 + len(labels)) + "|"]
     for name in errors[labels[0]]:
-        cells = [f"{1e3 * errors[l][name][0]:.3f} / {1e3 * errors[l][name][1]:.3f}" for l in labels]
+        cells = [f"{1e3 * errors[l][name][0]:.3g} / {1e3 * errors[l][name][1]:.3g}" for l in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -109,8 +109,8 @@ for part in "${PARTS[@]}"; do
     fidelity) run 360 python3 scripts/fidelity.py --dtype bfloat16 \
                 --json "$OUT/json/fidelity.json" ;;  # 11 presets x 2048 positions, ~3 min
     fidelity-diag)  # issue 15: which component costs FlashInfer / Triton precision (~3 min)
-      run 170 python3 scripts/fidelity.py --diagnose --json "$OUT/json/fidelity-diag.json"
-      run 230 python3 scripts/fidelity.py --dtype bfloat16 --config llama-3.2-1b qwen2.5-1.5b \
+      run 240 python3 scripts/fidelity.py --diagnose --json "$OUT/json/fidelity-diag.json"
+      run 240 python3 scripts/fidelity.py --dtype bfloat16 --config llama-3.2-1b qwen2.5-1.5b \
         --num-seqs 16 --backend torch triton flashinfer flashinfer-nosplit \
         --json "$OUT/json/fidelity-nosplit.json" ;;
     load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \

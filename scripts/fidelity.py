@@ -479,7 +479,11 @@ def hf_way_attention(per_seq, rows_of, table, dtype, with_rope, num_heads):
             q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
             v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
         outs.append(o[0].transpose(0, 1).float())
-    return torch.stack([outs[i][p] for i, p in rows_of])
+    starts = [0]
+    for o in outs[:-1]:
+        starts.append(starts[-1] + o.shape[0])
+    index = torch.tensor([starts[i] + p for i, p in rows_of], device=outs[0].device)
+    return torch.cat(outs)[index]
 
 
 class _null:

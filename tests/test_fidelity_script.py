@@ -110,6 +110,7 @@ def test_diagnose_on_cpu_measures_the_torch_backend_against_fp32(tmp_path):
         assert plain["errors"]["torch"][kind][0] < 2 * floor_rms
         assert plain["errors"]["torch"][kind][1] < 0.02
         assert rotated["errors"]["torch"][kind][1] < 0.05
+        assert plain["errors"]["hf-way"][kind][1] < 0.02  # its rows mapped back to the steps' rows
     rope = entry["rope"]["positions 0-319"]
     ours = rope["TorchOps.rope (fp32 math and cos/sin, one rounding)"][0]
     assert ours < 1.01 * rope["floor (fp64 result rounded once)"][0]

@@ -30,8 +30,10 @@ and pure-decode steps) and through the torch oracle in fp32 on the upcast inputs
 backend: the relative error (RMS and max over (row, head) vectors) of the attention output for
 prefill rows, decode rows in mixed steps and decode rows of pure-decode steps: once with q/k
 already rotated (`run`: the kernel alone) and once through `run_rope` (RoPE + K/V write +
-attention against fp32 RoPE), beside HF's way (bf16 RoPE, SDPA over the whole sequence) and the
-floor (the fp32 output rounded to bf16). Then the RoPE kernel alone against fp32 rotation.
+attention against fp32 RoPE), beside HF's way (bf16 RoPE, SDPA over the whole sequence), the
+floor (the fp32 output rounded to bf16) and, for the kernel alone, an fp32 emulation of
+FlashInfer's split-KV rounding (bf16 partial outputs per 128 keys). Then RoPE alone against
+the fp64 rotation.
 
 Where flashlet's low-precision arithmetic differs from transformers' on purpose: Q, K, V (and
 gate, up) are one fused GEMM each (the same dot products, possibly another cuBLAS kernel and
@@ -456,6 +458,8 @@ def attention_errors(cfg, table, backends, dtype, device, args, qk_scale: float,
     got = {name: torch.cat(outs) for name, outs in outputs.items()}
     got["hf-way"] = hf_way_attention(per_seq, rows_of, table, dtype, with_rope, hq)
     got["floor"] = ref.to(dtype).float()
+    if not with_rope:
+        got["emulated split-KV"] = split_kv_emulation(per_seq, rows_of, dtype, hq)
     kind_index = {k: torch.tensor([j for j, x in enumerate(kinds) if x == k], device=device)
                   for k in ("prefill", "decode-mixed", "decode")}
     errors = {}
@@ -479,6 +483,40 @@ def hf_way_attention(per_seq, rows_of, table, dtype, with_rope, num_heads):
             q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
             v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
         outs.append(o[0].transpose(0, 1).float())
+    starts = [0]
+    for o in outs[:-1]:
+        starts.append(starts[-1] + o.shape[0])
+    index = torch.tensor([starts[i] + p for i, p in rows_of], device=outs[0].device)
+    return torch.cat(outs)[index]
+
+
+def split_kv_emulation(per_seq, rows_of, dtype, num_heads, chunk: int = 128):
+    """FlashInfer's split-KV numerics in fp32 PyTorch: each row's keys in chunks of `chunk`
+    tokens, each chunk's softmax-weighted output rounded to `dtype` (its partial output buffer
+    has the output dtype), then merged by log-sum-exp in fp32 and rounded once more. Against
+    "floor" (one rounding) it shows what the split alone costs."""
+    outs = []
+    for s in per_seq:
+        q, k, v = (s[x].float() for x in ("q", "k", "v"))
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        n, d = q.shape[0], q.shape[-1]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        num, den = 0.0, 0.0
+        top = scores.max(-1, keepdim=True).values  # [H, n, 1]: a common reference for the merge
+        for c0 in range(0, n, chunk):
+            part = scores[..., c0:c0 + chunk]
+            m = part.max(-1, keepdim=True).values
+            safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = (part - safe).exp()
+            mass = p.sum(-1, keepdim=True)
+            o = torch.einsum("hqk,khd->hqd", p, v[c0:c0 + chunk]) / mass.clamp_min(1e-30)
+            weight = mass * (safe - top).exp()  # this chunk's share, as exp(lse - top)
+            num = num + weight * o.to(dtype).float()
+            den = den + weight
+        outs.append((num / den).to(dtype).float().transpose(0, 1))  # [n, H, D]
     starts = [0]
     for o in outs[:-1]:
         starts.append(starts[-1] + o.shape[0])

@@ -37,9 +37,15 @@ class TorchOps:
 
     @staticmethod
     def rope(q, k, positions, cos_sin_cache):
-        """Rotate-half RoPE. q [T, Hq, D], k [T, Hkv, D]; cos_sin_cache [max_pos, D] (cos | sin)."""
-        cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """Rotate-half RoPE. q [T, Hq, D], k [T, Hkv, D]; cos_sin_cache [max_pos, D] (cos | sin).
+
+        Computed in fp32 (or wider) with the table as it is, and rounded once to q's dtype:
+        transformers rounds cos/sin to bf16 and each product and sum too, which in bf16 adds
+        about half again to RoPE's error (`scripts/fidelity.py --diagnose`); in fp32 the two
+        are the same operations."""
+        wide = torch.promote_types(q.dtype, torch.float32)
+        cos, sin = cos_sin_cache[positions].to(wide).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q.to(wide), cos, sin).to(q.dtype), _rotate(k.to(wide), cos, sin).to(k.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

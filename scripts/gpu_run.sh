@@ -4,7 +4,8 @@
 #   bash scripts/gpu_run.sh [PART ...]        PART: tests torchlet single single-gemv decode-sat
 #                                             decode-sat-sampled
 #                                             offline closed-loop kernels progression fidelity
-#                                             load all (default)
+#                                             load all (default); fidelity-diag (issue 15,
+#                                             not in all: attention/RoPE precision, ~3 min)
 #                                             and, not in all (issue 14, ~12 min together):
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
@@ -105,8 +106,13 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
-    fidelity) run 480 python3 scripts/fidelity.py --dtype bfloat16 \
-                --json "$OUT/json/fidelity.json" ;;
+    fidelity) run 360 python3 scripts/fidelity.py --dtype bfloat16 \
+                --json "$OUT/json/fidelity.json" ;;  # 11 presets x 2048 positions, ~3 min
+    fidelity-diag)  # issue 15: which component costs FlashInfer / Triton precision (~3 min)
+      run 240 python3 scripts/fidelity.py --diagnose --json "$OUT/json/fidelity-diag.json"
+      run 240 python3 scripts/fidelity.py --dtype bfloat16 --config llama-3.2-1b qwen2.5-1.5b \
+        --num-seqs 16 --backend torch triton flashinfer flashinfer-nosplit \
+        --json "$OUT/json/fidelity-nosplit.json" ;;
     load) run 400 python3 scripts/load_bench.py --config qwen2.5-7b --target-s 10 \
             --dir "${LOAD_DIR:-/tmp/flashlet-load-qwen2.5-7b}" ;;
     # ---- issue 14: what a user gets (each bounded; together about 12 minutes) ----

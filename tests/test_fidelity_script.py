@@ -41,3 +41,79 @@ def test_fidelity_runs_end_to_end_on_a_tiny_config(tmp_path):
 def test_fewer_than_256_positions_is_refused():
     with pytest.raises(SystemExit):
         load_script().parse_args(["--num-seqs", "1", "--seq-len", "100"])
+
+
+def test_paired_difference_counts_only_the_positions_where_the_two_differ():
+    import torch
+
+    fidelity = load_script()
+    ours = torch.tensor([True] * 90 + [False] * 10)
+    theirs = torch.tensor([True] * 88 + [False] * 2 + [True] * 2 + [False] * 8)
+    diff, se = fidelity.paired_difference(ours, theirs)
+    assert diff == pytest.approx(0.0)
+    d = torch.tensor([0.0] * 88 + [1.0] * 2 + [-1.0] * 2 + [0.0] * 8)
+    assert se == pytest.approx(d.std().item() / 10)
+    assert fidelity.paired_difference(ours, ours) == (0.0, 0.0)
+
+
+def test_markdown_table_marks_failures_with_the_reason():
+    fidelity = load_script()
+    hf = {"agreement": 0.95, "agreement_se": 0.005, "disagreements": []}
+    ok = {"agreement": 0.945, "agreement_se": 0.005, "diff_vs_hf_low": -0.005, "diff_se": 0.003,
+          "disagreements": [{"position": 1, "fp32_gap": 0.01}]}
+    short = {"agreement": 0.93, "agreement_se": 0.006, "diff_vs_hf_low": -0.02, "diff_se": 0.004,
+             "disagreements": [{"position": 2, "fp32_gap": 0.5}]}
+    table = fidelity.markdown_table([{"config": "p", "positions": 2048, "dtype": "bfloat16",
+                                      "hf_low": hf, "near_tie_threshold": 0.1,
+                                      "backends": {"torch": ok, "flashinfer": short}}])
+    header, rule, row = table.splitlines()
+    assert header == "| preset | positions | HF bfloat16 | threshold | torch | flashinfer |"
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["p", "2048", "95.00 +- 0.98", "0.1"]
+    assert cells[4] == "94.50 +- 0.98 (diff -0.50 +- 0.59)"
+    assert cells[5].startswith("**93.00") and "1.00 pt short" in cells[5] and "gaps 0.5" in cells[5]
+
+
+def test_diagnose_schedule_covers_each_prompt_once_then_decodes():
+    fidelity = load_script()
+    import random
+
+    prompts, totals, steps = fidelity.diag_schedule(random.Random(0), 4, 64, pure_decode_steps=3)
+    assert all(100 <= p <= 300 for p in prompts)
+    seen = {i: [] for i in range(4)}
+    for step in steps:
+        for i, start, n in step:
+            assert start == len(seen[i])  # each sequence's rows in order, none skipped
+            seen[i] += range(start, start + n)
+    assert [len(s) for s in seen.values()] == totals
+    mixed = [s for s in steps if any(n > 1 for *_, n in s) and any(st >= prompts[i] for i, st, _ in s)]
+    assert mixed, "no step mixes decode rows with prefill chunks"
+    assert all(n == 1 for step in steps[-3:] for *_, n in step)
+
+
+@pytest.mark.slow
+def test_diagnose_on_cpu_measures_the_torch_backend_against_fp32(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "diag.json"
+    rc = load_script().main(["--diagnose", "--config", str(config), "--device", "cpu",
+                             "--backend", "torch", "--diag-seqs", "4", "--diag-qk-scale", "1",
+                             "--json", str(out)])
+    assert rc == 0
+    (entry,) = json.loads(out.read_text())
+    plain, rotated = entry["attention"]
+    assert not plain["rope"] and rotated["rope"]
+    for kind in ("prefill", "decode-mixed", "decode"):
+        floor_rms = plain["errors"]["floor"][kind][0]
+        assert 5e-4 < floor_rms < 5e-3  # one bf16 rounding
+        # the oracle's math in bf16: at most a few roundings more, never a wrong row
+        assert plain["errors"]["torch"][kind][0] < 2 * floor_rms
+        assert plain["errors"]["torch"][kind][1] < 0.02
+        assert rotated["errors"]["torch"][kind][1] < 0.05
+        assert plain["errors"]["hf-way"][kind][1] < 0.02  # its rows mapped back to the steps' rows
+        # bf16 partial outputs: more error than one rounding, less than two independent ones
+        assert floor_rms < plain["errors"]["emulated split-KV"][kind][0] < 1.5 * floor_rms
+    rope = entry["rope"]["positions 0-319"]
+    ours = rope["TorchOps.rope (fp32 math and cos/sin, one rounding)"][0]
+    assert ours < 1.01 * rope["floor (fp64 result rounded once)"][0]
+    assert ours < rope["HF bf16 (cos/sin and each op in bf16)"][0]

@@ -93,3 +93,36 @@ def test_preset_rope_table_matches_transformers(name):
     table = rope.cos_sin_cache(ours.head_dim, ours.rope_theta, ours.rope_scaling,
                                ours.max_position_embeddings, int(positions.max()) + 1)
     assert torch.equal(table[positions], expected)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b"])
+def test_bf16_rope_rounds_once_with_the_fp32_table(name):
+    """TorchOps.rope in bf16 at a preset's table: the fp32 rotation with the fp32 cos/sin,
+    rounded once; its error against the fp64 rotation is the rounding floor, below both
+    transformers' way (cos/sin and every op in bf16) and fp32 math on bf16-rounded cos/sin."""
+    from flashlet.model import rope_cache
+    from flashlet.ops import TorchOps
+
+    cfg = ModelConfig.from_file(PRESETS_DIR / f"{name}.json")
+    table = rope_cache(cfg)[:8320]
+    g = torch.Generator().manual_seed(0)
+    pos = torch.cat([torch.arange(0, 320), torch.arange(8000, 8320)])
+    q = torch.randn(len(pos), cfg.num_heads, cfg.head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(len(pos), cfg.num_kv_heads, cfg.head_dim, generator=g).to(torch.bfloat16)
+    exact_q, exact_k = TorchOps.rope(q.double(), k.double(), pos, table.double())
+    got_q, got_k = TorchOps.rope(q, k, pos, table)
+    assert got_q.dtype == got_k.dtype == torch.bfloat16
+    fp32_q, fp32_k = TorchOps.rope(q.float(), k.float(), pos, table)
+    assert torch.equal(got_q, fp32_q.to(torch.bfloat16)) and torch.equal(got_k, fp32_k.to(torch.bfloat16))
+
+    def rms_rel(x, ref):
+        return ((x.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).pow(2).mean().sqrt().item()
+
+    floor = rms_rel(exact_q.to(torch.bfloat16), exact_q)
+    assert rms_rel(got_q, exact_q) < 1.01 * floor
+    cos, sin = table[pos].to(torch.bfloat16).unsqueeze(1).chunk(2, dim=-1)  # transformers' bf16 way
+    q1, q2 = q.chunk(2, dim=-1)
+    hf_q = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
+    rounded_table_q, _ = TorchOps.rope(q.float(), k.float(), pos, table.to(torch.bfloat16).float())
+    assert rms_rel(hf_q, exact_q) > 1.3 * floor
+    assert rms_rel(rounded_table_q.to(torch.bfloat16), exact_q) > 1.15 * floor

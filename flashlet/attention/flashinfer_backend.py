@@ -11,6 +11,12 @@ only pinned host arrays and copies the page indices device to device: no step wa
 uses the same prefill kernel with one query row per sequence, which handles any GQA group size
 (Qwen2.5-0.5B's is 7, which FlashInfer's CUDA-core decode kernels do not support). FA2 is asked
 for explicitly: on Hopper `auto` picks FA3, which suits single-row queries poorly.
+
+Precision: when plan() splits a sequence's KV into chunks (it does for small batches, to fill
+the SMs), FA2 writes each chunk's partial output in the output dtype (bf16) and merges them in
+fp32: one bf16 rounding more than an unsplit run. `split_kv=False` (FlashInfer's
+`disable_split_kv`) trades that parallelism for the single rounding; `scripts/fidelity.py
+--diagnose` measures both.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, kv_pool, num_q_heads, scale=None, max_batch_size: int = 256,
-                 max_pages_per_seq: int | None = None, **_):
+                 max_pages_per_seq: int | None = None, split_kv: bool = True, **_):
         super().__init__(kv_pool, num_q_heads, scale)
+        self.split_kv = split_kv
         device = kv_pool.k_cache.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -80,7 +87,7 @@ class FlashInferBackend(AttentionBackend):
             host.paged_kv_last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.kv_pool.page_size, causal=True, sm_scale=self.scale,
             q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype,
-            max_token_per_sequence=max_q, seq_lens=host.kv_lens)
+            max_token_per_sequence=max_q, seq_lens=host.kv_lens, disable_split_kv=not self.split_kv)
 
     def _graph_wrapper(self, batch_size: int):
         device = self.workspace.device

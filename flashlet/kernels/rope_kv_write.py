@@ -16,8 +16,9 @@ Bytes (e = element size, T tokens, c = cache element size):
 FLOPs: 6 * T * (Hq + Hkv) * D / 2 * 2 = 6 * T * (Hq + Hkv) * D  (3 mul/add per output value).
 
 Design: grid (T,), one program per token holding all its heads ([H_pad, D/2] tiles), so the
-cos/sin row is loaded once per token. Numerics follow `TorchOps.rope`: cos and sin are first
-rounded to the activation dtype, the rotation itself runs in fp32 and is rounded once.
+cos/sin row is loaded once per token. Numerics follow `TorchOps.rope`: cos and sin are read
+from the fp32 table as they are, the rotation runs in fp32 and is rounded once (transformers
+rounds cos/sin to bf16 first: measurably more error, `scripts/fidelity.py --diagnose`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def _rope_kv_write_kernel(
     if APPLY_ROPE:
         pos = tl.load(Pos + t).to(tl.int64)
         cs = CosSin + pos * stride_cs
-        cos = tl.load(cs + i, mask=i_mask, other=0.0).to(Q.dtype.element_ty).to(tl.float32)
-        sin = tl.load(cs + HALF + i, mask=i_mask, other=0.0).to(Q.dtype.element_ty).to(tl.float32)
+        cos = tl.load(cs + i, mask=i_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
         cos = cos[None, :]
         sin = sin[None, :]
 
@@ -192,16 +193,12 @@ def rope_kv_write(
 
 
 def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-    """Plain PyTorch, the `TorchOps.rope` math, then `index_copy_` of K', V into the pool
-    (rows with a negative slot skipped). Returns (q', k'); the caches are updated in place."""
+    """Plain PyTorch, `TorchOps.rope`, then `index_copy_` of K', V into the pool (rows with a
+    negative slot skipped). Returns (q', k'); the caches are updated in place."""
     if cos_sin_cache is not None:
-        cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        from flashlet.ops import TorchOps
 
-        def rot(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-        q, k = rot(q), rot(k)
+        q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
     if k_cache is not None:
         keep = slot_mapping >= 0
         flat = (-1,) + tuple(k_cache.shape[2:])

@@ -112,6 +112,31 @@ def test_elementwise_bf16(kh):
     assert kh.rel_err(kc, kc_ref) < 1e-2 and torch.equal(vc, vc_ref)
 
 
+def test_rope_kv_write_bf16_rounds_once():
+    """At Llama-3.2-1B's llama3 table (theta 500000): the fused kernel's rotated q and pooled k
+    are the fp32 rotation with the fp32 cos/sin rounded once (as TorchOps.rope): within a hair
+    of the rounding floor against the fp64 rotation (FMA contraction may flip a last bit)."""
+    from flashlet.engine import preset_config_path
+    from flashlet.model import ModelConfig, rope_cache
+    from flashlet.ops import TorchOps
+
+    cfg = ModelConfig.from_file(preset_config_path("llama-3.2-1b"))
+    table = rope_cache(cfg)[:8320].to(DEV)
+    pos = torch.cat([torch.arange(0, 320), torch.arange(8000, 8320)]).to(DEV)
+    q, k, v = _randn(640, 32, 64, seed=11), _randn(640, 8, 64, seed=12), _randn(640, 8, 64, seed=13)
+    kc, vc = torch.zeros(40, 16, 8, 64, dtype=BF16, device=DEV), torch.zeros(40, 16, 8, 64, dtype=BF16, device=DEV)
+    got_q, got_k = rope_kv_write(q, k, v, pos, table, kc, vc, torch.arange(640, device=DEV))
+    exact_q, exact_k = TorchOps.rope(q.double(), k.double(), pos, table.double())
+
+    def rms_rel(x, ref):
+        return ((x.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).pow(2).mean().sqrt().item()
+
+    for got, exact in ((got_q, exact_q), (got_k, exact_k), (kc.view(640, 8, 64), exact_k)):
+        assert rms_rel(got, exact) < 1.02 * rms_rel(exact.to(BF16), exact)
+    want_q, _ = TorchOps.rope(q, k, pos, table)
+    assert (got_q != want_q).float().mean() < 1e-3
+
+
 def _bf16_pool(layers=2, pages=1400, seed=0):
     pool = KVPool(layers, pages, 16, 2, 64, BF16, DEV)
     pool.k_cache.copy_(_randn(*pool.k_cache.shape, seed=seed))

@@ -205,7 +205,21 @@ def _md_decode(record: dict) -> str:
         "\n\nSteady: only pure-decode steps of the whole batch are timed (prefill excluded), " \
         "after a warm-up batch. End to end, measured first on the fresh engine: " \
         "batch x steps / (T(steps + 1 new tokens) - T(1 new token)), each T from submitting the " \
-        "batch to its last token." + _start_lines(record)
+        "batch to its last token." + _e2e_step_lines(_ours(record)) + _start_lines(record)
+
+
+def _e2e_step_lines(runs) -> str:
+    """Where each end-to-end T(D + 1) run went: its steps, their sum, the slowest ones."""
+    lines = []
+    for name, m in runs:
+        e2e = m.get("end_to_end") or {}
+        steps = (e2e.get("steps_ms") or {}).get("t_new")
+        if not steps:
+            continue
+        slow = ", ".join(f"#{i} {ms:.1f}" for i, ms in e2e.get("slowest_steps_ms", []))
+        lines.append(f"- {name}: T(D + 1) {e2e['t_new_s'] * 1e3:.1f} ms = {len(steps)} steps "
+                     f"({sum(steps):.1f} ms inside step()), slowest (step #, ms): {slow}")
+    return "\nEnd-to-end steps:\n" + "\n".join(lines) if lines else ""
 
 
 def _md_single(record: dict) -> str:

@@ -168,15 +168,21 @@ def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progr
     hits); whatever happens between prefill and steady decoding (graph captures, kernels
     compiled on first use, the ramp) is inside it, as it is for a user."""
     vocab = engine.model_config.vocab_size
-    times = []
+    times, steps = [], []
     for stream, new in zip(E2E_STREAMS, (1, D + 1)):
         specs = make_specs(B, (P, P), (new, new), vocab, seed, stream=stream)
         trace = run_engine(engine, specs, B, progress.task(f"decode-sat end to end, {new} new", B))
         check_counts(trace, f"decode-sat end to end ({new} new)")
         times.append(trace.duration)
+        steps.append([round(t * 1e3, 3) for t in trace.step_s])
     t1, tn = times
+    # Where T(D + 1) went, step by step: the slow ones say what a user waits for beyond the
+    # steady steps (a collection, a compile, a plan, the prefill ramp).
+    slowest = sorted(range(len(steps[1])), key=steps[1].__getitem__, reverse=True)[:6]
     return {"t_1_new_s": t1, "t_new_s": tn, "new_tokens": D + 1,
-            "decode_tok_s": B * D / (tn - t1) if tn > t1 else None}
+            "decode_tok_s": B * D / (tn - t1) if tn > t1 else None,
+            "steps_ms": {"t_1_new": steps[0], "t_new": steps[1]},
+            "slowest_steps_ms": [(i, steps[1][i]) for i in sorted(slowest)]}
 
 
 def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:

@@ -14,9 +14,15 @@ backends in an estimated 3 minutes on one H200 (512 positions took 111 s: engine
 construction dominate, not the forward passes; the 14B's fp32 twin is 59 GB); --num-seqs /
 --seq-len change it for every preset.
 
-A disagreement is a near-tie when that gap is below --noise-multiple (default 4) times the RMS
+A disagreement is a near-tie when that gap is below --noise-multiple (default 6) times the RMS
 difference between HF-low's and HF-fp32's logits at each position's two best fp32 logits: the
-noise the low-precision dtype itself adds where it decides the argmax (printed with each table). The run fails (exit 1)
+noise the low-precision dtype itself adds where it decides the argmax (printed with each table).
+Why 6: a flip needs the two logits' errors to differ by more than the gap, and that difference
+has an RMS of about sqrt(2) x the noise; 6 x the noise is 4.2 of its standard deviations. At
+4 x (2.8 of them) a backend exactly as precise as HF-low, with its ~250 disagreements in 4096
+positions, still shows about one over the line by chance: HF-low itself did on llama-3.2-1b in
+the H200 run of 2026-11-30 (threshold 0.099), and so did torch, Triton and FlashInfer on one
+preset each (largest gap 0.113, 4.8 x the noise), with agreement within 0.5 point of HF-low's. The run fails (exit 1)
 when flashlet's agreement is more than 1 point under HF-low's, or a disagreement is not a
 near-tie. The last table is markdown for BENCHMARKS.md (each figure +- 1.96 standard errors).
 
@@ -84,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--chunk", type=int, default=96, help="prefill chunk (max_num_batched_tokens)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--noise-multiple", type=float, default=4.0)
+    p.add_argument("--noise-multiple", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--diagnose", action="store_true",

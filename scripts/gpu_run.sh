@@ -106,8 +106,8 @@ for part in "${PARTS[@]}"; do
                --out "$OUT/json/kernels.json" ;;
     progression) run 400 python3 -m torchlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
                    --markdown --json "$OUT/json/torchlet-progression.json" ;;
-    fidelity) run 360 python3 scripts/fidelity.py --dtype bfloat16 \
-                --json "$OUT/json/fidelity.json" ;;  # 11 presets x 2048 positions, ~3 min
+    fidelity) run 540 python3 scripts/fidelity.py --dtype bfloat16 --num-seqs 16 \
+                --json "$OUT/json/fidelity.json" ;;  # 11 presets x 4096 positions
     fidelity-diag)  # issue 15: which component costs FlashInfer / Triton precision (~3 min)
       run 240 python3 scripts/fidelity.py --diagnose --json "$OUT/json/fidelity-diag.json"
       run 240 python3 scripts/fidelity.py --dtype bfloat16 --config llama-3.2-1b qwen2.5-1.5b \

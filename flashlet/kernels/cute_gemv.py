@@ -281,7 +281,9 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
                 acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
         sums = []
         for i in cutlass.range_constexpr(rows_in_flight):
-            s = acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            # reduce() yields a bare MLIR value; with one lane per row (K / 8 odd) no shuffle
+            # wraps it, and cute.math.exp (the SiLU) accepts only a Float32: wrap it here.
+            s = cutlass.Float32(acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
             sums.append(cute.arch.warp_reduction_sum(s, threads_in_group=lanes))
         for o in cutlass.range_constexpr(outs_per_group):
             out = outs[o]

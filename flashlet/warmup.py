@@ -85,6 +85,8 @@ def warm_up(engine) -> dict:
         t1 = time.perf_counter()
         for size in sizes:
             runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
+        if runner.fused is not None:  # the fused path's greedy-token graph (or kernels)
+            runner.greedy_tokens(*runner.load(synthetic_layout(1, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
     report = {"warmup_s": t1 - t0, "capture_s": t2 - t1, "chunk_lengths": chunks,

@@ -41,9 +41,20 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(fused_decode, "check_fused_decode", lambda model, device: None)
 
 
+def perturb_norms(engine) -> None:
+    """Norm weights away from the checkpoint's ones (the same in every engine), so a norm
+    applied in the wrong place, or not at all, changes the tokens."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+
+
 def generate(model_dir, fused, prompts, n=12, **params):
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=1,
                                  fused_decode=fused))
+    perturb_norms(engine)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
            for p in prompts]
     done = {}
@@ -77,6 +88,7 @@ def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
     for fused in (False, True):
         engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1,
                                      fused_decode=fused))
+        perturb_norms(engine)
         engine.observe_steps(lambda meta, logits, fused=fused: rows[fused].append(logits.clone()))
         engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
         while engine.has_unfinished():

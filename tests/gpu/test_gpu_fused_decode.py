@@ -20,6 +20,7 @@ import torch
 
 from flashlet.kernels.cute_gemv import cute_available
 from tests.conftest import save_tiny_model
+from tests.test_fused_decode import perturb_norms
 
 HAVE_CUTE, NO_CUTE_REASON = cute_available()
 pytestmark = [
@@ -54,6 +55,7 @@ def run(source: dict, prompt_list, new_tokens: int, *, fused: bool, record=None,
 
     engine = Engine(EngineConfig(**source, backend="triton", dtype="bfloat16", max_num_seqs=1,
                                  max_num_pages=1024, fused_decode=fused, **config))
+    perturb_norms(engine)
     if record is not None:
         engine.observe_steps(record)
     served = count_greedy_steps(engine)

@@ -17,6 +17,12 @@ the next norm, here the residual epilogue adds, and the next GEMV's prologue nor
 Rounding differs from the per-op path (products and the norm stay in fp32 until each GEMV's
 output is rounded once), so logits agree to bf16 precision, not bit for bit.
 
+With pdl=True every GEMV launches with Programmatic Dependent Launch: it starts while its
+predecessor drains, loads its weights (and the norm's), then waits (`griddepcontrol.wait`)
+before reading x or the residual and before any store. Only a CuTe GEMV that follows another
+(O -> gate+up -> down -> next layer's QKV) overlaps; after a Triton kernel (RoPE + K/V write,
+attention), which never signals early, it waits for that kernel's end as usual.
+
 The GEMVs take the model's own weight tensors (fused QKV and gate|up already), no copies. The
 step's buffers belong to this object and keep their addresses, so the CUDA graph the runner
 captures around `logits` / `token` replays them. The CuTe DSL is imported when this object is

@@ -2,6 +2,7 @@
 
     python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
 
+Three paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`).
 Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
 the preset's shape, CUDA graphs; no FlashInfer needed):
   harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
@@ -26,12 +27,15 @@ from pathlib import Path
 PROMPT_LEN, NEW_TOKENS = 32, 256
 
 
-def harness(config: str, fused: bool) -> dict:
+PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"]}
+
+
+def harness(config: str, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "single.json"
         cmd = [sys.executable, "-m", "flashlet.bench", "--config", config, "--dtype", "bfloat16",
                "--backend", "triton", "--workload", "single", "--max-num-pages", "8192", "--quiet",
-               "--out", str(out)] + (["--fused-decode"] if fused else [])
+               "--out", str(out)] + flags
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
         if proc.returncode != 0 or not out.exists():
             return {"error": (proc.stdout + proc.stderr)[-3000:]}
@@ -41,14 +45,14 @@ def harness(config: str, fused: bool) -> dict:
                 "error": res.get("error")}
 
 
-def generate_in_this_process(config: str, fused: bool) -> dict:
+def generate_in_this_process(config: str, flags: list[str]) -> dict:
     import torch
 
     from flashlet import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
-              fused_decode=fused)
+              fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags)
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -64,9 +68,9 @@ def generate_in_this_process(config: str, fused: bool) -> dict:
     return figures
 
 
-def generate(config: str, fused: bool) -> dict:
+def generate(config: str, flags: list[str]) -> dict:
     """`generate_in_this_process` in a fresh interpreter (nothing compiled or cached before)."""
-    cmd = [sys.executable, __file__, "--config", config, "--generate-child"] + (["--fused"] if fused else [])
+    cmd = [sys.executable, __file__, "--config", config, "--generate-child", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -78,23 +82,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="qwen2.5-0.5b")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args, child_flags = ap.parse_known_args()
     if args.generate_child:
-        print(json.dumps(generate_in_this_process(args.config, args.fused)))
+        print(json.dumps(generate_in_this_process(args.config, child_flags)))
         return 0
     results = {}
-    for fused in (False, True):
-        name = "fused" if fused else "per-op"
-        results[name] = {"harness": harness(args.config, fused), "generate": generate(args.config, fused)}
-    tokens = [results[n]["generate"].get("tokens") for n in ("per-op", "fused")]
-    agree = None
-    if all(tokens):
-        agree = next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), len(tokens[0]))
+    for name in args.paths:
+        results[name] = {"harness": harness(args.config, PATHS[name]),
+                         "generate": generate(args.config, PATHS[name])}
     print(f"single stream, {args.config}, bf16, triton backend, CUDA graphs "
           f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens)")
-    print(f"{'path':8} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
+    print(f"{'path':9} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
           f"{'generate tok/s (1st)':>21} {'(2nd)':>8} {'start s':>8}")
     ok = True
     for name, res in results.items():
@@ -105,14 +105,18 @@ def main() -> int:
                 print(f"{name} {what} failed:\n{part['error']}")
 
         def f(x, spec):
-            return format(x, spec) if isinstance(x, (int, float)) else "-"
+            return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0]))
 
-        print(f"{name:8} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
+        print(f"{name:9} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
               f"{f(h.get('fraction_of_bandwidth_limit'), '9.3f')} {f(g.get('first_tok_s'), '21.1f')} "
               f"{f(g.get('second_tok_s'), '8.1f')} {f(g.get('start_s'), '8.1f')}")
-    if agree is not None:
-        print(f"generated tokens agree for the first {agree} of {NEW_TOKENS}")
-    results["tokens_agree_for"] = agree
+    base = results.get("per-op", {}).get("generate", {}).get("tokens")
+    for name, res in results.items():
+        tokens = res["generate"].get("tokens")
+        if base and tokens and name != "per-op":
+            agree = next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), len(base))
+            res["tokens_agree_with_per_op_for"] = agree
+            print(f"{name}: generated tokens agree with per-op for the first {agree} of {NEW_TOKENS}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

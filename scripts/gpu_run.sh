@@ -9,10 +9,10 @@
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
-#                                             see below; ~2-4 min); fused-decode (issue 16's
-#                                             fused one-sequence decode path: tests, then tok/s
-#                                             with and without it; CuTe DSL, no FlashInfer;
-#                                             ~8 min); tp tp-tests (tensor parallelism, 2
+#                                             see below; ~2-4 min); fused-decode-tests and
+#                                             fused-decode (issue 16's fused one-sequence
+#                                             decode path: its tests; tok/s with and without
+#                                             it; CuTe DSL, no FlashInfer; ~4 and ~8 min); tp tp-tests (tensor parallelism, 2
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
@@ -160,13 +160,15 @@ for part in "${PARTS[@]}"; do
     fused) cute_env
            run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
            run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
-    fused-decode)  # issue 16 stage 2: the fused one-sequence decode path (triton backend, no
-                   # FlashInfer): its kernels and engine tests, then harness + LLM.generate tok/s
-                   # with and without it
+    fused-decode-tests)  # issue 16 stage 2: the fused one-sequence decode path's kernels
+                         # (RMSNorm prologue, in-place residual) and engine tests (~4 min)
       cute_env
-      run 240 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu" \
-        tests/gpu/test_gpu_fused_decode.py
-      run 560 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;
+      run 400 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu" \
+        tests/gpu/test_gpu_fused_decode.py ;;
+    fused-decode)  # its tok/s: harness single + LLM.generate, per-op / fused / fused + PDL,
+                   # triton backend, no FlashInfer (~6-8 min)
+      cute_env
+      run 580 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;
     tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
         # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then

@@ -146,6 +146,17 @@ def test_fused_path_without_graphs_gives_the_graph_tokens(small_model):
     assert eager == graphed
 
 
+def test_pdl_gives_the_same_tokens(small_model):
+    """PDL changes when each GEMV starts, never what it computes: a kernel that read x or the
+    residual before its predecessor finished would show here as a different token."""
+    source, vocab = small_model
+    ps = prompts(8, vocab)
+    plain, _ = run(source, ps, 32, fused=True)
+    pdl, engine = run(source, ps, 32, fused=True, fused_decode_pdl=True)
+    assert engine.runner.fused.qkv.plan.pdl
+    assert pdl == plain
+
+
 def test_sampled_requests_take_the_fused_logits_path(small_model):
     """logprobs makes the sampler work: the fused logits (no argmax) feed it; tokens agree."""
     source, vocab = small_model

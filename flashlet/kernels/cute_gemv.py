@@ -437,6 +437,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
+
+
 class CuteGemv:
     """One compiled GEMV for a fixed weight shape [N, K] and epilogue; call it with tensors.
 
@@ -537,7 +540,12 @@ class CuteGemv:
                 fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4)]
 
     def compile(self) -> float:
-        """Compile for this plan (once); returns the seconds it took."""
+        """Compile for this plan (once a process: objects with the same plan on the same device
+        share the compiled kernel, which holds no tensor); returns the seconds it took (0 when
+        the kernel was compiled before)."""
+        key = (self.plan, str(self.device))
+        if self._compiled is None and key in _COMPILED:
+            self._compiled, self.compile_seconds = _COMPILED[key], 0.0
         if self._compiled is None:
             d = _dsl()
             p = self.plan
@@ -555,6 +563,7 @@ class CuteGemv:
             self._compiled = d["cute"].compile(
                 d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
             self.compile_seconds = time.perf_counter() - t0
+            _COMPILED[key] = self._compiled
         return self.compile_seconds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,

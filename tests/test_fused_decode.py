@@ -113,3 +113,29 @@ def test_fused_decode_flag():
     EngineConfig.add_cli_args(parser)
     assert parser.parse_args(["--fused-decode"]).fused_decode is True
     assert parser.parse_args([]).fused_decode is False
+
+
+def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
+    """The runner's graph path with the fused body (graphs stood in for by eager replays, as in
+    test_step_layout): batch-1 steps replay the fused greedy-token graph, two-row steps the
+    per-op graphs, and the tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2,
+                                     max_num_batched_tokens=32, fused_decode=fused))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
+    keys = {key[:2] for key in engine.runner.graphs}
+    assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone
+    assert engine.runner.fused.lm_argmax.calls > 0

@@ -36,6 +36,8 @@ class EngineConfig:
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
+    fused_decode: bool = False  # one-sequence decode steps on the CuTe DSL fused path (CUDA, bf16; issue 16)
+    fused_decode_pdl: bool = False  # with fused_decode: its GEMVs launch with Programmatic Dependent Launch
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -58,6 +60,10 @@ class EngineConfig:
             torch_dtype(self.dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.fused_decode_pdl and not self.fused_decode:
+            raise ValueError("fused_decode_pdl applies to the fused decode path: set fused_decode too")
+        if self.fused_decode and self.tensor_parallel_size > 1:
+            raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

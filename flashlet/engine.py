@@ -44,6 +44,7 @@ from flashlet.model_runner import ModelRunner
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.sampler import _plain_greedy as plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
 from flashlet.structured import StructuredOutputs, advance_grammars
@@ -299,14 +300,27 @@ class Engine:
         input_ids, meta = self.runner.load(layout, fed)
         if self.tp is not None:  # the workers run the same step
             self.tp.send_step(layout, input_ids)
-        logits = self.runner.forward(input_ids, meta)
-        for observe in self._step_observers:
-            observe(meta, logits)
-        sampled = self.sampler.sample(logits, sched.sampling)
+        sampled = self._greedy_fused(sched, input_ids, meta)
+        if sampled is None:
+            logits = self.runner.forward(input_ids, meta)
+            for observe in self._step_observers:
+                observe(meta, logits)
+            sampled = self.sampler.sample(logits, sched.sampling)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
         return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens))
+
+    def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
+        """With fused_decode, a one-sequence decode step whose request is plain greedy takes
+        its token from the LM head's argmax epilogue (no logits); None where that does not
+        apply (observers want logits; the sampler has work to do; not a fused step)."""
+        if self.runner.fused is None or self._step_observers:
+            return None
+        if not all(plain_greedy(r.params) for r in sched.sampling):
+            return None
+        tokens = self.runner.greedy_tokens(input_ids, meta)
+        return None if tokens is None else SamplerOutput(tokens, {}, None)
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""

@@ -7,6 +7,11 @@ size (1, 2, 4, 8, 16, 32, 64, 128, 256, ... up to max_num_seqs) and per the back
 `graph_key`: `load` pads such a step with rows that write to and read from the pool's scratch
 page, the captured graph reads the same buffers at that batch size, and planning happens
 outside the graph before each replay. Mixed steps (any prefill chunk) run eagerly.
+
+With `fused_decode`, a pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the
+norms and epilogues folded in; flashlet/fused_decode.py) instead of the model's per-op forward,
+in its graph as well; `greedy_tokens` runs it through the LM head's argmax, for steps whose one
+request is plain greedy (the engine decides), so no logits are written at all.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class ModelRunner:
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
                            and self.backend.supports_cuda_graph)
+        self.fused = None
+        if config.fused_decode:
+            from flashlet.fused_decode import FusedDecode
+
+            self.fused = FusedDecode(model, self.device, pdl=config.fused_decode_pdl)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -82,19 +92,41 @@ class ModelRunner:
             return self._replay(input_ids, meta, size)
         self.backend.plan(meta)
         self._mark_staged()
+        if self._fused_step(meta):
+            return self.fused.logits(input_ids, meta.positions, self.backend)
         hidden = self.model(input_ids, meta.positions, self.backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
+    def _fused_step(self, meta: AttentionMetadata) -> bool:
+        """Does the fused path serve this step: pure decode of one sequence, which samples."""
+        host = meta.host
+        return (self.fused is not None and host.is_pure_decode and meta.num_seqs == 1
+                and meta.num_padding == 0 and host.logits_indices.shape[0] == 1)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The greedy token [1] (int64, on the device) of a step the fused path serves, from
+        the LM head's argmax epilogue (no logits); None for any other step (call `forward`)."""
+        if not self._fused_step(meta):
+            return None
+        size = self.graph_batch_size(meta.host, meta.num_padding)
+        if size is not None:
+            return self._replay(input_ids, meta, size, tokens=True)
+        self.backend.plan(meta)
+        self._mark_staged()
+        return self.fused.token(input_ids, meta.positions, self.backend)
+
     # ---- CUDA graphs ----------------------------------------------------------------------
-    def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int) -> torch.Tensor:
+    def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
+                tokens: bool = False) -> torch.Tensor:
         loaded = input_ids.data_ptr() == self.buffers.dev["input_ids"].data_ptr()
         if meta.num_seqs != size or not loaded:
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
         self.backend.plan_graph(meta, size)
-        key = (size,) + self.backend.graph_key(meta)
+        key = (size, "tokens" if tokens else "logits") + self.backend.graph_key(meta)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size)
+            self.graphs[key] = self._capture(size, tokens)
         graph, logits = self.graphs[key]
         self._mark_staged()
         graph.replay()
@@ -104,21 +136,25 @@ class ModelRunner:
         if self._staged is not None:
             self._staged.record()
 
-    def _decode_body(self, size: int) -> torch.Tensor:
+    def _decode_body(self, size: int, tokens: bool = False) -> torch.Tensor:
         dev = self.buffers.dev
-        hidden = self.model(dev["input_ids"][:size], dev["positions"][:size], self.backend)
+        ids, positions = dev["input_ids"][:size], dev["positions"][:size]
+        if self.fused is not None and size == 1:
+            return (self.fused.token if tokens else self.fused.logits)(ids, positions, self.backend)
+        hidden = self.model(ids, positions, self.backend)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, size: int):
-        log.info("capturing a CUDA graph for decode batch %d", size)
+    def _capture(self, size: int, tokens: bool = False):
+        log.info("capturing a CUDA graph for decode batch %d%s", size,
+                 " (fused, greedy tokens)" if tokens else " (fused)" if self.fused and size == 1 else "")
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up (lazy kernel compilation, allocator) off the graph
-                self._decode_body(size)
+                self._decode_body(size, tokens)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits = self._decode_body(size)
+            out = self._decode_body(size, tokens)
         self.graph_pool = graph.pool()
-        return graph, logits
+        return graph, out

@@ -8,7 +8,9 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant; without, the decode variant of the batch size
   (`backend.decode_variant`);
-- the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p).
+- the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
+- with fused_decode: its CuTe GEMVs (compiled at the batch-1 step) and its second batch-1
+  graph, the one that ends in the greedy token (`runner.greedy_tokens`).
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples
@@ -85,6 +87,8 @@ def warm_up(engine) -> dict:
         t1 = time.perf_counter()
         for size in sizes:
             runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
+        if runner.fused is not None:  # the fused path's greedy-token graph (or kernels)
+            runner.greedy_tokens(*runner.load(synthetic_layout(1, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
     report = {"warmup_s": t1 - t0, "capture_s": t2 - t1, "chunk_lengths": chunks,

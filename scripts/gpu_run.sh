@@ -10,9 +10,12 @@
 #                                             nocompile warm e2e shapes tune (e2e-lazy: e2e
 #                                             without the start warm-up, for comparison)
 #                                             and fused (issue 16, not in all: needs the CuTe DSL,
-#                                             see below; ~2-4 min); tp tp-tests (tensor
-#                                             parallelism, 2 GPUs; not in all); serve (the server
-#                                             against in-process, same workload; not in all);
+#                                             see below; ~2-4 min); fused-decode-tests and
+#                                             fused-decode (issue 16's fused one-sequence
+#                                             decode path: its tests; tok/s with and without
+#                                             it; CuTe DSL, no FlashInfer; ~4 and ~8 min); tp tp-tests (tensor parallelism, 2
+#                                             GPUs; not in all); serve (the server against
+#                                             in-process, same workload; not in all);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -72,6 +75,14 @@ B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
 BF="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
     --backend flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+cute_env() {  # the CuTe DSL from /tmp/cute (installed there from .whl/cute/ on first use)
+  if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
+  fi
+  export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
+  python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \
+    2>&1 | tail -1 | tee -a "$LOG"
+}
 for part in "${PARTS[@]}"; do
   case $part in
     tests) run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py ;;
@@ -152,14 +163,18 @@ for part in "${PARTS[@]}"; do
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
     tune) run 260 python3 scripts/tune_triton.py --budget-s 160 --json "$OUT/json/tune.json" ;;
-    fused) if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
-             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
-           fi
-           export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
-           python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \
-             2>&1 | tail -1 | tee -a "$LOG"
+    fused) cute_env
            run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
            run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
+    fused-decode-tests)  # issue 16 stage 2: the fused one-sequence decode path's kernels
+                         # (RMSNorm prologue, in-place residual) and engine tests (~4 min)
+      cute_env
+      run 400 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu" \
+        tests/gpu/test_gpu_fused_decode.py ;;
+    fused-decode)  # its tok/s: harness single + LLM.generate, per-op / fused / fused + PDL,
+                   # triton backend, no FlashInfer (~6-8 min)
+      cute_env
+      run 580 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;
     tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
         # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then

@@ -133,8 +133,8 @@ def _graphs_on_the_cpu(engine):
     runner = engine.runner
     runner.use_graphs = True
 
-    def capture(size):
-        graph = ReplayEagerly(lambda: runner._decode_body(size))
+    def capture(size, tokens=False):
+        graph = ReplayEagerly(lambda: runner._decode_body(size, tokens))
         return graph, graph.logits
 
     runner._capture = capture

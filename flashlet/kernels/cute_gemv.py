@@ -103,6 +103,8 @@ class GemvPlan:
     grid: int            # CTAs launched
     pdl: bool = False
     staged: bool = False  # weights go through shared memory by cp.async (see plan_gemv)
+    norm: bool = False    # RMSNorm prologue: y = W (x * rstd(x) * g) (see plan_gemv)
+    eps: float = 1e-6     # the RMSNorm's epsilon (with norm)
 
     @property
     def groups_per_cta(self) -> int:
@@ -131,12 +133,19 @@ def lanes_for(k: int) -> int:
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
-              pdl: bool = False, max_loads: int = 16, staged: bool = False) -> GemvPlan:
+              pdl: bool = False, max_loads: int = 16, staged: bool = False,
+              norm: bool = False, eps: float = 1e-6) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     staged=True copies the weights into shared memory with cp.async (16 bytes a copy) instead
     of loading them into registers: ptxas cannot defer those copies, so every one is in flight
-    at once whatever the register count (the alternative the benchmark measures)."""
+    at once whatever the register count (the alternative the benchmark measures).
+
+    norm=True folds the RMSNorm before the projection into the kernel: every lane group
+    already reads the whole of x (its L lanes x C chunks cover K), so it also sums x^2 over
+    its chunks, reduces that with the same shuffles as the dot product, and scales its sums
+    by rstd = 1 / sqrt(mean(x^2) + eps); the norm's weight g multiplies x chunk by chunk.
+    Since W (x * rstd * g) = rstd * (W (x * g)), no normalised x is ever stored."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if staged and epilogue == "argmax":
@@ -180,7 +189,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
         grid = min(grid, 3 * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged)
+                    staged, norm, float(eps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,10 +214,12 @@ _deferred = _Deferred()
 
 
 @_deferred.kernel
-def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
+def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
+                 norm, eps):
     # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax);
-    # mE: bias or residual [n_out] (a dummy otherwise); mPart*: [grid] partials (argmax).
+    # mE: bias or residual [n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm;
+    # a dummy otherwise); mPart*: [grid] partials (argmax).
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -232,6 +243,10 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
     if cutlass.const_expr(not pdl):
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
+    g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
+    if cutlass.const_expr(norm):
+        for j in cutlass.range_constexpr(chunks):
+            g_early.append(mG[sub + j * lanes, None].load())
     if cutlass.const_expr(staged):
         # One 16-byte slot per (thread, row chunk); consecutive threads in consecutive slots.
         threads = warps * 32
@@ -275,14 +290,31 @@ def _gemv_kernel(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
         acc = []
         for i in cutlass.range_constexpr(rows_in_flight):
             acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
+        if cutlass.const_expr(norm):
+            # The group's chunks cover all of x: its sum of squares is the whole row's.
+            sq = cute.full((VEC,), 0.0, cutlass.Float32)
+            for j in cutlass.range_constexpr(chunks):
+                xf = xs[j].to(cutlass.Float32)
+                sq = sq + xf * xf
+            ss = cutlass.Float32(sq.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+            ss = cute.arch.warp_reduction_sum(ss, threads_in_group=lanes)
+            rstd = cutlass.Float32(cute.math.rsqrt(
+                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
         for j in cutlass.range_constexpr(chunks):
             xv = xs[j].to(cutlass.Float32)
+            if cutlass.const_expr(norm):
+                xv = xv * g_early[j].to(cutlass.Float32)
             for i in cutlass.range_constexpr(rows_in_flight):
                 acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
         sums = []
         for i in cutlass.range_constexpr(rows_in_flight):
-            s = acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-            sums.append(cute.arch.warp_reduction_sum(s, threads_in_group=lanes))
+            # reduce() yields a bare MLIR value; with one lane per row (K / 8 odd) no shuffle
+            # wraps it, and cute.math.exp (the SiLU) accepts only a Float32: wrap it here.
+            s = cutlass.Float32(acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+            s = cute.arch.warp_reduction_sum(s, threads_in_group=lanes)
+            if cutlass.const_expr(norm):
+                s = s * rstd
+            sums.append(s)
         for o in cutlass.range_constexpr(outs_per_group):
             out = outs[o]
             y = sums[o * rows_per_out]
@@ -381,16 +413,17 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 
 
 @_deferred.jit
-def _gemv_launch(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter, stream,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged):
-    _gemv_kernel_compiled(mW, mX, mY, mE, mPartVal, mPartIdx, mCounter,
+def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, stream,
+                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
+                 norm, eps):
+    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
                           n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                          staged).launch(
+                          staged, norm, eps).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
-                "staged")
+                "staged", "norm", "eps")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
 
@@ -404,20 +437,25 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
+
+
 class CuteGemv:
     """One compiled GEMV for a fixed weight shape [N, K] and epilogue; call it with tensors.
 
     `gemv(x, weight, extra)` -> y (bf16 [1, N], or [1, N/2] for silu_mul) or the token (int32
-    [1] for argmax). `extra` is the bias (bias) or the residual (residual), else None. The
-    argmax counter and partials belong to this object: do not run one object on two streams
-    at once.
+    [1] for argmax). `extra` is the bias (bias) or the residual (residual), else None. With
+    norm=True the call also takes `norm_weight` [K] and multiplies RMSNorm(x) * norm_weight
+    instead of x. The argmax counter and partials belong to this object: do not run one
+    object on two streams at once.
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
-                 pdl: bool = False, max_loads: int = 16, staged: bool = False):
+                 pdl: bool = False, max_loads: int = 16, staged: bool = False,
+                 norm: bool = False, eps: float = 1e-6):
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads, staged=staged)
+                              max_loads=max_loads, staged=staged, norm=norm, eps=eps)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)
@@ -433,7 +471,7 @@ class CuteGemv:
             return torch.zeros(1, dtype=torch.int32, device=self.device)
         return torch.empty(1, self.plan.n_out, dtype=torch.bfloat16, device=self.device)
 
-    def _check(self, x, weight, extra, out):
+    def _check(self, x, weight, extra, out, norm_weight):
         """Refuse, before any launch, what the compiled layouts would misread."""
         p = self.plan
 
@@ -452,17 +490,26 @@ class CuteGemv:
         if extra is not None and bad(extra, p.n_out, torch.bfloat16):
             raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {p.n_out}, "
                              f"got {extra.dtype} {tuple(extra.shape)}")
+        if p.norm != (norm_weight is not None):
+            raise ValueError(f"a GEMV planned with norm={p.norm} {'needs' if p.norm else 'takes no'} norm_weight")
+        if norm_weight is not None and bad(norm_weight, p.k, torch.bfloat16):
+            raise ValueError(f"norm_weight must be a contiguous, 16-byte aligned bf16 tensor of {p.k}, "
+                             f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
         shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, p.n_out), torch.bfloat16)
         if tuple(out.shape) != shape or bad(out, math.prod(shape), dtype):
             raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
 
-    def _args(self, x, weight, extra, out):
+    def _args(self, x, weight, extra, out, norm_weight):
         d = _dsl()
         p = self.plan
-        aligned = functools.partial(d["from_dlpack"], assumed_align=16)
+        def aligned(t):  # detached: DLPack refuses a tensor that requires grad (a Parameter)
+            return d["from_dlpack"](t.detach(), assumed_align=16)
+
+        norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
         return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
+                aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
                 d["from_dlpack"](self._counter, assumed_align=4)]
@@ -487,11 +534,18 @@ class CuteGemv:
         extra_shape = (p.n_out,) if p.epilogue in ("bias", "residual") else tuple(self._dummy.shape)
         return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
-                fake(c.BFloat16, extra_shape, 16), fake(c.Float32, tuple(self._parts_val.shape), 4),
+                fake(c.BFloat16, extra_shape, 16),
+                fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
+                fake(c.Float32, tuple(self._parts_val.shape), 4),
                 fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4)]
 
     def compile(self) -> float:
-        """Compile for this plan (once); returns the seconds it took."""
+        """Compile for this plan (once a process: objects with the same plan on the same device
+        share the compiled kernel, which holds no tensor); returns the seconds it took (0 when
+        the kernel was compiled before)."""
+        key = (self.plan, str(self.device))
+        if self._compiled is None and key in _COMPILED:
+            self._compiled, self.compile_seconds = _COMPILED[key], 0.0
         if self._compiled is None:
             d = _dsl()
             p = self.plan
@@ -501,28 +555,35 @@ class CuteGemv:
                 w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
                 extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual") else None)
-                args = self._args(x, w, extra, self.out_like())
+                g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
+                args = self._args(x, w, extra, self.out_like(), g)
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
             self._compiled = d["cute"].compile(
                 d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
             self.compile_seconds = time.perf_counter() - t0
+            _COMPILED[key] = self._compiled
         return self.compile_seconds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
-                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
         out = self.out_like() if out is None else out
-        self._check(x, weight, extra, out)
+        self._check(x, weight, extra, out, norm_weight)
         self.compile()
-        self._compiled(*self._args(x, weight, extra, out), self._stream())
+        self._compiled(*self._args(x, weight, extra, out, norm_weight), self._stream())
         return out
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
-                   extra: torch.Tensor | None = None) -> torch.Tensor:
-    """The slow obvious answer in fp32 on the same bf16 inputs (argmax: the fp32 logits' argmax)."""
-    y = weight.float() @ x.float().reshape(-1)
+                   extra: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """The slow obvious answer in fp32 on the same bf16 inputs (argmax: the fp32 logits' argmax).
+    With norm_weight: of RMSNorm(x) * norm_weight, kept in fp32 (as the kernel keeps it)."""
+    x = x.float().reshape(-1)
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean() + eps) * norm_weight.float()
+    y = weight.float() @ x
     if epilogue in ("bias", "residual"):
         y = y + extra.float().reshape(-1)
     if epilogue == "silu_mul":

@@ -91,39 +91,44 @@ PTX_SCRIPT = textwrap.dedent("""
     import glob, sys, torch
     from flashlet.kernels.cute_gemv import CuteGemv
     n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
+    norm = sys.argv[7] == "1"
     try:
-        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged).compile()
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
-          "CPASYNC", ptx.count("cp.async.cg.shared.global"))
+          "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"))
 """)
 
 
 @pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
-@pytest.mark.parametrize("n, k, epilogue, pdl, staged", [
-    (1152, 896, "bias", 0, 0), (896, 896, "residual", 1, 0), (9728, 896, "silu_mul", 0, 0),
-    (896, 4864, "residual", 0, 0), (151936, 896, "argmax", 0, 0), (9728, 896, "silu_mul", 1, 1),
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged, norm", [
+    (1152, 896, "bias", 0, 0, 0), (896, 896, "residual", 1, 0, 0), (9728, 896, "silu_mul", 0, 0, 0),
+    (896, 4864, "residual", 0, 0, 0), (151936, 896, "argmax", 0, 0, 0), (9728, 896, "silu_mul", 1, 1, 0),
+    (1152, 896, "bias", 1, 0, 1), (9728, 896, "silu_mul", 0, 0, 1), (151936, 896, "argmax", 0, 0, 1),
+    (136, 200, "silu_mul", 0, 0, 1),
 ])
-def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged):
+def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
-                          str(staged)],
+                          str(staged), str(norm)],
                          env=env, capture_output=True, text=True, timeout=300)
     counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
     assert counts, res.stdout[-2000:] + res.stderr[-2000:]
     p = plan_gemv(n, k, epilogue, staged=bool(staged))
-    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks  # x: C loads
+    # x takes C loads, and the norm's weight C more
+    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks * (2 if norm else 1)
     assert weights >= p.loads_in_flight_per_lane             # every weight chunk, 16 bytes a copy
     assert (int(counts["CPASYNC"]) > 0) == bool(staged)
     assert int(counts["STORE"]) >= 1
     assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
     assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
+    assert (int(counts["RSQRT"]) > 0) == bool(norm)
 
 
 def _inputs(n, k, epilogue, seed):
@@ -154,6 +159,73 @@ def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl, staged):
         else:
             assert not torch.isnan(out).any()
             assert kh.rel_err(out, gemv_reference(x, w, epilogue, extra)) < 1e-2
+
+
+# The RMSNorm prologue (the fused decode path's QKV, gate+up and LM head): (n, k, epilogue, pdl).
+NORM_CASES = [(1152, 896, "bias", False), (9728, 896, "silu_mul", False), (151936, 896, "none", False),
+              (151936, 896, "argmax", False), (1152, 896, "bias", True), (136, 200, "silu_mul", False),
+              (96, 64, "argmax", False), (768, 256, "none", False)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, epilogue, pdl", NORM_CASES)
+def test_norm_prologue_matches_fp32_reference(kh, n, k, epilogue, pdl):
+    """y = W (RMSNorm(x) * g) [+ epilogue], x far from unit scale so a missing norm shows."""
+    eps = 1e-6
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=True, eps=eps)
+    for seed in (0, 1):
+        x, w, extra = _inputs(n, k, epilogue, seed)
+        x = (x.float() * 7 + 0.5).to(torch.bfloat16)
+        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+        out = gemv.out_like()
+        out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        gemv(x, w, extra, out=out, norm_weight=g)
+        torch.cuda.synchronize()
+        if epilogue == "argmax":
+            xn = x.float() * torch.rsqrt(x.float().pow(2).mean() + eps) * g.float()
+            logits = w.float() @ xn
+            token = int(out.item())
+            assert 0 <= token < n
+            assert float(logits.max() - logits[token]) <= 1e-3 * float(logits.abs().max())
+        else:
+            assert not torch.isnan(out).any()
+            assert kh.rel_err(out, gemv_reference(x, w, epilogue, extra, norm_weight=g, eps=eps)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k", [(896, 896), (896, 4864), (136, 200)])
+def test_residual_in_place(kh, n, k):
+    """out is the residual (the fused decode path's O and down): each output read, then written."""
+    gemv = CuteGemv(n, k, "residual")
+    x, w, r = _inputs(n, k, "residual", 3)
+    expected = gemv_reference(x, w, "residual", r)
+    stream = r.clone().reshape(1, n)
+    gemv(x, w, stream, out=stream)
+    torch.cuda.synchronize()
+    assert kh.rel_err(stream, expected) < 1e-2
+
+
+def test_norm_weight_is_checked():
+    gemv = CuteGemv(96, 64, "none", device="cpu", norm=True)
+    x, w = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(96, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, out=gemv.out_like())
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, out=gemv.out_like(), norm_weight=torch.zeros(32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="norm_weight"):
+        CuteGemv(96, 64, "none", device="cpu")(x, w, out=gemv.out_like(), norm_weight=x)
+
+
+def test_reference_norm_prologue_is_rmsnorm_then_matmul():
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, generator=g) * 5).to(torch.bfloat16)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    nw = torch.rand(64, generator=g).to(torch.bfloat16)
+    xn = x.float() / torch.sqrt(x.float().pow(2).mean() + 1e-5) * nw.float()
+    torch.testing.assert_close(gemv_reference(x, w, "none", norm_weight=nw, eps=1e-5),
+                               (w.float() @ xn).reshape(1, -1))
 
 
 @pytest.mark.parametrize("bad", ["weight_shape", "weight_dtype", "weight_view", "missing_bias", "x_len",

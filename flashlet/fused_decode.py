@@ -1,0 +1,122 @@
+"""The fused decode path for one sequence (issue #16, stage 2, the few-kernels form).
+
+A pure-decode step with exactly one row runs, per layer,
+    QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
+    RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope)
+    decode attention                                     the active backend
+    O GEMV + residual add, written in place              one CuTe kernel
+    gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
+    down GEMV + residual add, written in place           one CuTe kernel
+and then the final RMSNorm + LM head (logits), or + argmax (the greedy token) in one kernel.
+Six to seven kernels a layer where the per-op path runs about ten, and the GEMVs stream at
+several times cuBLAS's bandwidth on these skinny shapes (FUSED_NOTES.md).
+
+The residual stream lives in one buffer that the O and down GEMVs update in place, so no
+separate add or norm kernel runs: where the per-op path keeps (x, residual) and adds them in
+the next norm, here the residual epilogue adds, and the next GEMV's prologue normalises.
+Rounding differs from the per-op path (products and the norm stay in fp32 until each GEMV's
+output is rounded once), so logits agree to bf16 precision, not bit for bit.
+
+With pdl=True every GEMV launches with Programmatic Dependent Launch: it starts while its
+predecessor drains, loads its weights (and the norm's), then waits (`griddepcontrol.wait`)
+before reading x or the residual and before any store. Only a CuTe GEMV that follows another
+(O -> gate+up -> down -> next layer's QKV) overlaps; after a Triton kernel (RoPE + K/V write,
+attention), which never signals early, it waits for that kernel's end as usual.
+
+The GEMVs take the model's own weight tensors (fused QKV and gate|up already), no copies. The
+step's buffers belong to this object and keep their addresses, so the CUDA graph the runner
+captures around `logits` / `token` replays them. The CuTe DSL is imported when this object is
+built; `CuteUnavailable` says how to install it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, cute_available, VEC
+
+
+def check_fused_decode(model, device: torch.device) -> None:
+    """Raise ValueError naming what the fused path cannot run (before anything compiles)."""
+    cfg = model.config
+    why = []
+    if device.type != "cuda":
+        why.append(f"it runs on CUDA only (device {device})")
+    if model.tp is not None:
+        why.append("it has no tensor parallelism (tensor_parallel_size must be 1)")
+    if cfg.o_bias:
+        why.append("the O projection has a bias (attention_bias on Llama / Qwen3)")
+    dtype = model.embed_tokens.weight.dtype
+    if dtype != torch.bfloat16:
+        why.append(f"its kernels are bf16 only (dtype {dtype})")
+    layer = model.layers[0]
+    for name, k in (("hidden_size", cfg.hidden_size), ("num_heads * head_dim", layer.q_size),
+                    ("intermediate_size", layer.down_proj.weight.shape[1])):
+        if k % VEC:
+            why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
+    if why:
+        raise ValueError("fused_decode cannot run this model: " + "; ".join(why))
+
+
+class FusedDecode:
+    """Owns the compiled GEMVs and the step buffers of the one-row decode path."""
+
+    def __init__(self, model, device: torch.device, pdl: bool = False):
+        check_fused_decode(model, device)
+        ok, why = cute_available()
+        if not ok:
+            raise CuteUnavailable(f"fused_decode needs the CuTe DSL: {why}")
+        self.model = model
+        cfg = model.config
+        layer = model.layers[0]
+        h, q, kv = cfg.hidden_size, layer.q_size, layer.kv_size
+        inter = layer.down_proj.weight.shape[1]
+        vocab = model.lm_head_weight.shape[0]
+        eps = cfg.rms_norm_eps
+        gemv = dict(device=device, pdl=pdl)
+        self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
+        self.o = CuteGemv(h, q, "residual", **gemv)
+        self.gate_up = CuteGemv(2 * inter, h, "silu_mul", norm=True, eps=eps, **gemv)
+        self.down = CuteGemv(h, inter, "residual", **gemv)
+        self.lm_head = CuteGemv(vocab, h, "none", norm=True, eps=eps, **gemv)
+        self.lm_argmax = CuteGemv(vocab, h, "argmax", norm=True, eps=eps, **gemv)
+        empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
+        self.residual = torch.empty(1, h, **empty)  # the residual stream, updated in place
+        self.qkv_out = torch.empty(1, q + 2 * kv, **empty)
+        self.act = torch.empty(1, inter, **empty)    # silu(gate) * up
+        self.logits_out = torch.empty(1, vocab, **empty)
+        self.token_out = torch.zeros(1, dtype=torch.int32, device=device)
+        self.split = [q, kv, kv]
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """input_ids, positions [1] -> the residual stream after the last layer [1, hidden]
+        (K/V written through `attn`, planned for this step)."""
+        m = self.model
+        torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)
+        for i, layer in enumerate(m.layers):
+            self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
+                     norm_weight=layer.input_norm)
+            q, k, v = self.qkv_out.split(self.split, dim=-1)
+            q = q.view(1, layer.num_heads, layer.head_dim)
+            k = k.view(1, layer.num_kv_heads, layer.head_dim)
+            v = v.view(1, layer.num_kv_heads, layer.head_dim)
+            if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
+                q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
+            o = attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
+            self.o(o.reshape(1, -1).contiguous(), layer.o_proj.weight, self.residual, out=self.residual)
+            self.gate_up(self.residual, layer.gate_up_proj.weight, out=self.act,
+                         norm_weight=layer.post_attn_norm)
+            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+        return self.residual
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """-> logits [1, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""
+        x = self.hidden(input_ids, positions, attn)
+        self.lm_head(x, self.model.lm_head_weight, out=self.logits_out, norm_weight=self.model.norm)
+        return self.logits_out.float()
+
+    def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """-> the greedy token [1] int64: final RMSNorm, LM head and argmax in one kernel."""
+        x = self.hidden(input_ids, positions, attn)
+        self.lm_argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
+        return self.token_out.long()

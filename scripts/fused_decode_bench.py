@@ -1,0 +1,126 @@
+"""Single-stream decode with and without the fused decode path (issue 16), one table.
+
+    python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
+
+Three paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`).
+Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
+the preset's shape, CUDA graphs; no FlashInfer needed):
+  harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
+           decode tok/s between the first and the last token
+  generate `LLM.generate` of one 32-token prompt, 256 new tokens, greedy, the first call after
+           the engine starts (its warm-up has compiled and captured everything): 256 / seconds,
+           and a second call's figure beside it
+and whether the two paths' generated tokens agree (they may part at a near tie: the fused path
+rounds differently; tests/gpu/test_gpu_fused_decode.py holds the exact rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT_LEN, NEW_TOKENS = 32, 256
+
+
+PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"]}
+
+
+def harness(config: str, flags: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "single.json"
+        cmd = [sys.executable, "-m", "flashlet.bench", "--config", config, "--dtype", "bfloat16",
+               "--backend", "triton", "--workload", "single", "--max-num-pages", "8192", "--quiet",
+               "--out", str(out)] + flags
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        if proc.returncode != 0 or not out.exists():
+            return {"error": (proc.stdout + proc.stderr)[-3000:]}
+        res = json.loads(out.read_text())["backends"]["triton"]
+        return {"decode_tok_s": res.get("decode_tok_s"), "ms_per_token": res.get("ms_per_token"),
+                "fraction_of_bandwidth_limit": res.get("fraction_of_bandwidth_limit"),
+                "error": res.get("error")}
+
+
+def generate_in_this_process(config: str, flags: list[str]) -> dict:
+    import torch
+
+    from flashlet import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
+              fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags)
+    start_s = time.perf_counter() - t0
+    prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    figures = {"start_s": start_s}
+    for name in ("first", "second"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params)[0]
+        seconds = time.perf_counter() - t0
+        assert len(out.token_ids) == NEW_TOKENS
+        figures[f"{name}_tok_s"] = NEW_TOKENS / seconds
+    figures["tokens"] = list(out.token_ids)
+    return figures
+
+
+def generate(config: str, flags: list[str]) -> dict:
+    """`generate_in_this_process` in a fresh interpreter (nothing compiled or cached before)."""
+    cmd = [sys.executable, __file__, "--config", config, "--generate-child", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stdout + proc.stderr)[-3000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="qwen2.5-0.5b")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
+    args, child_flags = ap.parse_known_args()
+    if args.generate_child:
+        print(json.dumps(generate_in_this_process(args.config, child_flags)))
+        return 0
+    results = {}
+    for name in args.paths:
+        results[name] = {"harness": harness(args.config, PATHS[name]),
+                         "generate": generate(args.config, PATHS[name])}
+    print(f"single stream, {args.config}, bf16, triton backend, CUDA graphs "
+          f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens)")
+    print(f"{'path':9} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
+          f"{'generate tok/s (1st)':>21} {'(2nd)':>8} {'start s':>8}")
+    ok = True
+    for name, res in results.items():
+        h, g = res["harness"], res["generate"]
+        for what, part in (("harness", h), ("generate", g)):
+            if part.get("error"):
+                ok = False
+                print(f"{name} {what} failed:\n{part['error']}")
+
+        def f(x, spec):
+            return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0]))
+
+        print(f"{name:9} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
+              f"{f(h.get('fraction_of_bandwidth_limit'), '9.3f')} {f(g.get('first_tok_s'), '21.1f')} "
+              f"{f(g.get('second_tok_s'), '8.1f')} {f(g.get('start_s'), '8.1f')}")
+    base = results.get("per-op", {}).get("generate", {}).get("tokens")
+    for name, res in results.items():
+        tokens = res["generate"].get("tokens")
+        if base and tokens and name != "per-op":
+            agree = next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), len(base))
+            res["tokens_agree_with_per_op_for"] = agree
+            print(f"{name}: generated tokens agree with per-op for the first {agree} of {NEW_TOKENS}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The fused decode path's wiring (flashlet/fused_decode.py) on the CPU, and its refusals.
+
+The CuTe kernels need a GPU (tests/gpu/test_gpu_fused_decode.py, tests/kernels/test_cute_gemv.py);
+here each GEMV is replaced by its fp32 PyTorch reference (`gemv_reference`, which the GPU tests
+hold the kernels to), so what is checked is the layer sequence around them: the norm folded
+into QKV / gate+up / LM head, the in-place residual stream, the split, RoPE and attention
+through the backend, the argmax path and the engine's choice of it, against the per-op model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet import fused_decode
+from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv
+
+
+class ReferenceGemv:
+    """CuteGemv's interface, computed by gemv_reference (the kernels' fp32 reference)."""
+
+    def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6):
+        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps)
+        self.calls = 0
+
+    def __call__(self, x, weight, extra=None, *, out, norm_weight=None):
+        p = self.plan
+        assert (norm_weight is not None) == p.norm and weight.shape == (p.n_rows, p.k)
+        out.copy_(gemv_reference(x, weight, p.epilogue, extra, norm_weight, p.eps).reshape(out.shape))
+        self.calls += 1
+        return out
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda model, device: None)
+
+
+def perturb_norms(engine) -> None:
+    """Norm weights away from the checkpoint's ones (the same in every engine), so a norm
+    applied in the wrong place, or not at all, changes the tokens."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+
+
+def generate(model_dir, fused, prompts, n=12, **params):
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=1,
+                                 fused_decode=fused))
+    perturb_norms(engine)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
+           for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    engine.check_integrity()
+    return [done[i] for i in ids], engine
+
+
+PROMPTS = [[3, 5, 7, 9, 11] * 4, [2, 4, 6], [8] * 17]
+
+
+@pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
+def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, params):
+    want, _ = generate(tiny_model, False, PROMPTS, **params)
+    got, engine = generate(tiny_model, True, PROMPTS, **params)
+    assert got == want
+    fused = engine.runner.fused
+    decode_steps = sum(12 - 1 for _ in PROMPTS)
+    layers = len(engine.model.layers)
+    assert fused.qkv.calls == fused.down.calls == layers * decode_steps
+    # greedy: every decode step's token from the argmax epilogue; logprobs: from the logits
+    assert (fused.lm_argmax.calls, fused.lm_head.calls) == (
+        (decode_steps, 0) if not params else (0, decode_steps))
+
+
+def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
+    """Every step's logits (an observer makes the fused path write them) against the per-op
+    model's, in fp32: the same sums in another order."""
+    rows = {False: [], True: []}
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1,
+                                     fused_decode=fused))
+        perturb_norms(engine)
+        engine.observe_steps(lambda meta, logits, fused=fused: rows[fused].append(logits.clone()))
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.runner.fused.lm_head.calls == 5 and len(rows[True]) == 6
+    for want, got in zip(rows[False], rows[True]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_decode_refuses_what_it_cannot_run(tiny_qwen2):
+    with pytest.raises(ValueError, match="CUDA only.*bf16 only"):
+        Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", fused_decode=True))
+
+
+def test_fused_decode_needs_one_gpu():
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(fused_decode=True, tensor_parallel_size=2)
+
+
+def test_fused_decode_flag():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert parser.parse_args(["--fused-decode"]).fused_decode is True
+    assert parser.parse_args([]).fused_decode is False
+
+
+def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
+    """The runner's graph path with the fused body (graphs stood in for by eager replays, as in
+    test_step_layout): batch-1 steps replay the fused greedy-token graph, two-row steps the
+    per-op graphs, and the tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2,
+                                     max_num_batched_tokens=32, fused_decode=fused))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
+    keys = {key[:2] for key in engine.runner.graphs}
+    assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone
+    assert engine.runner.fused.lm_argmax.calls > 0

@@ -75,9 +75,12 @@ B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
 BF="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
     --backend flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
-cute_env() {  # the CuTe DSL from /tmp/cute (installed there from .whl/cute/ on first use)
-  if [[ ! -d /tmp/cute/nvidia_cutlass_dsl ]] && ls .whl/cute/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute .whl/cute/*.whl
+cute_env() {  # the CuTe DSL from /tmp/cute (installed there from .whl/cute/ or .whl-cute/ on
+             # first use: its 56 MB wheel and FlashInfer's cannot travel in one call)
+  local wheels
+  wheels=$(ls .whl/cute/*.whl .whl-cute/*.whl 2>/dev/null | head -1)
+  if [[ ! -d /tmp/cute/nvidia_cutlass_dsl && -n $wheels ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute "$wheels"
   fi
   export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
   python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-SUB = 1024  # elements per sub-tile; a block is 4 sub-tiles, one Philox draw each 4 elements
+SUB = 1024  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
 NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -58,58 +58,35 @@ def _scaled(row_ptr, offs, V, T):
 
 
 @triton.jit
-def _race_key(l, u, low):
-    """Exponential race key over {l > low}: argmax of l - log(E), E = -log(u) ~ Exp(1)."""
-    return tl.where(l > low, l - tl.log(-tl.log(u)), NEG_INF)
-
-
-@triton.jit
-def _first_tile(row_ptr, offs, V, T, u, m, n_finite, best_key, best_idx):
-    l = _scaled(row_ptr, offs, V, T)
-    key = _race_key(l, u, NEG_INF)
-    m = tl.maximum(m, tl.max(l, 0))
-    n_finite += tl.sum((l > NEG_INF).to(tl.int32), 0)
-    tile_key = tl.max(key, 0)
-    best_idx = tl.where(tile_key > best_key, tl.min(tl.where(key == tile_key, offs, 2147483647), 0),
-                        best_idx)
-    return m, n_finite, tl.maximum(best_key, tile_key), best_idx
+def _tile(row_ptr, start, V, T, seed, rnd, SUB: tl.constexpr):
+    """One block of 4 * SUB elements: their indices, l = logits / T and uniform noise [SUB, 4].
+    Element start + 4 * i + j takes number j of Philox draw (rnd, start / 4 + i)."""
+    lanes = tl.arange(0, SUB)[:, None]
+    js = tl.arange(0, 4)[None, :]
+    offs = start + 4 * lanes + js
+    u0, u1, u2, u3 = tl.rand4x(seed, (start // 4 + lanes).to(tl.int64) + (rnd.to(tl.int64) << 32))
+    u = tl.where(js == 0, u0, tl.where(js == 1, u1, tl.where(js == 2, u2, u3)))
+    return offs, _scaled(row_ptr, offs, V, T), u
 
 
 @triton.jit
 def _first_pass(row_ptr, V, T, seed, SUB: tl.constexpr):
-    """-> max(l), count of finite l, and a race winner over every finite l (round 0)."""
-    lanes = tl.arange(0, SUB)
+    """-> max(l), count of finite l, and a race winner over every finite l (round 0).
+    Race key: argmax of l - log(E), E = -log(u) ~ Exp(1), wins with probability softmax(l)."""
     m = tl.full((), NEG_INF, tl.float32)
     n_finite = tl.full((), 0, tl.int32)
     best_key = tl.full((), NEG_INF, tl.float32)
     best_idx = tl.full((), 0, tl.int32)
     for start in range(0, V, 4 * SUB):
-        u0, u1, u2, u3 = tl.rand4x(seed, (start // 4 + lanes).to(tl.int64))
-        m, n_finite, best_key, best_idx = _first_tile(row_ptr, start + lanes, V, T, u0, m,
-                                                      n_finite, best_key, best_idx)
-        m, n_finite, best_key, best_idx = _first_tile(row_ptr, start + SUB + lanes, V, T, u1, m,
-                                                      n_finite, best_key, best_idx)
-        m, n_finite, best_key, best_idx = _first_tile(row_ptr, start + 2 * SUB + lanes, V, T, u2,
-                                                      m, n_finite, best_key, best_idx)
-        m, n_finite, best_key, best_idx = _first_tile(row_ptr, start + 3 * SUB + lanes, V, T, u3,
-                                                      m, n_finite, best_key, best_idx)
+        offs, l, u = _tile(row_ptr, start, V, T, seed, tl.full((), 0, tl.int32), SUB)
+        key = tl.where(l > NEG_INF, l - tl.log(-tl.log(u)), NEG_INF)
+        m = tl.maximum(m, tl.max(l))
+        n_finite += tl.sum((l > NEG_INF).to(tl.int32))
+        tile_key = tl.max(key)
+        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
+        best_idx = tl.where(tile_key > best_key, first, best_idx)
+        best_key = tl.maximum(best_key, tile_key)
     return m, n_finite, best_key, best_idx
-
-
-@triton.jit
-def _round_tile(row_ptr, offs, V, T, u, l_s, m, tau, min_p,
-                count_above, mass_above, mass_kept, best_key, best_idx):
-    l = _scaled(row_ptr, offs, V, T)
-    w = tl.exp(l - m)
-    above = l > l_s
-    count_above += tl.sum(above.to(tl.int32), 0)
-    mass_above += tl.sum(tl.where(above, w, 0.0), 0)
-    mass_kept += tl.sum(tl.where((l >= tau) & (w >= min_p), w, 0.0), 0)
-    key = _race_key(l, u, l_s)
-    tile_key = tl.max(key, 0)
-    best_idx = tl.where(tile_key > best_key, tl.min(tl.where(key == tile_key, offs, 2147483647), 0),
-                        best_idx)
-    return count_above, mass_above, mass_kept, tl.maximum(best_key, tile_key), best_idx
 
 
 @triton.jit
@@ -117,26 +94,23 @@ def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr)
     """For candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
     set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
     {l > l_s} with round `rnd`'s noise."""
-    lanes = tl.arange(0, SUB)
     count_above = tl.full((), 0, tl.int32)
     mass_above = tl.full((), 0.0, tl.float32)
     mass_kept = tl.full((), 0.0, tl.float32)
     best_key = tl.full((), NEG_INF, tl.float32)
     best_idx = tl.full((), 0, tl.int32)
     for start in range(0, V, 4 * SUB):
-        u0, u1, u2, u3 = tl.rand4x(seed, (start // 4 + lanes).to(tl.int64) + (rnd.to(tl.int64) << 32))
-        count_above, mass_above, mass_kept, best_key, best_idx = _round_tile(
-            row_ptr, start + lanes, V, T, u0, l_s, m, tau, min_p,
-            count_above, mass_above, mass_kept, best_key, best_idx)
-        count_above, mass_above, mass_kept, best_key, best_idx = _round_tile(
-            row_ptr, start + SUB + lanes, V, T, u1, l_s, m, tau, min_p,
-            count_above, mass_above, mass_kept, best_key, best_idx)
-        count_above, mass_above, mass_kept, best_key, best_idx = _round_tile(
-            row_ptr, start + 2 * SUB + lanes, V, T, u2, l_s, m, tau, min_p,
-            count_above, mass_above, mass_kept, best_key, best_idx)
-        count_above, mass_above, mass_kept, best_key, best_idx = _round_tile(
-            row_ptr, start + 3 * SUB + lanes, V, T, u3, l_s, m, tau, min_p,
-            count_above, mass_above, mass_kept, best_key, best_idx)
+        offs, l, u = _tile(row_ptr, start, V, T, seed, rnd, SUB)
+        w = tl.exp(l - m)
+        above = l > l_s
+        count_above += tl.sum(above.to(tl.int32))
+        mass_above += tl.sum(tl.where(above, w, 0.0))
+        mass_kept += tl.sum(tl.where((l >= tau) & (w >= min_p), w, 0.0))
+        key = tl.where(above, l - tl.log(-tl.log(u)), NEG_INF)
+        tile_key = tl.max(key)
+        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
+        best_idx = tl.where(tile_key > best_key, first, best_idx)
+        best_key = tl.maximum(best_key, tile_key)
     return count_above, mass_above, mass_kept, best_key, best_idx
 
 
@@ -144,14 +118,14 @@ def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr)
 def _kth_largest(row_ptr, V, T, k, m, SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """The k-th largest l of the row (needs k <= its count of finite l), exactly: bisection over
     the ordered bits with NUM_PIVOTS pivots a pass, keeping count(l >= lo) >= k > count(l >= hi)."""
-    lanes = tl.arange(0, SUB)
+    lanes = tl.arange(0, 4 * SUB)
     js = tl.arange(0, NUM_PIVOTS + 1)  # one spare column, unused (pivot lists must be a power of 2)
     lo = (_ordered_bits(tl.full((), NEG_INF, tl.float32)) + 1).to(tl.int64)  # least finite
     hi = _ordered_bits(m).to(tl.int64) + 1
     while hi - lo > 1:
         pivots = lo + (hi - lo) * (js + 1) // (NUM_PIVOTS + 1)  # [NUM_PIVOTS + 1], last = hi
         counts = tl.zeros([NUM_PIVOTS + 1], tl.int32)
-        for start in range(0, V, SUB):
+        for start in range(0, V, 4 * SUB):
             bits = _ordered_bits(_scaled(row_ptr, start + lanes, V, T)).to(tl.int64)
             counts += tl.sum((bits[None, :] >= pivots[:, None]).to(tl.int32), 1)
         enough = (counts >= k) & (js < NUM_PIVOTS)
@@ -228,26 +202,29 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
     tl.store(out_ptr + pid, ok & (l_s > NEG_INF))
 
 
-def _launch_args(logits: torch.Tensor, params: torch.Tensor):
+def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
     assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
-    return dict(V=logits.shape[1], SUB=SUB, NUM_PIVOTS=NUM_PIVOTS, num_warps=8)
+    return dict(V=logits.shape[1], SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=8)
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
-                out: torch.Tensor) -> None:
+                out: torch.Tensor, sub: int = SUB) -> None:
     """Sample rows of logits [rows, vocab] fp32 into out [rows] int64: program i samples row
     ids[i, 0] with Philox seed ids[i, 1] (ids [n, 2] int64) and params[i] = (temperature > 0,
-    top_k (0: all), top_p, min_p) (params [n, 4] fp32). Rows not in ids are left as they are."""
+    top_k (0: all), top_p, min_p) (params [n, 4] fp32). Rows not in ids are left as they are.
+    sub: the sub-tile width (a power of 2; the noise of a seed depends on it: tests on the
+    interpreter use small ones)."""
     assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.shape == (params.shape[0], 2)
     if ids.shape[0]:
         _sample_kernel[(ids.shape[0],)](logits, logits.stride(0), params, ids, out,
-                                        **_launch_args(logits, params))
+                                        **_launch_args(logits, params, sub))
 
 
-def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor,
+            sub: int = SUB) -> torch.Tensor:
     """For tests: bool [rows], whether the kernel would accept candidates[r] (int64) in row r."""
     out = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
     _accepts_kernel[(logits.shape[0],)](logits, logits.stride(0), params, candidates, out,
-                                        **_launch_args(logits, params))
+                                        **_launch_args(logits, params, sub))
     return out

@@ -47,6 +47,34 @@ def ref_probs(logits, p: SamplingParams):
     return probs
 
 
+MARGIN = 1e-4  # a token this close to a min_p or top_p boundary may fall either side (fp32)
+
+
+def ref_kept(logits: torch.Tensor, t: float, k: int, p: float, min_p: float):
+    """-> (kept [vocab] bool, borderline [vocab] bool) in float64, one row: the sampling
+    kernel's semantics (flashlet/kernels/sampling.py). Temperature, min_p on exp(l - max), top_k
+    with ties kept, then top_p keeping a token when the kept mass strictly above it is below
+    top_p (ties at the boundary all kept); borderline tokens are within rounding of a boundary."""
+    l = (logits / t).double()  # the same fp32 division as the kernel, then float64
+    w = torch.exp(l - l.max())
+    kept = w >= min_p
+    borderline = (w - min_p).abs() < MARGIN * min_p
+    finite = l > float("-inf")
+    if 0 < k < int((kept & finite).sum()):
+        kth = l[kept].sort(descending=True).values[k - 1]
+        kept &= l >= kth
+    if p < 1:
+        values, order = l.sort(descending=True)
+        kept_w = (w * kept)[order]
+        before = kept_w.cumsum(0) - kept_w  # kept mass of the tokens sorted before each
+        first_tie = torch.searchsorted(-values, -values)  # the first of each run of equal values
+        above = torch.empty_like(w).scatter_(0, order, before[first_tie])
+        mass = kept_w.sum()
+        borderline |= kept & ((above / mass - p).abs() < MARGIN)
+        kept &= (above < p * mass) | (l == l.max())
+    return kept & finite, borderline
+
+
 def request(rid, params, prompt=(3, 4, 5), output=()):
     req = Request(rid, list(prompt), params, make_generator(params, "cpu"))
     req.output_token_ids = list(output)

@@ -1,5 +1,5 @@
 """The sort-free sampling kernel (flashlet/kernels/sampling.py) against the torch reference
-(flashlet.sampler.sampling_probs) and a slow float64 kept-set reference: the same kept set on
+(flashlet.sampler.sampling_probs) and a float64 kept-set reference (tests/test_sampler.py): the same kept set on
 flat, peaked, tied and -inf rows under every filter combination; draws that follow the
 reference distribution; seeded rows independent of their batch. On the CPU the kernel runs in
 Triton's interpreter (about 0.1 s a row), so the rows are few and the vocabularies small."""
@@ -13,29 +13,9 @@ from flashlet.kernels.sampling import accepts, sample_rows
 from flashlet.request import Request
 from flashlet.sampler import Sampler, sampling_probs
 from flashlet.sampling import SamplingParams
+from tests.test_sampler import ref_kept
 
 SUB = 256  # sub-tiles of 256 draws: the interpreter's cost grows with the tile, not the vocabulary
-MARGIN = 1e-4  # a token this close to a min_p or top_p boundary may fall either side (fp32)
-
-
-def ref_kept(logits: torch.Tensor, t: float, k: int, p: float, min_p: float):
-    """-> (kept [vocab] bool, borderline [vocab] bool) in float64, one row. The kernel's
-    semantics: temperature, min_p on exp(l - max), top_k with ties kept, then top_p keeping a
-    token when the kept mass strictly above it is below top_p (ties at the boundary all kept)."""
-    l = (logits / t).double()  # the same fp32 division as the kernel, then exact arithmetic
-    w = torch.exp(l - l.max())
-    kept = w >= min_p
-    borderline = (w - min_p).abs() < MARGIN * min_p
-    finite = l > float("-inf")
-    if 0 < k < int((kept & finite).sum()):
-        kth = l[kept].sort(descending=True).values[k - 1]
-        kept &= l >= kth
-    if p < 1:
-        mass = w[kept].sum()
-        above = ((w * kept)[None, :] * (l[None, :] > l[:, None])).sum(1)  # kept mass above each
-        borderline |= kept & ((above / mass - p).abs() < MARGIN)
-        kept &= (above < p * mass) | (l == l.max())
-    return kept & finite, borderline
 
 
 def make_rows(kind: str, rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -111,14 +91,13 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("filters", [(0.7, 0, 0.9, 0.0), (0.9, 6, 0.8, 0.0),
-                                     (1.2, 0, 1.0, 0.1)])
+@pytest.mark.parametrize("filters", [(0.7, 0, 0.9, 0.0), (0.9, 6, 0.8, 0.05)])
 def test_draws_follow_the_reference_distribution(filters):
     """Many rows with one row's logits, each its own Philox seed (fixed: the result is
     deterministic, it cannot flake): Pearson's chi-square against sampling_probs stays below the
     0.999 quantile (a wrong renormalisation or race is far above it at these sizes)."""
     gen = torch.Generator().manual_seed(12)
-    vocab, draws = 48, 360
+    vocab, draws = 48, 200
     row = torch.randn(vocab, generator=gen) * 1.5
     row[7] = float("-inf")
     logits = row.expand(draws, vocab).contiguous()

@@ -60,6 +60,7 @@ def ref_kept(logits: torch.Tensor, t: float, k: int, p: float, min_p: float):
     kept = w >= min_p
     borderline = (w - min_p).abs() < MARGIN * min_p
     finite = l > float("-inf")
+    k = int(k)
     if 0 < k < int((kept & finite).sum()):
         kth = l[kept].sort(descending=True).values[k - 1]
         kept &= l >= kth

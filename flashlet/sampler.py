@@ -64,6 +64,7 @@ class Sampler:
         self.free_slots: list[int] = []
 
     # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()  # the runner's logits are inference tensors, written into here
     def sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
         """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the
         module docstring)."""

@@ -118,16 +118,17 @@ def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr)
 def _kth_largest(row_ptr, V, T, k, m, SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """The k-th largest l of the row (needs k <= its count of finite l), exactly: bisection over
     the ordered bits with NUM_PIVOTS pivots a pass, keeping count(l >= lo) >= k > count(l >= hi)."""
-    lanes = tl.arange(0, 4 * SUB)
+    lanes = tl.arange(0, SUB)  # [pivots, SUB] comparisons a step: registers, not 4 * SUB
     js = tl.arange(0, NUM_PIVOTS + 1)  # one spare column, unused (pivot lists must be a power of 2)
     lo = (_ordered_bits(tl.full((), NEG_INF, tl.float32)) + 1).to(tl.int64)  # least finite
     hi = _ordered_bits(m).to(tl.int64) + 1
     while hi - lo > 1:
         pivots = lo + (hi - lo) * (js + 1) // (NUM_PIVOTS + 1)  # [NUM_PIVOTS + 1], last = hi
+        narrow = pivots.to(tl.int32)  # the interval lies in int32 (hi - lo does not, always)
         counts = tl.zeros([NUM_PIVOTS + 1], tl.int32)
-        for start in range(0, V, 4 * SUB):
-            bits = _ordered_bits(_scaled(row_ptr, start + lanes, V, T)).to(tl.int64)
-            counts += tl.sum((bits[None, :] >= pivots[:, None]).to(tl.int32), 1)
+        for start in range(0, V, SUB):
+            bits = _ordered_bits(_scaled(row_ptr, start + lanes, V, T))
+            counts += tl.sum((bits[None, :] >= narrow[:, None]).to(tl.int32), 1)
         enough = (counts >= k) & (js < NUM_PIVOTS)
         lo = tl.maximum(lo, tl.max(tl.where(enough, pivots, lo), 0))
         hi = tl.minimum(hi, tl.min(tl.where(enough, hi, pivots), 0))

@@ -18,7 +18,9 @@ a smaller superset with fresh noise, is distributed exactly as softmax restricte
 rows (top_p 0.9 keeps ~90% of the vocabulary) the first candidate is accepted ~90% of the time;
 on peaked rows the second one nearly always is: about two passes over the row either way.
 top_k together with top_p needs the mass of the top-k set, so such rows first find the k-th
-largest value exactly, by counting against 15 pivots per pass over the values' ordered bits.
+largest value tau exactly, by counting against 15 pivots per pass over the values' ordered bits
+(~8 passes), and race only over {l >= tau} from then on. top_k alone on a flat row takes about
+ln(vocab / top_k) rounds (each rejected candidate cuts what is left by a random fraction).
 
 Noise: Philox (`tl.rand4x`, four numbers per draw) keyed by a per-row 64-bit seed, counter = (the
 round, the element): a row's tokens depend only on its seed, never on the batch around it.
@@ -29,7 +31,7 @@ of them stay (as top_k's ties do). Masses are fp32 sums in another order than th
 cumsum, so a token whose cumulative mass is within rounding of top_p may fall on either side.
 
 Bytes per row: about 2-3 reads of the row (one more per rejected candidate; ~8 more with
-top_k and top_p together). FLOPs per element and pass: a division, two logs and an exp, plus a
+top_k and top_p together), fp32. FLOPs per element and pass: a division, two logs and an exp, plus a
 quarter of a Philox-4x32-10 draw.
 """
 
@@ -93,7 +95,7 @@ def _first_pass(row_ptr, V, T, seed, SUB: tl.constexpr):
 def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr):
     """For candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
     set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
-    {l > l_s} with round `rnd`'s noise."""
+    {l > l_s, l >= tau} with round `rnd`'s noise."""
     count_above = tl.full((), 0, tl.int32)
     mass_above = tl.full((), 0.0, tl.float32)
     mass_kept = tl.full((), 0.0, tl.float32)
@@ -106,7 +108,7 @@ def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr)
         count_above += tl.sum(above.to(tl.int32))
         mass_above += tl.sum(tl.where(above, w, 0.0))
         mass_kept += tl.sum(tl.where((l >= tau) & (w >= min_p), w, 0.0))
-        key = tl.where(above, l - tl.log(-tl.log(u)), NEG_INF)
+        key = tl.where(above & (l >= tau), l - tl.log(-tl.log(u)), NEG_INF)  # still holds A
         tile_key = tl.max(key)
         first = tl.min(tl.where(key == tile_key, offs, 2147483647))
         best_idx = tl.where(tile_key > best_key, first, best_idx)

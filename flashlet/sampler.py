@@ -134,9 +134,9 @@ class Sampler:
     def _count(self, reqs: list, rows: list[int], tokens: torch.Tensor) -> None:
         """Add each penalised row's sampled token to its counts and seen ids, on the device."""
         slots = self._index([self.slot_of[reqs[i].request_id] for i in rows])
-        self.record(slots, tokens[self._index(rows)])
+        self._record(slots, tokens[self._index(rows)])
 
-    def record(self, slots: torch.Tensor, chosen: torch.Tensor) -> None:
+    def _record(self, slots: torch.Tensor, chosen: torch.Tensor) -> None:
         """Penalty rows `slots` [P] output one more token each, chosen [P] (device tensors)."""
         ones = torch.ones(slots.shape[0], dtype=self.counts.dtype, device=self.device)
         self.counts.index_put_((slots, chosen), ones, accumulate=True)

@@ -199,8 +199,9 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
     m, n_finite, _, _ = _first_pass(row_ptr, V, T, seed, SUB)
     tau = _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB, NUM_PIVOTS)
     l_s = _scaled(row_ptr, tl.load(candidates_ptr + pid), V, T)
-    count_above, mass_above, mass_kept, _, _ = _round_pass(row_ptr, V, T, seed, tl.full((), 1, tl.int32),
-                                                           l_s, m, tau, min_p, SUB)
+    first_round = tl.full((), 1, tl.int32)
+    count_above, mass_above, mass_kept, _, _ = _round_pass(row_ptr, V, T, seed, first_round, l_s,
+                                                           m, tau, min_p, SUB)
     ok = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p)
     tl.store(out_ptr + pid, ok & (l_s > NEG_INF))
 

@@ -1,6 +1,6 @@
 """The sort-free sampling kernel (flashlet/kernels/sampling.py) against the torch reference
-(flashlet.sampler.sampling_probs) and a float64 kept-set reference (tests/test_sampler.py): the same kept set on
-flat, peaked, tied and -inf rows under every filter combination; draws that follow the
+(flashlet.sampler.sampling_probs) and a float64 kept-set reference (tests/test_sampler.py): the
+same kept set on flat, peaked, tied and -inf rows under every filter combination; draws that follow the
 reference distribution; seeded rows independent of their batch. On the CPU the kernel runs in
 Triton's interpreter (about 0.1 s a row), so the rows are few and the vocabularies small."""
 

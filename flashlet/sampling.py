@@ -153,7 +153,8 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:
-    """A generator for a seeded sampling request; unseeded requests share the global one."""
+    """A generator for a seeded sampling request on the torch sampler path (the CUDA kernel
+    derives its noise from `noise_seed`); unseeded requests share the global one."""
     if params.is_greedy or params.seed is None:
         return None
     gen = torch.Generator(device=device)

@@ -176,7 +176,9 @@ class Engine:
             request_id = next(i for i in self._ids if not self._id_in_use(i))
         elif self._id_in_use(request_id):
             raise ValueError(f"request id {request_id} is in use")
-        req = Request(request_id, token_ids, params, make_generator(params, self.device))
+        # The sampling kernel keys a seeded request's noise by its seed and position instead.
+        generator = None if self.sampler.use_kernel else make_generator(params, self.device)
+        req = Request(request_id, token_ids, params, generator)
         if params.is_constrained:
             req.grammar = self.structured.matcher(params.response_format)
         if params.logprobs is not None:

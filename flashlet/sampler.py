@@ -16,9 +16,20 @@ logprob of the token that was actually sampled.
 Penalties (vLLM / OpenAI semantics): the repetition penalty applies to every token seen in the
 prompt or the output (a positive logit is divided by it, a negative one multiplied), then
 `frequency_penalty * count` and `presence_penalty * (count > 0)` are subtracted, counting output
-tokens only. The counts live on the device, one row per penalised request, and are updated from
-the sampled token tensor right after sampling: no host round trip, so an overlapped step (which
-runs before the host has read the previous tokens) already sees them.
+tokens only. They change only the logits of tokens already seen, so they are applied sparsely:
+each penalised request has a row of seen token ids (its prompt, then each sampled token) and a
+row of output counts on the device, both updated from the sampled token tensor right after
+sampling: no host round trip, so an overlapped step (which runs before the host has read the
+previous tokens) already sees them.
+
+On CUDA the sampled rows go through one Triton kernel (flashlet/kernels/sampling.py): sort-free
+and exact for temperature, min_p, top_k and top_p, its noise from Philox keyed per row, so a
+seeded request's noise depends only on its seed and output position. The torch code here is the
+CPU path and the reference the tests hold the kernel to.
+
+The sampler writes into the logits it is given (grammar and min_tokens masks, penalties) rather
+than copying them: the engine reads the runner's logits buffer only before sampling (observers,
+and the raw logprobs, computed here first).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.sampling import SamplingParams, TokenLogprob, noise_seed
 from flashlet.structured import apply_grammar_masks
 
 
@@ -39,23 +50,28 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, eos_token_ids: set[int]):
+    def __init__(self, device: torch.device, eos_token_ids: set[int],
+                 use_kernel: bool | None = None):
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
-        # Penalty state, allocated when the first penalised request samples.
+        # The Triton kernel samples on CUDA (tests run it on the CPU through the interpreter).
+        self.use_kernel = device.type == "cuda" if use_kernel is None else use_kernel
+        # Penalty state, allocated when the first penalised request samples; one row a request.
         self.counts: torch.Tensor | None = None  # [slots, vocab] int32: output tokens so far
-        self.prompt_mask: torch.Tensor | None = None  # [slots, vocab] bool: tokens of the prompt
-        self.slot_of: dict[int, int] = {}  # request id -> its row in counts / prompt_mask
+        self.seen_ids: torch.Tensor | None = None  # [slots, capacity] int64: prompt, then output
+        self.seen_lens: torch.Tensor | None = None  # [slots] int64: filled entries of seen_ids
+        self.slot_of: dict[int, int] = {}  # request id -> its row in the penalty state
         self.free_slots: list[int] = []
 
     # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()  # the runner's logits are inference tensors, written into here
     def sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
-        """logits [len(reqs), vocab] (fp32) -> a token per request (see the module docstring)."""
+        """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the
+        module docstring)."""
         params = [r.params for r in reqs]
         errors: dict[int, Exception] = {}
         if all(_plain_greedy(p) for p in params):  # the common greedy case: nothing to apply
             return SamplerOutput(logits.argmax(dim=-1), errors, None)
-        logits = logits.to(torch.float32, copy=True)  # never write into the runner's buffer
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = (torch.log_softmax(logits[self._index(lp_rows)], dim=-1)
                         if lp_rows else None)
@@ -63,15 +79,9 @@ class Sampler:
         self._mask_early_stops(logits, reqs)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
-            logits = self._apply_penalties(logits, reqs, penalised)
+            self._apply_penalties(logits, reqs, penalised)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if len(random_rows) == len(reqs):
-            tokens = self._draw(logits, reqs, random_rows, errors)
-        else:
-            tokens = logits.argmax(dim=-1)
-            if random_rows:
-                rows = self._index(random_rows)
-                tokens.index_copy_(0, rows, self._draw(logits[rows], reqs, random_rows, errors))
+        tokens = self._draw_all(logits, reqs, random_rows, errors)
         if penalised:
             self._count(reqs, penalised, tokens)
         logprobs = None
@@ -86,6 +96,16 @@ class Sampler:
         if slot is not None:
             self.free_slots.append(slot)
 
+    def warm_up(self, vocab: int) -> None:
+        """Compile the sampling kernel (where it is used) before the first request needs it."""
+        if self.use_kernel:
+            from flashlet.kernels.sampling import sample_rows
+
+            logits = torch.randn(2, vocab, device=self.device)
+            params = torch.tensor([[0.8, 20, 0.9, 0.05]] * 2, device=self.device)
+            ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int64, device=self.device)
+            sample_rows(logits, params, ids, torch.empty(2, dtype=torch.int64, device=self.device))
+
     # ---- the pieces -------------------------------------------------------------------------
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list) -> None:
         """Rows short of min_tokens may not sample EOS or a stop token id."""
@@ -99,24 +119,66 @@ class Sampler:
         if rows:
             logits[self._index(rows), self._index(ids)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
+        """In place, on the seen tokens of each penalised row only."""
         slots = self._index([self._slot(reqs[i], logits.shape[1]) for i in rows])
-        row_index = self._index(rows)
         values = self._tensor([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
                                 reqs[i].params.repetition_penalty] for i in rows], torch.float32)
-        penalised = apply_penalties(logits[row_index], self.counts[slots], self.prompt_mask[slots],
-                                    values[:, 0], values[:, 1], values[:, 2])
-        return logits.index_copy(0, row_index, penalised)
+        seen = self.seen_ids[slots]  # [P, capacity]
+        filled = torch.arange(seen.shape[1], device=self.device) < self.seen_lens[slots, None]
+        seen = torch.where(filled, seen, seen[:, :1])  # unfilled entries repeat the first id
+        seen_counts = self.counts[slots.unsqueeze(1), seen]
+        penalise_seen(logits, self._index(rows), seen, seen_counts, self.seen_lens[slots] > 0,
+                      values[:, 0], values[:, 1], values[:, 2])
 
     def _count(self, reqs: list, rows: list[int], tokens: torch.Tensor) -> None:
-        """Add each penalised row's sampled token to its counts, on the device."""
+        """Add each penalised row's sampled token to its counts and seen ids, on the device."""
         slots = self._index([self.slot_of[reqs[i].request_id] for i in rows])
-        chosen = tokens[self._index(rows)]
-        ones = torch.ones(len(rows), dtype=self.counts.dtype, device=self.device)
+        self._record(slots, tokens[self._index(rows)])
+
+    def _record(self, slots: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Penalty rows `slots` [P] output one more token each, chosen [P] (device tensors)."""
+        ones = torch.ones(slots.shape[0], dtype=self.counts.dtype, device=self.device)
         self.counts.index_put_((slots, chosen), ones, accumulate=True)
+        end = self.seen_lens[slots].clamp(max=self.seen_ids.shape[1] - 1)  # full: never, see _slot
+        self.seen_ids[slots, end] = chosen
+        self.seen_lens.index_add_(0, slots, torch.ones_like(end))
+
+    def _draw_all(self, logits: torch.Tensor, reqs: list, random_rows: list[int],
+                  errors: dict) -> torch.Tensor:
+        """Tokens [rows]: greedy rows take the argmax, random rows are sampled."""
+        if self.use_kernel:
+            if len(random_rows) == len(reqs):
+                tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+            else:
+                tokens = logits.argmax(dim=-1)
+            self._draw_kernel(logits, reqs, random_rows, tokens)
+            return tokens
+        if len(random_rows) == len(reqs):
+            return self._draw(logits, reqs, random_rows, errors)
+        tokens = logits.argmax(dim=-1)
+        if random_rows:
+            rows = self._index(random_rows)
+            tokens.index_copy_(0, rows, self._draw(logits[rows], reqs, random_rows, errors))
+        return tokens
+
+    def _draw_kernel(self, logits: torch.Tensor, reqs: list, rows: list[int],
+                     tokens: torch.Tensor) -> None:
+        """Sample the given rows of logits into tokens with the Triton kernel."""
+        if not rows:
+            return
+        # Imported here: whether Triton interprets is fixed at import (tests/kernels/conftest.py).
+        from flashlet.kernels.sampling import sample_rows
+
+        step_seed = int(torch.randint(2**62, (1,)))  # the unseeded rows' noise, this step
+        params = [reqs[i].params for i in rows]
+        columns = self._tensor([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
+                               torch.float32)
+        ids = self._index([(i, noise_seed(reqs[i], step_seed, i)) for i in rows])
+        sample_rows(logits, columns, ids, tokens)
 
     def _draw(self, logits: torch.Tensor, reqs: list, rows: list[int], errors: dict) -> torch.Tensor:
-        """Sample the given rows (logits [len(rows), vocab]) -> tokens [len(rows)]."""
+        """Sample the given rows (logits [len(rows), vocab]) -> tokens [len(rows)], in torch."""
         params = [reqs[i].params for i in rows]
         columns = self._tensor([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
                                torch.float32)
@@ -139,25 +201,37 @@ class Sampler:
         slot = self.slot_of.get(req.request_id)
         if slot is not None:
             return slot
-        if not self.free_slots:
-            self._grow(vocab)
+        prompt = req.prompt_token_ids
+        # Room for every token it can output (+1: an overlapped step may sample one past a stop).
+        need = len(prompt) + len(req.output_token_ids) + req.params.max_new_tokens + 1
+        if self.seen_ids is None or not self.free_slots or need > self.seen_ids.shape[1]:
+            self._grow(vocab, need)
         slot = self.slot_of[req.request_id] = self.free_slots.pop()
         self.counts[slot] = 0
-        self.prompt_mask[slot] = False
-        self.prompt_mask[slot, self._index(req.prompt_token_ids)] = True
+        known = [t for t in req.output_token_ids if t >= 0]  # sampled before it was penalised
+        self.seen_ids[slot, : len(prompt) + len(known)] = self._index(prompt + known)
+        self.seen_lens[slot] = len(prompt) + len(known)
+        if known:
+            self.counts[slot].index_put_((self._index(known),),
+                                         torch.ones(len(known), dtype=torch.int32,
+                                                    device=self.device), accumulate=True)
         return slot
 
-    def _grow(self, vocab: int) -> None:
+    def _grow(self, vocab: int, capacity: int) -> None:
+        """More rows (when none is free) and at least `capacity` seen ids a row."""
         old = 0 if self.counts is None else self.counts.shape[0]
-        new = max(8, 2 * old)
+        new = max(8, 2 * old) if not self.free_slots else old
+        capacity = max(capacity, 0 if self.seen_ids is None else self.seen_ids.shape[1])
         counts = torch.zeros(new, vocab, dtype=torch.int32, device=self.device)
-        mask = torch.zeros(new, vocab, dtype=torch.bool, device=self.device)
+        seen = torch.zeros(new, capacity, dtype=torch.int64, device=self.device)
+        lens = torch.zeros(new, dtype=torch.int64, device=self.device)
         if old:
-            counts[:old], mask[:old] = self.counts, self.prompt_mask
-        self.counts, self.prompt_mask = counts, mask
+            counts[:old], lens[:old] = self.counts, self.seen_lens
+            seen[:old, : self.seen_ids.shape[1]] = self.seen_ids
+        self.counts, self.seen_ids, self.seen_lens = counts, seen, lens
         self.free_slots += range(new - 1, old - 1, -1)
 
-    def _index(self, values: list[int]) -> torch.Tensor:
+    def _index(self, values: list) -> torch.Tensor:
         return self._tensor(values, torch.int64)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -173,13 +247,31 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
                     presence: torch.Tensor, frequency: torch.Tensor,
                     repetition: torch.Tensor) -> torch.Tensor:
-    """logits, counts (output tokens), prompt_mask: [rows, vocab]; penalties: [rows]."""
+    """The dense reference: logits, counts (output tokens), prompt_mask: [rows, vocab];
+    penalties: [rows]."""
     seen = prompt_mask | (counts > 0)
     repetition = repetition.unsqueeze(1)
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, repeated, logits)
     return (logits - frequency.unsqueeze(1) * counts
             - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+def penalise_seen(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor,
+                  seen_counts: torch.Tensor, any_seen: torch.Tensor, presence: torch.Tensor,
+                  frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+    """`apply_penalties` in place on the seen tokens only: logits [n, vocab]; rows [P], the
+    penalised rows; seen [P, L], the ids of each row's prompt and output tokens (repeats are
+    fine: a token's entries all compute the same value); seen_counts [P, L], the output count of
+    each; any_seen [P], False for a row with no seen token (its ids are then left alone)."""
+    at = (rows.unsqueeze(1).expand_as(seen), seen)
+    x = logits[at]
+    repetition = repetition.unsqueeze(1)
+    penalised = torch.where(x > 0, x / repetition, x * repetition)
+    counts = seen_counts.to(x.dtype)
+    penalised = (penalised - frequency.unsqueeze(1) * counts
+                 - presence.unsqueeze(1) * (counts > 0).to(x.dtype))
+    logits[at] = torch.where(any_seen.unsqueeze(1), penalised, x)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -153,12 +153,32 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:
-    """A generator for a seeded sampling request; unseeded requests share the global one."""
+    """A generator for a seeded sampling request on the torch sampler path (the CUDA kernel
+    derives its noise from `noise_seed`); unseeded requests share the global one."""
     if params.is_greedy or params.seed is None:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(req, step_seed: int, row: int) -> int:
+    """The Philox seed of a request's noise this step (the CUDA sampler's): from its own seed
+    and output position when it has a seed (so its tokens do not depend on the batch), else
+    from the step's random seed and its row. A 63-bit int (splitmix64 of the pair)."""
+    if req.params.seed is not None:
+        return _splitmix64(req.params.seed, len(req.output_token_ids))
+    return _splitmix64(step_seed, row)
+
+
+def _splitmix64(a: int, b: int) -> int:
+    z = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E5B) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:

@@ -102,10 +102,12 @@ def warm_up(engine) -> dict:
 
 
 def _warm_sampling(engine) -> None:
-    """The sampler's first top-k/top-p/multinomial call (library set-up, not compiled code)."""
+    """The sampler's first top-k/top-p/multinomial call (library set-up) and, on CUDA, its
+    Triton sampling kernel's compilation."""
     params = SamplingParams(max_new_tokens=1, temperature=0.8, top_k=20, top_p=0.9, seed=0)
     logits = torch.randn(engine.model_config.vocab_size, device=engine.device)
     sample_one(logits, params, make_generator(params, engine.device))
+    engine.sampler.warm_up(engine.model_config.vocab_size)
 
 
 # ---- counting Triton compilations ---------------------------------------------------------

@@ -17,6 +17,8 @@
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
+#                                             sampler (issue 17: the sampled path alone, ms per
+#                                             128 x 151,936 step, torch vs kernel; GPU tests)
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
 #   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
@@ -100,6 +102,10 @@ for part in "${PARTS[@]}"; do
       run 200 $BF --max-num-pages 8192 --workload decode-sat --temperature 0.7 --top-p 0.9 \
         --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1 \
         --out "$OUT/json/sab-sampled.json" ;;
+    sampler)  # issue 17: Sampler.sample per step, torch path vs Triton kernel, flat and peaked
+      run 120 python3 scripts/bench_sampler.py --json "$OUT/json/sampler-flat.json"
+      run 120 python3 scripts/bench_sampler.py --scale 6 --json "$OUT/json/sampler-peaked.json"
+      run 300 $PYTEST tests/gpu/test_gpu_sampler.py ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     single) run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

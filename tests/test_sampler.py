@@ -47,6 +47,35 @@ def ref_probs(logits, p: SamplingParams):
     return probs
 
 
+MARGIN = 1e-4  # a token this close to a min_p or top_p boundary may fall either side (fp32)
+
+
+def ref_kept(logits: torch.Tensor, t: float, k: int, p: float, min_p: float):
+    """-> (kept [vocab] bool, borderline [vocab] bool) in float64, one row: the sampling
+    kernel's semantics (flashlet/kernels/sampling.py). Temperature, min_p on exp(l - max), top_k
+    with ties kept, then top_p keeping a token when the kept mass strictly above it is below
+    top_p (ties at the boundary all kept); borderline tokens are within rounding of a boundary."""
+    l = (logits / t).double()  # the same fp32 division as the kernel, then float64
+    w = torch.exp(l - l.max())
+    kept = w >= min_p
+    borderline = (w - min_p).abs() < MARGIN * min_p
+    finite = l > float("-inf")
+    k = int(k)
+    if 0 < k < int((kept & finite).sum()):
+        kth = l[kept].sort(descending=True).values[k - 1]
+        kept &= l >= kth
+    if p < 1:
+        values, order = l.sort(descending=True)
+        kept_w = (w * kept)[order]
+        before = kept_w.cumsum(0) - kept_w  # kept mass of the tokens sorted before each
+        first_tie = torch.searchsorted(-values, -values)  # the first of each run of equal values
+        above = torch.empty_like(w).scatter_(0, order, before[first_tie])
+        mass = kept_w.sum()
+        borderline |= kept & ((above / mass - p).abs() < MARGIN)
+        kept &= (above < p * mass) | (l == l.max())
+    return kept & finite, borderline
+
+
 def request(rid, params, prompt=(3, 4, 5), output=()):
     req = Request(rid, list(prompt), params, make_generator(params, "cpu"))
     req.output_token_ids = list(output)
@@ -122,11 +151,7 @@ def test_batched_draws_follow_the_reference_distribution(params):
     want = ref_probs(ref_penalties(logits, prompt, output, params), params)
     n = 8000
     sampler = Sampler(torch.device("cpu"), {EOS})
-    reqs = [request(i, params, prompt, output) for i in range(n)]
-    if params.has_penalties:  # the penalty state as if `output` had been sampled
-        slots = torch.tensor([sampler._slot(req, VOCAB) for req in reqs])
-        for t in output:
-            sampler.counts[slots, t] += 1
+    reqs = [request(i, params, prompt, output) for i in range(n)]  # penalties count `output`
     tokens = sampler.sample(logits.expand(n, VOCAB).contiguous(), reqs).tokens.tolist()
     assert total_variation(tokens, want) < 0.04
     if not params.has_penalties:  # the old sampler, for comparison
@@ -142,11 +167,7 @@ def test_greedy_rows_are_exact_argmax_beside_sampled_rows():
     params = [random_params(gen) for _ in range(rows)]
     reqs = [request(i, p, output=[2, 2, 9]) for i, p in enumerate(params)]
     sampler = Sampler(torch.device("cpu"), {EOS})
-    for req in reqs:
-        slot = sampler._slot(req, VOCAB)
-        sampler.counts[slot, 2] += 2
-        sampler.counts[slot, 9] += 1
-    tokens = sampler.sample(logits, reqs).tokens
+    tokens = sampler.sample(logits.clone(), reqs).tokens  # the sampler writes into its logits
     for r, p in enumerate(params):
         if p.is_greedy:
             want = ref_penalties(logits[r], [3, 4, 5], [2, 2, 9], p).argmax()
@@ -196,7 +217,8 @@ def test_penalty_counts_follow_the_sampled_tokens_on_the_device():
         slot = sampler.slot_of[req.request_id]
         want = torch.bincount(torch.tensor(seen[r]), minlength=VOCAB).to(torch.int32)
         assert torch.equal(sampler.counts[slot], want)
-        assert sampler.prompt_mask[slot].nonzero().flatten().tolist() == [3, 4, 5]
+        filled = int(sampler.seen_lens[slot])
+        assert sampler.seen_ids[slot, :filled].tolist() == [3, 4, 5] + seen[r]
     sampler.release(reqs[0].request_id)
     assert reqs[0].request_id not in sampler.slot_of and sampler.free_slots
 
@@ -231,3 +253,34 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     sampler = Sampler(torch.device("cpu"), {EOS})
     req = request(0, other_seed)
     assert draws(2) != [int(sampler.sample(logits[:1], [req]).tokens[0]) for _ in range(20)]
+
+
+def test_sparse_penalties_equal_the_dense_reference():
+    """The sampler penalises only seen ids (prompt, then output, repeats and -inf included);
+    the result is apply_penalties' dense one, exactly, and rows without penalties are left alone."""
+    gen = torch.Generator().manual_seed(8)
+    rows = 10
+    logits = torch.randn(rows, VOCAB, generator=gen) * 3
+    logits[2, 4] = float("-inf")  # a grammar-banned token that was also in the prompt
+    params = [random_params(gen) for _ in range(rows)]
+    params[0] = SamplingParams(temperature=1.0)  # no penalties
+    prompts = [torch.randint(VOCAB, (int(torch.randint(1, 8, (1,), generator=gen)),),
+                             generator=gen).tolist() for _ in range(rows)]
+    prompts[2] = [4, 4, 6]
+    outputs = [torch.randint(VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),),
+                             generator=gen).tolist() for _ in range(rows)]
+    reqs = [request(i, p, prompts[i], outputs[i]) for i, p in enumerate(params)]
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    got = logits.clone()
+    Sampler(torch.device("cpu"), {EOS})._apply_penalties(got, reqs, penalised)
+    counts = torch.zeros(rows, VOCAB, dtype=torch.int32)
+    mask = torch.zeros(rows, VOCAB, dtype=torch.bool)
+    for r in range(rows):
+        for t in outputs[r]:
+            counts[r, t] += 1
+        mask[r, prompts[r]] = True
+    column = lambda name: torch.tensor([float(getattr(p, name)) for p in params])  # noqa: E731
+    want = apply_penalties(logits, counts, mask, column("presence_penalty"),
+                           column("frequency_penalty"), column("repetition_penalty"))
+    for r in range(rows):
+        assert torch.equal(got[r], want[r] if r in penalised else logits[r]), r

@@ -7,6 +7,7 @@ Every module holds one kernel family, a Python launcher and its reference:
 - `rope_kv_write`     RoPE on Q and K fused with the K/V write into the paged pool
 - `rmsnorm`           RMSNorm and fused residual-add + RMSNorm
 - `silu_mul`          SiLU-and-mul of the MLP's gate/up projection
+- `sampling`          sort-free exact sampling (temperature, min_p, top-k, top-p) with Philox noise
 - `ops`               `TritonOps`, the drop-in for `flashlet.ops.TorchOps`
 - `bench`             the kernel sweep (time, bandwidth, fraction of copy bandwidth)
 

@@ -1,13 +1,19 @@
 """GPU checks of the batched sampler: the same distribution, greedy tokens and logprobs on
 CUDA as the per-row references on the CPU (tests/test_sampler.py), with the logprobs copied
-through pinned memory and penalties counted on the device across overlapped steps."""
+through pinned memory and penalties counted on the device across overlapped steps; and the
+sampling kernel (flashlet/kernels/sampling.py) at the real size, 128 rows of Qwen2.5's 151,936
+tokens: its kept set is the reference's, its draws follow the reference distribution."""
+
+import math
 
 import pytest
 import torch
 
 from flashlet.sampler import Sampler
 from flashlet.sampling import SamplingParams
-from tests.test_sampler import VOCAB, ref_penalties, ref_probs, request, total_variation
+from flashlet.sampler import sampling_probs
+from tests.test_sampler import (VOCAB, ref_kept, ref_penalties, ref_probs, request,
+                                total_variation)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -47,3 +53,81 @@ def test_engine_on_cuda_with_penalties_and_logprobs_overlapped(tiny_qwen2):
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids  # counts updated on the device, in time for overlap
         assert len(b.logprobs) == len(b.token_ids)
+
+
+QWEN_VOCAB, ROWS = 151936, 128
+FILTERS = [  # temperature, top_k, top_p, min_p
+    (0.7, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (0.8, 0, 1.0, 0.05),
+    (0.7, 50, 0.9, 0.0), (1.0, 20, 0.5, 0.02), (0.5, 0, 0.6, 0.1), (1.5, 70000, 0.95, 0.001),
+]
+
+
+def real_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """128 rows: flat, peaked and banned (-inf) rows under each filter combination."""
+    logits = torch.randn(ROWS, QWEN_VOCAB, generator=gen)
+    logits[ROWS // 3 : 2 * ROWS // 3] *= 6
+    logits[2 * ROWS // 3 :, ::3] = float("-inf")
+    params = torch.tensor([FILTERS[r % len(FILTERS)] for r in range(ROWS)], dtype=torch.float32)
+    return logits, params
+
+
+def test_kernel_kept_set_at_the_real_vocabulary():
+    """Each row's least likely kept token is accepted, its most likely dropped one is not."""
+    from flashlet.kernels.sampling import accepts
+
+    logits, params = real_rows(torch.Generator().manual_seed(20))
+    last_kept, first_dropped, checked = [], [], 0
+    for r in range(ROWS):
+        kept, borderline = ref_kept(logits[r], *params[r].tolist())
+        order = logits[r].argsort(descending=True)
+        n = int(kept[order].sum())
+        last_kept.append(int(order[n - 1]) if not borderline[order[n - 1]] else -1)
+        below = order[n] if n < QWEN_VOCAB else order[-1]
+        ok = n < QWEN_VOCAB and not borderline[below] and logits[r, below] > float("-inf")
+        first_dropped.append(int(below) if ok else -1)
+        checked += (last_kept[-1] >= 0) + (first_dropped[-1] >= 0)
+    assert checked > 1.5 * ROWS
+    cuda_logits, cuda_params = logits.cuda(), params.cuda()
+    for candidates, want in ((last_kept, True), (first_dropped, False)):
+        got = accepts(cuda_logits, cuda_params,
+                      torch.tensor([max(c, 0) for c in candidates]).cuda()).cpu()
+        bad = [r for r, c in enumerate(candidates) if c >= 0 and bool(got[r]) != want]
+        assert not bad, [(params[r].tolist(), candidates[r]) for r in bad]
+
+
+@pytest.mark.parametrize("scale, filters", [(1.0, (0.7, 0, 0.9, 0.0)),
+                                            (4.0, (1.0, 50, 0.8, 0.0))])
+def test_kernel_draws_follow_the_reference_at_the_real_vocabulary(scale, filters):
+    """51,200 draws (400 launches of 128 rows with one row's logits, fixed seeds: deterministic)
+    binned into 40 groups of tokens of equal reference mass: Pearson's chi-square below its 0.9999
+    quantile, and no draw outside the kept set."""
+    from flashlet.kernels.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(21)
+    row = torch.randn(QWEN_VOCAB, generator=gen) * scale
+    row[::97] = float("-inf")
+    logits = row.cuda().expand(ROWS, QWEN_VOCAB).contiguous()
+    params = torch.tensor([filters] * ROWS, dtype=torch.float32).cuda()
+    out = torch.empty(ROWS, dtype=torch.int64, device="cuda")
+    draws = []
+    for launch in range(400):
+        seeds = 1 + launch * ROWS + torch.arange(ROWS)
+        ids = torch.stack([torch.arange(ROWS), seeds * 2654435761], 1).cuda()
+        sample_rows(logits, params, ids, out)
+        draws.append(out.clone())
+    tokens = torch.cat(draws).cpu()
+    want = sampling_probs(row[None].double(), *params[:1].cpu().double().unbind(1))[0]
+    kept, borderline = ref_kept(row, *filters)
+    assert bool((kept | borderline)[tokens].all()), "a draw outside the kept set"
+    order = want.argsort(descending=True)
+    bins = 40
+    group = torch.empty(QWEN_VOCAB, dtype=torch.int64)  # tokens of equal mass, by rank
+    group[order] = (want[order].cumsum(0) * bins).clamp(max=bins - 1e-9).long()
+    expected = torch.zeros(bins, dtype=torch.float64).index_add_(0, group, want) * len(tokens)
+    observed = torch.bincount(group[tokens], minlength=bins).double()
+    used = expected > 5
+    stat = float(((observed[used] - expected[used]) ** 2 / expected[used]).sum())
+    dof = int(used.sum()) - 1
+    assert dof >= 2, "too few groups to test"
+    limit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3  # 0.9999 quantile
+    assert stat < limit, (stat, limit, dof)

@@ -1,0 +1,234 @@
+"""Sort-free exact sampling: temperature, min_p, top_k and top_p in one kernel, one program a row.
+
+Work. Row r of logits [rows, vocab] (fp32) samples one token from the distribution that
+`flashlet.sampler.sampling_probs` (the torch reference, vLLM's order) describes: l = logits / T;
+min_p drops tokens with exp(l - max) < min_p; top_k keeps l >= the k-th largest (ties with the
+k-th kept); top_p then keeps token t when the renormalised mass of the tokens strictly above it is
+below top_p; the most likely token always stays; a -inf logit is never picked.
+
+Design (rejection with pivots, the idea behind FlashInfer's sorting-free samplers). Every filter
+keeps a top set {l >= threshold}, so the kept set A is one too. Pass 1 finds max(l) and draws a
+candidate s from softmax(l) over the whole row by an exponential race (s = argmax l - log(E),
+E ~ Exp(1) i.i.d.). Each further pass computes, for the candidate, count(l > l_s), mass(l > l_s)
+and the mass of the min_p/top_k-filtered set, which decide whether s is in A, and speculatively
+races a next candidate over {l > l_s}. If s is in A it is the token; otherwise every token of A
+lies above l_s, so the search restricts to {l > l_s} and goes on with the next candidate. A draw
+from softmax restricted to a superset R of A, kept when it falls in A and otherwise redrawn from
+a smaller superset with fresh noise, is distributed exactly as softmax restricted to A. On flat
+rows (top_p 0.9 keeps ~90% of the vocabulary) the first candidate is accepted ~90% of the time;
+on peaked rows the second one nearly always is: about two passes over the row either way.
+top_k together with top_p needs the mass of the top-k set, so such rows first find the k-th
+largest value tau exactly, by counting against 15 pivots per pass over the values' ordered bits
+(~8 passes), and race only over {l >= tau} from then on. top_k alone on a flat row takes about
+ln(vocab / top_k) rounds (each rejected candidate cuts what is left by a random fraction).
+
+Noise: Philox (`tl.rand4x`, four numbers per draw) keyed by a per-row 64-bit seed, counter = (the
+round, the element): a row's tokens depend only on its seed, never on the batch around it.
+
+Ties at the top_p boundary: the reference sorts and keeps a prefix, so of several tokens tied
+with the last kept one it keeps some (in sort order); here the condition is on the value, so all
+of them stay (as top_k's ties do). Masses are fp32 sums in another order than the reference's
+cumsum, so a token whose cumulative mass is within rounding of top_p may fall on either side.
+
+Bytes per row: about 2-3 reads of the row (one more per rejected candidate; ~8 more with
+top_k and top_p together), fp32. FLOPs per element and pass: a division, two logs and an exp, plus a
+quarter of a Philox-4x32-10 draw.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUB = 1024  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
+NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _ordered_bits(l):
+    """fp32 -> int32 that compares as the floats do (negative floats have their order flipped)."""
+    bits = l.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _scaled(row_ptr, offs, V, T):
+    x = tl.load(row_ptr + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
+    return tl.math.div_rn(x, T)  # correctly rounded, as torch's logits / temperature
+
+
+@triton.jit
+def _tile(row_ptr, start, V, T, seed, rnd, SUB: tl.constexpr):
+    """One block of 4 * SUB elements: their indices, l = logits / T and uniform noise [SUB, 4].
+    Element start + 4 * i + j takes number j of Philox draw (rnd, start / 4 + i)."""
+    lanes = tl.arange(0, SUB)[:, None]
+    js = tl.arange(0, 4)[None, :]
+    offs = start + 4 * lanes + js
+    u0, u1, u2, u3 = tl.rand4x(seed, (start // 4 + lanes).to(tl.int64) + (rnd.to(tl.int64) << 32))
+    u = tl.where(js == 0, u0, tl.where(js == 1, u1, tl.where(js == 2, u2, u3)))
+    return offs, _scaled(row_ptr, offs, V, T), u
+
+
+@triton.jit
+def _first_pass(row_ptr, V, T, seed, SUB: tl.constexpr):
+    """-> max(l), count of finite l, and a race winner over every finite l (round 0).
+    Race key: argmax of l - log(E), E = -log(u) ~ Exp(1), wins with probability softmax(l)."""
+    m = tl.full((), NEG_INF, tl.float32)
+    n_finite = tl.full((), 0, tl.int32)
+    best_key = tl.full((), NEG_INF, tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
+    for start in range(0, V, 4 * SUB):
+        offs, l, u = _tile(row_ptr, start, V, T, seed, tl.full((), 0, tl.int32), SUB)
+        key = tl.where(l > NEG_INF, l - tl.log(-tl.log(u)), NEG_INF)
+        m = tl.maximum(m, tl.max(l))
+        n_finite += tl.sum((l > NEG_INF).to(tl.int32))
+        tile_key = tl.max(key)
+        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
+        best_idx = tl.where(tile_key > best_key, first, best_idx)
+        best_key = tl.maximum(best_key, tile_key)
+    return m, n_finite, best_key, best_idx
+
+
+@triton.jit
+def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr):
+    """For candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
+    set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
+    {l > l_s, l >= tau} with round `rnd`'s noise."""
+    count_above = tl.full((), 0, tl.int32)
+    mass_above = tl.full((), 0.0, tl.float32)
+    mass_kept = tl.full((), 0.0, tl.float32)
+    best_key = tl.full((), NEG_INF, tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
+    for start in range(0, V, 4 * SUB):
+        offs, l, u = _tile(row_ptr, start, V, T, seed, rnd, SUB)
+        w = tl.exp(l - m)
+        above = l > l_s
+        count_above += tl.sum(above.to(tl.int32))
+        mass_above += tl.sum(tl.where(above, w, 0.0))
+        mass_kept += tl.sum(tl.where((l >= tau) & (w >= min_p), w, 0.0))
+        key = tl.where(above & (l >= tau), l - tl.log(-tl.log(u)), NEG_INF)  # still holds A
+        tile_key = tl.max(key)
+        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
+        best_idx = tl.where(tile_key > best_key, first, best_idx)
+        best_key = tl.maximum(best_key, tile_key)
+    return count_above, mass_above, mass_kept, best_key, best_idx
+
+
+@triton.jit
+def _kth_largest(row_ptr, V, T, k, m, SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """The k-th largest l of the row (needs k <= its count of finite l), exactly: bisection over
+    the ordered bits with NUM_PIVOTS pivots a pass, keeping count(l >= lo) >= k > count(l >= hi)."""
+    lanes = tl.arange(0, SUB)  # [pivots, SUB] comparisons a step: registers, not 4 * SUB
+    js = tl.arange(0, NUM_PIVOTS + 1)  # one spare column, unused (pivot lists must be a power of 2)
+    lo = (_ordered_bits(tl.full((), NEG_INF, tl.float32)) + 1).to(tl.int64)  # least finite
+    hi = _ordered_bits(m).to(tl.int64) + 1
+    while hi - lo > 1:
+        pivots = lo + (hi - lo) * (js + 1) // (NUM_PIVOTS + 1)  # [NUM_PIVOTS + 1], last = hi
+        narrow = pivots.to(tl.int32)  # the interval lies in int32 (hi - lo does not, always)
+        counts = tl.zeros([NUM_PIVOTS + 1], tl.int32)
+        for start in range(0, V, SUB):
+            bits = _ordered_bits(_scaled(row_ptr, start + lanes, V, T))
+            counts += tl.sum((bits[None, :] >= narrow[:, None]).to(tl.int32), 1)
+        enough = (counts >= k) & (js < NUM_PIVOTS)
+        lo = tl.maximum(lo, tl.max(tl.where(enough, pivots, lo), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(enough, hi, pivots), 0))
+    bits = lo.to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p):
+    """Is the candidate (value l_s) in the kept set? The most likely token always is."""
+    keep_min_p = tl.exp(l_s - m) >= min_p
+    keep_k = (top_k == 0) | (count_above < top_k)
+    keep_p = (top_p >= 1.0) | (count_above == 0) | (mass_above < top_p * mass_kept)
+    return keep_min_p & keep_k & keep_p
+
+
+@triton.jit
+def _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB: tl.constexpr,
+               NUM_PIVOTS: tl.constexpr):
+    """The top-k value bound for the kept mass: only top_p needs it (-inf when it keeps all)."""
+    tau = tl.full((), NEG_INF, tl.float32)
+    if (top_k > 0) & (top_p < 1.0) & (top_k < n_finite):
+        tau = _kth_largest(row_ptr, V, T, top_k, m, SUB, NUM_PIVOTS)
+    return tau
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride, params_ptr, ids_ptr, out_ptr, V,
+                   SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    pid = tl.program_id(0)
+    row = tl.load(ids_ptr + 2 * pid)  # ids [n, 2] int64: (row of logits, Philox seed)
+    seed = tl.load(ids_ptr + 2 * pid + 1)
+    T = tl.load(params_ptr + 4 * pid)  # params [n, 4] fp32: temperature, top_k, top_p, min_p
+    top_k = tl.load(params_ptr + 4 * pid + 1).to(tl.int32)
+    top_p = tl.load(params_ptr + 4 * pid + 2)
+    min_p = tl.load(params_ptr + 4 * pid + 3)
+    row_ptr = logits_ptr + row * stride
+    m, n_finite, best_key, token = _first_pass(row_ptr, V, T, seed, SUB)
+    tau = _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB, NUM_PIVOTS)
+    l_s = _scaled(row_ptr, token, V, T)
+    done = (top_k == 0) & (top_p >= 1.0) & (tl.exp(l_s - m) >= min_p)  # no filter: s is it
+    rnd = tl.full((), 1, tl.int32)
+    while not done:
+        count_above, mass_above, mass_kept, next_key, next_token = _round_pass(
+            row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB)
+        # Nothing above a rejected candidate only happens through rounding: keep it then.
+        done = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p) | (
+            next_key == NEG_INF)
+        token = tl.where(done, token, next_token)
+        l_s = _scaled(row_ptr, token, V, T)
+        rnd += 1
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
+                    SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """For tests: would row `pid` accept its candidate token? (the sampler's own decision)"""
+    pid = tl.program_id(0)
+    T = tl.load(params_ptr + 4 * pid)
+    top_k = tl.load(params_ptr + 4 * pid + 1).to(tl.int32)
+    top_p = tl.load(params_ptr + 4 * pid + 2)
+    min_p = tl.load(params_ptr + 4 * pid + 3)
+    row_ptr = logits_ptr + pid * stride
+    seed = tl.full((), 0, tl.int64)  # noise unused: only the counts and masses matter here
+    m, n_finite, _, _ = _first_pass(row_ptr, V, T, seed, SUB)
+    tau = _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB, NUM_PIVOTS)
+    l_s = _scaled(row_ptr, tl.load(candidates_ptr + pid), V, T)
+    first_round = tl.full((), 1, tl.int32)
+    count_above, mass_above, mass_kept, _, _ = _round_pass(row_ptr, V, T, seed, first_round, l_s,
+                                                           m, tau, min_p, SUB)
+    ok = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p)
+    tl.store(out_ptr + pid, ok & (l_s > NEG_INF))
+
+
+def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int):
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
+    assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
+    return dict(V=logits.shape[1], SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=8)
+
+
+def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
+                out: torch.Tensor, sub: int = SUB) -> None:
+    """Sample rows of logits [rows, vocab] fp32 into out [rows] int64: program i samples row
+    ids[i, 0] with Philox seed ids[i, 1] (ids [n, 2] int64) and params[i] = (temperature > 0,
+    top_k (0: all), top_p, min_p) (params [n, 4] fp32). Rows not in ids are left as they are.
+    sub: the sub-tile width (a power of 2; the noise of a seed depends on it: tests on the
+    interpreter use small ones)."""
+    assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.shape == (params.shape[0], 2)
+    if ids.shape[0]:
+        _sample_kernel[(ids.shape[0],)](logits, logits.stride(0), params, ids, out,
+                                        **_launch_args(logits, params, sub))
+
+
+def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor,
+            sub: int = SUB) -> torch.Tensor:
+    """For tests: bool [rows], whether the kernel would accept candidates[r] (int64) in row r."""
+    out = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
+    _accepts_kernel[(logits.shape[0],)](logits, logits.stride(0), params, candidates, out,
+                                        **_launch_args(logits, params, sub))
+    return out

@@ -44,7 +44,7 @@ from flashlet.model_runner import ModelRunner
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
-from flashlet.sampler import _plain_greedy as plain_greedy  # the sampler's own test: nothing to apply
+from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
 from flashlet.structured import StructuredOutputs, advance_grammars

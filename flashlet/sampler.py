@@ -70,7 +70,7 @@ class Sampler:
         module docstring)."""
         params = [r.params for r in reqs]
         errors: dict[int, Exception] = {}
-        if all(_plain_greedy(p) for p in params):  # the common greedy case: nothing to apply
+        if all(plain_greedy(p) for p in params):  # the common greedy case: nothing to apply
             return SamplerOutput(logits.argmax(dim=-1), errors, None)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = (torch.log_softmax(logits[self._index(lp_rows)], dim=-1)
@@ -317,7 +317,7 @@ def seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:
     row.exponential_(generator=generator)
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     return (p.is_greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
             and not p.is_constrained)
 

@@ -30,7 +30,8 @@ import zmq
 from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
-                                         ProbeReply, Shutdown, StepOutputs, run_engine_core)
+                                         ProbeReply, Shutdown, StepOutputs, build_engine,
+                                         run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, Overloaded, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -56,13 +57,15 @@ class CoreProcess:
 class CoreClient(EngineClient):
     def __init__(self, config: EngineConfig, data_parallel_size: int = 1,
                  tokenizer: str | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 build_engine: Callable = build_engine):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self.num_cores = data_parallel_size
         self.tokenizer_source = tokenizer
         self._on_fatal = on_fatal
+        self._build_engine = build_engine  # runs in the core process (picklable by name)
         self.cores: list[CoreProcess] = []
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count()
@@ -98,7 +101,7 @@ class CoreClient(EngineClient):
                 target=run_engine_core, name=f"flashlet-core{i}",
                 daemon=self.config.tensor_parallel_size == 1,
                 args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid(),
-                      self.tokenizer_source))
+                      self.tokenizer_source, self._build_engine))
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -284,11 +284,14 @@ class EventStream(StreamingResponse):
                 gen.abort()
 
 
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+_json = msgspec.json.Encoder()  # ~10x json.dumps for an SSE chunk; UTF-8, as ensure_ascii=False
 
 
-DONE = "data: [DONE]\n\n"
+def sse(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
 
 
 async def _collect_all(gens: list[Generation]) -> list[Delta]:

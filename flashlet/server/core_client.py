@@ -263,6 +263,7 @@ class CoreClient(EngineClient):
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self._outbox, zmq.POLLIN)
+        next_check = 0.0
         while not self._stopping:  # stop() ends every stream itself
             try:
                 events = dict(poller.poll(READER_POLL_MS))
@@ -281,8 +282,10 @@ class CoreClient(EngineClient):
                     except Exception as e:  # noqa: BLE001 - never leave a request hanging
                         log.exception("bad message from an engine core")
                         self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
-            if not self._stopping and self.error is None:
+            if (not self._stopping and self.error is None
+                    and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
+                next_check = time.monotonic() + READER_POLL_MS / 1000
 
     def _handle(self, msg) -> None:
         if isinstance(msg, StepOutputs):

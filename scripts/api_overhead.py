@@ -12,7 +12,9 @@ Closed-loop clients on raw sockets (cheaper than httpx, so that they load the CP
 stream `--tokens` tokens per request, for `--seconds` per level. Per level it reports the
 streamed tokens/s, SSE events/s, tokens per event (above 1: the API process fell behind the
 core and sent several tokens in one event), and the API process's CPU time per token (user +
-system, from /proc: what the server spends per token outside the engine).
+system, from /proc: what the server spends per token outside the engine), with the core
+process's steps/s and CPU per step (the EngineCore loop's own cost: the token source is a few
+lines).
 
 Never used by the tests as a fake engine: the tests run the real one.
 """
@@ -186,12 +188,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def core_pid(api_pid: int) -> int:
+    """The engine-core process: the API process's child (spawn's resource tracker aside)."""
+    for child in Path(f"/proc/{api_pid}/task/{api_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes() and \
+                b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise RuntimeError("no engine-core process found")
+
+
+def core_steps(port: int) -> float:
+    from flashlet.bench.remote import server_steps
+
+    return sum(server_steps(f"http://127.0.0.1:{port}") or [0])
+
+
 async def level(port: int, pid: int, streams: int, payload: bytes, seconds: float) -> dict:
     tally = {"events": 0, "tokens": 0, "requests": 0}
+    core = core_pid(pid)
+    steps0, core0 = core_steps(port), cpu_seconds(core)
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(one_stream(port, payload, t0 + seconds, tally) for _ in range(streams)))
     cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
+    steps, core_cpu = core_steps(port) - steps0, cpu_seconds(core) - core0
     return {"streams": streams, "wall_s": wall, "requests": tally["requests"],
+            "core_steps_s": steps / wall, "core_cpu_us_per_step": core_cpu / max(steps, 1) * 1e6,
             "tokens": tally["tokens"], "tok_s": tally["tokens"] / wall,
             "events_s": tally["events"] / wall,
             "tokens_per_event": tally["tokens"] / max(tally["events"], 1),
@@ -256,15 +277,16 @@ def main(argv=None) -> int:
         prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
         payload = request_bytes(args.endpoint, prompt, args.tokens)
         print(f"| streams | tok/s | SSE events/s | tokens/event | API CPU us/token | API CPU "
-              f"share |  ({args.endpoint}, {args.tokens} tokens/request, step "
-              f"{args.step_ms} ms)")
-        print("|---|---|---|---|---|---|")
+              f"share | core steps/s | core CPU us/step |  ({args.endpoint}, {args.tokens} "
+              f"tokens/request, step {args.step_ms} ms)")
+        print("|---|---|---|---|---|---|---|---|")
         for streams in args.streams:
             r = asyncio.run(level(port, proc.pid, streams, payload, args.seconds))
             results.append(r)
             print(f"| {streams} | {r['tok_s']:,.0f} | {r['events_s']:,.0f} | "
                   f"{r['tokens_per_event']:.2f} | {r['api_cpu_us_per_token']:.1f} | "
-                  f"{r['api_cpu_share']:.2f} |", flush=True)
+                  f"{r['api_cpu_share']:.2f} | {r['core_steps_s']:,.0f} | "
+                  f"{r['core_cpu_us_per_step']:.0f} |", flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -177,12 +177,11 @@ class CoreClient(EngineClient):
                                               stream.params, after))
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
-            for i, msg in enumerate(messages):
-                if not self._send_locked(core, msg):
-                    core.num_in_flight -= len(streams)
-                    if i:  # the ones sent already: take them back
-                        self._send_locked(core, AbortRequests([m.request_id for m in messages[:i]]))
-                    raise NotReady(f"engine core {core.index} cannot take requests")
+            # One multipart message: the core takes the samples in one go, never the first
+            # alone (which could then run its prompt before the others arrive to share it).
+            if not self._send_locked(core, *messages):
+                core.num_in_flight -= len(streams)
+                raise NotReady(f"engine core {core.index} cannot take requests")
             for stream in streams:
                 self._streams[stream.request_id] = stream
 
@@ -250,10 +249,11 @@ class CoreClient(EngineClient):
         with self._lock:
             self._send_locked(core, msg)
 
-    def _send_locked(self, core: CoreProcess, msg) -> bool:
-        """Send a message to a core (queued without limit); False if the socket is closed."""
+    def _send_locked(self, core: CoreProcess, *msgs) -> bool:
+        """Send messages to a core as one (queued without limit: zmq delivers all the parts or
+        none); False if the socket is closed."""
         try:
-            core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            core.inbox.send_multipart([self._encoder.encode(m) for m in msgs], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             log.error("could not send to engine core %d: %s", core.index, e)

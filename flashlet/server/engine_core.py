@@ -215,10 +215,11 @@ class EngineCore:
                     return
         while True:
             try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK)  # a request's samples together
             except zmq.Again:
                 return
-            self._apply(self.decoder.decode(frame))
+            for frame in frames:
+                self._apply(self.decoder.decode(frame))
 
     def _apply(self, msg) -> None:
         if isinstance(msg, AddRequest):

@@ -127,6 +127,8 @@ class TextEncoder:
         self.chars_per_token = max_token_chars(tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._supports_tools: bool | None = None
+        self.num_threads = num_threads
+        self.num_copies = 0  # tokenizer copies made so far (one per thread that encoded)
         self._local = threading.local()
         self._copy_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
@@ -137,7 +139,16 @@ class TextEncoder:
         if tok is None:
             with self._copy_lock:  # deepcopy reads the shared original
                 tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+                self.num_copies += 1
         return tok
+
+    def warm_up(self, barrier: threading.Barrier) -> None:
+        """On one pool thread: make its tokenizer copy, encode, render the chat template."""
+        barrier.wait()  # every thread takes one call: none does two while another idles
+        self.encode("Hello, world!", "warm-up")
+        if self.has_chat_template:
+            self.chat([{"role": "user", "content": "Hello!"}])
+            self.supports_tools()
 
     def encode(self, text: str, what: str = "prompt") -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
@@ -178,6 +189,14 @@ class TextEncoder:
         if self._supports_tools is not None:
             return self._supports_tools
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.supports_tools)
+
+    async def warm_up_async(self) -> None:
+        """Warm every pool thread (a copy of the tokenizer each costs ~0.1-0.5 s): the first
+        requests then pay none of it."""
+        barrier = threading.Barrier(self.num_threads, timeout=60)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, self.warm_up, barrier)
+                               for _ in range(self.num_threads)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -200,7 +200,9 @@ for part in "${PARTS[@]}"; do
     serve) run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
              --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
              -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
-             --max-num-pages 16384 ;;
+             --max-num-pages 16384
+           run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
+             --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -39,6 +39,8 @@ def _workload_flags(args) -> list[str]:
              *map(str, args.prompt_len_range), "--quiet"]
     if args.num_requests:
         flags += ["--num-requests", str(args.num_requests)]
+    else:
+        flags += ["--min-requests", str(args.min_requests)]
     return flags
 
 
@@ -92,30 +94,58 @@ def _ratio(a, b) -> str:
     return "–" if not a or not b else f"{a / b:.2f}"
 
 
+def _first_ttft(level: dict) -> str:
+    """The TTFT of the level's first request (the samples are in request order)."""
+    ttft = level.get("samples", {}).get("ttft_ms") or []
+    return f"{ttft[0]:.1f}" if ttft else "–"
+
+
+def _tokens_per_event(level: dict) -> str:
+    events = level.get("token_events")
+    return f"{level['output_tokens'] / events:.2f}" if events else "–"
+
+
 def table(inproc: dict, server: dict) -> str:
-    head = ("| concurrency | in-process tok/s | server tok/s | server / in-process | "
-            "TTFT p50 in / server (ms) | TTFT p99 in / server (ms) | ITL p50 in / server (ms) | "
-            "ITL p50 server / in-process | server failed |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| concurrency | requests | in-process tok/s | server tok/s | server / in-process | "
+            "TTFT p50 in / server (ms) | TTFT p99 in / server (ms) | "
+            "TTFT 1st request in / server (ms) | ITL p50 in / server (ms) | "
+            "ITL p50 server / in-process | server tokens per SSE event | server failed |")
+    lines = [head, "|" + "---|" * 12]
     by_c = {lv["concurrency"]: lv for lv in server["levels"]}
     for lv in inproc["levels"]:
         sv = by_c.get(lv["concurrency"])
         if sv is None:
             continue
         lines.append(
-            f"| {lv['concurrency']} | {lv['output_tok_s']:,.1f} | {sv['output_tok_s']:,.1f} | "
-            f"{_ratio(sv['output_tok_s'], lv['output_tok_s'])} | "
+            f"| {lv['concurrency']} | {sv['num_requests']} | {lv['output_tok_s']:,.1f} | "
+            f"{sv['output_tok_s']:,.1f} | {_ratio(sv['output_tok_s'], lv['output_tok_s'])} | "
             f"{lv['ttft_ms']['p50']:.1f} / {sv['ttft_ms']['p50']:.1f} | "
             f"{lv['ttft_ms']['p99']:.1f} / {sv['ttft_ms']['p99']:.1f} | "
+            f"{_first_ttft(lv)} / {_first_ttft(sv)} | "
             f"{lv['itl_ms']['p50']:.2f} / {sv['itl_ms']['p50']:.2f} | "
-            f"{_ratio(sv['itl_ms']['p50'], lv['itl_ms']['p50'])} | {sv['failed']} |")
+            f"{_ratio(sv['itl_ms']['p50'], lv['itl_ms']['p50'])} | {_tokens_per_event(sv)} | "
+            f"{sv['failed']} |")
+    return "\n".join(lines)
+
+
+def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
+    """Every request's TTFT in the order sent, at one level: a first-request outlier shows."""
+    lines = []
+    for name, record in (("in-process", inproc), ("server", server)):
+        level = next((lv for lv in record["levels"] if lv["concurrency"] == concurrency), None)
+        if level is not None:
+            ttft = level.get("samples", {}).get("ttft_ms") or []
+            lines.append(f"TTFT by request at concurrency {concurrency}, {name} (ms): "
+                         + " ".join(f"{t:.1f}" for t in ttft))
     return "\n".join(lines)
 
 
 NOTES = ("Closed loop, the same lengths on both sides (prompt lengths uniform in the range, "
          "max_new_tokens each, ignore_eos). In-process prompts are token ids; the server's are "
          "text, about one token per word. TTFT and ITL are per token: in-process when the engine "
-         "hands the token out, through the server when the client reads its SSE event. Random "
+         "hands the token out, through the server when the client reads its SSE event: tokens "
+         "that came in one event (the server fell behind the engine; see tokens per SSE event) "
+         "share its arrival time, so ITL reads 0 between them. Random "
          "weights at the qwen2.5-0.5b shape with the vocabulary of the embedded SmolLM2 tokenizer "
          "(49152 instead of 151936: preset qwen2.5-0.5b-smolvocab) so that every sampled id "
          "decodes; the output head is 3x narrower than the real model's.")
@@ -128,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 768])
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--min-requests", type=int, default=32,
+                   help="requests per level at least (so that p99 at concurrency 1 is a "
+                        "percentile; default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
     p.add_argument("--timeout", type=float, default=900)
     args, engine_flags = p.parse_known_args(argv)
@@ -138,6 +171,8 @@ def main(argv=None) -> int:
     inproc = run_in_process(args, engine_flags, out)
     server = run_server(args, engine_flags, out)
     print(table(inproc, server))
+    print()
+    print(ttft_by_request(inproc, server, min(args.concurrency)))
     print()
     print(NOTES)
     print(f"engine flags: {' '.join(engine_flags)}; concurrency {args.concurrency}, "

@@ -108,3 +108,19 @@ def test_special_tokens_are_skipped_unless_asked_for(demo_llm):
         d.push(ids)
         d.finish()
     assert skipped.text == "Hi" and kept.text == "Hi" + tok.eos_token
+
+
+def test_the_rust_decoder_gives_what_the_tokenizer_decode_gives(demo_llm):
+    from flashlet.detokenizer import rust_decoder
+
+    tok = demo_llm.tokenizer
+    backend = rust_decoder(tok)
+    assert backend is not None  # SmolLM2's fast tokenizer: the fast path is the one tested
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip), ids

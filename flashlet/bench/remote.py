@@ -5,8 +5,10 @@ The server sends one `data: {"text": ...}` event per generated token (its text m
 while the detokenizer holds bytes back), then a final event with `finish_reason` and `usage`,
 then `data: [DONE]`. TTFT and inter-token latency are measured on the client, per token: every
 token gets the arrival time of the event that carried it (an event may say it carries several
-with `num_tokens`; flashlet's carry one each), so ITL is per token, not per SSE chunk; events
-that arrive in one network read share its time, as they would for any client. Output tokens
+with `num_tokens`: the server sends several tokens in one event when it fell behind the
+engine), so ITL is per token, not per SSE chunk. Tokens of one event, and events that arrive in
+one network read, share one arrival time, as they would for any client: ITL 0 between them
+(`token_events` counts the events, so output tokens / token_events shows how often). Output tokens
 come from the final event's `usage.completion_tokens` (else one per token). "mean step" is the
 server's: the level's duration over the engine steps its /metrics counted meanwhile (per core).
 Requests ask for `ignore_eos` so that output lengths are exact, as in-process. Prompts are
@@ -58,7 +60,7 @@ async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float,
     payload = {"prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens, "temperature": 0,
                "ignore_eos": True}
     trace.submit[i] = now() if due is None else due
-    times, usage = [], None
+    times, usage, events = [], None, 0
     try:
         async with client.stream("POST", "/generate_stream", json=payload, timeout=timeout) as resp:
             if resp.status_code != 200:
@@ -77,6 +79,7 @@ async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float,
                     usage = event.get("usage") or {}
                 elif "text" in event:  # a token event (one token unless it says otherwise)
                     times.extend([now()] * int(event.get("num_tokens", 1)))
+                    events += 1
     except Exception as e:  # one failed request is counted, not fatal
         trace.failed += 1
         trace.extra.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:300])
@@ -87,6 +90,7 @@ async def _one(client, spec: Spec, trace: Trace, i: int, timeout: float,
         return
     n_tokens = usage.get("completion_tokens", len(times))
     trace.token_times[i] = times
+    trace.extra["token_events"] = trace.extra.get("token_events", 0) + events
     trace.outputs[i] = [0] * n_tokens  # only the count is known on this side
     trace.extra["server_prompt_tokens"] = (trace.extra.get("server_prompt_tokens", 0)
                                            + usage.get("prompt_tokens", 0))

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 
@@ -159,10 +160,30 @@ class UvicornServer(uvicorn.Server):
     """uvicorn.Server that drains: after the signal, new generation requests get 503 and
     in-flight ones are aborted once `grace_s` has passed."""
 
-    def __init__(self, config: uvicorn.Config, app, grace_s: float):
+    def __init__(self, config: uvicorn.Config, app, grace_s: float,
+                 on_serving: Callable[[], None] | None = None):
         super().__init__(config)
+        self.app = app
         self.flashlet = app.state.server
         self.grace_s = grace_s
+        self.on_serving = on_serving
+        self._warming: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self._warming = asyncio.ensure_future(self._warm_up_when_ready())
+
+    async def _warm_up_when_ready(self) -> None:
+        """Once the engine cores are ready: the API path's warm-up, then /health says ok."""
+        client = self.flashlet.loop
+        while not client.ready.is_set():  # polled: a thread blocked here would hold up exit
+            if client.error is not None or client.stopped.is_set() or self.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        self.flashlet.start_warm_up(self.app)
+        await self.flashlet._warm_up_task
+        if self.on_serving is not None:
+            self.on_serving()
 
     async def shutdown(self, sockets=None) -> None:
         fs = self.flashlet
@@ -179,11 +200,12 @@ class UvicornServer(uvicorn.Server):
 
 
 def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, name: str,
-              seconds: float) -> str:
+              seconds: float, warm_up_s: float) -> str:
     info = client.cores[0].info
     cores = f"{client.num_cores} engine cores, each with " if client.num_cores > 1 else ""
     return (f"model {name} ({info['model_dir'] or config.config or 'random'}) loaded in "
-            f"{seconds:.1f} s | backend {info['backend']} on {info['device']} ({info['dtype']}) | "
+            f"{seconds:.1f} s (API warm-up {warm_up_s:.2f} s) | backend {info['backend']} on "
+            f"{info['device']} ({info['dtype']}) | "
             f"{cores}KV pool {info['num_pages']} pages x {info['page_size']} tokens = "
             f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB) | "
             f"context {info['max_model_len']} | serving on http://{host}:{port}")
@@ -287,25 +309,25 @@ def main(argv: list[str] | None = None) -> int:
     client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
 
     def announce() -> None:
-        if client.wait_ready():
-            log.info("%s", _describe(client, engine_config, args.host, port, name,
-                                     time.monotonic() - t0))
+        report = app.state.server.warm_up_report
+        log.info("%s", _describe(client, engine_config, args.host, port, name,
+                                 time.monotonic() - t0, report.seconds))
 
     app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
                                           max_waiting=args.max_waiting,
                                           max_tokens_cap=args.max_tokens_cap,
                                           allow_special_tokens=args.allow_special_tokens,
                                           limits=limits, chat_template=chat_template,
-                                          allowed_origins=args.allowed_origins))
+                                          allowed_origins=args.allowed_origins,
+                                          warm_up=True))
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
                                log_level=args.log_level, access_log=args.access_log,
                                timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
                                lifespan="off", **uvicorn_options(app.state.limit_stats))
-    uv = UvicornServer(uv_config, app, args.shutdown_timeout)
+    uv = UvicornServer(uv_config, app, args.shutdown_timeout, on_serving=announce)
     uv.should_exit = stop_requested
     if not stop_requested:
         client.start()
-        threading.Thread(target=announce, daemon=True).start()
     try:
         uv.run(sockets=[sock])
     finally:

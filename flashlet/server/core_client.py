@@ -30,7 +30,8 @@ import zmq
 from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
-                                         ProbeReply, Shutdown, StepOutputs, run_engine_core)
+                                         ProbeReply, Shutdown, StepOutputs, build_engine,
+                                         run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, Overloaded, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -56,13 +57,15 @@ class CoreProcess:
 class CoreClient(EngineClient):
     def __init__(self, config: EngineConfig, data_parallel_size: int = 1,
                  tokenizer: str | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 build_engine: Callable = build_engine):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self.num_cores = data_parallel_size
         self.tokenizer_source = tokenizer
         self._on_fatal = on_fatal
+        self._build_engine = build_engine  # runs in the core process (picklable by name)
         self.cores: list[CoreProcess] = []
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count()
@@ -98,7 +101,7 @@ class CoreClient(EngineClient):
                 target=run_engine_core, name=f"flashlet-core{i}",
                 daemon=self.config.tensor_parallel_size == 1,
                 args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid(),
-                      self.tokenizer_source))
+                      self.tokenizer_source, self._build_engine))
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))
@@ -174,12 +177,11 @@ class CoreClient(EngineClient):
                                               stream.params, after))
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
-            for i, msg in enumerate(messages):
-                if not self._send_locked(core, msg):
-                    core.num_in_flight -= len(streams)
-                    if i:  # the ones sent already: take them back
-                        self._send_locked(core, AbortRequests([m.request_id for m in messages[:i]]))
-                    raise NotReady(f"engine core {core.index} cannot take requests")
+            # One multipart message: the core takes the samples in one go, never the first
+            # alone (which could then run its prompt before the others arrive to share it).
+            if not self._send_locked(core, *messages):
+                core.num_in_flight -= len(streams)
+                raise NotReady(f"engine core {core.index} cannot take requests")
             for stream in streams:
                 self._streams[stream.request_id] = stream
 
@@ -247,10 +249,11 @@ class CoreClient(EngineClient):
         with self._lock:
             self._send_locked(core, msg)
 
-    def _send_locked(self, core: CoreProcess, msg) -> bool:
-        """Send a message to a core (queued without limit); False if the socket is closed."""
+    def _send_locked(self, core: CoreProcess, *msgs) -> bool:
+        """Send messages to a core as one (queued without limit: zmq delivers all the parts or
+        none); False if the socket is closed."""
         try:
-            core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            core.inbox.send_multipart([self._encoder.encode(m) for m in msgs], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             log.error("could not send to engine core %d: %s", core.index, e)
@@ -260,6 +263,7 @@ class CoreClient(EngineClient):
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self._outbox, zmq.POLLIN)
+        next_check = 0.0
         while not self._stopping:  # stop() ends every stream itself
             try:
                 events = dict(poller.poll(READER_POLL_MS))
@@ -278,8 +282,10 @@ class CoreClient(EngineClient):
                     except Exception as e:  # noqa: BLE001 - never leave a request hanging
                         log.exception("bad message from an engine core")
                         self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
-            if not self._stopping and self.error is None:
+            if (not self._stopping and self.error is None
+                    and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
+                next_check = time.monotonic() + READER_POLL_MS / 1000
 
     def _handle(self, msg) -> None:
         if isinstance(msg, StepOutputs):

@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -121,9 +121,21 @@ def core_stats(engine) -> dict[str, float]:
 
 
 # ---- the process ---------------------------------------------------------------------------------
+def build_engine(config, tokenizer: str | None = None):
+    from flashlet.engine import Engine
+
+    engine = Engine(config)
+    if engine.tokenizer is None and tokenizer is not None:  # random weights + --tokenizer
+        from flashlet.weights import load_tokenizer
+
+        engine.use_tokenizer(load_tokenizer(tokenizer))
+    return engine
+
+
 def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent_pid: int,
-                    tokenizer: str | None = None) -> None:
-    """The spawned process's entry point: build the Engine, say ready, serve until Shutdown."""
+                    tokenizer: str | None = None, build: Callable = build_engine) -> None:
+    """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
+    (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.)"""
     import zmq
 
     # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every
@@ -142,13 +154,7 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
     outbox.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
-        from flashlet.engine import Engine
-
-        engine = Engine(config)
-        if engine.tokenizer is None and tokenizer is not None:  # random weights + --tokenizer
-            from flashlet.weights import load_tokenizer
-
-            engine.use_tokenizer(load_tokenizer(tokenizer))
+        engine = build(config, tokenizer)
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits
         outbox.send(encoder.encode(CoreReady(core, {}, f"{type(e).__name__}: {e}", os.getpid())))
         outbox.close(linger=5000)
@@ -209,10 +215,11 @@ class EngineCore:
                     return
         while True:
             try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK)  # a request's samples together
             except zmq.Again:
                 return
-            self._apply(self.decoder.decode(frame))
+            for frame in frames:
+                self._apply(self.decoder.decode(frame))
 
     def _apply(self, msg) -> None:
         if isinstance(msg, AddRequest):

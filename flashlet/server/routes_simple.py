@@ -24,6 +24,10 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
     @app.head("/health", operation_id="health_head", responses=health_responses)
     @app.get("/health", responses=health_responses)
     async def health():
+        if loop.is_ready and not server.warm and not server.draining:
+            server.start_warm_up(app)  # (the CLI starts it as soon as the engine is ready)
+            return JSONResponse({"status": "warming up"}, status_code=503,
+                                headers={"Retry-After": str(config.retry_after_s)})
         if server.draining or not loop.is_ready:
             if loop.error is not None:
                 status = "failed"

@@ -1,0 +1,107 @@
+"""The API path's warm-up at server start, before /health says "ok".
+
+The engine warms itself (kernels, graphs: flashlet/warmup.py), but the API process has
+first-use costs of its own, measured at ~0.6 s on the first request after /health turned 200:
+the request context's tokenizer copies, each encoder thread's own copy (made on that thread's
+first prompt), the chat template's compilation, and the first pass through FastAPI, pydantic,
+the engine client, the detokenizer and SSE formatting. So the server sends a few real requests
+through its own ASGI app in this process (one per OpenAI endpoint and /generate_stream, two
+tokens each, side by side so that several engine cores each take one) and only then answers
+/health with 200. Like SGLang's start-up request, they count in /metrics as any request does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("flashlet.server")
+
+WARM_UP_TOKENS = 2
+
+
+@dataclass
+class WarmUpReport:
+    """What the warm-up ran: (path, HTTP status, SSE events received) per request."""
+
+    requests: list[tuple[str, int, int]] = field(default_factory=list)
+    encoder_copies: int = 0  # tokenizer copies the encoder threads hold afterwards
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def warm_up_requests(model_name: str, has_text: bool, has_chat: bool) -> list[tuple[str, dict]]:
+    """(path, body) of the warm-up requests: text prompts when there is a tokenizer."""
+    prompt = "Hello, how are you?" if has_text else [1, 2, 3]
+    common = {"model": model_name, "max_tokens": WARM_UP_TOKENS, "temperature": 0,
+              "ignore_eos": True, "stream": True}
+    requests = [("/v1/completions", {**common, "prompt": prompt}),
+                ("/generate_stream", {"prompt": prompt, "max_new_tokens": WARM_UP_TOKENS,
+                                      "ignore_eos": True})]
+    if has_chat:
+        requests.append(("/v1/chat/completions",
+                         {**common, "messages": [{"role": "user", "content": "Hello!"}]}))
+    return requests
+
+
+async def warm_up(app) -> WarmUpReport:
+    """Run the warm-up requests through `app` (its engine client must be ready)."""
+    server = app.state.server
+    report = WarmUpReport()
+    t0 = time.monotonic()
+    try:
+        ctx = await server.context()
+        encoder = ctx.encoder
+        if encoder is not None:
+            await encoder.warm_up_async()
+            report.encoder_copies = encoder.num_copies
+        requests = warm_up_requests(server.config.model_name, encoder is not None,
+                                    encoder is not None and encoder.has_chat_template)
+        headers = ([(b"authorization", f"Bearer {server.config.api_key}".encode())]
+                   if server.config.api_key else [])
+        results = await asyncio.gather(*(asgi_post(app, path, body, headers)
+                                         for path, body in requests))
+        for (path, _), (status, events) in zip(requests, results):
+            report.requests.append((path, status, events))
+            if status != 200:
+                raise RuntimeError(f"{path} answered {status}")
+    except Exception as e:  # noqa: BLE001 - the server still serves; the log says why
+        report.error = f"{type(e).__name__}: {e}"
+        log.warning("the API warm-up failed (%s); the first requests may be slower",
+                    report.error)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+async def asgi_post(app, path: str, body: dict, headers: list) -> tuple[int, int]:
+    """POST `body` to the ASGI app in this process: (status, number of SSE data events)."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0),
+             "server": ("127.0.0.1", 0),
+             "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(payload)).encode()), *headers]}
+    sent = False
+    never = asyncio.Event()  # the client never disconnects
+    status, chunks = 0, []
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await never.wait()
+
+    async def send(message):
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks).count(b"data: ")

@@ -138,10 +138,11 @@ class Sampler:
 
     def _record(self, slots: torch.Tensor, chosen: torch.Tensor) -> None:
         """Penalty rows `slots` [P] output one more token each, chosen [P] (device tensors)."""
+        # Flat index_add_ / index_copy_ (atomics, one launch each), not index_put_ (which sorts).
         ones = torch.ones(slots.shape[0], dtype=self.counts.dtype, device=self.device)
-        self.counts.index_put_((slots, chosen), ones, accumulate=True)
+        self.counts.view(-1).index_add_(0, slots * self.counts.shape[1] + chosen, ones)
         end = self.seen_lens[slots].clamp(max=self.seen_ids.shape[1] - 1)  # full: never, see _slot
-        self.seen_ids[slots, end] = chosen
+        self.seen_ids.view(-1).index_copy_(0, slots * self.seen_ids.shape[1] + end, chosen)
         self.seen_lens.index_add_(0, slots, torch.ones_like(end))
 
     def _draw_all(self, logits: torch.Tensor, reqs: list, random_rows: list[int],
@@ -264,14 +265,17 @@ def penalise_seen(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor,
     penalised rows; seen [P, L], the ids of each row's prompt and output tokens (repeats are
     fine: a token's entries all compute the same value); seen_counts [P, L], the output count of
     each; any_seen [P], False for a row with no seen token (its ids are then left alone)."""
-    at = (rows.unsqueeze(1).expand_as(seen), seen)
-    x = logits[at]
+    # Flat offsets, one gather and one scatter: advanced indexing would add index checks and,
+    # for the write, a sort of the indices (a dozen launches more on every sampled step).
+    flat = logits.view(-1)
+    at = (rows.unsqueeze(1) * logits.shape[1] + seen).view(-1)
+    x = flat.gather(0, at).view(seen.shape)
     repetition = repetition.unsqueeze(1)
     penalised = torch.where(x > 0, x / repetition, x * repetition)
     counts = seen_counts.to(x.dtype)
     penalised = (penalised - frequency.unsqueeze(1) * counts
                  - presence.unsqueeze(1) * (counts > 0).to(x.dtype))
-    logits[at] = torch.where(any_seen.unsqueeze(1), penalised, x)
+    flat.scatter_(0, at, torch.where(any_seen.unsqueeze(1), penalised, x).view(-1))
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-SUB = 1024  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
+SUB = 2048  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
 NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -209,7 +209,9 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
 def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
     assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
-    return dict(V=logits.shape[1], SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=8)
+    # 16 warps a row with 2048-draw blocks: 0.400 ms for 128 x 151,936 flat rows on the H200
+    # against 0.498 with 8 warps and 1024 (grid of 4 to 32 warps x 256 to 2048, 2026-11-30).
+    return dict(V=logits.shape[1], SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=16)
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,

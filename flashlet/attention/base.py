@@ -102,6 +102,11 @@ class AttentionBackend(ABC):
         q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots)
         return self._attend(layer, q)
 
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention only: this step's K/V are already in the pool (the fused decode path's QKV
+        GEMV writes them in its epilogue), q already rotated."""
+        return self._attend(layer, q)
+
     @abstractmethod
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of q over the pool, K/V of this step already written."""

@@ -672,10 +672,11 @@ class CuteGemv:
                 fake(c.Int64, rope_shapes[2], 16), fake(c.BFloat16, rope_shapes[3], 16),
                 fake(c.BFloat16, rope_shapes[3], 16)]
 
-    def compile(self) -> float:
+    def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
         share the compiled kernel, which holds no tensor); returns the seconds it took (0 when
-        the kernel was compiled before)."""
+        the kernel was compiled before). rope_kv: the call's own step tensors, so that compiling
+        a rope variant allocates no stand-in of a pool layer's size."""
         key = (self.plan, str(self.device))
         if self._compiled is None and key in _COMPILED:
             self._compiled, self.compile_seconds = _COMPILED[key], 0.0
@@ -689,7 +690,7 @@ class CuteGemv:
                 extra = (torch.empty(self._out_numel, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
                 g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
-                args = self._args(x, w, extra, self.out_like(), g, RopeKV.like(p.rope, self.device))
+                args = self._args(x, w, extra, self.out_like(), g, rope_kv or RopeKV.like(p.rope, self.device))
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
@@ -704,7 +705,7 @@ class CuteGemv:
                  rope_kv: RopeKV | None = None) -> torch.Tensor:
         out = self.out_like() if out is None else out
         self._check(x, weight, extra, out, norm_weight, rope_kv)
-        self.compile()
+        self.compile(rope_kv)
         self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv), self._stream())
         return out
 

@@ -349,3 +349,74 @@ def test_bad_inputs_are_refused_before_launch(bad):
     out = torch.zeros(1, 95, dtype=torch.bfloat16) if bad == "out_shape" else gemv.out_like()
     with pytest.raises(ValueError):
         gemv(*args, out=out)
+
+
+# The rope epilogues (the fused decode path's QKV with fused_decode_rope): (shape, K, bias, pdl).
+QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
+ROPE_GPU_CASES = [(QWEN05_ROPE, 896, True, False), (QWEN05_ROPE, 896, True, True),
+                  (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, False),  # the small test models'
+                  (RopeShape(32, 4, 2, 64, 64), 64, True, False)]
+
+
+def _pool_rows(step, shape):
+    flat = (-1, shape.num_kv_heads, shape.head_dim)
+    return step.k_cache.view(flat), step.v_cache.view(flat)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape, k, bias, pdl", ROPE_GPU_CASES)
+def test_rope_kv_epilogue_matches_fp32_reference(kh, shape, k, bias, pdl):
+    """q | k rotated, v as is, all in out (poisoned first); k and v at the slot in the pool
+    (every other pool row keeps its poison); a negative slot writes no pool row."""
+    gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape)
+    hq, hkv = shape.num_q_heads, shape.num_kv_heads
+    for seed in (0, 1):
+        x, w, b, nw, step = _rope_inputs(shape, k, seed, device="cuda", bias=bias)
+        if seed:  # another table row and pool slot
+            step.positions.fill_(5)
+            step.slot_mapping.fill_(3)
+        mirror = RopeKV(step.positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(),
+                        step.slot_mapping)
+        want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw)
+        out = gemv.out_like().fill_(float("nan"))
+        gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert kh.rel_err(out, want) < 1e-2
+        heads, slot = out.view(-1, shape.head_dim), int(step.slot_mapping)
+        kc, vc = _pool_rows(step, shape)
+        assert torch.equal(kc[slot], heads[hq: hq + hkv]) and torch.equal(vc[slot], heads[hq + hkv:])
+        others = torch.arange(kc.shape[0], device="cuda") != slot
+        assert (kc[others] == 7).all() and (vc[others] == -7).all()
+    step.slot_mapping.fill_(-1)
+    before = step.k_cache.clone(), step.v_cache.clone()
+    gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+    torch.cuda.synchronize()
+    assert torch.equal(step.k_cache, before[0]) and torch.equal(step.v_cache, before[1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_rope_kv_epilogue_matches_the_two_kernel_path(kh):
+    """Against what the fused path runs without it: the bias GEMV, then the pool's Triton
+    RoPE + K/V write kernel. v is the same sum rounded once (bit for bit); q and k differ only
+    by the bf16 rounding the two-kernel path applies before rotating."""
+    from flashlet.kernels.rope_kv_write import rope_kv_write
+
+    shape, k = QWEN05_ROPE, 896
+    d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
+    x, w, b, nw, step = _rope_inputs(shape, k, 2, device="cuda")
+    out = CuteGemv(shape.rows, k, "bias_rope_kv", norm=True, rope=shape)(x, w, b, norm_weight=nw, rope_kv=step)
+    qkv = CuteGemv(shape.rows, k, "bias", norm=True)(x, w, b, norm_weight=nw)
+    q, kk, v = qkv.view(-1, d).split([hq, hkv, hkv])
+    kc2, vc2 = torch.full_like(step.k_cache, 7.0), torch.full_like(step.v_cache, -7.0)
+    q2, _ = rope_kv_write(q[None], kk[None], v[None], step.positions, step.cos_sin_cache, kc2, vc2,
+                          step.slot_mapping, return_k=False)
+    torch.cuda.synchronize()
+    slot = int(step.slot_mapping)
+    kc, vc = _pool_rows(step, shape)
+    assert kh.rel_err(out.view(-1, d)[:hq], q2[0]) < 1e-2
+    assert kh.rel_err(kc[slot], kc2.view(-1, hkv, d)[slot]) < 1e-2
+    assert torch.equal(vc[slot], vc2.view(-1, hkv, d)[slot])
+    assert torch.equal(out.view(-1, d)[hq + hkv:], v)

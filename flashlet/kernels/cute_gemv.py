@@ -342,14 +342,26 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 xs.append(x_early[j])
         cos = []
         sin = []
+        biases = []
+        slot = cutlass.Int32(0)
         if cutlass.const_expr(rope):
             # After the PDL wait (the step's position and slot are inputs like x), before the
-            # FMAs, so the table's latency hides behind them. Every lane loads (L1 broadcasts).
+            # FMAs, so their latency hides behind them; every lane of the group loads and uses
+            # them (a v head gets cos 1, sin 0), so the compiler cannot sink them into the
+            # storing lane's branch after the reduction (measured in the SASS: it did).
             pos = cutlass.Int32(mPos[0])
+            slot = cutlass.Int32(mSlot[0])
             for o in cutlass.range_constexpr(outs_per_group):
-                i = cutlass.min(outs[o], n_out - 1) % half
-                cos.append(mCS[pos * head_dim + i])
-                sin.append(mCS[pos * head_dim + half + i])
+                safe = cutlass.min(outs[o], n_out - 1)
+                r1 = (safe // half) * head_dim + safe % half
+                rotate = safe // half < q_heads + kv_heads
+                cos.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half],
+                                                           cutlass.Float32(1.0))))
+                sin.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
+                                                           cutlass.Float32(0.0))))
+                if cutlass.const_expr(epilogue == "bias_rope_kv"):
+                    biases.append(mE[r1].to(cutlass.Float32))
+                    biases.append(mE[r1 + half].to(cutlass.Float32))
         if cutlass.const_expr(staged):
             cute.arch.cp_async_wait_group(0)  # this thread's own copies: no barrier needed
             for i in cutlass.range_constexpr(rows_in_flight * chunks):
@@ -391,10 +403,18 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             if cutlass.const_expr(epilogue == "bias" or epilogue == "residual"):
                 y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
             if cutlass.const_expr(rope):
+                y2 = sums[o * rows_per_out + 1]
+                if cutlass.const_expr(epilogue == "bias_rope_kv"):
+                    y = y + biases[2 * o]
+                    y2 = y2 + biases[2 * o + 1]
+                # Rotate-half in fp32 with the table's fp32 cos / sin, rounded once to bf16 (the
+                # numerics of `TorchOps.rope`, less the bf16 rounding of the unrotated q / k
+                # that the two-kernel path stores in between).
+                lo = (y * cos[o] - y2 * sin[o]).to(mY.element_type)
+                hi = (y2 * cos[o] + y * sin[o]).to(mY.element_type)
                 if sub == 0:
                     if out < n_out:
-                        _rope_kv_store(mY, mE, mSlot, mKC, mVC, out, y, sums[o * rows_per_out + 1],
-                                       cos[o], sin[o], epilogue, head_dim, q_heads, kv_heads)
+                        _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads)
             if cutlass.const_expr(epilogue == "argmax"):
                 # Strictly greater: a group meets its rows in increasing order, so ties keep
                 # the first index, as torch.argmax does.
@@ -413,29 +433,15 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 
 @_deferred.jit
-def _rope_kv_store(mY, mE, mSlot, mKC, mVC, out, y1, y2, cos, sin, epilogue, head_dim, q_heads,
-                   kv_heads):
-    """One rotate-half pair of the QKV output: rows r = h D + i and r + D/2 of head h. Bias
-    first, then (q and k heads) the rotation in fp32 with the table's fp32 cos / sin, rounded
-    once to bf16 (the numerics of `TorchOps.rope` and rope_kv_write.py, less the bf16 rounding
-    of the unrotated q / k that the two-kernel path stores in between); then every head goes
-    to mY, and k / v heads also into the pool at the step's slot (skipped when negative)."""
+def _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads):
+    """One rotate-half pair (rows r = h D + i and r + D/2 of head h), rotated already: both
+    values to mY, and for a k or v head into the pool at the step's slot (none if negative)."""
     half = head_dim // 2
     head = out // half
     r1 = head * head_dim + out % half
-    if cutlass.const_expr(epilogue == "bias_rope_kv"):
-        y1 = y1 + mE[r1].to(cutlass.Float32)
-        y2 = y2 + mE[r1 + half].to(cutlass.Float32)
-    if head < q_heads + kv_heads:
-        rotated = y1 * cos - y2 * sin
-        y2 = y2 * cos + y1 * sin
-        y1 = rotated
-    lo = y1.to(mY.element_type)
-    hi = y2.to(mY.element_type)
     mY[r1] = lo
     mY[r1 + half] = hi
     if head >= q_heads:
-        slot = cutlass.Int32(mSlot[0])
         if slot >= 0:
             if head < q_heads + kv_heads:
                 dst = slot * (kv_heads * head_dim) + (r1 - q_heads * head_dim)
@@ -532,7 +538,7 @@ def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
-                     _rope_kv_store: ("epilogue", "head_dim", "q_heads", "kv_heads"),
+                     _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
 
 

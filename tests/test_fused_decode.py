@@ -135,6 +135,20 @@ def test_fused_decode_rope_needs_fused_decode():
     assert parser.parse_args([]).fused_decode_rope is False
 
 
+def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
+    """Qwen3's per-head q / k norm sits between the projection and RoPE; a bf16 table would
+    change the numerics: both are refused by name (with the device and dtype reasons)."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))
+    model, pool = engine.model, engine.runner.kv_pool
+    model.layers[0].q_norm = torch.ones(model.layers[0].head_dim)
+    model.cos_sin_cache = model.cos_sin_cache.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="normalised.*cos [|] sin table must be fp32"):
+        fused_decode.check_fused_decode(model, torch.device("cpu"), pool)
+    with pytest.raises(ValueError) as plain:  # without the pool: no rope reasons
+        fused_decode.check_fused_decode(model, torch.device("cpu"))
+    assert "fused_decode_rope" not in str(plain.value)
+
+
 def test_fused_decode_needs_one_gpu():
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(fused_decode=True, tensor_parallel_size=2)

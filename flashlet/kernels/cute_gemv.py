@@ -551,6 +551,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
 _COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
 
 
@@ -643,7 +644,8 @@ class CuteGemv:
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
                 d["from_dlpack"](self._counter, assumed_align=4),
-                *(aligned(t) for t in (rope_kv or self._dummy_rope).flat())]
+                *(d["from_dlpack"](t.detach(), assumed_align=a)  # scalar reads: element alignment
+                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN))]
 
     def _stream(self):
         d = _dsl()
@@ -674,9 +676,9 @@ class CuteGemv:
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
                 fake(c.Float32, tuple(self._parts_val.shape), 4),
                 fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
-                fake(c.Int64, rope_shapes[0], 16), fake(c.Float32, rope_shapes[1], 16),
-                fake(c.Int64, rope_shapes[2], 16), fake(c.BFloat16, rope_shapes[3], 16),
-                fake(c.BFloat16, rope_shapes[3], 16)]
+                *(fake(dtype, shape, align) for dtype, shape, align in
+                  zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
+                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN))]
 
     def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device

@@ -38,6 +38,7 @@ class EngineConfig:
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     fused_decode: bool = False  # one-sequence decode steps on the CuTe DSL fused path (CUDA, bf16; issue 16)
     fused_decode_pdl: bool = False  # with fused_decode: its GEMVs launch with Programmatic Dependent Launch
+    fused_decode_rope: bool = False  # with fused_decode: RoPE + K/V write in the QKV GEMV's epilogue (unmeasured)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.fused_decode_pdl and not self.fused_decode:
             raise ValueError("fused_decode_pdl applies to the fused decode path: set fused_decode too")
+        if self.fused_decode_rope and not self.fused_decode:
+            raise ValueError("fused_decode_rope applies to the fused decode path: set fused_decode too")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
 

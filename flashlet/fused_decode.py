@@ -2,7 +2,8 @@
 
 A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
-    RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope)
+    RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope), or
+                                                         the QKV GEMV's epilogue (kv_pool given)
     decode attention                                     the active backend
     O GEMV + residual add, written in place              one CuTe kernel
     gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
@@ -27,16 +28,23 @@ The GEMVs take the model's own weight tensors (fused QKV and gate|up already), n
 step's buffers belong to this object and keep their addresses, so the CUDA graph the runner
 captures around `logits` / `token` replays them. The CuTe DSL is imported when this object is
 built; `CuteUnavailable` says how to install it.
+
+With a kv_pool (EngineConfig.fused_decode_rope) the QKV GEMV also applies RoPE to the q and k
+heads and writes k and v into the pool (the `bias_rope_kv` / `rope_kv` epilogue: a lane group
+owns both rows of a rotate-half pair), so the attention backend only attends
+(`AttentionBackend.attend`): one kernel and one dependent boundary fewer a layer. The rounding
+differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
+their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, cute_available, VEC
+from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
 
 
-def check_fused_decode(model, device: torch.device) -> None:
+def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
     """Raise ValueError naming what the fused path cannot run (before anything compiles)."""
     cfg = model.config
     why = []
@@ -54,6 +62,15 @@ def check_fused_decode(model, device: torch.device) -> None:
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
         if k % VEC:
             why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
+    if kv_pool is not None:  # RoPE + K/V write in the QKV epilogue (fused_decode_rope)
+        if hasattr(layer, "q_norm"):
+            why.append("fused_decode_rope: the q / k heads are normalised (Qwen3) between the QKV "
+                       "projection and RoPE")
+        if model.cos_sin_cache.shape[-1] != layer.head_dim or model.cos_sin_cache.dtype != torch.float32:
+            why.append(f"fused_decode_rope: the cos | sin table must be fp32 [positions, head_dim], got "
+                       f"{model.cos_sin_cache.dtype} {tuple(model.cos_sin_cache.shape)}")
+        if kv_pool.k_cache.dtype != torch.bfloat16 or kv_pool.head_dim != layer.head_dim:
+            why.append(f"fused_decode_rope: the pool must be bf16 with head_dim {layer.head_dim}")
     if why:
         raise ValueError("fused_decode cannot run this model: " + "; ".join(why))
 
@@ -61,8 +78,8 @@ def check_fused_decode(model, device: torch.device) -> None:
 class FusedDecode:
     """Owns the compiled GEMVs and the step buffers of the one-row decode path."""
 
-    def __init__(self, model, device: torch.device, pdl: bool = False):
-        check_fused_decode(model, device)
+    def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None):
+        check_fused_decode(model, device, kv_pool)
         ok, why = cute_available()
         if not ok:
             raise CuteUnavailable(f"fused_decode needs the CuTe DSL: {why}")
@@ -74,7 +91,15 @@ class FusedDecode:
         vocab = model.lm_head_weight.shape[0]
         eps = cfg.rms_norm_eps
         gemv = dict(device=device, pdl=pdl)
-        self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
+        self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
+        self.rope = None
+        if kv_pool is not None:
+            self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
+                                  model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // kv)
+            self.qkv = CuteGemv(q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", norm=True,
+                                eps=eps, rope=self.rope, **gemv)
+        else:
+            self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
         self.o = CuteGemv(h, q, "residual", **gemv)
         self.gate_up = CuteGemv(2 * inter, h, "silu_mul", norm=True, eps=eps, **gemv)
         self.down = CuteGemv(h, inter, "residual", **gemv)
@@ -94,20 +119,38 @@ class FusedDecode:
         m = self.model
         torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)
         for i, layer in enumerate(m.layers):
-            self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
-                     norm_weight=layer.input_norm)
-            q, k, v = self.qkv_out.split(self.split, dim=-1)
-            q = q.view(1, layer.num_heads, layer.head_dim)
-            k = k.view(1, layer.num_kv_heads, layer.head_dim)
-            v = v.view(1, layer.num_kv_heads, layer.head_dim)
-            if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
-                q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
-            o = attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
+            if self.rope is not None:
+                o = self._qkv_rope_attend(i, layer, positions, attn)
+            else:
+                o = self._qkv_attend(i, layer, positions, attn)
             self.o(o.reshape(1, -1).contiguous(), layer.o_proj.weight, self.residual, out=self.residual)
             self.gate_up(self.residual, layer.gate_up_proj.weight, out=self.act,
                          norm_weight=layer.post_attn_norm)
             self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
         return self.residual
+
+    def _qkv_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+        """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
+        m = self.model
+        self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
+                 norm_weight=layer.input_norm)
+        q, k, v = self.qkv_out.split(self.split, dim=-1)
+        q = q.view(1, layer.num_heads, layer.head_dim)
+        k = k.view(1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(1, layer.num_kv_heads, layer.head_dim)
+        if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
+            q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
+        return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
+
+    def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+        """QKV GEMV with RoPE and the K/V write in its epilogue, then attention alone."""
+        pool = self.kv_pool
+        step = RopeKV(positions, self.model.cos_sin_cache, pool.k_cache[i], pool.v_cache[i],
+                      attn.meta.slot_mapping)
+        self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
+                 norm_weight=layer.input_norm, rope_kv=step)
+        q = self.qkv_out[:, : self.split[0]].view(1, layer.num_heads, layer.head_dim)
+        return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [1, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""

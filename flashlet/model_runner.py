@@ -49,7 +49,8 @@ class ModelRunner:
         if config.fused_decode:
             from flashlet.fused_decode import FusedDecode
 
-            self.fused = FusedDecode(model, self.device, pdl=config.fused_decode_pdl)
+            self.fused = FusedDecode(model, self.device, pdl=config.fused_decode_pdl,
+                                     kv_pool=kv_pool if config.fused_decode_rope else None)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -2,7 +2,8 @@
 
     python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
 
-Three paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`).
+Four paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`), and
+fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue (`--fused-decode-rope`, plan A).
 Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
 the preset's shape, CUDA graphs; no FlashInfer needed):
   harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
@@ -27,7 +28,8 @@ from pathlib import Path
 PROMPT_LEN, NEW_TOKENS = 32, 256
 
 
-PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"]}
+PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"],
+         "fused+pdl+rope": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope"]}
 
 
 def harness(config: str, flags: list[str]) -> dict:
@@ -52,7 +54,8 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
-              fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags)
+              fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags,
+              fused_decode_rope="--fused-decode-rope" in flags)
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -94,7 +97,7 @@ def main() -> int:
                          "generate": generate(args.config, PATHS[name])}
     print(f"single stream, {args.config}, bf16, triton backend, CUDA graphs "
           f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens)")
-    print(f"{'path':9} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
+    print(f"{'path':14} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
           f"{'generate tok/s (1st)':>21} {'(2nd)':>8} {'start s':>8}")
     ok = True
     for name, res in results.items():
@@ -107,7 +110,7 @@ def main() -> int:
         def f(x, spec):
             return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0]))
 
-        print(f"{name:9} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
+        print(f"{name:14} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
               f"{f(h.get('fraction_of_bandwidth_limit'), '9.3f')} {f(g.get('first_tok_s'), '21.1f')} "
               f"{f(g.get('second_tok_s'), '8.1f')} {f(g.get('start_s'), '8.1f')}")
     base = results.get("per-op", {}).get("generate", {}).get("tokens")

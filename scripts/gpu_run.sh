@@ -178,9 +178,10 @@ for part in "${PARTS[@]}"; do
     fused-decode-tests)  # issue 16 stage 2: the fused one-sequence decode path's kernels
                          # (RMSNorm prologue, in-place residual) and engine tests (~4 min)
       cute_env
-      run 400 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu" \
+      run 400 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu or rope" \
         tests/gpu/test_gpu_fused_decode.py ;;
-    fused-decode)  # its tok/s: harness single + LLM.generate, per-op / fused / fused + PDL,
+    fused-decode)  # its tok/s: harness single + LLM.generate, per-op / fused / fused + PDL /
+                   # fused + PDL + RoPE-in-QKV (plan A),
                    # triton backend, no FlashInfer (~6-8 min)
       cute_env
       run 580 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;

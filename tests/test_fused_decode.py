@@ -16,20 +16,26 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet import fused_decode
-from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv
+from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
 
 
 class ReferenceGemv:
     """CuteGemv's interface, computed by gemv_reference (the kernels' fp32 reference)."""
 
-    def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6):
-        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps)
+    def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6,
+                 rope=None):
+        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
         self.calls = 0
 
-    def __call__(self, x, weight, extra=None, *, out, norm_weight=None):
+    def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None):
         p = self.plan
         assert (norm_weight is not None) == p.norm and weight.shape == (p.n_rows, p.k)
-        out.copy_(gemv_reference(x, weight, p.epilogue, extra, norm_weight, p.eps).reshape(out.shape))
+        assert (rope_kv is not None) == (p.rope is not None)
+        if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
+            y = rope_kv_reference(x, weight, extra, p.rope, rope_kv, norm_weight, p.eps, dtype=out.dtype)
+        else:
+            y = gemv_reference(x, weight, p.epilogue, extra, norm_weight, p.eps)
+        out.copy_(y.reshape(out.shape))
         self.calls += 1
         return out
 
@@ -38,7 +44,7 @@ class ReferenceGemv:
 def reference_kernels(monkeypatch):
     monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
     monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
-    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda model, device: None)
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda model, device, kv_pool=None: None)
 
 
 def perturb_norms(engine) -> None:
@@ -51,9 +57,9 @@ def perturb_norms(engine) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
 
 
-def generate(model_dir, fused, prompts, n=12, **params):
+def generate(model_dir, fused, prompts, n=12, rope=False, **params):
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=1,
-                                 fused_decode=fused))
+                                 fused_decode=fused, fused_decode_rope=rope))
     perturb_norms(engine)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
            for p in prompts]
@@ -81,6 +87,23 @@ def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, para
         (decode_steps, 0) if not params else (0, decode_steps))
 
 
+@pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
+def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kernels, monkeypatch, params):
+    """fused_decode_rope: RoPE and the K/V write happen in the QKV GEMV's epilogue (here its
+    reference), the backend only attends; the pool's RoPE kernel never runs on a fused step."""
+    want, _ = generate(tiny_model, False, PROMPTS, **params)
+    write_rope_calls = []
+    real = fused_decode.FusedDecode._qkv_attend
+    monkeypatch.setattr(fused_decode.FusedDecode, "_qkv_attend",
+                        lambda *a: write_rope_calls.append(1) or real(*a))
+    got, engine = generate(tiny_model, True, PROMPTS, rope=True, **params)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.rope is not None and fused.qkv.plan.epilogue.endswith("rope_kv")
+    assert fused.qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
+    assert not write_rope_calls
+
+
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
     """Every step's logits (an observer makes the fused path write them) against the per-op
     model's, in fp32: the same sums in another order."""
@@ -101,6 +124,29 @@ def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
 def test_fused_decode_refuses_what_it_cannot_run(tiny_qwen2):
     with pytest.raises(ValueError, match="CUDA only.*bf16 only"):
         Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", fused_decode=True))
+
+
+def test_fused_decode_rope_needs_fused_decode():
+    with pytest.raises(ValueError, match="fused_decode_rope applies"):
+        EngineConfig(fused_decode_rope=True)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert parser.parse_args(["--fused-decode-rope"]).fused_decode_rope is True
+    assert parser.parse_args([]).fused_decode_rope is False
+
+
+def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
+    """Qwen3's per-head q / k norm sits between the projection and RoPE; a bf16 table would
+    change the numerics: both are refused by name (with the device and dtype reasons)."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))
+    model, pool = engine.model, engine.runner.kv_pool
+    model.layers[0].q_norm = torch.ones(model.layers[0].head_dim)
+    model.cos_sin_cache = model.cos_sin_cache.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="normalised.*cos [|] sin table must be fp32"):
+        fused_decode.check_fused_decode(model, torch.device("cpu"), pool)
+    with pytest.raises(ValueError) as plain:  # without the pool: no rope reasons
+        fused_decode.check_fused_decode(model, torch.device("cpu"))
+    assert "fused_decode_rope" not in str(plain.value)
 
 
 def test_fused_decode_needs_one_gpu():

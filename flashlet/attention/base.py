@@ -8,9 +8,10 @@ query row i of a chunk of length q over a KV length of n sees keys 0 .. n - q + 
 
 The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, positions,
 cos_sin_cache)` in every layer (`run(layer, q, k, v)` for q/k already rotated). Both first have
-the KV pool write the step's new K/V at `meta.slot_mapping` (`KVPool.write_rope` / `write`: the
-one place K/V enter the pool), so that a chunk attends to itself, then attend. Names follow
-FlashInfer's so the backends read alike.
+the KV pool write the step's new K/V at `meta.slot_mapping` (`KVPool.write_rope` / `write`), so
+that a chunk attends to itself, then attend. The one other writer is the fused decode path with
+`fused_decode_rope`: its QKV kernel stores K/V at the same slot, then calls `attend(layer, q)`.
+Names follow FlashInfer's so the backends read alike.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class AttentionBackend(ABC):
         (`KVPool.write_rope`, one fused kernel on CUDA), then attention."""
         slots = self.meta.slot_mapping
         q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots)
+        return self._attend(layer, q)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention only: this step's K/V are already in the pool (the fused decode path's QKV
+        GEMV writes them in its epilogue), q already rotated."""
         return self._attend(layer, q)
 
     @abstractmethod

@@ -7,6 +7,9 @@ rounded once to bf16. Epilogues, each folded into the same kernel:
   residual   y = W x + r                               [N]   (O and down: the residual add)
   silu_mul   y = silu(g) * u, g|u = W x split in half  [N/2] (the fused gate+up projection)
   argmax     token = argmax(W x)                       int32 (greedy sampling off the LM head)
+  rope_kv, bias_rope_kv                                [N]   (the QKV projection of the fused
+             decode path: y = W x (+ b), then RoPE on the q and k heads at the step's position
+             and the k and v heads stored into the paged pool at its slot; see `RopeKV`)
 
 Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * N * K. At batch 1 only the
 bytes matter, so the design is about keeping enough loads in flight.
@@ -41,7 +44,8 @@ import time
 
 import torch
 
-EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax")
+EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
+ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
 VEC = 8  # bf16 elements in one 16-byte load
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
@@ -80,7 +84,7 @@ def _dsl():
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
-    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish):
+    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _rope_kv_store):
         g[helper.__name__] = cute.jit(helper)
     launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -105,6 +109,7 @@ class GemvPlan:
     staged: bool = False  # weights go through shared memory by cp.async (see plan_gemv)
     norm: bool = False    # RMSNorm prologue: y = W (x * rstd(x) * g) (see plan_gemv)
     eps: float = 1e-6     # the RMSNorm's epsilon (with norm)
+    rope: RopeShape | None = None  # the rope epilogues' head layout, table and pool sizes
 
     @property
     def groups_per_cta(self) -> int:
@@ -118,9 +123,40 @@ class GemvPlan:
     def num_tiles(self) -> int:
         return math.ceil(self.n_out / self.outs_per_tile)
 
+    # The rope epilogues' head layout as plain ints for the kernel (unused without rope).
+    head_dim = property(lambda self: self.rope.head_dim if self.rope else 2)
+    q_heads = property(lambda self: self.rope.num_q_heads if self.rope else 0)
+    kv_heads = property(lambda self: self.rope.num_kv_heads if self.rope else 0)
+
+    @property
+    def rows_per_out(self) -> int:
+        """Rows of W behind one output slot: a SiLU-mul's gate and up, a RoPE pair's two halves."""
+        return 2 if self.epilogue == "silu_mul" or self.epilogue in ROPE_EPILOGUES else 1
+
     @property
     def loads_in_flight_per_lane(self) -> int:
-        return self.outs_per_group * self.chunks * (2 if self.epilogue == "silu_mul" else 1)
+        return self.outs_per_group * self.chunks * self.rows_per_out
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeShape:
+    """What the rope epilogues compile in: the QKV output is Hq + 2 Hkv heads of head_dim,
+    q heads first, then k, then v; the fp32 cos | sin table has table_rows rows of head_dim;
+    one layer's pool (k_cache[layer], v_cache[layer]) holds cache_slots slots of [Hkv, head_dim]."""
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    table_rows: int
+    cache_slots: int
+
+    def __post_init__(self):
+        # The kernel indexes the table and one layer's pool with 32-bit offsets.
+        if max(self.table_rows * self.head_dim, self.cache_slots * self.num_kv_heads * self.head_dim) >= 2**31:
+            raise ValueError(f"the rope epilogue indexes with 32 bits: table or pool too large ({self})")
+
+    @property
+    def rows(self) -> int:
+        return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
 def lanes_for(k: int) -> int:
@@ -134,7 +170,7 @@ def lanes_for(k: int) -> int:
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
               pdl: bool = False, max_loads: int = 16, staged: bool = False,
-              norm: bool = False, eps: float = 1e-6) -> GemvPlan:
+              norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     staged=True copies the weights into shared memory with cp.async (16 bytes a copy) instead
@@ -145,7 +181,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     already reads the whole of x (its L lanes x C chunks cover K), so it also sums x^2 over
     its chunks, reduces that with the same shuffles as the dot product, and scales its sums
     by rstd = 1 / sqrt(mean(x^2) + eps); the norm's weight g multiplies x chunk by chunk.
-    Since W (x * rstd * g) = rstd * (W (x * g)), no normalised x is ever stored."""
+    Since W (x * rstd * g) = rstd * (W (x * g)), no normalised x is ever stored.
+
+    The rope epilogues (rope=RopeShape(...)) pair rows like silu_mul pairs gate and up: output
+    slot p stands for the head h = p // (D/2) and the dim i = p % (D/2), and its group computes
+    both rows of the rotate-half pair, h D + i and h D + i + D/2, so the rotation needs no
+    exchange between groups. There are N / 2 slots; each writes two outputs."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if staged and epilogue == "argmax":
@@ -154,10 +195,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"K must be a positive multiple of {VEC} (16-byte loads), got {k}")
     if epilogue == "silu_mul" and n_rows % 2:
         raise ValueError(f"silu_mul needs an even number of rows (gate | up), got {n_rows}")
-    n_out = n_rows // 2 if epilogue == "silu_mul" else n_rows
+    if (epilogue in ROPE_EPILOGUES) != (rope is not None):
+        raise ValueError(f"epilogue {epilogue!r} {'needs' if rope is None else 'takes no'} a RopeShape")
+    if rope is not None:
+        if rope.head_dim % 2 or rope.rows != n_rows:
+            raise ValueError(f"the rope epilogue needs an even head_dim and (Hq + 2 Hkv) * head_dim = {n_rows} "
+                             f"rows, got {rope}")
+        if staged:
+            raise ValueError("the staged (shared-memory) variant has no rope epilogue")
+    n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
     lanes = lanes_for(k)
     chunks = k // (VEC * lanes)
-    rows_per_out = 2 if epilogue == "silu_mul" else 1
+    rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
     # Rows in flight per group: as many as fit `max_loads` 16-byte loads per lane (registers),
     # but no more than leaves two tiles per SM. ptxas does not keep them all in flight: in the
     # sm_90a SASS a one-row lane issues nearly all its loads before the first FMA, but with two
@@ -189,7 +238,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
         grid = min(grid, 3 * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps))
+                    staged, norm, float(eps), rope)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +263,15 @@ _deferred = _Deferred()
 
 
 @_deferred.kernel
-def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
+def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps):
-    # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax);
-    # mE: bias or residual [n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm;
-    # a dummy otherwise); mPart*: [grid] partials (argmax).
+                 norm, eps, head_dim, q_heads, kv_heads):
+    # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax; all
+    # n_rows outputs for the rope epilogues); mE: bias or residual [n_out] ([n_rows] for
+    # bias_rope_kv; a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
+    # otherwise); mPart*: [grid] partials (argmax). The rope epilogues: mPos [1] int64 the
+    # position, mCS [table_rows * D] fp32 the cos | sin table, mSlot [1] int64 the pool slot,
+    # mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -229,8 +281,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
     groups_per_cta = warps * (32 // lanes)
     outs_per_tile = groups_per_cta * outs_per_group
     num_tiles = (n_out + outs_per_tile - 1) // outs_per_tile
-    rows_per_out = 2 if epilogue == "silu_mul" else 1
+    rope = epilogue == "rope_kv" or epilogue == "bias_rope_kv"
+    rows_per_out = 2 if epilogue == "silu_mul" or rope else 1
     rows_in_flight = outs_per_group * rows_per_out
+    half = head_dim // 2
 
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
@@ -267,8 +321,11 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
             outs.append(out)
             safe = cutlass.min(out, n_out - 1)  # tail groups re-read a valid row, store nothing
             for h in cutlass.range_constexpr(rows_per_out):
+                row = safe + h * n_out  # silu_mul: gate, then up
+                if cutlass.const_expr(rope):  # the rotate-half pair: h D + i, then h D + i + D/2
+                    row = (safe // half) * head_dim + safe % half + h * half
                 for j in cutlass.range_constexpr(chunks):
-                    src = mW[safe + h * n_out, sub + j * lanes, None]
+                    src = mW[row, sub + j * lanes, None]
                     if cutlass.const_expr(staged):
                         cute.copy(g2s, src, sW[tidx, (o * rows_per_out + h) * chunks + j, None])
                     else:
@@ -283,6 +340,28 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
                 xs.append(mX[sub + j * lanes, None].load())
             else:
                 xs.append(x_early[j])
+        cos = []
+        sin = []
+        biases = []
+        slot = cutlass.Int32(0)
+        if cutlass.const_expr(rope):
+            # After the PDL wait (the step's position and slot are inputs like x), before the
+            # FMAs, so their latency hides behind them; every lane of the group loads and uses
+            # them (a v head gets cos 1, sin 0), so the compiler cannot sink them into the
+            # storing lane's branch after the reduction (measured in the SASS: it did).
+            pos = cutlass.Int32(mPos[0])
+            slot = cutlass.Int32(mSlot[0])
+            for o in cutlass.range_constexpr(outs_per_group):
+                safe = cutlass.min(outs[o], n_out - 1)
+                r1 = (safe // half) * head_dim + safe % half
+                rotate = safe // half < q_heads + kv_heads
+                cos.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half],
+                                                           cutlass.Float32(1.0))))
+                sin.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
+                                                           cutlass.Float32(0.0))))
+                if cutlass.const_expr(epilogue == "bias_rope_kv"):
+                    biases.append(mE[r1].to(cutlass.Float32))
+                    biases.append(mE[r1 + half].to(cutlass.Float32))
         if cutlass.const_expr(staged):
             cute.arch.cp_async_wait_group(0)  # this thread's own copies: no barrier needed
             for i in cutlass.range_constexpr(rows_in_flight * chunks):
@@ -323,6 +402,19 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
                 y = y / (cutlass.Float32(1.0) + cute.math.exp(-y, fastmath=True)) * up
             if cutlass.const_expr(epilogue == "bias" or epilogue == "residual"):
                 y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
+            if cutlass.const_expr(rope):
+                y2 = sums[o * rows_per_out + 1]
+                if cutlass.const_expr(epilogue == "bias_rope_kv"):
+                    y = y + biases[2 * o]
+                    y2 = y2 + biases[2 * o + 1]
+                # Rotate-half in fp32 with the table's fp32 cos / sin, rounded once to bf16 (the
+                # numerics of `TorchOps.rope`, less the bf16 rounding of the unrotated q / k
+                # that the two-kernel path stores in between).
+                lo = (y * cos[o] - y2 * sin[o]).to(mY.element_type)
+                hi = (y2 * cos[o] + y * sin[o]).to(mY.element_type)
+                if sub == 0:
+                    if out < n_out:
+                        _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads)
             if cutlass.const_expr(epilogue == "argmax"):
                 # Strictly greater: a group meets its rows in increasing order, so ties keep
                 # the first index, as torch.argmax does.
@@ -330,7 +422,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
                     if y > best_val:
                         best_val = y
                         best_idx = out
-            else:
+            if cutlass.const_expr(epilogue != "argmax" and not rope):
                 if sub == 0:
                     if out < n_out:
                         mY[out] = y.to(mY.element_type)
@@ -338,6 +430,27 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
     if cutlass.const_expr(epilogue == "argmax"):
         _argmax_finish(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
                        warps, grid)
+
+
+@_deferred.jit
+def _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads):
+    """One rotate-half pair (rows r = h D + i and r + D/2 of head h), rotated already: both
+    values to mY, and for a k or v head into the pool at the step's slot (none if negative)."""
+    half = head_dim // 2
+    head = out // half
+    r1 = head * head_dim + out % half
+    mY[r1] = lo
+    mY[r1 + half] = hi
+    if head >= q_heads:
+        if slot >= 0:
+            if head < q_heads + kv_heads:
+                dst = slot * (kv_heads * head_dim) + (r1 - q_heads * head_dim)
+                mKC[dst] = lo
+                mKC[dst + half] = hi
+            else:
+                dst = slot * (kv_heads * head_dim) + (r1 - (q_heads + kv_heads) * head_dim)
+                mVC[dst] = lo
+                mVC[dst + half] = hi
 
 
 @_deferred.jit
@@ -413,18 +526,19 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 
 
 @_deferred.jit
-def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, stream,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps):
-    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter,
-                          n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                          staged, norm, eps).launch(
+def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                 stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
+                 norm, eps, head_dim, q_heads, kv_heads):
+    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
+                          mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                          staged, norm, eps, head_dim, q_heads, kv_heads).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
-                "staged", "norm", "eps")
+                "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
+                     _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
 
 
@@ -437,6 +551,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
 _COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
 
 
@@ -448,20 +563,27 @@ class CuteGemv:
     norm=True the call also takes `norm_weight` [K] and multiplies RMSNorm(x) * norm_weight
     instead of x. The argmax counter and partials belong to this object: do not run one
     object on two streams at once.
+
+    The rope epilogues (`rope=RopeShape(...)`) take `rope_kv=RopeKV(...)` at the call: out is
+    [1, N] with the q and k heads rotated, and the step's k and v heads go into the pool too.
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
                  pdl: bool = False, max_loads: int = 16, staged: bool = False,
-                 norm: bool = False, eps: float = 1e-6):
+                 norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None):
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads, staged=staged, norm=norm, eps=eps)
+                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
         self._counter = torch.zeros(1, dtype=i32, device=self.device)  # the kernel resets it
         self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
+        self._dummy_rope = RopeKV(torch.zeros(2, dtype=torch.int64, device=self.device),
+                                  torch.zeros(4, dtype=f32, device=self.device),
+                                  self._dummy, self._dummy,
+                                  torch.zeros(2, dtype=torch.int64, device=self.device))
         self._compiled = None
         self.compile_seconds: float | None = None
 
@@ -469,9 +591,14 @@ class CuteGemv:
         """A new output tensor of the right shape and dtype."""
         if self.plan.epilogue == "argmax":
             return torch.zeros(1, dtype=torch.int32, device=self.device)
-        return torch.empty(1, self.plan.n_out, dtype=torch.bfloat16, device=self.device)
+        return torch.empty(1, self._out_numel, dtype=torch.bfloat16, device=self.device)
 
-    def _check(self, x, weight, extra, out, norm_weight):
+    @property
+    def _out_numel(self) -> int:
+        """Outputs stored: n_out, or every row for the rope epilogues (two per slot)."""
+        return self.plan.n_rows if self.plan.rope else self.plan.n_out
+
+    def _check(self, x, weight, extra, out, norm_weight, rope_kv=None):
         """Refuse, before any launch, what the compiled layouts would misread."""
         p = self.plan
 
@@ -484,23 +611,27 @@ class CuteGemv:
         if bad(x, p.k, torch.bfloat16):
             raise ValueError(f"x must be one contiguous, 16-byte aligned bf16 row of {p.k}, "
                              f"got {x.dtype} {tuple(x.shape)}")
-        wants_extra = p.epilogue in ("bias", "residual")
+        wants_extra = p.epilogue in ("bias", "residual", "bias_rope_kv")
         if wants_extra != (extra is not None):
             raise ValueError(f"epilogue {p.epilogue!r} {'needs' if wants_extra else 'takes no'} extra tensor")
-        if extra is not None and bad(extra, p.n_out, torch.bfloat16):
-            raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {p.n_out}, "
+        if extra is not None and bad(extra, self._out_numel, torch.bfloat16):
+            raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {self._out_numel}, "
                              f"got {extra.dtype} {tuple(extra.shape)}")
+        if (p.rope is not None) != (rope_kv is not None):
+            raise ValueError(f"epilogue {p.epilogue!r} {'needs' if p.rope else 'takes no'} rope_kv")
+        if rope_kv is not None:
+            rope_kv.check(p.rope, bad)
         if p.norm != (norm_weight is not None):
             raise ValueError(f"a GEMV planned with norm={p.norm} {'needs' if p.norm else 'takes no'} norm_weight")
         if norm_weight is not None and bad(norm_weight, p.k, torch.bfloat16):
             raise ValueError(f"norm_weight must be a contiguous, 16-byte aligned bf16 tensor of {p.k}, "
                              f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
-        shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, p.n_out), torch.bfloat16)
+        shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, self._out_numel), torch.bfloat16)
         if tuple(out.shape) != shape or bad(out, math.prod(shape), dtype):
             raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
 
-    def _args(self, x, weight, extra, out, norm_weight):
+    def _args(self, x, weight, extra, out, norm_weight, rope_kv=None):
         d = _dsl()
         p = self.plan
         def aligned(t):  # detached: DLPack refuses a tensor that requires grad (a Parameter)
@@ -512,7 +643,9 @@ class CuteGemv:
                 aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
-                d["from_dlpack"](self._counter, assumed_align=4)]
+                d["from_dlpack"](self._counter, assumed_align=4),
+                *(d["from_dlpack"](t.detach(), assumed_align=a)  # scalar reads: element alignment
+                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN))]
 
     def _stream(self):
         d = _dsl()
@@ -530,19 +663,28 @@ class CuteGemv:
             return d["make_fake"](dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
                                   assumed_align=align)
 
-        out_shape = (1,) if p.epilogue == "argmax" else (p.n_out,)
-        extra_shape = (p.n_out,) if p.epilogue in ("bias", "residual") else tuple(self._dummy.shape)
+        out_shape = (1,) if p.epilogue == "argmax" else (self._out_numel,)
+        extra_shape = (self._out_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
+        r = p.rope
+        rope_shapes = ([(2,), (r.table_rows * r.head_dim,), (2,), (r.cache_slots * r.num_kv_heads * r.head_dim,)]
+                       if r else [(2,), (4,), (2,), (8,)])
+        if r:
+            rope_shapes[0] = rope_shapes[2] = (1,)
         return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
                 fake(c.Float32, tuple(self._parts_val.shape), 4),
-                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4)]
+                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
+                *(fake(dtype, shape, align) for dtype, shape, align in
+                  zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
+                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN))]
 
-    def compile(self) -> float:
+    def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
         share the compiled kernel, which holds no tensor); returns the seconds it took (0 when
-        the kernel was compiled before)."""
+        the kernel was compiled before). rope_kv: the call's own step tensors, so that compiling
+        a rope variant allocates no stand-in of a pool layer's size."""
         key = (self.plan, str(self.device))
         if self._compiled is None and key in _COMPILED:
             self._compiled, self.compile_seconds = _COMPILED[key], 0.0
@@ -553,10 +695,10 @@ class CuteGemv:
                 # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
                 x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
                 w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
-                extra = (torch.empty(p.n_out, dtype=torch.bfloat16, device=self.device)
-                         if p.epilogue in ("bias", "residual") else None)
+                extra = (torch.empty(self._out_numel, dtype=torch.bfloat16, device=self.device)
+                         if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
                 g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
-                args = self._args(x, w, extra, self.out_like(), g)
+                args = self._args(x, w, extra, self.out_like(), g, rope_kv or RopeKV.like(p.rope, self.device))
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
@@ -567,12 +709,60 @@ class CuteGemv:
         return self.compile_seconds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
-                 *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 rope_kv: RopeKV | None = None) -> torch.Tensor:
         out = self.out_like() if out is None else out
-        self._check(x, weight, extra, out, norm_weight)
-        self.compile()
-        self._compiled(*self._args(x, weight, extra, out, norm_weight), self._stream())
+        self._check(x, weight, extra, out, norm_weight, rope_kv)
+        self.compile(rope_kv)
+        self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv), self._stream())
         return out
+
+
+@dataclasses.dataclass
+class RopeKV:
+    """The rope epilogues' step tensors: positions [1] int64, the fp32 cos | sin table
+    [table_rows, D], one layer's pool k_cache / v_cache [pages, page_size, Hkv, D] bf16
+    (contiguous: slot s is row s of the flat [pages * page_size, Hkv, D] view) and
+    slot_mapping [1] int64 (a negative slot skips the pool write)."""
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def flat(self) -> list[torch.Tensor]:
+        """In the kernel's argument order: position, table, slot, k pool, v pool (1-D views)."""
+        return [self.positions.view(-1), self.cos_sin_cache.view(-1), self.slot_mapping.view(-1),
+                self.k_cache.view(-1), self.v_cache.view(-1)]
+
+    def check(self, shape: RopeShape, bad) -> None:
+        d, hkv = shape.head_dim, shape.num_kv_heads
+        pool = shape.cache_slots * hkv * d
+        for name, t, numel, dtype in (("positions", self.positions, 1, torch.int64),
+                                      ("slot_mapping", self.slot_mapping, 1, torch.int64),
+                                      ("cos_sin_cache", self.cos_sin_cache, shape.table_rows * d, torch.float32),
+                                      ("k_cache", self.k_cache, pool, torch.bfloat16),
+                                      ("v_cache", self.v_cache, pool, torch.bfloat16)):
+            if numel > 1 and (bad(t, numel, dtype) or t.shape[-1] != d):
+                raise ValueError(f"{name} must be a contiguous, 16-byte aligned {dtype} of {numel} elements "
+                                 f"(rows of head_dim {d}), got {t.dtype} {tuple(t.shape)}")
+            if numel == 1 and (t.numel() != 1 or t.dtype != dtype):
+                raise ValueError(f"{name} must be one {dtype} (the fused path decodes one row), "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if self.k_cache.dim() > 2 and tuple(self.k_cache.shape[-2:]) != (hkv, d):
+            raise ValueError(f"k_cache rows must be [Hkv={hkv}, D={d}], got {tuple(self.k_cache.shape)}")
+
+    @staticmethod
+    def like(shape: RopeShape | None, device) -> RopeKV | None:
+        """Stand-ins with the compiled shapes (compile time only)."""
+        if shape is None:
+            return None
+        pool = (shape.cache_slots, shape.num_kv_heads, shape.head_dim)
+        return RopeKV(torch.zeros(1, dtype=torch.int64, device=device),
+                      torch.zeros(shape.table_rows, shape.head_dim, dtype=torch.float32, device=device),
+                      torch.zeros(pool, dtype=torch.bfloat16, device=device),
+                      torch.zeros(pool, dtype=torch.bfloat16, device=device),
+                      torch.zeros(1, dtype=torch.int64, device=device))
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
@@ -592,3 +782,27 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none"
     if epilogue == "argmax":
         return y.argmax().reshape(1).to(torch.int32)
     return y.reshape(1, -1)
+
+
+def rope_kv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      rope: RopeShape, rope_kv: RopeKV, norm_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The rope epilogues the slow obvious way: y = W x (+ b) in fp32 (x RMS-normalised first
+    with norm_weight), q and k heads rotated in fp32 with the fp32 table row (rotate-half, as
+    `TorchOps.rope`), rounded once to dtype (bf16, the kernel's; fp32 for the CPU wiring tests);
+    k and v heads copied into the pool at the slot (skipped when negative). Returns y [1, N];
+    the pool is updated in place."""
+    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps).reshape(-1)
+    if bias is not None:
+        y = y + bias.float().reshape(-1)
+    d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads
+    heads = y.view(hq + 2 * hkv, d)
+    cos, sin = rope_kv.cos_sin_cache[rope_kv.positions.reshape(-1)[0]].float().chunk(2)
+    x1, x2 = heads[: hq + hkv].chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.cat((rotated, heads[hq + hkv:])).to(dtype)
+    slot = int(rope_kv.slot_mapping.reshape(-1)[0])
+    if slot >= 0:
+        rope_kv.k_cache.view(-1, hkv, d)[slot] = out[hq: hq + hkv].to(rope_kv.k_cache.dtype)
+        rope_kv.v_cache.view(-1, hkv, d)[slot] = out[hq + hkv:].to(rope_kv.v_cache.dtype)
+    return out.reshape(1, -1)

@@ -180,3 +180,21 @@ def test_fused_path_at_the_qwen05_shape():
     check_first_decode_logits(ref_rows, rows, len(ps), n, bound=3e-2)
     tokens, _ = run(source, ps, n, fused=True)
     check_tokens(ref_tokens, top2, tokens, n, min_identical=0.0)
+
+
+def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
+    """fused_decode_rope (RoPE + K/V write in the QKV GEMV's epilogue, attention alone after
+    it): greedy tokens against the per-op path (near ties excepted), eager = graph tokens,
+    PDL = no-PDL tokens. Qwen2 only (the bias_rope_kv variant; the bias-free one is checked
+    kernel by kernel in tests/kernels/test_cute_gemv.py), to keep the GPU run short."""
+    source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
+    ps, n = prompts(8, vocab), 32
+    ref_tokens, top2, _ = reference(source, ps, n)
+    tokens, engine = run(source, ps, n, fused=True, fused_decode_rope=True)
+    assert engine.runner.fused.qkv.plan.epilogue == "bias_rope_kv"
+    assert engine.greedy_steps == len(ps) * (n - 1)
+    check_tokens(ref_tokens, top2, tokens, n, min_identical=0.75)
+    eager, _ = run(source, ps[:3], n, fused=True, fused_decode_rope=True, cuda_graph=False)
+    assert eager == tokens[:3]
+    pdl, _ = run(source, ps, n, fused=True, fused_decode_rope=True, fused_decode_pdl=True)
+    assert pdl == tokens

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from flashlet.kernels import cute_gemv
-from flashlet.kernels.cute_gemv import EPILOGUES, VEC, CuteGemv, gemv_reference, lanes_for, plan_gemv
+from flashlet.kernels.cute_gemv import (EPILOGUES, ROPE_EPILOGUES, VEC, CuteGemv, RopeKV, RopeShape,
+                                        gemv_reference, lanes_for, plan_gemv, rope_kv_reference)
 
 QWEN05_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896)]
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
@@ -29,14 +30,15 @@ needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 # The model's shapes with the epilogue each one has in the model, plus odd small shapes.
 GPU_CASES = [(1152, 896, "none"), (1152, 896, "bias"), (896, 896, "residual"), (9728, 896, "silu_mul"),
              (896, 4864, "none"), (896, 4864, "residual"), (151936, 896, "none"), (151936, 896, "argmax")]
-GPU_CASES += [(136, 200, e) for e in EPILOGUES] + [(96, 64, "silu_mul"), (96, 64, "argmax")]
+PLAIN_EPILOGUES = [e for e in EPILOGUES if e not in ROPE_EPILOGUES]  # the rope ones need a RopeShape
+GPU_CASES += [(136, 200, e) for e in PLAIN_EPILOGUES] + [(96, 64, "silu_mul"), (96, 64, "argmax")]
 GPU_VARIANTS = ([(*c, False, False) for c in GPU_CASES] + [(896, 896, "residual", True, False)]
                 + [(896, 4864, "residual", False, True), (9728, 896, "silu_mul", True, True),
                    (136, 200, "bias", False, True)])  # (n, k, epilogue, pdl, staged)
 
 
 @pytest.mark.parametrize("n, k", QWEN05_SHAPES)
-@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("epilogue", PLAIN_EPILOGUES)
 def test_plan_covers_every_row_and_column_once(n, k, epilogue):
     p = plan_gemv(n, k, epilogue)
     assert p.lanes * p.chunks * VEC == k                     # a row's chunks split evenly
@@ -47,6 +49,104 @@ def test_plan_covers_every_row_and_column_once(n, k, epilogue):
     assert p.loads_in_flight_per_lane <= max(24, one_output)  # registers bound the rows in flight
     if epilogue != "argmax":
         assert p.grid == p.num_tiles                         # one tile per CTA, no loop
+
+
+def rope_rows(p) -> list[tuple[int, int]]:
+    """The two W rows behind each output slot of a rope plan (the kernel's mapping)."""
+    half = p.rope.head_dim // 2
+    return [((s // half) * p.rope.head_dim + s % half, (s // half) * p.rope.head_dim + s % half + half)
+            for s in range(p.n_out)]
+
+
+@pytest.mark.parametrize("shape", [RopeShape(64, 14, 2, 4096, 1024), RopeShape(32, 4, 2, 64, 16),
+                                   RopeShape(128, 8, 8, 64, 16)])
+@pytest.mark.parametrize("epilogue", ROPE_EPILOGUES)
+def test_rope_plan_pairs_every_row_once(shape, epilogue):
+    p = plan_gemv(shape.rows, 896, epilogue, rope=shape)
+    assert p.n_out == shape.rows // 2 and p.rows_per_out == 2
+    assert p.loads_in_flight_per_lane == 2 * p.chunks * p.outs_per_group
+    assert p.num_tiles * p.outs_per_tile >= p.n_out and p.grid == p.num_tiles
+    pairs = rope_rows(p)
+    assert sorted(r for pair in pairs for r in pair) == list(range(shape.rows))  # each row once
+    assert all(b - a == shape.head_dim // 2 and a // shape.head_dim == b // shape.head_dim for a, b in pairs)
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((1152, 896, "rope_kv"), {}, "needs a RopeShape"),
+    ((1152, 896, "bias"), {"rope": RopeShape(64, 14, 2, 64, 16)}, "takes no"),
+    ((1088, 896, "rope_kv"), {"rope": RopeShape(64, 14, 2, 64, 16)}, "rows"),
+    ((1152, 896, "rope_kv"), {"rope": RopeShape(64, 14, 2, 64, 16), "staged": True}, "staged"),
+])
+def test_rope_plan_rejects_bad_shapes(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(*args, **kwargs)
+
+
+def test_rope_shape_refuses_32_bit_overflow():
+    with pytest.raises(ValueError, match="32 bits"):
+        RopeShape(128, 32, 8, 4096, 2**21)
+
+
+def _rope_inputs(shape, k, seed, device="cpu", bias=True):
+    g = torch.Generator(device=device).manual_seed(seed)
+    n, d = shape.rows, shape.head_dim
+    x = (torch.randn(k, generator=g, device=device) * 3 + 0.25).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g, device=device).to(torch.bfloat16) if bias else None
+    nw = (torch.rand(k, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    theta = torch.arange(shape.table_rows, device=device)[:, None] * 10000.0 ** (
+        -torch.arange(d // 2, device=device) / (d // 2))
+    table = torch.cat((theta.cos(), theta.sin()), dim=-1).float()
+    pool = (shape.cache_slots // 4, 4, shape.num_kv_heads, d)  # [pages, page_size, Hkv, D]
+    step = RopeKV(torch.tensor([shape.table_rows - 3], device=device), table,
+                  torch.full(pool, 7.0, dtype=torch.bfloat16, device=device),
+                  torch.full(pool, -7.0, dtype=torch.bfloat16, device=device),
+                  torch.tensor([shape.cache_slots - 6], device=device))
+    return x, w, b, nw, step
+
+
+def test_rope_reference_is_the_two_kernel_path_in_fp32():
+    """In fp32 the reference is gemv + bias, then `TorchOps.rope` and the pool write: the per-op
+    path's operations (the kernel skips only the bf16 rounding between them)."""
+    from flashlet.ops import TorchOps
+
+    shape = RopeShape(16, 4, 2, 32, 16)
+    x, w, b, nw, step = _rope_inputs(shape, 64, 0)
+    step.k_cache, step.v_cache = step.k_cache.float(), step.v_cache.float()
+    y = rope_kv_reference(x, w, b, shape, step, norm_weight=nw, dtype=torch.float32)
+    heads = (gemv_reference(x, w, "bias", b, norm_weight=nw).reshape(-1, 16))
+    q, k, v = heads[:4], heads[4:6], heads[6:]
+    q2, k2 = TorchOps.rope(q[None], k[None], step.positions, step.cos_sin_cache)
+    torch.testing.assert_close(y.reshape(-1, 16), torch.cat((q2[0], k2[0], v)), rtol=0, atol=0)
+    slot = int(step.slot_mapping)
+    torch.testing.assert_close(step.k_cache.view(-1, 2, 16)[slot], k2[0], rtol=0, atol=0)
+    torch.testing.assert_close(step.v_cache.view(-1, 2, 16)[slot], v, rtol=0, atol=0)
+    assert (step.k_cache.view(-1, 2, 16)[:slot] == 7).all()  # nothing else written
+    step.slot_mapping.fill_(-1)  # a negative slot: no pool write
+    before = step.k_cache.clone()
+    rope_kv_reference(x, w, b, shape, step, norm_weight=nw, dtype=torch.float32)
+    assert torch.equal(step.k_cache, before)
+
+
+def test_rope_call_checks_its_tensors():
+    shape = RopeShape(32, 4, 2, 64, 16)
+    gemv = CuteGemv(shape.rows, 256, "bias_rope_kv", device="cpu", norm=True, rope=shape)
+    x, w, b, nw, step = _rope_inputs(shape, 256, 0)
+    with pytest.raises(ValueError, match="rope_kv"):
+        gemv(x, w, b, out=gemv.out_like(), norm_weight=nw)
+    bad = RopeKV(step.positions.int(), step.cos_sin_cache, step.k_cache, step.v_cache, step.slot_mapping)
+    with pytest.raises(ValueError, match="positions"):
+        gemv(x, w, b, out=gemv.out_like(), norm_weight=nw, rope_kv=bad)
+    bad = RopeKV(step.positions, step.cos_sin_cache[:10], step.k_cache, step.v_cache, step.slot_mapping)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        gemv(x, w, b, out=gemv.out_like(), norm_weight=nw, rope_kv=bad)
+    bad = RopeKV(step.positions, step.cos_sin_cache, step.k_cache[:2], step.v_cache, step.slot_mapping)
+    with pytest.raises(ValueError, match="k_cache"):
+        gemv(x, w, b, out=gemv.out_like(), norm_weight=nw, rope_kv=bad)
+    with pytest.raises(ValueError, match="takes no rope_kv"):
+        CuteGemv(96, 64, "bias", device="cpu")(torch.zeros(64, dtype=torch.bfloat16),
+                                              torch.zeros(96, 64, dtype=torch.bfloat16),
+                                              torch.zeros(96, dtype=torch.bfloat16), rope_kv=step)
 
 
 def test_plan_keeps_small_shapes_spread_over_the_sms():
@@ -89,17 +189,20 @@ def test_missing_dsl_gives_install_hint(monkeypatch):
 
 PTX_SCRIPT = textwrap.dedent("""
     import glob, sys, torch
-    from flashlet.kernels.cute_gemv import CuteGemv
+    from flashlet.kernels.cute_gemv import CuteGemv, RopeShape, ROPE_EPILOGUES
     n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
     norm = sys.argv[7] == "1"
+    d = 64 if n == 1152 else 32  # the rope variants: Qwen2.5-0.5B's heads, or 4 q + 2 kv heads of 32
+    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
     try:
-        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm).compile()
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
-          "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"))
+          "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"),
+          "F32LOAD", ptx.count("ld.global.f32"))
 """)
 
 
@@ -110,7 +213,8 @@ PTX_SCRIPT = textwrap.dedent("""
     (1152, 896, "bias", 0, 0, 0), (896, 896, "residual", 1, 0, 0), (9728, 896, "silu_mul", 0, 0, 0),
     (896, 4864, "residual", 0, 0, 0), (151936, 896, "argmax", 0, 0, 0), (9728, 896, "silu_mul", 1, 1, 0),
     (1152, 896, "bias", 1, 0, 1), (9728, 896, "silu_mul", 0, 0, 1), (151936, 896, "argmax", 0, 0, 1),
-    (136, 200, "silu_mul", 0, 0, 1),
+    (136, 200, "silu_mul", 0, 0, 1), (1152, 896, "bias_rope_kv", 0, 0, 1), (1152, 896, "bias_rope_kv", 1, 0, 1),
+    (256, 256, "rope_kv", 0, 0, 1),
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
@@ -120,7 +224,9 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
                          env=env, capture_output=True, text=True, timeout=300)
     counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
     assert counts, res.stdout[-2000:] + res.stderr[-2000:]
-    p = plan_gemv(n, k, epilogue, staged=bool(staged))
+    d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
+    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope)
     # x takes C loads, and the norm's weight C more
     weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks * (2 if norm else 1)
     assert weights >= p.loads_in_flight_per_lane             # every weight chunk, 16 bytes a copy
@@ -129,6 +235,8 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
     assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
     assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
     assert (int(counts["RSQRT"]) > 0) == bool(norm)
+    if epilogue in ROPE_EPILOGUES:  # cos and sin from the fp32 table; q | k | v pair, k or v pool pair
+        assert int(counts["F32LOAD"]) >= 2 and int(counts["STORE"]) >= 4
 
 
 def _inputs(n, k, epilogue, seed):
@@ -241,3 +349,73 @@ def test_bad_inputs_are_refused_before_launch(bad):
     out = torch.zeros(1, 95, dtype=torch.bfloat16) if bad == "out_shape" else gemv.out_like()
     with pytest.raises(ValueError):
         gemv(*args, out=out)
+
+
+# The rope epilogues (the fused decode path's QKV with fused_decode_rope): (shape, K, bias, pdl).
+QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
+ROPE_GPU_CASES = [(QWEN05_ROPE, 896, True, False), (QWEN05_ROPE, 896, True, True),
+                  (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, False)]  # the small Llama's
+
+
+def _pool_rows(step, shape):
+    flat = (-1, shape.num_kv_heads, shape.head_dim)
+    return step.k_cache.view(flat), step.v_cache.view(flat)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape, k, bias, pdl", ROPE_GPU_CASES)
+def test_rope_kv_epilogue_matches_fp32_reference(kh, shape, k, bias, pdl):
+    """q | k rotated, v as is, all in out (poisoned first); k and v at the slot in the pool
+    (every other pool row keeps its poison); a negative slot writes no pool row."""
+    gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape)
+    hq, hkv = shape.num_q_heads, shape.num_kv_heads
+    for seed in (0, 1):
+        x, w, b, nw, step = _rope_inputs(shape, k, seed, device="cuda", bias=bias)
+        if seed:  # another table row and pool slot
+            step.positions.fill_(5)
+            step.slot_mapping.fill_(3)
+        mirror = RopeKV(step.positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(),
+                        step.slot_mapping)
+        want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw)
+        out = gemv.out_like().fill_(float("nan"))
+        gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert kh.rel_err(out, want) < 1e-2
+        heads, slot = out.view(-1, shape.head_dim), int(step.slot_mapping)
+        kc, vc = _pool_rows(step, shape)
+        assert torch.equal(kc[slot], heads[hq: hq + hkv]) and torch.equal(vc[slot], heads[hq + hkv:])
+        others = torch.arange(kc.shape[0], device="cuda") != slot
+        assert (kc[others] == 7).all() and (vc[others] == -7).all()
+    step.slot_mapping.fill_(-1)
+    before = step.k_cache.clone(), step.v_cache.clone()
+    gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+    torch.cuda.synchronize()
+    assert torch.equal(step.k_cache, before[0]) and torch.equal(step.v_cache, before[1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_rope_kv_epilogue_matches_the_two_kernel_path(kh):
+    """Against what the fused path runs without it: the bias GEMV, then the pool's Triton
+    RoPE + K/V write kernel. v is the same sum rounded once (bit for bit); q and k differ only
+    by the bf16 rounding the two-kernel path applies before rotating."""
+    from flashlet.kernels.rope_kv_write import rope_kv_write
+
+    shape, k = QWEN05_ROPE, 896
+    d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
+    x, w, b, nw, step = _rope_inputs(shape, k, 2, device="cuda")
+    out = CuteGemv(shape.rows, k, "bias_rope_kv", norm=True, rope=shape)(x, w, b, norm_weight=nw, rope_kv=step)
+    qkv = CuteGemv(shape.rows, k, "bias", norm=True)(x, w, b, norm_weight=nw)
+    q, kk, v = qkv.view(-1, d).split([hq, hkv, hkv])
+    kc2, vc2 = torch.full_like(step.k_cache, 7.0), torch.full_like(step.v_cache, -7.0)
+    q2, _ = rope_kv_write(q[None], kk[None], v[None], step.positions, step.cos_sin_cache, kc2, vc2,
+                          step.slot_mapping, return_k=False)
+    torch.cuda.synchronize()
+    slot = int(step.slot_mapping)
+    kc, vc = _pool_rows(step, shape)
+    assert kh.rel_err(out.view(-1, d)[:hq], q2[0]) < 1e-2
+    assert kh.rel_err(kc[slot], kc2.view(-1, hkv, d)[slot]) < 1e-2
+    assert torch.equal(vc[slot], vc2.view(-1, hkv, d)[slot])
+    assert torch.equal(out.view(-1, d)[hq + hkv:], v)

@@ -32,7 +32,7 @@ from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
                                          ProbeReply, Shutdown, StepOutputs, build_engine,
                                          run_engine_core)
-from flashlet.server.engine_loop import (EngineClient, NotReady, Overloaded, RequestStream,
+from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
 
@@ -160,12 +160,7 @@ class CoreClient(EngineClient):
         """Route the samples of one prompt (n > 1) to one core together, all or none; the core
         runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
-            if not self.is_ready:
-                raise NotReady("the engine is not ready" if not self._stopping
-                               else "the server is shutting down")
-            if max_waiting is not None and self.num_waiting >= max_waiting:
-                raise Overloaded(f"{self.num_waiting} requests are waiting already "
-                                 f"(max_waiting={max_waiting})")
+            self._admit(max_waiting)
             core = self.cores[self.router.route(streams[0].prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
             messages = []

@@ -103,6 +103,16 @@ class EngineClient:
     def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
         raise NotImplementedError
 
+    def _admit(self, max_waiting: int | None) -> None:
+        """Raise NotReady or Overloaded unless a new request may enter now (under the
+        subclass's lock, which guards `is_ready`, `_stopping` and `num_waiting`)."""
+        if not self.is_ready:
+            raise NotReady("the engine is not ready" if not self._stopping
+                           else "the server is shutting down")
+        if max_waiting is not None and self.num_waiting >= max_waiting:
+            raise Overloaded(f"{self.num_waiting} requests are waiting already "
+                             f"(max_waiting={max_waiting})")
+
 
 class EngineLoop(EngineClient):
     """Owns an Engine on a background thread. Thread-safe: every public method may be called
@@ -157,12 +167,7 @@ class EngineLoop(EngineClient):
         """Queue the samples of one prompt together (n > 1): all or none. The engine runs the
         others once the first has computed the prompt, so they share its KV pages."""
         with self._cond:
-            if not self.is_ready:
-                raise NotReady("the engine is not ready" if not self._stopping
-                               else "the server is shutting down")
-            if max_waiting is not None and self.num_waiting >= max_waiting:
-                raise Overloaded(f"{self.num_waiting} requests are waiting already "
-                                 f"(max_waiting={max_waiting})")
+            self._admit(max_waiting)
             for i, stream in enumerate(streams):
                 stream.leader = streams[0] if i else None
                 self._num_pending_submits += 1

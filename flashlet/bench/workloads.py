@@ -49,8 +49,9 @@ E2E_STREAMS = (20_021, 20_022)  # decode-sat's end-to-end runs: 1 new token, the
 
 
 # ---- the engine loop -----------------------------------------------------------------------
-def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
-    """Closed loop over `specs` with `concurrency` clients (len(specs) clients = all at once).
+def run_engine(engine, specs: list[Spec], concurrency: int, task=None, params=None) -> Trace:
+    """Closed loop over `specs` with `concurrency` clients (len(specs) clients = all at once);
+    params(max_new_tokens) -> SamplingParams (default: greedy, ignore_eos).
 
     A request's TTFT runs from its submission (so it includes time spent waiting to be
     scheduled) to the end of the step that produced its first token."""
@@ -63,8 +64,8 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None) -> Trace:
     def submit(t: float) -> None:
         nonlocal next_i
         s = specs[next_i]
-        rid = engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
-                                                          ignore_eos=True))
+        rid = engine.add_request(s.prompt, params(s.max_new_tokens) if params is not None else
+                                 SamplingParams(max_new_tokens=s.max_new_tokens, ignore_eos=True))
         index_of[rid] = next_i
         trace.submit[next_i] = t
         next_i += 1
@@ -162,7 +163,8 @@ def decode_sat_margin(args) -> int:
     return math.ceil(args.decode_batch * args.decode_prompt_len / args.max_num_batched_tokens) + 8
 
 
-def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progress = NO_PROGRESS) -> dict:
+def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progress = NO_PROGRESS,
+                      params=None) -> dict:
     """What a user gets from D decode steps of B sequences: T(D + 1 new) - T(1 new), each the
     wall clock from submitting the batch to its last token (fresh prompts each, so no prefix
     hits); whatever happens between prefill and steady decoding (graph captures, kernels
@@ -171,7 +173,8 @@ def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progr
     times, steps = [], []
     for stream, new in zip(E2E_STREAMS, (1, D + 1)):
         specs = make_specs(B, (P, P), (new, new), vocab, seed, stream=stream)
-        trace = run_engine(engine, specs, B, progress.task(f"decode-sat end to end, {new} new", B))
+        trace = run_engine(engine, specs, B, progress.task(f"decode-sat end to end, {new} new", B),
+                           params)
         check_counts(trace, f"decode-sat end to end ({new} new)")
         times.append(trace.duration)
         steps.append([round(t * 1e3, 3) for t in trace.step_s])
@@ -190,7 +193,8 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     vocab = engine.model_config.vocab_size
     sync = synchronizer(engine.device)
     # First, before any bench warm-up: the end-to-end figure, as a fresh engine gives it.
-    end_to_end = decode_end_to_end(engine, B, P, D, args.seed, progress)
+    end_to_end = decode_end_to_end(engine, B, P, D, args.seed, progress,
+                                   params=lambda n: sampling_params(args, n))
     if args.warmup:
         warmup(engine, B, min(P, 16), args.seed)
     specs = make_specs(B, (P, P), (D + decode_sat_margin(args),) * 2, vocab, args.seed, stream=1)

@@ -30,7 +30,7 @@ reference the tests hold the kernels to.
 
 Per-batch state (as vLLM's persistent input batch): what the rows need on the device (sampling
 parameters, penalty values and slots, the row lists) is built when the step's requests differ
-from the last step's (ids and order) and reused otherwise, so a steady decode batch runs no
+from the last step's (the same requests in the same order) and reused otherwise, so a steady decode batch runs no
 per-row Python: three launches a sampled step with penalties. A seeded row's output position
 lives in that state on the device and the kernel advances it as it samples (the host's count
 of output tokens, placeholders included, seeds it when the state is rebuilt); unseeded rows mix
@@ -43,6 +43,7 @@ and the raw logprobs, computed here first).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +61,11 @@ class SamplerOutput:
 
 @dataclass
 class BatchState:
-    """What one batch of requests (these ids, in this order) needs each step: the host's row
+    """What one batch of requests (these, in this order) needs each step: the host's row
     lists and the device's parameter tensors. Built when the batch changes, then reused step
     after step (a steady decode batch runs no per-row Python); what changes every step (a
     seeded row's output position) is kept and advanced on the device."""
-    key: tuple[int, ...]  # the request ids, row by row
+    reqs: list  # its requests, row by row (held, so their identity is the cache key)
     plain_greedy: bool  # nothing to apply: the argmax is the token
     lp_rows: list[int]  # rows that asked for logprobs, and how many top ones each
     lp_ks: list[int]
@@ -154,13 +155,16 @@ class Sampler:
     # ---- the batch's state ------------------------------------------------------------------
     def batch_state(self, reqs: list, vocab: int) -> BatchState:
         """The state of this batch: the last step's when the requests are the same, in the same
-        order; else a new one (one pinned copy to the device)."""
-        key = tuple(r.request_id for r in reqs)
-        if self.state is None or self.state.key != key:
-            self.state = self._build_state(key, reqs, vocab)
+        order; else a new one (one pinned copy to the device). Same means the same Request
+        objects, not only the same request ids: a test (or a caller) that makes a new request
+        under an old id gets its own parameters."""
+        last = self.state
+        if (last is None or len(last.reqs) != len(reqs)
+                or not all(map(operator.is_, last.reqs, reqs))):
+            self.state = self._build_state(reqs, vocab)
         return self.state
 
-    def _build_state(self, key: tuple, reqs: list, vocab: int) -> BatchState:
+    def _build_state(self, reqs: list, vocab: int) -> BatchState:
         params = [r.params for r in reqs]
         greedy = all(plain_greedy(p) for p in params)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -183,7 +187,7 @@ class Sampler:
                                       for i, p in zip(random_rows, sampled)])
             uploads.send(self.device)
         return BatchState(
-            key=key, plain_greedy=greedy, lp_rows=lp_rows,
+            reqs=list(reqs), plain_greedy=greedy, lp_rows=lp_rows,
             lp_ks=[params[i].logprobs for i in lp_rows],
             lp_index=None if greedy else lp_index.get(),
             constrained=any(p.is_constrained for p in params),

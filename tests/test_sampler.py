@@ -321,5 +321,9 @@ def test_batch_state_is_reused_until_the_batch_changes():
     slot = sampler.slot_of[0]
     want = torch.bincount(torch.tensor(together[0]), minlength=VOCAB).to(torch.int32)
     assert torch.equal(sampler.counts[slot], want)
+    last = sampler.state
+    fresh = request(2, SamplingParams(temperature=1.0, top_k=2))  # an old id, new parameters
+    sampler.sample(torch.stack([rows[2], rows[0]]), [fresh, reqs[0]])
+    assert sampler.state is not last and sampler.state.random_rows == [0, 1]
     sampler.release(0)
     assert sampler.state is None  # a released request's slot may go to another

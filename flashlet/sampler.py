@@ -30,8 +30,8 @@ reference the tests hold the kernels to.
 
 Per-batch state (as vLLM's persistent input batch): what the rows need on the device (sampling
 parameters, penalty values and slots, the row lists) is built when the step's requests differ
-from the last step's (the same requests in the same order) and reused otherwise, so a steady decode batch runs no
-per-row Python: three launches a sampled step with penalties. A seeded row's output position
+from the last step's (the same requests in the same order) and reused otherwise, so a steady
+decode batch runs no per-row Python: three launches a sampled step with penalties. A seeded row's output position
 lives in that state on the device and the kernel advances it as it samples (the host's count
 of output tokens, placeholders included, seeds it when the state is rebuilt); unseeded rows mix
 a random seed drawn on the host each step with their row.
@@ -44,7 +44,7 @@ and the raw logprobs, computed here first).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,25 +64,26 @@ class BatchState:
     """What one batch of requests (these, in this order) needs each step: the host's row
     lists and the device's parameter tensors. Built when the batch changes, then reused step
     after step (a steady decode batch runs no per-row Python); what changes every step (a
-    seeded row's output position) is kept and advanced on the device."""
+    seeded row's output position) is kept and advanced on the device. A plain greedy batch
+    needs nothing but the flag."""
     reqs: list  # its requests, row by row (held, so their identity is the cache key)
     plain_greedy: bool  # nothing to apply: the argmax is the token
-    lp_rows: list[int]  # rows that asked for logprobs, and how many top ones each
-    lp_ks: list[int]
-    lp_index: torch.Tensor | None
-    constrained: bool  # a row has a grammar
-    early_stop_rows: list[int]  # rows with a min_tokens
-    penalised: list[int]
-    pen_rows: torch.Tensor | None  # [P] int64, and their penalty slots [P]
-    pen_slots: torch.Tensor | None
-    pen_values: torch.Tensor | None  # [P, 3] fp32: presence, frequency, repetition
-    random_rows: list[int]
-    random_index: torch.Tensor | None  # [R] int64
-    columns: torch.Tensor | None  # [R, 4] fp32: temperature, top_k, top_p, min_p
-    noise_ids: torch.Tensor | None  # [R, 3] int64 (kernel path): row, seed, position (-1: none)
-    use_min_p: bool
-    use_top: bool
-    generator_rows: list[int]  # rows with their own torch.Generator (torch path)
+    lp_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs,
+    lp_ks: list[int] = field(default_factory=list)  # how many top ones each,
+    lp_index: torch.Tensor | None = None  # and lp_rows on the device
+    constrained: bool = False  # a row has a grammar
+    early_stop_rows: list[int] = field(default_factory=list)  # rows with a min_tokens
+    penalised: list[int] = field(default_factory=list)
+    pen_rows: torch.Tensor | None = None  # [P] int64, and their penalty slots [P]
+    pen_slots: torch.Tensor | None = None
+    pen_values: torch.Tensor | None = None  # [P, 3] fp32: presence, frequency, repetition
+    random_rows: list[int] = field(default_factory=list)
+    random_index: torch.Tensor | None = None  # [R] int64
+    columns: torch.Tensor | None = None  # [R, 4] fp32: temperature, top_k, top_p, min_p
+    noise_ids: torch.Tensor | None = None  # [R, 3] int64 (kernel path): row, seed, position
+    use_min_p: bool = False
+    use_top: bool = False
+    generator_rows: list[int] = field(default_factory=list)  # own torch.Generator (torch path)
 
 
 class Sampler:
@@ -166,40 +167,34 @@ class Sampler:
 
     def _build_state(self, reqs: list, vocab: int) -> BatchState:
         params = [r.params for r in reqs]
-        greedy = all(plain_greedy(p) for p in params)
+        if all(plain_greedy(p) for p in params):
+            return BatchState(list(reqs), plain_greedy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         sampled = [params[i] for i in random_rows]
         uploads = Uploads()
-        if not greedy:
-            lp_index = uploads.ints(lp_rows)
-            pen_rows = uploads.ints(penalised)
-            pen_slots = uploads.ints([self._slot(reqs[i], vocab) for i in penalised])
-            pen_values = uploads.floats([(params[i].presence_penalty, params[i].frequency_penalty,
-                                          params[i].repetition_penalty) for i in penalised])
-            random_index = uploads.ints(random_rows)
-            columns = uploads.floats([(p.temperature, p.top_k, p.top_p, p.min_p)
-                                      for p in sampled])
-            # A seeded row's noise: (its seed, its output position); -1: unseeded.
-            noise_ids = uploads.ints([(i, 0, -1) if p.seed is None else
-                                      (i, p.seed, len(reqs[i].output_token_ids))
-                                      for i, p in zip(random_rows, sampled)])
-            uploads.send(self.device)
+        lp_index = uploads.ints(lp_rows)
+        pen_rows = uploads.ints(penalised)
+        pen_slots = uploads.ints([self._slot(reqs[i], vocab) for i in penalised])
+        pen_values = uploads.floats([(params[i].presence_penalty, params[i].frequency_penalty,
+                                      params[i].repetition_penalty) for i in penalised])
+        random_index = uploads.ints(random_rows)
+        columns = uploads.floats([(p.temperature, p.top_k, p.top_p, p.min_p) for p in sampled])
+        # A seeded row's noise: (its seed, its output position); position -1: unseeded.
+        noise_ids = uploads.ints([(i, 0, -1) if p.seed is None else
+                                  (i, p.seed, len(reqs[i].output_token_ids))
+                                  for i, p in zip(random_rows, sampled)])
+        uploads.send(self.device)
         return BatchState(
-            reqs=list(reqs), plain_greedy=greedy, lp_rows=lp_rows,
-            lp_ks=[params[i].logprobs for i in lp_rows],
-            lp_index=None if greedy else lp_index.get(),
+            list(reqs), plain_greedy=False, lp_rows=lp_rows,
+            lp_ks=[params[i].logprobs for i in lp_rows], lp_index=lp_index.get(),
             constrained=any(p.is_constrained for p in params),
             early_stop_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
-            penalised=penalised,
-            pen_rows=None if greedy else pen_rows.get(),
-            pen_slots=None if greedy else pen_slots.get(),
-            pen_values=None if greedy else pen_values.get().view(-1, 3),
-            random_rows=random_rows,
-            random_index=None if greedy else random_index.get(),
-            columns=None if greedy else columns.get().view(-1, 4),
-            noise_ids=None if greedy else noise_ids.get().view(-1, 3),
+            penalised=penalised, pen_rows=pen_rows.get(), pen_slots=pen_slots.get(),
+            pen_values=pen_values.get().view(-1, 3),
+            random_rows=random_rows, random_index=random_index.get(),
+            columns=columns.get().view(-1, 4), noise_ids=noise_ids.get().view(-1, 3),
             use_min_p=any(p.min_p > 0 for p in sampled),
             use_top=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             generator_rows=[i for i in random_rows if reqs[i].generator is not None])

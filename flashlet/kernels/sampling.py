@@ -273,7 +273,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
 
 @triton.jit
 def _penalise_kernel(logits_ptr, stride, rows_ptr, slots_ptr, values_ptr, seen_ptr, seen_stride,
-                     lens_ptr, counts_ptr, counts_stride, BLOCK: tl.constexpr):
+                     capacity, lens_ptr, counts_ptr, counts_stride, BLOCK: tl.constexpr):
     """Row rows[pid] of logits, penalty state slots[pid]: every seen id at once (one load of all
     of them before any store, so repeated ids all compute from the unpenalised logit)."""
     pid = tl.program_id(0)
@@ -283,7 +283,7 @@ def _penalise_kernel(logits_ptr, stride, rows_ptr, slots_ptr, values_ptr, seen_p
     frequency = tl.load(values_ptr + 3 * pid + 1)
     repetition = tl.load(values_ptr + 3 * pid + 2)
     offs = tl.arange(0, BLOCK)
-    filled = offs < tl.load(lens_ptr + slot)
+    filled = (offs < tl.load(lens_ptr + slot)) & (offs < capacity)
     ids = tl.load(seen_ptr + slot * seen_stride + offs, mask=filled, other=0)
     counts = tl.load(counts_ptr + slot * counts_stride + ids, mask=filled, other=0).to(tl.float32)
     at = logits_ptr + row * stride + ids
@@ -310,8 +310,8 @@ def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
     if rows.shape[0]:
         # No FMA contraction: the same roundings as the torch reference, op for op.
         _penalise_kernel[(rows.shape[0],)](logits, logits.stride(0), rows, slots, values,
-                                           seen_ids, seen_ids.stride(0), seen_lens, counts,
-                                           counts.stride(0), BLOCK=block,
+                                           seen_ids, seen_ids.stride(0), seen_ids.shape[1],
+                                           seen_lens, counts, counts.stride(0), BLOCK=block,
                                            num_warps=max(1, min(16, block // 512)),
                                            enable_fp_fusion=False)
 

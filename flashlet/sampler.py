@@ -134,24 +134,32 @@ class Sampler:
             self.free_slots.append(slot)
             self.state = None  # it may hold the slot
 
-    def warm_up(self, vocab: int) -> None:
+    def warm_up(self, vocab: int, max_seen: int = 0) -> None:
         """Compile the sampling kernels (where they are used) before the first request needs
-        them."""
+        them; max_seen: the most seen ids (prompt + output) a penalised request can have, which
+        bounds the penalty kernel's variants (one per power-of-2 block)."""
         if self.use_kernel:
-            from flashlet.kernels.sampling import STEP_SEEDS, record_rows, sample_rows
+            from flashlet.kernels.sampling import (MAX_SEEN_BLOCK, MIN_SEEN_BLOCK, STEP_SEEDS,
+                                                   penalise_block, penalise_rows, record_rows,
+                                                   sample_rows)
 
             logits = torch.randn(2, vocab, device=self.device)
             params = torch.tensor([[0.8, 20, 0.9, 0.05]] * 2, device=self.device)
             ids = torch.tensor([[0, 1, 0], [1, 0, -1]], dtype=torch.int64, device=self.device)
             tokens = torch.empty(2, dtype=torch.int64, device=self.device)
             sample_rows(logits, params, ids, tokens, step_seed=STEP_SEEDS[0])
-            # The count update too; the penalty kernel compiles per seen-ids capacity (a power
-            # of 2), so it compiles with the first penalised batch of each.
+            # The count update too, and the penalty kernel at every block a request can need.
             rows = torch.arange(2, device=self.device)
-            record_rows(tokens, rows, rows, torch.zeros(2, vocab, dtype=torch.int32,
-                                                        device=self.device),
-                        torch.zeros(2, 4, dtype=torch.int64, device=self.device),
-                        torch.zeros(2, dtype=torch.int64, device=self.device))
+            counts = torch.zeros(2, vocab, dtype=torch.int32, device=self.device)
+            lens = torch.zeros(2, dtype=torch.int64, device=self.device)
+            record_rows(tokens, rows, rows, counts,
+                        torch.zeros(2, 4, dtype=torch.int64, device=self.device), lens)
+            values = torch.tensor([[0.5, 0.5, 1.1]] * 2, device=self.device)
+            block = MIN_SEEN_BLOCK
+            while block <= penalise_block(min(max(max_seen, 1), MAX_SEEN_BLOCK)):
+                seen = torch.zeros(2, block, dtype=torch.int64, device=self.device)
+                penalise_rows(logits, rows, rows, values, seen, lens, counts)
+                block *= 2
 
     # ---- the batch's state ------------------------------------------------------------------
     def batch_state(self, reqs: list, vocab: int) -> BatchState:

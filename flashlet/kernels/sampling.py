@@ -295,6 +295,12 @@ def _penalise_kernel(logits_ptr, stride, rows_ptr, slots_ptr, values_ptr, seen_p
 
 
 MAX_SEEN_BLOCK = 32768  # seen ids a row beyond which the sampler penalises with torch ops
+MIN_SEEN_BLOCK = 1024  # the smallest block: fewer variants for the start-up warm-up to compile
+
+
+def penalise_block(capacity: int) -> int:
+    """The penalty kernel's block (one compiled variant each) for a seen-ids capacity."""
+    return max(MIN_SEEN_BLOCK, triton.next_power_of_2(capacity))
 
 
 def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -305,7 +311,7 @@ def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
     frequency, repetition); seen_ids [slots, capacity] int64 with seen_lens [slots] filled;
     counts [slots, vocab] int32 (output tokens). capacity <= MAX_SEEN_BLOCK."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1 and values.is_contiguous()
-    block = triton.next_power_of_2(seen_ids.shape[1])
+    block = penalise_block(seen_ids.shape[1])
     assert block <= MAX_SEEN_BLOCK and seen_ids.stride(1) == 1 and counts.stride(1) == 1
     if rows.shape[0]:
         # No FMA contraction: the same roundings as the torch reference, op for op.

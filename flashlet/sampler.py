@@ -5,8 +5,8 @@ mask (structured output) -> min_tokens mask -> repetition, frequency and presenc
 greedy rows take the argmax; sampled rows go through temperature -> min_p -> top-k -> top-p and
 an exponential race: token = argmax(probs / E) with E ~ Exp(1) i.i.d., which picks token i with
 probability probs[i] (the Gumbel-max trick in another form), so one batched draw of noise serves
-every row. A request with a seed draws its row of noise from its own torch.Generator (the one
-per-row step), so its tokens do not depend on what else is in the batch.
+every row. On the torch path a request with a seed draws its row of noise from its own
+torch.Generator (the one per-row step), so its tokens do not depend on what else is in the batch.
 
 Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the model's
 logits, before the grammar, penalties, temperature and top-k/top-p, so they say what the model
@@ -24,8 +24,17 @@ previous tokens) already sees them.
 
 On CUDA the sampled rows go through one Triton kernel (flashlet/kernels/sampling.py): sort-free
 and exact for temperature, min_p, top_k and top_p, its noise from Philox keyed per row, so a
-seeded request's noise depends only on its seed and output position. The torch code here is the
-CPU path and the reference the tests hold the kernel to.
+seeded request's noise depends only on its seed and output position; the penalties and the
+count update are one small Triton kernel each. The torch code here is the CPU path and the
+reference the tests hold the kernels to.
+
+Per-batch state (as vLLM's persistent input batch): what the rows need on the device (sampling
+parameters, penalty values and slots, the row lists) is built when the step's requests differ
+from the last step's (the same requests in the same order) and reused otherwise, so a steady
+decode batch runs no per-row Python: three launches a sampled step with penalties. A seeded row's output position
+lives in that state on the device and the kernel advances it as it samples (the host's count
+of output tokens, placeholders included, seeds it when the state is rebuilt); unseeded rows mix
+a random seed drawn on the host each step with their row.
 
 The sampler writes into the logits it is given (grammar and min_tokens masks, penalties) rather
 than copying them: the engine reads the runner's logits buffer only before sampling (observers,
@@ -34,11 +43,12 @@ and the raw logprobs, computed here first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
 
-from flashlet.sampling import SamplingParams, TokenLogprob, noise_seed
+from flashlet.sampling import SamplingParams, TokenLogprob
 from flashlet.structured import apply_grammar_masks
 
 
@@ -47,6 +57,33 @@ class SamplerOutput:
     tokens: torch.Tensor  # [rows] int64 on the device
     errors: dict[int, Exception]  # row -> why its request's sampling failed (the rest go on)
     logprobs: "StepLogprobs | None"  # for rows that asked; readable once the step's copy is done
+
+
+@dataclass
+class BatchState:
+    """What one batch of requests (these, in this order) needs each step: the host's row
+    lists and the device's parameter tensors. Built when the batch changes, then reused step
+    after step (a steady decode batch runs no per-row Python); what changes every step (a
+    seeded row's output position) is kept and advanced on the device. A plain greedy batch
+    needs nothing but the flag."""
+    reqs: list  # its requests, row by row (held, so their identity is the cache key)
+    plain_greedy: bool  # nothing to apply: the argmax is the token
+    lp_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs,
+    lp_ks: list[int] = field(default_factory=list)  # how many top ones each,
+    lp_index: torch.Tensor | None = None  # and lp_rows on the device
+    constrained: bool = False  # a row has a grammar
+    early_stop_rows: list[int] = field(default_factory=list)  # rows with a min_tokens
+    penalised: list[int] = field(default_factory=list)
+    pen_rows: torch.Tensor | None = None  # [P] int64, and their penalty slots [P]
+    pen_slots: torch.Tensor | None = None
+    pen_values: torch.Tensor | None = None  # [P, 3] fp32: presence, frequency, repetition
+    random_rows: list[int] = field(default_factory=list)
+    random_index: torch.Tensor | None = None  # [R] int64
+    columns: torch.Tensor | None = None  # [R, 4] fp32: temperature, top_k, top_p, min_p
+    noise_ids: torch.Tensor | None = None  # [R, 3] int64 (kernel path): row, seed, position
+    use_min_p: bool = False
+    use_top: bool = False
+    generator_rows: list[int] = field(default_factory=list)  # own torch.Generator (torch path)
 
 
 class Sampler:
@@ -62,32 +99,32 @@ class Sampler:
         self.seen_lens: torch.Tensor | None = None  # [slots] int64: filled entries of seen_ids
         self.slot_of: dict[int, int] = {}  # request id -> its row in the penalty state
         self.free_slots: list[int] = []
+        self.state: BatchState | None = None  # the last step's batch
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()  # the runner's logits are inference tensors, written into here
     def sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
         """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the
         module docstring)."""
-        params = [r.params for r in reqs]
+        state = self.batch_state(reqs, logits.shape[1])
         errors: dict[int, Exception] = {}
-        if all(plain_greedy(p) for p in params):  # the common greedy case: nothing to apply
+        if state.plain_greedy:  # the common greedy case: nothing to apply
             return SamplerOutput(logits.argmax(dim=-1), errors, None)
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = (torch.log_softmax(logits[self._index(lp_rows)], dim=-1)
-                        if lp_rows else None)
-        apply_grammar_masks(logits, reqs, errors)
-        self._mask_early_stops(logits, reqs)
-        penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalised:
-            self._apply_penalties(logits, reqs, penalised)
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        tokens = self._draw_all(logits, reqs, random_rows, errors)
-        if penalised:
-            self._count(reqs, penalised, tokens)
+        raw_logprobs = (torch.log_softmax(logits[state.lp_index], dim=-1)
+                        if state.lp_rows else None)
+        if state.constrained:
+            apply_grammar_masks(logits, reqs, errors)
+        if state.early_stop_rows:
+            self._mask_early_stops(logits, reqs, state.early_stop_rows)
+        if state.penalised:
+            self._apply_penalties(logits, state)
+        tokens = self._draw_all(logits, reqs, state, errors)
+        if state.penalised:
+            self._count(state, tokens)
         logprobs = None
-        if lp_rows:
-            logprobs = StepLogprobs(lp_rows, [params[i].logprobs for i in lp_rows], raw_logprobs,
-                                    tokens[self._index(lp_rows)])
+        if state.lp_rows:
+            logprobs = StepLogprobs(state.lp_rows, state.lp_ks, raw_logprobs,
+                                    tokens[state.lp_index])
         return SamplerOutput(tokens, errors, logprobs)
 
     def release(self, request_id: int) -> None:
@@ -95,22 +132,87 @@ class Sampler:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
+            self.state = None  # it may hold the slot
 
-    def warm_up(self, vocab: int) -> None:
-        """Compile the sampling kernel (where it is used) before the first request needs it."""
+    def warm_up(self, vocab: int, max_seen: int = 0) -> None:
+        """Compile the sampling kernels (where they are used) before the first request needs
+        them; max_seen: the most seen ids (prompt + output) a penalised request can have, which
+        bounds the penalty kernel's variants (one per power-of-2 block)."""
         if self.use_kernel:
-            from flashlet.kernels.sampling import sample_rows
+            from flashlet.kernels.sampling import (MAX_SEEN_BLOCK, MIN_SEEN_BLOCK, STEP_SEEDS,
+                                                   penalise_block, penalise_rows, record_rows,
+                                                   sample_rows)
 
             logits = torch.randn(2, vocab, device=self.device)
             params = torch.tensor([[0.8, 20, 0.9, 0.05]] * 2, device=self.device)
-            ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int64, device=self.device)
-            sample_rows(logits, params, ids, torch.empty(2, dtype=torch.int64, device=self.device))
+            ids = torch.tensor([[0, 1, 0], [1, 0, -1]], dtype=torch.int64, device=self.device)
+            tokens = torch.empty(2, dtype=torch.int64, device=self.device)
+            sample_rows(logits, params, ids, tokens, step_seed=STEP_SEEDS[0])
+            # The count update too, and the penalty kernel at every block a request can need.
+            rows = torch.arange(2, device=self.device)
+            counts = torch.zeros(2, vocab, dtype=torch.int32, device=self.device)
+            lens = torch.zeros(2, dtype=torch.int64, device=self.device)
+            record_rows(tokens, rows, rows, counts,
+                        torch.zeros(2, 4, dtype=torch.int64, device=self.device), lens)
+            values = torch.tensor([[0.5, 0.5, 1.1]] * 2, device=self.device)
+            block = MIN_SEEN_BLOCK
+            while block <= penalise_block(min(max(max_seen, 1), MAX_SEEN_BLOCK)):
+                seen = torch.zeros(2, block, dtype=torch.int64, device=self.device)
+                penalise_rows(logits, rows, rows, values, seen, lens, counts)
+                block *= 2
+
+    # ---- the batch's state ------------------------------------------------------------------
+    def batch_state(self, reqs: list, vocab: int) -> BatchState:
+        """The state of this batch: the last step's when the requests are the same, in the same
+        order; else a new one (one pinned copy to the device). Same means the same Request
+        objects, not only the same request ids: a test (or a caller) that makes a new request
+        under an old id gets its own parameters."""
+        last = self.state
+        if (last is None or len(last.reqs) != len(reqs)
+                or not all(map(operator.is_, last.reqs, reqs))):
+            self.state = self._build_state(reqs, vocab)
+        return self.state
+
+    def _build_state(self, reqs: list, vocab: int) -> BatchState:
+        params = [r.params for r in reqs]
+        if all(plain_greedy(p) for p in params):
+            return BatchState(list(reqs), plain_greedy=True)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sampled = [params[i] for i in random_rows]
+        uploads = Uploads()
+        lp_index = uploads.ints(lp_rows)
+        pen_rows = uploads.ints(penalised)
+        pen_slots = uploads.ints([self._slot(reqs[i], vocab) for i in penalised])
+        pen_values = uploads.floats([(params[i].presence_penalty, params[i].frequency_penalty,
+                                      params[i].repetition_penalty) for i in penalised])
+        random_index = uploads.ints(random_rows)
+        columns = uploads.floats([(p.temperature, p.top_k, p.top_p, p.min_p) for p in sampled])
+        # A seeded row's noise: (its seed, its output position); position -1: unseeded.
+        noise_ids = uploads.ints([(i, 0, -1) if p.seed is None else
+                                  (i, p.seed, len(reqs[i].output_token_ids))
+                                  for i, p in zip(random_rows, sampled)])
+        uploads.send(self.device)
+        return BatchState(
+            list(reqs), plain_greedy=False, lp_rows=lp_rows,
+            lp_ks=[params[i].logprobs for i in lp_rows], lp_index=lp_index.get(),
+            constrained=any(p.is_constrained for p in params),
+            early_stop_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
+            penalised=penalised, pen_rows=pen_rows.get(), pen_slots=pen_slots.get(),
+            pen_values=pen_values.get().view(-1, 3),
+            random_rows=random_rows, random_index=random_index.get(),
+            columns=columns.get().view(-1, 4), noise_ids=noise_ids.get().view(-1, 3),
+            use_min_p=any(p.min_p > 0 for p in sampled),
+            use_top=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            generator_rows=[i for i in random_rows if reqs[i].generator is not None])
 
     # ---- the pieces -------------------------------------------------------------------------
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list) -> None:
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list, candidates: list[int]) -> None:
         """Rows short of min_tokens may not sample EOS or a stop token id."""
         rows, ids = [], []
-        for i, req in enumerate(reqs):
+        for i in candidates:
+            req = reqs[i]
             p = req.params
             if len(req.output_token_ids) < p.min_tokens:
                 banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
@@ -119,22 +221,31 @@ class Sampler:
         if rows:
             logits[self._index(rows), self._index(ids)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, state: BatchState) -> None:
         """In place, on the seen tokens of each penalised row only."""
-        slots = self._index([self._slot(reqs[i], logits.shape[1]) for i in rows])
-        values = self._tensor([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
-                                reqs[i].params.repetition_penalty] for i in rows], torch.float32)
+        if self.use_kernel and self.seen_ids.shape[1] <= _max_seen_block():
+            from flashlet.kernels.sampling import penalise_rows
+
+            penalise_rows(logits, state.pen_rows, state.pen_slots, state.pen_values,
+                          self.seen_ids, self.seen_lens, self.counts)
+            return
+        slots, values = state.pen_slots, state.pen_values
         seen = self.seen_ids[slots]  # [P, capacity]
         filled = torch.arange(seen.shape[1], device=self.device) < self.seen_lens[slots, None]
         seen = torch.where(filled, seen, seen[:, :1])  # unfilled entries repeat the first id
         seen_counts = self.counts[slots.unsqueeze(1), seen]
-        penalise_seen(logits, self._index(rows), seen, seen_counts, self.seen_lens[slots] > 0,
+        penalise_seen(logits, state.pen_rows, seen, seen_counts, self.seen_lens[slots] > 0,
                       values[:, 0], values[:, 1], values[:, 2])
 
-    def _count(self, reqs: list, rows: list[int], tokens: torch.Tensor) -> None:
+    def _count(self, state: BatchState, tokens: torch.Tensor) -> None:
         """Add each penalised row's sampled token to its counts and seen ids, on the device."""
-        slots = self._index([self.slot_of[reqs[i].request_id] for i in rows])
-        self._record(slots, tokens[self._index(rows)])
+        if self.use_kernel:
+            from flashlet.kernels.sampling import record_rows
+
+            record_rows(tokens, state.pen_rows, state.pen_slots, self.counts, self.seen_ids,
+                        self.seen_lens)
+            return
+        self._record(state.pen_slots, tokens[state.pen_rows])
 
     def _record(self, slots: torch.Tensor, chosen: torch.Tensor) -> None:
         """Penalty rows `slots` [P] output one more token each, chosen [P] (device tensors)."""
@@ -145,56 +256,50 @@ class Sampler:
         self.seen_ids.view(-1).index_copy_(0, slots * self.seen_ids.shape[1] + end, chosen)
         self.seen_lens.index_add_(0, slots, torch.ones_like(end))
 
-    def _draw_all(self, logits: torch.Tensor, reqs: list, random_rows: list[int],
+    def _draw_all(self, logits: torch.Tensor, reqs: list, state: BatchState,
                   errors: dict) -> torch.Tensor:
         """Tokens [rows]: greedy rows take the argmax, random rows are sampled."""
+        every_row = len(state.random_rows) == len(reqs)
         if self.use_kernel:
-            if len(random_rows) == len(reqs):
+            if every_row:
                 tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
             else:
                 tokens = logits.argmax(dim=-1)
-            self._draw_kernel(logits, reqs, random_rows, tokens)
+            self._draw_kernel(logits, state, tokens)
             return tokens
-        if len(random_rows) == len(reqs):
-            return self._draw(logits, reqs, random_rows, errors)
+        if every_row:
+            return self._draw(logits, reqs, state, errors)
         tokens = logits.argmax(dim=-1)
-        if random_rows:
-            rows = self._index(random_rows)
-            tokens.index_copy_(0, rows, self._draw(logits[rows], reqs, random_rows, errors))
+        if state.random_rows:
+            rows = state.random_index
+            tokens.index_copy_(0, rows, self._draw(logits[rows], reqs, state, errors))
         return tokens
 
-    def _draw_kernel(self, logits: torch.Tensor, reqs: list, rows: list[int],
-                     tokens: torch.Tensor) -> None:
-        """Sample the given rows of logits into tokens with the Triton kernel."""
-        if not rows:
+    def _draw_kernel(self, logits: torch.Tensor, state: BatchState, tokens: torch.Tensor) -> None:
+        """Sample the batch's random rows of logits into tokens with the Triton kernel; it
+        advances the seeded rows' positions."""
+        if not state.random_rows:
             return
         # Imported here: whether Triton interprets is fixed at import (tests/kernels/conftest.py).
-        from flashlet.kernels.sampling import sample_rows
+        from flashlet.kernels.sampling import STEP_SEEDS, sample_rows
 
-        step_seed = int(torch.randint(2**62, (1,)))  # the unseeded rows' noise, this step
-        params = [reqs[i].params for i in rows]
-        columns = self._tensor([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
-                               torch.float32)
-        ids = self._index([(i, noise_seed(reqs[i], step_seed, i)) for i in rows])
-        sample_rows(logits, columns, ids, tokens)
+        step_seed = int(torch.randint(*STEP_SEEDS, (1,)))  # the unseeded rows' noise, this step
+        sample_rows(logits, state.columns, state.noise_ids, tokens, step_seed=step_seed)
 
-    def _draw(self, logits: torch.Tensor, reqs: list, rows: list[int], errors: dict) -> torch.Tensor:
-        """Sample the given rows (logits [len(rows), vocab]) -> tokens [len(rows)], in torch."""
-        params = [reqs[i].params for i in rows]
-        columns = self._tensor([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
-                               torch.float32)
-        temperature, top_k, top_p, min_p = columns.unbind(1)
+    def _draw(self, logits: torch.Tensor, reqs: list, state: BatchState,
+              errors: dict) -> torch.Tensor:
+        """Sample the batch's random rows (logits [len(random_rows), vocab]) -> their tokens,
+        in torch."""
+        temperature, top_k, top_p, min_p = state.columns.unbind(1)
         probs = sampling_probs(logits, temperature, top_k, top_p, min_p,
-                               use_min_p=any(p.min_p > 0 for p in params),
-                               use_top=any(p.top_k > 0 or p.top_p < 1 for p in params))
+                               use_min_p=state.use_min_p, use_top=state.use_top)
         noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(rows):
-            generator = reqs[i].generator
-            if generator is not None:
-                try:
-                    seeded_noise(noise[j], generator)
-                except Exception as e:  # one bad request must not fail the batch
-                    errors[i] = e
+        position = {i: j for j, i in enumerate(state.random_rows)}
+        for i in state.generator_rows:
+            try:
+                seeded_noise(noise[position[i]], reqs[i].generator)
+            except Exception as e:  # one bad request must not fail the batch
+                errors[i] = e
         return exponential_race(probs, noise)
 
     def _slot(self, req, vocab: int) -> int:
@@ -242,6 +347,54 @@ class Sampler:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+class Uploads:
+    """Host lists packed into one int64 tensor and sent to the device in one pinned copy; each
+    `ints`/`floats` call gives a handle whose `get()` is its part (flat) once `send` ran."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+        self.device_buffer: torch.Tensor | None = None
+
+    def ints(self, values: list) -> "_Part":
+        return self._add(torch.tensor(values, dtype=torch.int64).view(-1), torch.int64)
+
+    def floats(self, values: list) -> "_Part":
+        flat = torch.tensor(values, dtype=torch.float32).view(-1)
+        padded = torch.zeros(flat.numel() + flat.numel() % 2, dtype=torch.float32)
+        padded[: flat.numel()] = flat
+        return self._add(padded.view(torch.int64), torch.float32, flat.numel())
+
+    def _add(self, part: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> "_Part":
+        start = sum(p.numel() for p in self.parts)
+        self.parts.append(part)
+        return _Part(self, start, part.numel(), dtype, part.numel() if numel is None else numel)
+
+    def send(self, device: torch.device) -> None:
+        host = torch.cat(self.parts) if self.parts else torch.empty(0, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory().to(device, non_blocking=True)
+        self.device_buffer = host
+
+
+@dataclass
+class _Part:
+    uploads: Uploads
+    start: int
+    length: int  # in int64 words
+    dtype: torch.dtype
+    numel: int
+
+    def get(self) -> torch.Tensor:
+        words = self.uploads.device_buffer.narrow(0, self.start, self.length)
+        return words.view(self.dtype)[: self.numel]
+
+
+def _max_seen_block() -> int:
+    from flashlet.kernels.sampling import MAX_SEEN_BLOCK
+
+    return MAX_SEEN_BLOCK
 
 
 # ---- pure functions on tensors (tests check them against per-row references) -------------

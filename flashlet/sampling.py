@@ -154,7 +154,7 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:
     """A generator for a seeded sampling request on the torch sampler path (the CUDA kernel
-    derives its noise from `noise_seed`); unseeded requests share the global one."""
+    derives its noise as `noise_seed` says); unseeded requests share the global one."""
     if params.is_greedy or params.seed is None:
         return None
     gen = torch.Generator(device=device)
@@ -166,9 +166,10 @@ _MASK64 = (1 << 64) - 1
 
 
 def noise_seed(req, step_seed: int, row: int) -> int:
-    """The Philox seed of a request's noise this step (the CUDA sampler's): from its own seed
-    and output position when it has a seed (so its tokens do not depend on the batch), else
-    from the step's random seed and its row. A 63-bit int (splitmix64 of the pair)."""
+    """The Philox seed of a request's noise this step (the CUDA sampler's, which computes it in
+    the kernel from the same pair; this is the host's reference): from its own seed and output
+    position when it has a seed (so its tokens do not depend on the batch), else from the
+    step's random seed and its row. A 63-bit int (splitmix64 of the pair)."""
     if req.params.seed is not None:
         return _splitmix64(req.params.seed, len(req.output_token_ids))
     return _splitmix64(step_seed, row)

@@ -107,7 +107,7 @@ def _warm_sampling(engine) -> None:
     params = SamplingParams(max_new_tokens=1, temperature=0.8, top_k=20, top_p=0.9, seed=0)
     logits = torch.randn(engine.model_config.vocab_size, device=engine.device)
     sample_one(logits, params, make_generator(params, engine.device))
-    engine.sampler.warm_up(engine.model_config.vocab_size)
+    engine.sampler.warm_up(engine.model_config.vocab_size, max_seen=engine.max_model_len + 2)
 
 
 # ---- counting Triton compilations ---------------------------------------------------------

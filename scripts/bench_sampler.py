@@ -5,6 +5,14 @@ frequency 0.5, repetition 1.1) and greedy argmax for scale; also the kernel and 
 penalties on their own. Issue 17's target: the whole sampled path under ~0.15 ms a step.
 
     python scripts/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
+    python scripts/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
+
+--host counts what one steady sampled step (the same 128 requests as the step before) issues
+on the kernel path: torch ops (torch.profiler, top-level aten ops) and Triton launches (the
+launch functions replaced by counters, so these are counts, not times); and times the torch
+path's whole `sample()` with time.perf_counter on the CPU at a small vocabulary, where the
+host's per-row work is a visible part of it. The counts are device-independent, except that
+on CUDA every host list sent to the device costs a pin_memory and a copy more.
 
 The logits are nearly flat, as a random-weight model's are (a top_p 0.9 nucleus holds ~90% of
 the vocabulary); --scale 6 gives peaked rows. The sampler writes penalised values into its
@@ -42,6 +50,21 @@ def cuda_ms(fn, iters: int, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_ms(fn, iters: int) -> float:
+    """Median host time of fn() in ms (time.perf_counter; the device is idle before each call,
+    so this is the Python and launch work alone, what an overlapped engine step pays)."""
+    import time
+
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=128)
@@ -50,7 +73,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--host", action="store_true", help="op counts and host time, on the CPU")
     args = ap.parse_args()
+    if args.host:
+        return host_side(args)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
@@ -58,8 +84,7 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     source = torch.randn(args.rows, args.vocab, device=device, generator=gen) * args.scale
     logits = torch.empty_like(source)
-    sampled = SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5,
-                             frequency_penalty=0.5, repetition_penalty=1.1, max_new_tokens=4096)
+    sampled = SamplingParams(**SAMPLED)
     prompts = torch.randint(args.vocab, (args.rows, args.prompt_len)).tolist()
 
     def requests(params):
@@ -81,6 +106,8 @@ def main() -> int:
             sampler.sample(logits, reqs)
 
         results[f"sampled_{name}_ms"] = cuda_ms(step, args.iters) - copy_ms
+        results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs),
+                                                     args.iters)
         plain = requests(SamplingParams(temperature=0.7, top_p=0.9))
         results[f"no_penalties_{name}_ms"] = cuda_ms(
             lambda: (refill(), sampler.sample(logits, plain)), args.iters) - copy_ms
@@ -88,13 +115,87 @@ def main() -> int:
 
     params = torch.tensor([[0.7, 0, 0.9, 0.0]] * args.rows, device=device)
     ids = torch.stack([torch.arange(args.rows), 12345 + torch.arange(args.rows)], 1).to(device)
+    # The sampler's form: (row, seed, position), mixed in the kernel (position -1: unseeded).
+    mixed = torch.stack([torch.arange(args.rows), torch.zeros(args.rows, dtype=torch.int64),
+                         torch.full((args.rows,), -1)], 1).to(device)
     out = torch.empty(args.rows, dtype=torch.int64, device=device)
     results["kernel_only_ms"] = cuda_ms(lambda: sample_rows(source, params, ids, out), args.iters)
+    results["kernel_only_mixed_seeds_ms"] = cuda_ms(
+        lambda: sample_rows(source, params, mixed, out), args.iters)
     params_k = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
     results["kernel_only_top_k50_top_p_ms"] = cuda_ms(
         lambda: sample_rows(source, params_k, ids, out), args.iters)
     for key, value in results.items():
         print(f"{key:32s} {value:.4f}" if isinstance(value, float) else f"{key:32s} {value}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+SAMPLED = dict(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+               repetition_penalty=1.1, max_new_tokens=4096)
+
+
+def host_side(args) -> int:
+    """--host: see the module docstring."""
+    import time
+    from collections import Counter
+
+    import flashlet.kernels.sampling as kernels
+
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    source = torch.randn(args.rows, args.vocab, generator=gen)
+    prompts = torch.randint(args.vocab, (args.rows, args.prompt_len), generator=gen).tolist()
+    results = {"rows": args.rows, "vocab": args.vocab}
+    for name, params in (("sampled", SamplingParams(**SAMPLED)),
+                         ("no_penalties", SamplingParams(temperature=0.7, top_p=0.9))):
+        reqs = [Request(i, prompts[i], params) for i in range(args.rows)]
+        launches = Counter()
+
+        def counter(kernel):
+            def launch(*a, **k):
+                launches[kernel] += 1
+                if kernel == "sample_rows":
+                    a[3].zero_()  # valid tokens for what follows (its op is subtracted below)
+            return launch
+
+        saved = {k: getattr(kernels, k) for k in ("sample_rows", "penalise_rows", "record_rows")
+                 if hasattr(kernels, k)}
+        for k in saved:
+            setattr(kernels, k, counter(k))
+        try:
+            sampler = Sampler(device, {0}, use_kernel=True)
+            for _ in range(3):  # the first step sets up the batch (and penalty rows)
+                sampler.sample(source.clone(), reqs)
+            launches.clear()
+            steps = 10
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    sampler.sample(source, reqs)
+        finally:
+            for k, fn in saved.items():
+                setattr(kernels, k, fn)
+        top = Counter(e.name for e in prof.events()
+                      if e.name.startswith("aten::") and e.cpu_parent is None)
+        top["aten::zero_"] -= launches["sample_rows"]
+        results[f"{name}_kernel_path_torch_ops"] = sum(top.values()) / steps
+        results[f"{name}_kernel_path_triton_launches"] = sum(launches.values()) / steps
+        results[f"{name}_kernel_path_ops_by_name"] = {k: v / steps for k, v in top.items() if v}
+        sampler = Sampler(device, {0}, use_kernel=False)
+        logits = source.clone()
+        for _ in range(3):
+            sampler.sample(logits, reqs)
+        times = []
+        for _ in range(args.iters):
+            logits.copy_(source)
+            start = time.perf_counter()
+            sampler.sample(logits, reqs)
+            times.append((time.perf_counter() - start) * 1e3)
+        results[f"{name}_torch_path_cpu_ms"] = sorted(times)[len(times) // 2]
+    for key, value in results.items():
+        print(f"{key:42s} {value:.4f}" if isinstance(value, float) else f"{key:42s} {value}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

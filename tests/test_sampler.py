@@ -272,7 +272,8 @@ def test_sparse_penalties_equal_the_dense_reference():
     reqs = [request(i, p, prompts[i], outputs[i]) for i, p in enumerate(params)]
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     got = logits.clone()
-    Sampler(torch.device("cpu"), {EOS})._apply_penalties(got, reqs, penalised)
+    sampler = Sampler(torch.device("cpu"), {EOS})
+    sampler._apply_penalties(got, sampler.batch_state(reqs, VOCAB))
     counts = torch.zeros(rows, VOCAB, dtype=torch.int32)
     mask = torch.zeros(rows, VOCAB, dtype=torch.bool)
     for r in range(rows):
@@ -284,3 +285,45 @@ def test_sparse_penalties_equal_the_dense_reference():
                            column("frequency_penalty"), column("repetition_penalty"))
     for r in range(rows):
         assert torch.equal(got[r], want[r] if r in penalised else logits[r]), r
+
+
+def test_batch_state_is_reused_until_the_batch_changes():
+    """The torch path with the cached batch state: the same requests in the same order reuse it,
+    a join, a leave or a reorder rebuilds it; seeded requests draw what they draw alone, a
+    penalised one keeps its own counts, and a top_k 1 row stays the argmax of its own row."""
+    gen = torch.Generator().manual_seed(9)
+    rows = {rid: torch.randn(VOCAB, generator=gen) * 0.5 for rid in range(3)}
+    params = {0: SamplingParams(temperature=1.0, seed=3, frequency_penalty=0.4),
+              1: SamplingParams(temperature=1.0, seed=4),
+              2: SamplingParams(temperature=1.0, top_k=1)}
+    schedule = [[0, 1], [0, 1], [1, 0, 2], [1, 0, 2], [0], [2, 0]]
+
+    def run(batches):
+        sampler = Sampler(torch.device("cpu"), {EOS})
+        reqs = {rid: request(rid, p) for rid, p in params.items()}
+        out = {rid: [] for rid in params}
+        states = []
+        for batch in batches:
+            logits = torch.stack([rows[rid] for rid in batch])
+            tokens = sampler.sample(logits.clone(), [reqs[rid] for rid in batch]).tokens.tolist()
+            states.append(sampler.state)
+            for r, rid in enumerate(batch):
+                out[rid].append(tokens[r])
+        return out, states, sampler, reqs
+
+    together, states, sampler, reqs = run(schedule)
+    assert states[1] is states[0] and states[3] is states[2]
+    assert len({id(s) for s in states}) == 4
+    assert sampler.state.random_rows == [1] and sampler.state.penalised == [1]  # top_k 1: greedy
+    assert together[2] == [int(rows[2].argmax())] * 3
+    for rid in (0, 1):
+        assert together[rid] == run([[rid]] * len(together[rid]))[0][rid]
+    slot = sampler.slot_of[0]
+    want = torch.bincount(torch.tensor(together[0]), minlength=VOCAB).to(torch.int32)
+    assert torch.equal(sampler.counts[slot], want)
+    last = sampler.state
+    fresh = request(2, SamplingParams(temperature=1.0, top_k=2))  # an old id, new parameters
+    sampler.sample(torch.stack([rows[2], rows[0]]), [fresh, reqs[0]])
+    assert sampler.state is not last and sampler.state.random_rows == [0, 1]
+    sampler.release(0)
+    assert sampler.state is None  # a released request's slot may go to another

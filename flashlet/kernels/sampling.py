@@ -23,7 +23,15 @@ largest value tau exactly, by counting against 15 pivots per pass over the value
 ln(vocab / top_k) rounds (each rejected candidate cuts what is left by a random fraction).
 
 Noise: Philox (`tl.rand4x`, four numbers per draw) keyed by a per-row 64-bit seed, counter = (the
-round, the element): a row's tokens depend only on its seed, never on the batch around it.
+round, the element): a row's tokens depend only on its seed, never on the batch around it. The
+sampler passes (seed, position) per row and the kernel mixes them (splitmix64, as
+`flashlet.sampling.noise_seed` on the host) and advances the position itself, so a steady batch
+needs no per-row host work: a seeded row's seed is its request's seed and output position, an
+unseeded row's the step's random seed and its row.
+
+Penalties (`penalise_rows`, `record_rows`): one program a penalised row, over its seen ids (the
+sparse form of `flashlet.sampler.apply_penalties`), and after sampling one that adds the row's
+token to its counts and seen ids: two launches where torch takes about twenty.
 
 Ties at the top_p boundary: the reference sorts and keeps a prefix, so of several tokens tied
 with the last kept one it keeps some (in sort order); here the condition is on the value, so all
@@ -158,11 +166,39 @@ def _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB: tl.constexpr,
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride, params_ptr, ids_ptr, out_ptr, V,
-                   SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+def _splitmix64(a, b):
+    """flashlet.sampling._splitmix64 of two int64s (63 bits out), in wrapping uint64 arithmetic."""
+    z = a.to(tl.uint64, bitcast=True) * tl.full((), 0x9E3779B97F4A7C15, tl.uint64)
+    z = z + b.to(tl.uint64, bitcast=True) + tl.full((), 0x632BE59BD9B4E5B, tl.uint64)
+    z = (z ^ (z >> 30)) * tl.full((), 0xBF58476D1CE4E5B9, tl.uint64)
+    z = (z ^ (z >> 27)) * tl.full((), 0x94D049BB133111EB, tl.uint64)
+    return ((z ^ (z >> 31)) >> 1).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _row_seed(ids_ptr, pid, step_seed, MIXED: tl.constexpr):
+    """-> (row of logits, Philox seed). ids [n, 2]: (row, seed); MIXED, ids [n, 3]: (row, seed,
+    position), the seed splitmix64(seed, position) and the position advanced in place, or, for a
+    position < 0 (an unseeded row), splitmix64(step_seed, row)."""
+    if MIXED:
+        row = tl.load(ids_ptr + 3 * pid)
+        base = tl.load(ids_ptr + 3 * pid + 1)
+        position = tl.load(ids_ptr + 3 * pid + 2)
+        seeded = position >= 0
+        seed = _splitmix64(tl.where(seeded, base, step_seed), tl.where(seeded, position, row))
+        if seeded:
+            tl.store(ids_ptr + 3 * pid + 2, position + 1)
+    else:
+        row = tl.load(ids_ptr + 2 * pid)
+        seed = tl.load(ids_ptr + 2 * pid + 1)
+    return row, seed
+
+
+@triton.jit(do_not_specialize=["step_seed"])
+def _sample_kernel(logits_ptr, stride, params_ptr, ids_ptr, out_ptr, V, step_seed,
+                   SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr, MIXED: tl.constexpr):
     pid = tl.program_id(0)
-    row = tl.load(ids_ptr + 2 * pid)  # ids [n, 2] int64: (row of logits, Philox seed)
-    seed = tl.load(ids_ptr + 2 * pid + 1)
+    row, seed = _row_seed(ids_ptr, pid, step_seed, MIXED)
     T = tl.load(params_ptr + 4 * pid)  # params [n, 4] fp32: temperature, top_k, top_p, min_p
     top_k = tl.load(params_ptr + 4 * pid + 1).to(tl.int32)
     top_p = tl.load(params_ptr + 4 * pid + 2)
@@ -211,20 +247,102 @@ def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int):
     assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
     # 16 warps a row with 2048-draw blocks: 0.400 ms for 128 x 151,936 flat rows on the H200
     # against 0.498 with 8 warps and 1024 (grid of 4 to 32 warps x 256 to 2048, 2026-11-30).
-    return dict(V=logits.shape[1], SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=16)
+    return dict(SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=16)
+
+
+STEP_SEEDS = (2**32, 2**62)  # step seeds in this range are all int64 to Triton: one compile
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
-                out: torch.Tensor, sub: int = SUB) -> None:
+                out: torch.Tensor, sub: int = SUB, step_seed: int = STEP_SEEDS[0]) -> None:
     """Sample rows of logits [rows, vocab] fp32 into out [rows] int64: program i samples row
-    ids[i, 0] with Philox seed ids[i, 1] (ids [n, 2] int64) and params[i] = (temperature > 0,
-    top_k (0: all), top_p, min_p) (params [n, 4] fp32). Rows not in ids are left as they are.
+    ids[i, 0] with params[i] = (temperature > 0, top_k (0: all), top_p, min_p) (params [n, 4]
+    fp32). ids [n, 2] int64: (row, Philox seed); or ids [n, 3]: (row, seed, position), noise
+    from splitmix64(seed, position), position then advanced by one in place, or from
+    splitmix64(step_seed, row) where position < 0. Rows not in ids are left as they are.
     sub: the sub-tile width (a power of 2; the noise of a seed depends on it: tests on the
     interpreter use small ones)."""
-    assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.shape == (params.shape[0], 2)
+    assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 2
+    assert ids.shape[0] == params.shape[0] and ids.shape[1] in (2, 3)
+    assert STEP_SEEDS[0] <= step_seed < STEP_SEEDS[1]
     if ids.shape[0]:
         _sample_kernel[(ids.shape[0],)](logits, logits.stride(0), params, ids, out,
+                                        logits.shape[1], step_seed, MIXED=ids.shape[1] == 3,
                                         **_launch_args(logits, params, sub))
+
+
+@triton.jit
+def _penalise_kernel(logits_ptr, stride, rows_ptr, slots_ptr, values_ptr, seen_ptr, seen_stride,
+                     capacity, lens_ptr, counts_ptr, counts_stride, BLOCK: tl.constexpr):
+    """Row rows[pid] of logits, penalty state slots[pid]: every seen id at once (one load of all
+    of them before any store, so repeated ids all compute from the unpenalised logit)."""
+    pid = tl.program_id(0)
+    row = tl.load(rows_ptr + pid)
+    slot = tl.load(slots_ptr + pid)
+    presence = tl.load(values_ptr + 3 * pid)  # values [P, 3]: presence, frequency, repetition
+    frequency = tl.load(values_ptr + 3 * pid + 1)
+    repetition = tl.load(values_ptr + 3 * pid + 2)
+    offs = tl.arange(0, BLOCK)
+    filled = (offs < tl.load(lens_ptr + slot)) & (offs < capacity)
+    ids = tl.load(seen_ptr + slot * seen_stride + offs, mask=filled, other=0)
+    counts = tl.load(counts_ptr + slot * counts_stride + ids, mask=filled, other=0).to(tl.float32)
+    at = logits_ptr + row * stride + ids
+    x = tl.load(at, mask=filled, other=0.0)
+    x = tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition)
+    x = x - frequency * counts
+    x = x - presence * (counts > 0).to(tl.float32)
+    tl.store(at, x, mask=filled)
+
+
+MAX_SEEN_BLOCK = 32768  # seen ids a row beyond which the sampler penalises with torch ops
+MIN_SEEN_BLOCK = 1024  # the smallest block: fewer variants for the start-up warm-up to compile
+
+
+def penalise_block(capacity: int) -> int:
+    """The penalty kernel's block (one compiled variant each) for a seen-ids capacity."""
+    return max(MIN_SEEN_BLOCK, triton.next_power_of_2(capacity))
+
+
+def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                  values: torch.Tensor, seen_ids: torch.Tensor, seen_lens: torch.Tensor,
+                  counts: torch.Tensor) -> None:
+    """`flashlet.sampler.penalise_seen` in one launch: logits [n, vocab] fp32 in place; rows,
+    slots [P] int64 (a penalised row and its penalty state); values [P, 3] fp32 (presence,
+    frequency, repetition); seen_ids [slots, capacity] int64 with seen_lens [slots] filled;
+    counts [slots, vocab] int32 (output tokens). capacity <= MAX_SEEN_BLOCK."""
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and values.is_contiguous()
+    block = penalise_block(seen_ids.shape[1])
+    assert block <= MAX_SEEN_BLOCK and seen_ids.stride(1) == 1 and counts.stride(1) == 1
+    if rows.shape[0]:
+        # No FMA contraction: the same roundings as the torch reference, op for op.
+        _penalise_kernel[(rows.shape[0],)](logits, logits.stride(0), rows, slots, values,
+                                           seen_ids, seen_ids.stride(0), seen_ids.shape[1],
+                                           seen_lens, counts, counts.stride(0), BLOCK=block,
+                                           num_warps=max(1, min(16, block // 512)),
+                                           enable_fp_fusion=False)
+
+
+@triton.jit
+def _record_kernel(tokens_ptr, rows_ptr, slots_ptr, counts_ptr, counts_stride, seen_ptr,
+                   seen_stride, lens_ptr, capacity):
+    pid = tl.program_id(0)
+    slot = tl.load(slots_ptr + pid)
+    token = tl.load(tokens_ptr + tl.load(rows_ptr + pid))
+    count = counts_ptr + slot * counts_stride + token
+    tl.store(count, tl.load(count) + 1)  # one program a slot: no other writes it
+    filled = tl.load(lens_ptr + slot)
+    tl.store(seen_ptr + slot * seen_stride + tl.minimum(filled, capacity - 1), token)
+    tl.store(lens_ptr + slot, filled + 1)
+
+
+def record_rows(tokens: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                counts: torch.Tensor, seen_ids: torch.Tensor, seen_lens: torch.Tensor) -> None:
+    """Penalty states slots [P] (distinct) output tokens[rows] (tokens [n] int64): one more
+    count each, and the token appended to their seen ids, in one launch."""
+    if rows.shape[0]:
+        _record_kernel[(rows.shape[0],)](tokens, rows, slots, counts, counts.stride(0), seen_ids,
+                                         seen_ids.stride(0), seen_lens, seen_ids.shape[1],
+                                         num_warps=1)
 
 
 def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor,
@@ -232,5 +350,5 @@ def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor
     """For tests: bool [rows], whether the kernel would accept candidates[r] (int64) in row r."""
     out = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
     _accepts_kernel[(logits.shape[0],)](logits, logits.stride(0), params, candidates, out,
-                                        **_launch_args(logits, params, sub))
+                                        logits.shape[1], **_launch_args(logits, params, sub))
     return out

@@ -133,3 +133,38 @@ def test_kernel_draws_follow_the_reference_at_the_real_vocabulary(scale, filters
     assert dof >= 2, "too few groups to test"
     limit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3  # 0.9999 quantile
     assert stat < limit, (stat, limit, dof)
+
+
+def test_kernel_seed_mixing_and_penalties_match_the_host_and_torch():
+    """Compiled for the GPU (the interpreter checks the same on the CPU): the sampling kernel's
+    splitmix64 of (seed, position) is the host's, and the penalty kernel writes exactly what the
+    torch ops of the CPU path write."""
+    from flashlet.kernels.sampling import STEP_SEEDS, sample_rows
+    from flashlet.sampling import _splitmix64
+
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randn(6, 4096, generator=gen).cuda()
+    params = torch.tensor([[1.0, 0, 0.95, 0.0]] * 6).cuda()
+    mixed = torch.tensor([[0, 123, 5], [1, -77, 0], [2, 2**62 + 5, 9], [3, 0, -1], [4, 0, -1],
+                          [5, 7, 3]])
+    step_seed = STEP_SEEDS[0] + 999
+    direct = torch.tensor([[r, _splitmix64(s, p) if p >= 0 else _splitmix64(step_seed, r)]
+                           for r, s, p in mixed.tolist()]).cuda()
+    mixed = mixed.cuda()
+    got, want = (torch.empty(6, dtype=torch.int64, device="cuda") for _ in range(2))
+    sample_rows(logits, params, mixed, got, step_seed=step_seed)
+    sample_rows(logits, params, direct, want)
+    assert got.tolist() == want.tolist() and mixed[:, 2].tolist() == [6, 1, 10, -1, -1, 4]
+
+    reqs = [request(i, SamplingParams(temperature=1.0, presence_penalty=0.5 * i,
+                                      frequency_penalty=0.3, repetition_penalty=1.1 + i / 10),
+                    prompt=[3, 4, 4, 9 + i], output=[5, 5, 7 + i]) for i in range(4)]
+    source = torch.randn(4, VOCAB, generator=gen) * 3
+    penalised = {}
+    for use_kernel in (False, True):
+        sampler = Sampler(torch.device("cuda"), {1}, use_kernel=use_kernel)
+        out = source.cuda()
+        sampler._apply_penalties(out, sampler.batch_state(reqs, VOCAB))
+        penalised[use_kernel] = out.cpu()
+    assert torch.equal(penalised[True], penalised[False])
+    assert not torch.equal(penalised[True], source)

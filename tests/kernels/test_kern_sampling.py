@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from flashlet.kernels.sampling import accepts, sample_rows
+from flashlet.kernels.sampling import STEP_SEEDS, accepts, sample_rows
 from flashlet.request import Request
-from flashlet.sampler import Sampler, sampling_probs
-from flashlet.sampling import SamplingParams
+from flashlet.sampler import Sampler, apply_penalties, sampling_probs
+from flashlet.sampling import SamplingParams, _splitmix64
 from tests.test_sampler import ref_kept
 
 SUB = 256  # sub-tiles of 256 draws: the interpreter's cost grows with the tile, not the vocabulary
@@ -164,3 +164,71 @@ def test_kernel_path_keeps_greedy_rows_exact_and_penalties_sparse():
     assert tokens[2] == 10  # frequency counts output tokens only: the prompt's 10 stays on top
     slot = sampler.slot_of[0]
     assert sampler.seen_ids[slot, : int(sampler.seen_lens[slot])].tolist() == [10, 11, tokens[0]]
+
+
+def test_mixed_seeds_equal_the_host_splitmix():
+    """ids (row, seed, position): the kernel's own splitmix64 gives the noise the host's
+    (flashlet.sampling.noise_seed) would, seeded rows advance their position, unseeded rows
+    (position -1) take (step seed, row)."""
+    gen = torch.Generator().manual_seed(15)
+    logits = torch.randn(6, 64, generator=gen)
+    params = torch.tensor([[1.0, 0, 0.95, 0.0]] * 6)
+    mixed = torch.tensor([[0, 123, 5], [1, -77, 0], [2, 2**62 + 5, 9], [3, 0, -1], [4, 0, -1],
+                          [5, 7, 3]])
+    step_seed = STEP_SEEDS[0] + 12345
+    direct = torch.tensor([[r, _splitmix64(s, p) if p >= 0 else _splitmix64(step_seed, r)]
+                           for r, s, p in mixed.tolist()])
+    got, want = torch.empty(6, dtype=torch.int64), torch.empty(6, dtype=torch.int64)
+    sample_rows(logits, params, mixed, got, sub=16, step_seed=step_seed)
+    sample_rows(logits, params, direct, want, sub=16)
+    assert got.tolist() == want.tolist()
+    assert mixed[:, 2].tolist() == [6, 1, 10, -1, -1, 4]
+
+
+def test_cached_batch_state_follows_joins_leaves_and_reorders():
+    """Through the kernel path, with the batch state reused while the batch stays the same and
+    rebuilt when it changes: each request's tokens (seeded, penalised or top_k 1) are the ones
+    it draws alone, and every penalised row equals the dense reference at every step."""
+    gen = torch.Generator().manual_seed(16)
+    vocab = 96
+    rows = {rid: torch.randn(vocab, generator=gen) * 0.5 for rid in range(3)}  # flat rows
+    params = {0: SamplingParams(temperature=1.0, top_p=0.95, seed=5, frequency_penalty=0.3,
+                                presence_penalty=0.2, repetition_penalty=1.3),
+              1: SamplingParams(temperature=0.9, seed=6),
+              2: SamplingParams(temperature=1.0, top_k=1, repetition_penalty=2.0)}
+    prompts = {0: [3, 4, 4], 1: [5], 2: [int(rows[2].argmax()), 7]}
+    schedule = [[0, 1], [0, 1], [0, 1], [1, 2, 0], [1, 2, 0], [2, 0], [0, 2], [0]]
+
+    def run(batches):
+        sampler = Sampler(torch.device("cpu"), {1}, use_kernel=True)
+        reqs = {rid: Request(rid, prompts[rid], params[rid]) for rid in params}
+        states = []
+        for batch in batches:
+            logits = torch.stack([rows[rid] for rid in batch])
+            before = logits.clone()
+            tokens = sampler.sample(logits, [reqs[rid] for rid in batch]).tokens.tolist()
+            states.append(sampler.state)
+            for r, rid in enumerate(batch):
+                p, req = params[rid], reqs[rid]
+                if p.has_penalties:
+                    out = req.output_token_ids
+                    counts = torch.bincount(torch.tensor(out, dtype=torch.int64),
+                                            minlength=vocab).to(torch.int32)[None]
+                    mask = torch.zeros(1, vocab, dtype=torch.bool)
+                    mask[0, prompts[rid]] = True
+                    want = apply_penalties(before[r:r + 1], counts, mask,
+                                           torch.tensor([p.presence_penalty]),
+                                           torch.tensor([p.frequency_penalty]),
+                                           torch.tensor([p.repetition_penalty]))[0]
+                    assert torch.equal(logits[r], want), (batch, rid)
+                if p.top_k == 1:
+                    assert tokens[r] == int(logits[r].argmax())
+                req.output_token_ids.append(tokens[r])
+        return {rid: reqs[rid].output_token_ids for rid in params}, states
+
+    together, states = run(schedule)
+    assert states[1] is states[0] and states[2] is states[0]  # reused while the batch stays
+    assert states[3] is not states[2] and states[4] is states[3]  # rebuilt on a change
+    alone = {rid: run([[rid]] * len(together[rid]))[0][rid] for rid in (0, 1)}
+    assert together[0] == alone[0] and together[1] == alone[1]
+    assert len(set(together[0])) > 1

@@ -341,6 +341,20 @@ def start_api_servers(args, sock: socket.socket, client: CoreClient) -> list:
     return children
 
 
+def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event) -> None:
+    """An API process that exits before the server stops is fatal, as a dead core is: the
+    cores would queue its step messages for nobody. (Set `died`; the server exits 1.)"""
+    while not uv.should_exit:
+        for child in children:
+            if child.exitcode is not None and not uv.should_exit:
+                log.error("API server process %s exited (code %s); stopping", child.name,
+                          child.exitcode)
+                died.set()
+                uv.should_exit = True
+                return
+        time.sleep(0.5)
+
+
 def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],
                    owner_pid: int) -> None:
     """API-server process `index` (> 0): serve the shared socket until SIGTERM or a failure.
@@ -438,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app, uv_config = make_app(args, client, name, limits, chat_template, port, 0)
     children: list = []  # the other API-server processes
+    child_died = threading.Event()
 
     def stop_children() -> None:  # they drain side by side with this one
         for child in children:
@@ -450,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     if not stop_requested:
         client.start()
         children = start_api_servers(args, sock, client)
+        if children:
+            threading.Thread(target=watch_api_servers, args=(children, uv, child_died),
+                             name="flashlet-api-watch", daemon=True).start()
     try:
         uv.run(sockets=[sock])
     finally:
@@ -467,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if loading:
             log.info("server stopped while the model was loading")
             return 0 if stop_requested else 1
-    if client.error is not None:
+    if client.error is not None or child_died.is_set():
         return 1
     if not uv.started:
         return 1

@@ -32,11 +32,11 @@ import tempfile
 import threading
 import time
 import itertools
+from pathlib import Path
 from collections import defaultdict
 from typing import Callable
 
 import msgspec
-import psutil
 import zmq
 
 from flashlet.config import EngineConfig
@@ -165,10 +165,12 @@ class CoreClient(EngineClient):
             already, self._stopping = self._stopping, True
         if already:
             return
-        self._fail_all("the server shut down", 503)
         if not self.owns_cores:  # client 0 stops the cores, once every API process has
+            self._abort_in_cores()  # nobody would read what they make for this process
+            self._fail_all("the server shut down", 503)
             self._close()
             return
+        self._fail_all("the server shut down", 503)
         for core in self.cores:
             if core.info is None:
                 core.process.kill()  # it ignores SIGTERM (see run_engine_core)
@@ -240,14 +242,18 @@ class CoreClient(EngineClient):
             self._send_locked(core, AbortRequests([stream.request_id], finish_reason))
 
     def abort_all(self) -> None:
+        self._abort_in_cores()
+        # Their outputs are dropped by the cores: end the streams here.
+        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
+
+    def _abort_in_cores(self) -> None:
+        """Tell the cores to drop every request of this process (their streams stay open)."""
         with self._lock:
             by_core = defaultdict(list)
             for rid, stream in self._streams.items():
                 by_core[stream.core].append(rid)
             for index, rids in by_core.items():
                 self._send_locked(self.cores[index], AbortRequests(rids))
-        # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
 
     def probe(self, timeout: float = 30.0) -> list[dict]:
         """Each core's engine stats after an integrity check (raises if one fails)."""
@@ -462,8 +468,16 @@ class _cuda_visible:
 
 
 def _pid_alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (Linux: its state in /proc; elsewhere a zombie
+    counts as alive until its parent reaps it)."""
     try:
-        process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -10,22 +10,53 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, wait_until
+from server_helpers import REPO, ServerProcess, _free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[3 + i, 7, 11 + 2 * i, 5, 9] for i in range(8)]
 
 
-def _start(tiny_qwen2, *extra) -> ServerProcess:
-    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
-                      "--api-server-count", "2", "--served-model-name", "m", *extra)
+SLOW_STEPS = """
+import sys
+sys.path.insert(0, {folder!r})
+import server_helpers
+import flashlet.server.core_client
+
+# The engine core steps STEP_DELAY_S slower, so that streams are still open when it dies.
+flashlet.server.core_client.run_engine_core = server_helpers.run_slow_engine_core
+from flashlet.server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class SlowCoreServer(ServerProcess):
+    """The CLI with a slow-stepping engine core (spawned by reference to server_helpers)."""
+
+    def __init__(self, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = SLOW_STEPS.format(folder=os.path.dirname(__file__))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, "--port", str(self.port), *args], cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+
+def _start(tiny_qwen2, *extra, server=ServerProcess) -> ServerProcess:
+    p = server("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
+               "--api-server-count", "2", "--served-model-name", "m", *extra)
     wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
                "the server to load its model", interval=0.1)
     assert p.proc.poll() is None, p.log
@@ -59,7 +90,8 @@ def _core_stats(url: str) -> dict[str, float]:
             re.finditer(r'^(flashlet_\w+)\{core="0"\} (\S+)$', text, re.M)}
 
 
-def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_after=None):
+def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_after=None,
+):
     """Stream a completion; keep (process, events, error) (stop_after: disconnect after so many
     events)."""
     events, process, error = [], None, None
@@ -119,17 +151,18 @@ def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs
 
 
 def test_a_dead_core_fails_the_streams_of_both_api_servers(tiny_qwen2):
-    p = _start(tiny_qwen2)
+    p = _start(tiny_qwen2, server=SlowCoreServer)
     try:
         _wait_both_serving(p.url)
         pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
         results: list = []
-        threads = [threading.Thread(target=_stream, args=(p.url, PROMPTS[i % 8], 900, results))
+        threads = [threading.Thread(target=_stream, args=(p.url, PROMPTS[i % 8], 200, results))
                    for i in range(8)]
         for t in threads:
             t.start()
-        wait_until(lambda: _core_stats(p.url).get("flashlet_requests_running", 0) >= 8, 30,
+        wait_until(lambda: _core_stats(p.url).get("flashlet_requests_running") == 8, 30,
                    "every stream to run")
+        assert not results, results
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
 

@@ -1,6 +1,6 @@
 """`--api-server-count 2`: two API-server processes on one port, fed by one engine core. Both
 serve streams side by side (the `x-flashlet-api-server` header says which), greedy outputs do
-not depend on the process, aborted and disconnected streams free their pages, and a dead core
+not depend on the process and equal one API process's, aborted and disconnected streams free their pages, and a dead core
 fails every open stream on both processes with an error body and turns /health 503. Tiny
 random model (token ids in, token ids out), through the real CLI."""
 
@@ -122,6 +122,19 @@ def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs
                 process, ids = _complete(p.url, prompt)
                 by_process[process].setdefault(i, ids)
         assert by_process["0"] == by_process["1"]  # greedy: the same whoever served it
+        one = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
+                            "--no-access-log", "--served-model-name", "m")
+        try:  # and the same as one API process gives
+            wait_until(lambda: "serving on" in one.log or one.proc.poll() is not None, 180,
+                       "the one-process server to load", interval=0.1)
+            for i, prompt in enumerate(PROMPTS):
+                r = httpx.post(one.url + "/v1/completions", timeout=60, json={
+                    "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True})
+                assert "x-flashlet-api-server" not in r.headers
+                assert r.json()["choices"][0]["text"] == by_process["0"][i]
+        finally:
+            one.kill()
         # 16 concurrent streams, some dropped by their client mid-way.
         results: list = []
         threads = [threading.Thread(target=_stream, args=(

@@ -168,7 +168,7 @@ class CoreClient(EngineClient):
         if not self.owns_cores:  # client 0 stops the cores, once every API process has
             self._abort_in_cores()  # nobody would read what they make for this process
             self._fail_all("the server shut down", 503)
-            self._close()
+            self._close(linger_ms=1000)  # the aborts still go out
             return
         self._fail_all("the server shut down", 503)
         for core in self.cores:
@@ -186,11 +186,11 @@ class CoreClient(EngineClient):
         self._close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
-    def _close(self) -> None:
+    def _close(self, linger_ms: int = 0) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         for core in self.cores:
-            core.inbox.close(linger=0)
+            core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
         self._zmq.term()
         self.stopped.set()

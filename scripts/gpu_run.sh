@@ -16,6 +16,8 @@
 #                                             it; CuTe DSL, no FlashInfer; ~4 and ~8 min); tp tp-tests (tensor parallelism, 2
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
+#                                             serve-api2 (issue 13: serve's comparison with
+#                                             --api-server-count 2 and 4; not in all, ~15 min);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
 #                                             sampler (issue 17: the sampled path alone, ms per
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
@@ -204,6 +206,14 @@ for part in "${PARTS[@]}"; do
              --max-num-pages 16384
            run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
              --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
+    serve-api2)
+      for n in 2 4; do
+        run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve-api$n" \
+          --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
+          --api-server-count $n \
+          -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+          --max-num-pages 16384
+      done ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -1,7 +1,7 @@
 """The same closed-loop workload in-process and through the server, in one run, as one table.
 
     python scripts/serve_compare.py --out DIR [--concurrency 1 16 64 256] [--max-new-tokens 128]
-        [--tokenizer .tok/smollm2] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
+        [--tokenizer .tok/smollm2] [--api-server-count N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
         --backend triton --dtype bfloat16 --max-num-pages 16384)
 
 1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts);
@@ -58,6 +58,7 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
     server_flags = list(engine_flags)
     if args.tokenizer:
         server_flags += ["--tokenizer", args.tokenizer]
+    server_flags += ["--api-server-count", str(args.api_server_count)]
     log = open(out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "flashlet.server", "--port", str(port),
                              "--no-access-log", "--max-waiting", "100000", *server_flags],
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
                    help="requests per level at least (so that p99 at concurrency 1 is a "
                         "percentile; default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="the server's --api-server-count (API processes; default %(default)s)")
     p.add_argument("--timeout", type=float, default=900)
     args, engine_flags = p.parse_known_args(argv)
     engine_flags = [f for f in engine_flags if f != "--"]

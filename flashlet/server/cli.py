@@ -11,6 +11,20 @@ seconds, abort the rest, stop the cores, exit 0; during the model load, end the 
 and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the requests in
 flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
 (a supervisor restarts it).
+
+--api-server-count N (vLLM's flag; default 1): N API-server processes accept on the one
+listening socket, bound here before anything starts and handed to N - 1 spawned children
+(the kernel gives each new connection to one of the processes accepting). This process owns
+the engine cores (core_client.py says how each core sends each request's outputs to the
+process that sent it); each child attaches to them, runs the API warm-up (warmup.py) and only
+then accepts connections, so no child takes a connection before it can serve it. Responses
+carry `x-flashlet-api-server: K`. On SIGINT/SIGTERM this process passes SIGTERM on to the
+children, all drain side by side, and the cores stop once every child has exited. A dead core
+fails every process's open streams and turns every /health 503 (each child watches the cores'
+pids); each child exits when this process does. /metrics is per process: the HTTP counters
+are those of the process that answered the scrape (label them by the header), the per-core
+gauges are the same in every process. Data parallelism works with N > 1: each process routes
+on its own view (core_client.py).
 """
 
 from __future__ import annotations
@@ -19,6 +33,8 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
+import os
 import signal
 import socket
 import sys
@@ -79,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine-core processes behind this server (one per GPU on CUDA); "
                              "each request goes to the core caching the longest prefix of it "
+                             "(default: %(default)s)")
+    server.add_argument("--api-server-count", type=int, default=1,
+                        help="API-server processes serving the port side by side (HTTP, "
+                             "tokenizing, SSE), all fed by the same engine core(s) "
                              "(default: %(default)s)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
@@ -161,15 +181,28 @@ class UvicornServer(uvicorn.Server):
     in-flight ones are aborted once `grace_s` has passed."""
 
     def __init__(self, config: uvicorn.Config, app, grace_s: float,
-                 on_serving: Callable[[], None] | None = None):
+                 on_serving: Callable[[], None] | None = None,
+                 warm_before_listening: bool = False,
+                 on_shutdown: Callable[[], None] | None = None):
         super().__init__(config)
         self.app = app
         self.flashlet = app.state.server
         self.grace_s = grace_s
         self.on_serving = on_serving
+        self.on_shutdown = on_shutdown
+        # The API servers beyond the first: accept nothing before the warm-up has run (another
+        # process answers meanwhile on the shared socket).
+        self.warm_before_listening = warm_before_listening
         self._warming: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
+        if self.warm_before_listening:
+            await self._warm_up_when_ready()
+            if self.should_exit or not self.flashlet.loop.is_ready:
+                self.should_exit = True
+                return
+            await super().startup(sockets)
+            return
         await super().startup(sockets)
         self._warming = asyncio.ensure_future(self._warm_up_when_ready())
 
@@ -186,6 +219,8 @@ class UvicornServer(uvicorn.Server):
             self.on_serving()
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         fs = self.flashlet
         fs.draining = True
         inflight = fs.loop.num_streams + fs.loop.num_queued
@@ -221,6 +256,11 @@ def _check_server_args(args) -> HttpLimits:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.tensor_parallel_size > 1:
+        raise ValueError("--api-server-count > 1 does not work with --tensor-parallel-size > 1 "
+                         "(the engine core then starts its own worker processes)")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise ValueError(f"--tokenizer {args.tokenizer}: not a folder")
     if not 0 <= args.port <= 65535:
@@ -249,6 +289,102 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | None, port: int,
+             api_server: int):
+    """The app and uvicorn's config of one API-server process."""
+    app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
+                                          max_waiting=args.max_waiting,
+                                          max_tokens_cap=args.max_tokens_cap,
+                                          allow_special_tokens=args.allow_special_tokens,
+                                          limits=limits, chat_template=chat_template,
+                                          allowed_origins=args.allowed_origins,
+                                          warm_up=True))
+    if args.api_server_count > 1:
+        app.add_middleware(ApiServerHeader, index=api_server)
+    uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
+                               log_level=args.log_level, access_log=args.access_log,
+                               timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+                               lifespan="off", **uvicorn_options(app.state.limit_stats))
+    return app, uv_config
+
+
+class ApiServerHeader:
+    """ASGI middleware: `x-flashlet-api-server: K` on every response (which process served)."""
+
+    def __init__(self, app, index: int):
+        self.app, self.header = app, (b"x-flashlet-api-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def start_api_servers(args, sock: socket.socket, client: CoreClient) -> list:
+    """Spawn API-server processes 1 .. N-1 on the shared socket, attached to client's cores."""
+    spawn = multiprocessing.get_context("spawn")
+    children = []
+    core_pids = [core.pid for core in client.cores]
+    for index in range(1, args.api_server_count):
+        child = spawn.Process(target=run_api_server, name=f"flashlet-api{index}", daemon=True,
+                              args=(args, index, sock, client.ipc_dir, core_pids, os.getpid()))
+        child.start()
+        children.append(child)
+    return children
+
+
+def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event) -> None:
+    """An API process that exits before the server stops is fatal, as a dead core is: the
+    cores would queue its step messages for nobody. (Set `died`; the server exits 1.)"""
+    while not uv.should_exit:
+        for child in children:
+            if child.exitcode is not None and not uv.should_exit:
+                log.error("API server process %s exited (code %s); stopping", child.name,
+                          child.exitcode)
+                died.set()
+                uv.should_exit = True
+                return
+        time.sleep(0.5)
+
+
+def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],
+                   owner_pid: int) -> None:
+    """API-server process `index` (> 0): serve the shared socket until SIGTERM or a failure.
+    The first process checked every flag already."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
+    engine_config = EngineConfig.from_cli(args)
+    limits = _check_server_args(args)
+    name = args.served_model_name or default_model_name(engine_config)
+    uv: UvicornServer | None = None
+
+    def stop(*_) -> None:
+        if uv is not None:
+            uv.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer,
+                        on_fatal=lambda error: threading.Timer(FATAL_EXIT_DELAY_S, stop).start(),
+                        api_server_index=index, api_server_count=args.api_server_count,
+                        ipc_dir=ipc_dir, core_pids=core_pids, owner_pid=owner_pid)
+    app, uv_config = make_app(args, client, name, limits, read_chat_template(args.chat_template),
+                              sock.getsockname()[1], index)
+    uv = UvicornServer(uv_config, app, args.shutdown_timeout, warm_before_listening=True)
+    client.start()
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        client.stop(timeout=5)
+    sys.exit(1 if client.error is not None else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,31 +442,42 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     log.info("loading model %s (backend %s) in %d engine core(s)...",
              engine_config.model or name, engine_config.backend, args.data_parallel_size)
-    client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal)
+    client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal,
+                        api_server_count=args.api_server_count)
 
     def announce() -> None:
         report = app.state.server.warm_up_report
         log.info("%s", _describe(client, engine_config, args.host, port, name,
                                  time.monotonic() - t0, report.seconds))
 
-    app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
-                                          max_waiting=args.max_waiting,
-                                          max_tokens_cap=args.max_tokens_cap,
-                                          allow_special_tokens=args.allow_special_tokens,
-                                          limits=limits, chat_template=chat_template,
-                                          allowed_origins=args.allowed_origins,
-                                          warm_up=True))
-    uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
-                               log_level=args.log_level, access_log=args.access_log,
-                               timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
-                               lifespan="off", **uvicorn_options(app.state.limit_stats))
-    uv = UvicornServer(uv_config, app, args.shutdown_timeout, on_serving=announce)
+    app, uv_config = make_app(args, client, name, limits, chat_template, port, 0)
+    children: list = []  # the other API-server processes
+    child_died = threading.Event()
+
+    def stop_children() -> None:  # they drain side by side with this one
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+
+    uv = UvicornServer(uv_config, app, args.shutdown_timeout, on_serving=announce,
+                       on_shutdown=stop_children)
     uv.should_exit = stop_requested
     if not stop_requested:
         client.start()
+        children = start_api_servers(args, sock, client)
+        if children:
+            threading.Thread(target=watch_api_servers, args=(children, uv, child_died),
+                             name="flashlet-api-watch", daemon=True).start()
     try:
         uv.run(sockets=[sock])
     finally:
+        stop_children()
+        for child in children:  # the cores serve them until they have drained
+            child.join(args.shutdown_timeout + 15)
+            if child.is_alive():
+                log.warning("API server process %s did not stop: killing it", child.name)
+                child.kill()
+                child.join(5)
         loading = not client.ready.is_set() and client.error is None
         # Stopped while the cores load: they are ended at once (a load cannot be interrupted,
         # and waiting for it is what a SIGTERM must not do).
@@ -338,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if loading:
             log.info("server stopped while the model was loading")
             return 0 if stop_requested else 1
-    if client.error is not None:
+    if client.error is not None or child_died.is_set():
         return 1
     if not uv.started:
         return 1

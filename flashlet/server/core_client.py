@@ -8,6 +8,17 @@ and hands each request's outputs to its stream, one event-loop wake-up per step 
 same thread watches the processes: when a core dies, every request in flight ends with a 500
 error, /health turns 503 ("failed") and `on_fatal` runs (the CLI exits non-zero: restarting a
 core would drop its cache and its requests anyway, and a supervisor restarts servers better).
+
+Several API processes (`--api-server-count N`, cli.py): each has its own CoreClient, with its
+index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (telling each the
+sockets of all N clients) and alone sends them Shutdown. Every client binds its own sockets
+(in<core>.<k> into each core, out<k> for the steps), numbers its requests k, k + N, ... (the
+cores send a request's outputs back by `request_id % N`), aborts and probes its own requests,
+and routes with its own PrefixRouter: each router sees only the prompts and in-flight counts
+of its own process (prefix routing still sends a process's repeated prefixes to the core that
+cached them; the cores' running/waiting stats, which every client gets each step, are shared).
+A client that does not own the cores cannot wait on them: it watches their pids (a dead or
+zombie pid is a dead core) and client 0's (the cores' parent): either gone is fatal.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import tempfile
 import threading
 import time
 import itertools
+from pathlib import Path
 from collections import defaultdict
 from typing import Callable
 
@@ -44,9 +56,10 @@ READER_POLL_MS = 100  # how often the reader checks the processes when no messag
 class CoreProcess:
     """One engine-core process and what the API process knows of it."""
 
-    def __init__(self, index: int, process, inbox):
+    def __init__(self, index: int, process, inbox, pid: int | None = None):
         self.index = index
-        self.process = process
+        self.process = process  # None in an API process that does not own the cores
+        self.pid = process.pid if process is not None else pid
         self.inbox = inbox  # PUSH socket into the core (guarded by CoreClient._send_lock)
         self.info: dict | None = None  # from CoreReady
         self.stats: dict = {}  # from its latest message
@@ -58,26 +71,39 @@ class CoreClient(EngineClient):
     def __init__(self, config: EngineConfig, data_parallel_size: int = 1,
                  tokenizer: str | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 build_engine: Callable = build_engine):
+                 build_engine: Callable = build_engine, api_server_index: int = 0,
+                 api_server_count: int = 1, ipc_dir: str | None = None,
+                 core_pids: list[int] | None = None, owner_pid: int | None = None):
+        """api_server_index > 0: attach to the cores that client 0 started (its ipc_dir, the
+        cores' pids and its own pid, owner_pid) instead of starting them."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if api_server_count < 1 or not 0 <= api_server_index < api_server_count:
+            raise ValueError(f"api server {api_server_index} of {api_server_count}: out of range")
+        if api_server_index > 0 and (ipc_dir is None or core_pids is None or owner_pid is None
+                                     or len(core_pids) != data_parallel_size):
+            raise ValueError("an API server other than the first needs the cores' ipc folder, "
+                             "their pids and the first API server's pid")
         self.config = config
         self.num_cores = data_parallel_size
+        self.api_server_index, self.api_server_count = api_server_index, api_server_count
+        self.owns_cores = api_server_index == 0
+        self._core_pids, self._owner_pid = core_pids, owner_pid
         self.tokenizer_source = tokenizer
         self._on_fatal = on_fatal
         self._build_engine = build_engine  # runs in the core process (picklable by name)
         self.cores: list[CoreProcess] = []
         self._streams: dict[int, RequestStream] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count(api_server_index, api_server_count)  # see api_server_of
         self._lock = threading.Lock()  # _streams, the counts, the sockets' sends
         self._probes: dict[int, concurrent.futures.Future] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._dir = tempfile.mkdtemp(prefix="flashlet-")
+        self.ipc_dir = ipc_dir if ipc_dir is not None else tempfile.mkdtemp(prefix="flashlet-")
         self._zmq = zmq.Context()
         self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
         self._outbox.setsockopt(zmq.RCVHWM, 0)
-        self._outbox.bind(f"ipc://{self._dir}/out")
+        self._outbox.bind(self._output_addr(api_server_index))
         self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply)
         self._encoder = msgspec.msgpack.Encoder()
         self.router: PrefixRouter | None = None
@@ -88,19 +114,29 @@ class CoreClient(EngineClient):
         self.error: BaseException | None = None
 
     # ---- life cycle -----------------------------------------------------------------------
+    def _input_addr(self, core: int, api_server: int) -> str:
+        return f"ipc://{self.ipc_dir}/in{core}.{api_server}"
+
+    def _output_addr(self, api_server: int) -> str:
+        return f"ipc://{self.ipc_dir}/out{api_server}"
+
     def start(self) -> "CoreClient":
         spawn = multiprocessing.get_context("spawn")
+        api_servers = range(self.api_server_count)
         for i in range(self.num_cores):
             inbox = self._zmq.socket(zmq.PUSH)
             inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains it each step
-            address = f"ipc://{self._dir}/in{i}"
-            inbox.bind(address)
+            inbox.bind(self._input_addr(i, self.api_server_index))
+            if not self.owns_cores:
+                self.cores.append(CoreProcess(i, None, inbox, self._core_pids[i]))
+                continue
             # Daemonic unless it must start processes itself (tensor parallelism's ranks): it
             # stops with this process either way (stop(), or it notices its parent is gone).
             process = spawn.Process(
                 target=run_engine_core, name=f"flashlet-core{i}",
                 daemon=self.config.tensor_parallel_size == 1,
-                args=(self.config, i, address, f"ipc://{self._dir}/out", os.getpid(),
+                args=(self.config, i, [self._input_addr(i, k) for k in api_servers],
+                      [self._output_addr(k) for k in api_servers], os.getpid(),
                       self.tokenizer_source, self._build_engine))
             with _cuda_visible(self._device_for(i)):
                 process.start()
@@ -129,6 +165,11 @@ class CoreClient(EngineClient):
             already, self._stopping = self._stopping, True
         if already:
             return
+        if not self.owns_cores:  # client 0 stops the cores, once every API process has
+            self._abort_in_cores()  # nobody would read what they make for this process
+            self._fail_all("the server shut down", 503)
+            self._close(linger_ms=1000)  # the aborts still go out
+            return
         self._fail_all("the server shut down", 503)
         for core in self.cores:
             if core.info is None:
@@ -142,13 +183,16 @@ class CoreClient(EngineClient):
                 log.warning("engine core %d did not stop: killing it", core.index)
                 core.process.kill()
                 core.process.join(5)
+        self._close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _close(self, linger_ms: int = 0) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         for core in self.cores:
-            core.inbox.close(linger=0)
+            core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
         self._zmq.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
         self.stopped.set()
 
     @property
@@ -193,14 +237,18 @@ class CoreClient(EngineClient):
             self._send_locked(core, AbortRequests([stream.request_id], finish_reason))
 
     def abort_all(self) -> None:
+        self._abort_in_cores()
+        # Their outputs are dropped by the cores: end the streams here.
+        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
+
+    def _abort_in_cores(self) -> None:
+        """Tell the cores to drop every request of this process (their streams stay open)."""
         with self._lock:
             by_core = defaultdict(list)
             for rid, stream in self._streams.items():
                 by_core[stream.core].append(rid)
             for index, rids in by_core.items():
                 self._send_locked(self.cores[index], AbortRequests(rids))
-        # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
 
     def probe(self, timeout: float = 30.0) -> list[dict]:
         """Each core's engine stats after an integrity check (raises if one fails)."""
@@ -209,7 +257,7 @@ class CoreClient(EngineClient):
             fut = concurrent.futures.Future()
             with self._lock:
                 self._probes[core.index] = fut
-                self._send_locked(core, Probe())
+                self._send_locked(core, Probe(self.api_server_index))
             futures.append(fut)
         return [f.result(timeout) for f in futures]
 
@@ -344,11 +392,25 @@ class CoreClient(EngineClient):
         self.router = PrefixRouter(self.num_cores, self.limits.page_size)
 
     def _check_processes(self) -> None:
+        if not self.owns_cores:
+            self._check_pids()
+            return
         for core in self.cores:
             code = core.process.exitcode
             if code is not None:
                 self._fatal(RuntimeError(f"engine core {core.index} died (exit code {code})"))
                 return
+
+    def _check_pids(self) -> None:
+        """The cores are client 0's children: a dead one stays a zombie until client 0 reaps
+        it, so a pid that is gone or a zombie is a dead core."""
+        for core in self.cores:
+            if not _pid_alive(core.pid):
+                self._fatal(RuntimeError(f"engine core {core.index} died"))
+                return
+        if not _pid_alive(self._owner_pid):
+            self._fatal(RuntimeError("the first API server process exited"))
+
 
     def _fatal(self, error: BaseException) -> None:
         log.error("%s", error)
@@ -397,3 +459,20 @@ class _cuda_visible:
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = self.saved
             self._lock.release()
+
+
+
+def _pid_alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (Linux: its state in /proc; elsewhere a zombie
+    counts as alive until its parent reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -1,16 +1,22 @@
 """The engine-core process: one Engine and its step loop, fed over ZeroMQ, never waiting on HTTP.
 
-The API-server process (core_client.py) starts one of these per data-parallel rank with
-multiprocessing's spawn context. Messages are msgspec msgpack structs, on two ipc sockets the
-API process binds: requests in (token ids + sampling params, aborts, probes, shutdown) on a
-PULL socket of its own, and out on a shared PUSH socket ONE message per engine step carrying
-every request's new token ids and finish info, with the engine's stats. The core never sees
-text: tokenizing, detokenizing and stop strings are the API process's job, so a stop string
-found there comes back in as an abort.
+The first API-server process (core_client.py) starts one of these per data-parallel rank with
+multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
+API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
+PULL socket (zmq fair-queues them): requests (token ids + sampling params), aborts, probes,
+shutdown. Out: one PUSH socket per API process, ONE message per engine step to each API
+process, carrying that process's requests' new token ids and finish info, with the engine's
+stats (every API process gets every step's stats: its admission control reads them). The core
+never sees text: tokenizing, detokenizing and stop strings are the API processes' job, so a
+stop string found there comes back in as an abort.
+
+Several API processes (`--api-server-count N`): API process k numbers its requests k, k + N,
+k + 2N... so ids are unique across processes and the core sends a request's outputs to API
+process `request_id % N` (`api_server_of`) without keeping a map. A probe names its sender.
 
 The loop: when the engine has work, take whatever arrived (without waiting), step, send the
-step's outputs; when idle, block on the socket (waking every second to check that the API
-process is still alive: an orphaned core exits).
+step's outputs; when idle, block on the socket (waking every second to check that the first
+API process, its parent, is still alive: an orphaned core exits).
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
 class Probe(msgspec.Struct, tag=True, array_like=True):
     """Check the engine's integrity and reply with its stats (tests, diagnostics)."""
 
+    api_server: int = 0  # the API process to reply to
+
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
@@ -104,6 +112,11 @@ class ProbeReply(msgspec.Struct, tag=True, array_like=True):
 CoreMessage = StepOutputs | CoreReady | ProbeReply
 
 
+def api_server_of(request_id: int, api_server_count: int) -> int:
+    """The API process that sent a request: each numbers its own with a stride of the count."""
+    return request_id % api_server_count
+
+
 def engine_info(engine) -> dict:
     stats = engine.stats()
     return {"max_model_len": engine.max_model_len,
@@ -132,9 +145,11 @@ def build_engine(config, tokenizer: str | None = None):
     return engine
 
 
-def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent_pid: int,
-                    tokenizer: str | None = None, build: Callable = build_engine) -> None:
+def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: list[str],
+                    parent_pid: int, tokenizer: str | None = None,
+                    build: Callable = build_engine) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
+    input_addrs / output_addrs: one of each per API process, in API-process order.
     (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.)"""
     import zmq
 
@@ -147,34 +162,43 @@ def run_engine_core(config, core: int, input_addr: str, output_addr: str, parent
                         format=f"%(asctime)s %(levelname)s core{core}: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
     inbox.setsockopt(zmq.RCVHWM, 0)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.SNDHWM, 0)  # a step's message is never dropped
-    outbox.connect(output_addr)
+    for address in input_addrs:  # the API processes may bind theirs later: zmq reconnects
+        inbox.connect(address)
+    outboxes = []
+    for address in output_addrs:  # one socket each: a PUSH socket with several peers would
+        outbox = ctx.socket(zmq.PUSH)  # deal its messages round-robin
+        outbox.setsockopt(zmq.SNDHWM, 0)  # a step's message is never dropped
+        outbox.connect(address)  # queued until that API process binds it
+        outboxes.append(outbox)
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = build(config, tokenizer)
-    except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits
-        outbox.send(encoder.encode(CoreReady(core, {}, f"{type(e).__name__}: {e}", os.getpid())))
-        outbox.close(linger=5000)
+    except BaseException as e:  # noqa: BLE001 - reported to the API processes, which exit
+        ready = encoder.encode(CoreReady(core, {}, f"{type(e).__name__}: {e}", os.getpid()))
+        for outbox in outboxes:
+            outbox.send(ready)
+            outbox.close(linger=5000)
         ctx.term()
         return
-    outbox.send(encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid())))
+    ready = encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid()))
+    for outbox in outboxes:
+        outbox.send(ready)
     try:
-        EngineCore(engine, core, inbox, outbox, parent_pid).run()
+        EngineCore(engine, core, inbox, outboxes, parent_pid).run()
     finally:
         inbox.close(linger=0)
-        outbox.close(linger=2000)
+        for outbox in outboxes:
+            outbox.close(linger=2000)
         ctx.term()
 
 
 class EngineCore:
-    """The busy loop around one Engine (which takes the API process's request ids as its own)."""
+    """The busy loop around one Engine (which takes the API processes' request ids as its own)."""
 
-    def __init__(self, engine, core: int, inbox, outbox, parent_pid: int):
+    def __init__(self, engine, core: int, inbox, outboxes: list, parent_pid: int):
         self.engine, self.core = engine, core
-        self.inbox, self.outbox = inbox, outbox
+        self.inbox, self.outboxes = inbox, outboxes  # outboxes[k]: to API process k
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
@@ -230,7 +254,7 @@ class EngineCore:
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
-            self._probe()
+            self._probe(msg.api_server)
         elif isinstance(msg, Shutdown):
             for rid in list(self.unfinished):
                 self.engine.abort(rid)
@@ -304,13 +328,21 @@ class EngineCore:
         outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
         stats["time"] = time.monotonic()
-        self.outbox.send(self.encoder.encode(StepOutputs(self.core, outputs, stats)))
+        count = len(self.outboxes)
+        if count == 1:
+            self.outboxes[0].send(self.encoder.encode(StepOutputs(self.core, outputs, stats)))
+            return
+        by_api_server: list[list[CoreOutput]] = [[] for _ in range(count)]
+        for out in outputs:
+            by_api_server[api_server_of(out.request_id, count)].append(out)
+        for outbox, mine in zip(self.outboxes, by_api_server):  # all: each reads the stats
+            outbox.send(self.encoder.encode(StepOutputs(self.core, mine, stats)))
 
-    def _probe(self) -> None:
+    def _probe(self, api_server: int) -> None:
         error = None
         try:
             self.engine.check_integrity()
         except Exception as e:  # noqa: BLE001 - reported to the caller
             error = f"{type(e).__name__}: {e}"
         stats = {**core_stats(self.engine), "has_unfinished": float(self.engine.has_unfinished())}
-        self.outbox.send(self.encoder.encode(ProbeReply(self.core, stats, error)))
+        self.outboxes[api_server].send(self.encoder.encode(ProbeReply(self.core, stats, error)))

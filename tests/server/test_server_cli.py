@@ -51,6 +51,8 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
     ("flashlet.server", ["a", "--model", "b"], "the model is given twice"),
     ("flashlet.server", ["--chat-template", "no/such/file.jinja"], "not a file and not a Jinja"),
     ("flashlet.server", ["--allowed-origins", "[1]"], "JSON list of strings"),
+    ("flashlet.server", ["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
+    ("flashlet.server", ["--api-server-count", "-2"], "--api-server-count must be >= 1, got -2"),
 ], ids=lambda v: v if isinstance(v, str) and not v.startswith("-") else None)
 def test_bad_usage_is_one_line_and_exit_code_2_before_loading(module, args, needle):
     done = _run("-m", module, *args)

@@ -1,0 +1,201 @@
+"""`--api-server-count 2`: two API-server processes on one port, fed by one engine core. Both
+serve streams side by side (the `x-flashlet-api-server` header says which), greedy outputs do
+not depend on the process and equal one API process's, aborted and disconnected streams free their pages, and a dead core
+fails every open stream on both processes with an error body and turns /health 503. Tiny
+random model (token ids in, token ids out), through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import REPO, ServerProcess, _free_port, wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[3 + i, 7, 11 + 2 * i, 5, 9] for i in range(8)]
+
+
+SLOW_STEPS = """
+import sys
+sys.path.insert(0, {folder!r})
+import server_helpers
+import flashlet.server.core_client
+
+# The engine core steps STEP_DELAY_S slower, so that streams are still open when it dies.
+flashlet.server.core_client.run_engine_core = server_helpers.run_slow_engine_core
+from flashlet.server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class SlowCoreServer(ServerProcess):
+    """The CLI with a slow-stepping engine core (spawned by reference to server_helpers)."""
+
+    def __init__(self, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = SLOW_STEPS.format(folder=os.path.dirname(__file__))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, "--port", str(self.port), *args], cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+
+def _start(tiny_qwen2, *extra, server=ServerProcess) -> ServerProcess:
+    p = server("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
+               "--api-server-count", "2", "--served-model-name", "m", *extra)
+    wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+               "the server to load its model", interval=0.1)
+    assert p.proc.poll() is None, p.log
+    return p
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, str]:
+    """(serving process, greedy text), on a fresh connection."""
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.headers["x-flashlet-api-server"], r.json()["choices"][0]["text"]
+
+
+def _wait_both_serving(url: str) -> None:
+    seen = set()
+
+    def both():
+        r = httpx.get(url + "/health", timeout=5)
+        if r.status_code == 200:
+            seen.add(r.headers["x-flashlet-api-server"])
+        return seen == {"0", "1"}
+
+    wait_until(both, 60, "both API processes to serve /health", interval=0.05)
+
+
+def _core_stats(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^(flashlet_\w+)\{core="0"\} (\S+)$', text, re.M)}
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_after=None,
+):
+    """Stream a completion; keep (process, events, error) (stop_after: disconnect after so many
+    events)."""
+    events, process, error = [], None, None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            process = r.headers.get("x-flashlet-api-server")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if stop_after is not None and len(events) >= stop_after:
+                        break
+    except httpx.HTTPError as e:
+        error = e
+    results.append((process, events, error))
+
+
+def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs(tiny_qwen2):
+    p = _start(tiny_qwen2)
+    try:
+        _wait_both_serving(p.url)
+        by_process: dict[str, dict[int, str]] = {"0": {}, "1": {}}
+        deadline = time.monotonic() + 60
+        while any(len(v) < len(PROMPTS) for v in by_process.values()):
+            assert time.monotonic() < deadline, by_process
+            for i, prompt in enumerate(PROMPTS):
+                process, ids = _complete(p.url, prompt)
+                by_process[process].setdefault(i, ids)
+        assert by_process["0"] == by_process["1"]  # greedy: the same whoever served it
+        one = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
+                            "--no-access-log", "--served-model-name", "m")
+        try:  # and the same as one API process gives
+            wait_until(lambda: "serving on" in one.log or one.proc.poll() is not None, 180,
+                       "the one-process server to load", interval=0.1)
+            for i, prompt in enumerate(PROMPTS):
+                r = httpx.post(one.url + "/v1/completions", timeout=60, json={
+                    "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True})
+                assert "x-flashlet-api-server" not in r.headers
+                assert r.json()["choices"][0]["text"] == by_process["0"][i]
+        finally:
+            one.kill()
+        # 16 concurrent streams, some dropped by their client mid-way.
+        results: list = []
+        threads = [threading.Thread(target=_stream, args=(
+            p.url, PROMPTS[i % len(PROMPTS)], 64, results, 3 if i % 4 == 0 else None))
+            for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 16
+        assert {process for process, _, _ in results} == {"0", "1"}
+        for process, events, error in results:
+            assert error is None and events and "error" not in events[-1], (process, events)
+
+        def idle():
+            s = _core_stats(p.url)
+            return (s.get("flashlet_requests_running") == 0
+                    and s.get("flashlet_requests_waiting") == 0
+                    and s["flashlet_kv_pages_used"] == s["flashlet_kv_pages_cached"])
+
+        wait_until(idle, 30, "every page to be free again (only the prefix cache holds any)")
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(60) == 0, p.log
+        assert "Traceback" not in p.log, p.log
+    finally:
+        p.kill()
+
+
+def test_a_dead_core_fails_the_streams_of_both_api_servers(tiny_qwen2):
+    p = _start(tiny_qwen2, server=SlowCoreServer)
+    try:
+        _wait_both_serving(p.url)
+        pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
+        results: list = []
+        threads = [threading.Thread(target=_stream, args=(p.url, PROMPTS[i % 8], 200, results))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: _core_stats(p.url).get("flashlet_requests_running") == 8, 30,
+                   "every stream to run")
+        assert not results, results
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        def all_failed():
+            for _ in range(6):  # fresh connections: either process may answer
+                try:
+                    if httpx.get(p.url + "/health", timeout=2).status_code != 503:
+                        return False
+                except httpx.HTTPError:
+                    pass  # that process has exited already
+            return True
+
+        wait_until(all_failed, 5, "/health to turn 503 on both processes")
+        for t in threads:
+            t.join(30)
+        assert time.monotonic() - killed < 30
+        assert len(results) == 8 and {process for process, _, _ in results} == {"0", "1"}
+        for process, events, error in results:
+            assert error is None and "error" in events[-1], (process, events[-1:])
+            assert "engine core 0 died" in events[-1]["error"]["message"]
+        assert p.proc.wait(60) == 1, p.log
+    finally:
+        p.kill()

@@ -19,6 +19,8 @@
 #                                             serve-api2 (issue 13: serve's comparison with
 #                                             --api-server-count 2 and 4; not in all, ~15 min);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
+#                                             fi-diag (issue 14: a FlashInfer decode-sat
+#                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
 # Two GPUs: run two instances side by side, each on one, e.g.
@@ -158,6 +160,16 @@ for part in "${PARTS[@]}"; do
           --out "$OUT/json/e2e-decode-$b.json"
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/e2e-*.json ;;
+    fi-diag)  # issue 14: where a FlashInfer decode-sat step goes (kernels and host functions,
+              # torch.profiler), then the end-to-end figure twice more, each in a fresh process
+      run 200 python3 scripts/profile_step.py --backend flashinfer --batch 128 --prompt-len 300 \
+        --timeline
+      for i in 1 2; do
+        run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --backend flashinfer --max-num-pages 8192 --workload decode-sat --decode-tokens 128 \
+          --out "$OUT/json/fi-diag-decode-$i.json"
+      done
+      run 20 python3 scripts/bench_summary.py "$OUT"/json/fi-diag-*.json ;;
     e2e-lazy)  # the same decode-sat without the start warm-up: what graphs built lazily cost
       for b in triton flashinfer; do
         run 150 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
@@ -206,8 +218,8 @@ for part in "${PARTS[@]}"; do
              --max-num-pages 16384
            run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
              --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
-    serve-api2)
-      for n in 2 4; do
+    serve-api2)  # API_COUNTS="2" runs one count only (each count is up to ~9 min)
+      for n in ${API_COUNTS:-2 4}; do
         run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve-api$n" \
           --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
           --api-server-count $n \

@@ -23,9 +23,15 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--rows", type=int, default=12)
+    p.add_argument("--fused-decode", action="store_true", help="the CuTe one-sequence path")
+    p.add_argument("--fused-decode-pdl", action="store_true")
+    p.add_argument("--fused-decode-rope", action="store_true")
+    p.add_argument("--timeline", action="store_true",
+                   help="also list one step's GPU kernels in order: start offset, duration, gap")
     args = p.parse_args(argv)
+    fused = {k: True for k in ("fused_decode", "fused_decode_pdl", "fused_decode_rope") if getattr(args, k)}
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=4096,
-                                 cuda_graph=not args.no_cuda_graph, dtype="bfloat16"))
+                                 cuda_graph=not args.no_cuda_graph, dtype="bfloat16", **fused))
     for b in range(args.batch):
         engine.add_request([(b * 7 + i) % 1000 + 1 for i in range(args.prompt_len)],
                            SamplingParams(max_new_tokens=10_000, ignore_eos=True))
@@ -47,6 +53,34 @@ def main(argv=None) -> None:
     table = prof.key_averages()
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    if args.timeline:
+        print_timeline(prof, steps=5)
+
+
+def print_timeline(prof, steps: int) -> None:
+    """The last step's kernels in launch order (the profile's kernels split evenly by step):
+    where one step's GPU time goes, gaps included."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    last = kernels[len(kernels) - per_step:]
+    if not last:
+        print("timeline: no GPU kernels recorded")
+        return
+    t0, prev_end, busy = last[0].time_range.start, last[0].time_range.start, 0.0
+    print(f"## one step's {len(last)} kernels: offset us, duration us, gap before us, name")
+    by_name: dict[str, list[float]] = {}
+    for e in last:
+        dur = e.time_range.elapsed_us()
+        gap = e.time_range.start - prev_end
+        busy += dur
+        print(f"{e.time_range.start - t0:9.1f} {dur:8.2f} {gap:7.2f}  {e.name[:90]}")
+        prev_end = e.time_range.end
+        by_name.setdefault(e.name[:60], []).append(dur)
+    span = prev_end - t0
+    print(f"## span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}); per kernel name:")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{len(durs):5d} x {sum(durs) / len(durs):7.2f} us = {sum(durs):8.1f} us  {name}")
 
 
 if __name__ == "__main__":

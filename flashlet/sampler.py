@@ -367,9 +367,14 @@ class Uploads:
         return self._add(padded.view(torch.int64), torch.float32, flat.numel())
 
     def _add(self, part: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> "_Part":
+        # Every part starts 16-byte aligned: Triton compiles one variant of a kernel per pointer
+        # alignment it sees, and a view at an 8-byte offset would compile a new one mid-work.
+        numel = part.numel() if numel is None else numel
+        if part.numel() % 2:
+            part = torch.cat([part, part.new_zeros(1)])
         start = sum(p.numel() for p in self.parts)
         self.parts.append(part)
-        return _Part(self, start, part.numel(), dtype, part.numel() if numel is None else numel)
+        return _Part(self, start, part.numel(), dtype, numel)
 
     def send(self, device: torch.device) -> None:
         host = torch.cat(self.parts) if self.parts else torch.empty(0, dtype=torch.int64)

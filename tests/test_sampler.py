@@ -327,3 +327,23 @@ def test_batch_state_is_reused_until_the_batch_changes():
     assert sampler.state is not last and sampler.state.random_rows == [0, 1]
     sampler.release(0)
     assert sampler.state is None  # a released request's slot may go to another
+
+
+def test_uploads_parts_are_exact_and_16_byte_aligned():
+    """Every part of one upload comes back as given, and starts on a 16-byte boundary (Triton
+    compiles a kernel variant per pointer alignment: an 8-byte offset would compile mid-work)."""
+    from flashlet.sampler import Uploads
+
+    uploads = Uploads()
+    given = [[1, 2, 3], [(4, 5, 6)], [7], [], [[8, 9], [10, 11]]]
+    handles = [uploads.ints(v) for v in given]
+    floats = uploads.floats([(0.5, 0.25, 1.5)])
+    more = uploads.ints([12])
+    uploads.send(torch.device("cpu"))
+    base = uploads.device_buffer.data_ptr()
+    for values, h in zip(given, handles):
+        part = h.get()
+        assert part.tolist() == torch.tensor(values, dtype=torch.int64).view(-1).tolist()
+        assert (part.data_ptr() - base) % 16 == 0
+    assert floats.get().tolist() == [0.5, 0.25, 1.5] and (floats.get().data_ptr() - base) % 16 == 0
+    assert more.get().tolist() == [12] and (more.get().data_ptr() - base) % 16 == 0

@@ -271,7 +271,9 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
                                         **_launch_args(logits, params, sub))
 
 
-@triton.jit
+# The seen-ids capacity (and row stride) is whatever the longest penalised request needs: not
+# specialised, so one variant per BLOCK serves every capacity (the warm-up compiles each BLOCK).
+@triton.jit(do_not_specialize=["seen_stride", "capacity"])
 def _penalise_kernel(logits_ptr, stride, rows_ptr, slots_ptr, values_ptr, seen_ptr, seen_stride,
                      capacity, lens_ptr, counts_ptr, counts_stride, BLOCK: tl.constexpr):
     """Row rows[pid] of logits, penalty state slots[pid]: every seen id at once (one load of all
@@ -322,7 +324,7 @@ def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                                            enable_fp_fusion=False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seen_stride", "capacity"])
 def _record_kernel(tokens_ptr, rows_ptr, slots_ptr, counts_ptr, counts_stride, seen_ptr,
                    seen_stride, lens_ptr, capacity):
     pid = tl.program_id(0)

@@ -1,6 +1,6 @@
 """GPU: after Engine start nothing compiles and no graph is captured, whatever the work: context
 lengths from 1 to several thousand tokens, decode batches of every size up to max_num_seqs,
-chunked prefills mixed with decodes, greedy and top-k/top-p sampling."""
+chunked prefills mixed with decodes, greedy and sampled (top-k/top-p, min_p, penalties, logprobs)."""
 
 import pytest
 import torch
@@ -9,6 +9,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPT_LENS = [1, 2, 15, 16, 17, 63, 100, 511, 1000, 2047, 3000, 6000]
+# Greedy, seeded top-k/top-p, unseeded min_p with penalties (seen-ids capacities of every
+# size), and seeded top-p with penalties and logprobs: each sampling kernel and its variants.
+SAMPLED = [{}, dict(temperature=0.8, top_k=40, top_p=0.9, seed=7),
+           dict(temperature=0.7, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
+                repetition_penalty=1.1),
+           dict(temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.2, logprobs=2)]
 
 
 def _workload(engine):
@@ -26,8 +32,7 @@ def _workload(engine):
     ]
     for w, wave in enumerate(waves):
         for i, (n, new) in enumerate(wave):
-            params = SamplingParams(max_new_tokens=new, ignore_eos=True, **(
-                dict(temperature=0.8, top_k=40, top_p=0.9, seed=i) if (i + w) % 3 == 0 else {}))
+            params = SamplingParams(max_new_tokens=new, ignore_eos=True, **SAMPLED[(i + w) % 4])
             engine.add_request([(17 * j + 31 * i + w) % vocab for j in range(n)], params)
         done = 0
         while engine.has_unfinished():

@@ -19,6 +19,8 @@
 #                                             serve-api2 (issue 13: serve's comparison with
 #                                             --api-server-count 2 and 4; not in all, ~15 min);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
+#                                             fused-timeline (issue 16: one fused step's
+#                                             kernels in order; CuTe DSL)
 #                                             fi-diag (issue 14: a FlashInfer decode-sat
 #                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
@@ -199,6 +201,13 @@ for part in "${PARTS[@]}"; do
                    # triton backend, no FlashInfer (~6-8 min)
       cute_env
       run 580 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;
+    fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
+                     # PDL, then with PDL and RoPE in the QKV epilogue (~2 min)
+      cute_env
+      for flags in "--fused-decode-pdl" "--fused-decode-pdl --fused-decode-rope"; do
+        run 150 python3 scripts/profile_step.py --backend triton --batch 1 --prompt-len 32 \
+          --fused-decode $flags --timeline --rows 8
+      done ;;
     tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
         # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then

@@ -63,3 +63,18 @@ def test_reference_mask_is_aligned_to_the_end_of_each_sequence():
 
     mask = causal_mask_aligned_to_end(3, 8, "cpu")
     assert mask.sum(dim=1).tolist() == [6, 7, 8]
+
+
+def test_flashinfer_kv_lens_iterate_as_their_maximum():
+    """FlashInfer's plan() takes max() over the KV lengths by iterating them; KvLens makes that
+    one reduction while staying the same (pinned) host array for every other use."""
+    pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    from flashlet.attention.flashinfer_backend import KvLens
+
+    lens = torch.tensor([5, 300, 17, 42], dtype=torch.int32)
+    seen = lens.as_subclass(KvLens).cpu().flatten()  # what plan() does with seq_lens
+    assert seen.data_ptr() == lens.data_ptr() and len(seen) == 4
+    assert max(seen).item() == 300
+    buf = torch.zeros(6, dtype=torch.int32)
+    buf[: len(seen)].copy_(seen)
+    assert buf.tolist() == [5, 300, 17, 42, 0, 0]

@@ -467,6 +467,10 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
+def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
+    return t is not None and t.shape[0] >= rows and t.is_contiguous() and t.dtype == torch.float32
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic Dependent Launch: CUDA devices of compute capability 9.0 (Hopper) and up."""
     device = torch.device(device)
@@ -483,8 +487,8 @@ def decode_attention_one_launch(
     scale: float,
     *,
     out: torch.Tensor,
-    mid_o: torch.Tensor,
-    mid_lse: torch.Tensor,
+    mid_o: torch.Tensor | None,
+    mid_lse: torch.Tensor | None,
     merge_counts: torch.Tensor,
     num_splits: int,
     min_split_tokens: int = 256,
@@ -495,7 +499,8 @@ def decode_attention_one_launch(
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
-    Same arguments as `decode_attention`; the scratch is required: mid_o [>= B * num_splits,
+    Same arguments as `decode_attention`; the scratch is required (mid_o / mid_lse are
+    unused, may be None, when num_splits is 1): mid_o [>= B * num_splits,
     Hq, D] fp32, mid_lse [>= B * num_splits, Hq] fp32, merge_counts [>= B * Hkv] int32, all
     zero before the first launch (each launch leaves them at zero: keep one per stream, never
     shared by two launches in flight). pdl: launch with Programmatic Dependent Launch (sm_90+
@@ -515,9 +520,10 @@ def decode_attention_one_launch(
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
-    if (mid_o.shape[0] < rows or mid_lse.shape[0] < rows or not (mid_o.is_contiguous() and mid_lse.is_contiguous())
-            or mid_o.dtype != torch.float32 or mid_lse.dtype != torch.float32):
-        raise ValueError(f"split scratch must be {rows} contiguous fp32 rows, got {tuple(mid_o.shape)}")
+    if num_splits == 1:
+        mid_o, mid_lse = out, out  # unused: one split writes O directly
+    elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
+        raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
     if merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * num_kv_heads:
         raise ValueError(f"merge_counts must hold {batch * num_kv_heads} int32 counters")
     if pdl and not pdl_supported(q.device):

@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlet.kernels import tuning
+from flashlet.kernels import pdl, tuning
+from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
 
@@ -380,7 +381,7 @@ def _one_launch_kernel(
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the O GEMV may launch and load its weights now
+        pdl.launch_dependents()  # the O GEMV may launch and load its weights now
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -402,7 +403,7 @@ def _one_launch_kernel(
     k = _kv_block(k_head, page_base, KvIndices, t, past, d, stride_kp, stride_kt, PAGE_SIZE)
     v = _kv_block(v_head, page_base, KvIndices, t, past, d, stride_vp, stride_vt, PAGE_SIZE)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the QKV GEMV has finished: q and the newest K/V row are written
+        pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
     newest = t_mask & (t == kv_len - 1)
     k += _kv_block(k_head, page_base, KvIndices, t, newest, d, stride_kp, stride_kt, PAGE_SIZE)
     v += _kv_block(v_head, page_base, KvIndices, t, newest, d, stride_vp, stride_vt, PAGE_SIZE)
@@ -469,12 +470,6 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
 
 def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
     return t is not None and t.shape[0] >= rows and t.is_contiguous() and t.dtype == torch.float32
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic Dependent Launch: CUDA devices of compute capability 9.0 (Hopper) and up."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def decode_attention_one_launch(

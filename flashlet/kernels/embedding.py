@@ -17,15 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlet.kernels.decode_attention import pdl_supported
+from flashlet.kernels import pdl
+from flashlet.kernels.pdl import pdl_supported
 
 
 @triton.jit
 def _gather_rows_kernel(Ids, W, Out, hidden, vocab, stride_w, stride_o, BLOCK: tl.constexpr,
                         USE_PDL: tl.constexpr):
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # ids and out may belong to the previous kernel
+        pdl.launch_dependents()
+        pdl.wait()  # ids and out may belong to the previous kernel
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -39,6 +39,7 @@ class EngineConfig:
     fused_decode: bool = False  # one-sequence decode steps on the CuTe DSL fused path (CUDA, bf16; issue 16)
     fused_decode_pdl: bool = False  # with fused_decode: its GEMVs launch with Programmatic Dependent Launch
     fused_decode_rope: bool = False  # with fused_decode: RoPE + K/V write in the QKV GEMV's epilogue (unmeasured)
+    fused_decode_attn: bool = False  # with fused_decode, triton backend: one attention launch a layer, PDL with _pdl (unmeasured)
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -65,6 +66,10 @@ class EngineConfig:
             raise ValueError("fused_decode_pdl applies to the fused decode path: set fused_decode too")
         if self.fused_decode_rope and not self.fused_decode:
             raise ValueError("fused_decode_rope applies to the fused decode path: set fused_decode too")
+        if self.fused_decode_attn and not self.fused_decode:
+            raise ValueError("fused_decode_attn applies to the fused decode path: set fused_decode too")
+        if self.fused_decode_attn and self.backend not in ("triton", "auto"):
+            raise ValueError(f"fused_decode_attn is the triton backend's one-launch decode; backend is {self.backend!r}")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
 

@@ -35,6 +35,13 @@ owns both rows of a rotate-half pair), so the attention backend only attends
 (`AttentionBackend.attend`): one kernel and one dependent boundary fewer a layer. The rounding
 differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
 their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
+
+With one_launch_attention (EngineConfig.fused_decode_attn, the Triton backend) attention is one
+kernel a layer (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
+instead of a split kernel and a merge kernel; with pdl too it and the step's first kernel (the
+embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
+layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
+plan C"). Without pdl the embedding is `torch.index_select`, as before.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
+from flashlet.kernels.embedding import gather_rows
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -78,7 +86,11 @@ def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
 class FusedDecode:
     """Owns the compiled GEMVs and the step buffers of the one-row decode path."""
 
-    def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None):
+    def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None,
+                 one_launch_attention: bool = False):
+        """one_launch_attention: attention through the backend's `attend_one_launch` (the
+        caller checks that the backend has it); with pdl, that kernel and the embedding gather
+        launch with PDL too."""
         check_fused_decode(model, device, kv_pool)
         ok, why = cute_available()
         if not ok:
@@ -91,6 +103,8 @@ class FusedDecode:
         vocab = model.lm_head_weight.shape[0]
         eps = cfg.rms_norm_eps
         gemv = dict(device=device, pdl=pdl)
+        self.pdl = pdl
+        self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:
@@ -117,7 +131,10 @@ class FusedDecode:
         """input_ids, positions [1] -> the residual stream after the last layer [1, hidden]
         (K/V written through `attn`, planned for this step)."""
         m = self.model
-        torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)
+        if self.pdl and self.one_launch_attention:  # layer 0's QKV loads its weights meanwhile
+            gather_rows(m.embed_tokens.weight, input_ids, self.residual, pdl=True)
+        else:
+            torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)
         for i, layer in enumerate(m.layers):
             if self.rope is not None:
                 o = self._qkv_rope_attend(i, layer, positions, attn)
@@ -140,7 +157,10 @@ class FusedDecode:
         v = v.view(1, layer.num_kv_heads, layer.head_dim)
         if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
             q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
-        return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
+        if not self.one_launch_attention:
+            return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
+        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping)
+        return self._attend(i, q, attn)
 
     def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
         """QKV GEMV with RoPE and the K/V write in its epilogue, then attention alone."""
@@ -150,6 +170,12 @@ class FusedDecode:
         self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
                  norm_weight=layer.input_norm, rope_kv=step)
         q = self.qkv_out[:, : self.split[0]].view(1, layer.num_heads, layer.head_dim)
+        return self._attend(i, q, attn)
+
+    def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
+        """Attention over the pool, this step's K/V already written."""
+        if self.one_launch_attention:
+            return attn.attend_one_launch(i, q, pdl=self.pdl)
         return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

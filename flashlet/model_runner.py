@@ -49,8 +49,12 @@ class ModelRunner:
         if config.fused_decode:
             from flashlet.fused_decode import FusedDecode
 
+            if config.fused_decode_attn and not hasattr(self.backend, "attend_one_launch"):
+                raise ValueError(f"fused_decode_attn needs the triton backend's one-launch decode; "
+                                 f"the backend is {self.backend.name}")
             self.fused = FusedDecode(model, self.device, pdl=config.fused_decode_pdl,
-                                     kv_pool=kv_pool if config.fused_decode_rope else None)
+                                     kv_pool=kv_pool if config.fused_decode_rope else None,
+                                     one_launch_attention=config.fused_decode_attn)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

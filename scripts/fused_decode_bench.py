@@ -2,8 +2,9 @@
 
     python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
 
-Four paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`), and
-fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue (`--fused-decode-rope`, plan A).
+Five paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`),
+fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue (`--fused-decode-rope`, plan A),
+and that with attention in one launch a layer (`--fused-decode-attn`, plan C).
 Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
 the preset's shape, CUDA graphs; no FlashInfer needed):
   harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
@@ -12,7 +13,11 @@ the preset's shape, CUDA graphs; no FlashInfer needed):
            the engine starts (its warm-up has compiled and captured everything): 256 / seconds,
            and a second call's figure beside it
 and whether the two paths' generated tokens agree (they may part at a near tie: the fused path
-rounds differently; tests/gpu/test_gpu_fused_decode.py holds the exact rule).
+rounds differently; tests/gpu/test_gpu_fused_decode.py holds the exact rule). Where a fused
+path parts from per-op at token i, both have decoded the same tokens 0..i-1, so per-op's top-2
+logit gap at step i says whether it is a near tie: the per-op child records every step's gap in
+a third, untimed call (an observer), and the table prints it beside the tie limit
+(0.05 + 1% of the top logit, the GPU tests' NEAR_TIE rule).
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import time
 from pathlib import Path
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
+NEAR_TIE_ABS, NEAR_TIE_REL = 0.05, 0.01  # tests/gpu/test_gpu_fused_decode.py's rule
 
 
 PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"],
-         "fused+pdl+rope": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope"]}
+         "fused+pdl+rope": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope"],
+         "fused+pdl+rope+attn": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope",
+                                 "--fused-decode-attn"]}
 
 
 def harness(config: str, flags: list[str]) -> dict:
@@ -55,7 +63,8 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
     t0 = time.perf_counter()
     llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
               fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags,
-              fused_decode_rope="--fused-decode-rope" in flags)
+              fused_decode_rope="--fused-decode-rope" in flags,
+              fused_decode_attn="--fused-decode-attn" in flags)
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -68,6 +77,11 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
         assert len(out.token_ids) == NEW_TOKENS
         figures[f"{name}_tok_s"] = NEW_TOKENS / seconds
     figures["tokens"] = list(out.token_ids)
+    if not flags:  # per-op: every step's (top logit, top-2 gap), untimed (observers cost a sync)
+        steps = []
+        llm.engine.observe_steps(lambda meta, logits: steps.append(logits[0].float().topk(2).values.tolist()))
+        again = llm.generate([prompt], params)[0]
+        figures["top2"] = steps if list(again.token_ids) == figures["tokens"] else None
     return figures
 
 
@@ -79,6 +93,16 @@ def generate(config: str, flags: list[str]) -> dict:
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stdout + proc.stderr)[-3000:]}
     return json.loads(lines[-1])
+
+
+def near_tie_note(top2, parted: int) -> str:
+    """Per-op's top-2 gap at the step where a fused path parted from it (same prefix before)."""
+    if parted >= NEW_TOKENS or not top2 or parted >= len(top2):
+        return ""
+    first, second = top2[parted]
+    gap, limit = first - second, NEAR_TIE_ABS + NEAR_TIE_REL * abs(first)
+    return (f" (per-op's top-2 gap there {gap:.4f}, top {first:.3f}: "
+            f"{'a near tie' if gap <= limit else 'NOT a near tie'}, limit {limit:.4f})")
 
 
 def main() -> int:
@@ -119,7 +143,8 @@ def main() -> int:
         if base and tokens and name != "per-op":
             agree = next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), len(base))
             res["tokens_agree_with_per_op_for"] = agree
-            print(f"{name}: generated tokens agree with per-op for the first {agree} of {NEW_TOKENS}")
+            print(f"{name}: generated tokens agree with per-op for the first {agree} of {NEW_TOKENS}"
+                  + near_tie_note(results["per-op"]["generate"].get("top2"), agree))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

@@ -13,7 +13,8 @@
 #                                             see below; ~2-4 min); fused-decode-tests and
 #                                             fused-decode (issue 16's fused one-sequence
 #                                             decode path: its tests; tok/s with and without
-#                                             it; CuTe DSL, no FlashInfer; ~4 and ~8 min); tp tp-tests (tensor parallelism, 2
+#                                             it; CuTe DSL, no FlashInfer; ~6 and ~10 min;
+#                                             fused-decode-c: plan C's three paths, ~5 min); tp tp-tests (tensor parallelism, 2
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
 #                                             serve-api2 (issue 13: serve's comparison with
@@ -194,17 +195,26 @@ for part in "${PARTS[@]}"; do
     fused-decode-tests)  # issue 16 stage 2: the fused one-sequence decode path's kernels
                          # (RMSNorm prologue, in-place residual) and engine tests (~4 min)
       cute_env
-      run 400 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu or rope" \
-        tests/gpu/test_gpu_fused_decode.py ;;
+      run 540 $PYTEST tests/kernels/test_cute_gemv.py -k "norm or in_place or silu or rope" \
+        tests/gpu/test_gpu_fused_decode.py
+      # plan C: the one-launch attention (last split program merges) and the PDL gather
+      run 200 $PYTEST tests/kernels/test_kern_gpu.py -k "one_launch or gather" ;;
     fused-decode)  # its tok/s: harness single + LLM.generate, per-op / fused / fused + PDL /
-                   # fused + PDL + RoPE-in-QKV (plan A),
+                   # fused + PDL + RoPE-in-QKV (plan A) / + one-launch attention (plan C),
                    # triton backend, no FlashInfer (~6-8 min)
       cute_env
       run 580 python3 scripts/fused_decode_bench.py --json "$OUT/json/fused-decode.json" ;;
-    fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
-                     # PDL, then with PDL and RoPE in the QKV epilogue (~2 min)
+    fused-decode-c)  # plan C against its baseline only: per-op / fused + PDL + RoPE-in-QKV /
+                     # + one-launch attention (~5 min, where fused-decode's five paths take ~10)
       cute_env
-      for flags in "--fused-decode-pdl" "--fused-decode-pdl --fused-decode-rope"; do
+      run 420 python3 scripts/fused_decode_bench.py --paths per-op fused+pdl+rope fused+pdl+rope+attn \
+        --json "$OUT/json/fused-decode-c.json" ;;
+    fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
+                     # PDL, then with PDL and RoPE in the QKV epilogue, then with the
+                     # one-launch attention too (plan C) (~3 min)
+      cute_env
+      for flags in "--fused-decode-pdl" "--fused-decode-pdl --fused-decode-rope" \
+                   "--fused-decode-pdl --fused-decode-rope --fused-decode-attn"; do
         run 150 python3 scripts/profile_step.py --backend triton --batch 1 --prompt-len 32 \
           --fused-decode $flags --timeline --rows 8
       done ;;

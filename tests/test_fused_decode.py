@@ -57,9 +57,9 @@ def perturb_norms(engine) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
 
 
-def generate(model_dir, fused, prompts, n=12, rope=False, **params):
+def generate(model_dir, fused, prompts, n=12, rope=False, config=None, **params):
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=1,
-                                 fused_decode=fused, fused_decode_rope=rope))
+                                 fused_decode=fused, fused_decode_rope=rope, **(config or {})))
     perturb_norms(engine)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
            for p in prompts]
@@ -102,6 +102,51 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
     assert fused.rope is not None and fused.qkv.plan.epilogue.endswith("rope_kv")
     assert fused.qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
     assert not write_rope_calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
+                         ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
+def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, reference_kernels, monkeypatch, request):
+    """fused_decode_attn: on the triton backend (interpreted, ~30 s), every fused step's
+    attention is one `attend_one_launch` a layer and never the two-launch kernels; splits made
+    small (16 tokens) so the last-program merge runs; tokens are the per-op engine's (same backend)."""
+    tiny_model = request.getfixturevalue(model)
+    from flashlet.attention import triton_backend
+    from flashlet.kernels import tuning
+
+    monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
+    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
+    triton = {"backend": "triton"}
+    want, _ = generate(tiny_model, False, PROMPTS, n=10, config=triton)
+    calls = {"one": 0, "merged": 0, "two": 0}
+    real_one, real_two = triton_backend.decode_attention_one_launch, triton_backend.decode_attention
+
+    def one(*a, **k):
+        calls["one"] += 1
+        calls["merged"] += k["num_splits"] > 1 and int(a[5].max()) > 16  # several splits used
+        return real_one(*a, **k)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
+    monkeypatch.setattr(triton_backend, "decode_attention",
+                        lambda *a, **k: calls.__setitem__("two", calls["two"] + 1) or real_two(*a, **k))
+    got, engine = generate(tiny_model, True, PROMPTS, n=10, rope=rope, config={**triton, "fused_decode_attn": True})
+    assert got == want
+    assert engine.runner.fused.one_launch_attention
+    assert calls["one"] == len(engine.model.layers) * sum(10 - 1 for _ in PROMPTS)
+    assert calls["merged"] > 0 and calls["two"] == 0  # prefill runs prefill_attention
+    assert not engine.runner.backend._merge_counts.any()
+
+
+def test_fused_decode_attn_needs_the_triton_backend(tiny_qwen2):
+    with pytest.raises(ValueError, match="fused_decode_attn applies"):
+        EngineConfig(fused_decode_attn=True)
+    with pytest.raises(ValueError, match="one-launch decode; backend is 'torch'"):
+        EngineConfig(fused_decode=True, fused_decode_attn=True, backend="torch")
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert parser.parse_args(["--fused-decode-attn"]).fused_decode_attn is True
+    assert parser.parse_args([]).fused_decode_attn is False
 
 
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):

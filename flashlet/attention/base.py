@@ -10,7 +10,8 @@ The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, posi
 cos_sin_cache)` in every layer (`run(layer, q, k, v)` for q/k already rotated). Both first have
 the KV pool write the step's new K/V at `meta.slot_mapping` (`KVPool.write_rope` / `write`), so
 that a chunk attends to itself, then attend. The one other writer is the fused decode path with
-`fused_decode_rope`: its QKV kernel stores K/V at the same slot, then calls `attend(layer, q)`.
+`fused_decode_rope`: its QKV kernel stores K/V at the same slot, then calls `attend(layer, q)`
+(or, with `fused_decode_attn`, the Triton backend's `attend_one_launch(layer, q, pdl)`).
 Names follow FlashInfer's so the backends read alike.
 """
 

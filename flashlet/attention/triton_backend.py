@@ -8,6 +8,15 @@
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk.
 
+- `attend_one_launch` (the fused decode path, `fused_decode_attn`): the same split-KV decode in
+  ONE launch, each KV group's last split program merging the partials
+  (`decode_attention_one_launch`: per-(sequence, KV head) counters owned here, left at zero by
+  every launch), optionally with Programmatic Dependent Launch. Its smallest split is
+  ONE_LAUNCH_MIN_SPLIT_TOKENS: at batch 1 a merge costs a dependent atomic and an L2 round trip
+  (~1.5 us), a 64-key block of one split ~0.25 us once pipelined, so splitting pays only past
+  ~6 blocks; 256 tokens (4 blocks) keeps contexts up to 256 unsplit and one merge at most
+  per layer up to 4k tokens on 16 splits x Hkv programs (FUSED_NOTES.md, "Stage 2, plan C").
+
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/warmup.py` covers at engine start.
 
@@ -25,9 +34,13 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import decode_attention
+from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch
 from flashlet.kernels.prefill_attention import prefill_attention
 from flashlet.kv_pool import KVPool
+
+
+# The smallest KV split of the one-launch decode (see the module docstring).
+ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 
 
 class TritonBackend(AttentionBackend):
@@ -75,6 +88,8 @@ class TritonBackend(AttentionBackend):
         rows = max((b * self._splits_for(b) for b in range(1, max_batch_size + 1) if self._splits_for(b) > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
+        # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
+        self._merge_counts = torch.zeros(max_batch_size * self.num_kv_heads, dtype=torch.int32, device=device)
         self._num_splits = 1
         self._decode_cfg = self.decode_config(1)
         self._prefill_cfg = self.prefill_config(1)
@@ -98,6 +113,15 @@ class TritonBackend(AttentionBackend):
             return 1
         cfg = self.decode_config(num_seqs)
         return tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
+
+    def one_launch_config(self, num_seqs: int) -> tuple[tuple, int]:
+        """(config, splits) of `attend_one_launch` for a batch: the decode config with the
+        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS (fewer splits than the two-launch
+        form, so they fit its scratch)."""
+        cfg = self.decode_config(num_seqs)
+        cfg = dataclasses.replace(cfg, min_split_tokens=max(cfg.min_split_tokens, ONE_LAUNCH_MIN_SPLIT_TOKENS))
+        splits = tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
+        return cfg, min(splits, self._splits_for(num_seqs))
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
@@ -146,6 +170,37 @@ class TritonBackend(AttentionBackend):
             num_stages=dc.num_stages,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
+            out[n:].zero_()
+        return out
+
+
+    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
+        split-KV whose last split program merges. pdl: launch with Programmatic Dependent
+        Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths."""
+        meta = self.meta
+        if not meta.is_pure_decode:
+            raise ValueError("attend_one_launch serves pure-decode steps only")
+        n = meta.num_seqs
+        if n > self.max_batch_size:
+            raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
+        cfg, splits = self.one_launch_config(n)
+        out = torch.empty_like(q)
+        decode_attention_one_launch(
+            q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
+            meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
+            out=out[:n],
+            mid_o=self._mid_o,
+            mid_lse=self._mid_lse,
+            merge_counts=self._merge_counts,
+            num_splits=splits,
+            min_split_tokens=cfg.min_split_tokens,
+            block_n=cfg.block_n,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            pdl=pdl,
+        )
+        if q.shape[0] > n:
             out[n:].zero_()
         return out
 

@@ -2,8 +2,11 @@
 
 Every module holds one kernel family, a Python launcher and its reference:
 
-- `decode_attention`  paged GQA decode attention with split-KV and a log-sum-exp merge
+- `decode_attention`  paged GQA decode attention with split-KV and a log-sum-exp merge (two
+                      launches, or one whose last split program merges)
 - `prefill_attention` ragged paged causal attention (prefill chunks and decodes in one launch)
+- `pdl`               Programmatic Dependent Launch: the two instructions, `pdl_supported`
+- `embedding`         embedding rows gathered by token id (with PDL, for the fused decode path)
 - `rope_kv_write`     RoPE on Q and K fused with the K/V write into the paged pool
 - `rmsnorm`           RMSNorm and fused residual-add + RMSNorm
 - `silu_mul`          SiLU-and-mul of the MLP's gate/up projection

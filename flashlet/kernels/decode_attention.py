@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlet.kernels import tuning
+from flashlet.kernels import pdl, tuning
+from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
 
@@ -311,4 +312,243 @@ def decode_attention_reference(
         v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+# ---- one launch: split-KV whose last program merges (the fused decode path, batch 1) -------------
+#
+# The fused decode path (flashlet/fused_decode.py) runs one sequence per step, where the two
+# launches above (split kernel, then merge kernel) cost two dependent kernel boundaries a
+# layer for a few microseconds of work. `decode_attention_one_launch` does the same work in
+# one launch: grid (B, Hkv, S) as before, and a sequence whose kv_len needs one split writes
+# O directly; otherwise each split writes its partial, then bumps a per-(sequence, KV head)
+# counter, and the program that brings it to n_splits (the last to finish) merges the
+# partials and sets the counter back to 0, so the next launch (the next layer, the next graph
+# replay) finds it at 0 again. The merge is ordered after every split's partial by the CTA
+# barrier before the counter's acq_rel atomic (release of this CTA's stores at GPU scope)
+# and by the atomic's acquire in the merging CTA, whose loads bypass L1 (".cg": another SM
+# wrote those lines).
+#
+# With USE_PDL (Programmatic Dependent Launch, sm_90+, fused_decode_pdl) the kernel lets its
+# dependent (the O GEMV) launch at once, and reads before `griddepcontrol.wait` only what no
+# kernel of this step writes: kv_lens and the page table (copied in before the step) and the
+# first block's past K/V rows (t < kv_len - 1, written by earlier steps, which finished before
+# this step's graph started). q, the newest K/V row (the QKV GEMV writes it), the partials and
+# the counter (the previous layer's attention may still run before the wait) come after it.
+
+
+@triton.jit
+def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty sequence's block: all weights 0, no NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """K or V rows t (masked) of one KV head -> [BLOCK_N, D]."""
+    page = tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+    row = t % PAGE_SIZE
+    return tl.load(head + page[:, None] * stride_p + row[:, None] * stride_t + d[None, :],
+                   mask=t_mask[:, None], other=0.0)
+
+
+@triton.jit(do_not_specialize=["min_split_tokens"])
+def _one_launch_kernel(
+    Q, K, V, O, MidO, MidLse, Counts,
+    KvIndptr, KvIndices, KvLens,
+    qk_scale, min_split_tokens,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        pdl.launch_dependents()  # the O GEMV may launch and load its weights now
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(KvLens + b)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
+    if split >= n_splits:
+        return
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    page_base = tl.load(KvIndptr + b)
+    d = tl.arange(0, HEAD_DIM)
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+
+    # The first block's past rows before the wait; the newest row (kv_len - 1) after it.
+    t = start + tl.arange(0, BLOCK_N)
+    t_mask = t < end
+    past = t_mask & (t < kv_len - 1)
+    k = _kv_block(k_head, page_base, KvIndices, t, past, d, stride_kp, stride_kt, PAGE_SIZE)
+    v = _kv_block(v_head, page_base, KvIndices, t, past, d, stride_vp, stride_vt, PAGE_SIZE)
+    if USE_PDL:
+        pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
+    newest = t_mask & (t == kv_len - 1)
+    k += _kv_block(k_head, page_base, KvIndices, t, newest, d, stride_kp, stride_kt, PAGE_SIZE)
+    v += _kv_block(v_head, page_base, KvIndices, t, newest, d, stride_vp, stride_vt, PAGE_SIZE)
+
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    for blk in range(start + BLOCK_N, end, BLOCK_N):
+        t = blk + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if n_splits == 1:
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        slot0 = b * NUM_SPLITS
+        mid = MidO + ((slot0 + split) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+        tl.store(mid, acc / l_safe[:, None], mask=g_mask[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        count = Counts + b * NUM_KV_HEADS + kvh
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
+                                  NUM_Q_HEADS, GROUP_PAD, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
+                    NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, D].
+    All log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
+    s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
+                  mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
+    den = tl.sum(tl.exp2(lse - m[None, :]), 0)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_splits, MERGE_SPLITS):
+        sc = s0 + tl.arange(0, MERGE_SPLITS)
+        mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
+        part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
+                           other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(part_lse - m[None, :])
+        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                    + d[None, None, :], mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, 0)
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+
+
+def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
+    return t is not None and t.shape[0] >= rows and t.is_contiguous() and t.dtype == torch.float32
+
+
+def decode_attention_one_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor,
+    mid_o: torch.Tensor | None,
+    mid_lse: torch.Tensor | None,
+    merge_counts: torch.Tensor,
+    num_splits: int,
+    min_split_tokens: int = 256,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`decode_attention` in one launch, the split-KV merge done by each group's last program.
+
+    Same arguments as `decode_attention`; the scratch is required (mid_o / mid_lse are
+    unused, may be None, when num_splits is 1): mid_o [>= B * num_splits,
+    Hq, D] fp32, mid_lse [>= B * num_splits, Hq] fp32, merge_counts [>= B * Hkv] int32, all
+    zero before the first launch (each launch leaves them at zero: keep one per stream, never
+    shared by two launches in flight). pdl: launch with Programmatic Dependent Launch (sm_90+
+    only; `pdl_supported`). No host sync: CUDA-graph safe for any kv_lens."""
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
+    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
+        raise ValueError("q and out must match in shape and have contiguous head rows")
+    rows = batch * num_splits
+    if num_splits == 1:
+        mid_o, mid_lse = out, out  # unused: one split writes O directly
+    elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
+        raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
+    if merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * num_kv_heads:
+        raise ValueError(f"merge_counts must hold {batch * num_kv_heads} int32 counters")
+    if pdl and not pdl_supported(q.device):
+        raise ValueError(f"Programmatic Dependent Launch needs a CUDA device of sm_90 or newer ({q.device})")
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    gp = group_pad(group)
+    launch = {"launch_pdl": True} if pdl else {}
+    _one_launch_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
+        kv_indptr, kv_indices, kv_lens,
+        scale * LOG2E, min_split_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=gp,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        # Partials merged at a time: a [MS, GP, D] fp32 tile of at most 4096 elements.
+        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * head_dim))),
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch,
+    )
     return out

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from hypothesis import strategies as st
 from flashlet.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
+    decode_attention_one_launch,
     decode_attention_reference,
     group_pad,
 )
@@ -123,3 +128,132 @@ def test_choose_num_splits():
 def test_group_pad():
     assert [group_pad(g) for g in (1, 3, 7, 8, 16, 17)] == [16, 16, 16, 16, 16, 32]
     assert all(math.log2(group_pad(g)).is_integer() for g in range(1, 40))
+
+
+# ---- one launch: the last split program of a group merges (the fused decode path) -----------
+
+
+def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits, head_dim=16, block_n=16,
+                      min_split_tokens=16, seed=0, launches=2):
+    """Poisoned output and partials; the counters must be back at 0 after every launch, and a
+    second launch over the same scratch must give the same output (it is graph-replayed)."""
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=seed)
+    hq = group * num_kv_heads
+    q = torch.randn(len(kv_lens), hq, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(kh.device)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"])
+    rows = len(kv_lens) * num_splits
+    scratch = dict(mid_o=torch.full((rows + 2, hq, head_dim), NAN, device=kh.device),
+                   mid_lse=torch.full((rows + 2, hq), NAN, device=kh.device),
+                   merge_counts=torch.zeros(len(kv_lens) * num_kv_heads + 1, dtype=torch.int32, device=kh.device))
+    want = decode_attention_reference(*args, head_dim**-0.5)
+    outs = []
+    for _ in range(launches):
+        out = torch.full_like(q, NAN)
+        got = decode_attention_one_launch(*args, head_dim**-0.5, out=out, num_splits=num_splits,
+                                          min_split_tokens=min_split_tokens, block_n=block_n, **scratch)
+        assert got is out
+        assert not torch.isnan(out).any(), "an output element was not written"
+        assert kh.rel_err(out, want) < 1e-5
+        assert not scratch["merge_counts"].any(), "a merge counter was left non-zero"
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    return outs[0], want
+
+
+@pytest.mark.parametrize(
+    "group,num_kv_heads,page_size,kv_lens,num_splits,min_split_tokens",
+    [
+        (7, 2, 16, [40], 4, 16),  # Qwen2.5 group, 3 splits used of 4: the merge by the last
+        (7, 2, 16, [16], 4, 16),  # one split used: O written directly, no counter touched
+        (7, 2, 16, [40, 3], 1, 16),  # S = 1: no scratch at all, O written directly
+        (7, 2, 8, [100], 8, 16),  # 7 splits (block 16): merged MERGE_SPLITS (= 4) at a time
+        (3, 1, 4, [1, 33, 0, 64], 4, 16),  # batch of four, an empty row, unequal split counts
+        (1, 2, 1, [17, 5], 2, 16),  # MHA, one token a page
+        (8, 1, 16, [300], 16, 16),  # more splits than one merge chunk; pages larger than a block
+        (7, 2, 16, [200, 31], 2, 64),  # larger splits: several blocks after the first
+    ],
+)
+def test_one_launch_matches_reference(kh, group, num_kv_heads, page_size, kv_lens, num_splits, min_split_tokens):
+    _check_one_launch(kh, group=group, num_kv_heads=num_kv_heads, page_size=page_size, kv_lens=kv_lens,
+                      num_splits=num_splits, min_split_tokens=min_split_tokens)
+
+
+def test_one_launch_agrees_with_the_two_launch_kernels(kh):
+    """Same splits, same arithmetic per split: the merged outputs agree to fp32 rounding."""
+    one, _ = _check_one_launch(kh, group=7, num_kv_heads=2, page_size=8, kv_lens=[57, 12], num_splits=4, seed=5)
+    two, _ = _check(kh, group=7, num_kv_heads=2, page_size=8, kv_lens=[57, 12], num_splits=4, seed=5)
+    assert kh.rel_err(one, two) < 1e-6
+
+
+def test_one_launch_rejects_bad_arguments(kh):
+    paged = kh.make_paged([4], 4, 2, 16)
+    args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],
+            paged["kv_indices"], paged["kv_lens"], 0.25)
+    ok = dict(out=torch.empty(1, 4, 16, device=kh.device), mid_o=torch.empty(4, 4, 16, device=kh.device),
+              mid_lse=torch.empty(4, 4, device=kh.device),
+              merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=4)
+    with pytest.raises(ValueError, match="scratch"):
+        decode_attention_one_launch(*args, **{**ok, "mid_o": torch.empty(2, 4, 16, device=kh.device)})
+    with pytest.raises(ValueError, match="merge_counts"):
+        decode_attention_one_launch(*args, **{**ok, "merge_counts": torch.zeros(1, dtype=torch.int32,
+                                                                                 device=kh.device)})
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention_one_launch(*args, **{**ok, "num_splits": 3})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Programmatic Dependent Launch"):
+            decode_attention_one_launch(*args, **ok, pdl=True)
+
+
+# Lowered for sm_90a in a child process (the interpreter wraps this process's kernels): what the
+# interpreter cannot show. The child compiles with Triton's own ptxas; no GPU needed.
+_LOWER = textwrap.dedent("""
+    import json, subprocess, sys, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from flashlet.kernels import decode_attention as da
+    splits, pdl = int(sys.argv[1]), sys.argv[2] == "1"
+    sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
+    mid = "*fp32" if splits > 1 else "*bf16"
+    sig.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
+               KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
+    consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=64,
+                  NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl)
+    sig.update({c: "constexpr" for c in consts})
+    k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2, launch_pdl=pdl))
+    lines = k.asm["ptx"].splitlines()
+    wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+    import os
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"]); f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True).stderr
+    print(json.dumps(dict(
+        launch=sum("griddepcontrol.launch_dependents" in l for l in lines), wait=len(wait),
+        loads_before_wait=sum("ld.global" in l for l in lines[: wait[0]]) if wait else 0,
+        atom_acq_rel=sum("atom.global.gpu.acq_rel.add" in l for l in lines),
+        cg_loads=sum("ld.global.cg" in l for l in lines), ptxas=info)))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("splits,pdl", [(1, True), (16, True), (64, False)])
+def test_one_launch_lowers_for_sm90(splits, pdl):
+    """~3 s each. The PDL variants signal and wait once, with the first block's page ids and
+    past K/V loads issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and
+    its partial loads bypass L1; ptxas (sm_90a) reports no spills."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _LOWER, str(splits), "1" if pdl else "0"], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
+    if pdl:
+        assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block
+    assert got["atom_acq_rel"] == 1 and got["cg_loads"] > 0
+    assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]

@@ -9,7 +9,9 @@ import torch
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
 from flashlet.batch import StepBuffers, StepRow, build_layout
-from flashlet.kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_reference
+from flashlet.kernels.decode_attention import (choose_num_splits, decode_attention, decode_attention_one_launch,
+                                               decode_attention_reference, pdl_supported)
+from flashlet.kernels.embedding import gather_rows
 from flashlet.kernels.gemv import gemv, gemv_reference
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -221,6 +223,91 @@ def test_decode_step_replays_in_a_cuda_graph(kh):
         ref.plan(meta)
         want = ref.run(0, q, k, v)
         assert kh.rel_err(out, want) < 1e-2, lens
+
+
+# ---- the fused decode path's one-launch attention and embedding gather (fused-decode-tests) ----
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("splits", [1, 16, 64])
+def test_one_launch_bf16_at_batch_one(kh, pdl, splits):
+    """Qwen2.5-0.5B's group at the fused path's shape (one sequence), contexts from 1 to 4096
+    tokens: against the reference, with poisoned output and partials; 30 launches over the
+    same scratch give the same bits each time and leave every merge counter at 0 (a race in
+    the last-program merge would show as a differing launch or a stuck counter)."""
+    if pdl and not pdl_supported(DEV):
+        pytest.skip("PDL needs sm_90+")
+    for kv_len in (1, 33, 64, 65, 256, 257, 288, 1000, 4096):
+        paged = kh.make_paged([kv_len], 16, 2, 64, dtype=BF16, device=DEV, seed=kv_len)
+        q = _randn(1, 14, 64, seed=kv_len)
+        args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"],
+                0.125)
+        scratch = dict(mid_o=torch.full((splits, 14, 64), NAN, device=DEV),
+                       mid_lse=torch.full((splits, 14), NAN, device=DEV),
+                       merge_counts=torch.zeros(2, dtype=torch.int32, device=DEV))
+        want = decode_attention_reference(*args)
+        first = None
+        for _ in range(30):
+            out = torch.full_like(q, NAN)
+            decode_attention_one_launch(*args, out=out, num_splits=splits, min_split_tokens=256, pdl=pdl, **scratch)
+            if first is None:
+                first = out
+                assert not torch.isnan(out).any(), kv_len
+                assert kh.rel_err(out, want) < 1e-2, kv_len
+            assert torch.equal(out, first), kv_len
+        torch.cuda.synchronize()
+        assert not scratch["merge_counts"].any(), kv_len
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_one_launch_replays_in_a_cuda_graph(kh, pdl):
+    """TritonBackend.attend_one_launch for one sequence, captured once, replayed over contexts
+    that use 1, 2 and 16 splits (the split count comes from kv_lens on the device)."""
+    if pdl and not pdl_supported(DEV):
+        pytest.skip("PDL needs sm_90+")
+    max_pages, hq = 256, 14
+    pool = _bf16_pool(layers=1, pages=max_pages + 4)
+    pages = pool.allocator.allocate(max_pages)
+    buffers = StepBuffers(1, 1, max_pages, DEV)
+
+    def load(n):
+        return buffers.load(build_layout([StepRow([0], n - 1, pages)], 16))[1]
+
+    q, k, v = _randn(1, hq, 64, seed=1), _randn(1, 2, 64, seed=2), _randn(1, 2, 64, seed=3)
+    tri = TritonBackend(pool, hq)
+    tri.plan(load(100))
+    pool.write(0, k, v, tri.meta.slot_mapping)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            tri.attend_one_launch(0, q, pdl=pdl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.attend_one_launch(0, q, pdl=pdl)
+    for seed, n in enumerate((100, 300, 4096, 1, 257)):
+        meta = load(n)
+        q.copy_(_randn(1, hq, 64, seed=40 + seed))
+        tri.plan(meta)
+        pool.write(0, _randn(1, 2, 64, seed=50 + seed), _randn(1, 2, 64, seed=60 + seed), meta.slot_mapping)
+        graph.replay()
+        ref = TorchBackend(pool, hq)
+        ref.plan(meta)
+        assert kh.rel_err(out, ref.attend(0, q)) < 1e-2, n
+    torch.cuda.synchronize()
+    assert not tri._merge_counts.any()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gather_rows_bf16(pdl):
+    if pdl and not pdl_supported(DEV):
+        pytest.skip("PDL needs sm_90+")
+    weight = _randn(151936, 896, seed=3)
+    ids = torch.tensor([151935], device=DEV)
+    out = torch.full((1, 896), NAN, device=DEV, dtype=BF16)
+    gather_rows(weight, ids, out, pdl=pdl)
+    assert torch.equal(out, weight[151935:])
 
 
 def test_bench_sweep_on_gpu():

@@ -219,7 +219,10 @@ def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float) -> list[
             row["of_copy"] = row["gbs"] / copy_gbs
         except Exception as e:  # noqa: BLE001  (a failed variant is a row, the sweep goes on)
             row["check"] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (a sticky CUDA error: the next rows will say so)
+                pass
         log(f"  {name} {'pdl' if pdl else 'nopdl'} {label:<28} {row.get('plan', '-'):<22} "
             f"{row.get('us', float('nan')):7.2f} us  {row.get('gbs', float('nan')):6.0f} GB/s  {row['check']}")
         rows.append(row)
@@ -384,7 +387,7 @@ def run_registers(args) -> int:
                 row = dict(shape=name, pdl=pdl, variant=label, plan=plan, **stats)
                 rows.append(row)
                 log(f"| {name} | {'on' if pdl else 'off'} | {label} | {plan} | {stats.get('regs', '?')} | "
-                    f"{stats.get('local', '?')} | {stats.get('spill_ops', '?')} | {stats.get('ldg128', '?')} | "
+                    f"{stats.get('stack', '?')} | {stats.get('spill_ops', '?')} | {stats.get('ldg128', '?')} | "
                     f"{stats.get('ldgsts', '?')} |")
     if args.json:
         with open(args.json, "w") as fh:
@@ -408,7 +411,7 @@ def main() -> int:
         trace_one(name, pdl == "1", int(index))
         return 0
     if args.registers:
-        log("| shape | pdl | variant | plan | registers | local bytes | LDL/STL | LDG.128 | LDGSTS |")
+        log("| shape | pdl | variant | plan | registers | stack bytes | LDL/STL | LDG.128 | LDGSTS |")
         log("|---|---|---|---|---:|---:|---:|---:|---:|")
         return run_registers(args)
     if not torch.cuda.is_available():

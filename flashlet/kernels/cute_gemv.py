@@ -315,6 +315,11 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"K = {k} needs {staged_bytes(warps)} bytes of shared memory staged with "
                          f"{warps} warps and {stages} stage(s), over the 48 KB a CTA gets; "
                          "use fewer warps, rows or stages, or the register variant")
+    if min_ctas and staged:
+        # The DSL sets a register-capped kernel's shared-memory carveout from the launch's
+        # static shared memory (0: the staged buffers are sized at trace time), which could
+        # leave the staged variant too little shared memory for the CTAs the cap is for.
+        raise ValueError("min_ctas_per_sm (a register cap) is not combined with staged=True")
     if min_ctas and min_ctas * warps * 32 > 2048:
         raise ValueError(f"min_ctas_per_sm={min_ctas} CTAs of {warps} warps exceed an SM's 64 warps")
     grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves

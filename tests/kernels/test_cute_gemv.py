@@ -106,7 +106,7 @@ def test_plan_overrides_win_over_the_heuristic():
     (dict(stages=2), "stages"), (dict(staged=True, stages=3), "stages"), (dict(late_g=True), "norm"),
     (dict(warps=3), "warps"), (dict(warps=0), "warps"), (dict(outs_per_group=0), "outs_per_group"),
     (dict(ctas_per_sm=-1), "ctas_per_sm"), (dict(staged=True, stages=2, warps=4), "48 KB"),
-    (dict(min_ctas_per_sm=32, warps=4), "64 warps"),
+    (dict(min_ctas_per_sm=32, warps=4), "64 warps"), (dict(min_ctas_per_sm=2, staged=True), "register cap"),
 ])
 def test_plan_rejects_bad_overrides(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -107,9 +107,9 @@ def variants(name: str, pdl: bool) -> list[tuple[str, dict]]:
     return kept
 
 
-def make_gemv(name: str, pdl: bool, knobs: dict, device=DEV) -> CuteGemv:
+def make_gemv(name: str, pdl: bool, knobs: dict, device: str | None = None) -> CuteGemv:
     n, k, epilogue, norm, rope = SHAPES[name]
-    return CuteGemv(n, k, epilogue, device=device, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
+    return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -250,6 +250,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     unknown = set(table) - set(TUNABLE)
     if unknown:
         raise ValueError(f"TUNED_PLANS entry for {(n_rows, k, epilogue, norm, pdl)} has unknown knobs {unknown}")
+    if staged is False:  # the caller chose registers: the table's staging depth does not apply
+        table = {name: v for name, v in table.items() if name != "stages"}
     knobs = {name: table.get(name) if value is None else value for name, value in knobs.items()}
     staged = bool(knobs["staged"])
     stages = knobs["stages"] or 1

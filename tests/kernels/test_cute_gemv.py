@@ -123,6 +123,10 @@ def test_tuned_plans_table_supplies_defaults(monkeypatch):
         plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, tuned=False, warps=4, late_g=False)
     assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=False).grid == 608  # another key: untouched
     assert CuteGemv(9728, 896, "silu_mul", device="cpu", norm=True, pdl=True).plan == p
+    monkeypatch.setitem(TUNED_PLANS, key, dict(staged=True, stages=2, ctas_per_sm=4))
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True).stages == 2
+    p = plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, staged=False)  # registers: no stages
+    assert (p.staged, p.stages, p.grid) == (False, 1, 4 * 132)
     monkeypatch.setitem(TUNED_PLANS, key, dict(wraps=2))
     with pytest.raises(ValueError, match="unknown knobs"):
         plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True)

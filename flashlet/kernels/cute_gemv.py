@@ -22,8 +22,12 @@ one is issued), then reads x (L1-resident after the first warp), converts, multi
 L lanes reduce with butterfly shuffles. Lane 0 of the group applies the epilogue and stores.
 For the small projections the whole matrix is in flight in one wave (no split-K is needed:
 at K = 4864 a warp per row already gives each lane 19 loads in flight, and 896 one-warp CTAs
-cover the 132 SMs about seven times). Each CTA owns one tile of rows, except with argmax: a
-resident grid of two CTAs per SM loops over the LM head's tiles keeping a running (value,
+cover the 132 SMs about seven times). By default each CTA owns one tile of rows; a plan may
+instead launch a resident grid that loops over the tiles (`ctas_per_sm`, any epilogue; staged
+with `stages=2`, each CTA's next tile is copied while this one is summed), and the knobs that
+shape the plan can be set per call or per shape in TUNED_PLANS (see plan_gemv and
+scripts/gemv_sweep.py). With argmax the grid always loops: a
+resident grid of three CTAs per SM loops over the LM head's tiles keeping a running (value,
 index) per group, reduces it through shared memory, writes one partial per CTA, and the last
 CTA to finish (a counter it resets) reduces the partials, so one launch yields the token.
 With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`, so under

@@ -22,6 +22,9 @@
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
 #                                             fused-timeline (issue 16: one fused step's
 #                                             kernels in order; CuTe DSL)
+#                                             gemv-sweep, gemv-sweep-nopdl (issue 16: the
+#                                             CuTe GEMV plan sweep, with / without PDL, ~4 min
+#                                             each; CuTe DSL)
 #                                             fi-diag (issue 14: a FlashInfer decode-sat
 #                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
@@ -192,6 +195,15 @@ for part in "${PARTS[@]}"; do
     fused) cute_env
            run 200 python3 scripts/fused_gemv_bench.py --json "$OUT/json/fused-gemv.json"
            run 150 $PYTEST tests/kernels/test_cute_gemv.py ;;
+    gemv-sweep)  # issue 16: the GEMV plan sweep at the fused path's shapes, PDL on (its form):
+                 # warps, rows, looping grids, cp.async pipeline, g after the wait, register
+                 # caps; best per shape, TUNED_PLANS lines, a 24-layer chain (~4 min)
+      cute_env
+      run 290 python3 scripts/gemv_sweep.py --pdl on --budget-s 215 --json "$OUT/json/gemv-sweep.json" ;;
+    gemv-sweep-nopdl)  # the same without PDL (~4 min), then the plan knobs' GPU tests (~1 min)
+      cute_env
+      run 290 python3 scripts/gemv_sweep.py --pdl off --budget-s 215 --json "$OUT/json/gemv-sweep-nopdl.json"
+      run 150 $PYTEST tests/kernels/test_cute_gemv.py -k "knobs or rope_kv_epilogue_matches_fp32" ;;
     fused-decode-tests)  # issue 16 stage 2: the fused one-sequence decode path's kernels
                          # (RMSNorm prologue, in-place residual) and engine tests (~4 min)
       cute_env

@@ -22,8 +22,12 @@ one is issued), then reads x (L1-resident after the first warp), converts, multi
 L lanes reduce with butterfly shuffles. Lane 0 of the group applies the epilogue and stores.
 For the small projections the whole matrix is in flight in one wave (no split-K is needed:
 at K = 4864 a warp per row already gives each lane 19 loads in flight, and 896 one-warp CTAs
-cover the 132 SMs about seven times). Each CTA owns one tile of rows, except with argmax: a
-resident grid of two CTAs per SM loops over the LM head's tiles keeping a running (value,
+cover the 132 SMs about seven times). By default each CTA owns one tile of rows; a plan may
+instead launch a resident grid that loops over the tiles (`ctas_per_sm`, any epilogue; staged
+with `stages=2`, each CTA's next tile is copied while this one is summed), and the knobs that
+shape the plan can be set per call or per shape in TUNED_PLANS (see plan_gemv and
+scripts/gemv_sweep.py). With argmax the grid always loops: a
+resident grid of three CTAs per SM loops over the LM head's tiles keeping a running (value,
 index) per group, reduces it through shared memory, writes one partial per CTA, and the last
 CTA to finish (a counter it resets) reduces the partials, so one launch yields the token.
 With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`, so under
@@ -84,7 +88,7 @@ def _dsl():
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
-    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _rope_kv_store):
+    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _rope_kv_store, _stage_tile):
         g[helper.__name__] = cute.jit(helper)
     launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -110,6 +114,9 @@ class GemvPlan:
     norm: bool = False    # RMSNorm prologue: y = W (x * rstd(x) * g) (see plan_gemv)
     eps: float = 1e-6     # the RMSNorm's epsilon (with norm)
     rope: RopeShape | None = None  # the rope epilogues' head layout, table and pool sizes
+    stages: int = 1       # staged only: 2 = the next tile's copies fly while this one is used
+    late_g: bool = False  # norm + pdl: the norm's weight is read after the wait, with x
+    min_ctas: int = 0     # > 0: ptxas must fit this many CTAs an SM (a register cap)
 
     @property
     def groups_per_cta(self) -> int:
@@ -136,6 +143,19 @@ class GemvPlan:
     @property
     def loads_in_flight_per_lane(self) -> int:
         return self.outs_per_group * self.chunks * self.rows_per_out
+
+    @property
+    def loops(self) -> bool:
+        """A resident grid: fewer CTAs than tiles, each CTA walks tiles bidx, bidx + grid, ..."""
+        return self.grid < self.num_tiles
+
+    def describe(self) -> str:
+        """A short tag for tables: warps, rows in flight, grid, and the options that are on."""
+        tag = f"w{self.warps} R{self.outs_per_group} g{self.grid}"
+        tag += f" st{self.stages}" if self.staged else ""
+        tag += " lateg" if self.late_g else ""
+        tag += f" min{self.min_ctas}" if self.min_ctas else ""
+        return tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,20 +188,59 @@ def lanes_for(k: int) -> int:
     return lanes
 
 
+# Tuned plans for the shapes measured on a GPU, filled from the plan sweep
+# (scripts/gemv_sweep.py; `bash scripts/gpu_run.sh gemv-sweep`), which prints entries in this
+# form. Key: (n_rows, k, epilogue, norm, pdl), as the fused decode path builds its GEMVs.
+# Value: plan_gemv's knobs for that GEMV, any of
+#   warps            warps per CTA (1, 2, 4, 8)
+#   outs_per_group   outputs a lane group owns per tile (rows in flight: x2 for silu_mul / rope)
+#   ctas_per_sm      a resident grid of ctas_per_sm x SMs CTAs looping over the tiles
+#                    (0: one tile per CTA)
+#   staged, stages   weights through shared memory by cp.async; stages=2 double-buffers a
+#                    looping grid's tiles
+#   late_g           read the norm's weight after the PDL wait (fewer registers held across it)
+#   min_ctas_per_sm  ptxas register cap: this many CTAs must fit an SM
+# An argument given to plan_gemv wins over the table; a knob the table leaves out keeps the
+# built-in heuristic below. A shape with no entry (every shape, until measured) is planned by
+# the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
+# grid scales with the SM count, the best choice might not).
+TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
+}
+TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
+
+
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,
-              pdl: bool = False, max_loads: int = 16, staged: bool = False,
-              norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None) -> GemvPlan:
+              pdl: bool = False, max_loads: int = 16, staged: bool | None = None,
+              norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None,
+              warps: int | None = None, outs_per_group: int | None = None,
+              ctas_per_sm: int | None = None, stages: int | None = None,
+              late_g: bool | None = None, min_ctas_per_sm: int | None = None,
+              tuned: bool = True) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
+
+    The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
+    left at None come from TUNED_PLANS when it holds this GEMV (tuned=True), else from the
+    heuristic: R as many rows as fit `max_loads` 16-byte loads a lane while two tiles an SM
+    remain, four warps a CTA (fewer when that leaves under four CTAs an SM), one tile per CTA
+    (argmax: a resident grid of three CTAs an SM). An explicit knob wins.
 
     staged=True copies the weights into shared memory with cp.async (16 bytes a copy) instead
     of loading them into registers: ptxas cannot defer those copies, so every one is in flight
-    at once whatever the register count (the alternative the benchmark measures).
+    at once whatever the register count (the alternative the benchmark measures). stages=2
+    (staged only) gives each thread two buffers: a looping CTA issues the copies of its next
+    tile before it waits for this one's, so its bytes stay in flight across tiles.
+
+    ctas_per_sm=c launches min(tiles, c x num_sms) CTAs that loop over the tiles (what the
+    argmax epilogue always does); 0 launches one CTA per tile. min_ctas_per_sm=m asks ptxas to
+    fit m CTAs an SM (`.minnctapersm`: registers capped at 64K / (m x threads)).
 
     norm=True folds the RMSNorm before the projection into the kernel: every lane group
     already reads the whole of x (its L lanes x C chunks cover K), so it also sums x^2 over
     its chunks, reduces that with the same shuffles as the dot product, and scales its sums
     by rstd = 1 / sqrt(mean(x^2) + eps); the norm's weight g multiplies x chunk by chunk.
-    Since W (x * rstd * g) = rstd * (W (x * g)), no normalised x is ever stored.
+    Since W (x * rstd * g) = rstd * (W (x * g)), no normalised x is ever stored. g is a weight,
+    so with PDL it is loaded before the wait, unless late_g=True (after it, with x: C x 4
+    registers a lane fewer held across the wait, one L2 round trip more after it).
 
     The rope epilogues (rope=RopeShape(...)) pair rows like silu_mul pairs gate and up: output
     slot p stands for the head h = p // (D/2) and the dim i = p % (D/2), and its group computes
@@ -189,6 +248,19 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     exchange between groups. There are N / 2 slots; each writes two outputs."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
+    knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
+                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
+    table = TUNED_PLANS.get((n_rows, k, epilogue, bool(norm), bool(pdl)), {}) if tuned else {}
+    unknown = set(table) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"TUNED_PLANS entry for {(n_rows, k, epilogue, norm, pdl)} has unknown knobs {unknown}")
+    if staged is False:  # the caller chose registers: the table's staging depth does not apply
+        table = {name: v for name, v in table.items() if name != "stages"}
+    knobs = {name: table.get(name) if value is None else value for name, value in knobs.items()}
+    staged = bool(knobs["staged"])
+    stages = knobs["stages"] or 1
+    late_g = bool(knobs["late_g"])
+    min_ctas = knobs["min_ctas_per_sm"] or 0
     if staged and epilogue == "argmax":
         raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
     if k % VEC or k <= 0:
@@ -203,42 +275,69 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                              f"rows, got {rope}")
         if staged:
             raise ValueError("the staged (shared-memory) variant has no rope epilogue")
+    if stages not in (1, 2) or (stages == 2 and not staged):
+        raise ValueError(f"stages must be 1, or 2 with staged=True; got stages={stages}, staged={staged}")
+    if late_g and not norm:
+        raise ValueError("late_g moves the norm's weight load: it needs norm=True")
+    for name in ("warps", "outs_per_group"):
+        if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
+            raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
+    if knobs["warps"] is not None and knobs["warps"] not in (1, 2, 4, 8):
+        raise ValueError(f"warps must be 1, 2, 4 or 8, got {knobs['warps']}")
+    if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
+        raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
     lanes = lanes_for(k)
     chunks = k // (VEC * lanes)
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
-    # Rows in flight per group: as many as fit `max_loads` 16-byte loads per lane (registers),
-    # but no more than leaves two tiles per SM. ptxas does not keep them all in flight: in the
-    # sm_90a SASS a one-row lane issues nearly all its loads before the first FMA, but with two
-    # or three rows it issues 10-17 and interleaves the rest (FUSED_NOTES.md); the benchmark
-    # runs R = 1 beside the default to measure which wins.
-    outs_per_group = max(1, max_loads // (chunks * rows_per_out))
 
     def tiles(warps: int, outs_per_group: int) -> int:
         return math.ceil(n_out / (warps * (32 // lanes) * outs_per_group))
 
-    while outs_per_group > 1 and tiles(4, outs_per_group) < 2 * num_sms:
-        outs_per_group //= 2
-    # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits for
-    # it, so aim for four or more CTAs per SM.
-    warps = 4
-    while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
-        warps //= 2
-    def staged_bytes(warps: int) -> int:
-        return warps * 32 * outs_per_group * rows_per_out * chunks * 16
+    outs_per_group = knobs["outs_per_group"]
+    if outs_per_group is None:
+        # Rows in flight per group: as many as fit `max_loads` 16-byte loads per lane
+        # (registers), but no more than leaves two tiles per SM. ptxas does not keep them all in
+        # flight: in the sm_90a SASS a one-row lane issues nearly all its loads before the first
+        # FMA, but with two or three rows it issues 10-17 and interleaves the rest
+        # (FUSED_NOTES.md); the sweep measures which wins.
+        outs_per_group = max(1, max_loads // (chunks * rows_per_out))
+        while outs_per_group > 1 and tiles(4, outs_per_group) < 2 * num_sms:
+            outs_per_group //= 2
+    warps = knobs["warps"]
+    if warps is None:
+        # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits
+        # for it, so aim for four or more CTAs per SM.
+        warps = 4
+        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
+            warps //= 2
 
-    while staged and warps > 1 and staged_bytes(warps) > 48 << 10:
+    def staged_bytes(warps: int) -> int:
+        return stages * warps * 32 * outs_per_group * rows_per_out * chunks * 16
+
+    while staged and knobs["warps"] is None and warps > 1 and staged_bytes(warps) > 48 << 10:
         warps //= 2  # stay within the 48 KB of shared memory a CTA gets without opting in
     if staged and staged_bytes(warps) > 48 << 10:
-        raise ValueError(f"K = {k} needs {staged_bytes(warps)} bytes of shared memory a warp staged; "
-                         "use the register variant")
+        raise ValueError(f"K = {k} needs {staged_bytes(warps)} bytes of shared memory staged with "
+                         f"{warps} warps and {stages} stage(s), over the 48 KB a CTA gets; "
+                         "use fewer warps, rows or stages, or the register variant")
+    if min_ctas and staged:
+        # The DSL sets a register-capped kernel's shared-memory carveout from the launch's
+        # static shared memory (0: the staged buffers are sized at trace time), which could
+        # leave the staged variant too little shared memory for the CTAs the cap is for.
+        raise ValueError("min_ctas_per_sm (a register cap) is not combined with staged=True")
+    if min_ctas and min_ctas * warps * 32 > 2048:
+        raise ValueError(f"min_ctas_per_sm={min_ctas} CTAs of {warps} warps exceed an SM's 64 warps")
     grid = tiles(warps, outs_per_group)  # one tile per CTA; the hardware balances the waves
-    if epilogue == "argmax":
-        # A resident grid that loops over tiles: few partials for the last CTA to reduce. Three
-        # CTAs of four warps fit an SM at the ~155 registers ptxas gives this variant (sm_90a).
-        grid = min(grid, 3 * num_sms)
+    # A resident grid that loops over tiles. argmax always loops (few partials for the last
+    # CTA to reduce): three CTAs of four warps fit an SM at the ~155 registers ptxas gives it.
+    ctas_per_sm = knobs["ctas_per_sm"]
+    if ctas_per_sm is None and epilogue == "argmax":
+        ctas_per_sm = 3
+    if ctas_per_sm:
+        grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps), rope)
+                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +364,7 @@ _deferred = _Deferred()
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads):
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas):
     # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax; all
     # n_rows outputs for the rope epilogues); mE: bias or residual [n_out] ([n_rows] for
     # bias_rope_kv; a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
@@ -298,22 +397,38 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
-    if cutlass.const_expr(norm):
+    if cutlass.const_expr(norm and not late_g):  # (late_g: after the wait, with x)
         for j in cutlass.range_constexpr(chunks):
             g_early.append(mG[sub + j * lanes, None].load())
+    per_stage = rows_in_flight * chunks
     if cutlass.const_expr(staged):
-        # One 16-byte slot per (thread, row chunk); consecutive threads in consecutive slots.
+        # One 16-byte slot per (thread, row chunk, stage); consecutive threads in consecutive
+        # slots. Each thread reads back only its own slots, so no barrier is ever needed.
         threads = warps * 32
         sW = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.BFloat16, cute.make_layout((threads, rows_in_flight * chunks, VEC),
+            cutlass.BFloat16, cute.make_layout((threads, stages * per_stage, VEC),
                                                stride=(VEC, threads * VEC, 1)), byte_alignment=16)
         g2s = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
             cutlass.BFloat16, num_bits_per_copy=128)
+        if cutlass.const_expr(stages == 2):
+            # The pipeline's prologue: this CTA's first tile into buffer 0 (grid <= tiles).
+            _stage_tile(mW, sW, g2s, bidx, 0, tidx, sub, group, n_out, lanes, chunks,
+                        outs_per_group, groups_per_cta, rows_per_out)
+            cute.arch.cp_async_commit_group()
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
     for tile in range(bidx, num_tiles, gdim):
         # Issue every weight load of this tile before any of them is used.
+        stage = 0
+        if cutlass.const_expr(stages == 2):
+            # Two buffers: this tile's copies are in flight already; issue the next tile's into
+            # the other buffer (an empty group at the last tile keeps the wait count uniform).
+            stage = ((tile - bidx) // gdim) % 2
+            if tile + gdim < num_tiles:
+                _stage_tile(mW, sW, g2s, tile + gdim, 1 - stage, tidx, sub, group, n_out, lanes,
+                            chunks, outs_per_group, groups_per_cta, rows_per_out)
+            cute.arch.cp_async_commit_group()
         outs = []
         w = []
         for o in cutlass.range_constexpr(outs_per_group):
@@ -327,12 +442,14 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 for j in cutlass.range_constexpr(chunks):
                     src = mW[row, sub + j * lanes, None]
                     if cutlass.const_expr(staged):
-                        cute.copy(g2s, src, sW[tidx, (o * rows_per_out + h) * chunks + j, None])
+                        if cutlass.const_expr(stages == 1):
+                            cute.copy(g2s, src, sW[tidx, (o * rows_per_out + h) * chunks + j, None])
                     else:
                         w.append(src.load())
-        if cutlass.const_expr(staged):
+        if cutlass.const_expr(staged and stages == 1):
             cute.arch.cp_async_commit_group()
         xs = []
+        gs = g_early
         for j in cutlass.range_constexpr(chunks):
             if cutlass.const_expr(pdl):
                 if cutlass.const_expr(j == 0):
@@ -340,6 +457,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 xs.append(mX[sub + j * lanes, None].load())
             else:
                 xs.append(x_early[j])
+        if cutlass.const_expr(norm and late_g):
+            gs = []
+            for j in cutlass.range_constexpr(chunks):
+                gs.append(mG[sub + j * lanes, None].load())
         cos = []
         sin = []
         biases = []
@@ -363,9 +484,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                     biases.append(mE[r1].to(cutlass.Float32))
                     biases.append(mE[r1 + half].to(cutlass.Float32))
         if cutlass.const_expr(staged):
-            cute.arch.cp_async_wait_group(0)  # this thread's own copies: no barrier needed
-            for i in cutlass.range_constexpr(rows_in_flight * chunks):
-                w.append(sW[tidx, i, None].load())
+            # This thread's own copies of this tile (the next tile's group may stay in flight).
+            cute.arch.cp_async_wait_group(stages - 1)
+            for i in cutlass.range_constexpr(per_stage):
+                w.append(sW[tidx, stage * per_stage + i, None].load())
         acc = []
         for i in cutlass.range_constexpr(rows_in_flight):
             acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
@@ -382,7 +504,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         for j in cutlass.range_constexpr(chunks):
             xv = xs[j].to(cutlass.Float32)
             if cutlass.const_expr(norm):
-                xv = xv * g_early[j].to(cutlass.Float32)
+                xv = xv * gs[j].to(cutlass.Float32)
             for i in cutlass.range_constexpr(rows_in_flight):
                 acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
         sums = []
@@ -430,6 +552,19 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     if cutlass.const_expr(epilogue == "argmax"):
         _argmax_finish(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
                        warps, grid)
+
+
+@_deferred.jit
+def _stage_tile(mW, sW, g2s, tile, stage, tidx, sub, group, n_out, lanes, chunks, outs_per_group,
+                groups_per_cta, rows_per_out):
+    """cp.async every weight chunk of `tile` this thread reads into buffer `stage` (stages=2)."""
+    per_stage = outs_per_group * rows_per_out * chunks
+    for o in cutlass.range_constexpr(outs_per_group):
+        safe = cutlass.min(tile * groups_per_cta * outs_per_group + o * groups_per_cta + group, n_out - 1)
+        for h in cutlass.range_constexpr(rows_per_out):
+            for j in cutlass.range_constexpr(chunks):
+                cute.copy(g2s, mW[safe + h * n_out, sub + j * lanes, None],
+                          sW[tidx, stage * per_stage + (o * rows_per_out + h) * chunks + j, None])
 
 
 @_deferred.jit
@@ -528,17 +663,22 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 @_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads):
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas):
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
                           mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                          staged, norm, eps, head_dim, q_heads, kv_heads).launch(
-        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl)
+                          staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
+                          min_ctas).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
+        min_blocks_per_mp=min_ctas)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
-                "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads")
+                "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
+                "min_ctas")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
+                     _stage_tile: ("n_out", "lanes", "chunks", "outs_per_group", "groups_per_cta",
+                                   "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
 
 
@@ -569,11 +709,13 @@ class CuteGemv:
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
-                 pdl: bool = False, max_loads: int = 16, staged: bool = False,
-                 norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None):
+                 pdl: bool = False, max_loads: int = 16, staged: bool | None = None,
+                 norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None, **knobs):
+        """knobs: plan_gemv's plan overrides (warps, outs_per_group, ctas_per_sm, stages,
+        late_g, min_ctas_per_sm, tuned); by default TUNED_PLANS or the heuristic decide."""
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope)
+                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope, **knobs)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)

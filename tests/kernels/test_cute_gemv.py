@@ -9,6 +9,7 @@ inputs, output poisoned first.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 from flashlet.kernels import cute_gemv
-from flashlet.kernels.cute_gemv import (EPILOGUES, ROPE_EPILOGUES, VEC, CuteGemv, RopeKV, RopeShape,
-                                        gemv_reference, lanes_for, plan_gemv, rope_kv_reference)
+from flashlet.kernels.cute_gemv import (EPILOGUES, ROPE_EPILOGUES, TUNED_PLANS, VEC, CuteGemv, RopeKV,
+                                        RopeShape, gemv_reference, lanes_for, plan_gemv, rope_kv_reference)
 
 QWEN05_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896)]
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
@@ -40,7 +41,7 @@ GPU_VARIANTS = ([(*c, False, False) for c in GPU_CASES] + [(896, 896, "residual"
 @pytest.mark.parametrize("n, k", QWEN05_SHAPES)
 @pytest.mark.parametrize("epilogue", PLAIN_EPILOGUES)
 def test_plan_covers_every_row_and_column_once(n, k, epilogue):
-    p = plan_gemv(n, k, epilogue)
+    p = plan_gemv(n, k, epilogue, tuned=False)  # the heuristic (TUNED_PLANS is checked below)
     assert p.lanes * p.chunks * VEC == k                     # a row's chunks split evenly
     assert p.num_tiles * p.outs_per_tile >= p.n_out          # every output has a group
     assert (p.num_tiles - 1) * p.outs_per_tile < p.n_out     # and no tile is wholly idle
@@ -49,6 +50,95 @@ def test_plan_covers_every_row_and_column_once(n, k, epilogue):
     assert p.loads_in_flight_per_lane <= max(24, one_output)  # registers bound the rows in flight
     if epilogue != "argmax":
         assert p.grid == p.num_tiles                         # one tile per CTA, no loop
+
+
+def tiles_per_cta(p) -> list[list[int]]:
+    """The tiles each CTA computes: the kernel's loop `for tile in range(bidx, num_tiles, grid)`."""
+    return [list(range(b, p.num_tiles, p.grid)) for b in range(p.grid)]
+
+
+def staged_schedule(p) -> list[tuple[int, int, int]]:
+    """The two-stage pipeline as the kernel runs it, per CTA: (CTA, tile summed, buffer it was
+    copied into). The prologue copies tile bidx into buffer 0; iteration i sums buffer i % 2
+    after copying tile + grid (if any) into the other."""
+    out = []
+    for b, tiles in enumerate(tiles_per_cta(p)):
+        buffers = {0: tiles[0]}
+        for i, tile in enumerate(tiles):
+            stage = i % 2
+            if tile + p.grid < p.num_tiles:
+                buffers[1 - stage] = tile + p.grid
+            out.append((b, tile, buffers[stage]))
+    return out
+
+
+@pytest.mark.parametrize("n, k, epilogue, knobs", [
+    (9728, 896, "silu_mul", dict(ctas_per_sm=3)), (896, 4864, "residual", dict(ctas_per_sm=2, warps=2)),
+    (1152, 896, "bias", dict(ctas_per_sm=1, outs_per_group=2)), (136, 200, "none", dict(ctas_per_sm=4)),
+    (9728, 896, "silu_mul", dict(staged=True, stages=2, ctas_per_sm=4)),
+    (896, 4864, "residual", dict(staged=True, stages=2, ctas_per_sm=2)),
+    (151936, 896, "argmax", dict(ctas_per_sm=1, warps=8, outs_per_group=3)),
+])
+def test_looping_grid_covers_every_tile_once(n, k, epilogue, knobs):
+    p = plan_gemv(n, k, epilogue, num_sms=132, **knobs)
+    assert p.grid == min(p.num_tiles, knobs["ctas_per_sm"] * 132)
+    assert p.loops == (p.grid < p.num_tiles)
+    assert sorted(t for tiles in tiles_per_cta(p) for t in tiles) == list(range(p.num_tiles))
+    if p.stages == 2:  # every tile is summed from the buffer its own copies went to
+        assert all(tile == staged for _, tile, staged in staged_schedule(p))
+        assert p.warps * 32 * p.loads_in_flight_per_lane * 16 * 2 <= 48 << 10
+
+
+def test_plan_overrides_win_over_the_heuristic():
+    p = plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, warps=2, outs_per_group=2, late_g=True,
+                  min_ctas_per_sm=6)
+    assert (p.warps, p.outs_per_group, p.late_g, p.min_ctas) == (2, 2, True, 6)
+    assert p.grid == p.num_tiles == -(-4864 // (2 * 2 * 2))  # 2 warps x 2 groups a warp x 2 outputs
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, late_g=True).late_g is False  # no wait to move g past
+    assert plan_gemv(9728, 896, "silu_mul", ctas_per_sm=0).grid == plan_gemv(9728, 896, "silu_mul").grid
+    assert plan_gemv(151936, 896, "argmax", ctas_per_sm=0).grid == plan_gemv(151936, 896, "argmax").num_tiles
+    # Staged at gate_up: two stages of four warps would need 56 KB, so the heuristic halves the warps.
+    assert plan_gemv(9728, 896, "silu_mul", staged=True, stages=2).warps == 2
+    assert "st2" in plan_gemv(9728, 896, "silu_mul", staged=True, stages=2).describe()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(stages=2), "stages"), (dict(staged=True, stages=3), "stages"), (dict(late_g=True), "norm"),
+    (dict(warps=3), "warps"), (dict(warps=0), "warps"), (dict(outs_per_group=0), "outs_per_group"),
+    (dict(ctas_per_sm=-1), "ctas_per_sm"), (dict(staged=True, stages=2, warps=4), "48 KB"),
+    (dict(min_ctas_per_sm=32, warps=4), "64 warps"), (dict(min_ctas_per_sm=2, staged=True), "register cap"),
+])
+def test_plan_rejects_bad_overrides(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(9728, 896, "silu_mul", **kwargs)
+
+
+def test_tuned_plans_table_supplies_defaults(monkeypatch):
+    key = (9728, 896, "silu_mul", True, True)
+    monkeypatch.setitem(TUNED_PLANS, key, dict(warps=2, ctas_per_sm=4, late_g=True))
+    p = plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, num_sms=132)
+    assert (p.warps, p.grid, p.late_g) == (2, 4 * 132, True)
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, warps=4).warps == 4  # an argument wins
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, tuned=False) == \
+        plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, tuned=False, warps=4, late_g=False)
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=False).grid == 608  # another key: untouched
+    assert CuteGemv(9728, 896, "silu_mul", device="cpu", norm=True, pdl=True).plan == p
+    monkeypatch.setitem(TUNED_PLANS, key, dict(staged=True, stages=2, ctas_per_sm=4))
+    assert plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True).stages == 2
+    p = plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, staged=False)  # registers: no stages
+    assert (p.staged, p.stages, p.grid) == (False, 1, 4 * 132)
+    monkeypatch.setitem(TUNED_PLANS, key, dict(wraps=2))
+    with pytest.raises(ValueError, match="unknown knobs"):
+        plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True)
+
+
+@pytest.mark.parametrize("key", sorted(TUNED_PLANS, key=str))
+def test_every_tuned_plan_is_valid(key):
+    n, k, epilogue, norm, pdl = key
+    rope = RopeShape(64, 14, 2, 4096, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    p = plan_gemv(n, k, epilogue, norm=norm, pdl=pdl, rope=rope)
+    assert sorted(t for tiles in tiles_per_cta(p) for t in tiles) == list(range(p.num_tiles))
+    assert (p.num_tiles - 1) * p.outs_per_tile < p.n_out <= p.num_tiles * p.outs_per_tile
 
 
 def rope_rows(p) -> list[tuple[int, int]]:
@@ -151,7 +241,7 @@ def test_rope_call_checks_its_tensors():
 
 def test_plan_keeps_small_shapes_spread_over_the_sms():
     for n, k in QWEN05_SHAPES[:4]:
-        assert plan_gemv(n, k, num_sms=132).grid >= 2 * 132
+        assert plan_gemv(n, k, num_sms=132, tuned=False).grid >= 2 * 132
 
 
 def test_lanes_are_the_largest_power_of_two_dividing_the_chunks():
@@ -188,48 +278,65 @@ def test_missing_dsl_gives_install_hint(monkeypatch):
 
 
 PTX_SCRIPT = textwrap.dedent("""
-    import glob, sys, torch
+    import glob, json, sys, torch
+    from flashlet.kernels import cute_gemv
     from flashlet.kernels.cute_gemv import CuteGemv, RopeShape, ROPE_EPILOGUES
     n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
     norm = sys.argv[7] == "1"
+    knobs = json.loads(sys.argv[8])
     d = 64 if n == 1152 else 32  # the rope variants: Qwen2.5-0.5B's heads, or 4 q + 2 kv heads of 32
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    cute_gemv._dsl()
+    import cutlass.cutlass_dsl.cutlass as dsl_module
+    dsl_module._build_kernel_attrs = lambda config: {}  # a register cap's carveout hint queries the GPU
     try:
-        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope).compile()
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope, **knobs).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
           "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"),
-          "F32LOAD", ptx.count("ld.global.f32"))
+          "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
+          "WAITGROUP1", ptx.count("cp.async.wait_group 1"))
 """)
 
 
 @pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
-@pytest.mark.parametrize("n, k, epilogue, pdl, staged, norm", [
-    (1152, 896, "bias", 0, 0, 0), (896, 896, "residual", 1, 0, 0), (9728, 896, "silu_mul", 0, 0, 0),
-    (896, 4864, "residual", 0, 0, 0), (151936, 896, "argmax", 0, 0, 0), (9728, 896, "silu_mul", 1, 1, 0),
-    (1152, 896, "bias", 1, 0, 1), (9728, 896, "silu_mul", 0, 0, 1), (151936, 896, "argmax", 0, 0, 1),
-    (136, 200, "silu_mul", 0, 0, 1), (1152, 896, "bias_rope_kv", 0, 0, 1), (1152, 896, "bias_rope_kv", 1, 0, 1),
-    (256, 256, "rope_kv", 0, 0, 1),
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged, norm, knobs", [
+    (1152, 896, "bias", 0, 0, 0, {}), (896, 896, "residual", 1, 0, 0, {}), (9728, 896, "silu_mul", 0, 0, 0, {}),
+    (896, 4864, "residual", 0, 0, 0, {}), (151936, 896, "argmax", 0, 0, 0, {}), (9728, 896, "silu_mul", 1, 1, 0, {}),
+    (1152, 896, "bias", 1, 0, 1, {}), (9728, 896, "silu_mul", 0, 0, 1, {}), (151936, 896, "argmax", 0, 0, 1, {}),
+    (136, 200, "silu_mul", 0, 0, 1, {}), (1152, 896, "bias_rope_kv", 0, 0, 1, {}),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, {}), (256, 256, "rope_kv", 0, 0, 1, {}),
+    # The plan sweep's knobs (scripts/gemv_sweep.py): looping grids, the two-stage pipeline, g
+    # after the wait, a register cap, more warps and rows.
+    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, ctas_per_sm=3)),
+    (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4)),
+    (896, 4864, "residual", 1, 1, 0, dict(stages=2, ctas_per_sm=2)),
+    (896, 4864, "residual", 0, 0, 0, dict(ctas_per_sm=4, warps=2)),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, dict(late_g=True, warps=2)),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, min_ctas_per_sm=3)),
+    (896, 896, "residual", 1, 0, 0, dict(warps=8, outs_per_group=3)),
 ])
-def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm):
+def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
-                          str(staged), str(norm)],
+                          str(staged), str(norm), json.dumps(knobs)],
                          env=env, capture_output=True, text=True, timeout=300)
     counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
     assert counts, res.stdout[-2000:] + res.stderr[-2000:]
     d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
-    p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope)
+    p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope, pdl=bool(pdl), norm=bool(norm), **knobs)
     # x takes C loads, and the norm's weight C more
     weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks * (2 if norm else 1)
-    assert weights >= p.loads_in_flight_per_lane             # every weight chunk, 16 bytes a copy
+    assert weights >= p.loads_in_flight_per_lane * p.stages   # every weight chunk, 16 bytes a copy
+    assert (int(counts["MINNCTA"]) > 0) == bool(p.min_ctas)  # the register cap reaches ptxas
+    assert (int(counts["WAITGROUP1"]) > 0) == (p.stages == 2)  # the pipeline leaves one tile in flight
     assert (int(counts["CPASYNC"]) > 0) == bool(staged)
     assert int(counts["STORE"]) >= 1
     assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
@@ -301,6 +408,59 @@ def test_norm_prologue_matches_fp32_reference(kh, n, k, epilogue, pdl):
             assert kh.rel_err(out, gemv_reference(x, w, epilogue, extra, norm_weight=g, eps=eps)) < 1e-2
 
 
+# The plan sweep's knobs (scripts/gemv_sweep.py), each against the reference:
+# (n, k, epilogue, norm, pdl, knobs). ctas_per_sm=1 makes each CTA loop over ~4-7 tiles.
+KNOB_CASES = [
+    (9728, 896, "silu_mul", True, True, dict(late_g=True)),
+    (9728, 896, "silu_mul", True, True, dict(late_g=True, ctas_per_sm=3)),
+    (9728, 896, "silu_mul", True, True, dict(staged=True, stages=2, ctas_per_sm=4)),
+    (9728, 896, "silu_mul", True, False, dict(staged=True, stages=2, ctas_per_sm=1)),
+    (9728, 896, "silu_mul", False, False, dict(staged=True, late_g=False, ctas_per_sm=1, warps=1)),
+    (896, 4864, "residual", False, True, dict(staged=True, stages=2, ctas_per_sm=2)),
+    (896, 4864, "residual", False, False, dict(ctas_per_sm=1, warps=2)),
+    (896, 4864, "none", False, True, dict(warps=8, outs_per_group=2)),
+    (1152, 896, "bias", True, True, dict(warps=8, outs_per_group=3, late_g=True)),
+    (1152, 896, "bias", True, False, dict(staged=True, stages=2, ctas_per_sm=1)),
+    (896, 896, "residual", False, True, dict(min_ctas_per_sm=6, warps=2)),
+    (151936, 896, "argmax", True, True, dict(late_g=True, ctas_per_sm=2, warps=2)),
+    (151936, 896, "none", False, True, dict(ctas_per_sm=4, staged=True, stages=2)),
+    (136, 200, "bias", False, False, dict(staged=True, stages=2, ctas_per_sm=1)),
+    (96, 64, "silu_mul", True, True, dict(late_g=True, warps=1, ctas_per_sm=1)),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", KNOB_CASES)
+def test_plan_knobs_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs):
+    """Output poisoned first; the residual epilogue in place (out is the residual, as in the
+    fused path); two calls, so a looping CTA's pipeline and the argmax counter start clean."""
+    eps = 1e-6
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, eps=eps, **knobs)
+    for seed in (0, 1):
+        x, w, extra = _inputs(n, k, epilogue, seed)
+        x = (x.float() * 7 + 0.5).to(torch.bfloat16)
+        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if norm else None
+        want = (None if epilogue == "argmax"
+                else gemv_reference(x, w, epilogue, extra, norm_weight=g, eps=eps))
+        if epilogue == "residual":
+            out = extra.reshape(1, -1)  # in place
+        else:
+            out = gemv.out_like()
+            out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        gemv(x, w, extra, out=out, norm_weight=g)
+        torch.cuda.synchronize()
+        if epilogue == "argmax":
+            xn = x.float() * torch.rsqrt(x.float().pow(2).mean() + eps) * g.float()
+            logits = w.float() @ xn
+            token = int(out.item())
+            assert 0 <= token < n
+            assert float(logits.max() - logits[token]) <= 1e-3 * float(logits.abs().max())
+        else:
+            assert not torch.isnan(out).any()
+            assert kh.rel_err(out, want) < 1e-2
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n, k", [(896, 896), (896, 4864), (136, 200)])
@@ -353,8 +513,10 @@ def test_bad_inputs_are_refused_before_launch(bad):
 
 # The rope epilogues (the fused decode path's QKV with fused_decode_rope): (shape, K, bias, pdl).
 QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
-ROPE_GPU_CASES = [(QWEN05_ROPE, 896, True, False), (QWEN05_ROPE, 896, True, True),
-                  (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, False)]  # the small Llama's
+ROPE_GPU_CASES = [(QWEN05_ROPE, 896, True, False, {}), (QWEN05_ROPE, 896, True, True, {}),
+                  (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, False, {}),  # the small Llama's
+                  (QWEN05_ROPE, 896, True, True, dict(late_g=True, warps=2)),  # plan sweep knobs
+                  (QWEN05_ROPE, 896, True, True, dict(ctas_per_sm=1, outs_per_group=2))]
 
 
 def _pool_rows(step, shape):
@@ -364,11 +526,11 @@ def _pool_rows(step, shape):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("shape, k, bias, pdl", ROPE_GPU_CASES)
-def test_rope_kv_epilogue_matches_fp32_reference(kh, shape, k, bias, pdl):
+@pytest.mark.parametrize("shape, k, bias, pdl, knobs", ROPE_GPU_CASES)
+def test_rope_kv_epilogue_matches_fp32_reference(kh, shape, k, bias, pdl, knobs):
     """q | k rotated, v as is, all in out (poisoned first); k and v at the slot in the pool
     (every other pool row keeps its poison); a negative slot writes no pool row."""
-    gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape)
+    gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape, **knobs)
     hq, hkv = shape.num_q_heads, shape.num_kv_heads
     for seed in (0, 1):
         x, w, b, nw, step = _rope_inputs(shape, k, seed, device="cuda", bias=bias)

@@ -310,6 +310,18 @@ def run_gpu(args) -> int:
         n, k, epilogue, norm, _ = SHAPES[name]
         log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}): {b['knobs']},  "
             f"# {name}: {b['us']:.2f} us, {b['gbs']:.0f} GB/s, {b['of_copy']:.2f} of copy ({b['variant']})")
+    if args.plans_out:  # for FLASHLET_GEMV_PLANS: the winners that beat the default by >= 3%
+        entries = []
+        for (name, pdl), b in best.items():
+            base = next((d for d in rows if d["shape"] == name and d["pdl"] == pdl
+                         and d["variant"] == "default" and d.get("us")), None)
+            if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
+                n, k, epilogue, norm, _ = SHAPES[name]
+                entries.append(dict(key=[n, k, epilogue, norm, pdl], knobs=b["knobs"], us=b["us"],
+                                    shape=name, variant=b["variant"]))
+        with open(args.plans_out, "w") as fh:
+            json.dump(entries, fh, indent=1)
+        log(f"{len(entries)} tuned plan(s) written to {args.plans_out} (FLASHLET_GEMV_PLANS)")
     chain = {}
     for pdl in pdls:
         if time.perf_counter() > deadline + 60 or not all((s, pdl) in best for s in ("qkv", "o", "gate_up", "down")):
@@ -402,6 +414,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=220.0,
                     help="stop starting variants after this many seconds (the rows so far are kept)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--plans-out", help="write the winners as FLASHLET_GEMV_PLANS entries (JSON)")
     ap.add_argument("--registers", action="store_true", help="CPU: registers / spills per variant (sm_90a)")
     ap.add_argument("--cuobjdump", default="cuobjdump", help="with --registers: the cuobjdump binary")
     ap.add_argument("--trace-one", nargs=3, metavar=("SHAPE", "PDL", "INDEX"), help=argparse.SUPPRESS)

@@ -199,7 +199,8 @@ for part in "${PARTS[@]}"; do
                  # warps, rows, looping grids, cp.async pipeline, g after the wait, register
                  # caps; best per shape, TUNED_PLANS lines, a 24-layer chain (~4 min)
       cute_env
-      run 290 python3 scripts/gemv_sweep.py --pdl on --budget-s 215 --json "$OUT/json/gemv-sweep.json" ;;
+      run 290 python3 scripts/gemv_sweep.py --pdl on --budget-s 215 --json "$OUT/json/gemv-sweep.json" \
+        --plans-out "${GEMV_PLANS:-/tmp/gemv-plans.json}" ;;  # FLASHLET_GEMV_PLANS for the next parts
     gemv-sweep-nopdl)  # the same without PDL (~4 min), then the plan knobs' GPU tests (~1 min)
       cute_env
       run 290 python3 scripts/gemv_sweep.py --pdl off --budget-s 215 --json "$OUT/json/gemv-sweep-nopdl.json"

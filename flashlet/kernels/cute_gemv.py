@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 import time
 
 import torch
@@ -207,6 +209,26 @@ def lanes_for(k: int) -> int:
 TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
+
+
+def load_tuned_plans(path: str) -> int:
+    """Add the entries of a JSON file written by `scripts/gemv_sweep.py --plans-out` (a list of
+    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}) to TUNED_PLANS: plans measured on
+    this machine, over the built-in table. Returns how many were added."""
+    with open(path) as fh:
+        entries = json.load(fh)
+    for entry in entries:
+        n, k, epilogue, norm, pdl = entry["key"]
+        knobs = entry["knobs"]
+        unknown = set(knobs) - set(TUNABLE)
+        if unknown or epilogue not in EPILOGUES:
+            raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown} or epilogue")
+        TUNED_PLANS[(int(n), int(k), epilogue, bool(norm), bool(pdl))] = dict(knobs)
+    return len(entries)
+
+
+if os.environ.get("FLASHLET_GEMV_PLANS"):  # plans tuned on this machine (gemv_sweep --plans-out)
+    load_tuned_plans(os.environ["FLASHLET_GEMV_PLANS"])
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,

@@ -581,3 +581,22 @@ def test_rope_kv_epilogue_matches_the_two_kernel_path(kh):
     assert kh.rel_err(kc[slot], kc2.view(-1, hkv, d)[slot]) < 1e-2
     assert torch.equal(vc[slot], vc2.view(-1, hkv, d)[slot])
     assert torch.equal(out.view(-1, d)[hq + hkv:], v)
+
+
+def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
+    """FLASHLET_GEMV_PLANS entries (gemv_sweep --plans-out) join TUNED_PLANS and steer the plan;
+    an unknown knob is refused."""
+    import json
+
+    from flashlet.kernels import cute_gemv
+
+    monkeypatch.setattr(cute_gemv, "TUNED_PLANS", dict(cute_gemv.TUNED_PLANS))
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps([{"key": [9728, 896, "silu_mul", True, True],
+                                 "knobs": {"warps": 2, "ctas_per_sm": 4}}]))
+    assert cute_gemv.load_tuned_plans(str(path)) == 1
+    plan = cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True)
+    assert plan.warps == 2 and plan.grid <= 4 * 132
+    path.write_text(json.dumps([{"key": [896, 896, "residual", False, True], "knobs": {"speed": 9}}]))
+    with pytest.raises(ValueError, match="unknown knobs"):
+        cute_gemv.load_tuned_plans(str(path))

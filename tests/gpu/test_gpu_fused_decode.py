@@ -15,9 +15,9 @@ one-launch-attention tests therefore compare TEACHER-FORCED (`teacher_forced`): 
 the fused engine is fed the reference's token, so both paths see the same prefix at every
 position, and the fused path's own pick at each position is recorded. Noise at a position is
 the largest |fused logit - reference logit| over the vocabulary (measured in a teacher-forced
-run of the fused logits path, which every step writes for an observer), and must stay below
-NOISE_REL of the row's largest logit. The fused argmax epilogue may then pick b where the
-reference picked a only if ref[a] - ref[b] <= 2 * (noise + 2^-8 * |top logit|): if the fused
+run of the fused logits path, which every step writes for an observer); the fused logits' own
+error against the fp32 per-op path must stay within PRECISION_FACTOR x the bf16 per-op path's.
+The fused argmax epilogue may then pick b where the reference picked a only if ref[a] - ref[b] <= 2 * (noise + 2^-8 * |top logit|): if the fused
 fp32 sums F order b over a, ref[a] - ref[b] <= |ref[a] - F[a]| + |F[b] - ref[b]|, and each term
 is at most the measured noise (between ref and the bf16-rounded fused logits) plus the bf16
 rounding of F itself (half an ulp, 2^-8 relative). k = 2 is thus a bound, not a guess: a pick
@@ -45,7 +45,13 @@ pytestmark = [
 ]
 
 NEAR_TIE_ABS, NEAR_TIE_REL = 0.05, 0.01
-NOISE_REL = 2e-2  # teacher-forced: the fused logits' largest error, relative to the row's top (as the first step's bound)
+# Teacher-forced: the fused logits' largest error against the fp32 per-op logits may be at most
+# this many times the bf16 per-op path's own (plus 2^-8 of the top logit). A bound relative to
+# the top logit alone (2%) failed on the tiny random Qwen2 with RoPE in the QKV epilogue
+# (0.234 on a top of 10.3 at the first fused step, H200, 2026-11-30) although that path rotates
+# from fp32, more precisely than the per-op path: the question is precision against fp32, not
+# distance from another bf16 path.
+PRECISION_FACTOR = 2.0
 # Small random models: Qwen2 (QKV bias, tied LM head) and Llama (no bias, own LM head), with
 # K = 256 and 768 (32 lanes a row, 1 and 3 chunks a lane), 4 layers.
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -126,7 +132,8 @@ def check_tokens(ref_tokens, top2, tokens, new_tokens, min_identical):
     assert identical >= min_identical * len(ref_tokens), f"only {identical} prompts agree fully"
 
 
-def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, **config):
+def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, fused: bool = True,
+                   dtype: str = "bfloat16", backend: str = "triton", **config):
     """The fused engine fed the reference's token at every step (prompts one at a time, steps
     in launch order, as `reference` records them) -> (its own pick at every step, its logits
     rows at every step when `logits` (an observer makes the fused path write them), engine).
@@ -136,8 +143,8 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
 
     forced = [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []
-    engine = Engine(EngineConfig(**source, backend="triton", dtype="bfloat16", max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=True, **config))
+    engine = Engine(EngineConfig(**source, backend=backend, dtype=dtype, max_num_seqs=1,
+                                 max_num_pages=1024, fused_decode=fused, **config))
     perturb_norms(engine)
     if logits:
         engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()))
@@ -170,17 +177,22 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     return picks, rows, engine
 
 
-def check_teacher_forced(ref_tokens, ref_rows, fused_rows, picks, min_agree=0.95):
-    """Per position: the fused logits' noise within NOISE_REL; the fused pick the reference's,
-    or within 2 * (noise + 2^-8 |top|) of it in the reference's logits (module docstring)."""
+def check_teacher_forced(ref_tokens, ref_rows, fused_rows, picks, exact_rows, min_agree=0.95):
+    """Per position: the fused logits' error against the fp32 per-op logits (exact_rows) within
+    PRECISION_FACTOR x the bf16 per-op path's own error against them (+ 2^-8 |top|): no less
+    precise than the reference, up to a factor; then the fused pick the reference's, or within
+    2 * (noise + 2^-8 |top|) of it in the reference's logits (module docstring)."""
     forced = [t for tokens in ref_tokens for t in tokens]
-    assert len(ref_rows) == len(fused_rows) == len(picks) == len(forced)
+    assert len(ref_rows) == len(fused_rows) == len(picks) == len(forced) == len(exact_rows)
     agree = 0
     for k, (want, got) in enumerate(zip(forced, picks)):
-        ref, fused = ref_rows[k].float(), fused_rows[k].float()
+        ref, fused, exact = ref_rows[k].float(), fused_rows[k].float(), exact_rows[k].float()
         top = float(ref.abs().max())
         noise = float((fused - ref).abs().max())
-        assert noise <= NOISE_REL * top, f"step {k}: fused logits differ by {noise:.4f} (top {top:.3f})"
+        err_fused, err_ref = float((fused - exact).abs().max()), float((ref - exact).abs().max())
+        assert err_fused <= PRECISION_FACTOR * err_ref + 2**-8 * top, (
+            f"step {k}: fused logits {err_fused:.4f} from fp32, the bf16 per-op path {err_ref:.4f} "
+            f"(top {top:.3f})")
         if got == want:
             agree += 1
             continue
@@ -199,7 +211,10 @@ def check_against_reference_teacher_forced(source, prompt_list, new_tokens, **co
     assert engine.greedy_steps == len(prompt_list) * (new_tokens - 1)  # the argmax epilogue served them
     _, rows, logits_engine = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True, **config)
     assert logits_engine.greedy_steps == 0
-    check_teacher_forced(ref_tokens, ref_rows, rows, picks)
+    # The fp32 anchor: the per-op path in fp32 (the torch oracle backend) on the same tokens.
+    _, exact_rows, _ = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True,
+                                      fused=False, dtype="float32", backend="torch")
+    check_teacher_forced(ref_tokens, ref_rows, rows, picks, exact_rows)
     return engine
 
 

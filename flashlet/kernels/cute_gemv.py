@@ -207,6 +207,13 @@ def lanes_for(k: int) -> int:
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
 # grid scales with the SM count, the best choice might not).
 TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
+    # Qwen2.5-0.5B's fused path with PDL: `bash scripts/gpu_run.sh gemv-sweep`, H200,
+    # 2026-11-30 (commit 16d4d45); us per call in a PDL chain, default plan -> this one.
+    (9728, 896, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # gate_up 7.63 -> 5.84
+    (896, 4864, "residual", False, True): {"warps": 4},  # down 3.70 -> 3.30
+    (1152, 896, "bias", True, True): {"ctas_per_sm": 4, "warps": 2},  # qkv 1.73 -> 1.63
+    (896, 896, "residual", False, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # o 1.52 -> 1.34
+    (1152, 896, "bias_rope_kv", True, True): {"warps": 8},  # qkv + RoPE 1.87 -> 1.81
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
 

@@ -91,7 +91,7 @@ def test_looping_grid_covers_every_tile_once(n, k, epilogue, knobs):
 
 def test_plan_overrides_win_over_the_heuristic():
     p = plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, warps=2, outs_per_group=2, late_g=True,
-                  min_ctas_per_sm=6)
+                  min_ctas_per_sm=6, tuned=False)
     assert (p.warps, p.outs_per_group, p.late_g, p.min_ctas) == (2, 2, True, 6)
     assert p.grid == p.num_tiles == -(-4864 // (2 * 2 * 2))  # 2 warps x 2 groups a warp x 2 outputs
     assert plan_gemv(9728, 896, "silu_mul", norm=True, late_g=True).late_g is False  # no wait to move g past

@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--request-timeout", type=float, default=600.0)
     r.add_argument("--client-procs", type=int, default=None, metavar="N",
                    help="client processes that share the streams (each its part of the closed "
-                        "loop or of the --rate schedule; default: one per 64 streams, at most "
-                        "the CPU count; open loop 4)")
+                        "loop or of the --rate schedule; default: one per 32 streams, at most "
+                        "half the CPUs; --rate: 4, at most half the CPUs)")
 
     w.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (torch.set_num_threads); default: torch's choice")

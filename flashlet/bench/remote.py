@@ -1,6 +1,15 @@
-"""`--url`: load a running flashlet server through `POST /generate_stream` (SSE) with httpx.
+"""`--url`: load a running flashlet server through `POST /generate_stream` (SSE).
 
 Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
+The load generator must not be what limits: the streams are shared by `--client-procs` spawned
+client processes (default: one per 32 streams, at most half the CPUs), each on the lean
+httptools reader of sse.py (httpx cost ~6x more CPU per token: one process of it capped the
+server's figures at ~19k tok/s). The closed loop's requests come from one queue shared by the
+processes (a shared counter: requests go out in order, as from one process); the open loop's
+schedule is dealt out round robin. Each process records with time.perf_counter, which is
+CLOCK_MONOTONIC on Linux, one clock for every process of the host, and the parent merges their
+records into one Trace. Connections are opened before the level's common start (the in-process
+run has none to open).
 The server sends one `data: {"text": ...}` event per generated token (its text may be empty
 while the detokenizer holds bytes back), then a final event with `finish_reason` and `usage`,
 then `data: [DONE]`. TTFT and inter-token latency are measured on the client, per token: every
@@ -59,8 +68,8 @@ def text_specs(n: int, prompt_range, output_range, seed: int, stream: int = 0) -
             for p, o in zip(p_lens, o_lens)]
 
 
-STREAMS_PER_PROCESS = 64  # the --client-procs default: one client process per this many streams
-OPEN_LOOP_PROCS = 4  # ... and for --rate (capped by the CPU count)
+STREAMS_PER_PROCESS = 32  # the --client-procs default: one client process per this many streams
+OPEN_LOOP_PROCS = 4  # ... and for --rate (at most half the CPUs)
 PREOPEN = 32  # open loop: connections each process opens before its schedule starts
 
 
@@ -342,12 +351,20 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (k < total % parts) for k in range(parts)]
 
 
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def client_procs(requested: int | None, streams: int) -> int:
     """Client processes for `streams` concurrent streams: --client-procs (at most one per
-    stream), else one per STREAMS_PER_PROCESS streams, capped by the CPU count."""
+    stream), else one per STREAMS_PER_PROCESS streams, at most half the CPUs this process may
+    use (the server under test usually shares the host)."""
     if requested:
         return max(1, min(requested, streams))
-    return max(1, min(math.ceil(streams / STREAMS_PER_PROCESS), os.cpu_count() or 1))
+    return max(1, min(math.ceil(streams / STREAMS_PER_PROCESS), usable_cpus() // 2))
 
 
 def _closed(url, specs, concurrency, timeout, procs, pool, task) -> Trace:
@@ -400,7 +417,7 @@ def _mean_step(before, after, duration: float) -> dict | None:
 def run(args, progress: Progress = NO_PROGRESS) -> dict:
     requested = getattr(args, "client_procs", None)
     if args.rate:
-        procs = [requested or min(OPEN_LOOP_PROCS, os.cpu_count() or 1)]
+        procs = [requested or max(1, min(OPEN_LOOP_PROCS, usable_cpus() // 2))]
     else:
         procs = [client_procs(requested, min(c, n))
                  for c, n in zip(args.concurrency, args.level_requests)]

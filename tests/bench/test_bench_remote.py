@@ -44,9 +44,16 @@ def test_perf_counter_is_one_clock_across_processes():
     assert before < child < time.perf_counter()
 
 
-def test_client_process_count():
-    assert client_procs(None, 1) == 1 and client_procs(None, 64) == 1
-    assert client_procs(None, 65) == min(2, multiprocessing.cpu_count())
+def test_client_process_count(monkeypatch):
+    from flashlet.bench import remote
+
+    monkeypatch.setattr(remote, "usable_cpus", lambda: 16)
+    assert client_procs(None, 1) == 1 and client_procs(None, 32) == 1
+    assert client_procs(None, 64) == 2 and client_procs(None, 256) == 8
+    monkeypatch.setattr(remote, "usable_cpus", lambda: 4)
+    assert client_procs(None, 256) == 2  # half the CPUs: the server shares the host
+    monkeypatch.setattr(remote, "usable_cpus", lambda: 1)
+    assert client_procs(None, 256) == 1
     assert client_procs(3, 2) == 2 and client_procs(3, 16) == 3  # at most one per stream
     assert split(7, 3) == [3, 2, 2] and sum(split(256, 6)) == 256
 

@@ -238,6 +238,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         _check_writable_dir(err, out.parent if str(out.parent) else Path("."), "--out")
 
     if args.url is not None:
+        try:
+            import httptools  # noqa: F401 - the --url client's HTTP parser (sse.py)
+        except ImportError:
+            err("--url needs httptools (pip install 'flashlet[server]')")
         _check_server(err, args.url)
         return {}
     if wl not in MODEL_WORKLOADS:

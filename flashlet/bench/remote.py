@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now
+from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now, summarize
 from flashlet.bench.sse import Connection
 from flashlet.bench.trace import Trace
 
@@ -85,6 +85,7 @@ class Partial:
     token_events: int = 0
     server_prompt_tokens: int = 0
     end: float = 0.0
+    api_server: dict[int, str] = field(default_factory=dict)  # x-flashlet-api-server, if sent
 
 
 class _Events:
@@ -135,6 +136,8 @@ async def _one(conn: Connection, spec: Spec, part: Partial, i: int, timeout: flo
         part.errors.append(f"{type(e).__name__}: {e}"[:300])
         return
     part.token_times[i] = events.times
+    if conn.api_server is not None:
+        part.api_server[i] = conn.api_server
     part.tokens[i] = events.usage.get("completion_tokens", len(events.times))
     part.token_events += events.events
     part.server_prompt_tokens += events.usage.get("prompt_tokens", 0)
@@ -343,6 +346,14 @@ def merge(specs: list[Spec], start: float, parts: list[Partial]) -> Trace:
     if events:
         trace.extra["token_events"] = events
         trace.extra["server_prompt_tokens"] = prompt_tokens
+    served = {i: k for part in parts for i, k in part.api_server.items()}
+    if served:  # several API processes: TTFT by the process that served
+        trace.extra["by_api_server"] = {
+            k: {"requests": sum(1 for v in served.values() if v == k),
+                "ttft_ms": summarize([trace.token_times[i][0] - trace.submit[i]
+                                      for i, v in served.items() if v == k and trace.token_times[i]],
+                                     1e3)}
+            for k in sorted(set(served.values()))}
     return trace
 
 

@@ -29,6 +29,11 @@ class _Response:
     def __init__(self):
         self.body: list[bytes] = []
         self.done = False
+        self.api_server: str | None = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-flashlet-api-server":  # --api-server-count > 1: who served
+            self.api_server = value.decode(errors="replace")
 
     def on_body(self, body: bytes) -> None:
         self.body.append(bytes(body))
@@ -52,6 +57,7 @@ class Connection:
         self.host_header = f"{self.host}:{self.port}"
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self.api_server: str | None = None  # the last response's x-flashlet-api-server
 
     @property
     def usable(self) -> bool:
@@ -120,6 +126,7 @@ class Connection:
         except BaseException:
             self.close()
             raise
+        self.api_server = response.api_server
         if not parser.should_keep_alive():
             self.close()
         return parser.get_status_code()

@@ -13,7 +13,8 @@ from flashlet.bench.remote import Partial, _Events, client_procs, merge, split
 def test_merge_puts_each_process_record_at_its_request():
     specs = [Spec("a b", 3, 2), Spec("c", 2, 1), Spec("d e f", 3, 3)]
     first = Partial(submit={0: 1.0, 2: 1.5}, token_times={0: [1.1, 1.2, 1.2], 2: [1.6, 1.7, 1.9]},
-                    tokens={0: 3, 2: 3}, token_events=5, server_prompt_tokens=6, end=2.0)
+                    tokens={0: 3, 2: 3}, token_events=5, server_prompt_tokens=6, end=2.0,
+                    api_server={0: "1", 2: "0"})
     second = Partial(submit={1: 1.0}, failed=1, errors=["HTTP 500: boom"], end=2.5)
     trace = merge(specs, 1.0, [first, second])
     assert (trace.start, trace.end) == (1.0, 2.5)
@@ -25,6 +26,9 @@ def test_merge_puts_each_process_record_at_its_request():
     assert m["ttft_ms"]["n"] == 2 and m["ttft_ms"]["max"] == pytest.approx(100.0)
     assert m["itl_ms"]["n"] == 4 and m["token_events"] == 5 and m["server_prompt_tokens"] == 6
     assert m["errors"] == ["HTTP 500: boom"]
+    by = m["by_api_server"]
+    assert {k: v["requests"] for k, v in by.items()} == {"0": 1, "1": 1}
+    assert by["1"]["ttft_ms"]["p50"] == pytest.approx(100.0)
 
 
 def _child_clock(queue):

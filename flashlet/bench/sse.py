@@ -30,6 +30,12 @@ class _Response:
         self.body: list[bytes] = []
         self.done = False
         self.api_server: str | None = None
+        self.parser = None
+        self.keep_alive = False
+
+    def on_headers_complete(self) -> None:
+        # Read here: once the message is complete, llhttp's should_keep_alive() says False.
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"x-flashlet-api-server":  # --api-server-count > 1: who served
@@ -109,7 +115,7 @@ class Connection:
         head = (f"{method} {self.base}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
         response = _Response()
-        self._parser = parser = httptools.HttpResponseParser(response)
+        self._parser = parser = response.parser = httptools.HttpResponseParser(response)
         try:
             self._writer.write(head.encode() + payload)
             while not response.done:
@@ -127,6 +133,6 @@ class Connection:
             self.close()
             raise
         self.api_server = response.api_server
-        if not parser.should_keep_alive():
+        if not response.keep_alive:
             self.close()
         return parser.get_status_code()

@@ -72,3 +72,36 @@ def test_events_split_across_reads_and_several_tokens_per_event():
     assert ev.usage == {"completion_tokens": 3, "prompt_tokens": 4}
     with pytest.raises(RuntimeError, match="overloaded"):
         _Events().feed(1.0, b'data: {"error": "overloaded"}\n\n')
+
+
+def test_the_connection_is_kept_alive_between_requests():
+    """One connection serves request after request (a closed connection would land the next
+    request on any API process, and pay a connect in its TTFT)."""
+    import asyncio
+
+    from flashlet.bench.sse import Connection
+
+    async def main():
+        async def handle(reader, writer):
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n"
+                             b"x-flashlet-api-server: 1\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn, pieces, writers = Connection(f"http://127.0.0.1:{port}"), [], set()
+        for _ in range(3):
+            await conn.post_stream("/generate_stream", b"{}", lambda t, p: pieces.append(p))
+            writers.add(id(conn._writer))
+        assert conn.usable and len(writers) == 1 and conn.api_server == "1"
+        assert b"".join(pieces) == b"hello" * 3
+        conn.close()
+        server.close()
+
+    asyncio.run(main())

@@ -140,8 +140,17 @@ def by_api_server(server: dict) -> str:
             lines.append(f"TTFT by API process at concurrency {lv['concurrency']} (client procs "
                          f"{lv.get('client_procs', 1)}): " + "; ".join(
                              f"api{k}: {v['requests']} requests, p50 {v['ttft_ms']['p50']:.1f} / "
-                             f"p99 {v['ttft_ms']['p99']:.1f} ms" for k, v in by.items()))
+                             f"p99 {v['ttft_ms']['p99']:.1f} ms (the server's own: p50 "
+                             f"{v['server_ttft_ms']['p50']:.1f})" for k, v in by.items()))
     return "\n".join(lines)
+
+
+def server_side_ttft(server: dict) -> str:
+    """The server's own TTFT (from its handler's start to the first token in the API process,
+    the final event's ttft_ms) beside the client's: the rest is HTTP and the client."""
+    parts = [f"c={lv['concurrency']}: {lv['server_ttft_ms']['p50']:.1f} / "
+             f"{lv['ttft_ms']['p50']:.1f}" for lv in server["levels"] if lv.get("server_ttft_ms")]
+    return ("TTFT p50, the server's own / the client's (ms): " + "; ".join(parts)) if parts else ""
 
 
 def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
@@ -195,9 +204,10 @@ def main(argv=None) -> int:
     print()
     print(ttft_by_request(inproc, server, min(args.concurrency)))
     print()
-    if by_api_server(server):
-        print(by_api_server(server))
-        print()
+    for extra in (server_side_ttft(server), by_api_server(server)):
+        if extra:
+            print(extra)
+            print()
     print(NOTES)
     print(f"engine flags: {' '.join(engine_flags)}; concurrency {args.concurrency}, "
           f"{args.max_new_tokens} new tokens, prompts {args.prompt_len_range[0]}-"

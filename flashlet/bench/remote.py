@@ -86,6 +86,7 @@ class Partial:
     server_prompt_tokens: int = 0
     end: float = 0.0
     api_server: dict[int, str] = field(default_factory=dict)  # x-flashlet-api-server, if sent
+    server_ttft: dict[int, float] = field(default_factory=dict)  # ms, the final event's ttft_ms
 
 
 class _Events:
@@ -94,6 +95,7 @@ class _Events:
     def __init__(self):
         self.times: list[float] = []
         self.usage: dict | None = None
+        self.server_ttft: float | None = None  # the server's own TTFT (ms), if it says
         self.events = 0
         self.done = False
         self._tail = b""
@@ -113,6 +115,7 @@ class _Events:
                 raise RuntimeError(str(event["error"]))
             if event.get("finish_reason") is not None:
                 self.usage = event.get("usage") or {}
+                self.server_ttft = event.get("ttft_ms")
             elif "text" in event:  # a token event (one token unless it says otherwise)
                 self.times.extend([t] * int(event.get("num_tokens", 1)))
                 self.events += 1
@@ -138,6 +141,8 @@ async def _one(conn: Connection, spec: Spec, part: Partial, i: int, timeout: flo
     part.token_times[i] = events.times
     if conn.api_server is not None:
         part.api_server[i] = conn.api_server
+    if events.server_ttft is not None:
+        part.server_ttft[i] = float(events.server_ttft)
     part.tokens[i] = events.usage.get("completion_tokens", len(events.times))
     part.token_events += events.events
     part.server_prompt_tokens += events.usage.get("prompt_tokens", 0)
@@ -216,7 +221,10 @@ def _client_process(pipe, next_request, num_done) -> None:
 
     def start():
         pipe.send(("ready", None))
-        return pipe.recv()
+        t0 = pipe.recv()
+        if t0 is None:  # another process failed before the start: the parent closes the pool
+            raise SystemExit(0)
+        return t0
 
     while (share := pipe.recv()) is not None:
         n = len(share.specs)
@@ -224,6 +232,8 @@ def _client_process(pipe, next_request, num_done) -> None:
             part = _event_loop_run(_run_share(share, lambda: (i if (i := take()) < n else None),
                                               advance, start))
             pipe.send(("done", part))
+        except SystemExit:
+            return
         except BaseException:  # noqa: BLE001 - the parent reports it
             pipe.send(("error", traceback.format_exc()))
 
@@ -346,13 +356,18 @@ def merge(specs: list[Spec], start: float, parts: list[Partial]) -> Trace:
     if events:
         trace.extra["token_events"] = events
         trace.extra["server_prompt_tokens"] = prompt_tokens
+    server_ttft = {i: t for part in parts for i, t in part.server_ttft.items()}
+    if server_ttft:  # from the handler's start to the first token in the API process
+        trace.extra["server_ttft_ms"] = summarize(server_ttft.values())
     served = {i: k for part in parts for i, k in part.api_server.items()}
     if served:  # several API processes: TTFT by the process that served
         trace.extra["by_api_server"] = {
             k: {"requests": sum(1 for v in served.values() if v == k),
                 "ttft_ms": summarize([trace.token_times[i][0] - trace.submit[i]
                                       for i, v in served.items() if v == k and trace.token_times[i]],
-                                     1e3)}
+                                     1e3),
+                "server_ttft_ms": summarize([t for i, t in server_ttft.items()
+                                             if served.get(i) == k])}
             for k in sorted(set(served.values()))}
     return trace
 

@@ -31,9 +31,11 @@ class _Response:
         self.done = False
         self.api_server: str | None = None
         self.parser = None
+        self.headers_done = False
         self.keep_alive = False
 
     def on_headers_complete(self) -> None:
+        self.headers_done = True
         # Read here: once the message is complete, llhttp's should_keep_alive() says False.
         self.keep_alive = self.parser.should_keep_alive()
 
@@ -122,6 +124,8 @@ class Connection:
                 data = await self._reader.read(READ_SIZE)
                 t = time.perf_counter()
                 if not data:
+                    if response.headers_done and not response.keep_alive:
+                        break  # a body the server ends by closing (HTTP/1.0, no length)
                     raise ConnectionError("the server closed the connection before the response "
                                           "ended")
                 parser.feed_data(data)

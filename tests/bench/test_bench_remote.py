@@ -14,7 +14,7 @@ def test_merge_puts_each_process_record_at_its_request():
     specs = [Spec("a b", 3, 2), Spec("c", 2, 1), Spec("d e f", 3, 3)]
     first = Partial(submit={0: 1.0, 2: 1.5}, token_times={0: [1.1, 1.2, 1.2], 2: [1.6, 1.7, 1.9]},
                     tokens={0: 3, 2: 3}, token_events=5, server_prompt_tokens=6, end=2.0,
-                    api_server={0: "1", 2: "0"})
+                    api_server={0: "1", 2: "0"}, server_ttft={0: 80.0, 2: 60.0})
     second = Partial(submit={1: 1.0}, failed=1, errors=["HTTP 500: boom"], end=2.5)
     trace = merge(specs, 1.0, [first, second])
     assert (trace.start, trace.end) == (1.0, 2.5)
@@ -29,6 +29,7 @@ def test_merge_puts_each_process_record_at_its_request():
     by = m["by_api_server"]
     assert {k: v["requests"] for k, v in by.items()} == {"0": 1, "1": 1}
     assert by["1"]["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert by["1"]["server_ttft_ms"]["p50"] == 80.0 and m["server_ttft_ms"]["mean"] == 70.0
 
 
 def _child_clock(queue):
@@ -67,9 +68,9 @@ def test_events_split_across_reads_and_several_tokens_per_event():
     ev.feed(1.0, b'data: {"text": "a"}\n\ndata: {"te')
     ev.feed(2.0, b'xt": "bc", "num_tokens": 2}\n\n')
     ev.feed(3.0, b'data: {"text": "", "finish_reason": "length", "usage": '
-                 b'{"completion_tokens": 3, "prompt_tokens": 4}}\n\ndata: [DONE]\n\n')
+                 b'{"completion_tokens": 3, "prompt_tokens": 4}, "ttft_ms": 9.5}\n\ndata: [DONE]\n\n')
     assert ev.times == [1.0, 2.0, 2.0] and ev.events == 2 and ev.done
-    assert ev.usage == {"completion_tokens": 3, "prompt_tokens": 4}
+    assert ev.usage == {"completion_tokens": 3, "prompt_tokens": 4} and ev.server_ttft == 9.5
     with pytest.raises(RuntimeError, match="overloaded"):
         _Events().feed(1.0, b'data: {"error": "overloaded"}\n\n')
 

@@ -3,8 +3,8 @@
 Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
 The load generator must not be what limits: the streams are shared by `--client-procs` spawned
 client processes (default: one per 32 streams, at most half the CPUs), each on the lean
-httptools reader of sse.py (httpx cost ~6x more CPU per token: one process of it capped the
-server's figures at ~19k tok/s). The closed loop's requests come from one queue shared by the
+httptools reader of sse.py (httpx costs ~6-9x more CPU per token, scripts/client_ceiling.py: one
+process of it is the likely cap of the server's H200 figures near 19k tok/s). The closed loop's requests come from one queue shared by the
 processes (a shared counter: requests go out in order, as from one process); the open loop's
 schedule is dealt out round robin. Each process records with time.perf_counter, which is
 CLOCK_MONOTONIC on Linux, one clock for every process of the host, and the parent merges their
@@ -20,6 +20,9 @@ one network read, share one arrival time, as they would for any client: ITL 0 be
 (`token_events` counts the events, so output tokens / token_events shows how often). Output tokens
 come from the final event's `usage.completion_tokens` (else one per token). "mean step" is the
 server's: the level's duration over the engine steps its /metrics counted meanwhile (per core).
+Beside the client's TTFT, the server's own (the final event's `ttft_ms`: from its handler's start
+to the first token in the API process) as `server_ttft_ms`, and with several API processes
+(the `x-flashlet-api-server` header) both per process in `by_api_server`.
 Requests ask for `ignore_eos` so that output lengths are exact, as in-process. Prompts are
 text: words from a fixed list, one word per requested token (about one token each in BPE
 vocabularies; the server's usage.prompt_tokens gives the exact count).

@@ -204,7 +204,8 @@ class UvicornServer(uvicorn.Server):
                 self.should_exit = True
                 return
             await super().startup(sockets)
-            self._mark_warm()
+            if not self.should_exit:  # it accepts now
+                self._mark_warm()
             return
         await super().startup(sockets)
         self._warming = asyncio.ensure_future(self._warm_up_and_announce())

@@ -18,7 +18,11 @@
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
 #                                             serve-api2 (issue 13: serve's comparison with
-#                                             --api-server-count 2 and 4; not in all, ~15 min);
+#                                             --api-server-count 2 and 4; not in all, ~15 min;
+#                                             CLIENT_PROCS=N: the bench's --client-procs, also
+#                                             for serve); client-ceiling (issue 13: the bench's
+#                                             --url client against a stub SSE server, 1-4
+#                                             processes and the old httpx reader; ~2 min);
 #                                             core-ab sampled-ab (issue 20 / 17 A-B tables)
 #                                             fused-timeline (issue 16: one fused step's
 #                                             kernels in order; CuTe DSL)
@@ -246,6 +250,7 @@ for part in "${PARTS[@]}"; do
     tp-tests) run 300 $PYTEST tests/gpu/test_gpu_tensor_parallel.py ;;
     serve) run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
              --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
+             ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
              -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
              --max-num-pages 16384
            run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
@@ -254,10 +259,12 @@ for part in "${PARTS[@]}"; do
       for n in ${API_COUNTS:-2 4}; do
         run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve-api$n" \
           --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
-          --api-server-count $n \
+          --api-server-count $n ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
           -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384
       done ;;
+    client-ceiling) run 300 python3 scripts/client_ceiling.py --streams 64 256 --procs 1 2 4 \
+                      --httpx --step-ms 1 ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -1,13 +1,14 @@
 """The same closed-loop workload in-process and through the server, in one run, as one table.
 
     python scripts/serve_compare.py --out DIR [--concurrency 1 16 64 256] [--max-new-tokens 128]
-        [--tokenizer .tok/smollm2] [--api-server-count N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
+        [--tokenizer .tok/smollm2] [--api-server-count N] [--client-procs N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
         --backend triton --dtype bfloat16 --max-num-pages 16384)
 
 1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts);
 2. `python -m flashlet.server` with ENGINE FLAGS (+ --tokenizer) on a free port, then
    `python -m flashlet.bench --url` against it (text prompts, about one token per word; the
-   server counts the exact prompt tokens), then SIGTERM;
+   server counts the exact prompt tokens; the streams shared by its client processes, see
+   --client-procs), then SIGTERM;
 3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios.
 Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
 """
@@ -77,8 +78,9 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
                 raise RuntimeError("the server did not get ready in time")
             time.sleep(0.5)
         path = out / "server.json"
+        client = ["--client-procs", str(args.client_procs)] if args.client_procs else []
         subprocess.run([sys.executable, "-m", "flashlet.bench", "--url", url,
-                        *_workload_flags(args), "--out", str(path)], check=True,
+                        *_workload_flags(args), *client, "--out", str(path)], check=True,
                        timeout=args.timeout)
         return json.loads(path.read_text())["results"]
     finally:
@@ -129,6 +131,28 @@ def table(inproc: dict, server: dict) -> str:
     return "\n".join(lines)
 
 
+def by_api_server(server: dict) -> str:
+    """With several API processes: each level's TTFT p50 / p99 by the process that served."""
+    lines = []
+    for lv in server["levels"]:
+        by = lv.get("by_api_server")
+        if by:
+            lines.append(f"TTFT by API process at concurrency {lv['concurrency']} (client procs "
+                         f"{lv.get('client_procs', 1)}): " + "; ".join(
+                             f"api{k}: {v['requests']} requests, p50 {v['ttft_ms']['p50']:.1f} / "
+                             f"p99 {v['ttft_ms']['p99']:.1f} ms (the server's own: p50 "
+                             f"{v['server_ttft_ms']['p50']:.1f})" for k, v in by.items()))
+    return "\n".join(lines)
+
+
+def server_side_ttft(server: dict) -> str:
+    """The server's own TTFT (from its handler's start to the first token in the API process,
+    the final event's ttft_ms) beside the client's: the rest is HTTP and the client."""
+    parts = [f"c={lv['concurrency']}: {lv['server_ttft_ms']['p50']:.1f} / "
+             f"{lv['ttft_ms']['p50']:.1f}" for lv in server["levels"] if lv.get("server_ttft_ms")]
+    return ("TTFT p50, the server's own / the client's (ms): " + "; ".join(parts)) if parts else ""
+
+
 def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
     """Every request's TTFT in the order sent, at one level: a first-request outlier shows."""
     lines = []
@@ -165,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="the server's --api-server-count (API processes; default %(default)s)")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="the bench's --client-procs (load-generator processes; default: the "
+                        "bench's, one per 32 streams)")
     p.add_argument("--timeout", type=float, default=900)
     args, engine_flags = p.parse_known_args(argv)
     engine_flags = [f for f in engine_flags if f != "--"]
@@ -177,6 +204,10 @@ def main(argv=None) -> int:
     print()
     print(ttft_by_request(inproc, server, min(args.concurrency)))
     print()
+    for extra in (server_side_ttft(server), by_api_server(server)):
+        if extra:
+            print(extra)
+            print()
     print(NOTES)
     print(f"engine flags: {' '.join(engine_flags)}; concurrency {args.concurrency}, "
           f"{args.max_new_tokens} new tokens, prompts {args.prompt_len_range[0]}-"

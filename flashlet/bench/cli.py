@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson arrivals at this many requests/s (needs --url)")
     r.add_argument("--request-timeout", type=float, default=600.0)
+    r.add_argument("--client-procs", type=int, default=None, metavar="N",
+                   help="client processes that share the streams (each its part of the closed "
+                        "loop or of the --rate schedule; default: one per 32 streams, at most "
+                        "half the CPUs; --rate: 4, at most half the CPUs)")
 
     w.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (torch.set_num_threads); default: torch's choice")
@@ -131,6 +135,11 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             err(f"--url must start with http:// or https://, got {args.url!r}")
         if args.peer:
             err("--peer runs in-process; it cannot be combined with --url")
+    if args.client_procs is not None:
+        if args.url is None:
+            err("--client-procs applies to --url only")
+        if args.client_procs < 1:
+            err(f"--client-procs must be >= 1, got {args.client_procs}")
     if args.rate is not None:
         if args.url is None:
             err("--rate (open-loop Poisson arrivals) needs --url")
@@ -229,6 +238,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         _check_writable_dir(err, out.parent if str(out.parent) else Path("."), "--out")
 
     if args.url is not None:
+        try:
+            import httptools  # noqa: F401 - the --url client's HTTP parser (sse.py)
+        except ImportError:
+            err("--url needs httptools (pip install 'flashlet[server]')")
         _check_server(err, args.url)
         return {}
     if wl not in MODEL_WORKLOADS:
@@ -515,7 +528,7 @@ def _params(args) -> dict:
     """The resolved workload sizes (what actually ran), for the JSON."""
     keys = {
         "closed-loop": ["concurrency", "level_requests", "prompt_len_range", "output_len_range",
-                        "num_requests", "rate"],
+                        "num_requests", "rate", "client_procs"],
         "offline": ["num_requests", "prompt_len_range", "output_len_range"],
         "decode-sat": ["decode_batch", "decode_prompt_len", "decode_tokens", "temperature",
                        "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -17,7 +17,9 @@ listening socket, bound here before anything starts and handed to N - 1 spawned 
 (the kernel gives each new connection to one of the processes accepting). This process owns
 the engine cores (core_client.py says how each core sends each request's outputs to the
 process that sent it); each child attaches to them, runs the API warm-up (warmup.py) and only
-then accepts connections, so no child takes a connection before it can serve it. Responses
+then accepts connections, so no child takes a connection before it can serve it. /health (in
+any process) says ok, and this process logs "serving on", only once every process has warmed
+up and accepts (flags in shared memory; /metrics: flashlet_api_server_warm{api_server=K}). Responses
 carry `x-flashlet-api-server: K`. On SIGINT/SIGTERM this process passes SIGTERM on to the
 children, all drain side by side, and the cores stop once every child has exited. A dead core
 fails every process's open streams and turns every /health 503 (each child watches the cores'
@@ -202,12 +204,34 @@ class UvicornServer(uvicorn.Server):
                 self.should_exit = True
                 return
             await super().startup(sockets)
+            if not self.should_exit:  # it accepts now
+                self._mark_warm()
             return
         await super().startup(sockets)
-        self._warming = asyncio.ensure_future(self._warm_up_when_ready())
+        self._warming = asyncio.ensure_future(self._warm_up_and_announce())
+
+    async def _warm_up_and_announce(self) -> None:
+        """The first process: its warm-up (it accepts already), then, with several API
+        processes, the others' (each accepts once warm): only then does /health say ok and the
+        log say "serving on"."""
+        await self._warm_up_when_ready()
+        if not self.flashlet.warmed_up:
+            return
+        self._mark_warm()
+        while not self.flashlet.warm:
+            if self.should_exit or self.flashlet.loop.error is not None:
+                return
+            await asyncio.sleep(0.02)
+        if self.on_serving is not None:
+            self.on_serving()
+
+    def _mark_warm(self) -> None:
+        flags = self.flashlet.api_servers_warm
+        if flags is not None:
+            flags[self.flashlet.api_server_index] = 1
 
     async def _warm_up_when_ready(self) -> None:
-        """Once the engine cores are ready: the API path's warm-up, then /health says ok."""
+        """Once the engine cores are ready: the API path's warm-up."""
         client = self.flashlet.loop
         while not client.ready.is_set():  # polled: a thread blocked here would hold up exit
             if client.error is not None or client.stopped.is_set() or self.should_exit:
@@ -215,8 +239,6 @@ class UvicornServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         self.flashlet.start_warm_up(self.app)
         await self.flashlet._warm_up_task
-        if self.on_serving is not None:
-            self.on_serving()
 
     async def shutdown(self, sockets=None) -> None:
         if self.on_shutdown is not None:
@@ -292,8 +314,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | None, port: int,
-             api_server: int):
-    """The app and uvicorn's config of one API-server process."""
+             api_server: int, warm_flags=None):
+    """The app and uvicorn's config of one API-server process (warm_flags: the API processes'
+    shared warm flags, with --api-server-count > 1)."""
     app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
                                           max_waiting=args.max_waiting,
                                           max_tokens_cap=args.max_tokens_cap,
@@ -301,6 +324,8 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           limits=limits, chat_template=chat_template,
                                           allowed_origins=args.allowed_origins,
                                           warm_up=True))
+    app.state.server.api_server_index = api_server
+    app.state.server.api_servers_warm = warm_flags
     if args.api_server_count > 1:
         app.add_middleware(ApiServerHeader, index=api_server)
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
@@ -328,14 +353,21 @@ class ApiServerHeader:
         await self.app(scope, receive, send_with_header)
 
 
-def start_api_servers(args, sock: socket.socket, client: CoreClient) -> list:
+def warm_flags(count: int):
+    """One flag per API process in shared memory (None for one process): each sets its own once
+    warm and accepting; /health in any process says ok only when all are set."""
+    return multiprocessing.get_context("spawn").RawArray("b", count) if count > 1 else None
+
+
+def start_api_servers(args, sock: socket.socket, client: CoreClient, flags) -> list:
     """Spawn API-server processes 1 .. N-1 on the shared socket, attached to client's cores."""
     spawn = multiprocessing.get_context("spawn")
     children = []
     core_pids = [core.pid for core in client.cores]
     for index in range(1, args.api_server_count):
         child = spawn.Process(target=run_api_server, name=f"flashlet-api{index}", daemon=True,
-                              args=(args, index, sock, client.ipc_dir, core_pids, os.getpid()))
+                              args=(args, index, sock, client.ipc_dir, core_pids, os.getpid(),
+                                    flags))
         child.start()
         children.append(child)
     return children
@@ -356,7 +388,7 @@ def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event
 
 
 def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],
-                   owner_pid: int) -> None:
+                   owner_pid: int, flags) -> None:
     """API-server process `index` (> 0): serve the shared socket until SIGTERM or a failure.
     The first process checked every flag already."""
     logging.basicConfig(level=args.log_level.upper(),
@@ -377,7 +409,7 @@ def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pid
                         api_server_index=index, api_server_count=args.api_server_count,
                         ipc_dir=ipc_dir, core_pids=core_pids, owner_pid=owner_pid)
     app, uv_config = make_app(args, client, name, limits, read_chat_template(args.chat_template),
-                              sock.getsockname()[1], index)
+                              sock.getsockname()[1], index, flags)
     uv = UvicornServer(uv_config, app, args.shutdown_timeout, warm_before_listening=True)
     client.start()
     try:
@@ -450,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", _describe(client, engine_config, args.host, port, name,
                                  time.monotonic() - t0, report.seconds))
 
-    app, uv_config = make_app(args, client, name, limits, chat_template, port, 0)
+    flags = warm_flags(args.api_server_count)
+    app, uv_config = make_app(args, client, name, limits, chat_template, port, 0, flags)
     children: list = []  # the other API-server processes
     child_died = threading.Event()
 
@@ -464,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     uv.should_exit = stop_requested
     if not stop_requested:
         client.start()
-        children = start_api_servers(args, sock, client)
+        children = start_api_servers(args, sock, client, flags)
         if children:
             threading.Thread(target=watch_api_servers, args=(children, uv, child_died),
                              name="flashlet-api-watch", daemon=True).start()

@@ -37,6 +37,10 @@ log = logging.getLogger("flashlet.server")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar compiles
+# Several API processes: a step's message goes to those with outputs in it; the others get the
+# stats alone at most this often (and when the core goes idle), not every step: an API process
+# with nothing to stream would otherwise wake, decode and spend CPU on every step.
+STATS_EVERY_S = 0.025
 
 
 # ---- messages in ---------------------------------------------------------------------------------
@@ -205,6 +209,7 @@ class EngineCore:
         self.unfinished: set[int] = set()  # ids added and not finished yet
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
+        self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
         # compiled grammars are cached), in arrival order: request id -> (future, message).
         self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest,
@@ -325,9 +330,14 @@ class EngineCore:
         return results
 
     def _send(self, outputs: list[CoreOutput]) -> None:
+        """The step's outputs, each to the API process that sent its request, with the core's
+        stats (every process reads them: /metrics, admission). Several API processes: those
+        with no output in it get the message only every STATS_EVERY_S, and once the core has
+        nothing left to run (so that every process sees it idle)."""
         outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
-        stats["time"] = time.monotonic()
+        now = time.monotonic()
+        stats["time"] = now
         count = len(self.outboxes)
         if count == 1:
             self.outboxes[0].send(self.encoder.encode(StepOutputs(self.core, outputs, stats)))
@@ -335,8 +345,12 @@ class EngineCore:
         by_api_server: list[list[CoreOutput]] = [[] for _ in range(count)]
         for out in outputs:
             by_api_server[api_server_of(out.request_id, count)].append(out)
-        for outbox, mine in zip(self.outboxes, by_api_server):  # all: each reads the stats
-            outbox.send(self.encoder.encode(StepOutputs(self.core, mine, stats)))
+        everyone = now >= self.next_stats_to_all or not self.engine.has_unfinished()
+        if everyone:
+            self.next_stats_to_all = now + STATS_EVERY_S
+        for outbox, mine in zip(self.outboxes, by_api_server):
+            if mine or everyone:
+                outbox.send(self.encoder.encode(StepOutputs(self.core, mine, stats)))
 
     def _probe(self, api_server: int) -> None:
         error = None

@@ -24,7 +24,7 @@ from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
 from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
-from flashlet.server.metrics import Metrics
+from flashlet.server.metrics import Metrics, WarmCollector
 from flashlet.tokenizing import PromptTooLong, TextEncoder
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
@@ -320,10 +320,27 @@ class Server:
         self.created = int(time.time())
         self.warm_up_report = None  # a WarmUpReport once the warm-up ran (config.warm_up)
         self._warm_up_task: asyncio.Task | None = None
+        # --api-server-count N > 1: one flag per API process in shared memory (the CLI sets
+        # it), each set by its process once warm and accepting; None: this process only.
+        self.api_servers_warm = None
+        self.api_server_index = 0
+        self.metrics.registry.register(WarmCollector(self))
+
+    @property
+    def warmed_up(self) -> bool:
+        """This process's own API path has run its warm-up."""
+        return not self.config.warm_up or self.warm_up_report is not None
 
     @property
     def warm(self) -> bool:
-        return not self.config.warm_up or self.warm_up_report is not None
+        """Every API process is warm (what /health waits for)."""
+        return self.warmed_up and (self.api_servers_warm is None or all(self.api_servers_warm))
+
+    def warm_flags(self) -> list[bool]:
+        """Per API process: warm and accepting (this process alone without --api-server-count)."""
+        if self.api_servers_warm is None:
+            return [self.warmed_up]
+        return [bool(flag) for flag in self.api_servers_warm]
 
     def start_warm_up(self, app) -> None:
         """Start the API path's warm-up on this event loop, once (the engine must be ready)."""

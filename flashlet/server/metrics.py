@@ -53,6 +53,24 @@ class EngineCollector:
             yield family
 
 
+class WarmCollector:
+    """flashlet_api_server_warm{api_server=K}: 1 once API process K has run its warm-up (and,
+    with --api-server-count > 1, accepts connections); every process reports every process."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily("flashlet_api_server_warm", "1 once the API process has run "
+                                   "its warm-up and accepts connections", labels=["api_server"])
+        for index, warm in enumerate(self.server.warm_flags()):
+            family.add_metric([str(index)], 1.0 if warm else 0.0)
+        yield family
+
+
 class Metrics:
     def __init__(self, loop):
         self.registry = r = CollectorRegistry()

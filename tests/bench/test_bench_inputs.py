@@ -58,6 +58,8 @@ BAD = [
     (["--url", "http://127.0.0.1:{port}"], "cannot connect to the server"),
     (["--url", "ftp://x"], "must start with http://"),
     (["--url", "http://127.0.0.1:1", "--workload", "offline"], "--url runs the closed-loop"),
+    (["--url", "http://127.0.0.1:1", "--client-procs", "0"], "--client-procs must be >= 1"),
+    (["--config", "{tiny}", "--client-procs", "2"], "--client-procs applies to --url only"),
     (["--peer", "vllm"], "invalid choice: 'vllm'"),
     (["--config", "{tiny}", "--device", "tpu9"], "is not a device"),
     (["--config", "{tiny}", "--workload", "single", "--single-tokens", "0"], "--single-tokens must be >= 1"),

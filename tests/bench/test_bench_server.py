@@ -51,3 +51,32 @@ def test_url_against_the_real_server(run_bench, live_server):
         # "mean step": the level's time over the server's engine steps in it (not 0)
         assert lv["num_steps"] >= 4 and 0 < lv["step_ms"]["mean"] <= lv["duration_s"] * 1e3
     assert "| 2 | server |" in out
+
+
+def test_client_processes_send_what_one_process_sends(run_bench, live_server):
+    """--client-procs 2: the level's requests are shared between two spawned processes (one
+    queue), and the merged record counts what one process counts."""
+    flags = ("--url", live_server, "--concurrency", 1, 3, "--num-requests", 5,
+             "--prompt-len-range", 4, 12, "--max-new-tokens", 4)
+    _, _, one = run_bench(*flags, "--client-procs", 1)
+    _, _, two = run_bench(*flags, "--client-procs", 2)
+    for a, b in zip(one["results"]["levels"], two["results"]["levels"]):
+        assert (a["client_procs"], b["client_procs"]) == (1, min(2, a["concurrency"]))
+        for lv in (a, b):
+            assert lv["failed"] == 0, lv.get("errors")
+            assert lv["completed"] == 5 and lv["output_tokens"] == 5 * 4
+            assert lv["ttft_ms"]["n"] == 5 and lv["itl_ms"]["n"] == 5 * 3
+            assert lv["ttft_ms"]["min"] > 0 and lv["itl_ms"]["min"] >= 0
+        # the same prompts (exact server-side token counts) whichever process sent them
+        assert a["server_prompt_tokens"] == b["server_prompt_tokens"]
+        for lv in (a, b):  # an event may carry several tokens when the server fell behind
+            assert 5 <= lv["token_events"] <= 5 * 4
+
+
+def test_open_loop_schedule_shared_by_client_processes(run_bench, live_server):
+    _, _, rec = run_bench("--url", live_server, "--rate", 50, "--num-requests", 6,
+                          "--prompt-len-range", 4, 8, "--max-new-tokens", 3, "--client-procs", 2)
+    res = rec["results"]
+    assert res["mode"] == "open-loop" and res["client_procs"] == 2
+    assert res["failed"] == 0 and res["completed"] == 6 and res["output_tokens"] == 18
+    assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["min"] > 0

@@ -110,6 +110,40 @@ def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_af
     results.append((process, events, error))
 
 
+def _warm_flags(metrics: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^flashlet_api_server_warm\{api_server="(\d+)"\} (\S+)$', metrics, re.M)}
+
+
+def test_health_says_ok_only_once_every_api_process_is_warm_and_accepting(tiny_qwen2):
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
+                      "--api-server-count", "2", "--served-model-name", "m")
+    try:
+        def healthy():
+            assert p.proc.poll() is None, p.log
+            try:
+                return httpx.get(p.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 180, "/health to say ok", interval=0.05)
+        # The first 200 already means: both processes warmed up and accept connections.
+        assert _warm_flags(httpx.get(p.url + "/metrics", timeout=10).text) == {"0": 1.0, "1": 1.0}
+        ran_warm_up = {}
+        for _ in range(200):  # fresh connections, until each process answered one
+            r = httpx.get(p.url + "/metrics", timeout=10)
+            assert r.status_code == 200
+            # each process's own HTTP counters: its warm-up's requests (this test sent none)
+            ran_warm_up[r.headers["x-flashlet-api-server"]] = re.search(
+                r'^flashlet_http_requests_total\{endpoint="/generate_stream",method="POST",'
+                r'status="200"\} (\S+)$', r.text, re.M) is not None
+            if len(ran_warm_up) == 2:
+                break
+        assert ran_warm_up == {"0": True, "1": True}
+    finally:
+        p.kill()
+
+
 def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs(tiny_qwen2):
     p = _start(tiny_qwen2)
     try:

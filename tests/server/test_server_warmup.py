@@ -36,6 +36,16 @@ def test_health_waits_for_the_warm_up_that_runs_every_piece(engine_loop, idle):
                 "max_tokens": 2})
             assert r.status_code == 200, r.text
         assert encoder.num_copies == encoder.num_threads
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'flashlet_api_server_warm{api_server="0"} 1.0' in metrics
+
+        # With several API processes (their flags shared by the CLI): /health waits for all.
+        server.api_servers_warm = [1, 0]
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        assert 'flashlet_api_server_warm{api_server="1"} 0.0' in httpx.get(srv.url + "/metrics").text
+        server.api_servers_warm = [1, 1]
+        assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
 

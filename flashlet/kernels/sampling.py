@@ -29,6 +29,25 @@ sampler passes (seed, position) per row and the kernel mixes them (splitmix64, a
 needs no per-row host work: a seeded row's seed is its request's seed and output position, an
 unseeded row's the step's random seed and its row.
 
+Split path (`sample_rows_split`, the default). One program a row is 128 programs for 128 rows:
+a quarter of an H200's warp slots, each SM streaming a 600 KB row alone (0.34-0.42 ms for the
+two to three passes). So each row is cut into C chunks of whole blocks (C ~ 2048 / rows: 15 of
+10,240 tokens at 128 x 151,936, 4 warps a program, ~2,000 programs) and every pass is a launch
+of n x C programs that writes one partial entry per (row, chunk) into a scratch buffer: the
+first pass its chunk's max, finite count and race winner; a round its count, masses and race
+winner for the row's candidate; a k-th largest pass its counts against the pivots. The next
+launch's programs each combine their row's C entries (a few hundred bytes) to get what the
+one-program kernel had in registers (the max, the candidate, the accept decision), so stream
+order is the only synchronisation: no atomics, no host sync, a fixed sequence of launches (first
+pass, KTH_PASSES k-th largest passes when a row has top_k, SPLIT_ROUNDS rounds, a finisher a
+row). A decided row's programs only copy its token on. The finisher writes the token, advances
+a seeded row's position, and samples a row still undecided after the split rounds alone, as the
+one-program kernel would (about one step in a few hundred of 128 flat rows). Noise is per
+(seed, round, token id), whatever the chunks, so a row draws what the one-program kernel draws
+(without top_k: the same tokens, but for a decision within fp32 rounding, the sums being in
+another order). With top_k the split path finds the k-th largest tau first and races over
+{l >= tau} from round 1 on (top_k alone then needs 2 rounds where rejection took ~ln(vocab/k)).
+
 Penalties (`penalise_rows`, `record_rows`): one program a penalised row, over its seen ids (the
 sparse form of `flashlet.sampler.apply_penalties`), and after sampling one that adds the row's
 token to its counts and seen ids: two launches where torch takes about twenty.

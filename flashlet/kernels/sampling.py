@@ -396,7 +396,10 @@ def _split_tau(scratch_ptr, pid, C, top_k, n_finite, HAS_TAU: tl.constexpr,
 @triton.jit
 def _unsplit(top_k, n_finite, HAS_TAU: tl.constexpr):
     """A top_k row without the k-th largest passes: the finisher samples it alone."""
-    return (top_k > 0) & (top_k < n_finite) & (not HAS_TAU)
+    unsplit = (top_k > 0) & (top_k < n_finite)
+    if HAS_TAU:
+        unsplit = tl.full((), False, tl.int1)
+    return unsplit
 
 
 @triton.jit

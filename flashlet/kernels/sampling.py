@@ -126,9 +126,9 @@ def _first_pass(row_ptr, begin, end, V, T, seed, SUB: tl.constexpr):
 
 @triton.jit
 def _round_pass(row_ptr, begin, end, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr):
-    """Over elements [begin, end), for candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
-    set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
-    {l > l_s, l >= tau} with round `rnd`'s noise."""
+    """Over elements [begin, end), for candidate value l_s: count(l > l_s), mass(l > l_s), the
+    mass of the min_p/top_k-kept set {l >= tau, exp(l - m) >= min_p} (masses relative to
+    exp(m)), and the race winner over {l > l_s, l >= tau} with round `rnd`'s noise."""
     count_above = tl.full((), 0, tl.int32)
     mass_above = tl.full((), 0.0, tl.float32)
     mass_kept = tl.full((), 0.0, tl.float32)
@@ -607,7 +607,8 @@ def sample_rows_split(logits: torch.Tensor, params: torch.Tensor, ids: torch.Ten
     if chunks is None and logits.device.type == "cpu":
         chunks = 2  # the interpreter runs programs one by one: more only cost it time
     C, chunk = split_layout(n, vocab, split_sub, chunks)
-    scratch = torch.empty(n * SLOTS.value * C * WORDS.value, dtype=torch.int32, device=logits.device)
+    scratch = torch.empty(n * SLOTS.value * C * WORDS.value, dtype=torch.int32,
+                          device=logits.device)
     common = (logits, logits.stride(0), params, ids, scratch, vocab, C)
     _launch_args(logits, params, split_sub)  # the argument checks
     mixed = ids.shape[1] == 3

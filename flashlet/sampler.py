@@ -83,7 +83,6 @@ class BatchState:
     noise_ids: torch.Tensor | None = None  # [R, 3] int64 (kernel path): row, seed, position
     use_min_p: bool = False
     use_top: bool = False
-    use_top_k: bool = False  # a sampled row has a top_k (the kernel's k-th largest passes)
     generator_rows: list[int] = field(default_factory=list)  # own torch.Generator (torch path)
 
 
@@ -148,8 +147,7 @@ class Sampler:
             params = torch.tensor([[0.8, 20, 0.9, 0.05]] * 2, device=self.device)
             ids = torch.tensor([[0, 1, 0], [1, 0, -1]], dtype=torch.int64, device=self.device)
             tokens = torch.empty(2, dtype=torch.int64, device=self.device)
-            for top_k in (True, False):  # the split path's two variants
-                sample_rows(logits, params, ids, tokens, step_seed=STEP_SEEDS[0], top_k=top_k)
+            sample_rows(logits, params, ids, tokens, step_seed=STEP_SEEDS[0])
             # The count update too, and the penalty kernel at every block a request can need.
             rows = torch.arange(2, device=self.device)
             counts = torch.zeros(2, vocab, dtype=torch.int32, device=self.device)
@@ -207,7 +205,6 @@ class Sampler:
             columns=columns.get().view(-1, 4), noise_ids=noise_ids.get().view(-1, 3),
             use_min_p=any(p.min_p > 0 for p in sampled),
             use_top=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-            use_top_k=any(p.top_k > 0 for p in sampled),
             generator_rows=[i for i in random_rows if reqs[i].generator is not None])
 
     # ---- the pieces -------------------------------------------------------------------------
@@ -287,8 +284,7 @@ class Sampler:
         from flashlet.kernels.sampling import STEP_SEEDS, sample_rows
 
         step_seed = int(torch.randint(*STEP_SEEDS, (1,)))  # the unseeded rows' noise, this step
-        sample_rows(logits, state.columns, state.noise_ids, tokens, step_seed=step_seed,
-                    top_k=state.use_top_k)
+        sample_rows(logits, state.columns, state.noise_ids, tokens, step_seed=step_seed)
 
     def _draw(self, logits: torch.Tensor, reqs: list, state: BatchState,
               errors: dict) -> torch.Tensor:

@@ -5,7 +5,6 @@ frequency 0.5, repetition 1.1) and greedy argmax for scale; also the kernel and 
 penalties on their own. Issue 17's target: the whole sampled path under ~0.15 ms a step.
 
     python scripts/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
-                                    [--one-program]  # the Sampler on the old kernel too
     python scripts/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
 
 --host counts what one steady sampled step (the same 128 requests as the step before) issues
@@ -14,10 +13,6 @@ launch functions replaced by counters, so these are counts, not times); and time
 path's whole `sample()` with time.perf_counter on the CPU at a small vocabulary, where the
 host's per-row work is a visible part of it. The counts are device-independent, except that
 on CUDA every host list sent to the device costs a pin_memory and a copy more.
-
-The sampling kernel's two forms are timed side by side: the split path (each row over several
-programs, the default) and the one-program-a-row kernel (`split=False`, `*_one_program_*`), plus
-the split path at other chunk counts (`kernel_only_chunks_C_ms`, C = 4 ... 32) and split rounds.
 
 The logits are nearly flat, as a random-weight model's are (a top_p 0.9 nucleus holds ~90% of
 the vocabulary); --scale 6 gives peaked rows. The sampler writes penalised values into its
@@ -79,8 +74,6 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host", action="store_true", help="op counts and host time, on the CPU")
-    ap.add_argument("--one-program", action="store_true",
-                    help="also the whole sampled path on the one-program-a-row kernel")
     args = ap.parse_args()
     if args.host:
         return host_side(args)
@@ -103,62 +96,35 @@ def main() -> int:
     copy_ms = cuda_ms(refill, args.iters)
     results["copy_logits_ms"] = copy_ms
     results["greedy_argmax_ms"] = cuda_ms(lambda: source.argmax(dim=-1), args.iters)
-    import functools
+    for name, use_kernel in (("torch", False), ("kernel", True)):
+        sampler = Sampler(device, {0}, use_kernel=use_kernel)
+        reqs = requests(sampled)
+        sampler.warm_up(args.vocab)
 
-    import flashlet.kernels.sampling as kernels
+        def step():
+            refill()
+            sampler.sample(logits, reqs)
 
-    paths = [("torch", False, kernels.sample_rows), ("kernel", True, kernels.sample_rows)]
-    if args.one_program:
-        paths.append(("kernel_one_program", True,
-                      functools.partial(kernels.sample_rows, split=False)))
-    for name, use_kernel, sample_rows_fn in paths:
-        kernels.sample_rows, saved = sample_rows_fn, kernels.sample_rows
-        try:
-            sampler = Sampler(device, {0}, use_kernel=use_kernel)
-            reqs = requests(sampled)
-            sampler.warm_up(args.vocab)
+        results[f"sampled_{name}_ms"] = cuda_ms(step, args.iters) - copy_ms
+        results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs),
+                                                     args.iters)
+        plain = requests(SamplingParams(temperature=0.7, top_p=0.9))
+        results[f"no_penalties_{name}_ms"] = cuda_ms(
+            lambda: (refill(), sampler.sample(logits, plain)), args.iters) - copy_ms
+    from flashlet.kernels.sampling import sample_rows
 
-            def step():
-                refill()
-                sampler.sample(logits, reqs)
-
-            results[f"sampled_{name}_ms"] = cuda_ms(step, args.iters) - copy_ms
-            results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs),
-                                                         args.iters)
-            plain = requests(SamplingParams(temperature=0.7, top_p=0.9))
-            results[f"no_penalties_{name}_ms"] = cuda_ms(
-                lambda: (refill(), sampler.sample(logits, plain)), args.iters) - copy_ms
-        finally:
-            kernels.sample_rows = saved
-    sample_rows = kernels.sample_rows
     params = torch.tensor([[0.7, 0, 0.9, 0.0]] * args.rows, device=device)
     ids = torch.stack([torch.arange(args.rows), 12345 + torch.arange(args.rows)], 1).to(device)
     # The sampler's form: (row, seed, position), mixed in the kernel (position -1: unseeded).
     mixed = torch.stack([torch.arange(args.rows), torch.zeros(args.rows, dtype=torch.int64),
                          torch.full((args.rows,), -1)], 1).to(device)
     out = torch.empty(args.rows, dtype=torch.int64, device=device)
+    results["kernel_only_ms"] = cuda_ms(lambda: sample_rows(source, params, ids, out), args.iters)
+    results["kernel_only_mixed_seeds_ms"] = cuda_ms(
+        lambda: sample_rows(source, params, mixed, out), args.iters)
     params_k = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
-    params_k_only = torch.tensor([[0.7, 50, 1.0, 0.0]] * args.rows, device=device)
-    results["split_chunks_a_row"] = kernels.split_layout(args.rows, args.vocab)[0]
-    for tag, split in (("", True), ("_one_program", False)):
-        top_k = dict(top_k=False) if split else {}  # what the Sampler passes without top_k
-        results[f"kernel_only{tag}_ms"] = cuda_ms(
-            lambda: sample_rows(source, params, ids, out, split=split, **top_k), args.iters)
-        results[f"kernel_only{tag}_mixed_seeds_ms"] = cuda_ms(
-            lambda: sample_rows(source, params, mixed, out, split=split, **top_k), args.iters)
-        results[f"kernel_only{tag}_top_k50_top_p_ms"] = cuda_ms(
-            lambda: sample_rows(source, params_k, ids, out, split=split), args.iters)
-        results[f"kernel_only{tag}_top_k50_ms"] = cuda_ms(
-            lambda: sample_rows(source, params_k_only, ids, out, split=split), args.iters)
-    # The split path's layout: chunks a row (programs = rows x chunks) and split rounds.
-    for chunks in (4, 8, 16, 32):
-        results[f"kernel_only_chunks_{chunks}_ms"] = cuda_ms(
-            lambda: sample_rows(source, params, ids, out, top_k=False, chunks=chunks),
-            args.iters)
-    for rounds in (2, 3, 6):
-        results[f"kernel_only_rounds_{rounds}_ms"] = cuda_ms(
-            lambda: sample_rows(source, params, ids, out, top_k=False, rounds=rounds),
-            args.iters)
+    results["kernel_only_top_k50_top_p_ms"] = cuda_ms(
+        lambda: sample_rows(source, params_k, ids, out), args.iters)
     for key, value in results.items():
         print(f"{key:32s} {value:.4f}" if isinstance(value, float) else f"{key:32s} {value}")
     if args.json:
@@ -186,17 +152,13 @@ def host_side(args) -> int:
     for name, params in (("sampled", SamplingParams(**SAMPLED)),
                          ("no_penalties", SamplingParams(temperature=0.7, top_p=0.9))):
         reqs = [Request(i, prompts[i], params) for i in range(args.rows)]
-        launches, calls = Counter(), Counter()
+        launches = Counter()
 
         def counter(kernel):
             def launch(*a, **k):
                 launches[kernel] += 1
                 if kernel == "sample_rows":
-                    calls["sample_rows"] += 1
                     a[3].zero_()  # valid tokens for what follows (its op is subtracted below)
-                    if k.get("split", True):  # first pass, k-th largest passes, rounds, finisher
-                        launches[kernel] += 1 + kernels.SPLIT_ROUNDS + (
-                            kernels.KTH_PASSES.value if k.get("top_k", True) else 0)
             return launch
 
         saved = {k: getattr(kernels, k) for k in ("sample_rows", "penalise_rows", "record_rows")
@@ -208,7 +170,6 @@ def host_side(args) -> int:
             for _ in range(3):  # the first step sets up the batch (and penalty rows)
                 sampler.sample(source.clone(), reqs)
             launches.clear()
-            calls.clear()
             steps = 10
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
@@ -218,7 +179,7 @@ def host_side(args) -> int:
                 setattr(kernels, k, fn)
         top = Counter(e.name for e in prof.events()
                       if e.name.startswith("aten::") and e.cpu_parent is None)
-        top["aten::zero_"] -= calls["sample_rows"]
+        top["aten::zero_"] -= launches["sample_rows"]
         results[f"{name}_kernel_path_torch_ops"] = sum(top.values()) / steps
         results[f"{name}_kernel_path_triton_launches"] = sum(launches.values()) / steps
         results[f"{name}_kernel_path_ops_by_name"] = {k: v / steps for k, v in top.items() if v}

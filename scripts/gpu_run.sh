@@ -117,8 +117,8 @@ for part in "${PARTS[@]}"; do
         --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1 \
         --out "$OUT/json/sab-sampled.json" ;;
     sampler)  # issue 17: Sampler.sample per step, torch path vs Triton kernel, flat and peaked
-      run 180 python3 scripts/bench_sampler.py --one-program --json "$OUT/json/sampler-flat.json"
-      run 180 python3 scripts/bench_sampler.py --one-program --scale 6 --json "$OUT/json/sampler-peaked.json"
+      run 120 python3 scripts/bench_sampler.py --json "$OUT/json/sampler-flat.json"
+      run 120 python3 scripts/bench_sampler.py --scale 6 --json "$OUT/json/sampler-peaked.json"
       run 300 $PYTEST tests/gpu/test_gpu_sampler.py ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;

@@ -168,32 +168,3 @@ def test_kernel_seed_mixing_and_penalties_match_the_host_and_torch():
         penalised[use_kernel] = out.cpu()
     assert torch.equal(penalised[True], penalised[False])
     assert not torch.equal(penalised[True], source)
-
-
-def test_split_path_matches_one_program_a_row_at_the_real_vocabulary():
-    """The split sampling path (each row over several programs) and the one-program kernel draw
-    the same noise for a (seed, round, token): without top_k the same tokens on 128 real-size
-    rows (but for a rare row whose accept decision is within fp32 rounding: sums in another
-    order), whatever the chunks; with top_k every token is in the reference kept set."""
-    from flashlet.kernels.sampling import sample_rows
-
-    logits, params = real_rows(torch.Generator().manual_seed(22))
-    no_top_k = params[:, 1] == 0
-    params[~no_top_k, 1] = 0  # the top_k rows: as their filters without top_k
-    cuda_logits, cuda_params = logits.cuda(), params.cuda()
-    ids = torch.stack([torch.arange(ROWS), 5 + 7919 * torch.arange(ROWS)], 1).cuda()
-    want = torch.empty(ROWS, dtype=torch.int64, device="cuda")
-    sample_rows(cuda_logits, cuda_params, ids, want, split=False)
-    for chunks in (None, 3, 16):
-        for top_k in (False, True):
-            got = torch.full((ROWS,), -1, dtype=torch.int64, device="cuda")
-            sample_rows(cuda_logits, cuda_params, ids, got, chunks=chunks, top_k=top_k)
-            same = int((got == want).sum())
-            assert same >= ROWS - 2, (chunks, top_k, same)
-    _, params = real_rows(torch.Generator().manual_seed(22))
-    top_k_rows = params[:, 1] > 0
-    got = torch.full((ROWS,), -1, dtype=torch.int64, device="cuda")
-    sample_rows(cuda_logits, params.cuda(), ids, got)
-    for r in top_k_rows.nonzero().flatten().tolist():
-        kept, borderline = ref_kept(logits[r], *params[r].tolist())
-        assert bool((kept | borderline)[int(got[r])]), (r, params[r].tolist())

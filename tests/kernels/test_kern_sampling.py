@@ -104,7 +104,7 @@ def test_draws_follow_the_reference_distribution(filters):
     params = torch.tensor([filters] * draws, dtype=torch.float32)
     ids = torch.stack([torch.arange(draws), 1000 + 7919 * torch.arange(draws)], 1)
     tokens = torch.empty(draws, dtype=torch.int64)
-    sample_rows(logits, params, ids, tokens, sub=8)  # 2 blocks: the split path's 2 chunks
+    sample_rows(logits, params, ids, tokens, sub=16)
     want = sampling_probs(row[None], *params[:1].unbind(1))[0]
     stat, dof = chi_square(tokens.tolist(), want)
     assert dof >= 2
@@ -232,50 +232,3 @@ def test_cached_batch_state_follows_joins_leaves_and_reorders():
     alone = {rid: run([[rid]] * len(together[rid]))[0][rid] for rid in (0, 1)}
     assert together[0] == alone[0] and together[1] == alone[1]
     assert len(set(together[0])) > 1
-
-
-def test_split_path_draws_what_one_program_a_row_draws():
-    """The split path (rows cut in chunks, partial sums combined between launches) draws the
-    noise the one-program kernel draws for a (seed, round, token): without top_k the same
-    tokens, whatever the chunks and however many rounds run split before the finisher takes
-    over; a top_k row without the k-th largest passes (top_k=False) is sampled by the finisher
-    alone, again as the one-program kernel samples it."""
-    gen = torch.Generator().manual_seed(17)
-    vocab, kinds = 200, ["flat", "peaked", "ties", "banned"]
-    logits = torch.cat([make_rows(kind, 1, vocab, gen) for kind in kinds])
-    rows = logits.shape[0]
-    ids = torch.stack([torch.arange(rows), 77 + 7919 * torch.arange(rows)], 1)
-    for f in [(0.7, 0, 0.9, 0.0), (0.5, 0, 0.6, 0.1), (0.7, 50, 0.9, 0.0)]:
-        params = torch.tensor([f] * rows, dtype=torch.float32)
-        want = torch.empty(rows, dtype=torch.int64)
-        sample_rows(logits, params, ids, want, sub=16, split=False)
-        layouts = [(2, 4), (3, 1)] if f == (0.7, 0, 0.9, 0.0) else [(3, 2)]
-        for chunks, rounds in layouts:
-            got = torch.full((rows,), -1, dtype=torch.int64)
-            sample_rows(logits, params, ids, got, sub=16, chunks=chunks, rounds=rounds,
-                        top_k=False)
-            assert got.tolist() == want.tolist(), (f, chunks, rounds)
-
-
-@pytest.mark.slow
-def test_split_path_with_top_k_keeps_the_reference_set_and_ignores_the_chunks():
-    """top_k rows through the k-th largest passes: every token in the reference kept set, and
-    the same tokens for every chunk layout (a seeded row's noise is per (seed, round, token))."""
-    gen = torch.Generator().manual_seed(18)
-    vocab = 200
-    logits = torch.cat([make_rows(kind, 2, vocab, gen) for kind in ("flat", "peaked")])
-    rows = logits.shape[0]
-    filters = [(0.7, 50, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 20, 0.5, 0.02), (0.9, 3, 0.6, 0.0)]
-    params = torch.tensor(filters, dtype=torch.float32)
-    outs = []
-    for chunks in (1, 3):
-        got = torch.full((rows,), -1, dtype=torch.int64)
-        for seed in range(2):
-            ids = torch.stack([torch.arange(rows), seed * 1000 + torch.arange(rows)], 1)
-            sample_rows(logits, params, ids, got, sub=16, chunks=chunks)
-            outs.append((chunks, seed, got.tolist()))
-            for r, f in enumerate(filters):
-                kept, borderline = ref_kept(logits[r], *f)
-                assert bool((kept | borderline)[got[r]]), (f, chunks, seed)
-    for chunks, seed, tokens in outs:
-        assert tokens == outs[seed][2], (chunks, seed)

@@ -2,16 +2,12 @@
 
 Both engines run the Triton attention backend with CUDA graphs in bf16, one sequence at a time
 (max_num_seqs 1, so every decode step is a fused step). The fused path rounds differently (the
-residual add and the RMSNorm stay in fp32 inside each GEMV), so greedy tokens may part where
-the reference's top-2 logits nearly tie. Near tie: the reference's top-2 gap is at most
-NEAR_TIE_ABS + NEAR_TIE_REL * |top logit|, i.e. 0.05 plus 1% of the logit (several bf16 ulps
-at these magnitudes: the per-op path rounds its logits to bf16 before the argmax, the fused
-argmax compares fp32 sums). Every other token must be identical, and on the small models at
-least 90% of the prompts must agree on all their tokens.
+residual add and the RMSNorm stay in fp32 inside each GEMV, q and k are rotated from fp32), so
+its logits agree with the per-op path's to bf16 precision, not bit for bit.
 
 A free-running comparison compounds: once one token parts, the two paths decode different
-sequences, and a later rounding difference meets a different context. The RoPE-epilogue and
-one-launch-attention tests therefore compare TEACHER-FORCED (`teacher_forced`): every step of
+sequences, and a later rounding difference meets a different context. The tests against the
+per-op path therefore compare TEACHER-FORCED (`teacher_forced`): every step of
 the fused engine is fed the reference's token, so both paths see the same prefix at every
 position, and the fused path's own pick at each position is recorded. Noise at a position is
 the largest |fused logit - reference logit| over the vocabulary (measured in a teacher-forced
@@ -45,7 +41,6 @@ pytestmark = [
                        reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:160]}"),
 ]
 
-NEAR_TIE_ABS, NEAR_TIE_REL = 0.05, 0.01
 # Teacher-forced: the fused logits' largest error against the fp32 per-op logits may be at most
 # this many times the bf16 per-op path's own (plus 2^-8 of the top logit). A bound relative to
 # the top logit alone (2%) failed on the tiny random Qwen2 with RoPE in the QKV epilogue
@@ -121,21 +116,6 @@ def reference(source, prompt_list, new_tokens):
                                                  logits_rows.append(logits[0].clone())))
     assert len(top2) == len(prompt_list) * new_tokens  # one sampled row a step, prompt by prompt
     return tokens, top2, logits_rows
-
-
-def check_tokens(ref_tokens, top2, tokens, new_tokens, min_identical):
-    identical = 0
-    for p, (want, got) in enumerate(zip(ref_tokens, tokens)):
-        assert len(got) == new_tokens
-        parted = next((j for j in range(new_tokens) if want[j] != got[j]), None)
-        if parted is None:
-            identical += 1
-            continue
-        first, second = top2[p * new_tokens + parted]
-        gap, limit = first - second, NEAR_TIE_ABS + NEAR_TIE_REL * abs(first)
-        assert gap <= limit, (f"prompt {p}: token {parted} differs ({got[parted]} vs {want[parted]}) "
-                              f"where the reference's top-2 gap is {gap:.4f} > {limit:.4f}")
-    assert identical >= min_identical * len(ref_tokens), f"only {identical} prompts agree fully"
 
 
 def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, fused: bool = True,
@@ -243,20 +223,14 @@ def check_first_decode_logits(ref_rows, rows, count, new_tokens, bound):
 
 
 def test_fused_greedy_tokens_match_the_per_op_path(small_model):
-    """64 prompts x 64 tokens: the greedy (argmax epilogue) path, and the logits path."""
+    """64 prompts x 64 tokens, teacher-forced on the per-op tokens: the greedy (argmax epilogue)
+    path's picks and the logits path's precision against fp32 (the module docstring's rule).
+    Free-running, the H200 parted at top-2 gaps of 0.19-0.22 on these tiny random models,
+    whose bf16 per-op logits themselves sit 0.145 (RMS) from fp32: gaps inside the noise."""
     source, vocab = small_model
     ps, n = prompts(64, vocab), 64
-    ref_tokens, top2, ref_rows = reference(source, ps, n)
-    tokens, engine = run(source, ps, n, fused=True)
+    engine = check_against_reference_teacher_forced(source, ps, n)
     assert engine.runner.fused is not None
-    assert engine.greedy_steps == len(ps) * (n - 1)  # every decode step took the argmax path
-    check_tokens(ref_tokens, top2, tokens, n, min_identical=0.9)
-    # An observer wants logits: the fused path's LM head without argmax.
-    rows = []
-    tokens_l, engine = run(source, ps, n, fused=True, record=lambda meta, logits: rows.append(logits[0].clone()))
-    assert engine.greedy_steps == 0
-    check_tokens(ref_tokens, top2, tokens_l, n, min_identical=0.9)
-    check_first_decode_logits(ref_rows, rows, len(ps), n, bound=2e-2)
 
 
 def test_fused_path_without_graphs_gives_the_graph_tokens(small_model):
@@ -284,25 +258,22 @@ def test_sampled_requests_take_the_fused_logits_path(small_model):
     """logprobs makes the sampler work: the fused logits (no argmax) feed it; tokens agree."""
     source, vocab = small_model
     ps, n = prompts(8, vocab), 32
-    ref_tokens, top2, _ = reference(source, ps, n)
     tokens, engine = run(source, ps, n, fused=True, greedy=False)
-    assert engine.greedy_steps == 0
-    check_tokens(ref_tokens, top2, tokens, n, min_identical=0.75)
+    assert engine.greedy_steps == 0 and all(len(t) == n for t in tokens)
+    check_against_reference_teacher_forced(source, ps, n)  # the logits path's precision
 
 
 @pytest.mark.slow
 def test_fused_path_at_the_qwen05_shape():
     """The real kernel shapes (K = 896 and 4864, the 151,936-row LM head), random weights: the
-    first decode step's logits, and greedy tokens apart from near ties (random weights tie
-    often, so no share of fully identical prompts is asked for)."""
+    first decode step's logits, and the teacher-forced rule (random weights tie often)."""
     source = dict(config="qwen2.5-0.5b", max_model_len=4096)
     ps, n = prompts(16, 151936), 32
     ref_tokens, top2, ref_rows = reference(source, ps, n)
     rows = []
     run(source, ps, n, fused=True, record=lambda meta, logits: rows.append(logits[0].clone()))
     check_first_decode_logits(ref_rows, rows, len(ps), n, bound=3e-2)
-    tokens, _ = run(source, ps, n, fused=True)
-    check_tokens(ref_tokens, top2, tokens, n, min_identical=0.0)
+    check_against_reference_teacher_forced(source, ps, n)
 
 
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):

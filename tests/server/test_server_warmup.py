@@ -28,6 +28,7 @@ def test_health_waits_for_the_warm_up_that_runs_every_piece(engine_loop, idle):
             assert status == 200 and events >= WARM_UP_TOKENS, (path, status, events)
         encoder = server._ctx.encoder
         assert report.encoder_copies == encoder.num_threads == encoder.num_copies
+        assert report.frozen > 0  # start-up's heap is out of the collector's reach
 
         # The first user requests use the copies made already: no tokenizer copy on their path.
         for _ in range(2 * encoder.num_threads):

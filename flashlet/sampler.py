@@ -190,8 +190,11 @@ class Sampler:
         random_index = uploads.ints(random_rows)
         columns = uploads.floats([(p.temperature, p.top_k, p.top_p, p.min_p) for p in sampled])
         # A seeded row's noise: (its seed, its output position); position -1: unseeded.
+        # (the seed as the int64 of its low 64 bits: the kernel mixes the bits as uint64, as the
+        # host reference masks them, so a seed in [2**63, 2**64) (the server's reduction of a
+        # negative one) mixes the same)
         noise_ids = uploads.ints([(i, 0, -1) if p.seed is None else
-                                  (i, p.seed, len(reqs[i].output_token_ids))
+                                  (i, _as_int64(p.seed), len(reqs[i].output_token_ids))
                                   for i, p in zip(random_rows, sampled)])
         uploads.send(self.device)
         return BatchState(
@@ -394,6 +397,11 @@ class _Part:
     def get(self) -> torch.Tensor:
         words = self.uploads.device_buffer.narrow(0, self.start, self.length)
         return words.view(self.dtype)[: self.numel]
+
+
+def _as_int64(value: int) -> int:
+    """The int64 holding `value`'s low 64 bits (two's complement)."""
+    return ((value + 2**63) % 2**64) - 2**63
 
 
 def _max_seen_block() -> int:

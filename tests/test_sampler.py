@@ -347,3 +347,21 @@ def test_uploads_parts_are_exact_and_16_byte_aligned():
         assert (part.data_ptr() - base) % 16 == 0
     assert floats.get().tolist() == [0.5, 0.25, 1.5] and (floats.get().data_ptr() - base) % 16 == 0
     assert more.get().tolist() == [12] and (more.get().data_ptr() - base) % 16 == 0
+
+
+def test_seeds_of_any_64_bit_pattern_sample():
+    """A seed in [2**63, 2**64) (the server reduces negative seeds modulo 2**64) goes to the
+    device as the int64 of the same bits; it samples, reproducibly, beside a small seed."""
+    from flashlet.sampler import _as_int64
+
+    assert [_as_int64(v) for v in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -1, 2**70 + 3)] == [
+        0, 5, 2**63 - 1, -2**63, -1, -1, 3]
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+
+    def draws():
+        sampler = Sampler(torch.device("cpu"), {EOS})
+        rows = [request(0, SamplingParams(temperature=1.0, seed=2**64 - 1)),
+                request(1, SamplingParams(temperature=1.0, seed=9))]
+        return [sampler.sample(logits, rows).tokens.tolist() for _ in range(5)]
+
+    assert draws() == draws()

@@ -125,12 +125,7 @@ def main() -> int:
     params_k = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
     results["kernel_only_top_k50_top_p_ms"] = cuda_ms(
         lambda: sample_rows(source, params_k, ids, out), args.iters)
-    for key, value in results.items():
-        print(f"{key:32s} {value:.4f}" if isinstance(value, float) else f"{key:32s} {value}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-    return 0
+    return report(results, args.json, width=32)
 
 
 SAMPLED = dict(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
@@ -194,11 +189,16 @@ def host_side(args) -> int:
             sampler.sample(logits, reqs)
             times.append((time.perf_counter() - start) * 1e3)
         results[f"{name}_torch_path_cpu_ms"] = sorted(times)[len(times) // 2]
+    return report(results, args.json, width=42)
+
+
+def report(results: dict, json_path, width: int) -> int:
+    """Print one `key value` line per figure, keep them as JSON where asked; exit status 0."""
     for key, value in results.items():
-        print(f"{key:42s} {value:.4f}" if isinstance(value, float) else f"{key:42s} {value}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        print(f"{key:{width}s} {value:.4f}" if isinstance(value, float) else f"{key:{width}s} {value}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=1))
     return 0
 
 

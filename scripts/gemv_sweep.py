@@ -43,6 +43,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from flashlet.kernels import cute_gemv  # noqa: E402
 from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv  # noqa: E402
+from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, graph_time_us, rand, rel_err  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 896, 4864, 151936
 QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
@@ -56,7 +57,6 @@ SHAPES = {
     "lm_head": (VOCAB, HIDDEN, "argmax", True, None),
 }
 DEFAULT_ONLY = ["gate_up", "down", "qkv", "o", "qkv_rope"]  # the LM head on request (272 MB a call)
-L2_DEFEAT_BYTES = 256 << 20
 DEV = "cuda"
 BF16 = torch.bfloat16
 
@@ -114,16 +114,6 @@ def make_gemv(name: str, pdl: bool, knobs: dict, device: str | None = None) -> C
 
 # ---------------------------------------------------------------------------------------------
 # On the GPU.
-
-def rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(BF16)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double(), expected.double()
-    return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
-
 
 class Inputs:
     """One shape's call inputs: a weight bank cycled so no call finds its matrix in L2, x (far
@@ -189,7 +179,6 @@ class Inputs:
 
 
 def time_chain(inputs: Inputs, gemv: CuteGemv) -> float:
-    from fused_gemv_bench import graph_time_us
 
     extra0 = inputs.extra.clone() if inputs.extra is not None else None
     try:
@@ -241,7 +230,6 @@ def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24) -> float
     down + residual), `layers` layers of distinct weights (~0.7 GB: nothing stays in L2), as one
     graph; the residual updated in place, outputs feeding inputs as in the fused step (no
     attention: O reads the QKV output's first 896). Returns us per layer."""
-    from fused_gemv_bench import graph_time_us
 
     g = {s: make_gemv(s, pdl, plans.get(s, {})) for s in ("qkv", "o", "gate_up", "down")}
     w = [{s: rand(SHAPES[s][0], SHAPES[s][1], seed=1000 + 10 * i + j, scale=SHAPES[s][1] ** -0.5 * (0.1 if s in ("o", "down") else 1))
@@ -264,7 +252,6 @@ def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24) -> float
 
 
 def run_gpu(args) -> int:
-    from fused_gemv_bench import copy_bandwidth_gbs
 
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s

@@ -196,6 +196,23 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits
     return tuning.num_splits(num_seqs, num_kv_heads, num_sms, waves, max_splits)
 
 
+def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
+    """-> (batch, Hq, D, page size, Hkv) of a decode call, or a ValueError naming what is off."""
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
+    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    return batch, num_q_heads, head_dim, page_size, num_kv_heads
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,18 +238,8 @@ def decode_attention(
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
     split scratch (allocated here when None). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
-    batch, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
-    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
+        q, k_cache, v_cache, num_splits, block_n)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -500,18 +507,8 @@ def decode_attention_one_launch(
     zero before the first launch (each launch leaves them at zero: keep one per stream, never
     shared by two launches in flight). pdl: launch with Programmatic Dependent Launch (sm_90+
     only; `pdl_supported`). No host sync: CUDA-graph safe for any kv_lens."""
-    batch, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
-    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
+        q, k_cache, v_cache, num_splits, block_n)
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits

@@ -173,7 +173,6 @@ class TritonBackend(AttentionBackend):
             out[n:].zero_()
         return out
 
-
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent

@@ -6,6 +6,7 @@ penalties on their own. Issue 17's target: the whole sampled path under ~0.15 ms
 
     python scripts/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
     python scripts/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
+    python scripts/bench_sampler.py --sweep   # and the kernel per (draws per block, warps)
 
 --host counts what one steady sampled step (the same 128 requests as the step before) issues
 on the kernel path: torch ops (torch.profiler, top-level aten ops) and Triton launches (the
@@ -74,6 +75,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host", action="store_true", help="op counts and host time, on the CPU")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel alone per (draws per block, warps)")
     args = ap.parse_args()
     if args.host:
         return host_side(args)
@@ -125,7 +128,45 @@ def main() -> int:
     params_k = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
     results["kernel_only_top_k50_top_p_ms"] = cuda_ms(
         lambda: sample_rows(source, params_k, ids, out), args.iters)
+    if args.sweep:
+        results["sweep"] = sweep(source, args)
     return report(results, args.json, width=32)
+
+
+def sweep(flat: torch.Tensor, args) -> list[dict]:
+    """--sweep: the kernel alone per (draws per block, warps), flat and peaked rows, top_p 0.9
+    and top_k 50 + top_p 0.9; a seed's tokens do not depend on either knob (checked here)."""
+    from flashlet.kernels.sampling import sample_rows
+
+    device = flat.device
+    peaked = flat * 6
+    p = torch.tensor([[0.7, 0, 0.9, 0.0]] * args.rows, device=device)
+    pk = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
+    ids = torch.stack([torch.arange(args.rows), 12345 + torch.arange(args.rows)], 1).to(device)
+    out = torch.empty(args.rows, dtype=torch.int64, device=device)
+    sample_rows(flat, p, ids, out)
+    want = out.clone()
+    rows = []
+    print(f"{'draws/block':>11} {'warps':>5} {'flat ms':>8} {'peaked ms':>9} {'top_k50 ms':>10}")
+    for sub in (256, 512, 1024, 2048):
+        for warps in (4, 8, 16, 32):
+            knobs = dict(sub=sub, num_warps=warps)
+            try:
+                sample_rows(flat, p, ids, out, **knobs)
+                same = bool(torch.equal(out, want))
+                row = dict(sub=sub, num_warps=warps, same_tokens=same,
+                           flat_ms=cuda_ms(lambda: sample_rows(flat, p, ids, out, **knobs), args.iters),
+                           peaked_ms=cuda_ms(lambda: sample_rows(peaked, p, ids, out, **knobs), args.iters),
+                           top_k50_ms=cuda_ms(lambda: sample_rows(flat, pk, ids, out, **knobs), args.iters))
+            except Exception as e:  # noqa: BLE001 (a variant that cannot compile: out of resources)
+                row = dict(sub=sub, num_warps=warps, error=f"{type(e).__name__}: {e}"[:200])
+            rows.append(row)
+            if "error" in row:
+                print(f"{sub:>11} {warps:>5} {row['error'][:60]}")
+            else:
+                print(f"{sub:>11} {warps:>5} {row['flat_ms']:8.4f} {row['peaked_ms']:9.4f} "
+                      f"{row['top_k50_ms']:10.4f}" + ("" if row["same_tokens"] else "  TOKENS DIFFER"))
+    return rows
 
 
 SAMPLED = dict(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,

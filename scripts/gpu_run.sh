@@ -33,6 +33,8 @@
 #                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
+#                                             generate-trace (issue 16: a single-stream
+#                                             LLM.generate step's host time by part; CuTe DSL)
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
 #   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
@@ -117,7 +119,7 @@ for part in "${PARTS[@]}"; do
         --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1 \
         --out "$OUT/json/sab-sampled.json" ;;
     sampler)  # issue 17: Sampler.sample per step, torch path vs Triton kernel, flat and peaked
-      run 120 python3 scripts/bench_sampler.py --json "$OUT/json/sampler-flat.json"
+      run 200 python3 scripts/bench_sampler.py --sweep --json "$OUT/json/sampler-flat.json"
       run 120 python3 scripts/bench_sampler.py --scale 6 --json "$OUT/json/sampler-peaked.json"
       run 300 $PYTEST tests/gpu/test_gpu_sampler.py ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
@@ -236,6 +238,12 @@ for part in "${PARTS[@]}"; do
         run 150 python3 scripts/profile_step.py --backend triton --batch 1 --prompt-len 32 \
           --fused-decode $flags --timeline --rows 8
       done ;;
+    generate-trace)  # issue 16: where a single-stream LLM.generate step's host time goes,
+                     # per-op and with the fused path (+ one-launch attention), ~2 min
+      cute_env
+      run 150 python3 scripts/generate_trace.py --backend triton
+      run 200 python3 scripts/generate_trace.py --backend triton --fused-decode --fused-decode-pdl \
+        --fused-decode-rope --fused-decode-attn ;;
     tp) # TP=1 vs TP=2 at the Qwen2.5-7B and -14B shapes (random weights, bf16), one table;
         # TP_BACKEND=flashinfer if its kernels for head_dim 128 are compiled in .fi_cache
         if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-SUB = 2048  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
+SUB = 1024  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
+NUM_WARPS = 16  # a row's program: 512 threads, 8 elements each of every per-lane accumulator
 NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -80,48 +81,57 @@ def _tile(row_ptr, start, V, T, seed, rnd, SUB: tl.constexpr):
 
 
 @triton.jit
+def _race_winner(best_key, best_idx):
+    """The lowest index among the lanes holding the greatest key -> (key, index)."""
+    top = tl.max(best_key)
+    return top, tl.min(tl.where(best_key == top, best_idx, 2147483647))
+
+
+@triton.jit
 def _first_pass(row_ptr, V, T, seed, SUB: tl.constexpr):
     """-> max(l), count of finite l, and a race winner over every finite l (round 0).
-    Race key: argmax of l - log(E), E = -log(u) ~ Exp(1), wins with probability softmax(l)."""
-    m = tl.full((), NEG_INF, tl.float32)
-    n_finite = tl.full((), 0, tl.int32)
-    best_key = tl.full((), NEG_INF, tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
+    Race key: argmax of l - log(E), E = -log(u) ~ Exp(1), wins with probability softmax(l).
+    Each lane keeps its own maximum, count and best (key, index) over the blocks; the lanes are
+    reduced once at the end (a block-wide reduction per block cost more than the loads)."""
+    m = tl.full((SUB, 4), NEG_INF, tl.float32)
+    n_finite = tl.zeros((SUB, 4), tl.int32)
+    best_key = tl.full((SUB, 4), NEG_INF, tl.float32)
+    best_idx = tl.zeros((SUB, 4), tl.int32)
     for start in range(0, V, 4 * SUB):
         offs, l, u = _tile(row_ptr, start, V, T, seed, tl.full((), 0, tl.int32), SUB)
         key = tl.where(l > NEG_INF, l - tl.log(-tl.log(u)), NEG_INF)
-        m = tl.maximum(m, tl.max(l))
-        n_finite += tl.sum((l > NEG_INF).to(tl.int32))
-        tile_key = tl.max(key)
-        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
-        best_idx = tl.where(tile_key > best_key, first, best_idx)
-        best_key = tl.maximum(best_key, tile_key)
-    return m, n_finite, best_key, best_idx
+        m = tl.maximum(m, l)
+        n_finite += (l > NEG_INF).to(tl.int32)
+        better = key > best_key  # strict: a lane keeps its earliest index of a tie
+        best_idx = tl.where(better, offs, best_idx)
+        best_key = tl.where(better, key, best_key)
+    top, idx = _race_winner(best_key, best_idx)
+    return tl.max(m), tl.sum(n_finite), top, idx
 
 
 @triton.jit
 def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr):
     """For candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
     set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
-    {l > l_s, l >= tau} with round `rnd`'s noise."""
-    count_above = tl.full((), 0, tl.int32)
-    mass_above = tl.full((), 0.0, tl.float32)
-    mass_kept = tl.full((), 0.0, tl.float32)
-    best_key = tl.full((), NEG_INF, tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
+    {l > l_s, l >= tau} with round `rnd`'s noise (per-lane accumulators, as `_first_pass`)."""
+    count_above = tl.zeros((SUB, 4), tl.int32)
+    mass_above = tl.zeros((SUB, 4), tl.float32)
+    mass_kept = tl.zeros((SUB, 4), tl.float32)
+    best_key = tl.full((SUB, 4), NEG_INF, tl.float32)
+    best_idx = tl.zeros((SUB, 4), tl.int32)
     for start in range(0, V, 4 * SUB):
         offs, l, u = _tile(row_ptr, start, V, T, seed, rnd, SUB)
         w = tl.exp(l - m)
         above = l > l_s
-        count_above += tl.sum(above.to(tl.int32))
-        mass_above += tl.sum(tl.where(above, w, 0.0))
-        mass_kept += tl.sum(tl.where((l >= tau) & (w >= min_p), w, 0.0))
+        count_above += above.to(tl.int32)
+        mass_above += tl.where(above, w, 0.0)
+        mass_kept += tl.where((l >= tau) & (w >= min_p), w, 0.0)
         key = tl.where(above & (l >= tau), l - tl.log(-tl.log(u)), NEG_INF)  # still holds A
-        tile_key = tl.max(key)
-        first = tl.min(tl.where(key == tile_key, offs, 2147483647))
-        best_idx = tl.where(tile_key > best_key, first, best_idx)
-        best_key = tl.maximum(best_key, tile_key)
-    return count_above, mass_above, mass_kept, best_key, best_idx
+        better = key > best_key
+        best_idx = tl.where(better, offs, best_idx)
+        best_key = tl.where(better, key, best_key)
+    top, idx = _race_winner(best_key, best_idx)
+    return tl.sum(count_above), tl.sum(mass_above), tl.sum(mass_kept), top, idx
 
 
 @triton.jit
@@ -135,10 +145,11 @@ def _kth_largest(row_ptr, V, T, k, m, SUB: tl.constexpr, NUM_PIVOTS: tl.constexp
     while hi - lo > 1:
         pivots = lo + (hi - lo) * (js + 1) // (NUM_PIVOTS + 1)  # [NUM_PIVOTS + 1], last = hi
         narrow = pivots.to(tl.int32)  # the interval lies in int32 (hi - lo does not, always)
-        counts = tl.zeros([NUM_PIVOTS + 1], tl.int32)
+        lane_counts = tl.zeros([NUM_PIVOTS + 1, SUB], tl.int32)  # reduced once a pass
         for start in range(0, V, SUB):
             bits = _ordered_bits(_scaled(row_ptr, start + lanes, V, T))
-            counts += tl.sum((bits[None, :] >= narrow[:, None]).to(tl.int32), 1)
+            lane_counts += (bits[None, :] >= narrow[:, None]).to(tl.int32)
+        counts = tl.sum(lane_counts, 1)
         enough = (counts >= k) & (js < NUM_PIVOTS)
         lo = tl.maximum(lo, tl.max(tl.where(enough, pivots, lo), 0))
         hi = tl.minimum(hi, tl.min(tl.where(enough, hi, pivots), 0))
@@ -242,33 +253,34 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
     tl.store(out_ptr + pid, ok & (l_s > NEG_INF))
 
 
-def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int):
+def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int, num_warps: int):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
     assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
-    # 16 warps a row with 2048-draw blocks: 0.400 ms for 128 x 151,936 flat rows on the H200
-    # against 0.498 with 8 warps and 1024 (grid of 4 to 32 warps x 256 to 2048, 2026-11-30).
-    return dict(SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=16)
+    return dict(SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=num_warps)
 
 
 STEP_SEEDS = (2**32, 2**62)  # step seeds in this range are all int64 to Triton: one compile
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
-                out: torch.Tensor, sub: int = SUB, step_seed: int = STEP_SEEDS[0]) -> None:
+                out: torch.Tensor, sub: int = SUB, step_seed: int = STEP_SEEDS[0],
+                num_warps: int = NUM_WARPS) -> None:
     """Sample rows of logits [rows, vocab] fp32 into out [rows] int64: program i samples row
     ids[i, 0] with params[i] = (temperature > 0, top_k (0: all), top_p, min_p) (params [n, 4]
     fp32). ids [n, 2] int64: (row, Philox seed); or ids [n, 3]: (row, seed, position), noise
     from splitmix64(seed, position), position then advanced by one in place, or from
     splitmix64(step_seed, row) where position < 0. Rows not in ids are left as they are.
-    sub: the sub-tile width (a power of 2; the noise of a seed depends on it: tests on the
-    interpreter use small ones)."""
+    sub: the sub-tile width (a power of 2; element e takes number e % 4 of Philox draw e // 4
+    whatever the width, so a seed's tokens do not depend on it; tests on the interpreter use
+    small ones). num_warps: a row's program size (both are tuning knobs:
+    scripts/bench_sampler.py --sweep)."""
     assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 2
     assert ids.shape[0] == params.shape[0] and ids.shape[1] in (2, 3)
     assert STEP_SEEDS[0] <= step_seed < STEP_SEEDS[1]
     if ids.shape[0]:
         _sample_kernel[(ids.shape[0],)](logits, logits.stride(0), params, ids, out,
                                         logits.shape[1], step_seed, MIXED=ids.shape[1] == 3,
-                                        **_launch_args(logits, params, sub))
+                                        **_launch_args(logits, params, sub, num_warps))
 
 
 # The seen-ids capacity (and row stride) is whatever the longest penalised request needs: not
@@ -352,5 +364,5 @@ def accepts(logits: torch.Tensor, params: torch.Tensor, candidates: torch.Tensor
     """For tests: bool [rows], whether the kernel would accept candidates[r] (int64) in row r."""
     out = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
     _accepts_kernel[(logits.shape[0],)](logits, logits.stride(0), params, candidates, out,
-                                        logits.shape[1], **_launch_args(logits, params, sub))
+                                        logits.shape[1], **_launch_args(logits, params, sub, NUM_WARPS))
     return out

@@ -6,7 +6,7 @@ penalties on their own. Issue 17's target: the whole sampled path under ~0.15 ms
 
     python scripts/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
     python scripts/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
-    python scripts/bench_sampler.py --sweep   # and the kernel per (draws per block, warps)
+    python scripts/bench_sampler.py --sweep   # and the kernel per (block size, warps)
 
 --host counts what one steady sampled step (the same 128 requests as the step before) issues
 on the kernel path: torch ops (torch.profiler, top-level aten ops) and Triton launches (the
@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host", action="store_true", help="op counts and host time, on the CPU")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the kernel alone per (draws per block, warps)")
+                    help="also time the kernel alone per (block size, warps)")
     args = ap.parse_args()
     if args.host:
         return host_side(args)
@@ -134,8 +134,8 @@ def main() -> int:
 
 
 def sweep(flat: torch.Tensor, args) -> list[dict]:
-    """--sweep: the kernel alone per (draws per block, warps), flat and peaked rows, top_p 0.9
-    and top_k 50 + top_p 0.9; a seed's tokens do not depend on either knob (checked here)."""
+    """--sweep: the kernel alone per (block size, warps), flat and peaked rows, top_p 0.9
+    and top_k 50 + top_p 0.9; a seed's tokens do not depend on the warps (checked here)."""
     from flashlet.kernels.sampling import sample_rows
 
     device = flat.device
@@ -144,11 +144,11 @@ def sweep(flat: torch.Tensor, args) -> list[dict]:
     pk = torch.tensor([[0.7, 50, 0.9, 0.0]] * args.rows, device=device)
     ids = torch.stack([torch.arange(args.rows), 12345 + torch.arange(args.rows)], 1).to(device)
     out = torch.empty(args.rows, dtype=torch.int64, device=device)
-    sample_rows(flat, p, ids, out)
-    want = out.clone()
     rows = []
-    print(f"{'draws/block':>11} {'warps':>5} {'flat ms':>8} {'peaked ms':>9} {'top_k50 ms':>10}")
+    print(f"{'block/4':>11} {'warps':>5} {'flat ms':>8} {'peaked ms':>9} {'top_k50 ms':>10}")
     for sub in (256, 512, 1024, 2048):
+        sample_rows(flat, p, ids, out, sub=sub)
+        want = out.clone()
         for warps in (4, 8, 16, 32):
             knobs = dict(sub=sub, num_warps=warps)
             try:

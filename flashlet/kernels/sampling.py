@@ -7,24 +7,30 @@ k-th kept); top_p then keeps token t when the renormalised mass of the tokens st
 below top_p; the most likely token always stays; a -inf logit is never picked.
 
 Design (rejection with pivots, the idea behind FlashInfer's sorting-free samplers). Every filter
-keeps a top set {l >= threshold}, so the kept set A is one too. Pass 1 finds max(l) and draws a
-candidate s from softmax(l) over the whole row by an exponential race (s = argmax l - log(E),
-E ~ Exp(1) i.i.d.). Each further pass computes, for the candidate, count(l > l_s), mass(l > l_s)
-and the mass of the min_p/top_k-filtered set, which decide whether s is in A, and speculatively
-races a next candidate over {l > l_s}. If s is in A it is the token; otherwise every token of A
-lies above l_s, so the search restricts to {l > l_s} and goes on with the next candidate. A draw
-from softmax restricted to a superset R of A, kept when it falls in A and otherwise redrawn from
-a smaller superset with fresh noise, is distributed exactly as softmax restricted to A. On flat
-rows (top_p 0.9 keeps ~90% of the vocabulary) the first candidate is accepted ~90% of the time;
-on peaked rows the second one nearly always is: about two passes over the row either way.
+keeps a top set {l >= threshold}, so the kept set A is one too. Pass 1 finds max(l), and the
+mass sum(exp(l - max)) of every block of 4 * SUB elements; a candidate s is then drawn from
+softmax(l) over the whole row by inverse CDF: a block with one uniform over the block masses,
+and a token in it with another over its elements (one block re-read). Each further pass
+computes, for the candidate, count(l > l_s), mass(l > l_s) and the mass of the min_p/top_k-
+filtered set, which decide whether s is in A, and the block masses of {l > l_s}. If s is in A it
+is the token; otherwise every token of A lies above l_s, so the next candidate is drawn, with
+fresh uniforms, from {l > l_s} by those block masses. A draw from softmax restricted to a
+superset R of A, kept when it falls in A and otherwise redrawn from a smaller superset, is
+distributed exactly as softmax restricted to A. On flat rows (top_p 0.9 keeps ~90% of the
+vocabulary) the first candidate is accepted ~90% of the time; on peaked rows the second one
+nearly always is: about two passes over the row either way. Per element a pass costs a
+division, an exp and a few compares and adds, accumulated per lane and reduced once a block
+or once a pass. (The first form drew candidates by an exponential race, a Philox number and
+two logs per element a pass: 0.34 ms for 128 x 151,936 flat rows on the H200, where one read
+of those rows is 78 MB, ~30 us at the copy bandwidth.)
 top_k together with top_p needs the mass of the top-k set, so such rows first find the k-th
 largest value tau exactly, by counting against 15 pivots per pass over the values' ordered bits
-(~8 passes), and race only over {l >= tau} from then on. top_k alone on a flat row takes about
+(~8 passes), and draw only from {l >= tau} from then on. top_k alone on a flat row takes about
 ln(vocab / top_k) rounds (each rejected candidate cuts what is left by a random fraction).
 
-Noise: Philox (`tl.rand4x`, four numbers per draw) keyed by a per-row 64-bit seed, counter = (the
-round, the element): a row's tokens depend only on its seed, never on the batch around it. The
-sampler passes (seed, position) per row and the kernel mixes them (splitmix64, as
+Noise: two Philox uniforms a round (`tl.rand`) keyed by a per-row 64-bit seed, counter = the
+round: a row's tokens depend only on its seed (and the block size), never on the batch around it.
+The sampler passes (seed, position) per row and the kernel mixes them (splitmix64, as
 `flashlet.sampling.noise_seed` on the host) and advances the position itself, so a steady batch
 needs no per-row host work: a seeded row's seed is its request's seed and output position, an
 unseeded row's the step's random seed and its row.
@@ -39,9 +45,7 @@ of them stay (as top_k's ties do). Masses are fp32 sums in another order than th
 cumsum, so a token whose cumulative mass is within rounding of top_p may fall on either side.
 
 Bytes per row: about 2-3 reads of the row (one more per rejected candidate; ~8 more with
-top_k and top_p together), fp32. FLOPs per element and pass: a division, two logs and an exp, plus a
-quarter of a Philox-4x32-10 draw.
-"""
+top_k and top_p together), fp32, plus one block per drawn candidate."""
 
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-SUB = 1024  # Philox draws per block; each gives 4 numbers, so a block is 4 * SUB elements
+SUB = 1024  # a block is 4 * SUB elements (the k-th largest search counts SUB at a time)
 NUM_WARPS = 16  # a row's program: 512 threads, 8 elements each of every per-lane accumulator
 NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
 NEG_INF = tl.constexpr(float("-inf"))
@@ -69,69 +73,80 @@ def _scaled(row_ptr, offs, V, T):
 
 
 @triton.jit
-def _tile(row_ptr, start, V, T, seed, rnd, SUB: tl.constexpr):
-    """One block of 4 * SUB elements: their indices, l = logits / T and uniform noise [SUB, 4].
-    Element start + 4 * i + j takes number j of Philox draw (rnd, start / 4 + i)."""
-    lanes = tl.arange(0, SUB)[:, None]
-    js = tl.arange(0, 4)[None, :]
-    offs = start + 4 * lanes + js
-    u0, u1, u2, u3 = tl.rand4x(seed, (start // 4 + lanes).to(tl.int64) + (rnd.to(tl.int64) << 32))
-    u = tl.where(js == 0, u0, tl.where(js == 1, u1, tl.where(js == 2, u2, u3)))
-    return offs, _scaled(row_ptr, offs, V, T), u
+def _block_l(row_ptr, b, V, T, BLOCK: tl.constexpr):
+    """Block b of the row: its element indices and l = logits / T (-inf past the vocabulary)."""
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    return offs, _scaled(row_ptr, offs, V, T)
 
 
 @triton.jit
-def _race_winner(best_key, best_idx):
-    """The lowest index among the lanes holding the greatest key -> (key, index)."""
-    top = tl.max(best_key)
-    return top, tl.min(tl.where(best_key == top, best_idx, 2147483647))
+def _first_pass(row_ptr, V, T, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """-> max(l), the count of finite l, and every block's mass sum(exp(l - max)) [NB] (0 past
+    the last block): each block's mass is taken against its own maximum and rescaled once the
+    row's is known, so one pass over the row gives all three."""
+    ids = tl.arange(0, NB)
+    masses = tl.zeros((NB,), tl.float32)
+    maxes = tl.full((NB,), NEG_INF, tl.float32)
+    n_finite = tl.zeros((BLOCK,), tl.int32)
+    for b in range(0, tl.cdiv(V, BLOCK)):
+        offs, l = _block_l(row_ptr, b, V, T, BLOCK)
+        finite = l > NEG_INF
+        mb = tl.max(l)
+        mass = tl.sum(tl.where(finite, tl.exp(l - mb), 0.0))
+        masses = tl.where(ids == b, mass, masses)
+        maxes = tl.where(ids == b, mb, maxes)
+        n_finite += finite.to(tl.int32)
+    m = tl.max(maxes)
+    masses = tl.where(maxes > NEG_INF, masses * tl.exp(maxes - m), 0.0)
+    return m, tl.sum(n_finite), masses
 
 
 @triton.jit
-def _first_pass(row_ptr, V, T, seed, SUB: tl.constexpr):
-    """-> max(l), count of finite l, and a race winner over every finite l (round 0).
-    Race key: argmax of l - log(E), E = -log(u) ~ Exp(1), wins with probability softmax(l).
-    Each lane keeps its own maximum, count and best (key, index) over the blocks; the lanes are
-    reduced once at the end (a block-wide reduction per block cost more than the loads)."""
-    m = tl.full((SUB, 4), NEG_INF, tl.float32)
-    n_finite = tl.zeros((SUB, 4), tl.int32)
-    best_key = tl.full((SUB, 4), NEG_INF, tl.float32)
-    best_idx = tl.zeros((SUB, 4), tl.int32)
-    for start in range(0, V, 4 * SUB):
-        offs, l, u = _tile(row_ptr, start, V, T, seed, tl.full((), 0, tl.int32), SUB)
-        key = tl.where(l > NEG_INF, l - tl.log(-tl.log(u)), NEG_INF)
-        m = tl.maximum(m, l)
-        n_finite += (l > NEG_INF).to(tl.int32)
-        better = key > best_key  # strict: a lane keeps its earliest index of a tie
-        best_idx = tl.where(better, offs, best_idx)
-        best_key = tl.where(better, key, best_key)
-    top, idx = _race_winner(best_key, best_idx)
-    return tl.max(m), tl.sum(n_finite), top, idx
+def _draw(row_ptr, V, T, seed, rnd, masses, m, lo, tau, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """A token drawn from softmax(l) restricted to R = {l > lo, l >= tau}, given R's mass per
+    block (`masses`, relative to exp(m)): a block by inverse CDF over the block masses, then a
+    token of that block by inverse CDF over its elements, each with a fresh uniform of round
+    `rnd` -> (token, whether R was empty). Rounding between a block's stored mass and its
+    recomputed cumulative sum only moves a draw to a neighbour with positive mass."""
+    ids = tl.arange(0, NB)
+    u = tl.rand(seed, 2 * rnd + tl.arange(0, 2))
+    u_block = tl.sum(tl.where(tl.arange(0, 2) == 0, u, 0.0))
+    u_elem = tl.sum(tl.where(tl.arange(0, 2) == 1, u, 0.0))
+    total = tl.sum(masses)
+    cum = tl.cumsum(masses, 0)
+    live = masses > 0
+    b = tl.min(tl.where(live & (cum > u_block * total), ids, NB))
+    b = tl.where(b == NB, tl.max(tl.where(live, ids, -1)), b)  # u * total rounded past the end
+    offs, l = _block_l(row_ptr, b, V, T, BLOCK)
+    w = tl.where((l > lo) & (l >= tau), tl.exp(l - m), 0.0)
+    c = tl.cumsum(w, 0)
+    pick = tl.min(tl.where((w > 0) & (c > u_elem * tl.sum(w)), offs, 2147483647))
+    last = tl.max(tl.where(w > 0, offs, -1))
+    token = tl.where(pick == 2147483647, last, pick)
+    empty = (total <= 0) | (token < 0)
+    return tl.where(empty, 0, token), empty
 
 
 @triton.jit
-def _round_pass(row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB: tl.constexpr):
+def _round_pass(row_ptr, V, T, l_s, m, tau, min_p, BLOCK: tl.constexpr, NB: tl.constexpr):
     """For candidate value l_s: count(l > l_s), mass(l > l_s), the mass of the min_p/top_k-kept
-    set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the race winner over
-    {l > l_s, l >= tau} with round `rnd`'s noise (per-lane accumulators, as `_first_pass`)."""
-    count_above = tl.zeros((SUB, 4), tl.int32)
-    mass_above = tl.zeros((SUB, 4), tl.float32)
-    mass_kept = tl.zeros((SUB, 4), tl.float32)
-    best_key = tl.full((SUB, 4), NEG_INF, tl.float32)
-    best_idx = tl.zeros((SUB, 4), tl.int32)
-    for start in range(0, V, 4 * SUB):
-        offs, l, u = _tile(row_ptr, start, V, T, seed, rnd, SUB)
+    set {l >= tau, exp(l - m) >= min_p} (masses relative to exp(m)), and the per-block masses of
+    {l > l_s, l >= tau}, which hold the next candidate if this one is rejected. Per-lane
+    accumulators, reduced once at the end (a block reduction only for the block masses)."""
+    ids = tl.arange(0, NB)
+    count_above = tl.zeros((BLOCK,), tl.int32)
+    mass_above = tl.zeros((BLOCK,), tl.float32)
+    mass_kept = tl.zeros((BLOCK,), tl.float32)
+    masses = tl.zeros((NB,), tl.float32)
+    for b in range(0, tl.cdiv(V, BLOCK)):
+        offs, l = _block_l(row_ptr, b, V, T, BLOCK)
         w = tl.exp(l - m)
         above = l > l_s
         count_above += above.to(tl.int32)
         mass_above += tl.where(above, w, 0.0)
         mass_kept += tl.where((l >= tau) & (w >= min_p), w, 0.0)
-        key = tl.where(above & (l >= tau), l - tl.log(-tl.log(u)), NEG_INF)  # still holds A
-        better = key > best_key
-        best_idx = tl.where(better, offs, best_idx)
-        best_key = tl.where(better, key, best_key)
-    top, idx = _race_winner(best_key, best_idx)
-    return tl.sum(count_above), tl.sum(mass_above), tl.sum(mass_kept), top, idx
+        masses = tl.where(ids == b, tl.sum(tl.where(above & (l >= tau), w, 0.0)), masses)
+    return tl.sum(count_above), tl.sum(mass_above), tl.sum(mass_kept), masses
 
 
 @triton.jit
@@ -207,7 +222,8 @@ def _row_seed(ids_ptr, pid, step_seed, MIXED: tl.constexpr):
 
 @triton.jit(do_not_specialize=["step_seed"])
 def _sample_kernel(logits_ptr, stride, params_ptr, ids_ptr, out_ptr, V, step_seed,
-                   SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr, MIXED: tl.constexpr):
+                   BLOCK: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                   NUM_PIVOTS: tl.constexpr, MIXED: tl.constexpr):
     pid = tl.program_id(0)
     row, seed = _row_seed(ids_ptr, pid, step_seed, MIXED)
     T = tl.load(params_ptr + 4 * pid)  # params [n, 4] fp32: temperature, top_k, top_p, min_p
@@ -215,26 +231,32 @@ def _sample_kernel(logits_ptr, stride, params_ptr, ids_ptr, out_ptr, V, step_see
     top_p = tl.load(params_ptr + 4 * pid + 2)
     min_p = tl.load(params_ptr + 4 * pid + 3)
     row_ptr = logits_ptr + row * stride
-    m, n_finite, best_key, token = _first_pass(row_ptr, V, T, seed, SUB)
+    m, n_finite, masses = _first_pass(row_ptr, V, T, BLOCK, NB)
+    no_floor = tl.full((), NEG_INF, tl.float32)
+    token, _ = _draw(row_ptr, V, T, seed, tl.full((), 0, tl.int32), masses, m, no_floor,
+                     no_floor, BLOCK, NB)
     tau = _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB, NUM_PIVOTS)
     l_s = _scaled(row_ptr, token, V, T)
     done = (top_k == 0) & (top_p >= 1.0) & (tl.exp(l_s - m) >= min_p)  # no filter: s is it
     rnd = tl.full((), 1, tl.int32)
     while not done:
-        count_above, mass_above, mass_kept, next_key, next_token = _round_pass(
-            row_ptr, V, T, seed, rnd, l_s, m, tau, min_p, SUB)
-        # Nothing above a rejected candidate only happens through rounding: keep it then.
-        done = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p) | (
-            next_key == NEG_INF)
-        token = tl.where(done, token, next_token)
-        l_s = _scaled(row_ptr, token, V, T)
+        count_above, mass_above, mass_kept, masses = _round_pass(row_ptr, V, T, l_s, m, tau,
+                                                                 min_p, BLOCK, NB)
+        done = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p)
+        if not done:
+            next_token, empty = _draw(row_ptr, V, T, seed, rnd, masses, m, l_s, tau, BLOCK, NB)
+            # Nothing above a rejected candidate only happens through rounding: keep it then.
+            done = empty
+            token = tl.where(empty, token, next_token)
+            l_s = _scaled(row_ptr, token, V, T)
         rnd += 1
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
 def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
-                    SUB: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                    BLOCK: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                    NUM_PIVOTS: tl.constexpr):
     """For tests: would row `pid` accept its candidate token? (the sampler's own decision)"""
     pid = tl.program_id(0)
     T = tl.load(params_ptr + 4 * pid)
@@ -242,13 +264,11 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
     top_p = tl.load(params_ptr + 4 * pid + 2)
     min_p = tl.load(params_ptr + 4 * pid + 3)
     row_ptr = logits_ptr + pid * stride
-    seed = tl.full((), 0, tl.int64)  # noise unused: only the counts and masses matter here
-    m, n_finite, _, _ = _first_pass(row_ptr, V, T, seed, SUB)
+    m, n_finite, _ = _first_pass(row_ptr, V, T, BLOCK, NB)
     tau = _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB, NUM_PIVOTS)
     l_s = _scaled(row_ptr, tl.load(candidates_ptr + pid), V, T)
-    first_round = tl.full((), 1, tl.int32)
-    count_above, mass_above, mass_kept, _, _ = _round_pass(row_ptr, V, T, seed, first_round, l_s,
-                                                           m, tau, min_p, SUB)
+    count_above, mass_above, mass_kept, _ = _round_pass(row_ptr, V, T, l_s, m, tau, min_p,
+                                                        BLOCK, NB)
     ok = _accepts(l_s, m, count_above, mass_above, mass_kept, top_k, top_p, min_p)
     tl.store(out_ptr + pid, ok & (l_s > NEG_INF))
 
@@ -256,7 +276,10 @@ def _accepts_kernel(logits_ptr, stride, params_ptr, candidates_ptr, out_ptr, V,
 def _launch_args(logits: torch.Tensor, params: torch.Tensor, sub: int, num_warps: int):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
     assert params.dtype == torch.float32 and params.is_contiguous() and params.shape[1] == 4
-    return dict(SUB=sub, NUM_PIVOTS=NUM_PIVOTS, num_warps=num_warps)
+    block = 4 * sub
+    num_blocks = triton.cdiv(logits.shape[1], block)
+    return dict(BLOCK=block, NB=max(2, triton.next_power_of_2(num_blocks)), SUB=sub,
+                NUM_PIVOTS=NUM_PIVOTS, num_warps=num_warps)
 
 
 STEP_SEEDS = (2**32, 2**62)  # step seeds in this range are all int64 to Triton: one compile
@@ -270,9 +293,8 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
     fp32). ids [n, 2] int64: (row, Philox seed); or ids [n, 3]: (row, seed, position), noise
     from splitmix64(seed, position), position then advanced by one in place, or from
     splitmix64(step_seed, row) where position < 0. Rows not in ids are left as they are.
-    sub: the sub-tile width (a power of 2; element e takes number e % 4 of Philox draw e // 4
-    whatever the width, so a seed's tokens do not depend on it; tests on the interpreter use
-    small ones). num_warps: a row's program size (both are tuning knobs:
+    sub: a block is 4 * sub elements (a power of 2; a seed's tokens depend on it: tests on the
+    interpreter use small ones). num_warps: a row's program size (both are tuning knobs:
     scripts/bench_sampler.py --sweep)."""
     assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 2
     assert ids.shape[0] == params.shape[0] and ids.shape[1] in (2, 3)

@@ -92,10 +92,12 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("filters", [(0.7, 0, 0.9, 0.0), (0.9, 6, 0.8, 0.05)])
-def test_draws_follow_the_reference_distribution(filters):
+@pytest.mark.parametrize("sub", [16, 4])
+def test_draws_follow_the_reference_distribution(filters, sub):
     """Many rows with one row's logits, each its own Philox seed (fixed: the result is
     deterministic, it cannot flake): Pearson's chi-square against sampling_probs stays below the
-    0.999 quantile (a wrong renormalisation or race is far above it at these sizes)."""
+    0.999 quantile (a wrong renormalisation or draw is far above it at these sizes). sub 16:
+    the row is one block; sub 4: three blocks of 16, so the draw picks a block first."""
     gen = torch.Generator().manual_seed(12)
     vocab, draws = 48, 200
     row = torch.randn(vocab, generator=gen) * 1.5
@@ -104,7 +106,7 @@ def test_draws_follow_the_reference_distribution(filters):
     params = torch.tensor([filters] * draws, dtype=torch.float32)
     ids = torch.stack([torch.arange(draws), 1000 + 7919 * torch.arange(draws)], 1)
     tokens = torch.empty(draws, dtype=torch.int64)
-    sample_rows(logits, params, ids, tokens, sub=16)
+    sample_rows(logits, params, ids, tokens, sub=sub)
     want = sampling_probs(row[None], *params[:1].unbind(1))[0]
     stat, dof = chi_square(tokens.tolist(), want)
     assert dof >= 2

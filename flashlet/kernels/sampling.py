@@ -80,6 +80,15 @@ def _block_l(row_ptr, b, V, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_block(row_ptr, b, V, BLOCK: tl.constexpr):
+    """Block b's logits as loaded (-inf past the vocabulary). The passes load block b + 1
+    before they work on block b: one program a row has only its own loads to hide the
+    memory's latency with, and a block's reductions would otherwise wait for each load."""
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(row_ptr + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
+
+
+@triton.jit
 def _first_pass(row_ptr, V, T, BLOCK: tl.constexpr, NB: tl.constexpr):
     """-> max(l), the count of finite l, and every block's mass sum(exp(l - max)) [NB] (0 past
     the last block): each block's mass is taken against its own maximum and rescaled once the
@@ -88,8 +97,11 @@ def _first_pass(row_ptr, V, T, BLOCK: tl.constexpr, NB: tl.constexpr):
     masses = tl.zeros((NB,), tl.float32)
     maxes = tl.full((NB,), NEG_INF, tl.float32)
     n_finite = tl.zeros((BLOCK,), tl.int32)
+    x = _load_block(row_ptr, 0, V, BLOCK)
     for b in range(0, tl.cdiv(V, BLOCK)):
-        offs, l = _block_l(row_ptr, b, V, T, BLOCK)
+        x_next = _load_block(row_ptr, b + 1, V, BLOCK)
+        l = tl.math.div_rn(x, T)
+        x = x_next
         finite = l > NEG_INF
         mb = tl.max(l)
         mass = tl.sum(tl.where(finite, tl.exp(l - mb), 0.0))
@@ -138,8 +150,11 @@ def _round_pass(row_ptr, V, T, l_s, m, tau, min_p, BLOCK: tl.constexpr, NB: tl.c
     mass_above = tl.zeros((BLOCK,), tl.float32)
     mass_kept = tl.zeros((BLOCK,), tl.float32)
     masses = tl.zeros((NB,), tl.float32)
+    x = _load_block(row_ptr, 0, V, BLOCK)
     for b in range(0, tl.cdiv(V, BLOCK)):
-        offs, l = _block_l(row_ptr, b, V, T, BLOCK)
+        x_next = _load_block(row_ptr, b + 1, V, BLOCK)
+        l = tl.math.div_rn(x, T)
+        x = x_next
         w = tl.exp(l - m)
         above = l > l_s
         count_above += above.to(tl.int32)

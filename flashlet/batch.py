@@ -10,9 +10,10 @@ the tests'.
 - `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
   of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
-  batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it pads a pure-decode step to a
-  captured batch size with rows that write to and read from the pool's scratch page, and it
-  feeds the previous step's sampled tokens (still on the device) into the rows that take them.
+  batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it
+  pads a pure-decode step to a captured batch size with rows that write to and read from the
+  pool's scratch page, and it feeds the previous step's sampled tokens (still on the device)
+  into the rows that take them.
 """
 
 from __future__ import annotations
@@ -72,9 +73,15 @@ class StepLayout:
         return self.kv_lens.shape[0]
 
     @cached_property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The fields by name as numpy arrays sharing the tensors' memory (build_layout gives
+        the ones it built: Tensor.numpy() costs about a microsecond a field a step)."""
+        return {name: getattr(self, name).numpy() for name in LAYOUT_DTYPES}
+
+    @cached_property
     def query_lens(self) -> np.ndarray:
         """[B] query rows of each sequence."""
-        return np.diff(self.qo_indptr.numpy())
+        return np.diff(self.arrays["qo_indptr"])
 
     @cached_property
     def is_pure_decode(self) -> bool:
@@ -140,14 +147,14 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     else:
         feed_src_ = feed_rows
     i32 = np.int32
-    return StepLayout(
-        input_ids=torch.from_numpy(input_ids), positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots), qo_indptr=torch.from_numpy(qo.astype(i32)),
-        paged_kv_indptr=torch.from_numpy(kv_ptr.astype(i32)),
-        paged_kv_indices=torch.from_numpy(table),
-        paged_kv_last_page_len=torch.from_numpy(last.astype(i32)),
-        kv_lens=torch.from_numpy(kv_lens.astype(i32)), logits_indices=torch.from_numpy(logits),
-        feed_rows=torch.from_numpy(feed_rows), feed_src=torch.from_numpy(feed_src_))
+    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                  qo_indptr=qo.astype(i32), paged_kv_indptr=kv_ptr.astype(i32),
+                  paged_kv_indices=table, paged_kv_last_page_len=last.astype(i32),
+                  kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
+                  feed_src=feed_src_)
+    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+    layout.arrays = arrays  # the cached property's value, known already
+    return layout
 
 
 def _array(values: list, n: int) -> np.ndarray:
@@ -274,27 +281,28 @@ class StepBuffers:
         rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
         batch) with rows on the scratch page. The pinned staging must be free (the previous
         step's copy done: ModelRunner.wait_inputs_staged)."""
-        tensors = layout.tensors()
-        num_seqs = layout.num_seqs
+        arrays = layout.arrays
+        num_seqs = len(arrays["kv_lens"])
         size = num_seqs
         if pad_to is not None and pad_to > num_seqs:
             self._check_padding(layout, pad_to)
             size = pad_to
-        placed = self._fields_for(tensors, size - num_seqs)
-        num_pages = tensors["paged_kv_indices"].shape[0]
+        placed = self._fields_for(arrays, size - num_seqs)
+        num_pages = len(arrays["paged_kv_indices"])
         pages = self._pages_at(placed.indices_offset, num_pages + size - num_seqs)
         for name, array in placed.np.items():
-            values = tensors[name].numpy()
+            values = arrays[name]
             array[: len(values)] = values
-        pages.np[:num_pages] = tensors["paged_kv_indices"].numpy()
+        pages.np[:num_pages] = arrays["paged_kv_indices"]
         if size > num_seqs:
             self._pad(placed.np, pages.np, num_seqs, num_pages, size)
         if self.staged:  # the whole step in one copy
             pages.dev_span.copy_(pages.host_span, non_blocking=True)
         dev = placed.dev
-        if len(tensors["feed_rows"]):
-            self._feed(dev, tensors["feed_rows"].numpy(), fed_tokens)
+        if len(arrays["feed_rows"]):
+            self._feed(dev, arrays["feed_rows"], fed_tokens)
         staged = StepLayout(**placed.host, paged_kv_indices=pages.host)
+        staged.arrays = {**placed.np, "paged_kv_indices": pages.np}
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
@@ -303,10 +311,10 @@ class StepBuffers:
             num_padding=size - num_seqs)
         return dev["input_ids"], meta
 
-    def _fields_for(self, tensors: dict[str, torch.Tensor], num_padding: int) -> _Fields:
-        """The views of the fields before the page indices for a step of these tensors
-        padded by num_padding sequences (kept per set of lengths)."""
-        key = tuple([tensors[name].shape[0] for name in _FIXED]) + (num_padding,)
+    def _fields_for(self, arrays: dict[str, np.ndarray], num_padding: int) -> _Fields:
+        """The views of the fields before the page indices for a step of these arrays padded
+        by num_padding sequences (kept per set of lengths)."""
+        key = tuple([len(arrays[name]) for name in _FIXED]) + (num_padding,)
         fields = self._fields.get(key)
         if fields is None:
             lengths = dict(zip(_FIXED, key))
@@ -338,7 +346,8 @@ class StepBuffers:
             self._pages[offset, count] = pages
         return pages
 
-    def _views(self, name: str, offset: int, n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def _views(self, name: str, offset: int, n: int) -> tuple[np.ndarray, torch.Tensor,
+                                                               torch.Tensor]:
         """(numpy, host, device) views of field `name`: n entries at byte `offset`."""
         dtype = LAYOUT_DTYPES[name]
         end = offset + n * dtype.itemsize

@@ -10,7 +10,8 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
-from flashlet.batch import ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout, load_layout
+from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout,
+                            load_layout)
 from flashlet.kv_pool import KVPool
 from flashlet.model_runner import graph_input_addresses
 from flashlet.request import PLACEHOLDER

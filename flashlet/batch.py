@@ -7,11 +7,13 @@ the tests'.
   `StepLayout`, a small set of named CPU tensors (input ids, positions, slot mapping,
   FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
   `layout_of(sched, page_size)` reads those rows off a SchedulerOutput.
-- `StepBuffers.load(layout)` copies a layout into persistent buffers: pinned host staging,
-  copied to the device without blocking, so no tensor is allocated per step and a CUDA graph
-  reads the same addresses every replay. Asked to (`pad_to`), it pads a pure-decode step to a
-  captured batch size with rows that write to and read from the pool's scratch page, and it
-  feeds the previous step's sampled tokens (still on the device) into the rows that take them.
+- `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
+  of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
+  no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
+  batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it
+  pads a pure-decode step to a captured batch size with rows that write to and read from the
+  pool's scratch page, and it feeds the previous step's sampled tokens (still on the device)
+  into the rows that take them.
 """
 
 from __future__ import annotations
@@ -71,9 +73,15 @@ class StepLayout:
         return self.kv_lens.shape[0]
 
     @cached_property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The fields by name as numpy arrays sharing the tensors' memory (build_layout gives
+        the ones it built: Tensor.numpy() costs about a microsecond a field a step)."""
+        return {name: getattr(self, name).numpy() for name in LAYOUT_DTYPES}
+
+    @cached_property
     def query_lens(self) -> np.ndarray:
         """[B] query rows of each sequence."""
-        return np.diff(self.qo_indptr.numpy())
+        return np.diff(self.arrays["qo_indptr"])
 
     @cached_property
     def is_pure_decode(self) -> bool:
@@ -139,14 +147,14 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     else:
         feed_src_ = feed_rows
     i32 = np.int32
-    return StepLayout(
-        input_ids=torch.from_numpy(input_ids), positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots), qo_indptr=torch.from_numpy(qo.astype(i32)),
-        paged_kv_indptr=torch.from_numpy(kv_ptr.astype(i32)),
-        paged_kv_indices=torch.from_numpy(table),
-        paged_kv_last_page_len=torch.from_numpy(last.astype(i32)),
-        kv_lens=torch.from_numpy(kv_lens.astype(i32)), logits_indices=torch.from_numpy(logits),
-        feed_rows=torch.from_numpy(feed_rows), feed_src=torch.from_numpy(feed_src_))
+    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                  qo_indptr=qo.astype(i32), paged_kv_indptr=kv_ptr.astype(i32),
+                  paged_kv_indices=table, paged_kv_last_page_len=last.astype(i32),
+                  kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
+                  feed_src=feed_src_)
+    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+    layout.arrays = arrays  # the cached property's value, known already
+    return layout
 
 
 def _array(values: list, n: int) -> np.ndarray:
@@ -173,9 +181,64 @@ def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
     return build_layout(step_rows(sched), page_size)
 
 
+# The step arena: every field of a step in one byte buffer, in this order, each at a multiple
+# of ARENA_ALIGN bytes. paged_kv_indices, the one field whose length varies at a fixed padded
+# batch size, comes last, and the fields that hold at most one entry per sequence reserve one
+# per sequence: so every field's offset is a function of the step's token and sequence counts,
+# and a decode step padded to a CUDA graph's batch size finds each field where the graph's
+# capture did (StepBuffers).
+ARENA_ORDER = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
+               "paged_kv_last_page_len", "kv_lens", "logits_indices", "feed_rows", "feed_src",
+               "paged_kv_indices")
+ARENA_ALIGN = 16  # bytes; Triton specialises a kernel on pointers aligned to 16, as torch's are
+_FIXED = ARENA_ORDER[:-1]  # the fields whose offsets the indices' length never moves
+_AT_MOST_ONE_PER_SEQ = frozenset(("logits_indices", "feed_rows", "feed_src"))
+
+
+def arena_offsets(lengths: dict[str, int]) -> dict[str, int]:
+    """Byte offset of each field in the arena, for a step whose fields have `lengths` entries;
+    the value under "end" is where the last field ends."""
+    num_seqs = lengths["kv_lens"]
+    offsets, offset = {}, 0
+    for name in ARENA_ORDER:
+        offset = -(-offset // ARENA_ALIGN) * ARENA_ALIGN
+        offsets[name] = offset
+        n = lengths[name]
+        if name in _AT_MOST_ONE_PER_SEQ:
+            n = max(n, num_seqs)
+        offset += n * LAYOUT_DTYPES[name].itemsize
+    offsets["end"] = offset
+    return offsets
+
+
+class _Fields(NamedTuple):
+    """The views of the fields before the page indices, for one set of lengths."""
+
+    np: dict[str, np.ndarray]  # host, to write into
+    host: dict[str, torch.Tensor]
+    dev: dict[str, torch.Tensor]
+    indices_offset: int  # bytes: where the page indices start
+
+
+class _Pages(NamedTuple):
+    """The views of the page indices at an offset and length, and of the span to upload."""
+
+    np: np.ndarray
+    host: torch.Tensor
+    dev: torch.Tensor
+    host_span: torch.Tensor  # bytes [0, end of the indices): the one host-to-device copy
+    dev_span: torch.Tensor
+
+
 class StepBuffers:
-    """Persistent buffers that a step's layout is loaded into: on CUDA pinned host staging and
-    device buffers (the copies between them do not block the host); on the CPU one set."""
+    """Persistent buffers that a step's layout is loaded into: one arena of bytes holding every
+    field (ARENA_ORDER), on CUDA a pinned host arena uploaded to a device arena in one copy
+    that does not block the host; on the CPU one arena, which is both.
+
+    A CUDA graph reads its inputs at the addresses its capture saw. Each field's offset is a
+    function of the step's token and sequence counts (`arena_offsets`), so every pure-decode
+    step padded to batch size b (b tokens, b sequences) puts every field at the same address,
+    whatever its page count; ModelRunner still checks the addresses before each replay."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device,
                  scratch_page: int | None = None, page_size: int = 1):
@@ -185,20 +248,25 @@ class StepBuffers:
         self.scratch_page, self.page_size = scratch_page, page_size
         self.max_seqs = max_seqs
         max_tokens = max(max_tokens, max_seqs)  # a padded decode step has max_seqs tokens
-        sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens,
-                     qo_indptr=max_seqs + 1, paged_kv_indptr=max_seqs + 1,
-                     paged_kv_indices=max_pages + max_seqs, paged_kv_last_page_len=max_seqs,
-                     kv_lens=max_seqs, logits_indices=max_seqs, feed_rows=max_seqs,
-                     feed_src=max_seqs)
-        self.staged = self.device.type == "cuda"  # else the host buffers are the device's
-        self.host, self.np, self.dev = {}, {}, {}
-        for name, size in sizes.items():
-            dtype = LAYOUT_DTYPES[name]
-            self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=self.staged)
-            self.np[name] = self.host[name].numpy()
-            self.dev[name] = (torch.zeros(size, dtype=dtype, device=self.device) if self.staged
-                              else self.host[name])
-        self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capacity = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens,
+                             qo_indptr=max_seqs + 1, paged_kv_indptr=max_seqs + 1,
+                             paged_kv_indices=max_pages + max_seqs,
+                             paged_kv_last_page_len=max_seqs, kv_lens=max_seqs,
+                             logits_indices=max_seqs, feed_rows=max_seqs, feed_src=max_seqs)
+        # Every field at its capacity fits, so every step whose fields fit their capacities does.
+        size = arena_offsets(self.capacity)["end"]
+        self.staged = self.device.type == "cuda"  # else the host arena is the device's
+        self.host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=self.staged)
+        self.dev_arena = (torch.zeros(size, dtype=torch.uint8, device=self.device)
+                          if self.staged else self.host_arena)
+        self._base = self.dev_arena.data_ptr()
+        self._fields: dict[tuple[int, ...], _Fields] = {}  # views, kept: slicing costs more
+        self._pages: dict[tuple[int, int], _Pages] = {}
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def holds(self, input_ids: torch.Tensor) -> bool:
+        """Are these the input ids of a step loaded here (the arena's first field)?"""
+        return input_ids.data_ptr() == self._base
 
     @classmethod
     def for_layout(cls, layout: StepLayout, device) -> "StepBuffers":
@@ -209,70 +277,138 @@ class StepBuffers:
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
              pad_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """Copy `layout` into the buffers -> (input_ids [T], metadata), views of the device
-        buffers. fed_tokens: the previous step's sampled tokens on the device, which the fed
+        arena. fed_tokens: the previous step's sampled tokens on the device, which the fed
         rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
         batch) with rows on the scratch page. The pinned staging must be free (the previous
-        step's copies done: ModelRunner.wait_inputs_staged)."""
-        lengths = {}
-        for name, tensor in layout.tensors().items():
-            n = lengths[name] = tensor.shape[0]
-            buffer = self.np[name]
-            if n > len(buffer):
-                raise ValueError(f"the step's {name} has {n} entries; "
-                                 f"the buffers hold {len(buffer)}")
-            buffer[:n] = tensor.numpy()
-        if pad_to is not None and pad_to > layout.num_seqs:
-            self._pad(layout, pad_to, lengths)
-        host, dev = {}, {}
-        for name, n in lengths.items():
-            host[name], dev[name] = self._view(name, n)
-            if self.staged and n:
-                dev[name].copy_(host[name], non_blocking=True)
-        if lengths["feed_rows"]:
-            if fed_tokens is None:
-                raise ValueError("the step has fed rows but no previous step's tokens were given")
-            fed = fed_tokens.index_select(0, dev["feed_src"])
-            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed)
-        staged = StepLayout(**host)
+        step's copy done: ModelRunner.wait_inputs_staged)."""
+        arrays = layout.arrays
+        num_seqs = len(arrays["kv_lens"])
+        size = num_seqs
+        if pad_to is not None and pad_to > num_seqs:
+            self._check_padding(layout, pad_to)
+            size = pad_to
+        placed = self._fields_for(arrays, size - num_seqs)
+        num_pages = len(arrays["paged_kv_indices"])
+        pages = self._pages_at(placed.indices_offset, num_pages + size - num_seqs)
+        for name, array in placed.np.items():
+            values = arrays[name]
+            array[: len(values)] = values
+        pages.np[:num_pages] = arrays["paged_kv_indices"]
+        if size > num_seqs:
+            self._pad(placed.np, pages.np, num_seqs, num_pages, size)
+        if self.staged:  # the whole step in one copy
+            pages.dev_span.copy_(pages.host_span, non_blocking=True)
+        dev = placed.dev
+        if len(arrays["feed_rows"]):
+            self._feed(dev, arrays["feed_rows"], fed_tokens)
+        staged = StepLayout(**placed.host, paged_kv_indices=pages.host)
+        staged.arrays = {**placed.np, "paged_kv_indices": pages.np}
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
-            paged_kv_indices=dev["paged_kv_indices"],
-            paged_kv_last_page_len=dev["paged_kv_last_page_len"], kv_lens=dev["kv_lens"],
-            logits_indices=dev["logits_indices"], num_padding=lengths["kv_lens"] - layout.num_seqs)
+            paged_kv_indices=pages.dev, paged_kv_last_page_len=dev["paged_kv_last_page_len"],
+            kv_lens=dev["kv_lens"], logits_indices=dev["logits_indices"],
+            num_padding=size - num_seqs)
         return dev["input_ids"], meta
 
-    def _view(self, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host, device) views of a buffer's first n entries, kept: slicing costs more."""
-        views = self._views.get((name, n))
-        if views is None:
-            if len(self._views) >= 8192:  # bounded: page counts take many values
-                self._views.clear()
-            views = self._views[name, n] = (self.host[name][:n], self.dev[name][:n])
-        return views
+    def _fields_for(self, arrays: dict[str, np.ndarray], num_padding: int) -> _Fields:
+        """The views of the fields before the page indices for a step of these arrays padded
+        by num_padding sequences (kept per set of lengths)."""
+        key = tuple([len(arrays[name]) for name in _FIXED]) + (num_padding,)
+        fields = self._fields.get(key)
+        if fields is None:
+            lengths = dict(zip(_FIXED, key))
+            for name in _PADDED_PER_SEQ:
+                lengths[name] += num_padding
+            lengths["paged_kv_indices"] = 0
+            self._check_fits(lengths)
+            offsets = arena_offsets(lengths)
+            views = {name: self._views(name, offsets[name], lengths[name]) for name in _FIXED}
+            fields = _Fields(np={name: v[0] for name, v in views.items()},
+                             host={name: v[1] for name, v in views.items()},
+                             dev={name: v[2] for name, v in views.items()},
+                             indices_offset=offsets["paged_kv_indices"])
+            if len(self._fields) >= 4096:  # bounded: lengths take many values over a run
+                self._fields.clear()
+            self._fields[key] = fields
+        return fields
 
-    def _pad(self, layout: StepLayout, size: int, lengths: dict) -> None:
-        """Rows num_seqs..size: one token at position 0 of a sequence of one token on the
-        scratch page (its K/V written there, its output unused). Not sampled."""
+    def _pages_at(self, offset: int, count: int) -> _Pages:
+        """The views of `count` page indices at byte `offset`, and of the span up to their end."""
+        pages = self._pages.get((offset, count))
+        if pages is None:
+            self._check_fits({"paged_kv_indices": count})
+            end = offset + count * LAYOUT_DTYPES["paged_kv_indices"].itemsize
+            pages = _Pages(*self._views("paged_kv_indices", offset, count),
+                           host_span=self.host_arena[:end], dev_span=self.dev_arena[:end])
+            if len(self._pages) >= 8192:  # bounded: page counts take many values
+                self._pages.clear()
+            self._pages[offset, count] = pages
+        return pages
+
+    def _views(self, name: str, offset: int, n: int) -> tuple[np.ndarray, torch.Tensor,
+                                                               torch.Tensor]:
+        """(numpy, host, device) views of field `name`: n entries at byte `offset`."""
+        dtype = LAYOUT_DTYPES[name]
+        end = offset + n * dtype.itemsize
+        host = self.host_arena[offset:end].view(dtype)
+        return host.numpy(), host, self.dev_arena[offset:end].view(dtype)
+
+    def _check_fits(self, lengths: dict[str, int]) -> None:
+        for name, n in lengths.items():
+            if n > self.capacity[name]:
+                raise ValueError(f"the step's {name} has {n} entries; "
+                                 f"the buffers hold {self.capacity[name]}")
+
+    def _feed(self, dev: dict[str, torch.Tensor], rows: np.ndarray,
+              fed_tokens: torch.Tensor | None) -> None:
+        """The fed rows' input ids <- fed_tokens[feed_src], on the device. Fed rows ascend
+        (build_layout); where they are consecutive (every decode row of an overlapped step, in
+        the usual order) that is one gather straight into them, else a gather and a scatter."""
+        if fed_tokens is None:
+            raise ValueError("the step has fed rows but no previous step's tokens were given")
+        first, count = int(rows[0]), len(rows)
+        if rows[-1] - first == count - 1:
+            torch.index_select(fed_tokens, 0, dev["feed_src"], out=self._input_rows(first, count))
+        else:
+            fed = fed_tokens.index_select(0, dev["feed_src"])
+            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed)
+
+    def _input_rows(self, first: int, count: int) -> torch.Tensor:
+        """The device view of input ids first..first+count (kept: slicing costs more than the
+        gather it feeds)."""
+        rows = self._rows.get((first, count))
+        if rows is None:
+            if len(self._rows) >= 8192:
+                self._rows.clear()
+            rows = self._rows[first, count] = self._views("input_ids", 0, first + count)[2][first:]
+        return rows
+
+    def _check_padding(self, layout: StepLayout, size: int) -> None:
         if not layout.is_pure_decode:
             raise ValueError("only a pure-decode step is padded to a CUDA-graph batch size")
         if self.scratch_page is None:
             raise ValueError("padding needs the pool's scratch page: StepBuffers(scratch_page=)")
         if size > self.max_seqs:
             raise ValueError(f"cannot pad to {size} sequences: the buffers hold {self.max_seqs}")
-        n, num_pages, a = layout.num_seqs, layout.paged_kv_indices.shape[0], self.np
+
+    def _pad(self, a: dict[str, np.ndarray], indices: np.ndarray, n: int, num_pages: int,
+             size: int) -> None:
+        """Rows n..size: one token at position 0 of a sequence of one token on the scratch
+        page (its K/V written there, its output unused). Not sampled."""
         a["input_ids"][n:size] = 0
         a["positions"][n:size] = 0
         a["slot_mapping"][n:size] = self.scratch_page * self.page_size
         a["qo_indptr"][n + 1 : size + 1] = np.arange(n + 1, size + 1)
         a["paged_kv_indptr"][n + 1 : size + 1] = np.arange(num_pages + 1, num_pages + size - n + 1)
-        a["paged_kv_indices"][num_pages : num_pages + size - n] = self.scratch_page
+        indices[num_pages : num_pages + size - n] = self.scratch_page
         a["paged_kv_last_page_len"][n:size] = 1
         a["kv_lens"][n:size] = 1
-        for name in ("input_ids", "positions", "slot_mapping", "paged_kv_last_page_len", "kv_lens"):
-            lengths[name] = size
-        lengths["qo_indptr"] = lengths["paged_kv_indptr"] = size + 1
-        lengths["paged_kv_indices"] = num_pages + size - n
+
+
+# The fields a padding row adds an entry to (the page indices too: one scratch page each).
+_PADDED_PER_SEQ = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
+                   "paged_kv_last_page_len", "kv_lens")
 
 
 def load_layout(layout: StepLayout, device) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -5,8 +5,9 @@ on the sampled rows.
 buffers. Pure-decode steps on CUDA are replayed from CUDA graphs, one captured per padded batch
 size (1, 2, 4, 8, 16, 32, 64, 128, 256, ... up to max_num_seqs) and per the backend's
 `graph_key`: `load` pads such a step with rows that write to and read from the pool's scratch
-page, the captured graph reads the same buffers at that batch size, and planning happens
-outside the graph before each replay. Mixed steps (any prefill chunk) run eagerly.
+page and places it in the step buffers where every step of that batch size goes, the captured
+graph reads it there (checked before each replay), and planning happens outside the graph
+before each replay. Mixed steps (any prefill chunk) run eagerly.
 
 With `fused_decode`, a pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the
 norms and epilogues folded in; flashlet/fused_decode.py) instead of the model's per-op forward,
@@ -124,42 +125,58 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
                 tokens: bool = False) -> torch.Tensor:
-        loaded = input_ids.data_ptr() == self.buffers.dev["input_ids"].data_ptr()
-        if meta.num_seqs != size or not loaded:
+        if meta.num_seqs != size or not self.buffers.holds(input_ids):
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
         self.backend.plan_graph(meta, size)
         key = (size, "tokens" if tokens else "logits") + self.backend.graph_key(meta)
+        addresses = graph_input_addresses(input_ids, meta)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size, tokens)
-        graph, logits = self.graphs[key]
+            self.graphs[key] = self._capture(input_ids, meta, tokens) + (addresses,)
+        graph, out, captured = self.graphs[key]
+        if addresses != captured:
+            raise RuntimeError(f"a decode step padded to {size} has its inputs at other "
+                               f"addresses than the graph captured for it read: the step "
+                               f"buffers placed it differently (batch.arena_offsets)")
         self._mark_staged()
         graph.replay()
-        return logits[: size - meta.num_padding]
+        return out[: size - meta.num_padding]
 
     def _mark_staged(self) -> None:
         if self._staged is not None:
             self._staged.record()
 
-    def _decode_body(self, size: int, tokens: bool = False) -> torch.Tensor:
-        dev = self.buffers.dev
-        ids, positions = dev["input_ids"][:size], dev["positions"][:size]
-        if self.fused is not None and size == 1:
-            return (self.fused.token if tokens else self.fused.logits)(ids, positions, self.backend)
-        hidden = self.model(ids, positions, self.backend)
+    def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     tokens: bool = False) -> torch.Tensor:
+        """The forward of a padded decode step (the backend planned for it)."""
+        if self.fused is not None and input_ids.shape[0] == 1:
+            fused = self.fused.token if tokens else self.fused.logits
+            return fused(input_ids, positions, self.backend)
+        hidden = self.model(input_ids, positions, self.backend)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, size: int, tokens: bool = False):
+    def _capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens: bool = False):
+        """A graph of this step's forward: it reads the step's inputs at these addresses, the
+        ones every later step padded to the same size has (StepBuffers)."""
+        size = input_ids.shape[0]
         log.info("capturing a CUDA graph for decode batch %d%s", size,
                  " (fused, greedy tokens)" if tokens else " (fused)" if self.fused and size == 1 else "")
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up (lazy kernel compilation, allocator) off the graph
-                self._decode_body(size, tokens)
+                self._decode_body(input_ids, meta.positions, tokens)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._decode_body(size, tokens)
+            out = self._decode_body(input_ids, meta.positions, tokens)
         self.graph_pool = graph.pool()
         return graph, out
+
+
+def graph_input_addresses(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, ...]:
+    """Where a decode step's device inputs are: what a graph captured on it reads."""
+    return (input_ids.data_ptr(), meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
+            meta.qo_indptr.data_ptr(), meta.paged_kv_indptr.data_ptr(),
+            meta.paged_kv_indices.data_ptr(), meta.paged_kv_last_page_len.data_ptr(),
+            meta.kv_lens.data_ptr())

@@ -35,6 +35,9 @@
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
 #                                             generate-trace (issue 16: a single-stream
 #                                             LLM.generate step's host time by part; CuTe DSL)
+#                                             step-load (a step's inputs in one upload: graph
+#                                             replays as page counts change, load's host time,
+#                                             one step's timeline; ~3 min)
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
 #   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
@@ -122,6 +125,12 @@ for part in "${PARTS[@]}"; do
       run 200 python3 scripts/bench_sampler.py --sweep --json "$OUT/json/sampler-flat.json"
       run 120 python3 scripts/bench_sampler.py --scale 6 --json "$OUT/json/sampler-peaked.json"
       run 300 $PYTEST tests/gpu/test_gpu_sampler.py ;;
+    step-load)  # the step arena: graph replays read each step's inputs (GPU test), the host
+                # time of StepBuffers.load, then one triton batch-1 step's timeline (one HtoD copy)
+      run 300 $PYTEST tests/gpu/test_gpu_graph_inputs.py
+      run 60 python3 scripts/bench_step_load.py --json "$OUT/json/step-load.json"
+      run 150 python3 scripts/profile_step.py --backend triton --batch 1 --prompt-len 32 \
+        --timeline --rows 8 ;;
     torchlet) run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
                 tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     single) run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

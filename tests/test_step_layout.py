@@ -2,6 +2,7 @@
 buffers: CUDA-graph padding onto the scratch page, fed rows, and the runner's graph path on the
 CPU (a stand-in graph that re-runs the captured body) against eager steps."""
 
+import dataclasses
 import random
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
-from flashlet.batch import StepBuffers, StepRow, build_layout, load_layout
+from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout,
+                            load_layout)
 from flashlet.kv_pool import KVPool
+from flashlet.model_runner import graph_input_addresses
 from flashlet.request import PLACEHOLDER
 
 
@@ -84,6 +87,82 @@ def test_fed_rows_take_the_previous_steps_tokens():
         buffers.load(layout)
 
 
+SCRATCH = 250  # a page no random row uses
+
+
+def padded_reference(rows, ps, size):
+    """The layout of `rows` padded to `size` sequences, built the obvious way: the padding rows
+    are one-token sequences at position 0 on the scratch page, not sampled."""
+    padding = [StepRow([0], 0, [SCRATCH], False)] * (size - len(rows))
+    return build_layout(list(rows) + padding, ps)
+
+
+def fed_reference(layout, fed_tokens):
+    ids = layout.input_ids.clone()
+    ids[layout.feed_rows] = fed_tokens[layout.feed_src]
+    return ids
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_loads_into_the_one_arena_give_the_layouts_tensors(ps):
+    """Random prefill, mixed, decode and padded decode steps one after another into the same
+    buffers: every device and host view holds the (padded) layout, fed rows included, each
+    field at a 16-byte aligned address."""
+    rng = random.Random(10 + ps)
+    buffers = StepBuffers(200, 8, 8 * 60, "cpu", scratch_page=SCRATCH, page_size=ps)
+    fed_tokens = torch.arange(1000, 1008)
+    for trial in range(80):
+        rows = random_rows(rng, ps, decode_only=trial % 2 == 0)
+        layout = build_layout(rows, ps)
+        size = rng.choice([len(rows), 8]) if layout.is_pure_decode else None
+        want = padded_reference(rows, ps, size) if size else layout
+        input_ids, meta = buffers.load(layout, fed_tokens, pad_to=size)
+        assert input_ids.tolist() == fed_reference(want, fed_tokens).tolist(), rows
+        assert meta.num_padding == (size or len(rows)) - len(rows)
+        for name, tensor in want.tensors().items():
+            host = getattr(meta.host, name)
+            assert host.dtype == LAYOUT_DTYPES[name]
+            if name != "input_ids":  # the host copy keeps 0 in fed rows
+                assert host.tolist() == tensor.tolist(), (name, rows)
+            if hasattr(meta, name):
+                dev = getattr(meta, name)
+                assert dev.tolist() == tensor.tolist(), (name, rows)
+                assert dev.data_ptr() % ARENA_ALIGN == 0, name
+
+
+def test_decode_steps_padded_to_one_size_find_every_field_at_one_address():
+    """What a CUDA graph captured at batch 8 reads: the same addresses for any decode step
+    padded to 8, whatever its sequence count, page count, sampled and fed rows."""
+    ps = 4
+    buffers = StepBuffers(64, 8, 8 * 40, "cpu", scratch_page=SCRATCH, page_size=ps)
+    fed_tokens = torch.arange(8)
+    steps = [[StepRow([5], 3, [0]), StepRow([6], 2, [1])],  # 2 pages
+             [StepRow([PLACEHOLDER], 40, list(range(10, 21)), True, 1),
+              StepRow([PLACEHOLDER], 99, list(range(30, 55)), True, 0),
+              StepRow([7], 12, [2, 3, 4, 5], False)],  # 40 pages, fed rows, one not sampled
+             [StepRow([PLACEHOLDER], 16, list(range(60, 65)), True, b) for b in range(7)]]
+    seen = set()
+    for rows in steps:
+        input_ids, meta = buffers.load(build_layout(rows, ps), fed_tokens, pad_to=8)
+        seen.add(graph_input_addresses(input_ids, meta) + (meta.logits_indices.data_ptr(),))
+    assert len(seen) == 1
+    # An eager step (a prefill chunk) may go anywhere; the next padded decode is back in place.
+    buffers.load(build_layout([StepRow(list(range(1, 30)), 0, list(range(8)))], ps))
+    input_ids, meta = buffers.load(build_layout(steps[0], ps), pad_to=8)
+    assert graph_input_addresses(input_ids, meta) + (meta.logits_indices.data_ptr(),) in seen
+
+
+def test_a_step_beyond_a_fields_capacity_is_refused():
+    buffers = StepBuffers(4, 2, 3, "cpu")
+    with pytest.raises(ValueError, match="input_ids has 5 entries; the buffers hold 4"):
+        buffers.load(build_layout([StepRow([1, 2, 3, 4, 5], 0, [0, 1])], 4))
+    with pytest.raises(ValueError, match="paged_kv_indices has 6 entries; the buffers hold 5"):
+        buffers.load(build_layout([StepRow([1], 11, [0, 1, 2]), StepRow([1], 11, [3, 4, 5])], 4))
+    with pytest.raises(ValueError, match="cannot pad to 4"):
+        StepBuffers(4, 2, 3, "cpu", scratch_page=9).load(build_layout([StepRow([1], 0, [0])], 4),
+                                                          pad_to=4)
+
+
 def test_padding_rows_use_the_scratch_page_and_leave_real_rows_alone():
     """A decode step of 3 padded to 8, as for a CUDA graph: padding rows are one-token
     sequences on the scratch page, and the torch backend's graph path (plan_graph, batched)
@@ -118,8 +197,9 @@ def test_padding_rows_use_the_scratch_page_and_leave_real_rows_alone():
 
 
 class ReplayEagerly:
-    """Stands in for a captured CUDA graph on the CPU: replay() re-runs the captured body, which
-    reads the step buffers at the padded batch size, into the same output tensor."""
+    """Stands in for a captured CUDA graph on the CPU: replay() re-runs the captured body on the
+    input views of the step it was captured on, into the same output tensor (as a graph reads
+    the addresses its capture saw)."""
 
     def __init__(self, body):
         self.body = body
@@ -133,8 +213,8 @@ def _graphs_on_the_cpu(engine):
     runner = engine.runner
     runner.use_graphs = True
 
-    def capture(size, tokens=False):
-        graph = ReplayEagerly(lambda: runner._decode_body(size, tokens))
+    def capture(input_ids, meta, tokens=False):
+        graph = ReplayEagerly(lambda: runner._decode_body(input_ids, meta.positions, tokens))
         return graph, graph.logits
 
     runner._capture = capture
@@ -172,3 +252,18 @@ def test_a_graph_step_not_loaded_by_the_runner_is_refused(tiny_qwen2):
         engine.runner.forward(*load_layout(layout, "cpu"))
     logits = engine.runner.forward(*engine.runner.load(layout))
     assert logits.shape[0] == 3
+
+
+def test_a_replay_whose_inputs_moved_is_refused(tiny_qwen2):
+    """A graph reads the addresses its capture saw: a step whose inputs sit elsewhere must
+    fail loudly instead of replaying on stale data."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8))
+    _graphs_on_the_cpu(engine)
+    runner = engine.runner
+    layout = build_layout([StepRow([5], 3, [0]), StepRow([6], 2, [1]), StepRow([7], 1, [2])], 16)
+    assert runner.forward(*runner.load(layout)).shape[0] == 3  # captures batch 4
+    input_ids, meta = runner.load(layout)
+    moved = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.clone())
+    with pytest.raises(RuntimeError, match="other addresses"):
+        runner.forward(input_ids, moved)
+    assert runner.forward(*runner.load(layout)).shape[0] == 3

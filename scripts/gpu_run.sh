@@ -33,6 +33,8 @@
 #                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
+#                                             fused-best (issue 16: fused engine tests, per-op
+#                                             vs the best fused path; ~4 min)
 #                                             generate-trace (issue 16: a single-stream
 #                                             LLM.generate step's host time by part; CuTe DSL)
 #                                             step-load (a step's inputs in one upload: graph
@@ -238,6 +240,12 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 420 python3 scripts/fused_decode_bench.py --paths per-op fused+pdl+rope fused+pdl+rope+attn \
         --json "$OUT/json/fused-decode-c.json" ;;
+    fused-best)  # issue 16, short: the fused engine tests, then per-op against the best path
+                 # (fused + PDL + RoPE-in-QKV + one-launch attention) only (~4 min)
+      cute_env
+      run 400 $PYTEST tests/gpu/test_gpu_fused_decode.py
+      run 300 python3 scripts/fused_decode_bench.py --paths per-op fused+pdl+rope+attn \
+        --json "$OUT/json/fused-best.json" ;;
     fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
                      # PDL, then with PDL and RoPE in the QKV epilogue, then with the
                      # one-launch attention too (plan C) (~3 min)

@@ -166,10 +166,10 @@ def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
 
 
 def _ms(q: dict | None) -> str:
-    """A quantiles() figure: "p50 / p99" (ms)."""
+    """A quantiles() figure: "p50 / p99 / max" (ms)."""
     if not q or q.get("p50") is None:
         return "–"
-    return f"{q['p50']:.2f} / {q['p99']:.2f}"
+    return f"{q['p50']:.2f} / {q['p99']:.2f} / {q['max']:.2f}"
 
 
 def _f(x, fmt: str = ".2f") -> str:
@@ -185,11 +185,12 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     """The server's own view of each level (GET /debug/stats around it, diagnostics.py) beside
     the in-process engine's: where the server's time goes. Per core (cN) and API process (aK)."""
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
-            "step ms mean in / server | core loop: step / send / receive / idle (% of level) | "
-            "turnaround p50 / p99 (ms) | API CPU busy | API tokens per event | "
-            "API event-loop lag p50 / p99 (ms) | step message delivery p50 / p99 (ms) | "
+            "step ms mean in / server | server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
+            "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
+            "API event-loop lag p50 / p99 / max (ms) | "
+            "step message delivery p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     by_c = {lv["concurrency"]: lv for lv in server["levels"]}
     for lv in inproc["levels"]:
         sv = by_c.get(lv["concurrency"])
@@ -206,6 +207,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
                                                    for i, c in enumerate(cores))
             + f" | {_f(lv['step_ms']['mean'])} / " + ", ".join(
                 f"c{i} {_f(c['step_ms_mean'])}" for i, c in enumerate(cores))
+            + " | " + ", ".join(f"c{i} {_f(c['step_ms']['p99'])} / {_f(c['step_ms']['max'])}"
+                                for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} " + " / ".join(
                 f"{100 * c['loop_share'][p]:.1f}" for p in ("step", "send", "receive", "idle"))
                 for i, c in enumerate(cores))

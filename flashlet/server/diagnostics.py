@@ -41,11 +41,14 @@ def bucket_of(seconds: float) -> int:
 
 def quantiles(before: list[float] | None, after: list[float],
               qs=(0.5, 0.99)) -> dict[str, float | int | None]:
-    """{"n", "p50", "p99"} (ms) of the samples counted between two readings of a histogram's
-    buckets: each quantile is its bucket's upper edge (the last bucket's: its lower edge)."""
+    """{"n", "p50", "p99", "max"} (ms) of the samples counted between two readings of a
+    histogram's buckets: each figure is its bucket's upper edge (the last bucket's: its lower
+    edge)."""
     counts = [a - b for a, b in zip(after, before)] if before else list(after)
     n = sum(counts)
     out: dict[str, float | int | None] = {"n": int(n)}
+    top = max((i for i, c in enumerate(counts) if c > 0), default=None)
+    out["max"] = None if top is None else EDGES[min(top, len(EDGES) - 1)] * 1e3
     for q in qs:
         key = f"p{round(q * 100)}"
         if n <= 0:
@@ -108,6 +111,7 @@ class LoopCounters:
         self.tokens = 0  # output tokens the steps made
         self.requests = 0  # requests added
         self.turnaround = LogHistogram()
+        self.step_time = LogHistogram()
         self._finishes: collections.deque[float] = collections.deque()
         self.gc = GcTimer()
 
@@ -116,6 +120,7 @@ class LoopCounters:
 
     def step_done(self, seconds: float, outputs) -> None:
         self.seconds["step"] += seconds
+        self.step_time.add(seconds)
         self.steps += 1
         now = time.monotonic()
         for out in outputs:
@@ -134,6 +139,7 @@ class LoopCounters:
         self._finishes.clear()
         return {"steps": self.steps, "tokens": self.tokens, "requests": self.requests,
                 "seconds": dict(self.seconds), "turnaround": list(self.turnaround.counts),
+                "step_time": list(self.step_time.counts),
                 "gc_s": self.gc.seconds, "gc_full": self.gc.full, "gc_long": self.gc.long}
 
 
@@ -230,6 +236,7 @@ def level_figures(before: dict, after: dict, duration: float) -> dict:
             "steps_per_s": steps / wall,
             "tokens_per_step": tokens / steps if steps else None,
             "step_ms_mean": seconds["step"] * 1e3 / steps if steps else None,
+            "step_ms": quantiles(lb["step_time"], la["step_time"]),
             "loop_share": {p: s / wall for p, s in seconds.items()},
             "turnaround_ms": quantiles(lb["turnaround"], la["turnaround"]),
             **_gc_figures(lb, la, wall)})

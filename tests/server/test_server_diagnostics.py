@@ -38,7 +38,8 @@ def test_bucketed_quantiles_bracket_the_exact_ones():
             edge = got[f"p{round(q * 100)}"] / 1e3  # the upper edge of the sample's bucket
             assert edge in EDGES
             assert edge / 1.25 < exact <= edge * (1 + 1e-9), (q, exact, edge)
-    assert quantiles(before, before) == {"n": 0, "p50": None, "p99": None}
+        assert got["max"] / 1e3 / 1.25 < max(samples) <= got["max"] / 1e3 * (1 + 1e-9)
+    assert quantiles(before, before) == {"n": 0, "max": None, "p50": None, "p99": None}
 
 
 def _out(rid: int, finished: bool):
@@ -122,6 +123,8 @@ def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
     assert core["requests"] == 12 and core["tokens"] == 12 * 16
     assert core["steps"] >= 16 and 1 <= core["tokens_per_step"] <= 4
     assert core["step_ms_mean"] > 0 and core["steps_per_s"] > 0
+    assert core["step_ms"]["n"] == core["steps"]
+    assert core["step_ms"]["p50"] <= core["step_ms"]["p99"] <= core["step_ms"]["max"]
     shares = core["loop_share"]
     assert all(0 <= s <= 1 for s in shares.values())
     assert shares["step"] > 0 and sum(shares.values()) == pytest.approx(1.0, abs=0.02)

@@ -237,6 +237,7 @@ def diagnosis(diag: dict) -> str:
     return (f"{share} | {core['tokens_per_step'] or 0:.1f} | {ms(core['turnaround_ms'])} | "
             f"{ms(api['loop_lag_ms'])} | "
             f"{100 * api['gc_share']:.2f} ({api['gc_full']}, {api['gc_long']}) | "
+            f"{ms(api['intake_ms'])} | {ms(api['client_gap_ms'])} | "
             f"{ms(api['delivery_ms'])}")
 
 
@@ -299,10 +300,10 @@ def main(argv=None) -> int:
         print(f"| streams | tok/s | SSE events/s | tokens/event | API CPU us/token | API CPU "
               f"share | core steps/s | core CPU us/step | core loop step / send / receive / "
               f"idle % | core tokens/step | turnaround p50 / p99 ms | event-loop lag p50 / p99 ms | "
-              f"API GC % (full, > 5 ms) | "
+              f"API GC % (full, > 5 ms) | intake p50 / p99 ms | client gap p50 / p99 ms | "
               f"delivery p50 / p99 ms "
               f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms)")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for streams in args.streams:
             r = asyncio.run(level(port, proc.pid, streams, payload, args.seconds))
             results.append(r)

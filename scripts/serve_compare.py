@@ -188,9 +188,10 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
             "step ms mean in / server | server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
             "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
-            "step message delivery p50 / p99 / max (ms) | "
+            "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
+            "client's own turnaround p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 14]
     by_c = {lv["concurrency"]: lv for lv in server["levels"]}
     for lv in inproc["levels"]:
         sv = by_c.get(lv["concurrency"])
@@ -217,6 +218,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['tokens_per_event'])}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_ms(a['loop_lag_ms'])}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_ms(a['delivery_ms'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['intake_ms'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['client_gap_ms'])}" for a in api)
             + " | " + ", ".join(_gc(f"c{i}", c) for i, c in enumerate(cores))
             + ", " + ", ".join(_gc(f"a{a['api_server']}", a) for a in api)
             + " |")
@@ -231,7 +234,10 @@ DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level;
               "finish in the core to the next request's arrival there (matched first in, first "
               "out); API CPU busy = the process's CPU seconds (all threads) / level seconds; "
               "event-loop lag: lateness of a 10 ms asyncio timer; delivery: a step message's "
-              "send in the core to its decoding in the API process's reader thread; GC: the time in "
+              "send in the core to its decoding in the API process's reader thread; intake: a "
+              "request's handler start to its submission to a core (validation, tokenizing); "
+              "client's own turnaround: on a keep-alive connection, from a response's end to the "
+              "next request's start (the load generator's share of the turnaround); GC: the time in "
               "Python's garbage collector, with the full collections and the pauses over 5 ms. "
               "Latencies come from buckets 1.25x wide (each figure is its bucket's upper edge).")
 

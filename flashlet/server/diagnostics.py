@@ -12,7 +12,10 @@ Two sources, both cumulative counters (a reader takes two readings and their dif
   the SSE events it sent and the tokens they carried, the lateness of a periodic event-loop
   timer (the event loop's lag: what a step's tokens wait for once the reader thread hands them
   over) and the delay from a core sending a step's message to this process's reader thread
-  decoding it (zmq and the interpreter lock), and the time in the garbage collector (also
+  decoding it (zmq and the interpreter lock), a request's intake (its handler's start to its
+  submission to a core: validation, tokenizing), the client's own turnaround (on a keep-alive
+  connection, from a response's end to the next request's start: what the load generator
+  adds to the core's turnaround), and the time in the garbage collector (also
   counted in each core). Kept in shared memory, one row per API process,
   so that whichever process answers /debug/stats reports all of them.
 
@@ -147,7 +150,10 @@ class LoopCounters:
 _CPU, _WALL, _EVENTS, _TOKENS, _GC_S, _GC_FULL, _GC_LONG = range(7)
 _LAG = 7
 _DELIVERY = _LAG + NUM_BUCKETS
-ROW = _DELIVERY + NUM_BUCKETS
+_INTAKE = _DELIVERY + NUM_BUCKETS
+_CLIENT_GAP = _INTAKE + NUM_BUCKETS
+ROW = _CLIENT_GAP + NUM_BUCKETS
+MAX_CONNECTIONS_TRACKED = 100_000  # client_gap's open connections (a closed one's entry stays)
 
 
 def shared_rows(count: int):
@@ -164,6 +170,7 @@ class ApiCounters:
         self.base = index * ROW
         self._started: tuple[float, float] | None = None
         self._task: asyncio.Task | None = None
+        self._ended: dict = {}  # connection -> when its last response ended
 
     # Written by this process only (the event loop, and the reader thread for delivery: one
     # float += at a time, under the interpreter lock).
@@ -175,6 +182,23 @@ class ApiCounters:
     def delivered(self, sent_at: float) -> None:
         """A core's step message that it sent at sent_at (time.monotonic) was decoded here."""
         self.rows[self.base + _DELIVERY + bucket_of(time.monotonic() - sent_at)] += 1
+
+    def submitted(self, arrived_at: float) -> None:
+        """A request whose handler started at arrived_at went to the engine (its intake:
+        validation, tokenizing, routing)."""
+        self.rows[self.base + _INTAKE + bucket_of(time.monotonic() - arrived_at)] += 1
+
+    def request_started(self, connection) -> None:
+        """A request came on `connection` (the client's address): the time since the last
+        response on it ended is the client's own turnaround (keep-alive connections)."""
+        ended = self._ended.pop(connection, None)
+        if ended is not None:
+            self.rows[self.base + _CLIENT_GAP + bucket_of(time.monotonic() - ended)] += 1
+
+    def response_ended(self, connection) -> None:
+        if len(self._ended) >= MAX_CONNECTIONS_TRACKED:
+            self._ended.clear()
+        self._ended[connection] = time.monotonic()
 
     def start(self) -> None:
         """Start the event-loop timer on the running loop (idempotent)."""
@@ -212,7 +236,9 @@ class ApiCounters:
                         "events": row[_EVENTS], "tokens": row[_TOKENS], "gc_s": row[_GC_S],
                         "gc_full": row[_GC_FULL], "gc_long": row[_GC_LONG],
                         "loop_lag": row[_LAG:_LAG + NUM_BUCKETS],
-                        "delivery": row[_DELIVERY:_DELIVERY + NUM_BUCKETS]})
+                        "delivery": row[_DELIVERY:_DELIVERY + NUM_BUCKETS],
+                        "intake": row[_INTAKE:_INTAKE + NUM_BUCKETS],
+                        "client_gap": row[_CLIENT_GAP:_CLIENT_GAP + NUM_BUCKETS]})
         return out
 
 
@@ -248,7 +274,10 @@ def level_figures(before: dict, after: dict, duration: float) -> dict:
             "events": int(events), "tokens": int(tokens),
             "tokens_per_event": tokens / events if events else None,
             "loop_lag_ms": quantiles(b["loop_lag"], a["loop_lag"]),
-            "delivery_ms": quantiles(b["delivery"], a["delivery"]), **_gc_figures(b, a, wall)})
+            "delivery_ms": quantiles(b["delivery"], a["delivery"]),
+            "intake_ms": quantiles(b["intake"], a["intake"]),
+            "client_gap_ms": quantiles(b["client_gap"], a["client_gap"]),
+            **_gc_figures(b, a, wall)})
     return {"cores": cores, "api_servers": api}
 
 

@@ -426,6 +426,7 @@ class Server:
         streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[])) for p in samples]
         try:
             self.loop.submit_group(streams, self.config.max_waiting)
+            self.api_counters.submitted(t0)
         except Overloaded as e:
             self.metrics.requests_rejected.labels("overloaded").inc()
             raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",

@@ -68,3 +68,4 @@ def test_both_tables_have_their_headers_columns():
     assert "| 1 | 102 / c0 0 |" in diag  # in-process steps/s (1024 in 10 s) / the core's
     assert "a0 0.15, a1 0.00" in diag  # CPU busy: 1.5 s of 10
     assert "a0 4.00, a1 –" in diag  # tokens per event
+    assert diag.count("a0 0.05 / 0.05 / 0.05") == 1  # the loop lag: 5 samples in bucket 3

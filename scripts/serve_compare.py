@@ -9,7 +9,12 @@
    `python -m flashlet.bench --url` against it (text prompts, about one token per word; the
    server counts the exact prompt tokens; the streams shared by its client processes, see
    --client-procs), then SIGTERM;
-3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios.
+3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios;
+   then the server's own diagnostics per level (GET /debug/stats around it, read by the bench:
+   server/diagnostics.py) beside the in-process engine's steps/s, tokens per step and step
+   time: where the server's time goes (DIAG_NOTES says what each column is).
+Every level runs at least --min-requests (64) requests: at concurrency 1, one outlier of 64
+moves the TTFT p99 (between the two highest samples) less than one of 32 (near the highest).
 Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
 """
 

@@ -14,7 +14,9 @@ streamed tokens/s, SSE events/s, tokens per event (above 1: the API process fell
 core and sent several tokens in one event), and the API process's CPU time per token (user +
 system, from /proc: what the server spends per token outside the engine), with the core
 process's steps/s and CPU per step (the EngineCore loop's own cost: the token source is a few
-lines).
+lines), and the server's own diagnostics (GET /debug/stats, server/diagnostics.py): the core
+loop's time split and tokens per step, the request turnaround, the event-loop lag, the API
+process's time in the garbage collector, its request intake and the clients' own turnaround.
 
 Never used by the tests as a fake engine: the tests run the real one.
 """

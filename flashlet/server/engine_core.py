@@ -16,7 +16,9 @@ process `request_id % N` (`api_server_of`) without keeping a map. A probe names 
 
 The loop: when the engine has work, take whatever arrived (without waiting), step, send the
 step's outputs; when idle, block on the socket (waking every second to check that the first
-API process, its parent, is still alive: an orphaned core exits).
+API process, its parent, is still alive: an orphaned core exits). The loop counts where its
+time goes (diagnostics.LoopCounters: a few clock reads per step), sent only in the reply to a
+Probe that asks for them (GET /debug/stats), never with the steps.
 """
 
 from __future__ import annotations

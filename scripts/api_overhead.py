@@ -14,7 +14,9 @@ streamed tokens/s, SSE events/s, tokens per event (above 1: the API process fell
 core and sent several tokens in one event), and the API process's CPU time per token (user +
 system, from /proc: what the server spends per token outside the engine), with the core
 process's steps/s and CPU per step (the EngineCore loop's own cost: the token source is a few
-lines).
+lines), and the server's own diagnostics (GET /debug/stats, server/diagnostics.py): the core
+loop's time split and tokens per step, the request turnaround, the event-loop lag, the API
+process's time in the garbage collector, its request intake and the clients' own turnaround.
 
 Never used by the tests as a fake engine: the tests run the real one.
 """
@@ -204,20 +206,41 @@ def core_steps(port: int) -> float:
 
 
 async def level(port: int, pid: int, streams: int, payload: bytes, seconds: float) -> dict:
+    from flashlet.bench.remote import server_debug_stats
+    from flashlet.server.diagnostics import level_figures
+
     tally = {"events": 0, "tokens": 0, "requests": 0}
     core = core_pid(pid)
-    steps0, core0 = core_steps(port), cpu_seconds(core)
+    url = f"http://127.0.0.1:{port}"
+    steps0, core0, debug0 = core_steps(port), cpu_seconds(core), server_debug_stats(url)
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(one_stream(port, payload, t0 + seconds, tally) for _ in range(streams)))
     cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
     steps, core_cpu = core_steps(port) - steps0, cpu_seconds(core) - core0
+    diag = level_figures(debug0, server_debug_stats(url), wall)
     return {"streams": streams, "wall_s": wall, "requests": tally["requests"],
             "core_steps_s": steps / wall, "core_cpu_us_per_step": core_cpu / max(steps, 1) * 1e6,
             "tokens": tally["tokens"], "tok_s": tally["tokens"] / wall,
             "events_s": tally["events"] / wall,
             "tokens_per_event": tally["tokens"] / max(tally["events"], 1),
             "api_cpu_s": cpu, "api_cpu_us_per_token": cpu / max(tally["tokens"], 1) * 1e6,
-            "api_cpu_share": cpu / wall}
+            "api_cpu_share": cpu / wall, "server_diag": diag}
+
+
+def diagnosis(diag: dict) -> str:
+    """The server's own figures (GET /debug/stats): core 0's loop, API process 0's lags."""
+    core, api = diag["cores"][0], diag["api_servers"][0]
+
+    def ms(q):
+        return "-" if q["p50"] is None else f"{q['p50']:.2f} / {q['p99']:.2f}"
+
+    share = " / ".join(f"{100 * core['loop_share'][p]:.1f}"
+                       for p in ("step", "send", "receive", "idle"))
+    return (f"{share} | {core['tokens_per_step'] or 0:.1f} | {ms(core['turnaround_ms'])} | "
+            f"{ms(api['loop_lag_ms'])} | "
+            f"{100 * api['gc_share']:.2f} ({api['gc_full']}, {api['gc_long']}) | "
+            f"{ms(api['intake_ms'])} | {ms(api['client_gap_ms'])} | "
+            f"{ms(api['delivery_ms'])}")
 
 
 def free_port() -> int:
@@ -277,16 +300,21 @@ def main(argv=None) -> int:
         prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
         payload = request_bytes(args.endpoint, prompt, args.tokens)
         print(f"| streams | tok/s | SSE events/s | tokens/event | API CPU us/token | API CPU "
-              f"share | core steps/s | core CPU us/step |  ({args.endpoint}, {args.tokens} "
-              f"tokens/request, step {args.step_ms} ms)")
-        print("|---|---|---|---|---|---|---|---|")
+              f"share | core steps/s | core CPU us/step | core loop step / send / receive / "
+              f"idle % | core tokens/step | turnaround p50 / p99 ms | "
+              f"event-loop lag p50 / p99 ms | "
+              f"API GC % (full, > 5 ms) | intake p50 / p99 ms | client gap p50 / p99 ms | "
+              f"delivery p50 / p99 ms "
+              f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms)")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for streams in args.streams:
             r = asyncio.run(level(port, proc.pid, streams, payload, args.seconds))
             results.append(r)
             print(f"| {streams} | {r['tok_s']:,.0f} | {r['events_s']:,.0f} | "
                   f"{r['tokens_per_event']:.2f} | {r['api_cpu_us_per_token']:.1f} | "
                   f"{r['api_cpu_share']:.2f} | {r['core_steps_s']:,.0f} | "
-                  f"{r['core_cpu_us_per_step']:.0f} |", flush=True)
+                  f"{r['core_cpu_us_per_step']:.0f} | {diagnosis(r['server_diag'])} |",
+                  flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -18,7 +18,8 @@
 #                                             GPUs; not in all); serve (the server against
 #                                             in-process, same workload; not in all);
 #                                             serve-api2 (issue 13: serve's comparison with
-#                                             --api-server-count 2 and 4; not in all, ~15 min;
+#                                             --api-server-count 2 and 4, with the server's own
+#                                             diagnostics table; not in all, ~15 min;
 #                                             CLIENT_PROCS=N: the bench's --client-procs, also
 #                                             for serve); client-ceiling (issue 13: the bench's
 #                                             --url client against a stub SSE server, 1-4

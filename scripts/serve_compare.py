@@ -9,7 +9,12 @@
    `python -m flashlet.bench --url` against it (text prompts, about one token per word; the
    server counts the exact prompt tokens; the streams shared by its client processes, see
    --client-procs), then SIGTERM;
-3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios.
+3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios;
+   then the server's own diagnostics per level (GET /debug/stats around it, read by the bench:
+   server/diagnostics.py) beside the in-process engine's steps/s, tokens per step and step
+   time: where the server's time goes (DIAG_NOTES says what each column is).
+Every level runs at least --min-requests (64) requests: at concurrency 1, one outlier of 64
+moves the TTFT p99 (between the two highest samples) less than one of 32 (near the highest).
 Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
 """
 
@@ -165,6 +170,83 @@ def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
     return "\n".join(lines)
 
 
+def _ms(q: dict | None) -> str:
+    """A quantiles() figure: "p50 / p99 / max" (ms)."""
+    if not q or q.get("p50") is None:
+        return "–"
+    return f"{q['p50']:.2f} / {q['p99']:.2f} / {q['max']:.2f}"
+
+
+def _f(x, fmt: str = ".2f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def _gc(name: str, figures: dict) -> str:
+    return (f"{name} {100 * figures['gc_share']:.2f} ({figures['gc_full']}, "
+            f"{figures['gc_long']})")
+
+
+def diagnostics_table(inproc: dict, server: dict) -> str:
+    """The server's own view of each level (GET /debug/stats around it, diagnostics.py) beside
+    the in-process engine's: where the server's time goes. Per core (cN) and API process (aK)."""
+    head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
+            "step ms mean in / server | server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
+            "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
+            "API event-loop lag p50 / p99 / max (ms) | "
+            "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
+            "client's own turnaround p50 / p99 / max (ms) | "
+            "GC % of level (full collections, pauses > 5 ms) |")
+    lines = [head, "|" + "---|" * 14]
+    by_c = {lv["concurrency"]: lv for lv in server["levels"]}
+    for lv in inproc["levels"]:
+        sv = by_c.get(lv["concurrency"])
+        diag = (sv or {}).get("server_diag")
+        if not diag:
+            continue
+        steps_in = lv["num_steps"] / max(lv["duration_s"], 1e-9)
+        batch_in = lv["output_tokens"] / lv["num_steps"] if lv["num_steps"] else None
+        cores, api = diag["cores"], diag["api_servers"]
+        lines.append(
+            f"| {lv['concurrency']} | {steps_in:,.0f} / "
+            + ", ".join(f"c{i} {c['steps_per_s']:,.0f}" for i, c in enumerate(cores))
+            + f" | {_f(batch_in)} / " + ", ".join(f"c{i} {_f(c['tokens_per_step'])}"
+                                                   for i, c in enumerate(cores))
+            + f" | {_f(lv['step_ms']['mean'])} / " + ", ".join(
+                f"c{i} {_f(c['step_ms_mean'])}" for i, c in enumerate(cores))
+            + " | " + ", ".join(f"c{i} {_f(c['step_ms']['p99'])} / {_f(c['step_ms']['max'])}"
+                                for i, c in enumerate(cores))
+            + " | " + ", ".join(f"c{i} " + " / ".join(
+                f"{100 * c['loop_share'][p]:.1f}" for p in ("step", "send", "receive", "idle"))
+                for i, c in enumerate(cores))
+            + " | " + ", ".join(f"c{i} {_ms(c['turnaround_ms'])}" for i, c in enumerate(cores))
+            + " | " + ", ".join(f"a{a['api_server']} {_f(a['busy'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_f(a['tokens_per_event'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['loop_lag_ms'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['delivery_ms'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['intake_ms'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_ms(a['client_gap_ms'])}" for a in api)
+            + " | " + ", ".join(_gc(f"c{i}", c) for i, c in enumerate(cores))
+            + ", " + ", ".join(_gc(f"a{a['api_server']}", a) for a in api)
+            + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level; shares and "
+              "rates over the level's duration): tokens per step = output tokens / steps (the "
+              "mean number of requests that got a token per step); the core loop's step / send "
+              "(encode + zmq send of the step's outputs) / receive (decode and add the new "
+              "requests) / idle (the rest: waiting for requests); turnaround: from a request's "
+              "finish in the core to the next request's arrival there (matched first in, first "
+              "out); API CPU busy = the process's CPU seconds (all threads) / level seconds; "
+              "event-loop lag: lateness of a 10 ms asyncio timer; delivery: a step message's "
+              "send in the core to its decoding in the API process's reader thread; intake: a "
+              "request's handler start to its submission to a core (validation, tokenizing); "
+              "client's own turnaround: on a keep-alive connection, from a response's end to the "
+              "next request's start (the load generator's share of the turnaround); GC: the time in "
+              "Python's garbage collector, with the full collections and the pauses over 5 ms. "
+              "Latencies come from buckets 1.25x wide (each figure is its bucket's upper edge).")
+
+
 NOTES = ("Closed loop, the same lengths on both sides (prompt lengths uniform in the range, "
          "max_new_tokens each, ignore_eos). In-process prompts are token ids; the server's are "
          "text, about one token per word. TTFT and ITL are per token: in-process when the engine "
@@ -183,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 768])
     p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--min-requests", type=int, default=32,
+    p.add_argument("--min-requests", type=int, default=64,
                    help="requests per level at least (so that p99 at concurrency 1 is a "
                         "percentile; default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
@@ -202,6 +284,12 @@ def main(argv=None) -> int:
     server = run_server(args, engine_flags, out)
     print(table(inproc, server))
     print()
+    diagnostics = diagnostics_table(inproc, server)
+    if diagnostics:
+        print(diagnostics)
+        print()
+        print(DIAG_NOTES)
+        print()
     print(ttft_by_request(inproc, server, min(args.concurrency)))
     print()
     for extra in (server_side_ttft(server), by_api_server(server)):

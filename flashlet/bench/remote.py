@@ -22,7 +22,10 @@ come from the final event's `usage.completion_tokens` (else one per token). "mea
 server's: the level's duration over the engine steps its /metrics counted meanwhile (per core).
 Beside the client's TTFT, the server's own (the final event's `ttft_ms`: from its handler's start
 to the first token in the API process) as `server_ttft_ms`, and with several API processes
-(the `x-flashlet-api-server` header) both per process in `by_api_server`.
+(the `x-flashlet-api-server` header) both per process in `by_api_server`. Around each level
+the server's own diagnostics (GET /debug/stats, server/diagnostics.py: each core's steps,
+tokens per step and loop time split, the request turnaround, each API process's CPU busy
+fraction, tokens per event and event-loop lag) go into `server_diag`.
 Requests ask for `ignore_eos` so that output lengths are exact, as in-process. Prompts are
 text: words from a fixed list, one word per requested token (about one token each in BPE
 vocabularies; the server's usage.prompt_tokens gives the exact count).
@@ -430,6 +433,25 @@ def server_steps(url: str) -> list[float] | None:
     return None
 
 
+def server_debug_stats(url: str) -> dict | None:
+    """The server's diagnostics counters (GET /debug/stats; None if it has none)."""
+    import httpx
+
+    try:
+        response = httpx.get(url.rstrip("/") + "/debug/stats", timeout=60)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _server_figures(before: dict | None, after: dict | None, duration: float) -> dict | None:
+    if before is None or after is None:
+        return None
+    from flashlet.server.diagnostics import level_figures  # not in the client processes
+
+    return level_figures(before, after, duration)
+
+
 def _mean_step(before, after, duration: float) -> dict | None:
     """step_ms from the server's step counters: its mean is the level's duration per step of a
     core (the cores step side by side); no distribution is known on this side."""
@@ -471,11 +493,14 @@ def _run_levels(args, progress, procs, pool) -> dict:
         specs = text_specs(args.level_requests[li], args.prompt_len_range, args.output_len_range,
                            args.seed, li + 1)
         task = progress.task(f"{args.url} c={c}", len(specs))
-        before = server_steps(args.url)
+        before, debug_before = server_steps(args.url), server_debug_stats(args.url)
         trace = _closed(args.url, specs, c, args.request_timeout, procs[li], pool, task)
         level = {"concurrency": c, "client_procs": procs[li], **trace.metrics()}
         step = _mean_step(before, server_steps(args.url), trace.duration)
         if step is not None:
             level["step_ms"], level["num_steps"] = step, step["n"]
+        figures = _server_figures(debug_before, server_debug_stats(args.url), trace.duration)
+        if figures is not None:
+            level["server_diag"] = figures
         levels.append(level)
     return {"mode": "closed-loop", "levels": levels}

@@ -48,7 +48,7 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
     app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=server.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=server.metrics, server=server)
     if config.allowed_origins:  # outermost: a preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])

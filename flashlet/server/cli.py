@@ -50,6 +50,7 @@ import uvicorn
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
 from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.core_client import CoreClient
+from flashlet.server.diagnostics import ApiCounters, shared_rows
 from flashlet.server.limits import HttpLimits, uvicorn_options
 
 log = logging.getLogger("flashlet.server")
@@ -198,6 +199,7 @@ class UvicornServer(uvicorn.Server):
         self._warming: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
+        self.flashlet.api_counters.start()
         if self.warm_before_listening:
             await self._warm_up_when_ready()
             if self.should_exit or not self.flashlet.loop.is_ready:
@@ -244,6 +246,7 @@ class UvicornServer(uvicorn.Server):
         if self.on_shutdown is not None:
             self.on_shutdown()
         fs = self.flashlet
+        fs.api_counters.stop()
         fs.draining = True
         inflight = fs.loop.num_streams + fs.loop.num_queued
         if inflight:
@@ -314,9 +317,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | None, port: int,
-             api_server: int, warm_flags=None):
+             api_server: int, warm_flags=None, counter_rows=None):
     """The app and uvicorn's config of one API-server process (warm_flags: the API processes'
-    shared warm flags, with --api-server-count > 1)."""
+    shared warm flags, with --api-server-count > 1; counter_rows: their shared diagnostics
+    counters)."""
     app = create_app(client, ServerConfig(model_name=name, api_key=args.api_key,
                                           max_waiting=args.max_waiting,
                                           max_tokens_cap=args.max_tokens_cap,
@@ -326,6 +330,8 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           warm_up=True))
     app.state.server.api_server_index = api_server
     app.state.server.api_servers_warm = warm_flags
+    app.state.server.use_api_counters(ApiCounters(api_server, args.api_server_count,
+                                                  counter_rows))
     if args.api_server_count > 1:
         app.add_middleware(ApiServerHeader, index=api_server)
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_config=None,
@@ -359,7 +365,7 @@ def warm_flags(count: int):
     return multiprocessing.get_context("spawn").RawArray("b", count) if count > 1 else None
 
 
-def start_api_servers(args, sock: socket.socket, client: CoreClient, flags) -> list:
+def start_api_servers(args, sock: socket.socket, client: CoreClient, flags, rows) -> list:
     """Spawn API-server processes 1 .. N-1 on the shared socket, attached to client's cores."""
     spawn = multiprocessing.get_context("spawn")
     children = []
@@ -367,7 +373,7 @@ def start_api_servers(args, sock: socket.socket, client: CoreClient, flags) -> l
     for index in range(1, args.api_server_count):
         child = spawn.Process(target=run_api_server, name=f"flashlet-api{index}", daemon=True,
                               args=(args, index, sock, client.ipc_dir, core_pids, os.getpid(),
-                                    flags))
+                                    flags, rows))
         child.start()
         children.append(child)
     return children
@@ -388,7 +394,7 @@ def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event
 
 
 def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],
-                   owner_pid: int, flags) -> None:
+                   owner_pid: int, flags, rows) -> None:
     """API-server process `index` (> 0): serve the shared socket until SIGTERM or a failure.
     The first process checked every flag already."""
     logging.basicConfig(level=args.log_level.upper(),
@@ -409,7 +415,7 @@ def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pid
                         api_server_index=index, api_server_count=args.api_server_count,
                         ipc_dir=ipc_dir, core_pids=core_pids, owner_pid=owner_pid)
     app, uv_config = make_app(args, client, name, limits, read_chat_template(args.chat_template),
-                              sock.getsockname()[1], index, flags)
+                              sock.getsockname()[1], index, flags, rows)
     uv = UvicornServer(uv_config, app, args.shutdown_timeout, warm_before_listening=True)
     client.start()
     try:
@@ -482,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", _describe(client, engine_config, args.host, port, name,
                                  time.monotonic() - t0, report.seconds))
 
-    flags = warm_flags(args.api_server_count)
-    app, uv_config = make_app(args, client, name, limits, chat_template, port, 0, flags)
+    flags, rows = warm_flags(args.api_server_count), shared_rows(args.api_server_count)
+    app, uv_config = make_app(args, client, name, limits, chat_template, port, 0, flags, rows)
     children: list = []  # the other API-server processes
     child_died = threading.Event()
 
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     uv.should_exit = stop_requested
     if not stop_requested:
         client.start()
-        children = start_api_servers(args, sock, client, flags)
+        children = start_api_servers(args, sock, client, flags, rows)
         if children:
             threading.Thread(target=watch_api_servers, args=(children, uv, child_died),
                              name="flashlet-api-watch", daemon=True).start()

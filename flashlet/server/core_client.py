@@ -112,6 +112,9 @@ class CoreClient(EngineClient):
         self.ready = threading.Event()
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        # Called on the reader thread with each step message's send time (the core's
+        # time.monotonic): the app's diagnostics.ApiCounters.delivered.
+        self.on_step_message: Callable[[float], None] | None = None
 
     # ---- life cycle -----------------------------------------------------------------------
     def _input_addr(self, core: int, api_server: int) -> str:
@@ -250,14 +253,15 @@ class CoreClient(EngineClient):
             for index, rids in by_core.items():
                 self._send_locked(self.cores[index], AbortRequests(rids))
 
-    def probe(self, timeout: float = 30.0) -> list[dict]:
-        """Each core's engine stats after an integrity check (raises if one fails)."""
+    def probe(self, timeout: float = 30.0, loop: bool = False) -> list[dict]:
+        """Each core's engine stats after an integrity check (raises if one fails); loop:
+        with its loop's counters under "loop" instead of the check (diagnostics.py)."""
         futures = []
         for core in self.cores:
             fut = concurrent.futures.Future()
             with self._lock:
                 self._probes[core.index] = fut
-                self._send_locked(core, Probe(self.api_server_index))
+                self._send_locked(core, Probe(self.api_server_index, loop))
             futures.append(fut)
         return [f.result(timeout) for f in futures]
 
@@ -341,11 +345,14 @@ class CoreClient(EngineClient):
                 if msg.error is not None:
                     fut.set_exception(AssertionError(f"engine core {msg.core}: {msg.error}"))
                 else:
-                    fut.set_result(msg.stats)
+                    fut.set_result(msg.stats if msg.loop is None
+                                   else {**msg.stats, "loop": msg.loop})
 
     def _deliver(self, msg: StepOutputs) -> None:
         core = self.cores[msg.core]
         core.stats = msg.stats
+        if self.on_step_message is not None:
+            self.on_step_message(msg.stats["time"])
         by_loop = defaultdict(list)
         with self._lock:
             for out in msg.outputs:

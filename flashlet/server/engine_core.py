@@ -16,7 +16,9 @@ process `request_id % N` (`api_server_of`) without keeping a map. A probe names 
 
 The loop: when the engine has work, take whatever arrived (without waiting), step, send the
 step's outputs; when idle, block on the socket (waking every second to check that the first
-API process, its parent, is still alive: an orphaned core exits).
+API process, its parent, is still alive: an orphaned core exits). The loop counts where its
+time goes (diagnostics.LoopCounters: a few clock reads per step), sent only in the reply to a
+Probe that asks for them (GET /debug/stats), never with the steps.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable
 import msgspec
 
 from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.server.diagnostics import LoopCounters
 
 log = logging.getLogger("flashlet.server")
 
@@ -71,6 +74,7 @@ class Probe(msgspec.Struct, tag=True, array_like=True):
     """Check the engine's integrity and reply with its stats (tests, diagnostics)."""
 
     api_server: int = 0  # the API process to reply to
+    loop: bool = False  # reply with the loop's counters (diagnostics.py) too, skip the check
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -111,6 +115,7 @@ class ProbeReply(msgspec.Struct, tag=True, array_like=True):
     core: int
     stats: dict[str, float]
     error: str | None = None
+    loop: dict[str, Any] | None = None  # LoopCounters.snapshot(), if asked for
 
 
 CoreMessage = StepOutputs | CoreReady | ProbeReply
@@ -215,6 +220,7 @@ class EngineCore:
         self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest,
                                         SamplingParams]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
+        self.counters = LoopCounters()
 
     def run(self) -> None:
         engine = self.engine
@@ -225,15 +231,20 @@ class EngineCore:
                 break
             self._add_compiled()
             if engine.has_unfinished():
-                self._send(self._step())
+                outputs = self._step()
+                t = time.perf_counter()
+                self._send(outputs)
+                self.counters.add_time("send", time.perf_counter() - t)
             elif self.errors or (busy and not self.compiling):
                 # Went idle: say so (the stats show no page held).
                 self._send([])
         self.compiler.shutdown(wait=False, cancel_futures=True)
+        self.counters.gc.close()
 
     def _receive(self, wait: bool, timeout_ms: int | None = None) -> None:
         import zmq
 
+        t = time.perf_counter()
         if wait and timeout_ms is not None:
             self.inbox.poll(timeout_ms)
         elif wait:
@@ -242,13 +253,19 @@ class EngineCore:
                     log.error("the API server process exited; engine core %d stops", self.core)
                     self.stopping = True
                     return
-        while True:
-            try:
-                frames = self.inbox.recv_multipart(zmq.NOBLOCK)  # a request's samples together
-            except zmq.Again:
-                return
-            for frame in frames:
-                self._apply(self.decoder.decode(frame))
+        if wait:
+            waited, t = t, time.perf_counter()
+            self.counters.add_time("idle", t - waited)
+        try:
+            while True:
+                try:
+                    frames = self.inbox.recv_multipart(zmq.NOBLOCK)  # a request's samples together
+                except zmq.Again:
+                    return
+                for frame in frames:
+                    self._apply(self.decoder.decode(frame))
+        finally:
+            self.counters.add_time("receive", time.perf_counter() - t)
 
     def _apply(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -259,13 +276,14 @@ class EngineCore:
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
-            self._probe(msg.api_server)
+            self._probe(msg.api_server, msg.loop)
         elif isinstance(msg, Shutdown):
             for rid in list(self.unfinished):
                 self.engine.abort(rid)
             self.stopping = True
 
     def _add(self, msg: AddRequest) -> None:
+        self.counters.request_arrived()
         try:
             params = msg.sampling_params()
         except (TypeError, ValueError) as e:
@@ -306,11 +324,13 @@ class EngineCore:
             return
 
     def _step(self) -> list[CoreOutput]:
+        t = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {e}")
+        self.counters.step_done(time.perf_counter() - t, outputs)
         for out in outputs:
             if out.finished:
                 self.unfinished.discard(out.request_id)
@@ -352,11 +372,15 @@ class EngineCore:
             if mine or everyone:
                 outbox.send(self.encoder.encode(StepOutputs(self.core, mine, stats)))
 
-    def _probe(self, api_server: int) -> None:
+    def _probe(self, api_server: int, loop: bool = False) -> None:
+        """Reply with the engine's stats: after an integrity check, or (loop) with the loop's
+        counters instead (diagnostics: no check, which would cost a busy core a step's time)."""
         error = None
-        try:
-            self.engine.check_integrity()
-        except Exception as e:  # noqa: BLE001 - reported to the caller
-            error = f"{type(e).__name__}: {e}"
+        if not loop:
+            try:
+                self.engine.check_integrity()
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                error = f"{type(e).__name__}: {e}"
         stats = {**core_stats(self.engine), "has_unfinished": float(self.engine.has_unfinished())}
-        self.outboxes[api_server].send(self.encoder.encode(ProbeReply(self.core, stats, error)))
+        reply = ProbeReply(self.core, stats, error, self.counters.snapshot() if loop else None)
+        self.outboxes[api_server].send(self.encoder.encode(reply))

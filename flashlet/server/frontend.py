@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from flashlet.detokenizer import IncrementalDetokenizer
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
+from flashlet.server.diagnostics import ApiCounters
 from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
 from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
@@ -193,6 +194,7 @@ class Generation:
                 for _ in range(gaps):  # tokens that came together share the wait evenly
                     metrics.itl.observe((now - last) / len(ids))
                 last = now
+                self.server.api_counters.sent(len(ids))  # one SSE event when streaming
                 self.token_ids.extend(ids)
                 if self.logprobs is not None:
                     self.logprobs.extend(logprobs)
@@ -325,6 +327,26 @@ class Server:
         self.api_servers_warm = None
         self.api_server_index = 0
         self.metrics.registry.register(WarmCollector(self))
+        self.api_counters = ApiCounters()
+        self.use_api_counters(self.api_counters)
+
+    def use_api_counters(self, counters: ApiCounters) -> None:
+        """Count this process's figures (GET /debug/stats) in `counters` (the CLI gives each
+        API process its row of the shared ones)."""
+        self.api_counters = counters
+        if hasattr(self.loop, "on_step_message"):  # a CoreClient: time its step messages
+            self.loop.on_step_message = counters.delivered
+
+    async def debug_stats(self) -> dict:
+        """Every core's loop counters (CoreClient; the engine's stats alone with an in-thread
+        EngineLoop) and every API process's (diagnostics.py): cumulative, as of now."""
+        self.api_counters.start()
+        if hasattr(self.loop, "probe") and self.loop.is_ready:
+            cores = await run_in_threadpool(self.loop.probe, 30.0, True)
+        else:
+            cores = self.loop.core_stats()
+        return {"time": time.monotonic(), "cores": cores,
+                "api_servers": self.api_counters.snapshot()}
 
     @property
     def warmed_up(self) -> bool:
@@ -404,6 +426,7 @@ class Server:
         streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[])) for p in samples]
         try:
             self.loop.submit_group(streams, self.config.max_waiting)
+            self.api_counters.submitted(t0)
         except Overloaded as e:
             self.metrics.requests_rejected.labels("overloaded").inc()
             raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",

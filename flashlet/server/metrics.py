@@ -116,20 +116,32 @@ class Metrics:
 
 
 class MetricsMiddleware:
-    """Pure ASGI middleware counting every HTTP response by endpoint and status code."""
+    """Pure ASGI middleware counting every HTTP response by endpoint and status code, and (with
+    `server`) when each request starts and its response ends on its client connection: the
+    client's own turnaround in server.api_counters (diagnostics.py; read per request, the CLI
+    replaces them after the app is built)."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, server=None):
         self.app = app
         self.metrics = metrics
+        self.server = server
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        counters = connection = None
+        if self.server is not None and scope.get("client"):
+            counters, connection = self.server.api_counters, tuple(scope["client"])
+            counters.request_started(connection)
 
         async def send_and_record(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif counters is not None and not message.get("more_body", False):
+                # the response's last byte: marked before it is sent, as the client may send
+                # its next request before this task runs again
+                counters.response_ended(connection)
             await send(message)
 
         try:

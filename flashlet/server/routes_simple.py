@@ -52,6 +52,12 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/stats", include_in_schema=False)
+    async def debug_stats():
+        """Where the time goes (diagnostics.py): cumulative counters of every engine core's
+        loop and every API process; a reader takes two and subtracts."""
+        return await server.debug_stats()
+
     # ---- /generate ------------------------------------------------------------------------
     async def _start_generate(body: GenerateRequest, endpoint: str) -> Generation:
         t0 = time.monotonic()

@@ -8,6 +8,8 @@ the engine client, the detokenizer and SSE formatting. So the server sends a few
 through its own ASGI app in this process (one per OpenAI endpoint and /generate_stream, two
 tokens each, side by side so that several engine cores each take one) and only then answers
 /health with 200. Like SGLang's start-up request, they count in /metrics as any request does.
+Then the process's start-up heap is frozen and the collector's thresholds raised (see
+API_GC_THRESHOLDS).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from flashlet.engine import settle_heap
 log = logging.getLogger("flashlet.server")
 
 WARM_UP_TOKENS = 2
+# The API process's collector thresholds once warm (Python's default: 700, 10, 10). Streaming
+# allocates a few dozen objects per token, so at the default a young collection ran every ~20
+# tokens and a full one (every object not frozen: all the streams' state) several times a
+# second: with 256 streams through scripts/api_overhead.py, 8-11% of the process's wall time
+# went to the collector (its CPU time), with 4-5 full collections and ~25 collections over
+# 5 ms in 5-6 s (each a stall of every stream); at these thresholds 0.2-1%, none full, 1 over
+# 5 ms, and API CPU per token 20-28 us -> 20-23 us (2026-11-30, 2 shared cores, noisy).
+# Cycles are still collected; full collections come ~100x less often.
+API_GC_THRESHOLDS = (50_000, 20, 100)
 
 
 @dataclass
@@ -78,8 +89,9 @@ async def warm_up(app) -> WarmUpReport:
         # serves) does not come in the middle of the first requests.
         report.gc_s = settle_heap()
         report.frozen = gc.get_freeze_count()
-        log.info("API warm-up: %d objects frozen after a %.0f ms full collection", report.frozen,
-                 report.gc_s * 1e3)
+        gc.set_threshold(*API_GC_THRESHOLDS)
+        log.info("API warm-up: %d objects frozen after a %.0f ms full collection; collector "
+                 "thresholds %s", report.frozen, report.gc_s * 1e3, API_GC_THRESHOLDS)
     except Exception as e:  # noqa: BLE001 - the server still serves; the log says why
         report.error = f"{type(e).__name__}: {e}"
         log.warning("the API warm-up failed (%s); the first requests may be slower",

@@ -11,6 +11,7 @@ import pytest
 
 from flashlet.request import RequestOutput
 from flashlet.sampling import SamplingParams
+from flashlet.server.diagnostics import ApiCounters
 from flashlet.server.engine_loop import RequestStream, StreamError
 from flashlet.server.errors import ApiError
 from flashlet.server.frontend import Generation
@@ -23,7 +24,7 @@ def _generation(items) -> Generation:
     for item in items:
         stream.queue.put_nowait(item)
     loop = SimpleNamespace(core_stats=lambda: [], is_ready=True, abort=lambda *a: None)
-    server = SimpleNamespace(metrics=Metrics(loop), loop=loop)
+    server = SimpleNamespace(metrics=Metrics(loop), loop=loop, api_counters=ApiCounters())
     return Generation(server, stream, "generate", time.monotonic(), None)
 
 

@@ -1,0 +1,142 @@
+"""The server's own diagnostics (GET /debug/stats, server/diagnostics.py): bucketed quantiles
+against a sorted reference, the turnaround matching, and the figures of real traffic (the
+in-thread app; the CLI with two API processes) counted exactly and within plausible bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+from server_helpers import ServerProcess, wait_until
+
+from flashlet.server.diagnostics import (EDGES, LogHistogram, LoopCounters, level_figures,
+                                         quantiles)
+
+
+def _histogram(samples) -> list[float]:
+    h = LogHistogram()
+    for s in samples:
+        h.add(float(s))
+    return list(h.counts)
+
+
+def test_bucketed_quantiles_bracket_the_exact_ones():
+    rng = np.random.default_rng(0)
+    first = rng.lognormal(np.log(2e-3), 1.0, 500)  # seconds
+    second = rng.lognormal(np.log(20e-3), 0.7, 700)
+    before = _histogram(first)
+    after = _histogram(np.concatenate([first, second]))
+    for counts_before, samples in ((None, first), (before, second)):
+        got = quantiles(counts_before, before if counts_before is None else after)
+        assert got["n"] == len(samples)
+        for q in (0.5, 0.99):
+            exact = np.quantile(samples, q, method="inverted_cdf")
+            edge = got[f"p{round(q * 100)}"] / 1e3  # the upper edge of the sample's bucket
+            assert edge in EDGES
+            assert edge / 1.25 < exact <= edge * (1 + 1e-9), (q, exact, edge)
+        assert got["max"] / 1e3 / 1.25 < max(samples) <= got["max"] / 1e3 * (1 + 1e-9)
+    assert quantiles(before, before) == {"n": 0, "max": None, "p50": None, "p99": None}
+
+
+def _out(rid: int, finished: bool):
+    return SimpleNamespace(request_id=rid, new_token_ids=[7], finished=finished)
+
+
+def test_turnaround_matches_finishes_with_the_next_arrivals_in_order():
+    counters = LoopCounters()
+    try:
+        counters.request_arrived()  # no finish before it: no turnaround
+        counters.step_done(0.001, [_out(1, True), _out(2, True), _out(3, False)])
+        time.sleep(0.02)
+        counters.request_arrived()
+        counters.request_arrived()
+        counters.request_arrived()  # a third arrival has no finish left to match
+        snap = counters.snapshot()
+        assert (snap["steps"], snap["tokens"], snap["requests"]) == (1, 3, 4)
+        turnaround = quantiles(None, snap["turnaround"])
+        assert turnaround["n"] == 2 and 20 <= turnaround["p99"] < 1000
+        # A snapshot starts a new window: a finish before it is not matched after it.
+        counters.step_done(0.001, [_out(3, True)])
+        counters.snapshot()
+        counters.request_arrived()
+        assert sum(counters.snapshot()["turnaround"]) == 2
+    finally:
+        counters.gc.close()
+
+
+def test_debug_stats_of_the_in_thread_app_count_its_events(server):
+    before = httpx.get(server.url + "/debug/stats", timeout=30).json()
+    t0 = time.monotonic()
+    with httpx.Client(timeout=60) as client:  # one keep-alive connection: a client turnaround
+        for _ in range(2):
+            r = client.post(server.url + "/generate_stream",
+                            json={"prompt": [3, 5, 7], "max_new_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200
+    time.sleep(0.05)  # a tick of the event-loop timer
+    after = httpx.get(server.url + "/debug/stats", timeout=30).json()
+    figures = level_figures(before, after, time.monotonic() - t0)
+    (api,) = figures["api_servers"]
+    assert api["tokens"] == 6 and 2 <= api["events"] <= 6
+    assert 0 <= api["busy"] <= 1.5
+    assert api["intake_ms"]["n"] == 2 and api["client_gap_ms"]["n"] == 1
+    assert api["loop_lag_ms"]["n"] >= 1 and api["loop_lag_ms"]["p50"] is not None
+    assert figures["cores"] == []  # an in-thread engine has no core loop to report
+    assert "/debug/stats" not in httpx.get(server.url + "/openapi.json").text
+
+
+def _stream(url: str, prompt: list[int], tokens: int) -> int:
+    r = httpx.post(url + "/generate_stream", timeout=120,
+                   json={"prompt": prompt, "max_new_tokens": tokens, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.text.count("data: ") - 2  # the final event and [DONE]
+
+
+@pytest.mark.slow
+def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
+    """Closed loop: 4 streams x 3 requests of 16 tokens; every figure is the window's."""
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
+                      "--api-server-count", "2", "--served-model-name", "m")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        before = httpx.get(p.url + "/debug/stats", timeout=30).json()
+        t0 = time.monotonic()
+
+        def client(k: int) -> None:
+            for i in range(3):
+                _stream(p.url, [3 + k, 5 + i, 7, 9], 16)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        duration = time.monotonic() - t0
+        time.sleep(0.05)
+        after = httpx.get(p.url + "/debug/stats", timeout=30).json()
+    finally:
+        p.kill()
+    figures = level_figures(before, after, duration)
+    (core,) = figures["cores"]
+    assert core["requests"] == 12 and core["tokens"] == 12 * 16
+    assert core["steps"] >= 16 and 1 <= core["tokens_per_step"] <= 4
+    assert core["step_ms_mean"] > 0 and core["steps_per_s"] > 0
+    assert core["step_ms"]["n"] == core["steps"]
+    assert core["step_ms"]["p50"] <= core["step_ms"]["p99"] <= core["step_ms"]["max"]
+    shares = core["loop_share"]
+    assert all(0 <= s <= 1 for s in shares.values())
+    assert shares["step"] > 0 and sum(shares.values()) == pytest.approx(1.0, abs=0.02)
+    assert core["turnaround_ms"]["n"] == 8  # each stream's second and third request
+    assert 0 <= core["gc_share"] <= 1
+    api = figures["api_servers"]
+    assert [a["api_server"] for a in api] == [0, 1]
+    assert sum(a["tokens"] for a in api) == 12 * 16
+    for a in api:
+        assert 0 <= a["busy"] <= 1.5 and a["loop_lag_ms"]["n"] > 0
+        if a["tokens"]:
+            assert a["delivery_ms"]["n"] > 0 and a["tokens_per_event"] >= 1

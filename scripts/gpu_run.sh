@@ -282,10 +282,11 @@ for part in "${PARTS[@]}"; do
              --max-num-pages 16384
            run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
              --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
-    serve-api2)  # API_COUNTS="2" runs one count only (each count is up to ~9 min)
+    serve-api2)  # API_COUNTS="2" runs one count only (each count is up to ~9 min);
+                 # SERVE_LEVELS="1 256" runs those concurrencies only
       for n in ${API_COUNTS:-2 4}; do
         run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve-api$n" \
-          --tokenizer .tok/smollm2 --concurrency 1 16 64 256 --max-new-tokens 128 \
+          --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 16 64 256} --max-new-tokens 128 \
           --api-server-count $n ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
           -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from flashlet.engine import SERVER_GC_THRESHOLDS
 from flashlet.sampling import SamplingParams, TokenLogprob
 from flashlet.server.diagnostics import LoopCounters
 
@@ -190,6 +192,7 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
             outbox.close(linger=5000)
         ctx.term()
         return
+    gc.set_threshold(*SERVER_GC_THRESHOLDS)  # the engine has settled its start-up heap
     ready = encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid()))
     for outbox in outboxes:
         outbox.send(ready)

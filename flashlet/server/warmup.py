@@ -21,20 +21,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from flashlet.engine import settle_heap
+from flashlet.engine import SERVER_GC_THRESHOLDS, settle_heap
 
 log = logging.getLogger("flashlet.server")
 
 WARM_UP_TOKENS = 2
-# The API process's collector thresholds once warm (Python's default: 700, 10, 10). Streaming
-# allocates a few dozen objects per token, so at the default a young collection ran every ~20
-# tokens and a full one (every object not frozen: all the streams' state) several times a
-# second: with 256 streams through scripts/api_overhead.py, 8-11% of the process's wall time
-# went to the collector (its CPU time), with 4-5 full collections and ~25 collections over
-# 5 ms in 5-6 s (each a stall of every stream); at these thresholds 0.2-1%, none full, 1 over
-# 5 ms, and API CPU per token 20-28 us -> 20-23 us (2026-11-30, 2 shared cores, noisy).
-# Cycles are still collected; full collections come ~100x less often.
-API_GC_THRESHOLDS = (50_000, 20, 100)
+API_GC_THRESHOLDS = SERVER_GC_THRESHOLDS  # once warm (flashlet.engine says why)
 
 
 @dataclass

@@ -113,17 +113,21 @@ def _tokens_per_event(level: dict) -> str:
     return f"{level['output_tokens'] / events:.2f}" if events else "–"
 
 
+def paired_levels(inproc: dict, server: dict):
+    """(in-process level, server level) for each concurrency both runs have, in run order."""
+    by_c = {lv["concurrency"]: lv for lv in server["levels"]}
+    for lv in inproc["levels"]:
+        if lv["concurrency"] in by_c:
+            yield lv, by_c[lv["concurrency"]]
+
+
 def table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | requests | in-process tok/s | server tok/s | server / in-process | "
             "TTFT p50 in / server (ms) | TTFT p99 in / server (ms) | "
             "TTFT 1st request in / server (ms) | ITL p50 in / server (ms) | "
             "ITL p50 server / in-process | server tokens per SSE event | server failed |")
     lines = [head, "|" + "---|" * 12]
-    by_c = {lv["concurrency"]: lv for lv in server["levels"]}
-    for lv in inproc["levels"]:
-        sv = by_c.get(lv["concurrency"])
-        if sv is None:
-            continue
+    for lv, sv in paired_levels(inproc, server):
         lines.append(
             f"| {lv['concurrency']} | {sv['num_requests']} | {lv['output_tok_s']:,.1f} | "
             f"{sv['output_tok_s']:,.1f} | {_ratio(sv['output_tok_s'], lv['output_tok_s'])} | "
@@ -197,10 +201,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
             "client's own turnaround p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
     lines = [head, "|" + "---|" * 14]
-    by_c = {lv["concurrency"]: lv for lv in server["levels"]}
-    for lv in inproc["levels"]:
-        sv = by_c.get(lv["concurrency"])
-        diag = (sv or {}).get("server_diag")
+    for lv, sv in paired_levels(inproc, server):
+        diag = sv.get("server_diag")
         if not diag:
             continue
         steps_in = lv["num_steps"] / max(lv["duration_s"], 1e-9)

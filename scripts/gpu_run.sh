@@ -34,6 +34,8 @@
 #                                             step profiled, its end-to-end figure twice)
 #                                             sampler (issue 17: the sampled path alone, ms per
 #                                             128 x 151,936 step, torch vs kernel; GPU tests)
+#                                             lm-head-sweep (issue 16: the GEMV sweep at
+#                                             the LM head + argmax; CuTe DSL, ~3 min)
 #                                             fused-best (issue 16: fused engine tests, per-op
 #                                             vs the best fused path; ~4 min)
 #                                             generate-trace (issue 16: a single-stream
@@ -219,6 +221,11 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 290 python3 scripts/gemv_sweep.py --pdl on --budget-s 215 --json "$OUT/json/gemv-sweep.json" \
         --plans-out "${GEMV_PLANS:-/tmp/gemv-plans.json}" ;;  # FLASHLET_GEMV_PLANS for the next parts
+    lm-head-sweep)  # issue 16: the LM head + norm + argmax (80 us a token against a ~65 us
+                    # byte floor, session 6) through the same sweep (~3 min)
+      cute_env
+      run 290 python3 scripts/gemv_sweep.py --only lm_head --pdl on --budget-s 215 \
+        --json "$OUT/json/lm-head-sweep.json" --plans-out "${GEMV_PLANS:-/tmp/gemv-plans.json}" ;;
     gemv-sweep-nopdl)  # the same without PDL (~4 min), then the plan knobs' GPU tests (~1 min)
       cute_env
       run 290 python3 scripts/gemv_sweep.py --pdl off --budget-s 215 --json "$OUT/json/gemv-sweep-nopdl.json"

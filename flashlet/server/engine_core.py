@@ -48,6 +48,9 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 STATS_EVERY_S = 0.025
 
 
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
 # ---- messages in ---------------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: int  # the API process's id; the engine uses it as its own
@@ -61,7 +64,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
         # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
         # (max_tokens), and __init__ validates them again on the way in.
         return cls(request_id, prompt_token_ids,
-                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}, after)
+                   {name: getattr(params, name) for name in _PARAM_FIELDS}, after)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.params)

@@ -85,6 +85,7 @@ class GcTimer:
 
     def __init__(self):
         self.seconds = 0.0
+        self.collections = 0
         self.full = 0
         self.long = 0
         self._t = 0.0
@@ -96,6 +97,7 @@ class GcTimer:
             return
         took = time.thread_time() - self._t
         self.seconds += took
+        self.collections += 1
         self.full += info.get("generation") == 2
         self.long += took > self.LONG_S
 

@@ -33,8 +33,7 @@ class RequestLimits:
     @classmethod
     def of_engine(cls, engine) -> "RequestLimits":
         return cls(engine.max_model_len, engine.model_config.vocab_size,
-                   engine.config.page_size, engine.stats()["kv_pages_total"],
-                   engine.context_note())
+                   engine.config.page_size, engine.kv_pool.num_pages, engine.context_note())
 
     @property
     def max_tokens(self) -> int:
@@ -46,11 +45,19 @@ class RequestLimits:
         token_ids = list(token_ids)
         if not token_ids:
             raise RequestError(f"{param} is empty", param)
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-               for t in token_ids):
+        if not self._valid_ids(token_ids):
             raise RequestError(f"{param}: token ids must be integers in [0, {self.vocab_size})",
                                param)
         return token_ids
+
+    def _valid_ids(self, token_ids: list) -> bool:
+        """Every id an int (not a bool) in [0, vocab_size). Plain ints (what JSON and msgpack
+        give) are checked by min and max in C: a Python test per id cost the engine core
+        ~0.2 us a prompt token, most of its time per request."""
+        if set(map(type, token_ids)) == {int}:
+            return min(token_ids) >= 0 and max(token_ids) < self.vocab_size
+        return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                   for t in token_ids)
 
     def max_new_tokens(self, num_prompt: int, requested: int | None, default: int | None = None,
                        prompt_param: str = "prompt",

@@ -108,3 +108,23 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
         load_model(str(path))
+
+
+class _Id(int):
+    pass
+
+
+@pytest.mark.parametrize("ids", [
+    [1, 2, 3], [0, 9], [10], [-1], [True], [1, False], [1.0], [_Id(3)], [_Id(3), 2], [_Id(12)],
+    ["1"], [None], [2**70], [9, 3.5], list(range(10)) * 50 + [10]])
+def test_the_token_id_check_is_the_per_id_rule(ids):
+    """Plain int lists take a min/max fast path; anything else the per-id rule it stands for."""
+    from flashlet.request_check import RequestError, RequestLimits
+
+    limits = RequestLimits(max_model_len=1000, vocab_size=10, page_size=16, num_pages=100)
+    valid = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10 for t in ids)
+    if valid:
+        assert limits.check_prompt_ids(ids) == ids
+    else:
+        with pytest.raises(RequestError, match="token ids must be integers"):
+            limits.check_prompt_ids(ids)

@@ -36,6 +36,7 @@ import time
 EDGES = tuple(25e-6 * 1.25 ** i for i in range(53))
 NUM_BUCKETS = len(EDGES) + 1  # the last: beyond the last edge
 LAG_TICK_S = 0.01  # the event-loop timer's period (~100 wake-ups/s: ~0.1% of a core)
+TOTALS_EVERY_TICKS = 5  # CPU, wall and GC totals every 50 ms (a level lasts seconds)
 
 
 def bucket_of(seconds: float) -> int:
@@ -84,6 +85,7 @@ class GcTimer:
 
     def __init__(self):
         self.seconds = 0.0
+        self.collections = 0
         self.full = 0
         self.long = 0
         self._t = 0.0
@@ -95,6 +97,7 @@ class GcTimer:
             return
         took = time.thread_time() - self._t
         self.seconds += took
+        self.collections += 1
         self.full += info.get("generation") == 2
         self.long += took > self.LONG_S
 
@@ -169,7 +172,7 @@ class ApiCounters:
         self.rows = rows if rows is not None else shared_rows(count)
         self.base = index * ROW
         self._started: tuple[float, float] | None = None
-        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._ended: dict = {}  # connection -> when its last response ended
 
     # Written by this process only (the event loop, and the reader thread for delivery: one
@@ -202,33 +205,49 @@ class ApiCounters:
 
     def start(self) -> None:
         """Start the event-loop timer on the running loop (idempotent)."""
-        if self._task is None:
+        if self._timer is None:
             self._started = (time.process_time(), time.monotonic())
             self._gc = GcTimer()
-            self._task = asyncio.ensure_future(self._tick())
+            self._ticks = 0
+            self._arm(asyncio.get_running_loop())
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
             self._gc.close()
-            self._task = None
+            self._timer = None
 
-    async def _tick(self) -> None:
+    def _arm(self, loop) -> None:
+        # A plain callback, not a task sleeping in a loop: ~100 wake-ups a second are a
+        # visible share of an idle API process's CPU, and a task's each costs several times
+        # a callback's.
+        self._due = time.monotonic() + LAG_TICK_S
+        self._timer = loop.call_later(LAG_TICK_S, self._tick, loop)
+
+    def _tick(self, loop) -> None:
+        now = time.monotonic()
+        self.rows[self.base + _LAG + bucket_of(max(now - self._due, 0.0))] += 1
+        self._ticks += 1
+        if self._ticks % TOTALS_EVERY_TICKS == 0:
+            self._write_totals(now)
+        self._arm(loop)
+
+    def _write_totals(self, now: float) -> None:
+        """CPU, wall and GC totals into this process's row (process_time sums every thread's
+        time: not every tick)."""
         rows, base = self.rows, self.base
         cpu0, wall0 = self._started
-        while True:
-            due = time.monotonic() + LAG_TICK_S
-            await asyncio.sleep(LAG_TICK_S)
-            now = time.monotonic()
-            rows[base + _LAG + bucket_of(max(now - due, 0.0))] += 1
-            rows[base + _CPU] = time.process_time() - cpu0
-            rows[base + _WALL] = now - wall0
-            gc_timer = self._gc
-            rows[base + _GC_S], rows[base + _GC_FULL] = gc_timer.seconds, gc_timer.full
-            rows[base + _GC_LONG] = gc_timer.long
+        rows[base + _CPU] = time.process_time() - cpu0
+        rows[base + _WALL] = now - wall0
+        gc_timer = self._gc
+        rows[base + _GC_S], rows[base + _GC_FULL] = gc_timer.seconds, gc_timer.full
+        rows[base + _GC_LONG] = gc_timer.long
 
     def snapshot(self) -> list[dict]:
-        """Every API process's counters (those that have not started read zero)."""
+        """Every API process's counters (those that have not started read zero; this
+        process's totals as of now, the others' as of their latest totals tick)."""
+        if self._timer is not None:
+            self._write_totals(time.monotonic())
         out = []
         for k in range(self.count):
             row = self.rows[k * ROW:(k + 1) * ROW]

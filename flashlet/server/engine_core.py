@@ -41,11 +41,18 @@ from flashlet.server.diagnostics import LoopCounters
 log = logging.getLogger("flashlet.server")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+# A step longer than both is logged with what it ran (_log_slow_step): rare on a GPU, and
+# never every step of a slow device.
+SLOW_STEP_S = 0.03
+SLOW_STEP_TIMES_MEAN = 5
 COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar compiles
 # Several API processes: a step's message goes to those with outputs in it; the others get the
 # stats alone at most this often (and when the core goes idle), not every step: an API process
 # with nothing to stream would otherwise wake, decode and spend CPU on every step.
 STATS_EVERY_S = 0.025
+
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 # ---- messages in ---------------------------------------------------------------------------------
@@ -61,7 +68,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
         # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
         # (max_tokens), and __init__ validates them again on the way in.
         return cls(request_id, prompt_token_ids,
-                   {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}, after)
+                   {name: getattr(params, name) for name in _PARAM_FIELDS}, after)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.params)
@@ -327,19 +334,35 @@ class EngineCore:
             return
 
     def _step(self) -> list[CoreOutput]:
+        gc_timer = self.counters.gc
+        gc_before = (gc_timer.collections, gc_timer.seconds)
         t = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {e}")
-        self.counters.step_done(time.perf_counter() - t, outputs)
+        took = time.perf_counter() - t
+        self.counters.step_done(took, outputs)
+        mean = self.counters.seconds["step"] / self.counters.steps
+        if took > max(SLOW_STEP_S, SLOW_STEP_TIMES_MEAN * mean):
+            self._log_slow_step(took, outputs, gc_before)
         for out in outputs:
             if out.finished:
                 self.unfinished.discard(out.request_id)
         return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
                            out.error, out.num_cached_tokens, new_logprobs=out.new_logprobs)
                 for out in outputs]
+
+    def _log_slow_step(self, took: float, outputs, gc_before: tuple[int, float]) -> None:
+        """What a step far over the usual ran (a TTFT outlier at concurrency 1 on the H200 was
+        one 60 ms step): its requests and the collector's share of it."""
+        stats, gc_timer = self.engine.stats(), self.counters.gc
+        log.warning("slow step: %.1f ms, %d outputs (%d finished), %d running, %d waiting; "
+                    "the collector ran %d times in it for %.1f ms", took * 1e3, len(outputs),
+                    sum(out.finished for out in outputs), stats["running"], stats["waiting"],
+                    gc_timer.collections - gc_before[0],
+                    (gc_timer.seconds - gc_before[1]) * 1e3)
 
     def _fail_all(self, message: str) -> list[CoreOutput]:
         results = []

@@ -5,7 +5,7 @@ in its own process instead, see core_client.py).
 The engine is not thread-safe, so nothing else touches it. HTTP handlers (on asyncio event
 loops, possibly several) talk to the loop through a command deque guarded by a condition
 variable: `submit`, `abort`, `call`. Each request has a `RequestStream`; the loop pushes that
-request's output deltas into the stream's asyncio.Queue with `loop.call_soon_threadsafe`, so
+request's output deltas into it with `loop.call_soon_threadsafe`, so
 tokens stream out as each step makes them. The engine's outputs are token ids; the handlers
 give them their text (server/frontend.py), as they do for an engine-core process. With nothing
 to do the thread sleeps on the condition (no busy spin).
@@ -46,23 +46,33 @@ class StreamError:
 
 
 class RequestStream:
-    """One request's channel from the engine thread back to the asyncio handler."""
+    """One request's channel from the engine thread back to the asyncio handler: a deque and
+    at most one waiting future (asyncio.Queue's bookkeeping costs several microseconds per
+    streamed token, and a stream has exactly one reader)."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams):
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.aloop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | StreamError] = asyncio.Queue()
+        self.items: deque[RequestOutput | StreamError] = deque()  # touched on aloop only
+        self._waiter: asyncio.Future | None = None
         self.request_id: int | str | None = None  # set by the loop (or core client) on submit
         self.core = 0  # the engine core it was routed to (data parallel)
         self.leader: RequestStream | None = None  # the first sample of its prompt (n > 1)
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 
+    def push(self, item: RequestOutput | StreamError) -> None:
+        """On the event loop: queue an item and wake the reader."""
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def put(self, item: RequestOutput | StreamError) -> None:
         """Called on the engine thread."""
         try:
-            self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.aloop.call_soon_threadsafe(self.push, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -70,11 +80,16 @@ class RequestStream:
     def put_all(items: list[tuple["RequestStream", object]]) -> None:
         """On the event loop: hand out one step's items (one wake-up for all of them)."""
         for stream, item in items:
-            stream.queue.put_nowait(item)
+            stream.push(item)
 
     async def get(self) -> RequestOutput | StreamError:
-        return await self.queue.get()
-
+        while not self.items:
+            self._waiter = self.aloop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.items.popleft()
 
 class EngineClient:
     """What the server's front end shares between the engine owners (EngineLoop on a thread,

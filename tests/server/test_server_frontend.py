@@ -22,7 +22,7 @@ from flashlet.server.router import PrefixRouter
 def _generation(items) -> Generation:
     stream = RequestStream([1, 2, 3], SamplingParams(max_new_tokens=3))
     for item in items:
-        stream.queue.put_nowait(item)
+        stream.push(item)
     loop = SimpleNamespace(core_stats=lambda: [], is_ready=True, abort=lambda *a: None)
     server = SimpleNamespace(metrics=Metrics(loop), loop=loop, api_counters=ApiCounters())
     return Generation(server, stream, "generate", time.monotonic(), None)

@@ -398,8 +398,8 @@ class Engine:
         """Added to context-overflow errors: why max_model_len is what it is, if not obvious."""
         window = self.model_config.sliding_window
         if window and self.max_model_len == window:
-            return (f" (capped at the model's sliding window: longer sequences would need "
-                    f"sliding-window attention, which flashlet does not implement)")
+            return (" (capped at the model's sliding window: longer sequences would need "
+                    "sliding-window attention, which flashlet does not implement)")
         return ""
 
     def _eos_ids(self) -> set[int]:

@@ -64,6 +64,29 @@ def _split_range(kv_len, num_splits, min_split_tokens, block_n):
     return n, split_len
 
 
+@triton.jit
+def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty sequence's block: all weights 0, no NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """K or V rows t (masked) of one KV head -> [BLOCK_N, D]."""
+    page = tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+    row = t % PAGE_SIZE
+    return tl.load(head + page[:, None] * stride_p + row[:, None] * stride_t + d[None, :],
+                   mask=t_mask[:, None], other=0.0)
+
+
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
@@ -109,26 +132,9 @@ def _decode_kernel(
     for blk in range(start, end, BLOCK_N):
         t = blk + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        page = tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = t % PAGE_SIZE
-        k = tl.load(
-            k_head + page[:, None] * stride_kp + row[:, None] * stride_kt + d[None, :],
-            mask=t_mask[:, None],
-            other=0.0,
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [GP, BN], log2 units
-        qk = tl.where(t_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + page[:, None] * stride_vp + row[:, None] * stride_vt + d[None, :],
-            mask=t_mask[:, None],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -213,6 +219,13 @@ def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
     return batch, num_q_heads, head_dim, page_size, num_kv_heads
 
 
+def _strides(q, out, k_cache, v_cache) -> tuple[int, ...]:
+    """The strides both decode kernels take, in their order: q, out (sequence, head); the K
+    and V pools (page, token, head)."""
+    return (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -264,9 +277,7 @@ def decode_attention(
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E, min_split_tokens, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
         GROUP_PAD=group_pad(group),
@@ -342,29 +353,6 @@ def decode_attention_reference(
 # first block's past K/V rows (t < kv_len - 1, written by earlier steps, which finished before
 # this step's graph started). q, the newest K/V row (the QKV GEMV writes it), the partials and
 # the counter (the previous layer's attention may still run before the wait) come after it.
-
-
-@triton.jit
-def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
-    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc)."""
-    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty sequence's block: all weights 0, no NaN
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
-    """K or V rows t (masked) of one KV head -> [BLOCK_N, D]."""
-    page = tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-    row = t % PAGE_SIZE
-    return tl.load(head + page[:, None] * stride_p + row[:, None] * stride_t + d[None, :],
-                   mask=t_mask[:, None], other=0.0)
 
 
 @triton.jit(do_not_specialize=["min_split_tokens"])
@@ -529,9 +517,7 @@ def decode_attention_one_launch(
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E, min_split_tokens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,

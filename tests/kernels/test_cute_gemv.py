@@ -355,6 +355,22 @@ def _inputs(n, k, epilogue, seed):
     return x, w, extra
 
 
+def _normed_inputs(n, k, epilogue, seed, norm=True):
+    """_inputs with x far from unit scale (so a missing norm shows) and, with norm, the norm's
+    weight g (else None)."""
+    x, w, extra = _inputs(n, k, epilogue, seed)
+    x = (x.float() * 7 + 0.5).to(torch.bfloat16)
+    g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if norm else None
+    return x, w, extra, g
+
+
+def _poisoned_out(gemv, epilogue):
+    """A fresh output that a kernel which writes nothing cannot pass with: -1 / NaN."""
+    out = gemv.out_like()
+    out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+    return out
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n, k, epilogue, pdl, staged", GPU_VARIANTS)
@@ -362,8 +378,7 @@ def test_variant_matches_fp32_reference(kh, n, k, epilogue, pdl, staged):
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, staged=staged)
     for seed in (0, 1):  # a second call also checks the argmax counter was reset
         x, w, extra = _inputs(n, k, epilogue, seed)
-        out = gemv.out_like()
-        out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        out = _poisoned_out(gemv, epilogue)
         gemv(x, w, extra, out=out)
         torch.cuda.synchronize()
         if epilogue == "argmax":
@@ -399,11 +414,8 @@ def test_norm_prologue_matches_fp32_reference(kh, n, k, epilogue, pdl):
     eps = 1e-6
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=True, eps=eps)
     for seed in (0, 1):
-        x, w, extra = _inputs(n, k, epilogue, seed)
-        x = (x.float() * 7 + 0.5).to(torch.bfloat16)
-        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
-        out = gemv.out_like()
-        out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        x, w, extra, g = _normed_inputs(n, k, epilogue, seed)
+        out = _poisoned_out(gemv, epilogue)
         gemv(x, w, extra, out=out, norm_weight=g)
         torch.cuda.synchronize()
         if epilogue == "argmax":
@@ -443,16 +455,10 @@ def test_plan_knobs_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs):
     eps = 1e-6
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, eps=eps, **knobs)
     for seed in (0, 1):
-        x, w, extra = _inputs(n, k, epilogue, seed)
-        x = (x.float() * 7 + 0.5).to(torch.bfloat16)
-        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if norm else None
+        x, w, extra, g = _normed_inputs(n, k, epilogue, seed, norm)
         want = (None if epilogue == "argmax"
                 else gemv_reference(x, w, epilogue, extra, norm_weight=g, eps=eps))
-        if epilogue == "residual":
-            out = extra.reshape(1, -1)  # in place
-        else:
-            out = gemv.out_like()
-            out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
+        out = extra.reshape(1, -1) if epilogue == "residual" else _poisoned_out(gemv, epilogue)
         gemv(x, w, extra, out=out, norm_weight=g)
         torch.cuda.synchronize()
         if epilogue == "argmax":

@@ -40,6 +40,9 @@
 #                                             vs the best fused path; ~4 min)
 #                                             generate-trace (issue 16: a single-stream
 #                                             LLM.generate step's host time by part; CuTe DSL)
+#                                             step-anatomy (issue 13: host launch vs device
+#                                             time per step kind, alone and beside 12 busy
+#                                             processes; ~2 min)
 #                                             step-load (a step's inputs in one upload: graph
 #                                             replays as page counts change, load's host time,
 #                                             one step's timeline; ~3 min)
@@ -298,6 +301,10 @@ for part in "${PARTS[@]}"; do
           -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384
       done ;;
+    step-anatomy)  # issue 13: host launch vs device time per step kind in-process, the
+                   # server's workload (c=1 / 64 / 256), then beside 12 CPU-spinning processes
+      run 300 python3 scripts/step_anatomy.py --config qwen2.5-0.5b-smolvocab --backend triton \
+        --concurrency 1 64 256 --burn 12 ;;
     client-ceiling) run 300 python3 scripts/client_ceiling.py --streams 64 256 --procs 1 2 4 \
                       --httpx --step-ms 1 ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;

@@ -38,6 +38,8 @@
 #                                             the LM head + argmax; CuTe DSL, ~3 min)
 #                                             fused-best (issue 16: fused engine tests, per-op
 #                                             vs the best fused path; ~4 min)
+#                                             fused-shapes (issue 16: per-op vs the best
+#                                             fused path at the 1.5B and 7B shapes; CuTe DSL)
 #                                             generate-trace (issue 16: a single-stream
 #                                             LLM.generate step's host time by part; CuTe DSL)
 #                                             step-anatomy (issue 13: host launch vs device
@@ -257,6 +259,13 @@ for part in "${PARTS[@]}"; do
       run 400 $PYTEST tests/gpu/test_gpu_fused_decode.py
       run 300 python3 scripts/fused_decode_bench.py --paths per-op fused+pdl+rope+attn \
         --json "$OUT/json/fused-best.json" ;;
+    fused-shapes)  # issue 16: per-op against the best fused path at the Qwen2.5-1.5B and -7B
+                   # shapes (random weights, bf16; built-in GEMV plans are the 0.5B's), ~3 min
+      cute_env
+      for c in qwen2.5-1.5b qwen2.5-7b; do
+        run 240 python3 scripts/fused_decode_bench.py --config $c --paths per-op fused+pdl+rope+attn \
+          --json "$OUT/json/fused-shapes-$c.json"
+      done ;;
     fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
                      # PDL, then with PDL and RoPE in the QKV epilogue, then with the
                      # one-launch attention too (plan C) (~3 min)

@@ -63,7 +63,9 @@ class ModelRunner:
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
                            and self.backend.supports_cuda_graph)
-        self.use_mixed_graphs = (self.use_graphs and config.mixed_graphs and model.tp is None
+        # Not under tensor parallelism: the workers run rank 0's steps eagerly, unpadded.
+        self.use_mixed_graphs = (self.use_graphs and config.mixed_graphs
+                                 and getattr(model, "tp", None) is None
                                  and getattr(self.backend, "supports_mixed_graph", False))
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
         self.fused = None

@@ -3,7 +3,9 @@ bucket and max_num_seqs sequences, against the same steps run eagerly unpadded; 
 mixed graphs against one without graphs; nothing captured after the warm-up.
 
 fp32 (the Triton prefill kernel then runs IEEE fp32 dots, torch's matmuls no TF32), so the two
-paths differ by summation order only: logits agree within 2e-3 absolute."""
+paths differ by summation order only (cuBLAS picks kernels by row count): logits agree within
+1e-3 of their largest magnitude, where a graph reading stale or misplaced inputs would be off
+by about that magnitude itself."""
 
 import random
 
@@ -17,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PAGE_SIZE = 16
-LOGITS_ATOL = 2e-3
+LOGITS_RTOL = 1e-3  # of the step's largest |logit|
 
 
 def random_mixed_rows(rng, num_pages, max_seqs, budget):
@@ -65,8 +67,9 @@ def test_mixed_graph_replays_give_the_eager_logits():
         input_ids, meta = runner.load(layout, fed)
         assert meta.token_bucket is None
         eager = runner.forward(input_ids, meta)
-        assert torch.isfinite(graphed).all()
-        torch.testing.assert_close(graphed, eager, rtol=0, atol=LOGITS_ATOL)
+        assert graphed.shape == eager.shape and torch.isfinite(graphed).all()
+        scale = eager.abs().max().item()
+        assert (graphed - eager).abs().max().item() <= LOGITS_RTOL * scale, layout
     buckets = {key[1] for key in runner.graphs if key[0] == "mixed"}
     assert len(buckets) >= 4, buckets
 
@@ -98,7 +101,15 @@ def test_engine_with_mixed_graphs_gives_the_eager_tokens_and_captures_nothing_af
     start = graphed.start_report
     assert start["mixed_graphs"] > 0
     before = set(graphed.runner.graphs)
+    replays = []
+
+    def counted(input_ids, meta, replay=graphed.runner._replay_mixed):
+        replays.append(meta.token_bucket)
+        return replay(input_ids, meta)
+
+    graphed.runner._replay_mixed = counted
     got = _greedy_tokens(graphed, prompts, late)
+    assert len(set(replays)) >= 2, replays  # mixed steps of several buckets replayed graphs
     assert set(graphed.runner.graphs) == before, "a CUDA graph was captured after start"
     want = _greedy_tokens(Engine(cfg.replace(cuda_graph=False)), prompts, late)
     assert got == want

@@ -25,8 +25,9 @@ Design.
   spare, for q_len 0), so start_B <= the grid. A program finds its sequence by a binary
   search over qo_indptr (log2 B scalar loads) and exits when its tile is past the sequence's
   rows (spare tiles, empty sequences, programs past the last sequence's). Within a sequence
-  tiles are numbered from its END (its first program takes its last, most expensive tile);
-  across sequences programs go in sequence order. No host value sizes the grid: no sync.
+  tiles are numbered from its END (its first program takes its last, most expensive tile), so
+  heavy tiles start first; across sequences programs go in sequence order (the launch order
+  of the earlier (tiles, B, Hkv) grid too). No host value sizes the grid: no sync.
 - Keys are streamed in BLOCK_N blocks gathered through the page table token by token (any
   power-of-two page size). Blocks every row of the tile fully sees (keys < prefix + first
   token + 1, rounded down to BLOCK_N) run without a mask; the rest, up to the last row's

@@ -391,3 +391,33 @@ def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
     assert logits[0].shape[0] == 3 and torch.isfinite(logits[0]).all()
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits[2], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
+    """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures
+    one mixed graph per reachable (token bucket, prefill variant), and a run of chunked prompts
+    mixed with decodes afterwards replays only those."""
+    from flashlet.warmup import warm_up
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
+                                 max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))
+    _graphs_on_the_cpu(engine)
+    runner = engine.runner
+    runner.use_mixed_graphs = True
+
+    def capture(input_ids, meta):
+        graph = ReplayEagerly(lambda: runner.model(input_ids, meta.positions, runner.backend))
+        return graph, graph.logits
+
+    runner._capture_mixed = capture
+    report = warm_up(engine)
+    mixed = {key for key in runner.graphs if key[0] == "mixed"}
+    assert report["mixed_graphs"] == len(mixed) >= 3
+    assert report["graphs"] == len(runner.graphs) == len(mixed) + len(runner.graph_sizes)
+    captured = set(runner.graphs)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for prompt in ([3, 5, 7] * 14, [2, 4], [8] * 20, [1, 2, 9, 9, 4] * 6, [6] * 17):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert set(runner.graphs) == captured, set(runner.graphs) - captured

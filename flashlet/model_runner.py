@@ -110,7 +110,8 @@ class ModelRunner:
     def token_bucket(self, layout: StepLayout) -> int | None:
         """The token bucket of a mixed step that replays a mixed graph, or None (eager)."""
         n = layout.num_tokens
-        if not self.use_mixed_graphs or layout.is_pure_decode or n > self.token_buckets[-1]:
+        if (not self.use_mixed_graphs or layout.is_pure_decode or n > self.token_buckets[-1]
+                or layout.num_seqs > self.buffers.max_seqs):
             return None
         return next(t for t in self.token_buckets if t >= n)
 

@@ -12,8 +12,9 @@ the tests'.
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
   batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it
   pads a pure-decode step to a captured batch size with rows that write to and read from the
-  pool's scratch page, and it feeds the previous step's sampled tokens (still on the device)
-  into the rows that take them.
+  pool's scratch page, or (`pad_tokens`) pads any step to a token bucket and to max_seqs
+  sequences for a mixed-step CUDA graph, and it feeds the previous step's sampled tokens (still
+  on the device) into the rows that take them.
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ class StepBuffers:
 
     A CUDA graph reads its inputs at the addresses its capture saw. Each field's offset is a
     function of the step's token and sequence counts (`arena_offsets`), so every pure-decode
-    step padded to batch size b (b tokens, b sequences) puts every field at the same address,
-    whatever its page count; ModelRunner still checks the addresses before each replay."""
+    step padded to batch size b (b tokens, b sequences), and every step padded to a token
+    bucket (T_b tokens, max_seqs sequences), puts every field at the same address, whatever its
+    page count; ModelRunner still checks the addresses before each replay."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device,
                  scratch_page: int | None = None, page_size: int = 1):
@@ -275,27 +277,36 @@ class StepBuffers:
                    layout.paged_kv_indices.shape[0], device)
 
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
-             pad_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+             pad_to: int | None = None, pad_tokens: int | None = None
+             ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Copy `layout` into the buffers -> (input_ids [T], metadata), views of the device
         arena. fed_tokens: the previous step's sampled tokens on the device, which the fed
         rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
-        batch) with rows on the scratch page. The pinned staging must be free (the previous
-        step's copy done: ModelRunner.wait_inputs_staged)."""
+        batch) with rows on the scratch page. pad_tokens: pad any step to that many tokens (a
+        mixed-step graph's bucket) and to max_seqs sequences (see `_pad_mixed`). The pinned
+        staging must be free (the previous step's copy done: ModelRunner.wait_inputs_staged)."""
         arrays = layout.arrays
-        num_seqs = len(arrays["kv_lens"])
-        size = num_seqs
-        if pad_to is not None and pad_to > num_seqs:
+        num_seqs, num_tokens = len(arrays["kv_lens"]), len(arrays["input_ids"])
+        seqs_to, tokens_to = num_seqs, num_tokens
+        if pad_tokens is not None:
+            self._check_token_padding(layout, pad_tokens)
+            seqs_to, tokens_to = self.max_seqs, pad_tokens
+        elif pad_to is not None and pad_to > num_seqs:
             self._check_padding(layout, pad_to)
-            size = pad_to
-        placed = self._fields_for(arrays, size - num_seqs)
+            seqs_to = tokens_to = pad_to
+        placed = self._fields_for(arrays, seqs_to - num_seqs, tokens_to - num_tokens)
         num_pages = len(arrays["paged_kv_indices"])
-        pages = self._pages_at(placed.indices_offset, num_pages + size - num_seqs)
+        # A padded decode row has a scratch page of its own; a padded mixed sequence has none.
+        extra_pages = seqs_to - num_seqs if pad_tokens is None else 0
+        pages = self._pages_at(placed.indices_offset, num_pages + extra_pages)
         for name, array in placed.np.items():
             values = arrays[name]
             array[: len(values)] = values
         pages.np[:num_pages] = arrays["paged_kv_indices"]
-        if size > num_seqs:
-            self._pad(placed.np, pages.np, num_seqs, num_pages, size)
+        if pad_tokens is not None:
+            self._pad_mixed(placed.np, num_seqs, num_tokens, num_pages)
+        elif seqs_to > num_seqs:
+            self._pad(placed.np, pages.np, num_seqs, num_pages, seqs_to)
         if self.staged:  # the whole step in one copy
             pages.dev_span.copy_(pages.host_span, non_blocking=True)
         dev = placed.dev
@@ -308,18 +319,20 @@ class StepBuffers:
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
             paged_kv_indices=pages.dev, paged_kv_last_page_len=dev["paged_kv_last_page_len"],
             kv_lens=dev["kv_lens"], logits_indices=dev["logits_indices"],
-            num_padding=size - num_seqs)
+            num_padding=seqs_to - num_seqs, token_bucket=pad_tokens)
         return dev["input_ids"], meta
 
-    def _fields_for(self, arrays: dict[str, np.ndarray], num_padding: int) -> _Fields:
+    def _fields_for(self, arrays: dict[str, np.ndarray], pad_seqs: int, pad_tokens: int) -> _Fields:
         """The views of the fields before the page indices for a step of these arrays padded
-        by num_padding sequences (kept per set of lengths)."""
-        key = tuple([len(arrays[name]) for name in _FIXED]) + (num_padding,)
+        by pad_seqs sequences and pad_tokens tokens (kept per set of lengths)."""
+        key = tuple([len(arrays[name]) for name in _FIXED]) + (pad_seqs, pad_tokens)
         fields = self._fields.get(key)
         if fields is None:
             lengths = dict(zip(_FIXED, key))
-            for name in _PADDED_PER_SEQ:
-                lengths[name] += num_padding
+            for name in _PER_TOKEN:
+                lengths[name] += pad_tokens
+            for name in _PER_SEQ:
+                lengths[name] += pad_seqs
             lengths["paged_kv_indices"] = 0
             self._check_fits(lengths)
             offsets = arena_offsets(lengths)
@@ -392,6 +405,30 @@ class StepBuffers:
         if size > self.max_seqs:
             raise ValueError(f"cannot pad to {size} sequences: the buffers hold {self.max_seqs}")
 
+    def _check_token_padding(self, layout: StepLayout, size: int) -> None:
+        if self.scratch_page is None:
+            raise ValueError("padding needs the pool's scratch page: StepBuffers(scratch_page=)")
+        if size < layout.num_tokens:
+            raise ValueError(f"cannot pad a step of {layout.num_tokens} tokens to {size}")
+        if layout.num_seqs > self.max_seqs:
+            raise ValueError(f"the step has {layout.num_seqs} sequences; "
+                             f"the buffers hold {self.max_seqs}")
+
+    def _pad_mixed(self, a: dict[str, np.ndarray], n: int, num_tokens: int, num_pages: int) -> None:
+        """Pad a step to the loaded token count and max_seqs sequences, so that every field's
+        offset depends on the token bucket only (a mixed-step graph's inputs). Tokens past
+        num_tokens belong to no sequence: id 0 at position 0, their K/V written to the scratch
+        page's first slot, their outputs never read (not sampled; attention leaves them zero and
+        every other layer is row-wise, so they cannot reach a real row). Sequences n..max_seqs
+        have no query rows, no KV and no pages: the indptrs repeat their last value."""
+        a["input_ids"][num_tokens:] = 0
+        a["positions"][num_tokens:] = 0
+        a["slot_mapping"][num_tokens:] = self.scratch_page * self.page_size
+        a["qo_indptr"][n + 1 :] = num_tokens
+        a["paged_kv_indptr"][n + 1 :] = num_pages
+        a["paged_kv_last_page_len"][n:] = 0  # what build_layout gives a KV length of 0
+        a["kv_lens"][n:] = 0
+
     def _pad(self, a: dict[str, np.ndarray], indices: np.ndarray, n: int, num_pages: int,
              size: int) -> None:
         """Rows n..size: one token at position 0 of a sequence of one token on the scratch
@@ -406,9 +443,10 @@ class StepBuffers:
         a["kv_lens"][n:size] = 1
 
 
-# The fields a padding row adds an entry to (the page indices too: one scratch page each).
-_PADDED_PER_SEQ = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
-                   "paged_kv_last_page_len", "kv_lens")
+# The fields a padding token, and a padding sequence, add an entry to (a padded decode row is
+# both, plus one scratch page in the page indices).
+_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
+_PER_SEQ = ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "kv_lens")
 
 
 def load_layout(layout: StepLayout, device) -> tuple[torch.Tensor, AttentionMetadata]:

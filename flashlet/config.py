@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prompt prefixes (radix cache)
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
+    mixed_graphs: bool = True  # with cuda_graph, triton backend, no tensor parallelism: steps with prefill chunks replay CUDA graphs too, padded to a token bucket
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     fused_decode: bool = False  # one-sequence decode steps on the CuTe DSL fused path (CUDA, bf16; issue 16)

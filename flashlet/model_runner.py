@@ -2,12 +2,20 @@
 on the sampled rows.
 
 `load(layout)` puts a step's layout (flashlet/batch.py) into the runner's one set of step
-buffers. Pure-decode steps on CUDA are replayed from CUDA graphs, one captured per padded batch
-size (1, 2, 4, 8, 16, 32, 64, 128, 256, ... up to max_num_seqs) and per the backend's
-`graph_key`: `load` pads such a step with rows that write to and read from the pool's scratch
-page and places it in the step buffers where every step of that batch size goes, the captured
-graph reads it there (checked before each replay), and planning happens outside the graph
-before each replay. Mixed steps (any prefill chunk) run eagerly.
+buffers. Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
+replay, the graph reading the step buffers where its capture saw them (checked before each
+replay):
+- pure-decode steps: one graph per padded batch size (1, 2, 4, ... up to max_num_seqs) and per
+  the backend's `graph_key`; `load` pads such a step with rows that write to and read from the
+  pool's scratch page. The graph ends in the logits.
+- mixed steps (any prefill chunk), on a backend that `supports_mixed_graph` (triton), without
+  tensor parallelism (the workers would need the same graphs) and with `mixed_graphs`: one graph
+  per token bucket (16, 32, 64, ... up to max_num_batched_tokens, and it) and per the backend's
+  `mixed_graph_key` (the prefill kernel's tile variant); `load` pads the step to the bucket and
+  to max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`). The graph ends in the final
+  hidden states [bucket, hidden]; the LM head runs after it, eagerly, on the sampled rows
+  (their count varies). A mixed step of more tokens than the largest bucket runs eagerly.
+Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
 With `fused_decode`, a pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the
 norms and epilogues folded in; flashlet/fused_decode.py) instead of the model's per-op forward,
@@ -36,6 +44,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Token counts mixed steps are padded to: powers of two from 16, and the step budget."""
+    sizes, n = [], 16
+    while n < max_num_batched_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_num_batched_tokens]
+
+
 class ModelRunner:
     def __init__(self, model, kv_pool, config, device, max_pages_per_seq: int):
         self.model = model
@@ -46,6 +63,11 @@ class ModelRunner:
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
                            and self.backend.supports_cuda_graph)
+        # Not under tensor parallelism: the workers run rank 0's steps eagerly, unpadded.
+        self.use_mixed_graphs = (self.use_graphs and config.mixed_graphs
+                                 and getattr(model, "tp", None) is None
+                                 and getattr(self.backend, "supports_mixed_graph", False))
+        self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
         self.fused = None
         if config.fused_decode:
             from flashlet.fused_decode import FusedDecode
@@ -73,12 +95,25 @@ class ModelRunner:
         if self._staged is not None:
             self._staged.synchronize()
 
-    def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None):
-        """A step's layout into the step buffers (padded to its graph's batch size when it
-        replays one) -> (input_ids, metadata) for `forward`. fed_tokens: the previous step's
-        sampled tokens on the device, for the rows that take them (overlap)."""
+    def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
+             token_bucket: int | None = None):
+        """A step's layout into the step buffers (padded for the graph it replays, if any) ->
+        (input_ids, metadata) for `forward`. fed_tokens: the previous step's sampled tokens on
+        the device, for the rows that take them (overlap). token_bucket: a mixed step's bucket
+        when it is not the smallest that holds it (the warm-up's captures)."""
         self.wait_inputs_staged()  # the pinned staging is free again
-        return self.buffers.load(layout, fed_tokens, pad_to=self.graph_batch_size(layout))
+        pad_to = self.graph_batch_size(layout)
+        if pad_to is None and token_bucket is None:
+            token_bucket = self.token_bucket(layout)
+        return self.buffers.load(layout, fed_tokens, pad_to=pad_to, pad_tokens=token_bucket)
+
+    def token_bucket(self, layout: StepLayout) -> int | None:
+        """The token bucket of a mixed step that replays a mixed graph, or None (eager)."""
+        n = layout.num_tokens
+        if (not self.use_mixed_graphs or layout.is_pure_decode or n > self.token_buckets[-1]
+                or layout.num_seqs > self.buffers.max_seqs):
+            return None
+        return next(t for t in self.token_buckets if t >= n)
 
     def graph_batch_size(self, layout: StepLayout, num_padding: int = 0) -> int | None:
         """The captured batch size that a step replays at, or None where it runs eagerly:
@@ -97,6 +132,9 @@ class ModelRunner:
         if size is not None:
             return self._replay(input_ids, meta, size)
         self.backend.plan(meta)
+        if meta.token_bucket is not None and self.use_mixed_graphs:
+            hidden = self._replay_mixed(input_ids, meta)
+            return self.model.compute_logits(hidden[meta.logits_indices])
         self._mark_staged()
         if self._fused_step(meta):
             return self.fused.logits(input_ids, meta.positions, self.backend)
@@ -142,6 +180,25 @@ class ModelRunner:
         graph.replay()
         return out[: size - meta.num_padding]
 
+    def _replay_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the mixed graph of a step padded to its token bucket (the backend planned
+        it) -> the final hidden states [bucket, hidden], the graph's output."""
+        if input_ids.shape[0] != meta.token_bucket or not self.buffers.holds(input_ids):
+            raise ValueError("a mixed step replayed from a CUDA graph must come from "
+                             "ModelRunner.load (the graph reads its buffers, padded)")
+        key = ("mixed", meta.token_bucket) + self.backend.mixed_graph_key(meta)
+        addresses = graph_input_addresses(input_ids, meta)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture_mixed(input_ids, meta) + (addresses,)
+        graph, out, captured = self.graphs[key]
+        if addresses != captured:
+            raise RuntimeError(f"a mixed step padded to {meta.token_bucket} tokens has its inputs "
+                               f"at other addresses than the graph captured for it read: the "
+                               f"step buffers placed it differently (batch.arena_offsets)")
+        self._mark_staged()
+        graph.replay()
+        return out
+
     def _mark_staged(self) -> None:
         if self._staged is not None:
             self._staged.record()
@@ -156,26 +213,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens: bool = False):
-        """A graph of this step's forward: it reads the step's inputs at these addresses, the
-        ones every later step padded to the same size has (StepBuffers)."""
+        """A graph of this decode step's forward: it reads the step's inputs at these
+        addresses, the ones every later step padded to the same size has (StepBuffers)."""
         size = input_ids.shape[0]
         log.info("capturing a CUDA graph for decode batch %d%s", size,
                  " (fused, greedy tokens)" if tokens else " (fused)" if self.fused and size == 1 else "")
+        return self._capture_body(lambda: self._decode_body(input_ids, meta.positions, tokens))
+
+    def _capture_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata):
+        """A graph of this padded mixed step's forward up to the final hidden states."""
+        log.info("capturing a CUDA graph for mixed steps of %d tokens %s", input_ids.shape[0],
+                 self.backend.mixed_graph_key(meta))
+        return self._capture_body(lambda: self.model(input_ids, meta.positions, self.backend))
+
+    def _capture_body(self, body):
+        """(graph, output) of `body()`, captured after two runs off the graph (lazy kernel
+        compilation, the allocator), all graphs in one memory pool (they never run at once)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (lazy kernel compilation, allocator) off the graph
-                self._decode_body(input_ids, meta.positions, tokens)
+            for _ in range(2):
+                body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._decode_body(input_ids, meta.positions, tokens)
+            out = body()
         self.graph_pool = graph.pool()
         return graph, out
 
 
 def graph_input_addresses(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, ...]:
-    """Where a decode step's device inputs are: what a graph captured on it reads."""
+    """Where a padded step's device inputs are: what a graph captured on it reads."""
     return (input_ids.data_ptr(), meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
             meta.qo_indptr.data_ptr(), meta.paged_kv_indptr.data_ptr(),
             meta.paged_kv_indices.data_ptr(), meta.paged_kv_last_page_len.data_ptr(),

@@ -5,6 +5,8 @@ costs the first requests seconds. What a step compiles is a function of shapes f
 and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV length:
 
 - steps with a chunk: the prefill variant of the step's longest chunk (`backend.prefill_variant`);
+  with mixed-step graphs, one graph per token bucket (`runner.token_buckets`) and prefill
+  variant that a step can reach (`mixed_graph_steps`), each capturing that variant;
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant; without, the decode variant of the batch size
   (`backend.decode_variant`);
@@ -60,6 +62,24 @@ def decode_sizes(runner, max_num_seqs: int) -> list[int]:
     return representatives(variant, range(1, max_num_seqs + 1))
 
 
+def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(token bucket, longest chunk) of one step per mixed graph a step can replay: each prefill
+    variant's first chunk length, in each bucket that a step of that variant can fill past the
+    bucket below (at most max_num_seqs sequences of at most the variant's longest chunk)."""
+    if not runner.use_mixed_graphs:
+        return []
+    firsts = chunk_lengths(runner.backend, max_chunk)
+    lasts = [n - 1 for n in firsts[1:]] + [max_chunk]  # each variant's longest chunk
+    budget = runner.token_buckets[-1]
+    steps, below = [], 0
+    for bucket in runner.token_buckets:
+        for first, last in zip(firsts, lasts):
+            if first <= bucket and min(max_num_seqs * last, budget) > below:
+                steps.append((bucket, first))
+        below = bucket
+    return steps
+
+
 def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayout:
     """`num_seqs` sequences of `q_len` new tokens (no cached prefix), every token on the pool's
     scratch page: built like every step (`batch.build_layout`), so the same kernels specialise."""
@@ -70,17 +90,21 @@ def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayo
 
 
 def warm_up(engine) -> dict:
-    """Run one step of every kernel variant and capture every decode graph; returns
-    {"warmup_s", "capture_s", "chunk_lengths", "decode_sizes", "graphs", "triton_compiles"}."""
+    """Run one step of every kernel variant and capture every graph; returns {"warmup_s",
+    "capture_s", "chunk_lengths", "decode_sizes", "mixed_graphs", "mixed_capture_s", "graphs",
+    "triton_compiles"} (capture_s includes mixed_capture_s)."""
     runner, cfg = engine.runner, engine.config
     vocab = engine.model_config.vocab_size
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     max_chunk = min(cfg.max_num_batched_tokens, engine.max_model_len)
     chunks = chunk_lengths(runner.backend, max_chunk)
     sizes = decode_sizes(runner, cfg.max_num_seqs)
+    mixed = mixed_graph_steps(runner, max_chunk, cfg.max_num_seqs)
     with count_triton_compiles() as compiles:
         t0 = time.perf_counter()
-        for q_len in chunks:  # one sequence with a chunk of q_len tokens
+        # One sequence with a chunk of q_len tokens, eagerly; with mixed graphs every chunk
+        # step replays one, and their captures below compile the same prefill variants.
+        for q_len in [] if mixed else chunks:
             runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab)))
         _warm_sampling(engine)
         sync()
@@ -91,12 +115,18 @@ def warm_up(engine) -> dict:
             runner.greedy_tokens(*runner.load(synthetic_layout(1, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
-    report = {"warmup_s": t1 - t0, "capture_s": t2 - t1, "chunk_lengths": chunks,
-              "decode_sizes": sizes, "graphs": len(runner.graphs),
-              "triton_compiles": compiles.count}
-    log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s "
-             "(%d CUDA graphs); %s Triton kernel(s) compiled or loaded", len(chunks), chunks,
-             report["warmup_s"], len(sizes), report["capture_s"], report["graphs"],
+        for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its pool memory
+            layout = synthetic_layout(1, q_len, engine.kv_pool, vocab)
+            runner.forward(*runner.load(layout, token_bucket=bucket))
+        sync()
+        t3 = time.perf_counter()
+    report = {"warmup_s": t1 - t0, "capture_s": t3 - t1, "mixed_capture_s": t3 - t2,
+              "chunk_lengths": chunks, "decode_sizes": sizes, "mixed_graphs": len(mixed),
+              "graphs": len(runner.graphs), "triton_compiles": compiles.count}
+    log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s, "
+             "%d mixed-step graph(s) in %.2f s (%d CUDA graphs); %s Triton kernel(s) compiled "
+             "or loaded", len(chunks), chunks, report["warmup_s"], len(sizes), t2 - t1,
+             len(mixed), report["mixed_capture_s"], report["graphs"],
              compiles.count if compiles.count is not None else "?")
     return report
 

@@ -5,6 +5,10 @@ Then one-request prefills of each length twice: the first step of a new shape ag
 
     python scripts/step_anatomy.py --config qwen2.5-0.5b --backend triton --concurrency 1 64 256
 
+`--no-mixed-graphs` runs steps with a prefill chunk eagerly (EngineConfig.mixed_graphs), as
+before mixed-step CUDA graphs: run once with and once without to compare. A chunk step's
+token count is its real one (qo_indptr's last entry), not the bucket it was padded to.
+
 Each forward is followed by a device synchronize here (to split launch from device time), so
 the overlap of host and device is off: the figures are the parts, not the overlapped whole.
 """
@@ -46,7 +50,8 @@ class ForwardTimer:
         t1 = time.perf_counter()
         sync()
         t2 = time.perf_counter()
-        self.records.append((meta.host.is_pure_decode, meta.host.num_tokens, t1 - t0, t2 - t1))
+        tokens = int(meta.host.arrays["qo_indptr"][-1])
+        self.records.append((meta.host.is_pure_decode, tokens, t1 - t0, t2 - t1))
         return out
 
 
@@ -152,9 +157,16 @@ def main(argv=None) -> None:
     p.add_argument("--burn", type=int, default=0,
                    help="also run each level again beside N processes that spin on the CPU "
                         "(the server's API and client processes, without their messages)")
+    p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps with a prefill chunk replay CUDA graphs (EngineConfig.mixed_graphs)")
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, dtype="bfloat16",
-                                 max_num_pages=16384, overlap=False))
+                                 max_num_pages=16384, overlap=False,
+                                 mixed_graphs=args.mixed_graphs))
+    start = engine.start_report
+    print(f"mixed graphs {'on' if engine.runner.use_mixed_graphs else 'off'}: "
+          f"{start.get('mixed_graphs', 0)} captured in {start.get('mixed_capture_s', 0.0):.2f} s; "
+          f"{start.get('graphs', 0)} graphs in all")
     global VOCAB, MAX_PROMPT
     MAX_PROMPT = args.max_prompt
     VOCAB = min(VOCAB, RequestLimits.of_engine(engine).vocab_size)

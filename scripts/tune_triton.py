@@ -220,7 +220,7 @@ def triton_prefill_fns(case: Case, cfg: PrefillConfig):
     def fn(layer):
         return lambda: prefill_attention(
             case.q, case.k[layer], case.v[layer], case.qo, case.kv_indptr, case.kv_indices, case.kv_lens,
-            case.scale, max_q_len=case.max_q, out=case.out, block_m=cfg.block_m, block_n=cfg.block_n,
+            case.scale, out=case.out, block_m=cfg.block_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     return [fn(i) for i in range(case.layers)]

@@ -267,3 +267,157 @@ def test_a_replay_whose_inputs_moved_is_refused(tiny_qwen2):
     with pytest.raises(RuntimeError, match="other addresses"):
         runner.forward(input_ids, moved)
     assert runner.forward(*runner.load(layout)).shape[0] == 3
+
+
+# ---- mixed steps padded to a token bucket (mixed-step CUDA graphs) ---------------------------
+def mixed_padded_reference(layout, ps, tokens, seqs):
+    """`layout` padded to `tokens` tokens and `seqs` sequences, the obvious way: extra tokens
+    id 0 at position 0 on the scratch page's first slot, in no sequence; extra sequences
+    empty (no rows, no KV, no pages)."""
+    want = {name: t.tolist() for name, t in layout.tensors().items()}
+    extra_tokens, extra_seqs = tokens - layout.num_tokens, seqs - layout.num_seqs
+    want["input_ids"] += [0] * extra_tokens
+    want["positions"] += [0] * extra_tokens
+    want["slot_mapping"] += [SCRATCH * ps] * extra_tokens
+    want["qo_indptr"] += [want["qo_indptr"][-1]] * extra_seqs
+    want["paged_kv_indptr"] += [want["paged_kv_indptr"][-1]] * extra_seqs
+    want["paged_kv_last_page_len"] += [0] * extra_seqs
+    want["kv_lens"] += [0] * extra_seqs
+    return want
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_mixed_steps_padded_to_one_bucket_find_every_field_at_one_address(ps):
+    """What a mixed-step graph captured at a 64-token bucket reads: for random steps of up to
+    64 tokens and up to 8 sequences (decodes, chunks, fed rows, empty chunks), every field at
+    the same address, whatever the step's token, sequence, page and sampled-row counts; the
+    loaded layout is the step padded the obvious way."""
+    rng = random.Random(20 + ps)
+    buffers = StepBuffers(200, 8, 8 * 60, "cpu", scratch_page=SCRATCH, page_size=ps)
+    fed_tokens = torch.arange(1000, 1008)
+    seen = set()
+    for trial in range(60):
+        rows = random_rows(rng, ps, decode_only=trial % 5 == 0)
+        layout = build_layout(rows, ps)
+        bucket = 64 if layout.num_tokens <= 64 else 128
+        input_ids, meta = buffers.load(layout, fed_tokens, pad_tokens=bucket)
+        want = mixed_padded_reference(layout, ps, bucket, 8)
+        for name, values in want.items():
+            if name != "input_ids":  # the host copy keeps 0 in fed rows
+                assert getattr(meta.host, name).tolist() == values, (name, rows)
+            if hasattr(meta, name):
+                assert getattr(meta, name).tolist() == values, (name, rows)
+        fed = fed_reference(layout, fed_tokens).tolist()
+        assert input_ids.tolist() == fed + [0] * (bucket - layout.num_tokens)
+        assert meta.token_bucket == bucket and meta.num_padding == 8 - len(rows)
+        if bucket == 64:  # (the LM head, outside the graph, reads logits_indices: any address)
+            seen.add(graph_input_addresses(input_ids, meta))
+        # An unpadded step in between goes elsewhere; the next padded one is back in place.
+        buffers.load(build_layout([StepRow(list(range(1, 30)), 0, list(range(30)))], ps))
+    assert len(seen) == 1
+
+
+def test_a_mixed_step_that_does_not_fit_its_bucket_is_refused():
+    buffers = StepBuffers(64, 2, 20, "cpu", scratch_page=SCRATCH, page_size=4)
+    layout = build_layout([StepRow(list(range(1, 18)), 0, list(range(5)))], 4)
+    with pytest.raises(ValueError, match="cannot pad a step of 17 tokens to 16"):
+        buffers.load(layout, pad_tokens=16)
+    with pytest.raises(ValueError, match="scratch page"):
+        StepBuffers(64, 2, 20, "cpu").load(layout, pad_tokens=32)
+
+
+def _mixed_graphs_on_the_cpu(engine):
+    """The runner's mixed-step graph path on the CPU: padding in load, planning outside, a
+    stand-in graph re-running the captured body on the captured step's input views."""
+    runner = engine.runner
+    runner.use_graphs = runner.use_mixed_graphs = True
+
+    def capture(input_ids, meta):
+        graph = ReplayEagerly(lambda: runner.model(input_ids, meta.positions, runner.backend))
+        return graph, graph.logits
+
+    runner._capture_mixed = capture
+    runner._capture = lambda *a, **k: pytest.fail("decode graphs are not under test here")
+    runner.graph_batch_size = lambda layout, num_padding=0: None  # decodes stay eager
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
+    """Prompts longer than the step budget, so chunks share steps with decodes (fed rows under
+    overlap): the Triton backend (interpreter) through padded mixed steps and the stand-in
+    graphs gives the greedy tokens of unpadded eager steps, and of the torch backend."""
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=6,
+                       max_num_batched_tokens=48, max_num_pages=64, overlap=overlap)
+    prompts = [[3, 5, 7, 9, 11, 13] * 7, [2, 4, 6], [8] * 20, [1, 2, 9, 9, 4] * 6]  # 95 tokens
+    outs = []
+    for graphs, backend in ((False, "torch"), (False, "triton"), (True, "triton")):
+        engine = Engine(cfg.replace(backend=backend))
+        if graphs:
+            _mixed_graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=4 + i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if engine.num_steps in (1, 4):  # late prompts: their chunks ride with fed decodes
+                late = [5] * (33 if engine.num_steps == 1 else 9)
+                ids.append(engine.add_request(late, SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        outs.append([done[i] for i in ids])
+        if graphs:
+            buckets = {key[1] for key in engine.runner.graphs}
+            assert len(buckets) >= 2 and buckets <= {16, 32, 48}, buckets  # several buckets
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
+    """One mixed step (a chunk with a prefix, a decode, a chunk whose row is not sampled) run
+    eagerly unpadded and padded to its bucket and max_num_seqs: the sampled rows' logits agree,
+    and are finite."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
+                                 max_num_seqs=6, max_num_batched_tokens=64, max_num_pages=32))
+    runner = engine.runner
+    rows = [StepRow(list(range(3, 12)), 5, [0]), StepRow([7], 20, [1, 2]),
+            StepRow([9, 8, 7], 0, [3], False), StepRow(list(range(20, 30)), 0, [4])]
+    layout = build_layout(rows, 16)
+    logits = []
+    for bucket in (None, 32, 64):
+        for page in range(5):  # the same prefix K/V before each run (the runs overwrite it)
+            torch.manual_seed(page)
+            engine.kv_pool.k_cache[:, page].normal_()
+            engine.kv_pool.v_cache[:, page].normal_()
+        input_ids, meta = runner.buffers.load(layout, pad_tokens=bucket)
+        assert input_ids.shape[0] == (bucket or 23)
+        logits.append(runner.forward(input_ids, meta))
+    assert logits[0].shape[0] == 3 and torch.isfinite(logits[0]).all()
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[2], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
+    """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures
+    one mixed graph per reachable (token bucket, prefill variant), and a run of chunked prompts
+    mixed with decodes afterwards replays only those."""
+    from flashlet.warmup import warm_up
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
+                                 max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))
+    _graphs_on_the_cpu(engine)
+    runner = engine.runner
+    runner.use_mixed_graphs = True
+
+    def capture(input_ids, meta):
+        graph = ReplayEagerly(lambda: runner.model(input_ids, meta.positions, runner.backend))
+        return graph, graph.logits
+
+    runner._capture_mixed = capture
+    report = warm_up(engine)
+    mixed = {key for key in runner.graphs if key[0] == "mixed"}
+    assert report["mixed_graphs"] == len(mixed) >= 3
+    assert report["graphs"] == len(runner.graphs) == len(mixed) + len(runner.graph_sizes)
+    captured = set(runner.graphs)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for prompt in ([3, 5, 7] * 14, [2, 4], [8] * 20, [1, 2, 9, 9, 4] * 6, [6] * 17):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert set(runner.graphs) == captured, set(runner.graphs) - captured

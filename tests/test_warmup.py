@@ -11,7 +11,9 @@ from flashlet.attention import create_backend, resolve_backend
 from flashlet.attention.triton_backend import TritonBackend
 from flashlet.kernels import tuning
 from flashlet.kv_pool import KVPool
-from flashlet.warmup import chunk_lengths, count_triton_compiles, decode_sizes, representatives, warm_up
+from flashlet.model_runner import mixed_graph_buckets
+from flashlet.warmup import (chunk_lengths, count_triton_compiles, decode_sizes, mixed_graph_steps,
+                             representatives, warm_up)
 
 
 def _pool(num_kv_heads=2, head_dim=64, pages=64):
@@ -85,6 +87,33 @@ def test_warmup_steps_reach_every_kernel_variant(head_dim, num_q_heads, num_kv_h
     # Graph sizes cover the variants too: every batch replays the graph of its padded size.
     padded = [next(s for s in EagerRunner.graph_sizes if s >= b) for b in range(1, 257)]
     assert {tri.decode_variant(p) for p in padded} <= {tri.decode_variant(s) for s in EagerRunner.graph_sizes}
+
+
+@pytest.mark.parametrize("max_seqs,budget,max_chunk", [(8, 300, 300), (4, 256, 100), (256, 8192, 4096)])
+def test_mixed_graph_steps_capture_every_reachable_graph_and_no_other(max_seqs, budget, max_chunk):
+    """Every step a scheduler can form (at most max_seqs sequences, chunks of at most max_chunk
+    tokens, at most `budget` tokens, one chunk of 2+) replays a graph that the warm-up captures;
+    and the warm-up captures no graph that no step replays."""
+    tri = TritonBackend(_pool(1, 64), 2, num_sms=132)  # group 2: two prefill variants
+
+    class Runner:  # mixed_graph_steps reads only these
+        use_mixed_graphs, backend, token_buckets = True, tri, mixed_graph_buckets(budget)
+
+    def key(tokens, longest):
+        return next(t for t in Runner.token_buckets if t >= tokens), tri.prefill_variant(longest)
+
+    captured = [key(bucket, q) for bucket, q in mixed_graph_steps(Runner, max_chunk, max_seqs)]
+    assert len(set(captured)) == len(captured)
+    reachable = set()
+    for longest in range(2, max_chunk + 1):  # the token counts of its steps, bucket by bucket
+        most, below = min(budget, max_seqs * longest), 0
+        for bucket in Runner.token_buckets:
+            if max(longest, below + 1) <= min(most, bucket):
+                reachable.add(key(bucket, longest))
+            below = bucket
+    assert set(captured) == reachable
+    Runner.use_mixed_graphs = False
+    assert mixed_graph_steps(Runner, max_chunk, max_seqs) == []
 
 
 def test_representatives_keep_the_first_value_of_each_variant():

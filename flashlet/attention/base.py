@@ -43,7 +43,10 @@ class AttentionMetadata:
     paged_kv_last_page_len: torch.Tensor  # [num_seqs] int32
     kv_lens: torch.Tensor  # [num_seqs] int32, KV length of each sequence including this step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
-    num_padding: int = 0  # last rows: a pure-decode step padded to a CUDA graph's batch size
+    num_padding: int = 0  # last sequences: padding to a CUDA graph's batch size (or max_num_seqs)
+    # A mixed step padded to this many tokens and max_num_seqs sequences for a CUDA graph
+    # (StepBuffers.load(pad_tokens=)): rows past qo_indptr[num_seqs - num_padding] are padding.
+    token_bucket: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,10 +70,16 @@ class AttentionBackend(ABC):
     outside the graph before every replay, and `run()` inside the graph must then read only
     device buffers that keep their addresses (no host sync, no allocation that depends on the
     step). `graph_key(meta)` names any extra shape a capture depends on.
+
+    A backend that also sets `supports_mixed_graph` can serve any step (prefill chunks mixed
+    with decodes) padded to a token bucket and max_num_seqs sequences, some with no query rows
+    and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs outside the graph and
+    `mixed_graph_key(meta)` names the kernel variant the capture baked in.
     """
 
     name = "abstract"
     supports_cuda_graph = False
+    supports_mixed_graph = False
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, scale: float | None = None):
         self.kv_pool = kv_pool
@@ -91,6 +100,10 @@ class AttentionBackend(ABC):
     def graph_key(self, meta: AttentionMetadata) -> tuple:
         """Extra shape (beyond the padded batch size) that a captured graph is specific to."""
         return ()
+
+    def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
+        """The kernel variant a mixed step padded for a graph runs (part of the graph's key)."""
+        raise NotImplementedError(f"the {self.name} backend serves mixed steps eagerly")
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""

@@ -6,7 +6,10 @@
   a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
   count is derived on the device from `kv_lens`. The split partials live in buffers allocated once, in the constructor.
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
-  launch over the ragged batch, its tiles chosen from a bucket of the longest chunk.
+  launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
+  depends on the token and sequence counts only, so a mixed step padded to a token bucket and
+  max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
+  (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too).
 
 - `attend_one_launch` (the fused decode path, `fused_decode_attn`): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
@@ -46,6 +49,7 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    supports_mixed_graph = True
 
     def __init__(
         self,
@@ -93,7 +97,6 @@ class TritonBackend(AttentionBackend):
         self._num_splits = 1
         self._decode_cfg = self.decode_config(1)
         self._prefill_cfg = self.prefill_config(1)
-        self._max_q_len = 0
 
     # ---- launch configurations: functions of the batch shape only (see kernels/tuning.py) ----
     def decode_config(self, num_seqs: int) -> tuning.DecodeConfig:
@@ -131,6 +134,9 @@ class TritonBackend(AttentionBackend):
         """What a step with a chunk (longest `max_q_len`) compiles."""
         return (self.prefill_config(max_q_len),)
 
+    def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
+        return self.prefill_variant(meta.host.max_query_len)
+
     # ---- plan / run -----------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
@@ -138,8 +144,7 @@ class TritonBackend(AttentionBackend):
             self._num_splits = self._splits_for(meta.num_seqs)
             self._decode_cfg = self.decode_config(meta.num_seqs)
         else:
-            self._max_q_len = meta.host.max_query_len
-            self._prefill_cfg = self.prefill_config(self._max_q_len)
+            self._prefill_cfg = self.prefill_config(meta.host.max_query_len)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -149,7 +154,7 @@ class TritonBackend(AttentionBackend):
             return prefill_attention(
                 q, k_cache, v_cache,
                 meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
-                max_q_len=self._max_q_len,
+                out=self._prefill_out(q),
                 block_m=pc.block_m,
                 block_n=pc.block_n,
                 num_warps=pc.num_warps,
@@ -172,6 +177,13 @@ class TritonBackend(AttentionBackend):
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
         return out
+
+    def _prefill_out(self, q: torch.Tensor) -> torch.Tensor:
+        """The prefill kernel writes the rows of sequences only. In a step padded to a token
+        bucket (always, for a graph, whatever the captured step's own padding) the rows past them
+        start at zero, not whatever the memory held (possibly NaN): they then stay finite
+        through the model's row-wise layers."""
+        return torch.zeros_like(q) if self.meta.token_bucket is not None else torch.empty_like(q)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:

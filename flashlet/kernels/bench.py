@@ -339,7 +339,7 @@ def run_kernel_sweep(
                 pc = tuning.prefill_config(d, hq // hkv, q_len)  # what the engine launches
 
                 def tri():
-                    return pre.prefill_attention(q, kc, vc, qo, indptr, indices, lens, scale, max_q_len=q_len,
+                    return pre.prefill_attention(q, kc, vc, qo, indptr, indices, lens, scale,
                                                  out=out, block_m=pc.block_m, block_n=pc.block_n,
                                                  num_warps=pc.num_warps, num_stages=pc.num_stages)
 

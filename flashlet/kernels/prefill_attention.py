@@ -16,9 +16,18 @@ Design.
 - Packed GQA: the G query heads of a KV group are packed into the M dimension of the tile.
   Tile row r of sequence b stands for query token r // G and head kvh * G + r % G, so one
   program serves a whole group and a decode (q_len = 1) still fills G rows of its tile.
-- Grid (ceil(max_q_len * G / BLOCK_M), B, Hkv). Tiles are numbered from the END of each
-  sequence (pid 0 is its last, most expensive tile) so heavy tiles start first; programs past a
-  sequence's rows exit at once. max_q_len comes from the host (`StepLayout.max_query_len`).
+- Grid (ceil(T * G / BLOCK_M) + B, Hkv): a function of the tensors' shapes only, so one
+  launch serves eager steps and CUDA-graph replays of a step padded to T tokens and B
+  sequences (padding sequences have q_len 0; padding rows past qo_indptr[B] belong to none).
+  Program pid takes one (sequence, M-tile) of the flattened work: sequence i owns programs
+  start_i .. start_{i+1} - 1, start_i = (qo_indptr[i] * G) // BLOCK_M + i, which is strictly
+  increasing and covers ceil(q_len_i * G / BLOCK_M) tiles plus at most one spare (and one,
+  spare, for q_len 0), so start_B <= the grid. A program finds its sequence by a binary
+  search over qo_indptr (log2 B scalar loads) and exits when its tile is past the sequence's
+  rows (spare tiles, empty sequences, programs past the last sequence's). Within a sequence
+  tiles are numbered from its END (its first program takes its last, most expensive tile), so
+  heavy tiles start first; across sequences programs go in sequence order (the launch order
+  of the earlier (tiles, B, Hkv) grid too). No host value sizes the grid: no sync.
 - Keys are streamed in BLOCK_N blocks gathered through the page table token by token (any
   power-of-two page size). Blocks every row of the tile fully sees (keys < prefix + first
   token + 1, rounded down to BLOCK_N) run without a mask; the rest, up to the last row's
@@ -80,9 +89,26 @@ def _attend_blocks(
 
 
 @triton.jit
+def _find_sequence(QoIndptr, pid, num_seqs, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(i, start_i): the last sequence i whose first program start_i is <= pid. start_i =
+    (qo_indptr[i] * G) // BLOCK_M + i strictly increases with i and start_0 = 0, so a binary
+    search over [0, num_seqs) keeps lo's start <= pid < hi's start."""
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start_mid = (tl.load(QoIndptr + mid) * GROUP) // BLOCK_M + mid
+        right = start_mid <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo, (tl.load(QoIndptr + lo) * GROUP) // BLOCK_M + lo
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K, V, O,
     QoIndptr, KvIndptr, KvIndices, KvLens,
+    num_seqs,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kt, stride_kh,
@@ -95,13 +121,14 @@ def _prefill_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(1)
+    b, first_pid = _find_sequence(QoIndptr, pid, num_seqs, GROUP, BLOCK_M)
 
     q_start = tl.load(QoIndptr + b)
     q_len = tl.load(QoIndptr + b + 1) - q_start
     n_rows = q_len * GROUP
-    tile = tl.cdiv(n_rows, BLOCK_M) - 1 - pid  # pid 0 is the last (heaviest) tile
+    # The sequence's first program takes its last (heaviest) tile; spare programs go below 0.
+    tile = tl.cdiv(n_rows, BLOCK_M) - 1 - (pid - first_pid)
     if tile < 0:
         return
     kv_len = tl.load(KvLens + b)
@@ -155,7 +182,6 @@ def prefill_attention(
     kv_lens: torch.Tensor,
     scale: float,
     *,
-    max_q_len: int | None = None,
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
@@ -164,8 +190,9 @@ def prefill_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D] ragged by qo_indptr [B + 1] over one layer's pool k/v_cache [P, page, Hkv, D].
 
-    kv_indptr [B + 1] int32, kv_indices int32, kv_lens [B] int32 (>= each q_len). max_q_len (the
-    longest chunk) sizes the grid; when None it is read from the device (a host sync).
+    kv_indptr [B + 1] int32, kv_indices int32, kv_lens [B] int32 (>= each q_len). Sequences
+    may have q_len 0 and rows past qo_indptr[B] belong to none (a step padded for a CUDA
+    graph): their output rows are not written. No host sync; the grid depends on T and B only.
     Returns out [T, Hq, D] in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape
@@ -186,15 +213,14 @@ def prefill_attention(
     batch = qo_indptr.shape[0] - 1
     if out is None:
         out = torch.empty_like(q)
-    if max_q_len is None:
-        max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if batch > 0 else 0
-    if batch == 0 or max_q_len == 0 or num_tokens == 0:
+    if batch == 0 or num_tokens == 0:
         return out
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
-    grid = (triton.cdiv(max_q_len * group, block_m), batch, num_kv_heads)
+    grid = (triton.cdiv(num_tokens * group, block_m) + batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         qo_indptr, kv_indptr, kv_indices, kv_lens,
+        batch,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -57,7 +57,9 @@ def test_nothing_compiles_or_captures_after_start(backend):
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, max_num_seqs=64,
                                  max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4))
     start = engine.start_report
-    assert start["warmed_up"] and start["graphs"] == len(engine.runner.graph_sizes)
+    assert start["warmed_up"]
+    assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"]
+    assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
     with count_triton_compiles() as compiles:
         _workload(engine)

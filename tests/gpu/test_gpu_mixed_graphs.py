@@ -68,6 +68,8 @@ def test_mixed_graph_replays_give_the_eager_logits():
         assert meta.token_bucket is None
         eager = runner.forward(input_ids, meta)
         assert graphed.shape == eager.shape and torch.isfinite(graphed).all()
+        if eager.numel() == 0:  # no row of this step samples (every chunk is a prompt's middle)
+            continue
         scale = eager.abs().max().item()
         assert (graphed - eager).abs().max().item() <= LOGITS_RTOL * scale, layout
     buckets = {key[1] for key in runner.graphs if key[0] == "mixed"}

@@ -167,6 +167,51 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
+    """build_layout for a step whose every row has exactly one token (a decode step, the common
+    one), the same StepLayout: each row's position, slot and page count are plain integer
+    arithmetic, so they are worked out in the one loop over the rows and the arrays built with
+    a few numpy calls (build_layout's general form costs tens of numpy calls a step, which is
+    most of a one-sequence step's layout on a slow host)."""
+    ps = page_size
+    ids, positions, slots, num_pages, page_ids = [], [], [], [], []
+    logits, feed_rows, feed_src = [], [], []
+    for row, (tokens, start, pages, samples, src) in enumerate(rows):
+        if len(tokens) != 1:
+            raise ValueError(f"decode_layout takes one token a row, got {len(tokens)}")
+        (token,) = tokens
+        page, offset = divmod(start, ps)
+        if page >= len(pages):
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        if token == PLACEHOLDER:
+            token = 0  # the device writes the real token in (StepBuffers.load)
+            feed_rows.append(row)
+            feed_src.append(src)
+        ids.append(token)
+        positions.append(start)
+        slots.append(pages[page] * ps + offset)
+        num_pages.append(page + 1)
+        page_ids += pages[: page + 1]
+        if samples:
+            logits.append(row)
+    num_seqs, i32, i64 = len(ids), np.int32, np.int64
+    positions_ = np.array(positions, i64)
+    arrays = dict(input_ids=np.array(ids, i64), positions=positions_,
+                  slot_mapping=np.array(slots, i64), qo_indptr=np.arange(num_seqs + 1, dtype=i32),
+                  paged_kv_indptr=_indptr(np.array(num_pages, i64)).astype(i32),
+                  paged_kv_indices=np.fromiter(page_ids, i32, len(page_ids)),
+                  paged_kv_last_page_len=(positions_ % ps + 1).astype(i32),
+                  kv_lens=(positions_ + 1).astype(i32), logits_indices=np.array(logits, i64),
+                  feed_rows=np.array(feed_rows, i64), feed_src=np.array(feed_src, i64))
+    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+    # The cached properties' values, known already (each is numpy work on every load).
+    layout.arrays = arrays
+    layout.query_lens = np.ones(num_seqs, i32)
+    layout.is_pure_decode = True
+    layout.max_query_len = 1 if num_seqs else 0
+    return layout
+
+
 def step_rows(sched: "SchedulerOutput"):
     """The scheduled requests as StepRows (generated: the builder's loop is the only one)."""
     for req, n in sched.scheduled:
@@ -178,7 +223,8 @@ def step_rows(sched: "SchedulerOutput"):
 
 def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
     """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
-    return build_layout(step_rows(sched), page_size)
+    build = decode_layout if sched.is_pure_decode else build_layout
+    return build(step_rows(sched), page_size)
 
 
 # The step arena: every field of a step in one byte buffer, in this order, each at a multiple

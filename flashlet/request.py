@@ -86,16 +86,18 @@ class Request:
 
     def output(self, new_token_ids: list[int]) -> "RequestOutput":
         """This step's delta (the final result too, once finished)."""
-        return RequestOutput(
-            request_id=self.request_id, new_token_ids=new_token_ids, finished=self.is_finished,
-            finish_reason=self.finish_reason, prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.output_token_ids) if self.is_finished else None,
-            num_cached_tokens=self.num_cached_tokens, error=self.error,
-            new_logprobs=self._logprobs(-len(new_token_ids)) if new_token_ids else None,
-            logprobs=self._logprobs(0) if self.is_finished else None)
-
-    def _logprobs(self, start: int) -> list[TokenLogprob] | None:
-        return None if self.output_logprobs is None else self.output_logprobs[start:]
+        finished = self.status is RequestStatus.FINISHED
+        out = RequestOutput(self.request_id, new_token_ids, finished, self.finish_reason,
+                            self.prompt_token_ids, num_cached_tokens=self.num_cached_tokens,
+                            error=self.error)
+        if finished:
+            out.token_ids = list(self.output_token_ids)
+        if self.output_logprobs is not None:  # asked for: this step's ones, and all at the end
+            if new_token_ids:
+                out.new_logprobs = self.output_logprobs[-len(new_token_ids):]
+            if finished:
+                out.logprobs = list(self.output_logprobs)
+        return out
 
 
 @dataclass

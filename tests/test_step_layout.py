@@ -11,7 +11,7 @@ import torch
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout,
-                            load_layout)
+                            decode_layout, load_layout)
 from flashlet.kv_pool import KVPool
 from flashlet.model_runner import graph_input_addresses
 from flashlet.request import PLACEHOLDER
@@ -70,6 +70,30 @@ def test_builder_matches_the_token_by_token_reference(ps):
         assert layout.is_pure_decode == all(n == 1 for n in lens)
         assert layout.max_query_len == max(lens)
         assert layout.paged_kv_indptr.dtype == torch.int32 and layout.slot_mapping.dtype == torch.int64
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_decode_fast_path_gives_the_general_builders_layout(ps):
+    rng = random.Random(100 + ps)
+    for _ in range(100):
+        rows = random_rows(rng, ps, decode_only=True)
+        want, got = build_layout(rows, ps), decode_layout(rows, ps)
+        for name, tensor in want.tensors().items():
+            fast = getattr(got, name)
+            assert fast.dtype == tensor.dtype and fast.tolist() == tensor.tolist(), (name, rows)
+            assert (got.arrays[name] == tensor.numpy()).all()  # its numpy views, set up front
+        assert got.query_lens.tolist() == want.query_lens.tolist()
+        assert got.query_lens.dtype == want.query_lens.dtype
+        assert (got.is_pure_decode, got.max_query_len) == (want.is_pure_decode, want.max_query_len)
+    empty = decode_layout([], ps)
+    assert (empty.num_seqs, empty.max_query_len, empty.qo_indptr.tolist()) == (0, 0, [0])
+
+
+def test_the_decode_fast_path_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="one token a row"):
+        decode_layout([StepRow([1, 2], 0, [7])], 4)
+    with pytest.raises(ValueError, match="fewer pages"):
+        decode_layout([StepRow([1], 4, [7])], 4)
 
 
 def test_a_page_table_too_short_for_its_tokens_is_refused():

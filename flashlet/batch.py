@@ -174,7 +174,7 @@ def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     a few numpy calls (build_layout's general form costs tens of numpy calls a step, which is
     most of a one-sequence step's layout on a slow host)."""
     ps = page_size
-    ids, positions, slots, num_pages, page_ids = [], [], [], [], []
+    ids, positions, slots, kv_ptr, page_ids = [], [], [], [0], []
     logits, feed_rows, feed_src = [], [], []
     for row, (tokens, start, pages, samples, src) in enumerate(rows):
         if len(tokens) != 1:
@@ -190,15 +190,15 @@ def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
         ids.append(token)
         positions.append(start)
         slots.append(pages[page] * ps + offset)
-        num_pages.append(page + 1)
         page_ids += pages[: page + 1]
+        kv_ptr.append(len(page_ids))
         if samples:
             logits.append(row)
     num_seqs, i32, i64 = len(ids), np.int32, np.int64
     positions_ = np.array(positions, i64)
     arrays = dict(input_ids=np.array(ids, i64), positions=positions_,
                   slot_mapping=np.array(slots, i64), qo_indptr=np.arange(num_seqs + 1, dtype=i32),
-                  paged_kv_indptr=_indptr(np.array(num_pages, i64)).astype(i32),
+                  paged_kv_indptr=np.array(kv_ptr, i32),
                   paged_kv_indices=np.fromiter(page_ids, i32, len(page_ids)),
                   paged_kv_last_page_len=(positions_ % ps + 1).astype(i32),
                   kv_lens=(positions_ + 1).astype(i32), logits_indices=np.array(logits, i64),

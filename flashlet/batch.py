@@ -169,18 +169,18 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     """build_layout for a step whose every row has exactly one token (a decode step, the common
-    one), the same StepLayout: each row's position, slot and page count are plain integer
-    arithmetic, so they are worked out in the one loop over the rows and the arrays built with
-    a few numpy calls (build_layout's general form costs tens of numpy calls a step, which is
-    most of a one-sequence step's layout on a slow host)."""
+    one), the same StepLayout in fewer numpy calls: a row's position, page count and place in
+    the page table are integer arithmetic in the one loop over the rows. A row's page table may
+    be an int32 array (Request.page_table, cached between steps: converting 256 lists of
+    ints every step was most of the layout)."""
     ps = page_size
-    ids, positions, slots, kv_ptr, page_ids = [], [], [], [0], []
+    ids, positions, kv_ptr, last_pages, tables = [], [], [0], [], []
     logits, feed_rows, feed_src = [], [], []
     for row, (tokens, start, pages, samples, src) in enumerate(rows):
         if len(tokens) != 1:
             raise ValueError(f"decode_layout takes one token a row, got {len(tokens)}")
         (token,) = tokens
-        page, offset = divmod(start, ps)
+        page = start // ps  # the page its one new K/V row goes to: its last
         if page >= len(pages):
             raise ValueError("a row's page table holds fewer pages than its tokens need")
         if token == PLACEHOLDER:
@@ -189,18 +189,20 @@ def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
             feed_src.append(src)
         ids.append(token)
         positions.append(start)
-        slots.append(pages[page] * ps + offset)
-        page_ids += pages[: page + 1]
-        kv_ptr.append(len(page_ids))
+        tables.append(pages if page + 1 == len(pages) else pages[: page + 1])
+        last_pages.append(kv_ptr[-1] + page)
+        kv_ptr.append(kv_ptr[-1] + page + 1)
         if samples:
             logits.append(row)
     num_seqs, i32, i64 = len(ids), np.int32, np.int64
     positions_ = np.array(positions, i64)
+    table = np.concatenate(tables, dtype=i32) if tables else np.zeros(0, i32)
+    offsets = positions_ % ps
     arrays = dict(input_ids=np.array(ids, i64), positions=positions_,
-                  slot_mapping=np.array(slots, i64), qo_indptr=np.arange(num_seqs + 1, dtype=i32),
-                  paged_kv_indptr=np.array(kv_ptr, i32),
-                  paged_kv_indices=np.fromiter(page_ids, i32, len(page_ids)),
-                  paged_kv_last_page_len=(positions_ % ps + 1).astype(i32),
+                  slot_mapping=table[last_pages] * ps + offsets,
+                  qo_indptr=np.arange(num_seqs + 1, dtype=i32),
+                  paged_kv_indptr=np.array(kv_ptr, i32), paged_kv_indices=table,
+                  paged_kv_last_page_len=(offsets + 1).astype(i32),
                   kv_lens=(positions_ + 1).astype(i32), logits_indices=np.array(logits, i64),
                   feed_rows=np.array(feed_rows, i64), feed_src=np.array(feed_src, i64))
     layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
@@ -221,10 +223,20 @@ def step_rows(sched: "SchedulerOutput"):
         yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
 
 
+def decode_rows(sched: "SchedulerOutput"):
+    """step_rows of a step whose every request computes one token, with each page table as
+    the request's cached array."""
+    for req, _ in sched.scheduled:
+        start = req.num_computed_tokens
+        yield ((req.token_at(start),), start, req.page_table(), start + 1 == req.num_tokens,
+               req.sample_row)
+
+
 def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
     """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
-    build = decode_layout if sched.is_pure_decode else build_layout
-    return build(step_rows(sched), page_size)
+    if sched.is_pure_decode:
+        return decode_layout(decode_rows(sched), page_size)
+    return build_layout(step_rows(sched), page_size)
 
 
 # The step arena: every field of a step in one byte buffer, in this order, each at a multiple

@@ -239,7 +239,8 @@ class Scheduler:
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
         try:
-            req.page_ids += self.allocator.allocate(need)
+            # A new list, not `+=`: Request.page_table caches by the list's identity.
+            req.page_ids = req.page_ids + self.allocator.allocate(need)
         except OutOfPages:
             return False
         return True
@@ -266,7 +267,7 @@ class Scheduler:
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.tree_node)
-        req.page_ids[:num_full] = pages
+        req.page_ids = list(pages) + req.page_ids[num_full:]  # a new list (Request.page_table)
         req.num_tree_pages, req.tree_node = num_full, node
 
     def release(self, req: Request, cache: bool = True) -> None:
@@ -305,5 +306,6 @@ class Scheduler:
                        r.page_ids[r.num_tree_pages :], f"request {r.request_id}") for r in live])
         for req in self.running:
             assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
+            req.check_page_table()
         for req in self.waiting:
             assert not req.page_ids and req.tree_node is None, "a waiting request holds pages"

@@ -203,8 +203,9 @@ def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
                   qo_indptr=np.arange(num_seqs + 1, dtype=i32),
                   paged_kv_indptr=np.array(kv_ptr, i32), paged_kv_indices=table,
                   paged_kv_last_page_len=(offsets + 1).astype(i32),
-                  kv_lens=(positions_ + 1).astype(i32), logits_indices=np.array(logits, i64),
-                  feed_rows=np.array(feed_rows, i64), feed_src=np.array(feed_src, i64))
+                  kv_lens=(positions_ + 1).astype(i32),
+                  logits_indices=_rows_array(logits, num_seqs),
+                  feed_rows=_rows_array(feed_rows, num_seqs), feed_src=np.array(feed_src, i64))
     layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
     # The cached properties' values, known already (each is numpy work on every load).
     layout.arrays = arrays
@@ -221,6 +222,12 @@ def step_rows(sched: "SchedulerOutput"):
         end = start + n
         tokens = (req.token_at(start),) if n == 1 else req.token_slice(start, end)
         yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
+
+
+def _rows_array(rows: list[int], num_seqs: int) -> np.ndarray:
+    """Ascending row numbers as an int64 array; every row (the usual decode step: all sample,
+    all fed) without converting the list."""
+    return np.arange(num_seqs) if len(rows) == num_seqs else np.array(rows, np.int64)
 
 
 def decode_rows(sched: "SchedulerOutput"):

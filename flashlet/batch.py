@@ -6,7 +6,9 @@ the tests'.
   step (its new token ids, how many tokens it has computed, its page table) and the result is a
   `StepLayout`, a small set of named CPU tensors (input ids, positions, slot mapping,
   FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
-  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput.
+  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput; for a step whose every
+  row has one token (a decode step) it calls `decode_layout`, the same layout built with less
+  host work (the tests hold it to build_layout), with each request's cached page-table array.
 - `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
   of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's

@@ -6,7 +6,9 @@ the tests'.
   step (its new token ids, how many tokens it has computed, its page table) and the result is a
   `StepLayout`, a small set of named CPU tensors (input ids, positions, slot mapping,
   FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
-  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput.
+  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput; for a step whose every
+  row has one token (a decode step) it calls `decode_layout`, the same layout built with less
+  host work (the tests hold it to build_layout), with each request's cached page-table array.
 - `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
   of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
@@ -168,6 +170,54 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
+    """build_layout for a step whose every row has exactly one token (a decode step, the common
+    one), the same StepLayout in fewer numpy calls: a row's position, page count and place in
+    the page table are integer arithmetic in the one loop over the rows. A row's page table may
+    be an int32 array (Request.page_table, cached between steps: converting 256 lists of
+    ints every step was most of the layout)."""
+    ps = page_size
+    ids, positions, kv_ptr, last_pages, tables = [], [], [0], [], []
+    logits, feed_rows, feed_src = [], [], []
+    for row, (tokens, start, pages, samples, src) in enumerate(rows):
+        if len(tokens) != 1:
+            raise ValueError(f"decode_layout takes one token a row, got {len(tokens)}")
+        (token,) = tokens
+        page = start // ps  # the page its one new K/V row goes to: its last
+        if page >= len(pages):
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        if token == PLACEHOLDER:
+            token = 0  # the device writes the real token in (StepBuffers.load)
+            feed_rows.append(row)
+            feed_src.append(src)
+        ids.append(token)
+        positions.append(start)
+        tables.append(pages if page + 1 == len(pages) else pages[: page + 1])
+        last_pages.append(kv_ptr[-1] + page)
+        kv_ptr.append(kv_ptr[-1] + page + 1)
+        if samples:
+            logits.append(row)
+    num_seqs, i32, i64 = len(ids), np.int32, np.int64
+    positions_ = np.array(positions, i64)
+    table = np.concatenate(tables, dtype=i32) if tables else np.zeros(0, i32)
+    offsets = positions_ % ps
+    arrays = dict(input_ids=np.array(ids, i64), positions=positions_,
+                  slot_mapping=table[last_pages] * ps + offsets,
+                  qo_indptr=np.arange(num_seqs + 1, dtype=i32),
+                  paged_kv_indptr=np.array(kv_ptr, i32), paged_kv_indices=table,
+                  paged_kv_last_page_len=(offsets + 1).astype(i32),
+                  kv_lens=(positions_ + 1).astype(i32),
+                  logits_indices=_rows_array(logits, num_seqs),
+                  feed_rows=_rows_array(feed_rows, num_seqs), feed_src=np.array(feed_src, i64))
+    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+    # The cached properties' values, known already (each is numpy work on every load).
+    layout.arrays = arrays
+    layout.query_lens = np.ones(num_seqs, i32)
+    layout.is_pure_decode = True
+    layout.max_query_len = 1 if num_seqs else 0
+    return layout
+
+
 def step_rows(sched: "SchedulerOutput"):
     """The scheduled requests as StepRows (generated: the builder's loop is the only one)."""
     for req, n in sched.scheduled:
@@ -177,8 +227,25 @@ def step_rows(sched: "SchedulerOutput"):
         yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
 
 
+def _rows_array(rows: list[int], num_seqs: int) -> np.ndarray:
+    """Ascending row numbers as an int64 array; every row (the usual decode step: all sample,
+    all fed) without converting the list."""
+    return np.arange(num_seqs) if len(rows) == num_seqs else np.array(rows, np.int64)
+
+
+def decode_rows(sched: "SchedulerOutput"):
+    """step_rows of a step whose every request computes one token, with each page table as
+    the request's cached array."""
+    for req, _ in sched.scheduled:
+        start = req.num_computed_tokens
+        yield ((req.token_at(start),), start, req.page_table(), start + 1 == req.num_tokens,
+               req.sample_row)
+
+
 def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
     """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
+    if sched.is_pure_decode:
+        return decode_layout(decode_rows(sched), page_size)
     return build_layout(step_rows(sched), page_size)
 
 

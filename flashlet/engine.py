@@ -341,8 +341,9 @@ class Engine:
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
-        values = launched.read()
-        tokens = [launched.errors.get(row, v) for row, v in enumerate(values)]
+        tokens = launched.read()
+        if launched.errors:  # a row whose sampling failed gets its error instead of a token
+            tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
         if launched.constrained:
             advance_grammars(launched.sched.sampling, tokens)
         outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from flashlet.sampling import SamplingParams, TokenLogprob
@@ -33,7 +34,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
-    page_ids: list[int] = field(default_factory=list)  # this request's page table
+    # This request's page table. The scheduler gives it a new list whenever its pages change,
+    # never changing one in place, so `page_table` knows its array is current by the identity.
+    page_ids: list[int] = field(default_factory=list)
     num_tree_pages: int = 0  # leading pages owned by the prefix cache (locked through tree_node)
     tree_node: object = None  # deepest radix node this request holds a lock on
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
@@ -43,6 +46,8 @@ class Request:
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
     grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
+    _table: np.ndarray | None = field(default=None, repr=False)  # page_table's cached array,
+    _table_of: list[int] | None = field(default=None, repr=False)  # made from this list
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
@@ -78,6 +83,20 @@ class Request:
         """Every output token it may produce is sampled: only reading the last one is left."""
         return len(self.output_token_ids) >= self.params.max_new_tokens
 
+    def page_table(self) -> np.ndarray:
+        """page_ids as an int32 array, for a step's layout. Made again only when page_ids has
+        been replaced (a decode that crossed into a new page): converting every running
+        request's list every step was the largest part of a 256-row decode step's layout."""
+        if self._table_of is not self.page_ids:
+            self._table = np.array(self.page_ids, np.int32)
+            self._table_of = self.page_ids
+        return self._table
+
+    def check_page_table(self) -> None:
+        """The cached page table is current: page_ids was not changed in place."""
+        if self._table_of is self.page_ids:
+            assert self._table.tolist() == self.page_ids, "page_ids was changed in place"
+
     def drop_placeholders(self) -> None:
         """Forget tokens sampled after the request stopped (their values were never read)."""
         while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
@@ -86,16 +105,18 @@ class Request:
 
     def output(self, new_token_ids: list[int]) -> "RequestOutput":
         """This step's delta (the final result too, once finished)."""
-        return RequestOutput(
-            request_id=self.request_id, new_token_ids=new_token_ids, finished=self.is_finished,
-            finish_reason=self.finish_reason, prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.output_token_ids) if self.is_finished else None,
-            num_cached_tokens=self.num_cached_tokens, error=self.error,
-            new_logprobs=self._logprobs(-len(new_token_ids)) if new_token_ids else None,
-            logprobs=self._logprobs(0) if self.is_finished else None)
-
-    def _logprobs(self, start: int) -> list[TokenLogprob] | None:
-        return None if self.output_logprobs is None else self.output_logprobs[start:]
+        finished = self.status is RequestStatus.FINISHED
+        out = RequestOutput(self.request_id, new_token_ids, finished, self.finish_reason,
+                            self.prompt_token_ids, num_cached_tokens=self.num_cached_tokens,
+                            error=self.error)
+        if finished:
+            out.token_ids = list(self.output_token_ids)
+        if self.output_logprobs is not None:  # asked for: this step's ones, and all at the end
+            if new_token_ids:
+                out.new_logprobs = self.output_logprobs[-len(new_token_ids):]
+            if finished:
+                out.logprobs = list(self.output_logprobs)
+        return out
 
 
 @dataclass

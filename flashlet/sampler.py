@@ -102,14 +102,18 @@ class Sampler:
         self.state: BatchState | None = None  # the last step's batch
 
     # ---- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()  # the runner's logits are inference tensors, written into here
     def sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
         """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the
         module docstring)."""
         state = self.batch_state(reqs, logits.shape[1])
-        errors: dict[int, Exception] = {}
         if state.plain_greedy:  # the common greedy case: nothing to apply
-            return SamplerOutput(logits.argmax(dim=-1), errors, None)
+            # (reading the logits needs no inference mode, whose entry costs ~4 us a step)
+            return SamplerOutput(logits.argmax(dim=-1), {}, None)
+        return self._sample(logits, reqs, state)
+
+    @torch.inference_mode()  # the runner's logits are inference tensors, written into here
+    def _sample(self, logits: torch.Tensor, reqs: list, state: BatchState) -> SamplerOutput:
+        errors: dict[int, Exception] = {}
         raw_logprobs = (torch.log_softmax(logits[state.lp_index], dim=-1)
                         if state.lp_rows else None)
         if state.constrained:

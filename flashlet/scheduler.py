@@ -72,24 +72,58 @@ class Scheduler:
     # ---- the policy -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        decodes, prefills = self._running_by_kind()
+        budget = self._schedule_decodes(decodes, out, self.max_num_batched_tokens)
+        for req in prefills:
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this step, or no budget left for chunks
+            budget = self._schedule_chunk(req, out, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _running_by_kind(self) -> tuple[list[Request], list[Request]]:
+        """The running requests with one token to compute (decodes), and those part-way
+        through their prompt (prefills). A request that has sampled every token it may is in
+        neither: it only waits for its last token to be read."""
         decodes, prefills = [], []
         for r in self.running:
-            if r.num_tokens_to_compute > 1:
+            # Request.num_tokens_to_compute and has_all_tokens, read off the lists once (this
+            # loop runs over every running request every step).
+            num_output = len(r.output_token_ids)
+            to_compute = len(r.prompt_token_ids) + num_output - r.num_computed_tokens
+            if to_compute > 1:
                 prefills.append(r)
-            elif not r.has_all_tokens:  # else it only waits for its last token to be read
+            elif num_output < r.params.max_new_tokens:
                 decodes.append(r)
-        for req in decodes + prefills:
-            if req.status != RequestStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop, or no budget left for chunks
-            n = min(req.num_tokens_to_compute, budget)
-            if self._reserve_or_preempt(req, n, out):
-                out.scheduled.append((req, n))
-                budget -= n
-        if not out.preempted:
-            budget = self._admit_waiting(out, budget)
-        out.sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
-        return out
+        return decodes, prefills
+
+    def _schedule_decodes(self, decodes: list[Request], out: SchedulerOutput, budget: int) -> int:
+        """One token for each decode (each samples); returns the budget left."""
+        ps = self.page_size
+        for req in decodes:
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            # Only a decode whose pages are full needs another (most need none).
+            if (req.num_computed_tokens >= len(req.page_ids) * ps
+                    and not self._reserve_or_preempt(req, 1, out)):
+                continue
+            out.scheduled.append((req, 1))
+            out.sampling.append(req)
+            budget -= 1
+        return budget
+
+    def _schedule_chunk(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """As much of `req`'s remaining tokens as the budget allows (it samples if that is all
+        of them); returns the budget left."""
+        to_compute = req.num_tokens_to_compute
+        n = min(to_compute, budget)
+        if not self._reserve_or_preempt(req, n, out):
+            return budget
+        out.scheduled.append((req, n))
+        if n == to_compute:
+            out.sampling.append(req)
+        return budget - n
 
     # ---- after a step ---------------------------------------------------------------------
     def on_launch(self, out: SchedulerOutput) -> None:
@@ -97,10 +131,11 @@ class Scheduler:
         samples holds a placeholder for the token until `update` writes it in."""
         for req, n in out.scheduled:
             req.num_computed_tokens += n
-        out.slots = []
+        out.slots = slots = []
         for row, req in enumerate(out.sampling):
-            out.slots.append(len(req.output_token_ids))
-            req.output_token_ids.append(PLACEHOLDER)
+            output_ids = req.output_token_ids
+            slots.append(len(output_ids))
+            output_ids.append(PLACEHOLDER)
             req.sample_row = row
 
     def update(self, out: SchedulerOutput, tokens: list, logprobs=None) -> list[RequestOutput]:
@@ -108,16 +143,21 @@ class Scheduler:
         row's sampling failed) and their logprobs (sampler.StepLogprobs, for the rows that
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
         outputs = []
+        finished = RequestStatus.FINISHED
         for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
-            if req.is_finished:  # aborted, or stopped by the step before: this row is void
+            if req.status is finished:  # aborted, or stopped by the step before: this row is void
                 continue
             if (logprobs is not None and req.output_logprobs is not None
                     and not isinstance(token, Exception)):
                 req.output_logprobs.append(logprobs.get(row))
             outputs.append(self._append_token(req, slot, token))
-        for req, _ in out.scheduled:
-            if not req.is_finished:
-                self.cache_computed_pages(req)
+        if self.enable_prefix_cache:
+            ps = self.page_size
+            for req, _ in out.scheduled:
+                # Only a request that has completed a page since it last cached has work here.
+                if (req.num_computed_tokens // ps > req.num_tree_pages
+                        and req.status is not finished):
+                    self.cache_computed_pages(req)
         return outputs
 
     def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
@@ -153,15 +193,17 @@ class Scheduler:
             self.preempt(victim)
             out.preempted.append(victim)
             out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
+            out.sampling = [r for r in out.sampling if r is not victim]
             if victim is req:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self._adopt_cached_prefix(req)
-            n = min(req.num_tokens_to_compute, budget)
+            to_compute = req.num_tokens_to_compute
+            n = min(to_compute, budget)
             if not self._reserve(req, req.num_computed_tokens + n):
                 self.release(req, cache=False)
                 break
@@ -173,8 +215,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
+            if n == to_compute:
+                out.sampling.append(req)
             budget -= n
-        return budget
 
     # ---- pages ----------------------------------------------------------------------------
     def _adopt_cached_prefix(self, req: Request) -> None:
@@ -196,7 +239,8 @@ class Scheduler:
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
         try:
-            req.page_ids += self.allocator.allocate(need)
+            # A new list, not `+=`: Request.page_table caches by the list's identity.
+            req.page_ids = req.page_ids + self.allocator.allocate(need)
         except OutOfPages:
             return False
         return True
@@ -223,7 +267,7 @@ class Scheduler:
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.tree_node)
-        req.page_ids[:num_full] = pages
+        req.page_ids = list(pages) + req.page_ids[num_full:]  # a new list (Request.page_table)
         req.num_tree_pages, req.tree_node = num_full, node
 
     def release(self, req: Request, cache: bool = True) -> None:
@@ -262,5 +306,6 @@ class Scheduler:
                        r.page_ids[r.num_tree_pages :], f"request {r.request_id}") for r in live])
         for req in self.running:
             assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
+            req.check_page_table()
         for req in self.waiting:
             assert not req.page_ids and req.tree_node is None, "a waiting request holds pages"

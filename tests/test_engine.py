@@ -332,3 +332,35 @@ def test_a_sample_held_after_another_finds_its_prompt_cached(tiny_qwen2, alone, 
         assert done[rid].num_cached_tokens == 64  # the prompt's full pages
         assert done[rid].token_ids == done[first].token_ids == alone(prompt, 5)
     assert_no_pages_beyond_cache(engine)
+
+
+def test_scheduled_sampling_rows_are_the_requests_that_reach_their_last_token():
+    """The scheduler picks each step's sampling rows as it schedules them (decodes, the last
+    chunk of a prompt, admissions; a preempted request dropped); against the obvious form, over
+    random runs of chunked prompts in a pool small enough to preempt."""
+    from flashlet.kv_pool import PageAllocator
+    from flashlet.request import Request
+    from flashlet.scheduler import Scheduler
+
+    num_preemptions = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        sched = Scheduler(PageAllocator(12), 4, max_num_seqs=4, max_num_batched_tokens=10,
+                          enable_prefix_cache=seed % 2 == 0)
+        for rid in range(12):
+            prompt = [rng.randrange(2, 50) for _ in range(rng.randrange(1, 25))]
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 8), ignore_eos=True)
+            sched.add(Request(rid, prompt, params))
+        for _ in range(400):
+            if not sched.has_unfinished():
+                break
+            out = sched.schedule()
+            want = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+            assert out.sampling == want
+            sched.on_launch(out)
+            sched.update(out, [rng.randrange(2, 50) for _ in out.sampling])
+            sched.check_integrity()
+        assert not sched.has_unfinished()
+        assert sched.allocator.num_free + sched.cache.num_pages == 12
+        num_preemptions += sched.num_preemptions
+    assert num_preemptions > 0, "the pool was not small enough to preempt"

@@ -5,13 +5,14 @@ CPU (a stand-in graph that re-runs the captured body) against eager steps."""
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout,
-                            load_layout)
+                            decode_layout, load_layout)
 from flashlet.kv_pool import KVPool
 from flashlet.model_runner import graph_input_addresses
 from flashlet.request import PLACEHOLDER
@@ -70,6 +71,66 @@ def test_builder_matches_the_token_by_token_reference(ps):
         assert layout.is_pure_decode == all(n == 1 for n in lens)
         assert layout.max_query_len == max(lens)
         assert layout.paged_kv_indptr.dtype == torch.int32 and layout.slot_mapping.dtype == torch.int64
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_decode_fast_path_gives_the_general_builders_layout(ps):
+    rng = random.Random(100 + ps)
+    for _ in range(100):
+        rows = random_rows(rng, ps, decode_only=True)
+        want = build_layout(rows, ps)
+        as_arrays = [r._replace(page_ids=np.array(r.page_ids, np.int32)) for r in rows]
+        for got in decode_layout(rows, ps), decode_layout(as_arrays, ps):
+            assert_same_layout(got, want, rows)
+    empty = decode_layout([], ps)
+    assert (empty.num_seqs, empty.max_query_len, empty.qo_indptr.tolist()) == (0, 0, [0])
+
+
+def assert_same_layout(got, want, rows):
+    for name, tensor in want.tensors().items():
+        fast = getattr(got, name)
+        assert fast.dtype == tensor.dtype and fast.tolist() == tensor.tolist(), (name, rows)
+        assert (got.arrays[name] == tensor.numpy()).all()  # its numpy views, set up front
+    assert got.query_lens.tolist() == want.query_lens.tolist()
+    assert got.query_lens.dtype == want.query_lens.dtype
+    assert (got.is_pure_decode, got.max_query_len) == (want.is_pure_decode, want.max_query_len)
+
+
+def test_engine_steps_get_the_general_builders_layout(tiny_qwen2, monkeypatch):
+    """layout_of (the decode fast path, page tables cached on the requests between steps)
+    against build_layout of the plain rows, every step of a run that decodes across page
+    boundaries, chunks prompts, shares cached prefixes and preempts."""
+    import flashlet.engine
+    from flashlet.batch import layout_of, step_rows
+
+    num_decode_steps = 0
+
+    def checked_layout_of(sched, ps):
+        nonlocal num_decode_steps
+        got = layout_of(sched, ps)
+        assert_same_layout(got, build_layout(step_rows(sched), ps), sched.scheduled)
+        num_decode_steps += got.is_pure_decode
+        return got
+
+    monkeypatch.setattr(flashlet.engine, "layout_of", checked_layout_of)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
+                                 max_num_seqs=4, max_num_batched_tokens=16))
+    rng = random.Random(0)
+    shared = [rng.randrange(2, 200) for _ in range(9)]
+    for i in range(6):
+        prompt = shared + [rng.randrange(2, 200) for _ in range(rng.randrange(1, 20))]
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert engine.stats()["num_preemptions"] > 0 and num_decode_steps > 5
+
+
+def test_the_decode_fast_path_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="one token a row"):
+        decode_layout([StepRow([1, 2], 0, [7])], 4)
+    with pytest.raises(ValueError, match="fewer pages"):
+        decode_layout([StepRow([1], 4, [7])], 4)
 
 
 def test_a_page_table_too_short_for_its_tokens_is_refused():

@@ -1,0 +1,103 @@
+"""Host time of one `engine.step()` where the model's forward costs next to nothing: a 1-layer,
+hidden-32 Qwen2 on the CPU (torch backend, one thread), N requests of 100-token prompts
+decoding (up to 400 tokens each: the tiny model's context is 512). What is left is the engine's own Python a step (schedule, layout, load, sampler,
+update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
+
+    python scripts/bench_host_step.py                     # 1, 64 and 256 requests
+    python scripts/bench_host_step.py --seqs 256 --profile 20   # and a cProfile of 20 steps
+
+Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
+rounds of --steps steps each (after a warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's flashlet and test helpers
+from conftest import save_tiny_model  # noqa: E402
+
+from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def decoding_engine(folder: str, num_seqs: int) -> Engine:
+    """An engine with `num_seqs` requests past their prompts, decoding."""
+    engine = Engine(EngineConfig(model=folder, backend="torch", max_num_pages=9000,
+                                 max_num_seqs=512))
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    for b in range(num_seqs):
+        engine.add_request([(b * 7 + i) % 200 + 2 for i in range(100)], params)
+    for _ in range(30):
+        engine.step()
+    return engine
+
+
+class ForwardTimer:
+    """Wraps the runner's forward to add up its time: a step's time less its forward's is the
+    host work around the model (the CPU torch attention of 256 rows is not the host cost a GPU
+    step pays)."""
+
+    def __init__(self, engine: Engine):
+        self.seconds = 0.0
+        self.forward = engine.runner.forward
+        engine.runner.forward = self
+
+    def __call__(self, *args, **kwargs):
+        started = time.process_time()
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.seconds += time.process_time() - started
+
+
+def ms_per_step(engine: Engine, timer: ForwardTimer, steps: int) -> tuple[float, float]:
+    """(ms per step, ms per step outside the forward), in this process's CPU time: on a shared
+    machine the wall clock also counts the time other processes hold the core."""
+    timer.seconds = 0.0
+    started = time.process_time()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.process_time() - started
+    return elapsed / steps * 1e3, (elapsed - timer.seconds) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=50, help="steps a round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many steps")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
+                             hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                             num_key_value_heads=1)
+    for num_seqs in args.seqs:
+        engine = decoding_engine(str(folder), num_seqs)
+        timer = ForwardTimer(engine)
+        times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
+        host = [h for _, h in times]
+        print(f"seqs={num_seqs}: {statistics.median(t for t, _ in times):.3f} ms/step, "
+              f"{statistics.median(host):.3f} ms outside the forward "
+              f"(rounds: {' '.join(f'{h:.3f}' for h in host)})", flush=True)
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.profile):
+                engine.step()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -160,7 +160,7 @@ def test_a_burst_of_connections_is_spread_evenly_over_three_api_servers(tiny_qwe
     """Each process listens on its own SO_REUSEPORT socket, and the kernel picks one for each
     connection by a hash of its addresses: 48 connections opened at once split about 16/16/16.
     (On one shared socket the first process to wake accepts every connection waiting; here
-    that failed this bound in one of three runs.) The bound, each >= 3, fails for a uniform hash with
+    that failed this bound in one of two runs.) The bound, each >= 3, fails for a uniform hash with
     probability 3 * P(Binomial(48, 1/3) <= 2) = 3e-6."""
     p = _start(tiny_qwen2, count=3)
     try:

@@ -304,9 +304,9 @@ def main(argv=None) -> int:
         prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
         payload = request_bytes(args.endpoint, prompt, args.tokens)
         print(f"| streams | tok/s | SSE events/s | tokens/event | API CPU us/token | API CPU "
-              f"share | API CPU us/event | core steps/s | core CPU us/step | core loop step / send / receive / "
-              f"idle % | core tokens/step | turnaround p50 / p99 ms | "
-              f"event-loop lag p50 / p99 ms | "
+              f"share | API CPU us/event | core steps/s | core CPU us/step | "
+              f"core loop step / send / receive / idle % | core tokens/step | "
+              f"turnaround p50 / p99 ms | event-loop lag p50 / p99 ms | "
               f"API GC % (full, > 5 ms) | intake p50 / p99 ms | client gap p50 / p99 ms | "
               f"delivery p50 / p99 ms "
               f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms)")

@@ -16,21 +16,22 @@ flight end with a 500 error, /health answers 503 ("failed") and the server exits
 Linux each has its own listening socket, all N bound here with SO_REUSEPORT before anything
 starts and N - 1 handed to spawned children: the kernel spreads new connections over the
 sockets that listen by a hash of the connection's addresses, so over many connections each
-process gets its share (one shared socket, where every process races to accept, gave the
-process that woke first up to twice the others' share). Elsewhere they all accept on one
-shared socket. This process owns the engine cores (core_client.py says how each core sends each request's outputs to the
-process that sent it); each child attaches to them, runs the API warm-up (warmup.py) and only
-then listens (a bound socket that does not listen gets no connections), so no child takes
-a connection before it can serve it. /health (in
-any process) says ok, and this process logs "serving on", only once every process has warmed
-up and accepts (flags in shared memory; /metrics: flashlet_api_server_warm{api_server=K}). Responses
-carry `x-flashlet-api-server: K`. On SIGINT/SIGTERM this process passes SIGTERM on to the
-children, all drain side by side, and the cores stop once every child has exited. A dead core
-fails every process's open streams and turns every /health 503 (each child watches the cores'
-pids); each child exits when this process does. /metrics is per process: the HTTP counters
-are those of the process that answered the scrape (label them by the header), the per-core
-gauges are the same in every process. Data parallelism works with N > 1: each process routes
-on its own view (core_client.py).
+process gets its share (on one shared socket every process races to accept, and the one that
+wins takes every connection waiting: at concurrency 256, 4 processes served 156 / 84 / 184 /
+88 requests). Elsewhere they all accept on one shared socket. This process owns the engine
+cores (core_client.py says how each core sends each request's outputs to the process that
+sent it); each child attaches to them, runs the API warm-up (warmup.py) and only then listens
+(a bound socket that does not listen gets no connections), so no child takes a connection
+before it can serve it. /health (in any process) says ok, and this process logs "serving
+on", only once every process has warmed up and accepts (flags in shared memory; /metrics:
+flashlet_api_server_warm{api_server=K}). Responses carry `x-flashlet-api-server: K`. On
+SIGINT/SIGTERM this process passes SIGTERM on to the children, all drain side by side, and
+the cores stop once every child has exited. A dead core fails every process's open streams
+and turns every /health 503 (each child watches the cores' pids); each child exits when this
+process does. /metrics is per process: the HTTP counters are those of the process that
+answered the scrape (label them by the header), the per-core gauges are the same in every
+process. Data parallelism works with N > 1: each process routes on its own view
+(core_client.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`--api-server-count 2`: two API-server processes on one port, fed by one engine core (with
-three: new connections spread evenly over them). Both serve streams side by side (the `x-flashlet-api-server` header says which), greedy outputs do
-not depend on the process and equal one API process's, aborted and disconnected streams free their pages, and a dead core
-fails every open stream on both processes with an error body and turns /health 503. Tiny
+three: a burst of new connections spreads evenly over them). Both serve streams side by side
+(the `x-flashlet-api-server` header says which), greedy outputs do not depend on the process
+and equal one API process's, aborted and disconnected streams free their pages, and a dead
+core fails every open stream on both processes with an error body and turns /health 503. Tiny
 random model (token ids in, token ids out), through the real CLI."""
 
 from __future__ import annotations

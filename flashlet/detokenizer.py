@@ -33,19 +33,6 @@ def rust_decoder(tokenizer):
     return backend
 
 
-def rust_stream(backend, skip_special_tokens: bool):
-    """A `tokenizers.decoders.DecodeStream` for `backend` (None without one): the same two-offset
-    window as IncrementalDetokenizer._decode, run in Rust, one call per push (a fifth of the
-    Python window's cost per streamed token)."""
-    if backend is None:
-        return None
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:
-        return None
-    return DecodeStream(skip_special_tokens=skip_special_tokens)
-
-
 class IncrementalDetokenizer:
     """One request's output tokens -> its text, a piece at a time.
 
@@ -66,7 +53,6 @@ class IncrementalDetokenizer:
         self._num_sent_chars = 0  # characters of text already returned
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self._backend = rust_decoder(tokenizer)
-        self._stream = rust_stream(self._backend, skip_special_tokens)
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Add tokens; returns (new text safe to emit now, whether a stop string was hit).
@@ -77,7 +63,7 @@ class IncrementalDetokenizer:
             return "", True
         searched = max(len(self.text) - self._holdback, 0)  # no stop string starts before here
         self._token_ids.extend(token_ids)
-        self._decode(token_ids)
+        self._decode()
         if self.stop and self._find_stop(searched):
             self.stopped = True
             return self._emit(len(self.text)), True
@@ -87,21 +73,8 @@ class IncrementalDetokenizer:
         """The held-back tail, at the end of a request that did not stop on a stop string."""
         return self._emit(len(self.text))
 
-    def _decode(self, new_ids: Sequence[int]) -> None:
-        """Append the text that the window now completes (none while it ends in a partial
-        UTF-8 character)."""
-        end = len(self._token_ids)
-        if self._stream is not None and new_ids:
-            try:
-                piece = self._stream.step(self._backend, list(new_ids))
-            except Exception:  # noqa: BLE001 - it also checks that the window's text grew from
-                self._stream = None  # its prefix, which ours assumes: go on with ours, as before
-            else:
-                if piece is not None:  # it moved its window as ours does: keep ours in step
-                    self.text += piece
-                    self._prefix_offset, self._read_offset = self._read_offset, end
-                return
-        ids = self._token_ids
+    def _decode(self) -> None:
+        ids, end = self._token_ids, len(self._token_ids)
         prefix = self._decode_ids(ids[self._prefix_offset : self._read_offset])
         full = self._decode_ids(ids[self._prefix_offset : end])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # not a partial UTF-8 char

@@ -124,31 +124,3 @@ def test_the_rust_decoder_gives_what_the_tokenizer_decode_gives(demo_llm):
         for skip in (True, False):
             assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(
                 ids, skip_special_tokens=skip), ids
-
-
-def test_the_rust_decode_stream_gives_the_python_windows_pieces(demo_llm):
-    """The fast path (tokenizers' DecodeStream) against the Python two-offset window it replaces,
-    push by push: random ids (partial UTF-8 characters, special tokens), real text, and pushes
-    of several ids at once."""
-    tok = demo_llm.tokenizer
-    rng = random.Random(1)
-    special = list(tok.all_special_ids)
-    text_ids = tok.encode("Hello wörld! 你好，世界。 🙂🙃 naïve café —\n\n  x = [1, 2]\t")
-    for trial in range(300):
-        if trial % 2:
-            ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok))
-                   for _ in range(rng.randint(1, 30))]
-        else:
-            ids = text_ids[rng.randrange(len(text_ids)):]
-        for skip in (True, False):
-            fast = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-            slow = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-            assert fast._stream is not None  # the fast path is the one tested
-            slow._stream = None
-            start = 0
-            while start < len(ids):
-                chunk = ids[start:start + rng.choice([1, 1, 1, 2, 3])]
-                start += len(chunk)
-                assert fast.push(chunk) == slow.push(chunk), (ids, skip)
-                assert fast._read_offset == slow._read_offset
-            assert fast.finish() == slow.finish() and fast.text == slow.text

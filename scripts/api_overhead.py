@@ -11,8 +11,9 @@ they decode to words), after `--step-ms` of sleep (0: as fast as the API process
 Closed-loop clients on raw sockets (cheaper than httpx, so that they load the CPU little)
 stream `--tokens` tokens per request, for `--seconds` per level. Per level it reports the
 streamed tokens/s, SSE events/s, tokens per event (above 1: the API process fell behind the
-core and sent several tokens in one event), and the API process's CPU time per token (user +
-system, from /proc: what the server spends per token outside the engine), with the core
+core and sent several tokens in one event), and the API process's CPU time per token and per
+event (user + system, from /proc: what the server spends per token outside the engine; the
+OpenAI endpoints ask for the usage chunk, which counts the tokens), with the core
 process's steps/s and CPU per step (the EngineCore loop's own cost: the token source is a few
 lines), and the server's own diagnostics (GET /debug/stats, server/diagnostics.py): the core
 loop's time split and tokens per step, the request turnaround, the event-loop lag, the API
@@ -144,10 +145,11 @@ def request_bytes(endpoint: str, prompt: str, tokens: int) -> bytes:
         body = {"prompt": prompt, "max_new_tokens": tokens, "ignore_eos": True}
     elif endpoint == "/v1/completions":
         body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
     else:
         body = {"model": "bench", "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": tokens, "ignore_eos": True, "stream": True}
+                "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
     data = json.dumps(body).encode()
     return (f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
@@ -167,7 +169,8 @@ async def one_stream(port: int, payload: bytes, deadline: float, tally: dict) ->
                 buf += chunk
             while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's terminator
                 buf += await reader.read(65536)
-            tally["events"] += buf.count(b"data: ") - 1  # not [DONE]
+            tally["events"] += buf.count(b"data: ") - 1 - (b'"choices":[]' in buf)  # not
+            # [DONE] nor the OpenAI endpoints' last event (usage, which tokens_per_event needs)
             tally["tokens"] += completion_tokens(buf)
             tally["requests"] += 1
     finally:
@@ -224,6 +227,7 @@ async def level(port: int, pid: int, streams: int, payload: bytes, seconds: floa
             "events_s": tally["events"] / wall,
             "tokens_per_event": tally["tokens"] / max(tally["events"], 1),
             "api_cpu_s": cpu, "api_cpu_us_per_token": cpu / max(tally["tokens"], 1) * 1e6,
+            "api_cpu_us_per_event": cpu / max(tally["events"], 1) * 1e6,
             "api_cpu_share": cpu / wall, "server_diag": diag}
 
 
@@ -300,19 +304,20 @@ def main(argv=None) -> int:
         prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
         payload = request_bytes(args.endpoint, prompt, args.tokens)
         print(f"| streams | tok/s | SSE events/s | tokens/event | API CPU us/token | API CPU "
-              f"share | core steps/s | core CPU us/step | core loop step / send / receive / "
-              f"idle % | core tokens/step | turnaround p50 / p99 ms | "
-              f"event-loop lag p50 / p99 ms | "
+              f"share | API CPU us/event | core steps/s | core CPU us/step | "
+              f"core loop step / send / receive / idle % | core tokens/step | "
+              f"turnaround p50 / p99 ms | event-loop lag p50 / p99 ms | "
               f"API GC % (full, > 5 ms) | intake p50 / p99 ms | client gap p50 / p99 ms | "
               f"delivery p50 / p99 ms "
               f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms)")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---" * 17 + "|")
         for streams in args.streams:
             r = asyncio.run(level(port, proc.pid, streams, payload, args.seconds))
             results.append(r)
             print(f"| {streams} | {r['tok_s']:,.0f} | {r['events_s']:,.0f} | "
                   f"{r['tokens_per_event']:.2f} | {r['api_cpu_us_per_token']:.1f} | "
-                  f"{r['api_cpu_share']:.2f} | {r['core_steps_s']:,.0f} | "
+                  f"{r['api_cpu_share']:.2f} | {r['api_cpu_us_per_event']:.1f} | "
+                  f"{r['core_steps_s']:,.0f} | "
                   f"{r['core_cpu_us_per_step']:.0f} | {diagnosis(r['server_diag'])} |",
                   flush=True)
     finally:

@@ -11,6 +11,7 @@ the engine core compiles (flashlet/structured.py). Tool calls come back parsed f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -233,6 +234,11 @@ def _include_usage(body) -> bool:
 async def _interleave(gens: list[Generation]):
     """(choice index, new text, delta) from every generation as they come; the first error
     ends the whole stream."""
+    if len(gens) == 1:  # the usual n = 1: no task and queue in between (a hop per event)
+        async with contextlib.aclosing(gens[0].deltas()) as deltas:
+            async for text, delta in deltas:
+                yield 0, text, delta
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: Generation) -> None:

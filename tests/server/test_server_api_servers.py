@@ -1,7 +1,8 @@
-"""`--api-server-count 2`: two API-server processes on one port, fed by one engine core. Both
-serve streams side by side (the `x-flashlet-api-server` header says which), greedy outputs do
-not depend on the process and equal one API process's, aborted and disconnected streams free their pages, and a dead core
-fails every open stream on both processes with an error body and turns /health 503. Tiny
+"""`--api-server-count 2`: two API-server processes on one port, fed by one engine core (with
+three: a burst of new connections spreads evenly over them). Both serve streams side by side
+(the `x-flashlet-api-server` header says which), greedy outputs do not depend on the process
+and equal one API process's, aborted and disconnected streams free their pages, and a dead
+core fails every open stream on both processes with an error body and turns /health 503. Tiny
 random model (token ids in, token ids out), through the real CLI."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,9 +56,9 @@ class SlowCoreServer(ServerProcess):
         self.reader.start()
 
 
-def _start(tiny_qwen2, *extra, server=ServerProcess) -> ServerProcess:
+def _start(tiny_qwen2, *extra, server=ServerProcess, count: int = 2) -> ServerProcess:
     p = server("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
-               "--api-server-count", "2", "--served-model-name", "m", *extra)
+               "--api-server-count", str(count), "--served-model-name", "m", *extra)
     wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
                "the server to load its model", interval=0.1)
     assert p.proc.poll() is None, p.log
@@ -140,6 +142,37 @@ def test_health_says_ok_only_once_every_api_process_is_warm_and_accepting(tiny_q
             if len(ran_warm_up) == 2:
                 break
         assert ran_warm_up == {"0": True, "1": True}
+    finally:
+        p.kill()
+
+
+def _served_by(sock: socket.socket) -> str:
+    """Send GET /health on a connected socket; the `x-flashlet-api-server` of the answer."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    return re.search(rb"\r\nx-flashlet-api-server: (\d+)\r\n", answer).group(1).decode()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT: Linux")
+def test_a_burst_of_connections_is_spread_evenly_over_three_api_servers(tiny_qwen2):
+    """Each process listens on its own SO_REUSEPORT socket, and the kernel picks one for each
+    connection by a hash of its addresses: 48 connections opened at once split about 16/16/16.
+    (On one shared socket the first process to wake accepts every connection waiting; here
+    that failed this bound in one of two runs.) The bound, each >= 3, fails for a uniform hash with
+    probability 3 * P(Binomial(48, 1/3) <= 2) = 3e-6."""
+    p = _start(tiny_qwen2, count=3)
+    try:
+        wait_until(lambda: httpx.get(p.url + "/health", timeout=5).status_code == 200, 60,
+                   "every API process to warm up and listen")
+        burst = [socket.create_connection(("127.0.0.1", p.port), timeout=10) for _ in range(48)]
+        served = {"0": 0, "1": 0, "2": 0}
+        for sock in burst:
+            with sock:
+                served[_served_by(sock)] += 1
+        assert min(served.values()) >= 3, served
     finally:
         p.kill()
 

@@ -87,6 +87,53 @@ def test_port_in_use_is_reported_before_the_model_loads(tiny_qwen2):
     assert "loading model" not in done.stderr and "serving on" not in done.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT groups: Linux")
+def test_port_held_by_another_reuseport_group_is_reported_with_several_api_servers(tiny_qwen2):
+    # Our own SO_REUSEPORT sockets could join that group: the plain probe bind must refuse.
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _run("-m", "flashlet.server", "--model", str(tiny_qwen2), "--port", str(port),
+                    "--api-server-count", "2")
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "loading model" not in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT groups: Linux")
+def test_api_server_sockets_share_the_port_and_only_listening_ones_get_connections():
+    from flashlet.server.cli import bind_api_server_sockets
+
+    sockets = bind_api_server_sockets("127.0.0.1", 0, 3)
+    try:
+        port = sockets[0].getsockname()[1]
+        assert len({id(s) for s in sockets}) == 3
+        assert {s.getsockname()[1] for s in sockets} == {port}
+        sockets[0].listen()  # the others: bound, as a child's is until it has warmed up
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+        accepted = []
+        for sock in sockets:
+            sock.setblocking(False)
+            while True:
+                try:
+                    accepted.append((sock, sock.accept()[0]))
+                except (BlockingIOError, OSError):
+                    break
+        assert len(accepted) == 12 and all(sock is sockets[0] for sock, _ in accepted)
+        for _, conn in accepted:
+            conn.close()
+        for client in clients:
+            client.close()
+    finally:
+        for sock in sockets:
+            sock.close()
+    one = bind_api_server_sockets("127.0.0.1", 0, 1)[0]
+    with one:  # one API process: a plain socket, as before
+        assert one.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
+
+
 SLOW_LOAD = """
 import sys
 sys.path.insert(0, {folder!r})

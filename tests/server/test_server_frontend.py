@@ -77,3 +77,27 @@ def test_router_forgets_least_recently_used_pages():
     assert router.route([9, 9, 9, 9], [0, 0]) == 0  # evicts [1, 2] and [1, 2, 3, 4] from core 0
     assert router.indexes[0].match(router.indexes[0].page_keys([1, 2, 3, 4])) == 0
     assert router.route([5, 6, 7, 8], [5, 5]) == 1  # core 1 still has it
+
+
+@pytest.mark.parametrize("value", [0.0, 0.0004, 0.003, 0.05, 1e9])
+def test_observe_many_equals_as_many_plain_observations(value):
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from flashlet.server.frontend import observe_many
+
+    def samples(registry) -> dict:
+        family = next(iter(registry.collect()))
+        return {(s.name, s.labels.get("le")): s.value for s in family.samples
+                if not s.name.endswith("_created")}
+
+    fast_registry, slow_registry = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1)
+    fast = Histogram("h", "h", buckets=buckets, registry=fast_registry)
+    slow = Histogram("h", "h", buckets=buckets, registry=slow_registry)
+    for count in (0, 1, 7):
+        observe_many(fast, value, count)
+        for _ in range(count):
+            slow.observe(value)
+    got, want = samples(fast_registry), samples(slow_registry)
+    assert got.pop(("h_sum", None)) == pytest.approx(want.pop(("h_sum", None)), rel=1e-12)
+    assert got == want and want[("h_count", None)] == 8

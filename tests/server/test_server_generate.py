@@ -145,3 +145,4 @@ def test_extreme_but_valid_params(server, params, idle):
     r = httpx.post(server.url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["finish_reason"] in ("length", "stop")
+

@@ -52,6 +52,12 @@ from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeSh
 from flashlet.kernels.embedding import gather_rows
 
 
+# The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
+# row is one lane group's walk over all of K, with no split-K. H200, bf16 (BENCHMARKS.md, s7c7):
+# Qwen2.5-1.5B (K = 8,960) 728 tok/s against per-op 526; Qwen2.5-7B (K = 18,944) 17.5 against 214.
+MAX_DOWN_K = 16_384
+
+
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
     """Raise ValueError naming what the fused path cannot run (before anything compiles)."""
     cfg = model.config
@@ -70,6 +76,10 @@ def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
         if k % VEC:
             why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
+    inter = layer.down_proj.weight.shape[1]
+    if inter > MAX_DOWN_K:
+        why.append(f"intermediate_size = {inter} is over {MAX_DOWN_K}: the down projection's GEMV has "
+                   f"no split-K and runs ~12x slower than the per-op path at Qwen2.5-7B's 18,944")
     if kv_pool is not None:  # RoPE + K/V write in the QKV epilogue (fused_decode_rope)
         if hasattr(layer, "q_norm"):
             why.append("fused_decode_rope: the q / k heads are normalised (Qwen3) between the QKV "

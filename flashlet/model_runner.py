@@ -179,16 +179,8 @@ class ModelRunner:
                              "ModelRunner.load (the graph reads its buffers, padded)")
         self.backend.plan_graph(meta, size)
         key = (size, "tokens" if tokens else "logits") + self.backend.graph_key(meta)
-        addresses = graph_input_addresses(input_ids, meta)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(input_ids, meta, tokens) + (addresses,)
-        graph, out, captured = self.graphs[key]
-        if addresses != captured:
-            raise RuntimeError(f"a decode step padded to {size} has its inputs at other "
-                               f"addresses than the graph captured for it read: the step "
-                               f"buffers placed it differently (batch.arena_offsets)")
-        self._mark_staged()
-        graph.replay()
+        out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens),
+                                 f"a decode step padded to {size}")
         return out[: size - meta.num_padding]
 
     def _replay_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -198,14 +190,21 @@ class ModelRunner:
             raise ValueError("a mixed step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
         key = ("mixed", meta.token_bucket) + self.backend.mixed_graph_key(meta)
+        return self._replay_graph(key, input_ids, meta, lambda: self._capture_mixed(input_ids, meta),
+                                  f"a mixed step padded to {meta.token_bucket} tokens")
+
+    def _replay_graph(self, key: tuple, input_ids: torch.Tensor, meta: AttentionMetadata,
+                      capture, step: str) -> torch.Tensor:
+        """Replay the graph under `key` (capture() makes it the first time) -> its output,
+        once the step's inputs are checked to sit where the capture read them."""
         addresses = graph_input_addresses(input_ids, meta)
         if key not in self.graphs:
-            self.graphs[key] = self._capture_mixed(input_ids, meta) + (addresses,)
+            self.graphs[key] = capture() + (addresses,)
         graph, out, captured = self.graphs[key]
         if addresses != captured:
-            raise RuntimeError(f"a mixed step padded to {meta.token_bucket} tokens has its inputs "
-                               f"at other addresses than the graph captured for it read: the "
-                               f"step buffers placed it differently (batch.arena_offsets)")
+            raise RuntimeError(f"{step} has its inputs at other addresses than the graph "
+                               f"captured for it read: the step buffers placed it differently "
+                               f"(batch.arena_offsets)")
         self._mark_staged()
         graph.replay()
         return out

@@ -197,7 +197,7 @@ def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
 def test_fused_decode_refuses_a_down_projection_it_cannot_stream(tmp_path):
     """Qwen2.5-7B's 18,944-wide down projection ran at 17.5 tok/s fused against 214 per-op (no
     split-K): refused by name, with the measured reason."""
-    from conftest import save_tiny_model
+    from tests.conftest import save_tiny_model
 
     big = save_tiny_model("qwen2", tmp_path, intermediate_size=fused_decode.MAX_DOWN_K + 64)
     engine = Engine(EngineConfig(model=str(big), device="cpu", max_num_seqs=1))

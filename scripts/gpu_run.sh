@@ -302,11 +302,13 @@ for part in "${PARTS[@]}"; do
            run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
              --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     serve-api2)  # API_COUNTS="2" runs one count only (each count is up to ~9 min);
-                 # SERVE_LEVELS="1 256" runs those concurrencies only
+                 # SERVE_LEVELS="1 256" runs those concurrencies only; SERVE_MIN_REQUESTS=1024
+                 # runs at least that many requests a level (c=256's 512 are two a slot)
       for n in ${API_COUNTS:-2 4}; do
         run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve-api$n" \
           --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 16 64 256} --max-new-tokens 128 \
           --api-server-count $n ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
+          ${SERVE_MIN_REQUESTS:+--min-requests $SERVE_MIN_REQUESTS} \
           -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384
       done ;;

@@ -52,7 +52,7 @@ def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
     then its multiples, and the step budget. A big mixed step is compute-bound (H200,
     Qwen2.5-0.5B: ~10 ms of GPU for ~7k tokens), so its padding costs GPU time in proportion:
     with powers of two alone a 6.2k-token step ran as 8,192 (s7c5); steps of 512 bound the
-    waste at 512 tokens (< 8% past 6k) for ~1 s more of capture at start (22 graphs at 8192)."""
+    waste at 512 tokens (< 8% past 6k) for ~1 s more of capture at start (21 graphs at 8192)."""
     sizes, n = [], 16
     while n < min(MIXED_BUCKET_STEP, max_num_batched_tokens):
         sizes.append(n)
@@ -77,7 +77,7 @@ class ModelRunner:
         # Not under tensor parallelism: the workers run rank 0's steps eagerly, unpadded.
         self.use_mixed_graphs = (self.use_graphs and config.mixed_graphs
                                  and getattr(model, "tp", None) is None
-                                 and getattr(self.backend, "supports_mixed_graph", False))
+                                 and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
         self.fused = None
         if config.fused_decode:

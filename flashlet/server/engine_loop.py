@@ -91,6 +91,7 @@ class RequestStream:
                 self._waiter = None
         return self.items.popleft()
 
+
 class EngineClient:
     """What the server's front end shares between the engine owners (EngineLoop on a thread,
     CoreClient over engine-core processes): `ready` / `stopped` / `error`, and requests

@@ -269,9 +269,11 @@ for part in "${PARTS[@]}"; do
     fused-timeline)  # issue 16: one fused decode step's kernels in order (torch.profiler), with
                      # PDL, then with PDL and RoPE in the QKV epilogue, then with the
                      # one-launch attention too (plan C) (~3 min)
+                     # TIMELINE_SETS="--fused-decode-rope --fused-decode-attn;..." picks
+                     # the flag sets (';' between them)
       cute_env
-      for flags in "--fused-decode-pdl" "--fused-decode-pdl --fused-decode-rope" \
-                   "--fused-decode-pdl --fused-decode-rope --fused-decode-attn"; do
+      IFS=';' read -ra flag_sets <<< "${TIMELINE_SETS:---fused-decode-pdl;--fused-decode-pdl --fused-decode-rope;--fused-decode-pdl --fused-decode-rope --fused-decode-attn}"
+      for flags in "${flag_sets[@]}"; do
         run 150 python3 scripts/profile_step.py --backend triton --batch 1 --prompt-len 32 \
           --fused-decode $flags --timeline --rows 8
       done ;;

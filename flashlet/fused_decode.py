@@ -134,7 +134,11 @@ class FusedDecode:
         self.qkv_out = torch.empty(1, q + 2 * kv, **empty)
         self.act = torch.empty(1, inter, **empty)    # silu(gate) * up
         self.logits_out = torch.empty(1, vocab, **empty)
-        self.token_out = torch.zeros(1, dtype=torch.int32, device=device)
+        # The argmax writes an int32 token; the engine's tokens are int64. It writes into the low
+        # word of an int64 slot whose high word stays 0 (ids are < 2^31, the host is
+        # little-endian as CUDA's are): the token is int64 with no cast kernel after it.
+        self.token_id = torch.zeros(1, dtype=torch.int64, device=device)
+        self.token_out = self.token_id.view(torch.int32)[:1]
         self.split = [q, kv, kv]
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -198,4 +202,4 @@ class FusedDecode:
         """-> the greedy token [1] int64: final RMSNorm, LM head and argmax in one kernel."""
         x = self.hidden(input_ids, positions, attn)
         self.lm_argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
-        return self.token_out.long()
+        return self.token_id

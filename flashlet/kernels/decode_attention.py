@@ -381,32 +381,41 @@ def _one_launch_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
+    page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
     n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
-    page_base = tl.load(KvIndptr + b)
     d = tl.arange(0, HEAD_DIM)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
 
-    # The first block's past rows before the wait; the newest row (kv_len - 1) after it.
+    # Before the wait, everything no kernel of this step writes: the first block's page ids
+    # and past K/V rows, and the newest row's address (the page table is copied in before the
+    # graph starts). After it only q and the newest K/V row, three independent loads from
+    # known addresses: one L2 round trip.
     t = start + tl.arange(0, BLOCK_N)
     t_mask = t < end
     past = t_mask & (t < kv_len - 1)
     k = _kv_block(k_head, page_base, KvIndices, t, past, d, stride_kp, stride_kt, PAGE_SIZE)
     v = _kv_block(v_head, page_base, KvIndices, t, past, d, stride_vp, stride_vt, PAGE_SIZE)
+    last = kv_len - 1
+    in_block = (kv_len > 0) & (last >= start) & (last < start + BLOCK_N) & (last < end)
+    last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=in_block, other=0).to(tl.int64)
+    k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + d
+    v_last = v_head + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + d
     if USE_PDL:
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
-    newest = t_mask & (t == kv_len - 1)
-    k += _kv_block(k_head, page_base, KvIndices, t, newest, d, stride_kp, stride_kt, PAGE_SIZE)
-    v += _kv_block(v_head, page_base, KvIndices, t, newest, d, stride_vp, stride_vt, PAGE_SIZE)
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+    is_last = (t == last)[:, None]
+    k = tl.where(is_last, tl.load(k_last, mask=in_block, other=0.0)[None, :], k)
+    v = tl.where(is_last, tl.load(v_last, mask=in_block, other=0.0)[None, :], v)
 
-    g = tl.arange(0, GROUP_PAD)
-    g_mask = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)

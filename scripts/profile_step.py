@@ -71,17 +71,24 @@ def print_timeline(prof, steps: int) -> None:
     t0, prev_end, busy = last[0].time_range.start, last[0].time_range.start, 0.0
     print(f"## one step's {len(last)} kernels: offset us, duration us, gap before us, name")
     by_name: dict[str, list[float]] = {}
+    # With PDL a kernel starts early and waits, so durations overlap; what each kernel adds to
+    # the step is how much later it ends than the kernel before it (its end delta).
+    end_delta: dict[str, list[float]] = {}
     for e in last:
         dur = e.time_range.elapsed_us()
         gap = e.time_range.start - prev_end
         busy += dur
         print(f"{e.time_range.start - t0:9.1f} {dur:8.2f} {gap:7.2f}  {e.name[:90]}")
-        prev_end = e.time_range.end
+        end_delta.setdefault(e.name[:60], []).append(e.time_range.end - prev_end)
+        prev_end = max(prev_end, e.time_range.end)
         by_name.setdefault(e.name[:60], []).append(dur)
     span = prev_end - t0
-    print(f"## span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}); per kernel name:")
+    print(f"## span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}); per kernel name "
+          "(count x mean duration = total; mean end delta = what it adds to the step):")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
-        print(f"{len(durs):5d} x {sum(durs) / len(durs):7.2f} us = {sum(durs):8.1f} us  {name}")
+        deltas = end_delta[name]
+        print(f"{len(durs):5d} x {sum(durs) / len(durs):7.2f} us = {sum(durs):8.1f} us"
+              f"   end delta {sum(deltas) / len(deltas):6.2f} us = {sum(deltas):7.1f} us  {name}")
 
 
 if __name__ == "__main__":

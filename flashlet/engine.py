@@ -133,6 +133,8 @@ class Engine:
                            if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
+        # What runs, not what was asked: the fused path's auto (None) resolved by the runner.
+        self.config = config.replace(**self.runner.fused_settings())
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt

@@ -42,6 +42,10 @@ instead of a split kernel and a merge kernel; with pdl too it and the step's fir
 embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
 layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
 plan C"). Without pdl the embedding is `torch.index_select`, as before.
+
+The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
+to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
+RoPE epilogue and the one-launch attention not set by name is on where it applies.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ from __future__ import annotations
 import torch
 
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
-from flashlet.kernels.embedding import gather_rows
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
@@ -60,6 +63,13 @@ MAX_DOWN_K = 16_384
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
     """Raise ValueError naming what the fused path cannot run (before anything compiles)."""
+    why = refusals(model, device) + (rope_refusals(model, kv_pool) if kv_pool is not None else [])
+    if why:
+        raise ValueError("fused_decode cannot run this model: " + "; ".join(why))
+
+
+def refusals(model, device: torch.device) -> list[str]:
+    """What keeps the fused path from running this model on `device` (empty: nothing)."""
     cfg = model.config
     why = []
     if device.type != "cuda":
@@ -80,17 +90,55 @@ def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
     if inter > MAX_DOWN_K:
         why.append(f"intermediate_size = {inter} is over {MAX_DOWN_K}: the down projection's GEMV has "
                    f"no split-K and runs ~12x slower than the per-op path at Qwen2.5-7B's 18,944")
-    if kv_pool is not None:  # RoPE + K/V write in the QKV epilogue (fused_decode_rope)
-        if hasattr(layer, "q_norm"):
-            why.append("fused_decode_rope: the q / k heads are normalised (Qwen3) between the QKV "
-                       "projection and RoPE")
-        if model.cos_sin_cache.shape[-1] != layer.head_dim or model.cos_sin_cache.dtype != torch.float32:
-            why.append(f"fused_decode_rope: the cos | sin table must be fp32 [positions, head_dim], got "
-                       f"{model.cos_sin_cache.dtype} {tuple(model.cos_sin_cache.shape)}")
-        if kv_pool.k_cache.dtype != torch.bfloat16 or kv_pool.head_dim != layer.head_dim:
-            why.append(f"fused_decode_rope: the pool must be bf16 with head_dim {layer.head_dim}")
+    return why
+
+
+def rope_refusals(model, kv_pool) -> list[str]:
+    """What keeps RoPE + the K/V write out of the QKV GEMV's epilogue (fused_decode_rope)."""
+    layer, why = model.layers[0], []
+    if hasattr(layer, "q_norm"):
+        why.append("fused_decode_rope: the q / k heads are normalised (Qwen3) between the QKV "
+                   "projection and RoPE")
+    if model.cos_sin_cache.shape[-1] != layer.head_dim or model.cos_sin_cache.dtype != torch.float32:
+        why.append(f"fused_decode_rope: the cos | sin table must be fp32 [positions, head_dim], got "
+                   f"{model.cos_sin_cache.dtype} {tuple(model.cos_sin_cache.shape)}")
+    if kv_pool.k_cache.dtype != torch.bfloat16 or kv_pool.head_dim != layer.head_dim:
+        why.append(f"fused_decode_rope: the pool must be bf16 with head_dim {layer.head_dim}")
+    return why
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic Dependent Launch: CUDA devices of compute capability 9.0 and up."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
+    """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
+    where it turns on. Auto asks for what the path was measured faster with (H200, BENCHMARKS.md,
+    issue 16): PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
+    graphs (eagerly, each CuTe launch costs host time that was never measured against per-op),
+    a shape the GEMVs serve, and the CuTe DSL. FlashInfer, which `--backend auto` picks at
+    head_dim >= 128 where it is installed, has no one-launch attention: off there."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    if not has_pdl(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"the GPU is sm_{major}{minor}; its PDL launches need sm_90 or newer"
+    dtype = model.embed_tokens.weight.dtype
+    if dtype != torch.bfloat16:
+        return f"the dtype is {str(dtype).removeprefix('torch.')}; its kernels are bf16 only"
+    if model.tp is not None:
+        return "tensor parallelism is on; it runs one GPU only"
+    if backend_name != "triton":
+        return (f"the attention backend is {backend_name}; it needs triton's one-launch attention "
+                f"(--backend triton)")
+    if not use_graphs:
+        return "CUDA graphs are off; it was measured faster replayed in them"
+    why = refusals(model, device)
     if why:
-        raise ValueError("fused_decode cannot run this model: " + "; ".join(why))
+        return "; ".join(why)
+    ok, unavailable = cute_available()
+    return None if ok else unavailable  # says how to install it
 
 
 class FusedDecode:
@@ -146,6 +194,8 @@ class FusedDecode:
         (K/V written through `attn`, planned for this step)."""
         m = self.model
         if self.pdl and self.one_launch_attention:  # layer 0's QKV loads its weights meanwhile
+            from flashlet.kernels.embedding import gather_rows  # Triton: imported on CUDA only
+
             gather_rows(m.embed_tokens.weight, input_ids, self.residual, pdl=True)
         else:
             torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)

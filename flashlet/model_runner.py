@@ -17,10 +17,11 @@ replay):
   (their count varies). A mixed step of more tokens than the largest bucket runs eagerly.
 Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
-With `fused_decode`, a pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the
-norms and epilogues folded in; flashlet/fused_decode.py) instead of the model's per-op forward,
-in its graph as well; `greedy_tokens` runs it through the LM head's argmax, for steps whose one
-request is plain greedy (the engine decides), so no logits are written at all.
+With the fused path (`fused_decode`: on by default where it applies, `_fused_decode` decides), a
+pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the norms and epilogues
+folded in; flashlet/fused_decode.py) instead of the model's per-op forward, in its graph as well;
+`greedy_tokens` runs it through the LM head's argmax, for steps whose one request is plain greedy
+(the engine decides), so no logits are written at all.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from flashlet.attention.base import AttentionMetadata
 from flashlet.batch import StepBuffers, StepLayout
 
 log = logging.getLogger("flashlet")
+
+
+def _given_or(value: bool | None, default: bool) -> bool:
+    """A setting given by name (True / False), else `default` (None: decided here)."""
+    return default if value is None else value
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -79,16 +85,7 @@ class ModelRunner:
                                  and getattr(model, "tp", None) is None
                                  and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
-        self.fused = None
-        if config.fused_decode:
-            from flashlet.fused_decode import FusedDecode
-
-            if config.fused_decode_attn and not hasattr(self.backend, "attend_one_launch"):
-                raise ValueError(f"fused_decode_attn needs the triton backend's one-launch decode; "
-                                 f"the backend is {self.backend.name}")
-            self.fused = FusedDecode(model, self.device, pdl=config.fused_decode_pdl,
-                                     kv_pool=kv_pool if config.fused_decode_rope else None,
-                                     one_launch_attention=config.fused_decode_attn)
+        self.fused = self._fused_decode(config, model, kv_pool)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -100,6 +97,40 @@ class ModelRunner:
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def _fused_decode(self, config, model, kv_pool):
+        """The fused one-sequence path (FusedDecode) where config.fused_decode asks for it, or
+        leaves it to auto and `auto_declines` finds nothing against it; else None. A sub-flag
+        not set by name is on where it applies. Logs what was chosen (or why auto said no)."""
+        if config.fused_decode is False:
+            return None
+        from flashlet.fused_decode import FusedDecode, auto_declines, has_pdl, rope_refusals
+
+        how = "asked for" if config.fused_decode else "auto"
+        if config.fused_decode is None:
+            why = auto_declines(model, self.device, self.backend.name, self.use_graphs)
+            if why is not None:
+                log.info("fused decode path: off (auto: %s)", why)
+                return None
+        one_launch = hasattr(self.backend, "attend_one_launch")
+        if config.fused_decode_attn and not one_launch:
+            raise ValueError(f"fused_decode_attn needs the triton backend's one-launch decode; "
+                             f"the backend is {self.backend.name}")
+        pdl = _given_or(config.fused_decode_pdl, has_pdl(self.device))
+        rope = _given_or(config.fused_decode_rope, not rope_refusals(model, kv_pool))
+        attn = _given_or(config.fused_decode_attn, one_launch)
+        fused = FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
+                            one_launch_attention=attn)
+        log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s",
+                 how, *("on" if x else "off" for x in (pdl, rope, attn)))
+        return fused
+
+    def fused_settings(self) -> dict[str, bool]:
+        """What runs, as EngineConfig's fused_decode* fields (all False without the path)."""
+        f = self.fused
+        return {"fused_decode": f is not None, "fused_decode_pdl": f is not None and f.pdl,
+                "fused_decode_rope": f is not None and f.kv_pool is not None,
+                "fused_decode_attn": f is not None and f.one_launch_attention}
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""

@@ -140,13 +140,11 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
 
 def test_fused_decode_attn_needs_the_triton_backend(tiny_qwen2):
     with pytest.raises(ValueError, match="fused_decode_attn applies"):
-        EngineConfig(fused_decode_attn=True)
+        EngineConfig(fused_decode=False, fused_decode_attn=True)
     with pytest.raises(ValueError, match="one-launch decode; backend is 'torch'"):
         EngineConfig(fused_decode=True, fused_decode_attn=True, backend="torch")
-    parser = argparse.ArgumentParser()
-    EngineConfig.add_cli_args(parser)
-    assert parser.parse_args(["--fused-decode-attn"]).fused_decode_attn is True
-    assert parser.parse_args([]).fused_decode_attn is False
+    with pytest.raises(ValueError, match="one-launch decode; backend is 'torch'"):
+        EngineConfig(fused_decode_attn=True, backend="torch")  # auto: the same refusal
 
 
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
@@ -171,13 +169,12 @@ def test_fused_decode_refuses_what_it_cannot_run(tiny_qwen2):
         Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", fused_decode=True))
 
 
-def test_fused_decode_rope_needs_fused_decode():
-    with pytest.raises(ValueError, match="fused_decode_rope applies"):
-        EngineConfig(fused_decode_rope=True)
-    parser = argparse.ArgumentParser()
-    EngineConfig.add_cli_args(parser)
-    assert parser.parse_args(["--fused-decode-rope"]).fused_decode_rope is True
-    assert parser.parse_args([]).fused_decode_rope is False
+def test_fused_decode_sub_flags_need_the_fused_path():
+    for sub in ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
+        with pytest.raises(ValueError, match=f"{sub} applies to the fused decode path"):
+            EngineConfig(fused_decode=False, **{sub: True})
+        EngineConfig(fused_decode=False, **{sub: False})  # off and off: fine
+        EngineConfig(**{sub: True})  # with auto: where auto turns the path on
 
 
 def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
@@ -210,11 +207,22 @@ def test_fused_decode_needs_one_gpu():
         EngineConfig(fused_decode=True, tensor_parallel_size=2)
 
 
-def test_fused_decode_flag():
+def test_fused_decode_flags_parse_on_off_and_absent():
+    """--fused-decode / --no-fused-decode force it on / off; absent leaves it to auto (None);
+    the same for each sub-flag, and the help says what auto does."""
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
-    assert parser.parse_args(["--fused-decode"]).fused_decode is True
-    assert parser.parse_args([]).fused_decode is False
+    for name in ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
+        flag = "--" + name.replace("_", "-")
+        assert getattr(parser.parse_args([flag]), name) is True
+        assert getattr(parser.parse_args(["--no-" + flag[2:]]), name) is False
+        assert getattr(parser.parse_args([]), name) is None
+    assert EngineConfig.from_cli(parser.parse_args([])).fused_decode is None
+    assert EngineConfig.from_cli(parser.parse_args(["--no-fused-decode"])).fused_decode is False
+    text = " ".join(parser.format_help().split())
+    for condition in ("default auto", "CUDA sm_90+", "bf16", "triton backend", "one GPU",
+                      "nvidia-cutlass-dsl==4.3.5", "--no-fused-decode turns it off"):
+        assert condition in text, condition
 
 
 def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
@@ -241,3 +249,105 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
     keys = {key[:2] for key in engine.runner.graphs}
     assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone
     assert engine.runner.fused.lm_argmax.calls > 0
+
+
+# ---- auto: on by default where it applies (EngineConfig.fused_decode None) -----------------
+FUSED_FIELDS = ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
+
+
+def test_auto_is_off_on_the_cpu_and_logs_why(tiny_qwen2, caplog):
+    """The default asks nothing: on the CPU the engine runs per-op, raises nothing, logs one
+    line saying which condition failed, and engine.config says what runs (all off)."""
+    with caplog.at_level("INFO", logger="flashlet"):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))
+    assert engine.runner.fused is None
+    assert {f: getattr(engine.config, f) for f in FUSED_FIELDS} == dict.fromkeys(FUSED_FIELDS, False)
+    lines = [r.getMessage() for r in caplog.records if "fused decode path" in r.getMessage()]
+    assert lines == ["fused decode path: off (auto: the device is cpu, not CUDA)"]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_qwen2):
+    """A tiny model in bf16 (built on the CPU; auto_declines is given a CUDA device)."""
+    return Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", dtype="bfloat16",
+                               max_num_seqs=1)).model
+
+
+# Each condition of auto, broken alone -> a piece of the reason it gives.
+AUTO_CONDITIONS = {
+    "cpu": "the device is cpu, not CUDA",
+    "sm80": "the GPU is sm_80; its PDL launches need sm_90 or newer",
+    "fp32": "the dtype is float32; its kernels are bf16 only",
+    "tensor-parallel": "tensor parallelism is on",
+    "flashinfer": "the attention backend is flashinfer; it needs triton's one-launch attention",
+    "torch-backend": "the attention backend is torch",
+    "no-graphs": "CUDA graphs are off",
+    "shape": "intermediate_size = 128 is over 64",
+    "no-dsl": "pip install nvidia-cutlass-dsl",
+}
+
+
+@pytest.mark.parametrize("broken", [None, *AUTO_CONDITIONS])
+def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2, monkeypatch, broken):
+    """Stand-ins for the GPU (its compute capability) and the CuTe DSL (importable or not):
+    with all conditions holding auto says yes; with any one broken it says no, naming it."""
+    model = bf16_model
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: (8, 0) if broken == "sm80" else (9, 0))
+    monkeypatch.setattr(fused_decode, "cute_available",
+                        lambda: (False, "the CuTe DSL is not importable: pip install nvidia-cutlass-dsl==4.3.5")
+                        if broken == "no-dsl" else (True, ""))
+    if broken == "fp32":
+        model = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1)).model
+    if broken == "tensor-parallel":
+        monkeypatch.setattr(model, "tp", object())
+    if broken == "shape":
+        monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
+    device = torch.device("cpu" if broken == "cpu" else "cuda")
+    backend = {"flashinfer": "flashinfer", "torch-backend": "torch"}.get(broken, "triton")
+    why = fused_decode.auto_declines(model, device, backend, use_graphs=broken != "no-graphs")
+    if broken is None:
+        assert why is None
+    else:
+        assert why is not None and AUTO_CONDITIONS[broken] in why, why
+
+
+def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2, reference_kernels,
+                                                                     monkeypatch, caplog):
+    """Where auto says yes the runner builds the path, engine.config reports it, and the tokens
+    are the per-op engine's. Sub-flags not given follow where they apply (on the CPU: no PDL;
+    the fp32 pool keeps RoPE out of the QKV epilogue; the torch backend has no one-launch
+    attention); given by name they hold."""
+    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
+    want, _ = generate(tiny_qwen2, False, PROMPTS)
+    with caplog.at_level("INFO", logger="flashlet"):
+        got, engine = generate(tiny_qwen2, None, PROMPTS, rope=None)
+    assert got == want
+    assert engine.runner.fused is not None and engine.runner.fused.lm_argmax.calls > 0
+    assert {f: getattr(engine.config, f) for f in FUSED_FIELDS} == {
+        "fused_decode": True, "fused_decode_pdl": False, "fused_decode_rope": False,
+        "fused_decode_attn": False}
+    assert "fused decode path: on (auto), PDL off, RoPE in QKV off, one-launch attention off" in caplog.text
+    got, engine = generate(tiny_qwen2, None, PROMPTS, rope=True)  # by name: on (reference epilogue)
+    assert got == want and engine.config.fused_decode_rope and engine.runner.fused.rope is not None
+    triton = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=1))
+    assert triton.runner.fused.one_launch_attention and triton.config.fused_decode_attn
+    plain = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=1,
+                                fused_decode_attn=False))
+    assert not plain.runner.fused.one_launch_attention and not plain.config.fused_decode_attn
+
+
+def test_auto_off_where_asked_off_and_explicit_on_still_refuses(tiny_qwen2, monkeypatch):
+    """fused_decode=False never builds the path, even where auto would; True raises the old,
+    named errors where a condition fails (auto would run per-op there)."""
+    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
+    monkeypatch.setattr(fused_decode, "FusedDecode", None)  # building it would fail loudly
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=False))
+    assert engine.runner.fused is None and engine.config.fused_decode is False
+    monkeypatch.undo()
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda model, device, kv_pool=None: None)
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (False, "no DSL here"))
+    with pytest.raises(fused_decode.CuteUnavailable, match="fused_decode needs the CuTe DSL: no DSL here"):
+        Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True))
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))  # auto
+    assert engine.runner.fused is None

@@ -53,7 +53,8 @@ def main(argv=None) -> None:
         parser.exit(1, f"{parser.prog}: error: could not load the model: {e}\n")
     load_s = time.perf_counter() - t0
     engine = llm.engine
-    print(f"model: {engine.model_dir or config.config} | backend {engine.backend_name} | "
+    fused = " + fused decode" if engine.config.fused_decode else ""  # one stream (auto: where it applies)
+    print(f"model: {engine.model_dir or config.config} | backend {engine.backend_name}{fused} | "
           f"{engine.device} {str(engine.dtype).removeprefix('torch.')} | "
           f"KV pool {engine.stats()['kv_pages_total']} pages x {config.page_size} tokens | "
           f"loaded in {load_s:.1f} s")

@@ -11,8 +11,9 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   each capturing its decode variant; without, the decode variant of the batch size
   (`backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
-- with fused_decode: its CuTe GEMVs (compiled at the batch-1 step) and its second batch-1
-  graph, the one that ends in the greedy token (`runner.greedy_tokens`).
+- with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
+  CuTe GEMVs (compiled at the batch-1 step) and its second batch-1 graph, the one that ends in
+  the greedy token (`runner.greedy_tokens`).
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples

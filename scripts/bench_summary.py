@@ -25,6 +25,7 @@ def rows_of(path: Path) -> list[list]:
         st = eng.get("start") or {}
         start = "/".join(f"{st.get(k, 0):.1f}" for k in ("load_s", "warmup_s", "capture_s"))
         backend = name if eng.get("backend", name) == name else f"{name}->{eng.get('backend')}"
+        backend += " +fused" if eng.get("fused_decode") else ""  # one stream on the fused path
         wl = rec.get("workload")
         if wl == "offline":
             first = res.get("first_run") or {}

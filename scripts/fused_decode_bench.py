@@ -2,9 +2,12 @@
 
     python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
 
-Five paths: per-op (today's), fused (`--fused-decode`), fused + PDL (`--fused-decode-pdl`),
-fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue (`--fused-decode-rope`, plan A),
-and that with attention in one launch a layer (`--fused-decode-attn`, plan C).
+Five paths: per-op (`--no-fused-decode`), fused (`--fused-decode`), fused + PDL
+(`--fused-decode-pdl`), fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue
+(`--fused-decode-rope`, plan A), and that with attention in one launch a layer
+(`--fused-decode-attn`, plan C). Each names all four flags, on or off, so the engine's default
+(auto: on where it applies) decides none of them; `--paths default` adds a sixth, no flag at
+all, which runs whatever the default picks here (its figures say which).
 Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
 the preset's shape, CUDA graphs; no FlashInfer needed):
   harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
@@ -34,10 +37,28 @@ PROMPT_LEN, NEW_TOKENS = 32, 256
 NEAR_TIE_ABS, NEAR_TIE_REL = 0.05, 0.01  # a display rule: 0.05 + 1% of the top logit (a few bf16 ulps)
 
 
-PATHS = {"per-op": [], "fused": ["--fused-decode"], "fused+pdl": ["--fused-decode", "--fused-decode-pdl"],
-         "fused+pdl+rope": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope"],
-         "fused+pdl+rope+attn": ["--fused-decode", "--fused-decode-pdl", "--fused-decode-rope",
-                                 "--fused-decode-attn"]}
+FUSED_FLAGS = ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
+# path -> the fused flags it turns on (every other one off); None: none given (the default).
+PATHS = {"per-op": (), "fused": FUSED_FLAGS[:1], "fused+pdl": FUSED_FLAGS[:2],
+         "fused+pdl+rope": FUSED_FLAGS[:3], "fused+pdl+rope+attn": FUSED_FLAGS, "default": None}
+MEASURED = [name for name in PATHS if name != "default"]  # --paths' default
+
+
+def path_flags(on: tuple[str, ...] | None) -> list[str]:
+    """Every fused flag, --flag or --no-flag (none for the default path)."""
+    if on is None:
+        return []
+    return [("--" if f in on else "--no-") + f.replace("_", "-") for f in FUSED_FLAGS]
+
+
+def fused_settings(flags: list[str]) -> dict:
+    """The EngineConfig fields `path_flags` set (a field it leaves out stays auto)."""
+    settings = {}
+    for f in FUSED_FLAGS:
+        flag = f.replace("_", "-")
+        if f"--{flag}" in flags or f"--no-{flag}" in flags:
+            settings[f] = f"--{flag}" in flags
+    return settings
 
 
 def harness(config: str, flags: list[str]) -> dict:
@@ -49,10 +70,11 @@ def harness(config: str, flags: list[str]) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
         if proc.returncode != 0 or not out.exists():
             return {"error": (proc.stdout + proc.stderr)[-3000:]}
-        res = json.loads(out.read_text())["backends"]["triton"]
+        record = json.loads(out.read_text())
+        res, engine = record["backends"]["triton"], record["engines"]["triton"]
         return {"decode_tok_s": res.get("decode_tok_s"), "ms_per_token": res.get("ms_per_token"),
                 "fraction_of_bandwidth_limit": res.get("fraction_of_bandwidth_limit"),
-                "error": res.get("error")}
+                "ran": {f: engine.get(f) for f in FUSED_FLAGS}, "error": res.get("error")}
 
 
 def generate_in_this_process(config: str, flags: list[str]) -> dict:
@@ -62,13 +84,11 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
-              fused_decode="--fused-decode" in flags, fused_decode_pdl="--fused-decode-pdl" in flags,
-              fused_decode_rope="--fused-decode-rope" in flags,
-              fused_decode_attn="--fused-decode-attn" in flags)
+              **fused_settings(flags))
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    figures = {"start_s": start_s}
+    figures = {"start_s": start_s, "ran": {f: getattr(llm.engine.config, f) for f in FUSED_FLAGS}}
     for name in ("first", "second"):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -77,7 +97,7 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
         assert len(out.token_ids) == NEW_TOKENS
         figures[f"{name}_tok_s"] = NEW_TOKENS / seconds
     figures["tokens"] = list(out.token_ids)
-    if not flags:  # per-op: every step's (top logit, top-2 gap), untimed (observers cost a sync)
+    if llm.engine.runner.fused is None:  # per-op: every step's top-2 logits, untimed (observers sync)
         steps = []
         llm.engine.observe_steps(lambda meta, logits: steps.append(logits[0].float().topk(2).values.tolist()))
         again = llm.generate([prompt], params)[0]
@@ -109,7 +129,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="qwen2.5-0.5b")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=MEASURED)
     ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
     args, child_flags = ap.parse_known_args()
     if args.generate_child:
@@ -117,8 +137,8 @@ def main() -> int:
         return 0
     results = {}
     for name in args.paths:
-        results[name] = {"harness": harness(args.config, PATHS[name]),
-                         "generate": generate(args.config, PATHS[name])}
+        flags = path_flags(PATHS[name])
+        results[name] = {"harness": harness(args.config, flags), "generate": generate(args.config, flags)}
     print(f"single stream, {args.config}, bf16, triton backend, CUDA graphs "
           f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens)")
     print(f"{'path':14} {'harness tok/s':>14} {'ms/token':>9} {'of limit':>9} "
@@ -137,6 +157,9 @@ def main() -> int:
         print(f"{name:14} {f(h.get('decode_tok_s'), '14.1f')} {f(h.get('ms_per_token'), '9.3f')} "
               f"{f(h.get('fraction_of_bandwidth_limit'), '9.3f')} {f(g.get('first_tok_s'), '21.1f')} "
               f"{f(g.get('second_tok_s'), '8.1f')} {f(g.get('start_s'), '8.1f')}")
+    if "default" in results:  # what the engine's auto picked here
+        ran = results["default"]["generate"].get("ran") or results["default"]["harness"].get("ran") or {}
+        print("default ran: " + (", ".join(f for f, on in ran.items() if on) or "per-op"))
     base = results.get("per-op", {}).get("generate", {}).get("tokens")
     for name, res in results.items():
         tokens = res["generate"].get("tokens")

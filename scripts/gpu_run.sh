@@ -42,6 +42,9 @@
 #                                             fused path at the 1.5B and 7B shapes; CuTe DSL)
 #                                             generate-trace (issue 16: a single-stream
 #                                             LLM.generate step's host time by part; CuTe DSL)
+#                                             fused-auto (issue 16: the default turns the fused
+#                                             path on here; its tests, the warm-up's, and
+#                                             tok/s of no flag against per-op; CuTe DSL, ~8 min)
 #                                             step-anatomy (issue 13: host launch vs device
 #                                             time per step kind, alone and beside 12 busy
 #                                             processes; ~2 min)
@@ -259,6 +262,15 @@ for part in "${PARTS[@]}"; do
       run 400 $PYTEST tests/gpu/test_gpu_fused_decode.py
       run 300 python3 scripts/fused_decode_bench.py --paths per-op fused+pdl+rope+attn \
         --json "$OUT/json/fused-best.json" ;;
+    fused-auto)  # issue 16's default (fused_decode auto): the engine built with no fused flag
+                 # runs the fused path with every sub-flag, per-op tokens within the near-tie
+                 # rule, per-op where a condition fails; nothing compiles after start (its
+                 # CuTe GEMVs included); then tok/s of no flag ("default") against per-op
+      cute_env
+      run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k "default_config"
+      run 400 $PYTEST tests/gpu/test_gpu_warmup.py
+      run 300 python3 scripts/fused_decode_bench.py --paths per-op default \
+        --json "$OUT/json/fused-auto.json" ;;
     fused-shapes)  # issue 16: per-op against the best fused path at the Qwen2.5-1.5B and -7B
                    # shapes (random weights, bf16; built-in GEMV plans are the 0.5B's), ~3 min
       cute_env

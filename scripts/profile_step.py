@@ -23,6 +23,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--rows", type=int, default=12)
+    # Each off unless given (not the engine's auto): a profile names the variant it shows.
     p.add_argument("--fused-decode", action="store_true", help="the CuTe one-sequence path")
     p.add_argument("--fused-decode-pdl", action="store_true")
     p.add_argument("--fused-decode-rope", action="store_true")
@@ -30,7 +31,7 @@ def main(argv=None) -> None:
     p.add_argument("--timeline", action="store_true",
                    help="also list one step's GPU kernels in order: start offset, duration, gap")
     args = p.parse_args(argv)
-    fused = {k: True for k in ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn") if getattr(args, k)}
+    fused = {k: getattr(args, k) for k in ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")}
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=4096,
                                  cuda_graph=not args.no_cuda_graph, dtype="bfloat16", **fused))
     for b in range(args.batch):

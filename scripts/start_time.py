@@ -40,7 +40,8 @@ def measure(args) -> dict:
     first_request = time.perf_counter() - t2
     s = engine.start_report
     return {"label": args.label, "config": args.config, "backend": args.backend,
-            "resolved": engine.backend_name, "import_s": imported, "start_s": total,
+            "resolved": engine.backend_name, "fused_decode": engine.config.fused_decode,
+            "import_s": imported, "start_s": total,
             "load_s": s["load_s"], "warmup_s": s["warmup_s"], "capture_s": s["capture_s"],
             "graphs": s.get("graphs"), "triton_compiles": s.get("triton_compiles"),
             "first_request_s": first_request,
@@ -56,6 +57,7 @@ def table(paths) -> str:
     for r in rows:
         cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in head]
         cells[1] = r["backend"] if r["backend"] == r.get("resolved") else f"{r['backend']} ({r.get('resolved')})"
+        cells[1] += " +fused" if r.get("fused_decode") else ""  # the default's CuTe compiles included
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -160,9 +160,11 @@ def main(argv=None) -> None:
     p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="steps with a prefill chunk replay CUDA graphs (EngineConfig.mixed_graphs)")
     args = p.parse_args(argv)
+    # fused_decode=False: the per-op path, whose forward ForwardTimer wraps (a fused greedy step
+    # at concurrency 1 goes through runner.greedy_tokens and would go uncounted)
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, dtype="bfloat16",
                                  max_num_pages=16384, overlap=False,
-                                 mixed_graphs=args.mixed_graphs))
+                                 mixed_graphs=args.mixed_graphs, fused_decode=False))
     start = engine.start_report
     print(f"mixed graphs {'on' if engine.runner.use_mixed_graphs else 'off'}: "
           f"{start.get('mixed_graphs', 0)} captured in {start.get('mixed_capture_s', 0.0):.2f} s; "

@@ -33,10 +33,12 @@ PROFILE_STEPS = 20
 
 
 def run(a) -> dict:
+    # fused_decode=False: TP = 1 on the per-op path that TP = N runs (the fused one-stream path
+    # is one GPU's and would make the single-stream figures compare two different paths)
     ecfg = EngineConfig(config=a.config, dtype=a.dtype, backend=a.backend,
                         tensor_parallel_size=a.tp, max_num_seqs=a.decode_batch,
                         max_num_pages=a.max_num_pages, max_num_batched_tokens=2048,
-                        cuda_graph=a.cuda_graph)
+                        cuda_graph=a.cuda_graph, fused_decode=False)
     t0 = time.monotonic()
     engine = Engine(ecfg)
     result = {"config": a.config, "tp": a.tp, "backend": a.backend,

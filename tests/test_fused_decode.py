@@ -4,7 +4,8 @@ The CuTe kernels need a GPU (tests/gpu/test_gpu_fused_decode.py, tests/kernels/t
 here each GEMV is replaced by its fp32 PyTorch reference (`gemv_reference`, which the GPU tests
 hold the kernels to), so what is checked is the layer sequence around them: the norm folded
 into QKV / gate+up / LM head, the in-place residual stream, the split, RoPE and attention
-through the backend, the argmax path and the engine's choice of it, against the per-op model.
+through the backend, the argmax path and the engine's choice of it, against the per-op model;
+and the default (auto): the conditions under which it turns the path on, each broken alone.
 """
 
 from __future__ import annotations

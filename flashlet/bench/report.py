@@ -3,7 +3,8 @@
 The JSON record (schema "flashlet-bench/1"):
     workload, command, argv, date (UTC), git {commit, dirty}, params (the resolved sizes),
     env {device, device_name, torch, cuda, cudnn, transformers, triton, flashinfer, gpu_*, cpu},
-    model {name, weights, num_params, dtype, config}, engine (EngineConfig + num_pages),
+    model {name, weights, num_params, dtype, config}, engine (EngineConfig as the engine resolved
+    it, fused_decode* included, + num_pages),
     results (per workload, below), backends {name: results} (every --backend, in run order; the
     first is `results`), engines {name: engine}, peers {hf, hf-static: figures + ratio_* =
     first backend / theirs, or skipped / error}, notes, plots.
@@ -89,9 +90,11 @@ def _ours(record: dict) -> list[tuple[str, dict]]:
         return [("server", record["results"])]
     engines = record.get("engines") or {}
 
-    def label(name):  # "auto" says what it resolved to
-        resolved = (engines.get(name) or {}).get("backend", name)
-        return f"flashlet ({name})" if resolved == name else f"flashlet ({name}: {resolved})"
+    def label(name):  # "auto" says what it resolved to; and where one stream ran fused
+        engine = engines.get(name) or {}
+        resolved = engine.get("backend", name)
+        fused = ", fused decode" if engine.get("fused_decode") else ""
+        return f"flashlet ({name}{fused})" if resolved == name else f"flashlet ({name}: {resolved}{fused})"
 
     return [(label(name), res) for name, res in record["backends"].items()]
 

@@ -38,3 +38,18 @@ def test_start_table_names_what_auto_resolved_to(tmp_path):
     path.write_text(json.dumps(line) + "\n")
     text = _load("start_time").table([path])
     assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | 9 | 21 | 0.20 |" in text
+    path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True}) + "\n")
+    assert "| cold | triton +fused | 12.50 |" in _load("start_time").table([path])
+
+
+def test_labels_say_where_one_stream_ran_fused():
+    """The bench tables' engine labels: what auto resolved to, and the fused decode path where
+    the engine ran it (engine.config reports the default's choice)."""
+    from flashlet.bench.report import _ours
+
+    record = {"workload": "single", "backends": {"triton": {}, "auto": {}, "torch": {}},
+              "engines": {"triton": {"backend": "triton", "fused_decode": True},
+                          "auto": {"backend": "triton", "fused_decode": True},
+                          "torch": {"backend": "torch", "fused_decode": False}}}
+    assert [label for label, _ in _ours(record)] == [
+        "flashlet (triton, fused decode)", "flashlet (auto: triton, fused decode)", "flashlet (torch)"]

@@ -33,11 +33,14 @@ def test_backend_matches_reference_bf16(make, seqs):
     assert err < 1e-2
 
 
-def run_engine(backend, cuda_graph, prompts, n=64, record=None, **config):
+def run_engine(backend, cuda_graph, prompts, n=64, record=None, fused_decode=False, **config):
+    """The per-op path unless fused_decode is given: these tests are about the backends and the
+    graphs around them (tests/gpu/test_gpu_fused_decode.py checks the fused one-stream path)."""
     from flashlet import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, cuda_graph=cuda_graph,
-                                 max_num_pages=2048, max_num_seqs=16, max_model_len=4096, **config))
+                                 max_num_pages=2048, max_num_seqs=16, max_model_len=4096,
+                                 fused_decode=fused_decode, **config))
     if record is not None:
         engine.observe_steps(lambda meta, logits: record.append(logits.clone()))
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]

@@ -34,6 +34,7 @@ from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
 
 HAVE_CUTE, NO_CUTE_REASON = cute_available()
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -70,13 +71,22 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
     return [[(i * 31 + 7 * p + 1) % vocab for i in range(3 + 9 * p)] for p in range(count)]
 
 
-def run(source: dict, prompt_list, new_tokens: int, *, fused: bool, record=None, greedy=True,
+SUB_FLAGS = ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
+
+
+def named(fused: bool | None, config: dict) -> dict:
+    """With fused=True, every sub-flag a test does not name is off (each would default to on
+    where it applies): a test runs exactly the variant it names. Auto (None) is left alone."""
+    return {**dict.fromkeys(SUB_FLAGS, False), **config} if fused else config
+
+
+def run(source: dict, prompt_list, new_tokens: int, *, fused: bool | None, record=None, greedy=True,
         **config):
     """Tokens of every prompt (run one at a time); `record(meta, logits)` observes each step."""
     from flashlet import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(**source, backend="triton", dtype="bfloat16", max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **config))
+                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
     perturb_norms(engine)
     if record is not None:
         engine.observe_steps(record)
@@ -118,7 +128,7 @@ def reference(source, prompt_list, new_tokens):
     return tokens, top2, logits_rows
 
 
-def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, fused: bool = True,
+def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, fused: bool | None = True,
                    dtype: str = "bfloat16", backend: str = "triton", **config):
     """The fused engine fed the reference's token at every step (prompts one at a time, steps
     in launch order, as `reference` records them) -> (its own pick at every step, its logits
@@ -130,7 +140,7 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     forced = [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []
     engine = Engine(EngineConfig(**source, backend=backend, dtype=dtype, max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **config))
+                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
     perturb_norms(engine)
     if logits:
         engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()))
@@ -326,3 +336,42 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     pdl, engine = run(source, ps, 16, fused=True, fused_decode_pdl=True, **flags)
     assert pdl == plain
     assert not engine.runner.backend._merge_counts.any()
+
+
+# ---- the default (issue 16: on by default where it is faster) -----------------------------
+@pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only")
+def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path):
+    """No fused flag given, on sm_90+ with the DSL, the triton backend, bf16, one GPU and CUDA
+    graphs: the engine runs the fused path with PDL, RoPE in the QKV epilogue and the one-launch
+    attention (the measured best), says so in engine.config, and its tokens are the per-op
+    path's within the module docstring's rule (teacher-forced, argmax epilogue and logits)."""
+    source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
+    ps, n = prompts(8, vocab), 32
+    engine = check_against_reference_teacher_forced(source, ps, n, fused=None)
+    fused = engine.runner.fused
+    assert fused is not None and fused.pdl and fused.rope is not None and fused.one_launch_attention
+    assert [getattr(engine.config, f) for f in ("fused_decode", *SUB_FLAGS)] == [True] * 4
+    assert engine.start_report["warmed_up"] and fused.lm_argmax._compiled is not None
+
+
+@pytest.mark.skipif(not SM90, reason="below sm_90 auto says no for the GPU first")
+@pytest.mark.parametrize("config,why", [
+    (dict(backend="torch"), "the attention backend is torch"),
+    (dict(dtype="float16"), "the dtype is float16"),
+    (dict(cuda_graph=False), "CUDA graphs are off"),
+    (dict(fused_decode=False), None),
+], ids=["torch-backend", "fp16", "no-graphs", "asked-off"])
+def test_default_config_stays_per_op_where_a_condition_fails(tmp_path, caplog, config, why):
+    """Where one condition fails, the default builds no fused path, raises nothing and logs
+    which condition (fused_decode=False: nothing to log)."""
+    from flashlet import Engine, EngineConfig
+
+    source = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL)))
+    settings = {"backend": "triton", "dtype": "bfloat16", **config}
+    with caplog.at_level("INFO", logger="flashlet"):
+        engine = Engine(EngineConfig(**source, max_num_seqs=1, max_num_pages=256,
+                                     warmup_at_start=False, **settings))
+    assert engine.runner.fused is None and engine.config.fused_decode is False
+    lines = [r.getMessage() for r in caplog.records if "fused decode path" in r.getMessage()]
+    assert len(lines) == (why is not None)
+    assert why is None or lines[0].startswith(f"fused decode path: off (auto: {why}")

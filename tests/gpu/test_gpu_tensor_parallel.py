@@ -29,8 +29,9 @@ def tiny_folder(tmp_path_factory):
 def _tokens(folder, tp, backend, dtype):
     from flashlet import LLM, SamplingParams
 
+    # fused_decode=False: TP = 1 on the per-op path, as TP = 2 runs (the fused path is one GPU's)
     llm = LLM(str(folder), backend=backend, device="cuda", dtype=dtype, max_num_seqs=8,
-              tensor_parallel_size=tp, max_num_pages=512)
+              tensor_parallel_size=tp, max_num_pages=512, fused_decode=False)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
         return [o.token_ids for o in outs]

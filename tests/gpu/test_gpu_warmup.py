@@ -1,6 +1,7 @@
-"""GPU: after Engine start nothing compiles and no graph is captured, whatever the work: context
-lengths from 1 to several thousand tokens, decode batches of every size up to max_num_seqs,
-chunked prefills mixed with decodes, greedy and sampled (top-k/top-p, min_p, penalties, logprobs)."""
+"""GPU: after Engine start nothing compiles and no graph is captured (the default fused decode
+path's CuTe GEMVs included, where it runs), whatever the work: context lengths from 1 to several
+thousand tokens, decode batches of every size up to max_num_seqs, chunked prefills mixed with
+decodes, greedy and sampled (top-k/top-p, min_p, penalties, logprobs)."""
 
 import pytest
 import torch
@@ -57,11 +58,23 @@ def test_nothing_compiles_or_captures_after_start(backend):
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, max_num_seqs=64,
                                  max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4))
     start = engine.start_report
+    fused = engine.runner.fused  # on by default where it applies (sm_90+, the CuTe DSL, triton)
     assert start["warmed_up"]
-    assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"]
+    # with the fused path, batch 1 has a second graph: the one that ends in the greedy token
+    assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"] + (fused is not None)
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
+    cute = cute_kernels(fused)
+    assert all(k is not None for k in cute.values()), f"CuTe GEMVs not compiled at start: {cute}"
     with count_triton_compiles() as compiles:
         _workload(engine)
     assert compiles.count == 0, f"compiled after start: {compiles.names}"
     assert engine.runner.graphs.keys() == graphs.keys(), "a CUDA graph was captured after start"
+    after = cute_kernels(fused)
+    assert all(after[n] is cute[n] for n in cute), "a CuTe GEMV was compiled after start"
+
+
+def cute_kernels(fused) -> dict:
+    """The fused path's compiled CuTe GEMVs by name ({} without the path)."""
+    names = ("qkv", "o", "gate_up", "down", "lm_head", "lm_argmax")
+    return {} if fused is None else {n: getattr(fused, n)._compiled for n in names}

@@ -352,3 +352,17 @@ def test_auto_off_where_asked_off_and_explicit_on_still_refuses(tiny_qwen2, monk
         Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True))
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))  # auto
     assert engine.runner.fused is None
+
+
+def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
+    """Qwen3 (per-head q / k RMSNorm between the projection and RoPE), which auto now serves:
+    the heads normalised by the model's own kernel between the QKV GEMV and RoPE, RoPE left
+    out of the QKV epilogue by default; tokens are the per-op engine's."""
+    from tests.test_model_families import save_family
+
+    folder = save_family("qwen3", tmp_path / "q3")
+    want, _ = generate(folder, False, PROMPTS)
+    got, engine = generate(folder, True, PROMPTS, rope=None)
+    assert got == want
+    assert engine.runner.fused.rope is None and not engine.config.fused_decode_rope
+    assert engine.runner.fused.lm_argmax.calls > 0

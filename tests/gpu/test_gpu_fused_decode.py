@@ -340,17 +340,26 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
 
 # ---- the default (issue 16: on by default where it is faster) -----------------------------
 @pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only")
-def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family):
     """No fused flag given, on sm_90+ with the DSL, the triton backend, bf16, one GPU and CUDA
     graphs: the engine runs the fused path with PDL, RoPE in the QKV epilogue and the one-launch
-    attention (the measured best), says so in engine.config, and its tokens are the per-op
-    path's within the module docstring's rule (teacher-forced, argmax epilogue and logits)."""
-    source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
+    attention (the measured best; Qwen3's per-head q / k norm keeps RoPE out of the epilogue),
+    says so in engine.config, and its tokens are the per-op path's within the module
+    docstring's rule (teacher-forced, argmax epilogue and logits)."""
+    if family == "qwen3":
+        from tests.test_model_families import save_family
+
+        folder = save_family("qwen3", tmp_path / "q3", **SMALL, head_dim=64)
+    else:
+        folder = save_tiny_model("qwen2", tmp_path, **SMALL)
+    source, vocab = dict(model=str(folder)), SMALL["vocab_size"]
     ps, n = prompts(8, vocab), 32
     engine = check_against_reference_teacher_forced(source, ps, n, fused=None)
-    fused = engine.runner.fused
-    assert fused is not None and fused.pdl and fused.rope is not None and fused.one_launch_attention
-    assert [getattr(engine.config, f) for f in ("fused_decode", *SUB_FLAGS)] == [True] * 4
+    fused, rope = engine.runner.fused, family == "qwen2"
+    assert fused is not None and fused.pdl and fused.one_launch_attention
+    assert (fused.rope is not None) == rope
+    assert [getattr(engine.config, f) for f in ("fused_decode", *SUB_FLAGS)] == [True, True, rope, True]
     assert engine.start_report["warmed_up"] and fused.lm_argmax._compiled is not None
 
 

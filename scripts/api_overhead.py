@@ -58,8 +58,8 @@ class TokenSource:
         self.device, self.dtype = "cpu", "none"
 
     def add_request(self, prompt_token_ids, params, request_id, after=None) -> None:
-        self.requests[request_id] = SimpleNamespace(
-            source=list(prompt_token_ids), left=params.max_new_tokens, made=0)
+        self.requests[request_id] = SimpleNamespace(  # (the core gives an int32 array)
+            source=prompt_token_ids.tolist(), left=params.max_new_tokens, made=0)
 
     def step(self) -> list:
         if self.step_s:

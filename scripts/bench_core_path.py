@@ -15,7 +15,7 @@ time other processes hold the core; zmq's own I/O thread is not counted), each t
   streams finishes two a step), so that only the core's own work is timed.
 - api read, us per step: the API process's reader thread on that message (decode, each
   request's output to its stream, one event-loop call) and the event loop handing them out.
-- api submit, us per request: CoreClient.submit_group (AddRequest built, encoded, sent), for
+- api submit, us per request: CoreClient.submit_group (AddRequests built, encoded, sent), for
   prompts of 32-768 random token ids (as issue 13's load).
 - core receive, us per request: EngineCore._receive (decode + engine.add_request).
 """

@@ -74,8 +74,8 @@ class AddRequests(msgspec.Struct, tag=True, array_like=True):
     # list cost the core ~40 ns an id, checking the ids as Python ints as much again; an array
     # is checked in C and made a list once (request_check.check_prompt_ids).
     prompt: bytes
-    params: list[dict[str, Any]]  # each request's SamplingParams fields; no stop strings (the
-    # API process's)
+    # Each request's SamplingParams fields; no stop strings (the API process's).
+    params: list[dict[str, Any]]
 
     @classmethod
     def of(cls, request_ids: list[int], prompt_token_ids: list[int],
@@ -278,7 +278,8 @@ class EngineCore:
         self.stopping = False
         self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
-        # compiled grammars are cached), in arrival order: request id -> (future, message).
+        # compiled grammars are cached), in arrival order: request id -> (future, prompt,
+        # params, the request it waits for).
         self.compiling: dict[int, tuple[concurrent.futures.Future, np.ndarray, SamplingParams,
                                         int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")

@@ -52,7 +52,8 @@ class TokenSource:
         self.requests: dict[int, SimpleNamespace] = {}
         self.num_steps = 0
         self.structured = None
-        self.config = SimpleNamespace(page_size=16, max_num_seqs=max_num_seqs)
+        self.config = SimpleNamespace(page_size=16, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=1 << 20)
         self.model_config = SimpleNamespace(vocab_size=1 << 20)
         self.max_model_len, self.backend_name, self.model_dir = 1 << 20, "token-source", None
         self.device, self.dtype = "cpu", "none"

@@ -1,14 +1,16 @@
 """The engine core's compact messages against the obvious ones: a step's outputs as
 output_rows sends them decode into the same CoreOutputs as whole CoreOutputs would; a prompt's
 token ids as int32 bytes come out as the same checked list (and the same errors) as a list of
-ints; a prompt's samples arrive and are added together. Then a real (tiny) engine behind
-EngineCore's message path gives the tokens the engine gives directly."""
+ints; a prompt's samples arrive and are added together; a burst is added a step's token budget
+at a time. Then a real (tiny) engine behind EngineCore's message path gives the tokens the
+engine gives directly."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -18,8 +20,8 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import TokenLogprob
-from flashlet.server.engine_core import (AddRequests, CoreInput, CoreOutput, EngineCore,
-                                         StepOutputs, output_rows, pack_token_ids)
+from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreInput, CoreOutput,
+                                         EngineCore, StepOutputs, output_rows, pack_token_ids)
 
 ENCODER = msgspec.msgpack.Encoder()
 STEP_DECODER = msgspec.msgpack.Decoder(StepOutputs)
@@ -124,12 +126,16 @@ def test_token_ids_outside_int32_and_torn_bytes_are_refused():
 # ---- the core adding a prompt's requests ---------------------------------------------------
 class RecordingEngine:
     structured = None
+    config = SimpleNamespace(max_num_batched_tokens=100)  # the core's tokens per receive
 
     def __init__(self):
-        self.added = []
+        self.added, self.aborted = [], []
 
     def add_request(self, prompt, params, request_id, after=None):
         self.added.append((request_id, LIMITS.check_prompt_ids(prompt), params.seed, after))
+
+    def abort(self, request_id, finish_reason="abort"):
+        self.aborted.append(request_id)
 
 
 @contextlib.contextmanager
@@ -166,6 +172,30 @@ def test_a_malformed_add_refuses_each_of_its_requests():
         (1, True, "error", 400), (2, True, "error", 400), (3, True, "error", 400),
         (4, True, "error", 400)]
     assert "temperature" in core.errors[-1].error
+
+
+def test_a_burst_is_added_a_steps_token_budget_at_a_time():
+    import zmq
+
+    ctx = zmq.Context()
+    inbox, api = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind("inproc://core-burst")
+    api.connect("inproc://core-burst")
+    try:
+        with _core(RecordingEngine()) as core:
+            core.inbox = inbox
+            for rid in range(5):  # 40 prompt tokens each, against a budget of 100 a receive
+                api.send(ENCODER.encode(AddRequests.of([rid], [rid + 1] * 40, [SamplingParams()])))
+                api.send(ENCODER.encode(AbortRequests([99])))  # no tokens: does not count
+            core._receive(wait=True, timeout_ms=5000)
+            assert [added[0] for added in core.engine.added] == [0, 1, 2]  # 120 >= 100
+            core._receive(wait=True, timeout_ms=5000)
+            assert [added[0] for added in core.engine.added] == [0, 1, 2, 3, 4]
+            assert core.engine.aborted == [99, 99, 99, 99, 99]
+    finally:
+        inbox.close(linger=0)
+        api.close(linger=0)
+        ctx.term()
 
 
 # ---- a real engine behind the message path ---------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from flashlet.sampling import SamplingParams
 
 
@@ -42,6 +44,8 @@ class RequestLimits:
 
     def check_prompt_ids(self, token_ids, param: str = "prompt") -> list[int]:
         """Token ids -> a list, or RequestError if empty or out of the vocabulary."""
+        if isinstance(token_ids, np.ndarray):  # the engine core's (int32 in its messages)
+            return self._array_ids(token_ids, param)
         token_ids = list(token_ids)
         if not token_ids:
             raise RequestError(f"{param} is empty", param)
@@ -58,6 +62,17 @@ class RequestLimits:
             return min(token_ids) >= 0 and max(token_ids) < self.vocab_size
         return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
                    for t in token_ids)
+
+    def _array_ids(self, token_ids: np.ndarray, param: str) -> list[int]:
+        """check_prompt_ids for a 1-d integer array: checked by numpy, made a list once."""
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise RequestError(f"{param}: token ids must be a 1-d integer array", param)
+        if not token_ids.size:
+            raise RequestError(f"{param} is empty", param)
+        if token_ids.min() < 0 or token_ids.max() >= self.vocab_size:
+            raise RequestError(f"{param}: token ids must be integers in [0, {self.vocab_size})",
+                               param)
+        return token_ids.tolist()
 
     def max_new_tokens(self, num_prompt: int, requested: int | None, default: int | None = None,
                        prompt_param: str = "prompt",

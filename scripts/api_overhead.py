@@ -52,14 +52,15 @@ class TokenSource:
         self.requests: dict[int, SimpleNamespace] = {}
         self.num_steps = 0
         self.structured = None
-        self.config = SimpleNamespace(page_size=16, max_num_seqs=max_num_seqs)
+        self.config = SimpleNamespace(page_size=16, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=1 << 20)
         self.model_config = SimpleNamespace(vocab_size=1 << 20)
         self.max_model_len, self.backend_name, self.model_dir = 1 << 20, "token-source", None
         self.device, self.dtype = "cpu", "none"
 
     def add_request(self, prompt_token_ids, params, request_id, after=None) -> None:
-        self.requests[request_id] = SimpleNamespace(
-            source=list(prompt_token_ids), left=params.max_new_tokens, made=0)
+        self.requests[request_id] = SimpleNamespace(  # (the core gives an int32 array)
+            source=prompt_token_ids.tolist(), left=params.max_new_tokens, made=0)
 
     def step(self) -> list:
         if self.step_s:

@@ -23,6 +23,41 @@ def test_text_is_text_unless_allowed(tok):
     assert im_start in encode_text(tok, "a <|im_start|> b", allow_special=True)
 
 
+def _hf_ids(tok, text: str, allow_special: bool, add_special_tokens: bool) -> list[int]:
+    """The obvious way: the Hugging Face tokenizer's own call."""
+    out = tok(text, add_special_tokens=add_special_tokens, split_special_tokens=not allow_special)
+    return list(out["input_ids"])
+
+
+TEXTS = ["", " ", "hello", "  leading and trailing  ", "a <|im_start|> b<|im_end|>",
+         "<|endoftext|>", "tabs\tand\nnewlines\r\n", "caf\u00e9 \u4f60\u597d \U0001f600 \u0301x",
+         "x" * 3000, "the quick brown fox " * 300]
+
+
+@pytest.mark.parametrize("allow_special", [False, True])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_text_encodes_as_the_tokenizers_own_call(tok, allow_special, add_special_tokens):
+    assert tokenizing.rust_tokenizer(tok) is not None  # the fast path is the one under test
+    for text in TEXTS:
+        got = encode_text(tok, text, allow_special=allow_special,
+                          add_special_tokens=add_special_tokens)
+        assert got == _hf_ids(tok, text, allow_special, add_special_tokens), text
+        assert type(got) is list
+
+
+def test_a_tokenizer_set_to_truncate_still_gives_every_token(tok):
+    """The Hugging Face call switches off a truncation that tokenizer.json sets: so does
+    encode_text (it takes the call's path for it)."""
+    import copy
+
+    truncating = copy.deepcopy(tok)
+    truncating.backend_tokenizer.enable_truncation(max_length=4)
+    assert tokenizing.rust_tokenizer(truncating) is None
+    text = "the quick brown fox jumps over the lazy dog"
+    assert encode_text(truncating, text) == encode_text(tok, text)
+    assert len(encode_text(tok, text)) > 4
+
+
 def test_benign_chat_is_exactly_the_templates_tokens(tok):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is 2+2?"},

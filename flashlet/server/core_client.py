@@ -41,8 +41,8 @@ import zmq
 
 from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
-from flashlet.server.engine_core import (AbortRequests, AddRequest, CoreOutput, CoreReady, Probe,
-                                         ProbeReply, Shutdown, StepOutputs, build_engine,
+from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreOutput, CoreReady,
+                                         Probe, ProbeReply, Shutdown, StepOutputs, build_engine,
                                          run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
@@ -210,18 +210,14 @@ class CoreClient(EngineClient):
             self._admit(max_waiting)
             core = self.cores[self.router.route(streams[0].prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
-            messages = []
-            for stream in streams:
-                stream.request_id = next(self._ids)
-                stream.core = core.index
-                after = streams[0].request_id if stream is not streams[0] else None
-                messages.append(AddRequest.of(stream.request_id, stream.prompt_token_ids,
-                                              stream.params, after))
+            ids = [next(self._ids) for _ in streams]
+            message = AddRequests.of(ids, streams[0].prompt_token_ids,
+                                     [stream.params for stream in streams])
+            for stream, rid in zip(streams, ids):
+                stream.request_id, stream.core = rid, core.index
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
-            # One multipart message: the core takes the samples in one go, never the first
-            # alone (which could then run its prompt before the others arrive to share it).
-            if not self._send_locked(core, *messages):
+            if not self._send_locked(core, message):
                 core.num_in_flight -= len(streams)
                 raise NotReady(f"engine core {core.index} cannot take requests")
             for stream in streams:
@@ -242,7 +238,7 @@ class CoreClient(EngineClient):
     def abort_all(self) -> None:
         self._abort_in_cores()
         # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], True, "abort"))
+        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason="abort"))
 
     def _abort_in_cores(self) -> None:
         """Tell the cores to drop every request of this process (their streams stay open)."""
@@ -296,11 +292,10 @@ class CoreClient(EngineClient):
         with self._lock:
             self._send_locked(core, msg)
 
-    def _send_locked(self, core: CoreProcess, *msgs) -> bool:
-        """Send messages to a core as one (queued without limit: zmq delivers all the parts or
-        none); False if the socket is closed."""
+    def _send_locked(self, core: CoreProcess, msg) -> bool:
+        """Send a message to a core (queued without limit); False if the socket is closed."""
         try:
-            core.inbox.send_multipart([self._encoder.encode(m) for m in msgs], zmq.NOBLOCK)
+            core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             log.error("could not send to engine core %d: %s", core.index, e)

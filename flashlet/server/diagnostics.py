@@ -124,15 +124,14 @@ class LoopCounters:
     def add_time(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
-    def step_done(self, seconds: float, outputs) -> None:
+    def step_done(self, seconds: float, num_tokens: int, num_finished: int) -> None:
+        """A step of `seconds` made num_tokens tokens and finished num_finished requests."""
         self.seconds["step"] += seconds
         self.step_time.add(seconds)
         self.steps += 1
-        now = time.monotonic()
-        for out in outputs:
-            self.tokens += len(out.new_token_ids)
-            if out.finished:
-                self._finishes.append(now)
+        self.tokens += num_tokens
+        if num_finished:
+            self._finishes.extend([time.monotonic()] * num_finished)
 
     def request_arrived(self) -> None:
         self.requests += 1

@@ -3,10 +3,13 @@
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
 multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
 API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
-PULL socket (zmq fair-queues them): requests (token ids + sampling params), aborts, probes,
-shutdown. Out: one PUSH socket per API process, ONE message per engine step to each API
-process, carrying that process's requests' new token ids and finish info, with the engine's
-stats (every API process gets every step's stats: its admission control reads them). The core
+PULL socket (zmq fair-queues them): requests (one message per prompt: its token ids as int32
+bytes, and the sampling params of each of its samples), aborts, probes, shutdown. Out: one PUSH
+socket per API process, ONE message per engine step to each API process, carrying that
+process's requests' new token ids and finish info (a request that only got tokens as a
+three-element array: output_rows), with the engine's stats (every API process gets every
+step's stats: its admission control reads them). What the core does per step and per request
+beside the engine's step is timed by scripts/bench_core_path.py. The core
 never sees text: tokenizing, detokenizing and stop strings are the API processes' job, so a
 stop string found there comes back in as an abort.
 
@@ -14,8 +17,8 @@ Several API processes (`--api-server-count N`): API process k numbers its reques
 k + 2N... so ids are unique across processes and the core sends a request's outputs to API
 process `request_id % N` (`api_server_of`) without keeping a map. A probe names its sender.
 
-The loop: when the engine has work, take whatever arrived (without waiting), step, send the
-step's outputs; when idle, block on the socket (waking every second to check that the first
+The loop: when the engine has work, take what arrived (without waiting; a burst of requests a
+step's token budget at a time), step, send the step's outputs; when idle, block on the socket (waking every second to check that the first
 API process, its parent, is still alive: an orphaned core exits). The loop counts where its
 time goes (diagnostics.LoopCounters: a few clock reads per step), sent only in the reply to a
 Probe that asks for them (GET /debug/stats), never with the steps.
@@ -29,10 +32,13 @@ import gc
 import logging
 import os
 import signal
+import struct
 import time
+from operator import attrgetter
 from typing import Any, Callable
 
 import msgspec
+import numpy as np
 
 from flashlet.engine import SERVER_GC_THRESHOLDS
 from flashlet.sampling import SamplingParams, TokenLogprob
@@ -53,25 +59,43 @@ STATS_EVERY_S = 0.025
 
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+TOKEN_DTYPE = np.dtype("<i4")  # AddRequests.prompt's
+_new_token_ids = attrgetter("new_token_ids")
 
 
 # ---- messages in ---------------------------------------------------------------------------------
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: int  # the API process's id; the engine uses it as its own
-    prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams' fields; no stop strings (the API process's)
-    after: int | None = None  # the first sample of this prompt (n > 1): Engine.add_request
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    """A prompt's request, or its samples (n > 1) as one message: the core adds them together,
+    never the first alone (which could then run its prompt before the others arrive to share
+    its KV pages: Engine.add_request's `after`)."""
+
+    request_ids: list[int]  # the API process's ids; the engine uses them as its own
+    # The prompt's token ids as little-endian int32 bytes (pack_token_ids): decoding a msgpack
+    # list cost the core ~40 ns an id, checking the ids as Python ints as much again; an array
+    # is checked in C and made a list once (request_check.check_prompt_ids).
+    prompt: bytes
+    # Each request's SamplingParams fields; no stop strings (the API process's).
+    params: list[dict[str, Any]]
 
     @classmethod
-    def of(cls, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-           after: int | None = None) -> "AddRequest":
+    def of(cls, request_ids: list[int], prompt_token_ids: list[int],
+           params: list[SamplingParams]) -> "AddRequests":
         # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
         # (max_tokens), and __init__ validates them again on the way in.
-        return cls(request_id, prompt_token_ids,
-                   {name: getattr(params, name) for name in _PARAM_FIELDS}, after)
+        return cls(request_ids, pack_token_ids(prompt_token_ids),
+                   [{name: getattr(p, name) for name in _PARAM_FIELDS} for p in params])
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.params)
+    def prompt_token_ids(self) -> np.ndarray:
+        """The prompt as an int32 array (ValueError if the bytes are not whole int32s)."""
+        return np.frombuffer(self.prompt, TOKEN_DTYPE)
+
+
+def pack_token_ids(token_ids: list[int]) -> bytes:
+    """Token ids as AddRequests carries them (struct.pack: ~2x faster from a list than numpy)."""
+    try:
+        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers in [-2**31, 2**31)") from None
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -90,26 +114,54 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-CoreInput = AddRequest | AbortRequests | Probe | Shutdown
+CoreInput = AddRequests | AbortRequests | Probe | Shutdown
 
 
 # ---- messages out --------------------------------------------------------------------------------
-class CoreOutput(msgspec.Struct, array_like=True):
-    """One request's share of a step (the attributes Generation reads off RequestOutput too)."""
+class CoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """One request's share of a step (the attributes Generation reads off RequestOutput too).
+    What every step carries comes first: a request that goes on without logprobs travels as
+    its first three fields alone (output_rows). Untracked by the collector (gc=False: it never
+    holds a reference cycle): an API process decodes one per streamed token."""
 
     request_id: int
     new_token_ids: list[int]
+    num_cached_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
+    error: str | None = None  # only with finished
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
+
+    @classmethod
+    def of(cls, out) -> "CoreOutput":
+        """An engine's RequestOutput as a CoreOutput (a CoreOutput as it is)."""
+        if isinstance(out, CoreOutput):
+            return out
+        return cls(out.request_id, out.new_token_ids, out.num_cached_tokens, out.finished,
+                   out.finish_reason, out.error, new_logprobs=out.new_logprobs)
+
+    @classmethod
+    def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":
+        """The final output of a request that could not run."""
+        return cls(request_id, [], finished=True, finish_reason="error", error=message,
+                   status=status)
+
+
+def output_rows(outputs) -> list:
+    """Outputs (the engine's RequestOutputs, or CoreOutputs) as StepOutputs.outputs sends them:
+    one that goes on without logprobs (all but a few of a step's) as the tuple (request id, new
+    token ids, cached tokens), which msgpack writes as that CoreOutput without its trailing
+    defaults, and msgspec decodes into the same CoreOutput; any other as a whole CoreOutput.
+    Building a CoreOutput a row cost the core more than the whole message does now."""
+    return [(o.request_id, o.new_token_ids, o.num_cached_tokens)
+            if not o.finished and o.new_logprobs is None else CoreOutput.of(o)
+            for o in outputs]
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     core: int
-    outputs: list[CoreOutput]
+    outputs: list[CoreOutput]  # sent as output_rows makes them
     stats: dict[str, float]
 
 
@@ -226,11 +278,17 @@ class EngineCore:
         self.stopping = False
         self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
-        # compiled grammars are cached), in arrival order: request id -> (future, message).
-        self.compiling: dict[int, tuple[concurrent.futures.Future, AddRequest,
-                                        SamplingParams]] = {}
+        # compiled grammars are cached), in arrival order: request id -> (future, prompt,
+        # params, the request it waits for).
+        self.compiling: dict[int, tuple[concurrent.futures.Future, np.ndarray, SamplingParams,
+                                        int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
         self.counters = LoopCounters()
+        # A burst of requests (a closed loop's clients come back together) is added a step's
+        # worth at a time: a step starts no more prompt tokens than its budget, and the rest,
+        # left queued, are added while the step just launched runs on the device, not before
+        # its launch (at ~50 us an add, 256 at once would take ~13 ms before that launch).
+        self.tokens_per_receive = engine.config.max_num_batched_tokens
 
     def run(self) -> None:
         engine = self.engine
@@ -267,19 +325,22 @@ class EngineCore:
             waited, t = t, time.perf_counter()
             self.counters.add_time("idle", t - waited)
         try:
-            while True:
+            added = 0  # prompt tokens
+            while added < self.tokens_per_receive:
                 try:
-                    frames = self.inbox.recv_multipart(zmq.NOBLOCK)  # a request's samples together
+                    frame = self.inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
-                for frame in frames:
-                    self._apply(self.decoder.decode(frame))
+                msg = self.decoder.decode(frame)
+                self._apply(msg)
+                if isinstance(msg, AddRequests):
+                    added += len(msg.prompt) // TOKEN_DTYPE.itemsize
         finally:
             self.counters.add_time("receive", time.perf_counter() - t)
 
     def _apply(self, msg) -> None:
-        if isinstance(msg, AddRequest):
-            self._add(msg)
+        if isinstance(msg, AddRequests):
+            self._add_all(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
                 self.compiling.pop(rid, None)
@@ -292,48 +353,62 @@ class EngineCore:
                 self.engine.abort(rid)
             self.stopping = True
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add_all(self, msg: AddRequests) -> None:
+        """Add a prompt's requests (the samples after the first wait for it to run the prompt)."""
+        try:
+            prompt = msg.prompt_token_ids()
+            if len(msg.params) != len(msg.request_ids):
+                raise ValueError(f"{len(msg.request_ids)} request ids but {len(msg.params)} "
+                                 "sets of sampling parameters")
+        except ValueError as e:
+            for rid in msg.request_ids:
+                self.counters.request_arrived()
+                self.errors.append(CoreOutput.refused(rid, str(e)))
+            return
+        for i, (rid, fields) in enumerate(zip(msg.request_ids, msg.params)):
+            self._add(rid, prompt, fields, msg.request_ids[0] if i else None)
+
+    def _add(self, rid: int, prompt: np.ndarray, fields: dict, after: int | None) -> None:
         self.counters.request_arrived()
         try:
-            params = msg.sampling_params()
+            params = SamplingParams(**fields)
         except (TypeError, ValueError) as e:
-            self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
+            self.errors.append(CoreOutput.refused(rid, str(e)))
             return
         structured = self.engine.structured
         if params.is_constrained and structured is not None:
             future = self.compiler.submit(structured.compile, params.response_format)
-            self.compiling[msg.request_id] = (future, msg, params)
+            self.compiling[rid] = (future, prompt, params, after)
             return
-        self._add_now(msg, params)
+        self._add_now(rid, prompt, params, after)
 
     def _add_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready, in arrival order."""
         while self.compiling:
-            rid, (future, msg, params) = next(iter(self.compiling.items()))
+            rid, (future, prompt, params, after) = next(iter(self.compiling.items()))
             if not future.done():
                 return
             del self.compiling[rid]
             error = future.exception()
             if error is not None:
-                self.errors.append(CoreOutput(rid, [], True, "error", str(error), 0, 400))
+                self.errors.append(CoreOutput.refused(rid, str(error)))
             else:
-                self._add_now(msg, params)  # the engine's check finds the grammar cached
+                self._add_now(rid, prompt, params, after)  # the engine finds the grammar cached
 
-    def _add_now(self, msg: AddRequest, params: SamplingParams) -> None:
+    def _add_now(self, rid: int, prompt: np.ndarray, params: SamplingParams,
+                 after: int | None) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id,
-                                    after=msg.after)
-            self.unfinished.add(msg.request_id)
+            self.engine.add_request(prompt, params, request_id=rid, after=after)
+            self.unfinished.add(rid)
         except ValueError as e:
-            self.errors.append(CoreOutput(msg.request_id, [], True, "error", str(e), 0, 400))
-            return
+            self.errors.append(CoreOutput.refused(rid, str(e)))
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
             log.exception("add_request failed")
-            self.errors.append(CoreOutput(msg.request_id, [], True, "error",
-                                          f"could not queue the request: {e}"))
-            return
+            self.errors.append(CoreOutput.refused(rid, f"could not queue the request: {e}", 500))
 
-    def _step(self) -> list[CoreOutput]:
+    def _step(self) -> list:
+        """One engine step; its outputs (the engine's RequestOutputs; after a failed step none:
+        its errors are in self.errors)."""
         gc_timer = self.counters.gc
         gc_before = (gc_timer.collections, gc_timer.seconds)
         t = time.perf_counter()
@@ -341,18 +416,16 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
             log.exception("engine step failed")
-            return self._fail_all(f"engine step failed: {e}")
+            self._fail_all(f"engine step failed: {e}")
+            return []
         took = time.perf_counter() - t
-        self.counters.step_done(took, outputs)
+        finished = [out.request_id for out in outputs if out.finished]
+        self.unfinished.difference_update(finished)
+        self.counters.step_done(took, sum(map(len, map(_new_token_ids, outputs))), len(finished))
         mean = self.counters.seconds["step"] / self.counters.steps
         if took > max(SLOW_STEP_S, SLOW_STEP_TIMES_MEAN * mean):
             self._log_slow_step(took, outputs, gc_before)
-        for out in outputs:
-            if out.finished:
-                self.unfinished.discard(out.request_id)
-        return [CoreOutput(out.request_id, out.new_token_ids, out.finished, out.finish_reason,
-                           out.error, out.num_cached_tokens, new_logprobs=out.new_logprobs)
-                for out in outputs]
+        return outputs
 
     def _log_slow_step(self, took: float, outputs, gc_before: tuple[int, float]) -> None:
         """What a step far over the usual ran (a TTFT outlier at concurrency 1 on the H200 was
@@ -364,31 +437,33 @@ class EngineCore:
                     gc_timer.collections - gc_before[0],
                     (gc_timer.seconds - gc_before[1]) * 1e3)
 
-    def _fail_all(self, message: str) -> list[CoreOutput]:
-        results = []
+    def _fail_all(self, message: str) -> None:
+        """End every request in the engine with a 500 error (sent with the next message)."""
         for rid in list(self.unfinished):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001
                 pass
-            results.append(CoreOutput(rid, [], True, "error", message))
+            self.errors.append(CoreOutput.refused(rid, message, 500))
         self.unfinished.clear()
-        return results
 
-    def _send(self, outputs: list[CoreOutput]) -> None:
-        """The step's outputs, each to the API process that sent its request, with the core's
-        stats (every process reads them: /metrics, admission). Several API processes: those
-        with no output in it get the message only every STATS_EVERY_S, and once the core has
-        nothing left to run (so that every process sees it idle)."""
-        outputs, self.errors = self.errors + outputs, []
+    def _send(self, outputs: list) -> None:
+        """The step's outputs (and the errors since the last message), each to the API process
+        that sent its request, with the core's stats (every process reads them: /metrics,
+        admission). Several API processes: those with no output in it get the message only
+        every STATS_EVERY_S, and once the core has nothing left to run (so that every process
+        sees it idle)."""
+        if self.errors:
+            outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
         now = time.monotonic()
         stats["time"] = now
         count = len(self.outboxes)
         if count == 1:
-            self.outboxes[0].send(self.encoder.encode(StepOutputs(self.core, outputs, stats)))
+            message = StepOutputs(self.core, output_rows(outputs), stats)
+            self.outboxes[0].send(self.encoder.encode(message))
             return
-        by_api_server: list[list[CoreOutput]] = [[] for _ in range(count)]
+        by_api_server: list[list] = [[] for _ in range(count)]
         for out in outputs:
             by_api_server[api_server_of(out.request_id, count)].append(out)
         everyone = now >= self.next_stats_to_all or not self.engine.has_unfinished()
@@ -396,7 +471,8 @@ class EngineCore:
             self.next_stats_to_all = now + STATS_EVERY_S
         for outbox, mine in zip(self.outboxes, by_api_server):
             if mine or everyone:
-                outbox.send(self.encoder.encode(StepOutputs(self.core, mine, stats)))
+                message = StepOutputs(self.core, output_rows(mine), stats)
+                outbox.send(self.encoder.encode(message))
 
     def _probe(self, api_server: int, loop: bool = False) -> None:
         """Reply with the engine's stats: after an integrity check, or (loop) with the loop's

@@ -44,7 +44,7 @@ def _diag() -> dict:
     try:
         before = {"cores": [{"loop": core.snapshot()}], "api_servers": api.snapshot()}
         for _ in range(4):
-            core.step_done(0.002, [])
+            core.step_done(0.002, 0, 0)
         row = api.rows
         row[0], row[1], row[2], row[3] = 1.5, 10.0, 100, 400  # cpu, wall, events, tokens
         row[7 + 3] += 5  # loop-lag samples in a low bucket

@@ -39,7 +39,7 @@ def _core(monkeypatch, clock: list[float]):
 
 
 def _out(request_id: int) -> CoreOutput:
-    return CoreOutput(request_id, [7], False, None, None, 0)
+    return CoreOutput(request_id, [7])
 
 
 def test_a_process_without_outputs_gets_the_stats_at_a_bounded_rate(monkeypatch):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -42,15 +41,11 @@ def test_bucketed_quantiles_bracket_the_exact_ones():
     assert quantiles(before, before) == {"n": 0, "max": None, "p50": None, "p99": None}
 
 
-def _out(rid: int, finished: bool):
-    return SimpleNamespace(request_id=rid, new_token_ids=[7], finished=finished)
-
-
 def test_turnaround_matches_finishes_with_the_next_arrivals_in_order():
     counters = LoopCounters()
     try:
         counters.request_arrived()  # no finish before it: no turnaround
-        counters.step_done(0.001, [_out(1, True), _out(2, True), _out(3, False)])
+        counters.step_done(0.001, 3, 2)  # three tokens, two requests finished
         time.sleep(0.02)
         counters.request_arrived()
         counters.request_arrived()
@@ -60,7 +55,7 @@ def test_turnaround_matches_finishes_with_the_next_arrivals_in_order():
         turnaround = quantiles(None, snap["turnaround"])
         assert turnaround["n"] == 2 and 20 <= turnaround["p99"] < 1000
         # A snapshot starts a new window: a finish before it is not matched after it.
-        counters.step_done(0.001, [_out(3, True)])
+        counters.step_done(0.001, 1, 1)
         counters.snapshot()
         counters.request_arrived()
         assert sum(counters.snapshot()["turnaround"]) == 2

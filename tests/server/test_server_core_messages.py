@@ -1,0 +1,242 @@
+"""The engine core's compact messages against the obvious ones: a step's outputs as
+output_rows sends them decode into the same CoreOutputs as whole CoreOutputs would; a prompt's
+token ids as int32 bytes come out as the same checked list (and the same errors) as a list of
+ints; a prompt's samples arrive and are added together; a burst is added a step's token budget
+at a time. Then a real (tiny) engine behind EngineCore's message path gives the tokens the
+engine gives directly."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.request import RequestOutput
+from flashlet.request_check import RequestError, RequestLimits
+from flashlet.sampling import TokenLogprob
+from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreInput, CoreOutput,
+                                         EngineCore, StepOutputs, output_rows, pack_token_ids)
+
+ENCODER = msgspec.msgpack.Encoder()
+STEP_DECODER = msgspec.msgpack.Decoder(StepOutputs)
+
+
+def _random_outputs(rng: random.Random, n: int) -> list:
+    """A step's worth of outputs: mostly one token and going on, some finished (with every
+    reason), with several or no tokens, with logprobs; and requests the core refused."""
+    outputs = []
+    for i in range(n):
+        kind = rng.random()
+        tokens = [rng.randrange(50_000) for _ in range(rng.choice([1, 1, 1, 0, 3]))]
+        out = RequestOutput(1000 + i, tokens, False, num_cached_tokens=rng.choice([0, 16, 400]),
+                            prompt_token_ids=[1, 2, 3])
+        if kind < 0.2:
+            out.finished = True
+            out.finish_reason = rng.choice(["stop", "length", "abort", "error"])
+            out.error = "sampling failed: boom" if out.finish_reason == "error" else None
+        if kind > 0.8 and tokens:
+            out.new_logprobs = [TokenLogprob(t, -rng.random(), [(t, -0.5), (7, -1.25)])
+                                for t in tokens]
+        outputs.append(out)
+    outputs += [CoreOutput.refused(5000, "prompt is empty"),
+                CoreOutput.refused(5001, "engine step failed: oops", 500)]
+    rng.shuffle(outputs)
+    return outputs
+
+
+def test_output_rows_decode_into_the_same_core_outputs_as_whole_ones():
+    rng = random.Random(0)
+    stats = {"running": 3.0, "time": 1.5}
+    for _ in range(20):
+        outputs = _random_outputs(rng, rng.randrange(0, 60))
+        compact = ENCODER.encode(StepOutputs(2, output_rows(outputs), stats))
+        whole = ENCODER.encode(StepOutputs(2, [CoreOutput.of(o) for o in outputs], stats))
+        got = STEP_DECODER.decode(compact)
+        assert got == STEP_DECODER.decode(whole)
+        assert got.core == 2 and got.stats == stats
+        for row, out in zip(got.outputs, outputs, strict=True):
+            assert isinstance(row, CoreOutput)
+            for field in ("request_id", "new_token_ids", "num_cached_tokens", "finished",
+                          "finish_reason", "error", "new_logprobs"):
+                assert getattr(row, field) == getattr(out, field), field
+            assert row.status == getattr(out, "status", 500)
+        assert len(compact) <= len(whole)
+
+
+def test_a_request_that_only_got_tokens_is_sent_as_three_fields():
+    out = RequestOutput(7, [42], False, num_cached_tokens=32)
+    [row] = msgspec.msgpack.decode(ENCODER.encode(output_rows([out])))
+    assert row == [7, [42], 32]
+
+
+# ---- prompts -------------------------------------------------------------------------------
+LIMITS = RequestLimits(max_model_len=4096, vocab_size=1000, page_size=16, num_pages=512)
+
+
+def _checked(check, ids):
+    try:
+        return check(ids)
+    except RequestError as e:
+        return ("error", e.message, e.param)
+
+
+def test_a_prompt_as_int32_bytes_is_checked_as_the_same_list():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 800))] for _ in range(30)]
+    prompts += [[], [0], [999], [1000], [-1], [5, -7, 3], [3, 2**31 - 1], [-2**31, 4]]
+    for prompt in prompts:
+        msg = AddRequests.of([1], prompt, [SamplingParams()])
+        decoded = msgspec.msgpack.decode(ENCODER.encode(msg), type=CoreInput)
+        array = decoded.prompt_token_ids()
+        assert array.tolist() == prompt
+        got = _checked(LIMITS.check_prompt_ids, array)
+        assert got == _checked(LIMITS.check_prompt_ids, list(prompt))
+        if not isinstance(got, tuple):
+            assert type(got) is list and all(type(t) is int for t in got)
+
+
+@pytest.mark.parametrize("dtype", ["<i4", ">i4", "<i8", "<u2", ">u4", "i1"])
+def test_the_array_check_reads_every_integer_dtype(dtype):
+    ids = np.array([0, 5, 99], dtype)
+    assert LIMITS.check_prompt_ids(ids) == [0, 5, 99]
+    for bad in ([5, 1000], [-1, 5]) if np.dtype(dtype).kind == "i" else ([5, 1000],):
+        if np.dtype(dtype).itemsize == 1 and 1000 in bad:
+            continue
+        with pytest.raises(RequestError, match=r"in \[0, 1000\)"):
+            LIMITS.check_prompt_ids(np.array(bad, dtype))
+    for bad in (np.zeros(0, np.int32), np.zeros((2, 2), np.int32), np.ones(3, np.float32)):
+        with pytest.raises(RequestError):
+            LIMITS.check_prompt_ids(bad)
+
+
+def test_token_ids_outside_int32_and_torn_bytes_are_refused():
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        pack_token_ids([2**31])
+    torn = AddRequests([1], b"\x01\x00\x00\x00\x02", [{}])
+    with pytest.raises(ValueError):
+        torn.prompt_token_ids()
+
+
+# ---- the core adding a prompt's requests ---------------------------------------------------
+class RecordingEngine:
+    structured = None
+    config = SimpleNamespace(max_num_batched_tokens=100)  # the core's tokens per receive
+
+    def __init__(self):
+        self.added, self.aborted = [], []
+
+    def add_request(self, prompt, params, request_id, after=None):
+        self.added.append((request_id, LIMITS.check_prompt_ids(prompt), params.seed, after))
+
+    def abort(self, request_id, finish_reason="abort"):
+        self.aborted.append(request_id)
+
+
+@contextlib.contextmanager
+def _core(engine, outboxes=()):
+    """An EngineCore around `engine` without sockets (its inbox is never read here)."""
+    core = EngineCore(engine, 0, None, list(outboxes), os.getpid())
+    try:
+        yield core
+    finally:
+        core.compiler.shutdown()
+        core.counters.gc.close()
+
+
+def _received(core: EngineCore, msg) -> None:
+    core._apply(msgspec.msgpack.decode(ENCODER.encode(msg), type=CoreInput))
+
+
+def test_a_prompts_samples_are_added_together_after_the_first():
+    with _core(RecordingEngine()) as core:
+        params = [SamplingParams(temperature=1.0, seed=s) for s in (10, 11, 12)]
+        _received(core, AddRequests.of([4, 8, 12], [3, 1, 4, 1, 5], params))
+    assert core.engine.added == [(4, [3, 1, 4, 1, 5], 10, None), (8, [3, 1, 4, 1, 5], 11, 4),
+                                 (12, [3, 1, 4, 1, 5], 12, 4)]
+    assert core.unfinished == {4, 8, 12} and core.errors == []
+
+
+def test_a_malformed_add_refuses_each_of_its_requests():
+    with _core(RecordingEngine()) as core:
+        _received(core, AddRequests([1, 2], pack_token_ids([5, 6]), [{}]))  # one params for two
+        _received(core, AddRequests([3], b"\x05\x00\x00", [{}]))  # not whole int32s
+        _received(core, AddRequests([4], pack_token_ids([5]), [{"temperature": -1.0}]))
+    assert core.engine.added == [] and core.unfinished == set()
+    assert [(e.request_id, e.finished, e.finish_reason, e.status) for e in core.errors] == [
+        (1, True, "error", 400), (2, True, "error", 400), (3, True, "error", 400),
+        (4, True, "error", 400)]
+    assert "temperature" in core.errors[-1].error
+
+
+def test_a_burst_is_added_a_steps_token_budget_at_a_time():
+    import zmq
+
+    ctx = zmq.Context()
+    inbox, api = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind("inproc://core-burst")
+    api.connect("inproc://core-burst")
+    try:
+        with _core(RecordingEngine()) as core:
+            core.inbox = inbox
+            for rid in range(5):  # 40 prompt tokens each, against a budget of 100 a receive
+                api.send(ENCODER.encode(AddRequests.of([rid], [rid + 1] * 40, [SamplingParams()])))
+                api.send(ENCODER.encode(AbortRequests([99])))  # no tokens: does not count
+            core._receive(wait=True, timeout_ms=5000)
+            assert [added[0] for added in core.engine.added] == [0, 1, 2]  # 120 >= 100
+            core._receive(wait=True, timeout_ms=5000)
+            assert [added[0] for added in core.engine.added] == [0, 1, 2, 3, 4]
+            assert core.engine.aborted == [99, 99, 99, 99, 99]
+    finally:
+        inbox.close(linger=0)
+        api.close(linger=0)
+        ctx.term()
+
+
+# ---- a real engine behind the message path ---------------------------------------------------
+class Outbox:
+    def __init__(self):
+        self.sent: list[StepOutputs] = []
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append(STEP_DECODER.decode(frame))
+
+
+def test_the_core_message_path_gives_the_engines_own_tokens(tiny_qwen2):
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=256, page_size=16)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    greedy = SamplingParams(max_new_tokens=9, ignore_eos=True, logprobs=2)
+
+    direct = Engine(config)
+    for i, prompt in enumerate(prompts):
+        direct.add_request(prompt, greedy, request_id=i)
+    expected: dict[int, list] = {}
+    while direct.has_unfinished():
+        for out in direct.step():
+            expected.setdefault(out.request_id, []).extend(
+                zip(out.new_token_ids, [lp.token_id for lp in out.new_logprobs or []]))
+
+    outbox = Outbox()
+    with _core(Engine(config), [outbox]) as core:
+        for i, prompt in enumerate(prompts):
+            _received(core, AddRequests.of([i], prompt, [greedy]))
+        request = core.engine.scheduler.requests[0]
+        assert type(request.prompt_token_ids) is list
+        assert all(type(t) is int for t in request.prompt_token_ids)
+        while core.engine.has_unfinished():
+            core._send(core._step())
+    got: dict[int, list] = {}
+    for message in outbox.sent:
+        for row in message.outputs:
+            got.setdefault(row.request_id, []).extend(
+                zip(row.new_token_ids, [lp.token_id for lp in row.new_logprobs or []]))
+            assert row.finished == (row.finish_reason == "length")
+    assert got == expected
+    assert all(len(v) == 9 for v in got.values())
+    assert core.unfinished == set()

@@ -138,12 +138,23 @@ class Scheduler:
         """The launched step's sampled tokens (one per sampling row; an Exception where that
         row's sampling failed) and their logprobs (sampler.StepLogprobs, for the rows that
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
+        outputs = self._append_tokens(out, tokens, logprobs)
+        if self.enable_prefix_cache:
+            finished, ps = RequestStatus.FINISHED, self.page_size
+            for req, _ in out.scheduled:
+                # Only a request that has completed a page since it last cached has work here.
+                if (req.num_computed_tokens // ps > req.num_tree_pages
+                        and req.status is not finished):
+                    self.cache_computed_pages(req)
+        return outputs
+
+    def _append_tokens(self, out: SchedulerOutput, tokens: list, logprobs) -> list[RequestOutput]:
+        """Each sampling row's token into its request -> the requests' outputs. Most rows only
+        append a token: that case's test and output are inline (a call per row was a large
+        part of a 256-row step's host time, issue 13); any other row (a stop, its last token, a
+        failure, logprobs) goes through every check in _update_row."""
         outputs = []
         finished, eos = RequestStatus.FINISHED, self.eos_token_ids
-        # One pass over the rows, most of which only append a token: that case's test and
-        # output are inline (a call per row was a large part of a 256-row step's host time,
-        # issue 13); any other row (a stop, its last token, a failure, logprobs) goes to
-        # _update_row.
         for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
             if req.status is finished:  # aborted, or stopped by the step before: this row is void
                 continue
@@ -157,13 +168,6 @@ class Scheduler:
                                              req.prompt_token_ids, None, req.num_cached_tokens))
             else:
                 outputs.append(self._update_row(req, row, slot, token, logprobs))
-        if self.enable_prefix_cache:
-            ps = self.page_size
-            for req, _ in out.scheduled:
-                # Only a request that has completed a page since it last cached has work here.
-                if (req.num_computed_tokens // ps > req.num_tree_pages
-                        and req.status is not finished):
-                    self.cache_computed_pages(req)
         return outputs
 
     def _update_row(self, req: Request, row: int, slot: int, token, logprobs) -> RequestOutput:

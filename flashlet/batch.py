@@ -239,7 +239,7 @@ def _decode_layout(token_ids: Sequence[int], starts: Sequence[int], tables: Sequ
                   paged_kv_indptr=kv_ptr, paged_kv_indices=table,
                   paged_kv_last_page_len=(offsets + 1).astype(i32),
                   kv_lens=(positions + 1).astype(i32),
-                  logits_indices=np.array(sample_rows, i64),
+                  logits_indices=np.asarray(sample_rows, i64),
                   feed_rows=feed_rows, feed_src=np.array(feed_src, i64)[feed_rows])
     layout = StepLayout.from_arrays(arrays)
     # The cached properties' values, known already (each is numpy work on every load).
@@ -268,14 +268,14 @@ def step_rows(sched: "SchedulerOutput"):
 
 def decode_columns(sched: "SchedulerOutput") -> tuple[list, list, list, Sequence[int], list]:
     """`_decode_layout`'s columns of a step whose every request computes one token: token ids,
-    starts, page tables (each request's, as bytes), the rows that sample, feed sources. One
-    list at a time over the requests, no tuple per row (this runs over every running request
-    every step)."""
+    starts, page tables (each request's, as bytes), the rows that sample (ascending), feed
+    sources. One list at a time over the requests, no tuple per row (this runs over every
+    running request every step)."""
     reqs = [req for req, _ in sched.scheduled]
     starts = [req.num_computed_tokens for req in reqs]
     if len(sched.sampling) == len(reqs):  # every row samples: its token is the newest one
         token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
-        sample_rows = range(len(reqs))
+        sample_rows = np.arange(len(reqs))
     else:
         token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
         sample_rows = [row for row, (req, start) in enumerate(zip(reqs, starts))

@@ -198,8 +198,8 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     """build_layout for a step whose every row has exactly one token (a decode step, the common
-    one): the same StepLayout with no Python per row beyond reading the rows (`_decode_layout`;
-    the engine's steps give it their columns straight from the requests, `decode_columns`)."""
+    one): the same StepLayout, built from the rows' columns (`_decode_layout`; the engine's
+    steps give it their columns straight from the requests, `decode_columns`)."""
     rows = list(rows)
     tokens, starts, tables, samples, feed_src = zip(*rows) if rows else ((),) * 5
     lens = set(map(len, tokens))
@@ -221,7 +221,7 @@ def _decode_layout(token_ids: Sequence[int], starts: Sequence[int], tables: Sequ
     each row in token_ids, each page table as int32 bytes, the rows that sample). Python per
     row only counts pages (a comprehension); each field is then one numpy call, or a few, over
     the whole step. As few as that: at these sizes numpy costs per call, not per row, and more
-    so when the forward has just evicted its code and data (~5 us a call at one row, CPU)."""
+    so when the forward has just evicted its code and data (3-10 us a call on the CPU here)."""
     num_seqs, ps, i32, i64 = len(starts), page_size, np.int32, np.int64
     num_pages = [start // ps + 1 for start in starts]  # each row's new K/V goes to its last
     if list(map(len, tables)) != [n * _PAGE_BYTES for n in num_pages]:

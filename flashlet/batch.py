@@ -4,11 +4,13 @@ the tests'.
 
 - `build_layout(rows, page_size)` is a pure function: each row is one sequence's part of the
   step (its new token ids, how many tokens it has computed, its page table) and the result is a
-  `StepLayout`, a small set of named CPU tensors (input ids, positions, slot mapping,
+  `StepLayout`, a small set of named CPU arrays and tensors (input ids, positions, slot mapping,
   FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
   `layout_of(sched, page_size)` reads those rows off a SchedulerOutput; for a step whose every
-  row has one token (a decode step) it calls `decode_layout`, the same layout built with less
-  host work (the tests hold it to build_layout), with each request's cached page-table array.
+  row has one token (a decode step) it builds the same layout from the rows' columns, read off
+  the requests (`decode_columns`), with little Python per row (`decode_layout` on StepRows; the
+  tests hold both to build_layout). A layout holds numpy arrays; each field's tensor is made
+  when first read (loading a step reads the arrays).
 - `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
   of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -53,7 +56,12 @@ def _empty() -> torch.Tensor:
 class StepLayout:
     """One step's batch layout as CPU tensors. T tokens (query rows) over B sequences; request
     b's rows are qo_indptr[b]:qo_indptr[b+1] and its pages
-    paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]] (see attention/base.py)."""
+    paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]] (see attention/base.py).
+
+    The builders make a layout from its numpy arrays (`from_arrays`); each field's tensor, a
+    view of its array, is made when the field is first read. Loading a step reads the arrays
+    only, and a tensor from numpy costs ~3k instructions to make and ~2k to free (its deleter
+    takes the GIL): eleven a step were a sixth of a one-row step's host time."""
 
     input_ids: torch.Tensor  # [T] int64 (0 in a fed row until the device writes the token)
     positions: torch.Tensor  # [T] int64
@@ -67,18 +75,38 @@ class StepLayout:
     feed_rows: torch.Tensor = field(default_factory=_empty)  # [F] int64: rows whose input is
     feed_src: torch.Tensor = field(default_factory=_empty)  # previous step's sampled[feed_src]
 
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "StepLayout":
+        """The layout whose fields are these arrays (by name, in LAYOUT_DTYPES' dtypes)."""
+        layout = cls.__new__(cls)  # no tensors yet: __getattr__ makes each when first read
+        layout.arrays = arrays
+        return layout
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Reached only for attributes not set: a field of a layout made from arrays.
+        arrays = self.__dict__.get("arrays")
+        if arrays is None or name not in LAYOUT_DTYPES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        tensor = torch.from_numpy(arrays[name])
+        setattr(self, name, tensor)
+        return tensor
+
     @property
     def num_tokens(self) -> int:
-        return self.positions.shape[0]
+        return len(self.arrays["positions"])
 
     @property
     def num_seqs(self) -> int:
-        return self.kv_lens.shape[0]
+        return len(self.arrays["kv_lens"])
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.arrays["logits_indices"])
 
     @cached_property
     def arrays(self) -> dict[str, np.ndarray]:
-        """The fields by name as numpy arrays sharing the tensors' memory (build_layout gives
-        the ones it built: Tensor.numpy() costs about a microsecond a field a step)."""
+        """The fields by name as numpy arrays sharing the tensors' memory (the builders and
+        StepBuffers.load give theirs: Tensor.numpy() costs about a microsecond a field)."""
         return {name: getattr(self, name).numpy() for name in LAYOUT_DTYPES}
 
     @cached_property
@@ -155,9 +183,7 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
                   paged_kv_indices=table, paged_kv_last_page_len=last.astype(i32),
                   kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
                   feed_src=feed_src_)
-    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
-    layout.arrays = arrays  # the cached property's value, known already
-    return layout
+    return StepLayout.from_arrays(arrays)
 
 
 def _array(values: list, n: int) -> np.ndarray:
@@ -172,50 +198,63 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     """build_layout for a step whose every row has exactly one token (a decode step, the common
-    one), the same StepLayout in fewer numpy calls: a row's position, page count and place in
-    the page table are integer arithmetic in the one loop over the rows. A row's page table may
-    be an int32 array (Request.page_table, cached between steps: converting 256 lists of
-    ints every step was most of the layout)."""
-    ps = page_size
-    ids, positions, kv_ptr, last_pages, tables = [], [], [0], [], []
-    logits, feed_rows, feed_src = [], [], []
-    for row, (tokens, start, pages, samples, src) in enumerate(rows):
-        if len(tokens) != 1:
-            raise ValueError(f"decode_layout takes one token a row, got {len(tokens)}")
-        (token,) = tokens
-        page = start // ps  # the page its one new K/V row goes to: its last
-        if page >= len(pages):
-            raise ValueError("a row's page table holds fewer pages than its tokens need")
-        if token == PLACEHOLDER:
-            token = 0  # the device writes the real token in (StepBuffers.load)
-            feed_rows.append(row)
-            feed_src.append(src)
-        ids.append(token)
-        positions.append(start)
-        tables.append(pages if page + 1 == len(pages) else pages[: page + 1])
-        last_pages.append(kv_ptr[-1] + page)
-        kv_ptr.append(kv_ptr[-1] + page + 1)
-        if samples:
-            logits.append(row)
-    num_seqs, i32, i64 = len(ids), np.int32, np.int64
-    positions_ = np.array(positions, i64)
-    table = np.concatenate(tables, dtype=i32) if tables else np.zeros(0, i32)
-    offsets = positions_ % ps
-    arrays = dict(input_ids=np.array(ids, i64), positions=positions_,
-                  slot_mapping=table[last_pages] * ps + offsets,
+    one): the same StepLayout, built from the rows' columns (`_decode_layout`; the engine's
+    steps give it their columns straight from the requests, `decode_columns`)."""
+    rows = list(rows)
+    tokens, starts, tables, samples, feed_src = zip(*rows) if rows else ((),) * 5
+    lens = set(map(len, tokens))
+    if lens - {1}:
+        raise ValueError(f"decode_layout takes one token a row, got {max(lens - {1})}")
+    tables = [np.asarray(t, np.int32).tobytes() for t in tables]
+    sample_rows = [row for row, sample in enumerate(samples) if sample]
+    return _decode_layout(list(chain.from_iterable(tokens)), starts, tables, sample_rows,
+                          feed_src, page_size)
+
+
+_PAGE_BYTES = np.dtype(np.int32).itemsize  # of a page id in a page table (Request.page_table)
+
+
+def _decode_layout(token_ids: Sequence[int], starts: Sequence[int], tables: Sequence[bytes],
+                   sample_rows: Sequence[int], feed_src: Sequence[int], page_size: int
+                   ) -> StepLayout:
+    """The layout of a decode step from its rows' columns (a StepRow's fields: the one token of
+    each row in token_ids, each page table as int32 bytes, the rows that sample). Python per
+    row only counts pages (a comprehension); each field is then one numpy call, or a few, over
+    the whole step. As few as that: at these sizes numpy costs per call, not per row, and more
+    so when the forward has just evicted its code and data (3-10 us a call on the CPU here)."""
+    num_seqs, ps, i32, i64 = len(starts), page_size, np.int32, np.int64
+    num_pages = [start // ps + 1 for start in starts]  # each row's new K/V goes to its last
+    if list(map(len, tables)) != [n * _PAGE_BYTES for n in num_pages]:
+        tables = _cut_tables(tables, num_pages)
+    table = np.frombuffer(bytearray().join(tables), i32)  # a bytearray: the array is writable
+    kv_ptr = np.array(list(accumulate(num_pages, initial=0)), i32)
+    input_ids = np.array(token_ids, i64)
+    feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
+    input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+    positions = np.array(starts, i64)
+    offsets = positions % ps
+    arrays = dict(input_ids=input_ids, positions=positions,
+                  slot_mapping=table[kv_ptr[1:] - 1] * ps + offsets,
                   qo_indptr=np.arange(num_seqs + 1, dtype=i32),
-                  paged_kv_indptr=np.array(kv_ptr, i32), paged_kv_indices=table,
+                  paged_kv_indptr=kv_ptr, paged_kv_indices=table,
                   paged_kv_last_page_len=(offsets + 1).astype(i32),
-                  kv_lens=(positions_ + 1).astype(i32),
-                  logits_indices=_rows_array(logits, num_seqs),
-                  feed_rows=_rows_array(feed_rows, num_seqs), feed_src=np.array(feed_src, i64))
-    layout = StepLayout(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+                  kv_lens=(positions + 1).astype(i32),
+                  logits_indices=np.asarray(sample_rows, i64),
+                  feed_rows=feed_rows, feed_src=np.array(feed_src, i64)[feed_rows])
+    layout = StepLayout.from_arrays(arrays)
     # The cached properties' values, known already (each is numpy work on every load).
-    layout.arrays = arrays
     layout.query_lens = np.ones(num_seqs, i32)
     layout.is_pure_decode = True
     layout.max_query_len = 1 if num_seqs else 0
     return layout
+
+
+def _cut_tables(tables: Sequence[bytes], num_pages: list[int]) -> list[bytes]:
+    """Each row's page table cut to the pages its tokens use (a request may hold pages reserved
+    ahead); ValueError if one holds fewer."""
+    if any(len(t) < n * _PAGE_BYTES for t, n in zip(tables, num_pages)):
+        raise ValueError("a row's page table holds fewer pages than its tokens need")
+    return [t[: n * _PAGE_BYTES] for t, n in zip(tables, num_pages)]
 
 
 def step_rows(sched: "SchedulerOutput"):
@@ -227,25 +266,29 @@ def step_rows(sched: "SchedulerOutput"):
         yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
 
 
-def _rows_array(rows: list[int], num_seqs: int) -> np.ndarray:
-    """Ascending row numbers as an int64 array; every row (the usual decode step: all sample,
-    all fed) without converting the list."""
-    return np.arange(num_seqs) if len(rows) == num_seqs else np.array(rows, np.int64)
-
-
-def decode_rows(sched: "SchedulerOutput"):
-    """step_rows of a step whose every request computes one token, with each page table as
-    the request's cached array."""
-    for req, _ in sched.scheduled:
-        start = req.num_computed_tokens
-        yield ((req.token_at(start),), start, req.page_table(), start + 1 == req.num_tokens,
-               req.sample_row)
+def decode_columns(sched: "SchedulerOutput") -> tuple[list, list, list, Sequence[int], list]:
+    """`_decode_layout`'s columns of a step whose every request computes one token: token ids,
+    starts, page tables (each request's, as bytes), the rows that sample (ascending), feed
+    sources. One list at a time over the requests, no tuple per row (this runs over every
+    running request every step)."""
+    reqs = [req for req, _ in sched.scheduled]
+    starts = [req.num_computed_tokens for req in reqs]
+    if len(sched.sampling) == len(reqs):  # every row samples: its token is the newest one
+        token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
+        sample_rows = np.arange(len(reqs))
+    else:
+        token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
+        sample_rows = [row for row, (req, start) in enumerate(zip(reqs, starts))
+                       if start + 1 == req.num_tokens]
+    tables = [req.page_table for req in reqs]
+    feed_src = [req.sample_row for req in reqs]
+    return token_ids, starts, tables, sample_rows, feed_src
 
 
 def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
     """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
     if sched.is_pure_decode:
-        return decode_layout(decode_rows(sched), page_size)
+        return _decode_layout(*decode_columns(sched), page_size)
     return build_layout(step_rows(sched), page_size)
 
 
@@ -340,8 +383,9 @@ class StepBuffers:
     @classmethod
     def for_layout(cls, layout: StepLayout, device) -> "StepBuffers":
         """Buffers just large enough for `layout` (tests and tools; the engine keeps one set)."""
-        return cls(layout.num_tokens, max(layout.num_seqs, len(layout.feed_rows)),
-                   layout.paged_kv_indices.shape[0], device)
+        arrays = layout.arrays
+        return cls(layout.num_tokens, max(layout.num_seqs, len(arrays["feed_rows"])),
+                   len(arrays["paged_kv_indices"]), device)
 
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
              pad_to: int | None = None, pad_tokens: int | None = None

@@ -478,7 +478,7 @@ class LaunchedStep:
         self.staged = staged
         self.errors = sampled.errors
         self.logprobs: StepLogprobs | None = sampled.logprobs
-        self.constrained = any(req.grammar is not None for req in sched.sampling)
+        self.constrained = sampled.constrained
 
     def read(self) -> list[int]:
         return self.staged.read(len(self.sched.sampling))

@@ -163,7 +163,7 @@ class ModelRunner:
         `layout` that are padding already."""
         n = layout.num_seqs - num_padding
         if not (self.use_graphs and layout.is_pure_decode and n <= self.graph_sizes[-1]
-                and layout.logits_indices.shape[0] == n):
+                and layout.num_sampled == n):
             return None
         return next(s for s in self.graph_sizes if s >= n)
 
@@ -187,7 +187,7 @@ class ModelRunner:
         """Does the fused path serve this step: pure decode of one sequence, which samples."""
         host = meta.host
         return (self.fused is not None and host.is_pure_decode and meta.num_seqs == 1
-                and meta.num_padding == 0 and host.logits_indices.shape[0] == 1)
+                and meta.num_padding == 0 and host.num_sampled == 1)
 
     @torch.inference_mode()
     def greedy_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

@@ -57,6 +57,8 @@ class SamplerOutput:
     tokens: torch.Tensor  # [rows] int64 on the device
     errors: dict[int, Exception]  # row -> why its request's sampling failed (the rest go on)
     logprobs: "StepLogprobs | None"  # for rows that asked; readable once the step's copy is done
+    constrained: bool = False  # a row's grammar masked its logits (the engine reads its tokens
+    # before it schedules the next step; see structured.py)
 
 
 @dataclass
@@ -129,7 +131,7 @@ class Sampler:
         if state.lp_rows:
             logprobs = StepLogprobs(state.lp_rows, state.lp_ks, raw_logprobs,
                                     tokens[state.lp_index])
-        return SamplerOutput(tokens, errors, logprobs)
+        return SamplerOutput(tokens, errors, logprobs, state.constrained)
 
     def release(self, request_id: int) -> None:
         """A request left the engine: its penalty row is free for another."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
 from flashlet.radix_cache import PageHolder, RadixCache
@@ -37,11 +38,13 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(map(itemgetter(1), self.scheduled))
 
     @property
     def is_pure_decode(self) -> bool:
-        return all(n == 1 for _, n in self.scheduled)
+        """Every row computes one token: as every row computes at least one, that is one a row
+        in all (summed in C: a generator over 256 rows cost more, every step)."""
+        return self.num_batched_tokens == len(self.scheduled)
 
 
 class Scheduler:
@@ -72,8 +75,7 @@ class Scheduler:
     # ---- the policy -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        decodes, prefills = self._running_by_kind()
-        budget = self._schedule_decodes(decodes, out, self.max_num_batched_tokens)
+        budget, prefills = self._schedule_decodes(out, self.max_num_batched_tokens)
         for req in prefills:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this step, or no budget left for chunks
@@ -82,28 +84,22 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
-    def _running_by_kind(self) -> tuple[list[Request], list[Request]]:
-        """The running requests with one token to compute (decodes), and those part-way
-        through their prompt (prefills). A request that has sampled every token it may is in
-        neither: it only waits for its last token to be read."""
-        decodes, prefills = [], []
-        for r in self.running:
-            # Request.num_tokens_to_compute and has_all_tokens, read off the lists once (this
-            # loop runs over every running request every step).
-            num_output = len(r.output_token_ids)
-            to_compute = len(r.prompt_token_ids) + num_output - r.num_computed_tokens
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Request]]:
+        """One token for each running request with one to compute (a decode; each samples),
+        in admission order -> the budget left, and the running requests part-way through their
+        prompt (for chunks). A request that has sampled every token it may is in neither: it
+        only waits for its last token to be read. One pass over the running requests (it runs
+        over every one every step), reading the lists' lengths once."""
+        ps, running = self.page_size, RequestStatus.RUNNING
+        prefills = []
+        for req in list(self.running):  # a copy: preempting removes from the list
+            num_output = len(req.output_token_ids)
+            to_compute = len(req.prompt_token_ids) + num_output - req.num_computed_tokens
             if to_compute > 1:
-                prefills.append(r)
-            elif num_output < r.params.max_new_tokens:
-                decodes.append(r)
-        return decodes, prefills
-
-    def _schedule_decodes(self, decodes: list[Request], out: SchedulerOutput, budget: int) -> int:
-        """One token for each decode (each samples); returns the budget left."""
-        ps = self.page_size
-        for req in decodes:
-            if req.status is not RequestStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop
+                prefills.append(req)
+                continue
+            if num_output >= req.params.max_new_tokens or req.status is not running or budget == 0:
+                continue  # all sampled, or preempted earlier in this loop
             # Only a decode whose pages are full needs another (most need none).
             if (req.num_computed_tokens >= len(req.page_ids) * ps
                     and not self._reserve_or_preempt(req, 1, out)):
@@ -111,7 +107,7 @@ class Scheduler:
             out.scheduled.append((req, 1))
             out.sampling.append(req)
             budget -= 1
-        return budget
+        return budget, prefills
 
     def _schedule_chunk(self, req: Request, out: SchedulerOutput, budget: int) -> int:
         """As much of `req`'s remaining tokens as the budget allows (it samples if that is all
@@ -142,17 +138,9 @@ class Scheduler:
         """The launched step's sampled tokens (one per sampling row; an Exception where that
         row's sampling failed) and their logprobs (sampler.StepLogprobs, for the rows that
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
-        outputs = []
-        finished = RequestStatus.FINISHED
-        for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
-            if req.status is finished:  # aborted, or stopped by the step before: this row is void
-                continue
-            if (logprobs is not None and req.output_logprobs is not None
-                    and not isinstance(token, Exception)):
-                req.output_logprobs.append(logprobs.get(row))
-            outputs.append(self._append_token(req, slot, token))
+        outputs = self._append_tokens(out, tokens, logprobs)
         if self.enable_prefix_cache:
-            ps = self.page_size
+            finished, ps = RequestStatus.FINISHED, self.page_size
             for req, _ in out.scheduled:
                 # Only a request that has completed a page since it last cached has work here.
                 if (req.num_computed_tokens // ps > req.num_tree_pages
@@ -160,11 +148,37 @@ class Scheduler:
                     self.cache_computed_pages(req)
         return outputs
 
-    def _append_token(self, req: Request, slot: int, token) -> RequestOutput:
+    def _append_tokens(self, out: SchedulerOutput, tokens: list, logprobs) -> list[RequestOutput]:
+        """Each sampling row's token into its request -> the requests' outputs. Most rows only
+        append a token: that case's test and output are inline (a call per row was a large
+        part of a 256-row step's host time, issue 13); any other row (a stop, its last token, a
+        failure, logprobs) goes through every check in _update_row."""
+        outputs = []
+        finished, eos = RequestStatus.FINISHED, self.eos_token_ids
+        for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
+            if req.status is finished:  # aborted, or stopped by the step before: this row is void
+                continue
+            p = req.params
+            if (type(token) is int and slot + 1 < p.max_new_tokens
+                    and (p.ignore_eos or token not in eos) and token not in p.stop_token_ids
+                    and req.output_logprobs is None):
+                req.output_token_ids[slot] = token
+                # req.output([token]) of a request that goes on without logprobs
+                outputs.append(RequestOutput(req.request_id, [token], False, None,
+                                             req.prompt_token_ids, None, req.num_cached_tokens))
+            else:
+                outputs.append(self._update_row(req, row, slot, token, logprobs))
+        return outputs
+
+    def _update_row(self, req: Request, row: int, slot: int, token, logprobs) -> RequestOutput:
+        """A row's token written in with every check: its logprob, a failed sampling, a stop
+        token, the last token it may have."""
         if isinstance(token, Exception):
             req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
             self.finish(req)
             return req.output([])
+        if logprobs is not None and req.output_logprobs is not None:
+            req.output_logprobs.append(logprobs.get(row))
         req.output_token_ids[slot] = token
         p = req.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -228,7 +242,8 @@ class Scheduler:
         tokens = req.token_slice(0, usable)
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
-        req.page_ids, req.num_tree_pages, req.tree_node = list(pages), len(pages), node
+        req.set_page_ids(list(pages))
+        req.num_tree_pages, req.tree_node = len(pages), node
         req.num_computed_tokens = len(pages) * self.page_size
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
@@ -239,8 +254,7 @@ class Scheduler:
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
         try:
-            # A new list, not `+=`: Request.page_table caches by the list's identity.
-            req.page_ids = req.page_ids + self.allocator.allocate(need)
+            req.set_page_ids(req.page_ids + self.allocator.allocate(need))
         except OutOfPages:
             return False
         return True
@@ -267,7 +281,7 @@ class Scheduler:
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.tree_node)
-        req.page_ids = list(pages) + req.page_ids[num_full:]  # a new list (Request.page_table)
+        req.set_page_ids(list(pages) + req.page_ids[num_full:])
         req.num_tree_pages, req.tree_node = num_full, node
 
     def release(self, req: Request, cache: bool = True) -> None:
@@ -276,7 +290,8 @@ class Scheduler:
             self.cache_computed_pages(req)
         self.allocator.free(req.page_ids[req.num_tree_pages :])
         self.cache.unlock(req.tree_node)
-        req.page_ids, req.num_tree_pages, req.tree_node = [], 0, None
+        req.set_page_ids([])
+        req.num_tree_pages, req.tree_node = 0, None
         req.num_computed_tokens = 0
 
     def preempt(self, req: Request) -> None:

@@ -5,9 +5,13 @@ update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
 
     python scripts/bench_host_step.py                     # 1, 64 and 256 requests
     python scripts/bench_host_step.py --seqs 256 --profile 20   # and a cProfile of 20 steps
+    python scripts/bench_host_step.py --stub-forward      # the host work alone (see below)
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
-rounds of --steps steps each (after a warm-up).
+rounds of --steps steps each (after a warm-up). The CPU forward evicts the host's caches between
+steps (the host work after it runs ~2x slower than warm here), which a GPU step's graph replay
+does not: --stub-forward replaces the forward with a fixed table of logits, so a step is the
+engine's host work alone, in caches as warm as it leaves them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ def decoding_engine(folder: str, num_seqs: int) -> Engine:
     for _ in range(30):
         engine.step()
     return engine
+
+
+def stub_forward(engine: Engine) -> None:
+    """The runner's forward -> a fixed table's first rows: no model, no attention (the tokens
+    still differ from row to row, so requests do not all share their pages)."""
+    table = torch.randn(engine.config.max_num_seqs, engine.model_config.vocab_size,
+                        generator=torch.Generator().manual_seed(0))
+    engine.runner.forward = lambda input_ids, meta: table[: meta.logits_indices.shape[0]]
 
 
 class ForwardTimer:
@@ -77,6 +89,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="steps a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0, help="then profile this many steps")
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="a fixed table of logits instead of the model (host work alone)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
@@ -84,6 +98,8 @@ def main() -> None:
                              num_key_value_heads=1)
     for num_seqs in args.seqs:
         engine = decoding_engine(str(folder), num_seqs)
+        if args.stub_forward:
+            stub_forward(engine)
         timer = ForwardTimer(engine)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
         host = [h for _, h in times]

@@ -4,7 +4,6 @@ the public `LLM` API with 4-token pages and 16-token steps (paging and chunked p
 prompts and generations long enough to pass the original context of scaled RoPE."""
 
 import json
-import shutil
 
 import pytest
 import torch

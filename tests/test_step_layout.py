@@ -126,6 +126,63 @@ def test_engine_steps_get_the_general_builders_layout(tiny_qwen2, monkeypatch):
     assert engine.stats()["num_preemptions"] > 0 and num_decode_steps > 5
 
 
+def random_decode_step(rng, ps):
+    """A step whose every row computes one token, of random requests: decodes (their newest
+    token; a placeholder while it is in flight), one-token prompt or recompute chunks that do
+    not reach the end (they do not sample), requests holding pages reserved ahead."""
+    from flashlet.request import Request
+    from flashlet.scheduler import SchedulerOutput
+
+    out = SchedulerOutput()
+    for rid in range(rng.randrange(1, 9)):
+        req = Request(rid, [rng.randrange(2, 100) for _ in range(rng.randrange(1, 30))],
+                      SamplingParams())
+        req.output_token_ids = [rng.randrange(2, 100) for _ in range(rng.randrange(0, 10))]
+        if req.output_token_ids and rng.random() < 0.5:
+            req.output_token_ids[-1] = PLACEHOLDER
+        last = req.num_tokens - 1
+        req.num_computed_tokens = last if rng.random() < 0.7 else rng.randrange(0, last + 1)
+        spare = rng.randrange(0, 3) if rng.random() < 0.3 else 0
+        req.set_page_ids(rng.sample(range(500), req.num_computed_tokens // ps + 1 + spare))
+        req.sample_row = rng.randrange(0, 16)
+        out.scheduled.append((req, 1))
+        if req.num_computed_tokens == last:
+            out.sampling.append(req)
+    return out
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_decode_steps_off_requests_get_the_general_builders_layout(ps):
+    """layout_of's decode path (the rows' columns read off the requests) against build_layout
+    of the plain rows, on random steps (every row sampling, or not)."""
+    from flashlet.batch import layout_of, step_rows
+
+    rng = random.Random(200 + ps)
+    kinds = set()
+    for _ in range(150):
+        sched = random_decode_step(rng, ps)
+        assert_same_layout(layout_of(sched, ps), build_layout(step_rows(sched), ps),
+                           sched.scheduled)
+        kinds.add(len(sched.sampling) == len(sched.scheduled))
+    assert kinds == {True, False}
+
+
+def test_a_built_layout_makes_its_tensors_only_when_read():
+    """Loading a step reads its arrays: no field's tensor is made (from_numpy costs, to make and
+    to free, about what the rest of a one-row decode layout does). A field read later is a view
+    of its array, made once."""
+    rng = random.Random(7)
+    for rows in (random_rows(rng, 4), random_rows(rng, 4, decode_only=True)):
+        layout = (decode_layout if all(len(r.token_ids) == 1 for r in rows) else build_layout)(
+            rows, 4)
+        fed = torch.arange(16)  # the previous step's sampled tokens, for the fed rows
+        StepBuffers.for_layout(layout, "cpu").load(layout, fed)
+        assert not set(vars(layout)) & set(LAYOUT_DTYPES), "load made a tensor"
+        positions = layout.positions
+        assert positions.dtype == torch.int64 and layout.positions is positions
+        assert np.shares_memory(positions.numpy(), layout.arrays["positions"])
+
+
 def test_the_decode_fast_path_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="one token a row"):
         decode_layout([StepRow([1, 2], 0, [7])], 4)

@@ -1,0 +1,83 @@
+"""The scheduler's update against its slow, obvious form: random runs of requests through the
+real schedule / on_launch / update, one step in flight as with overlap (so rows go void when a
+request stops or is aborted while the next step is launched), with EOS, stop token ids, the last
+allowed token, failed rows and logprobs; every step's outputs and the requests' final state must
+be what sending every row through all the checks (`Scheduler._update_row`) gives."""
+
+import random
+
+import pytest
+
+from flashlet.kv_pool import PageAllocator
+from flashlet.request import Request, RequestStatus
+from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.scheduler import Scheduler
+
+EOS = 1
+
+
+class StepLogprobsStub:
+    """sampler.StepLogprobs' interface: a row's logprob."""
+
+    def get(self, row):
+        return TokenLogprob(row, -0.5 * row, [(row, -0.5 * row)])
+
+
+def every_row_checked(self, out, tokens, logprobs):
+    """Scheduler._append_tokens without its fast path: each row through _update_row."""
+    return [self._update_row(req, row, slot, token, logprobs)
+            for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens))
+            if req.status is not RequestStatus.FINISHED]
+
+
+def random_run(seed: int) -> tuple[list, list]:
+    """Every step's outputs and each request's final state, of one random run."""
+    rng = random.Random(seed)
+    sched = Scheduler(PageAllocator(40), 4, max_num_seqs=5, max_num_batched_tokens=12,
+                      enable_prefix_cache=seed % 2 == 0, eos_token_ids={EOS})
+    requests = []
+    for rid in range(10):
+        prompt = [rng.randrange(2, 12) for _ in range(rng.randrange(1, 14))]
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 10),
+                                ignore_eos=rng.random() < 0.3,
+                                stop_token_ids=rng.sample(range(2, 12), rng.randrange(0, 3)))
+        req = Request(rid, prompt, params)
+        if rng.random() < 0.3:
+            req.output_logprobs = []  # asked for logprobs
+        sched.add(req)
+        requests.append(req)
+    steps, in_flight = [], None
+    for _ in range(300):
+        if not sched.has_unfinished() and in_flight is None:
+            break
+        out = sched.schedule()
+        if out.scheduled:
+            sched.on_launch(out)
+        if rng.random() < 0.05 and sched.running:  # an abort while a step is in flight
+            sched.abort(rng.choice(sched.running).request_id)
+        if in_flight is not None:
+            tokens = [RuntimeError("sampling failed") if rng.random() < 0.03
+                      else EOS if rng.random() < 0.1 else rng.randrange(2, 12)
+                      for _ in in_flight.sampling]
+            steps.append(sched.update(in_flight, tokens, StepLogprobsStub()))
+            sched.check_integrity()
+        in_flight = out if out.scheduled else None
+    assert not sched.has_unfinished(), "the run did not finish"
+    states = [(r.output_token_ids, r.finish_reason, r.error, r.output_logprobs, r.status)
+              for r in requests]
+    return steps, states + [sched.allocator.num_free, sched.cache.num_pages]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_update_gives_what_checking_every_row_gives(seed, monkeypatch):
+    got = random_run(seed)
+    monkeypatch.setattr(Scheduler, "_append_tokens", every_row_checked)
+    want = random_run(seed)
+    assert got == want
+
+
+def test_the_random_runs_reach_every_way_a_row_ends():
+    """The runs above see each kind of row the fast path must leave to _update_row."""
+    reasons = {reason for seed in range(40) for reason in
+               (state[1] for state in random_run(seed)[1][:-2])}
+    assert reasons == {"stop", "length", "abort", "error"}

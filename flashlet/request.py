@@ -102,7 +102,6 @@ class Request:
         while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
             self.output_token_ids.pop()
 
-
     def output(self, new_token_ids: list[int]) -> "RequestOutput":
         """This step's delta (the final result too, once finished)."""
         finished = self.status is RequestStatus.FINISHED

@@ -138,13 +138,16 @@ def _check_response_format(fmt) -> None:
 
 def sample_params(params: SamplingParams, index: int, num_samples: int) -> SamplingParams:
     """The parameters of one of a prompt's samples: seed + index (as vLLM), so seeded samples
-    differ from each other yet reproduce; logprobs on where best_of ranks by them."""
-    changes = dict(n=1, best_of=None)
-    if params.seed is not None:
+    differ from each other yet reproduce; logprobs on where best_of ranks by them. `params`
+    itself where nothing changes (one sample: a copy costs ~8 us a request)."""
+    changes = {}
+    if params.n != 1 or params.best_of is not None:
+        changes.update(n=1, best_of=None)
+    if params.seed is not None and index:
         changes["seed"] = params.seed + index
     if num_samples > params.n and params.logprobs is None:
         changes["logprobs"] = 0
-    return dataclasses.replace(params, **changes)
+    return dataclasses.replace(params, **changes) if changes else params
 
 
 _DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens

@@ -164,8 +164,9 @@ class Scheduler:
                     and req.output_logprobs is None):
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
-                outputs.append(RequestOutput(req.request_id, [token], False, None,
-                                             req.prompt_token_ids, None, req.num_cached_tokens))
+                outputs.append(RequestOutput(req.request_id, [token], False,
+                                             prompt_token_ids=req.prompt_token_ids,
+                                             num_cached_tokens=req.num_cached_tokens))
             else:
                 outputs.append(self._update_row(req, row, slot, token, logprobs))
         return outputs

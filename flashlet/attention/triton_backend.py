@@ -225,6 +225,5 @@ class TritonBackend(AttentionBackend):
         return out
 
 
-
 def _given(**values) -> dict:
     return {k: v for k, v in values.items() if v is not None}

@@ -18,10 +18,11 @@ k + 2N... so ids are unique across processes and the core sends a request's outp
 process `request_id % N` (`api_server_of`) without keeping a map. A probe names its sender.
 
 The loop: when the engine has work, take what arrived (without waiting; a burst of requests a
-step's token budget at a time), step, send the step's outputs; when idle, block on the socket (waking every second to check that the first
-API process, its parent, is still alive: an orphaned core exits). The loop counts where its
-time goes (diagnostics.LoopCounters: a few clock reads per step), sent only in the reply to a
-Probe that asks for them (GET /debug/stats), never with the steps.
+step's token budget at a time), step, send the step's outputs; when idle, block on the socket
+(waking every second to check that the first API process, its parent, is still alive: an
+orphaned core exits). The loop counts where its time goes (diagnostics.LoopCounters: a few
+clock reads per step), sent only in the reply to a Probe that asks for them (GET
+/debug/stats), never with the steps.
 """
 
 from __future__ import annotations

@@ -457,10 +457,7 @@ class Server:
         """Queue `num_samples` samples of one prompt (n, best_of) together: one engine core
         runs them, the first computing the prompt and the others sharing its KV pages."""
         # Stop strings are found here, on the text: the engine gets token ids only.
-        if num_samples == 1 and params.n == 1 and params.best_of is None:
-            samples = [params]  # sample_params would copy it unchanged (~8 us a copy)
-        else:
-            samples = [sample_params(params, i, num_samples) for i in range(num_samples)]
+        samples = [sample_params(params, i, num_samples) for i in range(num_samples)]
         streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[]) if p.stop else p)
                    for p in samples]
         try:

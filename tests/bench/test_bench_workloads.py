@@ -128,9 +128,14 @@ def test_decode_sat(run_bench, tiny_config, tmp_path):
     assert math.isclose(hf["ratio_decode_tok_s"], r["decode_tok_s"] / hf["decode_tok_s"])
     assert "decode tok/s" in out and "| hf |" in out
     e2e = r["end_to_end"]  # T(7 new) - T(1 new), through add_request/step, before the warm-up
-    assert e2e["new_tokens"] == 7 and e2e["t_new_s"] > e2e["t_1_new_s"] > 0
-    assert math.isclose(e2e["decode_tok_s"], 4 * 6 / (e2e["t_new_s"] - e2e["t_1_new_s"]))
-    assert math.isclose(e2e["over_steady"], e2e["decode_tok_s"] / r["decode_tok_s"])
+    assert e2e["new_tokens"] == 7 and e2e["t_new_s"] > 0 and e2e["t_1_new_s"] > 0
+    assert len(e2e["steps_ms"]["t_new"]) > len(e2e["steps_ms"]["t_1_new"])
+    # Wall clocks: on a loaded machine the cold T(1 new) can outlast T(7 new); then no rate.
+    if e2e["t_new_s"] > e2e["t_1_new_s"]:
+        assert math.isclose(e2e["decode_tok_s"], 4 * 6 / (e2e["t_new_s"] - e2e["t_1_new_s"]))
+        assert math.isclose(e2e["over_steady"], e2e["decode_tok_s"] / r["decode_tok_s"])
+    else:
+        assert e2e["decode_tok_s"] is None and e2e["over_steady"] is None
     assert "end to end tok/s" in out and "Engine start:" in out
     for p in rec["plots"]:
         check_png(p)

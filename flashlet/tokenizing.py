@@ -81,9 +81,12 @@ def rust_tokenizer(tokenizer):
     return rust
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The chat template's text; `template_kwargs` are more variables for the template (e.g.
+    Qwen3's enable_thinking)."""
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         tools=tools)
+                                         tools=tools, **(template_kwargs or {}))
 
 
 def template_shows_tools(tokenizer) -> bool:
@@ -99,7 +102,7 @@ def template_shows_tools(tokenizer) -> bool:
 
 
 def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
-             tools: list[dict] | None = None) -> list[int]:
+             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Apply the chat template and encode it; message content is encoded as text.
 
     When no content holds a special-token string the result is exactly what
@@ -113,12 +116,12 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
     hostile = not allow_special and any(
         isinstance(c, str) and any(s in c for s in specials) for c in contents)
     if not hostile:
-        return encode_text(tokenizer, render_chat(tokenizer, messages, tools), allow_special=True,
-                           add_special_tokens=False)
+        return encode_text(tokenizer, render_chat(tokenizer, messages, tools, template_kwargs),
+                           allow_special=True, add_special_tokens=False)
     marker = "\u2063" + secrets.token_hex(8) + "\u2063"  # never in the content: random
     fenced = [{**m, "content": f"{marker}{m['content']}{marker}"}
               if isinstance(m.get("content"), str) else m for m in messages]
-    parts = render_chat(tokenizer, fenced, tools).split(marker)
+    parts = render_chat(tokenizer, fenced, tools, template_kwargs).split(marker)
     if len(parts) % 2 == 0:
         raise ValueError("the chat template altered the message content")
     ids: list[int] = []
@@ -187,12 +190,12 @@ class TextEncoder:
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special)
 
-    def chat(self, messages: list[dict[str, Any]],
-             tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+             template_kwargs: dict | None = None) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
         return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
-                        tools=tools)
+                        tools=tools, template_kwargs=template_kwargs)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (computed once)."""
@@ -205,10 +208,10 @@ class TextEncoder:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
                                                                 what)
 
-    async def chat_async(self, messages: list[dict[str, Any]],
-                         tools: list[dict] | None = None) -> list[int]:
+    async def chat_async(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                         template_kwargs: dict | None = None) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
-                                                                tools)
+                                                                tools, template_kwargs)
 
     async def supports_tools_async(self) -> bool:
         if self._supports_tools is not None:

@@ -57,6 +57,7 @@ from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.core_client import CoreClient
 from flashlet.server.diagnostics import ApiCounters, shared_rows
 from flashlet.server.limits import HttpLimits, uvicorn_options
+from flashlet.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 log = logging.getLogger("flashlet.server")
 
@@ -114,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, used instead of the "
                              "tokenizer's")
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how tool calls are read from a tool_choice 'auto' reply (vLLM's "
+                             "names; default: from the chat template: llama3_json for Llama 3's, "
+                             "mistral for Mistral's, else hermes)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice 'auto' is on "
+                             "wherever the chat template shows the model its tools")
+    server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split <think>...</think> off the reply into reasoning_content "
+                             "(default: off)")
     server.add_argument("--allowed-origins", type=_origins, default=(),
                         help="CORS: origins whose web pages may call this server, comma-separated "
                              "or a JSON list (e.g. http://localhost:3000, or '*' for any)")
@@ -359,6 +370,8 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           allow_special_tokens=args.allow_special_tokens,
                                           limits=limits, chat_template=chat_template,
                                           allowed_origins=args.allowed_origins,
+                                          tool_call_parser=args.tool_call_parser,
+                                          reasoning_parser=args.reasoning_parser,
                                           warm_up=True))
     app.state.server.api_server_index = api_server
     app.state.server.api_servers_warm = warm_flags

@@ -46,6 +46,8 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
     warm_up: bool = False  # /health says "ok" only after the API path's warm-up (warmup.py)
+    tool_call_parser: str | None = None  # parsers.py's name; None: the chat template's own
+    reasoning_parser: str | None = None  # parsers.py's name; None: no reasoning split
 
 
 @dataclass
@@ -102,16 +104,22 @@ class ModelContext:
     def ids_text(self, token_ids: list[int]) -> str:
         return "" if self.decoder is None else self.decoder.decode(token_ids)
 
+    @property
+    def chat_template(self) -> str | None:
+        template = None if self.encoder is None else self.encoder.tokenizer.chat_template
+        return template if isinstance(template, str) else None
+
     async def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (see tokenizing.py)."""
         return (self.encoder is not None and self.encoder.has_chat_template
                 and await self.encoder.supports_tools_async())
 
-    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                       template_kwargs: dict | None = None) -> list[int]:
         if self.encoder is None or not self.encoder.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            ids = await self.encoder.chat_async(messages, tools)
+            ids = await self.encoder.chat_async(messages, tools, template_kwargs)
         except PromptTooLong as e:
             raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages

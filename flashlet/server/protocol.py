@@ -331,8 +331,29 @@ ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMes
                         Field(discriminator="role")]
 
 
+# apply_chat_template's own arguments: a template variable of these names would collide.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    for key in kwargs:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{key!r} cannot be a chat template variable")
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[Annotated[str, Field(max_length=64)], Any],
+                           Field(max_length=16), AfterValidator(_template_kwargs)]
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        None, description="More variables for the chat template (vLLM's), e.g. "
+                          '{"enable_thinking": false} for Qwen3')
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

@@ -4,16 +4,14 @@ A request of n samples (and best_of on completions) is n engine requests queued 
 one engine core (Server.start_samples); their choices are streamed interleaved, each chunk
 naming its choice's index. Logprobs, penalties, min_p, min_tokens, stop_token_ids and seeds are
 SamplingParams fields; response_format and forced tool calls become an xgrammar grammar that
-the engine core compiles (flashlet/structured.py). Tool calls come back parsed from Qwen2.5's
-`<tool_call>{"name": ..., "arguments": ...}</tool_call>` syntax.
+the engine core compiles (flashlet/structured.py). Tool calls and reasoning come back parsed
+from the reply's text by the parsers of parsers.py (`--tool-call-parser`, `--reasoning-parser`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import re
 import time
 import uuid
 
@@ -24,10 +22,10 @@ from flashlet.sampling import SamplingParams, TokenLogprob
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContext, Server,
                                       client_gone, sse)
+from flashlet.server.parsers import reply_parsers
 from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def add_openai_routes(app: FastAPI, server: Server) -> None:
@@ -120,7 +118,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                            "'required' or a named function, which a grammar enforces, or give "
                            "--chat-template)", "tool_choice")
         messages = [m.as_template_dict() for m in body.messages]
-        ids = await ctx.chat_ids(messages, tools)
+        ids = await ctx.chat_ids(messages, tools, body.chat_template_kwargs)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -133,7 +131,8 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         gens = server.start_samples(ctx, ids, params, "chat", t0, body.n)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": config.model_name}
-        parse_tools = body.uses_tools
+        parsers = reply_parsers(config.tool_call_parser, config.reasoning_parser,
+                                ctx.chat_template, tool_choice)
         prompts = [(ids, max_tokens)]
 
         if not body.stream:
@@ -143,8 +142,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             choices = []
             for i, gen in enumerate(gens):
                 gen.check_error()
-                message, finish_reason = _assistant_message(gen.text, gen.final.finish_reason,
-                                                            parse_tools)
+                message, finish_reason = parsers.message(gen.text, gen.final.finish_reason)
                 choices.append({"index": i, "message": message, "finish_reason": finish_reason,
                                 "logprobs": _chat_logprobs(ctx, gen.logprobs, logprobs)})
             return {**base, "choices": choices, "usage": _usage(gens, prompts, body.n)}
@@ -160,18 +158,20 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         async def events():
             for i in range(len(gens)):
                 yield chunk(i, {"role": "assistant", "content": ""})
+            replies = [parsers.stream() for _ in gens] if parsers.active else None
             try:
                 async for i, text, delta in _interleave(gens):
-                    gen = gens[i]
-                    if parse_tools:  # the whole text is parsed once it is complete
-                        if delta.finished:
-                            message, reason = _assistant_message(gen.text, delta.finish_reason,
-                                                                 True)
-                            message.pop("role")
-                            yield chunk(i, _indexed_tool_calls(message), reason,
-                                        _chat_logprobs(ctx, gen.logprobs, logprobs))
-                        continue
                     lp = _chat_logprobs(ctx, delta.logprobs, logprobs) if delta.logprobs else None
+                    if replies is not None:  # tool calls and reasoning taken out as they come
+                        message = replies[i].push(text, delta.finished)
+                        if delta.finished:
+                            reason = delta.finish_reason
+                            if "tool_calls" in message and reason == "stop":
+                                reason = "tool_calls"
+                            yield chunk(i, message, reason, lp)
+                        elif message or lp:
+                            yield chunk(i, message, None, lp)
+                        continue
                     if delta.finished:
                         yield chunk(i, {"content": text} if text else {}, delta.finish_reason, lp)
                     elif text or lp:
@@ -317,41 +317,3 @@ def _completion_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
             "top_logprobs": [{ctx.token_text(t): _logprob(lp) for t, lp in e.top}
                              for e in entries],
             "text_offset": offsets}
-
-
-def _assistant_message(text: str, finish_reason: str, parse_tools: bool) -> tuple[dict, str]:
-    """The assistant message of a choice and its finish reason ("tool_calls" when it called)."""
-    calls = _parse_tool_calls(text) if parse_tools else []
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    content = TOOL_CALL.sub("", text).strip() or None
-    return ({"role": "assistant", "content": content, "tool_calls": calls},
-            "tool_calls" if finish_reason == "stop" else finish_reason)
-
-
-def _parse_tool_calls(text: str) -> list[dict]:
-    """Qwen2.5's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> OpenAI's
-    tool_calls; none if any block is not such JSON (then the text stays plain content)."""
-    calls = []
-    for block in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return []
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)}})
-    return calls
-
-
-def _indexed_tool_calls(message: dict) -> dict:
-    """A streamed delta's tool calls carry their index (OpenAI's chunk shape)."""
-    if "tool_calls" in message:
-        message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-    if message.get("content") is None:
-        message.pop("content", None)
-    return message

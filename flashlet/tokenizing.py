@@ -85,8 +85,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                 template_kwargs: dict | None = None) -> str:
     """The chat template's text; `template_kwargs` are more variables for the template (e.g.
     Qwen3's enable_thinking)."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         tools=tools, **(template_kwargs or {}))
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+    return tokenizer.apply_chat_template(messages, tokenize=False, tools=tools, **kwargs)
 
 
 def template_shows_tools(tokenizer) -> bool:
@@ -178,7 +178,8 @@ class TextEncoder:
             self.chat([{"role": "user", "content": "Hello!"}])
             self.supports_tools()
 
-    def encode(self, text: str, what: str = "prompt") -> list[int]:
+    def encode(self, text: str, what: str = "prompt",
+               add_special_tokens: bool = True) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
         tokenizer = self._tokenizer()
         probe = self.limit_tokens * PROBE_CHARS_PER_TOKEN
@@ -188,7 +189,8 @@ class TextEncoder:
                 raise PromptTooLong(
                     f"{what} is longer than the context of {self.limit_tokens} tokens (its "
                     f"first {probe} characters alone are {len(head)} tokens)")
-        return encode_text(tokenizer, text, allow_special=self.allow_special)
+        return encode_text(tokenizer, text, allow_special=self.allow_special,
+                           add_special_tokens=add_special_tokens)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
              template_kwargs: dict | None = None) -> list[int]:
@@ -203,10 +205,11 @@ class TextEncoder:
             self._supports_tools = template_shows_tools(self._tokenizer())
         return self._supports_tools
 
-    async def encode_async(self, text: str, what: str = "prompt") -> list[int]:
+    async def encode_async(self, text: str, what: str = "prompt",
+                           add_special_tokens: bool = True) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
-                                                                what)
+                                                                what, add_special_tokens)
 
     async def chat_async(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                          template_kwargs: dict | None = None) -> list[int]:

@@ -1,5 +1,5 @@
-"""The FastAPI app: the routes (routes_simple.py, routes_openai.py) around one `Server`
-(frontend.py), OpenAI-shaped errors (errors.py), API-key auth, metrics and request-limit
+"""The FastAPI app: the routes (routes_simple.py, routes_openai.py, routes_extra.py) around
+one `Server` (frontend.py), OpenAI-shaped errors (errors.py), API-key auth, metrics and request-limit
 middleware (limits.py: body size and time caps; the CLI adds the connection caps to uvicorn).
 
 Handlers validate everything they can before queueing (pydantic for the body; tokenization,
@@ -23,6 +23,7 @@ from flashlet.server.errors import ApiError, install_error_handlers
 from flashlet.server.frontend import Server, ServerConfig
 from flashlet.server.limits import LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import MetricsMiddleware
+from flashlet.server.routes_extra import add_extra_routes
 from flashlet.server.routes_openai import add_openai_routes
 from flashlet.server.routes_simple import add_simple_routes
 
@@ -42,6 +43,7 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     add_simple_routes(app, server)
     add_openai_routes(app, server)
+    add_extra_routes(app, server)  # after the chat route, which /v1/responses runs on
     _add_pages(app)
     _customize_openapi(app)
     app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too

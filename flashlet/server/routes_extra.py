@@ -1,0 +1,77 @@
+"""The endpoints beyond completions: /tokenize and /detokenize (vLLM's shapes), /v1/responses
+(OpenAI's Responses API: a thin translation onto /v1/chat/completions, whole and streamed) and
+/v1/embeddings (responses_api.py and embeddings.py hold the translations)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+
+from flashlet.server.errors import ApiError, error_responses, sse_response
+from flashlet.server.frontend import ModelContext, Server
+from flashlet.server.protocol_extra import (DetokenizeRequest, ResponsesRequest,
+                                            TokenizeChatRequest, TokenizePromptRequest)
+from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
+from flashlet.tokenizing import PromptTooLong
+
+
+def add_extra_routes(app: FastAPI, server: Server) -> None:
+    add_tokenize_routes(app, server)
+    add_responses_route(app, server)
+
+
+def add_tokenize_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
+    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest):
+        ctx = await _context(server, body.model)
+        if isinstance(body, TokenizeChatRequest):
+            messages = [m.as_template_dict() for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            kwargs = {**(body.chat_template_kwargs or {}),
+                      "add_generation_prompt": body.add_generation_prompt}
+            ids = await ctx.chat_ids(messages, tools, kwargs)
+        else:
+            ids = await _encode(ctx, body.prompt, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
+    async def detokenize(body: DetokenizeRequest):
+        ctx = await _context(server, body.model)
+        if ctx.decoder is None:
+            raise ApiError(400, "tokens: this model has no tokenizer", "tokens")
+        if body.tokens:
+            ctx.check_token_ids(body.tokens, "tokens")
+        return {"prompt": ctx.ids_text(body.tokens)}
+
+
+async def _context(server: Server, model: str | None) -> ModelContext:
+    if model is not None:  # optional here, as in vLLM
+        server.check_model(model)
+    return await server.context()
+
+
+async def _encode(ctx: ModelContext, text: str, add_special_tokens: bool) -> list[int]:
+    """Text -> ids as a prompt is encoded (empty text: no ids, not an error here)."""
+    if ctx.encoder is None:
+        raise ApiError(400, "prompt: this model has no tokenizer", "prompt")
+    try:
+        return await ctx.encoder.encode_async(text, "prompt", add_special_tokens)
+    except PromptTooLong as e:
+        raise ApiError(400, f"prompt: {e}", "prompt", "context_length_exceeded") from None
+
+
+def add_responses_route(app: FastAPI, server: Server) -> None:
+    chat = next(r.endpoint for r in app.routes if getattr(r, "path", None)
+                == "/v1/chat/completions")
+
+    @app.post("/v1/responses", responses={
+        **sse_response("A response, or with stream=true Server-Sent Events of its events"),
+        **error_responses(400, 401, 404, 503)})
+    async def responses(body: ResponsesRequest, request: Request):
+        created = int(time.time())
+        reply = await chat(chat_body(body), request)
+        if not body.stream:
+            return reply if not isinstance(reply, dict) else response_of_chat(body, reply,
+                                                                             created)
+        return stream_of_chat(body, reply, created)

@@ -41,6 +41,7 @@ from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
+from flashlet.pooling import Pooler
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
@@ -138,6 +139,7 @@ class Engine:
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
+        self.pooler = Pooler()  # embedding requests (SamplingParams.pooling)
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
@@ -200,6 +202,8 @@ class Engine:
             req.grammar = self.structured.matcher(params.response_format)
         if params.logprobs is not None:
             req.output_logprobs = []
+        if params.pooling is not None:
+            self.pooler.add(request_id, params.pooling)
         leader = self.scheduler.requests.get(after) if after is not None else None
         if leader is not None and not leader.output_token_ids:
             self._held.setdefault(after, []).append(req)
@@ -309,6 +313,8 @@ class Engine:
                 outputs += self._finish(launched)
         if self._held:
             self._release_held(outputs)
+        if self.pooler.modes:
+            self.pooler.attach(outputs)
         return outputs
 
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
@@ -319,9 +325,14 @@ class Engine:
         input_ids, meta = self.runner.load(layout, fed)
         if self.tp is not None:  # the workers run the same step
             self.tp.send_step(layout, input_ids)
-        sampled = self._greedy_fused(sched, input_ids, meta)
+        pooling = self.pooler.wants(sched)
+        sampled = None if pooling else self._greedy_fused(sched, input_ids, meta)
         if sampled is None:
-            logits = self.runner.forward(input_ids, meta)
+            if pooling:  # the hidden states too, for the embedding requests' rows
+                hidden, logits = self.runner.forward_hidden(input_ids, meta)
+                self.pooler.pool(sched, hidden)
+            else:
+                logits = self.runner.forward(input_ids, meta)
             for observe in self._step_observers:
                 observe(meta, logits)
             sampled = self.sampler.sample(logits, sched.sampling)

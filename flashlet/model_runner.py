@@ -183,6 +183,19 @@ class ModelRunner:
         hidden = self.model(input_ids, meta.positions, self.backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
+    @torch.inference_mode()
+    def forward_hidden(self, input_ids: torch.Tensor,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a step with embedding requests: (the final hidden states [T, hidden],
+        the logits). Never a decode graph or the fused path: neither keeps the hidden states."""
+        self.backend.plan(meta)
+        if meta.token_bucket is not None and self.use_mixed_graphs:
+            hidden = self._replay_mixed(input_ids, meta)
+        else:
+            self._mark_staged()
+            hidden = self.model(input_ids, meta.positions, self.backend)
+        return hidden, self.model.compute_logits(hidden[meta.logits_indices])
+
     def _fused_step(self, meta: AttentionMetadata) -> bool:
         """Does the fused path serve this step: pure decode of one sequence, which samples."""
         host = meta.host

@@ -133,6 +133,7 @@ class RequestOutput:
     error: str | None = None
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
     logprobs: list[TokenLogprob] | None = None  # one per output token, in the final output only
+    embedding: list[float] | None = None  # an embedding request's, in its final output
     new_text: str = ""  # text safe to stream now (stop strings cut, a possible one held back)
     text: str = ""  # all output text so far
 

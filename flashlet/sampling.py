@@ -15,6 +15,7 @@ import torch
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar", "structural_tag")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
+POOLING_MODES = (None, "last", "mean")
 
 @dataclass
 class SamplingParams:
@@ -35,6 +36,9 @@ class SamplingParams:
     n: int = 1  # samples per prompt (LLM.generate); they share the prompt's KV pages
     best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
     response_format: dict | None = None  # {"type": one of RESPONSE_FORMATS, ...}
+    # "last" / "mean": an embedding request: its prompt's final hidden states pooled and
+    # normalised (flashlet/pooling.py) come back in the final output.
+    pooling: str | None = None
     max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
     def __post_init__(self, max_tokens: int | None):
@@ -83,6 +87,8 @@ class SamplingParams:
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         _check_response_format(self.response_format)
+        if self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -236,8 +236,9 @@ class Scheduler:
 
     # ---- pages ----------------------------------------------------------------------------
     def _adopt_cached_prefix(self, req: Request) -> None:
-        """Take the longest cached prefix, never the last token (one query token must run)."""
-        if not self.enable_prefix_cache:
+        """Take the longest cached prefix, never the last token (one query token must run);
+        none for a mean-pooled embedding, which needs every prompt token's hidden state."""
+        if not self.enable_prefix_cache or req.params.pooling == "mean":
             return
         usable = (req.num_tokens - 1) // self.page_size * self.page_size
         tokens = req.token_slice(0, usable)

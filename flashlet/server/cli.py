@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split <think>...</think> off the reply into reasoning_content "
                              "(default: off)")
+    server.add_argument("--pooling", choices=["last", "mean"], default=ServerConfig.pooling,
+                        help="/v1/embeddings: the final hidden state of the last prompt token "
+                             "or the mean over the prompt, normalised (default: %(default)s)")
     server.add_argument("--allowed-origins", type=_origins, default=(),
                         help="CORS: origins whose web pages may call this server, comma-separated "
                              "or a JSON list (e.g. http://localhost:3000, or '*' for any)")
@@ -372,6 +375,7 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           allowed_origins=args.allowed_origins,
                                           tool_call_parser=args.tool_call_parser,
                                           reasoning_parser=args.reasoning_parser,
+                                          pooling=args.pooling,
                                           warm_up=True))
     app.state.server.api_server_index = api_server
     app.state.server.api_servers_warm = warm_flags

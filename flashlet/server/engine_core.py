@@ -133,6 +133,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None  # only with finished
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
+    embedding: list[float] | None = None  # an embedding request's (final output only)
 
     @classmethod
     def of(cls, out) -> "CoreOutput":
@@ -140,7 +141,8 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
         if isinstance(out, CoreOutput):
             return out
         return cls(out.request_id, out.new_token_ids, out.num_cached_tokens, out.finished,
-                   out.finish_reason, out.error, new_logprobs=out.new_logprobs)
+                   out.finish_reason, out.error, new_logprobs=out.new_logprobs,
+                   embedding=out.embedding)
 
     @classmethod
     def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":

@@ -46,6 +46,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
     warm_up: bool = False  # /health says "ok" only after the API path's warm-up (warmup.py)
+    pooling: str = "last"  # /v1/embeddings: "last" or "mean" (flashlet/pooling.py)
     tool_call_parser: str | None = None  # parsers.py's name; None: the chat template's own
     reasoning_parser: str | None = None  # parsers.py's name; None: no reasoning split
 
@@ -168,6 +169,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.num_cached_tokens = 0
         self.final: Delta | None = None
+        self.embedding: list[float] | None = None
         self._held: StreamError | None = None  # an error to raise after the tokens before it
         self.logprobs: list[TokenLogprob] | None = (
             [] if stream.params.logprobs is not None else None)
@@ -242,6 +244,7 @@ class Generation:
         self.stream.finished = True
         self.final = delta
         self.num_cached_tokens = item.num_cached_tokens
+        self.embedding = item.embedding  # an embedding request's vector
         self.server.metrics.observe_finished(self.endpoint, delta.finish_reason,
                                              len(self.stream.prompt_token_ids),
                                              self.num_cached_tokens, len(self.token_ids),

@@ -1,17 +1,22 @@
 """The endpoints beyond completions: /tokenize and /detokenize (vLLM's shapes), /v1/responses
-(OpenAI's Responses API: a thin translation onto /v1/chat/completions, whole and streamed) and
-/v1/embeddings (responses_api.py and embeddings.py hold the translations)."""
+(OpenAI's Responses API: a thin translation onto /v1/chat/completions, whole and streamed;
+responses_api.py) and /v1/embeddings (the engine pools a prompt's final hidden states:
+flashlet/pooling.py)."""
 
 from __future__ import annotations
 
+import base64
 import time
+
+import numpy as np
 
 from fastapi import FastAPI, Request
 
 from flashlet.server.errors import ApiError, error_responses, sse_response
-from flashlet.server.frontend import ModelContext, Server
-from flashlet.server.protocol_extra import (DetokenizeRequest, ResponsesRequest,
-                                            TokenizeChatRequest, TokenizePromptRequest)
+from flashlet.server.frontend import Generation, ModelContext, Server, client_gone
+from flashlet.server.protocol_extra import (DetokenizeRequest, EmbeddingRequest,
+                                            ResponsesRequest, TokenizeChatRequest,
+                                            TokenizePromptRequest)
 from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
 from flashlet.tokenizing import PromptTooLong
 
@@ -19,6 +24,7 @@ from flashlet.tokenizing import PromptTooLong
 def add_extra_routes(app: FastAPI, server: Server) -> None:
     add_tokenize_routes(app, server)
     add_responses_route(app, server)
+    add_embeddings_route(app, server)
 
 
 def add_tokenize_routes(app: FastAPI, server: Server) -> None:
@@ -75,3 +81,48 @@ def add_responses_route(app: FastAPI, server: Server) -> None:
             return reply if not isinstance(reply, dict) else response_of_chat(body, reply,
                                                                              created)
         return stream_of_chat(body, reply, created)
+
+
+def add_embeddings_route(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 503))
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        t0 = time.monotonic()
+        server.check_model(body.model)
+        ctx = await server.context()
+        inputs = body.inputs
+        prompts = []  # all checked before any is queued
+        for i, item in enumerate(inputs):
+            param = "input" if len(inputs) == 1 else f"input[{i}]"
+            ids = await server.prompt_ids(ctx, item, param)
+            ctx.budget(len(ids), 1, 1, param, "input")  # the context and the KV pool
+            prompts.append(ids)
+        # One token after the prompt, never read: the request ends there.
+        params = server.sampling_params(1, 0.0, 1.0, 0, None, None, True,
+                                        pooling=server.config.pooling)
+        gens: list[Generation] = []
+        try:
+            for ids in prompts:
+                gens.append(server.start(ctx, ids, params, "embeddings", t0))
+        except BaseException:
+            for gen in gens:
+                gen.abort()
+            raise
+        if await server.run_all_to_end(request, gens) is None:
+            return client_gone()
+        data = []
+        for i, gen in enumerate(gens):
+            gen.check_error()
+            data.append({"object": "embedding", "index": i,
+                         "embedding": _encoded(gen.embedding, body.encoding_format)})
+        num_tokens = sum(len(ids) for ids in prompts)
+        return {"object": "list", "data": data, "model": server.config.model_name,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def _encoded(vector: list[float] | None, encoding_format: str):
+    """OpenAI's encodings: a list of floats, or base64 of little-endian float32s."""
+    if vector is None:
+        raise ApiError(500, "the engine returned no embedding")
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()

@@ -289,3 +289,68 @@ def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):
     r = httpx.post(qwen3.url + "/v1/responses", json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+# ---- /v1/embeddings ------------------------------------------------------------------------
+def _hf_embedding(folder, ids: list[int], mode: str) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    vector = hidden[-1] if mode == "last" else hidden.mean(0)
+    return torch.nn.functional.normalize(vector, dim=0).tolist()
+
+
+def test_embeddings_through_the_engine_loop(real, tiny_llm):
+    loop, srv = real
+    c = client(srv)
+    tok = tiny_llm.engine.tokenizer
+    texts = ["Hello world", "A longer sentence about the weather in Paris."]
+    r = c.embeddings.create(model=MODEL, input=texts)  # the client asks for base64
+    floats = c.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    ids = c.embeddings.create(model=MODEL, input=[tok.encode(t) for t in texts],
+                              encoding_format="float")
+    assert [d.index for d in r.data] == [0, 1]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(tok.encode(t))
+                                                                for t in texts)
+    for k, text in enumerate(texts):
+        expected = _hf_embedding(tiny_llm.engine.model_dir, tok.encode(text), "last")
+        for got in (r.data[k].embedding, floats.data[k].embedding, ids.data[k].embedding):
+            assert got == pytest.approx(expected, abs=1e-4)
+    one = c.embeddings.create(model=MODEL, input=tok.encode("Hello world"),
+                              encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(floats.data[0].embedding, abs=1e-6)
+    for body, param in [({"input": ""}, "input"), ({"input": [[]]}, "input"),
+                        ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+                        ({"input": "x", "dimensions": 8}, "dimensions"),
+                        ({"input": [[10**7]]}, "input")]:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": MODEL, **body})
+        assert r.status_code == 400, r.text
+        assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+def test_embeddings_through_an_engine_core_process(tiny_qwen2):
+    from flashlet import EngineConfig
+    from flashlet.server import CoreClient
+
+    core = CoreClient(EngineConfig(model=str(tiny_qwen2), max_num_pages=64,
+                                   max_num_batched_tokens=16, max_num_seqs=4)).start()
+    srv = None
+    try:
+        assert core.wait_ready(180), core.error
+        srv = _serve(core, pooling="mean")
+        prompts = [list(range(3, 40)), [7, 8, 9]]  # the first in three prefill chunks
+        r = httpx.post(srv.url + "/v1/embeddings", timeout=120,
+                       json={"model": MODEL, "input": prompts}).json()
+        for k, ids in enumerate(prompts):
+            assert r["data"][k]["embedding"] == pytest.approx(
+                _hf_embedding(tiny_qwen2, ids, "mean"), abs=1e-4)
+        stats = core.probe()[0]
+        assert stats["running"] == stats["waiting"] == stats["num_requests"] == 0, stats
+        assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+    finally:
+        if srv is not None:
+            srv.stop()
+        core.stop()

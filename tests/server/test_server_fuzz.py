@@ -23,7 +23,8 @@ def test_openapi_schema_documents_the_api(fuzz_server):
            (r.ok() for r in schema.get_all_operations())}
     assert {("GET", "/health"), ("POST", "/generate"), ("POST", "/generate_stream"),
             ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-            ("GET", "/metrics")} <= ops
+            ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+            ("POST", "/v1/embeddings"), ("POST", "/v1/responses")} <= ops
 
 
 def test_fuzz_finds_no_server_errors(fuzz_server, idle):

@@ -16,18 +16,27 @@ MAX_EMBEDDING_INPUTS = 64
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------
-class TokenizePromptRequest(_Strict):
-    model: Text | None = None
-    prompt: Text
-    add_special_tokens: bool = True
+class TokenizeRequest(_Strict):
+    """vLLM's two shapes in one body: a `prompt`, or `messages` through the chat template."""
 
-
-class TokenizeChatRequest(_Strict):
     model: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
+    prompt: Text | None = None
+    add_special_tokens: bool | None = None  # prompt only (default true)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages only (default true)
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: TemplateKwargs | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give a prompt or messages (one of them)")
+        chat_only = ("add_generation_prompt", "tools", "chat_template_kwargs")
+        for name in chat_only if self.messages is None else ("add_special_tokens",):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: only with "
+                                 f"{'messages' if self.messages is None else 'prompt'}")
+        return self
 
 
 class DetokenizeRequest(_Strict):

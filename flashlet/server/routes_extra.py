@@ -15,8 +15,7 @@ from fastapi import FastAPI, Request
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import Generation, ModelContext, Server, client_gone
 from flashlet.server.protocol_extra import (DetokenizeRequest, EmbeddingRequest,
-                                            ResponsesRequest, TokenizeChatRequest,
-                                            TokenizePromptRequest)
+                                            ResponsesRequest, TokenizeRequest)
 from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
 from flashlet.tokenizing import PromptTooLong
 
@@ -29,16 +28,16 @@ def add_extra_routes(app: FastAPI, server: Server) -> None:
 
 def add_tokenize_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
-    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest):
+    async def tokenize(body: TokenizeRequest):
         ctx = await _context(server, body.model)
-        if isinstance(body, TokenizeChatRequest):
+        if body.messages is not None:
             messages = [m.as_template_dict() for m in body.messages]
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             kwargs = {**(body.chat_template_kwargs or {}),
-                      "add_generation_prompt": body.add_generation_prompt}
+                      "add_generation_prompt": body.add_generation_prompt is not False}
             ids = await ctx.chat_ids(messages, tools, kwargs)
         else:
-            ids = await _encode(ctx, body.prompt, body.add_special_tokens)
+            ids = await _encode(ctx, body.prompt, body.add_special_tokens is not False)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))

@@ -219,6 +219,10 @@ def test_tokenize_and_detokenize(real, tiny_llm):
     assert tok.decode(bare["tokens"]).endswith("<|im_end|>\n")
     for path, body, param in [("/detokenize", {"tokens": [10**6]}, "tokens"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "tools": [WEATHER]}, "tools"),
+                              ("/tokenize", {"messages": ASK, "add_special_tokens": True},
+                               "add_special_tokens"),
                               ("/tokenize", {"prompt": "x", "model": "nope"}, "model")]:
         r = httpx.post(srv.url + path, json=body)
         assert r.status_code in (400, 404), r.text

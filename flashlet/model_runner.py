@@ -187,7 +187,15 @@ class ModelRunner:
     def forward_hidden(self, input_ids: torch.Tensor,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a step with embedding requests: (the final hidden states [T, hidden],
-        the logits). Never a decode graph or the fused path: neither keeps the hidden states."""
+        the logits). Never a decode graph or the fused path: neither keeps the hidden states.
+        A step that would replay a decode graph (a one-token prompt among decodes) runs the
+        graph's body eagerly, on the same padded inputs."""
+        size = self.graph_batch_size(meta.host, meta.num_padding)
+        if size is not None:
+            self.backend.plan_graph(meta, size)
+            self._mark_staged()
+            hidden = self.model(input_ids, meta.positions, self.backend)
+            return hidden, self.model.compute_logits(hidden)[: size - meta.num_padding]
         self.backend.plan(meta)
         if meta.token_bucket is not None and self.use_mixed_graphs:
             hidden = self._replay_mixed(input_ids, meta)

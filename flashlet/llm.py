@@ -73,6 +73,12 @@ class LLM:
             raise
         return [out for group in groups for out in _best(params, [finished[i] for i in group])]
 
+    def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
+        """One embedding per prompt: its final hidden states pooled ("last" token or "mean")
+        and normalised (flashlet/pooling.py), in prompt order."""
+        params = SamplingParams(max_new_tokens=1, ignore_eos=True, pooling=pooling)
+        return [out.embedding for out in self.generate(prompts, params)]
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when the program exits)."""
         self.engine.shutdown()

@@ -59,6 +59,14 @@ def test_pooled_states_equal_transformers(folder, enable_prefix_cache):
     assert not llm.engine.pooler.modes  # nothing left behind
 
 
+def test_llm_embed(folder):
+    llm = LLM(str(folder), dtype="float32")
+    vectors = llm.embed(PROMPTS[:2], pooling="mean")
+    for prompt, vector in zip(PROMPTS, vectors):
+        torch.testing.assert_close(torch.tensor(vector), reference(folder, prompt, "mean"),
+                                   atol=1e-4, rtol=0)
+
+
 def test_aborted_embedding_request_leaves_nothing(folder):
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
     engine = llm.engine

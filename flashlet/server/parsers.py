@@ -1,7 +1,7 @@
 """Reply parsers: tool calls (`--tool-call-parser`) and reasoning (`--reasoning-parser`) taken
 out of a chat reply's text, whole (`extract`) or as it streams (`ToolCallStream`,
-`ReasoningStream`). vLLM's parser names: `hermes` (Qwen2.5 / Qwen3's `<tool_call>{...}</tool_call>`),
-`llama3_json` (Llama 3.x's JSON call), `mistral` (`[TOOL_CALLS][...]`); `qwen3` and
+`ReasoningStream`). vLLM's parser names: `hermes` (Qwen2.5 / Qwen3's
+`<tool_call>{...}</tool_call>`), `llama3_json` (Llama 3.x's JSON call), `mistral` (`[TOOL_CALLS][...]`); `qwen3` and
 `deepseek_r1` for `<think>...</think>`.
 
 A streamed reply gives the same message as the whole one: content streams as it comes until

@@ -13,6 +13,7 @@ from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTok
                                       Tool, TopP, _json_object_text, _Strict)
 
 MAX_EMBEDDING_INPUTS = 64
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------
@@ -86,7 +87,7 @@ InputItem = InputMessage | InputFunctionCall | InputFunctionCallOutput
 
 class FunctionTool(_Strict):
     type: Literal["function"]
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: FunctionName
     description: Text | None = None
     parameters: JsonSchema | None = None
     strict: bool | None = None
@@ -99,7 +100,7 @@ class NamedFunctionChoice(_Strict):
 
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
+    name: FunctionName | None = None
     schema_: JsonSchema | None = Field(None, alias="schema")
     description: Text | None = None
     strict: bool | None = None

@@ -192,7 +192,8 @@ def test_chat_template_kwargs_reach_the_template(scripted):
         model=MODEL, messages=ASK, max_tokens=8,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert loop.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert r.choices[0].message.content == "Paris." and r.choices[0].message.reasoning_content is None
+    message = r.choices[0].message
+    assert message.content == "Paris." and message.reasoning_content is None
     for bad in ({"tokenize": True}, {"add_generation_prompt": False}, {"no-ident": 1}):
         r = httpx.post(qwen3.url + "/v1/chat/completions", json={
             "model": MODEL, "messages": ASK, "chat_template_kwargs": bad})

@@ -18,7 +18,8 @@ LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}; ' \
         '{"name": "get_time", "parameters": {"tz": "CET"}}'
 MISTRAL = 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
           '{"name": "get_time", "arguments": {"tz": "CET"}}]'
-MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+MISTRAL_V11 = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+               '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}')
 EXPECTED = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
 
 
@@ -102,7 +103,7 @@ def test_streamed_reply_adds_up_to_the_whole_one(tool, reasoning, text):
         streamed, deltas = _streamed(parsers, text, random.Random(seed))
         assert streamed["content"].strip() == (whole["content"] or "").strip()
         assert streamed["reasoning_content"] == (whole.get("reasoning_content") or "")
-        calls = [c for c in streamed["tool_calls"]]
+        calls = streamed["tool_calls"]
         assert [c["index"] for c in calls] == list(range(len(calls)))
         assert _named(calls) == _named(whole.get("tool_calls", []))
         for d in deltas[:-1]:  # a marker is never half sent as content

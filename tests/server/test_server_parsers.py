@@ -122,3 +122,27 @@ def test_reply_message_and_finish_reason():
     assert not none.active
     forced = reply_parsers("llama3_json", None, None, "required")  # the grammar writes hermes
     assert forced.tool.name == "hermes"
+
+
+def test_server_flags_choose_the_parsers_and_pooling():
+    from flashlet.server.cli import _check_server_args, build_parser, make_app
+
+    class NoEngine:  # create_app only keeps it
+        is_ready, error, tokenizer, limits = False, None, None, None
+
+        def core_stats(self):
+            return [{}]
+
+    args = build_parser().parse_args(["--tool-call-parser", "llama3_json", "--reasoning-parser",
+                                      "qwen3", "--enable-auto-tool-choice", "--pooling", "mean"])
+    app, _ = make_app(args, NoEngine(), "m", _check_server_args(args), None, 0, 0)
+    config = app.state.server.config
+    assert (config.tool_call_parser, config.reasoning_parser, config.pooling) == (
+        "llama3_json", "qwen3", "mean")
+    defaults = build_parser().parse_args([])
+    assert (defaults.tool_call_parser, defaults.reasoning_parser, defaults.pooling) == (
+        None, None, "last")
+    for flag in ("--tool-call-parser", "--reasoning-parser", "--pooling"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([flag, "nope"])
+        assert e.value.code == 2

@@ -279,6 +279,16 @@ def test_responses_tool_call_and_reasoning(scripted):
     assert kinds.index("response.reasoning_text.delta") < kinds.index(
         "response.output_text.delta")
     assert events[-1].response.output_text == "Sunny."
+    # The SDK's own stream helper, which rebuilds the response from the events.
+    with client(qwen3).responses.stream(model=MODEL, input="hi") as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == "Sunny." and final.output[0].type == "reasoning"
+    loop.reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    with client(llama3).responses.stream(model=MODEL, input="hi", tools=[tool]) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call" and final.output[0].name == "get_weather"
 
 
 @pytest.mark.parametrize("body,param", [

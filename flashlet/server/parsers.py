@@ -5,8 +5,9 @@ out of a chat reply's text, whole (`extract`) or as it streams (`ToolCallStream`
 `deepseek_r1` for `<think>...</think>`.
 
 A streamed reply gives the same message as the whole one: content streams as it comes until
-a tool call may have begun (text that could be the start of a marker is held back); the calls
-are sent once the reply ends, each whole, in OpenAI's chunk shape (index, id, type, function).
+a tool call may have begun (text that could be the start of a marker is held back); each call
+goes out whole in OpenAI's chunk shape (index, id, type, function) as soon as it is closed
+(hermes' `</tool_call>`), or once the reply ends (the syntaxes with no closing marker).
 """
 
 from __future__ import annotations
@@ -64,27 +65,37 @@ class ToolParser:
     name: str
     markers: tuple[str, ...] = ()
     start_markers: tuple[str, ...] = ()
+    closing_marker: str | None = None  # ends each call, where the syntax has one
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(the content left, the calls); the whole text as content when it holds no
         well-formed call (a malformed one is never half-parsed)."""
         raise NotImplementedError
 
+    def closed_calls(self, text: str) -> list[dict]:
+        """The calls a reply still streaming has finished writing, for syntaxes that close
+        each call (none here: the others are parsed once the reply ends)."""
+        return []
+
 
 class HermesToolParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    closing_marker = "</tool_call>"
     BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def extract(self, text):
-        blocks = self.BLOCK.findall(text)
-        values = [_json_values(b) for b in blocks]
-        if not blocks or any(v is None or len(v) != 1 for v in values):
-            return text, []
-        calls = _named_calls([v[0] for v in values], ("arguments",))
+        calls = self.closed_calls(text)
         if not calls:
             return text, []
         return self.BLOCK.sub("", text).strip() or None, calls
+
+    def closed_calls(self, text):
+        """Every closed `<tool_call>` block's call ([] if any is malformed)."""
+        values = [_json_values(b) for b in self.BLOCK.findall(text)]
+        if any(v is None or len(v) != 1 for v in values):
+            return []
+        return _named_calls([v[0] for v in values], ("arguments",))
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -184,22 +195,38 @@ def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
 
 @dataclass
 class ToolCallStream:
-    """Streams a reply's content until a tool call may have begun, then holds the rest; at the
-    end (`finish`) the whole reply is parsed as `extract` does."""
+    """Streams a reply's content until a tool call may have begun, then holds the rest, and
+    each call as soon as it is closed (hermes' blocks); at the end (`finish`) the whole reply
+    is parsed as `extract` does, and what is left is sent."""
 
     parser: ToolParser
     text: str = ""
     sent: int = 0  # characters of `text` sent as content
     started: bool = False
+    calls_sent: int = 0
+    sent_calls_end: int = 0  # where the last call sent ends in `text`
 
-    def push(self, delta: str) -> str:
-        """New content that is safe to send now."""
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        """(new content that is safe to send now, calls closed since the last push)."""
         self.text += delta
-        if self.started:
-            return ""
-        end = self._safe_end()
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
+        out = ""
+        if not self.started:
+            end = self._safe_end()
+            out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        if not self.started:
+            return out, []
+        new = self._indexed(self.parser.closed_calls(self.text))
+        if new:
+            end = self.parser.closing_marker
+            for _ in new:
+                self.sent_calls_end = self.text.index(end, self.sent_calls_end) + len(end)
+        return out, new
+
+    def _indexed(self, calls: list[dict]) -> list[dict]:
+        """The calls not sent yet, each with its index in the reply (OpenAI's chunk shape)."""
+        new = [{"index": k, **c} for k, c in enumerate(calls) if k >= self.calls_sent]
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return new
 
     def _safe_end(self) -> int:
         text, p = self.text, self.parser
@@ -217,14 +244,16 @@ class ToolCallStream:
         return len(text) - _partial_suffix(text, p.markers)
 
     def finish(self) -> tuple[str, list[dict]]:
-        """(the content not sent yet, the calls, each with its index for a chunk)."""
+        """(the content not sent yet, the calls not sent yet)."""
         content, calls = self.parser.extract(self.text)
         if not calls:
+            if self.calls_sent:  # a malformed call after sent ones: the text after those
+                return self.text[self.sent_calls_end:], []
             return self.text[self.sent:], []
         sent = self.text[:self.sent].strip()  # extract's content is stripped
         content = content or ""
         rest = content[len(sent):] if content.startswith(sent) else ""
-        return rest, [{"index": k, **c} for k, c in enumerate(calls)]
+        return rest, self._indexed(calls)
 
 
 # ---- reasoning -------------------------------------------------------------------------------
@@ -341,10 +370,10 @@ class ReplyStream:
         delta = {"reasoning_content": reasoning} if reasoning else {}
         calls = []
         if self.tools is not None:
-            content = self.tools.push(content)
+            content, calls = self.tools.push(content)
             if final:
-                rest, calls = self.tools.finish()
-                content += rest
+                rest, last = self.tools.finish()
+                content, calls = content + rest, calls + last
         if content:
             delta["content"] = content
         if calls:

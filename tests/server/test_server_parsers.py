@@ -110,6 +110,24 @@ def test_streamed_reply_adds_up_to_the_whole_one(tool, reasoning, text):
             assert "<tool_call" not in d.get("content", "") and "</think" not in str(d)
 
 
+def test_hermes_calls_stream_as_each_closes():
+    stream = ReplyParsers(tool_parser("hermes")).stream()
+    first, second = HERMES.split("<tool_call>")[1:]
+    assert stream.push("Let me check.\n") == {"content": "Let me check.\n"}
+    assert stream.push("<tool_call>" + first[:-3]) == {}  # not closed yet
+    delta = stream.push(first[-3:] + "<tool_call>")
+    assert [c["index"] for c in delta["tool_calls"]] == [0] and "content" not in delta
+    assert _named(delta["tool_calls"]) == EXPECTED[:1]
+    last = stream.push(second, final=True)
+    assert [c["index"] for c in last["tool_calls"]] == [1]
+    assert _named(last["tool_calls"]) == EXPECTED[1:]
+    # A malformed call after a sent one: the text after the sent one is content.
+    stream = ReplyParsers(tool_parser("hermes")).stream()
+    assert len(stream.push("<tool_call>" + first)["tool_calls"]) == 1
+    assert stream.push("<tool_call>{oops</tool_call>") == {}
+    assert stream.push("", final=True) == {"content": "\n<tool_call>{oops</tool_call>"}
+
+
 def test_reply_message_and_finish_reason():
     parsers = reply_parsers(None, "qwen3", "{{ '<tool_call>' }}", "auto")
     message, reason = parsers.message("<think>x</think>" + HERMES, "stop")

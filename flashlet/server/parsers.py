@@ -363,6 +363,11 @@ class ReplyStream:
     tools: ToolCallStream | None
     reasoning: ReasoningStream | None
 
+    @property
+    def called(self) -> bool:
+        """Some tool call was sent (the finish reason is then "tool_calls")."""
+        return self.tools is not None and self.tools.calls_sent > 0
+
     def push(self, text: str, final: bool = False) -> dict:
         """A chunk's delta for new text (empty when nothing can be sent yet); `final` for the
         last, which also carries the tool calls."""

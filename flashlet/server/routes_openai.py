@@ -166,7 +166,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                         message = replies[i].push(text, delta.finished)
                         if delta.finished:
                             reason = delta.finish_reason
-                            if "tool_calls" in message and reason == "stop":
+                            if replies[i].called and reason == "stop":
                                 reason = "tool_calls"
                             yield chunk(i, message, reason, lp)
                         elif message or lp:

@@ -8,6 +8,7 @@ the route, parsers, SSE and client are all real. The real tiny engine serves the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -49,7 +50,8 @@ def tiny_llm(tmp_path_factory, demo_model_dir):
 
 class ScriptedLoop(EngineClient):
     """An engine client whose every request is answered with `reply`'s tokens, one per
-    output (cut at max_tokens), recording the prompts it was sent."""
+    output (cut at max_tokens), each handed over once the one before was taken (so each is
+    its own delta, as engine steps are), recording the prompts it was sent."""
 
     def __init__(self, llm: LLM):
         self.tokenizer = llm.engine.tokenizer
@@ -57,7 +59,7 @@ class ScriptedLoop(EngineClient):
         self.ready, self.stopped, self.error = threading.Event(), threading.Event(), None
         self.ready.set()
         self.is_ready, self._stopping, self.num_waiting = True, False, 0
-        self.reply, self.prompts = "", []
+        self.reply, self.prompts, self.feeders = "", [], set()
 
     def submit_group(self, streams, max_waiting=None):
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
@@ -65,9 +67,20 @@ class ScriptedLoop(EngineClient):
             self.prompts.append(self.tokenizer.decode(stream.prompt_token_ids))
             out = ids[:stream.params.max_new_tokens]
             reason = "stop" if len(out) == len(ids) else "length"
-            for k, token in enumerate(out):
-                last = k == len(out) - 1
-                stream.push(RequestOutput(0, [token], last, reason if last else None))
+            outputs = [RequestOutput(0, [token], k == len(out) - 1,
+                                     reason if k == len(out) - 1 else None)
+                       for k, token in enumerate(out)]
+            feeder = asyncio.ensure_future(self._feed(stream, outputs))
+            self.feeders.add(feeder)  # held until done (the loop keeps weak references only)
+            feeder.add_done_callback(self.feeders.discard)
+
+    async def _feed(self, stream, outputs):
+        for out in outputs:
+            while stream.items and not stream.cancelled:
+                await asyncio.sleep(0)
+            if stream.cancelled:
+                return
+            stream.push(out)
 
     def abort(self, stream, finish_reason="abort"):
         stream.cancelled = True
@@ -153,9 +166,11 @@ def test_qwen3_tool_call_after_reasoning(scripted):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert r.choices[0].message.reasoning_content == "\nuse the tool\n"
     assert "<tools>" in loop.prompts[-1] and '"get_weather"' in loop.prompts[-1]
-    streamed, finish = _stream_message(client(qwen3).chat.completions.create(**kwargs,
-                                                                            stream=True))
+    loop.reply += "\n"  # the call closes a token before the reply ends (as EOS would)
+    chunks = list(client(qwen3).chat.completions.create(**kwargs, stream=True))
+    streamed, finish = _stream_message(chunks)
     assert finish == "tool_calls" and streamed["content"] == ""
+    assert chunks[-1].choices[0].delta.tool_calls is None  # it went out before the last chunk
     [call] = streamed["tool_calls"]
     assert call["index"] == 0 and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather"

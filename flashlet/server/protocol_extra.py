@@ -27,6 +27,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = None  # messages only (default true)
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: TemplateKwargs | None = None
+    return_token_strs: bool = False  # each token's vocabulary string too (vLLM's)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):

@@ -38,7 +38,10 @@ def add_tokenize_routes(app: FastAPI, server: Server) -> None:
             ids = await ctx.chat_ids(messages, tools, kwargs)
         else:
             ids = await _encode(ctx, body.prompt, body.add_special_tokens is not False)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        reply = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        if body.return_token_strs:
+            reply["token_strs"] = ctx.decoder.convert_ids_to_tokens(ids)
+        return reply
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest):

@@ -222,6 +222,9 @@ def test_tokenize_and_detokenize(real, tiny_llm):
     r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == tiny_llm.engine.max_model_len
+    strs = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world",
+                                                   "return_token_strs": True}).json()
+    assert strs["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
     r = httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}).json()
     assert r == {"prompt": "Hello world"}
     chat = httpx.post(srv.url + "/tokenize", json={"messages": ASK, "model": MODEL}).json()

@@ -213,13 +213,13 @@ class ToolCallStream:
         if not self.started:
             end = self._safe_end()
             out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        if not self.started:
+        end = self.parser.closing_marker
+        # Parse again only when a call may just have closed (not once per token).
+        if not self.started or end is None or end not in self.text[-(len(delta) + len(end)):]:
             return out, []
         new = self._indexed(self.parser.closed_calls(self.text))
-        if new:
-            end = self.parser.closing_marker
-            for _ in new:
-                self.sent_calls_end = self.text.index(end, self.sent_calls_end) + len(end)
+        for _ in new:
+            self.sent_calls_end = self.text.index(end, self.sent_calls_end) + len(end)
         return out, new
 
     def _indexed(self, calls: list[dict]) -> list[dict]:

@@ -50,7 +50,9 @@ class DetokenizeRequest(_Strict):
 class InputText(_Strict):
     type: Literal["input_text", "output_text"]
     text: Text
-    annotations: list[Any] | None = None  # on output_text sent back from an earlier reply
+    # On output_text sent back from an earlier response's output.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class InputMessage(_Strict):
@@ -83,7 +85,19 @@ class InputFunctionCallOutput(_Strict):
     status: Text | None = None
 
 
-InputItem = InputMessage | InputFunctionCall | InputFunctionCallOutput
+class InputReasoning(_Strict):
+    """An earlier response's reasoning item, sent back with its output: not shown to the model
+    again (as chat templates drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: Text | None = None
+    status: Text | None = None
+
+
+InputItem = InputMessage | InputFunctionCall | InputFunctionCallOutput | InputReasoning
 
 
 class FunctionTool(_Strict):

@@ -17,7 +17,8 @@ from flashlet.server.errors import ApiError
 from flashlet.server.frontend import EventStream
 from flashlet.server.protocol import ChatCompletionRequest
 from flashlet.server.protocol_extra import (InputFunctionCall, InputFunctionCallOutput,
-                                            NamedFunctionChoice, ResponsesRequest)
+                                            InputReasoning, NamedFunctionChoice,
+                                            ResponsesRequest)
 
 # Chat's field names -> the Responses request's, for error messages.
 FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -30,6 +31,8 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
     for item in body.input:
+        if isinstance(item, InputReasoning):
+            continue
         if isinstance(item, InputFunctionCall):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}

@@ -292,6 +292,15 @@ def test_responses_tool_call_and_reasoning(scripted):
     assert "<tool_response>\nsunny\n</tool_response>" in loop.prompts[-1]
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output_text == "Sunny." and r.output[0].content[0].text == "\nchecked\n"
+    # The next turn sends the whole output back (the stateless way), reasoning included.
+    loop.reply = "You're welcome."
+    history = [{"role": "user", "content": "Weather?"}] + [
+        o.model_dump(exclude_none=True) for o in r.output] + [
+        {"role": "user", "content": "Thanks!"}]
+    again = client(qwen3).responses.create(model=MODEL, input=history)
+    assert again.output_text == "You're welcome."
+    assert "Sunny.<|im_end|>" in loop.prompts[-1] and "checked" not in loop.prompts[-1]
+    loop.reply = "<think>\nchecked\n</think>\n\nSunny."
     events = list(client(qwen3).responses.create(model=MODEL, input="hi", stream=True))
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.delta") < kinds.index(

@@ -359,6 +359,7 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           allow_special_tokens=args.allow_special_tokens,
                                           limits=limits, chat_template=chat_template,
                                           allowed_origins=args.allowed_origins,
+                                          scheduling_policy=args.scheduling_policy,
                                           warm_up=True))
     app.state.server.api_server_index = api_server
     app.state.server.api_servers_warm = warm_flags

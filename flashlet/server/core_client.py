@@ -211,8 +211,10 @@ class CoreClient(EngineClient):
             core = self.cores[self.router.route(streams[0].prompt_token_ids,
                                                 [c.num_in_flight for c in self.cores])]
             ids = [next(self._ids) for _ in streams]
+            group = streams[0].group
             message = AddRequests.of(ids, streams[0].prompt_token_ids,
-                                     [stream.params for stream in streams])
+                                     [stream.params for stream in streams],
+                                     ids[0] if group is None else group)
             for stream, rid in zip(streams, ids):
                 stream.request_id, stream.core = rid, core.index
             core.num_in_flight += len(streams)

@@ -46,6 +46,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
     warm_up: bool = False  # /health says "ok" only after the API path's warm-up (warmup.py)
+    scheduling_policy: str = "fcfs"  # the engine's: a request's `priority` needs "priority"
 
 
 @dataclass
@@ -453,13 +454,17 @@ class Server:
         return self.start_samples(ctx, token_ids, params, endpoint, t0, 1)[0]
 
     def start_samples(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
-                      endpoint: str, t0: float, num_samples: int) -> list[Generation]:
+                      endpoint: str, t0: float, num_samples: int,
+                      group: int | None = None) -> list[Generation]:
         """Queue `num_samples` samples of one prompt (n, best_of) together: one engine core
-        runs them, the first computing the prompt and the others sharing its KV pages."""
+        runs them, the first computing the prompt and the others sharing its KV pages.
+        `group`: the client request's (its first prompt's request id), for its other prompts."""
         # Stop strings are found here, on the text: the engine gets token ids only.
         samples = [sample_params(params, i, num_samples) for i in range(num_samples)]
         streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[]) if p.stop else p)
                    for p in samples]
+        for stream in streams:
+            stream.group = group
         try:
             self.loop.submit_group(streams, self.config.max_waiting)
             self.api_counters.submitted(t0)

@@ -64,6 +64,7 @@ class CoreProcess:
         self.info: dict | None = None  # from CoreReady
         self.stats: dict = {}  # from its latest message
         self.num_in_flight = 0  # requests routed here and not finished
+        self.pending_prefill = 0  # prompt tokens routed here that have no output yet (router)
         self.num_routed = 0
 
 
@@ -208,8 +209,12 @@ class CoreClient(EngineClient):
         runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
             self._admit(max_waiting)
-            core = self.cores[self.router.route(streams[0].prompt_token_ids,
-                                                [c.num_in_flight for c in self.cores])]
+            index, prefill = self.router.route_request(
+                streams[0].prompt_token_ids, [c.num_in_flight for c in self.cores],
+                [c.pending_prefill for c in self.cores])
+            core = self.cores[index]
+            core.pending_prefill += prefill  # the first sample computes the prompt for all
+            streams[0].routed_prefill = prefill
             ids = [next(self._ids) for _ in streams]
             group = streams[0].group
             message = AddRequests.of(ids, streams[0].prompt_token_ids,
@@ -221,6 +226,7 @@ class CoreClient(EngineClient):
             core.num_routed += len(streams)
             if not self._send_locked(core, message):
                 core.num_in_flight -= len(streams)
+                self._prefill_done(core, streams[0])
                 raise NotReady(f"engine core {core.index} cannot take requests")
             for stream in streams:
                 self._streams[stream.request_id] = stream
@@ -235,7 +241,14 @@ class CoreClient(EngineClient):
                 return  # finished meanwhile
             core = self.cores[stream.core]
             core.num_in_flight -= 1
+            self._prefill_done(core, stream)
             self._send_locked(core, AbortRequests([stream.request_id], finish_reason))
+
+    @staticmethod
+    def _prefill_done(core: CoreProcess, stream: RequestStream) -> None:
+        """Its prompt is computed (or will never be): out of its core's pending tokens."""
+        core.pending_prefill -= stream.routed_prefill
+        stream.routed_prefill = 0
 
     def abort_all(self) -> None:
         self._abort_in_cores()
@@ -287,8 +300,8 @@ class CoreClient(EngineClient):
         return total
 
     def core_stats(self) -> list[dict]:
-        return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight}
-                for c in self.cores]
+        return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight,
+                 "pending_prefill": c.pending_prefill} for c in self.cores]
 
     def _send(self, core: CoreProcess, msg) -> None:
         with self._lock:
@@ -356,6 +369,8 @@ class CoreClient(EngineClient):
                 stream = self._streams.get(out.request_id)
                 if stream is None:  # aborted here already
                     continue
+                if stream.routed_prefill:  # its first output: the prompt is computed
+                    self._prefill_done(core, stream)
                 if out.finished:
                     del self._streams[out.request_id]
                     core.num_in_flight -= 1
@@ -431,7 +446,7 @@ class CoreClient(EngineClient):
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
             for core in self.cores:
-                core.num_in_flight = 0
+                core.num_in_flight = core.pending_prefill = 0
         by_loop = defaultdict(list)
         for stream in streams:
             by_loop[stream.aloop].append((stream, make_item(stream.request_id)))

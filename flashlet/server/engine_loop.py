@@ -63,6 +63,9 @@ class RequestStream:
         # engine lets groups take turns); None: its own (an engine core is sent its first
         # sample's id), or the in-thread engine's common group.
         self.group: int | None = None
+        # Prompt tokens its core was expected to compute for it (data parallel routing), held
+        # in that core's pending count until its first output.
+        self.routed_prefill = 0
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 

@@ -165,3 +165,31 @@ def test_priority_outside_the_priority_policy_is_refused(tiny_qwen2):
         EngineConfig(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="^priority must be"):
         SamplingParams(priority=1.5)
+
+
+def test_an_engine_serves_a_short_request_beside_a_many_prompt_one(tiny_qwen2):
+    """Through Engine.add_request(group=) on a real (tiny) model: the short request takes no
+    more than twice its idle steps plus one beside 16 long prompts of one request, and gives
+    the tokens it gives alone."""
+    from flashlet import Engine
+
+    def short_request(with_big_request: bool) -> tuple[int, list[int]]:
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), max_num_seqs=32,
+                                     max_num_batched_tokens=64, max_decode_step_tokens=32))
+        if with_big_request:
+            for i in range(16):
+                engine.add_request([(i * 13 + j) % 250 + 2 for j in range(400)],
+                                   SamplingParams(max_new_tokens=4, ignore_eos=True), group=1)
+            engine.step()
+        rid = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                                 group=2)
+        for steps in range(1, 1000):
+            done = [o for o in engine.step() if o.request_id == rid and o.finished]
+            if done:
+                return steps, done[0].token_ids
+        raise AssertionError("the short request never finished")
+
+    idle_steps, idle_tokens = short_request(False)
+    steps, tokens = short_request(True)
+    assert tokens == idle_tokens
+    assert steps <= 2 * idle_steps + 1, f"{steps} steps against {idle_steps} alone"

@@ -6,8 +6,9 @@ still to compute. Each step, in order:
 2. what budget is left goes to prompts: chunks of running requests part-way through their
    prompt, and waiting requests admitted (longest cached prefix first adopted) while
    `max_num_seqs` and free pages allow. A step that carries decodes stops at
-   `max_decode_step_tokens` (stall-free batching: a long prompt lengthens every token gap by a
-   bounded amount, and still progresses every step); a prefill-only step uses the whole budget.
+   `max_decode_step_tokens`, or at PROMPT_TOKENS_PER_DECODE prompt tokens a decode where that
+   is more (stall-free batching: a long prompt lengthens every token gap by a bounded amount,
+   and still progresses every step); a prefill-only step uses the whole budget.
    Prompts are taken in arrival order (by `priority` first under the priority policy), except
    that prompts of different client requests (`Request.group`) take turns: each group's k-th
    prompt comes after every group's (k-1)-th, and while several groups have prompts to compute,
@@ -60,6 +61,18 @@ class SchedulerOutput:
 # once, few enough that a burst of requests is still served mostly first come, first served
 # (an even split among all of them would finish every prompt of the burst last).
 MAX_SHARING_GROUPS = 4
+# A step with many decodes is long already and may carry this many prompt tokens per decode
+# beyond max_decode_step_tokens: its gaps grow in proportion to the decode step's own, and the
+# prompts of a closed loop of such streams (a few times as long as their outputs) keep pace,
+# where a fixed bound would leave streams waiting for their prefill at high concurrency.
+PROMPT_TOKENS_PER_DECODE = 4
+
+
+def prompt_tokens_beside(num_decodes: int, max_decode_step_tokens: int) -> int:
+    """Prompt tokens a step with `num_decodes` decodes may carry: up to max_decode_step_tokens
+    in all, or PROMPT_TOKENS_PER_DECODE a decode where that is more (never none: prompts must
+    progress)."""
+    return max(max_decode_step_tokens - num_decodes, PROMPT_TOKENS_PER_DECODE * num_decodes, 1)
 
 
 @dataclass
@@ -108,19 +121,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget, prefills = self._schedule_decodes(out, self.max_num_batched_tokens)
         if out.scheduled:
-            budget = min(budget, self._prompt_tokens_beside(len(out.scheduled)))
+            budget = min(budget, prompt_tokens_beside(len(out.scheduled),
+                                                      self.max_decode_step_tokens))
         partial = [r for r in prefills if r.status is RequestStatus.RUNNING]  # not preempted
         can_admit = self.waiting and len(self.running) < self.max_num_seqs
         if budget > 0 and (partial or can_admit):
             self._schedule_prompts(_PromptBudget(out, budget), partial)
         return out
-
-    def _prompt_tokens_beside(self, num_decodes: int) -> int:
-        """Prompt tokens a step with `num_decodes` decodes may carry: up to
-        max_decode_step_tokens in all, but never under a quarter of it (many decodes alone
-        could fill it, and prompts must still progress)."""
-        cap = self.max_decode_step_tokens
-        return max(cap - num_decodes, cap // 4, 1)
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Request]]:
         """One token for each running request with one to compute (a decode; each samples),

@@ -68,14 +68,16 @@ def test_prefill_only_steps_use_the_whole_budget():
     assert [n for _, n in run_step(sched)] == [8192]
 
 
-def test_many_decodes_leave_prompts_a_quarter_of_the_decode_step_budget():
-    sched = make_scheduler(budget=1024, decode_budget=256, max_num_seqs=300)
-    for i in range(256):
+@pytest.mark.parametrize("decodes,prompt_tokens", [(8, 248), (64, 256), (100, 400), (200, 800)])
+def test_a_step_with_many_decodes_carries_four_prompt_tokens_a_decode(decodes, prompt_tokens):
+    """Up to the decode-step budget (256) in all, or 4 prompt tokens a decode where more."""
+    sched = make_scheduler(budget=2048, decode_budget=256, max_num_seqs=300)
+    for i in range(decodes):
         sched.add(make_request(i, 4, new_tokens=50))
     run_step(sched)
     sched.add(long := make_request(999, 3000, new_tokens=2))
     scheduled = dict((r.request_id, n) for r, n in run_step(sched))
-    assert scheduled[long.request_id] == 64 and len(scheduled) == 257
+    assert scheduled[long.request_id] == prompt_tokens and len(scheduled) == decodes + 1
 
 
 def test_engine_config_budgets_follow_the_device():

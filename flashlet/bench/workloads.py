@@ -44,7 +44,7 @@ from flashlet.bench.trace import Trace
 from flashlet.kv_pool import PageAllocator
 from flashlet.request import Request
 from flashlet.sampling import SamplingParams
-from flashlet.scheduler import Scheduler
+from flashlet.scheduler import Scheduler, prompt_tokens_beside
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths
@@ -257,8 +257,7 @@ def gap_stream_tokens(args, config) -> int:
     """Output tokens each decoding stream needs to outlast the long prompts' prefill: its own
     prefill steps, the baseline window, and the prefill steps of the long prompts at the
     prompt tokens a step with N decodes may carry (the scheduler's rule), doubled for slack."""
-    per_step = max(config.max_decode_step_tokens - args.gap_streams,
-                   config.max_decode_step_tokens // 4, 1)
+    per_step = prompt_tokens_beside(args.gap_streams, config.max_decode_step_tokens)
     prefill_steps = math.ceil(args.gap_long_prompts * args.gap_long_prompt_len / per_step)
     own = math.ceil(args.gap_streams * args.gap_stream_prompt_len / config.max_num_batched_tokens)
     return own + args.gap_baseline_steps + 2 * prefill_steps + 16

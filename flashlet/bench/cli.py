@@ -324,7 +324,9 @@ def _resolve_model(err, args) -> dict:
         ecfg = EngineConfig.from_cli(argparse.Namespace(**vars(args), backend=args.backends[0]))
     except (ValueError, TypeError) as e:
         err(str(e))
-    args.max_num_batched_tokens = ecfg.max_num_batched_tokens  # the device's default, resolved
+    # The device's defaults, resolved (the workloads size themselves by them).
+    args.max_num_batched_tokens = ecfg.max_num_batched_tokens
+    args.max_decode_step_tokens = ecfg.max_decode_step_tokens
     try:
         hf_cfg = engines.hf_config_dict(ecfg)
         mcfg = ModelConfig.from_hf(hf_cfg)

@@ -162,8 +162,12 @@ def sampling_params(args, max_new_tokens: int) -> SamplingParams:
 
 def decode_sat_margin(args) -> int:
     """Extra output tokens per sequence beyond the timed decode steps: the steps it may decode
-    while the rest of the batch is still being prefilled (chunked prefill), plus slack."""
-    return math.ceil(args.decode_batch * args.decode_prompt_len / args.max_num_batched_tokens) + 8
+    while the rest of the batch is still being prefilled (chunked prefill, at the fewest prompt
+    tokens a step beside decodes may carry), plus slack."""
+    B, budget = args.decode_batch, args.max_num_batched_tokens
+    cap = args.max_decode_step_tokens or budget
+    per_step = min(min(prompt_tokens_beside(n, cap), budget - n) for n in range(1, B + 1))
+    return math.ceil(B * args.decode_prompt_len / max(per_step, 1)) + 8
 
 
 def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progress = NO_PROGRESS,

@@ -13,8 +13,8 @@ PAGE = 16
 
 
 def make_scheduler(budget=512, decode_budget=None, num_pages=40_000, policy="fcfs",
-                   max_num_seqs=256):
-    return Scheduler(PageAllocator(num_pages), PAGE, max_num_seqs=max_num_seqs,
+                   max_num_seqs=256, page_size=PAGE):
+    return Scheduler(PageAllocator(num_pages), page_size, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, enable_prefix_cache=False,
                      max_decode_step_tokens=decode_budget, policy=policy)
 
@@ -195,3 +195,47 @@ def test_an_engine_serves_a_short_request_beside_a_many_prompt_one(tiny_qwen2):
     steps, tokens = short_request(True)
     assert tokens == idle_tokens
     assert steps <= 2 * idle_steps + 1, f"{steps} steps against {idle_steps} alone"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_groups_and_priorities_keep_every_invariant(policy):
+    """Random arrivals in several groups, with priorities, through a pool small enough to
+    preempt: every step within its budgets, its sampling rows the requests that reach their
+    last token, pages owned once, and every request finished with all its tokens."""
+    import random
+
+    num_preemptions = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        sched = make_scheduler(budget=24, decode_budget=10, num_pages=14, policy=policy,
+                               max_num_seqs=5, page_size=4)
+        requests, next_id = [], 0
+        for _ in range(500):
+            if next_id < 30 and rng.random() < 0.3:
+                req = make_request(next_id, rng.randrange(1, 30), rng.randrange(1, 6),
+                                   group=rng.randrange(3), priority=rng.randrange(-2, 3))
+                sched.add(req)
+                requests.append(req)
+                next_id += 1
+            if not sched.has_unfinished():
+                continue
+            decoders = {r for r in sched.running if r.num_tokens_to_compute == 1}
+            out = sched.schedule()
+            num_decodes = sum(1 for r, _ in out.scheduled if r in decoders)
+            total = out.num_batched_tokens
+            assert total <= 24
+            if num_decodes:
+                assert total - num_decodes <= max(10 - num_decodes, 4 * num_decodes)
+            want = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+            assert out.sampling == want
+            sched.on_launch(out)
+            sched.update(out, [rng.randrange(2, 50) for _ in out.sampling])
+            sched.check_integrity()
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.on_launch(out)
+            sched.update(out, [7] * len(out.sampling))
+        assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in requests)
+        assert sched.allocator.num_free + sched.cache.num_pages == 14
+        num_preemptions += sched.num_preemptions
+    assert num_preemptions > 0, "the pool was not small enough to preempt"

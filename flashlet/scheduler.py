@@ -12,7 +12,8 @@ still to compute. Each step, in order:
    Prompts are taken in arrival order (by `priority` first under the priority policy), except
    that prompts of different client requests (`Request.group`) take turns: each group's k-th
    prompt comes after every group's (k-1)-th, and while several groups have prompts to compute,
-   up to four of them first split the budget evenly, so a short request is not stuck behind a
+   each group's first one gets an equal share of the budget first (a quarter at least: see
+   MAX_SHARING_GROUPS), the rest going in order; so a short request is not stuck behind a
    request of 64 long prompts, nor behind one long prompt's chunks. One group (LLM.generate, an
    in-process engine) is plain arrival order, as in vLLM.
 When pages run out, unlocked prefix-cache pages are evicted first; then the newest running

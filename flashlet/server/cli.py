@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "closed (default: %(default)s)")
     server.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine-core processes behind this server (one per GPU on CUDA); "
-                             "each request goes to the core caching the longest prefix of it "
-                             "(default: %(default)s)")
+                             "each request goes to the core where it would finish first (the "
+                             "core's queue against the prefix it caches) (default: %(default)s)")
     server.add_argument("--api-server-count", type=int, default=None,
                         help="API-server processes serving the port side by side (HTTP, "
                              "tokenizing, SSE), all fed by the same engine core(s) (default: "

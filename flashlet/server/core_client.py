@@ -14,8 +14,8 @@ index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (tel
 sockets of all N clients) and alone sends them Shutdown. Every client binds its own sockets
 (in<core>.<k> into each core, out<k> for the steps), numbers its requests k, k + N, ... (the
 cores send a request's outputs back by `request_id % N`), aborts and probes its own requests,
-and routes with its own PrefixRouter: each router sees only the prompts and in-flight counts
-of its own process (prefix routing still sends a process's repeated prefixes to the core that
+and routes with its own PrefixRouter: each router sees only the prompts, in-flight counts and
+pending prompt tokens of its own process (prefix routing still sends a process's repeated prefixes to the core that
 cached them; the cores' running/waiting stats, which every client gets each step, are shared).
 A client that does not own the cores cannot wait on them: it watches their pids (a dead or
 zombie pid is a dead core) and client 0's (the cores' parent): either gone is fatal.

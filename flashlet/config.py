@@ -38,7 +38,7 @@ class EngineConfig:
     # each token gap by a bounded amount while the prompt still progresses every step. 512 on
     # CUDA: at the 0.5B shape a prefill token costs ~2.5 us on the H200 against a ~1.3 ms step of
     # 64 decodes, so a 512-token step stays within ~2x of a decode step (the token gap p99 / p50
-    # that issue 32 asks of 2.5x at most), where 1024 would pass it.
+    # that issue 32 asks of 2.5x at most), where 1024 would exceed it.
     max_decode_step_tokens: int | None = None  # token budget of a step that carries decodes, or 4 prompt tokens a decode where that is more (prefill-only steps use max_num_batched_tokens); default 512 on CUDA, 64 on the CPU, never above max_num_batched_tokens
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by arrival, or by their `priority` (lower first, then arrival; vLLM's)
     max_model_len: int | None = None  # default: the model's max_position_embeddings

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 import torch
 
 BACKENDS = ("auto", "torch", "flashinfer", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+CHOICES = {"backend": BACKENDS, "scheduling_policy": SCHEDULING_POLICIES}  # flags with a closed set
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,19 @@ class EngineConfig:
     kv_memory_gb: float = 1.0  # KV pool budget on the CPU when max_num_pages is not given
     gpu_memory_utilization: float = 0.6  # fraction of free GPU memory the KV pool may take
     max_num_seqs: int = 256  # running requests at once
-    # 8192, not 2048: prefill chunks that fill the GPU, and a quarter as many steps where decodes
-    # ride along with a chunk (H200, Qwen2.5-0.5B: offline first run +30%, decode-sat end to end
-    # 0.78 -> 0.96 of steady), at the price of longer steps for the running decodes while a long
-    # prompt is prefilled.
-    max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
+    # On CUDA 8192, not 2048: prefill chunks that fill the GPU (H200, Qwen2.5-0.5B: offline first
+    # run +30%); the steps that carry decodes are bounded apart (max_decode_step_tokens). On the
+    # CPU a step's attention costs chunk x context: 8192 tokens of one prompt made one step of
+    # minutes, 256 keeps each to seconds (issue 35).
+    max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); default 8192 on CUDA, 256 on the CPU (at least max_num_seqs)
+    # Stall-free batching (Sarathi-Serve; vLLM and SGLang bound the steps that carry decodes too):
+    # a step with decodes in it stops at this many tokens, so a long prompt's chunks lengthen
+    # each token gap by a bounded amount while the prompt still progresses every step. 512 on
+    # CUDA: at the 0.5B shape a prefill token costs ~2.5 us on the H200 against a ~1.3 ms step of
+    # 64 decodes, so a 512-token step stays within ~2x of a decode step (the token gap p99 / p50
+    # that issue 32 asks of 2.5x at most), where 1024 would exceed it.
+    max_decode_step_tokens: int | None = None  # token budget of a step that carries decodes, or 4 prompt tokens a decode where that is more (prefill-only steps use max_num_batched_tokens); default 512 on CUDA, 64 on the CPU, never above max_num_batched_tokens
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by arrival, or by their `priority` (lower first, then arrival; vLLM's)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prompt prefixes (radix cache)
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
@@ -57,6 +67,10 @@ class EngineConfig:
             raise ValueError(f"max_num_pages must be >= 1, got {self.max_num_pages}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        self._resolve_token_budgets()
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r} "
+                             f"(choose from {', '.join(SCHEDULING_POLICIES)})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_num_seqs so every decode fits in a step"
@@ -73,6 +87,21 @@ class EngineConfig:
             raise ValueError(f"fused_decode_attn is the triton backend's one-launch decode; backend is {self.backend!r}")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
+
+    def _resolve_token_budgets(self) -> None:
+        """Fill in the device's token budgets where none was given (frozen: set through object)."""
+        try:
+            on_cuda = self.resolved_device().type == "cuda"
+        except RuntimeError as e:  # torch's error for a device string it cannot parse
+            raise ValueError(f"device: {e}") from None
+        if self.max_num_batched_tokens is None:
+            default = 8192 if on_cuda else max(256, self.max_num_seqs)
+            object.__setattr__(self, "max_num_batched_tokens", default)
+        if self.max_decode_step_tokens is None:
+            default = min(512 if on_cuda else 64, self.max_num_batched_tokens)
+            object.__setattr__(self, "max_decode_step_tokens", default)
+        if self.max_decode_step_tokens < 1:
+            raise ValueError(f"max_decode_step_tokens must be >= 1, got {self.max_decode_step_tokens}")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
@@ -102,7 +131,7 @@ class EngineConfig:
             if "default" not in help:
                 help += " (default: %(default)s)"
             parser.add_argument(flag, type=_cli_type(f), default=f.default, help=help,
-                                choices=BACKENDS if f.name == "backend" else None)
+                                choices=CHOICES.get(f.name))
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -128,7 +128,8 @@ class Engine:
                               self.device, fused_rope=config.fused_ops and self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
-                                   self._eos_ids())
+                                   self._eos_ids(), config.max_decode_step_tokens,
+                                   config.scheduling_policy)
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
                            if self.tokenizer is not None else None)
@@ -181,13 +182,15 @@ class Engine:
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: int | None = None, after: int | None = None) -> int:
+                    request_id: int | None = None, after: int | None = None,
+                    group: object = None) -> int:
         """Queue a request (under `request_id` if given, else a fresh id); raises ValueError
         (allocating nothing) if it can never run or the id is in use.
 
         `after`: another sample of the same prompt (n > 1). This one is held until that request
         has computed the prompt (its first output), so it finds the prompt's pages in the
-        prefix cache instead of computing them again."""
+        prefix cache instead of computing them again. `group`: the client request it belongs
+        to (the scheduler lets groups take turns with their prompts; None: the common one)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt)
         self.check_request(len(token_ids), params)
@@ -197,7 +200,7 @@ class Engine:
             raise ValueError(f"request id {request_id} is in use")
         # The sampling kernel keys a seeded request's noise by its seed and position instead.
         generator = None if self.sampler.use_kernel else make_generator(params, self.device)
-        req = Request(request_id, token_ids, params, generator)
+        req = Request(request_id, token_ids, params, generator, group=group)
         if params.is_constrained:
             req.grammar = self.structured.matcher(params.response_format)
         if params.logprobs is not None:
@@ -225,6 +228,9 @@ class Engine:
         """Raise ValueError if a request of this size could never run (a last defensive check:
         LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: {params.priority} needs the priority scheduling "
+                             "policy (--scheduling-policy priority)")
         if params.is_constrained:
             if self.structured is None:
                 raise ValueError("response_format needs a model with a tokenizer")

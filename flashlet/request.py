@@ -47,6 +47,9 @@ class Request:
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
     grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
+    # The client request this one is part of (a multi-prompt completion's prompts share one):
+    # the scheduler shares prefill between groups (scheduler.py). None: the common group.
+    group: object = None
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)

@@ -39,6 +39,7 @@ class SamplingParams:
     # "last" / "mean": an embedding request: its prompt's final hidden states pooled and
     # normalised (flashlet/pooling.py) come back in the final output.
     pooling: str | None = None
+    priority: int = 0  # with scheduling_policy "priority": lower values run first (vLLM's)
     max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
     def __post_init__(self, max_tokens: int | None):
@@ -86,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if not _is_int(self.priority) or not -2**63 <= self.priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
         _check_response_format(self.response_format)
         if self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")

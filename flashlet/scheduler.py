@@ -3,9 +3,19 @@
 There is no prefill phase and no decode phase: every request has tokens computed and tokens
 still to compute. Each step, in order:
 1. every running request with one token to compute (a decode) gets it;
-2. running requests part-way through their prompt get a chunk of what budget is left;
-3. waiting requests are admitted (longest cached prefix first adopted) while the token budget,
-   `max_num_seqs` and free pages allow.
+2. what budget is left goes to prompts: chunks of running requests part-way through their
+   prompt, and waiting requests admitted (longest cached prefix first adopted) while
+   `max_num_seqs` and free pages allow. A step that carries decodes stops at
+   `max_decode_step_tokens`, or at PROMPT_TOKENS_PER_DECODE prompt tokens a decode where that
+   is more (stall-free batching: a long prompt lengthens every token gap by a bounded amount,
+   and still progresses every step); a prefill-only step uses the whole budget.
+   Prompts are taken in arrival order (by `priority` first under the priority policy), except
+   that prompts of different client requests (`Request.group`) take turns: each group's k-th
+   prompt comes after every group's (k-1)-th, and while several groups have prompts to compute,
+   each group's first one gets an equal share of the budget first (a quarter at least: see
+   MAX_SHARING_GROUPS), the rest going in order; so a short request is not stuck behind a
+   request of 64 long prompts, nor behind one long prompt's chunks. One group (LLM.generate, an
+   in-process engine) is plain arrival order, as in vLLM.
 When pages run out, unlocked prefix-cache pages are evicted first; then the newest running
 request is preempted: its pages are released (full pages go into the prefix cache) and it waits
 to be recomputed, keeping the tokens it has generated so its output does not change.
@@ -21,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
 from flashlet.radix_cache import PageHolder, RadixCache
@@ -47,14 +57,49 @@ class SchedulerOutput:
         return self.num_batched_tokens == len(self.scheduled)
 
 
+# While several client requests have prompts to compute, this many at most split a step's
+# prompt budget evenly before the rest goes in order: enough that a short request gets in at
+# once, few enough that a burst of requests is still served mostly first come, first served
+# (an even split among all of them would finish every prompt of the burst last).
+MAX_SHARING_GROUPS = 4
+# A step with many decodes is long already and may carry this many prompt tokens per decode
+# beyond max_decode_step_tokens: its gaps grow in proportion to the decode step's own, and the
+# prompts of a closed loop of such streams (a few times as long as their outputs) keep pace,
+# where a fixed bound would leave streams waiting for their prefill at high concurrency.
+PROMPT_TOKENS_PER_DECODE = 4
+
+
+def prompt_tokens_beside(num_decodes: int, max_decode_step_tokens: int) -> int:
+    """Prompt tokens a step with `num_decodes` decodes may carry: up to max_decode_step_tokens
+    in all, or PROMPT_TOKENS_PER_DECODE a decode where that is more (never none: prompts must
+    progress)."""
+    return max(max_decode_step_tokens - num_decodes, PROMPT_TOKENS_PER_DECODE * num_decodes, 1)
+
+
+@dataclass
+class _PromptBudget:
+    """The prompt half of one step being scheduled: its tokens left and the chunk each request
+    got so far (admitted ones included), in the order they were given."""
+
+    out: SchedulerOutput
+    tokens: int
+    chunks: dict[Request, int] = field(default_factory=dict)
+    admitting: bool = True  # false once a waiting request found no pages: the rest wait too
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_cache: bool = True,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 max_decode_step_tokens: int | None = None, policy: str = "fcfs"):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: steps with decodes in them get the whole budget too (no stall-free bound).
+        self.max_decode_step_tokens = min(max_decode_step_tokens or max_num_batched_tokens,
+                                          max_num_batched_tokens)
+        self.by_priority = policy == "priority"
         self.enable_prefix_cache = enable_prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
@@ -76,12 +121,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget, prefills = self._schedule_decodes(out, self.max_num_batched_tokens)
-        for req in prefills:
-            if req.status is not RequestStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this step, or no budget left for chunks
-            budget = self._schedule_chunk(req, out, budget)
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if out.scheduled:
+            budget = min(budget, prompt_tokens_beside(len(out.scheduled),
+                                                      self.max_decode_step_tokens))
+        partial = [r for r in prefills if r.status is RequestStatus.RUNNING]  # not preempted
+        can_admit = self.waiting and len(self.running) < self.max_num_seqs
+        if budget > 0 and (partial or can_admit):
+            self._schedule_prompts(_PromptBudget(out, budget), partial)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Request]]:
@@ -109,17 +155,65 @@ class Scheduler:
             budget -= 1
         return budget, prefills
 
-    def _schedule_chunk(self, req: Request, out: SchedulerOutput, budget: int) -> int:
-        """As much of `req`'s remaining tokens as the budget allows (it samples if that is all
-        of them); returns the budget left."""
-        to_compute = req.num_tokens_to_compute
-        n = min(to_compute, budget)
-        if not self._reserve_or_preempt(req, n, out):
-            return budget
-        out.scheduled.append((req, n))
-        if n == to_compute:
-            out.sampling.append(req)
-        return budget - n
+    def _schedule_prompts(self, step: _PromptBudget, partial: list[Request]) -> None:
+        """Prompt chunks for the running requests part-way through their prompt and for
+        waiting requests, within step.tokens (see the module's docstring for the order)."""
+        order, num_groups = self._prompt_order(partial)
+        if num_groups > 1:  # first, the head of each group gets an even share
+            share = -(-step.tokens // min(num_groups, MAX_SHARING_GROUPS))
+            heads = {}
+            for req in order:
+                heads.setdefault(req.group, req)
+            self._give_chunks(step, heads.values(), share)
+        self._give_chunks(step, order, step.tokens)
+        for req, n in step.chunks.items():
+            if req.status is RequestStatus.RUNNING:  # not preempted by a later chunk
+                step.out.scheduled.append((req, n))
+                if n == req.num_tokens_to_compute:
+                    step.out.sampling.append(req)
+
+    def _prompt_order(self, partial: list[Request]) -> tuple[list[Request], int]:
+        """The requests with prompt tokens to compute, in the order they get the budget, and
+        how many groups they come from. Running ones keep their place ahead of waiting ones of
+        their group; the k-th of each group comes after every group's (k-1)-th."""
+        order = partial + list(self.waiting)
+        if self.by_priority:
+            order.sort(key=attrgetter("params.priority"))  # stable: arrival order within
+        rank_in_group: dict[object, int] = {}
+        keys = []
+        for position, req in enumerate(order):
+            rank = rank_in_group.get(req.group, 0)
+            rank_in_group[req.group] = rank + 1
+            keys.append((req.params.priority if self.by_priority else 0, rank, position))
+        if len(rank_in_group) > 1:
+            order = [order[k[2]] for k in sorted(keys)]
+        return order, len(rank_in_group)
+
+    def _give_chunks(self, step: _PromptBudget, requests, share: int) -> None:
+        """Each request in turn up to `share` more prompt tokens, while step.tokens last."""
+        for req in requests:
+            if step.tokens == 0:
+                return
+            if req.status is RequestStatus.WAITING:
+                n = self._admit(step, req, min(share, step.tokens))
+            else:
+                n = self._extend_chunk(step, req, min(share, step.tokens))
+            step.tokens -= n
+
+    def _extend_chunk(self, step: _PromptBudget, req: Request, most: int) -> int:
+        """Up to `most` more of a running request's prompt in this step -> the tokens added (0
+        where it was preempted for want of pages)."""
+        if req.status is not RequestStatus.RUNNING:
+            return 0  # preempted by an earlier chunk of this step
+        have = step.chunks.get(req, 0)
+        n = min(req.num_tokens_to_compute - have, most)
+        if n <= 0:
+            return 0
+        if not self._reserve_or_preempt(req, have + n, step.out):
+            step.chunks.pop(req, None)
+            return 0
+        step.chunks[req] = have + n
+        return n
 
     # ---- after a step ---------------------------------------------------------------------
     def on_launch(self, out: SchedulerOutput) -> None:
@@ -213,26 +307,27 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            self._adopt_cached_prefix(req)
-            to_compute = req.num_tokens_to_compute
-            n = min(to_compute, budget)
-            if not self._reserve(req, req.num_computed_tokens + n):
-                self.release(req, cache=False)
-                break
-            self.waiting.popleft()
-            if req.num_preemptions == 0:  # a recompute after preemption is not a cache hit
-                req.num_cached_tokens = req.num_computed_tokens
-                self.cache.queried_tokens += req.num_prompt_tokens
-                self.cache.hit_tokens += req.num_cached_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append((req, n))
-            if n == to_compute:
-                out.sampling.append(req)
-            budget -= n
+    def _admit(self, step: _PromptBudget, req: Request, most: int) -> int:
+        """Admit a waiting request with a chunk of up to `most` tokens -> the tokens given (0:
+        not admitted; after a preemption in this step, none is, as pages are short)."""
+        if (not step.admitting or step.out.preempted
+                or len(self.running) >= self.max_num_seqs):
+            return 0
+        self._adopt_cached_prefix(req)
+        n = min(req.num_tokens_to_compute, most)
+        if not self._reserve(req, req.num_computed_tokens + n):
+            self.release(req, cache=False)
+            step.admitting = False
+            return 0
+        self.waiting.remove(req)
+        if req.num_preemptions == 0:  # a recompute after preemption is not a cache hit
+            req.num_cached_tokens = req.num_computed_tokens
+            self.cache.queried_tokens += req.num_prompt_tokens
+            self.cache.hit_tokens += req.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.chunks[req] = n
+        return n
 
     # ---- pages ----------------------------------------------------------------------------
     def _adopt_cached_prefix(self, req: Request) -> None:

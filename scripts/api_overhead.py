@@ -58,7 +58,7 @@ class TokenSource:
         self.max_model_len, self.backend_name, self.model_dir = 1 << 20, "token-source", None
         self.device, self.dtype = "cpu", "none"
 
-    def add_request(self, prompt_token_ids, params, request_id, after=None) -> None:
+    def add_request(self, prompt_token_ids, params, request_id, after=None, group=None) -> None:
         self.requests[request_id] = SimpleNamespace(  # (the core gives an int32 array)
             source=prompt_token_ids.tolist(), left=params.max_new_tokens, made=0)
 

@@ -26,8 +26,10 @@ from flashlet.bench import engines
 from flashlet.bench.common import Progress, environment, git_commit, utc_now
 from flashlet.config import BACKENDS, EngineConfig
 
-WORKLOADS = ("closed-loop", "decode-sat", "single", "offline", "scheduler", "kernels")
-MODEL_WORKLOADS = ("closed-loop", "decode-sat", "single", "offline")
+WORKLOADS = ("closed-loop", "decode-sat", "single", "offline", "long-prompt-gaps", "scheduler",
+             "kernels")
+MODEL_WORKLOADS = ("closed-loop", "decode-sat", "single", "offline", "long-prompt-gaps")
+PEER_WORKLOADS = ("closed-loop", "decode-sat", "single", "offline")
 PEERS = ("hf", "hf-static")
 DEFAULT_CONCURRENCY = [1, 8, 32, 128]
 
@@ -74,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--single-prompt-len", type=int, default=32)
     w.add_argument("--bandwidth-mib", type=int, default=None,
                    help="copy-bandwidth probe buffer (default 1024 MiB on CUDA, 256 on CPU)")
+    w.add_argument("--gap-streams", type=int, default=64,
+                   help="long-prompt-gaps: streams decoding while the long prompts arrive")
+    w.add_argument("--gap-stream-prompt-len", type=int, default=128)
+    w.add_argument("--gap-long-prompts", type=int, default=8,
+                   help="long-prompt-gaps: prompts arriving at once beside the streams")
+    w.add_argument("--gap-long-prompt-len", type=int, default=8000)
+    w.add_argument("--gap-baseline-steps", type=int, default=32,
+                   help="long-prompt-gaps: pure-decode steps timed before the prompts arrive")
     w.add_argument("--sched-running", type=int, default=256)
     w.add_argument("--sched-prefill-chunks", type=int, default=16)
     w.add_argument("--sched-context", type=int, default=512, help="prompt length of the decodes")
@@ -148,6 +158,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     for name in ("threads", "num_requests", "max_new_tokens", "decode_batch", "decode_prompt_len",
                  "decode_tokens", "single_tokens", "single_prompt_len", "sched_running",
                  "sched_context", "sched_chunk_len", "sched_steps", "bandwidth_mib",
+                 "gap_streams", "gap_stream_prompt_len", "gap_long_prompts",
+                 "gap_long_prompt_len", "gap_baseline_steps",
                  "peer_max_requests", "peer_batch_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -160,8 +172,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         v = getattr(args, name)
         if v is not None and not 1 <= v[0] <= v[1]:
             err(f"--{name.replace('_', '-')} must be LO HI with 1 <= LO <= HI, got {v[0]} {v[1]}")
-    if args.peer and wl not in MODEL_WORKLOADS:
-        err(f"--peer applies to {', '.join(MODEL_WORKLOADS)}, not {wl!r}")
+    if args.peer and wl not in PEER_WORKLOADS:
+        err(f"--peer applies to {', '.join(PEER_WORKLOADS)}, not {wl!r}")
     if args.peer and args.tensor_parallel_size > 1:
         err("--peer runs the engine's weights on one device: use --tensor-parallel-size 1")
     if args.peer:
@@ -253,7 +265,8 @@ def _resolve_scheduler(err, args) -> None:
     R, K = args.sched_running, args.sched_prefill_chunks
     if not 0 <= K < R:
         err(f"--sched-prefill-chunks must be in [0, --sched-running), got {K}")
-    budget = args.max_num_batched_tokens
+    # The host's cost of a GPU step: by default at the GPU's budget, wherever this runs.
+    budget = args.max_num_batched_tokens or EngineConfig(device="cuda").max_num_batched_tokens
     decodes = R - K
     if K:
         args.sched_chunk_len = args.sched_chunk_len or (budget - decodes) // K
@@ -311,6 +324,9 @@ def _resolve_model(err, args) -> dict:
         ecfg = EngineConfig.from_cli(argparse.Namespace(**vars(args), backend=args.backends[0]))
     except (ValueError, TypeError) as e:
         err(str(e))
+    # The device's defaults, resolved (the workloads size themselves by them).
+    args.max_num_batched_tokens = ecfg.max_num_batched_tokens
+    args.max_decode_step_tokens = ecfg.max_decode_step_tokens
     try:
         hf_cfg = engines.hf_config_dict(ecfg)
         mcfg = ModelConfig.from_hf(hf_cfg)
@@ -333,6 +349,13 @@ def _resolve_model(err, args) -> dict:
 
         longest = args.decode_prompt_len + args.decode_tokens + decode_sat_margin(args)
         batch = args.decode_batch
+    elif wl == "long-prompt-gaps":
+        from flashlet.bench.workloads import gap_stream_tokens
+
+        args.gap_stream_tokens = gap_stream_tokens(args, ecfg)
+        longest = max(args.gap_long_prompt_len + 1,
+                      args.gap_stream_prompt_len + args.gap_stream_tokens)
+        batch = args.gap_streams + args.gap_long_prompts
     else:
         longest, batch = args.single_prompt_len + args.single_tokens, 1
     if longest > max_len:
@@ -445,7 +468,8 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
     ecfg, mcfg = info["engine_config"], info["model_config"]
     record["env"] = environment(info["device"])
     fn = {"closed-loop": workloads.closed_loop, "decode-sat": workloads.decode_sat,
-          "single": workloads.single, "offline": workloads.offline}[args.workload]
+          "single": workloads.single, "offline": workloads.offline,
+          "long-prompt-gaps": workloads.long_prompt_gaps}[args.workload]
     what = f"config {ecfg.config}" if ecfg.config else f"model {ecfg.model or 'embedded default'}"
     engine = None
     for i, backend in enumerate(args.backends):
@@ -518,6 +542,9 @@ def _say_results(say, workload: str, res: dict, name: str) -> None:
         for lv in res["levels"]:
             say(f"{name} c={lv['concurrency']}: {lv['output_tok_s']:.1f} output tok/s, "
                 f"TTFT p50 {lv['ttft_ms']['p50']:.1f} ms")
+    elif "itl_p99_over_p50" in res:
+        say(f"{name}: decode ITL p50 {res['itl_ms']['p50']:.2f} ms, p99 {res['itl_ms']['p99']:.2f} "
+            f"ms while the long prompts prefill; their TTFT p50 {res['long_ttft_ms']['p50']:.0f} ms")
     elif "decode_tok_s" in res:
         say(f"{name}: {res['decode_tok_s']:.1f} decode tok/s")
     elif "output_tok_s" in res:
@@ -534,6 +561,8 @@ def _params(args) -> dict:
                        "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                        "repetition_penalty"],
         "single": ["single_prompt_len", "single_tokens", "bandwidth_mib"],
+        "long-prompt-gaps": ["gap_streams", "gap_stream_prompt_len", "gap_stream_tokens",
+                             "gap_long_prompts", "gap_long_prompt_len", "gap_baseline_steps"],
         "scheduler": ["sched_running", "sched_prefill_chunks", "sched_context", "sched_chunk_len",
                       "sched_steps", "sched_budget"],
         "kernels": ["kernel_device", "kernels_quick", "kernels_smoke", "model", "config"],

@@ -133,7 +133,7 @@ def markdown(record: dict) -> str:
     head = [f"### flashlet bench: {wl}", "", _setup_line(record), ""]
     body = {"closed-loop": _md_closed, "decode-sat": _md_decode, "single": _md_single,
             "offline": _md_offline, "scheduler": _md_sched, "kernels": _md_kernels,
-            "url": _md_url}[wl](record)
+            "long-prompt-gaps": _md_gaps, "url": _md_url}[wl](record)
     tail = _skipped_lines(record)
     return "\n".join(head + [body] + ([""] + tail if tail else [])) + "\n"
 
@@ -209,6 +209,23 @@ def _md_decode(record: dict) -> str:
         "after a warm-up batch. End to end, measured first on the fresh engine: " \
         "batch x steps / (T(steps + 1 new tokens) - T(1 new token)), each T from submitting the " \
         "batch to its last token." + _e2e_step_lines(_ours(record)) + _start_lines(record)
+
+
+def _md_gaps(record: dict) -> str:
+    def row(name, m):
+        itl, base, ttft = m["itl_ms"], m["baseline_itl_ms"], m["long_ttft_ms"]
+        return [name, m["streams"], m["max_decode_step_tokens"], base["p50"], itl["p50"],
+                itl["p99"], itl["max"], _x(m["itl_p99_over_p50"]), ttft["p50"], ttft["max"]]
+
+    p = record.get("params", {})
+    return table(["engine", "streams", "decode-step tokens", "ITL p50 before (ms)",
+                  "ITL p50 (ms)", "ITL p99 (ms)", "ITL max (ms)", "ITL p99 / p50",
+                  "long TTFT p50 (ms)", "long TTFT max (ms)"],
+                 [row(name, m) for name, m in _ours(record)]) + \
+        f"\n\nITL: the decoding streams' token gaps from the arrival of {p.get('gap_long_prompts')} " \
+        f"prompts of {p.get('gap_long_prompt_len')} tokens (all at once) to the last one's first " \
+        f"token; before: {p.get('gap_baseline_steps')} pure-decode steps just before they arrive. Long TTFT " \
+        "from their arrival."
 
 
 def _e2e_step_lines(runs) -> str:

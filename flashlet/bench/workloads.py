@@ -12,6 +12,9 @@ it reports (no extra device synchronize per step: that would undo the engine's o
 - offline: every request submitted at once (nano-vllm's throughput workload): the first run
   straight after Engine start (no bench warm-up), then a repeat with fresh prompts.
 - closed-loop: its figures are end to end already (first submission to the last token).
+- long-prompt-gaps: N streams decoding while M long prompts arrive at once (issue 32): the
+  streams' token gaps (ITL) while the prompts are prefilled, against a pure-decode window
+  before they arrive, and the long prompts' TTFT.
 - scheduler: CPU cost of `scheduler.schedule()` + the step layout (`batch.layout_of`,
   `StepBuffers.load`) for one step, no forward.
 - kernels: `flashlet.kernels.bench.run_kernel_sweep`.
@@ -41,7 +44,7 @@ from flashlet.bench.trace import Trace
 from flashlet.kv_pool import PageAllocator
 from flashlet.request import Request
 from flashlet.sampling import SamplingParams
-from flashlet.scheduler import Scheduler
+from flashlet.scheduler import Scheduler, prompt_tokens_beside
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths
@@ -159,8 +162,12 @@ def sampling_params(args, max_new_tokens: int) -> SamplingParams:
 
 def decode_sat_margin(args) -> int:
     """Extra output tokens per sequence beyond the timed decode steps: the steps it may decode
-    while the rest of the batch is still being prefilled (chunked prefill), plus slack."""
-    return math.ceil(args.decode_batch * args.decode_prompt_len / args.max_num_batched_tokens) + 8
+    while the rest of the batch is still being prefilled (chunked prefill, at the fewest prompt
+    tokens a step beside decodes may carry), plus slack."""
+    B, budget = args.decode_batch, args.max_num_batched_tokens
+    cap = args.max_decode_step_tokens or budget
+    per_step = min(min(prompt_tokens_beside(n, cap), budget - n) for n in range(1, B + 1))
+    return math.ceil(B * args.decode_prompt_len / max(per_step, 1)) + 8
 
 
 def decode_end_to_end(engine, B: int, P: int, D: int, seed: int, progress: Progress = NO_PROGRESS,
@@ -246,6 +253,106 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
         "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
         "num_preemptions": engine.stats()["num_preemptions"] - preempt0,
         "samples": {"step_ms": samples(step_s, 1e3)},
+    }
+
+
+# ---- decode token gaps while long prompts arrive -------------------------------------------
+def gap_stream_tokens(args, config) -> int:
+    """Output tokens each decoding stream needs to outlast the long prompts' prefill: its own
+    prefill steps, the baseline window, and the prefill steps of the long prompts at the
+    prompt tokens a step with N decodes may carry (the scheduler's rule), doubled for slack."""
+    per_step = prompt_tokens_beside(args.gap_streams, config.max_decode_step_tokens)
+    prefill_steps = math.ceil(args.gap_long_prompts * args.gap_long_prompt_len / per_step)
+    own = math.ceil(args.gap_streams * args.gap_stream_prompt_len / config.max_num_batched_tokens)
+    return own + args.gap_baseline_steps + 2 * prefill_steps + 16
+
+
+class _GapRecorder:
+    """engine.step() with the time each stream's token and each long prompt's first token came."""
+
+    def __init__(self, engine, stream_ids: list[int]):
+        self.engine = engine
+        self.stream_of = {rid: i for i, rid in enumerate(stream_ids)}
+        self.token_times: list[list[float]] = [[] for _ in stream_ids]
+        self.first_token: dict[int, float] = {}  # long prompt id -> time of its first token
+        self.step_s: list[tuple[float, float]] = []  # (end time, duration)
+
+    def step(self) -> None:
+        t0 = now()
+        outs = self.engine.step()
+        t1 = now()
+        self.step_s.append((t1, t1 - t0))
+        for out in outs:
+            if out.finish_reason in ("abort", "error"):
+                raise RuntimeError(f"request {out.request_id} failed: {out.error or out.finish_reason}")
+            i = self.stream_of.get(out.request_id)
+            if i is not None:
+                self.token_times[i].extend([t1] * len(out.new_token_ids))
+                if out.finished:
+                    raise RuntimeError("long-prompt-gaps: a stream finished inside the window "
+                                       "(too few output tokens)")
+            elif out.new_token_ids:
+                self.first_token.setdefault(out.request_id, t1)
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Every stream's token gaps that end inside (start, end]."""
+        return [b - a for times in self.token_times for a, b in zip(times, times[1:])
+                if start < b <= end]
+
+    def steps(self, start: float, end: float) -> list[float]:
+        return [d for t, d in self.step_s if start < t <= end]
+
+
+def long_prompt_gaps(engine, args, progress: Progress = NO_PROGRESS) -> dict:
+    N, M, L = args.gap_streams, args.gap_long_prompts, args.gap_long_prompt_len
+    vocab = engine.model_config.vocab_size
+    if args.warmup:
+        warmup(engine, N, 16, args.seed)
+    streams = make_specs(N, (args.gap_stream_prompt_len,) * 2, (args.gap_stream_tokens,) * 2,
+                         vocab, args.seed, stream=1)
+    stream_ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=s.max_new_tokens,
+                                                              ignore_eos=True)) for s in streams]
+    rec = _GapRecorder(engine, stream_ids)
+    while engine.stats()["waiting"] or engine.num_decoding() < N:  # the streams' own prefill
+        rec.step()
+    rec.step()  # with overlap, this one delivers the last prefill's tokens (the first ones)
+    baseline_start = now()
+    for _ in range(args.gap_baseline_steps):
+        rec.step()
+    long_specs = make_specs(M, (L, L), (1, 1), vocab, args.seed, stream=2)
+    arrival = now()
+    long_ids = [engine.add_request(s.prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+                for s in long_specs]
+    task = progress.task(f"long-prompt-gaps: {M} x {L} tokens beside {N} streams", M)
+    while len(rec.first_token) < M:
+        seen = len(rec.first_token)
+        rec.step()
+        for _ in range(len(rec.first_token) - seen):
+            task.advance()
+    end = max(rec.first_token.values())
+    for rid in stream_ids:  # the tokens left are not needed
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return gap_figures(rec, baseline_start, arrival, end,
+                       [rec.first_token[rid] - arrival for rid in long_ids], engine.config)
+
+
+def gap_figures(rec: _GapRecorder, baseline_start: float, arrival: float, end: float,
+                ttft_s: list[float], config) -> dict:
+    itl = rec.gaps(arrival, end)
+    base = rec.gaps(baseline_start, arrival)
+    under, before = summarize(itl, 1e3), summarize(base, 1e3)
+    return {
+        "streams": len(rec.token_times), "max_decode_step_tokens": config.max_decode_step_tokens,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "itl_ms": under, "itl_p99_over_p50": under["p99"] / under["p50"] if under["p50"] else None,
+        "baseline_itl_ms": before,
+        "itl_p99_over_baseline_p50": under["p99"] / before["p50"] if before["p50"] else None,
+        "long_ttft_ms": summarize(ttft_s, 1e3), "long_ttft_ms_each": [round(t * 1e3, 3) for t in ttft_s],
+        "window_s": end - arrival, "window_steps": len(rec.steps(arrival, end)),
+        "step_ms": summarize(rec.steps(arrival, end), 1e3),
+        "samples": {"itl_ms": samples(itl, 1e3), "baseline_itl_ms": samples(base, 1e3)},
     }
 
 

@@ -12,7 +12,9 @@ and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the
 flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
 (a supervisor restarts it).
 
---api-server-count N (vLLM's flag; default 1): N API-server processes serve the one port. On
+--api-server-count N (vLLM's flag; default from the CPUs this process may use: one below 8,
+else a quarter of them, at most 4, as default_api_server_count says why): N API-server
+processes serve the one port. On
 Linux each has its own listening socket, all N bound here with SO_REUSEPORT before anything
 starts and N - 1 handed to spawned children: the kernel spreads new connections over the
 sockets that listen by a hash of the connection's addresses, so over many connections each
@@ -103,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "closed (default: %(default)s)")
     server.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine-core processes behind this server (one per GPU on CUDA); "
-                             "each request goes to the core caching the longest prefix of it "
-                             "(default: %(default)s)")
-    server.add_argument("--api-server-count", type=int, default=1,
+                             "each request goes to the core where it would finish first (the "
+                             "core's queue against the prefix it caches) (default: %(default)s)")
+    server.add_argument("--api-server-count", type=int, default=None,
                         help="API-server processes serving the port side by side (HTTP, "
-                             "tokenizing, SSE), all fed by the same engine core(s) "
-                             "(default: %(default)s)")
+                             "tokenizing, SSE), all fed by the same engine core(s) (default: "
+                             "from the CPU count: 1 below 8 CPUs, else a quarter of them, at "
+                             "most 4; 1 with --tensor-parallel-size > 1)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")
@@ -290,6 +293,27 @@ def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, na
             f"context {info['max_model_len']} | serving on http://{host}:{port}")
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_api_server_count(cpus: int, tensor_parallel_size: int = 1) -> int:
+    """API processes when --api-server-count is not given. One process's HTTP, detokenizing
+    and SSE fell behind the engine at 256 streams on the H200 (0.78 of in-process; 4 processes:
+    0.91, issue 32), so a machine with CPUs to spare runs several: a quarter of its CPUs, the
+    rest left to the engine cores, their tokenizer threads and the OS; at most 4, past which
+    the engine core's one socket reader is the limit and each process only adds its memory
+    (a tokenizer, the app). Below 8 CPUs, one: a second would take CPU from the engine core.
+    Tensor parallelism runs one (its core starts worker processes of its own)."""
+    if tensor_parallel_size > 1 or cpus < 8:
+        return 1
+    return min(4, cpus // 4)
+
+
 def _check_server_args(args) -> HttpLimits:
     """Raise ValueError naming the first bad server flag."""
     if args.max_waiting < 1:
@@ -376,6 +400,7 @@ def make_app(args, client, name: str, limits: HttpLimits, chat_template: str | N
                                           tool_call_parser=args.tool_call_parser,
                                           reasoning_parser=args.reasoning_parser,
                                           pooling=args.pooling,
+                                          scheduling_policy=args.scheduling_policy,
                                           warm_up=True))
     app.state.server.api_server_index = api_server
     app.state.server.api_servers_warm = warm_flags
@@ -484,12 +509,22 @@ def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pid
     sys.exit(1 if client.error is not None else 0)
 
 
+def _resolve_api_server_count(args) -> None:
+    if args.api_server_count is not None:
+        args.api_server_count_reason = "--api-server-count"
+        return
+    cpus = usable_cpus()
+    args.api_server_count = default_api_server_count(cpus, args.tensor_parallel_size)
+    args.api_server_count_reason = (f"default for {cpus} CPUs; --api-server-count N sets it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _model_argument(args)
         engine_config = EngineConfig.from_cli(args)
+        _resolve_api_server_count(args)
         limits = _check_server_args(args)
         chat_template = read_chat_template(args.chat_template)
         check_backend_runs_here(engine_config)
@@ -497,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # one line, exit code 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("API server processes: %d (%s)", args.api_server_count,
+             args.api_server_count_reason)
     from flashlet.parallel import launched_rank
 
     if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:

@@ -14,8 +14,8 @@ index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (tel
 sockets of all N clients) and alone sends them Shutdown. Every client binds its own sockets
 (in<core>.<k> into each core, out<k> for the steps), numbers its requests k, k + N, ... (the
 cores send a request's outputs back by `request_id % N`), aborts and probes its own requests,
-and routes with its own PrefixRouter: each router sees only the prompts and in-flight counts
-of its own process (prefix routing still sends a process's repeated prefixes to the core that
+and routes with its own PrefixRouter: each router sees only the prompts, in-flight counts and
+pending prompt tokens of its own process (prefix routing still sends a process's repeated prefixes to the core that
 cached them; the cores' running/waiting stats, which every client gets each step, are shared).
 A client that does not own the cores cannot wait on them: it watches their pids (a dead or
 zombie pid is a dead core) and client 0's (the cores' parent): either gone is fatal.
@@ -64,6 +64,7 @@ class CoreProcess:
         self.info: dict | None = None  # from CoreReady
         self.stats: dict = {}  # from its latest message
         self.num_in_flight = 0  # requests routed here and not finished
+        self.pending_prefill = 0  # prompt tokens routed here that have no output yet (router)
         self.num_routed = 0
 
 
@@ -208,17 +209,24 @@ class CoreClient(EngineClient):
         runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
             self._admit(max_waiting)
-            core = self.cores[self.router.route(streams[0].prompt_token_ids,
-                                                [c.num_in_flight for c in self.cores])]
+            index, prefill = self.router.route_request(
+                streams[0].prompt_token_ids, [c.num_in_flight for c in self.cores],
+                [c.pending_prefill for c in self.cores])
+            core = self.cores[index]
+            core.pending_prefill += prefill  # the first sample computes the prompt for all
+            streams[0].routed_prefill = prefill
             ids = [next(self._ids) for _ in streams]
+            group = streams[0].group
             message = AddRequests.of(ids, streams[0].prompt_token_ids,
-                                     [stream.params for stream in streams])
+                                     [stream.params for stream in streams],
+                                     ids[0] if group is None else group)
             for stream, rid in zip(streams, ids):
                 stream.request_id, stream.core = rid, core.index
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
             if not self._send_locked(core, message):
                 core.num_in_flight -= len(streams)
+                self._prefill_done(core, streams[0])
                 raise NotReady(f"engine core {core.index} cannot take requests")
             for stream in streams:
                 self._streams[stream.request_id] = stream
@@ -233,7 +241,14 @@ class CoreClient(EngineClient):
                 return  # finished meanwhile
             core = self.cores[stream.core]
             core.num_in_flight -= 1
+            self._prefill_done(core, stream)
             self._send_locked(core, AbortRequests([stream.request_id], finish_reason))
+
+    @staticmethod
+    def _prefill_done(core: CoreProcess, stream: RequestStream) -> None:
+        """Its prompt is computed (or will never be): out of its core's pending tokens."""
+        core.pending_prefill -= stream.routed_prefill
+        stream.routed_prefill = 0
 
     def abort_all(self) -> None:
         self._abort_in_cores()
@@ -285,8 +300,8 @@ class CoreClient(EngineClient):
         return total
 
     def core_stats(self) -> list[dict]:
-        return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight}
-                for c in self.cores]
+        return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight,
+                 "pending_prefill": c.pending_prefill} for c in self.cores]
 
     def _send(self, core: CoreProcess, msg) -> None:
         with self._lock:
@@ -354,6 +369,8 @@ class CoreClient(EngineClient):
                 stream = self._streams.get(out.request_id)
                 if stream is None:  # aborted here already
                     continue
+                if stream.routed_prefill:  # its first output: the prompt is computed
+                    self._prefill_done(core, stream)
                 if out.finished:
                     del self._streams[out.request_id]
                     core.num_in_flight -= 1
@@ -429,7 +446,7 @@ class CoreClient(EngineClient):
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
             for core in self.cores:
-                core.num_in_flight = 0
+                core.num_in_flight = core.pending_prefill = 0
         by_loop = defaultdict(list)
         for stream in streams:
             by_loop[stream.aloop].append((stream, make_item(stream.request_id)))

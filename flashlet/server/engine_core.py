@@ -77,14 +77,17 @@ class AddRequests(msgspec.Struct, tag=True, array_like=True):
     prompt: bytes
     # Each request's SamplingParams fields; no stop strings (the API process's).
     params: list[dict[str, Any]]
+    # The client request they belong to (the prompts of one completion request share it): the
+    # scheduler lets groups take turns with their prompts. None: the engine's common group.
+    group: int | None = None
 
     @classmethod
     def of(cls, request_ids: list[int], prompt_token_ids: list[int],
-           params: list[SamplingParams]) -> "AddRequests":
+           params: list[SamplingParams], group: int | None = None) -> "AddRequests":
         # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
         # (max_tokens), and __init__ validates them again on the way in.
         return cls(request_ids, pack_token_ids(prompt_token_ids),
-                   [{name: getattr(p, name) for name in _PARAM_FIELDS} for p in params])
+                   [{name: getattr(p, name) for name in _PARAM_FIELDS} for p in params], group)
 
     def prompt_token_ids(self) -> np.ndarray:
         """The prompt as an int32 array (ValueError if the bytes are not whole int32s)."""
@@ -369,9 +372,10 @@ class EngineCore:
                 self.errors.append(CoreOutput.refused(rid, str(e)))
             return
         for i, (rid, fields) in enumerate(zip(msg.request_ids, msg.params)):
-            self._add(rid, prompt, fields, msg.request_ids[0] if i else None)
+            self._add(rid, prompt, fields, msg.request_ids[0] if i else None, msg.group)
 
-    def _add(self, rid: int, prompt: np.ndarray, fields: dict, after: int | None) -> None:
+    def _add(self, rid: int, prompt: np.ndarray, fields: dict, after: int | None,
+             group: int | None = None) -> None:
         self.counters.request_arrived()
         try:
             params = SamplingParams(**fields)
@@ -381,14 +385,14 @@ class EngineCore:
         structured = self.engine.structured
         if params.is_constrained and structured is not None:
             future = self.compiler.submit(structured.compile, params.response_format)
-            self.compiling[rid] = (future, prompt, params, after)
+            self.compiling[rid] = (future, prompt, params, after, group)
             return
-        self._add_now(rid, prompt, params, after)
+        self._add_now(rid, prompt, params, after, group)
 
     def _add_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready, in arrival order."""
         while self.compiling:
-            rid, (future, prompt, params, after) = next(iter(self.compiling.items()))
+            rid, (future, prompt, params, after, group) = next(iter(self.compiling.items()))
             if not future.done():
                 return
             del self.compiling[rid]
@@ -396,12 +400,13 @@ class EngineCore:
             if error is not None:
                 self.errors.append(CoreOutput.refused(rid, str(error)))
             else:
-                self._add_now(rid, prompt, params, after)  # the engine finds the grammar cached
+                # the engine finds the grammar cached
+                self._add_now(rid, prompt, params, after, group)
 
     def _add_now(self, rid: int, prompt: np.ndarray, params: SamplingParams,
-                 after: int | None) -> None:
+                 after: int | None, group: int | None = None) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id=rid, after=after)
+            self.engine.add_request(prompt, params, request_id=rid, after=after, group=group)
             self.unfinished.add(rid)
         except ValueError as e:
             self.errors.append(CoreOutput.refused(rid, str(e)))

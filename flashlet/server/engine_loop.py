@@ -59,6 +59,13 @@ class RequestStream:
         self.request_id: int | str | None = None  # set by the loop (or core client) on submit
         self.core = 0  # the engine core it was routed to (data parallel)
         self.leader: RequestStream | None = None  # the first sample of its prompt (n > 1)
+        # The client request it is part of (prompts of one completion request share it: the
+        # engine lets groups take turns); None: its own (an engine core is sent its first
+        # sample's id), or the in-thread engine's common group.
+        self.group: int | None = None
+        # Prompt tokens its core was expected to compute for it (data parallel routing), held
+        # in that core's pending count until its first output.
+        self.routed_prefill = 0
         self.cancelled = False
         self.finished = False  # set by the handler when it has seen the last output
 

@@ -49,6 +49,7 @@ class ServerConfig:
     pooling: str = "last"  # /v1/embeddings: "last" or "mean" (flashlet/pooling.py)
     tool_call_parser: str | None = None  # parsers.py's name; None: the chat template's own
     reasoning_parser: str | None = None  # parsers.py's name; None: no reasoning split
+    scheduling_policy: str = "fcfs"  # the engine's: a request's `priority` needs "priority"
 
 
 @dataclass
@@ -464,13 +465,17 @@ class Server:
         return self.start_samples(ctx, token_ids, params, endpoint, t0, 1)[0]
 
     def start_samples(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
-                      endpoint: str, t0: float, num_samples: int) -> list[Generation]:
+                      endpoint: str, t0: float, num_samples: int,
+                      group: int | None = None) -> list[Generation]:
         """Queue `num_samples` samples of one prompt (n, best_of) together: one engine core
-        runs them, the first computing the prompt and the others sharing its KV pages."""
+        runs them, the first computing the prompt and the others sharing its KV pages.
+        `group`: the client request's (its first prompt's request id), for its other prompts."""
         # Stop strings are found here, on the text: the engine gets token ids only.
         samples = [sample_params(params, i, num_samples) for i in range(num_samples)]
         streams = [RequestStream(token_ids, dataclasses.replace(p, stop=[]) if p.stop else p)
                    for p in samples]
+        for stream in streams:
+            stream.group = group
         try:
             self.loop.submit_group(streams, self.config.max_waiting)
             self.api_counters.submitted(t0)

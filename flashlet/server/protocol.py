@@ -196,6 +196,8 @@ class _OpenAISampling(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
                               Field(max_length=MAX_STOP * 4)] | None = None
+    # With --scheduling-policy priority: lower values run first (vLLM's field).
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0
     # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 

@@ -5,10 +5,16 @@ holds the longest prefix of its prompt. The API process cannot see the cores' ca
 an approximate index of what it routed to each: the page-aligned prefixes of every prompt sent
 there, as a chain of hashes (page i's key hashes page i-1's key with page i's tokens, so a key
 stands for the whole prefix: a path in a token trie), bounded per core with LRU eviction, as
-the cores' caches evict too. The rule is SGLang's router's: when the cores are unbalanced
-(in-flight requests differ by more than `balance_abs` and the busiest has more than
-`balance_rel` times the least busy's) send to the least loaded; otherwise to the core with the
-longest cached prefix, or the least loaded if none holds any.
+the cores' caches evict too.
+
+The rule: send the request where it would finish first, in prefill tokens. A core's wait is
+the prompt tokens routed there that have not produced their first token yet (queued and
+running prefill) plus `request_cost_tokens` for each request in flight there (each running
+request lengthens every step a newcomer shares with it); the request adds its own prompt less
+the prefix that core holds. So a chat template's page or two is worth less than one request
+fewer in flight, and the work spreads over the cores, while a long shared system prompt
+(thousands of tokens it need not compute again) keeps its requests on the core that holds it
+until that core's queue is longer than the prompt. Ties go to the core with fewer in flight.
 """
 
 from __future__ import annotations
@@ -49,28 +55,36 @@ class PrefixIndex:
             self.keys.popitem(last=False)
 
 
+# What one request in flight adds to a core's wait, in prefill tokens: four pages, so a
+# template-sized prefix never outweighs a request fewer in flight.
+REQUEST_COST_TOKENS = 64
+
+
 class PrefixRouter:
     def __init__(self, num_cores: int, page_size: int, max_pages_per_core: int = 1 << 18,
-                 balance_abs: int = 32, balance_rel: float = 1.5):
+                 request_cost_tokens: int = REQUEST_COST_TOKENS):
         self.indexes = [PrefixIndex(page_size, max_pages_per_core) for _ in range(num_cores)]
-        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.page_size = page_size
+        self.request_cost_tokens = request_cost_tokens
 
-    def route(self, token_ids: Sequence[int], loads: Sequence[int]) -> int:
-        """Pick a core for this prompt given each core's in-flight requests; remember it."""
+    def route(self, token_ids: Sequence[int], loads: Sequence[int],
+              pending_tokens: Sequence[int] | None = None) -> int:
+        """Pick a core for this prompt given each core's in-flight requests (and prompt tokens
+        routed there not yet computed); remember it."""
+        return self.route_request(token_ids, loads, pending_tokens)[0]
+
+    def route_request(self, token_ids: Sequence[int], loads: Sequence[int],
+                      pending_tokens: Sequence[int] | None = None) -> tuple[int, int]:
+        """route(), and the prompt tokens the chosen core must compute (its cached prefix
+        left out): the caller adds them to that core's pending tokens until the first token."""
         if len(self.indexes) == 1:
-            return 0
+            return 0, len(token_ids)
+        pending = pending_tokens if pending_tokens is not None else [0] * len(loads)
         keys = self.indexes[0].page_keys(token_ids)
-        least = min(range(len(loads)), key=lambda c: loads[c])
-        if self.unbalanced(loads):
-            core = least
-        else:
-            matched = [index.match(keys) for index in self.indexes]
-            best = max(matched)
-            core = least if best == 0 else min(
-                (c for c in range(len(loads)) if matched[c] == best), key=lambda c: loads[c])
+        to_compute = [len(token_ids) - index.match(keys) * self.page_size
+                      for index in self.indexes]
+        finish = [pending[c] + self.request_cost_tokens * loads[c] + to_compute[c]
+                  for c in range(len(loads))]
+        core = min(range(len(loads)), key=lambda c: (finish[c], loads[c]))
         self.indexes[core].insert(keys)
-        return core
-
-    def unbalanced(self, loads: Sequence[int]) -> bool:
-        lo, hi = min(loads), max(loads)
-        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+        return core, to_compute[core]

@@ -50,7 +50,10 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             for ids, max_tokens in prompts:
                 params = _params(server, ctx, body, max_tokens, body.logprobs, response_format,
                                  best_of=body.best_of)
-                gens += server.start_samples(ctx, ids, params, "completions", t0, num_samples)
+                # One group for all its prompts: other requests take turns with them.
+                group = gens[0].stream.request_id if gens else None
+                gens += server.start_samples(ctx, ids, params, "completions", t0, num_samples,
+                                             group)
         except BaseException:
             for gen in gens:
                 gen.abort()
@@ -191,6 +194,9 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
     if response_format is not None and body.ignore_eos:
         raise ApiError(400, "ignore_eos: cannot be combined with response_format or forced tool "
                        "calls (the grammar ends the output)", "ignore_eos")
+    if body.priority and server.config.scheduling_policy != "priority":
+        raise ApiError(400, f"priority: {body.priority} needs the priority scheduling policy "
+                       "(start the server with --scheduling-policy priority)", "priority")
     stop_token_ids = list(body.stop_token_ids or [])
     params = server.sampling_params(
         max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stop,
@@ -198,7 +204,7 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
         min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
-        n=body.n, best_of=best_of, response_format=response_format)
+        n=body.n, best_of=best_of, response_format=response_format, priority=body.priority)
     try:
         ctx.limits.check_stop_token_ids(params)
     except RequestError as e:

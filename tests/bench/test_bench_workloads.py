@@ -436,3 +436,24 @@ def test_backends_closed_loop_rows_and_plots(run_bench, tiny_config, tmp_path, m
     assert legends["ttft_distribution.png"] == ["c=1", "c=2"] * 2  # a panel per backend
     for p in rec["plots"]:
         check_png(p)
+
+
+def test_long_prompt_gaps(run_bench, tiny_config):
+    """Streams decode while long prompts arrive; with a decode-step budget every step of the
+    window carries at most that many tokens, the long prompts all get their first token, and
+    the gaps are measured over the window (one per stream per step)."""
+    out, _, rec = run_bench("--config", tiny_config, "--workload", "long-prompt-gaps",
+                            "--gap-streams", 4, "--gap-stream-prompt-len", 8,
+                            "--gap-long-prompts", 2, "--gap-long-prompt-len", 300,
+                            "--gap-baseline-steps", 5, "--max-num-batched-tokens", 256,
+                            "--max-decode-step-tokens", 36)
+    check_common(rec, "long-prompt-gaps")
+    r, p = rec["results"], rec["params"]
+    assert (r["streams"], r["max_decode_step_tokens"], r["max_num_batched_tokens"]) == (4, 36, 256)
+    # 600 prompt tokens at 32 a step beside 4 decodes: at least 19 steps, each gap one step.
+    assert r["window_steps"] >= 19 and r["itl_ms"]["n"] >= 4 * 18
+    assert r["baseline_itl_ms"]["n"] == 4 * 5 and r["long_ttft_ms"]["n"] == 2
+    assert len(r["long_ttft_ms_each"]) == 2 and all(t > 0 for t in r["long_ttft_ms_each"])
+    assert r["itl_p99_over_p50"] == r["itl_ms"]["p99"] / r["itl_ms"]["p50"]
+    assert p["gap_stream_tokens"] > 5 + 2 * 19
+    assert "ITL p99 / p50" in out and "long TTFT p50 (ms)" in out

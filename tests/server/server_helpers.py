@@ -118,6 +118,10 @@ class ServerProcess:
     """`python -m flashlet.server` in a subprocess, its log collected on a thread."""
 
     def __init__(self, *args):
+        # One API process unless a test asks for more: the default follows the machine's CPUs,
+        # and the tests' expectations (metrics, logs) are one process's.
+        if "--api-server-count" not in args:
+            args = ("--api-server-count", "1", *args)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -125,6 +125,13 @@ CASES = {
     "chat over-long message": ("/v1/chat/completions", _j({**OK_CHAT, "messages": [
         {"role": "user", "content": LONG_PROMPT}]}), "messages", 400),
     "chat malformed json": ("/v1/chat/completions", b"{'model': 1}", "JSON", 400),
+    # The server runs the default fcfs policy: a priority would be silently ignored.
+    "chat priority under fcfs": ("/v1/chat/completions", _j({**OK_CHAT, "priority": 3}),
+                                 "priority", 400),
+    "completion priority float": ("/v1/completions", _j({
+        "model": MODEL_NAME, "prompt": "hi", "priority": 1.5}), "priority", 400),
+    "completion priority past 64 bits": ("/v1/completions", _j({
+        "model": MODEL_NAME, "prompt": "hi", "priority": 2**63}), "priority", 400),
     # /v1/completions
     "completion missing prompt": ("/v1/completions", _j({"model": MODEL_NAME}), "prompt", 400),
     "completion empty prompt": ("/v1/completions", _j({"model": MODEL_NAME, "prompt": ""}),

@@ -276,3 +276,24 @@ def test_random_weights_server_returns_token_ids(tmp_path):
         assert p.proc.wait(60) == 0, p.log
     finally:
         p.kill()
+
+
+@pytest.mark.parametrize("cpus,tp,count", [(1, 1, 1), (2, 1, 1), (7, 1, 1), (8, 1, 2), (12, 1, 3),
+                                           (16, 1, 4), (128, 1, 4), (16, 2, 1)])
+def test_the_default_api_server_count_follows_the_cpus(cpus, tp, count):
+    from flashlet.server.cli import default_api_server_count
+
+    assert default_api_server_count(cpus, tp) == count
+
+
+def test_api_server_count_flag_overrides_the_default(monkeypatch):
+    import flashlet.server.cli as cli
+
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 32)
+    args = server_parser().parse_args([])
+    assert args.api_server_count is None
+    cli._resolve_api_server_count(args)
+    assert args.api_server_count == 4 and "32 CPUs" in args.api_server_count_reason
+    args = server_parser().parse_args(["--api-server-count", "1"])
+    cli._resolve_api_server_count(args)
+    assert args.api_server_count == 1 and args.api_server_count_reason == "--api-server-count"

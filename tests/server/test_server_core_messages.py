@@ -129,10 +129,11 @@ class RecordingEngine:
     config = SimpleNamespace(max_num_batched_tokens=100)  # the core's tokens per receive
 
     def __init__(self):
-        self.added, self.aborted = [], []
+        self.added, self.aborted, self.groups = [], [], []
 
-    def add_request(self, prompt, params, request_id, after=None):
+    def add_request(self, prompt, params, request_id, after=None, group=None):
         self.added.append((request_id, LIMITS.check_prompt_ids(prompt), params.seed, after))
+        self.groups.append((request_id, group, params.priority))
 
     def abort(self, request_id, finish_reason="abort"):
         self.aborted.append(request_id)
@@ -160,6 +161,17 @@ def test_a_prompts_samples_are_added_together_after_the_first():
     assert core.engine.added == [(4, [3, 1, 4, 1, 5], 10, None), (8, [3, 1, 4, 1, 5], 11, 4),
                                  (12, [3, 1, 4, 1, 5], 12, 4)]
     assert core.unfinished == {4, 8, 12} and core.errors == []
+
+
+def test_a_client_requests_group_and_priority_reach_the_engine():
+    """The prompts of one completion request travel with one group (the scheduler lets other
+    requests take turns with them), and each request's priority with its parameters."""
+    with _core(RecordingEngine()) as core:
+        _received(core, AddRequests.of([4, 8], [3, 1], [SamplingParams(priority=-2)] * 2, 4))
+        _received(core, AddRequests.of([12], [5, 9], [SamplingParams()], 4))
+        _received(core, AddRequests.of([16], [2], [SamplingParams(priority=7)]))
+    assert core.engine.groups == [(4, 4, -2), (8, 4, -2), (12, 4, 0), (16, None, 7)]
+    assert core.errors == []
 
 
 def test_a_malformed_add_refuses_each_of_its_requests():

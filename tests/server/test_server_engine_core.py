@@ -35,8 +35,17 @@ def _config(path) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_qwen2):
-    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2).start()
+def tiny_long_qwen2(tmp_path_factory):
+    """The tiny model with room for a 2,000-token system prompt."""
+    from tests.conftest import save_tiny_model
+
+    return save_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2-4k"),
+                           max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_long_qwen2):
+    client = CoreClient(_config(tiny_long_qwen2), data_parallel_size=2).start()
     srv = None
     try:
         assert client.wait_ready(180), client.error
@@ -107,6 +116,47 @@ def test_a_shared_prefix_goes_to_the_core_that_cached_it(dp_server):
         assert r.json()["usage"]["cached_tokens"] >= 4 * PAGE, r.json()  # a cache hit there
     final = [c["routed"] for c in client.core_stats()]
     assert final[home] - after[home] == 6 and sum(final) - sum(after) == 6
+    assert_cores_idle(client)
+
+
+def _routed_of(client, send) -> list[int]:
+    """Requests each core was sent while `send()` ran."""
+    before = [c["routed"] for c in client.core_stats()]
+    send()
+    return [c["routed"] - b for c, b in zip(client.core_stats(), before)]
+
+
+def _generate_all(url: str, prompts: list[list[int]]) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: httpx.post(url + "/generate", timeout=300, json={
+            "prompt": p, "max_new_tokens": 4, "ignore_eos": True}), prompts))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return [r.json() for r in responses]
+
+
+def test_requests_sharing_only_a_template_prefix_go_to_both_cores(dp_server):
+    """A ~30-token prefix (a chat template's) is worth less than an idle core (issue 32)."""
+    client, srv = dp_server
+    rng = random.Random(2)
+    template = [rng.randrange(2, 256) for _ in range(30)]
+    prompts = [template + [rng.randrange(2, 256) for _ in range(rng.randrange(8, 24))]
+               for _ in range(32)]
+    routed = _routed_of(client, lambda: _generate_all(srv.url, prompts))
+    assert sum(routed) == 32 and min(routed) >= 0.35 * 32, routed
+    assert_cores_idle(client)
+
+
+def test_a_2000_token_system_prompt_keeps_its_requests_on_its_core(dp_server):
+    client, srv = dp_server
+    rng = random.Random(3)
+    system = [rng.randrange(2, 256) for _ in range(2000)]
+    first = _routed_of(client, lambda: _generate_all(srv.url, [system + [5]]))
+    home = first.index(1)
+    results = []
+    routed = _routed_of(client, lambda: results.extend(_generate_all(
+        srv.url, [system + [rng.randrange(2, 256) for _ in range(6)] for _ in range(8)])))
+    assert routed[home] == 8 and sum(routed) == 8, routed
+    assert all(r["usage"]["cached_tokens"] >= 2000 for r in results), results
     assert_cores_idle(client)
 
 

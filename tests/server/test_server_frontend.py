@@ -1,5 +1,6 @@
 """The API process's pieces without a server: how a handler batches the outputs it fell behind
-on, and the data-parallel router's rule (longest cached prefix unless unbalanced)."""
+on, and the data-parallel router's rule (where the request finishes first: the core's wait
+against the prefill its cached prefix saves)."""
 
 from __future__ import annotations
 
@@ -58,16 +59,55 @@ def test_an_error_after_tokens_comes_after_them():
 
 
 def test_router_sends_a_prefix_to_the_core_that_has_it():
-    router = PrefixRouter(num_cores=3, page_size=4, balance_abs=4, balance_rel=1.5)
+    router = PrefixRouter(num_cores=3, page_size=4, request_cost_tokens=4)
     prefix = list(range(100, 112))  # three pages
     assert router.route(prefix + [1], [0, 0, 0]) == 0  # nothing cached: least loaded (first)
     assert router.route([7, 7, 7, 7, 7], [1, 0, 0]) == 1  # no match: least loaded
-    assert router.route(prefix + [2, 3], [1, 1, 0]) == 0  # the longest prefix wins over load
-    assert router.route(prefix[:8] + [9] * 8, [2, 1, 0]) == 0  # a two-page match still
-    # Unbalanced beyond both thresholds: the least loaded core, whatever it caches.
-    assert router.route(prefix + [4], [9, 1, 2]) == 1
-    # After that, core 1 holds the prefix too; at equal match the less loaded one wins.
-    assert router.route(prefix + [5], [3, 2, 0]) == 1
+    # 12 cached tokens outweigh one request more in flight (4 tokens) but not four more.
+    assert router.route(prefix + [2, 3], [1, 1, 0]) == 0
+    assert router.route(prefix + [2, 3], [4, 1, 0]) == 2
+    # Now cores 0 and 2 hold the prefix: the one with the shorter wait takes it.
+    assert router.route(prefix + [5], [2, 2, 1]) == 2
+    # Prompt tokens queued at a core (no first token yet) count as its wait too.
+    assert router.route(prefix + [6], [0, 0, 0], pending_tokens=[0, 0, 20]) == 0
+
+
+def test_router_reports_the_tokens_the_chosen_core_must_compute():
+    router = PrefixRouter(num_cores=2, page_size=4)
+    prompt = list(range(50, 61))  # two full pages and three tokens
+    assert router.route_request(prompt, [0, 0]) == (0, 11)
+    assert router.route_request(prompt + [1], [0, 0]) == (0, 4)  # two pages cached there
+    single = PrefixRouter(num_cores=1, page_size=4)
+    assert single.route_request(prompt, [5]) == (0, 11)
+
+
+def test_router_spreads_requests_that_share_only_a_template_prefix():
+    """32 requests sharing two pages (a chat template) arriving at once: each core takes about
+    half, where the old rule (longest prefix unless 32 apart) sent them all to one."""
+    router = PrefixRouter(num_cores=2, page_size=16)
+    template = list(range(1000, 1032))
+    loads, pending, cores = [0, 0], [0, 0], []
+    for i in range(32):
+        core, prefill = router.route_request(template + [i] * 10, loads, pending)
+        loads[core] += 1
+        pending[core] += prefill
+        cores.append(core)
+    assert cores.count(0) == cores.count(1) == 16
+
+
+def test_router_keeps_a_long_shared_system_prompt_on_its_core():
+    router = PrefixRouter(num_cores=2, page_size=16)
+    system = list(range(2000))
+    assert router.route_request(system + [1], [0, 0]) == (0, 2001)
+    loads, pending = [0, 0], [0, 0]  # the first one is done: its prompt is cached on core 0
+    for i in range(24):
+        core, prefill = router.route_request(system + [2, i], loads, pending)
+        assert core == 0 and prefill == 2
+        loads[core] += 1
+        pending[core] += prefill
+    # Until core 0's wait outgrows the 2,000 tokens the prefix saves.
+    assert router.route(system + [3], [31, 0], [0, 0]) == 0
+    assert router.route(system + [3], [32, 0], [0, 0]) == 1
 
 
 def test_router_forgets_least_recently_used_pages():

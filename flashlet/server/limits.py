@@ -175,6 +175,7 @@ class HeadScanner:
         self.header_bytes = 0
         self.header_lines = 0
         self.line_bytes = 0  # of the header line being received
+        self.line_start = bytearray()  # its first two bytes
 
     def feed(self, data: bytes) -> tuple[int, str] | None:
         """Count `data`; (status, message) once the head breaks a limit, else None."""
@@ -183,8 +184,8 @@ class HeadScanner:
             newline = data.find(b"\n", pos)
             end = len(data) if newline < 0 else newline + 1
             refusal = (self._request_line_part(data[pos:end], newline >= 0)
-                       if not self.request_line_done else self._header_part(end - pos,
-                                                                            newline >= 0))
+                       if not self.request_line_done
+                       else self._header_part(data, pos, end, newline >= 0))
             if refusal is not None:
                 return refusal
             pos = end
@@ -206,18 +207,22 @@ class HeadScanner:
         target = line[first + 1:last] if first < last else line[first + 1:]
         return self._url_too_long() if first >= 0 and len(target) > limit else None
 
-    def _header_part(self, num_bytes: int, line_ends: bool) -> tuple[int, str] | None:
-        self.header_bytes += num_bytes
-        self.line_bytes += num_bytes
+    def _header_part(self, data: bytes, pos: int, end: int,
+                     line_ends: bool) -> tuple[int, str] | None:
+        if self.line_bytes < 2:  # a line's first two bytes tell a blank one
+            self.line_start += data[pos:min(end, pos + 2 - self.line_bytes)]
+        self.header_bytes += end - pos
+        self.line_bytes += end - pos
         if self.header_bytes > self.limits.max_header_bytes:
             return 431, (f"request header fields are larger than the limit of "
                          f"{self.limits.max_header_bytes} bytes (--max-header-bytes)")
         if not line_ends:
             return None
-        if self.line_bytes <= 2:  # CRLF or LF alone: the blank line that ends the head
-            self.open = False
+        if self.line_start in (b"\r\n", b"\n") and self.line_bytes == len(self.line_start):
+            self.open = False  # CRLF or LF alone: the blank line that ends the head
             return None
         self.line_bytes = 0
+        self.line_start = bytearray()
         self.header_lines += 1
         if self.header_lines > self.limits.max_headers:
             return 431, (f"request has more than {self.limits.max_headers} header fields "

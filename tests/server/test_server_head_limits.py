@@ -157,6 +157,8 @@ def test_scanner_limits_are_exact_however_the_bytes_arrive(step):
     assert _scan(_head(newline=b"\n"), step=step) == "done"  # bare LF, as llhttp accepts
     assert _scan(b"\r\n\r\n" + _head(), step=step) == "done"  # blank lines before a request
     assert _scan(_head()[:-2], step=step) == "open"  # the head has not ended yet
+    for short_line in (b" \n", b"a\n", b"\r\r\n"):  # not blank: the head goes on
+        assert _scan(_head()[:-2] + short_line, step=step) == "open"
 
 
 def test_scanner_counts_each_request_from_its_reset():

@@ -212,3 +212,22 @@ def test_special_tokens_in_tools_and_tool_calls_stay_text_through_the_api(engine
                                          tokenize=True)["input_ids"]
     assert len(as_text) != len(as_control)  # the case tells the two apart
     assert r.json()["usage"]["prompt_tokens"] == len(as_text)
+
+
+def test_an_unexpected_error_is_a_500_in_the_openai_shape(engine_loop, monkeypatch):
+    """What no handler expects (here /debug/stats failing) is still a JSON error body, not
+    Starlette's plain-text "Internal Server Error"."""
+    app = create_app(engine_loop, ServerConfig(model_name=MODEL_NAME))
+    srv = ServerThread(app).start()
+
+    async def broken():
+        raise RuntimeError("the probe broke")
+
+    monkeypatch.setattr(app.state.server, "debug_stats", broken)
+    try:
+        r = httpx.get(srv.url + "/debug/stats", timeout=30)
+    finally:
+        srv.stop()
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "internal error: RuntimeError",
+                                 "type": "server_error", "param": None, "code": None}

@@ -359,7 +359,8 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError("tool_choice: needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
                 not in {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice: no tool is named {echo(self.tool_choice.function.name)}")
+            name = echo(self.tool_choice.function.name)
+            raise ValueError(f"tool_choice: no tool is named {name}")
         if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
             raise ValueError("tools: function names must be unique")
         if self.uses_tools and self.response_format is not None \

@@ -77,6 +77,12 @@ def test_a_huge_model_value_is_not_echoed_whole(server, idle):
     short = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": "nope", "prompt": "hi"}).json()["error"]["message"]
     assert "`nope` does not exist" in short
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": model}}})
+    assert r.status_code == 400 and len(r.content) < 1000, r.text[:200]
+    assert "(1000000 characters)" in r.json()["error"]["message"]
 
 
 # ---- item 12: /debug/stats while a core does not answer -----------------------------------------

@@ -1,10 +1,24 @@
 """flashlet: a pocket-sized LLM inference engine for Qwen2.5- and Llama-class models."""
 
-from flashlet.config import EngineConfig
-from flashlet.engine import Engine
-from flashlet.llm import LLM
-from flashlet.request import RequestOutput
-from flashlet.sampling import SamplingParams
+import importlib
+
+# Loaded on first use (PEP 562), not on `import flashlet`: these import torch (seconds), and
+# `python -m flashlet.server` must set its signal handlers before anything slow runs.
+_EXPORTS = {"LLM": "flashlet.llm", "SamplingParams": "flashlet.sampling",
+            "Engine": "flashlet.engine", "EngineConfig": "flashlet.config",
+            "RequestOutput": "flashlet.request"}
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "RequestOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashlet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

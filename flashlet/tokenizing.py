@@ -1,9 +1,10 @@
 """Text -> token ids for text a caller does not control.
 
 Three guarantees:
-- user text never becomes control tokens: a prompt or a chat message that *contains* the text
-  `<|im_end|>` is encoded as those characters, not as the control token (the chat template's
-  own markers still are control tokens); `allow_special=True` is for trusted callers;
+- user text never becomes control tokens: a prompt, a chat message, a tool definition or a
+  tool call in the history that *contains* the text `<|im_end|>` is encoded as those
+  characters, not as the control token (the chat template's own markers still are control
+  tokens); `allow_special=True` is for trusted callers;
 - an over-long prompt is refused before it is tokenized: no token is longer than the
   vocabulary's longest entry, so a text of more than `limit * max_token_chars` characters
   cannot fit in `limit` tokens, whatever it holds; a shorter but long text is tokenized
@@ -103,33 +104,63 @@ def template_shows_tools(tokenizer) -> bool:
 
 def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
              tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """Apply the chat template and encode it; message content is encoded as text.
+    """Apply the chat template and encode it; every text the caller supplied stays text.
 
-    When no content holds a special-token string the result is exactly what
-    `apply_chat_template(..., tokenize=True)` gives. Otherwise each content is fenced with a
-    random marker, the template is rendered, and the fenced spans are encoded with special
-    tokens split (the template's own text with them parsed)."""
+    That is message content, and also tool definitions (names, descriptions, parameter
+    schemas) and the tool calls in the history (names, arguments), which templates render
+    too. When none of them holds a special-token string the result is exactly what
+    `apply_chat_template(..., tokenize=True)` gives. Otherwise each string (or mapping key)
+    that holds one is fenced with a random marker, the template is rendered, and the fenced
+    spans are encoded with special tokens split (the template's own text with them parsed)."""
     if not messages:
         raise ValueError("the message list is empty")
     specials = special_token_texts(tokenizer)
-    contents = [m.get("content") for m in messages]
-    hostile = not allow_special and any(
-        isinstance(c, str) and any(s in c for s in specials) for c in contents)
-    if not hostile:
+
+    def holds_special(text: str) -> bool:
+        return any(s in text for s in specials)
+
+    if allow_special or not _any_string(holds_special, (messages, tools)):
         return encode_text(tokenizer, render_chat(tokenizer, messages, tools, template_kwargs),
                            allow_special=True, add_special_tokens=False)
-    marker = "\u2063" + secrets.token_hex(8) + "\u2063"  # never in the content: random
-    fenced = [{**m, "content": f"{marker}{m['content']}{marker}"}
-              if isinstance(m.get("content"), str) else m for m in messages]
-    parts = render_chat(tokenizer, fenced, tools, template_kwargs).split(marker)
+    # Random decimal digits: unknown to the caller, and unchanged by what templates do to a
+    # string (JSON escaping with or without ensure_ascii, upper/lower case, trim, HTML escapes).
+    marker = f"{secrets.randbits(128):039d}"
+    fenced_messages, fenced_tools = _fence(holds_special, marker, (messages, tools))
+    parts = render_chat(tokenizer, fenced_messages, fenced_tools, template_kwargs).split(marker)
     if len(parts) % 2 == 0:
-        raise ValueError("the chat template altered the message content")
+        raise ValueError("the chat template altered the text of a message or tool")
     ids: list[int] = []
     for i, part in enumerate(parts):
-        if part:  # even parts: the template's text; odd parts: message content
+        if part:  # even parts: the template's text; odd parts: the caller's
             ids += encode_text(tokenizer, part, allow_special=i % 2 == 0,
                                add_special_tokens=False)
     return ids
+
+
+def _any_string(predicate, value) -> bool:
+    """Whether any string in a JSON-like value (keys included) satisfies predicate."""
+    if isinstance(value, str):
+        return predicate(value)
+    if isinstance(value, dict):
+        return any(_any_string(predicate, k) or _any_string(predicate, v)
+                   for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_any_string(predicate, v) for v in value)
+    return False
+
+
+def _fence(predicate, marker: str, value):
+    """A copy of a JSON-like value with every string (keys included) that satisfies predicate
+    wrapped in marker on both sides; the rest is unchanged, so templates that compare a field
+    with a fixed value (a parameter's "type") still do."""
+    if isinstance(value, str):
+        return f"{marker}{value}{marker}" if predicate(value) else value
+    if isinstance(value, dict):
+        return {_fence(predicate, marker, k): _fence(predicate, marker, v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fence(predicate, marker, v) for v in value)
+    return value
 
 
 def check_chars(num_chars: int, limit_tokens: int, chars_per_token: int, what: str) -> None:

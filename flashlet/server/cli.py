@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-connections", type=int, default=limits.max_connections,
                         help="open HTTP connections at once; the next one gets 503 and is "
                              "closed (default: %(default)s)")
+    server.add_argument("--max-url-bytes", type=int, default=limits.max_url_bytes,
+                        help="longest request URL (path and query); beyond: 414 and the "
+                             "connection is closed (default: %(default)s)")
+    server.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
+                        help="largest request header fields, all together; beyond: 431 and the "
+                             "connection is closed (default: %(default)s)")
+    server.add_argument("--max-headers", type=int, default=limits.max_headers,
+                        help="most request header fields; beyond: 431 and the connection is "
+                             "closed (default: %(default)s)")
     server.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine-core processes behind this server (one per GPU on CUDA); "
                              "each request goes to the core where it would finish first (the "
@@ -336,12 +345,13 @@ def _check_server_args(args) -> HttpLimits:
     try:
         return HttpLimits(max_request_bytes=args.max_request_bytes,
                           body_timeout_s=args.body_timeout, header_timeout_s=args.header_timeout,
-                          max_connections=args.max_connections)
+                          max_connections=args.max_connections, max_url_bytes=args.max_url_bytes,
+                          max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
     except ValueError as e:  # names the field: say the flag
         field = str(e).split(" ", 1)[0]
         flag = {"max_request_bytes": "--max-request-bytes", "body_timeout_s": "--body-timeout",
                 "header_timeout_s": "--header-timeout",
-                "max_connections": "--max-connections"}.get(field, field)
+                "max_connections": "--max-connections"}.get(field, "--" + field.replace("_", "-"))
         raise ValueError(f"{flag}{str(e)[len(field):]}") from None
 
 

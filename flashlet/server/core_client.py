@@ -33,7 +33,7 @@ import threading
 import time
 import itertools
 from pathlib import Path
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable
 
 import msgspec
@@ -97,7 +97,9 @@ class CoreClient(EngineClient):
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count(api_server_index, api_server_count)  # see api_server_of
         self._lock = threading.Lock()  # _streams, the counts, the sockets' sends
-        self._probes: dict[int, concurrent.futures.Future] = {}
+        # Per core, the probes sent and not yet answered, oldest first (a core answers in order;
+        # two readers at once each get their own answer).
+        self._probes: dict[int, deque[concurrent.futures.Future]] = defaultdict(deque)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.ipc_dir = ipc_dir if ipc_dir is not None else tempfile.mkdtemp(prefix="flashlet-")
@@ -264,21 +266,38 @@ class CoreClient(EngineClient):
             for index, rids in by_core.items():
                 self._send_locked(self.cores[index], AbortRequests(rids))
 
-    def probe(self, timeout: float = 30.0, loop: bool = False) -> list[dict]:
+    def probe(self, timeout: float = 30.0, loop: bool = False,
+              late_ok: bool = False) -> list[dict]:
         """Each core's engine stats after an integrity check (raises if one fails); loop:
-        with its loop's counters under "loop" instead of the check (diagnostics.py)."""
+        with its loop's counters under "loop" instead of the check (diagnostics.py). A core
+        answers between steps: one that has not within `timeout` (all cores together) raises
+        TimeoutError, or with late_ok is given by its latest step's stats and "answered":
+        False."""
         futures = []
         for core in self.cores:
             fut = concurrent.futures.Future()
             with self._lock:
-                self._probes[core.index] = fut
+                self._probes[core.index].append(fut)
                 self._send_locked(core, Probe(self.api_server_index, loop))
             futures.append(fut)
-        return [f.result(timeout) for f in futures]
+        deadline = time.monotonic() + timeout
+        replies = []
+        for core, fut in zip(self.cores, futures):
+            try:
+                replies.append(fut.result(max(deadline - time.monotonic(), 0.0)))
+            except concurrent.futures.TimeoutError:
+                if not late_ok:
+                    raise
+                replies.append({**core.stats, "answered": False})
+        return replies
 
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def max_running(self) -> int:
+        return self.config.max_num_seqs * self.num_cores
 
     @property
     def num_queued(self) -> int:
@@ -350,7 +369,8 @@ class CoreClient(EngineClient):
         elif isinstance(msg, CoreReady):
             self._core_ready(msg)
         elif isinstance(msg, ProbeReply):
-            fut = self._probes.pop(msg.core, None)
+            waiting = self._probes[msg.core]
+            fut = waiting.popleft() if waiting else None
             if fut is not None:
                 if msg.error is not None:
                     fut.set_exception(AssertionError(f"engine core {msg.core}: {msg.error}"))

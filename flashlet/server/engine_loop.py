@@ -126,6 +126,11 @@ class EngineClient:
     def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
         raise NotImplementedError
 
+    @property
+    def max_running(self) -> int:
+        """Requests that run at once (every core's max_num_seqs together)."""
+        raise NotImplementedError
+
     def _admit(self, max_waiting: int | None) -> None:
         """Raise NotReady or Overloaded unless a new request may enter now (under the
         subclass's lock, which guards `is_ready`, `_stopping` and `num_waiting`)."""
@@ -258,6 +263,10 @@ class EngineLoop(EngineClient):
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def max_running(self) -> int:
+        return self._max_num_seqs
 
     # ---- the thread -----------------------------------------------------------------------
     def _run(self) -> None:

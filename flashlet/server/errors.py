@@ -126,6 +126,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError):
         return validation_error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception):
+        # Starlette's last resort answers a plain-text "Internal Server Error"; clients parse
+        # the OpenAI shape (the exception is still logged, with its traceback, by Starlette).
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = str(exc.detail)

@@ -26,12 +26,14 @@ from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, Str
 from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
 from flashlet.server.metrics import Metrics, WarmCollector
+from flashlet.server.protocol import echo
 from flashlet.tokenizing import PromptTooLong, TextEncoder
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
 # top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
 # values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
 MIN_TOP_P = 1e-8
+DEBUG_STATS_WAIT_S = 5.0  # how long GET /debug/stats waits for a core's own answer
 
 
 @dataclass
@@ -389,7 +391,9 @@ class Server:
         EngineLoop) and every API process's (diagnostics.py): cumulative, as of now."""
         self.api_counters.start()
         if hasattr(self.loop, "probe") and self.loop.is_ready:
-            cores = await run_in_threadpool(self.loop.probe, 30.0, True)
+            # A core in a long step answers late: it is then reported by its latest step's
+            # stats ("answered": false) rather than the reader waiting on it.
+            cores = await run_in_threadpool(self.loop.probe, DEBUG_STATS_WAIT_S, True, True)
         else:
             cores = self.loop.core_stats()
         return {"time": time.monotonic(), "cores": cores,
@@ -460,6 +464,23 @@ class Server:
         except ValueError as e:  # names the field
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
+    def check_fits(self, num_prompts: int, samples_per_prompt: int) -> None:
+        """ApiError 400 for a request the server can never take (a 503 with Retry-After would
+        have its client retry forever). Its prompts are queued one after another, each while
+        fewer than max_waiting wait; on an idle server max_running run at once, so the last
+        prompt is refused whenever those before it hold the running slots and max_waiting."""
+        if self.config.max_waiting is None:
+            return
+        running, waiting = self.loop.max_running, self.config.max_waiting
+        ahead = (num_prompts - 1) * samples_per_prompt  # queued before the last prompt's
+        if ahead >= running + waiting:
+            raise ApiError(400, f"prompt: {num_prompts} prompts x {samples_per_prompt} samples "
+                                f"can never be taken at once: even on an idle server the first "
+                                f"{num_prompts - 1} prompts' {ahead} samples fill the {running} "
+                                f"running slots (--max-num-seqs, all engine cores together) and "
+                                f"the {waiting} places to wait (--max-waiting); send fewer "
+                                f"prompts per request", "prompt", "too_many_samples")
+
     def start(self, ctx: ModelContext, token_ids: list[int], params: SamplingParams,
               endpoint: str, t0: float) -> Generation:
         return self.start_samples(ctx, token_ids, params, endpoint, t0, 1)[0]
@@ -513,8 +534,8 @@ class Server:
 
     def check_model(self, model: str) -> None:
         if model != self.config.model_name:
-            raise ApiError(404, f"model: the model `{model}` does not exist; this server serves "
-                           f"`{self.config.model_name}`", "model", "model_not_found")
+            raise ApiError(404, f"model: the model {echo(model)} does not exist; this server "
+                           f"serves `{self.config.model_name}`", "model", "model_not_found")
 
     async def prompt_ids(self, ctx: ModelContext, prompt, param: str = "prompt") -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):

@@ -29,6 +29,18 @@ def _utf8(value: str) -> str:
     return value
 
 
+ECHO_CHARS = 100  # of a request's value quoted back in an error message
+
+
+def echo(value) -> str:
+    """A request's value for an error message, in backquotes and cut to ECHO_CHARS
+    characters: a client's 1 MB value is not sent back to it (nor written to a log)."""
+    text = str(value)
+    if len(text) <= ECHO_CHARS:
+        return f"`{text}`"
+    return f"`{text[:ECHO_CHARS]}`... ({len(text)} characters)"
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -370,7 +382,8 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError("tool_choice: needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
                 not in {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r}")
+            name = echo(self.tool_choice.function.name)
+            raise ValueError(f"tool_choice: no tool is named {name}")
         if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
             raise ValueError("tools: function names must be unique")
         if self.uses_tools and self.response_format is not None \

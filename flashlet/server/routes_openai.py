@@ -39,6 +39,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         server.check_model(body.model)
         ctx = await server.context()
         num_samples = body.best_of or body.n
+        server.check_fits(len(body.prompts), num_samples)
         prompts = []  # (token ids, max tokens) per prompt, all checked before any is queued
         for i, prompt in enumerate(body.prompts):
             param = "prompt" if len(body.prompts) == 1 else f"prompt[{i}]"

@@ -41,6 +41,7 @@ from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
+from flashlet.prompt_logprobs import PromptScoring
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
@@ -139,6 +140,7 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
+        self._scoring: set[Request] = set()  # requests whose prompt logprobs are not all in
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
@@ -200,6 +202,9 @@ class Engine:
             req.grammar = self.structured.matcher(params.response_format)
         if params.logprobs is not None:
             req.output_logprobs = []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first token has no context to score it
+            self._scoring.add(req)
         leader = self.scheduler.requests.get(after) if after is not None else None
         if leader is not None and not leader.output_token_ids:
             self._held.setdefault(after, []).append(req)
@@ -221,6 +226,9 @@ class Engine:
         """Raise ValueError if a request of this size could never run (a last defensive check:
         LLM and the server check first, with the same `request_check` rules)."""
         params.validate()
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs is not supported under tensor parallelism (the "
+                             "workers would need the extra LM-head rows too)")
         if params.is_constrained:
             if self.structured is None:
                 raise ValueError("response_format needs a model with a tokenizer")
@@ -319,16 +327,30 @@ class Engine:
         input_ids, meta = self.runner.load(layout, fed)
         if self.tp is not None:  # the workers run the same step
             self.tp.send_step(layout, input_ids)
-        sampled = self._greedy_fused(sched, input_ids, meta)
+        scoring = PromptScoring.of(sched.scheduled) if self._scoring_prompts else None
+        sampled = self._greedy_fused(sched, input_ids, meta) if scoring is None else None
         if sampled is None:
-            logits = self.runner.forward(input_ids, meta)
+            if scoring is None:
+                logits = self.runner.forward(input_ids, meta)
+            else:
+                logits, hidden = self.runner.forward_with_rows(
+                    input_ids, meta, scoring.row_tensor(self.device))
+                scoring.compute(self.model, hidden)
             for observe in self._step_observers:
                 observe(meta, logits)
             sampled = self.sampler.sample(logits, sched.sampling)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
-        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens))
+        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens), scoring)
+
+    @property
+    def _scoring_prompts(self) -> bool:
+        """Does a request still score its prompt (the steps of others skip the look)."""
+        if self._scoring:
+            self._scoring = {r for r in self._scoring if not r.is_finished
+                             and len(r.prompt_logprobs) < r.num_prompt_tokens}
+        return bool(self._scoring)
 
     def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
         """With fused_decode, a one-sequence decode step whose request is plain greedy takes
@@ -348,6 +370,8 @@ class Engine:
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
         if launched.constrained:
             advance_grammars(launched.sched.sampling, tokens)
+        if launched.scoring is not None:  # before the outputs, which carry them
+            launched.scoring.deliver()
         outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
         for out in outputs:
             if out.finished:
@@ -472,7 +496,9 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer):
+    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer,
+                 scoring: PromptScoring | None = None):
+        self.scoring = scoring  # its prompt-logprob rows, if any
         self.sched = sched  # its `sampling` requests sample, in row order
         self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
         self.staged = staged

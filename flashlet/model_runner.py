@@ -183,6 +183,23 @@ class ModelRunner:
         hidden = self.model(input_ids, meta.positions, self.backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
+    @torch.inference_mode()
+    def forward_with_rows(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                          rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final hidden states of `rows` [R] (flat token rows; prompt
+        logprobs score them). Only prefill chunks have such rows, so never a decode graph or
+        the fused path: eager, or the mixed graph, whose output is the same hidden states."""
+        if self.graph_batch_size(meta.host, meta.num_padding) is not None or self._fused_step(meta):
+            raise ValueError("a step with scored prompt rows has a prefill chunk: it cannot "
+                             "be a decode-graph or fused step")
+        self.backend.plan(meta)
+        if meta.token_bucket is not None and self.use_mixed_graphs:
+            hidden = self._replay_mixed(input_ids, meta)
+        else:
+            self._mark_staged()
+            hidden = self.model(input_ids, meta.positions, self.backend)
+        return self.model.compute_logits(hidden[meta.logits_indices]), hidden[rows]
+
     def _fused_step(self, meta: AttentionMetadata) -> bool:
         """Does the fused path serve this step: pure decode of one sequence, which samples."""
         host = meta.host

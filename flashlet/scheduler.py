@@ -161,7 +161,7 @@ class Scheduler:
             p = req.params
             if (type(token) is int and slot + 1 < p.max_new_tokens
                     and (p.ignore_eos or token not in eos) and token not in p.stop_token_ids
-                    and req.output_logprobs is None):
+                    and req.output_logprobs is None and req.prompt_logprobs is None):
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
                 outputs.append(RequestOutput(req.request_id, [token], False,
@@ -188,7 +188,7 @@ class Scheduler:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self.finish(req)
-        return req.output([token])
+        return req.output([token], first=slot == 0)
 
     def abort(self, request_id: int, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request now (pages freed; with "stop", its full computed pages are cached);
@@ -236,8 +236,11 @@ class Scheduler:
 
     # ---- pages ----------------------------------------------------------------------------
     def _adopt_cached_prefix(self, req: Request) -> None:
-        """Take the longest cached prefix, never the last token (one query token must run)."""
-        if not self.enable_prefix_cache:
+        """Take the longest cached prefix, never the last token (one query token must run).
+        None for a request still scoring its prompt: every prompt position must be computed."""
+        if not self.enable_prefix_cache or (
+                req.prompt_logprobs is not None
+                and len(req.prompt_logprobs) < req.num_prompt_tokens):
             return
         usable = (req.num_tokens - 1) // self.page_size * self.page_size
         tokens = req.token_slice(0, usable)

@@ -181,6 +181,7 @@ def test_named_tool_call_has_valid_arguments(client, idle):
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert r.choices[0].finish_reason == "tool_calls"  # the grammar ends after the calls
 
 
 def test_echo_and_prompt_lists(client, engine_loop, idle):

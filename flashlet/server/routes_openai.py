@@ -186,6 +186,9 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             try:
                 async for i, text, delta in _interleave(gens):
                     gen = gens[i]
+                    if delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                        yield sse({**head, "choices": [], "prompt_logprobs": _vllm_prompt_logprobs(
+                            ctx, delta.prompt_logprobs, body.prompt_logprobs)})
                     if parse_tools:  # the whole text is parsed once it is complete
                         if delta.finished:
                             message, reason = _assistant_message(gen.text, delta.finish_reason,

@@ -83,7 +83,13 @@ def test_vllm_prompt_logprobs_on_both_endpoints(server, tokenizer, hf_model, idl
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
         "temperature": 0, "prompt_logprobs": 0})
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 5
-    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # rank-ordered, itself only
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # k = 0: the token itself
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0, "stream": True}) as r:
+        chunks = [c for c in parse_sse(r.iter_lines()) if isinstance(c, dict)]
+    streamed = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    assert streamed == [chat["prompt_logprobs"]]
 
 
 def test_streamed_echo_carries_the_prompt_logprobs(server, tokenizer, idle):

@@ -16,6 +16,12 @@ step N; that row's token is dropped. A request that reached max_new_tokens is no
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
 
+Prompt logprobs (flashlet/prompt_logprobs.py): a step with prompt positions of a request that
+asked for them runs `forward_with_rows`, which also returns those rows' hidden states (never a
+decode graph or the fused path: such a step has a prefill chunk); their LM head, log-softmax and
+top k run apart from the sampled rows, and their values reach the request before the step's
+outputs are made. Steps without such rows do nothing more.
+
 Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
 engine is rank 0, the only one that schedules and samples; every step's layout and input ids
 go to the workers just before the forward. On the other ranks (spawned by rank 0, or started

@@ -97,6 +97,17 @@ def test_llm_generate_returns_prompt_logprobs_only_when_asked(tiny_qwen2, hf_log
     assert asked.token_ids == plain.token_ids  # scoring the prompt changes no output token
 
 
+def test_samples_of_a_prompt_share_its_prompt_logprobs(tiny_qwen2, hf_logprobs):
+    """The first sample scores the prompt; the others find its pages in the prefix cache."""
+    llm = LLM(str(tiny_qwen2))
+    outs = llm.generate([PROMPT], SamplingParams(max_new_tokens=3, temperature=1.0, seed=2,
+                                                 n=2, best_of=3, prompt_logprobs=1))
+    assert len(outs) == 2
+    for out in outs:
+        check_against_hf(out.prompt_logprobs, hf_logprobs, 1)
+    assert llm.engine.kv_pool.allocator.num_used == llm.engine.scheduler.cache.num_pages
+
+
 def test_one_token_prompt_has_only_the_null_entry(tiny_qwen2):
     out = run(engine_of(tiny_qwen2), SamplingParams(max_new_tokens=1, prompt_logprobs=3),
               prompt=[5])[-1]

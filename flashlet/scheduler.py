@@ -161,7 +161,8 @@ class Scheduler:
             p = req.params
             if (type(token) is int and slot + 1 < p.max_new_tokens
                     and (p.ignore_eos or token not in eos) and token not in p.stop_token_ids
-                    and req.output_logprobs is None and req.prompt_logprobs is None):
+                    and req.output_logprobs is None
+                    and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
                 outputs.append(RequestOutput(req.request_id, [token], False,

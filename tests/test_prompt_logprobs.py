@@ -118,3 +118,14 @@ def test_one_token_prompt_has_only_the_null_entry(tiny_qwen2):
 def test_bad_prompt_logprobs_is_refused(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_tensor_parallel_engine_refuses_prompt_logprobs(tiny_qwen2):
+    """Its workers run rank 0's steps without the scored rows' LM head: refused, by name."""
+    engine = engine_of(tiny_qwen2)
+    engine.tp = object()  # what check_request looks at; nothing runs
+    try:
+        with pytest.raises(ValueError, match="prompt_logprobs.*tensor parallelism"):
+            engine.check_request(5, SamplingParams(prompt_logprobs=0))
+    finally:
+        engine.tp = None

@@ -8,9 +8,9 @@ output token's, which the sampler handles). The step's rows that score are picke
 states (`ModelRunner.forward_with_rows`), and `compute` runs the LM head on them alone, a
 block at a time, log-softmax in fp32 and the top k, copied to the host without waiting. Steps
 with no such row pay nothing. Once the step's tokens are read, `deliver` appends each request's
-new entries before the scheduler writes its outputs. A request that scores its prompt never
-takes a cached prefix (scheduler.py), and after a preemption the positions it scored already are
-not scored again.
+new entries before the scheduler writes its outputs. A request takes no cached prefix until its
+prompt is scored (scheduler.py), and after a preemption a token scored already is not scored
+again (one in flight then is delivered once).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashlet.sampler import _to_host  # pinned, non-blocking: read once the step's tokens are
+from flashlet.sampler import _to_host  # pinned, non-blocking (read after the step's tokens)
 from flashlet.sampling import TokenLogprob
 
 # Rows whose logits are materialised at once: the vocabulary times this many fp32 values

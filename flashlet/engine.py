@@ -16,6 +16,12 @@ step N; that row's token is dropped. A request that reached max_new_tokens is no
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
 
+Prompt logprobs (flashlet/prompt_logprobs.py): a step with prompt positions of a request that
+asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
+fused path: such a step has a prefill chunk); the scored rows' LM head, log-softmax and
+top k run apart from the sampled rows, and their values reach the request before the step's
+outputs are made. Steps without such rows do nothing more.
+
 Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
 engine is rank 0, the only one that schedules and samples; every step's layout and input ids
 go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
@@ -42,6 +48,7 @@ from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.pooling import Pooler
+from flashlet.prompt_logprobs import PromptScoring
 from flashlet.request import Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
@@ -142,6 +149,7 @@ class Engine:
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
         self.pooler = Pooler()  # embedding requests (SamplingParams.pooling)
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
+        self._scoring: set[Request] = set()  # requests whose prompt logprobs are not all in
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
@@ -207,6 +215,9 @@ class Engine:
             req.output_logprobs = []
         if params.pooling is not None:
             self.pooler.add(request_id, params.pooling)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first token has no context to score it
+            self._scoring.add(req)
         leader = self.scheduler.requests.get(after) if after is not None else None
         if leader is not None and not leader.output_token_ids:
             self._held.setdefault(after, []).append(req)
@@ -231,6 +242,9 @@ class Engine:
         if params.priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority: {params.priority} needs the priority scheduling "
                              "policy (--scheduling-policy priority)")
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs is not supported under tensor parallelism (the "
+                             "workers would need the extra LM-head rows too)")
         if params.is_constrained:
             if self.structured is None:
                 raise ValueError("response_format needs a model with a tokenizer")
@@ -332,11 +346,16 @@ class Engine:
         if self.tp is not None:  # the workers run the same step
             self.tp.send_step(layout, input_ids)
         pooling = self.pooler.wants(sched)
-        sampled = None if pooling else self._greedy_fused(sched, input_ids, meta)
+        scoring = PromptScoring.of(sched.scheduled) if self._scoring_prompts else None
+        wants_hidden = pooling or scoring is not None
+        sampled = None if wants_hidden else self._greedy_fused(sched, input_ids, meta)
         if sampled is None:
-            if pooling:  # the hidden states too, for the embedding requests' rows
+            if wants_hidden:  # embedding rows and scored prompt rows read the hidden states
                 hidden, logits = self.runner.forward_hidden(input_ids, meta)
-                self.pooler.pool(sched, hidden)
+                if pooling:
+                    self.pooler.pool(sched, hidden)
+                if scoring is not None:
+                    scoring.compute(self.model, hidden[scoring.row_tensor(self.device)])
             else:
                 logits = self.runner.forward(input_ids, meta)
             for observe in self._step_observers:
@@ -345,7 +364,15 @@ class Engine:
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
-        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens))
+        return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens), scoring)
+
+    @property
+    def _scoring_prompts(self) -> bool:
+        """Does a request still score its prompt (the steps of others skip the look)."""
+        if self._scoring:
+            self._scoring = {r for r in self._scoring if not r.is_finished
+                             and len(r.prompt_logprobs) < r.num_prompt_tokens}
+        return bool(self._scoring)
 
     def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
         """With fused_decode, a one-sequence decode step whose request is plain greedy takes
@@ -365,6 +392,8 @@ class Engine:
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
         if launched.constrained:
             advance_grammars(launched.sched.sampling, tokens)
+        if launched.scoring is not None:  # before the outputs, which carry them
+            launched.scoring.deliver()
         outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
         for out in outputs:
             if out.finished:
@@ -489,7 +518,9 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer):
+    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer,
+                 scoring: PromptScoring | None = None):
+        self.scoring = scoring  # its prompt-logprob rows, if any
         self.sched = sched  # its `sampling` requests sample, in row order
         self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
         self.staged = staged

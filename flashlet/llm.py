@@ -120,7 +120,10 @@ class LLM:
 
 
 def _best(params: SamplingParams, outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """The n outputs to return of a prompt's samples (all of them unless best_of > n)."""
+    """The n outputs to return of a prompt's samples (all of them unless best_of > n), each
+    with the prompt logprobs that the first sample computed (if asked for)."""
+    for out in outputs[1:]:
+        out.prompt_logprobs = outputs[0].prompt_logprobs
     if len(outputs) == params.n:
         return outputs
     best = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[: params.n]

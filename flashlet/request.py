@@ -50,6 +50,9 @@ class Request:
     # The client request this one is part of (a multi-prompt completion's prompts share one):
     # the scheduler shares prefill between groups (scheduler.py). None: the common group.
     group: object = None
+    # One per prompt token scored so far, if asked for (the first token's is None): filled a
+    # chunk at a time (flashlet/prompt_logprobs.py), complete once the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
@@ -105,14 +108,17 @@ class Request:
         while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER:
             self.output_token_ids.pop()
 
-    def output(self, new_token_ids: list[int]) -> "RequestOutput":
-        """This step's delta (the final result too, once finished)."""
+    def output(self, new_token_ids: list[int], first: bool = False) -> "RequestOutput":
+        """This step's delta (the final result too, once finished); `first`: its tokens
+        start the output (then it carries the prompt logprobs, if asked for)."""
         finished = self.status is RequestStatus.FINISHED
         out = RequestOutput(self.request_id, new_token_ids, finished, self.finish_reason,
                             self.prompt_token_ids, num_cached_tokens=self.num_cached_tokens,
                             error=self.error)
         if finished:
             out.token_ids = list(self.output_token_ids)
+        if self.prompt_logprobs is not None and (finished or first):
+            out.prompt_logprobs = self.prompt_logprobs  # with the first token, and at the end
         if self.output_logprobs is not None:  # asked for: this step's ones, and all at the end
             if new_token_ids:
                 out.new_logprobs = self.output_logprobs[-len(new_token_ids):]
@@ -137,6 +143,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
     logprobs: list[TokenLogprob] | None = None  # one per output token, in the final output only
     embedding: list[float] | None = None  # an embedding request's, in its final output
+    # The prompt's, if asked for: in the output of the first token and in the final one.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     new_text: str = ""  # text safe to stream now (stop strings cut, a possible one held back)
     text: str = ""  # all output text so far
 

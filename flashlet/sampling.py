@@ -33,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
+    # None: none; k >= 0: each prompt token's logprob (the first has none) and the top k there.
+    # Such a request computes its whole prompt (no prefix-cache hit): every position is scored.
+    prompt_logprobs: int | None = None
     n: int = 1  # samples per prompt (LLM.generate); they share the prompt's KV pages
     best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
     response_format: dict | None = None  # {"type": one of RESPONSE_FORMATS, ...}
@@ -79,10 +82,11 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], "
                              f"got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {value!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
@@ -116,6 +120,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs only)
 
 
 def _is_int(value) -> bool:
@@ -154,6 +159,8 @@ def sample_params(params: SamplingParams, index: int, num_samples: int) -> Sampl
         changes.update(n=1, best_of=None)
     if params.seed is not None and index:
         changes["seed"] = params.seed + index
+    if params.prompt_logprobs is not None and index:  # one prompt: the first sample scores it
+        changes["prompt_logprobs"] = None
     if num_samples > params.n and params.logprobs is None:
         changes["logprobs"] = 0
     return dataclasses.replace(params, **changes) if changes else params

@@ -255,7 +255,8 @@ class Scheduler:
             p = req.params
             if (type(token) is int and slot + 1 < p.max_new_tokens
                     and (p.ignore_eos or token not in eos) and token not in p.stop_token_ids
-                    and req.output_logprobs is None):
+                    and req.output_logprobs is None
+                    and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
                 outputs.append(RequestOutput(req.request_id, [token], False,
@@ -282,7 +283,7 @@ class Scheduler:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self.finish(req)
-        return req.output([token])
+        return req.output([token], first=slot == 0)
 
     def abort(self, request_id: int, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request now (pages freed; with "stop", its full computed pages are cached);
@@ -331,9 +332,12 @@ class Scheduler:
 
     # ---- pages ----------------------------------------------------------------------------
     def _adopt_cached_prefix(self, req: Request) -> None:
-        """Take the longest cached prefix, never the last token (one query token must run);
-        none for a mean-pooled embedding, which needs every prompt token's hidden state."""
-        if not self.enable_prefix_cache or req.params.pooling == "mean":
+        """Take the longest cached prefix, never the last token (one query token must run).
+        None for a mean-pooled embedding or a request still scoring its prompt: each needs
+        every prompt position computed."""
+        if not self.enable_prefix_cache or req.params.pooling == "mean" or (
+                req.prompt_logprobs is not None
+                and len(req.prompt_logprobs) < req.num_prompt_tokens):
             return
         usable = (req.num_tokens - 1) // self.page_size * self.page_size
         tokens = req.token_slice(0, usable)

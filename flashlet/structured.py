@@ -141,4 +141,16 @@ def tool_call_format(tools: list[dict], tool_choice="required",
                                              reasoning=False, max_whitespace_cnt=1)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"invalid tools or tool_choice: {e}") from None
-    return {"type": "structural_tag", "format": tag.model_dump(mode="json")["format"]}
+    fmt = tag.model_dump(mode="json")["format"]
+    if fmt["type"] == "triggered_tags":  # "required": calls only, then the end
+        fmt = calls_only(fmt)
+    return {"type": "structural_tag", "format": fmt}
+
+
+def calls_only(triggered: dict) -> dict:
+    """xgrammar's `required` format (triggered tags, at least one) allows free text around
+    and after the calls, so a model may call and then talk to max_tokens. This one is one or
+    more calls, one a line, and nothing else: the grammar then ends, and with it (on EOS) the
+    request, whose finish_reason becomes "tool_calls"."""
+    return {"type": "tags_with_separator", "tags": triggered["tags"], "separator": "\n",
+            "at_least_one": True, "stop_after_first": False}

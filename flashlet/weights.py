@@ -112,12 +112,18 @@ def convert_gguf(gguf_path: Path, cache: Path | None = None) -> Path:
     return out_dir
 
 
+# The converted folder's format: bumped whenever the conversion writes something new, so a
+# folder an older flashlet wrote is not trusted but rebuilt beside it (it stays for that
+# flashlet). 2: the tokenizer carries the GGUF's bos / eos / pad / unk tokens (issue 33).
+CONVERSION_VERSION = 2
+
+
 def gguf_cache_name(gguf_path: Path) -> str:
-    """`<stem>-<size>-<sha256 prefix>`: the converted cache folder's name (about 0.3 s for the
-    embedded model's 94 MB)."""
+    """`<stem>-<size>-<sha256 prefix>-v<conversion version>`: the converted cache folder's
+    name (about 0.3 s for the embedded model's 94 MB)."""
     with open(gguf_path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return f"{gguf_path.stem}-{gguf_path.stat().st_size}-{digest[:16]}"
+    return f"{gguf_path.stem}-{gguf_path.stat().st_size}-{digest[:16]}-v{CONVERSION_VERSION}"
 
 
 def _check_architecture(gguf_path: Path) -> None:
@@ -139,7 +145,36 @@ def _convert_into(gguf_path: Path, folder: Path) -> None:
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot convert GGUF ({type(e).__name__}: {e})") from e
     _save_hf_folder(model, folder)
+    _set_special_tokens(tokenizer, gguf_special_token_ids(gguf_path))
     tokenizer.save_pretrained(folder)
+
+
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                       "pad_token": "padding_token_id", "unk_token": "unknown_token_id"}
+
+
+def gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
+    """The special tokens a GGUF names (`tokenizer.ggml.eos_token_id`, ...), by the
+    tokenizer attribute they set: {"eos_token": 2, ...}."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    ids = {}
+    for attribute, key in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids[attribute] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def _set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """The GGUF's bos / eos / pad / unk onto the tokenizer, so that tokenizer_config.json and
+    special_tokens_map.json say what the GGUF says: transformers' GGUF tokenizer loading
+    guesses them (SmolLM2's came out as eos = bos = <|im_start|>, its GGUF says eos = pad =
+    <|im_end|>), and clients that read the folder would stop on the wrong token."""
+    for attribute, token_id in ids.items():
+        if 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _save_hf_folder(model, folder: Path) -> None:

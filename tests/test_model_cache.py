@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flashlet.weights import gguf_cache_name
@@ -85,3 +86,38 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(w.ModelLoadError, match="conversion failed"):
         w.convert_gguf(write_gguf(tmp_path / "model.gguf"), tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_cache_name_carries_the_conversion_version(tmp_path):
+    """A conversion that writes something new bumps the version: older folders are rebuilt."""
+    from flashlet.weights import CONVERSION_VERSION
+
+    assert gguf_cache_name(write_gguf(tmp_path / "m.gguf")).endswith(f"-v{CONVERSION_VERSION}")
+
+
+def test_gguf_special_tokens_are_read_from_the_file(tmp_path):
+    import gguf
+
+    from flashlet.weights import gguf_special_token_ids
+
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_eos_token_id(2), writer.add_pad_token_id(2), writer.add_bos_token_id(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_special_token_ids(tmp_path / "t.gguf") == {
+        "bos_token": 1, "eos_token": 2, "pad_token": 2}
+
+
+def test_converted_embedded_model_names_the_gguf_special_tokens(demo_model_dir):
+    """Issue 33: the embedded GGUF says eos = pad = id 2 (<|im_end|>), bos = id 1; the
+    converted folder's tokenizer files say the same (they used to name <|im_start|> as eos)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((demo_model_dir / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == config["pad_token"] == "<|im_end|>"
+    assert config["bos_token"] == "<|im_start|>"
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (2, 2, 1)

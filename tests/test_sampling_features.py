@@ -198,6 +198,25 @@ def test_named_tool_call_has_valid_json_arguments(tokenizer_llm):
     assert call["name"] == "get_weather" and isinstance(call["arguments"]["city"], str)
 
 
+def test_required_tool_choice_ends_after_the_calls(tokenizer_llm):
+    """Issue 33: the call list is the whole output, so the request ends on EOS right after it
+    (it used to allow free text after the call, run to max_new_tokens on "length")."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 10}}}}}
+        for name in ("get_weather", "get_time")]
+    fmt = tool_call_format(tools, "required")
+    out = tokenizer_llm.generate(["Weather in Paris?"], SamplingParams(
+        max_new_tokens=200, response_format=fmt))[0]
+    assert out.finish_reason == "stop", out.text
+    assert out.token_ids[-1] in tokenizer_llm.engine.eos_token_ids
+    calls = [json.loads(block.strip().removesuffix("</tool_call>"))
+             for block in out.text.strip().split("<tool_call>")[1:]]
+    assert calls and out.text.startswith("<tool_call>\n")
+    assert out.text.rstrip().endswith("</tool_call>")
+    assert all(c["name"] in ("get_weather", "get_time") for c in calls)
+
+
 def test_invalid_schemas_and_tools_are_clear_value_errors(tokenizer_llm):
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}
     with pytest.raises(ValueError, match="invalid json_schema"):

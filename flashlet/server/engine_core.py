@@ -137,6 +137,8 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
     embedding: list[float] | None = None  # an embedding request's (final output only)
+    # The prompt's, with the first token and at the end, if prompt_logprobs was asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, out) -> "CoreOutput":
@@ -145,7 +147,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
             return out
         return cls(out.request_id, out.new_token_ids, out.num_cached_tokens, out.finished,
                    out.finish_reason, out.error, new_logprobs=out.new_logprobs,
-                   embedding=out.embedding)
+                   embedding=out.embedding, prompt_logprobs=out.prompt_logprobs)
 
     @classmethod
     def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":
@@ -161,7 +163,8 @@ def output_rows(outputs) -> list:
     defaults, and msgspec decodes into the same CoreOutput; any other as a whole CoreOutput.
     Building a CoreOutput a row cost the core more than the whole message does now."""
     return [(o.request_id, o.new_token_ids, o.num_cached_tokens)
-            if not o.finished and o.new_logprobs is None else CoreOutput.of(o)
+            if not o.finished and o.new_logprobs is None and o.prompt_logprobs is None
+            else CoreOutput.of(o)
             for o in outputs]
 
 

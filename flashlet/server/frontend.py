@@ -67,6 +67,7 @@ class ModelContext:
     encoder: TextEncoder | None
     decoder: Any  # a tokenizer copy, used on the event loop only (IncrementalDetokenizer)
     limits: RequestLimits
+    _shown: dict[int, bool] = field(default_factory=dict, repr=False)  # shown_in_text's
 
     @classmethod
     def of(cls, loop, allow_special_tokens: bool = False,
@@ -85,6 +86,16 @@ class ModelContext:
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    def shown_in_text(self, token_id: int) -> bool:
+        """Whether a generated token has text in the output: the detokenizer skips special
+        tokens (an EOS such as <|im_end|>), so their logprobs are left out too."""
+        shown = self._shown.get(token_id)
+        if shown is None:
+            shown = self._shown[token_id] = bool(
+                self.decoder.decode([token_id], skip_special_tokens=True)
+                or not self.decoder.decode([token_id]))
+        return shown
 
     def detokenizer(self, stop) -> IncrementalDetokenizer | None:
         return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
@@ -158,6 +169,8 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if asked for
+    # The prompt's (first token's None), in the delta they arrived with, if asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Generation:
@@ -176,6 +189,7 @@ class Generation:
         self._held: StreamError | None = None  # an error to raise after the tokens before it
         self.logprobs: list[TokenLogprob] | None = (
             [] if stream.params.logprobs is not None else None)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # once computed
 
     @property
     def cumulative_logprob(self) -> float:
@@ -192,7 +206,7 @@ class Generation:
         Text that could still become a stop string is held back until it cannot."""
         metrics, last = self.server.metrics, None
         while True:
-            item, ids, logprobs = await self._next_batch()
+            item, ids, logprobs, prompt_logprobs = await self._next_batch()
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
@@ -214,6 +228,8 @@ class Generation:
             text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
             delta = Delta(ids, item.finished, item.finish_reason, item.error,
                           logprobs if self.logprobs is not None else None)
+            if self.prompt_logprobs is None and prompt_logprobs is not None:
+                self.prompt_logprobs = delta.prompt_logprobs = prompt_logprobs
             if stopped:  # a stop string: end the request in the engine too
                 self.server.loop.abort(self.stream, "stop")
                 delta.finished, delta.finish_reason = True, "stop"
@@ -227,11 +243,13 @@ class Generation:
 
     async def _next_batch(self):
         """The next output (waiting for it) merged with every one already queued behind it:
-        (the last output or a StreamError, all their new token ids, their logprobs)."""
+        (the last output or a StreamError, all their new token ids, their logprobs, the
+        prompt logprobs if one carried them)."""
         item, self._held = self._held or await self.stream.get(), None
         if isinstance(item, StreamError):
-            return item, [], []
+            return item, [], [], None
         ids, logprobs = list(item.new_token_ids), list(item.new_logprobs or ())
+        prompt_logprobs = item.prompt_logprobs
         queue = self.stream.items
         while not item.finished and queue:
             following = queue.popleft()
@@ -240,8 +258,9 @@ class Generation:
                 break
             ids += following.new_token_ids
             logprobs += following.new_logprobs or ()
+            prompt_logprobs = prompt_logprobs or following.prompt_logprobs
             item = following
-        return item, ids, logprobs
+        return item, ids, logprobs, prompt_logprobs
 
     def _finish(self, delta: Delta, item, now: float) -> None:
         self.stream.finished = True

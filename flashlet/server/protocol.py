@@ -210,6 +210,8 @@ class _OpenAISampling(_Strict):
                               Field(max_length=MAX_STOP * 4)] | None = None
     # With --scheduling-policy priority: lower values run first (vLLM's field).
     priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0
+    # Each prompt token's logprob and its top k (the first token's is null), as vLLM returns.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
@@ -225,6 +227,8 @@ PromptItem = NonEmptyText | TokenIds
 
 class CompletionRequest(_OpenAISampling):
     prompt: PromptItem | Annotated[list[PromptItem], Field(min_length=1, max_length=MAX_PROMPTS)]
+    # 0 (the legacy way to score a prompt, with echo and logprobs) generates nothing.
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -237,10 +241,17 @@ class CompletionRequest(_OpenAISampling):
         if self.stream and self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: streaming needs best_of == n (the best samples are "
                              "known only at the end)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs is not supported (this server does not "
-                             "compute the prompt's logprobs)")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens: 0 (score the prompt) cannot be streamed")
         return self
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top k the engine scores the prompt with: echo's logprobs, vLLM's
+        prompt_logprobs, the larger of the two (None: no prompt scoring)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                 if k is not None]
+        return max(asked) if asked else None
 
     @property
     def prompts(self) -> list:

@@ -40,17 +40,24 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         ctx = await server.context()
         num_samples = body.best_of or body.n
         server.check_fits(len(body.prompts), num_samples)
+        # max_tokens 0 scores the prompt: the engine samples one token, which is dropped.
+        score_only = body.max_tokens == 0
+        prompt_k = body.engine_prompt_logprobs
+        if body.stream and prompt_k is not None and num_samples > 1:
+            raise ApiError(400, "prompt_logprobs: streaming a prompt's logprobs (echo with "
+                           "logprobs, or prompt_logprobs) needs n == 1", "prompt_logprobs")
         prompts = []  # (token ids, max tokens) per prompt, all checked before any is queued
         for i, prompt in enumerate(body.prompts):
             param = "prompt" if len(body.prompts) == 1 else f"prompt[{i}]"
             ids = await server.prompt_ids(ctx, prompt, param)
-            prompts.append((ids, ctx.budget(len(ids), body.max_tokens, 16, param, "max_tokens")))
+            prompts.append((ids, ctx.budget(len(ids), 1 if score_only else body.max_tokens, 16,
+                                            param, "max_tokens")))
         response_format = _response_format(body)
         gens: list[Generation] = []
         try:
             for ids, max_tokens in prompts:
                 params = _params(server, ctx, body, max_tokens, body.logprobs, response_format,
-                                 best_of=body.best_of)
+                                 best_of=body.best_of, prompt_logprobs=prompt_k)
                 # One group for all its prompts: other requests take turns with them.
                 group = gens[0].stream.request_id if gens else None
                 gens += server.start_samples(ctx, ids, params, "completions", t0, num_samples,
@@ -73,27 +80,39 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             choices = []
             for p, echo in enumerate(echoes):
                 group = gens[p * num_samples:(p + 1) * num_samples]
+                scored = group[0].prompt_logprobs  # the first sample scores the prompt
                 for j, gen in enumerate(_best_of(group, body.n)):
-                    lp = (_completion_logprobs(ctx, gen.logprobs, len(echo))
-                          if want_logprobs else None)
-                    choices.append({"index": p * body.n + j, "text": echo + gen.text,
-                                    "logprobs": lp, "finish_reason": gen.final.finish_reason})
-            return {**base, "choices": choices, "usage": _usage(gens, prompts, num_samples)}
+                    choice = _completion_choice(ctx, body, echo, scored, gen, score_only)
+                    choices.append({"index": p * body.n + j, **choice})
+            usage = _usage(gens, prompts, num_samples, score_only)
+            return {**base, "choices": choices, "usage": usage}
 
         include_usage = _include_usage(body)
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(index: int, text: str, finish_reason=None, logprobs=None) -> str:
+        def chunk(index: int, text: str, finish_reason=None, logprobs=None, **more) -> str:
             return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish_reason}], **extra})
+                                             "finish_reason": finish_reason, **more}], **extra})
+
+        def echo_chunk(i: int, scored) -> str:
+            """The echoed prompt, with its logprobs once the engine scored it."""
+            more = ({"prompt_logprobs": _vllm_prompt_logprobs(ctx, scored, body.prompt_logprobs)}
+                    if body.prompt_logprobs is not None else {})
+            lp = (_completion_logprobs(ctx, scored, 0, body.logprobs,
+                                       gens[i].stream.prompt_token_ids[0], generated=False)
+                  if want_logprobs and body.echo else None)
+            return chunk(i, echoes[i // num_samples], logprobs=lp, **more)
 
         async def events():
             sent = [len(echoes[i // num_samples]) for i in range(len(gens))]  # text offsets
-            for i in range(len(gens)):
-                if echoes[i // num_samples]:
-                    yield chunk(i, echoes[i // num_samples])
+            if prompt_k is None:  # else each echo goes out with the first delta (scored)
+                for i in range(len(gens)):
+                    if echoes[i // num_samples]:
+                        yield chunk(i, echoes[i // num_samples])
             try:
                 async for i, text, delta in _interleave(gens):
+                    if delta.prompt_logprobs is not None:
+                        yield echo_chunk(i, delta.prompt_logprobs)
                     lp = (_completion_logprobs(ctx, delta.logprobs, sent[i])
                           if want_logprobs and delta.logprobs else None)
                     sent[i] += len(text)
@@ -131,7 +150,8 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         response_format = (_tool_call_format(tools, tool_choice)
                            if tool_choice not in ("none", "auto") else _response_format(body))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(server, ctx, body, max_tokens, logprobs, response_format)
+        params = _params(server, ctx, body, max_tokens, logprobs, response_format,
+                         prompt_logprobs=body.prompt_logprobs)
         gens = server.start_samples(ctx, ids, params, "chat", t0, body.n)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": config.model_name}
@@ -149,7 +169,10 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                 message, finish_reason = parsers.message(gen.text, gen.final.finish_reason)
                 choices.append({"index": i, "message": message, "finish_reason": finish_reason,
                                 "logprobs": _chat_logprobs(ctx, gen.logprobs, logprobs)})
-            return {**base, "choices": choices, "usage": _usage(gens, prompts, body.n)}
+            scored = ({"prompt_logprobs": _vllm_prompt_logprobs(ctx, gens[0].prompt_logprobs,
+                                                                body.prompt_logprobs)}
+                      if body.prompt_logprobs is not None else {})  # vLLM's place for them
+            return {**base, "choices": choices, "usage": _usage(gens, prompts, body.n), **scored}
 
         include_usage = _include_usage(body)
         extra = {"usage": None} if include_usage else {}
@@ -165,6 +188,10 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             replies = [parsers.stream() for _ in gens] if parsers.active else None
             try:
                 async for i, text, delta in _interleave(gens):
+                    gen = gens[i]
+                    if delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                        yield sse({**head, "choices": [], "prompt_logprobs": _vllm_prompt_logprobs(
+                            ctx, delta.prompt_logprobs, body.prompt_logprobs)})
                     lp = _chat_logprobs(ctx, delta.logprobs, logprobs) if delta.logprobs else None
                     if replies is not None:  # tool calls and reasoning taken out as they come
                         message = replies[i].push(text, delta.finished)
@@ -191,7 +218,8 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
 
 # ---- request -> SamplingParams -------------------------------------------------------------
 def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: int | None,
-            response_format: dict | None, best_of: int | None = None) -> SamplingParams:
+            response_format: dict | None, best_of: int | None = None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     if response_format is not None and body.ignore_eos:
         raise ApiError(400, "ignore_eos: cannot be combined with response_format or forced tool "
                        "calls (the grammar ends the output)", "ignore_eos")
@@ -205,7 +233,8 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
         min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
-        n=body.n, best_of=best_of, response_format=response_format, priority=body.priority)
+        n=body.n, best_of=best_of, response_format=response_format, priority=body.priority,
+        prompt_logprobs=prompt_logprobs)
     try:
         ctx.limits.check_stop_token_ids(params)
     except RequestError as e:
@@ -280,10 +309,11 @@ def _best_of(group: list[Generation], n: int) -> list[Generation]:
     return sorted(group, key=lambda g: g.cumulative_logprob, reverse=True)[:n]
 
 
-def _usage(gens: list[Generation], prompts: list, num_samples: int) -> dict:
-    """OpenAI's usage: every prompt once, every sample's completion."""
+def _usage(gens: list[Generation], prompts: list, num_samples: int,
+           score_only: bool = False) -> dict:
+    """OpenAI's usage: every prompt once, every sample's completion (none when scoring)."""
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    completion_tokens = sum(len(g.token_ids) for g in gens)
+    completion_tokens = 0 if score_only else sum(len(g.token_ids) for g in gens)
     cached = sum(max(g.num_cached_tokens for g in gens[p * num_samples:(p + 1) * num_samples])
                  for p in range(len(prompts)))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -295,10 +325,19 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def _shown(ctx: ModelContext, entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """The generated tokens' entries whose tokens are in the text (OpenAI's logprob tokens
+    concatenate to the text: an EOS the text leaves out is left out here too)."""
+    if entries is None or ctx.decoder is None:
+        return entries
+    return [e for e in entries if ctx.shown_in_text(e.token_id)]
+
+
 def _chat_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
                    top: int | None) -> dict | None:
     if entries is None or top is None:
         return None
+    entries = _shown(ctx, entries)
 
     def item(token_id: int, logprob: float) -> dict:
         text = ctx.token_text(token_id)
@@ -309,18 +348,69 @@ def _chat_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
                         for e in entries], "refusal": None}
 
 
-def _completion_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
-                         offset: int) -> dict | None:
-    """The legacy completions shape; text_offset counts from the start of the choice's text."""
+def _completion_logprobs(ctx: ModelContext, entries: list[TokenLogprob | None] | None,
+                         offset: int, top: int | None = None,
+                         first_token: int | None = None, generated: bool = True) -> dict | None:
+    """The legacy completions shape; text_offset counts from the start of the choice's text.
+    An entry of None is the prompt's first token, `first_token` (nothing before it scores
+    it: null logprobs). top: how many alternatives to show (None: all the entries have).
+    A generated token the text leaves out (an EOS) keeps its entry, with the text it adds,
+    "": the tokens concatenate to the text, and harnesses that index the entries (prompt
+    tokens, then max_tokens more: lm-eval's loglikelihood) find each where they expect it."""
     if entries is None:
         return None
-    tokens, offsets = [], []
+    tokens, offsets, token_logprobs, top_logprobs = [], [], [], []
     for e in entries:
-        token = ctx.token_text(e.token_id)
+        if e is None:
+            token, value, alternatives = ctx.token_text(first_token), None, None
+        else:
+            shown = not generated or ctx.decoder is None or ctx.shown_in_text(e.token_id)
+            token, value = ctx.token_text(e.token_id) if shown else "", _logprob(e.logprob)
+            alternatives = {ctx.token_text(t): _logprob(lp) for t, lp in e.top[:top]}
         tokens.append(token)
         offsets.append(offset)
+        token_logprobs.append(value)
+        top_logprobs.append(alternatives)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
-            "top_logprobs": [{ctx.token_text(t): _logprob(lp) for t, lp in e.top}
-                             for e in entries],
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def _completion_choice(ctx: ModelContext, body, echo: str, scored, gen: Generation,
+                       score_only: bool) -> dict:
+    """One /v1/completions choice: the echo, the generated text (none when only scoring),
+    their logprobs (the prompt's first when echoing) and vLLM's prompt_logprobs if asked."""
+    text = "" if score_only else gen.text
+    choice = {"text": echo + text, "logprobs": None,
+              "finish_reason": "length" if score_only else gen.final.finish_reason}
+    if body.logprobs is not None:
+        prompt_part = (_completion_logprobs(ctx, scored, 0, body.logprobs,
+                                            gen.stream.prompt_token_ids[0], generated=False)
+                       if body.echo else _completion_logprobs(ctx, [], 0))
+        generated = _completion_logprobs(ctx, [] if score_only else gen.logprobs, len(echo))
+        choice["logprobs"] = {key: prompt_part[key] + generated[key] for key in prompt_part}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, scored, body.prompt_logprobs)
+    return choice
+
+
+def _vllm_prompt_logprobs(ctx: ModelContext, scored, top: int) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the token itself and the `top` most likely there."""
+    if scored is None:
+        return None
+
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+        return str(token_id), {"logprob": _logprob(logprob), "rank": rank,
+                               "decoded_token": ctx.token_text(token_id)}
+
+    result = []
+    for e in scored:
+        if e is None:
+            result.append(None)
+            continue
+        ranked = dict(entry(t, lp, r) for r, (t, lp) in enumerate(e.top[:top], start=1))
+        ranked.setdefault(*entry(e.token_id, e.logprob, e.rank))
+        result.append(ranked)
+    return result
+

@@ -143,8 +143,11 @@ CASES = {
     "completion max_tokens past context": (
         "/v1/completions", _j({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 10**5}),
         "max_tokens", 400),
-    "completion echo with logprobs": ("/v1/completions", _j({
-        "model": MODEL_NAME, "prompt": "hi", "echo": True, "logprobs": 1}), "echo", 400),
+    "completion negative max_tokens": ("/v1/completions", _j({
+        "model": MODEL_NAME, "prompt": "hi", "max_tokens": -1}), "max_tokens", 400),
+    "chat prompt_logprobs past 20": ("/v1/chat/completions", _j({
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+        "prompt_logprobs": 21}), "prompt_logprobs", 400),
 }
 
 

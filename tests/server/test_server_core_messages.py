@@ -43,6 +43,9 @@ def _random_outputs(rng: random.Random, n: int) -> list:
         if kind > 0.8 and tokens:
             out.new_logprobs = [TokenLogprob(t, -rng.random(), [(t, -0.5), (7, -1.25)])
                                 for t in tokens]
+        if 0.5 < kind < 0.6:  # a first token with its prompt's logprobs (the first: None)
+            out.prompt_logprobs = [None] + [TokenLogprob(t, -1.5, [(9, -0.25)], rank=4)
+                                            for t in out.prompt_token_ids[1:]]
         outputs.append(out)
     outputs += [CoreOutput.refused(5000, "prompt is empty"),
                 CoreOutput.refused(5001, "engine step failed: oops", 500)]
@@ -63,7 +66,7 @@ def test_output_rows_decode_into_the_same_core_outputs_as_whole_ones():
         for row, out in zip(got.outputs, outputs, strict=True):
             assert isinstance(row, CoreOutput)
             for field in ("request_id", "new_token_ids", "num_cached_tokens", "finished",
-                          "finish_reason", "error", "new_logprobs"):
+                          "finish_reason", "error", "new_logprobs", "prompt_logprobs"):
                 assert getattr(row, field) == getattr(out, field), field
             assert row.status == getattr(out, "status", 500)
         assert len(compact) <= len(whole)

@@ -181,6 +181,7 @@ def test_named_tool_call_has_valid_arguments(client, idle):
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert r.choices[0].finish_reason == "tool_calls"  # the grammar ends after the calls
 
 
 def test_echo_and_prompt_lists(client, engine_loop, idle):
@@ -234,7 +235,9 @@ BAD = [  # (endpoint, body, a word the message must contain)
      "arguments"),
     ("completions", {"best_of": 1, "n": 2}, "best_of"),
     ("completions", {"best_of": 3, "n": 1, "stream": True}, "best_of"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"max_tokens": 0, "stream": True}, "max_tokens"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"echo": True, "logprobs": 1, "n": 2, "stream": True}, "prompt_logprobs"),
     ("completions", {"logprobs": True}, "logprobs"),
     ("completions", {"prompt": ["a"] * 65}, "prompt"),
     ("completions", {"prompt": ["a", ""]}, "prompt"),

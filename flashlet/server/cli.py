@@ -324,7 +324,8 @@ def default_api_server_count(cpus: int, tensor_parallel_size: int = 1) -> int:
 
 
 def _check_server_args(args) -> HttpLimits:
-    """Raise ValueError naming the first bad server flag."""
+    """Raise ValueError naming the first bad server flag; the API process count resolved."""
+    _resolve_api_server_count(args)
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be >= 1")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
@@ -534,7 +535,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _model_argument(args)
         engine_config = EngineConfig.from_cli(args)
-        _resolve_api_server_count(args)
         limits = _check_server_args(args)
         chat_template = read_chat_template(args.chat_template)
         check_backend_runs_here(engine_config)

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from flashlet.server.errors import ApiError, install_error_handlers
-from flashlet.server.frontend import Server, ServerConfig
+from flashlet.server.frontend import ReleaseGenerations, Server, ServerConfig
 from flashlet.server.limits import LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import MetricsMiddleware
 from flashlet.server.routes_openai import add_openai_routes
@@ -44,6 +44,7 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     add_openai_routes(app, server)
     _add_pages(app)
     _customize_openapi(app)
+    app.add_middleware(ReleaseGenerations)  # innermost: what a request started, it releases
     app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
     server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
     app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)

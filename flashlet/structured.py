@@ -183,10 +183,11 @@ class StructuredLimits:
         return cls(**{f.name: getattr(config, "structured_output_" + f.name)
                       for f in dataclasses.fields(cls)})
 
-    def check(self, fmt: dict, text: str) -> None:
-        """ValueError naming the limit if `fmt` (`text`: its compact JSON) is past one."""
+    def check(self, fmt: dict, text: str | None = None) -> None:
+        """ValueError naming the limit if `fmt` (`text`: its JSON, if known) is past one."""
         for schema in schemas_in(fmt):
-            self._check_schema(schema)
+            self._check_schema(schema)  # first: a schema too deep for json.dumps is refused here
+        text = text if text is not None else StructuredOutputs.key(fmt)
         if len(text) > self.max_bytes:
             raise _over("is", f"{len(text)} bytes as JSON", self.max_bytes, "max-bytes")
 
@@ -491,8 +492,15 @@ class StructuredOutputs:
             raise ValueError("response_format nests too deep to be read") from None
 
     def is_cached(self, fmt: dict) -> bool:
+        key = self._key_if_readable(fmt)
         with self._lock:
-            return self.key(fmt) in self._compiled
+            return key is not None and key in self._compiled
+
+    def _key_if_readable(self, fmt: dict) -> str | None:
+        try:
+            return self.key(fmt)
+        except ValueError:  # too deep for json.dumps: check() says which limit it passes
+            return None
 
     def check(self, fmt: dict, key: str | None = None) -> None:
         """ValueError naming the reason if `fmt` may not compile: a schema's own rules
@@ -502,17 +510,18 @@ class StructuredOutputs:
                 check_json_schema(schema)
             except ValueError as e:
                 raise ValueError(f"invalid {fmt['type']} response_format: {e}") from None
-        self.limits.check(fmt, key if key is not None else self.key(fmt))
+        self.limits.check(fmt, key)
 
     def compile(self, fmt: dict):
         """A response_format -> xgrammar's CompiledGrammar (cached); ValueError if it is
         invalid, past a limit or too slow to compile; CompileCancelled after cancel(fmt)."""
-        key = self.key(fmt)
+        key = self._key_if_readable(fmt)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         self.check(fmt, key)
+        key = key if key is not None else self.key(fmt)
         grammar = self._compile(key, fmt)
         with self._lock:
             self.num_compiled += 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -17,9 +19,10 @@ from server_helpers import MODEL_NAME, assert_no_leaks, idle_stats
 
 from flashlet import EngineConfig, SamplingParams
 from flashlet.server.core_client import CoreClient, CoreProcess
-from flashlet.server.engine_core import AddRequests, CoreInput
+from flashlet.server.engine_core import AbortRequests, AddRequests, CoreInput, EngineCore
 from flashlet.server.engine_loop import RequestStream
 from flashlet.server.router import PrefixRouter
+from flashlet.structured import CompileCancelled
 
 POISON_FORMAT = {"type": "json_schema", "json_schema": {"schema": {
     "type": "integer", "maximum": 2**70}}}
@@ -119,3 +122,68 @@ def test_a_failure_at_any_stage_leaves_every_counter_at_zero(server, engine_loop
         assert engine_loop.num_streams == engine_loop.num_queued == 0, stage
         assert_no_leaks(stats)
     assert _post(server, "/v1/chat/completions", CHAT).status_code == 200
+
+
+# ---- the engine core's compile queue -------------------------------------------------------
+class FakeStructured:
+    """StructuredOutputs' interface to the core: one format cached, one past a static limit,
+    compiles that run until cancelled."""
+
+    def __init__(self):
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.cancelled: list[dict] = []
+
+    def is_cached(self, fmt: dict) -> bool:
+        return fmt["type"] == "json_object"
+
+    def check(self, fmt: dict) -> None:
+        if fmt.get("grammar") == "huge":
+            raise ValueError("response_format has more than 8192 enum and const values: over "
+                             "the limit of 8192 (--structured-output-max-enum)")
+
+    def compile(self, fmt: dict):
+        self.started.set()
+        self.stop.wait(30)
+        raise CompileCancelled()
+
+    def cancel(self, fmt: dict) -> bool:
+        self.cancelled.append(fmt)
+        self.stop.set()
+        return True
+
+
+class ConstrainedEngine:
+    config = SimpleNamespace(max_num_batched_tokens=100)
+
+    def __init__(self):
+        self.structured = FakeStructured()
+        self.added, self.aborted = [], []
+
+    def add_request(self, prompt, params, request_id, after=None):
+        self.added.append(request_id)
+
+    def abort(self, request_id, finish_reason="abort"):
+        self.aborted.append(request_id)
+
+
+def test_the_core_compiles_off_its_loop_refuses_past_a_limit_and_cancels_on_abort():
+    engine = ConstrainedEngine()
+    core = EngineCore(engine, 0, None, [], os.getpid())
+    try:
+        slow = {"type": "grammar", "grammar": "root ::= \"a\""}
+        core._apply(AddRequests.of([1], [5, 6], [SamplingParams(response_format=slow)]))
+        core._apply(AddRequests.of([2], [5, 6], [SamplingParams(
+            response_format={"type": "grammar", "grammar": "huge"})]))
+        core._apply(AddRequests.of([3], [5, 6], [SamplingParams(
+            response_format={"type": "json_object"})]))
+        assert list(core.compiling) == [1]  # compiling on the worker thread
+        assert [(e.request_id, e.status) for e in core.errors] == [(2, 400)]  # at once
+        assert "--structured-output-max-enum" in core.errors[0].error
+        assert engine.added == [3]  # cached: not queued behind the compile
+        assert engine.structured.started.wait(10)
+        core._apply(AbortRequests([1]))
+        assert core.compiling == {} and engine.structured.cancelled == [slow]
+        assert engine.aborted == [1]
+    finally:
+        core.compiler.shutdown()
+        core.counters.gc.close()

@@ -4,10 +4,13 @@ stream keeps getting its tokens; references out of the schema are refused and ne
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -168,3 +171,56 @@ def test_refs_out_of_the_schema_are_refused_at_once_and_nothing_is_fetched(core_
     finally:
         listener.close()
     assert_every_counter_at_zero(client)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes that any thread of `pid` started."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return kids
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
+def test_the_core_stops_at_once_while_a_grammar_compiles(demo_model_dir):
+    """Before, a compile ran on a thread of the core and the core could not stop until it
+    ended (killed after 30 s); now the compile's worker process is killed with the core."""
+    config = EngineConfig(model=str(demo_model_dir), max_num_pages=64,
+                          structured_output_timeout_s=300,
+                          structured_output_max_pattern_size=10**6)
+    client = CoreClient(config).start()
+    srv = None
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
+        slow = schema_format({"type": "string", "pattern": "^a{20000}$"})  # a minute or more
+        def post_and_lose_it():
+            with contextlib.suppress(httpx.HTTPError):  # the server goes away under it
+                chat(srv, timeout=60, response_format=slow)
+
+        threading.Thread(target=post_and_lose_it, daemon=True).start()
+        core_pid = client.cores[0].pid
+        worker = wait_until(lambda: (kids := _children(core_pid)) and kids[0], 120,
+                            "the compile worker")
+        wait_until(lambda: _cpu_seconds(worker) > 8, 120, "the compile to be under way")
+    finally:
+        if srv is not None:
+            srv.stop()
+        t0 = time.monotonic()
+        client.stop()
+    assert time.monotonic() - t0 < 10
+    assert client.cores[0].process.exitcode == 0  # it stopped: not killed after 30 s
+    wait_until(lambda: not os.path.exists(f"/proc/{worker}") or _cpu_seconds(worker) == 0, 10,
+               "the worker to be gone")

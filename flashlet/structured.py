@@ -568,9 +568,16 @@ class StructuredOutputs:
             return self._info
 
 
+# One row's mask may take this much CPU time of the step: a grammar past it ends its request
+# (an error) rather than stall every other row's tokens on each step it runs. CPU time, not
+# wall time: a loaded machine does not make a normal mask look slow.
+MASK_CPU_BUDGET_S = 0.5
+
+
 def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
     """Mask, in place, the tokens each constrained row's grammar forbids (logits
-    [len(reqs), vocab]); a matcher that fails puts its row in `errors`."""
+    [len(reqs), vocab]); a matcher that fails, or takes more than MASK_CPU_BUDGET_S, puts its
+    row in `errors`."""
     rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
     if not rows:
         return
@@ -580,7 +587,12 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
     filled = []
     for i in rows:
         try:
+            started = time.thread_time()
             reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+            took = time.thread_time() - started
+            if took > MASK_CPU_BUDGET_S:
+                raise ValueError(f"response_format: its grammar took {took:.2f} s of CPU for "
+                                 f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s")
             filled.append(i)
         except Exception as e:  # one bad request must not fail the batch
             errors[i] = e

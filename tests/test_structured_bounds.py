@@ -167,3 +167,33 @@ def test_a_cancelled_compile_stops_and_close_ends_the_worker(demo_tokenizer):
     outputs.close()
     with pytest.raises(CompileCancelled):  # closed for good: no new worker
         outputs.compile(fmt_of({"type": "boolean"}))
+
+
+# ---- masking -------------------------------------------------------------------------------
+class _Grammar:
+    def __init__(self, cpu_s: float = 0.0):
+        self.cpu_s = cpu_s
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < self.cpu_s:
+            pass  # a grammar whose mask is slow to compute
+        bitmask[row].fill_(0)
+        bitmask[row, 0] = 1  # allows token 0 only
+
+
+def test_a_grammar_whose_mask_is_too_slow_ends_its_row_not_the_batch(monkeypatch):
+    import torch
+    from types import SimpleNamespace
+
+    from flashlet import structured
+
+    monkeypatch.setattr(structured, "MASK_CPU_BUDGET_S", 0.02)
+    reqs = [SimpleNamespace(grammar=_Grammar()), SimpleNamespace(grammar=None),
+            SimpleNamespace(grammar=_Grammar(cpu_s=0.05))]
+    logits = torch.zeros(3, 64)
+    errors: dict = {}
+    structured.apply_grammar_masks(logits, reqs, errors)
+    assert list(errors) == [2] and "over the limit" in str(errors[2])
+    assert torch.isinf(logits[0, 1:]).all() and logits[0, 0] == 0  # masked
+    assert not torch.isinf(logits[1]).any() and not torch.isinf(logits[2]).any()

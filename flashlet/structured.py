@@ -41,7 +41,7 @@ import torch
 TOOL_CALL_MODEL_FORMAT = "qwen_3"  # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # xgrammar reads schema integers as int64
 
-# ---- check_json_schema: what a schema may say at all ---------------------------------------------
+# ---- check_json_schema: what a schema may say at all -----------------------------------------
 # Keywords whose value is one subschema, a list of them, or a map of names to them.
 _ONE_SCHEMA = ("not", "if", "then", "else", "items", "additionalProperties", "additionalItems",
                "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
@@ -164,7 +164,7 @@ def _admits_nothing(node, depth: int = 0) -> bool:
     return False
 
 
-# ---- StructuredLimits: what a format may cost to compile ------------------------------------------
+# ---- StructuredLimits: what a format may cost to compile -------------------------------------
 @dataclasses.dataclass(frozen=True)
 class StructuredLimits:
     """Bounds on a response format, checked before it compiles (EngineConfig's
@@ -287,7 +287,7 @@ def _expanded_size(sub, c, where: str) -> int:
     return total
 
 
-# ---- CompileWorker: the compile, in a process that can be killed ----------------------------------
+# ---- CompileWorker: the compile, in a process that can be killed -----------------------------
 class CompileCancelled(Exception):
     """The compile's request went away, or the engine shut down, and the worker was stopped."""
 
@@ -322,7 +322,8 @@ class CompileWorker:
             except TimeoutError:
                 self._kill()
                 raise ValueError(f"response_format: compiling its grammar took longer than the "
-                                 f"limit of {timeout_s:g} s (--structured-output-timeout-s)") from None
+                                 f"limit of {timeout_s:g} s (--structured-output-timeout-s)"
+                                 ) from None
             except (OSError, EOFError):
                 cancelled = self._cancelled or self._closed
                 self._kill()
@@ -358,15 +359,20 @@ class CompileWorker:
                 raise CompileCancelled()
             if self._proc is not None and self._proc.poll() is None:
                 return self._proc
+        # This flashlet, wherever the parent found it (an install, a checkout on sys.path).
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         proc = subprocess.Popen(
             [sys.executable, "-c", "from flashlet.structured import run_compile_worker; "
-             "run_compile_worker()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ,
-                                                                "OMP_NUM_THREADS": "1"})
+             "run_compile_worker()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
         with self._state_lock:
             self._proc = proc
             self.num_started += 1
+            closed = self._closed  # close() may have run while it started
         try:
+            if closed:
+                raise OSError("closed")
             _write_frame(proc.stdin, self._info)
         except OSError:  # it died at once, or close() killed it
             self._kill()
@@ -429,7 +435,8 @@ def run_compile_worker() -> None:
         (timeout_s,) = struct.unpack("<d", request[:8])
         signal.setitimer(signal.ITIMER_REAL, timeout_s + 5)  # SIGALRM's default: exit
         try:
-            reply = b"O" + compile_format(compiler, json.loads(request[8:])).serialize_json().encode()
+            grammar = compile_format(compiler, json.loads(request[8:]))
+            reply = b"O" + grammar.serialize_json().encode()
         except ValueError as e:
             reply = b"E" + str(e).encode()
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -463,7 +470,7 @@ def _compile_with(compiler, fmt: dict):
     raise ValueError(f"response_format {kind!r} needs no grammar")
 
 
-# ---- StructuredOutputs ----------------------------------------------------------------------------
+# ---- StructuredOutputs -----------------------------------------------------------------------
 class StructuredOutputs:
     """Compiles response formats for one tokenizer (checked, bounded, cached by format) and
     makes a matcher per request."""

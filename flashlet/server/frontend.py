@@ -184,7 +184,10 @@ class Generation:
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
-                raise ApiError(item.status, item.message)
+                # The core's refusals of a format (limits, compile) name it before a colon.
+                param = "response_format" if "response_format" in item.message.split(":")[0] \
+                    else None
+                raise ApiError(item.status, item.message, param)
             now = time.monotonic()
             if ids:
                 gaps = len(ids)

@@ -130,6 +130,7 @@ def test_pathological_schemas_are_refused_within_their_limits_while_a_stream_flo
         took = time.monotonic() - t0
         assert r.status_code == 400, (words, r.text[:300])
         assert words in r.json()["error"]["message"], r.text[:300]
+        assert r.json()["error"]["param"].startswith("response_format"), r.text[:300]
         assert took < limit_s, (words, took)
     streamer.join(300)
     assert done.is_set() and len(times) > 20

@@ -393,11 +393,15 @@ class EngineCore:
         self._add_now(rid, prompt, params, after)  # a cached grammar: no wait behind compiles
 
     def _cancel_compile(self, rid: int) -> None:
-        """An aborted request's compile stops: dropped if queued, its worker killed if running
-        (a later request for the same format compiles it again)."""
+        """An aborted request's compile stops: dropped if queued, and the worker killed if it
+        compiles that format for no other request still waiting."""
         entry = self.compiling.pop(rid, None)
-        if entry is not None and not entry[0].cancel():
-            self.engine.structured.cancel(entry[2].response_format)
+        if entry is None:
+            return
+        entry[0].cancel()  # False once running: then the worker is what stops it
+        fmt = entry[2].response_format
+        if all(other[2].response_format != fmt for other in self.compiling.values()):
+            self.engine.structured.cancel(fmt)  # a no-op unless the worker compiles `fmt`
 
     def _add_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready, in arrival order."""

@@ -548,4 +548,3 @@ class ReleaseGenerations:
             _owned_generations.reset(token)
             for gen in owned:
                 gen.abort()
-

@@ -187,3 +187,21 @@ def test_the_core_compiles_off_its_loop_refuses_past_a_limit_and_cancels_on_abor
     finally:
         core.compiler.shutdown()
         core.counters.gc.close()
+
+
+def test_an_abort_leaves_a_compile_that_another_request_waits_for():
+    engine = ConstrainedEngine()
+    core = EngineCore(engine, 0, None, [], os.getpid())
+    try:
+        slow = {"type": "grammar", "grammar": "root ::= \"a\""}
+        for rid in (1, 2):  # two clients, one format: the second waits for the first's compile
+            core._apply(AddRequests.of([rid], [5, 6], [SamplingParams(response_format=slow)]))
+        assert engine.structured.started.wait(10)
+        core._apply(AbortRequests([1]))
+        assert list(core.compiling) == [2] and engine.structured.cancelled == []
+        core._apply(AbortRequests([2]))  # nobody waits for it any more: stopped
+        assert core.compiling == {} and engine.structured.cancelled == [slow]
+    finally:
+        engine.structured.stop.set()
+        core.compiler.shutdown()
+        core.counters.gc.close()

@@ -11,8 +11,9 @@ constrained rows would also cost them every other step and make the scheduler de
 is in flight; the mask itself is filled after the forward pass has been launched, so on a GPU
 the matcher's work runs while the model computes.
 
-Bounds (issue 35): xgrammar's compile cannot be interrupted inside a process, and a 43-byte
-schema can keep it busy for minutes, so a request's format meets three checks. At the API (and
+Bounds (issue 35): xgrammar's compile cannot be interrupted inside a process, and a pattern of
+a few bytes (`^a{10000}$`) can keep it busy for far longer than a step, so a request's format
+meets three checks. At the API (and
 in `add_request`), check_json_schema: `$ref` only inside the schema itself (nothing is ever
 fetched or read), no integer beyond 64 bits, not a schema that admits nothing. Before
 compiling, StructuredLimits: cheap static bounds on size, nesting, enum values and regex
@@ -486,6 +487,7 @@ class StructuredOutputs:
         self._info_lock = threading.Lock()
         self._compiler = None  # in this process (limits.timeout_s == 0)
         self._worker: CompileWorker | None = None
+        self._closed = False
         self._compiled: OrderedDict[str, object] = OrderedDict()  # canonical format -> grammar
         self._lock = threading.Lock()  # the cache: never held while compiling
         self.num_compiled = 0
@@ -539,10 +541,12 @@ class StructuredOutputs:
 
     def cancel(self, fmt: dict) -> bool:
         """Stop `fmt`'s compile if it is the one running (its request left); True if it was."""
-        return self._worker is not None and self._worker.cancel(self.key(fmt))
+        key = self._key_if_readable(fmt)
+        return self._worker is not None and key is not None and self._worker.cancel(key)
 
     def close(self) -> None:
-        """Stop the compile worker (a compile under way ends CompileCancelled)."""
+        """Stop the compile worker for good (a compile under way ends CompileCancelled)."""
+        self._closed = True
         if self._worker is not None:
             self._worker.close()
 
@@ -561,6 +565,8 @@ class StructuredOutputs:
             return compile_format(self._compiler, fmt)
         if self._worker is None:
             self._worker = CompileWorker(info.serialize_json())
+            if self._closed:  # close() ran while the tokenizer info was built
+                self._worker.close()
         return xgr.CompiledGrammar.deserialize_json(
             self._worker.compile(key, fmt, self.limits.timeout_s), info)
 

@@ -57,6 +57,14 @@ class EngineConfig:
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
+    # Structured output (flashlet/structured.py): each limit refuses a response format (a 400
+    # naming it) before or while its grammar compiles, so that no request can stall the others.
+    structured_output_timeout_s: float = 10.0  # time limit of one grammar compile, in a worker process killed past it; 0 = compile in the engine's process, unbounded
+    structured_output_max_bytes: int = 262144  # a response format's size as JSON
+    structured_output_max_depth: int = 64  # nesting depth of a JSON schema's subschemas
+    structured_output_max_enum: int = 8192  # enum and const values in one schema, in all
+    structured_output_max_enum_chars: int = 131072  # characters of those values (as JSON)
+    structured_output_max_pattern_size: int = 4096  # a regex pattern's size with its repetitions expanded (a{1000} counts 1000)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -77,6 +85,9 @@ class EngineConfig:
             )
         if self.dtype is not None:
             torch_dtype(self.dtype)
+        if self.structured_output_timeout_s < 0:
+            raise ValueError("structured_output_timeout_s must be >= 0 (0: no time limit), got "
+                             f"{self.structured_output_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         for sub in ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):

@@ -55,7 +55,7 @@ from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
-from flashlet.structured import StructuredOutputs, advance_grammars
+from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
 from flashlet.weights import load_model, random_model
 
 log = logging.getLogger("flashlet")
@@ -138,7 +138,8 @@ class Engine:
                                    self._eos_ids(), config.max_decode_step_tokens,
                                    config.scheduling_policy)
         self.sampler = Sampler(self.device, self.eos_token_ids)
-        self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
+                                             limits=StructuredLimits.of(config))
                            if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
@@ -186,7 +187,8 @@ class Engine:
         needs (its grammars are compiled against the vocabulary)."""
         self.tokenizer = tokenizer
         self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
-                                            self.eos_token_ids)
+                                            self.eos_token_ids,
+                                            limits=StructuredLimits.of(self.config))
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from flashlet.server.errors import ApiError, install_error_handlers
-from flashlet.server.frontend import Server, ServerConfig
+from flashlet.server.frontend import ReleaseGenerations, Server, ServerConfig
 from flashlet.server.limits import LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import MetricsMiddleware
 from flashlet.server.routes_extra import add_extra_routes
@@ -46,6 +46,7 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     add_extra_routes(app, server)  # after the chat route, which /v1/responses runs on
     _add_pages(app)
     _customize_openapi(app)
+    app.add_middleware(ReleaseGenerations)  # innermost: what a request started, it releases
     app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
     server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
     app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)

@@ -215,23 +215,31 @@ class CoreClient(EngineClient):
                 streams[0].prompt_token_ids, [c.num_in_flight for c in self.cores],
                 [c.pending_prefill for c in self.cores])
             core = self.cores[index]
+            ids = [next(self._ids) for _ in streams]
+            # Encoded and sent before anything is counted: a request that cannot be sent
+            # (ValueError) or a core that cannot take it (NotReady) leaves no trace here.
+            frame = self._encode_add(ids, streams)
+            if not self._send_frame_locked(core, frame):
+                raise NotReady(f"engine core {core.index} cannot take requests")
             core.pending_prefill += prefill  # the first sample computes the prompt for all
             streams[0].routed_prefill = prefill
-            ids = [next(self._ids) for _ in streams]
-            group = streams[0].group
-            message = AddRequests.of(ids, streams[0].prompt_token_ids,
-                                     [stream.params for stream in streams],
-                                     ids[0] if group is None else group)
             for stream, rid in zip(streams, ids):
                 stream.request_id, stream.core = rid, core.index
+                self._streams[rid] = stream
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
-            if not self._send_locked(core, message):
-                core.num_in_flight -= len(streams)
-                self._prefill_done(core, streams[0])
-                raise NotReady(f"engine core {core.index} cannot take requests")
-            for stream in streams:
-                self._streams[stream.request_id] = stream
+
+    def _encode_add(self, ids: list[int], streams: list[RequestStream]) -> bytes:
+        """The AddRequests frame for a prompt's samples; ValueError if msgpack cannot carry
+        them (an integer beyond 64 bits that got past the checks, say)."""
+        group = streams[0].group
+        message = AddRequests.of(ids, streams[0].prompt_token_ids,
+                                 [stream.params for stream in streams],
+                                 ids[0] if group is None else group)
+        try:
+            return self._encoder.encode(message)
+        except (OverflowError, RecursionError, TypeError, ValueError) as e:
+            raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
 
     def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
@@ -328,8 +336,11 @@ class CoreClient(EngineClient):
 
     def _send_locked(self, core: CoreProcess, msg) -> bool:
         """Send a message to a core (queued without limit); False if the socket is closed."""
+        return self._send_frame_locked(core, self._encoder.encode(msg))
+
+    def _send_frame_locked(self, core: CoreProcess, frame: bytes) -> bool:
         try:
-            core.inbox.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            core.inbox.send(frame, zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             log.error("could not send to engine core %d: %s", core.index, e)

@@ -287,8 +287,9 @@ class EngineCore:
         self.stopping = False
         self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
-        # compiled grammars are cached), in arrival order: request id -> (future, prompt,
-        # params, the request it waits for).
+        # the thread waits on a compile process with a time limit, structured.py; compiled
+        # grammars are cached), in arrival order: request id -> (future, prompt, params, the
+        # request it waits for).
         self.compiling: dict[int, tuple[concurrent.futures.Future, np.ndarray, SamplingParams,
                                         int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
@@ -315,6 +316,8 @@ class EngineCore:
             elif self.errors or (busy and not self.compiling):
                 # Went idle: say so (the stats show no page held).
                 self._send([])
+        if self.engine.structured is not None:
+            self.engine.structured.close()  # a compile under way ends now: nothing to wait for
         self.compiler.shutdown(wait=False, cancel_futures=True)
         self.counters.gc.close()
 
@@ -352,7 +355,7 @@ class EngineCore:
             self._add_all(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
-                self.compiling.pop(rid, None)
+                self._cancel_compile(rid)
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
@@ -386,11 +389,28 @@ class EngineCore:
             self.errors.append(CoreOutput.refused(rid, str(e)))
             return
         structured = self.engine.structured
-        if params.is_constrained and structured is not None:
+        if (params.is_constrained and structured is not None
+                and not structured.is_cached(params.response_format)):
+            try:  # the static bounds, at once: a refused format never waits for a compile
+                structured.check(params.response_format)
+            except ValueError as e:
+                self.errors.append(CoreOutput.refused(rid, str(e)))
+                return
             future = self.compiler.submit(structured.compile, params.response_format)
             self.compiling[rid] = (future, prompt, params, after, group)
             return
-        self._add_now(rid, prompt, params, after, group)
+        self._add_now(rid, prompt, params, after, group)  # a cached grammar: no wait behind compiles
+
+    def _cancel_compile(self, rid: int) -> None:
+        """An aborted request's compile stops: dropped if queued, and the worker killed if it
+        compiles that format for no other request still waiting."""
+        entry = self.compiling.pop(rid, None)
+        if entry is None:
+            return
+        entry[0].cancel()  # False once running: then the worker is what stops it
+        fmt = entry[2].response_format
+        if all(other[2].response_format != fmt for other in self.compiling.values()):
+            self.engine.structured.cancel(fmt)  # a no-op unless the worker compiles `fmt`
 
     def _add_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready, in arrival order."""
@@ -400,8 +420,9 @@ class EngineCore:
                 return
             del self.compiling[rid]
             error = future.exception()
-            if error is not None:
-                self.errors.append(CoreOutput.refused(rid, str(error)))
+            if error is not None:  # a ValueError is the format's fault; anything else ours
+                status = 400 if isinstance(error, ValueError) else 500
+                self.errors.append(CoreOutput.refused(rid, str(error), status))
             else:
                 # the engine finds the grammar cached
                 self._add_now(rid, prompt, params, after, group)

@@ -6,6 +6,7 @@ the request in the engine), SSE events and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import dataclasses
 import threading
@@ -210,7 +211,10 @@ class Generation:
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
-                raise ApiError(item.status, item.message)
+                # The core's refusals of a format (limits, compile) name it before a colon.
+                param = "response_format" if "response_format" in item.message.split(":")[0] \
+                    else None
+                raise ApiError(item.status, item.message, param)
             now = time.monotonic()
             if ids:
                 gaps = len(ids)
@@ -516,19 +520,26 @@ class Server:
                    for p in samples]
         for stream in streams:
             stream.group = group
+        gens = [Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+                for stream in streams]
+        retry = {"Retry-After": str(self.config.retry_after_s)}
         try:
             self.loop.submit_group(streams, self.config.max_waiting)
-            self.api_counters.submitted(t0)
         except Overloaded as e:
             self.metrics.requests_rejected.labels("overloaded").inc()
             raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",
-                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+                           headers=retry) from None
         except NotReady as e:
             self.metrics.requests_rejected.labels("not_ready").inc()
-            raise ApiError(503, str(e), code="not_ready",
-                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
-        return [Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
-                for stream in streams]
+            raise ApiError(503, str(e), code="not_ready", headers=retry) from None
+        except ValueError as e:  # the engine client could not carry it (nothing was counted)
+            self.metrics.requests_rejected.labels("invalid").inc()
+            raise ApiError(400, str(e)) from None
+        owned = _owned_generations.get()
+        if owned is not None:  # the HTTP request's owner aborts them when it ends
+            owned.extend(gens)
+        self.api_counters.submitted(t0)
+        return gens
 
     async def run_to_end(self, request: Request, gen: Generation) -> Delta | None:
         """Wait for the whole answer; None if the client went away first (request aborted)."""
@@ -567,3 +578,29 @@ class Server:
 def client_gone() -> Response:
     return Response(status_code=499)
 
+
+# The generations the current HTTP request started (set by ReleaseGenerations per request).
+_owned_generations: contextvars.ContextVar[list[Generation] | None] = contextvars.ContextVar(
+    "flashlet_owned_generations", default=None)
+
+
+class ReleaseGenerations:
+    """ASGI middleware, the one owner of what a request holds in the engine: every generation
+    an HTTP request started is aborted when its response ends, however it ends (an error at any
+    stage after the submit, a handler bug, the client gone). A no-op for those that finished;
+    so no path can leave samples counted in flight, queued or holding KV pages."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        owned: list[Generation] = []
+        token = _owned_generations.set(owned)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _owned_generations.reset(token)
+            for gen in owned:
+                gen.abort()

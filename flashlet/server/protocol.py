@@ -146,6 +146,9 @@ def _json_schema(schema: dict) -> dict:
         raise ValueError(f"is not a valid JSON schema: {e.message}") from None
     except jsonschema_rs.ReferencingError as e:
         raise ValueError(f"is not a valid JSON schema: {e}") from None
+    from flashlet.structured import check_json_schema
+
+    check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
     return schema
 
 

@@ -36,13 +36,9 @@ class EngineConfig:
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     mixed_graphs: bool = True  # with cuda_graph, triton backend, no tensor parallelism: steps with prefill chunks replay CUDA graphs too, padded to a token bucket
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
-    gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
     # The fused path (issue 16): None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
     fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (H200, Qwen2.5-0.5B: 2.3x per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
-    fused_decode_pdl: bool | None = None  # with the fused path: its kernels launch with Programmatic Dependent Launch; default: on where the GPU has it (sm_90+)
-    fused_decode_rope: bool | None = None  # with the fused path: RoPE + K/V write in the QKV GEMV's epilogue (H200: +2.5-8%); default: on where the model allows it (not Qwen3's per-head q/k norm)
-    fused_decode_attn: bool | None = None  # with the fused path: one attention launch a layer (PDL with _pdl); default: on the triton backend
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -65,12 +61,6 @@ class EngineConfig:
             torch_dtype(self.dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for sub in ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
-            if getattr(self, sub) and self.fused_decode is False:
-                raise ValueError(f"{sub} applies to the fused decode path, which fused_decode=False "
-                                 f"turns off")
-        if self.fused_decode_attn and self.backend not in ("triton", "auto"):
-            raise ValueError(f"fused_decode_attn is the triton backend's one-launch decode; backend is {self.backend!r}")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
 

@@ -38,6 +38,7 @@ import torch
 from flashlet import parallel
 from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
+from flashlet.fused_decode import FusedParts
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
@@ -98,7 +99,9 @@ SERVER_GC_THRESHOLDS = (50_000, 20, 100)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    def __init__(self, config: EngineConfig = EngineConfig(), fused_parts: FusedParts | None = None):
+        """fused_parts: name the fused decode path's parts on or off (tests, measurements);
+        by default each is on where it applies."""
         started = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
@@ -132,9 +135,10 @@ class Engine:
         self.structured = (StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
                            if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
+        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq,
+                                  fused_parts)
         # What runs, not what was asked: the fused path's auto (None) resolved by the runner.
-        self.config = config.replace(**self.runner.fused_settings())
+        self.config = config.replace(fused_decode=self.runner.fused is not None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
@@ -435,12 +439,11 @@ class Engine:
 
 
 def _ops_for(config: EngineConfig, device: torch.device):
-    """Fused Triton kernels on CUDA (any attention backend), with our GEMV for one-row steps
-    when `gemv` is on; else plain PyTorch."""
+    """Fused Triton kernels on CUDA (any attention backend); else plain PyTorch."""
     if config.fused_ops and device.type == "cuda":
-        from flashlet.kernels.ops import TritonOps, TritonOpsGemv
+        from flashlet.kernels.ops import TritonOps
 
-        return TritonOpsGemv if config.gemv else TritonOps
+        return TritonOps
     return None
 
 

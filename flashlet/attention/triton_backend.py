@@ -11,7 +11,7 @@
   max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
   (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too).
 
-- `attend_one_launch` (the fused decode path, `fused_decode_attn`): the same split-KV decode in
+- `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
   (`decode_attention_one_launch`: per-(sequence, KV head) counters owned here, left at zero by
   every launch), optionally with Programmatic Dependent Launch. Its smallest split is
@@ -57,6 +57,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     supports_mixed_graph = True
+    supports_one_launch_decode = True
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import cute_available
 from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
@@ -74,19 +75,26 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 SUB_FLAGS = ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
 
 
-def named(fused: bool | None, config: dict) -> dict:
-    """With fused=True, every sub-flag a test does not name is off (each would default to on
-    where it applies): a test runs exactly the variant it names. Auto (None) is left alone."""
-    return {**dict.fromkeys(SUB_FLAGS, False), **config} if fused else config
+def build(fused: bool | None, **config):
+    """An Engine whose fused parts are named as `fused_decode_pdl=` etc. With fused=True, every
+    part a test does not name is off (each would default to on where it applies): a test runs
+    exactly the variant it names. Auto (None) is left alone."""
+    from flashlet import Engine, EngineConfig
+
+    named = {flag: config.pop(flag) for flag in SUB_FLAGS if flag in config}
+    if fused:
+        named = {**dict.fromkeys(SUB_FLAGS, False), **named}
+    parts = FusedParts(**{flag.removeprefix("fused_decode_"): on for flag, on in named.items()})
+    return Engine(EngineConfig(fused_decode=fused, **config), parts)
 
 
 def run(source: dict, prompt_list, new_tokens: int, *, fused: bool | None, record=None, greedy=True,
         **config):
     """Tokens of every prompt (run one at a time); `record(meta, logits)` observes each step."""
-    from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet import SamplingParams
 
-    engine = Engine(EngineConfig(**source, backend="triton", dtype="bfloat16", max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
+    engine = build(fused, **source, backend="triton", dtype="bfloat16", max_num_seqs=1,
+                   max_num_pages=1024, **config)
     perturb_norms(engine)
     if record is not None:
         engine.observe_steps(record)
@@ -134,13 +142,13 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     in launch order, as `reference` records them) -> (its own pick at every step, its logits
     rows at every step when `logits` (an observer makes the fused path write them), engine).
     Without `logits` the decode steps' picks come from the LM head's argmax epilogue."""
-    from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet import SamplingParams
     from flashlet.sampler import SamplerOutput
 
     forced = [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []
-    engine = Engine(EngineConfig(**source, backend=backend, dtype=dtype, max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
+    engine = build(fused, **source, backend=backend, dtype=dtype, max_num_seqs=1,
+                   max_num_pages=1024, **config)
     perturb_norms(engine)
     if logits:
         engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()))
@@ -359,7 +367,7 @@ def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family
     fused, rope = engine.runner.fused, family == "qwen2"
     assert fused is not None and fused.pdl and fused.one_launch_attention
     assert (fused.rope is not None) == rope
-    assert [getattr(engine.config, f) for f in ("fused_decode", *SUB_FLAGS)] == [True, True, rope, True]
+    assert engine.config.fused_decode and engine.runner.fused.parts == FusedParts(pdl=True, rope=rope, attn=True)
     assert engine.start_report["warmed_up"] and fused.lm_argmax._compiled is not None
 
 

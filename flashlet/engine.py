@@ -73,8 +73,8 @@ def settle_heap() -> float:
     """Collect start-up's garbage now and move everything still alive out of the collector's
     reach (gc.freeze), returning the seconds it took. Loading a model and warming it up leaves
     ~200k tracked objects (modules, compiled kernels, graphs); the first full collection would
-    otherwise come in the middle of the first requests and stall one step for 60-100 ms
-    (measured on the H200, 2026-11-30). An earlier engine's frozen objects are unfrozen first,
+    otherwise come in the middle of the first requests and stall one step for tens of ms
+    (BENCHMARKS.md). An earlier engine's frozen objects are unfrozen first,
     so engines built one after another in a process do not pin each other's garbage."""
     started = time.perf_counter()
     gc.unfreeze()
@@ -83,19 +83,6 @@ def settle_heap() -> float:
     return time.perf_counter() - started
 
 
-# A server process's collector thresholds once warm (Python's default: 700, 10, 10): the API
-# processes' after their warm-up, the engine cores' before their loop. Serving allocates a few
-# dozen objects per token, so at the default a young collection runs every ~20 tokens and a
-# full one (every object not frozen: all the requests' state) several times a second.
-# - API process, 256 streams through scripts/api_overhead.py: 8-11% of its wall time went to
-#   the collector, with 4-5 full collections and ~25 collections over 5 ms in 5-6 s (each a
-#   stall of every stream it serves); at these thresholds 0.2-1%, none full, 1 over 5 ms
-#   (2026-11-30, 2 shared CPU cores).
-# - Engine core, H200, closed loop at concurrency 256: 11.9% of the level's wall time in the
-#   collector at the default (/debug/stats, 2026-11-30).
-# Cycles are still collected; full collections come ~100x less often. The offline `LLM` runs
-# in the user's process and leaves its collector alone.
-SERVER_GC_THRESHOLDS = (50_000, 20, 100)
 
 
 class Engine:

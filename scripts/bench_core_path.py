@@ -41,7 +41,8 @@ from conftest import save_tiny_model  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.server.core_client import CoreClient, CoreProcess  # noqa: E402
-from flashlet.server.engine_core import CoreReady, EngineCore, engine_info  # noqa: E402
+from flashlet.server.engine_core import EngineCore, engine_info  # noqa: E402
+from flashlet.server.messages import CoreReady  # noqa: E402
 from flashlet.server.engine_loop import RequestStream  # noqa: E402
 
 VOCAB = 32000  # ids above 256: Python's small-int cache would flatter the decode

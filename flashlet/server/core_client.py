@@ -41,9 +41,9 @@ import zmq
 
 from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
-from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreOutput, CoreReady,
-                                         Probe, ProbeReply, Shutdown, StepOutputs, build_engine,
-                                         run_engine_core)
+from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady, Probe,
+                                      ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -283,6 +283,11 @@ class CoreClient(EngineClient):
             free = max(self.config.max_num_seqs - running, 0)
             total += max(queued - free, 0)
         return total
+
+    def loop_stats(self, timeout: float = 30.0) -> list[dict]:
+        if not self.is_ready:  # nothing to ask: the stats each core last sent
+            return self.core_stats()
+        return self.probe(timeout, loop=True)
 
     def core_stats(self) -> list[dict]:
         return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight}

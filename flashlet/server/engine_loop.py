@@ -100,6 +100,17 @@ class EngineClient:
     ready: threading.Event
     stopped: threading.Event
     error: BaseException | None
+    # Called with each step message's send time where steps arrive as messages (CoreClient).
+    on_step_message: Callable[[float], None] | None = None
+
+    def loop_stats(self, timeout: float = 30.0) -> list[dict]:
+        """Each engine's stats with its loop's counters where it has them (GET /debug/stats);
+        may block up to `timeout`."""
+        return self.core_stats()
+
+    def core_stats(self) -> list[dict]:
+        """Each engine's stats as last known, without asking it (never blocks)."""
+        raise NotImplementedError
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the engine runs; False if it failed, stopped, or `timeout` passed."""

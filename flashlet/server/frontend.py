@@ -192,7 +192,7 @@ class Generation:
                     metrics.ttft.observe(self.ttft)
                     gaps, last = gaps - 1, self.t0
                 # tokens that came together share the wait evenly
-                observe_many(metrics.itl, (now - last) / len(ids), gaps)
+                metrics.itl.observe((now - last) / len(ids), gaps)
                 last = now
                 self.server.api_counters.sent(len(ids))  # one SSE event when streaming
                 self.token_ids.extend(ids)
@@ -268,24 +268,6 @@ class Generation:
     def check_error(self) -> None:
         if self.final.finish_reason == "error":
             raise ApiError(500, f"generation failed: {self.final.error}")
-
-
-def observe_many(histogram, value: float, count: int) -> None:
-    """`count` observations of `value` at the cost of one: Histogram.observe takes one at a
-    time (two locked increments each), and a handler that fell behind the engine takes many
-    tokens at once, so this runs when the API process can least afford it."""
-    if count == 1 or not hasattr(histogram, "_upper_bounds"):  # the library's own way
-        for _ in range(count):
-            histogram.observe(value)
-        return
-    if count < 1:
-        return
-    histogram._raise_if_not_observable()
-    histogram._sum.inc(value * count)
-    for bucket, bound in zip(histogram._buckets, histogram._upper_bounds):
-        if value <= bound:  # observe()'s rule: the first bucket that holds the value
-            bucket.inc(count)
-            break
 
 
 class EventStream(StreamingResponse):
@@ -369,17 +351,13 @@ class Server:
         """Count this process's figures (GET /debug/stats) in `counters` (the CLI gives each
         API process its row of the shared ones)."""
         self.api_counters = counters
-        if hasattr(self.loop, "on_step_message"):  # a CoreClient: time its step messages
-            self.loop.on_step_message = counters.delivered
+        self.loop.on_step_message = counters.delivered
 
     async def debug_stats(self) -> dict:
         """Every core's loop counters (CoreClient; the engine's stats alone with an in-thread
         EngineLoop) and every API process's (diagnostics.py): cumulative, as of now."""
         self.api_counters.start()
-        if hasattr(self.loop, "probe") and self.loop.is_ready:
-            cores = await run_in_threadpool(self.loop.probe, 30.0, True)
-        else:
-            cores = self.loop.core_stats()
+        cores = await run_in_threadpool(self.loop.loop_stats, 30.0)
         return {"time": time.monotonic(), "cores": cores,
                 "api_servers": self.api_counters.snapshot()}
 

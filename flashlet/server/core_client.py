@@ -40,6 +40,7 @@ import msgspec
 import zmq
 
 from flashlet.config import EngineConfig
+from flashlet.request import FinishReason
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady, Probe,
@@ -223,7 +224,7 @@ class CoreClient(EngineClient):
             for stream in streams:
                 self._streams[stream.request_id] = stream
 
-    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
         with self._lock:
             if stream.cancelled or stream.finished or stream.request_id is None:
@@ -238,7 +239,7 @@ class CoreClient(EngineClient):
     def abort_all(self) -> None:
         self._abort_in_cores()
         # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason="abort"))
+        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT))
 
     def _abort_in_cores(self) -> None:
         """Tell the cores to drop every request of this process (their streams stay open)."""
@@ -362,7 +363,7 @@ class CoreClient(EngineClient):
                 if out.finished:
                     del self._streams[out.request_id]
                     core.num_in_flight -= 1
-                if out.finish_reason == "error" and not out.new_token_ids and out.status == 400:
+                if out.finish_reason == FinishReason.ERROR and not out.new_token_ids and out.status == 400:
                     by_loop[stream.aloop].append((stream, StreamError(out.error, 400)))
                 else:
                     by_loop[stream.aloop].append((stream, out))

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any, Callable
 
 from flashlet.parallel import WorkerDiedError
-from flashlet.request import RequestOutput
+from flashlet.request import FinishReason, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 
@@ -201,7 +201,7 @@ class EngineLoop(EngineClient):
                 self._cmds.append(("submit", stream))
             self._cond.notify()
 
-    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request (idempotent); its pages are freed before the next step. The front end
         ends it with `finish_reason` itself (e.g. "stop" for a stop string it found)."""
         with self._cond:

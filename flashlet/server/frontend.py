@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from flashlet.detokenizer import IncrementalDetokenizer
+from flashlet.request import FinishReason
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.diagnostics import ApiCounters
@@ -182,7 +183,7 @@ class Generation:
             item, ids, logprobs = await self._next_batch()
             if isinstance(item, StreamError):
                 self.stream.finished = True
-                self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
+                self.server.metrics.requests_finished.labels(self.endpoint, FinishReason.ERROR).inc()
                 raise ApiError(item.status, item.message)
             now = time.monotonic()
             if ids:
@@ -202,8 +203,8 @@ class Generation:
             delta = Delta(ids, item.finished, item.finish_reason, item.error,
                           logprobs if self.logprobs is not None else None)
             if stopped:  # a stop string: end the request in the engine too
-                self.server.loop.abort(self.stream, "stop")
-                delta.finished, delta.finish_reason = True, "stop"
+                self.server.loop.abort(self.stream, FinishReason.STOP)
+                delta.finished, delta.finish_reason = True, FinishReason.STOP
             elif item.finished and self.detokenizer is not None:
                 text += self.detokenizer.finish()
             if delta.finished:
@@ -248,7 +249,7 @@ class Generation:
         """Abort the request unless it finished (idempotent)."""
         if not self.stream.finished and not self.stream.cancelled:
             self.server.loop.abort(self.stream)
-            self.server.metrics.requests_finished.labels(self.endpoint, "abort").inc()
+            self.server.metrics.requests_finished.labels(self.endpoint, FinishReason.ABORT).inc()
 
     @property
     def latency_ms(self) -> float:
@@ -266,7 +267,7 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
     def check_error(self) -> None:
-        if self.final.finish_reason == "error":
+        if self.final.finish_reason == FinishReason.ERROR:
             raise ApiError(500, f"generation failed: {self.final.error}")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from flashlet.request import FinishReason
 from flashlet.sampling import SamplingParams, TokenLogprob
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -55,7 +56,7 @@ def pack_token_ids(token_ids: list[int]) -> bytes:
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[int]
-    finish_reason: str = "abort"  # "stop" when the API process found a stop string
+    finish_reason: FinishReason = FinishReason.ABORT  # STOP: the API process found a stop string
 
 
 class Probe(msgspec.Struct, tag=True, array_like=True):
@@ -83,7 +84,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     new_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None  # only with finished
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
@@ -99,7 +100,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     @classmethod
     def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":
         """The final output of a request that could not run."""
-        return cls(request_id, [], finished=True, finish_reason="error", error=message,
+        return cls(request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message,
                    status=status)
 
 

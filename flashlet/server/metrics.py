@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from flashlet.request import FinishReason
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 ENDPOINTS = ("/health", "/generate", "/generate_stream", "/v1/models", "/v1/completions",
              "/v1/chat/completions", "/metrics", "/openapi.json", "/docs")
@@ -151,7 +153,7 @@ class Metrics:
         self.prompt_tokens.inc(num_prompt)
         self.cached_tokens.inc(num_cached)
         self.generation_tokens.inc(num_output)
-        if finish_reason in ("stop", "length"):
+        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.e2e.observe(latency_s)
 
 

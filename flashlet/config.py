@@ -27,18 +27,17 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.6  # fraction of free GPU memory the KV pool may take
     max_num_seqs: int = 256  # running requests at once
     # 8192, not 2048: prefill chunks that fill the GPU, and a quarter as many steps where decodes
-    # ride along with a chunk (H200, Qwen2.5-0.5B: offline first run +30%, decode-sat end to end
-    # 0.78 -> 0.96 of steady), at the price of longer steps for the running decodes while a long
-    # prompt is prefilled.
+    # ride along with a chunk (faster end to end: BENCHMARKS.md), at the price of longer steps
+    # for the running decodes while a long prompt is prefilled.
     max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prompt prefixes (radix cache)
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     mixed_graphs: bool = True  # with cuda_graph, triton backend, no tensor parallelism: steps with prefill chunks replay CUDA graphs too, padded to a token bucket
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
-    # The fused path (issue 16): None = auto, True / False = forced on / off. Engine.config then
+    # The fused path: None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
-    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (H200, Qwen2.5-0.5B: 2.3x per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
+    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first

@@ -1,4 +1,4 @@
-"""The fused decode path for one sequence (issue #16, stage 2, the few-kernels form).
+"""The fused decode path for one sequence: a few kernels a layer where the per-op path runs ten.
 
 A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
@@ -59,8 +59,9 @@ from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeSh
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
-# row is one lane group's walk over all of K, with no split-K. H200, bf16 (BENCHMARKS.md, s7c7):
-# Qwen2.5-1.5B (K = 8,960) 728 tok/s against per-op 526; Qwen2.5-7B (K = 18,944) 17.5 against 214.
+# row is one lane group's walk over all of K, with no split-K, so a long K leaves most of the
+# GPU idle (Qwen2.5-1.5B's 8,960 ran faster than per-op, Qwen2.5-7B's 18,944 ~12x slower:
+# BENCHMARKS.md).
 MAX_DOWN_K = 16_384
 
 
@@ -117,8 +118,8 @@ def has_pdl(device: torch.device) -> bool:
 
 def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
     """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
-    where it turns on. Auto asks for what the path was measured faster with (H200, BENCHMARKS.md,
-    issue 16): PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
+    where it turns on. Auto asks for what the path was measured faster with (BENCHMARKS.md):
+    PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
     graphs (eagerly, each CuTe launch costs host time that was never measured against per-op),
     a shape the GEMVs serve, and the CuTe DSL. FlashInfer, which `--backend auto` picks at
     head_dim >= 128 where it is installed, has no one-launch attention: off there."""

@@ -57,10 +57,10 @@ MIXED_BUCKET_STEP = 512  # above it, buckets every 512 tokens (powers of two bel
 
 def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
     """Token counts mixed steps are padded to: powers of two from 16 up to MIXED_BUCKET_STEP,
-    then its multiples, and the step budget. A big mixed step is compute-bound (H200,
-    Qwen2.5-0.5B: ~10 ms of GPU for ~7k tokens), so its padding costs GPU time in proportion:
-    with powers of two alone a 6.2k-token step ran as 8,192 (s7c5); steps of 512 bound the
-    waste at 512 tokens (< 8% past 6k) for ~1 s more of capture at start (21 graphs at 8192)."""
+    then its multiples, and the step budget. A big mixed step is compute-bound, so its padding
+    costs GPU time in proportion: with powers of two alone a 6.2k-token step would run as
+    8,192; steps of 512 bound the waste at 512 tokens (< 8% past 6k) for a little more capture
+    at start (21 graphs at 8192)."""
     sizes, n = [], 16
     while n < min(MIXED_BUCKET_STEP, max_num_batched_tokens):
         sizes.append(n)

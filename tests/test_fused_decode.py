@@ -213,7 +213,9 @@ def test_fused_decode_needs_one_gpu():
 def test_fused_decode_flags_parse_on_off_and_absent():
     """--fused-decode / --no-fused-decode force it on / off; absent leaves it to auto (None),
     and the help says what auto does. Its parts are no user setting: no flag names them."""
-    parser = argparse.ArgumentParser()
+    # One line per flag: argparse wraps help at hyphens, which would split the flag names.
+    parser = argparse.ArgumentParser(
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=10_000))
     EngineConfig.add_cli_args(parser)
     assert parser.parse_args(["--fused-decode"]).fused_decode is True
     assert parser.parse_args(["--no-fused-decode"]).fused_decode is False

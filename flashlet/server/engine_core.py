@@ -9,7 +9,7 @@ socket per API process, ONE message per engine step to each API process, carryin
 process's requests' new token ids and finish info (a request that only got tokens as a
 three-element array: output_rows), with the engine's stats (every API process gets every
 step's stats: its admission control reads them). What the core does per step and per request
-beside the engine's step is timed by scripts/bench_core_path.py. The core
+beside the engine's step is timed by lab/bench_core_path.py. The core
 never sees text: tokenizing, detokenizing and stop strings are the API processes' job, so a
 stop string found there comes back in as an abort.
 
@@ -304,8 +304,8 @@ class EngineCore:
         return outputs
 
     def _log_slow_step(self, took: float, outputs, gc_before: tuple[int, float]) -> None:
-        """What a step far over the usual ran (a TTFT outlier at concurrency 1 on the H200 was
-        one 60 ms step): its requests and the collector's share of it."""
+        """What a step far over the usual ran (a TTFT outlier at concurrency 1 can be one such
+        step): its requests and the collector's share of it."""
         stats, gc_timer = self.engine.stats(), self.counters.gc
         log.warning("slow step: %.1f ms, %d outputs (%d finished), %d running, %d waiting; "
                     "the collector ran %d times in it for %.1f ms", took * 1e3, len(outputs),

@@ -1,4 +1,4 @@
-"""The fused decode path (flashlet/fused_decode.py, issue 16) against the per-op path, on the GPU.
+"""The fused decode path (flashlet/fused_decode.py) against the per-op path, on the GPU.
 
 Both engines run the Triton attention backend with CUDA graphs in bf16, one sequence at a time
 (max_num_seqs 1, so every decode step is a fused step). The fused path rounds differently (the
@@ -46,10 +46,10 @@ pytestmark = [
 # Teacher-forced: the fused logits' largest error against the fp32 per-op logits may be at most
 # this many times the bf16 per-op path's own (plus 2^-8 of the top logit). A bound relative to
 # the top logit alone (2%) failed on the tiny random Qwen2 with RoPE in the QKV epilogue
-# (0.234 on a top of 10.3 at the first fused step, H200, 2026-11-30) although that path rotates
+# (0.234 on a top of 10.3 at the first fused step) although that path rotates
 # from fp32, more precisely than the per-op path: the question is precision against fp32, not
 # distance from another bf16 path.
-# On the H200 (2026-11-30) the per-position largest error once reached 2.16x the per-op path's
+# On the GPU the per-position largest error once reached 2.16x the per-op path's
 # (0.797 against 0.368, one position of 256): the largest of 4096 errors is a noisy statistic,
 # so the per-position bound only guards against a broken step (GROSS_FACTOR) and the precision
 # claim is made on the RMS over every position and logit (PRECISION_FACTOR).
@@ -243,7 +243,7 @@ def check_first_decode_logits(ref_rows, rows, count, new_tokens, bound):
 def test_fused_greedy_tokens_match_the_per_op_path(small_model):
     """64 prompts x 64 tokens, teacher-forced on the per-op tokens: the greedy (argmax epilogue)
     path's picks and the logits path's precision against fp32 (the module docstring's rule).
-    Free-running, the H200 parted at top-2 gaps of 0.19-0.22 on these tiny random models,
+    Free-running, a GPU run parted at top-2 gaps of 0.19-0.22 on these tiny random models,
     whose bf16 per-op logits themselves sit 0.145 (RMS) from fp32: gaps inside the noise."""
     source, vocab = small_model
     ps, n = prompts(64, vocab), 64
@@ -346,7 +346,7 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-# ---- the default (issue 16: on by default where it is faster) -----------------------------
+# ---- the default (on by default where it is faster) --------------------------------------
 @pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only")
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family):

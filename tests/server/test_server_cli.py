@@ -1,4 +1,4 @@
-"""The command lines fail fast and explain themselves (issue 19): one-line usage errors with
+"""The command lines fail fast and explain themselves: one-line usage errors with
 exit code 2 before any model loads (no engine core starts), the port and the backend checked
 first, SIGTERM during the model load (in the engine-core process), help text for every flag, a
 sampling --seed apart from --weights-seed."""

@@ -1,4 +1,4 @@
-"""Hostile and careless clients (issue 19): body size and time caps, stalled connections, a
+"""Hostile and careless clients: body size and time caps, stalled connections, a
 connection cap, control tokens written as text, admission that counts what really waits,
 HEAD /health, a default token budget that fits the context, token ids without a tokenizer."""
 

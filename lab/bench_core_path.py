@@ -1,7 +1,7 @@
 """Host cost of the engine-core process's messages, around a tiny model on the CPU: what the
 server pays per step and per request beyond the engine's own step (issue 13).
 
-    python scripts/bench_core_path.py [--rows 256] [--finished 2] [--logprobs 0]
+    python lab/bench_core_path.py [--rows 256] [--finished 2] [--logprobs 0]
         [--requests 128] [--rounds 7]
 
 The real EngineCore and CoreClient, joined by real zmq ipc sockets in this one process (no

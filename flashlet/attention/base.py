@@ -126,6 +126,15 @@ class AttentionBackend(ABC):
         GEMV writes them in its epilogue), q already rotated."""
         return self._attend(layer, q)
 
+    def decode_variant(self, num_seqs: int) -> tuple | None:
+        """The kernel variant a pure-decode step of num_seqs sequences compiles, where that
+        depends on the step (the warm-up compiles one step per variant); None: it does not."""
+        return None
+
+    def prefill_variant(self, max_q_len: int) -> tuple | None:
+        """`decode_variant` for steps whose longest chunk is max_q_len tokens."""
+        return None
+
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """`attend` for a pure-decode step in one kernel launch (PDL with pdl)."""
         raise NotImplementedError(f"the {self.name} backend has no one-launch decode attention")

@@ -372,7 +372,7 @@ def test_every_finish_reason_is_one_enum_that_reads_as_its_name(tiny_qwen2, monk
     import json
 
     import flashlet.sampler as sampler_module
-    from flashlet.request import FinishReason
+    from flashlet import FinishReason
 
     engine = Engine(EngineConfig(model=str(tiny_qwen2)))
     length = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=2, **GREEDY))

@@ -87,8 +87,6 @@ def settle_heap() -> float:
     return time.perf_counter() - started
 
 
-
-
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), fused_parts: FusedParts | None = None):
         """fused_parts: name the fused decode path's parts on or off (tests, measurements);

@@ -7,7 +7,7 @@ fraction of the device-to-device copy bandwidth measured in the same run. Every 
 a failure is printed and the rest still runs. Needs CUDA and the CuTe DSL on PYTHONPATH
 (as scripts/gpu_run.sh's cute_env sets it up).
 
-    python lab/fused_gemv_bench.py [--only NAME ...] [--json PATH]
+    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,10 +1,22 @@
 """flashlet: a pocket-sized LLM inference engine for Qwen2.5- and Llama-class models."""
 
-from flashlet.config import EngineConfig
-from flashlet.engine import Engine
-from flashlet.llm import LLM
-from flashlet.request import FinishReason, RequestOutput
-from flashlet.sampling import SamplingParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "RequestOutput", "FinishReason"]
+# Imported on first use (PEP 562): `import flashlet.bench.sse` in a load-generator process
+# then costs no torch import.
+_EXPORTS = {"LLM": "flashlet.llm", "SamplingParams": "flashlet.sampling",
+            "Engine": "flashlet.engine", "EngineConfig": "flashlet.config",
+            "RequestOutput": "flashlet.request", "FinishReason": "flashlet.request"}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashlet' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -2,13 +2,14 @@
 
 import importlib
 
-# Loaded on first use (PEP 562), not on `import flashlet`: these import torch (seconds), and
-# `python -m flashlet.server` must set its signal handlers before anything slow runs.
+# Imported on first use (PEP 562), not on `import flashlet`: these import torch (seconds), so a
+# load-generator process (`flashlet.bench.sse`) pays nothing for them, and `python -m
+# flashlet.server` sets its signal handlers before anything slow runs.
 _EXPORTS = {"LLM": "flashlet.llm", "SamplingParams": "flashlet.sampling",
             "Engine": "flashlet.engine", "EngineConfig": "flashlet.config",
-            "RequestOutput": "flashlet.request"}
+            "RequestOutput": "flashlet.request", "FinishReason": "flashlet.request"}
 
-__all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "RequestOutput"]
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 

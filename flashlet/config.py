@@ -28,17 +28,15 @@ class EngineConfig:
     kv_memory_gb: float = 1.0  # KV pool budget on the CPU when max_num_pages is not given
     gpu_memory_utilization: float = 0.6  # fraction of free GPU memory the KV pool may take
     max_num_seqs: int = 256  # running requests at once
-    # On CUDA 8192, not 2048: prefill chunks that fill the GPU (H200, Qwen2.5-0.5B: offline first
-    # run +30%); the steps that carry decodes are bounded apart (max_decode_step_tokens). On the
-    # CPU a step's attention costs chunk x context: 8192 tokens of one prompt made one step of
-    # minutes, 256 keeps each to seconds (issue 35).
+    # On CUDA 8192: prefill chunks that fill the GPU (fewer, faster steps end to end:
+    # BENCHMARKS.md); the steps that carry decodes are bounded apart (max_decode_step_tokens). On
+    # the CPU a step's attention costs chunk x context, and 256 keeps one step to seconds.
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); default 8192 on CUDA, 256 on the CPU (at least max_num_seqs)
     # Stall-free batching (Sarathi-Serve; vLLM and SGLang bound the steps that carry decodes too):
     # a step with decodes in it stops at this many tokens, so a long prompt's chunks lengthen
     # each token gap by a bounded amount while the prompt still progresses every step. 512 on
-    # CUDA: at the 0.5B shape a prefill token costs ~2.5 us on the H200 against a ~1.3 ms step of
-    # 64 decodes, so a 512-token step stays within ~2x of a decode step (the token gap p99 / p50
-    # that issue 32 asks of 2.5x at most), where 1024 would exceed it.
+    # CUDA: at the 0.5B shape a prefill token costs ~2.5 us against a ~1.3 ms step of 64
+    # decodes, so a 512-token step stays within ~2x of a decode step, where 1024 would not.
     max_decode_step_tokens: int | None = None  # token budget of a step that carries decodes, or 4 prompt tokens a decode where that is more (prefill-only steps use max_num_batched_tokens); default 512 on CUDA, 64 on the CPU, never above max_num_batched_tokens
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by arrival, or by their `priority` (lower first, then arrival; vLLM's)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -46,13 +44,9 @@ class EngineConfig:
     cuda_graph: bool = True  # capture pure-decode steps in CUDA graphs (CUDA only)
     mixed_graphs: bool = True  # with cuda_graph, triton backend, no tensor parallelism: steps with prefill chunks replay CUDA graphs too, padded to a token bucket
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
-    gemv: bool = False  # with fused_ops: one-row matmuls on our Triton GEMV (slower than cuBLAS)
-    # The fused path (issue 16): None = auto, True / False = forced on / off. Engine.config then
+    # The fused path: None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
-    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (H200, Qwen2.5-0.5B: 2.3x per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
-    fused_decode_pdl: bool | None = None  # with the fused path: its kernels launch with Programmatic Dependent Launch; default: on where the GPU has it (sm_90+)
-    fused_decode_rope: bool | None = None  # with the fused path: RoPE + K/V write in the QKV GEMV's epilogue (H200: +2.5-8%); default: on where the model allows it (not Qwen3's per-head q/k norm)
-    fused_decode_attn: bool | None = None  # with the fused path: one attention launch a layer (PDL with _pdl); default: on the triton backend
+    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -90,12 +84,6 @@ class EngineConfig:
                              f"{self.structured_output_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for sub in ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
-            if getattr(self, sub) and self.fused_decode is False:
-                raise ValueError(f"{sub} applies to the fused decode path, which fused_decode=False "
-                                 f"turns off")
-        if self.fused_decode_attn and self.backend not in ("triton", "auto"):
-            raise ValueError(f"fused_decode_attn is the triton backend's one-launch decode; backend is {self.backend!r}")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
 

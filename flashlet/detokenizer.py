@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from flashlet.request import RequestOutput
+from flashlet.request import FinishReason, RequestOutput
 
 
 def rust_decoder(tokenizer):
@@ -150,13 +150,13 @@ class TextOutputs:
         else:
             new_text, stopped = detok.push(out.new_token_ids)
         if stopped and not out.finished:
-            self.engine.abort(rid, finish_reason="stop")
+            self.engine.abort(rid, finish_reason=FinishReason.STOP)
             self._ended.add(rid)
-            out = replace(out, finished=True, finish_reason="stop", token_ids=list(token_ids))
+            out = replace(out, finished=True, finish_reason=FinishReason.STOP, token_ids=list(token_ids))
         elif out.finished and detok is not None and not stopped:
             new_text += detok.finish()
         elif stopped:
-            out = replace(out, finish_reason="stop")
+            out = replace(out, finish_reason=FinishReason.STOP)
         if out.finished:
             self.forget(rid)
         return replace(out, new_text=new_text, text=detok.text if detok else "")

@@ -25,38 +25,43 @@ outputs are made. Steps without such rows do nothing more.
 Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
 engine is rank 0, the only one that schedules and samples; every step's layout and input ids
 go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
-by torchrun) the constructor runs the worker loop (flashlet/tp_worker.py) and then raises
-SystemExit(0) when rank 0 shuts down, so a script run under torchrun goes on only on rank 0.
+by torchrun) the constructor returns an engine whose owner runs the worker loop on it
+(`tp_worker.serve`; `LLM` and the server do so under torchrun). `shutdown()`, or the engine
+being collected, stops the workers and leaves the process group, so another tensor-parallel
+engine can start in the same process.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
 import logging
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from flashlet import parallel
+from flashlet import parallel, tp_worker
 from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
+from flashlet.fused_decode import FusedParts
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
 from flashlet.model_runner import ModelRunner
 from flashlet.pooling import Pooler
 from flashlet.prompt_logprobs import PromptScoring
-from flashlet.request import Request, RequestOutput
+from flashlet.request import FinishReason, Request, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
 from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
-from flashlet.weights import load_model, random_model
+from flashlet.weights import load_model, random_model, resolve_model_dir
 
 log = logging.getLogger("flashlet")
 
@@ -80,8 +85,8 @@ def settle_heap() -> float:
     """Collect start-up's garbage now and move everything still alive out of the collector's
     reach (gc.freeze), returning the seconds it took. Loading a model and warming it up leaves
     ~200k tracked objects (modules, compiled kernels, graphs); the first full collection would
-    otherwise come in the middle of the first requests and stall one step for 60-100 ms
-    (measured on the H200, 2026-11-30). An earlier engine's frozen objects are unfrozen first,
+    otherwise come in the middle of the first requests and stall one step for tens of ms
+    (BENCHMARKS.md). An earlier engine's frozen objects are unfrozen first,
     so engines built one after another in a process do not pin each other's garbage."""
     started = time.perf_counter()
     gc.unfreeze()
@@ -90,30 +95,21 @@ def settle_heap() -> float:
     return time.perf_counter() - started
 
 
-# A server process's collector thresholds once warm (Python's default: 700, 10, 10): the API
-# processes' after their warm-up, the engine cores' before their loop. Serving allocates a few
-# dozen objects per token, so at the default a young collection runs every ~20 tokens and a
-# full one (every object not frozen: all the requests' state) several times a second.
-# - API process, 256 streams through scripts/api_overhead.py: 8-11% of its wall time went to
-#   the collector, with 4-5 full collections and ~25 collections over 5 ms in 5-6 s (each a
-#   stall of every stream it serves); at these thresholds 0.2-1%, none full, 1 over 5 ms
-#   (2026-11-30, 2 shared CPU cores).
-# - Engine core, H200, closed loop at concurrency 256: 11.9% of the level's wall time in the
-#   collector at the default (/debug/stats, 2026-11-30).
-# Cycles are still collected; full collections come ~100x less often. The offline `LLM` runs
-# in the user's process and leaves its collector alone.
-SERVER_GC_THRESHOLDS = (50_000, 20, 100)
-
-
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    def __init__(self, config: EngineConfig = EngineConfig(), fused_parts: FusedParts | None = None):
+        """fused_parts: name the fused decode path's parts on or off (tests, measurements);
+        by default each is on where it applies."""
         started = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         if config.device and self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but CUDA is not available")
-        self.tp = parallel.start(config, self.device)  # None unless tensor_parallel_size > 1
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            self.tp = parallel.start(config, self.device,
+                                     ModelConfig.from_file(model_config_path(config)),
+                                     functools.partial(tp_worker.worker_main, type(self)))
         if self.tp is not None:
             self.device = self.tp.device  # this rank's GPU
         ops = _ops_for(config, self.device)
@@ -142,9 +138,10 @@ class Engine:
                                              limits=StructuredLimits.of(config))
                            if self.tokenizer is not None else None)
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq)
+        self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq,
+                                  fused_parts)
         # What runs, not what was asked: the fused path's auto (None) resolved by the runner.
-        self.config = config.replace(**self.runner.fused_settings())
+        self.config = config.replace(fused_decode=self.runner.fused is not None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
@@ -154,11 +151,9 @@ class Engine:
         self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
-        if self.tp is not None and self.tp.rank != 0:
-            from flashlet.tp_worker import serve
-
-            serve(self)  # until rank 0 shuts down
-            raise SystemExit(0)
+        # A function, not a method: the finalizer must not keep the engine alive.
+        self._group_finalizer = (weakref.finalize(self, _release_group, self.runner, self.tp)
+                                 if self.tp is not None else None)
         self.start_report = self._warm_up(time.perf_counter() - started)
 
     def _warm_up(self, load_s: float) -> dict:
@@ -270,12 +265,13 @@ class Engine:
             return token_ids
         return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
-    def abort(self, request_id: int, finish_reason: str = "abort") -> bool:
+    def abort(self, request_id: int, finish_reason: FinishReason | str = FinishReason.ABORT) -> bool:
         """End a request and free its pages now (with finish_reason "stop", as for a stop
         string the front end found, its full computed pages go to the prefix cache); its final
         output comes with the next step. False (a no-op) if it is unknown or finished."""
-        if finish_reason not in ("abort", "stop"):
+        if finish_reason not in (FinishReason.ABORT, FinishReason.STOP):
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
+        finish_reason = FinishReason(finish_reason)
         output = self.scheduler.abort(request_id, finish_reason) or self._abort_held(request_id)
         self.sampler.release(request_id)
         if output is None:
@@ -289,7 +285,7 @@ class Engine:
             for req in held:
                 if req.request_id == request_id:
                     held.remove(req)
-                    return RequestOutput(request_id, [], True, "abort", req.prompt_token_ids,
+                    return RequestOutput(request_id, [], True, FinishReason.ABORT, req.prompt_token_ids,
                                          token_ids=[])
         return None
 
@@ -312,10 +308,10 @@ class Engine:
             raise failure from e
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the group (a no-op on one device)."""
-        if self.tp is not None:
-            self.runner.graphs.clear()  # captured collectives go before their communicator
-            self.tp.shutdown()
+        """Stop the tensor-parallel workers and leave the group (a no-op on one device; also
+        done when the engine is collected)."""
+        if self._group_finalizer is not None:
+            self._group_finalizer()
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -482,13 +478,24 @@ class Engine:
         return num_pages
 
 
-def _ops_for(config: EngineConfig, device: torch.device):
-    """Fused Triton kernels on CUDA (any attention backend), with our GEMV for one-row steps
-    when `gemv` is on; else plain PyTorch."""
-    if config.fused_ops and device.type == "cuda":
-        from flashlet.kernels.ops import TritonOps, TritonOpsGemv
+def model_config_path(config: EngineConfig) -> Path:
+    """The config.json that `config` loads (a preset's, or the model folder's)."""
+    if config.config is not None:
+        return preset_config_path(config.config)
+    return resolve_model_dir(config.model) / "config.json"
 
-        return TritonOpsGemv if config.gemv else TritonOps
+
+def _release_group(runner: ModelRunner, tp) -> None:
+    runner.graphs.clear()  # captured collectives go before their communicator
+    tp.shutdown()
+
+
+def _ops_for(config: EngineConfig, device: torch.device):
+    """Fused Triton kernels on CUDA (any attention backend); else plain PyTorch."""
+    if config.fused_ops and device.type == "cuda":
+        from flashlet.kernels.ops import TritonOps
+
+        return TritonOps
     return None
 
 

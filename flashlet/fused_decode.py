@@ -1,4 +1,4 @@
-"""The fused decode path for one sequence (issue #16, stage 2, the few-kernels form).
+"""The fused decode path for one sequence: a few kernels a layer where the per-op path runs ten.
 
 A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
@@ -29,14 +29,14 @@ step's buffers belong to this object and keep their addresses, so the CUDA graph
 captures around `logits` / `token` replays them. The CuTe DSL is imported when this object is
 built; `CuteUnavailable` says how to install it.
 
-With a kv_pool (EngineConfig.fused_decode_rope) the QKV GEMV also applies RoPE to the q and k
+With a kv_pool (`FusedParts.rope`) the QKV GEMV also applies RoPE to the q and k
 heads and writes k and v into the pool (the `bias_rope_kv` / `rope_kv` epilogue: a lane group
 owns both rows of a rotate-half pair), so the attention backend only attends
 (`AttentionBackend.attend`): one kernel and one dependent boundary fewer a layer. The rounding
 differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
 their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
 
-With one_launch_attention (EngineConfig.fused_decode_attn, the Triton backend) attention is one
+With one_launch_attention (`FusedParts.attn`, the Triton backend) attention is one
 kernel a layer (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
 instead of a split kernel and a merge kernel; with pdl too it and the step's first kernel (the
 embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
@@ -45,10 +45,13 @@ plan C"). Without pdl the embedding is `torch.index_select`, as before.
 
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
-RoPE epilogue and the one-launch attention not set by name is on where it applies.
+RoPE epilogue and the one-launch attention is on where it applies (`FusedParts`: not a user
+setting; tests and measurements name one variant through `Engine(..., fused_parts=)`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -56,8 +59,9 @@ from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeSh
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
-# row is one lane group's walk over all of K, with no split-K. H200, bf16 (BENCHMARKS.md, s7c7):
-# Qwen2.5-1.5B (K = 8,960) 728 tok/s against per-op 526; Qwen2.5-7B (K = 18,944) 17.5 against 214.
+# row is one lane group's walk over all of K, with no split-K, so a long K leaves most of the
+# GPU idle (Qwen2.5-1.5B's 8,960 ran faster than per-op, Qwen2.5-7B's 18,944 ~12x slower:
+# BENCHMARKS.md).
 MAX_DOWN_K = 16_384
 
 
@@ -94,16 +98,16 @@ def refusals(model, device: torch.device) -> list[str]:
 
 
 def rope_refusals(model, kv_pool) -> list[str]:
-    """What keeps RoPE + the K/V write out of the QKV GEMV's epilogue (fused_decode_rope)."""
+    """What keeps RoPE + the K/V write out of the QKV GEMV's epilogue (FusedParts.rope)."""
     layer, why = model.layers[0], []
     if hasattr(layer, "q_norm"):
-        why.append("fused_decode_rope: the q / k heads are normalised (Qwen3) between the QKV "
+        why.append("RoPE in the QKV epilogue: the q / k heads are normalised (Qwen3) between the QKV "
                    "projection and RoPE")
     if model.cos_sin_cache.shape[-1] != layer.head_dim or model.cos_sin_cache.dtype != torch.float32:
-        why.append(f"fused_decode_rope: the cos | sin table must be fp32 [positions, head_dim], got "
+        why.append(f"RoPE in the QKV epilogue: the cos | sin table must be fp32 [positions, head_dim], got "
                    f"{model.cos_sin_cache.dtype} {tuple(model.cos_sin_cache.shape)}")
     if kv_pool.k_cache.dtype != torch.bfloat16 or kv_pool.head_dim != layer.head_dim:
-        why.append(f"fused_decode_rope: the pool must be bf16 with head_dim {layer.head_dim}")
+        why.append(f"RoPE in the QKV epilogue: the pool must be bf16 with head_dim {layer.head_dim}")
     return why
 
 
@@ -114,8 +118,8 @@ def has_pdl(device: torch.device) -> bool:
 
 def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
     """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
-    where it turns on. Auto asks for what the path was measured faster with (H200, BENCHMARKS.md,
-    issue 16): PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
+    where it turns on. Auto asks for what the path was measured faster with (BENCHMARKS.md):
+    PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
     graphs (eagerly, each CuTe launch costs host time that was never measured against per-op),
     a shape the GEMVs serve, and the CuTe DSL. FlashInfer, which `--backend auto` picks at
     head_dim >= 128 where it is installed, has no one-launch attention: off there."""
@@ -139,6 +143,21 @@ def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bo
         return "; ".join(why)
     ok, unavailable = cute_available()
     return None if ok else unavailable  # says how to install it
+
+
+@dataclass(frozen=True)
+class FusedParts:
+    """The fused path's three parts; None = on where it applies (what the engine chooses).
+
+    Each part measured faster wherever it works, so a user never sets them; they stay
+    nameable for the tests that check one variant against another and for measurements."""
+
+    pdl: bool | None = None   # kernels launch with Programmatic Dependent Launch (sm_90+)
+    rope: bool | None = None  # RoPE + K/V write in the QKV GEMV's epilogue (not Qwen3's q/k norm)
+    attn: bool | None = None  # one attention launch a layer (the triton backend's)
+
+    def named_on(self) -> list[str]:
+        return [name for name in ("pdl", "rope", "attn") if getattr(self, name)]
 
 
 class FusedDecode:
@@ -188,6 +207,11 @@ class FusedDecode:
         self.token_id = torch.zeros(1, dtype=torch.int64, device=device)
         self.token_out = self.token_id.view(torch.int32)[:1]
         self.split = [q, kv, kv]
+
+    @property
+    def parts(self) -> FusedParts:
+        """What runs, every part resolved to True / False."""
+        return FusedParts(pdl=self.pdl, rope=self.kv_pool is not None, attn=self.one_launch_attention)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [1] -> the residual stream after the last layer [1, hidden]

@@ -1,11 +1,14 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, a loop over Engine.step()
-whose token outputs get their text (and stop strings) from detokenizer.TextOutputs."""
+whose token outputs get their text (and stop strings) from detokenizer.TextOutputs.
+
+`with LLM(...) as llm:` (or `llm.close()`) stops tensor-parallel workers and leaves the process
+group at once; an LLM that is dropped does the same when it is collected."""
 
 from __future__ import annotations
 
-
 import torch
 
+from flashlet import tp_worker
 from flashlet.config import EngineConfig
 from flashlet.detokenizer import TextOutputs
 from flashlet.engine import Engine
@@ -25,6 +28,7 @@ class LLM:
         self.config = EngineConfig(model=model, backend=backend, device=device, dtype=dtype,
                                    page_size=page_size, max_num_pages=max_num_pages, **kwargs)
         self.engine = Engine(self.config)
+        tp_worker.serve_if_worker(self.engine)  # under torchrun, ranks 1.. serve and exit here
         self.tokenizer = self.engine.tokenizer
         self.text_outputs = TextOutputs(self.engine, self.tokenizer)
 
@@ -79,9 +83,18 @@ class LLM:
         params = SamplingParams(max_new_tokens=1, ignore_eos=True, pooling=pooling)
         return [out.embedding for out in self.generate(prompts, params)]
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when the program exits)."""
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any, and leave their process group (idempotent;
+        also done when the LLM is collected or the program exits)."""
         self.engine.shutdown()
+
+    shutdown = close  # vLLM's name
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, conversations, params: SamplingParams | None = None, *,
              allow_special_tokens: bool = False) -> list[RequestOutput]:

@@ -33,6 +33,8 @@ import torch
 from flashlet.attention import create_backend
 from flashlet.attention.base import AttentionMetadata
 from flashlet.batch import StepBuffers, StepLayout
+from flashlet import fused_decode
+from flashlet.fused_decode import FusedParts
 
 log = logging.getLogger("flashlet")
 
@@ -55,10 +57,10 @@ MIXED_BUCKET_STEP = 512  # above it, buckets every 512 tokens (powers of two bel
 
 def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
     """Token counts mixed steps are padded to: powers of two from 16 up to MIXED_BUCKET_STEP,
-    then its multiples, and the step budget. A big mixed step is compute-bound (H200,
-    Qwen2.5-0.5B: ~10 ms of GPU for ~7k tokens), so its padding costs GPU time in proportion:
-    with powers of two alone a 6.2k-token step ran as 8,192 (s7c5); steps of 512 bound the
-    waste at 512 tokens (< 8% past 6k) for ~1 s more of capture at start (21 graphs at 8192)."""
+    then its multiples, and the step budget. A big mixed step is compute-bound, so its padding
+    costs GPU time in proportion: with powers of two alone a 6.2k-token step would run as
+    8,192; steps of 512 bound the waste at 512 tokens (< 8% past 6k) for a little more capture
+    at start (21 graphs at 8192)."""
     sizes, n = [], 16
     while n < min(MIXED_BUCKET_STEP, max_num_batched_tokens):
         sizes.append(n)
@@ -71,7 +73,7 @@ def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool, config, device, max_pages_per_seq: int):
+    def __init__(self, model, kv_pool, config, device, max_pages_per_seq: int, fused_parts=None):
         self.model = model
         self.kv_pool = kv_pool
         self.device = torch.device(device)
@@ -85,7 +87,7 @@ class ModelRunner:
                                  and getattr(model, "tp", None) is None
                                  and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
-        self.fused = self._fused_decode(config, model, kv_pool)
+        self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts())
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -98,39 +100,33 @@ class ModelRunner:
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
 
-    def _fused_decode(self, config, model, kv_pool):
+    def _fused_decode(self, config, model, kv_pool, parts):
         """The fused one-sequence path (FusedDecode) where config.fused_decode asks for it, or
-        leaves it to auto and `auto_declines` finds nothing against it; else None. A sub-flag
-        not set by name is on where it applies. Logs what was chosen (or why auto said no)."""
+        leaves it to auto and `auto_declines` finds nothing against it; else None. A part that
+        `parts` does not name is on where it applies. Logs what was chosen (or why auto said no)."""
         if config.fused_decode is False:
+            if parts.named_on():
+                raise ValueError(f"fused parts {parts.named_on()} apply to the fused decode path, "
+                                 f"which fused_decode=False turns off")
             return None
-        from flashlet.fused_decode import FusedDecode, auto_declines, has_pdl, rope_refusals
-
         how = "asked for" if config.fused_decode else "auto"
         if config.fused_decode is None:
-            why = auto_declines(model, self.device, self.backend.name, self.use_graphs)
+            why = fused_decode.auto_declines(model, self.device, self.backend.name, self.use_graphs)
             if why is not None:
                 log.info("fused decode path: off (auto: %s)", why)
                 return None
-        one_launch = hasattr(self.backend, "attend_one_launch")
-        if config.fused_decode_attn and not one_launch:
-            raise ValueError(f"fused_decode_attn needs the triton backend's one-launch decode; "
+        one_launch = self.backend.supports_one_launch_decode
+        if parts.attn and not one_launch:
+            raise ValueError(f"the fused path's one-launch attention needs the triton backend; "
                              f"the backend is {self.backend.name}")
-        pdl = _given_or(config.fused_decode_pdl, has_pdl(self.device))
-        rope = _given_or(config.fused_decode_rope, not rope_refusals(model, kv_pool))
-        attn = _given_or(config.fused_decode_attn, one_launch)
-        fused = FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
-                            one_launch_attention=attn)
+        pdl = _given_or(parts.pdl, fused_decode.has_pdl(self.device))
+        rope = _given_or(parts.rope, not fused_decode.rope_refusals(model, kv_pool))
+        attn = _given_or(parts.attn, one_launch)
+        fused = fused_decode.FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
+                                         one_launch_attention=attn)
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s",
                  how, *("on" if x else "off" for x in (pdl, rope, attn)))
         return fused
-
-    def fused_settings(self) -> dict[str, bool]:
-        """What runs, as EngineConfig's fused_decode* fields (all False without the path)."""
-        f = self.fused
-        return {"fused_decode": f is not None, "fused_decode_pdl": f is not None and f.pdl,
-                "fused_decode_rope": f is not None and f.kv_pool is not None,
-                "fused_decode_attn": f is not None and f.one_launch_attention}
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""

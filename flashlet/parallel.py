@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -297,7 +298,10 @@ class TensorParallel:
         os._exit(1)
 
     def check(self) -> None:
-        """Raise WorkerDiedError if the watchdog saw a worker die."""
+        """Before rank 0's step: raise WorkerDiedError if the watchdog saw a worker die."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} runs rank 0's steps (tp_worker.serve), "
+                               f"not steps of its own")
         if self.failure is not None:
             self._reported = True
             raise WorkerDiedError(self.failure)
@@ -343,6 +347,7 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         if self.rank == 0 and self.failure is None and all(p.is_alive() for p in self.workers):
             try:
                 self._control_broadcast(torch.tensor([_STOP] + [0] * len(STEP_FIELDS)))
@@ -385,13 +390,17 @@ def timeout() -> datetime.timedelta:
                                                            DEFAULT_TIMEOUT_S)))
 
 
-def start(config, device: torch.device) -> TensorParallel | None:
+def start(config, device: torch.device, model_config, worker_entry) -> TensorParallel | None:
     """Join (or, as rank 0 outside torchrun, create) the tensor-parallel group of `config`;
-    None for tensor_parallel_size 1."""
+    None for tensor_parallel_size 1. model_config (a ModelConfig): its split is checked before
+    any process starts. worker_entry(config, rank, world_size, master_port): what a spawned
+    rank runs."""
     world = config.tensor_parallel_size
     if world == 1:
         return None
-    check_split(config)  # before any process starts
+    local_shape(model_config, 0, world)  # raises ValueError where the model does not split
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped but not collected yet leaves its group as it goes
     if dist.is_initialized():
         raise ValueError("a torch.distributed group is already running in this process (another "
                          "tensor-parallel engine?): shut it down first")
@@ -404,7 +413,7 @@ def start(config, device: torch.device) -> TensorParallel | None:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     else:
         rank, local_rank = 0, 0
-        workers = _spawn_workers(config, world, device)
+        workers = _spawn_workers(worker_entry, config, world, device)
     device = _rank_device(device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     threads = torch.get_num_threads()
@@ -428,19 +437,6 @@ def start(config, device: torch.device) -> TensorParallel | None:
     return tp
 
 
-def check_split(config) -> None:
-    """Raise ValueError if the model of `config` does not split over its ranks."""
-    from flashlet.engine import preset_config_path
-    from flashlet.model import ModelConfig
-    from flashlet.weights import resolve_model_dir
-
-    if config.config is not None:
-        path = preset_config_path(config.config)
-    else:
-        path = resolve_model_dir(config.model) / "config.json"
-    local_shape(ModelConfig.from_file(path), 0, config.tensor_parallel_size)
-
-
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:
     if device.type != "cuda":
         return device
@@ -459,7 +455,7 @@ def _warm_up(device: torch.device) -> None:
         raise RuntimeError(f"all-reduce warm-up gave {x.item()}")
 
 
-def _spawn_workers(config, world: int, device: torch.device) -> list:
+def _spawn_workers(worker_entry, config, world: int, device: torch.device) -> list:
     """Rank 0 outside torchrun: pick a free port and start ranks 1..world-1 (spawn)."""
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, "
@@ -467,11 +463,9 @@ def _spawn_workers(config, world: int, device: torch.device) -> list:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     ctx = torch.multiprocessing.get_context("spawn")
-    from flashlet.tp_worker import worker_main
-
     workers = []
     for rank in range(1, world):
-        p = ctx.Process(target=worker_main, args=(config, rank, world, os.environ["MASTER_PORT"]),
+        p = ctx.Process(target=worker_entry, args=(config, rank, world, os.environ["MASTER_PORT"]),
                         name=f"flashlet-tp{rank}", daemon=True)
         p.start()
         workers.append(p)

@@ -19,6 +19,16 @@ from flashlet.sampling import SamplingParams, TokenLogprob
 PLACEHOLDER = -1
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended. A str (`FinishReason.STOP == "stop"`), so JSON bodies, metrics
+    labels and comparisons with the plain names stay as they were."""
+
+    STOP = "stop"  # an eos or stop token, or a stop string the front end found
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # aborted: the client went away, or the caller asked
+    ERROR = "error"  # the request failed; `error` says why
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,7 +52,7 @@ class Request:
     tree_node: object = None  # deepest radix node this request holds a lock on
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    finish_reason: FinishReason | None = None
     error: str | None = None
     sample_row: int = 0  # row of this request in the last launched step's sampled tokens
     grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
@@ -135,7 +145,7 @@ class RequestOutput:
     request_id: int
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None  # every output token, in the final output only
     num_cached_tokens: int = 0

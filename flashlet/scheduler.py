@@ -35,7 +35,7 @@ from operator import attrgetter, itemgetter
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
 from flashlet.radix_cache import PageHolder, RadixCache
-from flashlet.request import PLACEHOLDER, Request, RequestOutput, RequestStatus
+from flashlet.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
 
 
 @dataclass
@@ -270,7 +270,7 @@ class Scheduler:
         """A row's token written in with every check: its logprob, a failed sampling, a stop
         token, the last token it may have."""
         if isinstance(token, Exception):
-            req.finish_reason, req.error = "error", f"sampling failed: {token!r}"
+            req.finish_reason, req.error = FinishReason.ERROR, f"sampling failed: {token!r}"
             self.finish(req)
             return req.output([])
         if logprobs is not None and req.output_logprobs is not None:
@@ -278,14 +278,15 @@ class Scheduler:
         req.output_token_ids[slot] = token
         p = req.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            req.finish_reason = "stop"
+            req.finish_reason = FinishReason.STOP
         elif slot + 1 >= p.max_new_tokens:
-            req.finish_reason = "length"
+            req.finish_reason = FinishReason.LENGTH
         if req.finish_reason is not None:
             self.finish(req)
         return req.output([token], first=slot == 0)
 
-    def abort(self, request_id: int, finish_reason: str = "abort") -> RequestOutput | None:
+    def abort(self, request_id: int,
+              finish_reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
         """End a request now (pages freed; with "stop", its full computed pages are cached);
         its final output, or None if it is unknown or finished already."""
         req = self.requests.get(request_id)
@@ -411,7 +412,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.release(req, cache=req.finish_reason not in ("abort", "error"))
+        self.release(req, cache=req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR))
         req.status = RequestStatus.FINISHED
 
     def check_integrity(self) -> None:

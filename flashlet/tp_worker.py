@@ -5,6 +5,10 @@ the step buffers as rank 0 does (`ModelRunner.load`: the same CUDA-graph padding
 the input ids on the device, then the same forward as rank 0 (its all-reduces and the logits
 all-gather pair with rank 0's; the logits are dropped, since only rank 0 samples). A STOP
 message from rank 0 ends it.
+
+The engine is built by whoever started the rank: `worker_main` for a rank that rank 0 spawned
+(given the Engine class, so this module imports no engine), `serve_if_worker` for one that
+torchrun started and that runs the caller's script.
 """
 
 from __future__ import annotations
@@ -17,15 +21,21 @@ import time
 log = logging.getLogger("flashlet")
 
 
-def worker_main(config, rank: int, world_size: int, master_port: str) -> None:
+def worker_main(engine_class, config, rank: int, world_size: int, master_port: str) -> None:
     """Entry point of a rank that rank 0 spawned: the env:// variables torchrun would set,
-    then the engine, whose constructor runs `serve` on any rank but 0."""
+    then the engine, then its steps until rank 0 stops."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     _exit_with_parent()
-    from flashlet.engine import Engine
+    serve(engine_class(config))
 
-    Engine(config)
+
+def serve_if_worker(engine) -> None:
+    """Under torchrun every rank runs the caller's code: on a rank other than 0, run rank 0's
+    steps and exit (SystemExit(0)) when it stops, so only rank 0 goes on."""
+    if engine.tp is not None and engine.tp.rank != 0:
+        serve(engine)
+        raise SystemExit(0)
 
 
 def serve(engine) -> None:
@@ -39,8 +49,7 @@ def serve(engine) -> None:
         input_ids, meta = runner.load(layout)  # waits until the host staging is free
         tp.recv_input_ids(input_ids)
         runner.forward(input_ids, meta)
-    runner.graphs.clear()  # captured collectives go before their communicator
-    tp.shutdown()
+    engine.shutdown()
 
 
 def _exit_with_parent() -> None:

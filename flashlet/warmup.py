@@ -46,10 +46,9 @@ def representatives(variant_of, values) -> list[int]:
 def chunk_lengths(backend, max_chunk: int) -> list[int]:
     """Longest-chunk lengths whose steps together compile every prefill variant. A step whose
     chunks are all one token long is a pure-decode step, so the lengths start at 2."""
-    variant = getattr(backend, "prefill_variant", None)
-    if variant is None:
+    if backend.prefill_variant(2) is None:  # one variant serves every length
         return [min(16, max_chunk)]
-    return representatives(variant, range(2, max_chunk + 1))
+    return representatives(backend.prefill_variant, range(2, max_chunk + 1))
 
 
 def decode_sizes(runner, max_num_seqs: int) -> list[int]:
@@ -57,10 +56,9 @@ def decode_sizes(runner, max_num_seqs: int) -> list[int]:
     compile every decode variant (without)."""
     if runner.use_graphs:
         return list(runner.graph_sizes)
-    variant = getattr(runner.backend, "decode_variant", None)
-    if variant is None:
+    if runner.backend.decode_variant(1) is None:
         return [1]
-    return representatives(variant, range(1, max_num_seqs + 1))
+    return representatives(runner.backend.decode_variant, range(1, max_num_seqs + 1))
 
 
 def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int) -> list[tuple[int, int]]:

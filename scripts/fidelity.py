@@ -21,7 +21,7 @@ Why 6: a flip needs the two logits' errors to differ by more than the gap, and t
 has an RMS of about sqrt(2) x the noise; 6 x the noise is 4.2 of its standard deviations. At
 4 x (2.8 of them) a backend exactly as precise as HF-low, with its ~250 disagreements in 4096
 positions, still shows about one over the line by chance: HF-low itself did on llama-3.2-1b in
-the H200 run of 2026-11-30 (threshold 0.099), and so did torch, Triton and FlashInfer on one
+a GPU run (threshold 0.099), and so did torch, Triton and FlashInfer on one
 preset each (largest gap 0.113, 4.8 x the noise), with agreement within 0.5 point of HF-low's. The run fails (exit 1)
 when flashlet's agreement is more than 1 point under HF-low's, or a disagreement is not a
 near-tie. The last table is markdown for BENCHMARKS.md (each figure +- 1.96 standard errors).
@@ -109,7 +109,7 @@ def parse_args(argv=None):
     return args
 
 
-# The two presets FlashInfer fell short on (2026-11-30), and two that passed, as controls.
+# The two presets FlashInfer once fell short on, and two that passed, as controls.
 DIAGNOSE_PRESETS = ["llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-0.5b", "qwen3-0.6b"]
 Z95 = 1.96  # a 95% interval is +- Z95 standard errors
 

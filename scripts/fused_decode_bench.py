@@ -1,13 +1,9 @@
-"""Single-stream decode with and without the fused decode path (issue 16), one table.
+"""Single-stream decode with and without the fused decode path, one table.
 
     python scripts/fused_decode_bench.py [--config qwen2.5-0.5b] [--json OUT]
 
-Five paths: per-op (`--no-fused-decode`), fused (`--fused-decode`), fused + PDL
-(`--fused-decode-pdl`), fused + PDL with RoPE + K/V write in the QKV GEMV's epilogue
-(`--fused-decode-rope`, plan A), and that with attention in one launch a layer
-(`--fused-decode-attn`, plan C). Each names all four flags, on or off, so the engine's default
-(auto: on where it applies) decides none of them; `--paths default` adds a sixth, no flag at
-all, which runs whatever the default picks here (its figures say which).
+Two paths: per-op (`--no-fused-decode`) and the default (no flag: the fused path where it
+applies, each of its parts on where it applies; the figures say what ran).
 Two figures a path, each in a fresh process (triton attention backend, bf16, random weights at
 the preset's shape, CUDA graphs; no FlashInfer needed):
   harness  `python -m flashlet.bench --workload single` (256 tokens after a 32-token prompt):
@@ -37,28 +33,12 @@ PROMPT_LEN, NEW_TOKENS = 32, 256
 NEAR_TIE_ABS, NEAR_TIE_REL = 0.05, 0.01  # a display rule: 0.05 + 1% of the top logit (a few bf16 ulps)
 
 
-FUSED_FLAGS = ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
-# path -> the fused flags it turns on (every other one off); None: none given (the default).
-PATHS = {"per-op": (), "fused": FUSED_FLAGS[:1], "fused+pdl": FUSED_FLAGS[:2],
-         "fused+pdl+rope": FUSED_FLAGS[:3], "fused+pdl+rope+attn": FUSED_FLAGS, "default": None}
-MEASURED = [name for name in PATHS if name != "default"]  # --paths' default
-
-
-def path_flags(on: tuple[str, ...] | None) -> list[str]:
-    """Every fused flag, --flag or --no-flag (none for the default path)."""
-    if on is None:
-        return []
-    return [("--" if f in on else "--no-") + f.replace("_", "-") for f in FUSED_FLAGS]
+PATHS = {"per-op": ["--no-fused-decode"], "default": []}  # path -> its engine flags
 
 
 def fused_settings(flags: list[str]) -> dict:
-    """The EngineConfig fields `path_flags` set (a field it leaves out stays auto)."""
-    settings = {}
-    for f in FUSED_FLAGS:
-        flag = f.replace("_", "-")
-        if f"--{flag}" in flags or f"--no-{flag}" in flags:
-            settings[f] = f"--{flag}" in flags
-    return settings
+    """The EngineConfig fields the path's flags set (none: the engine's default)."""
+    return {"fused_decode": False} if "--no-fused-decode" in flags else {}
 
 
 def harness(config: str, flags: list[str]) -> dict:
@@ -74,7 +54,7 @@ def harness(config: str, flags: list[str]) -> dict:
         res, engine = record["backends"]["triton"], record["engines"]["triton"]
         return {"decode_tok_s": res.get("decode_tok_s"), "ms_per_token": res.get("ms_per_token"),
                 "fraction_of_bandwidth_limit": res.get("fraction_of_bandwidth_limit"),
-                "ran": {f: engine.get(f) for f in FUSED_FLAGS}, "error": res.get("error")}
+                "ran": {"fused_decode": engine.get("fused_decode")}, "error": res.get("error")}
 
 
 def generate_in_this_process(config: str, flags: list[str]) -> dict:
@@ -88,7 +68,9 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    figures = {"start_s": start_s, "ran": {f: getattr(llm.engine.config, f) for f in FUSED_FLAGS}}
+    fused = llm.engine.runner.fused
+    parts = vars(fused.parts) if fused is not None else {}
+    figures = {"start_s": start_s, "ran": {"fused_decode": fused is not None, **parts}}
     for name in ("first", "second"):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -129,7 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="qwen2.5-0.5b")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=MEASURED)
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
     args, child_flags = ap.parse_known_args()
     if args.generate_child:
@@ -137,7 +119,7 @@ def main() -> int:
         return 0
     results = {}
     for name in args.paths:
-        flags = path_flags(PATHS[name])
+        flags = PATHS[name]
         results[name] = {"harness": harness(args.config, flags), "generate": generate(args.config, flags)}
     print(f"single stream, {args.config}, bf16, triton backend, CUDA graphs "
           f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens)")

@@ -2,10 +2,10 @@
 
 For each shape and variant: compile (time it), check against an fp32 reference on fresh random
 bf16 inputs with the output poisoned first, then time it inside a CUDA graph, beside cuBLAS
-(F.linear), the unfused PyTorch sequence and flashlet's Triton GEMV, all in one table with the
+(F.linear) and the unfused PyTorch sequence, all in one table with the
 fraction of the device-to-device copy bandwidth measured in the same run. Every stage is guarded:
 a failure is printed and the rest still runs. Needs CUDA and the CuTe DSL on PYTHONPATH
-(scripts/gpu_run.sh fused sets it up).
+(as scripts/gpu_run.sh's cute_env sets it up).
 
     python3 scripts/fused_gemv_bench.py [--only NAME ...] [--json PATH]
 """
@@ -193,14 +193,6 @@ def time_torch(kind, epilogue, bank, copies, n, k):
     return graph_time_us(max(copies, 8), run)
 
 
-def time_triton(epilogue, bank, copies, n, k):
-    from flashlet.kernels.gemv import gemv
-
-    x = rand(1, k, seed=7)
-    bias = rand(n, seed=8) if epilogue == "bias" else None
-    return graph_time_us(max(copies, 8), lambda i: gemv(x, bank[i % copies], bias))
-
-
 def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
     """All of a token's GEMVs (24 x QKV, O, gate+up, down, then the LM head with argmax) in one
     graph, the outputs feeding the next inputs as in the model (norms and attention left out).
@@ -316,8 +308,6 @@ def main() -> int:
                 row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k)
             elif baseline:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
                 row["torch_us"] = guarded(f"{label} torch", time_torch, "seq", epilogue, bank, copies, n, k)
-            if baseline and epilogue in ("none", "bias"):
-                row["triton_us"] = guarded(f"{label} triton", time_triton, epilogue, bank, copies, n, k)
             if row.get("cute_us"):
                 row["gbs"] = row["bytes"] / (row["cute_us"] * 1e-6) / 1e9
                 row["of_copy"] = row["gbs"] / copy_gbs
@@ -337,12 +327,12 @@ def main() -> int:
         f"through >= {L2_DEFEAT_BYTES >> 20} MB of weights (median of 20 replays)")
     log("speed-up: cuBLAS (or the unfused PyTorch sequence) time / CuTe time; +pdl rows are a chain of "
         "PDL launches (weights loaded before griddepcontrol.wait)")
-    log("| shape | variant | MB | cute us | GB/s | of copy | cuBLAS us | torch seq us | triton us | speed-up | compile s | check |")
-    log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    log("| shape | variant | MB | cute us | GB/s | of copy | cuBLAS us | torch seq us | speed-up | compile s | check |")
+    log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         log(f"| {r['shape']} {r['n']}x{r['k']} | {r['variant']} | {r['bytes'] / 1e6:.2f} | "
             f"{f(r.get('cute_us'), '.2f')} | {f(r.get('gbs'), '.0f')} | {f(r.get('of_copy'), '.2f')} | "
-            f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('torch_us'), '.2f')} | {f(r.get('triton_us'), '.2f')} | "
+            f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('torch_us'), '.2f')} | "
             f"{f(r.get('speedup'), '.2f')} | "
             f"{f(r.get('compile_s'), '.2f')} | {r.get('check', '-')} |")
     token = {}

@@ -12,6 +12,7 @@ import time
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.fused_decode import FusedParts
 
 
 def main(argv=None) -> None:
@@ -25,15 +26,16 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=12)
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
     p.add_argument("--fused-decode", action="store_true", help="the CuTe one-sequence path")
-    p.add_argument("--fused-decode-pdl", action="store_true")
-    p.add_argument("--fused-decode-rope", action="store_true")
-    p.add_argument("--fused-decode-attn", action="store_true")
+    p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
+                   help="with --fused-decode: the parts on (the rest off)")
     p.add_argument("--timeline", action="store_true",
                    help="also list one step's GPU kernels in order: start offset, duration, gap")
     args = p.parse_args(argv)
-    fused = {k: getattr(args, k) for k in ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")}
+    parts = FusedParts(**{part: part in args.fused_parts for part in ("pdl", "rope", "attn")})
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=4096,
-                                 cuda_graph=not args.no_cuda_graph, dtype="bfloat16", **fused))
+                                 cuda_graph=not args.no_cuda_graph, dtype="bfloat16",
+                                 fused_decode=args.fused_decode),
+                    parts if args.fused_decode else None)
     for b in range(args.batch):
         engine.add_request([(b * 7 + i) % 1000 + 1 for i in range(args.prompt_len)],
                            SamplingParams(max_new_tokens=10_000, ignore_eos=True))

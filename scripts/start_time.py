@@ -4,7 +4,7 @@
     python scripts/start_time.py --table start.jsonl
 
 Run it once with empty kernel caches (TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE pointed at
-fresh folders: "cold") and once more with the same folders ("warm"); gpu_run.sh's `warm` part
+fresh folders: "cold") and once more with the same folders ("warm"); gpu_run.sh's `start` part
 does. The line also says how many Triton kernels warm-up compiled or loaded, and, as a check
 that warm-up is complete, the time of a first request after start.
 """

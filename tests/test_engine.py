@@ -364,3 +364,33 @@ def test_scheduled_sampling_rows_are_the_requests_that_reach_their_last_token():
         assert sched.allocator.num_free + sched.cache.num_pages == 12
         num_preemptions += sched.num_preemptions
     assert num_preemptions > 0, "the pool was not small enough to preempt"
+
+
+def test_every_finish_reason_is_one_enum_that_reads_as_its_name(tiny_qwen2, monkeypatch):
+    """stop, length, abort and error all come as FinishReason members, which compare, print
+    and serialise as the plain names clients have always seen."""
+    import json
+
+    import flashlet.sampler as sampler_module
+    from flashlet import FinishReason
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2)))
+    length = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=2, **GREEDY))
+    first = run_all(engine)[length]
+    assert first.finish_reason is FinishReason.LENGTH
+    stop_token = first.token_ids[0]
+    stop = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=5, stop_token_ids=[stop_token]))
+    aborted = engine.add_request([7, 8, 9], SamplingParams(max_new_tokens=50, **GREEDY))
+    engine.step()
+    engine.abort(aborted)
+    done = run_all(engine)
+    engine.add_request([9, 9], SamplingParams(max_new_tokens=3, temperature=0.7, seed=1))
+    monkeypatch.setattr(sampler_module, "seeded_noise", lambda *a, **k: 1 / 0)
+    [failed] = run_all(engine).values()
+    reasons = [done[stop].finish_reason, done[aborted].finish_reason, failed.finish_reason]
+    assert reasons == [FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]
+    assert all(type(r) is FinishReason for r in reasons)
+    assert reasons == ["stop", "abort", "error"] and f"{FinishReason.LENGTH}" == "length"
+    assert json.dumps({"finish_reason": FinishReason.LENGTH}) == '{"finish_reason": "length"}'
+    with pytest.raises(ValueError, match="must be 'abort' or 'stop'"):
+        engine.abort(0, finish_reason=FinishReason.LENGTH)

@@ -17,6 +17,7 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet import fused_decode
+from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
 
 
@@ -58,9 +59,10 @@ def perturb_norms(engine) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
 
 
-def generate(model_dir, fused, prompts, n=12, rope=False, config=None, **params):
+def generate(model_dir, fused, prompts, n=12, rope=False, attn=None, config=None, **params):
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=1,
-                                 fused_decode=fused, fused_decode_rope=rope, **(config or {})))
+                                 fused_decode=fused, **(config or {})),
+                    FusedParts(rope=rope, attn=attn))
     perturb_norms(engine)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
            for p in prompts]
@@ -90,7 +92,7 @@ def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, para
 
 @pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
 def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kernels, monkeypatch, params):
-    """fused_decode_rope: RoPE and the K/V write happen in the QKV GEMV's epilogue (here its
+    """FusedParts.rope: RoPE and the K/V write happen in the QKV GEMV's epilogue (here its
     reference), the backend only attends; the pool's RoPE kernel never runs on a fused step."""
     want, _ = generate(tiny_model, False, PROMPTS, **params)
     write_rope_calls = []
@@ -109,7 +111,7 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
 @pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
                          ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
 def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, reference_kernels, monkeypatch, request):
-    """fused_decode_attn: on the triton backend (interpreted, ~30 s), every fused step's
+    """FusedParts.attn: on the triton backend (interpreted, ~30 s), every fused step's
     attention is one `attend_one_launch` a layer and never the two-launch kernels; splits made
     small (16 tokens) so the last-program merge runs; tokens are the per-op engine's (same backend)."""
     tiny_model = request.getfixturevalue(model)
@@ -131,7 +133,7 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
     monkeypatch.setattr(triton_backend, "decode_attention",
                         lambda *a, **k: calls.__setitem__("two", calls["two"] + 1) or real_two(*a, **k))
-    got, engine = generate(tiny_model, True, PROMPTS, n=10, rope=rope, config={**triton, "fused_decode_attn": True})
+    got, engine = generate(tiny_model, True, PROMPTS, n=10, rope=rope, attn=True, config=triton)
     assert got == want
     assert engine.runner.fused.one_launch_attention
     assert calls["one"] == len(engine.model.layers) * sum(10 - 1 for _ in PROMPTS)
@@ -139,13 +141,13 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     assert not engine.runner.backend._merge_counts.any()
 
 
-def test_fused_decode_attn_needs_the_triton_backend(tiny_qwen2):
-    with pytest.raises(ValueError, match="fused_decode_attn applies"):
-        EngineConfig(fused_decode=False, fused_decode_attn=True)
-    with pytest.raises(ValueError, match="one-launch decode; backend is 'torch'"):
-        EngineConfig(fused_decode=True, fused_decode_attn=True, backend="torch")
-    with pytest.raises(ValueError, match="one-launch decode; backend is 'torch'"):
-        EngineConfig(fused_decode_attn=True, backend="torch")  # auto: the same refusal
+def test_one_launch_attention_needs_the_triton_backend(tiny_qwen2, reference_kernels, monkeypatch):
+    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
+    torch_backend = dict(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, backend="torch")
+    for asked in (True, None):  # forced on, and auto: the same refusal
+        with pytest.raises(ValueError, match="one-launch attention needs the triton backend; "
+                                             "the backend is torch"):
+            Engine(EngineConfig(**torch_backend, fused_decode=asked), FusedParts(attn=True))
 
 
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
@@ -170,12 +172,12 @@ def test_fused_decode_refuses_what_it_cannot_run(tiny_qwen2):
         Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", fused_decode=True))
 
 
-def test_fused_decode_sub_flags_need_the_fused_path():
-    for sub in ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
-        with pytest.raises(ValueError, match=f"{sub} applies to the fused decode path"):
-            EngineConfig(fused_decode=False, **{sub: True})
-        EngineConfig(fused_decode=False, **{sub: False})  # off and off: fine
-        EngineConfig(**{sub: True})  # with auto: where auto turns the path on
+def test_fused_parts_need_the_fused_path(tiny_qwen2):
+    off = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=False)
+    for part in ("pdl", "rope", "attn"):
+        with pytest.raises(ValueError, match=rf"fused parts \['{part}'\] apply to the fused decode path"):
+            Engine(off, FusedParts(**{part: True}))
+        assert Engine(off, FusedParts(**{part: False})).runner.fused is None  # off and off: fine
 
 
 def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
@@ -189,7 +191,7 @@ def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
         fused_decode.check_fused_decode(model, torch.device("cpu"), pool)
     with pytest.raises(ValueError) as plain:  # without the pool: no rope reasons
         fused_decode.check_fused_decode(model, torch.device("cpu"))
-    assert "fused_decode_rope" not in str(plain.value)
+    assert "RoPE in the QKV epilogue" not in str(plain.value)
 
 
 def test_fused_decode_refuses_a_down_projection_it_cannot_stream(tmp_path):
@@ -209,15 +211,17 @@ def test_fused_decode_needs_one_gpu():
 
 
 def test_fused_decode_flags_parse_on_off_and_absent():
-    """--fused-decode / --no-fused-decode force it on / off; absent leaves it to auto (None);
-    the same for each sub-flag, and the help says what auto does."""
-    parser = argparse.ArgumentParser()
+    """--fused-decode / --no-fused-decode force it on / off; absent leaves it to auto (None),
+    and the help says what auto does. Its parts are no user setting: no flag names them."""
+    # One line per flag: argparse wraps help at hyphens, which would split the flag names.
+    parser = argparse.ArgumentParser(
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=10_000))
     EngineConfig.add_cli_args(parser)
-    for name in ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn"):
-        flag = "--" + name.replace("_", "-")
-        assert getattr(parser.parse_args([flag]), name) is True
-        assert getattr(parser.parse_args(["--no-" + flag[2:]]), name) is False
-        assert getattr(parser.parse_args([]), name) is None
+    assert parser.parse_args(["--fused-decode"]).fused_decode is True
+    assert parser.parse_args(["--no-fused-decode"]).fused_decode is False
+    assert parser.parse_args([]).fused_decode is None
+    for part in ("pdl", "rope", "attn"):
+        assert f"--fused-decode-{part}" not in parser.format_help()
     assert EngineConfig.from_cli(parser.parse_args([])).fused_decode is None
     assert EngineConfig.from_cli(parser.parse_args(["--no-fused-decode"])).fused_decode is False
     text = " ".join(parser.format_help().split())
@@ -253,16 +257,13 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
 
 
 # ---- auto: on by default where it applies (EngineConfig.fused_decode None) -----------------
-FUSED_FIELDS = ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
-
-
 def test_auto_is_off_on_the_cpu_and_logs_why(tiny_qwen2, caplog):
     """The default asks nothing: on the CPU the engine runs per-op, raises nothing, logs one
     line saying which condition failed, and engine.config says what runs (all off)."""
     with caplog.at_level("INFO", logger="flashlet"):
         engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))
     assert engine.runner.fused is None
-    assert {f: getattr(engine.config, f) for f in FUSED_FIELDS} == dict.fromkeys(FUSED_FIELDS, False)
+    assert engine.config.fused_decode is False
     lines = [r.getMessage() for r in caplog.records if "fused decode path" in r.getMessage()]
     assert lines == ["fused decode path: off (auto: the device is cpu, not CUDA)"]
 
@@ -316,7 +317,7 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
 def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2, reference_kernels,
                                                                      monkeypatch, caplog):
     """Where auto says yes the runner builds the path, engine.config reports it, and the tokens
-    are the per-op engine's. Sub-flags not given follow where they apply (on the CPU: no PDL;
+    are the per-op engine's. Parts not named follow where they apply (on the CPU: no PDL;
     the fp32 pool keeps RoPE out of the QKV epilogue; the torch backend has no one-launch
     attention); given by name they hold."""
     monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
@@ -325,17 +326,16 @@ def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2,
         got, engine = generate(tiny_qwen2, None, PROMPTS, rope=None)
     assert got == want
     assert engine.runner.fused is not None and engine.runner.fused.lm_argmax.calls > 0
-    assert {f: getattr(engine.config, f) for f in FUSED_FIELDS} == {
-        "fused_decode": True, "fused_decode_pdl": False, "fused_decode_rope": False,
-        "fused_decode_attn": False}
+    assert engine.config.fused_decode is True
+    assert engine.runner.fused.parts == FusedParts(pdl=False, rope=False, attn=False)
     assert "fused decode path: on (auto), PDL off, RoPE in QKV off, one-launch attention off" in caplog.text
     got, engine = generate(tiny_qwen2, None, PROMPTS, rope=True)  # by name: on (reference epilogue)
-    assert got == want and engine.config.fused_decode_rope and engine.runner.fused.rope is not None
+    assert got == want and engine.runner.fused.parts.rope and engine.runner.fused.rope is not None
     triton = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=1))
-    assert triton.runner.fused.one_launch_attention and triton.config.fused_decode_attn
-    plain = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=1,
-                                fused_decode_attn=False))
-    assert not plain.runner.fused.one_launch_attention and not plain.config.fused_decode_attn
+    assert triton.runner.fused.one_launch_attention and triton.runner.fused.parts.attn
+    plain = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=1),
+                   FusedParts(attn=False))
+    assert not plain.runner.fused.one_launch_attention and not plain.runner.fused.parts.attn
 
 
 def test_auto_off_where_asked_off_and_explicit_on_still_refuses(tiny_qwen2, monkeypatch):
@@ -364,5 +364,5 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     want, _ = generate(folder, False, PROMPTS)
     got, engine = generate(folder, True, PROMPTS, rope=None)
     assert got == want
-    assert engine.runner.fused.rope is None and not engine.config.fused_decode_rope
+    assert engine.runner.fused.rope is None and not engine.runner.fused.parts.rope
     assert engine.runner.fused.lm_argmax.calls > 0

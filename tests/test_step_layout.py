@@ -463,12 +463,13 @@ def _mixed_graphs_on_the_cpu(engine):
 def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
     """Prompts longer than the step budget, so chunks share steps with decodes (fed rows under
     overlap): the Triton backend (interpreter) through padded mixed steps and the stand-in
-    graphs gives the greedy tokens of unpadded eager steps, and of the torch backend."""
+    graphs gives the greedy tokens of unpadded eager steps on the torch backend (the oracle;
+    Triton's eager steps are held to it in test_attention_backends.py)."""
     cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=6,
                        max_num_batched_tokens=48, max_num_pages=64, overlap=overlap)
     prompts = [[3, 5, 7, 9, 11, 13] * 7, [2, 4, 6], [8] * 20, [1, 2, 9, 9, 4] * 6]  # 95 tokens
     outs = []
-    for graphs, backend in ((False, "torch"), (False, "triton"), (True, "triton")):
+    for graphs, backend in ((False, "torch"), (True, "triton")):
         engine = Engine(cfg.replace(backend=backend))
         if graphs:
             _mixed_graphs_on_the_cpu(engine)
@@ -484,7 +485,7 @@ def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
         if graphs:
             buckets = {key[1] for key in engine.runner.graphs}
             assert len(buckets) >= 2 and buckets <= {16, 32, 48}, buckets  # several buckets
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1]
 
 
 def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):

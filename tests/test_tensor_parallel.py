@@ -120,6 +120,30 @@ def test_torchrun_starts_the_same_engine(tmp_path):
     assert lines == [f"TOKENS {want}"]  # printed by rank 0 only
 
 
+@pytest.mark.slow  # starts two worker processes, one after the other
+def test_a_second_engine_starts_after_the_first_is_dropped_or_closed(tmp_path):
+    """Dropping an LLM (once collected) or leaving its `with` block stops its worker and
+    leaves the process group, so the next tensor-parallel LLM in the process starts and
+    gives the same tokens. The worker ranks' engines return from their constructor too."""
+    import gc
+
+    import torch.distributed as dist
+
+    folder = save_tiny_model("llama", tmp_path / "l")
+    first = LLM(str(folder), device="cpu", tensor_parallel_size=2)
+    want = [o.token_ids for o in first.generate(PROMPTS[:2], GREEDY)]
+    workers = first.engine.tp.workers
+    del first
+    gc.collect()
+    assert not dist.is_initialized() and not any(p.is_alive() for p in workers)
+    assert all(p.exitcode == 0 for p in workers)  # served, shut down, returned: no SystemExit
+    with LLM(str(folder), device="cpu", tensor_parallel_size=2) as second:
+        assert [o.token_ids for o in second.generate(PROMPTS[:2], GREEDY)] == want
+        workers = second.engine.tp.workers
+    assert not dist.is_initialized() and not any(p.is_alive() for p in workers)
+    second.close()  # idempotent
+
+
 @pytest.mark.slow  # starts a second process
 def test_dead_worker_raises_a_clear_error_in_rank_0(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "l")

@@ -89,6 +89,19 @@ def test_warmup_steps_reach_every_kernel_variant(head_dim, num_q_heads, num_kv_h
     assert {tri.decode_variant(p) for p in padded} <= {tri.decode_variant(s) for s in EagerRunner.graph_sizes}
 
 
+def test_a_backend_with_one_variant_warms_up_with_one_step_of_each_kind():
+    """The interface says which backends compile per shape: the others (the torch oracle here)
+    answer None and the warm-up runs one prefill and one decode step."""
+    torch_backend = create_backend("torch", _pool(), 4)
+    assert torch_backend.decode_variant(7) is None and torch_backend.prefill_variant(9) is None
+    assert chunk_lengths(torch_backend, 2048) == [16]
+
+    class EagerRunner:
+        use_graphs, backend = False, torch_backend
+
+    assert decode_sizes(EagerRunner, 256) == [1]
+
+
 @pytest.mark.parametrize("max_seqs,budget,max_chunk", [(8, 300, 300), (4, 256, 100), (256, 8192, 4096)])
 def test_mixed_graph_steps_capture_every_reachable_graph_and_no_other(max_seqs, budget, max_chunk):
     """Every step a scheduler can form (at most max_seqs sequences, chunks of at most max_chunk

@@ -10,8 +10,8 @@ The engine calls `plan(meta)` once per step, then `run_rope(layer, q, k, v, posi
 cos_sin_cache)` in every layer (`run(layer, q, k, v)` for q/k already rotated). Both first have
 the KV pool write the step's new K/V at `meta.slot_mapping` (`KVPool.write_rope` / `write`), so
 that a chunk attends to itself, then attend. The one other writer is the fused decode path with
-`fused_decode_rope`: its QKV kernel stores K/V at the same slot, then calls `attend(layer, q)`
-(or, with `fused_decode_attn`, the Triton backend's `attend_one_launch(layer, q, pdl)`).
+RoPE in its QKV epilogue: its QKV kernel stores K/V at the same slot, then calls
+`attend(layer, q)` (or, where `supports_one_launch_decode`, `attend_one_launch(layer, q, pdl)`).
 Names follow FlashInfer's so the backends read alike.
 """
 
@@ -75,11 +75,15 @@ class AttentionBackend(ABC):
     with decodes) padded to a token bucket and max_num_seqs sequences, some with no query rows
     and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs outside the graph and
     `mixed_graph_key(meta)` names the kernel variant the capture baked in.
+
+    A backend that sets `supports_one_launch_decode` implements `attend_one_launch`: a
+    pure-decode step's attention in one kernel a layer, for the fused decode path.
     """
 
     name = "abstract"
     supports_cuda_graph = False
     supports_mixed_graph = False
+    supports_one_launch_decode = False
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, scale: float | None = None):
         self.kv_pool = kv_pool
@@ -121,6 +125,19 @@ class AttentionBackend(ABC):
         """Attention only: this step's K/V are already in the pool (the fused decode path's QKV
         GEMV writes them in its epilogue), q already rotated."""
         return self._attend(layer, q)
+
+    def decode_variant(self, num_seqs: int) -> tuple | None:
+        """The kernel variant a pure-decode step of num_seqs sequences compiles, where that
+        depends on the step (the warm-up compiles one step per variant); None: it does not."""
+        return None
+
+    def prefill_variant(self, max_q_len: int) -> tuple | None:
+        """`decode_variant` for steps whose longest chunk is max_q_len tokens."""
+        return None
+
+    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """`attend` for a pure-decode step in one kernel launch (PDL with pdl)."""
+        raise NotImplementedError(f"the {self.name} backend has no one-launch decode attention")
 
     @abstractmethod
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -105,9 +105,8 @@ class FlashInferBackend(AttentionBackend):
 class KvLens(torch.Tensor):
     """A step's KV lengths (the pinned host array itself, no copy) as FlashInfer's plan() gets
     them. plan() takes their maximum with Python's max(), which iterates the tensor: per
-    sequence a 0-d tensor, a comparison and a truth test, ~0.5 ms of host time a step at
-    batch 128 in the H200 profile (flashinfer 0.6.18; passing max_sequence_kv instead leaves a
-    variable unbound there). Iterating a KvLens yields its maximum alone, so that max() is one
+    sequence a 0-d tensor, a comparison and a truth test: host time that grows with the batch
+    (flashinfer 0.6.18; passing max_sequence_kv instead leaves a variable unbound there). Iterating a KvLens yields its maximum alone, so that max() is one
     reduction; every other use (len, copy_, the kernel's plan) sees the plain tensor."""
 
     def __iter__(self):

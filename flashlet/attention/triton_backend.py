@@ -11,7 +11,7 @@
   max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
   (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too).
 
-- `attend_one_launch` (the fused decode path, `fused_decode_attn`): the same split-KV decode in
+- `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
   (`decode_attention_one_launch`: per-(sequence, KV head) counters owned here, left at zero by
   every launch), optionally with Programmatic Dependent Launch. Its smallest split is
@@ -46,9 +46,8 @@ from flashlet.kv_pool import KVPool
 ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # At head_dim <= 64 one block of the one-launch decode is a whole smallest split, loaded before
 # its PDL wait, with 8 warps (255 registers, no spills at sm_90a): after the wait only q and the
-# newest K/V row remain to load. Measured at batch 1 (H200, Qwen2.5-0.5B, session 8): 1,978 tok/s
-# with 64-key blocks, 2,169 with 256. At head_dim 128 a 128-key block spills, so the decode
-# config's blocks stay.
+# newest K/V row remain to load (faster at batch 1 than 64-key blocks: BENCHMARKS.md). At
+# head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
 
@@ -57,6 +56,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     supports_mixed_graph = True
+    supports_one_launch_decode = True
 
     def __init__(
         self,

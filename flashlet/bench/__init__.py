@@ -10,6 +10,12 @@ Modules: `cli` (flags, validation, dispatch), `workloads` (the in-process runs),
 (timing, statistics, environment).
 """
 
-from flashlet.bench.cli import main
-
 __all__ = ["main"]
+
+
+def main(argv=None):
+    """`python -m flashlet.bench` (imported here on use: the --url client processes import
+    this package and need none of the in-process harness)."""
+    from flashlet.bench.cli import main as cli_main
+
+    return cli_main(argv)

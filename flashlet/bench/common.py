@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 MAX_SAMPLES = 20_000  # raw latency samples kept per series in the JSON (evenly thinned beyond)
 
@@ -45,6 +44,8 @@ def make_specs(n: int, prompt_range: tuple[int, int], output_range: tuple[int, i
 # ---- timing --------------------------------------------------------------------------------
 def synchronizer(device: torch.device):
     """A function that waits for the device's queued work (a no-op on the CPU)."""
+    import torch  # here: the --url client processes import this module and need no torch
+
     device = torch.device(device)
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
@@ -84,6 +85,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def copy_bandwidth(device: torch.device, mib: int | None = None, iters: int = 10) -> dict:
     """Measure device memory bandwidth with a large tensor copy: (bytes read + bytes written)
     per second, the best of `iters` timed copies after a warm-up. CUDA events on the GPU."""
+    import torch  # here: the --url client processes import this module and need no torch
+
     device = torch.device(device)
     if mib is None:
         mib = 1024 if device.type == "cuda" else 256
@@ -153,6 +156,8 @@ def git_commit() -> dict:
 
 def environment(device: torch.device | str | None) -> dict:
     """Device name, library versions and host facts for the JSON."""
+    import torch  # here: the --url client processes import this module and need no torch
+
     info = {
         "device": str(device) if device is not None else None,
         "device_name": None,

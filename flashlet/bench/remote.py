@@ -3,8 +3,8 @@
 Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
 The load generator must not be what limits: the streams are shared by `--client-procs` spawned
 client processes (default: one per 32 streams, at most half the CPUs), each on the lean
-httptools reader of sse.py (httpx costs ~6-9x more CPU per token, scripts/client_ceiling.py: one
-process of it is the likely cap of the server's H200 figures near 19k tok/s). The closed loop's requests come from one queue shared by the
+httptools reader of sse.py (httpx costs several times more CPU per token,
+lab/client_ceiling.py: one process of it capped the server's figures once). The closed loop's requests come from one queue shared by the
 processes (a shared counter: requests go out in order, as from one process); the open loop's
 schedule is dealt out round robin. Each process records with time.perf_counter, which is
 CLOCK_MONOTONIC on Linux, one clock for every process of the host, and the parent merges their

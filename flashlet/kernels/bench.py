@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-KERNELS = ("decode", "prefill", "mixed", "rope_kv_write", "rms_norm", "add_rms_norm", "silu_mul", "gemv")
+KERNELS = ("decode", "prefill", "mixed", "rope_kv_write", "rms_norm", "add_rms_norm", "silu_mul")
 
 # Qwen2.5-0.5B shapes.
 DEFAULT_SHAPES = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16, hidden=896, intermediate=4864)
@@ -38,9 +38,9 @@ SMOKE_SHAPES = dict(num_q_heads=6, num_kv_heads=2, head_dim=16, page_size=4, hid
 
 def _kernels():
     """Import the kernel modules (late, so smoke mode can turn the interpreter on first)."""
-    from flashlet.kernels import decode_attention, gemv, prefill_attention, rmsnorm, rope_kv_write, silu_mul
+    from flashlet.kernels import decode_attention, prefill_attention, rmsnorm, rope_kv_write, silu_mul
 
-    return decode_attention, prefill_attention, rope_kv_write, rmsnorm, silu_mul, gemv
+    return decode_attention, prefill_attention, rope_kv_write, rmsnorm, silu_mul
 
 
 def _ensure_runnable(device: torch.device, smoke: bool) -> None:
@@ -243,7 +243,7 @@ def run_kernel_sweep(
         batches, contexts, dtype, repeats, warmup, prefill_chunk = (3,), (9,), torch.float32, 1, 0, 4
     hq, hkv, d, ps = shapes["num_q_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["page_size"]
     scale = d**-0.5
-    dec, pre, rope, rms, silu, gemv_mod = _kernels()
+    dec, pre, rope, rms, silu = _kernels()
     from flashlet.kernels import tuning
     from flashlet.kernels.decode_attention import choose_num_splits
 
@@ -261,13 +261,9 @@ def run_kernel_sweep(
 
     token_counts = sorted(set(batches) | set(contexts))
     hidden, inter = shapes["hidden"], shapes["intermediate"]
-    # One token's matmuls (N, K, bias): qkv, o, gate_up, down (the LM head is the model's).
-    gemv_shapes = [((hq + 2 * hkv) * d, hidden, True), (hidden, hq * d, False),
-                   (2 * inter, hidden, False), (hidden, inter, False)]
     n_attn = sum(k in kernels for k in ("decode", "prefill", "mixed")) * len(batches) * len(contexts)
     n_elem = sum(k in kernels for k in ("rope_kv_write", "rms_norm", "add_rms_norm", "silu_mul")) * len(token_counts)
-    n_gemv = len(gemv_shapes) if "gemv" in kernels else 0
-    task = progress.task("kernel sweep", n_attn + n_elem + n_gemv) if progress is not None else None
+    task = progress.task("kernel sweep", n_attn + n_elem) if progress is not None else None
 
     def add(kernel, times, nbytes, flops, err, fi_err, **fields):
         row = _row(kernel, times, nbytes, flops, copy_gbps, **common, **fields)
@@ -442,16 +438,6 @@ def run_kernel_sweep(
                 fn, fi_err = _try(lambda: (lambda: fi.activation.silu_and_mul(gu)))
                 times["flashinfer"] = timer(fn) if fn else None
             add("silu_mul", times, 3 * t * inter * elem, 5 * t * inter, err, fi_err, tokens=t, intermediate=inter)
-    if "gemv" in kernels:
-        for n, k, has_bias in gemv_shapes:
-            x = torch.randn(1, k, generator=gen, device=device).to(dtype)
-            w = (torch.randn(n, k, generator=gen, device=device) * 0.05).to(dtype)
-            b = torch.randn(n, generator=gen, device=device).to(dtype) if has_bias else None
-            err = _rel_err(gemv_mod.gemv(x, w, b), gemv_mod.gemv_reference(x, w, b))
-            times = {"triton": timer(lambda: gemv_mod.gemv(x, w, b)),
-                     "reference": timer(lambda: gemv_mod.gemv_reference(x, w, b))}
-            add("gemv", times, (n * k + k + n) * elem, 2 * n * k, err,
-                "reference = F.linear (cuBLAS); FlashInfer has no GEMV", tokens=1, n=n, k=k)
     return rows
 
 

@@ -191,7 +191,7 @@ def lanes_for(k: int) -> int:
 
 
 # Tuned plans for the shapes measured on a GPU, filled from the plan sweep
-# (scripts/gemv_sweep.py; `bash scripts/gpu_run.sh gemv-sweep`), which prints entries in this
+# (`python scripts/gemv_sweep.py --pdl on`; `--only lm_head` for the LM head), which prints entries in this
 # form. Key: (n_rows, k, epilogue, norm, pdl), as the fused decode path builds its GEMVs.
 # Value: plan_gemv's knobs for that GEMV, any of
 #   warps            warps per CTA (1, 2, 4, 8)
@@ -207,15 +207,14 @@ def lanes_for(k: int) -> int:
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
 # grid scales with the SM count, the best choice might not).
 TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
-    # Qwen2.5-0.5B's fused path with PDL: `bash scripts/gpu_run.sh gemv-sweep`, H200,
-    # 2026-11-30 (commit 16d4d45); us per call in a PDL chain, default plan -> this one.
-    (9728, 896, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # gate_up 7.63 -> 5.84
-    (896, 4864, "residual", False, True): {"warps": 4},  # down 3.70 -> 3.30
-    (1152, 896, "bias", True, True): {"ctas_per_sm": 4, "warps": 2},  # qkv 1.73 -> 1.63
-    (896, 896, "residual", False, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # o 1.52 -> 1.34
-    (1152, 896, "bias_rope_kv", True, True): {"warps": 8},  # qkv + RoPE 1.87 -> 1.81
-    # The tied LM head with its argmax: `gpu_run.sh lm-head-sweep`, H200, 2026-11-30 (commit
-    # 3cf85d3): a looping grid of 2 CTAs an SM, 79.08 -> 65.54 us (4,154 GB/s).
+    # Qwen2.5-0.5B's fused path with PDL (each plan's time against the default plan's:
+    # BENCHMARKS.md's history, the GEMV plan sweep).
+    (9728, 896, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # gate_up
+    (896, 4864, "residual", False, True): {"warps": 4},  # down
+    (1152, 896, "bias", True, True): {"ctas_per_sm": 4, "warps": 2},  # qkv
+    (896, 896, "residual", False, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # o
+    (1152, 896, "bias_rope_kv", True, True): {"warps": 8},  # qkv + RoPE
+    # The tied LM head with its argmax: a looping grid of 2 CTAs an SM.
     (151936, 896, "argmax", True, True): {"ctas_per_sm": 2},
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")

@@ -347,7 +347,7 @@ def decode_attention_reference(
 # and by the atomic's acquire in the merging CTA, whose loads bypass L1 (".cg": another SM
 # wrote those lines).
 #
-# With USE_PDL (Programmatic Dependent Launch, sm_90+, fused_decode_pdl) the kernel lets its
+# With USE_PDL (Programmatic Dependent Launch, sm_90+, the fused path's PDL) the kernel lets its
 # dependent (the O GEMV) launch at once, and reads before `griddepcontrol.wait` only what no
 # kernel of this step writes: kv_lens and the page table (copied in before the step) and the
 # first block's past K/V rows (t < kv_len - 1, written by earlier steps, which finished before

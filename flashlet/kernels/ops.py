@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from flashlet.kernels import rmsnorm as _rmsnorm
-from flashlet.kernels.gemv import gemv
 from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kernels.silu_mul import silu_and_mul as _silu_and_mul
 from flashlet.ops import TorchOps
@@ -20,7 +19,7 @@ from flashlet.ops import TorchOps
 class TritonOps:
     name = "triton"
 
-    linear = staticmethod(TorchOps.linear)  # cuBLAS (TritonOpsGemv: our GEMV for one row)
+    linear = staticmethod(TorchOps.linear)  # cuBLAS
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,16 +43,3 @@ class TritonOps:
         q_out, k_out = rope_kv_write(q, k, None, positions, cos_sin_cache, None, None, None)
         return q_out, k_out
 
-
-class TritonOpsGemv(TritonOps):
-    """TritonOps with a one-row step's matmuls on our GEMV kernel (`EngineConfig(gemv=True)`).
-    Measured on the H200 it is slower than cuBLAS at every Qwen2.5-0.5B shape (BENCHMARKS.md),
-    so it is off by default."""
-
-    name = "triton-gemv"
-
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return gemv(x, weight, bias)
-        return TorchOps.linear(x, weight, bias)

@@ -21,8 +21,8 @@ vocabulary) the first candidate is accepted ~90% of the time; on peaked rows the
 nearly always is: about two passes over the row either way. Per element a pass costs a
 division, an exp and a few compares and adds, accumulated per lane and reduced once a block
 or once a pass. (The first form drew candidates by an exponential race, a Philox number and
-two logs per element a pass: 0.34 ms for 128 x 151,936 flat rows on the H200, where one read
-of those rows is 78 MB, ~30 us at the copy bandwidth.)
+two logs per element a pass: compute-bound, over ten times one read of the rows at the copy
+bandwidth.)
 top_k together with top_p needs the mass of the top-k set, so such rows first find the k-th
 largest value tau exactly, by counting against 15 pivots per pass over the values' ordered bits
 (~8 passes), and draw only from {l >= tau} from then on. top_k alone on a flat row takes about
@@ -53,9 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-# A row's program: 32 warps, blocks of 4096. `bench_sampler.py --sweep` (H200, 128 x 151,936,
-# top_p 0.9; flat / peaked / top_k 50 too, ms): 1024 x 32 warps 0.216 / 0.169 / 1.06 against
-# 1024 x 16 0.239 / 0.191 / 1.40, 2048 x 32 0.211 / 0.166 / 1.41, 512 x 16 0.254 / 0.209 / 1.63.
+# A row's program: 32 warps, blocks of 4096: the best of lab/bench_sampler.py --sweep over block
+# sizes and warps on flat, peaked and top-k rows (figures in BENCHMARKS.md's history).
 SUB = 1024  # a block is 4 * SUB elements (the k-th largest search counts SUB at a time)
 NUM_WARPS = 32
 NUM_PIVOTS = 15  # the k-th largest search cuts the interval of candidate values in 16 a pass
@@ -313,7 +312,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, ids: torch.Tensor,
     splitmix64(step_seed, row) where position < 0. Rows not in ids are left as they are.
     sub: a block is 4 * sub elements (a power of 2; a seed's tokens depend on it: tests on the
     interpreter use small ones). num_warps: a row's program size (both are tuning knobs:
-    scripts/bench_sampler.py --sweep)."""
+    lab/bench_sampler.py --sweep)."""
     assert ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 2
     assert ids.shape[0] == params.shape[0] and ids.shape[1] in (2, 3)
     assert STEP_SEEDS[0] <= step_seed < STEP_SEEDS[1]

@@ -550,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP; it
         # binds no port (rank 0 on the same host does).
         from flashlet.engine import Engine
+        from flashlet.tp_worker import serve
 
-        Engine(engine_config)  # returns only by SystemExit(0) once rank 0 shuts down
+        serve(Engine(engine_config))  # until rank 0 shuts down
         return 0
     try:
         sockets = bind_api_server_sockets(args.host, args.port, args.api_server_count)

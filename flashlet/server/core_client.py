@@ -40,10 +40,11 @@ import msgspec
 import zmq
 
 from flashlet.config import EngineConfig
+from flashlet.request import FinishReason
 from flashlet.request_check import RequestLimits
-from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreOutput, CoreReady,
-                                         Probe, ProbeReply, Shutdown, StepOutputs, build_engine,
-                                         run_engine_core)
+from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady, Probe,
+                                      ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -241,7 +242,7 @@ class CoreClient(EngineClient):
         except (OverflowError, RecursionError, TypeError, ValueError) as e:
             raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
 
-    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
         with self._lock:
             if stream.cancelled or stream.finished or stream.request_id is None:
@@ -263,7 +264,7 @@ class CoreClient(EngineClient):
     def abort_all(self) -> None:
         self._abort_in_cores()
         # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason="abort"))
+        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT))
 
     def _abort_in_cores(self) -> None:
         """Tell the cores to drop every request of this process (their streams stay open)."""
@@ -325,6 +326,13 @@ class CoreClient(EngineClient):
             free = max(self.config.max_num_seqs - running, 0)
             total += max(queued - free, 0)
         return total
+
+    def loop_stats(self, timeout: float = 30.0) -> list[dict]:
+        """A core in a long step answers late: it is then reported by its latest step's stats
+        ("answered": false) rather than the reader waiting on it."""
+        if not self.is_ready:  # nothing to ask: the stats each core last sent
+            return self.core_stats()
+        return self.probe(timeout, loop=True, late_ok=True)
 
     def core_stats(self) -> list[dict]:
         return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight,
@@ -405,7 +413,7 @@ class CoreClient(EngineClient):
                 if out.finished:
                     del self._streams[out.request_id]
                     core.num_in_flight -= 1
-                if out.finish_reason == "error" and not out.new_token_ids and out.status == 400:
+                if out.finish_reason == FinishReason.ERROR and not out.new_token_ids and out.status == 400:
                     by_loop[stream.aloop].append((stream, StreamError(out.error, 400)))
                 else:
                     by_loop[stream.aloop].append((stream, out))

@@ -3,13 +3,13 @@
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
 multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
 API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
-PULL socket (zmq fair-queues them): requests (one message per prompt: its token ids as int32
+PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per prompt: its token ids as int32
 bytes, and the sampling params of each of its samples), aborts, probes, shutdown. Out: one PUSH
 socket per API process, ONE message per engine step to each API process, carrying that
 process's requests' new token ids and finish info (a request that only got tokens as a
 three-element array: output_rows), with the engine's stats (every API process gets every
 step's stats: its admission control reads them). What the core does per step and per request
-beside the engine's step is timed by scripts/bench_core_path.py. The core
+beside the engine's step is timed by lab/bench_core_path.py. The core
 never sees text: tokenizing, detokenizing and stop strings are the API processes' job, so a
 stop string found there comes back in as an abort.
 
@@ -28,22 +28,23 @@ clock reads per step), sent only in the reply to a Probe that asks for them (GET
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import gc
 import logging
 import os
 import signal
-import struct
 import time
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 import numpy as np
 
-from flashlet.engine import SERVER_GC_THRESHOLDS
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.sampling import SamplingParams
 from flashlet.server.diagnostics import LoopCounters
+from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, CoreInput,
+                                      CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
+                                      StepOutputs, api_server_of, output_rows)
+from flashlet.server.warmup import SERVER_GC_THRESHOLDS
 
 log = logging.getLogger("flashlet.server")
 
@@ -59,141 +60,7 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 STATS_EVERY_S = 0.025
 
 
-_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-TOKEN_DTYPE = np.dtype("<i4")  # AddRequests.prompt's
 _new_token_ids = attrgetter("new_token_ids")
-
-
-# ---- messages in ---------------------------------------------------------------------------------
-class AddRequests(msgspec.Struct, tag=True, array_like=True):
-    """A prompt's request, or its samples (n > 1) as one message: the core adds them together,
-    never the first alone (which could then run its prompt before the others arrive to share
-    its KV pages: Engine.add_request's `after`)."""
-
-    request_ids: list[int]  # the API process's ids; the engine uses them as its own
-    # The prompt's token ids as little-endian int32 bytes (pack_token_ids): decoding a msgpack
-    # list cost the core ~40 ns an id, checking the ids as Python ints as much again; an array
-    # is checked in C and made a list once (request_check.check_prompt_ids).
-    prompt: bytes
-    # Each request's SamplingParams fields; no stop strings (the API process's).
-    params: list[dict[str, Any]]
-    # The client request they belong to (the prompts of one completion request share it): the
-    # scheduler lets groups take turns with their prompts. None: the engine's common group.
-    group: int | None = None
-
-    @classmethod
-    def of(cls, request_ids: list[int], prompt_token_ids: list[int],
-           params: list[SamplingParams], group: int | None = None) -> "AddRequests":
-        # SamplingParams' fields, not the dataclass: msgspec cannot build one with an InitVar
-        # (max_tokens), and __init__ validates them again on the way in.
-        return cls(request_ids, pack_token_ids(prompt_token_ids),
-                   [{name: getattr(p, name) for name in _PARAM_FIELDS} for p in params], group)
-
-    def prompt_token_ids(self) -> np.ndarray:
-        """The prompt as an int32 array (ValueError if the bytes are not whole int32s)."""
-        return np.frombuffer(self.prompt, TOKEN_DTYPE)
-
-
-def pack_token_ids(token_ids: list[int]) -> bytes:
-    """Token ids as AddRequests carries them (struct.pack: ~2x faster from a list than numpy)."""
-    try:
-        return struct.pack(f"<{len(token_ids)}i", *token_ids)
-    except struct.error:
-        raise ValueError("token ids must be integers in [-2**31, 2**31)") from None
-
-
-class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[int]
-    finish_reason: str = "abort"  # "stop" when the API process found a stop string
-
-
-class Probe(msgspec.Struct, tag=True, array_like=True):
-    """Check the engine's integrity and reply with its stats (tests, diagnostics)."""
-
-    api_server: int = 0  # the API process to reply to
-    loop: bool = False  # reply with the loop's counters (diagnostics.py) too, skip the check
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-CoreInput = AddRequests | AbortRequests | Probe | Shutdown
-
-
-# ---- messages out --------------------------------------------------------------------------------
-class CoreOutput(msgspec.Struct, array_like=True, gc=False):
-    """One request's share of a step (the attributes Generation reads off RequestOutput too).
-    What every step carries comes first: a request that goes on without logprobs travels as
-    its first three fields alone (output_rows). Untracked by the collector (gc=False: it never
-    holds a reference cycle): an API process decodes one per streamed token."""
-
-    request_id: int
-    new_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None  # only with finished
-    status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
-    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
-    embedding: list[float] | None = None  # an embedding request's (final output only)
-    # The prompt's, with the first token and at the end, if prompt_logprobs was asked for.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @classmethod
-    def of(cls, out) -> "CoreOutput":
-        """An engine's RequestOutput as a CoreOutput (a CoreOutput as it is)."""
-        if isinstance(out, CoreOutput):
-            return out
-        return cls(out.request_id, out.new_token_ids, out.num_cached_tokens, out.finished,
-                   out.finish_reason, out.error, new_logprobs=out.new_logprobs,
-                   embedding=out.embedding, prompt_logprobs=out.prompt_logprobs)
-
-    @classmethod
-    def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":
-        """The final output of a request that could not run."""
-        return cls(request_id, [], finished=True, finish_reason="error", error=message,
-                   status=status)
-
-
-def output_rows(outputs) -> list:
-    """Outputs (the engine's RequestOutputs, or CoreOutputs) as StepOutputs.outputs sends them:
-    one that goes on without logprobs (all but a few of a step's) as the tuple (request id, new
-    token ids, cached tokens), which msgpack writes as that CoreOutput without its trailing
-    defaults, and msgspec decodes into the same CoreOutput; any other as a whole CoreOutput.
-    Building a CoreOutput a row cost the core more than the whole message does now."""
-    return [(o.request_id, o.new_token_ids, o.num_cached_tokens)
-            if not o.finished and o.new_logprobs is None and o.prompt_logprobs is None
-            else CoreOutput.of(o)
-            for o in outputs]
-
-
-class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    core: int
-    outputs: list[CoreOutput]  # sent as output_rows makes them
-    stats: dict[str, float]
-
-
-class CoreReady(msgspec.Struct, tag=True, array_like=True):
-    core: int
-    info: dict[str, object]  # the request limits, the model folder, a one-line description
-    error: str | None = None  # set instead when the engine could not be built
-    pid: int = 0
-
-
-class ProbeReply(msgspec.Struct, tag=True, array_like=True):
-    core: int
-    stats: dict[str, float]
-    error: str | None = None
-    loop: dict[str, Any] | None = None  # LoopCounters.snapshot(), if asked for
-
-
-CoreMessage = StepOutputs | CoreReady | ProbeReply
-
-
-def api_server_of(request_id: int, api_server_count: int) -> int:
-    """The API process that sent a request: each numbers its own with a stride of the count."""
-    return request_id % api_server_count
 
 
 def engine_info(engine) -> dict:
@@ -460,8 +327,8 @@ class EngineCore:
         return outputs
 
     def _log_slow_step(self, took: float, outputs, gc_before: tuple[int, float]) -> None:
-        """What a step far over the usual ran (a TTFT outlier at concurrency 1 on the H200 was
-        one 60 ms step): its requests and the collector's share of it."""
+        """What a step far over the usual ran (a TTFT outlier at concurrency 1 can be one such
+        step): its requests and the collector's share of it."""
         stats, gc_timer = self.engine.stats(), self.counters.gc
         log.warning("slow step: %.1f ms, %d outputs (%d finished), %d running, %d waiting; "
                     "the collector ran %d times in it for %.1f ms", took * 1e3, len(outputs),

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any, Callable
 
 from flashlet.parallel import WorkerDiedError
-from flashlet.request import RequestOutput
+from flashlet.request import FinishReason, RequestOutput
 from flashlet.request_check import RequestLimits
 from flashlet.sampling import SamplingParams
 
@@ -107,6 +107,17 @@ class EngineClient:
     ready: threading.Event
     stopped: threading.Event
     error: BaseException | None
+    # Called with each step message's send time where steps arrive as messages (CoreClient).
+    on_step_message: Callable[[float], None] | None = None
+
+    def loop_stats(self, timeout: float = 30.0) -> list[dict]:
+        """Each engine's stats with its loop's counters where it has them (GET /debug/stats);
+        may block up to `timeout`."""
+        return self.core_stats()
+
+    def core_stats(self) -> list[dict]:
+        """Each engine's stats as last known, without asking it (never blocks)."""
+        raise NotImplementedError
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the engine runs; False if it failed, stopped, or `timeout` passed."""
@@ -202,7 +213,7 @@ class EngineLoop(EngineClient):
                 self._cmds.append(("submit", stream))
             self._cond.notify()
 
-    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
+    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request (idempotent); its pages are freed before the next step. The front end
         ends it with `finish_reason` itself (e.g. "stop" for a stop string it found)."""
         with self._cond:

@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from flashlet.detokenizer import IncrementalDetokenizer
+from flashlet.request import FinishReason
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.diagnostics import ApiCounters
@@ -210,7 +211,7 @@ class Generation:
             item, ids, logprobs, prompt_logprobs = await self._next_batch()
             if isinstance(item, StreamError):
                 self.stream.finished = True
-                self.server.metrics.requests_finished.labels(self.endpoint, "error").inc()
+                self.server.metrics.requests_finished.labels(self.endpoint, FinishReason.ERROR).inc()
                 # The core's refusals of a format (limits, compile) name it before a colon.
                 param = "response_format" if "response_format" in item.message.split(":")[0] \
                     else None
@@ -223,7 +224,7 @@ class Generation:
                     metrics.ttft.observe(self.ttft)
                     gaps, last = gaps - 1, self.t0
                 # tokens that came together share the wait evenly
-                observe_many(metrics.itl, (now - last) / len(ids), gaps)
+                metrics.itl.observe((now - last) / len(ids), gaps)
                 last = now
                 self.server.api_counters.sent(len(ids))  # one SSE event when streaming
                 self.token_ids.extend(ids)
@@ -235,8 +236,8 @@ class Generation:
             if self.prompt_logprobs is None and prompt_logprobs is not None:
                 self.prompt_logprobs = delta.prompt_logprobs = prompt_logprobs
             if stopped:  # a stop string: end the request in the engine too
-                self.server.loop.abort(self.stream, "stop")
-                delta.finished, delta.finish_reason = True, "stop"
+                self.server.loop.abort(self.stream, FinishReason.STOP)
+                delta.finished, delta.finish_reason = True, FinishReason.STOP
             elif item.finished and self.detokenizer is not None:
                 text += self.detokenizer.finish()
             if delta.finished:
@@ -285,7 +286,7 @@ class Generation:
         """Abort the request unless it finished (idempotent)."""
         if not self.stream.finished and not self.stream.cancelled:
             self.server.loop.abort(self.stream)
-            self.server.metrics.requests_finished.labels(self.endpoint, "abort").inc()
+            self.server.metrics.requests_finished.labels(self.endpoint, FinishReason.ABORT).inc()
 
     @property
     def latency_ms(self) -> float:
@@ -303,26 +304,8 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
     def check_error(self) -> None:
-        if self.final.finish_reason == "error":
+        if self.final.finish_reason == FinishReason.ERROR:
             raise ApiError(500, f"generation failed: {self.final.error}")
-
-
-def observe_many(histogram, value: float, count: int) -> None:
-    """`count` observations of `value` at the cost of one: Histogram.observe takes one at a
-    time (two locked increments each), and a handler that fell behind the engine takes many
-    tokens at once, so this runs when the API process can least afford it."""
-    if count == 1 or not hasattr(histogram, "_upper_bounds"):  # the library's own way
-        for _ in range(count):
-            histogram.observe(value)
-        return
-    if count < 1:
-        return
-    histogram._raise_if_not_observable()
-    histogram._sum.inc(value * count)
-    for bucket, bound in zip(histogram._buckets, histogram._upper_bounds):
-        if value <= bound:  # observe()'s rule: the first bucket that holds the value
-            bucket.inc(count)
-            break
 
 
 class EventStream(StreamingResponse):
@@ -406,19 +389,13 @@ class Server:
         """Count this process's figures (GET /debug/stats) in `counters` (the CLI gives each
         API process its row of the shared ones)."""
         self.api_counters = counters
-        if hasattr(self.loop, "on_step_message"):  # a CoreClient: time its step messages
-            self.loop.on_step_message = counters.delivered
+        self.loop.on_step_message = counters.delivered
 
     async def debug_stats(self) -> dict:
         """Every core's loop counters (CoreClient; the engine's stats alone with an in-thread
         EngineLoop) and every API process's (diagnostics.py): cumulative, as of now."""
         self.api_counters.start()
-        if hasattr(self.loop, "probe") and self.loop.is_ready:
-            # A core in a long step answers late: it is then reported by its latest step's
-            # stats ("answered": false) rather than the reader waiting on it.
-            cores = await run_in_threadpool(self.loop.probe, DEBUG_STATS_WAIT_S, True, True)
-        else:
-            cores = self.loop.core_stats()
+        cores = await run_in_threadpool(self.loop.loop_stats, DEBUG_STATS_WAIT_S)
         return {"time": time.monotonic(), "cores": cores,
                 "api_servers": self.api_counters.snapshot()}
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from flashlet.request import FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 ENDPOINTS = ("/health", "/generate", "/generate_stream", "/v1/models", "/v1/completions",
@@ -53,6 +60,41 @@ class EngineCollector:
             yield family
 
 
+class BatchHistogram:
+    """A Prometheus histogram that takes `count` equal observations at the cost of one.
+
+    prometheus_client's Histogram takes one at a time (two locked increments each); a stream
+    handler that fell behind the engine takes many tokens at once, when the API process can
+    least afford it. This one owns its counts and is scraped as any histogram is."""
+
+    def __init__(self, name: str, documentation: str, buckets, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.upper_bounds = tuple(float(b) for b in buckets) + (float("inf"),)
+        self.counts = [0] * len(self.upper_bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        if count < 1:
+            return
+        bucket = bisect.bisect_left(self.upper_bounds, value)  # the first bound >= value
+        with self._lock:
+            self.counts[bucket] += count
+            self.sum += value * count
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        cumulative = itertools.accumulate(counts)
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.upper_bounds, cumulative)]
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                    sum_value=total)
+
+
 class WarmCollector:
     """flashlet_api_server_warm{api_server=K}: 1 once API process K has run its warm-up (and,
     with --api-server-count > 1, accepts connections); every process reports every process."""
@@ -92,9 +134,9 @@ class Metrics:
         self.ttft = Histogram("flashlet_time_to_first_token_seconds",
                               "Time from request arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("flashlet_inter_token_latency_seconds",
-                             "Time between two successive tokens of one request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = BatchHistogram("flashlet_inter_token_latency_seconds",
+                                  "Time between two successive tokens of one request",
+                                  buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("flashlet_request_latency_seconds",
                              "Time from request arrival to its last token",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -111,7 +153,7 @@ class Metrics:
         self.prompt_tokens.inc(num_prompt)
         self.cached_tokens.inc(num_cached)
         self.generation_tokens.inc(num_output)
-        if finish_reason in ("stop", "length"):
+        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.e2e.observe(latency_s)
 
 

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from flashlet.request import FinishReason
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
 from flashlet.server.protocol import (DEFAULT_MAX_NEW_TOKENS, GenerateRequest, GenerateResponse,
@@ -104,7 +105,7 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                                  "usage": gen.usage(),
                                  "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                                  "latency_ms": round(gen.latency_ms, 3)}
-                        if out.finish_reason == "error":
+                        if out.finish_reason == FinishReason.ERROR:
                             final["error"] = out.error
                         yield sse(final)
                     elif delta:

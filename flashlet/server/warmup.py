@@ -9,7 +9,7 @@ through its own ASGI app in this process (one per OpenAI endpoint and /generate_
 tokens each, side by side so that several engine cores each take one) and only then answers
 /health with 200. Like SGLang's start-up request, they count in /metrics as any request does.
 Then the process's start-up heap is frozen and the collector's thresholds raised (see
-API_GC_THRESHOLDS).
+SERVER_GC_THRESHOLDS).
 """
 
 from __future__ import annotations
@@ -21,12 +21,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from flashlet.engine import SERVER_GC_THRESHOLDS, settle_heap
+from flashlet.engine import settle_heap
 
 log = logging.getLogger("flashlet.server")
 
 WARM_UP_TOKENS = 2
-API_GC_THRESHOLDS = SERVER_GC_THRESHOLDS  # once warm (flashlet.engine says why)
+# A server process's collector thresholds once warm (Python's default: 700, 10, 10): the API
+# processes' after their warm-up, the engine cores' before their loop. Serving allocates a few
+# dozen objects per token, so at the default a young collection runs every ~20 tokens and a
+# full one (every object not frozen: all the requests' state) several times a second, each a
+# stall of every stream the process serves (the collector's share of wall time, before and
+# after, is in BENCHMARKS.md). Cycles are still collected; full collections come ~100x less
+# often. The offline `LLM` runs in the user's process and leaves its collector alone.
+SERVER_GC_THRESHOLDS = (50_000, 20, 100)
 
 
 @dataclass
@@ -81,9 +88,9 @@ async def warm_up(app) -> WarmUpReport:
         # serves) does not come in the middle of the first requests.
         report.gc_s = settle_heap()
         report.frozen = gc.get_freeze_count()
-        gc.set_threshold(*API_GC_THRESHOLDS)
+        gc.set_threshold(*SERVER_GC_THRESHOLDS)
         log.info("API warm-up: %d objects frozen after a %.0f ms full collection; collector "
-                 "thresholds %s", report.frozen, report.gc_s * 1e3, API_GC_THRESHOLDS)
+                 "thresholds %s", report.frozen, report.gc_s * 1e3, SERVER_GC_THRESHOLDS)
     except Exception as e:  # noqa: BLE001 - the server still serves; the log says why
         report.error = f"{type(e).__name__}: {e}"
         log.warning("the API warm-up failed (%s); the first requests may be slower",

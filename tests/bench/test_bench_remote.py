@@ -106,3 +106,17 @@ def test_the_connection_is_kept_alive_between_requests():
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_client_process_imports_no_torch():
+    """A spawned client process imports flashlet.bench.remote (its target) and nothing of the
+    engine: it starts in well under a second, not the several of a torch import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, flashlet.bench.remote; "
+            "heavy = [m for m in ('torch', 'flashlet.engine', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[2])

@@ -1,4 +1,4 @@
-"""The fused decode path (flashlet/fused_decode.py, issue 16) against the per-op path, on the GPU.
+"""The fused decode path (flashlet/fused_decode.py) against the per-op path, on the GPU.
 
 Both engines run the Triton attention backend with CUDA graphs in bf16, one sequence at a time
 (max_num_seqs 1, so every decode step is a fused step). The fused path rounds differently (the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import cute_available
 from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
@@ -45,10 +46,10 @@ pytestmark = [
 # Teacher-forced: the fused logits' largest error against the fp32 per-op logits may be at most
 # this many times the bf16 per-op path's own (plus 2^-8 of the top logit). A bound relative to
 # the top logit alone (2%) failed on the tiny random Qwen2 with RoPE in the QKV epilogue
-# (0.234 on a top of 10.3 at the first fused step, H200, 2026-11-30) although that path rotates
+# (0.234 on a top of 10.3 at the first fused step) although that path rotates
 # from fp32, more precisely than the per-op path: the question is precision against fp32, not
 # distance from another bf16 path.
-# On the H200 (2026-11-30) the per-position largest error once reached 2.16x the per-op path's
+# On the GPU the per-position largest error once reached 2.16x the per-op path's
 # (0.797 against 0.368, one position of 256): the largest of 4096 errors is a noisy statistic,
 # so the per-position bound only guards against a broken step (GROSS_FACTOR) and the precision
 # claim is made on the RMS over every position and logit (PRECISION_FACTOR).
@@ -74,19 +75,26 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 SUB_FLAGS = ("fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
 
 
-def named(fused: bool | None, config: dict) -> dict:
-    """With fused=True, every sub-flag a test does not name is off (each would default to on
-    where it applies): a test runs exactly the variant it names. Auto (None) is left alone."""
-    return {**dict.fromkeys(SUB_FLAGS, False), **config} if fused else config
+def build(fused: bool | None, **config):
+    """An Engine whose fused parts are named as `fused_decode_pdl=` etc. With fused=True, every
+    part a test does not name is off (each would default to on where it applies): a test runs
+    exactly the variant it names. Auto (None) is left alone."""
+    from flashlet import Engine, EngineConfig
+
+    named = {flag: config.pop(flag) for flag in SUB_FLAGS if flag in config}
+    if fused:
+        named = {**dict.fromkeys(SUB_FLAGS, False), **named}
+    parts = FusedParts(**{flag.removeprefix("fused_decode_"): on for flag, on in named.items()})
+    return Engine(EngineConfig(fused_decode=fused, **config), parts)
 
 
 def run(source: dict, prompt_list, new_tokens: int, *, fused: bool | None, record=None, greedy=True,
         **config):
     """Tokens of every prompt (run one at a time); `record(meta, logits)` observes each step."""
-    from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet import SamplingParams
 
-    engine = Engine(EngineConfig(**source, backend="triton", dtype="bfloat16", max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
+    engine = build(fused, **source, backend="triton", dtype="bfloat16", max_num_seqs=1,
+                   max_num_pages=1024, **config)
     perturb_norms(engine)
     if record is not None:
         engine.observe_steps(record)
@@ -134,13 +142,13 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     in launch order, as `reference` records them) -> (its own pick at every step, its logits
     rows at every step when `logits` (an observer makes the fused path write them), engine).
     Without `logits` the decode steps' picks come from the LM head's argmax epilogue."""
-    from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet import SamplingParams
     from flashlet.sampler import SamplerOutput
 
     forced = [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []
-    engine = Engine(EngineConfig(**source, backend=backend, dtype=dtype, max_num_seqs=1,
-                                 max_num_pages=1024, fused_decode=fused, **named(fused, config)))
+    engine = build(fused, **source, backend=backend, dtype=dtype, max_num_seqs=1,
+                   max_num_pages=1024, **config)
     perturb_norms(engine)
     if logits:
         engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()))
@@ -235,7 +243,7 @@ def check_first_decode_logits(ref_rows, rows, count, new_tokens, bound):
 def test_fused_greedy_tokens_match_the_per_op_path(small_model):
     """64 prompts x 64 tokens, teacher-forced on the per-op tokens: the greedy (argmax epilogue)
     path's picks and the logits path's precision against fp32 (the module docstring's rule).
-    Free-running, the H200 parted at top-2 gaps of 0.19-0.22 on these tiny random models,
+    Free-running, a GPU run parted at top-2 gaps of 0.19-0.22 on these tiny random models,
     whose bf16 per-op logits themselves sit 0.145 (RMS) from fp32: gaps inside the noise."""
     source, vocab = small_model
     ps, n = prompts(64, vocab), 64
@@ -338,7 +346,7 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-# ---- the default (issue 16: on by default where it is faster) -----------------------------
+# ---- the default (on by default where it is faster) --------------------------------------
 @pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only")
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family):
@@ -359,7 +367,7 @@ def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family
     fused, rope = engine.runner.fused, family == "qwen2"
     assert fused is not None and fused.pdl and fused.one_launch_attention
     assert (fused.rope is not None) == rope
-    assert [getattr(engine.config, f) for f in ("fused_decode", *SUB_FLAGS)] == [True, True, rope, True]
+    assert engine.config.fused_decode and engine.runner.fused.parts == FusedParts(pdl=True, rope=rope, attn=True)
     assert engine.start_report["warmed_up"] and fused.lm_argmax._compiled is not None
 
 

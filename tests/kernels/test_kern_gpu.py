@@ -12,7 +12,6 @@ from flashlet.batch import StepBuffers, StepRow, build_layout
 from flashlet.kernels.decode_attention import (choose_num_splits, decode_attention, decode_attention_one_launch,
                                                decode_attention_reference, pdl_supported)
 from flashlet.kernels.embedding import gather_rows
-from flashlet.kernels.gemv import gemv, gemv_reference
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
@@ -77,18 +76,6 @@ def test_prefill_mixed_bf16(kh, model):
     prefill_attention(*args, out=out)
     assert not torch.isnan(out).any()
     assert kh.rel_err(out, prefill_attention_reference(*args)) < 1e-2
-
-
-# Qwen2.5-0.5B's matmuls at batch 1: qkv (with bias), o, gate_up, down, the LM head.
-GEMV_SHAPES = [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False),
-               (151936, 896, False)]
-
-
-@pytest.mark.parametrize("n,k,bias", GEMV_SHAPES)
-def test_gemv_bf16(kh, n, k, bias):
-    x, w = _randn(1, k, seed=1), _randn(n, k, seed=2) * 0.05
-    b = _randn(n, seed=3) if bias else None
-    assert kh.rel_err(gemv(x, w, b), gemv_reference(x, w, b)) < 1e-2
 
 
 def test_elementwise_bf16(kh):

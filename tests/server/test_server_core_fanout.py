@@ -9,7 +9,8 @@ from __future__ import annotations
 import msgspec
 
 from flashlet.server import engine_core
-from flashlet.server.engine_core import CoreOutput, EngineCore, StepOutputs
+from flashlet.server.engine_core import EngineCore
+from flashlet.server.messages import CoreOutput, StepOutputs
 
 
 class Outbox:

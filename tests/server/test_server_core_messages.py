@@ -20,8 +20,9 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import TokenLogprob
-from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreInput, CoreOutput,
-                                         EngineCore, StepOutputs, output_rows, pack_token_ids)
+from flashlet.server.engine_core import EngineCore
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,
+                                      StepOutputs, output_rows, pack_token_ids)
 
 ENCODER = msgspec.msgpack.Encoder()
 STEP_DECODER = msgspec.msgpack.Decoder(StepOutputs)

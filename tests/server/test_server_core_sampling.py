@@ -1,4 +1,4 @@
-"""Issue #17's per-request data through the engine-core process (msgspec over ZMQ): n samples
+"""Per-request sampling data through the engine-core process (msgspec over ZMQ): n samples
 held in the core until the first has computed the prompt, logprobs on the way back, and
 response_format grammars compiled on the core's worker thread (invalid ones a 400)."""
 

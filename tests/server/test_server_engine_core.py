@@ -185,10 +185,10 @@ def test_a_dead_core_ends_every_open_request_with_an_error(tiny_qwen2):
         wait_until(lambda: client.num_streams == 4 and client.core_stats()[0].get("running") == 4,
                    60, "the requests to run")
         client.cores[0].process.kill()
-        killed = time.monotonic()
-        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5,
+        # Bounded, not instant: generous for a loaded machine (the reader notices within
+        # READER_POLL_MS; a hang would never end).
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 30,
                    "/health to turn 503")
-        assert time.monotonic() - killed < 5
         assert httpx.get(srv.url + "/health").json() == {"status": "failed"}
         for t in threads:
             t.join(10)
@@ -223,7 +223,7 @@ def test_the_cli_exits_nonzero_when_its_engine_core_dies(tiny_qwen2):
             except httpx.HTTPError:
                 return p.proc.poll() is not None
 
-        wait_until(failed_or_gone, 5, "/health to turn 503")
+        wait_until(failed_or_gone, 30, "/health to turn 503")
         assert p.proc.wait(60) == 1, p.log
         assert time.monotonic() - killed < 30
         assert "engine core 0 died" in p.log

@@ -1,4 +1,4 @@
-"""Hostile and careless clients (issue 19): body size and time caps, stalled connections, a
+"""Hostile and careless clients: body size and time caps, stalled connections, a
 connection cap, control tokens written as text, admission that counts what really waits,
 HEAD /health, a default token budget that fits the context, token ids without a tokenizer."""
 
@@ -217,7 +217,8 @@ def test_stalled_bodies_are_timed_out_and_descriptors_come_back(limited, idle):
         t0 = time.monotonic()
         replies = [_closed_by_peer(s, 10) for s in socks]
         assert all(r is not None for r in replies), "a stalled body was never timed out"
-        assert time.monotonic() - t0 < 8  # 1 s timeout, some slack for a busy machine
+        # The 1 s body timeout, not the 10 s each wait allows: a bound generous for a loaded machine.
+        assert time.monotonic() - t0 < 20
         assert all(r.startswith(b"HTTP/1.1 408") for r in replies), replies[0][:200]
     finally:
         for s in socks:

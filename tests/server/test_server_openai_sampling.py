@@ -1,4 +1,4 @@
-"""Issue #17 through the OpenAI API (the official `openai` client): logprobs, n and best_of,
+"""Sampling features through the OpenAI API (the official `openai` client): logprobs, n and best_of,
 penalties, structured output, tool calls, echo and prompt lists, stream usage, and the 400s
 for what does not go together."""
 

@@ -19,7 +19,8 @@ from server_helpers import MODEL_NAME, assert_no_leaks, idle_stats
 
 from flashlet import EngineConfig, SamplingParams
 from flashlet.server.core_client import CoreClient, CoreProcess
-from flashlet.server.engine_core import AbortRequests, AddRequests, CoreInput, EngineCore
+from flashlet.server.engine_core import EngineCore
+from flashlet.server.messages import AbortRequests, AddRequests, CoreInput
 from flashlet.server.engine_loop import RequestStream
 from flashlet.server.router import PrefixRouter
 from flashlet.structured import CompileCancelled

@@ -10,7 +10,7 @@ import httpx
 from server_helpers import MODEL_NAME, ServerThread, wait_until
 
 from flashlet.server import ServerConfig, create_app
-from flashlet.server.warmup import API_GC_THRESHOLDS, WARM_UP_TOKENS
+from flashlet.server.warmup import SERVER_GC_THRESHOLDS, WARM_UP_TOKENS
 
 
 def test_health_waits_for_the_warm_up_that_runs_every_piece(engine_loop, idle):
@@ -32,7 +32,7 @@ def test_health_waits_for_the_warm_up_that_runs_every_piece(engine_loop, idle):
         encoder = server._ctx.encoder
         assert report.encoder_copies == encoder.num_threads == encoder.num_copies
         assert report.frozen > 0  # start-up's heap is out of the collector's reach
-        assert gc.get_threshold() == API_GC_THRESHOLDS  # and the collector runs less often
+        assert gc.get_threshold() == SERVER_GC_THRESHOLDS  # and the collector runs less often
 
         # The first user requests use the copies made already: no tokenizer copy on their path.
         for _ in range(2 * encoder.num_threads):

@@ -3,7 +3,7 @@ time to launch its forward, the time the device still needed after that, and the
 time, for a closed loop of random prompts (issue 13: are the server's workloads host-bound?).
 Then one-request prefills of each length twice: the first step of a new shape against a repeat.
 
-    python scripts/step_anatomy.py --config qwen2.5-0.5b --backend triton --concurrency 1 64 256
+    python lab/step_anatomy.py --config qwen2.5-0.5b --backend triton --concurrency 1 64 256
 
 `--no-mixed-graphs` runs steps with a prefill chunk eagerly (EngineConfig.mixed_graphs), as
 before mixed-step CUDA graphs: run once with and once without to compare. A chunk step's

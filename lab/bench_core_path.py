@@ -1,7 +1,7 @@
 """Host cost of the engine-core process's messages, around a tiny model on the CPU: what the
 server pays per step and per request beyond the engine's own step (issue 13).
 
-    python scripts/bench_core_path.py [--rows 256] [--finished 2] [--logprobs 0]
+    python lab/bench_core_path.py [--rows 256] [--finished 2] [--logprobs 0]
         [--requests 128] [--rounds 7]
 
 The real EngineCore and CoreClient, joined by real zmq ipc sockets in this one process (no
@@ -41,7 +41,8 @@ from conftest import save_tiny_model  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.server.core_client import CoreClient, CoreProcess  # noqa: E402
-from flashlet.server.engine_core import CoreReady, EngineCore, engine_info  # noqa: E402
+from flashlet.server.engine_core import EngineCore, engine_info  # noqa: E402
+from flashlet.server.messages import CoreReady  # noqa: E402
 from flashlet.server.engine_loop import RequestStream  # noqa: E402
 
 VOCAB = 32000  # ids above 256: Python's small-int cache would flatter the decode

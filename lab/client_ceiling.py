@@ -1,7 +1,7 @@
 """How fast `bench --url`'s client can take SSE tokens, with no server cost behind them (a
 benchmark tool for the load generator itself).
 
-    python scripts/client_ceiling.py [--streams 64 256] [--procs 1 2] [--tokens 128]
+    python lab/client_ceiling.py [--streams 64 256] [--procs 1 2] [--tokens 128]
         [--requests-per-stream 4] [--step-ms 1] [--httpx]
 
 A stub server in a subprocess (uvloop, one process) answers POST /generate_stream as flashlet's

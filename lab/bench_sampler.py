@@ -4,9 +4,9 @@ kernel path, with decode-sat's sampled settings (temperature 0.7, top_p 0.9, pre
 frequency 0.5, repetition 1.1) and greedy argmax for scale; also the kernel and the sparse
 penalties on their own. Issue 17's target: the whole sampled path under ~0.15 ms a step.
 
-    python scripts/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
-    python scripts/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
-    python scripts/bench_sampler.py --sweep   # and the kernel per (block size, warps)
+    python lab/bench_sampler.py [--rows 128] [--vocab 151936] [--json out.json]
+    python lab/bench_sampler.py --host [--vocab 4096]   # on the CPU, no GPU needed
+    python lab/bench_sampler.py --sweep   # and the kernel per (block size, warps)
 
 --host counts what one steady sampled step (the same 128 requests as the step before) issues
 on the kernel path: torch ops (torch.profiler, top-level aten ops) and Triton launches (the

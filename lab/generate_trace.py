@@ -1,6 +1,6 @@
 """Where a single-stream `LLM.generate` step's host time goes (issue 16's end-to-end gap).
 
-    python scripts/generate_trace.py [--config qwen2.5-0.5b] [--backend triton] [FUSED FLAGS]
+    python lab/generate_trace.py [--config qwen2.5-0.5b] [--backend triton] [--no-fused-decode]
 
 One fresh process: the engine starts (warm-up included), one untimed `generate` (32-token
 prompt, 256 greedy tokens), then three timed ones:
@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
-FUSED_FLAGS = ("fused_decode", "fused_decode_pdl", "fused_decode_rope", "fused_decode_attn")
 
 
 def timed(owner, name: str, totals: dict, label: str | None = None) -> None:
@@ -54,19 +53,17 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--max-num-pages", type=int, default=4096)
-    for flag in FUSED_FLAGS:
-        ap.add_argument("--" + flag.replace("_", "-"), action="store_true")
+    ap.add_argument("--no-fused-decode", action="store_true", help="the per-op path")
     args = ap.parse_args()
 
     import torch
 
     from flashlet import LLM, SamplingParams
 
-    fused = {flag: getattr(args, flag) for flag in FUSED_FLAGS}
     t0 = time.perf_counter()
     llm = LLM(model=args.model, config=args.config or None, backend=args.backend, dtype=args.dtype,
-              max_num_pages=args.max_num_pages, **fused)
-    print(f"start {time.perf_counter() - t0:.1f} s; flags {[k for k, v in fused.items() if v]}")
+              max_num_pages=args.max_num_pages, **({"fused_decode": False} if args.no_fused_decode else {}))
+    print(f"start {time.perf_counter() - t0:.1f} s; fused decode {llm.engine.config.fused_decode}")
     engine = llm.engine
     prompt = [(i * 7919 + 11) % engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)

@@ -2,8 +2,8 @@
 queued, fed rows written): a 1-row and a 128-row decode padded to their graph sizes, every row
 fed as under overlap, and a mixed step (decodes beside a prefill chunk).
 
-    python scripts/bench_step_load.py                # CUDA if present (pinned staging), else CPU
-    python scripts/bench_step_load.py --device cpu
+    python lab/bench_step_load.py                # CUDA if present (pinned staging), else CPU
+    python lab/bench_step_load.py --device cpu
 
 On CUDA the time includes queuing the host-to-device copies (not their transfer: the device is
 synchronized between repeats, outside the timing).

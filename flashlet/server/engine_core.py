@@ -17,8 +17,9 @@ Several API processes (`--api-server-count N`): API process k numbers its reques
 k + 2N... so ids are unique across processes and the core sends a request's outputs to API
 process `request_id % N` (`api_server_of`) without keeping a map. A probe names its sender.
 
-The loop: when the engine has work, take what arrived (without waiting; a burst of requests a
-step's token budget at a time), step, send the step's outputs; when idle, block on the socket
+The loop: when the engine has work, read everything that arrived (without waiting: aborts act
+at once, even behind a burst of queued prompts), add a step's token budget of the requests,
+step, send the step's outputs; when idle, block on the socket
 (waking every second to check that the first API process, its parent, is still alive: an
 orphaned core exits). The loop counts where its time goes (diagnostics.LoopCounters: a few
 clock reads per step), sent only in the reply to a Probe that asks for them (GET
@@ -27,6 +28,7 @@ clock reads per step), sent only in the reply to a Probe that asks for them (GET
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import gc
@@ -285,6 +287,9 @@ class EngineCore:
                                         int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
         self.counters = LoopCounters()
+        # Requests received and not added yet, oldest first (_receive reads the whole inbox).
+        self.queued_adds: collections.deque[AddRequests] = collections.deque()
+        self.queued_ids: set[int] = set()
         # A burst of requests (a closed loop's clients come back together) is added a step's
         # worth at a time: a step starts no more prompt tokens than its budget, and the rest,
         # left queued, are added while the step just launched runs on the device, not before
@@ -292,25 +297,33 @@ class EngineCore:
         self.tokens_per_receive = engine.config.max_num_batched_tokens
 
     def run(self) -> None:
-        engine = self.engine
         while not self.stopping:
-            busy = engine.has_unfinished()
-            self._receive(wait=not busy, timeout_ms=COMPILE_POLL_MS if self.compiling else None)
-            if self.stopping:
-                break
-            self._add_compiled()
-            if engine.has_unfinished():
-                outputs = self._step()
-                t = time.perf_counter()
-                self._send(outputs)
-                self.counters.add_time("send", time.perf_counter() - t)
-            elif self.errors or (busy and not self.compiling):
-                # Went idle: say so (the stats show no page held).
-                self._send([])
+            self.run_once()
         self.compiler.shutdown(wait=False, cancel_futures=True)
         self.counters.gc.close()
 
+    def run_once(self) -> None:
+        """Receive, add a step's worth of what arrived, step, send (or wait, when idle)."""
+        engine = self.engine
+        busy = engine.has_unfinished()
+        self._receive(wait=not busy and not self.queued_adds,
+                      timeout_ms=COMPILE_POLL_MS if self.compiling else None)
+        if self.stopping:
+            return
+        self._add_queued()
+        self._add_compiled()
+        if engine.has_unfinished():
+            outputs = self._step()
+            t = time.perf_counter()
+            self._send(outputs)
+            self.counters.add_time("send", time.perf_counter() - t)
+        elif self.errors or (busy and not self.compiling):
+            # Went idle: say so (the stats show no page held).
+            self._send([])
+
     def _receive(self, wait: bool, timeout_ms: int | None = None) -> None:
+        """Read everything in the inbox: aborts, probes and shutdown act at once; requests are
+        queued for _add_queued (an abort behind a burst of prompts must not wait for them)."""
         import zmq
 
         t = time.perf_counter()
@@ -326,30 +339,59 @@ class EngineCore:
             waited, t = t, time.perf_counter()
             self.counters.add_time("idle", t - waited)
         try:
-            added = 0  # prompt tokens
-            while added < self.tokens_per_receive:
+            while True:
                 try:
                     frame = self.inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
                 msg = self.decoder.decode(frame)
-                self._apply(msg)
                 if isinstance(msg, AddRequests):
-                    added += len(msg.prompt) // TOKEN_DTYPE.itemsize
+                    self.queued_adds.append(msg)
+                    self.queued_ids.update(msg.request_ids)
+                else:
+                    self._apply(msg)
         finally:
             self.counters.add_time("receive", time.perf_counter() - t)
+
+    def _add_queued(self) -> None:
+        """Add queued requests up to a step's prompt-token budget (at least one): a burst is
+        added a step's worth at a time (see tokens_per_receive)."""
+        t = time.perf_counter()
+        added = 0  # prompt tokens
+        while self.queued_adds and added < self.tokens_per_receive:
+            msg = self.queued_adds.popleft()
+            self.queued_ids.difference_update(msg.request_ids)
+            self._add_all(msg)
+            added += len(msg.prompt) // TOKEN_DTYPE.itemsize
+        self.counters.add_time("receive", time.perf_counter() - t)
+
+    def _unqueue(self, rid: int) -> None:
+        """Drop a request that was received but not added yet (aborted before it ran)."""
+        self.queued_ids.discard(rid)
+        for msg in self.queued_adds:
+            if rid in msg.request_ids:
+                i = msg.request_ids.index(rid)
+                del msg.request_ids[i], msg.params[i]  # a removed first sample: the next leads
+                if not msg.request_ids:
+                    self.queued_adds.remove(msg)
+                return
 
     def _apply(self, msg) -> None:
         if isinstance(msg, AddRequests):
             self._add_all(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
+                if rid in self.queued_ids:
+                    self._unqueue(rid)  # never added: nothing to free, nothing to send
+                    continue
                 self.compiling.pop(rid, None)
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
             self._probe(msg.api_server, msg.loop)
         elif isinstance(msg, Shutdown):
+            self.queued_adds.clear()
+            self.queued_ids.clear()
             for rid in list(self.unfinished):
                 self.engine.abort(rid)
             self.stopping = True

@@ -21,7 +21,8 @@ The loop: when the engine has work, read everything that arrived (without waitin
 at once, even behind a burst of queued prompts), add a step's token budget of the requests,
 step, send the step's outputs; when idle, block on the socket
 (waking every second to check that the first API process, its parent, is still alive: an
-orphaned core exits). The loop counts where its time goes (diagnostics.LoopCounters: a few
+orphaned core exits; busy or not, exit_with_parent ends a core whose parent died, at once on
+Linux, even by kill -9). The loop counts where its time goes (diagnostics.LoopCounters: a few
 clock reads per step), sent only in the reply to a Probe that asks for them (GET
 /debug/stats), never with the steps.
 """
@@ -30,12 +31,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import gc
 import logging
 import os
 import signal
 import struct
+import sys
+import threading
 import time
 from operator import attrgetter
 from typing import Any, Callable
@@ -50,6 +54,8 @@ from flashlet.server.diagnostics import LoopCounters
 log = logging.getLogger("flashlet.server")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+PARENT_POLL_S = 0.5  # how often any core checks it (exit_with_parent), busy or not
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # A step longer than both is logged with what it ran (_log_slow_step): rare on a GPU, and
 # never every step of a slow device.
 SLOW_STEP_S = 0.03
@@ -220,11 +226,14 @@ def build_engine(config, tokenizer: str | None = None):
 
 def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: list[str],
                     parent_pid: int, tokenizer: str | None = None,
-                    build: Callable = build_engine) -> None:
+                    build: Callable = build_engine, parent_death_signal: bool = True) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
     input_addrs / output_addrs: one of each per API process, in API-process order.
-    (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.)"""
+    (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.
+    parent_death_signal: see exit_with_parent.)"""
     import zmq
+
+    exit_with_parent(parent_pid, parent_death_signal)
 
     # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every
     # process of the server: the API process decides when cores stop (it kills a core that
@@ -265,6 +274,28 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
         for outbox in outboxes:
             outbox.close(linger=2000)
         ctx.term()
+
+
+def exit_with_parent(parent_pid: int, parent_death_signal: bool) -> None:
+    """End this process when the API process that started it dies, even by SIGKILL and in the
+    middle of a long step: on Linux the kernel sends SIGKILL at once (PR_SET_PDEATHSIG; only
+    when the parent started us from its main thread, as the signal follows the thread that
+    forked, not the process); everywhere, a thread checks the parent every PARENT_POLL_S."""
+    if parent_death_signal and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="flashlet-parent-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit the process (os._exit: the main thread may be inside a step) once the parent is
+    gone; a dead parent's children are handed to another process, so getppid() changes."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    log.error("the API server process %d is gone: this engine core exits", parent_pid)
+    os._exit(1)
 
 
 class EngineCore:

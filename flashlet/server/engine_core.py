@@ -65,6 +65,7 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 # stats alone at most this often (and when the core goes idle), not every step: an API process
 # with nothing to stream would otherwise wake, decode and spend CPU on every step.
 STATS_EVERY_S = 0.025
+HEARTBEAT_S = 1.0  # a core that waits on grammar compiles still sends its stats this often
 
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -311,6 +312,7 @@ class EngineCore:
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
         self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
+        self.last_sent = 0.0  # time.monotonic() of the latest step message
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
         # compiled grammars are cached), in arrival order: request id -> (future, prompt,
         # params, the request it waits for).
@@ -351,6 +353,8 @@ class EngineCore:
         elif self.errors or (busy and not self.compiling):
             # Went idle: say so (the stats show no page held).
             self._send([])
+        elif self.compiling and time.monotonic() - self.last_sent > HEARTBEAT_S:
+            self._send([])  # still here: a long compile is not a stalled core (core_client.py)
 
     def _receive(self, wait: bool, timeout_ms: int | None = None) -> None:
         """Read everything in the inbox: aborts, probes and shutdown act at once; requests are
@@ -530,7 +534,7 @@ class EngineCore:
         if self.errors:
             outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
-        now = time.monotonic()
+        now = self.last_sent = time.monotonic()
         stats["time"] = now
         count = len(self.outboxes)
         if count == 1:

@@ -122,3 +122,143 @@ def test_a_busy_core_exits_on_its_parent_watch_alone(tiny_qwen2):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- item 6: a stalled core ------------------------------------------------------------------
+def _serve(client: CoreClient) -> ServerThread:
+    assert client.wait_ready(180), client.error
+    return ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
+
+
+def _stream(url: str, body: dict, into: list, first: threading.Event | None = None) -> None:
+    with httpx.stream("POST", url + "/generate_stream", json=body, timeout=120) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if first is not None and line.startswith("data:"):
+                first.set()
+        into.append(parse_sse(lines))
+
+
+def _assert_idle(client: CoreClient) -> None:
+    """Nothing in flight here; every live core idle, no page held but by its prefix cache."""
+    wait_until(lambda: client.num_streams == 0, 60, "the requests to end")
+    assert all(c["in_flight"] == 0 for c in client.core_stats())
+    for stats in wait_until(lambda: (s := client.probe()) and
+                            all(not c.get("has_unfinished") for c in s) and s, 60, "idle cores"):
+        if "dead" not in stats:
+            assert stats["running"] == stats["waiting"] == stats["num_requests"] == 0, stats
+            assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+
+
+def test_the_default_stall_bound_turns_health_503_within_10_s():
+    from flashlet.server.core_client import CORE_STALL_TIMEOUT_S, READER_POLL_MS
+
+    assert CORE_STALL_TIMEOUT_S + 2 * READER_POLL_MS / 1000 < 10
+
+
+def test_a_stopped_core_turns_health_503_ends_its_requests_and_recovers(tiny_qwen2):
+    """SIGSTOP the core while a stream runs: /health says 503 "stalled" with the reason within
+    10 s (here the stall bound is 2 s), new requests get 503, the open stream ends with a 503
+    error after the request bound; after SIGCONT the core serves again and leaks nothing."""
+    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=2.0,
+                        stalled_request_timeout_s=5.0).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = []
+        first = threading.Event()
+        body = {"prompt": [3, 4, 5], "max_new_tokens": 450, "ignore_eos": True}
+        worker = threading.Thread(target=_stream, args=(srv.url, body, results, first))
+        worker.start()
+        assert first.wait(60)
+        pid = client.cores[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).status_code == 503
+                                and r, 10, "/health to turn 503", interval=0.1)
+            assert health.json()["status"] == "stalled", health.json()
+            assert "engine core 0 stalled" in health.json()["reason"]
+            r = httpx.post(srv.url + "/generate", json={"prompt": [1, 2], "max_new_tokens": 2})
+            assert r.status_code == 503 and "stalled" in r.json()["error"]["message"], r.text
+            worker.join(30)
+            assert not worker.is_alive(), "the stalled core's stream never ended"
+            events = results[0]
+            assert events[-1] == "[DONE]", events[-3:]
+            assert "stalled" in events[-2]["error"]["message"], events[-2]
+            text = httpx.get(srv.url + "/metrics").text
+            assert 'flashlet_engine_core_up{core="0"} 0.0' in text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: httpx.get(srv.url + "/health").json() == {"status": "ok"}, 10,
+                   "/health to recover", interval=0.1)
+        r = httpx.post(srv.url + "/generate", timeout=60,
+                       json={"prompt": [1, 2], "max_new_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        _assert_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+# ---- item 8: data parallel with a dead core --------------------------------------------------
+def test_with_two_cores_a_dead_ones_requests_fail_and_the_other_serves_on(tiny_qwen2):
+    fatal: list = []
+    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2,
+                        on_fatal=fatal.append).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = [[], []]
+        firsts = [threading.Event(), threading.Event()]
+        workers = []
+        for i in range(2):  # the least loaded core gets each: one stream on each core
+            body = {"prompt": [3, 4, 5 + 40 * i], "max_new_tokens": 450, "ignore_eos": True}
+            workers.append(threading.Thread(target=_stream,
+                                            args=(srv.url, body, results[i], firsts[i])))
+            workers[-1].start()
+            assert firsts[i].wait(60)
+        assert [c["in_flight"] for c in client.core_stats()] == [1, 1]
+        client.cores[1].process.kill()
+        health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).json()["status"]
+                            == "degraded" and r, 5, "/health to say degraded", interval=0.1)
+        assert health.status_code == 200 and "engine core 1 died" in health.json()["reason"]
+        for worker in workers:
+            worker.join(120)
+            assert not worker.is_alive()
+        lost, served = results[1][0], results[0][0]
+        assert "engine core 1 died" in lost[-2]["error"]["message"], lost[-2]
+        assert served[-2]["finish_reason"] == "length", served[-2]
+        assert served[-2]["usage"]["completion_tokens"] == 450
+        routed = [c["routed"] for c in client.core_stats()]
+        for i in range(6):
+            r = httpx.post(srv.url + "/generate", timeout=60, json={
+                "prompt": [7, 8, i + 2], "max_new_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        assert [c["routed"] for c in client.core_stats()] == [routed[0] + 6, routed[1]]
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'flashlet_engine_core_up{core="1"} 0.0' in text
+        assert 'flashlet_engine_core_up{core="0"} 1.0' in text
+        assert fatal == [] and client.error is None
+        _assert_idle(client)
+        client.cores[0].process.kill()  # the last one: now it is fatal
+        wait_until(lambda: fatal, 5, "the last core's death to be fatal")
+        assert httpx.get(srv.url + "/health").json() == {"status": "failed"}
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+def test_exit_on_core_failure_makes_any_dead_core_fatal(tiny_qwen2):
+    fatal: list = []
+    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2, on_fatal=fatal.append,
+                        exit_on_core_failure=True).start()
+    try:
+        assert client.wait_ready(180), client.error
+        client.cores[1].process.kill()
+        wait_until(lambda: fatal, 5, "a dead core to be fatal")
+        assert "engine core 1 died" in str(client.error) and not client.is_ready
+    finally:
+        client.stop()

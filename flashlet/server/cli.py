@@ -8,9 +8,10 @@ cannot be bound exit code 1, and no engine core is started. Uvicorn then starts 
 cores load the model meanwhile (GET /health answers 503 until every core is ready).
 SIGINT/SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout
 seconds, abort the rest, stop the cores, exit 0; during the model load, end the loading cores
-and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the requests in
-flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
-(a supervisor restarts it).
+and exit 0 at once. A model that fails to load: exit code 1. If a core dies, its requests in
+flight end with a 500 error; while other cores live the server serves on ("degraded"); when the
+last one dies (or any, with --exit-on-core-failure), /health answers 503 ("failed") and the
+server exits with status 1 (a supervisor restarts it). A stalled core: core_client.py.
 
 --api-server-count N (vLLM's flag; default 1): N API-server processes serve the one port. On
 Linux each has its own listening socket, all N bound here with SO_REUSEPORT before anything

@@ -5,9 +5,16 @@ the app serves either: the in-thread EngineLoop (tests, embedding) or engine-cor
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
 cores (engine_core.py), and runs one reader thread that receives every core's per-step message
 and hands each request's outputs to its stream, one event-loop wake-up per step and loop. The
-same thread watches the processes: when a core dies, every request in flight ends with a 500
-error, /health turns 503 ("failed") and `on_fatal` runs (the CLI exits non-zero: restarting a
-core would drop its cache and its requests anyway, and a supervisor restarts servers better).
+same thread watches the processes: when a core dies, its requests in flight end with a 500
+error and the others serve on (/health: "degraded"); when the last one dies (or any, with
+exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
+non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
+restarts servers better). It also watches for silence: a core with requests in flight that
+sends nothing for stall_timeout_s (stopped, hung, or in one step that long) is stalled until
+its next message: no request is routed to it, /health says why (503 if no core is left to
+serve), and after stalled_request_timeout_s its requests end with a 503 error (and are aborted
+in it, should it run again). A core that waits on grammar compiles sends its stats every
+second, so that wait is not silence.
 
 Several API processes (`--api-server-count N`, cli.py): each has its own CoreClient, with its
 index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (telling each the
@@ -18,7 +25,8 @@ and routes with its own PrefixRouter: each router sees only the prompts and in-f
 of its own process (prefix routing still sends a process's repeated prefixes to the core that
 cached them; the cores' running/waiting stats, which every client gets each step, are shared).
 A client that does not own the cores cannot wait on them: it watches their pids (a dead or
-zombie pid is a dead core) and client 0's (the cores' parent): either gone is fatal.
+zombie pid is a dead core, handled as client 0 handles it) and client 0's (the cores' parent):
+that one gone is fatal.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 from types import SimpleNamespace
 
 import msgspec
@@ -22,6 +23,7 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import TokenLogprob
+from flashlet.server import engine_core
 from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreInput, CoreOutput,
                                          EngineCore, StepOutputs, output_rows, pack_token_ids)
 
@@ -290,4 +292,43 @@ def test_an_abort_takes_effect_at_the_next_step_behind_24_queued_prompts(tiny_qw
     finally:
         inbox.close(linger=0)
         api.close(linger=0)
+        ctx.term()
+
+
+class CompilingEngine(RecordingEngine):
+    """A grammar compile that lasts until `release` is set; nothing else to run."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.structured = SimpleNamespace(compile=lambda fmt: self.release.wait(30))
+
+    def has_unfinished(self):
+        return False
+
+    def stats(self):
+        return {"requests": 0.0}
+
+
+def test_a_core_waiting_on_a_grammar_compile_still_reports(monkeypatch):
+    """A long compile is not silence: the API process would call the core stalled."""
+    import zmq
+
+    monkeypatch.setattr(engine_core, "HEARTBEAT_S", 0.0)  # every loop: counted, not timed
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind("inproc://core-compile")
+    outbox = Outbox()
+    try:
+        with _core(CompilingEngine(), [outbox]) as core:
+            core.inbox = inbox
+            constrained = SamplingParams(response_format={"type": "json_object"})
+            _received(core, AddRequests.of([7], [1, 2, 3], [constrained]))
+            assert 7 in core.compiling
+            for _ in range(3):
+                core.run_once()
+            core.engine.release.set()
+            assert len(outbox.sent) == 3 and all(m.outputs == [] for m in outbox.sent)
+    finally:
+        inbox.close(linger=0)
         ctx.term()

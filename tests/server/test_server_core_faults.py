@@ -262,3 +262,26 @@ def test_exit_on_core_failure_makes_any_dead_core_fatal(tiny_qwen2):
         assert "engine core 1 died" in str(client.error) and not client.is_ready
     finally:
         client.stop()
+
+
+def test_the_cli_serves_on_one_of_two_cores_and_exits_1_when_none_is_left(tiny_qwen2):
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
+                      "--data-parallel-size", "2", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        pids = _core_pids(p.log)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_until(lambda: httpx.get(p.url + "/health").json()["status"] == "degraded", 5,
+                   "/health to say degraded", interval=0.1)
+        for i in range(3):
+            r = httpx.post(p.url + "/generate", timeout=60, json={
+                "prompt": [5, 6, i + 2], "max_new_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        assert p.proc.poll() is None
+        os.kill(pids[0], signal.SIGKILL)
+        assert p.proc.wait(60) == 1, p.log
+        assert "engine core 0 died" in p.log
+    finally:
+        p.kill()

@@ -175,7 +175,8 @@ class CoreClient(EngineClient):
                 args=(self.config, i, [self._input_addr(i, k) for k in api_servers],
                       [self._output_addr(k) for k in api_servers], os.getpid(),
                       self.tokenizer_source, self._build_engine,
-                      threading.current_thread() is threading.main_thread()))
+                      threading.current_thread() is threading.main_thread()
+                      and self.config.tensor_parallel_size == 1))  # see exit_with_parent
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))

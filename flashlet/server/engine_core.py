@@ -281,7 +281,8 @@ def exit_with_parent(parent_pid: int, parent_death_signal: bool) -> None:
     """End this process when the API process that started it dies, even by SIGKILL and in the
     middle of a long step: on Linux the kernel sends SIGKILL at once (PR_SET_PDEATHSIG; only
     when the parent started us from its main thread, as the signal follows the thread that
-    forked, not the process); everywhere, a thread checks the parent every PARENT_POLL_S."""
+    forked, not the process, and without worker processes of our own to end first);
+    everywhere, a thread checks the parent every PARENT_POLL_S."""
     if parent_death_signal and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
@@ -296,6 +297,10 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
     log.error("the API server process %d is gone: this engine core exits", parent_pid)
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # tensor parallelism's ranks
+        child.kill()
     os._exit(1)
 
 

@@ -397,6 +397,8 @@ class CoreClient(EngineClient):
 
     def _handle(self, msg) -> None:
         core = self.cores[msg.core]
+        if core.dead is not None:  # sent before it died: its requests have ended here
+            return
         core.last_heard = time.monotonic()
         if core.stalled is not None:
             log.warning("engine core %d steps again (%s)", core.index, core.stalled)

@@ -147,3 +147,10 @@ def test_exit_on_core_failure_makes_the_first_death_fatal(make_client):
     client = make_client(exit_on_core_failure=True)
     client._core_died(client.cores[1], "engine core 1 died (exit code -9)")
     assert len(client.fatal) == 1 and "engine core 1 died" in str(client.error)
+
+
+def test_what_a_dead_core_sent_before_it_died_is_dropped(make_client):
+    client = make_client()
+    client._core_died(client.cores[0], "engine core 0 died (exit code -9)")
+    client._handle(StepOutputs(0, [], {"time": 0.0, "running": 3.0}))
+    assert client.core_stats()[0]["up"] == 0.0 and "running" not in client.core_stats()[0]

@@ -110,13 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit when any engine core dies (default: only when none is left; "
                              "meanwhile /health says 'degraded' and the others serve)")
     server.add_argument("--core-stall-timeout", type=float, default=CORE_STALL_TIMEOUT_S,
-                        help="seconds an engine core with requests in flight may send nothing "
+                        help="seconds an engine core with requests in flight may end no step "
                              "before /health calls it stalled (503 when no other core serves) "
                              "and no request is routed to it (default: %(default)s)")
     server.add_argument("--stalled-request-timeout", type=float,
                         default=STALLED_REQUEST_TIMEOUT_S,
-                        help="seconds after which a stalled core's requests end with a 503 "
-                             "error (default: %(default)s)")
+                        help="seconds after which the requests of a stalled core that also "
+                             "sends no heartbeat (stopped or hung) end with a 503 error "
+                             "(default: %(default)s)")
     server.add_argument("--api-server-count", type=int, default=1,
                         help="API-server processes serving the port side by side (HTTP, "
                              "tokenizing, SSE), all fed by the same engine core(s) "

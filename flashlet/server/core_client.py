@@ -10,11 +10,12 @@ error and the others serve on (/health: "degraded"); when the last one dies (or 
 exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
 non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
 restarts servers better). It also watches for silence: a core with requests in flight that
-sends nothing for stall_timeout_s (stopped, hung, or in one step that long) is stalled until
-its next message: no request is routed to it, /health says why (503 if no core is left to
-serve), and after stalled_request_timeout_s its requests end with a 503 error (and are aborted
-in it, should it run again). A core that waits on grammar compiles sends its stats every
-second, so that wait is not silence.
+ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
+next step message: no request is routed to it and /health says why (503 if no core is left to
+serve). Each core's heartbeat thread says every second that its process runs: a core silent
+in both ways is stopped or hung, and after stalled_request_timeout_s its requests end with a
+503 error (and are aborted in it, should it run again); one in a long step keeps them. A core
+that waits on grammar compiles sends its stats every second, so that wait is not a stall.
 
 Several API processes (`--api-server-count N`, cli.py): each has its own CoreClient, with its
 index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (telling each the
@@ -50,8 +51,8 @@ import zmq
 from flashlet.config import EngineConfig
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import (AbortRequests, AddRequests, CoreOutput, CoreReady,
-                                         Probe, ProbeReply, Shutdown, StepOutputs, build_engine,
-                                         run_engine_core)
+                                         Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs,
+                                         build_engine, run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -59,10 +60,11 @@ from flashlet.server.router import PrefixRouter
 log = logging.getLogger("flashlet.server")
 
 READER_POLL_MS = 100  # how often the reader checks the processes when no message comes
-# A core with requests in flight that sends nothing this long has stalled (stopped, hung, or
-# in a step that long): /health says so and no request is routed to it until it speaks again.
+# A core with requests in flight that ends no step this long has stalled (stopped, hung, or in
+# a step that long): /health says so and no request is routed to it until a step ends.
 CORE_STALL_TIMEOUT_S = 8.0
-# ... and this long: its requests end with a 503 error (their clients can retry elsewhere).
+# ... and this long with no heartbeat either (stopped or hung): its requests end with a 503
+# error (their clients can retry elsewhere).
 STALLED_REQUEST_TIMEOUT_S = 60.0
 
 
@@ -79,6 +81,7 @@ class CoreProcess:
         self.num_in_flight = 0  # requests routed here and not finished
         self.num_routed = 0
         self.last_heard = time.monotonic()  # its latest message, or when it was last given work
+        self.last_alive = self.last_heard  # ... or heartbeat (its process runs)
         self.dead: str | None = None  # why it is gone (it takes no request again)
         self.stalled: str | None = None  # why it looks stuck (cleared by its next message)
 
@@ -138,7 +141,7 @@ class CoreClient(EngineClient):
         self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._output_addr(api_server_index))
-        self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply)
+        self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply | Heartbeat)
         self._encoder = msgspec.msgpack.Encoder()
         self.router: PrefixRouter | None = None
         self.limits: RequestLimits | None = None
@@ -399,7 +402,10 @@ class CoreClient(EngineClient):
         core = self.cores[msg.core]
         if core.dead is not None:  # sent before it died: its requests have ended here
             return
-        core.last_heard = time.monotonic()
+        core.last_alive = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return
+        core.last_heard = core.last_alive
         if core.stalled is not None:
             log.warning("engine core %d steps again (%s)", core.index, core.stalled)
             core.stalled = None
@@ -497,19 +503,23 @@ class CoreClient(EngineClient):
                       core)
 
     def _check_stalls(self) -> None:
-        """A core with work that has sent nothing for stall_timeout_s is stalled (it takes no
-        new request); after stalled_request_timeout_s its requests end with a 503."""
+        """A core with work that has sent no step for stall_timeout_s is stalled (it takes no
+        new request); one whose process is silent too (no heartbeat: stopped or hung), after
+        stalled_request_timeout_s, has its requests end with a 503."""
         now = time.monotonic()
         for core in self.cores:
             silent = now - core.last_heard
             if core.dead is not None or not core.num_in_flight or silent < self.stall_timeout_s:
                 continue
-            if core.stalled is None:
-                core.stalled = (f"engine core {core.index} stalled: nothing from it for "
-                                f"{self.stall_timeout_s:g} s with {core.num_in_flight} "
-                                "requests in flight")
+            frozen = now - core.last_alive >= self.stall_timeout_s
+            why = ("no step and no heartbeat (stopped or hung)" if frozen
+                   else "its process runs, but no step ended")
+            was_stalled, core.stalled = core.stalled, (
+                f"engine core {core.index} stalled: {why} for {silent:.0f} s with "
+                f"{core.num_in_flight} requests in flight")
+            if was_stalled is None:
                 log.error("%s", core.stalled)
-            if silent >= self.stalled_request_timeout_s:
+            if frozen and silent >= self.stalled_request_timeout_s:
                 log.error("ending the %d requests of stalled engine core %d",
                           core.num_in_flight, core.index)
                 self._abort_in_cores(core)  # dropped there if it ever runs again

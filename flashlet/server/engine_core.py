@@ -65,7 +65,9 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 # stats alone at most this often (and when the core goes idle), not every step: an API process
 # with nothing to stream would otherwise wake, decode and spend CPU on every step.
 STATS_EVERY_S = 0.025
-HEARTBEAT_S = 1.0  # a core that waits on grammar compiles still sends its stats this often
+# A core that waits on grammar compiles still sends its stats this often; and its heartbeat
+# thread says it is alive this often.
+HEARTBEAT_S = 1.0
 
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -189,7 +191,14 @@ class ProbeReply(msgspec.Struct, tag=True, array_like=True):
     loop: dict[str, Any] | None = None  # LoopCounters.snapshot(), if asked for
 
 
-CoreMessage = StepOutputs | CoreReady | ProbeReply
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent every HEARTBEAT_S by a thread of the core, whatever its loop does: the process is
+    alive (a long step is not a stopped or hung process: core_client.py)."""
+
+    core: int
+
+
+CoreMessage = StepOutputs | CoreReady | ProbeReply | Heartbeat
 
 
 def api_server_of(request_id: int, api_server_count: int) -> int:
@@ -268,13 +277,44 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
     ready = encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid()))
     for outbox in outboxes:
         outbox.send(ready)
+    stop_beating = threading.Event()
+    beats = threading.Thread(target=_send_heartbeats,
+                             args=(ctx, output_addrs, core, stop_beating),
+                             name="flashlet-heartbeat", daemon=True)
+    beats.start()
     try:
         EngineCore(engine, core, inbox, outboxes, parent_pid).run()
     finally:
+        stop_beating.set()
+        beats.join()
         inbox.close(linger=0)
         for outbox in outboxes:
             outbox.close(linger=2000)
         ctx.term()
+
+
+def _send_heartbeats(ctx, output_addrs: list[str], core: int, stop: threading.Event) -> None:
+    """A Heartbeat to every API process every HEARTBEAT_S until `stop` is set (sockets of its
+    own: a zmq socket belongs to one thread)."""
+    import zmq
+
+    frame = msgspec.msgpack.encode(Heartbeat(core))
+    sockets = [ctx.socket(zmq.PUSH) for _ in output_addrs]
+    for sock, address in zip(sockets, output_addrs):
+        sock.setsockopt(zmq.SNDHWM, 4)  # an API process that reads nothing needs no backlog
+        sock.connect(address)
+    try:
+        while True:
+            for sock in sockets:
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            if stop.wait(HEARTBEAT_S):
+                return
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
 
 
 def exit_with_parent(parent_pid: int, parent_death_signal: bool) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from server_helpers import REPO, ServerProcess, ServerThread, parse_sse, wait_until
 
+import flashlet.server.core_client
 from flashlet import EngineConfig
 from flashlet.server import CoreClient, ServerConfig, create_app
 from flashlet.server.core_client import _pid_alive
@@ -195,6 +196,56 @@ def test_a_stopped_core_turns_health_503_ends_its_requests_and_recovers(tiny_qwe
         r = httpx.post(srv.url + "/generate", timeout=60,
                        json={"prompt": [1, 2], "max_new_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200, r.text
+        _assert_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+LONG_STEP_S = 4.0
+
+
+def run_long_step_engine_core(*args) -> None:
+    """An engine core whose third step takes LONG_STEP_S longer (a CPU step over a long
+    prompt, say): spawned by reference, as server_helpers.run_slow_engine_core."""
+    from flashlet.engine import Engine
+    from flashlet.server.engine_core import run_engine_core
+
+    step, calls = Engine.step, [0]
+
+    def long_third_step(self):
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(LONG_STEP_S)
+        return step(self)
+
+    Engine.step = long_third_step
+    run_engine_core(*args)
+
+
+def test_a_core_in_one_long_step_is_reported_but_its_request_completes(tiny_qwen2,
+                                                                       monkeypatch):
+    """Its heartbeat goes on: /health says 503 with that reason during the step, and the
+    request (past the request bound) is not ended: it finishes when the step does."""
+    monkeypatch.setattr(flashlet.server.core_client, "run_engine_core",
+                        run_long_step_engine_core)
+    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=1.0,
+                        stalled_request_timeout_s=2.0).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = []
+        body = {"prompt": [3, 4, 5], "max_new_tokens": 8, "ignore_eos": True}
+        worker = threading.Thread(target=_stream, args=(srv.url, body, results))
+        worker.start()
+        health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).status_code == 503
+                            and r, 30, "/health to see the long step", interval=0.1)
+        assert "its process runs, but no step ended" in health.json()["reason"], health.json()
+        worker.join(60)
+        events = results[0]
+        assert events[-2]["finish_reason"] == "length", events[-2]
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
         _assert_idle(client)
     finally:
         if srv is not None:

@@ -1,7 +1,8 @@
 """CoreClient's view of its cores, on a clock of its own (no processes, no sleeping): a core
 with requests in flight that sends nothing for the stall bound is stalled (routed around,
 /health's reason), an idle one never is; after the request bound its requests end with a
-503 and are aborted in it; its next message makes it usable again; a dead core's requests
+503 and are aborted in it, unless its heartbeat says it is alive in a long step; its next
+message makes it usable again; a dead core's requests
 fail and the others take the new ones; the last one's death is fatal."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flashlet import EngineConfig, SamplingParams
 from flashlet.request_check import RequestLimits
 from flashlet.server import core_client
 from flashlet.server.core_client import CoreClient, CoreProcess
-from flashlet.server.engine_core import AbortRequests, CoreInput, StepOutputs
+from flashlet.server.engine_core import AbortRequests, CoreInput, Heartbeat, StepOutputs
 from flashlet.server.engine_loop import NotReady, RequestStream, StreamError
 from flashlet.server.router import PrefixRouter
 
@@ -89,8 +90,8 @@ def test_a_silent_busy_core_is_stalled_routed_around_ended_and_recovers(make_cli
         clock.now += 3.1  # core 0: 8.1 s of silence with a request; core 1: 3.1 s
         client._check_stalls()
         assert [c.usable for c in client.cores] == [False, True] and client.is_ready
-        assert client.core_problems() == [
-            "engine core 0 stalled: nothing from it for 8 s with 1 requests in flight"]
+        assert client.core_problems() == ["engine core 0 stalled: no step and no heartbeat "
+                                          "(stopped or hung) for 8 s with 1 requests in flight"]
         assert [c["up"] for c in client.core_stats()] == [0.0, 1.0]
         assert _submit(client, [7, 8, 9]).core == 1  # (1 vs 1 in flight: core 0 otherwise)
         clock.now += 52  # 60.1 s of silence: its request ends, and is aborted in it
@@ -154,3 +155,22 @@ def test_what_a_dead_core_sent_before_it_died_is_dropped(make_client):
     client._core_died(client.cores[0], "engine core 0 died (exit code -9)")
     client._handle(StepOutputs(0, [], {"time": 0.0, "running": 3.0}))
     assert client.core_stats()[0]["up"] == 0.0 and "running" not in client.core_stats()[0]
+
+
+def test_a_core_alive_in_one_long_step_is_stalled_but_keeps_its_requests(make_client, clock):
+    """Its heartbeat comes (a CPU step over a long prompt): /health says so, but the request
+    is not ended; it ends when the step does."""
+    async def main():
+        client = make_client(1)
+        a = _submit(client, [1, 2, 3])
+        for _ in range(70):
+            clock.now += 1
+            client._handle(Heartbeat(0))
+            client._check_stalls()
+        assert client.core_problems() == ["engine core 0 stalled: its process runs, but no "
+                                          "step ended for 70 s with 1 requests in flight"]
+        assert client.num_streams == 1 and not a.items and client.cores[0].inbox.sent[1:] == []
+        _heard_from(client, 0)
+        assert client.core_problems() == []
+
+    asyncio.run(main())

@@ -42,7 +42,8 @@ class EngineCollector:
                 family.add_metric([str(core)], float(s.get(key, 0)))
             yield family
         yield GaugeMetricFamily("flashlet_engine_ready", "1 once every engine core is loaded, "
-                                "while one takes requests", value=1.0 if self.loop.is_ready else 0.0)
+                                "while one takes requests",
+                                value=1.0 if self.loop.is_ready else 0.0)
         up = GaugeMetricFamily("flashlet_engine_core_up", "1 while the core takes requests, 0 "
                                "once it died or while it is stalled", labels=["core"])
         for core, s in enumerate(per_core):

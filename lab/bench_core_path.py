@@ -142,10 +142,10 @@ def time_requests(h: Harness, prompts: list[list[int]]) -> tuple[float, float]:
     t1 = time.thread_time()
     time.sleep(0.05)  # zmq's io thread delivers them all
     t2 = time.thread_time()
-    while True:  # a step's token budget a receive: until nothing more comes
-        before = len(h.core.unfinished) + len(h.core.errors)
+    while True:  # read them all, add a step's token budget at a time: until none is left
         h.core._receive(wait=False)
-        if len(h.core.unfinished) + len(h.core.errors) == before:
+        h.core._add_queued()
+        if not h.core.queued_adds:
             break
     t3 = time.thread_time()
     added = sum(s.request_id in h.core.unfinished for s in streams)

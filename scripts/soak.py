@@ -5,11 +5,15 @@ KV page still held by a request once the server is idle, the server's RSS flat.
     python scripts/soak.py --duration 120                       # starts its own server
     python scripts/soak.py --duration 60 -- --config tiny.json  # server flags after --
     python scripts/soak.py --url http://127.0.0.1:8000 --pid 1234   # a running server
+    python scripts/soak.py --kill-core-at 20 -- --data-parallel-size 2   # a core dies at 20 s
 
 Loopback only: it refuses any other host. Without --url it starts `python -m flashlet.server`
 on 127.0.0.1 with a small KV pool (so that requests get preempted), and stops it at the end.
 Prompts are token ids (any model, with or without a tokenizer). Exit code 0 when every check
-passes; the summary is one JSON object on stdout.
+passes; the summary is one JSON object on stdout. With --kill-core-at S (its own server, data
+parallel), one engine core is killed S seconds into the load: the requests it held may fail
+with "engine core N died" (counted apart, as explained), every other request must still
+succeed, and /health must say "degraded" at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -55,8 +60,15 @@ def parse_args(argv=None):
     p.add_argument("--rss-slack-mib", type=float, default=96.0,
                    help="RSS growth allowed between the end of warm-up and the end")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-core-at", type=float, default=None, metavar="S",
+                   help="kill one engine core S seconds into the load (needs its own server "
+                        "with --data-parallel-size >= 2 and one API process)")
     args = p.parse_args(argv)
     args.server_args = server_args or DEFAULT_SERVER_ARGS
+    if args.kill_core_at is not None and (args.url or "--data-parallel-size" not in server_args
+                                          or "--api-server-count" in server_args):
+        p.error("--kill-core-at needs its own server (no --url), --data-parallel-size >= 2 and "
+                "one API process")
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url must be on loopback ({', '.join(sorted(LOOPBACK))})")
     return args
@@ -103,6 +115,16 @@ def rss_mib(pid: int | None) -> float | None:
     return total
 
 
+def kill_an_engine_core(server_pid: int) -> int:
+    """SIGKILL the server's last spawned child (an engine core: with one API process, the
+    multiprocessing spawns are the cores); its pid."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    cores = [int(pid) for pid in children
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(max(cores), signal.SIGKILL)
+    return max(cores)
+
+
 def metrics(url: str) -> dict[str, float]:
     """Unlabelled samples by name, engine figures summed over the engine cores (label `core`),
     plus `http_5xx`: the 5xx responses the server counted."""
@@ -132,6 +154,20 @@ class Tally:
     def saw(self, status: int | str) -> None:
         self.status[str(status)] = self.status.get(str(status), 0) + 1
 
+    def saw_response(self, r: httpx.Response) -> None:
+        """Its status; a 5xx from an engine core killed on purpose counts as `core_died`."""
+        self.saw("core_died" if r.status_code >= 500 and CORE_DIED.search(r.text)
+                 else r.status_code)
+
+    def saw_error_event(self, line: str) -> None:
+        if CORE_DIED.search(line):
+            self.saw("core_died_in_stream")
+        else:
+            self.errors.append(f"error event: {line[:200]}")
+
+
+CORE_DIED = re.compile(r"engine core \d+ died")
+
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, args,
                       tally: Tally) -> None:
@@ -143,7 +179,7 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
             "temperature": rng.choice([0.0, 0.0, 0.8]), "seed": rng.randrange(1000)}
     if action == "generate":
         r = await client.post(url + "/generate", json=body)
-        tally.saw(r.status_code)
+        tally.saw_response(r)
         if r.status_code == 200 and len(r.json()["token_ids"]) > new:
             tally.errors.append(f"more tokens than asked: {r.text[:200]}")
     elif action in ("stream", "stream_abort"):
@@ -157,7 +193,7 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
                     if "[DONE]" in line or (stop_after is not None and events >= stop_after):
                         break  # leaving the block drops the connection: an abort
                     if '"error"' in line:
-                        tally.errors.append(f"error event: {line[:200]}")
+                        tally.saw_error_event(line)
     elif action == "completion_stream_abort":
         oai = {"model": args.model_name, "prompt": prompt, "max_tokens": new, "stream": True}
         async with client.stream("POST", url + "/v1/completions", json=oai) as r:
@@ -170,14 +206,14 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
             r = await client.post(url + "/generate", json={**body, "max_new_tokens": args.max_new,
                                                            "ignore_eos": True},
                                   timeout=rng.uniform(0.05, 0.5))
-            tally.saw(r.status_code)
+            tally.saw_response(r)
         except httpx.TimeoutException:
             tally.saw("client_timeout")
     else:
         r = await client.post(url + "/v1/completions", json={
             "model": args.model_name if rng.random() < 0.9 else "no-such-model",  # 404s too
             "prompt": prompt, "max_tokens": new})
-        tally.saw(r.status_code)
+        tally.saw_response(r)
 
 
 async def client_loop(url: str, deadline: float, args, tally: Tally, seed: int) -> None:
@@ -230,14 +266,24 @@ def soak(args) -> dict:
         wait_idle(url)
         rss_warm = rss_mib(pid)
         t0 = time.monotonic()
+        killer = None
+        if args.kill_core_at is not None:
+            killer = threading.Timer(args.kill_core_at, kill_an_engine_core, (pid,))
+            killer.start()
         asyncio.run(load(url, args.duration - warm_s, args, tally, args.seed + 1))
+        if killer is not None:
+            killer.join()
         m = wait_idle(url)
         rss_end = rss_mib(pid)
         leaked = m.get("flashlet_kv_pages_used", -1) - m.get("flashlet_kv_pages_cached", 0)
         five_xx = sum(n for s, n in tally.status.items() if s.startswith("5"))
+        # A killed core's 500s, and those of requests whose clients left before the answer.
+        explained = tally.status.get("core_died", 0) + tally.status.get("client_timeout", 0)
+        server_5xx = m["http_5xx"] - five_xx_before
         checks = {
             "no 5xx seen by clients": five_xx == 0,
-            "no 5xx counted by the server": m["http_5xx"] == five_xx_before,
+            "no 5xx counted by the server": server_5xx == 0 if args.kill_core_at is None
+            else server_5xx <= explained,
             "no client errors": not tally.errors,
             "idle at the end": m.get("flashlet_requests_running") == 0
             and m.get("flashlet_requests_waiting") == 0,
@@ -245,6 +291,9 @@ def soak(args) -> dict:
             "RSS flat": rss_warm is None or rss_end - rss_warm <= max(args.rss_slack_mib,
                                                                       0.1 * rss_warm),
         }
+        if args.kill_core_at is not None:
+            checks["degraded, not down, after the kill"] = httpx.get(
+                url + "/health", timeout=30).json().get("status") == "degraded"
         return {"ok": all(checks.values()), "checks": checks, "requests": tally.requests,
                 "status": tally.status, "actions": tally.actions, "errors": tally.errors[:10],
                 "preemptions": m.get("flashlet_preemptions_total", 0.0),

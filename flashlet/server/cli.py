@@ -8,9 +8,10 @@ cannot be bound exit code 1, and no engine core is started. Uvicorn then starts 
 cores load the model meanwhile (GET /health answers 503 until every core is ready).
 SIGINT/SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout
 seconds, abort the rest, stop the cores, exit 0; during the model load, end the loading cores
-and exit 0 at once. A model that fails to load: exit code 1. If a core dies, the requests in
-flight end with a 500 error, /health answers 503 ("failed") and the server exits with status 1
-(a supervisor restarts it).
+and exit 0 at once. A model that fails to load: exit code 1. If a core dies, its requests in
+flight end with a 500 error; while other cores live the server serves on ("degraded"); when the
+last one dies (or any, with --exit-on-core-failure), /health answers 503 ("failed") and the
+server exits with status 1 (a supervisor restarts it). A stalled core: core_client.py.
 
 --api-server-count N (vLLM's flag; default from the CPUs this process may use: one below 8,
 else a quarter of them, at most 4, as default_api_server_count says why): N API-server
@@ -56,7 +57,8 @@ import uvicorn
 
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
 from flashlet.server.app import ServerConfig, create_app
-from flashlet.server.core_client import CoreClient
+from flashlet.server.core_client import (CORE_STALL_TIMEOUT_S, STALLED_REQUEST_TIMEOUT_S,
+                                         CoreClient)
 from flashlet.server.diagnostics import ApiCounters, shared_rows
 from flashlet.server.limits import HttpLimits, uvicorn_options
 from flashlet.server.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -116,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engine-core processes behind this server (one per GPU on CUDA); "
                              "each request goes to the core where it would finish first (the "
                              "core's queue against the prefix it caches) (default: %(default)s)")
+    server.add_argument("--exit-on-core-failure", action="store_true",
+                        help="exit when any engine core dies (default: only when none is left; "
+                             "meanwhile /health says 'degraded' and the others serve)")
+    server.add_argument("--core-stall-timeout", type=float, default=CORE_STALL_TIMEOUT_S,
+                        help="seconds an engine core with requests in flight may end no step "
+                             "before /health calls it stalled (503 when no other core serves) "
+                             "and no request is routed to it (default: %(default)s)")
+    server.add_argument("--stalled-request-timeout", type=float,
+                        default=STALLED_REQUEST_TIMEOUT_S,
+                        help="seconds after which the requests of a stalled core that also "
+                             "sends no heartbeat (stopped or hung) end with a 503 error "
+                             "(default: %(default)s)")
     server.add_argument("--api-server-count", type=int, default=None,
                         help="API-server processes serving the port side by side (HTTP, "
                              "tokenizing, SSE), all fed by the same engine core(s) (default: "
@@ -334,6 +348,9 @@ def _check_server_args(args) -> HttpLimits:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
+    if not 0 < args.core_stall_timeout <= args.stalled_request_timeout:
+        raise ValueError("need 0 < --core-stall-timeout <= --stalled-request-timeout, got "
+                         f"{args.core_stall_timeout} and {args.stalled_request_timeout}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.api_server_count > 1 and args.tensor_parallel_size > 1:
@@ -488,6 +505,13 @@ def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event
         time.sleep(0.5)
 
 
+def core_fault_options(args) -> dict:
+    """CoreClient's handling of dead and stalled cores, from the flags."""
+    return {"exit_on_core_failure": args.exit_on_core_failure,
+            "stall_timeout_s": args.core_stall_timeout,
+            "stalled_request_timeout_s": args.stalled_request_timeout}
+
+
 def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],
                    owner_pid: int, flags, rows) -> None:
     """API-server process `index` (> 0): serve `sock` until SIGTERM or a failure.
@@ -508,7 +532,8 @@ def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pid
     client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer,
                         on_fatal=lambda error: threading.Timer(FATAL_EXIT_DELAY_S, stop).start(),
                         api_server_index=index, api_server_count=args.api_server_count,
-                        ipc_dir=ipc_dir, core_pids=core_pids, owner_pid=owner_pid)
+                        ipc_dir=ipc_dir, core_pids=core_pids, owner_pid=owner_pid,
+                        **core_fault_options(args))
     app, uv_config = make_app(args, client, name, limits, read_chat_template(args.chat_template),
                               sock.getsockname()[1], index, flags, rows)
     uv = UvicornServer(uv_config, app, args.shutdown_timeout, warm_before_listening=True)
@@ -589,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading model %s (backend %s) in %d engine core(s)...",
              engine_config.model or name, engine_config.backend, args.data_parallel_size)
     client = CoreClient(engine_config, args.data_parallel_size, args.tokenizer, on_fatal,
-                        api_server_count=args.api_server_count)
+                        api_server_count=args.api_server_count, **core_fault_options(args))
 
     def announce() -> None:
         report = app.state.server.warm_up_report

@@ -5,9 +5,17 @@ the app serves either: the in-thread EngineLoop (tests, embedding) or engine-cor
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
 cores (engine_core.py), and runs one reader thread that receives every core's per-step message
 and hands each request's outputs to its stream, one event-loop wake-up per step and loop. The
-same thread watches the processes: when a core dies, every request in flight ends with a 500
-error, /health turns 503 ("failed") and `on_fatal` runs (the CLI exits non-zero: restarting a
-core would drop its cache and its requests anyway, and a supervisor restarts servers better).
+same thread watches the processes: when a core dies, its requests in flight end with a 500
+error and the others serve on (/health: "degraded"); when the last one dies (or any, with
+exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
+non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
+restarts servers better). It also watches for silence: a core with requests in flight that
+ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
+next step message: no request is routed to it and /health says why (503 if no core is left to
+serve). Each core's heartbeat thread says every second that its process runs: a core silent
+in both ways is stopped or hung, and after stalled_request_timeout_s its requests end with a
+503 error (and are aborted in it, should it run again); one in a long step keeps them. A core
+that waits on grammar compiles sends its stats every second, so that wait is not a stall.
 
 Several API processes (`--api-server-count N`, cli.py): each has its own CoreClient, with its
 index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (telling each the
@@ -18,7 +26,8 @@ and routes with its own PrefixRouter: each router sees only the prompts, in-flig
 pending prompt tokens of its own process (prefix routing still sends a process's repeated prefixes to the core that
 cached them; the cores' running/waiting stats, which every client gets each step, are shared).
 A client that does not own the cores cannot wait on them: it watches their pids (a dead or
-zombie pid is a dead core) and client 0's (the cores' parent): either gone is fatal.
+zombie pid is a dead core, handled as client 0 handles it) and client 0's (the cores' parent):
+that one gone is fatal.
 """
 
 from __future__ import annotations
@@ -43,8 +52,8 @@ from flashlet.config import EngineConfig
 from flashlet.request import FinishReason
 from flashlet.request_check import RequestLimits
 from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
-from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady, Probe,
-                                      ProbeReply, Shutdown, StepOutputs)
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
+                                      Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.router import PrefixRouter
@@ -52,6 +61,12 @@ from flashlet.server.router import PrefixRouter
 log = logging.getLogger("flashlet.server")
 
 READER_POLL_MS = 100  # how often the reader checks the processes when no message comes
+# A core with requests in flight that ends no step this long has stalled (stopped, hung, or in
+# a step that long): /health says so and no request is routed to it until a step ends.
+CORE_STALL_TIMEOUT_S = 8.0
+# ... and this long with no heartbeat either (stopped or hung): its requests end with a 503
+# error (their clients can retry elsewhere).
+STALLED_REQUEST_TIMEOUT_S = 60.0
 
 
 class CoreProcess:
@@ -67,6 +82,15 @@ class CoreProcess:
         self.num_in_flight = 0  # requests routed here and not finished
         self.pending_prefill = 0  # prompt tokens routed here that have no output yet (router)
         self.num_routed = 0
+        self.last_heard = time.monotonic()  # its latest message, or when it was last given work
+        self.last_alive = self.last_heard  # ... or heartbeat (its process runs)
+        self.dead: str | None = None  # why it is gone (it takes no request again)
+        self.stalled: str | None = None  # why it looks stuck (cleared by its next message)
+
+    @property
+    def usable(self) -> bool:
+        """New requests may be routed here."""
+        return self.dead is None and self.stalled is None
 
 
 class CoreClient(EngineClient):
@@ -75,9 +99,14 @@ class CoreClient(EngineClient):
                  on_fatal: Callable[[BaseException], None] | None = None,
                  build_engine: Callable = build_engine, api_server_index: int = 0,
                  api_server_count: int = 1, ipc_dir: str | None = None,
-                 core_pids: list[int] | None = None, owner_pid: int | None = None):
+                 core_pids: list[int] | None = None, owner_pid: int | None = None,
+                 exit_on_core_failure: bool = False,
+                 stall_timeout_s: float = CORE_STALL_TIMEOUT_S,
+                 stalled_request_timeout_s: float = STALLED_REQUEST_TIMEOUT_S):
         """api_server_index > 0: attach to the cores that client 0 started (its ipc_dir, the
-        cores' pids and its own pid, owner_pid) instead of starting them."""
+        cores' pids and its own pid, owner_pid) instead of starting them.
+        exit_on_core_failure: a dead core is fatal even while others live (by default only
+        the last one is)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         if api_server_count < 1 or not 0 <= api_server_index < api_server_count:
@@ -86,8 +115,16 @@ class CoreClient(EngineClient):
                                      or len(core_pids) != data_parallel_size):
             raise ValueError("an API server other than the first needs the cores' ipc folder, "
                              "their pids and the first API server's pid")
+        if not 0 < stall_timeout_s <= stalled_request_timeout_s:
+            raise ValueError("need 0 < stall_timeout_s <= stalled_request_timeout_s, got "
+                             f"{stall_timeout_s} and {stalled_request_timeout_s}")
         self.config = config
         self.num_cores = data_parallel_size
+        self.exit_on_core_failure = exit_on_core_failure
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled_request_timeout_s = stalled_request_timeout_s
+        # Routers over each subset of usable cores met so far (all of them: self.router).
+        self._routers: dict[tuple[int, ...], PrefixRouter] = {}
         self.api_server_index, self.api_server_count = api_server_index, api_server_count
         self.owns_cores = api_server_index == 0
         self._core_pids, self._owner_pid = core_pids, owner_pid
@@ -108,7 +145,7 @@ class CoreClient(EngineClient):
         self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._output_addr(api_server_index))
-        self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply)
+        self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply | Heartbeat)
         self._encoder = msgspec.msgpack.Encoder()
         self.router: PrefixRouter | None = None
         self.limits: RequestLimits | None = None
@@ -144,7 +181,9 @@ class CoreClient(EngineClient):
                 daemon=self.config.tensor_parallel_size == 1,
                 args=(self.config, i, [self._input_addr(i, k) for k in api_servers],
                       [self._output_addr(k) for k in api_servers], os.getpid(),
-                      self.tokenizer_source, self._build_engine))
+                      self.tokenizer_source, self._build_engine,
+                      threading.current_thread() is threading.main_thread()
+                      and self.config.tensor_parallel_size == 1))  # see exit_with_parent
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))
@@ -204,7 +243,12 @@ class CoreClient(EngineClient):
 
     @property
     def is_ready(self) -> bool:
-        return self.ready.is_set() and self.error is None and not self._stopping
+        return (self.ready.is_set() and self.error is None and not self._stopping
+                and any(core.usable for core in self.cores))
+
+    def core_problems(self) -> list[str]:
+        """Why each core that cannot take requests cannot (dead or stalled)."""
+        return [core.dead or core.stalled for core in self.cores if not core.usable]
 
     # ---- requests (any thread) ------------------------------------------------------------
     def submit_group(self, streams: list[RequestStream], max_waiting: int | None = None) -> None:
@@ -212,10 +256,9 @@ class CoreClient(EngineClient):
         runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
             self._admit(max_waiting)
-            index, prefill = self.router.route_request(
-                streams[0].prompt_token_ids, [c.num_in_flight for c in self.cores],
-                [c.pending_prefill for c in self.cores])
-            core = self.cores[index]
+            core, prefill = self._route(streams[0].prompt_token_ids)
+            if core.num_in_flight == 0:  # its silence counts from now (see _check_stalls)
+                core.last_heard = time.monotonic()
             ids = [next(self._ids) for _ in streams]
             # Encoded and sent before anything is counted: a request that cannot be sent
             # (ValueError) or a core that cannot take it (NotReady) leaves no trace here.
@@ -242,6 +285,27 @@ class CoreClient(EngineClient):
         except (OverflowError, RecursionError, TypeError, ValueError) as e:
             raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
 
+    def _admit(self, max_waiting: int | None) -> None:
+        if self.ready.is_set() and not self.is_ready and self.error is None and not self._stopping:
+            raise NotReady("; ".join(self.core_problems()))
+        super()._admit(max_waiting)
+
+    def _route(self, prompt_token_ids: list[int]) -> tuple[CoreProcess, int]:
+        """The core for a prompt, among those that can take it, and the prompt tokens it must
+        compute there (under the lock)."""
+        usable = [core for core in self.cores if core.usable]
+        if len(usable) == len(self.cores):
+            router = self.router
+        else:  # a dead or stalled core: route over the others (their prefix hints start anew)
+            key = tuple(core.index for core in usable)
+            router = self._routers.get(key)
+            if router is None:
+                router = self._routers[key] = PrefixRouter(len(usable), self.limits.page_size)
+        index, prefill = router.route_request(prompt_token_ids,
+                                              [c.num_in_flight for c in usable],
+                                              [c.pending_prefill for c in usable])
+        return usable[index], prefill
+
     def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
         with self._lock:
@@ -266,12 +330,14 @@ class CoreClient(EngineClient):
         # Their outputs are dropped by the cores: end the streams here.
         self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT))
 
-    def _abort_in_cores(self) -> None:
-        """Tell the cores to drop every request of this process (their streams stay open)."""
+    def _abort_in_cores(self, core: CoreProcess | None = None) -> None:
+        """Tell the cores (or one) to drop every request of this process there (their streams
+        stay open)."""
         with self._lock:
             by_core = defaultdict(list)
             for rid, stream in self._streams.items():
-                by_core[stream.core].append(rid)
+                if core is None or stream.core == core.index:
+                    by_core[stream.core].append(rid)
             for index, rids in by_core.items():
                 self._send_locked(self.cores[index], AbortRequests(rids))
 
@@ -285,6 +351,10 @@ class CoreClient(EngineClient):
         futures = []
         for core in self.cores:
             fut = concurrent.futures.Future()
+            if core.dead is not None:  # it would never answer
+                fut.set_result({"dead": 1.0})
+                futures.append(fut)
+                continue
             with self._lock:
                 self._probes[core.index].append(fut)
                 self._send_locked(core, Probe(self.api_server_index, loop))
@@ -336,7 +406,8 @@ class CoreClient(EngineClient):
 
     def core_stats(self) -> list[dict]:
         return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight,
-                 "pending_prefill": c.pending_prefill} for c in self.cores]
+                 "pending_prefill": c.pending_prefill, "up": float(c.usable)}
+                for c in self.cores]
 
     def _send(self, core: CoreProcess, msg) -> None:
         with self._lock:
@@ -380,9 +451,20 @@ class CoreClient(EngineClient):
             if (not self._stopping and self.error is None
                     and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
+                self._check_stalls()
                 next_check = time.monotonic() + READER_POLL_MS / 1000
 
     def _handle(self, msg) -> None:
+        core = self.cores[msg.core]
+        if core.dead is not None:  # sent before it died: its requests have ended here
+            return
+        core.last_alive = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return
+        core.last_heard = core.last_alive
+        if core.stalled is not None:
+            log.warning("engine core %d steps again (%s)", core.index, core.stalled)
+            core.stalled = None
         if isinstance(msg, StepOutputs):
             self._deliver(msg)
         elif isinstance(msg, CoreReady):
@@ -455,20 +537,53 @@ class CoreClient(EngineClient):
             return
         for core in self.cores:
             code = core.process.exitcode
-            if code is not None:
-                self._fatal(RuntimeError(f"engine core {core.index} died (exit code {code})"))
-                return
+            if code is not None and core.dead is None:
+                self._core_died(core, f"engine core {core.index} died (exit code {code})")
 
     def _check_pids(self) -> None:
         """The cores are client 0's children: a dead one stays a zombie until client 0 reaps
         it, so a pid that is gone or a zombie is a dead core."""
-        for core in self.cores:
-            if not _pid_alive(core.pid):
-                self._fatal(RuntimeError(f"engine core {core.index} died"))
-                return
         if not _pid_alive(self._owner_pid):
             self._fatal(RuntimeError("the first API server process exited"))
+            return
+        for core in self.cores:
+            if core.dead is None and not _pid_alive(core.pid):
+                self._core_died(core, f"engine core {core.index} died")
 
+    def _core_died(self, core: CoreProcess, reason: str) -> None:
+        """Fatal when it was the last core (or exit_on_core_failure); else its requests fail
+        and the others serve on."""
+        core.dead, core.stalled, core.stats = reason, None, {}
+        if self.exit_on_core_failure or all(c.dead is not None for c in self.cores):
+            self._fatal(RuntimeError(reason))
+            return
+        log.error("%s; its requests fail, the other engine cores serve on", reason)
+        self._end_all(lambda rid: StreamError(f"{reason}; the request was lost with it", 500),
+                      core)
+
+    def _check_stalls(self) -> None:
+        """A core with work that has sent no step for stall_timeout_s is stalled (it takes no
+        new request); one whose process is silent too (no heartbeat: stopped or hung), after
+        stalled_request_timeout_s, has its requests end with a 503."""
+        now = time.monotonic()
+        for core in self.cores:
+            silent = now - core.last_heard
+            if core.dead is not None or not core.num_in_flight or silent < self.stall_timeout_s:
+                continue
+            frozen = now - core.last_alive >= self.stall_timeout_s
+            why = ("no step and no heartbeat (stopped or hung)" if frozen
+                   else "its process runs, but no step ended")
+            was_stalled, core.stalled = core.stalled, (
+                f"engine core {core.index} stalled: {why} for {silent:.0f} s with "
+                f"{core.num_in_flight} requests in flight")
+            if was_stalled is None:
+                log.error("%s", core.stalled)
+            if frozen and silent >= self.stalled_request_timeout_s:
+                log.error("ending the %d requests of stalled engine core %d",
+                          core.num_in_flight, core.index)
+                self._abort_in_cores(core)  # dropped there if it ever runs again
+                message = f"{core.stalled}; the request was ended after {silent:.0f} s"
+                self._end_all(lambda rid: StreamError(message, 503), core)
 
     def _fatal(self, error: BaseException) -> None:
         log.error("%s", error)
@@ -480,12 +595,18 @@ class CoreClient(EngineClient):
     def _fail_all(self, message: str, status: int) -> None:
         self._end_all(lambda rid: StreamError(message, status))
 
-    def _end_all(self, make_item: Callable) -> None:
-        """End every request in flight with make_item(request id) as its last item."""
+    def _end_all(self, make_item: Callable, core: CoreProcess | None = None) -> None:
+        """End every request in flight (or every one on `core`) with make_item(request id) as
+        its last item."""
         with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-            for core in self.cores:
-                core.num_in_flight = core.pending_prefill = 0
+            if core is None:
+                streams, self._streams = list(self._streams.values()), {}
+            else:
+                streams = [s for s in self._streams.values() if s.core == core.index]
+                for stream in streams:
+                    del self._streams[stream.request_id]
+            for c in self.cores if core is None else [core]:
+                c.num_in_flight = c.pending_prefill = 0
         by_loop = defaultdict(list)
         for stream in streams:
             by_loop[stream.aloop].append((stream, make_item(stream.request_id)))

@@ -17,21 +17,28 @@ Several API processes (`--api-server-count N`): API process k numbers its reques
 k + 2N... so ids are unique across processes and the core sends a request's outputs to API
 process `request_id % N` (`api_server_of`) without keeping a map. A probe names its sender.
 
-The loop: when the engine has work, take what arrived (without waiting; a burst of requests a
-step's token budget at a time), step, send the step's outputs; when idle, block on the socket
+The loop: when the engine has work, read everything that arrived (without waiting: aborts act
+at once, even behind a burst of queued prompts), add a step's token budget of the requests,
+step, send the step's outputs; when idle, block on the socket
 (waking every second to check that the first API process, its parent, is still alive: an
-orphaned core exits). The loop counts where its time goes (diagnostics.LoopCounters: a few
+orphaned core exits; busy or not, exit_with_parent ends a core whose parent died, at once on
+Linux, even by kill -9). The loop counts where its time goes (diagnostics.LoopCounters: a few
 clock reads per step), sent only in the reply to a Probe that asks for them (GET
 /debug/stats), never with the steps.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import ctypes
 import gc
+import itertools
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from operator import attrgetter
 from typing import Callable
@@ -43,12 +50,14 @@ from flashlet.sampling import SamplingParams
 from flashlet.server.diagnostics import LoopCounters
 from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, CoreInput,
                                       CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
-                                      StepOutputs, api_server_of, output_rows)
+                                      StepOutputs, Heartbeat, api_server_of, output_rows)
 from flashlet.server.warmup import SERVER_GC_THRESHOLDS
 
 log = logging.getLogger("flashlet.server")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+PARENT_POLL_S = 0.5  # how often any core checks it (exit_with_parent), busy or not
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # A step longer than both is logged with what it ran (_log_slow_step): rare on a GPU, and
 # never every step of a slow device.
 SLOW_STEP_S = 0.03
@@ -58,6 +67,11 @@ COMPILE_POLL_MS = 2  # how long an idle core waits for a message while a grammar
 # stats alone at most this often (and when the core goes idle), not every step: an API process
 # with nothing to stream would otherwise wake, decode and spend CPU on every step.
 STATS_EVERY_S = 0.025
+# A core that waits on grammar compiles still sends its stats this often; and its heartbeat
+# thread says it is alive this often.
+HEARTBEAT_S = 1.0
+# Queued requests looked at for one prompt of each client request before the rest in order.
+QUEUE_SCAN_DEPTH = 256
 
 
 _new_token_ids = attrgetter("new_token_ids")
@@ -93,11 +107,14 @@ def build_engine(config, tokenizer: str | None = None):
 
 def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: list[str],
                     parent_pid: int, tokenizer: str | None = None,
-                    build: Callable = build_engine) -> None:
+                    build: Callable = build_engine, parent_death_signal: bool = True) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
     input_addrs / output_addrs: one of each per API process, in API-process order.
-    (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.)"""
+    (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.
+    parent_death_signal: see exit_with_parent.)"""
     import zmq
+
+    exit_with_parent(parent_pid, parent_death_signal)
 
     # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every
     # process of the server: the API process decides when cores stop (it kills a core that
@@ -131,13 +148,71 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
     ready = encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid()))
     for outbox in outboxes:
         outbox.send(ready)
+    stop_beating = threading.Event()
+    beats = threading.Thread(target=_send_heartbeats,
+                             args=(ctx, output_addrs, core, stop_beating),
+                             name="flashlet-heartbeat", daemon=True)
+    beats.start()
     try:
         EngineCore(engine, core, inbox, outboxes, parent_pid).run()
     finally:
+        stop_beating.set()
+        beats.join()
         inbox.close(linger=0)
         for outbox in outboxes:
             outbox.close(linger=2000)
         ctx.term()
+
+
+def _send_heartbeats(ctx, output_addrs: list[str], core: int, stop: threading.Event) -> None:
+    """A Heartbeat to every API process every HEARTBEAT_S until `stop` is set (sockets of its
+    own: a zmq socket belongs to one thread)."""
+    import zmq
+
+    frame = msgspec.msgpack.encode(Heartbeat(core))
+    sockets = [ctx.socket(zmq.PUSH) for _ in output_addrs]
+    for sock, address in zip(sockets, output_addrs):
+        sock.setsockopt(zmq.SNDHWM, 4)  # an API process that reads nothing needs no backlog
+        sock.connect(address)
+    try:
+        while True:
+            for sock in sockets:
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            if stop.wait(HEARTBEAT_S):
+                return
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+
+
+def exit_with_parent(parent_pid: int, parent_death_signal: bool) -> None:
+    """End this process when the API process that started it dies, even by SIGKILL and in the
+    middle of a long step: on Linux the kernel sends SIGKILL at once (PR_SET_PDEATHSIG; only
+    when the parent started us from its main thread, as the signal follows the thread that
+    forked, not the process, and without worker processes of our own to end first);
+    everywhere, a thread checks the parent every PARENT_POLL_S."""
+    if parent_death_signal and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="flashlet-parent-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit the process (os._exit: the main thread may be inside a step) once the parent is
+    gone; a dead parent's children are handed to another process, so getppid() changes."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    log.error("the API server process %d is gone: this engine core exits", parent_pid)
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # tensor parallelism's ranks
+        child.kill()
+    os._exit(1)
 
 
 class EngineCore:
@@ -153,6 +228,7 @@ class EngineCore:
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
         self.stopping = False
         self.next_stats_to_all = 0.0  # several API processes: see STATS_EVERY_S
+        self.last_sent = 0.0  # time.monotonic() of the latest step message
         # Constrained requests whose grammar compiles on a worker thread (off the step loop;
         # the thread waits on a compile process with a time limit, structured.py; compiled
         # grammars are cached), in arrival order: request id -> (future, prompt, params, the
@@ -161,6 +237,9 @@ class EngineCore:
                                         int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
         self.counters = LoopCounters()
+        # Requests received and not added yet, oldest first (_receive reads the whole inbox).
+        self.queued_adds: collections.deque[AddRequests] = collections.deque()
+        self.queued_ids: set[int] = set()
         # A burst of requests (a closed loop's clients come back together) is added a step's
         # worth at a time: a step starts no more prompt tokens than its budget, and the rest,
         # left queued, are added while the step just launched runs on the device, not before
@@ -168,27 +247,37 @@ class EngineCore:
         self.tokens_per_receive = engine.config.max_num_batched_tokens
 
     def run(self) -> None:
-        engine = self.engine
         while not self.stopping:
-            busy = engine.has_unfinished()
-            self._receive(wait=not busy, timeout_ms=COMPILE_POLL_MS if self.compiling else None)
-            if self.stopping:
-                break
-            self._add_compiled()
-            if engine.has_unfinished():
-                outputs = self._step()
-                t = time.perf_counter()
-                self._send(outputs)
-                self.counters.add_time("send", time.perf_counter() - t)
-            elif self.errors or (busy and not self.compiling):
-                # Went idle: say so (the stats show no page held).
-                self._send([])
+            self.run_once()
         if self.engine.structured is not None:
             self.engine.structured.close()  # a compile under way ends now: nothing to wait for
         self.compiler.shutdown(wait=False, cancel_futures=True)
         self.counters.gc.close()
 
+    def run_once(self) -> None:
+        """Receive, add a step's worth of what arrived, step, send (or wait, when idle)."""
+        engine = self.engine
+        busy = engine.has_unfinished()
+        self._receive(wait=not busy and not self.queued_adds,
+                      timeout_ms=COMPILE_POLL_MS if self.compiling else None)
+        if self.stopping:
+            return
+        self._add_queued()
+        self._add_compiled()
+        if engine.has_unfinished():
+            outputs = self._step()
+            t = time.perf_counter()
+            self._send(outputs)
+            self.counters.add_time("send", time.perf_counter() - t)
+        elif self.errors or (busy and not self.compiling):
+            # Went idle: say so (the stats show no page held).
+            self._send([])
+        elif self.compiling and time.monotonic() - self.last_sent > HEARTBEAT_S:
+            self._send([])  # still here: a long compile is not a stalled core (core_client.py)
+
     def _receive(self, wait: bool, timeout_ms: int | None = None) -> None:
+        """Read everything in the inbox: aborts, probes and shutdown act at once; requests are
+        queued for _add_queued (an abort behind a burst of prompts must not wait for them)."""
         import zmq
 
         t = time.perf_counter()
@@ -204,30 +293,74 @@ class EngineCore:
             waited, t = t, time.perf_counter()
             self.counters.add_time("idle", t - waited)
         try:
-            added = 0  # prompt tokens
-            while added < self.tokens_per_receive:
+            while True:
                 try:
                     frame = self.inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
                 msg = self.decoder.decode(frame)
-                self._apply(msg)
                 if isinstance(msg, AddRequests):
-                    added += len(msg.prompt) // TOKEN_DTYPE.itemsize
+                    self.queued_adds.append(msg)
+                    self.queued_ids.update(msg.request_ids)
+                else:
+                    self._apply(msg)
         finally:
             self.counters.add_time("receive", time.perf_counter() - t)
+
+    def _add_queued(self) -> None:
+        """Add queued requests up to a step's prompt-token budget (at least one): a burst is
+        added a step's worth at a time (see tokens_per_receive). Client requests take turns:
+        one prompt of each group first (the next QUEUE_SCAN_DEPTH queued looked at), so a
+        request of many long prompts does not hold a short one behind all of them here; the
+        scheduler then shares the steps between them."""
+        t = time.perf_counter()
+        added = 0  # prompt tokens
+        taken_groups = set()
+        for msg in list(itertools.islice(self.queued_adds, QUEUE_SCAN_DEPTH)):
+            if added >= self.tokens_per_receive:
+                break
+            if msg.group in taken_groups and msg.group is not None:
+                continue
+            taken_groups.add(msg.group)
+            added += self._add_from_queue(msg)
+        while self.queued_adds and added < self.tokens_per_receive:
+            added += self._add_from_queue(self.queued_adds[0])
+        self.counters.add_time("receive", time.perf_counter() - t)
+
+    def _add_from_queue(self, msg: AddRequests) -> int:
+        """Add one queued message; its prompt tokens."""
+        self.queued_adds.remove(msg)
+        self.queued_ids.difference_update(msg.request_ids)
+        self._add_all(msg)
+        return len(msg.prompt) // TOKEN_DTYPE.itemsize
+
+    def _unqueue(self, rid: int) -> None:
+        """Drop a request that was received but not added yet (aborted before it ran)."""
+        self.queued_ids.discard(rid)
+        for msg in self.queued_adds:
+            if rid in msg.request_ids:
+                i = msg.request_ids.index(rid)
+                del msg.request_ids[i], msg.params[i]  # a removed first sample: the next leads
+                if not msg.request_ids:
+                    self.queued_adds.remove(msg)
+                return
 
     def _apply(self, msg) -> None:
         if isinstance(msg, AddRequests):
             self._add_all(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:  # their pages are freed now
+                if rid in self.queued_ids:
+                    self._unqueue(rid)  # never added: nothing to free, nothing to send
+                    continue
                 self._cancel_compile(rid)
                 self.engine.abort(rid, msg.finish_reason)
                 self.unfinished.discard(rid)
         elif isinstance(msg, Probe):
             self._probe(msg.api_server, msg.loop)
         elif isinstance(msg, Shutdown):
+            self.queued_adds.clear()
+            self.queued_ids.clear()
             for rid in list(self.unfinished):
                 self.engine.abort(rid)
             self.stopping = True
@@ -355,7 +488,7 @@ class EngineCore:
         if self.errors:
             outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
-        now = time.monotonic()
+        now = self.last_sent = time.monotonic()
         stats["time"] = now
         count = len(self.outboxes)
         if count == 1:

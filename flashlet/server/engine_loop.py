@@ -129,6 +129,10 @@ class EngineClient:
                 return False
         return True
 
+    def core_problems(self) -> list[str]:
+        """Why each engine core that cannot take requests cannot (CoreClient: dead, stalled)."""
+        return []
+
     def submit(self, stream: RequestStream, max_waiting: int | None = None) -> None:
         """Send one request; raises Overloaded when `max_waiting` requests wait already, or
         NotReady."""

@@ -441,8 +441,9 @@ class Server:
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers=retry)
         if not self.loop.is_ready:
+            problems = self.loop.core_problems()
             why = ("the model failed to load" if self.loop.error is not None
-                   else "the model is still loading")
+                   else "; ".join(problems) if problems else "the model is still loading")
             raise ApiError(503, why, code="not_ready", headers=retry)
 
     def sampling_params(self, max_tokens: int, temperature: float, top_p: float, top_k: int,

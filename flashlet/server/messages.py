@@ -143,7 +143,14 @@ class ProbeReply(msgspec.Struct, tag=True, array_like=True):
     loop: dict[str, Any] | None = None  # LoopCounters.snapshot(), if asked for
 
 
-CoreMessage = StepOutputs | CoreReady | ProbeReply
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent every HEARTBEAT_S by a thread of the core, whatever its loop does: the process is
+    alive (a long step is not a stopped or hung process: core_client.py)."""
+
+    core: int
+
+
+CoreMessage = StepOutputs | CoreReady | ProbeReply | Heartbeat
 
 
 def api_server_of(request_id: int, api_server_count: int) -> int:

@@ -48,8 +48,14 @@ class EngineCollector:
             for core, s in enumerate(per_core):
                 family.add_metric([str(core)], float(s.get(key, 0)))
             yield family
-        yield GaugeMetricFamily("flashlet_engine_ready", "1 once every engine core is loaded "
-                                "and serving", value=1.0 if self.loop.is_ready else 0.0)
+        yield GaugeMetricFamily("flashlet_engine_ready", "1 once every engine core is loaded, "
+                                "while one takes requests",
+                                value=1.0 if self.loop.is_ready else 0.0)
+        up = GaugeMetricFamily("flashlet_engine_core_up", "1 while the core takes requests, 0 "
+                               "once it died or while it is stalled", labels=["core"])
+        for core, s in enumerate(per_core):
+            up.add_metric([str(core)], float(s.get("up", 1.0)))
+        yield up
         counters = [("flashlet_preemptions", "Requests preempted for KV pages", "num_preemptions"),
                     ("flashlet_engine_steps", "Engine steps run", "num_steps"),
                     ("flashlet_requests_routed", "Requests routed to the core", "routed")]

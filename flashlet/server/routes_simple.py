@@ -20,7 +20,8 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
     gen_errors = error_responses(400, 401, 503)
 
     # ---- health, models, metrics ---------------------------------------------------------
-    health_responses = {503: {"description": "Loading, failed or shutting down"}}
+    health_responses = {503: {"description": "Loading, warming up, failed, stalled or "
+                                             "shutting down (`reason` says why where it can)"}}
 
     @app.head("/health", operation_id="health_head", responses=health_responses)
     @app.get("/health", responses=health_responses)
@@ -29,15 +30,20 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
             server.start_warm_up(app)  # (the CLI starts it as soon as the engine is ready)
             return JSONResponse({"status": "warming up"}, status_code=503,
                                 headers={"Retry-After": str(config.retry_after_s)})
+        problems = loop.core_problems()  # dead or stalled engine cores
         if server.draining or not loop.is_ready:
-            if loop.error is not None:
-                status = "failed"
-            elif server.draining or loop.ready.is_set():
-                status = "shutting down"
-            else:
-                status = "loading"
-            return JSONResponse({"status": status}, status_code=503,
+            body = {"status": "loading"}
+            if loop.error is not None:  # (its text may name paths: the log has it)
+                body = {"status": "failed"}
+            elif server.draining:
+                body = {"status": "shutting down"}
+            elif loop.ready.is_set():
+                body = ({"status": "stalled", "reason": "; ".join(problems)} if problems
+                        else {"status": "shutting down"})
+            return JSONResponse(body, status_code=503,
                                 headers={"Retry-After": str(config.retry_after_s)})
+        if problems:  # data parallel: the other cores serve, so stay in the balancer's pool
+            return {"status": "degraded", "reason": "; ".join(problems)}
         return {"status": "ok"}
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))

@@ -10,16 +10,20 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 import pytest
 
+from server_helpers import wait_until
+
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.request import RequestOutput
 from flashlet.request_check import RequestError, RequestLimits
 from flashlet.sampling import TokenLogprob
+from flashlet.server import engine_core
 from flashlet.server.engine_core import EngineCore
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,
                                       StepOutputs, output_rows, pack_token_ids)
@@ -203,11 +207,13 @@ def test_a_burst_is_added_a_steps_token_budget_at_a_time():
             for rid in range(5):  # 40 prompt tokens each, against a budget of 100 a receive
                 api.send(ENCODER.encode(AddRequests.of([rid], [rid + 1] * 40, [SamplingParams()])))
                 api.send(ENCODER.encode(AbortRequests([99])))  # no tokens: does not count
-            core._receive(wait=True, timeout_ms=5000)
+            wait_until(lambda: inbox.poll(0), 5, "the burst to arrive")
+            core._receive(wait=False)
+            assert core.engine.aborted == [99] * 5  # read at once, whatever is queued
+            core._add_queued()
             assert [added[0] for added in core.engine.added] == [0, 1, 2]  # 120 >= 100
-            core._receive(wait=True, timeout_ms=5000)
+            core._add_queued()
             assert [added[0] for added in core.engine.added] == [0, 1, 2, 3, 4]
-            assert core.engine.aborted == [99, 99, 99, 99, 99]
     finally:
         inbox.close(linger=0)
         api.close(linger=0)
@@ -256,3 +262,89 @@ def test_the_core_message_path_gives_the_engines_own_tokens(tiny_qwen2):
     assert got == expected
     assert all(len(v) == 9 for v in got.values())
     assert core.unfinished == set()
+
+
+def test_an_abort_takes_effect_at_the_next_step_behind_24_queued_prompts(tiny_qwen2):
+    """24 prompts of a whole step's token budget each arrive, then aborts: of a running
+    request and of the last queued one. The next step (not the 25th) ends the running one,
+    and the queued one is never added; the others run, and no page is left held."""
+    import zmq
+
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=256, page_size=16,
+                          max_num_seqs=32, max_num_batched_tokens=64)
+    ctx = zmq.Context()
+    inbox, api = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind("inproc://core-abort")
+    api.connect("inproc://core-abort")
+    outbox = Outbox()
+    long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    try:
+        with _core(Engine(config), [outbox]) as core:
+            core.inbox = inbox
+            api.send(ENCODER.encode(AddRequests.of([1000], [5, 6, 7], [long])))
+            core.run_once()
+            assert 1000 in core.engine.scheduler.requests
+            for rid in range(24):
+                api.send(ENCODER.encode(AddRequests.of([rid], [rid + 2] * 64, [short])))
+            api.send(ENCODER.encode(AbortRequests([1000])))
+            api.send(ENCODER.encode(AbortRequests([23])))
+            wait_until(lambda: core.inbox.poll(0), 5, "the messages to arrive")
+            steps, sent = core.counters.steps, len(outbox.sent)
+            core.run_once()
+            assert core.counters.steps == steps + 1
+            ended = {(row.request_id, row.finish_reason) for message in outbox.sent[sent:]
+                     for row in message.outputs if row.finished}
+            assert (1000, "abort") in ended
+            assert 1000 not in core.engine.scheduler.requests and 1000 not in core.unfinished
+            while core.engine.has_unfinished() or core.queued_adds:
+                core.run_once()
+            finished = [row.request_id for message in outbox.sent for row in message.outputs
+                        if row.finished]
+            assert sorted(finished) == [*range(23), 1000]  # 23 never ran, nor was refused
+            core.engine.check_integrity()
+            stats = core.engine.stats()
+            assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+    finally:
+        inbox.close(linger=0)
+        api.close(linger=0)
+        ctx.term()
+
+
+class CompilingEngine(RecordingEngine):
+    """A grammar compile that lasts until `release` is set; nothing else to run."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.structured = SimpleNamespace(compile=lambda fmt: self.release.wait(30))
+
+    def has_unfinished(self):
+        return False
+
+    def stats(self):
+        return {"requests": 0.0}
+
+
+def test_a_core_waiting_on_a_grammar_compile_still_reports(monkeypatch):
+    """A long compile is not silence: the API process would call the core stalled."""
+    import zmq
+
+    monkeypatch.setattr(engine_core, "HEARTBEAT_S", 0.0)  # every loop: counted, not timed
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind("inproc://core-compile")
+    outbox = Outbox()
+    try:
+        with _core(CompilingEngine(), [outbox]) as core:
+            core.inbox = inbox
+            constrained = SamplingParams(response_format={"type": "json_object"})
+            _received(core, AddRequests.of([7], [1, 2, 3], [constrained]))
+            assert 7 in core.compiling
+            for _ in range(3):
+                core.run_once()
+            core.engine.release.set()
+            assert len(outbox.sent) == 3 and all(m.outputs == [] for m in outbox.sent)
+    finally:
+        inbox.close(linger=0)
+        ctx.term()

@@ -35,3 +35,26 @@ def test_short_soak(tmp_path):
     assert result["preemptions"] > 0, result  # the pool was too small for everyone at once
     assert result["status"].get("200", 0) > 10, result
     assert result["actions"].get("stream_abort", 0) + result["actions"].get("disconnect", 0) > 0
+
+
+def test_a_soak_survives_a_killed_core_under_data_parallel(tmp_path):
+    """Issue 35: one of two engine cores killed mid-soak; its requests may fail with "engine
+    core N died" (explained), everything else succeeds, nothing leaks, /health is degraded."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    soak = _soak_module()
+    args = soak.parse_args(["--duration", "20", "--concurrency", "12", "--max-prompt", "24",
+                            "--max-new", "40", "--kill-core-at", "4", "--", "--config",
+                            str(config), "--page-size", "4", "--max-num-pages", "32",
+                            "--max-num-seqs", "12", "--data-parallel-size", "2"])
+    result = soak.soak(args)
+    assert result["ok"], json.dumps(result, indent=1)
+    assert result["status"].get("200", 0) > 10, result
+
+
+def test_kill_core_at_needs_a_data_parallel_server_of_its_own():
+    soak = _soak_module()
+    for argv in (["--kill-core-at", "3"], ["--kill-core-at", "3", "--url", "http://127.0.0.1:1",
+                                           "--", "--data-parallel-size", "2"]):
+        with pytest.raises(SystemExit):
+            soak.parse_args(argv)

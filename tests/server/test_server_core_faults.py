@@ -1,0 +1,338 @@
+"""Faults between the API process and its engine cores (issue 35): cores that lose their API
+process exit within seconds (kill -9 included, busy or idle); a core that stops stepping while
+it has work turns /health 503 with the reason, its requests end with an error after a bound,
+and it recovers when it steps again; with data parallel, a dead core's requests fail while the
+live cores keep serving and /health says "degraded". Tiny random model (token ids in and out).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import REPO, ServerProcess, ServerThread, parse_sse, wait_until
+
+import flashlet.server.core_client
+from flashlet import EngineConfig
+from flashlet.server import CoreClient, ServerConfig, create_app
+from flashlet.server.core_client import _pid_alive
+
+pytestmark = pytest.mark.slow
+
+ORPHAN_EXIT_S = 5  # the issue's bound: cores gone this long after their API process
+
+
+def _config(path, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), max_num_pages=128, page_size=16, **kw)
+
+
+def _core_pids(log: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"engine core \d+ ready \(pid (\d+)\)", log)]
+
+
+def _assert_gone_within(pids: list[int], seconds: float) -> None:
+    wait_until(lambda: not any(_pid_alive(pid) for pid in pids), seconds,
+               f"engine cores {pids} to exit", interval=0.1)
+
+
+def _stream_in_background(url: str, body: dict) -> threading.Event:
+    """Start a streaming request; the event is set once its first token arrived."""
+    first = threading.Event()
+
+    def run():
+        try:
+            with httpx.stream("POST", url + "/generate_stream", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        first.set()
+        except httpx.HTTPError:  # the server was killed under it
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return first
+
+
+# ---- item 5: orphaned cores ------------------------------------------------------------------
+def test_cores_exit_within_seconds_of_a_kill_9_of_the_api_process(tiny_qwen2):
+    """Two cores, one busy with a long stream, one idle: both gone within 5 s."""
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
+                      "--data-parallel-size", "2", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        pids = _core_pids(p.log)
+        assert len(pids) == 2, p.log
+        body = {"prompt": [3, 4, 5], "max_new_tokens": 400, "ignore_eos": True}
+        assert _stream_in_background(p.url, body).wait(60), "no token came"
+        p.proc.kill()  # SIGKILL: the API process runs no clean-up at all
+        p.proc.wait(10)
+        _assert_gone_within(pids, ORPHAN_EXIT_S)
+    finally:
+        p.kill()
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import asyncio, sys, threading
+    from flashlet import EngineConfig, SamplingParams
+    from flashlet.server import CoreClient
+    from flashlet.server.engine_loop import RequestStream
+
+    client = CoreClient(EngineConfig(model=sys.argv[1], max_num_pages=128))
+    # Started from a thread that then ends: no parent-death signal (it would follow that
+    # thread), so only the core's watch on its parent can end it.
+    starter = threading.Thread(target=client.start)
+    starter.start()
+    starter.join()
+    assert client.wait_ready(180), client.error
+
+    async def main():
+        stream = RequestStream([3, 4, 5], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        client.submit(stream)
+        await stream.get()  # the core is busy stepping now
+        print("pids", *[core.pid for core in client.cores], flush=True)
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_busy_core_exits_on_its_parent_watch_alone(tiny_qwen2):
+    """The backstop for where the kernel's signal does not apply: the core's own thread sees
+    its parent gone, in the middle of its steps."""
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_qwen2)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("pids "), line
+        pids = [int(pid) for pid in line.split()[1:]]
+        assert all(_pid_alive(pid) for pid in pids)
+        proc.kill()
+        proc.wait(10)
+        _assert_gone_within(pids, ORPHAN_EXIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---- item 6: a stalled core ------------------------------------------------------------------
+def _serve(client: CoreClient) -> ServerThread:
+    assert client.wait_ready(180), client.error
+    return ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
+
+
+def _stream(url: str, body: dict, into: list, first: threading.Event | None = None) -> None:
+    with httpx.stream("POST", url + "/generate_stream", json=body, timeout=120) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if first is not None and line.startswith("data:"):
+                first.set()
+        into.append(parse_sse(lines))
+
+
+def _assert_idle(client: CoreClient) -> None:
+    """Nothing in flight here; every live core idle, no page held but by its prefix cache."""
+    wait_until(lambda: client.num_streams == 0, 60, "the requests to end")
+    assert all(c["in_flight"] == 0 for c in client.core_stats())
+    for stats in wait_until(lambda: (s := client.probe()) and
+                            all(not c.get("has_unfinished") for c in s) and s, 60, "idle cores"):
+        if "dead" not in stats:
+            assert stats["running"] == stats["waiting"] == stats["num_requests"] == 0, stats
+            assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+
+
+def test_the_default_stall_bound_turns_health_503_within_10_s():
+    from flashlet.server.core_client import CORE_STALL_TIMEOUT_S, READER_POLL_MS
+
+    assert CORE_STALL_TIMEOUT_S + 2 * READER_POLL_MS / 1000 < 10
+
+
+def test_a_stopped_core_turns_health_503_ends_its_requests_and_recovers(tiny_qwen2):
+    """SIGSTOP the core while a stream runs: /health says 503 "stalled" with the reason within
+    10 s (the default stall bound), new requests get 503, the open stream ends with a 503
+    error after the request bound (12 s here); after SIGCONT the core serves again and leaks
+    nothing."""
+    client = CoreClient(_config(tiny_qwen2), stalled_request_timeout_s=12.0).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = []
+        first = threading.Event()
+        body = {"prompt": [3, 4, 5], "max_new_tokens": 450, "ignore_eos": True}
+        worker = threading.Thread(target=_stream, args=(srv.url, body, results, first))
+        worker.start()
+        assert first.wait(60)
+        pid = client.cores[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).status_code == 503
+                                and r, 10, "/health to turn 503", interval=0.1)
+            assert health.json()["status"] == "stalled", health.json()
+            assert "engine core 0 stalled" in health.json()["reason"]
+            r = httpx.post(srv.url + "/generate", json={"prompt": [1, 2], "max_new_tokens": 2})
+            assert r.status_code == 503 and "stalled" in r.json()["error"]["message"], r.text
+            worker.join(30)
+            assert not worker.is_alive(), "the stalled core's stream never ended"
+            events = results[0]
+            assert events[-1] == "[DONE]", events[-3:]
+            assert "stalled" in events[-2]["error"]["message"], events[-2]
+            text = httpx.get(srv.url + "/metrics").text
+            assert 'flashlet_engine_core_up{core="0"} 0.0' in text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: httpx.get(srv.url + "/health").json() == {"status": "ok"}, 10,
+                   "/health to recover", interval=0.1)
+        r = httpx.post(srv.url + "/generate", timeout=60,
+                       json={"prompt": [1, 2], "max_new_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        _assert_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+LONG_STEP_S = 4.0
+
+
+def run_long_step_engine_core(*args) -> None:
+    """An engine core whose third step takes LONG_STEP_S longer (a CPU step over a long
+    prompt, say): spawned by reference, as server_helpers.run_slow_engine_core."""
+    from flashlet.engine import Engine
+    from flashlet.server.engine_core import run_engine_core
+
+    step, calls = Engine.step, [0]
+
+    def long_third_step(self):
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(LONG_STEP_S)
+        return step(self)
+
+    Engine.step = long_third_step
+    run_engine_core(*args)
+
+
+def test_a_core_in_one_long_step_is_reported_but_its_request_completes(tiny_qwen2,
+                                                                       monkeypatch):
+    """Its heartbeat goes on: /health says 503 with that reason during the step, and the
+    request (past the request bound) is not ended: it finishes when the step does."""
+    monkeypatch.setattr(flashlet.server.core_client, "run_engine_core",
+                        run_long_step_engine_core)
+    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=1.0,
+                        stalled_request_timeout_s=2.0).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = []
+        body = {"prompt": [3, 4, 5], "max_new_tokens": 8, "ignore_eos": True}
+        worker = threading.Thread(target=_stream, args=(srv.url, body, results))
+        worker.start()
+        health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).status_code == 503
+                            and r, 30, "/health to see the long step", interval=0.1)
+        assert "its process runs, but no step ended" in health.json()["reason"], health.json()
+        worker.join(60)
+        events = results[0]
+        assert events[-2]["finish_reason"] == "length", events[-2]
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        _assert_idle(client)
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+# ---- item 8: data parallel with a dead core --------------------------------------------------
+def test_with_two_cores_a_dead_ones_requests_fail_and_the_other_serves_on(tiny_qwen2):
+    fatal: list = []
+    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2,
+                        on_fatal=fatal.append).start()
+    srv = None
+    try:
+        srv = _serve(client)
+        results: list = [[], []]
+        firsts = [threading.Event(), threading.Event()]
+        workers = []
+        for i in range(2):  # the least loaded core gets each: one stream on each core
+            body = {"prompt": [3, 4, 5 + 40 * i], "max_new_tokens": 450, "ignore_eos": True}
+            workers.append(threading.Thread(target=_stream,
+                                            args=(srv.url, body, results[i], firsts[i])))
+            workers[-1].start()
+            assert firsts[i].wait(60)
+        assert [c["in_flight"] for c in client.core_stats()] == [1, 1]
+        client.cores[1].process.kill()
+        health = wait_until(lambda: (r := httpx.get(srv.url + "/health")).json()["status"]
+                            == "degraded" and r, 5, "/health to say degraded", interval=0.1)
+        assert health.status_code == 200 and "engine core 1 died" in health.json()["reason"]
+        for worker in workers:
+            worker.join(120)
+            assert not worker.is_alive()
+        lost, served = results[1][0], results[0][0]
+        assert "engine core 1 died" in lost[-2]["error"]["message"], lost[-2]
+        assert served[-2]["finish_reason"] == "length", served[-2]
+        assert served[-2]["usage"]["completion_tokens"] == 450
+        routed = [c["routed"] for c in client.core_stats()]
+        for i in range(6):
+            r = httpx.post(srv.url + "/generate", timeout=60, json={
+                "prompt": [7, 8, i + 2], "max_new_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        assert [c["routed"] for c in client.core_stats()] == [routed[0] + 6, routed[1]]
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'flashlet_engine_core_up{core="1"} 0.0' in text
+        assert 'flashlet_engine_core_up{core="0"} 1.0' in text
+        assert fatal == [] and client.error is None
+        _assert_idle(client)
+        client.cores[0].process.kill()  # the last one: now it is fatal
+        wait_until(lambda: fatal, 5, "the last core's death to be fatal")
+        assert httpx.get(srv.url + "/health").json() == {"status": "failed"}
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
+
+
+def test_exit_on_core_failure_makes_any_dead_core_fatal(tiny_qwen2):
+    fatal: list = []
+    client = CoreClient(_config(tiny_qwen2), data_parallel_size=2, on_fatal=fatal.append,
+                        exit_on_core_failure=True).start()
+    try:
+        assert client.wait_ready(180), client.error
+        client.cores[1].process.kill()
+        wait_until(lambda: fatal, 5, "a dead core to be fatal")
+        assert "engine core 1 died" in str(client.error) and not client.is_ready
+    finally:
+        client.stop()
+
+
+def test_the_cli_serves_on_one_of_two_cores_and_exits_1_when_none_is_left(tiny_qwen2):
+    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
+                      "--data-parallel-size", "2", "--no-access-log")
+    try:
+        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
+                   "the server to load its model", interval=0.1)
+        assert p.proc.poll() is None, p.log
+        pids = _core_pids(p.log)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_until(lambda: httpx.get(p.url + "/health").json()["status"] == "degraded", 5,
+                   "/health to say degraded", interval=0.1)
+        for i in range(3):
+            r = httpx.post(p.url + "/generate", timeout=60, json={
+                "prompt": [5, 6, i + 2], "max_new_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        assert p.proc.poll() is None
+        os.kill(pids[0], signal.SIGKILL)
+        assert p.proc.wait(60) == 1, p.log
+        assert "engine core 0 died" in p.log
+    finally:
+        p.kill()

@@ -1,6 +1,7 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
-A step is: schedule -> build its layout (batch.py) -> load it into the step buffers ->
+A step is: schedule -> the runner applies the scheduler's update to its persistent batch and
+builds the step's layout (batch.py) -> load it into the step buffers ->
 backend.plan() -> model forward (backend.run_rope() in every layer) -> sample on the device ->
 read the tokens -> `scheduler.update` (stop checks, pages, retiring) -> outputs. The engine
 deals in token ids only: text and stop strings belong to the front end (detokenizer.py), which
@@ -36,7 +37,6 @@ from typing import Callable
 import torch
 
 from flashlet import parallel
-from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
 from flashlet.kv_pool import KVPool
 from flashlet.model import ModelConfig
@@ -313,12 +313,12 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
         """Run the model and sample on the device; nothing here waits for the device."""
-        layout = layout_of(sched, self.config.page_size)
+        layout = self.runner.prepare(sched.batch_update)
         # Decode rows whose input is the previous step's token take it from the device.
         fed = previous.tokens if previous is not None else None
         input_ids, meta = self.runner.load(layout, fed)
-        if self.tp is not None:  # the workers run the same step
-            self.tp.send_step(layout, input_ids)
+        if self.tp is not None:  # the workers apply the same update to their batches
+            self.tp.send_step(sched.batch_update, input_ids)
         sampled = self._greedy_fused(sched, input_ids, meta)
         if sampled is None:
             logits = self.runner.forward(input_ids, meta)

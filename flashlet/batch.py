@@ -225,37 +225,39 @@ class InputBatch:
         (None: one each, a decode step); sample[i] (None: every row) says whether its last
         token's logits are sampled. A PLACEHOLDER token takes the previous step's sampled token
         of its row (sample_index)."""
-        ps, i32, i64 = self.page_size, np.int32, np.int64
+        ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
         num_seqs, num_tokens = len(rows), len(token_ids)
         input_ids = np.array(token_ids, i64)
         starts = np.array(starts, i64)
-        if query_lens is None:  # one token a row: row i is token i
-            qo, positions, token_rows = np.arange(num_seqs + 1, dtype=i64), starts, rows
-            kv_lens = starts + 1
+        if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
+            qo = np.arange(num_seqs + 1, dtype=i32)
+            positions, token_rows, kv_lens = starts, rows, starts + 1
+            page, offset = np.divmod(positions, ps)
+            pages, last_page_len = page + 1, offset + 1
+            logits = np.arange(num_seqs)
         else:
             lens = np.array(query_lens, i64)
             qo = _indptr(lens)
             seq = np.repeat(np.arange(num_seqs), lens)
             positions = np.arange(num_tokens) + (starts - qo[:-1])[seq]
-            kv_lens = starts + lens
-            token_rows = rows[seq]
-        pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
-        if (pages > self.num_pages[rows]).any():
+            token_rows, kv_lens = rows[seq], starts + lens
+            page, offset = np.divmod(positions, ps)
+            pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
+            last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
+            logits = qo[1:] - 1
+        if (self.num_pages[rows] < pages).any():
             raise ValueError("a row's page table holds fewer pages than its tokens need")
-        kv_ptr = _indptr(pages)
-        # Each sequence's pages: its row's first `pages` entries, one gather over the table.
-        first = rows * self.page_table.shape[1] - kv_ptr[:-1]
-        indices = self.page_table.ravel()[np.repeat(first, pages) + np.arange(kv_ptr[-1])]
-        page, offset = np.divmod(positions, ps)
-        slots = self.page_table[token_rows, page].astype(i64) * ps + offset
-        logits = qo[1:] - 1
         if sample is not None:
             logits = logits[np.asarray(sample, bool)]
-        last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for a sequence of no KV
+        kv_ptr = _indptr(pages)
+        # Each sequence's pages are its row's first `pages` entries: one gather over the table.
+        table = self.page_table.ravel()
+        indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
+        slots = np.multiply(table[token_rows * width + page], ps, dtype=i64) + offset
         feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
         input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=qo.astype(i32), paged_kv_indptr=kv_ptr.astype(i32),
+                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
                       paged_kv_indices=indices,
                       paged_kv_last_page_len=last_page_len.astype(i32),
                       kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
@@ -299,8 +301,14 @@ ARENA_ORDER = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_
                "paged_kv_last_page_len", "kv_lens", "logits_indices", "feed_rows", "feed_src",
                "paged_kv_indices")
 ARENA_ALIGN = 16  # bytes; Triton specialises a kernel on pointers aligned to 16, as torch's are
-_NUMPY_DTYPES = {name: (np.dtype(np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.int64),
-                         LAYOUT_DTYPES[name].itemsize) for name in ARENA_ORDER}
+_NUMPY_DTYPES = {name: np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.int64
+                 for name in ARENA_ORDER}
+
+
+def _field(typed_arena, offset: int, n: int):
+    """n entries at byte `offset` of an arena viewed as one dtype (numpy or torch)."""
+    start = offset // typed_arena.itemsize
+    return typed_arena[start : start + n]
 _AT_MOST_ONE_PER_SEQ = frozenset(("logits_indices", "feed_rows", "feed_src"))
 
 
@@ -345,13 +353,18 @@ class StepBuffers:
                              paged_kv_last_page_len=max_seqs, kv_lens=max_seqs,
                              logits_indices=max_seqs, feed_rows=max_seqs, feed_src=max_seqs)
         # Every field at its capacity fits, so every step whose fields fit their capacities does.
-        size = arena_offsets(self.capacity)["end"]
+        size = -(-arena_offsets(self.capacity)["end"] // 8) * 8  # whole int64 words
         self.staged = self.device.type == "cuda"  # else the host arena is the device's
         self.host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=self.staged)
         self.dev_arena = (torch.zeros(size, dtype=torch.uint8, device=self.device)
                           if self.staged else self.host_arena)
         self._base = self.dev_arena.data_ptr()
-        self._host_np = self.host_arena.numpy()  # numpy views of it cost a fifth of torch's
+        # The arenas as arrays of each field dtype, made once: a field is then one slice of
+        # one of them (its offset is a multiple of ARENA_ALIGN, so of every dtype's size).
+        host_np = self.host_arena.numpy()
+        self._host = {dtype: host_np.view(dtype) for dtype in (np.int32, np.int64)}
+        self._dev = {dtype: self.dev_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
+        self._pinned = {dtype: self.host_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Are these the input ids of a step loaded here (the arena's first field)?"""
@@ -393,8 +406,8 @@ class StepBuffers:
             lengths["paged_kv_indices"] += seqs_to - num_seqs
         self._check_fits(lengths)
         offsets = arena_offsets(lengths)
-        host = {name: self._host_np[offsets[name] : offsets[name] + lengths[name] * size]
-                .view(dtype) for name, (dtype, size) in _NUMPY_DTYPES.items()}
+        host = {name: _field(self._host[dtype], offsets[name], lengths[name])
+                for name, dtype in _NUMPY_DTYPES.items()}
         for name, values in arrays.items():
             host[name][: len(values)] = values
         if pad_tokens is not None:
@@ -404,14 +417,14 @@ class StepBuffers:
         if self.staged:  # the whole step in one copy
             end = offsets["end"]
             self.dev_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
-        dev = {name: self._view(self.dev_arena, offsets[name], lengths[name], name)
+        dev = {name: _field(self._dev[LAYOUT_DTYPES[name]], offsets[name], lengths[name])
                for name in _ON_DEVICE}
         if len(arrays["feed_rows"]):
             self._feed(dev, offsets, arrays["feed_rows"], fed_tokens)
         staged = StepLayout.from_arrays(host)
         if self.staged:  # tensors read off the pinned arena, so copies from them do not block
-            staged.make_tensor = lambda name: self._view(self.host_arena, offsets[name],
-                                                         lengths[name], name)
+            staged.make_tensor = lambda name: _field(self._pinned[LAYOUT_DTYPES[name]],
+                                                     offsets[name], lengths[name])
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
@@ -420,12 +433,6 @@ class StepBuffers:
             kv_lens=dev["kv_lens"], logits_indices=dev["logits_indices"],
             num_padding=seqs_to - num_seqs, token_bucket=pad_tokens)
         return dev["input_ids"], meta
-
-    @staticmethod
-    def _view(arena: torch.Tensor, offset: int, n: int, name: str) -> torch.Tensor:
-        """Field `name` (n entries at byte `offset`) of an arena, as a tensor."""
-        dtype = LAYOUT_DTYPES[name]
-        return arena[offset : offset + n * dtype.itemsize].view(dtype)
 
     def _check_fits(self, lengths: dict[str, int]) -> None:
         for name, n in lengths.items():
@@ -442,12 +449,12 @@ class StepBuffers:
         if fed_tokens is None:
             raise ValueError("the step has fed rows but no previous step's tokens were given")
         count = len(rows)
-        feed_src = self._view(self.dev_arena, offsets["feed_src"], count, "feed_src")
+        feed_src = _field(self._dev[torch.int64], offsets["feed_src"], count)
         first = int(rows[0])
         if rows[-1] - first == count - 1:
             torch.index_select(fed_tokens, 0, feed_src, out=dev["input_ids"][first : first + count])
         else:
-            feed_rows = self._view(self.dev_arena, offsets["feed_rows"], count, "feed_rows")
+            feed_rows = _field(self._dev[torch.int64], offsets["feed_rows"], count)
             dev["input_ids"].index_copy_(0, feed_rows, fed_tokens.index_select(0, feed_src))
 
     def _check_padding(self, layout: StepLayout, size: int) -> None:

@@ -301,8 +301,19 @@ ARENA_ORDER = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_
                "paged_kv_last_page_len", "kv_lens", "logits_indices", "feed_rows", "feed_src",
                "paged_kv_indices")
 ARENA_ALIGN = 16  # bytes; Triton specialises a kernel on pointers aligned to 16, as torch's are
+_FIXED = ARENA_ORDER[:-1]  # the fields whose offsets the indices' length never moves
 _NUMPY_DTYPES = {name: np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.int64
                  for name in ARENA_ORDER}
+
+
+class _Placement(NamedTuple):
+    """Where the fields before the page indices go for one set of their lengths."""
+
+    lengths: dict[str, int]
+    offsets: dict[str, int]  # bytes
+    indices_offset: int  # bytes: where the page indices start
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
 
 
 def _field(typed_arena, offset: int, n: int):
@@ -365,6 +376,9 @@ class StepBuffers:
         self._host = {dtype: host_np.view(dtype) for dtype in (np.int32, np.int64)}
         self._dev = {dtype: self.dev_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
         self._pinned = {dtype: self.host_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
+        # The last step's placement, kept while steps repeat its shape (a steady decode batch
+        # does): a torch view costs microseconds, and a step reads ten.
+        self._placed: _Placement | None = None
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Are these the input ids of a step loaded here (the arena's first field)?"""
@@ -396,18 +410,20 @@ class StepBuffers:
             self._check_padding(layout, pad_to)
             seqs_to = tokens_to = pad_to
         num_pages = len(arrays["paged_kv_indices"])
-        lengths = {name: len(arrays[name]) for name in ARENA_ORDER}
+        lengths = {name: len(arrays[name]) for name in _FIXED}
         for name in _PER_TOKEN:
             lengths[name] += tokens_to - num_tokens
         for name in _PER_SEQ:
             lengths[name] += seqs_to - num_seqs
+        placed = self._placed
+        if placed is None or placed.lengths != lengths:
+            placed = self._placed = self._place(lengths)
         # A padded decode row has a scratch page of its own; a padded mixed sequence has none.
-        if pad_tokens is None:
-            lengths["paged_kv_indices"] += seqs_to - num_seqs
-        self._check_fits(lengths)
-        offsets = arena_offsets(lengths)
-        host = {name: _field(self._host[dtype], offsets[name], lengths[name])
-                for name, dtype in _NUMPY_DTYPES.items()}
+        num_indices = num_pages + (seqs_to - num_seqs if pad_tokens is None else 0)
+        self._check_fits({"paged_kv_indices": num_indices})
+        at = placed.indices_offset
+        host = {**placed.host, "paged_kv_indices": _field(self._host[np.int32], at, num_indices)}
+        dev = {**placed.dev, "paged_kv_indices": _field(self._dev[torch.int32], at, num_indices)}
         for name, values in arrays.items():
             host[name][: len(values)] = values
         if pad_tokens is not None:
@@ -415,16 +431,16 @@ class StepBuffers:
         elif seqs_to > num_seqs:
             self._pad(host, host["paged_kv_indices"], num_seqs, num_pages, seqs_to)
         if self.staged:  # the whole step in one copy
-            end = offsets["end"]
+            end = at + num_indices * LAYOUT_DTYPES["paged_kv_indices"].itemsize
             self.dev_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
-        dev = {name: _field(self._dev[LAYOUT_DTYPES[name]], offsets[name], lengths[name])
-               for name in _ON_DEVICE}
         if len(arrays["feed_rows"]):
-            self._feed(dev, offsets, arrays["feed_rows"], fed_tokens)
+            self._feed(dev, placed, arrays["feed_rows"], fed_tokens)
         staged = StepLayout.from_arrays(host)
         if self.staged:  # tensors read off the pinned arena, so copies from them do not block
+            offsets = {**placed.offsets, "paged_kv_indices": at}
+            counts = {**placed.lengths, "paged_kv_indices": num_indices}
             staged.make_tensor = lambda name: _field(self._pinned[LAYOUT_DTYPES[name]],
-                                                     offsets[name], lengths[name])
+                                                     offsets[name], counts[name])
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
@@ -434,13 +450,24 @@ class StepBuffers:
             num_padding=seqs_to - num_seqs, token_bucket=pad_tokens)
         return dev["input_ids"], meta
 
+    def _place(self, lengths: dict[str, int]) -> "_Placement":
+        """Where the fields before the page indices go for these lengths, and their views."""
+        self._check_fits(lengths)
+        offsets = arena_offsets({**lengths, "paged_kv_indices": 0})
+        host = {name: _field(self._host[_NUMPY_DTYPES[name]], offsets[name], n)
+                for name, n in lengths.items()}
+        dev = {name: _field(self._dev[LAYOUT_DTYPES[name]], offsets[name], lengths[name])
+               for name in _ON_DEVICE if name != "paged_kv_indices"}
+        dev["feed_src"] = _field(self._dev[torch.int64], offsets["feed_src"], lengths["feed_src"])
+        return _Placement(lengths, offsets, offsets["paged_kv_indices"], host, dev)
+
     def _check_fits(self, lengths: dict[str, int]) -> None:
         for name, n in lengths.items():
             if n > self.capacity[name]:
                 raise ValueError(f"the step's {name} has {n} entries; "
                                  f"the buffers hold {self.capacity[name]}")
 
-    def _feed(self, dev: dict[str, torch.Tensor], offsets: dict[str, int], rows: np.ndarray,
+    def _feed(self, dev: dict[str, torch.Tensor], placed: "_Placement", rows: np.ndarray,
               fed_tokens: torch.Tensor | None) -> None:
         """The fed rows' input ids <- fed_tokens[feed_src], on the device. Fed rows ascend
         (InputBatch.layout); where they are consecutive (every decode row of an overlapped step,
@@ -448,13 +475,15 @@ class StepBuffers:
         scatter."""
         if fed_tokens is None:
             raise ValueError("the step has fed rows but no previous step's tokens were given")
-        count = len(rows)
-        feed_src = _field(self._dev[torch.int64], offsets["feed_src"], count)
-        first = int(rows[0])
-        if rows[-1] - first == count - 1:
-            torch.index_select(fed_tokens, 0, feed_src, out=dev["input_ids"][first : first + count])
+        count, first = len(rows), int(rows[0])
+        feed_src = dev["feed_src"]
+        if rows[-1] - first == count - 1:  # (every row fed: the input ids' own view, no slice)
+            into = dev["input_ids"]
+            if count != len(into):
+                into = into[first : first + count]
+            torch.index_select(fed_tokens, 0, feed_src, out=into)
         else:
-            feed_rows = _field(self._dev[torch.int64], offsets["feed_rows"], count)
+            feed_rows = _field(self._dev[torch.int64], placed.offsets["feed_rows"], count)
             dev["input_ids"].index_copy_(0, feed_rows, fed_tokens.index_select(0, feed_src))
 
     def _check_padding(self, layout: StepLayout, size: int) -> None:

@@ -171,6 +171,24 @@ class InputBatch:
         self.version = 0  # counts adds and removals: the same version, the same occupants
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
 
+    @classmethod
+    def holding(cls, request_ids: Sequence[int]) -> "InputBatch":
+        """A batch whose rows hold these requests (no pages), each sampling, in this order: for
+        tests and tools that call the sampler as the engine does."""
+        return cls(max(len(request_ids), 1), 0, 1).hold(request_ids)
+
+    def hold(self, request_ids: Sequence[int]) -> "InputBatch":
+        """Rows for exactly these requests (the others leave, new ones join with no pages),
+        each sampling, in this order: a step's batch as tests and tools see it."""
+        keep = set(request_ids)
+        for i in [i for i in self.row_of if i not in keep]:
+            self.remove(i)
+        for i in request_ids:
+            if i not in self.row_of:
+                self.add(i, [])
+        self.sampling_rows = [self.row_of[i] for i in request_ids]
+        return self
+
     def apply(self, update) -> "StepLayout":
         """The scheduler's BatchUpdate into the rows -> the step's layout. The sampling rows'
         `sample_index` then point at their places in this step's sampled tokens."""

@@ -251,7 +251,6 @@ class Engine:
         if finish_reason not in ("abort", "stop"):
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
         output = self.scheduler.abort(request_id, finish_reason) or self._abort_held(request_id)
-        self.sampler.release(request_id)
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
@@ -324,7 +323,7 @@ class Engine:
             logits = self.runner.forward(input_ids, meta)
             for observe in self._step_observers:
                 observe(meta, logits)
-            sampled = self.sampler.sample(logits, sched.sampling)
+            sampled = self.sampler.sample(logits, sched.sampling, self.runner.batch)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
@@ -348,11 +347,7 @@ class Engine:
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
         if launched.constrained:
             advance_grammars(launched.sched.sampling, tokens)
-        outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
-        for out in outputs:
-            if out.finished:
-                self.sampler.release(out.request_id)
-        return outputs
+        return self.scheduler.update(launched.sched, tokens, launched.logprobs)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

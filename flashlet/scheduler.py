@@ -109,7 +109,10 @@ class Scheduler:
         return out
 
     def _batch_update(self, out: SchedulerOutput) -> BatchUpdate:
-        """What changed for the runner's batch since the last step, and this step's columns."""
+        """What changed for the runner's batch since the last step, and this step's columns. A
+        step with nothing scheduled is not run, so its changes wait for the next one."""
+        if not out.scheduled:
+            return BatchUpdate()
         update = BatchUpdate(removed=self._rows_removed)
         added = {req.request_id: req for req in self._rows_added}
         update.added = [(i, req.page_ids) for i, req in added.items()]

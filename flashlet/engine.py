@@ -18,8 +18,8 @@ A step that sampled a grammar-constrained request is read before the next one is
 (its next token mask needs the token; see structured.py).
 
 Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
-engine is rank 0, the only one that schedules and samples; every step's layout and input ids
-go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
+engine is rank 0, the only one that schedules and samples; every step's batch update and input
+ids go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
 by torchrun) the constructor runs the worker loop (flashlet/tp_worker.py) and then raises
 SystemExit(0) when rank 0 shuts down, so a script run under torchrun goes on only on rank 0.
 """

@@ -146,8 +146,8 @@ class InputBatch:
 
     A row holds what outlives a step: the request's page table (int32, a row of `page_table`),
     the row of the previous launched step's sampled tokens its next input comes from
-    (`sample_index`, for overlap), and when it was added (`added_at`: the sampler's penalty and
-    seed state, kept per row, starts afresh for a new occupant). `apply(update)` takes the
+    (`sample_index`, for overlap), and when it was added (`added_at`: the sampler keeps its
+    penalty state per row, and starts it afresh for a new occupant). `apply(update)` takes the
     scheduler's BatchUpdate: rows removed (finished, preempted), rows added with their pages,
     page-table changes (a new page every page_size tokens, or the prefix cache's deduplication),
     and the step's columns (each scheduled request's id, first position, new tokens, whether it

@@ -170,6 +170,7 @@ class InputBatch:
         self.free_rows = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
         self.version = 0  # counts adds and removals: the same version, the same occupants
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
+        self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
 
     @classmethod
     def holding(cls, request_ids: Sequence[int]) -> "InputBatch":
@@ -198,14 +199,23 @@ class InputBatch:
             self.add(request_id, page_ids)
         for request_id, first, page_ids in update.pages:
             self.set_pages(self.row_of[request_id], first, page_ids)
-        rows = np.fromiter(map(self.row_of.__getitem__, update.request_ids), np.int64,
-                           len(update.request_ids))
+        rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample)
         sampling = rows if update.sample is None else rows[np.asarray(update.sample, bool)]
         self.sample_index[sampling] = np.arange(len(sampling))
         self.sampling_rows = sampling.tolist()
         return layout
+
+    def _rows_of(self, request_ids: list[int]) -> np.ndarray:
+        """The rows of these requests; the last step's when they are the same requests, in the
+        same order, of the same batch version (a steady decode batch: no lookups)."""
+        last_key, last_rows = self._last_rows
+        if last_key[0] != self.version or last_key[1] != request_ids:
+            last_rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64,
+                                    len(request_ids))
+            self._last_rows = (self.version, request_ids), last_rows
+        return last_rows
 
     def add(self, request_id: int, page_ids: Sequence[int]) -> int:
         if request_id in self.row_of:
@@ -234,6 +244,11 @@ class InputBatch:
                              f"{self.page_table.shape[1]}")
         self.page_table[row, first:end] = page_ids
         self.num_pages[row] = end
+
+    def pages_of(self, request_id: int) -> list[int]:
+        """A request's page table as its row holds it."""
+        row = self.row_of[request_id]
+        return self.page_table[row, : self.num_pages[row]].tolist()
 
     def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
                query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None

@@ -361,6 +361,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.scheduler.check_batch(self.runner.batch)
 
     def observe_steps(self, fn) -> Callable[[], None]:
         """Call fn(meta, logits) after each step's forward pass (logits: the sampled rows',

@@ -389,3 +389,15 @@ class Scheduler:
             assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
         for req in self.waiting:
             assert not req.page_ids and req.tree_node is None, "a waiting request holds pages"
+
+    def check_batch(self, batch) -> None:
+        """The runner's batch holds what the updates told it: a row for each running request
+        with its page table (changes not yet sent aside), and no row for a waiting one."""
+        for req in self.running:
+            i = req.request_id
+            if i not in self._pages_changed:
+                assert batch.pages_of(i) == req.page_ids, f"request {i}'s row has other pages"
+        removed = set(self._rows_removed)
+        for req in self.waiting:
+            assert req.request_id not in batch.row_of or req.request_id in removed, \
+                f"waiting request {req.request_id} holds a row"

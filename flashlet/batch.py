@@ -59,9 +59,9 @@ class StepLayout:
     b's rows are qo_indptr[b]:qo_indptr[b+1] and its pages
     paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]] (see attention/base.py).
 
-    The builders make a layout from its numpy arrays (`from_arrays`); each field's tensor, a
-    view of its array, is made when the field is first read. Loading a step reads the arrays
-    only, and a tensor from numpy costs ~3k instructions to make and ~2k to free (its deleter
+    The builder (InputBatch.layout) makes a layout from its numpy arrays (`from_arrays`); each
+    field's tensor, a view of its array, is made when the field is first read. Loading a step
+    reads the arrays only, and a tensor from numpy costs ~3k instructions to make and ~2k to free (its deleter
     takes the GIL): eleven a step were a sixth of a one-row step's host time."""
 
     input_ids: torch.Tensor  # [T] int64 (0 in a fed row until the device writes the token)
@@ -197,8 +197,8 @@ class InputBatch:
             self.remove(request_id)
         for request_id, page_ids in update.added:
             self.add(request_id, page_ids)
-        for request_id, first, page_ids in update.pages:
-            self.set_pages(self.row_of[request_id], first, page_ids)
+        if update.pages:
+            self._change_pages(update.pages)
         rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample)
@@ -249,6 +249,22 @@ class InputBatch:
         """A request's page table as its row holds it."""
         row = self.row_of[request_id]
         return self.page_table[row, : self.num_pages[row]].tolist()
+
+    def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
+        """Page-table changes (request id, first entry, ids from it on) in one numpy write:
+        most are one appended page each, and a write a row cost more than the rest of them."""
+        rows, columns, ids, ends = [], [], [], {}
+        for request_id, first, page_ids in changes:
+            row, end = self.row_of[request_id], first + len(page_ids)
+            rows += [row] * len(page_ids)
+            columns += range(first, end)
+            ids += page_ids
+            ends[row] = end
+        if max(ends.values()) > self.page_table.shape[1]:
+            raise ValueError(f"a page table of {max(ends.values())} pages; rows hold "
+                             f"{self.page_table.shape[1]}")
+        self.page_table[rows, columns] = ids
+        self.num_pages[list(ends)] = list(ends.values())
 
     def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
                query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None

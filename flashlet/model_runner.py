@@ -3,7 +3,7 @@ step's layout, plan the attention backend, forward, LM head on the sampled rows.
 
 The runner owns the step batch (`batch`, a batch.InputBatch: a row per running request, its
 page table kept between steps); `prepare(update)` applies the scheduler's BatchUpdate to it and
-returns the step's layout. `load(layout)` puts a step's layout (flashlet/batch.py) into the runner's one set of step
+returns the step's layout. `load(layout)` puts a step's layout into the runner's one set of step
 buffers. Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
 replay, the graph reading the step buffers where its capture saw them (checked before each
 replay):

@@ -1,16 +1,17 @@
-"""A step's batch layout: built once, from rows, by `build_layout`; put on the device by
-`StepBuffers`. Every step goes through these two: the engine's, the warm-up's synthetic ones and
-the tests'.
+"""The step batch: the model runner's persistent rows, a step's layout built from them, and the
+buffers that put it on the device. Every step goes through these: the engine's, the warm-up's
+synthetic ones and the tests'.
 
-- `build_layout(rows, page_size)` is a pure function: each row is one sequence's part of the
-  step (its new token ids, how many tokens it has computed, its page table) and the result is a
-  `StepLayout`, a small set of named CPU arrays and tensors (input ids, positions, slot mapping,
-  FlashInfer's indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows).
-  `layout_of(sched, page_size)` reads those rows off a SchedulerOutput; for a step whose every
-  row has one token (a decode step) it builds the same layout from the rows' columns, read off
-  the requests (`decode_columns`), with little Python per row (`decode_layout` on StepRows; the
-  tests hold both to build_layout). A layout holds numpy arrays; each field's tensor is made
-  when first read (loading a step reads the arrays).
+- `InputBatch` is the persistent batch (the role of vLLM v1's InputBatch): a row per running
+  request, holding its page table and where its next input token comes from. The scheduler
+  emits what changed (scheduler.BatchUpdate: rows removed and added, page-table changes, the
+  step's positions and tokens); `InputBatch.apply` takes it and builds the step's `StepLayout`
+  in a few numpy calls over the step's rows: input ids, positions, slot mapping, FlashInfer's
+  indptr / indices / last-page lengths, KV lengths, sampled rows, fed rows. It is the one
+  builder: `build_layout(rows, page_size)`, the tests' and the warm-up's pure function of
+  StepRows, puts its rows in a batch of their own. Tensor-parallel workers apply the same
+  updates to their own InputBatch (parallel.py's step channel). A layout holds numpy arrays;
+  each field's tensor is made when first read (loading a step reads the arrays).
 - `StepBuffers.load(layout)` copies a layout into persistent buffers: every field in one arena
   of bytes, pinned on the host and uploaded to the device in ONE copy that does not block, so
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from itertools import accumulate, chain
+from itertools import chain
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -58,9 +59,9 @@ class StepLayout:
     b's rows are qo_indptr[b]:qo_indptr[b+1] and its pages
     paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]] (see attention/base.py).
 
-    The builders make a layout from its numpy arrays (`from_arrays`); each field's tensor, a
-    view of its array, is made when the field is first read. Loading a step reads the arrays
-    only, and a tensor from numpy costs ~3k instructions to make and ~2k to free (its deleter
+    The builder (InputBatch.layout) makes a layout from its numpy arrays (`from_arrays`); each
+    field's tensor, a view of its array, is made when the field is first read. Loading a step
+    reads the arrays only, and a tensor from numpy costs ~3k instructions to make and ~2k to free (its deleter
     takes the GIL): eleven a step were a sixth of a one-row step's host time."""
 
     input_ids: torch.Tensor  # [T] int64 (0 in a fed row until the device writes the token)
@@ -87,7 +88,8 @@ class StepLayout:
         arrays = self.__dict__.get("arrays")
         if arrays is None or name not in LAYOUT_DTYPES:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        tensor = torch.from_numpy(arrays[name])
+        make = self.__dict__.get("make_tensor")
+        tensor = torch.from_numpy(arrays[name]) if make is None else make(name)
         setattr(self, name, tensor)
         return tensor
 
@@ -123,6 +125,11 @@ class StepLayout:
     def max_query_len(self) -> int:
         return int(self.query_lens.max(initial=0))
 
+    def without_feed(self) -> "StepLayout":
+        """This layout with no fed rows: for a rank that gets its input ids whole (a worker)."""
+        none = np.zeros(0, np.int64)
+        return StepLayout.from_arrays({**self.arrays, "feed_rows": none, "feed_src": none})
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields by name (StepLayout(**tensors) rebuilds it)."""
         return {name: getattr(self, name) for name in LAYOUT_DTYPES}
@@ -133,163 +140,204 @@ LAYOUT_DTYPES = {f.name: torch.int32 if f.name in _INT32 else torch.int64
                  for f in fields(StepLayout)}
 
 
-def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
-    """The layout of a step whose sequences are `rows` (StepRow, or 5-tuples in its order)."""
-    ps = page_size
-    ids, lens, ends, num_pages, page_ids, sample, feed_src = [], [], [], [], [], [], []
-    for tokens, start, pages, samples, src in rows:  # the one loop over the sequences
-        n = len(tokens)
-        end = start + n
-        count = (end + ps - 1) // ps
-        ids += tokens
-        lens.append(n)
-        ends.append(end)
-        num_pages.append(count)
-        page_ids += pages[:count]
-        sample.append(samples)
-        feed_src.append(src)
-    num_seqs, num_tokens = len(lens), len(ids)
-    kv_lens = _array(ends, num_seqs)
-    pages_ = _array(num_pages, num_seqs)
-    table = np.fromiter(page_ids, np.int32, len(page_ids))
-    if len(table) != pages_.sum():
-        raise ValueError("a row's page table holds fewer pages than its tokens need")
-    # Per token: its sequence, its position, and the pool slot its K/V goes to.
-    if num_tokens == num_seqs and 0 not in lens:  # pure decode: one row per sequence
-        qo = np.arange(num_seqs + 1)
-        seq, positions = qo[:-1], kv_lens - 1
-    else:
-        lens_ = _array(lens, num_seqs)
-        qo = _indptr(lens_)
-        seq = np.repeat(np.arange(num_seqs), lens_)
-        positions = np.arange(num_tokens) + (kv_lens - qo[1:])[seq]
-    kv_ptr = _indptr(pages_)
-    page, offset = np.divmod(positions, ps)
-    slots = table[kv_ptr[:-1][seq] + page] * ps + offset
-    last = kv_lens - np.maximum(pages_ - 1, 0) * ps
-    logits = qo[1:] - 1
-    if False in sample:
-        logits = logits[np.fromiter(sample, bool, num_seqs)]
-    input_ids = _array(ids, num_tokens)
-    feed_rows = np.flatnonzero(input_ids == PLACEHOLDER)
-    if len(feed_rows):
+class InputBatch:
+    """The model runner's persistent batch: one row per request the scheduler runs, kept from
+    step to step, so a step costs work for what changed, not for every row.
+
+    A row holds what outlives a step: the request's page table (int32, a row of `page_table`),
+    the row of the previous launched step's sampled tokens its next input comes from
+    (`sample_index`, for overlap), and when it was added (`added_at`: the sampler keeps its
+    penalty state per row, and starts it afresh for a new occupant). `apply(update)` takes the
+    scheduler's BatchUpdate: rows removed (finished, preempted), rows added with their pages,
+    page-table changes (a new page every page_size tokens, or the prefix cache's deduplication),
+    and the step's columns (each scheduled request's id, first position, new tokens, whether it
+    samples); it returns the step's StepLayout, built by `layout` in a few numpy calls over the
+    step's rows (the one builder: `build_layout` goes through it too).
+
+    Extensions fit the row: a row with several query tokens (speculative decoding's k + 1, or a
+    prefill chunk) is a query length > 1 with sample rows at its last k + 1 tokens (widen
+    `logits_indices` from one per sampling row to its query rows); a KV cache stored in another
+    dtype than the model's changes the pool's pages, not the row, whose page ids and slots are
+    dtype-free."""
+
+    def __init__(self, max_seqs: int, max_pages_per_seq: int, page_size: int):
+        self.page_size = page_size
+        self.page_table = np.zeros((max_seqs, max_pages_per_seq), np.int32)
+        self.num_pages = np.zeros(max_seqs, np.int64)  # valid entries of each row's table
+        self.sample_index = np.zeros(max_seqs, np.int64)
+        self.added_at = np.full(max_seqs, -1, np.int64)  # `version` when the row was taken
+        self.row_of: dict[int, int] = {}  # request id -> row
+        self.free_rows = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
+        self.version = 0  # counts adds and removals: the same version, the same occupants
+        self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
+        self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
+
+    @classmethod
+    def holding(cls, request_ids: Sequence[int]) -> "InputBatch":
+        """A batch whose rows hold these requests (no pages), each sampling, in this order: for
+        tests and tools that call the sampler as the engine does."""
+        return cls(max(len(request_ids), 1), 0, 1).hold(request_ids)
+
+    def hold(self, request_ids: Sequence[int]) -> "InputBatch":
+        """Rows for exactly these requests (the others leave, new ones join with no pages),
+        each sampling, in this order: a step's batch as tests and tools see it."""
+        keep = set(request_ids)
+        for i in [i for i in self.row_of if i not in keep]:
+            self.remove(i)
+        for i in request_ids:
+            if i not in self.row_of:
+                self.add(i, [])
+        self.sampling_rows = [self.row_of[i] for i in request_ids]
+        return self
+
+    def apply(self, update) -> "StepLayout":
+        """The scheduler's BatchUpdate into the rows -> the step's layout. The sampling rows'
+        `sample_index` then point at their places in this step's sampled tokens."""
+        for request_id in update.removed:
+            self.remove(request_id)
+        for request_id, page_ids in update.added:
+            self.add(request_id, page_ids)
+        if update.pages:
+            self._change_pages(update.pages)
+        rows = self._rows_of(update.request_ids)
+        layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
+                             update.sample)
+        sampling = rows if update.sample is None else rows[np.asarray(update.sample, bool)]
+        self.sample_index[sampling] = np.arange(len(sampling))
+        self.sampling_rows = sampling.tolist()
+        return layout
+
+    def _rows_of(self, request_ids: list[int]) -> np.ndarray:
+        """The rows of these requests; the last step's when they are the same requests, in the
+        same order, of the same batch version (a steady decode batch: no lookups)."""
+        last_key, last_rows = self._last_rows
+        if last_key[0] != self.version or last_key[1] != request_ids:
+            last_rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64,
+                                    len(request_ids))
+            self._last_rows = (self.version, request_ids), last_rows
+        return last_rows
+
+    def add(self, request_id: int, page_ids: Sequence[int]) -> int:
+        if request_id in self.row_of:
+            raise ValueError(f"request {request_id} has a row already")
+        if not self.free_rows:
+            raise ValueError(f"the batch holds {len(self.page_table)} rows, all taken")
+        row = self.row_of[request_id] = self.free_rows.pop()
+        self.version += 1
+        self.added_at[row] = self.version
+        self.set_pages(row, 0, page_ids)
+        return row
+
+    def remove(self, request_id: int) -> None:
+        """Free a request's row (a no-op for one that never had a row: aborted while waiting)."""
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.version += 1
+            self.num_pages[row] = 0
+            self.free_rows.append(row)
+
+    def set_pages(self, row: int, first: int, page_ids: Sequence[int]) -> None:
+        """Row `row`'s page table from entry `first` on is page_ids (and ends there)."""
+        end = first + len(page_ids)
+        if end > self.page_table.shape[1]:
+            raise ValueError(f"a page table of {end} pages; rows hold "
+                             f"{self.page_table.shape[1]}")
+        self.page_table[row, first:end] = page_ids
+        self.num_pages[row] = end
+
+    def pages_of(self, request_id: int) -> list[int]:
+        """A request's page table as its row holds it."""
+        row = self.row_of[request_id]
+        return self.page_table[row, : self.num_pages[row]].tolist()
+
+    def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
+        """Page-table changes (request id, first entry, ids from it on) in one numpy write:
+        most are one appended page each, and a write a row cost more than the rest of them."""
+        rows, columns, ids, ends = [], [], [], {}
+        for request_id, first, page_ids in changes:
+            row, end = self.row_of[request_id], first + len(page_ids)
+            rows += [row] * len(page_ids)
+            columns += range(first, end)
+            ids += page_ids
+            ends[row] = end
+        if max(ends.values()) > self.page_table.shape[1]:
+            raise ValueError(f"a page table of {max(ends.values())} pages; rows hold "
+                             f"{self.page_table.shape[1]}")
+        self.page_table[rows, columns] = ids
+        self.num_pages[list(ends)] = list(ends.values())
+
+    def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
+               query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None
+               ) -> "StepLayout":
+        """The layout of a step over `rows` (in this order): row i computes its tokens from
+        position starts[i]; token_ids holds every row's new tokens, query_lens[i] of them
+        (None: one each, a decode step); sample[i] (None: every row) says whether its last
+        token's logits are sampled. A PLACEHOLDER token takes the previous step's sampled token
+        of its row (sample_index)."""
+        ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
+        num_seqs, num_tokens = len(rows), len(token_ids)
+        input_ids = np.array(token_ids, i64)
+        starts = np.array(starts, i64)
+        if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
+            qo = np.arange(num_seqs + 1, dtype=i32)
+            positions, token_rows, kv_lens = starts, rows, starts + 1
+            page, offset = np.divmod(positions, ps)
+            pages, last_page_len = page + 1, offset + 1
+            logits = np.arange(num_seqs)
+        else:
+            lens = np.array(query_lens, i64)
+            qo = _indptr(lens)
+            seq = np.repeat(np.arange(num_seqs), lens)
+            positions = np.arange(num_tokens) + (starts - qo[:-1])[seq]
+            token_rows, kv_lens = rows[seq], starts + lens
+            page, offset = np.divmod(positions, ps)
+            pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
+            last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
+            logits = qo[1:] - 1
+        if (self.num_pages[rows] < pages).any():
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        if sample is not None:
+            logits = logits[np.asarray(sample, bool)]
+        kv_ptr = _indptr(pages)
+        # Each sequence's pages are its row's first `pages` entries: one gather over the table.
+        table = self.page_table.ravel()
+        indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
+        slots = np.multiply(table[token_rows * width + page], ps, dtype=i64) + offset
+        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
         input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
-        feed_src_ = _array(feed_src, num_seqs)[seq[feed_rows]]
-    else:
-        feed_src_ = feed_rows
-    i32 = np.int32
-    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                  qo_indptr=qo.astype(i32), paged_kv_indptr=kv_ptr.astype(i32),
-                  paged_kv_indices=table, paged_kv_last_page_len=last.astype(i32),
-                  kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
-                  feed_src=feed_src_)
-    return StepLayout.from_arrays(arrays)
+        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
+                      paged_kv_indices=indices,
+                      paged_kv_last_page_len=last_page_len.astype(i32),
+                      kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
+                      feed_src=self.sample_index[token_rows[feed_rows]])
+        layout = StepLayout.from_arrays(arrays)
+        if query_lens is None:  # the cached properties' values, known already
+            layout.query_lens = np.ones(num_seqs, i32)
+            layout.is_pure_decode = True
+            layout.max_query_len = 1 if num_seqs else 0
+        return layout
 
 
-def _array(values: list, n: int) -> np.ndarray:
-    return np.fromiter(values, np.int64, n)  # faster than np.array from a list
+def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
+    """The layout of a step whose sequences are `rows` (StepRow, or 5-tuples in its order):
+    the rows put in a batch of their own, whose `layout` builds it (the engine's one path)."""
+    rows = [StepRow(*row) for row in rows]
+    batch = InputBatch(max(len(rows), 1), max((len(r.page_ids) for r in rows), default=0),
+                       page_size)
+    for i, row in enumerate(rows):
+        batch.add(i, row.page_ids)
+        batch.sample_index[i] = row.feed_src
+    lens = [len(row.token_ids) for row in rows]
+    return batch.layout(np.arange(len(rows)), [row.num_computed for row in rows],
+                        list(chain.from_iterable(row.token_ids for row in rows)),
+                        None if all(n == 1 for n in lens) else lens, [row.sample for row in rows])
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
-
-
-def decode_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
-    """build_layout for a step whose every row has exactly one token (a decode step, the common
-    one): the same StepLayout, built from the rows' columns (`_decode_layout`; the engine's
-    steps give it their columns straight from the requests, `decode_columns`)."""
-    rows = list(rows)
-    tokens, starts, tables, samples, feed_src = zip(*rows) if rows else ((),) * 5
-    lens = set(map(len, tokens))
-    if lens - {1}:
-        raise ValueError(f"decode_layout takes one token a row, got {max(lens - {1})}")
-    tables = [np.asarray(t, np.int32).tobytes() for t in tables]
-    sample_rows = [row for row, sample in enumerate(samples) if sample]
-    return _decode_layout(list(chain.from_iterable(tokens)), starts, tables, sample_rows,
-                          feed_src, page_size)
-
-
-_PAGE_BYTES = np.dtype(np.int32).itemsize  # of a page id in a page table (Request.page_table)
-
-
-def _decode_layout(token_ids: Sequence[int], starts: Sequence[int], tables: Sequence[bytes],
-                   sample_rows: Sequence[int], feed_src: Sequence[int], page_size: int
-                   ) -> StepLayout:
-    """The layout of a decode step from its rows' columns (a StepRow's fields: the one token of
-    each row in token_ids, each page table as int32 bytes, the rows that sample). Python per
-    row only counts pages (a comprehension); each field is then one numpy call, or a few, over
-    the whole step. As few as that: at these sizes numpy costs per call, not per row, and more
-    so when the forward has just evicted its code and data (3-10 us a call on the CPU here)."""
-    num_seqs, ps, i32, i64 = len(starts), page_size, np.int32, np.int64
-    num_pages = [start // ps + 1 for start in starts]  # each row's new K/V goes to its last
-    if list(map(len, tables)) != [n * _PAGE_BYTES for n in num_pages]:
-        tables = _cut_tables(tables, num_pages)
-    table = np.frombuffer(bytearray().join(tables), i32)  # a bytearray: the array is writable
-    kv_ptr = np.array(list(accumulate(num_pages, initial=0)), i32)
-    input_ids = np.array(token_ids, i64)
-    feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
-    input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
-    positions = np.array(starts, i64)
-    offsets = positions % ps
-    arrays = dict(input_ids=input_ids, positions=positions,
-                  slot_mapping=table[kv_ptr[1:] - 1] * ps + offsets,
-                  qo_indptr=np.arange(num_seqs + 1, dtype=i32),
-                  paged_kv_indptr=kv_ptr, paged_kv_indices=table,
-                  paged_kv_last_page_len=(offsets + 1).astype(i32),
-                  kv_lens=(positions + 1).astype(i32),
-                  logits_indices=np.asarray(sample_rows, i64),
-                  feed_rows=feed_rows, feed_src=np.array(feed_src, i64)[feed_rows])
-    layout = StepLayout.from_arrays(arrays)
-    # The cached properties' values, known already (each is numpy work on every load).
-    layout.query_lens = np.ones(num_seqs, i32)
-    layout.is_pure_decode = True
-    layout.max_query_len = 1 if num_seqs else 0
-    return layout
-
-
-def _cut_tables(tables: Sequence[bytes], num_pages: list[int]) -> list[bytes]:
-    """Each row's page table cut to the pages its tokens use (a request may hold pages reserved
-    ahead); ValueError if one holds fewer."""
-    if any(len(t) < n * _PAGE_BYTES for t, n in zip(tables, num_pages)):
-        raise ValueError("a row's page table holds fewer pages than its tokens need")
-    return [t[: n * _PAGE_BYTES] for t, n in zip(tables, num_pages)]
-
-
-def step_rows(sched: "SchedulerOutput"):
-    """The scheduled requests as StepRows (generated: the builder's loop is the only one)."""
-    for req, n in sched.scheduled:
-        start = req.num_computed_tokens
-        end = start + n
-        tokens = (req.token_at(start),) if n == 1 else req.token_slice(start, end)
-        yield tokens, start, req.page_ids, end == req.num_tokens, req.sample_row
-
-
-def decode_columns(sched: "SchedulerOutput") -> tuple[list, list, list, Sequence[int], list]:
-    """`_decode_layout`'s columns of a step whose every request computes one token: token ids,
-    starts, page tables (each request's, as bytes), the rows that sample (ascending), feed
-    sources. One list at a time over the requests, no tuple per row (this runs over every
-    running request every step)."""
-    reqs = [req for req, _ in sched.scheduled]
-    starts = [req.num_computed_tokens for req in reqs]
-    if len(sched.sampling) == len(reqs):  # every row samples: its token is the newest one
-        token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
-        sample_rows = np.arange(len(reqs))
-    else:
-        token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
-        sample_rows = [row for row, (req, start) in enumerate(zip(reqs, starts))
-                       if start + 1 == req.num_tokens]
-    tables = [req.page_table for req in reqs]
-    feed_src = [req.sample_row for req in reqs]
-    return token_ids, starts, tables, sample_rows, feed_src
-
-
-def layout_of(sched: "SchedulerOutput", page_size: int) -> StepLayout:
-    """The layout of a scheduled step (its sampling rows are `sched.sampling`, in order)."""
-    if sched.is_pure_decode:
-        return _decode_layout(*decode_columns(sched), page_size)
-    return build_layout(step_rows(sched), page_size)
 
 
 # The step arena: every field of a step in one byte buffer, in this order, each at a multiple
@@ -303,6 +351,24 @@ ARENA_ORDER = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_
                "paged_kv_indices")
 ARENA_ALIGN = 16  # bytes; Triton specialises a kernel on pointers aligned to 16, as torch's are
 _FIXED = ARENA_ORDER[:-1]  # the fields whose offsets the indices' length never moves
+_NUMPY_DTYPES = {name: np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.int64
+                 for name in ARENA_ORDER}
+
+
+class _Placement(NamedTuple):
+    """Where the fields before the page indices go for one set of their lengths."""
+
+    lengths: dict[str, int]
+    offsets: dict[str, int]  # bytes
+    indices_offset: int  # bytes: where the page indices start
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
+
+
+def _field(typed_arena, offset: int, n: int):
+    """n entries at byte `offset` of an arena viewed as one dtype (numpy or torch)."""
+    start = offset // typed_arena.itemsize
+    return typed_arena[start : start + n]
 _AT_MOST_ONE_PER_SEQ = frozenset(("logits_indices", "feed_rows", "feed_src"))
 
 
@@ -320,25 +386,6 @@ def arena_offsets(lengths: dict[str, int]) -> dict[str, int]:
         offset += n * LAYOUT_DTYPES[name].itemsize
     offsets["end"] = offset
     return offsets
-
-
-class _Fields(NamedTuple):
-    """The views of the fields before the page indices, for one set of lengths."""
-
-    np: dict[str, np.ndarray]  # host, to write into
-    host: dict[str, torch.Tensor]
-    dev: dict[str, torch.Tensor]
-    indices_offset: int  # bytes: where the page indices start
-
-
-class _Pages(NamedTuple):
-    """The views of the page indices at an offset and length, and of the span to upload."""
-
-    np: np.ndarray
-    host: torch.Tensor
-    dev: torch.Tensor
-    host_span: torch.Tensor  # bytes [0, end of the indices): the one host-to-device copy
-    dev_span: torch.Tensor
 
 
 class StepBuffers:
@@ -366,15 +413,21 @@ class StepBuffers:
                              paged_kv_last_page_len=max_seqs, kv_lens=max_seqs,
                              logits_indices=max_seqs, feed_rows=max_seqs, feed_src=max_seqs)
         # Every field at its capacity fits, so every step whose fields fit their capacities does.
-        size = arena_offsets(self.capacity)["end"]
+        size = -(-arena_offsets(self.capacity)["end"] // 8) * 8  # whole int64 words
         self.staged = self.device.type == "cuda"  # else the host arena is the device's
         self.host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=self.staged)
         self.dev_arena = (torch.zeros(size, dtype=torch.uint8, device=self.device)
                           if self.staged else self.host_arena)
         self._base = self.dev_arena.data_ptr()
-        self._fields: dict[tuple[int, ...], _Fields] = {}  # views, kept: slicing costs more
-        self._pages: dict[tuple[int, int], _Pages] = {}
-        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        # The arenas as arrays of each field dtype, made once: a field is then one slice of
+        # one of them (its offset is a multiple of ARENA_ALIGN, so of every dtype's size).
+        host_np = self.host_arena.numpy()
+        self._host = {dtype: host_np.view(dtype) for dtype in (np.int32, np.int64)}
+        self._dev = {dtype: self.dev_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
+        self._pinned = {dtype: self.host_arena.view(dtype) for dtype in (torch.int32, torch.int64)}
+        # The last step's placement, kept while steps repeat its shape (a steady decode batch
+        # does): a torch view costs microseconds, and a step reads ten.
+        self._placed: _Placement | None = None
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Are these the input ids of a step loaded here (the arena's first field)?"""
@@ -405,78 +458,57 @@ class StepBuffers:
         elif pad_to is not None and pad_to > num_seqs:
             self._check_padding(layout, pad_to)
             seqs_to = tokens_to = pad_to
-        placed = self._fields_for(arrays, seqs_to - num_seqs, tokens_to - num_tokens)
         num_pages = len(arrays["paged_kv_indices"])
+        lengths = {name: len(arrays[name]) for name in _FIXED}
+        for name in _PER_TOKEN:
+            lengths[name] += tokens_to - num_tokens
+        for name in _PER_SEQ:
+            lengths[name] += seqs_to - num_seqs
+        placed = self._placed
+        if placed is None or placed.lengths != lengths:
+            placed = self._placed = self._place(lengths)
         # A padded decode row has a scratch page of its own; a padded mixed sequence has none.
-        extra_pages = seqs_to - num_seqs if pad_tokens is None else 0
-        pages = self._pages_at(placed.indices_offset, num_pages + extra_pages)
-        for name, array in placed.np.items():
-            values = arrays[name]
-            array[: len(values)] = values
-        pages.np[:num_pages] = arrays["paged_kv_indices"]
+        num_indices = num_pages + (seqs_to - num_seqs if pad_tokens is None else 0)
+        self._check_fits({"paged_kv_indices": num_indices})
+        at = placed.indices_offset
+        host = {**placed.host, "paged_kv_indices": _field(self._host[np.int32], at, num_indices)}
+        dev = {**placed.dev, "paged_kv_indices": _field(self._dev[torch.int32], at, num_indices)}
+        for name, values in arrays.items():
+            host[name][: len(values)] = values
         if pad_tokens is not None:
-            self._pad_mixed(placed.np, num_seqs, num_tokens, num_pages)
+            self._pad_mixed(host, num_seqs, num_tokens, num_pages)
         elif seqs_to > num_seqs:
-            self._pad(placed.np, pages.np, num_seqs, num_pages, seqs_to)
+            self._pad(host, host["paged_kv_indices"], num_seqs, num_pages, seqs_to)
         if self.staged:  # the whole step in one copy
-            pages.dev_span.copy_(pages.host_span, non_blocking=True)
-        dev = placed.dev
+            end = at + num_indices * LAYOUT_DTYPES["paged_kv_indices"].itemsize
+            self.dev_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
         if len(arrays["feed_rows"]):
-            self._feed(dev, arrays["feed_rows"], fed_tokens)
-        staged = StepLayout(**placed.host, paged_kv_indices=pages.host)
-        staged.arrays = {**placed.np, "paged_kv_indices": pages.np}
+            self._feed(dev, placed, arrays["feed_rows"], fed_tokens)
+        staged = StepLayout.from_arrays(host)
+        if self.staged:  # tensors read off the pinned arena, so copies from them do not block
+            offsets = {**placed.offsets, "paged_kv_indices": at}
+            counts = {**placed.lengths, "paged_kv_indices": num_indices}
+            staged.make_tensor = lambda name: _field(self._pinned[LAYOUT_DTYPES[name]],
+                                                     offsets[name], counts[name])
         meta = AttentionMetadata(
             host=staged, positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=dev["qo_indptr"], paged_kv_indptr=dev["paged_kv_indptr"],
-            paged_kv_indices=pages.dev, paged_kv_last_page_len=dev["paged_kv_last_page_len"],
+            paged_kv_indices=dev["paged_kv_indices"],
+            paged_kv_last_page_len=dev["paged_kv_last_page_len"],
             kv_lens=dev["kv_lens"], logits_indices=dev["logits_indices"],
             num_padding=seqs_to - num_seqs, token_bucket=pad_tokens)
         return dev["input_ids"], meta
 
-    def _fields_for(self, arrays: dict[str, np.ndarray], pad_seqs: int, pad_tokens: int) -> _Fields:
-        """The views of the fields before the page indices for a step of these arrays padded
-        by pad_seqs sequences and pad_tokens tokens (kept per set of lengths)."""
-        key = tuple([len(arrays[name]) for name in _FIXED]) + (pad_seqs, pad_tokens)
-        fields = self._fields.get(key)
-        if fields is None:
-            lengths = dict(zip(_FIXED, key))
-            for name in _PER_TOKEN:
-                lengths[name] += pad_tokens
-            for name in _PER_SEQ:
-                lengths[name] += pad_seqs
-            lengths["paged_kv_indices"] = 0
-            self._check_fits(lengths)
-            offsets = arena_offsets(lengths)
-            views = {name: self._views(name, offsets[name], lengths[name]) for name in _FIXED}
-            fields = _Fields(np={name: v[0] for name, v in views.items()},
-                             host={name: v[1] for name, v in views.items()},
-                             dev={name: v[2] for name, v in views.items()},
-                             indices_offset=offsets["paged_kv_indices"])
-            if len(self._fields) >= 4096:  # bounded: lengths take many values over a run
-                self._fields.clear()
-            self._fields[key] = fields
-        return fields
-
-    def _pages_at(self, offset: int, count: int) -> _Pages:
-        """The views of `count` page indices at byte `offset`, and of the span up to their end."""
-        pages = self._pages.get((offset, count))
-        if pages is None:
-            self._check_fits({"paged_kv_indices": count})
-            end = offset + count * LAYOUT_DTYPES["paged_kv_indices"].itemsize
-            pages = _Pages(*self._views("paged_kv_indices", offset, count),
-                           host_span=self.host_arena[:end], dev_span=self.dev_arena[:end])
-            if len(self._pages) >= 8192:  # bounded: page counts take many values
-                self._pages.clear()
-            self._pages[offset, count] = pages
-        return pages
-
-    def _views(self, name: str, offset: int, n: int) -> tuple[np.ndarray, torch.Tensor,
-                                                               torch.Tensor]:
-        """(numpy, host, device) views of field `name`: n entries at byte `offset`."""
-        dtype = LAYOUT_DTYPES[name]
-        end = offset + n * dtype.itemsize
-        host = self.host_arena[offset:end].view(dtype)
-        return host.numpy(), host, self.dev_arena[offset:end].view(dtype)
+    def _place(self, lengths: dict[str, int]) -> "_Placement":
+        """Where the fields before the page indices go for these lengths, and their views."""
+        self._check_fits(lengths)
+        offsets = arena_offsets({**lengths, "paged_kv_indices": 0})
+        host = {name: _field(self._host[_NUMPY_DTYPES[name]], offsets[name], n)
+                for name, n in lengths.items()}
+        dev = {name: _field(self._dev[LAYOUT_DTYPES[name]], offsets[name], lengths[name])
+               for name in _ON_DEVICE if name != "paged_kv_indices"}
+        dev["feed_src"] = _field(self._dev[torch.int64], offsets["feed_src"], lengths["feed_src"])
+        return _Placement(lengths, offsets, offsets["paged_kv_indices"], host, dev)
 
     def _check_fits(self, lengths: dict[str, int]) -> None:
         for name, n in lengths.items():
@@ -484,29 +516,24 @@ class StepBuffers:
                 raise ValueError(f"the step's {name} has {n} entries; "
                                  f"the buffers hold {self.capacity[name]}")
 
-    def _feed(self, dev: dict[str, torch.Tensor], rows: np.ndarray,
+    def _feed(self, dev: dict[str, torch.Tensor], placed: "_Placement", rows: np.ndarray,
               fed_tokens: torch.Tensor | None) -> None:
         """The fed rows' input ids <- fed_tokens[feed_src], on the device. Fed rows ascend
-        (build_layout); where they are consecutive (every decode row of an overlapped step, in
-        the usual order) that is one gather straight into them, else a gather and a scatter."""
+        (InputBatch.layout); where they are consecutive (every decode row of an overlapped step,
+        in the usual order) that is one gather straight into them, else a gather and a
+        scatter."""
         if fed_tokens is None:
             raise ValueError("the step has fed rows but no previous step's tokens were given")
-        first, count = int(rows[0]), len(rows)
-        if rows[-1] - first == count - 1:
-            torch.index_select(fed_tokens, 0, dev["feed_src"], out=self._input_rows(first, count))
+        count, first = len(rows), int(rows[0])
+        feed_src = dev["feed_src"]
+        if rows[-1] - first == count - 1:  # (every row fed: the input ids' own view, no slice)
+            into = dev["input_ids"]
+            if count != len(into):
+                into = into[first : first + count]
+            torch.index_select(fed_tokens, 0, feed_src, out=into)
         else:
-            fed = fed_tokens.index_select(0, dev["feed_src"])
-            dev["input_ids"].index_copy_(0, dev["feed_rows"], fed)
-
-    def _input_rows(self, first: int, count: int) -> torch.Tensor:
-        """The device view of input ids first..first+count (kept: slicing costs more than the
-        gather it feeds)."""
-        rows = self._rows.get((first, count))
-        if rows is None:
-            if len(self._rows) >= 8192:
-                self._rows.clear()
-            rows = self._rows[first, count] = self._views("input_ids", 0, first + count)[2][first:]
-        return rows
+            feed_rows = _field(self._dev[torch.int64], placed.offsets["feed_rows"], count)
+            dev["input_ids"].index_copy_(0, feed_rows, fed_tokens.index_select(0, feed_src))
 
     def _check_padding(self, layout: StepLayout, size: int) -> None:
         if not layout.is_pure_decode:
@@ -558,6 +585,9 @@ class StepBuffers:
 # both, plus one scratch page in the page indices).
 _PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 _PER_SEQ = ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "kv_lens")
+# The fields the device reads (the fed rows' two are viewed only in a step that has some).
+_ON_DEVICE = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
+              "paged_kv_indices", "paged_kv_last_page_len", "kv_lens", "logits_indices")
 
 
 def load_layout(layout: StepLayout, device) -> tuple[torch.Tensor, AttentionMetadata]:

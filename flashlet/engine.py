@@ -1,6 +1,7 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
-A step is: schedule -> build its layout (batch.py) -> load it into the step buffers ->
+A step is: schedule -> the runner applies the scheduler's update to its persistent batch and
+builds the step's layout (batch.py) -> load it into the step buffers ->
 backend.plan() -> model forward (backend.run_rope() in every layer) -> sample on the device ->
 read the tokens -> `scheduler.update` (stop checks, pages, retiring) -> outputs. The engine
 deals in token ids only: text and stop strings belong to the front end (detokenizer.py), which
@@ -23,8 +24,8 @@ top k run apart from the sampled rows, and their values reach the request before
 outputs are made. Steps without such rows do nothing more.
 
 Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
-engine is rank 0, the only one that schedules and samples; every step's layout and input ids
-go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
+engine is rank 0, the only one that schedules and samples; every step's batch update and input
+ids go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
 by torchrun) the constructor returns an engine whose owner runs the worker loop on it
 (`tp_worker.serve`; `LLM` and the server do so under torchrun). `shutdown()`, or the engine
 being collected, stops the workers and leaves the process group, so another tensor-parallel
@@ -46,7 +47,6 @@ from typing import Callable
 import torch
 
 from flashlet import parallel, tp_worker
-from flashlet.batch import layout_of
 from flashlet.config import EngineConfig
 from flashlet.fused_decode import FusedParts
 from flashlet.kv_pool import KVPool
@@ -273,7 +273,6 @@ class Engine:
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
         finish_reason = FinishReason(finish_reason)
         output = self.scheduler.abort(request_id, finish_reason) or self._abort_held(request_id)
-        self.sampler.release(request_id)
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
@@ -337,12 +336,12 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput, previous: "LaunchedStep | None") -> "LaunchedStep":
         """Run the model and sample on the device; nothing here waits for the device."""
-        layout = layout_of(sched, self.config.page_size)
+        layout = self.runner.prepare(sched.batch_update)
         # Decode rows whose input is the previous step's token take it from the device.
         fed = previous.tokens if previous is not None else None
         input_ids, meta = self.runner.load(layout, fed)
-        if self.tp is not None:  # the workers run the same step
-            self.tp.send_step(layout, input_ids)
+        if self.tp is not None:  # the workers apply the same update to their batches
+            self.tp.send_step(sched.batch_update, input_ids)
         pooling = self.pooler.wants(sched)
         scoring = PromptScoring.of(sched.scheduled) if self._scoring_prompts else None
         wants_hidden = pooling or scoring is not None
@@ -358,7 +357,7 @@ class Engine:
                 logits = self.runner.forward(input_ids, meta)
             for observe in self._step_observers:
                 observe(meta, logits)
-            sampled = self.sampler.sample(logits, sched.sampling)
+            sampled = self.sampler.sample(logits, sched.sampling, self.runner.batch)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
@@ -392,11 +391,7 @@ class Engine:
             advance_grammars(launched.sched.sampling, tokens)
         if launched.scoring is not None:  # before the outputs, which carry them
             launched.scoring.deliver()
-        outputs = self.scheduler.update(launched.sched, tokens, launched.logprobs)
-        for out in outputs:
-            if out.finished:
-                self.sampler.release(out.request_id)
-        return outputs
+        return self.scheduler.update(launched.sched, tokens, launched.logprobs)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -410,6 +405,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.scheduler.check_batch(self.runner.batch)
 
     def observe_steps(self, fn) -> Callable[[], None]:
         """Call fn(meta, logits) after each step's forward pass (logits: the sampled rows',

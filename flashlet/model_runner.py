@@ -1,7 +1,9 @@
-"""Runs the model for one step: load its layout, plan the attention backend, forward, LM head
-on the sampled rows.
+"""Runs the model for one step: apply the scheduler's update to the persistent batch, load the
+step's layout, plan the attention backend, forward, LM head on the sampled rows.
 
-`load(layout)` puts a step's layout (flashlet/batch.py) into the runner's one set of step
+The runner owns the step batch (`batch`, a batch.InputBatch: a row per running request, its
+page table kept between steps); `prepare(update)` applies the scheduler's BatchUpdate to it and
+returns the step's layout. `load(layout)` puts a step's layout into the runner's one set of step
 buffers. Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
 replay, the graph reading the step buffers where its capture saw them (checked before each
 replay):
@@ -32,8 +34,8 @@ import torch
 
 from flashlet.attention import create_backend
 from flashlet.attention.base import AttentionMetadata
-from flashlet.batch import StepBuffers, StepLayout
 from flashlet import fused_decode
+from flashlet.batch import InputBatch, StepBuffers, StepLayout
 from flashlet.fused_decode import FusedParts
 
 log = logging.getLogger("flashlet")
@@ -90,6 +92,7 @@ class ModelRunner:
         self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts())
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
+        self.batch = InputBatch(config.max_num_seqs, max_pages_per_seq, kv_pool.page_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
@@ -132,6 +135,10 @@ class ModelRunner:
         """Block until the previous step's inputs have reached the device."""
         if self._staged is not None:
             self._staged.synchronize()
+
+    def prepare(self, update) -> StepLayout:
+        """The scheduler's BatchUpdate applied to the batch -> the step's layout."""
+        return self.batch.apply(update)
 
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
              token_bucket: int | None = None):

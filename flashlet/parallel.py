@@ -14,10 +14,11 @@ seeded generators) needs the whole row on one rank, one code path serves greedy 
 rows, and the gather is a single collective that lives inside the captured decode graph.
 
 Rank 0 runs the engine: scheduler, radix cache, sampling. Before each forward it broadcasts the
-step's batch layout (its small host tensors, over a gloo group, so the workers plan on the host
-while the GPU still runs the step before) and then the step's input ids on the device (they
-carry the tokens the step before sampled, never read on the host: overlap keeps working).
-Workers (`flashlet/tp_worker.py`) run the same forward on the same layout. With one rank none
+scheduler's update of the step batch (scheduler.BatchUpdate, pickled, over a gloo group, so the
+workers build the layout on the host while the GPU still runs the step before) and then the
+step's input ids on the device (they carry the tokens the step before sampled, never read on
+the host: overlap keeps working). Workers (`flashlet/tp_worker.py`) apply the update to their
+own persistent batch, as rank 0's runner does, and run the same forward on the same layout. With one rank none
 of this exists: `tp` is None and the model runs no collective.
 
 Ranks meet through torch.distributed's `env://` rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
@@ -32,6 +33,7 @@ import datetime
 import gc
 import logging
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -40,8 +42,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from flashlet.batch import LAYOUT_DTYPES, StepLayout
 
 log = logging.getLogger("flashlet")
 
@@ -55,11 +55,7 @@ WATCHDOG_PERIOD_S = 0.2
 # ends the process (a collective on a dead peer can block in C++ where no exception reaches it).
 DEAD_WORKER_GRACE_S = 30.0
 
-# The step layout sent to the workers: these StepLayout fields (flashlet/batch.py), in this
-# order. Not the fed rows: the workers get the input ids, fed tokens included, from rank 0.
-STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
-               "paged_kv_indices", "paged_kv_last_page_len", "kv_lens", "logits_indices")
-_STOP, _STEP = 0, 1
+_STOP, _STEP = 0, 1  # the step channel's header: [kind, bytes of the pickled update]
 
 
 class WorkerDiedError(RuntimeError):
@@ -224,27 +220,25 @@ class TensorParallel:
         return int(t.item())
 
     # ---- the step channel: rank 0 -> workers ---------------------------------------------
-    def send_step(self, layout, input_ids: torch.Tensor) -> None:
-        """Rank 0: the step's layout (a StepLayout as built, not padded: each rank pads it
-        the same way; host, gloo) and its input ids (device, as loaded) to every worker."""
-        fields = [getattr(layout, f) for f in STEP_FIELDS]
-        header = torch.tensor([_STEP] + [t.numel() for t in fields], dtype=torch.int64)
-        body = torch.cat([t.to(torch.int64) for t in fields])
-        self._control_broadcast(header)
+    def send_step(self, update, input_ids: torch.Tensor) -> None:
+        """Rank 0: the scheduler's BatchUpdate (host, gloo: each rank's runner applies it to
+        its own batch and pads the layout the same way) and the step's input ids (device, as
+        loaded) to every worker."""
+        body = torch.frombuffer(bytearray(pickle.dumps(update, pickle.HIGHEST_PROTOCOL)),
+                                dtype=torch.uint8)
+        self._control_broadcast(torch.tensor([_STEP, body.numel()], dtype=torch.int64))
         self._control_broadcast(body)
         self._broadcast_input_ids(input_ids)
 
     def recv_step(self):
-        """A worker: the next step's StepLayout, or None when rank 0 shuts down."""
-        header = torch.empty(1 + len(STEP_FIELDS), dtype=torch.int64)
+        """A worker: the next step's BatchUpdate, or None when rank 0 shuts down."""
+        header = torch.empty(2, dtype=torch.int64)
         self._control_broadcast(header)
         if header[0].item() == _STOP:
             return None
-        sizes = header[1:].tolist()
-        body = torch.empty(sum(sizes), dtype=torch.int64)
+        body = torch.empty(int(header[1]), dtype=torch.uint8)
         self._control_broadcast(body)
-        parts = body.split(sizes)
-        return StepLayout(**{f: p.to(LAYOUT_DTYPES[f]) for f, p in zip(STEP_FIELDS, parts)})
+        return pickle.loads(body.numpy().tobytes())
 
     def recv_input_ids(self, input_ids: torch.Tensor) -> None:
         """A worker: the step's input ids from rank 0, into its own device buffer."""
@@ -350,7 +344,7 @@ class TensorParallel:
         atexit.unregister(self.shutdown)
         if self.rank == 0 and self.failure is None and all(p.is_alive() for p in self.workers):
             try:
-                self._control_broadcast(torch.tensor([_STOP] + [0] * len(STEP_FIELDS)))
+                self._control_broadcast(torch.tensor([_STOP, 0]))
             except WorkerDiedError as e:
                 log.warning("tensor-parallel shutdown: %s", e)
         # After a failure NCCL's communicators are aborted already; gloo's close cleanly.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from flashlet.sampling import SamplingParams, TokenLogprob
@@ -44,17 +43,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
-    # This request's page table, replaced (never changed in place) by the scheduler through
-    # set_page_ids, which keeps page_table, the same ids as bytes for a step's layout, with it.
+    # This request's page table, replaced (never changed in place) by the scheduler, which
+    # tells the model runner's batch of each change (scheduler.BatchUpdate).
     page_ids: list[int] = field(default_factory=list)
-    page_table: bytes = field(default=b"", repr=False)
     num_tree_pages: int = 0  # leading pages owned by the prefix cache (locked through tree_node)
     tree_node: object = None  # deepest radix node this request holds a lock on
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
-    sample_row: int = 0  # row of this request in the last launched step's sampled tokens
     grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
     # The client request this one is part of (a multi-prompt completion's prompts share one):
@@ -97,21 +94,6 @@ class Request:
     def has_all_tokens(self) -> bool:
         """Every output token it may produce is sampled: only reading the last one is left."""
         return len(self.output_token_ids) >= self.params.max_new_tokens
-
-    def set_page_ids(self, page_ids: list[int]) -> None:
-        """Replace the page table: page_ids, and page_table, the same ids as int32 bytes (native
-        order) that a decode step's layout joins with the other rows' into its page indices in
-        one copy. Converted here, once a change (a decode crosses into a new page every
-        page_size steps): converting every running request's list every step was the largest
-        part of a 256-row decode step's layout, and joining bytes costs a fourteenth of what
-        numpy's concatenation of 256 arrays does."""
-        self.page_ids = page_ids
-        self.page_table = np.array(page_ids, np.int32).tobytes()
-
-    def check_page_table(self) -> None:
-        """page_table holds page_ids: the scheduler replaced them through set_page_ids only."""
-        assert np.frombuffer(self.page_table, np.int32).tolist() == self.page_ids, \
-            "page_ids was changed without set_page_ids"
 
     def drop_placeholders(self) -> None:
         """Forget tokens sampled after the request stopped (their values were never read)."""

@@ -28,13 +28,17 @@ seeded request's noise depends only on its seed and output position; the penalti
 count update are one small Triton kernel each. The torch code here is the CPU path and the
 reference the tests hold the kernels to.
 
-Per-batch state (as vLLM's persistent input batch): what the rows need on the device (sampling
-parameters, penalty values and slots, the row lists) is built when the step's requests differ
-from the last step's (the same requests in the same order) and reused otherwise, so a steady
-decode batch runs no per-row Python: three launches a sampled step with penalties. A seeded row's output position
-lives in that state on the device and the kernel advances it as it samples (the host's count
-of output tokens, placeholders included, seeds it when the state is rebuilt); unseeded rows mix
-a random seed drawn on the host each step with their row.
+Per-batch state: what the rows need on the device (sampling parameters, penalty values and
+rows, the row lists) is built when the step's sampling rows in the model runner's persistent
+batch (batch.InputBatch) differ from the last step's (another row, another order, or a row
+that changed hands: the batch's version) and reused otherwise, so a steady decode batch runs no
+per-row Python: three launches a sampled step with penalties. The penalty state has a row per
+batch row, set up afresh from a request's prompt and known output when a new request holds the
+row (nothing to release when one leaves). A seeded row's output position lives in the state on
+the device and the kernel advances it as it samples (the host's count of output tokens,
+placeholders included, seeds it when the state is rebuilt); unseeded rows mix a random seed
+drawn on the host each step with their row. Called without a batch (tests, tools), the rows are
+the requests' places in the call and the state is built every call.
 
 The sampler writes into the logits it is given (grammar and min_tokens masks, penalties) rather
 than copying them: the engine reads the runner's logits buffer only before sampling (observers,
@@ -43,7 +47,6 @@ and the raw logprobs, computed here first).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +71,7 @@ class BatchState:
     after step (a steady decode batch runs no per-row Python); what changes every step (a
     seeded row's output position) is kept and advanced on the device. A plain greedy batch
     needs nothing but the flag."""
-    reqs: list  # its requests, row by row (held, so their identity is the cache key)
+    key: tuple | None  # (the batch's version, its sampling rows); None: not to be reused
     plain_greedy: bool  # nothing to apply: the argmax is the token
     lp_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs,
     lp_ks: list[int] = field(default_factory=list)  # how many top ones each,
@@ -95,19 +98,18 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         # The Triton kernel samples on CUDA (tests run it on the CPU through the interpreter).
         self.use_kernel = device.type == "cuda" if use_kernel is None else use_kernel
-        # Penalty state, allocated when the first penalised request samples; one row a request.
-        self.counts: torch.Tensor | None = None  # [slots, vocab] int32: output tokens so far
-        self.seen_ids: torch.Tensor | None = None  # [slots, capacity] int64: prompt, then output
-        self.seen_lens: torch.Tensor | None = None  # [slots] int64: filled entries of seen_ids
-        self.slot_of: dict[int, int] = {}  # request id -> its row in the penalty state
-        self.free_slots: list[int] = []
+        # Penalty state, allocated when the first penalised request samples; one row a batch row.
+        self.counts: torch.Tensor | None = None  # [rows, vocab] int32: output tokens so far
+        self.seen_ids: torch.Tensor | None = None  # [rows, capacity] int64: prompt, then output
+        self.seen_lens: torch.Tensor | None = None  # [rows] int64: filled entries of seen_ids
+        self.row_owner: dict[int, object] = {}  # penalty row -> whose state it holds
         self.state: BatchState | None = None  # the last step's batch
 
     # ---- one step ---------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, reqs: list, batch=None) -> SamplerOutput:
         """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the
-        module docstring)."""
-        state = self.batch_state(reqs, logits.shape[1])
+        module docstring). batch: the runner's InputBatch, whose sampling_rows hold reqs."""
+        state = self.batch_state(reqs, logits.shape[1], batch)
         if state.plain_greedy:  # the common greedy case: nothing to apply
             # (reading the logits needs no inference mode, whose entry costs ~4 us a step)
             return SamplerOutput(logits.argmax(dim=-1), {}, None)
@@ -132,13 +134,6 @@ class Sampler:
             logprobs = StepLogprobs(state.lp_rows, state.lp_ks, raw_logprobs,
                                     tokens[state.lp_index])
         return SamplerOutput(tokens, errors, logprobs, state.constrained)
-
-    def release(self, request_id: int) -> None:
-        """A request left the engine: its penalty row is free for another."""
-        slot = self.slot_of.pop(request_id, None)
-        if slot is not None:
-            self.free_slots.append(slot)
-            self.state = None  # it may hold the slot
 
     def warm_up(self, vocab: int, max_seen: int = 0) -> None:
         """Compile the sampling kernels (where they are used) before the first request needs
@@ -168,21 +163,28 @@ class Sampler:
                 block *= 2
 
     # ---- the batch's state ------------------------------------------------------------------
-    def batch_state(self, reqs: list, vocab: int) -> BatchState:
-        """The state of this batch: the last step's when the requests are the same, in the same
-        order; else a new one (one pinned copy to the device). Same means the same Request
-        objects, not only the same request ids: a test (or a caller) that makes a new request
-        under an old id gets its own parameters."""
+    def batch_state(self, reqs: list, vocab: int, batch=None) -> BatchState:
+        """The state of this batch: the last step's when its sampling rows are the same rows of
+        the same batch version (the same requests, in the same order); else a new one (one
+        pinned copy to the device). Without a batch, a new one every call."""
+        if batch is None:
+            owners = [("request", req.request_id) for req in reqs]
+            self.state = self._build_state(reqs, vocab, None, list(range(len(reqs))), owners)
+            return self.state
+        key = (batch.version, batch.sampling_rows)
         last = self.state
-        if (last is None or len(last.reqs) != len(reqs)
-                or not all(map(operator.is_, last.reqs, reqs))):
-            self.state = self._build_state(reqs, vocab)
+        if last is None or last.key != key:
+            rows = batch.sampling_rows
+            self.state = self._build_state(reqs, vocab, key, rows, batch.added_at[rows].tolist())
         return self.state
 
-    def _build_state(self, reqs: list, vocab: int) -> BatchState:
+    def _build_state(self, reqs: list, vocab: int, key: tuple | None, rows: list[int],
+                     owners: list) -> BatchState:
+        """rows: each request's row (its penalty row); owners: who holds each row (a row whose
+        owner changed starts its penalty state afresh)."""
         params = [r.params for r in reqs]
         if all(plain_greedy(p) for p in params):
-            return BatchState(list(reqs), plain_greedy=True)
+            return BatchState(key, plain_greedy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -190,7 +192,8 @@ class Sampler:
         uploads = Uploads()
         lp_index = uploads.ints(lp_rows)
         pen_rows = uploads.ints(penalised)
-        pen_slots = uploads.ints([self._slot(reqs[i], vocab) for i in penalised])
+        pen_slots = uploads.ints([self._penalty_row(rows[i], owners[i], reqs[i], vocab)
+                                  for i in penalised])
         pen_values = uploads.floats([(params[i].presence_penalty, params[i].frequency_penalty,
                                       params[i].repetition_penalty) for i in penalised])
         random_index = uploads.ints(random_rows)
@@ -204,7 +207,7 @@ class Sampler:
                                   for i, p in zip(random_rows, sampled)])
         uploads.send(self.device)
         return BatchState(
-            list(reqs), plain_greedy=False, lp_rows=lp_rows,
+            key, plain_greedy=False, lp_rows=lp_rows,
             lp_ks=[params[i].logprobs for i in lp_rows], lp_index=lp_index.get(),
             constrained=any(p.is_constrained for p in params),
             early_stop_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
@@ -261,7 +264,7 @@ class Sampler:
         # Flat index_add_ / index_copy_ (atomics, one launch each), not index_put_ (which sorts).
         ones = torch.ones(slots.shape[0], dtype=self.counts.dtype, device=self.device)
         self.counts.view(-1).index_add_(0, slots * self.counts.shape[1] + chosen, ones)
-        end = self.seen_lens[slots].clamp(max=self.seen_ids.shape[1] - 1)  # full: never, see _slot
+        end = self.seen_lens[slots].clamp(max=self.seen_ids.shape[1] - 1)  # full: never, see _penalty_row
         self.seen_ids.view(-1).index_copy_(0, slots * self.seen_ids.shape[1] + end, chosen)
         self.seen_lens.index_add_(0, slots, torch.ones_like(end))
 
@@ -311,31 +314,32 @@ class Sampler:
                 errors[i] = e
         return exponential_race(probs, noise)
 
-    def _slot(self, req, vocab: int) -> int:
-        """The penalty row of `req`, set up from its prompt on first use."""
-        slot = self.slot_of.get(req.request_id)
-        if slot is not None:
-            return slot
+    def _penalty_row(self, row: int, owner, req, vocab: int) -> int:
+        """Penalty row `row`, set up from `req`'s prompt and known output unless it holds
+        `owner`'s state already."""
+        if self.row_owner.get(row) == owner:
+            return row
         prompt = req.prompt_token_ids
         # Room for every token it can output (+1: an overlapped step may sample one past a stop).
         need = len(prompt) + len(req.output_token_ids) + req.params.max_new_tokens + 1
-        if self.seen_ids is None or not self.free_slots or need > self.seen_ids.shape[1]:
-            self._grow(vocab, need)
-        slot = self.slot_of[req.request_id] = self.free_slots.pop()
-        self.counts[slot] = 0
+        if (self.seen_ids is None or row >= self.seen_ids.shape[0]
+                or need > self.seen_ids.shape[1]):
+            self._grow(vocab, row + 1, need)
+        self.row_owner[row] = owner
+        self.counts[row] = 0
         known = [t for t in req.output_token_ids if t >= 0]  # sampled before it was penalised
-        self.seen_ids[slot, : len(prompt) + len(known)] = self._index(prompt + known)
-        self.seen_lens[slot] = len(prompt) + len(known)
+        self.seen_ids[row, : len(prompt) + len(known)] = self._index(prompt + known)
+        self.seen_lens[row] = len(prompt) + len(known)
         if known:
-            self.counts[slot].index_put_((self._index(known),),
-                                         torch.ones(len(known), dtype=torch.int32,
-                                                    device=self.device), accumulate=True)
-        return slot
+            self.counts[row].index_put_((self._index(known),),
+                                        torch.ones(len(known), dtype=torch.int32,
+                                                   device=self.device), accumulate=True)
+        return row
 
-    def _grow(self, vocab: int, capacity: int) -> None:
-        """More rows (when none is free) and at least `capacity` seen ids a row."""
+    def _grow(self, vocab: int, rows: int, capacity: int) -> None:
+        """At least `rows` rows and `capacity` seen ids a row (doubling the rows)."""
         old = 0 if self.counts is None else self.counts.shape[0]
-        new = max(8, 2 * old) if not self.free_slots else old
+        new = max(8, 2 * old, rows) if rows > old else old
         capacity = max(capacity, 0 if self.seen_ids is None else self.seen_ids.shape[1])
         counts = torch.zeros(new, vocab, dtype=torch.int32, device=self.device)
         seen = torch.zeros(new, capacity, dtype=torch.int64, device=self.device)
@@ -344,7 +348,6 @@ class Sampler:
             counts[:old], lens[:old] = self.counts, self.seen_lens
             seen[:old, : self.seen_ids.shape[1]] = self.seen_ids
         self.counts, self.seen_ids, self.seen_lens = counts, seen, lens
-        self.free_slots += range(new - 1, old - 1, -1)
 
     def _index(self, values: list) -> torch.Tensor:
         return self._tensor(values, torch.int64)

@@ -39,12 +39,31 @@ from flashlet.request import PLACEHOLDER, FinishReason, Request, RequestOutput, 
 
 
 @dataclass
+class BatchUpdate:
+    """What the model runner's persistent batch (batch.InputBatch) needs for a step: what
+    changed since the last one, and the step's columns, one entry per scheduled request in
+    row order. Plain data: tensor-parallel rank 0 sends it to the workers as it is."""
+
+    removed: list[int] = field(default_factory=list)  # request ids: finished or preempted
+    added: list[tuple[int, list[int]]] = field(default_factory=list)  # (id, its page table)
+    # (id, first entry that changed, the page table from it on): pages appended, or the prefix
+    # cache's own copies swapped in for a request's duplicates
+    pages: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    request_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # tokens computed before this step
+    token_ids: list[int] = field(default_factory=list)  # every row's new tokens, in order
+    query_lens: list[int] | None = None  # new tokens of each row; None: one each
+    sample: list[bool] | None = None  # does each row sample; None: every row
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
     # Requests whose scheduled tokens reach their last token: each samples one, in row order.
     sampling: list[Request] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # per sampling row: its placeholder's index
+    batch_update: BatchUpdate = field(default_factory=BatchUpdate)  # for the model runner
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,6 +126,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
+        # Changes the model runner's batch has not been told of (see _batch_update).
+        self._rows_removed: list[int] = []
+        self._rows_added: list[Request] = []
+        self._pages_changed: dict[int, int] = {}  # request id -> first page entry changed
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -128,7 +151,38 @@ class Scheduler:
         can_admit = self.waiting and len(self.running) < self.max_num_seqs
         if budget > 0 and (partial or can_admit):
             self._schedule_prompts(_PromptBudget(out, budget), partial)
+        out.batch_update = self._batch_update(out)
         return out
+
+    def _batch_update(self, out: SchedulerOutput) -> BatchUpdate:
+        """What changed for the runner's batch since the last step, and this step's columns. A
+        step with nothing scheduled is not run, so its changes wait for the next one."""
+        if not out.scheduled:
+            return BatchUpdate()
+        update = BatchUpdate(removed=self._rows_removed)
+        added = {req.request_id: req for req in self._rows_added}
+        update.added = [(i, req.page_ids) for i, req in added.items()]
+        running = RequestStatus.RUNNING
+        for i, first in self._pages_changed.items():
+            req = self.requests.get(i)
+            if i not in added and req is not None and req.status is running:
+                update.pages.append((i, first, req.page_ids[first:]))
+        self._rows_removed, self._rows_added, self._pages_changed = [], [], {}
+        reqs = [req for req, _ in out.scheduled]
+        update.request_ids = [req.request_id for req in reqs]
+        update.starts = starts = [req.num_computed_tokens for req in reqs]
+        if not out.is_pure_decode:
+            update.query_lens = lens = [n for _, n in out.scheduled]
+            update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
+                                for t in req.token_slice(start, start + n)]
+            update.sample = [start + n == req.num_tokens
+                             for req, start, n in zip(reqs, starts, lens)]
+        elif len(out.sampling) == len(reqs):  # every row samples: its token is the newest one
+            update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
+        else:
+            update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
+            update.sample = [start + 1 == req.num_tokens for req, start in zip(reqs, starts)]
+        return update
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Request]]:
         """One token for each running request with one to compute (a decode; each samples),
@@ -222,11 +276,10 @@ class Scheduler:
         for req, n in out.scheduled:
             req.num_computed_tokens += n
         out.slots = slots = []
-        for row, req in enumerate(out.sampling):
+        for req in out.sampling:
             output_ids = req.output_token_ids
             slots.append(len(output_ids))
             output_ids.append(PLACEHOLDER)
-            req.sample_row = row
 
     def update(self, out: SchedulerOutput, tokens: list, logprobs=None) -> list[RequestOutput]:
         """The launched step's sampled tokens (one per sampling row; an Exception where that
@@ -328,6 +381,7 @@ class Scheduler:
             self.cache.hit_tokens += req.num_cached_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self._rows_added.append(req)
         step.chunks[req] = n
         return n
 
@@ -344,7 +398,7 @@ class Scheduler:
         tokens = req.token_slice(0, usable)
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
-        req.set_page_ids(list(pages))
+        self._set_pages(req, list(pages), 0)
         req.num_tree_pages, req.tree_node = len(pages), node
         req.num_computed_tokens = len(pages) * self.page_size
 
@@ -356,10 +410,18 @@ class Scheduler:
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
         try:
-            req.set_page_ids(req.page_ids + self.allocator.allocate(need))
+            self._set_pages(req, req.page_ids + self.allocator.allocate(need), len(req.page_ids))
         except OutOfPages:
             return False
         return True
+
+    def _set_pages(self, req: Request, page_ids: list[int], first_changed: int) -> None:
+        """Replace `req`'s page table (entries before first_changed are as they were); the
+        runner's batch hears of it with the next step."""
+        req.page_ids = page_ids
+        changed = self._pages_changed
+        i = req.request_id
+        changed[i] = min(changed.get(i, first_changed), first_changed)
 
     def cache_computed_pages(self, req: Request) -> None:
         """Hand `req`'s newly completed full pages to the prefix cache (deduplicating)."""
@@ -383,7 +445,8 @@ class Scheduler:
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.tree_node)
-        req.set_page_ids(list(pages) + req.page_ids[num_full:])
+        # The pages below req.num_tree_pages were the tree's already: only the rest changed.
+        self._set_pages(req, list(pages) + req.page_ids[num_full:], req.num_tree_pages)
         req.num_tree_pages, req.tree_node = num_full, node
 
     def release(self, req: Request, cache: bool = True) -> None:
@@ -392,12 +455,13 @@ class Scheduler:
             self.cache_computed_pages(req)
         self.allocator.free(req.page_ids[req.num_tree_pages :])
         self.cache.unlock(req.tree_node)
-        req.set_page_ids([])
+        self._set_pages(req, [], 0)
         req.num_tree_pages, req.tree_node = 0, None
         req.num_computed_tokens = 0
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._rows_removed.append(req.request_id)
         self.release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -410,6 +474,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
+            self._rows_removed.append(req.request_id)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.release(req, cache=req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR))
@@ -423,6 +488,17 @@ class Scheduler:
                        r.page_ids[r.num_tree_pages :], f"request {r.request_id}") for r in live])
         for req in self.running:
             assert len(req.page_ids) * self.page_size >= req.num_computed_tokens
-            req.check_page_table()
         for req in self.waiting:
             assert not req.page_ids and req.tree_node is None, "a waiting request holds pages"
+
+    def check_batch(self, batch) -> None:
+        """The runner's batch holds what the updates told it: a row for each running request
+        with its page table (changes not yet sent aside), and no row for a waiting one."""
+        for req in self.running:
+            i = req.request_id
+            if i not in self._pages_changed:
+                assert batch.pages_of(i) == req.page_ids, f"request {i}'s row has other pages"
+        removed = set(self._rows_removed)
+        for req in self.waiting:
+            assert req.request_id not in batch.row_of or req.request_id in removed, \
+                f"waiting request {req.request_id} holds a row"

@@ -1,8 +1,9 @@
 """A tensor-parallel worker (ranks 1..N-1): runs rank 0's steps on its slice of the model.
 
-The loop is three calls per step: receive the layout (host tensors, over gloo), load it into
-the step buffers as rank 0 does (`ModelRunner.load`: the same CUDA-graph padding) and receive
-the input ids on the device, then the same forward as rank 0 (its all-reduces and the logits
+The loop is four calls per step: receive the scheduler's update of the step batch (over gloo),
+apply it to this rank's persistent batch as rank 0 does (`ModelRunner.prepare`: the same rows,
+the same layout), load the layout into the step buffers (`ModelRunner.load`: the same CUDA-graph
+padding; no fed rows, since rank 0 sends the input ids) and receive the input ids on the device, then the same forward as rank 0 (its all-reduces and the logits
 all-gather pair with rank 0's; the logits are dropped, since only rank 0 samples). A STOP
 message from rank 0 ends it.
 
@@ -43,9 +44,10 @@ def serve(engine) -> None:
     tp, runner = engine.tp, engine.runner
     log.info("tensor-parallel worker rank %d ready", tp.rank)
     while True:
-        layout = tp.recv_step()
-        if layout is None:
+        update = tp.recv_step()
+        if update is None:
             break
+        layout = runner.prepare(update).without_feed()
         input_ids, meta = runner.load(layout)  # waits until the host staging is free
         tp.recv_input_ids(input_ids)
         runner.forward(input_ids, meta)

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashlet.batch import InputBatch  # noqa: E402
 from flashlet.request import Request  # noqa: E402
 from flashlet.sampler import Sampler  # noqa: E402
 from flashlet.sampling import SamplingParams  # noqa: E402
@@ -102,18 +103,20 @@ def main() -> int:
     for name, use_kernel in (("torch", False), ("kernel", True)):
         sampler = Sampler(device, {0}, use_kernel=use_kernel)
         reqs = requests(sampled)
+        batch = InputBatch.holding([r.request_id for r in reqs])  # the state kept between steps
         sampler.warm_up(args.vocab)
 
         def step():
             refill()
-            sampler.sample(logits, reqs)
+            sampler.sample(logits, reqs, batch)
 
         results[f"sampled_{name}_ms"] = cuda_ms(step, args.iters) - copy_ms
-        results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs),
+        results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs, batch),
                                                      args.iters)
         plain = requests(SamplingParams(temperature=0.7, top_p=0.9))
+        plain_batch = InputBatch.holding([r.request_id for r in plain])
         results[f"no_penalties_{name}_ms"] = cuda_ms(
-            lambda: (refill(), sampler.sample(logits, plain)), args.iters) - copy_ms
+            lambda: (refill(), sampler.sample(logits, plain, plain_batch)), args.iters) - copy_ms
     from flashlet.kernels.sampling import sample_rows
 
     params = torch.tensor([[0.7, 0, 0.9, 0.0]] * args.rows, device=device)
@@ -188,6 +191,7 @@ def host_side(args) -> int:
     for name, params in (("sampled", SamplingParams(**SAMPLED)),
                          ("no_penalties", SamplingParams(temperature=0.7, top_p=0.9))):
         reqs = [Request(i, prompts[i], params) for i in range(args.rows)]
+        batch = InputBatch.holding([r.request_id for r in reqs])
         launches = Counter()
 
         def counter(kernel):
@@ -204,12 +208,12 @@ def host_side(args) -> int:
         try:
             sampler = Sampler(device, {0}, use_kernel=True)
             for _ in range(3):  # the first step sets up the batch (and penalty rows)
-                sampler.sample(source.clone(), reqs)
+                sampler.sample(source.clone(), reqs, batch)
             launches.clear()
             steps = 10
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
-                    sampler.sample(source, reqs)
+                    sampler.sample(source, reqs, batch)
         finally:
             for k, fn in saved.items():
                 setattr(kernels, k, fn)
@@ -222,12 +226,12 @@ def host_side(args) -> int:
         sampler = Sampler(device, {0}, use_kernel=False)
         logits = source.clone()
         for _ in range(3):
-            sampler.sample(logits, reqs)
+            sampler.sample(logits, reqs, batch)
         times = []
         for _ in range(args.iters):
             logits.copy_(source)
             start = time.perf_counter()
-            sampler.sample(logits, reqs)
+            sampler.sample(logits, reqs, batch)
             times.append((time.perf_counter() - start) * 1e3)
         results[f"{name}_torch_path_cpu_ms"] = sorted(times)[len(times) // 2]
     return report(results, args.json, width=42)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from flashlet.batch import InputBatch
 from flashlet.request import Request
 from flashlet.sampler import Sampler, apply_penalties, sampling_probs
 from flashlet.sampling import SamplingParams, make_generator, sample_one
@@ -207,20 +208,29 @@ def test_penalty_counts_follow_the_sampled_tokens_on_the_device():
     sampler = Sampler(torch.device("cpu"), {EOS})
     params = SamplingParams(temperature=1.0, frequency_penalty=0.5)
     reqs = [request(0, params), request(1, params)]
+    batch = InputBatch.holding([0, 1])
     seen = [[], []]
     for step in range(5):
         logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(step))
-        tokens = sampler.sample(logits, reqs).tokens.tolist()
+        tokens = sampler.sample(logits, reqs, batch).tokens.tolist()
         for r in range(2):
             seen[r].append(tokens[r])
     for r, req in enumerate(reqs):
-        slot = sampler.slot_of[req.request_id]
+        row = batch.row_of[req.request_id]
         want = torch.bincount(torch.tensor(seen[r]), minlength=VOCAB).to(torch.int32)
-        assert torch.equal(sampler.counts[slot], want)
-        filled = int(sampler.seen_lens[slot])
-        assert sampler.seen_ids[slot, :filled].tolist() == [3, 4, 5] + seen[r]
-    sampler.release(reqs[0].request_id)
-    assert reqs[0].request_id not in sampler.slot_of and sampler.free_slots
+        assert torch.equal(sampler.counts[row], want)
+        filled = int(sampler.seen_lens[row])
+        assert sampler.seen_ids[row, :filled].tolist() == [3, 4, 5] + seen[r]
+    # Request 0 leaves and another takes its row: the row's state starts afresh, nothing to
+    # release (request 1's row goes on counting).
+    row = batch.row_of[0]
+    newcomer = request(7, params, prompt=[6])
+    batch.hold([7, 1])
+    assert batch.row_of[7] == row
+    tokens = sampler.sample(torch.randn(2, VOCAB), [newcomer, reqs[1]], batch).tokens.tolist()
+    assert sampler.seen_ids[row, : int(sampler.seen_lens[row])].tolist() == [6, tokens[0]]
+    assert int(sampler.counts[row].sum()) == 1
+    assert int(sampler.counts[batch.row_of[1]].sum()) == 6
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
@@ -298,35 +308,35 @@ def test_batch_state_is_reused_until_the_batch_changes():
               2: SamplingParams(temperature=1.0, top_k=1)}
     schedule = [[0, 1], [0, 1], [1, 0, 2], [1, 0, 2], [0], [2, 0]]
 
-    def run(batches):
+    def run(steps):
         sampler = Sampler(torch.device("cpu"), {EOS})
         reqs = {rid: request(rid, p) for rid, p in params.items()}
+        batch = InputBatch(4, 0, 1)
         out = {rid: [] for rid in params}
         states = []
-        for batch in batches:
-            logits = torch.stack([rows[rid] for rid in batch])
-            tokens = sampler.sample(logits.clone(), [reqs[rid] for rid in batch]).tokens.tolist()
+        for step in steps:
+            logits = torch.stack([rows[rid] for rid in step])
+            tokens = sampler.sample(logits.clone(), [reqs[rid] for rid in step],
+                                    batch.hold(step)).tokens.tolist()
             states.append(sampler.state)
-            for r, rid in enumerate(batch):
+            for r, rid in enumerate(step):
                 out[rid].append(tokens[r])
-        return out, states, sampler, reqs
+        return out, states, sampler, reqs, batch
 
-    together, states, sampler, reqs = run(schedule)
+    together, states, sampler, reqs, batch = run(schedule)
     assert states[1] is states[0] and states[3] is states[2]
     assert len({id(s) for s in states}) == 4
     assert sampler.state.random_rows == [1] and sampler.state.penalised == [1]  # top_k 1: greedy
     assert together[2] == [int(rows[2].argmax())] * 3
     for rid in (0, 1):
         assert together[rid] == run([[rid]] * len(together[rid]))[0][rid]
-    slot = sampler.slot_of[0]
     want = torch.bincount(torch.tensor(together[0]), minlength=VOCAB).to(torch.int32)
-    assert torch.equal(sampler.counts[slot], want)
+    assert torch.equal(sampler.counts[batch.row_of[0]], want)
     last = sampler.state
     fresh = request(2, SamplingParams(temperature=1.0, top_k=2))  # an old id, new parameters
-    sampler.sample(torch.stack([rows[2], rows[0]]), [fresh, reqs[0]])
+    batch.remove(2)  # it left and came back: the same rows, in the same order, but a new version
+    sampler.sample(torch.stack([rows[2], rows[0]]), [fresh, reqs[0]], batch.hold([2, 0]))
     assert sampler.state is not last and sampler.state.random_rows == [0, 1]
-    sampler.release(0)
-    assert sampler.state is None  # a released request's slot may go to another
 
 
 def test_uploads_parts_are_exact_and_16_byte_aligned():

@@ -258,3 +258,31 @@ def test_grammar_mask_leaves_exactly_the_allowed_tokens(tokenizer_llm):
     structured.matcher(fmt).fill_next_token_bitmask(reference, 0)
     bits = [(int(reference[0, t // 32]) >> (t % 32)) & 1 for t in range(49152)]
     assert allowed == [t for t, bit in enumerate(bits) if bit]
+
+
+def test_penalised_requests_reusing_rows_sample_as_alone(tiny_qwen2):
+    """Penalty state lives in the runner's batch rows: a request that takes the row another
+    left starts afresh (nothing released by hand), so each of six penalised requests through
+    two rows gives the tokens it gives alone, and the state never outgrows the rows."""
+    from flashlet import Engine, EngineConfig
+
+    def engine():
+        return Engine(EngineConfig(model=str(tiny_qwen2), max_num_seqs=2))
+
+    kinds = (dict(repetition_penalty=1.8), dict(frequency_penalty=1.5),
+             dict(presence_penalty=2.0))
+    requests = [(PROMPT[i:] + PROMPT[:i], SamplingParams(max_new_tokens=8 + i, ignore_eos=True,
+                                                         **kinds[i % 3])) for i in range(6)]
+    shared = engine()
+    ids = [shared.add_request(prompt, params) for prompt, params in requests]
+    done = {}
+    while shared.has_unfinished():
+        done.update((out.request_id, out.token_ids) for out in shared.step() if out.finished)
+    assert set(shared.sampler.row_owner) <= {0, 1}
+    for rid, (prompt, params) in zip(ids, requests):
+        alone = engine()
+        alone.add_request(prompt, params)
+        tokens = None
+        while alone.has_unfinished():
+            tokens = next((o.token_ids for o in alone.step() if o.finished), tokens)
+        assert done[rid] == tokens, rid

@@ -1,4 +1,5 @@
-"""The one step-layout builder (`batch.build_layout`) against a per-token reference, and the step
+"""The one step-layout builder (`batch.InputBatch`, and `build_layout` through it) against a
+per-token reference, the persistent batch driven by updates as the engine drives it, and the step
 buffers: CUDA-graph padding onto the scratch page, fed rows, and the runner's graph path on the
 CPU (a stand-in graph that re-runs the captured body) against eager steps."""
 
@@ -11,8 +12,8 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
-from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, StepBuffers, StepRow, build_layout,
-                            decode_layout, load_layout)
+from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepBuffers, StepRow,
+                            build_layout, load_layout)
 from flashlet.kv_pool import KVPool
 from flashlet.model_runner import graph_input_addresses
 from flashlet.request import PLACEHOLDER
@@ -74,16 +75,69 @@ def test_builder_matches_the_token_by_token_reference(ps):
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
-def test_decode_fast_path_gives_the_general_builders_layout(ps):
+def test_a_persistent_batch_driven_by_updates_gives_the_reference_layout(ps):
+    """Requests join and leave the batch, their page tables grow or change in the middle, and
+    steps take them in any order: each step's layout is the per-token reference's of the same
+    rows (their tokens, positions, current page tables, sampling, fed sources)."""
+    from flashlet.scheduler import BatchUpdate
+
     rng = random.Random(100 + ps)
-    for _ in range(100):
-        rows = random_rows(rng, ps, decode_only=True)
-        want = build_layout(rows, ps)
-        as_arrays = [r._replace(page_ids=np.array(r.page_ids, np.int32)) for r in rows]
-        for got in decode_layout(rows, ps), decode_layout(as_arrays, ps):
-            assert_same_layout(got, want, rows)
-    empty = decode_layout([], ps)
-    assert (empty.num_seqs, empty.max_query_len, empty.qo_indptr.tolist()) == (0, 0, [0])
+    batch = InputBatch(8, 80, ps)
+    tables: dict[int, list[int]] = {}
+    last_sampled: list[int] = []  # the previous step's sampling requests, in row order
+    next_id = 0
+    for _ in range(150):
+        update = BatchUpdate()
+        for i in rng.sample(sorted(tables), rng.randrange(0, len(tables) + 1) // 2):
+            update.removed.append(i)
+            del tables[i]
+        while len(tables) < 8 and rng.random() < 0.4:
+            tables[next_id] = rng.sample(range(500), rng.randrange(0, 4))
+            update.added.append((next_id, tables[next_id]))
+            next_id += 1
+        if not tables:
+            continue
+        step = rng.sample(sorted(tables), rng.randrange(1, len(tables) + 1))
+        rows = []
+        for i in step:
+            start, n = rng.randrange(0, 60), 1 if rng.random() < 0.6 else rng.randrange(0, 9)
+            need = -(-(start + n) // ps)
+            if len(tables[i]) < need or rng.random() < 0.2:  # grows, or swaps pages mid-table
+                first = rng.randrange(0, min(len(tables[i]), need) + 1)
+                tables[i] = tables[i][:first] + rng.sample(range(500), need - first)
+                update.pages.append((i, first, tables[i][first:]))
+            fed = n == 1 and i in last_sampled and rng.random() < 0.5
+            tokens = [PLACEHOLDER] if fed else [rng.randrange(1, 100) for _ in range(n)]
+            src = last_sampled.index(i) if fed else 0
+            rows.append(StepRow(tokens, start, tables[i], rng.random() < 0.8, src))
+        update.request_ids = step
+        update.starts = [r.num_computed for r in rows]
+        update.token_ids = [t for r in rows for t in r.token_ids]
+        lens = [len(r.token_ids) for r in rows]
+        update.query_lens = None if set(lens) == {1} else lens
+        update.sample = [r.sample for r in rows]
+        layout = batch.apply(update)
+        want = reference_layout(rows, ps)
+        for name, tensor in layout.tensors().items():
+            assert tensor.tolist() == want[name], (name, rows)
+        last_sampled = [i for i, r in zip(step, rows) if r.sample]
+        assert batch.sampling_rows == [batch.row_of[i] for i in last_sampled]
+    assert next_id > 20
+
+
+def test_a_batch_refuses_a_request_twice_and_more_rows_than_it_holds():
+    batch = InputBatch(2, 4, 4)
+    batch.add(7, [1])
+    with pytest.raises(ValueError, match="has a row already"):
+        batch.add(7, [2])
+    batch.add(8, [2])
+    with pytest.raises(ValueError, match="all taken"):
+        batch.add(9, [3])
+    with pytest.raises(ValueError, match="rows hold 4"):
+        batch.set_pages(batch.row_of[7], 2, [1, 2, 3])
+    batch.remove(7)
+    batch.remove(7)  # a no-op: gone already (as for a request aborted while it waited)
+    assert batch.add(9, [3]) == 0 and batch.version == 4  # two adds, a removal, an add
 
 
 def assert_same_layout(got, want, rows):
@@ -96,75 +150,58 @@ def assert_same_layout(got, want, rows):
     assert (got.is_pure_decode, got.max_query_len) == (want.is_pure_decode, want.max_query_len)
 
 
-def test_engine_steps_get_the_general_builders_layout(tiny_qwen2, monkeypatch):
-    """layout_of (the decode fast path, page tables cached on the requests between steps)
-    against build_layout of the plain rows, every step of a run that decodes across page
-    boundaries, chunks prompts, shares cached prefixes and preempts."""
-    import flashlet.engine
-    from flashlet.batch import layout_of, step_rows
+def test_engine_steps_get_the_reference_layout(tiny_qwen2, monkeypatch):
+    """The runner's persistent batch, kept by the scheduler's updates, against the reference
+    layout of the scheduled requests as they stand (tokens, page tables, fed sources), every
+    step of a run that decodes across page boundaries, chunks prompts, shares cached prefixes
+    and preempts, with overlap (fed rows) and without."""
+    for overlap in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
+                                     max_num_seqs=4, max_num_batched_tokens=16, overlap=overlap))
+        steps = {"decode": 0, "fed": 0}
+        scheduled = []
+        schedule, prepare = engine.scheduler.schedule, engine.runner.prepare
+        previous_sampling = []
 
-    num_decode_steps = 0
+        def reference_rows(sched):
+            for req, n in sched.scheduled:
+                start = req.num_computed_tokens
+                src = next((j for j, r in enumerate(previous_sampling) if r is req), 0)
+                yield StepRow(req.token_slice(start, start + n), start, list(req.page_ids),
+                              start + n == req.num_tokens, src)
 
-    def checked_layout_of(sched, ps):
-        nonlocal num_decode_steps
-        got = layout_of(sched, ps)
-        assert_same_layout(got, build_layout(step_rows(sched), ps), sched.scheduled)
-        num_decode_steps += got.is_pure_decode
-        return got
+        def recording_schedule():
+            sched = schedule()
+            scheduled.append(sched)
+            return sched
 
-    monkeypatch.setattr(flashlet.engine, "layout_of", checked_layout_of)
-    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
-                                 max_num_seqs=4, max_num_batched_tokens=16))
-    rng = random.Random(0)
-    shared = [rng.randrange(2, 200) for _ in range(9)]
-    for i in range(6):
-        prompt = shared + [rng.randrange(2, 200) for _ in range(rng.randrange(1, 20))]
-        engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-        engine.check_integrity()
-    assert engine.stats()["num_preemptions"] > 0 and num_decode_steps > 5
+        def checked_prepare(update):
+            nonlocal previous_sampling
+            sched = scheduled.pop()
+            rows = list(reference_rows(sched))
+            got = prepare(update)
+            want = reference_layout(rows, 4)
+            for name, tensor in got.tensors().items():
+                assert tensor.tolist() == want[name], name
+            steps["decode"] += got.is_pure_decode
+            steps["fed"] += len(want["feed_rows"]) > 0
+            previous_sampling = list(sched.sampling)
+            return got
 
-
-def random_decode_step(rng, ps):
-    """A step whose every row computes one token, of random requests: decodes (their newest
-    token; a placeholder while it is in flight), one-token prompt or recompute chunks that do
-    not reach the end (they do not sample), requests holding pages reserved ahead."""
-    from flashlet.request import Request
-    from flashlet.scheduler import SchedulerOutput
-
-    out = SchedulerOutput()
-    for rid in range(rng.randrange(1, 9)):
-        req = Request(rid, [rng.randrange(2, 100) for _ in range(rng.randrange(1, 30))],
-                      SamplingParams())
-        req.output_token_ids = [rng.randrange(2, 100) for _ in range(rng.randrange(0, 10))]
-        if req.output_token_ids and rng.random() < 0.5:
-            req.output_token_ids[-1] = PLACEHOLDER
-        last = req.num_tokens - 1
-        req.num_computed_tokens = last if rng.random() < 0.7 else rng.randrange(0, last + 1)
-        spare = rng.randrange(0, 3) if rng.random() < 0.3 else 0
-        req.set_page_ids(rng.sample(range(500), req.num_computed_tokens // ps + 1 + spare))
-        req.sample_row = rng.randrange(0, 16)
-        out.scheduled.append((req, 1))
-        if req.num_computed_tokens == last:
-            out.sampling.append(req)
-    return out
-
-
-@pytest.mark.parametrize("ps", [1, 4, 16])
-def test_decode_steps_off_requests_get_the_general_builders_layout(ps):
-    """layout_of's decode path (the rows' columns read off the requests) against build_layout
-    of the plain rows, on random steps (every row sampling, or not)."""
-    from flashlet.batch import layout_of, step_rows
-
-    rng = random.Random(200 + ps)
-    kinds = set()
-    for _ in range(150):
-        sched = random_decode_step(rng, ps)
-        assert_same_layout(layout_of(sched, ps), build_layout(step_rows(sched), ps),
-                           sched.scheduled)
-        kinds.add(len(sched.sampling) == len(sched.scheduled))
-    assert kinds == {True, False}
+        monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+        monkeypatch.setattr(engine.runner, "prepare", checked_prepare)
+        rng = random.Random(0)
+        shared = [rng.randrange(2, 200) for _ in range(9)]
+        for i in range(6):
+            prompt = shared + [rng.randrange(2, 200) for _ in range(rng.randrange(1, 20))]
+            engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        assert engine.stats()["num_preemptions"] > 0 and steps["decode"] > 5
+        assert (steps["fed"] > 5) == overlap
+        # Every row is a running request's, or one whose removal the next step's update carries.
+        assert set(engine.runner.batch.row_of) <= set(engine.scheduler._rows_removed)
 
 
 def test_a_built_layout_makes_its_tensors_only_when_read():
@@ -173,21 +210,13 @@ def test_a_built_layout_makes_its_tensors_only_when_read():
     of its array, made once."""
     rng = random.Random(7)
     for rows in (random_rows(rng, 4), random_rows(rng, 4, decode_only=True)):
-        layout = (decode_layout if all(len(r.token_ids) == 1 for r in rows) else build_layout)(
-            rows, 4)
+        layout = build_layout(rows, 4)
         fed = torch.arange(16)  # the previous step's sampled tokens, for the fed rows
         StepBuffers.for_layout(layout, "cpu").load(layout, fed)
         assert not set(vars(layout)) & set(LAYOUT_DTYPES), "load made a tensor"
         positions = layout.positions
         assert positions.dtype == torch.int64 and layout.positions is positions
         assert np.shares_memory(positions.numpy(), layout.arrays["positions"])
-
-
-def test_the_decode_fast_path_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match="one token a row"):
-        decode_layout([StepRow([1, 2], 0, [7])], 4)
-    with pytest.raises(ValueError, match="fewer pages"):
-        decode_layout([StepRow([1], 4, [7])], 4)
 
 
 def test_a_page_table_too_short_for_its_tokens_is_refused():

@@ -302,7 +302,7 @@ def _md_sched(record: dict) -> str:
                      "yes" if s["meets_target"] else "NO"])
     return table(["scenario", "running", "decodes", "prefill chunks", "tokens/step",
                   "evicted pages/step", "mean (us)", "p50 (us)", "p99 (us)", "mean < 1 ms"], rows) + \
-        "\n\nCPU time of scheduler.schedule() + the step layout (layout_of + StepBuffers.load) " \
+        "\n\nCPU time of scheduler.schedule() + the step layout (InputBatch.apply + StepBuffers.load) " \
         "per step (no forward pass)."
 
 

@@ -12,10 +12,10 @@ it reports (no extra device synchronize per step: that would undo the engine's o
 - offline: every request submitted at once (nano-vllm's throughput workload): the first run
   straight after Engine start (no bench warm-up), then a repeat with fresh prompts.
 - closed-loop: its figures are end to end already (first submission to the last token).
-- long-prompt-gaps: N streams decoding while M long prompts arrive at once (issue 32): the
+- long-prompt-gaps: N streams decoding while M long prompts arrive at once: the
   streams' token gaps (ITL) while the prompts are prefilled, against a pure-decode window
   before they arrive, and the long prompts' TTFT.
-- scheduler: CPU cost of `scheduler.schedule()` + the step layout (`batch.layout_of`,
+- scheduler: CPU cost of `scheduler.schedule()` + the step layout (`InputBatch.apply`,
   `StepBuffers.load`) for one step, no forward.
 - kernels: `flashlet.kernels.bench.run_kernel_sweep`.
 """
@@ -39,7 +39,7 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
-from flashlet.batch import StepBuffers, layout_of
+from flashlet.batch import InputBatch, StepBuffers
 from flashlet.bench.trace import Trace
 from flashlet.kv_pool import PageAllocator
 from flashlet.request import Request
@@ -445,7 +445,7 @@ def offline(engine, args, progress: Progress = NO_PROGRESS) -> dict:
 
 # ---- the scheduler micro-benchmark ---------------------------------------------------------
 def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
-    """CPU time of `scheduler.schedule()` + the step layout (`layout_of`, `StepBuffers.load`)
+    """CPU time of `scheduler.schedule()` + the step layout (`InputBatch.apply`, `StepBuffers.load`)
     per step, on a scheduler and step buffers of their own (no model, no forward pass; CPU
     tensors). Each step's made-up tokens go through the engine's own `on_launch` / `update`,
     untimed.
@@ -480,9 +480,10 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
             continue
         sched = Scheduler(PageAllocator(pages), ps, R, args.sched_budget, args.enable_prefix_cache)
         buffers = StepBuffers(args.sched_budget, R, R * -(-max_len // ps), "cpu")
-        results[scenario] = _sched_scenario(sched, buffers, vocab, R - num_prefill, num_prefill,
-                                            ctx, chunk, generated, steps, warm, args.seed,
-                                            progress, scenario)
+        batch = InputBatch(R, -(-max_len // ps), ps)  # the rows a model runner would keep
+        results[scenario] = _sched_scenario(sched, buffers, batch, vocab, R - num_prefill,
+                                            num_prefill, ctx, chunk, generated, steps, warm,
+                                            args.seed, progress, scenario)
         results[scenario]["pool_pages"] = pages
     for r in results.values():
         r["target_us"] = 1000.0
@@ -491,11 +492,11 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
                                              "page_size": ps, "context": ctx,
                                              "token_budget": args.sched_budget,
                                              "prefill_chunk_len": chunk, "steps": steps},
-            "timer": "time.perf_counter_ns around schedule() + layout_of() + buffers.load(), CPU tensors"}
+            "timer": "time.perf_counter_ns around schedule() + batch.apply() + buffers.load(), CPU tensors"}
 
 
-def _sched_scenario(sched, buffers, vocab, num_decodes, num_prefill, ctx, chunk, generated,
-                    steps, warm, seed, progress, name) -> dict:
+def _sched_scenario(sched, buffers, batch, vocab, num_decodes, num_prefill, ctx, chunk,
+                    generated, steps, warm, seed, progress, name) -> dict:
     rng = np.random.default_rng(seed)
     ids = itertools.count()
 
@@ -511,7 +512,7 @@ def _sched_scenario(sched, buffers, vocab, num_decodes, num_prefill, ctx, chunk,
         add(ctx, generated)  # never reached: nothing here finishes a decode
     while sched.waiting or any(r.num_tokens_to_compute > 1 for r in sched.running):
         out = sched.schedule()
-        buffers.load(layout_of(out, sched.page_size))
+        buffers.load(batch.apply(out.batch_update))
         complete(out)
     task = progress.task(f"scheduler {name}", warm + steps)
     times, shapes, evicted = [], set(), 0
@@ -521,7 +522,7 @@ def _sched_scenario(sched, buffers, vocab, num_decodes, num_prefill, ctx, chunk,
         evicted_before = sched.cache.num_evicted_pages
         t0 = time.perf_counter_ns()
         out = sched.schedule()
-        _, meta = buffers.load(layout_of(out, sched.page_size))
+        _, meta = buffers.load(batch.apply(out.batch_update))
         t1 = time.perf_counter_ns()
         complete(out)
         n_pre = sum(1 for _, n in out.scheduled if n > 1)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from flashlet.batch import InputBatch
 from flashlet.kernels.sampling import STEP_SEEDS, accepts, sample_rows
 from flashlet.request import Request
 from flashlet.sampler import Sampler, apply_penalties, sampling_probs
@@ -166,8 +167,8 @@ def test_kernel_path_keeps_greedy_rows_exact_and_penalties_sparse():
                                              else logits[1, 11] * 50)
     assert tokens[1] in second.topk(2).indices.tolist()
     assert tokens[2] == 10  # frequency counts output tokens only: the prompt's 10 stays on top
-    slot = sampler.slot_of[0]
-    assert sampler.seen_ids[slot, : int(sampler.seen_lens[slot])].tolist() == [10, 11, tokens[0]]
+    row = 0  # without a batch, a request's penalty row is its place in the call
+    assert sampler.seen_ids[row, : int(sampler.seen_lens[row])].tolist() == [10, 11, tokens[0]]
 
 
 def test_mixed_seeds_equal_the_host_splitmix():
@@ -206,11 +207,13 @@ def test_cached_batch_state_follows_joins_leaves_and_reorders():
     def run(batches):
         sampler = Sampler(torch.device("cpu"), {1}, use_kernel=True)
         reqs = {rid: Request(rid, prompts[rid], params[rid]) for rid in params}
+        runner_batch = InputBatch(4, 0, 1)  # the model runner's rows, as the steps change them
         states = []
         for batch in batches:
             logits = torch.stack([rows[rid] for rid in batch])
             before = logits.clone()
-            tokens = sampler.sample(logits, [reqs[rid] for rid in batch]).tokens.tolist()
+            tokens = sampler.sample(logits, [reqs[rid] for rid in batch],
+                                    runner_batch.hold(batch)).tokens.tolist()
             states.append(sampler.state)
             for r, rid in enumerate(batch):
                 p, req = params[rid], reqs[rid]

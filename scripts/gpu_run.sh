@@ -12,10 +12,13 @@
 #   decode-sat   128 sequences decoding: greedy beside HF, then temperature / top-p / penalties
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128
-#   serve        the HTTP server against in-process on the same workload (API_SERVERS=4 API
-#                processes; SERVE_LEVELS="1 16 64 256", SERVE_MIN_REQUESTS=N requests a level,
+#   serve        the HTTP server against in-process on the same workload, default server flags
+#                (API_SERVERS=N sets --api-server-count; SERVE_LEVELS="1 4 16 64 256",
+#                SERVE_MIN_REQUESTS=N requests a level,
 #                CLIENT_PROCS=N load-generator processes), then the API process's own cost a
 #                token (~10-15 min)
+#   long-prompts 64 streams decoding while eight 8,000-token prompts arrive: the streams' token
+#                gaps (p50 / p99 / max) and the long prompts' TTFT (~2 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
@@ -119,13 +122,16 @@ for part in "${PARTS[@]}"; do
                    --out "$OUT/json/closed-loop.json" ;;
     serve)
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
-        --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 16 64 256} --max-new-tokens 128 \
-        --api-server-count "${API_SERVERS:-4}" ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
+        --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 4 16 64 256} --max-new-tokens 128 \
+        ${API_SERVERS:+--api-server-count $API_SERVERS} ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
         ${SERVE_MIN_REQUESTS:+--min-requests $SERVE_MIN_REQUESTS} \
         -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
         --max-num-pages 16384
       run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
         --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
+    long-prompts)
+      run 300 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+        --workload long-prompt-gaps --out "$OUT/json/long-prompts.json" ;;
     shapes)
       for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
         run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \

@@ -64,7 +64,8 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
     server_flags = list(engine_flags)
     if args.tokenizer:
         server_flags += ["--tokenizer", args.tokenizer]
-    server_flags += ["--api-server-count", str(args.api_server_count)]
+    if args.api_server_count is not None:  # else the server's default (from its CPU count)
+        server_flags += ["--api-server-count", str(args.api_server_count)]
     log = open(out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "flashlet.server", "--port", str(port),
                              "--no-access-log", "--max-waiting", "100000", *server_flags],
@@ -271,8 +272,9 @@ def main(argv=None) -> int:
                    help="requests per level at least (so that p99 at concurrency 1 is a "
                         "percentile; default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
-    p.add_argument("--api-server-count", type=int, default=1,
-                   help="the server's --api-server-count (API processes; default %(default)s)")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="the server's --api-server-count (API processes; default: the "
+                        "server's own default, from its CPU count)")
     p.add_argument("--client-procs", type=int, default=None,
                    help="the bench's --client-procs (load-generator processes; default: the "
                         "bench's, one per 32 streams)")

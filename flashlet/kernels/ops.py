@@ -54,6 +54,6 @@ class TritonOpsGemv(TritonOps):
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and isinstance(weight, torch.Tensor):  # not an fp8 QuantizedWeight
             return gemv(x, weight, bias)
         return TorchOps.linear(x, weight, bias)

@@ -123,8 +123,11 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
 
 
 def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
-    """The reference (and the CPU path): the weight dequantized to x's dtype, one GEMM."""
-    return F.linear(x, w.dequantize(x.dtype), bias)
+    """The reference (and the CPU path): the weight dequantized in fp32 and multiplied in fp32
+    (as _scaled_mm's epilogue applies the scales), rounded once to x's dtype: a bf16 copy of
+    the weight would add its own rounding on top of fp8's."""
+    out = F.linear(x.float(), w.dequantize(torch.float32))
+    return (out + bias if bias is not None else out).to(x.dtype)
 
 
 def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:

@@ -15,6 +15,8 @@ compares against); on CUDA at sm_89+ it runs `torch._scaled_mm` with per-token a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,10 +133,16 @@ def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
 
 
 def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
-    """torch._scaled_mm: sm_89+, a bf16/fp16 output, K and N multiples of 16."""
+    """torch._scaled_mm: sm_89+, a bf16/fp16 output, K and N multiples of 16, some rows."""
     n, k = w.shape
     return (x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0 and n % 16 == 0
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and x.shape[0] > 0 and has_fp8_gemm(x.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def has_fp8_gemm(device_index: int | None) -> bool:
+    """FP8 tensor cores: sm_89 (Ada) and up. Cached: every linear asks."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def scaled_mm_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:

@@ -10,7 +10,8 @@ requantizing each row.
 
 `linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). Off
 CUDA it dequantizes and multiplies in the activation dtype (also the reference the GPU test
-compares against); on CUDA at sm_89+ it runs `torch._scaled_mm` with per-token activation scales.
+compares against); on CUDA at sm_89+ in bf16 it runs `torch._scaled_mm` with per-token activation
+scales.
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
 
 
 def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
-    """torch._scaled_mm: sm_89+, a bf16/fp16 output, K and N multiples of 16, some rows."""
+    """torch._scaled_mm with row-wise scales: sm_89+, a bf16 output (the only one row-wise
+    scaling is sure to take across PyTorch versions), K and N multiples of 16, some rows."""
     n, k = w.shape
-    return (x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0 and n % 16 == 0
+    return (x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
             and x.shape[0] > 0 and has_fp8_gemm(x.device.index))
 
 

@@ -261,3 +261,13 @@ def test_smollm2_greedy_tokens_with_fp8_weights_mostly_match_bf16(demo_model_dir
               for x, y in zip(fp8, bf16)]
     print("fp8 vs bf16 common greedy prefix per prompt:", prefix, "of 24")
     assert sum(prefix) >= 0.5 * 24 * len(prompts)
+
+
+def test_quantization_flag_is_built_from_the_config_field():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    assert EngineConfig.from_cli(parser.parse_args([])).quantization is None
+    assert "fp8" in parser.format_help()

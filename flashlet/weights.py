@@ -295,8 +295,6 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where, fp8_format)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
-    params.update((name, m) for name, m in model.named_modules()
-                  if isinstance(m, quantization_lib.QuantizedWeight))
     shard = None
     if tp is not None:
         from flashlet.parallel import checkpoint_slicer
@@ -305,6 +303,8 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
         with torch.no_grad():
             for p in params.values():  # the vocabulary padding of the last rank stays zero
                 p.zero_()
+    params.update((name, m) for name, m in model.named_modules()  # fp8 holders: every row read
+                  if isinstance(m, quantization_lib.QuantizedWeight))
     _stream_tensors(plan, params, torch.device(device), shard, fp8_format)
     return _finish(model, device, dtype)
 

@@ -271,3 +271,30 @@ def test_quantization_flag_is_built_from_the_config_field():
     assert EngineConfig.from_cli(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
     assert EngineConfig.from_cli(parser.parse_args([])).quantization is None
     assert "fp8" in parser.format_help()
+
+
+class _Rank:
+    """Stands in for TensorParallel where only the split is needed (no collective runs)."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def shape(self, cfg):
+        from flashlet.parallel import local_shape
+
+        return local_shape(cfg, self.rank, self.world_size)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_quantize_their_own_slices(tiny_llama, rank):
+    from flashlet.parallel import local_shape, shard_state_dict
+
+    whole, _, _ = load_model(str(tiny_llama))
+    part, _, _ = load_model(str(tiny_llama), tp=_Rank(rank, 2), quantization="fp8")
+    want = shard_state_dict(whole.state_dict(), whole.config, local_shape(whole.config, rank, 2))
+    for i, layer in enumerate(part.layers):
+        for proj in QUANTIZED_PROJECTIONS:
+            qweight, scale = quantize_rows(want[f"layers.{i}.{proj}.weight"])
+            got = getattr(layer, proj).weight
+            assert torch.equal(got.qweight.view(torch.uint8), qweight.view(torch.uint8))
+            assert torch.equal(got.scale, scale)

@@ -17,6 +17,7 @@ scales.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -174,22 +175,34 @@ class CheckpointFormat:
     def scale_name(self, weight_name: str) -> str:
         return weight_name + self.scale_suffix.removeprefix("weight")  # weight -> weight_scale
 
+    def scale_shape_error(self, weight_shape: tuple, scale_shape: tuple) -> str | None:
+        """Why a scale of `scale_shape` cannot scale a weight of `weight_shape` (None: it can)."""
+        n, k = weight_shape
+        numel = math.prod(scale_shape)
+        if numel == 1 or (numel == n and self.block is None):
+            return None
+        if self.block is None:
+            return (f"a scale of shape {tuple(scale_shape)} for a [{n}, {k}] weight is neither "
+                    f"per-tensor nor per-channel, and the config gives no block size")
+        bn, bk = self.block
+        if tuple(scale_shape) != (-(-n // bn), -(-k // bk)):
+            return (f"block scales of shape {tuple(scale_shape)} do not tile a [{n}, {k}] weight "
+                    f"in {bn} x {bk} blocks")
+        return None
+
     def to_rows(self, qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A stored (fp8 weight, scale) -> (qweight [N, K] fp8, scale [N] fp32) per row: exact for
         one scale or one per row; block scales are dequantized in fp32 and requantized per row."""
+        error = self.scale_shape_error(tuple(qweight.shape), tuple(scale.shape))
+        if error:
+            raise ValueError(error)
         n, k = qweight.shape
         scale = scale.float()
         if scale.numel() == 1:
             return qweight, scale.reshape(1).expand(n).contiguous()
-        if scale.numel() == n and self.block is None:
-            return qweight, scale.reshape(n).contiguous()
         if self.block is None:
-            raise ValueError(f"a scale of shape {tuple(scale.shape)} for a [{n}, {k}] weight is "
-                             f"neither per-tensor nor per-channel, and the config gives no block size")
+            return qweight, scale.reshape(n).contiguous()
         bn, bk = self.block
-        if scale.shape != (-(-n // bn), -(-k // bk)):
-            raise ValueError(f"block scales of shape {tuple(scale.shape)} do not tile a [{n}, {k}] "
-                             f"weight in {bn} x {bk} blocks")
         full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
         return quantize_rows(qweight.float() * full)
 

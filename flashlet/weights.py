@@ -329,6 +329,9 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
                 if scale_name not in stored:
                     raise ModelLoadError(f"{where}: fp8 tensor {name} has no {scale_name}")
                 scale = (scale_name, stored[scale_name])
+                error = fp8_format.scale_shape_error(t.shape, stored[scale_name].shape)
+                if error:
+                    raise ModelLoadError(f"{where}: {scale_name}: {error}")
             elif t.dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{where}: tensor {name} is {t.dtype}: quantized or integer "
                                      f"weights are not supported (need {'/'.join(FLOAT_DTYPES)})")

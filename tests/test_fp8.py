@@ -298,3 +298,27 @@ def test_tensor_parallel_ranks_quantize_their_own_slices(tiny_llama, rank):
             got = getattr(layer, proj).weight
             assert torch.equal(got.qweight.view(torch.uint8), qweight.view(torch.uint8))
             assert torch.equal(got.scale, scale)
+
+
+def test_block_scales_over_ragged_edges_dequantize_each_block_with_its_own_scale():
+    from flashlet.quantization import CheckpointFormat
+
+    fmt = CheckpointFormat("fp8", "weight_scale_inv", (32, 32))
+    q = (torch.randn(50, 70) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    s = torch.rand(2, 3) + 0.1  # ceil(50 / 32) x ceil(70 / 32) blocks
+    qweight, scale = fmt.to_rows(q, s)
+    want = q.float() * s[torch.arange(50)[:, None] // 32, torch.arange(70)[None, :] // 32]
+    got = qweight.float() * scale[:, None]
+    assert ((got - want).abs() <= want.abs().amax(1, keepdim=True) * 2 ** -4).all()
+    with pytest.raises(ValueError, match="do not tile"):
+        fmt.to_rows(q, torch.rand(2, 2))
+    assert fmt.scale_name("model.layers.0.mlp.down_proj.weight") == \
+        "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+
+def test_block_scales_that_do_not_tile_the_weight_are_refused_naming_the_tensor(tiny_qwen2, tmp_path):
+    config = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    folder = write_fp8_checkpoint(tiny_qwen2, tmp_path / "fp8", config,
+                                  lambda w: {**blocks(w), "_scale_inv": blocks(w)["_scale_inv"][:1]})
+    with pytest.raises(ModelLoadError, match=r"q_proj.weight_scale_inv: block scales .* do not tile"):
+        load_model(str(folder))

@@ -47,6 +47,11 @@ def relative_rms(ours, ref):
     return ((ours - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
+def resident_bytes(model):
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def write_fp8_checkpoint(src, dst, quantization_config, quantize):
     """Copy the model folder `src` to `dst` with each projection weight replaced by
     quantize(weight) -> {suffix: tensor} (the fp8 weight under "" and its scale tensors)."""
@@ -131,6 +136,11 @@ def test_quantize_at_load_holds_fp8_projections_and_float_everything_else(tiny_m
     floats = {n: p.dtype for n, p in model.named_parameters()}
     assert not any(n.endswith(tuple(f"{p}.weight" for p in QUANTIZED_PROJECTIONS)) for n in floats)
     assert set(floats.values()) == {torch.float32}  # embeddings, norms, LM head, biases
+    # What stays resident: one byte per projection weight plus a 4-byte scale per row.
+    projections = sum(getattr(l, p).weight.numel() for l in plain.layers
+                      for p in QUANTIZED_PROJECTIONS)
+    rows = sum(getattr(l, p).weight.shape[0] for l in plain.layers for p in QUANTIZED_PROJECTIONS)
+    assert resident_bytes(plain) - resident_bytes(model) == 4 * projections - projections - 4 * rows
     # fp8 weights move the logits, within the band every fp8 rounding stays in here.
     assert relative_rms(logits_of(model), logits_of(plain)) < FP8_LOGIT_TOLERANCE
 

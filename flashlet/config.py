@@ -23,6 +23,7 @@ class EngineConfig:
     backend: str = "auto"  # attention backend: auto | torch | flashinfer | triton
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # float32 | bfloat16 | float16; default: bf16 on cuda, fp32 on cpu
+    quantization: str | None = None  # fp8: the decoder's linear weights in float8 e4m3 with per-output-channel scales, quantized at load (FP8 checkpoints load as fp8 without it); default: the checkpoint's
     page_size: int = 16  # tokens per KV page
     max_num_pages: int | None = None  # KV pool size; default from kv_memory_gb / GPU memory
     kv_memory_gb: float = 1.0  # KV pool budget on the CPU when max_num_pages is not given
@@ -82,6 +83,8 @@ class EngineConfig:
         if self.structured_output_timeout_s < 0:
             raise ValueError("structured_output_timeout_s must be >= 0 (0: no time limit), got "
                              f"{self.structured_output_timeout_s}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r} (choose from fp8)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.fused_decode and self.tensor_parallel_size > 1:

@@ -116,11 +116,12 @@ class Engine:
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
             self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops,
-                                      tp=self.tp)
+                                      tp=self.tp, quantization=config.quantization)
             self.tokenizer, self.model_dir = None, None
         else:
             self.model, self.tokenizer, self.model_dir = load_model(
-                config.model, self.device, self.dtype, ops=ops, tp=self.tp)
+                config.model, self.device, self.dtype, ops=ops, tp=self.tp,
+                quantization=config.quantization)
         self.model_config = cfg = self.model.config
         self.max_model_len = min(config.max_model_len or cfg.max_context_len, cfg.max_context_len)
         if cfg.sliding_window and cfg.sliding_window == cfg.max_context_len:

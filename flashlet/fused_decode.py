@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
+from flashlet.quantization import is_quantized
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
@@ -86,6 +87,8 @@ def refusals(model, device: torch.device) -> list[str]:
     if dtype != torch.bfloat16:
         why.append(f"its kernels are bf16 only (dtype {dtype})")
     layer = model.layers[0]
+    if is_quantized(model):
+        why.append("its GEMVs stream bf16 weights, not fp8 ones (--quantization fp8 / an FP8 checkpoint)")
     for name, k in (("hidden_size", cfg.hidden_size), ("num_heads * head_dim", layer.q_size),
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
         if k % VEC:

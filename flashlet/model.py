@@ -27,6 +27,7 @@ from torch import nn
 from flashlet import rope
 from flashlet.ops import TorchOps
 from flashlet.parallel import LocalShape, local_shape
+from flashlet.quantization import checkpoint_format
 
 # model_type -> the architecture its config.json names.
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -116,11 +117,7 @@ def _check_supported(cfg: dict) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantized checkpoint (quantization_config, quant_method {method!r}): "
-                         "quantized weights are not implemented; use the unquantized model")
+    checkpoint_format(cfg.get("quantization_config"))  # refuses, by name, a method we do not read
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if not all(a.endswith("ForCausalLM") for a in archs):
         raise ValueError(f"unsupported architecture {archs[0]!r}: only the *ForCausalLM head is implemented")

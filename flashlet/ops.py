@@ -6,13 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashlet.quantization import QuantizedWeight
+from flashlet.quantization import linear as quantized_linear
+
 
 class TorchOps:
     name = "torch"
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
+        """x [T, K] @ weight [N, K].T (+ bias) -> [T, N]; an fp8 weight goes to its own matmul."""
+        if isinstance(weight, QuantizedWeight):
+            return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod

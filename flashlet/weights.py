@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from flashlet import quantization as quantization_lib
+
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -245,6 +247,7 @@ class StoredTensor:
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+FP8_DTYPE = "F8_E4M3"
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
@@ -279,38 +282,52 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
     return found
 
 
-def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None):
-    """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes."""
+def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None,
+               quantization=None):
+    """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes;
+    quantization "fp8": linear weights quantized at load (`flashlet.quantization`)."""
     model_dir = resolve_model_dir(source)
     try:
         hf_config = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {e}") from e
-    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops, tp=tp)
+    model = model_from_checkpoint(hf_config, model_dir, device, dtype, ops, tp=tp,
+                                  quantization=quantization)
     return model, load_tokenizer(model_dir), model_dir
 
 
 def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=torch.float32,
-                          ops=None, tp=None):
+                          ops=None, tp=None, quantization=None):
     """Our CausalLM from a config dict and a safetensors folder, streamed to `device` tensor by
     tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
     into its slice of our fused parameter on the device, and dropped, so the host never holds
     more than the shard being read (mapped) and one tensor. With `tp`
-    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first."""
+    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first.
+
+    With quantization "fp8" or an FP8 checkpoint, the decoder's linear weights are fp8 holders
+    from the start, filled row by row (a float tensor quantized as it is read, an fp8 one
+    converted with its scale): no float copy of them is ever allocated."""
     from flashlet.model import CausalLM, ModelConfig
 
     where = str(model_dir)
     try:
         cfg = ModelConfig.from_hf(hf_config)
+        fp8_format = quantization_lib.checkpoint_format(hf_config.get("quantization_config"))
+        check_quantization(quantization)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{where}: config: {e}") from e
+    if fp8_format is not None and tp is not None:
+        raise ModelLoadError(f"{where}: FP8 checkpoints are not read with tensor parallelism; "
+                             f"load the unquantized model with --quantization fp8")
     kwargs = {} if ops is None else {"ops": ops}
     with torch.device("meta"):
         # No fp32 detour: allocate in the target dtype.
         model = CausalLM(cfg, **kwargs, tp=tp).to(dtype)
         whole = model if tp is None else CausalLM(cfg)  # the checkpoint's shapes
-    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
-    plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where)
+        shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+        if quantization == "fp8" or fp8_format is not None:
+            quantization_lib.prepare_quantized_model(model)
+    plan = _copy_plan(cfg, checkpoint_tensors(model_dir), shapes, where, fp8_format)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     shard = None
@@ -321,13 +338,17 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
         with torch.no_grad():
             for p in params.values():  # the vocabulary padding of the last rank stays zero
                 p.zero_()
-    _stream_tensors(plan, params, torch.device(device), shard)
+    params.update((name, m) for name, m in model.named_modules()  # fp8 holders: every row read
+                  if isinstance(m, quantization_lib.QuantizedWeight))
+    _stream_tensors(plan, params, torch.device(device), shard, fp8_format)
     return _finish(model, device, dtype)
 
 
-def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], where: str):
-    """file -> [(HF name, our parameter, first row)]; every tensor checked against the shape
-    the config gives our parameter, before anything is allocated."""
+def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], where: str,
+               fp8_format=None):
+    """file -> [(HF name, our parameter, first row, (scale name, StoredTensor) or None)]; every
+    tensor checked against the shape the config gives our parameter, before anything is
+    allocated."""
     from flashlet.model import hf_to_flashlet_names
 
     plan: dict[Path, list] = {}
@@ -337,14 +358,22 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
             raise ModelLoadError(f"{where}: weights lack {', '.join(missing[:3])}")
         want, row = shapes.pop(ours), 0
         for name in theirs:
-            t = stored[name]
-            if t.dtype not in FLOAT_DTYPES:
+            t, scale = stored[name], None
+            if t.dtype == FP8_DTYPE and fp8_format is not None and _is_projection(ours):
+                scale_name = fp8_format.scale_name(name)
+                if scale_name not in stored:
+                    raise ModelLoadError(f"{where}: fp8 tensor {name} has no {scale_name}")
+                scale = (scale_name, stored[scale_name])
+                error = fp8_format.scale_shape_error(t.shape, stored[scale_name].shape)
+                if error:
+                    raise ModelLoadError(f"{where}: {scale_name}: {error}")
+            elif t.dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{where}: tensor {name} is {t.dtype}: quantized or integer "
                                      f"weights are not supported (need {'/'.join(FLOAT_DTYPES)})")
             if t.shape[1:] != want[1:]:
                 raise ModelLoadError(f"{where}: tensor {name} has shape {t.shape}, the config "
                                      f"implies (..., {', '.join(map(str, want[1:]))})")
-            plan.setdefault(t.file, []).append((name, ours, row))
+            plan.setdefault(t.file, []).append((name, ours, row, scale))
             row += t.shape[0]
         if row != want[0]:
             parts = " + ".join(str(stored[n].shape[0]) for n in theirs)
@@ -356,7 +385,7 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
 
 
 def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device,
-                    shard=None) -> None:
+                    shard=None, fp8_format=None) -> None:
     from safetensors import safe_open
 
     if device.type == "cuda" and device.index is None:
@@ -365,14 +394,48 @@ def _stream_tensors(plan: dict[Path, list], params: dict, device: torch.device,
         for file, copies in plan.items():
             try:
                 with safe_open(str(file), framework="pt", device=str(device)) as sf:
-                    for name, ours, row in copies:
+                    for name, ours, row, scale in copies:
                         tensor = sf.get_tensor(name)
                         if shard is not None:  # tensor parallel: this rank's rows or columns
                             row, tensor = shard(ours, row, tensor)
-                        params[ours][row:row + tensor.shape[0]].copy_(tensor)
+                        if isinstance(params[ours], quantization_lib.QuantizedWeight):
+                            _copy_quantized(params[ours], row, tensor, scale, fp8_format, device)
+                        else:
+                            params[ours][row:row + tensor.shape[0]].copy_(tensor)
                         del tensor
             except Exception as e:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from e
+
+
+def _is_projection(ours: str) -> bool:
+    return ours.endswith(tuple(f"{p}.weight" for p in quantization_lib.QUANTIZED_PROJECTIONS))
+
+
+def _copy_quantized(target, row: int, tensor: torch.Tensor, scale: tuple | None,
+                    fp8_format, device) -> None:
+    """Rows [row, row + n) of an fp8 holder from a checkpoint tensor: a float one quantized per
+    row; an fp8 one with its stored scale, converted to one scale per row."""
+    if scale is None:
+        qweight, row_scale = quantization_lib.quantize_rows(tensor)
+    else:
+        qweight, row_scale = fp8_format.to_rows(tensor, _read_tensor(*scale, device))
+    n = qweight.shape[0]
+    target.qweight[row:row + n].copy_(qweight)
+    target.scale[row:row + n].copy_(row_scale)
+
+
+def _read_tensor(name: str, stored: StoredTensor, device) -> torch.Tensor:
+    """One (small) tensor by name: a scale, possibly in another shard."""
+    from safetensors import safe_open
+
+    with safe_open(str(stored.file), framework="pt", device=str(device)) as sf:
+        return sf.get_tensor(name)
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization not in (None, *quantization_lib.QUANTIZATION_METHODS):
+        raise ValueError(f"unknown quantization {quantization!r} (choose from "
+                         f"{', '.join(quantization_lib.QUANTIZATION_METHODS)})")
 
 
 def _finish(model, device, dtype):
@@ -384,11 +447,18 @@ def _finish(model, device, dtype):
     return model.eval()
 
 
-def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=None):
+def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=None,
+                 quantization=None):
     """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
-    this rank's slices of the very weights one device would draw."""
+    this rank's slices of the very weights one device would draw; quantization "fp8": its linear
+    weights then quantized."""
     from flashlet.model import CausalLM
 
+    check_quantization(quantization)
+    if quantization is not None:
+        model = random_model(cfg, device, dtype, seed, ops, tp)
+        quantization_lib.quantize_model(model)
+        return model
     if tp is not None:
         return _shard_model(random_model(cfg, device, dtype, seed, ops), tp)
 

@@ -53,6 +53,20 @@ LM head (bf16 GEMM, then fp32) follow transformers.
     python scripts/fidelity.py                               # every preset, bf16, all backends
     python scripts/fidelity.py --config qwen3-0.6b --backend triton --json out.json
     python scripts/fidelity.py --diagnose --config llama-3.2-1b qwen2.5-1.5b
+    python scripts/fidelity.py --quantization fp8            # beside each backend, its fp8 row
+    python scripts/fidelity.py --perplexity --device cpu     # SmolLM2: fp8 weights vs bf16
+
+--quantization fp8: each backend also runs with fp8 weights (`flashlet/quantization.py`, the
+same seeded weights quantized at load) against the same HF fp32 reference; its row passes when
+its agreement is within 3 points of the same backend's unquantized row (issue 31). Random weights
+judge fp8 harshly: their fp32 top-2 logit gaps are small (median 0.08 on qwen2.5-0.5b) against
+the logit error of fp8 weights (max 0.63 there, bf16's 0.06): on the CPU, 256 positions, torch
+backend (2026-12-01), qwen2.5-0.5b agreed 69.9% with fp8 weights against 96.5% in bf16. The
+real model's perplexity (--perplexity) measures what a trained model loses.
+
+--perplexity: no presets; the real model (--model, default the embedded SmolLM2-135M) scores a
+fixed text (scripts/fidelity_text.txt) teacher-forced through the engine in --dtype, with its
+weights as they are and in fp8; fails when fp8's perplexity is more than 3% over.
 """
 
 from __future__ import annotations
@@ -97,6 +111,11 @@ def parse_args(argv=None):
                    help="attention backends and RoPE against fp32 at each preset's shape (no model)")
     p.add_argument("--diag-seqs", type=int, default=8, help="--diagnose: sequences")
     p.add_argument("--diag-chunk", type=int, default=64, help="--diagnose: prefill chunk")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="also run each backend with these weights (compared with its own row)")
+    p.add_argument("--perplexity", action="store_true",
+                   help="the real --model's perplexity on scripts/fidelity_text.txt, fp8 vs --dtype")
+    p.add_argument("--model", default=None, help="--perplexity: the model (default: embedded SmolLM2)")
     p.add_argument("--diag-qk-scale", type=float, nargs="+", default=[1.0, 3.0],
                    help="--diagnose: q/k std as multiples of a random-weight model's "
                         "(0.02 sqrt(hidden)); 3 makes attention peaked")
@@ -127,7 +146,7 @@ def default_backends(device: str) -> list[str]:
     return backends
 
 
-def engine_for(args, config: str, backend: str) -> Engine:
+def engine_for(args, config: str, backend: str, quantization: str | None = None) -> Engine:
     """An engine for one sequence at a time; `flashinfer-nosplit` is FlashInfer planned with
     disable_split_kv."""
     pages = 2 * -(-(args.seq_len + 1) // args.page_size) + 4  # one sequence at a time
@@ -135,7 +154,8 @@ def engine_for(args, config: str, backend: str) -> Engine:
                                  device=args.device, dtype=args.dtype, page_size=args.page_size,
                                  max_num_pages=pages, max_num_seqs=4,
                                  max_num_batched_tokens=args.chunk, enable_prefix_cache=False,
-                                 cuda_graph=False, weights_seed=args.seed))
+                                 cuda_graph=False, weights_seed=args.seed,
+                                 quantization=quantization))
     if backend.endswith("-nosplit"):
         engine.runner.backend.split_kv = False
     return engine
@@ -264,8 +284,42 @@ def run_config(args, config: str, backends: list[str]) -> dict:
         result["backends"][backend] = r
         engine = None
         release()
+        if args.quantization:
+            name = f"{backend}+{args.quantization}"
+            result["backends"][name] = quantized_row(args, config, backend, seqs, ref, hf_agree, r)
+            release()
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+QUANTIZED_POINTS = 0.03  # issue 31: fp8 weights' agreement within 3 points of the same backend's
+
+
+def quantized_row(args, config, backend, seqs, ref, hf_agree, unquantized: dict) -> dict:
+    """The backend with --quantization weights: agreement with fp32, and its difference to the
+    same backend unquantized (which it must be within QUANTIZED_POINTS of)."""
+    engine = engine_for(args, config, backend, args.quantization)
+    r, agree = compare(ref, flashlet_logits(engine, seqs))
+    r["diff_vs_hf_low"], r["diff_se"] = paired_difference(agree, hf_agree)
+    r["not_near_ties"] = 0  # quantization moves logits by more than the dtype's noise: not judged
+    r["diff_vs_unquantized"] = r["agreement"] - unquantized["agreement"]
+    r["ok"] = r["diff_vs_unquantized"] >= -QUANTIZED_POINTS
+    return r
+
+
+def shortfall(row: dict, hf: dict, threshold: float) -> list[str]:
+    """Why a markdown cell is bold: the agreement rule its row is held to, and (unquantized)
+    disagreements that are not near-ties."""
+    if "diff_vs_unquantized" in row:
+        short = -QUANTIZED_POINTS - row["diff_vs_unquantized"]
+        return [f"{100 * short:.2f} pt short of unquantized - 3"] if short > 0 else []
+    why = []
+    if row["agreement"] < hf["agreement"] - 0.01:
+        why.append(f"{100 * (hf['agreement'] - 0.01 - row['agreement']):.2f} pt short")
+    over = [d["fp32_gap"] for d in row["disagreements"] if d["fp32_gap"] > threshold]
+    if over:
+        why.append("gaps " + ", ".join(f"{g:.3g}" for g in sorted(over, reverse=True)[:3]))
+    return why
 
 
 def report(result: dict) -> str:
@@ -310,12 +364,7 @@ def markdown_table(results: list[dict]) -> str:
                 continue
             cell = (f"{100 * x['agreement']:.2f} +- {100 * Z95 * x['agreement_se']:.2f} "
                     f"(diff {100 * x['diff_vs_hf_low']:+.2f} +- {100 * Z95 * x['diff_se']:.2f})")
-            why = []
-            if x["agreement"] < hf["agreement"] - 0.01:
-                why.append(f"{100 * (hf['agreement'] - 0.01 - x['agreement']):.2f} pt short")
-            over = [d["fp32_gap"] for d in x["disagreements"] if d["fp32_gap"] > r["near_tie_threshold"]]
-            if over:
-                why.append("gaps " + ", ".join(f"{g:.3g}" for g in sorted(over, reverse=True)[:3]))
+            why = shortfall(x, hf, r["near_tie_threshold"])
             cells.append(f"**{cell}; {'; '.join(why)}**" if why else cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -607,10 +656,47 @@ def rope_table(errors: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- --perplexity: a real model on a fixed text, fp8 weights against --dtype ------------------
+
+PERPLEXITY_TEXT = Path(__file__).resolve().parent / "fidelity_text.txt"
+PERPLEXITY_RATIO = 1.03  # issue 31: fp8 weights' perplexity within 3% of bf16's
+
+
+def perplexity(args, token_ids: list[int], quantization: str | None) -> float:
+    """exp(mean cross-entropy of each next token), teacher-forced through the engine."""
+    pages = -(-(len(token_ids) + 1) // args.page_size) + 4
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                 page_size=args.page_size, max_num_pages=pages,
+                                 max_num_batched_tokens=args.chunk, enable_prefix_cache=False,
+                                 max_num_seqs=4, cuda_graph=False, quantization=quantization))
+    logits = flashlet_logits(engine, [token_ids])
+    targets = torch.tensor(token_ids[1:], device=logits.device)
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), targets).item())
+
+
+def perplexity_main(args) -> int:
+    from flashlet.weights import load_tokenizer, resolve_model_dir
+
+    text = PERPLEXITY_TEXT.read_text()
+    token_ids = load_tokenizer(resolve_model_dir(args.model)).encode(text)
+    plain = perplexity(args, token_ids, None)
+    fp8 = perplexity(args, token_ids, "fp8")
+    result = {"model": args.model or "embedded SmolLM2-135M", "tokens": len(token_ids),
+              "dtype": args.dtype, "device": args.device, "perplexity": plain,
+              "perplexity_fp8": fp8, "ratio": fp8 / plain}
+    print(f"{result['model']}, {len(token_ids)} tokens of {PERPLEXITY_TEXT.name}, {args.device}: "
+          f"perplexity {args.dtype} {plain:.4f}, fp8 weights {fp8:.4f} (x{fp8 / plain:.4f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if fp8 <= PERPLEXITY_RATIO * plain else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.diagnose:
         return diagnose(args)
+    if args.perplexity:
+        return perplexity_main(args)
     backends = args.backend or default_backends(args.device)
     results = []
     for config in args.config:

@@ -117,3 +117,28 @@ def test_diagnose_on_cpu_measures_the_torch_backend_against_fp32(tmp_path):
     ours = rope["TorchOps.rope (fp32 math and cos/sin, one rounding)"][0]
     assert ours < 1.01 * rope["floor (fp64 result rounded once)"][0]
     assert ours < rope["HF bf16 (cos/sin and each op in bf16)"][0]
+
+
+@pytest.mark.slow
+def test_fidelity_adds_an_fp8_row_judged_against_its_own_backend(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "fidelity.json"
+    rc = load_script().main(["--config", str(config), "--device", "cpu", "--dtype", "float32",
+                             "--backend", "torch", "--num-seqs", "2", "--seq-len", "128",
+                             "--chunk", "48", "--quantization", "fp8", "--json", str(out)])
+    (result,) = json.loads(out.read_text())
+    fp8 = result["backends"]["torch+fp8"]
+    assert fp8["diff_vs_unquantized"] == fp8["agreement"] - 1.0
+    assert fp8["max_abs_logit_diff"] > 1e-3  # the fp8 weights really ran
+    assert fp8["agreement"] > 0.9 and fp8["ok"] and rc == 0
+
+
+def test_markdown_table_holds_quantized_rows_to_their_own_backend():
+    fidelity = load_script()
+    hf = {"agreement": 0.99, "agreement_se": 0.002, "disagreements": []}
+    row = {"agreement": 0.95, "agreement_se": 0.004, "disagreements": [{"fp32_gap": 5.0}],
+           "diff_vs_hf_low": -0.04, "diff_se": 0.004, "diff_vs_unquantized": -0.02}
+    assert fidelity.shortfall(row, hf, threshold=0.1) == []  # 2 points under its own: fine
+    assert fidelity.shortfall({**row, "diff_vs_unquantized": -0.05}, hf, 0.1) == [
+        "2.00 pt short of unquantized - 3"]

@@ -363,7 +363,9 @@ def bytes_per_token(engine, kv_len: float) -> dict:
     `kv_len` tokens."""
     cfg, model = engine.model_config, engine.model
     elem = next(model.parameters()).element_size()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # fp8 weights (flashlet/quantization.py) are buffers: their codes and scales count too
+    stored = [*model.parameters(), *(b for b in model.buffers() if b is not model.cos_sin_cache)]
+    weights = sum(t.numel() * t.element_size() for t in stored)
     if not cfg.tie_word_embeddings:
         weights -= (cfg.vocab_size - 1) * cfg.hidden_size * elem
     kv_elem = engine.dtype.itemsize

@@ -1,0 +1,259 @@
+"""FP8 (e4m3) weights: the per-output-channel holder, its one matmul, and the hub's FP8 formats.
+
+Every linear weight (fused QKV, O, fused gate-up, down) becomes a `QuantizedWeight`: `qweight`
+[N, K] float8_e4m3fn and `scale` [N] fp32, with W ~= qweight * scale[:, None]. Embeddings,
+norms and the LM head stay in the model dtype. `--quantization fp8` quantizes a bf16/fp16/fp32
+checkpoint at load; FP8 checkpoints (`quant_method` "fp8" with per-tensor, per-channel or block
+scales, and compressed-tensors' float8 weights) convert to the same representation at load:
+per-tensor and per-channel scales exactly, block scales by dequantizing in fp32 and
+requantizing each row.
+
+`linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). Off
+CUDA it dequantizes and multiplies in the activation dtype (also the reference the GPU test
+compares against); on CUDA at sm_89+ in bf16 it runs `torch._scaled_mm` with per-token activation
+scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row gets this, not 0 (dividing by it stays finite)
+QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+QUANTIZATION_METHODS = ("fp8",)
+
+
+class QuantizedWeight(nn.Module):
+    """A linear weight in fp8 with one fp32 scale per output row. It stands where the
+    nn.Linear's weight Parameter stood (`linear.weight`), so `ops.linear(x, layer.o_proj.weight)`
+    reaches `linear` below."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        if qweight.dtype != FP8 or scale.dtype != torch.float32 or scale.shape != qweight.shape[:1]:
+            raise ValueError(f"QuantizedWeight needs fp8 [N, K] and fp32 [N], got "
+                             f"{qweight.dtype} {tuple(qweight.shape)}, {scale.dtype} {tuple(scale.shape)}")
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.qweight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: qweight * scale, multiplied in fp32 and rounded once."""
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must not cast the fp8 codes or their fp32 scales: keep only the move.
+        for name in ("qweight", "scale"):
+            old = self._buffers[name]
+            new = fn(old)
+            self._buffers[name] = new if new.dtype == old.dtype else old.to(new.device)
+        return self
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (qweight [N, K] fp8, scale [N] fp32), per output row:
+    scale = amax|row| / 448, so each row's largest entry maps to fp8's largest."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    qweight = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return qweight, scale
+
+
+def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight(*quantize_rows(weight))
+
+
+def empty_weight(shape: tuple[int, int], device) -> QuantizedWeight:
+    """An uninitialised holder of `shape`, filled row by row by the loader."""
+    return QuantizedWeight(torch.empty(shape, dtype=FP8, device=device),
+                           torch.empty(shape[0], dtype=torch.float32, device=device))
+
+
+def quantize_model(model) -> None:
+    """Swap every decoder layer's linear weights for fp8 ones in place, freeing each float copy
+    as it goes (the LM head, embeddings and norms stay as they are)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for proj in QUANTIZED_PROJECTIONS:
+                linear = getattr(layer, proj)
+                if isinstance(linear.weight, QuantizedWeight):
+                    continue
+                swap_weight(linear, quantize_weight(linear.weight))
+
+
+def prepare_quantized_model(model) -> None:
+    """Give every decoder linear an empty fp8 holder (on the model's device) for the loader."""
+    for layer in model.layers:
+        for proj in QUANTIZED_PROJECTIONS:
+            linear = getattr(layer, proj)
+            swap_weight(linear, empty_weight(tuple(linear.weight.shape), linear.weight.device))
+
+
+def swap_weight(linear: nn.Linear, weight: QuantizedWeight) -> None:
+    """Put `weight` where the Linear's float Parameter was (which is dropped)."""
+    del linear.weight  # nn.Module refuses a module assigned over a Parameter's name
+    linear.weight = weight
+
+
+def is_quantized(model) -> bool:
+    return isinstance(model.layers[0].qkv_proj.weight, QuantizedWeight)
+
+
+# ---- the matmul -------------------------------------------------------------------------------
+
+def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
+    if x.is_cuda and scaled_mm_fits(x, w):
+        return scaled_mm_linear(x, w, bias)
+    return dequant_linear(x, w, bias)
+
+
+def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
+    """The reference (and the CPU path): the weight dequantized in fp32 and multiplied in fp32
+    (as _scaled_mm's epilogue applies the scales), rounded once to x's dtype: a bf16 copy of
+    the weight would add its own rounding on top of fp8's."""
+    out = F.linear(x.float(), w.dequantize(torch.float32))
+    return (out + bias if bias is not None else out).to(x.dtype)
+
+
+def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
+    """torch._scaled_mm with row-wise scales: sm_89+, a bf16 output (the only one row-wise
+    scaling is sure to take across PyTorch versions), K and N multiples of 16, some rows."""
+    n, k = w.shape
+    return (x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+            and x.shape[0] > 0 and has_fp8_gemm(x.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def has_fp8_gemm(device_index: int | None) -> bool:
+    """FP8 tensor cores: sm_89 (Ada) and up. Cached: every linear asks."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def scaled_mm_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
+    """FP8 x FP8 GEMM: x quantized per token (row-wise scales), W per output channel; both
+    scales applied in the GEMM's fp32 epilogue. Rows are padded to a multiple of 16."""
+    rows = x.shape[0]
+    xq, x_scale = quantize_rows(x)
+    pad = -rows % 16
+    if pad:
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+        x_scale = F.pad(x_scale, (0, pad), value=1.0)
+    out = torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scale[:, None],
+                           scale_b=w.scale[None, :], out_dtype=x.dtype)
+    out = out[:rows]
+    return out + bias if bias is not None else out
+
+
+# ---- FP8 checkpoints on the hub ---------------------------------------------------------------
+
+class CheckpointFormat:
+    """How an FP8 checkpoint stores a linear weight: `<name>` in fp8 beside `<name>_<scale_suffix>`
+    (fp32: one value, one per row, or one per `block` [rows, cols] tile), W = q * scale."""
+
+    def __init__(self, method: str, scale_suffix: str, block: tuple[int, int] | None = None):
+        self.method, self.scale_suffix, self.block = method, scale_suffix, block
+
+    def scale_name(self, weight_name: str) -> str:
+        return weight_name + self.scale_suffix.removeprefix("weight")  # weight -> weight_scale
+
+    def scale_shape_error(self, weight_shape: tuple, scale_shape: tuple) -> str | None:
+        """Why a scale of `scale_shape` cannot scale a weight of `weight_shape` (None: it can)."""
+        n, k = weight_shape
+        numel = math.prod(scale_shape)
+        if numel == 1 or (numel == n and self.block is None):
+            return None
+        if self.block is None:
+            return (f"a scale of shape {tuple(scale_shape)} for a [{n}, {k}] weight is neither "
+                    f"per-tensor nor per-channel, and the config gives no block size")
+        bn, bk = self.block
+        if tuple(scale_shape) != (-(-n // bn), -(-k // bk)):
+            return (f"block scales of shape {tuple(scale_shape)} do not tile a [{n}, {k}] weight "
+                    f"in {bn} x {bk} blocks")
+        return None
+
+    def to_rows(self, qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stored (fp8 weight, scale) -> (qweight [N, K] fp8, scale [N] fp32) per row: exact for
+        one scale or one per row; block scales are dequantized in fp32 and requantized per row."""
+        error = self.scale_shape_error(tuple(qweight.shape), tuple(scale.shape))
+        if error:
+            raise ValueError(error)
+        n, k = qweight.shape
+        scale = scale.float()
+        if scale.numel() == 1:
+            return qweight, scale.reshape(1).expand(n).contiguous()
+        if self.block is None:
+            return qweight, scale.reshape(n).contiguous()
+        bn, bk = self.block
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return quantize_rows(qweight.float() * full)
+
+
+def checkpoint_format(quant: dict | str | None) -> CheckpointFormat | None:
+    """A config.json's `quantization_config` -> how its weights are stored (None: not quantized);
+    ValueError naming the method or setting for anything we do not read."""
+    if not quant:
+        return None
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    if method == "fp8":
+        return _fp8_format(quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(quant)
+    raise ValueError(f"quantized checkpoint (quantization_config, quant_method {method!r}): only "
+                     f"FP8 checkpoints (quant_method 'fp8' or 'compressed-tensors' with float8 "
+                     f"weights) are read; use the unquantized model")
+
+
+def _fp8_format(quant: dict) -> CheckpointFormat:
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quant_method 'fp8' with fmt {fmt!r}: only e4m3 weights are read")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return CheckpointFormat("fp8", "weight_scale")
+    if len(block) != 2:
+        raise ValueError(f"quant_method 'fp8': weight_block_size {block!r} is not [rows, cols]")
+    return CheckpointFormat("fp8", "weight_scale_inv", (int(block[0]), int(block[1])))
+
+
+def _compressed_tensors_format(quant: dict) -> CheckpointFormat:
+    groups = list((quant.get("config_groups") or {}).values())
+    if not groups:
+        raise ValueError("quant_method 'compressed-tensors' without config_groups")
+    formats = {_compressed_group_format(g) for g in groups}
+    if len(formats) > 1:
+        raise ValueError(f"quant_method 'compressed-tensors' with differing weight schemes {sorted(formats)}")
+    strategy, block = formats.pop()
+    return CheckpointFormat("compressed-tensors", "weight_scale", block)
+
+
+def _compressed_group_format(group: dict) -> tuple[str, tuple[int, int] | None]:
+    weights = group.get("weights") or {}
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if kind != "float" or bits != 8:
+        raise ValueError(f"quant_method 'compressed-tensors' with {kind} {bits}-bit weights: only "
+                         f"float 8-bit weights are read")
+    if strategy in ("tensor", "channel"):
+        return strategy, None
+    if strategy == "block" and len(weights.get("block_structure") or ()) == 2:
+        return strategy, tuple(int(b) for b in weights["block_structure"])
+    raise ValueError(f"quant_method 'compressed-tensors' with weight strategy {strategy!r}: only "
+                     f"tensor, channel and block are read")

@@ -157,7 +157,7 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
         picks.append(int(tokens[0]))
         return torch.full_like(tokens, forced[len(picks) - 1])
 
-    def sample(lg, sampling):  # the prefill steps and, with `logits`, every step
+    def sample(lg, sampling, batch=None):  # the prefill steps and, with `logits`, every step
         return SamplerOutput(force(lg.argmax(-1)), {}, None)
 
     greedy_tokens = engine.runner.greedy_tokens

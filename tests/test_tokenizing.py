@@ -4,6 +4,7 @@ tokenized whole, and encoding on the TextEncoder's threads does not serialise re
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -104,6 +105,8 @@ def test_encoding_does_not_serialise_requests(tok):
     own tokenizer; the Rust tokenizer releases the GIL)."""
     enc = TextEncoder(tok, limit_tokens=10**7)
     big = "the quick brown fox jumps over the lazy dog. " * 30000
+    enc.encode("hello")  # the event loop's own copy (short texts are encoded inline), as the
+    # server's warm-up makes it
 
     async def race():
         t0 = time.monotonic()
@@ -119,3 +122,41 @@ def test_encoding_does_not_serialise_requests(tok):
     assert small == encode_text(tok, "hello")
     assert big_s > 0.5, big_s  # the race was real
     assert small_s < big_s / 2, (small_s, big_s)
+
+
+def test_short_text_is_encoded_on_the_loop_and_long_text_on_the_pool(tok, monkeypatch):
+    """A short prompt skips the thread hop (its cost at one stream); a long one still goes to
+    the pool so that it never blocks the event loop; both give the same tokens."""
+    enc = TextEncoder(tok, limit_tokens=10**6)
+    threads = []
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda text, what="prompt": (
+        threads.append(threading.current_thread()), encode(text, what))[1])
+    short = "hello world " * 10
+    long = "hello world " * (tokenizing.INLINE_MAX_CHARS // 12 + 1)
+
+    async def both():
+        return await enc.encode_async(short), await enc.encode_async(long)
+
+    try:
+        short_ids, long_ids = asyncio.run(both())
+    finally:
+        enc.close()
+    assert short_ids == encode_text(tok, short) and long_ids == encode_text(tok, long)
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread()
+
+
+def test_short_chat_is_rendered_on_the_loop(tok, monkeypatch):
+    enc = TextEncoder(tok, limit_tokens=10**6)
+    threads = []
+    chat = enc.chat
+    monkeypatch.setattr(enc, "chat", lambda messages, tools=None: (
+        threads.append(threading.current_thread()), chat(messages, tools))[1])
+    messages = [{"role": "user", "content": "Hi there"}]
+    try:
+        ids = asyncio.run(enc.chat_async(messages))
+    finally:
+        enc.close()
+    assert ids == chat_ids(tok, messages)
+    assert threads == [threading.main_thread()]

@@ -124,3 +124,38 @@ def test_the_rust_decoder_gives_what_the_tokenizer_decode_gives(demo_llm):
         for skip in (True, False):
             assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(
                 ids, skip_special_tokens=skip), ids
+
+
+REAL_TEXT = " Héllo,  wörld! 日本語のテキスト — isn't it? 12 345 🎉🎉 naïve café"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rust_stream_gives_one_decode_in_any_chunks(demo_llm, seed):
+    """The DecodeStream path (multi-byte characters split over tokens, tokens pushed in chunks
+    of any size) gives what one decode gives."""
+    tok = demo_llm.tokenizer
+    ids = tok.encode(REAL_TEXT, add_special_tokens=False)
+    rng = random.Random(seed)
+    detok = IncrementalDetokenizer(tok)
+    text, _ = run(detok, ids, [rng.randint(1, 4) for _ in ids])
+    assert detok._stream is not None  # the Rust stream did the work, start to end
+    assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_python_window_takes_over_if_the_rust_stream_fails(demo_llm):
+    tok = demo_llm.tokenizer
+    ids = tok.encode(REAL_TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    stream, calls = detok._stream, []
+
+    class FailingLater:
+        def step(self, backend, token_ids):
+            calls.append(token_ids)
+            if len(calls) > len(ids) // 2:
+                raise Exception("DecodeStream: prefix mismatch")
+            return stream.step(backend, token_ids)
+
+    detok._stream = FailingLater()
+    text, _ = run(detok, ids, [1] * len(ids))
+    assert detok._stream is None and len(calls) == len(ids) // 2 + 1
+    assert text == tok.decode(ids, skip_special_tokens=True)

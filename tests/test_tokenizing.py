@@ -220,3 +220,42 @@ def test_benign_tools_are_exactly_the_templates_tokens(tools_tok):
     expected = tools_tok.apply_chat_template(_history(), tools=[_tool()],
                                              add_generation_prompt=True, tokenize=True)
     assert chat_ids(tools_tok, _history(), tools=[_tool()]) == list(expected["input_ids"])
+
+
+
+def test_short_text_is_encoded_on_the_loop_and_long_text_on_the_pool(tok, monkeypatch):
+    """A short prompt skips the thread hop (its cost at one stream); a long one still goes to
+    the pool so that it never blocks the event loop; both give the same tokens."""
+    enc = TextEncoder(tok, limit_tokens=10**6)
+    threads = []
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda text, what="prompt", special=True: (
+        threads.append(threading.current_thread()), encode(text, what, special))[1])
+    short = "hello world " * 10
+    long = "hello world " * (tokenizing.INLINE_MAX_CHARS // 12 + 1)
+
+    async def both():
+        return await enc.encode_async(short), await enc.encode_async(long)
+
+    try:
+        short_ids, long_ids = asyncio.run(both())
+    finally:
+        enc.close()
+    assert short_ids == encode_text(tok, short) and long_ids == encode_text(tok, long)
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread()
+
+
+def test_short_chat_is_rendered_on_the_loop(tok, monkeypatch):
+    enc = TextEncoder(tok, limit_tokens=10**6)
+    threads = []
+    chat = enc.chat
+    monkeypatch.setattr(enc, "chat", lambda messages, tools=None, kwargs=None: (
+        threads.append(threading.current_thread()), chat(messages, tools, kwargs))[1])
+    messages = [{"role": "user", "content": "Hi there"}]
+    try:
+        ids = asyncio.run(enc.chat_async(messages))
+    finally:
+        enc.close()
+    assert ids == chat_ids(tok, messages)
+    assert threads == [threading.main_thread()]

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from flashlet.server.errors import ApiError, install_error_handlers
-from flashlet.server.frontend import ReleaseGenerations, Server, ServerConfig
+from flashlet.server.frontend import DIRECT_SEND, ReleaseGenerations, Server, ServerConfig
 from flashlet.server.limits import LimitsCollector, LimitsMiddleware, LimitStats
 from flashlet.server.metrics import MetricsMiddleware
 from flashlet.server.routes_extra import add_extra_routes
@@ -37,8 +37,9 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     EngineLoop (the engine on a thread). Several apps may share one."""
     config = config or ServerConfig()
     server = Server(loop, config)
-    app = FastAPI(title="flashlet", version="0.1.0", docs_url=None, redoc_url=None,
-                  description="flashlet inference server: /generate and an OpenAI-compatible API")
+    app = FlashletApp(title="flashlet", version="0.1.0", docs_url=None, redoc_url=None,
+                      description="flashlet inference server: /generate and an "
+                      "OpenAI-compatible API")
     app.state.server = server
     install_error_handlers(app)
     add_simple_routes(app, server)
@@ -49,6 +50,8 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(ReleaseGenerations)  # innermost: what a request started, it releases
     app.state.limit_stats = LimitStats(config.limits)  # uvicorn_options() takes it too
     server.metrics.registry.register(LimitsCollector(app.state.limit_stats))
+    # Each middleware acts on a response's start and end only (an SSE response's other chunks
+    # pass none of them: EventStream); one that rewrites bodies would need EventStream changed.
     app.add_middleware(LimitsMiddleware, stats=app.state.limit_stats)
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics, server=server)
@@ -56,6 +59,14 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+class FlashletApp(FastAPI):
+    """FastAPI keeping the HTTP server's own `send` in the scope, for EventStream's events."""
+
+    async def __call__(self, scope, receive, send):
+        scope[DIRECT_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def _add_pages(app: FastAPI) -> None:

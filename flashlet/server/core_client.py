@@ -435,24 +435,36 @@ class CoreClient(EngineClient):
                 events = dict(poller.poll(READER_POLL_MS))
             except zmq.ZMQError:
                 return  # the context was closed by stop()
-            if self._outbox in events:
-                while True:
-                    try:
-                        frame = self._outbox.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError:
-                        return
-                    try:
-                        self._handle(self._decoder.decode(frame))
-                    except Exception as e:  # noqa: BLE001 - never leave a request hanging
-                        log.exception("bad message from an engine core")
-                        self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
+            if self._outbox in events and not self._drain():
+                return  # the socket was closed by stop()
             if (not self._stopping and self.error is None
                     and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
                 self._check_stalls()
                 next_check = time.monotonic() + READER_POLL_MS / 1000
+
+    def _drain(self) -> bool:
+        """Handle every message waiting (poll saw one); False if the socket is closed.
+
+        It asks the socket whether another message waits instead of letting recv raise
+        zmq.Again: building that exception (5-13 us measured here) costs as much as the rest of
+        a one-request step's delivery, once per step."""
+        try:
+            while True:
+                self._handle_frame(self._outbox.recv(zmq.NOBLOCK))
+                if not self._outbox.get(zmq.EVENTS) & zmq.POLLIN:
+                    return True
+        except zmq.Again:  # poll's word was stale
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _handle_frame(self, frame: bytes) -> None:
+        try:
+            self._handle(self._decoder.decode(frame))
+        except Exception as e:  # noqa: BLE001 - never leave a request hanging
+            log.exception("bad message from an engine core")
+            self._fatal(RuntimeError(f"bad message from an engine core: {e}"))
 
     def _handle(self, msg) -> None:
         core = self.cores[msg.core]

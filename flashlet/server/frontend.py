@@ -308,20 +308,40 @@ class Generation:
             raise ApiError(500, f"generation failed: {self.final.error}")
 
 
+# The scope key under which the app (app.py) keeps the HTTP server's own `send`.
+DIRECT_SEND = "flashlet.direct_send"
+
+
 class EventStream(StreamingResponse):
-    """SSE response that aborts its requests when it ends early (client gone, cancelled)."""
+    """SSE response that aborts its requests when it ends early (client gone, cancelled).
+
+    Its start and its end go through the middlewares' `send` wrappers; the events between go
+    straight to the HTTP server (`scope[DIRECT_SEND]`), as no middleware of this app acts on a
+    body chunk that neither starts nor ends a response. Through their four wrappers (error
+    handling, metrics, exceptions twice) an event cost 2.2 us, past them 0.6 us (an ASGI bench
+    in one process; cProfile, which inflates each call, put the wrappers near 25 us)."""
 
     def __init__(self, content, generation: "Generation | list[Generation]"):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.generations = generation if isinstance(generation, list) else [generation]
+        self._direct_send = None
 
     async def __call__(self, scope, receive, send):
+        self._direct_send = scope.get(DIRECT_SEND)
         try:
             await self._stream_until_disconnect(receive, send)
         finally:
             for gen in self.generations:
                 gen.abort()
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        send_event = self._direct_send or send
+        async for chunk in self.body_iterator:  # bytes: sse() and DONE
+            await send_event({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream_until_disconnect(self, receive, send) -> None:
         """StreamingResponse's own behaviour (stream the body; stop when the client goes) with

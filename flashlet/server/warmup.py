@@ -2,8 +2,8 @@
 
 The engine warms itself (kernels, graphs: flashlet/warmup.py), but the API process has
 first-use costs of its own, measured at ~0.6 s on the first request after /health turned 200:
-the request context's tokenizer copies, each encoder thread's own copy (made on that thread's
-first prompt), the chat template's compilation, and the first pass through FastAPI, pydantic,
+the request context's tokenizer copies, each encoder thread's own copy and the event loop's
+(each made on that thread's first prompt), the chat template's compilation, and the first pass through FastAPI, pydantic,
 the engine client, the detokenizer and SSE formatting. So the server sends a few real requests
 through its own ASGI app in this process (one per OpenAI endpoint and /generate_stream, two
 tokens each, side by side so that several engine cores each take one) and only then answers
@@ -41,7 +41,7 @@ class WarmUpReport:
     """What the warm-up ran: (path, HTTP status, SSE events received) per request."""
 
     requests: list[tuple[str, int, int]] = field(default_factory=list)
-    encoder_copies: int = 0  # tokenizer copies the encoder threads hold afterwards
+    encoder_copies: int = 0  # tokenizer copies the encoder holds afterwards (threads + loop)
     frozen: int = 0  # objects moved out of the collector's reach afterwards (gc.freeze)
     gc_s: float = 0.0  # the full collection before that freeze
     seconds: float = 0.0

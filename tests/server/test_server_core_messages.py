@@ -347,4 +347,44 @@ def test_a_core_waiting_on_a_grammar_compile_still_reports(monkeypatch):
             assert len(outbox.sent) == 3 and all(m.outputs == [] for m in outbox.sent)
     finally:
         inbox.close(linger=0)
+
+
+def test_the_reader_drains_every_waiting_message_without_recv_raising_again():
+    """CoreClient's reader takes every queued step message in one pass and asks the socket
+    whether more wait, instead of a recv that raises zmq.Again once per step (its cost)."""
+    import zmq
+
+    from flashlet.server.core_client import CoreClient
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://reader-drain")
+        push.connect("inproc://reader-drain")
+        for i in range(3):
+            push.send(msgspec.msgpack.encode(i))
+        assert pull.poll(5000)
+        recvs, handled = [], []
+
+        class CountingSocket:  # the real socket, its receives counted
+            def recv(self, flags=0):
+                recvs.append(flags)
+                return pull.recv(flags)
+
+            def get(self, option):
+                return pull.get(option)
+
+        client = CoreClient.__new__(CoreClient)
+        client._outbox, client._decoder = CountingSocket(), msgspec.msgpack.Decoder()
+        client._handle = handled.append
+        while len(handled) < 3:  # (inproc may hand them over in more than one batch)
+            assert client._drain()
+            if len(handled) < 3:
+                assert pull.poll(5000)
+        assert handled == [0, 1, 2] and len(recvs) == 3  # no recv found nothing
+        pull.close()
+        assert not client._drain()  # a closed socket: the reader stops
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
         ctx.term()

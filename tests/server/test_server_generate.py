@@ -146,3 +146,37 @@ def test_extreme_but_valid_params(server, params, idle):
     assert r.status_code == 200, r.text
     assert r.json()["finish_reason"] in ("length", "stop")
 
+
+
+def test_stream_events_skip_the_middlewares_but_start_and_end_pass_them(engine_loop, idle):
+    """The events between an SSE response's start and end go straight to the HTTP server (the
+    per-token cost of four middleware wrappers); the middlewares still see the start (status,
+    headers) and the end (metrics, the connection's turnaround)."""
+    import asyncio
+
+    from server_helpers import MODEL_NAME
+
+    from flashlet.server import ServerConfig, create_app
+    from flashlet.server.warmup import asgi_post
+
+    seen = []
+
+    class Probe:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def probe_send(message):
+                seen.append((message["type"], message.get("more_body", False)))
+                await send(message)
+
+            await self.app(scope, receive, probe_send)
+
+    app = create_app(engine_loop, ServerConfig(model_name=MODEL_NAME))
+    app.add_middleware(Probe)
+    body = {"prompt": PROMPT, "max_new_tokens": N, "ignore_eos": True}
+    status, events = asyncio.run(asgi_post(app, "/generate_stream", body, []))
+    assert status == 200 and events == N + 2  # a token each, the final event, [DONE]
+    assert seen == [("http.response.start", False), ("http.response.body", False)]
+    metrics = app.state.server.metrics
+    assert metrics.http_requests.labels("/generate_stream", "POST", "200")._value.get() == 1

@@ -160,7 +160,7 @@ class ConstrainedEngine:
         self.structured = FakeStructured()
         self.added, self.aborted = [], []
 
-    def add_request(self, prompt, params, request_id, after=None):
+    def add_request(self, prompt, params, request_id, after=None, group=None):
         self.added.append(request_id)
 
     def abort(self, request_id, finish_reason="abort"):

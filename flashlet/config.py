@@ -16,6 +16,13 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 CHOICES = {"backend": BACKENDS, "scheduling_policy": SCHEDULING_POLICIES}  # flags with a closed set
 
 
+# A server's bound on a step that carries decodes, by "on CUDA": at the 0.5B shape on the H200
+# a prefill token costs ~2.5 us against a ~1.3 ms step of 64 decodes, so a 512-token step keeps
+# the gaps within ~3x of a decode step (p99 / p50 1.7x while eight 8,000-token prompts
+# arrive); on the CPU a step's prompt tokens cost far more.
+SERVING_DECODE_STEP_TOKENS = {True: 512, False: 64}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # folder, hub id, .gguf file; None = the embedded default model
@@ -35,10 +42,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); default 8192 on CUDA, 256 on the CPU (at least max_num_seqs)
     # Stall-free batching (Sarathi-Serve; vLLM and SGLang bound the steps that carry decodes too):
     # a step with decodes in it stops at this many tokens, so a long prompt's chunks lengthen
-    # each token gap by a bounded amount while the prompt still progresses every step. 512 on
-    # CUDA: at the 0.5B shape a prefill token costs ~2.5 us against a ~1.3 ms step of 64
-    # decodes, so a 512-token step stays within ~2x of a decode step, where 1024 would not.
-    max_decode_step_tokens: int | None = None  # token budget of a step that carries decodes, or 4 prompt tokens a decode where that is more (prefill-only steps use max_num_batched_tokens); default 512 on CUDA, 64 on the CPU, never above max_num_batched_tokens
+    # each token gap by a bounded amount while the prompt still progresses every step. That is
+    # a server's trade (for_serving: 512 on CUDA, 64 on the CPU); an offline batch (LLM, the
+    # bench) wants its prompts through fast and leaves such steps whole by default: on the
+    # H200 at the 0.5B shape a bound of 512 cost decode-sat 46% and offline 12% (BENCHMARKS.md).
+    max_decode_step_tokens: int | None = None  # token budget of a step that carries decodes, or 4 prompt tokens a decode where that is more (prefill-only steps use max_num_batched_tokens); default: max_num_batched_tokens (no bound) in-process, 512 on CUDA and 64 on the CPU in the server
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by arrival, or by their `priority` (lower first, then arrival; vLLM's)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prompt prefixes (radix cache)
@@ -100,8 +108,7 @@ class EngineConfig:
             default = 8192 if on_cuda else max(256, self.max_num_seqs)
             object.__setattr__(self, "max_num_batched_tokens", default)
         if self.max_decode_step_tokens is None:
-            default = min(512 if on_cuda else 64, self.max_num_batched_tokens)
-            object.__setattr__(self, "max_decode_step_tokens", default)
+            object.__setattr__(self, "max_decode_step_tokens", self.max_num_batched_tokens)
         if self.max_decode_step_tokens < 1:
             raise ValueError(f"max_decode_step_tokens must be >= 1, got {self.max_decode_step_tokens}")
 
@@ -117,6 +124,15 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def for_serving(self, decode_step_tokens_given: bool) -> "EngineConfig":
+        """The server's config: steps that carry decodes bounded (stall-free batching) unless
+        the bound was given, so its streams' token gaps stay near a decode step while long
+        prompts arrive."""
+        if decode_step_tokens_given:
+            return self
+        bound = SERVING_DECODE_STEP_TOKENS[self.resolved_device().type == "cuda"]
+        return self.replace(max_decode_step_tokens=min(bound, self.max_num_batched_tokens))
 
     # ---- command line, generated from the fields above ----------------------------------
     @classmethod

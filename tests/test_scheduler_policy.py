@@ -80,11 +80,16 @@ def test_a_step_with_many_decodes_carries_four_prompt_tokens_a_decode(decodes, p
     assert scheduled[long.request_id] == prompt_tokens and len(scheduled) == decodes + 1
 
 
-def test_engine_config_budgets_follow_the_device():
+def test_engine_config_budgets_follow_the_device_and_the_server_bounds_decode_steps():
     cpu = EngineConfig(device="cpu")
-    assert (cpu.max_num_batched_tokens, cpu.max_decode_step_tokens) == (256, 64)
+    assert (cpu.max_num_batched_tokens, cpu.max_decode_step_tokens) == (256, 256)
     cuda = EngineConfig(device="cuda")
-    assert (cuda.max_num_batched_tokens, cuda.max_decode_step_tokens) == (8192, 512)
+    assert (cuda.max_num_batched_tokens, cuda.max_decode_step_tokens) == (8192, 8192)
+    assert cpu.for_serving(False).max_decode_step_tokens == 64
+    assert cuda.for_serving(False).max_decode_step_tokens == 512
+    assert cuda.for_serving(True).max_decode_step_tokens == 8192  # given: kept
+    small = EngineConfig(device="cuda", max_num_batched_tokens=300)
+    assert small.for_serving(False).max_decode_step_tokens == 300  # never above the budget
     assert EngineConfig(device="cpu", max_num_seqs=1000).max_num_batched_tokens == 1000
     given = EngineConfig(device="cuda", max_num_batched_tokens=2048, max_decode_step_tokens=1024)
     assert (given.max_num_batched_tokens, given.max_decode_step_tokens) == (2048, 1024)

@@ -322,6 +322,8 @@ def _resolve_model(err, args) -> dict:
         err("give --model (real weights) or --config (random weights at a shape), not both")
     try:  # the first backend; the others differ in nothing else
         ecfg = EngineConfig.from_cli(argparse.Namespace(**vars(args), backend=args.backends[0]))
+        if args.workload == "long-prompt-gaps":  # streams as a server serves them
+            ecfg = ecfg.for_serving(args.max_decode_step_tokens is not None)
     except (ValueError, TypeError) as e:
         err(str(e))
     # The device's defaults, resolved (the workloads size themselves by them).

@@ -518,7 +518,8 @@ def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pid
     The first process checked every flag already."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
-    engine_config = EngineConfig.from_cli(args)
+    engine_config = EngineConfig.from_cli(args).for_serving(
+        args.max_decode_step_tokens is not None)
     limits = _check_server_args(args)
     name = args.served_model_name or default_model_name(engine_config)
     uv: UvicornServer | None = None
@@ -559,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _model_argument(args)
-        engine_config = EngineConfig.from_cli(args)
+        engine_config = EngineConfig.from_cli(args).for_serving(
+            args.max_decode_step_tokens is not None)
         limits = _check_server_args(args)
         chat_template = read_chat_template(args.chat_template)
         check_backend_runs_here(engine_config)

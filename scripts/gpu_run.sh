@@ -126,7 +126,7 @@ for part in "${PARTS[@]}"; do
         ${API_SERVERS:+--api-server-count $API_SERVERS} ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
         ${SERVE_MIN_REQUESTS:+--min-requests $SERVE_MIN_REQUESTS} \
         -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
-        --max-num-pages 16384
+        --max-num-pages 16384 --max-decode-step-tokens 512  # in-process steps as the server's
       run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
         --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     long-prompts)

@@ -103,7 +103,8 @@ class EngineConfig:
         try:
             on_cuda = self.resolved_device().type == "cuda"
         except RuntimeError as e:  # torch's error for a device string it cannot parse
-            raise ValueError(f"device: {e}") from None
+            raise ValueError(f"device {self.device!r} is not a device: "
+                             f"{str(e).splitlines()[0]}") from None
         if self.max_num_batched_tokens is None:
             default = 8192 if on_cuda else max(256, self.max_num_seqs)
             object.__setattr__(self, "max_num_batched_tokens", default)

@@ -160,9 +160,11 @@ class Scheduler:
         if not out.scheduled:
             return BatchUpdate()
         update = BatchUpdate(removed=self._rows_removed)
-        added = {req.request_id: req for req in self._rows_added}
-        update.added = [(i, req.page_ids) for i, req in added.items()]
+        # A request admitted and then preempted or finished before this update is sent holds
+        # no row: it is in `removed`, and adding it would leave a waiting request a row.
         running = RequestStatus.RUNNING
+        added = {req.request_id: req for req in self._rows_added if req.status is running}
+        update.added = [(i, req.page_ids) for i, req in added.items()]
         for i, first in self._pages_changed.items():
             req = self.requests.get(i)
             if i not in added and req is not None and req.status is running:

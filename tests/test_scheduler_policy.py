@@ -2,9 +2,11 @@
 run (issue 32), client requests taking turns with their prompts (issue 35, item 7), and the
 priority policy (vLLM's `priority`, lower first)."""
 
+import random
+
 import pytest
 
-from flashlet import EngineConfig, SamplingParams
+from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.kv_pool import PageAllocator
 from flashlet.request import Request
 from flashlet.scheduler import Scheduler
@@ -244,3 +246,30 @@ def test_random_groups_and_priorities_keep_every_invariant(policy):
         assert sched.allocator.num_free + sched.cache.num_pages == 14
         num_preemptions += sched.num_preemptions
     assert num_preemptions > 0, "the pool was not small enough to preempt"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_runners_batch_follows_admissions_and_preemptions_under_page_pressure(tiny_qwen2,
+                                                                                  seed):
+    """Many requests of several groups on 16 pages of 4 tokens, prompts arriving while others
+    decode (the soak's shape): requests are admitted, preempted and admitted again, sometimes
+    within one update. After every step the runner's rows are exactly the running requests
+    (check_integrity runs Scheduler.check_batch), and every request ends with its tokens."""
+    rng = random.Random(seed)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=16,
+                                 max_num_seqs=12, max_decode_step_tokens=8))
+    pending = [(rng.randrange(1, 24), rng.randrange(1, 40), rng.randrange(4)) for _ in range(40)]
+    lengths, done = {}, {}
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randrange(4)):
+            if pending:
+                prompt_len, new, group = pending.pop()
+                rid = engine.add_request([rng.randrange(1, 200) for _ in range(prompt_len)],
+                                         SamplingParams(max_new_tokens=new, ignore_eos=True),
+                                         group=group)
+                lengths[rid] = new
+        for out in engine.step():
+            done[out.request_id] = done.get(out.request_id, 0) + len(out.new_token_ids)
+        engine.check_integrity()
+    assert done == lengths
+    assert engine.scheduler.num_preemptions > 0  # the pressure was real

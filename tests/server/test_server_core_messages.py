@@ -317,7 +317,9 @@ class CompilingEngine(RecordingEngine):
     def __init__(self):
         super().__init__()
         self.release = threading.Event()
-        self.structured = SimpleNamespace(compile=lambda fmt: self.release.wait(30))
+        self.structured = SimpleNamespace(compile=lambda fmt: self.release.wait(30),
+                                          is_cached=lambda fmt: False, check=lambda fmt: None,
+                                          cancel=lambda fmt: None, close=lambda: None)
 
     def has_unfinished(self):
         return False

@@ -1,4 +1,5 @@
-"""Soak a flashlet server: streams, aborts, disconnects and preemption for a bounded time, then
+"""Soak a flashlet server: streams, aborts, disconnects, preemption and structured-output
+requests that must be refused (poison and pathological schemas) for a bounded time, then
 check that nothing went wrong: no 5xx (as the clients saw it and as /metrics counted it), no
 KV page still held by a request once the server is idle, the server's RSS flat.
 
@@ -40,7 +41,17 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_SERVER_ARGS = ["--max-num-pages", "64", "--max-num-seqs", "32"]
 GRACE_S = 30.0  # how long requests may run on after the deadline
 ACTIONS = ("generate", "stream", "stream_abort", "completion_stream_abort", "disconnect",
-           "chat_or_completion")
+           "chat_or_completion", "poison_schema", "pathological_schema")
+# Structured-output requests the server must refuse with a 400 at once (issue 35): an integer
+# bound the core's messages cannot carry, and schemas that would compile for minutes, fetch a
+# URL or admit nothing.
+POISON_SCHEMA = {"type": "integer", "maximum": 2**70}
+PATHOLOGICAL_SCHEMAS = ({"type": "string", "pattern": "^(a|a?)+b$"},
+                        {"type": "string", "pattern": "^a{10000}$"},
+                        {"enum": [f"v{i}" for i in range(100_000)]},
+                        {"$ref": "http://127.0.0.1:9/schema.json"},
+                        {"not": {}})
+REFUSAL_S = 30.0  # a refusal slower than this stalled somewhere
 
 
 def parse_args(argv=None):
@@ -209,6 +220,19 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
             tally.saw_response(r)
         except httpx.TimeoutException:
             tally.saw("client_timeout")
+    elif action in ("poison_schema", "pathological_schema"):
+        schema = POISON_SCHEMA if action == "poison_schema" else rng.choice(PATHOLOGICAL_SCHEMAS)
+        t0 = time.monotonic()
+        r = await client.post(url + "/v1/completions", json={
+            "model": args.model_name, "prompt": prompt, "max_tokens": new,
+            "n": rng.choice([1, 16]),
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "soak", "schema": schema}}})
+        tally.saw_response(r)
+        if r.status_code != 400 and not CORE_DIED.search(r.text):  # a killed core's: explained
+            tally.errors.append(f"{action} answered {r.status_code}: {r.text[:200]}")
+        if time.monotonic() - t0 > REFUSAL_S:
+            tally.errors.append(f"{action} refused after {time.monotonic() - t0:.1f} s")
     else:
         r = await client.post(url + "/v1/completions", json={
             "model": args.model_name if rng.random() < 0.9 else "no-such-model",  # 404s too

@@ -256,15 +256,18 @@ class CoreClient(EngineClient):
         runs the others once the first has computed the prompt, so they share its KV pages."""
         with self._lock:
             self._admit(max_waiting)
-            core, prefill = self._route(streams[0].prompt_token_ids)
-            if core.num_in_flight == 0:  # its silence counts from now (see _check_stalls)
-                core.last_heard = time.monotonic()
             ids = [next(self._ids) for _ in streams]
             # Encoded and sent before anything is counted: a request that cannot be sent
-            # (ValueError) or a core that cannot take it (NotReady) leaves no trace here.
+            # (ValueError) or that no core takes (NotReady) leaves no trace here.
             frame = self._encode_add(ids, streams)
-            if not self._send_frame_locked(core, frame):
-                raise NotReady(f"engine core {core.index} cannot take requests")
+            refused: set[int] = set()  # a core that just died takes nothing: try the others
+            while True:
+                core, prefill = self._route(streams[0].prompt_token_ids, refused)
+                if self._send_frame_locked(core, frame):
+                    break
+                refused.add(core.index)
+            if core.num_in_flight == 0:  # its silence counts from now (see _check_stalls)
+                core.last_heard = time.monotonic()
             core.pending_prefill += prefill  # the first sample computes the prompt for all
             streams[0].routed_prefill = prefill
             for stream, rid in zip(streams, ids):
@@ -290,10 +293,13 @@ class CoreClient(EngineClient):
             raise NotReady("; ".join(self.core_problems()))
         super()._admit(max_waiting)
 
-    def _route(self, prompt_token_ids: list[int]) -> tuple[CoreProcess, int]:
-        """The core for a prompt, among those that can take it, and the prompt tokens it must
-        compute there (under the lock)."""
-        usable = [core for core in self.cores if core.usable]
+    def _route(self, prompt_token_ids: list[int],
+               refused: set[int] = frozenset()) -> tuple[CoreProcess, int]:
+        """The core for a prompt, among those that can take it (and did not refuse it), and
+        the prompt tokens it must compute there (under the lock); NotReady if none can."""
+        usable = [core for core in self.cores if core.usable and core.index not in refused]
+        if not usable:
+            raise NotReady("no engine core can take requests")
         if len(usable) == len(self.cores):
             router = self.router
         else:  # a dead or stalled core: route over the others (their prefix hints start anew)

@@ -220,6 +220,21 @@ def test_a_burst_is_added_a_steps_token_budget_at_a_time():
         ctx.term()
 
 
+def test_a_request_of_many_long_prompts_does_not_hold_a_short_one_in_the_inbox():
+    """64 prompts of one client request (one group), each near a receive's token budget, then a
+    short request of another: the first add takes one prompt of each group, so the short one
+    reaches the scheduler at once (issue 35, item 7), and the rest follow a budget at a time."""
+    with _core(RecordingEngine()) as core:
+        for rid in range(64):
+            core.queued_adds.append(AddRequests.of([rid], [rid + 1] * 90, [SamplingParams()], 7))
+            core.queued_ids.add(rid)
+        core.queued_adds.append(AddRequests.of([100], [5, 6, 7], [SamplingParams()], 100))
+        core.queued_ids.add(100)
+        core._add_queued()  # 0 and 100 first, then in order while the budget (100) lasts
+        assert [added[0] for added in core.engine.added] == [0, 100, 1]
+        assert 100 not in core.queued_ids and len(core.queued_adds) == 62
+
+
 # ---- a real engine behind the message path ---------------------------------------------------
 class Outbox:
     def __init__(self):

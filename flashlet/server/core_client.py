@@ -23,8 +23,9 @@ sockets of all N clients) and alone sends them Shutdown. Every client binds its 
 (in<core>.<k> into each core, out<k> for the steps), numbers its requests k, k + N, ... (the
 cores send a request's outputs back by `request_id % N`), aborts and probes its own requests,
 and routes with its own PrefixRouter: each router sees only the prompts, in-flight counts and
-pending prompt tokens of its own process (prefix routing still sends a process's repeated prefixes to the core that
-cached them; the cores' running/waiting stats, which every client gets each step, are shared).
+pending prompt tokens of its own process (prefix routing still sends a process's repeated
+prefixes to the core that cached them; the cores' running/waiting stats, which every client
+gets each step, are shared).
 A client that does not own the cores cannot wait on them: it watches their pids (a dead or
 zombie pid is a dead core, handled as client 0 handles it) and client 0's (the cores' parent):
 that one gone is fatal.
@@ -312,7 +313,8 @@ class CoreClient(EngineClient):
                                               [c.pending_prefill for c in usable])
         return usable[index], prefill
 
-    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort(self, stream: RequestStream,
+              finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request in its core (idempotent); its pages are freed before the next step."""
         with self._lock:
             if stream.cancelled or stream.finished or stream.request_id is None:
@@ -334,7 +336,8 @@ class CoreClient(EngineClient):
     def abort_all(self) -> None:
         self._abort_in_cores()
         # Their outputs are dropped by the cores: end the streams here.
-        self._end_all(lambda rid: CoreOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT))
+        self._end_all(lambda rid: CoreOutput(rid, [], finished=True,
+                                             finish_reason=FinishReason.ABORT))
 
     def _abort_in_cores(self, core: CoreProcess | None = None) -> None:
         """Tell the cores (or one) to drop every request of this process there (their streams
@@ -513,7 +516,8 @@ class CoreClient(EngineClient):
                 if out.finished:
                     del self._streams[out.request_id]
                     core.num_in_flight -= 1
-                if out.finish_reason == FinishReason.ERROR and not out.new_token_ids and out.status == 400:
+                if (out.finish_reason == FinishReason.ERROR and not out.new_token_ids
+                        and out.status == 400):
                     by_loop[stream.aloop].append((stream, StreamError(out.error, 400)))
                 else:
                     by_loop[stream.aloop].append((stream, out))

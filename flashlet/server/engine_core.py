@@ -399,7 +399,7 @@ class EngineCore:
             future = self.compiler.submit(structured.compile, params.response_format)
             self.compiling[rid] = (future, prompt, params, after, group)
             return
-        self._add_now(rid, prompt, params, after, group)  # a cached grammar: no wait behind compiles
+        self._add_now(rid, prompt, params, after, group)  # cached: no wait behind compiles
 
     def _cancel_compile(self, rid: int) -> None:
         """An aborted request's compile stops: dropped if queued, and the worker killed if it

@@ -217,7 +217,8 @@ class EngineLoop(EngineClient):
                 self._cmds.append(("submit", stream))
             self._cond.notify()
 
-    def abort(self, stream: RequestStream, finish_reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort(self, stream: RequestStream,
+              finish_reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request (idempotent); its pages are freed before the next step. The front end
         ends it with `finish_reason` itself (e.g. "stop" for a stop string it found)."""
         with self._cond:

@@ -201,7 +201,7 @@ class InputBatch:
             self._change_pages(update.pages)
         rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
-                             update.sample)
+                             update.sample, update.spec_lens)
         sampling = rows if update.sample is None else rows[np.asarray(update.sample, bool)]
         self.sample_index[sampling] = np.arange(len(sampling))
         self.sampling_rows = sampling.tolist()
@@ -267,13 +267,14 @@ class InputBatch:
         self.num_pages[list(ends)] = list(ends.values())
 
     def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
-               query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None
-               ) -> "StepLayout":
+               query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None,
+               spec_lens: Sequence[int] | None = None) -> "StepLayout":
         """The layout of a step over `rows` (in this order): row i computes its tokens from
         position starts[i]; token_ids holds every row's new tokens, query_lens[i] of them
         (None: one each, a decode step); sample[i] (None: every row) says whether its last
-        token's logits are sampled. A PLACEHOLDER token takes the previous step's sampled token
-        of its row (sample_index)."""
+        token's logits are sampled; spec_lens[i] (None: 0 each), how many of its tokens before
+        the last are speculative proposals, whose logits are sampled too (a verify step). A
+        PLACEHOLDER token takes the previous step's sampled token of its row (sample_index)."""
         ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
         num_seqs, num_tokens = len(rows), len(token_ids)
         input_ids = np.array(token_ids, i64)
@@ -296,7 +297,9 @@ class InputBatch:
             logits = qo[1:] - 1
         if (self.num_pages[rows] < pages).any():
             raise ValueError("a row's page table holds fewer pages than its tokens need")
-        if sample is not None:
+        if spec_lens is not None:
+            logits = _verify_rows(logits, np.asarray(spec_lens, i64), sample)
+        elif sample is not None:
             logits = logits[np.asarray(sample, bool)]
         kv_ptr = _indptr(pages)
         # Each sequence's pages are its row's first `pages` entries: one gather over the table.
@@ -332,6 +335,17 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     return batch.layout(np.arange(len(rows)), [row.num_computed for row in rows],
                         list(chain.from_iterable(row.token_ids for row in rows)),
                         None if all(n == 1 for n in lens) else lens, [row.sample for row in rows])
+
+
+def _verify_rows(last_rows: np.ndarray, spec_lens: np.ndarray,
+                 sample: Sequence[bool] | None) -> np.ndarray:
+    """The sampled token rows of a verify step: each sampling sequence's last 1 + spec_lens
+    rows, in order (last_rows: each sequence's last token row)."""
+    counts = spec_lens + 1
+    if sample is not None:
+        counts = np.where(np.asarray(sample, bool), counts, 0)
+    first = np.repeat(last_rows - counts + 1, counts)
+    return first + np.arange(counts.sum()) - np.repeat(_indptr(counts)[:-1], counts)
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
@@ -411,7 +425,7 @@ class StepBuffers:
                              qo_indptr=max_seqs + 1, paged_kv_indptr=max_seqs + 1,
                              paged_kv_indices=max_pages + max_seqs,
                              paged_kv_last_page_len=max_seqs, kv_lens=max_seqs,
-                             logits_indices=max_seqs, feed_rows=max_seqs, feed_src=max_seqs)
+                             logits_indices=max_tokens, feed_rows=max_seqs, feed_src=max_seqs)
         # Every field at its capacity fits, so every step whose fields fit their capacities does.
         size = -(-arena_offsets(self.capacity)["end"] // 8) * 8  # whole int64 words
         self.staged = self.device.type == "cuda"  # else the host arena is the device's

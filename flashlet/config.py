@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from flashlet.speculative import SpeculativeConfig
+
 BACKENDS = ("auto", "torch", "flashinfer", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 CHOICES = {"backend": BACKENDS, "scheduling_policy": SCHEDULING_POLICIES}  # flags with a closed set
@@ -68,6 +70,9 @@ class EngineConfig:
     structured_output_max_enum: int = 8192  # enum and const values in one schema, in all
     structured_output_max_enum_chars: int = 131072  # characters of those values (as JSON)
     structured_output_max_pattern_size: int = 4096  # a regex pattern's size with its repetitions expanded (a{1000} counts 1000)
+    # Speculative decoding (flashlet/speculative.py): a JSON string or dict, parsed here.
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding as vLLM configures it (JSON): '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' or '{"model": PATH, "num_speculative_tokens": 4}'; default: off
+    speculative_disable_by_batch_size: int | None = None  # speculate only while at most this many requests run (overrides the speculative config's disable_by_batch_size); default: always
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -97,6 +102,20 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.fused_decode and self.tensor_parallel_size > 1:
             raise ValueError("fused_decode runs one GPU only: it needs tensor_parallel_size 1")
+        self._resolve_speculative()
+
+    def _resolve_speculative(self) -> None:
+        """Parse the speculative config (JSON or a dict) and fold the batch-size flag into it."""
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None:
+            if spec is None:
+                raise ValueError("speculative_disable_by_batch_size needs a speculative_config")
+            spec = spec.replace(disable_by_batch_size=limit)
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: speculative decoding runs on one GPU only "
+                             "(tensor_parallel_size 1)")
+        object.__setattr__(self, "speculative_config", spec)
 
     def _resolve_token_budgets(self) -> None:
         """Fill in the device's token budgets where none was given (frozen: set through object)."""

@@ -60,6 +60,7 @@ from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
+from flashlet.speculative import SpeculativeDecoding, make_proposer, verify
 from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
 from flashlet.weights import load_model, random_model, resolve_model_dir
 
@@ -143,6 +144,9 @@ class Engine:
                                   fused_parts)
         # What runs, not what was asked: the fused path's auto (None) resolved by the runner.
         self.config = config.replace(fused_decode=self.runner.fused is not None)
+        spec = config.speculative_config
+        self.spec = (SpeculativeDecoding(spec, make_proposer(spec, self))
+                     if spec is not None else None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
@@ -274,6 +278,8 @@ class Engine:
             raise ValueError(f"finish_reason must be 'abort' or 'stop', got {finish_reason!r}")
         finish_reason = FinishReason(finish_reason)
         output = self.scheduler.abort(request_id, finish_reason) or self._abort_held(request_id)
+        if self.spec is not None:
+            self.spec.release_finished([request_id])
         if output is None:
             log.info("abort of request %s is a no-op: unknown or already finished", request_id)
             return False
@@ -316,19 +322,25 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.constrained:
+        # A proposal needs the newest token: speculation runs its steps without overlap.
+        speculating = self.spec is not None and self.spec.active(len(self.scheduler.running))
+        if previous is not None and (previous.constrained or speculating):
             # A grammar's next mask needs the token in flight: no overlap (see structured.py).
             outputs += self._finish(previous)
             previous = None
-        sched = self.scheduler.schedule()
+        proposals = self.spec.propose(self.scheduler.running) if speculating else None
+        sched = self.scheduler.schedule(proposals)
         launched = self._launch(sched, previous) if sched.scheduled else None
         if previous is not None:
             outputs += self._finish(previous)
         if launched is not None:
-            if self.config.overlap:
+            if self.config.overlap and not speculating:
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)
+        if self.spec is not None:
+            self.spec.release_finished([r.request_id for r in sched.preempted]
+                                       + [out.request_id for out in outputs if out.finished])
         if self._held:
             self._release_held(outputs)
         if self.pooler.modes:
@@ -346,7 +358,9 @@ class Engine:
         pooling = self.pooler.wants(sched)
         scoring = PromptScoring.of(sched.scheduled) if self._scoring_prompts else None
         wants_hidden = pooling or scoring is not None
-        sampled = None if wants_hidden else self._greedy_fused(sched, input_ids, meta)
+        verifying = bool(sched.proposals)
+        sampled = (None if wants_hidden or verifying
+                   else self._greedy_fused(sched, input_ids, meta))
         if sampled is None:
             if wants_hidden:  # embedding rows and scored prompt rows read the hidden states
                 hidden, logits = self.runner.forward_hidden(input_ids, meta)
@@ -358,11 +372,24 @@ class Engine:
                 logits = self.runner.forward(input_ids, meta)
             for observe in self._step_observers:
                 observe(meta, logits)
+            if verifying:
+                return self._launched_verify(sched, logits, scoring)
             sampled = self.sampler.sample(logits, sched.sampling, self.runner.batch)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
         return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens), scoring)
+
+    def _launched_verify(self, sched: SchedulerOutput, logits: torch.Tensor,
+                         scoring: PromptScoring | None) -> "LaunchedStep":
+        """A verify step's tokens, decided now (speculation does not overlap its steps)."""
+        verified = verify(logits, sched.sampling, sched.proposals, self.eos_token_ids)
+        # Tokens were sampled outside the sampler: its penalty rows and seeded positions are
+        # rebuilt from the requests' tokens when it next samples.
+        self.sampler.forget()
+        self.scheduler.on_launch(sched)
+        self.num_steps += 1
+        return LaunchedStep(sched, None, None, scoring, verified)
 
     @property
     def _scoring_prompts(self) -> bool:
@@ -385,6 +412,11 @@ class Engine:
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
+        if launched.verified is not None:
+            if launched.scoring is not None:
+                launched.scoring.deliver()
+            self.spec.accepted(launched.sched.proposals, launched.sched.sampling, launched.verified)
+            return self.scheduler.update(launched.sched, launched.verified)
         tokens = launched.read()
         if launched.errors:  # a row whose sampling failed gets its error instead of a token
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
@@ -436,6 +468,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "cuda_graphs": len(self.runner.graphs),
+            **(self.spec.stats.as_dict() if self.spec is not None else {}),
         }
 
     def context_note(self) -> str:
@@ -524,15 +557,19 @@ class LaunchedStep:
     """A step on its way through the device: what ran, who samples, and where their tokens
     will be."""
 
-    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput, staged: TokenBuffer,
-                 scoring: PromptScoring | None = None):
+    def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput | None,
+                 staged: TokenBuffer | None, scoring: PromptScoring | None = None,
+                 verified: list | None = None):
         self.scoring = scoring  # its prompt-logprob rows, if any
         self.sched = sched  # its `sampling` requests sample, in row order
-        self.tokens = sampled.tokens  # [len(sampling)] on the device: next step's decode inputs
+        # A verify step's results (speculative.Verified per sampling row), read already; it
+        # has no sampled tensor, and is never in flight, so no step takes its tokens.
+        self.verified = verified
+        self.tokens = sampled.tokens if sampled else None  # [len(sampling)]: next step's inputs
         self.staged = staged
-        self.errors = sampled.errors
-        self.logprobs: StepLogprobs | None = sampled.logprobs
-        self.constrained = sampled.constrained
+        self.errors = sampled.errors if sampled else {}
+        self.logprobs: StepLogprobs | None = sampled.logprobs if sampled else None
+        self.constrained = sampled.constrained if sampled else False
 
     def read(self) -> list[int]:
         return self.staged.read(len(self.sched.sampling))

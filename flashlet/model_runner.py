@@ -155,8 +155,10 @@ class ModelRunner:
     def token_bucket(self, layout: StepLayout) -> int | None:
         """The token bucket of a mixed step that replays a mixed graph, or None (eager)."""
         n = layout.num_tokens
+        # A verify step may sample more rows than max_seqs, which would move the fields after
+        # logits_indices off the captured addresses (batch.arena_offsets): it runs eagerly.
         if (not self.use_mixed_graphs or layout.is_pure_decode or n > self.token_buckets[-1]
-                or layout.num_seqs > self.buffers.max_seqs):
+                or max(layout.num_seqs, layout.num_sampled) > self.buffers.max_seqs):
             return None
         return next(t for t in self.token_buckets if t >= n)
 

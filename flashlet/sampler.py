@@ -105,6 +105,13 @@ class Sampler:
         self.row_owner: dict[int, object] = {}  # penalty row -> whose state it holds
         self.state: BatchState | None = None  # the last step's batch
 
+    def forget(self) -> None:
+        """Drop the batch state and the penalty rows' owners, so the next step rebuilds them
+        from the requests' tokens: after a step whose tokens were chosen elsewhere (a
+        speculative verify step), which the device state did not see."""
+        self.state = None
+        self.row_owner.clear()
+
     # ---- one step ---------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, reqs: list, batch=None) -> SamplerOutput:
         """logits [len(reqs), vocab] (fp32, written into) -> a token per request (see the

@@ -54,6 +54,9 @@ class BatchUpdate:
     token_ids: list[int] = field(default_factory=list)  # every row's new tokens, in order
     query_lens: list[int] | None = None  # new tokens of each row; None: one each
     sample: list[bool] | None = None  # does each row sample; None: every row
+    # Proposals each row verifies (speculative.py), its last spec_lens[i] tokens; each of its
+    # last 1 + spec_lens[i] tokens is then sampled. None: no row verifies any.
+    spec_lens: list[int] | None = None
 
 
 @dataclass
@@ -63,6 +66,8 @@ class SchedulerOutput:
     # Requests whose scheduled tokens reach their last token: each samples one, in row order.
     sampling: list[Request] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # per sampling row: its placeholder's index
+    # Speculative decoding: the proposals each verifying request's row checks, after its token.
+    proposals: dict[Request, list[int]] = field(default_factory=dict)
     batch_update: BatchUpdate = field(default_factory=BatchUpdate)  # for the model runner
 
     @property
@@ -141,9 +146,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the policy -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[Request, list[int]] | None = None) -> SchedulerOutput:
+        """proposals: speculative tokens of decoding requests (speculative.py): each such
+        decode computes its token and as many of them as the budget allows, to be verified."""
         out = SchedulerOutput()
-        budget, prefills = self._schedule_decodes(out, self.max_num_batched_tokens)
+        budget, prefills = self._schedule_decodes(out, self.max_num_batched_tokens, proposals)
         if out.scheduled:
             budget = min(budget, prompt_tokens_beside(len(out.scheduled),
                                                       self.max_decode_step_tokens))
@@ -175,10 +182,14 @@ class Scheduler:
         update.starts = starts = [req.num_computed_tokens for req in reqs]
         if not out.is_pure_decode:
             update.query_lens = lens = [n for _, n in out.scheduled]
+            proposals = out.proposals
             update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
-                                for t in req.token_slice(start, start + n)]
-            update.sample = [start + n == req.num_tokens
+                                for t in req.token_slice(start, start + n)
+                                + proposals.get(req, [])]
+            update.sample = [start + n >= req.num_tokens  # (> for a verifying row)
                              for req, start, n in zip(reqs, starts, lens)]
+            if proposals:
+                update.spec_lens = [len(proposals.get(req, ())) for req in reqs]
         elif len(out.sampling) == len(reqs):  # every row samples: its token is the newest one
             update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
         else:
@@ -186,7 +197,9 @@ class Scheduler:
             update.sample = [start + 1 == req.num_tokens for req, start in zip(reqs, starts)]
         return update
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Request]]:
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int,
+                          proposals: dict[Request, list[int]] | None = None
+                          ) -> tuple[int, list[Request]]:
         """One token for each running request with one to compute (a decode; each samples),
         in admission order -> the budget left, and the running requests part-way through their
         prompt (for chunks). A request that has sampled every token it may is in neither: it
@@ -202,13 +215,17 @@ class Scheduler:
                 continue
             if num_output >= req.params.max_new_tokens or req.status is not running or budget == 0:
                 continue  # all sampled, or preempted earlier in this loop
+            spec = proposals.get(req) if proposals else None
+            n = 1 if not spec else 1 + len(spec[: budget - 1])
             # Only a decode whose pages are full needs another (most need none).
-            if (req.num_computed_tokens >= len(req.page_ids) * ps
-                    and not self._reserve_or_preempt(req, 1, out)):
+            if (req.num_computed_tokens + n > len(req.page_ids) * ps
+                    and not self._reserve_or_preempt(req, n, out)):
                 continue
-            out.scheduled.append((req, 1))
+            out.scheduled.append((req, n))
             out.sampling.append(req)
-            budget -= 1
+            if n > 1:
+                out.proposals[req] = spec[: n - 1]
+            budget -= n
         return budget, prefills
 
     def _schedule_prompts(self, step: _PromptBudget, partial: list[Request]) -> None:
@@ -328,6 +345,8 @@ class Scheduler:
             req.finish_reason, req.error = FinishReason.ERROR, f"sampling failed: {token!r}"
             self.finish(req)
             return req.output([])
+        if isinstance(token, tuple):  # a verify step's tokens (speculative.Verified)
+            return self._append_verified(req, slot, token)
         if logprobs is not None and req.output_logprobs is not None:
             req.output_logprobs.append(logprobs.get(row))
         req.output_token_ids[slot] = token
@@ -339,6 +358,37 @@ class Scheduler:
         if req.finish_reason is not None:
             self.finish(req)
         return req.output([token], first=slot == 0)
+
+    def _append_verified(self, req: Request, slot: int, verified) -> RequestOutput:
+        """A verifying row's accepted tokens written in, each checked for a stop and for
+        max_new_tokens (the rest dropped); only they count as computed, and the pages past
+        them (the rejected proposals' whole pages) are freed."""
+        del req.output_token_ids[slot:]  # the placeholder
+        p, eos, new = req.params, self.eos_token_ids, []
+        logprobs = verified.logprobs
+        for i, token in enumerate(verified.tokens):
+            req.output_token_ids.append(token)
+            new.append(token)
+            if logprobs is not None and req.output_logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+            if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:
+                req.finish_reason = FinishReason.STOP
+            elif len(req.output_token_ids) >= p.max_new_tokens:
+                req.finish_reason = FinishReason.LENGTH
+            if req.finish_reason is not None:
+                break
+        req.num_computed_tokens = req.num_tokens - 1  # the newest token's K/V is next step's
+        self._trim_pages(req)
+        if req.finish_reason is not None:
+            self.finish(req)
+        return req.output(new, first=slot == 0)
+
+    def _trim_pages(self, req: Request) -> None:
+        """Free the pages past those `req`'s tokens need (rejected proposals' K/V)."""
+        keep = max(-(-req.num_tokens // self.page_size), req.num_tree_pages)
+        if len(req.page_ids) > keep:
+            self.allocator.free(req.page_ids[keep:])
+            self._set_pages(req, req.page_ids[:keep], keep)
 
     def abort(self, request_id: int,
               finish_reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
@@ -360,6 +410,7 @@ class Scheduler:
             out.preempted.append(victim)
             out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
             out.sampling = [r for r in out.sampling if r is not victim]
+            out.proposals.pop(victim, None)
             if victim is req:
                 return False
         return True

@@ -1,0 +1,450 @@
+"""Speculative decoding: a cheap proposer guesses a request's next k tokens, and one step of the
+model checks all of them; what the model agrees with is kept, so a step can yield up to k + 1
+tokens at about the cost of one.
+
+How a speculating step runs (engine.py, scheduler.py, batch.py):
+1. Before scheduling, `SpeculativeDecoding.propose` asks the proposer for up to k tokens for
+   each running request that decodes (its tokens all known: speculation runs its steps without
+   overlap, since a proposal needs the newest token).
+2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
+   proposals) beside the step's other decodes and prefill chunks, in the one ragged attention
+   call, reserving pages for all of them (preempting as for any decode when pages run out).
+   The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`).
+3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
+   of proposals the model keeps, plus one token of its own (so at least one token a step).
+   Greedy rows accept a proposal where it is the argmax: the output equals decoding without
+   speculation. Sampled rows use exact rejection sampling after the sampler's own transforms
+   (min_tokens, penalties, temperature, min-p, top-k, top-p): a proposal x is kept with
+   probability p(x) (q is one-hot for a proposer that names one token), and on rejection the
+   token is drawn from p with x's mass removed, renormalised; so the output distribution is
+   the model's.
+4. The scheduler writes the accepted tokens in, checking stops and max_new_tokens on each,
+   counts only the accepted tokens as computed, and frees the rejected tokens' whole pages
+   (the prefix cache only ever sees accepted tokens).
+
+Design notes: other proposers behind the same interface.
+- A draft model (spec_draft.py) keeps its own KV for each request and runs k small steps
+  inside `propose`; `on_accepted` tells it how far to roll its KV back; `release` frees it.
+- EAGLE-style heads and multi-token-prediction (MTP) heads predict from the target model's
+  own hidden states rather than from tokens. They would plug in as a proposer whose
+  `propose` also takes the hidden states of each request's last accepted position: the runner
+  keeps the final hidden states of the sampled rows of the verify step (`forward_hidden`
+  returns them already, for prompt logprobs and pooling), the engine gathers each request's
+  row at its accepted length (the row after its last accepted proposal) and hands them over
+  as `propose(requests, k, hidden=...)`, a [len(requests), hidden] tensor left on the
+  device. An MTP head then runs its k small layers on it (one per future token); an EAGLE head
+  runs its one-layer decoder autoregressively k times, feeding its own features back, with a
+  KV of its own per request as a draft model has (freed by `release`). Tree-shaped proposals
+  (EAGLE-2, Medusa) would need a tree attention mask in the verify step; the chain of k
+  tokens here is the tree's one-branch case.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from flashlet.request import Request
+from flashlet.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
+from flashlet.sampling import TokenLogprob, _splitmix64
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative config: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"model": PATH,
+    "num_speculative_tokens": 4} (method "draft")."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    disable_by_batch_size: int | None = None  # speculate only while at most this many run
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method: unknown {self.method!r} "
+                             f"(choose from {', '.join(METHODS)})")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) "
+                             f"must be >= prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_config model: the draft method needs a model path")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config model: the ngram method takes no model")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A JSON string or a dict (vLLM's keys) -> the config; None or "" -> None. Unknown keys
+        and bad values raise ValueError naming the key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config num_speculative_tokens is required")
+        method = value.get("method", "draft" if value.get("model") else None)
+        if method is None:
+            raise ValueError("speculative_config method: give 'method' (ngram) or a 'model'")
+        return cls(**{**value, "method": method})
+
+    def replace(self, **changes) -> "SpeculativeConfig":
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def _check_int(key: str, value, least: int) -> None:
+    if type(value) is not int or value < least:
+        raise ValueError(f"speculative_config {key} must be an integer >= {least}, got {value!r}")
+
+
+class Proposer(Protocol):
+    """Guesses the next tokens of decoding requests (their tokens all known)."""
+
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        """Up to k tokens per request (may be empty), in the requests' order."""
+        ...
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        """After a verify step: how many of the request's proposals were kept."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request finished, was aborted or preempted: drop what is kept for it."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) earlier in its prompt and output, at their most recent earlier
+    occurrence, and propose the k tokens that followed it. No weights; it pays on input-grounded
+    work (editing, repeating, summarising a given text), where outputs copy spans of the input.
+
+    Each request's tokens are kept in a numpy array that grows as the request does (so a step
+    converts only its new tokens), and a match is a few numpy calls over it per n."""
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # request id -> (buffer, filled)
+
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        return [self.lookup(self._token_array(req), k) for req in requests]
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """The k tokens after the most recent earlier occurrence of the longest suffix of
+        `tokens` (max_n down to min_n long) that occurs earlier; [] if none does."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # Windows starting at 0 .. length - n - 1: each ends before the last token, so the
+            # suffix itself is not a match and every match has a token after it.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = (windows == tokens[length - n:]).all(axis=1).nonzero()[0]
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
+
+    def _token_array(self, req: Request) -> np.ndarray:
+        buffer, filled = self._tokens.get(req.request_id, (None, 0))
+        total = req.num_tokens
+        if buffer is None or total > len(buffer):
+            grown = np.empty(max(2 * total, 64), np.int64)
+            if buffer is not None:
+                grown[:filled] = buffer[:filled]
+            buffer = grown
+        if total > filled:
+            buffer[filled:total] = req.token_slice(filled, total)
+        self._tokens[req.request_id] = (buffer, total)
+        return buffer[:total]
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        pass  # nothing proposed is kept
+
+    def release(self, request: Request) -> None:
+        self._tokens.pop(request.request_id, None)
+
+
+def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
+    """The proposer the config names."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from flashlet.spec_draft import DraftProposer  # the draft model's own module
+
+    return DraftProposer(config, engine)
+
+
+class Verified(NamedTuple):
+    """One request's result of a verify step: its new tokens (accepted proposals, then the
+    model's own), their logprobs if asked for, and how many proposals were accepted."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+    num_accepted: int
+
+
+@dataclass
+class SpecStats:
+    """Counters since the engine started (vLLM's names: a draft is one request's proposals in
+    one verify step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        drafts, proposed, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {"spec_num_drafts": drafts, "spec_num_draft_tokens": proposed,
+                "spec_num_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+                # tokens a verified request gained a step: its accepted proposals and its own
+                "spec_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+class SpeculativeDecoding:
+    """The engine's side of speculation: who proposes this step, the verification of a step's
+    logits, and the counters."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecStats()
+        self._proposed: dict[int, Request] = {}  # requests the proposer has seen, by id
+
+    def active(self, num_running: int) -> bool:
+        """Speculation pays at small batches; above disable_by_batch_size it is off."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, running: Sequence[Request]) -> dict[Request, list[int]]:
+        """Proposals for the running requests that decode next. None while a running request
+        has a grammar: its mask is the sampler's per-request machinery, which verify steps do
+        not run, and a constrained row in a verify step would sample unmasked."""
+        if any(req.grammar is not None for req in running):
+            return {}
+        candidates = [req for req in running if _can_speculate(req)]
+        if not candidates:
+            return {}
+        k = self.config.num_speculative_tokens
+        proposals = {}
+        for req, tokens in zip(candidates, self.proposer.propose(candidates, k)):
+            self._proposed[req.request_id] = req
+            # At most max_new_tokens - generated - 1: the model's own token comes on top.
+            room = req.params.max_new_tokens - len(req.output_token_ids) - 1
+            if tokens and room > 0:
+                proposals[req] = list(tokens[: min(k, room)])
+        return proposals
+
+    def accepted(self, proposals: dict[Request, list[int]], requests: list[Request],
+                 verified: list[Verified]) -> None:
+        """Count a verify step's results (its `requests`' rows) and tell the proposer."""
+        stats = self.stats
+        for req, result in zip(requests, verified):
+            if req in proposals:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(proposals[req])
+                stats.num_accepted_tokens += result.num_accepted
+                self.proposer.on_accepted(req, result.num_accepted)
+
+    def release_finished(self, request_ids) -> None:
+        """Drop the proposer's state of requests that ended or were preempted."""
+        for request_id in request_ids:
+            req = self._proposed.pop(request_id, None)
+            if req is not None:
+                self.proposer.release(req)
+
+
+def _can_speculate(req: Request) -> bool:
+    """A decode whose tokens are all known, that may output more than one more token."""
+    p = req.params
+    return (req.num_tokens_to_compute == 1 and p.pooling is None and req.grammar is None
+            and len(req.output_token_ids) + 1 < p.max_new_tokens
+            and (not req.output_token_ids or req.output_token_ids[-1] >= 0))
+
+
+# ---- verification ------------------------------------------------------------------------------
+@dataclass
+class _Rows:
+    """The logit rows of a verify step: each sampling request's 1 + k rows, in order."""
+
+    starts: list[int]  # per request: its first row
+    proposals: list[list[int]]  # per request: its proposals (row start + j checks proposal j)
+
+    @classmethod
+    def of(cls, requests: list[Request], proposals: dict[Request, list[int]]) -> "_Rows":
+        starts, props, row = [], [], 0
+        for req in requests:
+            p = proposals.get(req, [])
+            starts.append(row)
+            props.append(p)
+            row += 1 + len(p)
+        return cls(starts, props)
+
+    @property
+    def num_rows(self) -> int:
+        return self.starts[-1] + 1 + len(self.proposals[-1]) if self.starts else 0
+
+    def request_of_row(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.starts)), [1 + len(p) for p in self.proposals])
+
+    def proposal_of_row(self) -> np.ndarray:
+        """[rows]: the token each row checks (-1 on a request's last row: nothing to check)."""
+        return np.array([t for p in self.proposals for t in p + [-1]], np.int64)
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Request, list[int]],
+           eos_token_ids) -> list[Verified]:
+    """A verify step's logits [rows, vocab] (each request's 1 + k rows: row j's logits follow
+    its j-th proposal) -> each request's accepted tokens (see the module docstring). Reads the
+    device once for the decisions, and once more for logprobs where asked."""
+    rows = _Rows.of(requests, proposals)
+    device = logits.device
+    row_req = rows.request_of_row()
+    proposal = rows.proposal_of_row()
+    params = [req.params for req in requests]
+    lp_rows = [r for r in range(rows.num_rows) if params[row_req[r]].logprobs is not None]
+    raw = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
+    logits = _apply_transforms(logits.float(), requests, rows, row_req, eos_token_ids)
+    ok, chosen = _decide(logits, requests, rows, row_req, proposal)
+    ok, chosen = ok.tolist(), chosen.tolist()
+    results = []
+    for i, req in enumerate(requests):
+        start, props = rows.starts[i], rows.proposals[i]
+        a = 0
+        while a < len(props) and ok[start + a]:
+            a += 1
+        results.append((props[:a] + [chosen[start + a]], a))
+    logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
+    return [Verified(tokens, logprobs.get(i), a) for i, (tokens, a) in enumerate(results)]
+
+
+def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows,
+                      row_req: np.ndarray, eos_token_ids) -> torch.Tensor:
+    """The sampler's transforms before temperature, per position: min_tokens' mask and the
+    penalties, each position seeing the proposals before it as output tokens."""
+    for i, req in enumerate(requests):
+        p, start, props = req.params, rows.starts[i], rows.proposals[i]
+        generated = len(req.output_token_ids)
+        if p.min_tokens > generated:  # positions still short of min_tokens may not stop
+            banned = p.stop_token_ids + ([] if p.ignore_eos else sorted(eos_token_ids))
+            short = min(p.min_tokens - generated, len(props) + 1)
+            if banned:
+                logits[start : start + short, banned] = float("-inf")
+        if p.has_penalties:
+            span = slice(start, start + len(props) + 1)
+            logits[span] = _penalised(logits[span], req, props)
+    return logits
+
+
+def _penalised(logits: torch.Tensor, req: Request, props: list[int]) -> torch.Tensor:
+    """The penalties (sampler.apply_penalties, dense) on one request's k + 1 rows: row j counts
+    the output so far and proposals 0 .. j - 1."""
+    vocab, device, p = logits.shape[1], logits.device, req.params
+    output = torch.tensor(req.output_token_ids, dtype=torch.int64, device=device)
+    base = torch.bincount(output, minlength=vocab)[:vocab]
+    steps = torch.zeros(len(props) + 1, vocab, dtype=base.dtype, device=device)
+    if props:  # row j adds proposals before j: a cumulative one-hot
+        one_hot = torch.zeros(len(props), vocab, dtype=base.dtype, device=device)
+        one_hot[torch.arange(len(props)), torch.tensor(props, device=device)] = 1
+        steps[1:] = one_hot.cumsum(0)
+    counts = base + steps
+    prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    prompt_mask[torch.tensor(req.prompt_token_ids, device=device)] = True
+    n = len(props) + 1
+    column = lambda v: torch.full((n,), float(v), device=device)  # noqa: E731
+    return apply_penalties(logits, counts, prompt_mask.expand(n, vocab),
+                           column(p.presence_penalty), column(p.frequency_penalty),
+                           column(p.repetition_penalty))
+
+
+def _decide(logits: torch.Tensor, requests: list[Request], rows: _Rows, row_req: np.ndarray,
+            proposal: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: is its proposal accepted, and the token drawn there should it be the first
+    rejection (or the last row). Greedy rows: accept where the proposal is the argmax, draw
+    the argmax. Sampled rows: accept with probability p(x); draw from p without x."""
+    device = logits.device
+    chosen = logits.argmax(dim=-1)
+    prop = torch.from_numpy(proposal).to(device)
+    has_prop = prop >= 0
+    ok = (chosen == prop) & has_prop
+    params = [req.params for req in requests]
+    random = [r for r in range(len(row_req)) if not params[row_req[r]].is_greedy]
+    if not random:
+        return ok, chosen
+    index = torch.tensor(random, dtype=torch.int64, device=device)
+    cols = torch.tensor([[params[row_req[r]].temperature, params[row_req[r]].top_k,
+                          params[row_req[r]].top_p, params[row_req[r]].min_p] for r in random],
+                        dtype=torch.float32, device=device)
+    probs = sampling_probs(logits[index], *cols.unbind(1))
+    uniform, noise = _randomness(requests, rows, row_req, random, probs)
+    x = prop[index]
+    safe_x = x.clamp(min=0).unsqueeze(1)
+    p_x = probs.gather(1, safe_x).squeeze(1)
+    accept = (uniform < p_x) & (x >= 0)
+    residual = probs.scatter(1, safe_x, torch.where(x >= 0, 0.0, p_x).unsqueeze(1))
+    ok[index] = accept
+    chosen[index] = exponential_race(residual, noise)
+    return ok, chosen
+
+
+def _randomness(requests: list[Request], rows: _Rows, row_req: np.ndarray, random: list[int],
+                probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform and a row of Exp(1) noise per sampled row. A seeded request draws its rows
+    from a generator keyed by its seed and output position, so its tokens depend on neither
+    the batch nor the step they ran in."""
+    device = probs.device
+    uniform = torch.rand(len(random), device=device)
+    noise = torch.empty_like(probs).exponential_()
+    at = {r: j for j, r in enumerate(random)}
+    for i, req in enumerate(requests):
+        seed = req.params.seed
+        if seed is None or req.params.is_greedy:
+            continue
+        g = torch.Generator(device=device)
+        g.manual_seed(_splitmix64(seed % 2**64, len(req.output_token_ids)))
+        first, n = at[rows.starts[i]], 1 + len(rows.proposals[i])
+        uniform[first : first + n] = torch.rand(n, device=device, generator=g)
+        noise[first : first + n].exponential_(generator=g)
+    return uniform, noise
+
+
+def _logprobs(raw: torch.Tensor, lp_rows: list[int], row_req: np.ndarray, rows: _Rows,
+              results: list, params, device) -> dict[int, list[TokenLogprob]]:
+    """Each asking request's logprobs of its new tokens (the model's raw ones, as the sampler
+    reports them) -> {request index: one per new token}."""
+    chosen_at = {}
+    for i, (tokens, _) in enumerate(results):
+        for j, token in enumerate(tokens):
+            chosen_at[rows.starts[i] + j] = token
+    keep = [n for n, r in enumerate(lp_rows) if r in chosen_at]
+    picked = [lp_rows[n] for n in keep]
+    ks = [params[row_req[r]].logprobs for r in picked]
+    step = StepLogprobs(picked, ks, raw[keep], torch.tensor([chosen_at[r] for r in picked],
+                                                             dtype=torch.int64, device=device))
+    out: dict[int, list[TokenLogprob]] = {}
+    for r in picked:
+        out.setdefault(int(row_req[r]), []).append(step.get(r))
+    return out

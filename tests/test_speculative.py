@@ -110,3 +110,136 @@ def test_greedy_output_is_identical_and_proposals_are_accepted(tiny_model):
     assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"] >= 0
     assert stats["spec_mean_accepted_length"] > 1
     assert stats["kv_pages_used"] == stats["kv_pages_cached"]  # rejected tokens' pages freed
+
+
+def test_one_stream_takes_fewer_steps(tiny_qwen2):
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    (plain,), plain_engine = generate(tiny_qwen2, [prompt], params)
+    (spec,), engine = generate(tiny_qwen2, [prompt], params, spec=NGRAM)
+    assert spec.token_ids == plain.token_ids
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    assert engine.stats()["num_steps"] < plain_engine.stats()["num_steps"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_preemption_under_a_small_pool_keeps_outputs(tiny_qwen2, overlap):
+    prompts = repetitive_prompts(8, seed=1)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params, max_num_pages=64)
+    spec, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM, max_num_pages=22,
+                            overlap=overlap)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    engine.reset_prefix_cache()
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_abort_mid_run_releases_everything(tiny_qwen2):
+    prompts = repetitive_prompts(4, seed=2)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    for _ in range(4):
+        for out in engine.step():
+            done.setdefault(out.request_id, []).append(out)
+    assert engine.abort(ids[1])
+    engine.check_integrity()
+    finished = run_all(engine)
+    assert finished[ids[1]].finish_reason == "abort"
+    for i in (0, 2, 3):
+        assert finished[ids[i]].token_ids == plain[i].token_ids
+    assert not engine.spec._proposed  # the proposer let go of every request
+    engine.reset_prefix_cache()
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_max_tokens_is_never_overshot(tiny_qwen2, max_tokens):
+    prompts = repetitive_prompts(3, seed=4)
+    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    spec, _ = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == max_tokens
+        assert a.finish_reason == "length"
+
+
+def test_stop_ids_end_the_output_at_the_first_accepted_stop(tiny_qwen2):
+    prompts = repetitive_prompts(4, seed=5)
+    free, _ = generate(tiny_qwen2, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    # Stop on a token each output produces part-way through (several in one verify step's run).
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True,
+                             stop_token_ids=[out.token_ids[len(out.token_ids) // 2]])
+              for out in free]
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    spec, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    for a, b, p in zip(spec, plain, params):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert a.finish_reason == "stop" and a.token_ids[-1] == p.stop_token_ids[0]
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_logprobs_of_every_accepted_token(tiny_qwen2):
+    prompts = repetitive_prompts(3, seed=6)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=3)
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    spec, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids
+        assert [lp.token_id for lp in a.logprobs] == a.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_n_samples_and_stop_strings_through_llm(demo_model_dir):
+    prompt = ("Repeat this list exactly: apples, pears, plums, figs, dates, limes. "
+              "Repeat: apples, pears, plums, figs, dates, limes. Repeat:")
+    base = SamplingParams(max_new_tokens=24, n=2)
+    plain = LLM(str(demo_model_dir)).generate([prompt], base)
+    llm = LLM(str(demo_model_dir), speculative_config=NGRAM)
+    spec = llm.generate([prompt], base)
+    assert [o.text for o in spec] == [o.text for o in plain]
+    stopped = llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=["figs"]))
+    reference = LLM(str(demo_model_dir)).generate([prompt], SamplingParams(max_new_tokens=24,
+                                                                          stop=["figs"]))
+    assert stopped[0].text == reference[0].text and "figs" not in stopped[0].text
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
+def test_disable_by_batch_size_switches_off_and_back_on(tiny_qwen2):
+    prompts = repetitive_prompts(5, seed=7)
+    params = [SamplingParams(max_new_tokens=8 if i else 40, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4,
+                                 speculative_config={**NGRAM, "disable_by_batch_size": 2}))
+    ids = [engine.add_request(p, params[i]) for i, p in enumerate(prompts)]
+    drafts_while_many, done = [], {}
+    while engine.has_unfinished():
+        many = len(engine.scheduler.running) > 2
+        before = engine.spec.stats.num_drafts
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if many:
+            drafts_while_many.append(engine.spec.stats.num_drafts - before)
+        engine.check_integrity()
+    assert drafts_while_many and not any(drafts_while_many)  # off above the size
+    assert engine.spec.stats.num_drafts > 0  # on again once the short ones left
+    assert [done[i].token_ids for i in ids] == [o.token_ids for o in plain]
+
+
+def test_seeded_sampling_reproduces_with_speculation(tiny_qwen2):
+    prompts = repetitive_prompts(3, seed=8)
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=11, ignore_eos=True)
+    first, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    second, _ = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert engine.stats()["spec_num_drafts"] > 0

@@ -243,3 +243,89 @@ def test_seeded_sampling_reproduces_with_speculation(tiny_qwen2):
     second, _ = generate(tiny_qwen2, prompts, params, spec=NGRAM)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert engine.stats()["spec_num_drafts"] > 0
+
+
+# ---- sampled: the same distribution ------------------------------------------------------------
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at df degrees of freedom for a normal quantile z (3.09: 0.999),
+    by the Wilson-Hilferty approximation (scipy is not a dependency)."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * c**0.5) ** 3
+
+
+def homogeneity_statistic(a: list, b: list) -> tuple[float, int]:
+    """Pearson's two-sample chi-square over the outcomes; outcomes expected fewer than 5 times
+    are pooled into one. -> (statistic, degrees of freedom)."""
+    outcomes = sorted(set(a) | set(b), key=repr)
+    ca = {o: a.count(o) for o in outcomes}
+    cb = {o: b.count(o) for o in outcomes}
+    na, nb = len(a), len(b)
+    big = [o for o in outcomes if (ca[o] + cb[o]) * min(na, nb) / (na + nb) >= 5]
+    rows = [(ca[o], cb[o]) for o in big]
+    rest = (na - sum(r[0] for r in rows), nb - sum(r[1] for r in rows))
+    if sum(rest):
+        rows.append(rest)
+    stat = 0.0
+    for x, y in rows:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    return stat, len(rows) - 1
+
+
+def test_sampled_distribution_equals_the_one_without_speculation(tiny_qwen2):
+    # The prompt ends in a loop the tiny model keeps to (63 63 ...): lookup proposes 63, and
+    # at temperature 0.4 the model keeps it often and rejects it often. Tokens 2 to 4 of each
+    # draw come from verify steps.
+    prompt = [7, 21, 9, 30, 41, 71, 169, 149, 239, 45, 33, 63, 63, 63, 63, 63]
+    params = SamplingParams(max_new_tokens=5, temperature=0.4, top_p=0.9, top_k=40,
+                            repetition_penalty=1.1, presence_penalty=0.1, ignore_eos=True)
+    draws = 1200
+
+    def sample(spec):
+        outs, engine = generate(tiny_qwen2, [prompt] * draws, params, spec=spec)
+        return [tuple(o.token_ids) for o in outs], engine
+
+    plain, _ = sample(None)
+    spec, engine = sample(NGRAM)
+    stats = engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 150  # many draws went through acceptance
+    assert stats["spec_num_draft_tokens"] - stats["spec_num_accepted_tokens"] > 150  # rejection
+    outcomes = [lambda t: t[1], lambda t: t[2], lambda t: t[1:3], lambda t: t[3]]
+    for outcome in outcomes:
+        stat, df = homogeneity_statistic(list(map(outcome, spec)), list(map(outcome, plain)))
+        assert df >= 3
+        assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_verify_without_a_model_keeps_the_target_distribution():
+    """verify() on fixed logits: a proposal is kept with probability p(x), and the token
+    after a rejection comes from p without x, so each row's first token is distributed as p."""
+    torch.manual_seed(0)
+    vocab, draws = 6, 6000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3]]).repeat(2 * draws, 1)
+    reqs = [Request(i, [1, 2], SamplingParams(temperature=1.0, max_new_tokens=8))
+            for i in range(draws)]
+    proposals = {req: [1] for req in reqs}  # the model gives token 1 p = 0.17
+    results = verify(logits, reqs, proposals, frozenset())
+    first = [r.tokens[0] for r in results]
+    probs = torch.softmax(logits[0], -1).tolist()
+    expected = [p * draws for p in probs]
+    stat = sum((first.count(t) - e) ** 2 / e for t, e in enumerate(expected))
+    assert stat < chi_square_critical(vocab - 1)
+    accepted = sum(r.num_accepted for r in results)
+    assert abs(accepted / draws - probs[1]) < 4 * (probs[1] * (1 - probs[1]) / draws) ** 0.5
+    assert all(len(r.tokens) == 1 + r.num_accepted for r in results)
+
+
+def test_a_rejected_proposal_is_never_the_token_drawn_instead():
+    logits = torch.tensor([[0.0, 3.0, 0.0]] * 2)
+    reqs = [Request(0, [1], SamplingParams(temperature=1.0, max_new_tokens=8))]
+    for _ in range(50):
+        (result,) = verify(logits, reqs, {reqs[0]: [1]}, frozenset())
+        if result.num_accepted == 0:
+            assert result.tokens != [1]
+    greedy = [Request(0, [1], SamplingParams(max_new_tokens=8))]
+    (result,) = verify(logits, greedy, {greedy[0]: [0]}, frozenset())
+    assert result == (([1], None, 0))

@@ -170,8 +170,8 @@ def test_engine_steps_get_the_reference_layout(tiny_qwen2, monkeypatch):
                 yield StepRow(req.token_slice(start, start + n), start, list(req.page_ids),
                               start + n == req.num_tokens, src)
 
-        def recording_schedule():
-            sched = schedule()
+        def recording_schedule(*args):
+            sched = schedule(*args)
             scheduled.append(sched)
             return sched
 

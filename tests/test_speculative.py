@@ -197,6 +197,7 @@ def test_logprobs_of_every_accepted_token(tiny_qwen2):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
+@pytest.mark.slow
 def test_n_samples_and_stop_strings_through_llm(demo_model_dir):
     prompt = ("Repeat this list exactly: apples, pears, plums, figs, dates, limes. "
               "Repeat: apples, pears, plums, figs, dates, limes. Repeat:")
@@ -329,3 +330,49 @@ def test_a_rejected_proposal_is_never_the_token_drawn_instead():
     greedy = [Request(0, [1], SamplingParams(max_new_tokens=8))]
     (result,) = verify(logits, greedy, {greedy[0]: [0]}, frozenset())
     assert result == (([1], None, 0))
+
+
+# ---- the real model ---------------------------------------------------------------------------
+PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
+             "can of oil and a cloth. He cleaned the great lens until it shone, trimmed the wick, "
+             "and lit the lamp, and its beam swept across the dark water all night long.")
+
+
+@pytest.mark.slow
+def test_smollm_greedy_output_matches_on_an_input_grounded_prompt(demo_model_dir):
+    conversation = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAPH}"}]
+    params = SamplingParams(max_new_tokens=64)
+    plain = LLM(str(demo_model_dir)).chat([conversation], params)[0]
+    llm = LLM(str(demo_model_dir), speculative_config=NGRAM)
+    spec = llm.chat([conversation], params)[0]
+    assert spec.token_ids == plain.token_ids
+    stats = llm.engine.stats()
+    assert stats["spec_acceptance_rate"] > 0.3  # the paragraph is copied: lookup pays
+    assert stats["spec_mean_accepted_length"] > 2
+    llm.engine.check_integrity()
+
+
+def test_metrics_export_speculation_counters(tiny_qwen2):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from flashlet.server.engine_core import core_stats
+    from flashlet.server.metrics import EngineCollector
+
+    _, engine = generate(tiny_qwen2, repetitive_prompts(2, seed=9),
+                         SamplingParams(max_new_tokens=12, ignore_eos=True), spec=NGRAM)
+    stats = core_stats(engine)
+
+    class Loop:
+        is_ready = True
+
+        def core_stats(self):
+            return [stats]
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(Loop()))
+    text = generate_latest(registry).decode()
+    for name, key in (("num_draft_tokens", "spec_num_draft_tokens"),
+                      ("num_accepted_tokens", "spec_num_accepted_tokens"),
+                      ("num_drafts", "spec_num_drafts")):
+        assert stats[key] > 0
+        assert f'flashlet_spec_decode_{name}_total{{core="0"}} {float(stats[key])}' in text

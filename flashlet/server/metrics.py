@@ -58,7 +58,15 @@ class EngineCollector:
         yield up
         counters = [("flashlet_preemptions", "Requests preempted for KV pages", "num_preemptions"),
                     ("flashlet_engine_steps", "Engine steps run", "num_steps"),
-                    ("flashlet_requests_routed", "Requests routed to the core", "routed")]
+                    ("flashlet_requests_routed", "Requests routed to the core", "routed"),
+                    # Speculative decoding (vLLM's names): a draft is one request's proposals
+                    # in one verify step; acceptance rate = accepted / draft tokens.
+                    ("flashlet_spec_decode_num_drafts", "Speculative drafts verified",
+                     "spec_num_drafts"),
+                    ("flashlet_spec_decode_num_draft_tokens", "Speculative tokens proposed and "
+                     "verified", "spec_num_draft_tokens"),
+                    ("flashlet_spec_decode_num_accepted_tokens", "Speculative tokens accepted",
+                     "spec_num_accepted_tokens")]
         for name, doc, key in counters:
             family = CounterMetricFamily(name, doc, labels=["core"])
             for core, s in enumerate(per_core):

@@ -444,6 +444,8 @@ def _logprobs(raw: torch.Tensor, lp_rows: list[int], row_req: np.ndarray, rows: 
     ks = [params[row_req[r]].logprobs for r in picked]
     step = StepLogprobs(picked, ks, raw[keep], torch.tensor([chosen_at[r] for r in picked],
                                                              dtype=torch.int64, device=device))
+    if device.type == "cuda":  # its copies to the host do not block: wait for them here
+        torch.cuda.current_stream(device).synchronize()
     out: dict[int, list[TokenLogprob]] = {}
     for r in picked:
         out.setdefault(int(row_req[r]), []).append(step.get(r))

@@ -171,6 +171,8 @@ class Engine:
             from flashlet.warmup import warm_up
 
             report.update(warm_up(self), warmed_up=True)
+            if self.spec is not None:
+                self.spec.proposer.warm_up()
         if self.device.type == "cuda":
             report["gc_s"] = settle_heap()
         log.info("engine start: load %.2f s, warm-up %.2f s, graph capture %.2f s (backend %s)",

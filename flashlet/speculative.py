@@ -136,6 +136,10 @@ class Proposer(Protocol):
         """The request finished, was aborted or preempted: drop what is kept for it."""
         ...
 
+    def warm_up(self) -> None:
+        """At engine start on CUDA: compile and capture what proposing needs."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -186,14 +190,19 @@ class NgramProposer:
     def release(self, request: Request) -> None:
         self._tokens.pop(request.request_id, None)
 
+    def warm_up(self) -> None:
+        pass  # numpy on the host: nothing to compile
+
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
     """The proposer the config names."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from flashlet.spec_draft import DraftProposer  # the draft model's own module
+    from flashlet.spec_draft import DraftProposer  # loads a model: only when one is asked for
 
-    return DraftProposer(config, engine)
+    return DraftProposer(engine.config, config, engine.device,
+                         target_vocab=engine.model_config.vocab_size,
+                         target_tokenizer=engine.tokenizer)
 
 
 class Verified(NamedTuple):

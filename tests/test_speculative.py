@@ -332,6 +332,65 @@ def test_a_rejected_proposal_is_never_the_token_drawn_instead():
     assert result == (([1], None, 0))
 
 
+def test_prompt_logprobs_and_embeddings_share_verify_steps(tiny_qwen2):
+    """Requests that score their prompt or pool it arrive while others speculate: their rows
+    sit beside verify rows (forward_hidden), and every result equals the run without."""
+    prompts = repetitive_prompts(3, seed=10)
+    decoding = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    others = [(repetitive_prompts(1, seed=11)[0], SamplingParams(max_new_tokens=4, ignore_eos=True,
+                                                                  prompt_logprobs=2)),
+              (repetitive_prompts(1, seed=12)[0], SamplingParams(max_new_tokens=1, pooling="mean"))]
+
+    def run(spec):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=spec))
+        ids = [engine.add_request(p, decoding) for p in prompts]
+        done = {}
+        for _ in range(3):  # the decodes are under way (and speculating) first
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        ids += [engine.add_request(p, params) for p, params in others]
+        run_all(engine, done)
+        return [done[i] for i in ids], engine
+
+    plain, _ = run(None)
+    spec, engine = run(NGRAM)
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids
+    scored_a, scored_b = spec[3].prompt_logprobs[1:], plain[3].prompt_logprobs[1:]
+    assert [x.logprob for x in scored_a] == pytest.approx([x.logprob for x in scored_b], abs=1e-4)
+    assert spec[4].embedding == pytest.approx(plain[4].embedding, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_structured_output_beside_speculating_requests(demo_model_dir):
+    """While a request with a response_format runs, nothing is proposed (the grammar's mask is
+    the sampler's); both outputs equal the run without speculation."""
+    repeat = f"Repeat this paragraph exactly: {PARAGRAPH}"
+    json_prompt = "Give a JSON object with a name and an age for a cat."
+    params = [SamplingParams(max_new_tokens=40),
+              SamplingParams(max_new_tokens=30, response_format={"type": "json_object"})]
+
+    def run(spec):
+        llm = LLM(str(demo_model_dir), speculative_config=spec)
+        engine = llm.engine
+        ids = [engine.add_request(repeat, params[0])]
+        done = {}
+        for _ in range(6):  # alone at first: it speculates
+            for out in engine.step():
+                done[out.request_id] = out
+        ids.append(engine.add_request(json_prompt, params[1]))
+        run_all(engine, done)
+        return [done[i] for i in ids], llm
+
+    plain, _ = run(None)
+    spec, llm = run(NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
 # ---- the real model ---------------------------------------------------------------------------
 PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
              "can of oil and a cloth. He cleaned the great lens until it shone, trimmed the wick, "

@@ -60,7 +60,8 @@ from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.sampling import SamplingParams, make_generator
 from flashlet.scheduler import Scheduler, SchedulerOutput
-from flashlet.speculative import SpeculativeDecoding, make_proposer, verify
+from flashlet.speculative import (SpeculativeDecoding, advance_verified_grammars,
+                                  make_proposer, verify)
 from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
 from flashlet.weights import load_model, random_model, resolve_model_dir
 
@@ -417,8 +418,11 @@ class Engine:
         if launched.verified is not None:
             if launched.scoring is not None:
                 launched.scoring.deliver()
-            self.spec.accepted(launched.sched.proposals, launched.sched.sampling, launched.verified)
-            return self.scheduler.update(launched.sched, launched.verified)
+            sched = launched.sched
+            verified = advance_verified_grammars(sched.sampling, launched.verified,
+                                                 self.eos_token_ids)
+            self.spec.accepted(sched.proposals, sched.sampling, verified)
+            return self.scheduler.update(sched, verified)
         tokens = launched.read()
         if launched.errors:  # a row whose sampling failed gets its error instead of a token
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]

@@ -248,11 +248,7 @@ class SpeculativeDecoding:
         return limit is None or num_running <= limit
 
     def propose(self, running: Sequence[Request]) -> dict[Request, list[int]]:
-        """Proposals for the running requests that decode next. None while a running request
-        has a grammar: its mask is the sampler's per-request machinery, which verify steps do
-        not run, and a constrained row in a verify step would sample unmasked."""
-        if any(req.grammar is not None for req in running):
-            return {}
+        """Proposals for the running requests that decode next (only those given any)."""
         candidates = [req for req in running if _can_speculate(req)]
         if not candidates:
             return {}
@@ -267,11 +263,11 @@ class SpeculativeDecoding:
         return proposals
 
     def accepted(self, proposals: dict[Request, list[int]], requests: list[Request],
-                 verified: list[Verified]) -> None:
+                 verified: list) -> None:
         """Count a verify step's results (its `requests`' rows) and tell the proposer."""
         stats = self.stats
         for req, result in zip(requests, verified):
-            if req in proposals:
+            if req in proposals and not isinstance(result, Exception):
                 stats.num_drafts += 1
                 stats.num_draft_tokens += len(proposals[req])
                 stats.num_accepted_tokens += result.num_accepted
@@ -288,7 +284,7 @@ class SpeculativeDecoding:
 def _can_speculate(req: Request) -> bool:
     """A decode whose tokens are all known, that may output more than one more token."""
     p = req.params
-    return (req.num_tokens_to_compute == 1 and p.pooling is None and req.grammar is None
+    return (req.num_tokens_to_compute == 1 and p.pooling is None
             and len(req.output_token_ids) + 1 < p.max_new_tokens
             and (not req.output_token_ids or req.output_token_ids[-1] >= 0))
 
@@ -325,18 +321,23 @@ class _Rows:
 
 @torch.inference_mode()
 def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Request, list[int]],
-           eos_token_ids) -> list[Verified]:
+           eos_token_ids) -> list[Verified | Exception]:
     """A verify step's logits [rows, vocab] (each request's 1 + k rows: row j's logits follow
-    its j-th proposal) -> each request's accepted tokens (see the module docstring). Reads the
-    device once for the decisions, and once more for logprobs where asked."""
+    its j-th proposal) -> each request's accepted tokens (see the module docstring), or the
+    exception its grammar raised. Reads the device once for the decisions, and once more for
+    logprobs where asked."""
     rows = _Rows.of(requests, proposals)
+    errors: dict[int, Exception] = {}
     device = logits.device
     row_req = rows.request_of_row()
     proposal = rows.proposal_of_row()
     params = [req.params for req in requests]
     lp_rows = [r for r in range(rows.num_rows) if params[row_req[r]].logprobs is not None]
     raw = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
-    logits = _apply_transforms(logits.float(), requests, rows, row_req, eos_token_ids)
+    logits = logits.float()
+    if any(req.grammar is not None for req in requests):
+        mask_grammars(logits, requests, rows, errors)
+    logits = _apply_transforms(logits, requests, rows, row_req, eos_token_ids)
     ok, chosen = _decide(logits, requests, rows, row_req, proposal)
     ok, chosen = ok.tolist(), chosen.tolist()
     results = []
@@ -347,7 +348,60 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
             a += 1
         results.append((props[:a] + [chosen[start + a]], a))
     logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
-    return [Verified(tokens, logprobs.get(i), a) for i, (tokens, a) in enumerate(results)]
+    return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
+            for i, (tokens, a) in enumerate(results)]
+
+
+def mask_grammars(logits: torch.Tensor, requests: list[Request], rows: "_Rows",
+                  errors: dict) -> None:
+    """Each constrained request's rows masked as its grammar would mask them were its
+    proposals accepted one by one: row j's mask is the grammar's after proposals 0 .. j - 1
+    (the matcher is walked over them and rolled back). A proposal the grammar refuses is
+    masked out in its own row, so it is rejected there and the rows after it are never read."""
+    import xgrammar as xgr  # structured output's library, loaded once a grammar is in use
+
+    for i, req in enumerate(requests):
+        if req.grammar is None:
+            continue
+        start, props = rows.starts[i], rows.proposals[i]
+        bitmask = xgr.allocate_token_bitmask(len(props) + 1, logits.shape[1])
+        filled, walked = 0, 0
+        try:
+            for j in range(len(props) + 1):
+                req.grammar.fill_next_token_bitmask(bitmask, j)
+                filled += 1
+                if j == len(props) or not req.grammar.accept_token(props[j]):
+                    break
+                walked += 1
+                if req.grammar.is_terminated():  # a stop: the scheduler drops what follows
+                    break
+        except Exception as e:  # one bad request must not fail the batch
+            errors[i] = e
+        finally:
+            if walked:
+                req.grammar.rollback(walked)
+        if filled:
+            span = logits[start : start + filled]
+            xgr.apply_token_bitmask_inplace(span, bitmask[:filled].to(logits.device),
+                                            vocab_size=logits.shape[1])
+
+
+def advance_verified_grammars(requests: list[Request], results: list, eos_token_ids) -> list:
+    """Feed each constrained request the tokens it keeps, up to a stop (which ends it, and
+    its grammar); a token its grammar refuses turns the row into that error."""
+    results = list(results)
+    for i, req in enumerate(requests):
+        result = results[i]
+        if req.grammar is None or req.is_finished or isinstance(result, Exception):
+            continue
+        p = req.params
+        for token in result.tokens:
+            if not req.grammar.accept_token(token):
+                results[i] = ValueError(f"token {token} does not fit the response format")
+                break
+            if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+                break
+    return results
 
 
 def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows,

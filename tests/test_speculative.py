@@ -364,20 +364,22 @@ def test_prompt_logprobs_and_embeddings_share_verify_steps(tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_structured_output_beside_speculating_requests(demo_model_dir):
-    """While a request with a response_format runs, nothing is proposed (the grammar's mask is
-    the sampler's); both outputs equal the run without speculation."""
+def test_structured_output_speculates_within_its_grammar(demo_model_dir):
+    """A request with a response_format speculates beside an unconstrained one: its verify
+    rows are masked as its grammar stands after the proposals before them, and it advances
+    over the accepted tokens only. Both outputs equal the run without speculation."""
     repeat = f"Repeat this paragraph exactly: {PARAGRAPH}"
-    json_prompt = "Give a JSON object with a name and an age for a cat."
+    json_prompt = ('Return this object as JSON, unchanged: {"name": "Tom", "age": 3, '
+                   '"colour": "grey", "toys": ["ball", "mouse", "string"]}')
     params = [SamplingParams(max_new_tokens=40),
-              SamplingParams(max_new_tokens=30, response_format={"type": "json_object"})]
+              SamplingParams(max_new_tokens=40, response_format={"type": "json_object"})]
 
     def run(spec):
         llm = LLM(str(demo_model_dir), speculative_config=spec)
         engine = llm.engine
         ids = [engine.add_request(repeat, params[0])]
         done = {}
-        for _ in range(6):  # alone at first: it speculates
+        for _ in range(6):  # alone at first
             for out in engine.step():
                 done[out.request_id] = out
         ids.append(engine.add_request(json_prompt, params[1]))
@@ -387,8 +389,51 @@ def test_structured_output_beside_speculating_requests(demo_model_dir):
     plain, _ = run(None)
     spec, llm = run(NGRAM)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[1].finish_reason in ("stop", "length") and spec[1].error is None
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     llm.engine.check_integrity()
+
+
+def test_grammar_masks_verify_rows_and_rolls_back():
+    """mask_grammars on a grammar that allows only one token after another: the row after
+    an accepted proposal is masked as the grammar stands then, and the matcher ends where
+    it started."""
+    from flashlet.speculative import _Rows, mask_grammars
+
+    class Matcher:  # allows token t + 1 after token t, from 5
+        def __init__(self):
+            self.last, self.history = 4, []
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            allowed = self.last + 1
+            bitmask[row] = 0
+            bitmask[row, allowed // 32] = torch.tensor(1 << (allowed % 32), dtype=torch.int32)
+
+        def accept_token(self, token):
+            if token != self.last + 1:
+                return False
+            self.history.append(self.last)
+            self.last = token
+            return True
+
+        def is_terminated(self):
+            return False
+
+        def rollback(self, n):
+            for _ in range(n):
+                self.last = self.history.pop()
+
+    req = Request(0, [1], SamplingParams(max_new_tokens=8))
+    req.grammar = Matcher()
+    logits = torch.zeros(4, 64)
+    errors = {}
+    mask_grammars(logits, [req], _Rows([0], [[5, 9, 7]]), errors)
+    assert not errors and req.grammar.last == 4  # rolled back
+    allowed = [(row > float("-inf")).nonzero().flatten().tolist() for row in logits]
+    assert allowed[:2] == [[5], [6]]  # 5 accepted; 9 refused in its own row
+    assert allowed[2:] == [list(range(64))] * 2  # never read: 9 is rejected at row 1
+    (result,) = verify(torch.zeros(4, 64), [req], {req: [5, 9, 7]}, frozenset())
+    assert result.tokens == [5, 6] and result.num_accepted == 1
 
 
 # ---- the real model ---------------------------------------------------------------------------

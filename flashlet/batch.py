@@ -154,9 +154,10 @@ class InputBatch:
     samples); it returns the step's StepLayout, built by `layout` in a few numpy calls over the
     step's rows (the one builder: `build_layout` goes through it too).
 
-    Extensions fit the row: a row with several query tokens (speculative decoding's k + 1, or a
-    prefill chunk) is a query length > 1 with sample rows at its last k + 1 tokens (widen
-    `logits_indices` from one per sampling row to its query rows); a KV cache stored in another
+    Extensions fit the row: a row with several query tokens (a prefill chunk, or speculative
+    decoding's newest token and k proposals) is a query length > 1; a verifying row samples its
+    last k + 1 tokens (the update's `spec_lens`, widening `logits_indices` from one per sampling
+    row to those query rows); a KV cache stored in another
     dtype than the model's changes the pool's pages, not the row, whose page ids and slots are
     dtype-free."""
 

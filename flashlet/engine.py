@@ -17,6 +17,12 @@ step N; that row's token is dropped. A request that reached max_new_tokens is no
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
 
+Speculative decoding (`EngineConfig.speculative_config`, flashlet/speculative.py): before
+scheduling, the proposer guesses tokens for decoding requests; the scheduler gives such a row
+its newest token and the guesses, and `verify` turns the step's logits into each request's
+accepted tokens. Such steps do not overlap (a guess needs the newest token), and turn off while
+more than disable_by_batch_size requests run.
+
 Prompt logprobs (flashlet/prompt_logprobs.py): a step with prompt positions of a request that
 asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
 fused path: such a step has a prefill chunk); the scored rows' LM head, log-softmax and

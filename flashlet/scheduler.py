@@ -182,20 +182,26 @@ class Scheduler:
         update.starts = starts = [req.num_computed_tokens for req in reqs]
         if not out.is_pure_decode:
             update.query_lens = lens = [n for _, n in out.scheduled]
-            proposals = out.proposals
             update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
-                                for t in req.token_slice(start, start + n)
-                                + proposals.get(req, [])]
+                                for t in req.token_slice(start, start + n)]
             update.sample = [start + n >= req.num_tokens  # (> for a verifying row)
                              for req, start, n in zip(reqs, starts, lens)]
-            if proposals:
-                update.spec_lens = [len(proposals.get(req, ())) for req in reqs]
+            if out.proposals:
+                self._add_proposals(update, reqs, out.proposals)
         elif len(out.sampling) == len(reqs):  # every row samples: its token is the newest one
             update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
         else:
             update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
             update.sample = [start + 1 == req.num_tokens for req, start in zip(reqs, starts)]
         return update
+
+    @staticmethod
+    def _add_proposals(update: BatchUpdate, reqs: list[Request],
+                       proposals: dict[Request, list[int]]) -> None:
+        """A verify step's columns: each verifying row's tokens end in its proposals."""
+        update.spec_lens = [len(proposals.get(req, ())) for req in reqs]
+        update.token_ids = [t for req, start, n in zip(reqs, update.starts, update.query_lens)
+                            for t in req.token_slice(start, start + n) + proposals.get(req, [])]
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int,
                           proposals: dict[Request, list[int]] | None = None

@@ -5,7 +5,9 @@ tokens at about the cost of one.
 How a speculating step runs (engine.py, scheduler.py, batch.py):
 1. Before scheduling, `SpeculativeDecoding.propose` asks the proposer for up to k tokens for
    each running request that decodes (its tokens all known: speculation runs its steps without
-   overlap, since a proposal needs the newest token).
+   overlap, since a proposal needs the newest token). A request with a response_format
+   speculates too: its verify rows are masked as its grammar stands after the proposals
+   before each (`mask_grammars`), and its grammar advances over the accepted tokens only.
 2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
    proposals) beside the step's other decodes and prefill chunks, in the one ragged attention
    call, reserving pages for all of them (preempting as for any decode when pages run out).

@@ -389,6 +389,8 @@ def single(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     result.update(prompt_len=P, output_tokens=len(trace.outputs[0]), output_tokens_requested=T,
                   copy_bandwidth=bandwidth, num_steps=len(trace.step_s),
                   step_ms=summarize(trace.step_s, 1e3))
+    # With --speculative-config: drafts, acceptance rate, mean accepted length.
+    result.update({k: v for k, v in engine.stats().items() if k.startswith("spec_")})
     result["_outputs"] = {1: trace.outputs}
     return result
 

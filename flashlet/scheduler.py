@@ -221,8 +221,9 @@ class Scheduler:
                 continue
             if num_output >= req.params.max_new_tokens or req.status is not running or budget == 0:
                 continue  # all sampled, or preempted earlier in this loop
-            spec = proposals.get(req) if proposals else None
-            n = 1 if not spec else 1 + len(spec[: budget - 1])
+            n = 1
+            if proposals and req in proposals:  # its token and what the budget has room for
+                n += len(proposals[req][: budget - 1])
             # Only a decode whose pages are full needs another (most need none).
             if (req.num_computed_tokens + n > len(req.page_ids) * ps
                     and not self._reserve_or_preempt(req, n, out)):
@@ -230,7 +231,7 @@ class Scheduler:
             out.scheduled.append((req, n))
             out.sampling.append(req)
             if n > 1:
-                out.proposals[req] = spec[: n - 1]
+                out.proposals[req] = proposals[req][: n - 1]
             budget -= n
         return budget, prefills
 

@@ -70,6 +70,8 @@ def test_engine_config_takes_json_and_the_batch_size_flag():
     assert config.speculative_config.disable_by_batch_size == 3
     with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
         EngineConfig(device="cpu", speculative_disable_by_batch_size=3)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(device="cpu", speculative_config=NGRAM, tensor_parallel_size=2)
 
 
 def test_server_flags_parse():

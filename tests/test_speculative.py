@@ -100,6 +100,19 @@ def test_ngram_proposes_after_the_most_recent_longest_match():
     assert not proposer._tokens
 
 
+def test_a_verify_row_samples_its_last_k_plus_one_tokens():
+    from flashlet.batch import InputBatch
+
+    batch = InputBatch(3, 2, 8)
+    for i in range(3):
+        batch.add(i, [i])
+    # Row 0 verifies 2 proposals, row 1 is a prefill chunk that does not sample, row 2 one.
+    layout = batch.layout(np.arange(3), [2, 0, 1], [5, 6, 7, 8, 9, 10, 11], [3, 2, 2],
+                          [True, False, True], [2, 0, 1])
+    assert layout.arrays["logits_indices"].tolist() == [0, 1, 2, 5, 6]
+    assert layout.arrays["positions"].tolist() == [2, 3, 4, 0, 1, 1, 2]
+
+
 # ---- greedy: identical output ------------------------------------------------------------------
 def test_greedy_output_is_identical_and_proposals_are_accepted(tiny_model):
     prompts = repetitive_prompts(6)

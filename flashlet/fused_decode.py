@@ -119,7 +119,8 @@ def has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
+def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool,
+                  kv_pool=None) -> str | None:
     """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
     where it turns on. Auto asks for what the path was measured faster with (BENCHMARKS.md):
     PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
@@ -141,6 +142,12 @@ def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bo
                 f"(--backend triton)")
     if not use_graphs:
         return "CUDA graphs are off; it was measured faster replayed in them"
+    if kv_pool is not None and kv_pool.is_fp8:
+        # Forced on (fused_decode=True) it runs: the pool's own write quantizes and the
+        # one-launch attention reads fp8, but RoPE + the K/V write leave the QKV epilogue,
+        # which stores bf16 only.
+        return ("the KV cache is fp8; its QKV epilogue stores bf16 K/V only, and the path "
+                "was measured with a bf16 cache")
     why = refusals(model, device)
     if why:
         return "; ".join(why)

@@ -114,7 +114,8 @@ class ModelRunner:
             return None
         how = "asked for" if config.fused_decode else "auto"
         if config.fused_decode is None:
-            why = fused_decode.auto_declines(model, self.device, self.backend.name, self.use_graphs)
+            why = fused_decode.auto_declines(model, self.device, self.backend.name, self.use_graphs,
+                                             kv_pool)
             if why is not None:
                 log.info("fused decode path: off (auto: %s)", why)
                 return None

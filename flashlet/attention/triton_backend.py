@@ -27,6 +27,7 @@ that `flashlet/warmup.py` covers at engine start.
 tensors the metadata already holds: no host sync, no `.item()`, no `.tolist()`, so a pure-decode
 `run` can be captured in a CUDA graph (its output is allocated by the caching allocator, which
 graphs capture). The K/V write (fused with RoPE in the model's path) is the base class's.
+An fp8 pool is read as fp8 by the same kernels, with its per-layer k_scale / v_scale.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class TritonBackend(AttentionBackend):
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
+        k_scale, v_scale = self.kv_pool.scales(layer)  # 1.0 unless an fp8 pool's
         if not meta.is_pure_decode:
             pc = self._prefill_cfg
             return prefill_attention(
@@ -168,6 +170,8 @@ class TritonBackend(AttentionBackend):
                 block_n=pc.block_n,
                 num_warps=pc.num_warps,
                 num_stages=pc.num_stages,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         out = torch.empty_like(q)
         n, s, dc = meta.num_seqs, self._num_splits, self._decode_cfg
@@ -182,6 +186,8 @@ class TritonBackend(AttentionBackend):
             mid_lse=self._mid_lse[: n * s] if s > 1 else None,
             num_warps=dc.num_warps,
             num_stages=dc.num_stages,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
@@ -205,6 +211,7 @@ class TritonBackend(AttentionBackend):
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
         cfg, splits = self.one_launch_config(n)
+        k_scale, v_scale = self.kv_pool.scales(layer)
         out = torch.empty_like(q)
         decode_attention_one_launch(
             q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
@@ -219,6 +226,8 @@ class TritonBackend(AttentionBackend):
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             pdl=pdl,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -37,6 +37,9 @@ Design.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
+- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened to q's dtype
+  for the dots; the per-tensor scales multiply in fp32 where they cost nothing per key:
+  k_scale folds into the fp32 score scale, v_scale into the fp32 accumulator once.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ def _split_range(kv_len, num_splits, min_split_tokens, block_n):
 
 @triton.jit
 def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
-    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc)."""
+    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc). k, v: q's dtype
+    or fp8 (widened here; their scales are applied by the caller)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
     qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -93,7 +99,7 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 def _decode_kernel(
     Q, K, V, O, MidO, MidLse,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, min_split_tokens, num_splits,
+    qk_scale, v_scale, min_split_tokens, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -138,7 +144,7 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc * v_scale / l_safe[:, None]
     if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
@@ -202,12 +208,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits
     return tuning.num_splits(num_seqs, num_kv_heads, num_sms, waves, max_splits)
 
 
+def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K/V caches in q's dtype, or both fp8 e4m3 (read with their scales); else a ValueError."""
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"k/v cache dtypes {k_cache.dtype} / {v_cache.dtype} do not match q's "
+                         f"{q.dtype} (or float8_e4m3fn for both)")
+
+
 def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
     """-> (batch, Hq, D, page size, Hkv) of a decode call, or a ValueError naming what is off."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape
     if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    check_cache_dtype(q, k_cache, v_cache)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -243,13 +257,16 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
     kv_indptr [B + 1] int32, kv_indices int32 page ids, kv_lens [B] int32 (tokens, the newest
     included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
-    split scratch (allocated here when None). Returns out [B, Hq, D] in q's dtype. No host sync.
+    split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
+    multiplied by (an fp8 pool's). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -276,7 +293,7 @@ def decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E, min_split_tokens, num_splits,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
@@ -314,8 +331,11 @@ def decode_attention_reference(
     kv_indices: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: gather each sequence's pages, softmax(q K^T * scale) V in fp32."""
+    """Plain PyTorch: gather each sequence's pages, softmax(q K^T * scale) V in fp32 (stored
+    K / V times k_scale / v_scale)."""
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -326,8 +346,9 @@ def decode_attention_reference(
         if n == 0:
             continue
         pages = kv_indices[indptr[b] : indptr[b] + (n + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        # k, v: [n, Hq, D]
+        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * k_scale
+        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * v_scale
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out
@@ -359,7 +380,7 @@ def decode_attention_reference(
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, min_split_tokens,
+    qk_scale, v_scale, min_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -427,6 +448,7 @@ def _one_launch_kernel(
         v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
         m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
+    acc = acc * v_scale
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -495,6 +517,8 @@ def decode_attention_one_launch(
     num_warps: int = 4,
     num_stages: int = 2,
     pdl: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -525,7 +549,7 @@ def decode_attention_one_launch(
     _one_launch_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E, min_split_tokens,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,

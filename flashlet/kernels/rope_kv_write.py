@@ -6,7 +6,8 @@ halves x1, x2 and, with cos, sin = cos_sin_cache[p] (cache row = cos | sin, D/2 
 Rotated Q goes to q_out; rotated K goes to k_out (optional) and, with V, into the pool
 `k_cache/v_cache [pages, page_size, Hkv, D]` at flat slot s = slot_mapping[t]
 (page s // page_size, row s % page_size). A negative slot skips the write (padding rows).
-With no cos_sin_cache the kernel is a plain K/V write.
+With no cos_sin_cache the kernel is a plain K/V write. An fp8 (e4m3) pool stores
+x / scale saturated to +-448 (`KVPool.write`'s rule), rounded from the rotated K in its dtype.
 
 Bytes (e = element size, T tokens, c = cache element size):
     read  Q, K, V:        T * (Hq + 2 * Hkv) * D * e
@@ -27,10 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
+FP8_MAX: tl.constexpr = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
+
+
+@triton.jit
+def _to_cache(x, inv_scale, C, CACHE_FP8: tl.constexpr):
+    """Rows x as the cache C stores them: fp8 scaled and saturated, else cast."""
+    if CACHE_FP8:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+    return x.to(C.dtype.element_ty)
+
 
 @triton.jit
 def _rope_kv_write_kernel(
-    Q, K, V, QO, KO, Pos, CosSin, KC, VC, Slots,
+    Q, K, V, QO, KO, Pos, CosSin, KC, VC, Slots, k_inv_scale, v_inv_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_cs,
@@ -45,6 +56,7 @@ def _rope_kv_write_kernel(
     APPLY_ROPE: tl.constexpr,
     WRITE_K_OUT: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    CACHE_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
@@ -87,14 +99,14 @@ def _rope_kv_write_kernel(
             page = slot // PAGE_SIZE
             row = slot % PAGE_SIZE
             kc_ptrs = KC + page * stride_kcp + row * stride_kct + hk[:, None] * stride_kch + i[None, :]
-            tl.store(kc_ptrs, k1.to(KC.dtype.element_ty), mask=hk_mask)
-            tl.store(kc_ptrs + HALF, k2.to(KC.dtype.element_ty), mask=hk_mask)
+            tl.store(kc_ptrs, _to_cache(k1, k_inv_scale, KC, CACHE_FP8), mask=hk_mask)
+            tl.store(kc_ptrs + HALF, _to_cache(k2, k_inv_scale, KC, CACHE_FP8), mask=hk_mask)
             v_ptrs = V + t * stride_vt + hk[:, None] * stride_vh + i[None, :]
             v1 = tl.load(v_ptrs, mask=hk_mask, other=0.0)
             v2 = tl.load(v_ptrs + HALF, mask=hk_mask, other=0.0)
             vc_ptrs = VC + page * stride_vcp + row * stride_vct + hk[:, None] * stride_vch + i[None, :]
-            tl.store(vc_ptrs, v1.to(VC.dtype.element_ty), mask=hk_mask)
-            tl.store(vc_ptrs + HALF, v2.to(VC.dtype.element_ty), mask=hk_mask)
+            tl.store(vc_ptrs, _to_cache(v1, v_inv_scale, VC, CACHE_FP8), mask=hk_mask)
+            tl.store(vc_ptrs + HALF, _to_cache(v2, v_inv_scale, VC, CACHE_FP8), mask=hk_mask)
 
 
 def _pow2(n: int) -> int:
@@ -118,6 +130,7 @@ def rope_kv_write(
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
     return_k: bool = True,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """RoPE q [T, Hq, D] and k [T, Hkv, D] at positions [T]; write K', V into one layer's pool.
 
@@ -125,6 +138,7 @@ def rope_kv_write(
     - k_cache None: no write; only the rotation (v may be None).
     - q_out / k_out: where the rotated tensors go (new tensors when None; pass q itself to
       rotate in place). return_k False skips writing K' outside the pool (k_out is None then).
+    - kv_scales: (k_scale, v_scale) of an fp8 (e4m3) pool, which stores x / scale saturated.
     Returns (q', k'), or (q, k) unchanged without a cache."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if head_dim % 2:
@@ -152,6 +166,8 @@ def rope_kv_write(
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("k/v cache rows must be contiguous in head_dim")
         page_size = k_cache.shape[1]
+        if k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}: one dtype")
     else:
         page_size = 1
     if num_tokens == 0:
@@ -169,7 +185,7 @@ def rope_kv_write(
     slots = slot_mapping if write_kv else dummy
 
     _rope_kv_write_kernel[(num_tokens,)](
-        qq, k, vv, qo, ko, pos, cs, kc, vc, slots,
+        qq, k, vv, qo, ko, pos, cs, kc, vc, slots, 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         qq.stride(0), qq.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         cs.stride(0),
@@ -185,6 +201,7 @@ def rope_kv_write(
         APPLY_ROPE=apply_rope,
         WRITE_K_OUT=apply_rope and return_k,
         WRITE_KV=write_kv,
+        CACHE_FP8=write_kv and k_cache.dtype == torch.float8_e4m3fn,
         num_warps=1 if (num_q_heads + num_kv_heads) * head_dim <= 2048 else 4,
     )
     if apply_rope:
@@ -192,16 +209,26 @@ def rope_kv_write(
     return q, k
 
 
-def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                            kv_scales=(1.0, 1.0)):
     """Plain PyTorch, `TorchOps.rope`, then `index_copy_` of K', V into the pool (rows with a
-    negative slot skipped). Returns (q', k'); the caches are updated in place."""
+    negative slot skipped; an fp8 pool's rows quantized as `KVPool.write` does). Returns
+    (q', k'); the caches are updated in place."""
     if cos_sin_cache is not None:
         from flashlet.ops import TorchOps
 
         q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
     if k_cache is not None:
+        from flashlet.kv_pool import quantize_fp8
+
         keep = slot_mapping >= 0
         flat = (-1,) + tuple(k_cache.shape[2:])
-        k_cache.view(flat).index_copy_(0, slot_mapping[keep], k[keep].to(k_cache.dtype))
-        v_cache.view(flat).index_copy_(0, slot_mapping[keep], v[keep].to(v_cache.dtype))
+        k_rows, v_rows = k[keep].to(k_cache.dtype), v[keep].to(v_cache.dtype)
+        k_view, v_view = k_cache.view(flat), v_cache.view(flat)
+        if k_cache.dtype == torch.float8_e4m3fn:
+            k_rows = quantize_fp8(k[keep], kv_scales[0], k_cache.dtype).view(torch.uint8)
+            v_rows = quantize_fp8(v[keep], kv_scales[1], v_cache.dtype).view(torch.uint8)
+            k_view, v_view = k_view.view(torch.uint8), v_view.view(torch.uint8)
+        k_view.index_copy_(0, slot_mapping[keep], k_rows)
+        v_view.index_copy_(0, slot_mapping[keep], v_rows)
     return q, k

@@ -129,8 +129,8 @@ class Engine:
                      "to every token: exact)", cfg.sliding_window)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
-                              self.device, fused_rope=config.fused_ops and self.device.type == "cuda",
-                              cache_dtype=config.resolved_kv_cache_dtype())
+                              self.device, cache_dtype=config.resolved_kv_cache_dtype(),
+                              fused_rope=config.fused_ops and self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids(), config.max_decode_step_tokens,

@@ -270,3 +270,32 @@ def test_the_torch_backend_reads_fp8_pages_in_batched_and_looped_decode(tiny_qwe
         outs.append([o.token_ids for o in _run(engine, prompts, params)])
     assert outs[0] == outs[1]
 
+
+
+class _OneCoreLoop:
+    """What the metrics collector reads of an engine loop: each core's latest stats."""
+
+    is_ready = True
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def core_stats(self) -> list[dict]:
+        return [self.stats]
+
+
+def test_metrics_say_the_kv_dtype_and_token_capacity(tiny_qwen2):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from flashlet.server.engine_core import core_stats, engine_info
+    from flashlet.server.metrics import EngineCollector
+
+    engine = _engine(tiny_qwen2, kv_cache_dtype="fp8", max_num_pages=8)
+    step_stats = core_stats(engine)  # what a step message carries: numbers only
+    assert all(isinstance(v, (int, float)) for v in step_stats.values())
+    assert engine_info(engine)["kv_cache_dtype"] == "float8_e4m3fn"  # sent once, at start
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(_OneCoreLoop(engine.stats())))
+    text = generate_latest(registry).decode()
+    assert 'flashlet_kv_tokens_total{core="0"} 128.0' in text
+    assert 'flashlet_kv_cache_dtype_info{core="0",dtype="float8_e4m3fn"} 1.0' in text

@@ -183,6 +183,46 @@ def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got.float()[differ] * 2, want.float()[differ])
 
 
+# ---- the backends over an fp8 pool ---------------------------------------------------------
+def compare_over_fp8_pool(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=torch.float32,
+                          device="cpu") -> float:
+    """A backend against the torch oracle (its per-sequence loop) over an fp8 pool with scales
+    other than 1, on one random ragged step (seqs as tests/test_attention_backends.py's):
+    the relative error of the attention output."""
+    from flashlet.attention.torch_ref import TorchBackend
+    from tests.test_attention_backends import random_step
+
+    torch.manual_seed(0)
+    num_pages = sum(-(-(b + q) // ps) for b, q in seqs) + 1
+    pool = KVPool(2, num_pages, ps, hkv, d, dtype, device, cache_dtype=FP8)
+    pool.k_scales[1], pool.v_scales[1] = 0.05, 0.1  # values ~N(0, 1): stored ~N(0, 10-20)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape) * 20)
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape) * 10)
+    meta = random_step(pool, None, seqs, device)
+    q, k, v = (torch.randn(meta.num_tokens, h, d, dtype=dtype, device=device)
+               for h in (hq, hkv, hkv))
+    ref = TorchBackend(pool, hq, batched_decode=False)
+    ref.plan(meta)
+    expected = ref.run(1, q, k, v).float()
+    other = make_backend(pool, hq)
+    other.plan(meta)
+    got = other.run(1, q, k, v).float()
+    assert not torch.isnan(got).any(), "an output row was not written"
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def _triton_backend(pool, hq):
+    from flashlet.attention.triton_backend import TritonBackend
+
+    return TritonBackend(pool, hq, decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
+
+
+@pytest.mark.parametrize("seqs", [[(0, 5), (9, 1), (4, 3)], [(3, 1), (17, 1), (0, 1)]],
+                         ids=["ragged", "decode"])
+def test_triton_backend_reads_an_fp8_pool_as_the_torch_oracle_does(seqs):
+    assert compare_over_fp8_pool(_triton_backend, seqs) < 1e-5
+
+
 # ---- the engine ------------------------------------------------------------------------------
 def _run(engine, prompts, params):
     ids = [engine.add_request(list(p), params) for p in prompts]

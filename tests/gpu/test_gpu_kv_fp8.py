@@ -80,3 +80,25 @@ def test_fp8_cache_greedy_tokens_mostly_match_bf16(demo_model_dir, backend):
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
               for x, y in zip(outs["fp8"], outs["auto"])]
     assert sum(prefix) >= 0.5 * 32 * len(prompts), prefix
+
+
+@pytest.mark.slow
+def test_forced_fused_path_runs_an_fp8_cache_with_rope_outside_the_epilogue(demo_model_dir):
+    from flashlet import LLM
+    from flashlet.kernels.cute_gemv import cute_available
+    from flashlet.sampling import SamplingParams
+
+    ok, why = cute_available()
+    if not ok or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip(f"the fused path needs sm_90+ and the CuTe DSL ({why or 'sm_90+'})")
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    tokens = {}
+    for fused in (True, False):
+        llm = LLM(str(demo_model_dir), backend="triton", kv_cache_dtype="fp8", fused_decode=fused)
+        if fused:
+            parts = llm.engine.runner.fused.parts
+            assert (parts.rope, parts.attn) == (False, True)  # the pool's write; fp8 attention
+        tokens[fused] = llm.generate(["The capital of France is"], params)[0].token_ids
+        llm.close()
+    same = next((i for i, (a, b) in enumerate(zip(tokens[True], tokens[False])) if a != b), 48)
+    assert same >= 24, (same, tokens)

@@ -19,6 +19,7 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet import fused_decode
 from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
+from flashlet.kv_pool import KVPool
 
 
 class ReferenceGemv:
@@ -284,6 +285,7 @@ AUTO_CONDITIONS = {
     "flashinfer": "the attention backend is flashinfer; it needs triton's one-launch attention",
     "torch-backend": "the attention backend is torch",
     "no-graphs": "CUDA graphs are off",
+    "fp8-kv": "the KV cache is fp8",
     "shape": "intermediate_size = 128 is over 64",
     "no-dsl": "pip install nvidia-cutlass-dsl",
 }
@@ -307,7 +309,10 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
         monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
     backend = {"flashinfer": "flashinfer", "torch-backend": "torch"}.get(broken, "triton")
-    why = fused_decode.auto_declines(model, device, backend, use_graphs=broken != "no-graphs")
+    pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu",
+                  cache_dtype=torch.float8_e4m3fn if broken == "fp8-kv" else None)
+    why = fused_decode.auto_declines(model, device, backend, use_graphs=broken != "no-graphs",
+                                     kv_pool=pool)
     if broken is None:
         assert why is None
     else:

@@ -42,6 +42,17 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     return (x * scale if scale != 1.0 else x).to(dtype)
 
 
+def check_fp8_cache_device(device: torch.device) -> None:
+    """An fp8 cache on CUDA needs sm_89+ (Ada, Hopper): the Triton kernels that write and read
+    it convert e4m3 in hardware; elsewhere a ValueError naming the GPU."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer "
+                         f"(Ada, Hopper); this one is sm_{major}{minor}: use kv_cache_dtype auto")
+
+
 class OutOfPages(RuntimeError):
     """The allocator cannot satisfy a request for pages."""
 
@@ -113,6 +124,8 @@ class KVPool:
         if cache_dtype not in (dtype, *FP8_DTYPES):
             raise ValueError(f"the KV cache stores the model's dtype ({dtype}) or fp8 "
                              f"(float8_e4m3fn), not {cache_dtype}")
+        if cache_dtype in FP8_DTYPES:
+            check_fp8_cache_device(torch.device(device))
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         # One page more than the allocator hands out: a scratch page that padding rows of a

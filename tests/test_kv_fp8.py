@@ -53,6 +53,12 @@ def test_a_pool_refuses_a_cache_dtype_other_than_the_model_or_fp8():
         KVPool(1, 2, 16, 1, 16, torch.bfloat16, "cpu", cache_dtype=torch.float16)
 
 
+def test_an_fp8_cache_is_refused_on_a_gpu_older_than_sm89(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="sm_80"):
+        KVPool(1, 2, 16, 1, 16, torch.bfloat16, "cuda", cache_dtype=FP8)
+
+
 # ---- the pool ------------------------------------------------------------------------------
 def test_a_page_of_fp8_is_half_the_bytes_of_bf16():
     shape = (24, 16, 2, 64)  # layers, page size, KV heads, head dim (Qwen2.5-0.5B's)

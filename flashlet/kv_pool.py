@@ -12,8 +12,10 @@ layer for K and one for V (vLLM's and FlashInfer's `k_scale` / `v_scale`): store
 saturated to e4m3's +-448, and every reader multiplies by the scale in fp32 (`dequantize`).
 The scales are 1.0, as vLLM's are without calibrated ones: post-RoPE K and V of the models we
 serve stay well inside +-448 (a rare outlier saturates rather than turning into NaN), and a
-per-tensor scale gains nothing for e4m3's relative precision, which is the same at any
-magnitude above its normal range (2^-6).
+per-tensor scale gains little, since e4m3's relative precision is the same at any magnitude
+above 2^-6 (a calibrated absmax scale per layer measured no closer to the full-precision
+logits on SmolLM2). They are plain floats, baked into CUDA graphs at capture: set them before
+the engine's warm-up, never after.
 """
 
 from __future__ import annotations

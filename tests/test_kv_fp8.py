@@ -202,8 +202,8 @@ def compare_over_fp8_pool(make_backend, seqs, hq=6, hkv=2, d=16, ps=4, dtype=tor
     num_pages = sum(-(-(b + q) // ps) for b, q in seqs) + 1
     pool = KVPool(2, num_pages, ps, hkv, d, dtype, device, cache_dtype=FP8)
     pool.k_scales[1], pool.v_scales[1] = 0.05, 0.1  # values ~N(0, 1): stored ~N(0, 10-20)
-    pool.k_cache.copy_(torch.randn(pool.k_cache.shape) * 20)
-    pool.v_cache.copy_(torch.randn(pool.v_cache.shape) * 10)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, device=device) * 20)
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, device=device) * 10)
     meta = random_step(pool, None, seqs, device)
     q, k, v = (torch.randn(meta.num_tokens, h, d, dtype=dtype, device=device)
                for h in (hq, hkv, hkv))

@@ -434,8 +434,11 @@ def _one_launch_kernel(
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
     is_last = (t == last)[:, None]
-    k = tl.where(is_last, tl.load(k_last, mask=in_block, other=0.0)[None, :], k)
-    v = tl.where(is_last, tl.load(v_last, mask=in_block, other=0.0)[None, :], v)
+    # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
+    k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
+    v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)
+    k = tl.where(is_last, k_new[None, :], k.to(q.dtype))
+    v = tl.where(is_last, v_new[None, :], v.to(q.dtype))
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)

@@ -345,3 +345,15 @@ def test_metrics_say_the_kv_dtype_and_token_capacity(tiny_qwen2):
     text = generate_latest(registry).decode()
     assert 'flashlet_kv_tokens_total{core="0"} 128.0' in text
     assert 'flashlet_kv_cache_dtype_info{core="0",dtype="float8_e4m3fn"} 1.0' in text
+
+
+@pytest.mark.slow  # starts a second process
+def test_tensor_parallel_ranks_each_keep_an_fp8_pool_of_their_heads(tmp_path):
+    from tests.conftest import save_tiny_model
+    from tests.test_tensor_parallel import _pair
+
+    folder = save_tiny_model("llama", tmp_path / "l")
+    want, got, again, stats = _pair(folder, max_num_batched_tokens=32, max_num_seqs=4,
+                                    kv_cache_dtype="fp8")
+    assert stats["kv_cache_dtype"] == "float8_e4m3fn"
+    assert got == want and again == want

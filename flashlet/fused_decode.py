@@ -4,7 +4,8 @@ A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
     RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope), or
                                                          the QKV GEMV's epilogue (kv_pool given)
-    decode attention                                     the active backend
+    decode attention                                     triton's one-launch split-KV (whatever
+                                                         the step backend is)
     O GEMV + residual add, written in place              one CuTe kernel
     gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
     down GEMV + residual add, written in place           one CuTe kernel
@@ -36,8 +37,10 @@ owns both rows of a rotate-half pair), so the attention backend only attends
 differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
 their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
 
-With one_launch_attention (`FusedParts.attn`, the Triton backend) attention is one
-kernel a layer (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
+With one_launch_attention (`FusedParts.attn`) attention is one
+kernel a layer, from the step backend where it is triton, else from a triton backend of the
+fused path's own over the same pool (the runner's `fused_attention`; FlashInfer, which auto
+may pick for prefill, has no one-launch form) (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
 instead of a split kernel and a merge kernel; with pdl too it and the step's first kernel (the
 embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
 layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
@@ -55,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
 from flashlet.quantization import is_quantized
 
@@ -119,28 +123,16 @@ def has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
+def auto_declines(model, device: torch.device, use_graphs: bool) -> str | None:
     """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
     where it turns on. Auto asks for what the path was measured faster with (BENCHMARKS.md):
-    PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
-    graphs (eagerly, each CuTe launch costs host time that was never measured against per-op),
-    a shape the GEMVs serve, and the CuTe DSL. FlashInfer, which `--backend auto` picks at
-    head_dim >= 128 where it is installed, has no one-launch attention: off there."""
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    if not has_pdl(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"the GPU is sm_{major}{minor}; its PDL launches need sm_90 or newer"
+    the platform's conditions (`attention.selection.fused_decline`: PDL on sm_90+, bf16, one
+    GPU, CUDA graphs), a shape the GEMVs serve, and the CuTe DSL. The attention backend is no
+    condition: the path attends with its own triton kernel where the backend has none."""
     dtype = model.embed_tokens.weight.dtype
-    if dtype != torch.bfloat16:
-        return f"the dtype is {str(dtype).removeprefix('torch.')}; its kernels are bf16 only"
-    if model.tp is not None:
-        return "tensor parallelism is on; it runs one GPU only"
-    if backend_name != "triton":
-        return (f"the attention backend is {backend_name}; it needs triton's one-launch attention "
-                f"(--backend triton)")
-    if not use_graphs:
-        return "CUDA graphs are off; it was measured faster replayed in them"
+    why = fused_decline(Platform.of(device), dtype, model.tp is not None, use_graphs)
+    if why is not None:
+        return why
     why = refusals(model, device)
     if why:
         return "; ".join(why)
@@ -157,7 +149,7 @@ class FusedParts:
 
     pdl: bool | None = None   # kernels launch with Programmatic Dependent Launch (sm_90+)
     rope: bool | None = None  # RoPE + K/V write in the QKV GEMV's epilogue (not Qwen3's q/k norm)
-    attn: bool | None = None  # one attention launch a layer (the triton backend's)
+    attn: bool | None = None  # one attention launch a layer (triton's, whatever the step backend)
 
     def named_on(self) -> list[str]:
         return [name for name in ("pdl", "rope", "attn") if getattr(self, name)]

@@ -141,13 +141,28 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     assert not engine.runner.backend._merge_counts.any()
 
 
-def test_one_launch_attention_needs_the_triton_backend(tiny_qwen2, reference_kernels, monkeypatch):
-    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
-    torch_backend = dict(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, backend="torch")
-    for asked in (True, None):  # forced on, and auto: the same refusal
-        with pytest.raises(ValueError, match="one-launch attention needs the triton backend; "
-                                             "the backend is torch"):
-            Engine(EngineConfig(**torch_backend, fused_decode=asked), FusedParts(attn=True))
+@pytest.mark.slow
+def test_one_launch_attention_is_the_fused_paths_own_whatever_the_backend(tiny_qwen2, reference_kernels,
+                                                                          monkeypatch):
+    """With a step backend that has no one-launch attention (torch here, FlashInfer on a GPU)
+    the fused path attends through a triton backend of its own over the same pool (interpreted,
+    ~20 s): fused steps plan and run it, every other step the step backend; tokens are the
+    per-op engine's on the step backend."""
+    from flashlet.attention import triton_backend
+
+    torch_backend = {"backend": "torch"}
+    want, _ = generate(tiny_qwen2, False, PROMPTS[:2], n=6, config=torch_backend)
+    calls = []
+    real = triton_backend.decode_attention_one_launch
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, engine = generate(tiny_qwen2, True, PROMPTS[:2], n=6, attn=True, config=torch_backend)
+    assert got == want
+    runner = engine.runner
+    assert runner.backend.name == "torch" and runner.fused_attention.name == "triton"
+    assert runner.fused.one_launch_attention
+    assert len(calls) == len(engine.model.layers) * 2 * (6 - 1)
+    assert not runner.fused_attention._merge_counts.any()
 
 
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
@@ -225,7 +240,7 @@ def test_fused_decode_flags_parse_on_off_and_absent():
     assert EngineConfig.from_cli(parser.parse_args([])).fused_decode is None
     assert EngineConfig.from_cli(parser.parse_args(["--no-fused-decode"])).fused_decode is False
     text = " ".join(parser.format_help().split())
-    for condition in ("default auto", "CUDA sm_90+", "bf16", "triton backend", "one GPU",
+    for condition in ("default auto", "CUDA sm_90+", "bf16", "whatever --backend", "one GPU",
                       "nvidia-cutlass-dsl==4.3.5", "--no-fused-decode turns it off"):
         assert condition in text, condition
 
@@ -281,8 +296,6 @@ AUTO_CONDITIONS = {
     "sm80": "the GPU is sm_80; its PDL launches need sm_90 or newer",
     "fp32": "the dtype is float32; its kernels are bf16 only",
     "tensor-parallel": "tensor parallelism is on",
-    "flashinfer": "the attention backend is flashinfer; it needs triton's one-launch attention",
-    "torch-backend": "the attention backend is torch",
     "no-graphs": "CUDA graphs are off",
     "shape": "intermediate_size = 128 is over 64",
     "no-dsl": "pip install nvidia-cutlass-dsl",
@@ -306,8 +319,7 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
     if broken == "shape":
         monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
-    backend = {"flashinfer": "flashinfer", "torch-backend": "torch"}.get(broken, "triton")
-    why = fused_decode.auto_declines(model, device, backend, use_graphs=broken != "no-graphs")
+    why = fused_decode.auto_declines(model, device, use_graphs=broken != "no-graphs")
     if broken is None:
         assert why is None
     else:

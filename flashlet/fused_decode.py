@@ -8,7 +8,8 @@ A pure-decode step with exactly one row runs, per layer,
                                                          the step backend is)
     O GEMV + residual add, written in place              one CuTe kernel
     gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
-    down GEMV + residual add, written in place           one CuTe kernel
+    down GEMV + residual add, written in place           one CuTe kernel (K <= MAX_DOWN_K), else
+                                                         one cuBLAS GEMM into the residual (addmm_)
 and then the final RMSNorm + LM head (logits), or + argmax (the greedy token) in one kernel.
 Six to seven kernels a layer where the per-op path runs about ten, and the GEMVs stream at
 several times cuBLAS's bandwidth on these skinny shapes (FUSED_NOTES.md).
@@ -66,7 +67,8 @@ from flashlet.quantization import is_quantized
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
 # row is one lane group's walk over all of K, with no split-K, so a long K leaves most of the
 # GPU idle (Qwen2.5-1.5B's 8,960 ran faster than per-op, Qwen2.5-7B's 18,944 ~12x slower:
-# BENCHMARKS.md).
+# BENCHMARKS.md). Past it the fused step runs that one GEMV on cuBLAS (split-K), accumulating
+# into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
 
 
@@ -97,10 +99,6 @@ def refusals(model, device: torch.device) -> list[str]:
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
         if k % VEC:
             why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
-    inter = layer.down_proj.weight.shape[1]
-    if inter > MAX_DOWN_K:
-        why.append(f"intermediate_size = {inter} is over {MAX_DOWN_K}: the down projection's GEMV has "
-                   f"no split-K and runs ~12x slower than the per-op path at Qwen2.5-7B's 18,944")
     return why
 
 
@@ -188,7 +186,8 @@ class FusedDecode:
             self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
         self.o = CuteGemv(h, q, "residual", **gemv)
         self.gate_up = CuteGemv(2 * inter, h, "silu_mul", norm=True, eps=eps, **gemv)
-        self.down = CuteGemv(h, inter, "residual", **gemv)
+        # None: the down projection runs on cuBLAS (`_down`), see MAX_DOWN_K.
+        self.down = CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None
         self.lm_head = CuteGemv(vocab, h, "none", norm=True, eps=eps, **gemv)
         self.lm_argmax = CuteGemv(vocab, h, "argmax", norm=True, eps=eps, **gemv)
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
@@ -226,8 +225,16 @@ class FusedDecode:
             self.o(o.reshape(1, -1).contiguous(), layer.o_proj.weight, self.residual, out=self.residual)
             self.gate_up(self.residual, layer.gate_up_proj.weight, out=self.act,
                          norm_weight=layer.post_attn_norm)
-            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+            self._down(layer)
         return self.residual
+
+    def _down(self, layer) -> None:
+        """residual += act @ down^T, in place: the CuTe GEMV, or one cuBLAS GEMM whose beta = 1
+        adds into the residual (rounded once, as the GEMV's residual epilogue is)."""
+        if self.down is not None:
+            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+        else:
+            self.residual.addmm_(self.act, layer.down_proj.weight.t())
 
     def _qkv_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
         """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""

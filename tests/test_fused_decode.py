@@ -209,15 +209,21 @@ def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
     assert "RoPE in the QKV epilogue" not in str(plain.value)
 
 
-def test_fused_decode_refuses_a_down_projection_it_cannot_stream(tmp_path):
-    """Qwen2.5-7B's 18,944-wide down projection ran at 17.5 tok/s fused against 214 per-op (no
-    split-K): refused by name, with the measured reason."""
-    from tests.conftest import save_tiny_model
-
-    big = save_tiny_model("qwen2", tmp_path, intermediate_size=fused_decode.MAX_DOWN_K + 64)
-    engine = Engine(EngineConfig(model=str(big), device="cpu", max_num_seqs=1))
-    with pytest.raises(ValueError, match="intermediate_size = 16448 is over 16384"):
-        fused_decode.check_fused_decode(engine.model, torch.device("cpu"))
+def test_a_long_down_projection_runs_on_cublas_inside_the_fused_step(tiny_model, reference_kernels,
+                                                                      monkeypatch):
+    """Past MAX_DOWN_K (Qwen2.5-7B / 14B's 18,944) the down projection is one GEMM into the
+    residual stream (cuBLAS on a GPU), the rest of the layer stays fused; tokens are the per-op
+    engine's. The shape no longer refuses the path."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)  # the tiny models' 128 is "long"
+    want, _ = generate(tiny_model, False, PROMPTS)
+    addmm_calls = []
+    real = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real(*a, **k))
+    got, engine = generate(tiny_model, True, PROMPTS)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.down is None and fused.qkv.calls == fused.gate_up.calls == len(addmm_calls) > 0
+    assert not any("intermediate_size" in why for why in fused_decode.refusals(engine.model, torch.device("cuda")))
 
 
 def test_fused_decode_needs_one_gpu():
@@ -297,7 +303,7 @@ AUTO_CONDITIONS = {
     "fp32": "the dtype is float32; its kernels are bf16 only",
     "tensor-parallel": "tensor parallelism is on",
     "no-graphs": "CUDA graphs are off",
-    "shape": "intermediate_size = 128 is over 64",
+    "shape": "hidden_size = 64 is not a multiple of 128",
     "no-dsl": "pip install nvidia-cutlass-dsl",
 }
 
@@ -317,7 +323,7 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
     if broken == "tensor-parallel":
         monkeypatch.setattr(model, "tp", object())
     if broken == "shape":
-        monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
+        monkeypatch.setattr(fused_decode, "VEC", 128)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
     why = fused_decode.auto_declines(model, device, use_graphs=broken != "no-graphs")
     if broken is None:

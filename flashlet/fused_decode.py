@@ -2,7 +2,7 @@
 
 A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
-    RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope), or
+    (Qwen3: + per-head q/k RMSNorm) RoPE + K/V write   the pool's fused kernel (write_rope), or
                                                          the QKV GEMV's epilogue (kv_pool given)
     decode attention                                     triton's one-launch split-KV (whatever
                                                          the step backend is)
@@ -245,11 +245,10 @@ class FusedDecode:
         q = q.view(1, layer.num_heads, layer.head_dim)
         k = k.view(1, layer.num_kv_heads, layer.head_dim)
         v = v.view(1, layer.num_kv_heads, layer.head_dim)
-        if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
-            q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
+        qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel
         if not self.one_launch_attention:
-            return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
-        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping)
+            return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
+        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping, qk_norm)
         return self._attend(i, q, attn)
 
     def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:

@@ -374,8 +374,8 @@ def test_auto_off_where_asked_off_and_explicit_on_still_refuses(tiny_qwen2, monk
 
 def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     """Qwen3 (per-head q / k RMSNorm between the projection and RoPE), which auto now serves:
-    the heads normalised by the model's own kernel between the QKV GEMV and RoPE, RoPE left
-    out of the QKV epilogue by default; tokens are the per-op engine's."""
+    the heads normalised in the pool's RoPE + K/V write step (`QKNorm`, one kernel on CUDA),
+    RoPE left out of the QKV epilogue by default; tokens are the per-op engine's."""
     from tests.test_model_families import save_family
 
     folder = save_family("qwen3", tmp_path / "q3")

@@ -4,7 +4,9 @@
   group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
   and the tile sizes are chosen in `plan` from the batch size alone (`kernels/tuning.py`), so
   a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
-  count is derived on the device from `kv_lens`. The split partials live in buffers allocated once, in the constructor.
+  count is derived on the device from `kv_lens`: splits of min_split_tokens for short rows,
+  and from long_context_tokens on all S of them (each >= long_split_tokens), so one long row
+  spreads over the SMs (S aims at `waves` programs per SM for the batch). The split partials live in buffers allocated once, in the constructor.
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
@@ -66,7 +68,7 @@ class TritonBackend(AttentionBackend):
         *,
         max_batch_size: int = 256,
         max_pages_per_seq: int | None = None,
-        max_kv_splits: int = 64,
+        max_kv_splits: int = 128,
         min_split_tokens: int | None = None,
         num_sms: int | None = None,
         decode_block_n: int | None = None,
@@ -116,7 +118,8 @@ class TritonBackend(AttentionBackend):
 
     def _max_splits(self, cfg: tuning.DecodeConfig) -> int:
         """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
-        return max(1, min(self.split_cap, -(-self.max_tokens // cfg.min_split_tokens)))
+        smallest = min(cfg.min_split_tokens, cfg.long_split_tokens)
+        return max(1, min(self.split_cap, -(-self.max_tokens // smallest)))
 
     def _splits_for(self, num_seqs: int) -> int:
         if num_seqs > self.max_batch_size:
@@ -182,6 +185,8 @@ class TritonBackend(AttentionBackend):
             mid_lse=self._mid_lse[: n * s] if s > 1 else None,
             num_warps=dc.num_warps,
             num_stages=dc.num_stages,
+            long_context_tokens=dc.long_context_tokens,
+            long_split_tokens=dc.long_split_tokens,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
@@ -219,6 +224,8 @@ class TritonBackend(AttentionBackend):
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             pdl=pdl,
+            long_context_tokens=cfg.long_context_tokens,
+            long_split_tokens=cfg.long_split_tokens,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -21,7 +21,9 @@ Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
 With the fused path (`fused_decode`: on by default where it applies, `_fused_decode` decides), a
 pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the norms and epilogues
-folded in; flashlet/fused_decode.py) instead of the model's per-op forward, in its graph as well;
+folded in; flashlet/fused_decode.py) instead of the model's per-op forward, in its graph as well,
+attending through `fused_attention` (the step backend, or a triton backend of the path's own where
+the step backend has no one-launch attention: only those steps plan it);
 `greedy_tokens` runs it through the LM head's argmax, for steps whose one request is plain greedy
 (the engine decides), so no logits are written at all.
 """

@@ -38,11 +38,11 @@ owns both rows of a rotate-half pair), so the attention backend only attends
 differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
 their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
 
-With one_launch_attention (`FusedParts.attn`) attention is one
-kernel a layer, from the step backend where it is triton, else from a triton backend of the
-fused path's own over the same pool (the runner's `fused_attention`; FlashInfer, which auto
-may pick for prefill, has no one-launch form) (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
-instead of a split kernel and a merge kernel; with pdl too it and the step's first kernel (the
+With one_launch_attention (`FusedParts.attn`) attention is one kernel a layer
+(`TritonBackend.attend_one_launch`: split-KV whose last split program merges) instead of a split
+kernel and a merge kernel, from the step backend where it is triton, else from a triton backend
+of the fused path's own over the same pool (the runner's `fused_attention`: FlashInfer, which
+auto may pick for prefill, has no one-launch form); with pdl too it and the step's first kernel (the
 embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
 layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
 plan C"). Without pdl the embedding is `torch.index_select`, as before.
@@ -248,7 +248,8 @@ class FusedDecode:
         qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel
         if not self.one_launch_attention:
             return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
-        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping, qk_norm)
+        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
+                                    qk_norm)
         return self._attend(i, q, attn)
 
     def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:

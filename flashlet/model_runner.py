@@ -135,7 +135,8 @@ class ModelRunner:
         rope = _given_or(parts.rope, not fused_decode.rope_refusals(model, kv_pool))
         # On CUDA the one-launch attention is always there (the fused path's own triton
         # backend where the step backend lacks it); on the CPU only an interpreted one.
-        attn = _given_or(parts.attn, self.device.type == "cuda" or self.backend.supports_one_launch_decode)
+        attn = _given_or(parts.attn,
+                         self.device.type == "cuda" or self.backend.supports_one_launch_decode)
         fused = fused_decode.FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
                                          one_launch_attention=attn)
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s",
@@ -144,7 +145,8 @@ class ModelRunner:
 
     def _fused_attention_backend(self, model, kv_pool, max_pages_per_seq: int):
         """The attention of the steps the fused path serves (one decode row)."""
-        if self.fused is None or not self.fused.one_launch_attention or self.backend.supports_one_launch_decode:
+        if (self.fused is None or not self.fused.one_launch_attention
+                or self.backend.supports_one_launch_decode):
             return self.backend
         from flashlet.attention.triton_backend import TritonBackend
 

@@ -50,7 +50,8 @@ class Platform:
         """This machine: the device's capability and the optional backends that import."""
         cuda = device.type == "cuda"
         installed = frozenset(n for n in ("flashinfer",) if importlib.util.find_spec(n) is not None)
-        return cls(device.type, tuple(torch.cuda.get_device_capability(device)) if cuda else None, installed)
+        capability = tuple(torch.cuda.get_device_capability(device)) if cuda else None
+        return cls(device.type, capability, installed)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class StepPaths:
 
     def log_line(self, fused_on: bool, fused_why: str | None = None) -> str:
         """'decode (1 row): ...; decode (2+ rows): ...; prefill/mixed: ...' for the start log."""
-        one = FUSED_DECODE_PATH if fused_on else f"{self.backend} (per-op: {fused_why or self.fused_decline})"
+        why_not = fused_why or self.fused_decline
+        one = FUSED_DECODE_PATH if fused_on else f"{self.backend} (per-op: {why_not})"
         return (f"decode (1 row): {one}; decode (2+ rows): {self.backend}; "
                 f"prefill/mixed: {self.backend} ({self.backend_why})")
 

@@ -6,7 +6,8 @@
   a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
   count is derived on the device from `kv_lens`: splits of min_split_tokens for short rows,
   and from long_context_tokens on all S of them (each >= long_split_tokens), so one long row
-  spreads over the SMs (S aims at `waves` programs per SM for the batch). The split partials live in buffers allocated once, in the constructor.
+  spreads over the SMs (S aims at `waves` programs per SM for the batch). The split partials
+  live in buffers allocated once, in the constructor.
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and

@@ -177,7 +177,8 @@ def _merge_kernel(
     kvh = tl.program_id(1)
     j = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
-    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n, long_tokens, long_split_tokens)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n, long_tokens,
+                               long_split_tokens)
     s = tl.arange(0, NUM_SPLITS)
     g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     heads = kvh * GROUP + g
@@ -195,7 +196,8 @@ def _merge_kernel(
         slot = slot0 + sc
         w = tl.exp2(tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2,
                             other=float("-inf")) - m[None, :])
-        o_ptrs = MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM + d[None, None, :]
+        o_ptrs = (MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                  + d[None, None, :])
         o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [CHUNK, HPP, D]
         num += tl.sum(w[:, :, None] * o, 0)
     out = num / tl.where(den == 0.0, 1.0, den)[:, None]
@@ -502,8 +504,9 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, head0, e, e_mask,
     den = tl.zeros([GROUP_DIM_PAD], tl.float32)
     acc = tl.zeros([GROUP_DIM_PAD], tl.float32)
     for s0 in range(0, n_splits, MERGE_SPLITS):
-        slot = slot0 + s0 + tl.arange(0, MERGE_SPLITS)
-        mask = ((s0 + tl.arange(0, MERGE_SPLITS))[:, None] < n_splits) & e_mask[None, :]  # [MS, GDP]
+        s = s0 + tl.arange(0, MERGE_SPLITS)
+        slot = slot0 + s
+        mask = (s[:, None] < n_splits) & e_mask[None, :]  # [MS, GDP]
         lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + head[None, :], mask=mask,
                       other=float("-inf"), cache_modifier=".cg")
         o = tl.load(MidO + (slot[:, None] * NUM_Q_HEADS + head0) * HEAD_DIM + e[None, :], mask=mask,

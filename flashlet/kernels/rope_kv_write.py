@@ -167,7 +167,8 @@ def rope_kv_write(
             raise ValueError("RoPE needs q and positions")
         if cos_sin_cache.shape[-1] != head_dim:
             raise ValueError(f"cos_sin_cache has {cos_sin_cache.shape[-1]} columns, head_dim is {head_dim}")
-        if qk_norm is not None and (qk_norm.q_weight.shape != (head_dim,) or qk_norm.k_weight.shape != (head_dim,)):
+        norm_shapes = (qk_norm.q_weight.shape, qk_norm.k_weight.shape) if qk_norm is not None else None
+        if norm_shapes is not None and norm_shapes != ((head_dim,), (head_dim,)):
             raise ValueError(f"qk_norm weights must be [{head_dim}], got {tuple(qk_norm.q_weight.shape)} "
                              f"and {tuple(qk_norm.k_weight.shape)}")
         q = _rows_contiguous(q)
@@ -225,7 +226,8 @@ def rope_kv_write(
     return q, k
 
 
-def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm=None):
+def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                            qk_norm=None):
     """Plain PyTorch: the model's per-head norms (`QKNorm.apply`), `TorchOps.rope`, then
     `index_copy_` of K', V into the pool (rows with a negative slot skipped). Returns (q', k');
     the caches are updated in place."""

@@ -89,8 +89,9 @@ def test_long_rule_rejects_bad_settings(kh):
 
 
 def test_one_row_grid_fills_the_h200_and_the_rule_reaches_the_kernels(kh, monkeypatch):
-    """At one row the grid aims at `waves` programs per SM (132 SMs): 128 splits at Qwen2.5-0.5B's
-    two KV heads; the backend passes the long rule to both forms."""
+    """At one row the one-launch grid aims at `waves` programs per SM (132 SMs), at most 4 in all:
+    128 splits at Qwen2.5-0.5B's two KV heads, 64 at Qwen3-0.6B's eight; the two-launch form keeps
+    its cap of 64; the backend passes the long rule to both forms."""
     from flashlet.attention import triton_backend
     from flashlet.attention.triton_backend import TritonBackend
     from flashlet.kv_pool import KVPool
@@ -98,7 +99,10 @@ def test_one_row_grid_fills_the_h200_and_the_rule_reaches_the_kernels(kh, monkey
     pool = KVPool(1, 2048, 16, 2, 64, torch.float32, kh.device)
     tri = TritonBackend(pool, 14, num_sms=132)
     cfg, splits = tri.one_launch_config(1)
-    assert splits == 128 and tri.decode_variant(1)[1] == 128
+    assert splits == 128 and tri.decode_variant(1)[1] == 64
+    assert tri._mid_o.shape[0] >= 128
+    qwen3 = TritonBackend(KVPool(1, 2048, 16, 8, 128, torch.float32, kh.device), 16, num_sms=132)
+    assert qwen3.one_launch_config(1)[1] == 64
     assert (cfg.long_context_tokens, cfg.long_split_tokens) == (4096, 128)
     seen = []
     for name in ("decode_attention", "decode_attention_one_launch"):

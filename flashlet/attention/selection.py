@@ -27,8 +27,9 @@ from flashlet.kernels import tuning
 
 # The measured preferences, one place. Figures: BENCHMARKS.md.
 # - decode (1 row): the fused path, wherever its conditions hold. It beat per-op on every
-#   preset it serves, with either backend behind the other step kinds, and only when replayed
-#   in CUDA graphs with PDL (sm_90+): eagerly each CuTe launch costs host time.
+#   preset it serves (measured behind the triton backend; behind another it runs the same
+#   kernels), replayed in CUDA graphs with PDL (sm_90+): eagerly each CuTe launch costs host
+#   time never measured against per-op.
 FUSED_MIN_CAPABILITY = (9, 0)
 FUSED_DTYPES = (torch.bfloat16,)
 # - decode (2+ rows) and prefill/mixed: the step backend, per (head_dim, group) from

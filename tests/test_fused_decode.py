@@ -165,6 +165,39 @@ def test_one_launch_attention_is_the_fused_paths_own_whatever_the_backend(tiny_q
     assert not runner.fused_attention._merge_counts.any()
 
 
+@pytest.mark.slow
+def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(tiny_qwen2,
+                                                                                reference_kernels):
+    """The graph path (graphs stood in for by eager replays) behind the torch step backend, its
+    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one-row steps
+    plan and key their graphs by it, two-row steps by the step backend (whose graph key, a page
+    table width, exists only once it planned); tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6]]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, backend="torch",
+                                     max_num_batched_tokens=32, fused_decode=fused),
+                        FusedParts(attn=True if fused else None))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=4 + 4 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
+    runner = engine.runner
+    assert runner.fused_attention.name == "triton" and runner.backend.name == "torch"
+    keys = set(runner.graphs)
+    assert (1, "tokens") in keys  # the fused attention's key adds nothing
+    assert any(key[:2] == (2, "logits") and len(key) == 3 for key in keys)  # the torch backend's width
+    assert not runner.fused_attention._merge_counts.any()
+
+
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
     """Every step's logits (an observer makes the fused path write them) against the per-op
     model's, in fp32: the same sums in another order."""

@@ -78,3 +78,21 @@ def test_long_contexts_replay_in_one_graph(shape, form):
         assert _rel_err(out, ref.attend(0, q)) < 1e-2, (shape, form, n)
     torch.cuda.synchronize()
     assert not tri._merge_counts.any()
+
+
+@pytest.mark.slow
+def test_fused_path_after_long_prompts_gives_the_per_op_tokens(tmp_path):
+    """Through the engine: prompts of 4,500 and 9,000 tokens (past long_context_tokens, so every
+    layer's one-launch attention spreads the row over the grid and merges many partials), the
+    default fused path teacher-forced against the per-op path (tests/gpu/test_gpu_fused_decode.py's
+    near-tie rule)."""
+    from tests.conftest import save_tiny_model
+    from tests.gpu.test_gpu_fused_decode import SM90, SMALL, check_against_reference_teacher_forced
+
+    if not SM90:
+        pytest.skip("auto turns the fused path on at sm_90+ only")
+    dims = {**SMALL, "max_position_embeddings": 16_384}
+    source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **dims))), dims["vocab_size"]
+    ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(n)] for p, n in enumerate((4_500, 9_000))]
+    engine = check_against_reference_teacher_forced(source, ps, 12, fused=None)
+    assert engine.runner.fused is not None and engine.runner.fused.one_launch_attention

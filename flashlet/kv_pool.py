@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from flashlet.ops import TorchOps
+from flashlet.ops import QKNorm, TorchOps
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: stores saturate here
@@ -194,15 +194,18 @@ class KVPool:
 
     def write_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
         """RoPE on q [T, Hq, D] and k [T, Hkv, D] at positions [T] (cos_sin_cache [max_pos, D]:
         cos | sin), then the rotated k and v stored at flat slots [T]. Returns the rotated q
-        (the rotated k lives only in the pool)."""
+        (the rotated k lives only in the pool). qk_norm: Qwen3's per-head norms first (in the
+        same kernel on CUDA)."""
         if self._rope_kernel is not None:
             q, _ = self._rope_kernel(q, k, v, positions, cos_sin_cache, self.k_cache[layer],
                                      self.v_cache[layer], slot_mapping, return_k=False,
-                                     kv_scales=self.scales(layer))
+                                     kv_scales=self.scales(layer), qk_norm=qk_norm)
             return q
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
         self.write(layer, k, v, slot_mapping)
         return q

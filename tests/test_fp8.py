@@ -22,7 +22,9 @@ PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_pro
 class DenseAttention:
     """Causal attention over the whole sequence (no pool): enough to get a model's logits."""
 
-    def run_rope(self, layer_idx, q, k, v, positions, cos_sin):
+    def run_rope(self, layer_idx, q, k, v, positions, cos_sin, qk_norm=None):
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = TorchOps.rope(q, k, positions, cos_sin)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

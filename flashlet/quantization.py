@@ -28,6 +28,11 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row gets this, not 0 (dividing by it stays finite)
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 QUANTIZATION_METHODS = ("fp8",)
+# Rows up to which CUDA runs the Triton weight-only kernel (`flashlet/kernels/fp8_gemv.py`,
+# which streams the fp8 weight once for all rows); above it, a cuBLAS GEMM on the widened weight
+# (or `torch._scaled_mm` where a weight opts in to fp8 activations). Decode batches are the
+# rows below; where the switch pays best is measured by scripts/fp8_gemm_bench.py.
+TRITON_GEMM_MAX_ROWS = 16
 
 
 class QuantizedWeight(nn.Module):
@@ -42,6 +47,9 @@ class QuantizedWeight(nn.Module):
                              f"{qweight.dtype} {tuple(qweight.shape)}, {scale.dtype} {tuple(scale.shape)}")
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
+        # Per-token fp8 activations (torch._scaled_mm) above TRITON_GEMM_MAX_ROWS rows: faster
+        # prefill, but they cost fidelity (quantization's docstring), so off unless asked.
+        self.fp8_activations = False
 
     @property
     def shape(self) -> torch.Size:
@@ -121,9 +129,21 @@ def is_quantized(model) -> bool:
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
-    if x.is_cuda and scaled_mm_fits(x, w):
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return dequant_linear(x, w, bias)
+    if x.shape[0] <= TRITON_GEMM_MAX_ROWS:
+        from flashlet.kernels.fp8_gemv import fp8_gemm
+
+        return fp8_gemm(x, w.qweight, w.scale, bias)
+    if w.fp8_activations and scaled_mm_fits(x, w):
         return scaled_mm_linear(x, w, bias)
-    return dequant_linear(x, w, bias)
+    return weight_only_linear(x, w, bias)
+
+
+def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
+    """Many rows on CUDA: the weight widened to x's dtype for this call (exact codes, the scale
+    rounded once) and one cuBLAS GEMM, whose FLOPs then outweigh the widening's bytes."""
+    return F.linear(x, w.qweight.to(x.dtype).mul_(w.scale.to(x.dtype)[:, None]), bias)
 
 
 def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:

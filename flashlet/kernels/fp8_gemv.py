@@ -1,0 +1,142 @@
+"""Weight-only FP8 GEMM for skinny batches (decode): y = x @ (W_fp8 * scale[:, None]).T + bias.
+
+Work. x [M, K] bf16/fp16/fp32, W [N, K] float8_e4m3fn with one fp32 scale per output row,
+bias [N] or None -> y [M, N] in x's dtype. Each fp8 weight is widened to x's dtype (exact: every
+e4m3 value is a bf16/fp16 value) and multiplied by x on the tensor cores with fp32 accumulation;
+the row scale and the bias are applied once, in fp32, in the epilogue. Activations are never
+quantized: this is the weight-only numerics of `quantization.dequant_linear`.
+
+Bytes: N * K (the fp8 weight, read once for all M rows) + 4 N (scales) + M * K * e (x, read
+once per column block) + M * N * e. At M <= 16 the weight dominates: half of a bf16 GEMV's bytes.
+FLOPs: 2 * M * N * K.
+
+Design: grid (ceil(M / BLOCK_M), ceil(N / BLOCK_N), SPLIT_K). Each program streams a
+[BLOCK_N, K / SPLIT_K] strip of W once, for all BLOCK_M rows (BLOCK_M = 16, the smallest
+tensor-core tile, covers every decode batch up to 16 in one pass over W). Where N / BLOCK_N
+programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split: each split writes
+fp32 partial sums and a second small kernel adds them, scales, adds the bias and rounds (the
+order of the addition is fixed, so results do not depend on scheduling).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+BLOCK_N = 64
+BLOCK_K = 128
+PROGRAMS_PER_SM = 2  # split K until the grid holds this many programs per SM
+MAX_SPLIT_K = 16
+# The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
+# values widened to fp32, which changes only the accumulation order.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, M, N, K, k_per_split,
+                     stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        tl.store(PARTIAL + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :], acc,
+                 mask=out_mask)
+    else:
+        acc = acc * tl.load(SCALE + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
+                 acc.to(Y.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(PARTIAL, SCALE, BIAS, Y, M, N, stride_ym, split_k,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(PARTIAL + (s * M + row).to(tl.int64) * N + cols, mask=ok, other=0.0)
+    acc = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 1  # the interpreter: one program at a time
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def split_k_for(m: int, n: int, k: int, sm_count: int) -> int:
+    """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
+    least one BLOCK_K step per split."""
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, tiles)
+    return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, BLOCK_K)))
+
+
+def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] != k or scale.shape != (n,):
+        raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(qweight.shape)} and scale "
+                         f"{tuple(scale.shape)} do not fit")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if split_k is None:
+        split_k = split_k_for(m, n, k, _sm_count(x.device.index))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
+    split_k = triton.cdiv(k, k_per_split)  # no split left without work
+    partial = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+               if split_k > 1 else y)
+    bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
+    _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, m, n, k, k_per_split,
+                           x.stride(0), qweight.stride(0), y.stride(0),
+                           HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+                           DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                           num_warps=4, num_stages=4)
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            partial, scale, bias_arg, y, m, n, y.stride(0), split_k,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
+
+
+def fp8_gemm_reference(x, qweight, scale, bias=None) -> torch.Tensor:
+    """The same product in fp32 PyTorch, rounded once to x's dtype."""
+    out = x.float() @ (qweight.float() * scale[:, None]).T
+    return (out + bias.float() if bias is not None else out).to(x.dtype)

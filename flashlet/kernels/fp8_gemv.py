@@ -22,19 +22,31 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 128
 PROGRAMS_PER_SM = 2  # split K until the grid holds this many programs per SM
 MAX_SPLIT_K = 16
 # The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
 # values widened to fp32, which changes only the accumulation order.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """A launch configuration (scripts/fp8_gemm_bench.py --sweep compares others)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DEFAULT_TILE = GemmTile()
 
 
 @triton.jit
@@ -93,16 +105,17 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
-def split_k_for(m: int, n: int, k: int, sm_count: int) -> int:
+def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile = DEFAULT_TILE) -> int:
     """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
-    least one BLOCK_K step per split."""
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    least one block_k step per split."""
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile.block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, tiles)
-    return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, BLOCK_K)))
+    return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
 
 
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, split_k: int | None = None,
+             tile: GemmTile = DEFAULT_TILE) -> torch.Tensor:
     """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
@@ -115,19 +128,19 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return y
     if split_k is None:
-        split_k = split_k_for(m, n, k, _sm_count(x.device.index))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
+        split_k = split_k_for(m, n, k, _sm_count(x.device.index), tile)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), tile.block_k) * tile.block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left without work
     partial = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
                if split_k > 1 else y)
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile.block_n), split_k)
     _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, m, n, k, k_per_split,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                           num_warps=4, num_stages=4)
+                           BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                           num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](

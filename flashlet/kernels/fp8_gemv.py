@@ -124,6 +124,8 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                          f"{tuple(scale.shape)} do not fit")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if qweight.stride(-1) != 1:
+        qweight = qweight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -44,15 +44,45 @@ class GemmTile:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    bit_widen: bool = True  # bf16 activations: widen fp8 by bit moves (`_fp8_to_bf16_bits`)
 
 
 DEFAULT_TILE = GemmTile()
 
 
 @triton.jit
+def _fp8_to_bf16_bits(w):
+    """e4m3 -> bf16, exactly, on the integer and FMA pipes. Triton's own widening goes through
+    fp16 with two conversion instructions per value, and the conversion unit's rate then caps
+    the kernel below the memory's. Each e4m3 byte s.eeee.mmm moves into a bf16's top bits
+    (sign at 15, the 7 exponent-mantissa bits at 10..4): that bf16 is the value times 2^-120
+    (the exponent biases differ by 120; e4m3 subnormals land on bf16 subnormals), which one
+    bf16x2 multiply by 2^120 (0x7B80) undoes. Four bytes in, two bf16x2 registers out."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a0, a1, s0, s1, m0, m1, k, z;
+        prmt.b32 a0, 0, $2, 0x5040;
+        prmt.b32 a1, 0, $2, 0x7060;
+        and.b32 s0, a0, 0x80008000;
+        and.b32 s1, a1, 0x80008000;
+        shr.b32 m0, a0, 4;
+        shr.b32 m1, a1, 4;
+        and.b32 m0, m0, 0x07F007F0;
+        and.b32 m1, m1, 0x07F007F0;
+        or.b32 a0, s0, m0;
+        or.b32 a1, s1, m1;
+        mov.b32 k, 0x7B807B80;
+        mov.b32 z, 0x80008000;
+        fma.rn.bf16x2 $0, a0, k, z;
+        fma.rn.bf16x2 $1, a1, k, z;
+        }""", "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                     BIT_WIDEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,6 +99,8 @@ def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, M, N, K, k_per_split,
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        elif BIT_WIDEN:
+            acc = tl.dot(x, tl.trans(_fp8_to_bf16_bits(w)), acc)
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -136,11 +168,13 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     partial = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
                if split_k > 1 else y)
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
+    dot_fp32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile.block_n), split_k)
     _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, m, n, k, k_per_split,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-                           DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                           DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
+                           and x.dtype == torch.bfloat16,
                            BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                            num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split_k > 1:

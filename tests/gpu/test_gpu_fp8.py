@@ -7,7 +7,7 @@ tokens against its bf16 twin."""
 import pytest
 import torch
 
-from flashlet.kernels.fp8_gemv import fp8_gemm, fp8_gemm_reference
+from flashlet.kernels.fp8_gemv import GemmTile, fp8_gemm, fp8_gemm_reference
 from flashlet.quantization import (TRITON_GEMM_MAX_ROWS, dequant_linear, linear, quantize_weight,
                                    scaled_mm_fits, scaled_mm_linear, weight_only_linear)
 
@@ -40,6 +40,24 @@ def test_triton_fp8_gemm_matches_the_fp32_reference_at_real_shapes(rows, n, k):
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
     # fp32 sums in another order, each output rounded once to bf16: within an ulp or two.
     assert (ours.float() - ref.float()).abs().max() <= 2 * 2 ** -8 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("bit_widen", [True, False])
+def test_every_fp8_code_widens_exactly(bit_widen):
+    """One-hot rows pick columns of a weight holding every finite e4m3 code (subnormals too):
+    y must be each code's value exactly, whichever way the kernel widens it."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~codes.float().isnan()]  # 254 finite codes
+    k = 256
+    qweight = torch.zeros(64, k, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    qweight.view(-1)[:codes.numel()] = codes
+    qweight = qweight.cuda()
+    scale = torch.ones(64, device="cuda")
+    for start in range(0, k, 16):
+        x = torch.zeros(16, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(16), torch.arange(start, start + 16)] = 1
+        y = fp8_gemm(x, qweight, scale, split_k=1, tile=GemmTile(bit_widen=bit_widen))
+        assert torch.equal(y.float(), qweight.float()[:, start:start + 16].T)
 
 
 def test_triton_fp8_gemm_replays_in_a_cuda_graph():

@@ -150,7 +150,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return dequant_linear(x, w, bias)
-    if x.shape[0] <= TRITON_GEMM_MAX_ROWS:
+    if x.shape[0] <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
         from flashlet.kernels.fp8_gemv import fp8_gemm
 
         return fp8_gemm(x, w.qweight, w.scale, bias)
@@ -162,8 +162,12 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
 def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
     """Many rows on CUDA: the weight widened to x's dtype for this call (each entry rounded as a
     bf16 weight's would be, far below fp8's own error) and one cuBLAS GEMM, whose FLOPs then
-    outweigh the widening's bytes."""
-    return F.linear(x, w.qweight.to(x.dtype).mul_(w.scale.to(x.dtype)[:, None]), bias)
+    outweigh the widening's bytes. fp16 goes through fp32: a small scale is subnormal in fp16."""
+    if x.dtype == torch.bfloat16:  # fp32's exponent range: the scale survives the cast
+        widened = w.qweight.to(x.dtype).mul_(w.scale.to(x.dtype)[:, None])
+    else:
+        widened = w.dequantize(x.dtype)
+    return F.linear(x, widened, bias)
 
 
 def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
@@ -184,7 +188,7 @@ def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_fp8_gemm(device_index: int | None) -> bool:
-    """FP8 tensor cores: sm_89 (Ada) and up. Cached: every linear asks."""
+    """FP8 tensor cores and Triton's e4m3 type: sm_89 (Ada) and up. Cached: every linear asks."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 

@@ -60,6 +60,15 @@ def test_every_fp8_code_widens_exactly(bit_widen):
         assert torch.equal(y.float(), qweight.float()[:, start:start + 16].T)
 
 
+def test_triton_fp8_gemm_in_fp16():
+    x, qw, bias = _case(3, 896, 4864)
+    x, bias = x.half(), bias.half()
+    ours = fp8_gemm(x, qw.qweight, qw.scale, bias)
+    ref = fp8_gemm_reference(x, qw.qweight, qw.scale, bias)
+    assert ours.dtype == torch.float16
+    assert (ours.float() - ref.float()).abs().max() <= 2 * 2 ** -11 * ref.float().abs().max()
+
+
 def test_triton_fp8_gemm_replays_in_a_cuda_graph():
     x, qw, bias = _case(4, 896, 4864)
     static_x = x.clone()

@@ -33,8 +33,9 @@ from flashlet.quantization import (quantize_weight, scaled_mm_fits, scaled_mm_li
 # [N, K]: Qwen2.5-0.5B's QKV, O, gate-up, down, up alone; Qwen2.5-7B's QKV, O, gate-up, down.
 SHAPES = ["1152x896", "896x896", "9728x896", "896x4864", "4864x896",
           "4608x3584", "3584x3584", "37888x3584", "3584x18944"]
-SWEEP = ([GemmTile(bn, bk, 4, s) for bn in (32, 64, 128) for bk in (128, 256) for s in (3, 4)]
-         + [GemmTile(64, 128, 2, 4), GemmTile(bit_widen=False)])  # the last: Triton's own widening
+SWEEP = ([GemmTile(16, bn, bk, 4, s) for bn in (32, 64, 128) for bk in (128, 256) for s in (3, 4)]
+         + [GemmTile(16, 64, 128, 2, 4), GemmTile(bit_widen=False),  # Triton's own widening
+            GemmTile(64, 64, 128, 4, 4), GemmTile(64, 128, 128, 8, 3)])  # for rows above 16
 L2_FLUSH_BYTES = 256 << 20  # weights touched per replay: well over an H200's 50 MB L2
 
 
@@ -83,7 +84,8 @@ def bench_shape(n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
         if sweep:
             for tile in SWEEP:
                 widen = "" if tile.bit_widen else " cvt"
-                paths[f"triton {tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}{widen}"] = (
+                name = f"triton {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
+                paths[name + widen] = (
                     lambda i, tile=tile: fp8_gemm(x, quantized[i].qweight, quantized[i].scale, tile=tile))
         for name, fn in paths.items():
             us = time_graph(fn, copies)

@@ -15,7 +15,10 @@ Design: grid (ceil(M / BLOCK_M), ceil(N / BLOCK_N), SPLIT_K). Each program strea
 tensor-core tile, covers every decode batch up to 16 in one pass over W). Where N / BLOCK_N
 programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split: each split writes
 fp32 partial sums and a second small kernel adds them, scales, adds the bias and rounds (the
-order of the addition is fixed, so results do not depend on scheduling).
+order of the addition is fixed, so results do not depend on scheduling). Above 16 rows the row
+tiles are the grid's fastest axis, so the programs that share a strip of W run together and
+read it from L2. With bf16 activations W is widened by bit moves (`_fp8_to_bf16_bits`), not
+by the conversion unit. `GemmTile` holds the launch shape (scripts/fp8_gemm_bench.py --sweep).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
 PROGRAMS_PER_SM = 2  # split K until the grid holds this many programs per SM
 MAX_SPLIT_K = 16
 # The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
@@ -40,6 +42,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 class GemmTile:
     """A launch configuration (scripts/fp8_gemm_bench.py --sweep compares others)."""
 
+    block_m: int = 16  # the smallest tensor-core tile: every decode batch up to 16 in one pass
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
@@ -140,7 +143,7 @@ def _sm_count(device_index: int | None) -> int:
 def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile = DEFAULT_TILE) -> int:
     """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
     least one block_k step per split."""
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile.block_n)
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, tiles)
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
 
@@ -169,13 +172,13 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                if split_k > 1 else y)
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
     dot_fp32 = INTERPRETED or x.dtype == torch.float32
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile.block_n), split_k)
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split_k)
     _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, m, n, k, k_per_split,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
                            and x.dtype == torch.bfloat16,
-                           BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                           BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                            num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(n))

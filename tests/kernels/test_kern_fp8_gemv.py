@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.kernels.fp8_gemv import MAX_SPLIT_K, fp8_gemm, fp8_gemm_reference, split_k_for
+from flashlet.kernels.fp8_gemv import (MAX_SPLIT_K, GemmTile, fp8_gemm, fp8_gemm_reference,
+                                       split_k_for)
 from flashlet.quantization import quantize_rows
 
 
@@ -45,6 +46,13 @@ def test_split_k_only_reorders_the_fp32_sum(kh):
     whole = fp8_gemm(x, qweight, scale, b, split_k=1)
     for split_k in (2, 4):
         _close(fp8_gemm(x, qweight, scale, b, split_k=split_k), whole)
+
+
+def test_other_tiles_compute_the_same_product(kh):
+    x, qweight, scale, b = _case(40, 72, 320, bias=True, seed=11, device=kh.device)
+    ref = fp8_gemm_reference(x, qweight, scale, b)
+    for tile in (GemmTile(block_m=32, block_n=32, block_k=64), GemmTile(block_n=128, block_k=256)):
+        _close(fp8_gemm(x, qweight, scale, b, split_k=2, tile=tile), ref)
 
 
 def test_strided_activation_rows_and_fp16(kh):

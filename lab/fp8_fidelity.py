@@ -75,21 +75,23 @@ def per_block(w, block=128):
 
 
 def variants():
-    """name -> (weight rounding, act_fp8 (or the projections it applies to), matmul dtype, projections quantized, LM head in fp8)."""
+    """name -> (weight rounding, act_fp8 (or the projections it applies to), matmul dtype,
+    projections quantized, LM head in fp8)."""
     all_p = q.QUANTIZED_PROJECTIONS
+    f32, bf16 = torch.float32, torch.bfloat16
     table = {
         "bf16": None,
-        "fp8 W per-row, fp32 matmul (weight-only; CPU path)": (per_row, False, torch.float32, all_p, False),
-        "fp8 W per-row, bf16 matmul": (per_row, False, torch.bfloat16, all_p, False),
-        "fp8 W per-row + fp8 A per-token (_scaled_mm)": (per_row, True, torch.float32, all_p, False),
-        "fp8 W 128x128 blocks, fp32 matmul": (per_block, False, torch.float32, all_p, False),
-        "fp8 A per-token only (W bf16)": (lambda w: w, True, torch.float32, all_p, False),
-        "fp8 W per-row + LM head fp8": (per_row, False, torch.float32, all_p, True),
+        "fp8 W per-row, fp32 matmul (weight-only; CPU path)": (per_row, False, f32, all_p, False),
+        "fp8 W per-row, bf16 matmul": (per_row, False, bf16, all_p, False),
+        "fp8 W per-row + fp8 A per-token (_scaled_mm)": (per_row, True, f32, all_p, False),
+        "fp8 W 128x128 blocks, fp32 matmul": (per_block, False, f32, all_p, False),
+        "fp8 A per-token only (W bf16)": (lambda w: w, True, f32, all_p, False),
+        "fp8 W per-row + LM head fp8": (per_row, False, f32, all_p, True),
     }
     for proj in all_p:
-        table[f"fp8 W per-row, {proj} only"] = (per_row, False, torch.float32, (proj,), False)
+        table[f"fp8 W per-row, {proj} only"] = (per_row, False, f32, (proj,), False)
     for proj in all_p:
-        table[f"fp8 W per-row, fp8 A on {proj} only"] = (per_row, (proj,), torch.float32, all_p, False)
+        table[f"fp8 W per-row, fp8 A on {proj} only"] = (per_row, (proj,), f32, all_p, False)
     return table
 
 
@@ -100,7 +102,8 @@ def apply_variant(model, spec):
             for proj in projs:
                 linear = getattr(layer, proj)
                 act = act_fp8 if isinstance(act_fp8, bool) else proj in act_fp8
-                q.swap_weight(linear, EmulatedWeight(rounding(linear.weight.float()), act, matmul_dtype))
+                emulated = EmulatedWeight(rounding(linear.weight.float()), act, matmul_dtype)
+                q.swap_weight(linear, emulated)
     if lm_head_fp8:
         head = per_row(model.lm_head_weight.float())
         model.compute_logits = lambda h: F.linear(h.float(), head)
@@ -132,7 +135,8 @@ def measure(ref, logits, seqs):
     p, n = agree.mean().item(), agree.numel()
     diff = logits - ref
     row = {"agreement": p, "se": math.sqrt(p * (1 - p) / n),
-           "rms_logit_err": diff.pow(2).mean().sqrt().item(), "max_logit_err": diff.abs().max().item()}
+           "rms_logit_err": diff.pow(2).mean().sqrt().item(),
+           "max_logit_err": diff.abs().max().item()}
     targets = torch.cat([torch.tensor(s[1:] + [-100]) for s in seqs])
     row["perplexity"] = math.exp(F.cross_entropy(logits, targets, ignore_index=-100).item())
     return row
@@ -164,7 +168,8 @@ def main():
     else:
         vocab = json.loads(preset_config_path(args.preset).read_text())["vocab_size"]
         g = torch.Generator().manual_seed(args.seed)
-        seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g).tolist() for _ in range(args.seqs)]
+        seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g).tolist()
+                for _ in range(args.seqs)]
     ref = logits_of(build(args, torch.float32), seqs)
     top2 = ref.topk(2, -1).values
     gap = (top2[:, 0] - top2[:, 1]).median().item()
@@ -180,8 +185,9 @@ def main():
         if spec is not None:
             apply_variant(model, spec)
         r = measure(ref, logits_of(model, seqs), seqs)
-        print(f"| {name} | {100 * r['agreement']:.1f} +- {196 * r['se']:.1f} | {r['rms_logit_err']:.3f} "
-              f"| {r['max_logit_err']:.2f} | {r['perplexity']:.3f} |", flush=True)
+        print(f"| {name} | {100 * r['agreement']:.1f} +- {196 * r['se']:.1f} "
+              f"| {r['rms_logit_err']:.3f} | {r['max_logit_err']:.2f} | {r['perplexity']:.3f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

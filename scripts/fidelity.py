@@ -311,7 +311,8 @@ def variant_rows(args) -> list[tuple[str, dict, float]]:
     """(row suffix, EngineConfig settings, allowed shortfall) of each row run beside a backend's."""
     rows = []
     if args.quantization:
-        rows.append((f"+{args.quantization}", {"quantization": args.quantization}, QUANTIZED_POINTS))
+        rows.append((f"+{args.quantization}", {"quantization": args.quantization},
+                     QUANTIZED_POINTS))
     if args.kv_cache_dtype not in (None, "auto"):
         rows.append((f"+kv-{args.kv_cache_dtype}", {"kv_cache_dtype": args.kv_cache_dtype},
                      KV_CACHE_POINTS))
@@ -338,7 +339,9 @@ def shortfall(row: dict, hf: dict, threshold: float) -> list[str]:
     if "diff_vs_unquantized" in row:
         allowed = row.get("allowed_points", QUANTIZED_POINTS)
         short = -allowed - row["diff_vs_unquantized"]
-        return [f"{100 * short:.2f} pt short of unquantized - {100 * allowed:g}"] if short > 0 else []
+        if short <= 0:
+            return []
+        return [f"{100 * short:.2f} pt short of unquantized - {100 * allowed:g}"]
     why = []
     if row["agreement"] < hf["agreement"] - 0.01:
         why.append(f"{100 * (hf['agreement'] - 0.01 - row['agreement']):.2f} pt short")

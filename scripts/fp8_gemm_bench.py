@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="NxK projection shapes")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 128, 256])
-    p.add_argument("--sweep", action="store_true", help="time the triton kernel at each tile in SWEEP")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the triton kernel at each tile in SWEEP")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -84,9 +85,10 @@ def bench_shape(n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
         if sweep:
             for tile in SWEEP:
                 widen = "" if tile.bit_widen else " cvt"
-                name = f"triton {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
-                paths[name + widen] = (
-                    lambda i, tile=tile: fp8_gemm(x, quantized[i].qweight, quantized[i].scale, tile=tile))
+                name = (f"triton {tile.block_m}x{tile.block_n}x{tile.block_k} "
+                        f"w{tile.num_warps} s{tile.num_stages}{widen}")
+                paths[name] = lambda i, tile=tile: fp8_gemm(x, quantized[i].qweight,
+                                                            quantized[i].scale, tile=tile)
         for name, fn in paths.items():
             us = time_graph(fn, copies)
             weight_bytes = n * k * (2 if name == "bf16" else 1)

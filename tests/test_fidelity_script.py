@@ -148,7 +148,8 @@ def test_kv_cache_dtype_adds_a_row_held_to_one_point_and_reaches_the_engine_conf
     fidelity = load_script()
     plain = fidelity.parse_args(["--config", "x", "--quantization", "fp8"])
     assert [r[0] for r in fidelity.variant_rows(plain)] == ["+fp8"]
-    args = fidelity.parse_args(["--config", "x", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    args = fidelity.parse_args(["--config", "x", "--quantization", "fp8",
+                                "--kv-cache-dtype", "fp8"])
     assert fidelity.variant_rows(args) == [("+fp8", {"quantization": "fp8"}, 0.03),
                                            ("+kv-fp8", {"kv_cache_dtype": "fp8"}, 0.01)]
     seen = []
@@ -172,7 +173,8 @@ def test_perplexity_rows_for_an_fp8_kv_cache():
     fidelity = load_script()
     assert fidelity.perplexity_variants(fidelity.parse_args(["--perplexity"])) == {
         "fp8 weights": {"quantization": "fp8"}}
-    rows = fidelity.perplexity_variants(fidelity.parse_args(["--perplexity", "--kv-cache-dtype", "fp8"]))
+    with_kv = fidelity.parse_args(["--perplexity", "--kv-cache-dtype", "fp8"])
+    rows = fidelity.perplexity_variants(with_kv)
     assert rows == {"fp8 weights": {"quantization": "fp8"}, "fp8 KV": {"kv_cache_dtype": "fp8"},
                     "fp8 weights + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 

@@ -38,7 +38,8 @@ def _close(ours, ref):
 ])
 def test_fp8_gemm_matches_the_fp32_reference(kh, m, n, k, split_k, bias):
     x, qweight, scale, b = _case(m, n, k, bias=bias, seed=m + n, device=kh.device)
-    _close(fp8_gemm(x, qweight, scale, b, split_k=split_k), fp8_gemm_reference(x, qweight, scale, b))
+    ours = fp8_gemm(x, qweight, scale, b, split_k=split_k)
+    _close(ours, fp8_gemm_reference(x, qweight, scale, b))
 
 
 def test_split_k_only_reorders_the_fp32_sum(kh):
@@ -56,7 +57,8 @@ def test_other_tiles_compute_the_same_product(kh):
 
 
 def test_strided_activation_rows_and_fp16(kh):
-    x, qweight, scale, _ = _case(4, 32, 160, bias=False, seed=3, device=kh.device, dtype=torch.float16)
+    x, qweight, scale, _ = _case(4, 32, 160, bias=False, seed=3, device=kh.device,
+                                 dtype=torch.float16)
     wide = torch.zeros(4, 200, dtype=torch.float16, device=kh.device)
     wide[:, 20:180] = x
     view = wide[:, 20:180]  # rows 200 apart: a slice of a fused projection's output

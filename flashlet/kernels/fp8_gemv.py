@@ -13,9 +13,15 @@ FLOPs: 2 * M * N * K.
 Design: grid (ceil(M / BLOCK_M), ceil(N / BLOCK_N), SPLIT_K). Each program streams a
 [BLOCK_N, K / SPLIT_K] strip of W once, for all BLOCK_M rows (BLOCK_M = 16, the smallest
 tensor-core tile, covers every decode batch up to 16 in one pass over W). Where N / BLOCK_N
-programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split: each split writes
-fp32 partial sums and a second small kernel adds them, scales, adds the bias and rounds (the
-order of the addition is fixed, so results do not depend on scheduling). Above 16 rows the row
+programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split, still in one launch
+(a second kernel per projection would add a kernel boundary for a few microseconds of work):
+each split writes its fp32 partial sums and bumps its tile's counter, and the program that
+brings the counter to SPLIT_K (the last to finish) adds the partials in split order, scales,
+adds the bias, rounds, and sets the counter back to 0 for the next launch. The CTA barrier
+before the counter's acq_rel atomic releases every thread's partial at GPU scope, and the
+last program's loads bypass L1 (".cg": other SMs wrote those lines), as in
+`decode_attention_one_launch`. The sum's order is fixed, so results do not depend on which
+split finishes last. Above 16 rows the row
 tiles are the grid's fastest axis, so the programs that share a strip of W run together and
 read it from L2. With bf16 activations W is widened by bit moves (`_fp8_to_bf16_bits`), not
 by the conversion unit. `GemmTile` holds the launch shape (scripts/fp8_gemm_bench.py --sweep).
@@ -33,6 +39,7 @@ import triton.language as tl
 
 PROGRAMS_PER_SM = 2  # split K until the grid holds this many programs per SM
 MAX_SPLIT_K = 16
+SPLIT_COUNTERS = 1 << 16  # tiles a split launch may have (one int32 counter each, per device)
 # The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
 # values widened to fp32, which changes only the accumulation order.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -82,7 +89,18 @@ def _fp8_to_bf16_bits(w):
 
 
 @triton.jit
-def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, M, N, K, k_per_split,
+def _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym,
+                      HAS_BIAS: tl.constexpr):
+    """The epilogue: acc [BM, BN] fp32 times the row scales, plus the bias, rounded into Y."""
+    acc = acc * tl.load(SCALE + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
+             acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
                      BIT_WIDEN: tl.constexpr,
@@ -106,31 +124,30 @@ def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, M, N, K, k_per_split,
             acc = tl.dot(x, tl.trans(_fp8_to_bf16_bits(w)), acc)
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        tl.store(PARTIAL + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :], acc,
-                 mask=out_mask)
+    if not SPLIT:
+        _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS)
     else:
-        acc = acc * tl.load(SCALE + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
-                 acc.to(Y.dtype.element_ty), mask=out_mask)
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        tile = rows[:, None].to(tl.int64) * N + cols[None, :]  # [BM, BN] offsets in one split
+        tl.store(PARTIAL + pid_k * M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        count = COUNTS + pid_m * tl.num_programs(1) + pid_n
+        num_splits = tl.num_programs(2)
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, num_splits):
+                total += tl.load(PARTIAL + s * M * N + tile, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            _scale_bias_store(total, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym,
+                              HAS_BIAS)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-@triton.jit
-def _split_k_reduce_kernel(PARTIAL, SCALE, BIAS, Y, M, N, stride_ym, split_k,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(split_k):
-        acc += tl.load(PARTIAL + (s * M + row).to(tl.int64) * N + cols, mask=ok, other=0.0)
-    acc = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
+@functools.lru_cache(maxsize=None)
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The split launches' tile counters on `device`: zero between launches (the last program of
+    each tile resets its own), so one buffer serves every launch on the device's stream."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,23 +185,23 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         split_k = split_k_for(m, n, k, _sm_count(x.device.index), tile)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), tile.block_k) * tile.block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left without work
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split_k)
+    if split_k > 1 and grid[0] * grid[1] > SPLIT_COUNTERS:
+        raise ValueError(f"fp8_gemm: split_k {split_k} over {grid[0] * grid[1]} tiles needs more "
+                         f"than SPLIT_COUNTERS ({SPLIT_COUNTERS}) counters; so many tiles fill "
+                         f"the GPU unsplit")
     partial = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
                if split_k > 1 else y)
+    counts = _split_counters(x.device) if split_k > 1 else scale  # never touched unsplit
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
     dot_fp32 = INTERPRETED or x.dtype == torch.float32
-    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split_k)
-    _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, m, n, k, k_per_split,
+    _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, counts, m, n, k, k_per_split,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
                            and x.dtype == torch.bfloat16,
                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                            num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            partial, scale, bias_arg, y, m, n, y.stride(0), split_k,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
 

@@ -49,6 +49,16 @@ def test_split_k_only_reorders_the_fp32_sum(kh):
         _close(fp8_gemm(x, qweight, scale, b, split_k=split_k), whole)
 
 
+def test_split_launches_leave_their_counters_at_zero(kh):
+    from flashlet.kernels.fp8_gemv import _split_counters
+
+    x, qweight, scale, b = _case(18, 80, 512, bias=True, seed=5, device=kh.device)
+    first = fp8_gemm(x, qweight, scale, b, split_k=4)  # 2 x 2 tiles, 4 splits each
+    assert not _split_counters(x.device).any()
+    again = fp8_gemm(x, qweight, scale, b, split_k=4)
+    assert torch.equal(again, first)  # the next launch finds them at zero and merges too
+
+
 def test_other_tiles_compute_the_same_product(kh):
     x, qweight, scale, b = _case(40, 72, 320, bias=True, seed=11, device=kh.device)
     ref = fp8_gemm_reference(x, qweight, scale, b)

@@ -1,0 +1,339 @@
+"""The `draft` proposer: a smaller model with the target's tokenizer guesses the next k tokens of
+each speculating request, greedily, and the target checks them all in one verify step.
+
+How the verify step uses it (speculative.py drives it through speculative_api.Proposer):
+  1. Before a step, the engine calls `propose(requests, k)` for the requests that speculate in
+     it (their newest token read: no placeholder of an overlapped step). Each gets up to k
+     tokens d1..dk (fewer near the end of the context or of the draft's pool).
+  2. In the step each such request has k + 1 query rows, its newest token and d1..dk, beside
+     plain decodes and prefill chunks in the one ragged attention call; the target's logits
+     at those rows say what it would emit at each position.
+  3. Greedy: the longest prefix d1..da that agrees with the target's argmax is accepted, plus
+     the target's own token after it. Sampled: rejection sampling with q one-hot at the draft's
+     token (this proposer is greedy), so the output distribution stays the target's.
+  4. `on_accepted(request, a)`: the draft keeps the K/V of the accepted prefix only (pages past
+     it freed), so the next `propose` feeds just what the draft has not seen: the target's own
+     token, and dk as well when all k were accepted (dk was proposed, never fed).
+  5. `release(request)` once it finishes, is aborted or preempted.
+
+One propose() is one catch-up forward (ragged: each request's tokens the draft has not seen,
+a new request's whole prompt, chunked at the step budget), whose last rows give d1, then k - 1
+decode forwards of all requests together, each fed the previous step's tokens on the device: the
+host reads the proposals once, at the end, and on CUDA the decode steps replay the runner's
+graphs. The draft's K/V then cover the context and d1..d(k-1).
+
+The draft's state corrects itself: `propose` compares the tokens whose K/V the draft holds with
+the request's own and drops everything from the first difference on, so a request that
+diverged (a missed on_accepted, a rewritten output) costs a recomputation, never a wrong
+proposal. The K/V live in a pool of the draft's own shape (its layers and heads), in its own
+page allocator; the runner is the engine's ModelRunner over the draft model.
+
+Other proposers on the same interface:
+- EAGLE-style heads (EAGLE-1/2/3): a one-layer decoder that predicts the target's next hidden
+  state from the target's hidden states and the token embedding, with the target's LM head for
+  the token. It needs what this proposer does not: the target's hidden states at the verify
+  step's accepted rows (EAGLE-3: several layers'), handed over by the engine in a hook beside
+  on_accepted (e.g. `on_verified(request, num_accepted, hidden[rows])`). The head keeps its one
+  layer's K/V in a small pool as here; `propose` runs k steps of the head alone, each on its own
+  predicted hidden state; `on_accepted` truncates as here, `release` frees. Tree drafts (top-k
+  branches a step) would also need a tree mask in the verify step: the interface returns one
+  chain a request, so they are a later extension.
+- MTP heads (DeepSeek-V3, Qwen3-Next): the target's own extra layers predict tokens t + 2 ...
+  from its hidden state at t, inside the target's forward. The proposals for the next step come
+  out of the verify step itself: the same hidden-state hook stores each request's head outputs
+  at its last accepted row, `propose` returns them (no model of its own, no catch-up),
+  `on_accepted` picks the row, `release` drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from flashlet.config import EngineConfig
+from flashlet.kv_pool import KVPool
+from flashlet.model import ModelConfig
+from flashlet.model_runner import ModelRunner
+from flashlet.request import PLACEHOLDER, Request
+from flashlet.speculative_api import SpeculativeConfig
+from flashlet.weights import load_model, random_model
+
+# The share of free GPU memory a draft's pool takes when the target's pool size is not given:
+# a draft's K/V per token are a fraction of the target's, and the target's pool must keep its
+# share whichever of the two is built first (the engine can pass num_pages instead).
+DRAFT_GPU_MEMORY_FRACTION = 0.1
+
+
+def load_draft_model(source: str, target_config: EngineConfig, device: torch.device):
+    """The draft model, by the engine's loaders: a folder, hub id or .gguf file (as --model),
+    or a preset name or config.json path (random weights as --config, seeded with the target's
+    weights_seed: the target's own preset is then the target itself)."""
+    from flashlet.engine import PRESETS_DIR, _ops_for, preset_config_path  # engine imports us
+
+    dtype, ops = target_config.resolved_dtype(), _ops_for(target_config, device)
+    if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json"):
+        cfg = ModelConfig.from_file(preset_config_path(source))
+        return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops)
+    model, _tokenizer, _folder = load_model(source, device, dtype, ops=ops)
+    return model
+
+
+def target_vocab_size(target_config: EngineConfig) -> int:
+    """The target's vocabulary size, from its config.json (no weights loaded)."""
+    from flashlet.engine import model_config_path
+
+    return ModelConfig.from_file(model_config_path(target_config)).vocab_size
+
+
+def check_vocab(draft_vocab: int, target_vocab: int) -> None:
+    """A draft may have fewer embedding rows than its target (Qwen2.5-0.5B pads its vocabulary
+    to 151,936, Qwen2.5-7B to 152,064, with one tokenizer), never more: it could propose ids
+    the target has no row for."""
+    if draft_vocab > target_vocab:
+        raise ValueError(f"speculative draft model: its vocabulary ({draft_vocab} tokens) is "
+                         f"larger than the target's ({target_vocab} tokens); the draft must "
+                         f"share the target's tokenizer")
+
+
+@dataclass
+class _DraftSequence:
+    """What the draft holds for one request: its pages and the tokens whose K/V are in them."""
+
+    row: int  # in the runner's batch
+    page_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_verified: int = 0  # leading token_ids known to be the request's own
+    context_len: int = 0  # the request's tokens when it was last proposed for
+
+
+@dataclass
+class _Work:
+    """One request's part of a propose() call."""
+
+    seq: _DraftSequence
+    feed: list[int]  # the request's tokens the draft has not computed (at least its newest)
+    k: int  # proposals it gets
+
+
+class DraftProposer:
+    """Proposes each request's next k tokens by greedy decoding on a draft model (module doc)."""
+
+    def __init__(self, target_config: EngineConfig, spec: SpeculativeConfig,
+                 device: torch.device | str | None = None, *, num_pages: int | None = None,
+                 target_vocab: int | None = None):
+        """device: the target's (default: target_config's). num_pages: the draft pool's size
+        (default: `_default_num_pages`). target_vocab: the target's vocabulary size, if the
+        caller has it (else read from the target's config.json)."""
+        if spec.model is None:
+            raise ValueError("speculative config: the draft method needs a `model` (a folder, "
+                             "hub id, .gguf file or preset of the draft)")
+        self.device = torch.device(device) if device is not None else target_config.resolved_device()
+        self.model = load_draft_model(spec.model, target_config, self.device)
+        cfg = self.model.config
+        check_vocab(cfg.vocab_size, target_vocab or target_vocab_size(target_config))
+        self.page_size = ps = target_config.page_size
+        self.max_model_len = min(cfg.max_context_len,
+                                 target_config.max_model_len or cfg.max_context_len)
+        max_pages_per_seq = -(-self.max_model_len // ps)
+        self.kv_pool = KVPool(cfg.num_layers,
+                              num_pages or self._default_num_pages(target_config, spec),
+                              ps, cfg.num_kv_heads, cfg.head_dim,
+                              target_config.resolved_dtype(), self.device,
+                              fused_rope=target_config.fused_ops and self.device.type == "cuda")
+        # One device, the per-op path: the fused path serves the target's one-stream steps.
+        runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
+        self.runner = ModelRunner(self.model, self.kv_pool, runner_config, self.device,
+                                  max_pages_per_seq)
+        self.batch = self.runner.batch
+        self.max_step_tokens = target_config.max_num_batched_tokens
+        self._sequences: dict[int, _DraftSequence] = {}  # request id -> its draft state
+
+    def _default_num_pages(self, c: EngineConfig, spec: SpeculativeConfig) -> int:
+        """Every sequence at full length at most; within that, the target's page count plus
+        room for k proposals a sequence where the target's is given, else a memory budget."""
+        cfg, ps = self.model.config, c.page_size
+        cap = c.max_num_seqs * -(-self.max_model_len // ps)
+        if c.max_num_pages is not None:
+            return min(cap, c.max_num_pages + c.max_num_seqs * -(-spec.num_speculative_tokens // ps))
+        per_page = KVPool.bytes_per_page(cfg.num_layers, ps, cfg.num_kv_heads, cfg.head_dim,
+                                         c.resolved_dtype())
+        if self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * DRAFT_GPU_MEMORY_FRACTION
+        else:
+            budget = c.kv_memory_gb * 2**30
+        return max(1, min(int(budget // per_page), cap))
+
+    # ---- the Proposer interface -----------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        """Up to k greedy draft tokens per request (none where the context or the pool is full)."""
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        work = [self._prepare(req, k) for req in requests]
+        todo = [w for w in work if w is not None]
+        proposed = iter(self._run(todo) if todo else [])
+        return [next(proposed) if w is not None else [] for w in work]
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        """Keep the draft's K/V of the context and the accepted proposals; free the rest."""
+        if num_accepted < 0:
+            raise ValueError(f"num_accepted must be >= 0, got {num_accepted}")
+        seq = self._sequences.get(request.request_id)
+        if seq is not None:
+            self._truncate(seq, min(len(seq.token_ids), seq.context_len + num_accepted))
+
+    def release(self, request: Request) -> None:
+        """Free every draft page of the request (a no-op for one the draft never saw)."""
+        seq = self._sequences.pop(request.request_id, None)
+        if seq is not None:
+            self.kv_pool.allocator.free(seq.page_ids)
+            self.batch.remove(request.request_id)
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.kv_pool.allocator.num_free
+
+    def num_tokens_held(self, request: Request) -> int:
+        """Tokens of the request whose K/V the draft holds (0 if none)."""
+        seq = self._sequences.get(request.request_id)
+        return len(seq.token_ids) if seq is not None else 0
+
+    def check_integrity(self) -> None:
+        """Every page is free or held by exactly one request, whose page table covers its tokens."""
+        held = [p for seq in self._sequences.values() for p in seq.page_ids]
+        assert len(held) == len(set(held)), "a draft page is held twice"
+        free = self.kv_pool.allocator.free_pages()
+        assert not free & set(held), "a free draft page is held by a request"
+        assert len(free) + len(held) == self.kv_pool.num_pages, "a draft page leaked"
+        for request_id, seq in self._sequences.items():
+            assert len(seq.page_ids) >= self._pages_for(len(seq.token_ids)), request_id
+            assert self.batch.pages_of(request_id) == seq.page_ids, request_id
+            assert seq.num_verified <= len(seq.token_ids), request_id
+
+    # ---- one propose() call ------------------------------------------------------------------
+    def _prepare(self, req: Request, k: int) -> _Work | None:
+        """Sync the draft's state with the request, reserve pages for its proposals -> its work,
+        or None where it gets no proposal (context or pool full)."""
+        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            raise ValueError(f"request {req.request_id}: its newest token is still on the "
+                             f"device (an overlapped step): read it before proposing")
+        n = req.num_tokens
+        k = min(k, self.max_model_len - n + 1)  # the draft's K/V reach position n + k - 2
+        if k < 1:
+            return None
+        seq = self._sequences.get(req.request_id)
+        if seq is None:
+            seq = self._sequences[req.request_id] = _DraftSequence(self.batch.add(req.request_id, []))
+        self._sync(seq, req)
+        k = min(k, self._room(seq) - n + 1)
+        if k < 1:
+            return None
+        self._grow(seq, n + k - 1)
+        seq.context_len = n
+        return _Work(seq, req.token_slice(len(seq.token_ids), n), k)
+
+    def _sync(self, seq: _DraftSequence, req: Request) -> None:
+        """Drop the draft's tokens from the first that differs from the request's on, and its
+        newest token in any case: its logits give the first proposal."""
+        same, end = seq.num_verified, min(len(seq.token_ids), req.num_tokens)
+        if same < end:
+            for mine, theirs in zip(seq.token_ids[same:end], req.token_slice(same, end)):
+                if mine != theirs:
+                    break
+                same += 1
+        self._truncate(seq, min(same, req.num_tokens - 1))
+
+    def _room(self, seq: _DraftSequence) -> int:
+        """Tokens the sequence could hold with every free page."""
+        return (len(seq.page_ids) + self.kv_pool.allocator.num_free) * self.page_size
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, seq: _DraftSequence, num_tokens: int) -> None:
+        """Pages for num_tokens tokens."""
+        more = self._pages_for(num_tokens) - len(seq.page_ids)
+        if more > 0:
+            first = len(seq.page_ids)
+            seq.page_ids += self.kv_pool.allocator.allocate(more)
+            self.batch.set_pages(seq.row, first, seq.page_ids[first:])
+
+    def _truncate(self, seq: _DraftSequence, num_tokens: int) -> None:
+        """Keep the K/V of the first num_tokens tokens; free the pages past them."""
+        del seq.token_ids[num_tokens:]
+        seq.num_verified = min(seq.num_verified, num_tokens)
+        keep = self._pages_for(num_tokens)
+        if keep < len(seq.page_ids):
+            self.kv_pool.allocator.free(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
+            self.batch.set_pages(seq.row, 0, seq.page_ids)
+
+    def _run(self, work: list[_Work]) -> list[list[int]]:
+        """The catch-up forward(s) and k - 1 decode forwards -> each request's proposals."""
+        sampled = [self._catch_up(work)]  # [len(work)] on the device, in work order
+        rows_of_step = [np.array([w.seq.row for w in work], np.int64)]
+        self.batch.sample_index[rows_of_step[0]] = np.arange(len(work))
+        for j in range(1, max(w.k for w in work)):
+            active = [w for w in work if w.k > j]
+            rows = np.array([w.seq.row for w in active], np.int64)
+            starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
+            layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
+            self.batch.sample_index[rows] = np.arange(len(active))
+            input_ids, meta = self.runner.load(layout, sampled[-1])
+            sampled.append(self.runner.forward(input_ids, meta).argmax(dim=-1))
+            rows_of_step.append(rows)
+        values = torch.cat(sampled).tolist()  # the one read of the proposals
+        proposals = {int(w.seq.row): [] for w in work}
+        at = 0
+        for rows in rows_of_step:
+            for row in rows.tolist():
+                proposals[row].append(values[at])
+                at += 1
+        for w in work:  # d1..d(k-1) were fed: their K/V are in the draft's pool
+            w.seq.token_ids += proposals[w.seq.row][: w.k - 1]
+        return [proposals[w.seq.row] for w in work]
+
+    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
+        """Forward each request's unseen tokens, in chunks of the step budget -> the greedy
+        token [len(work)] after each request's newest token."""
+        first = torch.empty(len(work), dtype=torch.int64, device=self.device)
+        pending = list(range(len(work)))
+        while pending:
+            budget, chunks = self.max_step_tokens, []
+            for i in pending:
+                w = work[i]
+                done = len(w.seq.token_ids) - (w.seq.context_len - len(w.feed))
+                size = min(len(w.feed) - done, budget)
+                if size < 1:
+                    break
+                chunks.append((i, w.feed[done : done + size], done + size == len(w.feed)))
+                budget -= size
+            sampled = self._forward_chunks(work, chunks)
+            ends = [i for i, _, last in chunks if last]
+            if ends:
+                first.index_copy_(0, torch.tensor(ends, device=self.device), sampled)
+                ended = set(ends)
+                pending = [i for i in pending if i not in ended]
+        return first
+
+    def _forward_chunks(self, work: list[_Work], chunks: list[tuple[int, list[int], bool]]
+                        ) -> torch.Tensor:
+        """One ragged forward of these chunks -> the greedy tokens of the chunks that end
+        their request's feed, in order."""
+        seqs = [work[i].seq for i, _, _ in chunks]
+        layout = self.batch.layout(
+            np.array([s.row for s in seqs], np.int64), [len(s.token_ids) for s in seqs],
+            [t for _, tokens, _ in chunks for t in tokens], [len(c[1]) for c in chunks],
+            [last for _, _, last in chunks])
+        for seq, (_, tokens, _) in zip(seqs, chunks):
+            seq.token_ids += tokens
+            seq.num_verified = len(seq.token_ids)
+        input_ids, meta = self.runner.load(layout)
+        if not layout.num_sampled:
+            self.runner.forward(input_ids, meta)  # K/V only: no row samples
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self.runner.forward(input_ids, meta).argmax(dim=-1)

@@ -133,7 +133,8 @@ class DraftProposer:
         self.device = torch.device(device) if device is not None else target_config.resolved_device()
         self.model = load_draft_model(spec.model, target_config, self.device)
         cfg = self.model.config
-        check_vocab(cfg.vocab_size, target_vocab or target_vocab_size(target_config))
+        self.target_vocab = target_vocab or target_vocab_size(target_config)
+        check_vocab(cfg.vocab_size, self.target_vocab)
         self.page_size = ps = target_config.page_size
         self.max_model_len = min(cfg.max_context_len,
                                  target_config.max_model_len or cfg.max_context_len)
@@ -325,10 +326,12 @@ class DraftProposer:
         """One ragged forward of these chunks -> the greedy tokens of the chunks that end
         their request's feed, in order."""
         seqs = [work[i].seq for i, _, _ in chunks]
+        token_ids = [t for _, tokens, _ in chunks for t in tokens]
+        if self.model.config.vocab_size < self.target_vocab:
+            token_ids = self._embeddable(token_ids)
         layout = self.batch.layout(
             np.array([s.row for s in seqs], np.int64), [len(s.token_ids) for s in seqs],
-            [t for _, tokens, _ in chunks for t in tokens], [len(c[1]) for c in chunks],
-            [last for _, _, last in chunks])
+            token_ids, [len(c[1]) for c in chunks], [last for _, _, last in chunks])
         for seq, (_, tokens, _) in zip(seqs, chunks):
             seq.token_ids += tokens
             seq.num_verified = len(seq.token_ids)
@@ -337,3 +340,10 @@ class DraftProposer:
             self.runner.forward(input_ids, meta)  # K/V only: no row samples
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return self.runner.forward(input_ids, meta).argmax(dim=-1)
+
+    def _embeddable(self, token_ids: list[int]) -> list[int]:
+        """A target token past a narrower draft's rows (a padding id, which trained targets
+        all but never sample) goes in as id 0: the draft's guesses after it get worse, while
+        verification keeps the output exact."""
+        rows = self.model.config.vocab_size
+        return [t if t < rows else 0 for t in token_ids]

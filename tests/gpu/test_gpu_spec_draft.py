@@ -1,0 +1,55 @@
+"""GPU: the draft proposer on CUDA (its decode steps replayed from the runner's CUDA graphs, fed
+the previous step's tokens on the device) proposes what a plain engine on the draft model
+generates greedily, round after round of partial acceptance, and frees every page.
+
+fp32, so the proposer's steps (a short catch-up chunk over cached K/V, then graphed decodes)
+and the reference engine's (a whole prefill, then decodes) differ by summation order only."""
+
+import random
+
+import pytest
+import torch
+
+from flashlet import LLM, EngineConfig, SamplingParams
+from flashlet.request import Request
+from flashlet.spec_draft import DraftProposer
+from flashlet.speculative_api import SpeculativeConfig
+from tests.conftest import save_tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def backend_or_skip(name):
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tiny_qwen2, tmp_path,
+                                                                      backend):
+    backend = backend_or_skip(backend)
+    draft = save_tiny_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
+    config = dict(backend=backend, dtype="float32", device="cuda", page_size=16,
+                  max_num_seqs=4, max_num_batched_tokens=64, warmup_at_start=False)
+    proposer = DraftProposer(EngineConfig(model=str(tiny_qwen2), max_num_pages=64, **config),
+                             SpeculativeConfig("draft", 4, model=str(draft)))
+    reference = LLM(str(draft), enable_prefix_cache=False, max_num_pages=64, **config)
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    rng = random.Random(0)
+    reqs = [Request(i, [rng.randrange(2, 256) for _ in range(n)], SamplingParams())
+            for i, n in enumerate((3, 40, 100))]
+    for _ in range(6):
+        drafted = proposer.propose(reqs, 4)
+        for req, tokens in zip(reqs, drafted):
+            context = req.prompt_token_ids + req.output_token_ids
+            assert tokens == reference.generate([context], greedy)[0].token_ids
+            accepted = rng.randrange(0, 5)
+            req.output_token_ids += tokens[:accepted] + [rng.randrange(2, 256)]
+            proposer.on_accepted(req, accepted)
+        proposer.check_integrity()
+    assert proposer.runner.graphs, "the decode steps replay CUDA graphs"
+    for req in reqs:
+        proposer.release(req)
+    assert proposer.num_free_pages == proposer.kv_pool.num_pages

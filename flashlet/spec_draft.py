@@ -103,6 +103,7 @@ class _DraftSequence:
     """What the draft holds for one request: its pages and the tokens whose K/V are in them."""
 
     row: int  # in the runner's batch
+    request: Request | None = None  # the request whose tokens these are (ids are reused)
     page_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_verified: int = 0  # leading token_ids known to be the request's own
@@ -171,8 +172,7 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         """Up to k greedy draft tokens per request (none where the context or the pool is full)."""
-        if k < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        self._check(requests, k)
         work = [self._prepare(req, k) for req in requests]
         todo = [w for w in work if w is not None]
         proposed = iter(self._run(todo) if todo else [])
@@ -216,12 +216,20 @@ class DraftProposer:
             assert seq.num_verified <= len(seq.token_ids), request_id
 
     # ---- one propose() call ------------------------------------------------------------------
+    def _check(self, requests: Sequence[Request], k: int) -> None:
+        """Refuse a call that cannot be served, before any state changes."""
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        if len({req.request_id for req in requests}) < len(requests):
+            raise ValueError("propose: a request id appears twice in one call")
+        for req in requests:
+            if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                raise ValueError(f"request {req.request_id}: its newest token is still on the "
+                                 f"device (an overlapped step): read it before proposing")
+
     def _prepare(self, req: Request, k: int) -> _Work | None:
         """Sync the draft's state with the request, reserve pages for its proposals -> its work,
         or None where it gets no proposal (context or pool full)."""
-        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
-            raise ValueError(f"request {req.request_id}: its newest token is still on the "
-                             f"device (an overlapped step): read it before proposing")
         n = req.num_tokens
         k = min(k, self.max_model_len - n + 1)  # the draft's K/V reach position n + k - 2
         if k < 1:
@@ -229,6 +237,8 @@ class DraftProposer:
         seq = self._sequences.get(req.request_id)
         if seq is None:
             seq = self._sequences[req.request_id] = _DraftSequence(self.batch.add(req.request_id, []))
+        if seq.request is not req:  # a new request under a released (or never released) id
+            seq.request, seq.num_verified = req, 0
         self._sync(seq, req)
         k = min(k, self._room(seq) - n + 1)
         if k < 1:

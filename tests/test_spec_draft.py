@@ -118,6 +118,23 @@ def test_a_diverged_request_is_corrected_without_on_accepted(tiny_qwen2, draft_d
     proposer.check_integrity()
 
 
+def test_a_released_request_starts_over_and_a_reused_id_is_a_new_request(
+        tiny_qwen2, draft_dir, greedy):
+    """After release (preemption) the draft recomputes the whole context; a new request under
+    an id whose request was never released shares only the K/V of a common prefix."""
+    proposer = make_proposer(tiny_qwen2, draft_dir)
+    prompt = prompt_of(10, seed=6)
+    req = request(0, prompt)
+    drafted = proposer.propose([req], 4)[0]
+    proposer.release(req)
+    req.output_token_ids += drafted[:2]
+    context = req.prompt_token_ids + req.output_token_ids
+    assert proposer.propose([req], 4) == [greedy(draft_dir)(context, 4)]
+    other = prompt[:5] + prompt_of(3, seed=7)  # a new request under the same id
+    assert proposer.propose([request(0, other)], 4) == [greedy(draft_dir)(other, 4)]
+    proposer.check_integrity()
+
+
 def test_release_frees_every_page(tiny_qwen2, draft_dir):
     proposer = make_proposer(tiny_qwen2, draft_dir)
     reqs = [request(i, prompt_of(3 + 7 * i, seed=i)) for i in range(3)]
@@ -212,6 +229,8 @@ def test_bad_settings_are_refused_by_name(tiny_qwen2, draft_dir):
     proposer = make_proposer(tiny_qwen2, draft_dir)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         proposer.propose([request(0, prompt_of(4))], 0)
+    with pytest.raises(ValueError, match="appears twice"):
+        proposer.propose([request(0, prompt_of(4)), request(0, prompt_of(5))], 4)
     pending = request(1, prompt_of(4))
     pending.output_token_ids.append(PLACEHOLDER)
     with pytest.raises(ValueError, match="newest token"):

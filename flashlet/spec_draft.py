@@ -48,7 +48,7 @@ Other proposers on the same interface:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -117,6 +117,14 @@ class _Work:
     seq: _DraftSequence
     feed: list[int]  # the request's tokens the draft has not computed (at least its newest)
     k: int  # proposals it gets
+
+
+class _Chunk(NamedTuple):
+    """Part of a request's catch-up feed in one step."""
+
+    index: int  # the request's place in the propose() call
+    token_ids: list[int]
+    ends_feed: bool  # its last token is the request's newest: its logits give d1
 
 
 class DraftProposer:
@@ -284,71 +292,76 @@ class DraftProposer:
             self.batch.set_pages(seq.row, 0, seq.page_ids)
 
     def _run(self, work: list[_Work]) -> list[list[int]]:
-        """The catch-up forward(s) and k - 1 decode forwards -> each request's proposals."""
-        sampled = [self._catch_up(work)]  # [len(work)] on the device, in work order
-        rows_of_step = [np.array([w.seq.row for w in work], np.int64)]
-        self.batch.sample_index[rows_of_step[0]] = np.arange(len(work))
+        """The catch-up forward(s), then k - 1 decode forwards -> each request's proposals."""
+        steps = [(work, self._catch_up(work))]  # (whose tokens, [len(whose)] on the device)
         for j in range(1, max(w.k for w in work)):
             active = [w for w in work if w.k > j]
-            rows = np.array([w.seq.row for w in active], np.int64)
-            starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
-            layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
-            self.batch.sample_index[rows] = np.arange(len(active))
-            input_ids, meta = self.runner.load(layout, sampled[-1])
-            sampled.append(self.runner.forward(input_ids, meta).argmax(dim=-1))
-            rows_of_step.append(rows)
-        values = torch.cat(sampled).tolist()  # the one read of the proposals
-        proposals = {int(w.seq.row): [] for w in work}
-        at = 0
-        for rows in rows_of_step:
-            for row in rows.tolist():
-                proposals[row].append(values[at])
-                at += 1
+            steps.append((active, self._decode_step(active, j, steps[-1][1])))
+        values = iter(torch.cat([tokens for _, tokens in steps]).tolist())  # the one read
+        proposals = {id(w): [] for w in work}
+        for whose, _ in steps:
+            for w in whose:
+                proposals[id(w)].append(next(values))
         for w in work:  # d1..d(k-1) were fed: their K/V are in the draft's pool
-            w.seq.token_ids += proposals[w.seq.row][: w.k - 1]
-        return [proposals[w.seq.row] for w in work]
+            w.seq.token_ids += proposals[id(w)][: w.k - 1]
+        return [proposals[id(w)] for w in work]
+
+    def _decode_step(self, active: list[_Work], j: int, previous: torch.Tensor) -> torch.Tensor:
+        """One greedy decode forward of the active requests, each fed its d_j from `previous`
+        (the last step's tokens, on the device) -> their d_(j+1) [len(active)]."""
+        rows = self._rows_of(active)
+        starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
+        layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
+        self.batch.sample_index[rows] = np.arange(len(active))  # where the next step's feed is
+        input_ids, meta = self.runner.load(layout, previous)
+        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+
+    def _rows_of(self, work: list[_Work]) -> np.ndarray:
+        return np.array([w.seq.row for w in work], np.int64)
 
     def _catch_up(self, work: list[_Work]) -> torch.Tensor:
-        """Forward each request's unseen tokens, in chunks of the step budget -> the greedy
-        token [len(work)] after each request's newest token."""
+        """Forward each request's unseen tokens, in chunks of the step budget -> d1 of each
+        [len(work)], the greedy token after its newest."""
         first = torch.empty(len(work), dtype=torch.int64, device=self.device)
         pending = list(range(len(work)))
         while pending:
-            budget, chunks = self.max_step_tokens, []
-            for i in pending:
-                w = work[i]
-                done = len(w.seq.token_ids) - (w.seq.context_len - len(w.feed))
-                size = min(len(w.feed) - done, budget)
-                if size < 1:
-                    break
-                chunks.append((i, w.feed[done : done + size], done + size == len(w.feed)))
-                budget -= size
+            chunks = self._next_chunks(work, pending)
             sampled = self._forward_chunks(work, chunks)
-            ends = [i for i, _, last in chunks if last]
+            ends = [c.index for c in chunks if c.ends_feed]
             if ends:
                 first.index_copy_(0, torch.tensor(ends, device=self.device), sampled)
                 ended = set(ends)
                 pending = [i for i in pending if i not in ended]
+        self.batch.sample_index[self._rows_of(work)] = np.arange(len(work))  # first's order
         return first
 
-    def _forward_chunks(self, work: list[_Work], chunks: list[tuple[int, list[int], bool]]
-                        ) -> torch.Tensor:
-        """One ragged forward of these chunks -> the greedy tokens of the chunks that end
-        their request's feed, in order."""
-        seqs = [work[i].seq for i, _, _ in chunks]
-        token_ids = [t for _, tokens, _ in chunks for t in tokens]
+    def _next_chunks(self, work: list[_Work], pending: list[int]) -> list["_Chunk"]:
+        """The pending feeds' next chunks, in order, within one step's token budget."""
+        budget, chunks = self.max_step_tokens, []
+        for i in pending:
+            w = work[i]
+            done = len(w.seq.token_ids) - (w.seq.context_len - len(w.feed))  # fed already
+            size = min(len(w.feed) - done, budget)
+            if size < 1:
+                break
+            chunks.append(_Chunk(i, w.feed[done : done + size], done + size == len(w.feed)))
+            budget -= size
+        return chunks
+
+    def _forward_chunks(self, work: list[_Work], chunks: list["_Chunk"]) -> torch.Tensor:
+        """One ragged forward of these chunks -> the greedy tokens of those that end their
+        request's feed, in order."""
+        seqs = [work[c.index].seq for c in chunks]
+        token_ids = [t for c in chunks for t in c.token_ids]
         if self.model.config.vocab_size < self.target_vocab:
             token_ids = self._embeddable(token_ids)
         layout = self.batch.layout(
             np.array([s.row for s in seqs], np.int64), [len(s.token_ids) for s in seqs],
-            token_ids, [len(c[1]) for c in chunks], [last for _, _, last in chunks])
-        for seq, (_, tokens, _) in zip(seqs, chunks):
-            seq.token_ids += tokens
+            token_ids, [len(c.token_ids) for c in chunks], [c.ends_feed for c in chunks])
+        for seq, chunk in zip(seqs, chunks):
+            seq.token_ids += chunk.token_ids
             seq.num_verified = len(seq.token_ids)
         input_ids, meta = self.runner.load(layout)
-        if not layout.num_sampled:
-            self.runner.forward(input_ids, meta)  # K/V only: no row samples
-            return torch.empty(0, dtype=torch.int64, device=self.device)
         return self.runner.forward(input_ids, meta).argmax(dim=-1)
 
     def _embeddable(self, token_ids: list[int]) -> list[int]:

@@ -139,7 +139,7 @@ class DraftProposer:
         if spec.model is None:
             raise ValueError("speculative config: the draft method needs a `model` (a folder, "
                              "hub id, .gguf file or preset of the draft)")
-        self.device = torch.device(device) if device is not None else target_config.resolved_device()
+        self.device = torch.device(device or target_config.resolved_device())
         self.model = load_draft_model(spec.model, target_config, self.device)
         cfg = self.model.config
         self.target_vocab = target_vocab or target_vocab_size(target_config)
@@ -167,7 +167,8 @@ class DraftProposer:
         cfg, ps = self.model.config, c.page_size
         cap = c.max_num_seqs * -(-self.max_model_len // ps)
         if c.max_num_pages is not None:
-            return min(cap, c.max_num_pages + c.max_num_seqs * -(-spec.num_speculative_tokens // ps))
+            proposals = c.max_num_seqs * -(-spec.num_speculative_tokens // ps)
+            return min(cap, c.max_num_pages + proposals)
         per_page = KVPool.bytes_per_page(cfg.num_layers, ps, cfg.num_kv_heads, cfg.head_dim,
                                          c.resolved_dtype())
         if self.device.type == "cuda":
@@ -244,7 +245,8 @@ class DraftProposer:
             return None
         seq = self._sequences.get(req.request_id)
         if seq is None:
-            seq = self._sequences[req.request_id] = _DraftSequence(self.batch.add(req.request_id, []))
+            seq = _DraftSequence(self.batch.add(req.request_id, []))
+            self._sequences[req.request_id] = seq
         if seq.request is not req:  # a new request under a released (or never released) id
             seq.request, seq.num_verified = req, 0
         self._sync(seq, req)

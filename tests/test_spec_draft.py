@@ -182,6 +182,46 @@ def test_a_draft_that_is_the_target_proposes_the_targets_greedy_tokens(tiny_qwen
     assert req.output_token_ids == target[: len(req.output_token_ids)]
 
 
+@pytest.fixture(scope="module")
+def near_copy_dir(tiny_qwen2, tmp_path_factory):
+    """The target with slightly perturbed weights: it agrees with the target for a few tokens
+    at a time, so verification accepts some proposals and rejects others."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn_like(p) * 0.002)
+    folder = tmp_path_factory.mktemp("near-copy")
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_greedy_verification_rounds_with_partial_acceptance(tiny_qwen2, near_copy_dir, greedy):
+    """The engine's loop on the proposer alone: propose, accept the prefix that agrees with the
+    target's greedy tokens plus the target's next one; every round's proposals are the draft's
+    greedy continuation of the context so far, through full, partial and no acceptance."""
+    proposer = make_proposer(tiny_qwen2, near_copy_dir)
+    prompt, k = prompt_of(9), 4
+    target = greedy(tiny_qwen2)(prompt, 40)
+    req, accepted = request(0, prompt), []
+    while len(req.output_token_ids) + k + 1 <= len(target):
+        context = req.prompt_token_ids + req.output_token_ids
+        drafted = proposer.propose([req], k)[0]
+        assert drafted == greedy(near_copy_dir)(context, k)
+        at, a = len(req.output_token_ids), 0
+        while a < k and drafted[a] == target[at + a]:
+            a += 1
+        req.output_token_ids += target[at : at + a + 1]
+        proposer.on_accepted(req, a)
+        proposer.check_integrity()
+        accepted.append(a)
+    assert k in accepted and 0 in accepted and any(0 < a < k for a in accepted), accepted
+
+
 def test_a_preset_draft_at_the_targets_seed_is_the_target(tiny_qwen2, greedy):
     """A config.json draft gets random weights as --config does, from the target's seed."""
     from flashlet import Engine

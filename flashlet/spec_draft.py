@@ -240,9 +240,6 @@ class DraftProposer:
         """Sync the draft's state with the request, reserve pages for its proposals -> its work,
         or None where it gets no proposal (context or pool full)."""
         n = req.num_tokens
-        k = min(k, self.max_model_len - n + 1)  # the draft's K/V reach position n + k - 2
-        if k < 1:
-            return None
         seq = self._sequences.get(req.request_id)
         if seq is None:
             seq = _DraftSequence(self.batch.add(req.request_id, []))
@@ -250,11 +247,12 @@ class DraftProposer:
         if seq.request is not req:  # a new request under a released (or never released) id
             seq.request, seq.num_verified = req, 0
         self._sync(seq, req)
-        k = min(k, self._room(seq) - n + 1)
+        seq.context_len = n  # so an on_accepted after no proposal keeps all it holds
+        # The draft's K/V reach position n + k - 2 (d(k-1)'s): in the context and the pool.
+        k = min(k, self.max_model_len - n + 1, self._room(seq) - n + 1)
         if k < 1:
             return None
         self._grow(seq, n + k - 1)
-        seq.context_len = n
         return _Work(seq, req.token_slice(len(seq.token_ids), n), k)
 
     def _sync(self, seq: _DraftSequence, req: Request) -> None:

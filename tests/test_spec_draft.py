@@ -159,10 +159,20 @@ def test_proposals_stop_at_the_context_end_and_the_pools(tiny_qwen2, draft_dir, 
     prompt = prompt_of(38)
     assert at_end.propose([request(0, prompt)], 4) == [greedy(draft_dir)(prompt, 3)]
     assert at_end.propose([request(1, prompt_of(41))], 4) == [[]]
+    near_end = request(2, prompt_of(30))
+    drafted = at_end.propose([near_end], 4)[0]
+    near_end.output_token_ids += drafted + [5] + [6] * 6  # past the context's end
+    at_end.on_accepted(near_end, 4)
+    assert at_end.propose([near_end], 4) == [[]]
+    at_end.on_accepted(near_end, 0)  # after no proposal: keeps the K/V it holds
+    assert at_end.num_tokens_held(near_end) == 30 + 3
+    at_end.check_integrity()
     small = make_proposer(tiny_qwen2, draft_dir, num_pages=3)
     prompt = prompt_of(3 * PAGE_SIZE - 2)
     assert small.propose([request(0, prompt)], 4) == [greedy(draft_dir)(prompt, 3)]
-    assert small.propose([request(1, prompt_of(5))], 4) == [[]]  # nothing left for another
+    starved = request(1, prompt_of(5))
+    assert small.propose([starved], 4) == [[]]  # nothing left for another
+    small.on_accepted(starved, 0)  # after no proposal: a no-op
     small.check_integrity()
 
 

@@ -154,8 +154,8 @@ class DraftProposer:
                               target_config.resolved_dtype(), self.device,
                               fused_rope=target_config.fused_ops and self.device.type == "cuda")
         # One device, the per-op path: the fused path serves the target's one-stream steps.
-        runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
-        self.runner = ModelRunner(self.model, self.kv_pool, runner_config, self.device,
+        self.runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.runner_config, self.device,
                                   max_pages_per_seq)
         self.batch = self.runner.batch
         self.max_step_tokens = target_config.max_num_batched_tokens
@@ -176,6 +176,29 @@ class DraftProposer:
         else:
             budget = c.kv_memory_gb * 2**30
         return max(1, min(int(budget // per_page), cap))
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Compile the draft's kernel variants and capture its CUDA graphs now rather than in
+        the first requests: one synthetic step per variant on the pool's scratch page, as the
+        engine's warm-up (flashlet/warmup.py) does for the target. Returns the graphs held."""
+        from flashlet import warmup
+
+        runner, max_seqs = self.runner, self.runner_config.max_num_seqs
+        max_chunk = min(self.max_step_tokens, self.max_model_len)
+        mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs)
+        for q_len in [] if mixed else warmup.chunk_lengths(runner.backend, max_chunk):
+            runner.forward(*runner.load(self._synthetic(1, q_len)))
+        for size in warmup.decode_sizes(runner, max_seqs):
+            runner.forward(*runner.load(self._synthetic(size, 1)))
+        for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its memory
+            runner.forward(*runner.load(self._synthetic(1, q_len), token_bucket=bucket))
+        return len(runner.graphs)
+
+    def _synthetic(self, num_seqs: int, q_len: int):
+        from flashlet.warmup import synthetic_layout
+
+        return synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size)
 
     # ---- the Proposer interface -----------------------------------------------------------
     @torch.inference_mode()

@@ -135,6 +135,14 @@ def test_a_released_request_starts_over_and_a_reused_id_is_a_new_request(
     proposer.check_integrity()
 
 
+def test_warm_up_touches_no_page_and_changes_no_proposal(tiny_qwen2, draft_dir, greedy):
+    proposer = make_proposer(tiny_qwen2, draft_dir)
+    proposer.warm_up()
+    assert proposer.num_free_pages == proposer.kv_pool.num_pages
+    prompt = prompt_of(6, seed=8)
+    assert proposer.propose([request(0, prompt)], 4) == [greedy(draft_dir)(prompt, 4)]
+
+
 def test_release_frees_every_page(tiny_qwen2, draft_dir):
     proposer = make_proposer(tiny_qwen2, draft_dir)
     reqs = [request(i, prompt_of(3 + 7 * i, seed=i)) for i in range(3)]

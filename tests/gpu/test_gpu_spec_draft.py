@@ -35,6 +35,9 @@ def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tiny_qwen2
                   max_num_seqs=4, max_num_batched_tokens=64, warmup_at_start=False)
     proposer = DraftProposer(EngineConfig(model=str(tiny_qwen2), max_num_pages=64, **config),
                              SpeculativeConfig("draft", 4, model=str(draft)))
+    proposer.warm_up()
+    captured = len(proposer.runner.graphs)
+    assert captured, "the draft's decode steps replay CUDA graphs"
     reference = LLM(str(draft), enable_prefix_cache=False, max_num_pages=64, **config)
     greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
     rng = random.Random(0)
@@ -49,7 +52,8 @@ def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tiny_qwen2
             req.output_token_ids += tokens[:accepted] + [rng.randrange(2, 256)]
             proposer.on_accepted(req, accepted)
         proposer.check_integrity()
-    assert proposer.runner.graphs, "the decode steps replay CUDA graphs"
+    if backend != "torch":  # its graphs also key on a page-table width (flashlet/warmup.py)
+        assert len(proposer.runner.graphs) == captured, "a graph was captured after warm-up"
     for req in reqs:
         proposer.release(req)
     assert proposer.num_free_pages == proposer.kv_pool.num_pages

@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+HEAD_DIM_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2)
+
+
 def backend_or_skip(name):
     if name == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
@@ -27,13 +31,15 @@ def backend_or_skip(name):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
-def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tiny_qwen2, tmp_path,
-                                                                      backend):
+def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tmp_path, backend):
     backend = backend_or_skip(backend)
-    draft = save_tiny_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
+    # head_dim 64, which every backend's kernels take; one vocabulary of 256 tokens.
+    target = save_tiny_model("qwen2", tmp_path / "target", **HEAD_DIM_64)
+    draft = save_tiny_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1,
+                            **HEAD_DIM_64)
     config = dict(backend=backend, dtype="float32", device="cuda", page_size=16,
                   max_num_seqs=4, max_num_batched_tokens=64, warmup_at_start=False)
-    proposer = DraftProposer(EngineConfig(model=str(tiny_qwen2), max_num_pages=64, **config),
+    proposer = DraftProposer(EngineConfig(model=str(target), max_num_pages=64, **config),
                              SpeculativeConfig("draft", 4, model=str(draft)))
     proposer.warm_up()
     captured = len(proposer.runner.graphs)

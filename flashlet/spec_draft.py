@@ -30,19 +30,25 @@ page allocator; the runner is the engine's ModelRunner over the draft model.
 
 Other proposers on the same interface:
 - EAGLE-style heads (EAGLE-1/2/3): a one-layer decoder that predicts the target's next hidden
-  state from the target's hidden states and the token embedding, with the target's LM head for
-  the token. It needs what this proposer does not: the target's hidden states at the verify
-  step's accepted rows (EAGLE-3: several layers'), handed over by the engine in a hook beside
-  on_accepted (e.g. `on_verified(request, num_accepted, hidden[rows])`). The head keeps its one
-  layer's K/V in a small pool as here; `propose` runs k steps of the head alone, each on its own
-  predicted hidden state; `on_accepted` truncates as here, `release` frees. Tree drafts (top-k
+  state from a hidden state and the next token's embedding, with the target's embedding and LM
+  head. It needs what this proposer does not: the target's hidden states at the verify step's
+  accepted rows (EAGLE-3: several layers'), handed over by the engine in a hook beside
+  on_accepted (e.g. `on_verified(request, num_accepted, hidden[rows])`). The head keeps its
+  layer's K/V in a small pool as here; its catch-up feeds the accepted positions with the
+  target's hidden states (not its own predictions there, which it drops as this proposer drops
+  rejected K/V), then `propose` runs k steps of the head alone, each on the hidden state it
+  predicted last; `on_accepted` truncates and `release` frees as here. Tree drafts (top-k
   branches a step) would also need a tree mask in the verify step: the interface returns one
   chain a request, so they are a later extension.
-- MTP heads (DeepSeek-V3, Qwen3-Next): the target's own extra layers predict tokens t + 2 ...
-  from its hidden state at t, inside the target's forward. The proposals for the next step come
-  out of the verify step itself: the same hidden-state hook stores each request's head outputs
-  at its last accepted row, `propose` returns them (no model of its own, no catch-up),
-  `on_accepted` picks the row, `release` drops them.
+- MTP heads (DeepSeek-V3, Qwen3-Next, MiMo): layers shipped in the target's checkpoint that
+  predict token t + 1 + d from the target's hidden state at t and the embedding of token t + d.
+  They plug in as the EAGLE head does (the same hook, the same catch-up on the target's states,
+  k steps reusing the one layer past its trained depth as vLLM does), with weights read from the
+  target's checkpoint and its embedding and LM head shared. A head run inside the verify
+  forward itself would spare propose's forwards: `propose` would return what the last verify
+  step left for the request, `on_accepted` pick the accepted row's, `release` drop them.
+
+At engine start, `warm_up()` compiles the draft's kernels and captures its graphs.
 """
 
 from __future__ import annotations

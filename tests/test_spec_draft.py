@@ -200,6 +200,36 @@ def test_a_draft_that_is_the_target_proposes_the_targets_greedy_tokens(tiny_qwen
     assert req.output_token_ids == target[: len(req.output_token_ids)]
 
 
+def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir, greedy):
+    """Requests arrive, speculate with random acceptance, reach the context's end (fewer
+    proposals than the others in the same call) and leave; every proposal is the draft's
+    greedy continuation, and no page leaks."""
+    rng, k, max_len = random.Random(1), 4, 48
+    proposer = make_proposer(tiny_qwen2, draft_dir, max_model_len=max_len)
+    running, next_id, uneven_calls = [], 0, 0
+    for _ in range(12):
+        while len(running) < 3:
+            running.append(request(next_id, prompt_of(rng.randrange(1, 40), seed=next_id)))
+            next_id += 1
+        proposals = proposer.propose(running, k)
+        uneven_calls += len({len(p) for p in proposals} - {0}) > 1
+        for req, drafted in zip(running, proposals):
+            context = req.prompt_token_ids + req.output_token_ids
+            assert len(drafted) == max(0, min(k, max_len - len(context) + 1))
+            assert drafted == greedy(draft_dir)(context, len(drafted))[: len(drafted)]
+            accepted = rng.randrange(0, len(drafted) + 1)
+            req.output_token_ids += drafted[:accepted] + [rng.randrange(2, 256)]
+            proposer.on_accepted(req, accepted)
+        proposer.check_integrity()
+        for req in [r for r in running if r.num_tokens >= max_len or rng.random() < 0.2]:
+            proposer.release(req)
+            running.remove(req)
+    for req in running:
+        proposer.release(req)
+    assert proposer.num_free_pages == proposer.kv_pool.num_pages
+    assert uneven_calls, "no call mixed requests of different proposal counts"
+
+
 @pytest.fixture(scope="module")
 def near_copy_dir(tiny_qwen2, tmp_path_factory):
     """The target with slightly perturbed weights: it agrees with the target for a few tokens

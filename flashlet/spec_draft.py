@@ -74,17 +74,17 @@ DRAFT_GPU_MEMORY_FRACTION = 0.1
 
 
 def load_draft_model(source: str, target_config: EngineConfig, device: torch.device):
-    """The draft model, by the engine's loaders: a folder, hub id or .gguf file (as --model),
-    or a preset name or config.json path (random weights as --config, seeded with the target's
-    weights_seed: the target's own preset is then the target itself)."""
+    """(the draft model, its tokenizer or None), by the engine's loaders: a folder, hub id or
+    .gguf file (as --model), or a preset name or config.json path (random weights as --config,
+    seeded with the target's weights_seed: the target's own preset is then the target itself)."""
     from flashlet.engine import PRESETS_DIR, _ops_for, preset_config_path  # engine imports us
 
     dtype, ops = target_config.resolved_dtype(), _ops_for(target_config, device)
     if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json"):
         cfg = ModelConfig.from_file(preset_config_path(source))
-        return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops)
-    model, _tokenizer, _folder = load_model(source, device, dtype, ops=ops)
-    return model
+        return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops), None
+    model, tokenizer, _folder = load_model(source, device, dtype, ops=ops)
+    return model, tokenizer
 
 
 def target_vocab_size(target_config: EngineConfig) -> int:
@@ -102,6 +102,20 @@ def check_vocab(draft_vocab: int, target_vocab: int) -> None:
         raise ValueError(f"speculative draft model: its vocabulary ({draft_vocab} tokens) is "
                          f"larger than the target's ({target_vocab} tokens); the draft must "
                          f"share the target's tokenizer")
+
+
+def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
+    """Refuse a draft whose tokenizer gives some token another id than the target's (its
+    proposals would never be accepted); tokens only one of them has are fine."""
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    mine, theirs = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    differ = [t for t, i in mine.items() if theirs.get(t, i) != i]
+    if differ:
+        example = min(differ, key=mine.get)
+        raise ValueError(f"speculative draft model: its tokenizer is not the target's: "
+                         f"{len(differ)} tokens have other ids (e.g. {example!r}: "
+                         f"{mine[example]} in the draft, {theirs[example]} in the target)")
 
 
 @dataclass
@@ -138,18 +152,20 @@ class DraftProposer:
 
     def __init__(self, target_config: EngineConfig, spec: SpeculativeConfig,
                  device: torch.device | str | None = None, *, num_pages: int | None = None,
-                 target_vocab: int | None = None):
+                 target_vocab: int | None = None, target_tokenizer=None):
         """device: the target's (default: target_config's). num_pages: the draft pool's size
         (default: `_default_num_pages`). target_vocab: the target's vocabulary size, if the
-        caller has it (else read from the target's config.json)."""
+        caller has it (else read from the target's config.json). target_tokenizer: checked
+        against the draft's, where both exist."""
         if spec.model is None:
             raise ValueError("speculative config: the draft method needs a `model` (a folder, "
                              "hub id, .gguf file or preset of the draft)")
         self.device = torch.device(device or target_config.resolved_device())
-        self.model = load_draft_model(spec.model, target_config, self.device)
+        self.model, tokenizer = load_draft_model(spec.model, target_config, self.device)
         cfg = self.model.config
         self.target_vocab = target_vocab or target_vocab_size(target_config)
         check_vocab(cfg.vocab_size, self.target_vocab)
+        check_tokenizers(tokenizer, target_tokenizer)
         self.page_size = ps = target_config.page_size
         self.max_model_len = min(cfg.max_context_len,
                                  target_config.max_model_len or cfg.max_context_len)

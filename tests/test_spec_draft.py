@@ -311,6 +311,31 @@ def test_the_default_pool_holds_the_targets_pages_and_k_more_a_sequence(tiny_qwe
     assert proposer.kv_pool.num_pages == 10 + 3 * 2
 
 
+def word_tokenizer(folder, ids):
+    """A word-level tokenizer saved into a model folder: token "t{i}" has id ids[i]."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": ids[i] for i in range(len(ids))}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_qwen2, tmp_path):
+    draft = save_tiny_model("llama", tmp_path / "draft", hidden_size=32, num_hidden_layers=1)
+    target_tokenizer = word_tokenizer(tmp_path / "target-tok", list(range(256)))
+    word_tokenizer(draft, [1, 0] + list(range(2, 256)))  # t0 and t1 swapped
+    spec = SpeculativeConfig("draft", 4, model=str(draft))
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=16)
+    with pytest.raises(ValueError, match=r"2 tokens have other ids \(e.g. 't1': 0 in the draft, "
+                                         r"1 in the target\)"):
+        DraftProposer(config, spec, target_tokenizer=target_tokenizer)
+    word_tokenizer(draft, list(range(200)))  # a subset of the target's: the same ids
+    DraftProposer(config, spec, target_tokenizer=target_tokenizer)
+
+
 def test_bad_settings_are_refused_by_name(tiny_qwen2, draft_dir):
     with pytest.raises(ValueError, match="needs a `model`"):
         DraftProposer(EngineConfig(model=str(tiny_qwen2)), SpeculativeConfig("draft", 4))

@@ -1,8 +1,8 @@
 """The draft proposer's cost per verify step: one propose() call (a catch-up forward of the
 target's new token(s), then k - 1 batched greedy decode forwards), per k and batch size.
 
-    python scripts/spec_draft_bench.py --target qwen2.5-7b --draft qwen2.5-0.5b      # H200, bf16
-    python scripts/spec_draft_bench.py --target tiny --draft tiny --k 4 --batch 1     # CPU
+    python scripts/spec_draft_bench.py --target qwen2.5-7b --draft qwen2.5-0.5b --target-step
+    python scripts/spec_draft_bench.py --k 4 --batch 1 --target-step    # a tiny pair, on the CPU
 
 Each request starts from a prompt of --context tokens; every round the target "accepts"
 --accepted of the proposals and appends a token of its own (the steady state of speculative
@@ -62,6 +62,22 @@ def measure(proposer, batch: int, k: int, args) -> list[float]:
     return times
 
 
+def target_step_ms(config, context: int, tokens: int = 64) -> float:
+    """The target's own decode step, one stream, in ms: what a draft's propose() is set against."""
+    from flashlet import Engine, SamplingParams
+
+    engine = Engine(config)
+    vocab = engine.model_config.vocab_size
+    engine.add_request([2 + i % (vocab - 2) for i in range(context)],
+                       SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+    engine.step()  # the prefill (and, overlapped, the first decode launched)
+    started, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - started) / steps * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tiny", help="the target's preset or config.json")
@@ -74,6 +90,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--target-step", action="store_true",
+                        help="also time the target's one-stream decode step (loads the target)")
     args = parser.parse_args()
 
     import torch
@@ -88,6 +106,7 @@ def main() -> None:
                           max_num_seqs=max(args.batch), max_model_len=args.context + 1024,
                           max_num_pages=max(args.batch) * (args.context + 1024) // 16)
     proposer = DraftProposer(config, SpeculativeConfig("draft", max(args.k), model=draft))
+    proposer.warm_up()
     print(f"draft {args.draft} for target {args.target}, {proposer.device}, "
           f"{config.resolved_dtype()}, backend {proposer.runner.backend.name}, "
           f"torch {torch.__version__}")
@@ -98,6 +117,10 @@ def main() -> None:
             times = sorted(measure(proposer, batch, k, args))
             p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
             print(f"| {batch} | {k} | {p50 * 1e3:.2f} | {p90 * 1e3:.2f} | {p50 / k * 1e3:.2f} |")
+    if args.target_step:
+        del proposer
+        print(f"target {args.target}: one-stream decode step "
+              f"{target_step_ms(config, args.context):.2f} ms")
 
 
 if __name__ == "__main__":

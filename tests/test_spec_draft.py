@@ -29,11 +29,11 @@ def greedy():
     def of(folder):
         def continuation(prompt, n):
             key = (str(folder), tuple(prompt), n)
+            if str(folder) not in llms:
+                llms[str(folder)] = LLM(str(folder), enable_prefix_cache=False)
             if key not in memo:
-                llm = llms.get(str(folder)) or llms.setdefault(
-                    str(folder), LLM(str(folder), enable_prefix_cache=False))
                 params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-                memo[key] = llm.generate([list(prompt)], params)[0].token_ids
+                memo[key] = llms[str(folder)].generate([list(prompt)], params)[0].token_ids
             return memo[key]
 
         return continuation
@@ -216,7 +216,7 @@ def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir,
         for req, drafted in zip(running, proposals):
             context = req.prompt_token_ids + req.output_token_ids
             assert len(drafted) == max(0, min(k, max_len - len(context) + 1))
-            assert drafted == greedy(draft_dir)(context, len(drafted))[: len(drafted)]
+            assert not drafted or drafted == greedy(draft_dir)(context, len(drafted))
             accepted = rng.randrange(0, len(drafted) + 1)
             req.output_token_ids += drafted[:accepted] + [rng.randrange(2, 256)]
             proposer.on_accepted(req, accepted)

@@ -10,7 +10,7 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from tests.conftest import save_tiny_model
 
 pytest.importorskip("flashlet.speculative",
-                    reason="needs the engine side of speculative decoding (flashlet/speculative.py)")
+                    reason="needs the engine side of speculative decoding (speculative.py)")
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,47 @@ def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tmp_path, 
     for req in reqs:
         proposer.release(req)
     assert proposer.num_free_pages == proposer.kv_pool.num_pages
+
+
+def near_copy(folder, out):
+    """The model at `folder` with slightly perturbed weights: a draft that agrees with it for
+    a few tokens at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn_like(p) * 0.002)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_engine_greedy_output_is_identical_with_a_draft(tmp_path, backend):
+    pytest.importorskip("flashlet.speculative",
+                        reason="needs the engine side of speculative decoding (speculative.py)")
+    backend = backend_or_skip(backend)
+    from flashlet import Engine
+
+    target = save_tiny_model("qwen2", tmp_path / "target", **HEAD_DIM_64)
+    draft = near_copy(target, tmp_path / "draft")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(3, 60))] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    outputs, engines = [], []
+    for spec in (None, {"model": str(draft), "num_speculative_tokens": 4}):
+        engine = Engine(EngineConfig(model=str(target), backend=backend, dtype="float32",
+                                     device="cuda", page_size=16, max_num_pages=128,
+                                     max_num_seqs=8, speculative_config=spec))
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        outputs.append([done[i].token_ids for i in ids])
+        engines.append(engine)
+    assert outputs[1] == outputs[0]
+    assert engines[1].stats()["spec_num_accepted_tokens"] > 0
+    proposer = engines[1].spec.proposer
+    assert proposer.num_free_pages == proposer.kv_pool.num_pages

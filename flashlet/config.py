@@ -11,11 +11,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flashlet.speculative import SpeculativeConfig
+from flashlet.speculative_api import SpeculativeConfig
 
 BACKENDS = ("auto", "torch", "flashinfer", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-CHOICES = {"backend": BACKENDS, "scheduling_policy": SCHEDULING_POLICIES}  # flags with a closed set
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; both fp8 ones are e4m3
+CHOICES = {"backend": BACKENDS, "scheduling_policy": SCHEDULING_POLICIES,
+           "kv_cache_dtype": KV_CACHE_DTYPES}  # flags with a closed set
 
 
 # A server's bound on a step that carries decodes, by "on CUDA": at the 0.5B shape on the H200
@@ -33,6 +35,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # float32 | bfloat16 | float16; default: bf16 on cuda, fp32 on cpu
     quantization: str | None = None  # fp8: the decoder's linear weights in float8 e4m3 with per-output-channel scales, quantized at load (FP8 checkpoints load as fp8 without it); default: the checkpoint's
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3: K/V stored in float8 e4m3 with a per-layer scale each (vLLM's flag): twice the tokens in the same memory
     page_size: int = 16  # tokens per KV page
     max_num_pages: int | None = None  # KV pool size; default from kv_memory_gb / GPU memory
     kv_memory_gb: float = 1.0  # KV pool budget on the CPU when max_num_pages is not given
@@ -57,7 +60,7 @@ class EngineConfig:
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     # The fused path: None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
-    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16, the triton backend, one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
+    fused_decode: bool | None = None  # one-sequence decode steps on the CuTe DSL fused path (about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16 (whatever --backend: it attends with triton), one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
@@ -96,6 +99,9 @@ class EngineConfig:
         if self.structured_output_timeout_s < 0:
             raise ValueError("structured_output_timeout_s must be >= 0 (0: no time limit), got "
                              f"{self.structured_output_timeout_s}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} "
+                             f"(choose from {', '.join(KV_CACHE_DTYPES)})")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unknown quantization {self.quantization!r} (choose from fp8)")
         if self.tensor_parallel_size < 1:
@@ -141,6 +147,12 @@ class EngineConfig:
         if self.dtype is not None:
             return torch_dtype(self.dtype)
         return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        """What the KV pool stores: the model's dtype, or float8 e4m3."""
+        if self.kv_cache_dtype == "auto":
+            return self.resolved_dtype()
+        return torch.float8_e4m3fn
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

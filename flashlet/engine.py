@@ -137,7 +137,8 @@ class Engine:
                      "to every token: exact)", cfg.sliding_window)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size,
                               self.model.local.num_kv_heads, cfg.head_dim, self.dtype,
-                              self.device, fused_rope=config.fused_ops and self.device.type == "cuda")
+                              self.device, cache_dtype=config.resolved_kv_cache_dtype(),
+                              fused_rope=config.fused_ops and self.device.type == "cuda")
         self.scheduler = Scheduler(self.kv_pool.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_cache,
                                    self._eos_ids(), config.max_decode_step_tokens,
@@ -473,7 +474,9 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_total": self.kv_pool.num_pages,
+            "kv_tokens_total": self.kv_pool.num_tokens,
             "kv_pool_bytes": self.kv_pool.num_bytes,
+            "kv_cache_dtype": str(self.kv_pool.dtype).removeprefix("torch."),
             "kv_pages_used": self.kv_pool.allocator.num_used,
             "kv_pages_cached": cache.num_pages,
             "prefix_cache_hit_rate": cache.hit_tokens / max(cache.queried_tokens, 1),
@@ -506,7 +509,8 @@ class Engine:
         if c.max_num_pages is not None:
             return c.max_num_pages
         per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size,
-                                         self.model.local.num_kv_heads, cfg.head_dim, self.dtype)
+                                         self.model.local.num_kv_heads, cfg.head_dim,
+                                         c.resolved_kv_cache_dtype())
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * c.gpu_memory_utilization

@@ -2,12 +2,14 @@
 
 A pure-decode step with exactly one row runs, per layer,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
-    RoPE + K/V write into the paged pool                 the pool's fused kernel (write_rope), or
+    (Qwen3: + per-head q/k RMSNorm) RoPE + K/V write   the pool's fused kernel (write_rope), or
                                                          the QKV GEMV's epilogue (kv_pool given)
-    decode attention                                     the active backend
+    decode attention                                     triton's one-launch split-KV (whatever
+                                                         the step backend is)
     O GEMV + residual add, written in place              one CuTe kernel
     gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
-    down GEMV + residual add, written in place           one CuTe kernel
+    down GEMV + residual add, written in place           one CuTe kernel (K <= MAX_DOWN_K), else
+                                                         one cuBLAS GEMM into the residual (addmm_)
 and then the final RMSNorm + LM head (logits), or + argmax (the greedy token) in one kernel.
 Six to seven kernels a layer where the per-op path runs about ten, and the GEMVs stream at
 several times cuBLAS's bandwidth on these skinny shapes (FUSED_NOTES.md).
@@ -36,9 +38,11 @@ owns both rows of a rotate-half pair), so the attention backend only attends
 differs from the two-kernel path once more: q and k are rotated from the fp32 sums, not from
 their bf16 rounding (FUSED_NOTES.md, "Stage 2, plan A").
 
-With one_launch_attention (`FusedParts.attn`, the Triton backend) attention is one
-kernel a layer (`TritonBackend.attend_one_launch`: split-KV whose last split program merges)
-instead of a split kernel and a merge kernel; with pdl too it and the step's first kernel (the
+With one_launch_attention (`FusedParts.attn`) attention is one kernel a layer
+(`TritonBackend.attend_one_launch`: split-KV whose last split program merges) instead of a split
+kernel and a merge kernel, from the step backend where it is triton, else from a triton backend
+of the fused path's own over the same pool (the runner's `fused_attention`: FlashInfer, which
+auto may pick for prefill, has no one-launch form); with pdl too it and the step's first kernel (the
 embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after attention and
 layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
 plan C"). Without pdl the embedding is `torch.index_select`, as before.
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
 from flashlet.quantization import is_quantized
 
@@ -62,7 +67,8 @@ from flashlet.quantization import is_quantized
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
 # row is one lane group's walk over all of K, with no split-K, so a long K leaves most of the
 # GPU idle (Qwen2.5-1.5B's 8,960 ran faster than per-op, Qwen2.5-7B's 18,944 ~12x slower:
-# BENCHMARKS.md).
+# BENCHMARKS.md). Past it the fused step runs that one GEMV on cuBLAS (split-K), accumulating
+# into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
 
 
@@ -93,10 +99,6 @@ def refusals(model, device: torch.device) -> list[str]:
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
         if k % VEC:
             why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
-    inter = layer.down_proj.weight.shape[1]
-    if inter > MAX_DOWN_K:
-        why.append(f"intermediate_size = {inter} is over {MAX_DOWN_K}: the down projection's GEMV has "
-                   f"no split-K and runs ~12x slower than the per-op path at Qwen2.5-7B's 18,944")
     return why
 
 
@@ -119,28 +121,22 @@ def has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def auto_declines(model, device: torch.device, backend_name: str, use_graphs: bool) -> str | None:
+def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -> str | None:
     """Why `fused_decode` left to auto stays off here (the first condition that fails), or None
     where it turns on. Auto asks for what the path was measured faster with (BENCHMARKS.md):
-    PDL (sm_90+), bf16, the Triton backend's one-launch attention, one GPU, CUDA
-    graphs (eagerly, each CuTe launch costs host time that was never measured against per-op),
-    a shape the GEMVs serve, and the CuTe DSL. FlashInfer, which `--backend auto` picks at
-    head_dim >= 128 where it is installed, has no one-launch attention: off there."""
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    if not has_pdl(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"the GPU is sm_{major}{minor}; its PDL launches need sm_90 or newer"
+    the platform's conditions (`attention.selection.fused_decline`: PDL on sm_90+, bf16, one
+    GPU, CUDA graphs), a shape the GEMVs serve, and the CuTe DSL. The attention backend is no
+    condition: the path attends with its own triton kernel where the backend has none."""
     dtype = model.embed_tokens.weight.dtype
-    if dtype != torch.bfloat16:
-        return f"the dtype is {str(dtype).removeprefix('torch.')}; its kernels are bf16 only"
-    if model.tp is not None:
-        return "tensor parallelism is on; it runs one GPU only"
-    if backend_name != "triton":
-        return (f"the attention backend is {backend_name}; it needs triton's one-launch attention "
-                f"(--backend triton)")
-    if not use_graphs:
-        return "CUDA graphs are off; it was measured faster replayed in them"
+    why = fused_decline(Platform.of(device), dtype, model.tp is not None, use_graphs)
+    if why is not None:
+        return why
+    if kv_pool is not None and kv_pool.is_fp8:
+        # Forced on (fused_decode=True) it runs: the pool's own write quantizes and the
+        # one-launch attention reads fp8, but RoPE + the K/V write leave the QKV epilogue,
+        # which stores bf16 only.
+        return ("the KV cache is fp8; its QKV epilogue stores bf16 K/V only, and the path "
+                "was measured with a bf16 cache")
     why = refusals(model, device)
     if why:
         return "; ".join(why)
@@ -157,7 +153,7 @@ class FusedParts:
 
     pdl: bool | None = None   # kernels launch with Programmatic Dependent Launch (sm_90+)
     rope: bool | None = None  # RoPE + K/V write in the QKV GEMV's epilogue (not Qwen3's q/k norm)
-    attn: bool | None = None  # one attention launch a layer (the triton backend's)
+    attn: bool | None = None  # one attention launch a layer (triton's, whatever the step backend)
 
     def named_on(self) -> list[str]:
         return [name for name in ("pdl", "rope", "attn") if getattr(self, name)]
@@ -196,7 +192,8 @@ class FusedDecode:
             self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
         self.o = CuteGemv(h, q, "residual", **gemv)
         self.gate_up = CuteGemv(2 * inter, h, "silu_mul", norm=True, eps=eps, **gemv)
-        self.down = CuteGemv(h, inter, "residual", **gemv)
+        # None: the down projection runs on cuBLAS (`_down`), see MAX_DOWN_K.
+        self.down = CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None
         self.lm_head = CuteGemv(vocab, h, "none", norm=True, eps=eps, **gemv)
         self.lm_argmax = CuteGemv(vocab, h, "argmax", norm=True, eps=eps, **gemv)
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
@@ -234,8 +231,16 @@ class FusedDecode:
             self.o(o.reshape(1, -1).contiguous(), layer.o_proj.weight, self.residual, out=self.residual)
             self.gate_up(self.residual, layer.gate_up_proj.weight, out=self.act,
                          norm_weight=layer.post_attn_norm)
-            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+            self._down(layer)
         return self.residual
+
+    def _down(self, layer) -> None:
+        """residual += act @ down^T, in place: the CuTe GEMV, or one cuBLAS GEMM whose beta = 1
+        adds into the residual (rounded once, as the GEMV's residual epilogue is)."""
+        if self.down is not None:
+            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+        else:
+            self.residual.addmm_(self.act, layer.down_proj.weight.t())
 
     def _qkv_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
         """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
@@ -246,11 +251,11 @@ class FusedDecode:
         q = q.view(1, layer.num_heads, layer.head_dim)
         k = k.view(1, layer.num_kv_heads, layer.head_dim)
         v = v.view(1, layer.num_kv_heads, layer.head_dim)
-        if hasattr(layer, "q_norm"):  # Qwen3: the model's own per-head norm kernel
-            q, k = layer._norm_heads(q, layer.q_norm, m.ops), layer._norm_heads(k, layer.k_norm, m.ops)
+        qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel
         if not self.one_launch_attention:
-            return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache)
-        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping)
+            return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
+        q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
+                                    qk_norm)
         return self._attend(i, q, attn)
 
     def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:

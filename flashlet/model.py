@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from flashlet import rope
-from flashlet.ops import TorchOps
+from flashlet.ops import QKNorm, TorchOps
 from flashlet.parallel import LocalShape, local_shape
 from flashlet.quantization import checkpoint_format
 
@@ -173,9 +173,8 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self._norm_heads(q, self.q_norm, ops), self._norm_heads(k, self.k_norm, ops)
-        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin)  # RoPE, K/V into the pool, attend
+        # (Qwen3: per-head q/k norms,) RoPE, K/V into the pool, attend
+        o = attn.run_rope(layer_idx, q, k, v, positions, cos_sin, self.qk_norm())
         if self.tp is None:
             x = ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
         else:  # row-parallel O: sum the ranks' partial outputs, then the bias once
@@ -189,9 +188,9 @@ class DecoderLayer(nn.Module):
             x = self.tp.all_reduce(x)
         return x, residual
 
-    def _norm_heads(self, x, weight, ops):
-        """Qwen3's RMSNorm of each head vector: x [T, H, D] -> [T, H, D]."""
-        return ops.rms_norm(x.reshape(-1, self.head_dim), weight, self.eps).view(x.shape)
+    def qk_norm(self) -> QKNorm | None:
+        """Qwen3's per-head RMSNorm of q and k, which the pool's RoPE kernel applies first."""
+        return QKNorm(self.q_norm, self.k_norm, self.eps) if hasattr(self, "q_norm") else None
 
 
 class CausalLM(nn.Module):

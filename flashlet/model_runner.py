@@ -21,7 +21,9 @@ Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
 With the fused path (`fused_decode`: on by default where it applies, `_fused_decode` decides), a
 pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the norms and epilogues
-folded in; flashlet/fused_decode.py) instead of the model's per-op forward, in its graph as well;
+folded in; flashlet/fused_decode.py) instead of the model's per-op forward, in its graph as well,
+attending through `fused_attention` (the step backend, or a triton backend of the path's own where
+the step backend has no one-launch attention: only those steps plan it);
 `greedy_tokens` runs it through the LM head's argmax, for steps whose one request is plain greedy
 (the engine decides), so no logits are written at all.
 """
@@ -34,6 +36,7 @@ import torch
 
 from flashlet.attention import create_backend
 from flashlet.attention.base import AttentionMetadata
+from flashlet.attention.selection import Platform, choose_paths
 from flashlet import fused_decode
 from flashlet.batch import InputBatch, StepBuffers, StepLayout
 from flashlet.fused_decode import FusedParts
@@ -79,7 +82,11 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.device = torch.device(device)
-        self.backend = create_backend(config.backend, kv_pool, model.local.num_heads,
+        dtype = model.embed_tokens.weight.dtype
+        paths = choose_paths(config.backend, Platform.of(self.device), kv_pool.head_dim,
+                             model.local.num_heads // kv_pool.num_kv_heads, dtype,
+                             getattr(model, "tp", None) is not None, config.cuda_graph)
+        self.backend = create_backend(paths.backend, kv_pool, model.local.num_heads,
                                       max_batch_size=config.max_num_seqs,
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
@@ -90,6 +97,10 @@ class ModelRunner:
                                  and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
         self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts())
+        # The fused steps' attention: the step backend where it has the one-launch form, else
+        # a triton backend of its own over the same pool (only one-row decode steps use it).
+        self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)
+        log.info("step paths: %s", paths.log_line(self.fused is not None, self._fused_off_why))
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_pages_per_seq = max_pages_per_seq
         self.batch = InputBatch(config.max_num_seqs, max_pages_per_seq, kv_pool.page_size)
@@ -107,6 +118,7 @@ class ModelRunner:
         """The fused one-sequence path (FusedDecode) where config.fused_decode asks for it, or
         leaves it to auto and `auto_declines` finds nothing against it; else None. A part that
         `parts` does not name is on where it applies. Logs what was chosen (or why auto said no)."""
+        self._fused_off_why = "fused_decode=False"
         if config.fused_decode is False:
             if parts.named_on():
                 raise ValueError(f"fused parts {parts.named_on()} apply to the fused decode path, "
@@ -114,22 +126,36 @@ class ModelRunner:
             return None
         how = "asked for" if config.fused_decode else "auto"
         if config.fused_decode is None:
-            why = fused_decode.auto_declines(model, self.device, self.backend.name, self.use_graphs)
+            why = fused_decode.auto_declines(model, self.device, self.use_graphs, kv_pool)
             if why is not None:
                 log.info("fused decode path: off (auto: %s)", why)
+                self._fused_off_why = why
                 return None
-        one_launch = self.backend.supports_one_launch_decode
-        if parts.attn and not one_launch:
-            raise ValueError(f"the fused path's one-launch attention needs the triton backend; "
-                             f"the backend is {self.backend.name}")
         pdl = _given_or(parts.pdl, fused_decode.has_pdl(self.device))
         rope = _given_or(parts.rope, not fused_decode.rope_refusals(model, kv_pool))
-        attn = _given_or(parts.attn, one_launch)
+        # On CUDA the one-launch attention is always there (the fused path's own triton
+        # backend where the step backend lacks it); on the CPU only an interpreted one.
+        attn = _given_or(parts.attn,
+                         self.device.type == "cuda" or self.backend.supports_one_launch_decode)
         fused = fused_decode.FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
                                          one_launch_attention=attn)
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s",
                  how, *("on" if x else "off" for x in (pdl, rope, attn)))
         return fused
+
+    def _fused_attention_backend(self, model, kv_pool, max_pages_per_seq: int):
+        """The attention of the steps the fused path serves (one decode row)."""
+        if (self.fused is None or not self.fused.one_launch_attention
+                or self.backend.supports_one_launch_decode):
+            return self.backend
+        from flashlet.attention.triton_backend import TritonBackend
+
+        return TritonBackend(kv_pool, model.local.num_heads, max_batch_size=1,
+                             max_pages_per_seq=max_pages_per_seq)
+
+    def _decode_attention(self, size: int):
+        """The attention backend a pure-decode step padded to `size` rows runs."""
+        return self.fused_attention if self.fused is not None and size == 1 else self.backend
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""
@@ -178,13 +204,15 @@ class ModelRunner:
         size = self.graph_batch_size(meta.host, meta.num_padding)
         if size is not None:
             return self._replay(input_ids, meta, size)
+        if self._fused_step(meta):
+            self.fused_attention.plan(meta)
+            self._mark_staged()
+            return self.fused.logits(input_ids, meta.positions, self.fused_attention)
         self.backend.plan(meta)
         if meta.token_bucket is not None and self.use_mixed_graphs:
             hidden = self._replay_mixed(input_ids, meta)
             return self.model.compute_logits(hidden[meta.logits_indices])
         self._mark_staged()
-        if self._fused_step(meta):
-            return self.fused.logits(input_ids, meta.positions, self.backend)
         hidden = self.model(input_ids, meta.positions, self.backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
@@ -224,9 +252,9 @@ class ModelRunner:
         size = self.graph_batch_size(meta.host, meta.num_padding)
         if size is not None:
             return self._replay(input_ids, meta, size, tokens=True)
-        self.backend.plan(meta)
+        self.fused_attention.plan(meta)
         self._mark_staged()
-        return self.fused.token(input_ids, meta.positions, self.backend)
+        return self.fused.token(input_ids, meta.positions, self.fused_attention)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
@@ -234,8 +262,9 @@ class ModelRunner:
         if meta.num_seqs != size or not self.buffers.holds(input_ids):
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
-        self.backend.plan_graph(meta, size)
-        key = (size, "tokens" if tokens else "logits") + self.backend.graph_key(meta)
+        attn = self._decode_attention(size)
+        attn.plan_graph(meta, size)
+        key = (size, "tokens" if tokens else "logits") + attn.graph_key(meta)
         out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens),
                                  f"a decode step padded to {size}")
         return out[: size - meta.num_padding]
@@ -275,7 +304,7 @@ class ModelRunner:
         """The forward of a padded decode step (the backend planned for it)."""
         if self.fused is not None and input_ids.shape[0] == 1:
             fused = self.fused.token if tokens else self.fused.logits
-            return fused(input_ids, positions, self.backend)
+            return fused(input_ids, positions, self.fused_attention)
         hidden = self.model(input_ids, positions, self.backend)
         return self.model.compute_logits(hidden)
 

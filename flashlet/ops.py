@@ -3,6 +3,8 @@ in `flashlet/kernels/`) provides the same methods and is swapped in by name."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -56,3 +58,19 @@ class TorchOps:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class QKNorm(NamedTuple):
+    """Qwen3's per-head RMSNorm of q and k before RoPE: the weights [head_dim] and eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> each head vector normalised (`TorchOps.rms_norm`)."""
+        return _norm_heads(q, self.q_weight, self.eps), _norm_heads(k, self.k_weight, self.eps)
+
+
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return TorchOps.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)

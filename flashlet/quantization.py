@@ -8,10 +8,29 @@ scales, and compressed-tensors' float8 weights) convert to the same representati
 per-tensor and per-channel scales exactly, block scales by dequantizing in fp32 and
 requantizing each row.
 
-`linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). Off
-CUDA it dequantizes and multiplies in the activation dtype (also the reference the GPU test
-compares against); on CUDA at sm_89+ in bf16 it runs `torch._scaled_mm` with per-token activation
-scales.
+`linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). What
+runs where, and why (lab/fp8_fidelity.py emulates each variant on the CPU against fp32):
+
+- Weight-only everywhere by default: activations stay in the model dtype, each fp8 weight is
+  widened exactly and the products summed in fp32, the row scale applied once. Off CUDA (and as
+  the reference) `dequant_linear` does this in fp32 PyTorch; on CUDA, up to
+  TRITON_GEMM_MAX_ROWS rows (decode) the Triton kernel `flashlet/kernels/fp8_gemv.py` streams
+  the fp8 weight once for all rows; above, `weight_only_linear` widens the weight to the
+  activation dtype for one cuBLAS GEMM.
+- Per-token fp8 activations (`torch._scaled_mm`, sm_89+, bf16) only where a weight's
+  `fp8_activations` is set. Quantizing activations as well as weights is what cost fidelity
+  beyond the weights' own rounding: on SmolLM2-135M it moved perplexity over bf16's from +2.6%
+  (weight-only) to +3.8%, past the 3% bar, and on a random qwen2.5-0.5b it cost another 10 points
+  of argmax agreement.
+- The LM head and embeddings stay in the model dtype: an fp8 LM head cost SmolLM2 another 6
+  points of agreement. One scale per output row, not per 128 x 128 block: blocks measured no
+  better (the error is e4m3's 3 mantissa bits, which no choice of scale removes).
+
+On random-weight presets no fp8 variant comes within 3 points of bf16's argmax agreement: their
+logits are nearly flat (fp32 top-2 gaps median 0.08), and the weights' rounding alone moves them
+by about that much (RMS 0.1, 9 x bf16's), so every projection alone costs points. A trained
+model's top-2 gaps are ten times wider; its perplexity (scripts/fidelity.py --perplexity) is
+the measure that tells what fp8 weights lose there.
 """
 
 from __future__ import annotations
@@ -28,6 +47,11 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row gets this, not 0 (dividing by it stays finite)
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 QUANTIZATION_METHODS = ("fp8",)
+# Rows up to which CUDA runs the Triton weight-only kernel (`flashlet/kernels/fp8_gemv.py`,
+# which streams the fp8 weight once for all rows); above it, a cuBLAS GEMM on the widened weight
+# (or `torch._scaled_mm` where a weight opts in to fp8 activations). Decode batches are the
+# rows below; where the switch pays best is measured by scripts/fp8_gemm_bench.py.
+TRITON_GEMM_MAX_ROWS = 16
 
 
 class QuantizedWeight(nn.Module):
@@ -42,6 +66,9 @@ class QuantizedWeight(nn.Module):
                              f"{qweight.dtype} {tuple(qweight.shape)}, {scale.dtype} {tuple(scale.shape)}")
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
+        # Per-token fp8 activations (torch._scaled_mm) above TRITON_GEMM_MAX_ROWS rows: faster
+        # prefill, but they cost fidelity (quantization's docstring), so off unless asked.
+        self.fp8_activations = False
 
     @property
     def shape(self) -> torch.Size:
@@ -121,9 +148,26 @@ def is_quantized(model) -> bool:
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
-    if x.is_cuda and scaled_mm_fits(x, w):
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return dequant_linear(x, w, bias)
+    if x.shape[0] <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
+        from flashlet.kernels.fp8_gemv import fp8_gemm
+
+        return fp8_gemm(x, w.qweight, w.scale, bias)
+    if w.fp8_activations and scaled_mm_fits(x, w):
         return scaled_mm_linear(x, w, bias)
-    return dequant_linear(x, w, bias)
+    return weight_only_linear(x, w, bias)
+
+
+def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
+    """Many rows on CUDA: the weight widened to x's dtype for this call (each entry rounded as a
+    bf16 weight's would be, far below fp8's own error) and one cuBLAS GEMM, whose FLOPs then
+    outweigh the widening's bytes. fp16 goes through fp32: a small scale is subnormal in fp16."""
+    if x.dtype == torch.bfloat16:  # fp32's exponent range: the scale survives the cast
+        widened = w.qweight.to(x.dtype).mul_(w.scale.to(x.dtype)[:, None])
+    else:
+        widened = w.dequantize(x.dtype)
+    return F.linear(x, widened, bias)
 
 
 def dequant_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
@@ -144,7 +188,7 @@ def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_fp8_gemm(device_index: int | None) -> bool:
-    """FP8 tensor cores: sm_89 (Ada) and up. Cached: every linear asks."""
+    """FP8 tensor cores and Triton's e4m3 type: sm_89 (Ada) and up. Cached: every linear asks."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 

@@ -142,3 +142,47 @@ def test_markdown_table_holds_quantized_rows_to_their_own_backend():
     assert fidelity.shortfall(row, hf, threshold=0.1) == []  # 2 points under its own: fine
     assert fidelity.shortfall({**row, "diff_vs_unquantized": -0.05}, hf, 0.1) == [
         "2.00 pt short of unquantized - 3"]
+
+
+def test_kv_cache_dtype_adds_a_row_held_to_one_point_and_reaches_the_engine_config(monkeypatch):
+    fidelity = load_script()
+    plain = fidelity.parse_args(["--config", "x", "--quantization", "fp8"])
+    assert [r[0] for r in fidelity.variant_rows(plain)] == ["+fp8"]
+    args = fidelity.parse_args(["--config", "x", "--quantization", "fp8",
+                                "--kv-cache-dtype", "fp8"])
+    assert fidelity.variant_rows(args) == [("+fp8", {"quantization": "fp8"}, 0.03),
+                                           ("+kv-fp8", {"kv_cache_dtype": "fp8"}, 0.01)]
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def config(**kwargs):
+        seen.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(fidelity, "EngineConfig", config)
+    for variant in ({}, {"kv_cache_dtype": "fp8"}):
+        with pytest.raises(Built):
+            fidelity.engine_for(args, "x", "torch", **variant)
+    assert "kv_cache_dtype" not in seen[0]  # not passed unless asked: older configs lack it
+    assert seen[1]["kv_cache_dtype"] == "fp8"
+
+
+def test_perplexity_rows_for_an_fp8_kv_cache():
+    fidelity = load_script()
+    assert fidelity.perplexity_variants(fidelity.parse_args(["--perplexity"])) == {
+        "fp8 weights": {"quantization": "fp8"}}
+    with_kv = fidelity.parse_args(["--perplexity", "--kv-cache-dtype", "fp8"])
+    rows = fidelity.perplexity_variants(with_kv)
+    assert rows == {"fp8 weights": {"quantization": "fp8"}, "fp8 KV": {"kv_cache_dtype": "fp8"},
+                    "fp8 weights + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+
+
+def test_an_fp8_kv_row_one_point_short_is_marked():
+    fidelity = load_script()
+    hf = {"agreement": 0.99, "agreement_se": 0.002, "disagreements": []}
+    row = {"agreement": 0.975, "agreement_se": 0.004, "disagreements": [],
+           "diff_vs_hf_low": -0.015, "diff_se": 0.004, "diff_vs_unquantized": -0.015,
+           "allowed_points": 0.01}
+    assert fidelity.shortfall(row, hf, threshold=0.1) == ["0.50 pt short of unquantized - 1"]

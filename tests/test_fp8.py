@@ -12,7 +12,7 @@ from flashlet.config import EngineConfig
 from flashlet.ops import TorchOps
 from flashlet.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
                                    dequant_linear, quantize_rows, quantize_weight,
-                                   swap_weight)
+                                   swap_weight, weight_only_linear)
 from flashlet.weights import ModelLoadError, load_model
 
 PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
@@ -22,7 +22,9 @@ PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_pro
 class DenseAttention:
     """Causal attention over the whole sequence (no pool): enough to get a model's logits."""
 
-    def run_rope(self, layer_idx, q, k, v, positions, cos_sin):
+    def run_rope(self, layer_idx, q, k, v, positions, cos_sin, qk_norm=None):
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = TorchOps.rope(q, k, positions, cos_sin)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -117,6 +119,18 @@ def test_torch_ops_linear_sends_fp8_weights_to_the_dequantizing_matmul():
     assert torch.allclose(ours, x @ qw.dequantize().T + bias, atol=1e-5)
     assert torch.allclose(ours, dequant_linear(x, qw, bias))
     assert (ours - F.linear(x, w, bias)).abs().max() < 0.1 * (x @ w.T).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_only_linear_matches_the_reference_even_with_tiny_scales(dtype):
+    # amax 1e-4: scales near 2e-7, subnormal in fp16 (a scale cast to fp16 first loses it)
+    w = torch.randn(48, 64) * 1e-4
+    x, bias = torch.randn(24, 64).to(dtype), (torch.randn(48) * 1e-3).to(dtype)
+    qw = quantize_weight(w)
+    ours = weight_only_linear(x, qw, bias)
+    ref = dequant_linear(x.float(), qw, bias.float())
+    assert ours.dtype == dtype
+    assert relative_rms(ours.float(), ref) < 2 * torch.finfo(dtype).eps
 
 
 def test_casting_the_model_keeps_fp8_codes_and_fp32_scales():

@@ -19,6 +19,7 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet import fused_decode
 from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
+from flashlet.kv_pool import KVPool
 
 
 class ReferenceGemv:
@@ -141,13 +142,61 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     assert not engine.runner.backend._merge_counts.any()
 
 
-def test_one_launch_attention_needs_the_triton_backend(tiny_qwen2, reference_kernels, monkeypatch):
-    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a: None)
-    torch_backend = dict(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, backend="torch")
-    for asked in (True, None):  # forced on, and auto: the same refusal
-        with pytest.raises(ValueError, match="one-launch attention needs the triton backend; "
-                                             "the backend is torch"):
-            Engine(EngineConfig(**torch_backend, fused_decode=asked), FusedParts(attn=True))
+@pytest.mark.slow
+def test_one_launch_attention_is_the_fused_paths_own_whatever_the_backend(tiny_qwen2, reference_kernels,
+                                                                          monkeypatch):
+    """With a step backend that has no one-launch attention (torch here, FlashInfer on a GPU)
+    the fused path attends through a triton backend of its own over the same pool (interpreted,
+    ~20 s): fused steps plan and run it, every other step the step backend; tokens are the
+    per-op engine's on the step backend."""
+    from flashlet.attention import triton_backend
+
+    torch_backend = {"backend": "torch"}
+    want, _ = generate(tiny_qwen2, False, PROMPTS[:2], n=6, config=torch_backend)
+    calls = []
+    real = triton_backend.decode_attention_one_launch
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, engine = generate(tiny_qwen2, True, PROMPTS[:2], n=6, attn=True, config=torch_backend)
+    assert got == want
+    runner = engine.runner
+    assert runner.backend.name == "torch" and runner.fused_attention.name == "triton"
+    assert runner.fused.one_launch_attention
+    assert len(calls) == len(engine.model.layers) * 2 * (6 - 1)
+    assert not runner.fused_attention._merge_counts.any()
+
+
+@pytest.mark.slow
+def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(tiny_qwen2,
+                                                                                reference_kernels):
+    """The graph path (graphs stood in for by eager replays) behind the torch step backend, its
+    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one-row steps
+    plan and key their graphs by it, two-row steps by the step backend (whose graph key, a page
+    table width, exists only once it planned); tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6]]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, backend="torch",
+                                     max_num_batched_tokens=32, fused_decode=fused),
+                        FusedParts(attn=True if fused else None))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=4 + 4 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
+    runner = engine.runner
+    assert runner.fused_attention.name == "triton" and runner.backend.name == "torch"
+    keys = set(runner.graphs)
+    assert (1, "tokens") in keys  # the fused attention's key adds nothing
+    assert any(key[:2] == (2, "logits") and len(key) == 3 for key in keys)  # the torch backend's width
+    assert not runner.fused_attention._merge_counts.any()
 
 
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
@@ -194,15 +243,21 @@ def test_fused_decode_rope_refuses_what_its_epilogue_cannot_do(tiny_qwen2):
     assert "RoPE in the QKV epilogue" not in str(plain.value)
 
 
-def test_fused_decode_refuses_a_down_projection_it_cannot_stream(tmp_path):
-    """Qwen2.5-7B's 18,944-wide down projection ran at 17.5 tok/s fused against 214 per-op (no
-    split-K): refused by name, with the measured reason."""
-    from tests.conftest import save_tiny_model
-
-    big = save_tiny_model("qwen2", tmp_path, intermediate_size=fused_decode.MAX_DOWN_K + 64)
-    engine = Engine(EngineConfig(model=str(big), device="cpu", max_num_seqs=1))
-    with pytest.raises(ValueError, match="intermediate_size = 16448 is over 16384"):
-        fused_decode.check_fused_decode(engine.model, torch.device("cpu"))
+def test_a_long_down_projection_runs_on_cublas_inside_the_fused_step(tiny_model, reference_kernels,
+                                                                      monkeypatch):
+    """Past MAX_DOWN_K (Qwen2.5-7B / 14B's 18,944) the down projection is one GEMM into the
+    residual stream (cuBLAS on a GPU), the rest of the layer stays fused; tokens are the per-op
+    engine's. The shape no longer refuses the path."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)  # the tiny models' 128 is "long"
+    want, _ = generate(tiny_model, False, PROMPTS)
+    addmm_calls = []
+    real = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real(*a, **k))
+    got, engine = generate(tiny_model, True, PROMPTS)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.down is None and fused.qkv.calls == fused.gate_up.calls == len(addmm_calls) > 0
+    assert not any("intermediate_size" in why for why in fused_decode.refusals(engine.model, torch.device("cuda")))
 
 
 def test_fused_decode_needs_one_gpu():
@@ -225,7 +280,7 @@ def test_fused_decode_flags_parse_on_off_and_absent():
     assert EngineConfig.from_cli(parser.parse_args([])).fused_decode is None
     assert EngineConfig.from_cli(parser.parse_args(["--no-fused-decode"])).fused_decode is False
     text = " ".join(parser.format_help().split())
-    for condition in ("default auto", "CUDA sm_90+", "bf16", "triton backend", "one GPU",
+    for condition in ("default auto", "CUDA sm_90+", "bf16", "whatever --backend", "one GPU",
                       "nvidia-cutlass-dsl==4.3.5", "--no-fused-decode turns it off"):
         assert condition in text, condition
 
@@ -281,10 +336,9 @@ AUTO_CONDITIONS = {
     "sm80": "the GPU is sm_80; its PDL launches need sm_90 or newer",
     "fp32": "the dtype is float32; its kernels are bf16 only",
     "tensor-parallel": "tensor parallelism is on",
-    "flashinfer": "the attention backend is flashinfer; it needs triton's one-launch attention",
-    "torch-backend": "the attention backend is torch",
     "no-graphs": "CUDA graphs are off",
-    "shape": "intermediate_size = 128 is over 64",
+    "fp8-kv": "the KV cache is fp8",
+    "shape": "hidden_size = 64 is not a multiple of 128",
     "no-dsl": "pip install nvidia-cutlass-dsl",
 }
 
@@ -304,10 +358,11 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
     if broken == "tensor-parallel":
         monkeypatch.setattr(model, "tp", object())
     if broken == "shape":
-        monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
+        monkeypatch.setattr(fused_decode, "VEC", 128)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
-    backend = {"flashinfer": "flashinfer", "torch-backend": "torch"}.get(broken, "triton")
-    why = fused_decode.auto_declines(model, device, backend, use_graphs=broken != "no-graphs")
+    pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu",
+                  cache_dtype=torch.float8_e4m3fn if broken == "fp8-kv" else None)
+    why = fused_decode.auto_declines(model, device, use_graphs=broken != "no-graphs", kv_pool=pool)
     if broken is None:
         assert why is None
     else:
@@ -356,8 +411,8 @@ def test_auto_off_where_asked_off_and_explicit_on_still_refuses(tiny_qwen2, monk
 
 def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     """Qwen3 (per-head q / k RMSNorm between the projection and RoPE), which auto now serves:
-    the heads normalised by the model's own kernel between the QKV GEMV and RoPE, RoPE left
-    out of the QKV epilogue by default; tokens are the per-op engine's."""
+    the heads normalised in the pool's RoPE + K/V write step (`QKNorm`, one kernel on CUDA),
+    RoPE left out of the QKV epilogue by default; tokens are the per-op engine's."""
     from tests.test_model_families import save_family
 
     folder = save_family("qwen3", tmp_path / "q3")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
@@ -12,14 +11,10 @@ log = logging.getLogger("flashlet")
 
 def resolve_backend(name: str, device, head_dim: int, group: int) -> tuple[str, str]:
     """(the backend `name` stands for, why). "auto": torch off CUDA; on CUDA the faster of
-    triton and flashinfer for this shape (`flashlet.kernels.tuning.preferred_backend`)."""
-    if name != "auto":
-        return name, "asked for by name"
-    if device.type != "cuda":
-        return "torch", f"auto on {device.type}: the torch backend"
-    from flashlet.kernels.tuning import preferred_backend
+    triton and flashinfer for this shape (`flashlet.attention.selection.step_backend`)."""
+    from flashlet.attention.selection import Platform, step_backend
 
-    return preferred_backend(head_dim, group, importlib.util.find_spec("flashinfer") is not None)
+    return step_backend(name, Platform.of(device), head_dim, group)
 
 
 def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionBackend:

@@ -114,11 +114,11 @@ class AttentionBackend(ABC):
         self.kv_pool.write(layer, k, v, self.meta.slot_mapping)
         return self._attend(layer, q)
 
-    def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache) -> torch.Tensor:
-        """`run` for q/k not rotated yet: the pool applies RoPE and writes K/V
-        (`KVPool.write_rope`, one fused kernel on CUDA), then attention."""
+    def run_rope(self, layer: int, q, k, v, positions, cos_sin_cache, qk_norm=None) -> torch.Tensor:
+        """`run` for q/k not rotated yet: the pool applies RoPE (after Qwen3's per-head norms,
+        `qk_norm`) and writes K/V (`KVPool.write_rope`, one fused kernel on CUDA), then attention."""
         slots = self.meta.slot_mapping
-        q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots)
+        q = self.kv_pool.write_rope(layer, q, k, v, positions, cos_sin_cache, slots, qk_norm)
         return self._attend(layer, q)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ the SMs), FA2 writes each chunk's partial output in the output dtype (bf16) and 
 fp32: one bf16 rounding more than an unsplit run. `split_kv=False` (FlashInfer's
 `disable_split_kv`) trades that parallelism for the single rounding; `scripts/fidelity.py
 --diagnose` measures both.
+
+An fp8 pool is planned with `kv_data_type` float8_e4m3fn (q stays in the model's dtype) and
+run with the layer's `k_scale` / `v_scale`, FlashInfer's own per-tensor scales.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class FlashInferBackend(AttentionBackend):
                  max_pages_per_seq: int | None = None, split_kv: bool = True, **_):
         super().__init__(kv_pool, num_q_heads, scale)
         self.split_kv = split_kv
+        self.q_dtype = kv_pool.model_dtype  # the cache's own, or fp8 beside it
         device = kv_pool.k_cache.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -72,7 +76,10 @@ class FlashInferBackend(AttentionBackend):
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         cache = (self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer])
-        return self.active.run(q, cache)
+        if not self.kv_pool.is_fp8:
+            return self.active.run(q, cache)
+        k_scale, v_scale = self.kv_pool.scales(layer)
+        return self.active.run(q, cache, k_scale=k_scale, v_scale=v_scale)
 
     def _plan(self, wrapper, meta: AttentionMetadata) -> None:
         host = meta.host  # pinned CPU copies: plan() schedules on the host
@@ -86,7 +93,7 @@ class FlashInferBackend(AttentionBackend):
             host.qo_indptr, host.paged_kv_indptr, meta.paged_kv_indices,
             host.paged_kv_last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.kv_pool.page_size, causal=True, sm_scale=self.scale,
-            q_data_type=self.kv_pool.k_cache.dtype, kv_data_type=self.kv_pool.k_cache.dtype,
+            q_data_type=self.q_dtype, kv_data_type=self.kv_pool.dtype,
             max_token_per_sequence=max_q, seq_lens=host.kv_lens.as_subclass(KvLens),
             disable_split_kv=not self.split_kv)
 

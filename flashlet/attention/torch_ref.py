@@ -4,7 +4,8 @@ Slow and obvious on purpose: it is the oracle every other backend is tested agai
 (`batched_decode=False`: every step through the per-sequence loop). By default pure-decode
 steps take a batched path instead (a padded page table, one masked attention for the whole
 batch), checked against the loop: it can be captured in a CUDA graph, the GPU baseline for the
-other backends, and on the CPU it spares a Python loop over the sequences.
+other backends, and on the CPU it spares a Python loop over the sequences. An fp8 pool's
+gathered pages are dequantized (times the layer's k_scale / v_scale, in fp32) to q's dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
+from flashlet.kv_pool import dequantize
 
 
 def causal_mask_aligned_to_end(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -84,8 +86,10 @@ class TorchBackend(AttentionBackend):
         batch, width = self._padded
         ps, hkv, d = self.kv_pool.page_size, self.num_kv_heads, self.head_dim
         table = self._page_table[:batch, :width]
+        k_scale, v_scale = self.kv_pool.scales(layer)
         k = self.kv_pool.k_cache[layer][table].view(batch, width * ps, hkv, d)  # [B, L, Hkv, D]
         v = self.kv_pool.v_cache[layer][table].view(batch, width * ps, hkv, d)
+        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         qg = q.view(batch, hkv, -1, d)  # [B, Hkv, G, D]
         scores = torch.einsum("bhgd,blhd->bhgl", qg.float(), k.float()) * self.scale
         visible = torch.arange(width * ps, device=q.device) < self._kv_lens[:batch, None]
@@ -99,6 +103,7 @@ class TorchBackend(AttentionBackend):
         meta = self.meta
         out = torch.empty_like(q)
         k_pages, v_pages = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
+        k_scale, v_scale = self.kv_pool.scales(layer)
         group = self.num_q_heads // self.num_kv_heads
         qo = self._qo
         for b in range(meta.num_seqs):
@@ -107,6 +112,7 @@ class TorchBackend(AttentionBackend):
             # k, v: [kv_len, kv_heads, head_dim] gathered from this sequence's pages
             k = k_pages[self._pages[b]].flatten(0, 1)[:kv_len]
             v = v_pages[self._pages[b]].flatten(0, 1)[:kv_len]
+            k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kv_len, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
             qb = q[qo[b] : qo[b + 1]].transpose(0, 1)  # [Hq, q_len, D]

@@ -396,7 +396,7 @@ def _check_backend(err, ecfg: EngineConfig, mcfg, device: torch.device) -> None:
             "interpreter: set TRITON_INTERPRET=1, very slow); use --backend torch on CPU")
     try:
         pool = KVPool(1, 1, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
-                      ecfg.resolved_dtype(), device)
+                      ecfg.resolved_dtype(), device, cache_dtype=ecfg.resolved_kv_cache_dtype())
         create_backend(ecfg.backend, pool, mcfg.num_heads)
     except Exception as e:  # noqa: BLE001 - any failure means: not usable here
         err(f"backend {ecfg.backend!r} is not available on {device}: {e}")
@@ -482,6 +482,7 @@ def _run_model_workload(parser, args, info, record, progress, say) -> None:
             check_pool(parser.error, args, engine.stats()["kv_pages_total"])
         engine_info = {**dataclasses.asdict(engine.config),
                        "num_pages": engine.stats()["kv_pages_total"],
+                       "kv_tokens_total": engine.stats()["kv_tokens_total"],
                        "max_model_len": engine.max_model_len,
                        "backend": engine.backend_name,  # what "auto" resolved to
                        "start": _jsonable_start(engine)}

@@ -10,6 +10,7 @@ Every module holds one kernel family, a Python launcher and its reference:
 - `rope_kv_write`     RoPE on Q and K fused with the K/V write into the paged pool
 - `rmsnorm`           RMSNorm and fused residual-add + RMSNorm
 - `silu_mul`          SiLU-and-mul of the MLP's gate/up projection
+- `fp8_gemv`          weight-only FP8 GEMM for decode rows: the fp8 weight streamed once, split-K
 - `sampling`          sort-free exact sampling (temperature, min_p, top-k, top-p) with Philox noise
 - `ops`               `TritonOps`, the drop-in for `flashlet.ops.TorchOps`
 - `bench`             the kernel sweep (time, bandwidth, fraction of copy bandwidth)

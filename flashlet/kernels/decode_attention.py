@@ -37,6 +37,9 @@ Design.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
+- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened to q's dtype
+  for the dots; the per-tensor scales multiply in fp32 where they cost nothing per key:
+  k_scale folds into the fp32 score scale, v_scale into the fp32 accumulator once.
 """
 
 from __future__ import annotations
@@ -51,22 +54,34 @@ from flashlet.kernels import pdl, tuning
 from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
+# Splits of a long context are whole multiples of this many tokens (not of a block).
+LONG_SPLIT_GRANULE = tl.constexpr(16)
+# long_tokens when the long-context rule is off: no kv_len reaches it.
+NO_LONG_RULE = 2**31 - 1
 
 
 @triton.jit
-def _split_range(kv_len, num_splits, min_split_tokens, block_n):
-    """(number of splits this sequence uses, tokens per split: a multiple of block_n)."""
-    n = tl.minimum(tl.cdiv(kv_len, min_split_tokens), num_splits)
-    n = tl.maximum(n, 1)
-    split_len = tl.cdiv(tl.cdiv(kv_len, n), block_n) * block_n
-    split_len = tl.maximum(split_len, block_n)
+def _split_range(kv_len, num_splits, min_split_tokens, block_n, long_tokens, long_split_tokens):
+    """(number of splits this sequence uses, tokens per split). Below long_tokens: splits of at
+    least min_split_tokens, a multiple of block_n. From long_tokens on: as many of the
+    num_splits as splits of at least long_split_tokens allow (a multiple of 16 tokens; a block
+    may be partly masked), so a long context spreads over the whole grid."""
+    is_long = kv_len >= long_tokens
+    n = tl.where(is_long, tl.cdiv(kv_len, long_split_tokens), tl.cdiv(kv_len, min_split_tokens))
+    n = tl.maximum(tl.minimum(n, num_splits), 1)
+    granule = tl.where(is_long, LONG_SPLIT_GRANULE, block_n)
+    split_len = tl.cdiv(tl.cdiv(kv_len, n), granule) * granule
+    split_len = tl.maximum(split_len, granule)
     n = tl.maximum(tl.cdiv(kv_len, split_len), 1)
     return n, split_len
 
 
 @triton.jit
 def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
-    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc)."""
+    """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc). k, v: q's dtype
+    or fp8 (widened here; their scales are applied by the caller)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
     qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -89,11 +104,11 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
-@triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits", "long_tokens", "long_split_tokens"])
 def _decode_kernel(
     Q, K, V, O, MidO, MidLse,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, min_split_tokens, num_splits,
+    qk_scale, v_scale, min_split_tokens, num_splits, long_tokens, long_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -111,7 +126,8 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.load(KvLens + b)
-    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
+    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N, long_tokens,
+                                       long_split_tokens)
     if split >= n_splits:
         return
     start = split * split_len
@@ -138,7 +154,7 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc * v_scale / l_safe[:, None]
     if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
@@ -150,39 +166,59 @@ def _decode_kernel(
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["min_split_tokens", "block_n"])
+@triton.jit(do_not_specialize=["min_split_tokens", "block_n", "long_tokens", "long_split_tokens"])
 def _merge_kernel(
     MidO, MidLse, O, KvLens,
-    stride_ob, stride_oh, min_split_tokens, block_n,
+    stride_ob, stride_oh, min_split_tokens, block_n, long_tokens, long_split_tokens,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits."""
+    """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits:
+    all log-sum-exps at once ([S, HPP]), the partials CHUNK splits at a time."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     j = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
-    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n, long_tokens,
+                               long_split_tokens)
     s = tl.arange(0, NUM_SPLITS)
     g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    mask2 = (s[:, None] < n_splits) & (g[None, :] < GROUP)  # [S, HPP]
-    slot = b * NUM_SPLITS + s
-    lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2, other=float("-inf"))
+    slot0 = b * NUM_SPLITS
+    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
+                  mask=(s[:, None] < n_splits) & (g[None, :] < GROUP), other=float("-inf"))
     m = tl.max(lse, 0)  # [HPP]
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[None, :])  # masked and empty splits: 2^-inf = 0
-    o_ptrs = MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM + d[None, None, :]
-    o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [S, HPP, D]
-    den = tl.sum(w, 0)
-    num = tl.sum(w[:, :, None] * o, 0)  # [HPP, D]
+    den = tl.sum(tl.exp2(lse - m[None, :]), 0)  # masked and empty splits: 2^-inf = 0
+    num = tl.zeros([HEADS_PER_PROG, HEAD_DIM], tl.float32)
+    for c0 in range(0, n_splits, CHUNK):
+        sc = c0 + tl.arange(0, CHUNK)
+        mask2 = (sc[:, None] < n_splits) & (g[None, :] < GROUP)  # [CHUNK, HPP]
+        slot = slot0 + sc
+        w = tl.exp2(tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2,
+                            other=float("-inf")) - m[None, :])
+        o_ptrs = (MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                  + d[None, None, :])
+        o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [CHUNK, HPP, D]
+        num += tl.sum(w[:, :, None] * o, 0)
     out = num / tl.where(den == 0.0, 1.0, den)[:, None]
     o_out = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_out, out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+def _long_rule(long_context_tokens: int | None, long_split_tokens: int) -> tuple[int, int]:
+    """The kernels' (long_tokens, long_split_tokens) runtime arguments, checked."""
+    if long_context_tokens is None:
+        return NO_LONG_RULE, 1 << 30
+    if long_context_tokens < 1 or long_split_tokens < 16:
+        raise ValueError(f"long_context_tokens must be >= 1 and long_split_tokens >= 16, got "
+                         f"{long_context_tokens} and {long_split_tokens}")
+    return long_context_tokens, long_split_tokens
 
 
 def _next_pow2(n: int) -> int:
@@ -202,12 +238,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits
     return tuning.num_splits(num_seqs, num_kv_heads, num_sms, waves, max_splits)
 
 
+def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K/V caches in q's dtype, or both fp8 e4m3 (read with their scales); else a ValueError."""
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"k/v cache dtypes {k_cache.dtype} / {v_cache.dtype} do not match q's "
+                         f"{q.dtype} (or float8_e4m3fn for both)")
+
+
 def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
     """-> (batch, Hq, D, page size, Hkv) of a decode call, or a ValueError naming what is off."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape
     if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    check_cache_dtype(q, k_cache, v_cache)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -243,13 +287,20 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    long_context_tokens: int | None = None,
+    long_split_tokens: int = 128,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
     kv_indptr [B + 1] int32, kv_indices int32 page ids, kv_lens [B] int32 (tokens, the newest
     included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
+    long_context_tokens: from this KV length on a sequence uses up to num_splits splits of at
+    least long_split_tokens (the GPU filled), not splits of min_split_tokens (None: never).
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
-    split scratch (allocated here when None). Returns out [B, Hq, D] in q's dtype. No host sync.
+    split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
+    multiplied by (an fp8 pool's). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -273,10 +324,11 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
+    long_tokens, long_split_tokens = _long_rule(long_context_tokens, long_split_tokens)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E, min_split_tokens, num_splits,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits, long_tokens, long_split_tokens,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
@@ -291,17 +343,20 @@ def decode_attention(
     )
     if num_splits > 1:
         gp = group_pad(group)
-        # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
+        # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2
+        # heads); past that (a long context's many splits) it is merged CHUNK splits at a time.
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
+        chunk = max(1, min(num_splits, 8192 // (hpp * head_dim)))
         _merge_kernel[(batch, num_kv_heads, gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
-            out.stride(0), out.stride(1), min_split_tokens, block_n,
+            out.stride(0), out.stride(1), min_split_tokens, block_n, long_tokens, long_split_tokens,
             NUM_Q_HEADS=num_q_heads,
             GROUP=group,
             HEADS_PER_PROG=hpp,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            num_warps=4 if num_splits * hpp * head_dim <= 8192 else 8,
+            CHUNK=chunk,
+            num_warps=4 if chunk * hpp * head_dim <= 8192 else 8,
         )
     return out
 
@@ -314,8 +369,11 @@ def decode_attention_reference(
     kv_indices: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: gather each sequence's pages, softmax(q K^T * scale) V in fp32."""
+    """Plain PyTorch: gather each sequence's pages, softmax(q K^T * scale) V in fp32 (stored
+    K / V times k_scale / v_scale)."""
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -326,8 +384,9 @@ def decode_attention_reference(
         if n == 0:
             continue
         pages = kv_indices[indptr[b] : indptr[b] + (n + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        # k, v: [n, Hq, D]
+        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * k_scale
+        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * v_scale
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out
@@ -355,11 +414,11 @@ def decode_attention_reference(
 # the counter (the previous layer's attention may still run before the wait) come after it.
 
 
-@triton.jit(do_not_specialize=["min_split_tokens"])
+@triton.jit(do_not_specialize=["min_split_tokens", "long_tokens", "long_split_tokens"])
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, min_split_tokens,
+    qk_scale, v_scale, min_split_tokens, long_tokens, long_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -368,6 +427,7 @@ def _one_launch_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    GROUP_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -382,7 +442,8 @@ def _one_launch_kernel(
     split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
-    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N, long_tokens,
+                                       long_split_tokens)
     if split >= n_splits:
         return
     start = split * split_len
@@ -413,8 +474,11 @@ def _one_launch_kernel(
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
     is_last = (t == last)[:, None]
-    k = tl.where(is_last, tl.load(k_last, mask=in_block, other=0.0)[None, :], k)
-    v = tl.where(is_last, tl.load(v_last, mask=in_block, other=0.0)[None, :], v)
+    # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
+    k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
+    v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)
+    k = tl.where(is_last, k_new[None, :], k.to(q.dtype))
+    v = tl.where(is_last, v_new[None, :], v.to(q.dtype))
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -427,6 +491,7 @@ def _one_launch_kernel(
         v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
         m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
+    acc = acc * v_scale
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -441,35 +506,44 @@ def _one_launch_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         count = Counts + b * NUM_KV_HEADS + kvh
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
-                                  NUM_Q_HEADS, GROUP_PAD, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+            e = tl.arange(0, GROUP_DIM_PAD)  # the group's (head, d) pairs, flat
+            e_mask = e < GROUP * HEAD_DIM
+            out = _merge_partials(MidO, MidLse, slot0, n_splits, kvh * GROUP, e, e_mask,
+                                  NUM_Q_HEADS, HEAD_DIM, GROUP_DIM_PAD, MERGE_SPLITS)
+            o_flat = O + b * stride_ob + (kvh * GROUP + e // HEAD_DIM) * stride_oh + e % HEAD_DIM
+            tl.store(o_flat, out.to(O.dtype.element_ty), mask=e_mask)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
-                    NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
-    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, D].
-    All log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
-    s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
-                  mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
-    den = tl.sum(tl.exp2(lse - m[None, :]), 0)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+def _merge_partials(MidO, MidLse, slot0, n_splits, head0, e, e_mask,
+                    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_DIM_PAD: tl.constexpr,
+                    MERGE_SPLITS: tl.constexpr):
+    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials of the group
+    whose first head is head0 -> [GROUP_DIM_PAD], flat over (head, d): a group's heads are
+    contiguous in the partials, so a [MS, G * D] tile wastes no padded head rows and a long
+    context's many partials take few iterations (each one L2 round trip). Online: the running
+    maximum is rescaled chunk by chunk."""
+    head = head0 + e // HEAD_DIM
+    m = tl.full([GROUP_DIM_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_DIM_PAD], tl.float32)
+    acc = tl.zeros([GROUP_DIM_PAD], tl.float32)
     for s0 in range(0, n_splits, MERGE_SPLITS):
-        sc = s0 + tl.arange(0, MERGE_SPLITS)
-        mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
-        part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
-                           other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(part_lse - m[None, :])
-        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
-                    + d[None, None, :], mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * o, 0)
-    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        s = s0 + tl.arange(0, MERGE_SPLITS)
+        slot = slot0 + s
+        mask = (s[:, None] < n_splits) & e_mask[None, :]  # [MS, GDP]
+        lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + head[None, :], mask=mask,
+                      other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(MidO + (slot[:, None] * NUM_Q_HEADS + head0) * HEAD_DIM + e[None, :], mask=mask,
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref[None, :])
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w * o, 0)
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)
 
 
 def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
@@ -495,6 +569,10 @@ def decode_attention_one_launch(
     num_warps: int = 4,
     num_stages: int = 2,
     pdl: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    long_context_tokens: int | None = None,
+    long_split_tokens: int = 128,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -521,22 +599,26 @@ def decode_attention_one_launch(
         return out
     group = num_q_heads // num_kv_heads
     gp = group_pad(group)
+    group_dim_pad = _next_pow2(group * head_dim)
+    long_tokens, long_split_tokens = _long_rule(long_context_tokens, long_split_tokens)
     launch = {"launch_pdl": True} if pdl else {}
     _one_launch_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E, min_split_tokens,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens, long_tokens, long_split_tokens,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=gp,
         HEAD_DIM=head_dim,
+        GROUP_DIM_PAD=group_dim_pad,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        # Partials merged at a time: a [MS, GP, D] fp32 tile of at most 4096 elements.
-        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * head_dim))),
+        # Partials merged at a time: a [MS, G * D] fp32 tile of at most 32 elements a thread
+        # (two of them live: the partials and their weights).
+        MERGE_SPLITS=max(1, min(num_splits, 32 * 32 * num_warps // group_dim_pad)),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
         num_warps=num_warps,

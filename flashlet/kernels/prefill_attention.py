@@ -32,7 +32,9 @@ Design.
   power-of-two page size). Blocks every row of the tile fully sees (keys < prefix + first
   token + 1, rounded down to BLOCK_N) run without a mask; the rest, up to the last row's
   diagonal, run with the causal mask.
-- Online softmax in base 2, fp32 accumulators; P is cast to the value dtype for PV.
+- Online softmax in base 2, fp32 accumulators; P is cast to q's dtype for PV.
+- An fp8 (e4m3) pool: blocks load as fp8 and are widened to q's dtype for the dots; k_scale
+  folds into the fp32 score scale and v_scale multiplies the fp32 accumulator once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flashlet.kernels.decode_attention import check_cache_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -71,6 +75,7 @@ def _attend_blocks(
             k = tl.load(k_ptrs, mask=t_mask[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BM, BN]
         if MASKED:
             visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -83,6 +88,7 @@ def _attend_blocks(
             v = tl.load(v_ptrs, mask=t_mask[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -109,7 +115,7 @@ def _prefill_kernel(
     Q, K, V, O,
     QoIndptr, KvIndptr, KvIndices, KvLens,
     num_seqs,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -167,7 +173,7 @@ def _prefill_kernel(
         stride_kp, stride_kt, stride_vp, stride_vt,
         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, INPUT_PRECISION,
     )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = O + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=r_mask[:, None])
 
@@ -187,17 +193,21 @@ def prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] ragged by qo_indptr [B + 1] over one layer's pool k/v_cache [P, page, Hkv, D].
 
     kv_indptr [B + 1] int32, kv_indices int32, kv_lens [B] int32 (>= each q_len). Sequences
     may have q_len 0 and rows past qo_indptr[B] belong to none (a step padded for a CUDA
     graph): their output rows are not written. No host sync; the grid depends on T and B only.
+    k_scale / v_scale: what the stored K / V are multiplied by (an fp8 pool's).
     Returns out [T, Hq, D] in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape
     if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
+    check_cache_dtype(q, k_cache, v_cache)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -221,7 +231,7 @@ def prefill_attention(
         q, k_cache, v_cache, out,
         qo_indptr, kv_indptr, kv_indices, kv_lens,
         batch,
-        scale * LOG2E,
+        scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -246,8 +256,11 @@ def prefill_attention_reference(
     kv_indices: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: per sequence, gather pages and run masked softmax attention in fp32."""
+    """Plain PyTorch: per sequence, gather pages and run masked softmax attention in fp32
+    (stored K / V times k_scale / v_scale)."""
     num_q_heads = q.shape[1]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -258,8 +271,8 @@ def prefill_attention_reference(
         if q_len == 0:
             continue
         pages = kv_indices[indptr[b] : indptr[b] + (n + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        k = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * k_scale
+        v = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1) * v_scale
         s = torch.einsum("qhd,nhd->hqn", q[qo[b] : qo[b + 1]].float(), k) * scale
         rows = torch.arange(q_len, device=q.device)[:, None] + (n - q_len)
         visible = torch.arange(n, device=q.device)[None, :] <= rows

@@ -312,7 +312,8 @@ def _describe(client: CoreClient, config: EngineConfig, host: str, port: int, na
             f"{seconds:.1f} s (API warm-up {warm_up_s:.2f} s) | backend {info['backend']} on "
             f"{info['device']} ({info['dtype']}) | "
             f"{cores}KV pool {info['num_pages']} pages x {info['page_size']} tokens = "
-            f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB) | "
+            f"{info['num_pages'] * info['page_size']} tokens ({info['kv_mib']:.0f} MiB, "
+            f"{info.get('kv_cache_dtype', info['dtype'])}) | "
             f"context {info['max_model_len']} | serving on http://{host}:{port}")
 
 

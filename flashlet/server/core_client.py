@@ -415,7 +415,8 @@ class CoreClient(EngineClient):
 
     def core_stats(self) -> list[dict]:
         return [{**c.stats, "routed": c.num_routed, "in_flight": c.num_in_flight,
-                 "pending_prefill": c.pending_prefill, "up": float(c.usable)}
+                 "pending_prefill": c.pending_prefill, "up": float(c.usable),
+                 "kv_cache_dtype": (c.info or {}).get("kv_cache_dtype")}
                 for c in self.cores]
 
     def _send(self, core: CoreProcess, msg) -> None:

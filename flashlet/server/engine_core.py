@@ -85,11 +85,14 @@ def engine_info(engine) -> dict:
             "context_note": engine.context_note(), "backend": engine.backend_name,
             "model_dir": str(engine.model_dir) if engine.model_dir else None,
             "kv_mib": stats["kv_pool_bytes"] / 2**20, "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch.")}
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": stats["kv_cache_dtype"]}
 
 
 def core_stats(engine) -> dict[str, float]:
-    stats = engine.stats()
+    """The engine's numeric stats (a step message carries numbers; the KV dtype, a name, goes
+    once in engine_info)."""
+    stats = {k: v for k, v in engine.stats().items() if not isinstance(v, str)}
     return {**stats, "num_requests": stats["requests"]}
 
 

@@ -39,6 +39,8 @@ class EngineCollector:
             ("flashlet_kv_pages_used", "KV pool pages in use (requests and prefix cache)",
              "kv_pages_used"),
             ("flashlet_kv_pages_total", "KV pool size in pages", "kv_pages_total"),
+            ("flashlet_kv_tokens_total", "KV pool size in tokens (twice as many with an fp8 "
+             "cache in the same memory)", "kv_tokens_total"),
             ("flashlet_kv_pages_cached", "KV pages held by the prefix cache", "kv_pages_cached"),
             ("flashlet_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
              "prompt tokens admitted", "prefix_cache_hit_rate"),
@@ -48,6 +50,7 @@ class EngineCollector:
             for core, s in enumerate(per_core):
                 family.add_metric([str(core)], float(s.get(key, 0)))
             yield family
+        yield self._kv_cache_dtype(per_core)
         yield GaugeMetricFamily("flashlet_engine_ready", "1 once every engine core is loaded, "
                                 "while one takes requests",
                                 value=1.0 if self.loop.is_ready else 0.0)
@@ -72,6 +75,17 @@ class EngineCollector:
             for core, s in enumerate(per_core):
                 family.add_metric([str(core)], float(s.get(key, 0)))
             yield family
+
+
+    @staticmethod
+    def _kv_cache_dtype(per_core: list[dict]) -> GaugeMetricFamily:
+        """An info gauge: 1 with the dtype the core's KV pool stores as a label."""
+        family = GaugeMetricFamily("flashlet_kv_cache_dtype_info", "1, labelled with the "
+                                   "dtype the core's KV pool stores", labels=["core", "dtype"])
+        for core, s in enumerate(per_core):
+            if s.get("kv_cache_dtype"):
+                family.add_metric([str(core), s["kv_cache_dtype"]], 1.0)
+        return family
 
 
 class BatchHistogram:

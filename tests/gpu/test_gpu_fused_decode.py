@@ -373,11 +373,10 @@ def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family
 
 @pytest.mark.skipif(not SM90, reason="below sm_90 auto says no for the GPU first")
 @pytest.mark.parametrize("config,why", [
-    (dict(backend="torch"), "the attention backend is torch"),
     (dict(dtype="float16"), "the dtype is float16"),
     (dict(cuda_graph=False), "CUDA graphs are off"),
     (dict(fused_decode=False), None),
-], ids=["torch-backend", "fp16", "no-graphs", "asked-off"])
+], ids=["fp16", "no-graphs", "asked-off"])
 def test_default_config_stays_per_op_where_a_condition_fails(tmp_path, caplog, config, why):
     """Where one condition fails, the default builds no fused path, raises nothing and logs
     which condition (fused_decode=False: nothing to log)."""

@@ -1,0 +1,107 @@
+"""What runs each kind of step: `--backend auto` and the fused decode path, chosen in one place.
+
+A step is one of three kinds, and each may run a different path over the same paged pool (every
+backend reads the pool's NHD layout, `KVPool`):
+    decode (1 row)     the fused decode path (CuTe GEMVs + the triton one-launch attention,
+                       `flashlet/fused_decode.py`), where the platform and the model allow it
+    decode (2+ rows)   the step backend, per-op
+    prefill/mixed      the step backend, per-op
+The fused path brings its own attention (a `TritonBackend` over the pool), so installing
+FlashInfer changes what serves prefill and multi-row decode, never whether one-row decode is
+fused.
+
+`choose_paths` is a pure function of the platform (device capability, installed packages) and
+the model's shape (head_dim, GQA group, dtype, tensor parallelism, CUDA graphs): it returns
+each step kind's path with its reason, which the runner logs as one line at start. The model's
+own shape limits on the fused path (`fused_decode.refusals`) are checked after it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from flashlet.kernels import tuning
+
+# The measured preferences, one place. Figures: BENCHMARKS.md.
+# - decode (1 row): the fused path, wherever its conditions hold. It beat per-op on every
+#   preset it serves (measured behind the triton backend; behind another it runs the same
+#   kernels), replayed in CUDA graphs with PDL (sm_90+): eagerly each CuTe launch costs host
+#   time never measured against per-op.
+FUSED_MIN_CAPABILITY = (9, 0)
+FUSED_DTYPES = (torch.bfloat16,)
+# - decode (2+ rows) and prefill/mixed: the step backend, per (head_dim, group) from
+#   `tuning.preferred_backend` (scripts/tune_triton.py's comparison; where unmeasured, FlashInfer's
+#   FA2 at head_dim >= 128, our Triton kernels, tuned at head_dim 64, below).
+FUSED_DECODE_PATH = "fused (CuTe GEMVs + triton one-launch attention)"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the choice reads of the machine. capability None: not a CUDA device."""
+
+    device_type: str
+    capability: tuple[int, int] | None
+    installed: frozenset[str]  # optional backends importable here ("flashinfer")
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Platform":
+        """This machine: the device's capability and the optional backends that import."""
+        cuda = device.type == "cuda"
+        installed = frozenset(n for n in ("flashinfer",) if importlib.util.find_spec(n) is not None)
+        capability = tuple(torch.cuda.get_device_capability(device)) if cuda else None
+        return cls(device.type, capability, installed)
+
+
+@dataclass(frozen=True)
+class StepPaths:
+    """Each step kind's path and why."""
+
+    backend: str            # the step backend: decode (2+ rows) and prefill/mixed
+    backend_why: str
+    fused_decline: str | None  # why one-row decode is not fused (None: fused, if the model allows)
+
+    def log_line(self, fused_on: bool, fused_why: str | None = None) -> str:
+        """'decode (1 row): ...; decode (2+ rows): ...; prefill/mixed: ...' for the start log."""
+        why_not = fused_why or self.fused_decline
+        one = FUSED_DECODE_PATH if fused_on else f"{self.backend} (per-op: {why_not})"
+        return (f"decode (1 row): {one}; decode (2+ rows): {self.backend}; "
+                f"prefill/mixed: {self.backend} ({self.backend_why})")
+
+
+def choose_paths(requested: str, platform: Platform, head_dim: int, group: int, dtype: torch.dtype,
+                 tensor_parallel: bool, cuda_graphs: bool) -> StepPaths:
+    """The step backend (`requested`, or auto's pick) and why one-row decode would not be fused
+    on this platform (None: nothing against it here)."""
+    backend, why = step_backend(requested, platform, head_dim, group)
+    return StepPaths(backend, why, fused_decline(platform, dtype, tensor_parallel, cuda_graphs))
+
+
+def step_backend(requested: str, platform: Platform, head_dim: int, group: int) -> tuple[str, str]:
+    """(backend, why) for prefill/mixed and multi-row decode steps."""
+    if requested != "auto":
+        return requested, "asked for by name"
+    if platform.capability is None:
+        return "torch", f"auto on {platform.device_type}: the torch backend"
+    return tuning.preferred_backend(head_dim, group, "flashinfer" in platform.installed)
+
+
+def fused_decline(platform: Platform, dtype: torch.dtype, tensor_parallel: bool,
+                  cuda_graphs: bool) -> str | None:
+    """Why the fused path stays off on this platform (the first condition that fails), or None.
+    The step backend is not a condition: the fused path attends with its own triton kernel.
+    The model's shape and the CuTe DSL are checked after this (`fused_decode.auto_declines`)."""
+    if platform.capability is None:
+        return f"the device is {platform.device_type}, not CUDA"
+    if platform.capability < FUSED_MIN_CAPABILITY:
+        major, minor = platform.capability
+        return f"the GPU is sm_{major}{minor}; its PDL launches need sm_90 or newer"
+    if dtype not in FUSED_DTYPES:
+        return f"the dtype is {str(dtype).removeprefix('torch.')}; its kernels are bf16 only"
+    if tensor_parallel:
+        return "tensor parallelism is on; it runs one GPU only"
+    if not cuda_graphs:
+        return "CUDA graphs are off; it was measured faster replayed in them"
+    return None

@@ -1,0 +1,417 @@
+"""The `draft` proposer: a smaller model with the target's tokenizer guesses the next k tokens of
+each speculating request, greedily, and the target checks them all in one verify step.
+
+How the verify step uses it (speculative.py drives it through speculative_api.Proposer):
+  1. Before a step, the engine calls `propose(requests, k)` for the requests that speculate in
+     it (their newest token read: no placeholder of an overlapped step). Each gets up to k
+     tokens d1..dk (fewer near the end of the context or of the draft's pool).
+  2. In the step each such request has k + 1 query rows, its newest token and d1..dk, beside
+     plain decodes and prefill chunks in the one ragged attention call; the target's logits
+     at those rows say what it would emit at each position.
+  3. Greedy: the longest prefix d1..da that agrees with the target's argmax is accepted, plus
+     the target's own token after it. Sampled: rejection sampling with q one-hot at the draft's
+     token (this proposer is greedy), so the output distribution stays the target's.
+  4. `on_accepted(request, a)`: the draft keeps the K/V of the accepted prefix only (pages past
+     it freed), so the next `propose` feeds just what the draft has not seen: the target's own
+     token, and dk as well when all k were accepted (dk was proposed, never fed).
+  5. `release(request)` once it finishes, is aborted or preempted.
+
+One propose() is one catch-up forward (ragged: each request's tokens the draft has not seen,
+a new request's whole prompt, chunked at the step budget), whose last rows give d1, then k - 1
+decode forwards of all requests together, each fed the previous step's tokens on the device: the
+host reads the proposals once, at the end, and on CUDA the decode steps replay the runner's
+graphs. The draft's K/V then cover the context and d1..d(k-1).
+
+The draft's state corrects itself: `propose` compares the tokens whose K/V the draft holds with
+the request's own and drops everything from the first difference on, so a request that
+diverged (a missed on_accepted, a rewritten output) costs a recomputation, never a wrong
+proposal. The K/V live in a pool of the draft's own shape (its layers and heads), in its own
+page allocator; the runner is the engine's ModelRunner over the draft model.
+
+Other proposers on the same interface:
+- EAGLE-style heads (EAGLE-1/2/3): a one-layer decoder that predicts the target's next hidden
+  state from a hidden state and the next token's embedding, with the target's embedding and LM
+  head. It needs what this proposer does not: the target's hidden states at the verify step's
+  accepted rows (EAGLE-3: several layers'), handed over by the engine in a hook beside
+  on_accepted (e.g. `on_verified(request, num_accepted, hidden[rows])`). The head keeps its
+  layer's K/V in a small pool as here; its catch-up feeds the accepted positions with the
+  target's hidden states (not its own predictions there, which it drops as this proposer drops
+  rejected K/V), then `propose` runs k steps of the head alone, each on the hidden state it
+  predicted last; `on_accepted` truncates and `release` frees as here. Tree drafts (top-k
+  branches a step) would also need a tree mask in the verify step: the interface returns one
+  chain a request, so they are a later extension.
+- MTP heads (DeepSeek-V3, Qwen3-Next, MiMo): layers shipped in the target's checkpoint that
+  predict token t + 1 + d from the target's hidden state at t and the embedding of token t + d.
+  They plug in as the EAGLE head does (the same hook, the same catch-up on the target's states,
+  k steps reusing the one layer past its trained depth as vLLM does), with weights read from the
+  target's checkpoint and its embedding and LM head shared. A head run inside the verify
+  forward itself would spare propose's forwards: `propose` would return what the last verify
+  step left for the request, `on_accepted` pick the accepted row's, `release` drop them.
+
+At engine start, `warm_up()` compiles the draft's kernels and captures its graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from flashlet.config import EngineConfig
+from flashlet.kv_pool import KVPool
+from flashlet.model import ModelConfig
+from flashlet.model_runner import ModelRunner
+from flashlet.request import PLACEHOLDER, Request
+from flashlet.speculative_api import SpeculativeConfig
+from flashlet.weights import load_model, random_model
+
+# The share of free GPU memory a draft's pool takes when the target's pool size is not given:
+# a draft's K/V per token are a fraction of the target's, and the target's pool must keep its
+# share whichever of the two is built first (the engine can pass num_pages instead).
+DRAFT_GPU_MEMORY_FRACTION = 0.1
+
+
+def load_draft_model(source: str, target_config: EngineConfig, device: torch.device):
+    """(the draft model, its tokenizer or None), by the engine's loaders: a folder, hub id or
+    .gguf file (as --model), or a preset name or config.json path (random weights as --config,
+    seeded with the target's weights_seed: the target's own preset is then the target itself)."""
+    from flashlet.engine import PRESETS_DIR, _ops_for, preset_config_path  # engine imports us
+
+    dtype, ops = target_config.resolved_dtype(), _ops_for(target_config, device)
+    if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json"):
+        cfg = ModelConfig.from_file(preset_config_path(source))
+        return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops), None
+    model, tokenizer, _folder = load_model(source, device, dtype, ops=ops)
+    return model, tokenizer
+
+
+def target_vocab_size(target_config: EngineConfig) -> int:
+    """The target's vocabulary size, from its config.json (no weights loaded)."""
+    from flashlet.engine import model_config_path
+
+    return ModelConfig.from_file(model_config_path(target_config)).vocab_size
+
+
+def check_vocab(draft_vocab: int, target_vocab: int) -> None:
+    """A draft may have fewer embedding rows than its target (Qwen2.5-0.5B pads its vocabulary
+    to 151,936, Qwen2.5-7B to 152,064, with one tokenizer), never more: it could propose ids
+    the target has no row for."""
+    if draft_vocab > target_vocab:
+        raise ValueError(f"speculative draft model: its vocabulary ({draft_vocab} tokens) is "
+                         f"larger than the target's ({target_vocab} tokens); the draft must "
+                         f"share the target's tokenizer")
+
+
+def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
+    """Refuse a draft whose tokenizer gives some token another id than the target's (its
+    proposals would never be accepted); tokens only one of them has are fine."""
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    mine, theirs = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    differ = [t for t, i in mine.items() if theirs.get(t, i) != i]
+    if differ:
+        example = min(differ, key=mine.get)
+        raise ValueError(f"speculative draft model: its tokenizer is not the target's: "
+                         f"{len(differ)} tokens have other ids (e.g. {example!r}: "
+                         f"{mine[example]} in the draft, {theirs[example]} in the target)")
+
+
+@dataclass
+class _DraftSequence:
+    """What the draft holds for one request: its pages and the tokens whose K/V are in them."""
+
+    row: int  # in the runner's batch
+    request: Request | None = None  # the request whose tokens these are (ids are reused)
+    page_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_verified: int = 0  # leading token_ids known to be the request's own
+    context_len: int = 0  # the request's tokens when it was last proposed for
+
+
+@dataclass
+class _Work:
+    """One request's part of a propose() call."""
+
+    seq: _DraftSequence
+    feed: list[int]  # the request's tokens the draft has not computed (at least its newest)
+    k: int  # proposals it gets
+
+
+class _Chunk(NamedTuple):
+    """Part of a request's catch-up feed in one step."""
+
+    index: int  # the request's place in the propose() call
+    token_ids: list[int]
+    ends_feed: bool  # its last token is the request's newest: its logits give d1
+
+
+class DraftProposer:
+    """Proposes each request's next k tokens by greedy decoding on a draft model (module doc)."""
+
+    def __init__(self, target_config: EngineConfig, spec: SpeculativeConfig,
+                 device: torch.device | str | None = None, *, num_pages: int | None = None,
+                 target_vocab: int | None = None, target_tokenizer=None):
+        """device: the target's (default: target_config's). num_pages: the draft pool's size
+        (default: `_default_num_pages`). target_vocab: the target's vocabulary size, if the
+        caller has it (else read from the target's config.json). target_tokenizer: checked
+        against the draft's, where both exist."""
+        if spec.model is None:
+            raise ValueError("speculative config: the draft method needs a `model` (a folder, "
+                             "hub id, .gguf file or preset of the draft)")
+        self.device = torch.device(device or target_config.resolved_device())
+        self.model, tokenizer = load_draft_model(spec.model, target_config, self.device)
+        cfg = self.model.config
+        self.target_vocab = target_vocab or target_vocab_size(target_config)
+        check_vocab(cfg.vocab_size, self.target_vocab)
+        check_tokenizers(tokenizer, target_tokenizer)
+        self.page_size = ps = target_config.page_size
+        self.max_model_len = min(cfg.max_context_len,
+                                 target_config.max_model_len or cfg.max_context_len)
+        max_pages_per_seq = -(-self.max_model_len // ps)
+        self.kv_pool = KVPool(cfg.num_layers,
+                              num_pages or self._default_num_pages(target_config, spec),
+                              ps, cfg.num_kv_heads, cfg.head_dim,
+                              target_config.resolved_dtype(), self.device,
+                              fused_rope=target_config.fused_ops and self.device.type == "cuda")
+        # One device, the per-op path: the fused path serves the target's one-stream steps.
+        self.runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.runner_config, self.device,
+                                  max_pages_per_seq)
+        self.batch = self.runner.batch
+        self.max_step_tokens = target_config.max_num_batched_tokens
+        self._sequences: dict[int, _DraftSequence] = {}  # request id -> its draft state
+
+    def _default_num_pages(self, c: EngineConfig, spec: SpeculativeConfig) -> int:
+        """Every sequence at full length at most; within that, the target's page count plus
+        room for k proposals a sequence where the target's is given, else a memory budget."""
+        cfg, ps = self.model.config, c.page_size
+        cap = c.max_num_seqs * -(-self.max_model_len // ps)
+        if c.max_num_pages is not None:
+            proposals = c.max_num_seqs * -(-spec.num_speculative_tokens // ps)
+            return min(cap, c.max_num_pages + proposals)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, ps, cfg.num_kv_heads, cfg.head_dim,
+                                         c.resolved_dtype())
+        if self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * DRAFT_GPU_MEMORY_FRACTION
+        else:
+            budget = c.kv_memory_gb * 2**30
+        return max(1, min(int(budget // per_page), cap))
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Compile the draft's kernel variants and capture its CUDA graphs now rather than in
+        the first requests: one synthetic step per variant on the pool's scratch page, as the
+        engine's warm-up (flashlet/warmup.py) does for the target. Returns the graphs held."""
+        from flashlet import warmup
+
+        runner, max_seqs = self.runner, self.runner_config.max_num_seqs
+        max_chunk = min(self.max_step_tokens, self.max_model_len)
+        mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs)
+        for q_len in [] if mixed else warmup.chunk_lengths(runner.backend, max_chunk):
+            runner.forward(*runner.load(self._synthetic(1, q_len)))
+        for size in warmup.decode_sizes(runner, max_seqs):
+            runner.forward(*runner.load(self._synthetic(size, 1)))
+        for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its memory
+            runner.forward(*runner.load(self._synthetic(1, q_len), token_bucket=bucket))
+        return len(runner.graphs)
+
+    def _synthetic(self, num_seqs: int, q_len: int):
+        from flashlet.warmup import synthetic_layout
+
+        return synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size)
+
+    # ---- the Proposer interface -----------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        """Up to k greedy draft tokens per request (none where the context or the pool is full)."""
+        self._check(requests, k)
+        work = [self._prepare(req, k) for req in requests]
+        todo = [w for w in work if w is not None]
+        proposed = iter(self._run(todo) if todo else [])
+        return [next(proposed) if w is not None else [] for w in work]
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        """Keep the draft's K/V of the context and the accepted proposals; free the rest."""
+        if num_accepted < 0:
+            raise ValueError(f"num_accepted must be >= 0, got {num_accepted}")
+        seq = self._sequences.get(request.request_id)
+        if seq is not None:
+            self._truncate(seq, min(len(seq.token_ids), seq.context_len + num_accepted))
+
+    def release(self, request: Request) -> None:
+        """Free every draft page of the request (a no-op for one the draft never saw)."""
+        seq = self._sequences.pop(request.request_id, None)
+        if seq is not None:
+            self.kv_pool.allocator.free(seq.page_ids)
+            self.batch.remove(request.request_id)
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.kv_pool.allocator.num_free
+
+    def num_tokens_held(self, request: Request) -> int:
+        """Tokens of the request whose K/V the draft holds (0 if none)."""
+        seq = self._sequences.get(request.request_id)
+        return len(seq.token_ids) if seq is not None else 0
+
+    def check_integrity(self) -> None:
+        """Every page is free or held by exactly one request, whose page table covers its tokens."""
+        held = [p for seq in self._sequences.values() for p in seq.page_ids]
+        assert len(held) == len(set(held)), "a draft page is held twice"
+        free = self.kv_pool.allocator.free_pages()
+        assert not free & set(held), "a free draft page is held by a request"
+        assert len(free) + len(held) == self.kv_pool.num_pages, "a draft page leaked"
+        for request_id, seq in self._sequences.items():
+            assert len(seq.page_ids) >= self._pages_for(len(seq.token_ids)), request_id
+            assert self.batch.pages_of(request_id) == seq.page_ids, request_id
+            assert seq.num_verified <= len(seq.token_ids), request_id
+
+    # ---- one propose() call ------------------------------------------------------------------
+    def _check(self, requests: Sequence[Request], k: int) -> None:
+        """Refuse a call that cannot be served, before any state changes."""
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        if len({req.request_id for req in requests}) < len(requests):
+            raise ValueError("propose: a request id appears twice in one call")
+        for req in requests:
+            if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                raise ValueError(f"request {req.request_id}: its newest token is still on the "
+                                 f"device (an overlapped step): read it before proposing")
+
+    def _prepare(self, req: Request, k: int) -> _Work | None:
+        """Sync the draft's state with the request, reserve pages for its proposals -> its work,
+        or None where it gets no proposal (context or pool full)."""
+        n = req.num_tokens
+        seq = self._sequences.get(req.request_id)
+        if seq is None:
+            seq = _DraftSequence(self.batch.add(req.request_id, []))
+            self._sequences[req.request_id] = seq
+        if seq.request is not req:  # a new request under a released (or never released) id
+            seq.request, seq.num_verified = req, 0
+        self._sync(seq, req)
+        seq.context_len = n  # so an on_accepted after no proposal keeps all it holds
+        # The draft's K/V reach position n + k - 2 (d(k-1)'s): in the context and the pool.
+        k = min(k, self.max_model_len - n + 1, self._room(seq) - n + 1)
+        if k < 1:
+            return None
+        self._grow(seq, n + k - 1)
+        return _Work(seq, req.token_slice(len(seq.token_ids), n), k)
+
+    def _sync(self, seq: _DraftSequence, req: Request) -> None:
+        """Drop the draft's tokens from the first that differs from the request's on, and its
+        newest token in any case: its logits give the first proposal."""
+        same, end = seq.num_verified, min(len(seq.token_ids), req.num_tokens)
+        if same < end:
+            for mine, theirs in zip(seq.token_ids[same:end], req.token_slice(same, end)):
+                if mine != theirs:
+                    break
+                same += 1
+        self._truncate(seq, min(same, req.num_tokens - 1))
+
+    def _room(self, seq: _DraftSequence) -> int:
+        """Tokens the sequence could hold with every free page."""
+        return (len(seq.page_ids) + self.kv_pool.allocator.num_free) * self.page_size
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, seq: _DraftSequence, num_tokens: int) -> None:
+        """Pages for num_tokens tokens."""
+        more = self._pages_for(num_tokens) - len(seq.page_ids)
+        if more > 0:
+            first = len(seq.page_ids)
+            seq.page_ids += self.kv_pool.allocator.allocate(more)
+            self.batch.set_pages(seq.row, first, seq.page_ids[first:])
+
+    def _truncate(self, seq: _DraftSequence, num_tokens: int) -> None:
+        """Keep the K/V of the first num_tokens tokens; free the pages past them."""
+        del seq.token_ids[num_tokens:]
+        seq.num_verified = min(seq.num_verified, num_tokens)
+        keep = self._pages_for(num_tokens)
+        if keep < len(seq.page_ids):
+            self.kv_pool.allocator.free(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
+            self.batch.set_pages(seq.row, 0, seq.page_ids)
+
+    def _run(self, work: list[_Work]) -> list[list[int]]:
+        """The catch-up forward(s), then k - 1 decode forwards -> each request's proposals."""
+        steps = [(work, self._catch_up(work))]  # (whose tokens, [len(whose)] on the device)
+        for j in range(1, max(w.k for w in work)):
+            active = [w for w in work if w.k > j]
+            steps.append((active, self._decode_step(active, j, steps[-1][1])))
+        values = iter(torch.cat([tokens for _, tokens in steps]).tolist())  # the one read
+        proposals = {id(w): [] for w in work}
+        for whose, _ in steps:
+            for w in whose:
+                proposals[id(w)].append(next(values))
+        for w in work:  # d1..d(k-1) were fed: their K/V are in the draft's pool
+            w.seq.token_ids += proposals[id(w)][: w.k - 1]
+        return [proposals[id(w)] for w in work]
+
+    def _decode_step(self, active: list[_Work], j: int, previous: torch.Tensor) -> torch.Tensor:
+        """One greedy decode forward of the active requests, each fed its d_j from `previous`
+        (the last step's tokens, on the device) -> their d_(j+1) [len(active)]."""
+        rows = self._rows_of(active)
+        starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
+        layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
+        self.batch.sample_index[rows] = np.arange(len(active))  # where the next step's feed is
+        input_ids, meta = self.runner.load(layout, previous)
+        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+
+    def _rows_of(self, work: list[_Work]) -> np.ndarray:
+        return np.array([w.seq.row for w in work], np.int64)
+
+    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
+        """Forward each request's unseen tokens, in chunks of the step budget -> d1 of each
+        [len(work)], the greedy token after its newest."""
+        first = torch.empty(len(work), dtype=torch.int64, device=self.device)
+        pending = list(range(len(work)))
+        while pending:
+            chunks = self._next_chunks(work, pending)
+            sampled = self._forward_chunks(work, chunks)
+            ends = [c.index for c in chunks if c.ends_feed]
+            if ends:
+                first.index_copy_(0, torch.tensor(ends, device=self.device), sampled)
+                ended = set(ends)
+                pending = [i for i in pending if i not in ended]
+        self.batch.sample_index[self._rows_of(work)] = np.arange(len(work))  # first's order
+        return first
+
+    def _next_chunks(self, work: list[_Work], pending: list[int]) -> list["_Chunk"]:
+        """The pending feeds' next chunks, in order, within one step's token budget."""
+        budget, chunks = self.max_step_tokens, []
+        for i in pending:
+            w = work[i]
+            done = len(w.seq.token_ids) - (w.seq.context_len - len(w.feed))  # fed already
+            size = min(len(w.feed) - done, budget)
+            if size < 1:
+                break
+            chunks.append(_Chunk(i, w.feed[done : done + size], done + size == len(w.feed)))
+            budget -= size
+        return chunks
+
+    def _forward_chunks(self, work: list[_Work], chunks: list["_Chunk"]) -> torch.Tensor:
+        """One ragged forward of these chunks -> the greedy tokens of those that end their
+        request's feed, in order."""
+        seqs = [work[c.index].seq for c in chunks]
+        token_ids = [t for c in chunks for t in c.token_ids]
+        if self.model.config.vocab_size < self.target_vocab:
+            token_ids = self._embeddable(token_ids)
+        layout = self.batch.layout(
+            np.array([s.row for s in seqs], np.int64), [len(s.token_ids) for s in seqs],
+            token_ids, [len(c.token_ids) for c in chunks], [c.ends_feed for c in chunks])
+        for seq, chunk in zip(seqs, chunks):
+            seq.token_ids += chunk.token_ids
+            seq.num_verified = len(seq.token_ids)
+        input_ids, meta = self.runner.load(layout)
+        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+
+    def _embeddable(self, token_ids: list[int]) -> list[int]:
+        """A target token past a narrower draft's rows (a padding id, which trained targets
+        all but never sample) goes in as id 0: the draft's guesses after it get worse, while
+        verification keeps the output exact."""
+        rows = self.model.config.vocab_size
+        return [t if t < rows else 0 for t in token_ids]

@@ -1,0 +1,194 @@
+"""Where fp8 weights lose fidelity: each way of running them emulated on the CPU, against fp32.
+
+Every variant runs the same model (bf16 activations, as the engine runs) with its decoder
+projections replaced by what that variant multiplies, and is compared with the fp32 model on
+the same tokens: argmax agreement (with its binomial standard error), and the logit error
+(RMS and max of |logits - fp32 logits|). The variants separate the weight rounding itself
+(per-row scales or 128 x 128 block scales, multiplied in fp32 or in bf16), the per-token fp8
+activations of the `torch._scaled_mm` path, the LM head in fp8, and each projection alone.
+
+    PYTHONPATH=. python lab/fp8_fidelity.py --preset qwen2.5-0.5b --layers 6
+    PYTHONPATH=. python lab/fp8_fidelity.py --smollm2       # the real embedded model, its text
+
+--smollm2 scores scripts/fidelity_text.txt (and prints each variant's perplexity); a preset
+scores --seqs random sequences of --seq-len tokens, at the preset's shape with --layers layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import flashlet.ops
+from flashlet import quantization as q
+from flashlet.engine import preset_config_path
+from flashlet.model import ModelConfig
+from flashlet.ops import TorchOps
+from flashlet.weights import embedded_model_dir, load_model, load_tokenizer, random_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class EmulatedWeight(q.QuantizedWeight):
+    """A projection as a variant multiplies it: `weight` is the value it stands for (fp32),
+    `act_fp8` quantizes each activation row to e4m3 first, `matmul_dtype` is the GEMM's."""
+
+    def __init__(self, weight, act_fp8=False, matmul_dtype=torch.float32):
+        torch.nn.Module.__init__(self)
+        self.register_buffer("weight", weight.float())
+        self.act_fp8, self.matmul_dtype = act_fp8, matmul_dtype
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    def emulate(self, x, bias):
+        xs = x.float()
+        if self.act_fp8:
+            xq, x_scale = q.quantize_rows(xs)
+            xs = xq.float() * x_scale[:, None]
+        out = F.linear(xs.to(self.matmul_dtype), self.weight.to(self.matmul_dtype)).float()
+        return (out + bias.float() if bias is not None else out).to(x.dtype)
+
+
+def emulated_linear(x, w, bias=None):
+    return w.emulate(x, bias) if isinstance(w, EmulatedWeight) else q.linear(x, w, bias)
+
+
+def per_row(w):
+    qw, s = q.quantize_rows(w)
+    return qw.float() * s[:, None]
+
+
+def per_block(w, block=128):
+    """e4m3 with one scale per block x block tile (DeepSeek-V3's weight_block_size)."""
+    n, k = w.shape
+    pn, pk = -n % block, -k % block
+    t = F.pad(w.float(), (0, pk, 0, pn)).reshape((n + pn) // block, block, (k + pk) // block, block)
+    s = (t.abs().amax(dim=(1, 3), keepdim=True) / q.FP8_MAX).clamp(min=q.MIN_SCALE)
+    return ((t / s).to(q.FP8).float() * s).reshape(n + pn, k + pk)[:n, :k]
+
+
+def variants():
+    """name -> (weight rounding, act_fp8 (or the projections it applies to), matmul dtype,
+    projections quantized, LM head in fp8)."""
+    all_p = q.QUANTIZED_PROJECTIONS
+    f32, bf16 = torch.float32, torch.bfloat16
+    table = {
+        "bf16": None,
+        "fp8 W per-row, fp32 matmul (weight-only; CPU path)": (per_row, False, f32, all_p, False),
+        "fp8 W per-row, bf16 matmul": (per_row, False, bf16, all_p, False),
+        "fp8 W per-row + fp8 A per-token (_scaled_mm)": (per_row, True, f32, all_p, False),
+        "fp8 W 128x128 blocks, fp32 matmul": (per_block, False, f32, all_p, False),
+        "fp8 A per-token only (W bf16)": (lambda w: w, True, f32, all_p, False),
+        "fp8 W per-row + LM head fp8": (per_row, False, f32, all_p, True),
+    }
+    for proj in all_p:
+        table[f"fp8 W per-row, {proj} only"] = (per_row, False, f32, (proj,), False)
+    for proj in all_p:
+        table[f"fp8 W per-row, fp8 A on {proj} only"] = (per_row, (proj,), f32, all_p, False)
+    return table
+
+
+def apply_variant(model, spec):
+    rounding, act_fp8, matmul_dtype, projs, lm_head_fp8 = spec
+    with torch.no_grad():
+        for layer in model.layers:
+            for proj in projs:
+                linear = getattr(layer, proj)
+                act = act_fp8 if isinstance(act_fp8, bool) else proj in act_fp8
+                emulated = EmulatedWeight(rounding(linear.weight.float()), act, matmul_dtype)
+                q.swap_weight(linear, emulated)
+    if lm_head_fp8:
+        head = per_row(model.lm_head_weight.float())
+        model.compute_logits = lambda h: F.linear(h.float(), head)
+
+
+class DenseAttention:
+    """Causal attention over one whole sequence (no pool)."""
+
+    def run_rope(self, layer_idx, qh, k, v, positions, cos_sin):
+        qh, k = TorchOps.rope(qh, k, positions, cos_sin)
+        group = qh.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        o = F.scaled_dot_product_attention(qh.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1)
+
+
+@torch.inference_mode()
+def logits_of(model, seqs):
+    out = []
+    for s in seqs:
+        ids = torch.tensor(s)
+        out.append(model.compute_logits(model(ids, torch.arange(len(s)), DenseAttention())).float())
+    return torch.cat(out)
+
+
+def measure(ref, logits, seqs):
+    agree = (ref.argmax(-1) == logits.argmax(-1)).float()
+    p, n = agree.mean().item(), agree.numel()
+    diff = logits - ref
+    row = {"agreement": p, "se": math.sqrt(p * (1 - p) / n),
+           "rms_logit_err": diff.pow(2).mean().sqrt().item(),
+           "max_logit_err": diff.abs().max().item()}
+    targets = torch.cat([torch.tensor(s[1:] + [-100]) for s in seqs])
+    row["perplexity"] = math.exp(F.cross_entropy(logits, targets, ignore_index=-100).item())
+    return row
+
+
+def build(args, dtype):
+    if args.smollm2:
+        model, _, _ = load_model(str(embedded_model_dir()), dtype=dtype)
+        return model
+    cfg = json.loads(preset_config_path(args.preset).read_text())
+    cfg["num_hidden_layers"] = args.layers
+    return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=args.seed)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--seqs", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smollm2", action="store_true")
+    p.add_argument("--only", nargs="*", help="variant names containing any of these")
+    args = p.parse_args()
+    flashlet.ops.quantized_linear = emulated_linear
+    if args.smollm2:
+        tok = load_tokenizer(embedded_model_dir())
+        seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]
+    else:
+        vocab = json.loads(preset_config_path(args.preset).read_text())["vocab_size"]
+        g = torch.Generator().manual_seed(args.seed)
+        seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g).tolist()
+                for _ in range(args.seqs)]
+    ref = logits_of(build(args, torch.float32), seqs)
+    top2 = ref.topk(2, -1).values
+    gap = (top2[:, 0] - top2[:, 1]).median().item()
+    what = "SmolLM2-135M" if args.smollm2 else f"{args.preset} at {args.layers} layers"
+    print(f"{what}, {ref.shape[0]} positions, fp32 top-2 gap median {gap:.3f}, "
+          f"fp32 perplexity {measure(ref, ref, seqs)['perplexity']:.3f}")
+    print("| variant | agreement % | RMS logit err | max logit err | perplexity |")
+    print("|---|---|---|---|---|")
+    for name, spec in variants().items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        model = build(args, torch.bfloat16)
+        if spec is not None:
+            apply_variant(model, spec)
+        r = measure(ref, logits_of(model, seqs), seqs)
+        print(f"| {name} | {100 * r['agreement']:.1f} +- {196 * r['se']:.1f} "
+              f"| {r['rms_logit_err']:.3f} | {r['max_logit_err']:.2f} | {r['perplexity']:.3f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The fused path on a Qwen2.5-7B-shaped model (hidden 3,584, intermediate 18,944 > MAX_DOWN_K,
+28 / 4 heads of 128), two layers and a small vocabulary, random weights: the down projection
+runs on cuBLAS inside the fused step, the rest fused, and the greedy tokens agree with the
+per-op path under the near-tie rule (tests/gpu/test_gpu_fused_decode.py, teacher-forced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet import fused_decode
+from tests.conftest import save_tiny_model
+from tests.gpu.test_gpu_fused_decode import SM90, check_against_reference_teacher_forced, prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only"),
+]
+
+QWEN25_7B_TWO_LAYERS = dict(vocab_size=4096, hidden_size=3584, intermediate_size=18944, num_hidden_layers=2,
+                            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096)
+
+
+@pytest.mark.slow
+def test_qwen25_7b_shape_runs_fused_with_a_cublas_down_projection(tmp_path):
+    assert QWEN25_7B_TWO_LAYERS["intermediate_size"] > fused_decode.MAX_DOWN_K
+    source = dict(model=str(save_tiny_model("qwen2", tmp_path, **QWEN25_7B_TWO_LAYERS)))
+    engine = check_against_reference_teacher_forced(source, prompts(4, 4096), 24, fused=None)
+    fused = engine.runner.fused
+    assert fused is not None and fused.down is None and fused.pdl and fused.one_launch_attention

@@ -1,0 +1,97 @@
+"""The weight-only FP8 GEMM (flashlet/kernels/fp8_gemv.py) against its fp32 reference: split and
+unsplit K, ragged shapes, bias, strided activations, and the split-K choice. Small shapes: on the
+CPU these run in the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.kernels.fp8_gemv import (MAX_SPLIT_K, GemmTile, fp8_gemm, fp8_gemm_reference,
+                                       split_k_for)
+from flashlet.quantization import quantize_rows
+
+
+def _case(m, n, k, *, bias, seed, device, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]  # rows of many scales
+    qweight, scale = quantize_rows(w)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return [t.to(device) if t is not None else None for t in (x, qweight, scale, b)]
+
+
+def _close(ours, ref):
+    """Equal up to the output's own rounding (two ulps of the largest value's dtype)."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    eps = torch.finfo(ref.dtype).eps
+    tol = 2 * eps * ref.float().abs().max().item()
+    assert (ours.float() - ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("m,n,k,split_k,bias", [
+    (1, 40, 200, 1, True),     # N, K not multiples of the blocks
+    (1, 96, 384, 3, False),    # split K, every split a full block
+    (5, 70, 300, 2, True),     # split K with a ragged last split
+    (16, 64, 256, 1, False),   # a whole 16-row tile
+    (17, 33, 130, 2, True),    # two row tiles, the second of one row
+])
+def test_fp8_gemm_matches_the_fp32_reference(kh, m, n, k, split_k, bias):
+    x, qweight, scale, b = _case(m, n, k, bias=bias, seed=m + n, device=kh.device)
+    ours = fp8_gemm(x, qweight, scale, b, split_k=split_k)
+    _close(ours, fp8_gemm_reference(x, qweight, scale, b))
+
+
+def test_split_k_only_reorders_the_fp32_sum(kh):
+    x, qweight, scale, b = _case(3, 48, 512, bias=True, seed=7, device=kh.device)
+    whole = fp8_gemm(x, qweight, scale, b, split_k=1)
+    for split_k in (2, 4):
+        _close(fp8_gemm(x, qweight, scale, b, split_k=split_k), whole)
+
+
+def test_split_launches_leave_their_counters_at_zero(kh):
+    from flashlet.kernels.fp8_gemv import _split_counters
+
+    x, qweight, scale, b = _case(18, 80, 512, bias=True, seed=5, device=kh.device)
+    first = fp8_gemm(x, qweight, scale, b, split_k=4)  # 2 x 2 tiles, 4 splits each
+    assert not _split_counters(x.device).any()
+    again = fp8_gemm(x, qweight, scale, b, split_k=4)
+    assert torch.equal(again, first)  # the next launch finds them at zero and merges too
+
+
+def test_other_tiles_compute_the_same_product(kh):
+    x, qweight, scale, b = _case(40, 72, 320, bias=True, seed=11, device=kh.device)
+    ref = fp8_gemm_reference(x, qweight, scale, b)
+    for tile in (GemmTile(block_m=32, block_n=32, block_k=64), GemmTile(block_n=128, block_k=256)):
+        _close(fp8_gemm(x, qweight, scale, b, split_k=2, tile=tile), ref)
+
+
+def test_strided_activation_rows_and_fp16(kh):
+    x, qweight, scale, _ = _case(4, 32, 160, bias=False, seed=3, device=kh.device,
+                                 dtype=torch.float16)
+    wide = torch.zeros(4, 200, dtype=torch.float16, device=kh.device)
+    wide[:, 20:180] = x
+    view = wide[:, 20:180]  # rows 200 apart: a slice of a fused projection's output
+    assert not view.is_contiguous()
+    _close(fp8_gemm(view, qweight, scale), fp8_gemm_reference(x, qweight, scale))
+
+
+def test_no_rows_gives_an_empty_result(kh):
+    x, qweight, scale, _ = _case(0, 32, 64, bias=False, seed=1, device=kh.device)
+    assert fp8_gemm(x, qweight, scale).shape == (0, 32)
+
+
+def test_mismatched_shapes_are_refused(kh):
+    x, qweight, scale, _ = _case(2, 32, 64, bias=False, seed=1, device=kh.device)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_gemm(x[:, :48], qweight, scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_gemm(x, qweight, scale[:16])
+
+
+def test_split_k_fills_the_gpu_only_where_columns_do_not():
+    sms = 132
+    assert split_k_for(1, 896, 4864, sms) == MAX_SPLIT_K   # 14 column tiles: split to the cap
+    assert split_k_for(1, 3584, 18944, sms) == 5           # 56 tiles: 5 x 56 >= 2 per SM
+    assert split_k_for(1, 151936, 896, sms) == 1           # thousands of tiles already
+    assert split_k_for(1, 64, 128, sms) == 1               # one K block: nothing to split

@@ -1,0 +1,67 @@
+"""`--backend auto` and the fused decode path chosen per step kind (flashlet/attention/selection.py):
+a pure function of the platform and the model's shape, with its reasons, and the one start line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet import Engine, EngineConfig
+from flashlet.attention.selection import FUSED_DECODE_PATH, Platform, choose_paths
+
+H200 = (9, 0)
+BF16 = torch.bfloat16
+
+
+def platform(capability=H200, installed=("flashinfer",)):
+    return Platform("cuda" if capability else "cpu", capability, frozenset(installed))
+
+
+def paths(requested="auto", plat=None, head_dim=128, group=2, dtype=BF16, tp=False, graphs=True):
+    return choose_paths(requested, plat or platform(), head_dim, group, dtype, tp, graphs)
+
+
+def test_flashinfer_installed_keeps_one_row_decode_fused():
+    """The step backend follows head_dim and what is installed; the fused path does not."""
+    with_fi, without_fi = paths(), paths(plat=platform(installed=()))
+    assert with_fi.backend == "flashinfer" and without_fi.backend == "triton"
+    assert with_fi.fused_decline is None and without_fi.fused_decline is None
+    assert paths(head_dim=64, group=7).backend == "triton"  # tuned at head_dim 64
+    assert paths("flashinfer").backend_why == "asked for by name"
+
+
+@pytest.mark.parametrize("broken,why", [
+    ({"plat": platform(capability=None)}, "the device is cpu, not CUDA"),
+    ({"plat": platform(capability=(8, 0))}, "sm_80; its PDL launches need sm_90"),
+    ({"dtype": torch.float16}, "the dtype is float16; its kernels are bf16 only"),
+    ({"tp": True}, "tensor parallelism is on"),
+    ({"graphs": False}, "CUDA graphs are off"),
+])
+def test_each_platform_condition_turns_the_fused_path_off_by_name(broken, why):
+    got = paths(**broken)
+    assert got.fused_decline is not None and why in got.fused_decline
+    assert paths(**broken, requested="triton").fused_decline == got.fused_decline  # backend: no condition
+
+
+def test_cpu_runs_torch_per_op():
+    got = paths(plat=platform(capability=None, installed=()))
+    assert (got.backend, got.backend_why) == ("torch", "auto on cpu: the torch backend")
+
+
+def test_the_start_line_names_each_step_kind_and_why():
+    fused = paths().log_line(fused_on=True)
+    assert fused == (f"decode (1 row): {FUSED_DECODE_PATH}; decode (2+ rows): flashinfer; prefill/mixed: "
+                     f"flashinfer (no measurement for head_dim 128, group 2: FlashInfer's default at "
+                     f"head_dim >= 128)")
+    off = paths(tp=True).log_line(fused_on=False)
+    assert off.startswith("decode (1 row): flashinfer (per-op: tensor parallelism is on")
+    shape = paths().log_line(fused_on=False, fused_why="intermediate_size = 18944 is over 16384")
+    assert "(per-op: intermediate_size = 18944 is over 16384)" in shape
+
+
+def test_the_engine_logs_one_step_paths_line(tiny_qwen2, caplog):
+    with caplog.at_level("INFO", logger="flashlet"):
+        Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step paths:")]
+    assert lines == ["step paths: decode (1 row): torch (per-op: the device is cpu, not CUDA); "
+                     "decode (2+ rows): torch; prefill/mixed: torch (auto on cpu: the torch backend)"]

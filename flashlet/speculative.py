@@ -138,7 +138,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
 
     def as_dict(self) -> dict:
-        drafts, proposed, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        drafts, proposed = self.num_drafts, self.num_draft_tokens
+        accepted = self.num_accepted_tokens
         return {"spec_num_drafts": drafts, "spec_num_draft_tokens": proposed,
                 "spec_num_accepted_tokens": accepted,
                 "spec_acceptance_rate": accepted / proposed if proposed else 0.0,

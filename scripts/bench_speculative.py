@@ -82,7 +82,8 @@ def main() -> None:
     baseline = {name: run(plain, [{"role": "user", "content": text}], params, args.repeats)
                 for name, text in TASKS.items()}
     plain.close()
-    print("| task | k | tokens | decode tok/s without | decode tok/s with | speed-up | acceptance | "
+    print("| task | k | tokens | decode tok/s without | decode tok/s with | speed-up | "
+          "acceptance | "
           "mean accepted length | same output |")
     print("|---|---|---|---|---|---|---|---|---|")
     for k in args.k:

@@ -54,7 +54,8 @@ def test_config_parses_vllm_json_and_names_bad_keys():
     draft = SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2})
     assert draft.method == "draft" and draft.model == "/m"
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
-    bad = [({**NGRAM, "lookahead": 2}, "lookahead"), ({"method": "ngram"}, "num_speculative_tokens"),
+    bad = [({**NGRAM, "lookahead": 2}, "lookahead"),
+           ({"method": "ngram"}, "num_speculative_tokens"),
            ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens"),
            ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_max"),
            ({**NGRAM, "method": "eagle"}, "method"), ("{not json", "JSON"),

@@ -199,6 +199,34 @@ def test_stop_ids_end_the_output_at_the_first_accepted_stop(tiny_qwen2):
     assert engine.stats()["spec_num_accepted_tokens"] > 0
 
 
+def test_eos_in_proposals_and_min_tokens(tiny_qwen2):
+    """EOS is a token the outputs produce part-way and their prompts hold, so lookup proposes
+    it: a stop is checked on each accepted token, and positions short of min_tokens may not
+    accept it (nor draw it)."""
+    prompts = repetitive_prompts(6, seed=14)
+    free, _ = generate(tiny_qwen2, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    eos = free[0].token_ids[4]
+
+    def run(params, spec):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=spec))
+        engine.eos_token_ids = {eos}
+        ids = [engine.add_request(p + [eos], params) for p in prompts]
+        done = run_all(engine)
+        return [(done[i].token_ids, done[i].finish_reason) for i in ids], engine
+
+    stops = []
+    for params in (SamplingParams(max_new_tokens=24),
+                   SamplingParams(max_new_tokens=24, min_tokens=8),
+                   SamplingParams(max_new_tokens=24, min_tokens=8, repetition_penalty=1.2)):
+        plain, _ = run(params, None)
+        spec, engine = run(params, NGRAM)
+        assert spec == plain
+        assert all(len(tokens) >= params.min_tokens for tokens, _ in spec)
+        assert engine.stats()["spec_num_accepted_tokens"] > 0
+        stops.append(sum(reason == "stop" for _, reason in spec))
+    assert stops[0] and stops[1]  # EOS did end outputs, with min_tokens too
+
+
 def test_logprobs_of_every_accepted_token(tiny_qwen2):
     prompts = repetitive_prompts(3, seed=6)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=3)

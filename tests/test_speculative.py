@@ -128,6 +128,15 @@ def test_greedy_output_is_identical_and_proposals_are_accepted(tiny_model):
     assert stats["kv_pages_used"] == stats["kv_pages_cached"]  # rejected tokens' pages freed
 
 
+def test_greedy_output_is_identical_with_an_fp8_kv_cache(tiny_qwen2):
+    prompts = repetitive_prompts(4)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params, kv_cache_dtype="fp8")
+    spec, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM, kv_cache_dtype="fp8")
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+
+
 def test_one_stream_takes_fewer_steps(tiny_qwen2):
     prompt = repetitive_prompts(1, seed=3)[0]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)

@@ -224,6 +224,9 @@ class Scheduler:
             n = 1
             if proposals and req in proposals:  # its token and what the budget has room for
                 n += len(proposals[req][: budget - 1])
+                # Guesses never cost another request its place: without free pages, none.
+                if n > 1 and not self._reserve(req, req.num_computed_tokens + n):
+                    n = 1
             # Only a decode whose pages are full needs another (most need none).
             if (req.num_computed_tokens + n > len(req.page_ids) * ps
                     and not self._reserve_or_preempt(req, n, out)):

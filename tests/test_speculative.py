@@ -533,3 +533,29 @@ def test_metrics_export_speculation_counters(tiny_qwen2):
                       ("num_drafts", "spec_num_drafts")):
         assert stats[key] > 0
         assert f'flashlet_spec_decode_{name}_total{{core="0"}} {float(stats[key])}' in text
+
+
+def test_proposals_never_preempt_another_request():
+    """With no free page for a row's proposals, it verifies none rather than push another
+    request out (the page its own token needs it still gets, as any decode)."""
+    from flashlet.kv_pool import PageAllocator
+    from flashlet.scheduler import Scheduler
+    from flashlet.speculative import Verified
+
+    sched = Scheduler(PageAllocator(3), 4, max_num_seqs=4, max_num_batched_tokens=16,
+                      enable_prefix_cache=False)
+    older, newer = Request(0, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8)), \
+        Request(1, [5, 6], SamplingParams(max_new_tokens=8))
+    for req in (older, newer):
+        sched.add(req)
+    out = sched.schedule()  # both prompts: older takes 2 pages, newer 1; none is free
+    sched.on_launch(out)
+    sched.update(out, [7, 7])
+    assert sched.allocator.num_free == 0
+    # older's next token fits its second page; its proposals would need a third
+    out = sched.schedule({older: [8, 9, 5, 6], newer: [5]})
+    assert out.proposals == {newer: [5]} and not out.preempted
+    assert [n for _, n in out.scheduled] == [1, 2]
+    sched.on_launch(out)
+    sched.update(out, [Verified([3], None, 0), Verified([5, 4], None, 1)])
+    sched.check_integrity()

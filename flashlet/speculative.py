@@ -10,7 +10,8 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    before each (`mask_grammars`), and its grammar advances over the accepted tokens only.
 2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
    proposals) beside the step's other decodes and prefill chunks, in the one ragged attention
-   call, reserving pages for all of them (preempting as for any decode when pages run out).
+   call, with pages for all of them where the pool has them free (or evictable from the prefix
+   cache): proposals never preempt a request, a row without room for them verifies none.
    The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`).
 3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
    of proposals the model keeps, plus one token of its own (so at least one token a step).

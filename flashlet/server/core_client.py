@@ -3,9 +3,11 @@
 `CoreClient` has EngineLoop's interface (submit / abort / abort_all / is_ready / stop ...), so
 the app serves either: the in-thread EngineLoop (tests, embedding) or engine-core processes
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
-cores (engine_core.py), and runs one reader thread that receives every core's per-step message
-and hands each request's outputs to its stream, one event-loop wake-up per step and loop. The
-same thread watches the processes: when a core dies, its requests in flight end with a 500
+cores (engine_core.py) and receives every core's per-step message, handing each request's
+outputs to its stream. The first event loop that submits a request reads the step socket
+itself (add_reader on the socket's FD): a token goes from the socket to its SSE writer with no
+thread hand-off. Until then, and again once that loop has closed, a reader thread reads it and
+wakes each stream's loop once per step. That thread always watches the processes: when a core dies, its requests in flight end with a 500
 error and the others serve on (/health: "degraded"); when the last one dies (or any, with
 exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
 non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
@@ -33,6 +35,7 @@ that one gone is fatal.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
@@ -61,7 +64,7 @@ from flashlet.server.router import PrefixRouter
 
 log = logging.getLogger("flashlet.server")
 
-READER_POLL_MS = 100  # how often the reader checks the processes when no message comes
+READER_POLL_MS = 100  # how often the reader thread checks the processes (and the loop reading)
 # A core with requests in flight that ends no step this long has stalled (stopped, hung, or in
 # a step that long): /health says so and no request is routed to it until a step ends.
 CORE_STALL_TIMEOUT_S = 8.0
@@ -147,6 +150,16 @@ class CoreClient(EngineClient):
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._output_addr(api_server_index))
         self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply | Heartbeat)
+        # Who reads _outbox: the reader thread while _reading_loop is None, else that event
+        # loop (never both: a zmq socket is not thread-safe). A loop asks for it by setting
+        # _loop_to_read and writing to the wake pipe; the thread drains the socket, then hands
+        # over (see _hand_over_to_loop) and takes it back once that loop has closed.
+        self._reading_loop: asyncio.AbstractEventLoop | None = None
+        self._loop_to_read: asyncio.AbstractEventLoop | None = None
+        self._delivering_on: asyncio.AbstractEventLoop | None = None  # while that loop reads
+        self._outbox_fd = self._outbox.get(zmq.FD)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._encoder = msgspec.msgpack.Encoder()
         self.router: PrefixRouter | None = None
         self.limits: RequestLimits | None = None
@@ -236,10 +249,13 @@ class CoreClient(EngineClient):
     def _close(self, linger_ms: int = 0) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
+        self._stop_loop_reading()
         for core in self.cores:
             core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
         self._zmq.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self.stopped.set()
 
     @property
@@ -276,6 +292,8 @@ class CoreClient(EngineClient):
                 self._streams[rid] = stream
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
+            if self._reading_loop is None and self._loop_to_read is None:
+                self._ask_to_read_on(streams[0].aloop)
 
     def _encode_add(self, ids: list[int], streams: list[RequestStream]) -> bytes:
         """The AddRequests frame for a prompt's samples; ValueError if msgpack cannot carry
@@ -436,21 +454,93 @@ class CoreClient(EngineClient):
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._outbox, zmq.POLLIN)
+        socket_poller, pipe_poller = zmq.Poller(), zmq.Poller()
+        socket_poller.register(self._outbox, zmq.POLLIN)
+        for poller in (socket_poller, pipe_poller):
+            poller.register(self._wake_r, zmq.POLLIN)
         next_check = 0.0
         while not self._stopping:  # stop() ends every stream itself
+            loop = self._reading_loop
+            if loop is not None and loop.is_closed():  # it reads no more: read here again
+                self._reading_loop = loop = None
             try:
-                events = dict(poller.poll(READER_POLL_MS))
+                events = dict((socket_poller if loop is None else pipe_poller)
+                              .poll(READER_POLL_MS))
             except zmq.ZMQError:
                 return  # the context was closed by stop()
-            if self._outbox in events and not self._drain():
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            if loop is None and self._outbox in events and not self._drain():
                 return  # the socket was closed by stop()
+            if loop is None and self._loop_to_read is not None:
+                self._hand_over_to_loop()
             if (not self._stopping and self.error is None
                     and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
                 self._check_stalls()
                 next_check = time.monotonic() + READER_POLL_MS / 1000
+
+    def _ask_to_read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have `loop` read the step socket from now on (the thread hands it over)."""
+        self._loop_to_read = loop
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the thread has a wake-up pending already
+            pass
+
+    def _hand_over_to_loop(self) -> None:
+        """On the reader thread, which has read every message waiting: from now on the loop
+        reads (its first callback runs after those messages' deliveries, so order holds)."""
+        loop = self._reading_loop = self._loop_to_read  # set first: a submit asks no more
+        self._loop_to_read = None
+        try:
+            loop.call_soon_threadsafe(self._start_loop_reading, loop)
+        except RuntimeError:  # it closed meanwhile: the thread reads on
+            self._reading_loop = None
+
+    def _start_loop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._stopping:
+            return
+        loop.add_reader(self._outbox_fd, self._read_on_loop)
+        self._read_on_loop()  # the FD signals changes only: what came meanwhile is read now
+
+    def _read_on_loop(self) -> None:
+        """The event loop's reader callback: every waiting message, each stream of this loop
+        given its outputs at once."""
+        self._delivering_on = self._reading_loop
+        try:
+            if self._outbox.get(zmq.EVENTS) & zmq.POLLIN:  # the FD also fires on no message
+                self._drain()
+        except zmq.ZMQError:  # the socket was closed by stop()
+            pass
+        finally:
+            self._delivering_on = None
+
+    def _stop_loop_reading(self) -> None:
+        """Before the socket closes: the loop that reads it stops watching its FD (on the
+        loop's own thread while it runs; the thread has stopped reading by now)."""
+        loop = self._reading_loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or not loop.is_running():
+            loop.remove_reader(self._outbox_fd)
+            return
+        removed = threading.Event()
+
+        def remove() -> None:
+            loop.remove_reader(self._outbox_fd)
+            removed.set()
+
+        try:
+            loop.call_soon_threadsafe(remove)
+        except RuntimeError:  # closed meanwhile
+            return
+        if not removed.wait(5):
+            log.warning("the event loop reading the engine cores did not let go of the socket")
 
     def _drain(self) -> bool:
         """Handle every message waiting (poll saw one); False if the socket is closed.
@@ -522,6 +612,9 @@ class CoreClient(EngineClient):
                 else:
                     by_loop[stream.aloop].append((stream, out))
         for aloop, items in by_loop.items():  # one wake-up per event loop and step
+            if aloop is self._delivering_on:  # read on that loop: no hand-off
+                RequestStream.put_all(items)
+                continue
             try:
                 aloop.call_soon_threadsafe(RequestStream.put_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more

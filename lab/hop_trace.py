@@ -80,10 +80,11 @@ def traced_build(config, tokenizer=None):
             log("step_done")
         return outputs
 
-    def _send(self, outputs):
+    def _send(self, outputs):  # each send's time is taken before it: the message may be
+        start = time.perf_counter()  # read before this process runs on
         send(self, outputs)
         if outputs:
-            log("core_sent")
+            log("core_sent", start)
             if any(out.finished for out in outputs):
                 log.flush()
 
@@ -127,7 +128,7 @@ def serve(port: int, model: str) -> None:
 def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
     app_call = app_module.FlashletApp.__call__
     prompt_ids = frontend.Server.prompt_ids
-    submit_group = core_client.CoreClient.submit_group
+    send_frame = core_client.CoreClient._send_frame_locked
     handle_frame = core_client.CoreClient._handle_frame
     deliver = core_client.CoreClient._deliver
     push = RequestStream.push
@@ -138,9 +139,9 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
             log("http")
 
             async def timed_send(message):
-                await send(message)
                 if message.get("body"):
                     log("sse")
+                await send(message)
 
             return await app_call(self, scope, receive, timed_send)
         return await app_call(self, scope, receive, send)
@@ -150,9 +151,9 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
         log("tok")
         return ids
 
-    def _submit_group(self, *args, **kwargs):
-        submit_group(self, *args, **kwargs)
+    def _send_frame_locked(self, core, frame):
         log("submitted")
+        return send_frame(self, core, frame)
 
     def _handle_frame(self, frame):
         frame_time[0] = time.perf_counter()
@@ -169,7 +170,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
     app_module.FlashletApp.__call__ = __call__
     frontend.Server.prompt_ids = _prompt_ids
-    core_client.CoreClient.submit_group = _submit_group
+    core_client.CoreClient._send_frame_locked = _send_frame_locked
     core_client.CoreClient._handle_frame = _handle_frame
     core_client.CoreClient._deliver = _deliver
     RequestStream.push = _push

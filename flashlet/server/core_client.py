@@ -6,12 +6,15 @@ the app serves either: the in-thread EngineLoop (tests, embedding) or engine-cor
 cores (engine_core.py) and receives every core's per-step message, handing each request's
 outputs to its stream. The first event loop that submits a request reads the step socket
 itself (add_reader on the socket's FD): a token goes from the socket to its SSE writer with no
-thread hand-off. Until then, and again once that loop has closed, a reader thread reads it and
-wakes each stream's loop once per step. That thread always watches the processes: when a core dies, its requests in flight end with a 500
-error and the others serve on (/health: "degraded"); when the last one dies (or any, with
-exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
+thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
+threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
+reads it and wakes each stream's loop once per step; streams of other loops are woken so
+too. The thread always watches the processes: when a core dies, its requests in flight end
+with a 500 error and the others serve on (/health: "degraded"); when the last one dies (or any,
+with exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
 non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
-restarts servers better). It also watches for silence: a core with requests in flight that
+restarts servers better). It also watches for silence (the messages it counts are read on the
+loop: a loop blocked that long looks the same): a core with requests in flight that
 ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
 next step message: no request is routed to it and /health says why (503 if no core is left to
 serve). Each core's heartbeat thread says every second that its process runs: a core silent
@@ -157,6 +160,7 @@ class CoreClient(EngineClient):
         self._reading_loop: asyncio.AbstractEventLoop | None = None
         self._loop_to_read: asyncio.AbstractEventLoop | None = None
         self._delivering_on: asyncio.AbstractEventLoop | None = None  # while that loop reads
+        self._loop_reading_unsupported = False
         self._outbox_fd = self._outbox.get(zmq.FD)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -292,7 +296,8 @@ class CoreClient(EngineClient):
                 self._streams[rid] = stream
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
-            if self._reading_loop is None and self._loop_to_read is None:
+            if (self._reading_loop is None and self._loop_to_read is None
+                    and not self._loop_reading_unsupported):
                 self._ask_to_read_on(streams[0].aloop)
 
     def _encode_add(self, ids: list[int], streams: list[RequestStream]) -> bytes:
@@ -501,7 +506,12 @@ class CoreClient(EngineClient):
     def _start_loop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._stopping:
             return
-        loop.add_reader(self._outbox_fd, self._read_on_loop)
+        try:
+            loop.add_reader(self._outbox_fd, self._read_on_loop)
+        except NotImplementedError:  # a loop without FD readers (Windows' proactor)
+            self._loop_reading_unsupported = True
+            self._reading_loop = None  # the thread reads again from its next poll
+            return
         self._read_on_loop()  # the FD signals changes only: what came meanwhile is read now
 
     def _read_on_loop(self) -> None:

@@ -201,3 +201,33 @@ def test_stop_on_the_reading_loop_releases_its_fd_and_ends_the_streams(client_an
     assert not was_watched  # stop() already took the reader off the loop
     assert client.stopped.is_set()
     assert isinstance(core.received(), AbortRequests)  # this process's request, in the core
+
+
+def test_a_loop_without_fd_readers_is_served_by_the_reader_thread(client_and_core):
+    """A loop that cannot watch an FD (Windows' proactor) is never asked again; the thread
+    reads and wakes it, as before."""
+    client, core = client_and_core
+
+    class NoReaderLoop(asyncio.SelectorEventLoop):
+        def add_reader(self, fd, callback, *args):
+            raise NotImplementedError
+
+    async def one_request() -> list[int]:
+        [stream] = _streams(1)
+        client.submit(stream)
+        rid = core.received().request_ids[0]
+        for _ in range(1000):  # the thread tried to hand the socket over, and took it back
+            if client._loop_reading_unsupported and client._reading_loop is None:
+                break
+            await asyncio.sleep(0.01)
+        core.step([CoreOutput(rid, [7])])
+        core.step([CoreOutput(rid, [8], finished=True)])
+        return await _tokens_of(stream)
+
+    loop = NoReaderLoop()
+    try:
+        assert loop.run_until_complete(one_request()) == [7, 8]
+        assert loop.run_until_complete(one_request()) == [7, 8]
+    finally:
+        loop.close()
+    assert client._loop_reading_unsupported and client._reading_loop is None

@@ -379,7 +379,10 @@ class CoreClient(EngineClient):
         with its loop's counters under "loop" instead of the check (diagnostics.py). A core
         answers between steps: one that has not within `timeout` (all cores together) raises
         TimeoutError, or with late_ok is given by its latest step's stats and "answered":
-        False."""
+        False. It blocks: never call it on the event loop that reads the replies."""
+        if self._on_reading_loop():
+            raise RuntimeError("CoreClient.probe blocks the event loop that reads its replies: "
+                               "call it on another thread (run_in_threadpool)")
         futures = []
         for core in self.cores:
             fut = concurrent.futures.Future()
@@ -526,17 +529,19 @@ class CoreClient(EngineClient):
         finally:
             self._delivering_on = None
 
+    def _on_reading_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._reading_loop
+        except RuntimeError:  # no loop runs on this thread
+            return False
+
     def _stop_loop_reading(self) -> None:
         """Before the socket closes: the loop that reads it stops watching its FD (on the
         loop's own thread while it runs; the thread has stopped reading by now)."""
         loop = self._reading_loop
         if loop is None or loop.is_closed():
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop or not loop.is_running():
+        if self._on_reading_loop() or not loop.is_running():
             loop.remove_reader(self._outbox_fd)
             return
         removed = threading.Event()

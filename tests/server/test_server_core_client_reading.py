@@ -231,3 +231,18 @@ def test_a_loop_without_fd_readers_is_served_by_the_reader_thread(client_and_cor
     finally:
         loop.close()
     assert client._loop_reading_unsupported and client._reading_loop is None
+
+
+def test_a_probe_on_the_reading_loop_fails_at_once_instead_of_waiting_on_itself(
+        client_and_core):
+    client, core = client_and_core
+
+    async def run():
+        [stream] = _streams(1)
+        client.submit(stream)
+        await _read_here(client)
+        with pytest.raises(RuntimeError, match="another thread"):
+            client.probe(timeout=30)
+        client.abort(stream)
+
+    asyncio.run(run())

@@ -6,11 +6,12 @@ It starts the real server (CoreClient, one engine-core process, the FastAPI app,
 subprocess over a tiny random Qwen2 with the SmolLM2 tokenizer, and one closed-loop client on a
 raw socket streams /v1/completions requests one after another. Both processes are patched (the
 core's through CoreClient's `build_engine` hook, which runs in it) to log a timestamp at each
-hop: HTTP received, tokenized, sent to the core, core received, added, step done, output sent,
-API received, handed to the stream, SSE written, client received. All clocks are
-time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
-median and p90 of each hop before the first token and between tokens (on a shared machine the
-p10 is the hop's own cost; the others add the time a process waited for a CPU).
+hop: HTTP received, body parsed (the handler runs), tokenized, sent to the core, core received,
+added, step done, output sent, API received, handed to the stream, SSE written, client
+received. All clocks are time.perf_counter (CLOCK_MONOTONIC: one clock across processes on
+Linux). It prints the p10, median and p90 of each hop before the first token and between
+tokens (on a shared machine the p10 is the hop's own cost; the others add the time a process
+waited for a CPU).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = Path(os.environ.get("HOP_TRACE_TOKENIZER", "/work/main/.tok/smollm2"))
-TTFT_HOPS = ["c_send", "http", "tok", "submitted", "core_recv", "added", "step_done",
+TTFT_HOPS = ["c_send", "http", "handler", "tok", "submitted", "core_recv", "added", "step_done",
              "core_sent", "api_recv", "push", "sse", "c_recv"]
 TOKEN_HOPS = ["core_sent_prev", "step_start", "step_done", "core_sent", "api_recv", "push",
               "sse", "c_recv"]
@@ -128,6 +129,7 @@ def serve(port: int, model: str) -> None:
 def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
     app_call = app_module.FlashletApp.__call__
     prompt_ids = frontend.Server.prompt_ids
+    check_model = frontend.Server.check_model
     send_frame = core_client.CoreClient._send_frame_locked
     handle_frame = core_client.CoreClient._handle_frame
     deliver = core_client.CoreClient._deliver
@@ -145,6 +147,10 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
             return await app_call(self, scope, receive, timed_send)
         return await app_call(self, scope, receive, send)
+
+    def _check_model(self, model):  # the handler's first line: the body is parsed
+        log("handler")
+        return check_model(self, model)
 
     async def _prompt_ids(self, *args, **kwargs):
         ids = await prompt_ids(self, *args, **kwargs)
@@ -170,6 +176,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
     app_module.FlashletApp.__call__ = __call__
     frontend.Server.prompt_ids = _prompt_ids
+    frontend.Server.check_model = _check_model
     core_client.CoreClient._send_frame_locked = _send_frame_locked
     core_client.CoreClient._handle_frame = _handle_frame
     core_client.CoreClient._deliver = _deliver

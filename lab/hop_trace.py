@@ -1,6 +1,7 @@
 """Where one stream's time goes through the server, hop by hop, on a tiny CPU model (issue 32).
 
     PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
+        [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
 
 It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn) in a
 subprocess over a tiny random Qwen2 with the SmolLM2 tokenizer, and one closed-loop client on a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -29,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = Path(os.environ.get("HOP_TRACE_TOKENIZER", "/work/main/.tok/smollm2"))
 TTFT_HOPS = ["c_send", "http", "handler", "tok", "submitted", "core_recv", "added", "step_done",
              "core_sent", "api_recv", "push", "sse", "c_recv"]
 TOKEN_HOPS = ["core_sent_prev", "step_start", "step_done", "core_sent", "api_recv", "push",
@@ -95,7 +96,7 @@ def traced_build(config, tokenizer=None):
 
 
 # ---- the API process -------------------------------------------------------------------------
-def serve(port: int, model: str) -> None:
+def serve(port: int, model: str, tokenizer: str) -> None:
     import uvicorn
 
     from flashlet.config import EngineConfig
@@ -109,7 +110,7 @@ def serve(port: int, model: str) -> None:
 
     log = Log(os.path.join(os.environ["HOP_TRACE_DIR"], "api.txt"))
     patch_api(log, app_module, core_client, frontend, RequestStream)
-    client = CoreClient(EngineConfig(model=model, device="cpu"), 1, str(TOKENIZER),
+    client = CoreClient(EngineConfig(model=model, device="cpu"), 1, tokenizer,
                         build_engine=traced_build)
     app = create_app(client, ServerConfig(model_name="tiny", warm_up=True))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -290,10 +291,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
     parser.add_argument("--out")
+    parser.add_argument("--tokenizer", default=str(ROOT / ".tok" / "smollm2"))
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT MODEL: the server
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.serve[1])
+        serve(int(args.serve[0]), args.serve[1], args.tokenizer)
         return
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import save_tiny_model
@@ -305,7 +307,7 @@ def main() -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
-                               str(model)], env=env, cwd=ROOT)
+                               str(model), "--tokenizer", args.tokenizer], env=env, cwd=ROOT)
     try:
         wait_for_health(port)
         log = Log(os.path.join(folder, "client.txt"))
@@ -314,7 +316,9 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    first, later = hop_gaps(split_requests(read_events(folder)), args.skip)
+    events = read_events(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    first, later = hop_gaps(split_requests(events), args.skip)
     report = table("Before the first token", first) + "\n\n" + table("Between tokens", later)
     print(report)
     if args.out:

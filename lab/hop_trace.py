@@ -1,18 +1,20 @@
-"""Where one stream's time goes through the server, hop by hop, on a tiny CPU model (issue 32).
+"""Where one stream's time goes through the server, hop by hop (issue 32).
 
     PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
         [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
+        [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
 
-It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn) in a
-subprocess over a tiny random Qwen2 with the SmolLM2 tokenizer, and one closed-loop client on a
-raw socket streams /v1/completions requests one after another. Both processes are patched (the
-core's through CoreClient's `build_engine` hook, which runs in it) to log a timestamp at each
-hop: HTTP received, body parsed (the handler runs), tokenized, sent to the core, core received,
-added, step done, output sent, API received, handed to the stream, SSE written, client
-received. All clocks are time.perf_counter (CLOCK_MONOTONIC: one clock across processes on
-Linux). It prints the p10, median and p90 of each hop before the first token and between
-tokens (on a shared machine the p10 is the hop's own cost; the others add the time a process
-waited for a CPU).
+It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn, the
+engine config as the CLI makes it) in a subprocess over a tiny random Qwen2 on the CPU (or with
+--config, random weights of that preset's shape on the default device) with the SmolLM2
+tokenizer, and one closed-loop client on a raw socket streams /v1/completions requests one
+after another. Both processes are patched (the core's through CoreClient's `build_engine` hook,
+which runs in it) to log a timestamp at each hop: HTTP received, body parsed (the handler
+runs), tokenized, sent to the core, core received, added, step done, output sent, API
+received, handed to the stream, SSE written, client received. All clocks are
+time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
+median and p90 of each hop before the first token and between tokens (on a shared machine the
+p10 is the hop's own cost; the others add the time a process waited for a CPU).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def traced_build(config, tokenizer=None):
 
 
 # ---- the API process -------------------------------------------------------------------------
-def serve(port: int, model: str, tokenizer: str) -> None:
+def serve(port: int, engine_args: dict, tokenizer: str) -> None:
     import uvicorn
 
     from flashlet.config import EngineConfig
@@ -110,8 +112,8 @@ def serve(port: int, model: str, tokenizer: str) -> None:
 
     log = Log(os.path.join(os.environ["HOP_TRACE_DIR"], "api.txt"))
     patch_api(log, app_module, core_client, frontend, RequestStream)
-    client = CoreClient(EngineConfig(model=model, device="cpu"), 1, tokenizer,
-                        build_engine=traced_build)
+    engine_config = EngineConfig(**engine_args).for_serving(False)  # as the CLI's default
+    client = CoreClient(engine_config, 1, tokenizer, build_engine=traced_build)
     app = create_app(client, ServerConfig(model_name="tiny", warm_up=True))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, lifespan="off",
@@ -292,22 +294,31 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
     parser.add_argument("--out")
     parser.add_argument("--tokenizer", default=str(ROOT / ".tok" / "smollm2"))
-    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT MODEL: the server
+    parser.add_argument("--config", help="a preset: random weights of its shape, on the "
+                        "default device (none: a tiny random Qwen2 on the CPU)")
+    parser.add_argument("--dtype")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT ENGINE-ARGS-JSON
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.serve[1], args.tokenizer)
+        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer)
         return
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import save_tiny_model
-
     folder = tempfile.mkdtemp(prefix="hop-trace-")
-    model = save_tiny_model("qwen2", os.path.join(folder, "model"), vocab_size=49152)
+    if args.config:
+        engine_args = {"config": args.config, "dtype": args.dtype, "backend": args.backend}
+    else:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import save_tiny_model
+
+        model = save_tiny_model("qwen2", os.path.join(folder, "model"), vocab_size=49152)
+        engine_args = {"model": str(model), "device": "cpu"}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
-                               str(model), "--tokenizer", args.tokenizer], env=env, cwd=ROOT)
+                               json.dumps(engine_args), "--tokenizer", args.tokenizer],
+                              env=env, cwd=ROOT)
     try:
         wait_for_health(port)
         log = Log(os.path.join(folder, "client.txt"))

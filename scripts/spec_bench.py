@@ -114,13 +114,23 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
                     "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
                     "steps": steps, "same_tokens": same, "parted_at": parted})
     if draft:
-        k = 4
-        with LLM(**common, speculative_config={"model": draft, "num_speculative_tokens": k}) as llm:
-            tok_s, tokens, steps = timed_generate(llm, prompt)
-            result["draft"] = {"draft": draft, "k": k, "tok_s": tok_s, "steps": steps,
-                               "ms_per_step": 1000 * NEW_TOKENS / tok_s / steps,
-                               "plain_ms_per_step": 1000 * NEW_TOKENS / base_tok_s / base_steps}
+        try:
+            result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps)
+        except Exception as e:  # the n-gram rows above still print
+            result["draft"] = {"draft": draft, "error": f"{type(e).__name__}: {e}"}
     return result
+
+
+def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
+               k: int = 4) -> dict:
+    from flashlet import LLM
+
+    with LLM(**common, speculative_config={"model": draft, "num_speculative_tokens": k}) as llm:
+        tok_s, tokens, steps = timed_generate(llm, prompt)
+        return {"draft": draft, "k": k, "tok_s": tok_s, "steps": steps,
+                "ms_per_step": 1000 * NEW_TOKENS / tok_s / steps,
+                "plain_ms_per_step": 1000 * NEW_TOKENS / base_tok_s / base_steps,
+                "acceptance_rate": llm.engine.stats().get("spec_acceptance_rate")}
 
 
 def print_table(results: list[dict]) -> None:
@@ -134,7 +144,9 @@ def print_table(results: list[dict]) -> None:
             print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>5}")
-        if "draft" in res:
+        if "draft" in res and "error" in res["draft"]:
+            print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")
+        elif "draft" in res:
             d = res["draft"]
             print(f"{res['config']:14} draft {d['draft']} k={d['k']}: {d['ms_per_step']:.3f} ms a step "
                   f"(plain {d['plain_ms_per_step']:.3f}), {d['tok_s']:.0f} tok/s")

@@ -77,7 +77,7 @@ class TokenSource:
             outputs.append(SimpleNamespace(
                 request_id=rid, new_token_ids=[token], finished=finished,
                 finish_reason="length" if finished else None, error=None, num_cached_tokens=0,
-                new_logprobs=None, prompt_logprobs=None))
+                new_logprobs=None, prompt_logprobs=None, embedding=None))
         return outputs
 
     def abort(self, request_id, finish_reason="abort") -> None:

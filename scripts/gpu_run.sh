@@ -23,6 +23,12 @@
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
 #   kernels      the kernel sweep against PyTorch and FlashInfer; torchlet's progression table
+#   long-context one stream after 8,000- and 30,000-token prompts
+#   presets      one stream per preset at default settings (PRESETS="a b" to choose)
+#   spec         speculative decoding: one stream against the acceptance rate (k = 2, 4, 8) at
+#                the 0.5B and 7B shapes, and the draft-model path's cost a verify step
+#   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
+#                (decode-sat, 128 sequences x 2,000-token contexts)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
@@ -168,6 +174,34 @@ for part in "${PARTS[@]}"; do
           done
         done
         run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
+    long-context)  # one stream after 8,000- and 30,000-token prompts (the limit counts the KV)
+      cute_env
+      for n in 8000 30000; do
+        run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
+          --workload single --single-prompt-len $n --max-num-pages 8192 --out "$OUT/json/single-$n.json"
+      done ;;
+    presets)  # one stream per preset, default settings (PRESETS="..." to choose)
+      cute_env
+      for c in ${PRESETS:-qwen2.5-0.5b qwen3-0.6b llama-3.2-1b qwen2.5-1.5b qwen2.5-7b}; do
+        run 200 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet --workload single \
+          --max-num-pages 8192 --out "$OUT/json/single-$c.json"
+      done ;;
+    spec)  # speculative decoding: one stream against the acceptance rate, k = 2, 4, 8, and the
+           # draft-model path's cost a verify step (scripts/spec_bench.py)
+      cute_env
+      run 560 python3 scripts/spec_bench.py --config ${SPEC_CONFIGS:-qwen2.5-0.5b qwen2.5-7b} \
+        --k 2 4 8 --draft qwen2.5-0.5b --json "$OUT/json/spec.json" ;;
+    fp8)  # FP8 weights (one stream, decode-sat) and the FP8 KV cache (decode-sat, 128 x 2,000)
+      cute_env
+      F="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton"
+      run 200 $F --workload single --quantization fp8 --max-num-pages 8192 --out "$OUT/json/fp8-single.json"
+      run 200 $F --workload decode-sat --quantization fp8 --max-num-pages 8192 \
+        --out "$OUT/json/fp8-decode-sat.json"
+      for kv in auto fp8; do
+        run 200 $F --workload decode-sat --decode-batch 128 --decode-prompt-len 2000 \
+          --decode-tokens 128 --gpu-memory-utilization 0.1 --kv-cache-dtype $kv \
+          --out "$OUT/json/kv-$kv-decode-sat-2k.json"
+      done ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac
 done

@@ -4,10 +4,7 @@
   group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
   and the tile sizes are chosen in `plan` from the batch size alone (`kernels/tuning.py`), so
   a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
-  count is derived on the device from `kv_lens`: splits of min_split_tokens for short rows,
-  and from long_context_tokens on all S of them (each >= long_split_tokens), so one long row
-  spreads over the SMs (S aims at `waves` programs per SM for the batch). The split partials
-  live in buffers allocated once, in the constructor.
+  count is derived on the device from `kv_lens`. The split partials live in buffers allocated once, in the constructor.
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
@@ -54,13 +51,6 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
-# The one-launch grid may hold more splits than the two-launch one (max_kv_splits): one long row
-# then spreads over about two programs per SM at Qwen2.5-0.5B's two KV heads (past
-# long_context_tokens, `tuning.DecodeConfig`), but never more than ONE_LAUNCH_MAX_PROGRAMS_PER_SM
-# programs per SM in all: more would only exit at once at short contexts and lengthen the
-# merge (one program per KV head merges every partial) at long ones.
-ONE_LAUNCH_MAX_SPLITS = 128
-ONE_LAUNCH_MAX_PROGRAMS_PER_SM = 4
 
 
 class TritonBackend(AttentionBackend):
@@ -86,8 +76,8 @@ class TritonBackend(AttentionBackend):
     ):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
-        pool); with min_split_tokens it caps the useful splits. max_kv_splits: the two-launch form's hard
-        cap (rounded down to a power of two; the one-launch form's is ONE_LAUNCH_MAX_SPLITS). num_sms: the device's SM count (read from the device, 4 on CPU).
+        pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
+        down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU).
         min_split_tokens, decode_block_n, prefill_block_m/n: fixed values for every batch
         instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables)."""
         super().__init__(kv_pool, num_q_heads, scale)
@@ -106,9 +96,8 @@ class TritonBackend(AttentionBackend):
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         self._prefill_overrides = _given(block_m=prefill_block_m, block_n=prefill_block_n)
         self.max_kv_splits = max(self._max_splits(self.decode_config(b)) for b in tuning.DECODE_BATCH_BUCKETS)
-        # Split scratch, sized for the worst batch: rows = max over B of B * S(B), either form.
-        rows = max((b * max(self._splits_for(b), self.one_launch_config(b)[1])
-                    for b in range(1, max_batch_size + 1)), default=0)
+        # Split scratch, sized for the worst batch: rows = max over B of B * S(B).
+        rows = max((b * self._splits_for(b) for b in range(1, max_batch_size + 1) if self._splits_for(b) > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
@@ -126,10 +115,9 @@ class TritonBackend(AttentionBackend):
         cfg = tuning.prefill_config(self.head_dim, self.group, max_q_len)
         return dataclasses.replace(cfg, **self._prefill_overrides)
 
-    def _max_splits(self, cfg: tuning.DecodeConfig, cap: int | None = None) -> int:
+    def _max_splits(self, cfg: tuning.DecodeConfig) -> int:
         """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
-        smallest = min(cfg.min_split_tokens, cfg.long_split_tokens)
-        return max(1, min(cap or self.split_cap, -(-self.max_tokens // smallest)))
+        return max(1, min(self.split_cap, -(-self.max_tokens // cfg.min_split_tokens)))
 
     def _splits_for(self, num_seqs: int) -> int:
         if num_seqs > self.max_batch_size:
@@ -139,16 +127,14 @@ class TritonBackend(AttentionBackend):
 
     def one_launch_config(self, num_seqs: int) -> tuple[tuple, int]:
         """(config, splits) of `attend_one_launch` for a batch: the decode config with the
-        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS and, at small head dims, blocks of
-        a whole split; up to ONE_LAUNCH_MAX_SPLITS splits (see there)."""
+        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS (fewer splits than the two-launch
+        form, so they fit its scratch) and, at small head dims, blocks of a whole split."""
         cfg = self.decode_config(num_seqs)
         cfg = dataclasses.replace(cfg, min_split_tokens=max(cfg.min_split_tokens, ONE_LAUNCH_MIN_SPLIT_TOKENS))
         if self.head_dim <= ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM and "block_n" not in self._decode_overrides:
             cfg = dataclasses.replace(cfg, block_n=cfg.min_split_tokens, num_warps=ONE_LAUNCH_WHOLE_SPLIT_WARPS)
-        cap = self._max_splits(cfg, ONE_LAUNCH_MAX_SPLITS)
-        splits = tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, cap)
-        room = ONE_LAUNCH_MAX_PROGRAMS_PER_SM * self.num_sms // (num_seqs * self.num_kv_heads)
-        return cfg, max(1, min(splits, 1 << (max(1, room).bit_length() - 1)))
+        splits = tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
+        return cfg, min(splits, self._splits_for(num_seqs))
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
@@ -202,8 +188,6 @@ class TritonBackend(AttentionBackend):
             num_stages=dc.num_stages,
             k_scale=k_scale,
             v_scale=v_scale,
-            long_context_tokens=dc.long_context_tokens,
-            long_split_tokens=dc.long_split_tokens,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
@@ -244,8 +228,6 @@ class TritonBackend(AttentionBackend):
             pdl=pdl,
             k_scale=k_scale,
             v_scale=v_scale,
-            long_context_tokens=cfg.long_context_tokens,
-            long_split_tokens=cfg.long_split_tokens,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -54,24 +54,15 @@ from flashlet.kernels import pdl, tuning
 from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
-# Splits of a long context are whole multiples of this many tokens (not of a block).
-LONG_SPLIT_GRANULE = tl.constexpr(16)
-# long_tokens when the long-context rule is off: no kv_len reaches it.
-NO_LONG_RULE = 2**31 - 1
 
 
 @triton.jit
-def _split_range(kv_len, num_splits, min_split_tokens, block_n, long_tokens, long_split_tokens):
-    """(number of splits this sequence uses, tokens per split). Below long_tokens: splits of at
-    least min_split_tokens, a multiple of block_n. From long_tokens on: as many of the
-    num_splits as splits of at least long_split_tokens allow (a multiple of 16 tokens; a block
-    may be partly masked), so a long context spreads over the whole grid."""
-    is_long = kv_len >= long_tokens
-    n = tl.where(is_long, tl.cdiv(kv_len, long_split_tokens), tl.cdiv(kv_len, min_split_tokens))
-    n = tl.maximum(tl.minimum(n, num_splits), 1)
-    granule = tl.where(is_long, LONG_SPLIT_GRANULE, block_n)
-    split_len = tl.cdiv(tl.cdiv(kv_len, n), granule) * granule
-    split_len = tl.maximum(split_len, granule)
+def _split_range(kv_len, num_splits, min_split_tokens, block_n):
+    """(number of splits this sequence uses, tokens per split: a multiple of block_n)."""
+    n = tl.minimum(tl.cdiv(kv_len, min_split_tokens), num_splits)
+    n = tl.maximum(n, 1)
+    split_len = tl.cdiv(tl.cdiv(kv_len, n), block_n) * block_n
+    split_len = tl.maximum(split_len, block_n)
     n = tl.maximum(tl.cdiv(kv_len, split_len), 1)
     return n, split_len
 
@@ -104,11 +95,11 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
-@triton.jit(do_not_specialize=["min_split_tokens", "num_splits", "long_tokens", "long_split_tokens"])
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
 def _decode_kernel(
     Q, K, V, O, MidO, MidLse,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, v_scale, min_split_tokens, num_splits, long_tokens, long_split_tokens,
+    qk_scale, v_scale, min_split_tokens, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -126,8 +117,7 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.load(KvLens + b)
-    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N, long_tokens,
-                                       long_split_tokens)
+    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
@@ -166,59 +156,39 @@ def _decode_kernel(
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["min_split_tokens", "block_n", "long_tokens", "long_split_tokens"])
+@triton.jit(do_not_specialize=["min_split_tokens", "block_n"])
 def _merge_kernel(
     MidO, MidLse, O, KvLens,
-    stride_ob, stride_oh, min_split_tokens, block_n, long_tokens, long_split_tokens,
+    stride_ob, stride_oh, min_split_tokens, block_n,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,
 ):
-    """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits:
-    all log-sum-exps at once ([S, HPP]), the partials CHUNK splits at a time."""
+    """Program (b, kvh, j) merges heads kvh*G + j*HPP + [0, HPP) of sequence b over its splits."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     j = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
-    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n, long_tokens,
-                               long_split_tokens)
+    n_splits, _ = _split_range(kv_len, NUM_SPLITS, min_split_tokens, block_n)
     s = tl.arange(0, NUM_SPLITS)
     g = j * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    slot0 = b * NUM_SPLITS
-    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
-                  mask=(s[:, None] < n_splits) & (g[None, :] < GROUP), other=float("-inf"))
+    mask2 = (s[:, None] < n_splits) & (g[None, :] < GROUP)  # [S, HPP]
+    slot = b * NUM_SPLITS + s
+    lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2, other=float("-inf"))
     m = tl.max(lse, 0)  # [HPP]
     m = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.sum(tl.exp2(lse - m[None, :]), 0)  # masked and empty splits: 2^-inf = 0
-    num = tl.zeros([HEADS_PER_PROG, HEAD_DIM], tl.float32)
-    for c0 in range(0, n_splits, CHUNK):
-        sc = c0 + tl.arange(0, CHUNK)
-        mask2 = (sc[:, None] < n_splits) & (g[None, :] < GROUP)  # [CHUNK, HPP]
-        slot = slot0 + sc
-        w = tl.exp2(tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + heads[None, :], mask=mask2,
-                            other=float("-inf")) - m[None, :])
-        o_ptrs = (MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
-                  + d[None, None, :])
-        o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [CHUNK, HPP, D]
-        num += tl.sum(w[:, :, None] * o, 0)
+    w = tl.exp2(lse - m[None, :])  # masked and empty splits: 2^-inf = 0
+    o_ptrs = MidO + (slot[:, None, None] * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM + d[None, None, :]
+    o = tl.load(o_ptrs, mask=mask2[:, :, None], other=0.0)  # [S, HPP, D]
+    den = tl.sum(w, 0)
+    num = tl.sum(w[:, :, None] * o, 0)  # [HPP, D]
     out = num / tl.where(den == 0.0, 1.0, den)[:, None]
     o_out = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_out, out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None])
-
-
-def _long_rule(long_context_tokens: int | None, long_split_tokens: int) -> tuple[int, int]:
-    """The kernels' (long_tokens, long_split_tokens) runtime arguments, checked."""
-    if long_context_tokens is None:
-        return NO_LONG_RULE, 1 << 30
-    if long_context_tokens < 1 or long_split_tokens < 16:
-        raise ValueError(f"long_context_tokens must be >= 1 and long_split_tokens >= 16, got "
-                         f"{long_context_tokens} and {long_split_tokens}")
-    return long_context_tokens, long_split_tokens
 
 
 def _next_pow2(n: int) -> int:
@@ -289,15 +259,11 @@ def decode_attention(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    long_context_tokens: int | None = None,
-    long_split_tokens: int = 128,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
     kv_indptr [B + 1] int32, kv_indices int32 page ids, kv_lens [B] int32 (tokens, the newest
     included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
-    long_context_tokens: from this KV length on a sequence uses up to num_splits splits of at
-    least long_split_tokens (the GPU filled), not splits of min_split_tokens (None: never).
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
     split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
     multiplied by (an fp8 pool's). Returns out [B, Hq, D] in q's dtype. No host sync.
@@ -324,11 +290,10 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
-    long_tokens, long_split_tokens = _long_rule(long_context_tokens, long_split_tokens)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits, long_tokens, long_split_tokens,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
@@ -343,20 +308,17 @@ def decode_attention(
     )
     if num_splits > 1:
         gp = group_pad(group)
-        # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2
-        # heads); past that (a long context's many splits) it is merged CHUNK splits at a time.
+        # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
-        chunk = max(1, min(num_splits, 8192 // (hpp * head_dim)))
         _merge_kernel[(batch, num_kv_heads, gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
-            out.stride(0), out.stride(1), min_split_tokens, block_n, long_tokens, long_split_tokens,
+            out.stride(0), out.stride(1), min_split_tokens, block_n,
             NUM_Q_HEADS=num_q_heads,
             GROUP=group,
             HEADS_PER_PROG=hpp,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            CHUNK=chunk,
-            num_warps=4 if chunk * hpp * head_dim <= 8192 else 8,
+            num_warps=4 if num_splits * hpp * head_dim <= 8192 else 8,
         )
     return out
 
@@ -414,11 +376,11 @@ def decode_attention_reference(
 # the counter (the previous layer's attention may still run before the wait) come after it.
 
 
-@triton.jit(do_not_specialize=["min_split_tokens", "long_tokens", "long_split_tokens"])
+@triton.jit(do_not_specialize=["min_split_tokens"])
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, v_scale, min_split_tokens, long_tokens, long_split_tokens,
+    qk_scale, v_scale, min_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -427,7 +389,6 @@ def _one_launch_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    GROUP_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -442,8 +403,7 @@ def _one_launch_kernel(
     split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
-    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N, long_tokens,
-                                       long_split_tokens)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
@@ -506,44 +466,35 @@ def _one_launch_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         count = Counts + b * NUM_KV_HEADS + kvh
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            e = tl.arange(0, GROUP_DIM_PAD)  # the group's (head, d) pairs, flat
-            e_mask = e < GROUP * HEAD_DIM
-            out = _merge_partials(MidO, MidLse, slot0, n_splits, kvh * GROUP, e, e_mask,
-                                  NUM_Q_HEADS, HEAD_DIM, GROUP_DIM_PAD, MERGE_SPLITS)
-            o_flat = O + b * stride_ob + (kvh * GROUP + e // HEAD_DIM) * stride_oh + e % HEAD_DIM
-            tl.store(o_flat, out.to(O.dtype.element_ty), mask=e_mask)
+            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
+                                  NUM_Q_HEADS, GROUP_PAD, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _merge_partials(MidO, MidLse, slot0, n_splits, head0, e, e_mask,
-                    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_DIM_PAD: tl.constexpr,
-                    MERGE_SPLITS: tl.constexpr):
-    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials of the group
-    whose first head is head0 -> [GROUP_DIM_PAD], flat over (head, d): a group's heads are
-    contiguous in the partials, so a [MS, G * D] tile wastes no padded head rows and a long
-    context's many partials take few iterations (each one L2 round trip). Online: the running
-    maximum is rescaled chunk by chunk."""
-    head = head0 + e // HEAD_DIM
-    m = tl.full([GROUP_DIM_PAD], float("-inf"), tl.float32)
-    den = tl.zeros([GROUP_DIM_PAD], tl.float32)
-    acc = tl.zeros([GROUP_DIM_PAD], tl.float32)
+def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
+                    NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, D].
+    All log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
+    s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
+                  mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
+    den = tl.sum(tl.exp2(lse - m[None, :]), 0)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for s0 in range(0, n_splits, MERGE_SPLITS):
-        s = s0 + tl.arange(0, MERGE_SPLITS)
-        slot = slot0 + s
-        mask = (s[:, None] < n_splits) & e_mask[None, :]  # [MS, GDP]
-        lse = tl.load(MidLse + slot[:, None] * NUM_Q_HEADS + head[None, :], mask=mask,
-                      other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(MidO + (slot[:, None] * NUM_Q_HEADS + head0) * HEAD_DIM + e[None, :], mask=mask,
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
-        alpha = tl.exp2(m - m_ref)
-        w = tl.exp2(lse - m_ref[None, :])
-        den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w * o, 0)
-        m = m_new
-    return acc / tl.where(den == 0.0, 1.0, den)
+        sc = s0 + tl.arange(0, MERGE_SPLITS)
+        mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
+        part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
+                           other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(part_lse - m[None, :])
+        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                    + d[None, None, :], mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, 0)
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
@@ -571,8 +522,6 @@ def decode_attention_one_launch(
     pdl: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    long_context_tokens: int | None = None,
-    long_split_tokens: int = 128,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -599,26 +548,22 @@ def decode_attention_one_launch(
         return out
     group = num_q_heads // num_kv_heads
     gp = group_pad(group)
-    group_dim_pad = _next_pow2(group * head_dim)
-    long_tokens, long_split_tokens = _long_rule(long_context_tokens, long_split_tokens)
     launch = {"launch_pdl": True} if pdl else {}
     _one_launch_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E * k_scale, v_scale, min_split_tokens, long_tokens, long_split_tokens,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=gp,
         HEAD_DIM=head_dim,
-        GROUP_DIM_PAD=group_dim_pad,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        # Partials merged at a time: a [MS, G * D] fp32 tile of at most 32 elements a thread
-        # (two of them live: the partials and their weights).
-        MERGE_SPLITS=max(1, min(num_splits, 32 * 32 * num_warps // group_dim_pad)),
+        # Partials merged at a time: a [MS, GP, D] fp32 tile of at most 4096 elements.
+        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * head_dim))),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
         num_warps=num_warps,

@@ -8,9 +8,7 @@ the lengths on the device (the number of splits a sequence uses comes from `kv_l
 
 - Decode: bucket = the smallest of DECODE_BATCH_BUCKETS that holds the batch size (the last
   one holds every larger batch). Config: BLOCK_N keys per block, warps, stages, the smallest
-  KV split in tokens, `waves`: how many programs per SM the split count (the grid) aims at,
-  and the long-context rule (past `long_context_tokens` a row uses the whole grid; the kernel
-  decides per row from `kv_lens`, so the grid, and a graph, stay fixed).
+  KV split in tokens, and `waves`: how many programs per SM the split count aims at.
 - Prefill (every step with a chunk): bucket = the smallest of PREFILL_QLEN_BUCKETS that holds
   the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles).
 
@@ -35,11 +33,6 @@ class DecodeConfig:
     num_stages: int = 2
     min_split_tokens: int = 128
     waves: int = 2  # programs per SM the split count aims at
-    # From this KV length on a sequence spreads over every split of the grid (each at least
-    # long_split_tokens) instead of splits of min_split_tokens: one long row fills the GPU. Below
-    # it the short rule stands (fewer splits: a merge costs more than it saves there).
-    long_context_tokens: int = 4096
-    long_split_tokens: int = 128
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,18 @@
 `CoreClient` has EngineLoop's interface (submit / abort / abort_all / is_ready / stop ...), so
 the app serves either: the in-thread EngineLoop (tests, embedding) or engine-core processes
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
-cores (engine_core.py), and runs one reader thread that receives every core's per-step message
-and hands each request's outputs to its stream, one event-loop wake-up per step and loop. The
-same thread watches the processes: when a core dies, its requests in flight end with a 500
-error and the others serve on (/health: "degraded"); when the last one dies (or any, with
-exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
+cores (engine_core.py) and receives every core's per-step message, handing each request's
+outputs to its stream. The first event loop that submits a request reads the step socket
+itself (add_reader on the socket's FD): a token goes from the socket to its SSE writer with no
+thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
+threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
+reads it and wakes each stream's loop once per step; streams of other loops are woken so
+too. The thread always watches the processes: when a core dies, its requests in flight end
+with a 500 error and the others serve on (/health: "degraded"); when the last one dies (or any,
+with exit_on_core_failure), /health turns 503 ("failed") and `on_fatal` runs (the CLI exits
 non-zero: restarting a core would drop its cache and its requests anyway, and a supervisor
-restarts servers better). It also watches for silence: a core with requests in flight that
+restarts servers better). It also watches for silence (the messages it counts are read on the
+loop: a loop blocked that long looks the same): a core with requests in flight that
 ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
 next step message: no request is routed to it and /health says why (503 if no core is left to
 serve). Each core's heartbeat thread says every second that its process runs: a core silent
@@ -33,6 +38,7 @@ that one gone is fatal.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
@@ -61,7 +67,7 @@ from flashlet.server.router import PrefixRouter
 
 log = logging.getLogger("flashlet.server")
 
-READER_POLL_MS = 100  # how often the reader checks the processes when no message comes
+READER_POLL_MS = 100  # how often the reader thread checks the processes (and the loop reading)
 # A core with requests in flight that ends no step this long has stalled (stopped, hung, or in
 # a step that long): /health says so and no request is routed to it until a step ends.
 CORE_STALL_TIMEOUT_S = 8.0
@@ -147,6 +153,17 @@ class CoreClient(EngineClient):
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._output_addr(api_server_index))
         self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply | Heartbeat)
+        # Who reads _outbox: the reader thread while _reading_loop is None, else that event
+        # loop (never both: a zmq socket is not thread-safe). A loop asks for it by setting
+        # _loop_to_read and writing to the wake pipe; the thread drains the socket, then hands
+        # over (see _hand_over_to_loop) and takes it back once that loop has closed.
+        self._reading_loop: asyncio.AbstractEventLoop | None = None
+        self._loop_to_read: asyncio.AbstractEventLoop | None = None
+        self._delivering_on: asyncio.AbstractEventLoop | None = None  # while that loop reads
+        self._loop_reading_unsupported = False
+        self._outbox_fd = self._outbox.get(zmq.FD)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._encoder = msgspec.msgpack.Encoder()
         self.router: PrefixRouter | None = None
         self.limits: RequestLimits | None = None
@@ -236,10 +253,13 @@ class CoreClient(EngineClient):
     def _close(self, linger_ms: int = 0) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
+        self._stop_loop_reading()
         for core in self.cores:
             core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
         self._zmq.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self.stopped.set()
 
     @property
@@ -276,6 +296,9 @@ class CoreClient(EngineClient):
                 self._streams[rid] = stream
             core.num_in_flight += len(streams)
             core.num_routed += len(streams)
+            if (self._reading_loop is None and self._loop_to_read is None
+                    and not self._loop_reading_unsupported):
+                self._ask_to_read_on(streams[0].aloop)
 
     def _encode_add(self, ids: list[int], streams: list[RequestStream]) -> bytes:
         """The AddRequests frame for a prompt's samples; ValueError if msgpack cannot carry
@@ -356,7 +379,10 @@ class CoreClient(EngineClient):
         with its loop's counters under "loop" instead of the check (diagnostics.py). A core
         answers between steps: one that has not within `timeout` (all cores together) raises
         TimeoutError, or with late_ok is given by its latest step's stats and "answered":
-        False."""
+        False. It blocks: never call it on the event loop that reads the replies."""
+        if self._on_reading_loop():
+            raise RuntimeError("CoreClient.probe blocks the event loop that reads its replies: "
+                               "call it on another thread (run_in_threadpool)")
         futures = []
         for core in self.cores:
             fut = concurrent.futures.Future()
@@ -437,21 +463,100 @@ class CoreClient(EngineClient):
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._outbox, zmq.POLLIN)
+        socket_poller, pipe_poller = zmq.Poller(), zmq.Poller()
+        socket_poller.register(self._outbox, zmq.POLLIN)
+        for poller in (socket_poller, pipe_poller):
+            poller.register(self._wake_r, zmq.POLLIN)
         next_check = 0.0
         while not self._stopping:  # stop() ends every stream itself
+            loop = self._reading_loop
+            if loop is not None and loop.is_closed():  # it reads no more: read here again
+                self._reading_loop = loop = None
             try:
-                events = dict(poller.poll(READER_POLL_MS))
+                events = dict((socket_poller if loop is None else pipe_poller)
+                              .poll(READER_POLL_MS))
             except zmq.ZMQError:
                 return  # the context was closed by stop()
-            if self._outbox in events and not self._drain():
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            if loop is None and self._outbox in events and not self._drain():
                 return  # the socket was closed by stop()
+            if loop is None and self._loop_to_read is not None:
+                self._hand_over_to_loop()
             if (not self._stopping and self.error is None
                     and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
                 self._check_stalls()
                 next_check = time.monotonic() + READER_POLL_MS / 1000
+
+    def _ask_to_read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have `loop` read the step socket from now on (the thread hands it over)."""
+        self._loop_to_read = loop
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the thread has a wake-up pending already
+            pass
+
+    def _hand_over_to_loop(self) -> None:
+        """On the reader thread, which has read every message waiting: from now on the loop
+        reads (its first callback runs after those messages' deliveries, so order holds)."""
+        loop = self._reading_loop = self._loop_to_read  # set first: a submit asks no more
+        self._loop_to_read = None
+        try:
+            loop.call_soon_threadsafe(self._start_loop_reading, loop)
+        except RuntimeError:  # it closed meanwhile: the thread reads on
+            self._reading_loop = None
+
+    def _start_loop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._stopping:
+            return
+        try:
+            loop.add_reader(self._outbox_fd, self._read_on_loop)
+        except NotImplementedError:  # a loop without FD readers (Windows' proactor)
+            self._loop_reading_unsupported = True
+            self._reading_loop = None  # the thread reads again from its next poll
+            return
+        self._read_on_loop()  # the FD signals changes only: what came meanwhile is read now
+
+    def _read_on_loop(self) -> None:
+        """The event loop's reader callback: every waiting message, each stream of this loop
+        given its outputs at once."""
+        self._delivering_on = self._reading_loop
+        try:
+            if self._outbox.get(zmq.EVENTS) & zmq.POLLIN:  # the FD also fires on no message
+                self._drain()
+        except zmq.ZMQError:  # the socket was closed by stop()
+            pass
+        finally:
+            self._delivering_on = None
+
+    def _on_reading_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._reading_loop
+        except RuntimeError:  # no loop runs on this thread
+            return False
+
+    def _stop_loop_reading(self) -> None:
+        """Before the socket closes: the loop that reads it stops watching its FD (on the
+        loop's own thread while it runs; the thread has stopped reading by now)."""
+        loop = self._reading_loop
+        if loop is None or loop.is_closed():
+            return
+        if self._on_reading_loop() or not loop.is_running():
+            loop.remove_reader(self._outbox_fd)
+            return
+        removed = threading.Event()
+
+        def remove() -> None:
+            loop.remove_reader(self._outbox_fd)
+            removed.set()
+
+        try:
+            loop.call_soon_threadsafe(remove)
+        except RuntimeError:  # closed meanwhile
+            return
+        if not removed.wait(5):
+            log.warning("the event loop reading the engine cores did not let go of the socket")
 
     def _drain(self) -> bool:
         """Handle every message waiting (poll saw one); False if the socket is closed.
@@ -523,6 +628,9 @@ class CoreClient(EngineClient):
                 else:
                     by_loop[stream.aloop].append((stream, out))
         for aloop, items in by_loop.items():  # one wake-up per event loop and step
+            if aloop is self._delivering_on:  # read on that loop: no hand-off
+                RequestStream.put_all(items)
+                continue
             try:
                 aloop.call_soon_threadsafe(RequestStream.put_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more

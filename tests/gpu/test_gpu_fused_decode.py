@@ -129,9 +129,13 @@ def count_greedy_steps(engine) -> list[int]:
 def reference(source, prompt_list, new_tokens):
     """The per-op path's tokens, each step's top-2 logits, and each first decode step's logits."""
     top2, logits_rows = [], []
-    tokens, _ = run(source, prompt_list, new_tokens, fused=False,
-                    record=lambda meta, logits: (top2.append(logits[0].topk(2).values.tolist()),
-                                                 logits_rows.append(logits[0].clone())))
+
+    def record(meta, logits):
+        if len(logits):  # a long prompt's earlier chunks sample nothing
+            top2.append(logits[0].topk(2).values.tolist())
+            logits_rows.append(logits[0].clone())
+
+    tokens, _ = run(source, prompt_list, new_tokens, fused=False, record=record)
     assert len(top2) == len(prompt_list) * new_tokens  # one sampled row a step, prompt by prompt
     return tokens, top2, logits_rows
 

@@ -1,7 +1,7 @@
 """Decode attention after long prompts (8k and 32k tokens) on the GPU: the triton backend's
 one-launch (the fused path's) and two-launch forms, captured once in a CUDA graph at one row and
-replayed over short and long contexts (the long rule spreads a long row over the whole grid,
-decided on the device from kv_lens), against the torch backend's attention."""
+replayed over short and long contexts (the split count a row uses is decided on the device from
+kv_lens), against the torch backend's attention."""
 
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def test_long_contexts_replay_in_one_graph(shape, form):
 
 @pytest.mark.slow
 def test_fused_path_after_long_prompts_gives_the_per_op_tokens(tmp_path):
-    """Through the engine: prompts of 4,500 and 9,000 tokens (past long_context_tokens, so every
-    layer's one-launch attention spreads the row over the grid and merges many partials), the
-    default fused path teacher-forced against the per-op path (tests/gpu/test_gpu_fused_decode.py's
+    """Through the engine: prompts of 4,500 and 9,000 tokens (every layer's one-launch attention
+    splits the row and merges many partials; the prompts are prefilled in chunks), the default
+    fused path teacher-forced against the per-op path (tests/gpu/test_gpu_fused_decode.py's
     near-tie rule)."""
     from tests.conftest import save_tiny_model
     from tests.gpu.test_gpu_fused_decode import SM90, SMALL, check_against_reference_teacher_forced

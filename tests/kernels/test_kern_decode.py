@@ -217,10 +217,8 @@ _LOWER = textwrap.dedent("""
     mid = "*fp32" if splits > 1 else "*bf16"
     sig.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
                KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
-    gdp = 1 << (7 * head_dim - 1).bit_length()
-    consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, GROUP_DIM_PAD=gdp,
-                  PAGE_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits,
-                  MERGE_SPLITS=max(1, min(splits, 32 * 32 * warps // gdp)), INPUT_PRECISION=None, USE_PDL=pdl)
+    consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
+                  BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl)
     sig.update({c: "constexpr" for c in consts})
     k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -243,7 +241,6 @@ _LOWER = textwrap.dedent("""
 @pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim", [
     (1, True, 256, 8, 64), (16, True, 256, 8, 64), (64, False, 256, 8, 64),  # what head_dim 64 runs
     (16, True, 32, 4, 128),                                                  # head_dim 128's decode config
-    (128, True, 256, 8, 64), (128, True, 32, 4, 128),                        # long contexts' grids
 ])
 def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim):
     """~3 s each, at the tiles `TritonBackend.one_launch_config` picks. The PDL variants signal
@@ -264,4 +261,10 @@ def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim):
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block
     assert got["atom_acq_rel"] == 1 and got["cg_loads"] > 0
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        # Measured: Triton 3.6's code spills at the head_dim-64 tiles (d2b6473 already did);
+        # the pinned 3.7.1 (pyproject) does not. The checks above still hold there.
+        pytest.skip(f"Triton {triton.__version__} spills at these tiles; the spill check needs 3.7+")
     assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]

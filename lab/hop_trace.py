@@ -1,0 +1,340 @@
+"""Where one stream's time goes through the server, hop by hop (issue 32).
+
+    PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
+        [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
+        [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
+
+It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn, the
+engine config as the CLI makes it) in a subprocess over a tiny random Qwen2 on the CPU (or with
+--config, random weights of that preset's shape on the default device) with the SmolLM2
+tokenizer, and one closed-loop client on a raw socket streams /v1/completions requests one
+after another. Both processes are patched (the core's through CoreClient's `build_engine` hook,
+which runs in it) to log a timestamp at each hop: HTTP received, body parsed (the handler
+runs), tokenized, sent to the core, core received, added, step done, output sent, API
+received, handed to the stream, SSE written, client received. All clocks are
+time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
+median and p90 of each hop before the first token and between tokens (on a shared machine the
+p10 is the hop's own cost; the others add the time a process waited for a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TTFT_HOPS = ["c_send", "http", "handler", "tok", "submitted", "core_recv", "added", "step_done",
+             "core_sent", "api_recv", "push", "sse", "c_recv"]
+TOKEN_HOPS = ["core_sent_prev", "step_start", "step_done", "core_sent", "api_recv", "push",
+              "sse", "c_recv"]
+
+
+class Log:
+    """Timestamped hop names, written to a file (one per process) on flush."""
+
+    def __init__(self, path: str):
+        self.path, self.events = path, []
+
+    def __call__(self, name: str, t: float | None = None) -> None:
+        self.events.append((name, time.perf_counter() if t is None else t))
+
+    def flush(self) -> None:
+        with open(self.path, "a") as f:
+            f.writelines(f"{name} {t!r}\n" for name, t in self.events)
+        self.events.clear()
+
+
+# ---- the engine-core process -----------------------------------------------------------------
+def traced_build(config, tokenizer=None):
+    """CoreClient's build_engine, in the core process: patch EngineCore, build the engine."""
+    from flashlet.server import engine_core
+    from flashlet.server.engine_core import EngineCore
+
+    log = Log(os.path.join(os.environ["HOP_TRACE_DIR"], "core.txt"))
+    receive, add_queued, step, send = (EngineCore._receive, EngineCore._add_queued,
+                                       EngineCore._step, EngineCore._send)
+
+    def _receive(self, *args, **kwargs):
+        before = len(self.queued_adds)
+        receive(self, *args, **kwargs)
+        if len(self.queued_adds) > before:
+            log("core_recv")
+
+    def _add_queued(self):
+        had = bool(self.queued_adds)
+        add_queued(self)
+        if had:
+            log("added")
+
+    def _step(self):
+        start = time.perf_counter()
+        outputs = step(self)
+        if outputs:  # a step that only launched the next one (overlap) is not a token's
+            log("step_start", start)
+            log("step_done")
+        return outputs
+
+    def _send(self, outputs):  # each send's time is taken before it: the message may be
+        start = time.perf_counter()  # read before this process runs on
+        send(self, outputs)
+        if outputs:
+            log("core_sent", start)
+            if any(out.finished for out in outputs):
+                log.flush()
+
+    EngineCore._receive, EngineCore._add_queued = _receive, _add_queued
+    EngineCore._step, EngineCore._send = _step, _send
+    return engine_core.build_engine(config, tokenizer)
+
+
+# ---- the API process -------------------------------------------------------------------------
+def serve(port: int, engine_args: dict, tokenizer: str) -> None:
+    import uvicorn
+
+    from flashlet.config import EngineConfig
+    from flashlet.server import app as app_module
+    from flashlet.server import core_client, frontend
+    from flashlet.server.app import ServerConfig, create_app
+    from flashlet.server.cli import UvicornServer
+    from flashlet.server.core_client import CoreClient
+    from flashlet.server.engine_loop import RequestStream
+    from flashlet.server.limits import uvicorn_options
+
+    log = Log(os.path.join(os.environ["HOP_TRACE_DIR"], "api.txt"))
+    patch_api(log, app_module, core_client, frontend, RequestStream)
+    engine_config = EngineConfig(**engine_args).for_serving(False)  # as the CLI's default
+    client = CoreClient(engine_config, 1, tokenizer, build_engine=traced_build)
+    app = create_app(client, ServerConfig(model_name="tiny", warm_up=True))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            access_log=False, lifespan="off",
+                            **uvicorn_options(app.state.limit_stats))
+    server = UvicornServer(config, app, grace_s=1.0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    client.start()
+    try:
+        server.run()
+    finally:
+        log.flush()
+        client.stop(timeout=10)
+
+
+def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
+    app_call = app_module.FlashletApp.__call__
+    prompt_ids = frontend.Server.prompt_ids
+    check_model = frontend.Server.check_model
+    send_frame = core_client.CoreClient._send_frame_locked
+    handle_frame = core_client.CoreClient._handle_frame
+    deliver = core_client.CoreClient._deliver
+    push = RequestStream.push
+    frame_time = [0.0]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            log("http")
+
+            async def timed_send(message):
+                if message.get("body"):
+                    log("sse")
+                await send(message)
+
+            return await app_call(self, scope, receive, timed_send)
+        return await app_call(self, scope, receive, send)
+
+    def _check_model(self, model):  # the handler's first line: the body is parsed
+        log("handler")
+        return check_model(self, model)
+
+    async def _prompt_ids(self, *args, **kwargs):
+        ids = await prompt_ids(self, *args, **kwargs)
+        log("tok")
+        return ids
+
+    def _send_frame_locked(self, core, frame):
+        log("submitted")
+        return send_frame(self, core, frame)
+
+    def _handle_frame(self, frame):
+        frame_time[0] = time.perf_counter()
+        handle_frame(self, frame)
+
+    def _deliver(self, msg):
+        if msg.outputs:
+            log("api_recv", frame_time[0])
+        deliver(self, msg)
+
+    def _push(self, item):
+        push(self, item)
+        log("push")
+
+    app_module.FlashletApp.__call__ = __call__
+    frontend.Server.prompt_ids = _prompt_ids
+    frontend.Server.check_model = _check_model
+    core_client.CoreClient._send_frame_locked = _send_frame_locked
+    core_client.CoreClient._handle_frame = _handle_frame
+    core_client.CoreClient._deliver = _deliver
+    RequestStream.push = _push
+
+
+# ---- the client and the analysis ---------------------------------------------------------------
+def request_bytes(tokens: int) -> bytes:
+    body = {"model": "tiny", "prompt": "the quick brown fox jumps over a lazy dog while seven "
+            "wizards quietly judge boxing matches", "max_tokens": tokens, "ignore_eos": True,
+            "stream": True}
+    data = json.dumps(body).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+
+def run_client(port: int, requests: int, tokens: int, log: Log) -> None:
+    payload = request_bytes(tokens)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(requests):
+            log("c_send")
+            sock.sendall(payload)
+            buf = b""
+            while not buf.endswith(b"0\r\n\r\n"):
+                chunk = sock.recv(65536)
+                t = time.perf_counter()
+                if not chunk:
+                    raise RuntimeError("the server closed the connection")
+                for _ in range(chunk.count(b"data: {")):
+                    log("c_recv", t)
+                buf += chunk
+
+
+def wait_for_health(port: int, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not come up")
+
+
+def read_events(folder: str) -> list[tuple[float, str]]:
+    events = []
+    for name in ("api.txt", "core.txt", "client.txt"):
+        path = Path(folder, name)
+        if path.exists():
+            for line in path.read_text().split("\n"):
+                if line:
+                    hop, t = line.split()
+                    events.append((float(t), hop))
+    return sorted(events)
+
+
+def split_requests(events) -> list[dict[str, list[float]]]:
+    """Per request (from one c_send to the next), each hop's times in order."""
+    requests = []
+    for t, hop in events:
+        if hop == "c_send":
+            requests.append({})
+        if requests:
+            requests[-1].setdefault(hop, []).append(t)
+    return requests
+
+
+def hop_gaps(requests, skip: int) -> tuple[dict, dict]:
+    """(before the first token: hop -> [ms]), (between tokens: hop -> [ms])."""
+    first, later = {}, {}
+    for r in requests[skip:]:
+        if not all(r.get(h) for h in TTFT_HOPS):
+            continue
+        times = [r[h][0] for h in TTFT_HOPS]
+        for hop, a, b in zip(TTFT_HOPS[1:], times, times[1:]):
+            first.setdefault(hop, []).append((b - a) * 1e3)
+        first.setdefault("TTFT (client)", []).append((r["c_recv"][0] - r["c_send"][0]) * 1e3)
+        n = len(r["core_sent"])
+        if any(len(r[h]) < n for h in ("api_recv", "push", "sse", "c_recv", "step_start")):
+            continue  # tokens merged into one event somewhere: not matched one to one
+        for j in range(1, n):
+            times = [r["core_sent"][j - 1], r["step_start"][j], r["step_done"][j],
+                     r["core_sent"][j], r["api_recv"][j], r["push"][j], r["sse"][j],
+                     r["c_recv"][j]]
+            for hop, a, b in zip(TOKEN_HOPS[1:], times, times[1:]):
+                later.setdefault(hop, []).append((b - a) * 1e3)
+            later.setdefault("ITL (client)", []).append(
+                (r["c_recv"][j] - r["c_recv"][j - 1]) * 1e3)
+    return first, later
+
+
+def table(title: str, gaps: dict) -> str:
+    lines = [f"{title}", "| hop (time since the previous) | p10 ms | p50 ms | p90 ms | n |",
+             "|---|---:|---:|---:|---:|"]
+    for hop, values in gaps.items():
+        values = sorted(values)
+        p10, p90 = (values[min(len(values) - 1, int(q * len(values)))] for q in (0.1, 0.9))
+        lines.append(f"| {hop} | {p10:.3f} | {statistics.median(values):.3f} | {p90:.3f} "
+                     f"| {len(values)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
+    parser.add_argument("--out")
+    parser.add_argument("--tokenizer", default=str(ROOT / ".tok" / "smollm2"))
+    parser.add_argument("--config", help="a preset: random weights of its shape, on the "
+                        "default device (none: a tiny random Qwen2 on the CPU)")
+    parser.add_argument("--dtype")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT ENGINE-ARGS-JSON
+    args = parser.parse_args()
+    if args.serve:
+        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer)
+        return
+    folder = tempfile.mkdtemp(prefix="hop-trace-")
+    if args.config:
+        engine_args = {"config": args.config, "dtype": args.dtype, "backend": args.backend}
+    else:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import save_tiny_model
+
+        model = save_tiny_model("qwen2", os.path.join(folder, "model"), vocab_size=49152)
+        engine_args = {"model": str(model), "device": "cpu"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
+                               json.dumps(engine_args), "--tokenizer", args.tokenizer],
+                              env=env, cwd=ROOT)
+    try:
+        wait_for_health(port)
+        log = Log(os.path.join(folder, "client.txt"))
+        run_client(port, args.requests, args.tokens, log)
+        log.flush()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    events = read_events(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    first, later = hop_gaps(split_requests(events), args.skip)
+    report = table("Before the first token", first) + "\n\n" + table("Between tokens", later)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"first": first, "later": later}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""One stream with speculative decoding against the same engine without it, at set acceptance rates.
+
+    python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
+                                 [--draft qwen2.5-0.5b] [--json OUT]
+
+Random weights cannot agree with a proposer by chance, so the proposals here come from a known
+continuation: each config first generates its greedy continuation without speculation (default
+settings, through `LLM.generate`), then an engine with `speculative_config={"method": "ngram",
+...}` runs the same prompt with its proposer replaced by one that proposes that continuation,
+each proposed token kept with probability `match` and otherwise replaced by another token. The
+verify steps, the acceptance and everything after them are the engine's own; only where the
+guesses come from differs from a user's run. The acceptance rate printed is the engine's
+measured one (`engine.stats()`), not `match`.
+
+Each figure is 256 / seconds of one `LLM.generate` call of one 32-token prompt, 256 new tokens,
+greedy, after a first untimed call (both engines have compiled and captured by then). A row
+also says whether the speculative output equals the plain one (greedy speculation is lossless
+up to the verify step's rounding, which differs from the fused one-row path's: a near tie may
+part them).
+
+With --draft, a draft-model engine (`{"model": DRAFT, "num_speculative_tokens": k}`) runs too:
+random draft weights are almost never accepted, so its row measures what a verify step with a
+draft costs (ms per step), not its speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_LEN, NEW_TOKENS = 32, 256
+
+
+class ContinuationProposer:
+    """Proposes the next tokens of a known continuation, each kept with probability `match`."""
+
+    def __init__(self, continuation: list[int], match: float, vocab: int, seed: int = 0):
+        self.continuation = continuation
+        self.match = match
+        self.vocab = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, requests, k: int) -> list[list[int]]:
+        proposals = []
+        for req in requests:
+            done = list(req.output_token_ids)
+            if done != self.continuation[: len(done)]:  # parted at a near tie: nothing to offer
+                proposals.append([])
+                continue
+            guess = list(self.continuation[len(done): len(done) + k])
+            for i in np.flatnonzero(self.rng.random(len(guess)) >= self.match):
+                guess[i] = (guess[i] + 1 + int(self.rng.integers(self.vocab - 1))) % self.vocab
+            proposals.append(guess)
+        return proposals
+
+    def on_accepted(self, request, num_accepted: int) -> None:
+        pass
+
+    def release(self, request) -> None:
+        pass
+
+
+def timed_generate(llm, prompt: list[int]) -> tuple[float, list[int], int]:
+    """(tok/s, tokens, steps) of one call after an untimed first one."""
+    import torch
+
+    from flashlet import SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate([prompt], params)
+    torch.cuda.synchronize()
+    steps = llm.engine.num_steps
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    seconds = time.perf_counter() - t0
+    return NEW_TOKENS / seconds, list(out.token_ids), llm.engine.num_steps - steps
+
+
+def spec_counters(llm) -> tuple[int, int, int]:
+    s = llm.engine.spec.stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def run_config(config: str, ks: list[int], matches: list[float], draft: str | None) -> dict:
+    from flashlet import LLM
+
+    common = dict(config=config, dtype="bfloat16", max_num_pages=4096)
+    with LLM(**common) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(i * 7919 + 11) % vocab for i in range(PROMPT_LEN)]
+        base_tok_s, base_tokens, base_steps = timed_generate(llm, prompt)
+        fused = llm.engine.runner.fused is not None
+    result = {"config": config, "plain": {"tok_s": base_tok_s, "steps": base_steps, "fused_decode": fused},
+              "ngram": []}
+    spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
+    with LLM(**common, speculative_config=spec) as llm:
+        for k in ks:
+            for match in matches:
+                llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
+                llm.engine.spec.proposer = ContinuationProposer(base_tokens, match, vocab, seed=k)
+                before = spec_counters(llm)
+                tok_s, tokens, steps = timed_generate(llm, prompt)
+                drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
+                # the counters span both calls (the untimed one runs the same proposals' rate)
+                same = tokens == base_tokens
+                parted = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
+                result["ngram"].append({
+                    "k": k, "match": match, "tok_s": tok_s, "speedup": tok_s / base_tok_s,
+                    "acceptance_rate": accepted / proposed if proposed else 0.0,
+                    "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+                    "steps": steps, "same_tokens": same, "parted_at": parted})
+    if draft:
+        try:
+            result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps)
+        except Exception as e:  # the n-gram rows above still print
+            result["draft"] = {"draft": draft, "error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
+               k: int = 4) -> dict:
+    from flashlet import LLM
+
+    with LLM(**common, speculative_config={"model": draft, "num_speculative_tokens": k}) as llm:
+        tok_s, tokens, steps = timed_generate(llm, prompt)
+        return {"draft": draft, "k": k, "tok_s": tok_s, "steps": steps,
+                "ms_per_step": 1000 * NEW_TOKENS / tok_s / steps,
+                "plain_ms_per_step": 1000 * NEW_TOKENS / base_tok_s / base_steps,
+                "acceptance_rate": llm.engine.stats().get("spec_acceptance_rate")}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings")
+    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} {'same':>5}")
+    for res in results:
+        plain = res["plain"]
+        print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
+              f"{1.0:8.2f} {'':>5}  (fused decode: {plain['fused_decode']})")
+        for row in res["ngram"]:
+            print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
+                  f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
+                  f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>5}")
+        if "draft" in res and "error" in res["draft"]:
+            print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")
+        elif "draft" in res:
+            d = res["draft"]
+            print(f"{res['config']:14} draft {d['draft']} k={d['k']}: {d['ms_per_step']:.3f} ms a step "
+                  f"(plain {d['plain_ms_per_step']:.3f}), {d['tok_s']:.0f} tok/s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", nargs="+", default=["qwen2.5-0.5b"])
+    ap.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--match", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
+    ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    results = []
+    for i, config in enumerate(args.config):
+        draft = args.draft if i == len(args.config) - 1 else None
+        results.append(run_config(config, args.k, args.match, draft))
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

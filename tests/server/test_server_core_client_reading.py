@@ -1,0 +1,248 @@
+"""CoreClient reads the engine cores' step socket on the event loop that serves its requests:
+each output reaches its stream on that loop with no thread hand-off, a burst of step messages
+for many requests arrives in order, a loop that closes hands the socket back (another loop's
+requests still get their outputs), and stop() leaves no reader on the loop. A fake core (two
+zmq sockets in this process) stands in for the engine-core process: no model, no spawn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from flashlet.config import EngineConfig
+from flashlet.sampling import SamplingParams
+from flashlet.server.core_client import CoreClient
+from flashlet.server.engine_loop import RequestStream
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,
+                                      CoreReady, StepOutputs, output_rows)
+
+INFO = {"max_model_len": 256, "vocab_size": 1000, "page_size": 16, "num_pages": 64}
+
+
+class FakeCore:
+    """The engine-core side of the sockets: reads what the client sends, sends steps."""
+
+    def __init__(self, client: CoreClient):
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(client._input_addr(0, client.api_server_index))
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect(client._output_addr(client.api_server_index))
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+
+    def send(self, msg) -> None:
+        self.outbox.send(msgspec.msgpack.encode(msg))
+
+    def step(self, outputs: list) -> None:
+        self.send(StepOutputs(0, output_rows(outputs), {"time": time.monotonic()}))
+
+    def received(self, timeout_ms: int = 5000):
+        assert self.inbox.poll(timeout_ms), "the client sent nothing"
+        return self.decoder.decode(self.inbox.recv())
+
+    def close(self) -> None:
+        self.inbox.close(linger=0)
+        self.outbox.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def client_and_core(tmp_path):
+    """A CoreClient attached as API process 1 of 2 to cores it does not own (so none is
+    spawned; this process stands for the cores and their owner), made ready by the fake core."""
+    pid = os.getpid()
+    client = CoreClient(EngineConfig(device="cpu"), api_server_index=1, api_server_count=2,
+                        ipc_dir=str(tmp_path), core_pids=[pid], owner_pid=pid).start()
+    core = FakeCore(client)
+    try:
+        core.send(CoreReady(0, INFO, None, pid))
+        assert client.wait_ready(10), client.error
+        yield client, core
+    finally:
+        client.stop(timeout=5)
+        core.close()
+
+
+def _streams(n: int) -> list[RequestStream]:
+    return [RequestStream([1, 2, 3], SamplingParams(max_new_tokens=8)) for _ in range(n)]
+
+
+async def _tokens_of(stream: RequestStream) -> list[int]:
+    tokens = []
+    while True:
+        out = await asyncio.wait_for(stream.get(), 10)
+        tokens += out.new_token_ids
+        if out.finished:
+            return tokens
+
+
+async def _read_here(client: CoreClient) -> None:
+    """Wait until the reader thread has handed the socket to the running loop."""
+    for _ in range(1000):
+        if client._reading_loop is asyncio.get_running_loop():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the event loop was never given the socket")
+
+
+def test_outputs_reach_their_streams_on_the_event_loop_itself(client_and_core, monkeypatch):
+    """The loop that submits reads the socket: each step message is handled on its thread,
+    and each request gets its own tokens."""
+    client, core = client_and_core
+    handled_on = []
+    handle = client._handle_frame
+    monkeypatch.setattr(client, "_handle_frame",
+                        lambda frame: (handled_on.append(threading.get_ident()), handle(frame)))
+
+    async def run():
+        streams = _streams(3)
+        for stream in streams:
+            client.submit(stream)
+        ids = [core.received().request_ids[0] for _ in streams]
+        assert ids == [s.request_id for s in streams] == [1, 3, 5]  # client 1 of 2: odd ids
+        await _read_here(client)
+        for step in range(4):
+            core.step([CoreOutput(rid, [rid * 100 + step], finished=step == 3) for rid in ids])
+        return await asyncio.gather(*map(_tokens_of, streams)), threading.get_ident()
+
+    results, loop_thread = asyncio.run(run())
+    assert results == [[rid * 100 + s for s in range(4)] for rid in (1, 3, 5)]
+    assert handled_on and set(handled_on) == {loop_thread}
+
+
+def test_a_burst_of_step_messages_for_many_requests_arrives_in_order(client_and_core):
+    client, core = client_and_core
+    num_requests, num_steps = 64, 50
+
+    async def run():
+        streams = _streams(num_requests)
+        for stream in streams:
+            client.submit(stream)
+        await _read_here(client)
+        for step in range(num_steps):  # sent at once, read as they come
+            core.step([CoreOutput(s.request_id, [step], finished=step == num_steps - 1)
+                       for s in streams])
+        return await asyncio.gather(*map(_tokens_of, streams))
+
+    assert asyncio.run(run()) == [list(range(num_steps))] * num_requests
+    assert client.num_streams == 0 and client.cores[0].num_in_flight == 0
+
+
+def test_a_closed_loop_hands_the_socket_back_and_other_loops_are_served(client_and_core):
+    """A loop that read the socket and closed (a test client's, say) holds nothing up: the
+    reader thread takes the socket back and the next loop's requests get their outputs, as do
+    those of a loop that submits while another one reads."""
+    client, core = client_and_core
+
+    async def one_request(step_first: bool = True) -> list[int]:
+        [stream] = _streams(1)
+        client.submit(stream)
+        rid = core.received().request_ids[0]
+        core.step([CoreOutput(rid, [7])])
+        core.step([CoreOutput(rid, [8], finished=True)])
+        return await _tokens_of(stream)
+
+    assert asyncio.run(one_request()) == [7, 8]
+    first_reader = client._reading_loop
+    assert first_reader is not None and first_reader.is_closed()
+    assert asyncio.run(one_request()) == [7, 8]  # the thread read it, or the new loop does
+
+    started, ended = threading.Event(), threading.Event()
+    other_loop = asyncio.new_event_loop()
+
+    def run_other_loop():
+        asyncio.set_event_loop(other_loop)
+        other_loop.call_soon(started.set)
+        other_loop.run_forever()
+        ended.set()
+
+    thread = threading.Thread(target=run_other_loop, daemon=True)
+    thread.start()
+    assert started.wait(5)
+    try:
+        # The other loop reads the socket; this one's request is delivered across threads.
+        reads_there = asyncio.run_coroutine_threadsafe(one_request(), other_loop).result(10)
+        assert reads_there == [7, 8]
+        deadline = time.monotonic() + 5
+        while client._reading_loop is not other_loop and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client._reading_loop is other_loop
+        assert asyncio.run(one_request()) == [7, 8]
+    finally:
+        other_loop.call_soon_threadsafe(other_loop.stop)
+        assert ended.wait(5)
+        other_loop.close()
+
+
+def test_stop_on_the_reading_loop_releases_its_fd_and_ends_the_streams(client_and_core):
+    client, core = client_and_core
+
+    async def run():
+        [stream] = _streams(1)
+        client.submit(stream)
+        rid = core.received().request_ids[0]
+        core.step([CoreOutput(rid, [4])])
+        first = await asyncio.wait_for(stream.get(), 10)
+        assert client._reading_loop is asyncio.get_running_loop()
+        fd = client._outbox_fd
+        await asyncio.get_running_loop().run_in_executor(None, client.stop, 5)
+        ended = await asyncio.wait_for(stream.get(), 10)  # the shutdown's 503
+        return first, ended, asyncio.get_running_loop().remove_reader(fd)
+
+    first, ended, was_watched = asyncio.run(run())
+    assert first.new_token_ids == [4]
+    assert ended.status == 503
+    assert not was_watched  # stop() already took the reader off the loop
+    assert client.stopped.is_set()
+    assert isinstance(core.received(), AbortRequests)  # this process's request, in the core
+
+
+def test_a_loop_without_fd_readers_is_served_by_the_reader_thread(client_and_core):
+    """A loop that cannot watch an FD (Windows' proactor) is never asked again; the thread
+    reads and wakes it, as before."""
+    client, core = client_and_core
+
+    class NoReaderLoop(asyncio.SelectorEventLoop):
+        def add_reader(self, fd, callback, *args):
+            raise NotImplementedError
+
+    async def one_request() -> list[int]:
+        [stream] = _streams(1)
+        client.submit(stream)
+        rid = core.received().request_ids[0]
+        for _ in range(1000):  # the thread tried to hand the socket over, and took it back
+            if client._loop_reading_unsupported and client._reading_loop is None:
+                break
+            await asyncio.sleep(0.01)
+        core.step([CoreOutput(rid, [7])])
+        core.step([CoreOutput(rid, [8], finished=True)])
+        return await _tokens_of(stream)
+
+    loop = NoReaderLoop()
+    try:
+        assert loop.run_until_complete(one_request()) == [7, 8]
+        assert loop.run_until_complete(one_request()) == [7, 8]
+    finally:
+        loop.close()
+    assert client._loop_reading_unsupported and client._reading_loop is None
+
+
+def test_a_probe_on_the_reading_loop_fails_at_once_instead_of_waiting_on_itself(
+        client_and_core):
+    client, core = client_and_core
+
+    async def run():
+        [stream] = _streams(1)
+        client.submit(stream)
+        await _read_here(client)
+        with pytest.raises(RuntimeError, match="another thread"):
+            client.probe(timeout=30)
+        client.abort(stream)
+
+    asyncio.run(run())

@@ -155,9 +155,11 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
                    max_num_pages=1024, **config)
     perturb_norms(engine)
     if logits:
-        engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()))
+        engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()) if len(lg) else None)
 
     def force(tokens):  # the reference's token replaces the pick fed to the next step
+        if not len(tokens):  # a long prompt's earlier chunks sample nothing
+            return tokens
         picks.append(int(tokens[0]))
         return torch.full_like(tokens, forced[len(picks) - 1])
 

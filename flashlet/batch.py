@@ -34,6 +34,7 @@ import torch
 
 from flashlet.attention.base import AttentionMetadata
 from flashlet.request import PLACEHOLDER
+from flashlet.sampling import SamplingColumns, SamplingParams
 
 if TYPE_CHECKING:
     from flashlet.scheduler import SchedulerOutput
@@ -146,8 +147,10 @@ class InputBatch:
 
     A row holds what outlives a step: the request's page table (int32, a row of `page_table`),
     the row of the previous launched step's sampled tokens its next input comes from
-    (`sample_index`, for overlap), and when it was added (`added_at`: the sampler keeps its
-    penalty state per row, and starts it afresh for a new occupant). `apply(update)` takes the
+    (`sample_index`, for overlap), its sampling parameters (`sampling`, numpy columns the
+    sampler slices at the step's `sampled_rows`) and prompt length, and when it was added
+    (`added_at`: the sampler keeps its penalty state per row, and starts it afresh for a new
+    occupant). `apply(update)` takes the
     scheduler's BatchUpdate: rows removed (finished, preempted), rows added with their pages,
     page-table changes (a new page every page_size tokens, or the prefix cache's deduplication),
     and the step's columns (each scheduled request's id, first position, new tokens, whether it
@@ -169,25 +172,38 @@ class InputBatch:
         self.row_of: dict[int, int] = {}  # request id -> row
         self.free_rows = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
         self.version = 0  # counts adds and removals: the same version, the same occupants
+        self.sampling = SamplingColumns(max_seqs)
+        self.num_prompt_tokens = np.zeros(max_seqs, np.int64)
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
+        # One entry per sampled position of the last step (a row with several sampled query
+        # tokens would repeat): its row, and the output index of the token it samples.
+        self.sampled_rows = np.zeros(0, np.int64)
+        self.sampled_output_index = np.zeros(0, np.int64)
         self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
 
     @classmethod
-    def holding(cls, request_ids: Sequence[int]) -> "InputBatch":
+    def holding(cls, requests: Sequence) -> "InputBatch":
         """A batch whose rows hold these requests (no pages), each sampling, in this order: for
         tests and tools that call the sampler as the engine does."""
-        return cls(max(len(request_ids), 1), 0, 1).hold(request_ids)
+        return cls(max(len(requests), 1), 0, 1).hold(requests)
 
-    def hold(self, request_ids: Sequence[int]) -> "InputBatch":
-        """Rows for exactly these requests (the others leave, new ones join with no pages),
-        each sampling, in this order: a step's batch as tests and tools see it."""
-        keep = set(request_ids)
+    def hold(self, requests: Sequence) -> "InputBatch":
+        """Rows for exactly these requests (the others leave, new ones join with no pages; each
+        row's sampling parameters are the request's), each sampling its next output token, in
+        this order: a step's batch as tests and tools see it."""
+        keep = {req.request_id for req in requests}
         for i in [i for i in self.row_of if i not in keep]:
             self.remove(i)
-        for i in request_ids:
-            if i not in self.row_of:
-                self.add(i, [])
-        self.sampling_rows = [self.row_of[i] for i in request_ids]
+        for req in requests:
+            if req.request_id not in self.row_of:
+                self.add(req.request_id, [])
+            row = self.row_of[req.request_id]
+            self.sampling.set(row, req.params)
+            self.num_prompt_tokens[row] = len(req.prompt_token_ids)
+        self.sampling_rows = [self.row_of[req.request_id] for req in requests]
+        self.sampled_rows = np.array(self.sampling_rows, np.int64)
+        self.sampled_output_index = np.array([len(req.output_token_ids) for req in requests],
+                                             np.int64)
         return self
 
     def apply(self, update) -> "StepLayout":
@@ -195,16 +211,22 @@ class InputBatch:
         `sample_index` then point at their places in this step's sampled tokens."""
         for request_id in update.removed:
             self.remove(request_id)
-        for request_id, page_ids in update.added:
-            self.add(request_id, page_ids)
+        for new_row in update.added:  # scheduler.NewRow: id, pages, parameters, prompt length
+            self.add(*new_row)
         if update.pages:
             self._change_pages(update.pages)
         rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample)
-        sampling = rows if update.sample is None else rows[np.asarray(update.sample, bool)]
-        self.sample_index[sampling] = np.arange(len(sampling))
-        self.sampling_rows = sampling.tolist()
+        kv_lens = layout.arrays["kv_lens"]
+        if update.sample is not None:
+            sampled = np.asarray(update.sample, bool)
+            rows, kv_lens = rows[sampled], kv_lens[sampled]
+        self.sample_index[rows] = np.arange(len(rows))
+        self.sampling_rows = rows.tolist()
+        self.sampled_rows = rows
+        # A row sampling after its last token (KV length n) samples output token n - prompt.
+        self.sampled_output_index = kv_lens - self.num_prompt_tokens[rows]
         return layout
 
     def _rows_of(self, request_ids: list[int]) -> np.ndarray:
@@ -217,7 +239,9 @@ class InputBatch:
             self._last_rows = (self.version, request_ids), last_rows
         return last_rows
 
-    def add(self, request_id: int, page_ids: Sequence[int]) -> int:
+    def add(self, request_id: int, page_ids: Sequence[int],
+            params: SamplingParams | None = None, num_prompt_tokens: int = 0) -> int:
+        """A row for a request, holding its page table and sampling parameters (None: greedy)."""
         if request_id in self.row_of:
             raise ValueError(f"request {request_id} has a row already")
         if not self.free_rows:
@@ -226,6 +250,8 @@ class InputBatch:
         self.version += 1
         self.added_at[row] = self.version
         self.set_pages(row, 0, page_ids)
+        self.sampling.set(row, params or _GREEDY)
+        self.num_prompt_tokens[row] = num_prompt_tokens
         return row
 
     def remove(self, request_id: int) -> None:
@@ -317,6 +343,9 @@ class InputBatch:
             layout.is_pure_decode = True
             layout.max_query_len = 1 if num_seqs else 0
         return layout
+
+
+_GREEDY = SamplingParams()
 
 
 def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:

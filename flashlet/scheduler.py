@@ -32,10 +32,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
+from typing import NamedTuple
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
 from flashlet.radix_cache import PageHolder, RadixCache
 from flashlet.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
+from flashlet.sampling import SamplingParams
+
+
+class NewRow(NamedTuple):
+    """A request taking a row of the runner's batch: what the row keeps while it runs."""
+
+    request_id: int
+    page_ids: list[int]
+    params: SamplingParams  # the row's sampling columns (batch.InputBatch.sampling)
+    num_prompt_tokens: int  # to tell which output token a sampled position produces
 
 
 @dataclass
@@ -45,7 +56,7 @@ class BatchUpdate:
     row order. Plain data: tensor-parallel rank 0 sends it to the workers as it is."""
 
     removed: list[int] = field(default_factory=list)  # request ids: finished or preempted
-    added: list[tuple[int, list[int]]] = field(default_factory=list)  # (id, its page table)
+    added: list[NewRow] = field(default_factory=list)
     # (id, first entry that changed, the page table from it on): pages appended, or the prefix
     # cache's own copies swapped in for a request's duplicates
     pages: list[tuple[int, int, list[int]]] = field(default_factory=list)
@@ -164,7 +175,8 @@ class Scheduler:
         # no row: it is in `removed`, and adding it would leave a waiting request a row.
         running = RequestStatus.RUNNING
         added = {req.request_id: req for req in self._rows_added if req.status is running}
-        update.added = [(i, req.page_ids) for i, req in added.items()]
+        update.added = [NewRow(i, req.page_ids, req.params, req.num_prompt_tokens)
+                        for i, req in added.items()]
         for i, first in self._pages_changed.items():
             req = self.requests.get(i)
             if i not in added and req is not None and req.status is running:

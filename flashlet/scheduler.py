@@ -74,6 +74,7 @@ class SchedulerOutput:
     # Requests whose scheduled tokens reach their last token: each samples one, in row order.
     sampling: list[Request] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # per sampling row: its placeholder's index
+    filled: list[Request] = field(default_factory=list)  # requests that completed a page in it
     batch_update: BatchUpdate = field(default_factory=BatchUpdate)  # for the model runner
 
     @property
@@ -286,10 +287,25 @@ class Scheduler:
     # ---- after a step ---------------------------------------------------------------------
     def on_launch(self, out: SchedulerOutput) -> None:
         """The step is on the device: its tokens count as computed, and each request that
-        samples holds a placeholder for the token until `update` writes it in."""
+        samples holds a placeholder for the token until `update` writes it in. The requests
+        that completed a page are noted for `update` to cache it (no pass over every row)."""
+        out.slots, out.filled = slots, filled = [], []
+        ps = self.page_size
+        if len(out.sampling) == len(out.scheduled) and out.is_pure_decode:
+            # Every row a decode that samples (the steady state): one pass; the rows of
+            # `sampling` are those of `scheduled`, in the same order.
+            for req in out.sampling:
+                computed = req.num_computed_tokens = req.num_computed_tokens + 1
+                if computed % ps == 0:
+                    filled.append(req)
+                output_ids = req.output_token_ids
+                slots.append(len(output_ids))
+                output_ids.append(PLACEHOLDER)
+            return
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
-        out.slots = slots = []
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if computed // ps > (computed - n) // ps:
+                filled.append(req)
         for req in out.sampling:
             output_ids = req.output_token_ids
             slots.append(len(output_ids))
@@ -301,11 +317,9 @@ class Scheduler:
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
         outputs = self._append_tokens(out, tokens, logprobs)
         if self.enable_prefix_cache:
-            finished, ps = RequestStatus.FINISHED, self.page_size
-            for req, _ in out.scheduled:
-                # Only a request that has completed a page since it last cached has work here.
-                if (req.num_computed_tokens // ps > req.num_tree_pages
-                        and req.status is not finished):
+            finished = RequestStatus.FINISHED
+            for req in out.filled:  # (one preempted or finished since has cached its pages)
+                if req.status is not finished:
                     self.cache_computed_pages(req)
         return outputs
 
@@ -326,9 +340,8 @@ class Scheduler:
                     and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
-                outputs.append(RequestOutput(req.request_id, [token], False,
-                                             prompt_token_ids=req.prompt_token_ids,
-                                             num_cached_tokens=req.num_cached_tokens))
+                outputs.append(RequestOutput(req.request_id, [token], False, None,
+                                             req.prompt_token_ids, None, req.num_cached_tokens))
             else:
                 outputs.append(self._update_row(req, row, slot, token, logprobs))
         return outputs

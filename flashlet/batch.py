@@ -173,12 +173,17 @@ class InputBatch:
         self.free_rows = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
         self.version = 0  # counts adds and removals: the same version, the same occupants
         self.sampling = SamplingColumns(max_seqs)
+        # A decode step's constant columns (qo_indptr, logits_indices, query lengths), sliced.
+        self._counting = np.arange(max_seqs + 1, dtype=np.int64)
+        self._counting32 = np.arange(max_seqs + 1, dtype=np.int32)
+        self._ones32 = np.ones(max_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_seqs, np.int64)
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
         # One entry per sampled position of the last step (a row with several sampled query
         # tokens would repeat): its row, and the output index of the token it samples.
         self.sampled_rows = np.zeros(0, np.int64)
-        self.sampled_output_index = np.zeros(0, np.int64)
+        self._sampled_kv_lens = np.zeros(0, np.int64)
+        self._output_index: np.ndarray | None = None
         self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
 
     @classmethod
@@ -202,8 +207,7 @@ class InputBatch:
             self.num_prompt_tokens[row] = len(req.prompt_token_ids)
         self.sampling_rows = [self.row_of[req.request_id] for req in requests]
         self.sampled_rows = np.array(self.sampling_rows, np.int64)
-        self.sampled_output_index = np.array([len(req.output_token_ids) for req in requests],
-                                             np.int64)
+        self._output_index = np.array([len(req.output_token_ids) for req in requests], np.int64)
         return self
 
     def apply(self, update) -> "StepLayout":
@@ -222,12 +226,19 @@ class InputBatch:
         if update.sample is not None:
             sampled = np.asarray(update.sample, bool)
             rows, kv_lens = rows[sampled], kv_lens[sampled]
-        self.sample_index[rows] = np.arange(len(rows))
+        self.sample_index[rows] = self._counting[: len(rows)]
         self.sampling_rows = rows.tolist()
-        self.sampled_rows = rows
-        # A row sampling after its last token (KV length n) samples output token n - prompt.
-        self.sampled_output_index = kv_lens - self.num_prompt_tokens[rows]
+        self.sampled_rows, self._sampled_kv_lens, self._output_index = rows, kv_lens, None
         return layout
+
+    @property
+    def sampled_output_index(self) -> np.ndarray:
+        """The output index of the token each of the last step's sampled positions samples (a
+        seeded row's noise is keyed by it); made when first read, as few steps need it."""
+        if self._output_index is None:
+            # A row sampling after its last token (KV length n) samples output token n - prompt.
+            self._output_index = self._sampled_kv_lens - self.num_prompt_tokens[self.sampled_rows]
+        return self._output_index
 
     def _rows_of(self, request_ids: list[int]) -> np.ndarray:
         """The rows of these requests; the last step's when they are the same requests, in the
@@ -305,11 +316,11 @@ class InputBatch:
         input_ids = np.array(token_ids, i64)
         starts = np.array(starts, i64)
         if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
-            qo = np.arange(num_seqs + 1, dtype=i32)
-            positions, token_rows, kv_lens = starts, rows, starts + 1
+            qo = self._counting32[: num_seqs + 1]
+            positions, token_rows, kv_lens = starts, rows, np.add(starts, 1, dtype=i32)
             page, offset = np.divmod(positions, ps)
-            pages, last_page_len = page + 1, offset + 1
-            logits = np.arange(num_seqs)
+            pages, last_page_len = page + 1, np.add(offset, 1, dtype=i32)
+            logits = self._counting[:num_seqs]
         else:
             lens = np.array(query_lens, i64)
             qo = _indptr(lens)
@@ -324,22 +335,31 @@ class InputBatch:
             raise ValueError("a row's page table holds fewer pages than its tokens need")
         if sample is not None:
             logits = logits[np.asarray(sample, bool)]
-        kv_ptr = _indptr(pages)
+        kv_ptr = _indptr(pages, i32)
         # Each sequence's pages are its row's first `pages` entries: one gather over the table.
         table = self.page_table.ravel()
         indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
-        slots = np.multiply(table[token_rows * width + page], ps, dtype=i64) + offset
-        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
-        input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+        if query_lens is None:  # a decode token's page is its sequence's last one
+            token_pages = indices[kv_ptr[1:] - 1]
+        else:
+            token_pages = table[token_rows * width + page]
+        slots = np.multiply(token_pages, ps, dtype=i64) + offset
+        feed_rows = np.flatnonzero(input_ids == PLACEHOLDER)
+        if len(feed_rows) == num_tokens:  # every token fed (an overlapped decode step)
+            input_ids.fill(0)  # the device writes the real tokens in (StepBuffers.load)
+            feed_src = self.sample_index[token_rows]
+        else:
+            input_ids[feed_rows] = 0
+            feed_src = self.sample_index[token_rows[feed_rows]]
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
+                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr,
                       paged_kv_indices=indices,
-                      paged_kv_last_page_len=last_page_len.astype(i32),
-                      kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
-                      feed_src=self.sample_index[token_rows[feed_rows]])
+                      paged_kv_last_page_len=last_page_len.astype(i32, copy=False),
+                      kv_lens=kv_lens.astype(i32, copy=False), logits_indices=logits,
+                      feed_rows=feed_rows, feed_src=feed_src)
         layout = StepLayout.from_arrays(arrays)
         if query_lens is None:  # the cached properties' values, known already
-            layout.query_lens = np.ones(num_seqs, i32)
+            layout.query_lens = self._ones32[:num_seqs]
             layout.is_pure_decode = True
             layout.max_query_len = 1 if num_seqs else 0
         return layout
@@ -363,8 +383,8 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
                         None if all(n == 1 for n in lens) else lens, [row.sample for row in rows])
 
 
-def _indptr(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, np.int64)
+def _indptr(counts: np.ndarray, dtype=np.int64) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype)
     np.cumsum(counts, out=out[1:])
     return out
 

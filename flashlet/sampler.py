@@ -32,13 +32,17 @@ Per-batch state: what the rows need on the device (sampling parameters, penalty 
 rows, the row lists) is built when the step's sampling rows in the model runner's persistent
 batch (batch.InputBatch) differ from the last step's (another row, another order, or a row
 that changed hands: the batch's version) and reused otherwise, so a steady decode batch runs no
-per-row Python: three launches a sampled step with penalties. The penalty state has a row per
-batch row, set up afresh from a request's prompt and known output when a new request holds the
-row (nothing to release when one leaves). A seeded row's output position lives in the state on
-the device and the kernel advances it as it samples (the host's count of output tokens,
-placeholders included, seeds it when the state is rebuilt); unseeded rows mix a random seed
-drawn on the host each step with their row. Called without a batch (tests, tools), the rows are
-the requests' places in the call and the state is built every call.
+per-row Python: three launches a sampled step with penalties. It is built from the batch's
+sampling columns (sampling.SamplingColumns: each row's parameters, written when a request takes
+the row) sliced at the step's sampled rows, in numpy calls rather than a loop over requests;
+a request is read only for what is not a parameter (a new penalty row's seen tokens, a grammar,
+a torch generator). The penalty state has a row per batch row, set up afresh from a request's
+prompt and known output when a new request holds the row (nothing to release when one leaves).
+A seeded row's output position lives in the state on the device and the kernel advances it as
+it samples (the batch's output index of each sampled position seeds it when the state is
+rebuilt); unseeded rows mix a random seed drawn on the host each step with their row. Called
+without a batch (tests, tools), the rows are the requests' places in the call and the state is
+built every call, from the requests' parameters.
 
 The sampler writes into the logits it is given (grammar and min_tokens masks, penalties) rather
 than copying them: the engine reads the runner's logits buffer only before sampling (observers,

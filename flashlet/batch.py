@@ -317,9 +317,9 @@ class InputBatch:
         starts = np.array(starts, i64)
         if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
             qo = self._counting32[: num_seqs + 1]
-            positions, token_rows, kv_lens = starts, rows, np.add(starts, 1, dtype=i32)
+            positions, token_rows, kv_lens = starts, rows, starts + 1
             page, offset = np.divmod(positions, ps)
-            pages, last_page_len = page + 1, np.add(offset, 1, dtype=i32)
+            pages, last_page_len = page + 1, offset + 1
             logits = self._counting[:num_seqs]
         else:
             lens = np.array(query_lens, i64)
@@ -335,7 +335,7 @@ class InputBatch:
             raise ValueError("a row's page table holds fewer pages than its tokens need")
         if sample is not None:
             logits = logits[np.asarray(sample, bool)]
-        kv_ptr = _indptr(pages, i32)
+        kv_ptr = _indptr(pages)
         # Each sequence's pages are its row's first `pages` entries: one gather over the table.
         table = self.page_table.ravel()
         indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
@@ -344,7 +344,7 @@ class InputBatch:
         else:
             token_pages = table[token_rows * width + page]
         slots = np.multiply(token_pages, ps, dtype=i64) + offset
-        feed_rows = np.flatnonzero(input_ids == PLACEHOLDER)
+        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
         if len(feed_rows) == num_tokens:  # every token fed (an overlapped decode step)
             input_ids.fill(0)  # the device writes the real tokens in (StepBuffers.load)
             feed_src = self.sample_index[token_rows]
@@ -352,10 +352,10 @@ class InputBatch:
             input_ids[feed_rows] = 0
             feed_src = self.sample_index[token_rows[feed_rows]]
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr,
+                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
                       paged_kv_indices=indices,
-                      paged_kv_last_page_len=last_page_len.astype(i32, copy=False),
-                      kv_lens=kv_lens.astype(i32, copy=False), logits_indices=logits,
+                      paged_kv_last_page_len=last_page_len.astype(i32),
+                      kv_lens=kv_lens.astype(i32), logits_indices=logits,
                       feed_rows=feed_rows, feed_src=feed_src)
         layout = StepLayout.from_arrays(arrays)
         if query_lens is None:  # the cached properties' values, known already
@@ -383,8 +383,8 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
                         None if all(n == 1 for n in lens) else lens, [row.sample for row in rows])
 
 
-def _indptr(counts: np.ndarray, dtype=np.int64) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, dtype)
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
 

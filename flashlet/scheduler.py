@@ -88,6 +88,9 @@ class SchedulerOutput:
         return self.num_batched_tokens == len(self.scheduled)
 
 
+_REQUEST_ID = attrgetter("request_id")
+_NUM_COMPUTED = attrgetter("num_computed_tokens")
+
 # While several client requests have prompts to compute, this many at most split a step's
 # prompt budget evenly before the rest goes in order: enough that a short request gets in at
 # once, few enough that a burst of requests is still served mostly first come, first served
@@ -183,16 +186,18 @@ class Scheduler:
             if i not in added and req is not None and req.status is running:
                 update.pages.append((i, first, req.page_ids[first:]))
         self._rows_removed, self._rows_added, self._pages_changed = [], [], {}
-        reqs = [req for req, _ in out.scheduled]
-        update.request_ids = [req.request_id for req in reqs]
-        update.starts = starts = [req.num_computed_tokens for req in reqs]
+        every_row_samples = len(out.sampling) == len(out.scheduled)
+        # (then `sampling` lists the scheduled requests, in order: no list to build)
+        reqs = out.sampling if every_row_samples else list(map(itemgetter(0), out.scheduled))
+        update.request_ids = list(map(_REQUEST_ID, reqs))
+        update.starts = starts = list(map(_NUM_COMPUTED, reqs))
         if not out.is_pure_decode:
             update.query_lens = lens = [n for _, n in out.scheduled]
             update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
                                 for t in req.token_slice(start, start + n)]
             update.sample = [start + n == req.num_tokens
                              for req, start, n in zip(reqs, starts, lens)]
-        elif len(out.sampling) == len(reqs):  # every row samples: its token is the newest one
+        elif every_row_samples:  # each row's token is its newest one
             update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
         else:
             update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
@@ -209,16 +214,16 @@ class Scheduler:
         prefills = []
         for req in list(self.running):  # a copy: preempting removes from the list
             num_output = len(req.output_token_ids)
-            to_compute = len(req.prompt_token_ids) + num_output - req.num_computed_tokens
-            if to_compute > 1:
+            computed = req.num_computed_tokens
+            if len(req.prompt_token_ids) + num_output - computed > 1:  # prompt left to compute
                 prefills.append(req)
                 continue
             if num_output >= req.params.max_new_tokens or req.status is not running or budget == 0:
                 continue  # all sampled, or preempted earlier in this loop
             # Only a decode whose pages are full needs another (most need none).
-            if (req.num_computed_tokens >= len(req.page_ids) * ps
-                    and not self._reserve_or_preempt(req, 1, out)):
+            if computed >= len(req.page_ids) * ps and not self._reserve_or_preempt(req, 1, out):
                 continue
+            # (a preemption rebuilds out's lists: look them up after it)
             out.scheduled.append((req, 1))
             out.sampling.append(req)
             budget -= 1

@@ -313,7 +313,9 @@ class InputBatch:
         of its row (sample_index)."""
         ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
         num_seqs, num_tokens = len(rows), len(token_ids)
-        input_ids = np.array(token_ids, i64)
+        # Every token fed (an overlapped decode step): the device writes them all in.
+        all_fed = token_ids.count(PLACEHOLDER) == num_tokens if num_tokens else False
+        input_ids = np.zeros(num_tokens, i64) if all_fed else np.array(token_ids, i64)
         starts = np.array(starts, i64)
         if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
             qo = self._counting32[: num_seqs + 1]
@@ -344,12 +346,11 @@ class InputBatch:
         else:
             token_pages = table[token_rows * width + page]
         slots = np.multiply(token_pages, ps, dtype=i64) + offset
-        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
-        if len(feed_rows) == num_tokens:  # every token fed (an overlapped decode step)
-            input_ids.fill(0)  # the device writes the real tokens in (StepBuffers.load)
-            feed_src = self.sample_index[token_rows]
+        if all_fed:
+            feed_rows, feed_src = self._counting[:num_tokens], self.sample_index[token_rows]
         else:
-            input_ids[feed_rows] = 0
+            feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
+            input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
             feed_src = self.sample_index[token_rows[feed_rows]]
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                       qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),

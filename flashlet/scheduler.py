@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -81,7 +82,7 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(map(itemgetter(1), self.scheduled))
 
-    @property
+    @cached_property  # read once the step is scheduled (by its batch update, then on_launch)
     def is_pure_decode(self) -> bool:
         """Every row computes one token: as every row computes at least one, that is one a row
         in all (summed in C: a generator over 256 rows cost more, every step)."""

@@ -89,9 +89,6 @@ class SchedulerOutput:
         return self.num_batched_tokens == len(self.scheduled)
 
 
-_REQUEST_ID = attrgetter("request_id")
-_NUM_COMPUTED = attrgetter("num_computed_tokens")
-
 # While several client requests have prompts to compute, this many at most split a step's
 # prompt budget evenly before the rest goes in order: enough that a short request gets in at
 # once, few enough that a burst of requests is still served mostly first come, first served
@@ -189,9 +186,9 @@ class Scheduler:
         self._rows_removed, self._rows_added, self._pages_changed = [], [], {}
         every_row_samples = len(out.sampling) == len(out.scheduled)
         # (then `sampling` lists the scheduled requests, in order: no list to build)
-        reqs = out.sampling if every_row_samples else list(map(itemgetter(0), out.scheduled))
-        update.request_ids = list(map(_REQUEST_ID, reqs))
-        update.starts = starts = list(map(_NUM_COMPUTED, reqs))
+        reqs = out.sampling if every_row_samples else [req for req, _ in out.scheduled]
+        update.request_ids = [req.request_id for req in reqs]
+        update.starts = starts = [req.num_computed_tokens for req in reqs]
         if not out.is_pure_decode:
             update.query_lens = lens = [n for _, n in out.scheduled]
             update.token_ids = [t for req, start, n in zip(reqs, starts, lens)

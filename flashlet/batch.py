@@ -226,8 +226,9 @@ class InputBatch:
         if update.sample is not None:
             sampled = np.asarray(update.sample, bool)
             rows, kv_lens = rows[sampled], kv_lens[sampled]
-        self.sample_index[rows] = self._counting[: len(rows)]
-        self.sampling_rows = rows.tolist()
+        if rows is not self.sampled_rows:  # (else the last step's rows, each sampling again)
+            self.sample_index[rows] = self._counting[: len(rows)]
+            self.sampling_rows = rows.tolist()
         self.sampled_rows, self._sampled_kv_lens, self._output_index = rows, kv_lens, None
         return layout
 

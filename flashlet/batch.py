@@ -150,12 +150,12 @@ class InputBatch:
     (`sample_index`, for overlap), its sampling parameters (`sampling`, numpy columns the
     sampler slices at the step's `sampled_rows`) and prompt length, and when it was added
     (`added_at`: the sampler keeps its penalty state per row, and starts it afresh for a new
-    occupant). `apply(update)` takes the
-    scheduler's BatchUpdate: rows removed (finished, preempted), rows added with their pages,
-    page-table changes (a new page every page_size tokens, or the prefix cache's deduplication),
-    and the step's columns (each scheduled request's id, first position, new tokens, whether it
-    samples); it returns the step's StepLayout, built by `layout` in a few numpy calls over the
-    step's rows (the one builder: `build_layout` goes through it too).
+    occupant). `apply(update)` takes the scheduler's BatchUpdate: rows removed (finished,
+    preempted), rows added with their pages and parameters, page-table changes (a new page
+    every page_size tokens, or the prefix cache's deduplication), and the step's columns (each
+    scheduled request's id, first position, new tokens, whether it samples); it returns the
+    step's StepLayout, built by `layout` in a few numpy calls over the step's rows (the one
+    builder: `build_layout` goes through it too).
 
     Extensions fit the row: a row with several query tokens (speculative decoding's k + 1, or a
     prefill chunk) is a query length > 1 with sample rows at its last k + 1 tokens (widen

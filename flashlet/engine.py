@@ -497,9 +497,9 @@ def _ops_for(config: EngineConfig, device: torch.device):
 
 
 class TokenBuffer:
-    """Pinned host memory that a step's sampled tokens are copied into without blocking, and
-    the event that says the copy is done. The engine alternates two: with overlap, one step's
-    tokens are read while the next step's copy is queued."""
+    """Pinned host memory that a step's sampled tokens are copied into without blocking, and the
+    event that says the copy is done (on the CPU, the tokens themselves). The engine alternates
+    two: with overlap, one step's tokens are read while the next step's copy is queued."""
 
     def __init__(self, size: int, device: torch.device):
         self.on_cuda = device.type == "cuda"

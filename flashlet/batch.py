@@ -34,6 +34,7 @@ import torch
 
 from flashlet.attention.base import AttentionMetadata
 from flashlet.request import PLACEHOLDER
+from flashlet.sampling import SamplingColumns, SamplingParams
 
 if TYPE_CHECKING:
     from flashlet.scheduler import SchedulerOutput
@@ -146,13 +147,15 @@ class InputBatch:
 
     A row holds what outlives a step: the request's page table (int32, a row of `page_table`),
     the row of the previous launched step's sampled tokens its next input comes from
-    (`sample_index`, for overlap), and when it was added (`added_at`: the sampler keeps its
-    penalty state per row, and starts it afresh for a new occupant). `apply(update)` takes the
-    scheduler's BatchUpdate: rows removed (finished, preempted), rows added with their pages,
-    page-table changes (a new page every page_size tokens, or the prefix cache's deduplication),
-    and the step's columns (each scheduled request's id, first position, new tokens, whether it
-    samples); it returns the step's StepLayout, built by `layout` in a few numpy calls over the
-    step's rows (the one builder: `build_layout` goes through it too).
+    (`sample_index`, for overlap), its sampling parameters (`sampling`, numpy columns the
+    sampler slices at the step's `sampled_rows`) and prompt length, and when it was added
+    (`added_at`: the sampler keeps its penalty state per row, and starts it afresh for a new
+    occupant). `apply(update)` takes the scheduler's BatchUpdate: rows removed (finished,
+    preempted), rows added with their pages and parameters, page-table changes (a new page
+    every page_size tokens, or the prefix cache's deduplication), and the step's columns (each
+    scheduled request's id, first position, new tokens, whether it samples); it returns the
+    step's StepLayout, built by `layout` in a few numpy calls over the step's rows (the one
+    builder: `build_layout` goes through it too).
 
     Extensions fit the row: a row with several query tokens (a prefill chunk, or speculative
     decoding's newest token and k proposals) is a query length > 1; a verifying row samples its
@@ -170,25 +173,42 @@ class InputBatch:
         self.row_of: dict[int, int] = {}  # request id -> row
         self.free_rows = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
         self.version = 0  # counts adds and removals: the same version, the same occupants
+        self.sampling = SamplingColumns(max_seqs)
+        # A decode step's constant columns (qo_indptr, logits_indices, query lengths), sliced.
+        self._counting = np.arange(max_seqs + 1, dtype=np.int64)
+        self._counting32 = np.arange(max_seqs + 1, dtype=np.int32)
+        self._ones32 = np.ones(max_seqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_seqs, np.int64)
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
+        # One entry per sampled position of the last step (a row with several sampled query
+        # tokens would repeat): its row, and the output index of the token it samples.
+        self.sampled_rows = np.zeros(0, np.int64)
+        self._sampled_kv_lens = np.zeros(0, np.int64)
+        self._output_index: np.ndarray | None = None
         self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
 
     @classmethod
-    def holding(cls, request_ids: Sequence[int]) -> "InputBatch":
+    def holding(cls, requests: Sequence) -> "InputBatch":
         """A batch whose rows hold these requests (no pages), each sampling, in this order: for
         tests and tools that call the sampler as the engine does."""
-        return cls(max(len(request_ids), 1), 0, 1).hold(request_ids)
+        return cls(max(len(requests), 1), 0, 1).hold(requests)
 
-    def hold(self, request_ids: Sequence[int]) -> "InputBatch":
-        """Rows for exactly these requests (the others leave, new ones join with no pages),
-        each sampling, in this order: a step's batch as tests and tools see it."""
-        keep = set(request_ids)
+    def hold(self, requests: Sequence) -> "InputBatch":
+        """Rows for exactly these requests (the others leave, new ones join with no pages; each
+        row's sampling parameters are the request's), each sampling its next output token, in
+        this order: a step's batch as tests and tools see it."""
+        keep = {req.request_id for req in requests}
         for i in [i for i in self.row_of if i not in keep]:
             self.remove(i)
-        for i in request_ids:
-            if i not in self.row_of:
-                self.add(i, [])
-        self.sampling_rows = [self.row_of[i] for i in request_ids]
+        for req in requests:
+            if req.request_id not in self.row_of:
+                self.add(req.request_id, [])
+            row = self.row_of[req.request_id]
+            self.sampling.set(row, req.params)
+            self.num_prompt_tokens[row] = len(req.prompt_token_ids)
+        self.sampling_rows = [self.row_of[req.request_id] for req in requests]
+        self.sampled_rows = np.array(self.sampling_rows, np.int64)
+        self._output_index = np.array([len(req.output_token_ids) for req in requests], np.int64)
         return self
 
     def apply(self, update) -> "StepLayout":
@@ -196,17 +216,31 @@ class InputBatch:
         `sample_index` then point at their places in this step's sampled tokens."""
         for request_id in update.removed:
             self.remove(request_id)
-        for request_id, page_ids in update.added:
-            self.add(request_id, page_ids)
+        for new_row in update.added:  # scheduler.NewRow: id, pages, parameters, prompt length
+            self.add(*new_row)
         if update.pages:
             self._change_pages(update.pages)
         rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample, update.spec_lens)
-        sampling = rows if update.sample is None else rows[np.asarray(update.sample, bool)]
-        self.sample_index[sampling] = np.arange(len(sampling))
-        self.sampling_rows = sampling.tolist()
+        kv_lens = layout.arrays["kv_lens"]
+        if update.sample is not None:
+            sampled = np.asarray(update.sample, bool)
+            rows, kv_lens = rows[sampled], kv_lens[sampled]
+        if rows is not self.sampled_rows:  # (else the last step's rows, each sampling again)
+            self.sample_index[rows] = self._counting[: len(rows)]
+            self.sampling_rows = rows.tolist()
+        self.sampled_rows, self._sampled_kv_lens, self._output_index = rows, kv_lens, None
         return layout
+
+    @property
+    def sampled_output_index(self) -> np.ndarray:
+        """The output index of the token each of the last step's sampled positions samples (a
+        seeded row's noise is keyed by it); made when first read, as few steps need it."""
+        if self._output_index is None:
+            # A row sampling after its last token (KV length n) samples output token n - prompt.
+            self._output_index = self._sampled_kv_lens - self.num_prompt_tokens[self.sampled_rows]
+        return self._output_index
 
     def _rows_of(self, request_ids: list[int]) -> np.ndarray:
         """The rows of these requests; the last step's when they are the same requests, in the
@@ -218,7 +252,9 @@ class InputBatch:
             self._last_rows = (self.version, request_ids), last_rows
         return last_rows
 
-    def add(self, request_id: int, page_ids: Sequence[int]) -> int:
+    def add(self, request_id: int, page_ids: Sequence[int],
+            params: SamplingParams | None = None, num_prompt_tokens: int = 0) -> int:
+        """A row for a request, holding its page table and sampling parameters (None: greedy)."""
         if request_id in self.row_of:
             raise ValueError(f"request {request_id} has a row already")
         if not self.free_rows:
@@ -227,6 +263,8 @@ class InputBatch:
         self.version += 1
         self.added_at[row] = self.version
         self.set_pages(row, 0, page_ids)
+        self.sampling.set(row, params or _GREEDY)
+        self.num_prompt_tokens[row] = num_prompt_tokens
         return row
 
     def remove(self, request_id: int) -> None:
@@ -278,14 +316,16 @@ class InputBatch:
         PLACEHOLDER token takes the previous step's sampled token of its row (sample_index)."""
         ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
         num_seqs, num_tokens = len(rows), len(token_ids)
-        input_ids = np.array(token_ids, i64)
+        # Every token fed (an overlapped decode step): the device writes them all in.
+        all_fed = token_ids.count(PLACEHOLDER) == num_tokens if num_tokens else False
+        input_ids = np.zeros(num_tokens, i64) if all_fed else np.array(token_ids, i64)
         starts = np.array(starts, i64)
         if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
-            qo = np.arange(num_seqs + 1, dtype=i32)
+            qo = self._counting32[: num_seqs + 1]
             positions, token_rows, kv_lens = starts, rows, starts + 1
             page, offset = np.divmod(positions, ps)
             pages, last_page_len = page + 1, offset + 1
-            logits = np.arange(num_seqs)
+            logits = self._counting[:num_seqs]
         else:
             lens = np.array(query_lens, i64)
             qo = _indptr(lens)
@@ -306,21 +346,32 @@ class InputBatch:
         # Each sequence's pages are its row's first `pages` entries: one gather over the table.
         table = self.page_table.ravel()
         indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
-        slots = np.multiply(table[token_rows * width + page], ps, dtype=i64) + offset
-        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
-        input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+        if query_lens is None:  # a decode token's page is its sequence's last one
+            token_pages = indices[kv_ptr[1:] - 1]
+        else:
+            token_pages = table[token_rows * width + page]
+        slots = np.multiply(token_pages, ps, dtype=i64) + offset
+        if all_fed:
+            feed_rows, feed_src = self._counting[:num_tokens], self.sample_index[token_rows]
+        else:
+            feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
+            input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+            feed_src = self.sample_index[token_rows[feed_rows]]
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                       qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
                       paged_kv_indices=indices,
                       paged_kv_last_page_len=last_page_len.astype(i32),
-                      kv_lens=kv_lens.astype(i32), logits_indices=logits, feed_rows=feed_rows,
-                      feed_src=self.sample_index[token_rows[feed_rows]])
+                      kv_lens=kv_lens.astype(i32), logits_indices=logits,
+                      feed_rows=feed_rows, feed_src=feed_src)
         layout = StepLayout.from_arrays(arrays)
         if query_lens is None:  # the cached properties' values, known already
-            layout.query_lens = np.ones(num_seqs, i32)
+            layout.query_lens = self._ones32[:num_seqs]
             layout.is_pure_decode = True
             layout.max_query_len = 1 if num_seqs else 0
         return layout
+
+
+_GREEDY = SamplingParams()
 
 
 def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:

@@ -94,9 +94,10 @@ class RadixCache:
         of a decoding request whose latest page just filled (no walk from the root). Returns
         None, changing nothing, when `node` already has a child starting with these tokens
         (use `insert` then)."""
-        if self._page_key(tokens, 0) in node.children:
+        key = self._page_key(tokens, 0)
+        if key in node.children:
             return None
-        child = self._attach(node, tokens, pages)
+        child = self._attach(node, tokens, pages, key)
         child.lock_ref = 1  # the request's lock now ends here; the path above already counts it
         return child
 
@@ -183,11 +184,13 @@ class RadixCache:
             n += 1
         return n
 
-    def _attach(self, parent: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode:
-        """A new leaf below `parent` holding `tokens` (whole pages) and their `pages`."""
+    def _attach(self, parent: RadixNode, tokens: list[int], pages: list[int],
+                key: tuple[int, ...] | None = None) -> RadixNode:
+        """A new leaf below `parent` holding `tokens` (whole pages) and their `pages`; key: its
+        first page's tokens, where the caller has them."""
         child = RadixNode(list(tokens), list(pages), parent)
         child.last_access = next(self._clock)
-        parent.children[self._page_key(child.key, 0)] = child
+        parent.children[self._page_key(tokens, 0) if key is None else key] = child
         self._leaves.discard(parent)
         self._leaves.add(child)
         self.num_pages += len(child.pages)

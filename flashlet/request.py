@@ -34,7 +34,8 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)  # identity, not field-by-field comparison: `req in running` stays cheap
+@dataclass(eq=False, slots=True)  # identity comparison: `req in running` stays cheap; slots:
+# attributes in the object itself, read by every per-row loop of a step
 class Request:
     request_id: int  # the engine's, or the caller's (e.g. an API-server process)
     prompt_token_ids: list[int]

@@ -32,13 +32,17 @@ Per-batch state: what the rows need on the device (sampling parameters, penalty 
 rows, the row lists) is built when the step's sampling rows in the model runner's persistent
 batch (batch.InputBatch) differ from the last step's (another row, another order, or a row
 that changed hands: the batch's version) and reused otherwise, so a steady decode batch runs no
-per-row Python: three launches a sampled step with penalties. The penalty state has a row per
-batch row, set up afresh from a request's prompt and known output when a new request holds the
-row (nothing to release when one leaves). A seeded row's output position lives in the state on
-the device and the kernel advances it as it samples (the host's count of output tokens,
-placeholders included, seeds it when the state is rebuilt); unseeded rows mix a random seed
-drawn on the host each step with their row. Called without a batch (tests, tools), the rows are
-the requests' places in the call and the state is built every call.
+per-row Python: three launches a sampled step with penalties. It is built from the batch's
+sampling columns (sampling.SamplingColumns: each row's parameters, written when a request takes
+the row) sliced at the step's sampled rows, in numpy calls rather than a loop over requests;
+a request is read only for what is not a parameter (a new penalty row's seen tokens, a grammar,
+a torch generator). The penalty state has a row per batch row, set up afresh from a request's
+prompt and known output when a new request holds the row (nothing to release when one leaves).
+A seeded row's output position lives in the state on the device and the kernel advances it as
+it samples (the batch's output index of each sampled position seeds it when the state is
+rebuilt); unseeded rows mix a random seed drawn on the host each step with their row. Called
+without a batch (tests, tools), the rows are the requests' places in the call and the state is
+built every call, from the requests' parameters.
 
 The sampler writes into the logits it is given (grammar and min_tokens masks, penalties) rather
 than copying them: the engine reads the runner's logits buffer only before sampling (observers,
@@ -49,9 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.sampling import SamplingColumns, SamplingParams, TokenLogprob, as_int64
 from flashlet.structured import apply_grammar_masks
 
 
@@ -119,7 +124,7 @@ class Sampler:
         state = self.batch_state(reqs, logits.shape[1], batch)
         if state.plain_greedy:  # the common greedy case: nothing to apply
             # (reading the logits needs no inference mode, whose entry costs ~4 us a step)
-            return SamplerOutput(logits.argmax(dim=-1), {}, None)
+            return SamplerOutput(argmax_rows(logits), {}, None)
         return self._sample(logits, reqs, state)
 
     @torch.inference_mode()  # the runner's logits are inference tensors, written into here
@@ -172,59 +177,67 @@ class Sampler:
     # ---- the batch's state ------------------------------------------------------------------
     def batch_state(self, reqs: list, vocab: int, batch=None) -> BatchState:
         """The state of this batch: the last step's when its sampling rows are the same rows of
-        the same batch version (the same requests, in the same order); else a new one (one
-        pinned copy to the device). Without a batch, a new one every call."""
+        the same batch version (the same requests, in the same order); else a new one, built
+        from the batch's sampling columns (one pinned copy to the device). Without a batch, a
+        new one every call, from the requests' parameters."""
         if batch is None:
+            columns = SamplingColumns.of([req.params for req in reqs])
+            output_index = np.array([len(req.output_token_ids) for req in reqs], np.int64)
             owners = [("request", req.request_id) for req in reqs]
-            self.state = self._build_state(reqs, vocab, None, list(range(len(reqs))), owners)
+            self.state = self._build_state(reqs, vocab, None, columns, output_index,
+                                           list(range(len(reqs))), owners)
             return self.state
         key = (batch.version, batch.sampling_rows)
         last = self.state
         if last is None or last.key != key:
-            rows = batch.sampling_rows
-            self.state = self._build_state(reqs, vocab, key, rows, batch.added_at[rows].tolist())
+            rows = batch.sampled_rows
+            self.state = self._build_state(reqs, vocab, key, batch.sampling.take(rows),
+                                           batch.sampled_output_index, batch.sampling_rows,
+                                           batch.added_at[rows].tolist())
         return self.state
 
-    def _build_state(self, reqs: list, vocab: int, key: tuple | None, rows: list[int],
-                     owners: list) -> BatchState:
-        """rows: each request's row (its penalty row); owners: who holds each row (a row whose
-        owner changed starts its penalty state afresh)."""
-        params = [r.params for r in reqs]
-        if all(plain_greedy(p) for p in params):
+    def _build_state(self, reqs: list, vocab: int, key: tuple | None, columns: SamplingColumns,
+                     output_index: np.ndarray, rows: list[int], owners: list) -> BatchState:
+        """columns: the parameters at each sampled position; output_index: the output token
+        each samples; rows: each one's penalty row; owners: who holds each row (a row whose
+        owner changed starts its penalty state afresh). Requests are read only for what is
+        not a parameter: a new penalty row's seen tokens, a seeded row's torch generator."""
+        if columns.plain_greedy().all():
             return BatchState(key, plain_greedy=True)
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        sampled = [params[i] for i in random_rows]
+        lp_rows = np.flatnonzero(columns.logprobs >= 0)
+        penalised = np.flatnonzero(columns.penalised).tolist()
+        random_rows = np.flatnonzero(~columns.greedy)
+        sample = columns.sample[random_rows]  # [R, 4]: temperature, top_k, top_p, min_p
+        seeded = columns.seeded[random_rows]
         uploads = Uploads()
         lp_index = uploads.ints(lp_rows)
         pen_rows = uploads.ints(penalised)
         pen_slots = uploads.ints([self._penalty_row(rows[i], owners[i], reqs[i], vocab)
                                   for i in penalised])
-        pen_values = uploads.floats([(params[i].presence_penalty, params[i].frequency_penalty,
-                                      params[i].repetition_penalty) for i in penalised])
+        pen_values = uploads.floats(columns.penalties[penalised])
         random_index = uploads.ints(random_rows)
-        columns = uploads.floats([(p.temperature, p.top_k, p.top_p, p.min_p) for p in sampled])
-        # A seeded row's noise: (its seed, its output position); position -1: unseeded.
-        # (the seed as the int64 of its low 64 bits: the kernel mixes the bits as uint64, as the
-        # host reference masks them, so a seed in [2**63, 2**64) (the server's reduction of a
-        # negative one) mixes the same)
-        noise_ids = uploads.ints([(i, 0, -1) if p.seed is None else
-                                  (i, _as_int64(p.seed), len(reqs[i].output_token_ids))
-                                  for i, p in zip(random_rows, sampled)])
+        uploaded_sample = uploads.floats(sample)
+        # A seeded row's noise: (its seed, its output position); position -1: unseeded. (The
+        # seed as the int64 of its low 64 bits: the kernel mixes the bits as uint64, as the
+        # host reference masks them.)
+        noise_ids = uploads.ints(np.stack([
+            random_rows, np.where(seeded, columns.seed[random_rows], 0),
+            np.where(seeded, output_index[random_rows], -1)], axis=1))
         uploads.send(self.device)
+        random_rows = random_rows.tolist()
         return BatchState(
-            key, plain_greedy=False, lp_rows=lp_rows,
-            lp_ks=[params[i].logprobs for i in lp_rows], lp_index=lp_index.get(),
-            constrained=any(p.is_constrained for p in params),
-            early_stop_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
+            key, plain_greedy=False, lp_rows=lp_rows.tolist(),
+            lp_ks=columns.logprobs[lp_rows].tolist(), lp_index=lp_index.get(),
+            constrained=bool(columns.constrained.any()),
+            early_stop_rows=np.flatnonzero(columns.min_tokens > 0).tolist(),
             penalised=penalised, pen_rows=pen_rows.get(), pen_slots=pen_slots.get(),
             pen_values=pen_values.get().view(-1, 3),
             random_rows=random_rows, random_index=random_index.get(),
-            columns=columns.get().view(-1, 4), noise_ids=noise_ids.get().view(-1, 3),
-            use_min_p=any(p.min_p > 0 for p in sampled),
-            use_top=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-            generator_rows=[i for i in random_rows if reqs[i].generator is not None])
+            columns=uploaded_sample.get().view(-1, 4), noise_ids=noise_ids.get().view(-1, 3),
+            use_min_p=bool((sample[:, 3] > 0).any()),
+            use_top=bool(((sample[:, 1] > 0) | (sample[:, 2] < 1)).any()),
+            generator_rows=[i for i, s in zip(random_rows, seeded.tolist())
+                            if s and reqs[i].generator is not None])
 
     # ---- the pieces -------------------------------------------------------------------------
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list, candidates: list[int]) -> None:
@@ -283,12 +296,12 @@ class Sampler:
             if every_row:
                 tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
             else:
-                tokens = logits.argmax(dim=-1)
+                tokens = argmax_rows(logits)
             self._draw_kernel(logits, state, tokens)
             return tokens
         if every_row:
             return self._draw(logits, reqs, state, errors)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if state.random_rows:
             rows = state.random_index
             tokens.index_copy_(0, rows, self._draw(logits[rows], reqs, state, errors))
@@ -376,11 +389,12 @@ class Uploads:
         self.parts: list[torch.Tensor] = []
         self.device_buffer: torch.Tensor | None = None
 
-    def ints(self, values: list) -> "_Part":
-        return self._add(torch.tensor(values, dtype=torch.int64).view(-1), torch.int64)
+    def ints(self, values) -> "_Part":
+        """values: a list or a numpy array, of any shape (flattened)."""
+        return self._add(torch.as_tensor(np.asarray(values, np.int64)).view(-1), torch.int64)
 
-    def floats(self, values: list) -> "_Part":
-        flat = torch.tensor(values, dtype=torch.float32).view(-1)
+    def floats(self, values) -> "_Part":
+        flat = torch.as_tensor(np.asarray(values, np.float32)).view(-1)
         padded = torch.zeros(flat.numel() + flat.numel() % 2, dtype=torch.float32)
         padded[: flat.numel()] = flat
         return self._add(padded.view(torch.int64), torch.float32, flat.numel())
@@ -413,11 +427,6 @@ class _Part:
     def get(self) -> torch.Tensor:
         words = self.uploads.device_buffer.narrow(0, self.start, self.length)
         return words.view(self.dtype)[: self.numel]
-
-
-def _as_int64(value: int) -> int:
-    """The int64 holding `value`'s low 64 bits (two's complement)."""
-    return ((value + 2**63) % 2**64) - 2**63
 
 
 def _max_seen_block() -> int:
@@ -490,6 +499,15 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first on ties, a NaN's if any, as torch's). On the CPU through
+    numpy, whose reduction is SIMD: torch's CPU argmax takes over ten times as long at a decode
+    step's [rows, vocab], and on the CPU that is the step's own host time."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
+    return logits.argmax(dim=-1)
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from dataclasses import InitVar, dataclass, field
 
+import numpy as np
 import torch
 
 # Response formats a request may ask for; all but "text" constrain the output with a grammar
@@ -121,6 +122,62 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
     rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs only)
+
+
+class SamplingColumns:
+    """Sampling parameters of many rows, one numpy column each: the model runner's batch keeps
+    one row per running request (written when the request takes the row, so a row's next
+    occupant leaves nothing stale), and the sampler builds a step's state from `take(rows)`,
+    the columns at the step's sampled positions, in a few numpy calls instead of a loop over
+    requests. A row sampled at several positions (speculation's k + 1) appears once for each."""
+
+    def __init__(self, num_rows: int):
+        self.sample = np.zeros((num_rows, 4), np.float32)  # temperature, top_k, top_p, min_p
+        self.penalties = np.zeros((num_rows, 3), np.float32)  # presence, frequency, repetition
+        self.seed = np.zeros(num_rows, np.int64)  # the seed's low 64 bits, two's complement
+        self.seeded = np.zeros(num_rows, bool)
+        self.greedy = np.ones(num_rows, bool)
+        self.penalised = np.zeros(num_rows, bool)
+        self.logprobs = np.full(num_rows, -1, np.int64)  # top logprobs asked for; -1: none
+        self.min_tokens = np.zeros(num_rows, np.int64)
+        self.constrained = np.zeros(num_rows, bool)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> "SamplingColumns":
+        """Columns whose row i holds params[i]."""
+        columns = cls(len(params))
+        for row, p in enumerate(params):
+            columns.set(row, p)
+        return columns
+
+    def set(self, row: int, p: SamplingParams) -> None:
+        """Row `row` now samples with `p` (every column written)."""
+        self.sample[row] = (p.temperature, p.top_k, p.top_p, p.min_p)
+        self.penalties[row] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        self.seeded[row] = p.seed is not None
+        self.seed[row] = 0 if p.seed is None else as_int64(p.seed)
+        self.greedy[row] = p.is_greedy
+        self.penalised[row] = p.has_penalties
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.constrained[row] = p.is_constrained
+
+    def take(self, rows: np.ndarray) -> "SamplingColumns":
+        """The columns at these rows, in this order (repeats allowed)."""
+        taken = SamplingColumns.__new__(SamplingColumns)
+        for name, column in vars(self).items():
+            setattr(taken, name, column[rows])
+        return taken
+
+    def plain_greedy(self) -> np.ndarray:
+        """Rows with nothing for the sampler to apply: the argmax is the token."""
+        return (self.greedy & ~self.penalised & (self.logprobs < 0) & (self.min_tokens == 0)
+                & ~self.constrained)
+
+
+def as_int64(value: int) -> int:
+    """The int64 holding `value`'s low 64 bits (two's complement)."""
+    return ((value + 2**63) % 2**64) - 2**63
 
 
 def _is_int(value) -> bool:

@@ -31,11 +31,23 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter, itemgetter
+from typing import NamedTuple
 
 from flashlet.kv_pool import OutOfPages, PageAllocator
 from flashlet.radix_cache import PageHolder, RadixCache
 from flashlet.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
+from flashlet.sampling import SamplingParams
+
+
+class NewRow(NamedTuple):
+    """A request taking a row of the runner's batch: what the row keeps while it runs."""
+
+    request_id: int
+    page_ids: list[int]
+    params: SamplingParams  # the row's sampling columns (batch.InputBatch.sampling)
+    num_prompt_tokens: int  # to tell which output token a sampled position produces
 
 
 @dataclass
@@ -45,7 +57,7 @@ class BatchUpdate:
     row order. Plain data: tensor-parallel rank 0 sends it to the workers as it is."""
 
     removed: list[int] = field(default_factory=list)  # request ids: finished or preempted
-    added: list[tuple[int, list[int]]] = field(default_factory=list)  # (id, its page table)
+    added: list[NewRow] = field(default_factory=list)
     # (id, first entry that changed, the page table from it on): pages appended, or the prefix
     # cache's own copies swapped in for a request's duplicates
     pages: list[tuple[int, int, list[int]]] = field(default_factory=list)
@@ -68,13 +80,14 @@ class SchedulerOutput:
     slots: list[int] = field(default_factory=list)  # per sampling row: its placeholder's index
     # Speculative decoding: the proposals each verifying request's row checks, after its token.
     proposals: dict[Request, list[int]] = field(default_factory=dict)
+    filled: list[Request] = field(default_factory=list)  # requests that completed a page in it
     batch_update: BatchUpdate = field(default_factory=BatchUpdate)  # for the model runner
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(map(itemgetter(1), self.scheduled))
 
-    @property
+    @cached_property  # read once the step is scheduled (by its batch update, then on_launch)
     def is_pure_decode(self) -> bool:
         """Every row computes one token: as every row computes at least one, that is one a row
         in all (summed in C: a generator over 256 rows cost more, every step)."""
@@ -171,13 +184,16 @@ class Scheduler:
         # no row: it is in `removed`, and adding it would leave a waiting request a row.
         running = RequestStatus.RUNNING
         added = {req.request_id: req for req in self._rows_added if req.status is running}
-        update.added = [(i, req.page_ids) for i, req in added.items()]
+        update.added = [NewRow(i, req.page_ids, req.params, req.num_prompt_tokens)
+                        for i, req in added.items()]
         for i, first in self._pages_changed.items():
             req = self.requests.get(i)
             if i not in added and req is not None and req.status is running:
                 update.pages.append((i, first, req.page_ids[first:]))
         self._rows_removed, self._rows_added, self._pages_changed = [], [], {}
-        reqs = [req for req, _ in out.scheduled]
+        every_row_samples = len(out.sampling) == len(out.scheduled)
+        # (then `sampling` lists the scheduled requests, in order: no list to build)
+        reqs = out.sampling if every_row_samples else [req for req, _ in out.scheduled]
         update.request_ids = [req.request_id for req in reqs]
         update.starts = starts = [req.num_computed_tokens for req in reqs]
         if not out.is_pure_decode:
@@ -188,7 +204,7 @@ class Scheduler:
                              for req, start, n in zip(reqs, starts, lens)]
             if out.proposals:
                 self._add_proposals(update, reqs, out.proposals)
-        elif len(out.sampling) == len(reqs):  # every row samples: its token is the newest one
+        elif every_row_samples:  # each row's token is its newest one
             update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
         else:
             update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
@@ -215,8 +231,8 @@ class Scheduler:
         prefills = []
         for req in list(self.running):  # a copy: preempting removes from the list
             num_output = len(req.output_token_ids)
-            to_compute = len(req.prompt_token_ids) + num_output - req.num_computed_tokens
-            if to_compute > 1:
+            computed = req.num_computed_tokens
+            if len(req.prompt_token_ids) + num_output - computed > 1:  # prompt left to compute
                 prefills.append(req)
                 continue
             if num_output >= req.params.max_new_tokens or req.status is not running or budget == 0:
@@ -228,9 +244,10 @@ class Scheduler:
                 if n > 1 and not self._reserve(req, req.num_computed_tokens + n):
                     n = 1
             # Only a decode whose pages are full needs another (most need none).
-            if (req.num_computed_tokens + n > len(req.page_ids) * ps
+            if (computed + n > len(req.page_ids) * ps
                     and not self._reserve_or_preempt(req, n, out)):
                 continue
+            # (a preemption rebuilds out's lists: look them up after it)
             out.scheduled.append((req, n))
             out.sampling.append(req)
             if n > 1:
@@ -301,10 +318,25 @@ class Scheduler:
     # ---- after a step ---------------------------------------------------------------------
     def on_launch(self, out: SchedulerOutput) -> None:
         """The step is on the device: its tokens count as computed, and each request that
-        samples holds a placeholder for the token until `update` writes it in."""
+        samples holds a placeholder for the token until `update` writes it in. The requests
+        that completed a page are noted for `update` to cache it (no pass over every row)."""
+        out.slots, out.filled = slots, filled = [], []
+        ps = self.page_size
+        if len(out.sampling) == len(out.scheduled) and out.is_pure_decode:
+            # Every row a decode that samples (the steady state): one pass; the rows of
+            # `sampling` are those of `scheduled`, in the same order.
+            for req in out.sampling:
+                computed = req.num_computed_tokens = req.num_computed_tokens + 1
+                if computed % ps == 0:
+                    filled.append(req)
+                output_ids = req.output_token_ids
+                slots.append(len(output_ids))
+                output_ids.append(PLACEHOLDER)
+            return
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
-        out.slots = slots = []
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if computed // ps > (computed - n) // ps:
+                filled.append(req)
         for req in out.sampling:
             output_ids = req.output_token_ids
             slots.append(len(output_ids))
@@ -316,11 +348,9 @@ class Scheduler:
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
         outputs = self._append_tokens(out, tokens, logprobs)
         if self.enable_prefix_cache:
-            finished, ps = RequestStatus.FINISHED, self.page_size
-            for req, _ in out.scheduled:
-                # Only a request that has completed a page since it last cached has work here.
-                if (req.num_computed_tokens // ps > req.num_tree_pages
-                        and req.status is not finished):
+            finished = RequestStatus.FINISHED
+            for req in out.filled:  # (one preempted or finished since has cached its pages)
+                if req.status is not finished:
                     self.cache_computed_pages(req)
         return outputs
 
@@ -341,9 +371,8 @@ class Scheduler:
                     and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
-                outputs.append(RequestOutput(req.request_id, [token], False,
-                                             prompt_token_ids=req.prompt_token_ids,
-                                             num_cached_tokens=req.num_cached_tokens))
+                outputs.append(RequestOutput(req.request_id, [token], False, None,
+                                             req.prompt_token_ids, None, req.num_cached_tokens))
             else:
                 outputs.append(self._update_row(req, row, slot, token, logprobs))
         return outputs

@@ -103,7 +103,7 @@ def main() -> int:
     for name, use_kernel in (("torch", False), ("kernel", True)):
         sampler = Sampler(device, {0}, use_kernel=use_kernel)
         reqs = requests(sampled)
-        batch = InputBatch.holding([r.request_id for r in reqs])  # the state kept between steps
+        batch = InputBatch.holding(reqs)  # the state kept between steps
         sampler.warm_up(args.vocab)
 
         def step():
@@ -114,7 +114,7 @@ def main() -> int:
         results[f"sampled_{name}_host_ms"] = host_ms(lambda: sampler.sample(logits, reqs, batch),
                                                      args.iters)
         plain = requests(SamplingParams(temperature=0.7, top_p=0.9))
-        plain_batch = InputBatch.holding([r.request_id for r in plain])
+        plain_batch = InputBatch.holding(plain)
         results[f"no_penalties_{name}_ms"] = cuda_ms(
             lambda: (refill(), sampler.sample(logits, plain, plain_batch)), args.iters) - copy_ms
     from flashlet.kernels.sampling import sample_rows
@@ -191,7 +191,7 @@ def host_side(args) -> int:
     for name, params in (("sampled", SamplingParams(**SAMPLED)),
                          ("no_penalties", SamplingParams(temperature=0.7, top_p=0.9))):
         reqs = [Request(i, prompts[i], params) for i in range(args.rows)]
-        batch = InputBatch.holding([r.request_id for r in reqs])
+        batch = InputBatch.holding(reqs)
         launches = Counter()
 
         def counter(kernel):

@@ -208,7 +208,7 @@ def test_penalty_counts_follow_the_sampled_tokens_on_the_device():
     sampler = Sampler(torch.device("cpu"), {EOS})
     params = SamplingParams(temperature=1.0, frequency_penalty=0.5)
     reqs = [request(0, params), request(1, params)]
-    batch = InputBatch.holding([0, 1])
+    batch = InputBatch.holding(reqs)
     seen = [[], []]
     for step in range(5):
         logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(step))
@@ -225,7 +225,7 @@ def test_penalty_counts_follow_the_sampled_tokens_on_the_device():
     # release (request 1's row goes on counting).
     row = batch.row_of[0]
     newcomer = request(7, params, prompt=[6])
-    batch.hold([7, 1])
+    batch.hold([newcomer, reqs[1]])
     assert batch.row_of[7] == row
     tokens = sampler.sample(torch.randn(2, VOCAB), [newcomer, reqs[1]], batch).tokens.tolist()
     assert sampler.seen_ids[row, : int(sampler.seen_lens[row])].tolist() == [6, tokens[0]]
@@ -316,8 +316,8 @@ def test_batch_state_is_reused_until_the_batch_changes():
         states = []
         for step in steps:
             logits = torch.stack([rows[rid] for rid in step])
-            tokens = sampler.sample(logits.clone(), [reqs[rid] for rid in step],
-                                    batch.hold(step)).tokens.tolist()
+            held = [reqs[rid] for rid in step]
+            tokens = sampler.sample(logits.clone(), held, batch.hold(held)).tokens.tolist()
             states.append(sampler.state)
             for r, rid in enumerate(step):
                 out[rid].append(tokens[r])
@@ -335,7 +335,8 @@ def test_batch_state_is_reused_until_the_batch_changes():
     last = sampler.state
     fresh = request(2, SamplingParams(temperature=1.0, top_k=2))  # an old id, new parameters
     batch.remove(2)  # it left and came back: the same rows, in the same order, but a new version
-    sampler.sample(torch.stack([rows[2], rows[0]]), [fresh, reqs[0]], batch.hold([2, 0]))
+    held = [fresh, reqs[0]]
+    sampler.sample(torch.stack([rows[2], rows[0]]), held, batch.hold(held))
     assert sampler.state is not last and sampler.state.random_rows == [0, 1]
 
 
@@ -362,7 +363,7 @@ def test_uploads_parts_are_exact_and_16_byte_aligned():
 def test_seeds_of_any_64_bit_pattern_sample():
     """A seed in [2**63, 2**64) (the server reduces negative seeds modulo 2**64) goes to the
     device as the int64 of the same bits; it samples, reproducibly, beside a small seed."""
-    from flashlet.sampler import _as_int64
+    from flashlet.sampling import as_int64 as _as_int64
 
     assert [_as_int64(v) for v in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -1, 2**70 + 3)] == [
         0, 5, 2**63 - 1, -2**63, -1, -1, 3]
@@ -375,3 +376,48 @@ def test_seeds_of_any_64_bit_pattern_sample():
         return [sampler.sample(logits, rows).tokens.tolist() for _ in range(5)]
 
     assert draws() == draws()
+
+
+# ---- the sampler's state from the persistent batch's columns ----------------------------
+def step_update(request_ids, starts, removed=(), added=()):
+    """A decode step's BatchUpdate over these requests (one token each, every one sampling)."""
+    from flashlet.scheduler import BatchUpdate
+
+    return BatchUpdate(removed=list(removed), added=list(added), request_ids=list(request_ids),
+                       starts=list(starts), token_ids=[2] * len(request_ids))
+
+
+def test_the_sampler_state_is_built_from_the_batch_columns_not_the_requests():
+    """The rows' parameters come with the update that adds them; the sampler reads those
+    columns, so the requests it is handed are not consulted for parameters."""
+    from flashlet.scheduler import NewRow
+
+    batch = InputBatch(4, 2, 16)
+    sampled = SamplingParams(temperature=1.0, top_k=2, seed=5, logprobs=3)
+    batch.apply(step_update([0, 1], [4, 4], added=[NewRow(0, [0], SamplingParams(), 4),
+                                                   NewRow(1, [1], sampled, 4)]))
+    assert batch.sampled_output_index.tolist() == [1, 1]  # after 4 prompt tokens and one more
+    greedy_reqs = [request(0, SamplingParams()), request(1, SamplingParams())]
+    state = Sampler(torch.device("cpu"), {EOS}).batch_state(greedy_reqs, VOCAB, batch)
+    assert not state.plain_greedy
+    assert state.random_rows == [1] and state.lp_rows == [1] and state.lp_ks == [3]
+    assert state.columns.tolist() == [[1.0, 2.0, 1.0, 0.0]]
+    assert state.noise_ids.tolist() == [[1, 5, 1]]  # row, seed, output position
+
+
+def test_a_row_taken_by_another_request_keeps_none_of_its_old_parameters():
+    from flashlet.scheduler import NewRow
+
+    batch, sampler = InputBatch(1, 2, 16), Sampler(torch.device("cpu"), {EOS})
+    penalised = SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=2, min_tokens=3)
+    first = request(0, penalised)
+    batch.apply(step_update([0], [3], added=[NewRow(0, [0], penalised, 3)]))
+    state = sampler.batch_state([first], VOCAB, batch)
+    assert state.penalised == [0] and state.lp_rows == [0] and state.early_stop_rows == [0]
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    plain = request(1, SamplingParams())
+    batch.apply(step_update([1], [3], removed=[0], added=[NewRow(1, [1], plain.params, 3)]))
+    assert batch.row_of[1] == 0  # the same row
+    out = sampler.sample(logits.clone(), [plain], batch)
+    assert sampler.state.plain_greedy and out.logprobs is None
+    assert out.tokens.tolist() == [int(logits.argmax())]

@@ -212,8 +212,8 @@ def test_cached_batch_state_follows_joins_leaves_and_reorders():
         for batch in batches:
             logits = torch.stack([rows[rid] for rid in batch])
             before = logits.clone()
-            tokens = sampler.sample(logits, [reqs[rid] for rid in batch],
-                                    runner_batch.hold(batch)).tokens.tolist()
+            held = [reqs[rid] for rid in batch]
+            tokens = sampler.sample(logits, held, runner_batch.hold(held)).tokens.tolist()
             states.append(sampler.state)
             for r, rid in enumerate(batch):
                 p, req = params[rid], reqs[rid]

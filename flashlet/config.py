@@ -60,7 +60,7 @@ class EngineConfig:
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
-    # Structured output (flashlet/structured.py): each limit refuses a response format (a 400
+    # Structured output (flashlet/text/structured.py): each limit refuses a response format (a 400
     # naming it) before or while its grammar compiles, so that no request can stall the others.
     structured_output_timeout_s: float = 10.0  # time limit of one grammar compile, in a worker process killed past it; 0 = compile in the engine's process, unbounded
     structured_output_max_bytes: int = 262144  # a response format's size as JSON

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from flashlet.batch import InputBatch
-from flashlet.request import Request
-from flashlet.sampler import Sampler, apply_penalties, sampling_probs
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.runner.batch import InputBatch
+from flashlet.core.request import Request
+from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
+from flashlet.core.sampling import SamplingParams, make_generator, sample_one
 
 VOCAB = 24
 EOS = 1
@@ -342,7 +342,7 @@ def test_batch_state_is_reused_until_the_batch_changes():
 def test_uploads_parts_are_exact_and_16_byte_aligned():
     """Every part of one upload comes back as given, and starts on a 16-byte boundary (Triton
     compiles a kernel variant per pointer alignment: an 8-byte offset would compile mid-work)."""
-    from flashlet.sampler import Uploads
+    from flashlet.runner.sampler import Uploads
 
     uploads = Uploads()
     given = [[1, 2, 3], [(4, 5, 6)], [7], [], [[8, 9], [10, 11]]]
@@ -362,7 +362,7 @@ def test_uploads_parts_are_exact_and_16_byte_aligned():
 def test_seeds_of_any_64_bit_pattern_sample():
     """A seed in [2**63, 2**64) (the server reduces negative seeds modulo 2**64) goes to the
     device as the int64 of the same bits; it samples, reproducibly, beside a small seed."""
-    from flashlet.sampler import _as_int64
+    from flashlet.runner.sampler import _as_int64
 
     assert [_as_int64(v) for v in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -1, 2**70 + 3)] == [
         0, 5, 2**63 - 1, -2**63, -1, -1, 3]

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from flashlet.batch import StepLayout
+    from flashlet.runner.batch import StepLayout
 
 
 @dataclass

@@ -230,7 +230,7 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         if args.model is not None and args.config is not None:
             err("give --model or --config, not both")
         if args.config is not None:
-            from flashlet.engine import preset_config_path
+            from flashlet.core.engine import preset_config_path
 
             try:
                 preset_config_path(args.config)
@@ -315,8 +315,8 @@ def _check_server(err, url: str) -> None:
 
 def _resolve_model(err, args) -> dict:
     """Model, device, backends, lengths and pool size, all before a weight is read."""
-    from flashlet.model import ModelConfig
-    from flashlet.weights import ModelLoadError
+    from flashlet.models.model import ModelConfig
+    from flashlet.models.weights import ModelLoadError
 
     if args.model is not None and args.config is not None:
         err("give --model (real weights) or --config (random weights at a shape), not both")
@@ -389,7 +389,7 @@ def check_pool(err, args, num_pages: int) -> None:
 def _check_backend(err, ecfg: EngineConfig, mcfg, device: torch.device) -> None:
     """Build the chosen attention backend over a one-page pool: the engine's own check."""
     from flashlet.attention import create_backend
-    from flashlet.kv_pool import KVPool
+    from flashlet.kvcache.kv_pool import KVPool
 
     if ecfg.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         err("the triton backend needs a CUDA device (on CPU it runs only in the Triton "

@@ -39,12 +39,12 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
-from flashlet.batch import InputBatch, StepBuffers
+from flashlet.runner.batch import InputBatch, StepBuffers
 from flashlet.bench.trace import Trace
-from flashlet.kv_pool import PageAllocator
-from flashlet.request import Request
-from flashlet.sampling import SamplingParams
-from flashlet.scheduler import Scheduler, prompt_tokens_beside
+from flashlet.kvcache.kv_pool import PageAllocator
+from flashlet.core.request import Request
+from flashlet.core.sampling import SamplingParams
+from flashlet.core.scheduler import Scheduler, prompt_tokens_beside
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths
@@ -363,7 +363,7 @@ def bytes_per_token(engine, kv_len: float) -> dict:
     `kv_len` tokens."""
     cfg, model = engine.model_config, engine.model
     elem = next(model.parameters()).element_size()
-    # fp8 weights (flashlet/quantization.py) are buffers: their codes and scales count too
+    # fp8 weights (flashlet/models/quantization.py) are buffers: their codes and scales count too
     stored = [*model.parameters(), *(b for b in model.buffers() if b is not model.cos_sin_cache)]
     weights = sum(t.numel() * t.element_size() for t in stored)
     if not cfg.tie_word_embeddings:
@@ -560,7 +560,7 @@ def kernels(args, progress: Progress = NO_PROGRESS, log=None) -> dict:
     if args.config is not None or args.model is not None:
         from flashlet.bench.engines import hf_config_dict
         from flashlet.config import EngineConfig
-        from flashlet.model import ModelConfig
+        from flashlet.models.model import ModelConfig
 
         cfg = ModelConfig.from_hf(hf_config_dict(EngineConfig(model=args.model, config=args.config)))
         offered.update(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

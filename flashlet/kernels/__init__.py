@@ -11,7 +11,7 @@ Every module holds one kernel family, a Python launcher and its reference:
 - `rmsnorm`           RMSNorm and fused residual-add + RMSNorm
 - `silu_mul`          SiLU-and-mul of the MLP's gate/up projection
 - `sampling`          sort-free exact sampling (temperature, min_p, top-k, top-p) with Philox noise
-- `ops`               `TritonOps`, the drop-in for `flashlet.ops.TorchOps`
+- `ops`               `TritonOps`, the drop-in for `flashlet.models.ops.TorchOps`
 - `bench`             the kernel sweep (time, bandwidth, fraction of copy bandwidth)
 
 The kernels need a CUDA device, or the Triton interpreter on the CPU: set the environment

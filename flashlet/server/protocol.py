@@ -17,7 +17,7 @@ MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.sampling's limit)
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.core.sampling's limit)
 MAX_TOOLS = 64
 
 
@@ -146,7 +146,7 @@ def _json_schema(schema: dict) -> dict:
         raise ValueError(f"is not a valid JSON schema: {e.message}") from None
     except jsonschema_rs.ReferencingError as e:
         raise ValueError(f"is not a valid JSON schema: {e}") from None
-    from flashlet.structured import check_json_schema
+    from flashlet.text.structured import check_json_schema
 
     check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
     return schema

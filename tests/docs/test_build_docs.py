@@ -269,7 +269,7 @@ def test_repo_url_turns_file_references_into_links(docs_scratch_repo, tmp_path):
     url = "https://example.invalid/flashlet/blob/main"
     proc = build(docs_scratch_repo, out, "--repo-url", url)
     assert proc.returncode == 0, proc.stderr
-    assert f'href="{url}/flashlet/kv_pool.py"' in (out / "flashlet.html").read_text(
+    assert f'href="{url}/flashlet/kvcache/kv_pool.py"' in (out / "flashlet.html").read_text(
         encoding="utf-8"
     )
 

@@ -1,4 +1,4 @@
-"""GPU checks of the fp8 matmul (flashlet/quantization.py): torch._scaled_mm with per-token
+"""GPU checks of the fp8 matmul (flashlet/models/quantization.py): torch._scaled_mm with per-token
 activation scales against the dequantizing reference, at row counts that need padding to 16
 and at a real projection shape; the weight-only fallback where _scaled_mm does not fit; and an
 fp8 engine's greedy tokens against its bf16 twin."""
@@ -6,7 +6,7 @@ fp8 engine's greedy tokens against its bf16 twin."""
 import pytest
 import torch
 
-from flashlet.quantization import dequant_linear, linear, quantize_weight, scaled_mm_fits
+from flashlet.models.quantization import dequant_linear, linear, quantize_weight, scaled_mm_fits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -44,7 +44,7 @@ def test_shapes_scaled_mm_cannot_take_fall_back_to_dequant():
 @pytest.mark.slow
 def test_fp8_engine_greedy_tokens_mostly_match_bf16(demo_model_dir):
     from flashlet import LLM
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.sampling import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

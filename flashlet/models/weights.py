@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from flashlet import quantization as quantization_lib
+from flashlet.models import quantization as quantization_lib
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -285,7 +285,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
 def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None,
                quantization=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes;
-    quantization "fp8": linear weights quantized at load (`flashlet.quantization`)."""
+    quantization "fp8": linear weights quantized at load (`flashlet.models.quantization`)."""
     model_dir = resolve_model_dir(source)
     try:
         hf_config = json.loads((model_dir / "config.json").read_text())
@@ -302,12 +302,12 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
     into its slice of our fused parameter on the device, and dropped, so the host never holds
     more than the shard being read (mapped) and one tensor. With `tp`
-    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first.
+    (flashlet.distributed.parallel.TensorParallel), each tensor is cut to this rank's slice first.
 
     With quantization "fp8" or an FP8 checkpoint, the decoder's linear weights are fp8 holders
     from the start, filled row by row (a float tensor quantized as it is read, an fp8 one
     converted with its scale): no float copy of them is ever allocated."""
-    from flashlet.model import CausalLM, ModelConfig
+    from flashlet.models.model import CausalLM, ModelConfig
 
     where = str(model_dir)
     try:
@@ -332,7 +332,7 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     params = dict(model.named_parameters())
     shard = None
     if tp is not None:
-        from flashlet.parallel import checkpoint_slicer
+        from flashlet.distributed.parallel import checkpoint_slicer
 
         shard = checkpoint_slicer(cfg, tp.shape(cfg))
         with torch.no_grad():
@@ -349,7 +349,7 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
     """file -> [(HF name, our parameter, first row, (scale name, StoredTensor) or None)]; every
     tensor checked against the shape the config gives our parameter, before anything is
     allocated."""
-    from flashlet.model import hf_to_flashlet_names
+    from flashlet.models.model import hf_to_flashlet_names
 
     plan: dict[Path, list] = {}
     for ours, theirs in hf_to_flashlet_names(cfg):
@@ -440,7 +440,7 @@ def check_quantization(quantization: str | None) -> None:
 
 def _finish(model, device, dtype):
     """Cast to dtype, keeping the RoPE table in fp32 (recomputed on the host, never round-tripped)."""
-    from flashlet.model import rope_cache
+    from flashlet.models.model import rope_cache
 
     model = model.to(dtype)
     model.cos_sin_cache = rope_cache(model.config).to(device)
@@ -452,7 +452,7 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
     """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
     this rank's slices of the very weights one device would draw; quantization "fp8": its linear
     weights then quantized."""
-    from flashlet.model import CausalLM
+    from flashlet.models.model import CausalLM
 
     check_quantization(quantization)
     if quantization is not None:
@@ -477,8 +477,8 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
 
 def _shard_model(full, tp):
     """The rank's tensor-parallel slice of a whole model (which it then drops)."""
-    from flashlet.model import CausalLM
-    from flashlet.parallel import shard_state_dict
+    from flashlet.models.model import CausalLM
+    from flashlet.distributed.parallel import shard_state_dict
 
     cfg, ops, device = full.config, full.ops, full.norm.device
     state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))

@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from flashlet.attention.base import AttentionMetadata
-from flashlet.request import PLACEHOLDER
+from flashlet.core.request import PLACEHOLDER
 
 if TYPE_CHECKING:
-    from flashlet.scheduler import SchedulerOutput
+    from flashlet.core.scheduler import SchedulerOutput
 
 
 class StepRow(NamedTuple):

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashlet.sampling import SamplingParams, TokenLogprob
-from flashlet.structured import apply_grammar_masks
+from flashlet.core.sampling import SamplingParams, TokenLogprob
+from flashlet.text.structured import apply_grammar_masks
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashlet.ops import TorchOps
+from flashlet.models.ops import TorchOps
 
 
 class OutOfPages(RuntimeError):

@@ -17,13 +17,13 @@ step N; that row's token is dropped. A request that reached max_new_tokens is no
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
 
-Prompt logprobs (flashlet/prompt_logprobs.py): a step with prompt positions of a request that
+Prompt logprobs (flashlet/runner/prompt_logprobs.py): a step with prompt positions of a request that
 asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
 fused path: such a step has a prefill chunk); the scored rows' LM head, log-softmax and
 top k run apart from the sampled rows, and their values reach the request before the step's
 outputs are made. Steps without such rows do nothing more.
 
-Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
+Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/distributed/parallel.py): this
 engine is rank 0, the only one that schedules and samples; every step's batch update and input
 ids go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
 by torchrun) the constructor returns an engine whose owner runs the worker loop on it
@@ -46,26 +46,26 @@ from typing import Callable
 
 import torch
 
-from flashlet import parallel, tp_worker
+from flashlet.distributed import parallel, tp_worker
 from flashlet.config import EngineConfig
-from flashlet.fused_decode import FusedParts
-from flashlet.kv_pool import KVPool
-from flashlet.model import ModelConfig
-from flashlet.model_runner import ModelRunner
-from flashlet.pooling import Pooler
-from flashlet.prompt_logprobs import PromptScoring
-from flashlet.request import FinishReason, Request, RequestOutput
-from flashlet.request_check import RequestLimits
-from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
-from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
-from flashlet.sampling import SamplingParams, make_generator
-from flashlet.scheduler import Scheduler, SchedulerOutput
-from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
-from flashlet.weights import load_model, random_model, resolve_model_dir
+from flashlet.runner.fused_decode import FusedParts
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.model import ModelConfig
+from flashlet.runner.model_runner import ModelRunner
+from flashlet.runner.pooling import Pooler
+from flashlet.runner.prompt_logprobs import PromptScoring
+from flashlet.core.request import FinishReason, Request, RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
+from flashlet.core.sampling import SamplingParams, make_generator
+from flashlet.core.scheduler import Scheduler, SchedulerOutput
+from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
+from flashlet.models.weights import load_model, random_model, resolve_model_dir
 
 log = logging.getLogger("flashlet")
 
-PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 
 def preset_config_path(name_or_path: str) -> Path:
@@ -159,12 +159,12 @@ class Engine:
 
     def _warm_up(self, load_s: float) -> dict:
         """Compile every kernel variant and capture every graph now, not in the first requests
-        (flashlet/warmup.py); returns the start time split into load / warm-up / capture.
+        (flashlet/core/warmup.py); returns the start time split into load / warm-up / capture.
         Under tensor parallelism the warm-up's synthetic steps would bypass the step channel
         to the workers, so it is skipped there (graphs are then captured on first use)."""
         report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
         if self.config.warmup_at_start and self.device.type == "cuda" and self.tp is None:
-            from flashlet.warmup import warm_up
+            from flashlet.core.warmup import warm_up
 
             report.update(warm_up(self), warmed_up=True)
         if self.device.type == "cuda":

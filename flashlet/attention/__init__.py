@@ -6,6 +6,8 @@ import importlib.util
 import logging
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.kernels.tuning import preferred_backend
 
 log = logging.getLogger("flashlet")
 
@@ -17,8 +19,6 @@ def resolve_backend(name: str, device, head_dim: int, group: int) -> tuple[str, 
         return name, "asked for by name"
     if device.type != "cuda":
         return "torch", f"auto on {device.type}: the torch backend"
-    from flashlet.kernels.tuning import preferred_backend
-
     return preferred_backend(head_dim, group, importlib.util.find_spec("flashinfer") is not None)
 
 
@@ -29,8 +29,6 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
         name, why = resolve_backend(name, device, kv_pool.head_dim, num_q_heads // kv_pool.num_kv_heads)
         log.info("backend auto: %s (%s)", name, why)
     if name == "torch":
-        from flashlet.attention.torch_ref import TorchBackend
-
         return TorchBackend(kv_pool, num_q_heads, **kwargs)
     if name == "flashinfer":
         if device.type != "cuda":

@@ -11,6 +11,8 @@ import torch
 
 from flashlet.config import EngineConfig
 from flashlet.core.engine import Engine, preset_config_path
+from flashlet.models.model import hf_to_flashlet_names
+from flashlet.models.weights import resolve_model_dir
 
 # A one-layer Qwen2 shape for the scheduler micro-benchmark: the model never runs there, but the
 # Engine still builds one (and a KV pool), so keep both negligible.
@@ -35,8 +37,6 @@ def hf_config_dict(engine_config: EngineConfig, model_dir: Path | None = None) -
     the model folder's."""
     if engine_config.config is not None:
         return json.loads(preset_config_path(engine_config.config).read_text())
-    from flashlet.models.weights import resolve_model_dir
-
     folder = model_dir if model_dir is not None else resolve_model_dir(engine_config.model)
     return json.loads((Path(folder) / "config.json").read_text())
 
@@ -59,8 +59,6 @@ def hf_model_for(engine: Engine):
     if engine.model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.dtype)
         return model.to(engine.device).eval()
-    from flashlet.models.model import hf_to_flashlet_names
-
     cfg_dict = hf_config_dict(engine.config)
     cfg_dict = {k: v for k, v in cfg_dict.items() if k not in ("torch_dtype", "dtype")}
     config = AutoConfig.for_model(**cfg_dict)

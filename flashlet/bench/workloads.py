@@ -39,6 +39,9 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
+from flashlet.bench.engines import TINY_SCHED_CONFIG, hf_config_dict
+from flashlet.config import EngineConfig
+from flashlet.models.model import ModelConfig
 from flashlet.runner.batch import InputBatch, StepBuffers
 from flashlet.bench.trace import Trace
 from flashlet.kvcache.kv_pool import PageAllocator
@@ -459,8 +462,6 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
       pages go to the prefix cache) and as many fresh ones queued, outside the timed region.
       The pool has room for all of them: no eviction.
     - mixed-evict: the same with a pool full of cached pages, so admissions evict first."""
-    from flashlet.bench.engines import TINY_SCHED_CONFIG
-
     R, K, ctx, steps = (args.sched_running, args.sched_prefill_chunks, args.sched_context,
                         args.sched_steps)
     chunk = args.sched_chunk_len
@@ -558,10 +559,6 @@ def kernels(args, progress: Progress = NO_PROGRESS, log=None) -> dict:
                "seed": args.seed, "quick": args.kernels_quick, "smoke": args.kernels_smoke,
                "progress": progress, "log": log}
     if args.config is not None or args.model is not None:
-        from flashlet.bench.engines import hf_config_dict
-        from flashlet.config import EngineConfig
-        from flashlet.models.model import ModelConfig
-
         cfg = ModelConfig.from_hf(hf_config_dict(EngineConfig(model=args.model, config=args.config)))
         offered.update(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, hidden=cfg.hidden_size,

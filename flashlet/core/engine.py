@@ -46,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from flashlet.core.warmup import warm_up
 from flashlet.distributed import parallel, tp_worker
 from flashlet.config import EngineConfig
 from flashlet.runner.fused_decode import FusedParts
@@ -164,8 +165,6 @@ class Engine:
         to the workers, so it is skipped there (graphs are then captured on first use)."""
         report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
         if self.config.warmup_at_start and self.device.type == "cuda" and self.tp is None:
-            from flashlet.core.warmup import warm_up
-
             report.update(warm_up(self), warmed_up=True)
         if self.device.type == "cuda":
             report["gc_s"] = settle_heap()

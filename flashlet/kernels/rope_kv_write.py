@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlet.models.ops import TorchOps
+
 
 @triton.jit
 def _rope_kv_write_kernel(
@@ -196,8 +198,6 @@ def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     """Plain PyTorch, `TorchOps.rope`, then `index_copy_` of K', V into the pool (rows with a
     negative slot skipped). Returns (q', k'); the caches are updated in place."""
     if cos_sin_cache is not None:
-        from flashlet.models.ops import TorchOps
-
         q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
     if k_cache is not None:
         keep = slot_mapping >= 0

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from flashlet.distributed.parallel import checkpoint_slicer, shard_state_dict
 from flashlet.models import quantization as quantization_lib
+from flashlet.models.model import CausalLM, ModelConfig, hf_to_flashlet_names, rope_cache
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -307,8 +309,6 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     With quantization "fp8" or an FP8 checkpoint, the decoder's linear weights are fp8 holders
     from the start, filled row by row (a float tensor quantized as it is read, an fp8 one
     converted with its scale): no float copy of them is ever allocated."""
-    from flashlet.models.model import CausalLM, ModelConfig
-
     where = str(model_dir)
     try:
         cfg = ModelConfig.from_hf(hf_config)
@@ -332,8 +332,6 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     params = dict(model.named_parameters())
     shard = None
     if tp is not None:
-        from flashlet.distributed.parallel import checkpoint_slicer
-
         shard = checkpoint_slicer(cfg, tp.shape(cfg))
         with torch.no_grad():
             for p in params.values():  # the vocabulary padding of the last rank stays zero
@@ -349,8 +347,6 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
     """file -> [(HF name, our parameter, first row, (scale name, StoredTensor) or None)]; every
     tensor checked against the shape the config gives our parameter, before anything is
     allocated."""
-    from flashlet.models.model import hf_to_flashlet_names
-
     plan: dict[Path, list] = {}
     for ours, theirs in hf_to_flashlet_names(cfg):
         missing = [t for t in theirs if t not in stored]
@@ -440,8 +436,6 @@ def check_quantization(quantization: str | None) -> None:
 
 def _finish(model, device, dtype):
     """Cast to dtype, keeping the RoPE table in fp32 (recomputed on the host, never round-tripped)."""
-    from flashlet.models.model import rope_cache
-
     model = model.to(dtype)
     model.cos_sin_cache = rope_cache(model.config).to(device)
     return model.eval()
@@ -452,8 +446,6 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
     """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
     this rank's slices of the very weights one device would draw; quantization "fp8": its linear
     weights then quantized."""
-    from flashlet.models.model import CausalLM
-
     check_quantization(quantization)
     if quantization is not None:
         model = random_model(cfg, device, dtype, seed, ops, tp)
@@ -477,9 +469,6 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
 
 def _shard_model(full, tp):
     """The rank's tensor-parallel slice of a whole model (which it then drops)."""
-    from flashlet.models.model import CausalLM
-    from flashlet.distributed.parallel import shard_state_dict
-
     cfg, ops, device = full.config, full.ops, full.norm.device
     state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))
     del full

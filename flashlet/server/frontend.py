@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from flashlet.server.warmup import warm_up
 from flashlet.text.detokenizer import IncrementalDetokenizer
 from flashlet.core.request import FinishReason
 from flashlet.core.request_check import RequestError, RequestLimits
@@ -438,8 +439,6 @@ class Server:
     def start_warm_up(self, app) -> None:
         """Start the API path's warm-up on this event loop, once (the engine must be ready)."""
         if self.config.warm_up and self._warm_up_task is None:
-            from flashlet.server.warmup import warm_up
-
             async def run():
                 self.warm_up_report = await warm_up(app)
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from flashlet.text.structured import check_json_schema
+
 MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
@@ -146,8 +148,6 @@ def _json_schema(schema: dict) -> dict:
         raise ValueError(f"is not a valid JSON schema: {e.message}") from None
     except jsonschema_rs.ReferencingError as e:
         raise ValueError(f"is not a valid JSON schema: {e}") from None
-    from flashlet.text.structured import check_json_schema
-
     check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
     return schema
 

@@ -24,6 +24,7 @@ from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContex
                                       client_gone, sse)
 from flashlet.server.parsers import reply_parsers
 from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from flashlet.text.structured import tool_call_format
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 
@@ -252,8 +253,6 @@ def _response_format(body) -> dict | None:
 
 
 def _tool_call_format(tools: list[dict], tool_choice) -> dict:
-    from flashlet.text.structured import tool_call_format
-
     choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
               else tool_choice)
     try:

@@ -23,7 +23,7 @@ def tiny_config(tmp_path_factory):
 @pytest.fixture
 def run_bench(tmp_path, capsys):
     """run_bench(*argv) -> (stdout, stderr, record); the JSON goes to a fresh tmp file."""
-    from flashlet.bench import main
+    from flashlet.bench.cli import main
 
     def run(*argv, out=True):
         # CPU and fp32 on any machine (deterministic greedy agreement); a later --device wins.

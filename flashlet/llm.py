@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from flashlet.distributed import tp_worker
 from flashlet.config import EngineConfig
-from flashlet.text.detokenizer import TextOutputs
 from flashlet.core.engine import Engine
 from flashlet.core.request import RequestOutput
 from flashlet.core.request_check import RequestLimits
 from flashlet.core.sampling import SamplingParams, sample_params
+from flashlet.distributed import tp_worker
+from flashlet.text.detokenizer import TextOutputs
 from flashlet.text.tokenizing import chat_ids
 
 

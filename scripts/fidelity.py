@@ -86,8 +86,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.config import EngineConfig, torch_dtype  # noqa: E402
 from flashlet.core.engine import PRESETS_DIR, Engine, preset_config_path  # noqa: E402
-from flashlet.models.model import ModelConfig, hf_to_flashlet_names, rope_cache  # noqa: E402
 from flashlet.core.sampling import SamplingParams  # noqa: E402
+from flashlet.models.model import ModelConfig, hf_to_flashlet_names, rope_cache  # noqa: E402
 
 
 def parse_args(argv=None):

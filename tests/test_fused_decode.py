@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
-from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
 
 
 class ReferenceGemv:

@@ -9,8 +9,8 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 
-from flashlet.models import rope
 from flashlet.core.engine import PRESETS_DIR
+from flashlet.models import rope
 from flashlet.models.model import ModelConfig, hf_to_flashlet_names
 
 CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,

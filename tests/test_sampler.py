@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from flashlet.runner.batch import InputBatch
 from flashlet.core.request import Request
-from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 from flashlet.core.sampling import SamplingParams, make_generator, sample_one
+from flashlet.runner.batch import InputBatch
+from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 
 VOCAB = 24
 EOS = 1

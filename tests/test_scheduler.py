@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from flashlet.kvcache.kv_pool import PageAllocator
 from flashlet.core.request import Request, RequestStatus
 from flashlet.core.sampling import SamplingParams, TokenLogprob
 from flashlet.core.scheduler import Scheduler
+from flashlet.kvcache.kv_pool import PageAllocator
 
 EOS = 1
 

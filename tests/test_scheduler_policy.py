@@ -7,9 +7,9 @@ import random
 import pytest
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet.kvcache.kv_pool import PageAllocator
 from flashlet.core.request import Request
 from flashlet.core.scheduler import Scheduler
+from flashlet.kvcache.kv_pool import PageAllocator
 
 PAGE = 16
 

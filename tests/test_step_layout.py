@@ -12,11 +12,11 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
+from flashlet.core.request import PLACEHOLDER
+from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepBuffers, StepRow,
                             build_layout, load_layout)
-from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner.model_runner import graph_input_addresses
-from flashlet.core.request import PLACEHOLDER
 
 
 def reference_layout(rows, ps):

@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import save_tiny_model
 from flashlet import LLM, SamplingParams
-from flashlet.models.model import ModelConfig
 from flashlet.distributed.parallel import WorkerDiedError, local_shape, shard_state_dict
+from flashlet.models.model import ModelConfig
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), [3] * 7, list(range(100, 123))]

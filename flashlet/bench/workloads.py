@@ -40,14 +40,14 @@ from flashlet.bench.common import (
     synchronizer,
 )
 from flashlet.bench.engines import TINY_SCHED_CONFIG, hf_config_dict
-from flashlet.config import EngineConfig
-from flashlet.models.model import ModelConfig
-from flashlet.runner.batch import InputBatch, StepBuffers
 from flashlet.bench.trace import Trace
-from flashlet.kvcache.kv_pool import PageAllocator
+from flashlet.config import EngineConfig
 from flashlet.core.request import Request
 from flashlet.core.sampling import SamplingParams
 from flashlet.core.scheduler import Scheduler, prompt_tokens_beside
+from flashlet.kvcache.kv_pool import PageAllocator
+from flashlet.models.model import ModelConfig
+from flashlet.runner.batch import InputBatch, StepBuffers
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths

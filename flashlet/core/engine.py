@@ -46,23 +46,23 @@ from typing import Callable
 
 import torch
 
+from flashlet.config import EngineConfig
+from flashlet.core.request import FinishReason, Request, RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.core.sampling import SamplingParams, make_generator
+from flashlet.core.scheduler import Scheduler, SchedulerOutput
 from flashlet.core.warmup import warm_up
 from flashlet.distributed import parallel, tp_worker
-from flashlet.config import EngineConfig
-from flashlet.runner.fused_decode import FusedParts
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.model import ModelConfig
+from flashlet.models.weights import load_model, random_model, resolve_model_dir
+from flashlet.runner.fused_decode import FusedParts
 from flashlet.runner.model_runner import ModelRunner
 from flashlet.runner.pooling import Pooler
 from flashlet.runner.prompt_logprobs import PromptScoring
-from flashlet.core.request import FinishReason, Request, RequestOutput
-from flashlet.core.request_check import RequestLimits
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
-from flashlet.core.sampling import SamplingParams, make_generator
-from flashlet.core.scheduler import Scheduler, SchedulerOutput
 from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
-from flashlet.models.weights import load_model, random_model, resolve_model_dir
 
 log = logging.getLogger("flashlet")
 

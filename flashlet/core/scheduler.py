@@ -33,9 +33,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 
+from flashlet.core.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
 from flashlet.kvcache.kv_pool import OutOfPages, PageAllocator
 from flashlet.kvcache.radix_cache import PageHolder, RadixCache
-from flashlet.core.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
 
 
 @dataclass

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flashlet.distributed.parallel import LocalShape, local_shape
 from flashlet.models import rope
 from flashlet.models.ops import TorchOps
-from flashlet.distributed.parallel import LocalShape, local_shape
 from flashlet.models.quantization import checkpoint_format
 
 # model_type -> the architecture its config.json names.

@@ -54,10 +54,10 @@ from flashlet.core.request import FinishReason
 from flashlet.core.request_check import RequestLimits
 from flashlet.models.weights import load_tokenizer
 from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
-from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
-                                      Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
+                                      Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.router import PrefixRouter
 
 log = logging.getLogger("flashlet.server")

@@ -19,8 +19,6 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from flashlet.server.warmup import warm_up
-from flashlet.text.detokenizer import IncrementalDetokenizer
 from flashlet.core.request import FinishReason
 from flashlet.core.request_check import RequestError, RequestLimits
 from flashlet.core.sampling import SamplingParams, TokenLogprob, sample_params
@@ -30,6 +28,8 @@ from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
 from flashlet.server.metrics import Metrics, WarmCollector
 from flashlet.server.protocol import echo
+from flashlet.server.warmup import warm_up
+from flashlet.text.detokenizer import IncrementalDetokenizer
 from flashlet.text.tokenizing import PromptTooLong, TextEncoder
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy

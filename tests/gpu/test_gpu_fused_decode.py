@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.runner.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import cute_available
+from flashlet.runner.fused_decode import FusedParts
 from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from flashlet.runner.sampler import Sampler
 from flashlet.core.sampling import SamplingParams
+from flashlet.runner.sampler import Sampler
 from flashlet.runner.sampler import sampling_probs
 from tests.test_sampler import (VOCAB, ref_kept, ref_penalties, ref_probs, request,
                                 total_variation)

@@ -8,7 +8,6 @@ import torch
 
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
-from flashlet.runner.batch import StepBuffers, StepRow, build_layout
 from flashlet.kernels.decode_attention import (choose_num_splits, decode_attention, decode_attention_one_launch,
                                                decode_attention_reference, pdl_supported)
 from flashlet.kernels.embedding import gather_rows
@@ -17,6 +16,7 @@ from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_n
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kernels.silu_mul import silu_and_mul, silu_and_mul_reference
 from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner.batch import StepBuffers, StepRow, build_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from flashlet.runner.batch import InputBatch
-from flashlet.kernels.sampling import STEP_SEEDS, accepts, sample_rows
 from flashlet.core.request import Request
-from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 from flashlet.core.sampling import SamplingParams, _splitmix64
+from flashlet.kernels.sampling import STEP_SEEDS, accepts, sample_rows
+from flashlet.runner.batch import InputBatch
+from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 from tests.test_sampler import ref_kept
 
 SUB = 256  # sub-tiles of 256 draws: the interpreter's cost grows with the tile, not the vocabulary

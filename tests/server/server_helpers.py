@@ -14,8 +14,8 @@ from pathlib import Path
 
 import uvicorn
 
-from flashlet.server.limits import uvicorn_options
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
+from flashlet.server.limits import uvicorn_options
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
 API_KEY = "test-key-123"

@@ -16,8 +16,8 @@ from flashlet import EngineConfig, SamplingParams
 from flashlet.core.request_check import RequestLimits
 from flashlet.server import core_client
 from flashlet.server.core_client import CoreClient, CoreProcess
-from flashlet.server.messages import AbortRequests, CoreInput, Heartbeat, StepOutputs
 from flashlet.server.engine_loop import NotReady, RequestStream, StreamError
+from flashlet.server.messages import AbortRequests, CoreInput, Heartbeat, StepOutputs
 from flashlet.server.router import PrefixRouter
 
 

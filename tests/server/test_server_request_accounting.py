@@ -20,8 +20,8 @@ from server_helpers import MODEL_NAME, assert_no_leaks, idle_stats
 from flashlet import EngineConfig, SamplingParams
 from flashlet.server.core_client import CoreClient, CoreProcess
 from flashlet.server.engine_core import EngineCore
-from flashlet.server.messages import AbortRequests, AddRequests, CoreInput
 from flashlet.server.engine_loop import RequestStream
+from flashlet.server.messages import AbortRequests, AddRequests, CoreInput
 from flashlet.server.router import PrefixRouter
 from flashlet.text.structured import CompileCancelled
 

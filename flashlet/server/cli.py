@@ -57,8 +57,8 @@ import uvicorn
 
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
 from flashlet.core.engine import Engine
+from flashlet.distributed import tp_worker
 from flashlet.distributed.parallel import launched_rank
-from flashlet.distributed.tp_worker import serve
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.core_client import (CORE_STALL_TIMEOUT_S, STALLED_REQUEST_TIMEOUT_S,
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
         # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP; it
         # binds no port (rank 0 on the same host does).
-        serve(Engine(engine_config))  # until rank 0 shuts down
+        tp_worker.serve(Engine(engine_config))  # until rank 0 shuts down
         return 0
     try:
         sockets = bind_api_server_sockets(args.host, args.port, args.api_server_count)

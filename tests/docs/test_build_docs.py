@@ -340,7 +340,7 @@ def test_an_excerpt_of_a_missing_file_fails(docs_scratch_repo, tmp_path):
 
 
 def test_an_excerpt_whose_symbol_was_renamed_in_the_code_fails(docs_scratch_repo, tmp_path):
-    pool = docs_scratch_repo / "flashlet" / "kv_pool.py"
+    pool = docs_scratch_repo / "flashlet" / "kvcache" / "kv_pool.py"
     pool.write_text(pool.read_text().replace("class PageAllocator", "class PageFreeList"))
     assert_fails(
         build(docs_scratch_repo, tmp_path / "site"), "flashlet.html", "PageAllocator.allocate"

@@ -1,4 +1,5 @@
-"""Attention backends behind one plan()/run() interface; each is imported only when chosen."""
+"""Attention backends behind one plan()/run() interface; flashinfer and triton are imported only
+when chosen (optional packages), the torch reference always."""
 
 from __future__ import annotations
 

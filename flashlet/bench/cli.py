@@ -25,8 +25,6 @@ import torch
 from flashlet.attention import create_backend
 from flashlet.bench import engines, peers, remote, report, workloads
 from flashlet.bench.common import Progress, environment, git_commit, utc_now
-from flashlet.bench.report import TTFT_NOTE, write_json
-from flashlet.bench.workloads import decode_sat_margin, gap_stream_tokens
 from flashlet.config import BACKENDS, EngineConfig
 from flashlet.core.engine import preset_config_path
 from flashlet.kvcache.kv_pool import KVPool
@@ -349,10 +347,10 @@ def _resolve_model(err, args) -> dict:
     elif wl == "offline":
         longest, batch = args.prompt_len_range[1] + args.output_len_range[1], 1
     elif wl == "decode-sat":
-        longest = args.decode_prompt_len + args.decode_tokens + decode_sat_margin(args)
+        longest = args.decode_prompt_len + args.decode_tokens + workloads.decode_sat_margin(args)
         batch = args.decode_batch
     elif wl == "long-prompt-gaps":
-        args.gap_stream_tokens = gap_stream_tokens(args, ecfg)
+        args.gap_stream_tokens = workloads.gap_stream_tokens(args, ecfg)
         longest = max(args.gap_long_prompt_len + 1,
                       args.gap_stream_prompt_len + args.gap_stream_tokens)
         batch = args.gap_streams + args.gap_long_prompts
@@ -444,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_note() -> str:
-    return TTFT_NOTE
+    return report.TTFT_NOTE
 
 
 def _run_model_workload(parser, args, info, record, progress, say) -> None:
@@ -515,7 +513,7 @@ def _checkpoint(args, record: dict) -> None:
     """Write what is measured so far (a run killed during a later backend or a long peer keeps
     the figures already measured)."""
     if args.out is not None:
-        write_json({**record, "partial": True}, args.out)
+        report.write_json({**record, "partial": True}, args.out)
 
 
 def _say_results(say, workload: str, res: dict, name: str) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from flashlet.text.structured import check_json_schema
+from flashlet.text import structured
 
 MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
@@ -148,7 +148,7 @@ def _json_schema(schema: dict) -> dict:
         raise ValueError(f"is not a valid JSON schema: {e.message}") from None
     except jsonschema_rs.ReferencingError as e:
         raise ValueError(f"is not a valid JSON schema: {e}") from None
-    check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
+    structured.check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
     return schema
 
 

@@ -24,7 +24,7 @@ from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContex
                                       client_gone, sse)
 from flashlet.server.parsers import reply_parsers
 from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from flashlet.text.structured import tool_call_format
+from flashlet.text import structured
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 
@@ -256,7 +256,7 @@ def _tool_call_format(tools: list[dict], tool_choice) -> dict:
     choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
               else tool_choice)
     try:
-        return tool_call_format(tools, choice)
+        return structured.tool_call_format(tools, choice)
     except ValueError as e:
         raise ApiError(400, f"tools: {e}", "tools") from None
 

@@ -5,9 +5,9 @@ import importlib
 # Imported on first use (PEP 562), not on `import flashlet`: these import torch (seconds), so a
 # load-generator process (`flashlet.bench.sse`) pays nothing for them, and `python -m
 # flashlet.server` sets its signal handlers before anything slow runs.
-_EXPORTS = {"LLM": "flashlet.llm", "SamplingParams": "flashlet.sampling",
-            "Engine": "flashlet.engine", "EngineConfig": "flashlet.config",
-            "RequestOutput": "flashlet.request", "FinishReason": "flashlet.request"}
+_EXPORTS = {"LLM": "flashlet.llm", "SamplingParams": "flashlet.core.sampling",
+            "Engine": "flashlet.core.engine", "EngineConfig": "flashlet.config",
+            "RequestOutput": "flashlet.core.request", "FinishReason": "flashlet.core.request"}
 
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
-from flashlet.sampling import SamplingParams
+from flashlet.core.sampling import SamplingParams
 
 DEMO_PROMPTS = ["The capital of France is", "The three primary colors are", "def add(a, b):"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flashlet.speculative_api import SpeculativeConfig
+from flashlet.spec.api import SpeculativeConfig
 
 BACKENDS = ("auto", "torch", "flashinfer", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -65,7 +65,7 @@ class EngineConfig:
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is split over; 1 = no collectives
-    # Structured output (flashlet/structured.py): each limit refuses a response format (a 400
+    # Structured output (flashlet/text/structured.py): each limit refuses a response format (a 400
     # naming it) before or while its grammar compiles, so that no request can stall the others.
     structured_output_timeout_s: float = 10.0  # time limit of one grammar compile, in a worker process killed past it; 0 = compile in the engine's process, unbounded
     structured_output_max_bytes: int = 262144  # a response format's size as JSON
@@ -73,7 +73,7 @@ class EngineConfig:
     structured_output_max_enum: int = 8192  # enum and const values in one schema, in all
     structured_output_max_enum_chars: int = 131072  # characters of those values (as JSON)
     structured_output_max_pattern_size: int = 4096  # a regex pattern's size with its repetitions expanded (a{1000} counts 1000)
-    # Speculative decoding (flashlet/speculative.py): a JSON string or dict, parsed here.
+    # Speculative decoding (flashlet/spec/speculative.py): a JSON string or dict, parsed here.
     speculative_config: SpeculativeConfig | None = None  # speculative decoding as vLLM configures it (JSON): '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' or '{"model": PATH, "num_speculative_tokens": 4}'; default: off
     speculative_disable_by_batch_size: int | None = None  # speculate only while at most this many requests run (overrides the speculative config's disable_by_batch_size); default: always
 

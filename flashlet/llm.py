@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from flashlet import tp_worker
 from flashlet.config import EngineConfig
-from flashlet.detokenizer import TextOutputs
-from flashlet.engine import Engine
-from flashlet.request import RequestOutput
-from flashlet.request_check import RequestLimits
-from flashlet.sampling import SamplingParams, sample_params
-from flashlet.tokenizing import chat_ids
+from flashlet.core.engine import Engine
+from flashlet.core.request import RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.core.sampling import SamplingParams, sample_params
+from flashlet.distributed import tp_worker
+from flashlet.text.detokenizer import TextOutputs
+from flashlet.text.tokenizing import chat_ids
 
 
 class LLM:
@@ -79,7 +79,7 @@ class LLM:
 
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
         """One embedding per prompt: its final hidden states pooled ("last" token or "mean")
-        and normalised (flashlet/pooling.py), in prompt order."""
+        and normalised (flashlet/runner/pooling.py), in prompt order."""
         params = SamplingParams(max_new_tokens=1, ignore_eos=True, pooling=pooling)
         return [out.embedding for out in self.generate(prompts, params)]
 
@@ -109,7 +109,7 @@ class LLM:
                             allow_special_tokens: bool = False) -> list[int]:
         """Token ids of the rendered conversation, ending with the assistant's turn opening.
         Message content is encoded as text: `<|im_end|>` written in a message is not the
-        control token (flashlet/tokenizing.py), unless `allow_special_tokens`."""
+        control token (flashlet/text/tokenizing.py), unless `allow_special_tokens`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens)

@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashlet.batch import InputBatch  # noqa: E402
-from flashlet.request import Request  # noqa: E402
-from flashlet.sampler import Sampler  # noqa: E402
-from flashlet.sampling import SamplingParams  # noqa: E402
+from flashlet.core.request import Request  # noqa: E402
+from flashlet.core.sampling import SamplingParams  # noqa: E402
+from flashlet.runner.batch import InputBatch  # noqa: E402
+from flashlet.runner.sampler import Sampler  # noqa: E402
 
 
 def cuda_ms(fn, iters: int, warmup: int = 5) -> float:

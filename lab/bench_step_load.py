@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from flashlet.batch import StepBuffers, StepRow, build_layout
-from flashlet.request import PLACEHOLDER
+from flashlet.core.request import PLACEHOLDER
+from flashlet.runner.batch import StepBuffers, StepRow, build_layout
 
 PAGE_SIZE = 16
 MAX_PAGES_PER_SEQ = 256

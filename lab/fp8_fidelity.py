@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import flashlet.ops
-from flashlet import quantization as q
-from flashlet.engine import preset_config_path
-from flashlet.model import ModelConfig
-from flashlet.ops import TorchOps
-from flashlet.weights import embedded_model_dir, load_model, load_tokenizer, random_model
+from flashlet.models.weights import preset_config_path
+from flashlet.models import quantization as q
+from flashlet.models.model import ModelConfig
+import flashlet.models.ops
+from flashlet.models.ops import TorchOps
+from flashlet.models.weights import embedded_model_dir, load_model, load_tokenizer, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,7 +161,7 @@ def main():
     p.add_argument("--smollm2", action="store_true")
     p.add_argument("--only", nargs="*", help="variant names containing any of these")
     args = p.parse_args()
-    flashlet.ops.quantized_linear = emulated_linear
+    flashlet.models.ops.quantized_linear = emulated_linear
     if args.smollm2:
         tok = load_tokenizer(embedded_model_dir())
         seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]

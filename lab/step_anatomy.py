@@ -23,7 +23,7 @@ import time
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet.request_check import RequestLimits
+from flashlet.core.request_check import RequestLimits
 
 VOCAB = 30000  # prompt ids are drawn below this (set from the model in main)
 MAX_PROMPT = 768

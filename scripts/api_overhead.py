@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         serve(args.serve_port, args.tokenizer, args.profile)
         return 0
     if args.tokenizer is None:
-        from flashlet.weights import embedded_model_dir
+        from flashlet.models.weights import embedded_model_dir
 
         args.tokenizer = str(embedded_model_dir())
     port = free_port()

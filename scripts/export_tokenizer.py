@@ -19,7 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def main(argv: list[str]) -> int:
-    from flashlet.weights import embedded_model_dir, load_tokenizer
+    from flashlet.models.weights import embedded_model_dir, load_tokenizer
 
     out = Path(argv[0] if argv else ".tok/smollm2")
     source = embedded_model_dir()

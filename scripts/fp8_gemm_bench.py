@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.kernels.fp8_gemv import GemmTile, fp8_gemm  # noqa: E402
-from flashlet.quantization import (quantize_weight, scaled_mm_fits, scaled_mm_linear,  # noqa: E402
+from flashlet.models.quantization import (quantize_weight, scaled_mm_fits, scaled_mm_linear,  # noqa: E402
                                    weight_only_linear)
 
 # [N, K]: Qwen2.5-0.5B's QKV, O, gate-up, down, up alone; Qwen2.5-7B's QKV, O, gate-up, down.

@@ -47,7 +47,7 @@ from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, graph_time_us,
 
 HIDDEN, INTER, VOCAB = 896, 4864, 151936
 QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
-# name -> (N, K, epilogue, norm, rope): the GEMVs as flashlet/fused_decode.py builds them.
+# name -> (N, K, epilogue, norm, rope): the GEMVs as flashlet/runner/fused_decode.py builds them.
 SHAPES = {
     "qkv": (1152, HIDDEN, "bias", True, None),
     "o": (HIDDEN, HIDDEN, "residual", False, None),

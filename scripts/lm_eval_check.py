@@ -33,7 +33,7 @@ TASK = "flashlet_tiny_mc"
 
 def main() -> int:
     args = parse_args()
-    from flashlet.weights import embedded_model_dir
+    from flashlet.models.weights import embedded_model_dir
 
     model_dir = embedded_model_dir()
     include = task_folder(Path(tempfile.mkdtemp(prefix="flashlet-lm-eval-")))

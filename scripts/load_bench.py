@@ -2,7 +2,7 @@
 
 Writes a random-weight checkpoint at a preset's shape (default qwen2.5-7b, bf16, ~4 GB shards,
 model.safetensors.index.json, as the hub ships them) to local disk once, reads every shard once
-to warm the page cache, then times `flashlet.weights.load_model` to the device (synchronised).
+to warm the page cache, then times `flashlet.models.weights.load_model` to the device (synchronised).
 Exits 1 if the load takes longer than --target-s.
 
     python scripts/load_bench.py                          # qwen2.5-7b to cuda, target 10 s
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.config import torch_dtype  # noqa: E402
-from flashlet.engine import preset_config_path  # noqa: E402
+from flashlet.models.weights import preset_config_path  # noqa: E402
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--target-s", type=float, default=10.0)
     args = p.parse_args(argv)
-    from flashlet.weights import load_model
+    from flashlet.models.weights import load_model
 
     config = json.loads(preset_config_path(args.config).read_text())
     name = Path(args.config).stem

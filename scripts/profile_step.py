@@ -12,7 +12,7 @@ import time
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet.fused_decode import FusedParts
+from flashlet.runner.fused_decode import FusedParts
 
 
 def main(argv=None) -> None:

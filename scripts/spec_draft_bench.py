@@ -41,8 +41,8 @@ def tiny_pair() -> tuple[str, str]:
 
 
 def measure(proposer, batch: int, k: int, args) -> list[float]:
-    from flashlet.request import Request
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.request import Request
+    from flashlet.core.sampling import SamplingParams
 
     rng, vocab = random.Random(0), proposer.model.config.vocab_size
     reqs = [Request(i, [rng.randrange(2, vocab) for _ in range(args.context)], SamplingParams())
@@ -97,8 +97,8 @@ def main() -> None:
     import torch
 
     from flashlet import EngineConfig
-    from flashlet.spec_draft import DraftProposer
-    from flashlet.speculative_api import SpeculativeConfig
+    from flashlet.spec.draft import DraftProposer
+    from flashlet.spec.api import SpeculativeConfig
 
     target, draft = (tiny_pair() if "tiny" in (args.target, args.draft)
                      else (args.target, args.draft))

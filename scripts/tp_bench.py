@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.bench import workloads  # noqa: E402
 from flashlet.config import EngineConfig  # noqa: E402
-from flashlet.engine import Engine  # noqa: E402
-from flashlet.sampling import SamplingParams  # noqa: E402
+from flashlet.core.engine import Engine  # noqa: E402
+from flashlet.core.sampling import SamplingParams  # noqa: E402
 
 NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 64, 32
 DECODE_BATCH, DECODE_PROMPT_LEN, DECODE_STEPS = 64, 300, 128

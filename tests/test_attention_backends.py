@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashlet.attention.torch_ref import TorchBackend
-from flashlet.batch import StepRow, build_layout, load_layout
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner.batch import StepRow, build_layout, load_layout
 
 
 def random_step(pool, rng, seqs, device="cpu"):

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from flashlet import LLM, SamplingParams
-from flashlet.weights import ModelLoadError, embedded_gguf_path, load_model
+from flashlet.models.weights import ModelLoadError, embedded_gguf_path, load_model
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ class _Id(int):
     ["1"], [None], [2**70], [9, 3.5], list(range(10)) * 50 + [10]])
 def test_the_token_id_check_is_the_per_id_rule(ids):
     """Plain int lists take a min/max fast path; anything else the per-id rule it stands for."""
-    from flashlet.request_check import RequestError, RequestLimits
+    from flashlet.core.request_check import RequestError, RequestLimits
 
     limits = RequestLimits(max_model_len=1000, vocab_size=10, page_size=16, num_pages=100)
     valid = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10 for t in ids)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flashlet.detokenizer import IncrementalDetokenizer
+from flashlet.text.detokenizer import IncrementalDetokenizer
 
 
 class ByteTokenizer:
@@ -111,7 +111,7 @@ def test_special_tokens_are_skipped_unless_asked_for(demo_llm):
 
 
 def test_the_rust_decoder_gives_what_the_tokenizer_decode_gives(demo_llm):
-    from flashlet.detokenizer import rust_decoder
+    from flashlet.text.detokenizer import rust_decoder
 
     tok = demo_llm.tokenizer
     backend = rust_decoder(tok)

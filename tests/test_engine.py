@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
-from flashlet.detokenizer import TextOutputs
+from flashlet.text.detokenizer import TextOutputs
 
 GREEDY = dict(ignore_eos=True)
 
@@ -244,7 +244,7 @@ def test_sampling_failure_fails_only_that_request(tiny_qwen2, alone, monkeypatch
     engine = Engine(EngineConfig(model=str(tiny_qwen2)))
     bad = engine.add_request([9, 9, 9], SamplingParams(max_new_tokens=5, temperature=0.7, seed=1))
     good = engine.add_request([8, 8, 8], SamplingParams(max_new_tokens=5, **GREEDY))
-    import flashlet.sampler as sampler_module
+    import flashlet.runner.sampler as sampler_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
@@ -338,9 +338,9 @@ def test_scheduled_sampling_rows_are_the_requests_that_reach_their_last_token():
     """The scheduler picks each step's sampling rows as it schedules them (decodes, the last
     chunk of a prompt, admissions; a preempted request dropped); against the obvious form, over
     random runs of chunked prompts in a pool small enough to preempt."""
-    from flashlet.kv_pool import PageAllocator
-    from flashlet.request import Request
-    from flashlet.scheduler import Scheduler
+    from flashlet.kvcache.kv_pool import PageAllocator
+    from flashlet.core.request import Request
+    from flashlet.core.scheduler import Scheduler
 
     num_preemptions = 0
     for seed in range(8):
@@ -371,7 +371,7 @@ def test_every_finish_reason_is_one_enum_that_reads_as_its_name(tiny_qwen2, monk
     and serialise as the plain names clients have always seen."""
     import json
 
-    import flashlet.sampler as sampler_module
+    import flashlet.runner.sampler as sampler_module
     from flashlet import FinishReason
 
     engine = Engine(EngineConfig(model=str(tiny_qwen2)))

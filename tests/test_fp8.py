@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flashlet.config import EngineConfig
-from flashlet.ops import TorchOps
-from flashlet.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
+from flashlet.models.ops import TorchOps
+from flashlet.models.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
                                    dequant_linear, quantize_rows, quantize_weight,
                                    swap_weight, weight_only_linear)
-from flashlet.weights import ModelLoadError, load_model
+from flashlet.models.weights import ModelLoadError, load_model
 
 PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")
@@ -247,7 +247,7 @@ def test_unknown_quantization_is_refused(tiny_qwen2):
 
 
 def test_fused_decode_declines_fp8_weights(tiny_qwen2):
-    from flashlet.fused_decode import refusals
+    from flashlet.runner.fused_decode import refusals
 
     model, _, _ = load_model(str(tiny_qwen2), dtype=torch.bfloat16, quantization="fp8")
     why = refusals(model, torch.device("cuda"))  # the CUDA-side checks, run on a CPU model
@@ -258,7 +258,7 @@ def test_fused_decode_declines_fp8_weights(tiny_qwen2):
 
 def greedy_tokens(model_dir, prompts, n, **config):
     from flashlet import LLM
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.sampling import SamplingParams
 
     llm = LLM(str(model_dir), device="cpu", max_num_pages=64, **config)
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -304,14 +304,14 @@ class _Rank:
         self.rank, self.world_size = rank, world_size
 
     def shape(self, cfg):
-        from flashlet.parallel import local_shape
+        from flashlet.distributed.parallel import local_shape
 
         return local_shape(cfg, self.rank, self.world_size)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_parallel_ranks_quantize_their_own_slices(tiny_llama, rank):
-    from flashlet.parallel import local_shape, shard_state_dict
+    from flashlet.distributed.parallel import local_shape, shard_state_dict
 
     whole, _, _ = load_model(str(tiny_llama))
     part, _, _ = load_model(str(tiny_llama), tp=_Rank(rank, 2), quantization="fp8")
@@ -325,7 +325,7 @@ def test_tensor_parallel_ranks_quantize_their_own_slices(tiny_llama, rank):
 
 
 def test_block_scales_over_ragged_edges_dequantize_each_block_with_its_own_scale():
-    from flashlet.quantization import CheckpointFormat
+    from flashlet.models.quantization import CheckpointFormat
 
     fmt = CheckpointFormat("fp8", "weight_scale_inv", (32, 32))
     q = (torch.randn(50, 70) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -1,4 +1,4 @@
-"""The fused decode path's wiring (flashlet/fused_decode.py) on the CPU, and its refusals.
+"""The fused decode path's wiring (flashlet/runner/fused_decode.py) on the CPU, and its refusals.
 
 The CuTe kernels need a GPU (tests/gpu/test_gpu_fused_decode.py, tests/kernels/test_cute_gemv.py);
 here each GEMV is replaced by its fp32 PyTorch reference (`gemv_reference`, which the GPU tests
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet import fused_decode
-from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner import fused_decode
+from flashlet.runner.fused_decode import FusedParts
 
 
 class ReferenceGemv:

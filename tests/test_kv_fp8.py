@@ -12,8 +12,8 @@ from flashlet.kernels.decode_attention import (decode_attention, decode_attentio
                                                decode_attention_reference)
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
-from flashlet.kv_pool import FP8_MAX, KVPool, dequantize, quantize_fp8
-from flashlet.rope import cos_sin_cache
+from flashlet.kvcache.kv_pool import FP8_MAX, KVPool, dequantize
+from flashlet.models.rope import cos_sin_cache
 
 FP8 = torch.float8_e4m3fn
 GREEDY = dict(temperature=0.0, ignore_eos=True)

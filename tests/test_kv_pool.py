@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlet.kv_pool import KVPool, OutOfPages, PageAllocator
+from flashlet.kvcache.kv_pool import KVPool, OutOfPages, PageAllocator
 
 
 @settings(max_examples=200, deadline=None)

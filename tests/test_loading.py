@@ -23,7 +23,7 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_s
 SHARD = 20 << 20
 PROBE = """
 import ctypes, gc, json, sys, torch
-from flashlet.weights import load_model
+from flashlet.models.weights import load_model
 def status(key):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 # A first load warms code pages and the allocator; its memory is then handed back to the OS.
@@ -71,7 +71,7 @@ def test_peak_host_memory_stays_near_one_shard(sharded):
 def test_written_checkpoint_loads_with_the_writers_values(sharded):
     from safetensors import safe_open
 
-    from flashlet.weights import load_model
+    from flashlet.models.weights import load_model
 
     model, tokenizer, _ = load_model(str(sharded), "cpu", torch.float32)
     assert tokenizer is None

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashlet.weights import gguf_cache_name
+from flashlet.models.weights import gguf_cache_name
 
 
 def write_gguf(path: Path, arch: str = "llama", fill: float = 0.0) -> Path:
@@ -41,7 +41,7 @@ def test_cache_name_follows_the_content_not_the_path(tmp_path):
 CONVERT = """
 import sys, time
 from pathlib import Path
-import flashlet.weights as w
+import flashlet.models.weights as w
 
 def slow_convert(gguf_path, folder):
     with open(sys.argv[2], "a") as log:
@@ -76,7 +76,7 @@ def test_processes_converting_at_once_share_one_cache(tmp_path):
 
 
 def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
-    import flashlet.weights as w
+    import flashlet.models.weights as w
 
     def failing_convert(gguf_path, folder):
         (folder / "config.json").write_text("{}")
@@ -90,7 +90,7 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
 
 def test_cache_name_carries_the_conversion_version(tmp_path):
     """A conversion that writes something new bumps the version: older folders are rebuilt."""
-    from flashlet.weights import CONVERSION_VERSION
+    from flashlet.models.weights import CONVERSION_VERSION
 
     assert gguf_cache_name(write_gguf(tmp_path / "m.gguf")).endswith(f"-v{CONVERSION_VERSION}")
 
@@ -98,7 +98,7 @@ def test_cache_name_carries_the_conversion_version(tmp_path):
 def test_gguf_special_tokens_are_read_from_the_file(tmp_path):
     import gguf
 
-    from flashlet.weights import gguf_special_token_ids
+    from flashlet.models.weights import gguf_special_token_ids
 
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
     writer.add_eos_token_id(2), writer.add_pad_token_id(2), writer.add_bos_token_id(1)

@@ -12,8 +12,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           Qwen3ForCausalLM)
 
 from flashlet import LLM, SamplingParams
-from flashlet.model import ModelConfig
-from flashlet.weights import ModelLoadError, load_model
+from flashlet.models.model import ModelConfig
+from flashlet.models.weights import ModelLoadError, load_model
 
 DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, eos_token_id=1)
@@ -28,7 +28,7 @@ FAMILIES = {
         max_position_embeddings=ORIGINAL,
         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}), 24, 16),
     # dynamic NTK: the prompt stays within max_position_embeddings, the generation passes it
-    # (flashlet/rope.py says why longer prompts cannot match Transformers in a paged engine)
+    # (flashlet/models/rope.py says why longer prompts cannot match Transformers in a paged engine)
     "llama-dynamic": (LlamaConfig, LlamaForCausalLM, dict(
         max_position_embeddings=ORIGINAL,
         rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}), 12, 24),

@@ -1,4 +1,4 @@
-"""Embedding requests (SamplingParams.pooling, flashlet/pooling.py) against transformers'
+"""Embedding requests (SamplingParams.pooling, flashlet/runner/pooling.py) against transformers'
 final hidden states on the same tiny random weights, fp32 on the CPU: last-token and mean
 pooling, prompts cut into prefill chunks, batched with a generating request, a cached prefix."""
 

@@ -9,9 +9,9 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 
-from flashlet import rope
-from flashlet.engine import PRESETS_DIR
-from flashlet.model import ModelConfig, hf_to_flashlet_names
+from flashlet.models.weights import PRESETS_DIR
+from flashlet.models import rope
+from flashlet.models.model import ModelConfig, hf_to_flashlet_names
 
 CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                   "qwen3": Qwen3Config}
@@ -100,8 +100,8 @@ def test_bf16_rope_rounds_once_with_the_fp32_table(name):
     """TorchOps.rope in bf16 at a preset's table: the fp32 rotation with the fp32 cos/sin,
     rounded once; its error against the fp64 rotation is the rounding floor, below both
     transformers' way (cos/sin and every op in bf16) and fp32 math on bf16-rounded cos/sin."""
-    from flashlet.model import rope_cache
-    from flashlet.ops import TorchOps
+    from flashlet.models.model import rope_cache
+    from flashlet.models.ops import TorchOps
 
     cfg = ModelConfig.from_file(PRESETS_DIR / f"{name}.json")
     table = rope_cache(cfg)[:8320]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashlet import LLM, SamplingParams
-from flashlet.engine import Engine
 from flashlet.config import EngineConfig
+from flashlet.core.engine import Engine
 
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(45)]  # 45 tokens: several pages and chunks
 

@@ -1,7 +1,7 @@
 """The radix prefix cache: matching, insertion, locks, LRU eviction, integrity."""
 
-from flashlet.kv_pool import PageAllocator
-from flashlet.radix_cache import PageHolder, RadixCache
+from flashlet.kvcache.kv_pool import PageAllocator
+from flashlet.kvcache.radix_cache import PageHolder, RadixCache
 
 PS = 4
 

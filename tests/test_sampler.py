@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from flashlet.batch import InputBatch
-from flashlet.request import Request
-from flashlet.sampler import Sampler, apply_penalties, sampling_probs
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.core.request import Request
+from flashlet.core.sampling import SamplingParams, make_generator, sample_one
+from flashlet.runner.batch import InputBatch
+from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 
 VOCAB = 24
 EOS = 1
@@ -343,7 +343,7 @@ def test_batch_state_is_reused_until_the_batch_changes():
 def test_uploads_parts_are_exact_and_16_byte_aligned():
     """Every part of one upload comes back as given, and starts on a 16-byte boundary (Triton
     compiles a kernel variant per pointer alignment: an 8-byte offset would compile mid-work)."""
-    from flashlet.sampler import Uploads
+    from flashlet.runner.sampler import Uploads
 
     uploads = Uploads()
     given = [[1, 2, 3], [(4, 5, 6)], [7], [], [[8, 9], [10, 11]]]
@@ -363,7 +363,7 @@ def test_uploads_parts_are_exact_and_16_byte_aligned():
 def test_seeds_of_any_64_bit_pattern_sample():
     """A seed in [2**63, 2**64) (the server reduces negative seeds modulo 2**64) goes to the
     device as the int64 of the same bits; it samples, reproducibly, beside a small seed."""
-    from flashlet.sampling import as_int64 as _as_int64
+    from flashlet.core.sampling import as_int64 as _as_int64
 
     assert [_as_int64(v) for v in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -1, 2**70 + 3)] == [
         0, 5, 2**63 - 1, -2**63, -1, -1, 3]
@@ -381,7 +381,7 @@ def test_seeds_of_any_64_bit_pattern_sample():
 # ---- the sampler's state from the persistent batch's columns ----------------------------
 def step_update(request_ids, starts, removed=(), added=()):
     """A decode step's BatchUpdate over these requests (one token each, every one sampling)."""
-    from flashlet.scheduler import BatchUpdate
+    from flashlet.core.scheduler import BatchUpdate
 
     return BatchUpdate(removed=list(removed), added=list(added), request_ids=list(request_ids),
                        starts=list(starts), token_ids=[2] * len(request_ids))
@@ -390,7 +390,7 @@ def step_update(request_ids, starts, removed=(), added=()):
 def test_the_sampler_state_is_built_from_the_batch_columns_not_the_requests():
     """The rows' parameters come with the update that adds them; the sampler reads those
     columns, so the requests it is handed are not consulted for parameters."""
-    from flashlet.scheduler import NewRow
+    from flashlet.core.scheduler import NewRow
 
     batch = InputBatch(4, 2, 16)
     sampled = SamplingParams(temperature=1.0, top_k=2, seed=5, logprobs=3)
@@ -406,7 +406,7 @@ def test_the_sampler_state_is_built_from_the_batch_columns_not_the_requests():
 
 
 def test_a_row_taken_by_another_request_keeps_none_of_its_old_parameters():
-    from flashlet.scheduler import NewRow
+    from flashlet.core.scheduler import NewRow
 
     batch, sampler = InputBatch(1, 2, 16), Sampler(torch.device("cpu"), {EOS})
     penalised = SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=2, min_tokens=3)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from flashlet import LLM, SamplingParams
-from flashlet.structured import tool_call_format
+from flashlet.text.structured import tool_call_format
 
 from tests.conftest import save_tiny_model
 
@@ -238,8 +238,8 @@ def test_grammar_mask_leaves_exactly_the_allowed_tokens(tokenizer_llm):
     import torch
     import xgrammar as xgr
 
-    from flashlet.request import Request
-    from flashlet.structured import apply_grammar_masks
+    from flashlet.core.request import Request
+    from flashlet.text.structured import apply_grammar_masks
 
     structured = tokenizer_llm.engine.structured
     fmt = {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from flashlet.kv_pool import PageAllocator
-from flashlet.request import Request, RequestStatus
-from flashlet.sampling import SamplingParams, TokenLogprob
-from flashlet.scheduler import Scheduler
+from flashlet.core.request import Request, RequestStatus
+from flashlet.core.sampling import SamplingParams, TokenLogprob
+from flashlet.core.scheduler import Scheduler
+from flashlet.kvcache.kv_pool import PageAllocator
 
 EOS = 1
 

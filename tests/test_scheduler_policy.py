@@ -7,9 +7,9 @@ import random
 import pytest
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet.kv_pool import PageAllocator
-from flashlet.request import Request
-from flashlet.scheduler import Scheduler
+from flashlet.core.request import Request
+from flashlet.core.scheduler import Scheduler
+from flashlet.kvcache.kv_pool import PageAllocator
 
 PAGE = 16
 

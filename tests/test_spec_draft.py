@@ -6,9 +6,9 @@ import random
 import pytest
 
 from flashlet import EngineConfig, LLM, SamplingParams
-from flashlet.request import PLACEHOLDER, Request
-from flashlet.spec_draft import DraftProposer
-from flashlet.speculative_api import SpeculativeConfig
+from flashlet.core.request import PLACEHOLDER, Request
+from flashlet.spec.draft import DraftProposer
+from flashlet.spec.api import SpeculativeConfig
 from tests.conftest import save_tiny_model
 
 PAGE_SIZE = 4

@@ -1,4 +1,4 @@
-"""The draft proposer inside the engine's speculative decoding (flashlet/speculative.py): greedy
+"""The draft proposer inside the engine's speculative decoding (flashlet/spec/speculative.py): greedy
 output identical to decoding without speculation on each model family, through preemption and
 aborts, with proposals accepted, and every draft page free once the requests are gone."""
 
@@ -9,7 +9,7 @@ import pytest
 from flashlet import Engine, EngineConfig, SamplingParams
 from tests.conftest import save_tiny_model
 
-pytest.importorskip("flashlet.speculative",
+pytest.importorskip("flashlet.spec.speculative",
                     reason="needs the engine side of speculative decoding (speculative.py)")
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (flashlet/speculative.py): the config, the n-gram proposer, verification
+"""Speculative decoding (flashlet/spec/speculative.py): the config, the n-gram proposer, verification
 inside continuous batching (greedy output identical to no speculation, sampled output
 distributed as without it), and everything around it (preemption, aborts, stops, max_tokens,
 n > 1, logprobs, pages)."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
-from flashlet.request import Request
-from flashlet.speculative import NgramProposer, SpeculativeConfig, verify
+from flashlet.core.request import Request
+from flashlet.spec.speculative import NgramProposer, SpeculativeConfig, verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -102,7 +102,7 @@ def test_ngram_proposes_after_the_most_recent_longest_match():
 
 
 def test_a_verify_row_samples_its_last_k_plus_one_tokens():
-    from flashlet.batch import InputBatch
+    from flashlet.runner.batch import InputBatch
 
     batch = InputBatch(3, 2, 8)
     for i in range(3):
@@ -451,7 +451,7 @@ def test_grammar_masks_verify_rows_and_rolls_back():
     """mask_grammars on a grammar that allows only one token after another: the row after
     an accepted proposal is masked as the grammar stands then, and the matcher ends where
     it started."""
-    from flashlet.speculative import _Rows, mask_grammars
+    from flashlet.spec.speculative import _Rows, mask_grammars
 
     class Matcher:  # allows token t + 1 after token t, from 5
         def __init__(self):
@@ -538,9 +538,9 @@ def test_metrics_export_speculation_counters(tiny_qwen2):
 def test_proposals_never_preempt_another_request():
     """With no free page for a row's proposals, it verifies none rather than push another
     request out (the page its own token needs it still gets, as any decode)."""
-    from flashlet.kv_pool import PageAllocator
-    from flashlet.scheduler import Scheduler
-    from flashlet.speculative import Verified
+    from flashlet.kvcache.kv_pool import PageAllocator
+    from flashlet.core.scheduler import Scheduler
+    from flashlet.spec.speculative import Verified
 
     sched = Scheduler(PageAllocator(3), 4, max_num_seqs=4, max_num_batched_tokens=16,
                       enable_prefix_cache=False)

@@ -12,11 +12,11 @@ import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
-from flashlet.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepBuffers, StepRow,
+from flashlet.core.request import PLACEHOLDER
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepBuffers, StepRow,
                             build_layout, load_layout)
-from flashlet.kv_pool import KVPool
-from flashlet.model_runner import graph_input_addresses
-from flashlet.request import PLACEHOLDER
+from flashlet.runner.model_runner import graph_input_addresses
 
 
 def reference_layout(rows, ps):
@@ -79,7 +79,7 @@ def test_a_persistent_batch_driven_by_updates_gives_the_reference_layout(ps):
     """Requests join and leave the batch, their page tables grow or change in the middle, and
     steps take them in any order: each step's layout is the per-token reference's of the same
     rows (their tokens, positions, current page tables, sampling, fed sources)."""
-    from flashlet.scheduler import BatchUpdate
+    from flashlet.core.scheduler import BatchUpdate
 
     rng = random.Random(100 + ps)
     batch = InputBatch(8, 80, ps)
@@ -545,7 +545,7 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
     """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures
     one mixed graph per reachable (token bucket, prefill variant), and a run of chunked prompts
     mixed with decodes afterwards replays only those."""
-    from flashlet.warmup import warm_up
+    from flashlet.core.warmup import warm_up
 
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
                                  max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))

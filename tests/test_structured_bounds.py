@@ -11,7 +11,7 @@ import time
 import pytest
 
 from flashlet import EngineConfig
-from flashlet.structured import (CompileCancelled, StructuredLimits, StructuredOutputs,
+from flashlet.text.structured import (CompileCancelled, StructuredLimits, StructuredOutputs,
                                  check_json_schema, pattern_size)
 
 
@@ -121,7 +121,7 @@ def test_a_tool_calls_parameter_schemas_are_bounded_too():
 # ---- the compile worker --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_tokenizer(demo_model_dir):
-    from flashlet.weights import load_tokenizer
+    from flashlet.models.weights import load_tokenizer
 
     return load_tokenizer(str(demo_model_dir))
 
@@ -186,7 +186,7 @@ def test_a_grammar_whose_mask_is_too_slow_ends_its_row_not_the_batch(monkeypatch
     import torch
     from types import SimpleNamespace
 
-    from flashlet import structured
+    from flashlet.text import structured
 
     monkeypatch.setattr(structured, "MASK_CPU_BUDGET_S", 0.02)
     reqs = [SimpleNamespace(grammar=_Grammar()), SimpleNamespace(grammar=None),

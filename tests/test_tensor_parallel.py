@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import save_tiny_model
 from flashlet import LLM, SamplingParams
-from flashlet.model import ModelConfig
-from flashlet.parallel import WorkerDiedError, local_shape, shard_state_dict
+from flashlet.distributed.parallel import WorkerDiedError, local_shape, shard_state_dict
+from flashlet.models.model import ModelConfig
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), [3] * 7, list(range(100, 123))]
@@ -181,7 +181,7 @@ class _Rank:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_streamed_checkpoint_slices_match_the_sliced_whole_model(tmp_path, rank):
-    from flashlet.weights import load_model
+    from flashlet.models.weights import load_model
 
     folder = _randomize_biases(save_tiny_model("llama", tmp_path / "l", attention_bias=True,
                                                vocab_size=255))

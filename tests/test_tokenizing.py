@@ -1,4 +1,4 @@
-"""flashlet/tokenizing.py: control tokens stay text, over-long text is refused without being
+"""flashlet/text/tokenizing.py: control tokens stay text, over-long text is refused without being
 tokenized whole, and encoding on the TextEncoder's threads does not serialise requests."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-import flashlet.tokenizing as tokenizing
-from flashlet.tokenizing import PromptTooLong, TextEncoder, chat_ids, encode_text
+import flashlet.text.tokenizing as tokenizing
+from flashlet.text.tokenizing import PromptTooLong, TextEncoder, chat_ids, encode_text
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import torch
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention import create_backend, resolve_backend
 from flashlet.attention.triton_backend import TritonBackend
-from flashlet.kernels import tuning
-from flashlet.kv_pool import KVPool
-from flashlet.model_runner import mixed_graph_buckets
-from flashlet.warmup import (chunk_lengths, count_triton_compiles, decode_sizes, mixed_graph_steps,
+from flashlet.core.warmup import (chunk_lengths, count_triton_compiles, decode_sizes, mixed_graph_steps,
                              representatives, warm_up)
+from flashlet.kernels import tuning
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner.model_runner import mixed_graph_buckets
 
 
 def _pool(num_kv_heads=2, head_dim=64, pages=64):

@@ -1,10 +1,13 @@
-"""Attention backends behind one plan()/run() interface; each is imported only when chosen."""
+"""Attention backends behind one plan()/run() interface; flashinfer and triton are imported only
+when chosen (optional packages), the torch reference always."""
 
 from __future__ import annotations
 
 import logging
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.attention.selection import Platform, step_backend
 
 log = logging.getLogger("flashlet")
 
@@ -12,8 +15,6 @@ log = logging.getLogger("flashlet")
 def resolve_backend(name: str, device, head_dim: int, group: int) -> tuple[str, str]:
     """(the backend `name` stands for, why). "auto": torch off CUDA; on CUDA the faster of
     triton and flashinfer for this shape (`flashlet.attention.selection.step_backend`)."""
-    from flashlet.attention.selection import Platform, step_backend
-
     return step_backend(name, Platform.of(device), head_dim, group)
 
 
@@ -24,8 +25,6 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
         name, why = resolve_backend(name, device, kv_pool.head_dim, num_q_heads // kv_pool.num_kv_heads)
         log.info("backend auto: %s (%s)", name, why)
     if name == "torch":
-        from flashlet.attention.torch_ref import TorchBackend
-
         return TorchBackend(kv_pool, num_q_heads, **kwargs)
     if name == "flashinfer":
         if device.type != "cuda":

@@ -19,14 +19,37 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
 
-if TYPE_CHECKING:
-    from flashlet.batch import StepLayout
+
+class HostLayout(Protocol):
+    """What readers of AttentionMetadata use of a step's layout on the host (the runner's
+    StepLayout is one): an interface here, so that attention imports no runner module."""
+
+    qo_indptr: torch.Tensor  # [num_seqs + 1] int32
+    paged_kv_indptr: torch.Tensor  # [num_seqs + 1] int32
+    paged_kv_indices: torch.Tensor  # [num_pages_in_step] int32
+    paged_kv_last_page_len: torch.Tensor  # [num_seqs] int32
+    kv_lens: torch.Tensor  # [num_seqs] int32
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_seqs(self) -> int: ...
+
+    @property
+    def max_query_len(self) -> int: ...
+
+    @property
+    def is_pure_decode(self) -> bool: ...
+
+    @property
+    def num_sampled(self) -> int: ...
 
 
 @dataclass
@@ -34,7 +57,7 @@ class AttentionMetadata:
     """One step's batch layout on the device (views into persistent buffers, fixed addresses)
     and `host`, the same layout on the host (pinned on CUDA), which backends plan from."""
 
-    host: StepLayout
+    host: HostLayout
     positions: torch.Tensor  # [num_tokens] int64, position of each query token
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat pool slot each new K/V row goes to
     qo_indptr: torch.Tensor  # [num_seqs + 1] int32

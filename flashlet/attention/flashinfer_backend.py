@@ -5,7 +5,7 @@ Pure-decode steps that the model runner replays as CUDA graphs get a wrapper of 
 padded batch size, built with `use_cuda_graph=True` over fixed index buffers: `plan()` runs
 outside the graph (it cannot be captured) and the captured `run()` reads those buffers. The
 wrappers, their graphs and the JIT-compiled kernel module all come into being at engine start
-(`flashlet/warmup.py`): built lazily, they cost the first decode steps after a prefill hundreds
+(`flashlet/core/warmup.py`): built lazily, they cost the first decode steps after a prefill hundreds
 of milliseconds, which the harness (warmed up) never saw but every user did. `plan()` reads
 only pinned host arrays and copies the page indices device to device: no step waits for the GPU. Decode
 uses the same prefill kernel with one query row per sequence, which handles any GQA group size

@@ -3,7 +3,7 @@
 A step is one of three kinds, and each may run a different path over the same paged pool (every
 backend reads the pool's NHD layout, `KVPool`):
     decode (1 row)     the fused decode path (CuTe GEMVs + the triton one-launch attention,
-                       `flashlet/fused_decode.py`), where the platform and the model allow it
+                       `flashlet/runner/fused_decode.py`), where the platform and the model allow it
     decode (2+ rows)   the step backend, per-op
     prefill/mixed      the step backend, per-op
 The fused path brings its own attention (a `TritonBackend` over the pool), so installing

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
-from flashlet.kv_pool import dequantize
+from flashlet.kvcache.kv_pool import dequantize
 
 
 def causal_mask_aligned_to_end(q_len: int, kv_len: int, device) -> torch.Tensor:

@@ -21,7 +21,7 @@
   per layer up to 4k tokens on 16 splits x Hkv programs (FUSED_NOTES.md, "Stage 2, plan C").
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
-that `flashlet/warmup.py` covers at engine start.
+that `flashlet/core/warmup.py` covers at engine start.
 
 `plan` does host arithmetic only (no device allocation, no copies). `run` launches kernels on
 tensors the metadata already holds: no host sync, no `.item()`, no `.tolist()`, so a pure-decode
@@ -40,7 +40,7 @@ from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
 from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch
 from flashlet.kernels.prefill_attention import prefill_attention
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
 
 
 # The smallest KV split of the one-launch decode (see the module docstring).

@@ -9,13 +9,3 @@ Modules: `cli` (flags, validation, dispatch), `workloads` (the in-process runs),
 (Hugging Face runs), `remote` (the HTTP client), `report` (tables, JSON, plots), `common`
 (timing, statistics, environment).
 """
-
-__all__ = ["main"]
-
-
-def main(argv=None):
-    """`python -m flashlet.bench` (imported here on use: the --url client processes import
-    this package and need none of the in-process harness)."""
-    from flashlet.bench.cli import main as cli_main
-
-    return cli_main(argv)

@@ -22,9 +22,14 @@ from pathlib import Path
 
 import torch
 
-from flashlet.bench import engines
+from flashlet.attention import create_backend
+from flashlet.bench import engines, peers, remote, report, workloads
 from flashlet.bench.common import Progress, environment, git_commit, utc_now
 from flashlet.config import BACKENDS, EngineConfig
+from flashlet.models.weights import preset_config_path
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.model import ModelConfig
+from flashlet.models.weights import ModelLoadError
 
 WORKLOADS = ("closed-loop", "decode-sat", "single", "offline", "long-prompt-gaps", "scheduler",
              "kernels")
@@ -230,8 +235,6 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         if args.model is not None and args.config is not None:
             err("give --model or --config, not both")
         if args.config is not None:
-            from flashlet.engine import preset_config_path
-
             try:
                 preset_config_path(args.config)
             except ValueError as e:
@@ -315,9 +318,6 @@ def _check_server(err, url: str) -> None:
 
 def _resolve_model(err, args) -> dict:
     """Model, device, backends, lengths and pool size, all before a weight is read."""
-    from flashlet.model import ModelConfig
-    from flashlet.weights import ModelLoadError
-
     if args.model is not None and args.config is not None:
         err("give --model (real weights) or --config (random weights at a shape), not both")
     try:  # the first backend; the others differ in nothing else
@@ -347,14 +347,10 @@ def _resolve_model(err, args) -> dict:
     elif wl == "offline":
         longest, batch = args.prompt_len_range[1] + args.output_len_range[1], 1
     elif wl == "decode-sat":
-        from flashlet.bench.workloads import decode_sat_margin
-
-        longest = args.decode_prompt_len + args.decode_tokens + decode_sat_margin(args)
+        longest = args.decode_prompt_len + args.decode_tokens + workloads.decode_sat_margin(args)
         batch = args.decode_batch
     elif wl == "long-prompt-gaps":
-        from flashlet.bench.workloads import gap_stream_tokens
-
-        args.gap_stream_tokens = gap_stream_tokens(args, ecfg)
+        args.gap_stream_tokens = workloads.gap_stream_tokens(args, ecfg)
         longest = max(args.gap_long_prompt_len + 1,
                       args.gap_stream_prompt_len + args.gap_stream_tokens)
         batch = args.gap_streams + args.gap_long_prompts
@@ -388,9 +384,6 @@ def check_pool(err, args, num_pages: int) -> None:
 
 def _check_backend(err, ecfg: EngineConfig, mcfg, device: torch.device) -> None:
     """Build the chosen attention backend over a one-page pool: the engine's own check."""
-    from flashlet.attention import create_backend
-    from flashlet.kv_pool import KVPool
-
     if ecfg.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         err("the triton backend needs a CUDA device (on CPU it runs only in the Triton "
             "interpreter: set TRITON_INTERPRET=1, very slow); use --backend torch on CPU")
@@ -425,26 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     with progress:
         if args.url is not None:
-            from flashlet.bench import remote
-
             record.update(url=args.url, env=environment(None))
             record["env"]["device"] = "remote server"
             record["results"] = remote.run(args, progress)
             record["notes"].append("TTFT and ITL measured on the client; " + report_note())
         elif args.workload == "scheduler":
-            from flashlet.bench import workloads
-
             record["env"] = environment("cpu")
             record["results"] = workloads.scheduler_bench(args, progress)
         elif args.workload == "kernels":
-            from flashlet.bench import workloads
-
             record["env"] = environment(args.kernel_device)
             record["results"] = workloads.kernels(args, progress, log=None if args.quiet else say)
         else:
             _run_model_workload(parser, args, info, record, progress, say)
-
-    from flashlet.bench import report
 
     if args.plot is not None:
         record["plots"] = report.plot(record, args.plot)
@@ -457,16 +442,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_note() -> str:
-    from flashlet.bench.report import TTFT_NOTE
-
-    return TTFT_NOTE
+    return report.TTFT_NOTE
 
 
 def _run_model_workload(parser, args, info, record, progress, say) -> None:
     """Each backend in turn on a fresh Engine (the previous one released first), then the peers
     on the last engine's weights, which every backend shared (seeded random or loaded)."""
-    from flashlet.bench import peers, workloads
-
     ecfg, mcfg = info["engine_config"], info["model_config"]
     record["env"] = environment(info["device"])
     fn = {"closed-loop": workloads.closed_loop, "decode-sat": workloads.decode_sat,
@@ -533,9 +514,7 @@ def _checkpoint(args, record: dict) -> None:
     """Write what is measured so far (a run killed during a later backend or a long peer keeps
     the figures already measured)."""
     if args.out is not None:
-        from flashlet.bench.report import write_json
-
-        write_json({**record, "partial": True}, args.out)
+        report.write_json({**record, "partial": True}, args.out)
 
 
 def _say_results(say, workload: str, res: dict, name: str) -> None:

@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 
 from flashlet.config import EngineConfig
-from flashlet.engine import Engine, preset_config_path
+from flashlet.core.engine import Engine
+from flashlet.models.weights import preset_config_path
+from flashlet.models.model import hf_to_flashlet_names
+from flashlet.models.weights import resolve_model_dir
 
 # A one-layer Qwen2 shape for the scheduler micro-benchmark: the model never runs there, but the
 # Engine still builds one (and a KV pool), so keep both negligible.
@@ -35,8 +38,6 @@ def hf_config_dict(engine_config: EngineConfig, model_dir: Path | None = None) -
     the model folder's."""
     if engine_config.config is not None:
         return json.loads(preset_config_path(engine_config.config).read_text())
-    from flashlet.weights import resolve_model_dir
-
     folder = model_dir if model_dir is not None else resolve_model_dir(engine_config.model)
     return json.loads((Path(folder) / "config.json").read_text())
 
@@ -51,7 +52,7 @@ def hf_model_for(engine: Engine):
 
     With --model both sides read the same folder (`from_pretrained(engine.model_dir)`). With
     --config (random weights) the engine's tensors are split back into Hugging Face's names:
-    the inverse of `flashlet.model.hf_to_flashlet_names` (fused qkv -> q, k, v; gate_up -> gate,
+    the inverse of `flashlet.models.model.hf_to_flashlet_names` (fused qkv -> q, k, v; gate_up -> gate,
     up), so no second copy of the weights is ever drawn at random and nothing in the Engine is
     replaced."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -59,8 +60,6 @@ def hf_model_for(engine: Engine):
     if engine.model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.dtype)
         return model.to(engine.device).eval()
-    from flashlet.model import hf_to_flashlet_names
-
     cfg_dict = hf_config_dict(engine.config)
     cfg_dict = {k: v for k, v in cfg_dict.items() if k not in ("torch_dtype", "dtype")}
     config = AutoConfig.for_model(**cfg_dict)

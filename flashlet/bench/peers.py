@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now, ratio, summarize, synchronizer
+from flashlet.bench.common import NO_PROGRESS, Progress, Spec, make_specs, now, ratio, summarize, synchronizer
 from flashlet.bench.trace import Trace
+from flashlet.bench.workloads import level_specs, offline_specs, single_figures
 
 PEERS = ("hf", "hf-static")
 
@@ -173,8 +174,6 @@ def run(kind: str, model, workload: str, args, ours: dict, vocab: int, device,
 
 
 def _closed_loop(runner, args, ours, vocab, progress, kind) -> dict:
-    from flashlet.bench.workloads import level_specs
-
     levels = []
     ours_by_c = {lv["concurrency"]: lv for lv in ours["levels"]}
     for li, c in enumerate(args.concurrency):
@@ -191,8 +190,6 @@ def _closed_loop(runner, args, ours, vocab, progress, kind) -> dict:
 
 
 def _decode_sat(runner, args, ours, vocab, progress, kind) -> dict:
-    from flashlet.bench.common import make_specs
-
     B, P, D = args.decode_batch, args.decode_prompt_len, args.decode_tokens
     specs = make_specs(B, (P, P), (D + 1, D + 1), vocab, args.seed, stream=1)
     prompts = [s.prompt for s in specs]
@@ -211,9 +208,6 @@ def _decode_sat(runner, args, ours, vocab, progress, kind) -> dict:
 
 
 def _single(runner, args, ours, vocab, progress, kind) -> dict:
-    from flashlet.bench.common import make_specs
-    from flashlet.bench.workloads import single_figures
-
     P, T = args.single_prompt_len, args.single_tokens
     specs = make_specs(1, (P, P), (T, T), vocab, args.seed, stream=1)
     runner.warmup([specs[0].prompt], T, max_cache_len=P + T)
@@ -227,8 +221,6 @@ def _single(runner, args, ours, vocab, progress, kind) -> dict:
 
 
 def _offline(runner, args, ours, vocab, progress, kind) -> dict:
-    from flashlet.bench.workloads import offline_specs
-
     specs = offline_specs(args, vocab)[: args.peer_max_requests]
     batch = args.peer_batch_size or len(specs)
     task = progress.task(f"{kind} offline", len(specs))

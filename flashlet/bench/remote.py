@@ -46,6 +46,7 @@ import numpy as np
 from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now, summarize
 from flashlet.bench.sse import Connection
 from flashlet.bench.trace import Trace
+from flashlet.server.diagnostics import level_figures
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -447,8 +448,6 @@ def server_debug_stats(url: str) -> dict | None:
 def _server_figures(before: dict | None, after: dict | None, duration: float) -> dict | None:
     if before is None or after is None:
         return None
-    from flashlet.server.diagnostics import level_figures  # not in the client processes
-
     return level_figures(before, after, duration)
 
 

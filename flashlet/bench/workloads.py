@@ -39,12 +39,15 @@ from flashlet.bench.common import (
     summarize,
     synchronizer,
 )
-from flashlet.batch import InputBatch, StepBuffers
+from flashlet.bench.engines import TINY_SCHED_CONFIG, hf_config_dict
 from flashlet.bench.trace import Trace
-from flashlet.kv_pool import PageAllocator
-from flashlet.request import Request
-from flashlet.sampling import SamplingParams
-from flashlet.scheduler import Scheduler, prompt_tokens_beside
+from flashlet.config import EngineConfig
+from flashlet.core.request import Request
+from flashlet.core.sampling import SamplingParams
+from flashlet.core.scheduler import Scheduler, prompt_tokens_beside
+from flashlet.kvcache.kv_pool import PageAllocator
+from flashlet.models.model import ModelConfig
+from flashlet.runner.batch import InputBatch, StepBuffers
 
 WARMUP_STREAM = 10_007  # token-content stream of warm-up prompts (never reused by a workload)
 REPEAT_STREAM = 20_011  # offline's repeat: fresh prompts, same lengths
@@ -363,7 +366,7 @@ def bytes_per_token(engine, kv_len: float) -> dict:
     `kv_len` tokens."""
     cfg, model = engine.model_config, engine.model
     elem = next(model.parameters()).element_size()
-    # fp8 weights (flashlet/quantization.py) are buffers: their codes and scales count too
+    # fp8 weights (flashlet/models/quantization.py) are buffers: their codes and scales count too
     stored = [*model.parameters(), *(b for b in model.buffers() if b is not model.cos_sin_cache)]
     weights = sum(t.numel() * t.element_size() for t in stored)
     if not cfg.tie_word_embeddings:
@@ -461,8 +464,6 @@ def scheduler_bench(args, progress: Progress = NO_PROGRESS) -> dict:
       pages go to the prefix cache) and as many fresh ones queued, outside the timed region.
       The pool has room for all of them: no eviction.
     - mixed-evict: the same with a pool full of cached pages, so admissions evict first."""
-    from flashlet.bench.engines import TINY_SCHED_CONFIG
-
     R, K, ctx, steps = (args.sched_running, args.sched_prefill_chunks, args.sched_context,
                         args.sched_steps)
     chunk = args.sched_chunk_len
@@ -560,10 +561,6 @@ def kernels(args, progress: Progress = NO_PROGRESS, log=None) -> dict:
                "seed": args.seed, "quick": args.kernels_quick, "smoke": args.kernels_smoke,
                "progress": progress, "log": log}
     if args.config is not None or args.model is not None:
-        from flashlet.bench.engines import hf_config_dict
-        from flashlet.config import EngineConfig
-        from flashlet.model import ModelConfig
-
         cfg = ModelConfig.from_hf(hf_config_dict(EngineConfig(model=args.model, config=args.config)))
         offered.update(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, hidden=cfg.hidden_size,

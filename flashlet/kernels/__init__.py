@@ -12,7 +12,7 @@ Every module holds one kernel family, a Python launcher and its reference:
 - `silu_mul`          SiLU-and-mul of the MLP's gate/up projection
 - `fp8_gemv`          weight-only FP8 GEMM for decode rows: the fp8 weight streamed once, split-K
 - `sampling`          sort-free exact sampling (temperature, min_p, top-k, top-p) with Philox noise
-- `ops`               `TritonOps`, the drop-in for `flashlet.ops.TorchOps`
+- `ops`               `TritonOps`, the drop-in for `flashlet.models.ops.TorchOps`
 - `bench`             the kernel sweep (time, bandwidth, fraction of copy bandwidth)
 
 The kernels need a CUDA device, or the Triton interpreter on the CPU: set the environment

@@ -356,7 +356,7 @@ def decode_attention_reference(
 
 # ---- one launch: split-KV whose last program merges (the fused decode path, batch 1) -------------
 #
-# The fused decode path (flashlet/fused_decode.py) runs one sequence per step, where the two
+# The fused decode path (flashlet/runner/fused_decode.py) runs one sequence per step, where the two
 # launches above (split kernel, then merge kernel) cost two dependent kernel boundaries a
 # layer for a few microseconds of work. `decode_attention_one_launch` does the same work in
 # one launch: grid (B, Hkv, S) as before, and a sequence whose kv_len needs one split writes

@@ -1,6 +1,6 @@
 """Embedding rows gathered by token id, optionally with Programmatic Dependent Launch.
 
-The fused decode path (flashlet/fused_decode.py) starts every step with this gather; with PDL
+The fused decode path (flashlet/runner/fused_decode.py) starts every step with this gather; with PDL
 the kernel lets its dependent (layer 0's QKV GEMV) launch at once, so that GEMV's weight loads
 overlap the gather instead of waiting for its end. `torch.index_select` does the same work but
 cannot take part in PDL.

@@ -1,6 +1,6 @@
 """`TritonOps`: the model's elementwise operations on the Triton kernels of this package.
 
-Same methods and signatures as `flashlet.ops.TorchOps`, swapped in by name ("triton").
+Same methods and signatures as `flashlet.models.ops.TorchOps`, swapped in by name ("triton").
 Every method returns new tensors and leaves its inputs untouched, as TorchOps does. (RoPE fused
 with the K/V write is the KV pool's: `KVPool.write_rope`.) Inputs must be CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1.
@@ -13,7 +13,7 @@ import torch
 from flashlet.kernels import rmsnorm as _rmsnorm
 from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kernels.silu_mul import silu_and_mul as _silu_and_mul
-from flashlet.ops import TorchOps
+from flashlet.models.ops import TorchOps
 
 
 class TritonOps:

@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlet.kvcache.kv_pool import quantize_fp8
+from flashlet.models.ops import QKNorm, TorchOps
+
 FP8_MAX: tl.constexpr = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
 
 
@@ -41,7 +44,6 @@ def _to_cache(x, inv_scale, C, CACHE_FP8: tl.constexpr):
     if CACHE_FP8:
         x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
     return x.to(C.dtype.element_ty)
-from flashlet.ops import QKNorm
 
 
 @triton.jit
@@ -252,12 +254,8 @@ def rope_kv_write_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     if qk_norm is not None:
         q, k = qk_norm.apply(q, k)
     if cos_sin_cache is not None:
-        from flashlet.ops import TorchOps
-
         q, k = TorchOps.rope(q, k, positions, cos_sin_cache)
     if k_cache is not None:
-        from flashlet.kv_pool import quantize_fp8
-
         keep = slot_mapping >= 0
         flat = (-1,) + tuple(k_cache.shape[2:])
         k_rows, v_rows = k[keep].to(k_cache.dtype), v[keep].to(v_cache.dtype)

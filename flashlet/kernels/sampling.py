@@ -1,7 +1,7 @@
 """Sort-free exact sampling: temperature, min_p, top_k and top_p in one kernel, one program a row.
 
 Work. Row r of logits [rows, vocab] (fp32) samples one token from the distribution that
-`flashlet.sampler.sampling_probs` (the torch reference, vLLM's order) describes: l = logits / T;
+`flashlet.runner.sampler.sampling_probs` (the torch reference, vLLM's order) describes: l = logits / T;
 min_p drops tokens with exp(l - max) < min_p; top_k keeps l >= the k-th largest (ties with the
 k-th kept); top_p then keeps token t when the renormalised mass of the tokens strictly above it is
 below top_p; the most likely token always stays; a -inf logit is never picked.
@@ -31,12 +31,12 @@ ln(vocab / top_k) rounds (each rejected candidate cuts what is left by a random 
 Noise: two Philox uniforms a round (`tl.rand`) keyed by a per-row 64-bit seed, counter = the
 round: a row's tokens depend only on its seed (and the block size), never on the batch around it.
 The sampler passes (seed, position) per row and the kernel mixes them (splitmix64, as
-`flashlet.sampling.noise_seed` on the host) and advances the position itself, so a steady batch
+`flashlet.core.sampling.noise_seed` on the host) and advances the position itself, so a steady batch
 needs no per-row host work: a seeded row's seed is its request's seed and output position, an
 unseeded row's the step's random seed and its row.
 
 Penalties (`penalise_rows`, `record_rows`): one program a penalised row, over its seen ids (the
-sparse form of `flashlet.sampler.apply_penalties`), and after sampling one that adds the row's
+sparse form of `flashlet.runner.sampler.apply_penalties`), and after sampling one that adds the row's
 token to its counts and seen ids: two launches where torch takes about twenty.
 
 Ties at the top_p boundary: the reference sorts and keeps a prefix, so of several tokens tied
@@ -210,7 +210,7 @@ def _threshold(row_ptr, V, T, top_k, top_p, m, n_finite, SUB: tl.constexpr,
 
 @triton.jit
 def _splitmix64(a, b):
-    """flashlet.sampling._splitmix64 of two int64s (63 bits out), in wrapping uint64 arithmetic."""
+    """flashlet.core.sampling._splitmix64 of two int64s (63 bits out), in wrapping uint64 arithmetic."""
     z = a.to(tl.uint64, bitcast=True) * tl.full((), 0x9E3779B97F4A7C15, tl.uint64)
     z = z + b.to(tl.uint64, bitcast=True) + tl.full((), 0x632BE59BD9B4E5B, tl.uint64)
     z = (z ^ (z >> 30)) * tl.full((), 0xBF58476D1CE4E5B9, tl.uint64)
@@ -359,7 +359,7 @@ def penalise_block(capacity: int) -> int:
 def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                   values: torch.Tensor, seen_ids: torch.Tensor, seen_lens: torch.Tensor,
                   counts: torch.Tensor) -> None:
-    """`flashlet.sampler.penalise_seen` in one launch: logits [n, vocab] fp32 in place; rows,
+    """`flashlet.runner.sampler.penalise_seen` in one launch: logits [n, vocab] fp32 in place; rows,
     slots [P] int64 (a penalised row and its penalty state); values [P, 3] fp32 (presence,
     frequency, repetition); seen_ids [slots, capacity] int64 with seen_lens [slots] filled;
     counts [slots, vocab] int32 (output tokens). capacity <= MAX_SEEN_BLOCK."""

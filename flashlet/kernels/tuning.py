@@ -2,7 +2,7 @@
 
 Every choice here is a function of the model's shape (head_dim, GQA group size) and of a
 bucket of the batch: never of a KV length. That keeps the set of compiled kernel variants
-finite and known at engine start (`flashlet/warmup.py` compiles all of them), and a CUDA graph
+finite and known at engine start (`flashlet/core/warmup.py` compiles all of them), and a CUDA graph
 captured for a decode batch size stays valid for any KV lengths: the decode kernel adapts to
 the lengths on the device (the number of splits a sequence uses comes from `kv_lens`).
 

@@ -56,6 +56,10 @@ from typing import Callable
 import uvicorn
 
 from flashlet.config import CliParser, EngineConfig, check_backend_runs_here
+from flashlet.core.engine import Engine
+from flashlet.distributed import tp_worker
+from flashlet.distributed.parallel import launched_rank
+from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.core_client import (CORE_STALL_TIMEOUT_S, STALLED_REQUEST_TIMEOUT_S,
                                          CoreClient)
@@ -211,8 +215,6 @@ def _model_argument(args: argparse.Namespace) -> None:
 
 
 def default_model_name(config: EngineConfig) -> str:
-    from flashlet.weights import EMBEDDED_MODEL_NAME
-
     if config.config is not None:
         return Path(config.config).stem
     if config.model is None:
@@ -572,15 +574,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("API server processes: %d (%s)", args.api_server_count,
              args.api_server_count_reason)
-    from flashlet.parallel import launched_rank
-
     if engine_config.tensor_parallel_size > 1 and launched_rank() != 0:
         # Under torchrun: this rank serves rank 0's engine (the worker loop), not HTTP; it
         # binds no port (rank 0 on the same host does).
-        from flashlet.engine import Engine
-        from flashlet.tp_worker import serve
-
-        serve(Engine(engine_config))  # until rank 0 shuts down
+        tp_worker.serve(Engine(engine_config))  # until rank 0 shuts down
         return 0
     try:
         sockets = bind_api_server_sockets(args.host, args.port, args.api_server_count)

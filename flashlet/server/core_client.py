@@ -56,13 +56,14 @@ import msgspec
 import zmq
 
 from flashlet.config import EngineConfig
-from flashlet.request import FinishReason
-from flashlet.request_check import RequestLimits
+from flashlet.core.request import FinishReason
+from flashlet.core.request_check import RequestLimits
+from flashlet.models.weights import load_tokenizer
 from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
-from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
-                                      Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
+from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
+                                      Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.router import PrefixRouter
 
 log = logging.getLogger("flashlet.server")
@@ -651,8 +652,6 @@ class CoreClient(EngineClient):
             self.ready.set()
 
     def _load_front_end(self, info: dict) -> None:
-        from flashlet.weights import load_tokenizer
-
         source = self.tokenizer_source or info.get("model_dir")
         self.tokenizer = load_tokenizer(source) if source else None
         if self.tokenizer_source and self.tokenizer is None:

@@ -46,7 +46,9 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from flashlet.sampling import SamplingParams
+from flashlet.core.engine import Engine
+from flashlet.core.sampling import SamplingParams
+from flashlet.models.weights import load_tokenizer
 from flashlet.server.diagnostics import LoopCounters
 from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, CoreInput,
                                       CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
@@ -98,12 +100,8 @@ def core_stats(engine) -> dict[str, float]:
 
 # ---- the process ---------------------------------------------------------------------------------
 def build_engine(config, tokenizer: str | None = None):
-    from flashlet.engine import Engine
-
     engine = Engine(config)
     if engine.tokenizer is None and tokenizer is not None:  # random weights + --tokenizer
-        from flashlet.weights import load_tokenizer
-
         engine.use_tokenizer(load_tokenizer(tokenizer))
     return engine
 

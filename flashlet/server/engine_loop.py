@@ -21,10 +21,10 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from flashlet.parallel import WorkerDiedError
-from flashlet.request import FinishReason, RequestOutput
-from flashlet.request_check import RequestLimits
-from flashlet.sampling import SamplingParams
+from flashlet.core.request import FinishReason, RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.core.sampling import SamplingParams
+from flashlet.distributed.parallel import WorkerDiedError
 
 log = logging.getLogger("flashlet.server")
 

@@ -19,17 +19,18 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from flashlet.detokenizer import IncrementalDetokenizer
-from flashlet.request import FinishReason
-from flashlet.request_check import RequestError, RequestLimits
-from flashlet.sampling import SamplingParams, TokenLogprob, sample_params
+from flashlet.core.request import FinishReason
+from flashlet.core.request_check import RequestError, RequestLimits
+from flashlet.core.sampling import SamplingParams, TokenLogprob, sample_params
 from flashlet.server.diagnostics import ApiCounters
 from flashlet.server.engine_loop import NotReady, Overloaded, RequestStream, StreamError
 from flashlet.server.errors import ApiError
 from flashlet.server.limits import HttpLimits
 from flashlet.server.metrics import Metrics, WarmCollector
 from flashlet.server.protocol import echo
-from flashlet.tokenizing import PromptTooLong, TextEncoder
+from flashlet.server.warmup import warm_up
+from flashlet.text.detokenizer import IncrementalDetokenizer
+from flashlet.text.tokenizing import PromptTooLong, TextEncoder
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
 # top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
@@ -50,7 +51,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call this server
     warm_up: bool = False  # /health says "ok" only after the API path's warm-up (warmup.py)
-    pooling: str = "last"  # /v1/embeddings: "last" or "mean" (flashlet/pooling.py)
+    pooling: str = "last"  # /v1/embeddings: "last" or "mean" (flashlet/runner/pooling.py)
     tool_call_parser: str | None = None  # parsers.py's name; None: the chat template's own
     reasoning_parser: str | None = None  # parsers.py's name; None: no reasoning split
     scheduling_policy: str = "fcfs"  # the engine's: a request's `priority` needs "priority"
@@ -61,7 +62,7 @@ class ModelContext:
     """What handlers need to check and run requests: the text encoder, a decoder and the
     request limits.
 
-    Text is encoded by a TextEncoder (flashlet/tokenizing.py): on its own threads and tokenizer
+    Text is encoded by a TextEncoder (flashlet/text/tokenizing.py): on its own threads and tokenizer
     copies (a long prompt must not block the event loop; HF fast tokenizers must not be used
     from two threads at once), user text never becoming control tokens, over-long text refused
     before it is tokenized. Decoding runs on the app's event loop with a copy of its own."""
@@ -438,8 +439,6 @@ class Server:
     def start_warm_up(self, app) -> None:
         """Start the API path's warm-up on this event loop, once (the engine must be ready)."""
         if self.config.warm_up and self._warm_up_task is None:
-            from flashlet.server.warmup import warm_up
-
             async def run():
                 self.warm_up_report = await warm_up(app)
 

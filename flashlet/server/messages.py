@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from flashlet.request import FinishReason
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.core.request import FinishReason
+from flashlet.core.sampling import SamplingParams, TokenLogprob
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 TOKEN_DTYPE = np.dtype("<i4")  # AddRequests.prompt's

@@ -390,7 +390,7 @@ def reply_parsers(tool_call_parser: str | None, reasoning_parser_name: str | Non
                   chat_template: str | None, tool_choice) -> ReplyParsers:
     """A chat request's parsers: the server's (or the template's default) tool parser for
     tool_choice "auto"; hermes for forced calls, which the grammar writes in that syntax
-    (flashlet/structured.py); none without tools."""
+    (flashlet/text/structured.py); none without tools."""
     if tool_choice == "none":
         tool = None
     elif tool_choice == "auto":

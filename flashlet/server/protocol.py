@@ -13,11 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from flashlet.text import structured
+
 MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.sampling's limit)
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.core.sampling's limit)
 MAX_TOOLS = 64
 
 
@@ -146,9 +148,7 @@ def _json_schema(schema: dict) -> dict:
         raise ValueError(f"is not a valid JSON schema: {e.message}") from None
     except jsonschema_rs.ReferencingError as e:
         raise ValueError(f"is not a valid JSON schema: {e}") from None
-    from flashlet.structured import check_json_schema
-
-    check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
+    structured.check_json_schema(schema)  # $ref only inside it, 64-bit integers, admits some value
     return schema
 
 

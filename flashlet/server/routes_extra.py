@@ -1,7 +1,7 @@
 """The endpoints beyond completions: /tokenize and /detokenize (vLLM's shapes), /v1/responses
 (OpenAI's Responses API: a thin translation onto /v1/chat/completions, whole and streamed;
 responses_api.py) and /v1/embeddings (the engine pools a prompt's final hidden states:
-flashlet/pooling.py)."""
+flashlet/runner/pooling.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flashlet.server.frontend import Generation, ModelContext, Server, client_go
 from flashlet.server.protocol_extra import (DetokenizeRequest, EmbeddingRequest,
                                             ResponsesRequest, TokenizeRequest)
 from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
-from flashlet.tokenizing import PromptTooLong
+from flashlet.text.tokenizing import PromptTooLong
 
 
 def add_extra_routes(app: FastAPI, server: Server) -> None:

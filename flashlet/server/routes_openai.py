@@ -4,7 +4,7 @@ A request of n samples (and best_of on completions) is n engine requests queued 
 one engine core (Server.start_samples); their choices are streamed interleaved, each chunk
 naming its choice's index. Logprobs, penalties, min_p, min_tokens, stop_token_ids and seeds are
 SamplingParams fields; response_format and forced tool calls become an xgrammar grammar that
-the engine core compiles (flashlet/structured.py). Tool calls and reasoning come back parsed
+the engine core compiles (flashlet/text/structured.py). Tool calls and reasoning come back parsed
 from the reply's text by the parsers of parsers.py (`--tool-call-parser`, `--reasoning-parser`).
 """
 
@@ -17,13 +17,14 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from flashlet.request_check import RequestError
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.core.request_check import RequestError
+from flashlet.core.sampling import SamplingParams, TokenLogprob
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContext, Server,
                                       client_gone, sse)
 from flashlet.server.parsers import reply_parsers
 from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from flashlet.text import structured
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 
@@ -252,12 +253,10 @@ def _response_format(body) -> dict | None:
 
 
 def _tool_call_format(tools: list[dict], tool_choice) -> dict:
-    from flashlet.structured import tool_call_format
-
     choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
               else tool_choice)
     try:
-        return tool_call_format(tools, choice)
+        return structured.tool_call_format(tools, choice)
     except ValueError as e:
         raise ApiError(400, f"tools: {e}", "tools") from None
 

@@ -1,6 +1,6 @@
 """The API path's warm-up at server start, before /health says "ok".
 
-The engine warms itself (kernels, graphs: flashlet/warmup.py), but the API process has
+The engine warms itself (kernels, graphs: flashlet/core/warmup.py), but the API process has
 first-use costs of its own, measured at ~0.6 s on the first request after /health turned 200:
 the request context's tokenizer copies, each encoder thread's own copy and the event loop's
 (each made on that thread's first prompt), the chat template's compilation, and the first pass through FastAPI, pydantic,
@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from flashlet.engine import settle_heap
+from flashlet.core.engine import settle_heap
 
 log = logging.getLogger("flashlet.server")
 

@@ -23,7 +23,7 @@ def tiny_config(tmp_path_factory):
 @pytest.fixture
 def run_bench(tmp_path, capsys):
     """run_bench(*argv) -> (stdout, stderr, record); the JSON goes to a fresh tmp file."""
-    from flashlet.bench import main
+    from flashlet.bench.cli import main
 
     def run(*argv, out=True):
         # CPU and fp32 on any machine (deterministic greedy agreement); a later --device wins.
@@ -43,7 +43,7 @@ def run_bench(tmp_path, capsys):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if anything builds an Engine or a model (bad input must stop earlier)."""
-    from flashlet import weights
+    from flashlet.models import weights
     from flashlet.bench import engines
 
     def boom(*a, **k):
@@ -52,7 +52,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(engines, "build_engine", boom)
     monkeypatch.setattr(weights, "random_model", boom)
     monkeypatch.setattr(weights, "load_model", boom)
-    import flashlet.engine
+    import flashlet.core.engine
 
-    monkeypatch.setattr(flashlet.engine, "random_model", boom)
-    monkeypatch.setattr(flashlet.engine, "load_model", boom)
+    monkeypatch.setattr(flashlet.core.engine, "random_model", boom)
+    monkeypatch.setattr(flashlet.core.engine, "load_model", boom)

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from flashlet.bench import main
+from flashlet.bench.cli import main
 
 
 def closed_port() -> int:

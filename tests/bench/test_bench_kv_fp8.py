@@ -3,7 +3,7 @@ the record says the cache's dtype and token capacity (issue 31's decode-sat comp
 
 import pytest
 
-from flashlet.bench import main
+from flashlet.bench.cli import main
 
 
 def test_decode_sat_runs_over_an_fp8_cache_and_records_its_capacity(run_bench, tiny_config):

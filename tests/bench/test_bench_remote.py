@@ -116,7 +116,7 @@ def test_a_client_process_imports_no_torch():
     from pathlib import Path
 
     code = ("import sys, flashlet.bench.remote; "
-            "heavy = [m for m in ('torch', 'flashlet.engine', 'transformers') if m in sys.modules]; "
+            "heavy = [m for m in ('torch', 'flashlet.core.engine', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    cwd=Path(__file__).resolve().parents[2])

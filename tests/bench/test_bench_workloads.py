@@ -166,7 +166,7 @@ def test_single_bandwidth(run_bench, tiny_config):
     b = r["bytes_per_token"]
     # Tied embeddings, fp32: every parameter once.
     cfg = rec["model"]["config"]
-    from flashlet.model import ModelConfig
+    from flashlet.models.model import ModelConfig
 
     n_params = ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])}).num_params()
     assert b["weights"] == 4 * n_params

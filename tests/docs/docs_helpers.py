@@ -180,7 +180,7 @@ def make_fixture_repo(root: Path) -> Path:
         "| `v01_0_ragged_batch` | 288.1 | 27.8 |\n"
         "| `v02_kv_cache` | 1234.5 | 6.5 |\n\n"
         "## flashlet against peers\n\n"
-        "| engine | tok/s |\n| --- | ---: |\n| [flashlet](flashlet/engine.py) | 9999 |\n"
+        "| engine | tok/s |\n| --- | ---: |\n| [flashlet](flashlet/core/engine.py) | 9999 |\n"
     )
     plots = root / "docs" / "assets" / "bench"
     plots.mkdir(parents=True)

@@ -269,7 +269,7 @@ def test_repo_url_turns_file_references_into_links(docs_scratch_repo, tmp_path):
     url = "https://example.invalid/flashlet/blob/main"
     proc = build(docs_scratch_repo, out, "--repo-url", url)
     assert proc.returncode == 0, proc.stderr
-    assert f'href="{url}/flashlet/kv_pool.py"' in (out / "flashlet.html").read_text(
+    assert f'href="{url}/flashlet/kvcache/kv_pool.py"' in (out / "flashlet.html").read_text(
         encoding="utf-8"
     )
 
@@ -340,7 +340,7 @@ def test_an_excerpt_of_a_missing_file_fails(docs_scratch_repo, tmp_path):
 
 
 def test_an_excerpt_whose_symbol_was_renamed_in_the_code_fails(docs_scratch_repo, tmp_path):
-    pool = docs_scratch_repo / "flashlet" / "kv_pool.py"
+    pool = docs_scratch_repo / "flashlet" / "kvcache" / "kv_pool.py"
     pool.write_text(pool.read_text().replace("class PageAllocator", "class PageFreeList"))
     assert_fails(
         build(docs_scratch_repo, tmp_path / "site"), "flashlet.html", "PageAllocator.allocate"

@@ -101,8 +101,8 @@ def test_whole_model_logits_match_torch_backend(backend):
 def test_step_buffers_stage_pad_and_feed_on_cuda():
     """One step through pinned staging: the device buffers hold the host layout (padded to a
     graph batch on the scratch page), and the fed row takes the previous step's device token."""
-    from flashlet.batch import StepBuffers, StepRow, build_layout
-    from flashlet.request import PLACEHOLDER
+    from flashlet.runner.batch import StepBuffers, StepRow, build_layout
+    from flashlet.core.request import PLACEHOLDER
 
     layout = build_layout([StepRow([PLACEHOLDER], 20, [2, 3], True, 1), StepRow([9], 0, [5])], 16)
     buffers = StepBuffers(8, 4, 16, "cuda", scratch_page=99, page_size=16)

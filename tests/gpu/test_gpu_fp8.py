@@ -1,4 +1,4 @@
-"""GPU checks of the fp8 matmul (flashlet/quantization.py): the Triton weight-only kernel at real
+"""GPU checks of the fp8 matmul (flashlet/models/quantization.py): the Triton weight-only kernel at real
 projection shapes (and in a CUDA graph), which path each row count takes, torch._scaled_mm with
 per-token activation scales against the dequantizing reference at row counts that need padding
 to 16, the weight-only fallback where _scaled_mm does not fit; and an fp8 engine's greedy
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashlet.kernels.fp8_gemv import GemmTile, fp8_gemm, fp8_gemm_reference
-from flashlet.quantization import (TRITON_GEMM_MAX_ROWS, dequant_linear, linear, quantize_weight,
+from flashlet.models.quantization import (TRITON_GEMM_MAX_ROWS, dequant_linear, linear, quantize_weight,
                                    scaled_mm_fits, scaled_mm_linear, weight_only_linear)
 
 pytestmark = [pytest.mark.gpu,
@@ -120,7 +120,7 @@ def test_shapes_scaled_mm_cannot_take_fall_back_to_weight_only():
 @pytest.mark.slow
 def test_fp8_engine_greedy_tokens_mostly_match_bf16(demo_model_dir):
     from flashlet import LLM
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.sampling import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

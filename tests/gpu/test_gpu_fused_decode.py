@@ -1,4 +1,4 @@
-"""The fused decode path (flashlet/fused_decode.py) against the per-op path, on the GPU.
+"""The fused decode path (flashlet/runner/fused_decode.py) against the per-op path, on the GPU.
 
 Both engines run the Triton attention backend with CUDA graphs in bf16, one sequence at a time
 (max_num_seqs 1, so every decode step is a fused step). The fused path rounds differently (the
@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.fused_decode import FusedParts
 from flashlet.kernels.cute_gemv import cute_available
+from flashlet.runner.fused_decode import FusedParts
 from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
 
@@ -147,7 +147,7 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     rows at every step when `logits` (an observer makes the fused path write them), engine).
     Without `logits` the decode steps' picks come from the LM head's argmax epilogue."""
     from flashlet import SamplingParams
-    from flashlet.sampler import SamplerOutput
+    from flashlet.runner.sampler import SamplerOutput
 
     forced = [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet import fused_decode
+from flashlet.runner import fused_decode
 from tests.conftest import save_tiny_model
 from tests.gpu.test_gpu_fused_decode import SM90, check_against_reference_teacher_forced, prompts
 

@@ -9,8 +9,8 @@ logits from the graph against the same step run eagerly, padded the same way."""
 import pytest
 import torch
 
-from flashlet.batch import StepRow, build_layout
-from flashlet.request import PLACEHOLDER
+from flashlet.core.request import PLACEHOLDER
+from flashlet.runner.batch import StepRow, build_layout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -40,7 +40,7 @@ def test_backend_over_an_fp8_pool_matches_the_reference(make, seqs, hq, d):
 
 def test_rope_kv_write_kernel_stores_the_torch_writes_bytes():
     from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
-    from flashlet.rope import cos_sin_cache
+    from flashlet.models.rope import cos_sin_cache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(64, h, 64, device="cuda", generator=g).bfloat16() * 100
@@ -65,7 +65,7 @@ def test_fp8_cache_greedy_tokens_mostly_match_bf16(demo_model_dir, backend):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     from flashlet import LLM
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.sampling import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"] * 3
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -86,7 +86,7 @@ def test_fp8_cache_greedy_tokens_mostly_match_bf16(demo_model_dir, backend):
 def test_forced_fused_path_runs_an_fp8_cache_with_rope_outside_the_epilogue(demo_model_dir):
     from flashlet import LLM
     from flashlet.kernels.cute_gemv import cute_available
-    from flashlet.sampling import SamplingParams
+    from flashlet.core.sampling import SamplingParams
 
     ok, why = cute_available()
     if not ok or torch.cuda.get_device_capability()[0] < 9:

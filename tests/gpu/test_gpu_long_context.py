@@ -24,7 +24,7 @@ def _randn(*shape, seed):
 
 
 def _pool(num_kv_heads, head_dim):
-    from flashlet.kv_pool import KVPool
+    from flashlet.kvcache.kv_pool import KVPool
 
     pool = KVPool(1, MAX_TOKENS // PAGE + 4, PAGE, num_kv_heads, head_dim, torch.bfloat16, DEV)
     pool.k_cache.copy_(_randn(*pool.k_cache.shape, seed=0))
@@ -41,7 +41,7 @@ def _rel_err(got, want):
 def test_long_contexts_replay_in_one_graph(shape, form):
     from flashlet.attention.torch_ref import TorchBackend
     from flashlet.attention.triton_backend import TritonBackend
-    from flashlet.batch import StepBuffers, StepRow, build_layout
+    from flashlet.runner.batch import StepBuffers, StepRow, build_layout
     from flashlet.kernels.pdl import pdl_supported
 
     hq, hkv, head_dim = SHAPES[shape]

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from flashlet.batch import StepRow, build_layout
-from flashlet.request import PLACEHOLDER
+from flashlet.core.request import PLACEHOLDER
+from flashlet.runner.batch import StepRow, build_layout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from flashlet.sampler import Sampler
-from flashlet.sampling import SamplingParams
-from flashlet.sampler import sampling_probs
+from flashlet.core.sampling import SamplingParams
+from flashlet.runner.sampler import Sampler
+from flashlet.runner.sampler import sampling_probs
 from tests.test_sampler import (VOCAB, ref_kept, ref_penalties, ref_probs, request,
                                 total_variation)
 
@@ -140,7 +140,7 @@ def test_kernel_seed_mixing_and_penalties_match_the_host_and_torch():
     splitmix64 of (seed, position) is the host's, and the penalty kernel writes exactly what the
     torch ops of the CPU path write."""
     from flashlet.kernels.sampling import STEP_SEEDS, sample_rows
-    from flashlet.sampling import _splitmix64
+    from flashlet.core.sampling import _splitmix64
 
     gen = torch.Generator().manual_seed(31)
     logits = torch.randn(6, 4096, generator=gen).cuda()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flashlet import LLM, EngineConfig, SamplingParams
-from flashlet.request import Request
-from flashlet.spec_draft import DraftProposer
-from flashlet.speculative_api import SpeculativeConfig
+from flashlet.core.request import Request
+from flashlet.spec.draft import DraftProposer
+from flashlet.spec.api import SpeculativeConfig
 from tests.conftest import save_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -58,7 +58,7 @@ def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tmp_path, 
             req.output_token_ids += tokens[:accepted] + [rng.randrange(2, 256)]
             proposer.on_accepted(req, accepted)
         proposer.check_integrity()
-    if backend != "torch":  # its graphs also key on a page-table width (flashlet/warmup.py)
+    if backend != "torch":  # its graphs also key on a page-table width (flashlet/core/warmup.py)
         assert len(proposer.runner.graphs) == captured, "a graph was captured after warm-up"
     for req in reqs:
         proposer.release(req)
@@ -82,7 +82,7 @@ def near_copy(folder, out):
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_gpu_engine_greedy_output_is_identical_with_a_draft(tmp_path, backend):
-    pytest.importorskip("flashlet.speculative",
+    pytest.importorskip("flashlet.spec.speculative",
                         reason="needs the engine side of speculative decoding (speculative.py)")
     backend = backend_or_skip(backend)
     from flashlet import Engine

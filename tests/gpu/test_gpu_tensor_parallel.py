@@ -54,7 +54,7 @@ def test_tp2_matches_tp1(tiny_folder, backend, dtype):
 
 def test_dead_worker_raises_in_rank_0(tiny_folder):
     from flashlet import LLM, SamplingParams
-    from flashlet.parallel import WorkerDiedError
+    from flashlet.distributed.parallel import WorkerDiedError
 
     llm = LLM(str(tiny_folder), device="cuda", tensor_parallel_size=2, max_num_pages=512)
     try:

@@ -53,7 +53,7 @@ def test_nothing_compiles_or_captures_after_start(backend):
     if not hasattr(getattr(triton, "knobs", None), "runtime"):
         pytest.skip(f"triton {triton.__version__} has no compile hooks")
     from flashlet import Engine, EngineConfig
-    from flashlet.warmup import count_triton_compiles
+    from flashlet.core.warmup import count_triton_compiles
 
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, max_num_seqs=64,
                                  max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4))

@@ -81,12 +81,12 @@ def cos_sin_cache(max_pos: int, head_dim: int, base: float = 10000.0, device=DEV
 
 
 def make_step(pool, seqs, *, shared_prefix_pages=None, device=DEVICE):
-    """AttentionMetadata for one step over `pool` (built by `flashlet.batch`, as the engine's
+    """AttentionMetadata for one step over `pool` (built by `flashlet.runner.batch`, as the engine's
     steps are): seqs is [(kv_len, q_len)], the q_len newest tokens of each sequence being this
     step's rows. Pages come from the pool's allocator; shared_prefix_pages {seq: (other_seq, n)}
     makes seq reuse other_seq's first n pages (which must hold no token of this step). Returns
     (meta, pages per sequence)."""
-    from flashlet.batch import StepRow, build_layout, load_layout
+    from flashlet.runner.batch import StepRow, build_layout, load_layout
 
     ps = pool.page_size
     shared_prefix_pages = shared_prefix_pages or {}

@@ -198,7 +198,7 @@ def _rope_inputs(shape, k, seed, device="cpu", bias=True):
 def test_rope_reference_is_the_two_kernel_path_in_fp32():
     """In fp32 the reference is gemv + bias, then `TorchOps.rope` and the pool write: the per-op
     path's operations (the kernel skips only the bf16 rounding between them)."""
-    from flashlet.ops import TorchOps
+    from flashlet.models.ops import TorchOps
 
     shape = RopeShape(16, 4, 2, 32, 16)
     x, w, b, nw, step = _rope_inputs(shape, 64, 0)

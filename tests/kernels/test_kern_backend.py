@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from flashlet.attention.base import AttentionBackend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
-from flashlet.kv_pool import KVPool
-from flashlet.ops import TorchOps
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.ops import TorchOps
 
 SMALL = dict(num_sms=4, min_split_tokens=16, decode_block_n=16, prefill_block_m=32, prefill_block_n=16)
 

@@ -11,7 +11,7 @@ from flashlet.kernels.ops import TritonOps
 from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kernels.silu_mul import silu_and_mul, silu_and_mul_reference
-from flashlet.ops import TorchOps
+from flashlet.models.ops import TorchOps
 
 NAN = float("nan")
 
@@ -91,7 +91,7 @@ def test_rope_without_k_out(kh):
 def test_pool_write_rope_is_the_same_on_the_kernel_and_in_pytorch(kh):
     """KVPool.write_rope, the one place K/V enter the pool: the Triton kernel against PyTorch
     ops on a strided q/k/v (a fused QKV projection's views), layer 1 of a two-layer pool."""
-    from flashlet.kv_pool import KVPool
+    from flashlet.kvcache.kv_pool import KVPool
 
     q, k, v, pos, cs, _, _, slots = _rope_case(kh, 7, 14, 2, 64, 4, seed=3)
     slots = slots.clamp_min(0).unique()[:3]  # distinct slots, no padding row

@@ -9,7 +9,7 @@ import torch
 
 from flashlet.kernels.fp8_gemv import (MAX_SPLIT_K, GemmTile, fp8_gemm, fp8_gemm_reference,
                                        split_k_for)
-from flashlet.quantization import quantize_rows
+from flashlet.models.quantization import quantize_rows
 
 
 def _case(m, n, k, *, bias, seed, device, dtype=torch.bfloat16):

@@ -8,7 +8,6 @@ import torch
 
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
-from flashlet.batch import StepBuffers, StepRow, build_layout
 from flashlet.kernels.decode_attention import (choose_num_splits, decode_attention, decode_attention_one_launch,
                                                decode_attention_reference, pdl_supported)
 from flashlet.kernels.embedding import gather_rows
@@ -16,7 +15,8 @@ from flashlet.kernels.prefill_attention import prefill_attention, prefill_attent
 from flashlet.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kernels.silu_mul import silu_and_mul, silu_and_mul_reference
-from flashlet.kv_pool import KVPool
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.runner.batch import StepBuffers, StepRow, build_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -105,9 +105,9 @@ def test_rope_kv_write_bf16_rounds_once():
     """At Llama-3.2-1B's llama3 table (theta 500000): the fused kernel's rotated q and pooled k
     are the fp32 rotation with the fp32 cos/sin rounded once (as TorchOps.rope): within a hair
     of the rounding floor against the fp64 rotation (FMA contraction may flip a last bit)."""
-    from flashlet.engine import preset_config_path
-    from flashlet.model import ModelConfig, rope_cache
-    from flashlet.ops import TorchOps
+    from flashlet.models.weights import preset_config_path
+    from flashlet.models.model import ModelConfig, rope_cache
+    from flashlet.models.ops import TorchOps
 
     cfg = ModelConfig.from_file(preset_config_path("llama-3.2-1b"))
     table = rope_cache(cfg)[:8320].to(DEV)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
-from flashlet.kv_pool import KVPool
-from flashlet.ops import QKNorm
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.ops import QKNorm
 
 NAN = float("nan")
 

@@ -1,5 +1,5 @@
 """The sort-free sampling kernel (flashlet/kernels/sampling.py) against the torch reference
-(flashlet.sampler.sampling_probs) and a float64 kept-set reference (tests/test_sampler.py): the
+(flashlet.runner.sampler.sampling_probs) and a float64 kept-set reference (tests/test_sampler.py): the
 same kept set on flat, peaked, tied and -inf rows under every filter combination; draws that follow the
 reference distribution; seeded rows independent of their batch. On the CPU the kernel runs in
 Triton's interpreter (about 0.1 s a row), so the rows are few and the vocabularies small."""
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from flashlet.batch import InputBatch
+from flashlet.core.request import Request
+from flashlet.core.sampling import SamplingParams, _splitmix64
 from flashlet.kernels.sampling import STEP_SEEDS, accepts, sample_rows
-from flashlet.request import Request
-from flashlet.sampler import Sampler, apply_penalties, sampling_probs
-from flashlet.sampling import SamplingParams, _splitmix64
+from flashlet.runner.batch import InputBatch
+from flashlet.runner.sampler import Sampler, apply_penalties, sampling_probs
 from tests.test_sampler import ref_kept
 
 SUB = 256  # sub-tiles of 256 draws: the interpreter's cost grows with the tile, not the vocabulary
@@ -173,7 +173,7 @@ def test_kernel_path_keeps_greedy_rows_exact_and_penalties_sparse():
 
 def test_mixed_seeds_equal_the_host_splitmix():
     """ids (row, seed, position): the kernel's own splitmix64 gives the noise the host's
-    (flashlet.sampling.noise_seed) would, seeded rows advance their position, unseeded rows
+    (flashlet.core.sampling.noise_seed) would, seeded rows advance their position, unseeded rows
     (position -1) take (step seed, row)."""
     gen = torch.Generator().manual_seed(15)
     logits = torch.randn(6, 64, generator=gen)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import uvicorn
 
+from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server.limits import uvicorn_options
-from flashlet.weights import EMBEDDED_MODEL_NAME
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
 API_KEY = "test-key-123"
@@ -153,7 +153,7 @@ def run_slow_engine_core(*args) -> None:
     """An engine-core process whose steps each take STEP_DELAY_S longer (so that a burst of
     requests lands while the first ones run). CoreClient spawns it by reference: tests set
     `flashlet.server.core_client.run_engine_core` to this function."""
-    from flashlet.engine import Engine
+    from flashlet.core.engine import Engine
     from flashlet.server.engine_core import run_engine_core
 
     step = Engine.step

@@ -181,7 +181,7 @@ sys.exit(main(sys.argv[1:]))
 """
 SLOW_CORE = """
 import os, time
-import flashlet.engine
+import flashlet.core.engine
 from flashlet.server.engine_core import run_engine_core
 
 def slow_init(self, *args, **kwargs):  # a load that takes long, as a big model's does
@@ -190,7 +190,7 @@ def slow_init(self, *args, **kwargs):  # a load that takes long, as a big model'
     time.sleep(300)
 
 def run(*args):  # the engine-core process
-    flashlet.engine.Engine.__init__ = slow_init
+    flashlet.core.engine.Engine.__init__ = slow_init
     run_engine_core(*args)
 """
 

@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from flashlet.config import EngineConfig
-from flashlet.sampling import SamplingParams
+from flashlet.core.sampling import SamplingParams
 from flashlet.server.core_client import CoreClient
 from flashlet.server.engine_loop import RequestStream
-from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,
+from flashlet.server.messages import (AbortRequests, CoreInput, CoreOutput,
                                       CoreReady, StepOutputs, output_rows)
 
 INFO = {"max_model_len": 256, "vocab_size": 1000, "page_size": 16, "num_pages": 64}

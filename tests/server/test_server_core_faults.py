@@ -209,7 +209,7 @@ LONG_STEP_S = 4.0
 def run_long_step_engine_core(*args) -> None:
     """An engine core whose third step takes LONG_STEP_S longer (a CPU step over a long
     prompt, say): spawned by reference, as server_helpers.run_slow_engine_core."""
-    from flashlet.engine import Engine
+    from flashlet.core.engine import Engine
     from flashlet.server.engine_core import run_engine_core
 
     step, calls = Engine.step, [0]

@@ -20,9 +20,9 @@ import pytest
 from server_helpers import wait_until
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from flashlet.request import RequestOutput
-from flashlet.request_check import RequestError, RequestLimits
-from flashlet.sampling import TokenLogprob
+from flashlet.core.request import RequestOutput
+from flashlet.core.request_check import RequestError, RequestLimits
+from flashlet.core.sampling import TokenLogprob
 from flashlet.server import engine_core
 from flashlet.server.engine_core import EngineCore
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,

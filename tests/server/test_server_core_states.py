@@ -13,11 +13,11 @@ import msgspec
 import pytest
 
 from flashlet import EngineConfig, SamplingParams
-from flashlet.request_check import RequestLimits
+from flashlet.core.request_check import RequestLimits
 from flashlet.server import core_client
 from flashlet.server.core_client import CoreClient, CoreProcess
-from flashlet.server.messages import AbortRequests, CoreInput, Heartbeat, StepOutputs
 from flashlet.server.engine_loop import NotReady, RequestStream, StreamError
+from flashlet.server.messages import AbortRequests, CoreInput, Heartbeat, StepOutputs
 from flashlet.server.router import PrefixRouter
 
 

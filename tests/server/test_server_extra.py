@@ -19,8 +19,8 @@ import pytest
 from server_helpers import ServerThread, assert_no_leaks, idle_stats
 
 from flashlet import LLM
-from flashlet.request import RequestOutput
-from flashlet.request_check import RequestLimits
+from flashlet.core.request import RequestOutput
+from flashlet.core.request_check import RequestLimits
 from flashlet.server import EngineLoop, ServerConfig, create_app
 from flashlet.server.engine_loop import EngineClient
 from tests.conftest import save_tiny_model

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashlet.request import RequestOutput
-from flashlet.sampling import SamplingParams
+from flashlet.core.request import RequestOutput
+from flashlet.core.sampling import SamplingParams
 from flashlet.server.diagnostics import ApiCounters
 from flashlet.server.engine_loop import RequestStream, StreamError
 from flashlet.server.errors import ApiError

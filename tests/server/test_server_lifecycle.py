@@ -15,9 +15,9 @@ from server_helpers import (ServerProcess, ServerThread, assert_no_leaks, idle_s
                             wait_until)
 
 from flashlet import Engine, EngineConfig
+from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server import EngineLoop, ServerConfig, create_app
 from flashlet.server.cli import build_parser, default_model_name
-from flashlet.weights import EMBEDDED_MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 

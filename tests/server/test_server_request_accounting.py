@@ -20,10 +20,10 @@ from server_helpers import MODEL_NAME, assert_no_leaks, idle_stats
 from flashlet import EngineConfig, SamplingParams
 from flashlet.server.core_client import CoreClient, CoreProcess
 from flashlet.server.engine_core import EngineCore
-from flashlet.server.messages import AbortRequests, AddRequests, CoreInput
 from flashlet.server.engine_loop import RequestStream
+from flashlet.server.messages import AbortRequests, AddRequests, CoreInput
 from flashlet.server.router import PrefixRouter
-from flashlet.structured import CompileCancelled
+from flashlet.text.structured import CompileCancelled
 
 POISON_FORMAT = {"type": "json_schema", "json_schema": {"schema": {
     "type": "integer", "maximum": 2**70}}}
@@ -89,7 +89,7 @@ async def _fail_async(*_args, **_kwargs):
 def _stages(engine_loop):
     """(stage, what to patch, the request, the statuses it may answer) per stage."""
     from flashlet.server import frontend
-    from flashlet.tokenizing import TextEncoder
+    from flashlet.text.tokenizing import TextEncoder
 
     # Long enough to be still running when the counters are read, unless it was released.
     completion = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1000, "n": 3,

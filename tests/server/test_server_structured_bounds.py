@@ -78,7 +78,7 @@ def test_poison_requests_leave_nothing_counted_and_a_normal_one_is_answered(core
     assert names_the_schema(r.json()["error"]["param"]), r.text
     # Past the API's check (as a value it missed would be): the message to the core cannot
     # carry it. Before the fix each left 16 samples counted: 48 of them bricked the server.
-    monkeypatch.setattr("flashlet.structured.check_json_schema", lambda schema: None)
+    monkeypatch.setattr("flashlet.text.structured.check_json_schema", lambda schema: None)
     for _ in range(100):
         r = chat(srv, response_format=POISON, n=16)
         assert r.status_code == 400, r.text

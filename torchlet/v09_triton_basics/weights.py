@@ -27,7 +27,7 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
 
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct), converted and cached by flashlet."""
-    from flashlet.weights import embedded_model_dir  # the only thing torchlet takes from flashlet
+    from flashlet.models.weights import embedded_model_dir  # the only thing torchlet takes from flashlet
 
     return Path(embedded_model_dir())
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashlet.sampling import SamplingParams, TokenLogprob
+from flashlet.core.sampling import SamplingParams, TokenLogprob
 
 
 # An output token sampled on the device whose value the host has not read yet (see engine.py).
@@ -53,13 +53,13 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
-    grammar: object = None  # xgrammar matcher of a constrained request (flashlet/structured.py)
+    grammar: object = None  # xgrammar matcher of a constrained request (flashlet/text/structured.py)
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
     # The client request this one is part of (a multi-prompt completion's prompts share one):
     # the scheduler shares prefill between groups (scheduler.py). None: the common group.
     group: object = None
     # One per prompt token scored so far, if asked for (the first token's is None): filled a
-    # chunk at a time (flashlet/prompt_logprobs.py), complete once the prompt is computed.
+    # chunk at a time (flashlet/runner/prompt_logprobs.py), complete once the prompt is computed.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def token_at(self, i: int) -> int:

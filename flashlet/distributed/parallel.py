@@ -17,7 +17,7 @@ Rank 0 runs the engine: scheduler, radix cache, sampling. Before each forward it
 scheduler's update of the step batch (scheduler.BatchUpdate, pickled, over a gloo group, so the
 workers build the layout on the host while the GPU still runs the step before) and then the
 step's input ids on the device (they carry the tokens the step before sampled, never read on
-the host: overlap keeps working). Workers (`flashlet/tp_worker.py`) apply the update to their
+the host: overlap keeps working). Workers (`flashlet/distributed/tp_worker.py`) apply the update to their
 own persistent batch, as rank 0's runner does, and run the same forward on the same layout. With one rank none
 of this exists: `tp` is None and the model runs no collective.
 

@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashlet.sampling import SamplingColumns, SamplingParams, TokenLogprob, as_int64
-from flashlet.structured import apply_grammar_masks
+from flashlet.core.sampling import SamplingColumns, SamplingParams, TokenLogprob
+from flashlet.text.structured import apply_grammar_masks
 
 
 @dataclass

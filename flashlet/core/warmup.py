@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from flashlet.batch import StepLayout, StepRow, build_layout
-from flashlet.sampling import SamplingParams, make_generator, sample_one
+from flashlet.core.sampling import SamplingParams, make_generator, sample_one
+from flashlet.runner.batch import StepLayout, StepRow, build_layout
 
 log = logging.getLogger("flashlet")
 

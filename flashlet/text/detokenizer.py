@@ -17,7 +17,7 @@ from typing import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from flashlet.request import FinishReason, RequestOutput
+from flashlet.core.request import FinishReason, RequestOutput
 
 
 def rust_decoder(tokenizer):

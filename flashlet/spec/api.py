@@ -1,7 +1,7 @@
 """The speculative-decoding interface the engine and its proposers share: the configuration (vLLM's
 JSON shape, parsed and checked) and the Proposer protocol. The engine side (verification inside
 continuous batching, the n-gram proposer) is speculative.py; the draft-model proposer
-spec_draft.py."""
+draft.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Protocol, Sequence
 
-from flashlet.request import Request
+from flashlet.core.request import Request
 
 METHODS = ("ngram", "draft")
 

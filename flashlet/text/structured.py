@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -361,10 +362,10 @@ class CompileWorker:
             if self._proc is not None and self._proc.poll() is None:
                 return self._proc
         # This flashlet, wherever the parent found it (an install, a checkout on sys.path).
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from flashlet.structured import run_compile_worker; "
+            [sys.executable, "-c", "from flashlet.text.structured import run_compile_worker; "
              "run_compile_worker()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
         with self._state_lock:

@@ -27,17 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from itertools import chain
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from flashlet.attention.base import AttentionMetadata
-from flashlet.request import PLACEHOLDER
-from flashlet.sampling import SamplingColumns, SamplingParams
-
-if TYPE_CHECKING:
-    from flashlet.scheduler import SchedulerOutput
+from flashlet.core.request import PLACEHOLDER
+from flashlet.core.sampling import SamplingColumns, SamplingParams
 
 
 class StepRow(NamedTuple):

@@ -20,7 +20,7 @@ import heapq
 import itertools
 from typing import NamedTuple, Sequence
 
-from flashlet.kv_pool import PageAllocator
+from flashlet.kvcache.kv_pool import PageAllocator
 
 
 class RadixNode:

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashlet.quantization import QuantizedWeight
-from flashlet.quantization import linear as quantized_linear
+from flashlet.models.quantization import QuantizedWeight
+from flashlet.models.quantization import linear as quantized_linear
 
 
 class TorchOps:

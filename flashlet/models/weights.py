@@ -15,10 +15,16 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from flashlet import quantization as quantization_lib
+from flashlet.distributed.parallel import checkpoint_slicer, shard_state_dict
+from flashlet.models import quantization as quantization_lib
+from flashlet.models.model import CausalLM, ModelConfig, hf_to_flashlet_names, rope_cache
+
+if TYPE_CHECKING:
+    from flashlet.config import EngineConfig
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -285,7 +291,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
 def load_model(source=None, device="cpu", dtype=torch.float32, ops=None, tp=None,
                quantization=None):
     """Load (model, tokenizer or None, model folder) from any source `resolve_model_dir` takes;
-    quantization "fp8": linear weights quantized at load (`flashlet.quantization`)."""
+    quantization "fp8": linear weights quantized at load (`flashlet.models.quantization`)."""
     model_dir = resolve_model_dir(source)
     try:
         hf_config = json.loads((model_dir / "config.json").read_text())
@@ -302,13 +308,11 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     tensor: each checkpoint tensor is read (on the host only if the device is the CPU), copied
     into its slice of our fused parameter on the device, and dropped, so the host never holds
     more than the shard being read (mapped) and one tensor. With `tp`
-    (flashlet.parallel.TensorParallel), each tensor is cut to this rank's slice first.
+    (flashlet.distributed.parallel.TensorParallel), each tensor is cut to this rank's slice first.
 
     With quantization "fp8" or an FP8 checkpoint, the decoder's linear weights are fp8 holders
     from the start, filled row by row (a float tensor quantized as it is read, an fp8 one
     converted with its scale): no float copy of them is ever allocated."""
-    from flashlet.model import CausalLM, ModelConfig
-
     where = str(model_dir)
     try:
         cfg = ModelConfig.from_hf(hf_config)
@@ -332,8 +336,6 @@ def model_from_checkpoint(hf_config: dict, model_dir: Path, device="cpu", dtype=
     params = dict(model.named_parameters())
     shard = None
     if tp is not None:
-        from flashlet.parallel import checkpoint_slicer
-
         shard = checkpoint_slicer(cfg, tp.shape(cfg))
         with torch.no_grad():
             for p in params.values():  # the vocabulary padding of the last rank stays zero
@@ -349,8 +351,6 @@ def _copy_plan(cfg, stored: dict[str, StoredTensor], shapes: dict[str, tuple], w
     """file -> [(HF name, our parameter, first row, (scale name, StoredTensor) or None)]; every
     tensor checked against the shape the config gives our parameter, before anything is
     allocated."""
-    from flashlet.model import hf_to_flashlet_names
-
     plan: dict[Path, list] = {}
     for ours, theirs in hf_to_flashlet_names(cfg):
         missing = [t for t in theirs if t not in stored]
@@ -440,8 +440,6 @@ def check_quantization(quantization: str | None) -> None:
 
 def _finish(model, device, dtype):
     """Cast to dtype, keeping the RoPE table in fp32 (recomputed on the host, never round-tripped)."""
-    from flashlet.model import rope_cache
-
     model = model.to(dtype)
     model.cos_sin_cache = rope_cache(model.config).to(device)
     return model.eval()
@@ -452,8 +450,6 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
     """A model with random weights at `cfg`'s shape (for benchmarks at a real size). With `tp`,
     this rank's slices of the very weights one device would draw; quantization "fp8": its linear
     weights then quantized."""
-    from flashlet.model import CausalLM
-
     check_quantization(quantization)
     if quantization is not None:
         model = random_model(cfg, device, dtype, seed, ops, tp)
@@ -477,9 +473,6 @@ def random_model(cfg, device="cpu", dtype=torch.float32, seed=0, ops=None, tp=No
 
 def _shard_model(full, tp):
     """The rank's tensor-parallel slice of a whole model (which it then drops)."""
-    from flashlet.model import CausalLM
-    from flashlet.parallel import shard_state_dict
-
     cfg, ops, device = full.config, full.ops, full.norm.device
     state = shard_state_dict(full.state_dict(), cfg, tp.shape(cfg))
     del full
@@ -499,3 +492,34 @@ def load_tokenizer(model_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.clean_up_tokenization_spaces = False  # it corrupts BPE text; decode verbatim
     return tokenizer
+
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
+
+
+def preset_config_path(name_or_path: str) -> Path:
+    """A preset name (e.g. qwen2.5-0.5b) or a config.json path -> the config file."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    preset = PRESETS_DIR / f"{name_or_path}.json"
+    if preset.is_file():
+        return preset
+    names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+    raise ValueError(f"unknown config {name_or_path!r}: not a file and not a preset ({names})")
+
+
+def model_config_path(config: "EngineConfig") -> Path:
+    """The config.json that `config` loads (a preset's, or the model folder's)."""
+    if config.config is not None:
+        return preset_config_path(config.config)
+    return resolve_model_dir(config.model) / "config.json"
+
+
+def ops_for(config: "EngineConfig", device: torch.device):
+    """Fused Triton kernels on CUDA (any attention backend); else plain PyTorch."""
+    if config.fused_ops and device.type == "cuda":
+        from flashlet.kernels.ops import TritonOps
+
+        return TritonOps
+    return None

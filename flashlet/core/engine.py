@@ -17,19 +17,19 @@ step N; that row's token is dropped. A request that reached max_new_tokens is no
 A step that sampled a grammar-constrained request is read before the next one is scheduled
 (its next token mask needs the token; see structured.py).
 
-Speculative decoding (`EngineConfig.speculative_config`, flashlet/speculative.py): before
+Speculative decoding (`EngineConfig.speculative_config`, flashlet/spec/speculative.py): before
 scheduling, the proposer guesses tokens for decoding requests; the scheduler gives such a row
 its newest token and the guesses, and `verify` turns the step's logits into each request's
 accepted tokens. Such steps do not overlap (a guess needs the newest token), and turn off while
 more than disable_by_batch_size requests run.
 
-Prompt logprobs (flashlet/prompt_logprobs.py): a step with prompt positions of a request that
+Prompt logprobs (flashlet/runner/prompt_logprobs.py): a step with prompt positions of a request that
 asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
 fused path: such a step has a prefill chunk); the scored rows' LM head, log-softmax and
 top k run apart from the sampled rows, and their values reach the request before the step's
 outputs are made. Steps without such rows do nothing more.
 
-Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/parallel.py): this
+Tensor parallelism (`EngineConfig.tensor_parallel_size` > 1, see flashlet/distributed/parallel.py): this
 engine is rank 0, the only one that schedules and samples; every step's batch update and input
 ids go to the workers just before the forward. On the other ranks (spawned by rank 0, or started
 by torchrun) the constructor returns an engine whose owner runs the worker loop on it
@@ -52,42 +52,28 @@ from typing import Callable
 
 import torch
 
-from flashlet import parallel, tp_worker
 from flashlet.config import EngineConfig
-from flashlet.fused_decode import FusedParts
-from flashlet.kv_pool import KVPool
-from flashlet.model import ModelConfig
-from flashlet.model_runner import ModelRunner
-from flashlet.pooling import Pooler
-from flashlet.prompt_logprobs import PromptScoring
-from flashlet.request import FinishReason, Request, RequestOutput
-from flashlet.request_check import RequestLimits
-from flashlet.sampler import Sampler, SamplerOutput, StepLogprobs
-from flashlet.sampler import plain_greedy  # the sampler's own test: nothing to apply
-from flashlet.sampling import SamplingParams, make_generator
-from flashlet.scheduler import Scheduler, SchedulerOutput
-from flashlet.speculative import (SpeculativeDecoding, advance_verified_grammars,
-                                  make_proposer, verify)
-from flashlet.structured import StructuredLimits, StructuredOutputs, advance_grammars
-from flashlet.weights import load_model, random_model, resolve_model_dir
+from flashlet.core.request import FinishReason, Request, RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.core.sampling import SamplingParams, make_generator
+from flashlet.core.scheduler import Scheduler, SchedulerOutput
+from flashlet.core.warmup import warm_up
+from flashlet.distributed import parallel, tp_worker
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.model import ModelConfig
+from flashlet.models.weights import (load_model, model_config_path, ops_for,
+                                     preset_config_path, random_model)
+from flashlet.runner.fused_decode import FusedParts
+from flashlet.runner.model_runner import ModelRunner
+from flashlet.runner.pooling import Pooler
+from flashlet.runner.prompt_logprobs import PromptScoring
+from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
+from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
+from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
+                                       make_proposer, verify)
+from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
 
 log = logging.getLogger("flashlet")
-
-PRESETS_DIR = Path(__file__).parent / "presets"
-
-
-def preset_config_path(name_or_path: str) -> Path:
-    """A preset name (e.g. qwen2.5-0.5b) or a config.json path -> the config file."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    preset = PRESETS_DIR / f"{name_or_path}.json"
-    if preset.is_file():
-        return preset
-    names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
-    raise ValueError(f"unknown config {name_or_path!r}: not a file and not a preset ({names})")
-
-
 
 def settle_heap() -> float:
     """Collect start-up's garbage now and move everything still alive out of the collector's
@@ -120,7 +106,7 @@ class Engine:
                                      functools.partial(tp_worker.worker_main, type(self)))
         if self.tp is not None:
             self.device = self.tp.device  # this rank's GPU
-        ops = _ops_for(config, self.device)
+        ops = ops_for(config, self.device)
         if config.config is not None:
             cfg = ModelConfig.from_file(preset_config_path(config.config))
             self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops,
@@ -171,13 +157,11 @@ class Engine:
 
     def _warm_up(self, load_s: float) -> dict:
         """Compile every kernel variant and capture every graph now, not in the first requests
-        (flashlet/warmup.py); returns the start time split into load / warm-up / capture.
+        (flashlet/core/warmup.py); returns the start time split into load / warm-up / capture.
         Under tensor parallelism the warm-up's synthetic steps would bypass the step channel
         to the workers, so it is skipped there (graphs are then captured on first use)."""
         report = {"load_s": load_s, "warmup_s": 0.0, "capture_s": 0.0, "warmed_up": False}
         if self.config.warmup_at_start and self.device.type == "cuda" and self.tp is None:
-            from flashlet.warmup import warm_up
-
             report.update(warm_up(self), warmed_up=True)
             if self.spec is not None:
                 self.spec.proposer.warm_up()
@@ -524,25 +508,9 @@ class Engine:
         return num_pages
 
 
-def model_config_path(config: EngineConfig) -> Path:
-    """The config.json that `config` loads (a preset's, or the model folder's)."""
-    if config.config is not None:
-        return preset_config_path(config.config)
-    return resolve_model_dir(config.model) / "config.json"
-
-
 def _release_group(runner: ModelRunner, tp) -> None:
     runner.graphs.clear()  # captured collectives go before their communicator
     tp.shutdown()
-
-
-def _ops_for(config: EngineConfig, device: torch.device):
-    """Fused Triton kernels on CUDA (any attention backend); else plain PyTorch."""
-    if config.fused_ops and device.type == "cuda":
-        from flashlet.kernels.ops import TritonOps
-
-        return TritonOps
-    return None
 
 
 class TokenBuffer:

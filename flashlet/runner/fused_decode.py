@@ -61,7 +61,7 @@ import torch
 
 from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
-from flashlet.quantization import is_quantized
+from flashlet.models.quantization import is_quantized
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashlet.sampler import _to_host  # pinned, non-blocking (read after the step's tokens)
-from flashlet.sampling import TokenLogprob
+from flashlet.core.sampling import TokenLogprob
+from flashlet.runner.sampler import _to_host  # pinned, non-blocking (read after the step's tokens)
 
 # Rows whose logits are materialised at once: the vocabulary times this many fp32 values
 # (Qwen2.5's 151,936 x 512 x 4 bytes = 311 MB) bounds the extra memory a long prompt needs.

@@ -1,5 +1,5 @@
 """Sampling parameters (validated), per-token logprobs, and the slow per-row reference sampler
-(`sample_one`); the batched sampler the engine uses is flashlet/sampler.py."""
+(`sample_one`); the batched sampler the engine uses is flashlet/runner/sampler.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # Response formats a request may ask for; all but "text" constrain the output with a grammar
-# (flashlet/structured.py). "grammar" (EBNF) and "structural_tag" (xgrammar's JSON form, which
+# (flashlet/text/structured.py). "grammar" (EBNF) and "structural_tag" (xgrammar's JSON form, which
 # tool calls use) are our extensions beside OpenAI's three.
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar", "structural_tag")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -41,7 +41,7 @@ class SamplingParams:
     best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
     response_format: dict | None = None  # {"type": one of RESPONSE_FORMATS, ...}
     # "last" / "mean": an embedding request: its prompt's final hidden states pooled and
-    # normalised (flashlet/pooling.py) come back in the final output.
+    # normalised (flashlet/runner/pooling.py) come back in the final output.
     pooling: str | None = None
     priority: int = 0  # with scheduling_policy "priority": lower values run first (vLLM's)
     max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
@@ -116,7 +116,7 @@ class SamplingParams:
 @dataclass
 class TokenLogprob:
     """A sampled token's log-probability and the `logprobs` most likely tokens at its position,
-    all from the model's own distribution (raw logits; see flashlet/sampler.py)."""
+    all from the model's own distribution (raw logits; see flashlet/runner/sampler.py)."""
 
     token_id: int
     logprob: float

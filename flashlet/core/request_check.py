@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashlet.sampling import SamplingParams
+from flashlet.core.sampling import SamplingParams
 
 
 class RequestError(ValueError):

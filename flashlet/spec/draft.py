@@ -1,7 +1,7 @@
 """The `draft` proposer: a smaller model with the target's tokenizer guesses the next k tokens of
 each speculating request, greedily, and the target checks them all in one verify step.
 
-How the verify step uses it (speculative.py drives it through speculative_api.Proposer):
+How the verify step uses it (speculative.py drives it through api.Proposer):
   1. Before a step, the engine calls `propose(requests, k)` for the requests that speculate in
      it (their newest token read: no placeholder of an overlapped step). Each gets up to k
      tokens d1..dk (fewer near the end of the context or of the draft's pool).
@@ -60,12 +60,14 @@ import numpy as np
 import torch
 
 from flashlet.config import EngineConfig
-from flashlet.kv_pool import KVPool
-from flashlet.model import ModelConfig
-from flashlet.model_runner import ModelRunner
-from flashlet.request import PLACEHOLDER, Request
-from flashlet.speculative_api import SpeculativeConfig
-from flashlet.weights import load_model, random_model
+from flashlet.core.request import PLACEHOLDER, Request
+from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.model import ModelConfig
+from flashlet.core import warmup
+from flashlet.models.weights import (PRESETS_DIR, load_model, model_config_path, ops_for,
+                                     preset_config_path, random_model)
+from flashlet.runner.model_runner import ModelRunner
+from flashlet.spec.api import SpeculativeConfig
 
 # The share of free GPU memory a draft's pool takes when the target's pool size is not given:
 # a draft's K/V per token are a fraction of the target's, and the target's pool must keep its
@@ -77,9 +79,7 @@ def load_draft_model(source: str, target_config: EngineConfig, device: torch.dev
     """(the draft model, its tokenizer or None), by the engine's loaders: a folder, hub id or
     .gguf file (as --model), or a preset name or config.json path (random weights as --config,
     seeded with the target's weights_seed: the target's own preset is then the target itself)."""
-    from flashlet.engine import PRESETS_DIR, _ops_for, preset_config_path  # engine imports us
-
-    dtype, ops = target_config.resolved_dtype(), _ops_for(target_config, device)
+    dtype, ops = target_config.resolved_dtype(), ops_for(target_config, device)
     if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json"):
         cfg = ModelConfig.from_file(preset_config_path(source))
         return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops), None
@@ -89,8 +89,6 @@ def load_draft_model(source: str, target_config: EngineConfig, device: torch.dev
 
 def target_vocab_size(target_config: EngineConfig) -> int:
     """The target's vocabulary size, from its config.json (no weights loaded)."""
-    from flashlet.engine import model_config_path
-
     return ModelConfig.from_file(model_config_path(target_config)).vocab_size
 
 
@@ -203,9 +201,7 @@ class DraftProposer:
     def warm_up(self) -> int:
         """Compile the draft's kernel variants and capture its CUDA graphs now rather than in
         the first requests: one synthetic step per variant on the pool's scratch page, as the
-        engine's warm-up (flashlet/warmup.py) does for the target. Returns the graphs held."""
-        from flashlet import warmup
-
+        engine's warm-up (flashlet/core/warmup.py) does for the target. Returns the graphs held."""
         runner, max_seqs = self.runner, self.runner_config.max_num_seqs
         max_chunk = min(self.max_step_tokens, self.max_model_len)
         mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs)
@@ -218,9 +214,7 @@ class DraftProposer:
         return len(runner.graphs)
 
     def _synthetic(self, num_seqs: int, q_len: int):
-        from flashlet.warmup import synthetic_layout
-
-        return synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size)
+        return warmup.synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size)
 
     # ---- the Proposer interface -----------------------------------------------------------
     @torch.inference_mode()

@@ -35,10 +35,10 @@ from functools import cached_property
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from flashlet.kv_pool import OutOfPages, PageAllocator
-from flashlet.radix_cache import PageHolder, RadixCache
-from flashlet.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
-from flashlet.sampling import SamplingParams
+from flashlet.core.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
+from flashlet.core.sampling import SamplingParams
+from flashlet.kvcache.kv_pool import OutOfPages, PageAllocator
+from flashlet.kvcache.radix_cache import PageHolder, RadixCache
 
 
 class NewRow(NamedTuple):

@@ -26,7 +26,7 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    (the prefix cache only ever sees accepted tokens).
 
 Design notes: other proposers behind the same interface.
-- A draft model (spec_draft.py) keeps its own KV for each request and runs k small steps
+- A draft model (spec/draft.py) keeps its own KV for each request and runs k small steps
   inside `propose`; `on_accepted` tells it how far to roll its KV back; `release` frees it.
 - EAGLE-style heads and multi-token-prediction (MTP) heads predict from the target model's
   own hidden states rather than from tokens. They would plug in as a proposer whose
@@ -50,11 +50,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from flashlet.request import Request
-from flashlet.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
-from flashlet.sampling import TokenLogprob, _splitmix64
-from flashlet.spec_draft import DraftProposer
-from flashlet.speculative_api import Proposer, SpeculativeConfig
+from flashlet.core.request import Request
+from flashlet.core.sampling import TokenLogprob, _splitmix64
+from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
+from flashlet.spec.draft import DraftProposer
+from flashlet.spec.api import Proposer, SpeculativeConfig
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from flashlet.ops import QKNorm, TorchOps
+from flashlet.models.ops import QKNorm, TorchOps
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: stores saturate here

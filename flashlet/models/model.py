@@ -10,7 +10,7 @@ The families differ only in ModelConfig fields, read from config.json by `ModelC
     o_bias         attention_bias on Llama and Qwen3
     qk_norm        Qwen3: RMSNorm over head_dim on q and k before RoPE
     head_dim       given by the config (Qwen3, Mistral-Nemo) or hidden_size / num_heads
-    rope_scaling   default | linear | dynamic | yarn | llama3 (`flashlet.rope` builds the table)
+    rope_scaling   default | linear | dynamic | yarn | llama3 (`flashlet.models.rope` builds the table)
     sliding_window Mistral (and Qwen with use_sliding_window): honoured by capping the context
                    at the window, where sliding-window attention equals full attention
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flashlet import rope
-from flashlet.ops import QKNorm, TorchOps
-from flashlet.parallel import LocalShape, local_shape
-from flashlet.quantization import checkpoint_format
+from flashlet.distributed.parallel import LocalShape, local_shape
+from flashlet.models import rope
+from flashlet.models.ops import QKNorm, TorchOps
+from flashlet.models.quantization import checkpoint_format
 
 # model_type -> the architecture its config.json names.
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.ops = ops
-        # Tensor parallelism (flashlet.parallel.TensorParallel): this rank's slice; None = all.
+        # Tensor parallelism (flashlet.distributed.parallel.TensorParallel): this rank's slice; None = all.
         self.tp = tp
         self.local = tp.shape(cfg) if tp is not None else local_shape(cfg)
         self.embed_tokens = nn.Embedding(self.local.vocab_rows, cfg.hidden_size)
@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
 
 
 def rope_cache(cfg: ModelConfig) -> torch.Tensor:
-    """[max_context_len, head_dim] fp32: cos | sin of each position (`flashlet.rope`)."""
+    """[max_context_len, head_dim] fp32: cos | sin of each position (`flashlet.models.rope`)."""
     return rope.cos_sin_cache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                               cfg.max_position_embeddings, cfg.max_context_len)
 

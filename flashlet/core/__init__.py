@@ -1,0 +1,1 @@
+"""The engine core: Engine, Scheduler, Request and their checks."""

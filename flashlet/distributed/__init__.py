@@ -1,0 +1,1 @@
+"""Tensor parallelism: process group, sharding, worker ranks."""

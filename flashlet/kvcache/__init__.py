@@ -1,0 +1,1 @@
+"""KV memory: the paged pool and the radix prefix cache."""

@@ -1,0 +1,1 @@
+"""The model: layers, weights, RoPE, quantized linear ops."""

@@ -1,0 +1,1 @@
+"""The step runner: persistent input batch, forward paths, sampler."""

@@ -515,27 +515,24 @@ def _release_group(runner: ModelRunner, tp) -> None:
 
 class TokenBuffer:
     """Pinned host memory that a step's sampled tokens are copied into without blocking, and the
-    event that says the copy is done (on the CPU, the tokens themselves). The engine alternates
-    two: with overlap, one step's tokens are read while the next step's copy is queued."""
+    event that says the copy is done. The engine alternates two: with overlap, one step's tokens
+    are read while the next step's copy is queued. On the CPU too the tokens are copied: a step's
+    token tensor may be a buffer the next step writes again (the fused path's argmax output)."""
 
     def __init__(self, size: int, device: torch.device):
-        self.on_cuda = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.on_cuda)
-        self.event = torch.cuda.Event() if self.on_cuda else None
-        self.tokens: torch.Tensor | None = None  # on the CPU, the step's own tokens: no copy
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
+        self.event = torch.cuda.Event() if on_cuda else None
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
-        if self.on_cuda:
-            self.host[: tokens.numel()].copy_(tokens, non_blocking=True)
+        self.host[: tokens.numel()].copy_(tokens, non_blocking=self.event is not None)
+        if self.event is not None:
             self.event.record()
-        else:
-            self.tokens = tokens
         return self
 
     def read(self, n: int) -> list[int]:
-        if self.event is None:
-            return self.tokens[:n].tolist()
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return self.host[:n].tolist()
 
 

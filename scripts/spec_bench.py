@@ -4,10 +4,11 @@
                                  [--draft qwen2.5-0.5b] [--json OUT]
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
-continuation: each config first generates its greedy continuation without speculation (default
-settings, through `LLM.generate`), then an engine with `speculative_config={"method": "ngram",
-...}` runs the same prompt with its proposer replaced by one that proposes that continuation,
-each proposed token kept with probability `match` and otherwise replaced by another token. The
+continuation: an engine with `speculative_config={"method": "ngram", ...}` runs the prompt with
+its proposer replaced by one that proposes the engine's own greedy continuation (found by running
+it with every guess right until its output reproduces itself: verify steps round differently
+from the fused one-row path, so at a near tie they part from the plain engine's tokens), each
+proposed token kept with probability `match` and otherwise replaced by another token. The
 verify steps, the acceptance and everything after them are the engine's own; only where the
 guesses come from differs from a user's run. The acceptance rate printed is the engine's
 measured one (`engine.stats()`), not `match`.
@@ -98,16 +99,29 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
               "ngram": []}
     spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
     with LLM(**common, speculative_config=spec) as llm:
+        # Verify steps round differently from the fused one-row path, so at a near tie their
+        # continuation parts from `base_tokens`; the proposals come from this engine's own
+        # continuation instead: run it with every guess right until it reproduces itself.
+        known, rounds = base_tokens, 0
+        while rounds < 6:
+            llm.engine.spec.proposer = ContinuationProposer(known, 1.0, vocab)
+            _, tokens, _ = timed_generate(llm, prompt)
+            rounds += 1
+            if tokens == known:
+                break
+            known = tokens
+        result["own_continuation"] = {"rounds": rounds, "fixed": tokens == known,
+                                      "same_as_plain": known == base_tokens}
         for k in ks:
             for match in matches:
                 llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
-                llm.engine.spec.proposer = ContinuationProposer(base_tokens, match, vocab, seed=k)
+                llm.engine.spec.proposer = ContinuationProposer(known, match, vocab, seed=k)
                 before = spec_counters(llm)
                 tok_s, tokens, steps = timed_generate(llm, prompt)
                 drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
                 # the counters span both calls (the untimed one runs the same proposals' rate)
-                same = tokens == base_tokens
-                parted = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
+                same = tokens == known
+                parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
                 result["ngram"].append({
                     "k": k, "match": match, "tok_s": tok_s, "speedup": tok_s / base_tok_s,
                     "acceptance_rate": accepted / proposed if proposed else 0.0,
@@ -135,6 +149,10 @@ def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, b
 
 def print_table(results: list[dict]) -> None:
     print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings")
+    for res in results:
+        own = res.get("own_continuation", {})
+        print(f"{res['config']}: own continuation after {own.get('rounds')} rounds, reproduces "
+              f"itself: {own.get('fixed')}, equals the plain engine's: {own.get('same_as_plain')}")
     print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} {'same':>5}")
     for res in results:
         plain = res["plain"]

@@ -35,6 +35,36 @@ def save_tiny_model(kind: str, folder, seed: int = 0, **overrides):
     return folder
 
 
+def save_near_copy(folder, out, scale: float = 0.002, seed: int = 1):
+    """The model at `folder` with slightly perturbed weights, saved at `out`: a draft that agrees
+    with it for a few tokens at a time (speculation's accepts and rejects both happen)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn_like(p) * scale)
+    model.save_pretrained(out)
+    return out
+
+
+def run_to_completion(engine, prompts, params) -> list:
+    """Add every prompt (params: one SamplingParams for all, or one each), step the engine until
+    all finish (its integrity checked after each step), and return the finished outputs in
+    prompt order."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, each)]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[i] for i in ids]
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     return save_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))

@@ -20,6 +20,7 @@ from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_refere
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
+from tests.conftest import run_to_completion
 
 
 class ReferenceGemv:
@@ -183,13 +184,8 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
                         FusedParts(attn=True if fused else None))
         perturb_norms(engine)
         _graphs_on_the_cpu(engine)
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=4 + 4 * i, ignore_eos=True))
-               for i, p in enumerate(prompts)]
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        engine.check_integrity()
-        outs.append([done[i] for i in ids])
+        params = [SamplingParams(max_new_tokens=4 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+        outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     runner = engine.runner
     assert runner.fused_attention.name == "triton" and runner.backend.name == "torch"
@@ -298,13 +294,8 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
                                      max_num_batched_tokens=32, fused_decode=fused))
         perturb_norms(engine)
         _graphs_on_the_cpu(engine)
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True))
-               for i, p in enumerate(prompts)]
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        engine.check_integrity()
-        outs.append([done[i] for i in ids])
+        params = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+        outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     keys = {key[:2] for key in engine.runner.graphs}
     assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone

@@ -14,6 +14,7 @@ from flashlet.kernels.prefill_attention import prefill_attention, prefill_attent
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kvcache.kv_pool import FP8_MAX, KVPool, dequantize
 from flashlet.models.rope import cos_sin_cache
+from tests.conftest import run_to_completion
 
 FP8 = torch.float8_e4m3fn
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -231,14 +232,7 @@ def test_triton_backend_reads_an_fp8_pool_as_the_torch_oracle_does(seqs):
 
 # ---- the engine ------------------------------------------------------------------------------
 def _run(engine, prompts, params):
-    ids = [engine.add_request(list(p), params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i] for i in ids]
+    return run_to_completion(engine, [list(p) for p in prompts], params)
 
 
 def _prompt_logprobs(output) -> torch.Tensor:

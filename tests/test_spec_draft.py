@@ -9,7 +9,7 @@ from flashlet import EngineConfig, LLM, SamplingParams
 from flashlet.core.request import PLACEHOLDER, Request
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import SpeculativeConfig
-from tests.conftest import save_tiny_model
+from tests.conftest import save_near_copy, save_tiny_model
 
 PAGE_SIZE = 4
 
@@ -234,18 +234,7 @@ def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir,
 def near_copy_dir(tiny_qwen2, tmp_path_factory):
     """The target with slightly perturbed weights: it agrees with the target for a few tokens
     at a time, so verification accepts some proposals and rejects others."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.add_(torch.randn_like(p) * 0.002)
-    folder = tmp_path_factory.mktemp("near-copy")
-    model.save_pretrained(folder)
-    return folder
+    return save_near_copy(tiny_qwen2, tmp_path_factory.mktemp("near-copy"))
 
 
 def test_greedy_verification_rounds_with_partial_acceptance(tiny_qwen2, near_copy_dir, greedy):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from tests.conftest import save_tiny_model
+from tests.conftest import run_to_completion, save_near_copy, save_tiny_model
 
 pytest.importorskip("flashlet.spec.speculative",
                     reason="needs the engine side of speculative decoding (speculative.py)")
@@ -21,17 +21,7 @@ def near_copies(tmp_path_factory):
 
     def near_copy(folder):
         if folder not in made:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(folder)
-            torch.manual_seed(1)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() > 1:
-                        p.add_(torch.randn_like(p) * 0.002)
-            made[folder] = tmp_path_factory.mktemp("near-copy")
-            model.save_pretrained(made[folder])
+            made[folder] = save_near_copy(folder, tmp_path_factory.mktemp("near-copy"))
         return made[folder]
 
     return near_copy
@@ -49,14 +39,7 @@ def prompts_of(num, seed=0):
 def run(target, prompts, params, spec=None, **config):
     engine = Engine(EngineConfig(model=str(target), page_size=4, speculative_config=spec,
                                  **config))
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i].token_ids for i in ids], engine
+    return [out.token_ids for out in run_to_completion(engine, prompts, params)], engine
 
 
 def assert_draft_pages_free(engine):

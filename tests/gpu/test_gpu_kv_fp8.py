@@ -6,27 +6,13 @@ bf16 cache's (the fused one-stream path declining an fp8 cache under auto)."""
 import pytest
 import torch
 
+from tests.gpu.test_gpu_engine import DECODE, RAGGED, flashinfer_backend, triton_backend
 from tests.test_kv_fp8 import assert_same_fp8, compare_over_fp8_pool
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FP8 = torch.float8_e4m3fn
-RAGGED = [(0, 37), (16, 1), (100, 1), (0, 1), (33, 16), (250, 1), (17, 64)]
-DECODE = [(0, 1), (16, 1), (100, 1), (1000, 1), (4000, 1)]
-
-
-def flashinfer_backend(pool, hq):
-    pytest.importorskip("flashinfer", reason="flashinfer is not installed")
-    from flashlet.attention.flashinfer_backend import FlashInferBackend
-
-    return FlashInferBackend(pool, hq)
-
-
-def triton_backend(pool, hq):
-    from flashlet.attention.triton_backend import TritonBackend
-
-    return TritonBackend(pool, hq)
 
 
 @pytest.mark.parametrize("make", [flashinfer_backend, triton_backend], ids=["flashinfer", "triton"])

@@ -14,7 +14,7 @@ from flashlet import LLM, EngineConfig, SamplingParams
 from flashlet.core.request import Request
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import SpeculativeConfig
-from tests.conftest import save_tiny_model
+from tests.conftest import save_near_copy, save_tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -65,19 +65,7 @@ def test_gpu_proposals_follow_the_drafts_greedy_run_through_rollbacks(tmp_path, 
     assert proposer.num_free_pages == proposer.kv_pool.num_pages
 
 
-def near_copy(folder, out):
-    """The model at `folder` with slightly perturbed weights: a draft that agrees with it for
-    a few tokens at a time."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.add_(torch.randn_like(p) * 0.002)
-    model.save_pretrained(out)
-    return out
+near_copy = save_near_copy  # the model with slightly perturbed weights
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
-from tests.conftest import save_tiny_model
+from tests.conftest import run_to_completion, save_tiny_model
 from tests.test_speculative import NGRAM, repetitive_prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -25,14 +25,7 @@ def run(model_dir, prompts, params, spec=None, **config):
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", page_size=16,
                                  max_num_pages=512, max_num_seqs=16, speculative_config=spec,
                                  **config))
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i] for i in ids], engine
+    return run_to_completion(engine, prompts, params), engine
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch"])

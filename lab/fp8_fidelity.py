@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashlet.models.weights import preset_config_path
+import flashlet.models.ops
 from flashlet.models import quantization as q
 from flashlet.models.model import ModelConfig
-import flashlet.models.ops
-from flashlet.models.ops import TorchOps
-from flashlet.models.weights import embedded_model_dir, load_model, load_tokenizer, random_model
+from flashlet.models.weights import (embedded_model_dir, load_model, load_tokenizer,
+                                     preset_config_path, random_model)
+from tests.test_fp8 import DenseAttention  # causal attention over one whole sequence (no pool)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,18 +107,6 @@ def apply_variant(model, spec):
     if lm_head_fp8:
         head = per_row(model.lm_head_weight.float())
         model.compute_logits = lambda h: F.linear(h.float(), head)
-
-
-class DenseAttention:
-    """Causal attention over one whole sequence (no pool)."""
-
-    def run_rope(self, layer_idx, qh, k, v, positions, cos_sin):
-        qh, k = TorchOps.rope(qh, k, positions, cos_sin)
-        group = qh.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        o = F.scaled_dot_product_attention(qh.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True)
-        return o.transpose(0, 1)
 
 
 @torch.inference_mode()

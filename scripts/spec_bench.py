@@ -73,7 +73,8 @@ def timed_generate(llm, prompt: list[int]) -> tuple[float, list[int], int]:
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([prompt], params)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     steps = llm.engine.num_steps
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]

@@ -21,16 +21,24 @@ def load_script():
     return module
 
 
-@pytest.mark.slow
-def test_fidelity_runs_end_to_end_on_a_tiny_config(tmp_path):
+def run_on_tiny(tmp_path, *flags) -> tuple[int, list]:
+    """The script on the tiny config (CPU, fp32, torch backend) with `flags` -> (exit code, the
+    records it wrote)."""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY))
     out = tmp_path / "fidelity.json"
-    rc = load_script().main(["--config", str(config), "--device", "cpu", "--dtype", "float32",
-                             "--backend", "torch", "--num-seqs", "2", "--seq-len", "128",
-                             "--chunk", "48", "--json", str(out)])
+    rc = load_script().main(["--config", str(config), "--device", "cpu", "--backend", "torch",
+                             *flags, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+PRESET_RUN = ("--dtype", "float32", "--num-seqs", "2", "--seq-len", "128", "--chunk", "48")
+
+
+@pytest.mark.slow
+def test_fidelity_runs_end_to_end_on_a_tiny_config(tmp_path):
+    rc, (result,) = run_on_tiny(tmp_path, *PRESET_RUN)
     assert rc == 0
-    (result,) = json.loads(out.read_text())
     assert result["positions"] == 256
     assert result["distinct_fp32_argmax"] > 50  # not a degenerate model
     torch_run = result["backends"]["torch"]
@@ -93,14 +101,8 @@ def test_diagnose_schedule_covers_each_prompt_once_then_decodes():
 
 @pytest.mark.slow
 def test_diagnose_on_cpu_measures_the_torch_backend_against_fp32(tmp_path):
-    config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(TINY))
-    out = tmp_path / "diag.json"
-    rc = load_script().main(["--diagnose", "--config", str(config), "--device", "cpu",
-                             "--backend", "torch", "--diag-seqs", "4", "--diag-qk-scale", "1",
-                             "--json", str(out)])
+    rc, (entry,) = run_on_tiny(tmp_path, "--diagnose", "--diag-seqs", "4", "--diag-qk-scale", "1")
     assert rc == 0
-    (entry,) = json.loads(out.read_text())
     plain, rotated = entry["attention"]
     assert not plain["rope"] and rotated["rope"]
     for kind in ("prefill", "decode-mixed", "decode"):
@@ -121,13 +123,7 @@ def test_diagnose_on_cpu_measures_the_torch_backend_against_fp32(tmp_path):
 
 @pytest.mark.slow
 def test_fidelity_adds_an_fp8_row_judged_against_its_own_backend(tmp_path):
-    config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(TINY))
-    out = tmp_path / "fidelity.json"
-    rc = load_script().main(["--config", str(config), "--device", "cpu", "--dtype", "float32",
-                             "--backend", "torch", "--num-seqs", "2", "--seq-len", "128",
-                             "--chunk", "48", "--quantization", "fp8", "--json", str(out)])
-    (result,) = json.loads(out.read_text())
+    rc, (result,) = run_on_tiny(tmp_path, *PRESET_RUN, "--quantization", "fp8")
     fp8 = result["backends"]["torch+fp8"]
     assert fp8["diff_vs_unquantized"] == fp8["agreement"] - 1.0
     assert fp8["max_abs_logit_diff"] > 1e-3  # the fp8 weights really ran

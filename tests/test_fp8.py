@@ -14,6 +14,7 @@ from flashlet.models.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, Q
                                    dequant_linear, quantize_rows, quantize_weight,
                                    swap_weight, weight_only_linear)
 from flashlet.models.weights import ModelLoadError, load_model
+from tests.test_tensor_parallel import _Rank
 
 PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")
@@ -295,18 +296,6 @@ def test_quantization_flag_is_built_from_the_config_field():
     assert EngineConfig.from_cli(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
     assert EngineConfig.from_cli(parser.parse_args([])).quantization is None
     assert "fp8" in parser.format_help()
-
-
-class _Rank:
-    """Stands in for TensorParallel where only the split is needed (no collective runs)."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
-
-    def shape(self, cfg):
-        from flashlet.distributed.parallel import local_shape
-
-        return local_shape(cfg, self.rank, self.world_size)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

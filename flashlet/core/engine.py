@@ -61,8 +61,7 @@ from flashlet.core.warmup import warm_up
 from flashlet.distributed import parallel, tp_worker
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.model import ModelConfig
-from flashlet.models.weights import (load_model, model_config_path, ops_for,
-                                     preset_config_path, random_model)
+from flashlet.models.weights import model_config_path, model_from, ops_for
 from flashlet.runner.fused_decode import FusedParts
 from flashlet.runner.model_runner import ModelRunner
 from flashlet.runner.pooling import Pooler
@@ -107,15 +106,9 @@ class Engine:
         if self.tp is not None:
             self.device = self.tp.device  # this rank's GPU
         ops = ops_for(config, self.device)
-        if config.config is not None:
-            cfg = ModelConfig.from_file(preset_config_path(config.config))
-            self.model = random_model(cfg, self.device, self.dtype, config.weights_seed, ops=ops,
-                                      tp=self.tp, quantization=config.quantization)
-            self.tokenizer, self.model_dir = None, None
-        else:
-            self.model, self.tokenizer, self.model_dir = load_model(
-                config.model, self.device, self.dtype, ops=ops, tp=self.tp,
-                quantization=config.quantization)
+        self.model, self.tokenizer, self.model_dir = model_from(
+            config.config, config.model, self.device, self.dtype, config.weights_seed, ops=ops,
+            tp=self.tp, quantization=config.quantization)
         self.model_config = cfg = self.model.config
         self.max_model_len = min(config.max_model_len or cfg.max_context_len, cfg.max_context_len)
         if cfg.sliding_window and cfg.sliding_window == cfg.max_context_len:

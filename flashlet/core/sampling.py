@@ -107,6 +107,11 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    def early_stop_ids(self, eos_token_ids) -> list[int]:
+        """The ids a request short of min_tokens may not sample: its stop ids, and EOS unless
+        ignored."""
+        return self.stop_token_ids + ([] if self.ignore_eos else sorted(eos_token_ids))
+
     @property
     def is_constrained(self) -> bool:
         """True when a grammar constrains the output (json, a schema, a grammar, a tool call)."""

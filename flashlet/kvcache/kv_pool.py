@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from flashlet.models.ops import QKNorm, TorchOps
+from flashlet.models.quantization import FP8, FP8_MAX
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: stores saturate here
+FP8_DTYPES = (FP8,)  # the cache dtypes stored scaled (stores saturate at +-FP8_MAX)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

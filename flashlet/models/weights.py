@@ -523,3 +523,15 @@ def ops_for(config: "EngineConfig", device: torch.device):
 
         return TritonOps
     return None
+
+
+def model_from(preset: str | None, source: str | None, device, dtype, seed: int, *, ops=None,
+               tp=None, quantization: str | None = None):
+    """(model, tokenizer or None, model folder or None): random weights (seeded) at a preset's
+    or config.json's shape when `preset` is given, else the weights of a model source (a
+    folder, hub id, .gguf file or the embedded model)."""
+    if preset is not None:
+        cfg = ModelConfig.from_file(preset_config_path(preset))
+        return random_model(cfg, device, dtype, seed, ops=ops, tp=tp,
+                            quantization=quantization), None, None
+    return load_model(source, device, dtype, ops=ops, tp=tp, quantization=quantization)

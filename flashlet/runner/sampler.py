@@ -247,7 +247,7 @@ class Sampler:
             req = reqs[i]
             p = req.params
             if len(req.output_token_ids) < p.min_tokens:
-                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = p.early_stop_ids(self.eos_token_ids)
                 rows += [i] * len(banned)
                 ids += banned
         if rows:

@@ -161,12 +161,16 @@ class MistralToolParser(ToolParser):
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
 
 
-def tool_parser(name: str) -> ToolParser:
+def _build(registry: dict, kind: str, name: str):
+    """A new parser of `registry` by name; a ValueError naming the known ones otherwise."""
     try:
-        return TOOL_PARSERS[name]()
+        return registry[name]()
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: "
-                         f"{', '.join(TOOL_PARSERS)}") from None
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(registry)}") from None
+
+
+def tool_parser(name: str) -> ToolParser:
+    return _build(TOOL_PARSERS, "tool-call parser", name)
 
 
 def default_tool_parser(chat_template: str | None) -> str:
@@ -299,11 +303,7 @@ REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1Reasoni
 
 
 def reasoning_parser(name: str) -> ReasoningParser:
-    try:
-        return REASONING_PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: "
-                         f"{', '.join(REASONING_PARSERS)}") from None
+    return _build(REASONING_PARSERS, "reasoning parser", name)
 
 
 @dataclass

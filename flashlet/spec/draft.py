@@ -64,8 +64,7 @@ from flashlet.core.request import PLACEHOLDER, Request
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.model import ModelConfig
 from flashlet.core import warmup
-from flashlet.models.weights import (PRESETS_DIR, load_model, model_config_path, ops_for,
-                                     preset_config_path, random_model)
+from flashlet.models.weights import PRESETS_DIR, model_config_path, model_from, ops_for
 from flashlet.runner.model_runner import ModelRunner
 from flashlet.spec.api import SpeculativeConfig
 
@@ -79,11 +78,10 @@ def load_draft_model(source: str, target_config: EngineConfig, device: torch.dev
     """(the draft model, its tokenizer or None), by the engine's loaders: a folder, hub id or
     .gguf file (as --model), or a preset name or config.json path (random weights as --config,
     seeded with the target's weights_seed: the target's own preset is then the target itself)."""
-    dtype, ops = target_config.resolved_dtype(), ops_for(target_config, device)
-    if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json"):
-        cfg = ModelConfig.from_file(preset_config_path(source))
-        return random_model(cfg, device, dtype, target_config.weights_seed, ops=ops), None
-    model, tokenizer, _folder = load_model(source, device, dtype, ops=ops)
+    preset = source if (PRESETS_DIR / f"{source}.json").is_file() or source.endswith(".json") else None
+    model, tokenizer, _folder = model_from(preset, source, device, target_config.resolved_dtype(),
+                                           target_config.weights_seed,
+                                           ops=ops_for(target_config, device))
     return model, tokenizer
 
 

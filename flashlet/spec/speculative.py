@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from flashlet.core.request import Request
-from flashlet.core.sampling import TokenLogprob, _splitmix64
+from flashlet.core.sampling import SamplingColumns, TokenLogprob, _splitmix64
 from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
@@ -328,7 +328,7 @@ def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows
         p, start, props = req.params, rows.starts[i], rows.proposals[i]
         generated = len(req.output_token_ids)
         if p.min_tokens > generated:  # positions still short of min_tokens may not stop
-            banned = p.stop_token_ids + ([] if p.ignore_eos else sorted(eos_token_ids))
+            banned = p.early_stop_ids(eos_token_ids)
             short = min(p.min_tokens - generated, len(props) + 1)
             if banned:
                 logits[start : start + short, banned] = float("-inf")
@@ -374,9 +374,8 @@ def _decide(logits: torch.Tensor, requests: list[Request], rows: _Rows, row_req:
     if not random:
         return ok, chosen
     index = torch.tensor(random, dtype=torch.int64, device=device)
-    cols = torch.tensor([[params[row_req[r]].temperature, params[row_req[r]].top_k,
-                          params[row_req[r]].top_p, params[row_req[r]].min_p] for r in random],
-                        dtype=torch.float32, device=device)
+    columns = SamplingColumns.of([params[row_req[r]] for r in random])
+    cols = torch.from_numpy(columns.sample).to(device)  # temperature, top_k, top_p, min_p
     probs = sampling_probs(logits[index], *cols.unbind(1))
     uniform, noise = _randomness(requests, rows, row_req, random, probs)
     x = prop[index]

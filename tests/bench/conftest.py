@@ -54,5 +54,4 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(weights, "load_model", boom)
     import flashlet.core.engine
 
-    monkeypatch.setattr(flashlet.core.engine, "random_model", boom)
-    monkeypatch.setattr(flashlet.core.engine, "load_model", boom)
+    monkeypatch.setattr(flashlet.core.engine, "model_from", boom)

@@ -3,6 +3,7 @@ and the "engine is idle and leaks nothing" check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
+from flashlet.server import ServerConfig, create_app
 from flashlet.server.limits import uvicorn_options
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
@@ -54,6 +56,21 @@ class ServerThread:
     def stop(self, timeout: float = 30.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
+
+
+@contextlib.contextmanager
+def serving_core(client, **server_config):
+    """A started CoreClient, once ready, served over HTTP on a thread: yields (client, server),
+    and stops both after."""
+    srv = None
+    try:
+        assert client.wait_ready(180), client.error
+        srv = ServerThread(create_app(client, ServerConfig(**server_config))).start()
+        yield client, srv
+    finally:
+        if srv is not None:
+            srv.stop()
+        client.stop()
 
 
 def parse_sse(lines) -> list:
@@ -139,6 +156,13 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def wait_serving(self, timeout: float = 180) -> "ServerProcess":
+        """Wait until the server logs that it serves (or exits: then fail with its log)."""
+        wait_until(lambda: "serving on" in self.log or self.proc.poll() is not None, timeout,
+                   "the server to load its model", interval=0.1)
+        assert self.proc.poll() is None, self.log
+        return self
 
     def kill(self):
         if self.proc.poll() is None:

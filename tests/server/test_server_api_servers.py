@@ -59,9 +59,7 @@ class SlowCoreServer(ServerProcess):
 def _start(tiny_qwen2, *extra, server=ServerProcess, count: int = 2) -> ServerProcess:
     p = server("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
                "--api-server-count", str(count), "--served-model-name", "m", *extra)
-    wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
-               "the server to load its model", interval=0.1)
-    assert p.proc.poll() is None, p.log
+    p.wait_serving(180)
     return p
 
 
@@ -192,8 +190,7 @@ def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs
         one = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
                             "--no-access-log", "--served-model-name", "m")
         try:  # and the same as one API process gives
-            wait_until(lambda: "serving on" in one.log or one.proc.poll() is not None, 180,
-                       "the one-process server to load", interval=0.1)
+            one.wait_serving(180)
             for i, prompt in enumerate(PROMPTS):
                 r = httpx.post(one.url + "/v1/completions", timeout=60, json={
                     "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,

@@ -295,9 +295,7 @@ def test_random_weights_server_returns_token_ids(tmp_path):
     config.write_text(json.dumps(TINY_CONFIG))
     p = ServerProcess("--config", str(config), "--max-num-pages", "32", "--no-access-log")
     try:
-        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 120,
-                   "the server to start", interval=0.1)
-        assert p.proc.poll() is None, p.log
+        p.wait_serving(120)
         import httpx
 
         r = httpx.post(p.url + "/generate", timeout=60,

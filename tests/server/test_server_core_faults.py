@@ -67,9 +67,7 @@ def test_cores_exit_within_seconds_of_a_kill_9_of_the_api_process(tiny_qwen2):
     p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
                       "--data-parallel-size", "2", "--no-access-log")
     try:
-        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
-                   "the server to load its model", interval=0.1)
-        assert p.proc.poll() is None, p.log
+        p.wait_serving(180)
         pids = _core_pids(p.log)
         assert len(pids) == 2, p.log
         body = {"prompt": [3, 4, 5], "max_new_tokens": 400, "ignore_eos": True}
@@ -319,9 +317,7 @@ def test_the_cli_serves_on_one_of_two_cores_and_exits_1_when_none_is_left(tiny_q
     p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
                       "--data-parallel-size", "2", "--no-access-log")
     try:
-        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
-                   "the server to load its model", interval=0.1)
-        assert p.proc.poll() is None, p.log
+        p.wait_serving(180)
         pids = _core_pids(p.log)
         os.kill(pids[1], signal.SIGKILL)
         wait_until(lambda: httpx.get(p.url + "/health").json()["status"] == "degraded", 5,

@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from server_helpers import ServerThread, wait_until
+from server_helpers import ServerThread, serving_core, wait_until
 
 from flashlet import EngineConfig
 from flashlet.server import CoreClient, ServerConfig, create_app
@@ -22,15 +22,8 @@ NAME = "demo"
 def core_server(demo_model_dir):
     client = CoreClient(EngineConfig(model=str(demo_model_dir), max_num_pages=256),
                         data_parallel_size=1).start()
-    srv = None
-    try:
-        assert client.wait_ready(180), client.error
-        srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
-        yield client, srv
-    finally:
-        if srv is not None:
-            srv.stop()
-        client.stop()
+    with serving_core(client, model_name=NAME) as served:
+        yield served
 
 
 def assert_idle(client: CoreClient) -> None:

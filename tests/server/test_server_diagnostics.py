@@ -10,7 +10,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from server_helpers import ServerProcess, wait_until
+from server_helpers import ServerProcess
 
 from flashlet.server.diagnostics import (EDGES, LogHistogram, LoopCounters, level_figures,
                                          quantiles)
@@ -96,9 +96,7 @@ def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
     p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
                       "--api-server-count", "2", "--served-model-name", "m")
     try:
-        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
-                   "the server to load its model", interval=0.1)
-        assert p.proc.poll() is None, p.log
+        p.wait_serving(180)
         before = httpx.get(p.url + "/debug/stats", timeout=30).json()
         t0 = time.monotonic()
 

@@ -19,7 +19,7 @@ import pytest
 from concurrent.futures import ThreadPoolExecutor
 
 from server_helpers import (ServerProcess, ServerThread, parse_sse, run_slow_engine_core,
-                            wait_until)
+                            serving_core, wait_until)
 
 from flashlet import EngineConfig
 import flashlet.server.core_client
@@ -46,15 +46,8 @@ def tiny_long_qwen2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp_server(tiny_long_qwen2):
     client = CoreClient(_config(tiny_long_qwen2), data_parallel_size=2).start()
-    srv = None
-    try:
-        assert client.wait_ready(180), client.error
-        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
-        yield client, srv
-    finally:
-        if srv is not None:
-            srv.stop()
-        client.stop()
+    with serving_core(client, model_name="tiny") as served:
+        yield served
 
 
 def assert_cores_idle(client: CoreClient) -> None:
@@ -210,9 +203,7 @@ def test_a_dead_core_ends_every_open_request_with_an_error(tiny_qwen2):
 def test_the_cli_exits_nonzero_when_its_engine_core_dies(tiny_qwen2):
     p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "64", "--no-access-log")
     try:
-        wait_until(lambda: "serving on" in p.log or p.proc.poll() is not None, 180,
-                   "the server to load its model", interval=0.1)
-        assert p.proc.poll() is None, p.log
+        p.wait_serving(180)
         pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

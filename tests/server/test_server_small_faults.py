@@ -9,14 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from server_helpers import (MODEL_NAME, REPO, ServerThread, assert_no_leaks, idle_stats,
-                            wait_until)
+                            serving_core, wait_until)
 
 import flashlet.server.frontend as frontend
 from flashlet import Engine, EngineConfig
@@ -89,15 +87,8 @@ def test_a_huge_model_value_is_not_echoed_whole(server, idle):
 @pytest.fixture(scope="module")
 def core_server(tiny_qwen2):
     client = CoreClient(EngineConfig(model=str(tiny_qwen2), max_num_pages=64)).start()
-    srv = None
-    try:
-        assert client.wait_ready(180), client.error
-        srv = ServerThread(create_app(client, ServerConfig(model_name="tiny"))).start()
-        yield client, srv
-    finally:
-        if srv is not None:
-            srv.stop()
-        client.stop()
+    with serving_core(client, model_name="tiny") as served:
+        yield served
 
 
 @pytest.mark.slow

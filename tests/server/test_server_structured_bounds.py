@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ServerThread, wait_until
+from server_helpers import ServerThread, serving_core, wait_until
 
 from flashlet import EngineConfig
 from flashlet.server import CoreClient, ServerConfig, create_app
@@ -32,15 +32,8 @@ def core_server(demo_model_dir):
                           structured_output_timeout_s=COMPILE_TIMEOUT_S,
                           structured_output_max_pattern_size=20_000)
     client = CoreClient(config).start()
-    srv = None
-    try:
-        assert client.wait_ready(180), client.error
-        srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
-        yield client, srv
-    finally:
-        if srv is not None:
-            srv.stop()
-        client.stop()
+    with serving_core(client, model_name=NAME) as served:
+        yield served
 
 
 def assert_every_counter_at_zero(client: CoreClient) -> None:

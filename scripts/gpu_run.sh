@@ -127,6 +127,7 @@ for part in "${PARTS[@]}"; do
                    --concurrency 1 8 32 128 --max-new-tokens 32 --peer hf \
                    --out "$OUT/json/closed-loop.json" ;;
     serve)
+      cute_env  # one stream is measured with the fused path on, as a user with the DSL gets it
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
         --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 4 16 64 256} --max-new-tokens 128 \
         ${API_SERVERS:+--api-server-count $API_SERVERS} ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \

@@ -144,9 +144,10 @@ class _DecodeColumns(NamedTuple):
     version: int  # the batch's then: the same version, the same occupants
     rows: np.ndarray
     positions: np.ndarray  # int64
+    slots: np.ndarray  # int64
     kv_ptr: np.ndarray  # int32, paged_kv_indptr
     indices: np.ndarray  # int32, paged_kv_indices
-    slots: np.ndarray  # int64
+    kv_lens: np.ndarray  # int32
     indices_changed: bool = False  # a row's indexed pages were replaced since
 
 
@@ -254,16 +255,17 @@ class InputBatch:
     def _keep_decode(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Keep a decode step's columns (every row one token, every row sampling): the next
         step may be the same rows one token on (`_advance`)."""
-        self._decode = _DecodeColumns(self.version, rows, arrays["positions"],
-                                      arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
-                                      arrays["slot_mapping"])
+        self._decode = _DecodeColumns(
+            self.version, rows, arrays["positions"], arrays["slot_mapping"],
+            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"])
 
     def _advance(self, token_ids: Sequence[int] | None) -> "StepLayout":
         """A steady decode step's layout: the last step's rows, in its order, each computing
-        the token after its last one (token_ids; None: each the token it sampled, fed), made
-        from the last step's columns in a few vectorised ops. Most rows stay on their page:
-        their slots move by one and the page indices stay; a row whose token starts a page
-        gets that page inserted after its others."""
+        the token after its last one (token_ids; None: each the token it sampled, fed), moved
+        on from the last step's columns. Most rows stay on their page: their slot moves by one
+        and their page indices stay; a row whose token starts a page has that page inserted
+        after its others. (Few numpy calls: each costs microseconds, more after a forward has
+        evicted the host's caches, and a steady step should cost fewer than a rebuild.)"""
         last = self._decode
         if last is None or last.version != self.version:
             raise ValueError("a steady update needs the last step to be a decode step of the "
@@ -273,26 +275,38 @@ class InputBatch:
         page, offset = np.divmod(positions, ps)
         if last.indices_changed:  # the prefix cache swapped pages in: gather them all again
             kv_ptr, indices = self._gather_pages(rows, page + 1)
-            slots = np.multiply(indices[kv_ptr[1:] - 1], ps, dtype=np.int64) + offset
             kv_ptr = kv_ptr.astype(np.int32)
+            slots = np.multiply(indices[kv_ptr[1:] - 1], ps, dtype=np.int64) + offset
         else:
             kv_ptr, indices, slots = last.kv_ptr, last.indices, last.slots + 1
-            starting = (offset == 0).nonzero()[0]  # rows whose token is its page's first
+            starting = np.flatnonzero(offset == 0)  # rows whose token is its page's first
             if len(starting):
-                kv_ptr, indices = self._insert_pages(last, starting, page[starting])
-                slots[starting] = np.multiply(indices[kv_ptr[starting + 1] - 1], ps,
-                                              dtype=np.int64)
-        self._decode = _DecodeColumns(self.version, rows, positions, kv_ptr, indices, slots)
-        return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset + 1,
-                                   token_ids)
+                kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
+        kv_lens = last.kv_lens + 1
+        self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
+                                      kv_lens)
+        self._note_sampled(rows, kv_lens)
+        n = len(rows)
+        input_ids, feed_rows, feed_src = (
+            (np.zeros(n, np.int64), self._counting[:n], self.sample_index[rows])
+            if token_ids is None else self._inputs(token_ids, rows))
+        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                      qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
+                      paged_kv_indices=indices,
+                      paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
+                      logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
+        return self._decode_step(arrays, n)
 
-    def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray,
-                      page: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray, page: np.ndarray,
+                      slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The last step's page indices with page `page[i]` of row `starting[i]` appended to
-        that row's run -> (indptr, indices)."""
+        that row's run, and that row's slot (its page's first) set -> (indptr, indices)."""
         rows = last.rows[starting]
         if (self.num_pages[rows] <= page).any():
             raise ValueError("a row's page table holds fewer pages than its tokens need")
+        new = self.page_table[rows, page]
+        slots[starting] = new
+        slots[starting] *= self.page_size
         # Row starting[i]'s run ends at kv_ptr[starting[i] + 1], moved on by the i pages
         # inserted before it (np.insert does the same with more calls).
         at = last.kv_ptr[starting + 1] + self._counting32[: len(starting)]
@@ -300,10 +314,10 @@ class InputBatch:
         kept = np.ones(len(indices), bool)
         kept[at] = False
         indices[kept] = last.indices
-        indices[at] = self.page_table[rows, page]
-        kv_ptr = last.kv_ptr.copy()
-        kv_ptr[1:] += np.searchsorted(starting, self._counting[: len(kv_ptr) - 1], "right")
-        return kv_ptr, indices
+        indices[at] = new
+        # Boundary j moves on by the pages inserted before it: those of rows before row j.
+        moved = np.searchsorted(starting, self._counting32[: len(last.kv_ptr)])
+        return np.add(last.kv_ptr, moved, dtype=np.int32), indices
 
     @property
     def sampled_output_index(self) -> np.ndarray:
@@ -364,21 +378,23 @@ class InputBatch:
     def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
         """Page-table changes (request id, first entry, ids from it on) in one numpy write:
         most are one appended page each, and a write a row cost more than the rest of them."""
-        rows, columns, ids, ends, inside = [], [], [], {}, False
+        rows, columns, ids, ends, firsts = [], [], [], {}, []
         for request_id, first, page_ids in changes:
             row, end = self.row_of[request_id], first + len(page_ids)
-            inside |= first < self.num_pages[row]  # not an append: entries a step read change
             rows += [row] * len(page_ids)
             columns += range(first, end)
             ids += page_ids
             ends[row] = end
+            firsts.append(first)
         if max(ends.values()) > self.page_table.shape[1]:
             raise ValueError(f"a page table of {max(ends.values())} pages; rows hold "
                              f"{self.page_table.shape[1]}")
-        self.page_table[rows, columns] = ids
-        self.num_pages[list(ends)] = list(ends.values())
-        if inside and self._decode is not None:
+        changed = list(ends)
+        # A change from inside a row's table (not an append) replaces entries a step read.
+        if self._decode is not None and (self.num_pages[changed] > firsts).any():
             self._decode = self._decode._replace(indices_changed=True)
+        self.page_table[rows, columns] = ids
+        self.num_pages[changed] = list(ends.values())
 
     def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
                query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None,
@@ -451,6 +467,10 @@ class InputBatch:
                       paged_kv_last_page_len=last_page_len.astype(np.int32),
                       kv_lens=(positions + 1).astype(np.int32),
                       logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
+        return self._decode_step(arrays, n)
+
+    def _decode_step(self, arrays: dict[str, np.ndarray], n: int) -> "StepLayout":
+        """The layout of a decode step of n rows whose fields are `arrays`."""
         layout = StepLayout.from_arrays(arrays)
         # the cached properties' values, known already
         layout.query_lens = self._ones32[:n]

@@ -255,13 +255,13 @@ def test_n_samples_and_stop_strings_through_llm(demo_model_dir):
     prompt = ("Repeat this list exactly: apples, pears, plums, figs, dates, limes. "
               "Repeat: apples, pears, plums, figs, dates, limes. Repeat:")
     base = SamplingParams(max_new_tokens=24, n=2)
-    plain = LLM(str(demo_model_dir)).generate([prompt], base)
+    without = LLM(str(demo_model_dir))
+    plain = without.generate([prompt], base)
     llm = LLM(str(demo_model_dir), speculative_config=NGRAM)
     spec = llm.generate([prompt], base)
     assert [o.text for o in spec] == [o.text for o in plain]
     stopped = llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=["figs"]))
-    reference = LLM(str(demo_model_dir)).generate([prompt], SamplingParams(max_new_tokens=24,
-                                                                          stop=["figs"]))
+    reference = without.generate([prompt], SamplingParams(max_new_tokens=24, stop=["figs"]))
     assert stopped[0].text == reference[0].text and "figs" not in stopped[0].text
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     llm.engine.check_integrity()

@@ -612,6 +612,8 @@ def test_steady_decode_steps_move_the_last_columns_on_to_the_reference_layout(ps
         for name, tensor in layout.tensors().items():
             assert tensor.tolist() == want[name], (name, rows)
         assert layout.is_pure_decode and layout.max_query_len == 1
+        # each row samples output token kv_len - prompt (none here): a seeded row's noise key
+        assert batch.sampled_output_index.tolist() == want["kv_lens"]
         steady += 1
         update.steady, update.pages = False, []  # the next loop's first apply: the same step
         update.request_ids, update.starts = step, [starts[i] + 1 for i in step]

@@ -392,7 +392,7 @@ class Scheduler:
         part of a 256-row step's host time, issue 13); any other row (a stop, its last token, a
         failure, logprobs) goes through every check in _update_row."""
         outputs = []
-        finished, eos = RequestStatus.FINISHED, self.eos_token_ids
+        append, finished, eos = outputs.append, RequestStatus.FINISHED, self.eos_token_ids
         for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
             if req.status is finished:  # aborted, or stopped by the step before: this row is void
                 continue
@@ -403,10 +403,10 @@ class Scheduler:
                     and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
-                outputs.append(RequestOutput(req.request_id, [token], False, None,
-                                             req.prompt_token_ids, None, req.num_cached_tokens))
+                append(RequestOutput(req.request_id, [token], False, None, req.prompt_token_ids,
+                                     None, req.num_cached_tokens))
             else:
-                outputs.append(self._update_row(req, row, slot, token, logprobs))
+                append(self._update_row(req, row, slot, token, logprobs))
         return outputs
 
     def _update_row(self, req: Request, row: int, slot: int, token, logprobs) -> RequestOutput:

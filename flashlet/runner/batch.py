@@ -286,16 +286,8 @@ class InputBatch:
         self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
                                       kv_lens)
         self._note_sampled(rows, kv_lens)
-        n = len(rows)
-        input_ids, feed_rows, feed_src = (
-            (np.zeros(n, np.int64), self._counting[:n], self.sample_index[rows])
-            if token_ids is None else self._inputs(token_ids, rows))
-        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
-                      paged_kv_indices=indices,
-                      paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
-                      logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
-        return self._decode_step(arrays, n)
+        return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
+                                   token_ids)
 
     def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray, page: np.ndarray,
                       slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -448,13 +440,13 @@ class InputBatch:
         # a decode token's page is its sequence's last one
         slots = np.multiply(indices[kv_ptr[1:] - 1], self.page_size, dtype=np.int64) + offset
         return self._decode_layout(rows, starts, slots, kv_ptr.astype(np.int32), indices,
-                                   offset + 1, token_ids)
+                                   offset, (starts + 1).astype(np.int32), token_ids)
 
     def _decode_layout(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                       kv_ptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray,
-                       token_ids: Sequence[int] | None) -> "StepLayout":
-        """A decode step's layout from its per-row columns (the rest are counts). token_ids
-        None: every row's token is fed from the step before."""
+                       kv_ptr: np.ndarray, indices: np.ndarray, offset: np.ndarray,
+                       kv_lens: np.ndarray, token_ids: Sequence[int] | None) -> "StepLayout":
+        """A decode step's layout from its per-row columns (offset: each token's in its page;
+        the rest are counts). token_ids None: every row's token is fed from the step before."""
         n = len(rows)
         if token_ids is None:
             input_ids, feed_rows = np.zeros(n, np.int64), self._counting[:n]
@@ -464,13 +456,8 @@ class InputBatch:
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                       qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
                       paged_kv_indices=indices,
-                      paged_kv_last_page_len=last_page_len.astype(np.int32),
-                      kv_lens=(positions + 1).astype(np.int32),
+                      paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
                       logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
-        return self._decode_step(arrays, n)
-
-    def _decode_step(self, arrays: dict[str, np.ndarray], n: int) -> "StepLayout":
-        """The layout of a decode step of n rows whose fields are `arrays`."""
         layout = StepLayout.from_arrays(arrays)
         # the cached properties' values, known already
         layout.query_lens = self._ones32[:n]

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # for scripts/ (the server start-up helpers)
+from scripts.api_overhead import free_port, wait_ready  # noqa: E402
 TTFT_HOPS = ["c_send", "http", "handler", "tok", "submitted", "core_recv", "added", "step_done",
              "core_sent", "api_recv", "push", "sse", "c_recv"]
 TOKEN_HOPS = ["core_sent_prev", "step_start", "step_done", "core_sent", "api_recv", "push",
@@ -215,20 +217,6 @@ def run_client(port: int, requests: int, tokens: int, log: Log) -> None:
                 buf += chunk
 
 
-def wait_for_health(port: int, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not come up")
-
-
 def read_events(folder: str) -> list[tuple[float, str]]:
     events = []
     for name in ("api.txt", "core.txt", "client.txt"):
@@ -312,15 +300,13 @@ def main() -> None:
 
         model = save_tiny_model("qwen2", os.path.join(folder, "model"), vocab_size=49152)
         engine_args = {"model": str(model), "device": "cpu"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
                                json.dumps(engine_args), "--tokenizer", args.tokenizer],
                               env=env, cwd=ROOT)
     try:
-        wait_for_health(port)
+        wait_ready(port, server)
         log = Log(os.path.join(folder, "client.txt"))
         run_client(port, args.requests, args.tokens, log)
         log.flush()

@@ -8,7 +8,8 @@ update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
     python scripts/bench_host_step.py --stub-forward      # the host work alone (see below)
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
-rounds of --steps steps each (after a warm-up). The CPU forward evicts the host's caches between
+rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
+a GPU settles it: engine.settle_heap). The CPU forward evicts the host's caches between
 steps (the host work after it runs ~2x slower than warm here), which a GPU step's graph replay
 does not: --stub-forward replaces the forward with a fixed table of logits, so a step is the
 engine's host work alone, in caches as warm as it leaves them.
@@ -32,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's flashlet and 
 from conftest import save_tiny_model  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
+from flashlet.core.engine import settle_heap  # noqa: E402
 
 
 def decoding_engine(folder: str, num_seqs: int) -> Engine:
@@ -43,6 +45,9 @@ def decoding_engine(folder: str, num_seqs: int) -> Engine:
         engine.add_request([(b * 7 + i) % 200 + 2 for i in range(100)], params)
     for _ in range(30):
         engine.step()
+    # As an engine on a GPU does at start: the collector no longer walks start-up's objects
+    # (torch's, the model's), which the CPU engine leaves in its reach.
+    settle_heap()
     return engine
 
 

@@ -251,17 +251,16 @@ def test_logprobs_of_every_accepted_token(tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_n_samples_and_stop_strings_through_llm(demo_model_dir):
+def test_n_samples_and_stop_strings_through_llm(demo_model_dir, demo_llm):
     prompt = ("Repeat this list exactly: apples, pears, plums, figs, dates, limes. "
               "Repeat: apples, pears, plums, figs, dates, limes. Repeat:")
     base = SamplingParams(max_new_tokens=24, n=2)
-    plain = LLM(str(demo_model_dir)).generate([prompt], base)
+    plain = demo_llm.generate([prompt], base)  # the session's plain engine: one build less
     llm = LLM(str(demo_model_dir), speculative_config=NGRAM)
     spec = llm.generate([prompt], base)
     assert [o.text for o in spec] == [o.text for o in plain]
     stopped = llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=["figs"]))
-    reference = LLM(str(demo_model_dir)).generate([prompt], SamplingParams(max_new_tokens=24,
-                                                                          stop=["figs"]))
+    reference = demo_llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=["figs"]))
     assert stopped[0].text == reference[0].text and "figs" not in stopped[0].text
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     llm.engine.check_integrity()
@@ -417,7 +416,7 @@ def test_prompt_logprobs_and_embeddings_share_verify_steps(tiny_qwen2):
 
 
 @pytest.mark.slow
-def test_structured_output_speculates_within_its_grammar(demo_model_dir):
+def test_structured_output_speculates_within_its_grammar(demo_model_dir, demo_llm):
     """A request with a response_format speculates beside an unconstrained one: its verify
     rows are masked as its grammar stands after the proposals before them, and it advances
     over the accepted tokens only. Both outputs equal the run without speculation."""
@@ -427,8 +426,7 @@ def test_structured_output_speculates_within_its_grammar(demo_model_dir):
     params = [SamplingParams(max_new_tokens=40),
               SamplingParams(max_new_tokens=40, response_format={"type": "json_object"})]
 
-    def run(spec):
-        llm = LLM(str(demo_model_dir), speculative_config=spec)
+    def run(llm):
         engine = llm.engine
         ids = [engine.add_request(repeat, params[0])]
         done = {}
@@ -439,8 +437,8 @@ def test_structured_output_speculates_within_its_grammar(demo_model_dir):
         run_all(engine, done)
         return [done[i] for i in ids], llm
 
-    plain, _ = run(None)
-    spec, llm = run(NGRAM)
+    plain, _ = run(demo_llm)  # the session's plain engine
+    spec, llm = run(LLM(str(demo_model_dir), speculative_config=NGRAM))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[1].finish_reason in ("stop", "length") and spec[1].error is None
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
@@ -496,10 +494,10 @@ PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at d
 
 
 @pytest.mark.slow
-def test_smollm_greedy_output_matches_on_an_input_grounded_prompt(demo_model_dir):
+def test_smollm_greedy_output_matches_on_an_input_grounded_prompt(demo_model_dir, demo_llm):
     conversation = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAPH}"}]
     params = SamplingParams(max_new_tokens=64)
-    plain = LLM(str(demo_model_dir)).chat([conversation], params)[0]
+    plain = demo_llm.chat([conversation], params)[0]
     llm = LLM(str(demo_model_dir), speculative_config=NGRAM)
     spec = llm.chat([conversation], params)[0]
     assert spec.token_ids == plain.token_ids

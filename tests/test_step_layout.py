@@ -158,7 +158,7 @@ def test_engine_steps_get_the_reference_layout(tiny_qwen2, monkeypatch):
     for overlap in (True, False):
         engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_pages=14,
                                      max_num_seqs=4, max_num_batched_tokens=16, overlap=overlap))
-        steps = {"decode": 0, "fed": 0}
+        steps = {"decode": 0, "fed": 0, "steady": 0}
         scheduled = []
         schedule, prepare = engine.scheduler.schedule, engine.runner.prepare
         previous_sampling = []
@@ -185,6 +185,7 @@ def test_engine_steps_get_the_reference_layout(tiny_qwen2, monkeypatch):
                 assert tensor.tolist() == want[name], name
             steps["decode"] += got.is_pure_decode
             steps["fed"] += len(want["feed_rows"]) > 0
+            steps["steady"] += update.steady  # moved on from the last step's columns
             previous_sampling = list(sched.sampling)
             return got
 
@@ -200,6 +201,7 @@ def test_engine_steps_get_the_reference_layout(tiny_qwen2, monkeypatch):
             engine.check_integrity()
         assert engine.stats()["num_preemptions"] > 0 and steps["decode"] > 5
         assert (steps["fed"] > 5) == overlap
+        assert steps["steady"] > 5
         # Every row is a running request's, or one whose removal the next step's update carries.
         assert set(engine.runner.batch.row_of) <= set(engine.scheduler._rows_removed)
 
@@ -569,3 +571,70 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
     while engine.has_unfinished():
         engine.step()
     assert set(runner.graphs) == captured, set(runner.graphs) - captured
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_steady_decode_steps_move_the_last_columns_on_to_the_reference_layout(ps):
+    """A run of steady updates (the same rows, each one token on: positions, slots and page
+    indices moved on from the last step, not rebuilt) gives the reference layout each step:
+    rows crossing into a new page, pages appended, the prefix cache swapping a row's indexed
+    pages, tokens fed (None) or given."""
+    from flashlet.core.scheduler import BatchUpdate
+
+    rng = random.Random(200 + ps)
+    batch = InputBatch(8, 200, ps)
+    tables = {i: rng.sample(range(2000), rng.randrange(1, 4)) for i in range(6)}
+    starts = {i: rng.randrange(0, len(t) * ps) for i, t in tables.items()}
+    step = rng.sample(sorted(tables), 5)  # row order differs from id order; one id sits out
+    update = BatchUpdate(added=[(i, t) for i, t in tables.items()], request_ids=step,
+                         starts=[starts[i] for i in step],
+                         token_ids=[rng.randrange(1, 100) for _ in step])
+    steady = 0
+    for _ in range(60):
+        batch.apply(update)
+        update = BatchUpdate(steady=True)
+        for i in step:
+            starts[i] += 1
+            need = starts[i] // ps + 1
+            if len(tables[i]) < need:  # its token starts a page: appended, as _reserve does
+                update.pages.append((i, len(tables[i]), new := rng.sample(range(2000, 4000), 1)))
+                tables[i] = tables[i] + new
+            elif rng.random() < 0.05:  # the prefix cache swaps in its copies of full pages
+                first = rng.randrange(0, need)
+                tables[i] = tables[i][:first] + rng.sample(range(4000, 6000), need - first)
+                update.pages.append((i, first, tables[i][first:]))
+        fed = rng.random() < 0.5
+        tokens = [PLACEHOLDER if fed else rng.randrange(1, 100) for _ in step]
+        update.token_ids = None if fed else tokens
+        layout = batch.apply(update)
+        rows = [StepRow([t], starts[i], tables[i], True, n) for n, (i, t) in enumerate(zip(step, tokens))]
+        want = reference_layout(rows, ps)
+        for name, tensor in layout.tensors().items():
+            assert tensor.tolist() == want[name], (name, rows)
+        assert layout.is_pure_decode and layout.max_query_len == 1
+        # each row samples output token kv_len - prompt (none here): a seeded row's noise key
+        assert batch.sampled_output_index.tolist() == want["kv_lens"]
+        steady += 1
+        update.steady, update.pages = False, []  # the next loop's first apply: the same step
+        update.request_ids, update.starts = step, [starts[i] + 1 for i in step]
+        update.token_ids = [rng.randrange(1, 100) for _ in step]
+        for i in step:
+            starts[i] += 1
+            if len(tables[i]) < starts[i] // ps + 1:
+                update.pages.append((i, len(tables[i]), new := rng.sample(range(2000, 4000), 1)))
+                tables[i] = tables[i] + new
+    assert steady == 60
+
+
+def test_a_steady_update_needs_the_last_step_to_be_a_decode_of_the_same_rows():
+    from flashlet.core.scheduler import BatchUpdate
+
+    batch = InputBatch(4, 4, 4)
+    first = BatchUpdate(added=[(1, [5]), (2, [6])], request_ids=[1, 2], starts=[0, 0],
+                        token_ids=[3, 4], query_lens=[1, 1], sample=[True, False])
+    batch.apply(first)  # row 2 does not sample: the next step cannot be steady
+    with pytest.raises(ValueError, match="steady update"):
+        batch.apply(BatchUpdate(steady=True))
+    batch.apply(BatchUpdate(request_ids=[1, 2], starts=[1, 1], token_ids=[3, 4]))
+    with pytest.raises(ValueError, match="steady update"):  # a row left since
+        batch.apply(BatchUpdate(removed=[2], steady=True, token_ids=[7]))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flashlet.models.weights import preset_config_path
 from torchlet import VERSIONS
 
 PACKAGE_DIR = Path(__file__).parent
@@ -78,14 +79,11 @@ def select_versions(patterns: list[str] | None) -> list[str]:
 
 
 def resolve_config_path(config: str) -> Path:
-    path = Path(config)
-    if path.is_file():
-        return path
-    named = CONFIGS_DIR / f"{config}.json"
-    if named.is_file():
-        return named
-    known = ", ".join(p.stem for p in sorted(CONFIGS_DIR.glob("*.json")))
-    raise SystemExit(f"no config file {config!r} (names in torchlet/configs: {known})")
+    """A config.json path, or the name of one in torchlet/configs."""
+    try:
+        return preset_config_path(config, CONFIGS_DIR)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def random_model_dir(config_path: Path, dtype: torch.dtype, out_dir: Path) -> Path:

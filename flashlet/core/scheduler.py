@@ -69,6 +69,11 @@ class BatchUpdate:
     # Proposals each row verifies (speculative.py), its last spec_lens[i] tokens; each of its
     # last 1 + spec_lens[i] tokens is then sampled. None: no row verifies any.
     spec_lens: list[int] | None = None
+    # The rows are the last step's, in its order, each one token on (a decode step after a
+    # decode step of the same requests, each sampling in both): request_ids and starts are
+    # left empty, and token_ids is None where every row's token is the one it sampled last
+    # step, not read yet (overlap): the batch moves its last columns on (InputBatch._advance).
+    steady: bool = False
 
 
 @dataclass
@@ -148,6 +153,10 @@ class Scheduler:
         self._rows_removed: list[int] = []
         self._rows_added: list[Request] = []
         self._pages_changed: dict[int, int] = {}  # request id -> first page entry changed
+        # The last update's requests if it was a decode step with every row sampling: the
+        # next step of the same requests is steady (BatchUpdate.steady).
+        self._last_decode: list[Request] | None = None
+        self._unread: SchedulerOutput | None = None  # launched, its tokens not written in
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -192,7 +201,28 @@ class Scheduler:
                 update.pages.append((i, first, req.page_ids[first:]))
         self._rows_removed, self._rows_added, self._pages_changed = [], [], {}
         every_row_samples = len(out.sampling) == len(out.scheduled)
-        # (then `sampling` lists the scheduled requests, in order: no list to build)
+        decode = every_row_samples and out.is_pure_decode
+        if decode and not (update.removed or update.added) and out.sampling == self._last_decode:
+            self._fill_steady(update, out.sampling)
+        else:
+            self._fill_columns(update, out, every_row_samples)
+        self._last_decode = out.sampling if decode else None
+        return update
+
+    def _fill_steady(self, update: BatchUpdate, reqs: list[Request]) -> None:
+        """A steady step's columns: its tokens, unless each is still the placeholder of the
+        last step's sampled token (that step is not read yet)."""
+        update.steady = True
+        if self._unread is None:
+            update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1]
+                                for req in reqs]
+        else:
+            update.token_ids = None
+
+    def _fill_columns(self, update: BatchUpdate, out: SchedulerOutput,
+                      every_row_samples: bool) -> None:
+        """The step's columns, one entry per scheduled request in row order."""
+        # (every row sampling: `sampling` lists the scheduled requests, in order)
         reqs = out.sampling if every_row_samples else [req for req, _ in out.scheduled]
         update.request_ids = [req.request_id for req in reqs]
         update.starts = starts = [req.num_computed_tokens for req in reqs]
@@ -209,7 +239,6 @@ class Scheduler:
         else:
             update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
             update.sample = [start + 1 == req.num_tokens for req, start in zip(reqs, starts)]
-        return update
 
     @staticmethod
     def _add_proposals(update: BatchUpdate, reqs: list[Request],
@@ -322,6 +351,7 @@ class Scheduler:
         that completed a page are noted for `update` to cache it (no pass over every row)."""
         out.slots, out.filled = slots, filled = [], []
         ps = self.page_size
+        self._unread = out
         if len(out.sampling) == len(out.scheduled) and out.is_pure_decode:
             # Every row a decode that samples (the steady state): one pass; the rows of
             # `sampling` are those of `scheduled`, in the same order.
@@ -346,6 +376,8 @@ class Scheduler:
         """The launched step's sampled tokens (one per sampling row; an Exception where that
         row's sampling failed) and their logprobs (sampler.StepLogprobs, for the rows that
         asked) -> the requests' outputs. Stop checks, page caching, retiring."""
+        if self._unread is out:
+            self._unread = None
         outputs = self._append_tokens(out, tokens, logprobs)
         if self.enable_prefix_cache:
             finished = RequestStatus.FINISHED
@@ -360,7 +392,7 @@ class Scheduler:
         part of a 256-row step's host time, issue 13); any other row (a stop, its last token, a
         failure, logprobs) goes through every check in _update_row."""
         outputs = []
-        finished, eos = RequestStatus.FINISHED, self.eos_token_ids
+        append, finished, eos = outputs.append, RequestStatus.FINISHED, self.eos_token_ids
         for row, (req, slot, token) in enumerate(zip(out.sampling, out.slots, tokens)):
             if req.status is finished:  # aborted, or stopped by the step before: this row is void
                 continue
@@ -371,10 +403,10 @@ class Scheduler:
                     and (slot or req.prompt_logprobs is None)):  # only the first carries them
                 req.output_token_ids[slot] = token
                 # req.output([token]) of a request that goes on without logprobs
-                outputs.append(RequestOutput(req.request_id, [token], False, None,
-                                             req.prompt_token_ids, None, req.num_cached_tokens))
+                append(RequestOutput(req.request_id, [token], False, None, req.prompt_token_ids,
+                                     None, req.num_cached_tokens))
             else:
-                outputs.append(self._update_row(req, row, slot, token, logprobs))
+                append(self._update_row(req, row, slot, token, logprobs))
         return outputs
 
     def _update_row(self, req: Request, row: int, slot: int, token, logprobs) -> RequestOutput:

@@ -497,15 +497,16 @@ def load_tokenizer(model_dir: Path):
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 
-def preset_config_path(name_or_path: str) -> Path:
-    """A preset name (e.g. qwen2.5-0.5b) or a config.json path -> the config file."""
+def preset_config_path(name_or_path: str, presets_dir: Path = PRESETS_DIR) -> Path:
+    """A preset name (e.g. qwen2.5-0.5b) or a config.json path -> the config file (presets_dir:
+    where the names are; torchlet keeps its own)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    preset = PRESETS_DIR / f"{name_or_path}.json"
+    preset = presets_dir / f"{name_or_path}.json"
     if preset.is_file():
         return preset
-    names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+    names = ", ".join(sorted(p.stem for p in presets_dir.glob("*.json")))
     raise ValueError(f"unknown config {name_or_path!r}: not a file and not a preset ({names})")
 
 

@@ -138,6 +138,19 @@ LAYOUT_DTYPES = {f.name: torch.int32 if f.name in _INT32 else torch.int64
                  for f in fields(StepLayout)}
 
 
+class _DecodeColumns(NamedTuple):
+    """A decode step's per-row columns, kept for the next step if it is the same rows."""
+
+    version: int  # the batch's then: the same version, the same occupants
+    rows: np.ndarray
+    positions: np.ndarray  # int64
+    slots: np.ndarray  # int64
+    kv_ptr: np.ndarray  # int32, paged_kv_indptr
+    indices: np.ndarray  # int32, paged_kv_indices
+    kv_lens: np.ndarray  # int32
+    indices_changed: bool = False  # a row's indexed pages were replaced since
+
+
 class InputBatch:
     """The model runner's persistent batch: one row per request the scheduler runs, kept from
     step to step, so a step costs work for what changed, not for every row.
@@ -175,6 +188,7 @@ class InputBatch:
         self._counting = np.arange(max_seqs + 1, dtype=np.int64)
         self._counting32 = np.arange(max_seqs + 1, dtype=np.int32)
         self._ones32 = np.ones(max_seqs, np.int32)
+        self._decode: _DecodeColumns | None = None  # the last decode step's (see _advance)
         self.num_prompt_tokens = np.zeros(max_seqs, np.int64)
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
         # One entry per sampled position of the last step (a row with several sampled query
@@ -217,18 +231,85 @@ class InputBatch:
             self.add(*new_row)
         if update.pages:
             self._change_pages(update.pages)
+        if update.steady:
+            return self._advance(update.token_ids)
         rows = self._rows_of(update.request_ids)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample, update.spec_lens)
+        self._decode = None
+        if update.query_lens is None and update.sample is None and update.spec_lens is None:
+            self._keep_decode(rows, layout.arrays)
         kv_lens = layout.arrays["kv_lens"]
         if update.sample is not None:
             sampled = np.asarray(update.sample, bool)
             rows, kv_lens = rows[sampled], kv_lens[sampled]
+        self._note_sampled(rows, kv_lens)
+        return layout
+
+    def _note_sampled(self, rows: np.ndarray, kv_lens: np.ndarray) -> None:
         if rows is not self.sampled_rows:  # (else the last step's rows, each sampling again)
             self.sample_index[rows] = self._counting[: len(rows)]
             self.sampling_rows = rows.tolist()
         self.sampled_rows, self._sampled_kv_lens, self._output_index = rows, kv_lens, None
-        return layout
+
+    def _keep_decode(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Keep a decode step's columns (every row one token, every row sampling): the next
+        step may be the same rows one token on (`_advance`)."""
+        self._decode = _DecodeColumns(
+            self.version, rows, arrays["positions"], arrays["slot_mapping"],
+            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"])
+
+    def _advance(self, token_ids: Sequence[int] | None) -> "StepLayout":
+        """A steady decode step's layout: the last step's rows, in its order, each computing
+        the token after its last one (token_ids; None: each the token it sampled, fed), moved
+        on from the last step's columns. Most rows stay on their page: their slot moves by one
+        and their page indices stay; a row whose token starts a page has that page inserted
+        after its others. (Few numpy calls: each costs microseconds, more after a forward has
+        evicted the host's caches, and a steady step should cost fewer than a rebuild.)"""
+        last = self._decode
+        if last is None or last.version != self.version:
+            raise ValueError("a steady update needs the last step to be a decode step of the "
+                             "same rows, each sampling")
+        ps, rows = self.page_size, last.rows
+        positions = last.positions + 1
+        page, offset = np.divmod(positions, ps)
+        if last.indices_changed:  # the prefix cache swapped pages in: gather them all again
+            kv_ptr, indices = self._gather_pages(rows, page + 1)
+            kv_ptr = kv_ptr.astype(np.int32)
+            slots = np.multiply(indices[kv_ptr[1:] - 1], ps, dtype=np.int64) + offset
+        else:
+            kv_ptr, indices, slots = last.kv_ptr, last.indices, last.slots + 1
+            starting = np.flatnonzero(offset == 0)  # rows whose token is its page's first
+            if len(starting):
+                kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
+        kv_lens = last.kv_lens + 1
+        self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
+                                      kv_lens)
+        self._note_sampled(rows, kv_lens)
+        return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
+                                   token_ids)
+
+    def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray, page: np.ndarray,
+                      slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The last step's page indices with page `page[i]` of row `starting[i]` appended to
+        that row's run, and that row's slot (its page's first) set -> (indptr, indices)."""
+        rows = last.rows[starting]
+        if (self.num_pages[rows] <= page).any():
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        new = self.page_table[rows, page]
+        slots[starting] = new
+        slots[starting] *= self.page_size
+        # Row starting[i]'s run ends at kv_ptr[starting[i] + 1], moved on by the i pages
+        # inserted before it (np.insert does the same with more calls).
+        at = last.kv_ptr[starting + 1] + self._counting32[: len(starting)]
+        indices = np.empty(len(last.indices) + len(starting), np.int32)
+        kept = np.ones(len(indices), bool)
+        kept[at] = False
+        indices[kept] = last.indices
+        indices[at] = new
+        # Boundary j moves on by the pages inserted before it: those of rows before row j.
+        moved = np.searchsorted(starting, self._counting32[: len(last.kv_ptr)])
+        return np.add(last.kv_ptr, moved, dtype=np.int32), indices
 
     @property
     def sampled_output_index(self) -> np.ndarray:
@@ -289,18 +370,23 @@ class InputBatch:
     def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
         """Page-table changes (request id, first entry, ids from it on) in one numpy write:
         most are one appended page each, and a write a row cost more than the rest of them."""
-        rows, columns, ids, ends = [], [], [], {}
+        rows, columns, ids, ends, firsts = [], [], [], {}, []
         for request_id, first, page_ids in changes:
             row, end = self.row_of[request_id], first + len(page_ids)
             rows += [row] * len(page_ids)
             columns += range(first, end)
             ids += page_ids
             ends[row] = end
+            firsts.append(first)
         if max(ends.values()) > self.page_table.shape[1]:
             raise ValueError(f"a page table of {max(ends.values())} pages; rows hold "
                              f"{self.page_table.shape[1]}")
+        changed = list(ends)
+        # A change from inside a row's table (not an append) replaces entries a step read.
+        if self._decode is not None and (self.num_pages[changed] > firsts).any():
+            self._decode = self._decode._replace(indices_changed=True)
         self.page_table[rows, columns] = ids
-        self.num_pages[list(ends)] = list(ends.values())
+        self.num_pages[changed] = list(ends.values())
 
     def layout(self, rows: np.ndarray, starts: Sequence[int], token_ids: Sequence[int],
                query_lens: Sequence[int] | None = None, sample: Sequence[bool] | None = None,
@@ -311,61 +397,96 @@ class InputBatch:
         token's logits are sampled; spec_lens[i] (None: 0 each), how many of its tokens before
         the last are speculative proposals, whose logits are sampled too (a verify step). A
         PLACEHOLDER token takes the previous step's sampled token of its row (sample_index)."""
+        starts = np.array(starts, np.int64)
+        if query_lens is None and sample is None and spec_lens is None:
+            return self._fresh_decode_layout(rows, starts, token_ids)
         ps, width, i32, i64 = self.page_size, self.page_table.shape[1], np.int32, np.int64
         num_seqs, num_tokens = len(rows), len(token_ids)
-        # Every token fed (an overlapped decode step): the device writes them all in.
-        all_fed = token_ids.count(PLACEHOLDER) == num_tokens if num_tokens else False
-        input_ids = np.zeros(num_tokens, i64) if all_fed else np.array(token_ids, i64)
-        starts = np.array(starts, i64)
-        if query_lens is None:  # one token a row: row i is token i (the common step: few calls)
-            qo = self._counting32[: num_seqs + 1]
-            positions, token_rows, kv_lens = starts, rows, starts + 1
-            page, offset = np.divmod(positions, ps)
-            pages, last_page_len = page + 1, offset + 1
-            logits = self._counting[:num_seqs]
+        if query_lens is None:  # one token a row: row i is token i
+            lens = self._ones32[:num_seqs]
+            qo = self._counting[: num_seqs + 1]
+            positions, token_rows = starts, rows
         else:
             lens = np.array(query_lens, i64)
             qo = _indptr(lens)
             seq = np.repeat(np.arange(num_seqs), lens)
             positions = np.arange(num_tokens) + (starts - qo[:-1])[seq]
-            token_rows, kv_lens = rows[seq], starts + lens
-            page, offset = np.divmod(positions, ps)
-            pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
-            last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
-            logits = qo[1:] - 1
-        if (self.num_pages[rows] < pages).any():
-            raise ValueError("a row's page table holds fewer pages than its tokens need")
+            token_rows = rows[seq]
+        kv_lens = starts + lens
+        page, offset = np.divmod(positions, ps)
+        pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
+        last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
+        logits = qo[1:] - 1
         if spec_lens is not None:
             logits = _verify_rows(logits, np.asarray(spec_lens, i64), sample)
         elif sample is not None:
             logits = logits[np.asarray(sample, bool)]
-        kv_ptr = _indptr(pages)
-        # Each sequence's pages are its row's first `pages` entries: one gather over the table.
-        table = self.page_table.ravel()
-        indices = table[np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
-        if query_lens is None:  # a decode token's page is its sequence's last one
-            token_pages = indices[kv_ptr[1:] - 1]
-        else:
-            token_pages = table[token_rows * width + page]
-        slots = np.multiply(token_pages, ps, dtype=i64) + offset
-        if all_fed:
-            feed_rows, feed_src = self._counting[:num_tokens], self.sample_index[token_rows]
-        else:
-            feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
-            input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
-            feed_src = self.sample_index[token_rows[feed_rows]]
+        kv_ptr, indices = self._gather_pages(rows, pages)
+        slots = np.multiply(self.page_table.ravel()[token_rows * width + page], ps,
+                            dtype=i64) + offset
+        input_ids, feed_rows, feed_src = self._inputs(token_ids, token_rows)
         arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=qo.astype(i32, copy=False), paged_kv_indptr=kv_ptr.astype(i32),
-                      paged_kv_indices=indices,
-                      paged_kv_last_page_len=last_page_len.astype(i32),
+                      qo_indptr=qo.astype(i32), paged_kv_indptr=kv_ptr.astype(i32),
+                      paged_kv_indices=indices, paged_kv_last_page_len=last_page_len.astype(i32),
                       kv_lens=kv_lens.astype(i32), logits_indices=logits,
                       feed_rows=feed_rows, feed_src=feed_src)
+        return StepLayout.from_arrays(arrays)
+
+    def _fresh_decode_layout(self, rows: np.ndarray, starts: np.ndarray,
+                             token_ids: Sequence[int]) -> "StepLayout":
+        """A decode step (one token a row, every row sampling) built from its rows' tables."""
+        page, offset = np.divmod(starts, self.page_size)
+        kv_ptr, indices = self._gather_pages(rows, page + 1)
+        # a decode token's page is its sequence's last one
+        slots = np.multiply(indices[kv_ptr[1:] - 1], self.page_size, dtype=np.int64) + offset
+        return self._decode_layout(rows, starts, slots, kv_ptr.astype(np.int32), indices,
+                                   offset, (starts + 1).astype(np.int32), token_ids)
+
+    def _decode_layout(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       kv_ptr: np.ndarray, indices: np.ndarray, offset: np.ndarray,
+                       kv_lens: np.ndarray, token_ids: Sequence[int] | None) -> "StepLayout":
+        """A decode step's layout from its per-row columns (offset: each token's in its page;
+        the rest are counts). token_ids None: every row's token is fed from the step before."""
+        n = len(rows)
+        if token_ids is None:
+            input_ids, feed_rows = np.zeros(n, np.int64), self._counting[:n]
+            feed_src = self.sample_index[rows]
+        else:
+            input_ids, feed_rows, feed_src = self._inputs(token_ids, rows)
+        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                      qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
+                      paged_kv_indices=indices,
+                      paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
+                      logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
         layout = StepLayout.from_arrays(arrays)
-        if query_lens is None:  # the cached properties' values, known already
-            layout.query_lens = self._ones32[:num_seqs]
-            layout.is_pure_decode = True
-            layout.max_query_len = 1 if num_seqs else 0
+        # the cached properties' values, known already
+        layout.query_lens = self._ones32[:n]
+        layout.is_pure_decode = True
+        layout.max_query_len = 1 if n else 0
         return layout
+
+    def _gather_pages(self, rows: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's first pages[i] page-table entries, concatenated -> (indptr, indices)."""
+        if (self.num_pages[rows] < pages).any():
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        kv_ptr = _indptr(pages)
+        width = self.page_table.shape[1]
+        # one gather over the flat table
+        at = np.repeat(rows * width - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])
+        return kv_ptr, self.page_table.ravel()[at]
+
+    def _inputs(self, token_ids: Sequence[int], token_rows: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, fed rows, their sources): a PLACEHOLDER token's row is fed, from its
+        request's place in the previous step's sampled tokens, and holds 0 until then."""
+        num_tokens = len(token_ids)
+        if num_tokens and token_ids.count(PLACEHOLDER) == num_tokens:  # every token fed
+            return (np.zeros(num_tokens, np.int64), self._counting[:num_tokens],
+                    self.sample_index[token_rows])
+        input_ids = np.array(token_ids, np.int64)
+        feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
+        input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)
+        return input_ids, feed_rows, self.sample_index[token_rows[feed_rows]]
 
 
 _GREEDY = SamplingParams()

@@ -240,8 +240,9 @@ def test_an_idle_core_takes_a_burst_of_free_slots_plus_max_waiting(tiny_qwen2, m
             codes = list(pool.map(lambda _: httpx.post(srv.url + "/generate", json=body,
                                                        timeout=120).status_code, range(4)))
         assert codes == [200] * 4, codes
-        # Now really full: 2 running and 2 waiting in the core (long requests, slow steps).
-        long = {**body, "max_new_tokens": 40}
+        # Now really full: 2 running and 2 waiting in the core (long requests, slow steps:
+        # the first two run 20 steps, 4 s, while the test looks and is refused).
+        long = {**body, "max_new_tokens": 20}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(httpx.post, srv.url + "/generate", json=long, timeout=120)
                        for _ in range(4)]

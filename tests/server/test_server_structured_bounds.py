@@ -208,7 +208,8 @@ def test_the_core_stops_at_once_while_a_grammar_compiles(demo_model_dir):
         core_pid = client.cores[0].pid
         worker = wait_until(lambda: (kids := _children(core_pid)) and kids[0], 120,
                             "the compile worker")
-        wait_until(lambda: _cpu_seconds(worker) > 8, 120, "the compile to be under way")
+        # Its start (imports, the tokenizer's info) takes 2-3 CPU seconds; the compile, minutes.
+        wait_until(lambda: _cpu_seconds(worker) > 5, 120, "the compile to be under way")
     finally:
         if srv is not None:
             srv.stop()

@@ -1,6 +1,7 @@
 """Where one stream's time goes through the server, hop by hop (issue 32).
 
     PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
+        [--endpoint /generate_stream --prompt-words 400]   (the bench's request: flashlet.bench --url)
         [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
         [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
 
@@ -132,7 +133,7 @@ def serve(port: int, engine_args: dict, tokenizer: str) -> None:
 def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
     app_call = app_module.FlashletApp.__call__
     prompt_ids = frontend.Server.prompt_ids
-    check_model = frontend.Server.check_model
+    context = frontend.Server.context
     send_frame = core_client.CoreClient._send_frame_locked
     handle_frame = core_client.CoreClient._handle_frame
     deliver = core_client.CoreClient._deliver
@@ -140,7 +141,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
     frame_time = [0.0]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/generate")):
             log("http")
 
             async def timed_send(message):
@@ -151,9 +152,9 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
             return await app_call(self, scope, receive, timed_send)
         return await app_call(self, scope, receive, send)
 
-    def _check_model(self, model):  # the handler's first line: the body is parsed
+    async def _context(self):  # the handler's first await: the body is parsed
         log("handler")
-        return check_model(self, model)
+        return await context(self)
 
     async def _prompt_ids(self, *args, **kwargs):
         ids = await prompt_ids(self, *args, **kwargs)
@@ -179,7 +180,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
     app_module.FlashletApp.__call__ = __call__
     frontend.Server.prompt_ids = _prompt_ids
-    frontend.Server.check_model = _check_model
+    frontend.Server.context = _context
     core_client.CoreClient._send_frame_locked = _send_frame_locked
     core_client.CoreClient._handle_frame = _handle_frame
     core_client.CoreClient._deliver = _deliver
@@ -187,21 +188,40 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
 
 # ---- the client and the analysis ---------------------------------------------------------------
-def request_bytes(tokens: int) -> bytes:
-    body = {"model": "tiny", "prompt": "the quick brown fox jumps over a lazy dog while seven "
-            "wizards quietly judge boxing matches", "max_tokens": tokens, "ignore_eos": True,
-            "stream": True}
+SHORT_PROMPT = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge " \
+    "boxing matches"
+
+
+def request_bytes(tokens: int, endpoint: str = "/v1/completions",
+                  prompt: str = SHORT_PROMPT) -> bytes:
+    if endpoint == "/generate_stream":  # as flashlet.bench --url sends it
+        body = {"prompt": prompt, "max_new_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+    else:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
+                "stream": True}
     data = json.dumps(body).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return (f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
-def run_client(port: int, requests: int, tokens: int, log: Log) -> None:
-    payload = request_bytes(tokens)
+def payloads(args) -> list[bytes]:
+    """One request per --requests: the short prompt, or (--prompt-words) the bench's text
+    prompts of that many words, a fresh one each (no prefix-cache hits)."""
+    if not args.prompt_words:
+        return [request_bytes(args.tokens, args.endpoint)] * args.requests
+    from flashlet.bench.remote import text_specs
+
+    words = (args.prompt_words, args.prompt_words)
+    return [request_bytes(args.tokens, args.endpoint, spec.prompt)
+            for spec in text_specs(args.requests, words, (args.tokens, args.tokens), seed=0)]
+
+
+def run_client(port: int, requests: list[bytes], log: Log) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(requests):
+        for payload in requests:
             log("c_send")
             sock.sendall(payload)
             buf = b""
@@ -291,6 +311,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        choices=["/v1/completions", "/generate_stream"])
+    parser.add_argument("--prompt-words", type=int, default=0,
+                        help="the bench's text prompts of this many words (0: a short one)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
     parser.add_argument("--out")
     parser.add_argument("--tokenizer", default=str(ROOT / ".tok" / "smollm2"))
@@ -322,7 +346,7 @@ def main() -> None:
     try:
         wait_for_health(port)
         log = Log(os.path.join(folder, "client.txt"))
-        run_client(port, args.requests, args.tokens, log)
+        run_client(port, payloads(args), log)
         log.flush()
     finally:
         server.send_signal(signal.SIGTERM)

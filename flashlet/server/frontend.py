@@ -103,12 +103,14 @@ class ModelContext:
     def detokenizer(self, stop) -> IncrementalDetokenizer | None:
         return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, alone: bool = False) -> list[int]:
+        """`alone`: the caller serves nothing else now, so a long text need not leave the
+        event loop (TextEncoder.encode_async)."""
         if self.encoder is None:
             raise ApiError(400, f"{param}: this model has no tokenizer: send token ids, not text",
                            param)
         try:
-            ids = await self.encoder.encode_async(text, param)
+            ids = await self.encoder.encode_async(text, param, alone=alone)
         except PromptTooLong as e:
             raise ApiError(400, f"{param}: {e}", param, "context_length_exceeded") from None
         if not ids:
@@ -133,11 +135,11 @@ class ModelContext:
                 and await self.encoder.supports_tools_async())
 
     async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
-                       template_kwargs: dict | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, alone: bool = False) -> list[int]:
         if self.encoder is None or not self.encoder.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            ids = await self.encoder.chat_async(messages, tools, template_kwargs)
+            ids = await self.encoder.chat_async(messages, tools, template_kwargs, alone)
         except PromptTooLong as e:
             raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
@@ -559,6 +561,11 @@ class Server:
             for gen in gens:
                 gen.abort()  # a no-op once finished
 
+    @property
+    def alone(self) -> bool:
+        """No request of this process is streaming: its event loop has nobody else to serve."""
+        return self.loop.num_streams == 0
+
     def check_model(self, model: str) -> None:
         if model != self.config.model_name:
             raise ApiError(404, f"model: the model {echo(model)} does not exist; this server "
@@ -568,7 +575,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # OpenAI's list-of-prompts form, with one prompt
         if isinstance(prompt, str):
-            return await ctx.encode(prompt, param)
+            return await ctx.encode(prompt, param, alone=self.alone)
         return ctx.check_token_ids(prompt, param)
 
 

@@ -123,20 +123,25 @@ def test_text_encoder_encodes_a_long_text_in_pieces(tok, monkeypatch):
     monkeypatch.setattr(PieceEncoder, "encode",
                         lambda self, text, *a, **k: calls.append(text) or real(self, text, *a, **k))
     long_text, short_text = "the quick brown fox jumps " * 100, "the quick brown fox"
-    assert enc.encode(long_text) == encode_text(tok, long_text)
-    assert enc.encode(short_text) == encode_text(tok, short_text)
+    assert enc.encode(long_text) == enc.encode(long_text, in_pieces=True) == encode_text(
+        tok, long_text)
+    assert enc.encode(short_text, in_pieces=True) == encode_text(tok, short_text)
     messages = [{"role": "user", "content": long_text}]
-    assert enc.chat(messages) == encode_text(tok, tok.apply_chat_template(
+    assert enc.chat(messages, in_pieces=True) == encode_text(tok, tok.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True), allow_special=True,
         add_special_tokens=False)
-    assert len(calls) == 2 and calls[0] == long_text  # the short text went whole
+    assert len(calls) == 2 and calls[0] == long_text  # in pieces when asked, short ones whole
     enc.close()
 
 
-def test_a_long_text_stays_on_the_loop_only_when_it_serves_nothing_else(tok):
-    """`alone`: encoded on the calling thread; else on the pool (its threads' names)."""
+def test_a_long_text_stays_on_the_loop_only_when_it_serves_nothing_else(tok, monkeypatch):
+    """`alone`: encoded on the calling thread, in pieces; else whole, on the pool (its
+    threads' names)."""
     enc = TextEncoder(tok, limit_tokens=10**6)
-    threads = []
+    threads, in_pieces = [], []
+    real_encode = PieceEncoder.encode
+    monkeypatch.setattr(PieceEncoder, "encode", lambda self, *a, **k: in_pieces.append(
+        threading.current_thread().name) or real_encode(self, *a, **k))
     for name in ("encode", "chat"):
         real = getattr(enc, name)
         setattr(enc, name, lambda *a, _real=real, **k: threads.append(
@@ -155,3 +160,4 @@ def test_a_long_text_stays_on_the_loop_only_when_it_serves_nothing_else(tok):
     enc.close()
     assert threads[0] == threads[2] == loop_thread
     assert threads[1].startswith("flashlet-tokenize") and threads[3].startswith("flashlet-tokenize")
+    assert in_pieces == [loop_thread, loop_thread]

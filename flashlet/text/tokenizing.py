@@ -194,7 +194,8 @@ class TextEncoder:
     `chat_async` encode a text of up to INLINE_MAX_CHARS characters on the calling thread (the
     event loop), or up to IDLE_INLINE_MAX_CHARS when the caller says it serves nothing else
     (`alone`), and a longer one on a small thread pool; each thread has its own tokenizer
-    copy. A long text is encoded as pieces side by side where the tokenizer allows (pieces.py)."""
+    copy. `alone`, a long text is encoded as pieces side by side where the tokenizer allows
+    (pieces.py: the tokenizers library's threads; a busy server's CPUs have other work)."""
 
     def __init__(self, tokenizer, limit_tokens: int, *, allow_special: bool = False,
                  num_threads: int = 2):
@@ -238,8 +239,8 @@ class TextEncoder:
             self.chat([{"role": "user", "content": "Hello!"}])
             self.supports_tools()
 
-    def encode(self, text: str, what: str = "prompt",
-               add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True,
+               in_pieces: bool = False) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
         tokenizer = self._tokenizer()
         probe = self.limit_tokens * PROBE_CHARS_PER_TOKEN
@@ -250,14 +251,16 @@ class TextEncoder:
                     f"{what} is longer than the context of {self.limit_tokens} tokens (its "
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special,
-                           add_special_tokens=add_special_tokens, pieces=self._pieces())
+                           add_special_tokens=add_special_tokens,
+                           pieces=self._pieces() if in_pieces else None)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-             template_kwargs: dict | None = None) -> list[int]:
+             template_kwargs: dict | None = None, in_pieces: bool = False) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
         return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
-                        tools=tools, template_kwargs=template_kwargs, pieces=self._pieces())
+                        tools=tools, template_kwargs=template_kwargs,
+                        pieces=self._pieces() if in_pieces else None)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (computed once)."""
@@ -269,7 +272,7 @@ class TextEncoder:
                            add_special_tokens: bool = True, alone: bool = False) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
         if len(text) <= (IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS):
-            return self.encode(text, what, add_special_tokens)
+            return self.encode(text, what, add_special_tokens, in_pieces=alone)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
                                                                 what, add_special_tokens)
 
@@ -278,7 +281,7 @@ class TextEncoder:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         inline_max = IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS
         if not tools and num_chars <= inline_max:  # (a tool's schema can be long)
-            return self.chat(messages, tools, template_kwargs)
+            return self.chat(messages, tools, template_kwargs, in_pieces=alone)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
                                                                 tools, template_kwargs)
 

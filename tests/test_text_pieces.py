@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 import flashlet.text.pieces as pieces_module
 from flashlet.text.pieces import PieceEncoder, text_pieces
-from flashlet.text.tokenizing import TextEncoder, encode_text, rust_tokenizer
+from flashlet.text.tokenizing import (IDLE_INLINE_MAX_CHARS, INLINE_MAX_CHARS, TextEncoder,
+                                     encode_text, rust_tokenizer)
 
 LLAMA3_SPLIT = pieces_module._SPLIT_REGEXES[0]
 
@@ -146,7 +147,8 @@ def test_a_long_text_stays_on_the_loop_only_when_it_serves_nothing_else(tok, mon
         real = getattr(enc, name)
         setattr(enc, name, lambda *a, _real=real, **k: threads.append(
             threading.current_thread().name) or _real(*a, **k))
-    text = "the quick brown fox jumps " * 200  # past INLINE_MAX_CHARS
+    text = "the quick brown fox jumps " * 400  # past INLINE_MAX_CHARS
+    assert INLINE_MAX_CHARS < len(text) <= IDLE_INLINE_MAX_CHARS
     messages = [{"role": "user", "content": text}]
 
     async def each_way():

@@ -318,7 +318,8 @@ DIRECT_SEND = "flashlet.direct_send"
 class EventStream(StreamingResponse):
     """SSE response that aborts its requests when it ends early (client gone, cancelled).
 
-    Its start and its end go through the middlewares' `send` wrappers; the events between go
+    Its start and its end (the last event, `data: [DONE]`, with it: one write, one wake-up of
+    the client fewer) go through the middlewares' `send` wrappers; the events between go
     straight to the HTTP server (`scope[DIRECT_SEND]`), as no middleware of this app acts on a
     body chunk that neither starts nor ends a response. Through their four wrappers (error
     handling, metrics, exceptions twice) an event cost 2.2 us, past them 0.6 us (an ASGI bench
@@ -342,9 +343,13 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         send_event = self._direct_send or send
+        last = b""
         async for chunk in self.body_iterator:  # bytes: sse() and DONE
+            if chunk.endswith(DONE):  # the last event: it ends the body in the same write
+                last = chunk
+                break
             await send_event({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
     async def _stream_until_disconnect(self, receive, send) -> None:
         """StreamingResponse's own behaviour (stream the body; stop when the client goes) with

@@ -14,8 +14,11 @@ which runs in it) to log a timestamp at each hop: HTTP received, body parsed (th
 runs), tokenized, sent to the core, core received, added, step done, output sent, API
 received, handed to the stream, SSE written, client received. All clocks are
 time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
-median and p90 of each hop before the first token and between tokens (on a shared machine the
-p10 is the hop's own cost; the others add the time a process waited for a CPU).
+median and p90 of each hop before the first token, between tokens, and from a request's last
+token (sent by the core) to the next request's add in the core (the response's end reaching
+the client, the client's next send, that request's way in: at one stream the device idles
+meanwhile). On a shared machine the p10 is the hop's own cost; the others add the time a
+process waited for a CPU.
 """
 
 from __future__ import annotations
@@ -233,6 +236,7 @@ def run_client(port: int, requests: list[bytes], log: Log) -> None:
                 for _ in range(chunk.count(b"data: {")):
                     log("c_recv", t)
                 buf += chunk
+            log("c_done", t)
 
 
 def wait_for_health(port: int, timeout: float = 300) -> None:
@@ -296,6 +300,22 @@ def hop_gaps(requests, skip: int) -> tuple[dict, dict]:
     return first, later
 
 
+def turnaround_gaps(requests, skip: int) -> dict:
+    """Between one request's last token and the next request's start in the core (what an
+    idle device waits at one stream): hop -> [ms]."""
+    gaps = {}
+    for r, nxt in zip(requests[skip:], requests[skip + 1:]):
+        if not (r.get("core_sent") and r.get("c_done") and nxt.get("added")):
+            continue
+        times = [r["core_sent"][-1], r["c_done"][-1], nxt["c_send"][0], nxt["added"][0]]
+        for hop, a, b in zip(["response ended (client)", "next request sent", "next added"],
+                             times, times[1:]):
+            gaps.setdefault(hop, []).append((b - a) * 1e3)
+        gaps.setdefault("core idle (last sent -> next added)", []).append(
+            (times[-1] - times[0]) * 1e3)
+    return gaps
+
+
 def table(title: str, gaps: dict) -> str:
     lines = [f"{title}", "| hop (time since the previous) | p10 ms | p50 ms | p90 ms | n |",
              "|---|---:|---:|---:|---:|"]
@@ -353,11 +373,16 @@ def main() -> None:
         server.wait(60)
     events = read_events(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    first, later = hop_gaps(split_requests(events), args.skip)
-    report = table("Before the first token", first) + "\n\n" + table("Between tokens", later)
+    requests = split_requests(events)
+    first, later = hop_gaps(requests, args.skip)
+    between = turnaround_gaps(requests, args.skip)
+    report = "\n\n".join([table("Before the first token", first),
+                           table("Between tokens", later),
+                           table("From the last token to the next request", between)])
     print(report)
     if args.out:
-        Path(args.out).write_text(json.dumps({"first": first, "later": later}))
+        Path(args.out).write_text(json.dumps({"first": first, "later": later,
+                                              "between": between}))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,11 @@ class PieceEncoder:
     @classmethod
     def of(cls, rust) -> "PieceEncoder | None":
         """A PieceEncoder for this tokenizer, or None where pieces could change its ids."""
-        if rust is None or not _cuts_are_pre_token_bounds(json.loads(rust.to_str())):
+        try:
+            spec = json.loads(rust.to_str()) if rust is not None else None
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is encodes whole
+            spec = None
+        if spec is None or not _cuts_are_pre_token_bounds(spec):
             return None
         plain = rust.encode_batch_fast([_SAMPLE], add_special_tokens=False)[0].ids
         special = rust.encode_batch_fast([_SAMPLE], add_special_tokens=True)[0].ids

@@ -136,8 +136,8 @@ def test_text_encoder_encodes_a_long_text_in_pieces(tok, monkeypatch):
 
 
 def test_a_long_text_stays_on_the_loop_only_when_it_serves_nothing_else(tok, monkeypatch):
-    """`alone`: encoded on the calling thread, in pieces; else whole, on the pool (its
-    threads' names)."""
+    """`alone`: encoded on the calling thread, in pieces; else (past INLINE_MAX_CHARS) whole,
+    on the pool (its threads' names)."""
     enc = TextEncoder(tok, limit_tokens=10**6)
     threads, in_pieces = [], []
     real_encode = PieceEncoder.encode

@@ -12,8 +12,8 @@ Three guarantees:
 - `TextEncoder` tokenizes long texts on worker threads that each own a copy of the tokenizer (a
   Hugging Face fast tokenizer must not be used by two threads at once, and
   `split_special_tokens` flips a flag on it), so unrelated requests never wait on one lock;
-  texts up to INLINE_MAX_CHARS are encoded on the event loop, with a copy of its own (while
-  nothing else is served, as pieces side by side where the tokenizer allows: pieces.py).
+  texts up to INLINE_MAX_CHARS are encoded on the event loop, with a copy of its own, as
+  pieces side by side where the tokenizer allows (pieces.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from flashlet.text.pieces import MIN_PIECES_CHARS, PieceEncoder
 # far (English averages ~4 characters a token); PROBE_SLACK absorbs a token cut in two.
 PROBE_CHARS_PER_TOKEN = 8
 PROBE_SLACK = 8
-# Texts up to this many characters (about 2,000 tokens) are encoded on the caller's event loop:
-# a fraction of a millisecond, less than the hop to a pool thread and back, which waits for the
-# event loop's thread to let go of the GIL: several ms at p50 while the loop streams to 64
-# clients (api_overhead.py). Longer ones go to the pool: they would stall every stream.
+# Texts up to this many characters (about 2,000 tokens) are encoded on the caller's event loop,
+# in pieces side by side where the tokenizer allows (pieces.py): a fraction of a millisecond,
+# less than the hop to a pool thread and back, which waits for the event loop's thread to let
+# go of the GIL: several ms at p50 while the loop streams to 64 clients (api_overhead.py).
+# Longer ones go to the pool: they would stall every stream.
 INLINE_MAX_CHARS = 8192
 # ... and up to this many when the caller has nothing else to serve (no stream to stall).
 IDLE_INLINE_MAX_CHARS = 1 << 15
@@ -193,9 +194,9 @@ class TextEncoder:
     `limit_tokens * max_token_chars` characters is refused at once. `encode_async` and
     `chat_async` encode a text of up to INLINE_MAX_CHARS characters on the calling thread (the
     event loop), or up to IDLE_INLINE_MAX_CHARS when the caller says it serves nothing else
-    (`alone`: then as pieces side by side where the tokenizer allows, pieces.py; a busy
-    server's CPUs have other work than the tokenizers library's threads), and a longer one on
-    a small thread pool; each thread has its own tokenizer copy."""
+    (`alone`), as pieces side by side where the tokenizer allows (pieces.py: the tokenizers
+    library's threads shorten the loop's wait), and a longer one whole on a small thread pool;
+    each thread has its own tokenizer copy."""
 
     def __init__(self, tokenizer, limit_tokens: int, *, allow_special: bool = False,
                  num_threads: int = 2):
@@ -272,7 +273,7 @@ class TextEncoder:
                            add_special_tokens: bool = True, alone: bool = False) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
         if len(text) <= (IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS):
-            return self.encode(text, what, add_special_tokens, in_pieces=alone)
+            return self.encode(text, what, add_special_tokens, in_pieces=True)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
                                                                 what, add_special_tokens)
 
@@ -281,7 +282,7 @@ class TextEncoder:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         inline_max = IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS
         if not tools and num_chars <= inline_max:  # (a tool's schema can be long)
-            return self.chat(messages, tools, template_kwargs, in_pieces=alone)
+            return self.chat(messages, tools, template_kwargs, in_pieces=True)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
                                                                 tools, template_kwargs)
 

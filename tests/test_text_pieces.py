@@ -18,8 +18,6 @@ from flashlet.text.pieces import PieceEncoder, text_pieces
 from flashlet.text.tokenizing import (IDLE_INLINE_MAX_CHARS, INLINE_MAX_CHARS, TextEncoder,
                                      encode_text, rust_tokenizer)
 
-LLAMA3_SPLIT = pieces_module._SPLIT_REGEXES[0]
-
 
 @pytest.fixture(scope="module")
 def tok(demo_model_dir):
@@ -92,9 +90,10 @@ def test_a_bos_template_is_added_once_around_the_pieces(tok, spec):
     _check_pieces_match_whole(with_bos, _random_texts(10, seed=1))
 
 
-def test_llama3_style_split_regex_pieces_give_the_whole_texts_ids(tok, spec):
+@pytest.mark.parametrize("regex", pieces_module._SPLIT_REGEXES, ids=["llama3", "qwen2"])
+def test_split_regex_pieces_give_the_whole_texts_ids(tok, spec, regex):
     split = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated",
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated",
          "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
          "use_regex": False}]}

@@ -1,10 +1,10 @@
 """Encoding one long text as pieces side by side, to exactly the ids of encoding it whole.
 
-A server tokenizes each prompt before the engine can start on it: a 400-word prompt is most of
-a request's fixed cost at one stream, and a single Rust encode call runs on one thread. A
-batch call runs its texts on the tokenizers library's own threads (with the GIL released),
-so a long text cut into pieces is encoded several times faster, where the cuts cannot change
-the ids.
+A server tokenizes each prompt before the engine can start on it: a 400-word prompt is the
+largest part of a request's fixed cost at one stream, and a single Rust encode call runs on
+one thread. A batch call runs its texts on the tokenizers library's own threads (with the GIL
+released), so a long text cut into pieces is encoded faster wherever cores are idle, where
+the cuts cannot change the ids.
 
 Byte-level BPE tokenizers split text into pre-tokens with a regex first (GPT-2's, Llama 3's,
 Qwen2's) and never merge across two pre-tokens. In each of those regexes a space followed by

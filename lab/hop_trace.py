@@ -1,6 +1,7 @@
 """Where one stream's time goes through the server, hop by hop (issue 32).
 
     PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
+        [--endpoint /generate_stream --prompt-words 400]   (the bench's request: flashlet.bench --url)
         [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
         [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
 
@@ -13,8 +14,11 @@ which runs in it) to log a timestamp at each hop: HTTP received, body parsed (th
 runs), tokenized, sent to the core, core received, added, step done, output sent, API
 received, handed to the stream, SSE written, client received. All clocks are
 time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
-median and p90 of each hop before the first token and between tokens (on a shared machine the
-p10 is the hop's own cost; the others add the time a process waited for a CPU).
+median and p90 of each hop before the first token, between tokens, and from a request's last
+token (sent by the core) to the next request's add in the core (the response's end reaching
+the client, the client's next send, that request's way in: at one stream the device idles
+meanwhile). On a shared machine the p10 is the hop's own cost; the others add the time a
+process waited for a CPU.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def serve(port: int, engine_args: dict, tokenizer: str) -> None:
 def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
     app_call = app_module.FlashletApp.__call__
     prompt_ids = frontend.Server.prompt_ids
-    check_model = frontend.Server.check_model
+    context = frontend.Server.context
     send_frame = core_client.CoreClient._send_frame_locked
     handle_frame = core_client.CoreClient._handle_frame
     deliver = core_client.CoreClient._deliver
@@ -142,7 +146,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
     frame_time = [0.0]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/generate")):
             log("http")
 
             async def timed_send(message):
@@ -153,9 +157,9 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
             return await app_call(self, scope, receive, timed_send)
         return await app_call(self, scope, receive, send)
 
-    def _check_model(self, model):  # the handler's first line: the body is parsed
+    async def _context(self):  # the handler's first await: the body is parsed
         log("handler")
-        return check_model(self, model)
+        return await context(self)
 
     async def _prompt_ids(self, *args, **kwargs):
         ids = await prompt_ids(self, *args, **kwargs)
@@ -181,7 +185,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
     app_module.FlashletApp.__call__ = __call__
     frontend.Server.prompt_ids = _prompt_ids
-    frontend.Server.check_model = _check_model
+    frontend.Server.context = _context
     core_client.CoreClient._send_frame_locked = _send_frame_locked
     core_client.CoreClient._handle_frame = _handle_frame
     core_client.CoreClient._deliver = _deliver
@@ -189,21 +193,40 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
 
 # ---- the client and the analysis ---------------------------------------------------------------
-def request_bytes(tokens: int) -> bytes:
-    body = {"model": "tiny", "prompt": "the quick brown fox jumps over a lazy dog while seven "
-            "wizards quietly judge boxing matches", "max_tokens": tokens, "ignore_eos": True,
-            "stream": True}
+SHORT_PROMPT = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge " \
+    "boxing matches"
+
+
+def request_bytes(tokens: int, endpoint: str = "/v1/completions",
+                  prompt: str = SHORT_PROMPT) -> bytes:
+    if endpoint == "/generate_stream":  # as flashlet.bench --url sends it
+        body = {"prompt": prompt, "max_new_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+    else:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
+                "stream": True}
     data = json.dumps(body).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return (f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
-def run_client(port: int, requests: int, tokens: int, log: Log) -> None:
-    payload = request_bytes(tokens)
+def payloads(args) -> list[bytes]:
+    """One request per --requests: the short prompt, or (--prompt-words) the bench's text
+    prompts of that many words, a fresh one each (no prefix-cache hits)."""
+    if not args.prompt_words:
+        return [request_bytes(args.tokens, args.endpoint)] * args.requests
+    from flashlet.bench.remote import text_specs
+
+    words = (args.prompt_words, args.prompt_words)
+    return [request_bytes(args.tokens, args.endpoint, spec.prompt)
+            for spec in text_specs(args.requests, words, (args.tokens, args.tokens), seed=0)]
+
+
+def run_client(port: int, requests: list[bytes], log: Log) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(requests):
+        for payload in requests:
             log("c_send")
             sock.sendall(payload)
             buf = b""
@@ -215,6 +238,7 @@ def run_client(port: int, requests: int, tokens: int, log: Log) -> None:
                 for _ in range(chunk.count(b"data: {")):
                     log("c_recv", t)
                 buf += chunk
+            log("c_done", t)
 
 
 def read_events(folder: str) -> list[tuple[float, str]]:
@@ -264,6 +288,22 @@ def hop_gaps(requests, skip: int) -> tuple[dict, dict]:
     return first, later
 
 
+def turnaround_gaps(requests, skip: int) -> dict:
+    """Between one request's last token and the next request's start in the core (what an
+    idle device waits at one stream): hop -> [ms]."""
+    gaps = {}
+    for r, nxt in zip(requests[skip:], requests[skip + 1:]):
+        if not (r.get("core_sent") and r.get("c_done") and nxt.get("added")):
+            continue
+        times = [r["core_sent"][-1], r["c_done"][-1], nxt["c_send"][0], nxt["added"][0]]
+        for hop, a, b in zip(["response ended (client)", "next request sent", "next added"],
+                             times, times[1:]):
+            gaps.setdefault(hop, []).append((b - a) * 1e3)
+        gaps.setdefault("core idle (last sent -> next added)", []).append(
+            (times[-1] - times[0]) * 1e3)
+    return gaps
+
+
 def table(title: str, gaps: dict) -> str:
     lines = [f"{title}", "| hop (time since the previous) | p10 ms | p50 ms | p90 ms | n |",
              "|---|---:|---:|---:|---:|"]
@@ -279,6 +319,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        choices=["/v1/completions", "/generate_stream"])
+    parser.add_argument("--prompt-words", type=int, default=0,
+                        help="the bench's text prompts of this many words (0: a short one)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
     parser.add_argument("--out")
     parser.add_argument("--tokenizer", default=str(ROOT / ".tok" / "smollm2"))
@@ -308,18 +352,23 @@ def main() -> None:
     try:
         wait_ready(port, server)
         log = Log(os.path.join(folder, "client.txt"))
-        run_client(port, args.requests, args.tokens, log)
+        run_client(port, payloads(args), log)
         log.flush()
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
     events = read_events(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    first, later = hop_gaps(split_requests(events), args.skip)
-    report = table("Before the first token", first) + "\n\n" + table("Between tokens", later)
+    requests = split_requests(events)
+    first, later = hop_gaps(requests, args.skip)
+    between = turnaround_gaps(requests, args.skip)
+    report = "\n\n".join([table("Before the first token", first),
+                           table("Between tokens", later),
+                           table("From the last token to the next request", between)])
     print(report)
     if args.out:
-        Path(args.out).write_text(json.dumps({"first": first, "later": later}))
+        Path(args.out).write_text(json.dumps({"first": first, "later": later,
+                                              "between": between}))
 
 
 if __name__ == "__main__":

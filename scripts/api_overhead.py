@@ -95,6 +95,7 @@ class TokenSource:
     def stats(self) -> dict:
         n = len(self.requests)
         return {"requests": n, "running": n, "waiting": 0, "num_steps": self.num_steps,
+                "kv_cache_dtype": "none",
                 "kv_pages_total": 1 << 16, "kv_pages_used": 0, "kv_pages_cached": 0,
                 "kv_pool_bytes": 0, "num_preemptions": 0, "prefix_cache_hit_rate": 0.0}
 
@@ -114,14 +115,21 @@ def serve(port: int, tokenizer: str, profile: str | None) -> None:
     from flashlet.server.core_client import CoreClient
     from flashlet.server.limits import HttpLimits, uvicorn_options
 
+    fatal: dict = {}  # a core that dies or fails to start ends this process with an error
+
+    def on_fatal(error: BaseException) -> None:
+        fatal["error"] = error
+        if "server" in fatal:
+            fatal["server"].should_exit = True
+
     client = CoreClient(EngineConfig(device="cpu", max_num_seqs=1024), 1, tokenizer,
-                        build_engine=build_token_source)
+                        on_fatal=on_fatal, build_engine=build_token_source)
     app = create_app(client, ServerConfig(model_name="bench", max_waiting=1_000_000, warm_up=True,
                                           limits=HttpLimits(max_connections=4096)))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, lifespan="off",
                             **uvicorn_options(app.state.limit_stats))
-    server = UvicornServer(config, app, grace_s=1.0)
+    server = fatal["server"] = UvicornServer(config, app, grace_s=1.0)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the one it caught on exit
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     client.start()
@@ -138,6 +146,8 @@ def serve(port: int, tokenizer: str, profile: str | None) -> None:
             profiler.disable()
             profiler.dump_stats(profile)
         client.stop(timeout=10)
+    if "error" in fatal:
+        raise SystemExit(f"the engine core failed: {fatal['error']}")
 
 
 # ---- the clients -----------------------------------------------------------------------------

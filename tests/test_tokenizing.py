@@ -229,8 +229,8 @@ def test_short_text_is_encoded_on_the_loop_and_long_text_on_the_pool(tok, monkey
     enc = TextEncoder(tok, limit_tokens=10**6)
     threads = []
     encode = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda text, what="prompt", special=True: (
-        threads.append(threading.current_thread()), encode(text, what, special))[1])
+    monkeypatch.setattr(enc, "encode", lambda text, what="prompt", special=True, **more: (
+        threads.append(threading.current_thread()), encode(text, what, special, **more))[1])
     short = "hello world " * 10
     long = "hello world " * (tokenizing.INLINE_MAX_CHARS // 12 + 1)
 
@@ -250,8 +250,8 @@ def test_short_chat_is_rendered_on_the_loop(tok, monkeypatch):
     enc = TextEncoder(tok, limit_tokens=10**6)
     threads = []
     chat = enc.chat
-    monkeypatch.setattr(enc, "chat", lambda messages, tools=None, kwargs=None: (
-        threads.append(threading.current_thread()), chat(messages, tools, kwargs))[1])
+    monkeypatch.setattr(enc, "chat", lambda messages, tools=None, kwargs=None, **more: (
+        threads.append(threading.current_thread()), chat(messages, tools, kwargs, **more))[1])
     messages = [{"role": "user", "content": "Hi there"}]
     try:
         ids = asyncio.run(enc.chat_async(messages))

@@ -146,6 +146,11 @@ class EngineClient:
         """Requests that run at once (every core's max_num_seqs together)."""
         raise NotImplementedError
 
+    @property
+    def num_streams(self) -> int:
+        """Requests of this process submitted and not finished (streaming their outputs)."""
+        raise NotImplementedError
+
     def _admit(self, max_waiting: int | None) -> None:
         """Raise NotReady or Overloaded unless a new request may enter now (under the
         subclass's lock, which guards `is_ready`, `_stopping` and `num_waiting`)."""

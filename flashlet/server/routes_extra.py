@@ -35,7 +35,7 @@ def add_tokenize_routes(app: FastAPI, server: Server) -> None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             kwargs = {**(body.chat_template_kwargs or {}),
                       "add_generation_prompt": body.add_generation_prompt is not False}
-            ids = await ctx.chat_ids(messages, tools, kwargs)
+            ids = await ctx.chat_ids(messages, tools, kwargs, server.alone)
         else:
             ids = await _encode(ctx, body.prompt, body.add_special_tokens is not False)
         reply = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

@@ -99,6 +99,7 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         gen = await _start_generate(body, "generate_stream")
 
         async def events():
+            last = DONE  # what ends the body: [DONE], sent with the final event if one came
             try:
                 async for delta, out in gen.deltas():
                     n = len(out.new_token_ids)
@@ -113,11 +114,11 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                                  "latency_ms": round(gen.latency_ms, 3)}
                         if out.finish_reason == FinishReason.ERROR:
                             final["error"] = out.error
-                        yield sse(final)
+                        last = sse(final) + DONE  # one write: the client reads both at once
                     elif delta:
                         yield sse({"text": delta})
             except ApiError as e:
                 yield sse(e.body())
-            yield DONE
+            yield last
 
         return EventStream(events(), gen)

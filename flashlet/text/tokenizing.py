@@ -12,7 +12,8 @@ Three guarantees:
 - `TextEncoder` tokenizes long texts on worker threads that each own a copy of the tokenizer (a
   Hugging Face fast tokenizer must not be used by two threads at once, and
   `split_special_tokens` flips a flag on it), so unrelated requests never wait on one lock;
-  short texts are encoded on the event loop, with a copy of its own.
+  texts up to INLINE_MAX_CHARS are encoded on the event loop, with a copy of its own, as
+  pieces side by side where the tokenizer allows (pieces.py).
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ import secrets
 import threading
 from typing import Any
 
+from flashlet.text.pieces import MIN_PIECES_CHARS, PieceEncoder
 
 # Texts longer than limit x PROBE_CHARS_PER_TOKEN characters are first tokenized only that
 # far (English averages ~4 characters a token); PROBE_SLACK absorbs a token cut in two.
 PROBE_CHARS_PER_TOKEN = 8
 PROBE_SLACK = 8
-# Texts up to this many characters are encoded on the caller's event loop: they take tens of
-# microseconds, less than the hop to a pool thread and back (~0.14 ms at p50 and several ms at
-# p99 while other threads hold the GIL). Longer ones go to the pool: they would stall every
-# stream on the loop.
-INLINE_MAX_CHARS = 2048
+# Texts up to this many characters (about 2,000 tokens) are encoded on the caller's event loop,
+# in pieces side by side where the tokenizer allows (pieces.py): a fraction of a millisecond,
+# less than the hop to a pool thread and back, which waits for the event loop's thread to let
+# go of the GIL: several ms at p50 while the loop streams to 64 clients (api_overhead.py).
+# Longer ones go to the pool: they would stall every stream.
+INLINE_MAX_CHARS = 8192
+# ... and up to this many when the caller has nothing else to serve (no stream to stall).
+IDLE_INLINE_MAX_CHARS = 1 << 15
 
 
 class PromptTooLong(ValueError):
@@ -56,8 +61,12 @@ def max_token_chars(tokenizer) -> int:
 
 
 def encode_text(tokenizer, text: str, *, allow_special: bool = False,
-                add_special_tokens: bool = True) -> list[int]:
-    """Encode text; special-token strings in it stay text unless `allow_special`."""
+                add_special_tokens: bool = True, pieces: PieceEncoder | None = None) -> list[int]:
+    """Encode text; special-token strings in it stay text unless `allow_special`. `pieces`
+    (over this tokenizer): a long text is encoded as pieces side by side (pieces.py)."""
+    if pieces is not None and len(text) >= MIN_PIECES_CHARS:
+        pieces.rust.encode_special_tokens = not allow_special
+        return pieces.encode(text, add_special_tokens)
     rust = rust_tokenizer(tokenizer)
     if rust is None:
         out = tokenizer(text, add_special_tokens=add_special_tokens,
@@ -109,7 +118,8 @@ def template_shows_tools(tokenizer) -> bool:
 
 
 def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
-             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+             tools: list[dict] | None = None, template_kwargs: dict | None = None,
+             pieces: PieceEncoder | None = None) -> list[int]:
     """Apply the chat template and encode it; every text the caller supplied stays text.
 
     That is message content, and also tool definitions (names, descriptions, parameter
@@ -127,7 +137,7 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
 
     if allow_special or not _any_string(holds_special, (messages, tools)):
         return encode_text(tokenizer, render_chat(tokenizer, messages, tools, template_kwargs),
-                           allow_special=True, add_special_tokens=False)
+                           allow_special=True, add_special_tokens=False, pieces=pieces)
     # Random decimal digits: unknown to the caller, and unchanged by what templates do to a
     # string (JSON escaping with or without ensure_ascii, upper/lower case, trim, HTML escapes).
     marker = f"{secrets.randbits(128):039d}"
@@ -139,7 +149,7 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
     for i, part in enumerate(parts):
         if part:  # even parts: the template's text; odd parts: the caller's
             ids += encode_text(tokenizer, part, allow_special=i % 2 == 0,
-                               add_special_tokens=False)
+                               add_special_tokens=False, pieces=pieces)
     return ids
 
 
@@ -183,8 +193,10 @@ class TextEncoder:
     `limit_tokens` is the most prompt tokens any request may have; a text longer than
     `limit_tokens * max_token_chars` characters is refused at once. `encode_async` and
     `chat_async` encode a text of up to INLINE_MAX_CHARS characters on the calling thread (the
-    event loop) and a longer one on a small thread pool; each thread has its own tokenizer
-    copy."""
+    event loop), or up to IDLE_INLINE_MAX_CHARS when the caller says it serves nothing else
+    (`alone`), as pieces side by side where the tokenizer allows (pieces.py: the tokenizers
+    library's threads shorten the loop's wait), and a longer one whole on a small thread pool;
+    each thread has its own tokenizer copy."""
 
     def __init__(self, tokenizer, limit_tokens: int, *, allow_special: bool = False,
                  num_threads: int = 2):
@@ -198,6 +210,9 @@ class TextEncoder:
         self.num_copies = 0  # tokenizer copies made so far (one per thread that encoded)
         self._local = threading.local()
         self._copy_lock = threading.Lock()
+        template = PieceEncoder.of(rust_tokenizer(tokenizer))
+        self.encodes_pieces = template is not None
+        self._post_processes = template is not None and template.post_processes
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
                                                            thread_name_prefix="flashlet-tokenize")
 
@@ -205,9 +220,17 @@ class TextEncoder:
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
             with self._copy_lock:  # deepcopy reads the shared original
-                tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+                tok = copy.deepcopy(self.tokenizer)
                 self.num_copies += 1
+            self._local.pieces = (PieceEncoder(rust_tokenizer(tok), self._post_processes)
+                                  if self.encodes_pieces else None)
+            self._local.tokenizer = tok
         return tok
+
+    def _pieces(self) -> PieceEncoder | None:
+        """This thread's piece encoder (over its tokenizer copy), if the tokenizer allows."""
+        self._tokenizer()
+        return self._local.pieces
 
     def warm_up(self, barrier: threading.Barrier) -> None:
         """On one pool thread: make its tokenizer copy, encode, render the chat template."""
@@ -217,8 +240,8 @@ class TextEncoder:
             self.chat([{"role": "user", "content": "Hello!"}])
             self.supports_tools()
 
-    def encode(self, text: str, what: str = "prompt",
-               add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True,
+               in_pieces: bool = False) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)
         tokenizer = self._tokenizer()
         probe = self.limit_tokens * PROBE_CHARS_PER_TOKEN
@@ -229,14 +252,16 @@ class TextEncoder:
                     f"{what} is longer than the context of {self.limit_tokens} tokens (its "
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special,
-                           add_special_tokens=add_special_tokens)
+                           add_special_tokens=add_special_tokens,
+                           pieces=self._pieces() if in_pieces else None)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-             template_kwargs: dict | None = None) -> list[int]:
+             template_kwargs: dict | None = None, in_pieces: bool = False) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
         return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
-                        tools=tools, template_kwargs=template_kwargs)
+                        tools=tools, template_kwargs=template_kwargs,
+                        pieces=self._pieces() if in_pieces else None)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (computed once)."""
@@ -245,18 +270,19 @@ class TextEncoder:
         return self._supports_tools
 
     async def encode_async(self, text: str, what: str = "prompt",
-                           add_special_tokens: bool = True) -> list[int]:
+                           add_special_tokens: bool = True, alone: bool = False) -> list[int]:
         check_chars(len(text), self.limit_tokens, self.chars_per_token, what)  # no thread hop
-        if len(text) <= INLINE_MAX_CHARS:
-            return self.encode(text, what, add_special_tokens)
+        if len(text) <= (IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS):
+            return self.encode(text, what, add_special_tokens, in_pieces=True)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text,
                                                                 what, add_special_tokens)
 
     async def chat_async(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                         template_kwargs: dict | None = None) -> list[int]:
+                         template_kwargs: dict | None = None, alone: bool = False) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-        if not tools and num_chars <= INLINE_MAX_CHARS:  # (a tool's schema can be long)
-            return self.chat(messages, tools, template_kwargs)
+        inline_max = IDLE_INLINE_MAX_CHARS if alone else INLINE_MAX_CHARS
+        if not tools and num_chars <= inline_max:  # (a tool's schema can be long)
+            return self.chat(messages, tools, template_kwargs, in_pieces=True)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat, messages,
                                                                 tools, template_kwargs)
 

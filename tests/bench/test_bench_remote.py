@@ -120,3 +120,21 @@ def test_a_client_process_imports_no_torch():
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    cwd=Path(__file__).resolve().parents[2])
+
+
+
+def test_client_processes_yield_the_cpu_to_the_server():
+    """The spawned client processes run at a lower priority than the bench (CLIENT_NICENESS),
+    from their start (os.nice is their first step; the loop waits for it, 60 s at most)."""
+    import os
+    import time
+
+    from flashlet.bench.remote import CLIENT_NICENESS, ClientPool
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with ClientPool(1) as pool:
+        pid, deadline = pool.procs[0].pid, time.monotonic() + 60
+        while os.getpriority(os.PRIO_PROCESS, pid) == ours and time.monotonic() < deadline:
+            time.sleep(0.01)
+        niceness = os.getpriority(os.PRIO_PROCESS, pid)
+    assert niceness == min(ours + CLIENT_NICENESS, 19)

@@ -405,3 +405,37 @@ def test_the_reader_drains_every_waiting_message_without_recv_raising_again():
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+def test_core_reads_its_inbox_without_a_recv_that_finds_nothing():
+    """A busy core reads its inbox every step, mostly empty: it asks the socket whether a
+    message waits instead of a recv that raises zmq.Again (as CoreClient's reader does)."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://core-inbox")
+        push.connect("inproc://core-inbox")
+        recvs = []
+
+        class CountingSocket:  # the real socket, its receives counted
+            def recv(self, flags=0):
+                recvs.append(flags)
+                return pull.recv(flags)
+
+            def get(self, option):
+                return pull.get(option)
+
+        with _core(RecordingEngine()) as core:
+            core.inbox = CountingSocket()
+            core._receive(wait=False)
+            assert recvs == []  # nothing waited: nothing read
+            push.send(msgspec.msgpack.encode(AbortRequests([7])))
+            assert pull.poll(5000)
+            core._receive(wait=False)
+        assert len(recvs) == 1 and core.engine.aborted == [7]  # the one message, no read after
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

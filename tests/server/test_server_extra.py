@@ -85,6 +85,10 @@ class ScriptedLoop(EngineClient):
     def abort(self, stream, finish_reason="abort"):
         stream.cancelled = True
 
+    @property
+    def num_streams(self):
+        return len(self.feeders)
+
     def core_stats(self):
         return [{}]
 

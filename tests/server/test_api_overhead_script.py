@@ -1,0 +1,31 @@
+"""scripts/api_overhead.py's token source stands where an Engine does in the engine-core
+process: what the core reads of an engine at start and per step must be there."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from flashlet.core.sampling import SamplingParams
+from flashlet.server.engine_core import core_stats, engine_info
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "api_overhead.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("api_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_token_source_gives_what_the_core_reads_of_an_engine():
+    source = _load().build_token_source(None)
+    info = engine_info(source)  # what CoreReady carries: a missing stat failed the core's start
+    assert info["kv_cache_dtype"] == "none" and info["num_pages"] == 1 << 16
+    source.add_request(np.array([5, 6], np.int32), SamplingParams(max_new_tokens=2), 0)
+    assert [out.new_token_ids for out in source.step()] == [[5]]
+    assert core_stats(source)["num_requests"] == 1
+    assert source.step()[0].finished and not source.has_unfinished()

@@ -1,0 +1,100 @@
+"""What a streamed response costs in writes: one per token event, and one that carries the
+final event, `data: [DONE]` and the end of the body together (each write the HTTP server makes
+is a packet and a wake-up of the client; a closed-loop client sends its next request only
+after the last)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+
+import pytest
+
+from flashlet.core.request import FinishReason, RequestOutput
+from flashlet.core.request_check import RequestLimits
+from flashlet.server.app import ServerConfig, create_app
+from flashlet.server.engine_loop import EngineClient
+from flashlet.server.frontend import DONE
+
+
+class OneTokenPerStep(EngineClient):
+    """Answers each request with `max_new_tokens` outputs of one token, each handed over once
+    the one before was taken (as engine steps come)."""
+
+    max_running, num_waiting, num_streams = 64, 0, 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.limits = RequestLimits(4096, len(tokenizer), 16, 1024)
+        self.ready, self.stopped, self.error = threading.Event(), threading.Event(), None
+        self.ready.set()
+        self.is_ready, self._stopping = True, False
+        self.ids = itertools.count()
+
+    def submit_group(self, streams, max_waiting=None):
+        self.feeders = [asyncio.ensure_future(self._feed(stream)) for stream in streams]
+
+    async def _feed(self, stream):
+        stream.request_id = next(self.ids)
+        n = stream.params.max_new_tokens
+        for k in range(n):
+            while stream.items:
+                await asyncio.sleep(0)
+            stream.push(RequestOutput(stream.request_id, [300 + k], k == n - 1,
+                                      FinishReason.LENGTH if k == n - 1 else None))
+
+    def abort(self, stream, finish_reason=FinishReason.ABORT):
+        stream.cancelled = True
+
+    def core_stats(self):
+        return [{}]
+
+
+@pytest.fixture(scope="module")
+def app(demo_model_dir):
+    from flashlet.models.weights import load_tokenizer
+
+    return create_app(OneTokenPerStep(load_tokenizer(demo_model_dir)),
+                      ServerConfig(model_name="m"))
+
+
+def _post(app, path: str, body: dict) -> list[dict]:
+    """The ASGI messages of one POST's response, as the HTTP server would write them."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 0),
+             "headers": [(b"host", b"h"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(payload)).encode())]}
+    messages, received = [], []
+
+    async def receive():
+        if not received:
+            received.append(True)
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        messages.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return [m for m in messages if m["type"] == "http.response.body"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate_stream", {"prompt": "hello there", "max_new_tokens": 3, "ignore_eos": True}),
+    ("/v1/completions", {"model": "m", "prompt": "hello there", "max_tokens": 3,
+                         "ignore_eos": True, "stream": True}),
+])
+def test_the_last_write_carries_done_and_ends_the_body(app, path, body):
+    writes = _post(app, path, body)
+    *events, last = writes
+    assert all(w["more_body"] for w in events) and last["more_body"] is False
+    assert last["body"].endswith(DONE) and not any(DONE in w["body"] for w in events)
+    assert len(events) == 3  # a token an event (completions': the last says finish_reason)
+    if path == "/generate_stream":  # its final event (usage) goes with [DONE]
+        final = json.loads(last["body"].split(b"\n\n")[0].removeprefix(b"data: "))
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 3

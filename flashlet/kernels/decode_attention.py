@@ -37,9 +37,12 @@ Design.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
-- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened to q's dtype
-  for the dots; the per-tensor scales multiply in fp32 where they cost nothing per key:
-  k_scale folds into the fp32 score scale, v_scale into the fp32 accumulator once.
+- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened for the dots;
+  the per-tensor scales multiply in fp32 where they cost nothing per key: k_scale folds into
+  the score scale, v_scale into the fp32 accumulator once. With a bf16/fp16 q the dots run in
+  fp16 (`fp8_as_fp16`): e4m3 -> fp16 is one cvt per pair of values where e4m3 -> bf16 is three,
+  and that widening is per key, the loop's main ALU cost at half the bytes. q is scaled in
+  fp32 first (the score scale is then 1), and P in [0, 1] keeps more bits in fp16 than bf16.
 """
 
 from __future__ import annotations
@@ -93,6 +96,19 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
                    mask=t_mask[:, None], other=0.0)
 
 
+@triton.jit
+def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
+    """The pool page of each token t (masked: 0) -> [BLOCK_N] int64."""
+    return tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D]."""
+    return tl.load(head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :],
+                   mask=t_mask[:, None], other=0.0)
+
+
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
@@ -111,6 +127,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -129,18 +147,42 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    if FP8_AS_FP16:
+        # e4m3 widens to fp16 in one cvt per pair (to bf16 it takes three). q carries the
+        # score scale (scale * log2 e * k_scale, small) so its fp16 copy cannot overflow.
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
-    for blk in range(start, end, BLOCK_N):
-        t = blk + tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # Software-pipelined by hand: block i+1's K/V and block i+2's page ids are loaded before
+        # block i is computed, so neither the page-id -> row dependency nor a DRAM round trip
+        # sits between two blocks' math (only loads past `end`, masked, are skipped).
+        t = start + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
-        m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+        page = _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE)
+        k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        t1 = t + BLOCK_N
+        page1 = _page_ids(KvIndices, page_base, t1, t1 < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t2 = t1 + BLOCK_N
+            page2 = _page_ids(KvIndices, page_base, t2, t2 < end, PAGE_SIZE)
+            k1 = _kv_rows(k_head, page1, t1, t1 < end, d, stride_kp, stride_kt, PAGE_SIZE)
+            v1 = _kv_rows(v_head, page1, t1, t1 < end, d, stride_vp, stride_vt, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+            k, v, t_mask, t1, page1 = k1, v1, t1 < end, t2, page2
+    else:
+        for blk in range(start, end, BLOCK_N):
+            t = blk + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -259,6 +301,8 @@ def decode_attention(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_as_fp16: bool = True,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -266,7 +310,10 @@ def decode_attention(
     included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
     split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
-    multiplied by (an fp8 pool's). Returns out [B, Hq, D] in q's dtype. No host sync.
+    multiplied by (an fp8 pool's). fp8_as_fp16: an fp8 pool read by a bf16/fp16 q computes its
+    dots in fp16 (False: in q's dtype). prefetch: load the next block's K/V (and the one after's
+    page ids) before computing a block, in registers (else Triton's pipeliner, num_stages,
+    decides what is loaded ahead). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -303,6 +350,8 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
+        FP8_AS_FP16=fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )

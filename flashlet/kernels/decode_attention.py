@@ -158,7 +158,20 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
-    if PREFETCH:
+    if PREFETCH == 1:
+        # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
+        # carried values, not from a load in the same iteration, which Triton's pipeliner can
+        # stage (num_stages - 1 buffers) instead of ordering each block's copy after the last.
+        t = start + tl.arange(0, BLOCK_N)
+        page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    elif PREFETCH == 2:
         # Software-pipelined by hand: block i+1's K/V and block i+2's page ids are loaded before
         # block i is computed, so neither the page-id -> row dependency nor a DRAM round trip
         # sits between two blocks' math (only loads past `end`, masked, are skipped).
@@ -233,6 +246,15 @@ def _merge_kernel(
     tl.store(o_out, out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
+PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefetch=) -> PREFETCH
+
+
+def _prefetch_mode(prefetch: str) -> int:
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
+    return PREFETCH_MODES[prefetch]
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
@@ -302,7 +324,7 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_as_fp16: bool = True,
-    prefetch: bool = False,
+    prefetch: str = "none",
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -311,9 +333,10 @@ def decode_attention(
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
     split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
     multiplied by (an fp8 pool's). fp8_as_fp16: an fp8 pool read by a bf16/fp16 q computes its
-    dots in fp16 (False: in q's dtype). prefetch: load the next block's K/V (and the one after's
-    page ids) before computing a block, in registers (else Triton's pipeliner, num_stages,
-    decides what is loaded ahead). Returns out [B, Hq, D] in q's dtype. No host sync.
+    dots in fp16 (False: in q's dtype). prefetch (PREFETCH_MODES): what the loop loads ahead by
+    hand; "none" leaves it all to Triton's pipeliner (num_stages), "pages" carries the next
+    block's page ids so the pipeliner can keep num_stages - 1 blocks of K/V in flight, "blocks"
+    also holds the next block's K/V in registers. Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -351,7 +374,7 @@ def decode_attention(
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
         FP8_AS_FP16=fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        PREFETCH=prefetch,
+        PREFETCH=_prefetch_mode(prefetch),
         num_warps=num_warps,
         num_stages=num_stages,
     )

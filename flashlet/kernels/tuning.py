@@ -37,7 +37,7 @@ class DecodeConfig:
     min_split_tokens: int = 128
     waves: int = 2  # programs per SM the split count aims at
     num_splits: int | None = None  # a measured split cap for the bucket (None: from `waves`)
-    prefetch: bool = False  # the two-launch decode loads a block ahead by hand (`decode_attention`)
+    prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ def _fp8_pool(kh, pages=256, head_dim=64):
 def test_batched_decode_config_is_measured_per_kv_dtype(kh, monkeypatch):
     """An fp8 pool's two-launch decode takes the fp8 row of BATCHED_DECODE_TABLE (tile, splits,
     prefetch); a pool of the model's dtype takes its own row; the one-launch decode reads neither."""
-    fp8 = tuning.DecodeConfig(block_n=128, num_warps=2, num_stages=3, num_splits=4, prefetch=True)
+    fp8 = tuning.DecodeConfig(block_n=128, num_warps=2, num_stages=3, num_splits=4, prefetch="pages")
     model = tuning.DecodeConfig(block_n=32, num_warps=1, num_stages=2, num_splits=1)
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "fp8", 256), fp8)
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "model", 256), model)
@@ -193,7 +193,7 @@ def test_batched_decode_config_is_measured_per_kv_dtype(kh, monkeypatch):
     model_backend = TritonBackend(_pool(kh, pages=256, head_dim=64), 14, num_sms=132, max_batch_size=256)
     assert model_backend.decode_variant(128) == (model, 1)
     cfg, _ = model_backend.one_launch_config(128)
-    assert (cfg.num_stages, cfg.prefetch) == (tuning.default_decode(64, 7, 256).num_stages, False)
+    assert (cfg.num_stages, cfg.prefetch) == (tuning.default_decode(64, 7, 256).num_stages, "none")
     # The scratch holds every batch's splits, of either decode form.
     for b in (1, 100, 128, 256):
         assert fp8_backend._mid_o.shape[0] >= b * max(fp8_backend._splits_for(b), fp8_backend.one_launch_config(b)[1])
@@ -213,7 +213,7 @@ def test_fp8_pool_decode_step_runs_the_table_config(kh, monkeypatch):
     pure-decode step against the torch oracle with the prefetched, 4-split config."""
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 3, "fp8", 4),
                         tuning.DecodeConfig(block_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
-                                            num_splits=4, prefetch=True))
+                                            num_splits=4, prefetch="blocks"))
     pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device, cache_dtype=torch.float8_e4m3fn)
     g = torch.Generator().manual_seed(0)
     pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(torch.float8_e4m3fn))

@@ -289,10 +289,10 @@ def _fp8_case(kh, kv_lens, group, num_kv_heads, page_size, q_dtype, seed=0):
 @pytest.mark.parametrize(
     "group,num_kv_heads,page_size,kv_lens,num_splits,prefetch",
     [
-        (1, 2, 4, [5, 18], 1, False),  # MHA, lengths ending mid-page
-        (2, 2, 8, [23, 9], 2, True),
-        (7, 2, 16, [40, 17, 1], 4, False),  # Qwen2.5's group, page 16
-        (8, 1, 4, [33, 70], 2, True),  # several blocks a split, ends mid-page
+        (1, 2, 4, [5, 18], 1, "none"),  # MHA, lengths ending mid-page
+        (2, 2, 8, [23, 9], 2, "pages"),
+        (7, 2, 16, [40, 17, 1], 4, "pages"),  # Qwen2.5's group, page 16
+        (8, 1, 4, [33, 70], 2, "blocks"),  # several blocks a split, ends mid-page
     ],
 )
 def test_fp8_pool_with_a_half_precision_q_matches_the_reference(kh, q_dtype, group, num_kv_heads, page_size,
@@ -318,14 +318,17 @@ def test_fp8_pool_with_a_half_precision_q_matches_the_reference(kh, q_dtype, gro
         (7, 2, 16, [200, 45], 1, 64),  # many blocks, the last partial
     ],
 )
-def test_prefetched_loop_matches_the_reference(kh, group, num_kv_heads, page_size, kv_lens, num_splits, block_n):
+@pytest.mark.parametrize("prefetch", ["pages", "blocks"])
+def test_prefetched_loop_matches_the_reference(kh, group, num_kv_heads, page_size, kv_lens, num_splits, block_n,
+                                               prefetch):
     paged = kh.make_paged(kv_lens, page_size, num_kv_heads, 16)
     q = torch.randn(len(kv_lens), group * num_kv_heads, 16, generator=torch.Generator().manual_seed(1)).to(kh.device)
     args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.25)
     want = decode_attention_reference(*args)
     plain = decode_attention(*args, num_splits=num_splits, min_split_tokens=16, block_n=block_n)
     out = torch.full_like(q, NAN)
-    got = decode_attention(*args, out=out, num_splits=num_splits, min_split_tokens=16, block_n=block_n, prefetch=True)
+    got = decode_attention(*args, out=out, num_splits=num_splits, min_split_tokens=16, block_n=block_n,
+                           prefetch=prefetch)
     assert not torch.isnan(got).any(), "an output element was not written"
     assert kh.rel_err(got, want) < 1e-5
     assert kh.rel_err(got, plain) < 1e-6  # same blocks, same order: the same sums
@@ -333,14 +336,14 @@ def test_prefetched_loop_matches_the_reference(kh, group, num_kv_heads, page_siz
 
 # The batched decode lowered for sm_90a in a child process, with the divisibility-by-16 hints the
 # launcher's specialisation gives real pool strides: what the interpreter cannot show.
-_LOWER_BATCHED = textwrap.dedent("""
-    import json, os, subprocess, sys, tempfile
+_LOWER_BATCHED = textwrap.dedent(r"""
+    import json, os, re, subprocess, sys, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from flashlet.kernels import decode_attention as da
     block_n, warps, stages = map(int, sys.argv[1:4])
-    kv, prefetch = sys.argv[4], sys.argv[5] == "1"
+    kv, prefetch = sys.argv[4], da.PREFETCH_MODES[sys.argv[5]]
     names = da._decode_kernel.arg_names
     kv_ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
     sig = {n: "i32" for n in names}
@@ -358,7 +361,8 @@ _LOWER_BATCHED = textwrap.dedent("""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx); f.flush()
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True).stderr
-    print(json.dumps(dict(cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    print(json.dumps(dict(cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), most_in_flight=max(waits, default=0),
                           e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
                           ptxas=info)))
 """)
@@ -366,25 +370,29 @@ _LOWER_BATCHED = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block_n,warps,stages,kv,prefetch", [
-    (64, 4, 2, "bf16", False), (64, 4, 2, "fp8", False), (128, 4, 3, "fp8", False), (64, 2, 1, "bf16", True),
+    (64, 4, 2, "bf16", "none"), (64, 4, 3, "bf16", "pages"), (64, 4, 4, "fp8", "pages"), (128, 4, 3, "fp8", "pages"),
+    (64, 2, 1, "bf16", "blocks"),
 ])
 def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch):
-    """~2 s each. Pipelined tiles copy K/V with cp.async (Triton's pipeliner keeps the loads
-    ahead); an fp8 pool widens e4m3 pairs straight to fp16, never through bf16; no spills."""
+    """~2 s each. K/V are copied with cp.async; with the page ids carried by hand the pipeliner
+    keeps later blocks' copies in flight while one block is computed (a wait for all but the
+    newest groups), which it does not when the page ids are loaded in the same iteration; an fp8
+    pool widens e4m3 pairs straight to fp16, never through bf16; no spills."""
     import json
 
     import triton
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    args = [str(block_n), str(warps), str(stages), kv, "1" if prefetch else "0"]
+    args = [str(block_n), str(warps), str(stages), kv, prefetch]
     proc = subprocess.run([sys.executable, "-c", _LOWER_BATCHED, *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
         pytest.skip("Triton's bundled ptxas is not available here")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    if not prefetch:
+    if prefetch != "blocks":
         assert got["cp_async"] > 0, "K/V loads are not pipelined"
+    assert (got["most_in_flight"] > 0) == (prefetch == "pages"), got["most_in_flight"]
     if kv == "fp8":
         assert got["e4m3_to_f16"] > 0 and got["f16_to_bf16"] == 0
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 SHAPES = ((128, 2000), (32, 8000), (1, 30000))  # (sequences, tokens of context each)
@@ -252,6 +254,34 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
+def _compile_variants(kv: str, variants: list[Variant], model: dict, device: str) -> None:
+    """In a child process: launch each variant once on a small case of the same dtypes and
+    stride divisibility, which leaves its compiled kernel in Triton's on-disk cache."""
+    import torch
+
+    from flashlet.kernels import decode_attention as da
+
+    case = Case(torch, 2, 300, kv, {**model, "layers": 1}, device)
+    for v in variants:
+        try:
+            make_call(da, torch, case, v)(0)
+        except Exception:  # the main process reports it when it measures the variant
+            pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile(kv: str, variants: list[Variant], model: dict, jobs: int, device: str = "cuda") -> None:
+    """Compile the variants in `jobs` processes at once (compiling is the sweep's slow part)."""
+    if jobs < 2:
+        return
+    t0 = time.monotonic()
+    chunks = [variants[i::jobs] for i in range(jobs)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_variants, [kv] * jobs, chunks, [model] * jobs, [device] * jobs))
+    print(f"compiled {len(variants)} variants in {jobs} processes: {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def run(args) -> list[dict]:
     import torch
 
@@ -272,6 +302,9 @@ def run(args) -> list[dict]:
     for i, kv in enumerate(kvs):
         first = Case(torch, *shapes[0], kv, model, device)
         base = engine_variant(tuning, first, num_sms)
+        if not args.smoke:
+            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf) for bn, w, st, pf in tiles], model,
+                       args.jobs)
         print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
@@ -347,6 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
     p.add_argument("--top", type=int, default=4, help="tiles of stage 1 that stage 2 times")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes that compile stage 1's variants ahead of timing (1: none)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)

@@ -70,3 +70,13 @@ def test_tiles_and_splits_stay_within_reason(bench):
     assert bench.split_candidates(128, 2, 132, 2000) == [1, 2, 4, 8]
     assert bench.split_candidates(1, 2, 132, 30000) == [32, 64, 128]
     assert all(8000 // s >= bench.MIN_SPLIT_TOKENS for s in bench.split_candidates(32, 2, 132, 8000))
+
+
+@pytest.mark.slow  # ~10 s: two spawned processes import torch
+@CPU_ONLY
+def test_precompile_runs_every_variant_in_child_processes(bench, monkeypatch, capsys):
+    """The spawn children import the script and launch each variant (here through the interpreter)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # spawn children take the parent's sys.path
+    variants = [bench.Variant(16, 1, 1, 2), bench.Variant(16, 1, 3, 1, "pages")]
+    bench.precompile("fp8", variants, bench.SMOKE_MODEL, jobs=2, device="cpu")
+    assert "compiled 2 variants in 2 processes" in capsys.readouterr().out

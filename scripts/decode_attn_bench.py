@@ -239,11 +239,15 @@ def _fmt(row: dict) -> str:
     return f"{head} {row['us']:9.2f} us  {row['gbps']:8.1f} GB/s{frac}"
 
 
-def engine_variant(tuning, case: Case, num_sms: int) -> Variant:
-    """What the engine launches for this shape today (its table or defaults)."""
+def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Variant:
+    """What the engine launches for this shape: with its tables (table=True), or from the
+    defaults alone (what it launched before BATCHED_DECODE_TABLE was filled)."""
     m = case.model
     group = m["num_q_heads"] // m["num_kv_heads"]
-    cfg = tuning.batched_decode_config(m["head_dim"], group, case.batch, case.kv)
+    if table:
+        cfg = tuning.batched_decode_config(m["head_dim"], group, case.batch, case.kv)
+    else:
+        cfg = tuning.default_decode(m["head_dim"], group, tuning.bucket(case.batch, tuning.DECODE_BATCH_BUCKETS))
     max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
     s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
     return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch)
@@ -319,8 +323,9 @@ def run(args) -> list[dict]:
         for batch, kv_len in shapes:
             case = Case(torch, batch, kv_len, kv, model, device)
             print(f"\n== stage 2, kv {kv}: B={batch} L={kv_len} ==", flush=True)
-            base = engine_variant(tuning, case, num_sms)
+            base, before = engine_variant(tuning, case, num_sms), engine_variant(tuning, case, num_sms, table=False)
             sweep.measure(case, base)
+            sweep.measure(case, before)
             splits = split_candidates(batch, model["num_kv_heads"], num_sms, kv_len)
             for (bn, w, st, pf), s in itertools.product(top_tiles, splits):
                 sweep.measure(case, Variant(bn, w, st, s, pf))
@@ -329,21 +334,22 @@ def run(args) -> list[dict]:
             if kv == "fp8" and win is not None:  # widening to bf16 instead, at the winner (reported only)
                 sweep.measure(case, Variant(win["block_n"], win["num_warps"], win["num_stages"], win["num_splits"],
                                             win["prefetch"], fp8_as_fp16=False))
-            base_row = next((r for r in here if r["label"] == base.label() and "us" in r), None)
-            winners[(kv, batch, kv_len)] = (win, base_row)
+            rows = {v: next((r for r in here if r["label"] == v.label() and "us" in r), None) for v in (base, before)}
+            winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
             del case
     summarize(winners, model, tuning)
     return sweep.rows
 
 
 def summarize(winners: dict, model: dict, tuning) -> None:
-    print("\n== best per shape (engine's current config in brackets) ==")
-    for (kv, batch, kv_len), (win, base) in winners.items():
+    print("\n== best per shape; [the engine's config with its tables; from the defaults alone] ==")
+    for (kv, batch, kv_len), (win, base, before) in winners.items():
         if win is None:
             print(f"B={batch} L={kv_len} kv={kv}: nothing timed")
             continue
-        b = f" [{base['label']}: {base['us']:.2f} us, {base['gbps']:.0f} GB/s]" if base else ""
-        print(f"B={batch} L={kv_len} kv={kv}: {win['label']} {win['us']:.2f} us, {win['gbps']:.0f} GB/s{b}")
+        ref = "; ".join(f"{r['label']}: {r['us']:.2f} us, {r['gbps']:.0f} GB/s" if r else "not timed"
+                        for r in (base, before))
+        print(f"B={batch} L={kv_len} kv={kv}: {win['label']} {win['us']:.2f} us, {win['gbps']:.0f} GB/s [{ref}]")
     for batch, kv_len in {(b, n) for (_, b, n) in winners}:
         bf, f8 = winners.get(("model", batch, kv_len), (None,))[0], winners.get(("fp8", batch, kv_len), (None,))[0]
         if bf and f8:
@@ -356,7 +362,7 @@ def table_entries(winners: dict, model: dict, tuning) -> dict:
     batch's bucket (the last shape of a bucket wins where two share one)."""
     group = model["num_q_heads"] // model["num_kv_heads"]
     entries = {}
-    for (kv, batch, _), (win, _) in winners.items():
+    for (kv, batch, _), (win, *_) in winners.items():
         if win is None:
             continue
         key = (model["head_dim"], group, kv, tuning.bucket(batch, tuning.DECODE_BATCH_BUCKETS))

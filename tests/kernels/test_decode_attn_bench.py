@@ -54,8 +54,8 @@ def test_a_wrong_kernel_is_reported_not_timed(bench, monkeypatch, capsys):
 
 def test_table_literal_is_tuning_source(bench):
     row = dict(block_n=128, num_warps=2, num_stages=3, num_splits=2, prefetch="pages", us=1.0)
-    winners = {("fp8", 128, 2000): (row, None), ("model", 32, 8000): ({**row, "prefetch": "none"}, None),
-               ("model", 1, 30000): (None, None)}
+    winners = {("fp8", 128, 2000): (row, None, None), ("model", 32, 8000): ({**row, "prefetch": "none"}, None, None),
+               ("model", 1, 30000): (None, None, None)}
     entries = bench.table_entries(winners, bench.MODEL, tuning)
     assert set(entries) == {(64, 7, "fp8", 256), (64, 7, "model", 64)}
     scope = {"DecodeConfig": tuning.DecodeConfig}
@@ -80,3 +80,17 @@ def test_precompile_runs_every_variant_in_child_processes(bench, monkeypatch, ca
     variants = [bench.Variant(16, 1, 1, 2), bench.Variant(16, 1, 3, 1, "pages")]
     bench.precompile("fp8", variants, bench.SMOKE_MODEL, jobs=2, device="cpu")
     assert "compiled 2 variants in 2 processes" in capsys.readouterr().out
+
+
+def test_summary_reports_each_shape_against_the_engine_and_the_fp8_speed_up(bench, capsys):
+    def row(label, us):
+        return dict(block_n=64, num_warps=4, num_stages=3, num_splits=2, prefetch="pages", label=label, us=us,
+                    gbps=100.0 / us)
+
+    winners = {("model", 128, 2000): (row("a", 40.0), row("b", 50.0), row("c", 70.0)),
+               ("fp8", 128, 2000): (row("d", 25.0), None, row("c", 60.0))}
+    bench.summarize(winners, bench.MODEL, tuning)
+    text = capsys.readouterr().out
+    assert "B=128 L=2000 kv=model: a 40.00 us" in text and "[b: 50.00 us, 2 GB/s; c: 70.00 us" in text
+    assert "[not timed; c: 60.00 us" in text
+    assert "fp8 KV is 1.60x the speed of bf16 KV" in text and "BATCHED_DECODE_TABLE" in text

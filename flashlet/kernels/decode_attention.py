@@ -37,6 +37,11 @@ Design.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
+- Loading ahead (`prefetch`). A block's K/V addresses need its page ids. Loaded in the same
+  iteration ("none"), they keep Triton's pipeliner from staging the K/V copies: it keeps one
+  buffer and waits for it, so every block pays a whole memory round trip. "pages" carries the
+  next block's page ids in the loop, and the pipeliner then keeps num_stages - 1 blocks in
+  flight while one is computed; "blocks" holds the next block in registers by hand.
 - An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened for the dots;
   the per-tensor scales multiply in fp32 where they cost nothing per key: k_scale folds into
   the score scale, v_scale into the fp32 accumulator once. With a bf16/fp16 q the dots run in

@@ -194,21 +194,19 @@ class Sweep:
         if self.out_of_time():
             return None
         row = dict(batch=case.batch, kv_len=case.kv_len, kv=case.kv, **asdict(v), label=v.label())
+        self._done[key] = row
         fn = make_call(self.da, self.torch, case, v)
         try:
             fn(0)
-            err = _rel_err(case.out, self.reference(case))
-        except Exception as exc:  # a tile that does not compile (shared memory, registers): skip it
+            row["rel_err"] = _rel_err(case.out, self.reference(case))
+            if not row["rel_err"] < TOLERANCE:
+                row.update(error=f"output differs from the reference (rel err {row['rel_err']:.3g})")
+            elif not self.smoke:
+                us = time_layers_us(self.torch, fn, case.model["layers"], self.repeats)
+                gbps = case.kv_bytes() / (us * 1e-6) / 1e9
+                row.update(us=us, gbps=gbps, frac_copy=gbps / self.copy if self.copy else None)
+        except Exception as exc:  # a tile that does not compile or launch (shared memory, registers)
             row.update(error=f"{type(exc).__name__}: {str(exc)[:160]}")
-            return self._record(row)
-        row["rel_err"] = err
-        if not err < TOLERANCE:
-            row.update(error=f"output differs from the reference (rel err {err:.3g})")
-        elif not self.smoke:
-            us = time_layers_us(self.torch, fn, case.model["layers"], self.repeats)
-            gbps = case.kv_bytes() / (us * 1e-6) / 1e9
-            row.update(us=us, gbps=gbps, frac_copy=gbps / self.copy if self.copy else None)
-        self._done[key] = row
         return self._record(row)
 
     def reference(self, case: Case):

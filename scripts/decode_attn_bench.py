@@ -256,6 +256,57 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
+def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90) -> dict:
+    """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
+    the divisibility by 16 the launcher's specialisation gives real pool strides: how many
+    cp.async copies, the most copy groups left in flight at a wait (0: none overlaps the
+    math), e4m3 -> fp16 and fp16 -> bf16 conversions, and ptxas's register/spill line."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashlet.kernels import decode_attention as da
+
+    names = da._decode_kernel.arg_names
+    kv_ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    sig = {n: "i32" for n in names}
+    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
+               KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
+    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
+                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch])
+    sig.update({c: "constexpr" for c in consts})
+    aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(ASTSource(fn=da._decode_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    return dict(cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), most_in_flight=max(waits, default=0),
+                e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
+                ptxas=" ".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
+
+
+def pipeline_report(kvs: list[str], arch: int) -> None:
+    """What the pipeliner of this Triton makes of the loop, before any timing."""
+    for kv in kvs:
+        for tile in ((64, 4, 2, "none"), (64, 4, 3, "pages"), (128, 4, 3, "pages")):
+            try:
+                got = lower_for_sm90(*tile[:3], kv, tile[3], arch)
+            except Exception as exc:  # a report only: the sweep goes on
+                got = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"lowered sm_{arch} kv={kv} bn{tile[0]} w{tile[1]} st{tile[2]} {tile[3]}: {got}", flush=True)
+
+
 def _compile_variants(kv: str, variants: list[Variant], model: dict, device: str) -> None:
     """In a child process: launch each variant once on a small case of the same dtypes and
     stride divisibility, which leaves its compiled kernel in Triton's on-disk cache."""
@@ -291,14 +342,20 @@ def run(args) -> list[dict]:
     from flashlet.kernels import tuning
 
     device = "cpu" if args.smoke else "cuda"
+    kvs = [k for k in ("model", "fp8") if k in args.kv]
     shapes, model = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (args.shapes, MODEL)
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     copy = None if args.smoke else copy_gbps(torch, device)
     print(f"device: {'cpu (interpreter, no timing)' if args.smoke else torch.cuda.get_device_name(0)}, "
           f"{num_sms} SMs; copy bandwidth {copy and round(copy)} GB/s; model {model}", flush=True)
+    if not args.smoke:
+        import triton
+
+        print(f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
+        major, minor = torch.cuda.get_device_capability(0)
+        pipeline_report(kvs, 10 * major + minor)
     sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
     tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")] if args.smoke else viable_tiles()
-    kvs = [k for k in ("model", "fp8") if k in args.kv]
     winners = {}
     share = args.budget_s / len(kvs)  # each KV dtype gets its share; stage 1 at most 60% of it
     for i, kv in enumerate(kvs):
@@ -388,6 +445,8 @@ def parse_args(argv=None):
                    help="processes that compile stage 1's variants ahead of timing (1: none)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH",
+                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
     args = p.parse_args(argv)
     args.kv = args.kv.split(",")
     args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
@@ -397,6 +456,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lower:
+        bn, warps, stages, kv, prefetch = args.lower.split(",")
+        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch)))
+        return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not __import__("torch").cuda.is_available():

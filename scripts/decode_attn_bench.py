@@ -65,6 +65,10 @@ def viable_tiles() -> list[tuple[int, int, int, str]]:
     return [(bn, w, st, pf) for st, pf in modes for bn, w in shapes]
 
 
+QUICK_TILES = [(bn, w, st, "pages") for st in (3, 4)
+               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))]
+
+
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:
     """Powers of two giving between a quarter of a program and 16 programs per SM, each split
     at least MIN_SPLIT_TOKENS long."""
@@ -259,8 +263,9 @@ def best_of(rows: list[dict]) -> dict | None:
 def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90) -> dict:
     """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
-    cp.async copies, the most copy groups left in flight at a wait (0: none overlaps the
-    math), e4m3 -> fp16 and fp16 -> bf16 conversions, and ptxas's register/spill line."""
+    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
+    most copy groups left in flight at a wait (0: none overlaps the math), e4m3 -> fp16 and
+    fp16 -> bf16 conversions, and ptxas's register/spill line."""
     import re
     import subprocess
     import tempfile
@@ -277,7 +282,8 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
-                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch])
+                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch],
+                  SPLIT_V=kv == "fp8" and prefetch == "pages")
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -291,7 +297,10 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
         info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
                               capture_output=True, text=True, check=True).stderr
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
-    return dict(cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), most_in_flight=max(waits, default=0),
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
+    return dict(cp_async=len(copies), narrow_copies=sum(int(c, 0) < 16 for c in copies),
+                byte_smem_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"),
+                most_in_flight=max(waits, default=0),
                 e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
                 ptxas=" ".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
 
@@ -355,7 +364,10 @@ def run(args) -> list[dict]:
         major, minor = torch.cuda.get_device_capability(0)
         pipeline_report(kvs, 10 * major + minor)
     sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
-    tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")] if args.smoke else viable_tiles()
+    if args.smoke:
+        tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")]
+    else:
+        tiles = QUICK_TILES if args.quick else viable_tiles()
     winners = {}
     share = args.budget_s / len(kvs)  # each KV dtype gets its share; stage 1 at most 60% of it
     for i, kv in enumerate(kvs):
@@ -440,6 +452,8 @@ def parse_args(argv=None):
     p.add_argument("--kv", default="model,fp8", help="KV dtypes to sweep: model (bf16), fp8")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
     p.add_argument("--top", type=int, default=4, help="tiles of stage 1 that stage 2 times")
+    p.add_argument("--quick", action="store_true",
+                   help="stage 1 times only the page-prefetched tiles near the measured winners (QUICK_TILES)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                    help="processes that compile stage 1's variants ahead of timing (1: none)")

@@ -48,6 +48,10 @@ Design.
   fp16 (`fp8_as_fp16`): e4m3 -> fp16 is one cvt per pair of values where e4m3 -> bf16 is three,
   and that widening is per key, the loop's main ALU cost at half the bytes. q is scaled in
   fp32 first (the score scale is then 1), and P in [0, 1] keeps more bits in fp16 than bf16.
+  With "pages" its V is read as uint16 pairs (`_v_pairs_as_f16`): V is the PV dot's operand
+  to transpose (its keys, the reduction axis, are rows apart), which ldmatrix does for 16-bit
+  elements only; as single bytes Triton copied V 8 bytes at a time and read it back one byte
+  per load.
 """
 
 from __future__ import annotations
@@ -102,6 +106,35 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 
 @triton.jit
+def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
+    (even d, odd d). A 16-bit element in shared memory transposes for the PV dot with ldmatrix,
+    where single fp8 bytes would be read one at a time (V's keys, the dot's reduction axis, are
+    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements."""
+    pairs = tl.load(head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2)
+                    + d2[None, :], mask=t_mask[:, None], other=0)
+    lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi):
+    """`_attend_block` for fp16 dots with V as its even and odd columns (`_v_pairs_as_f16`)."""
+    qk = tl.dot(q, tl.trans(k.to(tl.float16)))
+    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi)
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
     """The pool page of each token t (masked: 0) -> [BLOCK_N] int64."""
     return tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
@@ -134,6 +167,7 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr,
     FP8_AS_FP16: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -163,7 +197,24 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
-    if PREFETCH == 1:
+    if SPLIT_V:
+        # An fp8 pool with pages carried ahead ("pages"), V read as uint16 pairs: see
+        # `_v_pairs_as_f16`. The two half-width accumulators interleave back into [GP, D].
+        d2 = tl.arange(0, HEAD_DIM // 2)
+        v_head16 = v_head.to(tl.pointer_type(tl.uint16))
+        acc_lo = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        acc_hi = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        t = start + tl.arange(0, BLOCK_N)
+        page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, d2, stride_vp, stride_vt, PAGE_SIZE)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, HEAD_DIM])
+    elif PREFETCH == 1:
         # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
         # carried values, not from a load in the same iteration, which Triton's pipeliner can
         # stage (num_stages - 1 buffers) instead of ordering each block's copy after the last.
@@ -365,6 +416,8 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
+    as_fp16 = fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    mode = _prefetch_mode(prefetch)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
@@ -378,8 +431,9 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
-        FP8_AS_FP16=fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        PREFETCH=_prefetch_mode(prefetch),
+        FP8_AS_FP16=as_fp16,
+        PREFETCH=mode,
+        SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"],
         num_warps=num_warps,
         num_stages=num_stages,
     )

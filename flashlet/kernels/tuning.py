@@ -53,7 +53,18 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
 # (head_dim, group, kv, batch bucket) -> DecodeConfig of the two-launch (batched) decode only,
 # kv "model" (the model's dtype) or "fp8": measured on an H200 by scripts/decode_attn_bench.py.
 # Consulted before DECODE_TABLE; the one-launch decode of the fused path never reads it.
-BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {}
+BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
+    # Qwen2.5-0.5B's shape, measured at 1 x 30,000, 32 x 8,000 and 128 x 2,000 tokens
+    # (DECODE_NOTES.md). Bucket 1 holds 64 splits, the backend's split cap (128 measured best).
+    # fp8 at 256: 4 warps, where 2 measured best before V was read as uint16 pairs (2 warps
+    # then take 239 registers a thread).
+    (64, 7, "fp8", 1): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=64, prefetch="pages"),
+    (64, 7, "fp8", 64): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=8, prefetch="pages"),
+    (64, 7, "fp8", 256): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages"),
+    (64, 7, "model", 1): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=64, prefetch="pages"),
+    (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
+    (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),
+}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).

@@ -67,6 +67,9 @@ def test_table_literal_is_tuning_source(bench):
 def test_tiles_and_splits_stay_within_reason(bench):
     tiles = bench.viable_tiles()
     assert (64, 4, 2, "none") in tiles and (64, 4, 3, "pages") in tiles and len(tiles) == len(set(tiles)) <= 72
+    assert set(bench.QUICK_TILES) <= set(tiles)
+    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch) for c in tuning.BATCHED_DECODE_TABLE.values()}
+    assert table <= set(bench.QUICK_TILES), "--quick would not time a tile the table holds"
     assert bench.split_candidates(128, 2, 132, 2000) == [1, 2, 4, 8]
     assert bench.split_candidates(1, 2, 132, 30000) == [32, 64, 128]
     assert all(8000 // s >= bench.MIN_SPLIT_TOKENS for s in bench.split_candidates(32, 2, 132, 8000))

@@ -188,7 +188,8 @@ def test_batched_decode_config_is_measured_per_kv_dtype(kh, monkeypatch):
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "model", 256), model)
     fp8_backend = TritonBackend(_fp8_pool(kh), 14, num_sms=132, max_batch_size=256)
     assert fp8_backend.decode_variant(128) == (fp8, 4)
-    default = tuning.default_decode(64, 7, 64)  # another bucket: the defaults
+    monkeypatch.delitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "fp8", 64), raising=False)
+    default = tuning.default_decode(64, 7, 64)  # a bucket without a row: the defaults
     assert fp8_backend.decode_variant(64) == (default, tuning.num_splits(64, 2, 132, default.waves, 64))
     model_backend = TritonBackend(_pool(kh, pages=256, head_dim=64), 14, num_sms=132, max_batch_size=256)
     assert model_backend.decode_variant(128) == (model, 1)

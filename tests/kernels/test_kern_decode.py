@@ -348,7 +348,8 @@ def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch):
     """~2 s each. K/V are copied with cp.async; with the page ids carried by hand the pipeliner
     keeps later blocks' copies in flight while one block is computed (a wait for all but the
     newest groups), which it does not when the page ids are loaded in the same iteration; an fp8
-    pool widens e4m3 pairs straight to fp16, never through bf16; no spills."""
+    pool widens e4m3 pairs straight to fp16, never through bf16, and (read as uint16 pairs) its V
+    is copied 16 bytes at a time and transposed by ldmatrix, not byte by byte; no spills."""
     import json
 
     import triton
@@ -367,6 +368,8 @@ def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch):
     assert (got["most_in_flight"] > 0) == (prefetch == "pages"), got["most_in_flight"]
     if kv == "fp8":
         assert got["e4m3_to_f16"] > 0 and got["f16_to_bf16"] == 0
+    if prefetch == "pages":  # V of an fp8 pool too: 16-byte copies, transposed without byte loads
+        assert got["narrow_copies"] == 0 and got["byte_smem_loads"] == 0, got
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
         assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]
     else:

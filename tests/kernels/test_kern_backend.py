@@ -227,3 +227,24 @@ def test_fp8_pool_decode_step_runs_the_table_config(kh, monkeypatch):
     ref.plan(meta)
     q = torch.randn(3, 6, 16, generator=g).to(kh.device)
     assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
+
+
+def test_bf16_model_over_an_fp8_pool_runs_the_v_pairs_path(kh, monkeypatch):
+    """The engine's case for the measured fp8 rows: a bf16 model's q over an fp8 pool with the
+    page ids carried ("pages"), so V is read as uint16 pairs and the dots run in fp16."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
+                                            num_splits=2, prefetch="pages"))
+    pool = KVPool(2, 64, 16, 2, 16, torch.bfloat16, kh.device, cache_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
+    pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
+    pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
+    meta, _ = kh.make_step(pool, [(47, 1), (16, 1), (70, 1)])  # ends mid-page, on a page, two splits
+    tri = TritonBackend(pool, 14, num_sms=4)
+    assert tri.decode_variant(3)[0].prefetch == "pages"
+    ref = TorchBackend(pool, 14, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
+    assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2

@@ -96,8 +96,9 @@ class TritonBackend(AttentionBackend):
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         self._prefill_overrides = _given(block_m=prefill_block_m, block_n=prefill_block_n)
         self.max_kv_splits = max(self._max_splits(self.decode_config(b)) for b in tuning.DECODE_BATCH_BUCKETS)
-        # Split scratch, sized for the worst batch: rows = max over B of B * S(B).
-        rows = max((b * self._splits_for(b) for b in range(1, max_batch_size + 1) if self._splits_for(b) > 1), default=0)
+        # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
+        splits = [max(self._splits_for(b), self.one_launch_config(b)[1]) for b in range(1, max_batch_size + 1)]
+        rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
@@ -108,7 +109,9 @@ class TritonBackend(AttentionBackend):
 
     # ---- launch configurations: functions of the batch shape only (see kernels/tuning.py) ----
     def decode_config(self, num_seqs: int) -> tuning.DecodeConfig:
-        cfg = tuning.decode_config(self.head_dim, self.group, num_seqs)
+        """The two-launch decode's config, measured per KV dtype (`tuning.batched_decode_config`)."""
+        kv = "fp8" if self.kv_pool.is_fp8 else "model"
+        cfg = tuning.batched_decode_config(self.head_dim, self.group, num_seqs, kv)
         return dataclasses.replace(cfg, **self._decode_overrides)
 
     def prefill_config(self, max_q_len: int) -> tuning.PrefillConfig:
@@ -123,18 +126,21 @@ class TritonBackend(AttentionBackend):
         if num_seqs > self.max_batch_size:
             return 1
         cfg = self.decode_config(num_seqs)
-        return tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
+        return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, self._max_splits(cfg))
 
     def one_launch_config(self, num_seqs: int) -> tuple[tuple, int]:
         """(config, splits) of `attend_one_launch` for a batch: the decode config with the
-        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS (fewer splits than the two-launch
-        form, so they fit its scratch) and, at small head dims, blocks of a whole split."""
-        cfg = self.decode_config(num_seqs)
+        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS and, at small head dims, blocks of
+        a whole split. It starts from `tuning.decode_config`, not the two-launch form's
+        per-KV-dtype table (the scratch is sized for both forms)."""
+        cfg = tuning.decode_config(self.head_dim, self.group, num_seqs)
+        cfg = dataclasses.replace(cfg, **self._decode_overrides)
         cfg = dataclasses.replace(cfg, min_split_tokens=max(cfg.min_split_tokens, ONE_LAUNCH_MIN_SPLIT_TOKENS))
         if self.head_dim <= ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM and "block_n" not in self._decode_overrides:
             cfg = dataclasses.replace(cfg, block_n=cfg.min_split_tokens, num_warps=ONE_LAUNCH_WHOLE_SPLIT_WARPS)
-        splits = tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
-        return cfg, min(splits, self._splits_for(num_seqs))
+        if num_seqs > self.max_batch_size:
+            return cfg, 1
+        return cfg, tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
@@ -188,6 +194,7 @@ class TritonBackend(AttentionBackend):
             num_stages=dc.num_stages,
             k_scale=k_scale,
             v_scale=v_scale,
+            prefetch=dc.prefetch,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()

@@ -37,9 +37,21 @@ Design.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
-- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened to q's dtype
-  for the dots; the per-tensor scales multiply in fp32 where they cost nothing per key:
-  k_scale folds into the fp32 score scale, v_scale into the fp32 accumulator once.
+- Loading ahead (`prefetch`). A block's K/V addresses need its page ids. Loaded in the same
+  iteration ("none"), they keep Triton's pipeliner from staging the K/V copies: it keeps one
+  buffer and waits for it, so every block pays a whole memory round trip. "pages" carries the
+  next block's page ids in the loop, and the pipeliner then keeps num_stages - 1 blocks in
+  flight while one is computed; "blocks" holds the next block in registers by hand.
+- An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened for the dots;
+  the per-tensor scales multiply in fp32 where they cost nothing per key: k_scale folds into
+  the score scale, v_scale into the fp32 accumulator once. With a bf16/fp16 q the dots run in
+  fp16 (`fp8_as_fp16`): e4m3 -> fp16 is one cvt per pair of values where e4m3 -> bf16 is three,
+  and that widening is per key, the loop's main ALU cost at half the bytes. q is scaled in
+  fp32 first (the score scale is then 1), and P in [0, 1] keeps more bits in fp16 than bf16.
+  With "pages" its V is read as uint16 pairs (`_v_pairs_as_f16`): V is the PV dot's operand
+  to transpose (its keys, the reduction axis, are rows apart), which ldmatrix does for 16-bit
+  elements only; as single bytes Triton copied V 8 bytes at a time and read it back one byte
+  per load.
 """
 
 from __future__ import annotations
@@ -93,6 +105,48 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
                    mask=t_mask[:, None], other=0.0)
 
 
+@triton.jit
+def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
+    (even d, odd d). A 16-bit element in shared memory transposes for the PV dot with ldmatrix,
+    where single fp8 bytes would be read one at a time (V's keys, the dot's reduction axis, are
+    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements."""
+    pairs = tl.load(head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2)
+                    + d2[None, :], mask=t_mask[:, None], other=0)
+    lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi):
+    """`_attend_block` for fp16 dots with V as its even and odd columns (`_v_pairs_as_f16`)."""
+    qk = tl.dot(q, tl.trans(k.to(tl.float16)))
+    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi)
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
+    """The pool page of each token t (masked: 0) -> [BLOCK_N] int64."""
+    return tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D]."""
+    return tl.load(head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :],
+                   mask=t_mask[:, None], other=0.0)
+
+
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
@@ -111,6 +165,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -129,18 +186,72 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    if FP8_AS_FP16:
+        # e4m3 widens to fp16 in one cvt per pair (to bf16 it takes three). q carries the
+        # score scale (scale * log2 e * k_scale, small) so its fp16 copy cannot overflow.
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
-    for blk in range(start, end, BLOCK_N):
-        t = blk + tl.arange(0, BLOCK_N)
+    if SPLIT_V:
+        # An fp8 pool with pages carried ahead ("pages"), V read as uint16 pairs: see
+        # `_v_pairs_as_f16`. The two half-width accumulators interleave back into [GP, D].
+        d2 = tl.arange(0, HEAD_DIM // 2)
+        v_head16 = v_head.to(tl.pointer_type(tl.uint16))
+        acc_lo = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        acc_hi = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        t = start + tl.arange(0, BLOCK_N)
+        page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, d2, stride_vp, stride_vt, PAGE_SIZE)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, HEAD_DIM])
+    elif PREFETCH == 1:
+        # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
+        # carried values, not from a load in the same iteration, which Triton's pipeliner can
+        # stage (num_stages - 1 buffers) instead of ordering each block's copy after the last.
+        t = start + tl.arange(0, BLOCK_N)
+        page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    elif PREFETCH == 2:
+        # Software-pipelined by hand: block i+1's K/V and block i+2's page ids are loaded before
+        # block i is computed, so neither the page-id -> row dependency nor a DRAM round trip
+        # sits between two blocks' math (only loads past `end`, masked, are skipped).
+        t = start + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
-        m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+        page = _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE)
+        k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        t1 = t + BLOCK_N
+        page1 = _page_ids(KvIndices, page_base, t1, t1 < end, PAGE_SIZE)
+        for blk in range(start, end, BLOCK_N):
+            t2 = t1 + BLOCK_N
+            page2 = _page_ids(KvIndices, page_base, t2, t2 < end, PAGE_SIZE)
+            k1 = _kv_rows(k_head, page1, t1, t1 < end, d, stride_kp, stride_kt, PAGE_SIZE)
+            v1 = _kv_rows(v_head, page1, t1, t1 < end, d, stride_vp, stride_vt, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+            k, v, t_mask, t1, page1 = k1, v1, t1 < end, t2, page2
+    else:
+        for blk in range(start, end, BLOCK_N):
+            t = blk + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -189,6 +300,15 @@ def _merge_kernel(
     out = num / tl.where(den == 0.0, 1.0, den)[:, None]
     o_out = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_out, out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefetch=) -> PREFETCH
+
+
+def _prefetch_mode(prefetch: str) -> int:
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
+    return PREFETCH_MODES[prefetch]
 
 
 def _next_pow2(n: int) -> int:
@@ -259,6 +379,8 @@ def decode_attention(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_as_fp16: bool = True,
+    prefetch: str = "none",
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -266,7 +388,11 @@ def decode_attention(
     included). num_splits: the most splits per sequence (a power of two; 1 = no split-KV).
     mid_o [>= B * num_splits, Hq, D] fp32 and mid_lse [>= B * num_splits, Hq] fp32 are the
     split scratch (allocated here when None). k_scale / v_scale: what the stored K / V are
-    multiplied by (an fp8 pool's). Returns out [B, Hq, D] in q's dtype. No host sync.
+    multiplied by (an fp8 pool's). fp8_as_fp16: an fp8 pool read by a bf16/fp16 q computes its
+    dots in fp16 (False: in q's dtype). prefetch (PREFETCH_MODES): what the loop loads ahead by
+    hand; "none" leaves it all to Triton's pipeliner (num_stages), "pages" carries the next
+    block's page ids so the pipeliner can keep num_stages - 1 blocks of K/V in flight, "blocks"
+    also holds the next block's K/V in registers. Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -290,6 +416,8 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
+    as_fp16 = fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    mode = _prefetch_mode(prefetch)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
@@ -303,6 +431,9 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
+        FP8_AS_FP16=as_fp16,
+        PREFETCH=mode,
+        SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"],
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -14,6 +14,8 @@ the lengths on the device (the number of splits a sequence uses comes from `kv_l
 
 DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.py` (H200),
 pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
+BATCHED_DECODE_TABLE holds `scripts/decode_attn_bench.py`'s winners for the two-launch decode
+per KV dtype (an fp8 pool moves half the bytes per key, so its best tile and split differ).
 BACKEND_PREFERENCE is that script's comparison with FlashInfer, per (head_dim, group).
 """
 
@@ -23,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
+KV_KINDS = ("model", "fp8")  # the KV cache's dtype, as BATCHED_DECODE_TABLE keys it
 PREFILL_QLEN_BUCKETS = (16, 1 << 30)
 
 
@@ -33,6 +36,8 @@ class DecodeConfig:
     num_stages: int = 2
     min_split_tokens: int = 128
     waves: int = 2  # programs per SM the split count aims at
+    num_splits: int | None = None  # a measured split cap for the bucket (None: from `waves`)
+    prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,21 @@ class PrefillConfig:
 
 # (head_dim, group, batch bucket) -> DecodeConfig. Measured on an H200 (scripts/tune_triton.py).
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+# (head_dim, group, kv, batch bucket) -> DecodeConfig of the two-launch (batched) decode only,
+# kv "model" (the model's dtype) or "fp8": measured on an H200 by scripts/decode_attn_bench.py.
+# Consulted before DECODE_TABLE; the one-launch decode of the fused path never reads it.
+BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
+    # Qwen2.5-0.5B's shape, measured at 1 x 30,000, 32 x 8,000 and 128 x 2,000 tokens
+    # (DECODE_NOTES.md). Bucket 1 holds 64 splits, the backend's split cap (128 measured best).
+    # fp8 at 256: 4 warps, where 2 measured best before V was read as uint16 pairs (2 warps
+    # then take 239 registers a thread).
+    (64, 7, "fp8", 1): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=64, prefetch="pages"),
+    (64, 7, "fp8", 64): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=8, prefetch="pages"),
+    (64, 7, "fp8", 256): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages"),
+    (64, 7, "model", 1): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=64, prefetch="pages"),
+    (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
+    (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),
+}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).
@@ -84,6 +104,15 @@ def decode_config(head_dim: int, group: int, num_seqs: int) -> DecodeConfig:
     return DECODE_TABLE.get((head_dim, group, b)) or default_decode(head_dim, group, b)
 
 
+def batched_decode_config(head_dim: int, group: int, num_seqs: int, kv: str = "model") -> DecodeConfig:
+    """The two-launch decode's config: BATCHED_DECODE_TABLE for the KV dtype (kv: "model" or
+    "fp8"), else `decode_config`."""
+    if kv not in KV_KINDS:
+        raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+    b = bucket(num_seqs, DECODE_BATCH_BUCKETS)
+    return BATCHED_DECODE_TABLE.get((head_dim, group, kv, b)) or decode_config(head_dim, group, num_seqs)
+
+
 def prefill_config(head_dim: int, group: int, max_q_len: int) -> PrefillConfig:
     b = bucket(max_q_len, PREFILL_QLEN_BUCKETS)
     return PREFILL_TABLE.get((head_dim, group, b)) or default_prefill(head_dim, group, b)
@@ -94,6 +123,14 @@ def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int, max_s
     next_pow2(waves * SMs / (B * Hkv)), clamped to [1, prev_pow2(max_splits)]."""
     want = _next_pow2(math.ceil(waves * num_sms / max(1, num_seqs * num_kv_heads)))
     return max(1, min(want, _prev_pow2(max_splits)))
+
+
+def config_splits(cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """The split cap a decode config gives a batch: its measured `num_splits` where it has one
+    (clamped like `num_splits`), else the one its `waves` aim at."""
+    if cfg.num_splits is not None:
+        return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
+    return num_splits(num_seqs, num_kv_heads, num_sms, cfg.waves, max_splits)
 
 
 def _next_pow2(n: int) -> int:

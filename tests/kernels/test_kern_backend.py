@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flashlet.attention.base import AttentionBackend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels import tuning
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.ops import TorchOps
 
@@ -172,3 +173,78 @@ def test_backend_interface(kh):
     assert TritonBackend(pool, 6).scale == pytest.approx(16**-0.5)
     with pytest.raises(ValueError, match="KV heads"):
         TritonBackend(pool, 5)
+
+
+def _fp8_pool(kh, pages=256, head_dim=64):
+    return KVPool(2, pages, 16, 2, head_dim, torch.float32, kh.device, cache_dtype=torch.float8_e4m3fn)
+
+
+def test_batched_decode_config_is_measured_per_kv_dtype(kh, monkeypatch):
+    """An fp8 pool's two-launch decode takes the fp8 row of BATCHED_DECODE_TABLE (tile, splits,
+    prefetch); a pool of the model's dtype takes its own row; the one-launch decode reads neither."""
+    fp8 = tuning.DecodeConfig(block_n=128, num_warps=2, num_stages=3, num_splits=4, prefetch="pages")
+    model = tuning.DecodeConfig(block_n=32, num_warps=1, num_stages=2, num_splits=1)
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "fp8", 256), fp8)
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "model", 256), model)
+    fp8_backend = TritonBackend(_fp8_pool(kh), 14, num_sms=132, max_batch_size=256)
+    assert fp8_backend.decode_variant(128) == (fp8, 4)
+    monkeypatch.delitem(tuning.BATCHED_DECODE_TABLE, (64, 7, "fp8", 64), raising=False)
+    default = tuning.default_decode(64, 7, 64)  # a bucket without a row: the defaults
+    assert fp8_backend.decode_variant(64) == (default, tuning.num_splits(64, 2, 132, default.waves, 64))
+    model_backend = TritonBackend(_pool(kh, pages=256, head_dim=64), 14, num_sms=132, max_batch_size=256)
+    assert model_backend.decode_variant(128) == (model, 1)
+    cfg, _ = model_backend.one_launch_config(128)
+    assert (cfg.num_stages, cfg.prefetch) == (tuning.default_decode(64, 7, 256).num_stages, "none")
+    # The scratch holds every batch's splits, of either decode form.
+    for b in (1, 100, 128, 256):
+        assert fp8_backend._mid_o.shape[0] >= b * max(fp8_backend._splits_for(b), fp8_backend.one_launch_config(b)[1])
+    with pytest.raises(ValueError, match="kv"):
+        tuning.batched_decode_config(64, 7, 128, "fp16")
+
+
+def test_a_measured_split_count_is_capped_like_the_computed_one():
+    cfg = tuning.DecodeConfig(num_splits=8)
+    assert tuning.config_splits(cfg, 128, 2, 132, max_splits=64) == 8
+    assert tuning.config_splits(cfg, 128, 2, 132, max_splits=6) == 4  # rounded down to a power of two
+    assert tuning.config_splits(tuning.DecodeConfig(waves=2), 128, 2, 132, 64) == tuning.num_splits(128, 2, 132, 2, 64)
+
+
+def test_fp8_pool_decode_step_runs_the_table_config(kh, monkeypatch):
+    """The backend passes the table's prefetch and split count to the kernel: an fp8 pool's
+    pure-decode step against the torch oracle with the prefetched, 4-split config."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 3, "fp8", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                                            num_splits=4, prefetch="blocks"))
+    pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device, cache_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(torch.float8_e4m3fn))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g).to(torch.float8_e4m3fn))
+    meta, _ = kh.make_step(pool, [(40, 1), (70, 1), (5, 1)])
+    tri = TritonBackend(pool, 6, num_sms=4)
+    assert tri.decode_variant(3)[1] == 4
+    ref = TorchBackend(pool, 6, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    q = torch.randn(3, 6, 16, generator=g).to(kh.device)
+    assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
+
+
+def test_bf16_model_over_an_fp8_pool_runs_the_v_pairs_path(kh, monkeypatch):
+    """The engine's case for the measured fp8 rows: a bf16 model's q over an fp8 pool with the
+    page ids carried ("pages"), so V is read as uint16 pairs and the dots run in fp16."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
+                                            num_splits=2, prefetch="pages"))
+    pool = KVPool(2, 64, 16, 2, 16, torch.bfloat16, kh.device, cache_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
+    pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
+    pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
+    meta, _ = kh.make_step(pool, [(47, 1), (16, 1), (70, 1)])  # ends mid-page, on a page, two splits
+    tri = TritonBackend(pool, 14, num_sms=4)
+    assert tri.decode_variant(3)[0].prefetch == "pages"
+    ref = TorchBackend(pool, 14, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
+    assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2

@@ -268,3 +268,109 @@ def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim):
         # the pinned 3.7.1 (pyproject) does not. The checks above still hold there.
         pytest.skip(f"Triton {triton.__version__} spills at these tiles; the spill check needs 3.7+")
     assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]
+
+
+# ---- the batched decode's fp8 pool (dots in fp16) and its hand-prefetched loop ---------------
+
+
+def _fp8_case(kh, kv_lens, group, num_kv_heads, page_size, q_dtype, seed=0):
+    """An fp8 pool (stored K / V = values / scale, e4m3) and a half-precision q."""
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, 16, seed=seed)
+    k_scale, v_scale = 0.05, 0.02
+    k = (paged["k_cache"] / k_scale).to(torch.float8_e4m3fn)
+    v = (paged["v_cache"] / v_scale).to(torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(kv_lens), group * num_kv_heads, 16, generator=gen).to(q_dtype).to(kh.device)
+    args = (q, k, v, paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.25)
+    return args, dict(k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "group,num_kv_heads,page_size,kv_lens,num_splits,prefetch",
+    [
+        (1, 2, 4, [5, 18], 1, "none"),  # MHA, lengths ending mid-page
+        (2, 2, 8, [23, 9], 2, "pages"),
+        (7, 2, 16, [40, 17, 1], 4, "pages"),  # Qwen2.5's group, page 16
+        (8, 1, 4, [33, 70], 2, "blocks"),  # several blocks a split, ends mid-page
+    ],
+)
+def test_fp8_pool_with_a_half_precision_q_matches_the_reference(kh, q_dtype, group, num_kv_heads, page_size,
+                                                               kv_lens, num_splits, prefetch):
+    """The dots run in fp16 (q scaled in fp32 first): within fp16/fp8 rounding of the fp32
+    reference over the same stored values, both with fp8_as_fp16 and without (q's dtype)."""
+    args, scales = _fp8_case(kh, kv_lens, group, num_kv_heads, page_size, q_dtype)
+    want = decode_attention_reference(*args, **scales)
+    for as_fp16 in (True, False) if q_dtype == torch.float16 else (True,):  # bf16 dots: not in the interpreter
+        got = decode_attention(*args, num_splits=num_splits, min_split_tokens=16, block_n=16, prefetch=prefetch,
+                               fp8_as_fp16=as_fp16, **scales)
+        assert got.dtype == q_dtype
+        assert kh.rel_err(got, want) < 2e-2, f"fp8_as_fp16={as_fp16}"
+
+
+@pytest.mark.parametrize(
+    "group,num_kv_heads,page_size,kv_lens,num_splits,block_n",
+    [
+        (7, 2, 16, [16, 17, 31, 1, 0], 1, 16),  # one block, two, an empty row
+        (3, 1, 1, [50, 3], 2, 16),  # one token a page
+        (1, 2, 4, [64, 63, 65, 100], 4, 16),  # exact multiples of block and split, and past them
+        (8, 1, 32, [150], 2, 32),  # pages larger than a block
+        (7, 2, 16, [200, 45], 1, 64),  # many blocks, the last partial
+    ],
+)
+@pytest.mark.parametrize("prefetch", ["pages", "blocks"])
+def test_prefetched_loop_matches_the_reference(kh, group, num_kv_heads, page_size, kv_lens, num_splits, block_n,
+                                               prefetch):
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, 16)
+    q = torch.randn(len(kv_lens), group * num_kv_heads, 16, generator=torch.Generator().manual_seed(1)).to(kh.device)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.25)
+    want = decode_attention_reference(*args)
+    plain = decode_attention(*args, num_splits=num_splits, min_split_tokens=16, block_n=block_n)
+    out = torch.full_like(q, NAN)
+    got = decode_attention(*args, out=out, num_splits=num_splits, min_split_tokens=16, block_n=block_n,
+                           prefetch=prefetch)
+    assert not torch.isnan(got).any(), "an output element was not written"
+    assert kh.rel_err(got, want) < 1e-5
+    assert kh.rel_err(got, plain) < 1e-6  # same blocks, same order: the same sums
+
+
+# The batched decode lowered for sm_90a by scripts/decode_attn_bench.py --lower, in a child process
+# (the interpreter wraps this process's kernels): what the interpreter cannot show.
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts", "decode_attn_bench.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n,warps,stages,kv,prefetch", [
+    (64, 4, 2, "bf16", "none"), (64, 4, 3, "bf16", "pages"), (64, 4, 4, "fp8", "pages"), (128, 4, 3, "fp8", "pages"),
+    (64, 2, 1, "bf16", "blocks"),
+])
+def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch):
+    """~2 s each. K/V are copied with cp.async; with the page ids carried by hand the pipeliner
+    keeps later blocks' copies in flight while one block is computed (a wait for all but the
+    newest groups), which it does not when the page ids are loaded in the same iteration; an fp8
+    pool widens e4m3 pairs straight to fp16, never through bf16, and (read as uint16 pairs) its V
+    is copied 16 bytes at a time and transposed by ldmatrix, not byte by byte; no spills."""
+    import json
+
+    import triton
+
+    root = os.path.dirname(os.path.dirname(_BENCH))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    spec = f"{block_n},{warps},{stages},{kv},{prefetch}"
+    proc = subprocess.run([sys.executable, _BENCH, "--lower", spec], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=root)
+    if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if prefetch != "blocks":
+        assert got["cp_async"] > 0, "K/V loads are not pipelined"
+    assert (got["most_in_flight"] > 0) == (prefetch == "pages"), got["most_in_flight"]
+    if kv == "fp8":
+        assert got["e4m3_to_f16"] > 0 and got["f16_to_bf16"] == 0
+    if prefetch == "pages":  # V of an fp8 pool too: 16-byte copies, transposed without byte loads
+        assert got["narrow_copies"] == 0 and got["byte_smem_loads"] == 0, got
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]
+    else:
+        assert "registers" in got["ptxas"]

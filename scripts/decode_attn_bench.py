@@ -1,0 +1,490 @@
+"""The batched decode attention kernel alone, swept over its launch configs, per KV dtype.
+
+What the engine's pure-decode step runs for each layer (`decode_attention`, the two-launch
+split-KV form) is timed over a model's worth of layers (24 pools, as Qwen2.5-0.5B has, so
+that no layer's K/V sits in L2 from the previous repeat), replayed from one CUDA graph. Each
+row gives microseconds per layer, the bytes the kernel must read (K and V of every token once
+per KV head, plus q, the output and the page ids) and the achieved GB/s against the
+device-to-device copy bandwidth measured in the same run.
+
+Stage 1 sweeps the tiles (block_n x warps x stages) at the first shape with the split count
+the engine picks today; stage 2 times the best tiles at every shape over the split counts
+that give between half a program and 16 programs per SM. Every config is checked against the
+PyTorch reference on one layer before it is timed; a wrong one is reported and dropped. The
+last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
+
+    python scripts/decode_attn_bench.py                      # H200: 128x2000, 32x8000, 1x30000
+    python scripts/decode_attn_bench.py --budget-s 300 --json out.json
+    python scripts/decode_attn_bench.py --smoke              # CPU: tiny shapes, interpreter, no timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+SHAPES = ((128, 2000), (32, 8000), (1, 30000))  # (sequences, tokens of context each)
+MODEL = dict(layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16)  # Qwen2.5-0.5B
+SMOKE_SHAPES = ((3, 37), (1, 70))
+SMOKE_MODEL = dict(layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16, page_size=4)
+BLOCK_NS, WARPS = (32, 64, 128, 256), (1, 2, 4, 8)
+MIN_SPLIT_TOKENS = 128
+TOLERANCE = 3e-2  # bf16 outputs of an fp32-accumulated softmax against the fp32 reference
+
+
+@dataclass(frozen=True)
+class Variant:
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    prefetch: str = "none"
+    fp8_as_fp16: bool = True
+
+    def label(self) -> str:
+        tail = ("" if self.prefetch == "none" else f" pf-{self.prefetch}") + ("" if self.fp8_as_fp16 else " fp8->bf16")
+        return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}"
+
+
+def viable_tiles() -> list[tuple[int, int, int, str]]:
+    """(block_n, warps, stages, prefetch) worth compiling: a [16, block_n] fp32 score tile of at
+    most 64 values a thread and at least 8 (fewer leaves warps idle). Page ids carried by hand
+    let the pipeliner keep stages - 1 blocks in flight; K/V held in registers by hand needs no
+    stages. Mode by mode, likelier winners first: the sweep may run out of time."""
+    modes = [(3, "pages"), (4, "pages"), (2, "none"), (2, "pages"), (1, "blocks"), (3, "none")]
+    shapes = sorted(((bn, w) for bn, w in itertools.product(BLOCK_NS, WARPS) if 8 <= 16 * bn // (32 * w) <= 64),
+                    key=lambda t: abs(16 * t[0] // (32 * t[1]) - 16))
+    return [(bn, w, st, pf) for st, pf in modes for bn, w in shapes]
+
+
+QUICK_TILES = [(bn, w, st, "pages") for st in (3, 4)
+               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))]
+
+
+def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:
+    """Powers of two giving between a quarter of a program and 16 programs per SM, each split
+    at least MIN_SPLIT_TOKENS long."""
+    out, s = [], 1
+    while s <= cap:
+        programs = batch * num_kv_heads * s
+        if programs * 4 >= num_sms and programs <= 16 * num_sms and (s == 1 or kv_len // s >= MIN_SPLIT_TOKENS):
+            out.append(s)
+        s *= 2
+    return out or [1]
+
+
+class Case:
+    """One shape's pools (all layers), page table, q, and reference output of layer 0."""
+
+    def __init__(self, torch, batch, kv_len, kv, model, device, seed=0):
+        # The interpreter's dots cannot take bf16 (numpy has none): the smoke run's model is fp32.
+        model_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.batch, self.kv_len, self.kv, self.model = batch, kv_len, kv, model
+        gen = torch.Generator(device=device).manual_seed(seed)
+        ps, hkv, d, hq = model["page_size"], model["num_kv_heads"], model["head_dim"], model["num_q_heads"]
+        pages_per_seq = -(-kv_len // ps)
+        num_pages = batch * pages_per_seq + 1
+        shape = (model["layers"], num_pages, ps, hkv, d)
+        dtype = torch.float8_e4m3fn if kv == "fp8" else model_dtype
+        self.k_scale, self.v_scale = (0.02, 0.02) if kv == "fp8" else (1.0, 1.0)
+        # Values of the scale's range (the pool stores K / k_scale): e4m3 holds them unsaturated.
+        self.k = (torch.randn(shape, generator=gen, device=device) / self.k_scale).to(dtype)
+        self.v = (torch.randn(shape, generator=gen, device=device) / self.v_scale).to(dtype)
+        self.indices = torch.randperm(num_pages, generator=gen, device=device)[: batch * pages_per_seq].int()
+        self.indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * pages_per_seq
+        self.lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+        self.q = torch.randn(batch, hq, d, generator=gen, device=device).to(model_dtype)
+        self.out = torch.empty_like(self.q)
+        self.scale = d**-0.5
+        self.elem = self.k.element_size()
+
+    def kv_bytes(self) -> int:
+        """Bytes one layer's call must move: K and V once per KV head, q and out, page ids."""
+        m = self.model
+        kv = 2 * self.batch * self.kv_len * m["num_kv_heads"] * m["head_dim"] * self.elem
+        qo = 2 * self.q.numel() * self.q.element_size()
+        return kv + qo + 4 * self.indices.numel()
+
+    def args(self, layer):
+        return (self.q, self.k[layer], self.v[layer], self.indptr, self.indices, self.lens, self.scale)
+
+
+def make_call(da, torch, case: Case, v: Variant):
+    """fn(layer): one decode launch (and merge) of `v` into case.out, scratch allocated once."""
+    rows = case.batch * v.num_splits
+    hq, d = case.q.shape[1], case.q.shape[2]
+    mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
+    mid_lse = torch.empty((rows, hq), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
+
+    def fn(layer):
+        return da.decode_attention(
+            *case.args(layer), out=case.out, num_splits=v.num_splits, min_split_tokens=MIN_SPLIT_TOKENS,
+            block_n=v.block_n, mid_o=mid_o, mid_lse=mid_lse, num_warps=v.num_warps, num_stages=v.num_stages,
+            k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch)
+    return fn
+
+
+def time_layers_us(torch, fn, layers: int, repeats: int) -> float:
+    """Median microseconds per layer: all layers' launches captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(layers):
+            fn(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def copy_gbps(torch, device) -> float:
+    """Device-to-device copy of 1 GiB, read + write counted."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * src.numel() / statistics.median(times) / 1e9
+
+
+class Sweep:
+    """Checks, times and records variants of the decode kernel; stops timing past a budget."""
+
+    def __init__(self, torch, da, smoke: bool, budget_s: float, repeats: int, copy: float | None):
+        self.torch, self.da, self.smoke, self.repeats, self.copy = torch, da, smoke, repeats, copy
+        self.start = time.monotonic()
+        self.deadline = self.start + budget_s
+        self.rows: list[dict] = []
+        self._refs: dict[tuple, object] = {}  # (batch, kv_len, kv) -> layer 0's reference output
+        self._done: dict[tuple, dict] = {}
+
+    def set_deadline(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def measure(self, case: Case, v: Variant) -> dict | None:
+        """The variant's row (None when it was out of time); a wrong output gives error, no time."""
+        key = (case.batch, case.kv_len, case.kv, v)
+        if key in self._done:
+            return self._done[key]
+        if self.out_of_time():
+            return None
+        row = dict(batch=case.batch, kv_len=case.kv_len, kv=case.kv, **asdict(v), label=v.label())
+        self._done[key] = row
+        fn = make_call(self.da, self.torch, case, v)
+        try:
+            fn(0)
+            row["rel_err"] = _rel_err(case.out, self.reference(case))
+            if not row["rel_err"] < TOLERANCE:
+                row.update(error=f"output differs from the reference (rel err {row['rel_err']:.3g})")
+            elif not self.smoke:
+                us = time_layers_us(self.torch, fn, case.model["layers"], self.repeats)
+                gbps = case.kv_bytes() / (us * 1e-6) / 1e9
+                row.update(us=us, gbps=gbps, frac_copy=gbps / self.copy if self.copy else None)
+        except Exception as exc:  # a tile that does not compile or launch (shared memory, registers)
+            row.update(error=f"{type(exc).__name__}: {str(exc)[:160]}")
+        return self._record(row)
+
+    def reference(self, case: Case):
+        key = (case.batch, case.kv_len, case.kv)  # the same seed builds the same case
+        if key not in self._refs:
+            self._refs[key] = self.da.decode_attention_reference(
+                *case.args(0), k_scale=case.k_scale, v_scale=case.v_scale).float()
+        return self._refs[key]
+
+    def _record(self, row: dict) -> dict:
+        self.rows.append(row)
+        print(_fmt(row), flush=True)
+        return row
+
+
+def _rel_err(a, b) -> float:
+    a = a.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _fmt(row: dict) -> str:
+    head = f"B={row['batch']:<4} L={row['kv_len']:<6} kv={row['kv']:<5} {row['label']:<28}"
+    if "error" in row:
+        return f"{head} ERROR {row['error']}"
+    if "us" not in row:
+        return f"{head} ok (rel err {row['rel_err']:.2e})"
+    frac = f" ({row['frac_copy']:.2f} of copy)" if row.get("frac_copy") else ""
+    return f"{head} {row['us']:9.2f} us  {row['gbps']:8.1f} GB/s{frac}"
+
+
+def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Variant:
+    """What the engine launches for this shape: with its tables (table=True), or from the
+    defaults alone (what it launched before BATCHED_DECODE_TABLE was filled)."""
+    m = case.model
+    group = m["num_q_heads"] // m["num_kv_heads"]
+    if table:
+        cfg = tuning.batched_decode_config(m["head_dim"], group, case.batch, case.kv)
+    else:
+        cfg = tuning.default_decode(m["head_dim"], group, tuning.bucket(case.batch, tuning.DECODE_BATCH_BUCKETS))
+    max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
+    s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
+    return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch)
+
+
+def best_of(rows: list[dict]) -> dict | None:
+    timed = [r for r in rows if "us" in r]
+    return min(timed, key=lambda r: r["us"]) if timed else None
+
+
+def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90) -> dict:
+    """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
+    the divisibility by 16 the launcher's specialisation gives real pool strides: how many
+    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
+    most copy groups left in flight at a wait (0: none overlaps the math), e4m3 -> fp16 and
+    fp16 -> bf16 conversions, and ptxas's register/spill line."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashlet.kernels import decode_attention as da
+
+    names = da._decode_kernel.arg_names
+    kv_ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    sig = {n: "i32" for n in names}
+    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
+               KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
+    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
+                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch],
+                  SPLIT_V=kv == "fp8" and prefetch == "pages")
+    sig.update({c: "constexpr" for c in consts})
+    aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(ASTSource(fn=da._decode_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
+    return dict(cp_async=len(copies), narrow_copies=sum(int(c, 0) < 16 for c in copies),
+                byte_smem_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"),
+                most_in_flight=max(waits, default=0),
+                e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
+                ptxas=" ".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
+
+
+def pipeline_report(kvs: list[str], arch: int) -> None:
+    """What the pipeliner of this Triton makes of the loop, before any timing."""
+    for kv in kvs:
+        for tile in ((64, 4, 2, "none"), (64, 4, 3, "pages"), (128, 4, 3, "pages")):
+            try:
+                got = lower_for_sm90(*tile[:3], kv, tile[3], arch)
+            except Exception as exc:  # a report only: the sweep goes on
+                got = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"lowered sm_{arch} kv={kv} bn{tile[0]} w{tile[1]} st{tile[2]} {tile[3]}: {got}", flush=True)
+
+
+def _compile_variants(kv: str, variants: list[Variant], model: dict, device: str) -> None:
+    """In a child process: launch each variant once on a small case of the same dtypes and
+    stride divisibility, which leaves its compiled kernel in Triton's on-disk cache."""
+    import torch
+
+    from flashlet.kernels import decode_attention as da
+
+    case = Case(torch, 2, 300, kv, {**model, "layers": 1}, device)
+    for v in variants:
+        try:
+            make_call(da, torch, case, v)(0)
+        except Exception:  # the main process reports it when it measures the variant
+            pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile(kv: str, variants: list[Variant], model: dict, jobs: int, device: str = "cuda") -> None:
+    """Compile the variants in `jobs` processes at once (compiling is the sweep's slow part)."""
+    if jobs < 2:
+        return
+    t0 = time.monotonic()
+    chunks = [variants[i::jobs] for i in range(jobs)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_variants, [kv] * jobs, chunks, [model] * jobs, [device] * jobs))
+    print(f"compiled {len(variants)} variants in {jobs} processes: {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def run(args) -> list[dict]:
+    import torch
+
+    from flashlet.kernels import decode_attention as da
+    from flashlet.kernels import tuning
+
+    device = "cpu" if args.smoke else "cuda"
+    kvs = [k for k in ("model", "fp8") if k in args.kv]
+    shapes, model = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (args.shapes, MODEL)
+    num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    copy = None if args.smoke else copy_gbps(torch, device)
+    print(f"device: {'cpu (interpreter, no timing)' if args.smoke else torch.cuda.get_device_name(0)}, "
+          f"{num_sms} SMs; copy bandwidth {copy and round(copy)} GB/s; model {model}", flush=True)
+    if not args.smoke:
+        import triton
+
+        print(f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
+        major, minor = torch.cuda.get_device_capability(0)
+        pipeline_report(kvs, 10 * major + minor)
+    sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
+    if args.smoke:
+        tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")]
+    else:
+        tiles = QUICK_TILES if args.quick else viable_tiles()
+    winners = {}
+    share = args.budget_s / len(kvs)  # each KV dtype gets its share; stage 1 at most 60% of it
+    for i, kv in enumerate(kvs):
+        first = Case(torch, *shapes[0], kv, model, device)
+        base = engine_variant(tuning, first, num_sms)
+        if not args.smoke:
+            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf) for bn, w, st, pf in tiles], model,
+                       args.jobs)
+        print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
+        sweep.set_deadline(sweep.start + i * share + 0.6 * share)
+        sweep.measure(first, base)
+        for bn, w, st, pf in tiles:
+            sweep.measure(first, Variant(bn, w, st, base.num_splits, pf))
+        stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]
+        top = sorted(stage1, key=lambda r: r["us"])[: args.top]
+        top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"]) for r in top))
+        top_tiles = top_tiles or tiles[:1]
+        del first
+        sweep.set_deadline(sweep.start + (i + 1) * share)
+        for batch, kv_len in shapes:
+            case = Case(torch, batch, kv_len, kv, model, device)
+            print(f"\n== stage 2, kv {kv}: B={batch} L={kv_len} ==", flush=True)
+            base, before = engine_variant(tuning, case, num_sms), engine_variant(tuning, case, num_sms, table=False)
+            sweep.measure(case, base)
+            sweep.measure(case, before)
+            splits = split_candidates(batch, model["num_kv_heads"], num_sms, kv_len)
+            for (bn, w, st, pf), s in itertools.product(top_tiles, splits):
+                sweep.measure(case, Variant(bn, w, st, s, pf))
+            here = [r for r in sweep.rows if (r["kv"], r["batch"], r["kv_len"]) == (kv, batch, kv_len)]
+            win = best_of(here)
+            if kv == "fp8" and win is not None:  # widening to bf16 instead, at the winner (reported only)
+                sweep.measure(case, Variant(win["block_n"], win["num_warps"], win["num_stages"], win["num_splits"],
+                                            win["prefetch"], fp8_as_fp16=False))
+            rows = {v: next((r for r in here if r["label"] == v.label() and "us" in r), None) for v in (base, before)}
+            winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
+            del case
+    summarize(winners, model, tuning)
+    return sweep.rows
+
+
+def summarize(winners: dict, model: dict, tuning) -> None:
+    print("\n== best per shape; [the engine's config with its tables; from the defaults alone] ==")
+    for (kv, batch, kv_len), (win, base, before) in winners.items():
+        if win is None:
+            print(f"B={batch} L={kv_len} kv={kv}: nothing timed")
+            continue
+        ref = "; ".join(f"{r['label']}: {r['us']:.2f} us, {r['gbps']:.0f} GB/s" if r else "not timed"
+                        for r in (base, before))
+        print(f"B={batch} L={kv_len} kv={kv}: {win['label']} {win['us']:.2f} us, {win['gbps']:.0f} GB/s [{ref}]")
+    for batch, kv_len in {(b, n) for (_, b, n) in winners}:
+        bf, f8 = winners.get(("model", batch, kv_len), (None,))[0], winners.get(("fp8", batch, kv_len), (None,))[0]
+        if bf and f8:
+            print(f"B={batch} L={kv_len}: fp8 KV is {bf['us'] / f8['us']:.2f}x the speed of bf16 KV")
+    print("\n" + table_literal(table_entries(winners, model, tuning)))
+
+
+def table_entries(winners: dict, model: dict, tuning) -> dict:
+    """BATCHED_DECODE_TABLE entries from each (kv, batch, length)'s best row: keyed by the
+    batch's bucket (the last shape of a bucket wins where two share one)."""
+    group = model["num_q_heads"] // model["num_kv_heads"]
+    entries = {}
+    for (kv, batch, _), (win, *_) in winners.items():
+        if win is None:
+            continue
+        key = (model["head_dim"], group, kv, tuning.bucket(batch, tuning.DECODE_BATCH_BUCKETS))
+        entries[key] = tuning.DecodeConfig(block_n=win["block_n"], num_warps=win["num_warps"],
+                                           num_stages=win["num_stages"], min_split_tokens=MIN_SPLIT_TOKENS,
+                                           num_splits=win["num_splits"], prefetch=win["prefetch"])
+    return entries
+
+
+def table_literal(entries: dict) -> str:
+    """tuning.py source for the entries."""
+    lines = ["BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {"]
+    lines += [f"    {key!r}: {cfg!r}," for key, cfg in sorted(entries.items())]
+    return "\n".join(lines + ["}"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, through the Triton interpreter")
+    p.add_argument("--kv", default="model,fp8", help="KV dtypes to sweep: model (bf16), fp8")
+    p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
+    p.add_argument("--top", type=int, default=4, help="tiles of stage 1 that stage 2 times")
+    p.add_argument("--quick", action="store_true",
+                   help="stage 1 times only the page-prefetched tiles near the measured winners (QUICK_TILES)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes that compile stage 1's variants ahead of timing (1: none)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
+    p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH",
+                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
+    args = p.parse_args(argv)
+    args.kv = args.kv.split(",")
+    args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
+                   if args.shapes else SHAPES)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.lower:
+        bn, warps, stages, kv, prefetch = args.lower.split(",")
+        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch)))
+        return 0
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not __import__("torch").cuda.is_available():
+        print("the sweep times a CUDA device; use --smoke on the CPU", file=sys.stderr)
+        return 2
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

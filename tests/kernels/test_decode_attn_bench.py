@@ -1,0 +1,99 @@
+"""scripts/decode_attn_bench.py on the CPU: the smoke sweep checks every config against the
+reference, a wrong kernel is reported and never timed, and the printed table is tuning.py source."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashlet.kernels import decode_attention as da
+from flashlet.kernels import tuning
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "decode_attn_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("decode_attn_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass resolves annotations through sys.modules
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke runs the interpreter on the CPU; "
+                              "on a GPU the script itself is the check (it verifies every config)")
+
+
+@CPU_ONLY
+def test_smoke_sweep_checks_every_config_for_both_kv_dtypes(bench, tmp_path):
+    out = tmp_path / "rows.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["kv"] for r in rows} == {"model", "fp8"}
+    assert {r["prefetch"] for r in rows} == {"none", "pages", "blocks"} and any(r["num_splits"] > 1 for r in rows)
+    assert all("error" not in r and r["rel_err"] < bench.TOLERANCE for r in rows)
+
+
+@CPU_ONLY
+def test_a_wrong_kernel_is_reported_not_timed(bench, monkeypatch, capsys):
+    def zeros(*args, out, **kwargs):
+        return out.zero_()
+
+    monkeypatch.setattr(da, "decode_attention", zeros)
+    assert bench.main(["--smoke", "--kv", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert "ERROR output differs from the reference" in text and " ok " not in text
+
+
+def test_table_literal_is_tuning_source(bench):
+    row = dict(block_n=128, num_warps=2, num_stages=3, num_splits=2, prefetch="pages", us=1.0)
+    winners = {("fp8", 128, 2000): (row, None, None), ("model", 32, 8000): ({**row, "prefetch": "none"}, None, None),
+               ("model", 1, 30000): (None, None, None)}
+    entries = bench.table_entries(winners, bench.MODEL, tuning)
+    assert set(entries) == {(64, 7, "fp8", 256), (64, 7, "model", 64)}
+    scope = {"DecodeConfig": tuning.DecodeConfig}
+    exec(bench.table_literal(entries), scope)
+    assert scope["BATCHED_DECODE_TABLE"] == entries
+    assert entries[(64, 7, "fp8", 256)].num_splits == 2 and entries[(64, 7, "fp8", 256)].prefetch == "pages"
+
+
+def test_tiles_and_splits_stay_within_reason(bench):
+    tiles = bench.viable_tiles()
+    assert (64, 4, 2, "none") in tiles and (64, 4, 3, "pages") in tiles and len(tiles) == len(set(tiles)) <= 72
+    assert set(bench.QUICK_TILES) <= set(tiles)
+    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch) for c in tuning.BATCHED_DECODE_TABLE.values()}
+    assert table <= set(bench.QUICK_TILES), "--quick would not time a tile the table holds"
+    assert bench.split_candidates(128, 2, 132, 2000) == [1, 2, 4, 8]
+    assert bench.split_candidates(1, 2, 132, 30000) == [32, 64, 128]
+    assert all(8000 // s >= bench.MIN_SPLIT_TOKENS for s in bench.split_candidates(32, 2, 132, 8000))
+
+
+@pytest.mark.slow  # ~10 s: two spawned processes import torch
+@CPU_ONLY
+def test_precompile_runs_every_variant_in_child_processes(bench, monkeypatch, capsys):
+    """The spawn children import the script and launch each variant (here through the interpreter)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # spawn children take the parent's sys.path
+    variants = [bench.Variant(16, 1, 1, 2), bench.Variant(16, 1, 3, 1, "pages")]
+    bench.precompile("fp8", variants, bench.SMOKE_MODEL, jobs=2, device="cpu")
+    assert "compiled 2 variants in 2 processes" in capsys.readouterr().out
+
+
+def test_summary_reports_each_shape_against_the_engine_and_the_fp8_speed_up(bench, capsys):
+    def row(label, us):
+        return dict(block_n=64, num_warps=4, num_stages=3, num_splits=2, prefetch="pages", label=label, us=us,
+                    gbps=100.0 / us)
+
+    winners = {("model", 128, 2000): (row("a", 40.0), row("b", 50.0), row("c", 70.0)),
+               ("fp8", 128, 2000): (row("d", 25.0), None, row("c", 60.0))}
+    bench.summarize(winners, bench.MODEL, tuning)
+    text = capsys.readouterr().out
+    assert "B=128 L=2000 kv=model: a 40.00 us" in text and "[b: 50.00 us, 2 GB/s; c: 70.00 us" in text
+    assert "[not timed; c: 60.00 us" in text
+    assert "fp8 KV is 1.60x the speed of bf16 KV" in text and "BATCHED_DECODE_TABLE" in text

@@ -134,27 +134,9 @@ def make_call(da, torch, case: Case, v: Variant):
 
 def time_layers_us(torch, fn, layers: int, repeats: int) -> float:
     """Median microseconds per layer: all layers' launches captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+    from flashlet.kernels.bench import graph_time_us  # with torch: --smoke runs without CUDA
+
+    return graph_time_us(layers, fn, replays=repeats)
 
 
 def copy_gbps(torch, device) -> float:

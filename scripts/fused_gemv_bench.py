@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from flashlet.kernels import cute_gemv  # noqa: E402  (imports no cutlass until used)
+from flashlet.kernels.bench import graph_time_us  # noqa: E402,F401  (gemv_sweep imports it from here)
 
 # name, N (rows of W), K, CuTe epilogues to run; the 0.5B model's five weight shapes.
 SHAPES = [
@@ -50,35 +51,6 @@ def guarded(label: str, fn, *args, **kwargs):
         log(f"FAILED {label}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         log("  " + "  ".join(traceback.format_exc().splitlines(True)[-6:]))
         return None
-
-
-def graph_time_us(calls: int, launch, replays: int = 20) -> float:
-    """Median per-call time of `calls` launches captured in one CUDA graph (launch(i) issues call i)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(calls, 3)):  # warm up outside the capture (module loads, allocator)
-            launch(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # "relaxed": the DSL's launcher may set kernel attributes at launch, which stricter capture
-    # modes refuse; nothing here frees or syncs while capturing.
-    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-        for i in range(calls):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def profiled_kernel_us(calls: int, launch, name_part: str) -> float:

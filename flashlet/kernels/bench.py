@@ -116,6 +116,35 @@ def _as_graph(fn: Callable[[], object]) -> Callable[[], object] | None:
     return graph.replay
 
 
+def graph_time_us(calls: int, launch, replays: int = 20) -> float:
+    """Median per-call time of `calls` launches captured in one CUDA graph (launch(i) issues call i)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(calls, 3)):  # warm up outside the capture (module loads, allocator)
+            launch(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # "relaxed": the DSL's launcher may set kernel attributes at launch, which stricter capture
+    # modes refuse; nothing here frees or syncs while capturing.
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        for i in range(calls):
+            launch(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """GB/s of a device-to-device copy of nbytes (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

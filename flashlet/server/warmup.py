@@ -99,8 +99,8 @@ async def warm_up(app) -> WarmUpReport:
     return report
 
 
-async def asgi_post(app, path: str, body: dict, headers: list) -> tuple[int, int]:
-    """POST `body` to the ASGI app in this process: (status, number of SSE data events)."""
+async def asgi_messages(app, path: str, body: dict, headers: list = ()) -> list[dict]:
+    """POST `body` to the ASGI app in this process: every message the app sends back."""
     payload = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
@@ -110,7 +110,7 @@ async def asgi_post(app, path: str, body: dict, headers: list) -> tuple[int, int
                          (b"content-length", str(len(payload)).encode()), *headers]}
     sent = False
     never = asyncio.Event()  # the client never disconnects
-    status, chunks = 0, []
+    messages = []
 
     async def receive():
         nonlocal sent
@@ -120,11 +120,15 @@ async def asgi_post(app, path: str, body: dict, headers: list) -> tuple[int, int
         await never.wait()
 
     async def send(message):
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
+        messages.append(message)
 
     await app(scope, receive, send)
-    return status, b"".join(chunks).count(b"data: ")
+    return messages
+
+
+async def asgi_post(app, path: str, body: dict, headers: list) -> tuple[int, int]:
+    """POST `body` to the ASGI app in this process: (status, number of SSE data events)."""
+    messages = await asgi_messages(app, path, body, headers)
+    status = next((m["status"] for m in messages if m["type"] == "http.response.start"), 0)
+    data = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    return status, data.count(b"data: ")

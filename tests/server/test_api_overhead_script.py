@@ -3,22 +3,15 @@ process: what the core reads of an engine at start and per step must be there.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
 from flashlet.core.sampling import SamplingParams
 from flashlet.server.engine_core import core_stats, engine_info
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "api_overhead.py"
+from server_helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("api_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("api_overhead")
 
 
 def test_token_source_gives_what_the_core_reads_of_an_engine():

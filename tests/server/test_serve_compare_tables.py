@@ -4,19 +4,12 @@ columns, and the figures land in their columns."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from flashlet.server.diagnostics import NUM_BUCKETS, ApiCounters, LoopCounters, level_figures
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_compare.py"
+from server_helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("serve_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serve_compare")
 
 
 def _summary(p50: float) -> dict:

@@ -366,6 +366,20 @@ def test_a_core_waiting_on_a_grammar_compile_still_reports(monkeypatch):
         inbox.close(linger=0)
 
 
+class CountingSocket:
+    """A real zmq socket whose receives are counted (each recv's flags go to `recvs`)."""
+
+    def __init__(self, socket, recvs: list):
+        self.socket, self.recvs = socket, recvs
+
+    def recv(self, flags=0):
+        self.recvs.append(flags)
+        return self.socket.recv(flags)
+
+    def get(self, option):
+        return self.socket.get(option)
+
+
 def test_the_reader_drains_every_waiting_message_without_recv_raising_again():
     """CoreClient's reader takes every queued step message in one pass and asks the socket
     whether more wait, instead of a recv that raises zmq.Again once per step (its cost)."""
@@ -383,16 +397,8 @@ def test_the_reader_drains_every_waiting_message_without_recv_raising_again():
         assert pull.poll(5000)
         recvs, handled = [], []
 
-        class CountingSocket:  # the real socket, its receives counted
-            def recv(self, flags=0):
-                recvs.append(flags)
-                return pull.recv(flags)
-
-            def get(self, option):
-                return pull.get(option)
-
         client = CoreClient.__new__(CoreClient)
-        client._outbox, client._decoder = CountingSocket(), msgspec.msgpack.Decoder()
+        client._outbox, client._decoder = CountingSocket(pull, recvs), msgspec.msgpack.Decoder()
         client._handle = handled.append
         while len(handled) < 3:  # (inproc may hand them over in more than one batch)
             assert client._drain()
@@ -419,16 +425,8 @@ def test_core_reads_its_inbox_without_a_recv_that_finds_nothing():
         push.connect("inproc://core-inbox")
         recvs = []
 
-        class CountingSocket:  # the real socket, its receives counted
-            def recv(self, flags=0):
-                recvs.append(flags)
-                return pull.recv(flags)
-
-            def get(self, option):
-                return pull.get(option)
-
         with _core(RecordingEngine()) as core:
-            core.inbox = CountingSocket()
+            core.inbox = CountingSocket(pull, recvs)
             core._receive(wait=False)
             assert recvs == []  # nothing waited: nothing read
             push.send(msgspec.msgpack.encode(AbortRequests([7])))

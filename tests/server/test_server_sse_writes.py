@@ -17,6 +17,7 @@ from flashlet.core.request_check import RequestLimits
 from flashlet.server.app import ServerConfig, create_app
 from flashlet.server.engine_loop import EngineClient
 from flashlet.server.frontend import DONE
+from flashlet.server.warmup import asgi_messages
 
 
 class OneTokenPerStep(EngineClient):
@@ -61,27 +62,8 @@ def app(demo_model_dir):
 
 
 def _post(app, path: str, body: dict) -> list[dict]:
-    """The ASGI messages of one POST's response, as the HTTP server would write them."""
-    payload = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 0),
-             "headers": [(b"host", b"h"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(payload)).encode())]}
-    messages, received = [], []
-
-    async def receive():
-        if not received:
-            received.append(True)
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await asyncio.Event().wait()  # the client stays
-
-    async def send(message):
-        messages.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    return [m for m in messages if m["type"] == "http.response.body"]
+    """The body messages of one POST's response, as the HTTP server would write them."""
+    return [m for m in asyncio.run(asgi_messages(app, path, body)) if m["type"] == "http.response.body"]
 
 
 @pytest.mark.parametrize("path, body", [

@@ -92,7 +92,7 @@ def _dsl():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _rope_kv_store, _stage_tile, _dot_rows, _pick_row):
+                   _rope_kv_store, _stage_tile, _dot_rows):
         g[helper.__name__] = cute.jit(helper)
     launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -428,8 +428,9 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # otherwise); mPart*: [rows * grid] partials (argmax). The rope epilogues: mPos [rows] int64
     # the positions, mCS [table_rows * D] fp32 the cos | sin table, mSlot [rows] int64 the pool
     # slots, mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
-    # With rows > 1 lane `sub` of each group finishes decode rows sub, sub + lanes, ... (one
-    # "round" each): the epilogue's work is spread over the group's lanes.
+    # With rows > 1 each lane of a group ends with the whole sums of its own decode rows
+    # (`reduce_scatter`, `lane_rows`) and finishes them: the epilogue's work is spread over the
+    # group's lanes.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -444,7 +445,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     rows_in_flight = outs_per_group * rows_per_out
     half = head_dim // 2
     x_chunks = lanes * chunks                # 16-byte chunks of one decode row of x
-    rounds = (rows + lanes - 1) // lanes
+    # rows > 1: the decode row of each value a lane keeps (`rows`: another lane finishes it)
+    own_rows = [0]
+    if cutlass.const_expr(rows > 1):
+        own_rows = lane_rows(sub, lanes, rows, _select)
     stored = n_out * rows_per_out if rope else n_out  # outputs a decode row stores
 
     if cutlass.const_expr(pdl):
@@ -535,11 +539,11 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             # FMAs, so their latency hides behind them; every lane of the group loads and uses
             # them (a v head gets cos 1, sin 0), so the compiler cannot sink them into the
             # storing lane's branch after the reduction (measured in the SASS: it did). With
-            # rows > 1 each lane loads the position and slot of the row it finishes.
-            for r in cutlass.range_constexpr(rounds):
+            # rows > 1 each lane loads the position and slot of each row it finishes.
+            for r in cutlass.range_constexpr(len(own_rows)):
                 row_m = 0
                 if cutlass.const_expr(rows > 1):
-                    row_m = cutlass.min(sub + r * lanes, rows - 1)
+                    row_m = cutlass.min(own_rows[r], rows - 1)
                 pos = cutlass.Int32(mPos[row_m])
                 slots.append(cutlass.Int32(mSlot[row_m]))
                 for o in cutlass.range_constexpr(outs_per_group):
@@ -589,26 +593,27 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 sums.append(s)
         else:
             sums = _dot_rows(mX, w, gs, sub, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
-        for r in cutlass.range_constexpr(rounds):
+        if cutlass.const_expr(rows == 1):
+            sums = [[s] for s in sums]  # sums[i][r]: weight row i's sum for the lane's r-th row
+        for r in cutlass.range_constexpr(len(own_rows)):
             # The decode row this lane finishes (rows == 1: lane 0 of the group finishes row 0).
             row_m = 0
             finishes = sub == 0
             if cutlass.const_expr(rows > 1):
-                row_m = sub + r * lanes
-                finishes = row_m < rows
-                row_m = cutlass.min(row_m, rows - 1)
+                finishes = own_rows[r] < rows
+                row_m = cutlass.min(own_rows[r], rows - 1)
             for o in cutlass.range_constexpr(outs_per_group):
                 out = outs[o]
-                y = _pick_row(sums, r * lanes, o * rows_per_out, sub, lanes, rows, rows_in_flight)
+                y = sums[o * rows_per_out][r]
                 if cutlass.const_expr(epilogue == "silu_mul"):
-                    up = _pick_row(sums, r * lanes, o * rows_per_out + 1, sub, lanes, rows, rows_in_flight)
+                    up = sums[o * rows_per_out + 1][r]
                     y = y / (cutlass.Float32(1.0) + cute.math.exp(-y, fastmath=True)) * up
                 if cutlass.const_expr(epilogue == "bias"):
                     y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
                 if cutlass.const_expr(epilogue == "residual"):
                     y = y + mE[row_m * n_out + cutlass.min(out, n_out - 1)].to(cutlass.Float32)
                 if cutlass.const_expr(rope):
-                    y2 = _pick_row(sums, r * lanes, o * rows_per_out + 1, sub, lanes, rows, rows_in_flight)
+                    y2 = sums[o * rows_per_out + 1][r]
                     if cutlass.const_expr(epilogue == "bias_rope_kv"):
                         y = y + biases[2 * o]
                         y2 = y2 + biases[2 * o + 1]
@@ -625,7 +630,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                                            head_dim, q_heads, kv_heads)
                 if cutlass.const_expr(epilogue == "argmax"):
                     # Strictly greater: a group meets its rows in increasing order, so ties keep
-                    # the first index, as torch.argmax does. (rows > 1: lane sub keeps row sub's.)
+                    # the first index, as torch.argmax does. (rows > 1: each lane its row's.)
                     if out < n_out:
                         if y > best_val:
                             best_val = y
@@ -664,28 +669,75 @@ def _dot_rows(mX, w, gs, sub, lanes, chunks, x_chunks, rows, rows_in_flight, nor
             for i in cutlass.range_constexpr(rows_in_flight):
                 acc[m * rows_in_flight + i] = cutlass.Float32(
                     (wf[i] * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
+    # Each (row, weight row) sum is spread over the group's lanes: one reduce-scatter per weight
+    # row leaves every lane the full sums of its own rows (`lane_rows`).
+    pad = [cutlass.Float32(0.0)] * (rows_padded(rows) - rows)
+    rstd = []
+    if cutlass.const_expr(norm):
+        for ss in reduce_scatter(sq + pad, sub, lanes, _shuffle_bfly, _select):
+            rstd.append(cutlass.Float32(cute.math.rsqrt(
+                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True)))
     sums = []
-    for m in cutlass.range_constexpr(rows):
+    for i in cutlass.range_constexpr(rows_in_flight):
+        kept = reduce_scatter([acc[m * rows_in_flight + i] for m in range(rows)] + pad, sub, lanes,
+                              _shuffle_bfly, _select)
         if cutlass.const_expr(norm):
-            ss = cute.arch.warp_reduction_sum(sq[m], threads_in_group=lanes)
-            rstd = cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
-        for i in cutlass.range_constexpr(rows_in_flight):
-            s = cute.arch.warp_reduction_sum(acc[m * rows_in_flight + i], threads_in_group=lanes)
-            if cutlass.const_expr(norm):
-                s = s * rstd
-            sums.append(s)
+            kept = [k * r for k, r in zip(kept, rstd)]
+        sums.append(kept)
     return sums
 
 
-@_deferred.jit
-def _pick_row(sums, first_row, i, sub, lanes, rows, rows_in_flight):
-    """Sum i of the decode row this lane finishes, first_row + sub (every lane holds every
-    row's sums after the butterfly): a chain of selects, no shuffle. rows == 1: sums[i]."""
-    y = sums[first_row * rows_in_flight + i]
-    for q in cutlass.range_constexpr(1, min(lanes, rows - first_row)):
-        y = cutlass.Float32(cutlass.select_(sub == q, sums[(first_row + q) * rows_in_flight + i], y))
-    return y
+def rows_padded(rows: int) -> int:
+    """The row count the reduce-scatter works on: the next power of two (rows of zeros added)."""
+    return 1 << (rows - 1).bit_length()
+
+
+def reduce_scatter(vals: list, sub, lanes: int, shuffle, select) -> list:
+    """Sum a group's per-lane partial sums of several rows so that each lane ends with whole
+    sums of only its own rows (recursive halving). vals: one partial a row, a power of two of
+    them; sub: the lane's place in its group of `lanes`; shuffle(v, offset): the partner lane
+    sub ^ offset's v; select(c, a, b). Each step the lanes whose bit `offset` is set keep the
+    upper half of the rows and send the lower half to their partner, which keeps the lower:
+    rows - 1 shuffles in all where full butterflies would take rows x log2(lanes). Once one row
+    is left, the lanes that share it finish with a butterfly. Which rows a lane keeps:
+    `lane_rows`. Plain Python over the ops it is given, so a CPU test runs it on lane vectors."""
+    offset = lanes // 2
+    while len(vals) > 1 and offset >= 1:
+        half = len(vals) // 2
+        upper = (sub // offset) % 2 == 1
+        kept = []
+        for i in range(half):
+            give = select(upper, vals[i], vals[i + half])
+            keep = select(upper, vals[i + half], vals[i])
+            kept.append(keep + shuffle(give, offset))
+        vals = kept
+        offset //= 2
+    while offset >= 1:
+        vals = [v + shuffle(v, offset) for v in vals]
+        offset //= 2
+    return vals
+
+
+def lane_rows(sub, lanes: int, rows: int, select) -> list:
+    """The decode row of each value `reduce_scatter` leaves a lane, or `rows` (none) where
+    another lane holding the same sum finishes it: with at most `lanes` (padded) rows, lane
+    sub holds row sub // (lanes / padded), finished by the first lane of those; with more, lane
+    sub holds rows sub * k ... sub * k + k - 1 (k = padded / lanes)."""
+    padded = rows_padded(rows)
+    if padded <= lanes:
+        stride = lanes // padded
+        return [sub // stride if stride == 1 else select(sub % stride == 0, sub // stride, rows)]
+    per_lane = padded // lanes
+    return [sub * per_lane + v for v in range(per_lane)]
+
+
+def _shuffle_bfly(v, offset):
+    return cute.arch.shuffle_sync_bfly(v, offset=offset)
+
+
+def _select(c, a, b):
+    kind = type(a)  # keep the operand's DSL type (Float32 / Int32): later math asks for it
+    return kind(cutlass.select_(c, a, kind(b)))
 
 
 @_deferred.jit
@@ -798,10 +850,11 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 @_deferred.jit
 def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx,
                         gdim, warps, grid, lanes, rows):
-    # rows > 1: lane sub of every group holds row sub's best pair. The warp's groups are merged
-    # lane by lane (butterflies across groups only), the warps through shared memory by thread m
-    # (row m), whose pair becomes the CTA's partial [m, bidx]; the last CTA to count itself done
-    # reduces each row's partials with one warp a row and resets the counter.
+    # rows > 1 (at most `lanes`): every lane holds the best pair of its row (`lane_rows`: lane sub
+    # has row sub // stride). The warp's groups are merged lane by lane (butterflies across
+    # groups only), the warps through shared memory by thread m (row m), whose pair becomes the
+    # CTA's partial [m, bidx]; the last CTA to count itself done reduces each row's partials
+    # with one warp a row and resets the counter.
     smem = cutlass.utils.SmemAllocator()
     sVal = smem.allocate_tensor(cutlass.Float32, cute.make_layout(rows * warps), byte_alignment=16)
     sIdx = smem.allocate_tensor(cutlass.Int32, cute.make_layout(rows * warps), byte_alignment=16)
@@ -815,9 +868,11 @@ def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_id
             other_val = cute.arch.shuffle_sync_bfly(val, offset=16 >> step)
             other_idx = cute.arch.shuffle_sync_bfly(idx, offset=16 >> step)
             val, idx = _argmax_pick(val, idx, other_val, other_idx)
-    if lane < rows:  # group 0's lanes 0 .. rows - 1 (rows <= lanes)
-        sVal[lane * warps + warp] = val
-        sIdx[lane * warps + warp] = idx
+    stride = lanes // rows_padded(rows)
+    if lane % stride == 0:
+        if lane // stride < rows:  # group 0's first lane of each row
+            sVal[(lane // stride) * warps + warp] = val
+            sIdx[(lane // stride) * warps + warp] = idx
     cute.arch.sync_threads()
     if tidx < rows:
         val = sVal[tidx * warps]
@@ -873,8 +928,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
                                    "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
-                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps"),
-                     _pick_row: ("first_row", "i", "lanes", "rows", "rows_in_flight")}
+                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps")}
 
 
 # ---------------------------------------------------------------------------------------------

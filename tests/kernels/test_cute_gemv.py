@@ -638,6 +638,41 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # M decode rows a launch (rows=M): y[M, N] = x[M, K] W^T, the weights read once for all rows.
 
+@pytest.mark.parametrize("lanes", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("rows", [2, 3, 7, 8, 16])
+def test_reduce_scatter_leaves_each_row_whole_on_one_finishing_lane(lanes, rows):
+    """The kernel's reduction over a group's lanes, run on lane vectors (shuffle = the partner
+    lane's value): every row's full sum lands on exactly one lane that finishes it, every lane
+    sharing a row holds the same sum (the argmax merge relies on it), padding rows on none."""
+    sub = torch.arange(lanes)
+    parts = torch.randn(rows, lanes, generator=torch.Generator().manual_seed(rows * 40 + lanes),
+                        dtype=torch.float64)  # row m's partial sum on lane l
+
+    def shuffle(v, offset):
+        return v[sub ^ offset]
+
+    def select(c, a, b):
+        return torch.where(c, a, torch.as_tensor(b, dtype=torch.as_tensor(a).dtype))
+
+    pad = [torch.zeros(lanes, dtype=torch.float64)] * (cute_gemv.rows_padded(rows) - rows)
+    kept = cute_gemv.reduce_scatter([parts[m] for m in range(rows)] + pad, sub, lanes, shuffle, select)
+    owned = cute_gemv.lane_rows(sub, lanes, rows, select)
+    assert len(kept) == len(owned) == max(1, cute_gemv.rows_padded(rows) // lanes)
+    finished = []
+    for values, row in zip(kept, owned):
+        row = torch.as_tensor(row).expand(lanes)
+        for lane in range(lanes):
+            if row[lane] < rows:
+                finished.append(int(row[lane]))
+                torch.testing.assert_close(values[lane], parts[row[lane]].sum())
+    assert sorted(finished) == list(range(rows))
+    if cute_gemv.rows_padded(rows) <= lanes:  # lanes that share a row hold its sum too
+        stride = lanes // cute_gemv.rows_padded(rows)
+        for lane in range(lanes):
+            if lane // stride < rows:
+                torch.testing.assert_close(kept[0][lane], parts[lane // stride].sum())
+
+
 @pytest.mark.parametrize("rows", [0, 17, 2.0, None])
 def test_plan_refuses_rows_out_of_range(rows):
     with pytest.raises(ValueError, match="rows"):

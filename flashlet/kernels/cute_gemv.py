@@ -82,11 +82,12 @@ def _dsl():
         import cutlass
         import cutlass.cute as cute
         import cutlass.utils.distributed  # noqa: F401  (atomicAdd for the argmax epilogue)
+        from cutlass._mlir.dialects import llvm  # inline PTX (`_opaque_zero`)
         from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
     except Exception as e:  # ImportError, or a broken native library underneath
         raise CuteUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
     g = globals()
-    g.update(cutlass=cutlass, cute=cute)
+    g.update(cutlass=cutlass, cute=cute, llvm=llvm)
     # Compile-time parameters are marked here: the annotations need `cutlass`, imported late.
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
@@ -592,7 +593,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                     s = s * rstd
                 sums.append(s)
         else:
-            sums = _dot_rows(mX, w, gs, sub, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
+            x_base = 0
+            if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
+                x_base = _opaque_zero()
+            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
         if cutlass.const_expr(rows == 1):
             sums = [[s] for s in sums]  # sums[i][r]: weight row i's sum for the lane's r-th row
         for r in cutlass.range_constexpr(len(own_rows)):
@@ -649,11 +653,12 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 
 @_deferred.jit
-def _dot_rows(mX, w, gs, sub, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps):
+def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps):
     """rows > 1: this group's dot products for every decode row, reduced over its lanes (and
     scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight chunk is
     converted once and used for every row; each row's x chunk is read (L1) and used for all
-    rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8."""
+    rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
+    x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
     acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
     sq = [cutlass.Float32(0.0)] * rows
     for j in cutlass.range_constexpr(chunks):
@@ -662,7 +667,7 @@ def _dot_rows(mX, w, gs, sub, lanes, chunks, x_chunks, rows, rows_in_flight, nor
         if cutlass.const_expr(norm):
             gv = gs[j].to(cutlass.Float32)
         for m in cutlass.range_constexpr(rows):
-            xf = mX[m * x_chunks + sub + j * lanes, None].load().to(cutlass.Float32)
+            xf = mX[x_base + m * x_chunks + sub + j * lanes, None].load().to(cutlass.Float32)
             if cutlass.const_expr(norm):
                 sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
                 xf = xf * gv
@@ -729,6 +734,16 @@ def lane_rows(sub, lanes: int, rows: int, select) -> list:
         return [sub // stride if stride == 1 else select(sub % stride == 0, sub // stride, rows)]
     per_lane = padded // lanes
     return [sub * per_lane + v for v in range(per_lane)]
+
+
+def _opaque_zero():
+    """An Int32 0 the compiler cannot see through (side-effecting inline PTX). Added to the
+    x addresses inside the tile loop so that LLVM does not hoist an M-row x out of the loop:
+    without a PDL wait in the loop it did (PTX, sm_90a), keeping M x C x 8 fp32 values live
+    across it, which at M = 4 sent ptxas to 32 registers and a 1.5 KB stack (the argmax LM
+    head ran 13x slower)."""
+    return cutlass.Int32(llvm.inline_asm(cutlass.Int32.mlir_type, [], "mov.b32 $0, 0;", "=r",
+                                         has_side_effects=True))
 
 
 def _shuffle_bfly(v, offset):

@@ -254,23 +254,26 @@ def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
 
 
 def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
-    """(rows, epilogue, pdl, max_loads, staged) to run at one shape: at one row the model's
-    epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
-    epilogues, plain + PDL (argmax where M fits the lanes a row) and, from M = 4, more output rows
+    """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
+    model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
+    epilogues, plain + PDL (argmax where M fits the lanes a row), plain with the one-row plan's
+    grid (one tile a CTA, its warps: every CTA reads x from L2) and, from M = 4, more output rows
     a lane group where the shape allows (each x chunk read from L1 serves more weight rows)."""
     out = []
     for m in args.rows:
         fits = [e for e in epilogues if e != "argmax" or m <= cute_gemv.lanes_for(k)]
-        out += [(m, e, False, 16, False) for e in fits]
+        out += [(m, e, False, 16, False, {}) for e in fits]
         if not args.no_pdl:
-            out.append((m, "none", True, 16, False))
+            out.append((m, "none", True, 16, False, {}))
         if m == 1 and cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group
-            out.append((m, "none", False, 8, False))
+            out.append((m, "none", False, 8, False, {}))
         if m == 1:
-            out.append((m, "none", False, 24, True))  # weights through shared memory (cp.async)
+            out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
+        if m > 1:
+            out.append((m, "none", False, 16, False, dict(ctas_per_sm=0, warps=cute_gemv.plan_gemv(n, k).warps)))
         if m >= 4 and cute_gemv.plan_gemv(n, k, max_loads=32, rows=m).outs_per_group > \
                 cute_gemv.plan_gemv(n, k, rows=m).outs_per_group:  # more output rows a group: x reused more
-            out.append((m, "none", False, 32, False))
+            out.append((m, "none", False, 32, False, {}))
     return out
 
 
@@ -309,14 +312,14 @@ def main() -> int:
             failures += 1
             continue
         bank, copies = bank_copies
-        for m, epilogue, pdl, max_loads, staged in shape_variants(n, k, epilogues, args):
+        for m, epilogue, pdl, max_loads, staged, knobs in shape_variants(n, k, epilogues, args):
             tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
-                   + (" R up" if max_loads == 32 else "")
+                   + (" R up" if max_loads == 32 else "") + (" tile/CTA" if knobs else "")
                    + (" staged" if staged else ""))
             label = f"{name} {n}x{k} M={m} {tag}"
             row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * 2)
             gemv = guarded(f"{label} plan", cute_gemv.CuteGemv, n, k, epilogue, pdl=pdl,
-                           max_loads=max_loads, staged=staged, rows=m)
+                           max_loads=max_loads, staged=staged, rows=m, **knobs)
             if gemv is None:
                 failures += 1
                 continue
@@ -332,7 +335,7 @@ def main() -> int:
             row["check"] = verdict or "FAILED"
             failures += verdict is None
             row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
-            baseline = not pdl and max_loads == 16 and not staged
+            baseline = not pdl and max_loads == 16 and not staged and not knobs
             if baseline and epilogue == "none":
                 row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k, m)
                 if row["cublas_us"]:

@@ -364,9 +364,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     warps = knobs["warps"]
     if warps is None:
         # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits
-        # for it, so aim for four or more CTAs per SM.
+        # for it, so aim for four or more CTAs per SM. With M rows every CTA reads M rows of x
+        # from L2 (28 KB at M = 16, K = 896): the looping grid below keeps four warps a CTA.
         warps = 4
-        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
+        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms and rows == 1:
             warps //= 2
 
     def staged_bytes(warps: int) -> int:
@@ -389,6 +390,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     # A resident grid that loops over tiles. argmax always loops (few partials for the last
     # CTA to reduce): three CTAs of four warps fit an SM at the ~155 registers ptxas gives it.
     ctas_per_sm = knobs["ctas_per_sm"]
+    if ctas_per_sm is None and rows > 1:
+        # A resident grid: each CTA's x stays in its SM's L1 across its tiles. One tile a CTA
+        # fetches all M rows of x from L2 once per CTA: at M = 16 with the one-row plans (one
+        # warp a CTA at down, 896 CTAs; 9,496 CTAs at the LM head) that is 4-16x the weights'
+        # bytes. Two CTAs an SM: at ~200 registers (M = 16, PDL) three do not fit.
+        ctas_per_sm = 2
     if ctas_per_sm is None and epilogue == "argmax":
         ctas_per_sm = 3
     if ctas_per_sm:

@@ -688,6 +688,17 @@ def test_plan_refuses_rows_out_of_range(rows):
         plan_gemv(896, 896, "residual", rows=rows)
 
 
+def test_rows_plans_are_resident_grids_of_four_warps():
+    """Each CTA keeps its x rows in L1 across its tiles: at M = 16 one tile a CTA read x from
+    L2 once per CTA, up to 16x the weights' bytes (the LM head's 9,496 CTAs)."""
+    for n, k in QWEN05_SHAPES:
+        one, four = plan_gemv(n, k, tuned=False), plan_gemv(n, k, rows=4, tuned=False)
+        assert four.warps == 4 and four.grid == min(four.num_tiles, 2 * 132)
+        assert four.grid * 4 * k * 2 <= max(n * k * 2, one.grid * 4 * k * 2)  # x from L2: no more than before
+    assert plan_gemv(151936, 896, "argmax", rows=2).grid == 2 * 132
+    assert plan_gemv(151936, 896, rows=4, ctas_per_sm=0, warps=1).grid == 151936 // 4  # the knobs still win
+
+
 def test_argmax_rows_need_as_many_lanes():
     assert plan_gemv(96, 64, "argmax", rows=8).rows == 8  # K = 64: 8 lanes a row
     with pytest.raises(ValueError, match="lanes"):
@@ -798,7 +809,7 @@ ROWS = [1, 2, 7, 16]
 # (n, k, epilogue, norm, pdl, knobs): the 0.5B shapes as the fused path builds them, and small odd
 # ones (K = 200: one lane a row, so each lane finishes several rows; K = 64: 8 lanes, 16 rows).
 ROWS_CASES = [
-    (1152, 896, "bias", True, True, {}), (1152, 896, "none", False, False, {}),
+    (1152, 896, "bias", True, True, {}), (1152, 896, "none", False, False, dict(ctas_per_sm=0, warps=1)),
     (896, 896, "residual", False, True, {}), (9728, 896, "silu_mul", True, True, {}),
     (896, 4864, "residual", False, True, {}), (151936, 896, "none", True, True, {}),
     (9728, 896, "silu_mul", True, True, dict(staged=True, stages=2, ctas_per_sm=4)),

@@ -11,6 +11,7 @@ and the default (auto): the conditions under which it turns the path on, each br
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -24,24 +25,37 @@ from tests.conftest import run_to_completion
 
 
 class ReferenceGemv:
-    """CuteGemv's interface, computed by gemv_reference (the kernels' fp32 reference)."""
+    """CuteGemv's interface for M rows (`rows=M`: x [M, K], out [M, N], the argmax's [M], a
+    residual [M, N], a bias [N], RopeKV's positions and slots [M]), each row computed by
+    gemv_reference / rope_kv_reference (the kernels' fp32 references)."""
 
     def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6,
-                 rope=None):
+                 rope=None, rows=1):
         self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
+        self.rows = rows
         self.calls = 0
 
     def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None):
-        p = self.plan
+        p, m = self.plan, self.rows
         assert (norm_weight is not None) == p.norm and weight.shape == (p.n_rows, p.k)
         assert (rope_kv is not None) == (p.rope is not None)
-        if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
-            y = rope_kv_reference(x, weight, extra, p.rope, rope_kv, norm_weight, p.eps, dtype=out.dtype)
-        else:
-            y = gemv_reference(x, weight, p.epilogue, extra, norm_weight, p.eps)
-        out.copy_(y.reshape(out.shape))
+        assert x.shape == (m, p.k) and out.shape[0] == m, (x.shape, out.shape, m)
+        for r in range(m):
+            out[r] = self._row(r, x, weight, extra, norm_weight, rope_kv, out.dtype).reshape(out[r].shape)
         self.calls += 1
         return out
+
+    def _row(self, r, x, weight, extra, norm_weight, rope_kv, dtype):
+        p = self.plan
+        if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
+            assert rope_kv.positions.shape == rope_kv.slot_mapping.shape == (self.rows,)
+            row_kv = dataclasses.replace(rope_kv, positions=rope_kv.positions[r : r + 1],
+                                         slot_mapping=rope_kv.slot_mapping[r : r + 1])
+            return rope_kv_reference(x[r : r + 1], weight, extra, p.rope, row_kv, norm_weight, p.eps, dtype=dtype)
+        if p.epilogue == "residual":
+            assert extra.shape == (self.rows, p.n_rows)
+            extra = extra[r]
+        return gemv_reference(x[r : r + 1], weight, p.epilogue, extra, norm_weight, p.eps)
 
 
 @pytest.fixture
@@ -83,7 +97,7 @@ def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, para
     want, _ = generate(tiny_model, False, PROMPTS, **params)
     got, engine = generate(tiny_model, True, PROMPTS, **params)
     assert got == want
-    fused = engine.runner.fused
+    fused = engine.runner.fused.gemvs[1]
     decode_steps = sum(12 - 1 for _ in PROMPTS)
     layers = len(engine.model.layers)
     assert fused.qkv.calls == fused.down.calls == layers * decode_steps
@@ -104,8 +118,8 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
     got, engine = generate(tiny_model, True, PROMPTS, rope=True, **params)
     assert got == want
     fused = engine.runner.fused
-    assert fused.rope is not None and fused.qkv.plan.epilogue.endswith("rope_kv")
-    assert fused.qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
+    assert fused.rope is not None and fused.gemvs[1].qkv.plan.epilogue.endswith("rope_kv")
+    assert fused.gemvs[1].qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
     assert not write_rope_calls
 
 
@@ -171,9 +185,9 @@ def test_one_launch_attention_is_the_fused_paths_own_whatever_the_backend(tiny_q
 def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(tiny_qwen2,
                                                                                 reference_kernels):
     """The graph path (graphs stood in for by eager replays) behind the torch step backend, its
-    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one-row steps
-    plan and key their graphs by it, two-row steps by the step backend (whose graph key, a page
-    table width, exists only once it planned); tokens are the per-op engine's."""
+    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one- and
+    two-row steps plan and key their graphs by it (never by the step backend, whose graph key
+    is a page table width); tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6]]
@@ -190,8 +204,8 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
     runner = engine.runner
     assert runner.fused_attention.name == "triton" and runner.backend.name == "torch"
     keys = set(runner.graphs)
-    assert (1, "tokens") in keys  # the fused attention's key adds nothing
-    assert any(key[:2] == (2, "logits") and len(key) == 3 for key in keys)  # the torch backend's width
+    assert {(1, "tokens"), (2, "tokens")} <= keys  # the fused attention's key adds nothing
+    assert all(len(key) == 2 for key in keys)
     assert not runner.fused_attention._merge_counts.any()
 
 
@@ -207,7 +221,7 @@ def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
         engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-    assert engine.runner.fused.lm_head.calls == 5 and len(rows[True]) == 6
+    assert engine.runner.fused.gemvs[1].lm_head.calls == 5 and len(rows[True]) == 6
     for want, got in zip(rows[False], rows[True]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -251,7 +265,7 @@ def test_a_long_down_projection_runs_on_cublas_inside_the_fused_step(tiny_model,
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real(*a, **k))
     got, engine = generate(tiny_model, True, PROMPTS)
     assert got == want
-    fused = engine.runner.fused
+    fused = engine.runner.fused.gemvs[1]
     assert fused.down is None and fused.qkv.calls == fused.gate_up.calls == len(addmm_calls) > 0
     assert not any("intermediate_size" in why for why in fused_decode.refusals(engine.model, torch.device("cuda")))
 
@@ -283,8 +297,8 @@ def test_fused_decode_flags_parse_on_off_and_absent():
 
 def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
     """The runner's graph path with the fused body (graphs stood in for by eager replays, as in
-    test_step_layout): batch-1 steps replay the fused greedy-token graph, two-row steps the
-    per-op graphs, and the tokens are the per-op engine's."""
+    test_step_layout): one- and two-row steps replay the fused greedy-token graphs of their
+    size, and the tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
@@ -298,8 +312,8 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     keys = {key[:2] for key in engine.runner.graphs}
-    assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone
-    assert engine.runner.fused.lm_argmax.calls > 0
+    assert (1, "tokens") in keys and (2, "tokens") in keys  # the last prompt decodes alone
+    assert all(engine.runner.fused.gemvs[m].lm_argmax.calls > 0 for m in (1, 2))
 
 
 # ---- auto: on by default where it applies (EngineConfig.fused_decode None) -----------------
@@ -371,7 +385,7 @@ def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2,
     with caplog.at_level("INFO", logger="flashlet"):
         got, engine = generate(tiny_qwen2, None, PROMPTS, rope=None)
     assert got == want
-    assert engine.runner.fused is not None and engine.runner.fused.lm_argmax.calls > 0
+    assert engine.runner.fused is not None and engine.runner.fused.gemvs[1].lm_argmax.calls > 0
     assert engine.config.fused_decode is True
     assert engine.runner.fused.parts == FusedParts(pdl=False, rope=False, attn=False)
     assert "fused decode path: on (auto), PDL off, RoPE in QKV off, one-launch attention off" in caplog.text
@@ -411,4 +425,4 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     got, engine = generate(folder, True, PROMPTS, rope=None)
     assert got == want
     assert engine.runner.fused.rope is None and not engine.runner.fused.parts.rope
-    assert engine.runner.fused.lm_argmax.calls > 0
+    assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0

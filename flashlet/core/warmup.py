@@ -12,8 +12,9 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   (`backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
-  CuTe GEMVs (compiled at the batch-1 step) and its second batch-1 graph, the one that ends in
-  the greedy token (`runner.greedy_tokens`).
+  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 16) and, per
+  size a step of requests pads to, a second graph, the one that ends in the greedy tokens
+  (`runner.greedy_tokens`).
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples
@@ -110,8 +111,8 @@ def warm_up(engine) -> dict:
         t1 = time.perf_counter()
         for size in sizes:
             runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
-        if runner.fused is not None:  # the fused path's greedy-token graph (or kernels)
-            runner.greedy_tokens(*runner.load(synthetic_layout(1, 1, engine.kv_pool, vocab)))
+        for size in runner.greedy_token_sizes():  # the fused path's greedy-token graphs
+            runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
         for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its pool memory

@@ -21,6 +21,7 @@ from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_refere
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
+from flashlet.core import engine as engine_module
 from tests.conftest import run_to_completion
 
 
@@ -426,3 +427,256 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     assert got == want
     assert engine.runner.fused.rope is None and not engine.runner.fused.parts.rope
     assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0
+
+
+# ---- several rows: decode steps of 1-16 sequences, verify steps as decode rows ---------------
+def row_prompts(count: int) -> list[list[int]]:
+    """Prompts of 3 to 3 + 2 (count - 1) tokens, each its own."""
+    return [[(7 * i + 3 * p + 1) % 200 + 2 for i in range(3 + 2 * p)] for p in range(count)]
+
+
+def count_per_op_forwards(engine) -> list:
+    """Records, for each per-op forward, whether its step was pure decode and whether it
+    verified proposals with no prefill chunk beside them (every query token sampled)."""
+    seen, model = [], engine.model
+    real = model.forward
+
+    def forward(input_ids, positions, attn):
+        host = attn.meta.host
+        seen.append((host.is_pure_decode, not host.is_pure_decode and host.num_sampled == host.num_tokens))
+        return real(input_ids, positions, attn)
+
+    model.forward = forward
+    return seen
+
+
+def run_engine(model_dir, fused, prompts, params, max_num_seqs, spec=None, **config):
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=max_num_seqs,
+                                 fused_decode=fused, speculative_config=spec, **config))
+    perturb_norms(engine)
+    per_op = count_per_op_forwards(engine)
+    outs = run_to_completion(engine, prompts, params)
+    engine.check_integrity()
+    return outs, engine, per_op
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 16])
+def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2, reference_kernels, batch):
+    """`batch` requests decode together, finishing at different steps: every pure-decode step
+    of n rows runs fused (never the per-op forward), padded to the next row count (the decode
+    graph sizes: 1, 2, 4, ..., max_num_seqs), the tokens from the argmax epilogue; tokens are
+    the per-op engine's and the padding rows leave the pool as it was (integrity)."""
+    from flashlet.runner.model_runner import graph_batch_sizes
+
+    prompts = row_prompts(batch)
+    params = [SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True) for i in range(batch)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, batch)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, batch)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert fused.row_counts == graph_batch_sizes(batch) and fused.max_rows == batch
+    assert fused.gemvs[batch].lm_argmax.calls > 0  # a step of every row
+    assert not any(decode for decode, _ in per_op)
+    assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
+
+
+def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qwen2, reference_kernels):
+    """Greedy, seeded top-p, logprobs and min_p rows in one step: the fused path writes logits
+    for all (no argmax), the sampler samples the sampled rows from them; tokens and logprobs
+    are the per-op engine's."""
+    prompts = row_prompts(4)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=2),
+              SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=1.0, min_p=0.05, seed=9)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 4)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for w, g in zip(want[2].logprobs, got[2].logprobs):
+        assert w.token_id == g.token_id and w.logprob == pytest.approx(g.logprob, abs=1e-4)
+    gemvs = engine.runner.fused.gemvs[4]
+    assert gemvs.lm_head.calls > 0 and gemvs.lm_argmax.calls == 0
+    assert not any(decode for decode, _ in per_op)
+
+
+def test_past_the_largest_row_count_decode_runs_per_op(tiny_qwen2, reference_kernels):
+    """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): steps of 17-18 rows replay the per-op
+    graph (the step backend's), steps of 16 or fewer the fused ones (graphs stood in for by
+    eager replays); tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[(5 * i + p) % 200 + 2 for i in range(3)] for p in range(18)]
+    params = [SamplingParams(max_new_tokens=2 + i // 3, ignore_eos=True) for i in range(18)]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=18, fused_decode=fused))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
+    assert outs[0] == outs[1]
+    fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
+    assert fused.row_counts == [1, 2, 4, 8, 16]
+    assert (18, "logits") in keys and (16, "tokens") in keys
+    assert fused.gemvs[16].lm_argmax.calls > 0
+
+
+def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kernels, monkeypatch):
+    """A CuteGemv that takes no `rows` (a kernel of one row): the path serves one-row steps with
+    it, and two-row steps run per-op; tokens are the per-op engine's."""
+    class OneRowGemv(ReferenceGemv):
+        def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False,
+                     eps=1e-6, rope=None):
+            super().__init__(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", OneRowGemv)
+    monkeypatch.setattr(fused_decode, "plan_gemv", lambda n_rows, k, epilogue="none", **kw: None)
+    assert fused_decode.gemv_row_limit() == 1
+    prompts, params = row_prompts(2), SamplingParams(max_new_tokens=5, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 2)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.runner.fused.row_counts == [1] and any(decode for decode, _ in per_op)
+    with pytest.raises(ValueError, match=r"row counts must be in 1..1"):
+        fused_decode.FusedDecode(engine.model, torch.device("cpu"), row_counts=[1, 2])
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def count_fused_verify_steps(monkeypatch) -> list:
+    """Records the number of query tokens of each step loaded as decode rows."""
+    expanded = []
+    real = fused_decode.verify_as_decode_rows
+
+    def counted(layout, page_size, max_rows):
+        decode = real(layout, page_size, max_rows)
+        if decode is not None:
+            expanded.append(decode.num_seqs)
+        return decode
+
+    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", counted)
+    return expanded
+
+
+def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2, reference_kernels,
+                                                                     monkeypatch):
+    """ngram speculation on the fused path: every verify step (at most 2 x 4 tokens) runs as
+    decode rows on the fused GEMVs, never the per-op forward, and the greedy tokens are those
+    of the per-op engine without speculation."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(2, seed=3)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2)
+    expanded = count_fused_verify_steps(monkeypatch)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 2, spec=NGRAM, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0 and len(expanded) > 0 and max(expanded) > 2
+    assert not any(decode or verifying for decode, verifying in per_op)  # steps with a chunk only
+    assert engine.runner.fused.row_counts == [1, 2, 4, 8]  # 2 sequences x (1 + 3) tokens
+
+
+def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_kernels, monkeypatch):
+    """Every step's logits with speculation on (an observer's copy), fused against per-op: the
+    same steps, the same rows (each verify row's 1 + k in order), equal to fp32 rounding."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(3, seed=1)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    rows = {}
+    expanded = count_fused_verify_steps(monkeypatch)
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=3, page_size=4,
+                                     fused_decode=fused, speculative_config=NGRAM))
+        perturb_norms(engine)
+        rows[fused] = []
+        engine.observe_steps(lambda meta, logits, fused=fused: rows[fused].append(logits.clone()))
+        run_to_completion(engine, prompts, params)
+    assert len(expanded) > 0 and len(rows[True]) == len(rows[False])
+    for want, got in zip(rows[False], rows[True]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class AlwaysGuess:
+    """A proposer that always proposes k tokens (the request's last k, reversed): verify steps
+    of 1 + k tokens a request every step, whatever the model accepts."""
+
+    def propose(self, requests, k):
+        return [(list(req.token_slice(0, req.num_tokens))[::-1] * k)[:k] for req in requests]
+
+    def on_accepted(self, request, num_accepted):
+        pass
+
+    def release(self, request):
+        pass
+
+    def warm_up(self):
+        pass
+
+
+def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernels, monkeypatch):
+    """k = 7 with three sequences: a verify step of more than 16 tokens runs per-op (as does
+    any step with a prefill chunk), smaller ones (once a request finished) fused; the greedy
+    tokens are speculation off's."""
+    prompts = row_prompts(3)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 8, 4)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 3)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    spec = {**NGRAM, "num_speculative_tokens": 7}
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 3, spec=spec, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(verifying for _, verifying in per_op)  # a verify-only step on the per-op path
+    assert expanded and 8 < max(expanded) <= 16  # two requests verifying together
+
+
+def test_verify_rows_as_decode_rows_give_the_ragged_steps_logits(tiny_qwen2):
+    """A step of two verify rows (one from position 0, one after 5 cached tokens) and a decode,
+    over a pool of random K/V: the same step as one decode row per query token gives the same
+    logits through the per-op model (the torch backend's decode and ragged kernels)."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch, load_layout
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=3, page_size=4))
+    pool, model, backend = engine.kv_pool, engine.model, engine.runner.backend
+    g = torch.Generator().manual_seed(0)
+    for cache in (pool.k_cache, pool.v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    batch = InputBatch(3, 4, 4)
+    for i, pages in enumerate(([1, 2], [3, 4, 5], [6, 7])):
+        batch.add(i, pages)
+    layout = batch.layout(np.arange(3), [0, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11],
+                          query_lens=[6, 3, 1], spec_lens=[5, 2, 0])
+    decode = fused_decode.verify_as_decode_rows(layout, 4, 16)
+    assert decode is not None and decode.is_pure_decode and decode.num_seqs == 10
+    assert decode.arrays["kv_lens"].tolist() == [1, 2, 3, 4, 5, 6, 6, 7, 8, 7]
+    logits = []
+    for step in (layout, decode):
+        input_ids, meta = load_layout(step, "cpu")
+        backend.plan(meta)
+        logits.append(model.compute_logits(model(input_ids, meta.positions, backend)[meta.logits_indices]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_verify_as_decode_rows_declines_what_it_does_not_serve():
+    """A prefill chunk (its first rows not sampled), more tokens than the fused rows, a pure
+    decode step (nothing to do) and a verify row whose proposals are cut short of its chunk."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch
+
+    batch = InputBatch(2, 4, 4)
+    batch.add(0, [1, 2])
+    batch.add(1, [3, 4])
+    rows = np.arange(2)
+
+    def step(starts, lens, spec_lens=None):
+        return batch.layout(rows, starts, [5] * sum(lens), query_lens=lens, spec_lens=spec_lens)
+
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 1]), 4, 16) is None  # chunk
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 1], [1, 0]), 4, 16) is None  # cut short
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 4) is None  # 5 > 4 rows
+    assert fused_decode.verify_as_decode_rows(batch.layout(rows, [2, 3], [5, 6]), 4, 16) is None
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 5) is not None

@@ -387,9 +387,9 @@ class Engine:
         return bool(self._scoring)
 
     def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
-        """With fused_decode, a one-sequence decode step whose request is plain greedy takes
-        its token from the LM head's argmax epilogue (no logits); None where that does not
-        apply (observers want logits; the sampler has work to do; not a fused step)."""
+        """With fused_decode, a decode step the fused path serves whose requests are all plain
+        greedy takes their tokens from the LM head's argmax epilogue (no logits); None where
+        that does not apply (observers want logits; the sampler has work to do; not a fused step)."""
         if self.runner.fused is None or self._step_observers:
             return None
         if not all(plain_greedy(r.params) for r in sched.sampling):

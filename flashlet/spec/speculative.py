@@ -12,7 +12,10 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    proposals) beside the step's other decodes and prefill chunks, in the one ragged attention
    call, with pages for all of them where the pool has them free (or evictable from the prefix
    cache): proposals never preempt a request, a row without room for them verifies none.
-   The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`).
+   The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`). Where
+   the fused decode path runs and the step has no prefill chunk and at most 16 query tokens,
+   the runner loads it as one decode row per query token and runs it fused
+   (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way.
 3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
    of proposals the model keeps, plus one token of its own (so at least one token a step).
    Greedy rows accept a proposal where it is the argmax: the output equals decoding without

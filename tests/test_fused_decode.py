@@ -631,6 +631,28 @@ def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernel
     assert expanded and 8 < max(expanded) <= 16  # two requests verifying together
 
 
+@pytest.mark.slow
+def test_fused_verify_steps_through_the_one_launch_attention(tiny_qwen2, reference_kernels, monkeypatch):
+    """The verify rows as decode rows through the triton one-launch attention (interpreted,
+    ~30 s) and RoPE + K/V write in the QKV epilogue (its reference): rows of one sequence at
+    KV lengths L + 1 .. L + k + 1, each attending after every row's K/V is written; greedy
+    tokens are the per-op engine's without speculation, the merge counters left at zero."""
+    prompts = row_prompts(2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
+    triton = {"backend": "triton"}
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, **triton)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, page_size=4,
+                                 fused_decode=True, speculative_config=NGRAM, **triton),
+                    FusedParts(rope=True, attn=True))
+    perturb_norms(engine)
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert expanded and max(expanded) > 2 and engine.runner.fused.one_launch_attention
+    assert not engine.runner.backend._merge_counts.any()
+
+
 def test_verify_rows_as_decode_rows_give_the_ragged_steps_logits(tiny_qwen2):
     """A step of two verify rows (one from position 0, one after 5 cached tokens) and a decode,
     over a pool of random K/V: the same step as one decode row per query token gives the same

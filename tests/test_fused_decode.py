@@ -543,6 +543,24 @@ def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kerne
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
+def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog):
+    """One sequence with k = 4: verify steps of up to 5 tokens, so the fused row counts (and
+    the decode graph sizes, the step buffers, the attention's batch) reach 5, while only size
+    1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
+    the fused path off nothing widens."""
+    spec = {**NGRAM, "num_speculative_tokens": 4}
+    config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
+                          speculative_config=spec)
+    with caplog.at_level("INFO", logger="flashlet"):
+        runner = Engine(config).runner
+    assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 4, 5]
+    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 5
+    assert "decode (1-5 rows): fused" in caplog.text and "decode (6+ rows)" in caplog.text
+    assert "rows 1, 2, 4, 5 (24 CuTe GEMVs)" in caplog.text
+    off = Engine(config.replace(fused_decode=False)).runner
+    assert off.fused is None and off.graph_sizes == [1] and off.buffers.max_seqs == 1
+
+
 def count_fused_verify_steps(monkeypatch) -> list:
     """Records the number of query tokens of each step loaded as decode rows."""
     expanded = []

@@ -190,19 +190,9 @@ class ModelRunner:
         that may end in the greedy tokens' graph (the warm-up captures them)."""
         if self.fused is None:
             return []
-        widest = self.padded_decode_size(min(self.max_num_seqs, self.fused.max_rows))
+        rows = min(self.max_num_seqs, self.fused.max_rows)
+        widest = next(s for s in self.fused.row_counts if s >= rows)
         return [s for s in self.fused.row_counts if s <= widest]
-
-    def padded_decode_size(self, rows: int) -> int | None:
-        """The size a pure-decode step of `rows` rows, all sampling, is padded to: its graph's
-        where graphs run, else the fused path's row count; None: it runs unpadded."""
-        if self.use_graphs:
-            sizes = self.graph_sizes
-        elif self.fused is not None:
-            sizes = self.fused.row_counts
-        else:
-            return None
-        return next((s for s in sizes if s >= rows), None)
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""
@@ -220,9 +210,9 @@ class ModelRunner:
         the device, for the rows that take them (overlap). token_bucket: a mixed step's bucket
         when it is not the smallest that holds it (the warm-up's captures)."""
         self.wait_inputs_staged()  # the pinned staging is free again
-        if self.fused is not None:
-            layout = (fused_decode.verify_as_decode_rows(layout, self.kv_pool.page_size, self.fused.max_rows)
-                      or layout)
+        if self.fused is not None:  # a verify step it serves, as decode rows
+            page_size, rows = self.kv_pool.page_size, self.fused.max_rows
+            layout = fused_decode.verify_as_decode_rows(layout, page_size, rows) or layout
         pad_to = self.graph_batch_size(layout) or self._fused_batch_size(layout)
         if pad_to is None and token_bucket is None:
             token_bucket = self.token_bucket(layout)

@@ -540,6 +540,28 @@ def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kerne
         fused_decode.FusedDecode(engine.model, torch.device("cpu"), row_counts=[1, 2])
 
 
+def test_row_counts_the_kernel_cannot_plan_run_per_op(tiny_qwen2, reference_kernels, monkeypatch, caplog):
+    """A kernel whose plan refuses more than 4 rows for this shape (as the argmax does where K
+    gives fewer lanes a row than M): the path keeps 1, 2, 4, logs why 8 is left out, and a
+    step of 7 rows runs per-op; tokens are the per-op engine's."""
+    class UpToFourRows(ReferenceGemv):
+        def __init__(self, *args, rows=1, **kwargs):
+            if rows > 4:
+                raise ValueError(f"argmax with rows={rows} needs at least as many lanes a row")
+            super().__init__(*args, rows=rows, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", UpToFourRows)
+    prompts, params = row_prompts(7), SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 8)
+    with caplog.at_level("INFO", logger="flashlet"):
+        got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert fused.row_counts == [1, 2, 4] and list(fused.declined_rows) == [8]
+    assert "no GEMVs of 8 rows for this shape (per-op there): argmax with rows=8" in caplog.text
+    assert any(decode for decode, _ in per_op)  # the 7-row steps
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 

@@ -205,7 +205,9 @@ class FusedDecode:
     to MAX_ROWS: a step of n rows runs padded to the next one, its padding rows on the pool's
     scratch page, their outputs never read). A GEMV's time is its weight bytes whatever M, so
     padding 5 rows to 8 costs little, while every row count costs its own compiled kernels at
-    start. The step buffers hold MAX_ROWS rows; a step uses views of its first M."""
+    start. A row count whose GEMVs the kernel cannot plan for this shape is left out
+    (`declined_rows`): steps that would pad to it run per-op. The step buffers hold the largest
+    row count's rows; a step uses views of its first M."""
 
     def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None,
                  one_launch_attention: bool = False, row_counts: Sequence[int] = (1,)):
@@ -231,7 +233,15 @@ class FusedDecode:
         if kv_pool is not None:
             self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
                                   model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // kv)
-        self.gemvs = {m: self._build_gemvs(m, device) for m in sorted(set(row_counts))}
+        self.gemvs: dict[int, Gemvs] = {}
+        self.declined_rows: dict[int, str] = {}  # row counts the kernel cannot plan, and why
+        for m in sorted(set(row_counts)):
+            try:
+                self.gemvs[m] = self._build_gemvs(m, device)
+            except ValueError as e:  # the plan's limit for this shape (e.g. lanes a row < M)
+                if m == 1:
+                    raise
+                self.declined_rows[m] = str(e)
         self.row_counts = sorted(self.gemvs)
         self.max_rows = self.row_counts[-1]
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)

@@ -165,6 +165,8 @@ class ModelRunner:
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s, "
                  "rows %s (%d CuTe GEMVs)", how, *("on" if x else "off" for x in (pdl, rope, attn)),
                  ", ".join(map(str, fused.row_counts)), sum(len(g.all()) for g in fused.gemvs.values()))
+        for rows, why in fused.declined_rows.items():
+            log.info("fused decode path: no GEMVs of %d rows for this shape (per-op there): %s", rows, why)
         return fused
 
     def _fused_attention_backend(self, model, kv_pool, max_pages_per_seq: int):

@@ -405,6 +405,18 @@ def test_fused_path_at_the_qwen05_shape():
     check_against_reference_teacher_forced(source, ps, n)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [7, 16])
+def test_fused_batches_at_the_qwen05_shape(batch):
+    """The M-row kernels at the real shapes (K = 896: 16 lanes a row, the argmax's limit at 16
+    rows; the 151,936-row LM head), random weights, default parts: teacher-forced against the
+    per-op path at 7 (padded to 8) and 16 rows."""
+    source = dict(config="qwen2.5-0.5b", max_model_len=4096)
+    engine = check_against_reference_teacher_forced(source, prompts(batch, 151936), 16,
+                                                    max_num_seqs=16, fused=None)
+    assert engine.runner.fused.row_counts == [1, 2, 4, 8, 16] and not engine.runner.fused.declined_rows
+
+
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
     """fused_decode_rope (RoPE + K/V write in the QKV GEMV's epilogue, attention alone after
     it): teacher-forced against the per-op path (module docstring: q and k are rounded once

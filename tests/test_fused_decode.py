@@ -35,6 +35,7 @@ class ReferenceGemv:
         self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
         self.rows = rows
         self.calls = 0
+        self.compile_seconds = None  # as CuteGemv: set once compiled (at its first call)
 
     def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None):
         p, m = self.plan, self.rows
@@ -44,6 +45,7 @@ class ReferenceGemv:
         for r in range(m):
             out[r] = self._row(r, x, weight, extra, norm_weight, rope_kv, out.dtype).reshape(out[r].shape)
         self.calls += 1
+        self.compile_seconds = 0.5
         return out
 
     def _row(self, r, x, weight, extra, norm_weight, rope_kv, dtype):
@@ -478,6 +480,8 @@ def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2
     assert fused.gemvs[batch].lm_argmax.calls > 0  # a step of every row
     assert not any(decode for decode, _ in per_op)
     assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
+    used = [g for gemvs in fused.gemvs.values() for g in gemvs.all() if g.calls]
+    assert fused.compiled() == (len(used), 0.5 * len(used))  # what the warm-up reports
 
 
 def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qwen2, reference_kernels):

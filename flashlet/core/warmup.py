@@ -92,7 +92,8 @@ def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayo
 def warm_up(engine) -> dict:
     """Run one step of every kernel variant and capture every graph; returns {"warmup_s",
     "capture_s", "chunk_lengths", "decode_sizes", "mixed_graphs", "mixed_capture_s", "graphs",
-    "triton_compiles"} (capture_s includes mixed_capture_s)."""
+    "triton_compiles"} and, with the fused path, "cute_gemvs" and "cute_compile_s" (its GEMVs
+    ready, the seconds they took to compile; capture_s includes those and mixed_capture_s)."""
     runner, cfg = engine.runner, engine.config
     vocab = engine.model_config.vocab_size
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -123,6 +124,10 @@ def warm_up(engine) -> dict:
     report = {"warmup_s": t1 - t0, "capture_s": t3 - t1, "mixed_capture_s": t3 - t2,
               "chunk_lengths": chunks, "decode_sizes": sizes, "mixed_graphs": len(mixed),
               "graphs": len(runner.graphs), "triton_compiles": compiles.count}
+    if runner.fused is not None:
+        report["cute_gemvs"], report["cute_compile_s"] = runner.fused.compiled()
+        log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) compiled in %.2f s",
+                 runner.fused.row_counts, report["cute_gemvs"], report["cute_compile_s"])
     log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s, "
              "%d mixed-step graph(s) in %.2f s (%d CUDA graphs); %s Triton kernel(s) compiled "
              "or loaded", len(chunks), chunks, report["warmup_s"], len(sizes), t2 - t1,

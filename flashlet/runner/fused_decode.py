@@ -279,6 +279,13 @@ class FusedDecode:
                      lm_head=CuteGemv(vocab, h, "none", **normed),
                      lm_argmax=CuteGemv(vocab, h, "argmax", **normed))
 
+    def compiled(self) -> tuple[int, float]:
+        """(GEMVs compiled so far, the seconds they took; 0 for a plan another object compiled
+        in this process): what the path costs at start."""
+        seconds = [g.compile_seconds for gemvs in self.gemvs.values() for g in gemvs.all()
+                   if getattr(g, "compile_seconds", None) is not None]
+        return len(seconds), sum(seconds)
+
     def gemvs_for(self, m: int) -> Gemvs:
         """The GEMVs of a step of m rows (a padded size: one of row_counts)."""
         try:

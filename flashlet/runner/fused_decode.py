@@ -221,18 +221,14 @@ class FusedDecode:
         if not row_counts or min(row_counts) < 1 or max(row_counts) > gemv_row_limit():
             raise ValueError(f"fused_decode row counts must be in 1..{gemv_row_limit()}, got {list(row_counts)}")
         self.model = model
-        cfg = model.config
         layer = model.layers[0]
-        h, q, kv = cfg.hidden_size, layer.q_size, layer.kv_size
-        inter = layer.down_proj.weight.shape[1]
-        vocab = model.lm_head_weight.shape[0]
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:
             self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
-                                  model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // kv)
+                                  model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // layer.kv_size)
         self.gemvs: dict[int, Gemvs] = {}
         self.declined_rows: dict[int, str] = {}  # row counts the kernel cannot plan, and why
         for m in sorted(set(row_counts)):
@@ -244,8 +240,15 @@ class FusedDecode:
                 self.declined_rows[m] = str(e)
         self.row_counts = sorted(self.gemvs)
         self.max_rows = self.row_counts[-1]
+        self._allocate_buffers(self.max_rows, device)
+
+    def _allocate_buffers(self, rows: int, device: torch.device) -> None:
+        """The step buffers, `rows` rows each (a step of M rows uses the first M)."""
+        model, layer = self.model, self.model.layers[0]
+        h, q, kv = model.config.hidden_size, layer.q_size, layer.kv_size
+        inter = layer.down_proj.weight.shape[1]
+        vocab = model.lm_head_weight.shape[0]
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
-        rows = self.max_rows
         self.residual = torch.empty(rows, h, **empty)  # the residual stream, updated in place
         self.qkv_out = torch.empty(rows, q + 2 * kv, **empty)
         self.act = torch.empty(rows, inter, **empty)    # silu(gate) * up

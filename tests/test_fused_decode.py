@@ -605,7 +605,8 @@ def count_fused_verify_steps(monkeypatch) -> list:
 def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2, reference_kernels,
                                                                      monkeypatch):
     """ngram speculation on the fused path: every verify step (at most 2 x 4 tokens) runs as
-    decode rows on the fused GEMVs, never the per-op forward, and the greedy tokens are those
+    decode rows on the fused GEMVs, never the per-op forward, its greedy rows decided by the LM
+    head's argmax epilogue (no logits, as without speculation), and the greedy tokens are those
     of the per-op engine without speculation."""
     from tests.test_speculative import repetitive_prompts
 
@@ -618,7 +619,27 @@ def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2
     stats = engine.spec.stats
     assert stats.num_drafts > 0 and len(expanded) > 0 and max(expanded) > 2
     assert not any(decode or verifying for decode, verifying in per_op)  # steps with a chunk only
-    assert engine.runner.fused.row_counts == [1, 2, 4, 8]  # 2 sequences x (1 + 3) tokens
+    fused = engine.runner.fused
+    assert fused.row_counts == [1, 2, 4, 8]  # 2 sequences x (1 + 3) tokens
+    assert sum(fused.gemvs[m].lm_argmax.calls for m in (4, 8)) > 0  # verify steps of 3+ tokens
+    assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
+
+
+def test_sampled_verify_rows_take_the_fused_logits(tiny_qwen2, reference_kernels, monkeypatch):
+    """A verify step with a seeded sampled request beside a greedy one: the fused path writes
+    logits for every query token and exact rejection sampling decides; the tokens are those of
+    the per-op engine with speculation (the same logits, the same seeded draws)."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(2, seed=3)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.95, seed=11)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, spec=NGRAM, page_size=4)
+    expanded = count_fused_verify_steps(monkeypatch)
+    got, engine, _ = run_engine(tiny_qwen2, True, prompts, params, 2, spec=NGRAM, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert expanded and sum(fused.gemvs[m].lm_head.calls for m in (4, 8)) > 0
 
 
 def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_kernels, monkeypatch):

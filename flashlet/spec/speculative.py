@@ -59,7 +59,8 @@ from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_r
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
-__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify"]
+__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
+           "verify_greedy"]
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -258,17 +259,34 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
         mask_grammars(logits, requests, rows, errors)
     logits = _apply_transforms(logits, requests, rows, row_req, eos_token_ids)
     ok, chosen = _decide(logits, requests, rows, row_req, proposal)
-    ok, chosen = ok.tolist(), chosen.tolist()
+    results = _accepted(rows, ok.tolist(), chosen.tolist())
+    logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
+    return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
+            for i, (tokens, a) in enumerate(results)]
+
+
+def verify_greedy(tokens: torch.Tensor, requests: list[Request],
+                  proposals: dict[Request, list[int]]) -> list[Verified]:
+    """`verify` for a step whose requests are all plain greedy (sampler.plain_greedy: nothing
+    transforms their logits), from each row's argmax token [rows] (the fused path's LM head
+    argmax, as their decode steps take it without speculation): no logits at all. Reads the
+    device once."""
+    rows = _Rows.of(requests, proposals)
+    chosen = tokens.tolist()
+    ok = [token == proposal for token, proposal in zip(chosen, rows.proposal_of_row().tolist())]
+    return [Verified(tokens, None, a) for tokens, a in _accepted(rows, ok, chosen)]
+
+
+def _accepted(rows: _Rows, ok: list[bool], chosen: list[int]) -> list[tuple[list[int], int]]:
+    """Per request: (its accepted proposals then the token drawn at the first rejection or
+    after the last proposal, how many proposals it accepted)."""
     results = []
-    for i, req in enumerate(requests):
-        start, props = rows.starts[i], rows.proposals[i]
+    for start, props in zip(rows.starts, rows.proposals):
         a = 0
         while a < len(props) and ok[start + a]:
             a += 1
         results.append((props[:a] + [chosen[start + a]], a))
-    logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
-    return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
-            for i, (tokens, a) in enumerate(results)]
+    return results
 
 
 def mask_grammars(logits: torch.Tensor, requests: list[Request], rows: "_Rows",

@@ -324,15 +324,16 @@ def test_fused_batches_without_graphs_give_the_graph_tokens(small_model):
 
 
 def near_tie_or_equal(want, got, bound: float) -> str:
-    """Two greedy runs of one prompt, each with its top-2 logprobs: identical, or where they
-    first part each token is the other's first or second pick, within `bound` of the first
-    in both runs' logprobs. Returns "identical" or "near tie"."""
+    """Two greedy runs of one prompt: identical, or where they first part each token is the
+    other run's first or second pick, within `bound` of its first in that run's logprobs (both
+    ways where both runs have logprobs, else in `want`'s). Returns "identical" or "near tie"."""
     a, b = want.token_ids, got.token_ids
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None:
         assert len(a) == len(b)
         return "identical"
-    for mine, other in ((want.logprobs[i], b[i]), (got.logprobs[i], a[i])):
+    sides = [(want.logprobs[i], b[i])] + ([(got.logprobs[i], a[i])] if got.logprobs else [])
+    for mine, other in sides:
         top = dict(mine.top)
         assert other in top, f"new token {i}: {other} not in the other run's top 2 {mine.top}"
         gap = mine.logprob - top[other]
@@ -340,39 +341,49 @@ def near_tie_or_equal(want, got, bound: float) -> str:
     return "near tie"
 
 
+def run_speculating(source, ps, params, spec):
+    """The default fused engine (max_num_seqs 4) with `spec` (None: off) -> (outputs in prompt
+    order, engine, verify steps loaded as fused decode rows, rows from the argmax epilogue)."""
+    engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_seqs=4,
+                   max_num_pages=1024, speculative_config=spec)
+    assert engine.runner.fused is not None  # the default: every part where it applies
+    perturb_norms(engine)
+    fused_steps, greedy_rows = count_fused_verify_steps(engine), count_greedy_steps(engine)
+    ids = [engine.add_request(p, params) for p in ps]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.check_integrity()
+    return [done[i] for i in ids], engine, fused_steps[0], greedy_rows[0]
+
+
 def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model):
     """ngram (k = 4) over prompts that hold their own continuation (a first run's), so prompt
     lookup proposes at every step and accepts some, on the default fused path: the verify steps
-    (up to 4 x 5 tokens: 16 at most fused, the rest per-op) run as decode rows, and each request's greedy
-    tokens equal those without speculation, or part at a near tie of the two runs (verify rows
-    attend with other split counts than one-token decodes: bf16 rounding differs). Logprobs on
-    both runs, so both pick from bf16 logits."""
+    (up to 4 x 5 tokens: 16 at most fused, the rest per-op) run as decode rows, and each
+    request's greedy tokens equal those without speculation, or part at a near tie (verify rows
+    attend with other split counts than one-token decodes: the rounding differs). With logprobs
+    both runs pick from bf16 logits (checked both ways); without, the verify steps take each
+    token's argmax from the LM head epilogue (checked against the logprobs run)."""
     from flashlet import SamplingParams
 
     source, vocab = small_model
     base = prompts(4, vocab)
     first, _ = run(source, base, 32, fused=True, max_num_seqs=4)
     ps = [p + c + p for p, c in zip(base, first)]
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=2)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-    outs = {}
-    for on in (False, True):
-        engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_seqs=4,
-                       max_num_pages=1024, speculative_config=spec if on else None)
-        assert engine.runner.fused is not None  # the default: every part where it applies
-        perturb_norms(engine)
-        fused_steps = count_fused_verify_steps(engine)
-        ids = [engine.add_request(p, params) for p in ps]
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        engine.check_integrity()
-        outs[on] = [done[i] for i in ids]
+    logprobs = SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=2)
+    plain, _, _, _ = run_speculating(source, ps, logprobs, None)
+    with_logprobs, engine, fused_steps, greedy_rows = run_speculating(source, ps, logprobs, spec)
     stats = engine.spec.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0 and fused_steps[0] > 0
-    verdicts = [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(outs[False], outs[True])]
-    print(f"speculation on the fused path: {verdicts}, acceptance "
-          f"{stats.num_accepted_tokens / stats.num_draft_tokens:.2f}, {fused_steps[0]} fused verify steps")
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0 and fused_steps > 0 and greedy_rows == 0
+    verdicts = [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, with_logprobs)]
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    argmax, engine, fused_steps, greedy_rows = run_speculating(source, ps, greedy, spec)
+    assert fused_steps > 0 and greedy_rows > 0
+    verdicts += [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, argmax)]
+    print(f"speculation on the fused path (logprobs, argmax): {verdicts}, acceptance "
+          f"{stats.num_accepted_tokens / stats.num_draft_tokens:.2f}")
 
 
 def count_fused_verify_steps(engine) -> list[int]:

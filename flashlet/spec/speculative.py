@@ -15,7 +15,9 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`). Where
    the fused decode path runs and the step has no prefill chunk and at most 16 query tokens,
    the runner loads it as one decode row per query token and runs it fused
-   (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way.
+   (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way. A step
+   whose requests are all plain greedy then needs no logits: `verify_greedy` decides from each
+   row's argmax (the LM head's epilogue), as those requests' decode steps do without speculation.
 3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
    of proposals the model keeps, plus one token of its own (so at least one token a step).
    Greedy rows accept a proposal where it is the argmax: the output equals decoding without

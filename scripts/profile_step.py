@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--rows", type=int, default=12)
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
-    p.add_argument("--fused-decode", action="store_true", help="the CuTe one-sequence path")
+    p.add_argument("--fused-decode", action="store_true", help="the CuTe fused decode path")
     p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
                    help="with --fused-decode: the parts on (the rest off)")
     p.add_argument("--timeline", action="store_true",

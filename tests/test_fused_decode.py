@@ -484,6 +484,21 @@ def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2
     assert fused.compiled() == (len(used), 0.5 * len(used))  # what the warm-up reports
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_several_rows_of_other_families(tmp_path, reference_kernels, family):
+    """Qwen3 (per-head q / k norms in the pool's RoPE + K/V write over all rows) and Llama (no
+    QKV bias, its own LM head): 5 rows padded to 8, tokens the per-op engine's."""
+    from tests.test_model_families import save_family
+
+    folder = save_family(family, tmp_path / family)
+    prompts = row_prompts(5)
+    params = [SamplingParams(max_new_tokens=3 + i % 3, ignore_eos=True) for i in range(5)]
+    want, _, _ = run_engine(folder, False, prompts, params, 8)
+    got, engine, per_op = run_engine(folder, True, prompts, params, 8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.runner.fused.gemvs[8].lm_argmax.calls > 0 and not any(d for d, _ in per_op)
+
+
 def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qwen2, reference_kernels):
     """Greedy, seeded top-p, logprobs and min_p rows in one step: the fused path writes logits
     for all (no argmax), the sampler samples the sampled rows from them; tokens and logprobs

@@ -60,7 +60,7 @@ class Platform:
 class StepPaths:
     """Each step kind's path and why."""
 
-    backend: str            # the step backend: decode (2+ rows) and prefill/mixed
+    backend: str            # the step backend: decode steps not fused, and prefill/mixed
     backend_why: str
     fused_decline: str | None  # why small decode steps are not fused (None: fused, if the model allows)
 

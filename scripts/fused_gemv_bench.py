@@ -7,7 +7,12 @@ fraction of the device-to-device copy bandwidth measured in the same run. Every 
 a failure is printed and the rest still runs. Needs CUDA and the CuTe DSL on PYTHONPATH
 (as scripts/gpu_run.sh's cute_env sets it up).
 
-    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--json PATH]
+With --rows 1 2 4 8 16 each shape also runs the M-row kernel (`CuteGemv(..., rows=M)`: x [M, K],
+the weights read once for all rows) beside cuBLAS at the same M (torch.matmul of [M, K] x W^T);
+GB/s counts the weight bytes once per call, so a kernel that keeps the one-row figure as M grows
+gets M rows for the price of one.
+
+    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--rows M ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -118,25 +123,33 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
 
 
+def extra_for(gemv: cute_gemv.CuteGemv, epilogue: str, seed: int) -> torch.Tensor | None:
+    """The bias [N] (one for all rows) or the residual [M, N]; None for the other epilogues."""
+    n_out, rows = gemv.plan.n_out, gemv.plan.rows
+    if epilogue == "bias":
+        return rand(n_out, seed=seed)
+    return rand(rows, n_out, seed=seed) if epilogue == "residual" else None
+
+
 def check(gemv: cute_gemv.CuteGemv, n: int, k: int, epilogue: str, seed: int) -> str:
     """Fresh inputs, poisoned output, one call, compared with the fp32 reference; raises on a miss."""
-    x = rand(k, seed=seed)
+    rows = gemv.plan.rows
+    x = rand(rows, k, seed=seed)
     w = rand(n, k, seed=seed + 1, scale=k ** -0.5)
-    extra = rand(gemv.plan.n_out, seed=seed + 2) if epilogue in ("bias", "residual") else None
+    extra = extra_for(gemv, epilogue, seed + 2)
     out = gemv.out_like()
     out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
     gemv(x, w, extra, out=out)
     torch.cuda.synchronize()
     if epilogue == "argmax":
-        logits = w.float() @ x.float()
-        token = int(out.item())
-        if not 0 <= token < n:
-            raise AssertionError(f"argmax wrote token {token}, outside [0, {n})")
-        gap = float(logits.max() - logits[token])
+        logits = x.float() @ w.float().t()
+        tokens = out.long()
+        if not bool(((tokens >= 0) & (tokens < n)).all()):
+            raise AssertionError(f"argmax wrote tokens {out.tolist()}, some outside [0, {n})")
+        gap = float((logits.max(dim=-1).values - logits.gather(1, tokens[:, None])[:, 0]).max())
         if gap > 1e-3 * float(logits.abs().max()):
-            raise AssertionError(f"argmax chose {token} ({float(logits[token]):.5f}), "
-                                 f"reference {int(logits.argmax())} ({float(logits.max()):.5f})")
-        return f"token {token} (ref {int(logits.argmax())}, gap {gap:.2e})"
+            raise AssertionError(f"argmax chose {out.tolist()}, reference {logits.argmax(dim=-1).tolist()}")
+        return f"tokens ok (largest gap {gap:.2e})"
     ref = cute_gemv.gemv_reference(x, w, epilogue, extra)
     if torch.isnan(out).any():
         raise AssertionError(f"{int(torch.isnan(out).sum())} outputs never written (NaN)")
@@ -153,9 +166,8 @@ def weight_bank(n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
 
 
 def time_variant(gemv, epilogue, bank, copies, k):
-    n_out = gemv.plan.n_out
-    x = rand(k, seed=7)
-    extra = rand(n_out, seed=8) if epilogue in ("bias", "residual") else None
+    x = rand(gemv.plan.rows, k, seed=7)
+    extra = extra_for(gemv, epilogue, 8)
     out = gemv.out_like()
     calls = max(copies, 8)
 
@@ -171,15 +183,15 @@ def time_variant(gemv, epilogue, bank, copies, k):
         return profiled_kernel_us(min(calls, 50), launch, "cutlass")
 
 
-def time_torch(kind, epilogue, bank, copies, n, k):
-    """cuBLAS alone (F.linear) or the unfused PyTorch sequence for the epilogue."""
-    x = rand(1, k, seed=7)
-    extra = rand(1, n // 2 if epilogue == "silu_mul" else n, seed=8)
+def time_torch(kind, epilogue, bank, copies, n, k, rows=1):
+    """cuBLAS alone (torch.matmul of [M, K] x W^T) or the unfused PyTorch sequence for the epilogue."""
+    x = rand(rows, k, seed=7)
+    extra = rand(rows, n // 2 if epilogue == "silu_mul" else n, seed=8)
 
     def run(i):
         w = bank[i % copies]
         if kind == "cublas":
-            return F.linear(x, w)
+            return torch.matmul(x, w.t())
         y = F.linear(x, w, extra.view(-1)) if epilogue == "bias" else F.linear(x, w)
         if epilogue == "residual":
             return y + extra
@@ -241,12 +253,38 @@ def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
     return us, torch.cat([h.view(-1).float(), token_out.float()])
 
 
+def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
+    """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
+    model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
+    epilogues, plain + PDL (argmax where M fits the lanes a row), plain with the one-row plan's
+    grid (one tile a CTA, its warps: every CTA reads x from L2) and, from M = 4, more output rows
+    a lane group where the shape allows (each x chunk read from L1 serves more weight rows)."""
+    out = []
+    for m in args.rows:
+        fits = [e for e in epilogues if e != "argmax" or m <= cute_gemv.lanes_for(k)]
+        out += [(m, e, False, 16, False, {}) for e in fits]
+        if not args.no_pdl:
+            out.append((m, "none", True, 16, False, {}))
+        if m == 1 and cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group
+            out.append((m, "none", False, 8, False, {}))
+        if m == 1:
+            out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
+        if m > 1:
+            out.append((m, "none", False, 16, False, dict(ctas_per_sm=0, warps=cute_gemv.plan_gemv(n, k).warps)))
+        if m >= 4 and cute_gemv.plan_gemv(n, k, max_loads=32, rows=m).outs_per_group > \
+                cute_gemv.plan_gemv(n, k, rows=m).outs_per_group:  # more output rows a group: x reused more
+            out.append((m, "none", False, 32, False, {}))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--no-pdl", action="store_true", help="skip the PDL chain variant")
     ap.add_argument("--no-token", action="store_true", help="skip the whole-token GEMV chain")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1],
+                    help="decode rows per call (M): the M-row kernel beside cuBLAS at each M")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -265,7 +303,7 @@ def main() -> int:
     copy_gbs = guarded("copy bandwidth", copy_bandwidth_gbs) or float("nan")
     log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
-    rows, failures = [], 0
+    results, failures = [], 0
     for name, n, k, epilogues in SHAPES:
         if args.only and name not in args.only:
             continue
@@ -274,20 +312,14 @@ def main() -> int:
             failures += 1
             continue
         bank, copies = bank_copies
-        # (epilogue, pdl, max_loads, staged): the model's variants, then the comparisons.
-        variants = [(e, False, 16, False) for e in epilogues]
-        if not args.no_pdl:
-            variants.append(("none", True, 16, False))
-        if cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group
-            variants.append(("none", False, 8, False))
-        variants.append(("none", False, 24, True))  # weights through shared memory (cp.async)
-        for epilogue, pdl, max_loads, staged in variants:
+        for m, epilogue, pdl, max_loads, staged, knobs in shape_variants(n, k, epilogues, args):
             tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
+                   + (" R up" if max_loads == 32 else "") + (" tile/CTA" if knobs else "")
                    + (" staged" if staged else ""))
-            label = f"{name} {n}x{k} {tag}"
-            row = dict(shape=name, n=n, k=k, variant=tag, bytes=n * k * 2)
+            label = f"{name} {n}x{k} M={m} {tag}"
+            row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * 2)
             gemv = guarded(f"{label} plan", cute_gemv.CuteGemv, n, k, epilogue, pdl=pdl,
-                           max_loads=max_loads, staged=staged)
+                           max_loads=max_loads, staged=staged, rows=m, **knobs)
             if gemv is None:
                 failures += 1
                 continue
@@ -297,16 +329,18 @@ def main() -> int:
             row["compile_s"] = secs
             if secs is None:
                 failures += 1
-                rows.append(row)
+                results.append(row)
                 continue
-            verdict = guarded(f"{label} check", check, gemv, n, k, epilogue, seed=len(rows) * 10)
+            verdict = guarded(f"{label} check", check, gemv, n, k, epilogue, seed=len(results) * 10)
             row["check"] = verdict or "FAILED"
             failures += verdict is None
             row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
-            baseline = not pdl and max_loads == 16 and not staged
+            baseline = not pdl and max_loads == 16 and not staged and not knobs
             if baseline and epilogue == "none":
-                row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k)
-            elif baseline:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
+                row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k, m)
+                if row["cublas_us"]:
+                    row["cublas_gbs"] = row["bytes"] / (row["cublas_us"] * 1e-6) / 1e9
+            elif baseline and m == 1:  # the same work unfused: F.linear (bias folded in) then PyTorch ops
                 row["torch_us"] = guarded(f"{label} torch", time_torch, "seq", epilogue, bank, copies, n, k)
             if row.get("cute_us"):
                 row["gbs"] = row["bytes"] / (row["cute_us"] * 1e-6) / 1e9
@@ -315,7 +349,7 @@ def main() -> int:
                 row["speedup"] = torch_us / row["cute_us"] if torch_us else None
             log(f"{label}: plan {row['plan']}, compiled in {secs:.2f}s, {row['check']}, "
                 f"{row.get('cute_us') or float('nan'):.2f} us")
-            rows.append(row)
+            results.append(row)
         del bank
         torch.cuda.empty_cache()
 
@@ -327,12 +361,15 @@ def main() -> int:
         f"through >= {L2_DEFEAT_BYTES >> 20} MB of weights (median of 20 replays)")
     log("speed-up: cuBLAS (or the unfused PyTorch sequence) time / CuTe time; +pdl rows are a chain of "
         "PDL launches (weights loaded before griddepcontrol.wait)")
-    log("| shape | variant | MB | cute us | GB/s | of copy | cuBLAS us | torch seq us | speed-up | compile s | check |")
-    log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        log(f"| {r['shape']} {r['n']}x{r['k']} | {r['variant']} | {r['bytes'] / 1e6:.2f} | "
+    log("GB/s: weight bytes (read once a call, whatever M) / time; cuBLAS GB/s the same for torch.matmul "
+        "of [M, K] x W^T")
+    log("| shape | M | variant | MB | cute us | GB/s | of copy | cuBLAS us | cuBLAS GB/s | torch seq us "
+        "| speed-up | compile s | check |")
+    log("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        log(f"| {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['variant']} | {r['bytes'] / 1e6:.2f} | "
             f"{f(r.get('cute_us'), '.2f')} | {f(r.get('gbs'), '.0f')} | {f(r.get('of_copy'), '.2f')} | "
-            f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('torch_us'), '.2f')} | "
+            f"{f(r.get('cublas_us'), '.2f')} | {f(r.get('cublas_gbs'), '.0f')} | {f(r.get('torch_us'), '.2f')} | "
             f"{f(r.get('speedup'), '.2f')} | "
             f"{f(r.get('compile_s'), '.2f')} | {r.get('check', '-')} |")
     token = {}
@@ -358,7 +395,7 @@ def main() -> int:
     log(f"total {time.perf_counter() - t_start:.0f}s, {failures} failed stage(s)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(copy_gbs=copy_gbs, rows=rows, token_chain_us=token), fh, indent=1)
+            json.dump(dict(copy_gbs=copy_gbs, rows=results, token_chain_us=token), fh, indent=1)
     return 1 if failures else 0
 
 

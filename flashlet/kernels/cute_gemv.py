@@ -53,6 +53,7 @@ import torch
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
 VEC = 8  # bf16 elements in one 16-byte load
+MAX_ROWS = 16  # decode rows one launch computes (the fused path's small batches, verify steps)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
     "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
@@ -81,16 +82,18 @@ def _dsl():
         import cutlass
         import cutlass.cute as cute
         import cutlass.utils.distributed  # noqa: F401  (atomicAdd for the argmax epilogue)
+        from cutlass._mlir.dialects import llvm  # inline PTX (`_opaque_zero`)
         from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
     except Exception as e:  # ImportError, or a broken native library underneath
         raise CuteUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
     g = globals()
-    g.update(cutlass=cutlass, cute=cute)
+    g.update(cutlass=cutlass, cute=cute, llvm=llvm)
     # Compile-time parameters are marked here: the annotations need `cutlass`, imported late.
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
-    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _rope_kv_store, _stage_tile):
+    for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
+                   _rope_kv_store, _stage_tile, _dot_rows):
         g[helper.__name__] = cute.jit(helper)
     launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -119,6 +122,7 @@ class GemvPlan:
     stages: int = 1       # staged only: 2 = the next tile's copies fly while this one is used
     late_g: bool = False  # norm + pdl: the norm's weight is read after the wait, with x
     min_ctas: int = 0     # > 0: ptxas must fit this many CTAs an SM (a register cap)
+    rows: int = 1         # M: decode rows computed per launch, each weight read once for all
 
     @property
     def groups_per_cta(self) -> int:
@@ -157,7 +161,13 @@ class GemvPlan:
         tag += f" st{self.stages}" if self.staged else ""
         tag += " lateg" if self.late_g else ""
         tag += f" min{self.min_ctas}" if self.min_ctas else ""
+        tag += f" M{self.rows}" if self.rows > 1 else ""
         return tag
+
+    @property
+    def out_stored(self) -> int:
+        """Outputs stored per decode row: n_out, or every row of W for the rope epilogues."""
+        return self.n_rows if self.rope else self.n_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +202,8 @@ def lanes_for(k: int) -> int:
 
 # Tuned plans for the shapes measured on a GPU, filled from the plan sweep
 # (`python scripts/gemv_sweep.py --pdl on`; `--only lm_head` for the LM head), which prints entries in this
-# form. Key: (n_rows, k, epilogue, norm, pdl), as the fused decode path builds its GEMVs.
+# form. Key: (n_rows, k, epilogue, norm, pdl), as the fused decode path builds its GEMVs, with
+# the decode rows M appended where M > 1 (a plan measured at one row does not bind the others).
 # Value: plan_gemv's knobs for that GEMV, any of
 #   warps            warps per CTA (1, 2, 4, 8)
 #   outs_per_group   outputs a lane group owns per tile (rows in flight: x2 for silu_mul / rope)
@@ -206,7 +217,7 @@ def lanes_for(k: int) -> int:
 # built-in heuristic below. A shape with no entry (every shape, until measured) is planned by
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
 # grid scales with the SM count, the best choice might not).
-TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
+TUNED_PLANS: dict[tuple, dict] = {
     # Qwen2.5-0.5B's fused path with PDL (each plan's time against the default plan's:
     # BENCHMARKS.md's history, the GEMV plan sweep).
     (9728, 896, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # gate_up
@@ -220,6 +231,11 @@ TUNED_PLANS: dict[tuple[int, int, str, bool, bool], dict] = {
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
 
 
+def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int) -> tuple:
+    key = (n_rows, k, epilogue, bool(norm), bool(pdl))
+    return key if rows == 1 else (*key, rows)
+
+
 def load_tuned_plans(path: str) -> int:
     """Add the entries of a JSON file written by `scripts/gemv_sweep.py --plans-out` (a list of
     {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}) to TUNED_PLANS: plans measured on
@@ -227,12 +243,12 @@ def load_tuned_plans(path: str) -> int:
     with open(path) as fh:
         entries = json.load(fh)
     for entry in entries:
-        n, k, epilogue, norm, pdl = entry["key"]
+        n, k, epilogue, norm, pdl, *rows = entry["key"]
         knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
-        if unknown or epilogue not in EPILOGUES:
-            raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown} or epilogue")
-        TUNED_PLANS[(int(n), int(k), epilogue, bool(norm), bool(pdl))] = dict(knobs)
+        if unknown or epilogue not in EPILOGUES or len(rows) > 1:
+            raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown}, epilogue or key length")
+        TUNED_PLANS[_tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1)] = dict(knobs)
     return len(entries)
 
 
@@ -246,7 +262,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               warps: int | None = None, outs_per_group: int | None = None,
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
-              tuned: bool = True) -> GemvPlan:
+              tuned: bool = True, rows: int = 1) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -276,12 +292,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     The rope epilogues (rope=RopeShape(...)) pair rows like silu_mul pairs gate and up: output
     slot p stands for the head h = p // (D/2) and the dim i = p % (D/2), and its group computes
     both rows of the rotate-half pair, h D + i and h D + i + D/2, so the rotation needs no
-    exchange between groups. There are N / 2 slots; each writes two outputs."""
+    exchange between groups. There are N / 2 slots; each writes two outputs.
+
+    rows=M (1 to MAX_ROWS) computes M decode rows per launch: every lane's weight chunks are
+    read once and multiplied by each row's x in turn (FUSED_NOTES.md, "Stage 4: M rows").
+    TUNED_PLANS entries for M > 1 carry M as a sixth key element; M = 1 keeps the five."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
-    table = TUNED_PLANS.get((n_rows, k, epilogue, bool(norm), bool(pdl)), {}) if tuned else {}
+    if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
+    table = TUNED_PLANS.get(_tuned_key(n_rows, k, epilogue, norm, pdl, rows), {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:
         raise ValueError(f"TUNED_PLANS entry for {(n_rows, k, epilogue, norm, pdl)} has unknown knobs {unknown}")
@@ -319,6 +341,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
     lanes = lanes_for(k)
+    if epilogue == "argmax" and rows > lanes:
+        # Lane m of each group keeps row m's running best across the tiles (one pair a lane).
+        raise ValueError(f"argmax with rows={rows} needs at least as many lanes a row, and K = {k} "
+                         f"gives {lanes} (the largest power of two dividing K / 8)")
     chunks = k // (VEC * lanes)
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
 
@@ -338,9 +364,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     warps = knobs["warps"]
     if warps is None:
         # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits
-        # for it, so aim for four or more CTAs per SM.
+        # for it, so aim for four or more CTAs per SM. With M rows every CTA reads M rows of x
+        # from L2 (28 KB at M = 16, K = 896): the looping grid below keeps four warps a CTA.
         warps = 4
-        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
+        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms and rows == 1:
             warps //= 2
 
     def staged_bytes(warps: int) -> int:
@@ -363,12 +390,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     # A resident grid that loops over tiles. argmax always loops (few partials for the last
     # CTA to reduce): three CTAs of four warps fit an SM at the ~155 registers ptxas gives it.
     ctas_per_sm = knobs["ctas_per_sm"]
+    if ctas_per_sm is None and rows > 1:
+        # A resident grid: each CTA's x stays in its SM's L1 across its tiles. One tile a CTA
+        # fetches all M rows of x from L2 once per CTA: at M = 16 with the one-row plans (one
+        # warp a CTA at down, 896 CTAs; 9,496 CTAs at the LM head) that is 4-16x the weights'
+        # bytes. Two CTAs an SM: at ~200 registers (M = 16, PDL) three do not fit.
+        ctas_per_sm = 2
     if ctas_per_sm is None and epilogue == "argmax":
         ctas_per_sm = 3
     if ctas_per_sm:
         grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas)
+                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,13 +428,17 @@ _deferred = _Deferred()
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas):
-    # mW [n_rows, K/8, 8] bf16; mX [K/8, 8]; mY [n_out] (the token [1] int32 for argmax; all
-    # n_rows outputs for the rope epilogues); mE: bias or residual [n_out] ([n_rows] for
-    # bias_rope_kv; a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
-    # otherwise); mPart*: [grid] partials (argmax). The rope epilogues: mPos [1] int64 the
-    # position, mCS [table_rows * D] fp32 the cos | sin table, mSlot [1] int64 the pool slot,
-    # mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
+    # mW [n_rows, K/8, 8] bf16; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
+    # [rows * n_out] (the tokens [rows] int32 for argmax; all n_rows outputs a row for the rope
+    # epilogues); mE: the bias [n_out] ([n_rows] for bias_rope_kv), shared by the rows, or the
+    # residual [rows * n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
+    # otherwise); mPart*: [rows * grid] partials (argmax). The rope epilogues: mPos [rows] int64
+    # the positions, mCS [table_rows * D] fp32 the cos | sin table, mSlot [rows] int64 the pool
+    # slots, mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
+    # With rows > 1 each lane of a group ends with the whole sums of its own decode rows
+    # (`reduce_scatter`, `lane_rows`) and finishes them: the epilogue's work is spread over the
+    # group's lanes.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -415,6 +452,12 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     rows_per_out = 2 if epilogue == "silu_mul" or rope else 1
     rows_in_flight = outs_per_group * rows_per_out
     half = head_dim // 2
+    x_chunks = lanes * chunks                # 16-byte chunks of one decode row of x
+    # rows > 1: the decode row of each value a lane keeps (`rows`: another lane finishes it)
+    own_rows = [0]
+    if cutlass.const_expr(rows > 1):
+        own_rows = lane_rows(sub, lanes, rows, _select)
+    stored = n_out * rows_per_out if rope else n_out  # outputs a decode row stores
 
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
@@ -424,7 +467,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # lane's 16-byte loads before the first FMA; with x first it issues nearly all (36 of 39 at
     # K = 4864), which is the point of the design.
     x_early = []
-    if cutlass.const_expr(not pdl):
+    if cutlass.const_expr(not pdl and rows == 1):  # (rows > 1: each row's x is read per chunk)
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
@@ -481,13 +524,16 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         xs = []
         gs = g_early
-        for j in cutlass.range_constexpr(chunks):
-            if cutlass.const_expr(pdl):
-                if cutlass.const_expr(j == 0):
-                    cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
-                xs.append(mX[sub + j * lanes, None].load())
-            else:
-                xs.append(x_early[j])
+        if cutlass.const_expr(rows == 1):
+            for j in cutlass.range_constexpr(chunks):
+                if cutlass.const_expr(pdl):
+                    if cutlass.const_expr(j == 0):
+                        cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
+                    xs.append(mX[sub + j * lanes, None].load())
+                else:
+                    xs.append(x_early[j])
+        elif cutlass.const_expr(pdl):
+            cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(norm and late_g):
             gs = []
             for j in cutlass.range_constexpr(chunks):
@@ -495,94 +541,225 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         cos = []
         sin = []
         biases = []
-        slot = cutlass.Int32(0)
+        slots = []
         if cutlass.const_expr(rope):
-            # After the PDL wait (the step's position and slot are inputs like x), before the
+            # After the PDL wait (the step's positions and slots are inputs like x), before the
             # FMAs, so their latency hides behind them; every lane of the group loads and uses
             # them (a v head gets cos 1, sin 0), so the compiler cannot sink them into the
-            # storing lane's branch after the reduction (measured in the SASS: it did).
-            pos = cutlass.Int32(mPos[0])
-            slot = cutlass.Int32(mSlot[0])
-            for o in cutlass.range_constexpr(outs_per_group):
-                safe = cutlass.min(outs[o], n_out - 1)
-                r1 = (safe // half) * head_dim + safe % half
-                rotate = safe // half < q_heads + kv_heads
-                cos.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half],
-                                                           cutlass.Float32(1.0))))
-                sin.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
-                                                           cutlass.Float32(0.0))))
-                if cutlass.const_expr(epilogue == "bias_rope_kv"):
-                    biases.append(mE[r1].to(cutlass.Float32))
-                    biases.append(mE[r1 + half].to(cutlass.Float32))
+            # storing lane's branch after the reduction (measured in the SASS: it did). With
+            # rows > 1 each lane loads the position and slot of each row it finishes.
+            for r in cutlass.range_constexpr(len(own_rows)):
+                row_m = 0
+                if cutlass.const_expr(rows > 1):
+                    row_m = cutlass.min(own_rows[r], rows - 1)
+                pos = cutlass.Int32(mPos[row_m])
+                slots.append(cutlass.Int32(mSlot[row_m]))
+                for o in cutlass.range_constexpr(outs_per_group):
+                    safe = cutlass.min(outs[o], n_out - 1)
+                    r1 = (safe // half) * head_dim + safe % half
+                    rotate = safe // half < q_heads + kv_heads
+                    cos.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half],
+                                                               cutlass.Float32(1.0))))
+                    sin.append(cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
+                                                               cutlass.Float32(0.0))))
+                    if cutlass.const_expr(epilogue == "bias_rope_kv" and r == 0):  # one bias for all rows
+                        biases.append(mE[r1].to(cutlass.Float32))
+                        biases.append(mE[r1 + half].to(cutlass.Float32))
         if cutlass.const_expr(staged):
             # This thread's own copies of this tile (the next tile's group may stay in flight).
             cute.arch.cp_async_wait_group(stages - 1)
             for i in cutlass.range_constexpr(per_stage):
                 w.append(sW[tidx, stage * per_stage + i, None].load())
-        acc = []
-        for i in cutlass.range_constexpr(rows_in_flight):
-            acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
-        if cutlass.const_expr(norm):
-            # The group's chunks cover all of x: its sum of squares is the whole row's.
-            sq = cute.full((VEC,), 0.0, cutlass.Float32)
-            for j in cutlass.range_constexpr(chunks):
-                xf = xs[j].to(cutlass.Float32)
-                sq = sq + xf * xf
-            ss = cutlass.Float32(sq.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
-            ss = cute.arch.warp_reduction_sum(ss, threads_in_group=lanes)
-            rstd = cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
-        for j in cutlass.range_constexpr(chunks):
-            xv = xs[j].to(cutlass.Float32)
-            if cutlass.const_expr(norm):
-                xv = xv * gs[j].to(cutlass.Float32)
+        if cutlass.const_expr(rows == 1):
+            acc = []
             for i in cutlass.range_constexpr(rows_in_flight):
-                acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
-        sums = []
-        for i in cutlass.range_constexpr(rows_in_flight):
-            # reduce() yields a bare MLIR value; with one lane per row (K / 8 odd) no shuffle
-            # wraps it, and cute.math.exp (the SiLU) accepts only a Float32: wrap it here.
-            s = cutlass.Float32(acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
-            s = cute.arch.warp_reduction_sum(s, threads_in_group=lanes)
+                acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
             if cutlass.const_expr(norm):
-                s = s * rstd
-            sums.append(s)
-        for o in cutlass.range_constexpr(outs_per_group):
-            out = outs[o]
-            y = sums[o * rows_per_out]
-            if cutlass.const_expr(epilogue == "silu_mul"):
-                up = sums[o * rows_per_out + 1]
-                y = y / (cutlass.Float32(1.0) + cute.math.exp(-y, fastmath=True)) * up
-            if cutlass.const_expr(epilogue == "bias" or epilogue == "residual"):
-                y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
-            if cutlass.const_expr(rope):
-                y2 = sums[o * rows_per_out + 1]
-                if cutlass.const_expr(epilogue == "bias_rope_kv"):
-                    y = y + biases[2 * o]
-                    y2 = y2 + biases[2 * o + 1]
-                # Rotate-half in fp32 with the table's fp32 cos / sin, rounded once to bf16 (the
-                # numerics of `TorchOps.rope`, less the bf16 rounding of the unrotated q / k
-                # that the two-kernel path stores in between).
-                lo = (y * cos[o] - y2 * sin[o]).to(mY.element_type)
-                hi = (y2 * cos[o] + y * sin[o]).to(mY.element_type)
-                if sub == 0:
+                # The group's chunks cover all of x: its sum of squares is the whole row's.
+                sq = cute.full((VEC,), 0.0, cutlass.Float32)
+                for j in cutlass.range_constexpr(chunks):
+                    xf = xs[j].to(cutlass.Float32)
+                    sq = sq + xf * xf
+                ss = cutlass.Float32(sq.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+                ss = cute.arch.warp_reduction_sum(ss, threads_in_group=lanes)
+                rstd = cutlass.Float32(cute.math.rsqrt(
+                    ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
+            for j in cutlass.range_constexpr(chunks):
+                xv = xs[j].to(cutlass.Float32)
+                if cutlass.const_expr(norm):
+                    xv = xv * gs[j].to(cutlass.Float32)
+                for i in cutlass.range_constexpr(rows_in_flight):
+                    acc[i] = acc[i] + w[i * chunks + j].to(cutlass.Float32) * xv
+            sums = []
+            for i in cutlass.range_constexpr(rows_in_flight):
+                # reduce() yields a bare MLIR value; with one lane per row (K / 8 odd) no shuffle
+                # wraps it, and cute.math.exp (the SiLU) accepts only a Float32: wrap it here.
+                s = cutlass.Float32(acc[i].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+                s = cute.arch.warp_reduction_sum(s, threads_in_group=lanes)
+                if cutlass.const_expr(norm):
+                    s = s * rstd
+                sums.append(s)
+        else:
+            x_base = 0
+            if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
+                x_base = _opaque_zero()
+            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
+        if cutlass.const_expr(rows == 1):
+            sums = [[s] for s in sums]  # sums[i][r]: weight row i's sum for the lane's r-th row
+        for r in cutlass.range_constexpr(len(own_rows)):
+            # The decode row this lane finishes (rows == 1: lane 0 of the group finishes row 0).
+            row_m = 0
+            finishes = sub == 0
+            if cutlass.const_expr(rows > 1):
+                finishes = own_rows[r] < rows
+                row_m = cutlass.min(own_rows[r], rows - 1)
+            for o in cutlass.range_constexpr(outs_per_group):
+                out = outs[o]
+                y = sums[o * rows_per_out][r]
+                if cutlass.const_expr(epilogue == "silu_mul"):
+                    up = sums[o * rows_per_out + 1][r]
+                    y = y / (cutlass.Float32(1.0) + cute.math.exp(-y, fastmath=True)) * up
+                if cutlass.const_expr(epilogue == "bias"):
+                    y = y + mE[cutlass.min(out, n_out - 1)].to(cutlass.Float32)
+                if cutlass.const_expr(epilogue == "residual"):
+                    y = y + mE[row_m * n_out + cutlass.min(out, n_out - 1)].to(cutlass.Float32)
+                if cutlass.const_expr(rope):
+                    y2 = sums[o * rows_per_out + 1][r]
+                    if cutlass.const_expr(epilogue == "bias_rope_kv"):
+                        y = y + biases[2 * o]
+                        y2 = y2 + biases[2 * o + 1]
+                    # Rotate-half in fp32 with the table's fp32 cos / sin, rounded once to bf16
+                    # (the numerics of `TorchOps.rope`, less the bf16 rounding of the unrotated
+                    # q / k that the two-kernel path stores in between).
+                    c = cos[r * outs_per_group + o]
+                    sn = sin[r * outs_per_group + o]
+                    lo = (y * c - y2 * sn).to(mY.element_type)
+                    hi = (y2 * c + y * sn).to(mY.element_type)
+                    if finishes:
+                        if out < n_out:
+                            _rope_kv_store(mY, mKC, mVC, out, lo, hi, slots[r], row_m * stored,
+                                           head_dim, q_heads, kv_heads)
+                if cutlass.const_expr(epilogue == "argmax"):
+                    # Strictly greater: a group meets its rows in increasing order, so ties keep
+                    # the first index, as torch.argmax does. (rows > 1: each lane its row's.)
                     if out < n_out:
-                        _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads)
-            if cutlass.const_expr(epilogue == "argmax"):
-                # Strictly greater: a group meets its rows in increasing order, so ties keep
-                # the first index, as torch.argmax does.
-                if out < n_out:
-                    if y > best_val:
-                        best_val = y
-                        best_idx = out
-            if cutlass.const_expr(epilogue != "argmax" and not rope):
-                if sub == 0:
-                    if out < n_out:
-                        mY[out] = y.to(mY.element_type)
+                        if y > best_val:
+                            best_val = y
+                            best_idx = out
+                if cutlass.const_expr(epilogue != "argmax" and not rope):
+                    if finishes:
+                        if out < n_out:
+                            mY[row_m * n_out + out] = y.to(mY.element_type)
 
-    if cutlass.const_expr(epilogue == "argmax"):
+    if cutlass.const_expr(epilogue == "argmax" and rows == 1):
         _argmax_finish(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
                        warps, grid)
+    if cutlass.const_expr(epilogue == "argmax" and rows > 1):
+        _argmax_finish_rows(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
+                            warps, grid, lanes, rows)
+
+
+@_deferred.jit
+def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps):
+    """rows > 1: this group's dot products for every decode row, reduced over its lanes (and
+    scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight chunk is
+    converted once and used for every row; each row's x chunk is read (L1) and used for all
+    rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
+    x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
+    acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
+    sq = [cutlass.Float32(0.0)] * rows
+    for j in cutlass.range_constexpr(chunks):
+        wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
+        gv = None
+        if cutlass.const_expr(norm):
+            gv = gs[j].to(cutlass.Float32)
+        for m in cutlass.range_constexpr(rows):
+            xf = mX[x_base + m * x_chunks + sub + j * lanes, None].load().to(cutlass.Float32)
+            if cutlass.const_expr(norm):
+                sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
+                xf = xf * gv
+            for i in cutlass.range_constexpr(rows_in_flight):
+                acc[m * rows_in_flight + i] = cutlass.Float32(
+                    (wf[i] * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
+    # Each (row, weight row) sum is spread over the group's lanes: one reduce-scatter per weight
+    # row leaves every lane the full sums of its own rows (`lane_rows`).
+    pad = [cutlass.Float32(0.0)] * (rows_padded(rows) - rows)
+    rstd = []
+    if cutlass.const_expr(norm):
+        for ss in reduce_scatter(sq + pad, sub, lanes, _shuffle_bfly, _select):
+            rstd.append(cutlass.Float32(cute.math.rsqrt(
+                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True)))
+    sums = []
+    for i in cutlass.range_constexpr(rows_in_flight):
+        kept = reduce_scatter([acc[m * rows_in_flight + i] for m in range(rows)] + pad, sub, lanes,
+                              _shuffle_bfly, _select)
+        if cutlass.const_expr(norm):
+            kept = [k * r for k, r in zip(kept, rstd)]
+        sums.append(kept)
+    return sums
+
+
+def rows_padded(rows: int) -> int:
+    """The row count the reduce-scatter works on: the next power of two (rows of zeros added)."""
+    return 1 << (rows - 1).bit_length()
+
+
+def reduce_scatter(vals: list, sub, lanes: int, shuffle, select) -> list:
+    """Sum a group's per-lane partial sums of several rows so that each lane ends with whole
+    sums of only its own rows (recursive halving). vals: one partial a row, a power of two of
+    them; sub: the lane's place in its group of `lanes`; shuffle(v, offset): the partner lane
+    sub ^ offset's v; select(c, a, b). Each step the lanes whose bit `offset` is set keep the
+    upper half of the rows and send the lower half to their partner, which keeps the lower:
+    rows - 1 shuffles in all where full butterflies would take rows x log2(lanes). Once one row
+    is left, the lanes that share it finish with a butterfly. Which rows a lane keeps:
+    `lane_rows`. Plain Python over the ops it is given, so a CPU test runs it on lane vectors."""
+    offset = lanes // 2
+    while len(vals) > 1 and offset >= 1:
+        half = len(vals) // 2
+        upper = (sub // offset) % 2 == 1
+        kept = []
+        for i in range(half):
+            give = select(upper, vals[i], vals[i + half])
+            keep = select(upper, vals[i + half], vals[i])
+            kept.append(keep + shuffle(give, offset))
+        vals = kept
+        offset //= 2
+    while offset >= 1:
+        vals = [v + shuffle(v, offset) for v in vals]
+        offset //= 2
+    return vals
+
+
+def lane_rows(sub, lanes: int, rows: int, select) -> list:
+    """The decode row of each value `reduce_scatter` leaves a lane, or `rows` (none) where
+    another lane holding the same sum finishes it: with at most `lanes` (padded) rows, lane
+    sub holds row sub // (lanes / padded), finished by the first lane of those; with more, lane
+    sub holds rows sub * k ... sub * k + k - 1 (k = padded / lanes)."""
+    padded = rows_padded(rows)
+    if padded <= lanes:
+        stride = lanes // padded
+        return [sub // stride if stride == 1 else select(sub % stride == 0, sub // stride, rows)]
+    per_lane = padded // lanes
+    return [sub * per_lane + v for v in range(per_lane)]
+
+
+def _opaque_zero():
+    """An Int32 0 the compiler cannot see through (side-effecting inline PTX). Added to the
+    x addresses inside the tile loop so that LLVM does not hoist an M-row x out of the loop:
+    without a PDL wait in the loop it did (PTX, sm_90a), keeping M x C x 8 fp32 values live
+    across it, which at M = 4 sent ptxas to 32 registers and a 1.5 KB stack (the argmax LM
+    head ran 13x slower)."""
+    return cutlass.Int32(llvm.inline_asm(cutlass.Int32.mlir_type, [], "mov.b32 $0, 0;", "=r",
+                                         has_side_effects=True))
+
+
+def _shuffle_bfly(v, offset):
+    return cute.arch.shuffle_sync_bfly(v, offset=offset)
+
+
+def _select(c, a, b):
+    kind = type(a)  # keep the operand's DSL type (Float32 / Int32): later math asks for it
+    return kind(cutlass.select_(c, a, kind(b)))
 
 
 @_deferred.jit
@@ -599,14 +776,15 @@ def _stage_tile(mW, sW, g2s, tile, stage, tidx, sub, group, n_out, lanes, chunks
 
 
 @_deferred.jit
-def _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, head_dim, q_heads, kv_heads):
+def _rope_kv_store(mY, mKC, mVC, out, lo, hi, slot, y_base, head_dim, q_heads, kv_heads):
     """One rotate-half pair (rows r = h D + i and r + D/2 of head h), rotated already: both
-    values to mY, and for a k or v head into the pool at the step's slot (none if negative)."""
+    values to mY (the decode row's outputs start at y_base), and for a k or v head into the
+    pool at the row's slot (none if negative)."""
     half = head_dim // 2
     head = out // half
     r1 = head * head_dim + out % half
-    mY[r1] = lo
-    mY[r1 + half] = hi
+    mY[y_base + r1] = lo
+    mY[y_base + r1 + half] = hi
     if head >= q_heads:
         if slot >= 0:
             if head < q_heads + kv_heads:
@@ -692,25 +870,87 @@ def _argmax_finish(mToken, mPartVal, mPartIdx, mCounter, best_val, best_idx, tid
 
 
 @_deferred.jit
+def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx,
+                        gdim, warps, grid, lanes, rows):
+    # rows > 1 (at most `lanes`): every lane holds the best pair of its row (`lane_rows`: lane sub
+    # has row sub // stride). The warp's groups are merged lane by lane (butterflies across
+    # groups only), the warps through shared memory by thread m (row m), whose pair becomes the
+    # CTA's partial [m, bidx]; the last CTA to count itself done reduces each row's partials
+    # with one warp a row and resets the counter.
+    smem = cutlass.utils.SmemAllocator()
+    sVal = smem.allocate_tensor(cutlass.Float32, cute.make_layout(rows * warps), byte_alignment=16)
+    sIdx = smem.allocate_tensor(cutlass.Int32, cute.make_layout(rows * warps), byte_alignment=16)
+    sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+    lane = tidx % 32
+    warp = tidx // 32
+    val = best_val
+    idx = best_idx
+    for step in cutlass.range_constexpr(5):
+        if cutlass.const_expr((16 >> step) >= lanes):
+            other_val = cute.arch.shuffle_sync_bfly(val, offset=16 >> step)
+            other_idx = cute.arch.shuffle_sync_bfly(idx, offset=16 >> step)
+            val, idx = _argmax_pick(val, idx, other_val, other_idx)
+    stride = lanes // rows_padded(rows)
+    if lane % stride == 0:
+        if lane // stride < rows:  # group 0's first lane of each row
+            sVal[(lane // stride) * warps + warp] = val
+            sIdx[(lane // stride) * warps + warp] = idx
+    cute.arch.sync_threads()
+    if tidx < rows:
+        val = sVal[tidx * warps]
+        idx = sIdx[tidx * warps]
+        for wi in cutlass.range_constexpr(1, warps):
+            val, idx = _argmax_pick(val, idx, sVal[tidx * warps + wi], sIdx[tidx * warps + wi])
+        mPartVal[tidx * grid + bidx] = val
+        mPartIdx[tidx * grid + bidx] = idx
+        cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+    if tidx == 0:
+        sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if sLast[0] == gdim - 1:
+        cute.arch.fence_acq_rel_gpu()
+        for rr in cutlass.range_constexpr((rows + warps - 1) // warps):
+            m = cutlass.min(warp + rr * warps, rows - 1)  # a repeated row is reduced twice, alike
+            val = cutlass.Float32(-math.inf)
+            idx = cutlass.Int32(0)
+            part_vals = []
+            part_idxs = []
+            for c in cutlass.range_constexpr((grid + 31) // 32):
+                p = cutlass.min(lane + c * 32, gdim - 1)
+                part_vals.append(mPartVal[m * grid + p])
+                part_idxs.append(mPartIdx[m * grid + p])
+            for c in cutlass.range_constexpr(len(part_vals)):
+                val, idx = _argmax_pick(val, idx, part_vals[c], part_idxs[c])
+            val, idx = _argmax_warp(val, idx)
+            if lane == 0:
+                mTokens[m] = idx
+        if tidx == 0:
+            mCounter[0] = cutlass.Int32(0)
+
+
+@_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas):
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
                           mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
                           staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
-                          min_ctas).launch(
+                          min_ctas, rows).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
-                "min_ctas")
+                "min_ctas", "rows")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _stage_tile: ("n_out", "lanes", "chunks", "outs_per_group", "groups_per_cta",
                                    "rows_per_out"),
-                     _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",)}
+                     _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
+                     _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
+                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,27 +969,34 @@ _COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.co
 class CuteGemv:
     """One compiled GEMV for a fixed weight shape [N, K] and epilogue; call it with tensors.
 
-    `gemv(x, weight, extra)` -> y (bf16 [1, N], or [1, N/2] for silu_mul) or the token (int32
-    [1] for argmax). `extra` is the bias (bias) or the residual (residual), else None. With
-    norm=True the call also takes `norm_weight` [K] and multiplies RMSNorm(x) * norm_weight
-    instead of x. The argmax counter and partials belong to this object: do not run one
-    object on two streams at once.
+    `gemv(x, weight, extra)` with x [M, K] (M = `rows`, 1 by default) -> y (bf16 [M, N], or
+    [M, N/2] for silu_mul) or the tokens (int32 [M] for argmax). `extra` is the bias [N] (bias,
+    bias_rope_kv: the layer's one bias, added to every row) or the residual [M, N] (residual:
+    may be `out` itself, updated in place), else None. With norm=True the call also takes
+    `norm_weight` [K] and multiplies RMSNorm(x) * norm_weight (each row its own rstd) instead of
+    x. The argmax counter and partials belong to this object: do not run one object on two
+    streams at once.
 
     The rope epilogues (`rope=RopeShape(...)`) take `rope_kv=RopeKV(...)` at the call: out is
-    [1, N] with the q and k heads rotated, and the step's k and v heads go into the pool too.
+    [M, N] with the q and k heads rotated, each row at its own position, and each row's k and v
+    heads go into the pool at its own slot.
     """
 
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
                  pdl: bool = False, max_loads: int = 16, staged: bool | None = None,
-                 norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None, **knobs):
-        """knobs: plan_gemv's plan overrides (warps, outs_per_group, ctas_per_sm, stages,
-        late_g, min_ctas_per_sm, tuned); by default TUNED_PLANS or the heuristic decide."""
+                 norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None, rows: int = 1,
+                 **knobs):
+        """rows: decode rows per call (1 to MAX_ROWS, compiled in). knobs: plan_gemv's plan
+        overrides (warps, outs_per_group, ctas_per_sm, stages, late_g, min_ctas_per_sm, tuned);
+        by default TUNED_PLANS or the heuristic decide."""
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope, **knobs)
+                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope,
+                              rows=rows, **knobs)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
-        self._parts_val = torch.zeros(p.grid if epilogue == "argmax" else 1, dtype=f32, device=self.device)
+        parts = p.grid * p.rows if epilogue == "argmax" else 1
+        self._parts_val = torch.zeros(parts, dtype=f32, device=self.device)
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
         self._counter = torch.zeros(1, dtype=i32, device=self.device)  # the kernel resets it
         self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
@@ -761,15 +1008,20 @@ class CuteGemv:
         self.compile_seconds: float | None = None
 
     def out_like(self) -> torch.Tensor:
-        """A new output tensor of the right shape and dtype."""
+        """A new output tensor of the right shape and dtype: [M, outputs], or int32 [M] tokens."""
         if self.plan.epilogue == "argmax":
-            return torch.zeros(1, dtype=torch.int32, device=self.device)
-        return torch.empty(1, self._out_numel, dtype=torch.bfloat16, device=self.device)
+            return torch.zeros(self.plan.rows, dtype=torch.int32, device=self.device)
+        return torch.empty(self.plan.rows, self._out_numel, dtype=torch.bfloat16, device=self.device)
 
     @property
     def _out_numel(self) -> int:
-        """Outputs stored: n_out, or every row for the rope epilogues (two per slot)."""
-        return self.plan.n_rows if self.plan.rope else self.plan.n_out
+        """Outputs stored per decode row: n_out, or every row of W for the rope epilogues."""
+        return self.plan.out_stored
+
+    @property
+    def _extra_numel(self) -> int:
+        """The bias is the layer's (one for all rows); the residual is each row's."""
+        return self._out_numel * (self.plan.rows if self.plan.epilogue == "residual" else 1)
 
     def _check(self, x, weight, extra, out, norm_weight, rope_kv=None):
         """Refuse, before any launch, what the compiled layouts would misread."""
@@ -781,25 +1033,27 @@ class CuteGemv:
         if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, torch.bfloat16):
             raise ValueError(f"weight must be a contiguous, 16-byte aligned bf16 [{p.n_rows}, {p.k}] "
                              f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
-        if bad(x, p.k, torch.bfloat16):
-            raise ValueError(f"x must be one contiguous, 16-byte aligned bf16 row of {p.k}, "
+        if bad(x, p.rows * p.k, torch.bfloat16):
+            raise ValueError(f"x must be a contiguous, 16-byte aligned bf16 [rows={p.rows}, {p.k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
         wants_extra = p.epilogue in ("bias", "residual", "bias_rope_kv")
         if wants_extra != (extra is not None):
             raise ValueError(f"epilogue {p.epilogue!r} {'needs' if wants_extra else 'takes no'} extra tensor")
-        if extra is not None and bad(extra, self._out_numel, torch.bfloat16):
-            raise ValueError(f"{p.epilogue} must be a contiguous, 16-byte aligned bf16 tensor of {self._out_numel}, "
-                             f"got {extra.dtype} {tuple(extra.shape)}")
+        if extra is not None and bad(extra, self._extra_numel, torch.bfloat16):
+            what = "residual [rows, N]" if p.epilogue == "residual" else "bias [N] (shared by the rows)"
+            raise ValueError(f"{p.epilogue}: the {what} must be a contiguous, 16-byte aligned bf16 tensor of "
+                             f"{self._extra_numel}, got {extra.dtype} {tuple(extra.shape)}")
         if (p.rope is not None) != (rope_kv is not None):
             raise ValueError(f"epilogue {p.epilogue!r} {'needs' if p.rope else 'takes no'} rope_kv")
         if rope_kv is not None:
-            rope_kv.check(p.rope, bad)
+            rope_kv.check(p.rope, bad, p.rows)
         if p.norm != (norm_weight is not None):
             raise ValueError(f"a GEMV planned with norm={p.norm} {'needs' if p.norm else 'takes no'} norm_weight")
         if norm_weight is not None and bad(norm_weight, p.k, torch.bfloat16):
             raise ValueError(f"norm_weight must be a contiguous, 16-byte aligned bf16 tensor of {p.k}, "
                              f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
-        shape, dtype = ((1,), torch.int32) if p.epilogue == "argmax" else ((1, self._out_numel), torch.bfloat16)
+        shape, dtype = (((p.rows,), torch.int32) if p.epilogue == "argmax"
+                        else ((p.rows, self._out_numel), torch.bfloat16))
         if tuple(out.shape) != shape or bad(out, math.prod(shape), dtype):
             raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
@@ -811,7 +1065,7 @@ class CuteGemv:
             return d["from_dlpack"](t.detach(), assumed_align=16)
 
         norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
-        return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.k // VEC, VEC)),
+        return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
                 aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
@@ -836,14 +1090,14 @@ class CuteGemv:
             return d["make_fake"](dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
                                   assumed_align=align)
 
-        out_shape = (1,) if p.epilogue == "argmax" else (self._out_numel,)
-        extra_shape = (self._out_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
+        out_shape = (p.rows,) if p.epilogue == "argmax" else (p.rows * self._out_numel,)
+        extra_shape = (self._extra_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
         r = p.rope
         rope_shapes = ([(2,), (r.table_rows * r.head_dim,), (2,), (r.cache_slots * r.num_kv_heads * r.head_dim,)]
                        if r else [(2,), (4,), (2,), (8,)])
         if r:
-            rope_shapes[0] = rope_shapes[2] = (1,)
-        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.k // VEC, VEC), 16),
+            rope_shapes[0] = rope_shapes[2] = (p.rows,)
+        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
@@ -866,12 +1120,13 @@ class CuteGemv:
             p = self.plan
             if self.device.type == "cuda":
                 # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
-                x = torch.empty(p.k, dtype=torch.bfloat16, device=self.device)
+                x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
                 w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
-                extra = (torch.empty(self._out_numel, dtype=torch.bfloat16, device=self.device)
+                extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
                 g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
-                args = self._args(x, w, extra, self.out_like(), g, rope_kv or RopeKV.like(p.rope, self.device))
+                args = self._args(x, w, extra, self.out_like(), g,
+                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows))
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
@@ -893,10 +1148,10 @@ class CuteGemv:
 
 @dataclasses.dataclass
 class RopeKV:
-    """The rope epilogues' step tensors: positions [1] int64, the fp32 cos | sin table
-    [table_rows, D], one layer's pool k_cache / v_cache [pages, page_size, Hkv, D] bf16
-    (contiguous: slot s is row s of the flat [pages * page_size, Hkv, D] view) and
-    slot_mapping [1] int64 (a negative slot skips the pool write)."""
+    """The rope epilogues' step tensors: positions [M] int64 (one per decode row), the fp32
+    cos | sin table [table_rows, D], one layer's pool k_cache / v_cache [pages, page_size, Hkv,
+    D] bf16 (contiguous: slot s is row s of the flat [pages * page_size, Hkv, D] view) and
+    slot_mapping [M] int64 (each row's slot; a negative slot skips that row's pool write)."""
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     k_cache: torch.Tensor
@@ -908,74 +1163,77 @@ class RopeKV:
         return [self.positions.view(-1), self.cos_sin_cache.view(-1), self.slot_mapping.view(-1),
                 self.k_cache.view(-1), self.v_cache.view(-1)]
 
-    def check(self, shape: RopeShape, bad) -> None:
+    def check(self, shape: RopeShape, bad, rows: int = 1) -> None:
         d, hkv = shape.head_dim, shape.num_kv_heads
         pool = shape.cache_slots * hkv * d
-        for name, t, numel, dtype in (("positions", self.positions, 1, torch.int64),
-                                      ("slot_mapping", self.slot_mapping, 1, torch.int64),
+        for name, t, numel, dtype in (("positions", self.positions, rows, torch.int64),
+                                      ("slot_mapping", self.slot_mapping, rows, torch.int64),
                                       ("cos_sin_cache", self.cos_sin_cache, shape.table_rows * d, torch.float32),
                                       ("k_cache", self.k_cache, pool, torch.bfloat16),
                                       ("v_cache", self.v_cache, pool, torch.bfloat16)):
-            if numel > 1 and (bad(t, numel, dtype) or t.shape[-1] != d):
+            per_row = name in ("positions", "slot_mapping")
+            if not per_row and (bad(t, numel, dtype) or t.shape[-1] != d):
                 raise ValueError(f"{name} must be a contiguous, 16-byte aligned {dtype} of {numel} elements "
                                  f"(rows of head_dim {d}), got {t.dtype} {tuple(t.shape)}")
-            if numel == 1 and (t.numel() != 1 or t.dtype != dtype):
-                raise ValueError(f"{name} must be one {dtype} (the fused path decodes one row), "
+            if per_row and (t.numel() != rows or t.dtype != dtype or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {dtype} of {rows} (one per decode row), "
                                  f"got {t.dtype} {tuple(t.shape)}")
         if self.k_cache.dim() > 2 and tuple(self.k_cache.shape[-2:]) != (hkv, d):
             raise ValueError(f"k_cache rows must be [Hkv={hkv}, D={d}], got {tuple(self.k_cache.shape)}")
 
     @staticmethod
-    def like(shape: RopeShape | None, device) -> RopeKV | None:
+    def like(shape: RopeShape | None, device, rows: int = 1) -> RopeKV | None:
         """Stand-ins with the compiled shapes (compile time only)."""
         if shape is None:
             return None
         pool = (shape.cache_slots, shape.num_kv_heads, shape.head_dim)
-        return RopeKV(torch.zeros(1, dtype=torch.int64, device=device),
+        return RopeKV(torch.zeros(rows, dtype=torch.int64, device=device),
                       torch.zeros(shape.table_rows, shape.head_dim, dtype=torch.float32, device=device),
                       torch.zeros(pool, dtype=torch.bfloat16, device=device),
                       torch.zeros(pool, dtype=torch.bfloat16, device=device),
-                      torch.zeros(1, dtype=torch.int64, device=device))
+                      torch.zeros(rows, dtype=torch.int64, device=device))
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
                    extra: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                    eps: float = 1e-6) -> torch.Tensor:
-    """The slow obvious answer in fp32 on the same bf16 inputs (argmax: the fp32 logits' argmax).
-    With norm_weight: of RMSNorm(x) * norm_weight, kept in fp32 (as the kernel keeps it)."""
-    x = x.float().reshape(-1)
+    """The slow obvious answer in fp32 on the same bf16 inputs, x [M, K] (or [K]) -> [M, N]
+    (argmax: the fp32 logits' argmax per row, int32 [M]). extra: the bias [N] (every row) or
+    the residual [M, N]. With norm_weight: of RMSNorm(x) * norm_weight per row, kept in fp32
+    (as the kernel keeps it)."""
+    x = x.float().reshape(-1, weight.shape[1])
     if norm_weight is not None:
-        x = x * torch.rsqrt(x.pow(2).mean() + eps) * norm_weight.float()
-    y = weight.float() @ x
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
+    y = x @ weight.float().t()
     if epilogue in ("bias", "residual"):
-        y = y + extra.float().reshape(-1)
+        y = y + extra.float().reshape(-1, y.shape[-1])
     if epilogue == "silu_mul":
-        gate, up = y.chunk(2)
+        gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
     if epilogue == "argmax":
-        return y.argmax().reshape(1).to(torch.int32)
-    return y.reshape(1, -1)
+        return y.argmax(dim=-1).to(torch.int32)
+    return y
 
 
 def rope_kv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       rope: RopeShape, rope_kv: RopeKV, norm_weight: torch.Tensor | None = None,
                       eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The rope epilogues the slow obvious way: y = W x (+ b) in fp32 (x RMS-normalised first
-    with norm_weight), q and k heads rotated in fp32 with the fp32 table row (rotate-half, as
-    `TorchOps.rope`), rounded once to dtype (bf16, the kernel's; fp32 for the CPU wiring tests);
-    k and v heads copied into the pool at the slot (skipped when negative). Returns y [1, N];
-    the pool is updated in place."""
-    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps).reshape(-1)
+    """The rope epilogues the slow obvious way, row by row of x [M, K]: y = W x (+ b) in fp32
+    (x RMS-normalised first with norm_weight), q and k heads rotated in fp32 with the fp32 table
+    row at the row's position (rotate-half, as `TorchOps.rope`), rounded once to dtype (bf16,
+    the kernel's; fp32 for the CPU wiring tests); k and v heads copied into the pool at the
+    row's slot (skipped when negative). Returns y [M, N]; the pool is updated in place."""
+    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps)
     if bias is not None:
-        y = y + bias.float().reshape(-1)
+        y = y + bias.float().reshape(1, -1)
     d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads
-    heads = y.view(hq + 2 * hkv, d)
-    cos, sin = rope_kv.cos_sin_cache[rope_kv.positions.reshape(-1)[0]].float().chunk(2)
-    x1, x2 = heads[: hq + hkv].chunk(2, dim=-1)
+    heads = y.view(y.shape[0], hq + 2 * hkv, d)
+    cos, sin = rope_kv.cos_sin_cache[rope_kv.positions.reshape(-1)].float()[:, None].chunk(2, dim=-1)
+    x1, x2 = heads[:, : hq + hkv].chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    out = torch.cat((rotated, heads[hq + hkv:])).to(dtype)
-    slot = int(rope_kv.slot_mapping.reshape(-1)[0])
-    if slot >= 0:
-        rope_kv.k_cache.view(-1, hkv, d)[slot] = out[hq: hq + hkv].to(rope_kv.k_cache.dtype)
-        rope_kv.v_cache.view(-1, hkv, d)[slot] = out[hq + hkv:].to(rope_kv.v_cache.dtype)
-    return out.reshape(1, -1)
+    out = torch.cat((rotated, heads[:, hq + hkv:]), dim=1).to(dtype)
+    for m, slot in enumerate(rope_kv.slot_mapping.reshape(-1).tolist()):
+        if slot >= 0:
+            rope_kv.k_cache.view(-1, hkv, d)[slot] = out[m, hq: hq + hkv].to(rope_kv.k_cache.dtype)
+            rope_kv.v_cache.view(-1, hkv, d)[slot] = out[m, hq + hkv:].to(rope_kv.v_cache.dtype)
+    return out.reshape(out.shape[0], -1)

@@ -276,65 +276,100 @@ def test_missing_dsl_gives_install_hint(monkeypatch):
     with pytest.raises(cute_gemv.CuteUnavailable, match="nvidia-cutlass-dsl==4.3.5"):
         CuteGemv(128, 64, device="cpu").compile()
 
+# One row compiles to the kernel it was before M rows existed: its 16-byte loads and FMAs in the
+# PTX, as counted on the one-row kernel (whose whole PTX the M-row change left byte-identical).
+ONE_ROW_PTX = {(1152, 896, "bias", 1, 0, 1): (21, 114), (896, 896, "residual", 1, 0, 0): (14, 56),
+               (9728, 896, "silu_mul", 0, 0, 1): (28, 169), (896, 4864, "residual", 0, 0, 0): (38, 152),
+               (1152, 896, "bias_rope_kv", 1, 0, 1): (28, 172)}
+
 
 PTX_SCRIPT = textwrap.dedent("""
-    import glob, json, sys, torch
+    import glob, json, re, shutil, subprocess, sys, torch
     from flashlet.kernels import cute_gemv
     from flashlet.kernels.cute_gemv import CuteGemv, RopeShape, ROPE_EPILOGUES
     n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
     norm = sys.argv[7] == "1"
     knobs = json.loads(sys.argv[8])
+    rows = int(sys.argv[9])
     d = 64 if n == 1152 else 32  # the rope variants: Qwen2.5-0.5B's heads, or 4 q + 2 kv heads of 32
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
     cute_gemv._dsl()
     import cutlass.cutlass_dsl.cutlass as dsl_module
     dsl_module._build_kernel_attrs = lambda config: {}  # a register cap's carveout hint queries the GPU
     try:
-        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope, **knobs).compile()
+        CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope, rows=rows,
+                 **knobs).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
-    ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx"))
+    ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx")).replace(chr(0), "")
+    stack = -1  # ptxas's stack frame (spills, local arrays) where a CUDA toolkit's ptxas is at hand
+    ptxas = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
+    if ptxas and ptx:
+        open(sys.argv[5] + "/all.ptx.s", "w").write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", sys.argv[5] + "/all.ptx.s", "-o", "/dev/null"],
+                             capture_output=True, text=True)
+        frames = re.findall(r"([0-9]+) bytes stack frame", res.stderr)
+        stack = max(map(int, frames)) if frames else -1
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
           "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"),
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
-          "WAITGROUP1", ptx.count("cp.async.wait_group 1"))
+          "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack)
 """)
 
 
 @pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
-@pytest.mark.parametrize("n, k, epilogue, pdl, staged, norm, knobs", [
-    (1152, 896, "bias", 0, 0, 0, {}), (896, 896, "residual", 1, 0, 0, {}), (9728, 896, "silu_mul", 0, 0, 0, {}),
-    (896, 4864, "residual", 0, 0, 0, {}), (151936, 896, "argmax", 0, 0, 0, {}), (9728, 896, "silu_mul", 1, 1, 0, {}),
-    (1152, 896, "bias", 1, 0, 1, {}), (9728, 896, "silu_mul", 0, 0, 1, {}), (151936, 896, "argmax", 0, 0, 1, {}),
-    (136, 200, "silu_mul", 0, 0, 1, {}), (1152, 896, "bias_rope_kv", 0, 0, 1, {}),
-    (1152, 896, "bias_rope_kv", 1, 0, 1, {}), (256, 256, "rope_kv", 0, 0, 1, {}),
+@pytest.mark.parametrize("n, k, epilogue, pdl, staged, norm, knobs, rows", [
+    (1152, 896, "bias", 0, 0, 0, {}, 1), (896, 896, "residual", 1, 0, 0, {}, 1), (9728, 896, "silu_mul", 0, 0, 0, {}, 1),
+    (896, 4864, "residual", 0, 0, 0, {}, 1), (151936, 896, "argmax", 0, 0, 0, {}, 1), (9728, 896, "silu_mul", 1, 1, 0, {}, 1),
+    (1152, 896, "bias", 1, 0, 1, {}, 1), (9728, 896, "silu_mul", 0, 0, 1, {}, 1), (151936, 896, "argmax", 0, 0, 1, {}, 1),
+    (136, 200, "silu_mul", 0, 0, 1, {}, 1), (1152, 896, "bias_rope_kv", 0, 0, 1, {}, 1),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 1), (256, 256, "rope_kv", 0, 0, 1, {}, 1),
     # The plan sweep's knobs (scripts/gemv_sweep.py): looping grids, the two-stage pipeline, g
     # after the wait, a register cap, more warps and rows.
-    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, ctas_per_sm=3)),
-    (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4)),
-    (896, 4864, "residual", 1, 1, 0, dict(stages=2, ctas_per_sm=2)),
-    (896, 4864, "residual", 0, 0, 0, dict(ctas_per_sm=4, warps=2)),
-    (1152, 896, "bias_rope_kv", 1, 0, 1, dict(late_g=True, warps=2)),
-    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, min_ctas_per_sm=3)),
-    (896, 896, "residual", 1, 0, 0, dict(warps=8, outs_per_group=3)),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, ctas_per_sm=3), 1),
+    (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 1),
+    # (warps=2: the tuned down plan's 4 warps would need 76 KB for two stages, over the 48 KB a CTA gets)
+    (896, 4864, "residual", 1, 1, 0, dict(stages=2, ctas_per_sm=2, warps=2), 1),
+    (896, 4864, "residual", 0, 0, 0, dict(ctas_per_sm=4, warps=2), 1),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, dict(late_g=True, warps=2), 1),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, min_ctas_per_sm=3), 1),
+    (896, 896, "residual", 1, 0, 0, dict(warps=8, outs_per_group=3), 1),
+    # M decode rows a launch: each epilogue at 2 to 16 rows (the weights read once for all).
+    (1152, 896, "bias", 1, 0, 1, {}, 2), (896, 896, "residual", 1, 0, 0, {}, 16),
+    (9728, 896, "silu_mul", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 16),
+    (896, 4864, "residual", 0, 0, 0, {}, 16), (151936, 896, "argmax", 1, 0, 1, {}, 16),
+    (151936, 896, "argmax", 0, 0, 0, {}, 4), (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 16),
+    (256, 256, "rope_kv", 0, 0, 1, {}, 4), (136, 200, "silu_mul", 0, 0, 1, {}, 2),
 ])
-def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs):
+def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
-                          str(staged), str(norm), json.dumps(knobs)],
+                          str(staged), str(norm), json.dumps(knobs), str(rows)],
                          env=env, capture_output=True, text=True, timeout=300)
     counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
     assert counts, res.stdout[-2000:] + res.stderr[-2000:]
     d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
-    p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope, pdl=bool(pdl), norm=bool(norm), **knobs)
-    # x takes C loads, and the norm's weight C more
-    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - p.chunks * (2 if norm else 1)
+    p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows,
+                  **knobs)
+    # x takes C loads a decode row, and the norm's weight C more
+    x_and_g = p.chunks * (rows + (1 if norm else 0))
+    weights = int(counts["CPASYNC"]) if staged else int(counts["W128"]) - x_and_g
     assert weights >= p.loads_in_flight_per_lane * p.stages   # every weight chunk, 16 bytes a copy
+    if not staged:  # read once for all the rows: the weight loads do not grow with M
+        assert weights == p.loads_in_flight_per_lane
+    if staged:
+        assert int(counts["W128"]) == x_and_g
+    # every weight chunk multiplies every row's x chunk (8 FMAs), plus the norm's sums of squares
+    assert int(counts["FMA"]) >= rows * p.loads_in_flight_per_lane * VEC
+    assert int(counts["STACK"]) <= 0  # no spills (-1: no ptxas here to ask)
+    if rows == 1 and (n, k, epilogue, pdl, staged, norm) in ONE_ROW_PTX and not knobs:
+        assert (int(counts["W128"]), int(counts["FMA"])) == ONE_ROW_PTX[(n, k, epilogue, pdl, staged, norm)]
+
     assert (int(counts["MINNCTA"]) > 0) == bool(p.min_ctas)  # the register cap reaches ptxas
     assert (int(counts["WAITGROUP1"]) > 0) == (p.stages == 2)  # the pipeline leaves one tile in flight
     assert (int(counts["CPASYNC"]) > 0) == bool(staged)
@@ -433,12 +468,12 @@ KNOB_CASES = [
     (9728, 896, "silu_mul", True, True, dict(staged=True, stages=2, ctas_per_sm=4)),
     (9728, 896, "silu_mul", True, False, dict(staged=True, stages=2, ctas_per_sm=1)),
     (9728, 896, "silu_mul", False, False, dict(staged=True, late_g=False, ctas_per_sm=1, warps=1)),
-    (896, 4864, "residual", False, True, dict(staged=True, stages=2, ctas_per_sm=2)),
+    (896, 4864, "residual", False, True, dict(staged=True, stages=2, ctas_per_sm=2, warps=2)),
     (896, 4864, "residual", False, False, dict(ctas_per_sm=1, warps=2)),
     (896, 4864, "none", False, True, dict(warps=8, outs_per_group=2)),
     (1152, 896, "bias", True, True, dict(warps=8, outs_per_group=3, late_g=True)),
     (1152, 896, "bias", True, False, dict(staged=True, stages=2, ctas_per_sm=1)),
-    (896, 896, "residual", False, True, dict(min_ctas_per_sm=6, warps=2)),
+    (896, 896, "residual", False, True, dict(min_ctas_per_sm=6, warps=2, staged=False)),  # not the tuned staged plan
     (151936, 896, "argmax", True, True, dict(late_g=True, ctas_per_sm=2, warps=2)),
     (151936, 896, "none", False, True, dict(ctas_per_sm=4, staged=True, stages=2)),
     (136, 200, "bias", False, False, dict(staged=True, stages=2, ctas_per_sm=1)),
@@ -607,3 +642,281 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"key": [896, 896, "residual", False, True], "knobs": {"speed": 9}}]))
     with pytest.raises(ValueError, match="unknown knobs"):
         cute_gemv.load_tuned_plans(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# M decode rows a launch (rows=M): y[M, N] = x[M, K] W^T, the weights read once for all rows.
+
+@pytest.mark.parametrize("lanes", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("rows", [2, 3, 7, 8, 16])
+def test_reduce_scatter_leaves_each_row_whole_on_one_finishing_lane(lanes, rows):
+    """The kernel's reduction over a group's lanes, run on lane vectors (shuffle = the partner
+    lane's value): every row's full sum lands on exactly one lane that finishes it, every lane
+    sharing a row holds the same sum (the argmax merge relies on it), padding rows on none."""
+    sub = torch.arange(lanes)
+    parts = torch.randn(rows, lanes, generator=torch.Generator().manual_seed(rows * 40 + lanes),
+                        dtype=torch.float64)  # row m's partial sum on lane l
+
+    def shuffle(v, offset):
+        return v[sub ^ offset]
+
+    def select(c, a, b):
+        return torch.where(c, a, torch.as_tensor(b, dtype=torch.as_tensor(a).dtype))
+
+    pad = [torch.zeros(lanes, dtype=torch.float64)] * (cute_gemv.rows_padded(rows) - rows)
+    kept = cute_gemv.reduce_scatter([parts[m] for m in range(rows)] + pad, sub, lanes, shuffle, select)
+    owned = cute_gemv.lane_rows(sub, lanes, rows, select)
+    assert len(kept) == len(owned) == max(1, cute_gemv.rows_padded(rows) // lanes)
+    finished = []
+    for values, row in zip(kept, owned):
+        row = torch.as_tensor(row).expand(lanes)
+        for lane in range(lanes):
+            if row[lane] < rows:
+                finished.append(int(row[lane]))
+                torch.testing.assert_close(values[lane], parts[row[lane]].sum())
+    assert sorted(finished) == list(range(rows))
+    if cute_gemv.rows_padded(rows) <= lanes:  # lanes that share a row hold its sum too
+        stride = lanes // cute_gemv.rows_padded(rows)
+        for lane in range(lanes):
+            if lane // stride < rows:
+                torch.testing.assert_close(kept[0][lane], parts[lane // stride].sum())
+
+
+@pytest.mark.parametrize("rows", [0, 17, 2.0, None])
+def test_plan_refuses_rows_out_of_range(rows):
+    with pytest.raises(ValueError, match="rows"):
+        plan_gemv(896, 896, "residual", rows=rows)
+
+
+def test_rows_plans_are_resident_grids_of_four_warps():
+    """Each CTA keeps its x rows in L1 across its tiles: at M = 16 one tile a CTA read x from
+    L2 once per CTA, up to 16x the weights' bytes (the LM head's 9,496 CTAs)."""
+    for n, k in QWEN05_SHAPES:
+        one, four = plan_gemv(n, k, tuned=False), plan_gemv(n, k, rows=4, tuned=False)
+        assert four.warps == 4 and four.grid == min(four.num_tiles, 2 * 132)
+        assert four.grid * 4 * k * 2 <= max(n * k * 2, one.grid * 4 * k * 2)  # x from L2: no more than before
+    assert plan_gemv(151936, 896, "argmax", rows=2).grid == 2 * 132
+    assert plan_gemv(151936, 896, rows=4, ctas_per_sm=0, warps=1).grid == 151936 // 4  # the knobs still win
+
+
+def test_argmax_rows_need_as_many_lanes():
+    assert plan_gemv(96, 64, "argmax", rows=8).rows == 8  # K = 64: 8 lanes a row
+    with pytest.raises(ValueError, match="lanes"):
+        plan_gemv(96, 64, "argmax", rows=9)
+    assert plan_gemv(151936, 896, "argmax", rows=16).lanes == 16
+
+
+def test_tuned_plans_hold_for_their_own_row_count(tmp_path, monkeypatch):
+    """An entry measured at one row does not steer the M-row kernel; a sixth key element does."""
+    monkeypatch.setattr(cute_gemv, "TUNED_PLANS", dict(cute_gemv.TUNED_PLANS))
+    one_row = cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True)
+    four = cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=4)
+    assert one_row.staged and not four.staged and four == cute_gemv.plan_gemv(
+        9728, 896, "silu_mul", norm=True, pdl=True, rows=4, tuned=False)
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps([{"key": [9728, 896, "silu_mul", True, True, 4], "knobs": {"warps": 2}}]))
+    assert cute_gemv.load_tuned_plans(str(path)) == 1
+    assert cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=4).warps == 2
+    assert cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=2) == \
+        cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=2, tuned=False)
+
+
+def _rows_inputs(n, k, epilogue, rows, seed, device="cpu", norm=False):
+    """x [M, K] far from unit scale, W, the bias [N] or the residual [M, N], g (with norm)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g, device=device) * 5 + 0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(torch.bfloat16)
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    extra = {"bias": torch.randn(n_out, generator=g, device=device).to(torch.bfloat16),
+             "residual": torch.randn(rows, n_out, generator=g, device=device).to(torch.bfloat16)}.get(epilogue)
+    nw = (torch.rand(k, generator=g, device=device) + 0.5).to(torch.bfloat16) if norm else None
+    return x, w, extra, nw
+
+
+@pytest.mark.parametrize("epilogue", PLAIN_EPILOGUES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_reference_rows_are_single_rows_stacked(epilogue, norm):
+    """Each row its own rstd and residual; the bias is the layer's, the same for every row."""
+    x, w, extra, nw = _rows_inputs(96, 64, epilogue, 5, 0, norm=norm)
+    got = gemv_reference(x, w, epilogue, extra, norm_weight=nw)
+    for m in range(5):
+        row_extra = extra[m] if epilogue == "residual" else extra
+        want = gemv_reference(x[m], w, epilogue, row_extra, norm_weight=nw)
+        # fp32 matmuls of [5, K] and [1, K] may sum in another order: equal to rounding
+        torch.testing.assert_close(got[m].reshape(-1), want.reshape(-1), rtol=1e-5, atol=1e-5)
+    assert got.shape == ((5,) if epilogue == "argmax" else (5, 48 if epilogue == "silu_mul" else 96))
+
+
+def _rows_rope_step(shape, rows, device="cpu"):
+    """Positions and slots distinct per row (the last row's slot negative: no pool write)."""
+    positions = torch.tensor([(3 + 7 * m) % shape.table_rows for m in range(rows)], device=device)
+    slots = torch.tensor([(shape.cache_slots - 2 - 5 * m) for m in range(rows)], device=device)
+    if rows > 1:
+        slots[-1] = -1
+    return positions, slots
+
+
+def test_rope_reference_rows_each_at_its_position_and_slot():
+    shape = RopeShape(16, 4, 2, 64, 64)
+    x, w, b, nw, step = _rope_inputs(shape, 64, 0)
+    xs = (torch.randn(4, 64) * 3).to(torch.bfloat16)
+    positions, slots = _rows_rope_step(shape, 4)
+    step.k_cache, step.v_cache = step.k_cache.float(), step.v_cache.float()
+    rows_step = RopeKV(positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(), slots)
+    got = rope_kv_reference(xs, w, b, shape, rows_step, norm_weight=nw, dtype=torch.float32)
+    kc, vc = _pool_rows(rows_step, shape)
+    for m in range(4):
+        one = RopeKV(positions[m:m + 1], step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(),
+                     slots[m:m + 1])
+        want = rope_kv_reference(xs[m], w, b, shape, one, norm_weight=nw, dtype=torch.float32)
+        torch.testing.assert_close(got[m], want[0], rtol=1e-5, atol=1e-5)
+        if slots[m] >= 0:
+            torch.testing.assert_close(kc[slots[m]], _pool_rows(one, shape)[0][slots[m]], rtol=1e-5, atol=1e-5)
+    written = set(slots[slots >= 0].tolist())
+    assert all((kc[s] == 7).all() for s in range(kc.shape[0]) if s not in written)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("x_one_row", "x must"), ("residual_one_row", "residual"), ("bias_per_row", "bias"),
+    ("out_one_row", "out must"), ("argmax_out", "out must"), ("rope_positions", "positions"),
+])
+def test_rows_call_checks_its_shapes(bad, match):
+    rows, n, k = 4, 96, 64
+    x, w, r, _ = _rows_inputs(n, k, "residual", rows, 0)
+    if bad in ("x_one_row", "residual_one_row", "out_one_row"):
+        gemv = CuteGemv(n, k, "residual", device="cpu", rows=rows)
+        args = dict(x_one_row=(x[0], w, r, r), residual_one_row=(x, w, r[0], gemv.out_like()),
+                    out_one_row=(x, w, r, gemv.out_like()[:1]))[bad]
+        call = lambda: gemv(*args[:3], out=args[3])  # noqa: E731
+    elif bad == "bias_per_row":
+        gemv = CuteGemv(n, k, "bias", device="cpu", rows=rows)
+        call = lambda: gemv(x, w, r, out=gemv.out_like())  # noqa: E731
+    elif bad == "argmax_out":
+        gemv = CuteGemv(n, k, "argmax", device="cpu", rows=rows)
+        assert gemv.out_like().shape == (rows,)
+        call = lambda: gemv(x, w, out=torch.zeros(1, dtype=torch.int32))  # noqa: E731
+    else:
+        shape = RopeShape(16, 2, 2, 64, 64)
+        gemv = CuteGemv(shape.rows, k, "rope_kv", device="cpu", rope=shape, rows=rows)
+        _, w2, _, _, step = _rope_inputs(shape, k, 0, bias=False)
+        call = lambda: gemv(x, w2, out=gemv.out_like(), rope_kv=step)  # noqa: E731  (one position)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# GPU: every epilogue at 1, 2, 7 and 16 rows against the fp32 reference, outputs poisoned first.
+ROWS = [1, 2, 7, 16]
+# (n, k, epilogue, norm, pdl, knobs): the 0.5B shapes as the fused path builds them, and small odd
+# ones (K = 200: one lane a row, so each lane finishes several rows; K = 64: 8 lanes, 16 rows).
+ROWS_CASES = [
+    (1152, 896, "bias", True, True, {}), (1152, 896, "none", False, False, dict(ctas_per_sm=0, warps=1)),
+    (896, 896, "residual", False, True, {}), (9728, 896, "silu_mul", True, True, {}),
+    (896, 4864, "residual", False, True, {}), (151936, 896, "none", True, True, {}),
+    (9728, 896, "silu_mul", True, True, dict(staged=True, stages=2, ctas_per_sm=4)),
+    (896, 4864, "residual", False, False, dict(ctas_per_sm=1, warps=2)),
+    (136, 200, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}),
+    (136, 200, "residual", False, True, {}),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", ROWS_CASES)
+def test_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    """out poisoned (NaN) so an unwritten row fails; the residual updated in place (out is the
+    residual, [M, N], as in the fused path); two calls with different inputs."""
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
+    for seed in (0, 1):
+        x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
+        want = gemv_reference(x, w, epilogue, extra, norm_weight=nw)
+        out = extra if epilogue == "residual" else gemv.out_like().fill_(float("nan"))
+        if epilogue == "residual":  # the rows before and after stay untouched: a guard row each
+            guarded = torch.full((rows + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            guarded[1:-1] = extra
+            out = extra = guarded[1:-1]
+        gemv(x, w, extra, out=out, norm_weight=nw)
+        torch.cuda.synchronize()
+        assert out.shape == want.shape and not torch.isnan(out).any()
+        for m in range(rows):  # row by row, so a row computed from another row's x shows
+            assert kh.rel_err(out[m], want[m]) < 1e-2, f"row {m}"
+        if epilogue == "residual":
+            assert torch.isnan(guarded[0]).all() and torch.isnan(guarded[-1]).all()
+
+
+def _argmax_rows_inputs(n, k, rows, seed, norm):
+    """Random logits, plus for each row m two identical weight rows i_m < j_m along x_m, which
+    make row m's largest logit an exact tie: the kernel must answer i_m (torch's first index)."""
+    x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
+    ties = [((5 + 37 * m) % (n // 2), n - 1 - m) for m in range(rows)]  # distinct at the n tested
+    for m, (i, j) in enumerate(ties):
+        w[i] = w[j] = x[m] / x[m].float().abs().max()
+    return x, w, nw, [i for i, _ in ties]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, norm, pdl, knobs", [
+    (151936, 896, True, True, {}), (151936, 896, False, False, dict(ctas_per_sm=1, warps=8)),
+    (256, 256, True, False, {}), (96, 64, False, True, {}),
+])
+def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
+    """Each row's token is its own argmax (ties: the lower index); random rows then tied rows;
+    repeated calls check that the counter was reset."""
+    if rows > cute_gemv.lanes_for(k):
+        pytest.skip(f"argmax with {rows} rows needs {rows} lanes a row; K = {k} gives {cute_gemv.lanes_for(k)}")
+    gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, **knobs)
+    eps = gemv.plan.eps
+    for seed in (0, 1):
+        x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
+        out = gemv.out_like().fill_(-1)
+        gemv(x, w, out=out, norm_weight=nw)
+        torch.cuda.synchronize()
+        for m in range(rows):
+            if norm:
+                assert_normed_argmax(out[m:m + 1], x[m], w, nw, eps)
+            else:
+                logits = w.float() @ x[m].float()
+                assert float(logits.max() - logits[int(out[m])]) <= 1e-3 * float(logits.abs().max()), f"row {m}"
+    x, w, nw, firsts = _argmax_rows_inputs(n, k, rows, 2, norm)
+    out = gemv.out_like().fill_(-1)
+    gemv(x, w, out=out, norm_weight=nw)
+    torch.cuda.synchronize()
+    assert out.tolist() == firsts
+
+
+ROWS_ROPE_CASES = [(QWEN05_ROPE, 896, True, True, {}), (QWEN05_ROPE, 896, True, False, dict(warps=2)),
+                   (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, True, {}),
+                   (RopeShape(32, 4, 2, 64, 256), 200, True, False, {})]  # K = 200: one lane a row
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape, k, bias, pdl, knobs", ROWS_ROPE_CASES)
+def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, knobs, rows):
+    """Row m rotated at its own position and stored at its own slot (the last of several rows
+    at slot -1: no write); out poisoned, pool poisoned (+-7) everywhere else."""
+    gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape,
+                    rows=rows, **knobs)
+    hq, hkv = shape.num_q_heads, shape.num_kv_heads
+    _, w, b, nw, step = _rope_inputs(shape, k, 0, device="cuda", bias=bias)
+    x = (torch.randn(rows, k, device="cuda") * 3 + 0.25).to(torch.bfloat16)
+    positions, slots = _rows_rope_step(shape, rows, device="cuda")
+    step = RopeKV(positions, step.cos_sin_cache, step.k_cache, step.v_cache, slots)
+    mirror = RopeKV(positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(), slots)
+    want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw)
+    out = gemv.out_like().fill_(float("nan"))
+    gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    kc, vc = _pool_rows(step, shape)
+    for m in range(rows):
+        assert kh.rel_err(out[m], want[m]) < 1e-2, f"row {m}"
+        heads, slot = out[m].view(-1, shape.head_dim), int(slots[m])
+        if slot >= 0:
+            assert torch.equal(kc[slot], heads[hq: hq + hkv]) and torch.equal(vc[slot], heads[hq + hkv:])
+    untouched = torch.ones(kc.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots[slots >= 0]] = False
+    assert (kc[untouched] == 7).all() and (vc[untouched] == -7).all()

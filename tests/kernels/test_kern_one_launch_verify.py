@@ -1,0 +1,89 @@
+"""The one-launch decode attention with PDL over a verify step's rows (several rows of one
+sequence, each over one more key): nothing this step writes is read before `griddepcontrol.wait`.
+
+The interpreter has no PDL, so the test plays the QKV GEMV that runs beside the attention: at
+each program's start (its `launch_dependents`) this step's K/V rows of the pool are NaN, as
+they are until the GEMV finishes, and at its `wait` they take their values. A program that read
+one of them before the wait returns NaN; one that read them after returns the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.kernels import decode_attention as da
+from flashlet.kernels import pdl
+from flashlet.kernels.decode_attention import decode_attention_one_launch, decode_attention_reference
+
+NAN = float("nan")
+
+
+def verify_step_as_decode_rows(kh, page_size, seqs):
+    """seqs: [(cached tokens, this step's tokens)] -> (pool dict, kv_indptr, kv_indices, kv_lens
+    of one decode row per step token, the (page, row) slots this step writes). Each sequence's
+    rows share its page table, their KV lengths cached + 1 .. cached + n."""
+    paged = kh.make_paged([c + n for c, n in seqs], page_size, 2, 16, seed=3)
+    indptr, indices, lens, written = [0], [], [], []
+    for (cached, n), pages in zip(seqs, paged["pages"]):
+        for length in range(cached + 1, cached + n + 1):
+            used = pages[: -(-length // page_size)]
+            indices += used
+            indptr.append(indptr[-1] + len(used))
+            lens.append(length)
+        written += [(pages[t // page_size], t % page_size) for t in range(cached, cached + n)]
+    i32 = dict(dtype=torch.int32, device=kh.device)
+    return (paged, torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(lens, **i32),
+            written)
+
+
+def play_the_qkv_gemv(monkeypatch, caches, written):
+    """This step's K/V rows are NaN from each program's start to its wait (see the module)."""
+    real = [(cache, page, row, cache[page, row].clone()) for cache in caches for page, row in written]
+
+    def poison():
+        for cache, page, row, _ in real:
+            cache[page, row] = NAN
+
+    def finish():
+        for cache, page, row, value in real:
+            cache[page, row] = value
+
+    monkeypatch.setattr(pdl, "launch_dependents", poison)
+    monkeypatch.setattr(pdl, "wait", finish)
+    monkeypatch.setattr(da, "pdl_supported", lambda device: True)
+
+
+# (cached, step tokens) per sequence: a verify row of 4 tokens whose rows straddle the split
+# boundary (16), a decode row, a verify row of 3 within one block, and one of 7 over pages.
+STEP = [(14, 4), (8, 1), (5, 3), (30, 7)]
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 16), (4, 16), (2, 32)])
+def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, num_splits, block_n):
+    if kh.device != "cpu":
+        pytest.skip("plays PDL in the interpreter (on a GPU the fused-path tests check it)")
+    paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, STEP)
+    rows, hq, head_dim = len(lens), 4, 16
+    q = torch.randn(rows, hq, head_dim, generator=torch.Generator().manual_seed(7))
+    caches = (paged["k_cache"], paged["v_cache"])
+    want = decode_attention_reference(q, *caches, indptr, indices, lens, head_dim**-0.5)
+    play_the_qkv_gemv(monkeypatch, caches, written)
+    out = torch.full_like(q, NAN)
+    decode_attention_one_launch(
+        q, *caches, indptr, indices, lens, head_dim**-0.5, out=out,
+        mid_o=torch.full((rows * num_splits, hq, head_dim), NAN), mid_lse=torch.full((rows * num_splits, hq), NAN),
+        merge_counts=torch.zeros(rows * 2, dtype=torch.int32), num_splits=num_splits, min_split_tokens=16,
+        block_n=block_n, pdl=True)
+    assert not torch.isnan(out).any(), "a row written this step was read before the wait"
+    assert kh.rel_err(out, want) < 1e-5
+
+
+def test_the_look_back_covers_every_earlier_row_of_a_fused_step():
+    """Up to MAX_LOOKBACK + 1 rows (the fused path's 16) a program sees every row before it;
+    one row looks at none (the one-stream kernel is the same as without the look-back)."""
+    assert da.one_launch_lookback(1) == 0
+    for batch in range(2, da.MAX_LOOKBACK + 2):
+        lookback = da.one_launch_lookback(batch)
+        assert lookback >= batch - 1 and lookback & (lookback - 1) == 0
+    assert da.one_launch_lookback(256) == da.MAX_LOOKBACK

@@ -463,13 +463,17 @@ def run_engine(model_dir, fused, prompts, params, max_num_seqs, spec=None, **con
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 16])
-def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2, reference_kernels, batch):
-    """`batch` requests decode together, finishing at different steps: every pure-decode step
-    of n rows runs fused (never the per-op forward), padded to the next row count (the decode
-    graph sizes: 1, 2, 4, ..., max_num_seqs), the tokens from the argmax epilogue; tokens are
-    the per-op engine's and the padding rows leave the pool as it was (integrity)."""
+def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2, reference_kernels,
+                                                                     monkeypatch, batch):
+    """`batch` requests decode together, finishing at different steps, the fused path serving
+    up to the kernel's 16 rows (SERVED_ROWS raised to MAX_ROWS, as it will be once 16 fused rows
+    are faster): every pure-decode step of n rows runs fused (never the per-op forward), padded
+    to the next row count (the decode graph sizes: 1, 2, 4, ..., max_num_seqs), the tokens from
+    the argmax epilogue; tokens are the per-op engine's and the padding rows leave the pool as
+    it was (integrity)."""
     from flashlet.runner.model_runner import graph_batch_sizes
 
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
     prompts = row_prompts(batch)
     params = [SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True) for i in range(batch)]
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, batch)
@@ -518,10 +522,11 @@ def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qw
     assert not any(decode for decode, _ in per_op)
 
 
-def test_past_the_largest_row_count_decode_runs_per_op(tiny_qwen2, reference_kernels):
-    """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): steps of 17-18 rows replay the per-op
-    graph (the step backend's), steps of 16 or fewer the fused ones (graphs stood in for by
-    eager replays); tokens are the per-op engine's."""
+def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels):
+    """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): the fused path serves the sizes up to
+    SERVED_ROWS (8: where it was measured faster), so steps of 9-18 rows replay the per-op
+    graphs (the step backend's), steps of 8 or fewer the fused ones (graphs stood in for by
+    eager replays); only the served sizes have GEMVs; tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
     prompts = [[(5 * i + p) % 200 + 2 for i in range(3)] for p in range(18)]
@@ -534,9 +539,9 @@ def test_past_the_largest_row_count_decode_runs_per_op(tiny_qwen2, reference_ker
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
-    assert fused.row_counts == [1, 2, 4, 8, 16]
-    assert (18, "logits") in keys and (16, "tokens") in keys
-    assert fused.gemvs[16].lm_argmax.calls > 0
+    assert fused_decode.SERVED_ROWS == 8 and fused.row_counts == [1, 2, 4, 8]
+    assert {(18, "logits"), (16, "logits"), (8, "tokens")} <= keys and (16, "tokens") not in keys
+    assert fused.gemvs[8].lm_argmax.calls > 0
 
 
 def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kernels, monkeypatch):
@@ -696,9 +701,9 @@ class AlwaysGuess:
 
 
 def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernels, monkeypatch):
-    """k = 7 with three sequences: a verify step of more than 16 tokens runs per-op (as does
-    any step with a prefill chunk), smaller ones (once a request finished) fused; the greedy
-    tokens are speculation off's."""
+    """k = 7 with three sequences: a verify step of more than SERVED_ROWS (8) tokens runs
+    per-op (as does any step with a prefill chunk), one request's (once the others finished)
+    fused; the greedy tokens are speculation off's."""
     prompts = row_prompts(3)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 8, 4)]
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 3)
@@ -708,7 +713,7 @@ def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernel
     got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 3, spec=spec, page_size=4)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert any(verifying for _, verifying in per_op)  # a verify-only step on the per-op path
-    assert expanded and 8 < max(expanded) <= 16  # two requests verifying together
+    assert expanded and 2 < max(expanded) <= 8 == engine.runner.fused.max_rows
 
 
 @pytest.mark.slow

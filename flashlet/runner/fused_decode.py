@@ -1,7 +1,8 @@
-"""The fused decode path for 1 to 16 rows: a few kernels a layer where the per-op path runs ten.
+"""The fused decode path for 1 to 8 rows: a few kernels a layer where the per-op path runs ten.
 
-A pure-decode step of M <= MAX_ROWS rows (sequences; or a verify step's query tokens, each a
-decode row of its own: `verify_as_decode_rows`) runs, per layer, each GEMV reading its weights
+A pure-decode step of M <= SERVED_ROWS rows (sequences; or a verify step's query tokens, each a
+decode row of its own: `verify_as_decode_rows`; SERVED_ROWS is where a fused step was measured
+faster than per-op, MAX_ROWS the kernel's limit) runs, per layer, each GEMV reading its weights
 once for all M rows,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
     (Qwen3: + per-head q/k RMSNorm) RoPE + K/V write   the pool's fused kernel (write_rope), or
@@ -83,9 +84,23 @@ from flashlet.runner.batch import StepLayout
 # into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
 
-# The most decode rows (sequences, or a verify step's query tokens) one fused step computes: a
+# The most decode rows (sequences, or a verify step's query tokens) one fused step can compute: a
 # GEMV of up to 16 rows is still bound by its weight bytes (the kernel's limit, `rows=`).
 MAX_ROWS = 16
+
+# The most rows the fused path SERVES: the row counts where a fused step was measured faster than
+# the per-op one. The one place to change when the M-row GEMVs get faster (up to MAX_ROWS).
+# Measured on the H200, Qwen2.5-0.5B shape, random weights, closed loop greedy (bench
+# `closed-loop`, 128 new tokens), time a step, fused against per-op (2026-12-02, main + the
+# M-row GEMVs of ae4bbd9..45185b7):
+#     rows  1: 0.498 ms fused
+#     rows  4: 0.905 ms fused, 1.08 per-op      -> fused
+#     rows 16: 2.97 ms fused,  1.23 per-op      -> per-op (2.4x slower fused)
+# Rows 8 are not measured alone; the GEMVs' own times at M = 8 (FUSED_NOTES.md, Stage 4, first
+# run: gate+up 11.1, down 10.8, QKV 5.0, O 4.9 us, ~0.77 ms a step over 24 layers, LM head
+# 105 us) put a fused 8-row step at or below per-op's ~1.1 ms, so 8 stays fused (and so does a
+# verify step of k = 4..7 proposals, padded to 8) until a closed loop at 8 says otherwise.
+SERVED_ROWS = 8
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -191,6 +206,12 @@ class Gemvs:
                 if g is not None]
 
 
+def served_row_counts(padded_sizes: Sequence[int]) -> list[int]:
+    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, and no
+    more than the kernel takes): a step padded to any other runs per-op."""
+    return [s for s in padded_sizes if s <= min(SERVED_ROWS, gemv_row_limit())]
+
+
 def gemv_row_limit() -> int:
     """The most decode rows one CuteGemv launch serves: MAX_ROWS where the kernel takes `rows`,
     else 1 (a kernel of one row: the path then serves one-row steps only)."""
@@ -202,7 +223,7 @@ class FusedDecode:
     """Owns the compiled GEMVs and the step buffers of the decode path of 1 to MAX_ROWS rows.
 
     One set of GEMVs per row count in `row_counts` (the runner's padded decode batch sizes up
-    to MAX_ROWS: a step of n rows runs padded to the next one, its padding rows on the pool's
+    to SERVED_ROWS, `served_row_counts`: a step of n rows runs padded to the next one, its padding rows on the pool's
     scratch page, their outputs never read). A GEMV's time is its weight bytes whatever M, so
     padding 5 rows to 8 costs little, while every row count costs its own compiled kernels at
     start. A row count whose GEMVs the kernel cannot plan for this shape is left out

@@ -20,16 +20,18 @@ replay):
 Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
 With the fused path (`fused_decode`: on by default where it applies, `_fused_decode` decides), a
-pure-decode step of up to `fused.max_rows` (16) rows in which every row samples runs `FusedDecode`
-(CuTe GEMVs with the norms and epilogues folded in; flashlet/runner/fused_decode.py) instead of the
-model's per-op forward, padded to one of its row counts (the decode graph sizes up to 16) and
-in that size's graph where graphs run, attending through `fused_attention` (the step backend, or
-a triton backend of the path's own where the step backend has no one-launch attention: only
-those steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps whose
-requests are all plain greedy (the engine decides), so no logits are written at all. A
-speculative verify step of at most 16 query tokens, all sampled (verify rows and decodes, no
+pure-decode step of up to `fused.max_rows` rows (`fused_decode.SERVED_ROWS`: where a fused step
+was measured faster than per-op) in which every row samples runs `FusedDecode` (CuTe GEMVs with
+the norms and epilogues folded in; flashlet/runner/fused_decode.py) instead of the model's
+per-op forward, padded to one of its row counts (the decode graph sizes up to it) and in that
+size's graph where graphs run, attending through `fused_attention` (the step backend, or a
+triton backend of the path's own where the step backend has no one-launch attention: only those
+steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps whose requests
+are all plain greedy (the engine decides), so no logits are written at all. A speculative
+verify step of at most `fused.max_rows` query tokens, all sampled (verify rows and decodes, no
 prefill chunk), is loaded as one decode row per query token (`fused_decode.verify_as_decode_rows`)
-and runs the same fused graphs; its logits rows are the verify step's own.
+and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
+per-op (in the per-op decode graphs).
 """
 
 from __future__ import annotations
@@ -55,12 +57,12 @@ def _given_or(value: bool | None, default: bool) -> bool:
 
 def decode_rows_limit(config) -> int:
     """The most rows a pure-decode step may have: max_num_seqs, or with speculation where the
-    fused path may run, up to MAX_ROWS query tokens of verify steps loaded as decode rows."""
+    fused path may run, up to SERVED_ROWS query tokens of verify steps loaded as decode rows."""
     spec = config.speculative_config
     if spec is None or config.fused_decode is False:
         return config.max_num_seqs
     verify_tokens = config.max_num_seqs * (1 + spec.num_speculative_tokens)
-    return max(config.max_num_seqs, min(fused_decode.MAX_ROWS, verify_tokens))
+    return max(config.max_num_seqs, min(fused_decode.SERVED_ROWS, verify_tokens))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -111,10 +113,10 @@ class ModelRunner:
                                  and getattr(model, "tp", None) is None
                                  and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
-        # Every padded decode size up to 16 is a fused row count (the fused path pads as graphs do).
+        # Every padded decode size the fused path serves is a row count (it pads as graphs do).
         sizes = graph_batch_sizes(decode_rows)
         self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts(),
-                                        [s for s in sizes if s <= fused_decode.gemv_row_limit()])
+                                        fused_decode.served_row_counts(sizes))
         # The fused steps' attention: the step backend where it has the one-launch form, else
         # a triton backend of its own over the same pool (only fused decode steps use it).
         self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)

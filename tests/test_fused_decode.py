@@ -431,7 +431,7 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0
 
 
-# ---- several rows: decode steps of 1-16 sequences, verify steps as decode rows ---------------
+# ---- several rows: decode steps of 1-8 sequences, verify steps as decode rows ----------------
 def row_prompts(count: int) -> list[list[int]]:
     """Prompts of 3 to 3 + 2 (count - 1) tokens, each its own."""
     return [[(7 * i + 3 * p + 1) % 200 + 2 for i in range(3 + 2 * p)] for p in range(count)]

@@ -787,3 +787,14 @@ def test_verify_as_decode_rows_declines_what_it_does_not_serve():
     assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 4) is None  # 5 > 4 rows
     assert fused_decode.verify_as_decode_rows(batch.layout(rows, [2, 3], [5, 6]), 4, 16) is None
     assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 5) is not None
+
+
+def test_the_one_launch_attention_looks_back_over_every_row_of_a_fused_step():
+    """A fused step's attention (PDL) tells a verify row's own earlier rows from the past by
+    looking back over the rows before it (kernels/decode_attention.py): at every row count the
+    kernel can serve, the look-back reaches the step's first row."""
+    from flashlet.kernels.decode_attention import one_launch_lookback
+
+    for rows in range(2, fused_decode.MAX_ROWS + 1):
+        assert one_launch_lookback(rows) >= rows - 1
+    assert fused_decode.SERVED_ROWS <= fused_decode.MAX_ROWS

@@ -62,6 +62,13 @@ class ReferenceGemv:
 
 
 @pytest.fixture
+def all_kernel_rows(monkeypatch):
+    """The fused path serving every row count its kernel takes (SERVED_ROWS, the measured
+    choice, raised to MAX_ROWS): the wiring of steps of 5-16 rows."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+
+
+@pytest.fixture
 def reference_kernels(monkeypatch):
     monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
     monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
@@ -431,7 +438,7 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0
 
 
-# ---- several rows: decode steps of 1-8 sequences, verify steps as decode rows ----------------
+# ---- several rows: decode steps of several sequences, verify steps as decode rows -----------
 def row_prompts(count: int) -> list[list[int]]:
     """Prompts of 3 to 3 + 2 (count - 1) tokens, each its own."""
     return [[(7 * i + 3 * p + 1) % 200 + 2 for i in range(3 + 2 * p)] for p in range(count)]
@@ -464,7 +471,7 @@ def run_engine(model_dir, fused, prompts, params, max_num_seqs, spec=None, **con
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 16])
 def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2, reference_kernels,
-                                                                     monkeypatch, batch):
+                                                                     all_kernel_rows, batch):
     """`batch` requests decode together, finishing at different steps, the fused path serving
     up to the kernel's 16 rows (SERVED_ROWS raised to MAX_ROWS, as it will be once 16 fused rows
     are faster): every pure-decode step of n rows runs fused (never the per-op forward), padded
@@ -473,7 +480,6 @@ def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2
     it was (integrity)."""
     from flashlet.runner.model_runner import graph_batch_sizes
 
-    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
     prompts = row_prompts(batch)
     params = [SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True) for i in range(batch)]
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, batch)
@@ -489,7 +495,7 @@ def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_several_rows_of_other_families(tmp_path, reference_kernels, family):
+def test_several_rows_of_other_families(tmp_path, reference_kernels, all_kernel_rows, family):
     """Qwen3 (per-head q / k norms in the pool's RoPE + K/V write over all rows) and Llama (no
     QKV bias, its own LM head): 5 rows padded to 8, tokens the per-op engine's."""
     from tests.test_model_families import save_family
@@ -524,8 +530,8 @@ def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qw
 
 def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels):
     """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): the fused path serves the sizes up to
-    SERVED_ROWS (8: where it was measured faster), so steps of 9-18 rows replay the per-op
-    graphs (the step backend's), steps of 8 or fewer the fused ones (graphs stood in for by
+    SERVED_ROWS (4: where it was measured faster), so steps of 5-18 rows replay the per-op
+    graphs (the step backend's), steps of 4 or fewer the fused ones (graphs stood in for by
     eager replays); only the served sizes have GEMVs; tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
@@ -539,9 +545,9 @@ def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels):
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
-    assert fused_decode.SERVED_ROWS == 8 and fused.row_counts == [1, 2, 4, 8]
-    assert {(18, "logits"), (16, "logits"), (8, "tokens")} <= keys and (16, "tokens") not in keys
-    assert fused.gemvs[8].lm_argmax.calls > 0
+    assert fused_decode.SERVED_ROWS == 4 and fused.row_counts == [1, 2, 4]
+    assert {(18, "logits"), (16, "logits"), (8, "logits"), (4, "tokens")} <= keys
+    assert not {(16, "tokens"), (8, "tokens")} & keys and fused.gemvs[4].lm_argmax.calls > 0
 
 
 def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kernels, monkeypatch):
@@ -564,7 +570,7 @@ def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kerne
         fused_decode.FusedDecode(engine.model, torch.device("cpu"), row_counts=[1, 2])
 
 
-def test_row_counts_the_kernel_cannot_plan_run_per_op(tiny_qwen2, reference_kernels, monkeypatch, caplog):
+def test_row_counts_the_kernel_cannot_plan_run_per_op(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch, caplog):
     """A kernel whose plan refuses more than 4 rows for this shape (as the argmax does where K
     gives fewer lanes a row than M): the path keeps 1, 2, 4, logs why 8 is left out, and a
     step of 7 rows runs per-op; tokens are the per-op engine's."""
@@ -590,21 +596,24 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog):
-    """One sequence with k = 4: verify steps of up to 5 tokens, so the fused row counts (and
-    the decode graph sizes, the step buffers, the attention's batch) reach 5, while only size
+    """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
+    the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
     1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
-    the fused path off nothing widens."""
-    spec = {**NGRAM, "num_speculative_tokens": 4}
+    the fused path off nothing widens; past SERVED_ROWS (k = 4: 5 tokens) nothing widens
+    beyond it."""
+    spec = {**NGRAM, "num_speculative_tokens": 2}
     config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
                           speculative_config=spec)
     with caplog.at_level("INFO", logger="flashlet"):
         runner = Engine(config).runner
-    assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 4, 5]
-    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 5
-    assert "decode (1-5 rows): fused" in caplog.text and "decode (6+ rows)" in caplog.text
-    assert "rows 1, 2, 4, 5 (24 CuTe GEMVs)" in caplog.text
+    assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 3]
+    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 3
+    assert "decode (1-3 rows): fused" in caplog.text and "decode (4+ rows)" in caplog.text
+    assert "rows 1, 2, 3 (18 CuTe GEMVs)" in caplog.text
     off = Engine(config.replace(fused_decode=False)).runner
     assert off.fused is None and off.graph_sizes == [1] and off.buffers.max_seqs == 1
+    wider = Engine(config.replace(speculative_config={**NGRAM, "num_speculative_tokens": 4})).runner
+    assert wider.fused.row_counts == wider.graph_sizes == [1, 2, 4] == [1, 2, fused_decode.SERVED_ROWS]
 
 
 def count_fused_verify_steps(monkeypatch) -> list:
@@ -622,7 +631,7 @@ def count_fused_verify_steps(monkeypatch) -> list:
     return expanded
 
 
-def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2, reference_kernels,
+def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2, reference_kernels, all_kernel_rows,
                                                                      monkeypatch):
     """ngram speculation on the fused path: every verify step (at most 2 x 4 tokens) runs as
     decode rows on the fused GEMVs, never the per-op forward, its greedy rows decided by the LM
@@ -645,7 +654,7 @@ def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2
     assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
 
 
-def test_sampled_verify_rows_take_the_fused_logits(tiny_qwen2, reference_kernels, monkeypatch):
+def test_sampled_verify_rows_take_the_fused_logits(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
     """A verify step with a seeded sampled request beside a greedy one: the fused path writes
     logits for every query token and exact rejection sampling decides; the tokens are those of
     the per-op engine with speculation (the same logits, the same seeded draws)."""
@@ -662,7 +671,7 @@ def test_sampled_verify_rows_take_the_fused_logits(tiny_qwen2, reference_kernels
     assert expanded and sum(fused.gemvs[m].lm_head.calls for m in (4, 8)) > 0
 
 
-def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_kernels, monkeypatch):
+def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
     """Every step's logits with speculation on (an observer's copy), fused against per-op: the
     same steps, the same rows (each verify row's 1 + k in order), equal to fp32 rounding."""
     from tests.test_speculative import repetitive_prompts
@@ -701,9 +710,10 @@ class AlwaysGuess:
 
 
 def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernels, monkeypatch):
-    """k = 7 with three sequences: a verify step of more than SERVED_ROWS (8) tokens runs
-    per-op (as does any step with a prefill chunk), one request's (once the others finished)
-    fused; the greedy tokens are speculation off's."""
+    """k = 7 with three sequences, the fused path serving up to 8 rows: a verify step of more
+    than 8 tokens runs per-op (as does any step with a prefill chunk), one request's (once the
+    others finished) fused; the greedy tokens are speculation off's."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", 8)
     prompts = row_prompts(3)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 8, 4)]
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 3)
@@ -717,7 +727,7 @@ def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernel
 
 
 @pytest.mark.slow
-def test_fused_verify_steps_through_the_one_launch_attention(tiny_qwen2, reference_kernels, monkeypatch):
+def test_fused_verify_steps_through_the_one_launch_attention(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
     """The verify rows as decode rows through the triton one-launch attention (interpreted,
     ~30 s) and RoPE + K/V write in the QKV epilogue (its reference): rows of one sequence at
     KV lengths L + 1 .. L + k + 1, each attending after every row's K/V is written; greedy

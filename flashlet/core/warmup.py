@@ -12,7 +12,7 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   (`backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
-  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 8) and, per
+  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4) and, per
   size a step of requests pads to, a second graph, the one that ends in the greedy tokens
   (`runner.greedy_tokens`).
 

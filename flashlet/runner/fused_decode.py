@@ -1,4 +1,4 @@
-"""The fused decode path for 1 to 8 rows: a few kernels a layer where the per-op path runs ten.
+"""The fused decode path for 1 to 4 rows: a few kernels a layer where the per-op path runs ten.
 
 A pure-decode step of M <= SERVED_ROWS rows (sequences; or a verify step's query tokens, each a
 decode row of its own: `verify_as_decode_rows`; SERVED_ROWS is where a fused step was measured
@@ -90,17 +90,16 @@ MAX_ROWS = 16
 
 # The most rows the fused path SERVES: the row counts where a fused step was measured faster than
 # the per-op one. The one place to change when the M-row GEMVs get faster (up to MAX_ROWS).
-# Measured on the H200, Qwen2.5-0.5B shape, random weights, closed loop greedy (bench
-# `closed-loop`, 128 new tokens), time a step, fused against per-op (2026-12-02, main + the
-# M-row GEMVs of ae4bbd9..45185b7):
-#     rows  1: 0.498 ms fused
-#     rows  4: 0.905 ms fused, 1.08 per-op      -> fused
-#     rows 16: 2.97 ms fused,  1.23 per-op      -> per-op (2.4x slower fused)
-# Rows 8 are not measured alone; the GEMVs' own times at M = 8 (FUSED_NOTES.md, Stage 4, first
-# run: gate+up 11.1, down 10.8, QKV 5.0, O 4.9 us, ~0.77 ms a step over 24 layers, LM head
-# 105 us) put a fused 8-row step at or below per-op's ~1.1 ms, so 8 stays fused (and so does a
-# verify step of k = 4..7 proposals, padded to 8) until a closed loop at 8 says otherwise.
-SERVED_ROWS = 8
+# Measured on the H200, Qwen2.5-0.5B shape, random weights, time a step, fused against per-op
+# (2026-12-02 ~04:10 UTC, the M-row GEMVs as of 874a93a):
+#     rows  1: 0.498 ms fused (closed loop, greedy, 128 new tokens)
+#     rows  4: 0.905 ms fused, 1.08 per-op (closed loop)                       -> fused
+#     rows  8: ~3.6 ms fused: a verify step of 5 tokens padded to 8 (spec_bench, k = 4, all
+#              accepted, host time included: 1,356 tok/s against 2,068 without speculation);
+#              per-op decode steps of 4-16 rows take 1.08-1.23 ms                -> per-op
+#     rows 16: 2.97 ms fused, 1.23 per-op (closed loop: 2.4x slower fused)    -> per-op
+# The GEMVs alone (FUSED_NOTES.md, Stage 4) are ahead of cuBLAS through M = 4 and behind from 8.
+SERVED_ROWS = 4
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:

@@ -13,7 +13,7 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    call, with pages for all of them where the pool has them free (or evictable from the prefix
    cache): proposals never preempt a request, a row without room for them verifies none.
    The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`). Where
-   the fused decode path runs and the step has no prefill chunk and at most 8 query tokens,
+   the fused decode path runs and the step has no prefill chunk and at most 4 query tokens,
    the runner loads it as one decode row per query token and runs it fused
    (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way. A step
    whose requests are all plain greedy then needs no logits: `verify_greedy` decides from each

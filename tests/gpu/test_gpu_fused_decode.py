@@ -364,8 +364,9 @@ def run_speculating(source, ps, params, spec):
 def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model, monkeypatch, served):
     """ngram (k = 4) over prompts that hold their own continuation (a first run's), so prompt
     lookup proposes at every step and accepts some, on the default fused path: the verify steps
-    (up to 4 x 5 tokens; at most SERVED_ROWS fused, the rest per-op: the default 8, and the
-    kernel's 16, where several sequences' verify rows share a step) run as decode rows, and each
+    (up to 4 x 5 tokens; at most SERVED_ROWS fused, the rest per-op: 8 (one request's 5
+    tokens, padded), and the kernel's 16, where several sequences' verify rows share a step) run
+    as decode rows, and each
     request's greedy tokens equal those without speculation, or part at a near tie (verify rows
     attend with other split counts than one-token decodes: the rounding differs). With logprobs
     both runs pick from bf16 logits (checked both ways); without, the verify steps take each

@@ -808,3 +808,42 @@ def test_the_one_launch_attention_looks_back_over_every_row_of_a_fused_step():
     for rows in range(2, fused_decode.MAX_ROWS + 1):
         assert one_launch_lookback(rows) >= rows - 1
     assert fused_decode.SERVED_ROWS <= fused_decode.MAX_ROWS
+
+
+def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kernels, monkeypatch):
+    """With graphs (stood in for by eager replays on the CPU) and k = 4: a verify step of 5
+    tokens (past SERVED_ROWS) runs per-op; one of up to 4 (near max_new_tokens) is loaded as
+    decode rows and replays the greedy-token graph of its padded size, never an eager fused
+    step; the greedy tokens are speculation off's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts, params = row_prompts(1), SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 1)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, page_size=4,
+                                 fused_decode=True, speculative_config={**NGRAM, "num_speculative_tokens": 4}))
+    perturb_norms(engine)
+    per_op = count_per_op_forwards(engine)
+    _graphs_on_the_cpu(engine)
+    runner, replayed, eager = engine.runner, [], []
+    real_replay, real_token = runner._replay, runner.fused.token
+
+    def replay(input_ids, meta, size, tokens=False):
+        replayed.append((size, tokens, meta.num_seqs - meta.num_padding))
+        return real_replay(input_ids, meta, size, tokens)
+
+    def token(input_ids, *args):  # inside a replay the last one recorded is this step's
+        if not replayed or replayed[-1][0] != input_ids.shape[0]:
+            eager.append(input_ids.shape[0])
+        return real_token(input_ids, *args)
+
+    runner._replay = replay
+    monkeypatch.setattr(runner.fused, "token", token)
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not eager
+    verify_replays = [(size, rows) for size, tokens, rows in replayed if tokens and rows > 1]
+    padded = [next(s for s in runner.fused.row_counts if s >= n) for n in expanded]
+    assert expanded and verify_replays == list(zip(padded, expanded)) and max(expanded) <= 4
+    assert any(verifying for _, verifying in per_op)  # the 5-token steps

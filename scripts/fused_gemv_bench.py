@@ -257,7 +257,8 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
     model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
     epilogues, plain + PDL (argmax where M fits the lanes a row), plain with the one-row plan's
-    grid (one tile a CTA, its warps: every CTA reads x from L2) and, from M = 4, more output rows
+    grid where the M-row plan differs (one tile a CTA, its warps: every CTA reads x from L2)
+    and, from M = 4, more output rows
     a lane group where the shape allows (each x chunk read from L1 serves more weight rows)."""
     out = []
     for m in args.rows:
@@ -269,8 +270,9 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
             out.append((m, "none", False, 8, False, {}))
         if m == 1:
             out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
-        if m > 1:
-            out.append((m, "none", False, 16, False, dict(ctas_per_sm=0, warps=cute_gemv.plan_gemv(n, k).warps)))
+        one_tile = dict(ctas_per_sm=0, warps=cute_gemv.plan_gemv(n, k).warps)
+        if m > 1 and cute_gemv.plan_gemv(n, k, rows=m, **one_tile) != cute_gemv.plan_gemv(n, k, rows=m):
+            out.append((m, "none", False, 16, False, one_tile))
         if m >= 4 and cute_gemv.plan_gemv(n, k, max_loads=32, rows=m).outs_per_group > \
                 cute_gemv.plan_gemv(n, k, rows=m).outs_per_group:  # more output rows a group: x reused more
             out.append((m, "none", False, 32, False, {}))

@@ -17,8 +17,11 @@ Prints a table per shape (variant, plan, us, GB/s, fraction of the copy bandwidt
 of each, and TUNED_PLANS entries to paste into cute_gemv.py; --json keeps every row.
 
     python3 scripts/gemv_sweep.py [--only qkv o gate_up down qkv_rope lm_head] [--pdl on|off|both]
-                                  [--budget-s 220] [--json PATH]
+                                  [--budget-s 220] [--json PATH] [--rows M]
     python3 scripts/gemv_sweep.py --registers --cuobjdump PATH/cuobjdump   # CPU: regs per variant
+
+--rows M sweeps the M-row kernel (`CuteGemv(..., rows=M)`; plus the one-tile-a-CTA plan), and its
+TUNED_PLANS entries and --plans-out keys carry M as a sixth element.
 
 --registers needs no GPU: every variant is traced for sm_90a (CUTE_DSL_ARCH=sm_90a is set
 here), its cubin read with cuobjdump -res-usage and -sass: registers, local memory (spills),
@@ -65,10 +68,11 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def variants(name: str, pdl: bool) -> list[tuple[str, dict]]:
-    """(label, plan_gemv knobs) for one shape, deduplicated by the plan they give (H200: 132 SMs)."""
+def variants(name: str, pdl: bool, rows: int = 1) -> list[tuple[str, dict]]:
+    """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
+    (H200: 132 SMs)."""
     n, k, epilogue, norm, rope = SHAPES[name]
-    w0 = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False).warps
+    w0 = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows).warps
     staged_ok = epilogue not in ("argmax", "bias_rope_kv", "rope_kv")
     # Most promising first: a budget cut drops the tail.
     out = [("default", {})]
@@ -78,6 +82,8 @@ def variants(name: str, pdl: bool) -> list[tuple[str, dict]]:
                 ("late_g loop 3/SM", dict(late_g=True, ctas_per_sm=3))]
     # A resident grid looping over the tiles (as the argmax LM head does), c CTAs an SM.
     out += [(f"loop {c}/SM", dict(ctas_per_sm=c)) for c in (1, 2, 3, 4)]
+    if rows > 1:  # the one-row plan's shape: one tile a CTA, each CTA reading x from L2
+        out += [("tile/CTA", dict(ctas_per_sm=0)), ("tile/CTA warps=1", dict(ctas_per_sm=0, warps=1))]
     out += [(f"loop {c}/SM warps={w}", dict(ctas_per_sm=c, warps=w)) for c, w in ((4, 2), (8, 1), (8, 2))]
     if staged_ok:
         # cp.async double-buffered: the next tile's copies fly while this one is summed.
@@ -98,7 +104,7 @@ def variants(name: str, pdl: bool) -> list[tuple[str, dict]]:
     seen, kept = set(), []
     for label, knobs in out:
         try:
-            plan = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
+            plan = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, **knobs)
         except ValueError:
             continue  # e.g. over the 48 KB of shared memory: not a variant of this shape
         if plan not in seen:
@@ -107,9 +113,10 @@ def variants(name: str, pdl: bool) -> list[tuple[str, dict]]:
     return kept
 
 
-def make_gemv(name: str, pdl: bool, knobs: dict, device: str | None = None) -> CuteGemv:
+def make_gemv(name: str, pdl: bool, knobs: dict, rows: int = 1, device: str | None = None) -> CuteGemv:
     n, k, epilogue, norm, rope = SHAPES[name]
-    return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
+    return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False,
+                    rows=rows, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,24 +126,25 @@ class Inputs:
     """One shape's call inputs: a weight bank cycled so no call finds its matrix in L2, x (far
     from unit scale, so a missing norm shows), norm weight, bias / residual, the rope step."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, rows: int = 1):
         n, k, epilogue, norm, rope = SHAPES[name]
-        self.name, self.n, self.k, self.epilogue = name, n, k, epilogue
+        self.name, self.n, self.k, self.epilogue, self.rows = name, n, k, epilogue, rows
         self.copies = max(1, -(-L2_DEFEAT_BYTES // (n * k * 2)))
         self.bank = rand(self.copies, n, k, seed=100, scale=k ** -0.5)
-        self.x = (rand(k, seed=7).float() * 3 + 0.25).to(BF16)
+        self.x = (rand(rows, k, seed=7).float() * 3 + 0.25).to(BF16)
         self.g = (torch.rand(k, device=DEV) + 0.5).to(BF16) if norm else None
-        n_extra = n if epilogue in ("bias", "bias_rope_kv", "residual") else 0
-        self.extra = rand(n_extra, seed=8) if n_extra else None
+        # the bias is the layer's (one for all rows); the residual is each row's
+        self.extra = {"bias": rand(n, seed=8), "bias_rope_kv": rand(n, seed=8),
+                      "residual": rand(rows, n, seed=8)}.get(epilogue)
         self.rope = None
         if rope is not None:
             d = rope.head_dim
             theta = torch.arange(rope.table_rows, device=DEV)[:, None] * 10000.0 ** (
                 -torch.arange(d // 2, device=DEV) / (d // 2))
             pool = (rope.cache_slots // 16, 16, rope.num_kv_heads, d)
-            self.rope = RopeKV(torch.tensor([77], device=DEV), torch.cat((theta.cos(), theta.sin()), -1).float(),
+            self.rope = RopeKV(77 + 3 * torch.arange(rows, device=DEV), torch.cat((theta.cos(), theta.sin()), -1).float(),
                                torch.zeros(pool, dtype=BF16, device=DEV), torch.zeros(pool, dtype=BF16, device=DEV),
-                               torch.tensor([1234], device=DEV))
+                               1234 + 5 * torch.arange(rows, device=DEV))
 
     def reference(self, w: torch.Tensor) -> torch.Tensor:
         if self.rope is not None:
@@ -154,12 +162,13 @@ class Inputs:
         gemv(self.x, w, self.extra, out=out, norm_weight=self.g, rope_kv=self.rope)
         torch.cuda.synchronize()
         if self.epilogue == "argmax":
-            xn = self.x.float() * torch.rsqrt(self.x.float().pow(2).mean() + gemv.plan.eps) * self.g.float()
-            logits = w.float() @ xn
-            token = int(out.item())
-            gap = float(logits.max() - logits[token]) if 0 <= token < self.n else float("inf")
-            if not gap <= 1e-3 * float(logits.abs().max()):
-                raise AssertionError(f"argmax chose {token}, reference {int(logits.argmax())}")
+            xf = self.x.float()
+            xn = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + gemv.plan.eps) * self.g.float()
+            logits = xn @ w.float().t()  # [M, N]
+            for m, token in enumerate(out.tolist()):
+                gap = float(logits[m].max() - logits[m, token]) if 0 <= token < self.n else float("inf")
+                if not gap <= 1e-3 * float(logits[m].abs().max()):
+                    raise AssertionError(f"row {m}: argmax chose {token}, reference {int(logits[m].argmax())}")
             return "ok"
         if torch.isnan(out).any():
             raise AssertionError(f"{int(torch.isnan(out).sum())} outputs never written (NaN)")
@@ -171,7 +180,7 @@ class Inputs:
     def launcher(self, gemv: CuteGemv):
         """launch(i): call i of the chain. The residual epilogues write in place (out is the
         residual, as in the fused path), so each call depends on the previous one."""
-        out = self.extra.view(1, -1) if self.epilogue == "residual" else gemv.out_like()
+        out = self.extra.view(self.rows, -1) if self.epilogue == "residual" else gemv.out_like()
 
         def launch(i):
             gemv(self.x, self.bank[i % self.copies], self.extra, out=out, norm_weight=self.g, rope_kv=self.rope)
@@ -188,18 +197,18 @@ def time_chain(inputs: Inputs, gemv: CuteGemv) -> float:
             inputs.extra.copy_(extra0)  # the residual chain drifted it
 
 
-def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float) -> list[dict]:
+def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float, m: int = 1) -> list[dict]:
     n, k, epilogue, norm, rope = SHAPES[name]
-    inputs = Inputs(name)
+    inputs = Inputs(name, m)
     rows = []
-    for label, knobs in variants(name, pdl):
+    for label, knobs in variants(name, pdl, m):
         if time.perf_counter() > deadline:
             log(f"  budget spent: {name} pdl={pdl} stops before {label!r}")
             break
-        row = dict(shape=name, n=n, k=k, epilogue=epilogue, norm=norm, pdl=pdl, variant=label,
+        row = dict(shape=name, n=n, k=k, epilogue=epilogue, norm=norm, pdl=pdl, rows=m, variant=label,
                    knobs=knobs, bytes=n * k * 2)
         try:
-            gemv = make_gemv(name, pdl, knobs)
+            gemv = make_gemv(name, pdl, knobs, m)
             row["plan"] = gemv.plan.describe()
             row["compile_s"] = round(gemv.compile(inputs.rope), 2)
             row["check"] = inputs.check(gemv)
@@ -225,26 +234,28 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
-def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24) -> float:
+def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int = 1) -> float:
     """One decode layer's four GEMVs (QKV + norm + bias, O + residual, gate+up + norm + SiLU-mul,
     down + residual), `layers` layers of distinct weights (~0.7 GB: nothing stays in L2), as one
     graph; the residual updated in place, outputs feeding inputs as in the fused step (no
-    attention: O reads the QKV output's first 896). Returns us per layer."""
+    attention: at one row O reads the QKV output's first 896; at M rows those are not
+    contiguous, so O reads a fixed [M, 896]). Returns us per layer."""
 
-    g = {s: make_gemv(s, pdl, plans.get(s, {})) for s in ("qkv", "o", "gate_up", "down")}
+    g = {s: make_gemv(s, pdl, plans.get(s, {}), m) for s in ("qkv", "o", "gate_up", "down")}
     w = [{s: rand(SHAPES[s][0], SHAPES[s][1], seed=1000 + 10 * i + j, scale=SHAPES[s][1] ** -0.5 * (0.1 if s in ("o", "down") else 1))
           for j, s in enumerate(g)} for i in range(layers)]
     bias = rand(1152, seed=3)
     nw = (torch.rand(HIDDEN, device=DEV) + 0.5).to(BF16)
-    h0 = rand(1, HIDDEN, seed=5)
+    h0 = rand(m, HIDDEN, seed=5)
     h = torch.empty_like(h0)
     qkv_out, act = g["qkv"].out_like(), g["gate_up"].out_like()
+    attn = qkv_out[:, :HIDDEN] if m == 1 else rand(m, HIDDEN, seed=6)
 
     def step(_):
         h.copy_(h0)
         for lw in w:
             g["qkv"](h, lw["qkv"], bias, out=qkv_out, norm_weight=nw)
-            g["o"](qkv_out[:, :HIDDEN], lw["o"], h, out=h)
+            g["o"](attn, lw["o"], h, out=h)
             g["gate_up"](h, lw["gate_up"], out=act, norm_weight=nw)
             g["down"](act, lw["down"], h, out=h)
 
@@ -269,8 +280,8 @@ def run_gpu(args) -> int:
     for i, (name, pdl) in enumerate(todo):
         # An equal share of what is left, so a slow shape cannot starve the ones after it.
         share = (deadline - time.perf_counter()) / (len(todo) - i)
-        log(f"== {name} {SHAPES[name][:3]} norm={SHAPES[name][3]} pdl={pdl} ({share:.0f} s)")
-        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share)
+        log(f"== {name} {SHAPES[name][:3]} norm={SHAPES[name][3]} pdl={pdl} rows={args.rows} ({share:.0f} s)")
+        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share, args.rows)
         rows += shape_rows
         b = best_of(shape_rows)
         if b:
@@ -295,7 +306,8 @@ def run_gpu(args) -> int:
     log("best per shape; TUNED_PLANS entries (flashlet/kernels/cute_gemv.py) for the winners:")
     for (name, pdl), b in best.items():
         n, k, epilogue, norm, _ = SHAPES[name]
-        log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}): {b['knobs']},  "
+        m = f", {args.rows}" if args.rows > 1 else ""  # M > 1: the sixth key element
+        log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}{m}): {b['knobs']},  "
             f"# {name}: {b['us']:.2f} us, {b['gbs']:.0f} GB/s, {b['of_copy']:.2f} of copy ({b['variant']})")
     if args.plans_out:  # for FLASHLET_GEMV_PLANS: the winners that beat the default by >= 3%
         entries = []
@@ -304,7 +316,8 @@ def run_gpu(args) -> int:
                          and d["variant"] == "default" and d.get("us")), None)
             if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
                 n, k, epilogue, norm, _ = SHAPES[name]
-                entries.append(dict(key=[n, k, epilogue, norm, pdl], knobs=b["knobs"], us=b["us"],
+                key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else [])
+                entries.append(dict(key=key, knobs=b["knobs"], us=b["us"],
                                     shape=name, variant=b["variant"]))
         with open(args.plans_out, "w") as fh:
             json.dump(entries, fh, indent=1)
@@ -316,7 +329,7 @@ def run_gpu(args) -> int:
         tuned = {s: best[(s, pdl)]["knobs"] for s in ("qkv", "o", "gate_up", "down")}
         for label, plans in (("default plans", {}), ("best per shape", tuned)):
             try:
-                us = layer_chain_us(plans, pdl)
+                us = layer_chain_us(plans, pdl, m=args.rows)
                 chain[f"{label} pdl={pdl}"] = us
                 log(f"layer chain (QKV, O, gate+up, down; 24 layers), {label}, pdl={pdl}: {us:.1f} us a layer "
                     f"({29.82e6 / (us * 1e-6) / 1e9:.0f} GB/s; byte floor {29.82e6 / (copy_gbs * 1e3):.1f} us)")
@@ -352,7 +365,7 @@ def cubin_stats(cuobjdump: str, cubin_dir: str) -> dict:
     return stats
 
 
-def trace_one(name: str, pdl: bool, index: int) -> None:
+def trace_one(name: str, pdl: bool, index: int, rows: int = 1) -> None:
     """Compile variant `index` of (name, pdl) for sm_90a in this process (the DSL reads its
     dump settings from the environment at import: one process a variant)."""
     cute_gemv._dsl()
@@ -360,9 +373,9 @@ def trace_one(name: str, pdl: bool, index: int) -> None:
     # Without a GPU: the launch's shared-memory carveout hint (set only with a register cap)
     # queries the device; it is a runtime hint, not part of the code, so tracing skips it.
     dsl_module._build_kernel_attrs = lambda config: {}
-    label, knobs = variants(name, pdl)[index]
+    label, knobs = variants(name, pdl, rows)[index]
     try:
-        make_gemv(name, pdl, knobs, device="cpu").compile()
+        make_gemv(name, pdl, knobs, rows, device="cpu").compile()
     except Exception:  # noqa: BLE001  (no GPU: the final module load fails after the cubin is written)
         pass
 
@@ -376,13 +389,14 @@ def run_registers(args) -> int:
     rows = []
     for pdl in pdls:
         for name in args.only:
-            for index, (label, knobs) in enumerate(variants(name, pdl)):
+            for index, (label, knobs) in enumerate(variants(name, pdl, args.rows)):
                 with tempfile.TemporaryDirectory() as d:
                     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=d)
-                    subprocess.run([sys.executable, __file__, "--trace-one", name, str(int(pdl)), str(index)],
+                    subprocess.run([sys.executable, __file__, "--trace-one", name, str(int(pdl)), str(index),
+                                    str(args.rows)],
                                    env=env, capture_output=True, timeout=300)
                     stats = cubin_stats(args.cuobjdump, d)
-                plan = make_gemv(name, pdl, knobs, device="cpu").plan.describe()
+                plan = make_gemv(name, pdl, knobs, args.rows, device="cpu").plan.describe()
                 row = dict(shape=name, pdl=pdl, variant=label, plan=plan, **stats)
                 rows.append(row)
                 log(f"| {name} | {'on' if pdl else 'off'} | {label} | {plan} | {stats.get('regs', '?')} | "
@@ -404,11 +418,12 @@ def main() -> int:
     ap.add_argument("--plans-out", help="write the winners as FLASHLET_GEMV_PLANS entries (JSON)")
     ap.add_argument("--registers", action="store_true", help="CPU: registers / spills per variant (sm_90a)")
     ap.add_argument("--cuobjdump", default="cuobjdump", help="with --registers: the cuobjdump binary")
-    ap.add_argument("--trace-one", nargs=3, metavar=("SHAPE", "PDL", "INDEX"), help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, default=1, help="decode rows per call (M, 1-16): plans for the M-row kernel")
+    ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trace_one:
-        name, pdl, index = args.trace_one
-        trace_one(name, pdl == "1", int(index))
+        name, pdl, index, rows = args.trace_one
+        trace_one(name, pdl == "1", int(index), int(rows))
         return 0
     if args.registers:
         log("| shape | pdl | variant | plan | registers | stack bytes | LDL/STL | LDG.128 | LDGSTS |")

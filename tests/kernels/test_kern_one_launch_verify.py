@@ -19,11 +19,12 @@ from flashlet.kernels.decode_attention import decode_attention_one_launch, decod
 NAN = float("nan")
 
 
-def verify_step_as_decode_rows(kh, page_size, seqs):
+def verify_step_as_decode_rows(kh, page_size, seqs, shared_prefix_pages=None):
     """seqs: [(cached tokens, this step's tokens)] -> (pool dict, kv_indptr, kv_indices, kv_lens
     of one decode row per step token, the (page, row) slots this step writes). Each sequence's
     rows share its page table, their KV lengths cached + 1 .. cached + n."""
-    paged = kh.make_paged([c + n for c, n in seqs], page_size, 2, 16, seed=3)
+    paged = kh.make_paged([c + n for c, n in seqs], page_size, 2, 16, seed=3,
+                          shared_prefix_pages=shared_prefix_pages)
     indptr, indices, lens, written = [0], [], [], []
     for (cached, n), pages in zip(seqs, paged["pages"]):
         for length in range(cached + 1, cached + n + 1):
@@ -57,13 +58,18 @@ def play_the_qkv_gemv(monkeypatch, caches, written):
 # (cached, step tokens) per sequence: a verify row of 4 tokens whose rows straddle the split
 # boundary (16), a decode row, a verify row of 3 within one block, and one of 7 over pages.
 STEP = [(14, 4), (8, 1), (5, 3), (30, 7)]
+# Decode rows of two sequences sharing a first page (a cached prefix), KV lengths one apart: the
+# second looks like the first's next row, so its newest past row is read after the wait too.
+SHARED_PREFIX = ([(20, 1), (21, 1), (6, 2)], {1: (0, 2)})
 
 
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 16), (4, 16), (2, 32)])
-def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, num_splits, block_n):
+@pytest.mark.parametrize("step,shared", [(STEP, None), SHARED_PREFIX], ids=["verify", "shared-prefix"])
+def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, num_splits, block_n,
+                                                              step, shared):
     if kh.device != "cpu":
         pytest.skip("plays PDL in the interpreter (on a GPU the fused-path tests check it)")
-    paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, STEP)
+    paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, step, shared)
     rows, hq, head_dim = len(lens), 4, 16
     q = torch.randn(rows, hq, head_dim, generator=torch.Generator().manual_seed(7))
     caches = (paged["k_cache"], paged["v_cache"])

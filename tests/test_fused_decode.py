@@ -599,8 +599,13 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
     """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
     the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
     1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
-    the fused path off nothing widens; past SERVED_ROWS (k = 4: 5 tokens) nothing widens
-    beyond it."""
+    the fused path off nothing widens. Past SERVED_ROWS (k = 4: 5 tokens) the buffers and graph
+    sizes still widen, so a 5-token verify step fits them (a mixed graph, not an eager step),
+    while the fused row counts stop at SERVED_ROWS."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch
+
     spec = {**NGRAM, "num_speculative_tokens": 2}
     config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
                           speculative_config=spec)
@@ -613,7 +618,14 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
     off = Engine(config.replace(fused_decode=False)).runner
     assert off.fused is None and off.graph_sizes == [1] and off.buffers.max_seqs == 1
     wider = Engine(config.replace(speculative_config={**NGRAM, "num_speculative_tokens": 4})).runner
-    assert wider.fused.row_counts == wider.graph_sizes == [1, 2, 4] == [1, 2, fused_decode.SERVED_ROWS]
+    assert wider.fused.row_counts == [1, 2, 4] == [1, 2, fused_decode.SERVED_ROWS]
+    assert wider.graph_sizes == [1, 2, 4, 5] and wider.buffers.max_seqs == 5
+    batch = InputBatch(1, 4, 4)
+    batch.add(0, [1, 2])
+    verify = batch.layout(np.arange(1), [3], [5] * 5, query_lens=[5], spec_lens=[4])
+    wider.use_mixed_graphs = True  # as on CUDA
+    assert fused_decode.verify_as_decode_rows(verify, 4, wider.fused.max_rows) is None
+    assert wider.token_bucket(verify) == 16  # its sampled rows fit the buffers: a mixed graph
 
 
 def count_fused_verify_steps(monkeypatch) -> list:

@@ -57,12 +57,14 @@ def _given_or(value: bool | None, default: bool) -> bool:
 
 def decode_rows_limit(config) -> int:
     """The most rows a pure-decode step may have: max_num_seqs, or with speculation where the
-    fused path may run, up to SERVED_ROWS query tokens of verify steps loaded as decode rows."""
+    fused path may run, up to MAX_ROWS query tokens of a verify step: those of up to SERVED_ROWS
+    are loaded as decode rows and run fused; the step buffers hold the others' sampled rows too,
+    so they replay mixed graphs rather than run eagerly."""
     spec = config.speculative_config
     if spec is None or config.fused_decode is False:
         return config.max_num_seqs
     verify_tokens = config.max_num_seqs * (1 + spec.num_speculative_tokens)
-    return max(config.max_num_seqs, min(fused_decode.SERVED_ROWS, verify_tokens))
+    return max(config.max_num_seqs, min(fused_decode.MAX_ROWS, verify_tokens))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

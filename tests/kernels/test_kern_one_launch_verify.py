@@ -66,23 +66,32 @@ SHARED_PREFIX = ([(20, 1), (21, 1), (6, 2)], {1: (0, 2)})
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 16), (4, 16), (2, 32)])
 @pytest.mark.parametrize("step,shared", [(STEP, None), SHARED_PREFIX], ids=["verify", "shared-prefix"])
 def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, num_splits, block_n,
-                                                              step, shared):
+                                                              step, shared, scales=None):
     if kh.device != "cpu":
         pytest.skip("plays PDL in the interpreter (on a GPU the fused-path tests check it)")
     paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, step, shared)
     rows, hq, head_dim = len(lens), 4, 16
     q = torch.randn(rows, hq, head_dim, generator=torch.Generator().manual_seed(7))
     caches = (paged["k_cache"], paged["v_cache"])
-    want = decode_attention_reference(q, *caches, indptr, indices, lens, head_dim**-0.5)
+    scales = scales or {}
+    if scales:  # an fp8 pool, read with its scales
+        caches = tuple(c.to(torch.float8_e4m3fn) for c in caches)
+    want = decode_attention_reference(q, *caches, indptr, indices, lens, head_dim**-0.5, **scales)
     play_the_qkv_gemv(monkeypatch, caches, written)
     out = torch.full_like(q, NAN)
     decode_attention_one_launch(
         q, *caches, indptr, indices, lens, head_dim**-0.5, out=out,
         mid_o=torch.full((rows * num_splits, hq, head_dim), NAN), mid_lse=torch.full((rows * num_splits, hq), NAN),
         merge_counts=torch.zeros(rows * 2, dtype=torch.int32), num_splits=num_splits, min_split_tokens=16,
-        block_n=block_n, pdl=True)
+        block_n=block_n, pdl=True, **scales)
     assert not torch.isnan(out).any(), "a row written this step was read before the wait"
     assert kh.rel_err(out, want) < 1e-5
+
+
+def test_a_verify_step_over_an_fp8_pool(kh, monkeypatch):
+    """The same over an fp8 (e4m3) pool: this step's rows widened and scaled as the rest."""
+    test_a_verify_step_reads_no_row_of_its_own_before_the_wait(
+        kh, monkeypatch, 2, 16, STEP, None, scales=dict(k_scale=0.5, v_scale=2.0))
 
 
 def test_the_look_back_covers_every_earlier_row_of_a_fused_step():

@@ -222,10 +222,10 @@ class FusedDecode:
     """Owns the compiled GEMVs and the step buffers of the decode path of 1 to MAX_ROWS rows.
 
     One set of GEMVs per row count in `row_counts` (the runner's padded decode batch sizes up
-    to SERVED_ROWS, `served_row_counts`: a step of n rows runs padded to the next one, its padding rows on the pool's
-    scratch page, their outputs never read). A GEMV's time is its weight bytes whatever M, so
-    padding 5 rows to 8 costs little, while every row count costs its own compiled kernels at
-    start. A row count whose GEMVs the kernel cannot plan for this shape is left out
+    to SERVED_ROWS, `served_row_counts`: a step of n rows runs padded to the next one, its
+    padding rows on the pool's scratch page, their outputs never read). A GEMV's time is about
+    its weight bytes whatever M, so padding 3 rows to 4 costs little, while every row count
+    costs its own compiled kernels at start. A row count whose GEMVs the kernel cannot plan for this shape is left out
     (`declined_rows`): steps that would pad to it run per-op. The step buffers hold the largest
     row count's rows; a step uses views of its first M."""
 

@@ -1,7 +1,9 @@
-"""One decode row's linear layer in CuTe DSL: y[N] = W[N, K] @ x[K], with fused epilogues.
+"""A decode step's linear layer in CuTe DSL for 1 to 16 rows: y[M, N] = x[M, K] @ W[N, K]^T,
+with fused epilogues; the weights, which are the cost, are read once for all M rows.
 
-Work. W [N, K] bf16 row-major (nn.Linear's layout), x [K] bf16; products summed in fp32,
-rounded once to bf16. Epilogues, each folded into the same kernel:
+Work. W [N, K] bf16 row-major (nn.Linear's layout), x [M, K] bf16; products summed in fp32,
+rounded once to bf16. Epilogues, each folded into the same kernel (shapes per row; the bias is
+the layer's, one for all rows; the residual, positions and slots are each row's):
   none       y = W x                                   [N]
   bias       y = W x + b                               [N]   (the QKV projection)
   residual   y = W x + r                               [N]   (O and down: the residual add)
@@ -11,8 +13,11 @@ rounded once to bf16. Epilogues, each folded into the same kernel:
              decode path: y = W x (+ b), then RoPE on the q and k heads at the step's position
              and the k and v heads stored into the paged pool at its slot; see `RopeKV`)
 
-Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * N * K. At batch 1 only the
-bytes matter, so the design is about keeping enough loads in flight.
+Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * M * N * K. At batch 1 only
+the bytes matter, so the design is about keeping enough loads in flight. With M rows (`rows`,
+compiled in) each lane multiplies its weight chunks by every row's x and the group's sums are
+reduce-scattered so each lane finishes its own rows (`_dot_rows`, `reduce_scatter`;
+FUSED_NOTES.md, "Stage 4: M rows"); M = 1 compiles to the one-row kernel described below.
 
 Design. A group of L lanes (L = 32, 16, 8 ... the largest power of two dividing K / 8) owns
 a row; each lane holds C = K / (8 L) 16-byte chunks of that row, so a row is read as C

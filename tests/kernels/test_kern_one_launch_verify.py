@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashlet.kernels import decode_attention as da
 from flashlet.kernels import pdl
 from flashlet.kernels.decode_attention import decode_attention_one_launch, decode_attention_reference
+from flashlet.kernels.pdl import pdl_supported
 
 NAN = float("nan")
 
 
-def verify_step_as_decode_rows(kh, page_size, seqs, shared_prefix_pages=None):
-    """seqs: [(cached tokens, this step's tokens)] -> (pool dict, kv_indptr, kv_indices, kv_lens
-    of one decode row per step token, the (page, row) slots this step writes). Each sequence's
-    rows share its page table, their KV lengths cached + 1 .. cached + n."""
-    paged = kh.make_paged([c + n for c, n in seqs], page_size, 2, 16, seed=3,
+def verify_step_as_decode_rows(kh, page_size, seqs, shared_prefix_pages=None, head_dim=16):
+    """seqs: [(cached tokens, this step's tokens)] -> (pool dict (2 KV heads), kv_indptr,
+    kv_indices, kv_lens of one decode row per step token, the (page, row) slots this step
+    writes). Each sequence's rows share its page table, their KV lengths cached + 1 .. cached + n."""
+    paged = kh.make_paged([c + n for c, n in seqs], page_size, 2, head_dim, seed=3,
                           shared_prefix_pages=shared_prefix_pages)
     indptr, indices, lens, written = [0], [], [], []
     for (cached, n), pages in zip(seqs, paged["pages"]):
@@ -102,3 +105,52 @@ def test_the_look_back_covers_every_earlier_row_of_a_fused_step():
         lookback = da.one_launch_lookback(batch)
         assert lookback >= batch - 1 and lookback & (lookback - 1) == 0
     assert da.one_launch_lookback(256) == da.MAX_LOOKBACK
+
+
+# ---- on the GPU: a real race --------------------------------------------------------------------
+
+
+@triton.jit
+def _late_kv_writer(K, V, NewK, NewV, Slots, ROW: tl.constexpr):
+    """Plays the QKV GEMV: lets the next kernel launch at once, sleeps 20 us, then writes this
+    step's K/V rows (one program a row) at their pool slots."""
+    pdl.launch_dependents()
+    tl.inline_asm_elementwise("nanosleep.u32 20000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    r = tl.program_id(0)
+    slot = tl.load(Slots + r).to(tl.int64)
+    e = tl.arange(0, ROW)
+    tl.store(K + slot * ROW + e, tl.load(NewK + r * ROW + e))
+    tl.store(V + slot * ROW + e, tl.load(NewV + r * ROW + e))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_verify_step_after_a_late_writer_on_the_gpu(kh, num_splits):
+    """sm_90+: the K/V writer lets the attention launch (PDL) and then sleeps 20 us before it
+    writes this step's rows, which hold NaN until then: the attention must read them after its
+    wait. Over 20 launches, every output is the reference's on the written pool."""
+    if kh.device != "cuda" or not pdl_supported(torch.device("cuda")):
+        pytest.skip("needs Programmatic Dependent Launch (CUDA sm_90+)")
+    bf16, page_size, hkv, head_dim = torch.bfloat16, 16, 2, 64
+    paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, page_size, STEP, head_dim=head_dim)
+    k_cache, v_cache = (paged[name].to(bf16) for name in ("k_cache", "v_cache"))
+    rows, hq = len(lens), 7 * hkv
+    slots = torch.tensor([page * page_size + row for page, row in written], dtype=torch.int32, device="cuda")
+    new_k, new_v = (c.flatten(0, 1)[slots.long()].clone() for c in (k_cache, v_cache))
+    want_out = None
+    q = torch.randn(rows, hq, head_dim, device="cuda").to(bf16)
+    for _ in range(20):
+        for cache in (k_cache, v_cache):
+            cache.flatten(0, 1)[slots.long()] = float("nan")
+        _late_kv_writer[(len(written),)](k_cache, v_cache, new_k, new_v, slots, ROW=hkv * head_dim)
+        out = torch.full_like(q, float("nan"))
+        decode_attention_one_launch(
+            q, k_cache, v_cache, indptr, indices, lens, head_dim**-0.5, out=out,
+            mid_o=torch.empty(rows * num_splits, hq, head_dim, device="cuda"),
+            mid_lse=torch.empty(rows * num_splits, hq, device="cuda"),
+            merge_counts=torch.zeros(rows * hkv, dtype=torch.int32, device="cuda"),
+            num_splits=num_splits, min_split_tokens=16, block_n=16, pdl=True)
+        if want_out is None:
+            want_out = decode_attention_reference(q, k_cache, v_cache, indptr, indices, lens, head_dim**-0.5)
+        assert not torch.isnan(out).any(), "a row written this step was read before the wait"
+        assert kh.rel_err(out, want_out) < 1e-2

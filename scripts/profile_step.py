@@ -2,6 +2,8 @@
 kernels and host functions of a few steps under torch.profiler.
 
     python scripts/profile_step.py --backend torch --batch 1 --config qwen2.5-0.5b
+    python scripts/profile_step.py --backend triton --batch 8 --fused-decode --fused-parts pdl rope attn \
+        --served-rows 8 --timeline     # a fused step of rows past fused_decode.SERVED_ROWS
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 import torch
 
 from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
 
 
@@ -25,12 +28,19 @@ def main(argv=None) -> None:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--rows", type=int, default=12)
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
-    p.add_argument("--fused-decode", action="store_true", help="the CuTe one-sequence path")
+    p.add_argument("--fused-decode", action="store_true", help="the CuTe fused decode path")
     p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
                    help="with --fused-decode: the parts on (the rest off)")
+    p.add_argument("--served-rows", type=int, default=None,
+                   help="with --fused-decode: the most rows it serves (fused_decode.SERVED_ROWS, "
+                        "the measured choice, by default; up to MAX_ROWS)")
     p.add_argument("--timeline", action="store_true",
                    help="also list one step's GPU kernels in order: start offset, duration, gap")
     args = p.parse_args(argv)
+    if args.served_rows is not None:
+        if not 1 <= args.served_rows <= fused_decode.MAX_ROWS:
+            p.error(f"--served-rows must be in 1..{fused_decode.MAX_ROWS}")
+        fused_decode.SERVED_ROWS = args.served_rows
     parts = FusedParts(**{part: part in args.fused_parts for part in ("pdl", "rope", "attn")})
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=4096,
                                  cuda_graph=not args.no_cuda_graph, dtype="bfloat16",

@@ -11,6 +11,7 @@ and the default (auto): the conditions under which it turns the path on, each br
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -20,28 +21,51 @@ from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_refere
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
+from flashlet.core import engine as engine_module
 from tests.conftest import run_to_completion
 
 
 class ReferenceGemv:
-    """CuteGemv's interface, computed by gemv_reference (the kernels' fp32 reference)."""
+    """CuteGemv's interface for M rows (`rows=M`: x [M, K], out [M, N], the argmax's [M], a
+    residual [M, N], a bias [N], RopeKV's positions and slots [M]), each row computed by
+    gemv_reference / rope_kv_reference (the kernels' fp32 references)."""
 
     def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6,
-                 rope=None):
+                 rope=None, rows=1):
         self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
+        self.rows = rows
         self.calls = 0
+        self.compile_seconds = None  # as CuteGemv: set once compiled (at its first call)
 
     def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None):
-        p = self.plan
+        p, m = self.plan, self.rows
         assert (norm_weight is not None) == p.norm and weight.shape == (p.n_rows, p.k)
         assert (rope_kv is not None) == (p.rope is not None)
-        if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
-            y = rope_kv_reference(x, weight, extra, p.rope, rope_kv, norm_weight, p.eps, dtype=out.dtype)
-        else:
-            y = gemv_reference(x, weight, p.epilogue, extra, norm_weight, p.eps)
-        out.copy_(y.reshape(out.shape))
+        assert x.shape == (m, p.k) and out.shape[0] == m, (x.shape, out.shape, m)
+        for r in range(m):
+            out[r] = self._row(r, x, weight, extra, norm_weight, rope_kv, out.dtype).reshape(out[r].shape)
         self.calls += 1
+        self.compile_seconds = 0.5
         return out
+
+    def _row(self, r, x, weight, extra, norm_weight, rope_kv, dtype):
+        p = self.plan
+        if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
+            assert rope_kv.positions.shape == rope_kv.slot_mapping.shape == (self.rows,)
+            row_kv = dataclasses.replace(rope_kv, positions=rope_kv.positions[r : r + 1],
+                                         slot_mapping=rope_kv.slot_mapping[r : r + 1])
+            return rope_kv_reference(x[r : r + 1], weight, extra, p.rope, row_kv, norm_weight, p.eps, dtype=dtype)
+        if p.epilogue == "residual":
+            assert extra.shape == (self.rows, p.n_rows)
+            extra = extra[r]
+        return gemv_reference(x[r : r + 1], weight, p.epilogue, extra, norm_weight, p.eps)
+
+
+@pytest.fixture
+def all_kernel_rows(monkeypatch):
+    """The fused path serving every row count its kernel takes (SERVED_ROWS, the measured
+    choice, raised to MAX_ROWS): the wiring of steps of 5-16 rows."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
 
 
 @pytest.fixture
@@ -83,7 +107,7 @@ def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, para
     want, _ = generate(tiny_model, False, PROMPTS, **params)
     got, engine = generate(tiny_model, True, PROMPTS, **params)
     assert got == want
-    fused = engine.runner.fused
+    fused = engine.runner.fused.gemvs[1]
     decode_steps = sum(12 - 1 for _ in PROMPTS)
     layers = len(engine.model.layers)
     assert fused.qkv.calls == fused.down.calls == layers * decode_steps
@@ -104,8 +128,8 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
     got, engine = generate(tiny_model, True, PROMPTS, rope=True, **params)
     assert got == want
     fused = engine.runner.fused
-    assert fused.rope is not None and fused.qkv.plan.epilogue.endswith("rope_kv")
-    assert fused.qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
+    assert fused.rope is not None and fused.gemvs[1].qkv.plan.epilogue.endswith("rope_kv")
+    assert fused.gemvs[1].qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
     assert not write_rope_calls
 
 
@@ -171,9 +195,9 @@ def test_one_launch_attention_is_the_fused_paths_own_whatever_the_backend(tiny_q
 def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(tiny_qwen2,
                                                                                 reference_kernels):
     """The graph path (graphs stood in for by eager replays) behind the torch step backend, its
-    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one-row steps
-    plan and key their graphs by it, two-row steps by the step backend (whose graph key, a page
-    table width, exists only once it planned); tokens are the per-op engine's."""
+    one-launch attention the fused path's own triton backend (interpreted, ~20 s): one- and
+    two-row steps plan and key their graphs by it (never by the step backend, whose graph key
+    is a page table width); tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6]]
@@ -190,8 +214,8 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
     runner = engine.runner
     assert runner.fused_attention.name == "triton" and runner.backend.name == "torch"
     keys = set(runner.graphs)
-    assert (1, "tokens") in keys  # the fused attention's key adds nothing
-    assert any(key[:2] == (2, "logits") and len(key) == 3 for key in keys)  # the torch backend's width
+    assert {(1, "tokens"), (2, "tokens")} <= keys  # the fused attention's key adds nothing
+    assert all(len(key) == 2 for key in keys)
     assert not runner.fused_attention._merge_counts.any()
 
 
@@ -207,7 +231,7 @@ def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
         engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-    assert engine.runner.fused.lm_head.calls == 5 and len(rows[True]) == 6
+    assert engine.runner.fused.gemvs[1].lm_head.calls == 5 and len(rows[True]) == 6
     for want, got in zip(rows[False], rows[True]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -251,7 +275,7 @@ def test_a_long_down_projection_runs_on_cublas_inside_the_fused_step(tiny_model,
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real(*a, **k))
     got, engine = generate(tiny_model, True, PROMPTS)
     assert got == want
-    fused = engine.runner.fused
+    fused = engine.runner.fused.gemvs[1]
     assert fused.down is None and fused.qkv.calls == fused.gate_up.calls == len(addmm_calls) > 0
     assert not any("intermediate_size" in why for why in fused_decode.refusals(engine.model, torch.device("cuda")))
 
@@ -283,8 +307,8 @@ def test_fused_decode_flags_parse_on_off_and_absent():
 
 def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
     """The runner's graph path with the fused body (graphs stood in for by eager replays, as in
-    test_step_layout): batch-1 steps replay the fused greedy-token graph, two-row steps the
-    per-op graphs, and the tokens are the per-op engine's."""
+    test_step_layout): one- and two-row steps replay the fused greedy-token graphs of their
+    size, and the tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
@@ -298,8 +322,8 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     keys = {key[:2] for key in engine.runner.graphs}
-    assert (1, "tokens") in keys and (2, "logits") in keys  # the last prompt decodes alone
-    assert engine.runner.fused.lm_argmax.calls > 0
+    assert (1, "tokens") in keys and (2, "tokens") in keys  # the last prompt decodes alone
+    assert all(engine.runner.fused.gemvs[m].lm_argmax.calls > 0 for m in (1, 2))
 
 
 # ---- auto: on by default where it applies (EngineConfig.fused_decode None) -----------------
@@ -371,7 +395,7 @@ def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2,
     with caplog.at_level("INFO", logger="flashlet"):
         got, engine = generate(tiny_qwen2, None, PROMPTS, rope=None)
     assert got == want
-    assert engine.runner.fused is not None and engine.runner.fused.lm_argmax.calls > 0
+    assert engine.runner.fused is not None and engine.runner.fused.gemvs[1].lm_argmax.calls > 0
     assert engine.config.fused_decode is True
     assert engine.runner.fused.parts == FusedParts(pdl=False, rope=False, attn=False)
     assert "fused decode path: on (auto), PDL off, RoPE in QKV off, one-launch attention off" in caplog.text
@@ -411,4 +435,427 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     got, engine = generate(folder, True, PROMPTS, rope=None)
     assert got == want
     assert engine.runner.fused.rope is None and not engine.runner.fused.parts.rope
-    assert engine.runner.fused.lm_argmax.calls > 0
+    assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0
+
+
+# ---- several rows: decode steps of several sequences, verify steps as decode rows -----------
+def row_prompts(count: int) -> list[list[int]]:
+    """Prompts of 3 to 3 + 2 (count - 1) tokens, each its own."""
+    return [[(7 * i + 3 * p + 1) % 200 + 2 for i in range(3 + 2 * p)] for p in range(count)]
+
+
+def count_per_op_forwards(engine) -> list:
+    """Records, for each per-op forward, whether its step was pure decode and whether it
+    verified proposals with no prefill chunk beside them (every query token sampled)."""
+    seen, model = [], engine.model
+    real = model.forward
+
+    def forward(input_ids, positions, attn):
+        host = attn.meta.host
+        seen.append((host.is_pure_decode, not host.is_pure_decode and host.num_sampled == host.num_tokens))
+        return real(input_ids, positions, attn)
+
+    model.forward = forward
+    return seen
+
+
+def run_engine(model_dir, fused, prompts, params, max_num_seqs, spec=None, **config):
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=max_num_seqs,
+                                 fused_decode=fused, speculative_config=spec, **config))
+    perturb_norms(engine)
+    per_op = count_per_op_forwards(engine)
+    outs = run_to_completion(engine, prompts, params)
+    engine.check_integrity()
+    return outs, engine, per_op
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 16])
+def test_decode_steps_of_several_rows_run_fused_with_the_model_tokens(tiny_qwen2, reference_kernels,
+                                                                     all_kernel_rows, batch):
+    """`batch` requests decode together, finishing at different steps, the fused path serving
+    up to the kernel's 16 rows (SERVED_ROWS raised to MAX_ROWS, as it will be once 16 fused rows
+    are faster): every pure-decode step of n rows runs fused (never the per-op forward), padded
+    to the next row count (the decode graph sizes: 1, 2, 4, ..., max_num_seqs), the tokens from
+    the argmax epilogue; tokens are the per-op engine's and the padding rows leave the pool as
+    it was (integrity)."""
+    from flashlet.runner.model_runner import graph_batch_sizes
+
+    prompts = row_prompts(batch)
+    params = [SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True) for i in range(batch)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, batch)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, batch)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert fused.row_counts == graph_batch_sizes(batch) and fused.max_rows == batch
+    assert fused.gemvs[batch].lm_argmax.calls > 0  # a step of every row
+    assert not any(decode for decode, _ in per_op)
+    assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
+    used = [g for gemvs in fused.gemvs.values() for g in gemvs.all() if g.calls]
+    assert fused.compiled() == (len(used), 0.5 * len(used))  # what the warm-up reports
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_several_rows_of_other_families(tmp_path, reference_kernels, all_kernel_rows, family):
+    """Qwen3 (per-head q / k norms in the pool's RoPE + K/V write over all rows) and Llama (no
+    QKV bias, its own LM head): 5 rows padded to 8, tokens the per-op engine's."""
+    from tests.test_model_families import save_family
+
+    folder = save_family(family, tmp_path / family)
+    prompts = row_prompts(5)
+    params = [SamplingParams(max_new_tokens=3 + i % 3, ignore_eos=True) for i in range(5)]
+    want, _, _ = run_engine(folder, False, prompts, params, 8)
+    got, engine, per_op = run_engine(folder, True, prompts, params, 8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.runner.fused.gemvs[8].lm_argmax.calls > 0 and not any(d for d, _ in per_op)
+
+
+def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qwen2, reference_kernels):
+    """Greedy, seeded top-p, logprobs and min_p rows in one step: the fused path writes logits
+    for all (no argmax), the sampler samples the sampled rows from them; tokens and logprobs
+    are the per-op engine's."""
+    prompts = row_prompts(4)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=2),
+              SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=1.0, min_p=0.05, seed=9)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 4)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for w, g in zip(want[2].logprobs, got[2].logprobs):
+        assert w.token_id == g.token_id and w.logprob == pytest.approx(g.logprob, abs=1e-4)
+    gemvs = engine.runner.fused.gemvs[4]
+    assert gemvs.lm_head.calls > 0 and gemvs.lm_argmax.calls == 0
+    assert not any(decode for decode, _ in per_op)
+
+
+def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels):
+    """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): the fused path serves the sizes up to
+    SERVED_ROWS (4: where it was measured faster), so steps of 5-18 rows replay the per-op
+    graphs (the step backend's), steps of 4 or fewer the fused ones (graphs stood in for by
+    eager replays); only the served sizes have GEMVs; tokens are the per-op engine's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts = [[(5 * i + p) % 200 + 2 for i in range(3)] for p in range(18)]
+    params = [SamplingParams(max_new_tokens=2 + i // 3, ignore_eos=True) for i in range(18)]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=18, fused_decode=fused))
+        perturb_norms(engine)
+        _graphs_on_the_cpu(engine)
+        outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
+    assert outs[0] == outs[1]
+    fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
+    assert fused_decode.SERVED_ROWS == 4 and fused.row_counts == [1, 2, 4]
+    assert {(18, "logits"), (16, "logits"), (8, "logits"), (4, "tokens")} <= keys
+    assert not {(16, "tokens"), (8, "tokens")} & keys and fused.gemvs[4].lm_argmax.calls > 0
+
+
+def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kernels, monkeypatch):
+    """A CuteGemv that takes no `rows` (a kernel of one row): the path serves one-row steps with
+    it, and two-row steps run per-op; tokens are the per-op engine's."""
+    class OneRowGemv(ReferenceGemv):
+        def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False,
+                     eps=1e-6, rope=None):
+            super().__init__(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", OneRowGemv)
+    monkeypatch.setattr(fused_decode, "plan_gemv", lambda n_rows, k, epilogue="none", **kw: None)
+    assert fused_decode.gemv_row_limit() == 1
+    prompts, params = row_prompts(2), SamplingParams(max_new_tokens=5, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 2)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.runner.fused.row_counts == [1] and any(decode for decode, _ in per_op)
+    with pytest.raises(ValueError, match=r"row counts must be in 1..1"):
+        fused_decode.FusedDecode(engine.model, torch.device("cpu"), row_counts=[1, 2])
+
+
+def test_row_counts_the_kernel_cannot_plan_run_per_op(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch, caplog):
+    """A kernel whose plan refuses more than 4 rows for this shape (as the argmax does where K
+    gives fewer lanes a row than M): the path keeps 1, 2, 4, logs why 8 is left out, and a
+    step of 7 rows runs per-op; tokens are the per-op engine's."""
+    class UpToFourRows(ReferenceGemv):
+        def __init__(self, *args, rows=1, **kwargs):
+            if rows > 4:
+                raise ValueError(f"argmax with rows={rows} needs at least as many lanes a row")
+            super().__init__(*args, rows=rows, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", UpToFourRows)
+    prompts, params = row_prompts(7), SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 8)
+    with caplog.at_level("INFO", logger="flashlet"):
+        got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert fused.row_counts == [1, 2, 4] and list(fused.declined_rows) == [8]
+    assert "no GEMVs of 8 rows for this shape (per-op there): argmax with rows=8" in caplog.text
+    assert any(decode for decode, _ in per_op)  # the 7-row steps
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog):
+    """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
+    the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
+    1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
+    the fused path off nothing widens. Past SERVED_ROWS (k = 4: 5 tokens) the buffers and graph
+    sizes still widen, so a 5-token verify step fits them (a mixed graph, not an eager step),
+    while the fused row counts stop at SERVED_ROWS."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch
+
+    spec = {**NGRAM, "num_speculative_tokens": 2}
+    config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
+                          speculative_config=spec)
+    with caplog.at_level("INFO", logger="flashlet"):
+        runner = Engine(config).runner
+    assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 3]
+    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 3
+    assert "decode (1-3 rows): fused" in caplog.text and "decode (4+ rows)" in caplog.text
+    assert "rows 1, 2, 3 (18 CuTe GEMVs)" in caplog.text
+    off = Engine(config.replace(fused_decode=False)).runner
+    assert off.fused is None and off.graph_sizes == [1] and off.buffers.max_seqs == 1
+    wider = Engine(config.replace(speculative_config={**NGRAM, "num_speculative_tokens": 4})).runner
+    assert wider.fused.row_counts == [1, 2, 4] == [1, 2, fused_decode.SERVED_ROWS]
+    assert wider.graph_sizes == [1, 2, 4, 5] and wider.buffers.max_seqs == 5
+    batch = InputBatch(1, 4, 4)
+    batch.add(0, [1, 2])
+    verify = batch.layout(np.arange(1), [3], [5] * 5, query_lens=[5], spec_lens=[4])
+    wider.use_mixed_graphs = True  # as on CUDA
+    assert fused_decode.verify_as_decode_rows(verify, 4, wider.fused.max_rows) is None
+    assert wider.token_bucket(verify) == 16  # its sampled rows fit the buffers: a mixed graph
+
+
+def count_fused_verify_steps(monkeypatch) -> list:
+    """Records the number of query tokens of each step loaded as decode rows."""
+    expanded = []
+    real = fused_decode.verify_as_decode_rows
+
+    def counted(layout, page_size, max_rows):
+        decode = real(layout, page_size, max_rows)
+        if decode is not None:
+            expanded.append(decode.num_seqs)
+        return decode
+
+    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", counted)
+    return expanded
+
+
+def test_verify_steps_run_fused_and_greedy_output_is_speculation_offs(tiny_qwen2, reference_kernels, all_kernel_rows,
+                                                                     monkeypatch):
+    """ngram speculation on the fused path: every verify step (at most 2 x 4 tokens) runs as
+    decode rows on the fused GEMVs, never the per-op forward, its greedy rows decided by the LM
+    head's argmax epilogue (no logits, as without speculation), and the greedy tokens are those
+    of the per-op engine without speculation."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(2, seed=3)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2)
+    expanded = count_fused_verify_steps(monkeypatch)
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 2, spec=NGRAM, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0 and len(expanded) > 0 and max(expanded) > 2
+    assert not any(decode or verifying for decode, verifying in per_op)  # steps with a chunk only
+    fused = engine.runner.fused
+    assert fused.row_counts == [1, 2, 4, 8]  # 2 sequences x (1 + 3) tokens
+    assert sum(fused.gemvs[m].lm_argmax.calls for m in (4, 8)) > 0  # verify steps of 3+ tokens
+    assert sum(g.lm_head.calls for g in fused.gemvs.values()) == 0
+
+
+def test_sampled_verify_rows_take_the_fused_logits(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
+    """A verify step with a seeded sampled request beside a greedy one: the fused path writes
+    logits for every query token and exact rejection sampling decides; the tokens are those of
+    the per-op engine with speculation (the same logits, the same seeded draws)."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(2, seed=3)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.95, seed=11)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, spec=NGRAM, page_size=4)
+    expanded = count_fused_verify_steps(monkeypatch)
+    got, engine, _ = run_engine(tiny_qwen2, True, prompts, params, 2, spec=NGRAM, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    fused = engine.runner.fused
+    assert expanded and sum(fused.gemvs[m].lm_head.calls for m in (4, 8)) > 0
+
+
+def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
+    """Every step's logits with speculation on (an observer's copy), fused against per-op: the
+    same steps, the same rows (each verify row's 1 + k in order), equal to fp32 rounding."""
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(3, seed=1)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    rows = {}
+    expanded = count_fused_verify_steps(monkeypatch)
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=3, page_size=4,
+                                     fused_decode=fused, speculative_config=NGRAM))
+        perturb_norms(engine)
+        rows[fused] = []
+        engine.observe_steps(lambda meta, logits, fused=fused: rows[fused].append(logits.clone()))
+        run_to_completion(engine, prompts, params)
+    assert len(expanded) > 0 and len(rows[True]) == len(rows[False])
+    for want, got in zip(rows[False], rows[True]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class AlwaysGuess:
+    """A proposer that always proposes k tokens (the request's last k, reversed): verify steps
+    of 1 + k tokens a request every step, whatever the model accepts."""
+
+    def propose(self, requests, k):
+        return [(list(req.token_slice(0, req.num_tokens))[::-1] * k)[:k] for req in requests]
+
+    def on_accepted(self, request, num_accepted):
+        pass
+
+    def release(self, request):
+        pass
+
+    def warm_up(self):
+        pass
+
+
+def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernels, monkeypatch):
+    """k = 7 with three sequences, the fused path serving up to 8 rows: a verify step of more
+    than 8 tokens runs per-op (as does any step with a prefill chunk), one request's (once the
+    others finished) fused; the greedy tokens are speculation off's."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", 8)
+    prompts = row_prompts(3)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 8, 4)]
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 3)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    spec = {**NGRAM, "num_speculative_tokens": 7}
+    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 3, spec=spec, page_size=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(verifying for _, verifying in per_op)  # a verify-only step on the per-op path
+    assert expanded and 2 < max(expanded) <= 8 == engine.runner.fused.max_rows
+
+
+@pytest.mark.slow
+def test_fused_verify_steps_through_the_one_launch_attention(tiny_qwen2, reference_kernels, all_kernel_rows, monkeypatch):
+    """The verify rows as decode rows through the triton one-launch attention (interpreted,
+    ~30 s) and RoPE + K/V write in the QKV epilogue (its reference): rows of one sequence at
+    KV lengths L + 1 .. L + k + 1, each attending after every row's K/V is written; greedy
+    tokens are the per-op engine's without speculation, the merge counters left at zero."""
+    prompts = row_prompts(2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
+    triton = {"backend": "triton"}
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, **triton)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, page_size=4,
+                                 fused_decode=True, speculative_config=NGRAM, **triton),
+                    FusedParts(rope=True, attn=True))
+    perturb_norms(engine)
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert expanded and max(expanded) > 2 and engine.runner.fused.one_launch_attention
+    assert not engine.runner.backend._merge_counts.any()
+
+
+def test_verify_rows_as_decode_rows_give_the_ragged_steps_logits(tiny_qwen2):
+    """A step of two verify rows (one from position 0, one after 5 cached tokens) and a decode,
+    over a pool of random K/V: the same step as one decode row per query token gives the same
+    logits through the per-op model (the torch backend's decode and ragged kernels)."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch, load_layout
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=3, page_size=4))
+    pool, model, backend = engine.kv_pool, engine.model, engine.runner.backend
+    g = torch.Generator().manual_seed(0)
+    for cache in (pool.k_cache, pool.v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    batch = InputBatch(3, 4, 4)
+    for i, pages in enumerate(([1, 2], [3, 4, 5], [6, 7])):
+        batch.add(i, pages)
+    layout = batch.layout(np.arange(3), [0, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11],
+                          query_lens=[6, 3, 1], spec_lens=[5, 2, 0])
+    decode = fused_decode.verify_as_decode_rows(layout, 4, 16)
+    assert decode is not None and decode.is_pure_decode and decode.num_seqs == 10
+    assert decode.arrays["kv_lens"].tolist() == [1, 2, 3, 4, 5, 6, 6, 7, 8, 7]
+    logits = []
+    for step in (layout, decode):
+        input_ids, meta = load_layout(step, "cpu")
+        backend.plan(meta)
+        logits.append(model.compute_logits(model(input_ids, meta.positions, backend)[meta.logits_indices]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_verify_as_decode_rows_declines_what_it_does_not_serve():
+    """A prefill chunk (its first rows not sampled), more tokens than the fused rows, a pure
+    decode step (nothing to do) and a verify row whose proposals are cut short of its chunk."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch
+
+    batch = InputBatch(2, 4, 4)
+    batch.add(0, [1, 2])
+    batch.add(1, [3, 4])
+    rows = np.arange(2)
+
+    def step(starts, lens, spec_lens=None):
+        return batch.layout(rows, starts, [5] * sum(lens), query_lens=lens, spec_lens=spec_lens)
+
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 1]), 4, 16) is None  # chunk
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 1], [1, 0]), 4, 16) is None  # cut short
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 4) is None  # 5 > 4 rows
+    assert fused_decode.verify_as_decode_rows(batch.layout(rows, [2, 3], [5, 6]), 4, 16) is None
+    assert fused_decode.verify_as_decode_rows(step([0, 2], [3, 2], [2, 1]), 4, 5) is not None
+
+
+def test_the_one_launch_attention_looks_back_over_every_row_of_a_fused_step():
+    """A fused step's attention (PDL) tells a verify row's own earlier rows from the past by
+    looking back over the rows before it (kernels/decode_attention.py): at every row count the
+    kernel can serve, the look-back reaches the step's first row."""
+    from flashlet.kernels.decode_attention import one_launch_lookback
+
+    for rows in range(2, fused_decode.MAX_ROWS + 1):
+        assert one_launch_lookback(rows) >= rows - 1
+    assert fused_decode.SERVED_ROWS <= fused_decode.MAX_ROWS
+
+
+def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kernels, monkeypatch):
+    """With graphs (stood in for by eager replays on the CPU) and k = 4: a verify step of 5
+    tokens (past SERVED_ROWS) runs per-op; one of up to 4 (near max_new_tokens) is loaded as
+    decode rows and replays the greedy-token graph of its padded size, never an eager fused
+    step; the greedy tokens are speculation off's."""
+    from tests.test_step_layout import _graphs_on_the_cpu
+
+    prompts, params = row_prompts(1), SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 1)
+    expanded = count_fused_verify_steps(monkeypatch)
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, page_size=4,
+                                 fused_decode=True, speculative_config={**NGRAM, "num_speculative_tokens": 4}))
+    perturb_norms(engine)
+    per_op = count_per_op_forwards(engine)
+    _graphs_on_the_cpu(engine)
+    runner, replayed, eager = engine.runner, [], []
+    real_replay, real_token = runner._replay, runner.fused.token
+
+    def replay(input_ids, meta, size, tokens=False):
+        replayed.append((size, tokens, meta.num_seqs - meta.num_padding))
+        return real_replay(input_ids, meta, size, tokens)
+
+    def token(input_ids, *args):  # inside a replay the last one recorded is this step's
+        if not replayed or replayed[-1][0] != input_ids.shape[0]:
+            eager.append(input_ids.shape[0])
+        return real_token(input_ids, *args)
+
+    runner._replay = replay
+    monkeypatch.setattr(runner.fused, "token", token)
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not eager
+    verify_replays = [(size, rows) for size, tokens, rows in replayed if tokens and rows > 1]
+    padded = [next(s for s in runner.fused.row_counts if s >= n) for n in expanded]
+    assert expanded and verify_replays == list(zip(padded, expanded)) and max(expanded) <= 4
+    assert any(verifying for _, verifying in per_op)  # the 5-token steps

@@ -12,7 +12,7 @@ import torch
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
 from flashlet.core.request import Request
-from flashlet.spec.speculative import NgramProposer, SpeculativeConfig, verify
+from flashlet.spec.speculative import NgramProposer, SpeculativeConfig, verify, verify_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -382,6 +382,24 @@ def test_a_rejected_proposal_is_never_the_token_drawn_instead():
     greedy = [Request(0, [1], SamplingParams(max_new_tokens=8))]
     (result,) = verify(logits, greedy, {greedy[0]: [0]}, frozenset())
     assert result == (([1], None, 0))
+
+
+def test_greedy_verify_from_argmax_tokens_is_verify_from_logits():
+    """verify_greedy (each row's argmax token, the fused path's LM head epilogue) decides as
+    verify does on the logits: rows without proposals, all accepted, a rejection at each place."""
+    torch.manual_seed(1)
+    vocab = 12
+    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=8)) for i in range(5)]
+    logits = torch.randn(1 + 4 + 4 + 2 + 4, vocab)  # each request's 1 + k rows
+    chosen = logits.argmax(-1).tolist()
+    proposals = {reqs[1]: chosen[1:4],                              # all three accepted
+                 reqs[2]: [chosen[5], (chosen[6] + 1) % vocab, 0],  # rejected at the second
+                 reqs[3]: [(chosen[9] + 1) % vocab],                # rejected at the first
+                 reqs[4]: chosen[11:14]}
+    want = verify(logits, reqs, proposals, frozenset())
+    got = verify_greedy(logits.argmax(-1), reqs, proposals)
+    assert got == want
+    assert [r.num_accepted for r in got] == [0, 3, 1, 0, 3]
 
 
 def test_prompt_logprobs_and_embeddings_share_verify_steps(tiny_qwen2):

@@ -49,13 +49,16 @@ def test_cpu_runs_torch_per_op():
 
 
 def test_the_start_line_names_each_step_kind_and_why():
-    fused = paths().log_line(fused_on=True)
-    assert fused == (f"decode (1 row): {FUSED_DECODE_PATH}; decode (2+ rows): flashinfer; prefill/mixed: "
+    fused = paths().log_line(fused_rows=16)
+    assert fused == (f"decode (1-16 rows): {FUSED_DECODE_PATH}, and verify steps of <= 16 tokens; "
+                     f"decode (17+ rows): flashinfer; prefill/mixed: "
                      f"flashinfer (no measurement for head_dim 128, group 2: FlashInfer's default at "
                      f"head_dim >= 128)")
-    off = paths(tp=True).log_line(fused_on=False)
+    one = paths().log_line(fused_rows=1)  # a GEMV of one row only
+    assert one.startswith(f"decode (1 row): {FUSED_DECODE_PATH}; decode (2+ rows): flashinfer")
+    off = paths(tp=True).log_line(fused_rows=0)
     assert off.startswith("decode (1 row): flashinfer (per-op: tensor parallelism is on")
-    shape = paths().log_line(fused_on=False, fused_why="intermediate_size = 18944 is over 16384")
+    shape = paths().log_line(fused_rows=0, fused_why="intermediate_size = 18944 is over 16384")
     assert "(per-op: intermediate_size = 18944 is over 16384)" in shape
 
 

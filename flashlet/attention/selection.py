@@ -2,13 +2,15 @@
 
 A step is one of three kinds, and each may run a different path over the same paged pool (every
 backend reads the pool's NHD layout, `KVPool`):
-    decode (1 row)     the fused decode path (CuTe GEMVs + the triton one-launch attention,
-                       `flashlet/runner/fused_decode.py`), where the platform and the model allow it
-    decode (2+ rows)   the step backend, per-op
+    decode (1-4 rows)  the fused decode path (CuTe GEMVs + the triton one-launch attention,
+                       `flashlet/runner/fused_decode.py`), where the platform and the model allow
+                       it; so do speculative verify steps of at most 4 query tokens (the rows
+                       where it was measured faster: `fused_decode.SERVED_ROWS`)
+    decode (5+ rows)   the step backend, per-op
     prefill/mixed      the step backend, per-op
 The fused path brings its own attention (a `TritonBackend` over the pool), so installing
-FlashInfer changes what serves prefill and multi-row decode, never whether one-row decode is
-fused.
+FlashInfer changes what serves prefill and larger decode steps, never whether small decode
+steps are fused.
 
 `choose_paths` is a pure function of the platform (device capability, installed packages) and
 the model's shape (head_dim, GQA group, dtype, tensor parallelism, CUDA graphs): it returns
@@ -59,15 +61,20 @@ class Platform:
 class StepPaths:
     """Each step kind's path and why."""
 
-    backend: str            # the step backend: decode (2+ rows) and prefill/mixed
+    backend: str            # the step backend: decode steps not fused, and prefill/mixed
     backend_why: str
-    fused_decline: str | None  # why one-row decode is not fused (None: fused, if the model allows)
+    fused_decline: str | None  # why small decode steps are not fused (None: fused, if the model allows)
 
-    def log_line(self, fused_on: bool, fused_why: str | None = None) -> str:
-        """'decode (1 row): ...; decode (2+ rows): ...; prefill/mixed: ...' for the start log."""
-        why_not = fused_why or self.fused_decline
-        one = FUSED_DECODE_PATH if fused_on else f"{self.backend} (per-op: {why_not})"
-        return (f"decode (1 row): {one}; decode (2+ rows): {self.backend}; "
+    def log_line(self, fused_rows: int, fused_why: str | None = None) -> str:
+        """'decode (1-4 rows): ...; decode (5+ rows): ...; prefill/mixed: ...' for the start
+        log. fused_rows: the most rows the fused path serves (0: it is off)."""
+        rows = max(fused_rows, 1)
+        small = "1 row" if rows == 1 else f"1-{rows} rows"
+        if fused_rows:  # (a verify step has two tokens at least)
+            fused = FUSED_DECODE_PATH + (f", and verify steps of <= {rows} tokens" if rows > 1 else "")
+        else:
+            fused = f"{self.backend} (per-op: {fused_why or self.fused_decline})"
+        return (f"decode ({small}): {fused}; decode ({rows + 1}+ rows): {self.backend}; "
                 f"prefill/mixed: {self.backend} ({self.backend_why})")
 
 

@@ -69,7 +69,7 @@ from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
-                                       make_proposer, verify)
+                                       make_proposer, verify, verify_greedy)
 from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
 
 log = logging.getLogger("flashlet")
@@ -346,6 +346,11 @@ class Engine:
         scoring = PromptScoring.of(sched.scheduled) if self._scoring_prompts else None
         wants_hidden = pooling or scoring is not None
         verifying = bool(sched.proposals)
+        if verifying and not wants_hidden:
+            tokens = self._fused_greedy_tokens(sched, input_ids, meta)
+            if tokens is not None:  # every row plain greedy: the argmax epilogue decides
+                verified = verify_greedy(tokens, sched.sampling, sched.proposals)
+                return self._launched_verify(sched, verified, scoring)
         sampled = (None if wants_hidden or verifying
                    else self._greedy_fused(sched, input_ids, meta))
         if sampled is None:
@@ -360,17 +365,17 @@ class Engine:
             for observe in self._step_observers:
                 observe(meta, logits)
             if verifying:
-                return self._launched_verify(sched, logits, scoring)
+                verified = verify(logits, sched.sampling, sched.proposals, self.eos_token_ids)
+                return self._launched_verify(sched, verified, scoring)
             sampled = self.sampler.sample(logits, sched.sampling, self.runner.batch)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
         return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens), scoring)
 
-    def _launched_verify(self, sched: SchedulerOutput, logits: torch.Tensor,
+    def _launched_verify(self, sched: SchedulerOutput, verified: list,
                          scoring: PromptScoring | None) -> "LaunchedStep":
-        """A verify step's tokens, decided now (speculation does not overlap its steps)."""
-        verified = verify(logits, sched.sampling, sched.proposals, self.eos_token_ids)
+        """A verify step, its tokens decided now (speculation does not overlap its steps)."""
         # Tokens were sampled outside the sampler: its penalty rows and seeded positions are
         # rebuilt from the requests' tokens when it next samples.
         self.sampler.forget()
@@ -387,15 +392,20 @@ class Engine:
         return bool(self._scoring)
 
     def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
-        """With fused_decode, a one-sequence decode step whose request is plain greedy takes
-        its token from the LM head's argmax epilogue (no logits); None where that does not
-        apply (observers want logits; the sampler has work to do; not a fused step)."""
+        """With fused_decode, a decode step the fused path serves whose requests are all plain
+        greedy takes their tokens from the LM head's argmax epilogue (no logits); None where
+        that does not apply (observers want logits; the sampler has work to do; not a fused step)."""
+        tokens = self._fused_greedy_tokens(sched, input_ids, meta)
+        return None if tokens is None else SamplerOutput(tokens, {}, None)
+
+    def _fused_greedy_tokens(self, sched: SchedulerOutput, input_ids, meta) -> torch.Tensor | None:
+        """Each row's argmax token from the fused path (a decode step, or a verify step loaded
+        as decode rows) where every request is plain greedy and no observer wants logits."""
         if self.runner.fused is None or self._step_observers:
             return None
         if not all(plain_greedy(r.params) for r in sched.sampling):
             return None
-        tokens = self.runner.greedy_tokens(input_ids, meta)
-        return None if tokens is None else SamplerOutput(tokens, {}, None)
+        return self.runner.greedy_tokens(input_ids, meta)
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""

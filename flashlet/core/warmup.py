@@ -12,8 +12,9 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   (`backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
-  CuTe GEMVs (compiled at the batch-1 step) and its second batch-1 graph, the one that ends in
-  the greedy token (`runner.greedy_tokens`).
+  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4) and, per
+  size a step of requests pads to, a second graph, the one that ends in the greedy tokens
+  (`runner.greedy_tokens`).
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples
@@ -91,7 +92,8 @@ def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayo
 def warm_up(engine) -> dict:
     """Run one step of every kernel variant and capture every graph; returns {"warmup_s",
     "capture_s", "chunk_lengths", "decode_sizes", "mixed_graphs", "mixed_capture_s", "graphs",
-    "triton_compiles"} (capture_s includes mixed_capture_s)."""
+    "triton_compiles"} and, with the fused path, "cute_gemvs" and "cute_compile_s" (its GEMVs
+    ready, the seconds they took to compile; capture_s includes those and mixed_capture_s)."""
     runner, cfg = engine.runner, engine.config
     vocab = engine.model_config.vocab_size
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -110,8 +112,8 @@ def warm_up(engine) -> dict:
         t1 = time.perf_counter()
         for size in sizes:
             runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
-        if runner.fused is not None:  # the fused path's greedy-token graph (or kernels)
-            runner.greedy_tokens(*runner.load(synthetic_layout(1, 1, engine.kv_pool, vocab)))
+        for size in runner.greedy_token_sizes():  # the fused path's greedy-token graphs
+            runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
         for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its pool memory
@@ -122,6 +124,10 @@ def warm_up(engine) -> dict:
     report = {"warmup_s": t1 - t0, "capture_s": t3 - t1, "mixed_capture_s": t3 - t2,
               "chunk_lengths": chunks, "decode_sizes": sizes, "mixed_graphs": len(mixed),
               "graphs": len(runner.graphs), "triton_compiles": compiles.count}
+    if runner.fused is not None:
+        report["cute_gemvs"], report["cute_compile_s"] = runner.fused.compiled()
+        log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) compiled in %.2f s",
+                 runner.fused.row_counts, report["cute_gemvs"], report["cute_compile_s"])
     log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s, "
              "%d mixed-step graph(s) in %.2f s (%d CUDA graphs); %s Triton kernel(s) compiled "
              "or loaded", len(chunks), chunks, report["warmup_s"], len(sizes), t2 - t1,

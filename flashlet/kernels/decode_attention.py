@@ -502,9 +502,20 @@ def decode_attention_reference(
 # With USE_PDL (Programmatic Dependent Launch, sm_90+, the fused path's PDL) the kernel lets its
 # dependent (the O GEMV) launch at once, and reads before `griddepcontrol.wait` only what no
 # kernel of this step writes: kv_lens and the page table (copied in before the step) and the
-# first block's past K/V rows (t < kv_len - 1, written by earlier steps, which finished before
-# this step's graph started). q, the newest K/V row (the QKV GEMV writes it), the partials and
-# the counter (the previous layer's attention may still run before the wait) come after it.
+# first block's past K/V rows (written by earlier steps, which finished before this step's graph
+# started). q, this step's K/V rows (the QKV GEMV writes them), the partials and the counter (the
+# previous layer's attention may still run before the wait) come after it.
+#
+# This step's rows of a sequence are usually its newest one. A speculative verify step run as
+# decode rows (fused_decode.verify_as_decode_rows) has k + 1 rows of one sequence, row i over KV
+# length p + i + 1: rows p .. p + i - 1 of its KV are written by this step too. Such rows are
+# consecutive in the batch, over the same page table, their KV lengths one apart; so a program
+# looks back over up to LOOKBACK earlier rows of the batch (their kv_lens and first page ids,
+# before the wait) and counts the run of rows that match: every one of them is a row this step
+# writes, and only rows before them are read before the wait. A false match (two sequences
+# sharing a first page, lengths one apart) only moves a past row after the wait: slower, never
+# stale. LOOKBACK covers every earlier row of a batch of up to MAX_LOOKBACK + 1 rows (the fused
+# path's steps) and, past that, sequences of up to MAX_LOOKBACK + 1 rows a step.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens"])
@@ -526,6 +537,8 @@ def _one_launch_kernel(
     MERGE_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOOKBACK: tl.constexpr,
+    STEP_ROWS: tl.constexpr,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -550,13 +563,17 @@ def _one_launch_kernel(
     # Before the wait, everything no kernel of this step writes: the first block's page ids
     # and past K/V rows, and the newest row's address (the page table is copied in before the
     # graph starts). After it only q and the newest K/V row, three independent loads from
-    # known addresses: one L2 round trip.
+    # known addresses: one L2 round trip (and, for a verify row, this step's earlier rows).
+    last = kv_len - 1
+    step_from = last  # the first position this step writes in this row's KV
+    if LOOKBACK > 0:
+        step_from = last - _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices,
+                                                         KvLens, LOOKBACK)
     t = start + tl.arange(0, BLOCK_N)
     t_mask = t < end
-    past = t_mask & (t < kv_len - 1)
+    past = t_mask & (t < step_from)
     k = _kv_block(k_head, page_base, KvIndices, t, past, d, stride_kp, stride_kt, PAGE_SIZE)
     v = _kv_block(v_head, page_base, KvIndices, t, past, d, stride_vp, stride_vt, PAGE_SIZE)
-    last = kv_len - 1
     in_block = (kv_len > 0) & (last >= start) & (last < start + BLOCK_N) & (last < end)
     last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=in_block, other=0).to(tl.int64)
     k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + d
@@ -574,7 +591,19 @@ def _one_launch_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    # This step's earlier rows of the sequence (a verify row's) are keys of a block of their
+    # own, loaded now; the first block holds the rows before them and the newest row.
+    first_keys = t_mask
+    if LOOKBACK > 0:
+        first_keys = t_mask & ((t < step_from) | (t == last))
+    m_i, l_i, acc = _attend_block(q, k, v, first_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    if LOOKBACK > 0:
+        if step_from < last:
+            s = step_from + tl.arange(0, STEP_ROWS)
+            s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
+            k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, d, stride_kp, stride_kt, PAGE_SIZE)
+            v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     for blk in range(start + BLOCK_N, end, BLOCK_N):
         t = blk + tl.arange(0, BLOCK_N)
         t_mask = t < end
@@ -601,6 +630,23 @@ def _one_launch_kernel(
                                   NUM_Q_HEADS, GROUP_PAD, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvLens,
+                                  LOOKBACK: tl.constexpr):
+    """How many rows just before row b belong to its sequence in this step (a verify step's
+    rows as decode rows): the run of rows b - j, j = 1 .. LOOKBACK, whose KV length is
+    kv_len - j over the same first page. Reads only what is copied in before the step."""
+    j = 1 + tl.arange(0, LOOKBACK)
+    prev = b - j
+    prev_len = tl.load(KvLens + prev, mask=prev >= 0, other=0)
+    prev_base = tl.load(KvIndptr + prev, mask=prev >= 0, other=0)  # beside prev_len, not after it
+    has_pages = (prev >= 0) & (prev_len > 0)
+    prev_first = tl.load(KvIndices + prev_base, mask=has_pages, other=-1)
+    first = tl.load(KvIndices + page_base, mask=kv_len > 0, other=-2)
+    same = has_pages & (prev_len == kv_len - j) & (prev_first == first)
+    return tl.min(tl.where(same, LOOKBACK + 1, j), 0) - 1  # the first j that does not match, less one
 
 
 @triton.jit
@@ -697,8 +743,21 @@ def decode_attention_one_launch(
         MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * head_dim))),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
+        LOOKBACK=one_launch_lookback(batch) if pdl else 0,
+        STEP_ROWS=MAX_LOOKBACK,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,
     )
     return out
+
+
+# The most earlier rows a program of the one-launch decode looks back over for rows of its own
+# sequence (see above): the fused path's steps have at most 16 rows.
+MAX_LOOKBACK = 16
+
+
+def one_launch_lookback(batch: int) -> int:
+    """Earlier rows a program looks back over in a batch of `batch` rows: all of them (a power
+    of two, at least 2) up to MAX_LOOKBACK; 0 for one row (nothing before it)."""
+    return 0 if batch == 1 else min(MAX_LOOKBACK, max(2, _next_pow2(batch - 1)))

@@ -1,6 +1,9 @@
-"""The fused decode path for one sequence: a few kernels a layer where the per-op path runs ten.
+"""The fused decode path for 1 to 4 rows: a few kernels a layer where the per-op path runs ten.
 
-A pure-decode step with exactly one row runs, per layer,
+A pure-decode step of M <= SERVED_ROWS rows (sequences; or a verify step's query tokens, each a
+decode row of its own: `verify_as_decode_rows`; SERVED_ROWS is where a fused step was measured
+faster than per-op, MAX_ROWS the kernel's limit) runs, per layer, each GEMV reading its weights
+once for all M rows,
     QKV GEMV with the RMSNorm folded in (+ bias)         one CuTe kernel (cute_gemv, norm=True)
     (Qwen3: + per-head q/k RMSNorm) RoPE + K/V write   the pool's fused kernel (write_rope), or
                                                          the QKV GEMV's epilogue (kv_pool given)
@@ -47,6 +50,11 @@ embedding gather, `kernels/embedding.py`) take part in PDL, so the O GEMV after 
 layer 0's QKV GEMV load their weights while their predecessors run (FUSED_NOTES.md, "Stage 2,
 plan C"). Without pdl the embedding is `torch.index_select`, as before.
 
+Several rows: the GEMVs come in one set per row count the runner pads decode steps to
+(`Gemvs`, `row_counts`); the embedding gather, the QKV epilogue's RoPE + K/V write (each row at
+its own position and slot) and the one-launch attention (each row over its own pages) take all M
+rows; the argmax writes M int32 tokens, cast once to the engine's int64.
+
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
 RoPE epilogue and the one-launch attention is on where it applies (`FusedParts`: not a user
@@ -55,13 +63,18 @@ setting; tests and measurements name one variant through `Engine(..., fused_part
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
-from flashlet.kernels.cute_gemv import CuteGemv, CuteUnavailable, RopeKV, RopeShape, cute_available, VEC
+from flashlet.kernels.cute_gemv import (CuteGemv, CuteUnavailable, RopeKV, RopeShape, VEC, cute_available,
+                                        plan_gemv)
 from flashlet.models.quantization import is_quantized
+from flashlet.runner.batch import StepLayout
 
 
 # The longest down projection (K = intermediate_size) the one-row GEMV streams well: each output
@@ -70,6 +83,23 @@ from flashlet.models.quantization import is_quantized
 # BENCHMARKS.md). Past it the fused step runs that one GEMV on cuBLAS (split-K), accumulating
 # into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
+
+# The most decode rows (sequences, or a verify step's query tokens) one fused step can compute: a
+# GEMV of up to 16 rows is still bound by its weight bytes (the kernel's limit, `rows=`).
+MAX_ROWS = 16
+
+# The most rows the fused path SERVES: the row counts where a fused step was measured faster than
+# the per-op one. The one place to change when the M-row GEMVs get faster (up to MAX_ROWS).
+# Measured on the H200, Qwen2.5-0.5B shape, random weights, time a step, fused against per-op
+# (2026-12-02 ~04:10 UTC, the M-row GEMVs as of 874a93a):
+#     rows  1: 0.498 ms fused (closed loop, greedy, 128 new tokens)
+#     rows  4: 0.905 ms fused, 1.08 per-op (closed loop)                       -> fused
+#     rows  8: ~3.6 ms fused: a verify step of 5 tokens padded to 8 (spec_bench, k = 4, all
+#              accepted, host time included: 1,356 tok/s against 2,068 without speculation);
+#              per-op decode steps of 4-16 rows take 1.08-1.23 ms                -> per-op
+#     rows 16: 2.97 ms fused, 1.23 per-op (closed loop: 2.4x slower fused)    -> per-op
+# The GEMVs alone (FUSED_NOTES.md, Stage 4) are ahead of cuBLAS through M = 4 and behind from 8.
+SERVED_ROWS = 4
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -159,54 +189,133 @@ class FusedParts:
         return [name for name in ("pdl", "rope", "attn") if getattr(self, name)]
 
 
+@dataclass(frozen=True)
+class Gemvs:
+    """The compiled GEMVs of one row count M (each reads its weights once for all M rows)."""
+
+    qkv: object
+    o: object
+    gate_up: object
+    down: object | None  # None: the down projection runs on cuBLAS (`_down`), see MAX_DOWN_K
+    lm_head: object
+    lm_argmax: object
+
+    def all(self) -> list:
+        return [g for g in (self.qkv, self.o, self.gate_up, self.down, self.lm_head, self.lm_argmax)
+                if g is not None]
+
+
+def served_row_counts(padded_sizes: Sequence[int]) -> list[int]:
+    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, and no
+    more than the kernel takes): a step padded to any other runs per-op."""
+    return [s for s in padded_sizes if s <= min(SERVED_ROWS, gemv_row_limit())]
+
+
+def gemv_row_limit() -> int:
+    """The most decode rows one CuteGemv launch serves: MAX_ROWS where the kernel takes `rows`,
+    else 1 (a kernel of one row: the path then serves one-row steps only)."""
+    takes_rows = any("rows" in inspect.signature(f).parameters for f in (CuteGemv, plan_gemv))
+    return MAX_ROWS if takes_rows else 1
+
+
 class FusedDecode:
-    """Owns the compiled GEMVs and the step buffers of the one-row decode path."""
+    """Owns the compiled GEMVs and the step buffers of the decode path of 1 to MAX_ROWS rows.
+
+    One set of GEMVs per row count in `row_counts` (the runner's padded decode batch sizes up
+    to SERVED_ROWS, `served_row_counts`: a step of n rows runs padded to the next one, its
+    padding rows on the pool's scratch page, their outputs never read). A GEMV's time is about
+    its weight bytes whatever M, so padding 3 rows to 4 costs little, while every row count
+    costs its own compiled kernels at start. A row count whose GEMVs the kernel cannot plan for this shape is left out
+    (`declined_rows`): steps that would pad to it run per-op. The step buffers hold the largest
+    row count's rows; a step uses views of its first M."""
 
     def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None,
-                 one_launch_attention: bool = False):
+                 one_launch_attention: bool = False, row_counts: Sequence[int] = (1,)):
         """one_launch_attention: attention through the backend's `attend_one_launch` (the
         caller checks that the backend has it); with pdl, that kernel and the embedding gather
-        launch with PDL too."""
+        launch with PDL too. row_counts: the step sizes (rows) to build GEMVs for."""
         check_fused_decode(model, device, kv_pool)
         ok, why = cute_available()
         if not ok:
             raise CuteUnavailable(f"fused_decode needs the CuTe DSL: {why}")
+        if not row_counts or min(row_counts) < 1 or max(row_counts) > gemv_row_limit():
+            raise ValueError(f"fused_decode row counts must be in 1..{gemv_row_limit()}, got {list(row_counts)}")
         self.model = model
-        cfg = model.config
         layer = model.layers[0]
-        h, q, kv = cfg.hidden_size, layer.q_size, layer.kv_size
-        inter = layer.down_proj.weight.shape[1]
-        vocab = model.lm_head_weight.shape[0]
-        eps = cfg.rms_norm_eps
-        gemv = dict(device=device, pdl=pdl)
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:
             self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
-                                  model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // kv)
-            self.qkv = CuteGemv(q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", norm=True,
-                                eps=eps, rope=self.rope, **gemv)
-        else:
-            self.qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", norm=True, eps=eps, **gemv)
-        self.o = CuteGemv(h, q, "residual", **gemv)
-        self.gate_up = CuteGemv(2 * inter, h, "silu_mul", norm=True, eps=eps, **gemv)
-        # None: the down projection runs on cuBLAS (`_down`), see MAX_DOWN_K.
-        self.down = CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None
-        self.lm_head = CuteGemv(vocab, h, "none", norm=True, eps=eps, **gemv)
-        self.lm_argmax = CuteGemv(vocab, h, "argmax", norm=True, eps=eps, **gemv)
+                                  model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // layer.kv_size)
+        self.gemvs: dict[int, Gemvs] = {}
+        self.declined_rows: dict[int, str] = {}  # row counts the kernel cannot plan, and why
+        for m in sorted(set(row_counts)):
+            try:
+                self.gemvs[m] = self._build_gemvs(m, device)
+            except ValueError as e:  # the plan's limit for this shape (e.g. lanes a row < M)
+                if m == 1:
+                    raise
+                self.declined_rows[m] = str(e)
+        self.row_counts = sorted(self.gemvs)
+        self.max_rows = self.row_counts[-1]
+        self._allocate_buffers(self.max_rows, device)
+
+    def _allocate_buffers(self, rows: int, device: torch.device) -> None:
+        """The step buffers, `rows` rows each (a step of M rows uses the first M)."""
+        model, layer = self.model, self.model.layers[0]
+        h, q, kv = model.config.hidden_size, layer.q_size, layer.kv_size
+        inter = layer.down_proj.weight.shape[1]
+        vocab = model.lm_head_weight.shape[0]
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
-        self.residual = torch.empty(1, h, **empty)  # the residual stream, updated in place
-        self.qkv_out = torch.empty(1, q + 2 * kv, **empty)
-        self.act = torch.empty(1, inter, **empty)    # silu(gate) * up
-        self.logits_out = torch.empty(1, vocab, **empty)
-        # The argmax writes an int32 token; the engine's tokens are int64. It writes into the low
-        # word of an int64 slot whose high word stays 0 (ids are < 2^31, the host is
-        # little-endian as CUDA's are): the token is int64 with no cast kernel after it.
-        self.token_id = torch.zeros(1, dtype=torch.int64, device=device)
+        self.residual = torch.empty(rows, h, **empty)  # the residual stream, updated in place
+        self.qkv_out = torch.empty(rows, q + 2 * kv, **empty)
+        self.act = torch.empty(rows, inter, **empty)    # silu(gate) * up
+        self.logits_out = torch.empty(rows, vocab, **empty)
+        # The argmax writes int32 tokens; the engine's tokens are int64. One row writes into the
+        # low word of an int64 slot whose high word stays 0 (ids are < 2^31, the host is
+        # little-endian as CUDA's are): the token is int64 with no cast kernel after it. M rows
+        # write M contiguous int32, which one cast turns into the int64 slots.
+        self.token_id = torch.zeros(rows, dtype=torch.int64, device=device)
         self.token_out = self.token_id.view(torch.int32)[:1]
+        self.tokens32 = torch.zeros(rows, dtype=torch.int32, device=device)
         self.split = [q, kv, kv]
+
+    def _build_gemvs(self, m: int, device: torch.device) -> Gemvs:
+        """The GEMVs of M rows (not compiled yet: each compiles at its first call, the warm-up's)."""
+        model = self.model
+        cfg, layer = model.config, model.layers[0]
+        h, q, kv = cfg.hidden_size, layer.q_size, layer.kv_size
+        inter = layer.down_proj.weight.shape[1]
+        vocab = model.lm_head_weight.shape[0]
+        # rows= only past one row: the one-row kernels stay exactly the plans they always were
+        gemv = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
+        normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
+        if self.rope is not None:
+            qkv = CuteGemv(q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", rope=self.rope, **normed)
+        else:
+            qkv = CuteGemv(q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", **normed)
+        return Gemvs(qkv=qkv, o=CuteGemv(h, q, "residual", **gemv),
+                     gate_up=CuteGemv(2 * inter, h, "silu_mul", **normed),
+                     down=CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None,
+                     lm_head=CuteGemv(vocab, h, "none", **normed),
+                     lm_argmax=CuteGemv(vocab, h, "argmax", **normed))
+
+    def compiled(self) -> tuple[int, float]:
+        """(GEMVs compiled so far, the seconds they took; 0 for a plan another object compiled
+        in this process): what the path costs at start."""
+        seconds = [g.compile_seconds for gemvs in self.gemvs.values() for g in gemvs.all()
+                   if getattr(g, "compile_seconds", None) is not None]
+        return len(seconds), sum(seconds)
+
+    def gemvs_for(self, m: int) -> Gemvs:
+        """The GEMVs of a step of m rows (a padded size: one of row_counts)."""
+        try:
+            return self.gemvs[m]
+        except KeyError:
+            raise ValueError(f"the fused decode path has GEMVs for {self.row_counts} rows, not {m} "
+                             f"(steps are padded to one of them: ModelRunner.load)") from None
 
     @property
     def parts(self) -> FusedParts:
@@ -214,43 +323,46 @@ class FusedDecode:
         return FusedParts(pdl=self.pdl, rope=self.kv_pool is not None, attn=self.one_launch_attention)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """input_ids, positions [1] -> the residual stream after the last layer [1, hidden]
+        """input_ids, positions [M] -> the residual stream after the last layer [M, hidden]
         (K/V written through `attn`, planned for this step)."""
-        m = self.model
+        m, rows = self.model, input_ids.shape[0]
+        g = self.gemvs_for(rows)
+        residual, act = self.residual[:rows], self.act[:rows]
         if self.pdl and self.one_launch_attention:  # layer 0's QKV loads its weights meanwhile
             from flashlet.kernels.embedding import gather_rows  # Triton: imported on CUDA only
 
-            gather_rows(m.embed_tokens.weight, input_ids, self.residual, pdl=True)
+            gather_rows(m.embed_tokens.weight, input_ids, residual, pdl=True)
         else:
-            torch.index_select(m.embed_tokens.weight, 0, input_ids, out=self.residual)
+            torch.index_select(m.embed_tokens.weight, 0, input_ids, out=residual)
         for i, layer in enumerate(m.layers):
             if self.rope is not None:
-                o = self._qkv_rope_attend(i, layer, positions, attn)
+                o = self._qkv_rope_attend(g, i, layer, positions, attn)
             else:
-                o = self._qkv_attend(i, layer, positions, attn)
-            self.o(o.reshape(1, -1).contiguous(), layer.o_proj.weight, self.residual, out=self.residual)
-            self.gate_up(self.residual, layer.gate_up_proj.weight, out=self.act,
-                         norm_weight=layer.post_attn_norm)
-            self._down(layer)
-        return self.residual
+                o = self._qkv_attend(g, i, layer, positions, attn)
+            g.o(o.reshape(rows, -1).contiguous(), layer.o_proj.weight, residual, out=residual)
+            g.gate_up(residual, layer.gate_up_proj.weight, out=act, norm_weight=layer.post_attn_norm)
+            self._down(g, layer, act, residual)
+        return residual
 
-    def _down(self, layer) -> None:
+    @staticmethod
+    def _down(g: Gemvs, layer, act: torch.Tensor, residual: torch.Tensor) -> None:
         """residual += act @ down^T, in place: the CuTe GEMV, or one cuBLAS GEMM whose beta = 1
         adds into the residual (rounded once, as the GEMV's residual epilogue is)."""
-        if self.down is not None:
-            self.down(self.act, layer.down_proj.weight, self.residual, out=self.residual)
+        if g.down is not None:
+            g.down(act, layer.down_proj.weight, residual, out=residual)
         else:
-            self.residual.addmm_(self.act, layer.down_proj.weight.t())
+            residual.addmm_(act, layer.down_proj.weight.t())
 
-    def _qkv_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+    def _qkv_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
         """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
-        m = self.model
-        self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
-                 norm_weight=layer.input_norm)
-        q, k, v = self.qkv_out.split(self.split, dim=-1)
-        q = q.view(1, layer.num_heads, layer.head_dim)
-        k = k.view(1, layer.num_kv_heads, layer.head_dim)
-        v = v.view(1, layer.num_kv_heads, layer.head_dim)
+        m, rows = self.model, positions.shape[0]
+        qkv_out = self.qkv_out[:rows]
+        g.qkv(self.residual[:rows], layer.qkv_proj.weight, layer.qkv_proj.bias, out=qkv_out,
+              norm_weight=layer.input_norm)
+        q, k, v = qkv_out.split(self.split, dim=-1)
+        q = q.view(rows, layer.num_heads, layer.head_dim)
+        k = k.view(rows, layer.num_kv_heads, layer.head_dim)
+        v = v.view(rows, layer.num_kv_heads, layer.head_dim)
         qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel
         if not self.one_launch_attention:
             return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
@@ -258,14 +370,16 @@ class FusedDecode:
                                     qk_norm)
         return self._attend(i, q, attn)
 
-    def _qkv_rope_attend(self, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
-        """QKV GEMV with RoPE and the K/V write in its epilogue, then attention alone."""
-        pool = self.kv_pool
+    def _qkv_rope_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+        """QKV GEMV with RoPE and the K/V write (every row's, at its own position and slot) in
+        its epilogue, then attention alone: each row attends to the K/V of all rows before it."""
+        pool, rows = self.kv_pool, positions.shape[0]
+        qkv_out = self.qkv_out[:rows]
         step = RopeKV(positions, self.model.cos_sin_cache, pool.k_cache[i], pool.v_cache[i],
                       attn.meta.slot_mapping)
-        self.qkv(self.residual, layer.qkv_proj.weight, layer.qkv_proj.bias, out=self.qkv_out,
-                 norm_weight=layer.input_norm, rope_kv=step)
-        q = self.qkv_out[:, : self.split[0]].view(1, layer.num_heads, layer.head_dim)
+        g.qkv(self.residual[:rows], layer.qkv_proj.weight, layer.qkv_proj.bias, out=qkv_out,
+              norm_weight=layer.input_norm, rope_kv=step)
+        q = qkv_out[:, : self.split[0]].view(rows, layer.num_heads, layer.head_dim)
         return self._attend(i, q, attn)
 
     def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
@@ -275,13 +389,56 @@ class FusedDecode:
         return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """-> logits [1, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""
+        """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""
         x = self.hidden(input_ids, positions, attn)
-        self.lm_head(x, self.model.lm_head_weight, out=self.logits_out, norm_weight=self.model.norm)
-        return self.logits_out.float()
+        out = self.logits_out[: x.shape[0]]
+        self.gemvs_for(x.shape[0]).lm_head(x, self.model.lm_head_weight, out=out,
+                                           norm_weight=self.model.norm)
+        return out.float()
 
     def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """-> the greedy token [1] int64: final RMSNorm, LM head and argmax in one kernel."""
+        """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel."""
         x = self.hidden(input_ids, positions, attn)
-        self.lm_argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
-        return self.token_id
+        rows = x.shape[0]
+        argmax = self.gemvs_for(rows).lm_argmax
+        if rows == 1:
+            argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
+            return self.token_id[:1]
+        argmax(x, self.model.lm_head_weight, out=self.tokens32[:rows], norm_weight=self.model.norm)
+        return self.token_id[:rows].copy_(self.tokens32[:rows])
+
+
+def verify_as_decode_rows(layout: StepLayout, page_size: int, max_rows: int) -> StepLayout | None:
+    """A step of verify rows and decodes, every query token sampled and at most max_rows of
+    them, as the same step of one decode row per query token -> that layout, or None where it
+    does not apply (a prefill chunk, a row that samples less, too many tokens, a pure decode).
+
+    A verify row of k + 1 query tokens of one sequence, computed from position p over a KV
+    length L + k + 1, is k + 1 decode rows over the same page-table row with KV lengths
+    p + 1 .. p + k + 1 and positions p .. p + k: the step writes every row's K/V before any
+    attention reads the pool (the QKV epilogue, or the RoPE + K/V write kernel, runs over all
+    rows first), so each row sees exactly its causal prefix. Tokens keep their order, so the
+    logits rows are the verify step's own (its logits_indices are every row, in order)."""
+    a = layout.arrays
+    num_tokens = len(a["positions"])
+    if (layout.is_pure_decode or num_tokens > max_rows or len(a["logits_indices"]) != num_tokens
+            or not np.array_equal(a["logits_indices"], np.arange(num_tokens))):
+        return None
+    seq = np.repeat(np.arange(len(a["kv_lens"])), layout.query_lens)
+    kv_lens = a["positions"] + 1  # each token's causal prefix, itself included
+    pages = -(-kv_lens // page_size)
+    kv_ptr = np.zeros(num_tokens + 1, np.int64)
+    np.cumsum(pages, out=kv_ptr[1:])
+    # token t's pages: the first pages[t] of its sequence's
+    first = a["paged_kv_indptr"][:-1].astype(np.int64)[seq]
+    indices = a["paged_kv_indices"][np.repeat(first - kv_ptr[:-1], pages) + np.arange(kv_ptr[-1])]
+    i32 = np.int32
+    arrays = {**a, "qo_indptr": np.arange(num_tokens + 1, dtype=i32),
+              "paged_kv_indptr": kv_ptr.astype(i32), "paged_kv_indices": indices,
+              "paged_kv_last_page_len": (kv_lens - (pages - 1) * page_size).astype(i32),
+              "kv_lens": kv_lens.astype(i32)}
+    decode = StepLayout.from_arrays(arrays)
+    decode.query_lens = np.ones(num_tokens, i32)
+    decode.is_pure_decode = True
+    decode.max_query_len = 1
+    return decode

@@ -20,12 +20,18 @@ replay):
 Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 
 With the fused path (`fused_decode`: on by default where it applies, `_fused_decode` decides), a
-pure-decode step of one sequence runs `FusedDecode` (CuTe GEMVs with the norms and epilogues
-folded in; flashlet/runner/fused_decode.py) instead of the model's per-op forward, in its graph as well,
-attending through `fused_attention` (the step backend, or a triton backend of the path's own where
-the step backend has no one-launch attention: only those steps plan it);
-`greedy_tokens` runs it through the LM head's argmax, for steps whose one request is plain greedy
-(the engine decides), so no logits are written at all.
+pure-decode step of up to `fused.max_rows` rows (`fused_decode.SERVED_ROWS`: where a fused step
+was measured faster than per-op) in which every row samples runs `FusedDecode` (CuTe GEMVs with
+the norms and epilogues folded in; flashlet/runner/fused_decode.py) instead of the model's
+per-op forward, padded to one of its row counts (the decode graph sizes up to it) and in that
+size's graph where graphs run, attending through `fused_attention` (the step backend, or a
+triton backend of the path's own where the step backend has no one-launch attention: only those
+steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps whose requests
+are all plain greedy (the engine decides), so no logits are written at all. A speculative
+verify step of at most `fused.max_rows` query tokens, all sampled (verify rows and decodes, no
+prefill chunk), is loaded as one decode row per query token (`fused_decode.verify_as_decode_rows`)
+and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
+per-op (in the per-op decode graphs).
 """
 
 from __future__ import annotations
@@ -47,6 +53,18 @@ log = logging.getLogger("flashlet")
 def _given_or(value: bool | None, default: bool) -> bool:
     """A setting given by name (True / False), else `default` (None: decided here)."""
     return default if value is None else value
+
+
+def decode_rows_limit(config) -> int:
+    """The most rows a pure-decode step may have: max_num_seqs, or with speculation where the
+    fused path may run, up to MAX_ROWS query tokens of a verify step: those of up to SERVED_ROWS
+    are loaded as decode rows and run fused; the step buffers hold the others' sampled rows too,
+    so they replay mixed graphs rather than run eagerly."""
+    spec = config.speculative_config
+    if spec is None or config.fused_decode is False:
+        return config.max_num_seqs
+    verify_tokens = config.max_num_seqs * (1 + spec.num_speculative_tokens)
+    return max(config.max_num_seqs, min(fused_decode.MAX_ROWS, verify_tokens))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -86,8 +104,9 @@ class ModelRunner:
         paths = choose_paths(config.backend, Platform.of(self.device), kv_pool.head_dim,
                              model.local.num_heads // kv_pool.num_kv_heads, dtype,
                              getattr(model, "tp", None) is not None, config.cuda_graph)
+        decode_rows = decode_rows_limit(config)
         self.backend = create_backend(paths.backend, kv_pool, model.local.num_heads,
-                                      max_batch_size=config.max_num_seqs,
+                                      max_batch_size=decode_rows,
                                       max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
                            and self.backend.supports_cuda_graph)
@@ -96,28 +115,36 @@ class ModelRunner:
                                  and getattr(model, "tp", None) is None
                                  and self.backend.supports_mixed_graph)
         self.token_buckets = mixed_graph_buckets(config.max_num_batched_tokens)
-        self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts())
+        # Every padded decode size the fused path serves is a row count (it pads as graphs do).
+        sizes = graph_batch_sizes(decode_rows)
+        self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts(),
+                                        fused_decode.served_row_counts(sizes))
         # The fused steps' attention: the step backend where it has the one-launch form, else
-        # a triton backend of its own over the same pool (only one-row decode steps use it).
+        # a triton backend of its own over the same pool (only fused decode steps use it).
         self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)
-        log.info("step paths: %s", paths.log_line(self.fused is not None, self._fused_off_why))
-        self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
+        fused_rows = self.fused.max_rows if self.fused is not None else 0
+        log.info("step paths: %s", paths.log_line(fused_rows, self._fused_off_why))
+        if self.fused is None:  # rows past max_num_seqs come from fused verify steps only
+            decode_rows = config.max_num_seqs
+        self.graph_sizes = graph_batch_sizes(decode_rows)
+        self.max_num_seqs = config.max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.batch = InputBatch(config.max_num_seqs, max_pages_per_seq, kv_pool.page_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
-        self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_num_seqs * max_pages_per_seq, self.device,
+        self.buffers = StepBuffers(config.max_num_batched_tokens, decode_rows,
+                                   decode_rows * max_pages_per_seq, self.device,
                                    scratch_page=kv_pool.scratch_page, page_size=kv_pool.page_size)
         # Recorded once a step's host-to-device copies are queued (inputs, metadata, the
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
 
-    def _fused_decode(self, config, model, kv_pool, parts):
-        """The fused one-sequence path (FusedDecode) where config.fused_decode asks for it, or
-        leaves it to auto and `auto_declines` finds nothing against it; else None. A part that
-        `parts` does not name is on where it applies. Logs what was chosen (or why auto said no)."""
+    def _fused_decode(self, config, model, kv_pool, parts, row_counts: list[int]):
+        """The fused decode path (FusedDecode, GEMVs for each of row_counts) where
+        config.fused_decode asks for it, or leaves it to auto and `auto_declines` finds nothing
+        against it; else None. A part that `parts` does not name is on where it applies. Logs
+        what was chosen (or why auto said no)."""
         self._fused_off_why = "fused_decode=False"
         if config.fused_decode is False:
             if parts.named_on():
@@ -138,24 +165,40 @@ class ModelRunner:
         attn = _given_or(parts.attn,
                          self.device.type == "cuda" or self.backend.supports_one_launch_decode)
         fused = fused_decode.FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
-                                         one_launch_attention=attn)
-        log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s",
-                 how, *("on" if x else "off" for x in (pdl, rope, attn)))
+                                         one_launch_attention=attn, row_counts=row_counts)
+        log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s, "
+                 "rows %s (%d CuTe GEMVs)", how, *("on" if x else "off" for x in (pdl, rope, attn)),
+                 ", ".join(map(str, fused.row_counts)), sum(len(g.all()) for g in fused.gemvs.values()))
+        for rows, why in fused.declined_rows.items():
+            log.info("fused decode path: no GEMVs of %d rows for this shape (per-op there): %s", rows, why)
         return fused
 
     def _fused_attention_backend(self, model, kv_pool, max_pages_per_seq: int):
-        """The attention of the steps the fused path serves (one decode row)."""
+        """The attention of the steps the fused path serves (up to fused.max_rows decode rows)."""
         if (self.fused is None or not self.fused.one_launch_attention
                 or self.backend.supports_one_launch_decode):
             return self.backend
         from flashlet.attention.triton_backend import TritonBackend
 
-        return TritonBackend(kv_pool, model.local.num_heads, max_batch_size=1,
+        return TritonBackend(kv_pool, model.local.num_heads, max_batch_size=self.fused.max_rows,
                              max_pages_per_seq=max_pages_per_seq)
+
+    def _fused_size(self, size: int) -> bool:
+        """Does the fused path serve a pure-decode step padded to `size` rows?"""
+        return self.fused is not None and size in self.fused.gemvs
 
     def _decode_attention(self, size: int):
         """The attention backend a pure-decode step padded to `size` rows runs."""
-        return self.fused_attention if self.fused is not None and size == 1 else self.backend
+        return self.fused_attention if self._fused_size(size) else self.backend
+
+    def greedy_token_sizes(self) -> list[int]:
+        """The fused sizes a pure-decode step of requests (not verify tokens) pads to: those
+        that may end in the greedy tokens' graph (the warm-up captures them)."""
+        if self.fused is None:
+            return []
+        rows = min(self.max_num_seqs, self.fused.max_rows)
+        widest = next(s for s in self.fused.row_counts if s >= rows)
+        return [s for s in self.fused.row_counts if s <= widest]
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""
@@ -173,7 +216,10 @@ class ModelRunner:
         the device, for the rows that take them (overlap). token_bucket: a mixed step's bucket
         when it is not the smallest that holds it (the warm-up's captures)."""
         self.wait_inputs_staged()  # the pinned staging is free again
-        pad_to = self.graph_batch_size(layout)
+        if self.fused is not None:  # a verify step it serves, as decode rows
+            page_size, rows = self.kv_pool.page_size, self.fused.max_rows
+            layout = fused_decode.verify_as_decode_rows(layout, page_size, rows) or layout
+        pad_to = self.graph_batch_size(layout) or self._fused_batch_size(layout)
         if pad_to is None and token_bucket is None:
             token_bucket = self.token_bucket(layout)
         return self.buffers.load(layout, fed_tokens, pad_to=pad_to, pad_tokens=token_bucket)
@@ -198,6 +244,14 @@ class ModelRunner:
             return None
         return next(s for s in self.graph_sizes if s >= n)
 
+    def _fused_batch_size(self, layout: StepLayout) -> int | None:
+        """The row count an eager step that the fused path serves is padded to, or None."""
+        n = layout.num_seqs
+        if (self.fused is None or not layout.is_pure_decode or layout.num_sampled != n
+                or n > self.fused.max_rows):
+            return None
+        return next(s for s in self.fused.row_counts if s >= n)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> logits [num_sampled, vocab] fp32 for meta.logits_indices."""
@@ -207,7 +261,8 @@ class ModelRunner:
         if self._fused_step(meta):
             self.fused_attention.plan(meta)
             self._mark_staged()
-            return self.fused.logits(input_ids, meta.positions, self.fused_attention)
+            logits = self.fused.logits(input_ids, meta.positions, self.fused_attention)
+            return logits[: meta.num_seqs - meta.num_padding]
         self.backend.plan(meta)
         if meta.token_bucket is not None and self.use_mixed_graphs:
             hidden = self._replay_mixed(input_ids, meta)
@@ -238,15 +293,17 @@ class ModelRunner:
         return hidden, self.model.compute_logits(hidden[meta.logits_indices])
 
     def _fused_step(self, meta: AttentionMetadata) -> bool:
-        """Does the fused path serve this step: pure decode of one sequence, which samples."""
+        """Does the fused path serve this step: pure decode, padded to one of its row counts,
+        every real row sampling."""
         host = meta.host
-        return (self.fused is not None and host.is_pure_decode and meta.num_seqs == 1
-                and meta.num_padding == 0 and host.num_sampled == 1)
+        return (host.is_pure_decode and self._fused_size(meta.num_seqs)
+                and host.num_sampled == meta.num_seqs - meta.num_padding)
 
     @torch.inference_mode()
     def greedy_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The greedy token [1] (int64, on the device) of a step the fused path serves, from
-        the LM head's argmax epilogue (no logits); None for any other step (call `forward`)."""
+        """The greedy tokens [rows] (int64, on the device) of a step the fused path serves,
+        from the LM head's argmax epilogue (no logits); None for any other step (call
+        `forward`)."""
         if not self._fused_step(meta):
             return None
         size = self.graph_batch_size(meta.host, meta.num_padding)
@@ -254,7 +311,8 @@ class ModelRunner:
             return self._replay(input_ids, meta, size, tokens=True)
         self.fused_attention.plan(meta)
         self._mark_staged()
-        return self.fused.token(input_ids, meta.positions, self.fused_attention)
+        tokens = self.fused.token(input_ids, meta.positions, self.fused_attention)
+        return tokens[: meta.num_seqs - meta.num_padding]
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
@@ -302,7 +360,7 @@ class ModelRunner:
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      tokens: bool = False) -> torch.Tensor:
         """The forward of a padded decode step (the backend planned for it)."""
-        if self.fused is not None and input_ids.shape[0] == 1:
+        if self._fused_size(input_ids.shape[0]):
             fused = self.fused.token if tokens else self.fused.logits
             return fused(input_ids, positions, self.fused_attention)
         hidden = self.model(input_ids, positions, self.backend)
@@ -313,7 +371,7 @@ class ModelRunner:
         addresses, the ones every later step padded to the same size has (StepBuffers)."""
         size = input_ids.shape[0]
         log.info("capturing a CUDA graph for decode batch %d%s", size,
-                 " (fused, greedy tokens)" if tokens else " (fused)" if self.fused and size == 1 else "")
+                 " (fused, greedy tokens)" if tokens else " (fused)" if self._fused_size(size) else "")
         return self._capture_body(lambda: self._decode_body(input_ids, meta.positions, tokens))
 
     def _capture_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata):

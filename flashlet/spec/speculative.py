@@ -12,7 +12,12 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    proposals) beside the step's other decodes and prefill chunks, in the one ragged attention
    call, with pages for all of them where the pool has them free (or evictable from the prefix
    cache): proposals never preempt a request, a row without room for them verifies none.
-   The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`).
+   The layout takes logits at every one of those positions (`BatchUpdate.spec_lens`). Where
+   the fused decode path runs and the step has no prefill chunk and at most 4 query tokens,
+   the runner loads it as one decode row per query token and runs it fused
+   (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way. A step
+   whose requests are all plain greedy then needs no logits: `verify_greedy` decides from each
+   row's argmax (the LM head's epilogue), as those requests' decode steps do without speculation.
 3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
    of proposals the model keeps, plus one token of its own (so at least one token a step).
    Greedy rows accept a proposal where it is the argmax: the output equals decoding without
@@ -56,7 +61,8 @@ from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_r
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
-__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify"]
+__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
+           "verify_greedy"]
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -255,17 +261,34 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
         mask_grammars(logits, requests, rows, errors)
     logits = _apply_transforms(logits, requests, rows, row_req, eos_token_ids)
     ok, chosen = _decide(logits, requests, rows, row_req, proposal)
-    ok, chosen = ok.tolist(), chosen.tolist()
+    results = _accepted(rows, ok.tolist(), chosen.tolist())
+    logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
+    return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
+            for i, (tokens, a) in enumerate(results)]
+
+
+def verify_greedy(tokens: torch.Tensor, requests: list[Request],
+                  proposals: dict[Request, list[int]]) -> list[Verified]:
+    """`verify` for a step whose requests are all plain greedy (sampler.plain_greedy: nothing
+    transforms their logits), from each row's argmax token [rows] (the fused path's LM head
+    argmax, as their decode steps take it without speculation): no logits at all. Reads the
+    device once."""
+    rows = _Rows.of(requests, proposals)
+    chosen = tokens.tolist()
+    ok = [token == proposal for token, proposal in zip(chosen, rows.proposal_of_row().tolist())]
+    return [Verified(tokens, None, a) for tokens, a in _accepted(rows, ok, chosen)]
+
+
+def _accepted(rows: _Rows, ok: list[bool], chosen: list[int]) -> list[tuple[list[int], int]]:
+    """Per request: (its accepted proposals then the token drawn at the first rejection or
+    after the last proposal, how many proposals it accepted)."""
     results = []
-    for i, req in enumerate(requests):
-        start, props = rows.starts[i], rows.proposals[i]
+    for start, props in zip(rows.starts, rows.proposals):
         a = 0
         while a < len(props) and ok[start + a]:
             a += 1
         results.append((props[:a] + [chosen[start + a]], a))
-    logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
-    return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
-            for i, (tokens, a) in enumerate(results)]
+    return results
 
 
 def mask_grammars(logits: torch.Tensor, requests: list[Request], rows: "_Rows",

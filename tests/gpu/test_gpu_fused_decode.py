@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from flashlet.kernels.cute_gemv import cute_available
+from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
 from tests.conftest import save_tiny_model
 from tests.test_fused_decode import perturb_norms
@@ -93,8 +94,8 @@ def run(source: dict, prompt_list, new_tokens: int, *, fused: bool | None, recor
     """Tokens of every prompt (run one at a time); `record(meta, logits)` observes each step."""
     from flashlet import SamplingParams
 
-    engine = build(fused, **source, backend="triton", dtype="bfloat16", max_num_seqs=1,
-                   max_num_pages=1024, **config)
+    config = {"max_num_seqs": 1, **config}
+    engine = build(fused, **source, backend="triton", dtype="bfloat16", max_num_pages=1024, **config)
     perturb_norms(engine)
     if record is not None:
         engine.observe_steps(record)
@@ -113,55 +114,61 @@ def run(source: dict, prompt_list, new_tokens: int, *, fused: bool | None, recor
 
 
 def count_greedy_steps(engine) -> list[int]:
-    """Counts the steps whose token came from the fused argmax epilogue (after this call)."""
+    """Counts the rows whose token came from the fused argmax epilogue (after this call): one a
+    step at one sequence a step."""
     served = [0]
     greedy_tokens = engine.runner.greedy_tokens
 
     def counted(*args):
         tokens = greedy_tokens(*args)
-        served[0] += tokens is not None
+        served[0] += 0 if tokens is None else len(tokens)
         return tokens
 
     engine.runner.greedy_tokens = counted
     return served
 
 
-def reference(source, prompt_list, new_tokens):
-    """The per-op path's tokens, each step's top-2 logits, and each first decode step's logits."""
+def reference(source, prompt_list, new_tokens, **config):
+    """The per-op path's tokens, every sampled row's top-2 logits and logits, in step order
+    (at max_num_seqs 1: prompt by prompt, each prompt's steps in order)."""
     top2, logits_rows = [], []
 
-    def record(meta, logits):
-        if len(logits):  # a long prompt's earlier chunks sample nothing
-            top2.append(logits[0].topk(2).values.tolist())
-            logits_rows.append(logits[0].clone())
+    def record(meta, logits):  # (a long prompt's earlier chunks sample nothing)
+        for row in logits:
+            top2.append(row.topk(2).values.tolist())
+            logits_rows.append(row.clone())
 
-    tokens, _ = run(source, prompt_list, new_tokens, fused=False, record=record)
-    assert len(top2) == len(prompt_list) * new_tokens  # one sampled row a step, prompt by prompt
+    tokens, _ = run(source, prompt_list, new_tokens, fused=False, record=record, **config)
+    assert len(top2) == len(prompt_list) * new_tokens  # one row per new token
     return tokens, top2, logits_rows
 
 
 def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool, fused: bool | None = True,
-                   dtype: str = "bfloat16", backend: str = "triton", **config):
-    """The fused engine fed the reference's token at every step (prompts one at a time, steps
-    in launch order, as `reference` records them) -> (its own pick at every step, its logits
-    rows at every step when `logits` (an observer makes the fused path write them), engine).
-    Without `logits` the decode steps' picks come from the LM head's argmax epilogue."""
+                   dtype: str = "bfloat16", backend: str = "triton", forced: list[int] | None = None,
+                   **config):
+    """The fused engine fed the reference's token at every row of every step (`forced`, in
+    step order as `reference` records them; by default the tokens of the prompts one after
+    another, the order at max_num_seqs 1) -> (its own pick at every row, its logits rows
+    when `logits` (an observer makes the fused path write them), engine). Without `logits`
+    the decode steps' picks come from the LM head's argmax epilogue. Steps are the same as
+    the reference's: the schedule depends on the token counts only (ignore_eos)."""
     from flashlet import SamplingParams
     from flashlet.runner.sampler import SamplerOutput
 
-    forced = [t for tokens in ref_tokens for t in tokens]
+    forced = forced if forced is not None else [t for tokens in ref_tokens for t in tokens]
     picks, rows = [], []
-    engine = build(fused, **source, backend=backend, dtype=dtype, max_num_seqs=1,
-                   max_num_pages=1024, **config)
+    config = {"max_num_seqs": 1, **config}
+    engine = build(fused, **source, backend=backend, dtype=dtype, max_num_pages=1024, **config)
     perturb_norms(engine)
     if logits:
-        engine.observe_steps(lambda meta, lg: rows.append(lg[0].clone()) if len(lg) else None)
+        engine.observe_steps(lambda meta, lg: rows.extend(row.clone() for row in lg))
 
-    def force(tokens):  # the reference's token replaces the pick fed to the next step
+    def force(tokens):  # the reference's tokens replace the picks fed to the next step
         if not len(tokens):  # a long prompt's earlier chunks sample nothing
             return tokens
-        picks.append(int(tokens[0]))
-        return torch.full_like(tokens, forced[len(picks) - 1])
+        picks.extend(tokens.tolist())
+        return torch.tensor(forced[len(picks) - len(tokens) : len(picks)], dtype=tokens.dtype,
+                            device=tokens.device)
 
     def sample(lg, sampling, batch=None):  # the prefill steps and, with `logits`, every step
         return SamplerOutput(force(lg.argmax(-1)), {}, None)
@@ -187,13 +194,12 @@ def teacher_forced(source, prompt_list, ref_tokens, new_tokens, *, logits: bool,
     return picks, rows, engine
 
 
-def check_teacher_forced(ref_tokens, ref_rows, fused_rows, picks, exact_rows, min_agree=0.9):
+def check_teacher_forced(forced, ref_rows, fused_rows, picks, exact_rows, min_agree=0.9):
     """Precision against the fp32 per-op logits (exact_rows): over all positions, the fused
     logits' RMS error within PRECISION_FACTOR x the bf16 per-op path's, and at each position
     the largest error within GROSS_FACTOR x the per-op path's (+ 2^-8 |top|), a guard against
     one broken step; then per position the fused pick the reference's, or within
     2 * (noise + 2^-8 |top|) of it in the reference's logits (module docstring)."""
-    forced = [t for tokens in ref_tokens for t in tokens]
     assert len(ref_rows) == len(fused_rows) == len(picks) == len(forced) == len(exact_rows)
     agree = 0
     sq_fused = sq_ref = 0.0
@@ -223,18 +229,24 @@ def check_teacher_forced(ref_tokens, ref_rows, fused_rows, picks, exact_rows, mi
     assert agree >= min_agree * len(forced), f"only {agree} of {len(forced)} positions agree"
 
 
-def check_against_reference_teacher_forced(source, prompt_list, new_tokens, **config):
+def check_against_reference_teacher_forced(source, prompt_list, new_tokens, max_num_seqs=1, **config):
     """The fused path (config) teacher-forced on the per-op tokens: argmax epilogue and logits
-    path, the module docstring's rule. -> the argmax run's engine."""
-    ref_tokens, _, ref_rows = reference(source, prompt_list, new_tokens)
-    picks, _, engine = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=False, **config)
+    path, the module docstring's rule. -> the argmax run's engine. With max_num_seqs > 1 the
+    prompts must all start in the first step (one prefill step) and decode together, so
+    every decode row is a fused one."""
+    ref_tokens, _, ref_rows = reference(source, prompt_list, new_tokens, max_num_seqs=max_num_seqs)
+    forced = [int(row.argmax()) for row in ref_rows]  # the reference's greedy picks, step order
+    common = dict(forced=forced, max_num_seqs=max_num_seqs)
+    picks, _, engine = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=False,
+                                      **common, **config)
     assert engine.greedy_steps == len(prompt_list) * (new_tokens - 1)  # the argmax epilogue served them
-    _, rows, logits_engine = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True, **config)
+    _, rows, logits_engine = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True,
+                                            **common, **config)
     assert logits_engine.greedy_steps == 0
     # The fp32 anchor: the per-op path in fp32 (the torch oracle backend) on the same tokens.
     _, exact_rows, _ = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True,
-                                      fused=False, dtype="float32", backend="torch")
-    check_teacher_forced(ref_tokens, ref_rows, rows, picks, exact_rows)
+                                      fused=False, dtype="float32", backend="torch", **common)
+    check_teacher_forced(forced, ref_rows, rows, picks, exact_rows)
     return engine
 
 
@@ -274,7 +286,7 @@ def test_pdl_gives_the_same_tokens(small_model):
     ps = prompts(8, vocab)
     plain, _ = run(source, ps, 32, fused=True)
     pdl, engine = run(source, ps, 32, fused=True, fused_decode_pdl=True)
-    assert engine.runner.fused.qkv.plan.pdl
+    assert engine.runner.fused.gemvs[1].qkv.plan.pdl
     assert pdl == plain
 
 
@@ -285,6 +297,115 @@ def test_sampled_requests_take_the_fused_logits_path(small_model):
     tokens, engine = run(source, ps, n, fused=True, greedy=False)
     assert engine.greedy_steps == 0 and all(len(t) == n for t in tokens)
     check_against_reference_teacher_forced(source, ps, n)  # the logits path's precision
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 16])
+def test_fused_batches_agree_with_the_per_op_path(small_model, monkeypatch, batch):
+    """`batch` prompts decoding together (max_num_seqs 16: 7 rows run padded to 8, their
+    padding rows on the scratch page), teacher-forced on the per-op tokens: every row's pick
+    from the argmax epilogue of the M-row GEMVs, and the M-row logits' precision against fp32,
+    under the module docstring's rule. Up to the kernel's 16 rows (SERVED_ROWS, where the path
+    was measured faster, raised to MAX_ROWS): what it computes there, whether or not it serves."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    source, vocab = small_model
+    ps, n = prompts(batch, vocab), 24
+    engine = check_against_reference_teacher_forced(source, ps, n, max_num_seqs=16)
+    fused = engine.runner.fused
+    assert fused.row_counts == [1, 2, 4, 8, 16]
+    padded = next(m for m in fused.row_counts if m >= batch)
+    assert fused.gemvs[padded].lm_argmax._compiled is not None
+
+
+def test_fused_batches_without_graphs_give_the_graph_tokens(small_model, monkeypatch):
+    """Eager fused steps of 1 to 7 rows (padded as the graphs are; served up to the kernel's
+    limit here) against the graphs: the same kernels, bit-identical tokens."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    source, vocab = small_model
+    ps = prompts(7, vocab)
+    graphed, _ = run(source, ps, 20, fused=True, max_num_seqs=8)
+    eager, engine = run(source, ps, 20, fused=True, max_num_seqs=8, cuda_graph=False)
+    assert not engine.runner.graphs and eager == graphed
+
+
+def near_tie_or_equal(want, got, bound: float) -> str:
+    """Two greedy runs of one prompt: identical, or where they first part each token is the
+    other run's first or second pick, within `bound` of its first in that run's logprobs (both
+    ways where both runs have logprobs, else in `want`'s). Returns "identical" or "near tie"."""
+    a, b = want.token_ids, got.token_ids
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        assert len(a) == len(b)
+        return "identical"
+    sides = [(want.logprobs[i], b[i])] + ([(got.logprobs[i], a[i])] if got.logprobs else [])
+    for mine, other in sides:
+        top = dict(mine.top)
+        assert other in top, f"new token {i}: {other} not in the other run's top 2 {mine.top}"
+        gap = mine.logprob - top[other]
+        assert gap <= bound, f"new token {i}: {other} is {gap:.4f} below the pick {mine.token_id}"
+    return "near tie"
+
+
+def run_speculating(source, ps, params, spec):
+    """The default fused engine (max_num_seqs 4) with `spec` (None: off) -> (outputs in prompt
+    order, engine, verify steps loaded as fused decode rows, rows from the argmax epilogue)."""
+    engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_seqs=4,
+                   max_num_pages=1024, speculative_config=spec)
+    assert engine.runner.fused is not None  # the default: every part where it applies
+    perturb_norms(engine)
+    fused_steps, greedy_rows = count_fused_verify_steps(engine), count_greedy_steps(engine)
+    ids = [engine.add_request(p, params) for p in ps]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.check_integrity()
+    return [done[i] for i in ids], engine, fused_steps[0], greedy_rows[0]
+
+
+@pytest.mark.parametrize("served", [8, 16], ids=["served-8", "served-16"])
+def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model, monkeypatch, served):
+    """ngram (k = 4) over prompts that hold their own continuation (a first run's), so prompt
+    lookup proposes at every step and accepts some, on the default fused path: the verify steps
+    (up to 4 x 5 tokens; at most SERVED_ROWS fused, the rest per-op: 8 (one request's 5
+    tokens, padded), and the kernel's 16, where several sequences' verify rows share a step) run
+    as decode rows, and each
+    request's greedy tokens equal those without speculation, or part at a near tie (verify rows
+    attend with other split counts than one-token decodes: the rounding differs). With logprobs
+    both runs pick from bf16 logits (checked both ways); without, the verify steps take each
+    token's argmax from the LM head epilogue (checked against the logprobs run)."""
+    from flashlet import SamplingParams
+
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", served)
+    source, vocab = small_model
+    base = prompts(4, vocab)
+    first, _ = run(source, base, 32, fused=True, max_num_seqs=4)
+    ps = [p + c + p for p, c in zip(base, first)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    logprobs = SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=2)
+    plain, _, _, _ = run_speculating(source, ps, logprobs, None)
+    with_logprobs, engine, fused_steps, greedy_rows = run_speculating(source, ps, logprobs, spec)
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0 and fused_steps > 0 and greedy_rows == 0
+    verdicts = [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, with_logprobs)]
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    argmax, engine, fused_steps, greedy_rows = run_speculating(source, ps, greedy, spec)
+    assert fused_steps > 0 and greedy_rows > 0
+    verdicts += [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, argmax)]
+    print(f"speculation on the fused path (logprobs, argmax): {verdicts}, acceptance "
+          f"{stats.num_accepted_tokens / stats.num_draft_tokens:.2f}")
+
+
+def count_fused_verify_steps(engine) -> list[int]:
+    """Counts the verify steps the runner loads as fused decode rows (after this call)."""
+    count, runner = [0], engine.runner
+    real_load = runner.load
+
+    def load(layout, *args, **kwargs):
+        loaded = real_load(layout, *args, **kwargs)
+        count[0] += (not layout.is_pure_decode) and loaded[1].host.is_pure_decode
+        return loaded
+
+    runner.load = load
+    return count
 
 
 @pytest.mark.slow
@@ -300,6 +421,19 @@ def test_fused_path_at_the_qwen05_shape():
     check_against_reference_teacher_forced(source, ps, n)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [7, 16])
+def test_fused_batches_at_the_qwen05_shape(monkeypatch, batch):
+    """The M-row kernels at the real shapes (K = 896: 16 lanes a row, the argmax's limit at 16
+    rows; the 151,936-row LM head), random weights, default parts: teacher-forced against the
+    per-op path at 7 (padded to 8) and 16 rows (served up to the kernel's limit here)."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    source = dict(config="qwen2.5-0.5b", max_model_len=4096)
+    engine = check_against_reference_teacher_forced(source, prompts(batch, 151936), 16,
+                                                    max_num_seqs=16, fused=None)
+    assert engine.runner.fused.row_counts == [1, 2, 4, 8, 16] and not engine.runner.fused.declined_rows
+
+
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
     """fused_decode_rope (RoPE + K/V write in the QKV GEMV's epilogue, attention alone after
     it): teacher-forced against the per-op path (module docstring: q and k are rounded once
@@ -310,7 +444,7 @@ def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps, n = prompts(8, vocab), 32
     engine = check_against_reference_teacher_forced(source, ps, n, fused_decode_rope=True)
-    assert engine.runner.fused.qkv.plan.epilogue == "bias_rope_kv"
+    assert engine.runner.fused.gemvs[1].qkv.plan.epilogue == "bias_rope_kv"
     tokens, _ = run(source, ps, n, fused=True, fused_decode_rope=True)
     eager, _ = run(source, ps[:3], n, fused=True, fused_decode_rope=True, cuda_graph=False)
     assert eager == tokens[:3]
@@ -374,7 +508,7 @@ def test_default_config_runs_the_fused_path_with_every_sub_flag(tmp_path, family
     assert fused is not None and fused.pdl and fused.one_launch_attention
     assert (fused.rope is not None) == rope
     assert engine.config.fused_decode and engine.runner.fused.parts == FusedParts(pdl=True, rope=rope, attn=True)
-    assert engine.start_report["warmed_up"] and fused.lm_argmax._compiled is not None
+    assert engine.start_report["warmed_up"] and fused.gemvs[1].lm_argmax._compiled is not None
 
 
 @pytest.mark.skipif(not SM90, reason="below sm_90 auto says no for the GPU first")

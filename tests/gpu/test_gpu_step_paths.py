@@ -35,7 +35,7 @@ def check_fused_behind(backend: str, folder, new_tokens: int = 32):
     _, rows, _ = teacher_forced(source, ps, ref_tokens, new_tokens, logits=True, fused=None, backend=backend)
     _, exact_rows, _ = teacher_forced(source, ps, ref_tokens, new_tokens, logits=True, fused=False,
                                       dtype="float32", backend="torch")
-    check_teacher_forced(ref_tokens, ref_rows, rows, picks, exact_rows)
+    check_teacher_forced([t for tokens in ref_tokens for t in tokens], ref_rows, rows, picks, exact_rows)
     assert not runner.fused_attention._merge_counts.any()
 
 

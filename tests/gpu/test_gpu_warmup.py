@@ -60,21 +60,31 @@ def test_nothing_compiles_or_captures_after_start(backend):
     start = engine.start_report
     fused = engine.runner.fused  # on by default where it applies (sm_90+, the CuTe DSL, triton)
     assert start["warmed_up"]
-    # with the fused path, batch 1 has a second graph: the one that ends in the greedy token
-    assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"] + (fused is not None)
+    # with the fused path, each of its sizes (those up to fused_decode.SERVED_ROWS: 1, 2, 4)
+    # has a second graph: the one that ends in the greedy tokens
+    greedy_sizes = engine.runner.greedy_token_sizes()
+    assert greedy_sizes == ([1, 2, 4] if fused is not None else [])
+    assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"] + len(greedy_sizes)
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
-    cute = cute_kernels(fused)
+    cute = cute_kernels(fused, greedy_sizes)
+    if fused is not None:  # every GEMV a step may run, compiled at start and counted
+        assert start["cute_gemvs"] >= len(cute) and start["cute_compile_s"] > 0
     assert all(k is not None for k in cute.values()), f"CuTe GEMVs not compiled at start: {cute}"
     with count_triton_compiles() as compiles:
         _workload(engine)
     assert compiles.count == 0, f"compiled after start: {compiles.names}"
     assert engine.runner.graphs.keys() == graphs.keys(), "a CUDA graph was captured after start"
-    after = cute_kernels(fused)
+    after = cute_kernels(fused, greedy_sizes)
     assert all(after[n] is cute[n] for n in cute), "a CuTe GEMV was compiled after start"
 
 
-def cute_kernels(fused) -> dict:
-    """The fused path's compiled CuTe GEMVs by name ({} without the path)."""
-    names = ("qkv", "o", "gate_up", "down", "lm_head", "lm_argmax")
-    return {} if fused is None else {n: getattr(fused, n)._compiled for n in names}
+def cute_kernels(fused, greedy_sizes) -> dict:
+    """The fused path's compiled CuTe GEMVs by (rows, name) ({} without the path); the argmax
+    of the row counts that end in greedy tokens (the others serve verify steps only)."""
+    names = ("qkv", "o", "gate_up", "down", "lm_head")
+    if fused is None:
+        return {}
+    kernels = {(m, n): getattr(g, n)._compiled for m, g in fused.gemvs.items() for n in names
+               if getattr(g, n) is not None}
+    return {**kernels, **{(m, "lm_argmax"): fused.gemvs[m].lm_argmax._compiled for m in greedy_sizes}}

@@ -212,13 +212,14 @@ _LOWER = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from flashlet.kernels import decode_attention as da
-    splits, pdl, block_n, warps, head_dim = int(sys.argv[1]), sys.argv[2] == "1", *map(int, sys.argv[3:6])
+    splits, pdl, block_n, warps, head_dim, lookback = int(sys.argv[1]), sys.argv[2] == "1", *map(int, sys.argv[3:7])
     sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
     mid = "*fp32" if splits > 1 else "*bf16"
     sig.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
                KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
-                  BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl)
+                  BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
+                  LOOKBACK=lookback, STEP_ROWS=16)
     sig.update({c: "constexpr" for c in consts})
     k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -238,11 +239,12 @@ _LOWER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim", [
-    (1, True, 256, 8, 64), (16, True, 256, 8, 64), (64, False, 256, 8, 64),  # what head_dim 64 runs
-    (16, True, 32, 4, 128),                                                  # head_dim 128's decode config
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback", [
+    (1, True, 256, 8, 64, 0), (16, True, 256, 8, 64, 0), (64, False, 256, 8, 64, 0),  # head_dim 64, one row
+    (16, True, 32, 4, 128, 0),                                                     # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8),                             # rows of a verify step: the look-back
 ])
-def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim):
+def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim, lookback):
     """~3 s each, at the tiles `TritonBackend.one_launch_config` picks. The PDL variants signal
     and wait once, with the first block's page ids and past K/V loads issued before the wait;
     the merge's counter is an acq_rel GPU-scope atomic and its partial loads bypass L1; ptxas
@@ -250,7 +252,7 @@ def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim):
     import json
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    args = [str(splits), "1" if pdl else "0", str(block_n), str(warps), str(head_dim)]
+    args = [str(splits), "1" if pdl else "0", str(block_n), str(warps), str(head_dim), str(lookback)]
     proc = subprocess.run([sys.executable, "-c", _LOWER, *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:

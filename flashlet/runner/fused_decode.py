@@ -323,11 +323,10 @@ class FusedDecode:
         """What runs, every part resolved to True / False."""
         return FusedParts(pdl=self.pdl, rope=self.kv_pool is not None, attn=self.one_launch_attention)
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def hidden(self, g: Gemvs, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [M] -> the residual stream after the last layer [M, hidden]
-        (K/V written through `attn`, planned for this step)."""
+        through g, the GEMVs of M rows (K/V written through `attn`, planned for this step)."""
         m, rows = self.model, input_ids.shape[0]
-        g = self.gemvs_for(rows)
         residual, act = self.residual[:rows], self.act[:rows]
         if self.pdl and self.one_launch_attention:  # layer 0's QKV loads its weights meanwhile
             from flashlet.kernels.embedding import gather_rows  # Triton: imported on CUDA only
@@ -391,17 +390,18 @@ class FusedDecode:
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""
-        x = self.hidden(input_ids, positions, attn)
+        g = self.gemvs_for(input_ids.shape[0])
+        x = self.hidden(g, input_ids, positions, attn)
         out = self.logits_out[: x.shape[0]]
-        self.gemvs_for(x.shape[0]).lm_head(x, self.model.lm_head_weight, out=out,
-                                           norm_weight=self.model.norm)
+        g.lm_head(x, self.model.lm_head_weight, out=out, norm_weight=self.model.norm)
         return out.float()
 
     def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel."""
-        x = self.hidden(input_ids, positions, attn)
-        rows = x.shape[0]
-        argmax = self.gemvs_for(rows).lm_argmax
+        rows = input_ids.shape[0]
+        g = self.gemvs_for(rows)
+        x = self.hidden(g, input_ids, positions, attn)
+        argmax = g.lm_argmax
         if rows == 1:
             argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
             return self.token_id[:1]

@@ -71,8 +71,8 @@ import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
-from flashlet.kernels.cute_gemv import (CuteGemv, CuteUnavailable, RopeKV, RopeShape, VEC, cute_available,
-                                        plan_gemv)
+from flashlet.kernels.cute_gemv import (MAX_ROWS, CuteGemv, CuteUnavailable, RopeKV, RopeShape, VEC,
+                                        cute_available, plan_gemv)
 from flashlet.models.quantization import is_quantized
 from flashlet.runner.batch import StepLayout
 
@@ -84,9 +84,8 @@ from flashlet.runner.batch import StepLayout
 # into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
 
-# The most decode rows (sequences, or a verify step's query tokens) one fused step can compute: a
-# GEMV of up to 16 rows is still bound by its weight bytes (the kernel's limit, `rows=`).
-MAX_ROWS = 16
+# MAX_ROWS (cute_gemv's): the most decode rows (sequences, or a verify step's query tokens) one
+# fused step can compute: a GEMV of up to 16 rows is still bound by its weight bytes (`rows=`).
 
 # The most rows the fused path SERVES: the row counts where a fused step was measured faster than
 # the per-op one. The one place to change when the M-row GEMVs get faster (up to MAX_ROWS).
@@ -238,8 +237,9 @@ class FusedDecode:
         ok, why = cute_available()
         if not ok:
             raise CuteUnavailable(f"fused_decode needs the CuTe DSL: {why}")
-        if not row_counts or min(row_counts) < 1 or max(row_counts) > gemv_row_limit():
-            raise ValueError(f"fused_decode row counts must be in 1..{gemv_row_limit()}, got {list(row_counts)}")
+        limit = gemv_row_limit()
+        if not row_counts or min(row_counts) < 1 or max(row_counts) > limit:
+            raise ValueError(f"fused_decode row counts must be in 1..{limit}, got {list(row_counts)}")
         self.model = model
         layer = model.layers[0]
         self.pdl = pdl
@@ -262,12 +262,16 @@ class FusedDecode:
         self.max_rows = self.row_counts[-1]
         self._allocate_buffers(self.max_rows, device)
 
+    def _widths(self) -> tuple[int, int, int, int, int]:
+        """(hidden, q, kv, intermediate, vocab): the widths the GEMVs and the buffers have."""
+        model, layer = self.model, self.model.layers[0]
+        return (model.config.hidden_size, layer.q_size, layer.kv_size,
+                layer.down_proj.weight.shape[1], model.lm_head_weight.shape[0])
+
     def _allocate_buffers(self, rows: int, device: torch.device) -> None:
         """The step buffers, `rows` rows each (a step of M rows uses the first M)."""
-        model, layer = self.model, self.model.layers[0]
-        h, q, kv = model.config.hidden_size, layer.q_size, layer.kv_size
-        inter = layer.down_proj.weight.shape[1]
-        vocab = model.lm_head_weight.shape[0]
+        model = self.model
+        h, q, kv, inter, vocab = self._widths()
         empty = dict(dtype=model.embed_tokens.weight.dtype, device=device)  # bf16 (checked above)
         self.residual = torch.empty(rows, h, **empty)  # the residual stream, updated in place
         self.qkv_out = torch.empty(rows, q + 2 * kv, **empty)
@@ -284,11 +288,8 @@ class FusedDecode:
 
     def _build_gemvs(self, m: int, device: torch.device) -> Gemvs:
         """The GEMVs of M rows (not compiled yet: each compiles at its first call, the warm-up's)."""
-        model = self.model
-        cfg, layer = model.config, model.layers[0]
-        h, q, kv = cfg.hidden_size, layer.q_size, layer.kv_size
-        inter = layer.down_proj.weight.shape[1]
-        vocab = model.lm_head_weight.shape[0]
+        cfg = self.model.config
+        h, q, kv, inter, vocab = self._widths()
         # rows= only past one row: the one-row kernels stay exactly the plans they always were
         gemv = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
         normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
@@ -322,11 +323,10 @@ class FusedDecode:
         """What runs, every part resolved to True / False."""
         return FusedParts(pdl=self.pdl, rope=self.kv_pool is not None, attn=self.one_launch_attention)
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def hidden(self, g: Gemvs, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [M] -> the residual stream after the last layer [M, hidden]
-        (K/V written through `attn`, planned for this step)."""
+        through g, the GEMVs of M rows (K/V written through `attn`, planned for this step)."""
         m, rows = self.model, input_ids.shape[0]
-        g = self.gemvs_for(rows)
         residual, act = self.residual[:rows], self.act[:rows]
         if self.pdl and self.one_launch_attention:  # layer 0's QKV loads its weights meanwhile
             from flashlet.kernels.embedding import gather_rows  # Triton: imported on CUDA only
@@ -390,17 +390,18 @@ class FusedDecode:
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""
-        x = self.hidden(input_ids, positions, attn)
+        g = self.gemvs_for(input_ids.shape[0])
+        x = self.hidden(g, input_ids, positions, attn)
         out = self.logits_out[: x.shape[0]]
-        self.gemvs_for(x.shape[0]).lm_head(x, self.model.lm_head_weight, out=out,
-                                           norm_weight=self.model.norm)
+        g.lm_head(x, self.model.lm_head_weight, out=out, norm_weight=self.model.norm)
         return out.float()
 
     def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel."""
-        x = self.hidden(input_ids, positions, attn)
-        rows = x.shape[0]
-        argmax = self.gemvs_for(rows).lm_argmax
+        rows = input_ids.shape[0]
+        g = self.gemvs_for(rows)
+        x = self.hidden(g, input_ids, positions, attn)
+        argmax = g.lm_argmax
         if rows == 1:
             argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)
             return self.token_id[:1]

@@ -67,6 +67,16 @@ def decode_rows_limit(config) -> int:
     return max(config.max_num_seqs, min(fused_decode.MAX_ROWS, verify_tokens))
 
 
+def _padded_decode_size(layout: StepLayout, sizes: list[int], num_padding: int = 0) -> int | None:
+    """The smallest of `sizes` (ascending) that holds a pure-decode step in which every row
+    samples, or None for any other step or one larger than them all. num_padding: rows of
+    `layout` that are padding already."""
+    n = layout.num_seqs - num_padding
+    if not (layout.is_pure_decode and n <= sizes[-1] and layout.num_sampled == n):
+        return None
+    return next(s for s in sizes if s >= n)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes, n = [], 1
     while n < max_num_seqs:
@@ -238,19 +248,11 @@ class ModelRunner:
         """The captured batch size that a step replays at, or None where it runs eagerly:
         graphs serve pure-decode steps in which every row samples. num_padding: rows of
         `layout` that are padding already."""
-        n = layout.num_seqs - num_padding
-        if not (self.use_graphs and layout.is_pure_decode and n <= self.graph_sizes[-1]
-                and layout.num_sampled == n):
-            return None
-        return next(s for s in self.graph_sizes if s >= n)
+        return _padded_decode_size(layout, self.graph_sizes, num_padding) if self.use_graphs else None
 
     def _fused_batch_size(self, layout: StepLayout) -> int | None:
         """The row count an eager step that the fused path serves is padded to, or None."""
-        n = layout.num_seqs
-        if (self.fused is None or not layout.is_pure_decode or layout.num_sampled != n
-                or n > self.fused.max_rows):
-            return None
-        return next(s for s in self.fused.row_counts if s >= n)
+        return None if self.fused is None else _padded_decode_size(layout, self.fused.row_counts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

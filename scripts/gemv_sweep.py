@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from flashlet.kernels import cute_gemv  # noqa: E402
+from flashlet.kernels.bench import graph_time_us  # noqa: E402
 from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv  # noqa: E402
-from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, graph_time_us, rand, rel_err  # noqa: E402
+from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, rand, rel_err  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 896, 4864, 151936
 QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)

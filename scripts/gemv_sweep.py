@@ -135,8 +135,8 @@ class Inputs:
         self.x = (rand(rows, k, seed=7).float() * 3 + 0.25).to(BF16)
         self.g = (torch.rand(k, device=DEV) + 0.5).to(BF16) if norm else None
         # the bias is the layer's (one for all rows); the residual is each row's
-        self.extra = {"bias": rand(n, seed=8), "bias_rope_kv": rand(n, seed=8),
-                      "residual": rand(rows, n, seed=8)}.get(epilogue)
+        extra_shape = {"bias": (n,), "bias_rope_kv": (n,), "residual": (rows, n)}.get(epilogue)
+        self.extra = rand(*extra_shape, seed=8) if extra_shape else None
         self.rope = None
         if rope is not None:
             d = rope.head_dim

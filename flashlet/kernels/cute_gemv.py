@@ -1098,10 +1098,8 @@ class CuteGemv:
         out_shape = (p.rows,) if p.epilogue == "argmax" else (p.rows * self._out_numel,)
         extra_shape = (self._extra_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
         r = p.rope
-        rope_shapes = ([(2,), (r.table_rows * r.head_dim,), (2,), (r.cache_slots * r.num_kv_heads * r.head_dim,)]
-                       if r else [(2,), (4,), (2,), (8,)])
-        if r:
-            rope_shapes[0] = rope_shapes[2] = (p.rows,)
+        rope_shapes = ([(p.rows,), (r.table_rows * r.head_dim,), (p.rows,),
+                        (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
         return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),

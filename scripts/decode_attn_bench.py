@@ -235,6 +235,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     import subprocess
     import tempfile
 
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -247,8 +248,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
-                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch],
-                  SPLIT_V=kv == "fp8" and prefetch == "pages")
+                  INPUT_PRECISION=None, **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -25,7 +25,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -132,27 +131,11 @@ def make_call(da, torch, case: Case, v: Variant):
     return fn
 
 
-def time_layers_us(torch, fn, layers: int, repeats: int) -> float:
+def time_layers_us(fn, layers: int, repeats: int) -> float:
     """Median microseconds per layer: all layers' launches captured in one CUDA graph."""
     from flashlet.kernels.bench import graph_time_us  # with torch: --smoke runs without CUDA
 
     return graph_time_us(layers, fn, replays=repeats)
-
-
-def copy_gbps(torch, device) -> float:
-    """Device-to-device copy of 1 GiB, read + write counted."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * src.numel() / statistics.median(times) / 1e9
 
 
 class Sweep:
@@ -188,7 +171,7 @@ class Sweep:
             if not row["rel_err"] < TOLERANCE:
                 row.update(error=f"output differs from the reference (rel err {row['rel_err']:.3g})")
             elif not self.smoke:
-                us = time_layers_us(self.torch, fn, case.model["layers"], self.repeats)
+                us = time_layers_us(fn, case.model["layers"], self.repeats)
                 gbps = case.kv_bytes() / (us * 1e-6) / 1e9
                 row.update(us=us, gbps=gbps, frac_copy=gbps / self.copy if self.copy else None)
         except Exception as exc:  # a tile that does not compile or launch (shared memory, registers)
@@ -252,6 +235,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     import subprocess
     import tempfile
 
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -264,8 +248,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
-                  INPUT_PRECISION=None, FP8_AS_FP16=kv == "fp8", PREFETCH=da.PREFETCH_MODES[prefetch],
-                  SPLIT_V=kv == "fp8" and prefetch == "pages")
+                  INPUT_PRECISION=None, **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -331,12 +314,13 @@ def run(args) -> list[dict]:
 
     from flashlet.kernels import decode_attention as da
     from flashlet.kernels import tuning
+    from flashlet.kernels.bench import measure_copy_bandwidth
 
     device = "cpu" if args.smoke else "cuda"
     kvs = [k for k in ("model", "fp8") if k in args.kv]
     shapes, model = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (args.shapes, MODEL)
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
-    copy = None if args.smoke else copy_gbps(torch, device)
+    copy = None if args.smoke else measure_copy_bandwidth(torch.device(device), repeats=5)
     print(f"device: {'cpu (interpreter, no timing)' if args.smoke else torch.cuda.get_device_name(0)}, "
           f"{num_sms} SMs; copy bandwidth {copy and round(copy)} GB/s; model {model}", flush=True)
     if not args.smoke:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from flashlet.kernels import cute_gemv  # noqa: E402  (imports no cutlass until used)
-from flashlet.kernels.bench import graph_time_us  # noqa: E402,F401  (gemv_sweep imports it from here)
+from flashlet.kernels.bench import graph_time_us  # noqa: E402
 
 # name, N (rows of W), K, CuTe epilogues to run; the 0.5B model's five weight shapes.
 SHAPES = [
@@ -233,20 +233,23 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     and, from M = 4, more output rows
     a lane group where the shape allows (each x chunk read from L1 serves more weight rows)."""
     out = []
+    one_row = cute_gemv.plan_gemv(n, k)
+    one_tile = dict(ctas_per_sm=0, warps=one_row.warps)
     for m in args.rows:
         fits = [e for e in epilogues if e != "argmax" or m <= cute_gemv.lanes_for(k)]
         out += [(m, e, False, 16, False, {}) for e in fits]
         if not args.no_pdl:
             out.append((m, "none", True, 16, False, {}))
-        if m == 1 and cute_gemv.plan_gemv(n, k).outs_per_group > 1:  # one row per lane group
-            out.append((m, "none", False, 8, False, {}))
         if m == 1:
+            if one_row.outs_per_group > 1:  # one row per lane group
+                out.append((m, "none", False, 8, False, {}))
             out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
-        one_tile = dict(ctas_per_sm=0, warps=cute_gemv.plan_gemv(n, k).warps)
-        if m > 1 and cute_gemv.plan_gemv(n, k, rows=m, **one_tile) != cute_gemv.plan_gemv(n, k, rows=m):
+            continue
+        plan = cute_gemv.plan_gemv(n, k, rows=m)
+        if cute_gemv.plan_gemv(n, k, rows=m, **one_tile) != plan:
             out.append((m, "none", False, 16, False, one_tile))
         if m >= 4 and cute_gemv.plan_gemv(n, k, max_loads=32, rows=m).outs_per_group > \
-                cute_gemv.plan_gemv(n, k, rows=m).outs_per_group:  # more output rows a group: x reused more
+                plan.outs_per_group:  # more output rows a group: x reused more
             out.append((m, "none", False, 32, False, {}))
     return out
 

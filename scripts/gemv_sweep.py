@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from flashlet.kernels import cute_gemv  # noqa: E402
+from flashlet.kernels.bench import graph_time_us  # noqa: E402
 from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv  # noqa: E402
-from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, graph_time_us, rand, rel_err  # noqa: E402
+from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, rand, rel_err  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 896, 4864, 151936
 QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
@@ -134,8 +135,8 @@ class Inputs:
         self.x = (rand(rows, k, seed=7).float() * 3 + 0.25).to(BF16)
         self.g = (torch.rand(k, device=DEV) + 0.5).to(BF16) if norm else None
         # the bias is the layer's (one for all rows); the residual is each row's
-        self.extra = {"bias": rand(n, seed=8), "bias_rope_kv": rand(n, seed=8),
-                      "residual": rand(rows, n, seed=8)}.get(epilogue)
+        extra_shape = {"bias": (n,), "bias_rope_kv": (n,), "residual": (rows, n)}.get(epilogue)
+        self.extra = rand(*extra_shape, seed=8) if extra_shape else None
         self.rope = None
         if rope is not None:
             d = rope.head_dim

@@ -122,10 +122,11 @@ class TritonBackend(AttentionBackend):
         """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
         return max(1, min(self.split_cap, -(-self.max_tokens // cfg.min_split_tokens)))
 
-    def _splits_for(self, num_seqs: int) -> int:
+    def _splits_for(self, num_seqs: int, cfg: tuning.DecodeConfig | None = None) -> int:
+        """The two-launch decode's splits for a batch (cfg: its `decode_config`, when known)."""
         if num_seqs > self.max_batch_size:
             return 1
-        cfg = self.decode_config(num_seqs)
+        cfg = self.decode_config(num_seqs) if cfg is None else cfg
         return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, self._max_splits(cfg))
 
     def one_launch_config(self, num_seqs: int) -> tuple[tuple, int]:
@@ -144,7 +145,8 @@ class TritonBackend(AttentionBackend):
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
-        return self.decode_config(num_seqs), self._splits_for(num_seqs)
+        cfg = self.decode_config(num_seqs)
+        return cfg, self._splits_for(num_seqs, cfg)
 
     def prefill_variant(self, max_q_len: int) -> tuple:
         """What a step with a chunk (longest `max_q_len`) compiles."""
@@ -157,8 +159,7 @@ class TritonBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
         if meta.is_pure_decode:
-            self._num_splits = self._splits_for(meta.num_seqs)
-            self._decode_cfg = self.decode_config(meta.num_seqs)
+            self._decode_cfg, self._num_splits = self.decode_variant(meta.num_seqs)
         else:
             self._prefill_cfg = self.prefill_config(meta.host.max_query_len)
 

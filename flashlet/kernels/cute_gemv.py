@@ -169,11 +169,6 @@ class GemvPlan:
         tag += f" M{self.rows}" if self.rows > 1 else ""
         return tag
 
-    @property
-    def out_stored(self) -> int:
-        """Outputs stored per decode row: n_out, or every row of W for the rope epilogues."""
-        return self.n_rows if self.rope else self.n_out
-
 
 @dataclasses.dataclass(frozen=True)
 class RopeShape:
@@ -308,10 +303,11 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
-    table = TUNED_PLANS.get(_tuned_key(n_rows, k, epilogue, norm, pdl, rows), {}) if tuned else {}
+    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows)
+    table = TUNED_PLANS.get(key, {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:
-        raise ValueError(f"TUNED_PLANS entry for {(n_rows, k, epilogue, norm, pdl)} has unknown knobs {unknown}")
+        raise ValueError(f"TUNED_PLANS entry for {key} has unknown knobs {unknown}")
     if staged is False:  # the caller chose registers: the table's staging depth does not apply
         table = {name: v for name, v in table.items() if name != "stages"}
     knobs = {name: table.get(name) if value is None else value for name, value in knobs.items()}
@@ -1025,7 +1021,7 @@ class CuteGemv:
     @property
     def _out_numel(self) -> int:
         """Outputs stored per decode row: n_out, or every row of W for the rope epilogues."""
-        return self.plan.out_stored
+        return self.plan.n_rows if self.plan.rope else self.plan.n_out
 
     @property
     def _extra_numel(self) -> int:
@@ -1102,10 +1098,8 @@ class CuteGemv:
         out_shape = (p.rows,) if p.epilogue == "argmax" else (p.rows * self._out_numel,)
         extra_shape = (self._extra_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
         r = p.rope
-        rope_shapes = ([(2,), (r.table_rows * r.head_dim,), (2,), (r.cache_slots * r.num_kv_heads * r.head_dim,)]
-                       if r else [(2,), (4,), (2,), (8,)])
-        if r:
-            rope_shapes[0] = rope_shapes[2] = (p.rows,)
+        rope_shapes = ([(p.rows,), (r.table_rows * r.head_dim,), (p.rows,),
+                        (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
         return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),

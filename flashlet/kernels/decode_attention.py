@@ -305,10 +305,14 @@ def _merge_kernel(
 PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefetch=) -> PREFETCH
 
 
-def _prefetch_mode(prefetch: str) -> int:
+def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str) -> dict:
+    """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V) from decode_attention's
+    arguments; scripts/decode_attn_bench.py lowers the kernel with the same ones."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
-    return PREFETCH_MODES[prefetch]
+    mode = PREFETCH_MODES[prefetch]
+    as_fp16 = fp8_as_fp16 and fp8_kv and q_dtype != torch.float32
+    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"])
 
 
 def _next_pow2(n: int) -> int:
@@ -416,8 +420,7 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
-    as_fp16 = fp8_as_fp16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
-    mode = _prefetch_mode(prefetch)
+    loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
@@ -431,9 +434,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
-        FP8_AS_FP16=as_fp16,
-        PREFETCH=mode,
-        SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"],
+        **loop,
         num_warps=num_warps,
         num_stages=num_stages,
     )

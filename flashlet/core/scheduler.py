@@ -118,6 +118,11 @@ def prompt_tokens_beside(num_decodes: int, max_decode_step_tokens: int) -> int:
     return max(max_decode_step_tokens - num_decodes, PROMPT_TOKENS_PER_DECODE * num_decodes, 1)
 
 
+def _newest_tokens(reqs: list[Request]) -> list[int]:
+    """Each request's newest token (its last output token, or its prompt's last)."""
+    return [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
+
+
 @dataclass
 class _PromptBudget:
     """The prompt half of one step being scheduled: its tokens left and the chunk each request
@@ -213,11 +218,7 @@ class Scheduler:
         """A steady step's columns: its tokens, unless each is still the placeholder of the
         last step's sampled token (that step is not read yet)."""
         update.steady = True
-        if self._unread is None:
-            update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1]
-                                for req in reqs]
-        else:
-            update.token_ids = None
+        update.token_ids = _newest_tokens(reqs) if self._unread is None else None
 
     def _fill_columns(self, update: BatchUpdate, out: SchedulerOutput,
                       every_row_samples: bool) -> None:
@@ -235,7 +236,7 @@ class Scheduler:
             if out.proposals:
                 self._add_proposals(update, reqs, out.proposals)
         elif every_row_samples:  # each row's token is its newest one
-            update.token_ids = [(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs]
+            update.token_ids = _newest_tokens(reqs)
         else:
             update.token_ids = [req.token_at(start) for req, start in zip(reqs, starts)]
             update.sample = [start + 1 == req.num_tokens for req, start in zip(reqs, starts)]

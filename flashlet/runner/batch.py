@@ -270,18 +270,17 @@ class InputBatch:
         if last is None or last.version != self.version:
             raise ValueError("a steady update needs the last step to be a decode step of the "
                              "same rows, each sampling")
-        ps, rows = self.page_size, last.rows
-        positions = last.positions + 1
-        page, offset = np.divmod(positions, ps)
+        rows, positions = last.rows, last.positions + 1
         if last.indices_changed:  # the prefix cache swapped pages in: gather them all again
-            kv_ptr, indices = self._gather_pages(rows, page + 1)
-            kv_ptr = kv_ptr.astype(np.int32)
-            slots = np.multiply(indices[kv_ptr[1:] - 1], ps, dtype=np.int64) + offset
-        else:
-            kv_ptr, indices, slots = last.kv_ptr, last.indices, last.slots + 1
-            starting = np.flatnonzero(offset == 0)  # rows whose token is its page's first
-            if len(starting):
-                kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
+            layout = self._fresh_decode_layout(rows, positions, token_ids)
+            self._keep_decode(rows, layout.arrays)
+            self._note_sampled(rows, layout.arrays["kv_lens"])
+            return layout
+        page, offset = np.divmod(positions, self.page_size)
+        kv_ptr, indices, slots = last.kv_ptr, last.indices, last.slots + 1
+        starting = np.flatnonzero(offset == 0)  # rows whose token is its page's first
+        if len(starting):
+            kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
         kv_lens = last.kv_lens + 1
         self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
                                       kv_lens)

@@ -210,9 +210,8 @@ class TextEncoder:
         self.num_copies = 0  # tokenizer copies made so far (one per thread that encoded)
         self._local = threading.local()
         self._copy_lock = threading.Lock()
-        template = PieceEncoder.of(rust_tokenizer(tokenizer))
-        self.encodes_pieces = template is not None
-        self._post_processes = template is not None and template.post_processes
+        # checked once on the original; each thread's copy gets one like it (_tokenizer)
+        self._piece_template = PieceEncoder.of(rust_tokenizer(tokenizer))
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
                                                            thread_name_prefix="flashlet-tokenize")
 
@@ -222,15 +221,16 @@ class TextEncoder:
             with self._copy_lock:  # deepcopy reads the shared original
                 tok = copy.deepcopy(self.tokenizer)
                 self.num_copies += 1
-            self._local.pieces = (PieceEncoder(rust_tokenizer(tok), self._post_processes)
-                                  if self.encodes_pieces else None)
+            template = self._piece_template  # this thread's piece encoder, over its copy
+            self._local.pieces = (None if template is None else
+                                  PieceEncoder(rust_tokenizer(tok), template.post_processes))
             self._local.tokenizer = tok
         return tok
 
-    def _pieces(self) -> PieceEncoder | None:
-        """This thread's piece encoder (over its tokenizer copy), if the tokenizer allows."""
-        self._tokenizer()
-        return self._local.pieces
+    @property
+    def encodes_pieces(self) -> bool:
+        """Whether long texts are encoded as pieces side by side (the tokenizer allows it)."""
+        return self._piece_template is not None
 
     def warm_up(self, barrier: threading.Barrier) -> None:
         """On one pool thread: make its tokenizer copy, encode, render the chat template."""
@@ -253,15 +253,16 @@ class TextEncoder:
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special,
                            add_special_tokens=add_special_tokens,
-                           pieces=self._pieces() if in_pieces else None)
+                           pieces=self._local.pieces if in_pieces else None)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
              template_kwargs: dict | None = None, in_pieces: bool = False) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         check_chars(num_chars, self.limit_tokens, self.chars_per_token, "the messages' content")
-        return chat_ids(self._tokenizer(), messages, allow_special=self.allow_special,
+        tokenizer = self._tokenizer()  # (and this thread's piece encoder)
+        return chat_ids(tokenizer, messages, allow_special=self.allow_special,
                         tools=tools, template_kwargs=template_kwargs,
-                        pieces=self._pieces() if in_pieces else None)
+                        pieces=self._local.pieces if in_pieces else None)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (computed once)."""

@@ -122,7 +122,6 @@ def test_a_client_process_imports_no_torch():
                    cwd=Path(__file__).resolve().parents[2])
 
 
-
 def test_client_processes_yield_the_cpu_to_the_server():
     """The spawned client processes run at a lower priority than the bench (CLIENT_NICENESS),
     from their start (os.nice is their first step; the loop waits for it, 60 s at most)."""

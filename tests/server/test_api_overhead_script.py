@@ -10,12 +10,8 @@ from flashlet.server.engine_core import core_stats, engine_info
 from server_helpers import load_script
 
 
-def _load():
-    return load_script("api_overhead")
-
-
 def test_token_source_gives_what_the_core_reads_of_an_engine():
-    source = _load().build_token_source(None)
+    source = load_script("api_overhead").build_token_source(None)
     info = engine_info(source)  # what CoreReady carries: a missing stat failed the core's start
     assert info["kv_cache_dtype"] == "none" and info["num_pages"] == 1 << 16
     source.add_request(np.array([5, 6], np.int32), SamplingParams(max_new_tokens=2), 0)

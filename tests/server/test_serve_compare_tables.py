@@ -8,10 +8,6 @@ from flashlet.server.diagnostics import NUM_BUCKETS, ApiCounters, LoopCounters, 
 from server_helpers import load_script
 
 
-def _load():
-    return load_script("serve_compare")
-
-
 def _summary(p50: float) -> dict:
     return {"n": 10, "mean": p50, "p50": p50, "p90": p50, "p99": 2 * p50, "min": p50,
             "max": 2 * p50}
@@ -49,7 +45,7 @@ def _diag() -> dict:
 
 
 def test_both_tables_have_their_headers_columns():
-    sc = _load()
+    sc = load_script("serve_compare")
     inproc = {"levels": _levels([1, 64], server=False)}
     server = {"levels": _levels([1, 64], server=True)}
     for text in (sc.table(inproc, server), sc.diagnostics_table(inproc, server)):

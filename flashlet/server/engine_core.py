@@ -52,7 +52,8 @@ from flashlet.models.weights import load_tokenizer
 from flashlet.server.diagnostics import LoopCounters
 from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, CoreInput,
                                       CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
-                                      StepOutputs, Heartbeat, api_server_of, output_rows)
+                                      StepOutputs, Heartbeat, output_rows,
+                                      output_rows_by_api_server)
 from flashlet.server.warmup import SERVER_GC_THRESHOLDS
 
 log = logging.getLogger("flashlet.server")
@@ -498,16 +499,12 @@ class EngineCore:
             message = StepOutputs(self.core, output_rows(outputs), stats)
             self.outboxes[0].send(self.encoder.encode(message))
             return
-        by_api_server: list[list] = [[] for _ in range(count)]
-        for out in outputs:
-            by_api_server[api_server_of(out.request_id, count)].append(out)
         everyone = now >= self.next_stats_to_all or not self.engine.has_unfinished()
         if everyone:
             self.next_stats_to_all = now + STATS_EVERY_S
-        for outbox, mine in zip(self.outboxes, by_api_server):
-            if mine or everyone:
-                message = StepOutputs(self.core, output_rows(mine), stats)
-                outbox.send(self.encoder.encode(message))
+        for outbox, rows in zip(self.outboxes, output_rows_by_api_server(outputs, count)):
+            if rows or everyone:
+                outbox.send(self.encoder.encode(StepOutputs(self.core, rows, stats)))
 
     def _probe(self, api_server: int, loop: bool = False) -> None:
         """Reply with the engine's stats: after an integrity check, or (loop) with the loop's

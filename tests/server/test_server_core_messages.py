@@ -26,7 +26,8 @@ from flashlet.core.sampling import TokenLogprob
 from flashlet.server import engine_core
 from flashlet.server.engine_core import EngineCore
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreOutput,
-                                      StepOutputs, output_rows, pack_token_ids)
+                                      StepOutputs, api_server_of, output_rows,
+                                      output_rows_by_api_server, pack_token_ids)
 
 ENCODER = msgspec.msgpack.Encoder()
 STEP_DECODER = msgspec.msgpack.Decoder(StepOutputs)
@@ -75,6 +76,17 @@ def test_output_rows_decode_into_the_same_core_outputs_as_whole_ones():
                 assert getattr(row, field) == getattr(out, field), field
             assert row.status == getattr(out, "status", 500)
         assert len(compact) <= len(whole)
+
+
+def test_rows_split_by_api_process_are_each_process_outputs_rows_in_order():
+    rng = random.Random(3)
+    for count in (2, 3, 4):
+        outputs = _random_outputs(rng, 80)
+        split = output_rows_by_api_server(outputs, count)
+        assert len(split) == count
+        for k, rows in enumerate(split):
+            mine = [o for o in outputs if api_server_of(o.request_id, count) == k]
+            assert ENCODER.encode(rows) == ENCODER.encode(output_rows(mine))
 
 
 def test_a_request_that_only_got_tokens_is_sent_as_three_fields():

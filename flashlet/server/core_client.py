@@ -59,7 +59,8 @@ from flashlet.config import EngineConfig
 from flashlet.core.request import FinishReason
 from flashlet.core.request_check import RequestLimits
 from flashlet.models.weights import load_tokenizer
-from flashlet.server.engine_core import build_engine, run_engine_core  # the process's entry
+from flashlet.server.engine_core import (POLLIN, build_engine,  # the process's entry
+                                         run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
@@ -524,7 +525,7 @@ class CoreClient(EngineClient):
         given its outputs at once."""
         self._delivering_on = self._reading_loop
         try:
-            if self._outbox.get(zmq.EVENTS) & zmq.POLLIN:  # the FD also fires on no message
+            if self._outbox.get(zmq.EVENTS) & POLLIN:  # the FD also fires on no message
                 self._drain()
         except zmq.ZMQError:  # the socket was closed by stop()
             pass
@@ -568,7 +569,7 @@ class CoreClient(EngineClient):
         try:
             while True:
                 self._handle_frame(self._outbox.recv(zmq.NOBLOCK))
-                if not self._outbox.get(zmq.EVENTS) & zmq.POLLIN:
+                if not self._outbox.get(zmq.EVENTS) & POLLIN:
                     return True
         except zmq.Again:  # poll's word was stale
             return True
@@ -613,21 +614,21 @@ class CoreClient(EngineClient):
         if self.on_step_message is not None:
             self.on_step_message(msg.stats["time"])
         by_loop = defaultdict(list)
+        streams = self._streams
         with self._lock:
             for out in msg.outputs:
-                stream = self._streams.get(out.request_id)
+                stream = streams.get(out.request_id)
                 if stream is None:  # aborted here already
                     continue
                 if stream.routed_prefill:  # its first output: the prompt is computed
                     self._prefill_done(core, stream)
-                if out.finished:
-                    del self._streams[out.request_id]
+                if out.finished:  # (a refused request's output is finished too)
+                    del streams[out.request_id]
                     core.num_in_flight -= 1
-                if (out.finish_reason == FinishReason.ERROR and not out.new_token_ids
-                        and out.status == 400):
-                    by_loop[stream.aloop].append((stream, StreamError(out.error, 400)))
-                else:
-                    by_loop[stream.aloop].append((stream, out))
+                    if (out.finish_reason == FinishReason.ERROR and not out.new_token_ids
+                            and out.status == 400):
+                        out = StreamError(out.error, 400)
+                by_loop[stream.aloop].append((stream, out))
         for aloop, items in by_loop.items():  # one wake-up per event loop and step
             if aloop is self._delivering_on:  # read on that loop: no hand-off
                 RequestStream.put_all(items)

@@ -449,3 +449,9 @@ def test_core_reads_its_inbox_without_a_recv_that_finds_nothing():
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+def test_the_plain_pollin_is_zmqs():
+    import zmq
+
+    assert engine_core.POLLIN == zmq.POLLIN

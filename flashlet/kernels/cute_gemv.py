@@ -58,6 +58,7 @@ import torch
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
 VEC = 8  # bf16 elements in one 16-byte load
+FP8_VEC = 16  # fp8 (e4m3) weights in one 16-byte load: a chunk of K is 16 elements, x's two loads
 MAX_ROWS = 16  # decode rows one launch computes (the fused path's small batches, verify steps)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
@@ -100,9 +101,9 @@ def _dsl():
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _rope_kv_store, _stage_tile, _dot_rows):
         g[helper.__name__] = cute.jit(helper)
-    launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
-                launcher=launcher, make_fake=make_fake_compact_tensor)
+                launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
+                make_fake=make_fake_compact_tensor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +129,12 @@ class GemvPlan:
     late_g: bool = False  # norm + pdl: the norm's weight is read after the wait, with x
     min_ctas: int = 0     # > 0: ptxas must fit this many CTAs an SM (a register cap)
     rows: int = 1         # M: decode rows computed per launch, each weight read once for all
+    fp8: bool = False     # W is fp8 (e4m3) with one fp32 scale a row, applied to each sum
+
+    @property
+    def vec(self) -> int:
+        """Elements of K in one 16-byte weight chunk: 8 bf16, 16 fp8."""
+        return FP8_VEC if self.fp8 else VEC
 
     @property
     def groups_per_cta(self) -> int:
@@ -167,6 +174,7 @@ class GemvPlan:
         tag += " lateg" if self.late_g else ""
         tag += f" min{self.min_ctas}" if self.min_ctas else ""
         tag += f" M{self.rows}" if self.rows > 1 else ""
+        tag += " fp8" if self.fp8 else ""
         return tag
 
 
@@ -191,9 +199,10 @@ class RopeShape:
         return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
-def lanes_for(k: int) -> int:
-    """The largest power of two up to 32 dividing K / 8: lanes that share one row."""
-    chunks = k // VEC
+def lanes_for(k: int, vec: int = VEC) -> int:
+    """The largest power of two up to 32 dividing K / vec (vec: elements a 16-byte chunk holds,
+    8 bf16 or 16 fp8): lanes that share one row."""
+    chunks = k // vec
     lanes = 32
     while chunks % lanes:
         lanes //= 2
@@ -231,9 +240,11 @@ TUNED_PLANS: dict[tuple, dict] = {
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
 
 
-def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int) -> tuple:
+def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
+               fp8: bool = False) -> tuple:
     key = (n_rows, k, epilogue, bool(norm), bool(pdl))
-    return key if rows == 1 else (*key, rows)
+    key = key if rows == 1 else (*key, rows)
+    return (*key, "fp8") if fp8 else key  # half the bytes a row: a bf16 plan does not bind it
 
 
 def load_tuned_plans(path: str) -> int:
@@ -262,7 +273,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               warps: int | None = None, outs_per_group: int | None = None,
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
-              tuned: bool = True, rows: int = 1) -> GemvPlan:
+              tuned: bool = True, rows: int = 1, fp8: bool = False) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -296,14 +307,20 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
 
     rows=M (1 to MAX_ROWS) computes M decode rows per launch: every lane's weight chunks are
     read once and multiplied by each row's x in turn (FUSED_NOTES.md, "Stage 4: M rows").
-    TUNED_PLANS entries for M > 1 carry M as a sixth key element; M = 1 keeps the five."""
+    TUNED_PLANS entries for M > 1 carry M as a sixth key element; M = 1 keeps the five.
+
+    fp8=True plans an fp8 (e4m3) weight with one fp32 scale a row (weight-only: x stays bf16):
+    a 16-byte chunk holds 16 weights, so K is chunked by 16 (lanes_for(K, 16)) and each chunk
+    meets two of x's 16-byte loads; the sums are scaled once, before the epilogue. Its
+    TUNED_PLANS keys end in "fp8". It has no staged variant (the tuned bf16 staging does not
+    carry over: the fp8 shapes are planned by the heuristic until measured)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
-    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows)
+    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8)
     table = TUNED_PLANS.get(key, {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:
@@ -317,8 +334,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     min_ctas = knobs["min_ctas_per_sm"] or 0
     if staged and epilogue == "argmax":
         raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
-    if k % VEC or k <= 0:
-        raise ValueError(f"K must be a positive multiple of {VEC} (16-byte loads), got {k}")
+    if staged and fp8:
+        raise ValueError("the staged (shared-memory) variant has no fp8 weights")
+    vec = FP8_VEC if fp8 else VEC
+    if k % vec or k <= 0:
+        raise ValueError(f"K must be a positive multiple of {vec} (16-byte loads of "
+                         f"{'fp8' if fp8 else 'bf16'} weights), got {k}")
     if epilogue == "silu_mul" and n_rows % 2:
         raise ValueError(f"silu_mul needs an even number of rows (gate | up), got {n_rows}")
     if (epilogue in ROPE_EPILOGUES) != (rope is not None):
@@ -341,12 +362,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
-    lanes = lanes_for(k)
+    lanes = lanes_for(k, vec)
     if epilogue == "argmax" and rows > lanes:
         # Lane m of each group keeps row m's running best across the tiles (one pair a lane).
         raise ValueError(f"argmax with rows={rows} needs at least as many lanes a row, and K = {k} "
-                         f"gives {lanes} (the largest power of two dividing K / 8)")
-    chunks = k // (VEC * lanes)
+                         f"gives {lanes} (the largest power of two dividing K / {vec})")
+    chunks = k // (vec * lanes)
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
 
     def tiles(warps: int, outs_per_group: int) -> int:
@@ -406,7 +427,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if ctas_per_sm:
         grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows)
+                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +454,10 @@ _deferred = _Deferred()
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
-    # mW [n_rows, K/8, 8] bf16; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8, mS):
+    # mW [n_rows, K/8, 8] bf16, or with fp8 [n_rows, K/16, 16] e4m3 and mS [n_rows] fp32 its row
+    # scales (None for bf16), x and g then in chunks of 16 too (two 16-byte loads each);
+    # mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
     # [rows * n_out] (the tokens [rows] int32 for argmax; all n_rows outputs a row for the rope
     # epilogues); mE: the bias [n_out] ([n_rows] for bias_rope_kv), shared by the rows, or the
     # residual [rows * n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
@@ -457,7 +480,9 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     rows_per_out = 2 if epilogue == "silu_mul" or rope else 1
     rows_in_flight = outs_per_group * rows_per_out
     half = head_dim // 2
-    x_chunks = lanes * chunks                # 16-byte chunks of one decode row of x
+    vec = FP8_VEC if fp8 else VEC            # elements of K in a weight chunk
+    xpc = vec // VEC                         # x's (and g's) 16-byte loads a weight chunk meets
+    x_chunks = lanes * chunks * xpc          # 16-byte chunks of one decode row of x
     # rows > 1: the decode row of each value a lane keeps (`rows`: another lane finishes it)
     own_rows = [0]
     if cutlass.const_expr(rows > 1):
@@ -472,13 +497,16 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # lane's 16-byte loads before the first FMA; with x first it issues nearly all (36 of 39 at
     # K = 4864), which is the point of the design.
     x_early = []
-    if cutlass.const_expr(not pdl and rows == 1):  # (rows > 1: each row's x is read per chunk)
-        for j in cutlass.range_constexpr(chunks):
-            x_early.append(mX[sub + j * lanes, None].load())
+    # fp8 sums through `_dot_rows` at one row too: a lane covers twice the K of a bf16 lane, and
+    # the one-row form's x, g and widened weights held at once spilled (ptxas, sm_90a)
+    row_dots = rows > 1 or fp8
+    if cutlass.const_expr(not pdl and not row_dots):  # (row_dots: each row's x is read per chunk)
+        for q in cutlass.range_constexpr(chunks * xpc):
+            x_early.append(mX[_x_index(sub, q, lanes, xpc), None].load())
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
     if cutlass.const_expr(norm and not late_g):  # (late_g: after the wait, with x)
-        for j in cutlass.range_constexpr(chunks):
-            g_early.append(mG[sub + j * lanes, None].load())
+        for q in cutlass.range_constexpr(chunks * xpc):
+            g_early.append(mG[_x_index(sub, q, lanes, xpc), None].load())
     per_stage = rows_in_flight * chunks
     if cutlass.const_expr(staged):
         # One 16-byte slot per (thread, row chunk, stage); consecutive threads in consecutive
@@ -510,6 +538,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         outs = []
         w = []
+        scales = []  # fp8: each weight row's scale, beside its loads (a weight: before any wait)
         for o in cutlass.range_constexpr(outs_per_group):
             out = tile * outs_per_tile + o * groups_per_cta + group
             outs.append(out)
@@ -518,6 +547,8 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 row = safe + h * n_out  # silu_mul: gate, then up
                 if cutlass.const_expr(rope):  # the rotate-half pair: h D + i, then h D + i + D/2
                     row = (safe // half) * head_dim + safe % half + h * half
+                if cutlass.const_expr(fp8):
+                    scales.append(cutlass.Float32(mS[row]))
                 for j in cutlass.range_constexpr(chunks):
                     src = mW[row, sub + j * lanes, None]
                     if cutlass.const_expr(staged):
@@ -529,20 +560,20 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         xs = []
         gs = g_early
-        if cutlass.const_expr(rows == 1):
-            for j in cutlass.range_constexpr(chunks):
+        if cutlass.const_expr(not row_dots):
+            for q in cutlass.range_constexpr(chunks * xpc):
                 if cutlass.const_expr(pdl):
-                    if cutlass.const_expr(j == 0):
+                    if cutlass.const_expr(q == 0):
                         cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
-                    xs.append(mX[sub + j * lanes, None].load())
+                    xs.append(mX[_x_index(sub, q, lanes, xpc), None].load())
                 else:
-                    xs.append(x_early[j])
+                    xs.append(x_early[q])
         elif cutlass.const_expr(pdl):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(norm and late_g):
             gs = []
-            for j in cutlass.range_constexpr(chunks):
-                gs.append(mG[sub + j * lanes, None].load())
+            for q in cutlass.range_constexpr(chunks * xpc):
+                gs.append(mG[_x_index(sub, q, lanes, xpc), None].load())
         cos = []
         sin = []
         biases = []
@@ -575,20 +606,20 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_wait_group(stages - 1)
             for i in cutlass.range_constexpr(per_stage):
                 w.append(sW[tidx, stage * per_stage + i, None].load())
-        if cutlass.const_expr(rows == 1):
+        if cutlass.const_expr(not row_dots):
             acc = []
             for i in cutlass.range_constexpr(rows_in_flight):
                 acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
             if cutlass.const_expr(norm):
                 # The group's chunks cover all of x: its sum of squares is the whole row's.
                 sq = cute.full((VEC,), 0.0, cutlass.Float32)
-                for j in cutlass.range_constexpr(chunks):
-                    xf = xs[j].to(cutlass.Float32)
+                for q in cutlass.range_constexpr(chunks * xpc):
+                    xf = xs[q].to(cutlass.Float32)
                     sq = sq + xf * xf
                 ss = cutlass.Float32(sq.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
                 ss = cute.arch.warp_reduction_sum(ss, threads_in_group=lanes)
                 rstd = cutlass.Float32(cute.math.rsqrt(
-                    ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
+                    ss * cutlass.Float32(1.0 / (lanes * chunks * vec)) + cutlass.Float32(eps), fastmath=True))
             for j in cutlass.range_constexpr(chunks):
                 xv = xs[j].to(cutlass.Float32)
                 if cutlass.const_expr(norm):
@@ -608,8 +639,11 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             x_base = 0
             if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
                 x_base = _opaque_zero()
-            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
-        if cutlass.const_expr(rows == 1):
+            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps,
+                             vec)
+            if cutlass.const_expr(fp8):  # each weight row's scale, once: W x = scale * (q x)
+                sums = [[v * scales[i] for v in sums[i]] for i in range(rows_in_flight)]
+        if cutlass.const_expr(not row_dots):
             sums = [[s] for s in sums]  # sums[i][r]: weight row i's sum for the lane's r-th row
         for r in cutlass.range_constexpr(len(own_rows)):
             # The decode row this lane finishes (rows == 1: lane 0 of the group finishes row 0).
@@ -665,7 +699,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 
 @_deferred.jit
-def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps):
+def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps, vec):
     """rows > 1: this group's dot products for every decode row, reduced over its lanes (and
     scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight chunk is
     converted once and used for every row; each row's x chunk is read (L1) and used for all
@@ -673,19 +707,22 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
     x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
     acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
     sq = [cutlass.Float32(0.0)] * rows
+    xpc = vec // VEC  # fp8: a weight chunk's two halves, each against one x load
     for j in cutlass.range_constexpr(chunks):
         wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
-        gv = None
-        if cutlass.const_expr(norm):
-            gv = gs[j].to(cutlass.Float32)
-        for m in cutlass.range_constexpr(rows):
-            xf = mX[x_base + m * x_chunks + sub + j * lanes, None].load().to(cutlass.Float32)
+        for t in cutlass.range_constexpr(xpc):
+            q = j * xpc + t
+            gv = None
             if cutlass.const_expr(norm):
-                sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
-                xf = xf * gv
-            for i in cutlass.range_constexpr(rows_in_flight):
-                acc[m * rows_in_flight + i] = cutlass.Float32(
-                    (wf[i] * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
+                gv = gs[q].to(cutlass.Float32)
+            for m in cutlass.range_constexpr(rows):
+                xf = mX[_x_row_index(x_base, m, x_chunks, sub, q, lanes, xpc), None].load().to(cutlass.Float32)
+                if cutlass.const_expr(norm):
+                    sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
+                    xf = xf * gv
+                for i in cutlass.range_constexpr(rows_in_flight):
+                    acc[m * rows_in_flight + i] = cutlass.Float32(
+                        (_half(wf[i], t, xpc) * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
     # Each (row, weight row) sum is spread over the group's lanes: one reduce-scatter per weight
     # row leaves every lane the full sums of its own rows (`lane_rows`).
     pad = [cutlass.Float32(0.0)] * (rows_padded(rows) - rows)
@@ -693,7 +730,7 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
     if cutlass.const_expr(norm):
         for ss in reduce_scatter(sq + pad, sub, lanes, _shuffle_bfly, _select):
             rstd.append(cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True)))
+                ss * cutlass.Float32(1.0 / (lanes * chunks * vec)) + cutlass.Float32(eps), fastmath=True)))
     sums = []
     for i in cutlass.range_constexpr(rows_in_flight):
         kept = reduce_scatter([acc[m * rows_in_flight + i] for m in range(rows)] + pad, sub, lanes,
@@ -702,6 +739,26 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
             kept = [k * r for k, r in zip(kept, rstd)]
         sums.append(kept)
     return sums
+
+
+def _x_index(sub, q, lanes: int, xpc: int):
+    """The 16-byte chunk of x (or g) a lane reads q-th: bf16 reads chunk sub + q L, meeting its
+    weight chunk; fp8's weight chunk c = sub + (q // 2) L spans x's chunks 2c and 2c + 1."""
+    if xpc == 1:
+        return sub + q * lanes
+    return (sub + (q // xpc) * lanes) * xpc + q % xpc
+
+
+def _x_row_index(x_base, m, x_chunks: int, sub, q, lanes: int, xpc: int):
+    """_x_index in decode row m (bf16: the expression as it always was, so its PTX is too)."""
+    if xpc == 1:
+        return x_base + m * x_chunks + sub + q * lanes
+    return x_base + m * x_chunks + _x_index(sub, q, lanes, xpc)
+
+
+def _half(wf, t: int, xpc: int):
+    """bf16: the widened chunk itself; fp8: its t-th 8 elements (column t of the 16 as (8, 2))."""
+    return wf if xpc == 1 else wf.reshape((VEC, xpc))[None, t]
 
 
 def rows_padded(rows: int) -> int:
@@ -937,25 +994,40 @@ def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_id
 @_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
+    """bf16 weights (the kernel's mS is None: no scale argument reaches the kernel)."""
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
                           mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
                           staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
-                          min_ctas, rows).launch(
+                          min_ctas, rows, fp8, None).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
+        min_blocks_per_mp=min_ctas)
+
+
+@_deferred.jit
+def _gemv_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                     mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                     staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows,
+                     fp8):
+    """fp8 weights with their row scales mS [n_rows] fp32."""
+    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
+                          mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                          staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
+                          min_ctas, rows, fp8, mS).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
-                "min_ctas", "rows")
-_CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
+                "min_ctas", "rows", "fp8")
+_CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _gemv_launch_fp8: _PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _stage_tile: ("n_out", "lanes", "chunks", "outs_per_group", "groups_per_cta",
                                    "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
-                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps")}
+                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -990,14 +1062,15 @@ class CuteGemv:
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
                  pdl: bool = False, max_loads: int = 16, staged: bool | None = None,
                  norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None, rows: int = 1,
-                 **knobs):
-        """rows: decode rows per call (1 to MAX_ROWS, compiled in). knobs: plan_gemv's plan
+                 fp8: bool = False, **knobs):
+        """rows: decode rows per call (1 to MAX_ROWS, compiled in). fp8: the weight is e4m3
+        [N, K] and each call passes its row scales (`scale=`, fp32 [N]). knobs: plan_gemv's plan
         overrides (warps, outs_per_group, ctas_per_sm, stages, late_g, min_ctas_per_sm, tuned);
         by default TUNED_PLANS or the heuristic decide."""
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
                               max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope,
-                              rows=rows, **knobs)
+                              rows=rows, fp8=fp8, **knobs)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         parts = p.grid * p.rows if epilogue == "argmax" else 1
@@ -1028,16 +1101,22 @@ class CuteGemv:
         """The bias is the layer's (one for all rows); the residual is each row's."""
         return self._out_numel * (self.plan.rows if self.plan.epilogue == "residual" else 1)
 
-    def _check(self, x, weight, extra, out, norm_weight, rope_kv=None):
+    def _check(self, x, weight, extra, out, norm_weight, rope_kv=None, scale=None):
         """Refuse, before any launch, what the compiled layouts would misread."""
         p = self.plan
 
         def bad(t, numel, dtype):  # the kernel assumes contiguous, 16-byte aligned tensors
             return t.numel() != numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16
 
-        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, torch.bfloat16):
-            raise ValueError(f"weight must be a contiguous, 16-byte aligned bf16 [{p.n_rows}, {p.k}] "
+        w_dtype = torch.float8_e4m3fn if p.fp8 else torch.bfloat16
+        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, w_dtype):
+            raise ValueError(f"weight must be a contiguous, 16-byte aligned {w_dtype} [{p.n_rows}, {p.k}] "
                              f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
+        if p.fp8 != (scale is not None):
+            raise ValueError(f"a GEMV planned with fp8={p.fp8} {'needs' if p.fp8 else 'takes no'} scale")
+        if scale is not None and (scale.shape != (p.n_rows,) or bad(scale, p.n_rows, torch.float32)):
+            raise ValueError(f"scale must be a contiguous, 16-byte aligned float32 [{p.n_rows}] (one per "
+                             f"weight row), got {scale.dtype} {tuple(scale.shape)}")
         if bad(x, p.rows * p.k, torch.bfloat16):
             raise ValueError(f"x must be a contiguous, 16-byte aligned bf16 [rows={p.rows}, {p.k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
@@ -1063,21 +1142,24 @@ class CuteGemv:
             raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
 
-    def _args(self, x, weight, extra, out, norm_weight, rope_kv=None):
+    def _args(self, x, weight, extra, out, norm_weight, rope_kv=None, scale=None):
+        """The launcher's tensor arguments (fp8: the row scales last)."""
         d = _dsl()
         p = self.plan
         def aligned(t):  # detached: DLPack refuses a tensor that requires grad (a Parameter)
             return d["from_dlpack"](t.detach(), assumed_align=16)
 
+        v = p.vec  # weights a 16-byte chunk (x and g: 8 bf16 a chunk whatever the weights)
+        scales = [aligned(scale)] if p.fp8 else []
         norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
-        return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
+        return [aligned(weight.view(p.n_rows, p.k // v, v)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
                 aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
                 d["from_dlpack"](self._counter, assumed_align=4),
                 *(d["from_dlpack"](t.detach(), assumed_align=a)  # scalar reads: element alignment
-                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN))]
+                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN)), *scales]
 
     def _stream(self):
         d = _dsl()
@@ -1100,7 +1182,10 @@ class CuteGemv:
         r = p.rope
         rope_shapes = ([(p.rows,), (r.table_rows * r.head_dim,), (p.rows,),
                         (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
-        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
+        v = p.vec
+        scales = [fake(c.Float32, (p.n_rows,), 16)] if p.fp8 else []
+        return [fake(c.Float8E4M3FN if p.fp8 else c.BFloat16, (p.n_rows, p.k // v, v), 16),
+                fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
@@ -1108,7 +1193,7 @@ class CuteGemv:
                 fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
-                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN))]
+                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]
 
     def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
@@ -1124,28 +1209,31 @@ class CuteGemv:
             if self.device.type == "cuda":
                 # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
                 x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
-                w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
+                w = torch.empty(p.n_rows, p.k, dtype=torch.float8_e4m3fn if p.fp8 else torch.bfloat16,
+                                device=self.device)
+                scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
                 extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
                 g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
                 args = self._args(x, w, extra, self.out_like(), g,
-                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows))
+                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows), scale)
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
             self._compiled = d["cute"].compile(
-                d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
+                d["launcher_fp8" if p.fp8 else "launcher"], *args, self._stream(),
+                *(getattr(p, name) for name in _PLAN_PARAMS))
             self.compile_seconds = time.perf_counter() - t0
             _COMPILED[key] = self._compiled
         return self.compile_seconds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
                  *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                 rope_kv: RopeKV | None = None) -> torch.Tensor:
+                 rope_kv: RopeKV | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         out = self.out_like() if out is None else out
-        self._check(x, weight, extra, out, norm_weight, rope_kv)
+        self._check(x, weight, extra, out, norm_weight, rope_kv, scale)
         self.compile(rope_kv)
-        self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv), self._stream())
+        self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv, scale), self._stream())
         return out
 
 

@@ -249,17 +249,21 @@ def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: 
 
 def load_tuned_plans(path: str) -> int:
     """Add the entries of a JSON file written by `scripts/gemv_sweep.py --plans-out` (a list of
-    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}) to TUNED_PLANS: plans measured on
-    this machine, over the built-in table. Returns how many were added."""
+    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M and then "fp8" where
+    they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over the
+    built-in table. Returns how many were added."""
     with open(path) as fh:
         entries = json.load(fh)
     for entry in entries:
-        n, k, epilogue, norm, pdl, *rows = entry["key"]
+        n, k, epilogue, norm, pdl, *rest = entry["key"]
+        fp8 = rest[-1:] == ["fp8"]
+        rows = rest[:-1] if fp8 else rest
         knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
         if unknown or epilogue not in EPILOGUES or len(rows) > 1:
             raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown}, epilogue or key length")
-        TUNED_PLANS[_tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1)] = dict(knobs)
+        key = _tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1, fp8)
+        TUNED_PLANS[key] = dict(knobs)
     return len(entries)
 
 
@@ -1287,15 +1291,17 @@ class RopeKV:
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
                    extra: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The slow obvious answer in fp32 on the same bf16 inputs, x [M, K] (or [K]) -> [M, N]
     (argmax: the fp32 logits' argmax per row, int32 [M]). extra: the bias [N] (every row) or
     the residual [M, N]. With norm_weight: of RMSNorm(x) * norm_weight per row, kept in fp32
-    (as the kernel keeps it)."""
+    (as the kernel keeps it). With scale (fp32 [N]): weight is fp8 and W = weight * scale per
+    row, dequantized in fp32 (the numerics of quantization.dequant_linear)."""
     x = x.float().reshape(-1, weight.shape[1])
     if norm_weight is not None:
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
-    y = x @ weight.float().t()
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    y = x @ w.t()
     if epilogue in ("bias", "residual"):
         y = y + extra.float().reshape(-1, y.shape[-1])
     if epilogue == "silu_mul":
@@ -1308,13 +1314,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none"
 
 def rope_kv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       rope: RopeShape, rope_kv: RopeKV, norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
     """The rope epilogues the slow obvious way, row by row of x [M, K]: y = W x (+ b) in fp32
     (x RMS-normalised first with norm_weight), q and k heads rotated in fp32 with the fp32 table
     row at the row's position (rotate-half, as `TorchOps.rope`), rounded once to dtype (bf16,
     the kernel's; fp32 for the CPU wiring tests); k and v heads copied into the pool at the
-    row's slot (skipped when negative). Returns y [M, N]; the pool is updated in place."""
-    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps)
+    row's slot (skipped when negative). scale: fp8 weights' row scales (gemv_reference's).
+    Returns y [M, N]; the pool is updated in place."""
+    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps, scale=scale)
     if bias is not None:
         y = y + bias.float().reshape(1, -1)
     d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads

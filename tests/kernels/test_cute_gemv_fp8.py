@@ -258,3 +258,25 @@ def test_fp8_rope_kv_each_row_at_its_position_and_slot(kh, shape, k, bias, pdl, 
     untouched = torch.ones(kc.shape[0], dtype=torch.bool, device="cuda")
     untouched[slots[slots >= 0]] = False
     assert (kc[untouched] == 7).all() and (vc[untouched] == -7).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("k", [256, 768])  # 1 and 3 chunks a lane
+def test_every_e4m3_code_widens_exactly_in_place(k):
+    """One-hot rows of x pick single columns of a weight holding every finite e4m3 code (scale
+    1): y[m, r] must be W[r, column] exactly. A code widened wrong, or a chunk's half met by
+    the wrong x load, shows as a different value."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~codes.float().isnan()]
+    n, rows = 64, 16
+    flat = codes[torch.arange(n * k) % codes.numel()]
+    q = flat.view(n, k).cuda()
+    scale = torch.ones(n, device="cuda")
+    gemv = CuteGemv(n, k, "none", rows=rows, fp8=True)
+    for start in range(0, k, rows):
+        x = torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(rows), torch.arange(start, start + rows)] = 1
+        y = gemv(x, q, scale=scale)
+        torch.cuda.synchronize()
+        assert torch.equal(y.float(), q[:, start:start + rows].float().t()), f"columns {start}..{start + rows - 1}"

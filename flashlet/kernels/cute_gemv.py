@@ -40,6 +40,16 @@ Programmatic Dependent Launch they overlap the previous kernel's tail: the form 
 decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
 the residual): each output is read and written by the same lane group.
 
+FP8 weights (`fp8=True`; quantization.QuantizedWeight's layout: W ~= q * scale[:, None], q [N, K]
+e4m3, scale [N] fp32): weight-only, as the per-op fp8 kernel. A 16-byte load holds 16 weights
+(8 in bf16), so K is chunked by 16 (lanes_for(K, 16): K = 896 gives 8 lanes of 7 chunks, 4864
+16 lanes of 19); each chunk is widened by the hardware's e4m3x2 -> f16x2 conversion (exact) and
+then to fp32, and its two halves meet x's two 16-byte loads (x stays bf16, 8 a load). The sums
+go through `_dot_rows` at one row too (a lane covers twice a bf16 lane's K: the one-row form held
+too many registers and spilled), and each weight row's sum is multiplied by its scale once,
+before any epilogue. The bytes fall to N * K (+ 4 N of scales); the bf16 kernels' code is the
+same (their PTX is byte-identical with or without this path, a test pins it).
+
 The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
 never needs it; `CuteUnavailable` says how to install it when it is missing.
 """

@@ -55,6 +55,12 @@ Several rows: the GEMVs come in one set per row count the runner pads decode ste
 its own position and slot) and the one-launch attention (each row over its own pages) take all M
 rows; the argmax writes M int32 tokens, cast once to the engine's int64.
 
+FP8 weights (`--quantization fp8`, an FP8 checkpoint: the four projections are `QuantizedWeight`s)
+stream through the GEMVs' fp8 form (`CuteGemv(..., fp8=True)`: e4m3 codes, 16 a 16-byte load,
+each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales), weight-only as
+the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 6 points of agreement:
+quantization.py). Widths must then be multiples of 16 (`refusals`).
+
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
 RoPE epilogue and the one-launch attention is on where it applies (`FusedParts`: not a user

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashlet.runner import fused_decode
 from tests.conftest import save_tiny_model
 from tests.gpu.test_gpu_fused_decode import (HAVE_CUTE, NO_CUTE_REASON, SMALL, build,
                                              check_against_reference_teacher_forced, prompts, run)
@@ -47,7 +48,7 @@ def assert_fp8_gemvs(engine) -> None:
     fused = engine.runner.fused
     assert fused is not None and fused.fp8
     for gemvs in fused.gemvs.values():
-        assert all(g.plan.fp8 for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down))
+        assert all(g.plan.fp8 for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down) if g is not None)
         assert not gemvs.lm_head.plan.fp8 and not gemvs.lm_argmax.plan.fp8
 
 
@@ -89,3 +90,15 @@ def test_auto_runs_fp8_weights_on_the_fused_path(fp8_model):
     graphed, _ = run(source, prompts(4, vocab), 16, fused=None)
     eager, _ = run(source, prompts(4, vocab), 16, fused=None, cuda_graph=False)
     assert eager == graphed
+
+
+def test_fp8_down_past_max_down_k_runs_the_fp8_gemm_inside_the_fused_step(fp8_model, monkeypatch):
+    """A down projection longer than the GEMV serves (MAX_DOWN_K; lowered here below SMALL's
+    768, as Qwen2.5-7B's 18,944 is above it) runs the per-op fp8 GEMM (Triton) into the
+    residual stream inside the fused step, captured in its graph."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 512)
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(4, vocab), 24, fused_decode_pdl=True,
+                                                    fused_decode_rope=True, fused_decode_attn=True)
+    assert_fp8_gemvs(engine)
+    assert all(g.down is None for g in engine.runner.fused.gemvs.values())

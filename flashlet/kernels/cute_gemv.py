@@ -326,8 +326,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     fp8=True plans an fp8 (e4m3) weight with one fp32 scale a row (weight-only: x stays bf16):
     a 16-byte chunk holds 16 weights, so K is chunked by 16 (lanes_for(K, 16)) and each chunk
     meets two of x's 16-byte loads; the sums are scaled once, before the epilogue. Its
-    TUNED_PLANS keys end in "fp8". It has no staged variant (the tuned bf16 staging does not
-    carry over: the fp8 shapes are planned by the heuristic until measured)."""
+    TUNED_PLANS keys end in "fp8" (a bf16 plan was measured for twice the bytes: the fp8
+    shapes are planned by the heuristic until a sweep measures them)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
@@ -348,8 +348,6 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     min_ctas = knobs["min_ctas_per_sm"] or 0
     if staged and epilogue == "argmax":
         raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
-    if staged and fp8:
-        raise ValueError("the staged (shared-memory) variant has no fp8 weights")
     vec = FP8_VEC if fp8 else VEC
     if k % vec or k <= 0:
         raise ValueError(f"K must be a positive multiple of {vec} (16-byte loads of "
@@ -526,12 +524,13 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         # One 16-byte slot per (thread, row chunk, stage); consecutive threads in consecutive
         # slots. Each thread reads back only its own slots, so no barrier is ever needed.
         threads = warps * 32
+        w_type = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16  # 16 bytes a slot either way
         sW = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.BFloat16, cute.make_layout((threads, stages * per_stage, VEC),
-                                               stride=(VEC, threads * VEC, 1)), byte_alignment=16)
+            w_type, cute.make_layout((threads, stages * per_stage, vec),
+                                     stride=(vec, threads * vec, 1)), byte_alignment=16)
         g2s = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-            cutlass.BFloat16, num_bits_per_copy=128)
+            w_type, num_bits_per_copy=128)
         if cutlass.const_expr(stages == 2):
             # The pipeline's prologue: this CTA's first tile into buffer 0 (grid <= tiles).
             _stage_tile(mW, sW, g2s, bidx, 0, tidx, sub, group, n_out, lanes, chunks,

@@ -41,15 +41,20 @@ def test_fp8_plan_chunks_k_by_16_and_covers_every_output(n, k, epilogue):
     assert "fp8" in p.describe()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(k=200), "multiple of 16"),  # a multiple of 8 (bf16 plans it), not of 16
-    (dict(staged=True), "staged"),
-])
-def test_fp8_plan_refuses_what_it_cannot_load(kwargs, match):
-    args = dict(n_rows=96, k=64, epilogue="none", fp8=True) | kwargs
-    plan_gemv(**(args | {"fp8": False, "staged": False}))  # the same shape in bf16 plans
-    with pytest.raises(ValueError, match=match):
-        plan_gemv(**args)
+def test_fp8_plan_refuses_k_not_a_multiple_of_16():
+    plan_gemv(96, 200, "none")  # a multiple of 8: bf16 plans it
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plan_gemv(96, 200, "none", fp8=True)
+
+
+def test_fp8_staged_plan_fits_the_same_shared_memory():
+    """A staged slot is 16 bytes whatever the weights: 16 e4m3 or 8 bf16, so the 48 KB bound
+    (and the warps it leaves) is the bf16 plan's at the same chunk count."""
+    for k in (896, 4864):
+        p = plan_gemv(9728 if k == 896 else 896, k, "silu_mul" if k == 896 else "residual", staged=True,
+                      stages=2, fp8=True)
+        assert p.staged and p.stages == 2 and p.vec == 16
+        assert p.stages * p.warps * 32 * p.loads_in_flight_per_lane * 16 <= 48 << 10
 
 
 def test_fp8_plans_do_not_take_the_bf16_tuned_entries(monkeypatch, tmp_path):
@@ -136,31 +141,41 @@ def test_bf16_kernels_ptx_is_unchanged_by_fp8(tmp_path, n, k, epilogue, pdl, sta
     assert counts["SHA"][:16] == BF16_PTX_SHA[(n, k, epilogue, pdl, staged, norm, knobs, rows)]
 
 
-# (n, k, epilogue, pdl, norm, rows): the fused path's fp8 GEMVs at Qwen2.5-0.5B's shapes, each
-# epilogue, a one-lane-a-row shape (K = 208: 13 chunks of 16), and the plain (no PDL) forms.
-FP8_LOWERING = [(1152, 896, "bias_rope_kv", 1, 1, r) for r in FP8_ROWS] + [
-    (896, 896, "residual", 1, 0, 1), (896, 896, "residual", 1, 0, 4), (9728, 896, "silu_mul", 1, 1, 1),
-    (9728, 896, "silu_mul", 1, 1, 2), (896, 4864, "residual", 1, 0, 1), (896, 4864, "residual", 1, 0, 4),
-    (896, 4864, "residual", 0, 0, 1), (1152, 896, "bias", 0, 1, 1), (151936, 896, "none", 1, 1, 2),
-    (151936, 896, "argmax", 1, 1, 1), (151936, 896, "argmax", 0, 1, 4), (256, 256, "rope_kv", 0, 1, 1),
-    (136, 208, "silu_mul", 0, 1, 2),
+# (n, k, epilogue, pdl, norm, rows, knobs): the fused path's fp8 GEMVs at Qwen2.5-0.5B's shapes,
+# each epilogue, a one-lane-a-row shape (K = 208: 13 chunks of 16), the plain (no PDL) forms, and
+# the cp.async-staged pipeline the bf16 O and gate+up plans use.
+STAGED2 = {"staged": True, "stages": 2, "ctas_per_sm": 4}
+FP8_LOWERING = [(1152, 896, "bias_rope_kv", 1, 1, r, {}) for r in FP8_ROWS] + [
+    (896, 896, "residual", 1, 0, 1, {}), (896, 896, "residual", 1, 0, 4, {}), (9728, 896, "silu_mul", 1, 1, 1, {}),
+    (9728, 896, "silu_mul", 1, 1, 2, {}), (896, 4864, "residual", 1, 0, 1, {}), (896, 4864, "residual", 1, 0, 4, {}),
+    (896, 4864, "residual", 0, 0, 1, {}), (1152, 896, "bias", 0, 1, 1, {}), (151936, 896, "none", 1, 1, 2, {}),
+    (151936, 896, "argmax", 1, 1, 1, {}), (151936, 896, "argmax", 0, 1, 4, {}), (256, 256, "rope_kv", 0, 1, 1, {}),
+    (136, 208, "silu_mul", 0, 1, 2, {}), (9728, 896, "silu_mul", 1, 1, 1, STAGED2), (896, 896, "residual", 1, 0, 1, STAGED2),
+    (896, 896, "residual", 0, 0, 4, {"staged": True}),
 ]
 
 
 @pytest.mark.slow
 @needs_cute
 @on_the_cpu
-@pytest.mark.parametrize("n, k, epilogue, pdl, norm, rows", FP8_LOWERING)
-def test_fp8_variant_lowers_to_16_byte_loads_and_hardware_conversions(tmp_path, n, k, epilogue, pdl, norm, rows):
-    counts = {key: int(v) for key, v in lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows, fp8=True).items()
-              if key != "SHA"}
+@pytest.mark.parametrize("n, k, epilogue, pdl, norm, rows, knobs", FP8_LOWERING)
+def test_fp8_variant_lowers_to_16_byte_loads_and_hardware_conversions(tmp_path, n, k, epilogue, pdl, norm, rows,
+                                                                      knobs):
+    knobs = dict(knobs)
+    staged = knobs.pop("staged", False)
+    counts = {key: int(v) for key, v in lower_to_ptx(tmp_path, n, k, epilogue, pdl, int(staged), norm, knobs, rows,
+                                                     fp8=True).items() if key != "SHA"}
     d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
-    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows, fp8=True)
+    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows, fp8=True, staged=staged,
+                  **knobs)
     weights = p.loads_in_flight_per_lane  # 16 e4m3 a load (ld.global.v4.u32), read once for all rows
     x_and_g = 2 * p.chunks * (rows + norm)  # each weight chunk meets two 16-byte x (and g) loads
     assert counts["W128"] == x_and_g, counts  # ld.global.v4.b32: x and g only
-    assert counts["W128U"] == weights, counts
+    if staged:  # 16-byte cp.async copies (both stages' where two), none loaded straight
+        assert counts["CPASYNC"] >= weights * p.stages and counts["W128U"] == 0, counts
+    else:
+        assert counts["W128U"] == weights and counts["CPASYNC"] == 0, counts
     assert counts["CVT8"] == 8 * weights  # every e4m3 pair widened once by the hardware cvt, whatever M
     assert counts["FMA"] >= rows * weights * 16
     assert counts["STACK"] in (0, -1) and counts["LOCAL"] == 0  # -1: no ptxas here to ask
@@ -171,22 +186,24 @@ def test_fp8_variant_lowers_to_16_byte_loads_and_hardware_conversions(tmp_path, 
 
 # ---- on the GPU -------------------------------------------------------------------------------
 
-FP8_GPU_CASES = [  # (n, k, epilogue, norm, pdl): the fused path's GEMVs, the others, small shapes
-    (1152, 896, "bias", True, True), (1152, 896, "none", True, False), (896, 896, "residual", False, True),
-    (9728, 896, "silu_mul", True, True), (896, 4864, "residual", False, True), (896, 4864, "residual", False, False),
-    (151936, 896, "none", True, True), (136, 208, "silu_mul", True, False), (96, 64, "bias", False, False),
-    (256, 256, "residual", False, False),
+FP8_GPU_CASES = [  # (n, k, epilogue, norm, pdl, knobs): the fused path's GEMVs, the others, small shapes
+    (1152, 896, "bias", True, True, {}), (1152, 896, "none", True, False, {}), (896, 896, "residual", False, True, {}),
+    (9728, 896, "silu_mul", True, True, {}), (896, 4864, "residual", False, True, {}),
+    (896, 4864, "residual", False, False, {}), (151936, 896, "none", True, True, {}),
+    (136, 208, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}), (256, 256, "residual", False, False, {}),
+    (9728, 896, "silu_mul", True, True, STAGED2), (896, 896, "residual", False, True, STAGED2),
+    (896, 4864, "residual", False, False, {"staged": True, "warps": 2}),
 ]
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", FP8_ROWS)
-@pytest.mark.parametrize("n, k, epilogue, norm, pdl", FP8_GPU_CASES)
-def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, rows):
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", FP8_GPU_CASES)
+def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, knobs, rows):
     """out poisoned (NaN) so an unwritten row fails; the residual in place between guard rows;
     each row against dequant_linear's numerics (fp32 from the same codes and scales)."""
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True)
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True, **knobs)
     for seed in (0, 1):
         x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
         q, scale = quantize_rows(w)

@@ -468,8 +468,8 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
                  norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8, mS):
     # mW [n_rows, K/8, 8] bf16, or with fp8 [n_rows, K/16, 16] e4m3 and mS [n_rows] fp32 its row
-    # scales (None for bf16), x and g then in chunks of 16 too (two 16-byte loads each);
-    # mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
+    # scales (None for bf16: no such kernel argument), each weight chunk then meeting two of x's
+    # (and g's) chunks; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
     # [rows * n_out] (the tokens [rows] int32 for argmax; all n_rows outputs a row for the rope
     # epilogues); mE: the bias [n_out] ([n_rows] for bias_rope_kv), shared by the rows, or the
     # residual [rows * n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
@@ -510,11 +510,12 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # K = 4864), which is the point of the design.
     x_early = []
     # fp8 sums through `_dot_rows` at one row too: a lane covers twice the K of a bf16 lane, and
-    # the one-row form's x, g and widened weights held at once spilled (ptxas, sm_90a)
+    # the one-row form's x, g and widened weights held at once spilled (ptxas, sm_90a). The
+    # one-row form below is bf16's alone.
     row_dots = rows > 1 or fp8
     if cutlass.const_expr(not pdl and not row_dots):  # (row_dots: each row's x is read per chunk)
-        for q in cutlass.range_constexpr(chunks * xpc):
-            x_early.append(mX[_x_index(sub, q, lanes, xpc), None].load())
+        for j in cutlass.range_constexpr(chunks):
+            x_early.append(mX[sub + j * lanes, None].load())
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
     if cutlass.const_expr(norm and not late_g):  # (late_g: after the wait, with x)
         for q in cutlass.range_constexpr(chunks * xpc):
@@ -574,13 +575,13 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         xs = []
         gs = g_early
         if cutlass.const_expr(not row_dots):
-            for q in cutlass.range_constexpr(chunks * xpc):
+            for j in cutlass.range_constexpr(chunks):
                 if cutlass.const_expr(pdl):
-                    if cutlass.const_expr(q == 0):
+                    if cutlass.const_expr(j == 0):
                         cute.arch.griddepcontrol_wait()  # x (and r) come from the previous kernel
-                    xs.append(mX[_x_index(sub, q, lanes, xpc), None].load())
+                    xs.append(mX[sub + j * lanes, None].load())
                 else:
-                    xs.append(x_early[q])
+                    xs.append(x_early[j])
         elif cutlass.const_expr(pdl):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(norm and late_g):
@@ -626,13 +627,13 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             if cutlass.const_expr(norm):
                 # The group's chunks cover all of x: its sum of squares is the whole row's.
                 sq = cute.full((VEC,), 0.0, cutlass.Float32)
-                for q in cutlass.range_constexpr(chunks * xpc):
-                    xf = xs[q].to(cutlass.Float32)
+                for j in cutlass.range_constexpr(chunks):
+                    xf = xs[j].to(cutlass.Float32)
                     sq = sq + xf * xf
                 ss = cutlass.Float32(sq.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
                 ss = cute.arch.warp_reduction_sum(ss, threads_in_group=lanes)
                 rstd = cutlass.Float32(cute.math.rsqrt(
-                    ss * cutlass.Float32(1.0 / (lanes * chunks * vec)) + cutlass.Float32(eps), fastmath=True))
+                    ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True))
             for j in cutlass.range_constexpr(chunks):
                 xv = xs[j].to(cutlass.Float32)
                 if cutlass.const_expr(norm):

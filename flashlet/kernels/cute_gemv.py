@@ -714,10 +714,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 @_deferred.jit
 def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps, vec):
-    """rows > 1: this group's dot products for every decode row, reduced over its lanes (and
-    scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight chunk is
-    converted once and used for every row; each row's x chunk is read (L1) and used for all
-    rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
+    """rows > 1 (fp8: any rows): this group's dot products for every decode row, reduced over its
+    lanes (and scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight
+    chunk is converted once and used for every row (fp8: its two halves, `_half`, each against
+    one x chunk); each row's x chunk is read (L1) and used for all rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
     x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
     acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
     sq = [cutlass.Float32(0.0)] * rows

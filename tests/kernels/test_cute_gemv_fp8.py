@@ -209,7 +209,8 @@ def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, knobs, r
         q, scale = quantize_rows(w)
         want = gemv_reference(x, q, epilogue, extra, norm_weight=nw, scale=scale)
         if epilogue == "none" and not norm:  # the reference is the per-op path's own
-            torch.testing.assert_close(want, dequant_linear(x.float(), QuantizedWeight(q, scale)))
+            # (two fp32 GEMMs, maybe summed in another order: equal to fp32 rounding)
+            torch.testing.assert_close(want, dequant_linear(x.float(), QuantizedWeight(q, scale)), rtol=1e-4, atol=1e-4)
         out = gemv.out_like().fill_(float("nan"))
         if epilogue == "residual":
             guarded = torch.full((rows + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -405,8 +405,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     # With M rows every CTA reads all M rows of x from L2 (155 KB at M = 16, K = 4864). Where
     # one tile a CTA would make that more than twice the weights' bytes (down from M = 3: one
     # output row a CTA), fewer, larger CTAs (up to four warps, while every SM still gets one)
-    # in a resident grid keep x in L1 across their tiles.
-    x_heavy = rows > 1 and tiles(warps, outs_per_group) * rows > 2 * n_rows
+    # in a resident grid keep x in L1 across their tiles. (In bytes: tiles x M x K x 2 of x
+    # against N x K x 2 of bf16 weights, or N x K of fp8 ones: fp8 turns x-heavy sooner.)
+    weight_bytes = 1 if fp8 else 2
+    x_heavy = rows > 1 and tiles(warps, outs_per_group) * rows > n_rows * weight_bytes
     if x_heavy and knobs["warps"] is None:
         warps = 4
         while warps > 1 and tiles(warps, outs_per_group) < num_sms:

@@ -57,6 +57,19 @@ def test_fp8_staged_plan_fits_the_same_shared_memory():
         assert p.stages * p.warps * 32 * p.loads_in_flight_per_lane * 16 <= 48 << 10
 
 
+def test_fp8_rows_plans_read_x_from_l2_at_most_twice_the_weights():
+    """x stays bf16 while the weights halve: the M-row plan turns to a resident grid where x's
+    bytes from L2 pass twice the fp8 weights' (down at M = 4: one tile a CTA read 4x)."""
+    for n, k in QWEN05_SHAPES:
+        for rows in (2, 4, 16):
+            p = plan_gemv(n, k, rows=rows, fp8=True)
+            x_bytes, w_bytes = p.grid * rows * k * 2, n * k
+            assert x_bytes <= 2 * w_bytes or p.grid <= 2 * 132, (n, k, rows, p.describe())
+    down = plan_gemv(896, 4864, "residual", rows=4, fp8=True)
+    assert (down.warps, down.grid) == (2, 224)
+    assert plan_gemv(896, 4864, "residual", rows=2, fp8=True).grid == 448  # 2 x 448 x 9.7 KB = 8.7 MB: 2x
+
+
 def test_fp8_plans_do_not_take_the_bf16_tuned_entries(monkeypatch, tmp_path):
     """A bf16 plan tuned at a shape is measured for bf16's bytes; the fp8 GEMV of that shape
     has its own key (ending in "fp8"), from the table or a sweep file."""

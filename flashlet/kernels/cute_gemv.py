@@ -69,6 +69,7 @@ EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
 VEC = 8  # bf16 elements in one 16-byte load
 FP8_VEC = 16  # fp8 (e4m3) weights in one 16-byte load: a chunk of K is 16 elements, x's two loads
+FP8_VECTOR_SUMS = 4  # fp8: up to this many sums a lane (M x rows in flight) keep 8-wide accumulators (more spilled)
 MAX_ROWS = 16  # decode rows one launch computes (the fused path's small batches, verify steps)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
@@ -109,7 +110,7 @@ def _dsl():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _rope_kv_store, _stage_tile, _dot_rows):
+                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
                 launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
@@ -518,8 +519,11 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     if cutlass.const_expr(not pdl and not row_dots):  # (row_dots: each row's x is read per chunk)
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
+    # fp8 sums with vector accumulators read g chunk by chunk beside x (`_fp8_partials`): all of
+    # it held across the wait, twice a bf16 lane's, spilled
+    g_per_chunk = fp8 and rows * outs_per_group * rows_per_out <= FP8_VECTOR_SUMS
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
-    if cutlass.const_expr(norm and not late_g):  # (late_g: after the wait, with x)
+    if cutlass.const_expr(norm and not late_g and not g_per_chunk):  # (late_g: after the wait, with x)
         for q in cutlass.range_constexpr(chunks * xpc):
             g_early.append(mG[_x_index(sub, q, lanes, xpc), None].load())
     per_stage = rows_in_flight * chunks
@@ -586,7 +590,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                     xs.append(x_early[j])
         elif cutlass.const_expr(pdl):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(norm and late_g):
+        if cutlass.const_expr(norm and late_g and not g_per_chunk):
             gs = []
             for q in cutlass.range_constexpr(chunks * xpc):
                 gs.append(mG[_x_index(sub, q, lanes, xpc), None].load())
@@ -655,8 +659,8 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             x_base = 0
             if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
                 x_base = _opaque_zero()
-            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps,
-                             vec)
+            sums = _dot_rows(mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm,
+                             eps, vec)
             if cutlass.const_expr(fp8):  # each weight row's scale, once: W x = scale * (q x)
                 sums = [[v * scales[i] for v in sums[i]] for i in range(rows_in_flight)]
         if cutlass.const_expr(not row_dots):
@@ -715,30 +719,35 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 
 @_deferred.jit
-def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps, vec):
+def _dot_rows(mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps, vec):
     """rows > 1 (fp8: any rows): this group's dot products for every decode row, reduced over its
     lanes (and scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight
     chunk is converted once and used for every row (fp8: its two halves, `_half`, each against
-    one x chunk); each row's x chunk is read (L1) and used for all rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
-    x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
+    one x chunk); each row's x chunk is read (L1) and used for all rows_in_flight weight rows.
+    Scalar accumulators: rows * rows_in_flight registers, not x8 (fp8 with few sums: vectors,
+    `_fp8_partials`, which reads g from mG itself). x_base: 0, or `_opaque_zero()` to keep the x
+    loads in the tile loop."""
     acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
     sq = [cutlass.Float32(0.0)] * rows
     xpc = vec // VEC  # fp8: a weight chunk's two halves, each against one x load
-    for j in cutlass.range_constexpr(chunks):
-        wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
-        for t in cutlass.range_constexpr(xpc):
-            q = j * xpc + t
-            gv = None
-            if cutlass.const_expr(norm):
-                gv = gs[q].to(cutlass.Float32)
-            for m in cutlass.range_constexpr(rows):
-                xf = mX[_x_row_index(x_base, m, x_chunks, sub, q, lanes, xpc), None].load().to(cutlass.Float32)
+    if cutlass.const_expr(xpc > 1 and rows * rows_in_flight <= FP8_VECTOR_SUMS):
+        acc, sq = _fp8_partials(mX, mG, w, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm)
+    else:
+        for j in cutlass.range_constexpr(chunks):
+            wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
+            for t in cutlass.range_constexpr(xpc):
+                q = j * xpc + t
+                gv = None
                 if cutlass.const_expr(norm):
-                    sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
-                    xf = xf * gv
-                for i in cutlass.range_constexpr(rows_in_flight):
-                    acc[m * rows_in_flight + i] = cutlass.Float32(
-                        (_half(wf[i], t, xpc) * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
+                    gv = gs[q].to(cutlass.Float32)
+                for m in cutlass.range_constexpr(rows):
+                    xf = mX[_x_row_index(x_base, m, x_chunks, sub, q, lanes, xpc), None].load().to(cutlass.Float32)
+                    if cutlass.const_expr(norm):
+                        sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
+                        xf = xf * gv
+                    for i in cutlass.range_constexpr(rows_in_flight):
+                        acc[m * rows_in_flight + i] = cutlass.Float32(
+                            (_half(wf[i], t, xpc) * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
     # Each (row, weight row) sum is spread over the group's lanes: one reduce-scatter per weight
     # row leaves every lane the full sums of its own rows (`lane_rows`).
     pad = [cutlass.Float32(0.0)] * (rows_padded(rows) - rows)
@@ -755,6 +764,34 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
             kept = [k * r for k, r in zip(kept, rstd)]
         sums.append(kept)
     return sums
+
+
+@_deferred.jit
+def _fp8_partials(mX, mG, w, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm):
+    """fp8, at most FP8_VECTOR_SUMS sums a lane: `_dot_rows`' per-lane partial sums (and x's
+    sums of squares) in 8-wide vector accumulators, reduced once at the end. A scalar sum is one
+    dependent FMA chain of 16 C (304 at the down projection's K = 4864): with the few warps an
+    fp8 GEMV has a SM, that latency, not the bytes, set its time; 8 chains of 2 C do not. The
+    norm's weight is read chunk by chunk here (L1 after the first warp), not held from before
+    the PDL wait."""
+    accv = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(rows * rows_in_flight)]
+    sqv = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(rows)]
+    for j in cutlass.range_constexpr(chunks):
+        wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
+        for t in cutlass.range_constexpr(2):
+            gv = None
+            if cutlass.const_expr(norm):
+                gv = mG[_x_index(sub, 2 * j + t, lanes, 2), None].load().to(cutlass.Float32)
+            for m in cutlass.range_constexpr(rows):
+                xf = mX[_x_row_index(x_base, m, x_chunks, sub, 2 * j + t, lanes, 2), None].load().to(cutlass.Float32)
+                if cutlass.const_expr(norm):
+                    sqv[m] = sqv[m] + xf * xf
+                    xf = xf * gv
+                for i in cutlass.range_constexpr(rows_in_flight):
+                    accv[m * rows_in_flight + i] = accv[m * rows_in_flight + i] + _half(wf[i], t, 2) * xf
+    acc = [cutlass.Float32(a.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)) for a in accv]
+    sq = [cutlass.Float32(v.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)) for v in sqv]
+    return acc, sq
 
 
 def _x_index(sub, q, lanes: int, xpc: int):
@@ -1043,7 +1080,8 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                                    "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
-                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec")}
+                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
+                     _fp8_partials: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,7 +191,9 @@ def test_fp8_variant_lowers_to_16_byte_loads_and_hardware_conversions(tmp_path, 
         assert counts["W128U"] == weights and counts["CPASYNC"] == 0, counts
     assert counts["CVT8"] == 8 * weights  # every e4m3 pair widened once by the hardware cvt, whatever M
     assert counts["FMA"] >= rows * weights * 16
-    assert counts["STACK"] in (0, -1) and counts["LOCAL"] == 0  # -1: no ptxas here to ask
+    # no local memory; ptxas's stack (-1: no ptxas here to ask) empty for the plans the fused path
+    # builds, a few spilled words at most for the staged sweep variants (as in bf16's test)
+    assert counts["LOCAL"] == 0 and counts["STACK"] <= (64 if staged else 0), counts
     assert counts["F32LOAD"] >= p.outs_per_group * p.rows_per_out  # the row scales
     assert (counts["GRIDDEP"] > 0) == bool(pdl) and (counts["RSQRT"] > 0) == bool(norm)
     assert (counts["ATOM"] > 0) == (epilogue == "argmax")

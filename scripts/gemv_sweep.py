@@ -23,6 +23,10 @@ of each, and TUNED_PLANS entries to paste into cute_gemv.py; --json keeps every 
 --rows M sweeps the M-row kernel (`CuteGemv(..., rows=M)`; plus the one-tile-a-CTA plan), and its
 TUNED_PLANS entries and --plans-out keys carry M as a sixth element.
 
+--fp8 sweeps the fp8-weight kernel (`CuteGemv(..., fp8=True)`: e4m3 codes, a scale a row, as
+--quantization fp8 runs the fused path; the bank quantized per row, the check against
+gemv_reference with the scales); its keys end in "fp8". GPU only.
+
 --registers needs no GPU: every variant is traced for sm_90a (CUTE_DSL_ARCH=sm_90a is set
 here), its cubin read with cuobjdump -res-usage and -sass: registers, local memory (spills),
 16-byte loads.
@@ -47,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from flashlet.kernels import cute_gemv  # noqa: E402
 from flashlet.kernels.bench import graph_time_us  # noqa: E402
 from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv  # noqa: E402
+from flashlet.models.quantization import quantize_rows  # noqa: E402
 from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, rand, rel_err  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 896, 4864, 151936
@@ -69,11 +74,11 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def variants(name: str, pdl: bool, rows: int = 1) -> list[tuple[str, dict]]:
+def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False) -> list[tuple[str, dict]]:
     """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
     (H200: 132 SMs)."""
     n, k, epilogue, norm, rope = SHAPES[name]
-    w0 = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows).warps
+    w0 = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, fp8=fp8).warps
     staged_ok = epilogue not in ("argmax", "bias_rope_kv", "rope_kv")
     # Most promising first: a budget cut drops the tail.
     out = [("default", {})]
@@ -105,19 +110,21 @@ def variants(name: str, pdl: bool, rows: int = 1) -> list[tuple[str, dict]]:
     seen, kept = set(), []
     for label, knobs in out:
         try:
-            plan = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, **knobs)
+            plan = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, fp8=fp8,
+                             **knobs)
         except ValueError:
-            continue  # e.g. over the 48 KB of shared memory: not a variant of this shape
+            continue  # e.g. over the 48 KB of shared memory, or staged fp8: not a variant of this shape
         if plan not in seen:
             seen.add(plan)
             kept.append((label, knobs))
     return kept
 
 
-def make_gemv(name: str, pdl: bool, knobs: dict, rows: int = 1, device: str | None = None) -> CuteGemv:
+def make_gemv(name: str, pdl: bool, knobs: dict, rows: int = 1, device: str | None = None,
+              fp8: bool = False) -> CuteGemv:
     n, k, epilogue, norm, rope = SHAPES[name]
     return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False,
-                    rows=rows, **knobs)
+                    rows=rows, **({"fp8": True} if fp8 else {}), **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,11 +134,16 @@ class Inputs:
     """One shape's call inputs: a weight bank cycled so no call finds its matrix in L2, x (far
     from unit scale, so a missing norm shows), norm weight, bias / residual, the rope step."""
 
-    def __init__(self, name: str, rows: int = 1):
+    def __init__(self, name: str, rows: int = 1, fp8: bool = False):
         n, k, epilogue, norm, rope = SHAPES[name]
         self.name, self.n, self.k, self.epilogue, self.rows = name, n, k, epilogue, rows
-        self.copies = max(1, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+        self.weight_bytes = n * k * (1 if fp8 else 2)
+        self.copies = max(1, -(-L2_DEFEAT_BYTES // self.weight_bytes))
         self.bank = rand(self.copies, n, k, seed=100, scale=k ** -0.5)
+        self.scales = None  # fp8: the bank's codes, and a scale a row
+        if fp8:
+            codes, scales = zip(*(quantize_rows(w) for w in self.bank))
+            self.bank, self.scales = torch.stack(codes), torch.stack(scales)
         self.x = (rand(rows, k, seed=7).float() * 3 + 0.25).to(BF16)
         self.g = (torch.rand(k, device=DEV) + 0.5).to(BF16) if norm else None
         # the bias is the layer's (one for all rows); the residual is each row's
@@ -147,25 +159,30 @@ class Inputs:
                                torch.zeros(pool, dtype=BF16, device=DEV), torch.zeros(pool, dtype=BF16, device=DEV),
                                1234 + 5 * torch.arange(rows, device=DEV))
 
+    def scale(self, i: int) -> dict:
+        """The call's `scale=` (fp8: bank entry i's row scales)."""
+        return {} if self.scales is None else {"scale": self.scales[i % self.copies]}
+
     def reference(self, w: torch.Tensor) -> torch.Tensor:
         if self.rope is not None:
             mirror = RopeKV(self.rope.positions, self.rope.cos_sin_cache, self.rope.k_cache.clone(),
                             self.rope.v_cache.clone(), self.rope.slot_mapping)
             return cute_gemv.rope_kv_reference(self.x, w, self.extra, SHAPES[self.name][4], mirror,
-                                               norm_weight=self.g)
-        return cute_gemv.gemv_reference(self.x, w, self.epilogue, self.extra, norm_weight=self.g)
+                                               norm_weight=self.g, **self.scale(0))
+        return cute_gemv.gemv_reference(self.x, w, self.epilogue, self.extra, norm_weight=self.g, **self.scale(0))
 
     def check(self, gemv: CuteGemv) -> str:
         """One call on bank[0], output poisoned, against the fp32 reference; raises on a miss."""
         w = self.bank[0]
         out = gemv.out_like()
         out.fill_(-1) if self.epilogue == "argmax" else out.fill_(float("nan"))
-        gemv(self.x, w, self.extra, out=out, norm_weight=self.g, rope_kv=self.rope)
+        gemv(self.x, w, self.extra, out=out, norm_weight=self.g, rope_kv=self.rope, **self.scale(0))
         torch.cuda.synchronize()
         if self.epilogue == "argmax":
             xf = self.x.float()
             xn = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + gemv.plan.eps) * self.g.float()
-            logits = xn @ w.float().t()  # [M, N]
+            wf = w.float() if self.scales is None else w.float() * self.scales[0][:, None]
+            logits = xn @ wf.t()  # [M, N]
             for m, token in enumerate(out.tolist()):
                 gap = float(logits[m].max() - logits[m, token]) if 0 <= token < self.n else float("inf")
                 if not gap <= 1e-3 * float(logits[m].abs().max()):
@@ -184,7 +201,8 @@ class Inputs:
         out = self.extra.view(self.rows, -1) if self.epilogue == "residual" else gemv.out_like()
 
         def launch(i):
-            gemv(self.x, self.bank[i % self.copies], self.extra, out=out, norm_weight=self.g, rope_kv=self.rope)
+            gemv(self.x, self.bank[i % self.copies], self.extra, out=out, norm_weight=self.g, rope_kv=self.rope,
+                 **self.scale(i))
         return launch
 
 
@@ -198,18 +216,19 @@ def time_chain(inputs: Inputs, gemv: CuteGemv) -> float:
             inputs.extra.copy_(extra0)  # the residual chain drifted it
 
 
-def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float, m: int = 1) -> list[dict]:
+def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float, m: int = 1,
+                fp8: bool = False) -> list[dict]:
     n, k, epilogue, norm, rope = SHAPES[name]
-    inputs = Inputs(name, m)
+    inputs = Inputs(name, m, fp8)
     rows = []
-    for label, knobs in variants(name, pdl, m):
+    for label, knobs in variants(name, pdl, m, fp8):
         if time.perf_counter() > deadline:
             log(f"  budget spent: {name} pdl={pdl} stops before {label!r}")
             break
         row = dict(shape=name, n=n, k=k, epilogue=epilogue, norm=norm, pdl=pdl, rows=m, variant=label,
-                   knobs=knobs, bytes=n * k * 2)
+                   knobs=knobs, bytes=inputs.weight_bytes, fp8=fp8)
         try:
-            gemv = make_gemv(name, pdl, knobs, m)
+            gemv = make_gemv(name, pdl, knobs, m, fp8=fp8)
             row["plan"] = gemv.plan.describe()
             row["compile_s"] = round(gemv.compile(inputs.rope), 2)
             row["check"] = inputs.check(gemv)
@@ -235,16 +254,25 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
-def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int = 1) -> float:
+def call_weight(w: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, dict]:
+    """(weight, the call's scale kwargs): bf16 as it is; fp8 its codes and {"scale": row scales}."""
+    if not fp8:
+        return w, {}
+    codes, scale = quantize_rows(w)
+    return codes, {"scale": scale}
+
+
+def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int = 1, fp8: bool = False) -> float:
     """One decode layer's four GEMVs (QKV + norm + bias, O + residual, gate+up + norm + SiLU-mul,
     down + residual), `layers` layers of distinct weights (~0.7 GB: nothing stays in L2), as one
     graph; the residual updated in place, outputs feeding inputs as in the fused step (no
     attention: at one row O reads the QKV output's first 896; at M rows those are not
     contiguous, so O reads a fixed [M, 896]). Returns us per layer."""
 
-    g = {s: make_gemv(s, pdl, plans.get(s, {}), m) for s in ("qkv", "o", "gate_up", "down")}
+    g = {s: make_gemv(s, pdl, plans.get(s, {}), m, fp8=fp8) for s in ("qkv", "o", "gate_up", "down")}
     w = [{s: rand(SHAPES[s][0], SHAPES[s][1], seed=1000 + 10 * i + j, scale=SHAPES[s][1] ** -0.5 * (0.1 if s in ("o", "down") else 1))
           for j, s in enumerate(g)} for i in range(layers)]
+    w = [{s: call_weight(t, fp8) for s, t in lw.items()} for lw in w]
     bias = rand(1152, seed=3)
     nw = (torch.rand(HIDDEN, device=DEV) + 0.5).to(BF16)
     h0 = rand(m, HIDDEN, seed=5)
@@ -255,10 +283,10 @@ def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int =
     def step(_):
         h.copy_(h0)
         for lw in w:
-            g["qkv"](h, lw["qkv"], bias, out=qkv_out, norm_weight=nw)
-            g["o"](attn, lw["o"], h, out=h)
-            g["gate_up"](h, lw["gate_up"], out=act, norm_weight=nw)
-            g["down"](act, lw["down"], h, out=h)
+            g["qkv"](h, lw["qkv"][0], bias, out=qkv_out, norm_weight=nw, **lw["qkv"][1])
+            g["o"](attn, lw["o"][0], h, out=h, **lw["o"][1])
+            g["gate_up"](h, lw["gate_up"][0], out=act, norm_weight=nw, **lw["gate_up"][1])
+            g["down"](act, lw["down"][0], h, out=h, **lw["down"][1])
 
     return graph_time_us(1, step) / layers
 
@@ -281,8 +309,9 @@ def run_gpu(args) -> int:
     for i, (name, pdl) in enumerate(todo):
         # An equal share of what is left, so a slow shape cannot starve the ones after it.
         share = (deadline - time.perf_counter()) / (len(todo) - i)
-        log(f"== {name} {SHAPES[name][:3]} norm={SHAPES[name][3]} pdl={pdl} rows={args.rows} ({share:.0f} s)")
-        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share, args.rows)
+        log(f"== {name} {SHAPES[name][:3]} norm={SHAPES[name][3]} pdl={pdl} rows={args.rows} fp8={args.fp8} "
+            f"({share:.0f} s)")
+        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share, args.rows, args.fp8)
         rows += shape_rows
         b = best_of(shape_rows)
         if b:
@@ -308,6 +337,7 @@ def run_gpu(args) -> int:
     for (name, pdl), b in best.items():
         n, k, epilogue, norm, _ = SHAPES[name]
         m = f", {args.rows}" if args.rows > 1 else ""  # M > 1: the sixth key element
+        m += ', "fp8"' if args.fp8 else ""
         log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}{m}): {b['knobs']},  "
             f"# {name}: {b['us']:.2f} us, {b['gbs']:.0f} GB/s, {b['of_copy']:.2f} of copy ({b['variant']})")
     if args.plans_out:  # for FLASHLET_GEMV_PLANS: the winners that beat the default by >= 3%
@@ -317,7 +347,7 @@ def run_gpu(args) -> int:
                          and d["variant"] == "default" and d.get("us")), None)
             if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
                 n, k, epilogue, norm, _ = SHAPES[name]
-                key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else [])
+                key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else []) + (["fp8"] if args.fp8 else [])
                 entries.append(dict(key=key, knobs=b["knobs"], us=b["us"],
                                     shape=name, variant=b["variant"]))
         with open(args.plans_out, "w") as fh:
@@ -330,10 +360,11 @@ def run_gpu(args) -> int:
         tuned = {s: best[(s, pdl)]["knobs"] for s in ("qkv", "o", "gate_up", "down")}
         for label, plans in (("default plans", {}), ("best per shape", tuned)):
             try:
-                us = layer_chain_us(plans, pdl, m=args.rows)
+                us = layer_chain_us(plans, pdl, m=args.rows, fp8=args.fp8)
                 chain[f"{label} pdl={pdl}"] = us
+                layer_bytes = 29.82e6 / (2 if args.fp8 else 1)
                 log(f"layer chain (QKV, O, gate+up, down; 24 layers), {label}, pdl={pdl}: {us:.1f} us a layer "
-                    f"({29.82e6 / (us * 1e-6) / 1e9:.0f} GB/s; byte floor {29.82e6 / (copy_gbs * 1e3):.1f} us)")
+                    f"({layer_bytes / (us * 1e-6) / 1e9:.0f} GB/s; byte floor {layer_bytes / (copy_gbs * 1e3):.1f} us)")
             except Exception as e:  # noqa: BLE001
                 log(f"layer chain {label} pdl={pdl} FAILED: {type(e).__name__}: {str(e)[:200]}")
     if args.json:
@@ -420,6 +451,7 @@ def main() -> int:
     ap.add_argument("--registers", action="store_true", help="CPU: registers / spills per variant (sm_90a)")
     ap.add_argument("--cuobjdump", default="cuobjdump", help="with --registers: the cuobjdump binary")
     ap.add_argument("--rows", type=int, default=1, help="decode rows per call (M, 1-16): plans for the M-row kernel")
+    ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3) weights with row scales (GPU sweep only)")
     ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trace_one:

@@ -247,16 +247,6 @@ def test_unknown_quantization_is_refused(tiny_qwen2):
         load_model(str(tiny_qwen2), quantization="int4")
 
 
-def test_fused_decode_declines_fp8_weights(tiny_qwen2):
-    from flashlet.runner.fused_decode import refusals
-
-    model, _, _ = load_model(str(tiny_qwen2), dtype=torch.bfloat16, quantization="fp8")
-    why = refusals(model, torch.device("cuda"))  # the CUDA-side checks, run on a CPU model
-    assert any("fp8" in w for w in why)
-    plain, _, _ = load_model(str(tiny_qwen2), dtype=torch.bfloat16)
-    assert not any("fp8" in w for w in refusals(plain, torch.device("cuda")))
-
-
 def greedy_tokens(model_dir, prompts, n, **config):
     from flashlet import LLM
     from flashlet.core.sampling import SamplingParams

@@ -27,38 +27,41 @@ from tests.conftest import run_to_completion
 
 class ReferenceGemv:
     """CuteGemv's interface for M rows (`rows=M`: x [M, K], out [M, N], the argmax's [M], a
-    residual [M, N], a bias [N], RopeKV's positions and slots [M]), each row computed by
-    gemv_reference / rope_kv_reference (the kernels' fp32 references)."""
+    residual [M, N], a bias [N], RopeKV's positions and slots [M]; fp8: e4m3 codes and their
+    row scales), each row computed by gemv_reference / rope_kv_reference (the kernels' fp32
+    references; with a scale, quantization.dequant_linear's numerics)."""
 
     def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6,
-                 rope=None, rows=1):
-        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope)
+                 rope=None, rows=1, fp8=False):
+        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope, fp8=fp8)
         self.rows = rows
         self.calls = 0
         self.compile_seconds = None  # as CuteGemv: set once compiled (at its first call)
 
-    def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None):
+    def __call__(self, x, weight, extra=None, *, out, norm_weight=None, rope_kv=None, scale=None):
         p, m = self.plan, self.rows
         assert (norm_weight is not None) == p.norm and weight.shape == (p.n_rows, p.k)
+        assert (scale is not None) == p.fp8 == (weight.dtype == torch.float8_e4m3fn), (p.fp8, weight.dtype)
         assert (rope_kv is not None) == (p.rope is not None)
         assert x.shape == (m, p.k) and out.shape[0] == m, (x.shape, out.shape, m)
         for r in range(m):
-            out[r] = self._row(r, x, weight, extra, norm_weight, rope_kv, out.dtype).reshape(out[r].shape)
+            out[r] = self._row(r, x, weight, extra, norm_weight, rope_kv, out.dtype, scale).reshape(out[r].shape)
         self.calls += 1
         self.compile_seconds = 0.5
         return out
 
-    def _row(self, r, x, weight, extra, norm_weight, rope_kv, dtype):
+    def _row(self, r, x, weight, extra, norm_weight, rope_kv, dtype, scale):
         p = self.plan
         if p.rope is not None:  # the model's dtype (fp32 here), not the kernel's bf16
             assert rope_kv.positions.shape == rope_kv.slot_mapping.shape == (self.rows,)
             row_kv = dataclasses.replace(rope_kv, positions=rope_kv.positions[r : r + 1],
                                          slot_mapping=rope_kv.slot_mapping[r : r + 1])
-            return rope_kv_reference(x[r : r + 1], weight, extra, p.rope, row_kv, norm_weight, p.eps, dtype=dtype)
+            return rope_kv_reference(x[r : r + 1], weight, extra, p.rope, row_kv, norm_weight, p.eps, dtype=dtype,
+                                     scale=scale)
         if p.epilogue == "residual":
             assert extra.shape == (self.rows, p.n_rows)
             extra = extra[r]
-        return gemv_reference(x[r : r + 1], weight, p.epilogue, extra, norm_weight, p.eps)
+        return gemv_reference(x[r : r + 1], weight, p.epilogue, extra, norm_weight, p.eps, scale=scale)
 
 
 @pytest.fixture

@@ -40,6 +40,16 @@ Programmatic Dependent Launch they overlap the previous kernel's tail: the form 
 decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
 the residual): each output is read and written by the same lane group.
 
+FP8 weights (`fp8=True`; quantization.QuantizedWeight's layout: W ~= q * scale[:, None], q [N, K]
+e4m3, scale [N] fp32): weight-only, as the per-op fp8 kernel. A 16-byte load holds 16 weights
+(8 in bf16), so K is chunked by 16 (lanes_for(K, 16): K = 896 gives 8 lanes of 7 chunks, 4864
+16 lanes of 19); each chunk is widened by the hardware's e4m3x2 -> f16x2 conversion (exact) and
+then to fp32, and its two halves meet x's two 16-byte loads (x stays bf16, 8 a load). The sums
+go through `_dot_rows` at one row too (a lane covers twice a bf16 lane's K: the one-row form held
+too many registers and spilled), and each weight row's sum is multiplied by its scale once,
+before any epilogue. The bytes fall to N * K (+ 4 N of scales); the bf16 kernels' code is the
+same (their PTX is byte-identical with or without this path, a test pins it).
+
 The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
 never needs it; `CuteUnavailable` says how to install it when it is missing.
 """
@@ -58,6 +68,8 @@ import torch
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
 VEC = 8  # bf16 elements in one 16-byte load
+FP8_VEC = 16  # fp8 (e4m3) weights in one 16-byte load: a chunk of K is 16 elements, x's two loads
+FP8_VECTOR_SUMS = 4  # fp8: up to this many sums a lane (M x rows in flight) keep 8-wide accumulators (more spilled)
 MAX_ROWS = 16  # decode rows one launch computes (the fused path's small batches, verify steps)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
@@ -98,11 +110,11 @@ def _dsl():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _rope_kv_store, _stage_tile, _dot_rows):
+                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
-    launcher = cute.jit(_gemv_launch)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
-                launcher=launcher, make_fake=make_fake_compact_tensor)
+                launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
+                make_fake=make_fake_compact_tensor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +140,12 @@ class GemvPlan:
     late_g: bool = False  # norm + pdl: the norm's weight is read after the wait, with x
     min_ctas: int = 0     # > 0: ptxas must fit this many CTAs an SM (a register cap)
     rows: int = 1         # M: decode rows computed per launch, each weight read once for all
+    fp8: bool = False     # W is fp8 (e4m3) with one fp32 scale a row, applied to each sum
+
+    @property
+    def vec(self) -> int:
+        """Elements of K in one 16-byte weight chunk: 8 bf16, 16 fp8."""
+        return FP8_VEC if self.fp8 else VEC
 
     @property
     def groups_per_cta(self) -> int:
@@ -167,6 +185,7 @@ class GemvPlan:
         tag += " lateg" if self.late_g else ""
         tag += f" min{self.min_ctas}" if self.min_ctas else ""
         tag += f" M{self.rows}" if self.rows > 1 else ""
+        tag += " fp8" if self.fp8 else ""
         return tag
 
 
@@ -191,9 +210,10 @@ class RopeShape:
         return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
-def lanes_for(k: int) -> int:
-    """The largest power of two up to 32 dividing K / 8: lanes that share one row."""
-    chunks = k // VEC
+def lanes_for(k: int, vec: int = VEC) -> int:
+    """The largest power of two up to 32 dividing K / vec (vec: elements a 16-byte chunk holds,
+    8 bf16 or 16 fp8): lanes that share one row."""
+    chunks = k // vec
     lanes = 32
     while chunks % lanes:
         lanes //= 2
@@ -231,24 +251,30 @@ TUNED_PLANS: dict[tuple, dict] = {
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
 
 
-def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int) -> tuple:
+def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
+               fp8: bool = False) -> tuple:
     key = (n_rows, k, epilogue, bool(norm), bool(pdl))
-    return key if rows == 1 else (*key, rows)
+    key = key if rows == 1 else (*key, rows)
+    return (*key, "fp8") if fp8 else key  # half the bytes a row: a bf16 plan does not bind it
 
 
 def load_tuned_plans(path: str) -> int:
     """Add the entries of a JSON file written by `scripts/gemv_sweep.py --plans-out` (a list of
-    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}) to TUNED_PLANS: plans measured on
-    this machine, over the built-in table. Returns how many were added."""
+    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M and then "fp8" where
+    they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over the
+    built-in table. Returns how many were added."""
     with open(path) as fh:
         entries = json.load(fh)
     for entry in entries:
-        n, k, epilogue, norm, pdl, *rows = entry["key"]
+        n, k, epilogue, norm, pdl, *rest = entry["key"]
+        fp8 = rest[-1:] == ["fp8"]
+        rows = rest[:-1] if fp8 else rest
         knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
         if unknown or epilogue not in EPILOGUES or len(rows) > 1:
             raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown}, epilogue or key length")
-        TUNED_PLANS[_tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1)] = dict(knobs)
+        key = _tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1, fp8)
+        TUNED_PLANS[key] = dict(knobs)
     return len(entries)
 
 
@@ -262,7 +288,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               warps: int | None = None, outs_per_group: int | None = None,
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
-              tuned: bool = True, rows: int = 1) -> GemvPlan:
+              tuned: bool = True, rows: int = 1, fp8: bool = False) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -296,14 +322,20 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
 
     rows=M (1 to MAX_ROWS) computes M decode rows per launch: every lane's weight chunks are
     read once and multiplied by each row's x in turn (FUSED_NOTES.md, "Stage 4: M rows").
-    TUNED_PLANS entries for M > 1 carry M as a sixth key element; M = 1 keeps the five."""
+    TUNED_PLANS entries for M > 1 carry M as a sixth key element; M = 1 keeps the five.
+
+    fp8=True plans an fp8 (e4m3) weight with one fp32 scale a row (weight-only: x stays bf16):
+    a 16-byte chunk holds 16 weights, so K is chunked by 16 (lanes_for(K, 16)) and each chunk
+    meets two of x's 16-byte loads; the sums are scaled once, before the epilogue. Its
+    TUNED_PLANS keys end in "fp8" (a bf16 plan was measured for twice the bytes: the fp8
+    shapes are planned by the heuristic until a sweep measures them)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
-    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows)
+    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8)
     table = TUNED_PLANS.get(key, {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:
@@ -317,8 +349,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     min_ctas = knobs["min_ctas_per_sm"] or 0
     if staged and epilogue == "argmax":
         raise ValueError("the staged (shared-memory) variant has no argmax epilogue")
-    if k % VEC or k <= 0:
-        raise ValueError(f"K must be a positive multiple of {VEC} (16-byte loads), got {k}")
+    vec = FP8_VEC if fp8 else VEC
+    if k % vec or k <= 0:
+        raise ValueError(f"K must be a positive multiple of {vec} (16-byte loads of "
+                         f"{'fp8' if fp8 else 'bf16'} weights), got {k}")
     if epilogue == "silu_mul" and n_rows % 2:
         raise ValueError(f"silu_mul needs an even number of rows (gate | up), got {n_rows}")
     if (epilogue in ROPE_EPILOGUES) != (rope is not None):
@@ -341,12 +375,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
-    lanes = lanes_for(k)
+    lanes = lanes_for(k, vec)
     if epilogue == "argmax" and rows > lanes:
         # Lane m of each group keeps row m's running best across the tiles (one pair a lane).
         raise ValueError(f"argmax with rows={rows} needs at least as many lanes a row, and K = {k} "
-                         f"gives {lanes} (the largest power of two dividing K / 8)")
-    chunks = k // (VEC * lanes)
+                         f"gives {lanes} (the largest power of two dividing K / {vec})")
+    chunks = k // (vec * lanes)
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
 
     def tiles(warps: int, outs_per_group: int) -> int:
@@ -372,8 +406,10 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     # With M rows every CTA reads all M rows of x from L2 (155 KB at M = 16, K = 4864). Where
     # one tile a CTA would make that more than twice the weights' bytes (down from M = 3: one
     # output row a CTA), fewer, larger CTAs (up to four warps, while every SM still gets one)
-    # in a resident grid keep x in L1 across their tiles.
-    x_heavy = rows > 1 and tiles(warps, outs_per_group) * rows > 2 * n_rows
+    # in a resident grid keep x in L1 across their tiles. (In bytes: tiles x M x K x 2 of x
+    # against N x K x 2 of bf16 weights, or N x K of fp8 ones: fp8 turns x-heavy sooner.)
+    weight_bytes = 1 if fp8 else 2
+    x_heavy = rows > 1 and tiles(warps, outs_per_group) * rows > n_rows * weight_bytes
     if x_heavy and knobs["warps"] is None:
         warps = 4
         while warps > 1 and tiles(warps, outs_per_group) < num_sms:
@@ -406,7 +442,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if ctas_per_sm:
         grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows)
+                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +469,10 @@ _deferred = _Deferred()
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
-    # mW [n_rows, K/8, 8] bf16; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8, mS):
+    # mW [n_rows, K/8, 8] bf16, or with fp8 [n_rows, K/16, 16] e4m3 and mS [n_rows] fp32 its row
+    # scales (None for bf16: no such kernel argument), each weight chunk then meeting two of x's
+    # (and g's) chunks; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
     # [rows * n_out] (the tokens [rows] int32 for argmax; all n_rows outputs a row for the rope
     # epilogues); mE: the bias [n_out] ([n_rows] for bias_rope_kv), shared by the rows, or the
     # residual [rows * n_out] (a dummy otherwise); mG: the RMSNorm weight [K/8, 8] (norm; a dummy
@@ -457,7 +495,9 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     rows_per_out = 2 if epilogue == "silu_mul" or rope else 1
     rows_in_flight = outs_per_group * rows_per_out
     half = head_dim // 2
-    x_chunks = lanes * chunks                # 16-byte chunks of one decode row of x
+    vec = FP8_VEC if fp8 else VEC            # elements of K in a weight chunk
+    xpc = vec // VEC                         # x's (and g's) 16-byte loads a weight chunk meets
+    x_chunks = lanes * chunks * xpc          # 16-byte chunks of one decode row of x
     # rows > 1: the decode row of each value a lane keeps (`rows`: another lane finishes it)
     own_rows = [0]
     if cutlass.const_expr(rows > 1):
@@ -472,24 +512,32 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # lane's 16-byte loads before the first FMA; with x first it issues nearly all (36 of 39 at
     # K = 4864), which is the point of the design.
     x_early = []
-    if cutlass.const_expr(not pdl and rows == 1):  # (rows > 1: each row's x is read per chunk)
+    # fp8 sums through `_dot_rows` at one row too: a lane covers twice the K of a bf16 lane, and
+    # the one-row form's x, g and widened weights held at once spilled (ptxas, sm_90a). The
+    # one-row form below is bf16's alone.
+    row_dots = rows > 1 or fp8
+    if cutlass.const_expr(not pdl and not row_dots):  # (row_dots: each row's x is read per chunk)
         for j in cutlass.range_constexpr(chunks):
             x_early.append(mX[sub + j * lanes, None].load())
+    # fp8 sums with vector accumulators read g chunk by chunk beside x (`_fp8_partials`): all of
+    # it held across the wait, twice a bf16 lane's, spilled
+    g_per_chunk = fp8 and rows * outs_per_group * rows_per_out <= FP8_VECTOR_SUMS
     g_early = []  # the norm's weight: not written by the previous kernel, so loaded before any wait
-    if cutlass.const_expr(norm and not late_g):  # (late_g: after the wait, with x)
-        for j in cutlass.range_constexpr(chunks):
-            g_early.append(mG[sub + j * lanes, None].load())
+    if cutlass.const_expr(norm and not late_g and not g_per_chunk):  # (late_g: after the wait, with x)
+        for q in cutlass.range_constexpr(chunks * xpc):
+            g_early.append(mG[_x_index(sub, q, lanes, xpc), None].load())
     per_stage = rows_in_flight * chunks
     if cutlass.const_expr(staged):
         # One 16-byte slot per (thread, row chunk, stage); consecutive threads in consecutive
         # slots. Each thread reads back only its own slots, so no barrier is ever needed.
         threads = warps * 32
+        w_type = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16  # 16 bytes a slot either way
         sW = cutlass.utils.SmemAllocator().allocate_tensor(
-            cutlass.BFloat16, cute.make_layout((threads, stages * per_stage, VEC),
-                                               stride=(VEC, threads * VEC, 1)), byte_alignment=16)
+            w_type, cute.make_layout((threads, stages * per_stage, vec),
+                                     stride=(vec, threads * vec, 1)), byte_alignment=16)
         g2s = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-            cutlass.BFloat16, num_bits_per_copy=128)
+            w_type, num_bits_per_copy=128)
         if cutlass.const_expr(stages == 2):
             # The pipeline's prologue: this CTA's first tile into buffer 0 (grid <= tiles).
             _stage_tile(mW, sW, g2s, bidx, 0, tidx, sub, group, n_out, lanes, chunks,
@@ -510,6 +558,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         outs = []
         w = []
+        scales = []  # fp8: each weight row's scale, beside its loads (a weight: before any wait)
         for o in cutlass.range_constexpr(outs_per_group):
             out = tile * outs_per_tile + o * groups_per_cta + group
             outs.append(out)
@@ -518,6 +567,8 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                 row = safe + h * n_out  # silu_mul: gate, then up
                 if cutlass.const_expr(rope):  # the rotate-half pair: h D + i, then h D + i + D/2
                     row = (safe // half) * head_dim + safe % half + h * half
+                if cutlass.const_expr(fp8):
+                    scales.append(cutlass.Float32(mS[row]))
                 for j in cutlass.range_constexpr(chunks):
                     src = mW[row, sub + j * lanes, None]
                     if cutlass.const_expr(staged):
@@ -529,7 +580,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         xs = []
         gs = g_early
-        if cutlass.const_expr(rows == 1):
+        if cutlass.const_expr(not row_dots):
             for j in cutlass.range_constexpr(chunks):
                 if cutlass.const_expr(pdl):
                     if cutlass.const_expr(j == 0):
@@ -539,10 +590,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                     xs.append(x_early[j])
         elif cutlass.const_expr(pdl):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(norm and late_g):
+        if cutlass.const_expr(norm and late_g and not g_per_chunk):
             gs = []
-            for j in cutlass.range_constexpr(chunks):
-                gs.append(mG[sub + j * lanes, None].load())
+            for q in cutlass.range_constexpr(chunks * xpc):
+                gs.append(mG[_x_index(sub, q, lanes, xpc), None].load())
         cos = []
         sin = []
         biases = []
@@ -575,7 +626,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_wait_group(stages - 1)
             for i in cutlass.range_constexpr(per_stage):
                 w.append(sW[tidx, stage * per_stage + i, None].load())
-        if cutlass.const_expr(rows == 1):
+        if cutlass.const_expr(not row_dots):
             acc = []
             for i in cutlass.range_constexpr(rows_in_flight):
                 acc.append(cute.full((VEC,), 0.0, cutlass.Float32))
@@ -608,8 +659,11 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             x_base = 0
             if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
                 x_base = _opaque_zero()
-            sums = _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps)
-        if cutlass.const_expr(rows == 1):
+            sums = _dot_rows(mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm,
+                             eps, vec)
+            if cutlass.const_expr(fp8):  # each weight row's scale, once: W x = scale * (q x)
+                sums = [[v * scales[i] for v in sums[i]] for i in range(rows_in_flight)]
+        if cutlass.const_expr(not row_dots):
             sums = [[s] for s in sums]  # sums[i][r]: weight row i's sum for the lane's r-th row
         for r in cutlass.range_constexpr(len(own_rows)):
             # The decode row this lane finishes (rows == 1: lane 0 of the group finishes row 0).
@@ -665,27 +719,35 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 
 @_deferred.jit
-def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps):
-    """rows > 1: this group's dot products for every decode row, reduced over its lanes (and
-    scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight chunk is
-    converted once and used for every row; each row's x chunk is read (L1) and used for all
-    rows_in_flight weight rows. Scalar accumulators: rows * rows_in_flight registers, not x8.
-    x_base: 0, or `_opaque_zero()` to keep the x loads in the tile loop."""
+def _dot_rows(mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm, eps, vec):
+    """rows > 1 (fp8: any rows): this group's dot products for every decode row, reduced over its
+    lanes (and scaled by each row's rstd with norm), flat [row * rows_in_flight + i]. Each weight
+    chunk is converted once and used for every row (fp8: its two halves, `_half`, each against
+    one x chunk); each row's x chunk is read (L1) and used for all rows_in_flight weight rows.
+    Scalar accumulators: rows * rows_in_flight registers, not x8 (fp8 with few sums: vectors,
+    `_fp8_partials`, which reads g from mG itself). x_base: 0, or `_opaque_zero()` to keep the x
+    loads in the tile loop."""
     acc = [cutlass.Float32(0.0)] * (rows * rows_in_flight)
     sq = [cutlass.Float32(0.0)] * rows
-    for j in cutlass.range_constexpr(chunks):
-        wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
-        gv = None
-        if cutlass.const_expr(norm):
-            gv = gs[j].to(cutlass.Float32)
-        for m in cutlass.range_constexpr(rows):
-            xf = mX[x_base + m * x_chunks + sub + j * lanes, None].load().to(cutlass.Float32)
-            if cutlass.const_expr(norm):
-                sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
-                xf = xf * gv
-            for i in cutlass.range_constexpr(rows_in_flight):
-                acc[m * rows_in_flight + i] = cutlass.Float32(
-                    (wf[i] * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
+    xpc = vec // VEC  # fp8: a weight chunk's two halves, each against one x load
+    if cutlass.const_expr(xpc > 1 and rows * rows_in_flight <= FP8_VECTOR_SUMS):
+        acc, sq = _fp8_partials(mX, mG, w, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm)
+    else:
+        for j in cutlass.range_constexpr(chunks):
+            wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
+            for t in cutlass.range_constexpr(xpc):
+                q = j * xpc + t
+                gv = None
+                if cutlass.const_expr(norm):
+                    gv = gs[q].to(cutlass.Float32)
+                for m in cutlass.range_constexpr(rows):
+                    xf = mX[_x_row_index(x_base, m, x_chunks, sub, q, lanes, xpc), None].load().to(cutlass.Float32)
+                    if cutlass.const_expr(norm):
+                        sq[m] = cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, sq[m], 0))
+                        xf = xf * gv
+                    for i in cutlass.range_constexpr(rows_in_flight):
+                        acc[m * rows_in_flight + i] = cutlass.Float32(
+                            (_half(wf[i], t, xpc) * xf).reduce(cute.ReductionOp.ADD, acc[m * rows_in_flight + i], 0))
     # Each (row, weight row) sum is spread over the group's lanes: one reduce-scatter per weight
     # row leaves every lane the full sums of its own rows (`lane_rows`).
     pad = [cutlass.Float32(0.0)] * (rows_padded(rows) - rows)
@@ -693,7 +755,7 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
     if cutlass.const_expr(norm):
         for ss in reduce_scatter(sq + pad, sub, lanes, _shuffle_bfly, _select):
             rstd.append(cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / (lanes * chunks * VEC)) + cutlass.Float32(eps), fastmath=True)))
+                ss * cutlass.Float32(1.0 / (lanes * chunks * vec)) + cutlass.Float32(eps), fastmath=True)))
     sums = []
     for i in cutlass.range_constexpr(rows_in_flight):
         kept = reduce_scatter([acc[m * rows_in_flight + i] for m in range(rows)] + pad, sub, lanes,
@@ -702,6 +764,54 @@ def _dot_rows(mX, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_fli
             kept = [k * r for k, r in zip(kept, rstd)]
         sums.append(kept)
     return sums
+
+
+@_deferred.jit
+def _fp8_partials(mX, mG, w, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm):
+    """fp8, at most FP8_VECTOR_SUMS sums a lane: `_dot_rows`' per-lane partial sums (and x's
+    sums of squares) in 8-wide vector accumulators, reduced once at the end. A scalar sum is one
+    dependent FMA chain of 16 C (304 at the down projection's K = 4864): with the few warps an
+    fp8 GEMV has a SM, that latency, not the bytes, set its time; 8 chains of 2 C do not. The
+    norm's weight is read chunk by chunk here (L1 after the first warp), not held from before
+    the PDL wait."""
+    accv = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(rows * rows_in_flight)]
+    sqv = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(rows)]
+    for j in cutlass.range_constexpr(chunks):
+        wf = [w[i * chunks + j].to(cutlass.Float32) for i in range(rows_in_flight)]
+        for t in cutlass.range_constexpr(2):
+            gv = None
+            if cutlass.const_expr(norm):
+                gv = mG[_x_index(sub, 2 * j + t, lanes, 2), None].load().to(cutlass.Float32)
+            for m in cutlass.range_constexpr(rows):
+                xf = mX[_x_row_index(x_base, m, x_chunks, sub, 2 * j + t, lanes, 2), None].load().to(cutlass.Float32)
+                if cutlass.const_expr(norm):
+                    sqv[m] = sqv[m] + xf * xf
+                    xf = xf * gv
+                for i in cutlass.range_constexpr(rows_in_flight):
+                    accv[m * rows_in_flight + i] = accv[m * rows_in_flight + i] + _half(wf[i], t, 2) * xf
+    acc = [cutlass.Float32(a.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)) for a in accv]
+    sq = [cutlass.Float32(v.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)) for v in sqv]
+    return acc, sq
+
+
+def _x_index(sub, q, lanes: int, xpc: int):
+    """The 16-byte chunk of x (or g) a lane reads q-th: bf16 reads chunk sub + q L, meeting its
+    weight chunk; fp8's weight chunk c = sub + (q // 2) L spans x's chunks 2c and 2c + 1."""
+    if xpc == 1:
+        return sub + q * lanes
+    return (sub + (q // xpc) * lanes) * xpc + q % xpc
+
+
+def _x_row_index(x_base, m, x_chunks: int, sub, q, lanes: int, xpc: int):
+    """_x_index in decode row m (bf16: the expression as it always was, so its PTX is too)."""
+    if xpc == 1:
+        return x_base + m * x_chunks + sub + q * lanes
+    return x_base + m * x_chunks + _x_index(sub, q, lanes, xpc)
+
+
+def _half(wf, t: int, xpc: int):
+    """bf16: the widened chunk itself; fp8: its t-th 8 elements (column t of the 16 as (8, 2))."""
+    return wf if xpc == 1 else wf.reshape((VEC, xpc))[None, t]
 
 
 def rows_padded(rows: int) -> int:
@@ -937,25 +1047,41 @@ def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_id
 @_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                  stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows):
+                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
+    """bf16 weights (the kernel's mS is None: no scale argument reaches the kernel)."""
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
                           mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
                           staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
-                          min_ctas, rows).launch(
+                          min_ctas, rows, fp8, None).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
+        min_blocks_per_mp=min_ctas)
+
+
+@_deferred.jit
+def _gemv_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                     mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                     staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows,
+                     fp8):
+    """fp8 weights with their row scales mS [n_rows] fp32."""
+    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
+                          mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                          staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
+                          min_ctas, rows, fp8, mS).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
-                "min_ctas", "rows")
-_CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS,
+                "min_ctas", "rows", "fp8")
+_CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _gemv_launch_fp8: _PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _stage_tile: ("n_out", "lanes", "chunks", "outs_per_group", "groups_per_cta",
                                    "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
-                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps")}
+                     _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
+                     _fp8_partials: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -990,14 +1116,15 @@ class CuteGemv:
     def __init__(self, n_rows: int, k: int, epilogue: str = "none", *, device="cuda",
                  pdl: bool = False, max_loads: int = 16, staged: bool | None = None,
                  norm: bool = False, eps: float = 1e-6, rope: RopeShape | None = None, rows: int = 1,
-                 **knobs):
-        """rows: decode rows per call (1 to MAX_ROWS, compiled in). knobs: plan_gemv's plan
+                 fp8: bool = False, **knobs):
+        """rows: decode rows per call (1 to MAX_ROWS, compiled in). fp8: the weight is e4m3
+        [N, K] and each call passes its row scales (`scale=`, fp32 [N]). knobs: plan_gemv's plan
         overrides (warps, outs_per_group, ctas_per_sm, stages, late_g, min_ctas_per_sm, tuned);
         by default TUNED_PLANS or the heuristic decide."""
         self.device = torch.device(device)
         self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
                               max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope,
-                              rows=rows, **knobs)
+                              rows=rows, fp8=fp8, **knobs)
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         parts = p.grid * p.rows if epilogue == "argmax" else 1
@@ -1028,16 +1155,22 @@ class CuteGemv:
         """The bias is the layer's (one for all rows); the residual is each row's."""
         return self._out_numel * (self.plan.rows if self.plan.epilogue == "residual" else 1)
 
-    def _check(self, x, weight, extra, out, norm_weight, rope_kv=None):
+    def _check(self, x, weight, extra, out, norm_weight, rope_kv=None, scale=None):
         """Refuse, before any launch, what the compiled layouts would misread."""
         p = self.plan
 
         def bad(t, numel, dtype):  # the kernel assumes contiguous, 16-byte aligned tensors
             return t.numel() != numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16
 
-        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, torch.bfloat16):
-            raise ValueError(f"weight must be a contiguous, 16-byte aligned bf16 [{p.n_rows}, {p.k}] "
+        w_dtype = torch.float8_e4m3fn if p.fp8 else torch.bfloat16
+        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, w_dtype):
+            raise ValueError(f"weight must be a contiguous, 16-byte aligned {w_dtype} [{p.n_rows}, {p.k}] "
                              f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
+        if p.fp8 != (scale is not None):
+            raise ValueError(f"a GEMV planned with fp8={p.fp8} {'needs' if p.fp8 else 'takes no'} scale")
+        if scale is not None and (scale.shape != (p.n_rows,) or bad(scale, p.n_rows, torch.float32)):
+            raise ValueError(f"scale must be a contiguous, 16-byte aligned float32 [{p.n_rows}] (one per "
+                             f"weight row), got {scale.dtype} {tuple(scale.shape)}")
         if bad(x, p.rows * p.k, torch.bfloat16):
             raise ValueError(f"x must be a contiguous, 16-byte aligned bf16 [rows={p.rows}, {p.k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
@@ -1063,21 +1196,24 @@ class CuteGemv:
             raise ValueError(f"out must be a contiguous, 16-byte aligned {dtype} {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
 
-    def _args(self, x, weight, extra, out, norm_weight, rope_kv=None):
+    def _args(self, x, weight, extra, out, norm_weight, rope_kv=None, scale=None):
+        """The launcher's tensor arguments (fp8: the row scales last)."""
         d = _dsl()
         p = self.plan
         def aligned(t):  # detached: DLPack refuses a tensor that requires grad (a Parameter)
             return d["from_dlpack"](t.detach(), assumed_align=16)
 
+        v = p.vec  # weights a 16-byte chunk (x and g: 8 bf16 a chunk whatever the weights)
+        scales = [aligned(scale)] if p.fp8 else []
         norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
-        return [aligned(weight.view(p.n_rows, p.k // VEC, VEC)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
+        return [aligned(weight.view(p.n_rows, p.k // v, v)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
                 aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
                 d["from_dlpack"](self._counter, assumed_align=4),
                 *(d["from_dlpack"](t.detach(), assumed_align=a)  # scalar reads: element alignment
-                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN))]
+                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN)), *scales]
 
     def _stream(self):
         d = _dsl()
@@ -1100,7 +1236,10 @@ class CuteGemv:
         r = p.rope
         rope_shapes = ([(p.rows,), (r.table_rows * r.head_dim,), (p.rows,),
                         (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
-        return [fake(c.BFloat16, (p.n_rows, p.k // VEC, VEC), 16), fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
+        v = p.vec
+        scales = [fake(c.Float32, (p.n_rows,), 16)] if p.fp8 else []
+        return [fake(c.Float8E4M3FN if p.fp8 else c.BFloat16, (p.n_rows, p.k // v, v), 16),
+                fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
@@ -1108,7 +1247,7 @@ class CuteGemv:
                 fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
-                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN))]
+                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]
 
     def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
@@ -1124,28 +1263,31 @@ class CuteGemv:
             if self.device.type == "cuda":
                 # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
                 x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
-                w = torch.empty(p.n_rows, p.k, dtype=torch.bfloat16, device=self.device)
+                w = torch.empty(p.n_rows, p.k, dtype=torch.float8_e4m3fn if p.fp8 else torch.bfloat16,
+                                device=self.device)
+                scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
                 extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
                 g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
                 args = self._args(x, w, extra, self.out_like(), g,
-                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows))
+                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows), scale)
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
             self._compiled = d["cute"].compile(
-                d["launcher"], *args, self._stream(), *(getattr(p, name) for name in _PLAN_PARAMS))
+                d["launcher_fp8" if p.fp8 else "launcher"], *args, self._stream(),
+                *(getattr(p, name) for name in _PLAN_PARAMS))
             self.compile_seconds = time.perf_counter() - t0
             _COMPILED[key] = self._compiled
         return self.compile_seconds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
                  *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                 rope_kv: RopeKV | None = None) -> torch.Tensor:
+                 rope_kv: RopeKV | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         out = self.out_like() if out is None else out
-        self._check(x, weight, extra, out, norm_weight, rope_kv)
+        self._check(x, weight, extra, out, norm_weight, rope_kv, scale)
         self.compile(rope_kv)
-        self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv), self._stream())
+        self._compiled(*self._args(x, weight, extra, out, norm_weight, rope_kv, scale), self._stream())
         return out
 
 
@@ -1199,15 +1341,17 @@ class RopeKV:
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none",
                    extra: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The slow obvious answer in fp32 on the same bf16 inputs, x [M, K] (or [K]) -> [M, N]
     (argmax: the fp32 logits' argmax per row, int32 [M]). extra: the bias [N] (every row) or
     the residual [M, N]. With norm_weight: of RMSNorm(x) * norm_weight per row, kept in fp32
-    (as the kernel keeps it)."""
+    (as the kernel keeps it). With scale (fp32 [N]): weight is fp8 and W = weight * scale per
+    row, dequantized in fp32 (the numerics of quantization.dequant_linear)."""
     x = x.float().reshape(-1, weight.shape[1])
     if norm_weight is not None:
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
-    y = x @ weight.float().t()
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    y = x @ w.t()
     if epilogue in ("bias", "residual"):
         y = y + extra.float().reshape(-1, y.shape[-1])
     if epilogue == "silu_mul":
@@ -1220,13 +1364,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none"
 
 def rope_kv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       rope: RopeShape, rope_kv: RopeKV, norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
     """The rope epilogues the slow obvious way, row by row of x [M, K]: y = W x (+ b) in fp32
     (x RMS-normalised first with norm_weight), q and k heads rotated in fp32 with the fp32 table
     row at the row's position (rotate-half, as `TorchOps.rope`), rounded once to dtype (bf16,
     the kernel's; fp32 for the CPU wiring tests); k and v heads copied into the pool at the
-    row's slot (skipped when negative). Returns y [M, N]; the pool is updated in place."""
-    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps)
+    row's slot (skipped when negative). scale: fp8 weights' row scales (gemv_reference's).
+    Returns y [M, N]; the pool is updated in place."""
+    y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps, scale=scale)
     if bias is not None:
         y = y + bias.float().reshape(1, -1)
     d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads

@@ -55,6 +55,12 @@ Several rows: the GEMVs come in one set per row count the runner pads decode ste
 its own position and slot) and the one-launch attention (each row over its own pages) take all M
 rows; the argmax writes M int32 tokens, cast once to the engine's int64.
 
+FP8 weights (`--quantization fp8`, an FP8 checkpoint: the four projections are `QuantizedWeight`s)
+stream through the GEMVs' fp8 form (`CuteGemv(..., fp8=True)`: e4m3 codes, 16 a 16-byte load,
+each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales), weight-only as
+the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 6 points of agreement:
+quantization.py). Widths must then be multiples of 16 (`refusals`).
+
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
 RoPE epilogue and the one-launch attention is on where it applies (`FusedParts`: not a user
@@ -71,9 +77,10 @@ import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
-from flashlet.kernels.cute_gemv import (MAX_ROWS, CuteGemv, CuteUnavailable, RopeKV, RopeShape, VEC,
-                                        cute_available, plan_gemv)
-from flashlet.models.quantization import is_quantized
+from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, CuteGemv, CuteUnavailable, RopeKV, RopeShape,
+                                        VEC, cute_available, plan_gemv)
+from flashlet.models import quantization
+from flashlet.models.quantization import QuantizedWeight, is_quantized
 from flashlet.runner.batch import StepLayout
 
 
@@ -122,12 +129,11 @@ def refusals(model, device: torch.device) -> list[str]:
     if dtype != torch.bfloat16:
         why.append(f"its kernels are bf16 only (dtype {dtype})")
     layer = model.layers[0]
-    if is_quantized(model):
-        why.append("its GEMVs stream bf16 weights, not fp8 ones (--quantization fp8 / an FP8 checkpoint)")
+    vec, weights = (FP8_VEC, "fp8") if is_quantized(model) else (VEC, "bf16")
     for name, k in (("hidden_size", cfg.hidden_size), ("num_heads * head_dim", layer.q_size),
                     ("intermediate_size", layer.down_proj.weight.shape[1])):
-        if k % VEC:
-            why.append(f"{name} = {k} is not a multiple of {VEC} (16-byte loads)")
+        if k % vec:
+            why.append(f"{name} = {k} is not a multiple of {vec} (16-byte loads of {weights} weights)")
     return why
 
 
@@ -242,6 +248,7 @@ class FusedDecode:
             raise ValueError(f"fused_decode row counts must be in 1..{limit}, got {list(row_counts)}")
         self.model = model
         layer = model.layers[0]
+        self.fp8 = is_quantized(model)  # the decoder's weights: fp8 codes + row scales (`_weight`)
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
@@ -287,12 +294,15 @@ class FusedDecode:
         self.split = [q, kv, kv]
 
     def _build_gemvs(self, m: int, device: torch.device) -> Gemvs:
-        """The GEMVs of M rows (not compiled yet: each compiles at its first call, the warm-up's)."""
+        """The GEMVs of M rows (not compiled yet: each compiles at its first call, the warm-up's).
+        With fp8 decoder weights the four projections stream them; the LM head stays bf16."""
         cfg = self.model.config
         h, q, kv, inter, vocab = self._widths()
         # rows= only past one row: the one-row kernels stay exactly the plans they always were
-        gemv = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
+        head = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
+        gemv = dict(head, **({"fp8": True} if self.fp8 else {}))
         normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
+        head_normed = dict(norm=True, eps=cfg.rms_norm_eps, **head)
         if self.rope is not None:
             qkv = CuteGemv(q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", rope=self.rope, **normed)
         else:
@@ -300,8 +310,8 @@ class FusedDecode:
         return Gemvs(qkv=qkv, o=CuteGemv(h, q, "residual", **gemv),
                      gate_up=CuteGemv(2 * inter, h, "silu_mul", **normed),
                      down=CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None,
-                     lm_head=CuteGemv(vocab, h, "none", **normed),
-                     lm_argmax=CuteGemv(vocab, h, "argmax", **normed))
+                     lm_head=CuteGemv(vocab, h, "none", **head_normed),
+                     lm_argmax=CuteGemv(vocab, h, "argmax", **head_normed))
 
     def compiled(self) -> tuple[int, float]:
         """(GEMVs compiled so far, the seconds they took; 0 for a plan another object compiled
@@ -339,17 +349,23 @@ class FusedDecode:
                 o = self._qkv_rope_attend(g, i, layer, positions, attn)
             else:
                 o = self._qkv_attend(g, i, layer, positions, attn)
-            g.o(o.reshape(rows, -1).contiguous(), layer.o_proj.weight, residual, out=residual)
-            g.gate_up(residual, layer.gate_up_proj.weight, out=act, norm_weight=layer.post_attn_norm)
+            w, scale = _weight(layer.o_proj.weight)
+            g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
+            w, scale = _weight(layer.gate_up_proj.weight)
+            g.gate_up(residual, w, out=act, norm_weight=layer.post_attn_norm, **scale)
             self._down(g, layer, act, residual)
         return residual
 
     @staticmethod
     def _down(g: Gemvs, layer, act: torch.Tensor, residual: torch.Tensor) -> None:
         """residual += act @ down^T, in place: the CuTe GEMV, or one cuBLAS GEMM whose beta = 1
-        adds into the residual (rounded once, as the GEMV's residual epilogue is)."""
+        adds into the residual (rounded once, as the GEMV's residual epilogue is); fp8 weights
+        past MAX_DOWN_K: the per-op path's fp8 linear, then the add (rounded twice)."""
         if g.down is not None:
-            g.down(act, layer.down_proj.weight, residual, out=residual)
+            w, scale = _weight(layer.down_proj.weight)
+            g.down(act, w, residual, out=residual, **scale)
+        elif isinstance(layer.down_proj.weight, QuantizedWeight):
+            residual.add_(quantization.linear(act, layer.down_proj.weight))
         else:
             residual.addmm_(act, layer.down_proj.weight.t())
 
@@ -357,8 +373,8 @@ class FusedDecode:
         """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
         m, rows = self.model, positions.shape[0]
         qkv_out = self.qkv_out[:rows]
-        g.qkv(self.residual[:rows], layer.qkv_proj.weight, layer.qkv_proj.bias, out=qkv_out,
-              norm_weight=layer.input_norm)
+        w, scale = _weight(layer.qkv_proj.weight)
+        g.qkv(self.residual[:rows], w, layer.qkv_proj.bias, out=qkv_out, norm_weight=layer.input_norm, **scale)
         q, k, v = qkv_out.split(self.split, dim=-1)
         q = q.view(rows, layer.num_heads, layer.head_dim)
         k = k.view(rows, layer.num_kv_heads, layer.head_dim)
@@ -377,8 +393,9 @@ class FusedDecode:
         qkv_out = self.qkv_out[:rows]
         step = RopeKV(positions, self.model.cos_sin_cache, pool.k_cache[i], pool.v_cache[i],
                       attn.meta.slot_mapping)
-        g.qkv(self.residual[:rows], layer.qkv_proj.weight, layer.qkv_proj.bias, out=qkv_out,
-              norm_weight=layer.input_norm, rope_kv=step)
+        w, scale = _weight(layer.qkv_proj.weight)
+        g.qkv(self.residual[:rows], w, layer.qkv_proj.bias, out=qkv_out, norm_weight=layer.input_norm,
+              rope_kv=step, **scale)
         q = qkv_out[:, : self.split[0]].view(rows, layer.num_heads, layer.head_dim)
         return self._attend(i, q, attn)
 
@@ -407,6 +424,14 @@ class FusedDecode:
             return self.token_id[:1]
         argmax(x, self.model.lm_head_weight, out=self.tokens32[:rows], norm_weight=self.model.norm)
         return self.token_id[:rows].copy_(self.tokens32[:rows])
+
+
+def _weight(w) -> tuple[torch.Tensor, dict]:
+    """A projection's weight as a GEMV takes it: a bf16 tensor as it is; fp8, its codes and
+    `scale=` its row scales (weight-only: the GEMV scales each sum, x stays bf16)."""
+    if isinstance(w, QuantizedWeight):
+        return w.qweight, {"scale": w.scale}
+    return w, {}
 
 
 def verify_as_decode_rows(layout: StepLayout, page_size: int, max_rows: int) -> StepLayout | None:

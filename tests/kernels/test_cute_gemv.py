@@ -284,13 +284,14 @@ ONE_ROW_PTX = {(1152, 896, "bias", 1, 0, 1): (21, 114), (896, 896, "residual", 1
 
 
 PTX_SCRIPT = textwrap.dedent("""
-    import glob, json, re, shutil, subprocess, sys, torch
+    import glob, hashlib, json, re, shutil, subprocess, sys, torch
     from flashlet.kernels import cute_gemv
     from flashlet.kernels.cute_gemv import CuteGemv, RopeShape, ROPE_EPILOGUES
     n, k, epilogue, pdl, staged = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[6] == "1"
     norm = sys.argv[7] == "1"
     knobs = json.loads(sys.argv[8])
     rows = int(sys.argv[9])
+    fp8 = len(sys.argv) > 10 and sys.argv[10] == "1"
     d = 64 if n == 1152 else 32  # the rope variants: Qwen2.5-0.5B's heads, or 4 q + 2 kv heads of 32
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
     cute_gemv._dsl()
@@ -298,7 +299,7 @@ PTX_SCRIPT = textwrap.dedent("""
     dsl_module._build_kernel_attrs = lambda config: {}  # a register cap's carveout hint queries the GPU
     try:
         CuteGemv(n, k, epilogue, device="cpu", pdl=pdl, staged=staged, norm=norm, rope=rope, rows=rows,
-                 **knobs).compile()
+                 **({"fp8": True} if fp8 else {}), **knobs).compile()
     except Exception as e:  # without a GPU the final module load fails; the PTX is written before it
         print("compile stopped:", type(e).__name__)
     ptx = "".join(open(f, errors="replace").read() for f in glob.glob(sys.argv[5] + "/*.ptx")).replace(chr(0), "")
@@ -311,13 +312,26 @@ PTX_SCRIPT = textwrap.dedent("""
         frames = re.findall(r"([0-9]+) bytes stack frame", res.stderr)
         stack = max(map(int, frames)) if frames else -1
         regs = max(map(int, re.findall(r"Used ([0-9]+) registers", res.stderr)), default=-1)
-    print("W128", ptx.count("ld.global.v4.b32"), "STORE", ptx.count("st.global"),
+    print("W128", ptx.count("ld.global.v4.b32"), "W128U", ptx.count("ld.global.v4.u32"), "STORE", ptx.count("st.global"),
           "ATOM", ptx.count("atom.global"), "GRIDDEP", ptx.count("griddepcontrol"),
           "CPASYNC", ptx.count("cp.async.cg.shared.global"), "RSQRT", ptx.count("rsqrt"),
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
           "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
-          "REGS", regs)
+          "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
+          "SHA", hashlib.sha256(ptx.encode()).hexdigest())
 """)
+
+
+def lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows, fp8=False) -> dict[str, str]:
+    """Trace and lower one variant to sm_90a PTX in a fresh process -> PTX_SCRIPT's counts."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
+                          str(staged), str(norm), json.dumps(knobs), str(rows), str(int(fp8))],
+                         env=env, capture_output=True, text=True, timeout=300)
+    counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
+    assert counts, res.stdout[-2000:] + res.stderr[-2000:]
+    return counts
 
 
 @pytest.mark.slow
@@ -352,13 +366,7 @@ PTX_SCRIPT = textwrap.dedent("""
     (151936, 896, "argmax", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 0, 1, {}, 16),
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
-    res = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(n), str(k), epilogue, str(pdl), str(tmp_path),
-                          str(staged), str(norm), json.dumps(knobs), str(rows)],
-                         env=env, capture_output=True, text=True, timeout=300)
-    counts = dict(zip(*[iter(res.stdout.split("\n")[-2].split())] * 2)) if "W128" in res.stdout else {}
-    assert counts, res.stdout[-2000:] + res.stderr[-2000:]
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows)
     d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
     rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
     p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows,

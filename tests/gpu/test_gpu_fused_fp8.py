@@ -1,0 +1,104 @@
+"""The fused decode path with fp8 weights (`--quantization fp8`) against the per-op fp8 path, on
+the GPU: the decoder's four projections stream e4m3 codes through the fp8 CuteGemv, the LM
+head stays bf16.
+
+The rule is tests/gpu/test_gpu_fused_decode.py's (its module docstring): teacher-forced on the
+per-op tokens, the fused logits' RMS error against an fp32 anchor within 1.5x the per-op
+path's, and each fused pick the reference's or within the measured noise of it. Here both
+engines and the anchor load the same fp8 weights: the anchor is the per-op path in fp32 on the
+torch backend, whose fp8 linears are dequant_linear's (fp32 from the codes). The checkpoint's
+weights are rounded to bf16 first, so the bf16 engines and the fp32 anchor quantize the same
+values to the same codes and scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.runner import fused_decode
+from tests.conftest import save_tiny_model
+from tests.gpu.test_gpu_fused_decode import (HAVE_CUTE, NO_CUTE_REASON, SMALL, build,
+                                             check_against_reference_teacher_forced, prompts, run)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.cuda.is_available() and not HAVE_CUTE,
+                       reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:160]}"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                       reason="fp8 weights (e4m3) need an sm_89+ GPU"),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def fp8_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(request.param, tmp_path_factory.mktemp(f"fused-fp8-{request.param}"), **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    model.save_pretrained(folder)
+    return dict(model=str(folder), quantization="fp8"), SMALL["vocab_size"]
+
+
+def assert_fp8_gemvs(engine) -> None:
+    fused = engine.runner.fused
+    assert fused is not None and fused.fp8
+    for gemvs in fused.gemvs.values():
+        assert all(g.plan.fp8 for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down) if g is not None)
+        assert not gemvs.lm_head.plan.fp8 and not gemvs.lm_argmax.plan.fp8
+
+
+def test_fp8_fused_greedy_tokens_match_the_per_op_fp8_path(fp8_model):
+    """16 prompts x 32 tokens, one at a time, each part of the path off (the GEMVs alone)."""
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(16, vocab), 32)
+    assert_fp8_gemvs(engine)
+
+
+def test_fp8_fused_with_every_part_matches_the_per_op_fp8_path(fp8_model):
+    """PDL, RoPE + the K/V write in the fp8 QKV GEMV's epilogue, one-launch attention: the
+    path as the engine runs it by default."""
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(16, vocab), 32, fused_decode_pdl=True,
+                                                    fused_decode_rope=True, fused_decode_attn=True)
+    assert_fp8_gemvs(engine)
+    assert engine.runner.fused.parts.named_on() == ["pdl", "rope", "attn"]
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_fp8_fused_batches_match_the_per_op_fp8_path(fp8_model, batch):
+    """`batch` prompts decoding together through the 2- and 4-row fp8 GEMVs (3 padded to 4)."""
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), 24, max_num_seqs=4,
+                                                    fused_decode_pdl=True, fused_decode_rope=True,
+                                                    fused_decode_attn=True)
+    assert_fp8_gemvs(engine)
+    assert engine.runner.fused.row_counts == [1, 2, 4]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="auto turns the fused path on at sm_90+ only (PDL)")
+def test_auto_runs_fp8_weights_on_the_fused_path(fp8_model):
+    """The default (fused_decode None) no longer declines fp8 weights; the graphs replay it."""
+    source, vocab = fp8_model
+    engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_pages=1024)
+    assert_fp8_gemvs(engine)
+    graphed, _ = run(source, prompts(4, vocab), 16, fused=None)
+    eager, _ = run(source, prompts(4, vocab), 16, fused=None, cuda_graph=False)
+    assert eager == graphed
+
+
+def test_fp8_down_past_max_down_k_runs_the_fp8_gemm_inside_the_fused_step(fp8_model, monkeypatch):
+    """A down projection longer than the GEMV serves (MAX_DOWN_K; lowered here below SMALL's
+    768, as Qwen2.5-7B's 18,944 is above it) runs the per-op fp8 GEMM (Triton) into the
+    residual stream inside the fused step, captured in its graph."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 512)
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(4, vocab), 24, fused_decode_pdl=True,
+                                                    fused_decode_rope=True, fused_decode_attn=True)
+    assert_fp8_gemvs(engine)
+    assert all(g.down is None for g in engine.runner.fused.gemvs.values())

@@ -1,0 +1,93 @@
+"""The fused decode path with fp8 weights (`--quantization fp8`) on the CPU: its wiring and its
+refusals.
+
+As in tests/test_fused_decode.py each GEMV is replaced by its fp32 reference, here with the
+fp8 weight's codes and row scales (gemv_reference's `scale`: quantization.dequant_linear's
+numerics, what the fp8 CuteGemv is held to on the GPU in tests/kernels/test_cute_gemv_fp8.py),
+so what is checked is that the path hands the decoder's four projections their fp8 codes and
+scales, keeps the LM head bf16, and gives the per-op fp8 engine's tokens and logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.models import quantization
+from flashlet.models.weights import load_model
+from flashlet.runner import fused_decode
+from tests.conftest import save_tiny_model
+from tests.test_fused_decode import PROMPTS, generate, perturb_norms, reference_kernels  # noqa: F401
+
+FP8 = {"quantization": "fp8"}
+
+
+def fp8_projections(gemvs) -> dict[str, bool]:
+    return {name: getattr(gemvs, name).plan.fp8 for name in ("qkv", "o", "gate_up", "down", "lm_head", "lm_argmax")}
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["rope-kernel", "rope-epilogue"])
+@pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
+def test_fp8_fused_wiring_gives_the_per_op_fp8_tokens(tiny_model, reference_kernels, rope, params):
+    want, _ = generate(tiny_model, False, PROMPTS, config=FP8, **params)
+    got, engine = generate(tiny_model, True, PROMPTS, rope=rope, config=FP8, **params)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.fp8 and quantization.is_quantized(engine.model)
+    # the decoder's projections stream fp8; the LM head (the model's bf16 one) does not
+    assert fp8_projections(fused.gemvs[1]) == dict(qkv=True, o=True, gate_up=True, down=True,
+                                                   lm_head=False, lm_argmax=False)
+    assert fused.gemvs[1].qkv.calls == len(engine.model.layers) * sum(12 - 1 for _ in PROMPTS)
+
+
+def test_fp8_fused_logits_match_the_per_op_fp8_model(tiny_qwen2, reference_kernels):
+    """Every step's logits against the per-op fp8 model's (dequant_linear) to fp32 rounding,
+    and far from the unquantized model's: the fused path computed with the fp8 weights."""
+    rows = {}
+    for name, fused, config in (("per-op", False, FP8), ("fused", True, FP8), ("float", False, {})):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1,
+                                     fused_decode=fused, **config))
+        perturb_norms(engine)
+        rows[name] = []
+        engine.observe_steps(lambda meta, logits, out=rows[name]: out.append(logits.clone()))
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert len(rows["fused"]) == 6
+    for want, got, unquantized in zip(rows["per-op"], rows["fused"], rows["float"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert float((unquantized - want).abs().max()) > 100 * float((got - want).abs().max()) + 1e-3
+
+
+def test_fp8_down_past_max_down_k_runs_the_fp8_linear(tiny_qwen2, reference_kernels, monkeypatch):
+    """A down projection too long for the GEMV (MAX_DOWN_K, here below the tiny model's 128)
+    runs quantization.linear into the residual stream, the rest fused: the per-op tokens."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 64)
+    calls = []
+    real = quantization.linear
+    monkeypatch.setattr(quantization, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want, _ = generate(tiny_qwen2, False, PROMPTS[:2], config=FP8)
+    calls.clear()  # the per-op engine's own calls
+    got, engine = generate(tiny_qwen2, True, PROMPTS[:2], config=FP8)
+    assert got == want
+    assert engine.runner.fused.gemvs[1].down is None
+    decode_steps = 2 * (12 - 1)
+    assert len(calls) >= len(engine.model.layers) * decode_steps  # (+ the prefills' projections)
+
+
+def test_fused_decode_takes_fp8_weights(tiny_qwen2):
+    """fp8 weights are no reason to decline (the CUDA-side checks, run on a CPU model)."""
+    model, _, _ = load_model(str(tiny_qwen2), dtype=torch.bfloat16, quantization="fp8")
+    assert fused_decode.refusals(model, torch.device("cuda")) == []
+
+
+def test_fp8_widths_must_be_multiples_of_16(tmp_path):
+    """A 16-byte load holds 16 fp8 weights: a K that is a multiple of 8 but not 16 is refused
+    for fp8 weights by name, and served in bf16."""
+    folder = save_tiny_model("qwen2", tmp_path / "odd", intermediate_size=136)
+    fp8, _, _ = load_model(str(folder), dtype=torch.bfloat16, quantization="fp8")
+    why = fused_decode.refusals(fp8, torch.device("cuda"))
+    assert why == ["intermediate_size = 136 is not a multiple of 16 (16-byte loads of fp8 weights)"]
+    bf16, _, _ = load_model(str(folder), dtype=torch.bfloat16)
+    assert fused_decode.refusals(bf16, torch.device("cuda")) == []

@@ -1,0 +1,71 @@
+"""scripts/spec_bench.py on the CPU: its bench-only proposer proposes a corrupted copy of a
+continuation (fixed per position), and `own_continuation` finds the continuation the
+speculating engine reproduces, so a timed run proposes along its whole length."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "server"))
+from server_helpers import load_script  # noqa: E402
+
+from flashlet import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+class FakeRequest:
+    def __init__(self, request_id, output_token_ids):
+        self.request_id, self.output_token_ids = request_id, output_token_ids
+
+
+def test_the_copy_is_corrupted_once_per_position_at_the_match_rate():
+    bench = load_script("spec_bench")
+    continuation = list(range(2, 2002))
+    proposer = bench.CorruptedCopyProposer(continuation, 0.7, vocab=5000, seed=4)
+    again = bench.CorruptedCopyProposer(continuation, 0.7, vocab=5000, seed=4)
+    assert proposer.copy == again.copy  # the same copy every round of the fixed point
+    kept = sum(a == b for a, b in zip(proposer.copy, continuation)) / len(continuation)
+    assert 0.65 < kept < 0.75
+    assert all(0 <= t < 5000 for t in proposer.copy)
+    # The next k tokens of the copy while the output agrees; nothing once it parts.
+    assert proposer.propose([FakeRequest(0, continuation[:10])], 4) == [proposer.copy[10:14]]
+    parted = continuation[:10] + [1]
+    assert proposer.propose([FakeRequest(1, parted)], 4) == [[]]
+    assert proposer.propose([FakeRequest(1, parted + continuation[11:13])], 4) == [[]]
+
+
+def test_own_continuation_holds_and_the_timed_run_proposes_to_the_end(tiny_qwen2, monkeypatch):
+    """A first guess that parts from the engine's output at token 10 (as a verify step's rounding
+    parts a GPU run from the plain engine's): the fixed point replaces it with the engine's own
+    continuation, which the next run reproduces, accepting every proposal at match 1.0."""
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 40)
+    with LLM(model=str(tiny_qwen2), speculative_config=NGRAM) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(i * 31 + 7) % vocab for i in range(12)]
+        truth = bench.generate(llm, prompt)
+        wrong = truth[:10] + [(t + 1) % vocab for t in truth[10:]]
+        known, rounds, held = bench.own_continuation(llm, prompt, wrong, k=4, match=1.0)
+        assert (known, held) == (truth, True) and rounds == 2
+        llm.engine.spec.proposer = bench.CorruptedCopyProposer(known, 1.0, vocab, seed=4)
+        before = bench.spec_counters(llm)
+        _, tokens, steps = bench.timed_generate(llm, prompt)
+        drafts, proposed, accepted = (b - a for a, b in zip(before, bench.spec_counters(llm)))
+    assert tokens == known and accepted == proposed > 0
+    assert steps <= -(-40 // 5) + 1  # five tokens a step, but the prompt's step
+
+
+def test_own_continuation_holds_with_corrupted_proposals(tiny_qwen2, monkeypatch):
+    match = 0.5
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 40)
+    with LLM(model=str(tiny_qwen2), speculative_config=NGRAM) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(i * 31 + 7) % vocab for i in range(12)]
+        known, _, held = bench.own_continuation(llm, prompt, [], k=4, match=match)
+        assert held
+        llm.engine.spec.proposer = bench.CorruptedCopyProposer(known, match, vocab, seed=4)
+        before = bench.spec_counters(llm)
+        assert bench.generate(llm, prompt) == known
+        drafts, proposed, accepted = (b - a for a, b in zip(before, bench.spec_counters(llm)))
+    assert 0 < accepted < proposed

@@ -575,3 +575,64 @@ def test_proposals_never_preempt_another_request():
     sched.on_launch(out)
     sched.update(out, [Verified([3], None, 0), Verified([5, 4], None, 1)])
     sched.check_integrity()
+
+
+class ProposesEvery:
+    """A proposer that finds nothing (as prompt lookup finding no match) but on every
+    `every`-th call, where it proposes n-gram lookup's guesses (every=0: never)."""
+
+    def __init__(self, every: int):
+        self.ngram, self.every, self.calls = NgramProposer(1, 3), every, 0
+
+    def propose(self, requests, k):
+        self.calls += 1
+        if self.every and self.calls % self.every == 0:
+            return self.ngram.propose(requests, k)
+        return [[] for _ in requests]
+
+    def on_accepted(self, request, num_accepted):
+        pass
+
+    def release(self, request):
+        self.ngram.release(request)
+
+
+def outputs_per_call(engine, prompts, params) -> list[list[tuple[int, list[int]]]]:
+    """Each step() call's outputs, (request id, new tokens), checking integrity after each."""
+    for p in prompts:
+        engine.add_request(p, params)
+    calls = []
+    while engine.has_unfinished():
+        calls.append([(o.request_id, list(o.new_token_ids)) for o in engine.step()])
+        engine.check_integrity()
+    return calls
+
+
+def test_a_speculating_step_without_proposals_overlaps_as_a_plain_one(tiny_qwen2):
+    """Where the proposer finds nothing for any row, the step stays in flight while the caller
+    takes the previous one's outputs, as without speculation: each step() call returns the
+    same outputs as a plain overlapped engine's."""
+    prompts = repetitive_prompts(2, seed=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = outputs_per_call(Engine(EngineConfig(model=str(tiny_qwen2), page_size=4)),
+                             prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    engine.spec.proposer = ProposesEvery(0)
+    assert outputs_per_call(engine, prompts, params) == plain
+    assert engine.spec.stats.num_drafts == 0
+
+
+def test_steps_with_and_without_proposals_in_turn_keep_the_greedy_output(tiny_qwen2):
+    """Verify steps between overlapped steps without proposals: the step in flight is read
+    before the next proposal, and the output is the plain engine's."""
+    prompts = repetitive_prompts(3, seed=5)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    engine.spec.proposer = ProposesEvery(2)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = run_all(engine)
+    assert [done[i].token_ids for i in ids] == [o.token_ids for o in plain]
+    assert engine.spec.stats.num_accepted_tokens > 0
+    engine.reset_prefix_cache()
+    assert engine.stats()["kv_pages_used"] == 0

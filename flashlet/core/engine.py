@@ -20,8 +20,9 @@ A step that sampled a grammar-constrained request is read before the next one is
 Speculative decoding (`EngineConfig.speculative_config`, flashlet/spec/speculative.py): before
 scheduling, the proposer guesses tokens for decoding requests; the scheduler gives such a row
 its newest token and the guesses, and `verify` turns the step's logits into each request's
-accepted tokens. Such steps do not overlap (a guess needs the newest token), and turn off while
-more than disable_by_batch_size requests run.
+accepted tokens. A verify step is read as soon as it is launched, and a step in flight is read
+before proposing (a guess needs the newest token); a step with no proposals stays in flight as
+a plain one does. Speculation turns off while more than disable_by_batch_size requests run.
 
 Prompt logprobs (flashlet/runner/prompt_logprobs.py): a step with prompt positions of a request that
 asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
@@ -309,10 +310,10 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
-        # A proposal needs the newest token: speculation runs its steps without overlap.
         speculating = self.spec is not None and self.spec.active(len(self.scheduler.running))
         if previous is not None and (previous.constrained or speculating):
-            # A grammar's next mask needs the token in flight: no overlap (see structured.py).
+            # A grammar's next mask needs the token in flight (see structured.py), and so does
+            # a proposal: the step in flight is read before this one is scheduled.
             outputs += self._finish(previous)
             previous = None
         proposals = self.spec.propose(self.scheduler.running) if speculating else None
@@ -321,7 +322,9 @@ class Engine:
         if previous is not None:
             outputs += self._finish(previous)
         if launched is not None:
-            if self.config.overlap and not speculating:
+            # A verify step's tokens are read in _launch; a step without proposals (none
+            # found, or speculation off) stays in flight while the caller takes its outputs.
+            if self.config.overlap and launched.verified is None:
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)

@@ -116,6 +116,20 @@ def timed_generate(llm, prompt: list[int]) -> tuple[float, list[int], int]:
     return NEW_TOKENS / seconds, tokens, llm.engine.num_steps - steps
 
 
+def count_fused_verify_steps(engine) -> list[int]:
+    """Counts the verify steps the runner loads as fused decode rows (after this call)."""
+    count, runner = [0], engine.runner
+    real_load = runner.load
+
+    def load(layout, *args, **kwargs):
+        loaded = real_load(layout, *args, **kwargs)
+        count[0] += (not layout.is_pure_decode) and loaded[1].host.is_pure_decode
+        return loaded
+
+    runner.load = load
+    return count
+
+
 def spec_counters(llm) -> tuple[int, int, int]:
     s = llm.engine.spec.stats
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
@@ -135,12 +149,13 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
     spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
     with LLM(**common, speculative_config=spec) as llm:
         known = base_tokens
+        fused_verify = count_fused_verify_steps(llm.engine)
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
             for match in matches:
                 known, rounds, held = own_continuation(llm, prompt, known, k, match)
                 llm.engine.spec.proposer = CorruptedCopyProposer(known, match, vocab, seed=k)
-                before = spec_counters(llm)
+                before, fused_before = spec_counters(llm), fused_verify[0]
                 tok_s, tokens, steps = timed_generate(llm, prompt)
                 drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
                 # the counters span both calls (the untimed one runs the same proposals)
@@ -150,6 +165,7 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
                     "acceptance_rate": accepted / proposed if proposed else 0.0,
                     "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
                     "steps": steps, "rounds": rounds, "held": held,
+                    "fused_verify_share": (fused_verify[0] - fused_before) / drafts if drafts else 0.0,
                     "same_tokens": tokens == known, "parted_at": parted,
                     "same_as_plain": tokens == base_tokens})
     if draft:
@@ -174,18 +190,19 @@ def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, b
 
 def print_table(results: list[dict]) -> None:
     print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings; "
+          "fused: the share of verify steps run as fused decode rows; "
           "rounds: runs until the engine's own continuation held (held: no)")
     print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
-          f"{'ms/step':>8} {'rounds':>6} {'same':>6}")
+          f"{'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
     for res in results:
         plain = res["plain"]
         print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
-              f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
+              f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
         for row in res["ngram"]:
             rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
             print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
-                  f"{ms_per_step(row):8.3f} {rounds:>6} "
+                  f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
         if "draft" in res and "error" in res["draft"]:
             print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")

@@ -69,3 +69,16 @@ def test_own_continuation_holds_with_corrupted_proposals(tiny_qwen2, monkeypatch
         assert bench.generate(llm, prompt) == known
         drafts, proposed, accepted = (b - a for a, b in zip(before, bench.spec_counters(llm)))
     assert 0 < accepted < proposed
+
+
+def test_the_table_prints_each_row_with_its_step_time_and_rounds(capsys):
+    bench = load_script("spec_bench")
+    row = {"k": 4, "match": 0.7, "tok_s": 1000.0, "speedup": 0.5, "acceptance_rate": 0.7,
+           "mean_accepted_length": 2.8, "steps": 64, "rounds": 3, "held": False,
+           "fused_verify_share": 0.0, "same_tokens": False, "parted_at": 40}
+    bench.print_table([{"config": "tiny", "ngram": [row],
+                        "plain": {"tok_s": 2000.0, "steps": 256, "fused_decode": False}}])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split() == ["tiny", "4", "0.70", "0.70", "2.80", "1000", "0.50", "4.000",
+                                 "0.00", "3", "(held:", "no)", "at", "40"]
+    assert lines[-2].split()[7:9] == ["0.500", "(fused"]  # the plain row: 256 tokens / 2000 / 256 steps

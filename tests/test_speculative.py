@@ -101,6 +101,26 @@ def test_ngram_proposes_after_the_most_recent_longest_match():
     assert not proposer._tokens
 
 
+def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
+    """The lookup (candidate ends of the newest token, extended a token at a time) against a
+    scan of every earlier window, longest n first, most recent first."""
+
+    def scan(tokens, k, lo, hi):
+        t, length = tokens.tolist(), len(tokens)
+        for n in range(min(hi, length - 1), lo - 1, -1):
+            for start in range(length - n - 1, -1, -1):
+                if t[start : start + n] == t[length - n :]:
+                    return t[start + n : start + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, rng.integers(2, 8), size=rng.integers(0, 40))
+        lo = int(rng.integers(1, 4))
+        hi, k = int(rng.integers(lo, 6)), int(rng.integers(1, 6))
+        assert NgramProposer(lo, hi).lookup(tokens, k) == scan(tokens, k, lo, hi)
+
+
 def test_a_verify_row_samples_its_last_k_plus_one_tokens():
     from flashlet.runner.batch import InputBatch
 
@@ -389,7 +409,8 @@ def test_greedy_verify_from_argmax_tokens_is_verify_from_logits():
     verify does on the logits: rows without proposals, all accepted, a rejection at each place."""
     torch.manual_seed(1)
     vocab = 12
-    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=8)) for i in range(5)]
+    # min_tokens (with no stop token to ban) takes verify's general path without changing a row
+    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=8, min_tokens=1)) for i in range(5)]
     logits = torch.randn(1 + 4 + 4 + 2 + 4, vocab)  # each request's 1 + k rows
     chosen = logits.argmax(-1).tolist()
     proposals = {reqs[1]: chosen[1:4],                              # all three accepted
@@ -399,6 +420,9 @@ def test_greedy_verify_from_argmax_tokens_is_verify_from_logits():
     want = verify(logits, reqs, proposals, frozenset())
     got = verify_greedy(logits.argmax(-1), reqs, proposals)
     assert got == want
+    for req in reqs:  # plain greedy: verify takes the argmax path itself
+        req.params = SamplingParams(max_new_tokens=8)
+    assert verify(logits, reqs, proposals, frozenset()) == want
     assert [r.num_accepted for r in got] == [0, 3, 1, 0, 3]
 
 

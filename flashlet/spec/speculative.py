@@ -4,8 +4,9 @@ tokens at about the cost of one.
 
 How a speculating step runs (engine.py, scheduler.py, batch.py):
 1. Before scheduling, `SpeculativeDecoding.propose` asks the proposer for up to k tokens for
-   each running request that decodes (its tokens all known: speculation runs its steps without
-   overlap, since a proposal needs the newest token). A request with a response_format
+   each running request that decodes (its tokens all known: a step in flight is read first,
+   since a proposal needs the newest token; a step with no proposals stays in flight as a
+   plain one does). A request with a response_format
    speculates too: its verify rows are masked as its grammar stands after the proposals
    before each (`mask_grammars`), and its grammar advances over the accepted tokens only.
 2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
@@ -57,7 +58,8 @@ import torch
 
 from flashlet.core.request import Request
 from flashlet.core.sampling import SamplingColumns, TokenLogprob, _splitmix64
-from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
+from flashlet.runner.sampler import (StepLogprobs, apply_penalties, exponential_race, plain_greedy,
+                                     sampling_probs)
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
@@ -71,7 +73,8 @@ class NgramProposer:
     work (editing, repeating, summarising a given text), where outputs copy spans of the input.
 
     Each request's tokens are kept in a numpy array that grows as the request does (so a step
-    converts only its new tokens), and a match is a few numpy calls over it per n."""
+    converts only its new tokens); a lookup scans it once for the newest token, then extends
+    those few candidates a token at a time."""
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
@@ -84,15 +87,26 @@ class NgramProposer:
         """The k tokens after the most recent earlier occurrence of the longest suffix of
         `tokens` (max_n down to min_n long) that occurs earlier; [] if none does."""
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. length - n - 1: each ends before the last token, so the
-            # suffix itself is not a match and every match has a token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = (windows == tokens[length - n:]).all(axis=1).nonzero()[0]
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        longest = min(self.max_n, length - 1)
+        if longest < self.min_n:
+            return []
+        # Where an earlier match could end: the newest token's earlier places (each before the
+        # last token, so the suffix itself is no match and every match has a token after it).
+        # Each pass keeps the ends whose match is one token longer: one scan of the whole
+        # array a step, then work on the few candidates only.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        best = ends if self.min_n == 1 else None
+        for n in range(2, longest + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                best = ends
+        if best is None or not len(best):
+            return []
+        start = int(best[-1]) + 1
+        return tokens[start : start + k].tolist()
 
     def _token_array(self, req: Request) -> np.ndarray:
         buffer, filled = self._tokens.get(req.request_id, (None, 0))
@@ -248,6 +262,9 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
     its j-th proposal) -> each request's accepted tokens (see the module docstring), or the
     exception its grammar raised. Reads the device once for the decisions, and once more for
     logprobs where asked."""
+    if all(plain_greedy(req.params) and req.grammar is None for req in requests):
+        # nothing transforms their logits: each row's argmax decides
+        return verify_greedy(logits.argmax(dim=-1), requests, proposals)
     rows = _Rows.of(requests, proposals)
     errors: dict[int, Exception] = {}
     device = logits.device
@@ -261,7 +278,8 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
         mask_grammars(logits, requests, rows, errors)
     logits = _apply_transforms(logits, requests, rows, row_req, eos_token_ids)
     ok, chosen = _decide(logits, requests, rows, row_req, proposal)
-    results = _accepted(rows, ok.tolist(), chosen.tolist())
+    ok, chosen = torch.stack((ok.to(chosen.dtype), chosen)).tolist()  # one read of the device
+    results = _accepted(rows, ok, chosen)
     logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
     return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
             for i, (tokens, a) in enumerate(results)]

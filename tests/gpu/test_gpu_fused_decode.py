@@ -403,6 +403,28 @@ def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model
           f"{stats.num_accepted_tokens / stats.num_draft_tokens:.2f}")
 
 
+def test_one_stream_at_k4_verifies_every_step_on_the_fused_path(small_model):
+    """k = 4 and one stream alone: its proposals are cut to 3 (the fused verify step's 4 tokens,
+    less its own), so every verify step runs as fused decode rows, and its greedy tokens equal
+    those without speculation, or part at a near tie (as in the test above)."""
+    from flashlet import SamplingParams
+
+    source, vocab = small_model
+    base = prompts(3, vocab)[2:]
+    first, _ = run(source, base, 32, fused=True)
+    ps = [p + c + p for p, c in zip(base, first)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=2)
+    plain, _, _, _ = run_speculating(source, ps, params, None)
+    with_spec, engine, fused_steps, _ = run_speculating(source, ps, params, spec)
+    stats = engine.spec.stats
+    assert engine.spec.fused_verify_tokens == fused_decode.SERVED_ROWS
+    assert stats.num_drafts > 0 and stats.num_draft_tokens <= 3 * stats.num_drafts
+    assert fused_steps == stats.num_drafts  # every verify step ran fused
+    print(f"one stream, k = 4 cut to 3: {near_tie_or_equal(plain[0], with_spec[0], bound=0.5)}, "
+          f"acceptance {stats.num_accepted_tokens / stats.num_draft_tokens:.2f}")
+
+
 def count_fused_verify_steps(engine) -> list[int]:
     """Counts the verify steps the runner loads as fused decode rows (after this call)."""
     count, runner = [0], engine.runner

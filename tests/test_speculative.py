@@ -691,3 +691,24 @@ def test_one_stream_proposes_what_a_fused_verify_step_holds(tiny_qwen2, num_stre
     assert [done[i].token_ids for i in ids] == [o.token_ids for o in plain]
     assert engine.spec.stats.num_accepted_tokens > 0
     assert max(lengths) == (3 if num_streams == 1 else 4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_greedy_verify_step_is_read_by_the_next_call(tiny_qwen2, temperature):
+    """A verify step of plain greedy requests stays in flight after step() returns (its rows'
+    argmax tokens on their way to the host, verified when the next call reads them), while
+    the caller takes the previous outputs; one with sampled rows is verified at once."""
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=temperature, seed=1)
+    (plain,), _ = generate(tiny_qwen2, [prompt], params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    rid = engine.add_request(prompt, params)
+    tokens, verify_in_flight = [], 0
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
+        verify_in_flight += engine._in_flight is not None and engine._in_flight.verifying
+        engine.check_integrity()
+    assert engine.spec.stats.num_drafts > 0
+    assert (verify_in_flight > 0) == (temperature == 0.0)
+    if temperature == 0.0:
+        assert tokens == plain.token_ids and engine.spec.stats.num_accepted_tokens > 0

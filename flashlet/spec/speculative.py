@@ -5,8 +5,7 @@ tokens at about the cost of one.
 How a speculating step runs (engine.py, scheduler.py, batch.py):
 1. Before scheduling, `SpeculativeDecoding.propose` asks the proposer for up to k tokens for
    each running request that decodes (its tokens all known: a step in flight is read first,
-   since a proposal needs the newest token; a step with no proposals stays in flight as a
-   plain one does). A request with a response_format
+   since a proposal needs the newest token). A request with a response_format
    speculates too: its verify rows are masked as its grammar stands after the proposals
    before each (`mask_grammars`), and its grammar advances over the accepted tokens only.
 2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
@@ -66,7 +65,7 @@ from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
-           "verify_greedy"]
+           "verify_greedy", "all_plain_greedy", "num_verify_rows"]
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -276,8 +275,7 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
     its j-th proposal) -> each request's accepted tokens (see the module docstring), or the
     exception its grammar raised. Reads the device once for the decisions, and once more for
     logprobs where asked."""
-    if all(plain_greedy(req.params) and req.grammar is None for req in requests):
-        # nothing transforms their logits: each row's argmax decides
+    if all_plain_greedy(requests):  # nothing transforms their logits: each row's argmax decides
         return verify_greedy(logits.argmax(dim=-1), requests, proposals)
     rows = _Rows.of(requests, proposals)
     errors: dict[int, Exception] = {}
@@ -299,14 +297,24 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
             for i, (tokens, a) in enumerate(results)]
 
 
-def verify_greedy(tokens: torch.Tensor, requests: list[Request],
+def num_verify_rows(requests: list[Request], proposals: dict[Request, list[int]]) -> int:
+    """The sampled rows of a verify step: each sampling request's token and proposals."""
+    return _Rows.of(requests, proposals).num_rows
+
+
+def all_plain_greedy(requests: Sequence[Request]) -> bool:
+    """Does each row's argmax decide every request's verification (`verify_greedy`)."""
+    return all(plain_greedy(req.params) and req.grammar is None for req in requests)
+
+
+def verify_greedy(tokens: torch.Tensor | list[int], requests: list[Request],
                   proposals: dict[Request, list[int]]) -> list[Verified]:
-    """`verify` for a step whose requests are all plain greedy (sampler.plain_greedy: nothing
+    """`verify` for a step whose requests are all plain greedy (`all_plain_greedy`: nothing
     transforms their logits), from each row's argmax token [rows] (the fused path's LM head
-    argmax, as their decode steps take it without speculation): no logits at all. Reads the
-    device once."""
+    argmax, as their decode steps take it without speculation): no logits at all. A tensor is
+    read from the device once; a list has been read already."""
     rows = _Rows.of(requests, proposals)
-    chosen = tokens.tolist()
+    chosen = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     ok = [token == proposal for token, proposal in zip(chosen, rows.proposal_of_row().tolist())]
     return [Verified(tokens, None, a) for tokens, a in _accepted(rows, ok, chosen)]
 

@@ -1,7 +1,7 @@
 """One stream with speculative decoding against the same engine without it, at set acceptance rates.
 
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
-                                 [--draft qwen2.5-0.5b] [--json OUT]
+                                 [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8]
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
 continuation, as the issue's corrupted copy in the prompt would give them: an engine with
@@ -240,7 +240,15 @@ def main() -> int:
     ap.add_argument("--match", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--served-rows", type=int, default=None, metavar="N",
+                    help="a measurement: the fused path serves steps of up to N rows (SERVED_ROWS, "
+                         "as tests/gpu force it), so one stream's verify steps of up to N tokens run fused")
     args = ap.parse_args()
+    if args.served_rows is not None:
+        from flashlet.runner import fused_decode
+
+        fused_decode.SERVED_ROWS = args.served_rows
+        print(f"fused_decode.SERVED_ROWS set to {args.served_rows} (a measurement, not the default)")
     results = []
     for i, config in enumerate(args.config):
         draft = args.draft if i == len(args.config) - 1 else None

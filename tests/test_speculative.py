@@ -712,3 +712,13 @@ def test_a_greedy_verify_step_is_read_by_the_next_call(tiny_qwen2, temperature):
     assert (verify_in_flight > 0) == (temperature == 0.0)
     if temperature == 0.0:
         assert tokens == plain.token_ids and engine.spec.stats.num_accepted_tokens > 0
+
+
+def test_one_sequence_engine_stages_every_verify_row(tiny_qwen2):
+    """max_num_seqs 1: a verify step's 1 + k argmax tokens still fit the staging buffers."""
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    (plain,), _ = generate(tiny_qwen2, [prompt], params, max_num_seqs=1)
+    (spec,), engine = generate(tiny_qwen2, [prompt], params, spec=NGRAM, max_num_seqs=1)
+    assert spec.token_ids == plain.token_ids
+    assert engine.spec.stats.num_draft_tokens > engine.spec.stats.num_drafts  # rows past 1

@@ -47,6 +47,7 @@ def test_own_continuation_holds_and_the_timed_run_proposes_to_the_end(tiny_qwen2
         wrong = truth[:10] + [(t + 1) % vocab for t in truth[10:]]
         known, rounds, held = bench.own_continuation(llm, prompt, wrong, k=4, match=1.0)
         assert (known, held) == (truth, True) and rounds == 2
+        assert bench.own_continuation(llm, prompt, wrong, k=4, match=1.0, max_rounds=1)[1:] == (1, False)
         llm.engine.spec.proposer = bench.CorruptedCopyProposer(known, 1.0, vocab, seed=4)
         before = bench.spec_counters(llm)
         _, tokens, steps = bench.timed_generate(llm, prompt)

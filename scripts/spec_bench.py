@@ -1,7 +1,7 @@
 """One stream with speculative decoding against the same engine without it, at set acceptance rates.
 
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
-                                 [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8]
+                                 [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
 continuation, as the issue's corrupted copy in the prompt would give them: an engine with
@@ -21,9 +21,10 @@ from differs from a user's run. The acceptance rate printed is the engine's meas
 
 Each figure is 256 / seconds of one `LLM.generate` call of one 32-token prompt, 256 new tokens,
 greedy, after a first untimed call (both engines have compiled and captured by then). A row
-also says whether the speculative output equals the plain one (greedy speculation is lossless
-up to the verify step's rounding, which differs from the fused one-row path's: a near tie may
-part them), and the rounds its own continuation took to hold.
+also says the rounds its own continuation took to hold, and whether the timed run's output
+equals it ("same"); the JSON says too whether it equals the plain engine's (greedy speculation
+is lossless up to the verify step's rounding, which differs from the fused one-row path's: a
+near tie may part them).
 
 With --draft, a draft-model engine (`{"model": DRAFT, "num_speculative_tokens": k}`) runs too:
 random draft weights are almost never accepted, so its row measures what a verify step with a

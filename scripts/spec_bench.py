@@ -34,7 +34,6 @@ draft costs (ms per step), not its speed-up.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from pathlib import Path
@@ -155,18 +154,12 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
     with LLM(**common, speculative_config=spec) as llm:
         known = base_tokens
         fused_verify = count_fused_verify_steps(llm.engine)
-        fused_rows = llm.engine.spec.fused_verify_tokens
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
-            # one stream proposes what a fused verify step holds; where that cuts k, the
-            # uncut k (its verify steps per-op) runs too, for the comparison
-            cuts = [True] + ([False] if llm.engine.spec.num_to_propose(1, 1) < k else [])
-            for cut, match in itertools.product(cuts, matches):
-                llm.engine.spec.fused_verify_tokens = fused_rows if cut else None
+            for match in matches:
                 row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds)
                 row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
                 result["ngram"].append(row)
-            llm.engine.spec.fused_verify_tokens = fused_rows
     if draft:
         try:
             result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps)
@@ -187,8 +180,7 @@ def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
     # the counters span both calls (the untimed one runs the same proposals)
     drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
     parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
-    return {"k": k, "proposes": llm.engine.spec.num_to_propose(1, 1), "match": match,
-            "tok_s": tok_s, "acceptance_rate": accepted / proposed if proposed else 0.0,
+    return {"k": k, "match": match, "tok_s": tok_s, "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
             "steps": steps, "rounds": rounds, "held": held,
             "fused_verify_share": (fused_verify[0] - fused_before) / drafts if drafts else 0.0,
@@ -209,19 +201,17 @@ def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, b
 
 def print_table(results: list[dict]) -> None:
     print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings; "
-          "k 4>3: k = 4 cut to 3 proposals (one stream, to fit a fused verify step); "
           "fused: the share of verify steps run as fused decode rows; "
           "rounds: runs until the engine's own continuation held (held: no)")
-    print(f"{'config':14} {'k':>4} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
+    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
           f"{'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
     for res in results:
         plain = res["plain"]
-        print(f"{res['config']:14} {'-':>4} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
+        print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
               f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
         for row in res["ngram"]:
             rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
-            k = f"{row['k']}" if row.get("proposes", row["k"]) == row["k"] else f"{row['k']}>{row['proposes']}"
-            print(f"{res['config']:14} {k:>4} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
+            print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
                   f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")

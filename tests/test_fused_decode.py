@@ -823,9 +823,8 @@ def test_the_one_launch_attention_looks_back_over_every_row_of_a_fused_step():
 
 
 def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kernels, monkeypatch):
-    """With graphs (stood in for by eager replays on the CPU) and k = 4 (not cut to what a fused
-    verify step holds, as one stream's proposals are by default): a verify step of 5 tokens
-    (past SERVED_ROWS) runs per-op; one of up to 4 (near max_new_tokens) is loaded as
+    """With graphs (stood in for by eager replays on the CPU) and k = 4: a verify step of 5
+    tokens (past SERVED_ROWS) runs per-op; one of up to 4 (near max_new_tokens) is loaded as
     decode rows and replays the greedy-token graph of its padded size, never an eager fused
     step; the greedy tokens are speculation off's."""
     from tests.test_step_layout import _graphs_on_the_cpu
@@ -836,7 +835,6 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
     monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, page_size=4,
                                  fused_decode=True, speculative_config={**NGRAM, "num_speculative_tokens": 4}))
-    engine.spec.fused_verify_tokens = None
     perturb_norms(engine)
     per_op = count_per_op_forwards(engine)
     _graphs_on_the_cpu(engine)
@@ -861,19 +859,3 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
     padded = [next(s for s in runner.fused.row_counts if s >= n) for n in expanded]
     assert expanded and verify_replays == list(zip(padded, expanded)) and max(expanded) <= 4
     assert any(verifying for _, verifying in per_op)  # the 5-token steps
-
-
-def test_one_stream_at_k4_proposes_three_and_verifies_every_step_fused(tiny_qwen2, reference_kernels,
-                                                                         monkeypatch):
-    """k = 4, one stream, the fused path serving 4 rows: its proposals are cut to 3, so every
-    verify step (up to 4 tokens) is loaded as decode rows and none runs per-op; the greedy
-    tokens are speculation off's."""
-    prompts, params = row_prompts(1), SamplingParams(max_new_tokens=12, ignore_eos=True)
-    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 1)
-    expanded = count_fused_verify_steps(monkeypatch)
-    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
-    got, engine, per_op = run_engine(tiny_qwen2, True, prompts, params, 1,
-                                     spec={**NGRAM, "num_speculative_tokens": 4})
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert engine.spec.fused_verify_tokens == fused_decode.SERVED_ROWS
-    assert expanded and max(expanded) == 4 and not any(verifying for _, verifying in per_op)

@@ -662,37 +662,6 @@ def test_steps_with_and_without_proposals_in_turn_keep_the_greedy_output(tiny_qw
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def proposal_lengths(engine) -> list[int]:
-    """Records each scheduled step's longest proposal (after this call)."""
-    lengths, schedule = [], engine.scheduler.schedule
-
-    def recording(proposals=None):
-        out = schedule(proposals)
-        lengths.extend(len(p) for p in out.proposals.values())
-        return out
-
-    engine.scheduler.schedule = recording
-    return lengths
-
-
-@pytest.mark.parametrize("num_streams", [1, 2])
-def test_one_stream_proposes_what_a_fused_verify_step_holds(tiny_qwen2, num_streams):
-    """Where the fused path serves verify steps of up to 4 tokens, one stream alone proposes
-    3 (k = 4 would verify 5, per-op); two streams keep k. The output stays the plain one."""
-    prompts = repetitive_prompts(2, seed=6)[2 - num_streams :]
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    plain, _ = generate(tiny_qwen2, prompts, params)
-    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
-    assert engine.spec.fused_verify_tokens is None  # the CPU has no fused path
-    engine.spec.fused_verify_tokens = 4
-    lengths = proposal_lengths(engine)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = run_all(engine)
-    assert [done[i].token_ids for i in ids] == [o.token_ids for o in plain]
-    assert engine.spec.stats.num_accepted_tokens > 0
-    assert max(lengths) == (3 if num_streams == 1 else 4)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_greedy_verify_step_is_read_by_the_next_call(tiny_qwen2, temperature):
     """A verify step of plain greedy requests stays in flight after step() returns (its rows'

@@ -138,8 +138,6 @@ class Engine:
         spec = config.speculative_config
         self.spec = (SpeculativeDecoding(spec, make_proposer(spec, self))
                      if spec is not None else None)
-        if self.spec is not None and self.runner.fused is not None:
-            self._fit_verify_to_fused_rows(self.runner.fused.max_rows)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._held: dict[int, list[Request]] = {}  # request id -> samples waiting for its prompt
@@ -155,15 +153,6 @@ class Engine:
         self._group_finalizer = (weakref.finalize(self, _release_group, self.runner, self.tp)
                                  if self.tp is not None else None)
         self.start_report = self._warm_up(time.perf_counter() - started)
-
-    def _fit_verify_to_fused_rows(self, rows: int) -> None:
-        """One stream's verify steps run on the fused path: its proposals are cut to fit."""
-        self.spec.fused_verify_tokens = rows
-        k = self.spec.config.num_speculative_tokens
-        if self.spec.num_to_propose(1, 1) < k:
-            log.info("speculation: one stream alone proposes %d tokens, not %d, so that its "
-                     "verify steps (%d tokens) run on the fused decode path",
-                     rows - 1, k, rows)
 
     def _warm_up(self, load_s: float) -> dict:
         """Compile every kernel variant and capture every graph now, not in the first requests

@@ -98,9 +98,6 @@ MAX_DOWN_K = 16_384
 #              per-op decode steps of 4-16 rows take 1.08-1.23 ms                -> per-op
 #     rows 16: 2.97 ms fused, 1.23 per-op (closed loop: 2.4x slower fused)    -> per-op
 # The GEMVs alone (FUSED_NOTES.md, Stage 4) are ahead of cuBLAS through M = 4 and behind from 8.
-# Verify steps are served up to the same count, and one stream speculating alone proposes
-# SERVED_ROWS - 1 tokens at most so that its verify steps stay here (speculative.py,
-# `SpeculativeDecoding.num_to_propose`; `spec_bench.py --served-rows 8` times 8-row ones).
 SERVED_ROWS = 4
 
 

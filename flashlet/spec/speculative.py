@@ -18,8 +18,6 @@ How a speculating step runs (engine.py, scheduler.py, batch.py):
    (`fused_decode.verify_as_decode_rows`); the logits rows are the same either way. A step
    whose requests are all plain greedy then needs no logits: `verify_greedy` decides from each
    row's argmax (the LM head's epilogue), as those requests' decode steps do without speculation.
-   A verify step past those 4 tokens runs per-op at several times the cost, so one stream alone
-   proposes at most 3 tokens there (`num_to_propose`).
 3. `verify` turns the step's logits into each request's accepted tokens: the longest prefix
    of proposals the model keeps, plus one token of its own (so at least one token a step).
    Greedy rows accept a proposal where it is the argmax: the output equals decoding without
@@ -178,9 +176,6 @@ class SpeculativeDecoding:
         self.proposer = proposer
         self.stats = SpecStats()
         self._proposed: dict[int, Request] = {}  # requests the proposer has seen, by id
-        # The most query tokens of a verify step the fused decode path serves (the engine sets
-        # it where that path runs; None: it does not): one stream's proposals are cut to fit.
-        self.fused_verify_tokens: int | None = None
 
     def active(self, num_running: int) -> bool:
         """Speculation pays at small batches; above disable_by_batch_size it is off."""
@@ -192,7 +187,7 @@ class SpeculativeDecoding:
         candidates = [req for req in running if _can_speculate(req)]
         if not candidates:
             return {}
-        k = self.num_to_propose(len(running), len(candidates))
+        k = self.config.num_speculative_tokens
         proposals = {}
         for req, tokens in zip(candidates, self.proposer.propose(candidates, k)):
             self._proposed[req.request_id] = req
@@ -201,15 +196,6 @@ class SpeculativeDecoding:
             if tokens and room > 0:
                 proposals[req] = list(tokens[: min(k, room)])
         return proposals
-
-    def num_to_propose(self, num_running: int, num_candidates: int) -> int:
-        """k, but for one stream alone where the fused path runs: as many as a fused verify
-        step holds (its token and the proposals). A verify step past that runs per-op, at
-        several fused steps' cost, for at most the tokens cut here."""
-        k, rows = self.config.num_speculative_tokens, self.fused_verify_tokens
-        if rows is not None and rows >= 2 and num_running == num_candidates == 1:
-            return min(k, rows - 1)
-        return k
 
     def accepted(self, proposals: dict[Request, list[int]], requests: list[Request],
                  verified: list) -> None:

@@ -6,6 +6,7 @@ update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
     python scripts/bench_host_step.py                     # 1, 64 and 256 requests
     python scripts/bench_host_step.py --seqs 256 --profile 20   # and a cProfile of 20 steps
     python scripts/bench_host_step.py --stub-forward      # the host work alone (see below)
+    python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 4   # a speculating step
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
 rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
@@ -36,10 +37,12 @@ from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.core.engine import settle_heap  # noqa: E402
 
 
-def decoding_engine(folder: str, num_seqs: int) -> Engine:
-    """An engine with `num_seqs` requests past their prompts, decoding."""
+def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0) -> Engine:
+    """An engine with `num_seqs` requests past their prompts, decoding (with spec_k: n-gram
+    speculation of that many tokens)."""
+    spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
     engine = Engine(EngineConfig(model=folder, backend="torch", max_num_pages=9000,
-                                 max_num_seqs=512))
+                                 max_num_seqs=512, speculative_config=spec))
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)
     for b in range(num_seqs):
         engine.add_request([(b * 7 + i) % 200 + 2 for i in range(100)], params)
@@ -94,6 +97,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="steps a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0, help="then profile this many steps")
+    ap.add_argument("--spec", type=int, default=0, metavar="K",
+                    help="speculate K tokens by n-gram lookup (the stub's rows repeat, so it matches)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="a fixed table of logits instead of the model (host work alone)")
     args = ap.parse_args()
@@ -102,7 +107,7 @@ def main() -> None:
                              hidden_size=32, intermediate_size=32, num_attention_heads=2,
                              num_key_value_heads=1)
     for num_seqs in args.seqs:
-        engine = decoding_engine(str(folder), num_seqs)
+        engine = decoding_engine(str(folder), num_seqs, args.spec)
         if args.stub_forward:
             stub_forward(engine)
         timer = ForwardTimer(engine)

@@ -1,23 +1,30 @@
 """One stream with speculative decoding against the same engine without it, at set acceptance rates.
 
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
-                                 [--draft qwen2.5-0.5b] [--json OUT]
+                                 [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
-continuation: an engine with `speculative_config={"method": "ngram", ...}` runs the prompt with
-its proposer replaced by one that proposes the engine's own greedy continuation (found by running
-it with every guess right until its output reproduces itself: verify steps round differently
-from the fused one-row path, so at a near tie they part from the plain engine's tokens), each
-proposed token kept with probability `match` and otherwise replaced by another token. The
-verify steps, the acceptance and everything after them are the engine's own; only where the
-guesses come from differs from a user's run. The acceptance rate printed is the engine's
-measured one (`engine.stats()`), not `match`.
+continuation, as the issue's corrupted copy in the prompt would give them: an engine with
+`speculative_config={"method": "ngram", ...}` runs the prompt with its proposer replaced by a
+bench-only one (`CorruptedCopyProposer`) that proposes the next k tokens of a copy of the
+continuation in which each token, with probability 1 - `match` and fixed per position, was
+replaced by another. The continuation is the speculating engine's own, for each k and match:
+verify steps round differently from the fused one-row path, and a verify step's rows round
+differently as the accepted lengths move the step boundaries, so at a near tie the output parts
+from a continuation found another way, and after the parting nothing is proposed. So
+`own_continuation` runs the engine on the copy of its last output until the output reproduces
+itself (each round's first difference is later than the one before: the rows before it ran with
+the same inputs), and the timed run then proposes along its whole length. The verify steps,
+the acceptance and everything after them are the engine's own; only where the guesses come
+from differs from a user's run. The acceptance rate printed is the engine's measured one
+(`engine.stats()`), not `match`.
 
 Each figure is 256 / seconds of one `LLM.generate` call of one 32-token prompt, 256 new tokens,
 greedy, after a first untimed call (both engines have compiled and captured by then). A row
-also says whether the speculative output equals the plain one (greedy speculation is lossless
-up to the verify step's rounding, which differs from the fused one-row path's: a near tie may
-part them).
+also says the rounds its own continuation took to hold, and whether the timed run's output
+equals it ("same"); the JSON says too whether it equals the plain engine's (greedy speculation
+is lossless up to the verify step's rounding, which differs from the fused one-row path's: a
+near tie may part them).
 
 With --draft, a draft-model engine (`{"model": DRAFT, "num_speculative_tokens": k}`) runs too:
 random draft weights are almost never accepted, so its row measures what a verify step with a
@@ -36,50 +43,94 @@ import numpy as np
 PROMPT_LEN, NEW_TOKENS = 32, 256
 
 
-class ContinuationProposer:
-    """Proposes the next tokens of a known continuation, each kept with probability `match`."""
+# Runs of the engine on its own output before a row gives up on a fixed point: each round moves
+# the first parting later (a near tie each), and a few have sufficed.
+MAX_ROUNDS = 12
+
+
+class CorruptedCopyProposer:
+    """Bench only: proposes the next k tokens of a corrupted copy of a known continuation (each
+    token replaced by another with probability 1 - match, once, by its position: a copy of the
+    text in the prompt, as prompt lookup would find it), while the request's output agrees with
+    the continuation; nothing once it parts."""
 
     def __init__(self, continuation: list[int], match: float, vocab: int, seed: int = 0):
-        self.continuation = continuation
-        self.match = match
-        self.vocab = vocab
-        self.rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)
+        copy = np.array(continuation, np.int64)
+        corrupted = rng.random(len(copy)) >= match
+        copy[corrupted] = (copy[corrupted] + 1 + rng.integers(vocab - 1, size=int(corrupted.sum()))) % vocab
+        self.continuation = list(continuation)
+        self.copy = copy.tolist()
+        self._agreed: dict[int, int] = {}  # request id -> output tokens checked against it
 
     def propose(self, requests, k: int) -> list[list[int]]:
-        proposals = []
-        for req in requests:
-            done = list(req.output_token_ids)
-            if done != self.continuation[: len(done)]:  # parted at a near tie: nothing to offer
-                proposals.append([])
-                continue
-            guess = list(self.continuation[len(done): len(done) + k])
-            for i in np.flatnonzero(self.rng.random(len(guess)) >= self.match):
-                guess[i] = (guess[i] + 1 + int(self.rng.integers(self.vocab - 1))) % self.vocab
-            proposals.append(guess)
-        return proposals
+        return [self.copy[len(req.output_token_ids): len(req.output_token_ids) + k]
+                if self._agrees(req) else [] for req in requests]
+
+    def _agrees(self, req) -> bool:
+        """Does the request's output so far agree with the continuation (checked incrementally)."""
+        done, checked = req.output_token_ids, self._agreed.get(req.request_id, 0)
+        if checked < 0:
+            return False
+        ok = list(done[checked:]) == self.continuation[checked: len(done)]
+        self._agreed[req.request_id] = len(done) if ok else -1
+        return ok
 
     def on_accepted(self, request, num_accepted: int) -> None:
         pass
 
     def release(self, request) -> None:
-        pass
+        self._agreed.pop(request.request_id, None)
+
+
+def own_continuation(llm, prompt: list[int], start: list[int], k: int, match: float,
+                     max_rounds: int = MAX_ROUNDS) -> tuple[list[int], int, bool]:
+    """The continuation that the speculating engine reproduces when proposed its corrupted
+    copy (seed k) -> (it, rounds run, whether it held), from `start` (a first guess)."""
+    vocab = llm.engine.model_config.vocab_size
+    known = start
+    for rounds in range(1, max_rounds + 1):
+        llm.engine.spec.proposer = CorruptedCopyProposer(known, match, vocab, seed=k)
+        tokens = generate(llm, prompt)
+        if tokens == known:
+            return known, rounds, True
+        known = tokens
+    return known, max_rounds, False
+
+
+def generate(llm, prompt: list[int]) -> list[int]:
+    from flashlet import SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return list(llm.generate([prompt], params)[0].token_ids)
 
 
 def timed_generate(llm, prompt: list[int]) -> tuple[float, list[int], int]:
     """(tok/s, tokens, steps) of one call after an untimed first one."""
     import torch
 
-    from flashlet import SamplingParams
-
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    llm.generate([prompt], params)
+    generate(llm, prompt)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     steps = llm.engine.num_steps
     t0 = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
+    tokens = generate(llm, prompt)
     seconds = time.perf_counter() - t0
-    return NEW_TOKENS / seconds, list(out.token_ids), llm.engine.num_steps - steps
+    return NEW_TOKENS / seconds, tokens, llm.engine.num_steps - steps
+
+
+def count_fused_verify_steps(engine) -> list[int]:
+    """Counts the verify steps the runner loads as fused decode rows (after this call)."""
+    count, runner = [0], engine.runner
+    real_load = runner.load
+
+    def load(layout, *args, **kwargs):
+        loaded = real_load(layout, *args, **kwargs)
+        count[0] += (not layout.is_pure_decode) and loaded[1].host.is_pure_decode
+        return loaded
+
+    runner.load = load
+    return count
 
 
 def spec_counters(llm) -> tuple[int, int, int]:
@@ -87,7 +138,8 @@ def spec_counters(llm) -> tuple[int, int, int]:
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
-def run_config(config: str, ks: list[int], matches: list[float], draft: str | None) -> dict:
+def run_config(config: str, ks: list[int], matches: list[float], draft: str | None,
+               max_rounds: int = MAX_ROUNDS) -> dict:
     from flashlet import LLM
 
     common = dict(config=config, dtype="bfloat16", max_num_pages=4096)
@@ -100,40 +152,39 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
               "ngram": []}
     spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
     with LLM(**common, speculative_config=spec) as llm:
-        # Verify steps round differently from the fused one-row path, so at a near tie their
-        # continuation parts from `base_tokens`; the proposals come from this engine's own
-        # continuation instead: run it with every guess right until it reproduces itself.
-        known, rounds = base_tokens, 0
-        while rounds < 6:
-            llm.engine.spec.proposer = ContinuationProposer(known, 1.0, vocab)
-            _, tokens, _ = timed_generate(llm, prompt)
-            rounds += 1
-            if tokens == known:
-                break
-            known = tokens
-        result["own_continuation"] = {"rounds": rounds, "fixed": tokens == known,
-                                      "same_as_plain": known == base_tokens}
+        known = base_tokens
+        fused_verify = count_fused_verify_steps(llm.engine)
         for k in ks:
+            llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
             for match in matches:
-                llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
-                llm.engine.spec.proposer = ContinuationProposer(known, match, vocab, seed=k)
-                before = spec_counters(llm)
-                tok_s, tokens, steps = timed_generate(llm, prompt)
-                drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
-                # the counters span both calls (the untimed one runs the same proposals' rate)
-                same = tokens == known
-                parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
-                result["ngram"].append({
-                    "k": k, "match": match, "tok_s": tok_s, "speedup": tok_s / base_tok_s,
-                    "acceptance_rate": accepted / proposed if proposed else 0.0,
-                    "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-                    "steps": steps, "same_tokens": same, "parted_at": parted})
+                row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds)
+                row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
+                result["ngram"].append(row)
     if draft:
         try:
             result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps)
         except Exception as e:  # the n-gram rows above still print
             result["draft"] = {"draft": draft, "error": f"{type(e).__name__}: {e}"}
     return result
+
+
+def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
+              fused_verify: list[int], max_rounds: int = MAX_ROUNDS) -> tuple[dict, list[int]]:
+    """One row: the engine's own continuation at (k, match) found, then one timed call proposing
+    its corrupted copy -> (the row, that continuation)."""
+    vocab = llm.engine.model_config.vocab_size
+    known, rounds, held = own_continuation(llm, prompt, known, k, match, max_rounds)
+    llm.engine.spec.proposer = CorruptedCopyProposer(known, match, vocab, seed=k)
+    before, fused_before = spec_counters(llm), fused_verify[0]
+    tok_s, tokens, steps = timed_generate(llm, prompt)
+    # the counters span both calls (the untimed one runs the same proposals)
+    drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
+    return {"k": k, "match": match, "tok_s": tok_s, "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+            "steps": steps, "rounds": rounds, "held": held,
+            "fused_verify_share": (fused_verify[0] - fused_before) / drafts if drafts else 0.0,
+            "same_tokens": tokens == known, "parted_at": parted, "tokens": tokens}, known
 
 
 def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
@@ -149,26 +200,31 @@ def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, b
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings")
-    for res in results:
-        own = res.get("own_continuation", {})
-        print(f"{res['config']}: own continuation after {own.get('rounds')} rounds, reproduces "
-              f"itself: {own.get('fixed')}, equals the plain engine's: {own.get('same_as_plain')}")
-    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} {'same':>5}")
+    print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings; "
+          "fused: the share of verify steps run as fused decode rows; "
+          "rounds: runs until the engine's own continuation held (held: no)")
+    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
+          f"{'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
     for res in results:
         plain = res["plain"]
         print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
-              f"{1.0:8.2f} {'':>5}  (fused decode: {plain['fused_decode']})")
+              f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
         for row in res["ngram"]:
+            rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
             print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
-                  f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>5}")
+                  f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
+                  f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
         if "draft" in res and "error" in res["draft"]:
             print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")
         elif "draft" in res:
             d = res["draft"]
             print(f"{res['config']:14} draft {d['draft']} k={d['k']}: {d['ms_per_step']:.3f} ms a step "
                   f"(plain {d['plain_ms_per_step']:.3f}), {d['tok_s']:.0f} tok/s")
+
+
+def ms_per_step(row: dict) -> float:
+    return 1000 * NEW_TOKENS / row["tok_s"] / row["steps"]
 
 
 def main() -> int:
@@ -178,11 +234,21 @@ def main() -> int:
     ap.add_argument("--match", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
+                    help="runs a row may take to find the continuation its engine reproduces")
+    ap.add_argument("--served-rows", type=int, default=None, metavar="N",
+                    help="a measurement: the fused path serves steps of up to N rows (SERVED_ROWS, "
+                         "as tests/gpu force it), so one stream's verify steps of up to N tokens run fused")
     args = ap.parse_args()
+    if args.served_rows is not None:
+        from flashlet.runner import fused_decode
+
+        fused_decode.SERVED_ROWS = args.served_rows
+        print(f"fused_decode.SERVED_ROWS set to {args.served_rows} (a measurement, not the default)")
     results = []
     for i, config in enumerate(args.config):
         draft = args.draft if i == len(args.config) - 1 else None
-        results.append(run_config(config, args.k, args.match, draft))
+        results.append(run_config(config, args.k, args.match, draft, args.max_rounds))
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -101,6 +101,26 @@ def test_ngram_proposes_after_the_most_recent_longest_match():
     assert not proposer._tokens
 
 
+def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
+    """The lookup (candidate ends of the newest token, extended a token at a time) against a
+    scan of every earlier window, longest n first, most recent first."""
+
+    def scan(tokens, k, lo, hi):
+        t, length = tokens.tolist(), len(tokens)
+        for n in range(min(hi, length - 1), lo - 1, -1):
+            for start in range(length - n - 1, -1, -1):
+                if t[start : start + n] == t[length - n :]:
+                    return t[start + n : start + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, rng.integers(2, 8), size=rng.integers(0, 40))
+        lo = int(rng.integers(1, 4))
+        hi, k = int(rng.integers(lo, 6)), int(rng.integers(1, 6))
+        assert NgramProposer(lo, hi).lookup(tokens, k) == scan(tokens, k, lo, hi)
+
+
 def test_a_verify_row_samples_its_last_k_plus_one_tokens():
     from flashlet.runner.batch import InputBatch
 
@@ -389,7 +409,8 @@ def test_greedy_verify_from_argmax_tokens_is_verify_from_logits():
     verify does on the logits: rows without proposals, all accepted, a rejection at each place."""
     torch.manual_seed(1)
     vocab = 12
-    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=8)) for i in range(5)]
+    # min_tokens (with no stop token to ban) takes verify's general path without changing a row
+    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=8, min_tokens=1)) for i in range(5)]
     logits = torch.randn(1 + 4 + 4 + 2 + 4, vocab)  # each request's 1 + k rows
     chosen = logits.argmax(-1).tolist()
     proposals = {reqs[1]: chosen[1:4],                              # all three accepted
@@ -399,6 +420,9 @@ def test_greedy_verify_from_argmax_tokens_is_verify_from_logits():
     want = verify(logits, reqs, proposals, frozenset())
     got = verify_greedy(logits.argmax(-1), reqs, proposals)
     assert got == want
+    for req in reqs:  # plain greedy: verify takes the argmax path itself
+        req.params = SamplingParams(max_new_tokens=8)
+    assert verify(logits, reqs, proposals, frozenset()) == want
     assert [r.num_accepted for r in got] == [0, 3, 1, 0, 3]
 
 
@@ -575,3 +599,95 @@ def test_proposals_never_preempt_another_request():
     sched.on_launch(out)
     sched.update(out, [Verified([3], None, 0), Verified([5, 4], None, 1)])
     sched.check_integrity()
+
+
+class ProposesEvery:
+    """A proposer that finds nothing (as prompt lookup finding no match) but on every
+    `every`-th call, where it proposes n-gram lookup's guesses (every=0: never)."""
+
+    def __init__(self, every: int):
+        self.ngram, self.every, self.calls = NgramProposer(1, 3), every, 0
+
+    def propose(self, requests, k):
+        self.calls += 1
+        if self.every and self.calls % self.every == 0:
+            return self.ngram.propose(requests, k)
+        return [[] for _ in requests]
+
+    def on_accepted(self, request, num_accepted):
+        pass
+
+    def release(self, request):
+        self.ngram.release(request)
+
+
+def outputs_per_call(engine, prompts, params) -> list[list[tuple[int, list[int]]]]:
+    """Each step() call's outputs, (request id, new tokens), checking integrity after each."""
+    for p in prompts:
+        engine.add_request(p, params)
+    calls = []
+    while engine.has_unfinished():
+        calls.append([(o.request_id, list(o.new_token_ids)) for o in engine.step()])
+        engine.check_integrity()
+    return calls
+
+
+def test_a_speculating_step_without_proposals_overlaps_as_a_plain_one(tiny_qwen2):
+    """Where the proposer finds nothing for any row, the step stays in flight while the caller
+    takes the previous one's outputs, as without speculation: each step() call returns the
+    same outputs as a plain overlapped engine's."""
+    prompts = repetitive_prompts(2, seed=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = outputs_per_call(Engine(EngineConfig(model=str(tiny_qwen2), page_size=4)),
+                             prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    engine.spec.proposer = ProposesEvery(0)
+    assert outputs_per_call(engine, prompts, params) == plain
+    assert engine.spec.stats.num_drafts == 0
+
+
+def test_steps_with_and_without_proposals_in_turn_keep_the_greedy_output(tiny_qwen2):
+    """Verify steps between overlapped steps without proposals: the step in flight is read
+    before the next proposal, and the output is the plain engine's."""
+    prompts = repetitive_prompts(3, seed=5)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain, _ = generate(tiny_qwen2, prompts, params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    engine.spec.proposer = ProposesEvery(2)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = run_all(engine)
+    assert [done[i].token_ids for i in ids] == [o.token_ids for o in plain]
+    assert engine.spec.stats.num_accepted_tokens > 0
+    engine.reset_prefix_cache()
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_greedy_verify_step_is_read_by_the_next_call(tiny_qwen2, temperature):
+    """A verify step of plain greedy requests stays in flight after step() returns (its rows'
+    argmax tokens on their way to the host, verified when the next call reads them), while
+    the caller takes the previous outputs; one with sampled rows is verified at once."""
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=temperature, seed=1)
+    (plain,), _ = generate(tiny_qwen2, [prompt], params)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, speculative_config=NGRAM))
+    rid = engine.add_request(prompt, params)
+    tokens, verify_in_flight = [], 0
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
+        verify_in_flight += engine._in_flight is not None and engine._in_flight.verifying
+        engine.check_integrity()
+    assert engine.spec.stats.num_drafts > 0
+    assert (verify_in_flight > 0) == (temperature == 0.0)
+    if temperature == 0.0:
+        assert tokens == plain.token_ids and engine.spec.stats.num_accepted_tokens > 0
+
+
+def test_one_sequence_engine_stages_every_verify_row(tiny_qwen2):
+    """max_num_seqs 1: a verify step's 1 + k argmax tokens still fit the staging buffers."""
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    (plain,), _ = generate(tiny_qwen2, [prompt], params, max_num_seqs=1)
+    (spec,), engine = generate(tiny_qwen2, [prompt], params, spec=NGRAM, max_num_seqs=1)
+    assert spec.token_ids == plain.token_ids
+    assert engine.spec.stats.num_draft_tokens > engine.spec.stats.num_drafts  # rows past 1

@@ -20,8 +20,11 @@ A step that sampled a grammar-constrained request is read before the next one is
 Speculative decoding (`EngineConfig.speculative_config`, flashlet/spec/speculative.py): before
 scheduling, the proposer guesses tokens for decoding requests; the scheduler gives such a row
 its newest token and the guesses, and `verify` turns the step's logits into each request's
-accepted tokens. Such steps do not overlap (a guess needs the newest token), and turn off while
-more than disable_by_batch_size requests run.
+accepted tokens. A guess needs the newest token, so a step in flight is read before proposing;
+but a step stays in flight while the caller takes the previous outputs, whether it has no
+proposals or is a verify step of plain greedy requests (its rows' argmax tokens are verified
+when read); a verify step with sampled rows is verified as it is launched. Speculation turns
+off while more than disable_by_batch_size requests run.
 
 Prompt logprobs (flashlet/runner/prompt_logprobs.py): a step with prompt positions of a request that
 asked for them runs `forward_hidden`, which also returns the step's hidden states (never the
@@ -69,7 +72,8 @@ from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
-                                       make_proposer, verify, verify_greedy)
+                                       all_plain_greedy, make_proposer, num_verify_rows, verify,
+                                       verify_greedy)
 from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
 
 log = logging.getLogger("flashlet")
@@ -140,7 +144,9 @@ class Engine:
         self.pooler = Pooler()  # embedding requests (SamplingParams.pooling)
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read yet (overlap)
         self._scoring: set[Request] = set()  # requests whose prompt logprobs are not all in
-        self._token_buffers = [TokenBuffer(config.max_num_seqs, self.device) for _ in range(2)]
+        # A greedy verify step stages a token for each of its query rows (its token and proposals).
+        rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        self._token_buffers = [TokenBuffer(rows, self.device) for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
         # A function, not a method: the finalizer must not keep the engine alive.
@@ -309,10 +315,11 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         previous, self._in_flight = self._in_flight, None
-        # A proposal needs the newest token: speculation runs its steps without overlap.
         speculating = self.spec is not None and self.spec.active(len(self.scheduler.running))
-        if previous is not None and (previous.constrained or speculating):
-            # A grammar's next mask needs the token in flight: no overlap (see structured.py).
+        if previous is not None and (previous.constrained or speculating or previous.verifying):
+            # A grammar's next mask needs the token in flight (see structured.py), and so does
+            # a proposal; a verify step's rows feed no next step: the step in flight is read
+            # before this one is scheduled.
             outputs += self._finish(previous)
             previous = None
         proposals = self.spec.propose(self.scheduler.running) if speculating else None
@@ -321,7 +328,9 @@ class Engine:
         if previous is not None:
             outputs += self._finish(previous)
         if launched is not None:
-            if self.config.overlap and not speculating:
+            # A step stays in flight while the caller takes the previous outputs, but one whose
+            # verification read the device already (sampled rows: _launch).
+            if self.config.overlap and launched.verified is None:
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)
@@ -349,8 +358,7 @@ class Engine:
         if verifying and not wants_hidden:
             tokens = self._fused_greedy_tokens(sched, input_ids, meta)
             if tokens is not None:  # every row plain greedy: the argmax epilogue decides
-                verified = verify_greedy(tokens, sched.sampling, sched.proposals)
-                return self._launched_verify(sched, verified, scoring)
+                return self._launched_verify(sched, scoring, tokens=tokens)
         sampled = (None if wants_hidden or verifying
                    else self._greedy_fused(sched, input_ids, meta))
         if sampled is None:
@@ -365,23 +373,31 @@ class Engine:
             for observe in self._step_observers:
                 observe(meta, logits)
             if verifying:
+                if all_plain_greedy(sched.sampling):  # each row's argmax decides, read later
+                    return self._launched_verify(sched, scoring, tokens=logits.argmax(dim=-1))
                 verified = verify(logits, sched.sampling, sched.proposals, self.eos_token_ids)
-                return self._launched_verify(sched, verified, scoring)
+                return self._launched_verify(sched, scoring, verified=verified)
             sampled = self.sampler.sample(logits, sched.sampling, self.runner.batch)
         self.scheduler.on_launch(sched)
         buffer = self._token_buffers[self.num_steps % 2]
         self.num_steps += 1
         return LaunchedStep(sched, sampled, buffer.stage(sampled.tokens), scoring)
 
-    def _launched_verify(self, sched: SchedulerOutput, verified: list,
-                         scoring: PromptScoring | None) -> "LaunchedStep":
-        """A verify step, its tokens decided now (speculation does not overlap its steps)."""
+    def _launched_verify(self, sched: SchedulerOutput, scoring: PromptScoring | None,
+                         tokens: torch.Tensor | None = None,
+                         verified: list | None = None) -> "LaunchedStep":
+        """A verify step: its rows' argmax `tokens` on their way to the host (verified when
+        read), or its requests' results decided already (`verified`)."""
         # Tokens were sampled outside the sampler: its penalty rows and seeded positions are
         # rebuilt from the requests' tokens when it next samples.
         self.sampler.forget()
         self.scheduler.on_launch(sched)
+        staged = None
+        if tokens is not None:
+            rows = num_verify_rows(sched.sampling, sched.proposals)
+            staged = self._token_buffers[self.num_steps % 2].stage(tokens[:rows])
         self.num_steps += 1
-        return LaunchedStep(sched, None, None, scoring, verified)
+        return LaunchedStep(sched, None, staged, scoring, verified, verifying=True)
 
     @property
     def _scoring_prompts(self) -> bool:
@@ -409,12 +425,15 @@ class Engine:
 
     def _finish(self, launched: "LaunchedStep") -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and update its requests."""
-        if launched.verified is not None:
+        if launched.verifying:
             if launched.scoring is not None:
                 launched.scoring.deliver()
             sched = launched.sched
-            verified = advance_verified_grammars(sched.sampling, launched.verified,
-                                                 self.eos_token_ids)
+            verified = launched.verified
+            if verified is None:  # each row's argmax, read now
+                tokens = launched.staged.read(num_verify_rows(sched.sampling, sched.proposals))
+                verified = verify_greedy(tokens, sched.sampling, sched.proposals)
+            verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
             self.spec.accepted(sched.proposals, sched.sampling, verified)
             return self.scheduler.update(sched, verified)
         tokens = launched.read()
@@ -545,11 +564,13 @@ class LaunchedStep:
 
     def __init__(self, sched: SchedulerOutput, sampled: SamplerOutput | None,
                  staged: TokenBuffer | None, scoring: PromptScoring | None = None,
-                 verified: list | None = None):
+                 verified: list | None = None, verifying: bool = False):
         self.scoring = scoring  # its prompt-logprob rows, if any
         self.sched = sched  # its `sampling` requests sample, in row order
-        # A verify step's results (speculative.Verified per sampling row), read already; it
-        # has no sampled tensor, and is never in flight, so no step takes its tokens.
+        # A verify step: its results (speculative.Verified per sampling row) where they were
+        # decided at launch, else its rows' argmax tokens are `staged`. It has no sampled
+        # tensor, so no step takes its tokens: it is read before the next step is scheduled.
+        self.verifying = verifying
         self.verified = verified
         self.tokens = sampled.tokens if sampled else None  # [len(sampling)]: next step's inputs
         self.staged = staged

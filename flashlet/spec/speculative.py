@@ -4,8 +4,8 @@ tokens at about the cost of one.
 
 How a speculating step runs (engine.py, scheduler.py, batch.py):
 1. Before scheduling, `SpeculativeDecoding.propose` asks the proposer for up to k tokens for
-   each running request that decodes (its tokens all known: speculation runs its steps without
-   overlap, since a proposal needs the newest token). A request with a response_format
+   each running request that decodes (its tokens all known: a step in flight is read first,
+   since a proposal needs the newest token). A request with a response_format
    speculates too: its verify rows are masked as its grammar stands after the proposals
    before each (`mask_grammars`), and its grammar advances over the accepted tokens only.
 2. The scheduler gives such a row 1 + len(proposals) query tokens (its newest token, then the
@@ -57,12 +57,13 @@ import torch
 
 from flashlet.core.request import Request
 from flashlet.core.sampling import SamplingColumns, TokenLogprob, _splitmix64
-from flashlet.runner.sampler import StepLogprobs, apply_penalties, exponential_race, sampling_probs
+from flashlet.runner.sampler import (StepLogprobs, apply_penalties, exponential_race, plain_greedy,
+                                     sampling_probs)
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
-           "verify_greedy"]
+           "verify_greedy", "all_plain_greedy", "num_verify_rows"]
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -71,7 +72,8 @@ class NgramProposer:
     work (editing, repeating, summarising a given text), where outputs copy spans of the input.
 
     Each request's tokens are kept in a numpy array that grows as the request does (so a step
-    converts only its new tokens), and a match is a few numpy calls over it per n."""
+    converts only its new tokens); a lookup scans it once for the newest token, then extends
+    those few candidates a token at a time."""
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
@@ -84,15 +86,26 @@ class NgramProposer:
         """The k tokens after the most recent earlier occurrence of the longest suffix of
         `tokens` (max_n down to min_n long) that occurs earlier; [] if none does."""
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. length - n - 1: each ends before the last token, so the
-            # suffix itself is not a match and every match has a token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = (windows == tokens[length - n:]).all(axis=1).nonzero()[0]
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        longest = min(self.max_n, length - 1)
+        if longest < self.min_n:
+            return []
+        # Where an earlier match could end: the newest token's earlier places (each before the
+        # last token, so the suffix itself is no match and every match has a token after it).
+        # Each pass keeps the ends whose match is one token longer: one scan of the whole
+        # array a step, then work on the few candidates only.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        best = ends if self.min_n == 1 else None
+        for n in range(2, longest + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                best = ends
+        if best is None or not len(best):
+            return []
+        start = int(best[-1]) + 1
+        return tokens[start : start + k].tolist()
 
     def _token_array(self, req: Request) -> np.ndarray:
         buffer, filled = self._tokens.get(req.request_id, (None, 0))
@@ -248,6 +261,8 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
     its j-th proposal) -> each request's accepted tokens (see the module docstring), or the
     exception its grammar raised. Reads the device once for the decisions, and once more for
     logprobs where asked."""
+    if all_plain_greedy(requests):  # nothing transforms their logits: each row's argmax decides
+        return verify_greedy(logits.argmax(dim=-1), requests, proposals)
     rows = _Rows.of(requests, proposals)
     errors: dict[int, Exception] = {}
     device = logits.device
@@ -261,20 +276,31 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
         mask_grammars(logits, requests, rows, errors)
     logits = _apply_transforms(logits, requests, rows, row_req, eos_token_ids)
     ok, chosen = _decide(logits, requests, rows, row_req, proposal)
-    results = _accepted(rows, ok.tolist(), chosen.tolist())
+    ok, chosen = torch.stack((ok.to(chosen.dtype), chosen)).tolist()  # one read of the device
+    results = _accepted(rows, ok, chosen)
     logprobs = _logprobs(raw, lp_rows, row_req, rows, results, params, device) if lp_rows else {}
     return [errors.get(i) or Verified(tokens, logprobs.get(i), a)
             for i, (tokens, a) in enumerate(results)]
 
 
-def verify_greedy(tokens: torch.Tensor, requests: list[Request],
+def num_verify_rows(requests: list[Request], proposals: dict[Request, list[int]]) -> int:
+    """The sampled rows of a verify step: each sampling request's token and proposals."""
+    return _Rows.of(requests, proposals).num_rows
+
+
+def all_plain_greedy(requests: Sequence[Request]) -> bool:
+    """Does each row's argmax decide every request's verification (`verify_greedy`)."""
+    return all(plain_greedy(req.params) and req.grammar is None for req in requests)
+
+
+def verify_greedy(tokens: torch.Tensor | list[int], requests: list[Request],
                   proposals: dict[Request, list[int]]) -> list[Verified]:
-    """`verify` for a step whose requests are all plain greedy (sampler.plain_greedy: nothing
+    """`verify` for a step whose requests are all plain greedy (`all_plain_greedy`: nothing
     transforms their logits), from each row's argmax token [rows] (the fused path's LM head
-    argmax, as their decode steps take it without speculation): no logits at all. Reads the
-    device once."""
+    argmax, as their decode steps take it without speculation): no logits at all. A tensor is
+    read from the device once; a list has been read already."""
     rows = _Rows.of(requests, proposals)
-    chosen = tokens.tolist()
+    chosen = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     ok = [token == proposal for token, proposal in zip(chosen, rows.proposal_of_row().tolist())]
     return [Verified(tokens, None, a) for tokens, a in _accepted(rows, ok, chosen)]
 

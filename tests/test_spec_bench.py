@@ -1,0 +1,98 @@
+"""scripts/spec_bench.py on the CPU: its bench-only proposer proposes a corrupted copy of a
+continuation (fixed per position), and `own_continuation` finds the continuation the
+speculating engine reproduces, so a timed run proposes along its whole length."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "server"))
+from server_helpers import load_script  # noqa: E402
+
+from flashlet import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+class FakeRequest:
+    def __init__(self, request_id, output_token_ids):
+        self.request_id, self.output_token_ids = request_id, output_token_ids
+
+
+def test_the_copy_is_corrupted_once_per_position_at_the_match_rate():
+    bench = load_script("spec_bench")
+    continuation = list(range(2, 2002))
+    proposer = bench.CorruptedCopyProposer(continuation, 0.7, vocab=5000, seed=4)
+    again = bench.CorruptedCopyProposer(continuation, 0.7, vocab=5000, seed=4)
+    assert proposer.copy == again.copy  # the same copy every round of the fixed point
+    kept = sum(a == b for a, b in zip(proposer.copy, continuation)) / len(continuation)
+    assert 0.65 < kept < 0.75
+    assert all(0 <= t < 5000 for t in proposer.copy)
+    # The next k tokens of the copy while the output agrees; nothing once it parts.
+    assert proposer.propose([FakeRequest(0, continuation[:10])], 4) == [proposer.copy[10:14]]
+    parted = continuation[:10] + [1]
+    assert proposer.propose([FakeRequest(1, parted)], 4) == [[]]
+    assert proposer.propose([FakeRequest(1, parted + continuation[11:13])], 4) == [[]]
+
+
+def test_own_continuation_holds_and_the_timed_run_proposes_to_the_end(tiny_qwen2, monkeypatch):
+    """A first guess that parts from the engine's output at token 10 (as a verify step's rounding
+    parts a GPU run from the plain engine's): the fixed point replaces it with the engine's own
+    continuation, which the next run reproduces, accepting every proposal at match 1.0."""
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 40)
+    with LLM(model=str(tiny_qwen2), speculative_config=NGRAM) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(i * 31 + 7) % vocab for i in range(12)]
+        truth = bench.generate(llm, prompt)
+        wrong = truth[:10] + [(t + 1) % vocab for t in truth[10:]]
+        known, rounds, held = bench.own_continuation(llm, prompt, wrong, k=4, match=1.0)
+        assert (known, held) == (truth, True) and rounds == 2
+        assert bench.own_continuation(llm, prompt, wrong, k=4, match=1.0, max_rounds=1)[1:] == (1, False)
+        llm.engine.spec.proposer = bench.CorruptedCopyProposer(known, 1.0, vocab, seed=4)
+        before = bench.spec_counters(llm)
+        _, tokens, steps = bench.timed_generate(llm, prompt)
+        drafts, proposed, accepted = (b - a for a, b in zip(before, bench.spec_counters(llm)))
+    assert tokens == known and accepted == proposed > 0
+    assert steps <= -(-40 // 5) + 1  # five tokens a step, but the prompt's step
+
+
+def test_own_continuation_holds_with_corrupted_proposals(tiny_qwen2, monkeypatch):
+    match = 0.5
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 40)
+    with LLM(model=str(tiny_qwen2), speculative_config=NGRAM) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(i * 31 + 7) % vocab for i in range(12)]
+        known, _, held = bench.own_continuation(llm, prompt, [], k=4, match=match)
+        assert held
+        llm.engine.spec.proposer = bench.CorruptedCopyProposer(known, match, vocab, seed=4)
+        before = bench.spec_counters(llm)
+        assert bench.generate(llm, prompt) == known
+        drafts, proposed, accepted = (b - a for a, b in zip(before, bench.spec_counters(llm)))
+    assert 0 < accepted < proposed
+
+
+def test_the_table_prints_each_row_with_its_step_time_and_rounds(capsys):
+    bench = load_script("spec_bench")
+    row = {"k": 4, "match": 0.7, "tok_s": 1000.0, "speedup": 0.5, "acceptance_rate": 0.7,
+           "mean_accepted_length": 2.8, "steps": 64, "rounds": 3, "held": False,
+           "fused_verify_share": 0.0, "same_tokens": False, "parted_at": 40}
+    bench.print_table([{"config": "tiny", "ngram": [row],
+                        "plain": {"tok_s": 2000.0, "steps": 256, "fused_decode": False}}])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split() == ["tiny", "4", "0.70", "0.70", "2.80", "1000", "0.50", "4.000",
+                                 "0.00", "3", "(held:", "no)", "at", "40"]
+    assert lines[-2].split()[7:9] == ["0.500", "(fused"]  # the plain row: 256 tokens / 2000 / 256 steps
+
+
+def test_a_run_on_a_tiny_config_gives_a_row_per_k_and_match(tiny_qwen2, monkeypatch, capsys):
+    """run_config end to end on the CPU (bf16, random weights of the tiny shape): every row's
+    timed run reproduces the continuation it was proposed, all accepted at match 1.0."""
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 24)
+    result = bench.run_config(str(tiny_qwen2 / "config.json"), [2, 4], [0.7, 1.0], None)
+    assert [(r["k"], r["match"]) for r in result["ngram"]] == [(2, 0.7), (2, 1.0), (4, 0.7), (4, 1.0)]
+    assert all(r["held"] and r["same_tokens"] for r in result["ngram"])
+    assert all(r["acceptance_rate"] == 1.0 for r in result["ngram"] if r["match"] == 1.0)
+    bench.print_table([result])
+    assert len(capsys.readouterr().out.splitlines()) == 3 + 4

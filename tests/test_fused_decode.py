@@ -356,6 +356,7 @@ AUTO_CONDITIONS = {
     "tensor-parallel": "tensor parallelism is on",
     "no-graphs": "CUDA graphs are off",
     "fp8-kv": "the KV cache is fp8",
+    "fp8-weights": "the weights are fp8",
     "shape": "hidden_size = 64 is not a multiple of 128",
     "no-dsl": "pip install nvidia-cutlass-dsl",
 }
@@ -375,6 +376,8 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
         model = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1)).model
     if broken == "tensor-parallel":
         monkeypatch.setattr(model, "tp", object())
+    if broken == "fp8-weights":
+        monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
     if broken == "shape":
         monkeypatch.setattr(fused_decode, "VEC", 128)
     device = torch.device("cpu" if broken == "cpu" else "cuda")

@@ -82,13 +82,14 @@ def test_fp8_fused_batches_match_the_per_op_fp8_path(fp8_model, batch):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
                     reason="auto turns the fused path on at sm_90+ only (PDL)")
-def test_auto_runs_fp8_weights_on_the_fused_path(fp8_model):
-    """The default (fused_decode None) no longer declines fp8 weights; the graphs replay it."""
+def test_forced_fp8_fused_path_replays_its_eager_tokens(fp8_model):
+    """fp8 weights on the fused path (forced: auto leaves them per-op until this file passes on
+    a GPU): the graphs replay what the same path gives eagerly."""
     source, vocab = fp8_model
-    engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_pages=1024)
+    engine = build(True, **source, backend="triton", dtype="bfloat16", max_num_pages=1024)
     assert_fp8_gemvs(engine)
-    graphed, _ = run(source, prompts(4, vocab), 16, fused=None)
-    eager, _ = run(source, prompts(4, vocab), 16, fused=None, cuda_graph=False)
+    graphed, _ = run(source, prompts(4, vocab), 16, fused=True)
+    eager, _ = run(source, prompts(4, vocab), 16, fused=True, cuda_graph=False)
     assert eager == graphed
 
 

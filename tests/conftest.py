@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random Qwen2 / Llama models saved as Hugging Face folders, and the
 embedded demo model. Triton kernels run through the interpreter when there is no GPU."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,15 @@ import pytest  # noqa: E402
 
 TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_tiny_model(kind: str, folder, seed: int = 0, **overrides):

@@ -710,12 +710,8 @@ def test_fused_verify_logits_are_the_per_op_verify_logits(tiny_qwen2, reference_
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-class AlwaysGuess:
-    """A proposer that always proposes k tokens (the request's last k, reversed): verify steps
-    of 1 + k tokens a request every step, whatever the model accepts."""
-
-    def propose(self, requests, k):
-        return [(list(req.token_slice(0, req.num_tokens))[::-1] * k)[:k] for req in requests]
+class KeepsNothing:
+    """The Proposer protocol's hooks for a test proposer that keeps no state and compiles nothing."""
 
     def on_accepted(self, request, num_accepted):
         pass
@@ -725,6 +721,14 @@ class AlwaysGuess:
 
     def warm_up(self):
         pass
+
+
+class AlwaysGuess(KeepsNothing):
+    """A proposer that always proposes k tokens (the request's last k, reversed): verify steps
+    of 1 + k tokens a request every step, whatever the model accepts."""
+
+    def propose(self, requests, k):
+        return [(list(req.token_slice(0, req.num_tokens))[::-1] * k)[:k] for req in requests]
 
 
 def test_verify_steps_past_the_row_limit_run_per_op(tiny_qwen2, reference_kernels, monkeypatch):

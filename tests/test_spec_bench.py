@@ -2,13 +2,8 @@
 continuation (fixed per position), and `own_continuation` finds the continuation the
 speculating engine reproduces, so a timed run proposes along its whole length."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "server"))
-from server_helpers import load_script  # noqa: E402
-
-from flashlet import LLM  # noqa: E402
+from flashlet import LLM
+from tests.conftest import load_script
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 

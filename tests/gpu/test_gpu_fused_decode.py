@@ -32,8 +32,8 @@ import torch
 from flashlet.kernels.cute_gemv import cute_available
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
-from tests.conftest import save_tiny_model
-from tests.test_fused_decode import perturb_norms
+from tests.conftest import load_script, save_tiny_model
+from tests.test_fused_decode import KeepsNothing, perturb_norms
 
 HAVE_CUTE, NO_CUTE_REASON = cute_available()
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -355,7 +355,8 @@ def run_speculating(source, ps, params: list, spec, proposer=None):
     if proposer is not None:
         engine.spec.proposer = proposer
     perturb_norms(engine)
-    fused_steps, greedy_rows = count_fused_verify_steps(engine), count_greedy_steps(engine)
+    fused_steps = load_script("spec_bench").count_fused_verify_steps(engine)
+    greedy_rows = count_greedy_steps(engine)
     ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
     done = {}
     while engine.has_unfinished():
@@ -364,7 +365,7 @@ def run_speculating(source, ps, params: list, spec, proposer=None):
     return [done[i] for i in ids], engine, fused_steps[0], greedy_rows[0]
 
 
-class KnownContinuations:
+class KnownContinuations(KeepsNothing):
     """Proposes each request's output from a run without speculation (by its prompt) while its
     own output agrees with it. Prompt lookup over a prompt that holds a first run's
     continuation finds few matches on a random model, and the model accepts none (its
@@ -380,15 +381,6 @@ class KnownContinuations:
             known, done = self.continuations[tuple(req.prompt_token_ids)], list(req.output_token_ids)
             proposals.append(known[len(done): len(done) + k] if done == known[: len(done)] else [])
         return proposals
-
-    def on_accepted(self, request, num_accepted):
-        pass
-
-    def release(self, request):
-        pass
-
-    def warm_up(self):
-        pass
 
 
 # 8 and 16 rows are not served (SERVED_ROWS): with them forced on, this test failed on the H200
@@ -441,20 +433,6 @@ def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model
     assert fused_steps > 0 and greedy_rows > 0, f"greedy run: verify steps run fused {fused_steps}, argmax rows {greedy_rows}"
     verdicts += [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, argmax)]
     print(f"speculation on the fused path (logprobs, argmax): {verdicts}; {counts}")
-
-
-def count_fused_verify_steps(engine) -> list[int]:
-    """Counts the verify steps the runner loads as fused decode rows (after this call)."""
-    count, runner = [0], engine.runner
-    real_load = runner.load
-
-    def load(layout, *args, **kwargs):
-        loaded = real_load(layout, *args, **kwargs)
-        count[0] += (not layout.is_pure_decode) and loaded[1].host.is_pure_decode
-        return loaded
-
-    runner.load = load
-    return count
 
 
 @pytest.mark.slow

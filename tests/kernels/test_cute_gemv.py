@@ -923,7 +923,6 @@ def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, kno
     at slot -1: no write); out poisoned, pool poisoned (+-7) everywhere else."""
     gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape,
                     rows=rows, **knobs)
-    hq, hkv = shape.num_q_heads, shape.num_kv_heads
     _, w, b, nw, step = _rope_inputs(shape, k, 0, device="cuda", bias=bias)
     x = (torch.randn(rows, k, device="cuda") * 3 + 0.25).to(torch.bfloat16)
     positions, slots = _rows_rope_step(shape, rows, device="cuda")
@@ -932,10 +931,17 @@ def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, kno
     want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw)
     out = gemv.out_like().fill_(float("nan"))
     gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+    assert_rope_rows(kh, out, want, step, shape, slots)
+
+
+def assert_rope_rows(kh, out, want, step: "RopeKV", shape, slots) -> None:
+    """Each row of an M-row RoPE epilogue's output is the reference's, its k / v heads sit at its
+    slot in the pool (none for slot -1), and every other slot keeps its fill (7 / -7)."""
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
+    hq, hkv = shape.num_q_heads, shape.num_kv_heads
     kc, vc = _pool_rows(step, shape)
-    for m in range(rows):
+    for m in range(len(slots)):
         assert kh.rel_err(out[m], want[m]) < 1e-2, f"row {m}"
         heads, slot = out[m].view(-1, shape.head_dim), int(slots[m])
         if slot >= 0:

@@ -4,7 +4,6 @@ and the "engine is idle and leaks nothing" check."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import socket
@@ -186,10 +185,3 @@ def run_slow_engine_core(*args) -> None:
     run_engine_core(*args)
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (the scripts folder is not a package)."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

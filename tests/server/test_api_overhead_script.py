@@ -7,7 +7,7 @@ import numpy as np
 
 from flashlet.core.sampling import SamplingParams
 from flashlet.server.engine_core import core_stats, engine_info
-from server_helpers import load_script
+from tests.conftest import load_script
 
 
 def test_token_source_gives_what_the_core_reads_of_an_engine():

@@ -5,7 +5,7 @@ columns, and the figures land in their columns."""
 from __future__ import annotations
 
 from flashlet.server.diagnostics import NUM_BUCKETS, ApiCounters, LoopCounters, level_figures
-from server_helpers import load_script
+from tests.conftest import load_script
 
 
 def _summary(p50: float) -> dict:

@@ -124,7 +124,7 @@ def make_gemv(name: str, pdl: bool, knobs: dict, rows: int = 1, device: str | No
               fp8: bool = False) -> CuteGemv:
     n, k, epilogue, norm, rope = SHAPES[name]
     return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False,
-                    rows=rows, **({"fp8": True} if fp8 else {}), **knobs)
+                    rows=rows, fp8=fp8, **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,10 +179,8 @@ class Inputs:
         gemv(self.x, w, self.extra, out=out, norm_weight=self.g, rope_kv=self.rope, **self.scale(0))
         torch.cuda.synchronize()
         if self.epilogue == "argmax":
-            xf = self.x.float()
-            xn = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + gemv.plan.eps) * self.g.float()
-            wf = w.float() if self.scales is None else w.float() * self.scales[0][:, None]
-            logits = xn @ wf.t()  # [M, N]
+            logits = cute_gemv.gemv_reference(self.x, w, "none", norm_weight=self.g, eps=gemv.plan.eps,
+                                              **self.scale(0))  # [M, N]
             for m, token in enumerate(out.tolist()):
                 gap = float(logits[m].max() - logits[m, token]) if 0 <= token < self.n else float("inf")
                 if not gap <= 1e-3 * float(logits[m].abs().max()):

@@ -148,6 +148,11 @@ class GemvPlan:
         return FP8_VEC if self.fp8 else VEC
 
     @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the weight is called with: e4m3 codes with fp8, else bf16."""
+        return torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+
+    @property
     def groups_per_cta(self) -> int:
         return self.warps * (32 // self.lanes)
 
@@ -1162,9 +1167,8 @@ class CuteGemv:
         def bad(t, numel, dtype):  # the kernel assumes contiguous, 16-byte aligned tensors
             return t.numel() != numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16
 
-        w_dtype = torch.float8_e4m3fn if p.fp8 else torch.bfloat16
-        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, w_dtype):
-            raise ValueError(f"weight must be a contiguous, 16-byte aligned {w_dtype} [{p.n_rows}, {p.k}] "
+        if weight.shape != (p.n_rows, p.k) or bad(weight, p.n_rows * p.k, p.weight_dtype):
+            raise ValueError(f"weight must be a contiguous, 16-byte aligned {p.weight_dtype} [{p.n_rows}, {p.k}] "
                              f"(nn.Linear's layout), got {weight.dtype} {tuple(weight.shape)}")
         if p.fp8 != (scale is not None):
             raise ValueError(f"a GEMV planned with fp8={p.fp8} {'needs' if p.fp8 else 'takes no'} scale")
@@ -1263,8 +1267,7 @@ class CuteGemv:
             if self.device.type == "cuda":
                 # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
                 x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
-                w = torch.empty(p.n_rows, p.k, dtype=torch.float8_e4m3fn if p.fp8 else torch.bfloat16,
-                                device=self.device)
+                w = torch.empty(p.n_rows, p.k, dtype=p.weight_dtype, device=self.device)
                 scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
                 extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
                          if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)

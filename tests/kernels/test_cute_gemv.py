@@ -21,6 +21,7 @@ import torch
 from flashlet.kernels import cute_gemv
 from flashlet.kernels.cute_gemv import (EPILOGUES, ROPE_EPILOGUES, TUNED_PLANS, VEC, CuteGemv, RopeKV,
                                         RopeShape, gemv_reference, lanes_for, plan_gemv, rope_kv_reference)
+from flashlet.models.quantization import quantize_rows
 
 QWEN05_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896)]
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
@@ -923,14 +924,25 @@ def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, kno
     at slot -1: no write); out poisoned, pool poisoned (+-7) everywhere else."""
     gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape,
                     rows=rows, **knobs)
+    check_rows_rope(kh, gemv, shape, k, bias, rows)
+
+
+def check_rows_rope(kh, gemv: CuteGemv, shape, k: int, bias: bool, rows: int, fp8: bool = False) -> None:
+    """One call of an M-row RoPE GEMV on random inputs (fp8: the weight quantized per row, its
+    scales given to both the GEMV and the reference), each row at its own position and slot,
+    checked by assert_rope_rows."""
     _, w, b, nw, step = _rope_inputs(shape, k, 0, device="cuda", bias=bias)
+    scale = {}
+    if fp8:
+        w, row_scales = quantize_rows(w)
+        scale = {"scale": row_scales}
     x = (torch.randn(rows, k, device="cuda") * 3 + 0.25).to(torch.bfloat16)
     positions, slots = _rows_rope_step(shape, rows, device="cuda")
     step = RopeKV(positions, step.cos_sin_cache, step.k_cache, step.v_cache, slots)
     mirror = RopeKV(positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(), slots)
-    want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw)
+    want = rope_kv_reference(x, w, b, shape, mirror, norm_weight=nw, **scale)
     out = gemv.out_like().fill_(float("nan"))
-    gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step)
+    gemv(x, w, b, out=out, norm_weight=nw, rope_kv=step, **scale)
     assert_rope_rows(kh, out, want, step, shape, slots)
 
 

@@ -20,8 +20,8 @@ from flashlet.kernels import cute_gemv
 from flashlet.kernels.cute_gemv import (EPILOGUES, ROPE_EPILOGUES, TUNED_PLANS, CuteGemv, RopeKV, RopeShape,
                                         gemv_reference, lanes_for, plan_gemv, rope_kv_reference)
 from flashlet.models.quantization import QuantizedWeight, dequant_linear, quantize_rows
-from tests.kernels.test_cute_gemv import (QWEN05_ROPE, QWEN05_SHAPES, _rope_inputs, _rows_inputs,
-                                          _rows_rope_step, assert_rope_rows, lower_to_ptx, needs_cute, needs_gpu, tiles_per_cta)
+from tests.kernels.test_cute_gemv import (QWEN05_ROPE, QWEN05_SHAPES, _rope_inputs, _rows_inputs, check_rows_rope,
+                                          lower_to_ptx, needs_cute, needs_gpu, tiles_per_cta)
 
 PLAIN_EPILOGUES = [e for e in EPILOGUES if e not in ROPE_EPILOGUES]
 FP8_ROWS = [1, 2, 4]  # the fused path's row counts (SERVED_ROWS)
@@ -270,16 +270,7 @@ def test_fp8_rope_kv_each_row_at_its_position_and_slot(kh, shape, k, bias, pdl, 
     (+-7) everywhere it must not write."""
     gemv = CuteGemv(shape.rows, k, "bias_rope_kv" if bias else "rope_kv", pdl=pdl, norm=True, rope=shape,
                     rows=rows, fp8=True)
-    _, w, b, nw, step = _rope_inputs(shape, k, 0, device="cuda", bias=bias)
-    q, scale = quantize_rows(w)
-    x = (torch.randn(rows, k, device="cuda") * 3 + 0.25).to(torch.bfloat16)
-    positions, slots = _rows_rope_step(shape, rows, device="cuda")
-    step = RopeKV(positions, step.cos_sin_cache, step.k_cache, step.v_cache, slots)
-    mirror = RopeKV(positions, step.cos_sin_cache, step.k_cache.clone(), step.v_cache.clone(), slots)
-    want = rope_kv_reference(x, q, b, shape, mirror, norm_weight=nw, scale=scale)
-    out = gemv.out_like().fill_(float("nan"))
-    gemv(x, q, b, out=out, norm_weight=nw, rope_kv=step, scale=scale)
-    assert_rope_rows(kh, out, want, step, shape, slots)
+    check_rows_rope(kh, gemv, shape, k, bias, rows, fp8=True)
 
 
 @pytest.mark.gpu

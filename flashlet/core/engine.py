@@ -70,7 +70,6 @@ from flashlet.runner.model_runner import ModelRunner
 from flashlet.runner.pooling import Pooler
 from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
-from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
                                        all_plain_greedy, make_proposer, num_verify_rows, verify,
                                        verify_greedy)
@@ -419,7 +418,7 @@ class Engine:
         as decode rows) where every request is plain greedy and no observer wants logits."""
         if self.runner.fused is None or self._step_observers:
             return None
-        if not all(plain_greedy(r.params) for r in sched.sampling):
+        if not all_plain_greedy(sched.sampling):
             return None
         return self.runner.greedy_tokens(input_ids, meta)
 

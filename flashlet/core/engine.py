@@ -429,9 +429,8 @@ class Engine:
                 launched.scoring.deliver()
             sched = launched.sched
             verified = launched.verified
-            if verified is None:  # each row's argmax, read now
-                tokens = launched.staged.read(num_verify_rows(sched.sampling, sched.proposals))
-                verified = verify_greedy(tokens, sched.sampling, sched.proposals)
+            if verified is None:  # each row's argmax (staged as many as the step's rows), read now
+                verified = verify_greedy(launched.staged.read(), sched.sampling, sched.proposals)
             verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
             self.spec.accepted(sched.proposals, sched.sampling, verified)
             return self.scheduler.update(sched, verified)
@@ -543,18 +542,20 @@ class TokenBuffer:
     def __init__(self, size: int, device: torch.device):
         on_cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
+        self.count = 0
         self.event = torch.cuda.Event() if on_cuda else None
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
-        self.host[: tokens.numel()].copy_(tokens, non_blocking=self.event is not None)
+        self.count = tokens.numel()  # what `read` returns unless told fewer
+        self.host[: self.count].copy_(tokens, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
         return self
 
-    def read(self, n: int) -> list[int]:
+    def read(self, n: int | None = None) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host[:n].tolist()
+        return self.host[: self.count if n is None else n].tolist()
 
 
 class LaunchedStep:

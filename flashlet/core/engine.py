@@ -429,9 +429,10 @@ class Engine:
                 launched.scoring.deliver()
             sched = launched.sched
             verified = launched.verified
-            if verified is None:  # each row's argmax (staged as many as the step's rows), read now
+            if verified is None:  # plain greedy rows (no grammar to advance): their argmax, read now
                 verified = verify_greedy(launched.staged.read(), sched.sampling, sched.proposals)
-            verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
+            else:
+                verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
             self.spec.accepted(sched.proposals, sched.sampling, verified)
             return self.scheduler.update(sched, verified)
         tokens = launched.read()

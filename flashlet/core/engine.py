@@ -70,7 +70,6 @@ from flashlet.runner.model_runner import ModelRunner
 from flashlet.runner.pooling import Pooler
 from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
-from flashlet.runner.sampler import plain_greedy  # the sampler's own test: nothing to apply
 from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
                                        all_plain_greedy, make_proposer, num_verify_rows, verify,
                                        verify_greedy)
@@ -419,7 +418,7 @@ class Engine:
         as decode rows) where every request is plain greedy and no observer wants logits."""
         if self.runner.fused is None or self._step_observers:
             return None
-        if not all(plain_greedy(r.params) for r in sched.sampling):
+        if not all_plain_greedy(sched.sampling):
             return None
         return self.runner.greedy_tokens(input_ids, meta)
 
@@ -430,10 +429,10 @@ class Engine:
                 launched.scoring.deliver()
             sched = launched.sched
             verified = launched.verified
-            if verified is None:  # each row's argmax, read now
-                tokens = launched.staged.read(num_verify_rows(sched.sampling, sched.proposals))
-                verified = verify_greedy(tokens, sched.sampling, sched.proposals)
-            verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
+            if verified is None:  # plain greedy rows (no grammar to advance): their argmax, read now
+                verified = verify_greedy(launched.staged.read(), sched.sampling, sched.proposals)
+            else:
+                verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
             self.spec.accepted(sched.proposals, sched.sampling, verified)
             return self.scheduler.update(sched, verified)
         tokens = launched.read()
@@ -544,18 +543,20 @@ class TokenBuffer:
     def __init__(self, size: int, device: torch.device):
         on_cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
+        self.count = 0
         self.event = torch.cuda.Event() if on_cuda else None
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
-        self.host[: tokens.numel()].copy_(tokens, non_blocking=self.event is not None)
+        self.count = tokens.numel()  # what `read` returns unless told fewer
+        self.host[: self.count].copy_(tokens, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
         return self
 
-    def read(self, n: int) -> list[int]:
+    def read(self, n: int | None = None) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host[:n].tolist()
+        return self.host[: self.count if n is None else n].tolist()
 
 
 class LaunchedStep:

@@ -289,7 +289,8 @@ def num_verify_rows(requests: list[Request], proposals: dict[Request, list[int]]
 
 
 def all_plain_greedy(requests: Sequence[Request]) -> bool:
-    """Does each row's argmax decide every request's verification (`verify_greedy`)."""
+    """Is every request plain greedy (sampler.plain_greedy, no grammar): each row's argmax is
+    its token, in a decode step, and decides its verification (`verify_greedy`)."""
     return all(plain_greedy(req.params) and req.grammar is None for req in requests)
 
 

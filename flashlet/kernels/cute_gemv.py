@@ -1054,12 +1054,9 @@ def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
                  stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
                  norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
     """bf16 weights (the kernel's mS is None: no scale argument reaches the kernel)."""
-    _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
-                          mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                          staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
-                          min_ctas, rows, fp8, None).launch(
-        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
-        min_blocks_per_mp=min_ctas)
+    _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                   None, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8)
 
 
 @_deferred.jit
@@ -1068,6 +1065,16 @@ def _gemv_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS
                      staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows,
                      fp8):
     """fp8 weights with their row scales mS [n_rows] fp32."""
+    _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                   mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8)
+
+
+def _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                   mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
+    """The launch both jit entries trace: the bf16 one passes no scale tensor (mS None), the
+    fp8 one its row scales."""
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
                           mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
                           staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,

@@ -456,6 +456,8 @@ def main() -> int:
         name, pdl, index, rows = args.trace_one
         trace_one(name, pdl == "1", int(index), int(rows))
         return 0
+    if args.registers and args.fp8:
+        ap.error("--fp8 sweeps on the GPU only: --registers traces the bf16 variants")
     if args.registers:
         log("| shape | pdl | variant | plan | registers | stack bytes | LDL/STL | LDG.128 | LDGSTS |")
         log("|---|---|---|---|---:|---:|---:|---:|---:|")

@@ -12,6 +12,10 @@ numerics (gemv_reference with the row scales) on random inputs, outputs poisoned
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +297,13 @@ def test_every_e4m3_code_widens_exactly_in_place(k):
         y = gemv(x, q, scale=scale)
         torch.cuda.synchronize()
         assert torch.equal(y.float(), q[:, start:start + rows].float().t()), f"columns {start}..{start + rows - 1}"
+
+
+def test_gemv_sweep_refuses_fp8_with_registers():
+    """--registers traces the bf16 variants only: asked for fp8 as well it says so, not a bf16
+    table under an fp8 request."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_sweep.py"
+    done = subprocess.run([sys.executable, str(script), "--registers", "--fp8"], capture_output=True,
+                          text=True, timeout=120, cwd=script.parents[1],
+                          env={**os.environ, "PYTHONPATH": str(script.parents[1])})
+    assert done.returncode == 2 and "--fp8 sweeps on the GPU only" in done.stderr, done.stderr[-500:]

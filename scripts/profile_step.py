@@ -27,6 +27,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--rows", type=int, default=12)
+    p.add_argument("--max-num-pages", type=int, default=4096,
+                   help="KV pages (16 tokens each): raise it for many long rows")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
     p.add_argument("--fused-decode", action="store_true", help="the CuTe fused decode path")
     p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
@@ -42,8 +45,9 @@ def main(argv=None) -> None:
             p.error(f"--served-rows must be in 1..{fused_decode.MAX_ROWS}")
         fused_decode.SERVED_ROWS = args.served_rows
     parts = FusedParts(**{part: part in args.fused_parts for part in ("pdl", "rope", "attn")})
-    engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=4096,
+    engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=args.max_num_pages,
                                  cuda_graph=not args.no_cuda_graph, dtype="bfloat16",
+                                 kv_cache_dtype=args.kv_cache_dtype,
                                  fused_decode=args.fused_decode),
                     parts if args.fused_decode else None)
     for b in range(args.batch):

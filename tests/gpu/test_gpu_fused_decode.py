@@ -329,8 +329,9 @@ def test_fused_batches_without_graphs_give_the_graph_tokens(small_model, monkeyp
 
 def near_tie_or_equal(want, got, bound: float) -> str:
     """Two greedy runs of one prompt: identical, or where they first part each token is the
-    other run's first or second pick, within `bound` of its first in that run's logprobs (both
-    ways where both runs have logprobs, else in `want`'s). Returns "identical" or "near tie"."""
+    other run's top picks (its logprobs' top k), within `bound` of its first in that run's
+    logprobs (both ways where both runs have logprobs, else in `want`'s). Returns "identical" or
+    "near tie"."""
     a, b = want.token_ids, got.token_ids
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None:
@@ -339,7 +340,7 @@ def near_tie_or_equal(want, got, bound: float) -> str:
     sides = [(want.logprobs[i], b[i])] + ([(got.logprobs[i], a[i])] if got.logprobs else [])
     for mine, other in sides:
         top = dict(mine.top)
-        assert other in top, f"new token {i}: {other} not in the other run's top 2 {mine.top}"
+        assert other in top, f"new token {i}: {other} not in the other run's top {len(top)} {mine.top}"
         gap = mine.logprob - top[other]
         assert gap <= bound, f"new token {i}: {other} is {gap:.4f} below the pick {mine.token_id}"
     return "near tie"
@@ -414,7 +415,10 @@ def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model
     source, vocab = small_model
     ps = prompts(4, vocab)
     lengths = [48 - 8 * i for i in range(len(ps))]
-    logprobs = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2) for n in lengths]
+    # Top 5, not 2: on the tiny random Qwen2 (H200, 93dd443) a per-op verify step's pick was
+    # the plain run's third, its logits flat (top two 0.19 apart) and large enough that bf16
+    # rounding moves them by tenths; the bound on the gap is the check, not the rank.
+    logprobs = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5) for n in lengths]
     plain, _, _, _ = run_speculating(source, ps, logprobs, None)
     known = KnownContinuations({tuple(p): out.token_ids for p, out in zip(ps, plain)})
     spec = {"method": "ngram", "num_speculative_tokens": k}

@@ -391,13 +391,6 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"stages must be 1, or 2 with staged=True; got stages={stages}, staged={staged}")
     if late_g and not norm:
         raise ValueError("late_g moves the norm's weight load: it needs norm=True")
-    for name in ("warps", "outs_per_group"):
-        if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
-            raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
-    if knobs["warps"] is not None and knobs["warps"] not in (1, 2, 4, 8):
-        raise ValueError(f"warps must be 1, 2, 4 or 8, got {knobs['warps']}")
-    if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
-        raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
     refusal = _mma_refusal(k, rows, fp8, knobs)
     if mma and refusal:
@@ -409,6 +402,13 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         except ValueError:
             if mma:
                 raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form
+    for name in ("warps", "outs_per_group"):
+        if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
+            raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
+    if knobs["warps"] is not None and knobs["warps"] not in (1, 2, 4, 8):
+        raise ValueError(f"warps must be 1, 2, 4 or 8, got {knobs['warps']}")
+    if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
+        raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
     lanes = lanes_for(k, vec)
     if epilogue == "argmax" and rows > lanes:
         # Lane m of each group keeps row m's running best across the tiles (one pair a lane).
@@ -506,7 +506,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
     tiles = math.ceil(n_out / (MMA_ROWS // rows_per_out))
     warps = knobs["warps"]
-    if warps is not None and not 1 <= warps <= MMA_MAX_WARPS:
+    if warps is not None and (not isinstance(warps, int) or not 1 <= warps <= MMA_MAX_WARPS):
         raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
     if warps is None:
         per_warp = MMA_MAX_STEPS

@@ -319,6 +319,7 @@ PTX_SCRIPT = textwrap.dedent("""
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
           "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
+          "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
           "SHA", hashlib.sha256(ptx.encode()).hexdigest())
 """)
 
@@ -354,17 +355,17 @@ def lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows, fp8=F
     (1152, 896, "bias_rope_kv", 1, 0, 1, dict(late_g=True, warps=2), 1),
     (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, min_ctas_per_sm=3), 1),
     (896, 896, "residual", 1, 0, 0, dict(warps=8, outs_per_group=3), 1),
-    # M decode rows a launch: each epilogue at 2 to 16 rows (the weights read once for all).
-    (1152, 896, "bias", 1, 0, 1, {}, 2), (896, 896, "residual", 1, 0, 0, {}, 16),
-    (9728, 896, "silu_mul", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 16),
-    (896, 4864, "residual", 0, 0, 0, {}, 16), (151936, 896, "argmax", 1, 0, 1, {}, 16),
-    (151936, 896, "argmax", 0, 0, 0, {}, 4), (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 16),
-    (256, 256, "rope_kv", 0, 0, 1, {}, 4), (136, 200, "silu_mul", 0, 0, 1, {}, 2),
+    # M decode rows a launch on the CUDA cores (mma=False): each epilogue at 2 to 16 rows.
+    (1152, 896, "bias", 1, 0, 1, dict(mma=False), 2), (896, 896, "residual", 1, 0, 0, dict(mma=False), 16),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 4), (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 16),
+    (896, 4864, "residual", 0, 0, 0, dict(mma=False), 16), (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 16),
+    (151936, 896, "argmax", 0, 0, 0, dict(mma=False), 4), (1152, 896, "bias_rope_kv", 1, 0, 1, dict(mma=False), 16),
+    (256, 256, "rope_kv", 0, 0, 1, dict(mma=False), 4), (136, 200, "silu_mul", 0, 0, 1, dict(mma=False), 2),
     # The fused path's M-row GEMVs as the engine builds them (PDL, the norm where it has one).
-    (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 8), (896, 896, "residual", 1, 0, 0, {}, 8),
-    (9728, 896, "silu_mul", 1, 0, 1, {}, 8), (896, 4864, "residual", 1, 0, 0, {}, 8),
-    (151936, 896, "none", 1, 0, 1, {}, 8), (151936, 896, "argmax", 1, 0, 1, {}, 8),
-    (151936, 896, "argmax", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 0, 1, {}, 16),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, dict(mma=False), 8), (896, 896, "residual", 1, 0, 0, dict(mma=False), 8),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 8), (896, 4864, "residual", 1, 0, 0, dict(mma=False), 8),
+    (151936, 896, "none", 1, 0, 1, dict(mma=False), 8), (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 8),
+    (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 4), (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 16),
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
     counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows)
@@ -397,6 +398,73 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
     assert (int(counts["RSQRT"]) > 0) == bool(norm)
     if epilogue in ROPE_EPILOGUES:  # cos and sin from the fp32 table; q | k | v pair, k or v pool pair
         assert int(counts["F32LOAD"]) >= 2 and int(counts["STORE"]) >= 4
+
+
+# The tensor-core form at the fused path's shapes and flags, M = 2 to 16 (PDL, the norm where it has one).
+MMA_LOWERING = [(1152, 896, "bias_rope_kv", 1, 1), (1152, 896, "bias", 1, 1), (896, 896, "residual", 1, 0),
+                (9728, 896, "silu_mul", 1, 1), (151936, 896, "argmax", 1, 1), (151936, 896, "none", 1, 1),
+                (256, 256, "rope_kv", 0, 1), (136, 64, "argmax", 0, 0)]
+
+
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
+@pytest.mark.parametrize("n, k, epilogue, pdl, norm", MMA_LOWERING)
+def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n, k, epilogue, pdl, norm, rows):
+    """The PTX holds m16n8k16 bf16 products, two a K step and n-tile, and per K step each lane's
+    16-byte loads as designed: weight rows g and g + 8, x of decode row g (and g + 8 past 8
+    rows), the norm's weight; ptxas keeps it all in registers (no stack frame)."""
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows)
+    d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
+    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
+    assert p.mma
+    n_tiles = -(-rows // 8)
+    # the first tile, issued before the PDL wait, and the loop's: each traced once
+    assert int(counts["MMA"]) == 2 * p.chunks * 2 * n_tiles
+    weight_loads = 2 * p.loads_in_flight_per_lane
+    x_and_g = p.chunks * (n_tiles + norm)
+    assert int(counts["W128"]) + int(counts["W128U"]) == weight_loads + x_and_g
+    assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0
+    assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
+    assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
+    assert (int(counts["RSQRT"]) > 0) == bool(norm)
+    assert int(counts["STORE"]) >= 1 and int(counts["FMA"]) < rows * p.loads_in_flight_per_lane * VEC
+
+
+def test_mma_plan_covers_every_output_and_k_step_once():
+    for n, k, epilogue, _, norm in MMA_LOWERING:
+        d = 64 if n == 1152 else 32
+        rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+        for rows in (2, 3, 5, 9, 16):
+            p = plan_gemv(n, k, epilogue, rope=rope, norm=bool(norm), rows=rows)
+            assert p.mma and p.lanes == 32
+            assert (p.warps - 1) * p.chunks * 32 < k <= p.warps * p.chunks * 32  # every warp has a K step
+            assert p.num_tiles * p.outs_per_tile >= p.n_out > (p.num_tiles - 1) * p.outs_per_tile
+            assert p.grid == min(p.num_tiles, 2 * 132)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=896), "bf16"), (dict(rows=1), "rows >= 2"),
+    (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
+    (dict(k=4864, warps=19), "registers"),
+])
+def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
+    kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(kwargs.pop("n_rows"), kwargs.pop("k"), "residual", mma=True, **kwargs)
+
+
+def test_mma_is_the_default_for_rows_where_it_plans():
+    assert plan_gemv(9728, 896, "silu_mul", rows=2, norm=True).mma
+    assert not plan_gemv(9728, 896, "silu_mul", rows=1).mma                  # one row: CUDA cores
+    assert not plan_gemv(136, 200, "silu_mul", rows=4).mma                   # K not a multiple of 32
+    assert not plan_gemv(896, 4864, "residual", rows=4).mma                  # its warps would not fit an SM
+    assert not plan_gemv(896, 896, "residual", rows=4, fp8=True).mma
+    assert not plan_gemv(9728, 896, "silu_mul", rows=4, staged=True).mma    # a CUDA-core knob asks for that form
+    assert not plan_gemv(9728, 896, "silu_mul", rows=4, mma=False).mma
+    assert "mma" in plan_gemv(9728, 896, "silu_mul", rows=4).describe()
 
 
 def _inputs(n, k, epilogue, seed):
@@ -712,22 +780,24 @@ def test_rows_plans_read_x_from_l2_at_most_twice_the_weights():
     (at M = 16 one tile a CTA read 139 MB of x a call at down, for 8.7 MB of weights)."""
     for n, k in QWEN05_SHAPES:
         for rows in (2, 4, 16):
-            p = plan_gemv(n, k, rows=rows, tuned=False)
+            p = plan_gemv(n, k, rows=rows, tuned=False, mma=False)
             x_bytes, w_bytes = p.grid * rows * k * 2, n * k * 2
             assert x_bytes <= 2 * w_bytes or p.grid <= 2 * 132, (n, k, rows, p.describe())
             if x_bytes <= 2 * w_bytes and p.grid > 2 * 132:  # not x-bound: the one-row plan's shape
                 assert (p.warps, p.grid) == (plan_gemv(n, k, tuned=False).warps, plan_gemv(n, k, tuned=False).grid)
-    down = plan_gemv(896, 4864, "residual", rows=4, tuned=False)
-    assert (down.warps, down.grid) == (4, 224) and plan_gemv(896, 4864, "residual", rows=2, tuned=False).grid == 896
-    assert plan_gemv(151936, 896, "argmax", rows=2).grid == 2 * 132
-    assert plan_gemv(896, 4864, rows=4, ctas_per_sm=0, warps=1).grid == 896  # the knobs still win
+    down = plan_gemv(896, 4864, "residual", rows=4, tuned=False, mma=False)
+    assert (down.warps, down.grid) == (4, 224) and plan_gemv(896, 4864, "residual", rows=2, tuned=False, mma=False).grid == 896
+    assert plan_gemv(151936, 896, "argmax", rows=2, mma=False).grid == 2 * 132
+    assert plan_gemv(896, 4864, rows=4, ctas_per_sm=0, warps=1, mma=False).grid == 896  # the knobs still win
 
 
 def test_argmax_rows_need_as_many_lanes():
-    assert plan_gemv(96, 64, "argmax", rows=8).rows == 8  # K = 64: 8 lanes a row
+    """The CUDA-core form keeps one row's running best a lane; the tensor-core form has no such limit."""
+    assert plan_gemv(96, 64, "argmax", rows=8, mma=False).rows == 8  # K = 64: 8 lanes a row
     with pytest.raises(ValueError, match="lanes"):
-        plan_gemv(96, 64, "argmax", rows=9)
-    assert plan_gemv(151936, 896, "argmax", rows=16).lanes == 16
+        plan_gemv(96, 64, "argmax", rows=9, mma=False)
+    assert plan_gemv(151936, 896, "argmax", rows=16, mma=False).lanes == 16
+    assert plan_gemv(96, 64, "argmax", rows=9).mma
 
 
 def test_tuned_plans_hold_for_their_own_row_count(tmp_path, monkeypatch):

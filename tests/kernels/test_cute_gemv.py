@@ -910,6 +910,8 @@ ROWS_CASES = [
     (896, 4864, "residual", False, False, dict(ctas_per_sm=1, warps=2)),
     (136, 200, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}),
     (136, 200, "residual", False, True, {}),
+    # the CUDA-core form where the tensor-core one is the default
+    (9728, 896, "silu_mul", True, True, dict(mma=False)), (151936, 896, "none", True, True, dict(mma=False)),
 ]
 
 
@@ -918,9 +920,33 @@ ROWS_CASES = [
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", ROWS_CASES)
 def test_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    check_rows(kh, CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs), epilogue, norm, rows)
+
+
+# The tensor-core form at every row count it is built for: the fused path's shapes and flags, a
+# tail tile in N (200 rows: 12.5 tiles of 16; silu's 68 outputs: 8.5 tiles of 8), K = 1184 (37
+# steps of 32 over 5 warps of 8: the last warp's 3 steps past K are zeros), K = 64 (one warp).
+MMA_ROWS_TESTED = [2, 3, 4, 5, 8, 9, 16]
+MMA_GPU_CASES = [(1152, 896, "bias", True, True), (896, 896, "residual", False, True),
+                 (9728, 896, "silu_mul", True, True), (151936, 896, "none", True, True),
+                 (1152, 896, "none", False, False), (200, 96, "residual", False, False),
+                 (136, 64, "silu_mul", False, False), (256, 1184, "bias", True, False)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", MMA_ROWS_TESTED)
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl", MMA_GPU_CASES)
+def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, rows):
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows)
+    assert gemv.plan.mma, gemv.plan.describe()
+    check_rows(kh, gemv, epilogue, norm, rows)
+
+
+def check_rows(kh, gemv: CuteGemv, epilogue: str, norm: bool, rows: int) -> None:
     """out poisoned (NaN) so an unwritten row fails; the residual updated in place (out is the
     residual, [M, N], as in the fused path); two calls with different inputs."""
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
+    n, k = gemv.plan.n_rows, gemv.plan.k
     for seed in (0, 1):
         x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
         want = gemv_reference(x, w, epilogue, extra, norm_weight=nw)
@@ -950,17 +976,20 @@ def _argmax_rows_inputs(n, k, rows, seed, norm):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + [3, 5, 8, 9])
 @pytest.mark.parametrize("n, k, norm, pdl, knobs", [
     (151936, 896, True, True, {}), (151936, 896, False, False, dict(ctas_per_sm=1, warps=8)),
-    (256, 256, True, False, {}), (96, 64, False, True, {}),
+    (256, 256, True, False, {}), (96, 64, False, True, {}), (151936, 896, True, True, dict(mma=False)),
+    (136, 64, False, False, dict(ctas_per_sm=1)),  # the tensor-core form: one CTA walks 9 tiles, a tail
 ])
 def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
     """Each row's token is its own argmax (ties: the lower index); random rows then tied rows;
     repeated calls check that the counter was reset."""
-    if rows > cute_gemv.lanes_for(k):
+    try:
+        gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, **knobs)
+    except ValueError as e:  # the CUDA-core form keeps a row's best a lane: at most `lanes` rows
+        assert "lanes" in str(e) and rows > cute_gemv.lanes_for(k)
         pytest.skip(f"argmax with {rows} rows needs {rows} lanes a row; K = {k} gives {cute_gemv.lanes_for(k)}")
-    gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, **knobs)
     eps = gemv.plan.eps
     for seed in (0, 1):
         x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
@@ -981,13 +1010,14 @@ def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
 
 
 ROWS_ROPE_CASES = [(QWEN05_ROPE, 896, True, True, {}), (QWEN05_ROPE, 896, True, False, dict(warps=2)),
+                   (QWEN05_ROPE, 896, True, True, dict(mma=False)), (RopeShape(16, 4, 2, 64, 256), 128, False, False, {}),
                    (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, True, {}),
                    (RopeShape(32, 4, 2, 64, 256), 200, True, False, {})]  # K = 200: one lane a row
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + [3, 8])
 @pytest.mark.parametrize("shape, k, bias, pdl, knobs", ROWS_ROPE_CASES)
 def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, knobs, rows):
     """Row m rotated at its own position and stored at its own slot (the last of several rows

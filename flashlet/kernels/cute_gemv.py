@@ -117,7 +117,7 @@ def _dsl():
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_tile,
-                   _mma_epilogue, _mma_argmax_finish,
+                   _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -151,6 +151,7 @@ class GemvPlan:
     rows: int = 1         # M: decode rows computed per launch, each weight read once for all
     fp8: bool = False     # W is fp8 (e4m3) with one fp32 scale a row, applied to each sum
     mma: bool = False     # tensor cores (M >= 2): `chunks` K steps of 32 a warp, `warps` split K
+    splits: int = 1       # mma: CTAs sharing a tile's K (their sums meet in a workspace)
 
     @property
     def vec(self) -> int:
@@ -206,6 +207,7 @@ class GemvPlan:
         tag += f" M{self.rows}" if self.rows > 1 else ""
         tag += " fp8" if self.fp8 else ""
         tag += f" mma{self.chunks}" if self.mma else ""
+        tag += f" s{self.splits}" if self.splits > 1 else ""
         return tag
 
 
@@ -253,6 +255,7 @@ def lanes_for(k: int, vec: int = VEC) -> int:
 #                    looping grid's tiles
 #   late_g           read the norm's weight after the PDL wait (fewer registers held across it)
 #   min_ctas_per_sm  ptxas register cap: this many CTAs must fit an SM
+#   splits           the tensor-core form (M > 1): CTAs sharing a tile's K
 # An argument given to plan_gemv wins over the table; a knob the table leaves out keeps the
 # built-in heuristic below. A shape with no entry (every shape, until measured) is planned by
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
@@ -268,7 +271,7 @@ TUNED_PLANS: dict[tuple, dict] = {
     # The tied LM head with its argmax: a looping grid of 2 CTAs an SM.
     (151936, 896, "argmax", True, True): {"ctas_per_sm": 2},
 }
-TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
+TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 
 
 def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
@@ -308,7 +311,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               warps: int | None = None, outs_per_group: int | None = None,
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
-              tuned: bool = True, rows: int = 1, fp8: bool = False, mma: bool | None = None) -> GemvPlan:
+              tuned: bool = True, rows: int = 1, fp8: bool = False, mma: bool | None = None,
+              splits: int | None = None) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -356,7 +360,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
-                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
+                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
     key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8)
@@ -402,6 +406,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         except ValueError:
             if mma:
                 raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form
+    if knobs["splits"] not in (None, 1):
+        raise ValueError("splits (K over CTAs) is the tensor-core form's knob: it needs mma")
     for name in ("warps", "outs_per_group"):
         if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
             raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
@@ -500,33 +506,38 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     taking `chunks` consecutive K steps of 32 (all its loads in flight at once, at most
     MMA_MAX_STEPS); warps = K steps / chunks, more where the tiles are too few to give every SM
     two warps' loads. By default a resident grid of two CTAs an SM loops over the tiles (each
-    warp's x fragments are loaded once, for all its tiles); `warps`, `ctas_per_sm` and
-    `min_ctas_per_sm` override."""
+    warp's x fragments are loaded once, for all its tiles). Where a CTA's warps would not fit
+    an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
+    CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
+    applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
+    `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override."""
     steps = k // MMA_K
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
     tiles = math.ceil(n_out / (MMA_ROWS // rows_per_out))
-    warps = knobs["warps"]
+    n_tiles = math.ceil(rows / 8)
+    warps, splits = knobs["warps"], knobs["splits"]
     if warps is not None and (not isinstance(warps, int) or not 1 <= warps <= MMA_MAX_WARPS):
         raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
-    if warps is None:
-        per_warp = MMA_MAX_STEPS
-        warps = math.ceil(steps / per_warp)
-        while per_warp > 2 and tiles * warps < 2 * num_sms and math.ceil(steps / (per_warp // 2)) <= MMA_MAX_WARPS:
-            per_warp //= 2
-            warps = math.ceil(steps / per_warp)
-    chunks = math.ceil(steps / warps)
-    warps = math.ceil(steps / chunks)  # no warp left without a step
+    if splits is not None and (not isinstance(splits, int) or not 1 <= splits <= steps):
+        raise ValueError(f"splits must be in [1, K / {MMA_K} = {steps}], got {splits!r}")
+    can_split = not norm and epilogue != "argmax"
+    if (splits or 1) > 1 and not can_split:
+        raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
+    warps_a_split, chunks = _mma_warps(math.ceil(steps / (splits or 1)), tiles * (splits or 1), num_sms, warps)
+    if splits is None:
+        splits = 1
+        while can_split and splits < steps and not _mma_fits(warps_a_split, chunks, n_tiles):
+            splits += 1
+            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
+        while 1 < splits < steps and tiles * splits < num_sms:  # splitting anyway: every SM a CTA
+            splits += 1
+            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
+    warps = warps_a_split
     if chunks > MMA_MAX_STEPS:
         raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {MMA_MAX_STEPS}")
-    n_tiles = math.ceil(rows / 8)
-    # A lane holds its weight loads (4 registers each, 2 a step), its x fragments (4 a step and
-    # n-tile, kept for all tiles), two accumulator chains (8 an n-tile) and ~40 more: the CTA
-    # must fit the SM's 64K registers, or ptxas caps them and spills (it did at K = 4864's
-    # 19 warps). Such a K needs its steps split over CTAs, which this form does not do yet.
-    regs = 8 * chunks + 4 * chunks * n_tiles + 8 * n_tiles + 40
-    if regs * warps * 32 > 65536:
-        raise ValueError(f"K = {k} needs {warps} warps of ~{regs} registers, over an SM's 64K "
-                         "(the tensor-core form splits K only over a CTA's warps)")
+    if not _mma_fits(warps, chunks, n_tiles):
+        raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps, over an SM's 64K registers "
+                         "(more CTAs a tile would: splits)")
     if 2 * warps * n_tiles * 4 * 32 * 4 > 48 << 10:  # the warps' sums, double-buffered
         raise ValueError(f"{warps} warps at {rows} rows need over the 48 KB of shared memory a CTA gets")
     min_ctas = knobs["min_ctas_per_sm"] or 0
@@ -535,10 +546,35 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     ctas_per_sm = knobs["ctas_per_sm"]
     if ctas_per_sm is not None and not 0 <= ctas_per_sm <= 32:
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {ctas_per_sm}")
+    if ctas_per_sm and splits > 1:
+        raise ValueError("ctas_per_sm (a looping grid) is not combined with splits > 1 (one tile a CTA)")
     ctas_per_sm = 2 if ctas_per_sm is None else ctas_per_sm
-    grid = min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
+    grid = tiles * splits if splits > 1 else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
     return GemvPlan(n_rows, k, n_out, epilogue, 32, chunks, 1, warps, grid, pdl, False, norm, float(eps),
-                    rope, 1, False, min_ctas, rows, False, True)
+                    rope, 1, False, min_ctas, rows, False, True, splits)
+
+
+def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None) -> tuple[int, int]:
+    """(warps, K steps a warp) for `steps` K steps a CTA: as few warps as hold MMA_MAX_STEPS
+    each, more (fewer steps each) while the CTAs' warps number under two an SM; `warps` given:
+    that many at most."""
+    if warps is None:
+        per_warp = MMA_MAX_STEPS
+        warps = math.ceil(steps / per_warp)
+        while per_warp > 2 and ctas * warps < 2 * num_sms and math.ceil(steps / (per_warp // 2)) <= MMA_MAX_WARPS:
+            per_warp //= 2
+            warps = math.ceil(steps / per_warp)
+    chunks = math.ceil(steps / warps)
+    return math.ceil(steps / chunks), chunks  # no warp left without a step
+
+
+def _mma_fits(warps: int, chunks: int, n_tiles: int) -> bool:
+    """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
+    each, 2 a K step), its x fragments (4 a step and n-tile, kept across tiles), two accumulator
+    chains (8 an n-tile) and ~40 more. Past that ptxas caps the registers and spills (it did at
+    K = 4864's 19 warps)."""
+    regs = 8 * chunks + 4 * chunks * n_tiles + 8 * n_tiles + 40
+    return regs * warps * 32 <= 65536
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1219,12 +1255,12 @@ def _mma_bf16(a, b, c):
 
 
 @_deferred.jit
-def _mma_load_weights(mW, tile, warp, lane, k, n_out, chunks, epilogue, head_dim):
+def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim):
     """This lane's weight loads of `tile` (16-byte each, all issued at once): per K step of
-    this warp, rows g then g + 8 of the tile (tail tiles re-read a valid row, store nothing)."""
+    this warp (first + warp C + s, clamped below `end`: the CTA's K steps), rows g then g + 8
+    of the tile (tail tiles re-read a valid row, store nothing)."""
     g = lane // 4
     t = lane % 4
-    steps = k // MMA_K
     if cutlass.const_expr(epilogue == "silu_mul"):  # gate row o, up row o + N/2
         row_a = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
         row_b = row_a + n_out
@@ -1238,33 +1274,31 @@ def _mma_load_weights(mW, tile, warp, lane, k, n_out, chunks, epilogue, head_dim
         row_b = cutlass.min(tile * MMA_ROWS + g + 8, n_out - 1)
     w = []
     for s in cutlass.range_constexpr(chunks):
-        chunk = cutlass.min(warp * chunks + s, steps - 1) * (MMA_K // VEC) + t
+        chunk = cutlass.min(first + warp * chunks + s, end - 1) * (MMA_K // VEC) + t
         w.append(mW[row_a, chunk, None].load())
         w.append(mW[row_b, chunk, None].load())
     return w
 
 
 @_deferred.jit
-def _mma_x_fragments(mX, mG, warp, lane, k, warps, chunks, rows, norm):
+def _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits):
     """This warp's B fragments for all of its K steps (the same for every tile, so loaded once):
     b[s * n_tiles + nt], decode row 8 nt + g's x (x * g rounded to bf16 with norm; a padded row
     re-reads the last, whose sums are not stored), and with norm each decode row's sum of x^2
-    over this lane's chunks (8-wide, per n-tile). Steps past K (warps x chunks > K / 32) are
-    zeros."""
+    over this lane's chunks (8-wide, per n-tile). Steps past the CTA's K (`end`; where warps x
+    chunks x splits > K / 32) are zeros."""
     g = lane // 4
-    t = lane % 4
-    steps = k // MMA_K
     n_tiles = (rows + 7) // 8
     x_chunks = k // VEC
-    uneven = warps * chunks > steps
+    uneven = warps * chunks * splits > k // MMA_K
     b = []
     sq = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(n_tiles)]
     for s in cutlass.range_constexpr(chunks):
-        step = warp * chunks + s
-        chunk = cutlass.min(step, steps - 1) * (MMA_K // VEC) + t
+        step = first + warp * chunks + s
+        chunk = cutlass.min(step, end - 1) * (MMA_K // VEC) + lane % 4
         keep = cutlass.Float32(1.0)
         if cutlass.const_expr(uneven):
-            keep = cutlass.Float32(cutlass.select_(step < steps, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+            keep = cutlass.Float32(cutlass.select_(step < end, cutlass.Float32(1.0), cutlass.Float32(0.0)))
         gv = None
         if cutlass.const_expr(norm):
             gv = mG[chunk, None].load().to(cutlass.Float32)
@@ -1308,10 +1342,14 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
 
 @_deferred.jit
 def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
-              warp, lane, warps, chunks, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads):
+              mPart, mCounter, sLast, split, tidx, warps, chunks, n_out, epilogue, rows, norm, head_dim,
+              q_heads, kv_heads, splits):
     """One tile: the products over this warp's K steps, the warps' sums added in shared memory
     (buffer it % 2: a warp may write the next tile's while warp 0 still reads this one's), and
-    warp 0 finishes the tile. Returns the lane's running argmax pair."""
+    warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the tile's CTAs
+    to finish). Returns the lane's running argmax pair."""
+    warp = tidx // 32
+    lane = tidx % 32
     n_tiles = (rows + 7) // 8
     acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]: two chains
     for s in cutlass.range_constexpr(chunks):
@@ -1323,9 +1361,11 @@ def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS,
                 acc[nt * 2 + h] = _mma_bf16([wa[2 * h], wb[2 * h], wa[2 * h + 1], wb[2 * h + 1]],
                                             [xb[2 * h], xb[2 * h + 1]], acc[nt * 2 + h])
     c = [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
-    if cutlass.const_expr(warps == 1):
+    if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads)
+    elif cutlass.const_expr(warps == 1):
+        _mma_store_split(mPart, c, tile * splits + split, lane, rows)
     else:
         per_warp = n_tiles * 4 * 32
         base = (it % 2) * warps * per_warp
@@ -1343,10 +1383,56 @@ def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS,
                         v = v + sAcc[base + wi * per_warp + (nt * 4 + i) * 32 + lane]
                     row.append(v)
                 total.append(row)
-            best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
-                                               mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads,
-                                               kv_heads)
+            if cutlass.const_expr(splits == 1):
+                best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS,
+                                                   mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
+                                                   q_heads, kv_heads)
+            else:
+                _mma_store_split(mPart, total, tile * splits + split, lane, rows)
+    if cutlass.const_expr(splits > 1):
+        _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
+                          epilogue, rows, head_dim, q_heads, kv_heads, splits)
     return best_val, best_idx
+
+
+def _mma_store_split(mPart, c, part, lane, rows):
+    """A CTA's sums of its K steps (warp 0's lanes), part = tile x splits + split: each lane its
+    own slots, fenced before the CTA counts itself done."""
+    n_tiles = (rows + 7) // 8
+    for nt in range(n_tiles):
+        for i in range(4):
+            mPart[(part * n_tiles * 4 + nt * 4 + i) * 32 + lane] = c[nt][i]
+    cute.arch.fence_acq_rel_gpu()
+
+
+@_deferred.jit
+def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out, epilogue,
+                      rows, head_dim, q_heads, kv_heads, splits):
+    """The tile's CTAs count themselves done (a counter a tile); the last adds their sums (its
+    warp 0, each lane its own slots, in split order) and applies the epilogue, then resets the
+    counter for the next launch."""
+    n_tiles = (rows + 7) // 8
+    lane = tidx % 32
+    cute.arch.sync_threads()
+    if tidx == 0:
+        sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator + tile, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if sLast[0] == splits - 1:
+        cute.arch.fence_acq_rel_gpu()
+        if tidx < 32:
+            total = []
+            for nt in cutlass.range_constexpr(n_tiles):
+                row = []
+                for i in cutlass.range_constexpr(4):
+                    v = cutlass.Float32(0.0)
+                    for sp in cutlass.range_constexpr(splits):
+                        v = v + mPart[((tile * splits + sp) * n_tiles * 4 + nt * 4 + i) * 32 + lane]
+                    row.append(v)
+                total.append(row)
+            _mma_epilogue(total, tile, [], cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
+                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads)
+        if tidx == 0:
+            mCounter[tile] = cutlass.Int32(0)
 
 
 @_deferred.jit
@@ -1449,10 +1535,13 @@ def _mma_argmax_finish(mTokens, mPartVal, mPartIdx, mCounter, sLast, best_val, b
 
 @_deferred.kernel
 def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows):
-    # The tensors as `_gemv_kernel` takes them (bf16). A CTA's warps split K (warp w: steps
-    # w C .. w C + C - 1, C = chunks); it walks tiles bidx, bidx + grid, ... The first tile's
-    # weight loads are issued before the PDL wait; x (and g) are read once after it.
+                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits):
+    # The tensors as `_gemv_kernel` takes them (bf16; with splits > 1 mPartVal is the workspace
+    # [tiles x splits, n-tiles x 4, 32] of the CTAs' sums and mCounter [tiles] their counters). A
+    # CTA's warps split its K (warp w: steps w C .. w C + C - 1, C = chunks, from the CTA's
+    # first); it walks tiles bidx, bidx + grid, ... (splits > 1: CTA bidx computes split
+    # bidx % splits of tile bidx // splits alone). The first tile's weight loads are issued
+    # before the PDL wait; x (and g) are read once after it.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -1463,17 +1552,27 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     num_tiles = (n_out + MMA_ROWS // pairs - 1) // (MMA_ROWS // pairs)
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
-    w = _mma_load_weights(mW, bidx, warp, lane, k, n_out, chunks, epilogue, head_dim)
+    tile = bidx
+    split = 0
+    first = 0
+    end = k // MMA_K
+    if cutlass.const_expr(splits > 1):
+        per_split = (k // MMA_K + splits - 1) // splits
+        tile = bidx // splits
+        split = bidx % splits
+        first = split * per_split
+        end = cutlass.min(first + per_split, k // MMA_K)
+    w = _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim)
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
-    b, sq = _mma_x_fragments(mX, mG, warp, lane, k, warps, chunks, rows, norm)
+    b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits)
     smem = cutlass.utils.SmemAllocator()
     sAcc = None
     if cutlass.const_expr(warps > 1):
         sAcc = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * warps * n_tiles * 4 * 32),
                                     byte_alignment=16)
     sLast = None
-    if cutlass.const_expr(epilogue == "argmax"):
+    if cutlass.const_expr(epilogue == "argmax" or splits > 1):
         sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
     rstd = []
     if cutlass.const_expr(norm):
@@ -1481,14 +1580,16 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
-    best_val, best_idx = _mma_tile(w, b, bidx, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
-                                   mKC, mVC, warp, lane, warps, chunks, n_out, epilogue, rows, norm, head_dim,
-                                   q_heads, kv_heads)
-    for tile in range(bidx + gdim, num_tiles, gdim):
-        w = _mma_load_weights(mW, tile, warp, lane, k, n_out, chunks, epilogue, head_dim)
-        best_val, best_idx = _mma_tile(w, b, tile, (tile - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
-                                       mE, mPos, mCS, mSlot, mKC, mVC, warp, lane, warps, chunks, n_out,
-                                       epilogue, rows, norm, head_dim, q_heads, kv_heads)
+    best_val, best_idx = _mma_tile(w, b, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
+                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, warps, chunks, n_out,
+                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
+    if cutlass.const_expr(splits == 1):
+        for nxt in range(bidx + gdim, num_tiles, gdim):
+            w = _mma_load_weights(mW, nxt, 0, k // MMA_K, warp, lane, n_out, chunks, epilogue, head_dim)
+            best_val, best_idx = _mma_tile(w, b, nxt, (nxt - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
+                                           mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
+                                           warps, chunks, n_out, epilogue, rows, norm, head_dim, q_heads,
+                                           kv_heads, 1)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
                            warps, grid, rows)
@@ -1497,17 +1598,17 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
 @_deferred.jit
 def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, stream,
                 k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
-                min_ctas):
+                splits, min_ctas):
     """The tensor-core form (bf16 weights, rows >= 2)."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                          k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows).launch(
+                         kv_heads, rows, splits).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _MMA_KERNEL_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
-                      "q_heads", "kv_heads", "rows")
+                      "q_heads", "kv_heads", "rows", "splits")
 _MMA_PLAN_PARAMS = (*_MMA_KERNEL_PARAMS, "min_ctas")
 
 
@@ -1522,11 +1623,12 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
                      _argmax_last_cta_rows: ("warps", "grid", "rows"),
                      _mma_kernel: _MMA_KERNEL_PARAMS, _mma_launch: _MMA_PLAN_PARAMS,
-                     _mma_load_weights: ("k", "n_out", "chunks", "epilogue", "head_dim"),
-                     _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm"),
+                     _mma_load_weights: ("n_out", "chunks", "epilogue", "head_dim"),
+                     _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits"),
+                     _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
                      _mma_rstd: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "chunks", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
-                                 "kv_heads"),
+                                 "kv_heads", "splits"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
                      _mma_argmax_finish: ("warps", "grid", "rows"),
                      _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
@@ -1577,9 +1679,12 @@ class CuteGemv:
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         parts = p.grid * p.rows if epilogue == "argmax" else 1
+        counters = 1
+        if p.splits > 1:  # each CTA's fp32 sums of its K (a lane's slots), and a counter a tile
+            parts, counters = p.grid * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
         self._parts_val = torch.zeros(parts, dtype=f32, device=self.device)
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
-        self._counter = torch.zeros(1, dtype=i32, device=self.device)  # the kernel resets it
+        self._counter = torch.zeros(counters, dtype=i32, device=self.device)  # the kernel resets them
         self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
         self._dummy_rope = RopeKV(torch.zeros(2, dtype=torch.int64, device=self.device),
                                   torch.zeros(4, dtype=f32, device=self.device),
@@ -1692,7 +1797,7 @@ class CuteGemv:
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
                 fake(c.Float32, tuple(self._parts_val.shape), 4),
-                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
+                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, tuple(self._counter.shape), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
                       (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]

@@ -393,7 +393,7 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
     assert (int(counts["WAITGROUP1"]) > 0) == (p.stages == 2)  # the pipeline leaves one tile in flight
     assert (int(counts["CPASYNC"]) > 0) == bool(staged)
     assert int(counts["STORE"]) >= 1
-    assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax")
+    assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax" or p.splits > 1)
     assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
     assert (int(counts["RSQRT"]) > 0) == bool(norm)
     if epilogue in ROPE_EPILOGUES:  # cos and sin from the fp32 table; q | k | v pair, k or v pool pair
@@ -403,7 +403,8 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
 # The tensor-core form at the fused path's shapes and flags, M = 2 to 16 (PDL, the norm where it has one).
 MMA_LOWERING = [(1152, 896, "bias_rope_kv", 1, 1), (1152, 896, "bias", 1, 1), (896, 896, "residual", 1, 0),
                 (9728, 896, "silu_mul", 1, 1), (151936, 896, "argmax", 1, 1), (151936, 896, "none", 1, 1),
-                (256, 256, "rope_kv", 0, 1), (136, 64, "argmax", 0, 0)]
+                (256, 256, "rope_kv", 0, 1), (136, 64, "argmax", 0, 0), (896, 4864, "residual", 1, 0),
+                (896, 4864, "none", 0, 0)]
 
 
 @pytest.mark.slow
@@ -421,9 +422,11 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
     assert p.mma
     n_tiles = -(-rows // 8)
-    # the first tile, issued before the PDL wait, and the loop's: each traced once
-    assert int(counts["MMA"]) == 2 * p.chunks * 2 * n_tiles
-    weight_loads = 2 * p.loads_in_flight_per_lane
+    # the first tile, issued before the PDL wait, and the loop's: each traced once (with K split
+    # over CTAs, one tile a CTA: no loop)
+    traces = 1 if p.splits > 1 else 2
+    assert int(counts["MMA"]) == traces * p.chunks * 2 * n_tiles
+    weight_loads = traces * p.loads_in_flight_per_lane
     x_and_g = p.chunks * (n_tiles + norm)
     assert int(counts["W128"]) + int(counts["W128U"]) == weight_loads + x_and_g
     assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0
@@ -440,15 +443,18 @@ def test_mma_plan_covers_every_output_and_k_step_once():
         for rows in (2, 3, 5, 9, 16):
             p = plan_gemv(n, k, epilogue, rope=rope, norm=bool(norm), rows=rows)
             assert p.mma and p.lanes == 32
-            assert (p.warps - 1) * p.chunks * 32 < k <= p.warps * p.chunks * 32  # every warp has a K step
+            per_split = -(-k // 32 // p.splits)  # K steps a CTA
+            assert (p.warps - 1) * p.chunks < per_split <= p.warps * p.chunks  # every warp has a K step
+            assert (p.splits - 1) * per_split < k // 32                         # and every split
             assert p.num_tiles * p.outs_per_tile >= p.n_out > (p.num_tiles - 1) * p.outs_per_tile
-            assert p.grid == min(p.num_tiles, 2 * 132)
+            assert p.grid == (p.num_tiles * p.splits if p.splits > 1 else min(p.num_tiles, 2 * 132))
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(k=200), "multiple of 32"), (dict(fp8=True, k=896), "bf16"), (dict(rows=1), "rows >= 2"),
     (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
-    (dict(k=4864, warps=19), "registers"),
+    (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
+    (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
 ])
 def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
     kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
@@ -460,7 +466,11 @@ def test_mma_is_the_default_for_rows_where_it_plans():
     assert plan_gemv(9728, 896, "silu_mul", rows=2, norm=True).mma
     assert not plan_gemv(9728, 896, "silu_mul", rows=1).mma                  # one row: CUDA cores
     assert not plan_gemv(136, 200, "silu_mul", rows=4).mma                   # K not a multiple of 32
-    assert not plan_gemv(896, 4864, "residual", rows=4).mma                  # its warps would not fit an SM
+    down = plan_gemv(896, 4864, "residual", rows=4)                          # 19 warps would not fit an SM:
+    assert down.mma and down.splits == 3 and down.grid == 3 * 56             # K over three CTAs a tile
+    assert not plan_gemv(896, 4864, "none", rows=4, norm=True).mma           # (no split under the norm)
+    with pytest.raises(ValueError, match="tensor-core"):
+        plan_gemv(896, 4864, "residual", rows=4, mma=False, splits=2)
     assert not plan_gemv(896, 896, "residual", rows=4, fp8=True).mma
     assert not plan_gemv(9728, 896, "silu_mul", rows=4, staged=True).mma    # a CUDA-core knob asks for that form
     assert not plan_gemv(9728, 896, "silu_mul", rows=4, mma=False).mma
@@ -925,20 +935,25 @@ def test_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
 
 # The tensor-core form at every row count it is built for: the fused path's shapes and flags, a
 # tail tile in N (200 rows: 12.5 tiles of 16; silu's 68 outputs: 8.5 tiles of 8), K = 1184 (37
-# steps of 32 over 5 warps of 8: the last warp's 3 steps past K are zeros), K = 64 (one warp).
-MMA_ROWS_TESTED = [2, 3, 4, 5, 8, 9, 16]
-MMA_GPU_CASES = [(1152, 896, "bias", True, True), (896, 896, "residual", False, True),
-                 (9728, 896, "silu_mul", True, True), (151936, 896, "none", True, True),
-                 (1152, 896, "none", False, False), (200, 96, "residual", False, False),
-                 (136, 64, "silu_mul", False, False), (256, 1184, "bias", True, False)]
+# steps of 32 over 5 warps of 8: the last warp's 3 steps past K are zeros; split over 2 or 3
+# CTAs, the last split shorter), K = 64 (one warp).
+MMA_ROWS_TESTED = [2, 3, 4, 5, 8, 16]
+MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", False, True, {}),
+                 (9728, 896, "silu_mul", True, True, {}), (151936, 896, "none", True, True, {}),
+                 (896, 4864, "residual", False, True, {}), (1152, 896, "none", False, False, {}),
+                 (200, 96, "residual", False, False, {}), (136, 64, "silu_mul", False, False, {}),
+                 (256, 1184, "bias", True, False, {}), (200, 1184, "bias", False, False, dict(splits=3)),
+                 (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3))]
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", MMA_ROWS_TESTED)
-@pytest.mark.parametrize("n, k, epilogue, norm, pdl", MMA_GPU_CASES)
-def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, rows):
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows)
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES)
+def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    """Also K split over CTAs (down's default; forced on small shapes with tails); two calls,
+    so the second finds the split counters reset."""
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
     assert gemv.plan.mma, gemv.plan.describe()
     check_rows(kh, gemv, epilogue, norm, rows)
 

@@ -230,8 +230,9 @@ def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
 def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
     model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
-    epilogues, plain + PDL (each where the kernel plans it) and the CUDA-core form beside the
-    tensor-core one ("cores"); with --no-mma (or where the tensor-core form does not plan) the
+    epilogues, plain + PDL (each where the kernel plans it), the CUDA-core form beside the
+    tensor-core one ("cores") and the tensor-core form with one tile a CTA where its default
+    loops ("tile/CTA"); with --no-mma (or where the tensor-core form does not plan) the
     CUDA-core form with the one-row plan's grid where the M-row plan differs (one tile a CTA, its warps: every CTA
     reads x from L2) and, from M = 4, more output rows a lane group where the shape allows
     (each x chunk read from L1 serves more weight rows)."""
@@ -257,6 +258,8 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
             continue
         if plans("none").mma and not args.no_mma:
             out.append((m, "none", False, 16, False, cores))
+            if plans("none", ctas_per_sm=0) != plans("none"):  # one tile a CTA, no resident loop
+                out.append((m, "none", False, 16, False, {"ctas_per_sm": 0}))
             continue  # (the CUDA-core form's own plan comparisons: --no-mma)
         plan = plans("none", **cores)
         one_tile = dict(cores, ctas_per_sm=0, warps=one_row.warps)

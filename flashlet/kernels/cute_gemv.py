@@ -17,7 +17,8 @@ Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * M * N * K. At 
 the bytes matter, so the design is about keeping enough loads in flight. With M rows (`rows`,
 compiled in) each lane multiplies its weight chunks by every row's x and the group's sums are
 reduce-scattered so each lane finishes its own rows (`_dot_rows`, `reduce_scatter`;
-FUSED_NOTES.md, "Stage 4: M rows"); M = 1 compiles to the one-row kernel described below.
+FUSED_NOTES.md, "Stage 4: M rows"), or the tensor cores sum them (below); M = 1 compiles to the
+one-row kernel described below.
 
 Design. A group of L lanes (L = 32, 16, 8 ... the largest power of two dividing K / 8) owns
 a row; each lane holds C = K / (8 L) 16-byte chunks of that row, so a row is read as C
@@ -39,6 +40,13 @@ With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`,
 Programmatic Dependent Launch they overlap the previous kernel's tail: the form the fused
 decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
 the residual): each output is read and written by the same lane group.
+
+Tensor cores (`mma`, the default for 2-16 bf16 rows where it plans; FUSED_NOTES.md, "Stage
+5"): the M rows' sums come from mma.sync m16n8k16 (bf16 in, fp32 sums) with W as the A operand
+and x^T as B, each lane's natural 16-byte loads its fragments (K permuted alike in both), so the
+products cost about one row's: a CTA owns 16 weight rows and its warps split K (`_plan_mma`,
+`_mma_kernel`); a long K also splits over CTAs (`splits`). One row, fp8 and the staged variant
+keep the CUDA-core form (`mma=False` asks for it).
 
 FP8 weights (`fp8=True`; quantization.QuantizedWeight's layout: W ~= q * scale[:, None], q [N, K]
 e4m3, scale [N] fp32): weight-only, as the per-op fp8 kernel. A 16-byte load holds 16 weights

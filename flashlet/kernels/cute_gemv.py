@@ -1250,6 +1250,16 @@ def _as_i32x4(v):
     return [cutlass.Int32(vector.extract(vec, dynamic_position=[], static_position=[i])) for i in range(4)]
 
 
+def mma_operands(wa: list, wb: list, xb: list, half: int) -> tuple[list, list]:
+    """The A and B registers of one of a K step's two products (half 0: K 8t .. 8t+3, 1: 8t+4
+    .. 8t+7) from a lane's loads as 32-bit pairs: wa / wb weight rows g / g + 8, xb decode row
+    g's x. A is {a0a1, a2a3, a4a5, a6a7} = (row g, k 2t..), (g + 8, 2t..), (g, 2t+8..), (g + 8,
+    2t+8..) and B {b0b1, b2b3} = (k 2t.., column g), (2t+8.., g), so logical k 2t, 2t+1, 2t+8,
+    2t+9 are physical 8t + 4 half + 0..3 in both. Plain Python: a CPU test checks it."""
+    return ([wa[2 * half], wb[2 * half], wa[2 * half + 1], wb[2 * half + 1]],
+            [xb[2 * half], xb[2 * half + 1]])
+
+
 def _mma_bf16(a, b, c):
     """d = A B + c for one m16n8k16 bf16 product: a four A registers, b two B registers, c the
     four fp32 accumulators; returns the four new ones."""
@@ -1366,8 +1376,8 @@ def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS,
         for nt in cutlass.range_constexpr(n_tiles):
             xb = b[s * n_tiles + nt]
             for h in cutlass.range_constexpr(2):  # K 8t .. 8t+3, then 8t+4 .. 8t+7
-                acc[nt * 2 + h] = _mma_bf16([wa[2 * h], wb[2 * h], wa[2 * h + 1], wb[2 * h + 1]],
-                                            [xb[2 * h], xb[2 * h + 1]], acc[nt * 2 + h])
+                a, bb = mma_operands(wa, wb, xb, h)
+                acc[nt * 2 + h] = _mma_bf16(a, bb, acc[nt * 2 + h])
     c = [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
     if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,

@@ -436,6 +436,36 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     assert int(counts["STORE"]) >= 1 and int(counts["FMA"]) < rows * p.loads_in_flight_per_lane * VEC
 
 
+def test_mma_fragments_from_natural_loads_give_exact_dot_products():
+    """The permutation argument, lane by lane: place each lane's operand registers
+    (`mma_operands` of its 16-byte loads) where the PTX fragment layout of m16n8k16 puts them,
+    and every (weight row, decode row) pair of the two products meets each physical K of the
+    32-wide step exactly once, weight and x at the same K."""
+    a_at = {}  # (product, row, logical k) -> (weight row, physical k)
+    b_at = {}  # (product, logical k, column) -> (decode row, physical k)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        pairs = lambda row: [(row, 8 * t + 2 * i) for i in range(4)]  # noqa: E731 (a 32-bit pair each)
+        for half in range(2):
+            a, b = cute_gemv.mma_operands(pairs(g), pairs(g + 8), pairs(g), half)
+            for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                for e in range(2):
+                    a_at[half, row, col + e] = (a[reg][0], a[reg][1] + e)
+            for reg, k in enumerate([2 * t, 2 * t + 8]):
+                for e in range(2):
+                    b_at[half, k + e, g] = (b[reg][0], b[reg][1] + e)
+    for row in range(16):
+        for col in range(8):
+            seen = []
+            for half in range(2):
+                for k in range(16):
+                    w_row, w_k = a_at[half, row, k]
+                    x_row, x_k = b_at[half, k, col]
+                    assert (w_row, x_row, w_k) == (row, col, x_k)
+                    seen.append(w_k)
+            assert sorted(seen) == list(range(32))
+
+
 def test_mma_plan_covers_every_output_and_k_step_once():
     for n, k, epilogue, _, norm in MMA_LOWERING:
         d = 64 if n == 1152 else 32

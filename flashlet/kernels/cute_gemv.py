@@ -1358,27 +1358,32 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
     return rstd
 
 
+def _mma_products(w, b, chunks: int, rows: int) -> list:
+    """This warp's sums of one tile over its K steps, c[nt] = its four accumulators (two
+    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end)."""
+    n_tiles = (rows + 7) // 8
+    acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]
+    for s in range(chunks):
+        wa = _as_i32x4(w[2 * s])
+        wb = _as_i32x4(w[2 * s + 1])
+        for nt in range(n_tiles):
+            for h in range(2):
+                a, bb = mma_operands(wa, wb, b[s * n_tiles + nt], h)
+                acc[nt * 2 + h] = _mma_bf16(a, bb, acc[nt * 2 + h])
+    return [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
+
+
 @_deferred.jit
-def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
-              mPart, mCounter, sLast, split, tidx, warps, chunks, n_out, epilogue, rows, norm, head_dim,
+def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
+              mPart, mCounter, sLast, split, tidx, warps, n_out, epilogue, rows, norm, head_dim,
               q_heads, kv_heads, splits):
-    """One tile: the products over this warp's K steps, the warps' sums added in shared memory
-    (buffer it % 2: a warp may write the next tile's while warp 0 still reads this one's), and
-    warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the tile's CTAs
-    to finish). Returns the lane's running argmax pair."""
+    """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
+    memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
+    one's), and warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the
+    tile's CTAs to finish). Returns the lane's running argmax pair."""
     warp = tidx // 32
     lane = tidx % 32
     n_tiles = (rows + 7) // 8
-    acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]: two chains
-    for s in cutlass.range_constexpr(chunks):
-        wa = _as_i32x4(w[2 * s])
-        wb = _as_i32x4(w[2 * s + 1])
-        for nt in cutlass.range_constexpr(n_tiles):
-            xb = b[s * n_tiles + nt]
-            for h in cutlass.range_constexpr(2):  # K 8t .. 8t+3, then 8t+4 .. 8t+7
-                a, bb = mma_operands(wa, wb, xb, h)
-                acc[nt * 2 + h] = _mma_bf16(a, bb, acc[nt * 2 + h])
-    c = [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
     if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads)
@@ -1411,6 +1416,12 @@ def _mma_tile(w, b, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS,
         _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
                           epilogue, rows, head_dim, q_heads, kv_heads, splits)
     return best_val, best_idx
+
+
+def _next_tile(tile, gdim, num_tiles):
+    """The tile a looping CTA prefetches after `tile`: the next one, or `tile` itself at the end."""
+    nxt = tile + gdim
+    return cutlass.Int32(cutlass.select_(nxt < num_tiles, nxt, tile))
 
 
 def _mma_store_split(mPart, c, part, lane, rows):
@@ -1598,16 +1609,25 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
-    best_val, best_idx = _mma_tile(w, b, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
-                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, warps, chunks, n_out,
+    # A looping CTA issues its next tile's weight loads right after this tile's products, so
+    # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
+    # L2, no DRAM bytes).
+    loops = splits == 1 and grid < num_tiles
+    c = _mma_products(w, b, chunks, rows)
+    if cutlass.const_expr(loops):
+        w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+                              epilogue, head_dim)
+    best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
+                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, warps, n_out,
                                    epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
-    if cutlass.const_expr(splits == 1):
-        for nxt in range(bidx + gdim, num_tiles, gdim):
-            w = _mma_load_weights(mW, nxt, 0, k // MMA_K, warp, lane, n_out, chunks, epilogue, head_dim)
-            best_val, best_idx = _mma_tile(w, b, nxt, (nxt - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
+    if cutlass.const_expr(loops):
+        for cur in range(bidx + gdim, num_tiles, gdim):
+            c = _mma_products(w, b, chunks, rows)
+            w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+                                  epilogue, head_dim)
+            best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
                                            mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
-                                           warps, chunks, n_out, epilogue, rows, norm, head_dim, q_heads,
-                                           kv_heads, 1)
+                                           warps, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads, 1)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
                            warps, grid, rows)
@@ -1645,7 +1665,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits"),
                      _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
                      _mma_rstd: ("k", "warps", "rows", "eps"),
-                     _mma_tile: ("warps", "chunks", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
+                     _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
                                  "kv_heads", "splits"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
                      _mma_argmax_finish: ("warps", "grid", "rows"),

@@ -422,11 +422,12 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
     assert p.mma
     n_tiles = -(-rows // 8)
-    # the first tile, issued before the PDL wait, and the loop's: each traced once (with K split
-    # over CTAs, one tile a CTA: no loop)
-    traces = 1 if p.splits > 1 else 2
-    assert int(counts["MMA"]) == traces * p.chunks * 2 * n_tiles
-    weight_loads = traces * p.loads_in_flight_per_lane
+    # the first tile's products, and where the grid loops the loop's (each traced once); its
+    # weight loads, and where the grid loops the next tile's after the first tile's products and
+    # in the loop
+    loops = p.grid < p.num_tiles
+    assert int(counts["MMA"]) == (2 if loops else 1) * p.chunks * 2 * n_tiles
+    weight_loads = (3 if loops else 1) * p.loads_in_flight_per_lane
     x_and_g = p.chunks * (n_tiles + norm)
     assert int(counts["W128"]) + int(counts["W128U"]) == weight_loads + x_and_g
     assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0

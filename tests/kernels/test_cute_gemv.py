@@ -974,7 +974,8 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (896, 4864, "residual", False, True, {}), (1152, 896, "none", False, False, {}),
                  (200, 96, "residual", False, False, {}), (136, 64, "silu_mul", False, False, {}),
                  (256, 1184, "bias", True, False, {}), (200, 1184, "bias", False, False, dict(splits=3)),
-                 (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3))]
+                 (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
+                 (9000, 64, "residual", False, True, {})]  # a looping grid (563 tiles), a tail tile
 
 
 @pytest.mark.gpu
@@ -1026,7 +1027,7 @@ def _argmax_rows_inputs(n, k, rows, seed, norm):
 @pytest.mark.parametrize("n, k, norm, pdl, knobs", [
     (151936, 896, True, True, {}), (151936, 896, False, False, dict(ctas_per_sm=1, warps=8)),
     (256, 256, True, False, {}), (96, 64, False, True, {}), (151936, 896, True, True, dict(mma=False)),
-    (136, 64, False, False, dict(ctas_per_sm=1)),  # the tensor-core form: one CTA walks 9 tiles, a tail
+    (5000, 64, False, False, dict(ctas_per_sm=1)),  # the tensor-core form: 132 CTAs walk 313 tiles, a tail
 ])
 def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
     """Each row's token is its own argmax (ties: the lower index); random rows then tied rows;
@@ -1057,6 +1058,7 @@ def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
 
 ROWS_ROPE_CASES = [(QWEN05_ROPE, 896, True, True, {}), (QWEN05_ROPE, 896, True, False, dict(warps=2)),
                    (QWEN05_ROPE, 896, True, True, dict(mma=False)), (RopeShape(16, 4, 2, 64, 256), 128, False, False, {}),
+                   (RopeShape(64, 200, 2, 64, 256), 128, True, True, {}),  # 816 tiles: the grid loops
                    (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, True, {}),
                    (RopeShape(32, 4, 2, 64, 256), 200, True, False, {})]  # K = 200: one lane a row
 

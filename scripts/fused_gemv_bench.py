@@ -231,8 +231,8 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
     model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
     epilogues, plain + PDL (each where the kernel plans it), the CUDA-core form beside the
-    tensor-core one ("cores") and the tensor-core form with one tile a CTA where its default
-    loops ("tile/CTA"); with --no-mma (or where the tensor-core form does not plan) the
+    tensor-core one ("cores") and the tensor-core form in a resident grid of two CTAs an SM
+    ("loop 2/SM") where its default differs; with --no-mma (or where the tensor-core form does not plan) the
     CUDA-core form with the one-row plan's grid where the M-row plan differs (one tile a CTA, its warps: every CTA
     reads x from L2) and, from M = 4, more output rows a lane group where the shape allows
     (each x chunk read from L1 serves more weight rows)."""
@@ -258,8 +258,10 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
             continue
         if plans("none").mma and not args.no_mma:
             out.append((m, "none", False, 16, False, cores))
-            if plans("none", ctas_per_sm=0) != plans("none"):  # one tile a CTA, no resident loop
-                out.append((m, "none", False, 16, False, {"ctas_per_sm": 0}))
+            for e in ("none", "argmax"):  # a resident grid of two CTAs an SM looping over the tiles
+                looping = plans(e, ctas_per_sm=2) if e in ("none", *epilogues) else None
+                if looping is not None and looping.mma and looping != plans(e):
+                    out.append((m, e, False, 16, False, {"ctas_per_sm": 2}))
             continue  # (the CUDA-core form's own plan comparisons: --no-mma)
         plan = plans("none", **cores)
         one_tile = dict(cores, ctas_per_sm=0, warps=one_row.warps)
@@ -309,7 +311,9 @@ def main() -> int:
         bank, copies = bank_copies
         for m, epilogue, pdl, max_loads, staged, knobs in shape_variants(n, k, epilogues, args):
             tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
-                   + (" R up" if max_loads == 32 else "") + (" tile/CTA" if "ctas_per_sm" in knobs else "")
+                   + (" R up" if max_loads == 32 else "")
+                   + ({0: " tile/CTA"}.get(knobs.get("ctas_per_sm"), f" loop {knobs.get('ctas_per_sm')}/SM")
+                      if "ctas_per_sm" in knobs else "")
                    + (" cores" if knobs.get("mma") is False and not args.no_mma else "")
                    + (" staged" if staged else ""))
             label = f"{name} {n}x{k} M={m} {tag}"

@@ -83,6 +83,7 @@ MMA_K = 32  # the mma form's K step: a lane's 16-byte load a row, two m16n8k16 p
 MMA_ROWS = 16  # weight rows a tensor-core tile covers (the mma's M; the decode rows are its N)
 MMA_MAX_STEPS = 8  # K steps a warp loads at once: 16 weight loads a lane in flight
 MMA_MAX_WARPS = 32  # a CTA's warps splitting K (1024 threads)
+MMA_ARGMAX_CTAS_PER_SM = 8  # the tensor-core argmax's looping grid (a CTA walks ~9 LM-head tiles)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
     "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
@@ -513,8 +514,9 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     """The tensor-core plan: a CTA owns a tile of 16 weight rows and its warps split K, each
     taking `chunks` consecutive K steps of 32 (all its loads in flight at once, at most
     MMA_MAX_STEPS); warps = K steps / chunks, more where the tiles are too few to give every SM
-    two warps' loads. By default a resident grid of two CTAs an SM loops over the tiles (each
-    warp's x fragments are loaded once, for all its tiles). Where a CTA's warps would not fit
+    two warps' loads. By default one tile a CTA (measured faster than a resident grid of two CTAs
+    an SM looping over the tiles: FUSED_NOTES.md, "Stage 5"); the argmax loops (its last CTA
+    reduces one partial a CTA) with eight CTAs an SM. Where a CTA's warps would not fit
     an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
     CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
     applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
@@ -556,7 +558,8 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {ctas_per_sm}")
     if ctas_per_sm and splits > 1:
         raise ValueError("ctas_per_sm (a looping grid) is not combined with splits > 1 (one tile a CTA)")
-    ctas_per_sm = 2 if ctas_per_sm is None else ctas_per_sm
+    if ctas_per_sm is None:
+        ctas_per_sm = MMA_ARGMAX_CTAS_PER_SM if epilogue == "argmax" else 0
     grid = tiles * splits if splits > 1 else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
     return GemvPlan(n_rows, k, n_out, epilogue, 32, chunks, 1, warps, grid, pdl, False, norm, float(eps),
                     rope, 1, False, min_ctas, rows, False, True, splits)

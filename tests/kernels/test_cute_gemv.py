@@ -478,7 +478,8 @@ def test_mma_plan_covers_every_output_and_k_step_once():
             assert (p.warps - 1) * p.chunks < per_split <= p.warps * p.chunks  # every warp has a K step
             assert (p.splits - 1) * per_split < k // 32                         # and every split
             assert p.num_tiles * p.outs_per_tile >= p.n_out > (p.num_tiles - 1) * p.outs_per_tile
-            assert p.grid == (p.num_tiles * p.splits if p.splits > 1 else min(p.num_tiles, 2 * 132))
+            loop = cute_gemv.MMA_ARGMAX_CTAS_PER_SM * 132 if epilogue == "argmax" else p.num_tiles
+            assert p.grid == (p.num_tiles * p.splits if p.splits > 1 else min(p.num_tiles, loop))
 
 
 @pytest.mark.parametrize("kwargs, match", [

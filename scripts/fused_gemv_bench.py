@@ -231,8 +231,9 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
     model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
     epilogues, plain + PDL (each where the kernel plans it), the CUDA-core form beside the
-    tensor-core one ("cores") and the tensor-core form in a resident grid of two CTAs an SM
-    ("loop 2/SM") where its default differs; with --no-mma (or where the tensor-core form does not plan) the
+    tensor-core one ("cores"), the tensor-core form in a resident grid of two CTAs an SM
+    ("loop 2/SM") where its default differs and, past 8 rows, with twice its warps ("w<n>": half
+    the K steps and registers a lane); with --no-mma (or where the tensor-core form does not plan) the
     CUDA-core form with the one-row plan's grid where the M-row plan differs (one tile a CTA, its warps: every CTA
     reads x from L2) and, from M = 4, more output rows a lane group where the shape allows
     (each x chunk read from L1 serves more weight rows)."""
@@ -258,6 +259,10 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
             continue
         if plans("none").mma and not args.no_mma:
             out.append((m, "none", False, 16, False, cores))
+            default = plans("none")
+            more_warps = dict(warps=min(2 * default.warps, cute_gemv.MMA_MAX_WARPS))  # half the K steps a warp
+            if m > 8 and plans("none", **more_warps) not in (None, default):  # fewer registers a lane
+                out.append((m, "none", False, 16, False, more_warps))
             for e in ("none", "argmax"):  # a resident grid of two CTAs an SM looping over the tiles
                 looping = plans(e, ctas_per_sm=2) if e in ("none", *epilogues) else None
                 if looping is not None and looping.mma and looping != plans(e):
@@ -315,6 +320,7 @@ def main() -> int:
                    + ({0: " tile/CTA"}.get(knobs.get("ctas_per_sm"), f" loop {knobs.get('ctas_per_sm')}/SM")
                       if "ctas_per_sm" in knobs else "")
                    + (" cores" if knobs.get("mma") is False and not args.no_mma else "")
+                   + (f" w{knobs['warps']}" if "warps" in knobs and "ctas_per_sm" not in knobs else "")
                    + (" staged" if staged else ""))
             label = f"{name} {n}x{k} M={m} {tag}"
             row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * 2)

@@ -500,8 +500,8 @@ def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict) -> str:
         return "the tensor-core form is for rows >= 2 (one row keeps the CUDA-core kernel)"
     if fp8:
         return "the tensor-core form reads bf16 weights (fp8 keeps the CUDA-core form)"
-    if k % MMA_K or k > MMA_K * MMA_MAX_STEPS * MMA_MAX_WARPS:
-        return f"K must be a multiple of {MMA_K} up to {MMA_K * MMA_MAX_STEPS * MMA_MAX_WARPS}, got {k}"
+    if k % MMA_K:
+        return f"K must be a multiple of {MMA_K}, got {k}"
     cuda_core_only = [name for name in ("outs_per_group", "staged", "stages", "late_g")
                       if knobs[name] and not (name == "stages" and knobs[name] == 1)]
     if cuda_core_only:

@@ -976,7 +976,8 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (200, 96, "residual", False, False, {}), (136, 64, "silu_mul", False, False, {}),
                  (256, 1184, "bias", True, False, {}), (200, 1184, "bias", False, False, dict(splits=3)),
                  (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
-                 (9000, 64, "residual", False, True, {})]  # a looping grid (563 tiles), a tail tile
+                 (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
+                 (256, 8960, "residual", False, True, {})]  # Qwen2.5-1.5B's down K: split over 9 CTAs
 
 
 @pytest.mark.gpu

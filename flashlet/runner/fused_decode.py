@@ -102,6 +102,9 @@ MAX_DOWN_K = 16_384
 #   with the tensor-core ones (2026-12-02 ~08:30 UTC, profile_step --prompt-len 400, PDL, RoPE
 #   and one-launch attention): 4 rows 0.690 ms, 16 rows 0.864 (per-op 1.23)    -> fused up to 16
 SERVED_ROWS = 16
+# fp8 weights stream through the CUDA-core M-row GEMVs (the tensor-core form reads bf16), whose
+# 8- and 16-row steps measured slower than per-op (the first line above).
+SERVED_ROWS_FP8 = 4
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -212,10 +215,12 @@ class Gemvs:
                 if g is not None]
 
 
-def served_row_counts(padded_sizes: Sequence[int]) -> list[int]:
-    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, and no
-    more than the kernel takes): a step padded to any other runs per-op."""
-    return [s for s in padded_sizes if s <= min(SERVED_ROWS, gemv_row_limit())]
+def served_row_counts(padded_sizes: Sequence[int], model=None) -> list[int]:
+    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
+    SERVED_ROWS_FP8 for a model with fp8 weights, and no more than the kernel takes): a step
+    padded to any other runs per-op."""
+    served = SERVED_ROWS_FP8 if model is not None and is_quantized(model) else SERVED_ROWS
+    return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 
 def gemv_row_limit() -> int:

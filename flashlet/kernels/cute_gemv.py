@@ -1378,7 +1378,7 @@ def _mma_products(w, b, chunks: int, rows: int) -> list:
 
 @_deferred.jit
 def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
-              mPart, mCounter, sLast, split, tidx, warps, n_out, epilogue, rows, norm, head_dim,
+              mPart, mCounter, sLast, split, tidx, rope_in, warps, n_out, epilogue, rows, norm, head_dim,
               q_heads, kv_heads, splits):
     """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
     memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
@@ -1389,7 +1389,8 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
     n_tiles = (rows + 7) // 8
     if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
-                                           mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads)
+                                           mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
+                                           rope_in)
     elif cutlass.const_expr(warps == 1):
         _mma_store_split(mPart, c, tile * splits + split, lane, rows)
     else:
@@ -1412,7 +1413,7 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
             if cutlass.const_expr(splits == 1):
                 best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS,
                                                    mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
-                                                   q_heads, kv_heads)
+                                                   q_heads, kv_heads, rope_in)
             else:
                 _mma_store_split(mPart, total, tile * splits + split, lane, rows)
     if cutlass.const_expr(splits > 1):
@@ -1469,10 +1470,11 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSl
 
 @_deferred.jit
 def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC, lane, n_out,
-                  epilogue, rows, norm, head_dim, q_heads, kv_heads):
+                  epilogue, rows, norm, head_dim, q_heads, kv_heads, rope_in=None):
     """Lane 4 g + t finishes decode rows m = 8 nt + 2 t + j from c[nt] = (row g: m = 2t, 2t+1;
     row g + 8: the same), each as the CUDA-core form's epilogue does; argmax folds the tile into
-    the lane's running pair (lane g = 2 nt + j keeps decode row m's)."""
+    the lane's running pair (lane g = 2 nt + j keeps decode row m's). rope_in: the tile's
+    `_mma_rope_inputs`, loaded before the products (None: loaded here)."""
     g = lane // 4
     t = lane % 4
     n_tiles = (rows + 7) // 8
@@ -1507,19 +1509,15 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
                         mY[m * n_out + out] = y.to(mY.element_type)
             if cutlass.const_expr(rope):
                 slot = tile * (MMA_ROWS // 2) + g
-                safe = cutlass.min(slot, n_out - 1)
-                r1 = (safe // half) * head_dim + safe % half
-                rotate = safe // half < q_heads + kv_heads  # a v head: cos 1, sin 0
-                pos = cutlass.Int32(mPos[mm])
-                cs = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half], cutlass.Float32(1.0)))
-                sn = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
-                                                     cutlass.Float32(0.0)))
-                if cutlass.const_expr(epilogue == "bias_rope_kv"):
-                    lo = lo + mE[r1].to(cutlass.Float32)
-                    hi = hi + mE[r1 + half].to(cutlass.Float32)
+                if cutlass.const_expr(rope_in is None):
+                    rope_in = _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
+                                               q_heads, kv_heads)
+                bias_lo, bias_hi = rope_in[0]
+                cs, sn, pool_slot = rope_in[1][nt * 2 + j]
+                lo = lo + bias_lo
+                hi = hi + bias_hi
                 rot_lo = (lo * cs - hi * sn).to(mY.element_type)
                 rot_hi = (hi * cs + lo * sn).to(mY.element_type)
-                pool_slot = cutlass.Int32(mSlot[mm])
                 if m < rows:
                     if slot < n_out:
                         _rope_kv_store(mY, mKC, mVC, slot, rot_lo, rot_hi, pool_slot, m * (2 * n_out),
@@ -1527,6 +1525,31 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
             if cutlass.const_expr(epilogue == "argmax"):
                 best_val, best_idx = _mma_argmax_step(lo, hi, tile, g, nt * 2 + j, best_val, best_idx, n_out)
     return best_val, best_idx
+
+
+def _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
+    """What the rope epilogue of `tile` reads besides the sums, for this lane's slot (dims i and
+    i + D/2 of head h) and decode rows: [(bias of both dims, 0 without one), [(cos, sin, pool
+    slot) per decode row, nt * 2 + j]] (a v head: cos 1, sin 0). Loaded before the products
+    (after the PDL wait: positions and slots are the step's inputs), so their latency hides."""
+    g = lane // 4
+    half = head_dim // 2
+    safe = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
+    r1 = (safe // half) * head_dim + safe % half
+    rotate = safe // half < q_heads + kv_heads
+    bias = (cutlass.Float32(0.0), cutlass.Float32(0.0))
+    if epilogue == "bias_rope_kv":
+        bias = (mE[r1].to(cutlass.Float32), mE[r1 + half].to(cutlass.Float32))
+    per_row = []
+    for nt in range((rows + 7) // 8):
+        for j in range(2):
+            mm = cutlass.min(nt * 8 + 2 * (lane % 4) + j, rows - 1)
+            pos = cutlass.Int32(mPos[mm])
+            cs = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half], cutlass.Float32(1.0)))
+            sn = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
+                                                 cutlass.Float32(0.0)))
+            per_row.append((cs, sn, cutlass.Int32(mSlot[mm])))
+    return [bias, per_row]
 
 
 def _mma_argmax_step(lo, hi, tile, g, pair, best_val, best_idx, n_out):
@@ -1598,6 +1621,11 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
     b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits)
+    rope = epilogue == "rope_kv" or epilogue == "bias_rope_kv"
+    rope_in = None
+    if cutlass.const_expr(rope):
+        rope_in = _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                   kv_heads)
     smem = cutlass.utils.SmemAllocator()
     sAcc = None
     if cutlass.const_expr(warps > 1):
@@ -1621,16 +1649,20 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
                               epilogue, head_dim)
     best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
-                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, warps, n_out,
+                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, rope_in, warps, n_out,
                                    epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
     if cutlass.const_expr(loops):
         for cur in range(bidx + gdim, num_tiles, gdim):
+            if cutlass.const_expr(rope):
+                rope_in = _mma_rope_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
+                                           q_heads, kv_heads)
             c = _mma_products(w, b, chunks, rows)
             w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
                                   epilogue, head_dim)
             best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
                                            mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
-                                           warps, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads, 1)
+                                           rope_in, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
+                                           kv_heads, 1)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
                            warps, grid, rows)

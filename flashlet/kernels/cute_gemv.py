@@ -1378,7 +1378,7 @@ def _mma_products(w, b, chunks: int, rows: int) -> list:
 
 @_deferred.jit
 def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
-              mPart, mCounter, sLast, split, tidx, rope_in, warps, n_out, epilogue, rows, norm, head_dim,
+              mPart, mCounter, sLast, split, tidx, pre, warps, n_out, epilogue, rows, norm, head_dim,
               q_heads, kv_heads, splits):
     """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
     memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
@@ -1390,7 +1390,7 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
     if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
-                                           rope_in)
+                                           pre)
     elif cutlass.const_expr(warps == 1):
         _mma_store_split(mPart, c, tile * splits + split, lane, rows)
     else:
@@ -1413,11 +1413,11 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
             if cutlass.const_expr(splits == 1):
                 best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS,
                                                    mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
-                                                   q_heads, kv_heads, rope_in)
+                                                   q_heads, kv_heads, pre)
             else:
                 _mma_store_split(mPart, total, tile * splits + split, lane, rows)
     if cutlass.const_expr(splits > 1):
-        _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
+        _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
                           epilogue, rows, head_dim, q_heads, kv_heads, splits)
     return best_val, best_idx
 
@@ -1439,8 +1439,8 @@ def _mma_store_split(mPart, c, part, lane, rows):
 
 
 @_deferred.jit
-def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out, epilogue,
-                      rows, head_dim, q_heads, kv_heads, splits):
+def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
+                      epilogue, rows, head_dim, q_heads, kv_heads, splits):
     """The tile's CTAs count themselves done (a counter a tile); the last adds their sums (its
     warp 0, each lane its own slots, in split order) and applies the epilogue, then resets the
     counter for the next launch."""
@@ -1463,18 +1463,18 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, mY, mE, mPos, mCS, mSl
                     row.append(v)
                 total.append(row)
             _mma_epilogue(total, tile, [], cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
-                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads)
+                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads, pre)
         if tidx == 0:
             mCounter[tile] = cutlass.Int32(0)
 
 
 @_deferred.jit
 def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC, lane, n_out,
-                  epilogue, rows, norm, head_dim, q_heads, kv_heads, rope_in=None):
+                  epilogue, rows, norm, head_dim, q_heads, kv_heads, pre=None):
     """Lane 4 g + t finishes decode rows m = 8 nt + 2 t + j from c[nt] = (row g: m = 2t, 2t+1;
     row g + 8: the same), each as the CUDA-core form's epilogue does; argmax folds the tile into
-    the lane's running pair (lane g = 2 nt + j keeps decode row m's). rope_in: the tile's
-    `_mma_rope_inputs`, loaded before the products (None: loaded here)."""
+    the lane's running pair (lane g = 2 nt + j keeps decode row m's). pre: the tile's
+    `_mma_epilogue_inputs`, loaded before the products (None: loaded here)."""
     g = lane // 4
     t = lane % 4
     n_tiles = (rows + 7) // 8
@@ -1494,10 +1494,11 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
                     out = tile * MMA_ROWS + g + 8 * h
                     safe = cutlass.min(out, n_out - 1)
                     y = [lo, hi][h]
-                    if cutlass.const_expr(epilogue == "bias"):
-                        y = y + mE[safe].to(cutlass.Float32)
-                    if cutlass.const_expr(epilogue == "residual"):
-                        y = y + mE[mm * n_out + safe].to(cutlass.Float32)
+                    if cutlass.const_expr(epilogue != "none"):
+                        if cutlass.const_expr(pre is None):
+                            pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows,
+                                                       head_dim, q_heads, kv_heads)
+                        y = y + pre[nt * 2 + j][h]  # the bias, or this decode row's residual
                     if m < rows:
                         if out < n_out:
                             mY[m * n_out + out] = y.to(mY.element_type)
@@ -1509,11 +1510,11 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
                         mY[m * n_out + out] = y.to(mY.element_type)
             if cutlass.const_expr(rope):
                 slot = tile * (MMA_ROWS // 2) + g
-                if cutlass.const_expr(rope_in is None):
-                    rope_in = _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
+                if cutlass.const_expr(pre is None):
+                    pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
                                                q_heads, kv_heads)
-                bias_lo, bias_hi = rope_in[0]
-                cs, sn, pool_slot = rope_in[1][nt * 2 + j]
+                bias_lo, bias_hi = pre[0]
+                cs, sn, pool_slot = pre[1][nt * 2 + j]
                 lo = lo + bias_lo
                 hi = hi + bias_hi
                 rot_lo = (lo * cs - hi * sn).to(mY.element_type)
@@ -1527,11 +1528,32 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
     return best_val, best_idx
 
 
-def _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
+def _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
+    """What the epilogue of `tile` reads besides the sums, loaded before the products (after
+    the PDL wait: the residual, positions and slots are the step's inputs) so their latency
+    hides behind them: bias / residual, per decode row nt * 2 + j the values to add to weight
+    rows g and g + 8; rope: `_mma_preputs`; None for the other epilogues."""
+    if epilogue == "rope_kv" or epilogue == "bias_rope_kv":
+        return _mma_preputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                kv_heads)
+    if epilogue != "bias" and epilogue != "residual":
+        return None
+    adds = []
+    for nt in range((rows + 7) // 8):
+        for j in range(2):
+            mm = cutlass.min(nt * 8 + 2 * (lane % 4) + j, rows - 1)
+            pair = []
+            for h in range(2):
+                safe = cutlass.min(tile * MMA_ROWS + lane // 4 + 8 * h, n_out - 1)
+                pair.append(mE[safe if epilogue == "bias" else mm * n_out + safe].to(cutlass.Float32))
+            adds.append(pair)
+    return adds
+
+
+def _mma_preputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
     """What the rope epilogue of `tile` reads besides the sums, for this lane's slot (dims i and
     i + D/2 of head h) and decode rows: [(bias of both dims, 0 without one), [(cos, sin, pool
-    slot) per decode row, nt * 2 + j]] (a v head: cos 1, sin 0). Loaded before the products
-    (after the PDL wait: positions and slots are the step's inputs), so their latency hides."""
+    slot) per decode row, nt * 2 + j]] (a v head: cos 1, sin 0)."""
     g = lane // 4
     half = head_dim // 2
     safe = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
@@ -1621,11 +1643,8 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
     b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits)
-    rope = epilogue == "rope_kv" or epilogue == "bias_rope_kv"
-    rope_in = None
-    if cutlass.const_expr(rope):
-        rope_in = _mma_rope_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
-                                   kv_heads)
+    pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                               kv_heads)
     smem = cutlass.utils.SmemAllocator()
     sAcc = None
     if cutlass.const_expr(warps > 1):
@@ -1649,19 +1668,18 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
                               epilogue, head_dim)
     best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
-                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, rope_in, warps, n_out,
+                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
                                    epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
     if cutlass.const_expr(loops):
         for cur in range(bidx + gdim, num_tiles, gdim):
-            if cutlass.const_expr(rope):
-                rope_in = _mma_rope_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
-                                           q_heads, kv_heads)
+            pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                       kv_heads)
             c = _mma_products(w, b, chunks, rows)
             w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
                                   epilogue, head_dim)
             best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
                                            mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
-                                           rope_in, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
+                                           pre, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
                                            kv_heads, 1)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,

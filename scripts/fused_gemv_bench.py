@@ -10,9 +10,11 @@ a failure is printed and the rest still runs. Needs CUDA and the CuTe DSL on PYT
 With --rows 1 2 4 8 16 each shape also runs the M-row kernel (`CuteGemv(..., rows=M)`: x [M, K],
 the weights read once for all rows) beside cuBLAS at the same M (torch.matmul of [M, K] x W^T);
 GB/s counts the weight bytes once per call, so a kernel that keeps the one-row figure as M grows
-gets M rows for the price of one.
+gets M rows for the price of one. At M > 1 the kernel's default form is the tensor-core one where it
+plans (`plan_gemv(..., mma=True)`; FUSED_NOTES.md, "Stage 5"), and each M also runs the CUDA-core
+form ("cores") beside it; --no-mma runs the CUDA-core form only.
 
-    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--rows M ...] [--json PATH]
+    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--rows M ...] [--no-mma] [--json PATH]
 """
 
 from __future__ import annotations
@@ -228,29 +230,50 @@ def time_token_chain(pdl: bool | None) -> tuple[float, torch.Tensor | None]:
 def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     """(rows, epilogue, pdl, max_loads, staged, knobs) to run at one shape: at one row the
     model's epilogues and the comparisons (PDL, one output a group, staged); at M > 1 the model's
-    epilogues, plain + PDL (argmax where M fits the lanes a row), plain with the one-row plan's
-    grid where the M-row plan differs (one tile a CTA, its warps: every CTA reads x from L2)
-    and, from M = 4, more output rows
-    a lane group where the shape allows (each x chunk read from L1 serves more weight rows)."""
+    epilogues, plain + PDL (each where the kernel plans it), the CUDA-core form beside the
+    tensor-core one ("cores"), the tensor-core form in a resident grid of two CTAs an SM
+    ("loop 2/SM") where its default differs and, past 8 rows, with twice its warps ("w<n>": half
+    the K steps and registers a lane); with --no-mma (or where the tensor-core form does not plan) the
+    CUDA-core form with the one-row plan's grid where the M-row plan differs (one tile a CTA, its warps: every CTA
+    reads x from L2) and, from M = 4, more output rows a lane group where the shape allows
+    (each x chunk read from L1 serves more weight rows)."""
     out = []
     one_row = cute_gemv.plan_gemv(n, k)
-    one_tile = dict(ctas_per_sm=0, warps=one_row.warps)
+    cores = {"mma": False}
     for m in args.rows:
-        fits = [e for e in epilogues if e != "argmax" or m <= cute_gemv.lanes_for(k)]
-        out += [(m, e, False, 16, False, {}) for e in fits]
+        base = cores if args.no_mma and m > 1 else {}
+
+        def plans(epilogue, **knobs):
+            try:
+                return cute_gemv.plan_gemv(n, k, epilogue, rows=m, **knobs)
+            except ValueError:  # e.g. a CUDA-core argmax with more rows than lanes a row
+                return None
+
+        out += [(m, e, False, 16, False, base) for e in epilogues if plans(e, **base)]
         if not args.no_pdl:
-            out.append((m, "none", True, 16, False, {}))
+            out.append((m, "none", True, 16, False, base))
         if m == 1:
             if one_row.outs_per_group > 1:  # one row per lane group
                 out.append((m, "none", False, 8, False, {}))
             out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
             continue
-        plan = cute_gemv.plan_gemv(n, k, rows=m)
-        if cute_gemv.plan_gemv(n, k, rows=m, **one_tile) != plan:
+        if plans("none").mma and not args.no_mma:
+            out.append((m, "none", False, 16, False, cores))
+            default = plans("none")
+            more_warps = dict(warps=min(2 * default.warps, cute_gemv.MMA_MAX_WARPS))  # half the K steps a warp
+            if m > 8 and plans("none", **more_warps) not in (None, default):  # fewer registers a lane
+                out.append((m, "none", False, 16, False, more_warps))
+            for e in ("none", "argmax"):  # a resident grid of two CTAs an SM looping over the tiles
+                looping = plans(e, ctas_per_sm=2) if e in ("none", *epilogues) else None
+                if looping is not None and looping.mma and looping != plans(e):
+                    out.append((m, e, False, 16, False, {"ctas_per_sm": 2}))
+            continue  # (the CUDA-core form's own plan comparisons: --no-mma)
+        plan = plans("none", **cores)
+        one_tile = dict(cores, ctas_per_sm=0, warps=one_row.warps)
+        if plans("none", **one_tile) != plan:
             out.append((m, "none", False, 16, False, one_tile))
-        if m >= 4 and cute_gemv.plan_gemv(n, k, max_loads=32, rows=m).outs_per_group > \
-                plan.outs_per_group:  # more output rows a group: x reused more
-            out.append((m, "none", False, 32, False, {}))
+        if m >= 4 and plans("none", max_loads=32, **cores).outs_per_group > plan.outs_per_group:
+            out.append((m, "none", False, 32, False, cores))  # more output rows a group: x reused more
     return out
 
 
@@ -262,6 +285,8 @@ def main() -> int:
     ap.add_argument("--no-token", action="store_true", help="skip the whole-token GEMV chain")
     ap.add_argument("--rows", nargs="+", type=int, default=[1],
                     help="decode rows per call (M): the M-row kernel beside cuBLAS at each M")
+    ap.add_argument("--no-mma", action="store_true",
+                    help="M > 1: the CUDA-core form only (no tensor-core rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -291,7 +316,11 @@ def main() -> int:
         bank, copies = bank_copies
         for m, epilogue, pdl, max_loads, staged, knobs in shape_variants(n, k, epilogues, args):
             tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
-                   + (" R up" if max_loads == 32 else "") + (" tile/CTA" if knobs else "")
+                   + (" R up" if max_loads == 32 else "")
+                   + ({0: " tile/CTA"}.get(knobs.get("ctas_per_sm"), f" loop {knobs.get('ctas_per_sm')}/SM")
+                      if "ctas_per_sm" in knobs else "")
+                   + (" cores" if knobs.get("mma") is False and not args.no_mma else "")
+                   + (f" w{knobs['warps']}" if "warps" in knobs and "ctas_per_sm" not in knobs else "")
                    + (" staged" if staged else ""))
             label = f"{name} {n}x{k} M={m} {tag}"
             row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * 2)
@@ -301,7 +330,7 @@ def main() -> int:
                 failures += 1
                 continue
             row["plan"] = (f"L={gemv.plan.lanes} C={gemv.plan.chunks} R={gemv.plan.outs_per_group} "
-                           f"warps={gemv.plan.warps} grid={gemv.plan.grid}")
+                           f"warps={gemv.plan.warps} grid={gemv.plan.grid}" + (" mma" if gemv.plan.mma else ""))
             secs = guarded(f"{label} compile", gemv.compile)
             row["compile_s"] = secs
             if secs is None:
@@ -312,7 +341,7 @@ def main() -> int:
             row["check"] = verdict or "FAILED"
             failures += verdict is None
             row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
-            baseline = not pdl and max_loads == 16 and not staged and not knobs
+            baseline = not pdl and max_loads == 16 and not staged and knobs == ({"mma": False} if args.no_mma and m > 1 else {})
             if baseline and epilogue == "none":
                 row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k, m)
                 if row["cublas_us"]:

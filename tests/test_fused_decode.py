@@ -534,13 +534,14 @@ def test_a_step_of_greedy_and_sampled_rows_samples_from_the_fused_logits(tiny_qw
     assert not any(decode for decode, _ in per_op)
 
 
-def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels):
+def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels, monkeypatch):
     """18 sequences (graph sizes 1, 2, 4, 8, 16, 18): the fused path serves the sizes up to
-    SERVED_ROWS (4: where it was measured faster), so steps of 5-18 rows replay the per-op
+    SERVED_ROWS (set to 4 here, so most sizes lie past it), so steps of 5-18 rows replay the per-op
     graphs (the step backend's), steps of 4 or fewer the fused ones (graphs stood in for by
     eager replays); only the served sizes have GEMVs; tokens are the per-op engine's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", 4)
     prompts = [[(5 * i + p) % 200 + 2 for i in range(3)] for p in range(18)]
     params = [SamplingParams(max_new_tokens=2 + i // 3, ignore_eos=True) for i in range(18)]
     outs = []
@@ -601,16 +602,18 @@ def test_row_counts_the_kernel_cannot_plan_run_per_op(tiny_qwen2, reference_kern
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog):
+def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog, monkeypatch):
     """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
     the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
     1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
     the fused path off nothing widens. Past SERVED_ROWS (k = 4: 5 tokens) the buffers and graph
     sizes still widen, so a 5-token verify step fits them (a mixed graph, not an eager step),
-    while the fused row counts stop at SERVED_ROWS."""
+    while the fused row counts stop at SERVED_ROWS (set to 4 here)."""
     import numpy as np
 
     from flashlet.runner.batch import InputBatch
+
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", 4)
 
     spec = {**NGRAM, "num_speculative_tokens": 2}
     config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
@@ -632,6 +635,28 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
     wider.use_mixed_graphs = True  # as on CUDA
     assert fused_decode.verify_as_decode_rows(verify, 4, wider.fused.max_rows) is None
     assert wider.token_bucket(verify) == 16  # its sampled rows fit the buffers: a mixed graph
+
+
+def test_a_five_token_verify_step_is_served_as_eight_fused_rows(tiny_qwen2, reference_kernels):
+    """The default SERVED_ROWS (16): with two sequences and k = 4 the decode sizes are 1, 2, 4,
+    8 and 10, all fused, and one sequence's verify step of 5 tokens loads as decode rows padded
+    to 8 (a fused step, not the per-op forward)."""
+    import numpy as np
+
+    from flashlet.runner.batch import InputBatch
+    from flashlet.runner.model_runner import _padded_decode_size
+
+    config = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, fused_decode=True,
+                          speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    runner = Engine(config).runner
+    assert fused_decode.SERVED_ROWS == fused_decode.MAX_ROWS == 16
+    assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 4, 8, 10]
+    batch = InputBatch(1, 4, 4)
+    batch.add(0, [1, 2])
+    verify = batch.layout(np.arange(1), [3], [5] * 5, query_lens=[5], spec_lens=[4])
+    rows = fused_decode.verify_as_decode_rows(verify, 4, runner.fused.max_rows)
+    assert rows is not None and rows.num_seqs == 5
+    assert _padded_decode_size(rows, runner.fused.row_counts) == 8
 
 
 def count_fused_verify_steps(monkeypatch) -> list:
@@ -839,6 +864,7 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
     step; the greedy tokens are speculation off's."""
     from tests.test_step_layout import _graphs_on_the_cpu
 
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", 4)  # (so a 5-token verify step lies past it)
     prompts, params = row_prompts(1), SamplingParams(max_new_tokens=12, ignore_eos=True)
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 1)
     expanded = count_fused_verify_steps(monkeypatch)

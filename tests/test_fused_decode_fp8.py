@@ -91,3 +91,12 @@ def test_fp8_widths_must_be_multiples_of_16(tmp_path):
     assert why == ["intermediate_size = 136 is not a multiple of 16 (16-byte loads of fp8 weights)"]
     bf16, _, _ = load_model(str(folder), dtype=torch.bfloat16)
     assert fused_decode.refusals(bf16, torch.device("cuda")) == []
+
+
+def test_fp8_weights_are_served_up_to_the_cuda_core_rows(tiny_qwen2, reference_kernels):
+    """fp8 GEMVs have no tensor-core form: with 16 sequences the fused path serves 1-4 rows
+    (SERVED_ROWS_FP8) for fp8 weights and 1-16 (SERVED_ROWS) for bf16."""
+    for config, served in ((FP8, [1, 2, 4]), ({}, [1, 2, 4, 8, 16])):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=16, fused_decode=True,
+                                     **config))
+        assert engine.runner.fused.row_counts == served

@@ -17,7 +17,8 @@ Bytes: N * K * 2 of weights (everything else is noise); FLOPs 2 * M * N * K. At 
 the bytes matter, so the design is about keeping enough loads in flight. With M rows (`rows`,
 compiled in) each lane multiplies its weight chunks by every row's x and the group's sums are
 reduce-scattered so each lane finishes its own rows (`_dot_rows`, `reduce_scatter`;
-FUSED_NOTES.md, "Stage 4: M rows"); M = 1 compiles to the one-row kernel described below.
+FUSED_NOTES.md, "Stage 4: M rows"), or the tensor cores sum them (below); M = 1 compiles to the
+one-row kernel described below.
 
 Design. A group of L lanes (L = 32, 16, 8 ... the largest power of two dividing K / 8) owns
 a row; each lane holds C = K / (8 L) 16-byte chunks of that row, so a row is read as C
@@ -39,6 +40,13 @@ With `pdl=True` the kernel issues its weight loads before `griddepcontrol.wait`,
 Programmatic Dependent Launch they overlap the previous kernel's tail: the form the fused
 decode path will use (see FUSED_NOTES.md). The residual epilogue may write in place (out is
 the residual): each output is read and written by the same lane group.
+
+Tensor cores (`mma`, the default for 2-16 bf16 rows where it plans; FUSED_NOTES.md, "Stage
+5"): the M rows' sums come from mma.sync m16n8k16 (bf16 in, fp32 sums) with W as the A operand
+and x^T as B, each lane's natural 16-byte loads its fragments (K permuted alike in both), so the
+products cost about one row's: a CTA owns 16 weight rows and its warps split K (`_plan_mma`,
+`_mma_kernel`); a long K also splits over CTAs (`splits`). One row, fp8 and the staged variant
+keep the CUDA-core form (`mma=False` asks for it).
 
 FP8 weights (`fp8=True`; quantization.QuantizedWeight's layout: W ~= q * scale[:, None], q [N, K]
 e4m3, scale [N] fp32): weight-only, as the per-op fp8 kernel. A 16-byte load holds 16 weights
@@ -71,6 +79,11 @@ VEC = 8  # bf16 elements in one 16-byte load
 FP8_VEC = 16  # fp8 (e4m3) weights in one 16-byte load: a chunk of K is 16 elements, x's two loads
 FP8_VECTOR_SUMS = 4  # fp8: up to this many sums a lane (M x rows in flight) keep 8-wide accumulators (more spilled)
 MAX_ROWS = 16  # decode rows one launch computes (the fused path's small batches, verify steps)
+MMA_K = 32  # the mma form's K step: a lane's 16-byte load a row, two m16n8k16 products
+MMA_ROWS = 16  # weight rows a tensor-core tile covers (the mma's M; the decode rows are its N)
+MMA_MAX_STEPS = 8  # K steps a warp loads at once: 16 weight loads a lane in flight
+MMA_MAX_WARPS = 32  # a CTA's warps splitting K (1024 threads)
+MMA_ARGMAX_CTAS_PER_SM = 8  # the tensor-core argmax's looping grid (a CTA walks ~9 LM-head tiles)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
     "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
@@ -99,21 +112,26 @@ def _dsl():
         import cutlass
         import cutlass.cute as cute
         import cutlass.utils.distributed  # noqa: F401  (atomicAdd for the argmax epilogue)
-        from cutlass._mlir.dialects import llvm  # inline PTX (`_opaque_zero`)
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import llvm, vector  # inline PTX (`_opaque_zero`, `_mma_bf16`)
         from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
     except Exception as e:  # ImportError, or a broken native library underneath
         raise CuteUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
     g = globals()
-    g.update(cutlass=cutlass, cute=cute, llvm=llvm)
+    g.update(cutlass=cutlass, cute=cute, llvm=llvm, ir=ir, vector=vector)
     # Compile-time parameters are marked here: the annotations need `cutlass`, imported late.
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
+    g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
+                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_tile,
+                   _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
                 launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
+                launcher_mma=cute.jit(_mma_launch),
                 make_fake=make_fake_compact_tensor)
 
 
@@ -141,6 +159,8 @@ class GemvPlan:
     min_ctas: int = 0     # > 0: ptxas must fit this many CTAs an SM (a register cap)
     rows: int = 1         # M: decode rows computed per launch, each weight read once for all
     fp8: bool = False     # W is fp8 (e4m3) with one fp32 scale a row, applied to each sum
+    mma: bool = False     # tensor cores (M >= 2): `chunks` K steps of 32 a warp, `warps` split K
+    splits: int = 1       # mma: CTAs sharing a tile's K (their sums meet in a workspace)
 
     @property
     def vec(self) -> int:
@@ -158,6 +178,8 @@ class GemvPlan:
 
     @property
     def outs_per_tile(self) -> int:
+        if self.mma:  # a CTA's 16 weight rows: 16 outputs, or 8 gate|up or rotate-half pairs
+            return MMA_ROWS // self.rows_per_out
         return self.groups_per_cta * self.outs_per_group
 
     @property
@@ -176,6 +198,8 @@ class GemvPlan:
 
     @property
     def loads_in_flight_per_lane(self) -> int:
+        if self.mma:  # rows g and g + 8 of the tile, one 16-byte load each per K step
+            return 2 * self.chunks
         return self.outs_per_group * self.chunks * self.rows_per_out
 
     @property
@@ -191,6 +215,8 @@ class GemvPlan:
         tag += f" min{self.min_ctas}" if self.min_ctas else ""
         tag += f" M{self.rows}" if self.rows > 1 else ""
         tag += " fp8" if self.fp8 else ""
+        tag += f" mma{self.chunks}" if self.mma else ""
+        tag += f" s{self.splits}" if self.splits > 1 else ""
         return tag
 
 
@@ -238,6 +264,7 @@ def lanes_for(k: int, vec: int = VEC) -> int:
 #                    looping grid's tiles
 #   late_g           read the norm's weight after the PDL wait (fewer registers held across it)
 #   min_ctas_per_sm  ptxas register cap: this many CTAs must fit an SM
+#   splits           the tensor-core form (M > 1): CTAs sharing a tile's K
 # An argument given to plan_gemv wins over the table; a knob the table leaves out keeps the
 # built-in heuristic below. A shape with no entry (every shape, until measured) is planned by
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
@@ -253,7 +280,7 @@ TUNED_PLANS: dict[tuple, dict] = {
     # The tied LM head with its argmax: a looping grid of 2 CTAs an SM.
     (151936, 896, "argmax", True, True): {"ctas_per_sm": 2},
 }
-TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm")
+TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 
 
 def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
@@ -293,7 +320,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               warps: int | None = None, outs_per_group: int | None = None,
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
-              tuned: bool = True, rows: int = 1, fp8: bool = False) -> GemvPlan:
+              tuned: bool = True, rows: int = 1, fp8: bool = False, mma: bool | None = None,
+              splits: int | None = None) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -333,11 +361,15 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     a 16-byte chunk holds 16 weights, so K is chunked by 16 (lanes_for(K, 16)) and each chunk
     meets two of x's 16-byte loads; the sums are scaled once, before the epilogue. Its
     TUNED_PLANS keys end in "fp8" (a bf16 plan was measured for twice the bytes: the fp8
-    shapes are planned by the heuristic until a sweep measures them)."""
+    shapes are planned by the heuristic until a sweep measures them).
+
+    mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
+    rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given); mma=False
+    keeps the CUDA-core M-row form."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
-                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm)
+                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
     key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8)
@@ -372,6 +404,19 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"stages must be 1, or 2 with staged=True; got stages={stages}, staged={staged}")
     if late_g and not norm:
         raise ValueError("late_g moves the norm's weight load: it needs norm=True")
+    n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
+    refusal = _mma_refusal(k, rows, fp8, knobs)
+    if mma and refusal:
+        raise ValueError(f"mma=True: {refusal}")
+    if mma or (mma is None and not refusal):
+        try:
+            return _plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl, norm=norm,
+                             eps=eps, rope=rope)
+        except ValueError:
+            if mma:
+                raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form
+    if knobs["splits"] not in (None, 1):
+        raise ValueError("splits (K over CTAs) is the tensor-core form's knob: it needs mma")
     for name in ("warps", "outs_per_group"):
         if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
             raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
@@ -379,7 +424,6 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"warps must be 1, 2, 4 or 8, got {knobs['warps']}")
     if knobs["ctas_per_sm"] is not None and not 0 <= knobs["ctas_per_sm"] <= 32:
         raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {knobs['ctas_per_sm']}")
-    n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
     lanes = lanes_for(k, vec)
     if epilogue == "argmax" and rows > lanes:
         # Lane m of each group keeps row m's running best across the tiles (one pair a lane).
@@ -448,6 +492,100 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
                     staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
+
+
+def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict) -> str:
+    """Why the tensor-core form cannot plan this GEMV ("" where it can)."""
+    if rows < 2:
+        return "the tensor-core form is for rows >= 2 (one row keeps the CUDA-core kernel)"
+    if fp8:
+        return "the tensor-core form reads bf16 weights (fp8 keeps the CUDA-core form)"
+    if k % MMA_K:
+        return f"K must be a multiple of {MMA_K}, got {k}"
+    cuda_core_only = [name for name in ("outs_per_group", "staged", "stages", "late_g")
+                      if knobs[name] and not (name == "stages" and knobs[name] == 1)]
+    if cuda_core_only:
+        return f"the tensor-core form has no {', '.join(cuda_core_only)} knob"
+    return ""
+
+
+def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: dict, *, num_sms: int,
+              pdl: bool, norm: bool, eps: float, rope: RopeShape | None) -> GemvPlan:
+    """The tensor-core plan: a CTA owns a tile of 16 weight rows and its warps split K, each
+    taking `chunks` consecutive K steps of 32 (all its loads in flight at once, at most
+    MMA_MAX_STEPS); warps = K steps / chunks, more where the tiles are too few to give every SM
+    two warps' loads. By default one tile a CTA (measured faster than a resident grid of two CTAs
+    an SM looping over the tiles: FUSED_NOTES.md, "Stage 5"); the argmax loops (its last CTA
+    reduces one partial a CTA) with eight CTAs an SM. Where a CTA's warps would not fit
+    an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
+    CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
+    applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
+    `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override."""
+    steps = k // MMA_K
+    rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
+    tiles = math.ceil(n_out / (MMA_ROWS // rows_per_out))
+    n_tiles = math.ceil(rows / 8)
+    warps, splits = knobs["warps"], knobs["splits"]
+    if warps is not None and (not isinstance(warps, int) or not 1 <= warps <= MMA_MAX_WARPS):
+        raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
+    if splits is not None and (not isinstance(splits, int) or not 1 <= splits <= steps):
+        raise ValueError(f"splits must be in [1, K / {MMA_K} = {steps}], got {splits!r}")
+    can_split = not norm and epilogue != "argmax"
+    if (splits or 1) > 1 and not can_split:
+        raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
+    warps_a_split, chunks = _mma_warps(math.ceil(steps / (splits or 1)), tiles * (splits or 1), num_sms, warps)
+    if splits is None:
+        splits = 1
+        while can_split and splits < steps and not _mma_fits(warps_a_split, chunks, n_tiles):
+            splits += 1
+            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
+        while 1 < splits < steps and tiles * splits < num_sms:  # splitting anyway: every SM a CTA
+            splits += 1
+            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
+    warps = warps_a_split
+    if chunks > MMA_MAX_STEPS:
+        raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {MMA_MAX_STEPS}")
+    if not _mma_fits(warps, chunks, n_tiles):
+        raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps, over an SM's 64K registers "
+                         "(more CTAs a tile would: splits)")
+    if 2 * warps * n_tiles * 4 * 32 * 4 > 48 << 10:  # the warps' sums, double-buffered
+        raise ValueError(f"{warps} warps at {rows} rows need over the 48 KB of shared memory a CTA gets")
+    min_ctas = knobs["min_ctas_per_sm"] or 0
+    if min_ctas and min_ctas * warps * 32 > 2048:
+        raise ValueError(f"min_ctas_per_sm={min_ctas} CTAs of {warps} warps exceed an SM's 64 warps")
+    ctas_per_sm = knobs["ctas_per_sm"]
+    if ctas_per_sm is not None and not 0 <= ctas_per_sm <= 32:
+        raise ValueError(f"ctas_per_sm must be in [0, 32] (0: one tile per CTA), got {ctas_per_sm}")
+    if ctas_per_sm and splits > 1:
+        raise ValueError("ctas_per_sm (a looping grid) is not combined with splits > 1 (one tile a CTA)")
+    if ctas_per_sm is None:
+        ctas_per_sm = MMA_ARGMAX_CTAS_PER_SM if epilogue == "argmax" else 0
+    grid = tiles * splits if splits > 1 else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
+    return GemvPlan(n_rows, k, n_out, epilogue, 32, chunks, 1, warps, grid, pdl, False, norm, float(eps),
+                    rope, 1, False, min_ctas, rows, False, True, splits)
+
+
+def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None) -> tuple[int, int]:
+    """(warps, K steps a warp) for `steps` K steps a CTA: as few warps as hold MMA_MAX_STEPS
+    each, more (fewer steps each) while the CTAs' warps number under two an SM; `warps` given:
+    that many at most."""
+    if warps is None:
+        per_warp = MMA_MAX_STEPS
+        warps = math.ceil(steps / per_warp)
+        while per_warp > 2 and ctas * warps < 2 * num_sms and math.ceil(steps / (per_warp // 2)) <= MMA_MAX_WARPS:
+            per_warp //= 2
+            warps = math.ceil(steps / per_warp)
+    chunks = math.ceil(steps / warps)
+    return math.ceil(steps / chunks), chunks  # no warp left without a step
+
+
+def _mma_fits(warps: int, chunks: int, n_tiles: int) -> bool:
+    """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
+    each, 2 a K step), its x fragments (4 a step and n-tile, kept across tiles), two accumulator
+    chains (8 an n-tile) and ~40 more. Past that ptxas caps the registers and spills (it did at
+    K = 4864's 19 warps)."""
+    regs = 8 * chunks + 4 * chunks * n_tiles + 8 * n_tiles + 40
+    return regs * warps * 32 <= 65536
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1024,6 +1162,15 @@ def _argmax_finish_rows(mTokens, mPartVal, mPartIdx, mCounter, best_val, best_id
         mPartVal[tidx * grid + bidx] = val
         mPartIdx[tidx * grid + bidx] = idx
         cute.arch.fence_acq_rel_gpu()
+    _argmax_last_cta_rows(mTokens, mPartVal, mPartIdx, mCounter, sLast, tidx, gdim, warps, grid, rows)
+
+
+@_deferred.jit
+def _argmax_last_cta_rows(mTokens, mPartVal, mPartIdx, mCounter, sLast, tidx, gdim, warps, grid, rows):
+    """Every CTA has written its partials [m * grid + bidx] (fenced): the last CTA to count
+    itself done reduces each row's partials with one warp a row and resets the counter."""
+    lane = tidx % 32
+    warp = tidx // 32
     cute.arch.sync_threads()
     if tidx == 0:
         sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator, cutlass.Int32(1))
@@ -1083,6 +1230,479 @@ def _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, 
         min_blocks_per_mp=min_ctas)
 
 
+# ---------------------------------------------------------------------------------------------
+# The tensor-core form (rows >= 2; FUSED_NOTES.md, "Stage 5: tensor-core M rows").
+#
+# y^T [16 weight rows, 8 decode rows] += W [16, K] x^T [K, 8] with mma.sync m16n8k16 (bf16 in,
+# fp32 sums): W is the A operand, x^T the B operand (decode rows 8-15: a second product). At
+# each K step of 32, lane 4 g + t loads 16 bytes (K 8 t .. 8 t + 7) of weight rows g and g + 8
+# and of decode row g's x, and uses them as its fragments of two products with no exchange. In
+# the PTX layout a lane's A fragment is (row g | g + 8; k 2t, 2t+1, 2t+8, 2t+9) and its B
+# fragment (k 2t, 2t+1, 2t+8, 2t+9; column g): mapping those four logical k to the physical
+# 8t .. 8t+3 (the first product) and 8t+4 .. 8t+7 (the second) permutes K the same way in
+# both operands, which leaves every dot product as it was. The sums land as (weight row g |
+# g + 8; decode rows 2t, 2t + 1): lane 4 g + t finishes those. A tile's rows are chosen so
+# that an epilogue's pair meets in one lane: gate row j at g and up row j at g + 8 (silu_mul),
+# dims d and d + D/2 of a head (rope).
+
+
+def _as_i32x4(v):
+    """8 bf16 (one 16-byte load) as the four 32-bit registers an mma operand takes (pairs of
+    consecutive elements, the lower index in the low half)."""
+    vec = llvm.bitcast(ir.VectorType.get([4], cutlass.Int32.mlir_type), v)
+    return [cutlass.Int32(vector.extract(vec, dynamic_position=[], static_position=[i])) for i in range(4)]
+
+
+def mma_operands(wa: list, wb: list, xb: list, half: int) -> tuple[list, list]:
+    """The A and B registers of one of a K step's two products (half 0: K 8t .. 8t+3, 1: 8t+4
+    .. 8t+7) from a lane's loads as 32-bit pairs: wa / wb weight rows g / g + 8, xb decode row
+    g's x. A is {a0a1, a2a3, a4a5, a6a7} = (row g, k 2t..), (g + 8, 2t..), (g, 2t+8..), (g + 8,
+    2t+8..) and B {b0b1, b2b3} = (k 2t.., column g), (2t+8.., g), so logical k 2t, 2t+1, 2t+8,
+    2t+9 are physical 8t + 4 half + 0..3 in both. Plain Python: a CPU test checks it."""
+    return ([wa[2 * half], wb[2 * half], wa[2 * half + 1], wb[2 * half + 1]],
+            [xb[2 * half], xb[2 * half + 1]])
+
+
+def _mma_bf16(a, b, c):
+    """d = A B + c for one m16n8k16 bf16 product: a four A registers, b two B registers, c the
+    four fp32 accumulators; returns the four new ones."""
+    f32 = cutlass.Float32.mlir_type
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([f32] * 4), [v.ir_value() for v in (*a, *b, *c)],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+    return [cutlass.Float32(llvm.extractvalue(f32, res, [i])) for i in range(4)]
+
+
+@_deferred.jit
+def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim):
+    """This lane's weight loads of `tile` (16-byte each, all issued at once): per K step of
+    this warp (first + warp C + s, clamped below `end`: the CTA's K steps), rows g then g + 8
+    of the tile (tail tiles re-read a valid row, store nothing)."""
+    g = lane // 4
+    t = lane % 4
+    if cutlass.const_expr(epilogue == "silu_mul"):  # gate row o, up row o + N/2
+        row_a = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
+        row_b = row_a + n_out
+    elif cutlass.const_expr(epilogue == "rope_kv" or epilogue == "bias_rope_kv"):
+        half = head_dim // 2  # slot p: dims i and i + D/2 of head p // (D/2)
+        slot = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
+        row_a = (slot // half) * head_dim + slot % half
+        row_b = row_a + half
+    else:
+        row_a = cutlass.min(tile * MMA_ROWS + g, n_out - 1)
+        row_b = cutlass.min(tile * MMA_ROWS + g + 8, n_out - 1)
+    w = []
+    for s in cutlass.range_constexpr(chunks):
+        chunk = cutlass.min(first + warp * chunks + s, end - 1) * (MMA_K // VEC) + t
+        w.append(mW[row_a, chunk, None].load())
+        w.append(mW[row_b, chunk, None].load())
+    return w
+
+
+@_deferred.jit
+def _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits):
+    """This warp's B fragments for all of its K steps (the same for every tile, so loaded once):
+    b[s * n_tiles + nt], decode row 8 nt + g's x (x * g rounded to bf16 with norm; a padded row
+    re-reads the last, whose sums are not stored), and with norm each decode row's sum of x^2
+    over this lane's chunks (8-wide, per n-tile). Steps past the CTA's K (`end`; where warps x
+    chunks x splits > K / 32) are zeros."""
+    g = lane // 4
+    n_tiles = (rows + 7) // 8
+    x_chunks = k // VEC
+    uneven = warps * chunks * splits > k // MMA_K
+    b = []
+    sq = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(n_tiles)]
+    for s in cutlass.range_constexpr(chunks):
+        step = first + warp * chunks + s
+        chunk = cutlass.min(step, end - 1) * (MMA_K // VEC) + lane % 4
+        keep = cutlass.Float32(1.0)
+        if cutlass.const_expr(uneven):
+            keep = cutlass.Float32(cutlass.select_(step < end, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+        gv = None
+        if cutlass.const_expr(norm):
+            gv = mG[chunk, None].load().to(cutlass.Float32)
+        for nt in cutlass.range_constexpr(n_tiles):
+            m = cutlass.min(nt * 8 + g, rows - 1)
+            xv = mX[m * x_chunks + chunk, None].load()
+            if cutlass.const_expr(norm or uneven):
+                xf = xv.to(cutlass.Float32) * keep
+                if cutlass.const_expr(norm):
+                    sq[nt] = sq[nt] + xf * xf
+                    xf = xf * gv
+                xv = xf.to(cutlass.BFloat16)
+            b.append(_as_i32x4(xv))
+    return b, sq
+
+
+@_deferred.jit
+def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
+    """1 / sqrt(mean(x^2) + eps) of this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]: each
+    warp's sums over its K steps (reduced over a row's four lanes) meet in shared memory."""
+    g = lane // 4
+    t = lane % 4
+    n_tiles = (rows + 7) // 8
+    for nt in cutlass.range_constexpr(n_tiles):
+        ss = cutlass.Float32(sq[nt].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+        ss = cute.arch.warp_reduction_sum(ss, threads_in_group=4)
+        if t == 0:
+            sSq[warp * MMA_ROWS + nt * 8 + g] = ss
+    cute.arch.sync_threads()
+    rstd = []
+    for nt in cutlass.range_constexpr(n_tiles):
+        for j in cutlass.range_constexpr(2):
+            m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
+            ss = cutlass.Float32(0.0)
+            for wi in cutlass.range_constexpr(warps):
+                ss = ss + sSq[wi * MMA_ROWS + m]
+            rstd.append(cutlass.Float32(cute.math.rsqrt(
+                ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
+    return rstd
+
+
+def _mma_products(w, b, chunks: int, rows: int) -> list:
+    """This warp's sums of one tile over its K steps, c[nt] = its four accumulators (two
+    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end)."""
+    n_tiles = (rows + 7) // 8
+    acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]
+    for s in range(chunks):
+        wa = _as_i32x4(w[2 * s])
+        wb = _as_i32x4(w[2 * s + 1])
+        for nt in range(n_tiles):
+            for h in range(2):
+                a, bb = mma_operands(wa, wb, b[s * n_tiles + nt], h)
+                acc[nt * 2 + h] = _mma_bf16(a, bb, acc[nt * 2 + h])
+    return [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
+
+
+@_deferred.jit
+def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
+              mPart, mCounter, sLast, split, tidx, pre, warps, n_out, epilogue, rows, norm, head_dim,
+              q_heads, kv_heads, splits):
+    """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
+    memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
+    one's), and warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the
+    tile's CTAs to finish). Returns the lane's running argmax pair."""
+    warp = tidx // 32
+    lane = tidx % 32
+    n_tiles = (rows + 7) // 8
+    if cutlass.const_expr(warps == 1 and splits == 1):
+        best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
+                                           mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
+                                           pre)
+    elif cutlass.const_expr(warps == 1):
+        _mma_store_split(mPart, c, tile * splits + split, lane, rows)
+    else:
+        per_warp = n_tiles * 4 * 32
+        base = (it % 2) * warps * per_warp
+        for nt in cutlass.range_constexpr(n_tiles):
+            for i in cutlass.range_constexpr(4):
+                sAcc[base + warp * per_warp + (nt * 4 + i) * 32 + lane] = c[nt][i]
+        cute.arch.sync_threads()
+        if warp == 0:
+            total = []
+            for nt in cutlass.range_constexpr(n_tiles):
+                row = []
+                for i in cutlass.range_constexpr(4):
+                    v = c[nt][i]
+                    for wi in cutlass.range_constexpr(1, warps):
+                        v = v + sAcc[base + wi * per_warp + (nt * 4 + i) * 32 + lane]
+                    row.append(v)
+                total.append(row)
+            if cutlass.const_expr(splits == 1):
+                best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS,
+                                                   mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
+                                                   q_heads, kv_heads, pre)
+            else:
+                _mma_store_split(mPart, total, tile * splits + split, lane, rows)
+    if cutlass.const_expr(splits > 1):
+        _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
+                          epilogue, rows, head_dim, q_heads, kv_heads, splits)
+    return best_val, best_idx
+
+
+def _next_tile(tile, gdim, num_tiles):
+    """The tile a looping CTA prefetches after `tile`: the next one, or `tile` itself at the end."""
+    nxt = tile + gdim
+    return cutlass.Int32(cutlass.select_(nxt < num_tiles, nxt, tile))
+
+
+def _mma_store_split(mPart, c, part, lane, rows):
+    """A CTA's sums of its K steps (warp 0's lanes), part = tile x splits + split: each lane its
+    own slots, fenced before the CTA counts itself done."""
+    n_tiles = (rows + 7) // 8
+    for nt in range(n_tiles):
+        for i in range(4):
+            mPart[(part * n_tiles * 4 + nt * 4 + i) * 32 + lane] = c[nt][i]
+    cute.arch.fence_acq_rel_gpu()
+
+
+@_deferred.jit
+def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
+                      epilogue, rows, head_dim, q_heads, kv_heads, splits):
+    """The tile's CTAs count themselves done (a counter a tile); the last adds their sums (its
+    warp 0, each lane its own slots, in split order) and applies the epilogue, then resets the
+    counter for the next launch."""
+    n_tiles = (rows + 7) // 8
+    lane = tidx % 32
+    cute.arch.sync_threads()
+    if tidx == 0:
+        sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator + tile, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if sLast[0] == splits - 1:
+        cute.arch.fence_acq_rel_gpu()
+        if tidx < 32:
+            total = []
+            for nt in cutlass.range_constexpr(n_tiles):
+                row = []
+                for i in cutlass.range_constexpr(4):
+                    v = cutlass.Float32(0.0)
+                    for sp in cutlass.range_constexpr(splits):
+                        v = v + mPart[((tile * splits + sp) * n_tiles * 4 + nt * 4 + i) * 32 + lane]
+                    row.append(v)
+                total.append(row)
+            _mma_epilogue(total, tile, [], cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
+                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads, pre)
+        if tidx == 0:
+            mCounter[tile] = cutlass.Int32(0)
+
+
+@_deferred.jit
+def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC, lane, n_out,
+                  epilogue, rows, norm, head_dim, q_heads, kv_heads, pre=None):
+    """Lane 4 g + t finishes decode rows m = 8 nt + 2 t + j from c[nt] = (row g: m = 2t, 2t+1;
+    row g + 8: the same), each as the CUDA-core form's epilogue does; argmax folds the tile into
+    the lane's running pair (lane g = 2 nt + j keeps decode row m's). pre: the tile's
+    `_mma_epilogue_inputs`, loaded before the products (None: loaded here)."""
+    g = lane // 4
+    t = lane % 4
+    n_tiles = (rows + 7) // 8
+    rope = epilogue == "rope_kv" or epilogue == "bias_rope_kv"
+    half = head_dim // 2
+    for nt in cutlass.range_constexpr(n_tiles):
+        for j in cutlass.range_constexpr(2):
+            m = nt * 8 + 2 * t + j
+            mm = cutlass.min(m, rows - 1)
+            lo = c[nt][j]
+            hi = c[nt][2 + j]
+            if cutlass.const_expr(norm):
+                lo = lo * rstd[nt * 2 + j]
+                hi = hi * rstd[nt * 2 + j]
+            if cutlass.const_expr(epilogue in ("none", "bias", "residual")):
+                for h in cutlass.range_constexpr(2):
+                    out = tile * MMA_ROWS + g + 8 * h
+                    safe = cutlass.min(out, n_out - 1)
+                    y = [lo, hi][h]
+                    if cutlass.const_expr(epilogue != "none"):
+                        if cutlass.const_expr(pre is None):
+                            pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows,
+                                                       head_dim, q_heads, kv_heads)
+                        y = y + pre[nt * 2 + j][h]  # the bias, or this decode row's residual
+                    if m < rows:
+                        if out < n_out:
+                            mY[m * n_out + out] = y.to(mY.element_type)
+            if cutlass.const_expr(epilogue == "silu_mul"):
+                out = tile * (MMA_ROWS // 2) + g
+                y = lo / (cutlass.Float32(1.0) + cute.math.exp(-lo, fastmath=True)) * hi
+                if m < rows:
+                    if out < n_out:
+                        mY[m * n_out + out] = y.to(mY.element_type)
+            if cutlass.const_expr(rope):
+                slot = tile * (MMA_ROWS // 2) + g
+                if cutlass.const_expr(pre is None):
+                    pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim,
+                                               q_heads, kv_heads)
+                bias_lo, bias_hi = pre[0]
+                cs, sn, pool_slot = pre[1][nt * 2 + j]
+                lo = lo + bias_lo
+                hi = hi + bias_hi
+                rot_lo = (lo * cs - hi * sn).to(mY.element_type)
+                rot_hi = (hi * cs + lo * sn).to(mY.element_type)
+                if m < rows:
+                    if slot < n_out:
+                        _rope_kv_store(mY, mKC, mVC, slot, rot_lo, rot_hi, pool_slot, m * (2 * n_out),
+                                       head_dim, q_heads, kv_heads)
+            if cutlass.const_expr(epilogue == "argmax"):
+                best_val, best_idx = _mma_argmax_step(lo, hi, tile, g, nt * 2 + j, best_val, best_idx, n_out)
+    return best_val, best_idx
+
+
+def _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
+    """What the epilogue of `tile` reads besides the sums, loaded before the products (after
+    the PDL wait: the residual, positions and slots are the step's inputs) so their latency
+    hides behind them: bias / residual, per decode row nt * 2 + j the values to add to weight
+    rows g and g + 8; rope: `_mma_preputs`; None for the other epilogues."""
+    if epilogue == "rope_kv" or epilogue == "bias_rope_kv":
+        return _mma_preputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                kv_heads)
+    if epilogue != "bias" and epilogue != "residual":
+        return None
+    adds = []
+    for nt in range((rows + 7) // 8):
+        for j in range(2):
+            mm = cutlass.min(nt * 8 + 2 * (lane % 4) + j, rows - 1)
+            pair = []
+            for h in range(2):
+                safe = cutlass.min(tile * MMA_ROWS + lane // 4 + 8 * h, n_out - 1)
+                pair.append(mE[safe if epilogue == "bias" else mm * n_out + safe].to(cutlass.Float32))
+            adds.append(pair)
+    return adds
+
+
+def _mma_preputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads, kv_heads):
+    """What the rope epilogue of `tile` reads besides the sums, for this lane's slot (dims i and
+    i + D/2 of head h) and decode rows: [(bias of both dims, 0 without one), [(cos, sin, pool
+    slot) per decode row, nt * 2 + j]] (a v head: cos 1, sin 0)."""
+    g = lane // 4
+    half = head_dim // 2
+    safe = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
+    r1 = (safe // half) * head_dim + safe % half
+    rotate = safe // half < q_heads + kv_heads
+    bias = (cutlass.Float32(0.0), cutlass.Float32(0.0))
+    if epilogue == "bias_rope_kv":
+        bias = (mE[r1].to(cutlass.Float32), mE[r1 + half].to(cutlass.Float32))
+    per_row = []
+    for nt in range((rows + 7) // 8):
+        for j in range(2):
+            mm = cutlass.min(nt * 8 + 2 * (lane % 4) + j, rows - 1)
+            pos = cutlass.Int32(mPos[mm])
+            cs = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + safe % half], cutlass.Float32(1.0)))
+            sn = cutlass.Float32(cutlass.select_(rotate, mCS[pos * head_dim + half + safe % half],
+                                                 cutlass.Float32(0.0)))
+            per_row.append((cs, sn, cutlass.Int32(mSlot[mm])))
+    return [bias, per_row]
+
+
+def _mma_argmax_step(lo, hi, tile, g, pair, best_val, best_idx, n_out):
+    """Fold a tile's sums of one decode row (rows g and g + 8 in this lane) into the running
+    pair of the lane that keeps that decode row (g == pair): the best over the 16 rows by
+    shuffles across g, ties to the lower index (torch's rule)."""
+    out_a = tile * MMA_ROWS + g
+    val = cutlass.Float32(cutlass.select_(out_a < n_out, lo, cutlass.Float32(-math.inf)))
+    hi = cutlass.Float32(cutlass.select_(out_a + 8 < n_out, hi, cutlass.Float32(-math.inf)))
+    idx = cutlass.Int32(cutlass.select_(hi > val, out_a + 8, out_a))
+    val = cutlass.Float32(cutlass.select_(hi > val, hi, val))
+    for offset in (4, 8, 16):  # across g (lanes 4 g + t share t)
+        other_val = cute.arch.shuffle_sync_bfly(val, offset=offset)
+        other_idx = cute.arch.shuffle_sync_bfly(idx, offset=offset)
+        val, idx = _argmax_pick(val, idx, other_val, other_idx)
+    new_val, new_idx = _argmax_pick(best_val, best_idx, val, idx)
+    mine = g == pair
+    return (cutlass.Float32(cutlass.select_(mine, new_val, best_val)),
+            cutlass.Int32(cutlass.select_(mine, new_idx, best_idx)))
+
+
+@_deferred.jit
+def _mma_argmax_finish(mTokens, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
+                       warps, grid, rows):
+    """Warp 0's lane 4 g + t holds decode row 8 (g // 2) + 2 t + g % 2's best pair over this
+    CTA's tiles (g < 2 n-tiles): it becomes the CTA's partial; the last CTA reduces them."""
+    lane = tidx % 32
+    g = lane // 4
+    m = (g // 2) * 8 + 2 * (lane % 4) + g % 2
+    if tidx < 32:
+        if g < 2 * ((rows + 7) // 8):
+            if m < rows:
+                mPartVal[m * grid + bidx] = best_val
+                mPartIdx[m * grid + bidx] = best_idx
+        cute.arch.fence_acq_rel_gpu()
+    _argmax_last_cta_rows(mTokens, mPartVal, mPartIdx, mCounter, sLast, tidx, gdim, warps, grid, rows)
+
+
+@_deferred.kernel
+def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits):
+    # The tensors as `_gemv_kernel` takes them (bf16; with splits > 1 mPartVal is the workspace
+    # [tiles x splits, n-tiles x 4, 32] of the CTAs' sums and mCounter [tiles] their counters). A
+    # CTA's warps split its K (warp w: steps w C .. w C + C - 1, C = chunks, from the CTA's
+    # first); it walks tiles bidx, bidx + grid, ... (splits > 1: CTA bidx computes split
+    # bidx % splits of tile bidx // splits alone). The first tile's weight loads are issued
+    # before the PDL wait; x (and g) are read once after it.
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    lane = tidx % 32
+    warp = tidx // 32
+    n_tiles = (rows + 7) // 8
+    pairs = 2 if epilogue in ("silu_mul", "rope_kv", "bias_rope_kv") else 1
+    num_tiles = (n_out + MMA_ROWS // pairs - 1) // (MMA_ROWS // pairs)
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
+    tile = bidx
+    split = 0
+    first = 0
+    end = k // MMA_K
+    if cutlass.const_expr(splits > 1):
+        per_split = (k // MMA_K + splits - 1) // splits
+        tile = bidx // splits
+        split = bidx % splits
+        first = split * per_split
+        end = cutlass.min(first + per_split, k // MMA_K)
+    w = _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim)
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
+    b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits)
+    pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                               kv_heads)
+    smem = cutlass.utils.SmemAllocator()
+    sAcc = None
+    if cutlass.const_expr(warps > 1):
+        sAcc = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * warps * n_tiles * 4 * 32),
+                                    byte_alignment=16)
+    sLast = None
+    if cutlass.const_expr(epilogue == "argmax" or splits > 1):
+        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+    rstd = []
+    if cutlass.const_expr(norm):
+        sSq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps * MMA_ROWS), byte_alignment=16)
+        rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
+    best_val = cutlass.Float32(-math.inf)
+    best_idx = cutlass.Int32(0)
+    # A looping CTA issues its next tile's weight loads right after this tile's products, so
+    # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
+    # L2, no DRAM bytes).
+    loops = splits == 1 and grid < num_tiles
+    c = _mma_products(w, b, chunks, rows)
+    if cutlass.const_expr(loops):
+        w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+                              epilogue, head_dim)
+    best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
+                                   mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
+                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
+    if cutlass.const_expr(loops):
+        for cur in range(bidx + gdim, num_tiles, gdim):
+            pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                       kv_heads)
+            c = _mma_products(w, b, chunks, rows)
+            w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+                                  epilogue, head_dim)
+            best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
+                                           mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
+                                           pre, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
+                                           kv_heads, 1)
+    if cutlass.const_expr(epilogue == "argmax"):
+        _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
+                           warps, grid, rows)
+
+
+@_deferred.jit
+def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, stream,
+                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
+                splits, min_ctas):
+    """The tensor-core form (bf16 weights, rows >= 2)."""
+    _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                         k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
+                         kv_heads, rows, splits).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
+        min_blocks_per_mp=min_ctas)
+
+
+_MMA_KERNEL_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
+                      "q_heads", "kv_heads", "rows", "splits")
+_MMA_PLAN_PARAMS = (*_MMA_KERNEL_PARAMS, "min_ctas")
+
+
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
                 "min_ctas", "rows", "fp8")
@@ -1092,6 +1712,16 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                                    "rows_per_out"),
                      _argmax_finish: ("warps", "grid"), _argmax_cta: ("warps",),
                      _argmax_finish_rows: ("warps", "grid", "lanes", "rows"),
+                     _argmax_last_cta_rows: ("warps", "grid", "rows"),
+                     _mma_kernel: _MMA_KERNEL_PARAMS, _mma_launch: _MMA_PLAN_PARAMS,
+                     _mma_load_weights: ("n_out", "chunks", "epilogue", "head_dim"),
+                     _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits"),
+                     _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
+                     _mma_rstd: ("k", "warps", "rows", "eps"),
+                     _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
+                                 "kv_heads", "splits"),
+                     _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
+                     _mma_argmax_finish: ("warps", "grid", "rows"),
                      _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
                      _fp8_partials: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm")}
 
@@ -1140,9 +1770,12 @@ class CuteGemv:
         p = self.plan
         f32, i32 = torch.float32, torch.int32
         parts = p.grid * p.rows if epilogue == "argmax" else 1
+        counters = 1
+        if p.splits > 1:  # each CTA's fp32 sums of its K (a lane's slots), and a counter a tile
+            parts, counters = p.grid * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
         self._parts_val = torch.zeros(parts, dtype=f32, device=self.device)
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
-        self._counter = torch.zeros(1, dtype=i32, device=self.device)  # the kernel resets it
+        self._counter = torch.zeros(counters, dtype=i32, device=self.device)  # the kernel resets them
         self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
         self._dummy_rope = RopeKV(torch.zeros(2, dtype=torch.int64, device=self.device),
                                   torch.zeros(4, dtype=f32, device=self.device),
@@ -1255,7 +1888,7 @@ class CuteGemv:
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
                 fake(c.Float32, tuple(self._parts_val.shape), 4),
-                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, (1,), 4),
+                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, tuple(self._counter.shape), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
                       (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]
@@ -1284,9 +1917,10 @@ class CuteGemv:
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
-            self._compiled = d["cute"].compile(
-                d["launcher_fp8" if p.fp8 else "launcher"], *args, self._stream(),
-                *(getattr(p, name) for name in _PLAN_PARAMS))
+            launcher = "launcher_mma" if p.mma else "launcher_fp8" if p.fp8 else "launcher"
+            params = _MMA_PLAN_PARAMS if p.mma else _PLAN_PARAMS
+            self._compiled = d["cute"].compile(d[launcher], *args, self._stream(),
+                                               *(getattr(p, name) for name in params))
             self.compile_seconds = time.perf_counter() - t0
             _COMPILED[key] = self._compiled
         return self.compile_seconds

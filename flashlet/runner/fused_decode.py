@@ -1,4 +1,4 @@
-"""The fused decode path for 1 to 4 rows: a few kernels a layer where the per-op path runs ten.
+"""The fused decode path for 1 to 16 rows: a few kernels a layer where the per-op path runs ten.
 
 A pure-decode step of M <= SERVED_ROWS rows (sequences; or a verify step's query tokens, each a
 decode row of its own: `verify_as_decode_rows`; SERVED_ROWS is where a fused step was measured
@@ -95,17 +95,16 @@ MAX_DOWN_K = 16_384
 # fused step can compute: a GEMV of up to 16 rows is still bound by its weight bytes (`rows=`).
 
 # The most rows the fused path SERVES: the row counts where a fused step was measured faster than
-# the per-op one. The one place to change when the M-row GEMVs get faster (up to MAX_ROWS).
-# Measured on the H200, Qwen2.5-0.5B shape, random weights, time a step, fused against per-op
-# (2026-12-02 ~04:10 UTC, the M-row GEMVs as of 874a93a):
-#     rows  1: 0.498 ms fused (closed loop, greedy, 128 new tokens)
-#     rows  4: 0.905 ms fused, 1.08 per-op (closed loop)                       -> fused
-#     rows  8: ~3.6 ms fused: a verify step of 5 tokens padded to 8 (spec_bench, k = 4, all
-#              accepted, host time included: 1,356 tok/s against 2,068 without speculation);
-#              per-op decode steps of 4-16 rows take 1.08-1.23 ms                -> per-op
-#     rows 16: 2.97 ms fused, 1.23 per-op (closed loop: 2.4x slower fused)    -> per-op
-# The GEMVs alone (FUSED_NOTES.md, Stage 4) are ahead of cuBLAS through M = 4 and behind from 8.
-SERVED_ROWS = 4
+# the per-op one. The one place to change when the M-row GEMVs change (up to MAX_ROWS).
+# Measured on the H200, Qwen2.5-0.5B shape, random weights, time a step, fused against per-op:
+#   with the CUDA-core M-row GEMVs (2026-12-02 ~04:10 UTC, 874a93a): 4 rows 0.905 ms fused against
+#   1.08 per-op; 16 rows 2.97 against 1.23 (per-op past 4 rows);
+#   with the tensor-core ones (2026-12-02 ~08:30 UTC, profile_step --prompt-len 400, PDL, RoPE
+#   and one-launch attention): 4 rows 0.690 ms, 16 rows 0.864 (per-op 1.23)    -> fused up to 16
+SERVED_ROWS = 16
+# fp8 weights stream through the CUDA-core M-row GEMVs (the tensor-core form reads bf16), whose
+# 8- and 16-row steps measured slower than per-op (the first line above).
+SERVED_ROWS_FP8 = 4
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -216,10 +215,12 @@ class Gemvs:
                 if g is not None]
 
 
-def served_row_counts(padded_sizes: Sequence[int]) -> list[int]:
-    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, and no
-    more than the kernel takes): a step padded to any other runs per-op."""
-    return [s for s in padded_sizes if s <= min(SERVED_ROWS, gemv_row_limit())]
+def served_row_counts(padded_sizes: Sequence[int], model=None) -> list[int]:
+    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
+    SERVED_ROWS_FP8 for a model with fp8 weights, and no more than the kernel takes): a step
+    padded to any other runs per-op."""
+    served = SERVED_ROWS_FP8 if model is not None and is_quantized(model) else SERVED_ROWS
+    return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 
 def gemv_row_limit() -> int:

@@ -128,7 +128,7 @@ class ModelRunner:
         # Every padded decode size the fused path serves is a row count (it pads as graphs do).
         sizes = graph_batch_sizes(decode_rows)
         self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts(),
-                                        fused_decode.served_row_counts(sizes))
+                                        fused_decode.served_row_counts(sizes, model))
         # The fused steps' attention: the step backend where it has the one-launch form, else
         # a triton backend of its own over the same pool (only fused decode steps use it).
         self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)

@@ -319,6 +319,7 @@ PTX_SCRIPT = textwrap.dedent("""
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
           "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
+          "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
           "SHA", hashlib.sha256(ptx.encode()).hexdigest())
 """)
 
@@ -354,17 +355,17 @@ def lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows, fp8=F
     (1152, 896, "bias_rope_kv", 1, 0, 1, dict(late_g=True, warps=2), 1),
     (9728, 896, "silu_mul", 1, 0, 1, dict(late_g=True, min_ctas_per_sm=3), 1),
     (896, 896, "residual", 1, 0, 0, dict(warps=8, outs_per_group=3), 1),
-    # M decode rows a launch: each epilogue at 2 to 16 rows (the weights read once for all).
-    (1152, 896, "bias", 1, 0, 1, {}, 2), (896, 896, "residual", 1, 0, 0, {}, 16),
-    (9728, 896, "silu_mul", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 16),
-    (896, 4864, "residual", 0, 0, 0, {}, 16), (151936, 896, "argmax", 1, 0, 1, {}, 16),
-    (151936, 896, "argmax", 0, 0, 0, {}, 4), (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 16),
-    (256, 256, "rope_kv", 0, 0, 1, {}, 4), (136, 200, "silu_mul", 0, 0, 1, {}, 2),
+    # M decode rows a launch on the CUDA cores (mma=False): each epilogue at 2 to 16 rows.
+    (1152, 896, "bias", 1, 0, 1, dict(mma=False), 2), (896, 896, "residual", 1, 0, 0, dict(mma=False), 16),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 4), (9728, 896, "silu_mul", 1, 1, 1, dict(stages=2, ctas_per_sm=4), 16),
+    (896, 4864, "residual", 0, 0, 0, dict(mma=False), 16), (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 16),
+    (151936, 896, "argmax", 0, 0, 0, dict(mma=False), 4), (1152, 896, "bias_rope_kv", 1, 0, 1, dict(mma=False), 16),
+    (256, 256, "rope_kv", 0, 0, 1, dict(mma=False), 4), (136, 200, "silu_mul", 0, 0, 1, dict(mma=False), 2),
     # The fused path's M-row GEMVs as the engine builds them (PDL, the norm where it has one).
-    (1152, 896, "bias_rope_kv", 1, 0, 1, {}, 8), (896, 896, "residual", 1, 0, 0, {}, 8),
-    (9728, 896, "silu_mul", 1, 0, 1, {}, 8), (896, 4864, "residual", 1, 0, 0, {}, 8),
-    (151936, 896, "none", 1, 0, 1, {}, 8), (151936, 896, "argmax", 1, 0, 1, {}, 8),
-    (151936, 896, "argmax", 1, 0, 1, {}, 4), (9728, 896, "silu_mul", 1, 0, 1, {}, 16),
+    (1152, 896, "bias_rope_kv", 1, 0, 1, dict(mma=False), 8), (896, 896, "residual", 1, 0, 0, dict(mma=False), 8),
+    (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 8), (896, 4864, "residual", 1, 0, 0, dict(mma=False), 8),
+    (151936, 896, "none", 1, 0, 1, dict(mma=False), 8), (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 8),
+    (151936, 896, "argmax", 1, 0, 1, dict(mma=False), 4), (9728, 896, "silu_mul", 1, 0, 1, dict(mma=False), 16),
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
     counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows)
@@ -397,6 +398,115 @@ def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl,
     assert (int(counts["RSQRT"]) > 0) == bool(norm)
     if epilogue in ROPE_EPILOGUES:  # cos and sin from the fp32 table; q | k | v pair, k or v pool pair
         assert int(counts["F32LOAD"]) >= 2 and int(counts["STORE"]) >= 4
+
+
+# The tensor-core form at the fused path's shapes and flags, M = 2 to 16 (PDL, the norm where it has one).
+MMA_LOWERING = [(1152, 896, "bias_rope_kv", 1, 1), (1152, 896, "bias", 1, 1), (896, 896, "residual", 1, 0),
+                (9728, 896, "silu_mul", 1, 1), (151936, 896, "argmax", 1, 1), (151936, 896, "none", 1, 1),
+                (256, 256, "rope_kv", 0, 1), (136, 64, "argmax", 0, 0), (896, 4864, "residual", 1, 0),
+                (896, 4864, "none", 0, 0)]
+
+
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
+@pytest.mark.parametrize("n, k, epilogue, pdl, norm", MMA_LOWERING)
+def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n, k, epilogue, pdl, norm, rows):
+    """The PTX holds m16n8k16 bf16 products, two a K step and n-tile, and per K step each lane's
+    16-byte loads as designed: weight rows g and g + 8, x of decode row g (and g + 8 past 8
+    rows), the norm's weight; ptxas keeps it all in registers (no stack frame)."""
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows)
+    d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
+    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
+    assert p.mma
+    n_tiles = -(-rows // 8)
+    # the first tile's products, and where the grid loops the loop's (each traced once); its
+    # weight loads, and where the grid loops the next tile's after the first tile's products and
+    # in the loop
+    loops = p.grid < p.num_tiles
+    assert int(counts["MMA"]) == (2 if loops else 1) * p.chunks * 2 * n_tiles
+    weight_loads = (3 if loops else 1) * p.loads_in_flight_per_lane
+    x_and_g = p.chunks * (n_tiles + norm)
+    assert int(counts["W128"]) + int(counts["W128U"]) == weight_loads + x_and_g
+    assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0
+    assert (int(counts["ATOM"]) > 0) == (epilogue == "argmax" or p.splits > 1)
+    assert (int(counts["GRIDDEP"]) > 0) == bool(pdl)
+    assert (int(counts["RSQRT"]) > 0) == bool(norm)
+    assert int(counts["STORE"]) >= 1 and int(counts["FMA"]) < rows * p.loads_in_flight_per_lane * VEC
+
+
+def test_mma_fragments_from_natural_loads_give_exact_dot_products():
+    """The permutation argument, lane by lane: place each lane's operand registers
+    (`mma_operands` of its 16-byte loads) where the PTX fragment layout of m16n8k16 puts them,
+    and every (weight row, decode row) pair of the two products meets each physical K of the
+    32-wide step exactly once, weight and x at the same K."""
+    a_at = {}  # (product, row, logical k) -> (weight row, physical k)
+    b_at = {}  # (product, logical k, column) -> (decode row, physical k)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        pairs = lambda row: [(row, 8 * t + 2 * i) for i in range(4)]  # noqa: E731 (a 32-bit pair each)
+        for half in range(2):
+            a, b = cute_gemv.mma_operands(pairs(g), pairs(g + 8), pairs(g), half)
+            for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                for e in range(2):
+                    a_at[half, row, col + e] = (a[reg][0], a[reg][1] + e)
+            for reg, k in enumerate([2 * t, 2 * t + 8]):
+                for e in range(2):
+                    b_at[half, k + e, g] = (b[reg][0], b[reg][1] + e)
+    for row in range(16):
+        for col in range(8):
+            seen = []
+            for half in range(2):
+                for k in range(16):
+                    w_row, w_k = a_at[half, row, k]
+                    x_row, x_k = b_at[half, k, col]
+                    assert (w_row, x_row, w_k) == (row, col, x_k)
+                    seen.append(w_k)
+            assert sorted(seen) == list(range(32))
+
+
+def test_mma_plan_covers_every_output_and_k_step_once():
+    for n, k, epilogue, _, norm in MMA_LOWERING:
+        d = 64 if n == 1152 else 32
+        rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+        for rows in (2, 3, 5, 9, 16):
+            p = plan_gemv(n, k, epilogue, rope=rope, norm=bool(norm), rows=rows)
+            assert p.mma and p.lanes == 32
+            per_split = -(-k // 32 // p.splits)  # K steps a CTA
+            assert (p.warps - 1) * p.chunks < per_split <= p.warps * p.chunks  # every warp has a K step
+            assert (p.splits - 1) * per_split < k // 32                         # and every split
+            assert p.num_tiles * p.outs_per_tile >= p.n_out > (p.num_tiles - 1) * p.outs_per_tile
+            loop = cute_gemv.MMA_ARGMAX_CTAS_PER_SM * 132 if epilogue == "argmax" else p.num_tiles
+            assert p.grid == (p.num_tiles * p.splits if p.splits > 1 else min(p.num_tiles, loop))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=896), "bf16"), (dict(rows=1), "rows >= 2"),
+    (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
+    (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
+    (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
+])
+def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
+    kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(kwargs.pop("n_rows"), kwargs.pop("k"), "residual", mma=True, **kwargs)
+
+
+def test_mma_is_the_default_for_rows_where_it_plans():
+    assert plan_gemv(9728, 896, "silu_mul", rows=2, norm=True).mma
+    assert not plan_gemv(9728, 896, "silu_mul", rows=1).mma                  # one row: CUDA cores
+    assert not plan_gemv(136, 200, "silu_mul", rows=4).mma                   # K not a multiple of 32
+    down = plan_gemv(896, 4864, "residual", rows=4)                          # 19 warps would not fit an SM:
+    assert down.mma and down.splits == 3 and down.grid == 3 * 56             # K over three CTAs a tile
+    assert not plan_gemv(896, 4864, "none", rows=4, norm=True).mma           # (no split under the norm)
+    with pytest.raises(ValueError, match="tensor-core"):
+        plan_gemv(896, 4864, "residual", rows=4, mma=False, splits=2)
+    assert not plan_gemv(896, 896, "residual", rows=4, fp8=True).mma
+    assert not plan_gemv(9728, 896, "silu_mul", rows=4, staged=True).mma    # a CUDA-core knob asks for that form
+    assert not plan_gemv(9728, 896, "silu_mul", rows=4, mma=False).mma
+    assert "mma" in plan_gemv(9728, 896, "silu_mul", rows=4).describe()
 
 
 def _inputs(n, k, epilogue, seed):
@@ -712,22 +822,24 @@ def test_rows_plans_read_x_from_l2_at_most_twice_the_weights():
     (at M = 16 one tile a CTA read 139 MB of x a call at down, for 8.7 MB of weights)."""
     for n, k in QWEN05_SHAPES:
         for rows in (2, 4, 16):
-            p = plan_gemv(n, k, rows=rows, tuned=False)
+            p = plan_gemv(n, k, rows=rows, tuned=False, mma=False)
             x_bytes, w_bytes = p.grid * rows * k * 2, n * k * 2
             assert x_bytes <= 2 * w_bytes or p.grid <= 2 * 132, (n, k, rows, p.describe())
             if x_bytes <= 2 * w_bytes and p.grid > 2 * 132:  # not x-bound: the one-row plan's shape
                 assert (p.warps, p.grid) == (plan_gemv(n, k, tuned=False).warps, plan_gemv(n, k, tuned=False).grid)
-    down = plan_gemv(896, 4864, "residual", rows=4, tuned=False)
-    assert (down.warps, down.grid) == (4, 224) and plan_gemv(896, 4864, "residual", rows=2, tuned=False).grid == 896
-    assert plan_gemv(151936, 896, "argmax", rows=2).grid == 2 * 132
-    assert plan_gemv(896, 4864, rows=4, ctas_per_sm=0, warps=1).grid == 896  # the knobs still win
+    down = plan_gemv(896, 4864, "residual", rows=4, tuned=False, mma=False)
+    assert (down.warps, down.grid) == (4, 224) and plan_gemv(896, 4864, "residual", rows=2, tuned=False, mma=False).grid == 896
+    assert plan_gemv(151936, 896, "argmax", rows=2, mma=False).grid == 2 * 132
+    assert plan_gemv(896, 4864, rows=4, ctas_per_sm=0, warps=1, mma=False).grid == 896  # the knobs still win
 
 
 def test_argmax_rows_need_as_many_lanes():
-    assert plan_gemv(96, 64, "argmax", rows=8).rows == 8  # K = 64: 8 lanes a row
+    """The CUDA-core form keeps one row's running best a lane; the tensor-core form has no such limit."""
+    assert plan_gemv(96, 64, "argmax", rows=8, mma=False).rows == 8  # K = 64: 8 lanes a row
     with pytest.raises(ValueError, match="lanes"):
-        plan_gemv(96, 64, "argmax", rows=9)
-    assert plan_gemv(151936, 896, "argmax", rows=16).lanes == 16
+        plan_gemv(96, 64, "argmax", rows=9, mma=False)
+    assert plan_gemv(151936, 896, "argmax", rows=16, mma=False).lanes == 16
+    assert plan_gemv(96, 64, "argmax", rows=9).mma
 
 
 def test_tuned_plans_hold_for_their_own_row_count(tmp_path, monkeypatch):
@@ -840,6 +952,8 @@ ROWS_CASES = [
     (896, 4864, "residual", False, False, dict(ctas_per_sm=1, warps=2)),
     (136, 200, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}),
     (136, 200, "residual", False, True, {}),
+    # the CUDA-core form where the tensor-core one is the default
+    (9728, 896, "silu_mul", True, True, dict(mma=False)), (151936, 896, "none", True, True, dict(mma=False)),
 ]
 
 
@@ -848,9 +962,40 @@ ROWS_CASES = [
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", ROWS_CASES)
 def test_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    check_rows(kh, CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs), epilogue, norm, rows)
+
+
+# The tensor-core form at every row count it is built for: the fused path's shapes and flags, a
+# tail tile in N (200 rows: 12.5 tiles of 16; silu's 68 outputs: 8.5 tiles of 8), K = 1184 (37
+# steps of 32 over 5 warps of 8: the last warp's 3 steps past K are zeros; split over 2 or 3
+# CTAs, the last split shorter), K = 64 (one warp).
+MMA_ROWS_TESTED = [2, 3, 4, 5, 8, 16]
+MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", False, True, {}),
+                 (9728, 896, "silu_mul", True, True, {}), (151936, 896, "none", True, True, {}),
+                 (896, 4864, "residual", False, True, {}), (1152, 896, "none", False, False, {}),
+                 (200, 96, "residual", False, False, {}), (136, 64, "silu_mul", False, False, {}),
+                 (256, 1184, "bias", True, False, {}), (200, 1184, "bias", False, False, dict(splits=3)),
+                 (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
+                 (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
+                 (256, 8960, "residual", False, True, {})]  # Qwen2.5-1.5B's down K: split over 9 CTAs
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", MMA_ROWS_TESTED)
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES)
+def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    """Also K split over CTAs (down's default; forced on small shapes with tails); two calls,
+    so the second finds the split counters reset."""
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
+    assert gemv.plan.mma, gemv.plan.describe()
+    check_rows(kh, gemv, epilogue, norm, rows)
+
+
+def check_rows(kh, gemv: CuteGemv, epilogue: str, norm: bool, rows: int) -> None:
     """out poisoned (NaN) so an unwritten row fails; the residual updated in place (out is the
     residual, [M, N], as in the fused path); two calls with different inputs."""
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
+    n, k = gemv.plan.n_rows, gemv.plan.k
     for seed in (0, 1):
         x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
         want = gemv_reference(x, w, epilogue, extra, norm_weight=nw)
@@ -880,17 +1025,20 @@ def _argmax_rows_inputs(n, k, rows, seed, norm):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + [3, 5, 8, 9])
 @pytest.mark.parametrize("n, k, norm, pdl, knobs", [
     (151936, 896, True, True, {}), (151936, 896, False, False, dict(ctas_per_sm=1, warps=8)),
-    (256, 256, True, False, {}), (96, 64, False, True, {}),
+    (256, 256, True, False, {}), (96, 64, False, True, {}), (151936, 896, True, True, dict(mma=False)),
+    (5000, 64, False, False, dict(ctas_per_sm=1)),  # the tensor-core form: 132 CTAs walk 313 tiles, a tail
 ])
 def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
     """Each row's token is its own argmax (ties: the lower index); random rows then tied rows;
     repeated calls check that the counter was reset."""
-    if rows > cute_gemv.lanes_for(k):
+    try:
+        gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, **knobs)
+    except ValueError as e:  # the CUDA-core form keeps a row's best a lane: at most `lanes` rows
+        assert "lanes" in str(e) and rows > cute_gemv.lanes_for(k)
         pytest.skip(f"argmax with {rows} rows needs {rows} lanes a row; K = {k} gives {cute_gemv.lanes_for(k)}")
-    gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, **knobs)
     eps = gemv.plan.eps
     for seed in (0, 1):
         x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
@@ -911,13 +1059,15 @@ def test_rows_argmax_per_row_with_ties(kh, n, k, norm, pdl, knobs, rows):
 
 
 ROWS_ROPE_CASES = [(QWEN05_ROPE, 896, True, True, {}), (QWEN05_ROPE, 896, True, False, dict(warps=2)),
+                   (QWEN05_ROPE, 896, True, True, dict(mma=False)), (RopeShape(16, 4, 2, 64, 256), 128, False, False, {}),
+                   (RopeShape(64, 200, 2, 64, 256), 128, True, True, {}),  # 816 tiles: the grid loops
                    (RopeShape(64, 4, 2, 2048, 1025 * 16), 256, False, True, {}),
                    (RopeShape(32, 4, 2, 64, 256), 200, True, False, {})]  # K = 200: one lane a row
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + [3, 8])
 @pytest.mark.parametrize("shape, k, bias, pdl, knobs", ROWS_ROPE_CASES)
 def test_rows_rope_kv_each_at_its_position_and_slot(kh, shape, k, bias, pdl, knobs, rows):
     """Row m rotated at its own position and stored at its own slot (the last of several rows

@@ -36,6 +36,7 @@ def _core(monkeypatch, clock: list[float]):
     core = EngineCore.__new__(EngineCore)  # no zmq, no compiler thread
     core.engine, core.core, core.outboxes = Engine(), 0, outboxes
     core.encoder, core.errors, core.next_stats_to_all = msgspec.msgpack.Encoder(), [], 0.0
+    core.writers = [None] * len(outboxes)
     return core, outboxes
 
 

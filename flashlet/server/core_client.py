@@ -4,8 +4,9 @@
 the app serves either: the in-thread EngineLoop (tests, embedding) or engine-core processes
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
 cores (engine_core.py) and receives every core's per-step message, handing each request's
-outputs to its stream. The first event loop that submits a request reads the step socket
-itself (add_reader on the socket's FD): a token goes from the socket to its SSE writer with no
+outputs to its stream. The first event loop that submits a request reads the sockets itself
+(add_reader on their FDs: the zmq socket, and each core's connection to this process's step
+channel, step_channel.py): a token goes from the socket to its SSE writer with no
 thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
 threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
 reads it and wakes each stream's loop once per step; streams of other loops are woken so

@@ -113,6 +113,9 @@ class FrameReader:
         self.sock = sock
         self.buffer = bytearray()
         self.eof = False
+        # recv_into one buffer kept for the connection: a recv of READ_BYTES would allocate
+        # (and free) that much for every step message
+        self._chunk = memoryview(bytearray(READ_BYTES))
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -122,17 +125,17 @@ class FrameReader:
         closed its end."""
         while True:
             try:
-                chunk = self.sock.recv(READ_BYTES)
+                size = self.sock.recv_into(self._chunk)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self.eof = True
                 break
-            if not chunk:
+            if not size:
                 self.eof = True
                 break
-            self.buffer += chunk
-            if len(chunk) < READ_BYTES:
+            self.buffer += self._chunk[:size]
+            if size < READ_BYTES:
                 break
         return self._frames()
 

@@ -133,3 +133,32 @@ def test_a_real_core_sends_its_steps_over_the_channel_once_the_process_sent_a_re
         client._close()
         shutil.rmtree(client.ipc_dir, ignore_errors=True)
         aloop.close()
+
+
+def test_an_idle_core_writes_its_backlog_while_it_waits_for_requests():
+    """The API process fell behind and the socket filled; then the core has nothing to run.
+    Waiting for its next request, it still writes what it holds back (else the streams' last
+    tokens would wait for that request), in order."""
+    import zmq
+
+    writer, reader = _pair(buffer_bytes=4096)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind("inproc://idle-core")
+    core = EngineCore.__new__(EngineCore)  # its loop's waiting alone: no engine
+    core.inbox, core.writers = inbox, [writer]
+    try:
+        frames = [i.to_bytes(4, "little") * 300 for i in range(100)]
+        for f in frames:
+            writer.send(f)
+        assert writer.pending
+        received = []
+        while len(received) < len(frames):
+            received += reader.read_frames()  # the API process catches up...
+            assert not core._wait_for_inbox(200)  # ...and no request comes meanwhile
+        assert received == frames and not writer.pending
+    finally:
+        writer.close()
+        reader.close()
+        inbox.close(linger=0)
+        ctx.term()

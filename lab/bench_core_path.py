@@ -11,9 +11,9 @@ time other processes hold the core; zmq's own I/O thread is not counted), each t
 --rounds rounds of its mean:
 - core send, us per step: EngineCore._step's work on one step's outputs and _send (the step
   message built, encoded and written to the API process's step channel, as the server does;
-  `--channel zmq`: queued to zmq, as before that channel). engine.step() is replaced by one real step's
-  outputs, --finished of them marked finished (a closed loop of 128-token requests at 256
-  streams finishes two a step), so that only the core's own work is timed.
+  `--channel zmq`: queued to zmq, as before that channel). engine.step() is replaced by one
+  real step's outputs, --finished of them marked finished (a closed loop of 128-token
+  requests at 256 streams finishes two a step), so that only the core's own work is timed.
 - api read, us per step: the API process's reader thread on that message (decode, each
   request's output to its stream, one event-loop call) and the event loop handing them out.
 - api submit, us per request: CoreClient.submit_group (AddRequests built, encoded, sent), for

@@ -3,12 +3,12 @@
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
 multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
 API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
-PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per prompt: its token ids as int32
-bytes, and the sampling params of each of its samples), aborts, probes, shutdown. Out: ONE
-message per engine step to each API process with outputs in it, carrying that process's
-requests' new token ids and finish info (a request that only got tokens as a three-element
-array: output_rows), with the engine's stats (every API process gets them: its admission
-control reads them), written by this loop's thread to the process's step channel
+PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per
+prompt: its token ids as int32 bytes, and the sampling params of each of its samples), aborts,
+probes, shutdown. Out: ONE message per engine step to each API process with outputs in it,
+carrying that process's requests' new token ids and finish info (a request that only got tokens
+as a three-element array: output_rows), with the engine's stats (every API process gets them:
+its admission control reads them), written by this loop's thread to the process's step channel
 (step_channel.py: a Unix socket, no zmq I/O thread to wake) from the process's first request
 on; before that, and everything else (start-up, probe replies, heartbeats), over one PUSH
 socket per API process. What the core does per step and per request

@@ -17,8 +17,8 @@ time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It pri
 median, p90, p99 and max of each hop before the first token, between tokens (where a token
 gap's tail comes from), and from a request's last token (sent by the core) to the next
 request's add in the core (the response's end reaching the client, the client's next send,
-that request's way in: at one stream the device idles meanwhile). On a shared machine the p10 is the hop's own cost; the others add the time a
-process waited for a CPU.
+that request's way in: at one stream the device idles meanwhile). On a shared machine the
+p10 is the hop's own cost; the others add the time a process waited for a CPU.
 """
 
 from __future__ import annotations

@@ -339,6 +339,8 @@ class EngineCore:
         one prompt of each group first (the next QUEUE_SCAN_DEPTH queued looked at), so a
         request of many long prompts does not hold a short one behind all of them here; the
         scheduler then shares the steps between them."""
+        if not self.queued_adds:  # most steps: nothing arrived
+            return
         t = time.perf_counter()
         added = 0  # prompt tokens
         taken_groups = set()

@@ -10,9 +10,10 @@ in this thread's CPU time (time.thread_time: on a shared machine the wall clock 
 time other processes hold the core; zmq's own I/O thread is not counted), each the median over
 --rounds rounds of its mean:
 - core send, us per step: EngineCore._step's work on one step's outputs and _send (the step
-  message built, encoded and queued to zmq). engine.step() is replaced by one real step's
-  outputs, --finished of them marked finished (a closed loop of 128-token requests at 256
-  streams finishes two a step), so that only the core's own work is timed.
+  message built, encoded and written to the API process's step channel, as the server does;
+  `--channel zmq`: queued to zmq, as before that channel). engine.step() is replaced by one
+  real step's outputs, --finished of them marked finished (a closed loop of 128-token
+  requests at 256 streams finishes two a step), so that only the core's own work is timed.
 - api read, us per step: the API process's reader thread on that message (decode, each
   request's output to its stream, one event-loop call) and the event loop handing them out.
 - api submit, us per request: CoreClient.submit_group (AddRequests built, encoded, sent), for
@@ -43,6 +44,7 @@ from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.server.core_client import CoreClient, CoreProcess  # noqa: E402
 from flashlet.server.engine_core import EngineCore, engine_info  # noqa: E402
 from flashlet.server.messages import CoreReady  # noqa: E402
+from flashlet.server.step_channel import FrameWriter, step_path  # noqa: E402
 from flashlet.server.engine_loop import RequestStream  # noqa: E402
 
 VOCAB = 32000  # ids above 256: Python's small-int cache would flatter the decode
@@ -65,7 +67,7 @@ def decoding_engine(folder: str, rows: int, logprobs: int | None) -> Engine:
 class Harness:
     """An EngineCore and a CoreClient wired together in this process."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, channel: str = "socket"):
         import zmq
 
         self.engine = engine
@@ -81,6 +83,18 @@ class Harness:
         core_out.connect(self.client._output_addr(0))
         self.core = EngineCore(engine, 0, core_in, [core_out], os.getppid())
         self.client._core_ready(CoreReady(0, engine_info(engine), None, os.getpid()))
+        if channel == "socket":  # connected as at the API process's first request
+            self.core.writers[0] = FrameWriter.connect(step_path(self.client.ipc_dir, 0))
+            self.client._accept_cores()
+            self.reader = self.client._step_readers[0]
+
+    def step_frame(self) -> bytes:
+        """The step message the core just sent, as the API process receives it."""
+        if self.core.writers[0] is None:
+            return self.client._outbox.recv()
+        frames = self.reader.read_frames()
+        assert len(frames) == 1, len(frames)
+        return frames[0]
 
     def stream(self, prompt: list[int], params: SamplingParams) -> RequestStream:
         async def make():
@@ -92,8 +106,8 @@ class Harness:
             core.inbox.close(linger=0)
         self.core.inbox.close(linger=0)
         self.core.outboxes[0].close(linger=0)
-        self.client._outbox.close(linger=0)
-        self.client._zmq.term()
+        self.core.close_step_channels()
+        self.client._close()
         self.aloop.close()
 
 
@@ -122,7 +136,7 @@ def time_steps(h: Harness, outputs: list, steps: int) -> tuple[float, float]:
         t0 = time.thread_time()
         core._send(core._step())
         t1 = time.thread_time()
-        frame = client._outbox.recv()
+        frame = h.step_frame()
         t2 = time.thread_time()
         client._handle(client._decoder.decode(frame))
         h.aloop.run_until_complete(asyncio.sleep(0))  # the event loop hands them out
@@ -171,6 +185,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128, help="requests added per round")
     ap.add_argument("--steps", type=int, default=200, help="steps per round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--channel", choices=["socket", "zmq"], default="socket",
+                    help="how step messages travel: the step channel (the server's) or zmq")
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-core-"), num_hidden_layers=1,
@@ -178,7 +194,7 @@ def main() -> None:
                              num_key_value_heads=1, vocab_size=VOCAB,
                              max_position_embeddings=4096)
     engine = decoding_engine(str(folder), args.rows, args.logprobs)
-    h = Harness(engine)
+    h = Harness(engine, args.channel)
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(32, 768))]
                for _ in range(args.requests)]
@@ -194,6 +210,7 @@ def main() -> None:
     finally:
         h.close()
     print(f"rows={args.rows} finished={args.finished} logprobs={args.logprobs} "
+          f"channel={args.channel} "
           f"(prompts 32-768 ids, mean {statistics.mean(map(len, prompts)):.0f})")
     for key, values in figures.items():
         print(f"  {key}: {statistics.median(values):.1f}  "

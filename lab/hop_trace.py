@@ -14,11 +14,11 @@ which runs in it) to log a timestamp at each hop: HTTP received, body parsed (th
 runs), tokenized, sent to the core, core received, added, step done, output sent, API
 received, handed to the stream, SSE written, client received. All clocks are
 time.perf_counter (CLOCK_MONOTONIC: one clock across processes on Linux). It prints the p10,
-median and p90 of each hop before the first token, between tokens, and from a request's last
-token (sent by the core) to the next request's add in the core (the response's end reaching
-the client, the client's next send, that request's way in: at one stream the device idles
-meanwhile). On a shared machine the p10 is the hop's own cost; the others add the time a
-process waited for a CPU.
+median, p90, p99 and max of each hop before the first token, between tokens (where a token
+gap's tail comes from), and from a request's last token (sent by the core) to the next
+request's add in the core (the response's end reaching the client, the client's next send,
+that request's way in: at one stream the device idles meanwhile). On a shared machine the
+p10 is the hop's own cost; the others add the time a process waited for a CPU.
 """
 
 from __future__ import annotations
@@ -305,13 +305,14 @@ def turnaround_gaps(requests, skip: int) -> dict:
 
 
 def table(title: str, gaps: dict) -> str:
-    lines = [f"{title}", "| hop (time since the previous) | p10 ms | p50 ms | p90 ms | n |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"{title}", "| hop (time since the previous) | p10 ms | p50 ms | p90 ms | p99 ms "
+             "| max ms | n |", "|---|---:|---:|---:|---:|---:|---:|"]
     for hop, values in gaps.items():
         values = sorted(values)
-        p10, p90 = (values[min(len(values) - 1, int(q * len(values)))] for q in (0.1, 0.9))
+        p10, p90, p99 = (values[min(len(values) - 1, int(q * len(values)))]
+                         for q in (0.1, 0.9, 0.99))
         lines.append(f"| {hop} | {p10:.3f} | {statistics.median(values):.3f} | {p90:.3f} "
-                     f"| {len(values)} |")
+                     f"| {p99:.3f} | {values[-1]:.3f} | {len(values)} |")
     return "\n".join(lines)
 
 

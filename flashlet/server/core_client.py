@@ -4,8 +4,9 @@
 the app serves either: the in-thread EngineLoop (tests, embedding) or engine-core processes
 (`python -m flashlet.server`, one per data-parallel rank). It binds the ipc sockets, spawns the
 cores (engine_core.py) and receives every core's per-step message, handing each request's
-outputs to its stream. The first event loop that submits a request reads the step socket
-itself (add_reader on the socket's FD): a token goes from the socket to its SSE writer with no
+outputs to its stream. The first event loop that submits a request reads the sockets itself
+(add_reader on their FDs: the zmq socket, and each core's connection to this process's step
+channel, step_channel.py): a token goes from the socket to its SSE writer with no
 thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
 threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
 reads it and wakes each stream's loop once per step; streams of other loops are woken so
@@ -66,6 +67,7 @@ from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
                                       Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.router import PrefixRouter
+from flashlet.server.step_channel import FrameReader, listen, step_path
 
 log = logging.getLogger("flashlet.server")
 
@@ -154,6 +156,11 @@ class CoreClient(EngineClient):
         self._outbox = self._zmq.socket(zmq.PULL)  # every core's step messages
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._output_addr(api_server_index))
+        # Each core's step messages come over a connection to this socket once the core has
+        # this process's first request (step_channel.py); everything else over _outbox. Read
+        # by whoever reads _outbox, the same way.
+        self._step_listener = listen(step_path(self.ipc_dir, api_server_index))
+        self._step_readers: list[FrameReader] = []
         self._decoder = msgspec.msgpack.Decoder(StepOutputs | CoreReady | ProbeReply | Heartbeat)
         # Who reads _outbox: the reader thread while _reading_loop is None, else that event
         # loop (never both: a zmq socket is not thread-safe). A loop asks for it by setting
@@ -203,7 +210,8 @@ class CoreClient(EngineClient):
                       [self._output_addr(k) for k in api_servers], os.getpid(),
                       self.tokenizer_source, self._build_engine,
                       threading.current_thread() is threading.main_thread()
-                      and self.config.tensor_parallel_size == 1))  # see exit_with_parent
+                      and self.config.tensor_parallel_size == 1,  # see exit_with_parent
+                      [step_path(self.ipc_dir, k) for k in api_servers]))
             with _cuda_visible(self._device_for(i)):
                 process.start()
             self.cores.append(CoreProcess(i, process, inbox))
@@ -259,6 +267,13 @@ class CoreClient(EngineClient):
         for core in self.cores:
             core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
+        for reader in self._step_readers:
+            reader.close()
+        self._step_listener.close()
+        try:
+            os.unlink(step_path(self.ipc_dir, self.api_server_index))
+        except OSError:
+            pass
         self._zmq.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -465,15 +480,16 @@ class CoreClient(EngineClient):
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
-        socket_poller, pipe_poller = zmq.Poller(), zmq.Poller()
-        socket_poller.register(self._outbox, zmq.POLLIN)
-        for poller in (socket_poller, pipe_poller):
-            poller.register(self._wake_r, zmq.POLLIN)
+        pipe_poller = zmq.Poller()
+        pipe_poller.register(self._wake_r, zmq.POLLIN)
+        socket_poller, watched = None, None
         next_check = 0.0
         while not self._stopping:  # stop() ends every stream itself
             loop = self._reading_loop
             if loop is not None and loop.is_closed():  # it reads no more: read here again
                 self._reading_loop = loop = None
+            if loop is None and watched != self._step_readers:  # a core connected or left
+                socket_poller, watched = self._socket_poller(), list(self._step_readers)
             try:
                 events = dict((socket_poller if loop is None else pipe_poller)
                               .poll(READER_POLL_MS))
@@ -483,13 +499,54 @@ class CoreClient(EngineClient):
                 os.read(self._wake_r, 4096)
             if loop is None and self._outbox in events and not self._drain():
                 return  # the socket was closed by stop()
+            if loop is None and len(events) > (self._wake_r in events) + (self._outbox in events):
+                self._read_step_channels()
             if loop is None and self._loop_to_read is not None:
+                self._read_step_channels()  # everything that came before the loop takes over
                 self._hand_over_to_loop()
             if (not self._stopping and self.error is None
                     and time.monotonic() >= next_check):  # a waitpid per core: not every step
                 self._check_processes()
                 self._check_stalls()
                 next_check = time.monotonic() + READER_POLL_MS / 1000
+
+    def _socket_poller(self) -> zmq.Poller:
+        """What the reader thread waits on while it reads: the zmq socket, the wake pipe, the
+        step channels' listener and connections."""
+        poller = zmq.Poller()
+        for fd in (self._outbox, self._wake_r, self._step_listener.fileno(),
+                   *(reader.fileno() for reader in self._step_readers)):
+            poller.register(fd, zmq.POLLIN)
+        return poller
+
+    def _read_step_channels(self) -> None:
+        """Take new cores' connections and every whole step message waiting on each."""
+        self._accept_cores()
+        for reader in list(self._step_readers):
+            self._read_steps(reader)
+
+    def _accept_cores(self) -> None:
+        while True:
+            try:
+                sock, _ = self._step_listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # closed by stop()
+                return
+            reader = FrameReader(sock)
+            self._step_readers.append(reader)
+            loop = self._reading_loop
+            if loop is not None and self._on_reading_loop():
+                loop.add_reader(reader.fileno(), self._read_steps_on_loop, reader)
+
+    def _read_steps(self, reader: FrameReader) -> None:
+        for frame in reader.read_frames():
+            self._handle_frame(frame)
+        if reader.eof:  # the core is gone (the process checks say what that means)
+            if self._on_reading_loop():
+                self._reading_loop.remove_reader(reader.fileno())
+            self._step_readers.remove(reader)
+            reader.close()
 
     def _ask_to_read_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have `loop` read the step socket from now on (the thread hands it over)."""
@@ -518,7 +575,11 @@ class CoreClient(EngineClient):
             self._loop_reading_unsupported = True
             self._reading_loop = None  # the thread reads again from its next poll
             return
+        loop.add_reader(self._step_listener.fileno(), self._accept_on_loop)
+        for reader in self._step_readers:
+            loop.add_reader(reader.fileno(), self._read_steps_on_loop, reader)
         self._read_on_loop()  # the FD signals changes only: what came meanwhile is read now
+        self._accept_on_loop()
 
     def _read_on_loop(self) -> None:
         """The event loop's reader callback: every waiting message, each stream of this loop
@@ -532,6 +593,22 @@ class CoreClient(EngineClient):
         finally:
             self._delivering_on = None
 
+    def _accept_on_loop(self) -> None:
+        self._delivering_on = self._reading_loop
+        try:
+            self._read_step_channels()
+        finally:
+            self._delivering_on = None
+
+    def _read_steps_on_loop(self, reader: FrameReader) -> None:
+        """The event loop's callback for a core's step channel: its whole messages, handed
+        out at once (no thread between the socket and the streams)."""
+        self._delivering_on = self._reading_loop
+        try:
+            self._read_steps(reader)
+        finally:
+            self._delivering_on = None
+
     def _on_reading_loop(self) -> bool:
         try:
             return asyncio.get_running_loop() is self._reading_loop
@@ -539,18 +616,18 @@ class CoreClient(EngineClient):
             return False
 
     def _stop_loop_reading(self) -> None:
-        """Before the socket closes: the loop that reads it stops watching its FD (on the
+        """Before the sockets close: the loop that reads them stops watching their FDs (on the
         loop's own thread while it runs; the thread has stopped reading by now)."""
         loop = self._reading_loop
         if loop is None or loop.is_closed():
             return
         if self._on_reading_loop() or not loop.is_running():
-            loop.remove_reader(self._outbox_fd)
+            self._remove_readers(loop)
             return
         removed = threading.Event()
 
         def remove() -> None:
-            loop.remove_reader(self._outbox_fd)
+            self._remove_readers(loop)
             removed.set()
 
         try:
@@ -559,6 +636,11 @@ class CoreClient(EngineClient):
             return
         if not removed.wait(5):
             log.warning("the event loop reading the engine cores did not let go of the socket")
+
+    def _remove_readers(self, loop: asyncio.AbstractEventLoop) -> None:
+        for fd in (self._outbox_fd, self._step_listener.fileno(),
+                   *(reader.fileno() for reader in self._step_readers)):
+            loop.remove_reader(fd)
 
     def _drain(self) -> bool:
         """Handle every message waiting (poll saw one); False if the socket is closed.

@@ -3,12 +3,15 @@
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
 multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
 API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
-PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per prompt: its token ids as int32
-bytes, and the sampling params of each of its samples), aborts, probes, shutdown. Out: one PUSH
-socket per API process, ONE message per engine step to each API process, carrying that
-process's requests' new token ids and finish info (a request that only got tokens as a
-three-element array: output_rows), with the engine's stats (every API process gets every
-step's stats: its admission control reads them). What the core does per step and per request
+PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per
+prompt: its token ids as int32 bytes, and the sampling params of each of its samples), aborts,
+probes, shutdown. Out: ONE message per engine step to each API process with outputs in it,
+carrying that process's requests' new token ids and finish info (a request that only got tokens
+as a three-element array: output_rows), with the engine's stats (every API process gets them:
+its admission control reads them), written by this loop's thread to the process's step channel
+(step_channel.py: a Unix socket, no zmq I/O thread to wake) from the process's first request
+on; before that, and everything else (start-up, probe replies, heartbeats), over one PUSH
+socket per API process. What the core does per step and per request
 beside the engine's step is timed by lab/bench_core_path.py. The core
 never sees text: tokenizing, detokenizing and stop strings are the API processes' job, so a
 stop string found there comes back in as an abort.
@@ -52,8 +55,9 @@ from flashlet.models.weights import load_tokenizer
 from flashlet.server.diagnostics import LoopCounters
 from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, CoreInput,
                                       CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
-                                      StepOutputs, Heartbeat, output_rows,
+                                      StepOutputs, Heartbeat, api_server_of, output_rows,
                                       output_rows_by_api_server)
+from flashlet.server.step_channel import FrameWriter
 from flashlet.server.warmup import SERVER_GC_THRESHOLDS
 
 log = logging.getLogger("flashlet.server")
@@ -114,9 +118,11 @@ def build_engine(config, tokenizer: str | None = None):
 
 def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: list[str],
                     parent_pid: int, tokenizer: str | None = None,
-                    build: Callable = build_engine, parent_death_signal: bool = True) -> None:
+                    build: Callable = build_engine, parent_death_signal: bool = True,
+                    step_paths: list[str] | None = None) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
-    input_addrs / output_addrs: one of each per API process, in API-process order.
+    input_addrs / output_addrs: one of each per API process, in API-process order; step_paths:
+    where each API process listens for its step channel (step_channel.py), if it does.
     (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.
     parent_death_signal: see exit_with_parent.)"""
     import zmq
@@ -160,9 +166,11 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
                              args=(ctx, output_addrs, core, stop_beating),
                              name="flashlet-heartbeat", daemon=True)
     beats.start()
+    engine_core = EngineCore(engine, core, inbox, outboxes, parent_pid, step_paths)
     try:
-        EngineCore(engine, core, inbox, outboxes, parent_pid).run()
+        engine_core.run()
     finally:
+        engine_core.close_step_channels()
         stop_beating.set()
         beats.join()
         inbox.close(linger=0)
@@ -225,10 +233,18 @@ def _watch_parent(parent_pid: int) -> None:
 class EngineCore:
     """The busy loop around one Engine (which takes the API processes' request ids as its own)."""
 
-    def __init__(self, engine, core: int, inbox, outboxes: list, parent_pid: int):
+    def __init__(self, engine, core: int, inbox, outboxes: list, parent_pid: int,
+                 step_paths: list[str] | None = None):
         self.engine, self.core = engine, core
         self.inbox, self.outboxes = inbox, outboxes  # outboxes[k]: to API process k
         self.parent_pid = parent_pid
+        # Step messages to API process k go over writers[k] once it is connected: at k's first
+        # request (k listens before it sends one), so that a process's outputs never go over
+        # both channels (the two are not ordered with each other); until then, and for a
+        # process that does not listen, over outboxes[k].
+        self.step_paths = step_paths
+        self.writers: list[FrameWriter | None] = [None] * len(outboxes)
+        self.step_channel_tried = [False] * len(outboxes)
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.unfinished: set[int] = set()  # ids added and not finished yet
@@ -289,9 +305,9 @@ class EngineCore:
 
         t = time.perf_counter()
         if wait and timeout_ms is not None:
-            self.inbox.poll(timeout_ms)
+            self._wait_for_inbox(timeout_ms)
         elif wait:
-            while not self.inbox.poll(IDLE_POLL_MS):
+            while not self._wait_for_inbox(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:  # the API process is gone
                     log.error("the API server process exited; engine core %d stops", self.core)
                     self.stopping = True
@@ -309,6 +325,7 @@ class EngineCore:
                     return
                 msg = self.decoder.decode(frame)
                 if isinstance(msg, AddRequests):
+                    self._connect_step_channel(msg)
                     self.queued_adds.append(msg)
                     self.queued_ids.update(msg.request_ids)
                 else:
@@ -322,6 +339,8 @@ class EngineCore:
         one prompt of each group first (the next QUEUE_SCAN_DEPTH queued looked at), so a
         request of many long prompts does not hold a short one behind all of them here; the
         scheduler then shares the steps between them."""
+        if not self.queued_adds:  # most steps: nothing arrived
+            return
         t = time.perf_counter()
         added = 0  # prompt tokens
         taken_groups = set()
@@ -491,9 +510,10 @@ class EngineCore:
     def _send(self, outputs: list) -> None:
         """The step's outputs (and the errors since the last message), each to the API process
         that sent its request, with the core's stats (every process reads them: /metrics,
-        admission). Several API processes: those with no output in it get the message only
-        every STATS_EVERY_S, and once the core has nothing left to run (so that every process
-        sees it idle)."""
+        admission). Several API processes: those with outputs in the step first (a stream's
+        token waits for no other process's message), then, every STATS_EVERY_S and once the
+        core has nothing left to run (so that every process sees it idle), the stats alone to
+        the others."""
         if self.errors:
             outputs, self.errors = self.errors + outputs, []
         stats = core_stats(self.engine)
@@ -501,15 +521,65 @@ class EngineCore:
         stats["time"] = now
         count = len(self.outboxes)
         if count == 1:
-            message = StepOutputs(self.core, output_rows(outputs), stats)
-            self.outboxes[0].send(self.encoder.encode(message))
+            self._send_frame(0, self.encoder.encode(
+                StepOutputs(self.core, output_rows(outputs), stats)))
             return
         everyone = now >= self.next_stats_to_all or not self.engine.has_unfinished()
         if everyone:
             self.next_stats_to_all = now + STATS_EVERY_S
-        for outbox, rows in zip(self.outboxes, output_rows_by_api_server(outputs, count)):
-            if rows or everyone:
-                outbox.send(self.encoder.encode(StepOutputs(self.core, rows, stats)))
+        stats_only = []
+        for k, rows in enumerate(output_rows_by_api_server(outputs, count)):
+            if rows:
+                self._send_frame(k, self.encoder.encode(StepOutputs(self.core, rows, stats)))
+            elif everyone:
+                stats_only.append(k)
+        if stats_only:
+            frame = self.encoder.encode(StepOutputs(self.core, [], stats))
+            for k in stats_only:
+                self._send_frame(k, frame)
+
+    def _send_frame(self, api_server: int, frame: bytes) -> None:
+        """A step message to one API process: over its step channel once connected."""
+        writer = self.writers[api_server]
+        if writer is not None and not writer.closed:
+            writer.send(frame)
+        else:
+            self.outboxes[api_server].send(frame)
+
+    def _connect_step_channel(self, msg: AddRequests) -> None:
+        """At an API process's first request, connect to its step channel (it listens before
+        it sends any): its step messages go there from now on, none of them before."""
+        if self.step_paths is None or not msg.request_ids:
+            return
+        k = api_server_of(msg.request_ids[0], len(self.outboxes))
+        if self.step_channel_tried[k]:
+            return
+        self.step_channel_tried[k] = True
+        self.writers[k] = FrameWriter.connect(self.step_paths[k])
+        if self.writers[k] is None:
+            log.warning("API process %d has no step channel: its step messages go over zmq", k)
+
+    def _wait_for_inbox(self, timeout_ms: int) -> bool:
+        """Wait up to timeout_ms for a message in; meanwhile write what the step channels hold
+        back (a core asleep on a backlog would hold its last tokens). True if one waits."""
+        pending = [w for w in self.writers if w is not None and w.pending]
+        if not pending:
+            return bool(self.inbox.poll(timeout_ms))
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        for writer in pending:
+            poller.register(writer.sock, zmq.POLLOUT)
+        ready = dict(poller.poll(timeout_ms))
+        for writer in pending:
+            writer.flush()
+        return self.inbox in ready
+
+    def close_step_channels(self) -> None:
+        for writer in self.writers:
+            if writer is not None:
+                writer.close()
 
     def _probe(self, api_server: int, loop: bool = False) -> None:
         """Reply with the engine's stats: after an integrity check, or (loop) with the loop's

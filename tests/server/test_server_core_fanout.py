@@ -36,6 +36,7 @@ def _core(monkeypatch, clock: list[float]):
     core = EngineCore.__new__(EngineCore)  # no zmq, no compiler thread
     core.engine, core.core, core.outboxes = Engine(), 0, outboxes
     core.encoder, core.errors, core.next_stats_to_all = msgspec.msgpack.Encoder(), [], 0.0
+    core.writers = [None] * len(outboxes)
     return core, outboxes
 
 
@@ -68,3 +69,16 @@ def test_one_api_process_gets_every_step(monkeypatch):
     for step in range(5):
         core._send([])
     assert len(api0.sent) == 5
+
+
+def test_a_steps_outputs_go_out_before_the_other_processes_stats(monkeypatch):
+    """When every process is due the stats, the process with outputs in the step gets its
+    message first: its stream's token does not wait for messages that carry none."""
+    clock = [100.0]
+    core, outboxes = _core(monkeypatch, clock)
+    order = []
+    for k, outbox in enumerate(outboxes):
+        outbox.send = lambda frame, k=k: order.append(
+            (k, len(msgspec.msgpack.decode(frame, type=StepOutputs).outputs)))
+    core._send([_out(1)])  # an output for process 1; the stats are due for process 0 too
+    assert order == [(1, 1), (0, 0)]

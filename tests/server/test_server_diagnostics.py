@@ -100,7 +100,10 @@ def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
         before = httpx.get(p.url + "/debug/stats", timeout=30).json()
         t0 = time.monotonic()
 
+        together = threading.Barrier(4)
+
         def client(k: int) -> None:
+            together.wait(30)  # every first request before any finishes (turnaround's n)
             for i in range(3):
                 _stream(p.url, [3 + k, 5 + i, 7, 9], 16)
 

@@ -19,8 +19,11 @@ How the verify step uses it (speculative.py drives it through api.Proposer):
 One propose() is one catch-up forward (ragged: each request's tokens the draft has not seen,
 a new request's whole prompt, chunked at the step budget), whose last rows give d1, then k - 1
 decode forwards of all requests together, each fed the previous step's tokens on the device: the
-host reads the proposals once, at the end, and on CUDA the decode steps replay the runner's
-graphs. The draft's K/V then cover the context and d1..d(k-1).
+host reads the proposals once, at the end, and puts no host list on the device in between (that
+copy would wait for the stream), so it queues each step while the device runs the one before.
+On CUDA the decode steps replay the runner's graphs: the fused decode path's, taking the LM
+head's argmax, where it applies to the draft (as auto decides for a target; off where the
+target's is), else the per-op ones. The draft's K/V then cover the context and d1..d(k-1).
 
 The draft's state corrects itself: `propose` compares the tokens whose K/V the draft holds with
 the request's own and drops everything from the first difference on, so a request that
@@ -83,6 +86,13 @@ def load_draft_model(source: str, target_config: EngineConfig, device: torch.dev
                                            target_config.weights_seed,
                                            ops=ops_for(target_config, device))
     return model, tokenizer
+
+
+def draft_runner_config(target_config: EngineConfig) -> EngineConfig:
+    """The draft's runner: one device, its own decode steps only (no verify rows), and the
+    fused decode path where auto finds it applies to the draft (off where the target's is)."""
+    return target_config.replace(fused_decode=False if target_config.fused_decode is False else None,
+                                 tensor_parallel_size=1, speculative_config=None)
 
 
 def target_vocab_size(target_config: EngineConfig) -> int:
@@ -171,8 +181,7 @@ class DraftProposer:
                               ps, cfg.num_kv_heads, cfg.head_dim,
                               target_config.resolved_dtype(), self.device,
                               fused_rope=target_config.fused_ops and self.device.type == "cuda")
-        # One device, the per-op path: the fused path serves the target's one-stream steps.
-        self.runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
+        self.runner_config = draft_runner_config(target_config)
         self.runner = ModelRunner(self.model, self.kv_pool, self.runner_config, self.device,
                                   max_pages_per_seq)
         self.batch = self.runner.batch
@@ -207,6 +216,8 @@ class DraftProposer:
             runner.forward(*runner.load(self._synthetic(1, q_len)))
         for size in warmup.decode_sizes(runner, max_seqs):
             runner.forward(*runner.load(self._synthetic(size, 1)))
+        for size in runner.greedy_token_sizes():  # the fused path's greedy-token graphs
+            runner.greedy_tokens(*runner.load(self._synthetic(size, 1)))
         for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its memory
             runner.forward(*runner.load(self._synthetic(1, q_len), token_bucket=bucket))
         return len(runner.graphs)
@@ -330,11 +341,15 @@ class DraftProposer:
 
     def _run(self, work: list[_Work]) -> list[list[int]]:
         """The catch-up forward(s), then k - 1 decode forwards -> each request's proposals."""
+        # Each step's tokens copied out on the device as it goes: a fused step's greedy tokens
+        # are its graph's output buffer, which the next step of that size writes again.
         steps = [(work, self._catch_up(work))]  # (whose tokens, [len(whose)] on the device)
+        kept = [steps[0][1].clone()]
         for j in range(1, max(w.k for w in work)):
             active = [w for w in work if w.k > j]
             steps.append((active, self._decode_step(active, j, steps[-1][1])))
-        values = iter(torch.cat([tokens for _, tokens in steps]).tolist())  # the one read
+            kept.append(steps[-1][1].clone())
+        values = iter(torch.cat(kept).tolist())  # the one read
         proposals = {id(w): [] for w in work}
         for whose, _ in steps:
             for w in whose:
@@ -350,8 +365,13 @@ class DraftProposer:
         starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
         layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
         self.batch.sample_index[rows] = np.arange(len(active))  # where the next step's feed is
-        input_ids, meta = self.runner.load(layout, previous)
-        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+        return self._greedy(*self.runner.load(layout, previous))
+
+    def _greedy(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        """A loaded step's greedy tokens, left on the device: from the fused path's LM-head
+        argmax where it serves the step (its greedy-token graph), else the logits' argmax."""
+        tokens = self.runner.greedy_tokens(input_ids, meta)
+        return tokens if tokens is not None else self.runner.forward(input_ids, meta).argmax(dim=-1)
 
     def _rows_of(self, work: list[_Work]) -> np.ndarray:
         return np.array([w.seq.row for w in work], np.int64)
@@ -359,16 +379,21 @@ class DraftProposer:
     def _catch_up(self, work: list[_Work]) -> torch.Tensor:
         """Forward each request's unseen tokens, in chunks of the step budget -> d1 of each
         [len(work)], the greedy token after its newest."""
-        first = torch.empty(len(work), dtype=torch.int64, device=self.device)
-        pending = list(range(len(work)))
+        first, pending = None, list(range(len(work)))
         while pending:
             chunks = self._next_chunks(work, pending)
             sampled = self._forward_chunks(work, chunks)
             ends = [c.index for c in chunks if c.ends_feed]
-            if ends:
+            if len(ends) == len(work):  # every feed in one step (the steady state): in order
+                first = sampled
+            elif ends:
+                if first is None:
+                    first = torch.empty(len(work), dtype=torch.int64, device=self.device)
+                # A host list copied to the device waits for the stream (pageable memory):
+                # only a catch-up of several steps (a long feed) pays it.
                 first.index_copy_(0, torch.tensor(ends, device=self.device), sampled)
-                ended = set(ends)
-                pending = [i for i in pending if i not in ended]
+            ended = set(ends)
+            pending = [i for i in pending if i not in ended]
         self.batch.sample_index[self._rows_of(work)] = np.arange(len(work))  # first's order
         return first
 
@@ -398,8 +423,7 @@ class DraftProposer:
         for seq, chunk in zip(seqs, chunks):
             seq.token_ids += chunk.token_ids
             seq.num_verified = len(seq.token_ids)
-        input_ids, meta = self.runner.load(layout)
-        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+        return self._greedy(*self.runner.load(layout))
 
     def _embeddable(self, token_ids: list[int]) -> list[int]:
         """A target token past a narrower draft's rows (a padding id, which trained targets

@@ -6,7 +6,8 @@ update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
     python scripts/bench_host_step.py                     # 1, 64 and 256 requests
     python scripts/bench_host_step.py --seqs 256 --profile 20   # and a cProfile of 20 steps
     python scripts/bench_host_step.py --stub-forward      # the host work alone (see below)
-    python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 4   # a speculating step
+    python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 4 --accept 0.7 --phases
+                                                          # a speculating step, by part
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
 rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
@@ -37,13 +38,18 @@ from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.core.engine import settle_heap  # noqa: E402
 
 
+def new_tokens(spec_k: int) -> int:
+    return 400 * (1 + spec_k)
+
+
 def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0) -> Engine:
     """An engine with `num_seqs` requests past their prompts, decoding (with spec_k: n-gram
     speculation of that many tokens)."""
     spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
     engine = Engine(EngineConfig(model=folder, backend="torch", max_num_pages=9000,
                                  max_num_seqs=512, speculative_config=spec))
-    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    # A verify step takes up to 1 + k tokens: a longer output keeps it decoding as long.
+    params = SamplingParams(max_new_tokens=new_tokens(spec_k), ignore_eos=True)
     for b in range(num_seqs):
         engine.add_request([(b * 7 + i) % 200 + 2 for i in range(100)], params)
     for _ in range(30):
@@ -54,12 +60,27 @@ def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0) -> Engine:
     return engine
 
 
-def stub_forward(engine: Engine) -> None:
+def stub_forward(engine: Engine, accept: float | None = None) -> None:
     """The runner's forward -> a fixed table's first rows: no model, no attention (the tokens
-    still differ from row to row, so requests do not all share their pages)."""
-    table = torch.randn(engine.config.max_num_seqs, engine.model_config.vocab_size,
-                        generator=torch.Generator().manual_seed(0))
-    engine.runner.forward = lambda input_ids, meta: table[: meta.logits_indices.shape[0]]
+    still differ from row to row, so requests do not all share their pages). With `accept`
+    (speculation), each row's argmax follows a periodic text by position instead, departing
+    from it at a fixed share 1 - accept of positions, so prompt lookup's proposals (the text's
+    last period) are accepted at about that rate."""
+    vocab = engine.model_config.vocab_size
+    if accept is None:
+        table = torch.randn(engine.config.max_num_seqs, vocab,
+                            generator=torch.Generator().manual_seed(0))
+        engine.runner.forward = lambda input_ids, meta: table[: meta.logits_indices.shape[0]]
+        return
+    period = torch.arange(vocab) % 50 + 10  # token after position p: period[p % vocab]
+    eye = torch.eye(vocab)
+
+    def periodic(input_ids, meta):
+        after = meta.positions[meta.logits_indices] + 1
+        departs = (after * 2654435761) % 1000 >= int(accept * 1000)  # fixed by position
+        return eye[torch.where(departs, after % 5 + 3, period[after % vocab])]
+
+    engine.runner.forward = periodic
 
 
 class ForwardTimer:
@@ -78,6 +99,57 @@ class ForwardTimer:
             return self.forward(*args, **kwargs)
         finally:
             self.seconds += time.process_time() - started
+
+
+class StepPhases:
+    """Host time of each part of the engine's step, summed over the steps run while attached
+    (perf_counter: on a GPU `read` includes the wait for the device). Between `read` and the
+    next step's `launch`, a speculating step's host work is not overlapped with the device."""
+
+    PARTS = (("read", "engine._token_buffers", "read"),  # wait + copy of a step's tokens
+             ("finish", "engine", "_finish"),  # read, verify, scheduler.update (outputs)
+             ("update", "engine.scheduler", "update"),
+             ("propose", "engine.spec", "propose"),
+             ("schedule", "engine.scheduler", "schedule"),
+             ("prepare", "engine.runner", "prepare"),  # the batch update -> the step's layout
+             ("load", "engine.runner", "load"),  # into the step buffers (to the device)
+             ("greedy_tokens", "engine.runner", "greedy_tokens"),  # plan + fused graph replay
+             ("forward", "engine.runner", "forward"),  # plan + replay / eager forward
+             ("launched", "engine", "_launched_verify"))  # stage the tokens to the host
+
+    def __init__(self, engine):
+        self.engine, self.seconds, self.steps = engine, {}, 0
+        for name, owner, attr in self.PARTS:
+            for target in self._owners(owner):
+                if getattr(target, attr, None) is not None:
+                    setattr(target, attr, self._timed(name, getattr(target, attr)))
+        self.step = engine.step
+        engine.step = self._timed("step", self.step, count=True)
+
+    def _owners(self, path: str) -> list:
+        owner = self.engine
+        for attr in path.split(".")[1:]:
+            owner = getattr(owner, attr)
+        return owner if isinstance(owner, list) else [owner]
+
+    def _timed(self, name: str, fn, count: bool = False):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                self.steps += count
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.steps = {}, 0
+
+    def per_step_us(self) -> dict[str, float]:
+        return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {us:.1f}" for name, us in self.per_step_us().items())
 
 
 def ms_per_step(engine: Engine, timer: ForwardTimer, steps: int) -> tuple[float, float]:
@@ -101,21 +173,32 @@ def main() -> None:
                     help="speculate K tokens by n-gram lookup (the stub's rows repeat, so it matches)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="a fixed table of logits instead of the model (host work alone)")
+    ap.add_argument("--accept", type=float, default=1.0,
+                    help="with --spec and --stub-forward: the share of proposals the stub accepts")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each part's host us a step (StepPhases; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
                              hidden_size=32, intermediate_size=32, num_attention_heads=2,
-                             num_key_value_heads=1)
+                             num_key_value_heads=1,
+                             max_position_embeddings=100 + new_tokens(args.spec))
     for num_seqs in args.seqs:
         engine = decoding_engine(str(folder), num_seqs, args.spec)
         if args.stub_forward:
-            stub_forward(engine)
+            stub_forward(engine, args.accept if args.spec else None)
         timer = ForwardTimer(engine)
+        phases = StepPhases(engine) if args.phases else None
+        tokens = engine.stats()["kv_pages_used"], sum(len(r.output_token_ids) for r in engine.scheduler.running)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
         host = [h for _, h in times]
+        made = sum(len(r.output_token_ids) for r in engine.scheduler.running) - tokens[1]
         print(f"seqs={num_seqs}: {statistics.median(t for t, _ in times):.3f} ms/step, "
               f"{statistics.median(host):.3f} ms outside the forward "
-              f"(rounds: {' '.join(f'{h:.3f}' for h in host)})", flush=True)
+              f"(rounds: {' '.join(f'{h:.3f}' for h in host)}), "
+              f"{made / (args.steps * args.rounds) / num_seqs:.2f} tokens a request a step", flush=True)
+        if phases is not None:
+            print(f"  host us a step: {phases.line()}", flush=True)
         if args.profile:
             profile = cProfile.Profile()
             profile.enable()

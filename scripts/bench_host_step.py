@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's flashlet and test helpers
+# this checkout's flashlet, its test helpers and scripts
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 from conftest import save_tiny_model  # noqa: E402
+from spec_bench import StepPhases  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.core.engine import settle_heap  # noqa: E402
@@ -99,57 +101,6 @@ class ForwardTimer:
             return self.forward(*args, **kwargs)
         finally:
             self.seconds += time.process_time() - started
-
-
-class StepPhases:
-    """Host time of each part of the engine's step, summed over the steps run while attached
-    (perf_counter: on a GPU `read` includes the wait for the device). Between `read` and the
-    next step's `launch`, a speculating step's host work is not overlapped with the device."""
-
-    PARTS = (("read", "engine._token_buffers", "read"),  # wait + copy of a step's tokens
-             ("finish", "engine", "_finish"),  # read, verify, scheduler.update (outputs)
-             ("update", "engine.scheduler", "update"),
-             ("propose", "engine.spec", "propose"),
-             ("schedule", "engine.scheduler", "schedule"),
-             ("prepare", "engine.runner", "prepare"),  # the batch update -> the step's layout
-             ("load", "engine.runner", "load"),  # into the step buffers (to the device)
-             ("greedy_tokens", "engine.runner", "greedy_tokens"),  # plan + fused graph replay
-             ("forward", "engine.runner", "forward"),  # plan + replay / eager forward
-             ("launched", "engine", "_launched_verify"))  # stage the tokens to the host
-
-    def __init__(self, engine):
-        self.engine, self.seconds, self.steps = engine, {}, 0
-        for name, owner, attr in self.PARTS:
-            for target in self._owners(owner):
-                if getattr(target, attr, None) is not None:
-                    setattr(target, attr, self._timed(name, getattr(target, attr)))
-        self.step = engine.step
-        engine.step = self._timed("step", self.step, count=True)
-
-    def _owners(self, path: str) -> list:
-        owner = self.engine
-        for attr in path.split(".")[1:]:
-            owner = getattr(owner, attr)
-        return owner if isinstance(owner, list) else [owner]
-
-    def _timed(self, name: str, fn, count: bool = False):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
-                self.steps += count
-        return timed
-
-    def reset(self) -> None:
-        self.seconds, self.steps = {}, 0
-
-    def per_step_us(self) -> dict[str, float]:
-        return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
-
-    def line(self) -> str:
-        return ", ".join(f"{name} {us:.1f}" for name, us in self.per_step_us().items())
 
 
 def ms_per_step(engine: Engine, timer: ForwardTimer, steps: int) -> tuple[float, float]:

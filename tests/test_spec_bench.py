@@ -91,3 +91,17 @@ def test_a_run_on_a_tiny_config_gives_a_row_per_k_and_match(tiny_qwen2, monkeypa
     assert all(r["acceptance_rate"] == 1.0 for r in result["ngram"] if r["match"] == 1.0)
     bench.print_table([result])
     assert len(capsys.readouterr().out.splitlines()) == 3 + 4
+
+
+def test_phases_time_each_part_of_the_timed_steps(tiny_qwen2, monkeypatch, capsys):
+    """--phases: each row holds its timed call's host time a step by part (the speculating
+    rows their proposer's and verification's too), and prints it under the row."""
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 12)
+    result = bench.run_config(str(tiny_qwen2 / "config.json"), [2], [1.0], None, phases=True)
+    plain, row = result["plain"]["host_us"], result["ngram"][0]["host_us"]
+    assert {"step", "read", "schedule", "prepare", "load", "forward"} <= set(plain)
+    assert {"step", "finish", "propose", "schedule", "prepare", "launched"} <= set(row)
+    assert all(us > 0 for us in row.values()) and row["step"] > row["propose"]
+    bench.print_table([result])
+    assert sum("host us a step" in line for line in capsys.readouterr().out.splitlines()) == 2

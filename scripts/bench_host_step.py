@@ -8,6 +8,8 @@ update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
     python scripts/bench_host_step.py --stub-forward      # the host work alone (see below)
     python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 4 --accept 0.7 --phases
                                                           # a speculating step, by part
+    python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 3 --fused --phases
+                                                          # ... on the fused path (as on a GPU)
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
 rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
@@ -44,12 +46,12 @@ def new_tokens(spec_k: int) -> int:
     return 400 * (1 + spec_k)
 
 
-def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0) -> Engine:
+def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0, fused: bool = False) -> Engine:
     """An engine with `num_seqs` requests past their prompts, decoding (with spec_k: n-gram
-    speculation of that many tokens)."""
+    speculation of that many tokens; fused: on the fused decode path, `reference_fused_path`)."""
     spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
     engine = Engine(EngineConfig(model=folder, backend="torch", max_num_pages=9000,
-                                 max_num_seqs=512, speculative_config=spec))
+                                 max_num_seqs=512, speculative_config=spec, fused_decode=fused or None))
     # A verify step takes up to 1 + k tokens: a longer output keeps it decoding as long.
     params = SamplingParams(max_new_tokens=new_tokens(spec_k), ignore_eos=True)
     for b in range(num_seqs):
@@ -60,6 +62,28 @@ def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0) -> Engine:
     # (torch's, the model's), which the CPU engine leaves in its reach.
     settle_heap()
     return engine
+
+
+def reference_fused_path() -> None:
+    """The fused decode path on the CPU, each GEMV its fp32 reference (as tests/test_fused_decode
+    runs it): the host work of its steps (verify steps as decode rows, its attention's plan) runs
+    as on a GPU; --stub-forward then stubs its tokens."""
+    from test_fused_decode import ReferenceGemv
+
+    from flashlet.runner import fused_decode
+
+    fused_decode.CuteGemv = ReferenceGemv
+    fused_decode.cute_available = lambda: (True, "")
+    fused_decode.check_fused_decode = lambda *args, **kwargs: None
+
+
+def periodic_tokens(positions: torch.Tensor, accept: float, vocab: int) -> torch.Tensor:
+    """The stub's token after each position: a periodic text, departed from at a fixed share
+    1 - accept of positions (so prompt lookup, proposing the last period, is accepted at about
+    that rate)."""
+    after = positions + 1
+    departs = (after * 2654435761) % 1000 >= int(accept * 1000)
+    return torch.where(departs, after % 5 + 3, after % 50 + 10) % vocab
 
 
 def stub_forward(engine: Engine, accept: float | None = None) -> None:
@@ -74,15 +98,12 @@ def stub_forward(engine: Engine, accept: float | None = None) -> None:
                             generator=torch.Generator().manual_seed(0))
         engine.runner.forward = lambda input_ids, meta: table[: meta.logits_indices.shape[0]]
         return
-    period = torch.arange(vocab) % 50 + 10  # token after position p: period[p % vocab]
-    eye = torch.eye(vocab)
-
-    def periodic(input_ids, meta):
-        after = meta.positions[meta.logits_indices] + 1
-        departs = (after * 2654435761) % 1000 >= int(accept * 1000)  # fixed by position
-        return eye[torch.where(departs, after % 5 + 3, period[after % vocab])]
-
-    engine.runner.forward = periodic
+    # (a table by position: a torch op on the CPU costs microseconds, the stub must not)
+    tokens = periodic_tokens(torch.arange(engine.max_model_len + 1), accept, vocab)
+    logits = torch.eye(vocab)[tokens]
+    engine.runner.forward = lambda input_ids, meta: logits[meta.positions[meta.logits_indices]]
+    if engine.runner.fused is not None:  # its greedy tokens (the LM head's argmax), every row
+        engine.runner.fused.token = lambda input_ids, positions, attn: tokens[positions]
 
 
 class ForwardTimer:
@@ -126,18 +147,22 @@ def main() -> None:
                     help="a fixed table of logits instead of the model (host work alone)")
     ap.add_argument("--accept", type=float, default=1.0,
                     help="with --spec and --stub-forward: the share of proposals the stub accepts")
+    ap.add_argument("--fused", action="store_true",
+                    help="on the fused decode path (its GEMVs the fp32 references; with --stub-forward, stubbed)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each part's host us a step (StepPhases; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.fused:
+        reference_fused_path()
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
                              hidden_size=32, intermediate_size=32, num_attention_heads=2,
                              num_key_value_heads=1,
                              max_position_embeddings=100 + new_tokens(args.spec))
     for num_seqs in args.seqs:
-        engine = decoding_engine(str(folder), num_seqs, args.spec)
+        engine = decoding_engine(str(folder), num_seqs, args.spec, args.fused)
         if args.stub_forward:
-            stub_forward(engine, args.accept if args.spec else None)
+            stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)
         phases = StepPhases(engine) if args.phases else None
         tokens = engine.stats()["kv_pages_used"], sum(len(r.output_token_ids) for r in engine.scheduler.running)

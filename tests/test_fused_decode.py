@@ -21,6 +21,7 @@ from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_refere
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
+from flashlet.runner.model_runner import ModelRunner
 from flashlet.core import engine as engine_module
 from tests.conftest import run_to_completion
 
@@ -635,17 +636,17 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
 
 
 def count_fused_verify_steps(monkeypatch) -> list:
-    """Records the number of query tokens of each step loaded as decode rows."""
+    """Records the number of query tokens of each verify step loaded as decode rows."""
     expanded = []
-    real = fused_decode.verify_as_decode_rows
+    real = ModelRunner.load
 
-    def counted(layout, page_size, max_rows):
-        decode = real(layout, page_size, max_rows)
-        if decode is not None:
-            expanded.append(decode.num_seqs)
-        return decode
+    def counted(runner, layout, *args, **kwargs):
+        input_ids, meta = real(runner, layout, *args, **kwargs)
+        if meta.host.verify_as_decode_rows:
+            expanded.append(meta.num_seqs - meta.num_padding)
+        return input_ids, meta
 
-    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", counted)
+    monkeypatch.setattr(ModelRunner, "load", counted)
     return expanded
 
 

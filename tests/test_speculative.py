@@ -691,3 +691,48 @@ def test_one_sequence_engine_stages_every_verify_row(tiny_qwen2):
     (spec,), engine = generate(tiny_qwen2, [prompt], params, spec=NGRAM, max_num_seqs=1)
     assert spec.token_ids == plain.token_ids
     assert engine.spec.stats.num_draft_tokens > engine.spec.stats.num_drafts  # rows past 1
+
+
+def verify_update(rng, batch_rows: int, page_size: int):
+    """A BatchUpdate of a step of decode and verify rows (random starts, 0-3 proposals each),
+    adding every row with a page table that covers its tokens."""
+    from flashlet.core.scheduler import BatchUpdate, NewRow
+
+    update = BatchUpdate(query_lens=[], spec_lens=[], sample=[])
+    for i in range(batch_rows):
+        start, k = rng.randrange(0, 40), rng.randrange(0, 4)
+        pages = [rng.randrange(1, 500) for _ in range(-(-(start + 1 + k) // page_size))]
+        update.added.append(NewRow(i, pages, SamplingParams(), 5))
+        update.request_ids.append(i)
+        update.starts.append(start)
+        update.token_ids += [rng.randrange(2, 256) for _ in range(1 + k)]
+        update.query_lens.append(1 + k)
+        update.spec_lens.append(k)
+        update.sample.append(True)
+    return update
+
+
+def test_a_verify_step_laid_out_as_decode_rows_at_once_is_the_converted_ragged_one():
+    """InputBatch.apply(verify_decode_rows=N) builds a verify step's decode rows directly: the
+    same arrays as fused_decode.verify_as_decode_rows of its ragged layout, the same sampled
+    rows noted; past N tokens (or with a row that samples less) the ragged layout."""
+    from flashlet.runner import fused_decode
+    from flashlet.runner.batch import InputBatch
+
+    rng, ps = random.Random(7), 4
+    for trial in range(30):
+        update = verify_update(rng, rng.randrange(1, 4), ps)
+        direct, ragged = InputBatch(4, 16, ps), InputBatch(4, 16, ps)
+        layout = direct.apply(update, verify_decode_rows=16)
+        want = fused_decode.verify_as_decode_rows(ragged.apply(update), ps, 16)
+        assert layout.verify_as_decode_rows and layout.is_pure_decode
+        if want is None:  # every row a plain decode: a decode step either way
+            want = ragged.layout(ragged._rows_of(update.request_ids), update.starts, update.token_ids)
+        for name, values in want.arrays.items():
+            assert np.array_equal(layout.arrays[name], values), (trial, name)
+        assert direct.sampling_rows == ragged.sampling_rows
+        assert np.array_equal(direct.sampled_output_index, ragged.sampled_output_index)
+    update = verify_update(random.Random(1), 3, ps)
+    assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=2).verify_as_decode_rows
+    update.sample[0] = False
+    assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=16).verify_as_decode_rows

@@ -216,8 +216,9 @@ class ModelRunner:
             self._staged.synchronize()
 
     def prepare(self, update) -> StepLayout:
-        """The scheduler's BatchUpdate applied to the batch -> the step's layout."""
-        return self.batch.apply(update)
+        """The scheduler's BatchUpdate applied to the batch -> the step's layout (a verify step
+        the fused path serves: as decode rows)."""
+        return self.batch.apply(update, self.fused.max_rows if self.fused is not None else 0)
 
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
              token_bucket: int | None = None):

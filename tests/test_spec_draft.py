@@ -203,12 +203,18 @@ def test_a_draft_that_is_the_target_proposes_the_targets_greedy_tokens(tiny_qwen
     assert req.output_token_ids == target[: len(req.output_token_ids)]
 
 
-def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir, greedy):
+@pytest.mark.parametrize("fused", [False, True], ids=["per-op", "fused"])
+def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir, greedy, fused,
+                                                          monkeypatch):
     """Requests arrive, speculate with random acceptance, reach the context's end (fewer
     proposals than the others in the same call) and leave; every proposal is the draft's
-    greedy continuation, and no page leaks."""
+    greedy continuation, and no page leaks (fused: the draft's steps and short catch-ups on
+    the fused path, with reference GEMVs)."""
+    if fused:
+        use_fused_reference_kernels(monkeypatch)
     rng, k, max_len = random.Random(1), 4, 48
     proposer = make_proposer(tiny_qwen2, draft_dir, max_model_len=max_len)
+    assert (proposer.runner.fused is not None) == fused
     running, next_id, uneven_calls = [], 0, 0
     for _ in range(12):
         while len(running) < 3:
@@ -363,12 +369,13 @@ class DeviceTraffic(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def steady_request(proposer, k: int) -> Request:
-    """A request the draft has seen: proposed for once, 1 of k accepted, the target's token on."""
+def steady_request(proposer, k: int, accepted: int = 1) -> Request:
+    """A request the draft has seen: proposed for once, `accepted` of k accepted, the target's
+    token on."""
     req = request(0, prompt_of(9, seed=2))
     proposed = proposer.propose([req], k)[0]
-    req.output_token_ids += proposed[:1] + [5]
-    proposer.on_accepted(req, 1)
+    req.output_token_ids += proposed[:accepted] + [5]
+    proposer.on_accepted(req, accepted)
     return req
 
 
@@ -384,6 +391,10 @@ def test_a_steady_propose_reads_the_device_once_and_uploads_no_host_list(tiny_qw
 
 @pytest.fixture
 def fused_reference_kernels(monkeypatch):
+    use_fused_reference_kernels(monkeypatch)
+
+
+def use_fused_reference_kernels(monkeypatch):
     """The fused decode path on the CPU with each GEMV its fp32 reference (test_fused_decode),
     and auto turning it on as on a GPU."""
     from tests.test_fused_decode import ReferenceGemv
@@ -394,13 +405,14 @@ def fused_reference_kernels(monkeypatch):
     monkeypatch.setattr(fused_decode, "auto_declines", lambda *a, **kw: None)
 
 
-def test_the_drafts_decode_steps_run_on_the_fused_path(tiny_qwen2, fused_reference_kernels, greedy):
-    """Where the fused path applies the draft's one-token steps (its catch-up of the target's
-    token, its k - 1 decodes) take the LM head's argmax on it, and propose the draft's
-    greedy tokens as the per-op path does."""
+@pytest.mark.parametrize("accepted", [1, 3])
+def test_the_drafts_steps_run_on_the_fused_path(tiny_qwen2, fused_reference_kernels, greedy, accepted):
+    """Where the fused path applies every step of a steady propose takes the LM head's argmax
+    on it: its catch-up (the target's token, after d3 when all 3 were accepted: two decode
+    rows) and its k - 1 decodes; the proposals are the draft's greedy tokens."""
     proposer, k = make_proposer(tiny_qwen2, tiny_qwen2), 3
     assert proposer.runner.fused is not None
-    req = steady_request(proposer, k)
+    req = steady_request(proposer, k, accepted)
     fused_steps, greedy_tokens = [0], proposer.runner.greedy_tokens
 
     def counted(*args):
@@ -417,10 +429,11 @@ def test_the_drafts_decode_steps_run_on_the_fused_path(tiny_qwen2, fused_referen
 
 def test_the_draft_follows_the_targets_fused_decode_setting():
     """On where the target's is (auto: the draft's shape decides), off where it is off; the
-    draft's runner has no verify rows and one device."""
+    draft's runner has one device."""
     target = EngineConfig(fused_decode=True, speculative_config={"model": "x", "num_speculative_tokens": 4})
     draft = draft_runner_config(target)
-    assert (draft.fused_decode, draft.speculative_config, draft.tensor_parallel_size) == (None, None, 1)
+    assert (draft.fused_decode, draft.tensor_parallel_size) == (None, 1)
+    assert draft.speculative_config.num_speculative_tokens == 1  # rows for 2-token catch-ups
     assert draft_runner_config(target.replace(fused_decode=False)).fused_decode is False
     tp = draft_runner_config(EngineConfig(tensor_parallel_size=2))
     assert tp.tensor_parallel_size == 1

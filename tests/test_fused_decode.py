@@ -604,8 +604,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog):
     """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
-    the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
-    1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
+    the decode graph sizes, the step buffers, the attention's batch) reach 3, and so do the
+    sizes that end in greedy tokens (the warm-up's token graphs: a plain greedy verify step
+    takes its argmax there, no graph is captured while serving); the log says what serves what. With
     the fused path off nothing widens. Past SERVED_ROWS (k = 4: 5 tokens) the buffers and graph
     sizes still widen, so a 5-token verify step fits them (a mixed graph, not an eager step),
     while the fused row counts stop at SERVED_ROWS."""
@@ -619,7 +620,7 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
     with caplog.at_level("INFO", logger="flashlet"):
         runner = Engine(config).runner
     assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 3]
-    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 3
+    assert runner.greedy_token_sizes() == [1, 2, 3] and runner.buffers.max_seqs == 3
     assert "decode (1-3 rows): fused" in caplog.text and "decode (4+ rows)" in caplog.text
     assert "rows 1, 2, 3 (18 CuTe GEMVs)" in caplog.text
     off = Engine(config.replace(fused_decode=False)).runner

@@ -736,3 +736,37 @@ def test_a_verify_step_laid_out_as_decode_rows_at_once_is_the_converted_ragged_o
     assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=2).verify_as_decode_rows
     update.sample[0] = False
     assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=16).verify_as_decode_rows
+
+
+def test_a_fused_verify_step_is_laid_out_once(tiny_qwen2, monkeypatch):
+    """On the fused path (reference GEMVs on the CPU) a verify step's decode rows come from the
+    batch at once: no ragged layout of it is built and none converted (the host's work between
+    a verify step's tokens and the next launch is not overlapped)."""
+    from tests.test_fused_decode import ReferenceGemv
+    from flashlet.runner import fused_decode
+    from flashlet.runner.batch import InputBatch
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda *a, **kw: None)
+    ragged, converted, real_layout = [], [], InputBatch.layout
+    real_convert = fused_decode.verify_as_decode_rows
+
+    def layout(batch, rows, starts, token_ids, query_lens=None, sample=None, spec_lens=None):
+        ragged.append(spec_lens is not None)
+        return real_layout(batch, rows, starts, token_ids, query_lens, sample, spec_lens)
+
+    def convert(*args):
+        decode = real_convert(*args)
+        converted.append(decode is not None)
+        return decode
+
+    monkeypatch.setattr(InputBatch, "layout", layout)
+    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", convert)
+    spec = {**NGRAM, "num_speculative_tokens": 3}
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    (out,), engine = generate(tiny_qwen2, [prompt], params, spec=spec, max_num_seqs=1,
+                              fused_decode=True)
+    assert engine.runner.fused is not None and engine.spec.stats.num_drafts > 0
+    assert not any(ragged) and not any(converted)

@@ -105,3 +105,26 @@ def test_phases_time_each_part_of_the_timed_steps(tiny_qwen2, monkeypatch, capsy
     assert all(us > 0 for us in row.values()) and row["step"] > row["propose"]
     bench.print_table([result])
     assert sum("host us a step" in line for line in capsys.readouterr().out.splitlines()) == 2
+
+
+def test_host_step_bench_stub_is_accepted_at_its_rate(tmp_path):
+    """bench_host_step --spec K --stub-forward --accept R: the stub's text is proposed and
+    accepted (about K + 1 tokens a step at R = 1, fewer at R = 0.5), and --phases times the
+    speculating step's parts."""
+    bench = load_script("bench_host_step")
+    folder = bench.save_tiny_model("qwen2", tmp_path, num_hidden_layers=1, hidden_size=32,
+                                   intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1,
+                                   max_position_embeddings=100 + bench.new_tokens(3))
+    per_step = {}
+    for accept in (1.0, 0.5):
+        engine = bench.decoding_engine(str(folder), 1, spec_k=3)
+        bench.stub_forward(engine, accept)
+        phases = bench.StepPhases(engine)
+        (req,) = engine.scheduler.running
+        before = len(req.output_token_ids)
+        for _ in range(20):
+            engine.step()
+        per_step[accept] = (len(req.output_token_ids) - before) / 20
+        assert {"finish", "propose", "schedule", "prepare", "load"} <= set(phases.per_step_us())
+    assert per_step[1.0] > 3.5 and 1.2 < per_step[0.5] < per_step[1.0]

@@ -132,6 +132,13 @@ def test_a_verify_row_samples_its_last_k_plus_one_tokens():
                           [True, False, True], [2, 0, 1])
     assert layout.arrays["logits_indices"].tolist() == [0, 1, 2, 5, 6]
     assert layout.arrays["positions"].tolist() == [2, 3, 4, 0, 1, 1, 2]
+    # every row a decode or verify row, each sampling all its tokens: every row's logits
+    layout = batch.layout(np.arange(3), [2, 0, 1], [5, 6, 7, 8, 9, 10], [3, 1, 2],
+                          [True, True, True], [2, 0, 1])
+    assert layout.arrays["logits_indices"].tolist() == [0, 1, 2, 3, 4, 5]
+    layout = batch.layout(np.arange(3), [2, 0, 1], [5, 6, 7, 8, 9, 10], [3, 1, 2],
+                          [True, True, True], [1, 0, 1])  # row 0's first token is no proposal
+    assert layout.arrays["logits_indices"].tolist() == [1, 2, 3, 4, 5]
 
 
 # ---- greedy: identical output ------------------------------------------------------------------

@@ -445,7 +445,10 @@ class InputBatch:
         pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
         last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
         logits = qo[1:] - 1
-        if spec_lens is not None:
+        if spec_lens is not None and (sample is None or all(sample)) and (
+                num_tokens == num_seqs + sum(spec_lens)):  # every query token sampled
+            logits = np.arange(num_tokens)
+        elif spec_lens is not None:
             logits = _verify_rows(logits, np.asarray(spec_lens, i64), sample)
         elif sample is not None:
             logits = logits[np.asarray(sample, bool)]

@@ -94,6 +94,12 @@ class NgramProposer:
         # Each pass keeps the ends whose match is one token longer: one scan of the whole
         # array a step, then work on the few candidates only.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if len(ends) and ends[-1] >= longest - 1:
+            # The most recent candidate matching the longest suffix is the answer: in text that
+            # repeats (where proposals are accepted) it usually does, and the check is cheap.
+            end = int(ends[-1])
+            if tokens[end - longest + 1 : end].tolist() == tokens[length - longest : -1].tolist():
+                return tokens[end + 1 : end + 1 + k].tolist()
         best = ends if self.min_n == 1 else None
         for n in range(2, longest + 1):
             ends = ends[ends >= n - 1]

@@ -1,7 +1,9 @@
 """Host time of one `engine.step()` where the model's forward costs next to nothing: a 1-layer,
 hidden-32 Qwen2 on the CPU (torch backend, one thread), N requests of 100-token prompts
-decoding (up to 400 tokens each: the tiny model's context is 512). What is left is the engine's own Python a step (schedule, layout, load, sampler,
-update, outputs), the part that bounds a fast GPU's step (issues 13 and 16).
+decoding (up to 400 tokens each, 400 x (1 + K) with --spec K; the tiny model's context is
+sized to hold them). What is left is the engine's own Python a step (schedule, layout, load,
+sampler, update, outputs), the part that bounds a fast GPU's step (issues 13 and 16), and,
+while speculating, the part a GPU does not overlap (issue 30).
 
     python scripts/bench_host_step.py                     # 1, 64 and 256 requests
     python scripts/bench_host_step.py --seqs 256 --profile 20   # and a cProfile of 20 steps
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0, help="then profile this many steps")
     ap.add_argument("--spec", type=int, default=0, metavar="K",
-                    help="speculate K tokens by n-gram lookup (the stub's rows repeat, so it matches)")
+                    help="speculate K tokens by n-gram lookup (with --stub-forward: of the stub's text)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="a fixed table of logits instead of the model (host work alone)")
     ap.add_argument("--accept", type=float, default=1.0,

@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashlet
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
 

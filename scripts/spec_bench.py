@@ -1,6 +1,7 @@
 """One stream with speculative decoding against the same engine without it, at set acceptance rates.
 
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
+                                 [--acceptance 0.7: the match that accepts 0.7 at each k]
                                  [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
                                  [--phases]
 
@@ -85,6 +86,25 @@ class CorruptedCopyProposer:
 
     def release(self, request) -> None:
         self._agreed.pop(request.request_id, None)
+
+
+def expected_acceptance(match: float, k: int) -> float:
+    """The share of k proposals a step accepts on average when each position of the copy is
+    intact with probability `match`: a step accepts up to its first corrupted position, so
+    proposal j is accepted with probability match^j."""
+    return sum(match**j for j in range(1, k + 1)) / k
+
+
+def match_for_acceptance(acceptance: float, k: int) -> float:
+    """The match rate whose corrupted copy is accepted at `acceptance` with k proposals a step
+    (expected_acceptance solved by bisection: it rises with the match)."""
+    if not 0 < acceptance <= 1:
+        raise ValueError(f"--acceptance must be in (0, 1], got {acceptance}")
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_acceptance(mid, k) < acceptance else (lo, mid)
+    return hi
 
 
 def own_continuation(llm, prompt: list[int], start: list[int], k: int, match: float,
@@ -198,7 +218,10 @@ def spec_counters(llm) -> tuple[int, int, int]:
 
 
 def run_config(config: str, ks: list[int], matches: list[float], draft: str | None,
-               max_rounds: int = MAX_ROUNDS, phases: bool = False) -> dict:
+               max_rounds: int = MAX_ROUNDS, phases: bool = False,
+               acceptance: list[float] | None = None) -> dict:
+    """acceptance: instead of `matches`, for each k the matches expected to give these
+    acceptance rates (match_for_acceptance)."""
     from flashlet import LLM
 
     common = dict(config=config, dtype="bfloat16", max_num_pages=4096)
@@ -219,7 +242,8 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
         spec_phases = StepPhases(llm.engine) if phases else None
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
-            for match in matches:
+            row_matches = matches if acceptance is None else [match_for_acceptance(a, k) for a in acceptance]
+            for match in row_matches:
                 row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds,
                                        spec_phases)
                 row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
@@ -306,6 +330,9 @@ def main() -> int:
     ap.add_argument("--config", nargs="+", default=["qwen2.5-0.5b"])
     ap.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--match", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
+    ap.add_argument("--acceptance", nargs="+", type=float, default=None, metavar="A",
+                    help="instead of --match: for each k, the match expected to accept A of the "
+                         "proposals (k = 4 at 0.7: match 0.86); the accept column is measured")
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
@@ -324,7 +351,8 @@ def main() -> int:
     results = []
     for i, config in enumerate(args.config):
         draft = args.draft if i == len(args.config) - 1 else None
-        results.append(run_config(config, args.k, args.match, draft, args.max_rounds, args.phases))
+        results.append(run_config(config, args.k, args.match, draft, args.max_rounds, args.phases,
+                                  args.acceptance))
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# this checkout's flashlet, its test helpers and scripts
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
-from conftest import save_tiny_model  # noqa: E402
+# this checkout's flashlet, its test helpers (tests.*: a bare `conftest` may be another
+# folder's, in a pytest session) and scripts
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from tests.conftest import save_tiny_model  # noqa: E402
 from spec_bench import StepPhases  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -70,7 +71,7 @@ def reference_fused_path() -> None:
     """The fused decode path on the CPU, each GEMV its fp32 reference (as tests/test_fused_decode
     runs it): the host work of its steps (verify steps as decode rows, its attention's plan) runs
     as on a GPU; --stub-forward then stubs its tokens."""
-    from test_fused_decode import ReferenceGemv
+    from tests.test_fused_decode import ReferenceGemv
 
     from flashlet.runner import fused_decode
 

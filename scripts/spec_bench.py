@@ -1,7 +1,9 @@
 """One stream with speculative decoding against the same engine without it, at set acceptance rates.
 
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
+                                 [--acceptance 0.7: the match that accepts 0.7 at each k]
                                  [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
+                                 [--phases]
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
 continuation, as the issue's corrupted copy in the prompt would give them: an engine with
@@ -35,10 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashlet
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
 
@@ -83,6 +88,25 @@ class CorruptedCopyProposer:
         self._agreed.pop(request.request_id, None)
 
 
+def expected_acceptance(match: float, k: int) -> float:
+    """The share of k proposals a step accepts on average when each position of the copy is
+    intact with probability `match`: a step accepts up to its first corrupted position, so
+    proposal j is accepted with probability match^j."""
+    return sum(match**j for j in range(1, k + 1)) / k
+
+
+def match_for_acceptance(acceptance: float, k: int) -> float:
+    """The match rate whose corrupted copy is accepted at `acceptance` with k proposals a step
+    (expected_acceptance solved by bisection: it rises with the match)."""
+    if not 0 < acceptance <= 1:
+        raise ValueError(f"--acceptance must be in (0, 1], got {acceptance}")
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_acceptance(mid, k) < acceptance else (lo, mid)
+    return hi
+
+
 def own_continuation(llm, prompt: list[int], start: list[int], k: int, match: float,
                      max_rounds: int = MAX_ROUNDS) -> tuple[list[int], int, bool]:
     """The continuation that the speculating engine reproduces when proposed its corrupted
@@ -105,18 +129,73 @@ def generate(llm, prompt: list[int]) -> list[int]:
     return list(llm.generate([prompt], params)[0].token_ids)
 
 
-def timed_generate(llm, prompt: list[int]) -> tuple[float, list[int], int]:
-    """(tok/s, tokens, steps) of one call after an untimed first one."""
+def timed_generate(llm, prompt: list[int], phases: "StepPhases | None" = None
+                   ) -> tuple[float, list[int], int]:
+    """(tok/s, tokens, steps) of one call after an untimed first one (phases: reset before it,
+    so they time that call's steps)."""
     import torch
 
     generate(llm, prompt)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if phases is not None:
+        phases.reset()
     steps = llm.engine.num_steps
     t0 = time.perf_counter()
     tokens = generate(llm, prompt)
     seconds = time.perf_counter() - t0
     return NEW_TOKENS / seconds, tokens, llm.engine.num_steps - steps
+
+
+class StepPhases:
+    """Host time of each part of the engine's step, summed over the steps run while attached
+    (perf_counter: on a GPU `read` includes the wait for the device). Between `read` and the
+    next step's `launch`, a speculating step's host work is not overlapped with the device."""
+
+    PARTS = (("read", "engine._token_buffers", "read"),  # wait + copy of a step's tokens
+             ("finish", "engine", "_finish"),  # read, verify, scheduler.update (outputs)
+             ("update", "engine.scheduler", "update"),
+             ("propose", "engine.spec", "propose"),
+             ("schedule", "engine.scheduler", "schedule"),
+             ("prepare", "engine.runner", "prepare"),  # the batch update -> the step's layout
+             ("load", "engine.runner", "load"),  # into the step buffers (to the device)
+             ("greedy_tokens", "engine.runner", "greedy_tokens"),  # plan + fused graph replay
+             ("forward", "engine.runner", "forward"),  # plan + replay / eager forward
+             ("launched", "engine", "_launched_verify"))  # stage the tokens to the host
+
+    def __init__(self, engine):
+        self.engine, self.seconds, self.steps = engine, {}, 0
+        for name, owner, attr in self.PARTS:
+            for target in self._owners(owner):
+                if getattr(target, attr, None) is not None:
+                    setattr(target, attr, self._timed(name, getattr(target, attr)))
+        self.step = engine.step
+        engine.step = self._timed("step", self.step, count=True)
+
+    def _owners(self, path: str) -> list:
+        owner = self.engine
+        for attr in path.split(".")[1:]:
+            owner = getattr(owner, attr)
+        return owner if isinstance(owner, list) else [owner]
+
+    def _timed(self, name: str, fn, count: bool = False):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                self.steps += count
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.steps = {}, 0
+
+    def per_step_us(self) -> dict[str, float]:
+        return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {us:.1f}" for name, us in self.per_step_us().items())
 
 
 def count_fused_verify_steps(engine) -> list[int]:
@@ -126,7 +205,7 @@ def count_fused_verify_steps(engine) -> list[int]:
 
     def load(layout, *args, **kwargs):
         loaded = real_load(layout, *args, **kwargs)
-        count[0] += (not layout.is_pure_decode) and loaded[1].host.is_pure_decode
+        count[0] += loaded[1].host.verify_as_decode_rows
         return loaded
 
     runner.load = load
@@ -139,25 +218,34 @@ def spec_counters(llm) -> tuple[int, int, int]:
 
 
 def run_config(config: str, ks: list[int], matches: list[float], draft: str | None,
-               max_rounds: int = MAX_ROUNDS) -> dict:
+               max_rounds: int = MAX_ROUNDS, phases: bool = False,
+               acceptance: list[float] | None = None) -> dict:
+    """acceptance: instead of `matches`, for each k the matches expected to give these
+    acceptance rates (match_for_acceptance)."""
     from flashlet import LLM
 
     common = dict(config=config, dtype="bfloat16", max_num_pages=4096)
     with LLM(**common) as llm:
         vocab = llm.engine.model_config.vocab_size
         prompt = [(i * 7919 + 11) % vocab for i in range(PROMPT_LEN)]
-        base_tok_s, base_tokens, base_steps = timed_generate(llm, prompt)
+        plain_phases = StepPhases(llm.engine) if phases else None
+        base_tok_s, base_tokens, base_steps = timed_generate(llm, prompt, plain_phases)
         fused = llm.engine.runner.fused is not None
     result = {"config": config, "plain": {"tok_s": base_tok_s, "steps": base_steps, "fused_decode": fused},
               "ngram": []}
+    if plain_phases is not None:
+        result["plain"]["host_us"] = plain_phases.per_step_us()
     spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
     with LLM(**common, speculative_config=spec) as llm:
         known = base_tokens
         fused_verify = count_fused_verify_steps(llm.engine)
+        spec_phases = StepPhases(llm.engine) if phases else None
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
-            for match in matches:
-                row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds)
+            row_matches = matches if acceptance is None else [match_for_acceptance(a, k) for a in acceptance]
+            for match in row_matches:
+                row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds,
+                                       spec_phases)
                 row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
                 result["ngram"].append(row)
     if draft:
@@ -169,14 +257,15 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
 
 
 def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
-              fused_verify: list[int], max_rounds: int = MAX_ROUNDS) -> tuple[dict, list[int]]:
+              fused_verify: list[int], max_rounds: int = MAX_ROUNDS,
+              phases: "StepPhases | None" = None) -> tuple[dict, list[int]]:
     """One row: the engine's own continuation at (k, match) found, then one timed call proposing
     its corrupted copy -> (the row, that continuation)."""
     vocab = llm.engine.model_config.vocab_size
     known, rounds, held = own_continuation(llm, prompt, known, k, match, max_rounds)
     llm.engine.spec.proposer = CorruptedCopyProposer(known, match, vocab, seed=k)
     before, fused_before = spec_counters(llm), fused_verify[0]
-    tok_s, tokens, steps = timed_generate(llm, prompt)
+    tok_s, tokens, steps = timed_generate(llm, prompt, phases)
     # the counters span both calls (the untimed one runs the same proposals)
     drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
     parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
@@ -184,7 +273,8 @@ def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
             "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
             "steps": steps, "rounds": rounds, "held": held,
             "fused_verify_share": (fused_verify[0] - fused_before) / drafts if drafts else 0.0,
-            "same_tokens": tokens == known, "parted_at": parted, "tokens": tokens}, known
+            "same_tokens": tokens == known, "parted_at": parted, "tokens": tokens,
+            **({"host_us": phases.per_step_us()} if phases is not None else {})}, known
 
 
 def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
@@ -209,18 +299,26 @@ def print_table(results: list[dict]) -> None:
         plain = res["plain"]
         print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
               f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
+        print_phases(plain)
         for row in res["ngram"]:
             rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
             print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
                   f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
+            print_phases(row)
         if "draft" in res and "error" in res["draft"]:
             print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")
         elif "draft" in res:
             d = res["draft"]
             print(f"{res['config']:14} draft {d['draft']} k={d['k']}: {d['ms_per_step']:.3f} ms a step "
                   f"(plain {d['plain_ms_per_step']:.3f}), {d['tok_s']:.0f} tok/s")
+
+
+def print_phases(row: dict) -> None:
+    if "host_us" in row:
+        print("    host us a step (nested: finish holds read and update; read waits for the device): "
+              + ", ".join(f"{name} {us:.1f}" for name, us in row["host_us"].items()))
 
 
 def ms_per_step(row: dict) -> float:
@@ -232,10 +330,15 @@ def main() -> int:
     ap.add_argument("--config", nargs="+", default=["qwen2.5-0.5b"])
     ap.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--match", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
+    ap.add_argument("--acceptance", nargs="+", type=float, default=None, metavar="A",
+                    help="instead of --match: for each k, the match expected to accept A of the "
+                         "proposals (k = 4 at 0.7: match 0.86); the accept column is measured")
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
                     help="runs a row may take to find the continuation its engine reproduces")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each part of the engine's step on the host (StepPhases) in the timed runs")
     ap.add_argument("--served-rows", type=int, default=None, metavar="N",
                     help="a measurement: the fused path serves steps of up to N rows (SERVED_ROWS, "
                          "as tests/gpu force it), so one stream's verify steps of up to N tokens run fused")
@@ -248,7 +351,8 @@ def main() -> int:
     results = []
     for i, config in enumerate(args.config):
         draft = args.draft if i == len(args.config) - 1 else None
-        results.append(run_config(config, args.k, args.match, draft, args.max_rounds))
+        results.append(run_config(config, args.k, args.match, draft, args.max_rounds, args.phases,
+                                  args.acceptance))
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -21,6 +21,7 @@ from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_refere
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
+from flashlet.runner.model_runner import ModelRunner
 from flashlet.core import engine as engine_module
 from tests.conftest import run_to_completion
 
@@ -604,8 +605,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, reference_kernels, caplog, monkeypatch):
     """One sequence with k = 2: verify steps of up to 3 tokens, so the fused row counts (and
-    the decode graph sizes, the step buffers, the attention's batch) reach 3, while only size
-    1 ends in greedy tokens (the warm-up's token graphs); the log says what serves what. With
+    the decode graph sizes, the step buffers, the attention's batch) reach 3, and so do the
+    sizes that end in greedy tokens (the warm-up's token graphs: a plain greedy verify step
+    takes its argmax there, no graph is captured while serving); the log says what serves what. With
     the fused path off nothing widens. Past SERVED_ROWS (k = 4: 5 tokens) the buffers and graph
     sizes still widen, so a 5-token verify step fits them (a mixed graph, not an eager step),
     while the fused row counts stop at SERVED_ROWS (set to 4 here)."""
@@ -621,7 +623,7 @@ def test_speculation_widens_the_fused_sizes_to_its_verify_tokens(tiny_qwen2, ref
     with caplog.at_level("INFO", logger="flashlet"):
         runner = Engine(config).runner
     assert runner.fused.row_counts == runner.graph_sizes == [1, 2, 3]
-    assert runner.greedy_token_sizes() == [1] and runner.buffers.max_seqs == 3
+    assert runner.greedy_token_sizes() == [1, 2, 3] and runner.buffers.max_seqs == 3
     assert "decode (1-3 rows): fused" in caplog.text and "decode (4+ rows)" in caplog.text
     assert "rows 1, 2, 3 (18 CuTe GEMVs)" in caplog.text
     off = Engine(config.replace(fused_decode=False)).runner
@@ -660,17 +662,17 @@ def test_a_five_token_verify_step_is_served_as_eight_fused_rows(tiny_qwen2, refe
 
 
 def count_fused_verify_steps(monkeypatch) -> list:
-    """Records the number of query tokens of each step loaded as decode rows."""
+    """Records the number of query tokens of each verify step loaded as decode rows."""
     expanded = []
-    real = fused_decode.verify_as_decode_rows
+    real = ModelRunner.load
 
-    def counted(layout, page_size, max_rows):
-        decode = real(layout, page_size, max_rows)
-        if decode is not None:
-            expanded.append(decode.num_seqs)
-        return decode
+    def counted(runner, layout, *args, **kwargs):
+        input_ids, meta = real(runner, layout, *args, **kwargs)
+        if meta.host.verify_as_decode_rows:
+            expanded.append(meta.num_seqs - meta.num_padding)
+        return input_ids, meta
 
-    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", counted)
+    monkeypatch.setattr(ModelRunner, "load", counted)
     return expanded
 
 

@@ -2,6 +2,8 @@
 continuation (fixed per position), and `own_continuation` finds the continuation the
 speculating engine reproduces, so a timed run proposes along its whole length."""
 
+import pytest
+
 from flashlet import LLM
 from tests.conftest import load_script
 
@@ -91,3 +93,65 @@ def test_a_run_on_a_tiny_config_gives_a_row_per_k_and_match(tiny_qwen2, monkeypa
     assert all(r["acceptance_rate"] == 1.0 for r in result["ngram"] if r["match"] == 1.0)
     bench.print_table([result])
     assert len(capsys.readouterr().out.splitlines()) == 3 + 4
+
+
+def test_phases_time_each_part_of_the_timed_steps(tiny_qwen2, monkeypatch, capsys):
+    """--phases: each row holds its timed call's host time a step by part (the speculating
+    rows their proposer's and verification's too), and prints it under the row."""
+    bench = load_script("spec_bench")
+    monkeypatch.setattr(bench, "NEW_TOKENS", 12)
+    result = bench.run_config(str(tiny_qwen2 / "config.json"), [2], [], None, phases=True,
+                              acceptance=[1.0])  # (--acceptance 1.0: match 1.0)
+    assert [r["match"] for r in result["ngram"]] == [1.0]
+    plain, row = result["plain"]["host_us"], result["ngram"][0]["host_us"]
+    assert {"step", "read", "schedule", "prepare", "load", "forward"} <= set(plain)
+    assert {"step", "finish", "propose", "schedule", "prepare", "launched"} <= set(row)
+    assert all(us > 0 for us in row.values()) and row["step"] > row["propose"]
+    bench.print_table([result])
+    assert sum("host us a step" in line for line in capsys.readouterr().out.splitlines()) == 2
+
+
+def test_host_step_bench_stub_is_accepted_at_its_rate(tmp_path):
+    """bench_host_step --spec K --stub-forward --accept R: the stub's text is proposed and
+    accepted (about K + 1 tokens a step at R = 1, fewer at R = 0.5), and --phases times the
+    speculating step's parts."""
+    bench = load_script("bench_host_step")
+    folder = bench.save_tiny_model("qwen2", tmp_path, num_hidden_layers=1, hidden_size=32,
+                                   intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1,
+                                   max_position_embeddings=100 + bench.new_tokens(3))
+    per_step = {}
+    for accept in (1.0, 0.5):
+        engine = bench.decoding_engine(str(folder), 1, spec_k=3)
+        bench.stub_forward(engine, accept)
+        phases = bench.StepPhases(engine)
+        (req,) = engine.scheduler.running
+        before = len(req.output_token_ids)
+        for _ in range(20):
+            engine.step()
+        per_step[accept] = (len(req.output_token_ids) - before) / 20
+        assert {"finish", "propose", "schedule", "prepare", "load"} <= set(phases.per_step_us())
+    assert per_step[1.0] > 3.5 and 1.2 < per_step[0.5] < per_step[1.0]
+
+
+def test_acceptance_picks_the_match_whose_copy_is_accepted_at_that_rate():
+    """--acceptance A: the match solving expected_acceptance = A for each k; a greedy walk of the
+    corrupted copy (accept up to the first corrupted proposal, then the model's own token) is
+    accepted at about A."""
+    bench = load_script("spec_bench")
+    for k in (2, 4, 8):
+        match = bench.match_for_acceptance(0.7, k)
+        assert abs(bench.expected_acceptance(match, k) - 0.7) < 1e-6
+        continuation = list(range(3, 20003))
+        copy = bench.CorruptedCopyProposer(continuation, match, vocab=30000, seed=k).copy
+        at, proposed, accepted = 0, 0, 0
+        while at + k < len(continuation):
+            a = 0
+            while a < k and copy[at + a] == continuation[at + a]:
+                a += 1
+            proposed, accepted, at = proposed + k, accepted + a, at + a + 1
+        assert abs(accepted / proposed - 0.7) < 0.03, (k, match, accepted / proposed)
+    assert bench.match_for_acceptance(1.0, 4) == 1.0
+    assert round(bench.match_for_acceptance(0.7, 4), 2) == 0.86
+    with pytest.raises(ValueError, match="--acceptance"):
+        bench.match_for_acceptance(0.0, 4)

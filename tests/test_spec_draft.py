@@ -4,10 +4,13 @@ chunked, after rollbacks), it never leaks a page, and it refuses a draft that ca
 import random
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from flashlet import EngineConfig, LLM, SamplingParams
 from flashlet.core.request import PLACEHOLDER, Request
-from flashlet.spec.draft import DraftProposer
+from flashlet.runner import fused_decode
+from flashlet.spec.draft import DraftProposer, draft_runner_config
 from flashlet.spec.api import SpeculativeConfig
 from tests.conftest import save_near_copy, save_tiny_model
 
@@ -200,12 +203,18 @@ def test_a_draft_that_is_the_target_proposes_the_targets_greedy_tokens(tiny_qwen
     assert req.output_token_ids == target[: len(req.output_token_ids)]
 
 
-def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir, greedy):
+@pytest.mark.parametrize("fused", [False, True], ids=["per-op", "fused"])
+def test_random_rounds_of_arrivals_acceptance_and_release(tiny_qwen2, draft_dir, greedy, fused,
+                                                          monkeypatch):
     """Requests arrive, speculate with random acceptance, reach the context's end (fewer
     proposals than the others in the same call) and leave; every proposal is the draft's
-    greedy continuation, and no page leaks."""
+    greedy continuation, and no page leaks (fused: the draft's steps and short catch-ups on
+    the fused path, with reference GEMVs)."""
+    if fused:
+        use_fused_reference_kernels(monkeypatch)
     rng, k, max_len = random.Random(1), 4, 48
     proposer = make_proposer(tiny_qwen2, draft_dir, max_model_len=max_len)
+    assert (proposer.runner.fused is not None) == fused
     running, next_id, uneven_calls = [], 0, 0
     for _ in range(12):
         while len(running) < 3:
@@ -340,3 +349,91 @@ def test_bad_settings_are_refused_by_name(tiny_qwen2, draft_dir):
     with pytest.raises(ValueError, match="num_accepted"):
         proposer.on_accepted(pending, -1)
     assert proposer.num_free_pages == proposer.kv_pool.num_pages
+
+
+class DeviceTraffic(TorchFunctionMode):
+    """Counts reads of tensors to the host (tolist, item) and host lists put onto the device
+    (torch.tensor(..., device=)): on CUDA each waits for the stream (a pageable copy does too),
+    so the host can no longer queue the draft's next step while the device runs this one."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = self.uploads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.tolist, torch.Tensor.item):
+            self.reads += 1
+        elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            self.uploads += 1
+        return func(*args, **kwargs)
+
+
+def steady_request(proposer, k: int, accepted: int = 1) -> Request:
+    """A request the draft has seen: proposed for once, `accepted` of k accepted, the target's
+    token on."""
+    req = request(0, prompt_of(9, seed=2))
+    proposed = proposer.propose([req], k)[0]
+    req.output_token_ids += proposed[:accepted] + [5]
+    proposer.on_accepted(req, accepted)
+    return req
+
+
+def test_a_steady_propose_reads_the_device_once_and_uploads_no_host_list(tiny_qwen2, draft_dir):
+    """A catch-up of one token then k - 1 decode steps, each fed on the device: the host only
+    waits for the proposals, at the end."""
+    proposer, k = make_proposer(tiny_qwen2, draft_dir), 4
+    req = steady_request(proposer, k)
+    with DeviceTraffic() as traffic:
+        proposer.propose([req], k)
+    assert (traffic.reads, traffic.uploads) == (1, 0)
+
+
+@pytest.fixture
+def fused_reference_kernels(monkeypatch):
+    use_fused_reference_kernels(monkeypatch)
+
+
+def use_fused_reference_kernels(monkeypatch):
+    """The fused decode path on the CPU with each GEMV its fp32 reference (test_fused_decode),
+    and auto turning it on as on a GPU."""
+    from tests.test_fused_decode import ReferenceGemv
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda *a, **kw: None)
+    monkeypatch.setattr(fused_decode, "auto_declines", lambda *a, **kw: None)
+
+
+@pytest.mark.parametrize("accepted", [1, 3])
+def test_the_drafts_steps_run_on_the_fused_path(tiny_qwen2, fused_reference_kernels, greedy, accepted):
+    """Where the fused path applies every step of a steady propose takes the LM head's argmax
+    on it: its catch-up (the target's token, after d3 when all 3 were accepted: two decode
+    rows) and its k - 1 decodes; the proposals are the draft's greedy tokens."""
+    proposer, k = make_proposer(tiny_qwen2, tiny_qwen2), 3
+    assert proposer.runner.fused is not None
+    req = steady_request(proposer, k, accepted)
+    fused_steps, greedy_tokens = [0], proposer.runner.greedy_tokens
+
+    def counted(*args):
+        tokens = greedy_tokens(*args)
+        fused_steps[0] += tokens is not None
+        return tokens
+
+    proposer.runner.greedy_tokens = counted
+    context = req.prompt_token_ids + req.output_token_ids
+    assert proposer.propose([req], k) == [greedy(tiny_qwen2)(context, k)]
+    assert fused_steps[0] == k
+    proposer.check_integrity()
+
+
+def test_the_draft_follows_the_targets_fused_decode_setting():
+    """On where the target's is (auto: the draft's shape decides), off where it is off; the
+    draft's runner has one device."""
+    target = EngineConfig(fused_decode=True, speculative_config={"model": "x", "num_speculative_tokens": 4})
+    draft = draft_runner_config(target)
+    assert (draft.fused_decode, draft.tensor_parallel_size) == (None, 1)
+    assert draft.speculative_config.num_speculative_tokens == 1  # rows for 2-token catch-ups
+    assert draft_runner_config(target.replace(fused_decode=False)).fused_decode is False
+    tp = draft_runner_config(EngineConfig(tensor_parallel_size=2))
+    assert tp.tensor_parallel_size == 1

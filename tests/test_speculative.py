@@ -132,6 +132,13 @@ def test_a_verify_row_samples_its_last_k_plus_one_tokens():
                           [True, False, True], [2, 0, 1])
     assert layout.arrays["logits_indices"].tolist() == [0, 1, 2, 5, 6]
     assert layout.arrays["positions"].tolist() == [2, 3, 4, 0, 1, 1, 2]
+    # every row a decode or verify row, each sampling all its tokens: every row's logits
+    layout = batch.layout(np.arange(3), [2, 0, 1], [5, 6, 7, 8, 9, 10], [3, 1, 2],
+                          [True, True, True], [2, 0, 1])
+    assert layout.arrays["logits_indices"].tolist() == [0, 1, 2, 3, 4, 5]
+    layout = batch.layout(np.arange(3), [2, 0, 1], [5, 6, 7, 8, 9, 10], [3, 1, 2],
+                          [True, True, True], [1, 0, 1])  # row 0's first token is no proposal
+    assert layout.arrays["logits_indices"].tolist() == [1, 2, 3, 4, 5]
 
 
 # ---- greedy: identical output ------------------------------------------------------------------
@@ -691,3 +698,82 @@ def test_one_sequence_engine_stages_every_verify_row(tiny_qwen2):
     (spec,), engine = generate(tiny_qwen2, [prompt], params, spec=NGRAM, max_num_seqs=1)
     assert spec.token_ids == plain.token_ids
     assert engine.spec.stats.num_draft_tokens > engine.spec.stats.num_drafts  # rows past 1
+
+
+def verify_update(rng, batch_rows: int, page_size: int):
+    """A BatchUpdate of a step of decode and verify rows (random starts, 0-3 proposals each),
+    adding every row with a page table that covers its tokens."""
+    from flashlet.core.scheduler import BatchUpdate, NewRow
+
+    update = BatchUpdate(query_lens=[], spec_lens=[], sample=[])
+    for i in range(batch_rows):
+        start, k = rng.randrange(0, 40), rng.randrange(0, 4)
+        pages = [rng.randrange(1, 500) for _ in range(-(-(start + 1 + k) // page_size))]
+        update.added.append(NewRow(i, pages, SamplingParams(), 5))
+        update.request_ids.append(i)
+        update.starts.append(start)
+        update.token_ids += [rng.randrange(2, 256) for _ in range(1 + k)]
+        update.query_lens.append(1 + k)
+        update.spec_lens.append(k)
+        update.sample.append(True)
+    return update
+
+
+def test_a_verify_step_laid_out_as_decode_rows_at_once_is_the_converted_ragged_one():
+    """InputBatch.apply(verify_decode_rows=N) builds a verify step's decode rows directly: the
+    same arrays as fused_decode.verify_as_decode_rows of its ragged layout, the same sampled
+    rows noted; past N tokens (or with a row that samples less) the ragged layout."""
+    from flashlet.runner import fused_decode
+    from flashlet.runner.batch import InputBatch
+
+    rng, ps = random.Random(7), 4
+    for trial in range(30):
+        update = verify_update(rng, rng.randrange(1, 4), ps)
+        direct, ragged = InputBatch(4, 16, ps), InputBatch(4, 16, ps)
+        layout = direct.apply(update, verify_decode_rows=16)
+        want = fused_decode.verify_as_decode_rows(ragged.apply(update), ps, 16)
+        assert layout.verify_as_decode_rows and layout.is_pure_decode
+        if want is None:  # every row a plain decode: a decode step either way
+            want = ragged.layout(ragged._rows_of(update.request_ids), update.starts, update.token_ids)
+        for name, values in want.arrays.items():
+            assert np.array_equal(layout.arrays[name], values), (trial, name)
+        assert direct.sampling_rows == ragged.sampling_rows
+        assert np.array_equal(direct.sampled_output_index, ragged.sampled_output_index)
+    update = verify_update(random.Random(1), 3, ps)
+    assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=2).verify_as_decode_rows
+    update.sample[0] = False
+    assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=16).verify_as_decode_rows
+
+
+def test_a_fused_verify_step_is_laid_out_once(tiny_qwen2, monkeypatch):
+    """On the fused path (reference GEMVs on the CPU) a verify step's decode rows come from the
+    batch at once: no ragged layout of it is built and none converted (the host's work between
+    a verify step's tokens and the next launch is not overlapped)."""
+    from tests.test_fused_decode import ReferenceGemv
+    from flashlet.runner import fused_decode
+    from flashlet.runner.batch import InputBatch
+
+    monkeypatch.setattr(fused_decode, "CuteGemv", ReferenceGemv)
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    monkeypatch.setattr(fused_decode, "check_fused_decode", lambda *a, **kw: None)
+    ragged, converted, real_layout = [], [], InputBatch.layout
+    real_convert = fused_decode.verify_as_decode_rows
+
+    def layout(batch, rows, starts, token_ids, query_lens=None, sample=None, spec_lens=None):
+        ragged.append(spec_lens is not None)
+        return real_layout(batch, rows, starts, token_ids, query_lens, sample, spec_lens)
+
+    def convert(*args):
+        decode = real_convert(*args)
+        converted.append(decode is not None)
+        return decode
+
+    monkeypatch.setattr(InputBatch, "layout", layout)
+    monkeypatch.setattr(fused_decode, "verify_as_decode_rows", convert)
+    spec = {**NGRAM, "num_speculative_tokens": 3}
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    (out,), engine = generate(tiny_qwen2, [prompt], params, spec=spec, max_num_seqs=1,
+                              fused_decode=True)
+    assert engine.runner.fused is not None and engine.spec.stats.num_drafts > 0
+    assert not any(ragged) and not any(converted)

@@ -71,7 +71,7 @@ from flashlet.runner.pooling import Pooler
 from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
 from flashlet.spec.speculative import (SpeculativeDecoding, advance_verified_grammars,
-                                       all_plain_greedy, make_proposer, num_verify_rows, verify,
+                                       all_plain_greedy, make_proposer, verify,
                                        verify_greedy)
 from flashlet.text.structured import StructuredLimits, StructuredOutputs, advance_grammars
 
@@ -391,10 +391,8 @@ class Engine:
         # rebuilt from the requests' tokens when it next samples.
         self.sampler.forget()
         self.scheduler.on_launch(sched)
-        staged = None
-        if tokens is not None:
-            rows = num_verify_rows(sched.sampling, sched.proposals)
-            staged = self._token_buffers[self.num_steps % 2].stage(tokens[:rows])
+        # tokens: one per sampled row, each sampling request's token and proposals
+        staged = self._token_buffers[self.num_steps % 2].stage(tokens) if tokens is not None else None
         self.num_steps += 1
         return LaunchedStep(sched, None, staged, scoring, verified, verifying=True)
 

@@ -73,6 +73,9 @@ class StepLayout:
     logits_indices: torch.Tensor  # [S] int64: the rows whose logits are sampled
     feed_rows: torch.Tensor = field(default_factory=_empty)  # [F] int64: rows whose input is
     feed_src: torch.Tensor = field(default_factory=_empty)  # previous step's sampled[feed_src]
+    # (Not a field: no annotation.) A verify step laid out as one decode row per query token
+    # (InputBatch._as_decode_rows, fused_decode.verify_as_decode_rows).
+    verify_as_decode_rows = False
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "StepLayout":
@@ -185,9 +188,7 @@ class InputBatch:
         self.version = 0  # counts adds and removals: the same version, the same occupants
         self.sampling = SamplingColumns(max_seqs)
         # A decode step's constant columns (qo_indptr, logits_indices, query lengths), sliced.
-        self._counting = np.arange(max_seqs + 1, dtype=np.int64)
-        self._counting32 = np.arange(max_seqs + 1, dtype=np.int32)
-        self._ones32 = np.ones(max_seqs, np.int32)
+        self._count_to(max_seqs)
         self._decode: _DecodeColumns | None = None  # the last decode step's (see _advance)
         self.num_prompt_tokens = np.zeros(max_seqs, np.int64)
         self.sampling_rows: list[int] = []  # the last step's sampling requests' rows, in order
@@ -222,9 +223,11 @@ class InputBatch:
         self._output_index = np.array([len(req.output_token_ids) for req in requests], np.int64)
         return self
 
-    def apply(self, update) -> "StepLayout":
+    def apply(self, update, verify_decode_rows: int = 0) -> "StepLayout":
         """The scheduler's BatchUpdate into the rows -> the step's layout. The sampling rows'
-        `sample_index` then point at their places in this step's sampled tokens."""
+        `sample_index` then point at their places in this step's sampled tokens.
+        verify_decode_rows: a verify step of at most that many query tokens, each sampled (no
+        prefill chunk), is laid out as one decode row per query token (`_as_decode_rows`)."""
         for request_id in update.removed:
             self.remove(request_id)
         for new_row in update.added:  # scheduler.NewRow: id, pages, parameters, prompt length
@@ -234,6 +237,8 @@ class InputBatch:
         if update.steady:
             return self._advance(update.token_ids)
         rows = self._rows_of(update.request_ids)
+        if verify_decode_rows and _samples_every_token(update, verify_decode_rows):
+            return self._as_decode_rows(rows, update)
         layout = self.layout(rows, update.starts, update.token_ids, update.query_lens,
                              update.sample, update.spec_lens)
         self._decode = None
@@ -245,6 +250,30 @@ class InputBatch:
             rows, kv_lens = rows[sampled], kv_lens[sampled]
         self._note_sampled(rows, kv_lens)
         return layout
+
+    def _as_decode_rows(self, rows: np.ndarray, update) -> "StepLayout":
+        """A verify step whose every query token is sampled, as one decode row per token over
+        its sequence's page-table row, at KV lengths position + 1: the layout that
+        fused_decode.verify_as_decode_rows makes of the ragged one, built without it (a
+        speculating step's host time is not overlapped)."""
+        lens = np.array(update.query_lens, np.int64)
+        starts = np.array(update.starts, np.int64)
+        token_rows = np.repeat(rows, lens)
+        if len(token_rows) >= len(self._counting):  # more decode rows than sequences
+            self._count_to(len(token_rows))
+        # each token's position: its row's start, then one on a token
+        positions = np.repeat(starts - _indptr(lens)[:-1], lens) + np.arange(len(token_rows))
+        layout = self._fresh_decode_layout(token_rows, positions, update.token_ids)
+        layout.verify_as_decode_rows = True
+        self._decode = None
+        self._note_sampled(rows, starts + lens)
+        return layout
+
+    def _count_to(self, n: int) -> None:
+        """The constant decode columns (_counting, _ones32) for steps of up to n rows."""
+        self._counting = np.arange(n + 1, dtype=np.int64)
+        self._counting32 = np.arange(n + 1, dtype=np.int32)
+        self._ones32 = np.ones(n, np.int32)
 
     def _note_sampled(self, rows: np.ndarray, kv_lens: np.ndarray) -> None:
         if rows is not self.sampled_rows:  # (else the last step's rows, each sampling again)
@@ -416,7 +445,10 @@ class InputBatch:
         pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
         last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
         logits = qo[1:] - 1
-        if spec_lens is not None:
+        if spec_lens is not None and (sample is None or all(sample)) and (
+                num_tokens == num_seqs + sum(spec_lens)):  # every query token sampled
+            logits = np.arange(num_tokens)
+        elif spec_lens is not None:
             logits = _verify_rows(logits, np.asarray(spec_lens, i64), sample)
         elif sample is not None:
             logits = logits[np.asarray(sample, bool)]
@@ -504,6 +536,15 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
     return batch.layout(np.arange(len(rows)), [row.num_computed for row in rows],
                         list(chain.from_iterable(row.token_ids for row in rows)),
                         None if all(n == 1 for n in lens) else lens, [row.sample for row in rows])
+
+
+def _samples_every_token(update, most: int) -> bool:
+    """Is this (not steady) update a step of decode and verify rows only, every query token
+    sampled, at most `most` of them."""
+    lens, spec_lens = update.query_lens, update.spec_lens
+    return (spec_lens is not None and (update.sample is None or all(update.sample))
+            and len(update.token_ids) <= most
+            and all(n == 1 + k for n, k in zip(lens, spec_lens)))
 
 
 def _verify_rows(last_rows: np.ndarray, spec_lens: np.ndarray,
@@ -668,6 +709,7 @@ class StepBuffers:
         if len(arrays["feed_rows"]):
             self._feed(dev, placed, arrays["feed_rows"], fed_tokens)
         staged = StepLayout.from_arrays(host)
+        staged.verify_as_decode_rows = layout.verify_as_decode_rows
         if self.staged:  # tensors read off the pinned arena, so copies from them do not block
             offsets = {**placed.offsets, "paged_kv_indices": at}
             counts = {**placed.lengths, "paged_kv_indices": num_indices}

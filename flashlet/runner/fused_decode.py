@@ -474,4 +474,5 @@ def verify_as_decode_rows(layout: StepLayout, page_size: int, max_rows: int) -> 
     decode.query_lens = np.ones(num_tokens, i32)
     decode.is_pure_decode = True
     decode.max_query_len = 1
+    decode.verify_as_decode_rows = True
     return decode

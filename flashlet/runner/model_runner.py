@@ -202,11 +202,12 @@ class ModelRunner:
         return self.fused_attention if self._fused_size(size) else self.backend
 
     def greedy_token_sizes(self) -> list[int]:
-        """The fused sizes a pure-decode step of requests (not verify tokens) pads to: those
-        that may end in the greedy tokens' graph (the warm-up captures them)."""
+        """The fused sizes a pure-decode step pads to: those that may end in the greedy tokens'
+        graph (the warm-up captures them), up to max_num_seqs requests or, with speculation,
+        a verify step's tokens as decode rows (its greedy requests' argmax decides them)."""
         if self.fused is None:
             return []
-        rows = min(self.max_num_seqs, self.fused.max_rows)
+        rows = min(self.graph_sizes[-1], self.fused.max_rows)
         widest = next(s for s in self.fused.row_counts if s >= rows)
         return [s for s in self.fused.row_counts if s <= widest]
 
@@ -216,8 +217,9 @@ class ModelRunner:
             self._staged.synchronize()
 
     def prepare(self, update) -> StepLayout:
-        """The scheduler's BatchUpdate applied to the batch -> the step's layout."""
-        return self.batch.apply(update)
+        """The scheduler's BatchUpdate applied to the batch -> the step's layout (a verify step
+        the fused path serves: as decode rows)."""
+        return self.batch.apply(update, self.fused.max_rows if self.fused is not None else 0)
 
     def load(self, layout: StepLayout, fed_tokens: torch.Tensor | None = None,
              token_bucket: int | None = None):

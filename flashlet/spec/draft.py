@@ -17,10 +17,15 @@ How the verify step uses it (speculative.py drives it through api.Proposer):
   5. `release(request)` once it finishes, is aborted or preempted.
 
 One propose() is one catch-up forward (ragged: each request's tokens the draft has not seen,
-a new request's whole prompt, chunked at the step budget), whose last rows give d1, then k - 1
+a new request's whole prompt, chunked at the step budget; in the steady state one or two tokens
+a request, each then sampled as a verify step's rows are, so the fused path runs it as decode
+rows), whose last rows give d1, then k - 1
 decode forwards of all requests together, each fed the previous step's tokens on the device: the
-host reads the proposals once, at the end, and on CUDA the decode steps replay the runner's
-graphs. The draft's K/V then cover the context and d1..d(k-1).
+host reads the proposals once, at the end, and puts no host list on the device in between (that
+copy would wait for the stream), so it queues each step while the device runs the one before.
+On CUDA the decode steps replay the runner's graphs: the fused decode path's, taking the LM
+head's argmax, where it applies to the draft (as auto decides for a target; off where the
+target's is), else the per-op ones. The draft's K/V then cover the context and d1..d(k-1).
 
 The draft's state corrects itself: `propose` compares the tokens whose K/V the draft holds with
 the request's own and drops everything from the first difference on, so a request that
@@ -73,6 +78,10 @@ from flashlet.spec.api import SpeculativeConfig
 # share whichever of the two is built first (the engine can pass num_pages instead).
 DRAFT_GPU_MEMORY_FRACTION = 0.1
 
+# The most tokens a request's steady catch-up feeds: the target's token, after dk when all k
+# proposals were accepted (dk was proposed, never fed).
+CATCH_UP_TOKENS = 2
+
 
 def load_draft_model(source: str, target_config: EngineConfig, device: torch.device):
     """(the draft model, its tokenizer or None), by the engine's loaders: a folder, hub id or
@@ -83,6 +92,16 @@ def load_draft_model(source: str, target_config: EngineConfig, device: torch.dev
                                            target_config.weights_seed,
                                            ops=ops_for(target_config, device))
     return model, tokenizer
+
+
+def draft_runner_config(target_config: EngineConfig) -> EngineConfig:
+    """The draft's runner: one device, and the fused decode path where auto finds it applies to
+    the draft (off where the target's is). Its rows are sized as for a verify step of one
+    proposal: a catch-up of two tokens a request (all k accepted: dk and the target's own)
+    runs as two decode rows each where the fused path serves it (`_catch_up`)."""
+    return target_config.replace(fused_decode=False if target_config.fused_decode is False else None,
+                                 tensor_parallel_size=1,
+                                 speculative_config=SpeculativeConfig("ngram", CATCH_UP_TOKENS - 1))
 
 
 def target_vocab_size(target_config: EngineConfig) -> int:
@@ -171,8 +190,7 @@ class DraftProposer:
                               ps, cfg.num_kv_heads, cfg.head_dim,
                               target_config.resolved_dtype(), self.device,
                               fused_rope=target_config.fused_ops and self.device.type == "cuda")
-        # One device, the per-op path: the fused path serves the target's one-stream steps.
-        self.runner_config = target_config.replace(fused_decode=False, tensor_parallel_size=1)
+        self.runner_config = draft_runner_config(target_config)
         self.runner = ModelRunner(self.model, self.kv_pool, self.runner_config, self.device,
                                   max_pages_per_seq)
         self.batch = self.runner.batch
@@ -207,6 +225,9 @@ class DraftProposer:
             runner.forward(*runner.load(self._synthetic(1, q_len)))
         for size in warmup.decode_sizes(runner, max_seqs):
             runner.forward(*runner.load(self._synthetic(size, 1)))
+        for size in runner.fused.row_counts if runner.fused is not None else []:
+            # the fused path's greedy-token graphs: decodes, and catch-ups as decode rows
+            runner.greedy_tokens(*runner.load(self._synthetic(size, 1)))
         for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its memory
             runner.forward(*runner.load(self._synthetic(1, q_len), token_bucket=bucket))
         return len(runner.graphs)
@@ -330,15 +351,21 @@ class DraftProposer:
 
     def _run(self, work: list[_Work]) -> list[list[int]]:
         """The catch-up forward(s), then k - 1 decode forwards -> each request's proposals."""
-        steps = [(work, self._catch_up(work))]  # (whose tokens, [len(whose)] on the device)
+        # Each step's tokens copied out on the device as it goes: a fused step's greedy tokens
+        # are its graph's output buffer, which the next step of that size writes again.
+        first, at = self._catch_up(work)  # d1 of work[i] is first[at[i]]
+        steps, kept = [first], [first.clone()]  # each step's tokens, [len(active)] on the device
         for j in range(1, max(w.k for w in work)):
             active = [w for w in work if w.k > j]
-            steps.append((active, self._decode_step(active, j, steps[-1][1])))
-        values = iter(torch.cat([tokens for _, tokens in steps]).tolist())  # the one read
-        proposals = {id(w): [] for w in work}
-        for whose, _ in steps:
-            for w in whose:
-                proposals[id(w)].append(next(values))
+            steps.append(self._decode_step(active, j, steps[-1]))
+            kept.append(steps[-1].clone())
+        values = torch.cat(kept).tolist()  # the one read
+        proposals = {id(w): [values[i]] for w, i in zip(work, at)}
+        later = iter(values[len(first):])
+        for j in range(1, len(steps)):
+            for w in work:
+                if w.k > j:
+                    proposals[id(w)].append(next(later))
         for w in work:  # d1..d(k-1) were fed: their K/V are in the draft's pool
             w.seq.token_ids += proposals[id(w)][: w.k - 1]
         return [proposals[id(w)] for w in work]
@@ -350,27 +377,50 @@ class DraftProposer:
         starts = [w.seq.context_len + j - 1 for w in active]  # d_j's position
         layout = self.batch.layout(rows, starts, [PLACEHOLDER] * len(active))
         self.batch.sample_index[rows] = np.arange(len(active))  # where the next step's feed is
-        input_ids, meta = self.runner.load(layout, previous)
-        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+        return self._greedy(*self.runner.load(layout, previous))
+
+    def _greedy(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        """A loaded step's greedy tokens, left on the device: from the fused path's LM-head
+        argmax where it serves the step (its greedy-token graph), else the logits' argmax."""
+        tokens = self.runner.greedy_tokens(input_ids, meta)
+        return tokens if tokens is not None else self.runner.forward(input_ids, meta).argmax(dim=-1)
 
     def _rows_of(self, work: list[_Work]) -> np.ndarray:
         return np.array([w.seq.row for w in work], np.int64)
 
-    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
-        """Forward each request's unseen tokens, in chunks of the step budget -> d1 of each
-        [len(work)], the greedy token after its newest."""
-        first = torch.empty(len(work), dtype=torch.int64, device=self.device)
-        pending = list(range(len(work)))
+    def _catch_up(self, work: list[_Work]) -> tuple[torch.Tensor, list[int]]:
+        """Forward each request's unseen tokens, in chunks of the step budget -> (greedy tokens
+        on the device, where each request's d1, the token after its newest, is in them)."""
+        if self._short_feeds(work):  # the steady state: each token a decode row, all fused
+            chunks = [_Chunk(i, w.feed, True) for i, w in enumerate(work)]
+            tokens = self._forward_chunks(work, chunks, every_token=True)
+            at = np.cumsum([len(w.feed) for w in work]) - 1  # each feed's last row
+            self.batch.sample_index[self._rows_of(work)] = at
+            return tokens, at.tolist()
+        first, pending = None, list(range(len(work)))
         while pending:
             chunks = self._next_chunks(work, pending)
             sampled = self._forward_chunks(work, chunks)
             ends = [c.index for c in chunks if c.ends_feed]
-            if ends:
+            if len(ends) == len(work):  # every feed in one step: in order
+                first = sampled
+            elif ends:
+                if first is None:
+                    first = torch.empty(len(work), dtype=torch.int64, device=self.device)
+                # A host list copied to the device waits for the stream (pageable memory):
+                # only a catch-up of several steps (a long feed) pays it.
                 first.index_copy_(0, torch.tensor(ends, device=self.device), sampled)
-                ended = set(ends)
-                pending = [i for i in pending if i not in ended]
+            ended = set(ends)
+            pending = [i for i in pending if i not in ended]
         self.batch.sample_index[self._rows_of(work)] = np.arange(len(work))  # first's order
-        return first
+        return first, list(range(len(work)))
+
+    def _short_feeds(self, work: list[_Work]) -> bool:
+        """Do the feeds fit one fused step as decode rows (no feed of more than a steady
+        catch-up's tokens, and at most the fused path's rows in all)?"""
+        fused = self.runner.fused
+        return (fused is not None and all(len(w.feed) <= CATCH_UP_TOKENS for w in work)
+                and sum(len(w.feed) for w in work) <= fused.max_rows)
 
     def _next_chunks(self, work: list[_Work], pending: list[int]) -> list["_Chunk"]:
         """The pending feeds' next chunks, in order, within one step's token budget."""
@@ -385,21 +435,24 @@ class DraftProposer:
             budget -= size
         return chunks
 
-    def _forward_chunks(self, work: list[_Work], chunks: list["_Chunk"]) -> torch.Tensor:
+    def _forward_chunks(self, work: list[_Work], chunks: list["_Chunk"],
+                        every_token: bool = False) -> torch.Tensor:
         """One ragged forward of these chunks -> the greedy tokens of those that end their
-        request's feed, in order."""
+        request's feed, in order (every_token: of every token, as a verify step's rows are
+        taken, so a step of a few tokens runs as decode rows on the fused path)."""
         seqs = [work[c.index].seq for c in chunks]
         token_ids = [t for c in chunks for t in c.token_ids]
         if self.model.config.vocab_size < self.target_vocab:
             token_ids = self._embeddable(token_ids)
+        lens = [len(c.token_ids) for c in chunks]
         layout = self.batch.layout(
             np.array([s.row for s in seqs], np.int64), [len(s.token_ids) for s in seqs],
-            token_ids, [len(c.token_ids) for c in chunks], [c.ends_feed for c in chunks])
+            token_ids, lens, [c.ends_feed for c in chunks],
+            [n - 1 for n in lens] if every_token else None)
         for seq, chunk in zip(seqs, chunks):
             seq.token_ids += chunk.token_ids
             seq.num_verified = len(seq.token_ids)
-        input_ids, meta = self.runner.load(layout)
-        return self.runner.forward(input_ids, meta).argmax(dim=-1)
+        return self._greedy(*self.runner.load(layout))
 
     def _embeddable(self, token_ids: list[int]) -> list[int]:
         """A target token past a narrower draft's rows (a padding id, which trained targets

@@ -63,7 +63,7 @@ from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
-           "verify_greedy", "all_plain_greedy", "num_verify_rows"]
+           "verify_greedy", "all_plain_greedy"]
 
 class NgramProposer:
     """Prompt lookup: find the request's last n tokens (n from prompt_lookup_max down to
@@ -94,6 +94,12 @@ class NgramProposer:
         # Each pass keeps the ends whose match is one token longer: one scan of the whole
         # array a step, then work on the few candidates only.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if len(ends) and ends[-1] >= longest - 1:
+            # The most recent candidate matching the longest suffix is the answer: in text that
+            # repeats (where proposals are accepted) it usually does, and the check is cheap.
+            end = int(ends[-1])
+            if tokens[end - longest + 1 : end].tolist() == tokens[length - longest : -1].tolist():
+                return tokens[end + 1 : end + 1 + k].tolist()
         best = ends if self.min_n == 1 else None
         for n in range(2, longest + 1):
             ends = ends[ends >= n - 1]
@@ -283,11 +289,6 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
             for i, (tokens, a) in enumerate(results)]
 
 
-def num_verify_rows(requests: list[Request], proposals: dict[Request, list[int]]) -> int:
-    """The sampled rows of a verify step: each sampling request's token and proposals."""
-    return _Rows.of(requests, proposals).num_rows
-
-
 def all_plain_greedy(requests: Sequence[Request]) -> bool:
     """Is every request plain greedy (sampler.plain_greedy, no grammar): each row's argmax is
     its token, in a decode step, and decides its verification (`verify_greedy`)."""
@@ -300,10 +301,16 @@ def verify_greedy(tokens: torch.Tensor | list[int], requests: list[Request],
     transforms their logits), from each row's argmax token [rows] (the fused path's LM head
     argmax, as their decode steps take it without speculation): no logits at all. A tensor is
     read from the device once; a list has been read already."""
-    rows = _Rows.of(requests, proposals)
     chosen = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-    ok = [token == proposal for token, proposal in zip(chosen, rows.proposal_of_row().tolist())]
-    return [Verified(tokens, None, a) for tokens, a in _accepted(rows, ok, chosen)]
+    results, start = [], 0
+    for req in requests:  # a request's rows: its token's, then one after each proposal
+        props = proposals.get(req, ())
+        a = 0
+        while a < len(props) and chosen[start + a] == props[a]:
+            a += 1
+        results.append(Verified(list(props[:a]) + [chosen[start + a]], None, a))
+        start += 1 + len(props)
+    return results
 
 
 def _accepted(rows: _Rows, ok: list[bool], chosen: list[int]) -> list[tuple[list[int], int]]:

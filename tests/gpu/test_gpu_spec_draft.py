@@ -95,3 +95,40 @@ def test_gpu_engine_greedy_output_is_identical_with_a_draft(tmp_path, backend):
     assert engines[1].stats()["spec_num_accepted_tokens"] > 0
     proposer = engines[1].spec.proposer
     assert proposer.num_free_pages == proposer.kv_pool.num_pages
+
+
+def test_gpu_the_drafts_steps_replay_the_fused_greedy_graphs(tmp_path):
+    """bf16 on sm_90+ with the CuTe DSL: the draft (here the target itself) decodes on the fused
+    path, each one-token step replaying a greedy-token graph captured at warm-up, and (one
+    model proposing for itself) nearly every proposal is accepted."""
+    from flashlet import Engine
+    from flashlet.kernels.cute_gemv import cute_available
+
+    if torch.cuda.get_device_capability()[0] < 9 or not cute_available()[0]:
+        pytest.skip("the fused decode path needs sm_90+ and the CuTe DSL")
+    target = save_tiny_model("qwen2", tmp_path / "target", **HEAD_DIM_64)
+    spec = {"model": str(target), "num_speculative_tokens": 3}
+    engine = Engine(EngineConfig(model=str(target), backend="triton", dtype="bfloat16",
+                                 device="cuda", page_size=16, max_num_pages=128, max_num_seqs=1,
+                                 speculative_config=spec))
+    proposer = engine.spec.proposer
+    assert proposer.runner.fused is not None, "auto left the draft per-op"
+    captured, fused_steps = len(proposer.runner.graphs), [0]
+    greedy_tokens = proposer.runner.greedy_tokens
+
+    def counted(*args):
+        tokens = greedy_tokens(*args)
+        fused_steps[0] += tokens is not None
+        return tokens
+
+    proposer.runner.greedy_tokens = counted
+    rng = random.Random(5)
+    engine.add_request([rng.randrange(2, 256) for _ in range(30)],
+                       SamplingParams(max_new_tokens=64, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert fused_steps[0] >= 2 * stats["spec_num_drafts"], stats  # k - 1 decodes a propose
+    assert len(proposer.runner.graphs) == captured, "a graph was captured after warm-up"
+    assert stats["spec_acceptance_rate"] > 0.7, stats  # bf16: a near tie may round apart
+    assert proposer.num_free_pages == proposer.kv_pool.num_pages

@@ -67,3 +67,17 @@ def test_sampled_requests_reproduce_with_seeds_and_carry_logprobs(model_dir):
     for out in first:
         assert [lp.token_id for lp in out.logprobs] == out.token_ids
     assert engine.stats()["spec_num_drafts"] > 0
+
+
+def test_one_stream_speculating_captures_every_graph_at_start(model_dir):
+    """bf16, one stream, k = 3 (verify steps of 4 tokens: fused where the path runs): every
+    graph a speculating step replays (the greedy-token graphs of the verify sizes too) is
+    captured at start, none while serving."""
+    spec = {**NGRAM, "num_speculative_tokens": 3}
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", page_size=16,
+                                 max_num_pages=512, max_num_seqs=1, speculative_config=spec))
+    graphs = set(engine.runner.graphs)
+    run_to_completion(engine, repetitive_prompts(2, seed=4),
+                      SamplingParams(max_new_tokens=64, ignore_eos=True))
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    assert set(engine.runner.graphs) == graphs, set(engine.runner.graphs) - graphs

@@ -47,30 +47,36 @@ class Variant:
     num_splits: int
     prefetch: str = "none"
     fp8_as_fp16: bool = True
+    kv_pack: int = 1  # KV heads a program (decode_attention's kv_heads_per_program)
 
     def label(self) -> str:
         tail = ("" if self.prefetch == "none" else f" pf-{self.prefetch}") + ("" if self.fp8_as_fp16 else " fp8->bf16")
-        return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}"
+        pack = "" if self.kv_pack == 1 else f" kv{self.kv_pack}"
+        return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}{pack}"
 
 
-def viable_tiles() -> list[tuple[int, int, int, str]]:
-    """(block_n, warps, stages, prefetch) worth compiling: a [16, block_n] fp32 score tile of at
-    most 64 values a thread and at least 8 (fewer leaves warps idle). Page ids carried by hand
-    let the pipeliner keep stages - 1 blocks in flight; K/V held in registers by hand needs no
-    stages. Mode by mode, likelier winners first: the sweep may run out of time."""
-    modes = [(3, "pages"), (4, "pages"), (2, "none"), (2, "pages"), (1, "blocks"), (3, "none")]
+def viable_tiles() -> list[tuple[int, int, int, str, int]]:
+    """(block_n, warps, stages, prefetch, kv_pack) worth compiling: a [16, block_n] fp32 score
+    tile of at most 64 values a thread and at least 8 (fewer leaves warps idle). Page ids carried
+    by hand let the pipeliner keep stages - 1 blocks in flight; K/V held in registers by hand
+    needs no stages. Two KV heads a program share one softmax tile (half its work a key) and
+    read twice the bytes a block. Mode by mode, likelier winners first: the sweep may run out
+    of time."""
+    modes = [(3, "pages", 1), (3, "pages", 2), (4, "pages", 1), (2, "none", 1), (2, "pages", 1), (1, "blocks", 1),
+             (3, "none", 1)]
     shapes = sorted(((bn, w) for bn, w in itertools.product(BLOCK_NS, WARPS) if 8 <= 16 * bn // (32 * w) <= 64),
                     key=lambda t: abs(16 * t[0] // (32 * t[1]) - 16))
-    return [(bn, w, st, pf) for st, pf in modes for bn, w in shapes]
+    return [(bn, w, st, pf, pack) for st, pf, pack in modes for bn, w in shapes]
 
 
-QUICK_TILES = [(bn, w, st, "pages") for st in (3, 4)
-               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))]
+QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
+               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))] + [
+               (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))]
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:
     """Powers of two giving between a quarter of a program and 16 programs per SM, each split
-    at least MIN_SPLIT_TOKENS long."""
+    at least MIN_SPLIT_TOKENS long (num_kv_heads: programs a sequence has per split)."""
     out, s = [], 1
     while s <= cap:
         programs = batch * num_kv_heads * s
@@ -127,7 +133,8 @@ def make_call(da, torch, case: Case, v: Variant):
         return da.decode_attention(
             *case.args(layer), out=case.out, num_splits=v.num_splits, min_split_tokens=MIN_SPLIT_TOKENS,
             block_n=v.block_n, mid_o=mid_o, mid_lse=mid_lse, num_warps=v.num_warps, num_stages=v.num_stages,
-            k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch)
+            k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch,
+            kv_heads_per_program=v.kv_pack)
     return fn
 
 
@@ -217,7 +224,8 @@ def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Vari
         cfg = tuning.default_decode(m["head_dim"], group, tuning.bucket(case.batch, tuning.DECODE_BATCH_BUCKETS))
     max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
     s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
-    return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch)
+    return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch,
+                   kv_pack=tuning.kv_pack_for(cfg, m["num_kv_heads"]))
 
 
 def best_of(rows: list[dict]) -> dict | None:
@@ -225,7 +233,8 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
-def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90) -> dict:
+def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90,
+                   kv_pack: int = 1) -> dict:
     """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
     cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
@@ -247,8 +256,9 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     sig = {n: "i32" for n in names}
     sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
-    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
-                  INPUT_PRECISION=None, **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
+    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=da.group_pad(7 * kv_pack), HEAD_DIM=64, PAGE_SIZE=16,
+                  BLOCK_N=block_n, SPLIT=True, INPUT_PRECISION=None, KV_PACK=kv_pack,
+                  **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -331,7 +341,7 @@ def run(args) -> list[dict]:
         pipeline_report(kvs, 10 * major + minor)
     sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
     if args.smoke:
-        tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")]
+        tiles = [(16, 1, 1, "none", 1), (16, 1, 2, "blocks", 1), (16, 1, 3, "pages", 1), (16, 1, 3, "pages", 2)]
     else:
         tiles = QUICK_TILES if args.quick else viable_tiles()
     winners = {}
@@ -340,16 +350,17 @@ def run(args) -> list[dict]:
         first = Case(torch, *shapes[0], kv, model, device)
         base = engine_variant(tuning, first, num_sms)
         if not args.smoke:
-            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf) for bn, w, st, pf in tiles], model,
-                       args.jobs)
+            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf, kv_pack=pack)
+                                     for bn, w, st, pf, pack in tiles], model, args.jobs)
         print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
-        for bn, w, st, pf in tiles:
-            sweep.measure(first, Variant(bn, w, st, base.num_splits, pf))
+        for bn, w, st, pf, pack in tiles:
+            sweep.measure(first, Variant(bn, w, st, base.num_splits, pf, kv_pack=pack))
         stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]
         top = sorted(stage1, key=lambda r: r["us"])[: args.top]
-        top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"]) for r in top))
+        top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"], r["kv_pack"])
+                                       for r in top))
         top_tiles = top_tiles or tiles[:1]
         del first
         sweep.set_deadline(sweep.start + (i + 1) * share)
@@ -359,14 +370,14 @@ def run(args) -> list[dict]:
             base, before = engine_variant(tuning, case, num_sms), engine_variant(tuning, case, num_sms, table=False)
             sweep.measure(case, base)
             sweep.measure(case, before)
-            splits = split_candidates(batch, model["num_kv_heads"], num_sms, kv_len)
-            for (bn, w, st, pf), s in itertools.product(top_tiles, splits):
-                sweep.measure(case, Variant(bn, w, st, s, pf))
+            for bn, w, st, pf, pack in top_tiles:
+                for s in split_candidates(batch, model["num_kv_heads"] // pack, num_sms, kv_len):
+                    sweep.measure(case, Variant(bn, w, st, s, pf, kv_pack=pack))
             here = [r for r in sweep.rows if (r["kv"], r["batch"], r["kv_len"]) == (kv, batch, kv_len)]
             win = best_of(here)
             if kv == "fp8" and win is not None:  # widening to bf16 instead, at the winner (reported only)
                 sweep.measure(case, Variant(win["block_n"], win["num_warps"], win["num_stages"], win["num_splits"],
-                                            win["prefetch"], fp8_as_fp16=False))
+                                            win["prefetch"], fp8_as_fp16=False, kv_pack=win["kv_pack"]))
             rows = {v: next((r for r in here if r["label"] == v.label() and "us" in r), None) for v in (base, before)}
             winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
             del case
@@ -401,7 +412,8 @@ def table_entries(winners: dict, model: dict, tuning) -> dict:
         key = (model["head_dim"], group, kv, tuning.bucket(batch, tuning.DECODE_BATCH_BUCKETS))
         entries[key] = tuning.DecodeConfig(block_n=win["block_n"], num_warps=win["num_warps"],
                                            num_stages=win["num_stages"], min_split_tokens=MIN_SPLIT_TOKENS,
-                                           num_splits=win["num_splits"], prefetch=win["prefetch"])
+                                           num_splits=win["num_splits"], prefetch=win["prefetch"],
+                                           kv_pack=win.get("kv_pack", 1))
     return entries
 
 
@@ -425,7 +437,7 @@ def parse_args(argv=None):
                    help="processes that compile stage 1's variants ahead of timing (1: none)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH",
+    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK]",
                    help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
     args = p.parse_args(argv)
     args.kv = args.kv.split(",")
@@ -437,8 +449,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.lower:
-        bn, warps, stages, kv, prefetch = args.lower.split(",")
-        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch)))
+        bn, warps, stages, kv, prefetch, *pack = args.lower.split(",")
+        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch,
+                                        kv_pack=int(pack[0]) if pack else 1)))
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -168,9 +168,10 @@ def _decode_kernel(
     FP8_AS_FP16: tl.constexpr,
     PREFETCH: tl.constexpr,
     SPLIT_V: tl.constexpr,
+    KV_PACK: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
     split = tl.program_id(2)
 
     kv_len = tl.load(KvLens + b)
@@ -181,11 +182,15 @@ def _decode_kernel(
     end = tl.minimum(start + split_len, kv_len)
     page_base = tl.load(KvIndptr + b)
 
+    # Rows: the KV_PACK * GROUP query heads (padded to GROUP_PAD); columns: the KV_PACK heads' D
+    # each, side by side as one key row holds them. Row r reads only its own head's columns.
     g = tl.arange(0, GROUP_PAD)
-    g_mask = g < GROUP
+    g_mask = g < KV_PACK * GROUP
     heads = kvh * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    c = tl.arange(0, KV_PACK * HEAD_DIM)
+    d = c % HEAD_DIM
+    own = g_mask[:, None] & ((c // HEAD_DIM)[None, :] == (g // GROUP)[:, None])  # [GP, KV_PACK * D]
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=own, other=0.0)
     if FP8_AS_FP16:
         # e4m3 widens to fp16 in one cvt per pair (to bf16 it takes three). q carries the
         # score scale (scale * log2 e * k_scale, small) so its fp16 copy cannot overflow.
@@ -194,26 +199,29 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
+    k_cols = (c // HEAD_DIM) * stride_kh + d  # offsets of a key row's packed heads
+    v_cols = (c // HEAD_DIM) * stride_vh + d
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     if SPLIT_V:
         # An fp8 pool with pages carried ahead ("pages"), V read as uint16 pairs: see
         # `_v_pairs_as_f16`. The two half-width accumulators interleave back into [GP, D].
-        d2 = tl.arange(0, HEAD_DIM // 2)
+        j = tl.arange(0, KV_PACK * HEAD_DIM // 2)
+        v_pairs = (j // (HEAD_DIM // 2)) * (stride_vh // 2) + j % (HEAD_DIM // 2)  # uint16 units (strides even)
         v_head16 = v_head.to(tl.pointer_type(tl.uint16))
-        acc_lo = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
-        acc_hi = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        acc_lo = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
+        acc_hi = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
         t = start + tl.arange(0, BLOCK_N)
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
         for blk in range(start, end, BLOCK_N):
             t_mask = t < end
-            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, d2, stride_vp, stride_vt, PAGE_SIZE)
+            k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, v_pairs, stride_vp, stride_vt, PAGE_SIZE)
             t = t + BLOCK_N
             page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
             m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
-        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, HEAD_DIM])
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, KV_PACK * HEAD_DIM])
     elif PREFETCH == 1:
         # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
         # carried values, not from a load in the same iteration, which Triton's pipeliner can
@@ -222,8 +230,8 @@ def _decode_kernel(
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
         for blk in range(start, end, BLOCK_N):
             t_mask = t < end
-            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_rows(v_head, page, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             t = t + BLOCK_N
             page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
@@ -234,23 +242,23 @@ def _decode_kernel(
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE)
-        k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_rows(v_head, page, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
         t1 = t + BLOCK_N
         page1 = _page_ids(KvIndices, page_base, t1, t1 < end, PAGE_SIZE)
         for blk in range(start, end, BLOCK_N):
             t2 = t1 + BLOCK_N
             page2 = _page_ids(KvIndices, page_base, t2, t2 < end, PAGE_SIZE)
-            k1 = _kv_rows(k_head, page1, t1, t1 < end, d, stride_kp, stride_kt, PAGE_SIZE)
-            v1 = _kv_rows(v_head, page1, t1, t1 < end, d, stride_vp, stride_vt, PAGE_SIZE)
+            k1 = _kv_rows(k_head, page1, t1, t1 < end, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v1 = _kv_rows(v_head, page1, t1, t1 < end, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
             k, v, t_mask, t1, page1 = k1, v1, t1 < end, t2, page2
     else:
         for blk in range(start, end, BLOCK_N):
             t = blk + tl.arange(0, BLOCK_N)
             t_mask = t < end
-            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     empty = l_i == 0.0
@@ -258,11 +266,11 @@ def _decode_kernel(
     out = acc * v_scale / l_safe[:, None]
     if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
     else:
         slot = b * num_splits + split
         mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid_ptrs, out, mask=g_mask[:, None])
+        tl.store(mid_ptrs, out, mask=own)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
 
@@ -305,14 +313,24 @@ def _merge_kernel(
 PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefetch=) -> PREFETCH
 
 
-def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str) -> dict:
+def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str,
+                     v_strides_even: bool = True) -> dict:
     """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V) from decode_attention's
-    arguments; scripts/decode_attn_bench.py lowers the kernel with the same ones."""
+    arguments; scripts/decode_attn_bench.py lowers the kernel with the same ones. V is read as
+    uint16 pairs only where its strides (in fp8 elements) are even."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
     mode = PREFETCH_MODES[prefetch]
     as_fp16 = fp8_as_fp16 and fp8_kv and q_dtype != torch.float32
-    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"])
+    split_v = as_fp16 and mode == PREFETCH_MODES["pages"] and v_strides_even
+    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=split_v)
+
+
+def check_kv_pack(kv_pack: int, num_kv_heads: int) -> None:
+    """KV heads per program: a power of two that divides the KV heads; else a ValueError."""
+    if kv_pack < 1 or kv_pack & (kv_pack - 1) or num_kv_heads % kv_pack:
+        raise ValueError(f"kv_heads_per_program must be a power of two dividing the {num_kv_heads} KV heads, "
+                         f"got {kv_pack}")
 
 
 def _next_pow2(n: int) -> int:
@@ -385,6 +403,7 @@ def decode_attention(
     v_scale: float = 1.0,
     fp8_as_fp16: bool = True,
     prefetch: str = "none",
+    kv_heads_per_program: int = 1,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -396,7 +415,9 @@ def decode_attention(
     dots in fp16 (False: in q's dtype). prefetch (PREFETCH_MODES): what the loop loads ahead by
     hand; "none" leaves it all to Triton's pipeliner (num_stages), "pages" carries the next
     block's page ids so the pipeliner can keep num_stages - 1 blocks of K/V in flight, "blocks"
-    also holds the next block's K/V in registers. Returns out [B, Hq, D] in q's dtype. No host sync.
+    also holds the next block's K/V in registers. kv_heads_per_program: KV heads one program
+    reads side by side (their query heads share one softmax tile: see the module docstring).
+    Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -405,6 +426,7 @@ def decode_attention(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k/v cache rows must be contiguous in head_dim")
     group = num_q_heads // num_kv_heads
+    check_kv_pack(kv_heads_per_program, num_kv_heads)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -420,21 +442,23 @@ def decode_attention(
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
-    loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch,
+                            all(s % 2 == 0 for s in v_cache.stride()[:3]))
+    _decode_kernel[(batch, num_kv_heads // kv_heads_per_program, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
-        GROUP_PAD=group_pad(group),
+        GROUP_PAD=group_pad(group * kv_heads_per_program),
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
         **loop,
+        KV_PACK=kv_heads_per_program,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -38,6 +38,7 @@ class DecodeConfig:
     waves: int = 2  # programs per SM the split count aims at
     num_splits: int | None = None  # a measured split cap for the bucket (None: from `waves`)
     prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
+    kv_pack: int = 1  # KV heads one program of the two-launch decode reads (`kv_heads_per_program`)
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,20 @@ def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int, max_s
 
 def config_splits(cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
     """The split cap a decode config gives a batch: its measured `num_splits` where it has one
-    (clamped like `num_splits`), else the one its `waves` aim at."""
+    (clamped like `num_splits`), else the one its `waves` aim at (programs of kv_pack heads)."""
     if cfg.num_splits is not None:
         return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
-    return num_splits(num_seqs, num_kv_heads, num_sms, cfg.waves, max_splits)
+    groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)
+    return num_splits(num_seqs, groups, num_sms, cfg.waves, max_splits)
+
+
+def kv_pack_for(cfg: DecodeConfig, num_kv_heads: int) -> int:
+    """The config's KV heads a program, lowered to a power of two that divides num_kv_heads
+    (the tables are keyed by head_dim and group, not by the number of KV heads)."""
+    pack = _prev_pow2(cfg.kv_pack)
+    while num_kv_heads % pack:
+        pack //= 2
+    return pack
 
 
 def _next_pow2(n: int) -> int:

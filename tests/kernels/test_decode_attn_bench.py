@@ -38,6 +38,7 @@ def test_smoke_sweep_checks_every_config_for_both_kv_dtypes(bench, tmp_path):
     rows = json.loads(out.read_text())
     assert {r["kv"] for r in rows} == {"model", "fp8"}
     assert {r["prefetch"] for r in rows} == {"none", "pages", "blocks"} and any(r["num_splits"] > 1 for r in rows)
+    assert {r["kv_pack"] for r in rows} == {1, 2}  # one and two KV heads a program
     assert all("error" not in r and r["rel_err"] < bench.TOLERANCE for r in rows)
 
 
@@ -66,9 +67,10 @@ def test_table_literal_is_tuning_source(bench):
 
 def test_tiles_and_splits_stay_within_reason(bench):
     tiles = bench.viable_tiles()
-    assert (64, 4, 2, "none") in tiles and (64, 4, 3, "pages") in tiles and len(tiles) == len(set(tiles)) <= 72
+    assert (64, 4, 2, "none", 1) in tiles and (64, 4, 3, "pages", 1) in tiles and (64, 2, 3, "pages", 2) in tiles
+    assert len(tiles) == len(set(tiles)) <= 84
     assert set(bench.QUICK_TILES) <= set(tiles)
-    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch) for c in tuning.BATCHED_DECODE_TABLE.values()}
+    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch, c.kv_pack) for c in tuning.BATCHED_DECODE_TABLE.values()}
     assert table <= set(bench.QUICK_TILES), "--quick would not time a tile the table holds"
     assert bench.split_candidates(128, 2, 132, 2000) == [1, 2, 4, 8]
     assert bench.split_candidates(1, 2, 132, 30000) == [32, 64, 128]

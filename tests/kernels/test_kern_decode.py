@@ -336,6 +336,47 @@ def test_prefetched_loop_matches_the_reference(kh, group, num_kv_heads, page_siz
     assert kh.rel_err(got, plain) < 1e-6  # same blocks, same order: the same sums
 
 
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,page_size,kv_lens,num_splits,head_dim,prefetch",
+    [
+        (7, 2, 2, 16, [16, 17, 31, 1, 0], 2, 16, "pages"),  # Qwen2.5's shape: 14 of 16 rows; page ends, empty row
+        (8, 2, 2, 4, [33, 70], 1, 16, "none"),  # group 8: two heads fill 16 rows
+        (1, 4, 4, 8, [20, 9, 64], 4, 16, "blocks"),  # MHA, four heads a program
+        (3, 2, 2, 1, [50, 3], 2, 32, "pages"),  # one token a page
+        (7, 2, 2, 16, [40, 3], 2, 64, "pages"),  # head_dim 64 (a key row of both heads: 128 values)
+        (1, 2, 2, 8, [24, 9], 2, 128, "pages"),  # head_dim 128
+        (7, 4, 2, 8, [37, 16], 4, 16, "pages"),  # two programs of two heads each
+    ],
+)
+def test_packed_kv_heads_match_the_reference(kh, group, num_kv_heads, kv_pack, page_size, kv_lens, num_splits,
+                                             head_dim, prefetch):
+    """Several KV heads a program, their query heads rows of one tile: each row reads only its
+    own head's columns, in fp32 and over an fp8 pool (fp16 dots, V as uint16 pairs with pages)."""
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim)
+    q = torch.randn(len(kv_lens), group * num_kv_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    tail = (paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], head_dim**-0.5)
+    run = dict(num_splits=num_splits, min_split_tokens=16, block_n=16, prefetch=prefetch, kv_heads_per_program=kv_pack)
+    args = (q.to(kh.device), paged["k_cache"], paged["v_cache"], *tail)
+    out = torch.full_like(args[0], NAN)
+    got = decode_attention(*args, out=out, **run)
+    assert not torch.isnan(got).any(), "an output element was not written"
+    assert kh.rel_err(got, decode_attention_reference(*args)) < 1e-5
+    scales = dict(k_scale=0.05, v_scale=0.02)
+    fp8 = [(paged[n] / scales[s]).to(torch.float8_e4m3fn) for n, s in (("k_cache", "k_scale"), ("v_cache", "v_scale"))]
+    args8 = (q.half().to(kh.device), *fp8, *tail)
+    got8 = decode_attention(*args8, **run, **scales)
+    assert kh.rel_err(got8, decode_attention_reference(*args8, **scales)) < 2e-2
+
+
+def test_packed_kv_heads_must_divide_the_kv_heads(kh):
+    paged = kh.make_paged([4], 4, 2, 16)
+    args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],
+            paged["kv_indices"], paged["kv_lens"], 0.25)
+    for bad in (0, 3, 4):
+        with pytest.raises(ValueError, match="kv_heads_per_program"):
+            decode_attention(*args, kv_heads_per_program=bad)
+
+
 # The batched decode lowered for sm_90a by scripts/decode_attn_bench.py --lower, in a child process
 # (the interpreter wraps this process's kernels): what the interpreter cannot show.
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts", "decode_attn_bench.py")

@@ -239,7 +239,8 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
     cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
     most copy groups left in flight at a wait (0: none overlaps the math), e4m3 -> fp16 and
-    fp16 -> bf16 conversions, and ptxas's register/spill line."""
+    fp16 -> bf16 conversions, the block loop's SASS instructions a KB of K/V (warp instructions:
+    the issue cost of the bytes), and ptxas's register/spill line."""
     import re
     import subprocess
     import tempfile
@@ -257,7 +258,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=da.group_pad(7 * kv_pack), HEAD_DIM=64, PAGE_SIZE=16,
-                  BLOCK_N=block_n, SPLIT=True, INPUT_PRECISION=None, KV_PACK=kv_pack,
+                  BLOCK_N=block_n, SPLIT=True, INPUT_PRECISION=None, KV_PACK=kv_pack, HEADS_CONTIGUOUS=True,
                   **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
@@ -271,13 +272,36 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
         f.flush()
         info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
                               capture_output=True, text=True, check=True).stderr
+    block_kb = block_n * kv_pack * MODEL["head_dim"] * 2 * (1 if kv == "fp8" else 2) / 1024
+    loop = _sass_loop(kernel.asm["cubin"], os.path.dirname(ptxas))
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
     return dict(cp_async=len(copies), narrow_copies=sum(int(c, 0) < 16 for c in copies),
                 byte_smem_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"),
                 most_in_flight=max(waits, default=0),
                 e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
+                loop_instructions_per_kb=round(len(loop) * warps / block_kb, 1),
                 ptxas=" ".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
+
+
+def _sass_loop(cubin: bytes, bin_dir: str) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (its K/V block loop), from cuobjdump."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
+    back = [(int(m.group(1), 16), addr) for addr, text in ins if (m := re.search(r"BRA\s+0x([0-9a-f]+)", text))
+            and int(m.group(1), 16) < addr]
+    if not back:
+        return []
+    start, end = max(back, key=lambda span: span[1] - span[0])
+    return [text for addr, text in ins if start <= addr <= end]
 
 
 def pipeline_report(kvs: list[str], arch: int) -> None:

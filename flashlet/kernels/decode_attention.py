@@ -57,6 +57,7 @@ Design.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -66,6 +67,8 @@ from flashlet.kernels import pdl, tuning
 from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
+# The Triton interpreter runs no inline PTX: there fp8 V widens through Triton's own casts.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -106,16 +109,38 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 
 @triton.jit
-def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr,
+                    PRMT: tl.constexpr):
     """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
     (even d, odd d). A 16-bit element in shared memory transposes for the PV dot with ldmatrix,
     where single fp8 bytes would be read one at a time (V's keys, the dot's reduction axis, are
-    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements."""
+    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements. PRMT: widen
+    with `_e4m3_pairs_to_f16` (CUDA only)."""
     pairs = tl.load(head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2)
                     + d2[None, :], mask=t_mask[:, None], other=0)
+    if PRMT:
+        return _e4m3_pairs_to_f16(pairs)
     lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return lo, hi
+
+
+@triton.jit
+def _e4m3_pairs_to_f16(pairs):
+    """uint16 pairs of e4m3 -> (fp16 of the low bytes, fp16 of the high bytes), two pairs at a
+    time: one prmt gathers their two low bytes and their two high bytes, and each e4m3x2 ->
+    f16x2 cvt widens two values. Written out with the shifts and masks, the compiler splits the
+    bytes into registers of their own and packs them back: three to four integer instructions
+    a value, the loop's largest cost at fp8's byte rate."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t;
+        .reg .b16 l, h;
+        prmt.b32 t, $2, 0, 0x3120;
+        mov.b32 {l, h}, t;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""", "=r,=r,r", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -169,6 +194,8 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,
     SPLIT_V: tl.constexpr,
     KV_PACK: tl.constexpr,
+    HEADS_CONTIGUOUS: tl.constexpr,
+    V_PRMT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
@@ -200,15 +227,22 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
-    k_cols = (c // HEAD_DIM) * stride_kh + d  # offsets of a key row's packed heads
-    v_cols = (c // HEAD_DIM) * stride_vh + d
+    if HEADS_CONTIGUOUS:  # the packed heads are one run of KV_PACK * D values a token
+        k_cols = c
+        v_cols = c
+    else:
+        k_cols = (c // HEAD_DIM) * stride_kh + d  # offsets of a key row's packed heads
+        v_cols = (c // HEAD_DIM) * stride_vh + d
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     if SPLIT_V:
         # An fp8 pool with pages carried ahead ("pages"), V read as uint16 pairs: see
         # `_v_pairs_as_f16`. The two half-width accumulators interleave back into [GP, D].
         j = tl.arange(0, KV_PACK * HEAD_DIM // 2)
-        v_pairs = (j // (HEAD_DIM // 2)) * (stride_vh // 2) + j % (HEAD_DIM // 2)  # uint16 units (strides even)
+        if HEADS_CONTIGUOUS:
+            v_pairs = j
+        else:
+            v_pairs = (j // (HEAD_DIM // 2)) * (stride_vh // 2) + j % (HEAD_DIM // 2)  # uint16 units (strides even)
         v_head16 = v_head.to(tl.pointer_type(tl.uint16))
         acc_lo = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
         acc_hi = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
@@ -217,7 +251,8 @@ def _decode_kernel(
         for blk in range(start, end, BLOCK_N):
             t_mask = t < end
             k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
-            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, v_pairs, stride_vp, stride_vt, PAGE_SIZE)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, v_pairs, stride_vp, stride_vt, PAGE_SIZE,
+                                         V_PRMT)
             t = t + BLOCK_N
             page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
             m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
@@ -315,15 +350,15 @@ PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefet
 
 def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str,
                      v_strides_even: bool = True) -> dict:
-    """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V) from decode_attention's
-    arguments; scripts/decode_attn_bench.py lowers the kernel with the same ones. V is read as
-    uint16 pairs only where its strides (in fp8 elements) are even."""
+    """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V, V_PRMT) from
+    decode_attention's arguments; scripts/decode_attn_bench.py lowers the kernel with the same
+    ones. V is read as uint16 pairs only where its strides (in fp8 elements) are even."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
     mode = PREFETCH_MODES[prefetch]
     as_fp16 = fp8_as_fp16 and fp8_kv and q_dtype != torch.float32
     split_v = as_fp16 and mode == PREFETCH_MODES["pages"] and v_strides_even
-    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=split_v)
+    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=split_v, V_PRMT=split_v and not INTERPRETED)
 
 
 def check_kv_pack(kv_pack: int, num_kv_heads: int) -> None:
@@ -459,6 +494,7 @@ def decode_attention(
         INPUT_PRECISION=precision,
         **loop,
         KV_PACK=kv_heads_per_program,
+        HEADS_CONTIGUOUS=k_cache.stride(2) == head_dim and v_cache.stride(2) == head_dim,
         num_warps=num_warps,
         num_stages=num_stages,
     )

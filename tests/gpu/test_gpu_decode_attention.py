@@ -33,11 +33,14 @@ def _case(kv: str, seed: int = 0):
 @pytest.mark.parametrize("kv", ["model", "fp8"])
 @pytest.mark.parametrize("prefetch", list(PREFETCH_MODES))
 @pytest.mark.parametrize("block_n,warps,stages,splits", [(64, 4, 3, 2), (128, 4, 4, 1), (32, 1, 2, 8), (256, 8, 3, 4)])
-def test_batched_decode_matches_the_reference(kv, prefetch, block_n, warps, stages, splits):
+@pytest.mark.parametrize("kv_pack", [1, 2])
+def test_batched_decode_matches_the_reference(kv, prefetch, block_n, warps, stages, splits, kv_pack):
+    """Every load mode, one or both KV heads a program; an fp8 pool with pages carried runs
+    V's prmt widening (inline PTX: the interpreter runs the shift-and-mask form instead)."""
     args, scales = _case(kv)
     want = decode_attention_reference(*args, **scales).float()
     got = decode_attention(*args, num_splits=splits, min_split_tokens=128, block_n=block_n, num_warps=warps,
-                           num_stages=stages, prefetch=prefetch, **scales).float()
+                           num_stages=stages, prefetch=prefetch, kv_heads_per_program=kv_pack, **scales).float()
     assert torch.equal(got[LENS.index(0)], torch.zeros_like(got[0]))
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 2e-2, err
@@ -62,5 +65,5 @@ def test_every_table_entry_runs_and_matches_the_reference(key, cfg):
     want = decode_attention_reference(*args, **scales).float()
     got = decode_attention(*args, num_splits=cfg.num_splits or 2, min_split_tokens=cfg.min_split_tokens,
                            block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                           prefetch=cfg.prefetch, **scales).float()
+                           prefetch=cfg.prefetch, kv_heads_per_program=cfg.kv_pack, **scales).float()
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -406,7 +406,24 @@ def run(args) -> list[dict]:
             winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
             del case
     summarize(winners, model, tuning)
+    if args.table_json:
+        write_table_json(table_entries(winners, model, tuning), args.table_json)
     return sweep.rows
+
+
+def write_table_json(entries: dict, path: str) -> None:
+    """The entries as JSON [[key, config fields], ...]: `load_table_json` puts them in
+    tuning.BATCHED_DECODE_TABLE of another process (an engine run with the sweep's winners)."""
+    with open(path, "w") as f:
+        json.dump([[list(key), asdict(cfg)] for key, cfg in sorted(entries.items())], f, indent=1)
+
+
+def load_table_json(path: str, tuning) -> dict:
+    """Read `write_table_json`'s file into tuning.BATCHED_DECODE_TABLE; -> the entries."""
+    with open(path) as f:
+        entries = {tuple(key): tuning.DecodeConfig(**cfg) for key, cfg in json.load(f)}
+    tuning.BATCHED_DECODE_TABLE.update(entries)
+    return entries
 
 
 def summarize(winners: dict, model: dict, tuning) -> None:
@@ -461,6 +478,8 @@ def parse_args(argv=None):
                    help="processes that compile stage 1's variants ahead of timing (1: none)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--table-json", default=None,
+                   help="write the winners' BATCHED_DECODE_TABLE entries here (see load_table_json)")
     p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK]",
                    help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
     args = p.parse_args(argv)

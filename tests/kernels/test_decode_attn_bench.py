@@ -99,3 +99,14 @@ def test_summary_reports_each_shape_against_the_engine_and_the_fp8_speed_up(benc
     assert "B=128 L=2000 kv=model: a 40.00 us" in text and "[b: 50.00 us, 2 GB/s; c: 70.00 us" in text
     assert "[not timed; c: 60.00 us" in text
     assert "fp8 KV is 1.60x the speed of bf16 KV" in text and "BATCHED_DECODE_TABLE" in text
+
+
+def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
+    """An engine run can take the sweep's winners without editing tuning.py."""
+    row = dict(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages", kv_pack=2, us=1.0)
+    entries = bench.table_entries({("fp8", 128, 2000): (row, None, None)}, bench.MODEL, tuning)
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    monkeypatch.setattr(tuning, "BATCHED_DECODE_TABLE", {})
+    assert bench.load_table_json(str(path), tuning) == entries
+    assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2

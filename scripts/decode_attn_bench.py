@@ -237,7 +237,8 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
                    kv_pack: int = 1) -> dict:
     """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
-    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
+    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads in the
+    block loop (a split's last block, run after it, moves its mask through bytes), the
     most copy groups left in flight at a wait (0: none overlaps the math), e4m3 -> fp16 and
     fp16 -> bf16 conversions, the block loop's SASS instructions a KB of K/V (warp instructions:
     the issue cost of the bytes), and ptxas's register/spill line."""
@@ -277,7 +278,7 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
     return dict(cp_async=len(copies), narrow_copies=sum(int(c, 0) < 16 for c in copies),
-                byte_smem_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"),
+                byte_smem_loads=sum(text.split()[0].startswith(("LDS.U8", "LDS.S8")) for text in loop),
                 most_in_flight=max(waits, default=0),
                 e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
                 loop_instructions_per_kb=round(len(loop) * warps / block_kb, 1),

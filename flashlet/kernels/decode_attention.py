@@ -83,13 +83,16 @@ def _split_range(kv_len, num_splits, min_split_tokens, block_n):
 
 
 @triton.jit
-def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc). k, v: q's dtype
-    or fp8 (widened here; their scales are applied by the caller)."""
+    or fp8 (widened here; their scales are applied by the caller). MASKED=False: every key of
+    the block is in range (t_mask unread)."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty sequence's block: all weights 0, no NaN
     alpha = tl.exp2(m_i - m_ref)
@@ -110,14 +113,17 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 @triton.jit
 def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr,
-                    PRMT: tl.constexpr):
+                    PRMT: tl.constexpr, MASKED: tl.constexpr):
     """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
     (even d, odd d). A 16-bit element in shared memory transposes for the PV dot with ldmatrix,
     where single fp8 bytes would be read one at a time (V's keys, the dot's reduction axis, are
     rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements. PRMT: widen
-    with `_e4m3_pairs_to_f16` (CUDA only)."""
-    pairs = tl.load(head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2)
-                    + d2[None, :], mask=t_mask[:, None], other=0)
+    with `_e4m3_pairs_to_f16` (CUDA only). MASKED=False: every row in range (t_mask unread)."""
+    ptrs = head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2) + d2[None, :]
+    if MASKED:
+        pairs = tl.load(ptrs, mask=t_mask[:, None], other=0)
+    else:
+        pairs = tl.load(ptrs)
     if PRMT:
         return _e4m3_pairs_to_f16(pairs)
     lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -144,10 +150,11 @@ def _e4m3_pairs_to_f16(pairs):
 
 
 @triton.jit
-def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi):
+def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi, MASKED: tl.constexpr):
     """`_attend_block` for fp16 dots with V as its even and odd columns (`_v_pairs_as_f16`)."""
     qk = tl.dot(q, tl.trans(k.to(tl.float16)))
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
@@ -166,10 +173,13 @@ def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
-    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D]."""
-    return tl.load(head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :],
-                   mask=t_mask[:, None], other=0.0)
+def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
+    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D].
+    MASKED=False: every row in range (t_mask unread)."""
+    ptrs = head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=t_mask[:, None], other=0.0)
+    return tl.load(ptrs)
 
 
 # The split count and the smallest split are runtime values (not specialised on): one compiled
@@ -207,6 +217,9 @@ def _decode_kernel(
         return
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
+    # With page ids carried ahead, whole blocks load and score without masks (fewer instructions
+    # a key: what fp8 is bound by) and the split's last, partial block runs after the loop.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
     page_base = tl.load(KvIndptr + b)
 
     # Rows: the KV_PACK * GROUP query heads (padded to GROUP_PAD); columns: the KV_PACK heads' D
@@ -248,14 +261,20 @@ def _decode_kernel(
         acc_hi = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
         t = start + tl.arange(0, BLOCK_N)
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-        for blk in range(start, end, BLOCK_N):
+        for blk in range(start, full_end, BLOCK_N):
+            k = _kv_rows(k_head, page, t, t, k_cols, stride_kp, stride_kt, PAGE_SIZE, False)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t, v_pairs, stride_vp, stride_vt, PAGE_SIZE,
+                                         V_PRMT, False)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t, m_i, l_i, acc_lo, acc_hi, False)
+        if full_end < end:
             t_mask = t < end
             k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, v_pairs, stride_vp, stride_vt, PAGE_SIZE,
-                                         V_PRMT)
-            t = t + BLOCK_N
-            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
+                                         V_PRMT, True)
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi,
+                                                             True)
         acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, KV_PACK * HEAD_DIM])
     elif PREFETCH == 1:
         # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
@@ -263,12 +282,16 @@ def _decode_kernel(
         # stage (num_stages - 1 buffers) instead of ordering each block's copy after the last.
         t = start + tl.arange(0, BLOCK_N)
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-        for blk in range(start, end, BLOCK_N):
+        for blk in range(start, full_end, BLOCK_N):
+            k = _kv_rows(k_head, page, t, t, k_cols, stride_kp, stride_kt, PAGE_SIZE, False)
+            v = _kv_rows(v_head, page, t, t, v_cols, stride_vp, stride_vt, PAGE_SIZE, False)
+            t = t + BLOCK_N
+            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t, m_i, l_i, acc, qk_scale, INPUT_PRECISION, False)
+        if full_end < end:
             t_mask = t < end
             k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v = _kv_rows(v_head, page, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-            t = t + BLOCK_N
-            page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     elif PREFETCH == 2:
         # Software-pipelined by hand: block i+1's K/V and block i+2's page ids are loaded before

@@ -7,9 +7,10 @@ row gives microseconds per layer, the bytes the kernel must read (K and V of eve
 per KV head, plus q, the output and the page ids) and the achieved GB/s against the
 device-to-device copy bandwidth measured in the same run.
 
-Stage 1 sweeps the tiles (block_n x warps x stages) at the first shape with the split count
-the engine picks today; stage 2 times the best tiles at every shape over the split counts
-that give between half a program and 16 programs per SM. Every config is checked against the
+Stage 1 sweeps the tiles (block_n x warps x stages x prefetch x KV heads a program) at the
+first shape with the split count the engine picks today; stage 2 times the best tiles at every
+shape over the split counts that give between a quarter of a program and 16 programs per SM,
+split partials merged by a second launch or by each group's last program. Every config is checked against the
 PyTorch reference on one layer before it is timed; a wrong one is reported and dropped. The
 last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 
@@ -21,6 +22,7 @@ last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -48,10 +50,11 @@ class Variant:
     prefetch: str = "none"
     fp8_as_fp16: bool = True
     kv_pack: int = 1  # KV heads a program (decode_attention's kv_heads_per_program)
+    merge_in_kernel: bool = False  # each group's last split program merges (no merge launch)
 
     def label(self) -> str:
         tail = ("" if self.prefetch == "none" else f" pf-{self.prefetch}") + ("" if self.fp8_as_fp16 else " fp8->bf16")
-        pack = "" if self.kv_pack == 1 else f" kv{self.kv_pack}"
+        pack = ("" if self.kv_pack == 1 else f" kv{self.kv_pack}") + (" merge-in-kernel" if self.merge_in_kernel else "")
         return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}{pack}"
 
 
@@ -128,13 +131,14 @@ def make_call(da, torch, case: Case, v: Variant):
     hq, d = case.q.shape[1], case.q.shape[2]
     mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
     mid_lse = torch.empty((rows, hq), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
+    counts = torch.zeros(case.batch * case.model["num_kv_heads"], dtype=torch.int32, device=case.q.device)
 
     def fn(layer):
         return da.decode_attention(
             *case.args(layer), out=case.out, num_splits=v.num_splits, min_split_tokens=MIN_SPLIT_TOKENS,
             block_n=v.block_n, mid_o=mid_o, mid_lse=mid_lse, num_warps=v.num_warps, num_stages=v.num_stages,
             k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch,
-            kv_heads_per_program=v.kv_pack)
+            kv_heads_per_program=v.kv_pack, merge_counts=counts if v.merge_in_kernel else None)
     return fn
 
 
@@ -225,7 +229,7 @@ def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Vari
     max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
     s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
     return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch,
-                   kv_pack=tuning.kv_pack_for(cfg, m["num_kv_heads"]))
+                   kv_pack=tuning.kv_pack_for(cfg, m["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
 
 
 def best_of(rows: list[dict]) -> dict | None:
@@ -234,7 +238,7 @@ def best_of(rows: list[dict]) -> dict | None:
 
 
 def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90,
-                   kv_pack: int = 1) -> dict:
+                   kv_pack: int = 1, merge_in_kernel: bool = False) -> dict:
     """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
     cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads in the
@@ -256,10 +260,11 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     names = da._decode_kernel.arg_names
     kv_ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
     sig = {n: "i32" for n in names}
-    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
+    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", Counts="*i32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=da.group_pad(7 * kv_pack), HEAD_DIM=64, PAGE_SIZE=16,
                   BLOCK_N=block_n, SPLIT=True, INPUT_PRECISION=None, KV_PACK=kv_pack, HEADS_CONTIGUOUS=True,
+                  MERGE_IN_KERNEL=merge_in_kernel, MERGE_SPLITS=2,
                   **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
@@ -380,6 +385,8 @@ def run(args) -> list[dict]:
         print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
+        if base.num_splits > 1:  # the engine's config with its partials merged in the kernel
+            sweep.measure(first, dataclasses.replace(base, merge_in_kernel=not base.merge_in_kernel))
         for bn, w, st, pf, pack in tiles:
             sweep.measure(first, Variant(bn, w, st, base.num_splits, pf, kv_pack=pack))
         stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]
@@ -397,12 +404,14 @@ def run(args) -> list[dict]:
             sweep.measure(case, before)
             for bn, w, st, pf, pack in top_tiles:
                 for s in split_candidates(batch, model["num_kv_heads"] // pack, num_sms, kv_len):
-                    sweep.measure(case, Variant(bn, w, st, s, pf, kv_pack=pack))
+                    for merge_in_kernel in (False, True) if s > 1 else (False,):
+                        sweep.measure(case, Variant(bn, w, st, s, pf, kv_pack=pack, merge_in_kernel=merge_in_kernel))
             here = [r for r in sweep.rows if (r["kv"], r["batch"], r["kv_len"]) == (kv, batch, kv_len)]
             win = best_of(here)
             if kv == "fp8" and win is not None:  # widening to bf16 instead, at the winner (reported only)
                 sweep.measure(case, Variant(win["block_n"], win["num_warps"], win["num_stages"], win["num_splits"],
-                                            win["prefetch"], fp8_as_fp16=False, kv_pack=win["kv_pack"]))
+                                            win["prefetch"], fp8_as_fp16=False, kv_pack=win["kv_pack"],
+                                            merge_in_kernel=win["merge_in_kernel"]))
             rows = {v: next((r for r in here if r["label"] == v.label() and "us" in r), None) for v in (base, before)}
             winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
             del case
@@ -455,7 +464,8 @@ def table_entries(winners: dict, model: dict, tuning) -> dict:
         entries[key] = tuning.DecodeConfig(block_n=win["block_n"], num_warps=win["num_warps"],
                                            num_stages=win["num_stages"], min_split_tokens=MIN_SPLIT_TOKENS,
                                            num_splits=win["num_splits"], prefetch=win["prefetch"],
-                                           kv_pack=win.get("kv_pack", 1))
+                                           kv_pack=win.get("kv_pack", 1),
+                                           merge_in_kernel=win.get("merge_in_kernel", False))
     return entries
 
 
@@ -481,8 +491,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--table-json", default=None,
                    help="write the winners' BATCHED_DECODE_TABLE entries here (see load_table_json)")
-    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK]",
-                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
+    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
+                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON "
+                        "(MERGE: 'kernel' for the last-program merge)")
     args = p.parse_args(argv)
     args.kv = args.kv.split(",")
     args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
@@ -493,9 +504,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.lower:
-        bn, warps, stages, kv, prefetch, *pack = args.lower.split(",")
+        bn, warps, stages, kv, prefetch, *rest = args.lower.split(",")
         print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch,
-                                        kv_pack=int(pack[0]) if pack else 1)))
+                                        kv_pack=int(rest[0]) if rest else 1,
+                                        merge_in_kernel=rest[1:2] == ["kernel"])))
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

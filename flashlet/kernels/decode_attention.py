@@ -186,7 +186,7 @@ def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constex
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
 def _decode_kernel(
-    Q, K, V, O, MidO, MidLse,
+    Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
     qk_scale, v_scale, min_split_tokens, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -206,6 +206,8 @@ def _decode_kernel(
     KV_PACK: tl.constexpr,
     HEADS_CONTIGUOUS: tl.constexpr,
     V_PRMT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
@@ -331,6 +333,43 @@ def _decode_kernel(
         tl.store(mid_ptrs, out, mask=own)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
+        if MERGE_IN_KERNEL:
+            # The last split program of this (sequence, KV heads) to finish merges: see the
+            # one-launch kernel below for the ordering (barrier, acq_rel count, L2 loads).
+            tl.debug_barrier()
+            count = Counts + b * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                merged = _merge_partials_online(MidO, MidLse, b * num_splits, n_splits, heads, g_mask, d, own,
+                                                NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_SPLITS)
+                o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+                tl.store(o_ptrs, merged.to(O.dtype.element_ty), mask=own)
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _merge_partials_online(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
+                           NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, COLS: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over n_splits partials (a runtime count),
+    MERGE_SPLITS at a time with a running max -> [GP, COLS] (row r's own columns: `own`)."""
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, COLS], tl.float32)
+    for s0 in range(0, n_splits, MERGE_SPLITS):
+        sc = s0 + tl.arange(0, MERGE_SPLITS)
+        live = sc < n_splits
+        lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :],
+                      mask=live[:, None] & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref[None, :])  # [MS, GP]
+        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                    + d[None, None, :], mask=live[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "block_n"])
@@ -462,6 +501,7 @@ def decode_attention(
     fp8_as_fp16: bool = True,
     prefetch: str = "none",
     kv_heads_per_program: int = 1,
+    merge_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -475,7 +515,10 @@ def decode_attention(
     block's page ids so the pipeliner can keep num_stages - 1 blocks of K/V in flight, "blocks"
     also holds the next block's K/V in registers. kv_heads_per_program: KV heads one program
     reads side by side (their query heads share one softmax tile: see the module docstring).
-    Returns out [B, Hq, D] in q's dtype. No host sync.
+    merge_counts: int32 [>= B * Hkv / kv_heads_per_program] counters, zero before the first call
+    and left at zero by each: with them (and num_splits > 1) each group's last split program
+    merges the partials, no merge kernel is launched (one per stream, never shared by two
+    launches in flight). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -499,17 +542,22 @@ def decode_attention(
             raise ValueError(f"split scratch holds {mid_o.shape[0]} rows, needs {rows} contiguous")
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
+    groups = num_kv_heads // kv_heads_per_program
+    merge_in_kernel = merge_counts is not None and num_splits > 1
+    if merge_in_kernel and (merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * groups):
+        raise ValueError(f"merge_counts must hold {batch * groups} int32 counters")
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
     loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch,
                             all(s % 2 == 0 for s in v_cache.stride()[:3]))
-    _decode_kernel[(batch, num_kv_heads // kv_heads_per_program, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse,
+    gp = group_pad(group * kv_heads_per_program)
+    _decode_kernel[(batch, groups, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts if merge_in_kernel else kv_lens,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
-        GROUP_PAD=group_pad(group * kv_heads_per_program),
+        GROUP_PAD=gp,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
@@ -518,10 +566,13 @@ def decode_attention(
         **loop,
         KV_PACK=kv_heads_per_program,
         HEADS_CONTIGUOUS=k_cache.stride(2) == head_dim and v_cache.stride(2) == head_dim,
+        MERGE_IN_KERNEL=merge_in_kernel,
+        # Partials merged at a time: a [MS, GP, KV_PACK * D] fp32 tile of at most 4096 elements.
+        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * kv_heads_per_program * head_dim))),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         gp = group_pad(group)
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))

@@ -39,6 +39,7 @@ class DecodeConfig:
     num_splits: int | None = None  # a measured split cap for the bucket (None: from `waves`)
     prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
     kv_pack: int = 1  # KV heads one program of the two-launch decode reads (`kv_heads_per_program`)
+    merge_in_kernel: bool = False  # split partials merged by each group's last program, not a second launch
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def test_smoke_sweep_checks_every_config_for_both_kv_dtypes(bench, tmp_path):
     assert {r["kv"] for r in rows} == {"model", "fp8"}
     assert {r["prefetch"] for r in rows} == {"none", "pages", "blocks"} and any(r["num_splits"] > 1 for r in rows)
     assert {r["kv_pack"] for r in rows} == {1, 2}  # one and two KV heads a program
+    assert {r["merge_in_kernel"] for r in rows} == {False, True}  # split partials merged both ways
     assert all("error" not in r and r["rel_err"] < bench.TOLERANCE for r in rows)
 
 

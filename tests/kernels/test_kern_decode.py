@@ -368,6 +368,44 @@ def test_packed_kv_heads_match_the_reference(kh, group, num_kv_heads, kv_pack, p
     assert kh.rel_err(got8, decode_attention_reference(*args8, **scales)) < 2e-2
 
 
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,page_size,kv_lens,num_splits,head_dim,prefetch",
+    [
+        (7, 2, 2, 16, [40, 17, 1, 0, 100], 4, 16, "pages"),  # an empty row, rows of one split
+        (3, 2, 1, 4, [33, 5], 2, 16, "none"),
+        (1, 4, 2, 8, [70, 9], 8, 16, "blocks"),
+        (7, 2, 2, 16, [90, 33], 4, 64, "pages"),  # [2, 16, 128] partials at a time: two rounds
+    ],
+)
+def test_merge_in_kernel_matches_the_reference_and_leaves_counters_at_zero(
+        kh, group, num_kv_heads, kv_pack, page_size, kv_lens, num_splits, head_dim, prefetch):
+    """Each group's last split program merges (no merge launch): the output over poisoned
+    scratch matches the reference, every counter is back at 0, and a second launch over the same
+    scratch (a graph replay) gives the same output."""
+    paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=2)
+    q = torch.randn(len(kv_lens), group * num_kv_heads, head_dim, generator=torch.Generator().manual_seed(3))
+    args = (q.to(kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"],
+            paged["kv_lens"], head_dim**-0.5)
+    rows = len(kv_lens) * num_splits
+    scratch = dict(mid_o=torch.full((rows, q.shape[1], head_dim), NAN, device=kh.device),
+                   mid_lse=torch.full((rows, q.shape[1]), NAN, device=kh.device))
+    counts = torch.zeros(len(kv_lens) * num_kv_heads, dtype=torch.int32, device=kh.device)
+    want = decode_attention_reference(*args)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(args[0], NAN)
+        decode_attention(*args, out=out, num_splits=num_splits, min_split_tokens=16, block_n=16, prefetch=prefetch,
+                         kv_heads_per_program=kv_pack, merge_counts=counts, **scratch)
+        assert not torch.isnan(out).any(), "an output element was not written"
+        assert kh.rel_err(out, want) < 1e-5
+        assert not counts.any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="merge_counts"):
+        decode_attention(*args, num_splits=num_splits, min_split_tokens=16, block_n=16,
+                         merge_counts=torch.zeros(1, dtype=torch.int32, device=kh.device))
+
+
 def test_packed_kv_heads_must_divide_the_kv_heads(kh):
     paged = kh.make_paged([4], 4, 2, 16)
     args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],

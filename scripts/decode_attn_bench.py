@@ -77,6 +77,13 @@ QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
                (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))]
 
 
+def stage1_variant(tile: tuple, base: Variant) -> Variant:
+    """A stage-1 tile at the engine's split count, times its KV heads a program: the same number
+    of programs as the engine's config, so that packed tiles are not judged on half a grid."""
+    bn, w, st, pf, pack = tile
+    return Variant(bn, w, st, base.num_splits * pack // base.kv_pack or 1, pf, kv_pack=pack)
+
+
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:
     """Powers of two giving between a quarter of a program and 16 programs per SM, each split
     at least MIN_SPLIT_TOKENS long (num_kv_heads: programs a sequence has per split)."""
@@ -380,15 +387,15 @@ def run(args) -> list[dict]:
         first = Case(torch, *shapes[0], kv, model, device)
         base = engine_variant(tuning, first, num_sms)
         if not args.smoke:
-            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf, kv_pack=pack)
-                                     for bn, w, st, pf, pack in tiles], model, args.jobs)
-        print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
+            precompile(kv, [base] + [stage1_variant(tile, base) for tile in tiles], model, args.jobs)
+        print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} "
+              f"(x KV heads a program) ==", flush=True)
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
         if base.num_splits > 1:  # the engine's config with its partials merged in the kernel
             sweep.measure(first, dataclasses.replace(base, merge_in_kernel=not base.merge_in_kernel))
         for bn, w, st, pf, pack in tiles:
-            sweep.measure(first, Variant(bn, w, st, base.num_splits, pf, kv_pack=pack))
+            sweep.measure(first, stage1_variant((bn, w, st, pf, pack), base))
         stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]
         top = sorted(stage1, key=lambda r: r["us"])[: args.top]
         top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"], r["kv_pack"])

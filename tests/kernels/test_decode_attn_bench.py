@@ -54,6 +54,14 @@ def test_a_wrong_kernel_is_reported_not_timed(bench, monkeypatch, capsys):
     assert "ERROR output differs from the reference" in text and " ok " not in text
 
 
+def test_stage1_judges_packed_tiles_on_the_engines_number_of_programs(bench):
+    base = bench.Variant(64, 2, 3, 2, "pages")
+    assert bench.stage1_variant((128, 4, 3, "pages", 2), base) == bench.Variant(128, 4, 3, 4, "pages", kv_pack=2)
+    assert bench.stage1_variant((64, 4, 3, "pages", 1), base).num_splits == 2
+    packed = bench.Variant(64, 2, 3, 4, "pages", kv_pack=2)
+    assert bench.stage1_variant((64, 4, 3, "pages", 1), packed).num_splits == 2
+
+
 def test_table_literal_is_tuning_source(bench):
     row = dict(block_n=128, num_warps=2, num_stages=3, num_splits=2, prefetch="pages", us=1.0)
     winners = {("fp8", 128, 2000): (row, None, None), ("model", 32, 8000): ({**row, "prefetch": "none"}, None, None),

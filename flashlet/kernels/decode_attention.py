@@ -17,6 +17,13 @@ Design.
 - Grid (B, Hkv, S). One program owns one sequence, one KV head and one split: it loads the G
   query heads of that group as a [GP, D] tile and streams its token range of K/V in blocks
   of BLOCK_N tokens, so every K/V row is fetched once for the whole group.
+- Several KV heads a program (`kv_heads_per_program`, KV_PACK): grid (B, Hkv / KV_PACK, S), the
+  KV_PACK * G query heads rows of one [GP, KV_PACK * D] tile whose columns are the KV_PACK heads
+  side by side (a token's row of them is one contiguous run in the NHD pool); row r holds q in
+  its own head's D columns and zeros elsewhere, so one QK^T gives every row its own head's
+  scores and one online softmax serves all the heads (for G = 7, two heads fill 14 of 16 rows:
+  half the softmax work a key); PV yields every head's V for every row, and each row stores its
+  own head's columns. The MMAs are those of KV_PACK separate programs.
 - The group is padded to GP = max(16, next_pow2(G)) rows so that QK^T and PV are `tl.dot`s
   (tensor-core MMAs need M >= 16). Padded rows load zeros (masked, no memory traffic) and are
   never stored; decode is memory-bound, so the wasted MMA rows cost nothing measurable.
@@ -33,7 +40,9 @@ Design.
   its normalised partial output and its log2-sum-exp to fp32 scratch, and a merge kernel
   (grid (B, Hkv, GP / HPP), HPP >= 2 heads per program, as many as keep its [S, HPP, D] fp32
   tile within 8192 elements) combines the n_b partials: o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m).
-  With S = 1 the main kernel writes the output directly and no merge is launched.
+  With S = 1 the main kernel writes the output directly and no merge is launched. With
+  `merge_counts` the merge runs in the main kernel instead: each group's last split program to
+  finish (an acq_rel counter, as in the one-launch form below) merges the partials.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
@@ -41,7 +50,9 @@ Design.
   iteration ("none"), they keep Triton's pipeliner from staging the K/V copies: it keeps one
   buffer and waits for it, so every block pays a whole memory round trip. "pages" carries the
   next block's page ids in the loop, and the pipeliner then keeps num_stages - 1 blocks in
-  flight while one is computed; "blocks" holds the next block in registers by hand.
+  flight while one is computed; "blocks" holds the next block in registers by hand. With
+  "pages" a split's whole blocks load and score without masks, its partial last block after
+  the loop: fewer instructions a key, which is what bounds an fp8 pool (DECODE_NOTES.md).
 - An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened for the dots;
   the per-tensor scales multiply in fp32 where they cost nothing per key: k_scale folds into
   the score scale, v_scale into the fp32 accumulator once. With a bf16/fp16 q the dots run in
@@ -51,7 +62,8 @@ Design.
   With "pages" its V is read as uint16 pairs (`_v_pairs_as_f16`): V is the PV dot's operand
   to transpose (its keys, the reduction axis, are rows apart), which ldmatrix does for 16-bit
   elements only; as single bytes Triton copied V 8 bytes at a time and read it back one byte
-  per load.
+  per load; its low and high bytes are regrouped by one `prmt` per two pairs
+  (`_e4m3_pairs_to_f16`, inline PTX; the interpreter runs the shift-and-mask form).
 """
 
 from __future__ import annotations

@@ -406,6 +406,24 @@ def test_merge_in_kernel_matches_the_reference_and_leaves_counters_at_zero(
                          merge_counts=torch.zeros(1, dtype=torch.int32, device=kh.device))
 
 
+@pytest.mark.parametrize("prefetch", ["pages", "none"])
+def test_packed_kv_heads_over_a_pool_with_padded_head_rows(kh, prefetch):
+    """Head rows not back to back in a token (a view with stride(2) > D): the packed columns
+    address each head by its stride, fp32 and fp8 (V's uint16 pairs too)."""
+    lens, hkv, d = [37, 16, 5], 2, 16
+    paged = kh.make_paged(lens, 8, hkv, d + 8)
+    k, v = paged["k_cache"][..., :d], paged["v_cache"][..., :d]
+    assert k.stride(2) == d + 8
+    q = torch.randn(len(lens), 7 * hkv, d, generator=torch.Generator().manual_seed(4)).to(kh.device)
+    tail = (paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.25)
+    run = dict(num_splits=2, min_split_tokens=16, block_n=16, prefetch=prefetch, kv_heads_per_program=2)
+    assert kh.rel_err(decode_attention(q, k, v, *tail, **run), decode_attention_reference(q, k, v, *tail)) < 1e-5
+    k8, v8 = (torch.zeros_like(x, dtype=torch.float8_e4m3fn) for x in (paged["k_cache"], paged["v_cache"]))
+    k8[..., :d], v8[..., :d] = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    args8 = (q.half(), k8[..., :d], v8[..., :d], *tail)
+    assert kh.rel_err(decode_attention(*args8, **run), decode_attention_reference(*args8)) < 2e-2
+
+
 def test_packed_kv_heads_must_divide_the_kv_heads(kh):
     paged = kh.make_paged([4], 4, 2, 16)
     args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],

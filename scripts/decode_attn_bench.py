@@ -320,12 +320,13 @@ def _sass_loop(cubin: bytes, bin_dir: str) -> list[str]:
 def pipeline_report(kvs: list[str], arch: int) -> None:
     """What the pipeliner of this Triton makes of the loop, before any timing."""
     for kv in kvs:
-        for tile in ((64, 4, 2, "none"), (64, 4, 3, "pages"), (128, 4, 3, "pages")):
+        for bn, w, st, pf, pack in ((64, 4, 2, "none", 1), (64, 2, 3, "pages", 1), (128, 4, 3, "pages", 1),
+                                    (64, 2, 3, "pages", 2), (128, 4, 3, "pages", 2)):
             try:
-                got = lower_for_sm90(*tile[:3], kv, tile[3], arch)
+                got = lower_for_sm90(bn, w, st, kv, pf, arch, kv_pack=pack)
             except Exception as exc:  # a report only: the sweep goes on
                 got = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"lowered sm_{arch} kv={kv} bn{tile[0]} w{tile[1]} st{tile[2]} {tile[3]}: {got}", flush=True)
+            print(f"lowered sm_{arch} kv={kv} bn{bn} w{w} st{st} {pf} kv{pack}: {got}", flush=True)
 
 
 def _compile_variants(kv: str, variants: list[Variant], model: dict, device: str) -> None:

@@ -474,9 +474,10 @@ def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch, kv
         assert got["e4m3_to_f16"] > 0 and got["f16_to_bf16"] == 0
     if prefetch == "pages":  # V of an fp8 pool too: 16-byte copies, transposed without byte loads
         assert got["narrow_copies"] == 0 and got["byte_smem_loads"] == 0, got
-    if kv == "fp8" and prefetch == "pages" and block_n == 128:
+    new_triton = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
+    if kv == "fp8" and prefetch == "pages" and block_n == 128 and new_triton:  # counted with Triton 3.7
         assert got["loop_instructions_per_kb"] < (115 if kv_pack == 1 else 90), got
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+    if new_triton:
         assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]
     else:
         assert "registers" in got["ptxas"]

@@ -179,6 +179,15 @@ def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi, MA
 
 
 @triton.jit
+def _len_and_page_base(KvLens, KvIndptr, b):
+    """(kv_lens[b], kv_indptr[b]) from one two-lane gather: issued as two loads, the second is
+    sunk past the early exit that depends on the first, a round trip later."""
+    two = tl.arange(0, 2)
+    both = tl.load(tl.where(two == 0, KvLens + b, KvIndptr + b))
+    return tl.sum(tl.where(two == 0, both, 0), 0), tl.sum(tl.where(two == 1, both, 0), 0)
+
+
+@triton.jit
 def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
     """The pool page of each token t (masked: 0) -> [BLOCK_N] int64."""
     return tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
@@ -225,17 +234,6 @@ def _decode_kernel(
     kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
     split = tl.program_id(2)
 
-    kv_len = tl.load(KvLens + b)
-    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
-    if split >= n_splits:
-        return
-    start = split * split_len
-    end = tl.minimum(start + split_len, kv_len)
-    # With page ids carried ahead, whole blocks load and score without masks (fewer instructions
-    # a key: what fp8 is bound by) and the split's last, partial block runs after the loop.
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    page_base = tl.load(KvIndptr + b)
-
     # Rows: the KV_PACK * GROUP query heads (padded to GROUP_PAD); columns: the KV_PACK heads' D
     # each, side by side as one key row holds them. Row r reads only its own head's columns.
     g = tl.arange(0, GROUP_PAD)
@@ -244,7 +242,18 @@ def _decode_kernel(
     c = tl.arange(0, KV_PACK * HEAD_DIM)
     d = c % HEAD_DIM
     own = g_mask[:, None] & ((c // HEAD_DIM)[None, :] == (g // GROUP)[:, None])  # [GP, KV_PACK * D]
+    # kv_len, the page list's start and q load side by side, not one round trip after another
+    # (the first block's page ids wait on two of them, its K/V on those).
+    kv_len, page_base = _len_and_page_base(KvLens, KvIndptr, b)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=own, other=0.0)
+    n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
+    if split >= n_splits:
+        return
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    # With page ids carried ahead, whole blocks load and score without masks (fewer instructions
+    # a key) and the split's last, partial block runs after the loop.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
     if FP8_AS_FP16:
         # e4m3 widens to fp16 in one cvt per pair (to bf16 it takes three). q carries the
         # score scale (scale * log2 e * k_scale, small) so its fp16 copy cannot overflow.

@@ -65,8 +65,8 @@ def viable_tiles() -> list[tuple[int, int, int, str, int]]:
     needs no stages. Two KV heads a program share one softmax tile (half its work a key) and
     read twice the bytes a block. Mode by mode, likelier winners first: the sweep may run out
     of time."""
-    modes = [(3, "pages", 1), (3, "pages", 2), (4, "pages", 1), (2, "none", 1), (2, "pages", 1), (1, "blocks", 1),
-             (3, "none", 1)]
+    modes = [(3, "pages", 1), (3, "pages", 2), (4, "pages", 1), (4, "pages", 2), (2, "none", 1), (2, "pages", 1),
+             (1, "blocks", 1), (3, "none", 1)]
     shapes = sorted(((bn, w) for bn, w in itertools.product(BLOCK_NS, WARPS) if 8 <= 16 * bn // (32 * w) <= 64),
                     key=lambda t: abs(16 * t[0] // (32 * t[1]) - 16))
     return [(bn, w, st, pf, pack) for st, pf, pack in modes for bn, w in shapes]
@@ -74,7 +74,8 @@ def viable_tiles() -> list[tuple[int, int, int, str, int]]:
 
 QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
                for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))] + [
-               (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))]
+               (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))] + [
+               (bn, w, 4, "pages", 2) for bn, w in ((32, 2), (64, 2))]
 
 
 def stage1_variant(tile: tuple, base: Variant) -> Variant:

@@ -72,8 +72,10 @@ def viable_tiles() -> list[tuple[int, int, int, str, int]]:
     return [(bn, w, st, pf, pack) for st, pf, pack in modes for bn, w in shapes]
 
 
+# One-warp programs need no CTA barrier in the loop (2 a block, against 12 at 2-4 warps).
 QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
                for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))] + [
+               (32, 1, 3, "pages", 1), (64, 1, 3, "pages", 1)] + [
                (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))] + [
                (bn, w, 4, "pages", 2) for bn, w in ((32, 2), (64, 2))]
 

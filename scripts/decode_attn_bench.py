@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -80,11 +81,14 @@ QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
                (bn, w, 4, "pages", 2) for bn, w in ((32, 2), (64, 2))]
 
 
-def stage1_variant(tile: tuple, base: Variant) -> Variant:
-    """A stage-1 tile at the engine's split count, times its KV heads a program: the same number
-    of programs as the engine's config, so that packed tiles are not judged on half a grid."""
+def stage1_variant(tile: tuple, base: Variant, max_splits: int = 8) -> Variant:
+    """A stage-1 tile at about the engine's config's warps in flight: its split count scaled by
+    the tile's KV heads a program and by the engine's warps over the tile's (a power of two, at
+    most max_splits), so that packed and one-warp tiles are not judged on a fraction of a grid."""
     bn, w, st, pf, pack = tile
-    return Variant(bn, w, st, base.num_splits * pack // base.kv_pack or 1, pf, kv_pack=pack)
+    scale = pack / base.kv_pack * max(1.0, base.num_warps / w)
+    splits = 1 << max(0, round(math.log2(max(1.0, base.num_splits * scale))))
+    return Variant(bn, w, st, min(splits, max_splits), pf, kv_pack=pack)
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:

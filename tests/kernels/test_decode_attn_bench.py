@@ -54,12 +54,15 @@ def test_a_wrong_kernel_is_reported_not_timed(bench, monkeypatch, capsys):
     assert "ERROR output differs from the reference" in text and " ok " not in text
 
 
-def test_stage1_judges_packed_tiles_on_the_engines_number_of_programs(bench):
-    base = bench.Variant(64, 2, 3, 2, "pages")
+def test_stage1_judges_tiles_at_the_engines_warps_in_flight(bench):
+    base = bench.Variant(64, 2, 3, 2, "pages")  # 2 warps, one KV head, 2 splits
     assert bench.stage1_variant((128, 4, 3, "pages", 2), base) == bench.Variant(128, 4, 3, 4, "pages", kv_pack=2)
     assert bench.stage1_variant((64, 4, 3, "pages", 1), base).num_splits == 2
-    packed = bench.Variant(64, 2, 3, 4, "pages", kv_pack=2)
-    assert bench.stage1_variant((64, 4, 3, "pages", 1), packed).num_splits == 2
+    assert bench.stage1_variant((64, 1, 3, "pages", 1), base).num_splits == 4  # one warp: twice the programs
+    packed = bench.Variant(128, 4, 3, 2, "pages", kv_pack=2)  # 4 warps, both heads, 2 splits
+    assert bench.stage1_variant((64, 4, 3, "pages", 1), packed).num_splits == 1
+    assert bench.stage1_variant((32, 1, 3, "pages", 2), packed).num_splits == 8
+    assert bench.stage1_variant((32, 1, 3, "pages", 1), packed).num_splits == 4
 
 
 def test_table_literal_is_tuning_source(bench):

@@ -7,9 +7,10 @@ row gives microseconds per layer, the bytes the kernel must read (K and V of eve
 per KV head, plus q, the output and the page ids) and the achieved GB/s against the
 device-to-device copy bandwidth measured in the same run.
 
-Stage 1 sweeps the tiles (block_n x warps x stages) at the first shape with the split count
-the engine picks today; stage 2 times the best tiles at every shape over the split counts
-that give between half a program and 16 programs per SM. Every config is checked against the
+Stage 1 sweeps the tiles (block_n x warps x stages x prefetch x KV heads a program) at the
+first shape with the split count the engine picks today; stage 2 times the best tiles at every
+shape over the split counts that give between a quarter of a program and 16 programs per SM,
+split partials merged by a second launch or by each group's last program. Every config is checked against the
 PyTorch reference on one layer before it is timed; a wrong one is reported and dropped. The
 last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 
@@ -21,8 +22,10 @@ last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -47,30 +50,50 @@ class Variant:
     num_splits: int
     prefetch: str = "none"
     fp8_as_fp16: bool = True
+    kv_pack: int = 1  # KV heads a program (decode_attention's kv_heads_per_program)
+    merge_in_kernel: bool = False  # each group's last split program merges (no merge launch)
 
     def label(self) -> str:
         tail = ("" if self.prefetch == "none" else f" pf-{self.prefetch}") + ("" if self.fp8_as_fp16 else " fp8->bf16")
-        return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}"
+        pack = ("" if self.kv_pack == 1 else f" kv{self.kv_pack}") + (" merge-in-kernel" if self.merge_in_kernel else "")
+        return f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits}{tail}{pack}"
 
 
-def viable_tiles() -> list[tuple[int, int, int, str]]:
-    """(block_n, warps, stages, prefetch) worth compiling: a [16, block_n] fp32 score tile of at
-    most 64 values a thread and at least 8 (fewer leaves warps idle). Page ids carried by hand
-    let the pipeliner keep stages - 1 blocks in flight; K/V held in registers by hand needs no
-    stages. Mode by mode, likelier winners first: the sweep may run out of time."""
-    modes = [(3, "pages"), (4, "pages"), (2, "none"), (2, "pages"), (1, "blocks"), (3, "none")]
+def viable_tiles() -> list[tuple[int, int, int, str, int]]:
+    """(block_n, warps, stages, prefetch, kv_pack) worth compiling: a [16, block_n] fp32 score
+    tile of at most 64 values a thread and at least 8 (fewer leaves warps idle). Page ids carried
+    by hand let the pipeliner keep stages - 1 blocks in flight; K/V held in registers by hand
+    needs no stages. Two KV heads a program share one softmax tile (half its work a key) and
+    read twice the bytes a block. Mode by mode, likelier winners first: the sweep may run out
+    of time."""
+    modes = [(3, "pages", 1), (3, "pages", 2), (4, "pages", 1), (4, "pages", 2), (2, "none", 1), (2, "pages", 1),
+             (1, "blocks", 1), (3, "none", 1)]
     shapes = sorted(((bn, w) for bn, w in itertools.product(BLOCK_NS, WARPS) if 8 <= 16 * bn // (32 * w) <= 64),
                     key=lambda t: abs(16 * t[0] // (32 * t[1]) - 16))
-    return [(bn, w, st, pf) for st, pf in modes for bn, w in shapes]
+    return [(bn, w, st, pf, pack) for st, pf, pack in modes for bn, w in shapes]
 
 
-QUICK_TILES = [(bn, w, st, "pages") for st in (3, 4)
-               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))]
+# One-warp programs need no CTA barrier in the loop (2 a block, against 12 at 2-4 warps).
+QUICK_TILES = [(bn, w, st, "pages", 1) for st in (3, 4)
+               for bn, w in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8))] + [
+               (32, 1, 3, "pages", 1), (64, 1, 3, "pages", 1)] + [
+               (bn, w, 3, "pages", 2) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))] + [
+               (bn, w, 4, "pages", 2) for bn, w in ((32, 2), (64, 2))]
+
+
+def stage1_variant(tile: tuple, base: Variant, max_splits: int = 8) -> Variant:
+    """A stage-1 tile at about the engine's config's warps in flight: its split count scaled by
+    the tile's KV heads a program and by the engine's warps over the tile's (a power of two, at
+    most max_splits), so that packed and one-warp tiles are not judged on a fraction of a grid."""
+    bn, w, st, pf, pack = tile
+    scale = pack / base.kv_pack * max(1.0, base.num_warps / w)
+    splits = 1 << max(0, round(math.log2(max(1.0, base.num_splits * scale))))
+    return Variant(bn, w, st, min(splits, max_splits), pf, kv_pack=pack)
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, cap: int = 128) -> list[int]:
     """Powers of two giving between a quarter of a program and 16 programs per SM, each split
-    at least MIN_SPLIT_TOKENS long."""
+    at least MIN_SPLIT_TOKENS long (num_kv_heads: programs a sequence has per split)."""
     out, s = [], 1
     while s <= cap:
         programs = batch * num_kv_heads * s
@@ -122,12 +145,14 @@ def make_call(da, torch, case: Case, v: Variant):
     hq, d = case.q.shape[1], case.q.shape[2]
     mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
     mid_lse = torch.empty((rows, hq), dtype=torch.float32, device=case.q.device) if v.num_splits > 1 else None
+    counts = torch.zeros(case.batch * case.model["num_kv_heads"], dtype=torch.int32, device=case.q.device)
 
     def fn(layer):
         return da.decode_attention(
             *case.args(layer), out=case.out, num_splits=v.num_splits, min_split_tokens=MIN_SPLIT_TOKENS,
             block_n=v.block_n, mid_o=mid_o, mid_lse=mid_lse, num_warps=v.num_warps, num_stages=v.num_stages,
-            k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch)
+            k_scale=case.k_scale, v_scale=case.v_scale, fp8_as_fp16=v.fp8_as_fp16, prefetch=v.prefetch,
+            kv_heads_per_program=v.kv_pack, merge_counts=counts if v.merge_in_kernel else None)
     return fn
 
 
@@ -217,7 +242,8 @@ def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Vari
         cfg = tuning.default_decode(m["head_dim"], group, tuning.bucket(case.batch, tuning.DECODE_BATCH_BUCKETS))
     max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
     s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
-    return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch)
+    return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch,
+                   kv_pack=tuning.kv_pack_for(cfg, m["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
 
 
 def best_of(rows: list[dict]) -> dict | None:
@@ -225,12 +251,15 @@ def best_of(rows: list[dict]) -> dict | None:
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
-def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90) -> dict:
+def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str, arch: int = 90,
+                   kv_pack: int = 1, merge_in_kernel: bool = False) -> dict:
     """The decode kernel compiled for sm_`arch` (no GPU needed) at the Qwen2.5-0.5B shape, with
     the divisibility by 16 the launcher's specialisation gives real pool strides: how many
-    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads, the
+    cp.async copies (and how many move under 16 bytes), single-byte shared-memory loads in the
+    block loop (a split's last block, run after it, moves its mask through bytes), the
     most copy groups left in flight at a wait (0: none overlaps the math), e4m3 -> fp16 and
-    fp16 -> bf16 conversions, and ptxas's register/spill line."""
+    fp16 -> bf16 conversions, the block loop's SASS instructions a KB of K/V (warp instructions:
+    the issue cost of the bytes), and ptxas's register/spill line."""
     import re
     import subprocess
     import tempfile
@@ -245,10 +274,12 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
     names = da._decode_kernel.arg_names
     kv_ty = "*fp8e4nv" if kv == "fp8" else "*bf16"
     sig = {n: "i32" for n in names}
-    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", KvIndptr="*i32",
+    sig.update(Q="*bf16", K=kv_ty, V=kv_ty, O="*bf16", MidO="*fp32", MidLse="*fp32", Counts="*i32", KvIndptr="*i32",
                KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32")
-    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=16, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_N=block_n, SPLIT=True,
-                  INPUT_PRECISION=None, **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
+    consts = dict(NUM_Q_HEADS=14, GROUP=7, GROUP_PAD=da.group_pad(7 * kv_pack), HEAD_DIM=64, PAGE_SIZE=16,
+                  BLOCK_N=block_n, SPLIT=True, INPUT_PRECISION=None, KV_PACK=kv_pack, HEADS_CONTIGUOUS=True,
+                  MERGE_IN_KERNEL=merge_in_kernel, MERGE_SPLITS=2,
+                  **da._loop_constexprs(kv == "fp8", torch.bfloat16, True, prefetch))
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in consts)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -261,24 +292,48 @@ def lower_for_sm90(block_n: int, warps: int, stages: int, kv: str, prefetch: str
         f.flush()
         info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
                               capture_output=True, text=True, check=True).stderr
+    block_kb = block_n * kv_pack * MODEL["head_dim"] * 2 * (1 if kv == "fp8" else 2) / 1024
+    loop = _sass_loop(kernel.asm["cubin"], os.path.dirname(ptxas))
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\w+)", ptx)
     return dict(cp_async=len(copies), narrow_copies=sum(int(c, 0) < 16 for c in copies),
-                byte_smem_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"),
+                byte_smem_loads=sum(text.split()[0].startswith(("LDS.U8", "LDS.S8")) for text in loop),
                 most_in_flight=max(waits, default=0),
                 e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), f16_to_bf16=ptx.count("cvt.bf16.f16"),
+                loop_instructions_per_kb=round(len(loop) * warps / block_kb, 1),
                 ptxas=" ".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
+
+
+def _sass_loop(cubin: bytes, bin_dir: str) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (its K/V block loop), from cuobjdump."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
+    back = [(int(m.group(1), 16), addr) for addr, text in ins if (m := re.search(r"BRA\s+0x([0-9a-f]+)", text))
+            and int(m.group(1), 16) < addr]
+    if not back:
+        return []
+    start, end = max(back, key=lambda span: span[1] - span[0])
+    return [text for addr, text in ins if start <= addr <= end]
 
 
 def pipeline_report(kvs: list[str], arch: int) -> None:
     """What the pipeliner of this Triton makes of the loop, before any timing."""
     for kv in kvs:
-        for tile in ((64, 4, 2, "none"), (64, 4, 3, "pages"), (128, 4, 3, "pages")):
+        for bn, w, st, pf, pack in ((64, 4, 2, "none", 1), (64, 2, 3, "pages", 1), (128, 4, 3, "pages", 1),
+                                    (64, 2, 3, "pages", 2), (128, 4, 3, "pages", 2)):
             try:
-                got = lower_for_sm90(*tile[:3], kv, tile[3], arch)
+                got = lower_for_sm90(bn, w, st, kv, pf, arch, kv_pack=pack)
             except Exception as exc:  # a report only: the sweep goes on
                 got = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"lowered sm_{arch} kv={kv} bn{tile[0]} w{tile[1]} st{tile[2]} {tile[3]}: {got}", flush=True)
+            print(f"lowered sm_{arch} kv={kv} bn{bn} w{w} st{st} {pf} kv{pack}: {got}", flush=True)
 
 
 def _compile_variants(kv: str, variants: list[Variant], model: dict, device: str) -> None:
@@ -331,7 +386,7 @@ def run(args) -> list[dict]:
         pipeline_report(kvs, 10 * major + minor)
     sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
     if args.smoke:
-        tiles = [(16, 1, 1, "none"), (16, 1, 2, "blocks"), (16, 1, 3, "pages")]
+        tiles = [(16, 1, 1, "none", 1), (16, 1, 2, "blocks", 1), (16, 1, 3, "pages", 1), (16, 1, 3, "pages", 2)]
     else:
         tiles = QUICK_TILES if args.quick else viable_tiles()
     winners = {}
@@ -340,16 +395,19 @@ def run(args) -> list[dict]:
         first = Case(torch, *shapes[0], kv, model, device)
         base = engine_variant(tuning, first, num_sms)
         if not args.smoke:
-            precompile(kv, [base] + [Variant(bn, w, st, base.num_splits, pf) for bn, w, st, pf in tiles], model,
-                       args.jobs)
-        print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} ==", flush=True)
+            precompile(kv, [base] + [stage1_variant(tile, base) for tile in tiles], model, args.jobs)
+        print(f"\n== stage 1, kv {kv}: tiles at B={first.batch} L={first.kv_len}, S={base.num_splits} "
+              f"(x KV heads a program) ==", flush=True)
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
-        for bn, w, st, pf in tiles:
-            sweep.measure(first, Variant(bn, w, st, base.num_splits, pf))
+        if base.num_splits > 1:  # the engine's config with its partials merged in the kernel
+            sweep.measure(first, dataclasses.replace(base, merge_in_kernel=not base.merge_in_kernel))
+        for bn, w, st, pf, pack in tiles:
+            sweep.measure(first, stage1_variant((bn, w, st, pf, pack), base))
         stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]
         top = sorted(stage1, key=lambda r: r["us"])[: args.top]
-        top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"]) for r in top))
+        top_tiles = list(dict.fromkeys((r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"], r["kv_pack"])
+                                       for r in top))
         top_tiles = top_tiles or tiles[:1]
         del first
         sweep.set_deadline(sweep.start + (i + 1) * share)
@@ -359,19 +417,38 @@ def run(args) -> list[dict]:
             base, before = engine_variant(tuning, case, num_sms), engine_variant(tuning, case, num_sms, table=False)
             sweep.measure(case, base)
             sweep.measure(case, before)
-            splits = split_candidates(batch, model["num_kv_heads"], num_sms, kv_len)
-            for (bn, w, st, pf), s in itertools.product(top_tiles, splits):
-                sweep.measure(case, Variant(bn, w, st, s, pf))
+            for bn, w, st, pf, pack in top_tiles:
+                for s in split_candidates(batch, model["num_kv_heads"] // pack, num_sms, kv_len):
+                    for merge_in_kernel in (False, True) if s > 1 else (False,):
+                        sweep.measure(case, Variant(bn, w, st, s, pf, kv_pack=pack, merge_in_kernel=merge_in_kernel))
             here = [r for r in sweep.rows if (r["kv"], r["batch"], r["kv_len"]) == (kv, batch, kv_len)]
             win = best_of(here)
             if kv == "fp8" and win is not None:  # widening to bf16 instead, at the winner (reported only)
                 sweep.measure(case, Variant(win["block_n"], win["num_warps"], win["num_stages"], win["num_splits"],
-                                            win["prefetch"], fp8_as_fp16=False))
+                                            win["prefetch"], fp8_as_fp16=False, kv_pack=win["kv_pack"],
+                                            merge_in_kernel=win["merge_in_kernel"]))
             rows = {v: next((r for r in here if r["label"] == v.label() and "us" in r), None) for v in (base, before)}
             winners[(kv, batch, kv_len)] = (win, rows[base], rows[before])
             del case
     summarize(winners, model, tuning)
+    if args.table_json:
+        write_table_json(table_entries(winners, model, tuning), args.table_json)
     return sweep.rows
+
+
+def write_table_json(entries: dict, path: str) -> None:
+    """The entries as JSON [[key, config fields], ...]: `load_table_json` puts them in
+    tuning.BATCHED_DECODE_TABLE of another process (an engine run with the sweep's winners)."""
+    with open(path, "w") as f:
+        json.dump([[list(key), asdict(cfg)] for key, cfg in sorted(entries.items())], f, indent=1)
+
+
+def load_table_json(path: str, tuning) -> dict:
+    """Read `write_table_json`'s file into tuning.BATCHED_DECODE_TABLE; -> the entries."""
+    with open(path) as f:
+        entries = {tuple(key): tuning.DecodeConfig(**cfg) for key, cfg in json.load(f)}
+    tuning.BATCHED_DECODE_TABLE.update(entries)
+    return entries
 
 
 def summarize(winners: dict, model: dict, tuning) -> None:
@@ -401,7 +478,9 @@ def table_entries(winners: dict, model: dict, tuning) -> dict:
         key = (model["head_dim"], group, kv, tuning.bucket(batch, tuning.DECODE_BATCH_BUCKETS))
         entries[key] = tuning.DecodeConfig(block_n=win["block_n"], num_warps=win["num_warps"],
                                            num_stages=win["num_stages"], min_split_tokens=MIN_SPLIT_TOKENS,
-                                           num_splits=win["num_splits"], prefetch=win["prefetch"])
+                                           num_splits=win["num_splits"], prefetch=win["prefetch"],
+                                           kv_pack=win.get("kv_pack", 1),
+                                           merge_in_kernel=win.get("merge_in_kernel", False))
     return entries
 
 
@@ -425,8 +504,11 @@ def parse_args(argv=None):
                    help="processes that compile stage 1's variants ahead of timing (1: none)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH",
-                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON")
+    p.add_argument("--table-json", default=None,
+                   help="write the winners' BATCHED_DECODE_TABLE entries here (see load_table_json)")
+    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
+                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON "
+                        "(MERGE: 'kernel' for the last-program merge)")
     args = p.parse_args(argv)
     args.kv = args.kv.split(",")
     args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
@@ -437,8 +519,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.lower:
-        bn, warps, stages, kv, prefetch = args.lower.split(",")
-        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch)))
+        bn, warps, stages, kv, prefetch, *rest = args.lower.split(",")
+        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch,
+                                        kv_pack=int(rest[0]) if rest else 1,
+                                        merge_in_kernel=rest[1:2] == ["kernel"])))
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -196,6 +196,8 @@ class TritonBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             prefetch=dc.prefetch,
+            kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads),
+            merge_counts=self._merge_counts if dc.merge_in_kernel else None,
         )
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()

@@ -17,6 +17,13 @@ Design.
 - Grid (B, Hkv, S). One program owns one sequence, one KV head and one split: it loads the G
   query heads of that group as a [GP, D] tile and streams its token range of K/V in blocks
   of BLOCK_N tokens, so every K/V row is fetched once for the whole group.
+- Several KV heads a program (`kv_heads_per_program`, KV_PACK): grid (B, Hkv / KV_PACK, S), the
+  KV_PACK * G query heads rows of one [GP, KV_PACK * D] tile whose columns are the KV_PACK heads
+  side by side (a token's row of them is one contiguous run in the NHD pool); row r holds q in
+  its own head's D columns and zeros elsewhere, so one QK^T gives every row its own head's
+  scores and one online softmax serves all the heads (for G = 7, two heads fill 14 of 16 rows:
+  half the softmax work a key); PV yields every head's V for every row, and each row stores its
+  own head's columns. The MMAs are those of KV_PACK separate programs.
 - The group is padded to GP = max(16, next_pow2(G)) rows so that QK^T and PV are `tl.dot`s
   (tensor-core MMAs need M >= 16). Padded rows load zeros (masked, no memory traffic) and are
   never stored; decode is memory-bound, so the wasted MMA rows cost nothing measurable.
@@ -33,7 +40,9 @@ Design.
   its normalised partial output and its log2-sum-exp to fp32 scratch, and a merge kernel
   (grid (B, Hkv, GP / HPP), HPP >= 2 heads per program, as many as keep its [S, HPP, D] fp32
   tile within 8192 elements) combines the n_b partials: o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m).
-  With S = 1 the main kernel writes the output directly and no merge is launched.
+  With S = 1 the main kernel writes the output directly and no merge is launched. With
+  `merge_counts` the merge runs in the main kernel instead: each group's last split program to
+  finish (an acq_rel counter, as in the one-launch form below) merges the partials.
 - Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) in fp32; P is cast to the
   value dtype for the PV product (as FlashAttention does). fp32 inputs use IEEE-precision dots.
 - A sequence with kv_len == 0 (a padding row of a CUDA-graph batch) gets a zero output.
@@ -41,7 +50,9 @@ Design.
   iteration ("none"), they keep Triton's pipeliner from staging the K/V copies: it keeps one
   buffer and waits for it, so every block pays a whole memory round trip. "pages" carries the
   next block's page ids in the loop, and the pipeliner then keeps num_stages - 1 blocks in
-  flight while one is computed; "blocks" holds the next block in registers by hand.
+  flight while one is computed; "blocks" holds the next block in registers by hand. With
+  "pages" a split's whole blocks load and score without masks, its partial last block after
+  the loop: fewer instructions a key, which is what bounds an fp8 pool (DECODE_NOTES.md).
 - An fp8 (e4m3) pool: K/V blocks are loaded as fp8 (half the bytes) and widened for the dots;
   the per-tensor scales multiply in fp32 where they cost nothing per key: k_scale folds into
   the score scale, v_scale into the fp32 accumulator once. With a bf16/fp16 q the dots run in
@@ -51,12 +62,14 @@ Design.
   With "pages" its V is read as uint16 pairs (`_v_pairs_as_f16`): V is the PV dot's operand
   to transpose (its keys, the reduction axis, are rows apart), which ldmatrix does for 16-bit
   elements only; as single bytes Triton copied V 8 bytes at a time and read it back one byte
-  per load.
+  per load; its low and high bytes are regrouped by one `prmt` per two pairs
+  (`_e4m3_pairs_to_f16`, inline PTX; the interpreter runs the shift-and-mask form).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -66,6 +79,8 @@ from flashlet.kernels import pdl, tuning
 from flashlet.kernels.pdl import pdl_supported
 
 LOG2E = 1.4426950408889634
+# The Triton interpreter runs no inline PTX: there fp8 V widens through Triton's own casts.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -80,13 +95,16 @@ def _split_range(kv_len, num_splits, min_split_tokens, block_n):
 
 
 @triton.jit
-def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc). k, v: q's dtype
-    or fp8 (widened here; their scales are applied by the caller)."""
+    or fp8 (widened here; their scales are applied by the caller). MASKED=False: every key of
+    the block is in range (t_mask unread)."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty sequence's block: all weights 0, no NaN
     alpha = tl.exp2(m_i - m_ref)
@@ -106,23 +124,49 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 
 @triton.jit
-def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr,
+                    PRMT: tl.constexpr, MASKED: tl.constexpr):
     """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
     (even d, odd d). A 16-bit element in shared memory transposes for the PV dot with ldmatrix,
     where single fp8 bytes would be read one at a time (V's keys, the dot's reduction axis, are
-    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements."""
-    pairs = tl.load(head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2)
-                    + d2[None, :], mask=t_mask[:, None], other=0)
+    rows apart). head16: V's head as a uint16 pointer; strides in fp8 elements. PRMT: widen
+    with `_e4m3_pairs_to_f16` (CUDA only). MASKED=False: every row in range (t_mask unread)."""
+    ptrs = head16 + page[:, None] * (stride_p // 2) + (t % PAGE_SIZE)[:, None] * (stride_t // 2) + d2[None, :]
+    if MASKED:
+        pairs = tl.load(ptrs, mask=t_mask[:, None], other=0)
+    else:
+        pairs = tl.load(ptrs)
+    if PRMT:
+        return _e4m3_pairs_to_f16(pairs)
     lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return lo, hi
 
 
 @triton.jit
-def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi):
+def _e4m3_pairs_to_f16(pairs):
+    """uint16 pairs of e4m3 -> (fp16 of the low bytes, fp16 of the high bytes), two pairs at a
+    time: one prmt gathers their two low bytes and their two high bytes, and each e4m3x2 ->
+    f16x2 cvt widens two values. Written out with the shifts and masks, the compiler splits the
+    bytes into registers of their own and packs them back: three to four integer instructions
+    a value, the loop's largest cost at fp8's byte rate."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t;
+        .reg .b16 l, h;
+        prmt.b32 t, $2, 0, 0x3120;
+        mov.b32 {l, h}, t;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""", "=r,=r,r", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi, MASKED: tl.constexpr):
     """`_attend_block` for fp16 dots with V as its even and odd columns (`_v_pairs_as_f16`)."""
     qk = tl.dot(q, tl.trans(k.to(tl.float16)))
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
@@ -135,23 +179,35 @@ def _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi):
 
 
 @triton.jit
+def _len_and_page_base(KvLens, KvIndptr, b):
+    """(kv_lens[b], kv_indptr[b]) from one two-lane gather: issued as two loads, the second is
+    sunk past the early exit that depends on the first, a round trip later."""
+    two = tl.arange(0, 2)
+    both = tl.load(tl.where(two == 0, KvLens + b, KvIndptr + b))
+    return tl.sum(tl.where(two == 0, both, 0), 0), tl.sum(tl.where(two == 1, both, 0), 0)
+
+
+@triton.jit
 def _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE: tl.constexpr):
     """The pool page of each token t (masked: 0) -> [BLOCK_N] int64."""
     return tl.load(KvIndices + page_base + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
 
 
 @triton.jit
-def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
-    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D]."""
-    return tl.load(head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :],
-                   mask=t_mask[:, None], other=0.0)
+def _kv_rows(head, page, t, t_mask, d, stride_p, stride_t, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
+    """K or V rows of tokens t, whose pages are known (masked rows: 0, no traffic) -> [BLOCK_N, D].
+    MASKED=False: every row in range (t_mask unread)."""
+    ptrs = head + page[:, None] * stride_p + (t % PAGE_SIZE)[:, None] * stride_t + d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=t_mask[:, None], other=0.0)
+    return tl.load(ptrs)
 
 
 # The split count and the smallest split are runtime values (not specialised on): one compiled
 # kernel serves every batch size of a tile shape, split (SPLIT) or not.
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
 def _decode_kernel(
-    Q, K, V, O, MidO, MidLse,
+    Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
     qk_scale, v_scale, min_split_tokens, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -168,24 +224,36 @@ def _decode_kernel(
     FP8_AS_FP16: tl.constexpr,
     PREFETCH: tl.constexpr,
     SPLIT_V: tl.constexpr,
+    KV_PACK: tl.constexpr,
+    HEADS_CONTIGUOUS: tl.constexpr,
+    V_PRMT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
     split = tl.program_id(2)
 
-    kv_len = tl.load(KvLens + b)
+    # Rows: the KV_PACK * GROUP query heads (padded to GROUP_PAD); columns: the KV_PACK heads' D
+    # each, side by side as one key row holds them. Row r reads only its own head's columns.
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < KV_PACK * GROUP
+    heads = kvh * GROUP + g
+    c = tl.arange(0, KV_PACK * HEAD_DIM)
+    d = c % HEAD_DIM
+    own = g_mask[:, None] & ((c // HEAD_DIM)[None, :] == (g // GROUP)[:, None])  # [GP, KV_PACK * D]
+    # kv_len, the page list's start and q load side by side, not one round trip after another
+    # (the first block's page ids wait on two of them, its K/V on those).
+    kv_len, page_base = _len_and_page_base(KvLens, KvIndptr, b)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=own, other=0.0)
     n_splits, split_len = _split_range(kv_len, num_splits, min_split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
-    page_base = tl.load(KvIndptr + b)
-
-    g = tl.arange(0, GROUP_PAD)
-    g_mask = g < GROUP
-    heads = kvh * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    # With page ids carried ahead, whole blocks load and score without masks (fewer instructions
+    # a key) and the split's last, partial block runs after the loop.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
     if FP8_AS_FP16:
         # e4m3 widens to fp16 in one cvt per pair (to bf16 it takes three). q carries the
         # score scale (scale * log2 e * k_scale, small) so its fp16 copy cannot overflow.
@@ -194,38 +262,59 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
+    if HEADS_CONTIGUOUS:  # the packed heads are one run of KV_PACK * D values a token
+        k_cols = c
+        v_cols = c
+    else:
+        k_cols = (c // HEAD_DIM) * stride_kh + d  # offsets of a key row's packed heads
+        v_cols = (c // HEAD_DIM) * stride_vh + d
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     if SPLIT_V:
         # An fp8 pool with pages carried ahead ("pages"), V read as uint16 pairs: see
         # `_v_pairs_as_f16`. The two half-width accumulators interleave back into [GP, D].
-        d2 = tl.arange(0, HEAD_DIM // 2)
+        j = tl.arange(0, KV_PACK * HEAD_DIM // 2)
+        if HEADS_CONTIGUOUS:
+            v_pairs = j
+        else:
+            v_pairs = (j // (HEAD_DIM // 2)) * (stride_vh // 2) + j % (HEAD_DIM // 2)  # uint16 units (strides even)
         v_head16 = v_head.to(tl.pointer_type(tl.uint16))
-        acc_lo = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
-        acc_hi = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+        acc_lo = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
+        acc_hi = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM // 2], tl.float32)
         t = start + tl.arange(0, BLOCK_N)
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-        for blk in range(start, end, BLOCK_N):
-            t_mask = t < end
-            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, d2, stride_vp, stride_vt, PAGE_SIZE)
+        for blk in range(start, full_end, BLOCK_N):
+            k = _kv_rows(k_head, page, t, t, k_cols, stride_kp, stride_kt, PAGE_SIZE, False)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t, v_pairs, stride_vp, stride_vt, PAGE_SIZE,
+                                         V_PRMT, False)
             t = t + BLOCK_N
             page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi)
-        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, HEAD_DIM])
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t, m_i, l_i, acc_lo, acc_hi, False)
+        if full_end < end:
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v_lo, v_hi = _v_pairs_as_f16(v_head16, page, t, t_mask, v_pairs, stride_vp, stride_vt, PAGE_SIZE,
+                                         V_PRMT, True)
+            m_i, l_i, acc_lo, acc_hi = _attend_block_split_v(q, k, v_lo, v_hi, t_mask, m_i, l_i, acc_lo, acc_hi,
+                                                             True)
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [GROUP_PAD, KV_PACK * HEAD_DIM])
     elif PREFETCH == 1:
         # Page ids one block ahead by hand: the K/V addresses of a block then come from the loop's
         # carried values, not from a load in the same iteration, which Triton's pipeliner can
         # stage (num_stages - 1 buffers) instead of ordering each block's copy after the last.
         t = start + tl.arange(0, BLOCK_N)
         page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
-        for blk in range(start, end, BLOCK_N):
-            t_mask = t < end
-            k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        for blk in range(start, full_end, BLOCK_N):
+            k = _kv_rows(k_head, page, t, t, k_cols, stride_kp, stride_kt, PAGE_SIZE, False)
+            v = _kv_rows(v_head, page, t, t, v_cols, stride_vp, stride_vt, PAGE_SIZE, False)
             t = t + BLOCK_N
             page = _page_ids(KvIndices, page_base, t, t < end, PAGE_SIZE)
+            m_i, l_i, acc = _attend_block(q, k, v, t, m_i, l_i, acc, qk_scale, INPUT_PRECISION, False)
+        if full_end < end:
+            t_mask = t < end
+            k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_rows(v_head, page, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     elif PREFETCH == 2:
         # Software-pipelined by hand: block i+1's K/V and block i+2's page ids are loaded before
@@ -234,23 +323,23 @@ def _decode_kernel(
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = _page_ids(KvIndices, page_base, t, t_mask, PAGE_SIZE)
-        k = _kv_rows(k_head, page, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_rows(v_head, page, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        k = _kv_rows(k_head, page, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_rows(v_head, page, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
         t1 = t + BLOCK_N
         page1 = _page_ids(KvIndices, page_base, t1, t1 < end, PAGE_SIZE)
         for blk in range(start, end, BLOCK_N):
             t2 = t1 + BLOCK_N
             page2 = _page_ids(KvIndices, page_base, t2, t2 < end, PAGE_SIZE)
-            k1 = _kv_rows(k_head, page1, t1, t1 < end, d, stride_kp, stride_kt, PAGE_SIZE)
-            v1 = _kv_rows(v_head, page1, t1, t1 < end, d, stride_vp, stride_vt, PAGE_SIZE)
+            k1 = _kv_rows(k_head, page1, t1, t1 < end, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v1 = _kv_rows(v_head, page1, t1, t1 < end, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
             k, v, t_mask, t1, page1 = k1, v1, t1 < end, t2, page2
     else:
         for blk in range(start, end, BLOCK_N):
             t = blk + tl.arange(0, BLOCK_N)
             t_mask = t < end
-            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            k = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     empty = l_i == 0.0
@@ -258,13 +347,50 @@ def _decode_kernel(
     out = acc * v_scale / l_safe[:, None]
     if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
     else:
         slot = b * num_splits + split
         mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid_ptrs, out, mask=g_mask[:, None])
+        tl.store(mid_ptrs, out, mask=own)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
+        if MERGE_IN_KERNEL:
+            # The last split program of this (sequence, KV heads) to finish merges: see the
+            # one-launch kernel below for the ordering (barrier, acq_rel count, L2 loads).
+            tl.debug_barrier()
+            count = Counts + b * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                merged = _merge_partials_online(MidO, MidLse, b * num_splits, n_splits, heads, g_mask, d, own,
+                                                NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_SPLITS)
+                o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+                tl.store(o_ptrs, merged.to(O.dtype.element_ty), mask=own)
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _merge_partials_online(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
+                           NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, COLS: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over n_splits partials (a runtime count),
+    MERGE_SPLITS at a time with a running max -> [GP, COLS] (row r's own columns: `own`)."""
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, COLS], tl.float32)
+    for s0 in range(0, n_splits, MERGE_SPLITS):
+        sc = s0 + tl.arange(0, MERGE_SPLITS)
+        live = sc < n_splits
+        lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :],
+                      mask=live[:, None] & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref[None, :])  # [MS, GP]
+        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                    + d[None, None, :], mask=live[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "block_n"])
@@ -305,14 +431,24 @@ def _merge_kernel(
 PREFETCH_MODES = {"none": 0, "pages": 1, "blocks": 2}  # decode_attention(prefetch=) -> PREFETCH
 
 
-def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str) -> dict:
-    """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V) from decode_attention's
-    arguments; scripts/decode_attn_bench.py lowers the kernel with the same ones."""
+def _loop_constexprs(fp8_kv: bool, q_dtype: torch.dtype, fp8_as_fp16: bool, prefetch: str,
+                     v_strides_even: bool = True) -> dict:
+    """`_decode_kernel`'s loop choices (FP8_AS_FP16, PREFETCH, SPLIT_V, V_PRMT) from
+    decode_attention's arguments; scripts/decode_attn_bench.py lowers the kernel with the same
+    ones. V is read as uint16 pairs only where its strides (in fp8 elements) are even."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {tuple(PREFETCH_MODES)}, got {prefetch!r}")
     mode = PREFETCH_MODES[prefetch]
     as_fp16 = fp8_as_fp16 and fp8_kv and q_dtype != torch.float32
-    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=as_fp16 and mode == PREFETCH_MODES["pages"])
+    split_v = as_fp16 and mode == PREFETCH_MODES["pages"] and v_strides_even
+    return dict(FP8_AS_FP16=as_fp16, PREFETCH=mode, SPLIT_V=split_v, V_PRMT=split_v and not INTERPRETED)
+
+
+def check_kv_pack(kv_pack: int, num_kv_heads: int) -> None:
+    """KV heads per program: a power of two that divides the KV heads; else a ValueError."""
+    if kv_pack < 1 or kv_pack & (kv_pack - 1) or num_kv_heads % kv_pack:
+        raise ValueError(f"kv_heads_per_program must be a power of two dividing the {num_kv_heads} KV heads, "
+                         f"got {kv_pack}")
 
 
 def _next_pow2(n: int) -> int:
@@ -385,6 +521,8 @@ def decode_attention(
     v_scale: float = 1.0,
     fp8_as_fp16: bool = True,
     prefetch: str = "none",
+    kv_heads_per_program: int = 1,
+    merge_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -396,7 +534,12 @@ def decode_attention(
     dots in fp16 (False: in q's dtype). prefetch (PREFETCH_MODES): what the loop loads ahead by
     hand; "none" leaves it all to Triton's pipeliner (num_stages), "pages" carries the next
     block's page ids so the pipeliner can keep num_stages - 1 blocks of K/V in flight, "blocks"
-    also holds the next block's K/V in registers. Returns out [B, Hq, D] in q's dtype. No host sync.
+    also holds the next block's K/V in registers. kv_heads_per_program: KV heads one program
+    reads side by side (their query heads share one softmax tile: see the module docstring).
+    merge_counts: int32 [>= B * Hkv / kv_heads_per_program] counters, zero before the first call
+    and left at zero by each: with them (and num_splits > 1) each group's last split program
+    merges the partials, no merge kernel is launched (one per stream, never shared by two
+    launches in flight). Returns out [B, Hq, D] in q's dtype. No host sync.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -405,6 +548,7 @@ def decode_attention(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k/v cache rows must be contiguous in head_dim")
     group = num_q_heads // num_kv_heads
+    check_kv_pack(kv_heads_per_program, num_kv_heads)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -419,26 +563,37 @@ def decode_attention(
             raise ValueError(f"split scratch holds {mid_o.shape[0]} rows, needs {rows} contiguous")
     else:
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
+    groups = num_kv_heads // kv_heads_per_program
+    merge_in_kernel = merge_counts is not None and num_splits > 1
+    if merge_in_kernel and (merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * groups):
+        raise ValueError(f"merge_counts must hold {batch * groups} int32 counters")
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
-    loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse,
+    loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch,
+                            all(s % 2 == 0 for s in v_cache.stride()[:3]))
+    gp = group_pad(group * kv_heads_per_program)
+    _decode_kernel[(batch, groups, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts if merge_in_kernel else kv_lens,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E * k_scale, v_scale, min_split_tokens, num_splits,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         GROUP=group,
-        GROUP_PAD=group_pad(group),
+        GROUP_PAD=gp,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         INPUT_PRECISION=precision,
         **loop,
+        KV_PACK=kv_heads_per_program,
+        HEADS_CONTIGUOUS=k_cache.stride(2) == head_dim and v_cache.stride(2) == head_dim,
+        MERGE_IN_KERNEL=merge_in_kernel,
+        # Partials merged at a time: a [MS, GP, KV_PACK * D] fp32 tile of at most 4096 elements.
+        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * kv_heads_per_program * head_dim))),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         gp = group_pad(group)
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
         hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))

@@ -38,6 +38,8 @@ class DecodeConfig:
     waves: int = 2  # programs per SM the split count aims at
     num_splits: int | None = None  # a measured split cap for the bucket (None: from `waves`)
     prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
+    kv_pack: int = 1  # KV heads one program of the two-launch decode reads (`kv_heads_per_program`)
+    merge_in_kernel: bool = False  # split partials merged by each group's last program, not a second launch
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,13 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
 BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
     # Qwen2.5-0.5B's shape, measured at 1 x 30,000, 32 x 8,000 and 128 x 2,000 tokens
     # (DECODE_NOTES.md). Bucket 1 holds 64 splits, the backend's split cap (128 measured best).
-    # fp8 at 256: 4 warps, where 2 measured best before V was read as uint16 pairs (2 warps
-    # then take 239 registers a thread).
+    # fp8 at 256: both KV heads a program (its loop issues 78 warp instructions a KB of K/V
+    # against 104 with one, and fp8 is bound by issue) and the merge in the kernel: the
+    # prediction of DECODE_NOTES.md's round 2, until a sweep of this code replaces it.
     (64, 7, "fp8", 1): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=64, prefetch="pages"),
     (64, 7, "fp8", 64): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=8, prefetch="pages"),
-    (64, 7, "fp8", 256): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages"),
+    (64, 7, "fp8", 256): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages",
+                                      kv_pack=2, merge_in_kernel=True),
     (64, 7, "model", 1): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=64, prefetch="pages"),
     (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
     (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),
@@ -127,10 +131,20 @@ def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int, max_s
 
 def config_splits(cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
     """The split cap a decode config gives a batch: its measured `num_splits` where it has one
-    (clamped like `num_splits`), else the one its `waves` aim at."""
+    (clamped like `num_splits`), else the one its `waves` aim at (programs of kv_pack heads)."""
     if cfg.num_splits is not None:
         return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
-    return num_splits(num_seqs, num_kv_heads, num_sms, cfg.waves, max_splits)
+    groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)
+    return num_splits(num_seqs, groups, num_sms, cfg.waves, max_splits)
+
+
+def kv_pack_for(cfg: DecodeConfig, num_kv_heads: int) -> int:
+    """The config's KV heads a program, lowered to a power of two that divides num_kv_heads
+    (the tables are keyed by head_dim and group, not by the number of KV heads)."""
+    pack = _prev_pow2(cfg.kv_pack)
+    while num_kv_heads % pack:
+        pack //= 2
+    return pack
 
 
 def _next_pow2(n: int) -> int:

@@ -33,11 +33,17 @@ def _case(kv: str, seed: int = 0):
 @pytest.mark.parametrize("kv", ["model", "fp8"])
 @pytest.mark.parametrize("prefetch", list(PREFETCH_MODES))
 @pytest.mark.parametrize("block_n,warps,stages,splits", [(64, 4, 3, 2), (128, 4, 4, 1), (32, 1, 2, 8), (256, 8, 3, 4)])
-def test_batched_decode_matches_the_reference(kv, prefetch, block_n, warps, stages, splits):
+@pytest.mark.parametrize("kv_pack", [1, 2])
+def test_batched_decode_matches_the_reference(kv, prefetch, block_n, warps, stages, splits, kv_pack):
+    """Every load mode, one or both KV heads a program (at half the keys a block, the same bytes:
+    a 256-key block of both bf16 heads over 3 stages wants 268 KB of shared memory); an fp8
+    pool with pages carried runs V's prmt widening (inline PTX: the interpreter runs the
+    shift-and-mask form instead)."""
+    block_n = max(16, block_n // kv_pack)
     args, scales = _case(kv)
     want = decode_attention_reference(*args, **scales).float()
     got = decode_attention(*args, num_splits=splits, min_split_tokens=128, block_n=block_n, num_warps=warps,
-                           num_stages=stages, prefetch=prefetch, **scales).float()
+                           num_stages=stages, prefetch=prefetch, kv_heads_per_program=kv_pack, **scales).float()
     assert torch.equal(got[LENS.index(0)], torch.zeros_like(got[0]))
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 2e-2, err
@@ -62,5 +68,33 @@ def test_every_table_entry_runs_and_matches_the_reference(key, cfg):
     want = decode_attention_reference(*args, **scales).float()
     got = decode_attention(*args, num_splits=cfg.num_splits or 2, min_split_tokens=cfg.min_split_tokens,
                            block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                           prefetch=cfg.prefetch, **scales).float()
+                           prefetch=cfg.prefetch, kv_heads_per_program=cfg.kv_pack,
+                           merge_counts=torch.zeros(len(LENS) * 2, dtype=torch.int32, device="cuda")
+                           if cfg.merge_in_kernel else None, **scales).float()
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+@pytest.mark.parametrize("kv_pack,splits", [(1, 2), (2, 4), (2, 8)])
+def test_merge_in_kernel_matches_the_reference_in_a_replayed_graph(kv, kv_pack, splits):
+    """Each group's last split program merges (acq_rel counter, partials read from L2): three
+    replays of one captured launch match the reference and leave the counters at zero."""
+    args, scales = _case(kv, seed=3)
+    want = decode_attention_reference(*args, **scales).float()
+    counts = torch.zeros(len(LENS) * 2, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(args[0])
+
+    def launch():
+        decode_attention(*args, out=out, num_splits=splits, min_split_tokens=128, block_n=128, num_warps=4,
+                         num_stages=3, prefetch="pages", kv_heads_per_program=kv_pack, merge_counts=counts, **scales)
+
+    launch()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not counts.any()
+        assert ((out.float() - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -24,6 +24,15 @@ def test_backend_over_an_fp8_pool_matches_the_reference(make, seqs, hq, d):
     assert err < 1e-2  # bf16 q and outputs (the fp8 values are the same on both sides)
 
 
+def test_triton_backend_at_128_decode_rows_matches_the_reference():
+    """128 decode rows (past tokens 0-2,000): the batched decode's table row for 65-256
+    sequences over an fp8 pool (two KV heads a program, the merge in the kernel)."""
+    seqs = [((i * 397) % 2001, 1) for i in range(128)]
+    err = compare_over_fp8_pool(triton_backend, seqs, hq=14, hkv=2, d=64, ps=16, dtype=torch.bfloat16,
+                                device="cuda")
+    assert err < 1e-2
+
+
 def test_rope_kv_write_kernel_stores_the_torch_writes_bytes():
     from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
     from flashlet.models.rope import cos_sin_cache

@@ -38,6 +38,8 @@ def test_smoke_sweep_checks_every_config_for_both_kv_dtypes(bench, tmp_path):
     rows = json.loads(out.read_text())
     assert {r["kv"] for r in rows} == {"model", "fp8"}
     assert {r["prefetch"] for r in rows} == {"none", "pages", "blocks"} and any(r["num_splits"] > 1 for r in rows)
+    assert {r["kv_pack"] for r in rows} == {1, 2}  # one and two KV heads a program
+    assert {r["merge_in_kernel"] for r in rows} == {False, True}  # split partials merged both ways
     assert all("error" not in r and r["rel_err"] < bench.TOLERANCE for r in rows)
 
 
@@ -50,6 +52,17 @@ def test_a_wrong_kernel_is_reported_not_timed(bench, monkeypatch, capsys):
     assert bench.main(["--smoke", "--kv", "fp8"]) == 0
     text = capsys.readouterr().out
     assert "ERROR output differs from the reference" in text and " ok " not in text
+
+
+def test_stage1_judges_tiles_at_the_engines_warps_in_flight(bench):
+    base = bench.Variant(64, 2, 3, 2, "pages")  # 2 warps, one KV head, 2 splits
+    assert bench.stage1_variant((128, 4, 3, "pages", 2), base) == bench.Variant(128, 4, 3, 4, "pages", kv_pack=2)
+    assert bench.stage1_variant((64, 4, 3, "pages", 1), base).num_splits == 2
+    assert bench.stage1_variant((64, 1, 3, "pages", 1), base).num_splits == 4  # one warp: twice the programs
+    packed = bench.Variant(128, 4, 3, 2, "pages", kv_pack=2)  # 4 warps, both heads, 2 splits
+    assert bench.stage1_variant((64, 4, 3, "pages", 1), packed).num_splits == 1
+    assert bench.stage1_variant((32, 1, 3, "pages", 2), packed).num_splits == 8
+    assert bench.stage1_variant((32, 1, 3, "pages", 1), packed).num_splits == 4
 
 
 def test_table_literal_is_tuning_source(bench):
@@ -66,9 +79,10 @@ def test_table_literal_is_tuning_source(bench):
 
 def test_tiles_and_splits_stay_within_reason(bench):
     tiles = bench.viable_tiles()
-    assert (64, 4, 2, "none") in tiles and (64, 4, 3, "pages") in tiles and len(tiles) == len(set(tiles)) <= 72
+    assert (64, 4, 2, "none", 1) in tiles and (64, 4, 3, "pages", 1) in tiles and (64, 2, 3, "pages", 2) in tiles
+    assert len(tiles) == len(set(tiles)) <= 96
     assert set(bench.QUICK_TILES) <= set(tiles)
-    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch) for c in tuning.BATCHED_DECODE_TABLE.values()}
+    table = {(c.block_n, c.num_warps, c.num_stages, c.prefetch, c.kv_pack) for c in tuning.BATCHED_DECODE_TABLE.values()}
     assert table <= set(bench.QUICK_TILES), "--quick would not time a tile the table holds"
     assert bench.split_candidates(128, 2, 132, 2000) == [1, 2, 4, 8]
     assert bench.split_candidates(1, 2, 132, 30000) == [32, 64, 128]
@@ -97,3 +111,14 @@ def test_summary_reports_each_shape_against_the_engine_and_the_fp8_speed_up(benc
     assert "B=128 L=2000 kv=model: a 40.00 us" in text and "[b: 50.00 us, 2 GB/s; c: 70.00 us" in text
     assert "[not timed; c: 60.00 us" in text
     assert "fp8 KV is 1.60x the speed of bf16 KV" in text and "BATCHED_DECODE_TABLE" in text
+
+
+def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
+    """An engine run can take the sweep's winners without editing tuning.py."""
+    row = dict(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages", kv_pack=2, us=1.0)
+    entries = bench.table_entries({("fp8", 128, 2000): (row, None, None)}, bench.MODEL, tuning)
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    monkeypatch.setattr(tuning, "BATCHED_DECODE_TABLE", {})
+    assert bench.load_table_json(str(path), tuning) == entries
+    assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2

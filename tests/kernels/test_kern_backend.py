@@ -9,10 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashlet.attention import triton_backend
 from flashlet.attention.base import AttentionBackend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
 from flashlet.kernels import tuning
+from flashlet.kernels.decode_attention import decode_attention
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.ops import TorchOps
 
@@ -248,3 +250,68 @@ def test_bf16_model_over_an_fp8_pool_runs_the_v_pairs_path(kh, monkeypatch):
     ref.plan(meta)
     q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
     assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2
+
+
+def test_a_table_row_of_packed_kv_heads_reaches_the_kernel(kh, monkeypatch):
+    """A row's kv_pack (KV heads a program) is passed to the kernel, lowered to what divides the
+    pool's KV heads; the step matches the torch oracle."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
+                                            num_splits=2, prefetch="pages", kv_pack=4))
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    pool = KVPool(2, 64, 16, 2, 16, torch.bfloat16, kh.device, cache_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
+    pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
+    pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
+    meta, _ = kh.make_step(pool, [(47, 1), (16, 1), (70, 1)])
+    tri = TritonBackend(pool, 14, num_sms=4)
+    ref = TorchBackend(pool, 14, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
+    assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2
+    assert seen[-1]["kv_heads_per_program"] == 2  # 4 asked, the pool has 2 KV heads
+
+
+def test_a_table_row_merging_in_the_kernel_gets_the_backends_counters(kh, monkeypatch):
+    """merge_in_kernel: the backend passes its zeroed counters (no merge launch); the step
+    matches the torch oracle and leaves them at zero for the next step (or graph replay)."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 3, "model", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=1, num_stages=3, min_split_tokens=16,
+                                            num_splits=4, prefetch="pages", kv_pack=2, merge_in_kernel=True))
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device)
+    g = torch.Generator().manual_seed(0)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
+    meta, _ = kh.make_step(pool, [(40, 1), (70, 1), (5, 1)])
+    tri = TritonBackend(pool, 6, num_sms=4)
+    ref = TorchBackend(pool, 6, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    q = torch.randn(3, 6, 16, generator=g).to(kh.device)
+    for _ in range(2):
+        assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
+        assert seen[-1]["merge_counts"] is tri._merge_counts and not tri._merge_counts.any()
+
+
+def test_kv_pack_is_lowered_to_divide_the_kv_heads():
+    cfg = tuning.DecodeConfig(kv_pack=4)
+    assert [tuning.kv_pack_for(cfg, h) for h in (1, 2, 3, 4, 8, 6)] == [1, 2, 1, 4, 4, 2]
+    assert tuning.kv_pack_for(tuning.DecodeConfig(kv_pack=3), 8) == 2  # a power of two
+    # Splits aimed at by `waves` count programs of kv_pack heads.
+    packed = tuning.DecodeConfig(waves=2, kv_pack=2)
+    assert tuning.config_splits(packed, 32, 2, 132, 64) == tuning.num_splits(32, 1, 132, 2, 64)

@@ -387,20 +387,11 @@ class KnownContinuations(KeepsNothing):
         return proposals
 
 
-# 8 and 16 rows are not served (SERVED_ROWS): with them forced on, this test failed on the H200
-# at b726024 (2026-12-02; the time limit cut the failure's detail), while 2-16 rows of distinct
-# sequences agreed with per-op; every variant then proposed from prompt lookup, which accepted
-# nothing on this random model (see KnownContinuations), so that failure may be the same.
-NOT_SERVED = pytest.mark.xfail(reason="verify steps fused at 8 / 16 rows failed on the H200 "
-                                      "(b726024); those sizes are not served", strict=False)
-
-
-@pytest.mark.parametrize("served, k", [(4, 3),
-                                       pytest.param(8, 4, marks=NOT_SERVED),
-                                       pytest.param(16, 4, marks=NOT_SERVED)],
+@pytest.mark.parametrize("served, k", [(4, 3), (8, 4), (16, 4)],
                          ids=["served-4", "served-8", "served-16"])
 def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model, monkeypatch, served, k):
-    """Speculation (k = 3 at the served 4 rows, 4 where more are forced) proposing each
+    """Speculation (k = 3 with 4 rows served, 4 with 8 or 16: the default serves 16; on the
+    H200 at 84beb88 all six variants passed) proposing each
     request's output without speculation (`KnownContinuations`), on the default fused path.
     The requests' lengths differ, so the last steps have one or a few left: their verify steps
     (at most SERVED_ROWS tokens: one request's 4 at the served 4; 5 padded to 8; several

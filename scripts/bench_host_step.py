@@ -109,6 +109,11 @@ def stub_forward(engine: Engine, accept: float | None = None) -> None:
         engine.runner.fused.token = lambda input_ids, positions, attn: tokens[positions]
 
 
+def output_tokens(engine: Engine) -> int:
+    """The running requests' output tokens so far."""
+    return sum(len(r.output_token_ids) for r in engine.scheduler.running)
+
+
 class ForwardTimer:
     """Wraps the runner's forward to add up its time: a step's time less its forward's is the
     host work around the model (the CPU torch attention of 256 rows is not the host cost a GPU
@@ -168,10 +173,10 @@ def main() -> None:
             stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)
         phases = StepPhases(engine) if args.phases else None
-        tokens = engine.stats()["kv_pages_used"], sum(len(r.output_token_ids) for r in engine.scheduler.running)
+        before = output_tokens(engine)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
         host = [h for _, h in times]
-        made = sum(len(r.output_token_ids) for r in engine.scheduler.running) - tokens[1]
+        made = output_tokens(engine) - before
         print(f"seqs={num_seqs}: {statistics.median(t for t, _ in times):.3f} ms/step, "
               f"{statistics.median(host):.3f} ms outside the forward "
               f"(rounds: {' '.join(f'{h:.3f}' for h in host)}), "

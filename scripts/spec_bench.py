@@ -169,8 +169,7 @@ class StepPhases:
             for target in self._owners(owner):
                 if getattr(target, attr, None) is not None:
                     setattr(target, attr, self._timed(name, getattr(target, attr)))
-        self.step = engine.step
-        engine.step = self._timed("step", self.step, count=True)
+        engine.step = self._timed("step", engine.step, count=True)
 
     def _owners(self, path: str) -> list:
         owner = self.engine
@@ -195,7 +194,12 @@ class StepPhases:
         return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
 
     def line(self) -> str:
-        return ", ".join(f"{name} {us:.1f}" for name, us in self.per_step_us().items())
+        return phases_text(self.per_step_us())
+
+
+def phases_text(host_us: dict[str, float]) -> str:
+    """'name us, ...': each part's host microseconds a step."""
+    return ", ".join(f"{name} {us:.1f}" for name, us in host_us.items())
 
 
 def count_fused_verify_steps(engine) -> list[int]:
@@ -318,7 +322,7 @@ def print_table(results: list[dict]) -> None:
 def print_phases(row: dict) -> None:
     if "host_us" in row:
         print("    host us a step (nested: finish holds read and update; read waits for the device): "
-              + ", ".join(f"{name} {us:.1f}" for name, us in row["host_us"].items()))
+              + phases_text(row["host_us"]))
 
 
 def ms_per_step(row: dict) -> float:

@@ -445,8 +445,7 @@ class InputBatch:
         pages = -(-kv_lens // ps)  # each sequence's pages up to its last token
         last_page_len = kv_lens - np.maximum(pages - 1, 0) * ps  # 0 for no KV at all
         logits = qo[1:] - 1
-        if spec_lens is not None and (sample is None or all(sample)) and (
-                num_tokens == num_seqs + sum(spec_lens)):  # every query token sampled
+        if _every_token_sampled(num_tokens, num_seqs, spec_lens, sample):
             logits = np.arange(num_tokens)
         elif spec_lens is not None:
             logits = _verify_rows(logits, np.asarray(spec_lens, i64), sample)
@@ -541,10 +540,17 @@ def build_layout(rows: Iterable[StepRow], page_size: int) -> StepLayout:
 def _samples_every_token(update, most: int) -> bool:
     """Is this (not steady) update a step of decode and verify rows only, every query token
     sampled, at most `most` of them."""
-    lens, spec_lens = update.query_lens, update.spec_lens
-    return (spec_lens is not None and (update.sample is None or all(update.sample))
-            and len(update.token_ids) <= most
-            and all(n == 1 + k for n, k in zip(lens, spec_lens)))
+    num_tokens = len(update.token_ids)
+    return num_tokens <= most and _every_token_sampled(num_tokens, len(update.request_ids),
+                                                       update.spec_lens, update.sample)
+
+
+def _every_token_sampled(num_tokens: int, num_seqs: int, spec_lens: Sequence[int] | None,
+                         sample: Sequence[bool] | None) -> bool:
+    """Does a verify step sample every query token: each row samples, and its tokens are its
+    last 1 + spec_lens (no prefill chunk before them; a row's query holds at least those)."""
+    return (spec_lens is not None and (sample is None or all(sample))
+            and num_tokens == num_seqs + sum(spec_lens))
 
 
 def _verify_rows(last_rows: np.ndarray, spec_lens: np.ndarray,

@@ -353,19 +353,18 @@ class DraftProposer:
         """The catch-up forward(s), then k - 1 decode forwards -> each request's proposals."""
         # Each step's tokens copied out on the device as it goes: a fused step's greedy tokens
         # are its graph's output buffer, which the next step of that size writes again.
-        first, at = self._catch_up(work)  # d1 of work[i] is first[at[i]]
-        steps, kept = [first], [first.clone()]  # each step's tokens, [len(active)] on the device
+        tokens, at = self._catch_up(work)  # d1 of work[i] is tokens[at[i]]
+        kept, whose = [tokens.clone()], []  # each step's tokens; each decode step's requests
         for j in range(1, max(w.k for w in work)):
-            active = [w for w in work if w.k > j]
-            steps.append(self._decode_step(active, j, steps[-1]))
-            kept.append(steps[-1].clone())
+            whose.append([w for w in work if w.k > j])
+            tokens = self._decode_step(whose[-1], j, tokens)  # [len(whose[-1])] on the device
+            kept.append(tokens.clone())
         values = torch.cat(kept).tolist()  # the one read
         proposals = {id(w): [values[i]] for w, i in zip(work, at)}
-        later = iter(values[len(first):])
-        for j in range(1, len(steps)):
-            for w in work:
-                if w.k > j:
-                    proposals[id(w)].append(next(later))
+        later = iter(values[len(kept[0]):])
+        for active in whose:
+            for w in active:
+                proposals[id(w)].append(next(later))
         for w in work:  # d1..d(k-1) were fed: their K/V are in the draft's pool
             w.seq.token_ids += proposals[id(w)][: w.k - 1]
         return [proposals[id(w)] for w in work]

@@ -215,11 +215,11 @@ class Gemvs:
                 if g is not None]
 
 
-def served_row_counts(padded_sizes: Sequence[int], model=None) -> list[int]:
+def served_row_counts(padded_sizes: Sequence[int], model) -> list[int]:
     """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
     SERVED_ROWS_FP8 for a model with fp8 weights, and no more than the kernel takes): a step
     padded to any other runs per-op."""
-    served = SERVED_ROWS_FP8 if model is not None and is_quantized(model) else SERVED_ROWS
+    served = SERVED_ROWS_FP8 if is_quantized(model) else SERVED_ROWS
     return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 

@@ -537,7 +537,7 @@ class CoreClient(EngineClient):
             self._step_readers.append(reader)
             loop = self._reading_loop
             if loop is not None and self._on_reading_loop():
-                loop.add_reader(reader.fileno(), self._read_steps_on_loop, reader)
+                loop.add_reader(reader.fileno(), self._deliver_on_loop, self._read_steps, reader)
 
     def _read_steps(self, reader: FrameReader) -> None:
         for frame in reader.read_frames():
@@ -570,42 +570,33 @@ class CoreClient(EngineClient):
         if self._stopping:
             return
         try:
-            loop.add_reader(self._outbox_fd, self._read_on_loop)
+            loop.add_reader(self._outbox_fd, self._deliver_on_loop, self._drain_waiting)
         except NotImplementedError:  # a loop without FD readers (Windows' proactor)
             self._loop_reading_unsupported = True
             self._reading_loop = None  # the thread reads again from its next poll
             return
-        loop.add_reader(self._step_listener.fileno(), self._accept_on_loop)
+        loop.add_reader(self._step_listener.fileno(), self._deliver_on_loop,
+                        self._read_step_channels)
         for reader in self._step_readers:
-            loop.add_reader(reader.fileno(), self._read_steps_on_loop, reader)
-        self._read_on_loop()  # the FD signals changes only: what came meanwhile is read now
-        self._accept_on_loop()
+            loop.add_reader(reader.fileno(), self._deliver_on_loop, self._read_steps, reader)
+        # the FDs signal changes only: what came meanwhile is read now
+        self._deliver_on_loop(self._drain_waiting)
+        self._deliver_on_loop(self._read_step_channels)
 
-    def _read_on_loop(self) -> None:
-        """The event loop's reader callback: every waiting message, each stream of this loop
-        given its outputs at once."""
-        self._delivering_on = self._reading_loop
+    def _drain_waiting(self) -> None:
+        """Every message waiting on the zmq socket (the event loop's reader callback)."""
         try:
             if self._outbox.get(zmq.EVENTS) & POLLIN:  # the FD also fires on no message
                 self._drain()
         except zmq.ZMQError:  # the socket was closed by stop()
             pass
-        finally:
-            self._delivering_on = None
 
-    def _accept_on_loop(self) -> None:
+    def _deliver_on_loop(self, read: Callable, *args) -> None:
+        """An event loop's reader callback: `read(*args)`, each stream of this loop given its
+        outputs at once (no thread between the socket and the streams)."""
         self._delivering_on = self._reading_loop
         try:
-            self._read_step_channels()
-        finally:
-            self._delivering_on = None
-
-    def _read_steps_on_loop(self, reader: FrameReader) -> None:
-        """The event loop's callback for a core's step channel: its whole messages, handed
-        out at once (no thread between the socket and the streams)."""
-        self._delivering_on = self._reading_loop
-        try:
-            self._read_steps(reader)
+            read(*args)
         finally:
             self._delivering_on = None
 

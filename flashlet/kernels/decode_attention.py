@@ -600,10 +600,10 @@ def decode_attention(
         num_stages=num_stages,
     )
     if num_splits > 1 and not merge_in_kernel:
-        gp = group_pad(group)
+        merge_gp = group_pad(group)  # the merge kernel's rows: one KV head's group
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
-        hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
-        _merge_kernel[(batch, num_kv_heads, gp // hpp)](
+        hpp = max(2, min(merge_gp, 8192 // (num_splits * head_dim)))
+        _merge_kernel[(batch, num_kv_heads, merge_gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
             out.stride(0), out.stride(1), min_split_tokens, block_n,
             NUM_Q_HEADS=num_q_heads,

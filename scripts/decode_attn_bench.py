@@ -22,7 +22,6 @@ last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
@@ -31,7 +30,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 SHAPES = ((128, 2000), (32, 8000), (1, 30000))  # (sequences, tokens of context each)
 MODEL = dict(layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16)  # Qwen2.5-0.5B
@@ -401,7 +400,7 @@ def run(args) -> list[dict]:
         sweep.set_deadline(sweep.start + i * share + 0.6 * share)
         sweep.measure(first, base)
         if base.num_splits > 1:  # the engine's config with its partials merged in the kernel
-            sweep.measure(first, dataclasses.replace(base, merge_in_kernel=not base.merge_in_kernel))
+            sweep.measure(first, replace(base, merge_in_kernel=not base.merge_in_kernel))
         for bn, w, st, pf, pack in tiles:
             sweep.measure(first, stage1_variant((bn, w, st, pf, pack), base))
         stage1 = [r for r in sweep.rows if r["kv"] == kv and r["batch"] == first.batch and "us" in r]

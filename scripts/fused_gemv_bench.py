@@ -257,9 +257,9 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
                 out.append((m, "none", False, 8, False, {}))
             out.append((m, "none", False, 24, True, {}))  # weights through shared memory (cp.async)
             continue
-        if plans("none").mma and not args.no_mma:
+        default = plans("none")
+        if default.mma and not args.no_mma:
             out.append((m, "none", False, 16, False, cores))
-            default = plans("none")
             more_warps = dict(warps=min(2 * default.warps, cute_gemv.MMA_MAX_WARPS))  # half the K steps a warp
             if m > 8 and plans("none", **more_warps) not in (None, default):  # fewer registers a lane
                 out.append((m, "none", False, 16, False, more_warps))

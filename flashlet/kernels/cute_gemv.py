@@ -533,16 +533,18 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     can_split = not norm and epilogue != "argmax"
     if (splits or 1) > 1 and not can_split:
         raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
-    warps_a_split, chunks = _mma_warps(math.ceil(steps / (splits or 1)), tiles * (splits or 1), num_sms, warps)
+    given_warps = warps
+
+    def warps_for(n_splits: int) -> tuple[int, int]:  # (warps, K steps a warp) at n_splits CTAs a tile
+        return _mma_warps(math.ceil(steps / n_splits), tiles * n_splits, num_sms, given_warps)
+
     if splits is None:
         splits = 1
-        while can_split and splits < steps and not _mma_fits(warps_a_split, chunks, n_tiles):
+        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles):
             splits += 1
-            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
         while 1 < splits < steps and tiles * splits < num_sms:  # splitting anyway: every SM a CTA
             splits += 1
-            warps_a_split, chunks = _mma_warps(math.ceil(steps / splits), tiles * splits, num_sms, warps)
-    warps = warps_a_split
+    warps, chunks = warps_for(splits)
     if chunks > MMA_MAX_STEPS:
         raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {MMA_MAX_STEPS}")
     if not _mma_fits(warps, chunks, n_tiles):

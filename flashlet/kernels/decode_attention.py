@@ -451,6 +451,12 @@ def check_kv_pack(kv_pack: int, num_kv_heads: int) -> None:
                          f"got {kv_pack}")
 
 
+def _check_merge_counts(merge_counts: torch.Tensor, count: int) -> None:
+    """The last-program merge's counters: at least `count` int32; else a ValueError."""
+    if merge_counts.dtype != torch.int32 or merge_counts.numel() < count:
+        raise ValueError(f"merge_counts must hold {count} int32 counters")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
@@ -565,8 +571,8 @@ def decode_attention(
         mid_o, mid_lse = out, out  # unused (an unsplit launch writes O directly)
     groups = num_kv_heads // kv_heads_per_program
     merge_in_kernel = merge_counts is not None and num_splits > 1
-    if merge_in_kernel and (merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * groups):
-        raise ValueError(f"merge_counts must hold {batch * groups} int32 counters")
+    if merge_in_kernel:
+        _check_merge_counts(merge_counts, batch * groups)
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
     loop = _loop_constexprs(k_cache.dtype == torch.float8_e4m3fn, q.dtype, fp8_as_fp16, prefetch,
                             all(s % 2 == 0 for s in v_cache.stride()[:3]))
@@ -594,10 +600,10 @@ def decode_attention(
         num_stages=num_stages,
     )
     if num_splits > 1 and not merge_in_kernel:
-        gp = group_pad(group)
+        merge_gp = group_pad(group)  # the merge kernel's rows: one KV head's group
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
-        hpp = max(2, min(gp, 8192 // (num_splits * head_dim)))
-        _merge_kernel[(batch, num_kv_heads, gp // hpp)](
+        hpp = max(2, min(merge_gp, 8192 // (num_splits * head_dim)))
+        _merge_kernel[(batch, num_kv_heads, merge_gp // hpp)](
             mid_o, mid_lse, out, kv_lens,
             out.stride(0), out.stride(1), min_split_tokens, block_n,
             NUM_Q_HEADS=num_q_heads,
@@ -873,8 +879,7 @@ def decode_attention_one_launch(
         mid_o, mid_lse = out, out  # unused: one split writes O directly
     elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
         raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
-    if merge_counts.dtype != torch.int32 or merge_counts.numel() < batch * num_kv_heads:
-        raise ValueError(f"merge_counts must hold {batch * num_kv_heads} int32 counters")
+    _check_merge_counts(merge_counts, batch * num_kv_heads)
     if pdl and not pdl_supported(q.device):
         raise ValueError(f"Programmatic Dependent Launch needs a CUDA device of sm_90 or newer ({q.device})")
     if batch == 0:

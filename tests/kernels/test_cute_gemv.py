@@ -324,6 +324,12 @@ PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+def rope_as_lowered(n: int, epilogue: str) -> RopeShape | None:
+    """The head layout PTX_SCRIPT gives a rope epilogue at n rows (None for the others)."""
+    d = 64 if n == 1152 else 32
+    return RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+
+
 def lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows, fp8=False) -> dict[str, str]:
     """Trace and lower one variant to sm_90a PTX in a fresh process -> PTX_SCRIPT's counts."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
@@ -369,8 +375,7 @@ def lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows, fp8=F
 ])
 def test_variant_lowers_to_ptx_with_16_byte_loads(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows):
     counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, staged, norm, knobs, rows)
-    d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
-    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    rope = rope_as_lowered(n, epilogue)
     p = plan_gemv(n, k, epilogue, staged=bool(staged), rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows,
                   **knobs)
     # x takes C loads a decode row, and the norm's weight C more
@@ -417,8 +422,7 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     16-byte loads as designed: weight rows g and g + 8, x of decode row g (and g + 8 past 8
     rows), the norm's weight; ptxas keeps it all in registers (no stack frame)."""
     counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows)
-    d = 64 if n == 1152 else 32  # as PTX_SCRIPT builds it
-    rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    rope = rope_as_lowered(n, epilogue)
     p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
     assert p.mma
     n_tiles = -(-rows // 8)
@@ -469,8 +473,7 @@ def test_mma_fragments_from_natural_loads_give_exact_dot_products():
 
 def test_mma_plan_covers_every_output_and_k_step_once():
     for n, k, epilogue, _, norm in MMA_LOWERING:
-        d = 64 if n == 1152 else 32
-        rope = RopeShape(d, n // d - 4, 2, 32768, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+        rope = rope_as_lowered(n, epilogue)
         for rows in (2, 3, 5, 9, 16):
             p = plan_gemv(n, k, epilogue, rope=rope, norm=bool(norm), rows=rows)
             assert p.mma and p.lanes == 32

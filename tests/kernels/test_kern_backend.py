@@ -217,18 +217,24 @@ def test_fp8_pool_decode_step_runs_the_table_config(kh, monkeypatch):
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 3, "fp8", 4),
                         tuning.DecodeConfig(block_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
                                             num_splits=4, prefetch="blocks"))
-    pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device, cache_dtype=torch.float8_e4m3fn)
+    tri, ref, q = _fp32_step(kh, torch.float8_e4m3fn)
+    assert tri.decode_variant(3)[1] == 4
+    assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
+
+
+def _fp32_step(kh, cache_dtype=None):
+    """An fp32 model's decode step (group 3) of three sequences over a two-KV-head pool of
+    cache_dtype (None: fp32): (TritonBackend, TorchBackend, q), planned."""
+    pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device, cache_dtype=cache_dtype)
     g = torch.Generator().manual_seed(0)
-    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(torch.float8_e4m3fn))
-    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g).to(torch.float8_e4m3fn))
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(pool.k_cache.dtype))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g).to(pool.v_cache.dtype))
     meta, _ = kh.make_step(pool, [(40, 1), (70, 1), (5, 1)])
     tri = TritonBackend(pool, 6, num_sms=4)
-    assert tri.decode_variant(3)[1] == 4
     ref = TorchBackend(pool, 6, batched_decode=False)
     tri.plan(meta)
     ref.plan(meta)
-    q = torch.randn(3, 6, 16, generator=g).to(kh.device)
-    assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
+    return tri, ref, torch.randn(3, 6, 16, generator=g).to(kh.device)
 
 
 def test_bf16_model_over_an_fp8_pool_runs_the_v_pairs_path(kh, monkeypatch):
@@ -237,34 +243,14 @@ def test_bf16_model_over_an_fp8_pool_runs_the_v_pairs_path(kh, monkeypatch):
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
                         tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
                                             num_splits=2, prefetch="pages"))
-    pool = KVPool(2, 64, 16, 2, 16, torch.bfloat16, kh.device, cache_dtype=torch.float8_e4m3fn)
-    g = torch.Generator().manual_seed(0)
-    pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
-    pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
-    pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
-    meta, _ = kh.make_step(pool, [(47, 1), (16, 1), (70, 1)])  # ends mid-page, on a page, two splits
-    tri = TritonBackend(pool, 14, num_sms=4)
+    tri, ref, q = _bf16_step_over_an_fp8_pool(kh)
     assert tri.decode_variant(3)[0].prefetch == "pages"
-    ref = TorchBackend(pool, 14, batched_decode=False)
-    tri.plan(meta)
-    ref.plan(meta)
-    q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
     assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2
 
 
-def test_a_table_row_of_packed_kv_heads_reaches_the_kernel(kh, monkeypatch):
-    """A row's kv_pack (KV heads a program) is passed to the kernel, lowered to what divides the
-    pool's KV heads; the step matches the torch oracle."""
-    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
-                        tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
-                                            num_splits=2, prefetch="pages", kv_pack=4))
-    seen = []
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return decode_attention(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+def _bf16_step_over_an_fp8_pool(kh):
+    """A bf16 model's decode step (group 7) over a scaled two-KV-head fp8 pool, its sequences
+    ending mid-page, on a page and two splits long: (TritonBackend, TorchBackend, q), planned."""
     pool = KVPool(2, 64, 16, 2, 16, torch.bfloat16, kh.device, cache_dtype=torch.float8_e4m3fn)
     g = torch.Generator().manual_seed(0)
     pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
@@ -275,7 +261,29 @@ def test_a_table_row_of_packed_kv_heads_reaches_the_kernel(kh, monkeypatch):
     ref = TorchBackend(pool, 14, batched_decode=False)
     tri.plan(meta)
     ref.plan(meta)
-    q = torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
+    return tri, ref, torch.randn(3, 14, 16, generator=g).bfloat16().to(kh.device)
+
+
+def _spy_on_decode(monkeypatch) -> list:
+    """The keyword arguments of each decode_attention call the backend makes, in order."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    return seen
+
+
+def test_a_table_row_of_packed_kv_heads_reaches_the_kernel(kh, monkeypatch):
+    """A row's kv_pack (KV heads a program) is passed to the kernel, lowered to what divides the
+    pool's KV heads; the step matches the torch oracle."""
+    monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 7, "fp8", 4),
+                        tuning.DecodeConfig(block_n=16, num_warps=4, num_stages=3, min_split_tokens=16,
+                                            num_splits=2, prefetch="pages", kv_pack=4))
+    seen = _spy_on_decode(monkeypatch)
+    tri, ref, q = _bf16_step_over_an_fp8_pool(kh)
     assert kh.rel_err(tri._attend(0, q).float(), ref._attend(0, q).float()) < 2e-2
     assert seen[-1]["kv_heads_per_program"] == 2  # 4 asked, the pool has 2 KV heads
 
@@ -286,23 +294,8 @@ def test_a_table_row_merging_in_the_kernel_gets_the_backends_counters(kh, monkey
     monkeypatch.setitem(tuning.BATCHED_DECODE_TABLE, (16, 3, "model", 4),
                         tuning.DecodeConfig(block_n=16, num_warps=1, num_stages=3, min_split_tokens=16,
                                             num_splits=4, prefetch="pages", kv_pack=2, merge_in_kernel=True))
-    seen = []
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return decode_attention(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "decode_attention", spy)
-    pool = KVPool(2, 64, 8, 2, 16, torch.float32, kh.device)
-    g = torch.Generator().manual_seed(0)
-    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))
-    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
-    meta, _ = kh.make_step(pool, [(40, 1), (70, 1), (5, 1)])
-    tri = TritonBackend(pool, 6, num_sms=4)
-    ref = TorchBackend(pool, 6, batched_decode=False)
-    tri.plan(meta)
-    ref.plan(meta)
-    q = torch.randn(3, 6, 16, generator=g).to(kh.device)
+    seen = _spy_on_decode(monkeypatch)
+    tri, ref, q = _fp32_step(kh)
     for _ in range(2):
         assert kh.rel_err(tri._attend(0, q), ref._attend(0, q)) < 1e-5
         assert seen[-1]["merge_counts"] is tri._merge_counts and not tri._merge_counts.any()

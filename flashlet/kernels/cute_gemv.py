@@ -1481,11 +1481,9 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
     t = lane % 4
     n_tiles = (rows + 7) // 8
     rope = epilogue == "rope_kv" or epilogue == "bias_rope_kv"
-    half = head_dim // 2
     for nt in cutlass.range_constexpr(n_tiles):
         for j in cutlass.range_constexpr(2):
             m = nt * 8 + 2 * t + j
-            mm = cutlass.min(m, rows - 1)
             lo = c[nt][j]
             hi = c[nt][2 + j]
             if cutlass.const_expr(norm):
@@ -1494,7 +1492,6 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
             if cutlass.const_expr(epilogue in ("none", "bias", "residual")):
                 for h in cutlass.range_constexpr(2):
                     out = tile * MMA_ROWS + g + 8 * h
-                    safe = cutlass.min(out, n_out - 1)
                     y = [lo, hi][h]
                     if cutlass.const_expr(epilogue != "none"):
                         if cutlass.const_expr(pre is None):

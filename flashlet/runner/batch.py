@@ -78,10 +78,12 @@ class StepLayout:
     verify_as_decode_rows = False
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "StepLayout":
-        """The layout whose fields are these arrays (by name, in LAYOUT_DTYPES' dtypes)."""
+    def from_arrays(cls, arrays: dict[str, np.ndarray], verify_as_decode_rows: bool = False) -> "StepLayout":
+        """The layout whose fields are these arrays (by name, in LAYOUT_DTYPES' dtypes); a copy
+        of another layout passes on its `verify_as_decode_rows`."""
         layout = cls.__new__(cls)  # no tensors yet: __getattr__ makes each when first read
         layout.arrays = arrays
+        layout.verify_as_decode_rows = verify_as_decode_rows
         return layout
 
     def __getattr__(self, name: str) -> torch.Tensor:
@@ -129,7 +131,8 @@ class StepLayout:
     def without_feed(self) -> "StepLayout":
         """This layout with no fed rows: for a rank that gets its input ids whole (a worker)."""
         none = np.zeros(0, np.int64)
-        return StepLayout.from_arrays({**self.arrays, "feed_rows": none, "feed_src": none})
+        return StepLayout.from_arrays({**self.arrays, "feed_rows": none, "feed_src": none},
+                                      self.verify_as_decode_rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields by name (StepLayout(**tensors) rebuilds it)."""
@@ -714,8 +717,7 @@ class StepBuffers:
             self.dev_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
         if len(arrays["feed_rows"]):
             self._feed(dev, placed, arrays["feed_rows"], fed_tokens)
-        staged = StepLayout.from_arrays(host)
-        staged.verify_as_decode_rows = layout.verify_as_decode_rows
+        staged = StepLayout.from_arrays(host, layout.verify_as_decode_rows)
         if self.staged:  # tensors read off the pinned arena, so copies from them do not block
             offsets = {**placed.offsets, "paged_kv_indices": at}
             counts = {**placed.lengths, "paged_kv_indices": num_indices}

@@ -470,9 +470,8 @@ def verify_as_decode_rows(layout: StepLayout, page_size: int, max_rows: int) -> 
               "paged_kv_indptr": kv_ptr.astype(i32), "paged_kv_indices": indices,
               "paged_kv_last_page_len": (kv_lens - (pages - 1) * page_size).astype(i32),
               "kv_lens": kv_lens.astype(i32)}
-    decode = StepLayout.from_arrays(arrays)
+    decode = StepLayout.from_arrays(arrays, verify_as_decode_rows=True)
     decode.query_lens = np.ones(num_tokens, i32)
     decode.is_pure_decode = True
     decode.max_query_len = 1
-    decode.verify_as_decode_rows = True
     return decode

@@ -127,7 +127,10 @@ def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
     shares = core["loop_share"]
     assert all(0 <= s <= 1 for s in shares.values())
     assert shares["step"] > 0 and sum(shares.values()) == pytest.approx(1.0, abs=0.02)
-    assert core["turnaround_ms"]["n"] == 8  # each stream's second and third request
+    # Each stream's second and third request arrives after a finish (8); a first request that
+    # reaches the core only after another stream's request finished is matched too (a loaded
+    # machine delays one API process), so up to 11 of the 12 arrivals count.
+    assert 8 <= core["turnaround_ms"]["n"] <= 11
     assert 0 <= core["gc_share"] <= 1
     api = figures["api_servers"]
     assert [a["api_server"] for a in api] == [0, 1]

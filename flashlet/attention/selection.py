@@ -2,11 +2,12 @@
 
 A step is one of three kinds, and each may run a different path over the same paged pool (every
 backend reads the pool's NHD layout, `KVPool`):
-    decode (1-4 rows)  the fused decode path (CuTe GEMVs + the triton one-launch attention,
+    decode (1-16 rows) the fused decode path (CuTe GEMVs + the triton one-launch attention,
                        `flashlet/runner/fused_decode.py`), where the platform and the model allow
-                       it; so do speculative verify steps of at most 4 query tokens (the rows
-                       where it was measured faster: `fused_decode.SERVED_ROWS`)
-    decode (5+ rows)   the step backend, per-op
+                       it; so do speculative verify steps of at most 16 query tokens (the rows
+                       where it was measured faster: `fused_decode.SERVED_ROWS`; 4 with fp8
+                       weights, `SERVED_ROWS_FP8`)
+    decode (17+ rows)  the step backend, per-op
     prefill/mixed      the step backend, per-op
 The fused path brings its own attention (a `TritonBackend` over the pool), so installing
 FlashInfer changes what serves prefill and larger decode steps, never whether small decode
@@ -66,7 +67,7 @@ class StepPaths:
     fused_decline: str | None  # why small decode steps are not fused (None: fused, if the model allows)
 
     def log_line(self, fused_rows: int, fused_why: str | None = None) -> str:
-        """'decode (1-4 rows): ...; decode (5+ rows): ...; prefill/mixed: ...' for the start
+        """'decode (1-16 rows): ...; decode (17+ rows): ...; prefill/mixed: ...' for the start
         log. fused_rows: the most rows the fused path serves (0: it is off)."""
         rows = max(fused_rows, 1)
         small = "1 row" if rows == 1 else f"1-{rows} rows"

@@ -5,7 +5,10 @@
 # PART, each named by what it measures (BENCHMARKS.md's table names the part of each figure):
 #   setup        only the set-up below and the versions it finds
 #   tests        the GPU tests: tests/gpu, the attention backends, the kernels (the CuTe GEMV's
-#                with the CuTe DSL), torchlet's GPU rungs (~10 min)
+#                with the CuTe DSL), torchlet's GPU rungs (~15 min: more than one device call)
+#   tests-fused  the part of them the fused decode path and speculation run (~6 min): the fused
+#                engine tests (bf16, fp8, long down projections), speculation (n-gram, draft),
+#                the CuTe GEMV kernels, the one-launch attention's verify rows
 #   single       one stream: every backend beside the HF peers, then per-op against the
 #                default (the fused decode path where it applies) in the harness and through
 #                LLM.generate (~8 min)
@@ -111,6 +114,12 @@ for part in "${PARTS[@]}"; do
       run 300 $PYTEST tests/kernels/test_cute_gemv.py
       run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
         tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
+    tests-fused)
+      cute_env
+      run 420 $PYTEST tests/gpu/test_gpu_fused_decode.py tests/gpu/test_gpu_fused_fp8.py \
+        tests/gpu/test_gpu_fused_long_down.py tests/gpu/test_gpu_speculative.py \
+        tests/gpu/test_gpu_spec_draft.py tests/kernels/test_kern_one_launch_verify.py
+      run 300 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py ;;
     single)
       cute_env
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

@@ -134,11 +134,11 @@ class TritonBackend(AttentionBackend):
         return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
                                     self._max_splits(cfg.min_split_tokens))
 
-    def one_launch_config(self, num_seqs: int) -> tuple[tuning.OneLaunchConfig, int]:
+    def one_launch_config(self, num_seqs: int, table: bool = True) -> tuple[tuning.OneLaunchConfig, int]:
         """(config, splits) of `attend_one_launch` for a batch: `tuning.ONE_LAUNCH_TABLE`'s
         measured entry for the rows bucket (the constructor's fixed block_n / min_split_tokens
-        still win), else the derived config (`derived_one_launch_config`)."""
-        cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs)
+        still win), else (or with table=False) the derived config (`derived_one_launch_config`)."""
+        cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs) if table else None
         if cfg is None:
             cfg = self.derived_one_launch_config(num_seqs)
         else:

@@ -533,18 +533,21 @@ SMOKE_ONE_LAUNCH = dict(rows=(1, 3), contexts=(37,), long=(150,))
 # (block_n, warps, stages, KV heads a program) per head_dim, likelier winners first (the sweep may
 # run out of time). head_dim 64: the derived whole-split block first, then smaller blocks that
 # leave room for two or more programs an SM (at 255 registers x 8 warps one program fills an SM),
-# one and both KV heads a program. head_dim 128 (group 2: 2 of 16 rows used with one head): 2, 4
-# and 8 KV heads a program fill 4, 8 and 16 rows.
+# one and both KV heads a program. head_dim 128 (group 2: 2 of 16 rows used with one head): 2 and 4
+# KV heads a program fill 4 and 8 rows (8 heads, 16 rows, spill at every tile lowered for sm_90a;
+# 4 heads spill at 4 warps, not at 8).
 ONE_LAUNCH_TILES = {
     64: ((256, 8, 2, 1), (128, 4, 2, 1), (64, 4, 3, 1), (64, 4, 2, 2), (128, 8, 2, 2), (64, 2, 3, 1),
          (128, 8, 2, 1), (32, 2, 3, 2), (32, 2, 3, 1), (64, 4, 3, 2)),
-    128: ((32, 4, 3, 1), (32, 4, 3, 4), (32, 4, 3, 2), (64, 4, 2, 1), (16, 4, 3, 8), (32, 8, 2, 8),
-          (64, 8, 2, 4), (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2)),
+    128: ((32, 4, 3, 1), (32, 4, 3, 2), (32, 8, 2, 4), (64, 8, 2, 4), (64, 4, 2, 1), (64, 8, 2, 2),
+          (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2), (32, 8, 3, 4)),
 }
 SMOKE_ONE_LAUNCH_TILES = ((16, 1, 1, 1), (16, 2, 2, 2))
 ONE_LAUNCH_MIN_SPLITS = (128, 256, 512)  # runtime values: no compile each
 ONE_LAUNCH_LONG_RULES = ((2048, 64), (4096, 128))  # (from tokens, split tokens), one row
-WIDE_MERGE = 16  # partials a merging program reads at a time, tried at the largest split caps
+# The wide merge tried at the largest split caps: partials read at a time in a [MS, 16, KV heads a
+# program x head_dim] fp32 tile of this many elements (the default merge: 4096).
+WIDE_MERGE_ELEMENTS = 16384
 SMOKE_MIN_SPLITS, SMOKE_LONG_RULES, SMOKE_WIDE_MERGE = (16, 32), ((100, 16),), 2
 
 
@@ -649,9 +652,9 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
     out = []
     min_splits = SMOKE_MIN_SPLITS if smoke else ONE_LAUNCH_MIN_SPLITS
     rules = SMOKE_LONG_RULES if smoke else ONE_LAUNCH_LONG_RULES
-    wide = SMOKE_WIDE_MERGE if smoke else WIDE_MERGE
     long_bucket = max(contexts) >= 4 * max(min_splits)
     for bn, w, st, pack in tiles:
+        wide = SMOKE_WIDE_MERGE if smoke else wide_merge(model, pack)
         near = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
         for s in one_launch_splits(rows, model["num_kv_heads"], pack, num_sms, near):
             for m in (ms for ms in min_splits if ms >= bn):
@@ -663,6 +666,11 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
                 if s >= wide and m == max(min_splits):
                     out.append(replace(base, merge_splits=wide))
     return list(dict.fromkeys(out))
+
+
+def wide_merge(model: dict, kv_pack: int) -> int:
+    """Partials at a time in a WIDE_MERGE_ELEMENTS tile: 16 at head_dim 64, 8 at 128 (one KV head)."""
+    return max(1, WIDE_MERGE_ELEMENTS // (16 * kv_pack * model["head_dim"]))
 
 
 class OneLaunchBucket:
@@ -694,7 +702,7 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
                             num_sms: int, top: int, start: float, share: float) -> dict:
     """Stage 1 (tiles at the bucket's longest short context; 30% of its share of time), stage 2
     (the best tiles over splits, smallest splits, long rules, merge width, at every context),
-    then the winner and the derived config with PDL off too (the last 15%).
+    then the winner and the derived config with PDL off too (the last 15%, at least 8 s: later buckets get less).
     -> {"derived_variant", "derived": times, "best": (variant, times) or None}."""
     model, rows = bucket.model, bucket.rows
     probe = bucket.cases[max(n for n in bucket.contexts if n <= max(ONE_LAUNCH_CONTEXTS))]
@@ -716,8 +724,8 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
         if got is not None and ref is not None:
             scored.append((geomean_ratio(got, ref), v, got))
     best = min(scored, key=lambda t: t[0]) if scored else None
-    if derived.pdl:  # PDL off: the same configs launched plainly
-        sweep.set_deadline(start + share)
+    if derived.pdl:  # PDL off: the same configs launched plainly (the best's compiled here: a few s)
+        sweep.set_deadline(max(start + share, time.monotonic() + 8.0))
         for v in (derived, best[1]) if best else (derived,):
             bucket.times(sweep, replace(v, pdl=False))
     return dict(derived_variant=derived, derived=ref, best=best and (best[1], best[2]))
@@ -880,8 +888,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="stage 1 times only the page-prefetched tiles near the measured winners (QUICK_TILES)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                   help="processes that compile stage 1's variants ahead of timing (1: none)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes that compile the variants ahead of timing (1: none; default 8, "
+                        "--one-launch: the CPUs less one, at most 15)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop timing new configs after this long (default 450; --one-launch: 200, compiling included)")
     p.add_argument("--json", default=None, help="write every row here")
@@ -896,6 +905,9 @@ def parse_args(argv=None):
         args.budget_s = 200.0 if args.one_launch else 450.0
     if args.top is None:
         args.top = 2 if args.one_launch else 4
+    if args.jobs is None:
+        cpus = os.cpu_count() or 1
+        args.jobs = max(1, min(15, cpus - 1)) if args.one_launch else min(8, cpus)
     args.kv = args.kv.split(",")
     args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
                    if args.shapes else SHAPES)

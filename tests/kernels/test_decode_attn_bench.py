@@ -162,11 +162,12 @@ def test_one_launch_candidates_stay_within_reason(bench):
     assert not any(v.long_from_tokens or v.merge_splits for v in short)  # no long context in the bucket
     one = bench.OneLaunchVariant(256, 8, 2, 64, 256)
     long = bench.stage2_variants([(64, 4, 3, 1)], 1, (300, 1000, 8000, 30000), model, 132, False, one)
-    assert any(v.long_from_tokens for v in long) and any(v.merge_splits == bench.WIDE_MERGE for v in long)
+    assert any(v.long_from_tokens for v in long) and any(v.merge_splits == 16 for v in long)
     assert all(v.long_split_tokens >= v.block_n for v in long if v.long_from_tokens)
     ruled = bench.OneLaunchVariant(64, 4, 3, 64, 256, long_from_tokens=2048, long_split_tokens=64)
     assert ruled.at_length(1000) == bench.OneLaunchVariant(64, 4, 3, 64, 256) and ruled.at_length(8000) == ruled
     assert bench.one_launch_splits(16, 2, 1, 132, 16) == [2, 4, 8, 16]
+    assert bench.wide_merge(bench.ONE_LAUNCH_MODELS[1], 1) == 8  # head_dim 128
 
 
 def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, monkeypatch):

@@ -785,8 +785,9 @@ def _one_launch_items(buckets, shape, num_sms, pdl, device) -> list[tuple]:
         variants = [derived, replace(derived, pdl=False)] + [tile_variant(t, derived)
                                                               for t in tiles]
         variants += stage2_variants(tiles, rows, contexts, model, num_sms, False, derived)
-        # min_split_tokens and the long rule are runtime values: one compile serves them all.
-        keys = {replace(v, min_split_tokens=256, long_from_tokens=0, long_split_tokens=0) for v in variants}
+        # min_split_tokens and the long rule's lengths are runtime values (whether it is on is compiled).
+        keys = {replace(v, min_split_tokens=256, long_from_tokens=4096 if v.long_from_tokens else 0,
+                        long_split_tokens=128 if v.long_from_tokens else 0) for v in variants}
         items += [(model, rows, v) for v in keys]
     return items
 

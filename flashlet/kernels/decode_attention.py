@@ -710,6 +710,7 @@ def _one_launch_kernel(
     LOOKBACK: tl.constexpr,
     STEP_ROWS: tl.constexpr,
     KV_PACK: tl.constexpr,
+    LONG_RULE: tl.constexpr,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -718,10 +719,11 @@ def _one_launch_kernel(
     split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
-    # A row at least long_from_tokens long (0: none) splits at long_split_tokens: runtime values,
-    # so one compiled kernel (and one CUDA graph) serves every length.
-    is_long = (long_from_tokens > 0) & (kv_len >= long_from_tokens)
-    split_tokens = tl.where(is_long, long_split_tokens, min_split_tokens)
+    # With LONG_RULE a row at least long_from_tokens long splits at long_split_tokens: runtime
+    # values, so one compiled kernel (and one CUDA graph) serves every length.
+    split_tokens = min_split_tokens
+    if LONG_RULE:
+        split_tokens = tl.where(kv_len >= long_from_tokens, long_split_tokens, min_split_tokens)
     n_splits, split_len = _split_range(kv_len, NUM_SPLITS, split_tokens, BLOCK_N)
     if split >= n_splits:
         return
@@ -732,6 +734,8 @@ def _one_launch_kernel(
     # writes only its own head's columns (`own`).
     c = tl.arange(0, KV_PACK * HEAD_DIM)
     d = c % HEAD_DIM
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < KV_PACK * GROUP
     if KV_PACK == 1:
@@ -742,8 +746,6 @@ def _one_launch_kernel(
         own = g_mask[:, None] & ((c // HEAD_DIM)[None, :] == (g // GROUP)[:, None])
         k_cols = (c // HEAD_DIM) * stride_kh + d
         v_cols = (c // HEAD_DIM) * stride_vh + d
-    k_head = K + kvh * stride_kh
-    v_head = V + kvh * stride_vh
     heads = kvh * GROUP + g
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
 
@@ -856,8 +858,12 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
         part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
                            other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(part_lse - m[None, :])
+        if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
+            o_mask = mask[:, :, None]
+        else:
+            o_mask = mask[:, :, None] & own[None, :, :]
         o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
-                    + d[None, None, :], mask=mask[:, :, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+                    + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, :, None] * o, 0)
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
@@ -951,6 +957,7 @@ def decode_attention_one_launch(
         LOOKBACK=one_launch_lookback(batch) if pdl else 0,
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
+        LONG_RULE=long_from_tokens > 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,

@@ -282,7 +282,8 @@ _LOWER = textwrap.dedent("""
                KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                   BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
-                  LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1)
+                  LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
+                  LONG_RULE=False)
     sig.update({c: "constexpr" for c in consts})
     k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))

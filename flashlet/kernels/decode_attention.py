@@ -686,6 +686,11 @@ def decode_attention_reference(
 # sharing a first page, lengths one apart) only moves a past row after the wait: slower, never
 # stale. LOOKBACK covers every earlier row of a batch of up to MAX_LOOKBACK + 1 rows (the fused
 # path's steps) and, past that, sequences of up to MAX_LOOKBACK + 1 rows a step.
+#
+# Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
+# compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
+# `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
+# (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])

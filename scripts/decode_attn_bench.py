@@ -14,9 +14,23 @@ split partials merged by a second launch or by each group's last program. Every 
 PyTorch reference on one layer before it is timed; a wrong one is reported and dropped. The
 last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 
+`--one-launch` sweeps the fused decode path's attention instead (`decode_attention_one_launch`,
+launched as `TritonBackend.attend_one_launch` launches it: PDL on, the look-back of the step's
+rows, one scratch and one set of merge counters for every layer) at the fused path's shapes:
+rows 1, 4, 8 and 16 at ~300 and ~1,000 tokens and one row at 8,000 and 30,000, for Qwen2.5-0.5B
+(head_dim 64, group 7) and Qwen3-0.6B (head_dim 128, group 2). Per (model, rows bucket), stage 1
+times the tiles (block_n x warps x stages x KV heads a program) at ~1,000 tokens; stage 2 the
+best tiles over split caps, smallest splits and (one row) the long-row rule and the merge width,
+at every context of the bucket: one table entry must serve them all (a graph per row count),
+so the winner is the best geometric mean of its times over the derived config's. The winner and
+the derived config are then timed with PDL off too. It prints `ONE_LAUNCH_TABLE` entries and a
+summary per shape (us a layer, GB/s, against the derived config).
+
     python scripts/decode_attn_bench.py                      # H200: 128x2000, 32x8000, 1x30000
     python scripts/decode_attn_bench.py --budget-s 300 --json out.json
+    python scripts/decode_attn_bench.py --one-launch --json out.json   # H200, ~4 min
     python scripts/decode_attn_bench.py --smoke              # CPU: tiny shapes, interpreter, no timing
+    python scripts/decode_attn_bench.py --smoke --one-launch
 """
 
 from __future__ import annotations
@@ -103,7 +117,8 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int, kv_len: int, c
 
 
 class Case:
-    """One shape's pools (all layers), page table, q, and reference output of layer 0."""
+    """One shape's pools (all layers), page table, q, and reference output of layer 0. model:
+    layers, heads, head_dim, page_size (and, in the one-launch sweep, its name)."""
 
     def __init__(self, torch, batch, kv_len, kv, model, device, seed=0):
         # The interpreter's dots cannot take bf16 (numpy has none): the smoke run's model is fp32.
@@ -179,16 +194,21 @@ class Sweep:
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
 
-    def measure(self, case: Case, v: Variant) -> dict | None:
-        """The variant's row (None when it was out of time); a wrong output gives error, no time."""
-        key = (case.batch, case.kv_len, case.kv, v)
+    def measure(self, case: Case, v) -> dict | None:
+        """The variant's row (None when it was out of time); a wrong output gives error, no time.
+        v: a Variant (the two-launch form) or a OneLaunchVariant."""
+        name = case.model.get("name")
+        key = (name, case.batch, case.kv_len, case.kv, v)
         if key in self._done:
             return self._done[key]
         if self.out_of_time():
             return None
         row = dict(batch=case.batch, kv_len=case.kv_len, kv=case.kv, **asdict(v), label=v.label())
+        if name:
+            row["model"] = name
         self._done[key] = row
-        fn = make_call(self.da, self.torch, case, v)
+        maker = make_one_launch_call if isinstance(v, OneLaunchVariant) else make_call
+        fn = maker(self.da, self.torch, case, v)
         try:
             fn(0)
             row["rel_err"] = _rel_err(case.out, self.reference(case))
@@ -203,7 +223,7 @@ class Sweep:
         return self._record(row)
 
     def reference(self, case: Case):
-        key = (case.batch, case.kv_len, case.kv)  # the same seed builds the same case
+        key = (case.model.get("name"), case.batch, case.kv_len, case.kv)  # the same seed builds the same case
         if key not in self._refs:
             self._refs[key] = self.da.decode_attention_reference(
                 *case.args(0), k_scale=case.k_scale, v_scale=case.v_scale).float()
@@ -222,6 +242,8 @@ def _rel_err(a, b) -> float:
 
 def _fmt(row: dict) -> str:
     head = f"B={row['batch']:<4} L={row['kv_len']:<6} kv={row['kv']:<5} {row['label']:<28}"
+    if "model" in row:
+        head = f"{row['model']:<13} {head}"
     if "error" in row:
         return f"{head} ERROR {row['error']}"
     if "us" not in row:
@@ -443,10 +465,16 @@ def write_table_json(entries: dict, path: str) -> None:
 
 
 def load_table_json(path: str, tuning) -> dict:
-    """Read `write_table_json`'s file into tuning.BATCHED_DECODE_TABLE; -> the entries."""
+    """Read `write_table_json`'s file into tuning.BATCHED_DECODE_TABLE (keys of four:
+    head_dim, group, kv, bucket) or tuning.ONE_LAUNCH_TABLE (three: head_dim, group, rows
+    bucket); -> the entries."""
     with open(path) as f:
-        entries = {tuple(key): tuning.DecodeConfig(**cfg) for key, cfg in json.load(f)}
-    tuning.BATCHED_DECODE_TABLE.update(entries)
+        rows = json.load(f)
+    entries = {}
+    for key, cfg in rows:
+        one_launch = len(key) == 3
+        entries[tuple(key)] = (tuning.OneLaunchConfig if one_launch else tuning.DecodeConfig)(**cfg)
+        (tuning.ONE_LAUNCH_TABLE if one_launch else tuning.BATCHED_DECODE_TABLE)[tuple(key)] = entries[tuple(key)]
     return entries
 
 
@@ -490,25 +518,397 @@ def table_literal(entries: dict) -> str:
     return "\n".join(lines + ["}"])
 
 
+# ---- the one-launch form (the fused decode path's attention): --one-launch ---------------------
+
+ONE_LAUNCH_MODELS = (
+    dict(name="qwen2.5-0.5b", layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),
+    dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16),
+)
+ONE_LAUNCH_ROWS = (1, 4, 8, 16)  # tuning.ONE_LAUNCH_ROW_BUCKETS: one shape per bucket
+ONE_LAUNCH_CONTEXTS = (300, 1000)  # tokens, every rows bucket
+ONE_LAUNCH_LONG = (8000, 30000)  # tokens, one row
+ONE_LAUNCH_MAX_SPLITS = 64  # TritonBackend's split cap (max_kv_splits): a larger entry would be clamped
+SMOKE_ONE_LAUNCH_MODELS = (dict(name="smoke", layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16, page_size=4),)
+SMOKE_ONE_LAUNCH = dict(rows=(1, 3), contexts=(37,), long=(150,))
+# (block_n, warps, stages, KV heads a program) per head_dim, likelier winners first (the sweep may
+# run out of time). head_dim 64: the derived whole-split block first, then smaller blocks that
+# leave room for two or more programs an SM (at 255 registers x 8 warps one program fills an SM),
+# one and both KV heads a program. head_dim 128 (group 2: 2 of 16 rows used with one head): 2 and 4
+# KV heads a program fill 4 and 8 rows (8 heads, 16 rows, spill at every tile lowered for sm_90a;
+# 4 heads spill at 4 warps, not at 8).
+ONE_LAUNCH_TILES = {
+    64: ((256, 8, 2, 1), (128, 4, 2, 1), (64, 4, 3, 1), (64, 4, 2, 2), (128, 8, 2, 2), (64, 2, 3, 1),
+         (128, 8, 2, 1), (32, 2, 3, 2), (32, 2, 3, 1), (64, 4, 3, 2)),
+    128: ((32, 4, 3, 1), (32, 4, 3, 2), (32, 8, 2, 4), (64, 8, 2, 4), (64, 4, 2, 1), (64, 8, 2, 2),
+          (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2), (32, 8, 3, 4)),
+}
+SMOKE_ONE_LAUNCH_TILES = ((16, 1, 1, 1), (16, 2, 2, 2))
+ONE_LAUNCH_MIN_SPLITS = (128, 256, 512)  # runtime values: no compile each
+ONE_LAUNCH_LONG_RULES = ((2048, 64), (4096, 128))  # (from tokens, split tokens), one row
+# The wide merge tried at the largest split caps: partials read at a time in a [MS, 16, KV heads a
+# program x head_dim] fp32 tile of this many elements (the default merge: 4096).
+WIDE_MERGE_ELEMENTS = 16384
+SMOKE_MIN_SPLITS, SMOKE_LONG_RULES, SMOKE_WIDE_MERGE = (16, 32), ((100, 16),), 2
+
+
+@dataclass(frozen=True)
+class OneLaunchVariant:
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    min_split_tokens: int = 256
+    kv_pack: int = 1
+    long_from_tokens: int = 0
+    long_split_tokens: int = 0
+    merge_splits: int | None = None
+    pdl: bool = True
+
+    def label(self) -> str:
+        tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (
+            f" long{self.long_split_tokens}@{self.long_from_tokens}" if self.long_from_tokens else "") + (
+            f" ms{self.merge_splits}" if self.merge_splits else "")
+        return (f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits} "
+                f"min{self.min_split_tokens}{tail} pdl-{'on' if self.pdl else 'off'}")
+
+    def tile(self) -> tuple:
+        return (self.block_n, self.num_warps, self.num_stages, self.kv_pack)
+
+    def at_length(self, kv_len: int) -> OneLaunchVariant:
+        """The variant a row of kv_len runs: below long_from_tokens the long rule does nothing (so
+        its time there is the rule-free variant's, measured once)."""
+        if self.long_from_tokens and kv_len < self.long_from_tokens:
+            return replace(self, long_from_tokens=0, long_split_tokens=0)
+        return self
+
+    def config(self, tuning):
+        """The ONE_LAUNCH_TABLE entry (tuning.OneLaunchConfig) this variant is."""
+        return tuning.OneLaunchConfig(
+            block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+            min_split_tokens=self.min_split_tokens, num_splits=self.num_splits, kv_pack=self.kv_pack,
+            long_from_tokens=self.long_from_tokens, long_split_tokens=self.long_split_tokens,
+            merge_splits=self.merge_splits)
+
+
+def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
+    """fn(layer): one `decode_attention_one_launch` of `v` into case.out; as the backend does, one
+    scratch and one set of merge counters serve every layer (each launch leaves them at zero)."""
+    rows = case.batch * v.num_splits
+    hq, d = case.q.shape[1], case.q.shape[2]
+    mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device)
+    mid_lse = torch.empty((rows, hq), dtype=torch.float32, device=case.q.device)
+    counts = torch.zeros(case.batch * case.model["num_kv_heads"], dtype=torch.int32, device=case.q.device)
+
+    def fn(layer):
+        return da.decode_attention_one_launch(
+            *case.args(layer), out=case.out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
+            num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
+            num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
+            v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
+            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits)
+    return fn
+
+
+def derived_one_launch_variant(torch, model: dict, rows: int, num_sms: int, device: str, pdl: bool,
+                               table: bool = False) -> OneLaunchVariant:
+    """What `TritonBackend.attend_one_launch` launches for `rows` rows of this model: its derived
+    config (table=True: with ONE_LAUNCH_TABLE), from a backend over a one-page pool whose
+    sequences may be 32k tokens long."""
+    from flashlet.attention.triton_backend import TritonBackend
+    from flashlet.kvcache.kv_pool import KVPool
+
+    pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.float32, device,
+                  fused_rope=False)
+    backend = TritonBackend(pool, model["num_q_heads"], max_batch_size=max(ONE_LAUNCH_ROWS), num_sms=num_sms,
+                            max_pages_per_seq=32768 // model["page_size"])
+    cfg, splits = backend.one_launch_config(rows, table=table)
+    return OneLaunchVariant(cfg.block_n, cfg.num_warps, cfg.num_stages, splits, cfg.min_split_tokens, cfg.kv_pack,
+                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl)
+
+
+def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, near: int) -> list[int]:
+    """Split caps around `near` (an eighth to twice it), powers of two at most
+    ONE_LAUNCH_MAX_SPLITS, giving between an eighth of a program and 4 programs an SM."""
+    out = []
+    for s in (near // 8, near // 4, near // 2, near, near * 2):
+        programs = rows * (num_kv_heads // kv_pack) * s
+        if 1 <= s <= ONE_LAUNCH_MAX_SPLITS and programs * 8 >= num_sms and programs <= 4 * num_sms:
+            out.append(s)
+    return sorted(set(out)) or [max(1, min(near, ONE_LAUNCH_MAX_SPLITS))]
+
+
+def tile_variant(tile: tuple, derived: OneLaunchVariant) -> OneLaunchVariant:
+    """A stage-1 tile at the derived config's programs in flight (its split cap scaled by the KV
+    heads a program) and the derived smallest split (at least one block)."""
+    bn, w, st, pack = tile
+    splits = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
+    return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl)
+
+
+def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict, num_sms: int, smoke: bool,
+                    derived: OneLaunchVariant) -> list[OneLaunchVariant]:
+    """Every best tile over split caps and smallest splits; with a long context in the bucket,
+    also the long-row rules (splits of at least a block) and a wide merge at the largest caps."""
+    out = []
+    min_splits = SMOKE_MIN_SPLITS if smoke else ONE_LAUNCH_MIN_SPLITS
+    rules = SMOKE_LONG_RULES if smoke else ONE_LAUNCH_LONG_RULES
+    long_bucket = max(contexts) >= 4 * max(min_splits)
+    for bn, w, st, pack in tiles:
+        wide = SMOKE_WIDE_MERGE if smoke else wide_merge(model, pack)
+        near = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
+        for s in one_launch_splits(rows, model["num_kv_heads"], pack, num_sms, near):
+            for m in (ms for ms in min_splits if ms >= bn):
+                base = OneLaunchVariant(bn, w, st, s, m, pack, pdl=derived.pdl)
+                out.append(base)
+                if not long_bucket:
+                    continue
+                out += [replace(base, long_from_tokens=lf, long_split_tokens=ls) for lf, ls in rules if ls >= bn]
+                if s >= wide and m == max(min_splits):
+                    out.append(replace(base, merge_splits=wide))
+    return list(dict.fromkeys(out))
+
+
+def wide_merge(model: dict, kv_pack: int) -> int:
+    """Partials at a time in a WIDE_MERGE_ELEMENTS tile: 16 at head_dim 64, 8 at 128 (one KV head)."""
+    return max(1, WIDE_MERGE_ELEMENTS // (16 * kv_pack * model["head_dim"]))
+
+
+class OneLaunchBucket:
+    """One (model, rows bucket) of the one-launch sweep: its cases (one per context), the derived
+    config, and each variant's times over them."""
+
+    def __init__(self, torch, model: dict, rows: int, contexts: tuple, device: str):
+        self.model, self.rows, self.contexts = model, rows, contexts
+        self.cases = {n: Case(torch, rows, n, "model", model, device) for n in contexts}
+
+    def times(self, sweep: Sweep, v: OneLaunchVariant) -> dict[int, float] | None:
+        """us a layer at every context (None if any was wrong or out of time)."""
+        got = {}
+        for n, case in self.cases.items():
+            row = sweep.measure(case, v.at_length(n))
+            if row is None or ("us" not in row and not sweep.smoke):
+                return None
+            if "error" in row:
+                return None
+            got[n] = row.get("us", 1.0)  # the smoke run checks, does not time
+        return got
+
+
+def geomean_ratio(times: dict[int, float], ref: dict[int, float]) -> float:
+    return math.exp(sum(math.log(times[n] / ref[n]) for n in ref) / len(ref))
+
+
+def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneLaunchVariant, tiles: tuple,
+                            num_sms: int, top: int, start: float, share: float) -> dict:
+    """Stage 1 (tiles at the bucket's longest short context; 30% of its share of time), stage 2
+    (the best tiles over splits, smallest splits, long rules, merge width, at every context),
+    then the winner and the derived config with PDL off too (the last 15%, at least 8 s: later buckets get less).
+    -> {"derived_variant", "derived": times, "best": (variant, times) or None}."""
+    model, rows = bucket.model, bucket.rows
+    probe = bucket.cases[max(n for n in bucket.contexts if n <= max(ONE_LAUNCH_CONTEXTS))]
+    sweep.set_deadline(start + 0.3 * share)
+    ref = bucket.times(sweep, derived)
+    stage1 = []
+    for tile in tiles:
+        v = tile_variant(tile, derived)
+        row = sweep.measure(probe, v)
+        if row is not None and ("us" in row or (sweep.smoke and "error" not in row)):
+            stage1.append((row.get("us", 0.0), tile))
+    best_tiles = [t for _, t in sorted(stage1)[:top]]
+    best_tiles = list(dict.fromkeys([derived.tile()] + best_tiles))
+    sweep.set_deadline(start + 0.85 * share)
+    ref = ref or bucket.times(sweep, derived)
+    scored = []
+    for v in stage2_variants(best_tiles, rows, bucket.contexts, model, num_sms, sweep.smoke, derived):
+        got = bucket.times(sweep, v)
+        if got is not None and ref is not None:
+            scored.append((geomean_ratio(got, ref), v, got))
+    best = min(scored, key=lambda t: t[0]) if scored else None
+    if derived.pdl:  # PDL off: the same configs launched plainly (the best's compiled here: a few s)
+        sweep.set_deadline(max(start + share, time.monotonic() + 8.0))
+        for v in (derived, best[1]) if best else (derived,):
+            bucket.times(sweep, replace(v, pdl=False))
+    return dict(derived_variant=derived, derived=ref, best=best and (best[1], best[2]))
+
+
+def run_one_launch(args) -> list[dict]:
+    import torch
+
+    from flashlet.kernels import decode_attention as da
+    from flashlet.kernels import tuning
+    from flashlet.kernels.bench import measure_copy_bandwidth
+
+    device = "cpu" if args.smoke else "cuda"
+    models = SMOKE_ONE_LAUNCH_MODELS if args.smoke else ONE_LAUNCH_MODELS
+    shape = SMOKE_ONE_LAUNCH if args.smoke else dict(rows=ONE_LAUNCH_ROWS, contexts=ONE_LAUNCH_CONTEXTS,
+                                                     long=ONE_LAUNCH_LONG)
+    num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    # PDL needs sm_90+; the interpreter runs no inline PTX: the smoke run sweeps without it.
+    pdl = not args.smoke and da.pdl_supported(torch.device(device))
+    copy = None if args.smoke else measure_copy_bandwidth(torch.device(device), repeats=5)
+    print(f"one-launch sweep: {'cpu (interpreter, no timing)' if args.smoke else torch.cuda.get_device_name(0)}, "
+          f"{num_sms} SMs; copy bandwidth {copy and round(copy)} GB/s; PDL {'on' if pdl else 'off'} "
+          f"(then off for the winners)", flush=True)
+    sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
+    buckets = [(m, rows) for m in models for rows in shape["rows"]]
+    if not args.smoke:
+        precompile_one_launch(buckets, shape, num_sms, pdl, args.jobs, device)
+    end = sweep.start + args.budget_s
+    # One row has four contexts (two long): twice the time of another bucket.
+    weights = [2.0 if rows == 1 else 1.0 for _, rows in buckets]
+    results = {}
+    for i, (model, rows) in enumerate(buckets):
+        contexts = shape["contexts"] + (shape["long"] if rows == 1 else ())
+        print(f"\n== one launch, {model['name']}: {rows} row(s) at {contexts} tokens ==", flush=True)
+        bucket = OneLaunchBucket(torch, model, rows, contexts, device)
+        derived = derived_one_launch_variant(torch, model, rows, num_sms, device, pdl)
+        tiles = SMOKE_ONE_LAUNCH_TILES if args.smoke else ONE_LAUNCH_TILES[model["head_dim"]]
+        start = time.monotonic()
+        share = max(1.0, (end - start) * weights[i] / sum(weights[i:]))
+        results[(model["name"], rows)] = (model, bucket, sweep_one_launch_bucket(
+            sweep, bucket, derived, tiles, num_sms, args.top, start, share))
+    summarize_one_launch(results, sweep, tuning)
+    if args.table_json:
+        write_table_json(one_launch_entries(results, tuning), args.table_json)
+    return sweep.rows
+
+
+def _one_launch_items(buckets, shape, num_sms, pdl, device) -> list[tuple]:
+    """(model, rows, variant) for every variant the sweep may compile (stage 2 for every tile)."""
+    import torch
+
+    items = []
+    for model, rows in buckets:
+        contexts = shape["contexts"] + (shape["long"] if rows == 1 else ())
+        derived = derived_one_launch_variant(torch, model, rows, num_sms, device, pdl)
+        tiles = [derived.tile()] + list(ONE_LAUNCH_TILES[model["head_dim"]])
+        variants = [derived, replace(derived, pdl=False)] + [tile_variant(t, derived)
+                                                              for t in tiles]
+        variants += stage2_variants(tiles, rows, contexts, model, num_sms, False, derived)
+        # min_split_tokens and the long rule's lengths are runtime values (whether it is on is compiled).
+        keys = {replace(v, min_split_tokens=256, long_from_tokens=4096 if v.long_from_tokens else 0,
+                        long_split_tokens=128 if v.long_from_tokens else 0) for v in variants}
+        items += [(model, rows, v) for v in keys]
+    return items
+
+
+def _compile_one_launch(items: list[tuple], device: str) -> None:
+    """In a child process: launch each (model, rows, variant) once on a short case."""
+    import torch
+
+    from flashlet.kernels import decode_attention as da
+
+    cases = {}
+    for model, rows, v in items:
+        key = (model["name"], rows)
+        if key not in cases:
+            cases[key] = Case(torch, rows, 300, "model", {**model, "layers": 1}, device)
+        try:
+            make_one_launch_call(da, torch, cases[key], v)(0)
+        except Exception:  # the main process reports it when it measures the variant
+            pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile_one_launch(buckets, shape, num_sms: int, pdl: bool, jobs: int, device: str) -> None:
+    """Compile every variant the sweep may time in `jobs` processes at once."""
+    items = _one_launch_items(buckets, shape, num_sms, pdl, device)
+    if jobs < 2:
+        return
+    t0 = time.monotonic()
+    chunks = [items[i::jobs] for i in range(jobs)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_one_launch, chunks, [device] * jobs))
+    print(f"compiled {len(items)} one-launch variants in {jobs} processes: {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def _layer_row(sweep: Sweep, model: dict, rows: int, kv_len: int, v: OneLaunchVariant) -> dict | None:
+    return sweep._done.get((model["name"], rows, kv_len, "model", v.at_length(kv_len)))
+
+
+def summarize_one_launch(results: dict, sweep: Sweep, tuning) -> None:
+    print("\n== one launch: per shape, us a layer (GB/s): derived config | best of its rows bucket | "
+          "the same two with PDL off ==")
+    for (name, rows), (model, bucket, res) in results.items():
+        best = res["best"]
+        label = best[0].label() if best else "nothing timed"
+        print(f"{name} rows {rows}: derived {res['derived_variant'].label()}; best {label}")
+        derived = res["derived_variant"]
+        shown = [derived, best[0] if best else None]
+        shown += [replace(v, pdl=False) if v is not None and v.pdl else None for v in shown]
+        for n in bucket.contexts:
+            cells = [_cell(_layer_row(sweep, model, rows, n, v)) if v else "-" for v in shown]
+            ratio = ""
+            if best and res["derived"] and n in res["derived"]:
+                ratio = f"  best/derived {best[1][n] / res['derived'][n]:.2f}"
+            print(f"  L={n:<6} " + " | ".join(cells) + ratio)
+    print("\n" + one_launch_table_literal(one_launch_entries(results, tuning)))
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "not timed"
+    if "error" in row:
+        return "error"
+    if "us" not in row:
+        return "ok"
+    return f"{row['us']:.2f} ({row['gbps']:.0f})"
+
+
+def one_launch_entries(results: dict, tuning) -> dict:
+    """ONE_LAUNCH_TABLE entries: each (model, rows bucket)'s winner, where it beat the derived
+    config over the bucket's contexts (a tie keeps today's config: no entry)."""
+    entries = {}
+    for (name, rows), (model, bucket, res) in results.items():
+        best = res["best"]
+        if not best or not res["derived"] or geomean_ratio(best[1], res["derived"]) >= 1.0:
+            continue
+        group = model["num_q_heads"] // model["num_kv_heads"]
+        key = (model["head_dim"], group, tuning.bucket(rows, tuning.ONE_LAUNCH_ROW_BUCKETS))
+        entries[key] = best[0].config(tuning)
+    return entries
+
+
+def one_launch_table_literal(entries: dict) -> str:
+    """tuning.py source for the entries."""
+    lines = ["ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {"]
+    lines += [f"    {key!r}: {cfg!r}," for key, cfg in sorted(entries.items())]
+    return "\n".join(lines + ["}"])
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, through the Triton interpreter")
+    p.add_argument("--one-launch", action="store_true",
+                   help="sweep the fused decode path's one-launch attention (ONE_LAUNCH_TABLE), not the batched decode")
     p.add_argument("--kv", default="model,fp8", help="KV dtypes to sweep: model (bf16), fp8")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
-    p.add_argument("--top", type=int, default=4, help="tiles of stage 1 that stage 2 times")
+    p.add_argument("--top", type=int, default=None,
+                   help="tiles of stage 1 that stage 2 times (default 4; --one-launch: 2, beside the derived tile)")
     p.add_argument("--quick", action="store_true",
                    help="stage 1 times only the page-prefetched tiles near the measured winners (QUICK_TILES)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                   help="processes that compile stage 1's variants ahead of timing (1: none)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new configs after this long")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes that compile the variants ahead of timing (1: none; default 8, "
+                        "--one-launch: the CPUs less one, at most 15)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop timing new configs after this long (default 450; --one-launch: 200, compiling included)")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--table-json", default=None,
-                   help="write the winners' BATCHED_DECODE_TABLE entries here (see load_table_json)")
+                   help="write the winners' BATCHED_DECODE_TABLE (--one-launch: ONE_LAUNCH_TABLE) entries here "
+                        "(see load_table_json)")
     p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
                    help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON "
                         "(MERGE: 'kernel' for the last-program merge)")
     args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 200.0 if args.one_launch else 450.0
+    if args.top is None:
+        args.top = 2 if args.one_launch else 4
+    if args.jobs is None:
+        cpus = os.cpu_count() or 1
+        args.jobs = max(1, min(15, cpus - 1)) if args.one_launch else min(8, cpus)
     args.kv = args.kv.split(",")
     args.shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
                    if args.shapes else SHAPES)
@@ -528,7 +928,7 @@ def main(argv=None) -> int:
     elif not __import__("torch").cuda.is_available():
         print("the sweep times a CUDA device; use --smoke on the CPU", file=sys.stderr)
         return 2
-    rows = run(args)
+    rows = run_one_launch(args) if args.one_launch else run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -19,6 +19,9 @@
   (~1.5 us), a 64-key block of one split ~0.25 us once pipelined, so splitting pays only past
   ~6 blocks; 256 tokens (4 blocks) keeps contexts up to 256 unsplit and one merge at most
   per layer up to 4k tokens on 16 splits x Hkv programs (FUSED_NOTES.md, "Stage 2, plan C").
+  That derived config holds where `tuning.ONE_LAUNCH_TABLE` (measured per head_dim, group and
+  rows bucket) has no entry; an entry sets the tile, the split cap, KV heads a program and the
+  split lengths (runtime values: a graph per row count serves every context length).
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/core/warmup.py` covers at engine start.
@@ -95,7 +98,8 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         self._prefill_overrides = _given(block_m=prefill_block_m, block_n=prefill_block_n)
-        self.max_kv_splits = max(self._max_splits(self.decode_config(b)) for b in tuning.DECODE_BATCH_BUCKETS)
+        self.max_kv_splits = max(self._max_splits(self.decode_config(b).min_split_tokens)
+                                 for b in tuning.DECODE_BATCH_BUCKETS)
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
         splits = [max(self._splits_for(b), self.one_launch_config(b)[1]) for b in range(1, max_batch_size + 1)]
         rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
@@ -118,30 +122,45 @@ class TritonBackend(AttentionBackend):
         cfg = tuning.prefill_config(self.head_dim, self.group, max_q_len)
         return dataclasses.replace(cfg, **self._prefill_overrides)
 
-    def _max_splits(self, cfg: tuning.DecodeConfig) -> int:
+    def _max_splits(self, split_tokens: int) -> int:
         """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
-        return max(1, min(self.split_cap, -(-self.max_tokens // cfg.min_split_tokens)))
+        return max(1, min(self.split_cap, -(-self.max_tokens // split_tokens)))
 
     def _splits_for(self, num_seqs: int, cfg: tuning.DecodeConfig | None = None) -> int:
         """The two-launch decode's splits for a batch (cfg: its `decode_config`, when known)."""
         if num_seqs > self.max_batch_size:
             return 1
         cfg = self.decode_config(num_seqs) if cfg is None else cfg
-        return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, self._max_splits(cfg))
+        return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
+                                    self._max_splits(cfg.min_split_tokens))
 
-    def one_launch_config(self, num_seqs: int) -> tuple[tuple, int]:
-        """(config, splits) of `attend_one_launch` for a batch: the decode config with the
-        smallest split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS and, at small head dims, blocks of
-        a whole split. It starts from `tuning.decode_config`, not the two-launch form's
-        per-KV-dtype table (the scratch is sized for both forms)."""
+    def one_launch_config(self, num_seqs: int, table: bool = True) -> tuple[tuning.OneLaunchConfig, int]:
+        """(config, splits) of `attend_one_launch` for a batch: `tuning.ONE_LAUNCH_TABLE`'s
+        measured entry for the rows bucket (the constructor's fixed block_n / min_split_tokens
+        still win), else (or with table=False) the derived config (`derived_one_launch_config`)."""
+        cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs) if table else None
+        if cfg is None:
+            cfg = self.derived_one_launch_config(num_seqs)
+        else:
+            cfg = dataclasses.replace(cfg, kv_pack=tuning.kv_pack_for(cfg, self.num_kv_heads),
+                                      **self._decode_overrides)
+        if num_seqs > self.max_batch_size:
+            return cfg, 1
+        return cfg, tuning.one_launch_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
+                                             self._max_splits(cfg.smallest_split_tokens()))
+
+    def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
+        """The one-launch config where no measurement holds: the decode config with the smallest
+        split raised to ONE_LAUNCH_MIN_SPLIT_TOKENS and, at small head dims, blocks of a whole
+        split. It starts from `tuning.decode_config`, not the two-launch form's per-KV-dtype
+        table (the scratch is sized for both forms)."""
         cfg = tuning.decode_config(self.head_dim, self.group, num_seqs)
         cfg = dataclasses.replace(cfg, **self._decode_overrides)
         cfg = dataclasses.replace(cfg, min_split_tokens=max(cfg.min_split_tokens, ONE_LAUNCH_MIN_SPLIT_TOKENS))
         if self.head_dim <= ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM and "block_n" not in self._decode_overrides:
             cfg = dataclasses.replace(cfg, block_n=cfg.min_split_tokens, num_warps=ONE_LAUNCH_WHOLE_SPLIT_WARPS)
-        if num_seqs > self.max_batch_size:
-            return cfg, 1
-        return cfg, tuning.num_splits(num_seqs, self.num_kv_heads, self.num_sms, cfg.waves, self._max_splits(cfg))
+        return tuning.OneLaunchConfig(block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                      min_split_tokens=cfg.min_split_tokens, waves=cfg.waves)
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
@@ -238,6 +257,10 @@ class TritonBackend(AttentionBackend):
             pdl=pdl,
             k_scale=k_scale,
             v_scale=v_scale,
+            kv_heads_per_program=cfg.kv_pack,
+            long_from_tokens=cfg.long_from_tokens,
+            long_split_tokens=cfg.long_split_tokens,
+            merge_splits=cfg.merge_splits,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -451,6 +451,14 @@ def check_kv_pack(kv_pack: int, num_kv_heads: int) -> None:
                          f"got {kv_pack}")
 
 
+def check_long_split(min_split_tokens: int, long_from_tokens: int, long_split_tokens: int) -> None:
+    """The one-launch decode's split lengths: min_split_tokens >= 1; a long rule
+    (long_from_tokens > 0) needs long_split_tokens >= 1; else a ValueError."""
+    if min_split_tokens < 1 or long_from_tokens < 0 or (long_from_tokens > 0 and long_split_tokens < 1):
+        raise ValueError(f"split lengths must be positive: min_split_tokens {min_split_tokens}, long rule "
+                         f"{long_split_tokens} tokens from {long_from_tokens} (0: off)")
+
+
 def _check_merge_counts(merge_counts: torch.Tensor, count: int) -> None:
     """The last-program merge's counters: at least `count` int32; else a ValueError."""
     if merge_counts.dtype != torch.int32 or merge_counts.numel() < count:
@@ -678,13 +686,18 @@ def decode_attention_reference(
 # sharing a first page, lengths one apart) only moves a past row after the wait: slower, never
 # stale. LOOKBACK covers every earlier row of a batch of up to MAX_LOOKBACK + 1 rows (the fused
 # path's steps) and, past that, sequences of up to MAX_LOOKBACK + 1 rows a step.
+#
+# Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
+# compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
+# `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
+# (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width.
 
 
-@triton.jit(do_not_specialize=["min_split_tokens"])
+@triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
-    qk_scale, v_scale, min_split_tokens,
+    qk_scale, v_scale, min_split_tokens, long_from_tokens, long_split_tokens,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -701,24 +714,43 @@ def _one_launch_kernel(
     USE_PDL: tl.constexpr,
     LOOKBACK: tl.constexpr,
     STEP_ROWS: tl.constexpr,
+    KV_PACK: tl.constexpr,
+    LONG_RULE: tl.constexpr,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
     split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
-    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, min_split_tokens, BLOCK_N)
+    # With LONG_RULE a row at least long_from_tokens long splits at long_split_tokens: runtime
+    # values, so one compiled kernel (and one CUDA graph) serves every length.
+    split_tokens = min_split_tokens
+    if LONG_RULE:
+        split_tokens = tl.where(kv_len >= long_from_tokens, long_split_tokens, min_split_tokens)
+    n_splits, split_len = _split_range(kv_len, NUM_SPLITS, split_tokens, BLOCK_N)
     if split >= n_splits:
         return
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
-    d = tl.arange(0, HEAD_DIM)
+    # Rows: the KV_PACK * GROUP query heads (padded to GROUP_PAD); columns: the KV_PACK heads' D
+    # each, side by side as a key row holds them (`_decode_kernel`'s packing). Row r reads and
+    # writes only its own head's columns (`own`).
+    c = tl.arange(0, KV_PACK * HEAD_DIM)
+    d = c % HEAD_DIM
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     g = tl.arange(0, GROUP_PAD)
-    g_mask = g < GROUP
+    g_mask = g < KV_PACK * GROUP
+    if KV_PACK == 1:
+        own = g_mask[:, None]
+        k_cols = d
+        v_cols = d
+    else:
+        own = g_mask[:, None] & ((c // HEAD_DIM)[None, :] == (g // GROUP)[:, None])
+        k_cols = (c // HEAD_DIM) * stride_kh + d
+        v_cols = (c // HEAD_DIM) * stride_vh + d
     heads = kvh * GROUP + g
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
 
@@ -734,15 +766,15 @@ def _one_launch_kernel(
     t = start + tl.arange(0, BLOCK_N)
     t_mask = t < end
     past = t_mask & (t < step_from)
-    k = _kv_block(k_head, page_base, KvIndices, t, past, d, stride_kp, stride_kt, PAGE_SIZE)
-    v = _kv_block(v_head, page_base, KvIndices, t, past, d, stride_vp, stride_vt, PAGE_SIZE)
+    k = _kv_block(k_head, page_base, KvIndices, t, past, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+    v = _kv_block(v_head, page_base, KvIndices, t, past, v_cols, stride_vp, stride_vt, PAGE_SIZE)
     in_block = (kv_len > 0) & (last >= start) & (last < start + BLOCK_N) & (last < end)
     last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=in_block, other=0).to(tl.int64)
-    k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + d
-    v_last = v_head + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + d
+    k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
+    v_last = v_head + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
     if USE_PDL:
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
-    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=own, other=0.0)
     is_last = (t == last)[:, None]
     # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
     k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
@@ -752,7 +784,7 @@ def _one_launch_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
     # This step's earlier rows of the sequence (a verify row's) are keys of a block of their
     # own, loaded now; the first block holds the rows before them and the newest row.
     first_keys = t_mask
@@ -763,14 +795,14 @@ def _one_launch_kernel(
         if step_from < last:
             s = step_from + tl.arange(0, STEP_ROWS)
             s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
-            k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-            v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+            k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     for blk in range(start + BLOCK_N, end, BLOCK_N):
         t = blk + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, d, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, d, stride_vp, stride_vt, PAGE_SIZE)
+        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
         m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
@@ -778,19 +810,19 @@ def _one_launch_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if n_splits == 1:
-        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
         slot0 = b * NUM_SPLITS
         mid = MidO + ((slot0 + split) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid, acc / l_safe[:, None], mask=g_mask[:, None])
+        tl.store(mid, acc / l_safe[:, None], mask=own)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        count = Counts + b * NUM_KV_HEADS + kvh
+        count = Counts + b * (NUM_KV_HEADS // KV_PACK) + tl.program_id(1)
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
-                                  NUM_Q_HEADS, GROUP_PAD, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None])
+            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
+                                  NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -812,26 +844,31 @@ def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvL
 
 
 @triton.jit
-def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d,
-                    NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
-    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, D].
-    All log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
+def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
+                    NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, COLS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, COLS]
+    (row r's own columns: `own`, [GP, 1] or [GP, COLS]). All log-sum-exps at once ([S, GP]),
+    then the partials MERGE_SPLITS at a time."""
     s = tl.arange(0, NUM_SPLITS)
     lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
                   mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
     den = tl.sum(tl.exp2(lse - m[None, :]), 0)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, COLS], tl.float32)
     for s0 in range(0, n_splits, MERGE_SPLITS):
         sc = s0 + tl.arange(0, MERGE_SPLITS)
         mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
         part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
                            other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(part_lse - m[None, :])
+        if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
+            o_mask = mask[:, :, None]
+        else:
+            o_mask = mask[:, :, None] & own[None, :, :]
         o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
-                    + d[None, None, :], mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+                    + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, :, None] * o, 0)
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
@@ -861,6 +898,10 @@ def decode_attention_one_launch(
     pdl: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_heads_per_program: int = 1,
+    long_from_tokens: int = 0,
+    long_split_tokens: int = 0,
+    merge_splits: int | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -869,9 +910,20 @@ def decode_attention_one_launch(
     Hq, D] fp32, mid_lse [>= B * num_splits, Hq] fp32, merge_counts [>= B * Hkv] int32, all
     zero before the first launch (each launch leaves them at zero: keep one per stream, never
     shared by two launches in flight). pdl: launch with Programmatic Dependent Launch (sm_90+
-    only; `pdl_supported`). No host sync: CUDA-graph safe for any kv_lens."""
+    only; `pdl_supported`). No host sync: CUDA-graph safe for any kv_lens.
+
+    Variants (the defaults are the measured form): kv_heads_per_program, KV heads one program
+    reads side by side (`decode_attention`'s packing; a power of two dividing Hkv). A row of at
+    least long_from_tokens tokens (0: none) splits at long_split_tokens instead of
+    min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
+    larger grid. merge_splits: partials the merging program reads at a time (a power of two;
+    None: as many as fit a 4096-element fp32 tile)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
+    check_kv_pack(kv_heads_per_program, num_kv_heads)
+    check_long_split(min_split_tokens, long_from_tokens, long_split_tokens)
+    if merge_splits is not None and (merge_splits < 1 or merge_splits & (merge_splits - 1)):
+        raise ValueError(f"merge_splits must be a power of two, got {merge_splits}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
@@ -879,18 +931,22 @@ def decode_attention_one_launch(
         mid_o, mid_lse = out, out  # unused: one split writes O directly
     elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
         raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
-    _check_merge_counts(merge_counts, batch * num_kv_heads)
+    groups = num_kv_heads // kv_heads_per_program
+    _check_merge_counts(merge_counts, batch * groups)
     if pdl and not pdl_supported(q.device):
         raise ValueError(f"Programmatic Dependent Launch needs a CUDA device of sm_90 or newer ({q.device})")
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    gp = group_pad(group)
+    gp = group_pad(group * kv_heads_per_program)
+    cols = kv_heads_per_program * head_dim
+    if merge_splits is None:  # partials merged at a time: a [MS, GP, cols] fp32 tile of at most 4096 elements
+        merge_splits = max(1, min(num_splits, 4096 // (gp * cols)))
     launch = {"launch_pdl": True} if pdl else {}
-    _one_launch_kernel[(batch, num_kv_heads, num_splits)](
+    _one_launch_kernel[(batch, groups, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
-        scale * LOG2E * k_scale, v_scale, min_split_tokens,
+        scale * LOG2E * k_scale, v_scale, min_split_tokens, long_from_tokens, long_split_tokens,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -900,12 +956,13 @@ def decode_attention_one_launch(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        # Partials merged at a time: a [MS, GP, D] fp32 tile of at most 4096 elements.
-        MERGE_SPLITS=max(1, min(num_splits, 4096 // (gp * head_dim))),
+        MERGE_SPLITS=min(merge_splits, num_splits),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
         LOOKBACK=one_launch_lookback(batch) if pdl else 0,
         STEP_ROWS=MAX_LOOKBACK,
+        KV_PACK=kv_heads_per_program,
+        LONG_RULE=long_from_tokens > 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,

@@ -17,6 +17,11 @@ pasted in as it prints them; shapes not in them get `default_decode` / `default_
 BATCHED_DECODE_TABLE holds `scripts/decode_attn_bench.py`'s winners for the two-launch decode
 per KV dtype (an fp8 pool moves half the bytes per key, so its best tile and split differ).
 BACKEND_PREFERENCE is that script's comparison with FlashInfer, per (head_dim, group).
+ONE_LAUNCH_TABLE holds that script's `--one-launch` winners for the fused decode path's
+one-launch form, per (head_dim, group, rows bucket of ONE_LAUNCH_ROW_BUCKETS); a shape without
+an entry keeps the form's derived config (`TritonBackend.one_launch_config`). Its context-length
+handling (the smallest split, the long-row rule) is made of runtime values: one CUDA graph per
+row count serves every length.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
 KV_KINDS = ("model", "fp8")  # the KV cache's dtype, as BATCHED_DECODE_TABLE keys it
 PREFILL_QLEN_BUCKETS = (16, 1 << 30)
+ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; more: no table entry
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,31 @@ class DecodeConfig:
     prefetch: str = "none"  # what the two-launch decode loads ahead by hand (`decode_attention`)
     kv_pack: int = 1  # KV heads one program of the two-launch decode reads (`kv_heads_per_program`)
     merge_in_kernel: bool = False  # split partials merged by each group's last program, not a second launch
+
+
+@dataclass(frozen=True)
+class OneLaunchConfig:
+    """A launch of `decode_attention_one_launch` (the fused decode path's attention). The tile
+    (block_n, warps, stages, kv_pack), the split cap and whether a long-row rule is on are
+    compiled in; the split lengths are runtime values. A row of at least long_from_tokens tokens (0: no such rule) splits at
+    long_split_tokens, any other at min_split_tokens: with a grid of `num_splits` splits a long
+    row can take all of them while short rows keep few, and no program is added."""
+    block_n: int = 256
+    num_warps: int = 8
+    num_stages: int = 2
+    min_split_tokens: int = 256
+    waves: int = 2  # programs per SM the split cap aims at, where num_splits is None
+    num_splits: int | None = None  # a measured split cap for the rows bucket
+    kv_pack: int = 1  # KV heads a program (`decode_attention_one_launch(kv_heads_per_program=)`)
+    long_from_tokens: int = 0
+    long_split_tokens: int = 0
+    merge_splits: int | None = None  # partials the merging program reads at a time (None: derived)
+
+    def smallest_split_tokens(self) -> int:
+        """The shortest split any row may get (what bounds the useful split count)."""
+        if self.long_from_tokens > 0:
+            return min(self.min_split_tokens, self.long_split_tokens)
+        return self.min_split_tokens
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,10 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
     (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
     (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),
 }
+# (head_dim, group, rows bucket) -> OneLaunchConfig of the fused decode path's one-launch attention,
+# measured on an H200 by `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, with
+# PDL as the fused step launches it). Empty until measured: every shape takes the derived config.
+ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).
@@ -117,6 +152,23 @@ def batched_decode_config(head_dim: int, group: int, num_seqs: int, kv: str = "m
     return BATCHED_DECODE_TABLE.get((head_dim, group, kv, b)) or decode_config(head_dim, group, num_seqs)
 
 
+def one_launch_table_config(head_dim: int, group: int, rows: int) -> OneLaunchConfig | None:
+    """ONE_LAUNCH_TABLE's entry for a step of `rows` rows (its bucket), or None: no entry, or
+    more rows than the last bucket."""
+    if rows > ONE_LAUNCH_ROW_BUCKETS[-1]:
+        return None
+    return ONE_LAUNCH_TABLE.get((head_dim, group, bucket(rows, ONE_LAUNCH_ROW_BUCKETS)))
+
+
+def one_launch_splits(cfg: OneLaunchConfig, rows: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """The one-launch grid's splits a row: the config's measured cap (clamped like `num_splits`),
+    else the one its `waves` aim at over programs of kv_pack heads."""
+    if cfg.num_splits is not None:
+        return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
+    groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)
+    return num_splits(rows, groups, num_sms, cfg.waves, max_splits)
+
+
 def prefill_config(head_dim: int, group: int, max_q_len: int) -> PrefillConfig:
     b = bucket(max_q_len, PREFILL_QLEN_BUCKETS)
     return PREFILL_TABLE.get((head_dim, group, b)) or default_prefill(head_dim, group, b)
@@ -138,7 +190,7 @@ def config_splits(cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, num_sms: 
     return num_splits(num_seqs, groups, num_sms, cfg.waves, max_splits)
 
 
-def kv_pack_for(cfg: DecodeConfig, num_kv_heads: int) -> int:
+def kv_pack_for(cfg: DecodeConfig | OneLaunchConfig, num_kv_heads: int) -> int:
     """The config's KV heads a program, lowered to a power of two that divides num_kv_heads
     (the tables are keyed by head_dim and group, not by the number of KV heads)."""
     pack = _prev_pow2(cfg.kv_pack)

@@ -122,3 +122,71 @@ def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "BATCHED_DECODE_TABLE", {})
     assert bench.load_table_json(str(path), tuning) == entries
     assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2
+
+
+# ---- --one-launch: the fused decode path's attention ----------------------------------------------
+
+
+@CPU_ONLY
+def test_one_launch_smoke_sweep_checks_every_variant(bench, tmp_path):
+    """Every row checked against the reference; the sweep covers KV heads a program, split caps,
+    smallest splits, the long-row rule and the wide merge, at one and several rows."""
+    out = tmp_path / "rows.json"
+    assert bench.main(["--smoke", "--one-launch", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert all("error" not in r and r["rel_err"] < bench.TOLERANCE for r in rows)
+    assert {r["batch"] for r in rows} == set(bench.SMOKE_ONE_LAUNCH["rows"])
+    assert {r["kv_pack"] for r in rows} == {1, 2} and len({r["num_splits"] for r in rows}) >= 3
+    assert {r["min_split_tokens"] for r in rows} >= set(bench.SMOKE_MIN_SPLITS)
+    assert any(r["long_from_tokens"] and r["kv_len"] >= r["long_from_tokens"] for r in rows)
+    assert not any(r["long_from_tokens"] and r["kv_len"] < r["long_from_tokens"] for r in rows), \
+        "a rule that cannot fire is timed as the rule-free variant"
+    assert {r["merge_splits"] for r in rows} == {None, bench.SMOKE_WIDE_MERGE}
+
+
+def test_one_launch_derived_variant_is_what_the_backend_launches(bench):
+    """The sweep's baseline is TritonBackend's derived config at the fused path's shapes."""
+    got = {(m["name"], rows): bench.derived_one_launch_variant(torch, m, rows, 132, "cpu", True)
+           for m in bench.ONE_LAUNCH_MODELS for rows in (1, 16)}
+    assert got[("qwen2.5-0.5b", 1)] == bench.OneLaunchVariant(256, 8, 2, 64, 256)
+    assert got[("qwen2.5-0.5b", 16)] == bench.OneLaunchVariant(256, 8, 2, 16, 256)
+    assert got[("qwen3-0.6b", 16)] == bench.OneLaunchVariant(32, 4, 3, 8, 256)
+
+
+def test_one_launch_candidates_stay_within_reason(bench):
+    model = bench.ONE_LAUNCH_MODELS[0]
+    derived = bench.OneLaunchVariant(256, 8, 2, 16, 256)
+    short = bench.stage2_variants([(256, 8, 2, 1), (64, 4, 2, 2)], 16, (300, 1000), model, 132, False, derived)
+    assert all(v.min_split_tokens >= v.block_n and v.num_splits <= bench.ONE_LAUNCH_MAX_SPLITS for v in short)
+    assert all(16 * (2 // v.kv_pack) * v.num_splits <= 4 * 132 for v in short)
+    assert not any(v.long_from_tokens or v.merge_splits for v in short)  # no long context in the bucket
+    one = bench.OneLaunchVariant(256, 8, 2, 64, 256)
+    long = bench.stage2_variants([(64, 4, 3, 1)], 1, (300, 1000, 8000, 30000), model, 132, False, one)
+    assert any(v.long_from_tokens for v in long) and any(v.merge_splits == 16 for v in long)
+    assert all(v.long_split_tokens >= v.block_n for v in long if v.long_from_tokens)
+    ruled = bench.OneLaunchVariant(64, 4, 3, 64, 256, long_from_tokens=2048, long_split_tokens=64)
+    assert ruled.at_length(1000) == bench.OneLaunchVariant(64, 4, 3, 64, 256) and ruled.at_length(8000) == ruled
+    assert bench.one_launch_splits(16, 2, 1, 132, 16) == [2, 4, 8, 16]
+    assert bench.wide_merge(bench.ONE_LAUNCH_MODELS[1], 1) == 8  # head_dim 128
+
+
+def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, monkeypatch):
+    """A bucket's winner becomes an entry only where it beat the derived config; the printed
+    literal is tuning.py source; --table-json loads into ONE_LAUNCH_TABLE."""
+    model = bench.ONE_LAUNCH_MODELS[0]
+    derived = bench.OneLaunchVariant(256, 8, 2, 16, 256)
+    win = bench.OneLaunchVariant(64, 4, 3, 4, 128, kv_pack=2)
+    results = {("qwen2.5-0.5b", 16): (model, None, dict(derived_variant=derived, derived={300: 9.0, 1000: 10.0},
+                                                         best=(win, {300: 5.0, 1000: 6.0}))),
+               ("qwen2.5-0.5b", 4): (model, None, dict(derived_variant=derived, derived={300: 4.0},
+                                                        best=(derived, {300: 4.0})))}
+    entries = bench.one_launch_entries(results, tuning)
+    assert entries == {(64, 7, 16): win.config(tuning)}
+    scope = {"OneLaunchConfig": tuning.OneLaunchConfig}
+    exec(bench.one_launch_table_literal(entries), scope)
+    assert scope["ONE_LAUNCH_TABLE"] == entries
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
+    assert bench.load_table_json(str(path), tuning) == entries
+    assert tuning.one_launch_table_config(64, 7, 12) == win.config(tuning)

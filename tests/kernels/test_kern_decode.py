@@ -134,9 +134,11 @@ def test_group_pad():
 
 
 def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits, head_dim=16, block_n=16,
-                      min_split_tokens=16, seed=0, launches=2):
+                      min_split_tokens=16, seed=0, launches=2, scratch_out=None, **variant):
     """Poisoned output and partials; the counters must be back at 0 after every launch, and a
-    second launch over the same scratch must give the same output (it is graph-replayed)."""
+    second launch over the same scratch must give the same output (it is graph-replayed).
+    variant: decode_attention_one_launch's variant arguments; scratch_out: a dict that gets the
+    scratch (to read which partials were written)."""
     paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=seed)
     hq = group * num_kv_heads
     q = torch.randn(len(kv_lens), hq, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(kh.device)
@@ -150,13 +152,15 @@ def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits
     for _ in range(launches):
         out = torch.full_like(q, NAN)
         got = decode_attention_one_launch(*args, head_dim**-0.5, out=out, num_splits=num_splits,
-                                          min_split_tokens=min_split_tokens, block_n=block_n, **scratch)
+                                          min_split_tokens=min_split_tokens, block_n=block_n, **scratch, **variant)
         assert got is out
         assert not torch.isnan(out).any(), "an output element was not written"
         assert kh.rel_err(out, want) < 1e-5
         assert not scratch["merge_counts"].any(), "a merge counter was left non-zero"
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    if scratch_out is not None:
+        scratch_out.update(scratch)
     return outs[0], want
 
 
@@ -204,6 +208,65 @@ def test_one_launch_rejects_bad_arguments(kh):
             decode_attention_one_launch(*args, **ok, pdl=True)
 
 
+# ---- the one-launch form's variants (selected by tuning.OneLaunchConfig; the defaults unchanged) --
+
+
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,kv_lens,num_splits,merge_splits",
+    [
+        (7, 2, 2, [40, 0, 100], 4, None),  # Qwen2.5's group, both KV heads a program (14 of 16 rows)
+        (2, 4, 4, [57, 3], 4, None),  # Qwen3's group 2: four KV heads a program (8 of 16 rows)
+        (2, 8, 8, [33], 2, None),  # eight heads: 16 rows, a [16, 8 * D] tile
+        (2, 4, 2, [100, 17], 8, 1),  # merged one partial at a time
+        (7, 2, 1, [130], 16, 8),  # a wider merge than the default (4 at this tile)
+        (7, 2, 2, [130, 64], 16, 16),  # every split in one merge step, packed heads
+    ],
+)
+def test_one_launch_variants_match_reference(kh, group, num_kv_heads, kv_pack, kv_lens, num_splits, merge_splits):
+    _check_one_launch(kh, group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens,
+                      num_splits=num_splits, kv_heads_per_program=kv_pack, merge_splits=merge_splits)
+
+
+def _splits_written(scratch, num_splits, batch):
+    """Per sequence, how many split partials a launch wrote (the scratch was NaN before)."""
+    lse = scratch["mid_lse"][: batch * num_splits].view(batch, num_splits, -1)
+    return (~torch.isnan(lse[..., 0])).sum(1).tolist()
+
+
+def test_one_launch_long_rule_gives_only_long_rows_more_splits(kh):
+    """Rows of 40 and 200 tokens, 64-token splits, 16 splits at most: 1 and 4 splits. With the
+    long rule (rows of >= 128 tokens split at 16) the long row takes 13 of the 16 and the short
+    row keeps its one (no partial, O written directly): the same grid, the same kernel."""
+    common = dict(group=7, num_kv_heads=2, page_size=8, kv_lens=[40, 200], num_splits=16, min_split_tokens=64)
+    plain, ruled = {}, {}
+    _check_one_launch(kh, **common, scratch_out=plain)
+    _check_one_launch(kh, **common, scratch_out=ruled, long_from_tokens=128, long_split_tokens=16)
+    assert _splits_written(plain, 16, 2) == [0, 4]
+    assert _splits_written(ruled, 16, 2) == [0, 13]
+    # Packed heads under the long rule: the same splits for both heads at once.
+    packed = {}
+    _check_one_launch(kh, **common, scratch_out=packed, long_from_tokens=128, long_split_tokens=16,
+                      kv_heads_per_program=2)
+    assert _splits_written(packed, 16, 2) == [0, 13]
+
+
+def test_one_launch_rejects_bad_variants(kh):
+    paged = kh.make_paged([4], 4, 2, 16)
+    args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],
+            paged["kv_indices"], paged["kv_lens"], 0.25)
+    ok = dict(out=torch.empty(1, 4, 16, device=kh.device), mid_o=torch.empty(4, 4, 16, device=kh.device),
+              mid_lse=torch.empty(4, 4, device=kh.device),
+              merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=4)
+    with pytest.raises(ValueError, match="kv_heads_per_program"):
+        decode_attention_one_launch(*args, **ok, kv_heads_per_program=3)
+    with pytest.raises(ValueError, match="split lengths"):
+        decode_attention_one_launch(*args, **ok, long_from_tokens=64, long_split_tokens=0)
+    with pytest.raises(ValueError, match="split lengths"):
+        decode_attention_one_launch(*args, **ok, min_split_tokens=0)
+    with pytest.raises(ValueError, match="merge_splits"):
+        decode_attention_one_launch(*args, **ok, merge_splits=3)
+
+
 # Lowered for sm_90a in a child process (the interpreter wraps this process's kernels): what the
 # interpreter cannot show. The child compiles with Triton's own ptxas; no GPU needed.
 _LOWER = textwrap.dedent("""
@@ -219,7 +282,8 @@ _LOWER = textwrap.dedent("""
                KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
     consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                   BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
-                  LOOKBACK=lookback, STEP_ROWS=16)
+                  LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
+                  LONG_RULE=False)
     sig.update({c: "constexpr" for c in consts})
     k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))

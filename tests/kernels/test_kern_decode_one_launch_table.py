@@ -1,0 +1,116 @@
+"""The one-launch decode's config: tuning.ONE_LAUNCH_TABLE's measured entry per (head_dim, group,
+rows bucket), the derived config where it has none (today's behaviour, pinned here), and a
+table entry's variant carried through `TritonBackend.attend_one_launch` to the kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashlet.attention import triton_backend
+from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels import tuning
+from flashlet.kernels.decode_attention import decode_attention_reference
+from flashlet.kvcache.kv_pool import KVPool
+
+
+def _pool(kh, *, pages=64, page_size=8, num_kv_heads=2, head_dim=16, seed=0):
+    pool = KVPool(2, pages, page_size, num_kv_heads, head_dim, torch.float32, kh.device)
+    g = torch.Generator().manual_seed(seed)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
+    return pool
+
+
+@pytest.fixture
+def empty_table(monkeypatch):
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
+
+
+# (head_dim, Hq, Hkv) -> rows -> splits the derived rule gives on 132 SMs with long sequences allowed.
+DERIVED = {
+    (64, 14, 2): ({1: 64, 4: 64, 8: 32, 16: 16}, dict(block_n=256, num_warps=8, num_stages=2, waves=2)),
+    (128, 16, 8): ({1: 64, 4: 32, 8: 16, 16: 8}, dict(block_n=32, num_warps=4, num_stages=3, waves=4)),
+}
+
+
+@pytest.mark.parametrize("shape", list(DERIVED))
+def test_without_an_entry_the_derived_config_holds(kh, empty_table, shape):
+    """Qwen2.5-0.5B's and Qwen3-0.6B's shapes: whole-split 256-key blocks on 8 warps at head_dim
+    64, the decode config's blocks at 128; 256-token smallest splits; splits from the rows alone."""
+    head_dim, hq, hkv = shape
+    backend = TritonBackend(_pool(kh, num_kv_heads=hkv, head_dim=head_dim), hq, num_sms=132,
+                            max_pages_per_seq=4096)
+    splits, tile = DERIVED[shape]
+    want = tuning.OneLaunchConfig(min_split_tokens=256, **tile)
+    for rows, s in splits.items():
+        assert backend.one_launch_config(rows) == (want, s)
+        assert backend.one_launch_config(rows)[0] == backend.derived_one_launch_config(rows)
+
+
+def test_an_entry_serves_its_rows_bucket_only(kh, monkeypatch):
+    entry = tuning.OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=128, num_splits=8,
+                                   kv_pack=2, long_from_tokens=4096, long_split_tokens=64)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(64, 7, 4): entry})
+    backend = TritonBackend(_pool(kh, head_dim=64), 14, num_sms=132, max_pages_per_seq=4096)
+    for rows in (2, 3, 4):  # bucket 4
+        assert backend.one_launch_config(rows) == (entry, 8)
+    for rows in (1, 5, 16, 17, 64):  # other buckets, and more rows than the last bucket: derived
+        assert backend.one_launch_config(rows)[0] == backend.derived_one_launch_config(rows)
+    assert tuning.one_launch_table_config(64, 7, 4) == entry
+    assert tuning.one_launch_table_config(64, 7, 17) is None
+    assert tuning.one_launch_table_config(128, 2, 4) is None
+    # The scratch holds the entry's splits for every batch it serves.
+    assert backend._mid_o.shape[0] >= 4 * 8
+
+
+def test_an_entry_is_clamped_to_what_the_pool_can_use(kh, monkeypatch):
+    """Splits past ceil(longest sequence / shortest split) are empty: the cap follows the long
+    rule's shorter split; a measured cap is rounded down to a power of two; the entry's KV heads a
+    program are lowered to divide the model's; the constructor's fixed block_n wins."""
+    entry = tuning.OneLaunchConfig(block_n=32, num_warps=4, min_split_tokens=256, num_splits=48, kv_pack=4,
+                                   long_from_tokens=512, long_split_tokens=32)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(64, 7, 1): entry})
+    pool = _pool(kh, head_dim=64)
+    short = TritonBackend(pool, 14, num_sms=132, max_pages_per_seq=32)  # 256 tokens: at most 8 splits of 32
+    cfg, splits = short.one_launch_config(1)
+    assert (cfg.kv_pack, splits) == (2, 8)
+    long = TritonBackend(pool, 14, num_sms=132, max_pages_per_seq=4096)
+    assert long.one_launch_config(1)[1] == 32
+    fixed = TritonBackend(pool, 14, num_sms=132, max_pages_per_seq=4096, decode_block_n=16)
+    assert fixed.one_launch_config(1)[0] == dataclasses.replace(entry, kv_pack=2, block_n=16)
+    waves = dataclasses.replace(entry, num_splits=None, waves=2)  # no measured cap: from the waves
+    monkeypatch.setitem(tuning.ONE_LAUNCH_TABLE, (64, 7, 1), waves)
+    assert long.one_launch_config(1)[1] == tuning.num_splits(1, 1, 132, 2, 64)
+
+
+def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch):
+    """An entry with both KV heads a program, the long-row rule and a one-partial merge reaches
+    the kernel as given, and the step's output is the reference's (interpreter on the CPU)."""
+    entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=1, min_split_tokens=64, num_splits=8,
+                                   kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 4): entry})
+    seen = []
+    real = triton_backend.decode_attention_one_launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", spy)
+    pool = _pool(kh)
+    backend = TritonBackend(pool, 14, num_sms=4)
+    meta, _ = kh.make_step(pool, [(120, 1), (30, 1), (65, 1)])
+    backend.plan(meta)
+    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(2)).to(kh.device)
+    for layer in range(pool.num_layers):
+        out = backend.attend_one_launch(layer, q)
+        want = decode_attention_reference(q, pool.k_cache[layer], pool.v_cache[layer], meta.paged_kv_indptr,
+                                          meta.paged_kv_indices, meta.kv_lens, backend.scale)
+        assert kh.rel_err(out, want) < 1e-5
+        assert not backend._merge_counts.any()
+    got = seen[-1]
+    assert (got["kv_heads_per_program"], got["long_from_tokens"], got["long_split_tokens"], got["merge_splits"],
+            got["num_splits"], got["block_n"]) == (2, 100, 16, 1, 8, 16)

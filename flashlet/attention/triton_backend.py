@@ -146,8 +146,8 @@ class TritonBackend(AttentionBackend):
                                       **self._decode_overrides)
         if num_seqs > self.max_batch_size:
             return cfg, 1
-        return cfg, tuning.one_launch_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
-                                             self._max_splits(cfg.smallest_split_tokens()))
+        return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
+                                         self._max_splits(cfg.smallest_split_tokens()))
 
     def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
         """The one-launch config where no measurement holds: the decode config with the smallest

@@ -160,15 +160,6 @@ def one_launch_table_config(head_dim: int, group: int, rows: int) -> OneLaunchCo
     return ONE_LAUNCH_TABLE.get((head_dim, group, bucket(rows, ONE_LAUNCH_ROW_BUCKETS)))
 
 
-def one_launch_splits(cfg: OneLaunchConfig, rows: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
-    """The one-launch grid's splits a row: the config's measured cap (clamped like `num_splits`),
-    else the one its `waves` aim at over programs of kv_pack heads."""
-    if cfg.num_splits is not None:
-        return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
-    groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)
-    return num_splits(rows, groups, num_sms, cfg.waves, max_splits)
-
-
 def prefill_config(head_dim: int, group: int, max_q_len: int) -> PrefillConfig:
     b = bucket(max_q_len, PREFILL_QLEN_BUCKETS)
     return PREFILL_TABLE.get((head_dim, group, b)) or default_prefill(head_dim, group, b)
@@ -181,9 +172,11 @@ def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int, max_s
     return max(1, min(want, _prev_pow2(max_splits)))
 
 
-def config_splits(cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
-    """The split cap a decode config gives a batch: its measured `num_splits` where it has one
-    (clamped like `num_splits`), else the one its `waves` aim at (programs of kv_pack heads)."""
+def config_splits(cfg: DecodeConfig | OneLaunchConfig, num_seqs: int, num_kv_heads: int, num_sms: int,
+                  max_splits: int) -> int:
+    """The split cap a decode config (two-launch or one-launch) gives a batch: its measured
+    `num_splits` where it has one (clamped like `num_splits`), else the one its `waves` aim at
+    (programs of kv_pack heads)."""
     if cfg.num_splits is not None:
         return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
     groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)

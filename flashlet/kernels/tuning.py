@@ -52,9 +52,10 @@ class DecodeConfig:
 class OneLaunchConfig:
     """A launch of `decode_attention_one_launch` (the fused decode path's attention). The tile
     (block_n, warps, stages, kv_pack), the split cap and whether a long-row rule is on are
-    compiled in; the split lengths are runtime values. A row of at least long_from_tokens tokens (0: no such rule) splits at
-    long_split_tokens, any other at min_split_tokens: with a grid of `num_splits` splits a long
-    row can take all of them while short rows keep few, and no program is added."""
+    compiled in; the split lengths are runtime values. A row of at least long_from_tokens tokens
+    (0: no such rule) splits at long_split_tokens, any other at min_split_tokens: with a grid of
+    `num_splits` splits a long row can take all of them while short rows keep few, and no
+    program is added."""
     block_n: int = 256
     num_warps: int = 8
     num_stages: int = 2

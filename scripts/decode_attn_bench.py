@@ -185,7 +185,7 @@ class Sweep:
         self.start = time.monotonic()
         self.deadline = self.start + budget_s
         self.rows: list[dict] = []
-        self._refs: dict[tuple, object] = {}  # (batch, kv_len, kv) -> layer 0's reference output
+        self._refs: dict[tuple, object] = {}  # (model name or None, batch, kv_len, kv) -> layer 0's reference output
         self._done: dict[tuple, dict] = {}
 
     def set_deadline(self, deadline: float) -> None:

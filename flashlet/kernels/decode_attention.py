@@ -912,12 +912,14 @@ def decode_attention_one_launch(
     shared by two launches in flight). pdl: launch with Programmatic Dependent Launch (sm_90+
     only; `pdl_supported`). No host sync: CUDA-graph safe for any kv_lens.
 
-    Variants (the defaults are the measured form): kv_heads_per_program, KV heads one program
-    reads side by side (`decode_attention`'s packing; a power of two dividing Hkv). A row of at
-    least long_from_tokens tokens (0: none) splits at long_split_tokens instead of
+    Variants (the defaults give the kernel as it was before them, not a measured choice):
+    kv_heads_per_program, KV heads one program reads side by side (`decode_attention`'s packing;
+    a power of two dividing Hkv; merge_counts needs only B * Hkv / kv_heads_per_program). A row
+    of at least long_from_tokens tokens (0: none) splits at long_split_tokens instead of
     min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
-    larger grid. merge_splits: partials the merging program reads at a time (a power of two;
-    None: as many as fit a 4096-element fp32 tile)."""
+    larger grid.
+    merge_splits: partials the merging program reads at a time (a power of two; None: as many
+    as fit a 4096-element fp32 tile)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     check_kv_pack(kv_heads_per_program, num_kv_heads)

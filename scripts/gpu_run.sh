@@ -111,7 +111,8 @@ for part in "${PARTS[@]}"; do
     tests)
       cute_env
       run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py
-      run 300 $PYTEST tests/kernels/test_cute_gemv.py
+      run 300 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py \
+        tests/kernels/test_kern_one_launch_verify.py
       run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
         tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     tests-fused)

@@ -266,16 +266,31 @@ def test_engine_generates_with_fp8_weights_close_to_the_float_engine(tiny_qwen2)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_with_fp8_weights_mostly_match_bf16(demo_model_dir):
+def test_smollm2_fp8_weights_pick_bf16s_next_token_on_bf16s_own_text(demo_model_dir):
+    """Teacher-forced, as fidelity.py scores: bf16's greedy continuations of four prompts, then
+    each engine's argmax at every position of those texts (prompt_logprobs' top token). A free
+    greedy run would part for good at its first near tie, which moves with the CPU's float
+    kernels; each position here is judged on the same context. lab/fp8_fidelity.py --smollm2
+    reads 93% agreement with fp32 for fp8 decoder weights (bf16 98.5%); broken fp8 weights
+    (scales, codes) agree at a few percent."""
+    from flashlet import LLM
+    from flashlet.core.sampling import SamplingParams
+
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
                "Water boils at a temperature of"]
-    _, fp8 = greedy_tokens(demo_model_dir, prompts, 24, dtype="bfloat16", quantization="fp8")
-    _, bf16 = greedy_tokens(demo_model_dir, prompts, 24, dtype="bfloat16")
-    # Position by position until the first difference (after one, the texts diverge).
-    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-              for x, y in zip(fp8, bf16)]
-    print("fp8 vs bf16 common greedy prefix per prompt:", prefix, "of 24")
-    assert sum(prefix) >= 0.5 * 24 * len(prompts)
+    bf16, texts = greedy_tokens(demo_model_dir, prompts, 24, dtype="bfloat16")
+    fp8 = LLM(str(demo_model_dir), device="cpu", max_num_pages=64, dtype="bfloat16", quantization="fp8")
+    full = [o.prompt_token_ids + list(t) for o, t in
+            zip(bf16.generate(prompts, SamplingParams(max_new_tokens=1)), texts)]
+    score = SamplingParams(max_new_tokens=1, prompt_logprobs=1)
+
+    def argmaxes(llm):
+        return [[e.top[0][0] for e in o.prompt_logprobs[1:]] for o in llm.generate(full, score)]
+
+    pairs = [(a, b) for x, y in zip(argmaxes(fp8), argmaxes(bf16)) for a, b in zip(x, y)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"fp8 vs bf16 argmax agreement on bf16's text: {agree:.3f} over {len(pairs)} positions")
+    assert len(pairs) >= 4 * 24 and agree >= 0.85
 
 
 def test_quantization_flag_is_built_from_the_config_field():

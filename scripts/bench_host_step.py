@@ -172,7 +172,7 @@ def main() -> None:
         if args.stub_forward:
             stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)
-        phases = StepPhases(engine) if args.phases else None
+        phases = StepPhases(engine, time.process_time) if args.phases else None
         before = output_tokens(engine)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
         host = [h for _, h in times]

@@ -42,8 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashlet
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
@@ -189,8 +187,10 @@ class StepPhases:
              ("forward", "engine.runner", "forward"),  # plan + replay / eager forward
              ("launched", "engine", "_launched_verify"))  # stage the tokens to the host
 
-    def __init__(self, engine):
-        self.engine, self.seconds, self.steps = engine, {}, 0
+    def __init__(self, engine, clock=time.perf_counter):
+        """clock: perf_counter (wall: with the device's waits), or process_time (this
+        process's CPU: host work alone, steadier on a shared machine)."""
+        self.engine, self.seconds, self.steps, self.clock = engine, {}, 0, clock
         for name, owner, attr in self.PARTS:
             for target in self._owners(owner):
                 if getattr(target, attr, None) is not None:
@@ -204,12 +204,14 @@ class StepPhases:
         return owner if isinstance(owner, list) else [owner]
 
     def _timed(self, name: str, fn, count: bool = False):
+        clock = self.clock
+
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                self.seconds[name] = self.seconds.get(name, 0.0) + clock() - started
                 self.steps += count
         return timed
 

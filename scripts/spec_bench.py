@@ -4,6 +4,7 @@
                                  [--acceptance 0.7: the match that accepts 0.7 at each k]
                                  [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
                                  [--phases]
+    python scripts/spec_bench.py --grid [--budget-s 240] [--phases]   # the issue's grid (GRID)
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
 continuation, as the issue's corrupted copy in the prompt would give them: an engine with
@@ -219,7 +220,12 @@ class StepPhases:
         self.seconds, self.steps = {}, 0
 
     def per_step_us(self) -> dict[str, float]:
-        return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+        """Each part's microseconds a step; "step - read" is the step's host work besides the
+        wait for the device (with speculation, the host's gap between two verify steps)."""
+        us = {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+        if "step" in us and "read" in us:
+            us["step - read"] = us["step"] - us["read"]
+        return us
 
     def line(self) -> str:
         return phases_text(self.per_step_us())
@@ -274,11 +280,13 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
         spec_phases = StepPhases(llm.engine) if phases else None
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
+            asked = [None] * len(matches) if acceptance is None else acceptance
             row_matches = matches if acceptance is None else [match_for_acceptance(a, k) for a in acceptance]
-            for match in row_matches:
+            for rate, match in zip(asked, row_matches):
                 row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds,
                                        spec_phases)
-                row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
+                row.update(asked=rate, speedup=row["tok_s"] / base_tok_s,
+                           same_as_plain=row.pop("tokens") == base_tokens)
                 result["ngram"].append(row)
     if draft:
         try:
@@ -325,16 +333,20 @@ def print_table(results: list[dict]) -> None:
     print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings; "
           "fused: the share of verify steps run as fused decode rows; "
           "rounds: runs until the engine's own continuation held (held: no)")
-    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
-          f"{'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
+    print(f"{'config':14} {'k':>2} {'asked':>5} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} "
+          f"{'x plain':>8} {'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
     for res in results:
+        if "skipped" in res:
+            print(f"{res['config']:14} not run: {res['skipped']}")
+            continue
         plain = res["plain"]
-        print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
+        print(f"{res['config']:14} {'-':>2} {'-':>5} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
               f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
         print_phases(plain)
         for row in res["ngram"]:
             rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
-            print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
+            asked = "-" if row.get("asked") is None else f"{row['asked']:.2f}"
+            print(f"{res['config']:14} {row['k']:2d} {asked:>5} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
                   f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
@@ -349,12 +361,26 @@ def print_table(results: list[dict]) -> None:
 
 def print_phases(row: dict) -> None:
     if "host_us" in row:
-        print("    host us a step (nested: finish holds read and update; read waits for the device): "
+        print("    host us/step (finish holds read, update; read waits for the device): "
               + phases_text(row["host_us"]))
 
 
 def ms_per_step(row: dict) -> float:
     return 1000 * NEW_TOKENS / row["tok_s"] / row["steps"]
+
+
+# The issue's grid (`--grid`): each config with its k values and acceptance rates, in order;
+# a config after the first starts only within --budget-s (the 7B rows if time allows).
+GRID = (("qwen2.5-0.5b", (2, 4, 8), (0.5, 0.7, 0.9)),
+        ("qwen2.5-7b", (4,), (0.5, 0.7, 0.9)))
+GRID_BUDGET_S = 240  # seconds; expected (not yet timed): 0.5B ~2 min on the H200, 7B ~2-3 more
+
+
+def planned_runs(args) -> list[tuple[str, list[int], list[float] | None]]:
+    """(config, ks, acceptance rates or None for --match) for each config to run, in order."""
+    if args.grid:
+        return [(config, list(ks), list(rates)) for config, ks, rates in GRID]
+    return [(config, args.k, args.acceptance) for config in args.config]
 
 
 def main() -> int:
@@ -365,8 +391,15 @@ def main() -> int:
     ap.add_argument("--acceptance", nargs="+", type=float, default=None, metavar="A",
                     help="instead of --match: for each k, the match expected to accept A of the "
                          "proposals (k = 4 at 0.7: match 0.86); the accept column is measured")
+    ap.add_argument("--grid", action="store_true",
+                    help="the issue's grid instead of --config/--k/--acceptance: " + "; ".join(
+                        f"{c} k {' '.join(map(str, ks))} at {' '.join(map(str, a))}"
+                        for c, ks, a in GRID) + " (a later config only within --budget-s)")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="start no config after the first once S seconds have passed "
+                         f"(default with --grid: {GRID_BUDGET_S})")
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="the results, written after each config")
     ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
                     help="runs a row may take to find the continuation its engine reproduces")
     ap.add_argument("--phases", action="store_true",
@@ -380,14 +413,21 @@ def main() -> int:
 
         fused_decode.SERVED_ROWS = args.served_rows
         print(f"fused_decode.SERVED_ROWS set to {args.served_rows} (a measurement, not the default)")
-    results = []
-    for i, config in enumerate(args.config):
-        draft = args.draft if i == len(args.config) - 1 else None
-        results.append(run_config(config, args.k, args.match, draft, args.max_rounds, args.phases,
-                                  args.acceptance))
+    budget = args.budget_s if args.budget_s is not None else GRID_BUDGET_S if args.grid else None
+    runs, results, started = planned_runs(args), [], time.perf_counter()
+    for i, (config, ks, rates) in enumerate(runs):
+        elapsed = time.perf_counter() - started
+        if i and budget is not None and elapsed > budget:
+            print(f"{config}: not run ({elapsed:.0f} s > --budget-s {budget:.0f})", flush=True)
+            results.append({"config": config, "skipped": f"{elapsed:.0f} s > budget {budget:.0f} s"})
+            continue
+        draft = args.draft if i == len(runs) - 1 else None
+        results.append(run_config(config, ks, args.match, draft, args.max_rounds, args.phases, rates))
+        print(f"{config}: {len(results[-1]['ngram'])} rows in {time.perf_counter() - started - elapsed:.0f} s",
+              flush=True)
+        if args.json:  # what ran so far survives a run cut short
+            args.json.write_text(json.dumps(results, indent=1))
     print_table(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

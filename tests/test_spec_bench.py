@@ -2,6 +2,8 @@
 continuation (fixed per position), and `own_continuation` finds the continuation the
 speculating engine reproduces, so a timed run proposes along its whole length."""
 
+import sys
+
 import pytest
 
 from flashlet import LLM
@@ -78,15 +80,15 @@ def test_own_continuation_holds_with_corrupted_proposals(tiny_qwen2, monkeypatch
 
 def test_the_table_prints_each_row_with_its_step_time_and_rounds(capsys):
     bench = load_script("spec_bench")
-    row = {"k": 4, "match": 0.7, "tok_s": 1000.0, "speedup": 0.5, "acceptance_rate": 0.7,
+    row = {"k": 4, "asked": 0.7, "match": 0.7, "tok_s": 1000.0, "speedup": 0.5, "acceptance_rate": 0.7,
            "mean_accepted_length": 2.8, "steps": 64, "rounds": 3, "held": False,
            "fused_verify_share": 0.0, "same_tokens": False, "parted_at": 40}
     bench.print_table([{"config": "tiny", "ngram": [row],
                         "plain": {"tok_s": 2000.0, "steps": 256, "fused_decode": False}}])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].split() == ["tiny", "4", "0.70", "0.70", "2.80", "1000", "0.50", "4.000",
+    assert lines[-1].split() == ["tiny", "4", "0.70", "0.70", "0.70", "2.80", "1000", "0.50", "4.000",
                                  "0.00", "3", "(held:", "no)", "at", "40"]
-    assert lines[-2].split()[7:9] == ["0.500", "(fused"]  # the plain row: 256 tokens / 2000 / 256 steps
+    assert lines[-2].split()[8:10] == ["0.500", "(fused"]  # the plain row: 256 tokens / 2000 / 256 steps
 
 
 def test_a_run_on_a_tiny_config_gives_a_row_per_k_and_match(tiny_qwen2, monkeypatch, capsys):
@@ -115,7 +117,7 @@ def test_phases_time_each_part_of_the_timed_steps(tiny_qwen2, monkeypatch, capsy
     assert {"step", "finish", "propose", "schedule", "prepare", "launched"} <= set(row)
     assert all(us > 0 for us in row.values()) and row["step"] > row["propose"]
     bench.print_table([result])
-    assert sum("host us a step" in line for line in capsys.readouterr().out.splitlines()) == 2
+    assert sum("host us/step" in line for line in capsys.readouterr().out.splitlines()) == 2
 
 
 def test_host_step_bench_stub_is_accepted_at_its_rate(tmp_path):
@@ -185,3 +187,30 @@ def test_the_engine_measures_the_acceptance_asked(tiny_qwen2, monkeypatch):
     for row in result["ngram"]:
         assert row["held"] and row["same_tokens"], row
         assert abs(row["acceptance_rate"] - 0.7) < 0.03, (row["k"], row["acceptance_rate"])
+
+
+def test_the_grid_runs_its_configs_in_order_and_skips_those_past_the_budget(monkeypatch, capsys):
+    """--grid: each GRID config with its own k values and acceptance rates; a config after the
+    first does not start once --budget-s has passed, and the table says so."""
+    bench = load_script("spec_bench")
+    ran = []
+
+    def run_config(config, ks, matches, draft, max_rounds, phases, acceptance):
+        ran.append((config, ks, acceptance))
+        row = {"k": ks[0], "asked": acceptance[0], "match": 0.9, "tok_s": 2.0, "speedup": 2.0,
+               "acceptance_rate": acceptance[0], "mean_accepted_length": 2.0, "steps": 64,
+               "rounds": 1, "held": True, "fused_verify_share": 1.0, "same_tokens": True,
+               "parted_at": None}
+        return {"config": config, "ngram": [row],
+                "plain": {"tok_s": 1.0, "steps": 256, "fused_decode": True}}
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--grid"])
+    assert bench.main() == 0
+    assert ran == [(c, list(ks), list(a)) for c, ks, a in bench.GRID]
+    ran.clear()
+    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--grid", "--budget-s", "-1"])
+    assert bench.main() == 0
+    assert [c for c, _, _ in ran] == [bench.GRID[0][0]]
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"{bench.GRID[1][0]:14} not run:")

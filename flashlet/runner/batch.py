@@ -417,6 +417,13 @@ class InputBatch:
     def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
         """Page-table changes (request id, first entry, ids from it on) in one numpy write:
         most are one appended page each, and a write a row cost more than the rest of them."""
+        if len(changes) == 1:  # one request's (a stream's new page, or a verify step's trim)
+            request_id, first, page_ids = changes[0]
+            row = self.row_of[request_id]
+            if self._decode is not None and self.num_pages[row] > first:
+                self._decode = self._decode._replace(indices_changed=True)
+            self.set_pages(row, first, page_ids)
+            return
         rows, columns, ids, ends, firsts = [], [], [], {}, []
         for request_id, first, page_ids in changes:
             row, end = self.row_of[request_id], first + len(page_ids)

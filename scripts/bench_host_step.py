@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="on the fused decode path (its GEMVs the fp32 references; with --stub-forward, stubbed)")
     ap.add_argument("--phases", action="store_true",
-                    help="also print each part's host us a step (StepPhases; nested parts overlap)")
+                    help="also print each part's host us a step (StepPhases, in process time; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.fused:

@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="on the fused decode path (its GEMVs the fp32 references; with --stub-forward, stubbed)")
     ap.add_argument("--phases", action="store_true",
-                    help="also print each part's host us a step (StepPhases; nested parts overlap)")
+                    help="also print each part's host us a step (StepPhases, in process time; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.fused:
@@ -172,7 +172,7 @@ def main() -> None:
         if args.stub_forward:
             stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)
-        phases = StepPhases(engine) if args.phases else None
+        phases = StepPhases(engine, time.process_time) if args.phases else None
         before = output_tokens(engine)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]
         host = [h for _, h in times]

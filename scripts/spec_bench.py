@@ -4,13 +4,15 @@
                                  [--acceptance 0.7: the match that accepts 0.7 at each k]
                                  [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
                                  [--phases]
+    python scripts/spec_bench.py --grid [--budget-s 240] [--phases]   # the issue's grid (GRID)
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
 continuation, as the issue's corrupted copy in the prompt would give them: an engine with
 `speculative_config={"method": "ngram", ...}` runs the prompt with its proposer replaced by a
-bench-only one (`CorruptedCopyProposer`) that proposes the next k tokens of a copy of the
-continuation in which each token, with probability 1 - `match` and fixed per position, was
-replaced by another. The continuation is the speculating engine's own, for each k and match:
+bench-only one (`CorruptedCopyProposer`) that proposes the next k tokens of the continuation
+with a share 1 - `match` of them corrupted (each step's first corrupted proposal placed where
+independent corruption of each token would place it, from evenly spread quantiles rather than
+random draws, so one run's acceptance is the expected one: `expected_acceptance`). The continuation is the speculating engine's own, for each k and match:
 verify steps round differently from the fused one-row path, and a verify step's rows round
 differently as the accepted lengths move the step boundaries, so at a near tie the output parts
 from a continuation found another way, and after the parting nothing is proposed. So
@@ -41,8 +43,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashlet
 
 PROMPT_LEN, NEW_TOKENS = 32, 256
@@ -53,24 +53,48 @@ PROMPT_LEN, NEW_TOKENS = 32, 256
 MAX_ROUNDS = 12
 
 
+# Each step's share of intact proposals comes from an evenly spread sequence of quantiles (the
+# golden ratio's multiples, mod 1) rather than from random draws: see CorruptedCopyProposer.
+GOLDEN = (5**0.5 - 1) / 2
+
+
 class CorruptedCopyProposer:
-    """Bench only: proposes the next k tokens of a corrupted copy of a known continuation (each
-    token replaced by another with probability 1 - match, once, by its position: a copy of the
-    text in the prompt, as prompt lookup would find it), while the request's output agrees with
-    the continuation; nothing once it parts."""
+    """Bench only: proposes the next k tokens of a known continuation with one of them
+    corrupted (as prompt lookup would find a copy of the text in the prompt with a share
+    1 - match of its tokens changed), while the request's output agrees with the
+    continuation; nothing once it parts.
+
+    A step's proposals are accepted up to the first corrupted one, so only that position of a
+    step matters: each step decides it (`intact_run`) as independent corruption at each position
+    would, P(at least j intact) = match^j, but from an evenly spread quantile instead of a random
+    draw. With random draws one 256-token run (50-130 steps) measured an acceptance up to 0.12
+    from its expected value (k = 4 at match 0.86: 0.58, asked 0.70); with spread quantiles the
+    run's mix of accepted lengths is the expected one, within ~0.02. The i-th step of a request
+    always decides the same way, so a run that repeats the last one proposes the same tokens."""
 
     def __init__(self, continuation: list[int], match: float, vocab: int, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        copy = np.array(continuation, np.int64)
-        corrupted = rng.random(len(copy)) >= match
-        copy[corrupted] = (copy[corrupted] + 1 + rng.integers(vocab - 1, size=int(corrupted.sum()))) % vocab
-        self.continuation = list(continuation)
-        self.copy = copy.tolist()
+        self.continuation, self.match, self.vocab = list(continuation), match, vocab
+        self.offset = (0.5 + seed * GOLDEN) % 1.0  # where a request's sequence of quantiles starts
         self._agreed: dict[int, int] = {}  # request id -> output tokens checked against it
+        self._steps: dict[int, int] = {}  # request id -> steps it was proposed for
+
+    def intact_run(self, step: int, k: int) -> int:
+        """How many of the `step`-th step's k proposals come before its first corrupted one
+        (k: none corrupted)."""
+        quantile = (self.offset + step * GOLDEN) % 1.0
+        return sum(quantile < self.match**j for j in range(1, k + 1))
 
     def propose(self, requests, k: int) -> list[list[int]]:
-        return [self.copy[len(req.output_token_ids): len(req.output_token_ids) + k]
-                if self._agrees(req) else [] for req in requests]
+        return [self._proposal(req, k) if self._agrees(req) else [] for req in requests]
+
+    def _proposal(self, req, k: int) -> list[int]:
+        at, step = len(req.output_token_ids), self._steps.get(req.request_id, 0)
+        self._steps[req.request_id] = step + 1
+        tokens = self.continuation[at: at + k]
+        wrong = self.intact_run(step, k)
+        if wrong < len(tokens):
+            tokens[wrong] = (tokens[wrong] + 1) % self.vocab
+        return tokens
 
     def _agrees(self, req) -> bool:
         """Does the request's output so far agree with the continuation (checked incrementally)."""
@@ -86,6 +110,7 @@ class CorruptedCopyProposer:
 
     def release(self, request) -> None:
         self._agreed.pop(request.request_id, None)
+        self._steps.pop(request.request_id, None)
 
 
 def expected_acceptance(match: float, k: int) -> float:
@@ -163,8 +188,10 @@ class StepPhases:
              ("forward", "engine.runner", "forward"),  # plan + replay / eager forward
              ("launched", "engine", "_launched_verify"))  # stage the tokens to the host
 
-    def __init__(self, engine):
-        self.engine, self.seconds, self.steps = engine, {}, 0
+    def __init__(self, engine, clock=time.perf_counter):
+        """clock: perf_counter (wall: with the device's waits), or process_time (this
+        process's CPU: host work alone, steadier on a shared machine)."""
+        self.engine, self.seconds, self.steps, self.clock = engine, {}, 0, clock
         for name, owner, attr in self.PARTS:
             for target in self._owners(owner):
                 if getattr(target, attr, None) is not None:
@@ -178,12 +205,14 @@ class StepPhases:
         return owner if isinstance(owner, list) else [owner]
 
     def _timed(self, name: str, fn, count: bool = False):
+        clock = self.clock
+
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                self.seconds[name] = self.seconds.get(name, 0.0) + clock() - started
                 self.steps += count
         return timed
 
@@ -191,7 +220,12 @@ class StepPhases:
         self.seconds, self.steps = {}, 0
 
     def per_step_us(self) -> dict[str, float]:
-        return {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+        """Each part's microseconds a step; "step - read" is the step's host work besides the
+        wait for the device (with speculation, the host's gap between two verify steps)."""
+        us = {name: s / max(self.steps, 1) * 1e6 for name, s in self.seconds.items()}
+        if "step" in us and "read" in us:
+            us["step - read"] = us["step"] - us["read"]
+        return us
 
     def line(self) -> str:
         return phases_text(self.per_step_us())
@@ -246,11 +280,13 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
         spec_phases = StepPhases(llm.engine) if phases else None
         for k in ks:
             llm.engine.spec.config = llm.engine.spec.config.replace(num_speculative_tokens=k)
+            asked = [None] * len(matches) if acceptance is None else acceptance
             row_matches = matches if acceptance is None else [match_for_acceptance(a, k) for a in acceptance]
-            for match in row_matches:
+            for rate, match in zip(asked, row_matches):
                 row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds,
                                        spec_phases)
-                row.update(speedup=row["tok_s"] / base_tok_s, same_as_plain=row.pop("tokens") == base_tokens)
+                row.update(asked=rate, speedup=row["tok_s"] / base_tok_s,
+                           same_as_plain=row.pop("tokens") == base_tokens)
                 result["ngram"].append(row)
     if draft:
         try:
@@ -297,16 +333,20 @@ def print_table(results: list[dict]) -> None:
     print(f"one stream, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, default settings; "
           "fused: the share of verify steps run as fused decode rows; "
           "rounds: runs until the engine's own continuation held (held: no)")
-    print(f"{'config':14} {'k':>2} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} {'x plain':>8} "
-          f"{'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
+    print(f"{'config':14} {'k':>2} {'asked':>5} {'match':>6} {'accept':>7} {'len':>5} {'tok/s':>8} "
+          f"{'x plain':>8} {'ms/step':>8} {'fused':>6} {'rounds':>6} {'same':>6}")
     for res in results:
+        if "skipped" in res:
+            print(f"{res['config']:14} not run: {res['skipped']}")
+            continue
         plain = res["plain"]
-        print(f"{res['config']:14} {'-':>2} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
+        print(f"{res['config']:14} {'-':>2} {'-':>5} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
               f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
         print_phases(plain)
         for row in res["ngram"]:
             rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
-            print(f"{res['config']:14} {row['k']:2d} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
+            asked = "-" if row.get("asked") is None else f"{row['asked']:.2f}"
+            print(f"{res['config']:14} {row['k']:2d} {asked:>5} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
                   f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
                   f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
                   f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
@@ -321,12 +361,26 @@ def print_table(results: list[dict]) -> None:
 
 def print_phases(row: dict) -> None:
     if "host_us" in row:
-        print("    host us a step (nested: finish holds read and update; read waits for the device): "
+        print("    host us/step (finish holds read, update; read waits for the device): "
               + phases_text(row["host_us"]))
 
 
 def ms_per_step(row: dict) -> float:
     return 1000 * NEW_TOKENS / row["tok_s"] / row["steps"]
+
+
+# The issue's grid (`--grid`): each config with its k values and acceptance rates, in order;
+# a config after the first starts only within --budget-s (the 7B rows if time allows).
+GRID = (("qwen2.5-0.5b", (2, 4, 8), (0.5, 0.7, 0.9)),
+        ("qwen2.5-7b", (4,), (0.5, 0.7, 0.9)))
+GRID_BUDGET_S = 240  # seconds; expected (not yet timed): 0.5B ~2 min on the H200, 7B ~2-3 more
+
+
+def planned_runs(args) -> list[tuple[str, list[int], list[float] | None]]:
+    """(config, ks, acceptance rates or None for --match) for each config to run, in order."""
+    if args.grid:
+        return [(config, list(ks), list(rates)) for config, ks, rates in GRID]
+    return [(config, args.k, args.acceptance) for config in args.config]
 
 
 def main() -> int:
@@ -337,8 +391,15 @@ def main() -> int:
     ap.add_argument("--acceptance", nargs="+", type=float, default=None, metavar="A",
                     help="instead of --match: for each k, the match expected to accept A of the "
                          "proposals (k = 4 at 0.7: match 0.86); the accept column is measured")
+    ap.add_argument("--grid", action="store_true",
+                    help="the issue's grid instead of --config/--k/--acceptance: " + "; ".join(
+                        f"{c} k {' '.join(map(str, ks))} at {' '.join(map(str, a))}"
+                        for c, ks, a in GRID) + " (a later config only within --budget-s)")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="start no config after the first once S seconds have passed "
+                         f"(default with --grid: {GRID_BUDGET_S})")
     ap.add_argument("--draft", default=None, help="a draft model (preset or path) for the last config")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="the results, written after each config")
     ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
                     help="runs a row may take to find the continuation its engine reproduces")
     ap.add_argument("--phases", action="store_true",
@@ -352,14 +413,21 @@ def main() -> int:
 
         fused_decode.SERVED_ROWS = args.served_rows
         print(f"fused_decode.SERVED_ROWS set to {args.served_rows} (a measurement, not the default)")
-    results = []
-    for i, config in enumerate(args.config):
-        draft = args.draft if i == len(args.config) - 1 else None
-        results.append(run_config(config, args.k, args.match, draft, args.max_rounds, args.phases,
-                                  args.acceptance))
+    budget = args.budget_s if args.budget_s is not None else GRID_BUDGET_S if args.grid else None
+    runs, results, started = planned_runs(args), [], time.perf_counter()
+    for i, (config, ks, rates) in enumerate(runs):
+        elapsed = time.perf_counter() - started
+        if i and budget is not None and elapsed > budget:
+            print(f"{config}: not run ({elapsed:.0f} s > --budget-s {budget:.0f})", flush=True)
+            results.append({"config": config, "skipped": f"{elapsed:.0f} s > budget {budget:.0f} s"})
+            continue
+        draft = args.draft if i == len(runs) - 1 else None
+        results.append(run_config(config, ks, args.match, draft, args.max_rounds, args.phases, rates))
+        print(f"{config}: {len(results[-1]['ngram'])} rows in {time.perf_counter() - started - elapsed:.0f} s",
+              flush=True)
+        if args.json:  # what ran so far survives a run cut short
+            args.json.write_text(json.dumps(results, indent=1))
     print_table(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -121,6 +121,23 @@ def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
         assert NgramProposer(lo, hi).lookup(tokens, k) == scan(tokens, k, lo, hi)
 
 
+def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
+    """The proposer keeps each request's tokens as they grow, and answers most look-ups from
+    where each token last occurred: the same as `lookup` over all of them, at every length."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        lo = int(rng.integers(1, 3))
+        proposer = NgramProposer(lo, int(rng.integers(lo, 5)))
+        vocab = int(rng.integers(2, 9))
+        req = Request(trial, rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist(),
+                      SamplingParams())
+        for _ in range(15):
+            k = int(rng.integers(1, 6))
+            expected = proposer.lookup(np.array(req.prompt_token_ids + req.output_token_ids), k)
+            assert proposer.propose([req], k) == [expected]
+            req.output_token_ids += rng.integers(0, vocab, size=int(rng.integers(1, 5))).tolist()
+
+
 def test_a_verify_row_samples_its_last_k_plus_one_tokens():
     from flashlet.runner.batch import InputBatch
 

@@ -229,12 +229,13 @@ class Scheduler:
         update.starts = starts = [req.num_computed_tokens for req in reqs]
         if not out.is_pure_decode:
             update.query_lens = lens = [n for _, n in out.scheduled]
-            update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
-                                for t in req.token_slice(start, start + n)]
             update.sample = [start + n >= req.num_tokens  # (> for a verifying row)
                              for req, start, n in zip(reqs, starts, lens)]
             if out.proposals:
                 self._add_proposals(update, reqs, out.proposals)
+            else:
+                update.token_ids = [t for req, start, n in zip(reqs, starts, lens)
+                                    for t in req.token_slice(start, start + n)]
         elif every_row_samples:  # each row's token is its newest one
             update.token_ids = _newest_tokens(reqs)
         else:
@@ -244,10 +245,13 @@ class Scheduler:
     @staticmethod
     def _add_proposals(update: BatchUpdate, reqs: list[Request],
                        proposals: dict[Request, list[int]]) -> None:
-        """A verify step's columns: each verifying row's tokens end in its proposals."""
-        update.spec_lens = [len(proposals.get(req, ())) for req in reqs]
-        update.token_ids = [t for req, start, n in zip(reqs, update.starts, update.query_lens)
-                            for t in req.token_slice(start, start + n) + proposals.get(req, [])]
+        """A verify step's columns: its token ids, each verifying row's ending in its proposals."""
+        update.spec_lens = spec_lens = [len(proposals.get(req, ())) for req in reqs]
+        token_ids = update.token_ids = []
+        for req, start, n, k in zip(reqs, update.starts, update.query_lens, spec_lens):
+            token_ids += req.token_slice(start, start + n - k)
+            if k:
+                token_ids += proposals[req]
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int,
                           proposals: dict[Request, list[int]] | None = None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -258,18 +258,34 @@ class InputBatch:
         """A verify step whose every query token is sampled, as one decode row per token over
         its sequence's page-table row, at KV lengths position + 1: the layout that
         fused_decode.verify_as_decode_rows makes of the ragged one, built without it (a
-        speculating step's host time is not overlapped)."""
-        lens = np.array(update.query_lens, np.int64)
-        starts = np.array(update.starts, np.int64)
-        token_rows = np.repeat(rows, lens)
-        if len(token_rows) >= len(self._counting):  # more decode rows than sequences
-            self._count_to(len(token_rows))
-        # each token's position: its row's start, then one on a token
-        positions = np.repeat(starts - _indptr(lens)[:-1], lens) + np.arange(len(token_rows))
-        layout = self._fresh_decode_layout(token_rows, positions, update.token_ids)
+        speculating step's host time is not overlapped). The per-token columns are a few
+        Python ints (at most max_rows tokens: cheaper than numpy's calls on arrays that
+        short); the pages are gathered in numpy, as a long context has many."""
+        lens, starts, ps = update.query_lens, update.starts, self.page_size
+        ends = [start + n for start, n in zip(starts, lens)]
+        positions = list(chain.from_iterable(map(range, starts, ends)))
+        token_rows = [row for row, n in zip(rows.tolist(), lens) for _ in range(n)]
+        if len(positions) >= len(self._counting):  # more decode rows than sequences
+            self._count_to(len(positions))
+        # each token's causal prefix spans its sequence's first `pages` pages
+        pages = [position // ps + 1 for position in positions]
+        if any(self.num_pages[rows] < [(end - 1) // ps + 1 for end in ends]):
+            raise ValueError("a row's page table holds fewer pages than its tokens need")
+        kv_ptr = list(accumulate(pages, initial=0))
+        width = self.page_table.shape[1]
+        # one gather over the flat table: token t's pages from its row's first on
+        firsts = np.array([row * width - ptr for row, ptr in zip(token_rows, kv_ptr)], np.int64)
+        indices = self.page_table.ravel()[np.repeat(firsts, pages) + np.arange(kv_ptr[-1])]
+        offsets = [position % ps for position in positions]
+        last_pages = indices[np.array(kv_ptr[1:], np.int64) - 1]  # each token's own page
+        slots = np.multiply(last_pages, ps, dtype=np.int64) + offsets
+        layout = self._decode_layout(
+            np.array(token_rows, np.int64), np.array(positions, np.int64), slots,
+            np.array(kv_ptr, np.int32), indices, np.array(offsets, np.int32),
+            np.array(positions, np.int32) + 1, update.token_ids)
         layout.verify_as_decode_rows = True
         self._decode = None
-        self._note_sampled(rows, starts + lens)
+        self._note_sampled(rows, np.array(ends, np.int64))
         return layout
 
     def _count_to(self, n: int) -> None:
@@ -401,6 +417,13 @@ class InputBatch:
     def _change_pages(self, changes: list[tuple[int, int, list[int]]]) -> None:
         """Page-table changes (request id, first entry, ids from it on) in one numpy write:
         most are one appended page each, and a write a row cost more than the rest of them."""
+        if len(changes) == 1:  # one request's (a stream's new page, or a verify step's trim)
+            request_id, first, page_ids = changes[0]
+            row = self.row_of[request_id]
+            if self._decode is not None and self.num_pages[row] > first:
+                self._decode = self._decode._replace(indices_changed=True)
+            self.set_pages(row, first, page_ids)
+            return
         rows, columns, ids, ends, firsts = [], [], [], {}, []
         for request_id, first, page_ids in changes:
             row, end = self.row_of[request_id], first + len(page_ids)
@@ -512,10 +535,12 @@ class InputBatch:
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input ids, fed rows, their sources): a PLACEHOLDER token's row is fed, from its
         request's place in the previous step's sampled tokens, and holds 0 until then."""
-        num_tokens = len(token_ids)
-        if num_tokens and token_ids.count(PLACEHOLDER) == num_tokens:  # every token fed
+        num_tokens, num_fed = len(token_ids), token_ids.count(PLACEHOLDER)
+        if num_tokens and num_fed == num_tokens:  # every token fed
             return (np.zeros(num_tokens, np.int64), self._counting[:num_tokens],
                     self.sample_index[token_rows])
+        if not num_fed:  # every token known (a verify step's are: its rows' tokens were read)
+            return np.array(token_ids, np.int64), self._counting[:0], self._counting[:0]
         input_ids = np.array(token_ids, np.int64)
         feed_rows = (input_ids == PLACEHOLDER).nonzero()[0]
         input_ids[feed_rows] = 0  # the device writes the real token in (StepBuffers.load)

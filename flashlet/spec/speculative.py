@@ -71,16 +71,32 @@ class NgramProposer:
     occurrence, and propose the k tokens that followed it. No weights; it pays on input-grounded
     work (editing, repeating, summarising a given text), where outputs copy spans of the input.
 
-    Each request's tokens are kept in a numpy array that grows as the request does (so a step
-    converts only its new tokens); a lookup scans it once for the newest token, then extends
-    those few candidates a token at a time."""
+    Each request's tokens are kept as it grows (`_History`: a step converts only its new
+    tokens), with where each token last occurred: the usual answer, the most recent earlier
+    occurrence of the newest token extended to the longest suffix, takes a dict look-up and a
+    short compare. Where that fails, `lookup` scans the tokens once for the newest token, then
+    extends those few candidates a token at a time."""
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
-        self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # request id -> (buffer, filled)
+        self._tokens: dict[int, _History] = {}  # request id -> its tokens so far
 
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
-        return [self.lookup(self._token_array(req), k) for req in requests]
+        return [self._propose_one(self._history(req), k) for req in requests]
+
+    def _propose_one(self, history: "_History", k: int) -> list[int]:
+        """`lookup`'s answer for the history's tokens, by its first check alone where that
+        decides (a dict look-up instead of a scan)."""
+        tokens, length = history.tokens, len(history.tokens)
+        longest = min(self.max_n, length - 1)
+        if longest < self.min_n:
+            return []
+        end = history.last_before_newest()
+        if end is None:
+            return []  # every match ends in the newest token
+        if end >= longest - 1 and tokens[end - longest + 1 : end] == tokens[length - longest : -1]:
+            return tokens[end + 1 : end + 1 + k]
+        return self._scan(history.array(), k, longest)
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """The k tokens after the most recent earlier occurrence of the longest suffix of
@@ -89,17 +105,24 @@ class NgramProposer:
         longest = min(self.max_n, length - 1)
         if longest < self.min_n:
             return []
-        # Where an earlier match could end: the newest token's earlier places (each before the
-        # last token, so the suffix itself is no match and every match has a token after it).
-        # Each pass keeps the ends whose match is one token longer: one scan of the whole
-        # array a step, then work on the few candidates only.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-        if len(ends) and ends[-1] >= longest - 1:
-            # The most recent candidate matching the longest suffix is the answer: in text that
-            # repeats (where proposals are accepted) it usually does, and the check is cheap.
-            end = int(ends[-1])
-            if tokens[end - longest + 1 : end].tolist() == tokens[length - longest : -1].tolist():
-                return tokens[end + 1 : end + 1 + k].tolist()
+        end = int(ends[-1]) if len(ends) else -1
+        if end >= longest - 1 and (tokens[end - longest + 1 : end].tolist()
+                                   == tokens[length - longest : -1].tolist()):
+            # the most recent candidate matches the longest suffix: in text that repeats (where
+            # proposals are accepted) it usually does, and the check is cheap
+            return tokens[end + 1 : end + 1 + k].tolist()
+        return self._scan(tokens, k, longest, ends)
+
+    def _scan(self, tokens: np.ndarray, k: int, longest: int,
+              ends: np.ndarray | None = None) -> list[int]:
+        """`lookup` by a scan: where an earlier match could end are the newest token's earlier
+        places (`ends`, if found already; each before the last token, so the suffix itself is
+        no match and every match has a token after it); each pass keeps the ends whose match is
+        one token longer. One scan of the whole array, then work on the few candidates only."""
+        length = len(tokens)
+        if ends is None:
+            ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         best = ends if self.min_n == 1 else None
         for n in range(2, longest + 1):
             ends = ends[ends >= n - 1]
@@ -113,18 +136,14 @@ class NgramProposer:
         start = int(best[-1]) + 1
         return tokens[start : start + k].tolist()
 
-    def _token_array(self, req: Request) -> np.ndarray:
-        buffer, filled = self._tokens.get(req.request_id, (None, 0))
+    def _history(self, req: Request) -> "_History":
+        history = self._tokens.get(req.request_id)
+        if history is None:
+            history = self._tokens[req.request_id] = _History()
         total = req.num_tokens
-        if buffer is None or total > len(buffer):
-            grown = np.empty(max(2 * total, 64), np.int64)
-            if buffer is not None:
-                grown[:filled] = buffer[:filled]
-            buffer = grown
-        if total > filled:
-            buffer[filled:total] = req.token_slice(filled, total)
-        self._tokens[req.request_id] = (buffer, total)
-        return buffer[:total]
+        if total > len(history.tokens):
+            history.extend(req.token_slice(len(history.tokens), total))
+        return history
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
         pass  # nothing proposed is kept
@@ -134,6 +153,42 @@ class NgramProposer:
 
     def warm_up(self) -> None:
         pass  # numpy on the host: nothing to compile
+
+
+class _History:
+    """One request's tokens for prompt lookup: a list, where each token last occurred before
+    the newest one, and a numpy copy made up to date only when a scan needs it."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self._last: dict[int, int] = {}  # token -> its last position before the newest token
+        self._buffer = np.empty(0, np.int64)
+        self._filled = 0  # tokens copied into the buffer
+
+    def extend(self, new: list[int]) -> None:
+        if not new:
+            return
+        tokens, last = self.tokens, self._last
+        # the newest token so far, and each new one but the last, now have a token after them
+        for i, token in enumerate(tokens[-1:] + new[:-1], start=max(len(tokens) - 1, 0)):
+            last[token] = i
+        tokens += new
+
+    def last_before_newest(self) -> int | None:
+        """The newest token's most recent earlier position (None: it has none)."""
+        return self._last.get(self.tokens[-1])
+
+    def array(self) -> np.ndarray:
+        """The tokens as an int64 array (a view of a buffer that grows by doubling)."""
+        total = len(self.tokens)
+        if total > len(self._buffer):
+            grown = np.empty(max(2 * total, 64), np.int64)
+            grown[: self._filled] = self._buffer[: self._filled]
+            self._buffer = grown
+        if total > self._filled:
+            self._buffer[self._filled : total] = self.tokens[self._filled : total]
+            self._filled = total
+        return self._buffer[:total]
 
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:

@@ -320,6 +320,7 @@ PTX_SCRIPT = textwrap.dedent("""
           "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
           "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "PRMT", ptx.count("prmt.b32"),
+          "WIDEN", ptx.count(", t, 0x87f087f0;"),
           "SHA", hashlib.sha256(ptx.encode()).hexdigest())
 """)
 

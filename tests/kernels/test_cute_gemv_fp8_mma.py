@@ -193,6 +193,7 @@ def test_fp8_mma_lowers_to_mma_sync_and_integer_widening(tmp_path, n, k, epilogu
     weight_loads = (3 if loops else 1) * p.loads_in_flight_per_lane
     assert counts["W128"] + counts["W128U"] == weight_loads + 2 * p.chunks * (n_tiles + norm), counts
     assert counts["PRMT"] == (2 if loops else 1) * p.loads_in_flight_per_lane * 4 * 2, counts
+    assert counts["WIDEN"] == counts["PRMT"]  # each prmt's pair masked as `widen_e4m3_word` models it
     assert counts["CVT8"] == 0 and counts["STACK"] == 0 and counts["LOCAL"] == 0, counts
     assert counts["F32LOAD"] >= 2  # rows g and g + 8's scales
     assert (counts["ATOM"] > 0) == (epilogue == "argmax" or p.splits > 1)

@@ -87,6 +87,7 @@ def variants():
         "fp8 W 128x128 blocks, fp32 matmul": (per_block, False, f32, all_p, False),
         "fp8 A per-token only (W bf16)": (lambda w: w, True, f32, all_p, False),
         "fp8 W per-row + LM head fp8": (per_row, False, f32, all_p, True),
+        "LM head fp8 only (decoder bf16)": (per_row, False, f32, (), True),
     }
     for proj in all_p:
         table[f"fp8 W per-row, {proj} only"] = (per_row, False, f32, (proj,), False)

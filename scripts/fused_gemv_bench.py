@@ -14,7 +14,13 @@ gets M rows for the price of one. At M > 1 the kernel's default form is the tens
 plans (`plan_gemv(..., mma=True)`; FUSED_NOTES.md, "Stage 5"), and each M also runs the CUDA-core
 form ("cores") beside it; --no-mma runs the CUDA-core form only.
 
-    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--rows M ...] [--no-mma] [--json PATH]
+With --fp8 each shape and M runs fp8 weights instead (e4m3 codes with per-row scales, checked
+against gemv_reference with the scales): the CUDA-core form ("fp8 cores", fp8's default; "none")
+and the tensor-core form ("fp8 mma", opt-in: `plan_gemv(..., fp8=True, mma=True)`, FUSED_NOTES.md "Issue 31:
+fp8 on the tensor cores", with each of the shape's epilogues), beside bf16's default plan; GB/s
+counts each form's own weight bytes (fp8: N x K).
+
+    python3 scripts/fused_gemv_bench.py [--only NAME ...] [--rows M ...] [--no-mma] [--fp8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, ".")
 from flashlet.kernels import cute_gemv  # noqa: E402  (imports no cutlass until used)
 from flashlet.kernels.bench import graph_time_us  # noqa: E402
+from flashlet.models.quantization import quantize_rows  # noqa: E402
 
 # name, N (rows of W), K, CuTe epilogues to run; the 0.5B model's five weight shapes.
 SHAPES = [
@@ -110,13 +117,17 @@ def check(gemv: cute_gemv.CuteGemv, n: int, k: int, epilogue: str, seed: int) ->
     rows = gemv.plan.rows
     x = rand(rows, k, seed=seed)
     w = rand(n, k, seed=seed + 1, scale=k ** -0.5)
+    scaled = {}
+    if gemv.plan.fp8:  # e4m3 codes and row scales; the reference dequantizes them
+        w, row_scales = quantize_rows(w)
+        scaled = {"scale": row_scales}
     extra = extra_for(gemv, epilogue, seed + 2)
     out = gemv.out_like()
     out.fill_(-1) if epilogue == "argmax" else out.fill_(float("nan"))
-    gemv(x, w, extra, out=out)
+    gemv(x, w, extra, out=out, **scaled)
     torch.cuda.synchronize()
     if epilogue == "argmax":
-        logits = x.float() @ w.float().t()
+        logits = cute_gemv.gemv_reference(x, w, "none", **scaled)
         tokens = out.long()
         if not bool(((tokens >= 0) & (tokens < n)).all()):
             raise AssertionError(f"argmax wrote tokens {out.tolist()}, some outside [0, {n})")
@@ -124,7 +135,7 @@ def check(gemv: cute_gemv.CuteGemv, n: int, k: int, epilogue: str, seed: int) ->
         if gap > 1e-3 * float(logits.abs().max()):
             raise AssertionError(f"argmax chose {out.tolist()}, reference {logits.argmax(dim=-1).tolist()}")
         return f"tokens ok (largest gap {gap:.2e})"
-    ref = cute_gemv.gemv_reference(x, w, epilogue, extra)
+    ref = cute_gemv.gemv_reference(x, w, epilogue, extra, **scaled)
     if torch.isnan(out).any():
         raise AssertionError(f"{int(torch.isnan(out).sum())} outputs never written (NaN)")
     err = rel_err(out, ref)
@@ -139,14 +150,29 @@ def weight_bank(n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
     return rand(copies, n, k, seed=seed, scale=k ** -0.5), copies
 
 
+def fp8_weight_bank(n: int, k: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """([copies, n, k] e4m3 codes, [copies, n] fp32 row scales): weight_bank's, in fp8 bytes."""
+    copies = max(1, math.ceil(L2_DEFEAT_BYTES / (n * k)))
+    codes, scales = [], []
+    for c in range(copies):
+        q, s = quantize_rows(rand(n, k, seed=seed + c, scale=k ** -0.5))
+        codes.append(q)
+        scales.append(s)
+    return (torch.stack(codes), torch.stack(scales)), copies
+
+
 def time_variant(gemv, epilogue, bank, copies, k):
+    """bank: bf16 weights, or (codes, scales) for an fp8 GEMV."""
     x = rand(gemv.plan.rows, k, seed=7)
     extra = extra_for(gemv, epilogue, 8)
     out = gemv.out_like()
     calls = max(copies, 8)
 
     def launch(i):
-        gemv(x, bank[i % copies], extra, out=out)
+        if gemv.plan.fp8:
+            gemv(x, bank[0][i % copies], extra, out=out, scale=bank[1][i % copies])
+        else:
+            gemv(x, bank[i % copies], extra, out=out)
 
     try:
         return graph_time_us(calls, launch)
@@ -277,6 +303,25 @@ def shape_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
     return out
 
 
+def fp8_variants(n: int, k: int, epilogues: list[str], args) -> list[tuple]:
+    """--fp8: at each M, bf16's default plan ("none"), the fp8 CUDA-core form ("none"), then the
+    fp8 tensor-core form for "none" and the shape's epilogues (each where it plans), and as a
+    PDL chain."""
+    out = []
+    for m in args.rows:
+        out.append((m, "none", False, 16, False, {}))
+        cases = [("none", {"fp8": True})] + [(e, {"fp8": True, "mma": True}) for e in dict.fromkeys(["none", *epilogues])]
+        for e, knobs in cases:
+            try:
+                cute_gemv.plan_gemv(n, k, e, rows=m, **knobs)
+            except ValueError:  # a shape the form cannot plan
+                continue
+            out.append((m, e, False, 16, False, knobs))
+        if not args.no_pdl:
+            out.append((m, "none", True, 16, False, {"fp8": True, "mma": True}))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
@@ -287,6 +332,8 @@ def main() -> int:
                     help="decode rows per call (M): the M-row kernel beside cuBLAS at each M")
     ap.add_argument("--no-mma", action="store_true",
                     help="M > 1: the CUDA-core form only (no tensor-core rows)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="fp8 weights: the CUDA-core and tensor-core fp8 forms beside bf16's default")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -314,16 +361,23 @@ def main() -> int:
             failures += 1
             continue
         bank, copies = bank_copies
-        for m, epilogue, pdl, max_loads, staged, knobs in shape_variants(n, k, epilogues, args):
+        fp8_bank = guarded(f"{name} fp8 weights", fp8_weight_bank, n, k, seed=200) if args.fp8 else None
+        if args.fp8 and fp8_bank is None:
+            failures += 1
+            continue
+        variants = fp8_variants(n, k, epilogues, args) if args.fp8 else shape_variants(n, k, epilogues, args)
+        for m, epilogue, pdl, max_loads, staged, knobs in variants:
+            fp8 = knobs.get("fp8", False)
             tag = (epilogue + ("+pdl" if pdl else "") + (" R=1" if max_loads == 8 else "")
                    + (" R up" if max_loads == 32 else "")
                    + ({0: " tile/CTA"}.get(knobs.get("ctas_per_sm"), f" loop {knobs.get('ctas_per_sm')}/SM")
                       if "ctas_per_sm" in knobs else "")
                    + (" cores" if knobs.get("mma") is False and not args.no_mma else "")
+                   + ((" fp8 mma" if knobs.get("mma") else " fp8 cores") if fp8 else "")
                    + (f" w{knobs['warps']}" if "warps" in knobs and "ctas_per_sm" not in knobs else "")
                    + (" staged" if staged else ""))
             label = f"{name} {n}x{k} M={m} {tag}"
-            row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * 2)
+            row = dict(shape=name, n=n, k=k, rows=m, variant=tag, bytes=n * k * (1 if fp8 else 2))
             gemv = guarded(f"{label} plan", cute_gemv.CuteGemv, n, k, epilogue, pdl=pdl,
                            max_loads=max_loads, staged=staged, rows=m, **knobs)
             if gemv is None:
@@ -340,7 +394,8 @@ def main() -> int:
             verdict = guarded(f"{label} check", check, gemv, n, k, epilogue, seed=len(results) * 10)
             row["check"] = verdict or "FAILED"
             failures += verdict is None
-            row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, bank, copies, k)
+            row["cute_us"] = guarded(f"{label} time", time_variant, gemv, epilogue, *(fp8_bank if fp8 else (bank, copies)),
+                                     k)
             baseline = not pdl and max_loads == 16 and not staged and knobs == ({"mma": False} if args.no_mma and m > 1 else {})
             if baseline and epilogue == "none":
                 row["cublas_us"] = guarded(f"{label} cublas", time_torch, "cublas", epilogue, bank, copies, n, k, m)
@@ -356,7 +411,7 @@ def main() -> int:
             log(f"{label}: plan {row['plan']}, compiled in {secs:.2f}s, {row['check']}, "
                 f"{row.get('cute_us') or float('nan'):.2f} us")
             results.append(row)
-        del bank
+        del bank, fp8_bank
         torch.cuda.empty_cache()
 
     def f(v, fmt):

@@ -33,8 +33,8 @@ class ReferenceGemv:
     references; with a scale, quantization.dequant_linear's numerics)."""
 
     def __init__(self, n_rows, k, epilogue="none", *, device="cuda", pdl=False, norm=False, eps=1e-6,
-                 rope=None, rows=1, fp8=False):
-        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope, fp8=fp8)
+                 rope=None, rows=1, fp8=False, mma=None):
+        self.plan = plan_gemv(n_rows, k, epilogue, norm=norm, eps=eps, rope=rope, fp8=fp8, mma=mma)
         self.rows = rows
         self.calls = 0
         self.compile_seconds = None  # as CuteGemv: set once compiled (at its first call)

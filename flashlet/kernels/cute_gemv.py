@@ -46,7 +46,8 @@ Tensor cores (`mma`, the default for 2-16 bf16 rows where it plans; FUSED_NOTES.
 and x^T as B, each lane's natural 16-byte loads its fragments (K permuted alike in both), so the
 products cost about one row's: a CTA owns 16 weight rows and its warps split K (`_plan_mma`,
 `_mma_kernel`); a long K also splits over CTAs (`splits`). One row, fp8 and the staged variant
-keep the CUDA-core form (`mma=False` asks for it).
+keep the CUDA-core form by default (`mma=False` asks for it); fp8 has a tensor-core form too,
+opt-in (below).
 
 FP8 weights (`fp8=True`; quantization.QuantizedWeight's layout: W ~= q * scale[:, None], q [N, K]
 e4m3, scale [N] fp32): weight-only, as the per-op fp8 kernel. A 16-byte load holds 16 weights
@@ -56,7 +57,12 @@ then to fp32, and its two halves meet x's two 16-byte loads (x stays bf16, 8 a l
 go through `_dot_rows` at one row too (a lane covers twice a bf16 lane's K: the one-row form held
 too many registers and spilled), and each weight row's sum is multiplied by its scale once,
 before any epilogue. The bytes fall to N * K (+ 4 N of scales); the bf16 kernels' code is the
-same (their PTX is byte-identical with or without this path, a test pins it).
+same (their PTX is byte-identical with or without this path, a test pins it). With mma=True (1
+to 16 rows, opt-in until measured; FUSED_NOTES.md, "Issue 31: fp8 on the tensor cores") fp8
+weights go through the tensor-core form instead: a K step is 64, lane t's 16-byte load of a row
+holds its 16 codes, widened to bf16 by three integer instructions a pair (`widen_e4m3_word`:
+exact, each value times 2^-120, which the epilogue multiplies back with the row's scale), and
+four m16n8k16 products a step take them with x's two 16-byte chunks of the same K.
 
 The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
 never needs it; `CuteUnavailable` says how to install it when it is missing.
@@ -84,6 +90,14 @@ MMA_ROWS = 16  # weight rows a tensor-core tile covers (the mma's M; the decode 
 MMA_MAX_STEPS = 8  # K steps a warp loads at once: 16 weight loads a lane in flight
 MMA_MAX_WARPS = 32  # a CTA's warps splitting K (1024 threads)
 MMA_ARGMAX_CTAS_PER_SM = 8  # the tensor-core argmax's looping grid (a CTA walks ~9 LM-head tiles)
+MMA_K_FP8 = 64  # fp8's K step: a lane's 16-byte load a row holds 16 e4m3, four m16n8k16 products
+# fp8 on the tensor cores widens e4m3 to bf16 with integer ops (`widen_e4m3_word`, exact): each
+# 32-bit word of four codes becomes two bf16 pairs whose values are the codes' times 2^-120; the
+# epilogue multiplies each sum by E4M3_BF16_SCALE before the row's scale.
+E4M3_PRMT = (0x9180, 0xB3A2)  # prmt selectors: codes 0, 1 (2, 3) as sign-extended 16-bit halves
+E4M3_SHIFT = 4                # the 7 exponent + mantissa bits to bf16's bits 4-10 (sign: bits 11-15)
+E4M3_MASK = 0x87F087F0        # keep each half's bit 15 (sign) and bits 4-10
+E4M3_BF16_SCALE = 2.0 ** 120  # bf16 exponent e against e4m3's bias 7: 2^(e - 127) / 2^(e - 7)
 INSTALL_HINT = (
     "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
     "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
@@ -131,7 +145,7 @@ def _dsl():
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
                 launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
-                launcher_mma=cute.jit(_mma_launch),
+                launcher_mma=cute.jit(_mma_launch), launcher_mma_fp8=cute.jit(_mma_launch_fp8),
                 make_fake=make_fake_compact_tensor)
 
 
@@ -166,6 +180,11 @@ class GemvPlan:
     def vec(self) -> int:
         """Elements of K in one 16-byte weight chunk: 8 bf16, 16 fp8."""
         return FP8_VEC if self.fp8 else VEC
+
+    @property
+    def k_step(self) -> int:
+        """The tensor-core form's K step: 32 bf16 (two products), 64 fp8 (four)."""
+        return MMA_K_FP8 if self.fp8 else MMA_K
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -365,7 +384,9 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
 
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
     rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given); mma=False
-    keeps the CUDA-core M-row form."""
+    keeps the CUDA-core M-row form. With fp8=True the tensor-core form (1 to 16 rows, K a
+    multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the tensor cores") is opt-in: only
+    mma=True plans it, until a GPU measures it."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
@@ -405,13 +426,13 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if late_g and not norm:
         raise ValueError("late_g moves the norm's weight load: it needs norm=True")
     n_out = n_rows // 2 if epilogue == "silu_mul" or rope is not None else n_rows
-    refusal = _mma_refusal(k, rows, fp8, knobs)
+    refusal = _mma_refusal(k, rows, fp8, knobs, asked=bool(mma))
     if mma and refusal:
         raise ValueError(f"mma=True: {refusal}")
     if mma or (mma is None and not refusal):
         try:
             return _plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl, norm=norm,
-                             eps=eps, rope=rope)
+                             eps=eps, rope=rope, fp8=fp8)
         except ValueError:
             if mma:
                 raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form
@@ -494,14 +515,15 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                     staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
 
 
-def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict) -> str:
-    """Why the tensor-core form cannot plan this GEMV ("" where it can)."""
-    if rows < 2:
+def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict, asked: bool = False) -> str:
+    """Why the tensor-core form cannot plan this GEMV ("" where it can); asked: mma=True."""
+    if fp8 and not asked:
+        return "fp8 on the tensor cores is opt-in (mma=True) until measured on a GPU"
+    if rows < 2 and not fp8:
         return "the tensor-core form is for rows >= 2 (one row keeps the CUDA-core kernel)"
-    if fp8:
-        return "the tensor-core form reads bf16 weights (fp8 keeps the CUDA-core form)"
-    if k % MMA_K:
-        return f"K must be a multiple of {MMA_K}, got {k}"
+    step = MMA_K_FP8 if fp8 else MMA_K
+    if k % step:
+        return f"K must be a multiple of {step}, got {k}"
     cuda_core_only = [name for name in ("outs_per_group", "staged", "stages", "late_g")
                       if knobs[name] and not (name == "stages" and knobs[name] == 1)]
     if cuda_core_only:
@@ -510,7 +532,7 @@ def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict) -> str:
 
 
 def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: dict, *, num_sms: int,
-              pdl: bool, norm: bool, eps: float, rope: RopeShape | None) -> GemvPlan:
+              pdl: bool, norm: bool, eps: float, rope: RopeShape | None, fp8: bool = False) -> GemvPlan:
     """The tensor-core plan: a CTA owns a tile of 16 weight rows and its warps split K, each
     taking `chunks` consecutive K steps of 32 (all its loads in flight at once, at most
     MMA_MAX_STEPS); warps = K steps / chunks, more where the tiles are too few to give every SM
@@ -520,8 +542,13 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
     CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
     applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
-    `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override."""
-    steps = k // MMA_K
+    `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override. fp8: K steps of 64 (a
+    16-byte load holds 16 e4m3), each with twice a bf16 step's x registers."""
+    steps = k // (MMA_K_FP8 if fp8 else MMA_K)
+    x_regs = 8 if fp8 else 4  # a K step's B registers an n-tile
+    # fp8 past 8 rows: half the K steps a warp (at 7 a lane held 255 registers and spilled: the
+    # LM head's looping argmax at M = 16; at 4, 200 and no stack)
+    max_steps = MMA_MAX_STEPS // 2 if fp8 and rows > 8 else MMA_MAX_STEPS
     rows_per_out = 2 if epilogue == "silu_mul" or rope is not None else 1
     tiles = math.ceil(n_out / (MMA_ROWS // rows_per_out))
     n_tiles = math.ceil(rows / 8)
@@ -529,25 +556,27 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     if warps is not None and (not isinstance(warps, int) or not 1 <= warps <= MMA_MAX_WARPS):
         raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
     if splits is not None and (not isinstance(splits, int) or not 1 <= splits <= steps):
-        raise ValueError(f"splits must be in [1, K / {MMA_K} = {steps}], got {splits!r}")
+        raise ValueError(f"splits must be in [1, K / {MMA_K_FP8 if fp8 else MMA_K} = {steps}], got {splits!r}")
     can_split = not norm and epilogue != "argmax"
     if (splits or 1) > 1 and not can_split:
         raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
     given_warps = warps
 
     def warps_for(n_splits: int) -> tuple[int, int]:  # (warps, K steps a warp) at n_splits CTAs a tile
-        return _mma_warps(math.ceil(steps / n_splits), tiles * n_splits, num_sms, given_warps)
+        return _mma_warps(math.ceil(steps / n_splits), tiles * n_splits, num_sms, given_warps, max_steps)
 
     if splits is None:
         splits = 1
-        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles):
+        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs):
             splits += 1
+        if fp8 and can_split and steps > 2 * MMA_MAX_STEPS and tiles < num_sms:
+            splits = max(splits, 2)  # fp8's long K may fit unsplit: split anyway where SMs would idle
         while 1 < splits < steps and tiles * splits < num_sms:  # splitting anyway: every SM a CTA
             splits += 1
     warps, chunks = warps_for(splits)
-    if chunks > MMA_MAX_STEPS:
-        raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {MMA_MAX_STEPS}")
-    if not _mma_fits(warps, chunks, n_tiles):
+    if chunks > max_steps:
+        raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {max_steps}")
+    if not _mma_fits(warps, chunks, n_tiles, x_regs):
         raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps, over an SM's 64K registers "
                          "(more CTAs a tile would: splits)")
     if 2 * warps * n_tiles * 4 * 32 * 4 > 48 << 10:  # the warps' sums, double-buffered
@@ -564,15 +593,16 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         ctas_per_sm = MMA_ARGMAX_CTAS_PER_SM if epilogue == "argmax" else 0
     grid = tiles * splits if splits > 1 else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
     return GemvPlan(n_rows, k, n_out, epilogue, 32, chunks, 1, warps, grid, pdl, False, norm, float(eps),
-                    rope, 1, False, min_ctas, rows, False, True, splits)
+                    rope, 1, False, min_ctas, rows, fp8, True, splits)
 
 
-def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None) -> tuple[int, int]:
-    """(warps, K steps a warp) for `steps` K steps a CTA: as few warps as hold MMA_MAX_STEPS
+def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None,
+               max_steps: int = MMA_MAX_STEPS) -> tuple[int, int]:
+    """(warps, K steps a warp) for `steps` K steps a CTA: as few warps as hold max_steps
     each, more (fewer steps each) while the CTAs' warps number under two an SM; `warps` given:
     that many at most."""
     if warps is None:
-        per_warp = MMA_MAX_STEPS
+        per_warp = max_steps
         warps = math.ceil(steps / per_warp)
         while per_warp > 2 and ctas * warps < 2 * num_sms and math.ceil(steps / (per_warp // 2)) <= MMA_MAX_WARPS:
             per_warp //= 2
@@ -581,12 +611,12 @@ def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None) -> tuple[
     return math.ceil(steps / chunks), chunks  # no warp left without a step
 
 
-def _mma_fits(warps: int, chunks: int, n_tiles: int) -> bool:
+def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4) -> bool:
     """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
-    each, 2 a K step), its x fragments (4 a step and n-tile, kept across tiles), two accumulator
-    chains (8 an n-tile) and ~40 more. Past that ptxas caps the registers and spills (it did at
-    K = 4864's 19 warps)."""
-    regs = 8 * chunks + 4 * chunks * n_tiles + 8 * n_tiles + 40
+    each, 2 a K step), its x fragments (x_regs a step and n-tile, kept across tiles: 4 bf16, 8
+    fp8), two accumulator chains (8 an n-tile) and ~40 more (fp8: 16 more, a step's widened
+    weights). Past that ptxas caps the registers and spills (it did at K = 4864's 19 warps)."""
+    regs = 8 * chunks + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
     return regs * warps * 32 <= 65536
 
 
@@ -1233,7 +1263,8 @@ def _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The tensor-core form (rows >= 2; FUSED_NOTES.md, "Stage 5: tensor-core M rows").
+# The tensor-core form (bf16 rows >= 2, fp8 rows >= 1; FUSED_NOTES.md, "Stage 5: tensor-core M
+# rows" and "Issue 31: fp8 on the tensor cores").
 #
 # y^T [16 weight rows, 8 decode rows] += W [16, K] x^T [K, 8] with mma.sync m16n8k16 (bf16 in,
 # fp32 sums): W is the A operand, x^T the B operand (decode rows 8-15: a second product). At
@@ -1277,17 +1308,60 @@ def _mma_bf16(a, b, c):
     return [cutlass.Float32(llvm.extractvalue(f32, res, [i])) for i in range(4)]
 
 
-@_deferred.jit
-def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim):
-    """This lane's weight loads of `tile` (16-byte each, all issued at once): per K step of
-    this warp (first + warp C + s, clamped below `end`: the CTA's K steps), rows g then g + 8
-    of the tile (tail tiles re-read a valid row, store nothing)."""
-    g = lane // 4
-    t = lane % 4
-    if cutlass.const_expr(epilogue == "silu_mul"):  # gate row o, up row o + N/2
+def prmt(a: int, b: int, selector: int) -> int:
+    """PTX `prmt.b32 d, a, b, selector` (the default mode) on Python ints: byte i of d is byte
+    (selector >> 4 i) & 7 of b:a, or with bit 3 of that nibble set, that byte's sign (0x00 or
+    0xff). The CPU model `widen_e4m3_word` is checked with."""
+    source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = (selector >> 4 * i) & 0xF
+        byte = source[nibble & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << 8 * i
+    return out
+
+
+def widen_e4m3_word(word: int) -> tuple[int, int]:
+    """Four e4m3 codes (a 32-bit word, code 0 in the low byte) as two bf16 pairs (code 0 in the
+    low half of the first), exactly the three integer instructions a pair `_widen_e4m3` issues:
+    prmt makes each code a sign-extended 16-bit half (sign in bits 7-15, exponent + mantissa in
+    bits 0-6); a left shift by 4 puts the 7 exponent and mantissa bits at bf16's bits 4-10 (the
+    low 4 exponent bits, the top 3 mantissa bits) and the sign copies at 11-15; the mask keeps
+    bit 15 and bits 4-10. A code of exponent e >= 1 and mantissa m is then the bf16 2^(e - 127)
+    (1 + m/8) = its e4m3 value 2^(e - 7) (1 + m/8) times 2^-120; an e4m3 subnormal (e = 0) the
+    bf16 subnormal 2^-126 m/8 = 2^-6 m/8 times 2^-120: every finite code exactly, zero to zero
+    (-0 to -0). The two NaN codes (0x7f, 0xff) come out finite (480 times 2^-120): quantized
+    weights never hold them (quantization clamps to +-448)."""
+    pairs = []
+    for selector in E4M3_PRMT:
+        pairs.append(((prmt(word, 0, selector) << E4M3_SHIFT) & 0xFFFFFFFF) & E4M3_MASK)
+    return pairs[0], pairs[1]
+
+
+def _widen_e4m3(word):
+    """`widen_e4m3_word` on the GPU: an Int32 of four e4m3 codes -> two Int32 bf16 pairs."""
+    i32 = cutlass.Int32.mlir_type
+    body = "".join(f"prmt.b32 t, $2, 0, {sel:#x};\nshl.b32 t, t, {E4M3_SHIFT};\nand.b32 ${i}, t, {E4M3_MASK:#x};\n"
+                   for i, sel in enumerate(E4M3_PRMT))
+    res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [word.ir_value()],
+                          "{\n.reg .b32 t;\n" + body + "}", "=r,=r,r")
+    return [cutlass.Int32(llvm.extractvalue(i32, res, [i])) for i in range(2)]
+
+
+def _widen_e4m3_x16(v):
+    """16 e4m3 codes (one 16-byte load) as the eight bf16 pairs (2 j, 2 j + 1) an mma operand
+    takes, each value times 2^-120 (`widen_e4m3_word`)."""
+    return [pair for word in _as_i32x4(v) for pair in _widen_e4m3(word)]
+
+
+def _mma_rows(tile, g, n_out, epilogue, head_dim):
+    """The weight rows lane 4 g + t loads in `tile` (the A operand's rows g and g + 8): gate row o
+    and up row o + N/2 (silu_mul), dims i and i + D/2 of a head (rope), else rows g and g + 8
+    (tail tiles re-read a valid row and store nothing)."""
+    if epilogue == "silu_mul":
         row_a = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
         row_b = row_a + n_out
-    elif cutlass.const_expr(epilogue == "rope_kv" or epilogue == "bias_rope_kv"):
+    elif epilogue == "rope_kv" or epilogue == "bias_rope_kv":
         half = head_dim // 2  # slot p: dims i and i + D/2 of head p // (D/2)
         slot = cutlass.min(tile * (MMA_ROWS // 2) + g, n_out - 1)
         row_a = (slot // half) * head_dim + slot % half
@@ -1295,6 +1369,26 @@ def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue,
     else:
         row_a = cutlass.min(tile * MMA_ROWS + g, n_out - 1)
         row_b = cutlass.min(tile * MMA_ROWS + g + 8, n_out - 1)
+    return row_a, row_b
+
+
+def _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim):
+    """fp8: the scales of this lane's weight rows g and g + 8 in `tile` (None for bf16)."""
+    if mS is None:
+        return None
+    row_a, row_b = _mma_rows(tile, lane // 4, n_out, epilogue, head_dim)
+    return [cutlass.Float32(mS[row_a]), cutlass.Float32(mS[row_b])]
+
+
+@_deferred.jit
+def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim):
+    """This lane's weight loads of `tile` (16-byte each, all issued at once): per K step of
+    this warp (first + warp C + s, clamped below `end`: the CTA's K steps), rows g then g + 8
+    of the tile (`_mma_rows`). A chunk is 16 bytes whatever the weights: a K step of 32 bf16
+    or 64 fp8 is four chunks, lane t's the t-th."""
+    g = lane // 4
+    t = lane % 4
+    row_a, row_b = _mma_rows(tile, g, n_out, epilogue, head_dim)
     w = []
     for s in cutlass.range_constexpr(chunks):
         chunk = cutlass.min(first + warp * chunks + s, end - 1) * (MMA_K // VEC) + t
@@ -1304,37 +1398,48 @@ def _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue,
 
 
 @_deferred.jit
-def _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits):
+def _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits, fp8):
     """This warp's B fragments for all of its K steps (the same for every tile, so loaded once):
     b[s * n_tiles + nt], decode row 8 nt + g's x (x * g rounded to bf16 with norm; a padded row
     re-reads the last, whose sums are not stored), and with norm each decode row's sum of x^2
     over this lane's chunks (8-wide, per n-tile). Steps past the CTA's K (`end`; where warps x
-    chunks x splits > K / 32) are zeros."""
+    chunks x splits > K / step) are zeros. fp8: a K step is 64 and lane t's 16 weights meet x's
+    two 16-byte chunks 2 t and 2 t + 1 of it (eight registers an n-tile)."""
     g = lane // 4
     n_tiles = (rows + 7) // 8
     x_chunks = k // VEC
-    uneven = warps * chunks * splits > k // MMA_K
+    xpc = 2 if fp8 else 1  # x chunks a weight chunk
+    uneven = warps * chunks * splits > k // (MMA_K * xpc)
     b = []
     sq = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(n_tiles)]
     for s in cutlass.range_constexpr(chunks):
         step = first + warp * chunks + s
-        chunk = cutlass.min(step, end - 1) * (MMA_K // VEC) + lane % 4
+        if cutlass.const_expr(fp8):
+            base = cutlass.min(step, end - 1) * (MMA_K_FP8 // VEC) + (lane % 4) * 2
+            x_at = [base, base + 1]
+        else:
+            x_at = [cutlass.min(step, end - 1) * (MMA_K // VEC) + lane % 4]
         keep = cutlass.Float32(1.0)
         if cutlass.const_expr(uneven):
             keep = cutlass.Float32(cutlass.select_(step < end, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-        gv = None
-        if cutlass.const_expr(norm):
-            gv = mG[chunk, None].load().to(cutlass.Float32)
+        regs = [[] for _ in range(n_tiles)]
+        for h in cutlass.range_constexpr(xpc):
+            chunk = x_at[h]
+            gv = None
+            if cutlass.const_expr(norm):
+                gv = mG[chunk, None].load().to(cutlass.Float32)
+            for nt in cutlass.range_constexpr(n_tiles):
+                m = cutlass.min(nt * 8 + g, rows - 1)
+                xv = mX[m * x_chunks + chunk, None].load()
+                if cutlass.const_expr(norm or uneven):
+                    xf = xv.to(cutlass.Float32) * keep
+                    if cutlass.const_expr(norm):
+                        sq[nt] = sq[nt] + xf * xf
+                        xf = xf * gv
+                    xv = xf.to(cutlass.BFloat16)
+                regs[nt] = regs[nt] + _as_i32x4(xv)
         for nt in cutlass.range_constexpr(n_tiles):
-            m = cutlass.min(nt * 8 + g, rows - 1)
-            xv = mX[m * x_chunks + chunk, None].load()
-            if cutlass.const_expr(norm or uneven):
-                xf = xv.to(cutlass.Float32) * keep
-                if cutlass.const_expr(norm):
-                    sq[nt] = sq[nt] + xf * xf
-                    xf = xf * gv
-                xv = xf.to(cutlass.BFloat16)
-            b.append(_as_i32x4(xv))
+            b.append(regs[nt])
     return b, sq
 
 
@@ -1363,36 +1468,40 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
     return rstd
 
 
-def _mma_products(w, b, chunks: int, rows: int) -> list:
+def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
     """This warp's sums of one tile over its K steps, c[nt] = its four accumulators (two
-    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end)."""
+    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end). fp8: each step's 16 codes a row
+    widened to eight bf16 pairs (`_widen_e4m3_x16`), four products a step (16 t + 4 p .. + 3,
+    p = 0..3, alternating between the two chains)."""
     n_tiles = (rows + 7) // 8
     acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]
     for s in range(chunks):
-        wa = _as_i32x4(w[2 * s])
-        wb = _as_i32x4(w[2 * s + 1])
+        widen = _widen_e4m3_x16 if fp8 else _as_i32x4
+        wa = widen(w[2 * s])
+        wb = widen(w[2 * s + 1])
         for nt in range(n_tiles):
-            for h in range(2):
+            for h in range(4 if fp8 else 2):
                 a, bb = mma_operands(wa, wb, b[s * n_tiles + nt], h)
-                acc[nt * 2 + h] = _mma_bf16(a, bb, acc[nt * 2 + h])
+                acc[nt * 2 + h % 2] = _mma_bf16(a, bb, acc[nt * 2 + h % 2])
     return [[acc[nt * 2][i] + acc[nt * 2 + 1][i] for i in range(4)] for nt in range(n_tiles)]
 
 
 @_deferred.jit
 def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
               mPart, mCounter, sLast, split, tidx, pre, warps, n_out, epilogue, rows, norm, head_dim,
-              q_heads, kv_heads, splits):
+              q_heads, kv_heads, splits, scl=None, mS=None):
     """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
     memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
     one's), and warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the
-    tile's CTAs to finish). Returns the lane's running argmax pair."""
+    tile's CTAs to finish). Returns the lane's running argmax pair. fp8: scl the lane's two
+    rows' scales (`_mma_row_scales`), mS all of them (for the split's last CTA)."""
     warp = tidx // 32
     lane = tidx % 32
     n_tiles = (rows + 7) // 8
     if cutlass.const_expr(warps == 1 and splits == 1):
         best_val, best_idx = _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC,
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
-                                           pre)
+                                           pre, scl)
     elif cutlass.const_expr(warps == 1):
         _mma_store_split(mPart, c, tile * splits + split, lane, rows)
     else:
@@ -1415,12 +1524,12 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
             if cutlass.const_expr(splits == 1):
                 best_val, best_idx = _mma_epilogue(total, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS,
                                                    mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
-                                                   q_heads, kv_heads, pre)
+                                                   q_heads, kv_heads, pre, scl)
             else:
                 _mma_store_split(mPart, total, tile * splits + split, lane, rows)
     if cutlass.const_expr(splits > 1):
         _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
-                          epilogue, rows, head_dim, q_heads, kv_heads, splits)
+                          epilogue, rows, head_dim, q_heads, kv_heads, splits, mS)
     return best_val, best_idx
 
 
@@ -1442,10 +1551,10 @@ def _mma_store_split(mPart, c, part, lane, rows):
 
 @_deferred.jit
 def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
-                      epilogue, rows, head_dim, q_heads, kv_heads, splits):
+                      epilogue, rows, head_dim, q_heads, kv_heads, splits, mS=None):
     """The tile's CTAs count themselves done (a counter a tile); the last adds their sums (its
-    warp 0, each lane its own slots, in split order) and applies the epilogue, then resets the
-    counter for the next launch."""
+    warp 0, each lane its own slots, in split order) and applies the epilogue (fp8: the rows'
+    scales from mS), then resets the counter for the next launch."""
     n_tiles = (rows + 7) // 8
     lane = tidx % 32
     cute.arch.sync_threads()
@@ -1465,18 +1574,20 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS
                     row.append(v)
                 total.append(row)
             _mma_epilogue(total, tile, [], cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
-                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads, pre)
+                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads, pre,
+                          _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim))
         if tidx == 0:
             mCounter[tile] = cutlass.Int32(0)
 
 
 @_deferred.jit
 def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC, lane, n_out,
-                  epilogue, rows, norm, head_dim, q_heads, kv_heads, pre=None):
+                  epilogue, rows, norm, head_dim, q_heads, kv_heads, pre=None, scl=None):
     """Lane 4 g + t finishes decode rows m = 8 nt + 2 t + j from c[nt] = (row g: m = 2t, 2t+1;
     row g + 8: the same), each as the CUDA-core form's epilogue does; argmax folds the tile into
     the lane's running pair (lane g = 2 nt + j keeps decode row m's). pre: the tile's
-    `_mma_epilogue_inputs`, loaded before the products (None: loaded here)."""
+    `_mma_epilogue_inputs`, loaded before the products (None: loaded here). scl (fp8): rows g
+    and g + 8's scales; each sum is times 2^120 (the widening's) and its row's scale first."""
     g = lane // 4
     t = lane % 4
     n_tiles = (rows + 7) // 8
@@ -1486,6 +1597,9 @@ def _mma_epilogue(c, tile, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, m
             m = nt * 8 + 2 * t + j
             lo = c[nt][j]
             hi = c[nt][2 + j]
+            if cutlass.const_expr(scl is not None):
+                lo = lo * cutlass.Float32(E4M3_BF16_SCALE) * scl[0]
+                hi = hi * cutlass.Float32(E4M3_BF16_SCALE) * scl[1]
             if cutlass.const_expr(norm):
                 lo = lo * rstd[nt * 2 + j]
                 hi = hi * rstd[nt * 2 + j]
@@ -1611,8 +1725,10 @@ def _mma_argmax_finish(mTokens, mPartVal, mPartIdx, mCounter, sLast, best_val, b
 
 @_deferred.kernel
 def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits):
-    # The tensors as `_gemv_kernel` takes them (bf16; with splits > 1 mPartVal is the workspace
+                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits,
+                fp8, mS):
+    # The tensors as `_gemv_kernel` takes them (bf16, or fp8 codes with their row scales mS
+    # (None for bf16); K steps of 32 bf16 or 64 fp8; with splits > 1 mPartVal is the workspace
     # [tiles x splits, n-tiles x 4, 32] of the CTAs' sums and mCounter [tiles] their counters). A
     # CTA's warps split its K (warp w: steps w C .. w C + C - 1, C = chunks, from the CTA's
     # first); it walks tiles bidx, bidx + grid, ... (splits > 1: CTA bidx computes split
@@ -1628,22 +1744,26 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     num_tiles = (n_out + MMA_ROWS // pairs - 1) // (MMA_ROWS // pairs)
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
+    steps = k // (MMA_K_FP8 if fp8 else MMA_K)
+    if cutlass.const_expr(fp8):  # the codes as bytes: the widening is integer work (`_widen_e4m3`)
+        mW = cute.recast_tensor(mW, cutlass.Uint8)
     tile = bidx
     split = 0
     first = 0
-    end = k // MMA_K
+    end = steps
     if cutlass.const_expr(splits > 1):
-        per_split = (k // MMA_K + splits - 1) // splits
+        per_split = (steps + splits - 1) // splits
         tile = bidx // splits
         split = bidx % splits
         first = split * per_split
-        end = cutlass.min(first + per_split, k // MMA_K)
+        end = cutlass.min(first + per_split, steps)
     w = _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim)
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
-    b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits)
+    b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits, fp8)
     pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                kv_heads)
+    scl = _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim)
     smem = cutlass.utils.SmemAllocator()
     sAcc = None
     if cutlass.const_expr(warps > 1):
@@ -1662,24 +1782,25 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
     # L2, no DRAM bytes).
     loops = splits == 1 and grid < num_tiles
-    c = _mma_products(w, b, chunks, rows)
+    c = _mma_products(w, b, chunks, rows, fp8)
     if cutlass.const_expr(loops):
-        w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+        w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                               epilogue, head_dim)
     best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
                                    mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
-                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits)
+                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
     if cutlass.const_expr(loops):
         for cur in range(bidx + gdim, num_tiles, gdim):
             pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                        kv_heads)
-            c = _mma_products(w, b, chunks, rows)
-            w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, k // MMA_K, warp, lane, n_out, chunks,
+            scl = _mma_row_scales(mS, cur, lane, n_out, epilogue, head_dim)
+            c = _mma_products(w, b, chunks, rows, fp8)
+            w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                                   epilogue, head_dim)
             best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
                                            mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
                                            pre, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
-                                           kv_heads, 1)
+                                           kv_heads, 1, scl, mS)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
                            warps, grid, rows)
@@ -1692,20 +1813,33 @@ def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     """The tensor-core form (bf16 weights, rows >= 2)."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                          k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows, splits).launch(
+                         kv_heads, rows, splits, False, None).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
-_MMA_KERNEL_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
-                      "q_heads", "kv_heads", "rows", "splits")
-_MMA_PLAN_PARAMS = (*_MMA_KERNEL_PARAMS, "min_ctas")
+@_deferred.jit
+def _mma_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mS, stream,
+                    k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
+                    splits, min_ctas):
+    """The tensor-core form with fp8 weights (1 to 16 rows) and their row scales mS [n_rows] fp32."""
+    _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
+                         k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
+                         kv_heads, rows, splits, True, mS).launch(
+        grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
+        min_blocks_per_mp=min_ctas)
+
+
+_MMA_PLAN_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
+                    "q_heads", "kv_heads", "rows", "splits", "min_ctas")  # the launchers'
+_MMA_KERNEL_PARAMS = (*_MMA_PLAN_PARAMS[:-1], "fp8")
 
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
                 "min_ctas", "rows", "fp8")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _gemv_launch_fp8: _PLAN_PARAMS,
+                     _mma_launch_fp8: _MMA_PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
                      _stage_tile: ("n_out", "lanes", "chunks", "outs_per_group", "groups_per_cta",
                                    "rows_per_out"),
@@ -1714,7 +1848,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _argmax_last_cta_rows: ("warps", "grid", "rows"),
                      _mma_kernel: _MMA_KERNEL_PARAMS, _mma_launch: _MMA_PLAN_PARAMS,
                      _mma_load_weights: ("n_out", "chunks", "epilogue", "head_dim"),
-                     _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits"),
+                     _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits", "fp8"),
                      _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
                      _mma_rstd: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
@@ -1916,7 +2050,7 @@ class CuteGemv:
             else:
                 args = self._fake_args()
             t0 = time.perf_counter()
-            launcher = "launcher_mma" if p.mma else "launcher_fp8" if p.fp8 else "launcher"
+            launcher = ("launcher_mma" if p.mma else "launcher") + ("_fp8" if p.fp8 else "")
             params = _MMA_PLAN_PARAMS if p.mma else _PLAN_PARAMS
             self._compiled = d["cute"].compile(d[launcher], *args, self._stream(),
                                                *(getattr(p, name) for name in params))

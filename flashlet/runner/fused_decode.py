@@ -58,8 +58,11 @@ rows; the argmax writes M int32 tokens, cast once to the engine's int64.
 FP8 weights (`--quantization fp8`, an FP8 checkpoint: the four projections are `QuantizedWeight`s)
 stream through the GEMVs' fp8 form (`CuteGemv(..., fp8=True)`: e4m3 codes, 16 a 16-byte load,
 each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales), weight-only as
-the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 6 points of agreement:
-quantization.py). Widths must then be multiples of 16 (`refusals`).
+the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 5.4 more points of agreement
+and took its perplexity past +3% over bf16: quantization.py). Widths must
+then be multiples of 16 (`refusals`). FLASHLET_FP8_MMA=1 (opt-in, unmeasured on a GPU) puts the
+fp8 GEMVs on the tensor cores (`CuteGemv(..., fp8=True, mma=True)`, every row count) where every
+width is a multiple of 64, and lets the fp8 path serve SERVED_ROWS rows.
 
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
@@ -70,6 +73,7 @@ setting; tests and measurements name one variant through `Engine(..., fused_part
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -105,6 +109,16 @@ SERVED_ROWS = 16
 # fp8 weights stream through the CUDA-core M-row GEMVs (the tensor-core form reads bf16), whose
 # 8- and 16-row steps measured slower than per-op (the first line above).
 SERVED_ROWS_FP8 = 4
+FP8_MMA_ENV = "FLASHLET_FP8_MMA"  # "1": fp8 GEMVs on the tensor cores (opt-in until measured)
+
+
+def fp8_tensor_cores(model) -> bool:
+    """Whether this model's fp8 GEMVs take the tensor-core form: asked for (FP8_MMA_ENV) and
+    every width a multiple of its K step of 64."""
+    if os.environ.get(FP8_MMA_ENV) != "1" or not is_quantized(model):
+        return False
+    cfg, layer = model.config, model.layers[0]
+    return all(k % 64 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -217,9 +231,10 @@ class Gemvs:
 
 def served_row_counts(padded_sizes: Sequence[int], model) -> list[int]:
     """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
-    SERVED_ROWS_FP8 for a model with fp8 weights, and no more than the kernel takes): a step
+    SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores`), and no
+    more than the kernel takes): a step
     padded to any other runs per-op."""
-    served = SERVED_ROWS_FP8 if is_quantized(model) else SERVED_ROWS
+    served = SERVED_ROWS_FP8 if is_quantized(model) and not fp8_tensor_cores(model) else SERVED_ROWS
     return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 
@@ -256,6 +271,7 @@ class FusedDecode:
         self.model = model
         layer = model.layers[0]
         self.fp8 = is_quantized(model)  # the decoder's weights: fp8 codes + row scales (`_weight`)
+        self.fp8_mma = fp8_tensor_cores(model)  # their GEMVs on the tensor cores (opt-in)
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
@@ -307,7 +323,7 @@ class FusedDecode:
         h, q, kv, inter, vocab = self._widths()
         # rows= only past one row: the one-row kernels stay exactly the plans they always were
         head = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
-        gemv = dict(head, **({"fp8": True} if self.fp8 else {}))
+        gemv = dict(head, **({"fp8": True} if self.fp8 else {}), **({"mma": True} if self.fp8_mma else {}))
         normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
         head_normed = dict(norm=True, eps=cfg.rms_norm_eps, **head)
         if self.rope is not None:

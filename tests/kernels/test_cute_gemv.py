@@ -319,7 +319,8 @@ PTX_SCRIPT = textwrap.dedent("""
           "F32LOAD", ptx.count("ld.global.f32"), "MINNCTA", ptx.count(".minnctapersm"),
           "WAITGROUP1", ptx.count("cp.async.wait_group 1"), "FMA", ptx.count("fma.rn.f32"), "STACK", stack,
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
-          "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+          "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "PRMT", ptx.count("prmt.b32"),
+          "WIDEN", ptx.count(", t, 0x87f087f0;"),
           "SHA", hashlib.sha256(ptx.encode()).hexdigest())
 """)
 
@@ -486,7 +487,7 @@ def test_mma_plan_covers_every_output_and_k_step_once():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=896), "bf16"), (dict(rows=1), "rows >= 2"),
+    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=928), "multiple of 64"), (dict(rows=1), "rows >= 2"),
     (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
     (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
     (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),

@@ -111,7 +111,7 @@ for part in "${PARTS[@]}"; do
     tests)
       cute_env
       run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py
-      run 300 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py \
+      run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py \
         tests/kernels/test_kern_one_launch_verify.py
       run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
         tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
@@ -120,7 +120,7 @@ for part in "${PARTS[@]}"; do
       run 420 $PYTEST tests/gpu/test_gpu_fused_decode.py tests/gpu/test_gpu_fused_fp8.py \
         tests/gpu/test_gpu_fused_long_down.py tests/gpu/test_gpu_speculative.py \
         tests/gpu/test_gpu_spec_draft.py tests/kernels/test_kern_one_launch_verify.py
-      run 300 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
+      run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
     single)
       cute_env
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

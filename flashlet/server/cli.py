@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each API process's event loop polls for the engine's step "
                              "messages without sleeping for this long after each one while it "
                              "has requests in flight: the engine core's per-step send then wakes "
-                             "no process (a few us of its loop, and token latency), for a CPU "
-                             "spinning in each API process that streams (default: 0, off)")
+                             "no process (that wake-up's CPU off the core's loop, its latency off "
+                             "each token), for a CPU spinning in each API process that streams "
+                             "(default: 0, off)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")

@@ -8,7 +8,8 @@ outputs to its stream. The first event loop that submits a request reads the soc
 (add_reader on their FDs: the zmq socket, and each core's connection to this process's step
 channel, step_channel.py): a token goes from the socket to its SSE writer with no
 thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
-threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
+threads take the GIL in turn); with busy_poll_s (--busy-poll-ms) that loop does not sleep
+between step messages while requests are in flight (_keep_loop_awake). Until then, and again once that loop has closed, a reader thread
 reads it and wakes each stream's loop once per step; streams of other loops are woken so
 too. The thread always watches the processes: when a core dies, its requests in flight end
 with a 500 error and the others serve on (/health: "degraded"); when the last one dies (or any,

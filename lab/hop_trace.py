@@ -4,6 +4,7 @@
         [--endpoint /generate_stream --prompt-words 400]   (the bench's request: flashlet.bench --url)
         [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
         [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
+        [--busy-poll-ms 0]     (the server's --busy-poll-ms)
 
 It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn, the
 engine config as the CLI makes it) in a subprocess over a tiny random Qwen2 on the CPU (or with
@@ -104,7 +105,7 @@ def traced_build(config, tokenizer=None):
 
 
 # ---- the API process -------------------------------------------------------------------------
-def serve(port: int, engine_args: dict, tokenizer: str) -> None:
+def serve(port: int, engine_args: dict, tokenizer: str, busy_poll_ms: float = 0.0) -> None:
     import uvicorn
 
     from flashlet.config import EngineConfig
@@ -119,7 +120,8 @@ def serve(port: int, engine_args: dict, tokenizer: str) -> None:
     log = Log(os.path.join(os.environ["HOP_TRACE_DIR"], "api.txt"))
     patch_api(log, app_module, core_client, frontend, RequestStream)
     engine_config = EngineConfig(**engine_args).for_serving(False)  # as the CLI's default
-    client = CoreClient(engine_config, 1, tokenizer, build_engine=traced_build)
+    client = CoreClient(engine_config, 1, tokenizer, build_engine=traced_build,
+                        busy_poll_s=busy_poll_ms / 1e3)
     app = create_app(client, ServerConfig(model_name="tiny", warm_up=True))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, lifespan="off",
@@ -331,10 +333,12 @@ def main() -> None:
                         "default device (none: a tiny random Qwen2 on the CPU)")
     parser.add_argument("--dtype")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--busy-poll-ms", type=float, default=0.0,
+                        help="the server's --busy-poll-ms (default: 0, off)")
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT ENGINE-ARGS-JSON
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer)
+        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer, args.busy_poll_ms)
         return
     folder = tempfile.mkdtemp(prefix="hop-trace-")
     if args.config:
@@ -348,7 +352,8 @@ def main() -> None:
     port = free_port()
     env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
-                               json.dumps(engine_args), "--tokenizer", args.tokenizer],
+                               json.dumps(engine_args), "--tokenizer", args.tokenizer,
+                               "--busy-poll-ms", str(args.busy_poll_ms)],
                               env=env, cwd=ROOT)
     try:
         wait_ready(port, server)

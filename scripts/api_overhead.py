@@ -2,6 +2,7 @@
 
     python scripts/api_overhead.py [--streams 1 16 64 256] [--tokens 256] [--seconds 8]
         [--step-ms 0] [--endpoint /generate_stream] [--tokenizer DIR] [--out FILE.json]
+        [--busy-poll-ms 0]      (the server's --busy-poll-ms)
 
 It starts the real server (CoreClient + the FastAPI app + uvicorn, as `python -m
 flashlet.server` does, warm-up included) in a subprocess whose engine-core process runs the
@@ -106,7 +107,7 @@ def build_token_source(config, tokenizer=None) -> TokenSource:
 
 
 # ---- the API process -------------------------------------------------------------------------
-def serve(port: int, tokenizer: str, profile: str | None) -> None:
+def serve(port: int, tokenizer: str, profile: str | None, busy_poll_ms: float = 0.0) -> None:
     import uvicorn
 
     from flashlet.config import EngineConfig
@@ -123,7 +124,8 @@ def serve(port: int, tokenizer: str, profile: str | None) -> None:
             fatal["server"].should_exit = True
 
     client = CoreClient(EngineConfig(device="cpu", max_num_seqs=1024), 1, tokenizer,
-                        on_fatal=on_fatal, build_engine=build_token_source)
+                        on_fatal=on_fatal, build_engine=build_token_source,
+                        busy_poll_s=busy_poll_ms / 1e3)
     app = create_app(client, ServerConfig(model_name="bench", max_waiting=1_000_000, warm_up=True,
                                           limits=HttpLimits(max_connections=4096)))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -295,10 +297,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", default=None,
                    help="cProfile the API process's event loop thread into this file")
+    p.add_argument("--busy-poll-ms", type=float, default=0.0,
+                   help="the server's --busy-poll-ms (default: 0, off)")
     p.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_port is not None:
-        serve(args.serve_port, args.tokenizer, args.profile)
+        serve(args.serve_port, args.tokenizer, args.profile, args.busy_poll_ms)
         return 0
     if args.tokenizer is None:
         from flashlet.models.weights import embedded_model_dir
@@ -308,6 +312,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "API_OVERHEAD_STEP_MS": str(args.step_ms)}
     proc = subprocess.Popen([sys.executable, __file__, "--serve-port", str(port),
                              "--tokenizer", args.tokenizer,
+                             "--busy-poll-ms", str(args.busy_poll_ms),
                              *(["--profile", args.profile] if args.profile else [])], env=env)
     results = []
     try:
@@ -320,7 +325,8 @@ def main(argv=None) -> int:
               f"turnaround p50 / p99 ms | event-loop lag p50 / p99 ms | "
               f"API GC % (full, > 5 ms) | intake p50 / p99 ms | client gap p50 / p99 ms | "
               f"delivery p50 / p99 ms "
-              f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms)")
+              f"|  ({args.endpoint}, {args.tokens} tokens/request, step {args.step_ms} ms, "
+              f"busy-poll {args.busy_poll_ms} ms)")
         print("|---" * 17 + "|")
         for streams in args.streams:
             r = asyncio.run(level(port, proc.pid, streams, payload, args.seconds))

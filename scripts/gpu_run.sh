@@ -17,7 +17,8 @@
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
 #   serve        the HTTP server against in-process on the same workload, default server flags
-#                (API_SERVERS=N sets --api-server-count; SERVE_LEVELS="1 4 16 64 256",
+#                (API_SERVERS=N sets --api-server-count, BUSY_POLL_MS=MS --busy-poll-ms;
+#                SERVE_LEVELS="1 4 16 64 256",
 #                SERVE_MIN_REQUESTS=N requests a level,
 #                CLIENT_PROCS=N load-generator processes), then the API process's own cost a
 #                token (~10-15 min)
@@ -148,6 +149,7 @@ for part in "${PARTS[@]}"; do
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
         --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 4 16 64 256} --max-new-tokens 128 \
         ${API_SERVERS:+--api-server-count $API_SERVERS} ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
+        ${BUSY_POLL_MS:+--busy-poll-ms $BUSY_POLL_MS} \
         ${SERVE_MIN_REQUESTS:+--min-requests $SERVE_MIN_REQUESTS} \
         -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
         --max-num-pages 16384 --max-decode-step-tokens 512  # in-process steps as the server's

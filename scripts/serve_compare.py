@@ -1,7 +1,7 @@
 """The same closed-loop workload in-process and through the server, in one run, as one table.
 
     python scripts/serve_compare.py --out DIR [--concurrency 1 16 64 256] [--max-new-tokens 128]
-        [--tokenizer .tok/smollm2] [--api-server-count N] [--client-procs N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
+        [--tokenizer .tok/smollm2] [--api-server-count N] [--busy-poll-ms MS] [--client-procs N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
         --backend triton --dtype bfloat16 --max-num-pages 16384)
 
 1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts);
@@ -66,6 +66,8 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
         server_flags += ["--tokenizer", args.tokenizer]
     if args.api_server_count is not None:  # else the server's default (from its CPU count)
         server_flags += ["--api-server-count", str(args.api_server_count)]
+    if args.busy_poll_ms:
+        server_flags += ["--busy-poll-ms", str(args.busy_poll_ms)]
     log = open(out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "flashlet.server", "--port", str(port),
                              "--no-access-log", "--max-waiting", "100000", *server_flags],
@@ -275,6 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--api-server-count", type=int, default=None,
                    help="the server's --api-server-count (API processes; default: the "
                         "server's own default, from its CPU count)")
+    p.add_argument("--busy-poll-ms", type=float, default=0.0,
+                   help="the server's --busy-poll-ms (default: 0, off)")
     p.add_argument("--client-procs", type=int, default=None,
                    help="the bench's --client-procs (load-generator processes; default: the "
                         "bench's, one per 32 streams)")

@@ -61,7 +61,8 @@ from flashlet.distributed import tp_worker
 from flashlet.distributed.parallel import launched_rank
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server.app import ServerConfig, create_app
-from flashlet.server.core_client import (CORE_STALL_TIMEOUT_S, STALLED_REQUEST_TIMEOUT_S,
+from flashlet.server.core_client import (CORE_STALL_TIMEOUT_S, MAX_BUSY_POLL_S,
+                                         STALLED_REQUEST_TIMEOUT_S,
                                          CoreClient)
 from flashlet.server.diagnostics import ApiCounters, shared_rows
 from flashlet.server.limits import HttpLimits, uvicorn_options
@@ -139,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokenizing, SSE), all fed by the same engine core(s) (default: "
                              "from the CPU count: 1 below 8 CPUs, else a quarter of them, at "
                              "most 4; 1 with --tensor-parallel-size > 1)")
+    server.add_argument("--busy-poll-ms", type=float, default=0.0,
+                        help="each API process's event loop polls for the engine's step "
+                             "messages without sleeping for this long after each one while it "
+                             "has requests in flight: the engine core's per-step send then wakes "
+                             "no process (that wake-up's CPU off the core's loop, its latency off "
+                             "each token), for a CPU spinning in each API process that streams "
+                             "(default: 0, off)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")
@@ -356,6 +364,9 @@ def _check_server_args(args) -> HttpLimits:
                          f"{args.core_stall_timeout} and {args.stalled_request_timeout}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if not 0 <= args.busy_poll_ms <= MAX_BUSY_POLL_S * 1e3:
+        raise ValueError(f"--busy-poll-ms must be in [0, {MAX_BUSY_POLL_S * 1e3:g}], got "
+                         f"{args.busy_poll_ms}")
     if args.api_server_count > 1 and args.tensor_parallel_size > 1:
         raise ValueError("--api-server-count > 1 does not work with --tensor-parallel-size > 1 "
                          "(the engine core then starts its own worker processes)")
@@ -509,10 +520,11 @@ def watch_api_servers(children: list, uv: "UvicornServer", died: threading.Event
 
 
 def core_fault_options(args) -> dict:
-    """CoreClient's handling of dead and stalled cores, from the flags."""
+    """CoreClient's handling of dead and stalled cores, and its busy-poll, from the flags."""
     return {"exit_on_core_failure": args.exit_on_core_failure,
             "stall_timeout_s": args.core_stall_timeout,
-            "stalled_request_timeout_s": args.stalled_request_timeout}
+            "stalled_request_timeout_s": args.stalled_request_timeout,
+            "busy_poll_s": args.busy_poll_ms / 1e3}
 
 
 def run_api_server(args, index: int, sock: socket.socket, ipc_dir: str, core_pids: list[int],

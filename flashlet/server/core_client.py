@@ -8,7 +8,8 @@ outputs to its stream. The first event loop that submits a request reads the soc
 (add_reader on their FDs: the zmq socket, and each core's connection to this process's step
 channel, step_channel.py): a token goes from the socket to its SSE writer with no
 thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
-threads take the GIL in turn). Until then, and again once that loop has closed, a reader thread
+threads take the GIL in turn); with busy_poll_s (--busy-poll-ms) that loop does not sleep
+between step messages while requests are in flight (_keep_loop_awake). Until then, and again once that loop has closed, a reader thread
 reads it and wakes each stream's loop once per step; streams of other loops are woken so
 too. The thread always watches the processes: when a core dies, its requests in flight end
 with a 500 error and the others serve on (/health: "degraded"); when the last one dies (or any,
@@ -78,6 +79,7 @@ CORE_STALL_TIMEOUT_S = 8.0
 # ... and this long with no heartbeat either (stopped or hung): its requests end with a 503
 # error (their clients can retry elsewhere).
 STALLED_REQUEST_TIMEOUT_S = 60.0
+MAX_BUSY_POLL_S = 1.0  # the longest busy-poll window (busy_poll_s) taken
 
 
 class CoreProcess:
@@ -113,11 +115,12 @@ class CoreClient(EngineClient):
                  core_pids: list[int] | None = None, owner_pid: int | None = None,
                  exit_on_core_failure: bool = False,
                  stall_timeout_s: float = CORE_STALL_TIMEOUT_S,
-                 stalled_request_timeout_s: float = STALLED_REQUEST_TIMEOUT_S):
+                 stalled_request_timeout_s: float = STALLED_REQUEST_TIMEOUT_S,
+                 busy_poll_s: float = 0.0):
         """api_server_index > 0: attach to the cores that client 0 started (its ipc_dir, the
         cores' pids and its own pid, owner_pid) instead of starting them.
         exit_on_core_failure: a dead core is fatal even while others live (by default only
-        the last one is)."""
+        the last one is). busy_poll_s: see _keep_loop_awake (0: off)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         if api_server_count < 1 or not 0 <= api_server_index < api_server_count:
@@ -129,10 +132,15 @@ class CoreClient(EngineClient):
         if not 0 < stall_timeout_s <= stalled_request_timeout_s:
             raise ValueError("need 0 < stall_timeout_s <= stalled_request_timeout_s, got "
                              f"{stall_timeout_s} and {stalled_request_timeout_s}")
+        if not 0 <= busy_poll_s <= MAX_BUSY_POLL_S:
+            raise ValueError(f"busy_poll_s must be in [0, {MAX_BUSY_POLL_S}], got {busy_poll_s}")
         self.config = config
         self.num_cores = data_parallel_size
         self.exit_on_core_failure = exit_on_core_failure
         self.stall_timeout_s = stall_timeout_s
+        self.busy_poll_s = busy_poll_s
+        self._awake_until = 0.0  # time.monotonic() up to which the reading loop never sleeps
+        self._kept_awake: asyncio.AbstractEventLoop | None = None  # runs _stay_awake
         self.stalled_request_timeout_s = stalled_request_timeout_s
         # Routers over each subset of usable cores met so far (all of them: self.router).
         self._routers: dict[tuple[int, ...], PrefixRouter] = {}
@@ -316,6 +324,8 @@ class CoreClient(EngineClient):
             if (self._reading_loop is None and self._loop_to_read is None
                     and not self._loop_reading_unsupported):
                 self._ask_to_read_on(streams[0].aloop)
+        if self.busy_poll_s:
+            self._keep_loop_awake()
 
     def _encode_add(self, ids: list[int], streams: list[RequestStream]) -> bytes:
         """The AddRequests frame for a prompt's samples; ValueError if msgpack cannot carry
@@ -548,6 +558,33 @@ class CoreClient(EngineClient):
             self._step_readers.remove(reader)
             reader.close()
 
+    def _keep_loop_awake(self) -> None:
+        """Busy-poll (--busy-poll-ms): the event loop that reads the step channels does not
+        sleep for busy_poll_s after a step message (or a submit) while requests are in
+        flight: it runs a callback that only schedules itself again, so each of its
+        iterations polls the sockets without waiting (asyncio's select with a zero timeout).
+        The next step message then finds no sleeping reader to wake: the engine core's write
+        wakes no process (on a CPU, the write costs the core's loop ~10 us less CPU with
+        nobody asleep on the socket; scripts/api_overhead.py --busy-poll-ms), and the message
+        is read at once. The price: this process spins a CPU while it streams. Only on the
+        reading loop (after it read the sockets, or submitted: the prompt's step message
+        finds it awake)."""
+        loop = self._reading_loop
+        if loop is None or not self._on_reading_loop():
+            return
+        self._awake_until = time.monotonic() + self.busy_poll_s
+        if self._kept_awake is not loop:
+            self._kept_awake = loop
+            loop.call_soon(self._stay_awake, loop)
+
+    def _stay_awake(self, loop: asyncio.AbstractEventLoop) -> None:
+        if (self._stopping or not self._streams or loop is not self._reading_loop
+                or time.monotonic() >= self._awake_until):
+            if self._kept_awake is loop:
+                self._kept_awake = None
+            return
+        loop.call_soon(self._stay_awake, loop)
+
     def _ask_to_read_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have `loop` read the step socket from now on (the thread hands it over)."""
         self._loop_to_read = loop
@@ -599,6 +636,8 @@ class CoreClient(EngineClient):
             read(*args)
         finally:
             self._delivering_on = None
+        if self.busy_poll_s:
+            self._keep_loop_awake()
 
     def _on_reading_loop(self) -> bool:
         try:

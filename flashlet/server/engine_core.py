@@ -100,12 +100,21 @@ def engine_info(engine) -> dict:
             "kv_cache_dtype": stats["kv_cache_dtype"]}
 
 
-def core_stats(engine) -> dict[str, float]:
+def core_stats(engine, text_keys: tuple[str, ...] | None = None) -> dict[str, float]:
     """The engine's numeric stats (a step message carries numbers; the KV dtype, a name, goes
-    once in engine_info)."""
-    stats = {k: v for k, v in engine.stats().items() if not isinstance(v, str)}
+    once in engine_info). text_keys: the stats that are names (text_stat_keys), if known:
+    removed by key (on the CPU 2.4 us a step against 4.4 for a filtered copy)."""
+    stats = engine.stats()
+    for key in text_stat_keys(engine, stats) if text_keys is None else text_keys:
+        del stats[key]
     stats["num_requests"] = stats["requests"]
     return stats
+
+
+def text_stat_keys(engine, stats: dict | None = None) -> tuple[str, ...]:
+    """The keys of engine.stats() whose values are names, not numbers (the same every step)."""
+    return tuple(k for k, v in (engine.stats() if stats is None else stats).items()
+                 if isinstance(v, str))
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -246,6 +255,9 @@ class EngineCore:
         self.writers: list[FrameWriter | None] = [None] * len(outboxes)
         self.step_channel_tried = [False] * len(outboxes)
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        # The stats left out of every step message (names: text_stat_keys), found at the first
+        # send
+        self.text_stats: tuple[str, ...] | None = None
         self.encoder = msgspec.msgpack.Encoder()
         self.unfinished: set[int] = set()  # ids added and not finished yet
         self.errors: list[CoreOutput] = []  # requests refused at add, sent with the next message
@@ -516,7 +528,9 @@ class EngineCore:
         the others."""
         if self.errors:
             outputs, self.errors = self.errors + outputs, []
-        stats = core_stats(self.engine)
+        if self.text_stats is None:
+            self.text_stats = text_stat_keys(self.engine)
+        stats = core_stats(self.engine, self.text_stats)
         now = self.last_sent = time.monotonic()
         stats["time"] = now
         count = len(self.outboxes)

@@ -53,6 +53,8 @@ BAD_USAGE = [
     ("flashlet.server", ["--allowed-origins", "[1]"], "JSON list of strings"),
     ("flashlet.server", ["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
     ("flashlet.server", ["--api-server-count", "-2"], "--api-server-count must be >= 1, got -2"),
+    ("flashlet.server", ["--busy-poll-ms", "-1"], "--busy-poll-ms must be in [0, 1000], got -1"),
+    ("flashlet.server", ["--busy-poll-ms", "nan"], "--busy-poll-ms must be in [0, 1000], got nan"),
 ]
 
 

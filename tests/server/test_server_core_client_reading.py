@@ -56,9 +56,19 @@ class FakeCore:
 def client_and_core(tmp_path):
     """A CoreClient attached as API process 1 of 2 to cores it does not own (so none is
     spawned; this process stands for the cores and their owner), made ready by the fake core."""
+    yield from _attached(tmp_path)
+
+
+@pytest.fixture
+def busy_polling_client_and_core(tmp_path):
+    """As client_and_core, with a busy-poll window of 0.5 s (--busy-poll-ms 500)."""
+    yield from _attached(tmp_path, busy_poll_s=0.5)
+
+
+def _attached(tmp_path, **options):
     pid = os.getpid()
     client = CoreClient(EngineConfig(device="cpu"), api_server_index=1, api_server_count=2,
-                        ipc_dir=str(tmp_path), core_pids=[pid], owner_pid=pid).start()
+                        ipc_dir=str(tmp_path), core_pids=[pid], owner_pid=pid, **options).start()
     core = FakeCore(client)
     try:
         _wait_connected(client, core)
@@ -262,3 +272,52 @@ def test_a_probe_on_the_reading_loop_fails_at_once_instead_of_waiting_on_itself(
         client.abort(stream)
 
     asyncio.run(run())
+
+
+def _record_select_timeouts(loop: asyncio.AbstractEventLoop) -> list:
+    """The timeout of each wait of the loop's selector from now on (0: it polled, None or
+    above 0: it could sleep)."""
+    timeouts, select = [], loop._selector.select
+
+    def recorded(timeout=None):
+        timeouts.append(timeout)
+        return select(timeout)
+
+    loop._selector.select = recorded
+    return timeouts
+
+
+@pytest.mark.parametrize("busy_poll", [False, True])
+def test_busy_poll_keeps_the_reading_loop_awake_while_requests_are_in_flight(busy_poll,
+                                                                             request):
+    """--busy-poll-ms: between step messages the reading loop only polls (never waits in its
+    selector) while a request is in flight; once none is, it sleeps again. Off: it sleeps
+    between messages as before. Either way each token reaches its stream."""
+    client, core = request.getfixturevalue(
+        "busy_polling_client_and_core" if busy_poll else "client_and_core")
+
+    async def run():
+        stream = _streams(1)[0]
+        client.submit(stream)
+        rid = core.received().request_ids[0]
+        await _read_here(client)
+        core.step([CoreOutput(rid, [5])])
+        first = await asyncio.wait_for(stream.get(), 10)
+        timeouts = _record_select_timeouts(asyncio.get_running_loop())
+        await asyncio.sleep(0.05)  # no message meanwhile: the loop sleeps unless kept awake
+        between = list(timeouts)
+        core.step([CoreOutput(rid, [6], finished=True)])
+        last = await asyncio.wait_for(stream.get(), 10)
+        del timeouts[:]
+        await asyncio.sleep(0.05)  # nothing in flight: sleeps either way
+        return [first.new_token_ids, last.new_token_ids], between, list(timeouts)
+
+    tokens, between, after = asyncio.run(run())
+    assert tokens == [[5], [6]]
+    slept = [t for t in between if t is None or t > 0]
+    if busy_poll:
+        assert len(between) > 10 and not slept, between[:20]
+    else:
+        assert slept and len(between) < 10, between[:20]
+    assert any(t is None or t > 0.01 for t in after), after[:20]
+    assert client._kept_awake is None

@@ -455,3 +455,17 @@ def test_the_plain_pollin_is_zmqs():
     import zmq
 
     assert engine_core.POLLIN == zmq.POLLIN
+
+
+def test_step_message_stats_are_the_engines_numbers_with_names_left_out(tiny_qwen2):
+    """core_stats with the name keys found once (as each step message takes them) is the
+    engine's stats without the names: the same as the filtered copy, numbers only."""
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), max_num_pages=64))
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    engine.step()
+    keys = engine_core.text_stat_keys(engine)
+    assert keys == ("kv_cache_dtype",)
+    expected = {k: v for k, v in engine.stats().items() if not isinstance(v, str)}
+    expected["num_requests"] = expected["requests"]
+    assert engine_core.core_stats(engine, keys) == engine_core.core_stats(engine) == expected
+    assert all(isinstance(v, (int, float)) for v in expected.values())

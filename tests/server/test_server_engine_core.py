@@ -257,3 +257,24 @@ def test_an_idle_core_takes_a_burst_of_free_slots_plus_max_waiting(tiny_qwen2, m
         if srv is not None:
             srv.stop()
         client.stop()
+
+
+def test_busy_poll_streams_every_token_of_concurrent_requests(tiny_qwen2):
+    """--busy-poll-ms through a real engine core and its step channel: streamed greedy tokens
+    are those of the same prompts unstreamed, nothing is left in the core, and the reading
+    loop stops spinning once no request is in flight."""
+    client = CoreClient(_config(tiny_qwen2), busy_poll_s=0.05).start()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+    with serving_core(client, model_name="tiny") as (client, srv):
+        async def main():
+            async with httpx.AsyncClient(timeout=300) as http:
+                return await asyncio.gather(*(_stream(http, srv.url, p, 12) for p in prompts))
+
+        streamed = [events[-2]["token_ids"] for events in asyncio.run(main())]
+        whole = [httpx.post(srv.url + "/generate", timeout=120, json={
+            "prompt": p, "max_new_tokens": 12, "ignore_eos": True}).json()["token_ids"]
+            for p in prompts]
+        assert streamed == whole and all(len(ids) == 12 for ids in streamed), streamed
+        assert_cores_idle(client)
+        wait_until(lambda: client._kept_awake is None, 10, "the reading loop to sleep again")

@@ -189,13 +189,19 @@ def test_one_launch_agrees_with_the_two_launch_kernels(kh):
     assert kh.rel_err(one, two) < 1e-6
 
 
-def test_one_launch_rejects_bad_arguments(kh):
+def _one_launch_call(kh):
+    """(args, kwargs) of a valid one-launch call: one 4-token sequence, 4 splits."""
     paged = kh.make_paged([4], 4, 2, 16)
     args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],
             paged["kv_indices"], paged["kv_lens"], 0.25)
     ok = dict(out=torch.empty(1, 4, 16, device=kh.device), mid_o=torch.empty(4, 4, 16, device=kh.device),
               mid_lse=torch.empty(4, 4, device=kh.device),
               merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=4)
+    return args, ok
+
+
+def test_one_launch_rejects_bad_arguments(kh):
+    args, ok = _one_launch_call(kh)
     with pytest.raises(ValueError, match="scratch"):
         decode_attention_one_launch(*args, **{**ok, "mid_o": torch.empty(2, 4, 16, device=kh.device)})
     with pytest.raises(ValueError, match="merge_counts"):
@@ -251,12 +257,7 @@ def test_one_launch_long_rule_gives_only_long_rows_more_splits(kh):
 
 
 def test_one_launch_rejects_bad_variants(kh):
-    paged = kh.make_paged([4], 4, 2, 16)
-    args = (torch.randn(1, 4, 16, device=kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"],
-            paged["kv_indices"], paged["kv_lens"], 0.25)
-    ok = dict(out=torch.empty(1, 4, 16, device=kh.device), mid_o=torch.empty(4, 4, 16, device=kh.device),
-              mid_lse=torch.empty(4, 4, device=kh.device),
-              merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=4)
+    args, ok = _one_launch_call(kh)
     with pytest.raises(ValueError, match="kv_heads_per_program"):
         decode_attention_one_launch(*args, **ok, kv_heads_per_program=3)
     with pytest.raises(ValueError, match="split lengths"):

@@ -1,7 +1,9 @@
-"""scripts/spec_bench.py on the CPU: its bench-only proposer proposes a corrupted copy of a
-continuation (fixed per position), and `own_continuation` finds the continuation the
-speculating engine reproduces, so a timed run proposes along its whole length."""
+"""scripts/spec_bench.py on the CPU: its bench-only proposer proposes a known continuation with
+each step's first corrupted token placed from evenly spread quantiles (so a run's acceptance is
+the one asked), `own_continuation` finds the continuation the speculating engine reproduces, so
+a timed run proposes along its whole length, and --grid runs the issue's grid within a budget."""
 
+import json
 import sys
 
 import pytest
@@ -189,7 +191,8 @@ def test_the_engine_measures_the_acceptance_asked(tiny_qwen2, monkeypatch):
         assert abs(row["acceptance_rate"] - 0.7) < 0.03, (row["k"], row["acceptance_rate"])
 
 
-def test_the_grid_runs_its_configs_in_order_and_skips_those_past_the_budget(monkeypatch, capsys):
+def test_the_grid_runs_its_configs_in_order_and_skips_those_past_the_budget(monkeypatch, capsys,
+                                                                           tmp_path):
     """--grid: each GRID config with its own k values and acceptance rates; a config after the
     first does not start once --budget-s has passed, and the table says so."""
     bench = load_script("spec_bench")
@@ -209,8 +212,11 @@ def test_the_grid_runs_its_configs_in_order_and_skips_those_past_the_budget(monk
     assert bench.main() == 0
     assert ran == [(c, list(ks), list(a)) for c, ks, a in bench.GRID]
     ran.clear()
-    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--grid", "--budget-s", "-1"])
+    out = tmp_path / "grid.json"
+    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--grid", "--budget-s", "-1",
+                                      "--json", str(out)])
     assert bench.main() == 0
     assert [c for c, _, _ in ran] == [bench.GRID[0][0]]
+    assert ["skipped" in res for res in json.loads(out.read_text())] == [False, True]
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith(f"{bench.GRID[1][0]:14} not run:")

@@ -123,19 +123,24 @@ def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
 
 def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
     """The proposer keeps each request's tokens as they grow, and answers most look-ups from
-    where each token last occurred: the same as `lookup` over all of them, at every length."""
+    where each token last occurred: the same as `lookup` over all of them, at every length.
+    Released (finished, aborted, preempted), a request's id starts afresh: nothing stale."""
     rng = np.random.default_rng(1)
     for trial in range(60):
         lo = int(rng.integers(1, 3))
         proposer = NgramProposer(lo, int(rng.integers(lo, 5)))
         vocab = int(rng.integers(2, 9))
-        req = Request(trial, rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist(),
-                      SamplingParams())
-        for _ in range(15):
-            k = int(rng.integers(1, 6))
-            expected = proposer.lookup(np.array(req.prompt_token_ids + req.output_token_ids), k)
-            assert proposer.propose([req], k) == [expected]
-            req.output_token_ids += rng.integers(0, vocab, size=int(rng.integers(1, 5))).tolist()
+        for _ in range(2):  # the same id twice, with other tokens after a release
+            req = Request(trial, rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist(),
+                          SamplingParams())
+            for _ in range(15):
+                k = int(rng.integers(1, 6))
+                tokens = np.array(req.prompt_token_ids + req.output_token_ids)
+                assert proposer.propose([req], k) == [proposer.lookup(tokens, k)]
+                grow = int(rng.integers(1, 5)) if trial % 2 else 1  # odd trials: several a step
+                req.output_token_ids += rng.integers(0, vocab, size=grow).tolist()
+            proposer.release(req)
+            assert not proposer._tokens
 
 
 def test_a_verify_row_samples_its_last_k_plus_one_tokens():
@@ -201,6 +206,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(tiny_qwen2, overlap):
     assert engine.scheduler.num_preemptions > 0
     assert engine.stats()["spec_num_accepted_tokens"] > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert not engine.spec._proposed and not engine.spec.proposer._tokens  # all let go
     engine.reset_prefix_cache()
     assert engine.stats()["kv_pages_used"] == 0
 
@@ -221,7 +227,7 @@ def test_abort_mid_run_releases_everything(tiny_qwen2):
     assert finished[ids[1]].finish_reason == "abort"
     for i in (0, 2, 3):
         assert finished[ids[i]].token_ids == plain[i].token_ids
-    assert not engine.spec._proposed  # the proposer let go of every request
+    assert not engine.spec._proposed and not engine.spec.proposer._tokens  # all let go
     engine.reset_prefix_cache()
     assert engine.stats()["kv_pages_used"] == 0
 

@@ -13,6 +13,7 @@ import torch
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.core.request import PLACEHOLDER
+from flashlet.core.scheduler import BatchUpdate
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.runner.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepBuffers, StepRow,
                             build_layout, load_layout)
@@ -224,6 +225,36 @@ def test_a_built_layout_makes_its_tensors_only_when_read():
 def test_a_page_table_too_short_for_its_tokens_is_refused():
     with pytest.raises(ValueError, match="fewer pages"):
         build_layout([StepRow([1, 2, 3, 4, 5], 0, [7])], 4)
+
+
+def test_one_requests_page_change_leaves_the_batch_as_the_many_rows_write_does():
+    """`_change_pages` writes one request's change (an appended page, a trim, pages swapped
+    mid-table) on its own path: the page tables, their lengths and whether the last decode
+    step's indices went stale are those of the many-rows write (forced by a no-op change of
+    another request: its table from its end on, nothing)."""
+    rng = random.Random(5)
+    one, many = InputBatch(4, 12, 4), InputBatch(4, 12, 4)
+    for batch in (one, many):
+        for i in range(4):
+            batch.add(i, [10 * i + j for j in range(3)])
+    for trial in range(200):
+        if trial % 7 == 0:  # a decode step, kept for a steady next one
+            for batch in (one, many):
+                batch.apply(BatchUpdate(request_ids=[0, 1, 2, 3], starts=[
+                    int(batch.num_pages[batch.row_of[i]]) * 4 - 1 for i in range(4)],
+                    token_ids=[1, 2, 3, 4]))
+        i, other = rng.sample(range(4), 2)
+        pages = int(one.num_pages[one.row_of[i]])
+        first = rng.randrange(max(pages - 2, 1), min(pages + 1, 12))
+        ids = rng.sample(range(100, 200), rng.randrange(0, 12 - first + 1))
+        one._change_pages([(i, first, ids)])
+        many._change_pages([(i, first, ids), (other, int(many.num_pages[many.row_of[other]]), [])])
+        assert np.array_equal(one.num_pages, many.num_pages), trial
+        for r in range(4):
+            assert one.pages_of(r) == many.pages_of(r), trial
+        assert (one._decode is None) == (many._decode is None)
+        if one._decode is not None:
+            assert one._decode.indices_changed == many._decode.indices_changed, trial
 
 
 def test_fed_rows_take_the_previous_steps_tokens():

@@ -74,7 +74,7 @@ class NgramProposer:
     Each request's tokens are kept as it grows (`_History`: a step converts only its new
     tokens), with where each token last occurred: the usual answer, the most recent earlier
     occurrence of the newest token extended to the longest suffix, takes a dict look-up and a
-    short compare. Where that fails, `lookup` scans the tokens once for the newest token, then
+    short compare. Where that fails, `_scan` scans the tokens once for the newest token, then
     extends those few candidates a token at a time."""
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):

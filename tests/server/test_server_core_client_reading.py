@@ -323,7 +323,7 @@ def test_busy_poll_keeps_the_reading_loop_awake_while_requests_are_in_flight(bus
         assert len(between) > 10 and not slept, between[:20]
     else:
         assert slept and len(between) < 10, between[:20]
-    assert any(t is None or t > 0.01 for t in after), after[:20]
+    assert any(t is None or t > 0 for t in after), after[:20]
     assert client._kept_awake is None
 
 

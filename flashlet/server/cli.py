@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "has requests in flight: the engine core's per-step send then wakes "
                              "no process (that wake-up's CPU off the core's loop, its latency off "
                              "each token), for a CPU spinning in each API process that streams "
-                             "(default: 0, off)")
+                             "(default: 0, off; at most 1000)")
     server.add_argument("--tokenizer", default=None,
                         help="a folder with tokenizer files to use instead of the model's (e.g. "
                              "for random weights from --config)")

@@ -9,7 +9,8 @@ outputs to its stream. The first event loop that submits a request reads the soc
 channel, step_channel.py): a token goes from the socket to its SSE writer with no
 thread hand-off (a thread's call_soon_threadsafe wakes the loop through its self-pipe, and both
 threads take the GIL in turn); with busy_poll_s (--busy-poll-ms) that loop does not sleep
-between step messages while requests are in flight (_keep_loop_awake). Until then, and again once that loop has closed, a reader thread
+between step messages while requests are in flight (_keep_loop_awake).
+Until then, and again once that loop has closed, a reader thread
 reads it and wakes each stream's loop once per step; streams of other loops are woken so
 too. The thread always watches the processes: when a core dies, its requests in flight end
 with a 500 error and the others serve on (/health: "degraded"); when the last one dies (or any,
@@ -636,8 +637,6 @@ class CoreClient(EngineClient):
             read(*args)
         finally:
             self._delivering_on = None
-        if self.busy_poll_s:
-            self._keep_loop_awake()
 
     def _on_reading_loop(self) -> bool:
         try:
@@ -749,6 +748,8 @@ class CoreClient(EngineClient):
                 aloop.call_soon_threadsafe(RequestStream.put_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
+        if self.busy_poll_s:  # a step message, not a heartbeat: a hung core's beats keep no CPU
+            self._keep_loop_awake()
 
     def _core_ready(self, msg: CoreReady) -> None:
         if msg.error is not None:

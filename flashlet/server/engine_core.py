@@ -103,7 +103,8 @@ def engine_info(engine) -> dict:
 def core_stats(engine, text_keys: tuple[str, ...] | None = None) -> dict[str, float]:
     """The engine's numeric stats (a step message carries numbers; the KV dtype, a name, goes
     once in engine_info). text_keys: the stats that are names (text_stat_keys), if known:
-    removed by key (on the CPU 2.4 us a step against 4.4 for a filtered copy)."""
+    removed by key (on the CPU 2.4 us a step against 4.4 for a filtered copy) from the dict
+    engine.stats() returns, which must be a new one each call."""
     stats = engine.stats()
     for key in text_stat_keys(engine, stats) if text_keys is None else text_keys:
         del stats[key]

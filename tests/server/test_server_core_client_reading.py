@@ -17,10 +17,11 @@ import zmq
 
 from flashlet.config import EngineConfig
 from flashlet.core.sampling import SamplingParams
+from flashlet.server import core_client
 from flashlet.server.core_client import CoreClient
-from flashlet.server.engine_loop import RequestStream
-from flashlet.server.messages import (AbortRequests, CoreInput, CoreOutput,
-                                      CoreReady, StepOutputs, output_rows)
+from flashlet.server.engine_loop import RequestStream, StreamError
+from flashlet.server.messages import (AbortRequests, CoreInput, CoreOutput, CoreReady,
+                                      Heartbeat, StepOutputs, output_rows)
 
 INFO = {"max_model_len": 256, "vocab_size": 1000, "page_size": 16, "num_pages": 64}
 
@@ -60,9 +61,12 @@ def client_and_core(tmp_path):
 
 
 @pytest.fixture
-def busy_polling_client_and_core(tmp_path):
-    """As client_and_core, with a busy-poll window of 0.5 s (--busy-poll-ms 500)."""
-    yield from _attached(tmp_path, busy_poll_s=0.5)
+def busy_polling_client_and_core(tmp_path, monkeypatch, request):
+    """As client_and_core, with a busy-poll window (--busy-poll-ms) of 60 s by default (above
+    the flag's limit: no stall of a loaded machine outlasts it, so only the end of the requests
+    or stop() ends the spin), or the test's `indirect` parameter in seconds."""
+    monkeypatch.setattr(core_client, "MAX_BUSY_POLL_S", 60.0)
+    yield from _attached(tmp_path, busy_poll_s=getattr(request, "param", 60.0))
 
 
 def _attached(tmp_path, **options):
@@ -319,5 +323,62 @@ def test_busy_poll_keeps_the_reading_loop_awake_while_requests_are_in_flight(bus
         assert len(between) > 10 and not slept, between[:20]
     else:
         assert slept and len(between) < 10, between[:20]
-    assert any(t is None or t > 0.01 for t in after), after[:20]
+    assert any(t is None or t > 0 for t in after), after[:20]
     assert client._kept_awake is None
+
+
+async def _first_token_read_here(client: CoreClient, core: FakeCore) -> RequestStream:
+    """A request in flight whose first token the running loop has read (so it reads the
+    socket, and a busy-poll window has started)."""
+    stream = _streams(1)[0]
+    client.submit(stream)
+    rid = core.received().request_ids[0]
+    await _read_here(client)
+    core.step([CoreOutput(rid, [5])])
+    assert (await asyncio.wait_for(stream.get(), 10)).new_token_ids == [5]
+    return stream
+
+
+async def _until_asleep(client: CoreClient, between=lambda: None, timeout: float = 10.0) -> bool:
+    """Whether the reading loop stops being kept awake within `timeout` (calling `between`
+    every 5 ms meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while client._kept_awake is not None and time.monotonic() < deadline:
+        between()
+        await asyncio.sleep(0.005)
+    return client._kept_awake is None
+
+
+@pytest.mark.parametrize("busy_polling_client_and_core", [0.05], indirect=True)
+def test_busy_poll_ends_with_its_window_when_a_core_only_sends_heartbeats(
+        busy_polling_client_and_core):
+    """A hung core (its heartbeat thread alive, no step) with a request in flight: the loop
+    spins for the window after the last step message, then sleeps; a heartbeat (every 5 ms
+    here, well inside the 50 ms window) renews nothing."""
+    client, core = busy_polling_client_and_core
+
+    async def run():
+        stream = await _first_token_read_here(client, core)
+        asleep = await _until_asleep(client, lambda: core.send(Heartbeat(0)))
+        in_flight = client.num_streams
+        client.abort(stream)
+        return asleep, in_flight
+
+    assert asyncio.run(run()) == (True, 1)
+
+
+def test_stop_ends_the_busy_poll(busy_polling_client_and_core):
+    """stop() with a request in flight, well inside the window: the loop sleeps again and
+    the request ends with a 503."""
+    client, core = busy_polling_client_and_core
+
+    async def run():
+        stream = await _first_token_read_here(client, core)
+        kept_awake = client._kept_awake is asyncio.get_running_loop()  # a 60 s window
+        await asyncio.to_thread(client.stop, 5)
+        end = await asyncio.wait_for(stream.get(), 10)
+        return kept_awake, await _until_asleep(client), end
+
+    kept_awake, asleep, end = asyncio.run(run())
+    assert kept_awake and asleep
+    assert isinstance(end, StreamError) and end.status == 503, end

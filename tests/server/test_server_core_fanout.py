@@ -30,13 +30,13 @@ class Engine:
 
 
 def _core(monkeypatch, clock: list[float]):
-    monkeypatch.setattr(engine_core, "core_stats", lambda engine: {"running": 1.0})
+    monkeypatch.setattr(engine_core, "core_stats", lambda engine, text_keys=None: {"running": 1.0})
     monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
     outboxes = [Outbox(), Outbox()]
     core = EngineCore.__new__(EngineCore)  # no zmq, no compiler thread
     core.engine, core.core, core.outboxes = Engine(), 0, outboxes
     core.encoder, core.errors, core.next_stats_to_all = msgspec.msgpack.Encoder(), [], 0.0
-    core.writers = [None] * len(outboxes)
+    core.writers, core.text_stats = [None] * len(outboxes), ()
     return core, outboxes
 
 

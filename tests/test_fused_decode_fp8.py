@@ -102,20 +102,17 @@ def test_fp8_weights_are_served_up_to_the_cuda_core_rows(tiny_qwen2, reference_k
         assert engine.runner.fused.row_counts == served
 
 
-def test_fp8_tensor_cores_are_opt_in(tiny_model, reference_kernels, monkeypatch):
-    """FLASHLET_FP8_MMA=1 plans the four fp8 projections on the tensor cores at every row count
+def test_fp8_tensor_cores_are_opt_in(tiny_model, reference_kernels):
+    """fused_decode_fp8_mma plans the four fp8 projections on the tensor cores at every row count
     and serves up to SERVED_ROWS rows (the LM head stays bf16); unset, the CUDA-core form at up
     to SERVED_ROWS_FP8. Either way the tokens are the per-op fp8 engine's."""
     want, _ = generate(tiny_model, False, PROMPTS, config=FP8)
     for opt_in, served in ((False, [1, 2, 4]), (True, [1, 2, 4, 8, 16])):
-        if opt_in:
-            monkeypatch.setenv(fused_decode.FP8_MMA_ENV, "1")
-        else:
-            monkeypatch.delenv(fused_decode.FP8_MMA_ENV, raising=False)
-        got, engine = generate(tiny_model, True, PROMPTS, config=FP8)
+        config = dict(FP8, fused_decode_fp8_mma=opt_in)
+        got, engine = generate(tiny_model, True, PROMPTS, config=config)
         assert got == want
         assert engine.runner.fused.fp8_mma == opt_in
-        many = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=16, fused_decode=True, **FP8))
+        many = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=16, fused_decode=True, **config))
         fused = many.runner.fused
         assert fused.row_counts == served
         for m in served:
@@ -123,3 +120,10 @@ def test_fp8_tensor_cores_are_opt_in(tiny_model, reference_kernels, monkeypatch)
             assert {name: (p.fp8, p.mma) for name, p in plans.items()} == dict(
                 qkv=(True, opt_in), o=(True, opt_in), gate_up=(True, opt_in), down=(True, opt_in),
                 lm_head=(False, False))
+
+
+def test_fp8_tensor_cores_need_the_fused_path():
+    """Asking for fp8 on the tensor cores with the fused path turned off is a clear error."""
+    with pytest.raises(ValueError, match="fused_decode=False"):
+        EngineConfig(fused_decode=False, fused_decode_fp8_mma=True)
+    assert not EngineConfig().fused_decode_fp8_mma  # the default stays the CUDA-core form

@@ -184,7 +184,7 @@ class GemvPlan:
     @property
     def k_step(self) -> int:
         """The tensor-core form's K step: 32 bf16 (two products), 64 fp8 (four)."""
-        return MMA_K_FP8 if self.fp8 else MMA_K
+        return mma_k_step(self.fp8)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -515,13 +515,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                     staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
 
 
+def mma_k_step(fp8: bool) -> int:
+    """The tensor-core form's K step: 32 bf16 (two products), 64 fp8 (four)."""
+    return MMA_K_FP8 if fp8 else MMA_K
+
+
 def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict, asked: bool = False) -> str:
     """Why the tensor-core form cannot plan this GEMV ("" where it can); asked: mma=True."""
     if fp8 and not asked:
         return "fp8 on the tensor cores is opt-in (mma=True) until measured on a GPU"
     if rows < 2 and not fp8:
         return "the tensor-core form is for rows >= 2 (one row keeps the CUDA-core kernel)"
-    step = MMA_K_FP8 if fp8 else MMA_K
+    step = mma_k_step(fp8)
     if k % step:
         return f"K must be a multiple of {step}, got {k}"
     cuda_core_only = [name for name in ("outs_per_group", "staged", "stages", "late_g")
@@ -544,7 +549,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
     `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override. fp8: K steps of 64 (a
     16-byte load holds 16 e4m3), each with twice a bf16 step's x registers."""
-    steps = k // (MMA_K_FP8 if fp8 else MMA_K)
+    steps = k // mma_k_step(fp8)
     x_regs = 8 if fp8 else 4  # a K step's B registers an n-tile
     # fp8 past 8 rows: half the K steps a warp (at 7 a lane held 255 registers and spilled: the
     # LM head's looping argmax at M = 16; at 4, 200 and no stack)
@@ -556,7 +561,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     if warps is not None and (not isinstance(warps, int) or not 1 <= warps <= MMA_MAX_WARPS):
         raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
     if splits is not None and (not isinstance(splits, int) or not 1 <= splits <= steps):
-        raise ValueError(f"splits must be in [1, K / {MMA_K_FP8 if fp8 else MMA_K} = {steps}], got {splits!r}")
+        raise ValueError(f"splits must be in [1, K / {mma_k_step(fp8)} = {steps}], got {splits!r}")
     can_split = not norm and epilogue != "argmax"
     if (splits or 1) > 1 and not can_split:
         raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")

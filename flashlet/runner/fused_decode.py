@@ -60,7 +60,8 @@ stream through the GEMVs' fp8 form (`CuteGemv(..., fp8=True)`: e4m3 codes, 16 a 
 each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales), weight-only as
 the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 5.4 more points of agreement
 and took its perplexity past +3% over bf16: quantization.py). Widths must
-then be multiples of 16 (`refusals`). FLASHLET_FP8_MMA=1 (opt-in, unmeasured on a GPU) puts the
+then be multiples of 16 (`refusals`). `EngineConfig.fused_decode_fp8_mma` (`--fused-decode-fp8-mma`;
+opt-in, unmeasured on a GPU) puts the
 fp8 GEMVs on the tensor cores (`CuteGemv(..., fp8=True, mma=True)`, every row count) where every
 width is a multiple of 64, and lets the fp8 path serve SERVED_ROWS rows.
 
@@ -73,7 +74,6 @@ setting; tests and measurements name one variant through `Engine(..., fused_part
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
-from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, CuteGemv, CuteUnavailable, RopeKV, RopeShape,
+from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV, RopeShape,
                                         VEC, cute_available, plan_gemv)
 from flashlet.models import quantization
 from flashlet.models.quantization import QuantizedWeight, is_quantized
@@ -106,19 +106,20 @@ MAX_DOWN_K = 16_384
 #   with the tensor-core ones (2026-12-02 ~08:30 UTC, profile_step --prompt-len 400, PDL, RoPE
 #   and one-launch attention): 4 rows 0.690 ms, 16 rows 0.864 (per-op 1.23)    -> fused up to 16
 SERVED_ROWS = 16
-# fp8 weights stream through the CUDA-core M-row GEMVs (the tensor-core form reads bf16), whose
-# 8- and 16-row steps measured slower than per-op (the first line above).
+# fp8 weights stream through the CUDA-core M-row GEMVs by default (their tensor-core form is
+# opt-in: `fp8_tensor_cores`), whose 8- and 16-row steps measured slower than per-op (the first
+# line above).
 SERVED_ROWS_FP8 = 4
-FP8_MMA_ENV = "FLASHLET_FP8_MMA"  # "1": fp8 GEMVs on the tensor cores (opt-in until measured)
 
 
-def fp8_tensor_cores(model) -> bool:
-    """Whether this model's fp8 GEMVs take the tensor-core form: asked for (FP8_MMA_ENV) and
-    every width a multiple of its K step of 64."""
-    if os.environ.get(FP8_MMA_ENV) != "1" or not is_quantized(model):
+def fp8_tensor_cores(model, asked: bool) -> bool:
+    """Whether this model's fp8 GEMVs take the tensor-core form: asked for
+    (`EngineConfig.fused_decode_fp8_mma`), fp8 weights, and every GEMV's K a multiple of the
+    form's K step (MMA_K_FP8)."""
+    if not asked or not is_quantized(model):
         return False
     cfg, layer = model.config, model.layers[0]
-    return all(k % 64 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
+    return all(k % MMA_K_FP8 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -229,12 +230,11 @@ class Gemvs:
                 if g is not None]
 
 
-def served_row_counts(padded_sizes: Sequence[int], model) -> list[int]:
+def served_row_counts(padded_sizes: Sequence[int], model, fp8_mma: bool = False) -> list[int]:
     """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
-    SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores`), and no
-    more than the kernel takes): a step
-    padded to any other runs per-op."""
-    served = SERVED_ROWS_FP8 if is_quantized(model) and not fp8_tensor_cores(model) else SERVED_ROWS
+    SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores` of
+    fp8_mma), and no more than the kernel takes): a step padded to any other runs per-op."""
+    served = SERVED_ROWS_FP8 if is_quantized(model) and not fp8_tensor_cores(model, fp8_mma) else SERVED_ROWS
     return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 
@@ -257,10 +257,11 @@ class FusedDecode:
     row count's rows; a step uses views of its first M."""
 
     def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None,
-                 one_launch_attention: bool = False, row_counts: Sequence[int] = (1,)):
+                 one_launch_attention: bool = False, row_counts: Sequence[int] = (1,), fp8_mma: bool = False):
         """one_launch_attention: attention through the backend's `attend_one_launch` (the
         caller checks that the backend has it); with pdl, that kernel and the embedding gather
-        launch with PDL too. row_counts: the step sizes (rows) to build GEMVs for."""
+        launch with PDL too. row_counts: the step sizes (rows) to build GEMVs for. fp8_mma:
+        fp8 GEMVs on the tensor cores where `fp8_tensor_cores` allows (opt-in, unmeasured)."""
         check_fused_decode(model, device, kv_pool)
         ok, why = cute_available()
         if not ok:
@@ -271,7 +272,7 @@ class FusedDecode:
         self.model = model
         layer = model.layers[0]
         self.fp8 = is_quantized(model)  # the decoder's weights: fp8 codes + row scales (`_weight`)
-        self.fp8_mma = fp8_tensor_cores(model)  # their GEMVs on the tensor cores (opt-in)
+        self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores (opt-in)
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue

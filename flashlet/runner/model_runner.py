@@ -128,7 +128,7 @@ class ModelRunner:
         # Every padded decode size the fused path serves is a row count (it pads as graphs do).
         sizes = graph_batch_sizes(decode_rows)
         self.fused = self._fused_decode(config, model, kv_pool, fused_parts or FusedParts(),
-                                        fused_decode.served_row_counts(sizes, model))
+                                        fused_decode.served_row_counts(sizes, model, config.fused_decode_fp8_mma))
         # The fused steps' attention: the step backend where it has the one-launch form, else
         # a triton backend of its own over the same pool (only fused decode steps use it).
         self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)
@@ -175,9 +175,11 @@ class ModelRunner:
         attn = _given_or(parts.attn,
                          self.device.type == "cuda" or self.backend.supports_one_launch_decode)
         fused = fused_decode.FusedDecode(model, self.device, pdl=pdl, kv_pool=kv_pool if rope else None,
-                                         one_launch_attention=attn, row_counts=row_counts)
+                                         one_launch_attention=attn, row_counts=row_counts,
+                                         fp8_mma=config.fused_decode_fp8_mma)
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s, "
-                 "rows %s (%d CuTe GEMVs)", how, *("on" if x else "off" for x in (pdl, rope, attn)),
+                 "fp8 on the tensor cores %s, rows %s (%d CuTe GEMVs)", how,
+                 *("on" if x else "off" for x in (pdl, rope, attn, fused.fp8_mma)),
                  ", ".join(map(str, fused.row_counts)), sum(len(g.all()) for g in fused.gemvs.values()))
         for rows, why in fused.declined_rows.items():
             log.info("fused decode path: no GEMVs of %d rows for this shape (per-op there): %s", rows, why)

@@ -1,6 +1,6 @@
 """The fused decode path with fp8 weights (`--quantization fp8`) against the per-op fp8 path, on
 the GPU: the decoder's four projections stream e4m3 codes through the fp8 CuteGemv (the CUDA-core
-form, or with FLASHLET_FP8_MMA=1 the tensor-core one), the LM head stays bf16.
+form, or with fused_decode_fp8_mma the tensor-core one), the LM head stays bf16.
 
 The rule is tests/gpu/test_gpu_fused_decode.py's (its module docstring): teacher-forced on the
 per-op tokens, the fused logits' RMS error against an fp32 anchor within 1.5x the per-op
@@ -106,14 +106,13 @@ def test_fp8_down_past_max_down_k_runs_the_fp8_gemm_inside_the_fused_step(fp8_mo
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 16])
-def test_fp8_tensor_core_gemvs_match_the_per_op_fp8_path(fp8_model, batch, monkeypatch):
-    """FLASHLET_FP8_MMA=1: the four fp8 projections on the tensor cores (`fp8=True, mma=True`,
+def test_fp8_tensor_core_gemvs_match_the_per_op_fp8_path(fp8_model, batch):
+    """fused_decode_fp8_mma: the four fp8 projections on the tensor cores (`fp8=True, mma=True`,
     every row count; 7 rows padded to 8), with every part of the path, against per-op fp8."""
-    monkeypatch.setenv(fused_decode.FP8_MMA_ENV, "1")
     source, vocab = fp8_model
     engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), 24, max_num_seqs=batch,
                                                     fused_decode_pdl=True, fused_decode_rope=True,
-                                                    fused_decode_attn=True)
+                                                    fused_decode_attn=True, fused_decode_fp8_mma=True)
     assert_fp8_gemvs(engine)
     fused = engine.runner.fused
     assert fused.fp8_mma and fused.max_rows >= batch

@@ -207,24 +207,12 @@ def test_fp8_variant_lowers_to_16_byte_loads_and_hardware_conversions(tmp_path, 
 
 # ---- on the GPU -------------------------------------------------------------------------------
 
-FP8_GPU_CASES = [  # (n, k, epilogue, norm, pdl, knobs): the fused path's GEMVs, the others, small shapes
-    (1152, 896, "bias", True, True, {}), (1152, 896, "none", True, False, {}), (896, 896, "residual", False, True, {}),
-    (9728, 896, "silu_mul", True, True, {}), (896, 4864, "residual", False, True, {}),
-    (896, 4864, "residual", False, False, {}), (151936, 896, "none", True, True, {}),
-    (136, 208, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}), (256, 256, "residual", False, False, {}),
-    (9728, 896, "silu_mul", True, True, STAGED2), (896, 896, "residual", False, True, STAGED2),
-    (896, 4864, "residual", False, False, {"staged": True, "warps": 2}),
-]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("rows", FP8_ROWS)
-@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", FP8_GPU_CASES)
-def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, knobs, rows):
-    """out poisoned (NaN) so an unwritten row fails; the residual in place between guard rows;
-    each row against dequant_linear's numerics (fp32 from the same codes and scales)."""
-    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True, **knobs)
+def check_fp8_rows(kh, gemv: CuteGemv) -> None:
+    """An fp8 GEMV of any form against dequant_linear's numerics (fp32 from the same codes and
+    scales), each row: out poisoned (NaN) so an unwritten row fails, the residual in place
+    between guard rows. Two seeds."""
+    p = gemv.plan
+    n, k, epilogue, rows, norm = p.n_rows, p.k, p.epilogue, p.rows, p.norm
     for seed in (0, 1):
         x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
         q, scale = quantize_rows(w)
@@ -246,14 +234,11 @@ def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, knobs, r
             assert torch.isnan(guarded[0]).all() and torch.isnan(guarded[-1]).all()
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("rows", FP8_ROWS)
-@pytest.mark.parametrize("n, k, norm, pdl", [(151936, 896, True, True), (256, 256, False, False)])
-def test_fp8_argmax_per_row(kh, n, k, norm, pdl, rows):
+def check_fp8_argmax(kh, gemv: CuteGemv) -> None:
     """Each row's token the argmax of its dequantized logits (ties within 1e-3 of the top),
     twice (the counter reset between calls)."""
-    gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, fp8=True)
+    p = gemv.plan
+    n, k, rows, norm = p.n_rows, p.k, p.rows, p.norm
     for seed in (0, 1):
         x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
         q, scale = quantize_rows(w)
@@ -264,6 +249,36 @@ def test_fp8_argmax_per_row(kh, n, k, norm, pdl, rows):
         for m in range(rows):
             top = logits[m].max()
             assert float(top - logits[m, int(out[m])]) <= 1e-3 * float(logits[m].abs().max()), f"row {m}"
+
+
+FP8_GPU_CASES = [  # (n, k, epilogue, norm, pdl, knobs): the fused path's GEMVs, the others, small shapes
+    (1152, 896, "bias", True, True, {}), (1152, 896, "none", True, False, {}), (896, 896, "residual", False, True, {}),
+    (9728, 896, "silu_mul", True, True, {}), (896, 4864, "residual", False, True, {}),
+    (896, 4864, "residual", False, False, {}), (151936, 896, "none", True, True, {}),
+    (136, 208, "silu_mul", True, False, {}), (96, 64, "bias", False, False, {}), (256, 256, "residual", False, False, {}),
+    (9728, 896, "silu_mul", True, True, STAGED2), (896, 896, "residual", False, True, STAGED2),
+    (896, 4864, "residual", False, False, {"staged": True, "warps": 2}),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", FP8_ROWS)
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", FP8_GPU_CASES)
+def test_fp8_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    """out poisoned (NaN) so an unwritten row fails; the residual in place between guard rows;
+    each row against dequant_linear's numerics (fp32 from the same codes and scales)."""
+    check_fp8_rows(kh, CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True, **knobs))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", FP8_ROWS)
+@pytest.mark.parametrize("n, k, norm, pdl", [(151936, 896, True, True), (256, 256, False, False)])
+def test_fp8_argmax_per_row(kh, n, k, norm, pdl, rows):
+    """Each row's token the argmax of its dequantized logits (ties within 1e-3 of the top),
+    twice (the counter reset between calls)."""
+    check_fp8_argmax(kh, CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, fp8=True))
 
 
 @pytest.mark.gpu

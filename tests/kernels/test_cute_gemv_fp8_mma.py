@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from flashlet.kernels import cute_gemv
-from flashlet.kernels.cute_gemv import (E4M3_BF16_SCALE, CuteGemv, RopeShape, gemv_reference, plan_gemv, prmt,
-                                        widen_e4m3_word)
-from flashlet.models.quantization import quantize_rows
-from tests.kernels.test_cute_gemv import (QWEN05_ROPE, _rows_inputs, check_rows_rope, lower_to_ptx,
+from flashlet.kernels.cute_gemv import E4M3_BF16_SCALE, CuteGemv, RopeShape, plan_gemv, prmt, widen_e4m3_word
+from tests.kernels.test_cute_gemv import (QWEN05_ROPE, check_rows_rope, lower_to_ptx,
                                           needs_cute, needs_gpu, rope_as_lowered)
+from tests.kernels.test_cute_gemv_fp8 import check_fp8_argmax, check_fp8_rows
 
 on_the_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real (below)")
 MMA_ROWS_TESTED = [1, 2, 7, 16]
@@ -219,22 +218,7 @@ def test_fp8_mma_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, rows
     each row against gemv_reference with the row scales (dequant_linear's fp32 numerics)."""
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True, mma=True)
     assert gemv.plan.mma and gemv.plan.fp8
-    for seed in (0, 1):
-        x, w, extra, nw = _rows_inputs(n, k, epilogue, rows, seed, device="cuda", norm=norm)
-        q, scale = quantize_rows(w)
-        want = gemv_reference(x, q, epilogue, extra, norm_weight=nw, scale=scale)
-        out = gemv.out_like().fill_(float("nan"))
-        if epilogue == "residual":
-            guarded = torch.full((rows + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            guarded[1:-1] = extra
-            out = extra = guarded[1:-1]
-        gemv(x, q, extra, out=out, norm_weight=nw, scale=scale)
-        torch.cuda.synchronize()
-        assert out.shape == want.shape and not torch.isnan(out).any()
-        for m in range(rows):
-            assert kh.rel_err(out[m], want[m]) < 1e-2, f"row {m}"
-        if epilogue == "residual":
-            assert torch.isnan(guarded[0]).all() and torch.isnan(guarded[-1]).all()
+    check_fp8_rows(kh, gemv)
 
 
 @pytest.mark.gpu
@@ -244,17 +228,7 @@ def test_fp8_mma_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, rows
 def test_fp8_mma_argmax_per_row(kh, n, k, norm, pdl, rows):
     """Each row's token the argmax of its dequantized logits (ties within 1e-3 of the top),
     twice (the counter reset between calls)."""
-    gemv = CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, fp8=True, mma=True)
-    for seed in (0, 1):
-        x, w, _, nw = _rows_inputs(n, k, "argmax", rows, seed, device="cuda", norm=norm)
-        q, scale = quantize_rows(w)
-        logits = gemv_reference(x, q, "none", norm_weight=nw, eps=gemv.plan.eps, scale=scale)
-        out = gemv.out_like().fill_(-1)
-        gemv(x, q, out=out, norm_weight=nw, scale=scale)
-        torch.cuda.synchronize()
-        for m in range(rows):
-            top = logits[m].max()
-            assert float(top - logits[m, int(out[m])]) <= 1e-3 * float(logits[m].abs().max()), f"row {m}"
+    check_fp8_argmax(kh, CuteGemv(n, k, "argmax", pdl=pdl, norm=norm, rows=rows, fp8=True, mma=True))
 
 
 @pytest.mark.gpu

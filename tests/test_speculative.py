@@ -122,13 +122,16 @@ def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
 
 
 def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
-    """The proposer keeps each request's tokens as they grow, and answers most look-ups from
-    where each token last occurred: the same as `lookup` over all of them, at every length.
-    Released (finished, aborted, preempted), a request's id starts afresh: nothing stale."""
+    """The proposer keeps each request's tokens as they grow, and answers from where each
+    n-gram last ended (or, for a range of sizes too wide to index, by `lookup`'s scan): the
+    same as `lookup` over all of them, at every length. Released (finished, aborted,
+    preempted), a request's id starts afresh: nothing stale."""
     rng = np.random.default_rng(1)
     for trial in range(60):
         lo = int(rng.integers(1, 3))
-        proposer = NgramProposer(lo, int(rng.integers(lo, 5)))
+        wide = NgramProposer.MAX_INDEXED_SIZES if trial % 5 == 4 else 0  # not indexed
+        proposer = NgramProposer(lo, int(rng.integers(lo, 5)) + wide)
+        assert bool(proposer._sizes) == (not wide)
         vocab = int(rng.integers(2, 9))
         for _ in range(2):  # the same id twice, with other tokens after a release
             req = Request(trial, rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist(),

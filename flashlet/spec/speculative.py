@@ -71,32 +71,35 @@ class NgramProposer:
     occurrence, and propose the k tokens that followed it. No weights; it pays on input-grounded
     work (editing, repeating, summarising a given text), where outputs copy spans of the input.
 
-    Each request's tokens are kept as it grows (`_History`: a step converts only its new
-    tokens), with where each token last occurred: the usual answer, the most recent earlier
-    occurrence of the newest token extended to the longest suffix, takes a dict look-up and a
-    short compare. Where that fails, `_scan` scans the tokens once for the newest token, then
-    extends those few candidates a token at a time."""
+    Each request's tokens are kept as it grows (`_History`: a step indexes only its new
+    tokens), with where each n-gram of the sizes looked up last ended: a proposal is at most
+    one dict look-up a size, never a scan of the tokens. A range of sizes wider than
+    `MAX_INDEXED_SIZES` (each token costs one entry a size) is not indexed: `lookup` scans."""
+
+    MAX_INDEXED_SIZES = 8
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        indexed = prompt_lookup_max - prompt_lookup_min < self.MAX_INDEXED_SIZES
+        self._sizes = range(prompt_lookup_min, prompt_lookup_max + 1) if indexed else range(0)
         self._tokens: dict[int, _History] = {}  # request id -> its tokens so far
 
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         return [self._propose_one(self._history(req), k) for req in requests]
 
     def _propose_one(self, history: "_History", k: int) -> list[int]:
-        """`lookup`'s answer for the history's tokens, by its first check alone where that
-        decides (a dict look-up instead of a scan)."""
-        tokens, length = history.tokens, len(history.tokens)
-        longest = min(self.max_n, length - 1)
+        """`lookup`'s answer for the history's tokens, from its n-gram index."""
+        tokens = history.tokens
+        longest = min(self.max_n, len(tokens) - 1)
         if longest < self.min_n:
             return []
-        end = history.last_before_newest()
-        if end is None:
-            return []  # every match ends in the newest token
-        if end >= longest - 1 and tokens[end - longest + 1 : end] == tokens[length - longest : -1]:
-            return tokens[end + 1 : end + 1 + k]
-        return self._scan(history.array(), k, longest)
+        if not self._sizes:
+            return self.lookup(history.array(), k)
+        for n in range(longest, self.min_n - 1, -1):
+            end = history.last_end(n)
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """The k tokens after the most recent earlier occurrence of the longest suffix of
@@ -114,15 +117,12 @@ class NgramProposer:
             return tokens[end + 1 : end + 1 + k].tolist()
         return self._scan(tokens, k, longest, ends)
 
-    def _scan(self, tokens: np.ndarray, k: int, longest: int,
-              ends: np.ndarray | None = None) -> list[int]:
+    def _scan(self, tokens: np.ndarray, k: int, longest: int, ends: np.ndarray) -> list[int]:
         """`lookup` by a scan: where an earlier match could end are the newest token's earlier
-        places (`ends`, if found already; each before the last token, so the suffix itself is
-        no match and every match has a token after it); each pass keeps the ends whose match is
-        one token longer. One scan of the whole array, then work on the few candidates only."""
+        places (`ends`: each before the last token, so the suffix itself is no match and every
+        match has a token after it); each pass keeps the ends whose match is one token longer.
+        One scan of the whole array, then work on the few candidates only."""
         length = len(tokens)
-        if ends is None:
-            ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         best = ends if self.min_n == 1 else None
         for n in range(2, longest + 1):
             ends = ends[ends >= n - 1]
@@ -139,7 +139,7 @@ class NgramProposer:
     def _history(self, req: Request) -> "_History":
         history = self._tokens.get(req.request_id)
         if history is None:
-            history = self._tokens[req.request_id] = _History()
+            history = self._tokens[req.request_id] = _History(self._sizes)
         total = req.num_tokens
         if total > len(history.tokens):
             history.extend(req.token_slice(len(history.tokens), total))
@@ -152,31 +152,35 @@ class NgramProposer:
         self._tokens.pop(request.request_id, None)
 
     def warm_up(self) -> None:
-        pass  # numpy on the host: nothing to compile
+        pass  # dicts on the host: nothing to compile
 
 
 class _History:
-    """One request's tokens for prompt lookup: a list, where each token last occurred before
-    the newest one, and a numpy copy made up to date only when a scan needs it."""
+    """One request's tokens for prompt lookup: a list; for each indexed n-gram size, where each
+    n-gram last ended before the newest token (so a token follows it); and a numpy copy made
+    up to date only when a scan needs it (sizes not indexed)."""
 
-    def __init__(self):
+    def __init__(self, sizes: range):
         self.tokens: list[int] = []
-        self._last: dict[int, int] = {}  # token -> its last position before the newest token
+        # size n -> {n tokens: the last position they end at, before the newest token}
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         self._buffer = np.empty(0, np.int64)
         self._filled = 0  # tokens copied into the buffer
 
     def extend(self, new: list[int]) -> None:
         if not new:
             return
-        tokens, last = self.tokens, self._last
+        tokens = self.tokens
         # the newest token so far, and each new one but the last, now have a token after them
-        for i, token in enumerate(tokens[-1:] + new[:-1], start=max(len(tokens) - 1, 0)):
-            last[token] = i
+        first = max(len(tokens) - 1, 0)
         tokens += new
+        for n, ends in self._ends.items():
+            for end in range(max(first, n - 1), len(tokens) - 1):
+                ends[tuple(tokens[end - n + 1 : end + 1])] = end
 
-    def last_before_newest(self) -> int | None:
-        """The newest token's most recent earlier position (None: it has none)."""
-        return self._last.get(self.tokens[-1])
+    def last_end(self, n: int) -> int | None:
+        """Where the newest n tokens last occurred earlier, ending (None: they did not)."""
+        return self._ends[n].get(tuple(self.tokens[-n:]))
 
     def array(self) -> np.ndarray:
         """The tokens as an int64 array (a view of a buffer that grows by doubling)."""

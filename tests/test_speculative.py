@@ -769,6 +769,10 @@ def test_a_verify_step_laid_out_as_decode_rows_at_once_is_the_converted_ragged_o
     assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=2).verify_as_decode_rows
     update.sample[0] = False
     assert not InputBatch(4, 16, ps).apply(update, verify_decode_rows=16).verify_as_decode_rows
+    short = verify_update(random.Random(2), 2, ps)  # a row's table a page short of its tokens
+    short.added[1] = short.added[1]._replace(page_ids=short.added[1].page_ids[:-1])
+    with pytest.raises(ValueError, match="fewer pages"):
+        InputBatch(4, 16, ps).apply(short, verify_decode_rows=16)
 
 
 def test_a_fused_verify_step_is_laid_out_once(tiny_qwen2, monkeypatch):

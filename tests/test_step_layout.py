@@ -299,6 +299,9 @@ def test_loads_into_the_one_arena_give_the_layouts_tensors(ps):
         input_ids, meta = buffers.load(layout, fed_tokens, pad_to=size)
         assert input_ids.tolist() == fed_reference(want, fed_tokens).tolist(), rows
         assert meta.num_padding == (size or len(rows)) - len(rows)
+        # (passed on from the layout, not recomputed: it must still hold of the padded rows)
+        qo = meta.host.qo_indptr.numpy()
+        assert meta.host.is_pure_decode == bool((np.diff(qo) == 1).all())
         for name, tensor in want.tensors().items():
             host = getattr(meta.host, name)
             assert host.dtype == LAYOUT_DTYPES[name]

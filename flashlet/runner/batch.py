@@ -258,34 +258,39 @@ class InputBatch:
         """A verify step whose every query token is sampled, as one decode row per token over
         its sequence's page-table row, at KV lengths position + 1: the layout that
         fused_decode.verify_as_decode_rows makes of the ragged one, built without it (a
-        speculating step's host time is not overlapped). The per-token columns are a few
-        Python ints (at most max_rows tokens: cheaper than numpy's calls on arrays that
-        short); the pages are gathered in numpy, as a long context has many."""
+        speculating step's host time is not overlapped). The per-token columns are Python
+        ints (at most max_rows tokens: cheaper than numpy's calls on arrays that short), each
+        made into an array once; a token's pages are a prefix of its row's table, so the page
+        indices are those prefixes (views) joined: one numpy call, however long the context."""
         lens, starts, ps = update.query_lens, update.starts, self.page_size
-        ends = [start + n for start, n in zip(starts, lens)]
-        positions = list(chain.from_iterable(map(range, starts, ends)))
-        token_rows = [row for row, n in zip(rows.tolist(), lens) for _ in range(n)]
+        positions, token_rows, prefixes, slots, offsets, pages = [], [], [], [], [], []
+        for row, start, n in zip(rows.tolist(), starts, lens):
+            first_page, last_page = start // ps, (start + n - 1) // ps
+            if self.num_pages[row] <= last_page:
+                raise ValueError("a row's page table holds fewer pages than its tokens need")
+            table_row = self.page_table[row]
+            own = table_row[first_page : last_page + 1].tolist()  # its tokens' own pages
+            for position in range(start, start + n):
+                page, offset = divmod(position, ps)
+                # the token's causal prefix spans its sequence's first page + 1 pages
+                prefixes.append(table_row[: page + 1])
+                pages.append(page + 1)
+                offsets.append(offset)
+                slots.append(own[page - first_page] * ps + offset)
+            positions += range(start, start + n)
+            token_rows += [row] * n
         if len(positions) >= len(self._counting):  # more decode rows than sequences
             self._count_to(len(positions))
-        # each token's causal prefix spans its sequence's first `pages` pages
-        pages = [position // ps + 1 for position in positions]
-        if any(self.num_pages[rows] < [(end - 1) // ps + 1 for end in ends]):
-            raise ValueError("a row's page table holds fewer pages than its tokens need")
-        kv_ptr = list(accumulate(pages, initial=0))
-        width = self.page_table.shape[1]
-        # one gather over the flat table: token t's pages from its row's first on
-        firsts = np.array([row * width - ptr for row, ptr in zip(token_rows, kv_ptr)], np.int64)
-        indices = self.page_table.ravel()[np.repeat(firsts, pages) + np.arange(kv_ptr[-1])]
-        offsets = [position % ps for position in positions]
-        last_pages = indices[np.array(kv_ptr[1:], np.int64) - 1]  # each token's own page
-        slots = np.multiply(last_pages, ps, dtype=np.int64) + offsets
+        indices = np.concatenate(prefixes)
+        positions_np = np.array(positions, np.int64)
         layout = self._decode_layout(
-            np.array(token_rows, np.int64), np.array(positions, np.int64), slots,
-            np.array(kv_ptr, np.int32), indices, np.array(offsets, np.int32),
-            np.array(positions, np.int32) + 1, update.token_ids)
+            np.array(token_rows, np.int64), positions_np, np.array(slots, np.int64),
+            np.array(list(accumulate(pages, initial=0)), np.int32), indices,
+            np.array(offsets, np.int32), np.add(positions_np, 1, dtype=np.int32),
+            update.token_ids)
         layout.verify_as_decode_rows = True
         self._decode = None
-        self._note_sampled(rows, np.array(ends, np.int64))
+        self._note_sampled(rows, np.array([s + n for s, n in zip(starts, lens)], np.int64))
         return layout
 
     def _count_to(self, n: int) -> None:
@@ -743,6 +748,9 @@ class StepBuffers:
         if len(arrays["feed_rows"]):
             self._feed(dev, placed, arrays["feed_rows"], fed_tokens)
         staged = StepLayout.from_arrays(host, layout.verify_as_decode_rows)
+        known = layout.__dict__.get("is_pure_decode")  # (a decode builder's layout: set)
+        if known is not None and pad_tokens is None:  # padding rows (pad_to) are decode rows
+            staged.is_pure_decode = known
         if self.staged:  # tensors read off the pinned arena, so copies from them do not block
             offsets = {**placed.offsets, "paged_kv_indices": at}
             counts = {**placed.lengths, "paged_kv_indices": num_indices}

@@ -162,8 +162,10 @@ class _History:
 
     def __init__(self, sizes: range):
         self.tokens: list[int] = []
-        # size n -> {n tokens: the last position they end at, before the newest token}
-        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self._sizes, self._widest = sizes, max(sizes, default=0)
+        # n tokens (of an indexed size n) -> the last position they end at before the newest
+        # token (one dict: keys of different sizes never match)
+        self._ends: dict[tuple[int, ...], int] = {}
         self._buffer = np.empty(0, np.int64)
         self._filled = 0  # tokens copied into the buffer
 
@@ -174,13 +176,19 @@ class _History:
         # the newest token so far, and each new one but the last, now have a token after them
         first = max(len(tokens) - 1, 0)
         tokens += new
-        for n, ends in self._ends.items():
-            for end in range(max(first, n - 1), len(tokens) - 1):
-                ends[tuple(tokens[end - n + 1 : end + 1])] = end
+        if not self._sizes:
+            return
+        ends, sizes, widest = self._ends, self._sizes, self._widest
+        for end in range(first, len(tokens) - 1):
+            # the widest n-gram ending here, and its suffixes (near the start, shorter: its
+            # suffixes of sizes past its length are itself, indexed as its own size)
+            window = tuple(tokens[max(end - widest + 1, 0) : end + 1])
+            for n in sizes:
+                ends[window[-n:]] = end
 
     def last_end(self, n: int) -> int | None:
         """Where the newest n tokens last occurred earlier, ending (None: they did not)."""
-        return self._ends[n].get(tuple(self.tokens[-n:]))
+        return self._ends.get(tuple(self.tokens[-n:]))
 
     def array(self) -> np.ndarray:
         """The tokens as an int64 array (a view of a buffer that grows by doubling)."""

@@ -128,9 +128,10 @@ def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
     preempted), a request's id starts afresh: nothing stale."""
     rng = np.random.default_rng(1)
     for trial in range(60):
-        lo = int(rng.integers(1, 3))
-        wide = NgramProposer.MAX_INDEXED_SIZES if trial % 5 == 4 else 0  # not indexed
-        proposer = NgramProposer(lo, int(rng.integers(lo, 5)) + wide)
+        lo, most = int(rng.integers(1, 4)), NgramProposer.MAX_INDEXED_SIZES
+        wide = most if trial % 5 == 4 else 0  # not indexed
+        hi = lo + most - 1 if trial % 5 == 3 else int(rng.integers(lo, 5)) + wide  # 3: widest
+        proposer = NgramProposer(lo, hi)
         assert bool(proposer._sizes) == (not wide)
         vocab = int(rng.integers(2, 9))
         for _ in range(2):  # the same id twice, with other tokens after a release
@@ -140,6 +141,8 @@ def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
                 k = int(rng.integers(1, 6))
                 tokens = np.array(req.prompt_token_ids + req.output_token_ids)
                 assert proposer.propose([req], k) == [proposer.lookup(tokens, k)]
+                # indexed: only n-grams of the sizes looked up
+                assert {len(key) for key in proposer._tokens[trial]._ends} <= set(proposer._sizes)
                 grow = int(rng.integers(1, 5)) if trial % 2 else 1  # odd trials: several a step
                 req.output_token_ids += rng.integers(0, vocab, size=grow).tolist()
             proposer.release(req)

@@ -88,7 +88,8 @@ class NgramProposer:
         return [self._propose_one(self._history(req), k) for req in requests]
 
     def _propose_one(self, history: "_History", k: int) -> list[int]:
-        """`lookup`'s answer for the history's tokens, from its n-gram index."""
+        """`lookup`'s answer for the history's tokens, from its n-gram index (by `lookup`
+        itself where the sizes are not indexed)."""
         tokens = history.tokens
         longest = min(self.max_n, len(tokens) - 1)
         if longest < self.min_n:
@@ -179,7 +180,8 @@ class _History:
         if not self._sizes:
             return
         ends, sizes, widest = self._ends, self._sizes, self._widest
-        for end in range(first, len(tokens) - 1):
+        # (no n-gram of an indexed size ends before the smallest size's last token)
+        for end in range(max(first, sizes[0] - 1), len(tokens) - 1):
             # the widest n-gram ending here, and its suffixes (near the start, shorter: its
             # suffixes of sizes past its length are itself, indexed as its own size)
             window = tuple(tokens[max(end - widest + 1, 0) : end + 1])

@@ -123,8 +123,9 @@ def test_ngram_lookup_equals_a_plain_scan_on_random_tokens():
 
 def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
     """The proposer keeps each request's tokens as they grow, and answers from where each
-    n-gram last ended (or, for a range of sizes too wide to index, by `lookup`'s scan): the
-    same as `lookup` over all of them, at every length. Released (finished, aborted,
+    n-gram last ended (or, for a range of sizes too wide to index or a request grown past
+    MAX_INDEXED_TOKENS, by `lookup`'s scan): the same as `lookup` over all of them, at every
+    length. Released (finished, aborted,
     preempted), a request's id starts afresh: nothing stale."""
     rng = np.random.default_rng(1)
     for trial in range(60):
@@ -133,6 +134,9 @@ def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
         hi = lo + most - 1 if trial % 5 == 3 else int(rng.integers(lo, 5)) + wide  # 3: widest
         proposer = NgramProposer(lo, hi)
         assert bool(proposer._sizes) == (not wide)
+        if trial % 3 == 2:  # requests grow past the indexed length: they drop the index and scan
+            proposer.MAX_INDEXED_TOKENS = int(rng.integers(4, 40))
+        limit = proposer.MAX_INDEXED_TOKENS
         vocab = int(rng.integers(2, 9))
         for _ in range(2):  # the same id twice, with other tokens after a release
             req = Request(trial, rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist(),
@@ -141,8 +145,11 @@ def test_ngram_proposals_of_a_growing_request_equal_the_lookup_of_its_tokens():
                 k = int(rng.integers(1, 6))
                 tokens = np.array(req.prompt_token_ids + req.output_token_ids)
                 assert proposer.propose([req], k) == [proposer.lookup(tokens, k)]
-                # indexed: only n-grams of the sizes looked up
-                assert {len(key) for key in proposer._tokens[trial]._ends} <= set(proposer._sizes)
+                # indexed: only n-grams of the sizes looked up; past the limit, no index at all
+                history = proposer._tokens[trial]
+                assert {len(key) for key in history._ends} <= set(proposer._sizes)
+                assert history.indexed == (not wide and len(history.tokens) <= limit)
+                assert history.indexed or not history._ends
                 grow = int(rng.integers(1, 5)) if trial % 2 else 1  # odd trials: several a step
                 req.output_token_ids += rng.integers(0, vocab, size=grow).tolist()
             proposer.release(req)

@@ -74,9 +74,14 @@ class NgramProposer:
     Each request's tokens are kept as it grows (`_History`: a step indexes only its new
     tokens), with where each n-gram of the sizes looked up last ended: a proposal is at most
     one dict look-up a size, never a scan of the tokens. A range of sizes wider than
-    `MAX_INDEXED_SIZES` (each token costs one entry a size) is not indexed: `lookup` scans."""
+    `MAX_INDEXED_SIZES` (each token costs one entry a size) is not indexed: `lookup` scans.
+    Neither is a request past `MAX_INDEXED_TOKENS` tokens: its index costs ~0.6-2.7 us a token to
+    build (this CPU, idle to loaded), all at its first proposal, a stall of the whole batch's
+    step (20-170 ms at 32k tokens), and ~400 bytes a token, where the scan costs ~10-40 us a
+    step (1.4 ms for its first at 32k); one that grows past it drops its index and scans."""
 
     MAX_INDEXED_SIZES = 8
+    MAX_INDEXED_TOKENS = 1024
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
@@ -94,7 +99,7 @@ class NgramProposer:
         longest = min(self.max_n, len(tokens) - 1)
         if longest < self.min_n:
             return []
-        if not self._sizes:
+        if not history.indexed:
             return self.lookup(history.array(), k)
         for n in range(longest, self.min_n - 1, -1):
             end = history.last_end(n)
@@ -140,7 +145,7 @@ class NgramProposer:
     def _history(self, req: Request) -> "_History":
         history = self._tokens.get(req.request_id)
         if history is None:
-            history = self._tokens[req.request_id] = _History(self._sizes)
+            history = self._tokens[req.request_id] = _History(self._sizes, self.MAX_INDEXED_TOKENS)
         total = req.num_tokens
         if total > len(history.tokens):
             history.extend(req.token_slice(len(history.tokens), total))
@@ -159,11 +164,12 @@ class NgramProposer:
 class _History:
     """One request's tokens for prompt lookup: a list; for each indexed n-gram size, where each
     n-gram last ended before the newest token (so a token follows it); and a numpy copy made
-    up to date only when a scan needs it (sizes not indexed)."""
+    up to date only when a scan needs it (sizes not indexed, or more than max_tokens tokens)."""
 
-    def __init__(self, sizes: range):
+    def __init__(self, sizes: range, max_tokens: int):
         self.tokens: list[int] = []
-        self._sizes, self._widest = sizes, max(sizes, default=0)
+        self._sizes, self._widest, self._max_tokens = sizes, max(sizes, default=0), max_tokens
+        self.indexed = bool(sizes)  # False: `lookup` scans this request's tokens
         # n tokens (of an indexed size n) -> the last position they end at before the newest
         # token (one dict: keys of different sizes never match)
         self._ends: dict[tuple[int, ...], int] = {}
@@ -177,7 +183,9 @@ class _History:
         # the newest token so far, and each new one but the last, now have a token after them
         first = max(len(tokens) - 1, 0)
         tokens += new
-        if not self._sizes:
+        if self.indexed and len(tokens) > self._max_tokens:
+            self.indexed, self._ends = False, {}  # too long to index: scanned from now on
+        if not self.indexed:
             return
         ends, sizes, widest = self._ends, self._sizes, self._widest
         # (no n-gram of an indexed size ends before the smallest size's last token)

@@ -65,15 +65,22 @@ def harness(config: str, flags: list[str]) -> dict:
                 "ran": {"fused_decode": engine.get("fused_decode")}, "error": res.get("error")}
 
 
+def started_llm(config: str, flags: list[str], max_num_pages: int):
+    """(the path's LLM at the preset's shape: triton backend, bf16; its start-up seconds)."""
+    from flashlet import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=max_num_pages,
+              **fused_settings(flags))
+    return llm, time.perf_counter() - t0
+
+
 def generate_in_this_process(config: str, flags: list[str]) -> dict:
     import torch
 
-    from flashlet import LLM, SamplingParams
+    from flashlet import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=4096,
-              **fused_settings(flags))
-    start_s = time.perf_counter() - t0
+    llm, start_s = started_llm(config, flags, max_num_pages=4096)
     prompt = [(i * 7919 + 11) % llm.engine.model_config.vocab_size for i in range(PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     fused = llm.engine.runner.fused
@@ -100,12 +107,10 @@ def streams_in_this_process(config: str, flags: list[str], streams: list[int], n
     a second with fresh prompts (none shares a prefix with another: no cache hits)."""
     import torch
 
-    from flashlet import LLM, SamplingParams
+    from flashlet import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(config=config, backend="triton", dtype="bfloat16", max_num_pages=8192,
-              **fused_settings(flags))
-    figures = {"start_s": time.perf_counter() - t0, "ran": {"fused_decode": llm.engine.runner.fused is not None}}
+    llm, start_s = started_llm(config, flags, max_num_pages=8192)
+    figures = {"start_s": start_s, "ran": {"fused_decode": llm.engine.runner.fused is not None}}
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, seed = {}, 0

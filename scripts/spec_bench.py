@@ -3,7 +3,7 @@
     python scripts/spec_bench.py [--config qwen2.5-0.5b ...] [--k 2 4 8] [--match 0.6 0.8 0.9 1.0]
                                  [--acceptance 0.7: the match that accepts 0.7 at each k]
                                  [--draft qwen2.5-0.5b] [--json OUT] [--served-rows 8] [--max-rounds 12]
-                                 [--phases]
+                                 [--phases] [--repeats 5]
     python scripts/spec_bench.py --grid [--budget-s 240] [--phases]   # the issue's grid (GRID)
 
 Random weights cannot agree with a proposer by chance, so the proposals here come from a known
@@ -25,7 +25,8 @@ from differs from a user's run. The acceptance rate printed is the engine's meas
 (`engine.stats()`), not `match`.
 
 Each figure is 256 / seconds of one `LLM.generate` call of one 32-token prompt, 256 new tokens,
-greedy, after a first untimed call (both engines have compiled and captured by then). A row
+greedy, the median of --repeats (5) timed calls after a first untimed one (both engines have
+compiled and captured by then). A row
 also says the rounds its own continuation took to hold, and whether the timed run's output
 equals it ("same"); the JSON says too whether it equals the plain engine's (greedy speculation
 is lossless up to the verify step's rounding, which differs from the fused one-row path's: a
@@ -52,6 +53,9 @@ PROMPT_LEN, NEW_TOKENS = 32, 256
 # Runs of the engine on its own output before a row gives up on a fixed point: each round moves
 # the first parting later (a near tie each), and a few have sufficed.
 MAX_ROUNDS = 12
+
+# Timed calls a figure's median is taken over (--repeats).
+REPEATS = 5
 
 
 # Each step's share of intact proposals comes from an evenly spread sequence of quantiles (the
@@ -157,10 +161,12 @@ def generate(llm, prompt: list[int]) -> list[int]:
     return list(llm.generate([prompt], params)[0].token_ids)
 
 
-def timed_generate(llm, prompt: list[int], phases: "StepPhases | None" = None
-                   ) -> tuple[float, list[int], int]:
-    """(tok/s, tokens, steps) of one call after an untimed first one (phases: reset before it,
-    so they time that call's steps)."""
+def timed_generate(llm, prompt: list[int], phases: "StepPhases | None" = None,
+                   repeats: int = 1) -> tuple[float, list[int], int]:
+    """(tok/s, tokens, steps) after an untimed first call: the median tok/s of `repeats` timed
+    calls (one 256-token call of the 0.5B shape is ~0.1 s, so one call alone moves with a host
+    hiccup), the tokens and steps of that median call (phases: reset before the timed calls, so
+    they time those calls' steps)."""
     import torch
 
     generate(llm, prompt)
@@ -168,11 +174,15 @@ def timed_generate(llm, prompt: list[int], phases: "StepPhases | None" = None
         torch.cuda.synchronize()
     if phases is not None:
         phases.reset()
-    steps = llm.engine.num_steps
-    t0 = time.perf_counter()
-    tokens = generate(llm, prompt)
-    seconds = time.perf_counter() - t0
-    return NEW_TOKENS / seconds, tokens, llm.engine.num_steps - steps
+    runs = []
+    for _ in range(repeats):
+        steps = llm.engine.num_steps
+        t0 = time.perf_counter()
+        tokens = generate(llm, prompt)
+        seconds = time.perf_counter() - t0
+        runs.append((NEW_TOKENS / seconds, tokens, llm.engine.num_steps - steps))
+    runs.sort(key=lambda run: run[0])
+    return runs[len(runs) // 2]
 
 
 class StepPhases:
@@ -260,22 +270,25 @@ def spec_counters(llm) -> tuple[int, int, int]:
 
 def run_config(config: str, ks: list[int], matches: list[float], draft: str | None,
                max_rounds: int = MAX_ROUNDS, phases: bool = False,
-               acceptance: list[float] | None = None) -> dict:
+               acceptance: list[float] | None = None, repeats: int = REPEATS,
+               engine_args: dict | None = None) -> dict:
     """acceptance: instead of `matches`, for each k the matches expected to give these
-    acceptance rates (match_for_acceptance)."""
+    acceptance rates (match_for_acceptance). Each row is printed as it is measured (a run cut
+    short still shows its rows)."""
     from flashlet import LLM
 
-    common = dict(config=config, dtype="bfloat16", max_num_pages=4096)
+    common = dict(config=config, dtype="bfloat16", max_num_pages=4096, **(engine_args or {}))
     with LLM(**common) as llm:
         vocab = llm.engine.model_config.vocab_size
         prompt = [(i * 7919 + 11) % vocab for i in range(PROMPT_LEN)]
         plain_phases = StepPhases(llm.engine) if phases else None
-        base_tok_s, base_tokens, base_steps = timed_generate(llm, prompt, plain_phases)
+        base_tok_s, base_tokens, base_steps = timed_generate(llm, prompt, plain_phases, repeats)
         fused = llm.engine.runner.fused is not None
     result = {"config": config, "plain": {"tok_s": base_tok_s, "steps": base_steps, "fused_decode": fused},
               "ngram": []}
     if plain_phases is not None:
         result["plain"]["host_us"] = plain_phases.per_step_us()
+    print(plain_line(config, result["plain"]), flush=True)
     spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
     with LLM(**common, speculative_config=spec) as llm:
         known = base_tokens
@@ -287,13 +300,15 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
             row_matches = matches if acceptance is None else [match_for_acceptance(a, k) for a in acceptance]
             for rate, match in zip(asked, row_matches):
                 row, known = ngram_row(llm, prompt, known, k, match, fused_verify, max_rounds,
-                                       spec_phases)
+                                       spec_phases, repeats)
                 row.update(asked=rate, speedup=row["tok_s"] / base_tok_s,
                            same_as_plain=row.pop("tokens") == base_tokens)
+                print(row_line(config, row), flush=True)
                 result["ngram"].append(row)
     if draft:
         try:
-            result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps)
+            result["draft"] = draft_cost(common, prompt, draft, base_tok_s, base_steps,
+                                         repeats=repeats)
         except Exception as e:  # the n-gram rows above still print
             result["draft"] = {"draft": draft, "error": f"{type(e).__name__}: {e}"}
     return result
@@ -301,15 +316,15 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
 
 def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
               fused_verify: list[int], max_rounds: int = MAX_ROUNDS,
-              phases: "StepPhases | None" = None) -> tuple[dict, list[int]]:
+              phases: "StepPhases | None" = None, repeats: int = 1) -> tuple[dict, list[int]]:
     """One row: the engine's own continuation at (k, match) found, then one timed call proposing
     its corrupted copy -> (the row, that continuation)."""
     vocab = llm.engine.model_config.vocab_size
     known, rounds, held = own_continuation(llm, prompt, known, k, match, max_rounds)
     llm.engine.spec.proposer = CorruptedCopyProposer(known, match, vocab, seed=k)
     before, fused_before = spec_counters(llm), fused_verify[0]
-    tok_s, tokens, steps = timed_generate(llm, prompt, phases)
-    # the counters span both calls (the untimed one runs the same proposals)
+    tok_s, tokens, steps = timed_generate(llm, prompt, phases, repeats)
+    # the counters span every call (the untimed one runs the same proposals)
     drafts, proposed, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
     parted = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
     return {"k": k, "match": match, "tok_s": tok_s, "acceptance_rate": accepted / proposed if proposed else 0.0,
@@ -321,11 +336,11 @@ def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
 
 
 def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
-               k: int = 4) -> dict:
+               k: int = 4, repeats: int = 1) -> dict:
     from flashlet import LLM
 
     with LLM(**common, speculative_config={"model": draft, "num_speculative_tokens": k}) as llm:
-        tok_s, tokens, steps = timed_generate(llm, prompt)
+        tok_s, tokens, steps = timed_generate(llm, prompt, repeats=repeats)
         return {"draft": draft, "k": k, "tok_s": tok_s, "steps": steps,
                 "ms_per_step": 1000 * NEW_TOKENS / tok_s / steps,
                 "plain_ms_per_step": 1000 * NEW_TOKENS / base_tok_s / base_steps,
@@ -342,17 +357,10 @@ def print_table(results: list[dict]) -> None:
         if "skipped" in res:
             print(f"{res['config']:14} not run: {res['skipped']}")
             continue
-        plain = res["plain"]
-        print(f"{res['config']:14} {'-':>2} {'-':>5} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
-              f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  (fused decode: {plain['fused_decode']})")
-        print_phases(plain)
+        print(plain_line(res["config"], res["plain"]))
+        print_phases(res["plain"])
         for row in res["ngram"]:
-            rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
-            asked = "-" if row.get("asked") is None else f"{row['asked']:.2f}"
-            print(f"{res['config']:14} {row['k']:2d} {asked:>5} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
-                  f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
-                  f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
-                  f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
+            print(row_line(res["config"], row))
             print_phases(row)
         if "draft" in res and "error" in res["draft"]:
             print(f"{res['config']:14} draft {res['draft']['draft']}: {res['draft']['error']}")
@@ -360,6 +368,21 @@ def print_table(results: list[dict]) -> None:
             d = res["draft"]
             print(f"{res['config']:14} draft {d['draft']} k={d['k']}: {d['ms_per_step']:.3f} ms a step "
                   f"(plain {d['plain_ms_per_step']:.3f}), {d['tok_s']:.0f} tok/s")
+
+
+def plain_line(config: str, plain: dict) -> str:
+    return (f"{config:14} {'-':>2} {'-':>5} {'-':>6} {'-':>7} {'1.00':>5} {plain['tok_s']:8.0f} "
+            f"{1.0:8.2f} {ms_per_step(plain):8.3f} {'':>6} {'':>6} {'':>6}  "
+            f"(fused decode: {plain['fused_decode']})")
+
+
+def row_line(config: str, row: dict) -> str:
+    rounds = f"{row['rounds']}" + ("" if row["held"] else " (held: no)")
+    asked = "-" if row.get("asked") is None else f"{row['asked']:.2f}"
+    return (f"{config:14} {row['k']:2d} {asked:>5} {row['match']:6.2f} {row['acceptance_rate']:7.2f} "
+            f"{row['mean_accepted_length']:5.2f} {row['tok_s']:8.0f} {row['speedup']:8.2f} "
+            f"{ms_per_step(row):8.3f} {row['fused_verify_share']:6.2f} {rounds:>6} "
+            f"{'yes' if row['same_tokens'] else 'at ' + str(row['parted_at']):>6}")
 
 
 def print_phases(row: dict) -> None:
@@ -375,7 +398,7 @@ def ms_per_step(row: dict) -> float:
 # The issue's grid (`--grid`): each config with its k values and acceptance rates, in order;
 # a config after the first starts only within --budget-s (the 7B rows if time allows).
 GRID = (("qwen2.5-0.5b", (2, 4, 8), (0.5, 0.7, 0.9)),
-        ("qwen2.5-7b", (4,), (0.5, 0.7, 0.9)))
+        ("qwen2.5-7b", (2, 4, 8), (0.5, 0.7, 0.9)))
 GRID_BUDGET_S = 240  # seconds; expected (not yet timed): 0.5B ~2 min on the H200, 7B ~2-3 more
 
 
@@ -405,6 +428,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="the results, written after each config")
     ap.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
                     help="runs a row may take to find the continuation its engine reproduces")
+    ap.add_argument("--no-fused-decode", action="store_true",
+                    help="both engines per-op (fused_decode=False), as a model the fused path declines runs")
+    ap.add_argument("--repeats", type=int, default=REPEATS,
+                    help="timed calls a figure is the median of")
     ap.add_argument("--phases", action="store_true",
                     help="time each part of the engine's step on the host (StepPhases) in the timed runs")
     ap.add_argument("--served-rows", type=int, default=None, metavar="N",
@@ -426,7 +453,8 @@ def main() -> int:
         else:
             draft = args.draft if i == len(runs) - 1 else None
             results.append(run_config(config, ks, args.match, draft, args.max_rounds, args.phases,
-                                      rates))
+                                      rates, args.repeats,
+                                      {"fused_decode": False} if args.no_fused_decode else None))
             print(f"{config}: {len(results[-1]['ngram'])} rows in "
                   f"{time.perf_counter() - started - elapsed:.0f} s", flush=True)
         if args.json:  # what ran so far (and what the budget skipped) survives a run cut short

@@ -98,10 +98,11 @@ def test_a_run_on_a_tiny_config_gives_a_row_per_k_and_match(tiny_qwen2, monkeypa
     timed run reproduces the continuation it was proposed, all accepted at match 1.0."""
     bench = load_script("spec_bench")
     monkeypatch.setattr(bench, "NEW_TOKENS", 24)
-    result = bench.run_config(str(tiny_qwen2 / "config.json"), [2, 4], [0.7, 1.0], None)
+    result = bench.run_config(str(tiny_qwen2 / "config.json"), [2, 4], [0.7, 1.0], None, repeats=3)
     assert [(r["k"], r["match"]) for r in result["ngram"]] == [(2, 0.7), (2, 1.0), (4, 0.7), (4, 1.0)]
     assert all(r["held"] and r["same_tokens"] for r in result["ngram"])
     assert all(r["acceptance_rate"] == 1.0 for r in result["ngram"] if r["match"] == 1.0)
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 4  # each row as it is measured
     bench.print_table([result])
     assert len(capsys.readouterr().out.splitlines()) == 3 + 4
 
@@ -198,7 +199,7 @@ def test_the_grid_runs_its_configs_in_order_and_skips_those_past_the_budget(monk
     bench = load_script("spec_bench")
     ran = []
 
-    def run_config(config, ks, matches, draft, max_rounds, phases, acceptance):
+    def run_config(config, ks, matches, draft, max_rounds, phases, acceptance, repeats, engine_args):
         ran.append((config, ks, acceptance))
         row = {"k": ks[0], "asked": acceptance[0], "match": 0.9, "tok_s": 2.0, "speedup": 2.0,
                "acceptance_rate": acceptance[0], "mean_accepted_length": 2.0, "steps": 64,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.kernels.cute_gemv import gemv_reference, plan_gemv, rope_kv_reference
 from flashlet.kvcache.kv_pool import KVPool
+from flashlet.models.weights import PRESETS_DIR
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
 from flashlet.runner.model_runner import ModelRunner
@@ -359,6 +361,7 @@ AUTO_CONDITIONS = {
     "fp8-kv": "the KV cache is fp8",
     "fp8-weights": "the weights are fp8",
     "shape": "hidden_size = 64 is not a multiple of 128",
+    "norm-chunks": "hidden_size = 64 gives its norm-folded one-row GEMVs 1 16-byte chunks a lane",
     "no-dsl": "pip install nvidia-cutlass-dsl",
 }
 
@@ -381,6 +384,8 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
         monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
     if broken == "shape":
         monkeypatch.setattr(fused_decode, "VEC", 128)
+    if broken == "norm-chunks":
+        monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
     pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu",
                   cache_dtype=torch.float8_e4m3fn if broken == "fp8-kv" else None)
@@ -897,3 +902,18 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
     padded = [next(s for s in runner.fused.row_counts if s >= n) for n in expanded]
     assert expanded and verify_replays == list(zip(padded, expanded)) and max(expanded) <= 4
     assert any(verifying for _, verifying in per_op)  # the 5-token steps
+
+
+def test_auto_declines_the_presets_whose_norm_folded_gemvs_hold_too_many_chunks_a_lane():
+    """MAX_NORM_CHUNKS by preset: the shapes measured fast on the fused path (or as small) stay
+    on; Qwen2.5-7B (14 chunks: ~10x slower than per-op on the H200) and the larger ones decline."""
+    on = {}
+    for path in sorted(PRESETS_DIR.glob("*.json")):
+        hidden = json.loads(path.read_text())["hidden_size"]
+        on[path.stem] = fused_decode.norm_chunks_per_lane(hidden) <= fused_decode.MAX_NORM_CHUNKS
+    assert on == {"llama-3.1-8b": False, "llama-3.2-1b": True, "mistral-7b": False,
+                  "qwen2.5-0.5b": True, "qwen2.5-0.5b-smolvocab": True, "qwen2.5-1.5b": True,
+                  "qwen2.5-14b": False, "qwen2.5-7b": False, "qwen3-0.6b": True, "qwen3-1.7b": True,
+                  "tinyllama-1.1b": True}
+    assert fused_decode.norm_chunks_per_lane(3584) == 14
+    assert fused_decode.norm_chunks_per_lane(3584, fp8=True) == 7  # 16 fp8 weights a chunk

@@ -82,7 +82,7 @@ import torch
 
 from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV, RopeShape,
-                                        VEC, cute_available, plan_gemv)
+                                        VEC, cute_available, lanes_for, plan_gemv)
 from flashlet.models import quantization
 from flashlet.models.quantization import QuantizedWeight, is_quantized
 from flashlet.runner.batch import StepLayout
@@ -94,6 +94,17 @@ from flashlet.runner.batch import StepLayout
 # BENCHMARKS.md). Past it the fused step runs that one GEMV on cuBLAS (split-K), accumulating
 # into the residual stream in place, and keeps the rest fused.
 MAX_DOWN_K = 16_384
+
+# The most 16-byte chunks of x a lane may hold in the one-row GEMVs that fold the RMSNorm in
+# (QKV, gate+up: x, the norm's weight g and the weights, each C chunks a lane, held at once).
+# Auto declines the path past it. Measured on the H200, one stream (2026-12-02, spec_bench's
+# plain row and profile_step at the Qwen2.5-7B shape, hidden 3,584: 14 chunks): 45.8 ms a step
+# fused (22 tok/s) against per-op's 4.50 (222); its gate+up GEMV took 1.38 ms for 272 MB and
+# QKV 182 us for 33 MB (~0.19 TB/s each), while the down projection on cuBLAS took 44 us and O
+# (no norm, also 14 chunks) 29 us. At 8 (Llama-3.2-1B, hidden 2,048) the path ran at 1,156
+# tok/s, 67% of its byte limit. Shapes past 8 are unmeasured between 8 and 14 and larger
+# above (Llama-3.1-8B / Mistral-7B 16, Qwen2.5-14B 20): per-op for them until measured.
+MAX_NORM_CHUNKS = 8
 
 # MAX_ROWS (cute_gemv's): the most decode rows (sequences, or a verify step's query tokens) one
 # fused step can compute: a GEMV of up to 16 rows is still bound by its weight bytes (`rows=`).
@@ -120,6 +131,13 @@ def fp8_tensor_cores(model, asked: bool) -> bool:
         return False
     cfg, layer = model.config, model.layers[0]
     return all(k % MMA_K_FP8 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
+
+
+def norm_chunks_per_lane(hidden_size: int, fp8: bool = False) -> int:
+    """16-byte chunks of x each lane holds in the one-row GEMVs with the RMSNorm folded in
+    (K = hidden_size; the lanes sharing a row: cute_gemv.lanes_for)."""
+    vec = FP8_VEC if fp8 else VEC
+    return hidden_size // (vec * lanes_for(hidden_size, vec))
 
 
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
@@ -195,6 +213,12 @@ def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -
     why = refusals(model, device)
     if why:
         return "; ".join(why)
+    chunks = norm_chunks_per_lane(model.config.hidden_size, is_quantized(model))
+    if chunks > MAX_NORM_CHUNKS:
+        # Forced on (fused_decode=True) it runs, at a fraction of per-op's speed (MAX_NORM_CHUNKS).
+        return (f"hidden_size = {model.config.hidden_size} gives its norm-folded one-row GEMVs "
+                f"{chunks} 16-byte chunks a lane (more than {MAX_NORM_CHUNKS}): at 14 (Qwen2.5-7B) "
+                "one stream measured 22 tok/s fused against per-op's 222")
     ok, unavailable = cute_available()
     return None if ok else unavailable  # says how to install it
 

@@ -199,7 +199,9 @@ def check_teacher_forced(forced, ref_rows, fused_rows, picks, exact_rows, min_ag
     logits' RMS error within PRECISION_FACTOR x the bf16 per-op path's, and at each position
     the largest error within GROSS_FACTOR x the per-op path's (+ 2^-8 |top|), a guard against
     one broken step; then per position the fused pick the reference's, or within
-    2 * (noise + 2^-8 |top|) of it in the reference's logits (module docstring)."""
+    2 * (noise + 2^-8 |top|) of it in the reference's logits (module docstring); at least
+    min_agree of the picks agree, or the fused path picks the fp32 anchor's token as often as the
+    reference does."""
     assert len(ref_rows) == len(fused_rows) == len(picks) == len(forced) == len(exact_rows)
     agree = 0
     sq_fused = sq_ref = 0.0
@@ -221,12 +223,21 @@ def check_teacher_forced(forced, ref_rows, fused_rows, picks, exact_rows, min_ag
                               f"{gap:.4f} below it in the reference's logits > 2 x (noise {noise:.4f} "
                               f"+ 2^-8 x {top:.3f}) = {limit:.4f}")
     rms_fused, rms_ref = (sq_fused / len(forced)) ** 0.5, (sq_ref / len(forced)) ** 0.5
+    # How often each path picks the fp32 anchor's token: where the two paths part more often than
+    # min_agree allows, the fused one must pick the anchor's token at least as often as the
+    # reference does (both are noisy, and the reference is no truth: per-op fp8 rounds elsewhere).
+    exact_picks = [int(row.argmax()) for row in exact_rows]
+    fused_exact = sum(p == e for p, e in zip(picks, exact_picks))
+    ref_exact = sum(w == e for w, e in zip(forced, exact_picks))
     print(f"teacher-forced: {agree} of {len(forced)} picks agree; RMS error against fp32: fused "
-          f"{rms_fused:.4f}, bf16 per-op {rms_ref:.4f}")
+          f"{rms_fused:.4f}, bf16 per-op {rms_ref:.4f}; fp32's pick: fused {fused_exact}, reference "
+          f"{ref_exact}")
     assert rms_fused <= PRECISION_FACTOR * rms_ref, (
         f"fused logits' RMS error against fp32 {rms_fused:.4f} > {PRECISION_FACTOR} x the bf16 "
         f"per-op path's {rms_ref:.4f}")
-    assert agree >= min_agree * len(forced), f"only {agree} of {len(forced)} positions agree"
+    assert agree >= min_agree * len(forced) or fused_exact >= ref_exact, (
+        f"only {agree} of {len(forced)} positions agree, and the fused path picks fp32's token at "
+        f"{fused_exact} positions against the reference's {ref_exact}")
 
 
 def check_against_reference_teacher_forced(source, prompt_list, new_tokens, max_num_seqs=1, **config):

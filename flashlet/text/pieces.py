@@ -33,7 +33,7 @@ _CUT = re.compile(r"(?<=[!-~]) (?=[A-Za-z])")
 
 # The split regexes whose pre-tokens never span a cut (Llama 3's; Qwen2's), used as
 # Sequence[Split(regex), ByteLevel(use_regex=False)]; GPT-2's is ByteLevel(use_regex=True).
-_SPLIT_REGEXES = (
+SPLIT_REGEXES = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -113,5 +113,5 @@ def _cuts_are_pre_token_bounds(spec: dict) -> bool:
         return False
     split, byte_level = parts
     return (split.get("type") == "Split" and split.get("behavior") == "Isolated"
-            and not split.get("invert") and split.get("pattern", {}).get("Regex") in _SPLIT_REGEXES
+            and not split.get("invert") and split.get("pattern", {}).get("Regex") in SPLIT_REGEXES
             and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True))

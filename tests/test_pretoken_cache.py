@@ -90,6 +90,26 @@ def test_a_bos_template_is_put_around_the_cached_ids(spec):
     _check_matches_rust(rust, _ascii_texts(100, seed=2))
 
 
+def test_added_tokens_allowed_are_cut_out_as_rust_does(tok):
+    """A chat template's text: its special-token strings are those tokens (Rust's
+    encode_special_tokens off), between plain text, each other, spaces and line ends."""
+    rust = copy.deepcopy(rust_tokenizer(tok))
+    rust.encode_special_tokens = False
+    cache = PreTokenCache.of(rust)
+    rng = random.Random(4)
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>",
+                "<|im_start|>user\n", "\n<|im_end|>\n", "<|im_end"]
+    told = 0
+    for _ in range(600):
+        text = "".join(rng.choice(_ATOMS + specials) for _ in range(rng.randint(1, 200)))
+        for add_special_tokens in (False, True):
+            ids = cache.encode(text, add_special_tokens, allow_special=True)
+            whole = rust.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            assert ids == whole, repr(text)
+            told += 1
+    assert cache.encode("a <|im_end|> b", True) is None  # not allowed: refused, not guessed
+
+
 def test_texts_it_cannot_tell_are_refused(tok):
     cache = PreTokenCache.of(rust_tokenizer(tok))
     for text in ["caf\u00e9", "a\u00a0b", "x\x0by", "bell\x07", "end <|im_end|> of it",
@@ -122,7 +142,8 @@ def test_a_full_cache_starts_over(tok, monkeypatch):
     rust = rust_tokenizer(tok)
     cache = PreTokenCache.of(rust).like(rust)
     for text in _ascii_texts(40, seed=3, longest=60):
-        assert cache.encode(text, False) == rust.encode_batch_fast([text], False)[0].ids
+        whole = rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        assert cache.encode(text, False) == whole
         assert len(cache.ids) <= 50 + 60  # never more than one text's words past the bound
 
 
@@ -144,7 +165,10 @@ def test_text_encoder_encodes_from_the_cache(tok, monkeypatch):
     for text in (plain, other):
         assert enc.encode(text) == encode_text(copy.deepcopy(tok), text)
         assert enc.encode(text, in_pieces=True) == encode_text(copy.deepcopy(tok), text)
-    messages = [{"role": "user", "content": plain}, {"role": "assistant", "content": other}]
-    assert enc.chat(messages) == chat_ids(copy.deepcopy(tok), messages)
     assert told == [plain, plain]
+    for messages in ([{"role": "user", "content": plain}],  # the template's text: told
+                     [{"role": "user", "content": plain}, {"role": "assistant", "content": other}]):
+        assert enc.chat(messages) == chat_ids(copy.deepcopy(tok), messages)
+    assert tok.apply_chat_template(messages[:1], tokenize=False,
+                                   add_generation_prompt=True) in told
     enc.close()

@@ -43,14 +43,20 @@ class PreTokenCache:
     """A text's ids from its pre-tokens' cached ids (`rust`: a tokenizers.Tokenizer; one
     cache per thread, as its tokenizer copy)."""
 
-    def __init__(self, rust, pattern: str, added: tuple[str, ...], prefix: list[int],
-                 suffix: list[int]):
+    def __init__(self, rust, pattern: str, added: dict[str, int], splits_added: bool,
+                 prefix: list[int], suffix: list[int]):
         self.rust = rust
         self.split = re.compile(pattern).findall
-        self.added = added  # the added tokens' strings: a text that holds one is refused
+        self.added = added  # the added tokens' strings and ids
         # their first two characters: one `in` each rules most texts out (Llama 3's 256 all
         # start with "<|"), far cheaper than one regex of them all
         self.added_starts = tuple(sorted({a[:2] for a in added}))
+        # Where allowed (a chat template's text), added tokens are cut out as Rust does: the
+        # leftmost match, the longest there (none of them strips spaces or needs a whole word).
+        longest_first = sorted(added, key=len, reverse=True)
+        self.split_added = (re.compile(f"({'|'.join(map(re.escape, longest_first))})").split
+                            if splits_added and added else None)
+        self.splits_added = splits_added
         self.prefix, self.suffix = prefix, suffix  # what add_special_tokens puts around it
         self.ids: dict[str, list[int]] = {}
 
@@ -62,29 +68,57 @@ class PreTokenCache:
         except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is encodes as before
             spec = None
         pattern = None if spec is None else _ascii_pattern(spec)
-        if pattern is None:
-            return None
-        added = tuple(sorted({t["content"] for t in spec.get("added_tokens", [])
-                              if t["content"].isascii()}))
-        around = _around(rust)
+        around = None if pattern is None else _around(rust)
         if around is None:
             return None
-        cache = cls(rust, pattern, added, *around)
-        for add_special_tokens in (False, True):
-            whole = rust.encode_batch_fast([_SAMPLE], add_special_tokens=add_special_tokens)
-            if cache.encode(_SAMPLE, add_special_tokens) != whole[0].ids:
-                return None
-        return cache
+        tokens = spec.get("added_tokens", [])
+        added = {t["content"]: t["id"] for t in tokens if t["content"].isascii()}
+        splits_added = not any(t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+                               for t in tokens)
+        cache = cls(rust, pattern, added, splits_added, *around)
+        return cache if cache._matches_rust() else None
+
+    def _matches_rust(self) -> bool:
+        """Whether it gives Rust's ids for a sample text, plain and (where allowed) with the
+        added tokens in it; the Rust tokenizer's encode_special_tokens flag is left as found."""
+        flag = self.rust.encode_special_tokens
+        try:
+            self.rust.encode_special_tokens = False
+            samples = [(_SAMPLE, False)] + [(a.join([_SAMPLE, "x", " "]), True)
+                                             for a in self.added if self.splits_added][:4]
+            for text, allow_special in samples:
+                for add_special_tokens in (False, True):
+                    whole = self.rust.encode_batch_fast(
+                        [text], add_special_tokens=add_special_tokens)[0].ids
+                    if self.encode(text, add_special_tokens, allow_special) != whole:
+                        return False
+            return True
+        finally:
+            self.rust.encode_special_tokens = flag
 
     def like(self, rust) -> "PreTokenCache":
         """One like this (checked) over another copy of the same tokenizer, with its own ids."""
-        return PreTokenCache(rust, self.split.__self__.pattern, self.added, self.prefix,
-                             self.suffix)
+        return PreTokenCache(rust, self.split.__self__.pattern, self.added, self.splits_added,
+                             self.prefix, self.suffix)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
-        """The ids of `text`, or None where the cache cannot tell them."""
-        if not text.isascii() or _OUTSIDE(text) or self._holds_added(text):
+    def encode(self, text: str, add_special_tokens: bool,
+               allow_special: bool = False) -> list[int] | None:
+        """The ids of `text`, or None where the cache cannot tell them. `allow_special`: the
+        added tokens' strings in it are those tokens (else a text holding one is refused)."""
+        if not text.isascii() or _OUTSIDE(text):
             return None
+        if not self._holds_added(text):
+            body = self._body(text)
+        elif allow_special and self.split_added is not None:
+            body = self._body_with_added(text)
+        else:
+            return None
+        if body is None:
+            return None
+        return self.prefix + body + self.suffix if add_special_tokens else body
+
+    def _body(self, text: str) -> list[int] | None:
+        """The ids of a text that holds no added token's string."""
         words = self.split(text)
         ids = self.ids
         body: list[int] = []
@@ -92,10 +126,21 @@ class PreTokenCache:
             for word in words:
                 body += ids[word]
         except KeyError:
-            body = self._encode_missing(words)
-            if body is None:
-                return None
-        return self.prefix + body + self.suffix if add_special_tokens else body
+            return self._encode_missing(words)
+        return body
+
+    def _body_with_added(self, text: str) -> list[int] | None:
+        """The ids of a text with the added tokens' strings in it taken as those tokens."""
+        body: list[int] = []
+        for i, part in enumerate(self.split_added(text)):
+            if i % 2:  # odd parts: an added token
+                body.append(self.added[part])
+            elif part:
+                ids = self._body(part)
+                if ids is None:
+                    return None
+                body += ids
+        return body
 
     def _holds_added(self, text: str) -> bool:
         return (any(start in text for start in self.added_starts)

@@ -70,7 +70,7 @@ def encode_text(tokenizer, text: str, *, allow_special: bool = False,
     `pretokens` (over this tokenizer): a text it can tell is encoded from cached pre-token ids
     (pretoken_cache.py)."""
     if pretokens is not None:
-        ids = pretokens.encode(text, add_special_tokens)  # (it holds no special-token string)
+        ids = pretokens.encode(text, add_special_tokens, allow_special)
         if ids is not None:
             return ids
     if pieces is not None and len(text) >= MIN_PIECES_CHARS:

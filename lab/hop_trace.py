@@ -286,6 +286,14 @@ def split_requests(events) -> list[dict[str, list[float]]]:
     return requests
 
 
+def drop_role_chunks(requests) -> None:
+    """A chat stream's first event (the assistant role) is sent before the first token: leave
+    it out of the SSE and client hops, which then time the tokens' events only."""
+    for r in requests:
+        for hop in ("sse", "c_recv"):
+            r[hop] = r.get(hop, [])[1:]
+
+
 def hop_gaps(requests, skip: int) -> tuple[dict, dict]:
     """(before the first token: hop -> [ms]), (between tokens: hop -> [ms])."""
     first, later = {}, {}
@@ -391,6 +399,8 @@ def main() -> None:
     events = read_events(folder)
     shutil.rmtree(folder, ignore_errors=True)
     requests = split_requests(events)
+    if args.endpoint == "/v1/chat/completions":
+        drop_role_chunks(requests)
     first, later = hop_gaps(requests, args.skip)
     between = turnaround_gaps(requests, args.skip)
     report = "\n\n".join([table("Before the first token", first),

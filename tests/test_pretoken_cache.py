@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 import flashlet.text.pretoken_cache as cache_module
 from flashlet.text.pieces import SPLIT_REGEXES
@@ -108,6 +108,18 @@ def test_added_tokens_allowed_are_cut_out_as_rust_does(tok):
             assert ids == whole, repr(text)
             told += 1
     assert cache.encode("a <|im_end|> b", True) is None  # not allowed: refused, not guessed
+
+
+def test_normalized_added_tokens_are_cut_out_after_the_others(spec):
+    """Rust cuts the added tokens it does not normalize out of the whole text first, then the
+    normalized ones out of what is left: "a<|" (normalized) loses to "<|im_end|>" after it."""
+    rust = _rust_with(spec)
+    rust.add_tokens([AddedToken("a<|", normalized=True, special=False)])
+    rust.encode_special_tokens = False
+    cache = PreTokenCache.of(rust)
+    for text in ["a<|im_end|>", "xa<|y", "<|im_end|>a<|", "a<|a<|im_start|>a<|"]:
+        whole = rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        assert cache.encode(text, False, allow_special=True) == whole, repr(text)
 
 
 def test_texts_it_cannot_tell_are_refused(tok):

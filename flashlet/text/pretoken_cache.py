@@ -46,19 +46,23 @@ class PreTokenCache:
     """A text's ids from its pre-tokens' cached ids (`rust`: a tokenizers.Tokenizer; one
     cache per thread, as its tokenizer copy)."""
 
-    def __init__(self, rust, pattern: str, added: dict[str, int], splits_added: bool,
-                 prefix: list[int], suffix: list[int]):
+    def __init__(self, rust, pattern: str, added: dict[str, int], normalized: frozenset[str],
+                 splits_added: bool, prefix: list[int], suffix: list[int]):
         self.rust = rust
         self.split = re.compile(pattern).findall
         self.added = added  # the added tokens' strings and ids
+        self.normalized = normalized  # those of them matched after the normalizer
         # their first two characters: one `in` each rules most texts out (Llama 3's 256 all
         # start with "<|"), far cheaper than one regex of them all
         self.added_starts = tuple(sorted({a[:2] for a in added}))
-        # Where allowed (a chat template's text), added tokens are cut out as Rust does: the
-        # leftmost match, the longest there (none of them strips spaces or needs a whole word).
-        longest_first = sorted(added, key=len, reverse=True)
-        self.split_added = (re.compile(f"({'|'.join(map(re.escape, longest_first))})").split
-                            if splits_added and added else None)
+        # Where allowed (a chat template's text), added tokens are cut out as Rust does: first
+        # the ones not normalized over the whole text, then the normalized ones in what is left
+        # (two passes); in each the leftmost match, the longest there (none of them strips
+        # spaces or needs a whole word).
+        passes = [sorted((a for a in added if (a in normalized) == second), key=len,
+                         reverse=True) for second in (False, True)]
+        self.added_passes = ([re.compile(f"({'|'.join(map(re.escape, tokens))})").split
+                              for tokens in passes if tokens] if splits_added else [])
         self.splits_added = splits_added
         self.prefix, self.suffix = prefix, suffix  # what add_special_tokens puts around it
         self.ids: dict[str, list[int]] = {}
@@ -75,10 +79,12 @@ class PreTokenCache:
         if around is None:
             return None
         tokens = spec.get("added_tokens", [])
-        added = {t["content"]: t["id"] for t in tokens if t["content"].isascii()}
+        ascii_tokens = [t for t in tokens if t["content"].isascii()]
+        added = {t["content"]: t["id"] for t in ascii_tokens}
+        normalized = frozenset(t["content"] for t in ascii_tokens if t.get("normalized"))
         splits_added = not any(t.get("lstrip") or t.get("rstrip") or t.get("single_word")
                                for t in tokens)
-        cache = cls(rust, pattern, added, splits_added, *around)
+        cache = cls(rust, pattern, added, normalized, splits_added, *around)
         return cache if cache._matches_rust() else None
 
     def _matches_rust(self) -> bool:
@@ -101,8 +107,8 @@ class PreTokenCache:
 
     def like(self, rust) -> "PreTokenCache":
         """One like this (checked) over another copy of the same tokenizer, with its own ids."""
-        return PreTokenCache(rust, self.split.__self__.pattern, self.added, self.splits_added,
-                             self.prefix, self.suffix)
+        return PreTokenCache(rust, self.split.__self__.pattern, self.added, self.normalized,
+                             self.splits_added, self.prefix, self.suffix)
 
     def encode(self, text: str, add_special_tokens: bool,
                allow_special: bool = False) -> list[int] | None:
@@ -112,7 +118,7 @@ class PreTokenCache:
             return None
         if not self._holds_added(text):
             body = self._body(text)
-        elif allow_special and self.split_added is not None:
+        elif allow_special and self.added_passes:
             body = self._body_with_added(text)
         else:
             return None
@@ -132,14 +138,17 @@ class PreTokenCache:
             return self._encode_missing(words)
         return body
 
-    def _body_with_added(self, text: str) -> list[int] | None:
-        """The ids of a text with the added tokens' strings in it taken as those tokens."""
+    def _body_with_added(self, text: str, pass_: int = 0) -> list[int] | None:
+        """The ids of a text with the added tokens' strings in it taken as those tokens (those
+        of the passes from `pass_` on)."""
+        if pass_ == len(self.added_passes):
+            return self._body(text)
         body: list[int] = []
-        for i, part in enumerate(self.split_added(text)):
+        for i, part in enumerate(self.added_passes[pass_](text)):
             if i % 2:  # odd parts: an added token
                 body.append(self.added[part])
             elif part:
-                ids = self._body(part)
+                ids = self._body_with_added(part, pass_ + 1)
                 if ids is None:
                     return None
                 body += ids

@@ -87,7 +87,7 @@ def test_a_bos_template_is_put_around_the_cached_ids(spec):
                                                 "tokens": ["<|endoftext|>"]}}}
     rust = _rust_with(spec, post_processor=bos)
     assert PreTokenCache.of(rust).prefix == [0]
-    _check_matches_rust(rust, _ascii_texts(100, seed=2))
+    assert _check_matches_rust(rust, _ascii_texts(100, seed=2)) >= 0.8 * 4 * 100
 
 
 def test_added_tokens_allowed_are_cut_out_as_rust_does(tok):
@@ -99,14 +99,12 @@ def test_added_tokens_allowed_are_cut_out_as_rust_does(tok):
     rng = random.Random(4)
     specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>",
                 "<|im_start|>user\n", "\n<|im_end|>\n", "<|im_end"]
-    told = 0
     for _ in range(600):
         text = "".join(rng.choice(_ATOMS + specials) for _ in range(rng.randint(1, 200)))
         for add_special_tokens in (False, True):
             ids = cache.encode(text, add_special_tokens, allow_special=True)
             whole = rust.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
             assert ids == whole, repr(text)
-            told += 1
     assert cache.encode("a <|im_end|> b", True) is None  # not allowed: refused, not guessed
 
 

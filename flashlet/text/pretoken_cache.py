@@ -20,20 +20,20 @@ sample. Anything else returns None and the caller encodes as before.
 
 from __future__ import annotations
 
-import json
 import re
 
-from flashlet.text.pieces import SPLIT_REGEXES
+from flashlet.text.pieces import (GPT2_REGEX, SPLIT_REGEXES, normalizer_types,
+                                  pre_token_regex, tokenizer_spec)
 
 # Each known Unicode pre-token regex, over the ASCII characters the cache accepts: \p{L} is
 # A-Za-z, \p{N} is 0-9, \s is tab, newline, carriage return and space.
 _WS, _NOT_WS = r"[\t\n\r ]", r"[^\t\n\r ]"
 _GPT2_ASCII = (r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\t\n\r A-Za-z0-9]+"
                rf"|{_WS}+(?!{_NOT_WS})|{_WS}+")
-_SPLIT_ASCII = {
+_ASCII_TWINS = {GPT2_REGEX: _GPT2_ASCII, **{
     unicode: (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|" + digits +
               rf"| ?[^\t\n\r A-Za-z0-9]+[\r\n]*|{_WS}*[\r\n]+|{_WS}+(?!{_NOT_WS})|{_WS}+")
-    for unicode, digits in zip(SPLIT_REGEXES, (r"[0-9]{1,3}", r"[0-9]"))}
+    for unicode, digits in zip(SPLIT_REGEXES, (r"[0-9]{1,3}", r"[0-9]"))}}
 _ASCII_NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD")  # no ASCII character changes under these
 _OUTSIDE = re.compile(r"[^\t\n\r -~]").search  # finds a character the cache does not accept
 MAX_ENTRIES = 1 << 16  # pre-tokens kept; the cache starts over when full
@@ -70,10 +70,7 @@ class PreTokenCache:
     @classmethod
     def of(cls, rust) -> "PreTokenCache | None":
         """A cache for this tokenizer, or None where it could give other ids than Rust's."""
-        try:
-            spec = json.loads(rust.to_str()) if rust is not None else None
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is encodes as before
-            spec = None
+        spec = tokenizer_spec(rust)
         pattern = None if spec is None else _ascii_pattern(spec)
         around = None if pattern is None else _around(rust)
         if around is None:
@@ -178,24 +175,12 @@ def _ascii_pattern(spec: dict) -> str | None:
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("dropout"):
         return None
-    normalizer = spec.get("normalizer")
-    steps = (normalizer.get("normalizers", []) if normalizer and normalizer["type"] == "Sequence"
-             else [normalizer] if normalizer else [])
-    if any(step["type"] not in _ASCII_NORMALIZERS for step in steps):
+    if any(step not in _ASCII_NORMALIZERS for step in normalizer_types(spec)):
         return None
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel":
-        return _GPT2_ASCII if pre.get("use_regex", True) and not pre.get("add_prefix_space") \
-            else None
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(parts) != 2:
+    found = pre_token_regex(spec)
+    if found is None or found[1]:  # (a space put before the text: not followed)
         return None
-    split, byte_level = parts
-    if (split.get("type") != "Split" or split.get("behavior") != "Isolated"
-            or split.get("invert") or byte_level.get("type") != "ByteLevel"
-            or byte_level.get("use_regex", True) or byte_level.get("add_prefix_space")):
-        return None
-    return _SPLIT_ASCII.get(split.get("pattern", {}).get("Regex"))
+    return _ASCII_TWINS[found[0]]
 
 
 def _around(rust) -> tuple[list[int], list[int]] | None:

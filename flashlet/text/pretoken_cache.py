@@ -12,7 +12,8 @@ are kept (a stream of English text gains after a few thousand words).
 
 It answers only where that is exactly the Rust result: texts of printable ASCII, tab, newline
 and carriage return (where Python's character classes and Oniguruma's agree) that hold none of
-the tokenizer's added-token strings (no special-token handling to reproduce), on tokenizers
+the tokenizer's added-token strings, or (a chat template's text) hold them as those tokens,
+cut out as Rust cuts them where no added token strips spaces or needs a whole word; on tokenizers
 whose normalizer leaves ASCII alone, whose pre-tokenizer is one of the known regexes (GPT-2's,
 Llama 3's, Qwen2's) and whose post-processor puts fixed ids around a text; `of` also checks a
 sample. Anything else returns None and the caller encodes as before.

@@ -147,6 +147,17 @@ def test_bpe_dropout_gets_no_cache(spec):
     assert PreTokenCache.of(_rust_with(spec, model=model)) is None
 
 
+def test_a_pre_token_of_no_ids_is_told(spec):
+    """A vocabulary without "z" and no unknown token: Rust gives "z" no ids at all."""
+    model = {**spec["model"], "byte_fallback": False, "unk_token": None,
+             "vocab": {k: v for k, v in spec["model"]["vocab"].items() if "z" not in k},
+             "merges": [m for m in spec["model"]["merges"] if "z" not in "".join(m)]}
+    rust = _rust_with(spec, model=model)
+    cache = PreTokenCache.of(rust)
+    for text in ["z a", "z a z", "a zz b"]:
+        assert cache.encode(text, False) == rust.encode_batch_fast([text])[0].ids, repr(text)
+
+
 def test_a_full_cache_starts_over(tok, monkeypatch):
     monkeypatch.setattr(cache_module, "MAX_ENTRIES", 50)
     rust = rust_tokenizer(tok)

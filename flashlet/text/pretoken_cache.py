@@ -165,7 +165,7 @@ class PreTokenCache:
             missing, add_special_tokens=False))))
         body: list[int] = []
         for word in words:
-            body += fresh.get(word) or self.ids[word]
+            body += fresh[word] if word in fresh else self.ids[word]  # (ids may be [])
         if len(self.ids) + len(fresh) > MAX_ENTRIES:
             self.ids.clear()
         self.ids.update((w, ids) for w, ids in fresh.items() if len(w) <= MAX_WORD_CHARS)

@@ -120,6 +120,18 @@ def test_normalized_added_tokens_are_cut_out_after_the_others(spec):
         assert cache.encode(text, False, allow_special=True) == whole, repr(text)
 
 
+@pytest.mark.parametrize("token", ["\u2488", "\u2474"])  # NFKC: "1.", "(1)"
+def test_a_token_made_ascii_by_the_normalizer_is_found_as_rust_finds_it(spec, token):
+    rust = _rust_with(spec, normalizer={"type": "NFKC"})
+    rust.add_tokens([AddedToken(token, normalized=True, special=False)])
+    rust.encode_special_tokens = False
+    cache = PreTokenCache.of(rust)
+    for text in ["step 1. then (1) and 2.", "x1.y (1)", "no number"]:
+        whole = rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        assert cache.encode(text, False, allow_special=True) == whole, repr(text)
+        assert cache.encode(text, False) in (None, whole), repr(text)
+
+
 def test_texts_it_cannot_tell_are_refused(tok):
     cache = PreTokenCache.of(rust_tokenizer(tok))
     for text in ["caf\u00e9", "a\u00a0b", "x\x0by", "bell\x07", "end <|im_end|> of it",

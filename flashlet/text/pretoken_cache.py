@@ -77,9 +77,13 @@ class PreTokenCache:
         if around is None:
             return None
         tokens = spec.get("added_tokens", [])
-        ascii_tokens = [t for t in tokens if t["content"].isascii()]
-        added = {t["content"]: t["id"] for t in ascii_tokens}
-        normalized = frozenset(t["content"] for t in ascii_tokens if t.get("normalized"))
+        # each token's string as Rust finds it: a normalized one's after the normalizer (NFKC
+        # makes some non-ASCII ones ASCII: "\u2488" is "1.")
+        normalize = rust.normalizer.normalize_str if rust.normalizer is not None else str
+        found = [(normalize(t["content"]) if t.get("normalized") else t["content"], t)
+                 for t in tokens]
+        added = {text: t["id"] for text, t in found if text.isascii()}
+        normalized = frozenset(text for text, t in found if text.isascii() and t.get("normalized"))
         splits_added = not any(t.get("lstrip") or t.get("rstrip") or t.get("single_word")
                                for t in tokens)
         cache = cls(rust, pattern, added, normalized, splits_added, *around)

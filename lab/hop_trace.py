@@ -2,9 +2,11 @@
 
     PYTHONPATH=. python -m lab.hop_trace [--requests 40] [--tokens 32] [--out FILE.json]
         [--endpoint /generate_stream --prompt-words 400]   (the bench's request: flashlet.bench --url)
+        [--endpoint /v1/chat/completions]   (the prompt as one user message, the chat template)
         [--tokenizer DIR]      (default .tok/smollm2: python scripts/export_tokenizer.py)
         [--config PRESET --dtype bfloat16 --backend triton]   (a GPU: random weights, that shape)
         [--busy-poll-ms 0]     (the server's --busy-poll-ms)
+        [--profile FILE]       (cProfile of the API process's event-loop thread, pstats format)
 
 It starts the real server (CoreClient, one engine-core process, the FastAPI app, uvicorn, the
 engine config as the CLI makes it) in a subprocess over a tiny random Qwen2 on the CPU (or with
@@ -25,6 +27,7 @@ p10 is the hop's own cost; the others add the time a process waited for a CPU.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import shutil
@@ -105,7 +108,8 @@ def traced_build(config, tokenizer=None):
 
 
 # ---- the API process -------------------------------------------------------------------------
-def serve(port: int, engine_args: dict, tokenizer: str, busy_poll_ms: float = 0.0) -> None:
+def serve(port: int, engine_args: dict, tokenizer: str, busy_poll_ms: float = 0.0,
+          profile: str | None = None) -> None:
     import uvicorn
 
     from flashlet.config import EngineConfig
@@ -130,9 +134,15 @@ def serve(port: int, engine_args: dict, tokenizer: str, busy_poll_ms: float = 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     client.start()
+    profiler = cProfile.Profile() if profile else None
     try:
+        if profiler is not None:
+            profiler.enable()
         server.run()
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
         log.flush()
         client.stop(timeout=10)
 
@@ -140,6 +150,7 @@ def serve(port: int, engine_args: dict, tokenizer: str, busy_poll_ms: float = 0.
 def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> None:
     app_call = app_module.FlashletApp.__call__
     prompt_ids = frontend.Server.prompt_ids
+    chat_ids = frontend.ModelContext.chat_ids
     context = frontend.Server.context
     send_frame = core_client.CoreClient._send_frame_locked
     handle_frame = core_client.CoreClient._handle_frame
@@ -168,6 +179,11 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
         log("tok")
         return ids
 
+    async def _chat_ids(self, *args, **kwargs):  # the chat endpoint's tokenizing
+        ids = await chat_ids(self, *args, **kwargs)
+        log("tok")
+        return ids
+
     def _send_frame_locked(self, core, frame):
         log("submitted")
         return send_frame(self, core, frame)
@@ -187,6 +203,7 @@ def patch_api(log: Log, app_module, core_client, frontend, RequestStream) -> Non
 
     app_module.FlashletApp.__call__ = __call__
     frontend.Server.prompt_ids = _prompt_ids
+    frontend.ModelContext.chat_ids = _chat_ids
     frontend.Server.context = _context
     core_client.CoreClient._send_frame_locked = _send_frame_locked
     core_client.CoreClient._handle_frame = _handle_frame
@@ -204,6 +221,9 @@ def request_bytes(tokens: int, endpoint: str = "/v1/completions",
     if endpoint == "/generate_stream":  # as flashlet.bench --url sends it
         body = {"prompt": prompt, "max_new_tokens": tokens, "temperature": 0,
                 "ignore_eos": True}
+    elif endpoint == "/v1/chat/completions":  # the prompt as one user message
+        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": tokens, "ignore_eos": True, "stream": True}
     else:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
                 "stream": True}
@@ -266,6 +286,14 @@ def split_requests(events) -> list[dict[str, list[float]]]:
     return requests
 
 
+def drop_role_chunks(requests) -> None:
+    """A chat stream's first event (the assistant role) is sent before the first token: leave
+    it out of the SSE and client hops, which then time the tokens' events only."""
+    for r in requests:
+        for hop in ("sse", "c_recv"):
+            r[hop] = r.get(hop, [])[1:]
+
+
 def hop_gaps(requests, skip: int) -> tuple[dict, dict]:
     """(before the first token: hop -> [ms]), (between tokens: hop -> [ms])."""
     first, later = {}, {}
@@ -323,7 +351,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--endpoint", default="/v1/completions",
-                        choices=["/v1/completions", "/generate_stream"])
+                        choices=["/v1/completions", "/generate_stream", "/v1/chat/completions"])
     parser.add_argument("--prompt-words", type=int, default=0,
                         help="the bench's text prompts of this many words (0: a short one)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up requests left out")
@@ -335,10 +363,13 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--busy-poll-ms", type=float, default=0.0,
                         help="the server's --busy-poll-ms (default: 0, off)")
+    parser.add_argument("--profile", help="write a cProfile of the API process's event-loop "
+                        "thread here (pstats format)")
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # PORT ENGINE-ARGS-JSON
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer, args.busy_poll_ms)
+        serve(int(args.serve[0]), json.loads(args.serve[1]), args.tokenizer, args.busy_poll_ms,
+              args.profile)
         return
     folder = tempfile.mkdtemp(prefix="hop-trace-")
     if args.config:
@@ -353,7 +384,9 @@ def main() -> None:
     env = {**os.environ, "HOP_TRACE_DIR": folder, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "lab.hop_trace", "--serve", str(port),
                                json.dumps(engine_args), "--tokenizer", args.tokenizer,
-                               "--busy-poll-ms", str(args.busy_poll_ms)],
+                               "--busy-poll-ms", str(args.busy_poll_ms),
+                               *(["--profile", str(Path(args.profile).resolve())]
+                                 if args.profile else [])],
                               env=env, cwd=ROOT)
     try:
         wait_ready(port, server)
@@ -366,6 +399,8 @@ def main() -> None:
     events = read_events(folder)
     shutil.rmtree(folder, ignore_errors=True)
     requests = split_requests(events)
+    if args.endpoint == "/v1/chat/completions":
+        drop_role_chunks(requests)
     first, later = hop_gaps(requests, args.skip)
     between = turnaround_gaps(requests, args.skip)
     report = "\n\n".join([table("Before the first token", first),

@@ -31,9 +31,11 @@ PIECE_CHARS = 512  # about 100 tokens of English a piece
 MAX_PIECES = 16
 _CUT = re.compile(r"(?<=[!-~]) (?=[A-Za-z])")
 
-# The split regexes whose pre-tokens never span a cut (Llama 3's; Qwen2's), used as
-# Sequence[Split(regex), ByteLevel(use_regex=False)]; GPT-2's is ByteLevel(use_regex=True).
-_SPLIT_REGEXES = (
+# The pre-token regexes whose pre-tokens never span a cut: GPT-2's (what ByteLevel(use_regex=True)
+# splits with), and the split regexes (Llama 3's; Qwen2's) used as
+# Sequence[Split(regex), ByteLevel(use_regex=False)].
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+SPLIT_REGEXES = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -70,10 +72,7 @@ class PieceEncoder:
     @classmethod
     def of(cls, rust) -> "PieceEncoder | None":
         """A PieceEncoder for this tokenizer, or None where pieces could change its ids."""
-        try:
-            spec = json.loads(rust.to_str()) if rust is not None else None
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is encodes whole
-            spec = None
+        spec = tokenizer_spec(rust)
         if spec is None or not _cuts_are_pre_token_bounds(spec):
             return None
         plain = rust.encode_batch_fast([_SAMPLE], add_special_tokens=False)[0].ids
@@ -95,23 +94,49 @@ class PieceEncoder:
         return list(itertools.chain.from_iterable(e.ids for e in encodings))
 
 
-def _cuts_are_pre_token_bounds(spec: dict) -> bool:
-    """Whether the tokenizer's parts keep a cut before " " + an ASCII letter a pre-token bound."""
+def tokenizer_spec(rust) -> dict | None:
+    """The tokenizer's parts as its tokenizer.json says them, or None (no tokenizer, or one that
+    cannot say what it is: its caller encodes as before)."""
+    try:
+        return json.loads(rust.to_str()) if rust is not None else None
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is encodes as before
+        return None
+
+
+def normalizer_types(spec: dict) -> list[str]:
+    """The types of the normalizer's steps (a Sequence's, or the one), in order."""
     normalizer = spec.get("normalizer")
     steps = (normalizer.get("normalizers", []) if normalizer and normalizer["type"] == "Sequence"
              else [normalizer] if normalizer else [])
-    if any(step["type"] not in _LOCAL_NORMALIZERS for step in steps):
+    return [step["type"] for step in steps]
+
+
+def pre_token_regex(spec: dict) -> tuple[str, bool] | None:
+    """The known regex this tokenizer splits pre-tokens with (GPT2_REGEX or one of
+    SPLIT_REGEXES) and whether its ByteLevel puts a space before a text (add_prefix_space), or
+    None for any other pre-tokenizer."""
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel":
+        return ((GPT2_REGEX, bool(pre.get("add_prefix_space"))) if pre.get("use_regex", True)
+                else None)
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(parts) != 2:
+        return None
+    split, byte_level = parts
+    regex = split.get("pattern", {}).get("Regex")
+    if (split.get("type") != "Split" or split.get("behavior") != "Isolated"
+            or split.get("invert") or regex not in SPLIT_REGEXES
+            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)):
+        return None
+    return regex, bool(byte_level.get("add_prefix_space"))
+
+
+def _cuts_are_pre_token_bounds(spec: dict) -> bool:
+    """Whether the tokenizer's parts keep a cut before " " + an ASCII letter a pre-token bound
+    (a space put before the text changes only the first piece, as it does the whole text)."""
+    if any(step not in _LOCAL_NORMALIZERS for step in normalizer_types(spec)):
         return False
     if any(" " in t["content"] or t.get("lstrip") or t.get("rstrip")
            for t in spec.get("added_tokens", [])):
         return False
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel":
-        return bool(pre.get("use_regex", True))
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(parts) != 2:
-        return False
-    split, byte_level = parts
-    return (split.get("type") == "Split" and split.get("behavior") == "Isolated"
-            and not split.get("invert") and split.get("pattern", {}).get("Regex") in _SPLIT_REGEXES
-            and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True))
+    return pre_token_regex(spec) is not None

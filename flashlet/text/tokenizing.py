@@ -13,7 +13,8 @@ Three guarantees:
   Hugging Face fast tokenizer must not be used by two threads at once, and
   `split_special_tokens` flips a flag on it), so unrelated requests never wait on one lock;
   texts up to INLINE_MAX_CHARS are encoded on the event loop, with a copy of its own, as
-  pieces side by side where the tokenizer allows (pieces.py).
+  pieces side by side where the tokenizer allows (pieces.py); a plain ASCII text anywhere is
+  encoded from cached pre-token ids where the tokenizer allows (pretoken_cache.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 from typing import Any
 
 from flashlet.text.pieces import MIN_PIECES_CHARS, PieceEncoder
+from flashlet.text.pretoken_cache import PreTokenCache
 
 # Texts longer than limit x PROBE_CHARS_PER_TOKEN characters are first tokenized only that
 # far (English averages ~4 characters a token); PROBE_SLACK absorbs a token cut in two.
@@ -61,9 +63,16 @@ def max_token_chars(tokenizer) -> int:
 
 
 def encode_text(tokenizer, text: str, *, allow_special: bool = False,
-                add_special_tokens: bool = True, pieces: PieceEncoder | None = None) -> list[int]:
+                add_special_tokens: bool = True, pieces: PieceEncoder | None = None,
+                pretokens: PreTokenCache | None = None) -> list[int]:
     """Encode text; special-token strings in it stay text unless `allow_special`. `pieces`
-    (over this tokenizer): a long text is encoded as pieces side by side (pieces.py)."""
+    (over this tokenizer): a long text is encoded as pieces side by side (pieces.py);
+    `pretokens` (over this tokenizer): a text it can tell is encoded from cached pre-token ids
+    (pretoken_cache.py)."""
+    if pretokens is not None:
+        ids = pretokens.encode(text, add_special_tokens, allow_special)
+        if ids is not None:
+            return ids
     if pieces is not None and len(text) >= MIN_PIECES_CHARS:
         pieces.rust.encode_special_tokens = not allow_special
         return pieces.encode(text, add_special_tokens)
@@ -119,7 +128,8 @@ def template_shows_tools(tokenizer) -> bool:
 
 def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
              tools: list[dict] | None = None, template_kwargs: dict | None = None,
-             pieces: PieceEncoder | None = None) -> list[int]:
+             pieces: PieceEncoder | None = None,
+             pretokens: PreTokenCache | None = None) -> list[int]:
     """Apply the chat template and encode it; every text the caller supplied stays text.
 
     That is message content, and also tool definitions (names, descriptions, parameter
@@ -137,7 +147,8 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
 
     if allow_special or not _any_string(holds_special, (messages, tools)):
         return encode_text(tokenizer, render_chat(tokenizer, messages, tools, template_kwargs),
-                           allow_special=True, add_special_tokens=False, pieces=pieces)
+                           allow_special=True, add_special_tokens=False, pieces=pieces,
+                           pretokens=pretokens)
     # Random decimal digits: unknown to the caller, and unchanged by what templates do to a
     # string (JSON escaping with or without ensure_ascii, upper/lower case, trim, HTML escapes).
     marker = f"{secrets.randbits(128):039d}"
@@ -149,7 +160,7 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
     for i, part in enumerate(parts):
         if part:  # even parts: the template's text; odd parts: the caller's
             ids += encode_text(tokenizer, part, allow_special=i % 2 == 0,
-                               add_special_tokens=False, pieces=pieces)
+                               add_special_tokens=False, pieces=pieces, pretokens=pretokens)
     return ids
 
 
@@ -212,6 +223,7 @@ class TextEncoder:
         self._copy_lock = threading.Lock()
         # checked once on the original; each thread's copy gets one like it (_tokenizer)
         self._piece_template = PieceEncoder.of(rust_tokenizer(tokenizer))
+        self._pretoken_template = PreTokenCache.of(rust_tokenizer(tokenizer))
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
                                                            thread_name_prefix="flashlet-tokenize")
 
@@ -224,6 +236,8 @@ class TextEncoder:
             template = self._piece_template  # this thread's piece encoder, over its copy
             self._local.pieces = (None if template is None else
                                   PieceEncoder(rust_tokenizer(tok), template.post_processes))
+            template = self._pretoken_template  # and its pre-token cache
+            self._local.pretokens = None if template is None else template.like(rust_tokenizer(tok))
             self._local.tokenizer = tok
         return tok
 
@@ -253,7 +267,8 @@ class TextEncoder:
                     f"first {probe} characters alone are {len(head)} tokens)")
         return encode_text(tokenizer, text, allow_special=self.allow_special,
                            add_special_tokens=add_special_tokens,
-                           pieces=self._local.pieces if in_pieces else None)
+                           pieces=self._local.pieces if in_pieces else None,
+                           pretokens=self._local.pretokens)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
              template_kwargs: dict | None = None, in_pieces: bool = False) -> list[int]:
@@ -262,7 +277,8 @@ class TextEncoder:
         tokenizer = self._tokenizer()  # (and this thread's piece encoder)
         return chat_ids(tokenizer, messages, allow_special=self.allow_special,
                         tools=tools, template_kwargs=template_kwargs,
-                        pieces=self._local.pieces if in_pieces else None)
+                        pieces=self._local.pieces if in_pieces else None,
+                        pretokens=self._local.pretokens)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows the model its tools (computed once)."""

@@ -313,6 +313,33 @@ def test_loads_into_the_one_arena_give_the_layouts_tensors(ps):
                 assert dev.data_ptr() % ARENA_ALIGN == 0, name
 
 
+def test_padded_steps_of_one_shape_in_a_row_hold_the_reference_layout():
+    """Consecutive decode steps of 5 rows padded to 8 (a speculating stream's verify steps as
+    decode rows) write their padding rows once, but each loads as its reference: also after
+    an unpadded step of the same shape (8 rows, 5 sampled), which overwrote those rows, and
+    after one of another row count."""
+    ps = 4
+    rng = random.Random(3)
+    buffers = StepBuffers(64, 8, 8 * 40, "cpu", scratch_page=SCRATCH, page_size=ps)
+
+    def decode_rows(n, sampled=None):
+        rows = []
+        for b in range(n):
+            start = rng.randrange(0, 60)
+            pages = rng.sample(range(200), start // ps + 1)
+            rows.append(StepRow([rng.randrange(1, 99)], start, pages, sampled is None or b < sampled))
+        return rows
+
+    for n, size, sampled in ((5, 8, None), (5, 8, None), (8, None, 5), (5, 8, None), (5, 8, None),
+                             (4, 8, None), (5, 8, None), (5, 8, None)):
+        rows = decode_rows(n, sampled)
+        want = padded_reference(rows, ps, size) if size else build_layout(rows, ps)
+        input_ids, meta = buffers.load(build_layout(rows, ps), pad_to=size)
+        assert input_ids.tolist() == want.input_ids.tolist()
+        for name, tensor in want.tensors().items():
+            assert getattr(meta.host, name).tolist() == tensor.tolist(), (name, n, size)
+
+
 def test_decode_steps_padded_to_one_size_find_every_field_at_one_address():
     """What a CUDA graph captured at batch 8 reads: the same addresses for any decode step
     padded to 8, whatever its sequence count, page count, sampled and fed rows."""

@@ -618,7 +618,8 @@ _NUMPY_DTYPES = {name: np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.in
 
 
 class _Placement(NamedTuple):
-    """Where the fields before the page indices go for one set of their lengths."""
+    """Where the fields before the page indices go for one step shape (their lengths follow
+    from it: StepBuffers._lengths)."""
 
     shape: tuple[int, int, int, int]  # (tokens, sequences, sampled rows, fed rows), padded
     lengths: dict[str, int]
@@ -694,7 +695,8 @@ class StepBuffers:
         # (placement, real rows) of the last step if it was padded to decode rows: its padding
         # rows are in the arena (see load)
         self._padded_as: tuple[_Placement, int] | None = None
-        self._counting = np.arange(max_seqs + 2, dtype=np.int64)
+        # 0, 1, ..., max_seqs: the padding rows' indptr entries are slices of it (see _pad)
+        self._counting = np.arange(max_seqs + 1, dtype=np.int64)
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Are these the input ids of a step loaded here (the arena's first field)?"""
@@ -730,7 +732,7 @@ class StepBuffers:
         shape = (tokens_to, seqs_to, len(arrays["logits_indices"]), len(arrays["feed_rows"]))
         placed = self._placed
         if placed is None or placed.shape != shape:
-            placed = self._placed = self._place(self._lengths(shape), shape)
+            placed = self._placed = self._place(shape)
         # Rows past num_seqs that the arena holds as this step's padding already: the last
         # step's, of the same shape and rows (a speculating stream's verify steps, each
         # padded to the same row count, write them once).
@@ -784,8 +786,9 @@ class StepBuffers:
                     paged_kv_indptr=seqs + 1, paged_kv_last_page_len=seqs, kv_lens=seqs,
                     logits_indices=sampled, feed_rows=fed, feed_src=fed)
 
-    def _place(self, lengths: dict[str, int], shape: tuple) -> "_Placement":
-        """Where the fields before the page indices go for these lengths, and their views."""
+    def _place(self, shape: tuple[int, int, int, int]) -> "_Placement":
+        """Where the fields before the page indices go for a step of this shape, and their views."""
+        lengths = self._lengths(shape)
         self._check_fits(lengths)
         offsets = arena_offsets({**lengths, "paged_kv_indices": 0})
         host = {name: _field(self._host[_NUMPY_DTYPES[name]], offsets[name], n)

@@ -43,18 +43,24 @@ from spec_bench import StepPhases  # noqa: E402
 
 from flashlet import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashlet.core.engine import settle_heap  # noqa: E402
+from flashlet.runner.fused_decode import FusedParts  # noqa: E402
 
 
 def new_tokens(spec_k: int) -> int:
     return 400 * (1 + spec_k)
 
 
-def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0, fused: bool = False) -> Engine:
+def decoding_engine(folder: str, num_seqs: int, spec_k: int = 0, fused: bool = False,
+                    gpu_attention_plan: bool = False) -> Engine:
     """An engine with `num_seqs` requests past their prompts, decoding (with spec_k: n-gram
-    speculation of that many tokens; fused: on the fused decode path, `reference_fused_path`)."""
+    speculation of that many tokens; fused: on the fused decode path, `reference_fused_path`;
+    gpu_attention_plan: its steps planned by the triton one-launch attention a GPU's fused
+    path runs, not the CPU's torch batched decode, whose kernels a stubbed step never runs)."""
     spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
+    parts = FusedParts(attn=True) if gpu_attention_plan else None
     engine = Engine(EngineConfig(model=folder, backend="torch", max_num_pages=9000,
-                                 max_num_seqs=512, speculative_config=spec, fused_decode=fused or None))
+                                 max_num_seqs=512, speculative_config=spec, fused_decode=fused or None),
+                    fused_parts=parts)
     # A verify step takes up to 1 + k tokens: a longer output keeps it decoding as long.
     params = SamplingParams(max_new_tokens=new_tokens(spec_k), ignore_eos=True)
     for b in range(num_seqs):
@@ -168,7 +174,10 @@ def main() -> None:
                              num_key_value_heads=1,
                              max_position_embeddings=100 + new_tokens(args.spec))
     for num_seqs in args.seqs:
-        engine = decoding_engine(str(folder), num_seqs, args.spec, args.fused)
+        # A stubbed fused step plans the GPU's attention (triton's, host arithmetic only) and
+        # never runs its kernels.
+        engine = decoding_engine(str(folder), num_seqs, args.spec, args.fused,
+                                 gpu_attention_plan=args.fused and args.stub_forward)
         if args.stub_forward:
             stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)

@@ -313,6 +313,44 @@ def test_loads_into_the_one_arena_give_the_layouts_tensors(ps):
                 assert dev.data_ptr() % ARENA_ALIGN == 0, name
 
 
+def test_padded_steps_of_one_shape_in_a_row_hold_the_reference_layout():
+    """Consecutive decode steps of 5 rows padded to 8 (a speculating stream's verify steps as
+    decode rows) write their padding rows once, but each loads as its reference: also after
+    an unpadded step of the same shape (8 rows, 5 sampled), which overwrote those rows, after
+    one of another row count, after one of the same shape with one real row more (4 rows, 4
+    sampled, after 5 rows, 4 sampled: row 4 is padding again), after one of the same rows
+    padded to another size, and after a mixed step of the same shape (padded to 16 tokens and
+    the buffers' 16 sequences)."""
+    ps = 4
+    rng = random.Random(3)
+    buffers = StepBuffers(64, 16, 16 * 40, "cpu", scratch_page=SCRATCH, page_size=ps)
+
+    def decode_rows(n, sampled=None):
+        rows = []
+        for b in range(n):
+            start = rng.randrange(0, 60)
+            pages = rng.sample(range(200), start // ps + 1)
+            rows.append(StepRow([rng.randrange(1, 99)], start, pages, sampled is None or b < sampled))
+        return rows
+
+    steps = ((5, 8, None), (5, 8, None), (8, None, 5), (5, 8, None), (5, 8, None), (4, 8, None),
+             (5, 8, None), (5, 8, None), (5, 8, 4), (4, 8, 4), (5, 8, None), (5, 16, None),
+             (5, 16, None), (5, "mixed", None), (5, 16, None))
+    for n, size, sampled in steps:
+        rows = decode_rows(n, sampled)
+        layout = build_layout(rows, ps)
+        if size == "mixed":
+            input_ids, meta = buffers.load(layout, pad_tokens=16)
+            want = mixed_padded_reference(layout, ps, 16, 16)
+        else:
+            input_ids, meta = buffers.load(layout, pad_to=size)
+            padded = padded_reference(rows, ps, size) if size else layout
+            want = {name: t.tolist() for name, t in padded.tensors().items()}
+        assert input_ids.tolist() == want["input_ids"]
+        for name, values in want.items():
+            assert getattr(meta.host, name).tolist() == values, (name, n, size, sampled)
+
+
 def test_decode_steps_padded_to_one_size_find_every_field_at_one_address():
     """What a CUDA graph captured at batch 8 reads: the same addresses for any decode step
     padded to 8, whatever its sequence count, page count, sampled and fed rows."""

@@ -109,6 +109,13 @@ class TritonBackend(AttentionBackend):
         self._merge_counts = torch.zeros(max_batch_size * self.num_kv_heads, dtype=torch.int32, device=device)
         self._num_splits = 1
         self._decode_cfg = self.decode_config(1)
+        # decode_variant of each batch size planned so far: a function of the batch size, of
+        # what the constructor fixed and of kernels/tuning's tables as that size's first plan
+        # read them (a table patched later does not reach a size planned before), so a step (a
+        # speculating stream's, ~0.9 ms apart on the H200: BENCHMARKS.md) reads it instead of
+        # rebuilding two configs (12.6 us of greedy_tokens in bench_host_step --fused --spec 4
+        # on the CPU)
+        self._decode_variants: dict[int, tuple] = {}
         self._prefill_cfg = self.prefill_config(1)
 
     # ---- launch configurations: functions of the batch shape only (see kernels/tuning.py) ----
@@ -178,7 +185,11 @@ class TritonBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         super().plan(meta)
         if meta.is_pure_decode:
-            self._decode_cfg, self._num_splits = self.decode_variant(meta.num_seqs)
+            n = meta.num_seqs
+            variant = self._decode_variants.get(n)
+            if variant is None:
+                variant = self._decode_variants[n] = self.decode_variant(n)
+            self._decode_cfg, self._num_splits = variant
         else:
             self._prefill_cfg = self.prefill_config(meta.host.max_query_len)
 

@@ -613,14 +613,15 @@ ARENA_ORDER = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_
                "paged_kv_last_page_len", "kv_lens", "logits_indices", "feed_rows", "feed_src",
                "paged_kv_indices")
 ARENA_ALIGN = 16  # bytes; Triton specialises a kernel on pointers aligned to 16, as torch's are
-_FIXED = ARENA_ORDER[:-1]  # the fields whose offsets the indices' length never moves
 _NUMPY_DTYPES = {name: np.int32 if LAYOUT_DTYPES[name] == torch.int32 else np.int64
                  for name in ARENA_ORDER}
 
 
 class _Placement(NamedTuple):
-    """Where the fields before the page indices go for one set of their lengths."""
+    """Where the fields before the page indices go for one step shape (their lengths follow
+    from it: StepBuffers._lengths)."""
 
+    shape: tuple[int, int, int, int]  # (tokens, sequences, sampled rows, fed rows), padded
     lengths: dict[str, int]
     offsets: dict[str, int]  # bytes
     indices_offset: int  # bytes: where the page indices start
@@ -691,6 +692,11 @@ class StepBuffers:
         # The last step's placement, kept while steps repeat its shape (a steady decode batch
         # does): a torch view costs microseconds, and a step reads ten.
         self._placed: _Placement | None = None
+        # (placement, real rows) of the last step if it was padded to decode rows: its padding
+        # rows are in the arena (see load)
+        self._padded_as: tuple[_Placement, int] | None = None
+        # 0, 1, ..., max_seqs: the padding rows' indptr entries are slices of it (see _pad)
+        self._counting = np.arange(max_seqs + 1, dtype=np.int64)
 
     def holds(self, input_ids: torch.Tensor) -> bool:
         """Are these the input ids of a step loaded here (the arena's first field)?"""
@@ -722,14 +728,15 @@ class StepBuffers:
             self._check_padding(layout, pad_to)
             seqs_to = tokens_to = pad_to
         num_pages = len(arrays["paged_kv_indices"])
-        lengths = {name: len(arrays[name]) for name in _FIXED}
-        for name in _PER_TOKEN:
-            lengths[name] += tokens_to - num_tokens
-        for name in _PER_SEQ:
-            lengths[name] += seqs_to - num_seqs
+        # the fixed fields' lengths follow from these four (see _lengths)
+        shape = (tokens_to, seqs_to, len(arrays["logits_indices"]), len(arrays["feed_rows"]))
         placed = self._placed
-        if placed is None or placed.lengths != lengths:
-            placed = self._placed = self._place(lengths)
+        if placed is None or placed.shape != shape:
+            placed = self._placed = self._place(shape)
+        # Rows past num_seqs that the arena holds as this step's padding already: the last
+        # step's, of the same shape and rows (a speculating stream's verify steps, each
+        # padded to the same row count, write them once).
+        padded_as, self._padded_as = self._padded_as, None
         # A padded decode row has a scratch page of its own; a padded mixed sequence has none.
         num_indices = num_pages + (seqs_to - num_seqs if pad_tokens is None else 0)
         self._check_fits({"paged_kv_indices": num_indices})
@@ -737,11 +744,14 @@ class StepBuffers:
         host = {**placed.host, "paged_kv_indices": _field(self._host[np.int32], at, num_indices)}
         dev = {**placed.dev, "paged_kv_indices": _field(self._dev[torch.int32], at, num_indices)}
         for name, values in arrays.items():
-            host[name][: len(values)] = values
+            if len(values):
+                host[name][: len(values)] = values
         if pad_tokens is not None:
             self._pad_mixed(host, num_seqs, num_tokens, num_pages)
         elif seqs_to > num_seqs:
-            self._pad(host, host["paged_kv_indices"], num_seqs, num_pages, seqs_to)
+            held = padded_as is not None and padded_as[0] is placed and padded_as[1] == num_seqs
+            self._pad(host, host["paged_kv_indices"], num_seqs, num_pages, seqs_to, rows_held=held)
+            self._padded_as = (placed, num_seqs)
         if self.staged:  # the whole step in one copy
             end = at + num_indices * LAYOUT_DTYPES["paged_kv_indices"].itemsize
             self.dev_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
@@ -765,8 +775,20 @@ class StepBuffers:
             num_padding=seqs_to - num_seqs, token_bucket=pad_tokens)
         return dev["input_ids"], meta
 
-    def _place(self, lengths: dict[str, int]) -> "_Placement":
-        """Where the fields before the page indices go for these lengths, and their views."""
+    @staticmethod
+    def _lengths(shape: tuple[int, int, int, int]) -> dict[str, int]:
+        """The lengths of the fields before the page indices (those whose offsets the indices'
+        length never moves) for a step loaded as `shape`: its tokens and sequences, each
+        counting the padding's (a padded decode row is both, plus one scratch page in the page
+        indices), its sampled rows and its fed rows."""
+        tokens, seqs, sampled, fed = shape
+        return dict(input_ids=tokens, positions=tokens, slot_mapping=tokens, qo_indptr=seqs + 1,
+                    paged_kv_indptr=seqs + 1, paged_kv_last_page_len=seqs, kv_lens=seqs,
+                    logits_indices=sampled, feed_rows=fed, feed_src=fed)
+
+    def _place(self, shape: tuple[int, int, int, int]) -> "_Placement":
+        """Where the fields before the page indices go for a step of this shape, and their views."""
+        lengths = self._lengths(shape)
         self._check_fits(lengths)
         offsets = arena_offsets({**lengths, "paged_kv_indices": 0})
         host = {name: _field(self._host[_NUMPY_DTYPES[name]], offsets[name], n)
@@ -774,7 +796,7 @@ class StepBuffers:
         dev = {name: _field(self._dev[LAYOUT_DTYPES[name]], offsets[name], lengths[name])
                for name in _ON_DEVICE if name != "paged_kv_indices"}
         dev["feed_src"] = _field(self._dev[torch.int64], offsets["feed_src"], lengths["feed_src"])
-        return _Placement(lengths, offsets, offsets["paged_kv_indices"], host, dev)
+        return _Placement(shape, lengths, offsets, offsets["paged_kv_indices"], host, dev)
 
     def _check_fits(self, lengths: dict[str, int]) -> None:
         for name, n in lengths.items():
@@ -834,23 +856,22 @@ class StepBuffers:
         a["kv_lens"][n:] = 0
 
     def _pad(self, a: dict[str, np.ndarray], indices: np.ndarray, n: int, num_pages: int,
-             size: int) -> None:
+             size: int, rows_held: bool = False) -> None:
         """Rows n..size: one token at position 0 of a sequence of one token on the scratch
-        page (its K/V written there, its output unused). Not sampled."""
+        page (its K/V written there, its output unused). Not sampled. rows_held: the arena
+        holds these rows already, but for their pages (which follow the step's own)."""
+        np.add(self._counting[1 : size - n + 1], num_pages, out=a["paged_kv_indptr"][n + 1 : size + 1])
+        indices[num_pages : num_pages + size - n] = self.scratch_page
+        if rows_held:
+            return
         a["input_ids"][n:size] = 0
         a["positions"][n:size] = 0
         a["slot_mapping"][n:size] = self.scratch_page * self.page_size
-        a["qo_indptr"][n + 1 : size + 1] = np.arange(n + 1, size + 1)
-        a["paged_kv_indptr"][n + 1 : size + 1] = np.arange(num_pages + 1, num_pages + size - n + 1)
-        indices[num_pages : num_pages + size - n] = self.scratch_page
+        a["qo_indptr"][n + 1 : size + 1] = self._counting[n + 1 : size + 1]
         a["paged_kv_last_page_len"][n:size] = 1
         a["kv_lens"][n:size] = 1
 
 
-# The fields a padding token, and a padding sequence, add an entry to (a padded decode row is
-# both, plus one scratch page in the page indices).
-_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
-_PER_SEQ = ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "kv_lens")
 # The fields the device reads (the fed rows' two are viewed only in a step that has some).
 _ON_DEVICE = ("input_ids", "positions", "slot_mapping", "qo_indptr", "paged_kv_indptr",
               "paged_kv_indices", "paged_kv_last_page_len", "kv_lens", "logits_indices")

@@ -70,6 +70,19 @@ def test_pure_decode_above_max_batch_runs_unsplit(kh):
     assert tri._num_splits == 1
 
 
+def test_a_decode_plan_is_its_batch_sizes_variant_each_time(kh):
+    """plan keeps each batch size's decode_variant (a speculating stream plans one shape
+    every step): alternating sizes, every plan holds that size's variant, as computed anew."""
+    pool = _pool(kh, pages=64)
+    tri = TritonBackend(pool, 6, num_sms=4)
+    steps = {n: kh.make_step(pool, [(3 + i, 1) for i in range(n)])[0] for n in (1, 2, 4)}
+    fresh = {n: TritonBackend(pool, 6, num_sms=4).decode_variant(n) for n in steps}
+    assert len({splits for _, splits in fresh.values()}) == 3  # (each size its own)
+    for n in (2, 1, 4, 2, 4, 1):
+        tri.plan(steps[n])
+        assert (tri._decode_cfg, tri._num_splits) == fresh[n]
+
+
 def test_page_size_one_and_sixteen(kh):
     for ps, seqs in ((1, [(9, 3), (4, 1)]), (16, [(33, 17), (16, 1), (1, 1)])):
         pool = _pool(kh, page_size=ps, pages=64)

@@ -4,7 +4,11 @@ the one asked), `own_continuation` finds the continuation the speculating engine
 a timed run proposes along its whole length, and --grid runs the issue's grid within a budget."""
 
 import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +148,23 @@ def test_host_step_bench_stub_is_accepted_at_its_rate(tmp_path):
         per_step[accept] = (len(req.output_token_ids) - before) / 20
         assert {"finish", "propose", "schedule", "prepare", "load"} <= set(phases.per_step_us())
     assert per_step[1.0] > 3.5 and 1.2 < per_step[0.5] < per_step[1.0]
+
+
+def test_host_step_bench_runs_the_fused_stub_as_a_gpu_plans_it():
+    """bench_host_step --fused --stub-forward --spec 4 (its own process: the fused stub patches
+    module state for good): the speculating steps run with the fused path's parts timed, the
+    greedy tokens' plan among them, and more than one token a step is accepted at 0.7."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/bench_host_step.py", "--seqs", "1", "--stub-forward",
+                          "--fused", "--spec", "4", "--accept", "0.7", "--phases", "--steps", "10",
+                          "--rounds", "1"], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    tokens = re.search(r"seqs=1: .* ([0-9.]+) tokens a request a step", out.stdout)
+    assert tokens and float(tokens.group(1)) > 1.2, out.stdout
+    parts = re.search(r"host us a step: (.*)", out.stdout)
+    assert parts and {"greedy_tokens", "load", "propose", "step - read"} <= {
+        p.rsplit(" ", 1)[0] for p in parts.group(1).split(", ")}, out.stdout
 
 
 def walk_acceptance(bench, proposer, continuation, k: int) -> float:

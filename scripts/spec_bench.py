@@ -319,7 +319,7 @@ def run_config(config: str, ks: list[int], matches: list[float], draft: str | No
 
 def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
               fused_verify: list[int], max_rounds: int = MAX_ROUNDS,
-              phases: "StepPhases | None" = None, repeats: int = 1) -> tuple[dict, list[int]]:
+              phases: "StepPhases | None" = None, repeats: int = REPEATS) -> tuple[dict, list[int]]:
     """One row: the engine's own continuation at (k, match) found, then one timed call proposing
     its corrupted copy -> (the row, that continuation)."""
     vocab = llm.engine.model_config.vocab_size
@@ -339,7 +339,7 @@ def ngram_row(llm, prompt: list[int], known: list[int], k: int, match: float,
 
 
 def draft_cost(common: dict, prompt: list[int], draft: str, base_tok_s: float, base_steps: int,
-               k: int = 4, repeats: int = 1) -> dict:
+               k: int = 4, repeats: int = REPEATS) -> dict:
     from flashlet import LLM
 
     with LLM(**common, speculative_config={"model": draft, "num_speculative_tokens": k}) as llm:

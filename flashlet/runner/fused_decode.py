@@ -102,8 +102,8 @@ MAX_DOWN_K = 16_384
 # fused (22 tok/s) against per-op's 4.50 (222); its gate+up GEMV took 1.38 ms for 272 MB and
 # QKV 182 us for 33 MB (~0.19 TB/s each), while the down projection on cuBLAS took 44 us and O
 # (no norm, also 14 chunks) 29 us. At 8 (Llama-3.2-1B, hidden 2,048) the path ran at 1,156
-# tok/s, 67% of its byte limit. Shapes past 8 are unmeasured between 8 and 14 and larger
-# above (Llama-3.1-8B / Mistral-7B 16, Qwen2.5-14B 20): per-op for them until measured.
+# tok/s, 67% of its byte limit. Nothing between 8 and 14 was measured, nor above 14
+# (Llama-3.1-8B / Mistral-7B 16, Qwen2.5-14B 20): they run per-op until measured.
 MAX_NORM_CHUNKS = 8
 
 # MAX_ROWS (cute_gemv's): the most decode rows (sequences, or a verify step's query tokens) one

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from itertools import accumulate, chain
+from itertools import chain
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -263,32 +263,53 @@ class InputBatch:
         made into an array once; a token's pages are a prefix of its row's table, so the page
         indices are those prefixes (views) joined: one numpy call, however long the context."""
         lens, starts, ps = update.query_lens, update.starts, self.page_size
-        positions, token_rows, prefixes, slots, offsets, pages = [], [], [], [], [], []
+        positions, token_rows, prefixes, slots, last_lens, kv_lens = [], [], [], [], [], []
+        kv_ptr = [0]
         for row, start, n in zip(rows.tolist(), starts, lens):
-            first_page, last_page = start // ps, (start + n - 1) // ps
-            if self.num_pages[row] <= last_page:
+            end = start + n
+            if self.num_pages[row] <= (end - 1) // ps:
                 raise ValueError("a row's page table holds fewer pages than its tokens need")
             table_row = self.page_table[row]
-            own = table_row[first_page : last_page + 1].tolist()  # its tokens' own pages
-            for position in range(start, start + n):
+            # A page at a time (a verify row's k + 1 tokens mostly share one): its tokens'
+            # causal prefixes are the table's first page + 1 pages, one view for them all, and
+            # their slots and last-page lengths consecutive.
+            position = start
+            while position < end:
                 page, offset = divmod(position, ps)
-                # the token's causal prefix spans its sequence's first page + 1 pages
-                prefixes.append(table_row[: page + 1])
-                pages.append(page + 1)
-                offsets.append(offset)
-                slots.append(own[page - first_page] * ps + offset)
-            positions += range(start, start + n)
+                run = min(end - position, ps - offset)  # the row's tokens on this page
+                slot = int(table_row[page]) * ps + offset
+                prefixes += [table_row[: page + 1]] * run
+                kv_ptr += range(kv_ptr[-1] + page + 1, kv_ptr[-1] + (page + 1) * (run + 1),
+                                page + 1)
+                last_lens += range(offset + 1, offset + 1 + run)
+                slots += range(slot, slot + run)
+                position += run
+            positions += range(start, end)
+            kv_lens += range(start + 1, end + 1)  # each token's causal prefix, itself included
             token_rows += [row] * n
-        if len(positions) >= len(self._counting):  # more decode rows than sequences
-            self._count_to(len(positions))
-        indices = np.concatenate(prefixes)
-        positions_np = np.array(positions, np.int64)
-        layout = self._decode_layout(
-            np.array(token_rows, np.int64), positions_np, np.array(slots, np.int64),
-            np.array(list(accumulate(pages, initial=0)), np.int32), indices,
-            np.array(offsets, np.int32), np.add(positions_np, 1, dtype=np.int32),
-            update.token_ids)
-        layout.verify_as_decode_rows = True
+        num_tokens, token_ids = len(positions), update.token_ids
+        if num_tokens >= len(self._counting):  # more decode rows than sequences
+            self._count_to(num_tokens)
+        # The columns of each dtype in one numpy call (a column is a row of it, contiguous):
+        # a call costs about a microsecond, as much as this whole loop a token.
+        if PLACEHOLDER in token_ids:  # (not from the engine: a verify step's tokens are read)
+            positions_np, slots_np = np.array((positions, slots), np.int64)
+            input_ids, feed_rows, feed_src = self._inputs(token_ids, np.array(token_rows, np.int64))
+        else:
+            input_ids, positions_np, slots_np = np.array((token_ids, positions, slots), np.int64)
+            feed_rows = feed_src = self._counting[:0]
+        last_page_len, kv_lens_np = np.array((last_lens, kv_lens), np.int32)
+        layout = StepLayout.from_arrays(dict(
+            input_ids=input_ids, positions=positions_np, slot_mapping=slots_np,
+            qo_indptr=self._counting32[: num_tokens + 1],
+            paged_kv_indptr=np.array(kv_ptr, np.int32), paged_kv_indices=np.concatenate(prefixes),
+            paged_kv_last_page_len=last_page_len, kv_lens=kv_lens_np,
+            logits_indices=self._counting[:num_tokens], feed_rows=feed_rows, feed_src=feed_src),
+            verify_as_decode_rows=True)
+        # the cached properties' values, known already (as _decode_layout's)
+        layout.query_lens = self._ones32[:num_tokens]
+        layout.is_pure_decode = True
+        layout.max_query_len = 1 if num_tokens else 0
         self._decode = None
         self._note_sampled(rows, np.array([s + n for s, n in zip(starts, lens)], np.int64))
         return layout

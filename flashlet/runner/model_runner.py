@@ -230,7 +230,8 @@ class ModelRunner:
         the device, for the rows that take them (overlap). token_bucket: a mixed step's bucket
         when it is not the smallest that holds it (the warm-up's captures)."""
         self.wait_inputs_staged()  # the pinned staging is free again
-        if self.fused is not None:  # a verify step it serves, as decode rows
+        # A verify step it serves, as decode rows (the batch lays most out so already).
+        if self.fused is not None and not layout.verify_as_decode_rows:
             page_size, rows = self.kv_pool.page_size, self.fused.max_rows
             layout = fused_decode.verify_as_decode_rows(layout, page_size, rows) or layout
         pad_to = self.graph_batch_size(layout) or self._fused_batch_size(layout)

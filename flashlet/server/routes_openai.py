@@ -22,6 +22,7 @@ from flashlet.core.sampling import SamplingParams, TokenLogprob
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import (DONE, EventStream, Generation, ModelContext, Server,
                                       client_gone, sse)
+from flashlet.server.json_body import model_body_post
 from flashlet.server.parsers import reply_parsers
 from flashlet.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from flashlet.text import structured
@@ -32,7 +33,7 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 def add_openai_routes(app: FastAPI, server: Server) -> None:
     config = server.config
 
-    @app.post("/v1/completions", responses={
+    @model_body_post(app, "/v1/completions", responses={
         **sse_response("A completion, or with stream=true Server-Sent Events of chunks"),
         **error_responses(400, 401, 404, 503)})
     async def completions(body: CompletionRequest, request: Request):
@@ -127,7 +128,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
 
         return EventStream(events(), gens)
 
-    @app.post("/v1/chat/completions", responses={
+    @model_body_post(app, "/v1/chat/completions", responses={
         **sse_response("A chat completion, or with stream=true Server-Sent Events of chunks"),
         **error_responses(400, 401, 404, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):

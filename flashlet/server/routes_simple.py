@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from flashlet.core.request import FinishReason
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
+from flashlet.server.json_body import model_body_post
 from flashlet.server.protocol import (DEFAULT_MAX_NEW_TOKENS, GenerateRequest, GenerateResponse,
                                       ModelList)
 
@@ -78,7 +79,7 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                                         body.seed, body.stop, body.ignore_eos)
         return server.start(ctx, ids, params, endpoint, t0)
 
-    @app.post("/generate", response_model=GenerateResponse, responses=gen_errors)
+    @model_body_post(app, "/generate", response_model=GenerateResponse, responses=gen_errors)
     async def generate(body: GenerateRequest, request: Request):
         gen = await _start_generate(body, "generate")
         out = await server.run_to_end(request, gen)
@@ -90,7 +91,7 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                 "ttft_ms": None if gen.ttft is None else round(gen.ttft * 1000, 3),
                 "latency_ms": round(gen.latency_ms, 3)}
 
-    @app.post("/generate_stream", response_class=StreamingResponse,
+    @model_body_post(app, "/generate_stream", response_class=StreamingResponse,
               responses={**sse_response("Server-Sent Events: one `data: {\"text\"}` per token (or "
                                          "per batch of tokens, with `num_tokens`), "
                                          "a final event with finish_reason and usage, then "

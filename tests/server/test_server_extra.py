@@ -215,7 +215,7 @@ def test_chat_template_kwargs_reach_the_template(scripted):
     assert message.content == "Paris." and message.reasoning_content is None
     for bad in ({"tokenize": True}, {"add_generation_prompt": False}, {"no-ident": 1}):
         r = httpx.post(qwen3.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": ASK, "chat_template_kwargs": bad})
+            "model": MODEL, "messages": ASK, "chat_template_kwargs": bad}, timeout=60)
         assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["param"]
 
 
@@ -223,22 +223,22 @@ def test_chat_template_kwargs_reach_the_template(scripted):
 def test_tokenize_and_detokenize(real, tiny_llm):
     _, srv = real
     tok = tiny_llm.engine.tokenizer
-    r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}, timeout=60).json()
     assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == tiny_llm.engine.max_model_len
     strs = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world",
-                                                   "return_token_strs": True}).json()
+                                                   "return_token_strs": True}, timeout=60).json()
     assert strs["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
-    r = httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    r = httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=60).json()
     assert r == {"prompt": "Hello world"}
-    chat = httpx.post(srv.url + "/tokenize", json={"messages": ASK, "model": MODEL}).json()
+    chat = httpx.post(srv.url + "/tokenize", json={"messages": ASK, "model": MODEL}, timeout=60).json()
     expected = tok.encode(tok.apply_chat_template(ASK, chat_template=QWEN3, tokenize=False,
                                                   add_generation_prompt=True),
                           add_special_tokens=False)
     assert chat["tokens"] == expected
     bare = httpx.post(srv.url + "/tokenize", json={
         "messages": ASK, "add_generation_prompt": False,
-        "chat_template_kwargs": {"enable_thinking": False}}).json()
+        "chat_template_kwargs": {"enable_thinking": False}}, timeout=60).json()
     assert tok.decode(bare["tokens"]).endswith("<|im_end|>\n")
     for path, body, param in [("/detokenize", {"tokens": [10**6]}, "tokens"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
@@ -247,7 +247,7 @@ def test_tokenize_and_detokenize(real, tiny_llm):
                               ("/tokenize", {"messages": ASK, "add_special_tokens": True},
                                "add_special_tokens"),
                               ("/tokenize", {"prompt": "x", "model": "nope"}, "model")]:
-        r = httpx.post(srv.url + path, json=body)
+        r = httpx.post(srv.url + path, json=body, timeout=60)
         assert r.status_code in (400, 404), r.text
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
@@ -332,7 +332,7 @@ def test_responses_tool_call_and_reasoning(scripted):
      "input")])
 def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):
     _, qwen3, _ = scripted
-    r = httpx.post(qwen3.url + "/v1/responses", json={"model": MODEL, **body})
+    r = httpx.post(qwen3.url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
@@ -372,7 +372,7 @@ def test_embeddings_through_the_engine_loop(real, tiny_llm):
                         ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
                         ({"input": "x", "dimensions": 8}, "dimensions"),
                         ({"input": [[10**7]]}, "input")]:
-        r = httpx.post(srv.url + "/v1/embeddings", json={"model": MODEL, **body})
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
         assert r.status_code == 400, r.text
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 

@@ -116,7 +116,7 @@ def test_raw_chat_stream_shape(server, idle):
 
 def test_api_key(auth_server, idle):
     url = auth_server.url
-    assert httpx.get(url + "/health").status_code == 200  # /health needs no key
+    assert httpx.get(url + "/health", timeout=60).status_code == 200  # /health needs no key
     for method, path, body in [("GET", "/v1/models", None), ("GET", "/metrics", None),
                                ("POST", "/generate", {"prompt": "hi", "max_new_tokens": 1}),
                                ("POST", "/generate_stream", {"prompt": "hi"}),
@@ -125,13 +125,13 @@ def test_api_key(auth_server, idle):
                                ("GET", "/openapi.json", None), ("GET", "/nope", None)]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                         {"Authorization": f"Basic {API_KEY}"}):
-            r = httpx.request(method, url + path, json=body, headers=headers)
+            r = httpx.request(method, url + path, json=body, headers=headers, timeout=60)
             assert r.status_code == 401, (method, path, headers, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
     ok = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.get(url + "/v1/models", headers=ok).status_code == 200
-    assert httpx.get(url + "/metrics", headers=ok).status_code == 200
+    assert httpx.get(url + "/v1/models", headers=ok, timeout=60).status_code == 200
+    assert httpx.get(url + "/metrics", headers=ok, timeout=60).status_code == 200
     authed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     assert [m.id for m in authed.models.list().data] == [MODEL_NAME]
     r = authed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)

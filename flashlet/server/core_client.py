@@ -52,6 +52,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -275,7 +276,7 @@ class CoreClient(EngineClient):
                 core.process.kill()  # it ignores SIGTERM (see run_engine_core)
             else:
                 self._send(core, Shutdown())
-        self._drain_requests(5.0)  # the reader thread, which flushes them, has stopped
+        self._drain_requests(5.0)  # the reader thread, which writes backlogs, is stopping
         deadline = time.monotonic() + (timeout or 30.0)
         for core in self.cores:
             core.process.join(max(deadline - time.monotonic(), 0.1))
@@ -550,11 +551,23 @@ class CoreClient(EngineClient):
                 writer.flush()
 
     def _drain_requests(self, timeout: float) -> None:
-        """Write every request channel's backlog, waiting up to `timeout` s (stopping)."""
-        with self._lock:
-            deadline = time.monotonic() + timeout
-            for writer in self._pending_request_writers():
-                writer.drain(max(deadline - time.monotonic(), 0.001))
+        """Write every request channel's backlog, waiting up to `timeout` s for the cores to
+        take it (stopping: the reader thread, which writes it otherwise, has stopped or is
+        stopping). The lock is held to write, not while it waits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                for writer in self._pending_request_writers():
+                    writer.flush()
+                fds = [writer.sock.fileno() for writer in self._pending_request_writers()]
+            left = deadline - time.monotonic()
+            if not fds or left <= 0:
+                return
+            # A writer closed meanwhile (a dead core) shows as POLLNVAL: looked at again above.
+            waiting = select.poll()
+            for fd in fds:
+                waiting.register(fd, select.POLLOUT)
+            waiting.poll(max(left * 1000, 1))
 
     def _wake_reader(self) -> None:
         try:

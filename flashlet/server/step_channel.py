@@ -118,20 +118,6 @@ class FrameWriter:
             self.backlog.clear()
             return len(data)
 
-    def drain(self, timeout: float) -> None:
-        """Write the whole backlog, waiting up to `timeout` s for the socket to take it (the
-        process stops: what it sent last, a shutdown or aborts, still goes out)."""
-        if not self.backlog or self.closed:
-            return
-        try:
-            self.sock.settimeout(timeout)
-            self.sock.sendall(self.backlog)
-            self.backlog.clear()
-        except OSError:  # timed out, or the peer is gone
-            pass
-        finally:
-            self.sock.setblocking(False)
-
     def close(self) -> None:
         self.closed = True
         self.backlog.clear()

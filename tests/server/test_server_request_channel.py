@@ -26,7 +26,7 @@ from flashlet.server.diagnostics import LoopCounters
 from flashlet.server.engine_core import EngineCore, engine_info
 from flashlet.server.engine_loop import RequestStream
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreReady, Probe)
-from flashlet.server.step_channel import FrameListener, request_path
+from flashlet.server.step_channel import FrameListener, FrameWriter, request_path
 
 INFO = {"max_model_len": 4096, "vocab_size": 1000, "page_size": 16, "num_pages": 1024}
 
@@ -314,3 +314,42 @@ def test_a_real_engine_serves_requests_that_came_over_the_channel(tiny_qwen2, tm
         core_out.close(linger=0)
         client._close()
         aloop.close()
+
+
+def test_a_drain_cut_short_by_its_timeout_leaves_only_the_unsent_rest(tmp_path):
+    """stop() drains the backlogs (the reader thread, which writes them otherwise, has
+    stopped); a drain that times out after writing part of one must not write that part again
+    in the next: the core would read a corrupt stream."""
+    client = CoreClient(EngineConfig(device="cpu"), ipc_dir=str(tmp_path))
+    inbox = client._zmq.socket(zmq.PUSH)
+    client.cores.append(CoreProcess(0, None, inbox, os.getpid()))
+    api_end, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    api_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    api_end.setblocking(False)
+    client.cores[0].requests = FrameWriter(api_end, "engine core 0")
+    frames = [bytes([i]) * 10_000 for i in range(100)]
+    try:
+        with client._lock:
+            for frame in frames:
+                client._send_frame_locked(client.cores[0], frame)
+        assert client.cores[0].requests.pending
+        received = bytearray(core_end.recv(65536))  # room for part of the backlog, not all
+        client._drain_requests(0.05)  # nobody reads on: it writes what fits, then gives up
+        assert client.cores[0].requests.pending
+        reader = threading.Thread(target=lambda: received.extend(_recv_to_eof(core_end)))
+        reader.start()
+        client._drain_requests(10)  # the core reads again: the rest goes out
+        assert not client.cores[0].requests.pending
+        client.cores[0].requests.close()
+        reader.join(10)
+        assert bytes(received) == b"".join(_framed(f) for f in frames)
+    finally:
+        core_end.close()
+        client._close()
+
+
+def _recv_to_eof(sock: socket.socket) -> bytes:
+    data = bytearray()
+    while chunk := sock.recv(65536):
+        data += chunk
+    return bytes(data)

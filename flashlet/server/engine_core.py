@@ -1,4 +1,5 @@
-"""The engine-core process: one Engine and its step loop, fed over ZeroMQ, never waiting on HTTP.
+"""The engine-core process: one Engine and its step loop, fed over Unix sockets (or ZeroMQ),
+never waiting on HTTP.
 
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
 multiprocessing's spawn context. Messages are msgspec msgpack structs (messages.py's). In:

@@ -5,9 +5,10 @@ socket, the receiving process's I/O thread reads it and wakes the thread that re
 hand-off is a thread wake-up: CPU on the core's loop at every step (the eventfd write), and
 latency on every token's way to its client. Here the core's loop writes the framed message
 to the socket itself (non-blocking) and the API process's reader (its event loop) reads it
-from the socket itself: one wake-up. zmq still carries everything else (requests, probes,
-heartbeats, a core's start-up), and a core's step messages to an API process go over zmq
-until that process's channel is connected (core_client.py and engine_core.py say when).
+from the socket itself: one wake-up. zmq still carries heartbeats, a core's start-up and the
+replies to probes, a core's step messages to an API process until that process's channel is
+connected (core_client.py and engine_core.py say when), and, where a request channel cannot
+be connected, what an API process sends that core.
 
 The other way, everything an API process sends a core (requests, aborts, probes, shutdown)
 goes over one connection per (API process, core) to the core's request listener, in order:

@@ -25,6 +25,12 @@ in both ways is stopped or hung, and after stalled_request_timeout_s its request
 503 error (and are aborted in it, should it run again); one in a long step keeps them. A core
 that waits on grammar compiles sends its stats every second, so that wait is not a stall.
 
+What it sends a core (requests, aborts, probes, shutdown) goes over one Unix socket to that
+core's request listener (step_channel.py), connected when the core says it is ready (what was
+sent before waits for it), written by the sending thread itself under the lock without ever
+blocking: what the socket does not take waits in a backlog that the reader thread writes as
+the core reads. A core whose listener cannot be reached gets it all over zmq instead.
+
 Several API processes (`--api-server-count N`, cli.py): each has its own CoreClient, with its
 index k. Client 0 owns the cores: it makes the ipc folder, spawns the cores (telling each the
 sockets of all N clients) and alone sends them Shutdown. Every client binds its own sockets
@@ -46,6 +52,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -69,7 +76,8 @@ from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreOutput, CoreReady,
                                       Heartbeat, Probe, ProbeReply, Shutdown, StepOutputs)
 from flashlet.server.router import PrefixRouter
-from flashlet.server.step_channel import FrameReader, listen, step_path
+from flashlet.server.step_channel import (FrameReader, FrameWriter, listen, request_path,
+                                          step_path)
 
 log = logging.getLogger("flashlet.server")
 
@@ -86,11 +94,19 @@ MAX_BUSY_POLL_S = 1.0  # the longest busy-poll window (busy_poll_s) taken
 class CoreProcess:
     """One engine-core process and what the API process knows of it."""
 
-    def __init__(self, index: int, process, inbox, pid: int | None = None):
+    def __init__(self, index: int, process, inbox, pid: int | None = None,
+                 awaits_channel: bool = False):
+        """awaits_channel: hold what is sent to it until its CoreReady says whether it takes
+        messages over a request channel (step_channel.py) or zmq (else zmq from the start)."""
         self.index = index
         self.process = process  # None in an API process that does not own the cores
         self.pid = process.pid if process is not None else pid
-        self.inbox = inbox  # PUSH socket into the core (guarded by CoreClient._send_lock)
+        self.inbox = inbox  # PUSH socket into the core (guarded by CoreClient._lock)
+        # Everything sent to the core goes over `requests` once connected, else over `inbox`,
+        # never both (an abort must not overtake its request); `held` keeps what is sent
+        # before that is known (None once it is). Guarded by CoreClient._lock.
+        self.requests: FrameWriter | None = None
+        self.held: list[bytes] | None = [] if awaits_channel else None
         self.info: dict | None = None  # from CoreReady
         self.stats: dict = {}  # from its latest message
         self.num_in_flight = 0  # requests routed here and not finished
@@ -208,7 +224,7 @@ class CoreClient(EngineClient):
             inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains it each step
             inbox.bind(self._input_addr(i, self.api_server_index))
             if not self.owns_cores:
-                self.cores.append(CoreProcess(i, None, inbox, self._core_pids[i]))
+                self.cores.append(CoreProcess(i, None, inbox, self._core_pids[i], True))
                 continue
             # Daemonic unless it must start processes itself (tensor parallelism's ranks): it
             # stops with this process either way (stop(), or it notices its parent is gone).
@@ -220,10 +236,11 @@ class CoreClient(EngineClient):
                       self.tokenizer_source, self._build_engine,
                       threading.current_thread() is threading.main_thread()
                       and self.config.tensor_parallel_size == 1,  # see exit_with_parent
-                      [step_path(self.ipc_dir, k) for k in api_servers]))
+                      [step_path(self.ipc_dir, k) for k in api_servers],
+                      request_path(self.ipc_dir, i)))
             with _cuda_visible(self._device_for(i)):
                 process.start()
-            self.cores.append(CoreProcess(i, process, inbox))
+            self.cores.append(CoreProcess(i, process, inbox, awaits_channel=True))
         self._thread = threading.Thread(target=self._read, name="flashlet-core-reader",
                                         daemon=True)
         self._thread.start()
@@ -259,6 +276,7 @@ class CoreClient(EngineClient):
                 core.process.kill()  # it ignores SIGTERM (see run_engine_core)
             else:
                 self._send(core, Shutdown())
+        self._drain_requests(5.0)  # the reader thread, which writes backlogs, is stopping
         deadline = time.monotonic() + (timeout or 30.0)
         for core in self.cores:
             core.process.join(max(deadline - time.monotonic(), 0.1))
@@ -273,7 +291,10 @@ class CoreClient(EngineClient):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         self._stop_loop_reading()
+        self._drain_requests(linger_ms / 1000)
         for core in self.cores:
+            if core.requests is not None:
+                core.requests.close()
             core.inbox.close(linger=linger_ms)
         self._outbox.close(linger=0)
         for reader in self._step_readers:
@@ -482,12 +503,77 @@ class CoreClient(EngineClient):
         return self._send_frame_locked(core, self._encoder.encode(msg))
 
     def _send_frame_locked(self, core: CoreProcess, frame: bytes) -> bool:
-        try:
-            core.inbox.send(frame, zmq.NOBLOCK)
+        """Over the core's request channel if it has one (what the socket does not take now
+        waits in its backlog, which the reader thread writes), else over zmq."""
+        if core.held is not None:  # not known yet how to reach it: sent once it is
+            core.held.append(frame)
             return True
-        except zmq.ZMQError as e:
-            log.error("could not send to engine core %d: %s", core.index, e)
+        writer = core.requests
+        if writer is None:
+            try:
+                core.inbox.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError as e:
+                log.error("could not send to engine core %d: %s", core.index, e)
+                return False
+        if writer.closed:
+            log.error("could not send to engine core %d: its request channel is closed",
+                      core.index)
             return False
+        had_backlog = writer.pending
+        writer.send(frame)
+        if writer.pending and not had_backlog:  # the reader thread writes it when it can
+            self._wake_reader()
+        return True
+
+    def _open_request_channel(self, core: CoreProcess, path: str | None) -> None:
+        """On its CoreReady: connect to the core's request listener (before anything is sent
+        there), or settle on zmq for its whole life; then send what was held meanwhile."""
+        with self._lock:
+            if core.held is None:  # decided already (a CoreReady twice)
+                return
+            if path is not None:
+                core.requests = FrameWriter.connect(path, f"engine core {core.index}")
+                if core.requests is None:
+                    log.warning("cannot connect to engine core %d's request channel: what "
+                                "this process sends it goes over zmq", core.index)
+            held, core.held = core.held, None
+            for frame in held:
+                self._send_frame_locked(core, frame)
+
+    def _pending_request_writers(self) -> list[FrameWriter]:
+        return [core.requests for core in self.cores
+                if core.requests is not None and core.requests.pending]
+
+    def _flush_requests(self) -> None:
+        with self._lock:
+            for writer in self._pending_request_writers():
+                writer.flush()
+
+    def _drain_requests(self, timeout: float) -> None:
+        """Write every request channel's backlog, waiting up to `timeout` s for the cores to
+        take it (stopping: the reader thread, which writes it otherwise, has stopped or is
+        stopping). The lock is held to write, not while it waits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                for writer in self._pending_request_writers():
+                    writer.flush()
+                fds = [writer.sock.fileno() for writer in self._pending_request_writers()]
+            left = deadline - time.monotonic()
+            if not fds or left <= 0:
+                return
+            # A writer closed meanwhile (a dead core) shows as POLLNVAL: looked at again above.
+            waiting = select.poll()
+            for fd in fds:
+                waiting.register(fd, select.POLLOUT)
+            waiting.poll(max(left * 1000, 1))
+
+    def _wake_reader(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the thread has a wake-up pending already
+            pass
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
@@ -501,11 +587,18 @@ class CoreClient(EngineClient):
                 self._reading_loop = loop = None
             if loop is None and watched != self._step_readers:  # a core connected or left
                 socket_poller, watched = self._socket_poller(), list(self._step_readers)
+            poller = socket_poller if loop is None else pipe_poller
+            backlogs = self._pending_request_writers()
+            if backlogs:  # a core's request channel is full: written as it takes more
+                poller = _with_writers(poller, backlogs)
             try:
-                events = dict((socket_poller if loop is None else pipe_poller)
-                              .poll(READER_POLL_MS))
+                events = dict(poller.poll(READER_POLL_MS))
             except zmq.ZMQError:
                 return  # the context was closed by stop()
+            if backlogs:
+                self._flush_requests()
+                for writer in backlogs:
+                    events.pop(writer.sock, None)
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             if loop is None and self._outbox in events and not self._drain():
@@ -589,10 +682,7 @@ class CoreClient(EngineClient):
     def _ask_to_read_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have `loop` read the step socket from now on (the thread hands it over)."""
         self._loop_to_read = loop
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: the thread has a wake-up pending already
-            pass
+        self._wake_reader()
 
     def _hand_over_to_loop(self) -> None:
         """On the reader thread, which has read every message waiting: from now on the loop
@@ -755,7 +845,9 @@ class CoreClient(EngineClient):
         if msg.error is not None:
             self._fatal(RuntimeError(f"engine core {msg.core} could not start: {msg.error}"))
             return
-        self.cores[msg.core].info = msg.info
+        core = self.cores[msg.core]
+        core.info = msg.info
+        self._open_request_channel(core, msg.info.get("request_path"))
         log.info("engine core %d ready (pid %d)", msg.core, msg.pid)
         if all(c.info is not None for c in self.cores):
             try:
@@ -798,6 +890,9 @@ class CoreClient(EngineClient):
         """Fatal when it was the last core (or exit_on_core_failure); else its requests fail
         and the others serve on."""
         core.dead, core.stalled, core.stats = reason, None, {}
+        with self._lock:
+            if core.requests is not None:  # nobody reads it: a send to it now fails at once
+                core.requests.close()
         if self.exit_on_core_failure or all(c.dead is not None for c in self.cores):
             self._fatal(RuntimeError(reason))
             return
@@ -859,6 +954,16 @@ class CoreClient(EngineClient):
                 aloop.call_soon_threadsafe(RequestStream.put_all, items)
             except RuntimeError:
                 pass
+
+
+def _with_writers(poller: zmq.Poller, writers: list[FrameWriter]) -> zmq.Poller:
+    """`poller`'s sockets, and the writers' sockets for room to write."""
+    both = zmq.Poller()
+    for sock, flags in poller.sockets:
+        both.register(sock, flags)
+    for writer in writers:
+        both.register(writer.sock, zmq.POLLOUT)
+    return both
 
 
 class _cuda_visible:

@@ -1,11 +1,14 @@
-"""The engine-core process: one Engine and its step loop, fed over ZeroMQ, never waiting on HTTP.
+"""The engine-core process: one Engine and its step loop, fed over Unix sockets (or ZeroMQ),
+never waiting on HTTP.
 
 The first API-server process (core_client.py) starts one of these per data-parallel rank with
-multiprocessing's spawn context. Messages are msgspec msgpack structs on ipc sockets that the
-API processes bind. In: one PUSH socket per (API process, core), all read by this core's one
-PULL socket (zmq fair-queues them; the messages are messages.py's): requests (one message per
-prompt: its token ids as int32 bytes, and the sampling params of each of its samples), aborts,
-probes, shutdown. Out: ONE message per engine step to each API process with outputs in it,
+multiprocessing's spawn context. Messages are msgspec msgpack structs (messages.py's). In:
+requests (one message per prompt: its token ids as int32 bytes, and the sampling params of each
+of its samples), aborts, probes, shutdown, each API process's over its one connection to this
+core's request listener (step_channel.py: the API process's thread writes to the socket, this
+loop reads it, no zmq I/O thread between), in the order sent; an API process that could not
+connect sends over its PUSH socket into this core's one PULL socket instead (zmq, for that
+process's whole life). Out: ONE message per engine step to each API process with outputs in it,
 carrying that process's requests' new token ids and finish info (a request that only got tokens
 as a three-element array: output_rows), with the engine's stats (every API process gets them:
 its admission control reads them), written by this loop's thread to the process's step channel
@@ -57,7 +60,7 @@ from flashlet.server.messages import (TOKEN_DTYPE, AbortRequests, AddRequests, C
                                       CoreOutput, CoreReady, Probe, ProbeReply, Shutdown,
                                       StepOutputs, Heartbeat, api_server_of, output_rows,
                                       output_rows_by_api_server)
-from flashlet.server.step_channel import FrameWriter
+from flashlet.server.step_channel import FrameListener, FrameWriter
 from flashlet.server.warmup import SERVER_GC_THRESHOLDS
 
 log = logging.getLogger("flashlet.server")
@@ -129,10 +132,12 @@ def build_engine(config, tokenizer: str | None = None):
 def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: list[str],
                     parent_pid: int, tokenizer: str | None = None,
                     build: Callable = build_engine, parent_death_signal: bool = True,
-                    step_paths: list[str] | None = None) -> None:
+                    step_paths: list[str] | None = None,
+                    request_path: str | None = None) -> None:
     """The spawned process's entry point: build the Engine, say ready, serve until Shutdown.
     input_addrs / output_addrs: one of each per API process, in API-process order; step_paths:
-    where each API process listens for its step channel (step_channel.py), if it does.
+    where each API process listens for its step channel (step_channel.py), if it does;
+    request_path: where this core listens for the API processes' messages (else zmq only).
     (`build`: what makes the engine; scripts/api_overhead.py gives a trivial token source.
     parent_death_signal: see exit_with_parent.)"""
     import zmq
@@ -168,7 +173,13 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
         ctx.term()
         return
     gc.set_threshold(*SERVER_GC_THRESHOLDS)  # the engine has settled its start-up heap
-    ready = encoder.encode(CoreReady(core, engine_info(engine), None, os.getpid()))
+    info = engine_info(engine)
+    # Listening before it says it is ready: each API process connects on that message, before
+    # it sends this core anything.
+    requests = FrameListener.open(request_path) if request_path is not None else None
+    if requests is not None:
+        info["request_path"] = request_path
+    ready = encoder.encode(CoreReady(core, info, None, os.getpid()))
     for outbox in outboxes:
         outbox.send(ready)
     stop_beating = threading.Event()
@@ -176,7 +187,7 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
                              args=(ctx, output_addrs, core, stop_beating),
                              name="flashlet-heartbeat", daemon=True)
     beats.start()
-    engine_core = EngineCore(engine, core, inbox, outboxes, parent_pid, step_paths)
+    engine_core = EngineCore(engine, core, inbox, outboxes, parent_pid, step_paths, requests)
     try:
         engine_core.run()
     finally:
@@ -244,9 +255,12 @@ class EngineCore:
     """The busy loop around one Engine (which takes the API processes' request ids as its own)."""
 
     def __init__(self, engine, core: int, inbox, outboxes: list, parent_pid: int,
-                 step_paths: list[str] | None = None):
+                 step_paths: list[str] | None = None, requests: FrameListener | None = None):
         self.engine, self.core = engine, core
         self.inbox, self.outboxes = inbox, outboxes  # outboxes[k]: to API process k
+        # Each API process's messages come over its connection here (step_channel.py), or,
+        # if it could not connect, over the inbox: read alike.
+        self.requests = requests
         self.parent_pid = parent_pid
         # Step messages to API process k go over writers[k] once it is connected: at k's first
         # request (k listens before it sends one), so that a process's outputs never go over
@@ -335,16 +349,22 @@ class EngineCore:
                 try:
                     frame = self.inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:  # the check's word was stale
-                    return
-                msg = self.decoder.decode(frame)
-                if isinstance(msg, AddRequests):
-                    self._connect_step_channel(msg)
-                    self.queued_adds.append(msg)
-                    self.queued_ids.update(msg.request_ids)
-                else:
-                    self._apply(msg)
+                    break
+                self._take(self.decoder.decode(frame))
+            if self.requests is not None:
+                for frame in self.requests.read_frames():
+                    self._take(self.decoder.decode(frame))
         finally:
             self.counters.add_time("receive", time.perf_counter() - t)
+
+    def _take(self, msg) -> None:
+        """A message in: a request is queued, anything else acts now."""
+        if isinstance(msg, AddRequests):
+            self._connect_step_channel(msg)
+            self.queued_adds.append(msg)
+            self.queued_ids.update(msg.request_ids)
+        else:
+            self._apply(msg)
 
     def _add_queued(self) -> None:
         """Add queued requests up to a step's prompt-token budget (at least one): a burst is
@@ -575,26 +595,33 @@ class EngineCore:
             log.warning("API process %d has no step channel: its step messages go over zmq", k)
 
     def _wait_for_inbox(self, timeout_ms: int) -> bool:
-        """Wait up to timeout_ms for a message in; meanwhile write what the step channels hold
-        back (a core asleep on a backlog would hold its last tokens). True if one waits."""
+        """Wait up to timeout_ms for a message in (zmq, or the request channels and their
+        listener); meanwhile write what the step channels hold back (a core asleep on a
+        backlog would hold its last tokens). True if something may be waiting."""
         pending = [w for w in self.writers if w is not None and w.pending]
-        if not pending:
+        if not pending and self.requests is None:
             return bool(self.inbox.poll(timeout_ms))
         import zmq
 
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        fds = self.requests.fds() if self.requests is not None else []
+        for fd in fds:
+            poller.register(fd, zmq.POLLIN)
         for writer in pending:
             poller.register(writer.sock, zmq.POLLOUT)
         ready = dict(poller.poll(timeout_ms))
         for writer in pending:
             writer.flush()
-        return self.inbox in ready
+        return self.inbox in ready or any(fd in ready for fd in fds)
 
     def close_step_channels(self) -> None:
+        """Close the step channels and the request listener with its connections."""
         for writer in self.writers:
             if writer is not None:
                 writer.close()
+        if self.requests is not None:
+            self.requests.close()
 
     def _probe(self, api_server: int, loop: bool = False) -> None:
         """Reply with the engine's stats: after an integrity check, or (loop) with the loop's

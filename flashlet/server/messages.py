@@ -1,5 +1,5 @@
 """The messages between the API processes and the engine-core processes: msgspec structs sent
-as msgpack over ZeroMQ (engine_core.py's docstring describes the sockets). Both sides import
+as msgpack over Unix sockets or ZeroMQ (engine_core.py's docstring describes the sockets). Both sides import
 this module and nothing of the other's.
 """
 

@@ -1,17 +1,26 @@
-"""The engine core's step messages to an API process over a plain Unix stream socket.
+"""Messages between an API process and an engine core over plain Unix stream sockets.
 
 A zmq send queues the message for zmq's I/O thread and wakes it; that thread writes to the
 socket, the receiving process's I/O thread reads it and wakes the thread that reads it. Each
 hand-off is a thread wake-up: CPU on the core's loop at every step (the eventfd write), and
 latency on every token's way to its client. Here the core's loop writes the framed message
 to the socket itself (non-blocking) and the API process's reader (its event loop) reads it
-from the socket itself: one wake-up. zmq still carries everything else (requests, probes,
-heartbeats, a core's start-up), and a core's step messages to an API process go over zmq
-until that process's channel is connected (core_client.py and engine_core.py say when).
+from the socket itself: one wake-up. zmq still carries heartbeats, a core's start-up and the
+replies to probes, a core's step messages to an API process until that process's channel is
+connected (core_client.py and engine_core.py say when), and, where a request channel cannot
+be connected, what an API process sends that core.
+
+The other way, everything an API process sends a core (requests, aborts, probes, shutdown)
+goes over one connection per (API process, core) to the core's request listener, in order:
+an abort never overtakes its request. The core listens before it says it is ready and names
+the path in CoreReady; the API process connects on that message, before it sends the core
+anything (what it sent earlier, a probe, waits for the connection), and falls back to zmq for
+that core's whole life if it cannot connect: a pair never mixes the two.
 
 Frames: a 4-byte little-endian length, then the msgpack message. The writer never blocks:
 what the socket does not take now waits in a backlog, written before anything newer
-(`flush`, and the core waits for the socket to take it before it sleeps).
+(`flush`: the core waits for the socket to take it before it sleeps; an API process's reader
+thread waits for each core's socket to take its backlog).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 
 log = logging.getLogger("flashlet.server")
@@ -33,8 +43,12 @@ def step_path(ipc_dir: str, api_server: int) -> str:
     return os.path.join(ipc_dir, f"steps{api_server}")
 
 
+def request_path(ipc_dir: str, core: int) -> str:
+    return os.path.join(ipc_dir, f"requests{core}")
+
+
 def listen(path: str) -> socket.socket:
-    """The API process's listening socket (non-blocking), one per process."""
+    """A listening socket (non-blocking): an API process's for its steps, a core's for requests."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(64)
@@ -43,17 +57,21 @@ def listen(path: str) -> socket.socket:
 
 
 class FrameWriter:
-    """The core's end of one API process's channel."""
+    """The sending end of one channel: the core's to an API process, or an API process's to a
+    core (`peer` names the other end in the log)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, peer: str = "an API process"):
         self.sock = sock
+        self.peer = peer
         self.backlog = bytearray()
         self.closed = False
 
     @classmethod
-    def connect(cls, path: str) -> "FrameWriter | None":
-        """Connected to the API process listening at `path`, or None if none listens yet."""
+    def connect(cls, path: str, peer: str = "an API process") -> "FrameWriter | None":
+        """Connected to the process listening at `path`, or None if none listens (or its
+        queue of connections is full: the connect never waits)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
             sock.connect(path)
         except OSError:
@@ -63,8 +81,7 @@ class FrameWriter:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         except OSError:
             pass
-        sock.setblocking(False)
-        return cls(sock)
+        return cls(sock, peer)
 
     @property
     def pending(self) -> bool:
@@ -96,12 +113,15 @@ class FrameWriter:
         except OSError as e:
             if e.errno not in _CLOSED:
                 raise
-            log.warning("an API process closed its step channel; its step messages are dropped")
+            log.warning("%s closed its end of the channel; what is sent to it is dropped",
+                        self.peer)
             self.closed = True
             self.backlog.clear()
             return len(data)
 
     def close(self) -> None:
+        self.closed = True
+        self.backlog.clear()
         self.sock.close()
 
 
@@ -154,3 +174,72 @@ class FrameReader:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class FrameListener:
+    """A core's request listener and the API processes' connections to it: every whole frame
+    that has arrived on any of them, read without waiting (each connection's in order)."""
+
+    def __init__(self, sock: socket.socket, path: str | None = None):
+        self.sock = sock
+        self.path = path
+        self.readers: dict[int, FrameReader] = {}
+        # One poll(2) a step tells which connections have data (a busy core reads every step,
+        # mostly nothing: a recv per connection would raise BlockingIOError each time).
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+
+    @classmethod
+    def open(cls, path: str) -> "FrameListener | None":
+        """Listening at `path`, or None if it cannot (the API processes then use zmq)."""
+        try:
+            return cls(listen(path), path)
+        except OSError as e:
+            log.warning("cannot listen for requests at %s (%s): they come over zmq", path, e)
+            return None
+
+    def fds(self) -> list[int]:
+        """What to wait on for something to read: the listener and each connection."""
+        return [self.sock.fileno(), *self.readers]
+
+    def read_frames(self) -> list[bytes]:
+        frames = []
+        for fd, _ in self._poll.poll(0):
+            if fd == self.sock.fileno():
+                frames += self._accept()
+            elif fd in self.readers:
+                frames += self._read(self.readers[fd])
+        return frames
+
+    def _accept(self) -> list[bytes]:
+        """New connections, and what each has sent already."""
+        frames = []
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return frames
+            reader = FrameReader(sock)
+            self.readers[reader.fileno()] = reader
+            self._poll.register(reader.fileno(), select.POLLIN)
+            frames += self._read(reader)
+
+    def _read(self, reader: FrameReader) -> list[bytes]:
+        frames = reader.read_frames()
+        if reader.eof:  # that API process is gone (or stopped): a partial frame is dropped
+            fd = reader.fileno()
+            self._poll.unregister(fd)
+            del self.readers[fd]
+            reader.close()
+        return frames
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+        self.sock.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass

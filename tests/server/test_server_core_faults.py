@@ -25,6 +25,7 @@ import flashlet.server.core_client
 from flashlet import EngineConfig
 from flashlet.server import CoreClient, ServerConfig, create_app
 from flashlet.server.core_client import _pid_alive
+from flashlet.server.engine_core import HEARTBEAT_S
 
 pytestmark = pytest.mark.slow
 
@@ -225,11 +226,13 @@ def run_long_step_engine_core(*args) -> None:
 def test_a_core_in_one_long_step_is_reported_but_its_request_completes(tiny_qwen2,
                                                                        monkeypatch):
     """Its heartbeat goes on: /health says 503 with that reason during the step, and the
-    request (past the request bound) is not ended: it finishes when the step does."""
+    request (past the request bound) is not ended: it finishes when the step does. The stall
+    timeout is two heartbeats (engine_core.HEARTBEAT_S): at one, a heartbeat a few ms late on
+    a loaded machine made the core look frozen and its request was ended."""
     monkeypatch.setattr(flashlet.server.core_client, "run_engine_core",
                         run_long_step_engine_core)
-    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=1.0,
-                        stalled_request_timeout_s=2.0).start()
+    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=2.0 * HEARTBEAT_S,
+                        stalled_request_timeout_s=3.0 * HEARTBEAT_S).start()
     srv = None
     try:
         srv = _serve(client)

@@ -68,6 +68,8 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], n: int
 
 def test_two_cores_serve_64_concurrent_streams(dp_server):
     client, srv = dp_server
+    # everything this process sends each core goes over its request channel, none over zmq
+    assert all(c.requests is not None and c.held is None for c in client.cores)
     routed_before = [c["routed"] for c in client.core_stats()]
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(5, 40))] for _ in range(64)]

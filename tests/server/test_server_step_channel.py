@@ -146,7 +146,7 @@ def test_an_idle_core_writes_its_backlog_while_it_waits_for_requests():
     inbox = ctx.socket(zmq.PULL)
     inbox.bind("inproc://idle-core")
     core = EngineCore.__new__(EngineCore)  # its loop's waiting alone: no engine
-    core.inbox, core.writers = inbox, [writer]
+    core.inbox, core.writers, core.requests = inbox, [writer], None
     try:
         frames = [i.to_bytes(4, "little") * 300 for i in range(100)]
         for f in frames:

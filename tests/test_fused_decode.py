@@ -139,11 +139,16 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
     assert not write_rope_calls
 
 
+# Tokens a prompt in the interpreted one-launch test: 6 take the 20- and 17-token prompts past
+# the 16-token splits from the first decode step (so the merge runs), at ~55% of 10's cost.
+ONE_LAUNCH_TOKENS = 6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
                          ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
 def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, reference_kernels, monkeypatch, request):
-    """FusedParts.attn: on the triton backend (interpreted, ~30 s), every fused step's
+    """FusedParts.attn: on the triton backend (interpreted, ~20 s), every fused step's
     attention is one `attend_one_launch` a layer and never the two-launch kernels; splits made
     small (16 tokens) so the last-program merge runs; tokens are the per-op engine's (same backend)."""
     tiny_model = request.getfixturevalue(model)
@@ -153,7 +158,7 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
     monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
     triton = {"backend": "triton"}
-    want, _ = generate(tiny_model, False, PROMPTS, n=10, config=triton)
+    want, _ = generate(tiny_model, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
     calls = {"one": 0, "merged": 0, "two": 0}
     real_one, real_two = triton_backend.decode_attention_one_launch, triton_backend.decode_attention
 
@@ -165,10 +170,11 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
     monkeypatch.setattr(triton_backend, "decode_attention",
                         lambda *a, **k: calls.__setitem__("two", calls["two"] + 1) or real_two(*a, **k))
-    got, engine = generate(tiny_model, True, PROMPTS, n=10, rope=rope, attn=True, config=triton)
+    got, engine = generate(tiny_model, True, PROMPTS, n=ONE_LAUNCH_TOKENS, rope=rope, attn=True,
+                           config=triton)
     assert got == want
     assert engine.runner.fused.one_launch_attention
-    assert calls["one"] == len(engine.model.layers) * sum(10 - 1 for _ in PROMPTS)
+    assert calls["one"] == len(engine.model.layers) * sum(ONE_LAUNCH_TOKENS - 1 for _ in PROMPTS)
     assert calls["merged"] > 0 and calls["two"] == 0  # prefill runs prefill_attention
     assert not engine.runner.backend._merge_counts.any()
 

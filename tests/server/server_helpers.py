@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import uvicorn
+import zmq
 
+from flashlet import Engine
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server import ServerConfig, create_app
 from flashlet.server.limits import uvicorn_options
@@ -185,3 +187,27 @@ def run_slow_engine_core(*args) -> None:
     run_engine_core(*args)
 
 
+def wait_push_connected(client, core_inbox, timeout: float = 10.0) -> None:
+    """Until the client's zmq socket into core 0 has its peer (a fake core's PULL socket): a
+    PUSH socket without one refuses a NOBLOCK send, and a fake core connects in the same instant
+    it says it is ready (a real core connects before it loads the model). An empty frame is the
+    probe, read back from `core_inbox` here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.cores[0].inbox.send(b"", zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            assert time.monotonic() < deadline, "the fake core never connected"
+            time.sleep(0.005)
+    assert core_inbox.poll(5000) and core_inbox.recv() == b""
+
+
+def engine_greedy_tokens(config, prompt: list[int], params) -> list[int]:
+    """One request's tokens from an in-process Engine: the reference a served stream must match."""
+    engine = Engine(config)
+    engine.add_request(prompt, params, request_id=0)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    return tokens

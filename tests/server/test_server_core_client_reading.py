@@ -22,6 +22,7 @@ from flashlet.server.core_client import CoreClient
 from flashlet.server.engine_loop import RequestStream, StreamError
 from flashlet.server.messages import (AbortRequests, CoreInput, CoreOutput, CoreReady,
                                       Heartbeat, StepOutputs, output_rows)
+from server_helpers import wait_push_connected
 
 INFO = {"max_model_len": 256, "vocab_size": 1000, "page_size": 16, "num_pages": 64}
 
@@ -75,28 +76,13 @@ def _attached(tmp_path, **options):
                         ipc_dir=str(tmp_path), core_pids=[pid], owner_pid=pid, **options).start()
     core = FakeCore(client)
     try:
-        _wait_connected(client, core)
+        wait_push_connected(client, core.inbox)
         core.send(CoreReady(0, INFO, None, pid))
         assert client.wait_ready(10), client.error
         yield client, core
     finally:
         client.stop(timeout=5)
         core.close()
-
-
-def _wait_connected(client: CoreClient, core: FakeCore, timeout: float = 10.0) -> None:
-    """Until the client's socket into the core has its peer: a PUSH socket without one refuses
-    a NOBLOCK send, and the fake core connects in the same instant it says it is ready (a real
-    core connects before it loads the model). An empty frame is the probe, read back here."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.cores[0].inbox.send(b"", zmq.NOBLOCK)
-            break
-        except zmq.Again:
-            assert time.monotonic() < deadline, "the fake core never connected"
-            time.sleep(0.005)
-    assert core.inbox.poll(5000) and core.inbox.recv() == b""
 
 
 def _streams(n: int) -> list[RequestStream]:

@@ -27,6 +27,7 @@ from flashlet.server.engine_core import EngineCore, engine_info
 from flashlet.server.engine_loop import RequestStream
 from flashlet.server.messages import (AbortRequests, AddRequests, CoreInput, CoreReady, Probe)
 from flashlet.server.step_channel import FrameListener, FrameWriter, request_path
+from server_helpers import engine_greedy_tokens, wait_push_connected
 
 INFO = {"max_model_len": 4096, "vocab_size": 1000, "page_size": 16, "num_pages": 1024}
 
@@ -209,17 +210,7 @@ def test_a_core_without_a_channel_gets_everything_over_zmq_in_order(attached):
     after, go over zmq for the core's whole life."""
     client, make_core = attached
     core = make_core(listen=False)
-    # a PUSH socket refuses a NOBLOCK send until its peer has connected (a real core connects
-    # before it loads the model): an empty frame until one goes through, read back here
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.cores[0].inbox.send(b"", zmq.NOBLOCK)
-            break
-        except zmq.Again:
-            assert time.monotonic() < deadline, "the fake core never connected"
-            time.sleep(0.005)
-    assert core.inbox.poll(5000) and core.inbox.recv() == b""
+    wait_push_connected(client, core.inbox)
     client._send(client.cores[0], Probe(1))
     core.ready(os.path.join(client.ipc_dir, "nobody-listens"))
     assert client.wait_ready(10), client.error
@@ -260,11 +251,7 @@ def test_a_real_engine_serves_requests_that_came_over_the_channel(tiny_qwen2, tm
     of a second request, sent right behind it, frees its pages before it runs."""
     config = EngineConfig(model=str(tiny_qwen2), max_num_pages=64, page_size=16)
     prompt, params = [5, 9, 2, 7], SamplingParams(max_new_tokens=6, ignore_eos=True)
-    reference = Engine(config)
-    reference.add_request(prompt, params, request_id=0)
-    expected = []
-    while reference.has_unfinished():
-        expected += [t for out in reference.step() for t in out.new_token_ids]
+    expected = engine_greedy_tokens(config, prompt, params)
 
     aloop = asyncio.new_event_loop()
     client = CoreClient(EngineConfig(device="cpu"), ipc_dir=str(tmp_path))

@@ -17,6 +17,7 @@ from flashlet.server.engine_core import EngineCore, engine_info
 from flashlet.server.messages import CoreReady
 from flashlet.server.engine_loop import RequestStream
 from flashlet.server.step_channel import FrameReader, FrameWriter, step_path
+from server_helpers import engine_greedy_tokens
 
 
 def _pair(buffer_bytes: int | None = None) -> tuple[FrameWriter, FrameReader]:
@@ -86,11 +87,7 @@ def test_a_real_core_sends_its_steps_over_the_channel_once_the_process_sent_a_re
     tokens from it, none over zmq."""
     config = EngineConfig(model=str(tiny_qwen2), max_num_pages=64, page_size=16)
     prompt, params = [5, 9, 2, 7], SamplingParams(max_new_tokens=6, ignore_eos=True)
-    reference = Engine(config)
-    reference.add_request(prompt, params, request_id=0)
-    expected = []
-    while reference.has_unfinished():
-        expected += [t for out in reference.step() for t in out.new_token_ids]
+    expected = engine_greedy_tokens(config, prompt, params)
 
     aloop = asyncio.new_event_loop()
     client = CoreClient(EngineConfig(device="cpu"))

@@ -545,10 +545,13 @@ class CoreClient(EngineClient):
         return [core.requests for core in self.cores
                 if core.requests is not None and core.requests.pending]
 
-    def _flush_requests(self) -> None:
+    def _flush_requests(self) -> list[int]:
+        """Write what each request channel's socket takes now; the sockets still holding a
+        backlog after it (their fds)."""
         with self._lock:
             for writer in self._pending_request_writers():
                 writer.flush()
+            return [writer.sock.fileno() for writer in self._pending_request_writers()]
 
     def _drain_requests(self, timeout: float) -> None:
         """Write every request channel's backlog, waiting up to `timeout` s for the cores to
@@ -556,10 +559,7 @@ class CoreClient(EngineClient):
         stopping). The lock is held to write, not while it waits."""
         deadline = time.monotonic() + timeout
         while True:
-            with self._lock:
-                for writer in self._pending_request_writers():
-                    writer.flush()
-                fds = [writer.sock.fileno() for writer in self._pending_request_writers()]
+            fds = self._flush_requests()
             left = deadline - time.monotonic()
             if not fds or left <= 0:
                 return

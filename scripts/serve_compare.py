@@ -4,7 +4,8 @@
         [--tokenizer .tok/smollm2] [--api-server-count N] [--busy-poll-ms MS] [--client-procs N] -- ENGINE FLAGS (e.g. --config qwen2.5-0.5b-smolvocab
         --backend triton --dtype bfloat16 --max-num-pages 16384)
 
-1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts);
+1. `python -m flashlet.bench` in-process with ENGINE FLAGS (token-id prompts; `--inprocess
+   JSON` reuses an earlier run's record instead, to compare several server settings);
 2. `python -m flashlet.server` with ENGINE FLAGS (+ --tokenizer) on a free port, then
    `python -m flashlet.bench --url` against it (text prompts, about one token per word; the
    server counts the exact prompt tokens; the streams shared by its client processes, see
@@ -43,6 +44,8 @@ def _workload_flags(args) -> list[str]:
     flags = ["--workload", "closed-loop", "--concurrency", *map(str, args.concurrency),
              "--max-new-tokens", str(args.max_new_tokens), "--prompt-len-range",
              *map(str, args.prompt_len_range), "--quiet"]
+    if args.output_len_range:
+        flags += ["--output-len-range", *map(str, args.output_len_range)]
     if args.num_requests:
         flags += ["--num-requests", str(args.num_requests)]
     else:
@@ -52,6 +55,13 @@ def _workload_flags(args) -> list[str]:
 
 def run_in_process(args, engine_flags: list[str], out: Path) -> dict:
     path = out / "inprocess.json"
+    if args.inprocess:  # an earlier run's record, for several server runs against one
+        record = json.loads(Path(args.inprocess).read_text())
+        inproc = next(iter(record["backends"].values()))
+        missing = set(args.concurrency) - {lv["concurrency"] for lv in inproc["levels"]}
+        if missing:
+            raise SystemExit(f"{args.inprocess} has no level at concurrency {sorted(missing)}")
+        return inproc
     subprocess.run([sys.executable, "-m", "flashlet.bench", *engine_flags, *_workload_flags(args),
                     "--out", str(path)], check=True, timeout=args.timeout)
     record = json.loads(path.read_text())
@@ -128,8 +138,9 @@ def table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | requests | in-process tok/s | server tok/s | server / in-process | "
             "TTFT p50 in / server (ms) | TTFT p99 in / server (ms) | "
             "TTFT 1st request in / server (ms) | ITL p50 in / server (ms) | "
-            "ITL p50 server / in-process | server tokens per SSE event | server failed |")
-    lines = [head, "|" + "---|" * 12]
+            "ITL p50 server / in-process | ITL p99 in / server (ms) | ITL p99 server / in-process | "
+            "server tokens per SSE event | server failed |")
+    lines = [head, "|" + "---|" * 14]
     for lv, sv in paired_levels(inproc, server):
         lines.append(
             f"| {lv['concurrency']} | {sv['num_requests']} | {lv['output_tok_s']:,.1f} | "
@@ -138,7 +149,9 @@ def table(inproc: dict, server: dict) -> str:
             f"{lv['ttft_ms']['p99']:.1f} / {sv['ttft_ms']['p99']:.1f} | "
             f"{_first_ttft(lv)} / {_first_ttft(sv)} | "
             f"{lv['itl_ms']['p50']:.2f} / {sv['itl_ms']['p50']:.2f} | "
-            f"{_ratio(sv['itl_ms']['p50'], lv['itl_ms']['p50'])} | {_tokens_per_event(sv)} | "
+            f"{_ratio(sv['itl_ms']['p50'], lv['itl_ms']['p50'])} | "
+            f"{lv['itl_ms']['p99']:.2f} / {sv['itl_ms']['p99']:.2f} | "
+            f"{_ratio(sv['itl_ms']['p99'], lv['itl_ms']['p99'])} | {_tokens_per_event(sv)} | "
             f"{sv['failed']} |")
     return "\n".join(lines)
 
@@ -269,6 +282,11 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 768])
+    p.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="output lengths drawn from this range instead of --max-new-tokens each: "
+                        "in-process, equal lengths keep a closed loop's requests in lockstep "
+                        "(they start, prefill and finish together), which a server's "
+                        "turnaround breaks; varied lengths desynchronize both sides alike")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--min-requests", type=int, default=64,
                    help="requests per level at least (so that p99 at concurrency 1 is a "
@@ -282,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--client-procs", type=int, default=None,
                    help="the bench's --client-procs (load-generator processes; default: the "
                         "bench's, one per 32 streams)")
+    p.add_argument("--inprocess", default=None, metavar="JSON",
+                   help="reuse this in-process record (an earlier run's inprocess.json, the same "
+                        "engine flags and workload) instead of running it again")
     p.add_argument("--timeout", type=float, default=900)
     args, engine_flags = p.parse_known_args(argv)
     engine_flags = [f for f in engine_flags if f != "--"]

@@ -58,3 +58,12 @@ def test_both_tables_have_their_headers_columns():
     assert "a0 0.15, a1 0.00" in diag  # CPU busy: 1.5 s of 10
     assert "a0 4.00, a1 –" in diag  # tokens per event
     assert diag.count("a0 0.05 / 0.05 / 0.05") == 1  # the loop lag: 5 samples in bucket 3
+
+
+def test_the_main_table_gives_itl_p99_of_both_sides_and_their_ratio():
+    sc = load_script("serve_compare")
+    inproc = {"levels": _levels([1], server=False)}
+    server = {"levels": _levels([1], server=True)}
+    server["levels"][0]["itl_ms"] = _summary(3.0)  # p99 6.0 against the in-process 4.0
+    row = sc.table(inproc, server).splitlines()[2]
+    assert "| 4.00 / 6.00 | 1.50 |" in row

@@ -37,7 +37,7 @@ demo: setup
 	$(PY) -m flashlet --max-new-tokens 32
 
 test: setup chromium
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=60 -n 2  # one torch thread a worker, a worker a core
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=60 -n 2 --dist loadgroup  # one torch thread a worker, a worker a core; an xdist_group on one worker
 
 # CI: the pins resolve on PyPI alone, without this machine's local wheels (1-2 min, no install)
 check-pins: setup

@@ -902,9 +902,9 @@ def parse_args(argv=None):
     p.add_argument("--table-json", default=None,
                    help="write the winners' BATCHED_DECODE_TABLE (--one-launch: ONE_LAUNCH_TABLE) entries here "
                         "(see load_table_json)")
-    p.add_argument("--lower", default=None, metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
-                   help="only compile that variant for sm_90 (no GPU needed) and print lower_for_sm90's JSON "
-                        "(MERGE: 'kernel' for the last-program merge)")
+    p.add_argument("--lower", default=None, nargs="+", metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
+                   help="only compile these variants for sm_90 (no GPU needed) and print lower_for_sm90's JSON, "
+                        "a line each (MERGE: 'kernel' for the last-program merge)")
     args = p.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 200.0 if args.one_launch else 450.0
@@ -922,10 +922,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.lower:
-        bn, warps, stages, kv, prefetch, *rest = args.lower.split(",")
-        print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch,
-                                        kv_pack=int(rest[0]) if rest else 1,
-                                        merge_in_kernel=rest[1:2] == ["kernel"])))
+        for spec in args.lower:  # one process for all: its imports cost more than a compile
+            bn, warps, stages, kv, prefetch, *rest = spec.split(",")
+            print(json.dumps(lower_for_sm90(int(bn), int(warps), int(stages), kv, prefetch,
+                                            kv_pack=int(rest[0]) if rest else 1,
+                                            merge_in_kernel=rest[1:2] == ["kernel"])), flush=True)
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

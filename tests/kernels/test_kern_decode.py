@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -269,61 +270,85 @@ def test_one_launch_rejects_bad_variants(kh):
 
 
 # Lowered for sm_90a in a child process (the interpreter wraps this process's kernels): what the
-# interpreter cannot show. The child compiles with Triton's own ptxas; no GPU needed.
+# interpreter cannot show. The child compiles with Triton's own ptxas; no GPU needed. One child
+# lowers every variant (argv: a JSON list of them), a JSON line each: its imports cost more
+# than a compile.
 _LOWER = textwrap.dedent("""
-    import json, subprocess, sys, tempfile
+    import json, os, subprocess, sys, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from flashlet.kernels import decode_attention as da
-    splits, pdl, block_n, warps, head_dim, lookback = int(sys.argv[1]), sys.argv[2] == "1", *map(int, sys.argv[3:7])
-    sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
-    mid = "*fp32" if splits > 1 else "*bf16"
-    sig.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
-               KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
-    consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
-                  BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
-                  LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
-                  LONG_RULE=False)
-    sig.update({c: "constexpr" for c in consts})
-    k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
-    lines = k.asm["ptx"].splitlines()
-    wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
-    import os
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(k.asm["ptx"]); f.flush()
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True).stderr
-    print(json.dumps(dict(
-        launch=sum("griddepcontrol.launch_dependents" in l for l in lines), wait=len(wait),
-        loads_before_wait=sum("ld.global" in l for l in lines[: wait[0]]) if wait else 0,
-        atom_acq_rel=sum("atom.global.gpu.acq_rel.add" in l for l in lines),
-        cg_loads=sum("ld.global.cg" in l for l in lines), ptxas=info)))
+
+    def lower(splits, pdl, block_n, warps, head_dim, lookback):
+        sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
+        mid = "*fp32" if splits > 1 else "*bf16"
+        sig.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
+                   KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
+        consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
+                      BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
+                      LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
+                      LONG_RULE=False)
+        sig.update({c: "constexpr" for c in consts})
+        k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
+        lines = k.asm["ptx"].splitlines()
+        wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(k.asm["ptx"]); f.flush()
+            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True).stderr
+        return dict(
+            launch=sum("griddepcontrol.launch_dependents" in l for l in lines), wait=len(wait),
+            loads_before_wait=sum("ld.global" in l for l in lines[: wait[0]]) if wait else 0,
+            atom_acq_rel=sum("atom.global.gpu.acq_rel.add" in l for l in lines),
+            cg_loads=sum("ld.global.cg" in l for l in lines), ptxas=info)
+
+    for variant in json.loads(sys.argv[1]):
+        print(json.dumps(lower(*variant)), flush=True)
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback", [
-    (1, True, 256, 8, 64, 0), (16, True, 256, 8, 64, 0), (64, False, 256, 8, 64, 0),  # head_dim 64, one row
-    (16, True, 32, 4, 128, 0),                                                     # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8),                             # rows of a verify step: the look-back
-])
-def test_one_launch_lowers_for_sm90(splits, pdl, block_n, warps, head_dim, lookback):
-    """~3 s each, at the tiles `TritonBackend.one_launch_config` picks. The PDL variants signal
-    and wait once, with the first block's page ids and past K/V loads issued before the wait;
-    the merge's counter is an acq_rel GPU-scope atomic and its partial loads bypass L1; ptxas
-    (sm_90a) reports no spills."""
-    import json
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    args = [str(splits), "1" if pdl else "0", str(block_n), str(warps), str(head_dim), str(lookback)]
-    proc = subprocess.run([sys.executable, "-c", _LOWER, *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
+    """The last `count` JSON lines the child prints (skips where Triton has no ptxas)."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=_REPO)
     if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
         pytest.skip("Triton's bundled ptxas is not available here")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) >= count, proc.stdout[-3000:]
+    return [json.loads(line) for line in lines[-count:]]
+
+
+ONE_LAUNCH_LOWERED = [
+    (1, True, 256, 8, 64, 0), (16, True, 256, 8, 64, 0), (64, False, 256, 8, 64, 0),  # head_dim 64, one row
+    (16, True, 32, 4, 128, 0),                                                     # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8),                             # rows of a verify step: the look-back
+]
+
+
+@pytest.fixture(scope="module")
+def one_launch_lowered() -> dict:
+    """Each of ONE_LAUNCH_LOWERED lowered for sm_90a, all by one child: {variant: its counts}."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    rows = _lowered_by_one_child([sys.executable, "-c", _LOWER, json.dumps(ONE_LAUNCH_LOWERED)],
+                                 len(ONE_LAUNCH_LOWERED), env)
+    return dict(zip(ONE_LAUNCH_LOWERED, rows))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback", ONE_LAUNCH_LOWERED)
+def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
+                                    lookback):
+    """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
+    The PDL variants signal and wait once, with the first block's page ids and past K/V loads
+    issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
+    loads bypass L1; ptxas (sm_90a) reports no spills."""
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block
@@ -503,15 +528,29 @@ def test_packed_kv_heads_must_divide_the_kv_heads(kh):
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts", "decode_attn_bench.py")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block_n,warps,stages,kv,prefetch,kv_pack", [
+BATCHED_LOWERED = [
     (64, 4, 2, "bf16", "none", 1), (64, 4, 3, "bf16", "pages", 1), (64, 4, 4, "fp8", "pages", 1),
     (128, 4, 3, "fp8", "pages", 1), (64, 2, 1, "bf16", "blocks", 1), (128, 4, 3, "fp8", "pages", 2),
     (32, 2, 3, "bf16", "pages", 2),
-])
-def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch, kv_pack):
-    """~2 s each. K/V are copied with cp.async; with the page ids carried by hand the pipeliner
-    keeps later blocks' copies in flight while one block is computed (a wait for all but the
+]
+
+
+@pytest.fixture(scope="module")
+def batched_lowered() -> dict:
+    """Each of BATCHED_LOWERED lowered by one `decode_attn_bench.py --lower` run: {variant: its
+    counts}."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
+    specs = [",".join(map(str, variant)) for variant in BATCHED_LOWERED]
+    rows = _lowered_by_one_child([sys.executable, _BENCH, "--lower", *specs], len(specs), env)
+    return dict(zip(BATCHED_LOWERED, rows))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sm90-batched-decode-lowering")  # --dist loadgroup: one worker, one child
+@pytest.mark.parametrize("block_n,warps,stages,kv,prefetch,kv_pack", BATCHED_LOWERED)
+def test_batched_decode_lowers_for_sm90(batched_lowered, block_n, warps, stages, kv, prefetch, kv_pack):
+    """~2 s each, in the one child. K/V are copied with cp.async; with the page ids carried by
+    hand the pipeliner keeps later blocks' copies in flight while one block is computed (a wait for all but the
     newest groups), which it does not when the page ids are loaded in the same iteration; an fp8
     pool widens e4m3 pairs straight to fp16, never through bf16, and (read as uint16 pairs) its V
     is copied 16 bytes at a time and transposed by ldmatrix, not byte by byte, and its bytes are
@@ -519,19 +558,9 @@ def test_batched_decode_lowers_for_sm90(block_n, warps, stages, kv, prefetch, kv
     instructions a KB of K/V at bn128 w4 fp8: 150 with the shift-and-mask widening and masks,
     122 with prmt, 104 without masks, 78 with two KV heads a program (bf16 bn64 w2: 52 -> 43).
     No spills."""
-    import json
-
     import triton
 
-    root = os.path.dirname(os.path.dirname(_BENCH))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    spec = f"{block_n},{warps},{stages},{kv},{prefetch},{kv_pack}"
-    proc = subprocess.run([sys.executable, _BENCH, "--lower", spec], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=root)
-    if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
-        pytest.skip("Triton's bundled ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = batched_lowered[(block_n, warps, stages, kv, prefetch, kv_pack)]
     if prefetch != "blocks":
         assert got["cp_async"] > 0, "K/V loads are not pipelined"
     assert (got["most_in_flight"] > 0) == (prefetch == "pages"), got["most_in_flight"]

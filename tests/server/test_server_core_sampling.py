@@ -18,6 +18,10 @@ pytestmark = pytest.mark.slow
 NAME = "demo"
 
 
+# With --dist loadgroup the tests on core_server run on one worker: one core start.
+ON_CORE_SERVER = pytest.mark.xdist_group("core-sampling-core-server")
+
+
 @pytest.fixture(scope="module")
 def core_server(demo_model_dir):
     client = CoreClient(EngineConfig(model=str(demo_model_dir), max_num_pages=256),
@@ -41,6 +45,7 @@ def post(srv, body: dict) -> httpx.Response:
                             **body})
 
 
+@ON_CORE_SERVER
 def test_n_samples_share_the_prompt_and_bring_logprobs(core_server):
     client, srv = core_server
     r = post(srv, {"n": 3, "logprobs": True, "top_logprobs": 2})
@@ -57,6 +62,7 @@ def test_n_samples_share_the_prompt_and_bring_logprobs(core_server):
     assert_idle(client)
 
 
+@ON_CORE_SERVER
 def test_json_schema_compiles_in_the_core(core_server):
     client, srv = core_server
     schema = {"type": "object", "additionalProperties": False, "required": ["ok"],

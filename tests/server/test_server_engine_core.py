@@ -43,6 +43,10 @@ def tiny_long_qwen2(tmp_path_factory):
                            max_position_embeddings=4096)
 
 
+# With --dist loadgroup the tests on dp_server run on one worker: one start of its two cores.
+ON_DP_SERVER = pytest.mark.xdist_group("engine-core-dp-server")
+
+
 @pytest.fixture(scope="module")
 def dp_server(tiny_long_qwen2):
     client = CoreClient(_config(tiny_long_qwen2), data_parallel_size=2).start()
@@ -66,6 +70,7 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], n: int
         return parse_sse([line async for line in r.aiter_lines()])
 
 
+@ON_DP_SERVER
 def test_two_cores_serve_64_concurrent_streams(dp_server):
     client, srv = dp_server
     # everything this process sends each core goes over its request channel, none over zmq
@@ -94,6 +99,7 @@ def test_two_cores_serve_64_concurrent_streams(dp_server):
         assert re.search(rf'flashlet_requests_routed_total{{core="{core}"}} [1-9]', text)
 
 
+@ON_DP_SERVER
 def test_a_shared_prefix_goes_to_the_core_that_cached_it(dp_server):
     client, srv = dp_server
     rng = random.Random(1)
@@ -129,6 +135,7 @@ def _generate_all(url: str, prompts: list[list[int]]) -> list[dict]:
     return [r.json() for r in responses]
 
 
+@ON_DP_SERVER
 def test_requests_sharing_only_a_template_prefix_go_to_both_cores(dp_server):
     """A ~30-token prefix (a chat template's) is worth less than an idle core (issue 32)."""
     client, srv = dp_server
@@ -141,6 +148,7 @@ def test_requests_sharing_only_a_template_prefix_go_to_both_cores(dp_server):
     assert_cores_idle(client)
 
 
+@ON_DP_SERVER
 def test_a_2000_token_system_prompt_keeps_its_requests_on_its_core(dp_server):
     client, srv = dp_server
     rng = random.Random(3)

@@ -84,6 +84,10 @@ def test_a_huge_model_value_is_not_echoed_whole(server, idle):
 
 
 # ---- item 12: /debug/stats while a core does not answer -----------------------------------------
+# With --dist loadgroup the tests on core_server run on one worker: one core start.
+ON_CORE_SERVER = pytest.mark.xdist_group("small-faults-core-server")
+
+
 @pytest.fixture(scope="module")
 def core_server(tiny_qwen2):
     client = CoreClient(EngineConfig(model=str(tiny_qwen2), max_num_pages=64)).start()
@@ -92,6 +96,7 @@ def core_server(tiny_qwen2):
 
 
 @pytest.mark.slow
+@ON_CORE_SERVER
 def test_debug_stats_answers_while_a_core_cannot(core_server, monkeypatch):
     """A core busy in one long step (here: stopped) does not answer a probe: /debug/stats then
     answers at once with its latest step's figures, marked, instead of a plain-text 500 after
@@ -114,6 +119,7 @@ def test_debug_stats_answers_while_a_core_cannot(core_server, monkeypatch):
 
 
 @pytest.mark.slow
+@ON_CORE_SERVER
 def test_concurrent_debug_stats_readers_each_get_their_answer(core_server, monkeypatch):
     """Two probes in flight to one core: each is answered (the second no longer takes the
     first's place, leaving it to time out)."""

@@ -1,7 +1,7 @@
 """A closed loop's steps on a virtual clock: why the server reads 0.92-0.94 of in-process at 16
 streams with equal output lengths, and what would move it (issue 32).
 
-    python lab/closed_loop_sim.py [--concurrency 4 16] [--requests 512] [--turnaround 2.5]
+    PYTHONPATH=. python lab/closed_loop_sim.py [--concurrency 4 16] [--requests 512] [--turnaround 2.5]
         [--jitter 1.0] [--bound 512]
 
 No model and no engine: each step is scheduled as flashlet's scheduler does it (every decoding
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import random
+
+from flashlet.core.scheduler import prompt_tokens_beside
 
 # STEP COSTS (ms, H200, qwen2.5-0.5b, bf16; BENCHMARKS.md): a pure decode step on the fused path
 # by rows (1: one stream, 2,170 tok/s; 4 / 16: the profiled fused steps 0.690 / 0.864); a step
@@ -64,9 +66,8 @@ def step_ms(decodes: int, prompt_tokens: int, cheap_mixed: bool) -> float:
 
 
 def prompt_cap(decodes: int, bound: int) -> int:
-    if not decodes:
-        return BUDGET
-    return min(max(bound - decodes, 4 * decodes, 1), BUDGET)
+    """A step's prompt tokens as the scheduler caps them (the whole budget with no decodes)."""
+    return min(prompt_tokens_beside(decodes, bound), BUDGET) if decodes else BUDGET
 
 
 def run(concurrency: int, requests: int, turnaround: float, jitter: float, bound: int,

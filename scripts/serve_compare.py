@@ -54,18 +54,18 @@ def _workload_flags(args) -> list[str]:
 
 
 def run_in_process(args, engine_flags: list[str], out: Path) -> dict:
-    path = out / "inprocess.json"
-    if args.inprocess:  # an earlier run's record, for several server runs against one
-        record = json.loads(Path(args.inprocess).read_text())
-        inproc = next(iter(record["backends"].values()))
-        missing = set(args.concurrency) - {lv["concurrency"] for lv in inproc["levels"]}
-        if missing:
-            raise SystemExit(f"{args.inprocess} has no level at concurrency {sorted(missing)}")
-        return inproc
-    subprocess.run([sys.executable, "-m", "flashlet.bench", *engine_flags, *_workload_flags(args),
-                    "--out", str(path)], check=True, timeout=args.timeout)
-    record = json.loads(path.read_text())
-    return next(iter(record["backends"].values()))
+    """The in-process run's record: run now, or an earlier run's (--inprocess), to compare several
+    server settings against one."""
+    path = Path(args.inprocess) if args.inprocess else out / "inprocess.json"
+    if not args.inprocess:
+        subprocess.run([sys.executable, "-m", "flashlet.bench", *engine_flags,
+                        *_workload_flags(args), "--out", str(path)], check=True,
+                       timeout=args.timeout)
+    inproc = next(iter(json.loads(path.read_text())["backends"].values()))
+    missing = set(args.concurrency) - {lv["concurrency"] for lv in inproc["levels"]}
+    if missing:
+        raise SystemExit(f"{path} has no level at concurrency {sorted(missing)}")
+    return inproc
 
 
 def run_server(args, engine_flags: list[str], out: Path) -> dict:

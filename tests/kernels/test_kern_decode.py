@@ -525,7 +525,7 @@ def test_packed_kv_heads_must_divide_the_kv_heads(kh):
 
 # The batched decode lowered for sm_90a by scripts/decode_attn_bench.py --lower, in a child process
 # (the interpreter wraps this process's kernels): what the interpreter cannot show.
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts", "decode_attn_bench.py")
+_BENCH = os.path.join(_REPO, "scripts", "decode_attn_bench.py")
 
 
 BATCHED_LOWERED = [

@@ -11,6 +11,10 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   each capturing its decode variant; without, the decode variant of the batch size
   (`backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
+- on CUDA, the LM head's GEMM outside any graph (a step with a chunk computes its sampled rows'
+  logits eagerly) at every row count such a step samples (`logits_row_counts`): cuBLAS picks its
+  kernel by shape, and CUDA loads a kernel's module on its first launch (lazy loading), a
+  several-ms host stall that, met mid-serving, drains the overlapped steps;
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
   CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4) and, per
   size a step of requests pads to, a second graph, the one that ends in the greedy tokens
@@ -108,6 +112,7 @@ def warm_up(engine) -> dict:
         for q_len in [] if mixed else chunks:
             runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab)))
         _warm_sampling(engine)
+        _warm_logits(engine)
         sync()
         t1 = time.perf_counter()
         for size in sizes:
@@ -134,6 +139,27 @@ def warm_up(engine) -> dict:
              len(mixed), report["mixed_capture_s"], report["graphs"],
              compiles.count if compiles.count is not None else "?")
     return report
+
+
+def logits_row_counts(engine) -> range:
+    """The row counts an eagerly computed LM head meets: a mixed step samples one row per decode
+    and per chunk that ends its prompt, at most the step buffers' rows."""
+    return range(1, engine.runner.buffers.max_seqs + 1)
+
+
+def _warm_logits(engine) -> None:
+    """The LM head once at each of `logits_row_counts` (CUDA, one device: each kernel cuBLAS
+    picks for a shape is loaded now). Measured on the H200 (qwen2.5-0.5b, 64 streams, eight
+    8,000-token prompts arriving, `lab/gap_outliers.py`): the first step that sampled 65 rows
+    took 10.2 ms where its neighbours took 3-5, once per process."""
+    model = engine.model
+    if engine.device.type != "cuda" or getattr(model, "tp", None) is not None:
+        return
+    counts = logits_row_counts(engine)
+    hidden = torch.zeros(counts[-1], model.config.hidden_size, dtype=engine.dtype,
+                         device=engine.device)
+    for n in counts:
+        model.compute_logits(hidden[:n])
 
 
 def _warm_sampling(engine) -> None:

@@ -23,7 +23,8 @@
 #                CLIENT_PROCS=N load-generator processes), then the API process's own cost a
 #                token (~10-15 min)
 #   long-prompts 64 streams decoding while eight 8,000-token prompts arrive: the streams' token
-#                gaps (p50 / p99 / max) and the long prompts' TTFT (~2 min)
+#                gaps (p50 / p99 / max) and the long prompts' TTFT, then its slowest steps by
+#                kind (lab/gap_outliers.py) (~3 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
@@ -158,7 +159,9 @@ for part in "${PARTS[@]}"; do
         --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     long-prompts)
       run 300 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
-        --workload long-prompt-gaps --out "$OUT/json/long-prompts.json" ;;
+        --workload long-prompt-gaps --out "$OUT/json/long-prompts.json"
+      # the slowest steps of the same window, by kind (a drained step, a first-time cost)
+      run 200 python3 lab/gap_outliers.py --config qwen2.5-0.5b --top 3 --rounds 2 ;;
     shapes)
       for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
         run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \

@@ -1,0 +1,46 @@
+"""tests/triton_interpreter.py: a @triton.jit helper called inside an interpreted kernel no longer
+re-patches triton.language, and the kernel computes what it did (against torch); the language is
+back to its own builtins after the launch."""
+
+import pytest
+import torch
+
+from tests.triton_interpreter import PATCHED_VERSION, _patched, skip_redundant_patching
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+interpreting = pytest.mark.skipif(
+    not (skip_redundant_patching() and triton.__version__ == PATCHED_VERSION),
+    reason=f"only Triton {PATCHED_VERSION}'s CPU interpreter is patched")
+
+
+@triton.jit
+def _scaled_square(x, scale):
+    return x * x * scale
+
+
+@triton.jit
+def _sum_of_scaled_squares(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        acc += _scaled_square(tl.load(x_ptr + offsets, mask=offsets < n, other=0.0), scale)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+@interpreting
+def test_helper_calls_reuse_the_launchs_patching_and_compute_the_same(monkeypatch):
+    from triton.runtime import interpreter
+
+    patches = []
+    real = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: patches.append(fn) or real(fn))
+    x = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(2)
+    _sum_of_scaled_squares[(2,)](x, out, x.numel(), 0.5, BLOCK=8)  # 5 helper calls a program
+    assert out.tolist() == pytest.approx([float((x * x * 0.5).sum())] * 2, rel=1e-5)
+    names = [fn.__name__ for fn in patches]
+    assert names[0] == "_sum_of_scaled_squares"  # the launch's own patching
+    assert "_scaled_square" not in names  # none for the 10 helper calls
+    assert tl.core.is_builtin(tl.arange) and not _patched(_sum_of_scaled_squares.fn)  # restored

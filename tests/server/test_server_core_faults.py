@@ -158,11 +158,13 @@ def test_the_default_stall_bound_turns_health_503_within_10_s():
 
 
 def test_a_stopped_core_turns_health_503_ends_its_requests_and_recovers(tiny_qwen2):
-    """SIGSTOP the core while a stream runs: /health says 503 "stalled" with the reason within
-    10 s (the default stall bound), new requests get 503, the open stream ends with a 503
-    error after the request bound (9 s here: at least the stall bound); after SIGCONT the core
-    serves again and leaks nothing."""
-    client = CoreClient(_config(tiny_qwen2), stalled_request_timeout_s=9.0).start()
+    """SIGSTOP the core while a stream runs: /health says 503 "stalled" with the reason after
+    the stall bound, new requests get 503, the open stream ends with a 503 error after the
+    request bound; after SIGCONT the core serves again and leaks nothing. The bounds are two
+    and three heartbeats here, as in the long-step test below (the defaults, 8 and 60 s, would
+    be waited out: test_the_default_stall_bound_turns_health_503_within_10_s checks them)."""
+    client = CoreClient(_config(tiny_qwen2), stall_timeout_s=2.0 * HEARTBEAT_S,
+                        stalled_request_timeout_s=3.0 * HEARTBEAT_S).start()
     srv = None
     try:
         srv = _serve(client)

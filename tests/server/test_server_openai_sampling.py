@@ -147,7 +147,9 @@ def test_json_schema_output_parses_and_validates(client, idle):
     assert r.choices[0].finish_reason == "stop"
     value = json.loads(r.choices[0].message.content)
     jsonschema_rs.validate(PERSON, value)
-    r = chat(client, max_tokens=60, temperature=0, response_format={"type": "json_object"},
+    # The demo model opens the object and does not close it in 60 tokens (what this asked
+    # before) either: a few tokens show the grammar applies; a closed one must be valid JSON.
+    r = chat(client, max_tokens=12, temperature=0, response_format={"type": "json_object"},
              messages=[{"role": "user", "content": "Give me a JSON object."}])
     content = r.choices[0].message.content
     assert content.startswith("{")  # a small model may not close a free-form object in time

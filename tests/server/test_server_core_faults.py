@@ -333,7 +333,17 @@ def test_the_cli_serves_on_one_of_two_cores_and_exits_1_when_none_is_left(tiny_q
             assert r.status_code == 200, r.text
         assert p.proc.poll() is None
         os.kill(pids[0], signal.SIGKILL)
+        killed = time.monotonic()
+
+        def failed_or_gone():
+            try:
+                return httpx.get(p.url + "/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                return p.proc.poll() is not None
+
+        wait_until(failed_or_gone, 30, "/health to turn 503")
         assert p.proc.wait(60) == 1, p.log
+        assert time.monotonic() - killed < 30
         assert "engine core 0 died" in p.log
     finally:
         p.kill()

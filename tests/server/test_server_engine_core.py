@@ -227,12 +227,17 @@ def test_an_idle_core_takes_a_burst_of_free_slots_plus_max_waiting(tiny_qwen2, m
             codes = list(pool.map(lambda _: httpx.post(srv.url + "/generate", json=body,
                                                        timeout=120).status_code, range(4)))
         assert codes == [200] * 4, codes
-        # Now really full: 2 running and 2 waiting in the core (long requests, slow steps:
-        # the first two run 20 steps, 4 s, while the test looks and is refused).
+        # Now really full: 2 running and 2 waiting in the core (two long requests, slow steps:
+        # they run 20 steps, 4 s, while the test looks and is refused; the two after them
+        # only wait meanwhile, so they need no more than a few tokens).
         long = {**body, "max_new_tokens": 20}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(httpx.post, srv.url + "/generate", json=long, timeout=120)
-                       for _ in range(4)]
+                       for _ in range(2)]
+            wait_until(lambda: client.core_stats()[0].get("running") == 2, 60,
+                       "the 2 long requests to run")
+            futures += [pool.submit(httpx.post, srv.url + "/generate", json=body, timeout=120)
+                        for _ in range(2)]
             wait_until(lambda: client.core_stats()[0].get("running") == 2
                        and client.core_stats()[0].get("waiting") == 2, 60,
                        "2 requests running and 2 waiting")

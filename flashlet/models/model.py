@@ -203,13 +203,20 @@ class CausalLM(nn.Module):
         # Tensor parallelism (flashlet.distributed.parallel.TensorParallel): this rank's slice; None = all.
         self.tp = tp
         self.local = tp.shape(cfg) if tp is not None else local_shape(cfg)
-        self.embed_tokens = nn.Embedding(self.local.vocab_rows, cfg.hidden_size)
+        rows, hidden = self.local.vocab_rows, cfg.hidden_size
+        # On the meta device (a checkpoint's shapes, filled after to_empty) nothing is drawn or
+        # computed: a draw or arithmetic there runs PyTorch's Python reference ops, the first of
+        # which imports torch._dynamo (~3 s of every process that loads a checkpoint on a CPU).
+        on_meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = (nn.Embedding(rows, hidden, _weight=torch.empty(rows, hidden))
+                             if on_meta else nn.Embedding(rows, hidden))
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.local, tp)
                                     for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(self.local.vocab_rows, cfg.hidden_size))
-        self.register_buffer("cos_sin_cache", rope_cache(cfg), persistent=False)
+        table = torch.empty(cfg.max_context_len, cfg.head_dim) if on_meta else rope_cache(cfg)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

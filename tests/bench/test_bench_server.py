@@ -11,7 +11,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server extra (uvicorn) is n
 pytest.importorskip("httpx", reason="--url mode needs httpx")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # one server for the module's tests: each leaves it idle
 def live_server(demo_llm):
     from flashlet.server import EngineLoop, ServerConfig, create_app
 

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import uvicorn
 import zmq
 
@@ -20,6 +21,10 @@ from flashlet import Engine
 from flashlet.models.weights import EMBEDDED_MODEL_NAME
 from flashlet.server import ServerConfig, create_app
 from flashlet.server.limits import uvicorn_options
+
+# The tests on the CLI with two API processes share one server (conftest's two_api_servers) and,
+# by this group with --dist loadgroup, one worker.
+ON_TWO_API_SERVERS = pytest.mark.xdist_group("two-api-servers")
 
 MODEL_NAME = EMBEDDED_MODEL_NAME  # what the server calls the demo model on /v1
 API_KEY = "test-key-123"

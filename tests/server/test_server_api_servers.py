@@ -3,7 +3,8 @@ three: a burst of new connections spreads evenly over them). Both serve streams 
 (the `x-flashlet-api-server` header says which), greedy outputs do not depend on the process
 and equal one API process's, aborted and disconnected streams free their pages, and a dead
 core fails every open stream on both processes with an error body and turns /health 503. Tiny
-random model (token ids in, token ids out), through the real CLI."""
+random model (token ids in, token ids out), through the real CLI; the tests of two API processes
+share one server (conftest's two_api_servers)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import time
 import httpx
 import pytest
 
-from server_helpers import REPO, ServerProcess, _free_port, wait_until
+from server_helpers import (ON_TWO_API_SERVERS, REPO, ServerProcess, _free_port,
+                            engine_greedy_tokens, wait_until)
+
+from flashlet import EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +67,12 @@ def _start(tiny_qwen2, *extra, server=ServerProcess, count: int = 2) -> ServerPr
     return p
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, str]:
-    """(serving process, greedy text), on a fresh connection."""
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
+def _generate(url: str, prompt: list[int], max_new_tokens: int = 8) -> tuple[str, list[int]]:
+    """(serving process, greedy token ids), on a fresh connection."""
+    r = httpx.post(url + "/generate", timeout=60, json={
+        "prompt": prompt, "max_new_tokens": max_new_tokens, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    return r.headers["x-flashlet-api-server"], r.json()["choices"][0]["text"]
+    return r.headers["x-flashlet-api-server"], r.json()["token_ids"]
 
 
 def _wait_both_serving(url: str) -> None:
@@ -115,33 +118,14 @@ def _warm_flags(metrics: str) -> dict[str, float]:
             re.finditer(r'^flashlet_api_server_warm\{api_server="(\d+)"\} (\S+)$', metrics, re.M)}
 
 
-def test_health_says_ok_only_once_every_api_process_is_warm_and_accepting(tiny_qwen2):
-    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
-                      "--api-server-count", "2", "--served-model-name", "m")
-    try:
-        def healthy():
-            assert p.proc.poll() is None, p.log
-            try:
-                return httpx.get(p.url + "/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 180, "/health to say ok", interval=0.05)
-        # The first 200 already means: both processes warmed up and accept connections.
-        assert _warm_flags(httpx.get(p.url + "/metrics", timeout=10).text) == {"0": 1.0, "1": 1.0}
-        ran_warm_up = {}
-        for _ in range(200):  # fresh connections, until each process answered one
-            r = httpx.get(p.url + "/metrics", timeout=10)
-            assert r.status_code == 200
-            # each process's own HTTP counters: its warm-up's requests (this test sent none)
-            ran_warm_up[r.headers["x-flashlet-api-server"]] = re.search(
-                r'^flashlet_http_requests_total\{endpoint="/generate_stream",method="POST",'
-                r'status="200"\} (\S+)$', r.text, re.M) is not None
-            if len(ran_warm_up) == 2:
-                break
-        assert ran_warm_up == {"0": True, "1": True}
-    finally:
-        p.kill()
+@ON_TWO_API_SERVERS
+def test_health_says_ok_only_once_every_api_process_is_warm_and_accepting(two_api_servers):
+    """The first 200 of /health (two_api_servers waits for it) already means: both processes
+    warmed up and accept connections; each process's own HTTP counters show its warm-up's
+    requests (seen before any test sent one)."""
+    _, seen = two_api_servers
+    assert _warm_flags(seen["warm_flags"]) == {"0": 1.0, "1": 1.0}
+    assert seen["warm_up_ran"] == {"0": True, "1": True}
 
 
 def _served_by(sock: socket.socket) -> str:
@@ -175,56 +159,44 @@ def test_a_burst_of_connections_is_spread_evenly_over_three_api_servers(tiny_qwe
         p.kill()
 
 
-def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs(tiny_qwen2):
-    p = _start(tiny_qwen2)
-    try:
-        _wait_both_serving(p.url)
-        by_process: dict[str, dict[int, str]] = {"0": {}, "1": {}}
-        deadline = time.monotonic() + 60
-        while any(len(v) < len(PROMPTS) for v in by_process.values()):
-            assert time.monotonic() < deadline, by_process
-            for i, prompt in enumerate(PROMPTS):
-                process, ids = _complete(p.url, prompt)
-                by_process[process].setdefault(i, ids)
-        assert by_process["0"] == by_process["1"]  # greedy: the same whoever served it
-        one = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128",
-                            "--no-access-log", "--served-model-name", "m")
-        try:  # and the same as one API process gives
-            one.wait_serving(180)
-            for i, prompt in enumerate(PROMPTS):
-                r = httpx.post(one.url + "/v1/completions", timeout=60, json={
-                    "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                    "ignore_eos": True})
-                assert "x-flashlet-api-server" not in r.headers
-                assert r.json()["choices"][0]["text"] == by_process["0"][i]
-        finally:
-            one.kill()
-        # 16 concurrent streams, some dropped by their client mid-way.
-        results: list = []
-        threads = [threading.Thread(target=_stream, args=(
-            p.url, PROMPTS[i % len(PROMPTS)], 64, results, 3 if i % 4 == 0 else None))
-            for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert len(results) == 16
-        assert {process for process, _, _ in results} == {"0", "1"}
-        for process, events, error in results:
-            assert error is None and events and "error" not in events[-1], (process, events)
+@ON_TWO_API_SERVERS
+def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs(
+        two_api_servers, tiny_qwen2):
+    p, _ = two_api_servers
+    by_process: dict[str, dict[int, list[int]]] = {"0": {}, "1": {}}
+    deadline = time.monotonic() + 60
+    while any(len(v) < len(PROMPTS) for v in by_process.values()):
+        assert time.monotonic() < deadline, by_process
+        for i, prompt in enumerate(PROMPTS):
+            process, ids = _generate(p.url, prompt)
+            by_process[process].setdefault(i, ids)
+    assert by_process["0"] == by_process["1"]  # greedy: the same whoever served it
+    # and the engine's own (one API process, no header: test_server_lifecycle.py)
+    config = EngineConfig(model=str(tiny_qwen2), max_num_pages=128)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert [by_process["0"][i] for i in range(len(PROMPTS))] == [
+        engine_greedy_tokens(config, prompt, params) for prompt in PROMPTS]
+    # 16 concurrent streams, some dropped by their client mid-way.
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(
+        p.url, PROMPTS[i % len(PROMPTS)], 64, results, 3 if i % 4 == 0 else None))
+        for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 16
+    assert {process for process, _, _ in results} == {"0", "1"}
+    for process, events, error in results:
+        assert error is None and events and "error" not in events[-1], (process, events)
 
-        def idle():
-            s = _core_stats(p.url)
-            return (s.get("flashlet_requests_running") == 0
-                    and s.get("flashlet_requests_waiting") == 0
-                    and s["flashlet_kv_pages_used"] == s["flashlet_kv_pages_cached"])
+    def idle():
+        s = _core_stats(p.url)
+        return (s.get("flashlet_requests_running") == 0
+                and s.get("flashlet_requests_waiting") == 0
+                and s["flashlet_kv_pages_used"] == s["flashlet_kv_pages_cached"])
 
-        wait_until(idle, 30, "every page to be free again (only the prefix cache holds any)")
-        p.proc.send_signal(signal.SIGTERM)
-        assert p.proc.wait(60) == 0, p.log
-        assert "Traceback" not in p.log, p.log
-    finally:
-        p.kill()
+    wait_until(idle, 30, "every page to be free again (only the prefix cache holds any)")
 
 
 def test_a_dead_core_fails_the_streams_of_both_api_servers(tiny_qwen2):

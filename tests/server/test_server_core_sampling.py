@@ -1,6 +1,8 @@
 """Per-request sampling data through the engine-core process (msgspec over ZMQ): n samples
 held in the core until the first has computed the prompt, logprobs on the way back, and
-response_format grammars compiled on the core's worker thread (invalid ones a 400)."""
+response_format grammars compiled on the core's worker thread (invalid ones a 400). (A core
+on random weights compiles with the --tokenizer it is given: test_server_structured_bounds.py,
+on the core it stops mid-compile.)"""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import json
 
 import httpx
 import pytest
-from server_helpers import ServerThread, serving_core, wait_until
+from server_helpers import serving_core, wait_until
 
 from flashlet import EngineConfig
-from flashlet.server import CoreClient, ServerConfig, create_app
+from flashlet.server import CoreClient
 
 pytestmark = pytest.mark.slow
 
@@ -78,30 +80,3 @@ def test_json_schema_compiles_in_the_core(core_server):
     assert r.status_code == 400, r.text
     assert "json_schema" in r.json()["error"]["message"]
     assert_idle(client)
-
-
-def test_random_weights_get_the_tokenizer_for_grammars(demo_model_dir, tmp_path):
-    """--config (random weights, no tokenizer) + --tokenizer: the core compiles grammars with
-    the tokenizer it is given."""
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-              "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
-              "tie_word_embeddings": True, "eos_token_id": 2}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    client = CoreClient(EngineConfig(config=str(tmp_path / "config.json"), max_num_pages=64),
-                        tokenizer=str(demo_model_dir)).start()
-    srv = None
-    try:
-        assert client.wait_ready(180), client.error
-        srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
-        r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
-            "model": NAME, "prompt": "Some JSON:", "max_tokens": 8, "temperature": 0,
-            "response_format": {"type": "json_object"}})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"].lstrip().startswith("{")
-        assert_idle(client)
-    finally:
-        if srv is not None:
-            srv.stop()
-        client.stop()

@@ -10,7 +10,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ON_TWO_API_SERVERS
 
 from flashlet.server.diagnostics import (EDGES, LogHistogram, LoopCounters, level_figures,
                                          quantiles)
@@ -91,32 +91,28 @@ def _stream(url: str, prompt: list[int], tokens: int) -> int:
 
 
 @pytest.mark.slow
-def test_debug_stats_through_the_cli_with_two_api_processes(tiny_qwen2):
+@ON_TWO_API_SERVERS
+def test_debug_stats_through_the_cli_with_two_api_processes(two_api_servers):
     """Closed loop: 4 streams x 3 requests of 16 tokens; every figure is the window's."""
-    p = ServerProcess("--model", str(tiny_qwen2), "--max-num-pages", "128", "--no-access-log",
-                      "--api-server-count", "2", "--served-model-name", "m")
-    try:
-        p.wait_serving(180)
-        before = httpx.get(p.url + "/debug/stats", timeout=30).json()
-        t0 = time.monotonic()
+    p, _ = two_api_servers
+    before = httpx.get(p.url + "/debug/stats", timeout=30).json()
+    t0 = time.monotonic()
 
-        together = threading.Barrier(4)
+    together = threading.Barrier(4)
 
-        def client(k: int) -> None:
-            together.wait(30)  # every first request before any finishes (turnaround's n)
-            for i in range(3):
-                _stream(p.url, [3 + k, 5 + i, 7, 9], 16)
+    def client(k: int) -> None:
+        together.wait(30)  # every first request before any finishes (turnaround's n)
+        for i in range(3):
+            _stream(p.url, [3 + k, 5 + i, 7, 9], 16)
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        duration = time.monotonic() - t0
-        time.sleep(0.05)
-        after = httpx.get(p.url + "/debug/stats", timeout=30).json()
-    finally:
-        p.kill()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    duration = time.monotonic() - t0
+    time.sleep(0.05)
+    after = httpx.get(p.url + "/debug/stats", timeout=30).json()
     figures = level_figures(before, after, duration)
     (core,) = figures["cores"]
     assert core["requests"] == 12 and core["tokens"] == 12 * 16

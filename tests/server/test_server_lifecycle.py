@@ -116,7 +116,9 @@ def test_cli_serves_and_shuts_down_cleanly(tiny_qwen2):
         for part in (f"model {Path(tiny_qwen2).name}", "backend torch", "KV pool 64 pages",
                      f"http://127.0.0.1:{p.port}"):
             assert part in ready, ready
-        assert httpx.get(p.url + "/health").status_code == 200
+        health = httpx.get(p.url + "/health")
+        assert health.status_code == 200
+        assert "x-flashlet-api-server" not in health.headers  # one API process: no header
         models = httpx.get(p.url + "/v1/models").json()
         assert models["data"][0]["id"] == Path(tiny_qwen2).name
 

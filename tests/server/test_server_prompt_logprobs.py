@@ -5,6 +5,8 @@ and generated logprob tokens that concatenate to the text (no <|im_end|>)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
@@ -107,16 +109,19 @@ def test_streamed_echo_carries_the_prompt_logprobs(server, tokenizer, idle):
 
 
 def test_generated_logprob_tokens_are_the_text(server, idle):
-    """A reply that ends on <|im_end|>: the chat logprobs leave it out, as the text does."""
-    body = post(server, "/v1/chat/completions", {
-        "model": MODEL_NAME, "messages": [{"role": "user", "content":
-                                           "What is the capital of France?"}],
-        "max_tokens": 40, "temperature": 0, "logprobs": True})
-    choice = body["choices"][0]
+    """A reply that ends on <|im_end|>: the chat logprobs leave it out, as the text does. (The
+    two requests run side by side: their decode steps are shared.)"""
+    with ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(post, server, "/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": [{"role": "user", "content":
+                                               "What is the capital of France?"}],
+            "max_tokens": 40, "temperature": 0, "logprobs": True})
+        plain = pool.submit(post, server, "/v1/completions", {
+            "model": MODEL_NAME,
+            "prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            "max_tokens": 40, "temperature": 0, "logprobs": 0})
+        choice, completion = chat.result()["choices"][0], plain.result()["choices"][0]
     assert choice["finish_reason"] == "stop"
     tokens = [e["token"] for e in choice["logprobs"]["content"]]
     assert "".join(tokens) == choice["message"]["content"] and "<|im_end|>" not in tokens
-    completion = post(server, "/v1/completions", {
-        "model": MODEL_NAME, "prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-        "max_tokens": 40, "temperature": 0, "logprobs": 0})["choices"][0]
     assert "".join(completion["logprobs"]["tokens"]) == completion["text"]

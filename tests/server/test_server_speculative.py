@@ -15,14 +15,14 @@ PROMPT = ("Repeat this list exactly: apples, pears, plums, figs, dates, limes, c
 
 @pytest.mark.slow
 def test_streamed_speculative_completion(demo_model_dir, demo_llm):
-    expected = demo_llm.generate([PROMPT], SamplingParams(max_new_tokens=32))[0].text
+    expected = demo_llm.generate([PROMPT], SamplingParams(max_new_tokens=16))[0].text
     llm = LLM(str(demo_model_dir), speculative_config={"method": "ngram",
                                                        "num_speculative_tokens": 4})
     loop = EngineLoop(engine=llm.engine).start()
     assert loop.wait_ready(30)
     server = ServerThread(create_app(loop, ServerConfig(model_name=MODEL_NAME))).start()
     try:
-        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
         whole = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
                           timeout=300) as r:

@@ -1,6 +1,8 @@
 """Issue 35 through the real server (an engine-core process, the demo model): poison requests
 leave nothing counted; pathological schemas are refused within their limits while another
-stream keeps getting its tokens; references out of the schema are refused and never fetched."""
+stream keeps getting its tokens; references out of the schema are refused and never fetched;
+a core stops at once while a grammar compiles (one on random weights, which compiles with the
+tokenizer it is given)."""
 
 from __future__ import annotations
 
@@ -210,29 +212,49 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Random weights at a small Llama shape with the demo model's vocabulary (no tokenizer of its
+# own): the core is given the demo tokenizer (--tokenizer).
+RANDOM_WEIGHTS_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "rope_theta": 1e4, "tie_word_embeddings": True, "eos_token_id": 2}
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
-def test_the_core_stops_at_once_while_a_grammar_compiles(demo_model_dir):
-    """Before, a compile ran on a thread of the core and the core could not stop until it
-    ended (killed after 30 s); now the compile's worker process is killed with the core."""
-    config = EngineConfig(model=str(demo_model_dir), max_num_pages=64,
+def test_a_random_weights_core_compiles_with_its_tokenizer_and_stops_at_once_mid_compile(
+        demo_model_dir, tmp_path):
+    """--config (random weights, no tokenizer) + --tokenizer: the core compiles grammars with
+    the tokenizer it is given. Then a compile that runs for minutes, and the core is stopped
+    under it: before, a compile ran on a thread of the core and the core could not stop until
+    it ended (killed after 30 s); now the compile's worker process is killed with the core."""
+    (tmp_path / "config.json").write_text(json.dumps(RANDOM_WEIGHTS_CONFIG))
+    config = EngineConfig(config=str(tmp_path / "config.json"), max_num_pages=64,
                           structured_output_timeout_s=300,
                           structured_output_max_pattern_size=10**6)
-    client = CoreClient(config).start()
+    client = CoreClient(config, tokenizer=str(demo_model_dir)).start()
     srv = None
     try:
         assert client.wait_ready(180), client.error
         srv = ServerThread(create_app(client, ServerConfig(model_name=NAME))).start()
+        r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+            "model": NAME, "prompt": "Some JSON:", "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].lstrip().startswith("{")
+        assert_every_counter_at_zero(client)
+
+        core_pid = client.cores[0].pid
+        (worker,) = _children(core_pid)  # the compile worker, started by the first compile
+        started_s = _cpu_seconds(worker)
         slow = schema_format({"type": "string", "pattern": "^a{20000}$"})  # a minute or more
         def post_and_lose_it():
             with contextlib.suppress(httpx.HTTPError):  # the server goes away under it
                 chat(srv, timeout=60, response_format=slow)
 
         threading.Thread(target=post_and_lose_it, daemon=True).start()
-        core_pid = client.cores[0].pid
-        worker = wait_until(lambda: (kids := _children(core_pid)) and kids[0], 120,
-                            "the compile worker")
-        # Its start (imports, the tokenizer's info) takes 2-3 CPU seconds; the compile, minutes.
-        wait_until(lambda: _cpu_seconds(worker) > 5, 120, "the compile to be under way")
+        wait_until(lambda: _cpu_seconds(worker) > started_s + 2, 120,
+                   "the compile to be under way")
     finally:
         # The core first: that is what is timed, and the request it ends no longer holds up
         # the HTTP server's shutdown (it waits for open connections).

@@ -26,8 +26,10 @@ def test_short_soak(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_CONFIG))
     soak = _soak_module()
-    # 16 pages of 4 tokens: one request (<= 24 + 40 tokens) always fits, a dozen do not.
-    args = soak.parse_args(["--duration", "10", "--concurrency", "12", "--max-prompt", "24",
+    # 16 pages of 4 tokens: one request (<= 24 + 40 tokens) always fits, a dozen do not. Six
+    # seconds of load (two of them warm-up) made 232 requests here, each of soak.ACTIONS 17
+    # times or more.
+    args = soak.parse_args(["--duration", "6", "--concurrency", "12", "--max-prompt", "24",
                             "--max-new", "40", "--", "--config", str(config), "--page-size",
                             "4", "--max-num-pages", "16", "--max-num-seqs", "12"])
     result = soak.soak(args)
@@ -43,8 +45,8 @@ def test_a_soak_survives_a_killed_core_under_data_parallel(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_CONFIG))
     soak = _soak_module()
-    args = soak.parse_args(["--duration", "12", "--concurrency", "12", "--max-prompt", "24",
-                            "--max-new", "40", "--kill-core-at", "4", "--", "--config",
+    args = soak.parse_args(["--duration", "8", "--concurrency", "12", "--max-prompt", "24",
+                            "--max-new", "40", "--kill-core-at", "3", "--", "--config",
                             str(config), "--page-size", "4", "--max-num-pages", "32",
                             "--max-num-seqs", "12", "--data-parallel-size", "2"])
     result = soak.soak(args)

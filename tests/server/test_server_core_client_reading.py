@@ -205,6 +205,12 @@ def test_stop_on_the_reading_loop_releases_its_fd_and_ends_the_streams(client_an
         rid = core.received().request_ids[0]
         core.step([CoreOutput(rid, [4])])
         first = await asyncio.wait_for(stream.get(), 10)
+        # The reader thread hands the socket to this loop when it next wakes: under load that
+        # can come after the first token, which the thread then delivered itself.
+        for _ in range(1000):
+            if client._reading_loop is asyncio.get_running_loop():
+                break
+            await asyncio.sleep(0.01)
         assert client._reading_loop is asyncio.get_running_loop()
         fd = client._outbox_fd
         await asyncio.get_running_loop().run_in_executor(None, client.stop, 5)

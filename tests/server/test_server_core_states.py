@@ -8,6 +8,7 @@ fail and the others take the new ones; the last one's death is fatal."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import msgspec
 import pytest
@@ -68,6 +69,7 @@ def make_client(clock):
     yield make
     for client in clients:
         client._close()
+        shutil.rmtree(client.ipc_dir, ignore_errors=True)  # stop() would; _close() does not
 
 
 def _submit(client: CoreClient, prompt: list[int]) -> RequestStream:

@@ -128,6 +128,7 @@ def test_a_real_core_sends_its_steps_over_the_channel_once_the_process_sent_a_re
         core_in.close(linger=0)
         core_out.close(linger=0)
         client._close()
+        shutil.rmtree(client.ipc_dir, ignore_errors=True)  # stop() would; _close() does not
         shutil.rmtree(client.ipc_dir, ignore_errors=True)
         aloop.close()
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from flashlet.bench.remote import text_specs  # noqa: E402
-from scripts.api_overhead import free_port, wait_ready  # noqa: E402
+from scripts.api_overhead import free_port, stop_server, wait_ready  # noqa: E402
 
 SERVER_ONLY = {"--tokenizer": 1, "--api-server-count": 1}  # flags the in-process bench lacks
 
@@ -141,15 +140,6 @@ def start_server(variant: str, server_flags: list[str], port: int, log) -> subpr
     return proc
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def summary(gaps: np.ndarray) -> str:
     p50, p90, p99 = np.percentile(gaps, [50, 90, 99])
     return f"{p50:6.3f} {p90:6.3f} {p99:6.3f}  (n {gaps.size})"
@@ -196,7 +186,7 @@ def main(argv=None) -> int:
                             rows.append((variant, client, gaps))
                             print(f"{variant} {client} round {r}: {summary(gaps)}", flush=True)
                 finally:
-                    stop(proc)
+                    stop_server(proc, timeout=60)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\n{'server':>10} {'client':>6}   ITL p50    p90    p99 (ms), rounds pooled")

@@ -282,6 +282,16 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("the server did not get ready")
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (the server's graceful stop), then SIGKILL if it has not exited in `timeout` s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -338,11 +348,7 @@ def main(argv=None) -> int:
                   f"{r['core_cpu_us_per_step']:.0f} | {diagnosis(r['server_diag'])} |",
                   flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "levels": results}, indent=1))
     return 0

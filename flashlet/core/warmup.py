@@ -153,7 +153,7 @@ def _warm_logits(engine) -> None:
     8,000-token prompts arriving, `lab/gap_outliers.py`): the first step that sampled 65 rows
     took 10.2 ms where its neighbours took 3-5, once per process."""
     model = engine.model
-    if engine.device.type != "cuda" or getattr(model, "tp", None) is not None:
+    if engine.device.type != "cuda" or model.tp is not None:
         return
     counts = logits_row_counts(engine)
     hidden = torch.zeros(counts[-1], model.config.hidden_size, dtype=engine.dtype,

@@ -103,8 +103,17 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig of the fused decode path's one-launch attention,
 # measured on an H200 by `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, with
-# PDL as the fused step launches it). Empty until measured: every shape takes the derived config.
-ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {}
+# PDL as the fused step launches it; 2026-12-03, b5db6b4). A bucket whose winner beat the derived
+# config by less than 3% (the script's ENTRY_MARGIN) has no entry and keeps the derived config:
+# Qwen2.5-0.5B at 1 and 8 rows.
+ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
+    (64, 7, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 7, 16): OneLaunchConfig(block_n=256, num_warps=8, num_stages=2, min_split_tokens=256, waves=2, num_splits=2, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=8, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).

@@ -26,10 +26,13 @@ fp32 references with poisoned outputs in tests/kernels/test_cute_gemv.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from flashlet.kernels.cute_gemv import cute_available
+from flashlet.models.weights import preset_config_path
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
 from tests.conftest import load_script, save_tiny_model
@@ -461,6 +464,27 @@ def test_fused_batches_at_the_qwen05_shape(monkeypatch, batch):
     engine = check_against_reference_teacher_forced(source, prompts(batch, 151936), 16,
                                                     max_num_seqs=16, fused=None)
     assert engine.runner.fused.row_counts == [1, 2, 4, 8, 16] and not engine.runner.fused.declined_rows
+
+
+# The presets whose decode steps the fused path serves by default (auto declines the 7B and
+# larger shapes), one of each attention shape (head_dim, group): each takes its own one-launch
+# attention entry (tuning.ONE_LAUNCH_TABLE) and its own GEMV shapes.
+FUSED_PRESETS = ("qwen3-0.6b", "llama-3.2-1b", "qwen2.5-1.5b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 2, 7, 16])
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
+    """Each served preset's real shapes, random weights, default parts, teacher-forced against
+    the per-op path at 1, 2, 7 (padded to 8) and 16 rows: issue 29's agreement rule on every
+    preset (qwen2.5-0.5b: the tests above)."""
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    vocab = json.loads(preset_config_path(preset).read_text())["vocab_size"]
+    source = dict(config=preset, max_model_len=2048)
+    engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), 12,
+                                                    max_num_seqs=batch, fused=None)
+    assert engine.runner.fused is not None and not engine.runner.fused.declined_rows
 
 
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):

@@ -104,10 +104,14 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
 # (head_dim, group, rows bucket) -> OneLaunchConfig of the fused decode path's one-launch attention,
 # measured on an H200 by `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, with
 # PDL as the fused step launches it; 2026-12-03, b5db6b4). A bucket whose winner beat the derived
-# config by less than 3% (the script's ENTRY_MARGIN) has no entry and keeps the derived config:
-# Qwen2.5-0.5B at 1 and 8 rows.
+# config by less than 3% (the script's ENTRY_MARGIN) has no entry: Qwen2.5-0.5B at 1 and 8 rows.
+# Nor has one whose winner lost in the engine: Qwen2.5-0.5B's 4-row winner (5.81 against 6.91 us
+# a layer alone) made the closed loop at c = 4 4% slower (0.680 against 0.650 ms a step, two
+# interleaved pairs), where the attention follows the QKV GEMV, not another attention. The
+# 16-row entry measured level in the same pairs (c = 16: 0.966-0.969 against 0.971 ms); Qwen3's
+# one-row entry read 1,232 tok/s one stream against 1,183 earlier (another day's run); its 4-16-row
+# entries are the kernel's winners alone (0.52-0.86 of the derived time), not yet timed in the engine.
 ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
-    (64, 7, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (64, 7, 16): OneLaunchConfig(block_n=256, num_warps=8, num_stages=2, min_split_tokens=256, waves=2, num_splits=2, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=8, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),

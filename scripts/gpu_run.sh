@@ -37,6 +37,10 @@
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
+#   fi-parity    issue 29's default figures with FlashInfer importable and without, one after the
+#                other (.whl-fi/ carried; the CuTe DSL installed by an earlier call): one stream
+#                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
+#                8,000-token prompt (~8 min with FlashInfer's first compile)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -72,6 +76,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [[ -f /tmp/site/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if ls .whl-fi/*.whl >/dev/null 2>&1; then  # FlashInfer (scripts/gpu_wheels.sh), behind /tmp/site
+  [[ -f /tmp/fi/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/fi .whl-fi/*.whl && touch /tmp/fi/.installed; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/fi"
 fi
 [[ -f .fi_prev/fi_cache.tgz && ! -d .fi_cache ]] && tar xzf .fi_prev/fi_cache.tgz
 mkdir -p .fi_cache && export FLASHINFER_WORKSPACE_BASE="$PWD/.fi_cache"
@@ -228,6 +237,26 @@ for part in "${PARTS[@]}"; do
         run 200 $F --workload decode-sat --decode-batch 128 --decode-prompt-len 2000 \
           --decode-tokens 128 --gpu-memory-utilization 0.1 --kv-cache-dtype $kv \
           --out "$OUT/json/kv-$kv-decode-sat-2k.json"
+      done ;;
+    fi-parity)
+      cute_env
+      if ! python3 -c "import flashinfer" >/dev/null 2>&1; then
+        echo "part fi-parity needs FlashInfer (.whl-fi/: scripts/gpu_wheels.sh)" | tee -a "$LOG"
+        status=2; continue
+      fi
+      NO_FI=${PYTHONPATH//:\/tmp\/fi/}  # the same path without FlashInfer's folder
+      P="python3 -m flashlet.bench --dtype bfloat16 --quiet --max-num-pages 8192"
+      for with in yes no; do
+        pp=$PYTHONPATH; [[ $with == no ]] && pp=$NO_FI
+        run 20 env PYTHONPATH="$pp" python3 -c "import importlib.util as u; print('flashinfer importable:', u.find_spec('flashinfer') is not None)"
+        for c in qwen2.5-0.5b qwen3-0.6b; do
+          run 240 env PYTHONPATH="$pp" $P --config $c --workload single \
+            --out "$OUT/json/fi-$with-single-$c.json"
+        done
+        run 240 env PYTHONPATH="$pp" $P --config qwen2.5-0.5b --workload closed-loop \
+          --concurrency 1 4 16 --max-new-tokens 128 --num-requests 64 --out "$OUT/json/fi-$with-closed-loop.json"
+        run 200 env PYTHONPATH="$pp" $P --config qwen2.5-0.5b --workload single \
+          --single-prompt-len 8000 --out "$OUT/json/fi-$with-single-8000.json"
       done ;;
     *) echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac

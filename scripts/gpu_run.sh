@@ -6,7 +6,7 @@
 #   setup        only the set-up below and the versions it finds
 #   tests        the GPU tests: tests/gpu, the attention backends, the kernels (the CuTe GEMV's
 #                with the CuTe DSL), torchlet's GPU rungs (~15 min: more than one device call)
-#   tests-fused  the part of them the fused decode path and speculation run (~12 min: more than
+#   tests-fused  the part of them the fused decode path and speculation run (~15 min: more than
 #                one device call): the fused engine tests (bf16, fp8, long down projections, the
 #                batches at each served preset's shape), speculation (n-gram, draft), the CuTe
 #                GEMV kernels, the one-launch attention's verify rows
@@ -125,7 +125,7 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py \
         -k "not preset_shapes"
-      run 480 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
+      run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
       run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py \
         tests/kernels/test_kern_one_launch_verify.py
       run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
@@ -135,8 +135,8 @@ for part in "${PARTS[@]}"; do
       run 420 $PYTEST tests/gpu/test_gpu_fused_decode.py tests/gpu/test_gpu_fused_fp8.py \
         tests/gpu/test_gpu_fused_long_down.py tests/gpu/test_gpu_speculative.py \
         tests/gpu/test_gpu_spec_draft.py tests/kernels/test_kern_one_launch_verify.py -k "not preset_shapes"
-      # the fused batches at each served preset's shape (~6 min: 12 cases of four engines each)
-      run 480 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
+      # the fused batches at each served preset's shape (~9 min: 20 cases of four engines each)
+      run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
       run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
     single)
       cute_env

@@ -466,10 +466,11 @@ def test_fused_batches_at_the_qwen05_shape(monkeypatch, batch):
     assert engine.runner.fused.row_counts == [1, 2, 4, 8, 16] and not engine.runner.fused.declined_rows
 
 
-# The presets whose decode steps the fused path serves by default (auto declines the 7B and
-# larger shapes), one of each attention shape (head_dim, group): each takes its own one-launch
-# attention entry (tuning.ONE_LAUNCH_TABLE) and its own GEMV shapes.
-FUSED_PRESETS = ("qwen3-0.6b", "llama-3.2-1b", "qwen2.5-1.5b")
+# Every other preset whose decode steps the fused path serves by default (auto declines hidden
+# sizes past fused_decode.MAX_NORM_CHUNKS: the 7B-and-larger presets run per-op). Each brings
+# its GEMV shapes and its attention shape (head_dim, group), hence its one-launch attention
+# entry (tuning.ONE_LAUNCH_TABLE) or derived config.
+FUSED_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b")
 
 
 @pytest.mark.slow
@@ -478,7 +479,7 @@ FUSED_PRESETS = ("qwen3-0.6b", "llama-3.2-1b", "qwen2.5-1.5b")
 def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     """Each served preset's real shapes, random weights, default parts, teacher-forced against
     the per-op path at 1, 2, 7 (padded to 8) and 16 rows: issue 29's agreement rule on every
-    preset (qwen2.5-0.5b: the tests above)."""
+    preset the path serves (qwen2.5-0.5b's: the tests above)."""
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
     vocab = json.loads(preset_config_path(preset).read_text())["vocab_size"]
     source = dict(config=preset, max_model_len=2048)

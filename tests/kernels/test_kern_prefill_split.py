@@ -1,13 +1,19 @@
 """The split-KV form of the ragged prefill kernel (num_splits > 1) against its PyTorch reference:
 long-context chunks, mixed steps with decodes, contexts shorter than a split, padded steps, fp8
-pools (tiny shapes, small splits, so the interpreter runs each case in seconds)."""
+pools (tiny shapes, small splits, so the interpreter runs each case in seconds); and how
+TritonBackend configures it (off by default, $FLASHLET_PREFILL_SPLITS, one scratch)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flashlet.attention import triton_backend
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels import tuning
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference, split_scratch
+from flashlet.kvcache.kv_pool import KVPool
 
 NAN = float("nan")
 
@@ -115,3 +121,75 @@ def test_split_rejects_bad_arguments(kh):
         prefill_attention(q, *tables, num_splits=4, scratch=split_scratch(2, 4, 2, 16, kh.device))
     with pytest.raises(ValueError, match="split scratch"):
         prefill_attention(q, *tables, num_splits=2, scratch=split_scratch(2, 3, 2, 16, kh.device))
+
+
+# ---- TritonBackend: the config, the env switch, the scratch --------------------------------
+BACKEND = dict(num_sms=4, min_split_tokens=16, decode_block_n=16, prefill_block_m=32, prefill_block_n=16)
+
+
+def _pool(kh, head_dim=16):
+    pool = KVPool(2, 64, 8, 2, head_dim, torch.float32, kh.device)
+    g = torch.Generator().manual_seed(0)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
+    return pool
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return prefill_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
+    return calls
+
+
+def _step_against_torch(kh, pool, tri, seqs):
+    meta, _ = kh.make_step(pool, seqs)
+    ref = TorchBackend(pool, 6, batched_decode=False)
+    ref.plan(meta)
+    tri.plan(meta)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(pool.num_layers):
+        q, k, v = (torch.randn(meta.num_tokens, h, pool.head_dim, generator=g).to(kh.device) for h in (6, 2, 2))
+        assert kh.rel_err(tri.run(layer, q, k, v), ref.run(layer, q, k, v)) < 1e-5
+
+
+def test_backend_splits_a_mixed_step_into_its_one_scratch(kh, monkeypatch):
+    calls = _spy(monkeypatch)
+    pool = _pool(kh)
+    tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16)
+    assert tri._prefill_scratch[0].shape == (4, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
+    _step_against_torch(kh, pool, tri, [(150, 9), (120, 1), (30, 1)])
+    assert [c["num_splits"] for c in calls] == [4, 4]
+    assert all(c["scratch"] is tri._prefill_scratch for c in calls)  # one scratch, every layer
+
+
+def test_backend_runs_a_step_past_the_token_limit_unsplit(kh, monkeypatch):
+    calls = _spy(monkeypatch)
+    pool = _pool(kh)
+    tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16,
+                        prefill_split_max_tokens=8)
+    assert tri._prefill_scratch[0].shape[:2] == (4, 8)
+    _step_against_torch(kh, pool, tri, [(100, 9), (60, 1)])  # 10 rows > 8
+    assert [(c["num_splits"], c["scratch"]) for c in calls] == [(1, None), (1, None)]
+
+
+def test_splitting_is_off_by_default_and_set_by_the_environment(kh, monkeypatch):
+    pool = _pool(kh)
+    monkeypatch.delenv(triton_backend.PREFILL_SPLITS_ENV, raising=False)
+    off = TritonBackend(pool, 6, **BACKEND)
+    assert off.prefill_config(500).num_splits == 1 and off._prefill_scratch is None
+    monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "8,512,256")
+    on = TritonBackend(pool, 6, **BACKEND)
+    cfg = on.prefill_config(500)
+    assert (cfg.num_splits, cfg.min_split_tokens, on.prefill_split_max_tokens) == (8, 512, 256)
+    assert on._prefill_scratch[0].shape == (8, 256, 6, 16)
+    assert on.prefill_variant(500) != off.prefill_variant(500)  # mixed graphs keyed apart
+    assert TritonBackend(pool, 6, **BACKEND, prefill_num_splits=2).prefill_config(500).num_splits == 2
+    for bad in ("0", "4,x", "1,2,3,4", "-2"):
+        monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, bad)
+        with pytest.raises(ValueError, match=triton_backend.PREFILL_SPLITS_ENV):
+            TritonBackend(pool, 6, **BACKEND)

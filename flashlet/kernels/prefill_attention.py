@@ -16,7 +16,7 @@ Design.
 - Packed GQA: the G query heads of a KV group are packed into the M dimension of the tile.
   Tile row r of sequence b stands for query token r // G and head kvh * G + r % G, so one
   program serves a whole group and a decode (q_len = 1) still fills G rows of its tile.
-- Grid (ceil(T * G / BLOCK_M) + B, Hkv): a function of the tensors' shapes only, so one
+- Grid (ceil(T * G / BLOCK_M) + B, Hkv[, S]): a function of the tensors' shapes only, so one
   launch serves eager steps and CUDA-graph replays of a step padded to T tokens and B
   sequences (padding sequences have q_len 0; padding rows past qo_indptr[B] belong to none).
   Program pid takes one (sequence, M-tile) of the flattened work: sequence i owns programs
@@ -32,6 +32,18 @@ Design.
   power-of-two page size). Blocks every row of the tile fully sees (keys < prefix + first
   token + 1, rounded down to BLOCK_N) run without a mask; the rest, up to the last row's
   diagonal, run with the causal mask.
+- Split-KV (num_splits S > 1; S = 1 compiles none of it: no scratch, no second launch). A
+  tile alone walks all its keys serially; a chunk of a few hundred tokens is ~100 programs, too
+  few for the SMs once the context is long. Grid (tiles + B, Hkv, S): split s of a tile takes
+  full blocks [s * F // n, (s + 1) * F // n) of its F full blocks, and the last split the
+  diagonal blocks too, so each split's every row sees every key of its full blocks (no row is
+  left with no key, a max at -inf). n = min(S, F // ceil(min_split_tokens / BLOCK_N)), at least
+  1: a runtime value from kv_lens (CUDA-graph stable). A tile of one split writes `out` as
+  above; the others write their unnormalized accumulator, running max and sum (fp32) to a
+  scratch [S, T, Hq, (D)] at their rows' (token, head) and exit, and `_merge_kernel` (grid
+  (tiles + B, Hkv), one program per tile recomputing n) rescales them to a common max and
+  writes `out`. Splits s >= n exit at once and write nothing. The split axis is the grid's
+  slowest: within each split the heavy tiles still start first.
 - Online softmax in base 2, fp32 accumulators; P is cast to q's dtype for PV.
 - An fp8 (e4m3) pool: blocks load as fp8 and are widened to q's dtype for the dots; k_scale
   folds into the fp32 score scale and v_scale multiplies the fp32 accumulator once.

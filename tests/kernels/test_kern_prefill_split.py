@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention import triton_backend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
 from flashlet.kernels import tuning
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
+from tests.conftest import run_to_completion
 
 NAN = float("nan")
 
@@ -193,3 +195,25 @@ def test_splitting_is_off_by_default_and_set_by_the_environment(kh, monkeypatch)
         monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, bad)
         with pytest.raises(ValueError, match=triton_backend.PREFILL_SPLITS_ENV):
             TritonBackend(pool, 6, **BACKEND)
+
+
+def test_engine_with_split_prefill_gives_the_oracles_tokens(tiny_qwen2, monkeypatch):
+    """$FLASHLET_PREFILL_SPLITS through the engine: a prompt chunked beside another's decodes,
+    its later chunks split (partials written), greedy tokens as the torch backend's."""
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                       max_num_pages=64)
+    # 250 tokens: 4 chunks, the last at 192+ keys (3 full 64-key blocks: 3 splits of 16+ keys)
+    prompts = [[3, 5, 7, 9, 11] * 50, [2, 4, 6, 8]]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    tokens = []
+    for backend, splits in (("torch", None), ("triton", "4,16")):
+        if splits:
+            monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, splits)
+        engine = Engine(cfg.replace(backend=backend))
+        if splits:
+            scratch = engine.runner.backend._prefill_scratch
+            for t in scratch:
+                t.fill_(NAN)
+        tokens.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
+    assert _wrote_partials(scratch)
+    assert tokens[0] == tokens[1]

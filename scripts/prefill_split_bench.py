@@ -14,6 +14,7 @@ $FLASHLET_PREFILL_SPLITS (`attention/triton_backend.py`).
     python scripts/prefill_split_bench.py                     # H200
     python scripts/prefill_split_bench.py --models qwen2.5-0.5b --contexts 8000 --json out.json
     python scripts/prefill_split_bench.py --smoke             # CPU: tiny shapes, interpreter, no timing
+    python scripts/prefill_split_bench.py --lower 1 8         # CPU: the sm_90a lowering per model and S
 """
 
 from __future__ import annotations
@@ -126,6 +127,62 @@ def run(args) -> list[dict]:
     return rows
 
 
+def lower_for_sm90(model: dict, splits: int, chunk: int = CHUNK) -> dict:
+    """The split kernel (and, for S > 1, the merge) compiled for sm_90a at the model's engine
+    tiles and launch limits (no GPU needed; pool strides divisible by 16, as the launcher
+    specialises them): ptxas's registers / spills and the SASS instruction count."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashlet.kernels import prefill_attention as pa
+    from flashlet.kernels import tuning
+
+    group = model["num_q_heads"] // model["num_kv_heads"]
+    tile = tuning.prefill_config(model["head_dim"], group, chunk)
+    consts = dict(GROUP=group, HEAD_DIM=model["head_dim"], BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                  NUM_SPLITS=splits, PAGE_SIZE=model["page_size"], INPUT_PRECISION=None)
+    limits = pa.split_launch_limits(tile.num_warps) if splits > 1 else {}
+    kernels = [(pa._prefill_kernel, dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **limits))]
+    if splits > 1:
+        kernels.append((pa._merge_kernel, dict(num_warps=pa.merge_warps(model["head_dim"]))))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    row = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps, **limits)
+    for fn, options in kernels:
+        names = fn.arg_names
+        kc = {k: v for k, v in consts.items() if k in names}
+        sig = {n: "i32" for n in names}
+        sig.update({n: "*bf16" for n in ("Q", "K", "V", "O")})
+        sig.update({n: "*i32" for n in ("QoIndptr", "KvIndptr", "KvIndices", "KvLens")})
+        sig.update({n: "*fp32" for n in ("MidAcc", "MidM", "MidL")})
+        sig.update(qk_scale="fp32", v_scale="fp32", **{c: "constexpr" for c in kc})
+        sig = {n: sig[n] for n in names}
+        aligned = [n for n in names if n.startswith("stride") or (n[0].isupper() and n not in kc)]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kc, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(kernel.asm["ptx"])
+            f.flush()
+            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                  capture_output=True, text=True, check=True).stderr
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", f.name],
+                                  capture_output=True, text=True, check=True).stdout
+        name = fn.__name__.strip("_")
+        row[name + "_ptxas"] = " ".join(line.split(":", 1)[-1].strip() for line in info.splitlines()
+                                        if "registers" in line or "spill" in line)
+        row[name + "_sass_instructions"] = sum(bool(re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+                                               for line in sass.splitlines())
+    return row
+
+
 def _fmt(row: dict) -> str:
     head = (f"{row['model']:13s} C={row['context']:6d} S={row['splits']:2d} min={row['min_split_tokens']:5d} "
             f"err {row['max_rel_err']:.1e}")
@@ -161,6 +218,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-context", type=int, default=None, help=f"tokens of each decode (default {DECODE_CONTEXT})")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--lower", type=int, nargs="+", default=None, metavar="S",
+                   help="only compile the kernels for sm_90a at these split caps (no GPU needed) and print "
+                        "lower_for_sm90's JSON, a line per model and S")
     args = p.parse_args(argv)
     ints = lambda text, default: tuple(int(x) for x in text.split(",")) if text else default  # noqa: E731
     defaults = SMOKE if args.smoke else dict(contexts=CONTEXTS, splits=SPLITS, min_split_tokens=MIN_SPLIT_TOKENS,
@@ -184,6 +244,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lower:
+        for name in args.models:
+            for splits in args.lower:
+                row = lower_for_sm90(MODELS[name], splits, args.chunk)
+                print(json.dumps(dict(model=name, splits=splits, **row)), flush=True)
+        return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not __import__("torch").cuda.is_available():

@@ -58,6 +58,10 @@ import triton.language as tl
 from flashlet.kernels.decode_attention import check_cache_dtype
 
 LOG2E = 1.4426950408889634
+# Two split programs resident per SM: 8 warps at head_dim 128 compile to 140 registers a thread
+# unbounded (one program an SM), to 128 with no spill and no added instruction at this cap
+# (scripts/prefill_split_bench.py --lower). Unsplit launches keep the compiler's choice.
+SPLIT_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -364,6 +368,7 @@ def prefill_attention(
     else:
         mid_acc = mid_m = mid_l = out  # never read or written: NUM_SPLITS = 1 compiles that away
     min_split_blocks = -(-min_split_tokens // block_n)
+    limits = split_launch_limits(num_warps) if num_splits > 1 else {}
     precision = "ieee" if q.dtype == torch.float32 else None  # None: the default (bf16/fp16 MMAs)
     tiles = triton.cdiv(num_tokens * group, block_m) + batch
     mid_strides = (mid_acc.stride(0), mid_acc.stride(1), mid_acc.stride(2), mid_m.stride(0), mid_m.stride(1))
@@ -386,6 +391,7 @@ def prefill_attention(
         INPUT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
+        **limits,
     )
     if num_splits > 1:
         _merge_kernel[(tiles, num_kv_heads)](
@@ -397,9 +403,21 @@ def prefill_attention(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
-            num_warps=4,
+            num_warps=merge_warps(head_dim),
         )
     return out
+
+
+def split_launch_limits(num_warps: int) -> dict:
+    """The split kernel's register cap (`maxnreg`): SPLIT_PROGRAMS_PER_SM programs of num_warps
+    in the SM's 64K registers, where that is under the hardware's 255 a thread."""
+    regs = (65536 // (SPLIT_PROGRAMS_PER_SM * 32 * num_warps)) // 8 * 8
+    return {"maxnreg": regs} if regs < 255 else {}
+
+
+def merge_warps(head_dim: int) -> int:
+    """The merge's warps: its [BLOCK_M, D] fp32 sums over 4 warps at D <= 64, 8 above."""
+    return 4 if head_dim <= 64 else 8
 
 
 def _check_scratch(scratch: tuple, num_splits: int, num_tokens: int, num_q_heads: int, head_dim: int) -> None:

@@ -12,6 +12,7 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention import triton_backend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import TritonBackend
+from flashlet.kernels import prefill_attention as pa
 from flashlet.kernels import tuning
 from flashlet.kernels.prefill_attention import prefill_attention, prefill_attention_reference, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
@@ -217,3 +218,9 @@ def test_engine_with_split_prefill_gives_the_oracles_tokens(tiny_qwen2, monkeypa
         tokens.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert _wrote_partials(scratch)
     assert tokens[0] == tokens[1]
+
+
+def test_split_launches_keep_two_programs_an_sm():
+    """8 warps: a 128-register cap (two programs in 64K registers); 4 warps: none needed (255)."""
+    assert pa.split_launch_limits(8) == {"maxnreg": 128}
+    assert pa.split_launch_limits(4) == {} and pa.split_launch_limits(2) == {}

@@ -4,6 +4,10 @@ it would be timed, and a wrong kernel is reported (exit 1), never timed."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from tests.conftest import load_script
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke runs the interpreter on the CPU; "
                               "on a GPU the script itself is the check (it verifies every config)")
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prefill_split_bench.py"
 FEW = ["--smoke", "--contexts", "40", "--splits", "2", "--min-split-tokens", "16"]
 
 
@@ -45,3 +50,21 @@ def test_arguments_are_checked():
             bench.parse_args(bad)
     args = bench.parse_args(["--splits", "4,8"])
     assert args.splits == (1, 4, 8) and args.contexts == bench.CONTEXTS and args.chunk == 448
+
+
+@pytest.mark.slow
+def test_split_kernel_lowers_for_sm90_without_spills():
+    """--lower (a child without the interpreter): at Qwen3-0.6B's tiles (8 warps) the split kernel
+    holds 128 registers (two programs an SM) with no spill, the merge spills nothing either, and
+    the unsplit kernel gets no register cap."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--lower", "1", "8", "--models", "qwen3-0.6b"],
+                          capture_output=True, text=True, timeout=600, cwd=SCRIPT.parents[1],
+                          env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(SCRIPT.parents[1])})
+    if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unsplit, split = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert "maxnreg" not in unsplit and split["maxnreg"] == 128
+    assert "Used 128 registers" in split["prefill_kernel_ptxas"]
+    for text in (unsplit["prefill_kernel_ptxas"], split["prefill_kernel_ptxas"], split["merge_kernel_ptxas"]):
+        assert "0 bytes spill stores" in text and "0 bytes spill loads" in text

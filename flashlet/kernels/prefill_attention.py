@@ -43,7 +43,8 @@ Design.
   scratch [S, T, Hq, (D)] at their rows' (token, head) and exit, and `_merge_kernel` (grid
   (tiles + B, Hkv), one program per tile recomputing n) rescales them to a common max and
   writes `out`. Splits s >= n exit at once and write nothing. The split axis is the grid's
-  slowest: within each split the heavy tiles still start first.
+  slowest: within each split the heavy tiles still start first. A split launch caps registers
+  so that two programs fit an SM (SPLIT_PROGRAMS_PER_SM): the point is more programs in flight.
 - Online softmax in base 2, fp32 accumulators; P is cast to q's dtype for PV.
 - An fp8 (e4m3) pool: blocks load as fp8 and are widened to q's dtype for the dots; k_scale
   folds into the fp32 score scale and v_scale multiplies the fp32 accumulator once.

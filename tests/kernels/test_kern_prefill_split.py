@@ -198,6 +198,8 @@ def test_splitting_is_off_by_default_and_set_by_the_environment(kh, monkeypatch)
             TritonBackend(pool, 6, **BACKEND)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine through the interpreter; on a GPU "
+                    "tests/gpu/test_gpu_mixed_graphs.py runs the engine with splits")
 def test_engine_with_split_prefill_gives_the_oracles_tokens(tiny_qwen2, monkeypatch):
     """$FLASHLET_PREFILL_SPLITS through the engine: a prompt chunked beside another's decodes,
     its later chunks split (partials written), greedy tokens as the torch backend's."""

@@ -9,7 +9,10 @@
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
   max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
-  (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too).
+  (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too). Steps of at most
+  `prefill_split_max_tokens` rows may split each tile's keys (the config's `num_splits`, 1 by
+  default; $FLASHLET_PREFILL_SPLITS sets it for an A/B), their partials in one scratch
+  allocated here; the split count a tile uses is derived on the device from `kv_lens`.
 
 - `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
@@ -36,13 +39,14 @@ An fp8 pool is read as fp8 by the same kernels, with its per-layer k_scale / v_s
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
 from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch
-from flashlet.kernels.prefill_attention import prefill_attention
+from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
 
 
@@ -54,6 +58,9 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
+# "S[,min_split_tokens[,max_tokens]]": split-KV prefill for a GPU A/B without editing code (read
+# once, by the constructor; its arguments win). Off (the tables' num_splits, 1) when unset.
+PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
 
 
 class TritonBackend(AttentionBackend):
@@ -76,13 +83,20 @@ class TritonBackend(AttentionBackend):
         decode_block_n: int | None = None,
         prefill_block_m: int | None = None,
         prefill_block_n: int | None = None,
+        prefill_num_splits: int | None = None,
+        prefill_min_split_tokens: int | None = None,
+        prefill_split_max_tokens: int | None = None,
     ):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
         pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
         down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU).
         min_split_tokens, decode_block_n, prefill_block_m/n: fixed values for every batch
-        instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables)."""
+        instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables).
+        prefill_num_splits / prefill_min_split_tokens: the prefill kernel's split-KV cap and
+        smallest split for every step (None: $FLASHLET_PREFILL_SPLITS, else the tables), used
+        by steps of at most prefill_split_max_tokens query rows (None: that variable's third
+        value, else tuning.PREFILL_SPLIT_MAX_TOKENS), the rows its scratch holds."""
         super().__init__(kv_pool, num_q_heads, scale)
         if num_q_heads % self.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads do not split into {self.num_kv_heads} KV heads")
@@ -97,7 +111,22 @@ class TritonBackend(AttentionBackend):
         self.split_cap = max_kv_splits
         self.num_sms = num_sms
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
-        self._prefill_overrides = _given(block_m=prefill_block_m, block_n=prefill_block_n)
+        env = prefill_splits_from_env()
+        self._prefill_overrides = _given(
+            block_m=prefill_block_m, block_n=prefill_block_n,
+            num_splits=_first_given(prefill_num_splits, env.get("num_splits")),
+            min_split_tokens=_first_given(prefill_min_split_tokens, env.get("min_split_tokens")))
+        self.prefill_split_max_tokens = _first_given(prefill_split_max_tokens, env.get("max_tokens"),
+                                                     tuning.PREFILL_SPLIT_MAX_TOKENS)
+        # The split prefill's partials, for the most splits any bucket's config asks (none: no scratch).
+        prefill_splits = max(self.prefill_config(b).num_splits for b in tuning.PREFILL_QLEN_BUCKETS)
+        if prefill_splits < 1 or self.prefill_split_max_tokens < 1:
+            raise ValueError(f"prefill splits and their token limit must be >= 1, got {prefill_splits}, "
+                             f"{self.prefill_split_max_tokens}")
+        self._prefill_scratch = None
+        if prefill_splits > 1:
+            self._prefill_scratch = split_scratch(prefill_splits, self.prefill_split_max_tokens, num_q_heads,
+                                                  self.head_dim, device)
         self.max_kv_splits = max(self._max_splits(self.decode_config(b).min_split_tokens)
                                  for b in tuning.DECODE_BATCH_BUCKETS)
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
@@ -175,8 +204,14 @@ class TritonBackend(AttentionBackend):
         return cfg, self._splits_for(num_seqs, cfg)
 
     def prefill_variant(self, max_q_len: int) -> tuple:
-        """What a step with a chunk (longest `max_q_len`) compiles."""
+        """What a step with a chunk (longest `max_q_len`) compiles. Whether it splits also
+        depends on its (padded) token count, which a mixed graph's key holds beside this."""
         return (self.prefill_config(max_q_len),)
+
+    def prefill_splits(self, num_tokens: int) -> int:
+        """The split cap of a step of `num_tokens` query rows under the planned config."""
+        splits = self._prefill_cfg.num_splits
+        return splits if num_tokens <= self.prefill_split_max_tokens else 1
 
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
         return self.prefill_variant(meta.host.max_query_len)
@@ -199,6 +234,7 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = self.kv_pool.scales(layer)  # 1.0 unless an fp8 pool's
         if not meta.is_pure_decode:
             pc = self._prefill_cfg
+            splits = self.prefill_splits(q.shape[0])
             return prefill_attention(
                 q, k_cache, v_cache,
                 meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
@@ -209,6 +245,9 @@ class TritonBackend(AttentionBackend):
                 num_stages=pc.num_stages,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                num_splits=splits,
+                min_split_tokens=pc.min_split_tokens,
+                scratch=self._prefill_scratch if splits > 1 else None,
             )
         out = torch.empty_like(q)
         n, s, dc = meta.num_seqs, self._num_splits, self._decode_cfg
@@ -280,3 +319,24 @@ class TritonBackend(AttentionBackend):
 
 def _given(**values) -> dict:
     return {k: v for k, v in values.items() if v is not None}
+
+
+def _first_given(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def prefill_splits_from_env() -> dict:
+    """$FLASHLET_PREFILL_SPLITS ("S[,min_split_tokens[,max_tokens]]") as {num_splits,
+    min_split_tokens, max_tokens} (the values given); {} when unset."""
+    text = os.environ.get(PREFILL_SPLITS_ENV, "").strip()
+    if not text:
+        return {}
+    parts = text.split(",")
+    try:
+        values = [int(x) for x in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or min(values) < 1:
+        raise ValueError(f"{PREFILL_SPLITS_ENV}={text!r}: expected 'S[,min_split_tokens[,max_tokens]]', "
+                         "positive integers")
+    return dict(zip(("num_splits", "min_split_tokens", "max_tokens"), values))

@@ -10,7 +10,10 @@ the lengths on the device (the number of splits a sequence uses comes from `kv_l
   one holds every larger batch). Config: BLOCK_N keys per block, warps, stages, the smallest
   KV split in tokens, and `waves`: how many programs per SM the split count aims at.
 - Prefill (every step with a chunk): bucket = the smallest of PREFILL_QLEN_BUCKETS that holds
-  the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles).
+  the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles). Its
+  split-KV cap (num_splits, 1 = off everywhere for now) applies to steps of at most
+  PREFILL_SPLIT_MAX_TOKENS rows; how many splits a tile uses comes from the KV lengths on the
+  device (min_split_tokens), so one graph per token bucket still serves every length.
 
 DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.py` (H200),
 pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
@@ -32,6 +35,9 @@ from dataclasses import dataclass
 DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
 KV_KINDS = ("model", "fp8")  # the KV cache's dtype, as BATCHED_DECODE_TABLE keys it
 PREFILL_QLEN_BUCKETS = (16, 1 << 30)
+# The most query rows of a step the prefill kernel splits (and its scratch holds): a larger
+# step has enough tiles to fill the GPU unsplit (1,024 rows at group 7: 112 tiles a KV head).
+PREFILL_SPLIT_MAX_TOKENS = 1024
 ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; more: no table entry
 
 
@@ -76,10 +82,15 @@ class OneLaunchConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
+    """A launch of `prefill_attention`. num_splits > 1: split-KV, each tile's keys over up to
+    num_splits programs of at least min_split_tokens keys (a runtime rule: a short context uses
+    one split), for steps of at most the backend's `prefill_split_max_tokens` query rows."""
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int = 1
+    min_split_tokens: int = 1024
 
 
 # (head_dim, group, batch bucket) -> DecodeConfig. Measured on an H200 (scripts/tune_triton.py).

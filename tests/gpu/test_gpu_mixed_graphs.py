@@ -20,6 +20,18 @@ pytestmark = [pytest.mark.gpu,
 
 PAGE_SIZE = 16
 LOGITS_RTOL = 1e-3  # of the step's largest |logit|
+# Off, and the split-KV prefill (attention/triton_backend.py's switch): up to 8 splits of 64+
+# keys, so the contexts of a few hundred tokens here split.
+SPLITS = pytest.mark.parametrize("splits", [None, "8,64"], ids=["unsplit", "split"])
+
+
+def _set_splits(monkeypatch, splits):
+    from flashlet.attention.triton_backend import PREFILL_SPLITS_ENV
+
+    if splits is None:
+        monkeypatch.delenv(PREFILL_SPLITS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PREFILL_SPLITS_ENV, splits)
 
 
 def random_mixed_rows(rng, num_pages, max_seqs, budget):
@@ -41,14 +53,17 @@ def random_mixed_rows(rng, num_pages, max_seqs, budget):
     return rows
 
 
-def test_mixed_graph_replays_give_the_eager_logits():
+@SPLITS
+def test_mixed_graph_replays_give_the_eager_logits(monkeypatch, splits):
     from flashlet import Engine, EngineConfig
 
+    _set_splits(monkeypatch, splits)
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend="triton", dtype="float32",
                                  max_num_pages=1024, max_num_seqs=8, max_num_batched_tokens=512,
                                  max_model_len=2048, page_size=PAGE_SIZE, warmup_at_start=False))
     runner = engine.runner
     assert runner.use_mixed_graphs and runner.token_buckets[-1] == 512
+    assert runner.backend.prefill_config(300).num_splits == (8 if splits else 1)
     torch.manual_seed(0)
     engine.kv_pool.k_cache.normal_()
     engine.kv_pool.v_cache.normal_()
@@ -89,9 +104,11 @@ def _greedy_tokens(engine, prompts, late):
     return [done[i] for i in ids]
 
 
-def test_engine_with_mixed_graphs_gives_the_eager_tokens_and_captures_nothing_after_start():
+@SPLITS
+def test_engine_with_mixed_graphs_gives_the_eager_tokens_and_captures_nothing_after_start(monkeypatch, splits):
     from flashlet import Engine, EngineConfig
 
+    _set_splits(monkeypatch, splits)
     cfg = EngineConfig(config="qwen2.5-0.5b", backend="triton", dtype="float32",
                        max_num_pages=2048, max_num_seqs=16, max_num_batched_tokens=1024,
                        max_model_len=4096)

@@ -253,7 +253,7 @@ for part in "${PARTS[@]}"; do
         for splits in "" "${SPLITS:-8,1024}"; do
           run 200 env FLASHLET_PREFILL_SPLITS="$splits" python3 -m flashlet.bench \
             --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload long-prompt-gaps \
-            --out "$OUT/json/long-prompts-split-${splits:-off}-$pair.json" # (commas: inside results.tgz)
+            --out "$OUT/json/long-prompts-split-${splits:-off}-$pair.json"
         done
       done ;;
     fi-parity)

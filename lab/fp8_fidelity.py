@@ -76,7 +76,8 @@ def per_block(w, block=128):
 
 def variants():
     """name -> (weight rounding, act_fp8 (or the projections it applies to), matmul dtype,
-    projections quantized, LM head in fp8)."""
+    projections quantized, LM head in fp8[, the layers kept in bf16: a function of the layer
+    count -> indices])."""
     all_p = q.QUANTIZED_PROJECTIONS
     f32, bf16 = torch.float32, torch.bfloat16
     table = {
@@ -93,13 +94,23 @@ def variants():
         table[f"fp8 W per-row, {proj} only"] = (per_row, False, f32, (proj,), False)
     for proj in all_p:
         table[f"fp8 W per-row, fp8 A on {proj} only"] = (per_row, (proj,), f32, all_p, False)
+    for proj in all_p:  # mixed precision: one projection kept in bf16 everywhere
+        table[f"fp8 W per-row, all but {proj}"] = (
+            per_row, False, f32, tuple(p for p in all_p if p != proj), False)
+    for k in (1, 2):  # mixed precision: the first and last k layers kept in bf16
+        table[f"fp8 W per-row, first and last {k} layer(s) bf16"] = (
+            per_row, False, f32, all_p, False,
+            lambda n, k=k: set(range(k)) | set(range(n - k, n)))
     return table
 
 
 def apply_variant(model, spec):
-    rounding, act_fp8, matmul_dtype, projs, lm_head_fp8 = spec
+    rounding, act_fp8, matmul_dtype, projs, lm_head_fp8, *kept = spec
+    kept_layers = kept[0](len(model.layers)) if kept else set()
     with torch.no_grad():
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
+            if i in kept_layers:
+                continue
             for proj in projs:
                 linear = getattr(layer, proj)
                 act = act_fp8 if isinstance(act_fp8, bool) else proj in act_fp8

@@ -9,8 +9,10 @@ activations of the `torch._scaled_mm` path, the LM head in fp8, and each project
 
     PYTHONPATH=. python lab/fp8_fidelity.py --preset qwen2.5-0.5b --layers 6
     PYTHONPATH=. python lab/fp8_fidelity.py --smollm2       # the real embedded model, its text
+    PYTHONPATH=. python lab/fp8_fidelity.py --smollm2 --text docs/en/versions/*.md   # more positions
 
---smollm2 scores scripts/fidelity_text.txt (and prints each variant's perplexity); a preset
+--smollm2 scores scripts/fidelity_text.txt (and prints each variant's perplexity), or with --text
+each file given as one sequence of at most --max-len tokens; a preset
 scores --seqs random sequences of --seq-len tokens, at the preset's shape with --layers layers.
 """
 
@@ -160,11 +162,17 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smollm2", action="store_true")
     p.add_argument("--only", nargs="*", help="variant names containing any of these")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="with --smollm2: score these files (one sequence each) instead")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens a --text sequence keeps")
     args = p.parse_args()
     flashlet.models.ops.quantized_linear = emulated_linear
     if args.smollm2:
         tok = load_tokenizer(embedded_model_dir())
-        seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]
+        if args.text:
+            seqs = [tok.encode(Path(f).read_text())[: args.max_len] for f in args.text]
+        else:
+            seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]
     else:
         vocab = json.loads(preset_config_path(args.preset).read_text())["vocab_size"]
         g = torch.Generator().manual_seed(args.seed)

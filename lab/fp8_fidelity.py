@@ -19,7 +19,6 @@ scores --seqs random sequences of --seq-len tokens, at the preset's shape with -
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import flashlet.models.ops
 from flashlet.models import quantization as q
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import (embedded_model_dir, load_model, load_tokenizer,
-                                     preset_config_path, random_model)
+                                     preset_config, random_model)
 from tests.test_fp8 import DenseAttention  # causal attention over one whole sequence (no pool)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +147,7 @@ def build(args, dtype):
     if args.smollm2:
         model, _, _ = load_model(str(embedded_model_dir()), dtype=dtype)
         return model
-    cfg = json.loads(preset_config_path(args.preset).read_text())
+    cfg = preset_config(args.preset)
     cfg["num_hidden_layers"] = args.layers
     return random_model(ModelConfig.from_hf(cfg), dtype=dtype, seed=args.seed)
 
@@ -174,7 +173,7 @@ def main():
         else:
             seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]
     else:
-        vocab = json.loads(preset_config_path(args.preset).read_text())["vocab_size"]
+        vocab = preset_config(args.preset)["vocab_size"]
         g = torch.Generator().manual_seed(args.seed)
         seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g).tolist()
                 for _ in range(args.seqs)]

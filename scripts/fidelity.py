@@ -93,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.config import EngineConfig, torch_dtype  # noqa: E402
 from flashlet.core.engine import Engine  # noqa: E402
-from flashlet.models.weights import PRESETS_DIR, preset_config_path  # noqa: E402
+from flashlet.models.weights import PRESETS_DIR, preset_config, preset_config_path  # noqa: E402
 from flashlet.core.sampling import SamplingParams  # noqa: E402
 from flashlet.models.model import ModelConfig, hf_to_flashlet_names, rope_cache  # noqa: E402
 
@@ -207,7 +207,7 @@ def hf_twin(engine: Engine, config: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    cfg = {k: v for k, v in json.loads(preset_config_path(config).read_text()).items()
+    cfg = {k: v for k, v in preset_config(config).items()
            if k not in ("torch_dtype", "dtype")}
     with no_init_weights(), torch.device(engine.device):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)

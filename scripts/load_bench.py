@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.config import torch_dtype  # noqa: E402
-from flashlet.models.weights import preset_config_path  # noqa: E402
+from flashlet.models.weights import preset_config  # noqa: E402
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from flashlet.models.weights import load_model
 
-    config = json.loads(preset_config_path(args.config).read_text())
+    config = preset_config(args.config)
     name = Path(args.config).stem
     folder = Path(args.dir or Path(tempfile.gettempdir()) / f"flashlet-load-{name}")
     dtype = torch_dtype(args.dtype)

@@ -11,7 +11,7 @@ import torch
 
 from flashlet.config import EngineConfig
 from flashlet.core.engine import Engine
-from flashlet.models.weights import preset_config_path
+from flashlet.models.weights import preset_config
 from flashlet.models.model import hf_to_flashlet_names
 from flashlet.models.weights import resolve_model_dir
 
@@ -37,7 +37,7 @@ def hf_config_dict(engine_config: EngineConfig, model_dir: Path | None = None) -
     """The Hugging Face config.json of what the engine runs: the --config file / preset, else
     the model folder's."""
     if engine_config.config is not None:
-        return json.loads(preset_config_path(engine_config.config).read_text())
+        return preset_config(engine_config.config)
     folder = model_dir if model_dir is not None else resolve_model_dir(engine_config.model)
     return json.loads((Path(folder) / "config.json").read_text())
 

@@ -510,6 +510,11 @@ def preset_config_path(name_or_path: str, presets_dir: Path = PRESETS_DIR) -> Pa
     raise ValueError(f"unknown config {name_or_path!r}: not a file and not a preset ({names})")
 
 
+def preset_config(name_or_path: str) -> dict:
+    """The Hugging Face config dict of a preset name or a config.json path (preset_config_path)."""
+    return json.loads(preset_config_path(name_or_path).read_text())
+
+
 def model_config_path(config: "EngineConfig") -> Path:
     """The config.json that `config` loads (a preset's, or the model folder's)."""
     if config.config is not None:

@@ -26,13 +26,11 @@ fp32 references with poisoned outputs in tests/kernels/test_cute_gemv.py.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from flashlet.kernels.cute_gemv import cute_available
-from flashlet.models.weights import preset_config_path
+from flashlet.models.weights import preset_config
 from flashlet.runner import fused_decode
 from flashlet.runner.fused_decode import FusedParts
 from tests.conftest import load_script, save_tiny_model
@@ -481,7 +479,7 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     the per-op path at 1, 2, 7 (padded to 8) and 16 rows: issue 29's agreement rule on every
     preset the path serves (qwen2.5-0.5b's: the tests above)."""
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
-    vocab = json.loads(preset_config_path(preset).read_text())["vocab_size"]
+    vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)
     engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), 12,
                                                     max_num_seqs=batch, fused=None)

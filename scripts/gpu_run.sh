@@ -38,10 +38,10 @@
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
-#   split-ab     the split-KV prefill (off by default): the attention alone per split cap and
-#                smallest split (scripts/prefill_split_bench.py), then the long-prompt gaps without
-#                and with $FLASHLET_PREFILL_SPLITS (SPLITS, default 8,1024), two interleaved pairs
-#                (~6 min)
+#   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
+#                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
+#                then the long-prompt gaps with it off ($FLASHLET_PREFILL_SPLITS=1) and at the
+#                defaults (or SPLITS="S,min,max_tokens,min_context"), two interleaved pairs (~6 min)
 #   fi-parity    issue 29's default figures with FlashInfer importable and without, one after the
 #                other (.whl-fi/ carried; the CuTe DSL installed by an earlier call): one stream
 #                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
@@ -250,10 +250,10 @@ for part in "${PARTS[@]}"; do
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"
       for pair in 1 2; do
-        for splits in "" "${SPLITS:-8,1024}"; do
+        for splits in 1 "${SPLITS:-}"; do
           run 200 env FLASHLET_PREFILL_SPLITS="$splits" python3 -m flashlet.bench \
             --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload long-prompt-gaps \
-            --out "$OUT/json/long-prompts-split-${splits:-off}-$pair.json"
+            --out "$OUT/json/long-prompts-split-${splits:-default}-$pair.json"
         done
       done ;;
     fi-parity)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashlet import Engine, EngineConfig
+from flashlet.attention import selection
 from flashlet.attention.selection import FUSED_DECODE_PATH, Platform, choose_paths
 
 H200 = (9, 0)
@@ -28,6 +29,23 @@ def test_flashinfer_installed_keeps_one_row_decode_fused():
     assert with_fi.fused_decline is None and without_fi.fused_decline is None
     assert paths(head_dim=64, group=7).backend == "triton"  # tuned at head_dim 64
     assert paths("flashinfer").backend_why == "asked for by name"
+
+
+def test_an_installed_flashinfer_that_fails_to_import_leaves_auto_on_triton(tmp_path, monkeypatch):
+    """FlashInfer 0.6.18 beside nvidia-cutlass-dsl 4.3.5 raised AttributeError at import (H200,
+    2026-12-03): auto must not pick it and then fail building it, and says why."""
+    error = "AttributeError: module 'cutlass' has no attribute 'CUDA_VERSION'"
+    failing = Platform("cuda", H200, frozenset(["flashinfer"]), lambda name: error)
+    got = paths(plat=failing)
+    assert got.backend == "triton" and error in got.backend_why and got.fused_decline is None
+    imports = Platform("cuda", H200, frozenset(["flashinfer"]), lambda name: None)
+    assert paths(plat=imports).backend == "flashinfer"
+    assert paths("flashinfer", plat=failing).backend == "flashinfer"  # by name: create_backend says why
+    (tmp_path / "flashlet_broken_backend").mkdir()
+    (tmp_path / "flashlet_broken_backend" / "__init__.py").write_text("raise AttributeError('no CUDA_VERSION')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert selection.import_error("flashlet_broken_backend") == "AttributeError: no CUDA_VERSION"
+    assert selection.import_error("json") is None
 
 
 @pytest.mark.parametrize("broken,why", [

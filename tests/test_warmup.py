@@ -102,8 +102,10 @@ def test_a_backend_with_one_variant_warms_up_with_one_step_of_each_kind():
     assert decode_sizes(EagerRunner, 256) == [1]
 
 
-@pytest.mark.parametrize("max_seqs,budget,max_chunk", [(8, 300, 300), (4, 256, 100), (256, 8192, 4096)])
-def test_mixed_graph_steps_capture_every_reachable_graph_and_no_other(max_seqs, budget, max_chunk):
+@pytest.mark.parametrize("max_seqs,budget,max_chunk,max_model_len", [
+    (8, 300, 300, 2048), (4, 256, 100, 4096), (256, 8192, 4096, 32768)])
+def test_mixed_graph_steps_capture_every_reachable_graph_and_no_other(max_seqs, budget, max_chunk,
+                                                                      max_model_len):
     """Every step a scheduler can form (at most max_seqs sequences, chunks of at most max_chunk
     tokens, at most `budget` tokens, one chunk of 2+) replays a graph that the warm-up captures;
     and the warm-up captures no graph that no step replays."""
@@ -112,19 +114,23 @@ def test_mixed_graph_steps_capture_every_reachable_graph_and_no_other(max_seqs, 
     class Runner:  # mixed_graph_steps reads only these
         use_mixed_graphs, backend, token_buckets = True, tri, mixed_graph_buckets(budget)
 
-    def key(tokens, longest):
-        return next(t for t in Runner.token_buckets if t >= tokens), tri.prefill_variant(longest)
+    def key(tokens, longest, max_kv_len):
+        bucket = next(t for t in Runner.token_buckets if t >= tokens)
+        return bucket, tri.prefill_variant(longest), tri.prefill_splits(longest, bucket, max_kv_len)
 
-    captured = [key(bucket, q) for bucket, q in mixed_graph_steps(Runner, max_chunk, max_seqs)]
+    steps = mixed_graph_steps(Runner, max_chunk, max_seqs, max_model_len)
+    captured = [key(bucket, q, context + q) for bucket, q, context in steps]
     assert len(set(captured)) == len(captured)
     reachable = set()
     for longest in range(2, max_chunk + 1):  # the token counts of its steps, bucket by bucket
         most, below = min(budget, max_seqs * longest), 0
         for bucket in Runner.token_buckets:
             if max(longest, below + 1) <= min(most, bucket):
-                reachable.add(key(bucket, longest))
+                reachable |= {key(bucket, longest, kv) for kv in (longest, max_model_len)}
             below = bucket
     assert set(captured) == reachable
+    splitting = {k for k in captured if k[2] > 1}
+    assert bool(splitting) == (max_model_len >= tri.prefill_split_min_context)
     Runner.use_mixed_graphs = False
     assert mixed_graph_steps(Runner, max_chunk, max_seqs) == []
 

@@ -31,8 +31,9 @@ def create_backend(name: str, kv_pool, num_q_heads: int, **kwargs) -> AttentionB
             raise ValueError("the flashinfer backend needs a CUDA device; use --backend torch on CPU")
         try:
             from flashlet.attention.flashinfer_backend import FlashInferBackend
-        except ImportError as e:
-            raise ValueError(f"the flashinfer backend needs the flashinfer package ({e})") from e
+        except Exception as e:  # absent (ImportError) or broken (anything its import raises)
+            raise ValueError(f"the flashinfer backend needs the flashinfer package, and importing it "
+                             f"failed: {type(e).__name__}: {e}") from e
         return FlashInferBackend(kv_pool, num_q_heads, **kwargs)
     if name == "triton":
         from flashlet.attention.triton_backend import TritonBackend

@@ -46,6 +46,9 @@ class HostLayout(Protocol):
     def max_query_len(self) -> int: ...
 
     @property
+    def max_kv_len(self) -> int: ...
+
+    @property
     def is_pure_decode(self) -> bool: ...
 
     @property
@@ -131,6 +134,12 @@ class AttentionBackend(ABC):
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
         """The kernel variant a mixed step padded for a graph runs (part of the graph's key)."""
         raise NotImplementedError(f"the {self.name} backend serves mixed steps eagerly")
+
+    def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
+        """Longest KV lengths of steps of num_tokens rows (padded) and a longest chunk of
+        max_q_len that, together, replay every mixed graph of that shape: (0,) where the key
+        does not depend on the KV lengths."""
+        return (0,)
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""

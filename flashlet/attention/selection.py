@@ -21,8 +21,11 @@ own shape limits on the fused path (`fused_decode.refusals`) are checked after i
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,7 +50,11 @@ class Platform:
 
     device_type: str
     capability: tuple[int, int] | None
-    installed: frozenset[str]  # optional backends importable here ("flashinfer")
+    installed: frozenset[str]  # optional backends found here ("flashinfer")
+    # Why an installed backend fails to import (None: it imports), asked only of one auto would
+    # pick: importing FlashInfer takes seconds, and one built against another CuTe DSL or torch
+    # than the one installed raises at import (0.6.18 with nvidia-cutlass-dsl 4.3.5 did).
+    import_error: Callable[[str], str | None] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, device: torch.device) -> "Platform":
@@ -55,7 +62,17 @@ class Platform:
         cuda = device.type == "cuda"
         installed = frozenset(n for n in ("flashinfer",) if importlib.util.find_spec(n) is not None)
         capability = tuple(torch.cuda.get_device_capability(device)) if cuda else None
-        return cls(device.type, capability, installed)
+        return cls(device.type, capability, installed, import_error)
+
+
+@functools.cache
+def import_error(name: str) -> str | None:
+    """Why `import name` fails here ("ExceptionType: message"), or None where it imports."""
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # a broken install raises anything: AttributeError, OSError, ...
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,11 @@ def step_backend(requested: str, platform: Platform, head_dim: int, group: int) 
         return requested, "asked for by name"
     if platform.capability is None:
         return "torch", f"auto on {platform.device_type}: the torch backend"
-    return tuning.preferred_backend(head_dim, group, "flashinfer" in platform.installed)
+    name, why = tuning.preferred_backend(head_dim, group, "flashinfer" in platform.installed)
+    failure = platform.import_error(name) if platform.import_error and name != "triton" else None
+    if failure:
+        return "triton", f"{why}, but it is installed and does not import ({failure[:300]}): triton"
+    return name, why
 
 
 def fused_decline(platform: Platform, dtype: torch.dtype, tensor_parallel: bool,

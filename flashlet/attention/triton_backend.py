@@ -10,9 +10,12 @@
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
   max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
   (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too). Steps of at most
-  `prefill_split_max_tokens` rows may split each tile's keys (the config's `num_splits`, 1 by
-  default; $FLASHLET_PREFILL_SPLITS sets it for an A/B), their partials in one scratch
-  allocated here; the split count a tile uses is derived on the device from `kv_lens`.
+  `prefill_split_max_tokens` rows whose longest KV holds at least `prefill_split_min_context`
+  tokens split each tile's keys (the config's `num_splits`; $FLASHLET_PREFILL_SPLITS sets them
+  for an A/B), their partials in one scratch allocated here; the split count a tile uses is
+  derived on the device from `kv_lens`. Whether a step splits is decided in `plan` from its host
+  layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `mixed_graph_contexts` gives
+  the warm-up a context length that reaches each).
 
 - `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
@@ -58,8 +61,9 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
-# "S[,min_split_tokens[,max_tokens]]": split-KV prefill for a GPU A/B without editing code (read
-# once, by the constructor; its arguments win). Off (the tables' num_splits, 1) when unset.
+# "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU
+# A/B without editing code (read once, by the constructor; its arguments win; "1": off). The
+# tables' and tuning's values where unset.
 PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
 
 
@@ -86,6 +90,7 @@ class TritonBackend(AttentionBackend):
         prefill_num_splits: int | None = None,
         prefill_min_split_tokens: int | None = None,
         prefill_split_max_tokens: int | None = None,
+        prefill_split_min_context: int | None = None,
     ):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
@@ -96,7 +101,9 @@ class TritonBackend(AttentionBackend):
         prefill_num_splits / prefill_min_split_tokens: the prefill kernel's split-KV cap and
         smallest split for every step (None: $FLASHLET_PREFILL_SPLITS, else the tables), used
         by steps of at most prefill_split_max_tokens query rows (None: that variable's third
-        value, else tuning.PREFILL_SPLIT_MAX_TOKENS), the rows its scratch holds."""
+        value, else tuning.PREFILL_SPLIT_MAX_TOKENS), the rows its scratch holds, whose longest
+        KV holds at least prefill_split_min_context tokens (None: its fourth value, else
+        tuning.PREFILL_SPLIT_MIN_CONTEXT)."""
         super().__init__(kv_pool, num_q_heads, scale)
         if num_q_heads % self.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads do not split into {self.num_kv_heads} KV heads")
@@ -118,13 +125,16 @@ class TritonBackend(AttentionBackend):
             min_split_tokens=_first_given(prefill_min_split_tokens, env.get("min_split_tokens")))
         self.prefill_split_max_tokens = _first_given(prefill_split_max_tokens, env.get("max_tokens"),
                                                      tuning.PREFILL_SPLIT_MAX_TOKENS)
+        self.prefill_split_min_context = _first_given(prefill_split_min_context, env.get("min_context"),
+                                                      tuning.PREFILL_SPLIT_MIN_CONTEXT)
         # The split prefill's partials, for the most splits any bucket's config asks (none: no scratch).
         prefill_splits = max(self.prefill_config(b).num_splits for b in tuning.PREFILL_QLEN_BUCKETS)
-        if prefill_splits < 1 or self.prefill_split_max_tokens < 1:
-            raise ValueError(f"prefill splits and their token limit must be >= 1, got {prefill_splits}, "
-                             f"{self.prefill_split_max_tokens}")
+        if min(prefill_splits, self.prefill_split_max_tokens, self.prefill_split_min_context) < 1:
+            raise ValueError(f"prefill splits, their token limit and their smallest context must be >= 1, "
+                             f"got {prefill_splits}, {self.prefill_split_max_tokens}, "
+                             f"{self.prefill_split_min_context}")
         self._prefill_scratch = None
-        if prefill_splits > 1:
+        if prefill_splits > 1 and self.max_tokens >= self.prefill_split_min_context:  # reachable
             self._prefill_scratch = split_scratch(prefill_splits, self.prefill_split_max_tokens, num_q_heads,
                                                   self.head_dim, device)
         self.max_kv_splits = max(self._max_splits(self.decode_config(b).min_split_tokens)
@@ -146,6 +156,7 @@ class TritonBackend(AttentionBackend):
         # on the CPU)
         self._decode_variants: dict[int, tuple] = {}
         self._prefill_cfg = self.prefill_config(1)
+        self._prefill_step_splits = 1  # the planned step's split cap (`prefill_splits`)
 
     # ---- launch configurations: functions of the batch shape only (see kernels/tuning.py) ----
     def decode_config(self, num_seqs: int) -> tuning.DecodeConfig:
@@ -208,13 +219,25 @@ class TritonBackend(AttentionBackend):
         depends on its (padded) token count, which a mixed graph's key holds beside this."""
         return (self.prefill_config(max_q_len),)
 
-    def prefill_splits(self, num_tokens: int) -> int:
-        """The split cap of a step of `num_tokens` query rows under the planned config."""
-        splits = self._prefill_cfg.num_splits
-        return splits if num_tokens <= self.prefill_split_max_tokens else 1
+    def prefill_splits(self, max_q_len: int, num_tokens: int, max_kv_len: int) -> int:
+        """The split cap of a step with a chunk: its longest chunk's config's, where the step
+        has at most prefill_split_max_tokens query rows (padded: its token bucket) and its longest
+        KV at least prefill_split_min_context tokens; else 1."""
+        if num_tokens > self.prefill_split_max_tokens or max_kv_len < self.prefill_split_min_context:
+            return 1
+        return self.prefill_config(max_q_len).num_splits
 
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
-        return self.prefill_variant(meta.host.max_query_len)
+        host = meta.host
+        splits = self.prefill_splits(host.max_query_len, meta.token_bucket or host.num_tokens, host.max_kv_len)
+        return self.prefill_variant(host.max_query_len) + (splits,)
+
+    def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
+        """One step's longest KV per mixed graph of this shape: with splitting reachable, a
+        short one and prefill_split_min_context."""
+        if self.prefill_splits(max_q_len, num_tokens, self.prefill_split_min_context) > 1:
+            return (0, self.prefill_split_min_context)
+        return (0,)
 
     # ---- plan / run -----------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
@@ -226,15 +249,17 @@ class TritonBackend(AttentionBackend):
                 variant = self._decode_variants[n] = self.decode_variant(n)
             self._decode_cfg, self._num_splits = variant
         else:
-            self._prefill_cfg = self.prefill_config(meta.host.max_query_len)
+            host = meta.host
+            self._prefill_cfg = self.prefill_config(host.max_query_len)
+            self._prefill_step_splits = self.prefill_splits(
+                host.max_query_len, meta.token_bucket or host.num_tokens, host.max_kv_len)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
         k_scale, v_scale = self.kv_pool.scales(layer)  # 1.0 unless an fp8 pool's
         if not meta.is_pure_decode:
-            pc = self._prefill_cfg
-            splits = self.prefill_splits(q.shape[0])
+            pc, splits = self._prefill_cfg, self._prefill_step_splits
             return prefill_attention(
                 q, k_cache, v_cache,
                 meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
@@ -326,8 +351,8 @@ def _first_given(*values):
 
 
 def prefill_splits_from_env() -> dict:
-    """$FLASHLET_PREFILL_SPLITS ("S[,min_split_tokens[,max_tokens]]") as {num_splits,
-    min_split_tokens, max_tokens} (the values given); {} when unset."""
+    """$FLASHLET_PREFILL_SPLITS ("S[,min_split_tokens[,max_tokens[,min_context]]]") as
+    {num_splits, min_split_tokens, max_tokens, min_context} (the values given); {} when unset."""
     text = os.environ.get(PREFILL_SPLITS_ENV, "").strip()
     if not text:
         return {}
@@ -336,7 +361,7 @@ def prefill_splits_from_env() -> dict:
         values = [int(x) for x in parts]
     except ValueError:
         values = []
-    if not 1 <= len(values) <= 3 or min(values) < 1:
-        raise ValueError(f"{PREFILL_SPLITS_ENV}={text!r}: expected 'S[,min_split_tokens[,max_tokens]]', "
-                         "positive integers")
-    return dict(zip(("num_splits", "min_split_tokens", "max_tokens"), values))
+    if not 1 <= len(values) <= 4 or min(values) < 1:
+        raise ValueError(f"{PREFILL_SPLITS_ENV}={text!r}: expected "
+                         "'S[,min_split_tokens[,max_tokens[,min_context]]]', positive integers")
+    return dict(zip(("num_splits", "min_split_tokens", "max_tokens", "min_context"), values))

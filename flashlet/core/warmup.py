@@ -4,9 +4,10 @@ A kernel that compiles (Triton, FlashInfer's JIT) or a graph captured in the mid
 costs the first requests seconds. What a step compiles is a function of shapes fixed at start
 and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV length:
 
-- steps with a chunk: the prefill variant of the step's longest chunk (`backend.prefill_variant`);
-  with mixed-step graphs, one graph per token bucket (`runner.token_buckets`) and prefill
-  variant that a step can reach (`mixed_graph_steps`), each capturing that variant;
+- steps with a chunk: the prefill variant of the step's longest chunk (`backend.prefill_variant`),
+  and a second where a long context splits the keys (`backend.mixed_graph_contexts`); with
+  mixed-step graphs, one graph per token bucket (`runner.token_buckets`), prefill variant and
+  context that a step can reach (`mixed_graph_steps`), each capturing that variant;
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant; without, the decode variant of the batch size
   (`backend.decode_variant`);
@@ -66,10 +67,13 @@ def decode_sizes(runner, max_num_seqs: int) -> list[int]:
     return representatives(runner.backend.decode_variant, range(1, max_num_seqs + 1))
 
 
-def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """(token bucket, longest chunk) of one step per mixed graph a step can replay: each prefill
-    variant's first chunk length, in each bucket that a step of that variant can fill past the
-    bucket below (at most max_num_seqs sequences of at most the variant's longest chunk)."""
+def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int,
+                      max_model_len: int = 1 << 30) -> list[tuple[int, int, int]]:
+    """(token bucket, longest chunk, longest KV before it) of one step per mixed graph a step can
+    replay: each prefill variant's first chunk length, in each bucket that a step of that
+    variant can fill past the bucket below (at most max_num_seqs sequences of at most the
+    variant's longest chunk), at each context that keys a graph apart
+    (`backend.mixed_graph_contexts`) within max_model_len."""
     if not runner.use_mixed_graphs:
         return []
     firsts = chunk_lengths(runner.backend, max_chunk)
@@ -79,16 +83,25 @@ def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int) -> list[tuple[i
     for bucket in runner.token_buckets:
         for first, last in zip(firsts, lasts):
             if first <= bucket and min(max_num_seqs * last, budget) > below:
-                steps.append((bucket, first))
+                steps += [(bucket, first, context) for context in chunk_contexts(
+                    runner.backend, bucket, first, max_model_len)]
         below = bucket
     return steps
 
 
-def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int) -> StepLayout:
-    """`num_seqs` sequences of `q_len` new tokens (no cached prefix), every token on the pool's
-    scratch page: built like every step (`batch.build_layout`), so the same kernels specialise."""
-    pages = [kv_pool.scratch_page] * -(-q_len // kv_pool.page_size)
-    rows = [StepRow([(7 * (b * q_len + i)) % vocab for i in range(q_len)], 0, pages)
+def chunk_contexts(backend, num_tokens: int, q_len: int, max_model_len: int) -> list[int]:
+    """The tokens before a q_len chunk in one step per variant that a step of num_tokens rows
+    takes by its context length (`backend.mixed_graph_contexts`, those that fit max_model_len)."""
+    return [max(0, c - q_len) for c in backend.mixed_graph_contexts(num_tokens, q_len)
+            if max(c, q_len) <= max_model_len]
+
+
+def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int, context: int = 0) -> StepLayout:
+    """`num_seqs` sequences of `q_len` new tokens after `context` cached ones, every token on
+    the pool's scratch page: built like every step (`batch.build_layout`), so the same kernels
+    specialise."""
+    pages = [kv_pool.scratch_page] * -(-(context + q_len) // kv_pool.page_size)
+    rows = [StepRow([(7 * (b * q_len + i)) % vocab for i in range(q_len)], context, pages)
             for b in range(num_seqs)]
     return build_layout(rows, kv_pool.page_size)
 
@@ -104,13 +117,14 @@ def warm_up(engine) -> dict:
     max_chunk = min(cfg.max_num_batched_tokens, engine.max_model_len)
     chunks = chunk_lengths(runner.backend, max_chunk)
     sizes = decode_sizes(runner, cfg.max_num_seqs)
-    mixed = mixed_graph_steps(runner, max_chunk, cfg.max_num_seqs)
+    mixed = mixed_graph_steps(runner, max_chunk, cfg.max_num_seqs, engine.max_model_len)
     with count_triton_compiles() as compiles:
         t0 = time.perf_counter()
         # One sequence with a chunk of q_len tokens, eagerly; with mixed graphs every chunk
         # step replays one, and their captures below compile the same prefill variants.
         for q_len in [] if mixed else chunks:
-            runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab)))
+            for context in chunk_contexts(runner.backend, q_len, q_len, engine.max_model_len):
+                runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab, context)))
         _warm_sampling(engine)
         _warm_logits(engine)
         sync()
@@ -121,8 +135,8 @@ def warm_up(engine) -> dict:
             runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()
-        for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its pool memory
-            layout = synthetic_layout(1, q_len, engine.kv_pool, vocab)
+        for bucket, q_len, context in reversed(mixed):  # the largest first: the rest reuse its pool memory
+            layout = synthetic_layout(1, q_len, engine.kv_pool, vocab, context)
             runner.forward(*runner.load(layout, token_bucket=bucket))
         sync()
         t3 = time.perf_counter()

@@ -11,9 +11,11 @@ the lengths on the device (the number of splits a sequence uses comes from `kv_l
   KV split in tokens, and `waves`: how many programs per SM the split count aims at.
 - Prefill (every step with a chunk): bucket = the smallest of PREFILL_QLEN_BUCKETS that holds
   the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles). Its
-  split-KV cap (num_splits, 1 = off everywhere for now) applies to steps of at most
-  PREFILL_SPLIT_MAX_TOKENS rows; how many splits a tile uses comes from the KV lengths on the
-  device (min_split_tokens), so one graph per token bucket still serves every length.
+  split-KV cap (num_splits: 8 for chunks past the first bucket, 1 for short ones) applies to
+  steps of at most PREFILL_SPLIT_MAX_TOKENS rows whose longest KV holds at least
+  PREFILL_SPLIT_MIN_CONTEXT tokens (known on the host when the step is planned: a second
+  mixed-graph variant per token bucket); how many splits a tile uses comes from the KV lengths
+  on the device (min_split_tokens), so those graphs serve every length past it.
 
 DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.py` (H200),
 pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
@@ -38,6 +40,12 @@ PREFILL_QLEN_BUCKETS = (16, 1 << 30)
 # The most query rows of a step the prefill kernel splits (and its scratch holds): a larger
 # step has enough tiles to fill the GPU unsplit (1,024 rows at group 7: 112 tiles a KV head).
 PREFILL_SPLIT_MAX_TOKENS = 1024
+# The shortest longest-KV of a step that splits. The split kernel, even where every tile takes
+# one split, writes its partials and merges them, under a register cap: a 448-token chunk with
+# 64 decodes at 1,024 tokens of context took 0.818 ms of attention (24 layers) split (8, 1,024)
+# against 0.637 unsplit, and 1.163 against 1.986 at 4,096 (qwen2.5-0.5b; qwen3-0.6b 0.92x /
+# 1.09x; H200, scripts/prefill_split_bench.py, 2026-12-03). 2,048 is not measured.
+PREFILL_SPLIT_MIN_CONTEXT = 4096
 ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; more: no table entry
 
 
@@ -158,9 +166,18 @@ def default_prefill(head_dim: int, group: int, qlen_bucket: int) -> PrefillConfi
     rows for small groups. head_dim 128: 8 warps share the [BM, 128] fp32 accumulator."""
     short = qlen_bucket <= PREFILL_QLEN_BUCKETS[0]
     block_m = 32 if short and group < 4 else 64
+    # Longer chunks split their keys 8 ways, splits of at least 1,024 keys (past
+    # PREFILL_SPLIT_MIN_CONTEXT): within 14% of the best split cap and smallest split measured
+    # for both shapes at 4k-30k tokens, within 4% but at qwen2.5-0.5b's 8k (where 4 splits win)
+    # (scripts/prefill_split_bench.py on the H200: qwen2.5-0.5b 1.71x / 1.96x / 2.66x at 4k / 8k
+    # / 30k, qwen3-0.6b 1.09x / 1.25x / 1.60x). With every step of the long-prompt-gaps
+    # workload split, the streams' token gaps went from 3.57 / 5.72-6.07 ms (p50 / p99) to 2.71 /
+    # 4.68 and the long prompts' TTFT from 291 to 224 ms. Short chunks were not measured split.
+    splits = {} if short else dict(num_splits=8, min_split_tokens=1024)
     if head_dim >= 128:
-        return PrefillConfig(block_m=block_m, block_n=32 if short else 64, num_warps=8 if not short else 4)
-    return PrefillConfig(block_m=block_m)
+        return PrefillConfig(block_m=block_m, block_n=32 if short else 64, num_warps=8 if not short else 4,
+                             **splits)
+    return PrefillConfig(block_m=block_m, **splits)
 
 
 def decode_config(head_dim: int, group: int, num_seqs: int) -> DecodeConfig:

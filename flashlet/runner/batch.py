@@ -128,6 +128,10 @@ class StepLayout:
     def max_query_len(self) -> int:
         return int(self.query_lens.max(initial=0))
 
+    @cached_property
+    def max_kv_len(self) -> int:
+        return int(self.arrays["kv_lens"].max(initial=0))
+
     def without_feed(self) -> "StepLayout":
         """This layout with no fed rows: for a rank that gets its input ids whole (a worker)."""
         none = np.zeros(0, np.int64)

@@ -220,20 +220,21 @@ class DraftProposer:
         engine's warm-up (flashlet/core/warmup.py) does for the target. Returns the graphs held."""
         runner, max_seqs = self.runner, self.runner_config.max_num_seqs
         max_chunk = min(self.max_step_tokens, self.max_model_len)
-        mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs)
+        mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs, self.max_model_len)
         for q_len in [] if mixed else warmup.chunk_lengths(runner.backend, max_chunk):
-            runner.forward(*runner.load(self._synthetic(1, q_len)))
+            for context in warmup.chunk_contexts(runner.backend, q_len, q_len, self.max_model_len):
+                runner.forward(*runner.load(self._synthetic(1, q_len, context)))
         for size in warmup.decode_sizes(runner, max_seqs):
             runner.forward(*runner.load(self._synthetic(size, 1)))
         for size in runner.fused.row_counts if runner.fused is not None else []:
             # the fused path's greedy-token graphs: decodes, and catch-ups as decode rows
             runner.greedy_tokens(*runner.load(self._synthetic(size, 1)))
-        for bucket, q_len in reversed(mixed):  # the largest first: the rest reuse its memory
-            runner.forward(*runner.load(self._synthetic(1, q_len), token_bucket=bucket))
+        for bucket, q_len, context in reversed(mixed):  # the largest first: the rest reuse its memory
+            runner.forward(*runner.load(self._synthetic(1, q_len, context), token_bucket=bucket))
         return len(runner.graphs)
 
-    def _synthetic(self, num_seqs: int, q_len: int):
-        return warmup.synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size)
+    def _synthetic(self, num_seqs: int, q_len: int, context: int = 0):
+        return warmup.synthetic_layout(num_seqs, q_len, self.kv_pool, self.model.config.vocab_size, context)
 
     # ---- the Proposer interface -----------------------------------------------------------
     @torch.inference_mode()

@@ -477,11 +477,14 @@ FUSED_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "
 def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     """Each served preset's real shapes, random weights, default parts, teacher-forced against
     the per-op path at 1, 2, 7 (padded to 8) and 16 rows: issue 29's agreement rule on every
-    preset the path serves (qwen2.5-0.5b's: the tests above)."""
+    preset the path serves (qwen2.5-0.5b's: the tests above). At least 96 positions a case: the
+    rule's count (90% agree, or fp32's pick as often) is noise over a few dozen (qwen3-1.7b or
+    tinyllama at 2 rows x 12 tokens failed it by one pick on the H200, every parting a near tie
+    and the fused logits nearer fp32 than per-op's)."""
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
     vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)
-    engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), 12,
+    engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), max(12, -(-96 // batch)),
                                                     max_num_seqs=batch, fused=None)
     assert engine.runner.fused is not None and not engine.runner.fused.declined_rows
 

@@ -20,9 +20,11 @@ pytestmark = [pytest.mark.gpu,
 
 PAGE_SIZE = 16
 LOGITS_RTOL = 1e-3  # of the step's largest |logit|
-# Off, and the split-KV prefill (attention/triton_backend.py's switch): up to 8 splits of 64+
-# keys, so the contexts of a few hundred tokens here split.
-SPLITS = pytest.mark.parametrize("splits", [None, "8,64"], ids=["unsplit", "split"])
+# The defaults (a step splits its keys from 4,096 tokens of context: none here but the second
+# test's longest prompt), and the split-KV prefill (attention/triton_backend.py's switch) up to 8
+# splits of 64+ keys in steps whose longest KV holds 256+ tokens: the contexts of a few hundred
+# tokens here split, shorter ones do not, so both variants of a bucket's graph replay.
+SPLITS = pytest.mark.parametrize("splits", [None, "8,64,1024,256"], ids=["default", "split"])
 
 
 def _set_splits(monkeypatch, splits):
@@ -63,7 +65,8 @@ def test_mixed_graph_replays_give_the_eager_logits(monkeypatch, splits):
                                  max_model_len=2048, page_size=PAGE_SIZE, warmup_at_start=False))
     runner = engine.runner
     assert runner.use_mixed_graphs and runner.token_buckets[-1] == 512
-    assert runner.backend.prefill_config(300).num_splits == (8 if splits else 1)
+    assert runner.backend.prefill_config(300).num_splits == 8
+    assert runner.backend.prefill_split_min_context == (256 if splits else 4096)
     torch.manual_seed(0)
     engine.kv_pool.k_cache.normal_()
     engine.kv_pool.v_cache.normal_()
@@ -89,6 +92,8 @@ def test_mixed_graph_replays_give_the_eager_logits(monkeypatch, splits):
         assert (graphed - eager).abs().max().item() <= LOGITS_RTOL * scale, layout
     buckets = {key[1] for key in runner.graphs if key[0] == "mixed"}
     assert len(buckets) >= 4, buckets
+    split_caps = {key[-1] for key in runner.graphs if key[0] == "mixed"}
+    assert split_caps == ({1, 8} if splits else {1}), split_caps
 
 
 def _greedy_tokens(engine, prompts, late):
@@ -114,7 +119,7 @@ def test_engine_with_mixed_graphs_gives_the_eager_tokens_and_captures_nothing_af
                        max_model_len=4096)
     vocab = 151_000
     prompts = [[(13 * j + 7 * i) % vocab for j in range(n)] for i, n in
-               enumerate([5, 40, 300, 1500, 17, 2])]
+               enumerate([5, 40, 300, 1500, 17, 2, 4090])]  # 4,090: its last chunks split
     late = [(5 * j + 1) % vocab for j in range(100)]  # with the decodes: a smaller bucket
     graphed = Engine(cfg)
     start = graphed.start_report

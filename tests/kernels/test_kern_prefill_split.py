@@ -163,7 +163,8 @@ def _step_against_torch(kh, pool, tri, seqs):
 def test_backend_splits_a_mixed_step_into_its_one_scratch(kh, monkeypatch):
     calls = _spy(monkeypatch)
     pool = _pool(kh)
-    tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16)
+    tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16,
+                        prefill_split_min_context=150)
     assert tri._prefill_scratch[0].shape == (4, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
     _step_against_torch(kh, pool, tri, [(150, 9), (120, 1), (30, 1)])
     assert [c["num_splits"] for c in calls] == [4, 4]
@@ -174,25 +175,35 @@ def test_backend_runs_a_step_past_the_token_limit_unsplit(kh, monkeypatch):
     calls = _spy(monkeypatch)
     pool = _pool(kh)
     tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16,
-                        prefill_split_max_tokens=8)
+                        prefill_split_max_tokens=8, prefill_split_min_context=1)
     assert tri._prefill_scratch[0].shape[:2] == (4, 8)
     _step_against_torch(kh, pool, tri, [(100, 9), (60, 1)])  # 10 rows > 8
     assert [(c["num_splits"], c["scratch"]) for c in calls] == [(1, None), (1, None)]
 
 
-def test_splitting_is_off_by_default_and_set_by_the_environment(kh, monkeypatch):
-    pool = _pool(kh)
+def test_long_chunks_split_past_the_smallest_context_and_the_environment_sets_it(kh, monkeypatch):
+    pool = _pool(kh)  # 64 pages of 8: sequences up to 512 tokens
     monkeypatch.delenv(triton_backend.PREFILL_SPLITS_ENV, raising=False)
-    off = TritonBackend(pool, 6, **BACKEND)
-    assert off.prefill_config(500).num_splits == 1 and off._prefill_scratch is None
-    monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "8,512,256")
+    default = TritonBackend(pool, 6, **BACKEND)
+    assert (default.prefill_config(500).num_splits, default.prefill_config(9).num_splits) == (8, 1)
+    assert default.prefill_split_min_context == tuning.PREFILL_SPLIT_MIN_CONTEXT > 512
+    assert default._prefill_scratch is None  # no sequence reaches the smallest context
+    reach = TritonBackend(pool, 6, **BACKEND, prefill_split_min_context=300)
+    assert reach._prefill_scratch[0].shape == (8, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
+    assert [reach.prefill_splits(*step) for step in [(500, 600, 299), (500, 600, 300), (9, 600, 300),
+                                                      (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]] == [1, 8, 1, 1]
+    assert reach.mixed_graph_contexts(600, 500) == (0, 300) and reach.mixed_graph_contexts(600, 9) == (0,)
+    monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "4,512,256,100")
     on = TritonBackend(pool, 6, **BACKEND)
     cfg = on.prefill_config(500)
-    assert (cfg.num_splits, cfg.min_split_tokens, on.prefill_split_max_tokens) == (8, 512, 256)
-    assert on._prefill_scratch[0].shape == (8, 256, 6, 16)
-    assert on.prefill_variant(500) != off.prefill_variant(500)  # mixed graphs keyed apart
+    assert (cfg.num_splits, cfg.min_split_tokens, on.prefill_split_max_tokens,
+            on.prefill_split_min_context) == (4, 512, 256, 100)
+    assert on._prefill_scratch[0].shape == (4, 256, 6, 16)
+    assert on.prefill_variant(500) != default.prefill_variant(500)  # mixed graphs keyed apart
+    monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "1")  # off
+    assert TritonBackend(pool, 6, **BACKEND, prefill_split_min_context=1)._prefill_scratch is None
     assert TritonBackend(pool, 6, **BACKEND, prefill_num_splits=2).prefill_config(500).num_splits == 2
-    for bad in ("0", "4,x", "1,2,3,4", "-2"):
+    for bad in ("0", "4,x", "1,2,3,4,5", "-2"):
         monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, bad)
         with pytest.raises(ValueError, match=triton_backend.PREFILL_SPLITS_ENV):
             TritonBackend(pool, 6, **BACKEND)
@@ -209,7 +220,7 @@ def test_engine_with_split_prefill_gives_the_oracles_tokens(tiny_qwen2, monkeypa
     prompts = [[3, 5, 7, 9, 11] * 50, [2, 4, 6, 8]]
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     tokens = []
-    for backend, splits in (("torch", None), ("triton", "4,16")):
+    for backend, splits in (("torch", None), ("triton", "4,16,1024,100")):
         if splits:
             monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, splits)
         engine = Engine(cfg.replace(backend=backend))

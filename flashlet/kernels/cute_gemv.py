@@ -64,14 +64,18 @@ holds its 16 codes, widened to bf16 by three integer instructions a pair (`widen
 exact, each value times 2^-120, which the epilogue multiplies back with the row's scale), and
 four m16n8k16 products a step take them with x's two 16-byte chunks of the same K.
 
-The CuTe DSL (`nvidia-cutlass-dsl==4.3.5`) is imported on first use, so the rest of flashlet
-never needs it; `CuteUnavailable` says how to install it when it is missing.
+The CuTe DSL (`nvidia-cutlass-dsl`, 4.3.5 to 4.8.1; CUTE_DSL_PIN is the recommended one, which
+also meets FlashInfer's floor of 4.6.2) is imported on first use, so the rest of flashlet never
+needs it; `CuteUnavailable` says how to install it when it is missing. The code is the same on
+each version; the PTX is not (instruction selection, a load's type spelled otherwise), the SASS's
+loads and products are (FUSED_NOTES.md, "CuTe DSL versions").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -98,15 +102,27 @@ E4M3_PRMT = (0x9180, 0xB3A2)  # prmt selectors: codes 0, 1 (2, 3) as sign-extend
 E4M3_SHIFT = 4                # the 7 exponent + mantissa bits to bf16's bits 4-10 (sign: bits 11-15)
 E4M3_MASK = 0x87F087F0        # keep each half's bit 15 (sign) and bits 4-10
 E4M3_BF16_SCALE = 2.0 ** 120  # bf16 exponent e against e4m3's bias 7: 2^(e - 127) / 2^(e - 7)
+CUTE_DSL_PIN = "nvidia-cutlass-dsl==4.8.1"  # the newest checked (4.3.5 to 4.8.1 work); FlashInfer needs >= 4.6.2
 INSTALL_HINT = (
-    "the CuTe DSL is not importable: pip install --no-deps --target DIR nvidia-cutlass-dsl==4.3.5 "
-    "(it needs cuda-bindings / cuda-python too) and put DIR/nvidia_cutlass_dsl/python_packages "
-    "and DIR on PYTHONPATH (--target does not process the wheel's .pth file)"
+    f"the CuTe DSL is not importable: pip install {CUTE_DSL_PIN} (4.3.5 to 4.8.1 work; it needs "
+    "cuda-bindings too). With pip's --target DIR, which skips the wheel's .pth file, put "
+    "DIR/nvidia_cutlass_dsl/dsl_packages (4.3.5: DIR/nvidia_cutlass_dsl/python_packages) and DIR "
+    "on PYTHONPATH"
 )
 
 
 class CuteUnavailable(RuntimeError):
     """The CuTe DSL (nvidia-cutlass-dsl) cannot be imported."""
+
+
+def dsl_version() -> str:
+    """The importable CuTe DSL's version ("" when none is)."""
+    for dist in ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base"):  # (4.6 on: the meta wheel's libraries)
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ""
 
 
 def cute_available() -> tuple[bool, str]:

@@ -20,7 +20,7 @@ from flashlet.kernels import cute_gemv
 from flashlet.kernels.cute_gemv import E4M3_BF16_SCALE, CuteGemv, RopeShape, plan_gemv, prmt, widen_e4m3_word
 from tests.kernels.test_cute_gemv import (QWEN05_ROPE, check_rows_rope, lower_to_ptx,
                                           needs_cute, needs_gpu, rope_as_lowered)
-from tests.kernels.test_cute_gemv_fp8 import check_fp8_argmax, check_fp8_rows
+from tests.kernels.test_cute_gemv_fp8 import check_fp8_argmax, check_fp8_rows, ptx_pins
 
 on_the_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real (below)")
 MMA_ROWS_TESTED = [1, 2, 7, 16]
@@ -161,6 +161,15 @@ BF16_MMA_PTX_SHA = {
     (151936, 896, "none", 1, 1, 16): "b77cd5eb7b8755ac",
     (136, 64, "argmax", 0, 0, 2): "b3f229344042e826",
 }
+BF16_MMA_PTX_SHA_481 = {  # the same from DSL 4.8.1 (code whose 4.3.5 PTX matches the pins above)
+    (1152, 896, "bias_rope_kv", 1, 1, 4): "4e6004f68a49bfaa",
+    (9728, 896, "silu_mul", 1, 1, 16): "1ece88d8e6a72f12",
+    (896, 4864, "residual", 1, 0, 4): "441b11c9d8cf41b6",
+    (151936, 896, "argmax", 1, 1, 8): "3e8251a8457849cc",
+    (896, 896, "residual", 1, 0, 2): "1b5697a7cc4176c2",
+    (151936, 896, "none", 1, 1, 16): "f47973830bd595bd",
+    (136, 64, "argmax", 0, 0, 2): "717f144c72938ab5",
+}
 
 
 @pytest.mark.slow
@@ -169,7 +178,8 @@ BF16_MMA_PTX_SHA = {
 @pytest.mark.parametrize("n, k, epilogue, pdl, norm, rows", sorted(BF16_MMA_PTX_SHA))
 def test_bf16_mma_ptx_is_unchanged_by_the_fp8_form(tmp_path, n, k, epilogue, pdl, norm, rows):
     counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows)
-    assert counts["SHA"][:16] == BF16_MMA_PTX_SHA[(n, k, epilogue, pdl, norm, rows)]
+    pins = ptx_pins({"4.3.5": BF16_MMA_PTX_SHA, "4.8.1": BF16_MMA_PTX_SHA_481})
+    assert counts["SHA"][:16] == pins[(n, k, epilogue, pdl, norm, rows)]
 
 
 @pytest.mark.slow

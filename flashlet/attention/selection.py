@@ -54,7 +54,7 @@ class Platform:
     # Why an installed backend fails to import (None: it imports), asked only of one auto would
     # pick: importing FlashInfer takes seconds, and one built against another CuTe DSL or torch
     # than the one installed raises at import (0.6.18 with nvidia-cutlass-dsl 4.3.5 did).
-    import_error: Callable[[str], str | None] = field(default=None, compare=False, repr=False)
+    import_error: Callable[[str], str | None] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, device: torch.device) -> "Platform":

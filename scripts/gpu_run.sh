@@ -48,6 +48,10 @@
 #                installed by earlier calls from .whl-cute1/ ...): one stream
 #                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
 #                8,000-token prompt (~8 min with FlashInfer's first compile)
+#   dsl-ab       the fused path on CuTe DSL 4.3.5 against 4.8.1 in one process pair after another
+#                (both installed by earlier calls: .whl-cute1/, .whl-cute2/, then .whl-cute/ with
+#                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
+#                (~5 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -297,6 +301,25 @@ for part in "${PARTS[@]}"; do
           run 200 env FLASHLET_PREFILL_SPLITS="$splits" python3 -m flashlet.bench \
             --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload long-prompt-gaps \
             --out "$OUT/json/long-prompts-split-${splits:-default}-$pair.json"
+        done
+      done ;;
+    dsl-ab)
+      cute_env
+      base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
+      for pair in 1 2; do
+        for v in 4.3.5 4.8.1; do
+          root=/tmp/cute/$v/nvidia_cutlass_dsl/dsl_packages
+          [[ -d $root ]] || root=/tmp/cute/$v/nvidia_cutlass_dsl/python_packages
+          if [[ ! -f /tmp/cute/$v/.installed ]]; then
+            echo "part dsl-ab needs CuTe DSL $v installed (see the part's note)" | tee -a "$LOG"
+            status=2; continue
+          fi
+          pp="$root:/tmp/cute/$v:$base"
+          run 150 env PYTHONPATH="$pp" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
+            --quiet --workload single --max-num-pages 8192 --out "$OUT/json/dsl-$v-single-$pair.json"
+          run 150 env PYTHONPATH="$pp" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
+            --quiet --workload closed-loop --concurrency 1 4 16 --max-new-tokens 128 --num-requests 64 \
+            --max-num-pages 8192 --out "$OUT/json/dsl-$v-closed-loop-$pair.json"
         done
       done ;;
     fi-parity)

@@ -54,7 +54,7 @@ LM head (bf16 GEMM, then fp32) follow transformers.
     python scripts/fidelity.py --config qwen3-0.6b --backend triton --json out.json
     python scripts/fidelity.py --diagnose --config llama-3.2-1b qwen2.5-1.5b
     python scripts/fidelity.py --quantization fp8            # beside each backend, its fp8 row
-    python scripts/fidelity.py --perplexity --device cpu     # SmolLM2: fp8 weights vs bf16
+    python scripts/fidelity.py --perplexity --device cpu     # SmolLM2: fp8 weights vs bf16, fp32
     python scripts/fidelity.py --perplexity --kv-cache-dtype fp8   # and fp8 KV rows
     python scripts/fidelity.py --quantization fp8 --kv-cache-dtype fp8   # fp8 weight and KV rows
 
@@ -70,10 +70,18 @@ presets; the real model's perplexity (--perplexity) measures what a trained mode
 --kv-cache-dtype fp8: each backend also runs with an fp8 KV cache, held to 1 point of its own
 row.
 
---perplexity: no presets; the real model (--model, default the embedded SmolLM2-135M) scores a
-fixed text (scripts/fidelity_text.txt) teacher-forced through the engine in --dtype, with its
-weights as they are and in fp8 (and, with --kv-cache-dtype fp8, with an fp8 KV cache, alone and
-with fp8 weights); fails when any variant's perplexity is more than 3% over.
+--perplexity: no presets; the real model (--model, default the embedded SmolLM2-135M) scores
+fixed texts (scripts/fidelity_text.txt, or --text FILE..., each file one sequence of its first
+--max-len tokens) teacher-forced through the engine in --dtype, with its weights as they are and
+in fp8 (and, with --kv-cache-dtype fp8, with an fp8 KV cache, alone and with fp8 weights), and
+once in float32, unquantized: the reference. Each row prints its perplexity and its argmax
+agreement with the float32 run (+- 1.96 SE); each fp8 row also its paired difference to the
+--dtype row's agreement on the same positions (+- 1.96 SE) and issue 31's verdict on it: fp8
+weights within 3 points, an fp8 KV cache within 1 ("within" when the whole interval is above
+the bound, "short" when below, else undecided). The exit status is the perplexity rule's alone:
+1 when any fp8 row's perplexity is more than 3% over the --dtype row's.
+
+    python scripts/fidelity.py --perplexity --device cpu --kv-cache-dtype fp8 --text docs/en/versions/*.md
 """
 
 from __future__ import annotations

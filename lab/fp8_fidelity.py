@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +29,8 @@ from flashlet.models import quantization as q
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import (embedded_model_dir, load_model, load_tokenizer,
                                      preset_config, random_model)
+from scripts.fidelity import PERPLEXITY_TEXT, text_sequences  # the texts fidelity.py scores
 from tests.test_fp8 import DenseAttention  # causal attention over one whole sequence (no pool)
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class EmulatedWeight(q.QuantizedWeight):
@@ -168,10 +166,7 @@ def main():
     flashlet.models.ops.quantized_linear = emulated_linear
     if args.smollm2:
         tok = load_tokenizer(embedded_model_dir())
-        if args.text:
-            seqs = [tok.encode(Path(f).read_text())[: args.max_len] for f in args.text]
-        else:
-            seqs = [tok.encode((ROOT / "scripts" / "fidelity_text.txt").read_text())]
+        seqs = text_sequences(tok, args.text or [PERPLEXITY_TEXT], args.max_len)
     else:
         vocab = preset_config(args.preset)["vocab_size"]
         g = torch.Generator().manual_seed(args.seed)

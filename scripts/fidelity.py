@@ -54,7 +54,7 @@ LM head (bf16 GEMM, then fp32) follow transformers.
     python scripts/fidelity.py --config qwen3-0.6b --backend triton --json out.json
     python scripts/fidelity.py --diagnose --config llama-3.2-1b qwen2.5-1.5b
     python scripts/fidelity.py --quantization fp8            # beside each backend, its fp8 row
-    python scripts/fidelity.py --perplexity --device cpu     # SmolLM2: fp8 weights vs bf16
+    python scripts/fidelity.py --perplexity --device cpu     # SmolLM2: fp8 weights vs bf16, fp32
     python scripts/fidelity.py --perplexity --kv-cache-dtype fp8   # and fp8 KV rows
     python scripts/fidelity.py --quantization fp8 --kv-cache-dtype fp8   # fp8 weight and KV rows
 
@@ -70,10 +70,18 @@ presets; the real model's perplexity (--perplexity) measures what a trained mode
 --kv-cache-dtype fp8: each backend also runs with an fp8 KV cache, held to 1 point of its own
 row.
 
---perplexity: no presets; the real model (--model, default the embedded SmolLM2-135M) scores a
-fixed text (scripts/fidelity_text.txt) teacher-forced through the engine in --dtype, with its
-weights as they are and in fp8 (and, with --kv-cache-dtype fp8, with an fp8 KV cache, alone and
-with fp8 weights); fails when any variant's perplexity is more than 3% over.
+--perplexity: no presets; the real model (--model, default the embedded SmolLM2-135M) scores
+fixed texts (scripts/fidelity_text.txt, or --text FILE..., each file one sequence of its first
+--max-len tokens) teacher-forced through the engine in --dtype, with its weights as they are and
+in fp8 (and, with --kv-cache-dtype fp8, with an fp8 KV cache, alone and with fp8 weights), and
+once in float32, unquantized: the reference. Each row prints its perplexity and its argmax
+agreement with the float32 run (+- 1.96 SE); each fp8 row also its paired difference to the
+--dtype row's agreement on the same positions (+- 1.96 SE) and issue 31's verdict on it: fp8
+weights within 3 points, an fp8 KV cache within 1 ("within" when the whole interval is above
+the bound, "short" when below, else undecided). The exit status is the perplexity rule's alone:
+1 when any fp8 row's perplexity is more than 3% over the --dtype row's.
+
+    python scripts/fidelity.py --perplexity --device cpu --kv-cache-dtype fp8 --text docs/en/versions/*.md
 """
 
 from __future__ import annotations
@@ -125,12 +133,24 @@ def parse_args(argv=None):
                    help="also run each backend with this KV cache (compared with its own row); "
                         "--perplexity: rows with it, alone and with fp8 weights")
     p.add_argument("--perplexity", action="store_true",
-                   help="the real --model's perplexity on scripts/fidelity_text.txt, fp8 vs --dtype")
+                   help="the real --model on fixed texts: fp8 vs --dtype, agreement with fp32")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="--perplexity: score these files, one sequence each (default: "
+                        "scripts/fidelity_text.txt)")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="--perplexity: tokens a --text sequence keeps (its first)")
     p.add_argument("--model", default=None, help="--perplexity: the model (default: embedded SmolLM2)")
     p.add_argument("--diag-qk-scale", type=float, nargs="+", default=[1.0, 3.0],
                    help="--diagnose: q/k std as multiples of a random-weight model's "
                         "(0.02 sqrt(hidden)); 3 makes attention peaked")
     args = p.parse_args(argv)
+    if args.text and not args.perplexity:
+        p.error("--text is read by --perplexity only")
+    missing = [f for f in args.text or [] if not Path(f).is_file()]
+    if missing:
+        p.error(f"--text: no such file: {', '.join(missing)}")
+    if args.max_len < 2:
+        p.error("--max-len must be at least 2")
     if args.num_seqs * args.seq_len < 256:
         p.error("need at least 256 positions (--num-seqs x --seq-len)")
     if args.config is None:
@@ -686,23 +706,35 @@ def rope_table(errors: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- --perplexity: a real model on a fixed text, fp8 weights against --dtype ------------------
+# ---- --perplexity: a real model on fixed texts, fp8 against --dtype and fp32 ----------------------
 
 PERPLEXITY_TEXT = Path(__file__).resolve().parent / "fidelity_text.txt"
 PERPLEXITY_RATIO = 1.03  # issue 31: each fp8 variant's perplexity within 3% of bf16's
 
 
-def perplexity(args, token_ids: list[int], variant: dict) -> float:
-    """exp(mean cross-entropy of each next token), teacher-forced through the engine with the
-    EngineConfig settings `variant` (quantization, kv_cache_dtype)."""
-    pages = -(-(len(token_ids) + 1) // args.page_size) + 4
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+def text_sequences(tokenizer, files, max_len: int = 1024) -> list[list[int]]:
+    """Each file's text as one token sequence, cut to its first `max_len` tokens."""
+    return [tokenizer.encode(Path(f).read_text())[:max_len] for f in files]
+
+
+def engine_scores(args, seqs: list[list[int]], dtype: str, variant: dict):
+    """Teacher-forced through an engine in `dtype` with the EngineConfig settings `variant`
+    (quantization, kv_cache_dtype): each position's argmax token [positions] and each next
+    token's negative log-likelihood [positions - sequences], on the CPU."""
+    pages = -(-(max(map(len, seqs)) + 1) // args.page_size) + 4
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=dtype,
                                  page_size=args.page_size, max_num_pages=pages,
                                  max_num_batched_tokens=args.chunk, enable_prefix_cache=False,
                                  max_num_seqs=4, cuda_graph=False, **variant))
-    logits = flashlet_logits(engine, [token_ids])
-    targets = torch.tensor(token_ids[1:], device=logits.device)
-    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), targets).item())
+    tops, nll = [], []
+    for seq in seqs:  # one at a time: a sequence's logits alone are vocab x its length, fp32
+        logits = flashlet_logits(engine, [seq]).float()
+        targets = torch.tensor(seq[1:], device=logits.device)
+        tops.append(logits.argmax(-1).cpu())
+        nll.append(torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="none").cpu())
+    engine = None
+    release()
+    return torch.cat(tops), torch.cat(nll)
 
 
 def perplexity_variants(args) -> dict[str, dict]:
@@ -716,25 +748,102 @@ def perplexity_variants(args) -> dict[str, dict]:
     return variants
 
 
+def agreement_bound(variant: dict) -> float | None:
+    """Issue 31's bound on a variant's agreement loss against the unquantized row: fp8 weights
+    alone 3 points, an fp8 KV cache alone 1; none for both together (the issue sets none)."""
+    if variant.get("quantization") and variant.get("kv_cache_dtype") not in (None, "auto"):
+        return None
+    if variant.get("quantization"):
+        return QUANTIZED_POINTS
+    if variant.get("kv_cache_dtype") not in (None, "auto"):
+        return KV_CACHE_POINTS
+    return None
+
+
+def agreement_verdict(diff: float, se: float, allowed: float | None) -> str:
+    """Whether the paired difference's 95% interval lies above -allowed (within the bound),
+    below it (short of it), or straddles it (undecided on these positions)."""
+    if allowed is None:
+        return "no #31 bound"
+    lo, hi, points = diff - Z95 * se, diff + Z95 * se, f"{100 * allowed:g}"
+    if lo >= -allowed:
+        return f"within {points} pt"
+    if hi < -allowed:
+        return f"short of {points} pt"
+    return f"{points} pt undecided (inside the interval)"
+
+
+def agreement_row(ref_top: torch.Tensor, top: torch.Tensor, nll: torch.Tensor,
+                  base: dict | None = None, allowed: float | None = None) -> dict:
+    """A row's perplexity and argmax agreement with the fp32 run (`ref_top`), with its SE; with
+    `base` (the unquantized row), the paired difference of the two agreements, its SE, the
+    perplexity ratio and issue 31's verdict. `_agree` (the per-position mask) is dropped from
+    the JSON."""
+    agree = top == ref_top
+    p, n = agree.float().mean().item(), agree.numel()
+    row = {"perplexity": math.exp(nll.mean().item()), "agreement": p,
+           "agreement_se": math.sqrt(p * (1 - p) / n), "_agree": agree}
+    if base is not None:
+        row["ratio"] = row["perplexity"] / base["perplexity"]
+        row["diff_vs_unquantized"], row["diff_se"] = paired_difference(agree, base["_agree"])
+        row["allowed_points"] = allowed
+        row["agreement_verdict"] = agreement_verdict(row["diff_vs_unquantized"], row["diff_se"],
+                                                     allowed)
+    return row
+
+
+def perplexity_table(rows: dict[str, dict]) -> str:
+    """Markdown: each row's perplexity, agreement with fp32 in % +- 1.96 SE, its paired
+    difference to the first (unquantized) row in points +- 1.96 SE, and the verdicts."""
+    lines = ["| row | perplexity (x unquantized) | agreement with fp32, % | minus unquantized's, "
+             "points (paired) | #31 |", "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        agreement = f"{100 * r['agreement']:.2f} +- {100 * Z95 * r['agreement_se']:.2f}"
+        if "ratio" not in r:
+            lines.append(f"| {name} | {r['perplexity']:.4f} | {agreement} | - | - |")
+            continue
+        ppl = "ok" if r["ratio"] <= PERPLEXITY_RATIO else f"over {PERPLEXITY_RATIO:g}x"
+        lines.append(f"| {name} | {r['perplexity']:.4f} (x{r['ratio']:.4f}) | {agreement} | "
+                     f"{100 * r['diff_vs_unquantized']:+.2f} +- {100 * Z95 * r['diff_se']:.2f} | "
+                     f"perplexity {ppl}; agreement {r['agreement_verdict']} |")
+    return "\n".join(lines)
+
+
 def perplexity_main(args) -> int:
     from flashlet.models.weights import load_tokenizer, resolve_model_dir
 
-    text = PERPLEXITY_TEXT.read_text()
-    token_ids = load_tokenizer(resolve_model_dir(args.model)).encode(text)
-    plain = perplexity(args, token_ids, {})
-    rows = {name: perplexity(args, token_ids, v) for name, v in perplexity_variants(args).items()}
-    result = {"model": args.model or "embedded SmolLM2-135M", "tokens": len(token_ids),
-              "dtype": args.dtype, "device": args.device, "perplexity": plain,
-              "perplexity_fp8": rows["fp8 weights"], "ratio": rows["fp8 weights"] / plain,
-              "variants": {name: {"perplexity": p, "ratio": p / plain} for name, p in rows.items()}}
-    print(f"{result['model']}, {len(token_ids)} tokens of {PERPLEXITY_TEXT.name}, {args.device}: "
-          f"perplexity {args.dtype} {plain:.4f}")
-    for name, p in rows.items():
-        verdict = "ok" if p <= PERPLEXITY_RATIO * plain else f"over {PERPLEXITY_RATIO:g}x"
-        print(f"  {name}: {p:.4f} (x{p / plain:.4f}, {verdict})")
+    files = args.text or [PERPLEXITY_TEXT]
+    seqs = text_sequences(load_tokenizer(resolve_model_dir(args.model)), files, args.max_len)
+    if min(map(len, seqs)) < 2:
+        raise SystemExit("each --text file needs at least 2 tokens")
+    t0 = time.perf_counter()
+    ref_top, ref_nll = engine_scores(args, seqs, "float32", {})  # the reference: fp32, unquantized
+    rows = {args.dtype: agreement_row(ref_top, *engine_scores(args, seqs, args.dtype, {}))}
+    base = rows[args.dtype]
+    for name, variant in perplexity_variants(args).items():
+        top, nll = engine_scores(args, seqs, args.dtype, variant)
+        rows[name] = agreement_row(ref_top, top, nll, base, agreement_bound(variant))
+    model = args.model or "embedded SmolLM2-135M"
+    positions = int(ref_top.numel())
+    print(f"{model}, {positions} positions in {len(seqs)} sequence(s) of "
+          f"{', '.join(Path(f).name for f in files)}, {args.device} "
+          f"({time.perf_counter() - t0:.0f} s): fp32 perplexity {math.exp(ref_nll.mean().item()):.4f}; "
+          f"agreement with the fp32 run +- 1.96 SE; differences paired, +- 1.96 SE")
+    print(perplexity_table(rows))
+    for r in rows.values():
+        del r["_agree"]
+    variants = {name: r for name, r in rows.items() if name != args.dtype}
+    result = {"model": model, "texts": [str(f) for f in files], "sequences": len(seqs),
+              "tokens": positions, "dtype": args.dtype, "device": args.device,
+              "fp32_perplexity": math.exp(ref_nll.mean().item()),
+              "perplexity": base["perplexity"], "agreement": base["agreement"],
+              "agreement_se": base["agreement_se"],
+              "perplexity_fp8": variants["fp8 weights"]["perplexity"],
+              "ratio": variants["fp8 weights"]["ratio"], "variants": variants}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0 if all(p <= PERPLEXITY_RATIO * plain for p in rows.values()) else 1
+    # the exit status is the perplexity rule's alone: the agreement verdicts are printed
+    return 0 if all(r["ratio"] <= PERPLEXITY_RATIO for r in variants.values()) else 1
 
 
 def main(argv=None) -> int:

@@ -182,3 +182,103 @@ def test_an_fp8_kv_row_one_point_short_is_marked():
            "diff_vs_hf_low": -0.015, "diff_se": 0.004, "diff_vs_unquantized": -0.015,
            "allowed_points": 0.01}
     assert fidelity.shortfall(row, hf, threshold=0.1) == ["0.50 pt short of unquantized - 1"]
+
+
+def fake_scores(n: int = 400):
+    """engine_scores' stand-in: argmax tokens per (dtype, variant) that differ from the fp32
+    run's on known positions, and a constant NLL per row (so each perplexity is known)."""
+    import torch
+
+    ref = torch.arange(n) % 7
+    flipped = {"bfloat16": range(0, 12), "fp8 weights": range(6, 40), "fp8 KV": range(0, 16),
+               "both": range(0, 50)}
+    nll = {"float32": 3.0, "bfloat16": 3.01, "fp8 weights": 3.05, "fp8 KV": 3.012, "both": 3.06}
+
+    def scores(args, seqs, dtype, variant):
+        assert sum(map(len, seqs)) == n
+        if dtype == "float32":
+            assert variant == {}
+            key = "float32"
+        else:
+            key = {(): "bfloat16", ("quantization",): "fp8 weights",
+                   ("kv_cache_dtype",): "fp8 KV"}.get(tuple(variant), "both")
+        top = ref.clone()
+        if key != "float32":
+            top[list(flipped[key])] += 1
+        return top, torch.full((n - len(seqs),), nll[key])
+
+    return scores, flipped
+
+
+def test_perplexity_agreement_is_against_the_fp32_run_and_differences_are_paired(
+        tmp_path, monkeypatch):
+    import math
+
+    import torch
+
+    fidelity = load_script()
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    texts[0].write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    texts[1].write_text("Pages of a fixed size hold the keys and values. " * 40)
+    seqs = fidelity.text_sequences(load_tokenizer(), texts, 200)
+    assert [len(s) for s in seqs] == [200, 200]  # each file one sequence, cut to --max-len
+    scores, flipped = fake_scores(400)
+    monkeypatch.setattr(fidelity, "engine_scores", scores)
+    out = tmp_path / "p.json"
+    rc = fidelity.main(["--perplexity", "--device", "cpu", "--kv-cache-dtype", "fp8", "--text",
+                        *map(str, texts), "--max-len", "200", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 400 and result["sequences"] == 2
+    assert result["agreement"] == pytest.approx(1 - 12 / 400)  # not 1: the fp32 run is the reference
+    assert result["perplexity"] == pytest.approx(math.exp(3.01))
+    weights, kv, both = (result["variants"][k] for k in ("fp8 weights", "fp8 KV", "fp8 weights + fp8 KV"))
+    assert weights["agreement"] == pytest.approx(1 - 34 / 400)
+    # paired: positions 0-5 only bf16 gets wrong, 12-39 only fp8 weights do
+    assert weights["diff_vs_unquantized"] == pytest.approx((6 - 28) / 400)
+    assert kv["diff_vs_unquantized"] == pytest.approx(-4 / 400)
+    d = torch.tensor([0.0] * 12 + [-1.0] * 4 + [0.0] * 384)
+    assert kv["diff_se"] == pytest.approx(d.std().item() / 20)
+    assert weights["allowed_points"] == 0.03 and kv["allowed_points"] == 0.01
+    assert both["allowed_points"] is None and both["agreement_verdict"] == "no #31 bound"
+    assert weights["ratio"] == pytest.approx(math.exp(0.04))  # 4.1% over: the exit status's rule
+    assert rc == 1
+
+
+def test_agreement_verdict_reads_the_paired_interval():
+    fidelity = load_script()
+    assert fidelity.agreement_verdict(-0.005, 0.002, 0.01) == "within 1 pt"  # -0.89 at worst
+    assert fidelity.agreement_verdict(-0.008, 0.002, 0.01) == "1 pt undecided (inside the interval)"
+    assert fidelity.agreement_verdict(-0.045, 0.005, 0.03) == "short of 3 pt"  # -3.52 at best
+    assert fidelity.agreement_verdict(-0.045, 0.005, None) == "no #31 bound"
+    assert fidelity.agreement_bound({"quantization": "fp8"}) == 0.03
+    assert fidelity.agreement_bound({"kv_cache_dtype": "fp8"}) == 0.01
+    assert fidelity.agreement_bound({}) is None
+
+
+def test_text_is_read_by_perplexity_only_and_must_exist(tmp_path):
+    fidelity = load_script()
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--text", str(SCRIPT)])
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--perplexity", "--text", str(tmp_path / "missing.txt")])
+    assert fidelity.parse_args(["--perplexity"]).text is None
+
+
+@pytest.mark.slow
+def test_perplexity_runs_the_embedded_model_through_the_engine(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(SCRIPT.with_name("fidelity_text.txt").read_text())
+    out = tmp_path / "p.json"
+    load_script().main(["--perplexity", "--device", "cpu", "--text", str(text), "--max-len", "48",
+                        "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 48
+    weights = result["variants"]["fp8 weights"]
+    assert 0.5 < result["agreement"] <= 1 and 0.5 < weights["agreement"] <= 1
+    assert result["fp32_perplexity"] != result["perplexity"] != weights["perplexity"]
+
+
+def load_tokenizer():
+    from flashlet.models.weights import embedded_model_dir, load_tokenizer as load
+
+    return load(embedded_model_dir())

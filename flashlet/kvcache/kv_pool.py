@@ -13,8 +13,9 @@ saturated to e4m3's +-448, and every reader multiplies by the scale in fp32 (`de
 The scales are 1.0, as vLLM's are without calibrated ones: post-RoPE K and V of the models we
 serve stay well inside +-448 (a rare outlier saturates rather than turning into NaN), and a
 per-tensor scale gains little, since e4m3's relative precision is the same at any magnitude
-above 2^-6 (a calibrated absmax scale per layer measured no closer to the full-precision
-logits on SmolLM2). They are plain floats, baked into CUDA graphs at capture: set them before
+above 2^-6 (on SmolLM2-135M, 4,134 positions, per-layer absmax scales lost 3.75 points of
+argmax agreement with fp32 against 2.85 at 1.0; K's rounding costs 2.5 of them, V's 0.85:
+`lab/fp8_kv_fidelity.py`). They are plain floats, baked into CUDA graphs at capture: set them before
 the engine's warm-up, never after.
 """
 

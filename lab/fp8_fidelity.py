@@ -6,6 +6,10 @@ the same tokens: argmax agreement (with its binomial standard error), and the lo
 (RMS and max of |logits - fp32 logits|). The variants separate the weight rounding itself
 (per-row scales or 128 x 128 block scales, multiplied in fp32 or in bf16), the per-token fp8
 activations of the `torch._scaled_mm` path, the LM head in fp8, and each projection alone.
+The GPTQ variants keep the per-row format (e4m3 codes and one scale a row, loadable unchanged)
+but choose each code by GPTQ's error-compensating rounding (`gptq_rows`) on the Hessians of
+a calibration text (--calib: scripts/fidelity_text.txt and README.md, never a scored file).
+With bf16 run too, each row's agreement is also given as its paired difference to bf16's.
 
     PYTHONPATH=. python lab/fp8_fidelity.py --preset qwen2.5-0.5b --layers 6
     PYTHONPATH=. python lab/fp8_fidelity.py --smollm2       # the real embedded model, its text
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +79,88 @@ def per_block(w, block=128):
     return ((t / s).to(q.FP8).float() * s).reshape(n + pn, k + pk)[:n, :k]
 
 
+def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128):
+    """w [N, K], hessian [K, K] = X^T X of the layer's calibration inputs -> (codes [N, K] e4m3,
+    scale [N] fp32): the same per-row format as `quantize_rows` (scale = amax|row| / 448 of the
+    original row), but the columns are rounded one at a time (in descending diag(H) order with
+    `act_order`) and each column's rounding error is spread over the columns not yet rounded
+    through the inverse Hessian, so that X W^T rather than W is kept (GPTQ, Frantar et al. 2022:
+    the error of column j, divided by U[j, j], moves the rest by U[j, j+1:] where U is the upper
+    Cholesky factor of H^-1; done in blocks of `block` columns, the rest updated once a block).
+    `damp` adds that fraction of diag(H)'s mean to the diagonal."""
+    w = w.float().clone()
+    n, k = w.shape
+    scale = (w.abs().amax(dim=1) / q.FP8_MAX).clamp(min=q.MIN_SCALE)
+    h = hessian.double().clone()
+    dead = h.diagonal() == 0  # an input that never fires: its column does not matter
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    codes = torch.empty_like(w)  # the e4m3 values as fp32 (exact), cast once at the end
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        wb, err = w[:, b0:b1], torch.empty(n, b1 - b0)
+        for j in range(b1 - b0):
+            c = (wb[:, j] / scale).clamp(-q.FP8_MAX, q.FP8_MAX).to(q.FP8).float()
+            codes[:, b0 + j] = c
+            err[:, j] = (wb[:, j] - c * scale) / u[b0 + j, b0 + j]
+            wb[:, j + 1:] -= err[:, j:j + 1] * u[b0 + j, b0 + j + 1:b1]
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return codes[:, torch.argsort(perm)].to(q.FP8), scale
+
+
+class RecordingWeight(EmulatedWeight):
+    """A bf16 projection (multiplied in fp32) that sums X^T X of the rows it sees."""
+
+    def __init__(self, weight):
+        super().__init__(weight)
+        self.hessian, self.rows = torch.zeros(weight.shape[1], weight.shape[1]), 0
+
+    def emulate(self, x, bias):
+        xs = x.float()
+        self.hessian += xs.T @ xs
+        self.rows += xs.shape[0]
+        return super().emulate(x, bias)
+
+
+class Gptq:
+    """The GPTQ variant's settings: each decoder layer in turn records its projections' inputs
+    on the calibration sequences, from the unquantized model's activations or, `sequential`,
+    from the already-quantized earlier layers' (GPTQ's order), then rounds with `gptq_rows`."""
+
+    def __init__(self, damp=0.01, act_order=True, sequential=False, calib_fraction=1.0):
+        self.damp, self.act_order = damp, act_order
+        self.sequential, self.calib_fraction = sequential, calib_fraction
+
+    @torch.inference_mode()
+    def apply(self, model, calib):
+        tokens = [t for s in calib for t in s]
+        keep = round(len(tokens) * self.calib_fraction)
+        seqs = [s for s in (tokens[i:i + 1024] for i in range(0, keep, 1024)) if s]
+        states = [(model.embed_tokens(torch.tensor(s)), None, torch.arange(len(s))) for s in seqs]
+        attn = DenseAttention()
+        for i, layer in enumerate(model.layers):
+            recorders = {}
+            for proj in q.QUANTIZED_PROJECTIONS:
+                linear = getattr(layer, proj)
+                recorders[proj] = RecordingWeight(linear.weight.float())
+                q.swap_weight(linear, recorders[proj])
+            run = lambda: [(*layer(x, r, pos, model.cos_sin_cache, i, attn, model.ops), pos)
+                           for x, r, pos in states]
+            outs = run()
+            for proj, rec in recorders.items():
+                codes, scale = gptq_rows(rec.weight, rec.hessian / rec.rows, self.damp,
+                                         self.act_order)
+                value = codes.float() * scale[:, None]
+                # the engine's format: requantizing the value under the same scale gives the codes
+                assert torch.equal((value / scale[:, None]).to(q.FP8).float(), codes.float())
+                q.swap_weight(getattr(layer, proj), EmulatedWeight(value))
+            states = run() if self.sequential else outs
+
+
 def variants():
     """name -> (weight rounding, act_fp8 (or the projections it applies to), matmul dtype,
     projections quantized, LM head in fp8[, the layers kept in bf16: a function of the layer
@@ -100,10 +188,16 @@ def variants():
         table[f"fp8 W per-row, first and last {k} layer(s) bf16"] = (
             per_row, False, f32, all_p, False,
             lambda n, k=k: set(range(k)) | set(range(n - k, n)))
+    for name, g in {", damp 0.01": Gptq(), " sequential": Gptq(sequential=True),
+                    ", damp 0.1": Gptq(damp=0.1), " no act-order": Gptq(act_order=False),
+                    " half calibration": Gptq(calib_fraction=0.5)}.items():
+        table[f"fp8 W per-row GPTQ{name}"] = g
     return table
 
 
-def apply_variant(model, spec):
+def apply_variant(model, spec, calib):
+    if isinstance(spec, Gptq):
+        return spec.apply(model, calib)
     rounding, act_fp8, matmul_dtype, projs, lm_head_fp8, *kept = spec
     kept_layers = kept[0](len(model.layers)) if kept else set()
     with torch.no_grad():
@@ -133,7 +227,7 @@ def measure(ref, logits, seqs):
     agree = (ref.argmax(-1) == logits.argmax(-1)).float()
     p, n = agree.mean().item(), agree.numel()
     diff = logits - ref
-    row = {"agreement": p, "se": math.sqrt(p * (1 - p) / n),
+    row = {"agree": agree, "agreement": p, "se": math.sqrt(p * (1 - p) / n),
            "rms_logit_err": diff.pow(2).mean().sqrt().item(),
            "max_logit_err": diff.abs().max().item()}
     targets = torch.cat([torch.tensor(s[1:] + [-100]) for s in seqs])
@@ -162,34 +256,51 @@ def main():
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="with --smollm2: score these files (one sequence each) instead")
     p.add_argument("--max-len", type=int, default=1024, help="tokens a --text sequence keeps")
+    p.add_argument("--calib", nargs="+", default=[str(PERPLEXITY_TEXT), "README.md"],
+                   metavar="FILE", help="with --smollm2: the GPTQ variants' calibration text "
+                   "(less any file scored), cut to --calib-tokens")
+    p.add_argument("--calib-tokens", type=int, default=4096)
     args = p.parse_args()
     flashlet.models.ops.quantized_linear = emulated_linear
     if args.smollm2:
         tok = load_tokenizer(embedded_model_dir())
-        seqs = text_sequences(tok, args.text or [PERPLEXITY_TEXT], args.max_len)
+        scored = args.text or [str(PERPLEXITY_TEXT)]
+        seqs = text_sequences(tok, scored, args.max_len)
+        calib_files = [f for f in args.calib if Path(f).resolve() not in
+                       {Path(t).resolve() for t in scored}]
+        calib = [sum(text_sequences(tok, calib_files, 10 ** 9), [])[:args.calib_tokens]]
     else:
         vocab = preset_config(args.preset)["vocab_size"]
         g = torch.Generator().manual_seed(args.seed)
         seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g).tolist()
                 for _ in range(args.seqs)]
+        calib = [torch.randint(0, vocab, (args.calib_tokens,), generator=g).tolist()]
     ref = logits_of(build(args, torch.float32), seqs)
     top2 = ref.topk(2, -1).values
     gap = (top2[:, 0] - top2[:, 1]).median().item()
     what = "SmolLM2-135M" if args.smollm2 else f"{args.preset} at {args.layers} layers"
     print(f"{what}, {ref.shape[0]} positions, fp32 top-2 gap median {gap:.3f}, "
-          f"fp32 perplexity {measure(ref, ref, seqs)['perplexity']:.3f}")
-    print("| variant | agreement % | RMS logit err | max logit err | perplexity |")
-    print("|---|---|---|---|---|")
+          f"fp32 perplexity {measure(ref, ref, seqs)['perplexity']:.3f}; GPTQ calibration "
+          f"{len(calib[0])} tokens" + (f" of {', '.join(calib_files)}" if args.smollm2 else ""))
+    print("| variant | agreement % | vs bf16, points | RMS logit err | max logit err | perplexity "
+          "| s |")
+    print("|---|---|---|---|---|---|---|")
+    bf16_agree = None  # bf16's per-position agreement, where it ran: each row's paired difference
     for name, spec in variants().items():
         if args.only and not any(o in name for o in args.only):
             continue
-        model = build(args, torch.bfloat16)
+        model, t0 = build(args, torch.bfloat16), time.perf_counter()
         if spec is not None:
-            apply_variant(model, spec)
+            apply_variant(model, spec, calib)
         r = measure(ref, logits_of(model, seqs), seqs)
-        print(f"| {name} | {100 * r['agreement']:.1f} +- {196 * r['se']:.1f} "
-              f"| {r['rms_logit_err']:.3f} | {r['max_logit_err']:.2f} | {r['perplexity']:.3f} |",
-              flush=True)
+        bf16_agree = r["agree"] if spec is None else bf16_agree
+        vs = "-"
+        if bf16_agree is not None:
+            d = r["agree"] - bf16_agree
+            vs = f"{100 * d.mean():+.2f} +- {196 * d.std() / math.sqrt(d.numel()):.2f}"
+        print(f"| {name} | {100 * r['agreement']:.2f} +- {196 * r['se']:.2f} | {vs} "
+              f"| {r['rms_logit_err']:.3f} | {r['max_logit_err']:.2f} | {r['perplexity']:.3f} "
+              f"| {time.perf_counter() - t0:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -124,13 +124,18 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 on: dsl_packages)
+  local root=/tmp/cute/$1/nvidia_cutlass_dsl/dsl_packages
+  [[ -d $root ]] || root=/tmp/cute/$1/nvidia_cutlass_dsl/python_packages
+  echo "$root:/tmp/cute/$1"
+}
 cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first use from the
              # carried parts (.whl-cute1/ ...: gathered in /tmp/cute-parts over calls) or wheel
   [[ -n ${CUTE_ENV_DONE:-} ]] && return 0
   CUTE_ENV_DONE=1
   mkdir -p /tmp/cute-parts /tmp/cute
   cp .whl-cute[0-9]*/* /tmp/cute-parts/ 2>/dev/null
-  local m v sha n have d wheel root
+  local m v sha n have d wheel
   for m in /tmp/cute-parts/cute-dsl-*.manifest; do
     [[ -f $m ]] || continue
     v=$(basename "$m" .manifest); v=${v#cute-dsl-}
@@ -159,13 +164,11 @@ cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first us
   fi
   v=${FLASHLET_CUTE_DSL:-$(ls /tmp/cute/*/.installed 2>/dev/null | xargs -r -n1 dirname |
                            xargs -r -n1 basename | sort -V | tail -1)}
-  root=/tmp/cute/$v/nvidia_cutlass_dsl/dsl_packages
-  [[ -d $root ]] || root=/tmp/cute/$v/nvidia_cutlass_dsl/python_packages
   if [[ -z $v || ! -f /tmp/cute/$v/.installed ]]; then
     echo "CuTe DSL ${v:-(none)} not installed on this machine: the fused path is off" | tee -a "$LOG"
     return 0
   fi
-  export PYTHONPATH="$root:/tmp/cute/$v:$PYTHONPATH"
+  export PYTHONPATH="$(cute_path "$v"):$PYTHONPATH"
   python3 -c "import importlib.metadata as m, cuda.bindings.driver, cutlass.cute as c; print('cuda.bindings ok; nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), c.__file__)" \
     2>&1 | tail -1 | tee -a "$LOG"
 }
@@ -308,13 +311,11 @@ for part in "${PARTS[@]}"; do
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
       for pair in 1 2; do
         for v in 4.3.5 4.8.1; do
-          root=/tmp/cute/$v/nvidia_cutlass_dsl/dsl_packages
-          [[ -d $root ]] || root=/tmp/cute/$v/nvidia_cutlass_dsl/python_packages
           if [[ ! -f /tmp/cute/$v/.installed ]]; then
             echo "part dsl-ab needs CuTe DSL $v installed (see the part's note)" | tee -a "$LOG"
             status=2; continue
           fi
-          pp="$root:/tmp/cute/$v:$base"
+          pp="$(cute_path "$v"):$base"
           run 150 env PYTHONPATH="$pp" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
             --quiet --workload single --max-num-pages 8192 --out "$OUT/json/dsl-$v-single-$pair.json"
           run 150 env PYTHONPATH="$pp" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \

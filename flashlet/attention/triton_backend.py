@@ -223,14 +223,21 @@ class TritonBackend(AttentionBackend):
         """The split cap of a step with a chunk: its longest chunk's config's, where the step
         has at most prefill_split_max_tokens query rows (padded: its token bucket) and its longest
         KV at least prefill_split_min_context tokens; else 1."""
+        return self._splits_of(self.prefill_config(max_q_len), num_tokens, max_kv_len)
+
+    def _splits_of(self, cfg: tuning.PrefillConfig, num_tokens: int, max_kv_len: int) -> int:
         if num_tokens > self.prefill_split_max_tokens or max_kv_len < self.prefill_split_min_context:
             return 1
-        return self.prefill_config(max_q_len).num_splits
+        return cfg.num_splits
+
+    def _prefill_step(self, meta: AttentionMetadata) -> tuple[tuning.PrefillConfig, int]:
+        """(config, split cap) of a step with a chunk, from its host layout."""
+        host = meta.host
+        cfg = self.prefill_config(host.max_query_len)
+        return cfg, self._splits_of(cfg, meta.token_bucket or host.num_tokens, host.max_kv_len)
 
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
-        host = meta.host
-        splits = self.prefill_splits(host.max_query_len, meta.token_bucket or host.num_tokens, host.max_kv_len)
-        return self.prefill_variant(host.max_query_len) + (splits,)
+        return self._prefill_step(meta)  # (prefill_variant's config, the split cap)
 
     def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
         """One step's longest KV per mixed graph of this shape: with splitting reachable, a
@@ -249,10 +256,7 @@ class TritonBackend(AttentionBackend):
                 variant = self._decode_variants[n] = self.decode_variant(n)
             self._decode_cfg, self._num_splits = variant
         else:
-            host = meta.host
-            self._prefill_cfg = self.prefill_config(host.max_query_len)
-            self._prefill_step_splits = self.prefill_splits(
-                host.max_query_len, meta.token_bucket or host.num_tokens, host.max_kv_len)
+            self._prefill_cfg, self._prefill_step_splits = self._prefill_step(meta)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta

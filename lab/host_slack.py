@@ -3,6 +3,8 @@ server's core loop adds its send and receive, ~48 us a step, to what in-process 
 
     PYTHONPATH=.:$CUTE python3 lab/host_slack.py [--config qwen2.5-0.5b] [--extra-us 0 10 20 40 80]
         [--wake-peer]     (also: after each step, one frame to a process asleep on a socket)
+        [--streams 1 4 16] (that many requests decoding together; ms a step, and each row
+                          count's captured decode graph replayed alone: its device time)
 
 One request decodes `--tokens` tokens through `Engine.step()`, as the server's engine core
 drives it; after each step the loop spins for EXTRA us (a stand-in for the core's send and
@@ -14,6 +16,10 @@ host has that much slack; where it grows by EXTRA, the host paces it.
 process blocked reading it (as the core's step message wakes an API process's event loop) and
 polls a second socket (as the core reads its inbox): whether the wake-up, not the CPU time,
 costs the loop (it did not show in the busy-wait rows while the server read ~20 us a token more).
+
+--streams asks the same of 4 and 16 streams (issue 29's closed loop: a 4-row step reads 0.66 ms
+against one row's 0.51): where the host paces a row count's steps, its graph replayed alone
+reads well under the loop's ms a step and the added host time shows one for one.
 """
 
 from __future__ import annotations
@@ -62,8 +68,11 @@ class Peer:
 
 
 def decode_ms_per_token(engine: Engine, prompt: list[int], tokens: int, extra_s: float,
-                        peer: Peer | None = None) -> float:
-    engine.add_request(prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+                        peer: Peer | None = None, streams: int = 1) -> float:
+    """ms a decode step (one token of each stream) with `streams` requests in lockstep."""
+    for i in range(streams):  # distinct prompts: no prefix shared past the first token
+        engine.add_request([prompt[0] + i] + prompt[1:],
+                           SamplingParams(max_new_tokens=tokens, ignore_eos=True))
     while engine.step() == []:  # the prefill step (and the first token's)
         pass
     if torch.cuda.is_available():
@@ -90,32 +99,61 @@ def main() -> None:
     p.add_argument("--extra-us", type=float, nargs="+", default=[0, 10, 20, 40, 80])
     p.add_argument("--wake-peer", action="store_true",
                    help="also rows that wake a sleeping peer process each step (no busy-wait)")
+    p.add_argument("--streams", type=int, nargs="+", default=[1],
+                   help="requests decoding together (a table for each count)")
     args = p.parse_args()
     peer = Peer() if args.wake_peer else None  # forked before CUDA starts in this process
     engine = Engine(EngineConfig(config=args.config, dtype=args.dtype, max_num_pages=4096))
     vocab = engine.model_config.vocab_size
     prompt = [(i * 7919 + 43) % vocab for i in range(32)]
-    decode_ms_per_token(engine, prompt, 64, 0.0)  # warm
+    for streams in args.streams:
+        decode_ms_per_token(engine, prompt, 64, 0.0, streams=streams)  # warm
     rows = [(x, None) for x in args.extra_us] + ([("peer", peer)] if peer else [])
-    times: dict = {x: [] for x, _ in rows}
-    for _ in range(args.rounds):
-        for x, with_peer in rows:
-            extra = 0.0 if x == "peer" else x / 1e6
-            times[x].append(decode_ms_per_token(engine, prompt, args.tokens, extra, with_peer))
+    results = {}
+    for streams in args.streams:
+        times: dict = {x: [] for x, _ in rows}
+        for _ in range(args.rounds):
+            for x, with_peer in rows:
+                extra = 0.0 if x == "peer" else x / 1e6
+                times[x].append(decode_ms_per_token(engine, prompt, args.tokens, extra, with_peer,
+                                                    streams))
+        base = statistics.median(times[args.extra_us[0]])
+        replay = graph_replay_ms(engine, streams)
+        print(f"\n{args.config}, {streams} stream(s), fused path: {engine.runner.fused is not None}; "
+              f"{args.tokens} tokens, {args.rounds} rounds; median ms a step; the {streams}-row "
+              f"decode graph replayed alone: {replay if replay is None else f'{replay:.4f}'} ms")
+        print("| extra host us a step | ms a step | rounds | added us a step |")
+        print("|---:|---:|---|---:|")
+        for x, _ in rows:
+            med = statistics.median(times[x])
+            label = "wake a peer (send + poll)" if x == "peer" else f"{x:g}"
+            print(f"| {label} | {med:.4f} | {' '.join(f'{t:.4f}' for t in times[x])} | "
+                  f"{(med - base) * 1000:+.1f} |")
+        results[streams] = {"replay_ms": replay, **{str(x): t for x, t in times.items()}}
     if peer is not None:
         peer.close()
-    base = statistics.median(times[args.extra_us[0]])
-    print(f"{args.config}, fused path: {engine.runner.fused is not None}; {args.tokens} tokens, "
-          f"{args.rounds} rounds; median ms a token")
-    print("| extra host us a step | ms a token | rounds | added us a token |")
-    print("|---:|---:|---|---:|")
-    for x, _ in rows:
-        med = statistics.median(times[x])
-        label = "wake a peer (send + poll)" if x == "peer" else f"{x:g}"
-        print(f"| {label} | {med:.4f} | {' '.join(f'{t:.4f}' for t in times[x])} | "
-              f"{(med - base) * 1000:+.1f} |")
-    print(json.dumps({str(x): t for x, t in times.items()}))
+    print(json.dumps(results))
 
+
+def graph_replay_ms(engine: Engine, rows: int, replays: int = 300) -> float | None:
+    """The device time of the decode graph captured for `rows` rows (the fused path's token
+    graph where it has one), replayed alone on its last step's inputs; None without one."""
+    graphs = engine.runner.graphs
+    keys = [k for k in graphs if k[0] == rows and k[1] == "tokens"] or \
+        [k for k in graphs if k[0] == rows]
+    if not keys or not torch.cuda.is_available():
+        return None
+    graph = graphs[keys[0]][0]
+    for _ in range(20):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 if __name__ == "__main__":
     main()

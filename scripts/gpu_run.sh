@@ -48,6 +48,12 @@
 #                installed by earlier calls from .whl-cute1/ ...): one stream
 #                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
 #                8,000-token prompt (~8 min with FlashInfer's first compile)
+#   backend-pref the step backend at head_dim 128 (what auto's BACKEND_PREFERENCE holds), in the
+#                engine: --backend triton against flashinfer on Qwen3-0.6B (group 2) and
+#                Qwen2.5-1.5B (group 6): one stream after a 1,000-token prompt (its TTFT and
+#                decode), the offline workload (prefill and decode steps of 17+ rows) and
+#                decode-sat (.whl-fi/ carried, CuTe DSL 4.6.2+ installed as for fi-parity; ~8 min;
+#                BACKEND_CONFIGS, BACKENDS (e.g. "auto triton"), BACKEND_WORKLOADS to choose)
 #   dsl-ab       the fused path on CuTe DSL 4.3.5 against 4.8.1 in one process pair after another
 #                (both installed by earlier calls: .whl-cute1/, .whl-cute2/, then .whl-cute/ with
 #                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
@@ -321,6 +327,18 @@ for part in "${PARTS[@]}"; do
           run 150 env PYTHONPATH="$pp" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
             --quiet --workload closed-loop --concurrency 1 4 16 --max-new-tokens 128 --num-requests 64 \
             --max-num-pages 8192 --out "$OUT/json/dsl-$v-closed-loop-$pair.json"
+        done
+      done ;;
+    backend-pref)
+      cute_env
+      P="python3 -m flashlet.bench --dtype bfloat16 --quiet --max-num-pages 16384"
+      for c in ${BACKEND_CONFIGS:-qwen3-0.6b qwen2.5-1.5b}; do
+        for b in ${BACKENDS:-triton flashinfer}; do
+          for w in ${BACKEND_WORKLOADS:-single offline decode-sat}; do
+            extra=(); [[ $w == single ]] && extra=(--single-prompt-len 1000)
+            run 200 $P --config $c --backend $b --workload $w "${extra[@]}" \
+              --out "$OUT/json/pref-$c-$b-$w.json"
+          done
         done
       done ;;
     fi-parity)

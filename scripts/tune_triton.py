@@ -15,7 +15,8 @@ Each call is timed replayed from a CUDA graph of `--calls` launches, each over a
 K/V where memory allows (so small cases do not all run out of L2), median of `--reps`
 replays. Every tile is checked against the plain PyTorch reference first (bf16 tolerance); one
 that fails is dropped. FlashInfer (the FA2 kernel flashlet's backend runs, same graphs) is
-timed at the same decode and prefill cases for `BACKEND_PREFERENCE`.
+timed at the same decode and prefill cases: its kernels-alone comparison per step kind, in
+`BACKEND_PREFERENCE`'s form (whose entries are the engine's measurements, tuning.py).
 
 Prints a table per shape (best config, its time, the current default's, FlashInfer's), then
 DECODE_TABLE / PREFILL_TABLE / BACKEND_PREFERENCE as Python literals for kernels/tuning.py.
@@ -100,7 +101,7 @@ def table_literals(decode: dict, prefill: dict, preference: dict) -> str:
     lines += ["}", "PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {"]
     for key in sorted(prefill):
         lines.append(f"    {key}: {prefill[key]!r},")
-    lines += ["}", "BACKEND_PREFERENCE: dict[tuple[int, int], str] = {"]
+    lines += ["}", "BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {"]
     for key in sorted(preference):
         lines.append(f"    {key}: {preference[key]!r},")
     lines.append("}")
@@ -266,7 +267,8 @@ def reference_out(case: Case) -> torch.Tensor:
 
 def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
     group = hq // hkv
-    rows, decode_entries, prefill_entries, tri_all, fi_all = [], {}, {}, [], []
+    rows, decode_entries, prefill_entries = [], {}, {}
+    tri_all, fi_all = {"decode": [], "prefill": []}, {"decode": [], "prefill": []}
     # Correctness of every tile first, on a small ragged case (lengths 1, 200, 1000).
     small = Case([(1, n) for n in args.check_lens], hq, hkv, d, dtype, gen, 1)
     ref = reference_out(small)
@@ -294,8 +296,8 @@ def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
         fi = [bench.safe_us(lambda: flashinfer_fns(c, workspace), "flashinfer") for c in cases.values()] \
             if workspace is not None else None
         decode_entries[(d, group, b)] = winner
-        tri_all += times[winner]
-        fi_all += fi or []
+        tri_all["decode"] += times[winner]
+        fi_all["decode"] += fi or []
         rows.append(("decode", b, winner, times[winner], times[default], fi))
         del cases
     for bucket_name, bucket in (("short", tuning.PREFILL_QLEN_BUCKETS[0]), ("long", tuning.PREFILL_QLEN_BUCKETS[-1])):
@@ -314,11 +316,12 @@ def tune_shape(name, d, hq, hkv, args, bench, num_sms, gen, workspace, dtype):
         fi = [bench.safe_us(lambda: flashinfer_fns(c, workspace), "flashinfer") for c in cases] \
             if workspace is not None else None
         prefill_entries[(d, group, bucket)] = winner
-        tri_all += times[winner]
-        fi_all += fi or []
+        tri_all["prefill"] += times[winner]
+        fi_all["prefill"] += fi or []
         rows.append(("prefill", bucket_name, winner, times[winner], times[default], fi))
         del cases
-    ratio = geomean(tri_all) / geomean(fi_all) if fi_all else None
+    # Triton's time over FlashInfer's per step kind (None without FlashInfer)
+    ratio = {kind: geomean(tri_all[kind]) / geomean(fi_all[kind]) for kind in fi_all if fi_all[kind]} or None
     return rows, decode_entries, prefill_entries, ratio
 
 
@@ -380,10 +383,10 @@ def main(argv=None) -> int:
             continue
         decode.update(dec)
         prefill.update(pre)
-        if ratio is not None:
-            preference[(d, hq // hkv)] = "triton" if ratio <= 1.0 else "flashinfer"
+        for kind, r in (ratio or {}).items():
+            preference[(d, hq // hkv, kind)] = "triton" if r <= 1.0 else "flashinfer"
         print(f"\n{name} (head_dim {d}, group {hq // hkv}, {hkv} KV heads) in {time.perf_counter() - t0:.0f} s; "
-              f"Triton/FlashInfer time ratio {ratio if ratio is None else round(ratio, 3)}")
+              f"Triton/FlashInfer time ratio per kind {ratio if ratio is None else {k: round(r, 3) for k, r in ratio.items()}}")
         print(f"{'kind':8} {'bucket':>6}  {'best config':70} {'best':>24} | {'default':>24} | {'flashinfer':>24}")
         for kind, b, cfg, t_best, t_def, t_fi in rows:
             print(f"{kind:8} {b!s:>6}  {repr(cfg):70} {fmt_times(t_best):>24} | {fmt_times(t_def):>24} | {fmt_times(t_fi):>24}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet import Engine, EngineConfig
+from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention import selection
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.kernels import tuning
 from flashlet.attention.selection import FUSED_DECODE_PATH, Platform, choose_paths
 
 H200 = (9, 0)
@@ -67,17 +69,61 @@ def test_cpu_runs_torch_per_op():
 
 
 def test_the_start_line_names_each_step_kind_and_why():
-    fused = paths().log_line(fused_rows=16)
+    fused = paths(group=3).log_line(fused_rows=16)  # a shape the table does not hold
     assert fused == (f"decode (1-16 rows): {FUSED_DECODE_PATH}, and verify steps of <= 16 tokens; "
                      f"decode (17+ rows): flashinfer; prefill/mixed: "
-                     f"flashinfer (no measurement for head_dim 128, group 2: FlashInfer's default at "
+                     f"flashinfer (no measurement for head_dim 128, group 3: FlashInfer's default at "
                      f"head_dim >= 128)")
-    one = paths().log_line(fused_rows=1)  # a GEMV of one row only
+    one = paths(group=3).log_line(fused_rows=1)  # a GEMV of one row only
     assert one.startswith(f"decode (1 row): {FUSED_DECODE_PATH}; decode (2+ rows): flashinfer")
-    off = paths(tp=True).log_line(fused_rows=0)
+    off = paths(group=3, tp=True).log_line(fused_rows=0)
     assert off.startswith("decode (1 row): flashinfer (per-op: tensor parallelism is on")
-    shape = paths().log_line(fused_rows=0, fused_why="intermediate_size = 18944 is over 16384")
+    shape = paths(group=3).log_line(fused_rows=0, fused_why="intermediate_size = 18944 is over 16384")
     assert "(per-op: intermediate_size = 18944 is over 16384)" in shape
+
+
+def test_auto_picks_each_step_kind_from_the_measured_table(monkeypatch):
+    """Qwen3's shape (head_dim 128, group 2) on the H200: FlashInfer's prefill and Triton's
+    decode each won their kind in the engine (tuning.BACKEND_PREFERENCE), so auto runs both."""
+    monkeypatch.setattr(tuning, "BACKEND_PREFERENCE", {(128, 2, "decode"): "triton",
+                                                       (128, 2, "prefill"): "flashinfer"})
+    got = paths()
+    assert (got.backend, got.decode_backend) == ("flashinfer", "triton")
+    assert "measured faster" in got.backend_why and "measured faster" in got.decode_why
+    line = got.log_line(fused_rows=16)
+    assert "decode (17+ rows): triton (measured faster at decode steps for head_dim 128, group 2" in line
+    assert "prefill/mixed: flashinfer (measured faster at prefill steps" in line
+    assert paths(tp=True).log_line(fused_rows=0).startswith("decode (1 row): triton (per-op:")
+    without = paths(plat=platform(installed=()))  # not installed: triton serves both
+    assert (without.backend, without.decode_backend) == ("triton", "triton")
+    named = paths("flashinfer")  # a backend by name serves every kind
+    assert (named.backend, named.decode_backend) == ("flashinfer", "flashinfer")
+
+
+def test_pure_decode_steps_run_the_decode_backend_and_chunk_steps_the_step_backend(tiny_qwen2):
+    """The runner routes by step kind: a second backend object set as the decode backend plans
+    every pure-decode step and nothing else, and the tokens do not change (both are torch)."""
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def generate(engine):
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return [done[i] for i in ids]
+
+    want = generate(Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2)))
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2))
+    runner = engine.runner
+    runner.decode_backend = TorchBackend(engine.kv_pool, runner.backend.num_q_heads)
+    kinds = {"step": [], "decode": []}
+    for name, backend in (("step", runner.backend), ("decode", runner.decode_backend)):
+        plan = backend.plan
+        backend.plan = lambda meta, plan=plan, name=name: (kinds[name].append(meta.host.is_pure_decode), plan(meta))[1]
+    assert generate(engine) == want
+    assert kinds["decode"] and all(kinds["decode"])  # pure decode only
+    assert kinds["step"] and not any(kinds["step"])  # every step with a chunk
 
 
 def test_the_engine_logs_one_step_paths_line(tiny_qwen2, caplog):

@@ -7,11 +7,14 @@ backend reads the pool's NHD layout, `KVPool`):
                        it; so do speculative verify steps of at most 16 query tokens (the rows
                        where it was measured faster: `fused_decode.SERVED_ROWS`; 4 with fp8
                        weights, `SERVED_ROWS_FP8`)
-    decode (17+ rows)  the step backend, per-op
+    decode (17+ rows)  the decode backend, per-op
     prefill/mixed      the step backend, per-op
-The fused path brings its own attention (a `TritonBackend` over the pool), so installing
-FlashInfer changes what serves prefill and larger decode steps, never whether small decode
-steps are fused.
+`--backend auto` picks the step backend and the decode backend apart, from the measured table
+(`tuning.BACKEND_PREFERENCE`, per head_dim, GQA group and step kind): on Qwen3's shape
+FlashInfer's prefill and our Triton decode each won their kind. A backend named by `--backend`
+serves both. The fused path brings its own attention (a `TritonBackend` over the pool), so
+installing FlashInfer changes what serves prefill and larger decode steps, never whether small
+decode steps are fused.
 
 `choose_paths` is a pure function of the platform (device capability, installed packages) and
 the model's shape (head_dim, GQA group, dtype, tensor parallelism, CUDA graphs): it returns
@@ -38,9 +41,9 @@ from flashlet.kernels import tuning
 #   time never measured against per-op.
 FUSED_MIN_CAPABILITY = (9, 0)
 FUSED_DTYPES = (torch.bfloat16,)
-# - decode (2+ rows) and prefill/mixed: the step backend, per (head_dim, group) from
-#   `tuning.preferred_backend` (scripts/tune_triton.py's comparison; where unmeasured, FlashInfer's
-#   FA2 at head_dim >= 128, our Triton kernels, tuned at head_dim 64, below).
+# - decode (17+ rows) and prefill/mixed: per (head_dim, group, kind) from
+#   `tuning.preferred_backend` (the engine's offline and decode-sat figures with each; where
+#   unmeasured, FlashInfer's FA2 at head_dim >= 128, our Triton kernels, tuned at 64, below).
 FUSED_DECODE_PATH = "fused (CuTe GEMVs + triton one-launch attention)"
 
 
@@ -79,9 +82,11 @@ def import_error(name: str) -> str | None:
 class StepPaths:
     """Each step kind's path and why."""
 
-    backend: str            # the step backend: decode steps not fused, and prefill/mixed
+    backend: str            # the step backend: prefill/mixed steps
     backend_why: str
     fused_decline: str | None  # why small decode steps are not fused (None: fused, if the model allows)
+    decode_backend: str     # pure-decode steps the fused path does not serve
+    decode_why: str
 
     def log_line(self, fused_rows: int, fused_why: str | None = None) -> str:
         """'decode (1-16 rows): ...; decode (17+ rows): ...; prefill/mixed: ...' for the start
@@ -91,26 +96,32 @@ class StepPaths:
         if fused_rows:  # (a verify step has two tokens at least)
             fused = FUSED_DECODE_PATH + (f", and verify steps of <= {rows} tokens" if rows > 1 else "")
         else:
-            fused = f"{self.backend} (per-op: {fused_why or self.fused_decline})"
-        return (f"decode ({small}): {fused}; decode ({rows + 1}+ rows): {self.backend}; "
+            fused = f"{self.decode_backend} (per-op: {fused_why or self.fused_decline})"
+        differs = self.decode_backend != self.backend or self.decode_why != self.backend_why
+        large = self.decode_backend + (f" ({self.decode_why})" if differs else "")
+        return (f"decode ({small}): {fused}; decode ({rows + 1}+ rows): {large}; "
                 f"prefill/mixed: {self.backend} ({self.backend_why})")
 
 
 def choose_paths(requested: str, platform: Platform, head_dim: int, group: int, dtype: torch.dtype,
                  tensor_parallel: bool, cuda_graphs: bool) -> StepPaths:
-    """The step backend (`requested`, or auto's pick) and why one-row decode would not be fused
-    on this platform (None: nothing against it here)."""
-    backend, why = step_backend(requested, platform, head_dim, group)
-    return StepPaths(backend, why, fused_decline(platform, dtype, tensor_parallel, cuda_graphs))
+    """The step and decode backends (`requested`, or auto's picks) and why one-row decode would
+    not be fused on this platform (None: nothing against it here)."""
+    backend, why = step_backend(requested, platform, head_dim, group, "prefill")
+    decode, decode_why = step_backend(requested, platform, head_dim, group, "decode")
+    return StepPaths(backend, why, fused_decline(platform, dtype, tensor_parallel, cuda_graphs),
+                     decode, decode_why)
 
 
-def step_backend(requested: str, platform: Platform, head_dim: int, group: int) -> tuple[str, str]:
-    """(backend, why) for prefill/mixed and multi-row decode steps."""
+def step_backend(requested: str, platform: Platform, head_dim: int, group: int,
+                 kind: str = "prefill") -> tuple[str, str]:
+    """(backend, why) for one step kind (`tuning.STEP_KINDS`): "prefill" (every step with a
+    chunk) or "decode" (pure-decode steps the fused path does not serve)."""
     if requested != "auto":
         return requested, "asked for by name"
     if platform.capability is None:
         return "torch", f"auto on {platform.device_type}: the torch backend"
-    name, why = tuning.preferred_backend(head_dim, group, "flashinfer" in platform.installed)
+    name, why = tuning.preferred_backend(head_dim, group, "flashinfer" in platform.installed, kind)
     failure = platform.import_error(name) if platform.import_error and name != "triton" else None
     if failure:
         return "triton", f"{why}, but it is installed and does not import ({failure[:300]}): triton"

@@ -171,8 +171,10 @@ class Engine:
 
     @property
     def backend_name(self) -> str:
-        """The attention backend that runs (what "auto" resolved to)."""
-        return self.runner.backend.name
+        """The attention backend that runs (what "auto" resolved to): one name, or the step
+        backend's and the decode backend's where they differ."""
+        prefill, decode = self.runner.backend.name, self.runner.decode_backend.name
+        return prefill if prefill == decode else f"{prefill} (prefill) + {decode} (decode)"
 
     def use_tokenizer(self, tokenizer) -> None:
         """Give a model built without one (random weights) a tokenizer, which structured output

@@ -10,7 +10,7 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   context that a step can reach (`mixed_graph_steps`), each capturing that variant;
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant; without, the decode variant of the batch size
-  (`backend.decode_variant`);
+  (`decode_backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - on CUDA, the LM head's GEMM outside any graph (a step with a chunk computes its sampled rows'
   logits eagerly) at every row count such a step samples (`logits_row_counts`): cuBLAS picks its
@@ -62,9 +62,9 @@ def decode_sizes(runner, max_num_seqs: int) -> list[int]:
     compile every decode variant (without)."""
     if runner.use_graphs:
         return list(runner.graph_sizes)
-    if runner.backend.decode_variant(1) is None:
+    if runner.decode_backend.decode_variant(1) is None:
         return [1]
-    return representatives(runner.backend.decode_variant, range(1, max_num_seqs + 1))
+    return representatives(runner.decode_backend.decode_variant, range(1, max_num_seqs + 1))
 
 
 def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int,

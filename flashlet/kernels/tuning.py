@@ -21,7 +21,11 @@ DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.p
 pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
 BATCHED_DECODE_TABLE holds `scripts/decode_attn_bench.py`'s winners for the two-launch decode
 per KV dtype (an fp8 pool moves half the bytes per key, so its best tile and split differ).
-BACKEND_PREFERENCE is that script's comparison with FlashInfer, per (head_dim, group).
+BACKEND_PREFERENCE is the step backend `--backend auto` picks per (head_dim, group, step kind):
+"prefill" (every step with a chunk) and "decode" (pure-decode steps the fused path does not
+serve: 17+ rows). Its entries are engine measurements (`bash scripts/gpu_run.sh backend-pref`:
+offline and decode-sat, triton against FlashInfer, BENCHMARKS.md); `scripts/tune_triton.py`
+prints its kernels-alone comparison in the same form.
 ONE_LAUNCH_TABLE holds that script's `--one-launch` winners for the fused decode path's
 one-launch form, per (head_dim, group, rows bucket of ONE_LAUNCH_ROW_BUCKETS); a shape without
 an entry keeps the form's derived config (`TritonBackend.one_launch_config`). Its context-length
@@ -139,8 +143,17 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 }
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
-# (head_dim, group) -> "triton" | "flashinfer": the faster on the H200 (decode + prefill).
-BACKEND_PREFERENCE: dict[tuple[int, int], str] = {}
+# (head_dim, group, step kind) -> "triton" | "flashinfer": the faster on the H200, in the engine
+# (`gpu_run.sh backend-pref` at 6163844, H200, 2026-12-03): Qwen3-0.6B (128, 2) offline 23,856
+# tok/s with FlashInfer against 22,627, decode-sat 38,037 against 42,899; Qwen2.5-1.5B (128, 6)
+# offline 33,262 against 32,197, decode-sat 48,722 against 45,824.
+STEP_KINDS = ("prefill", "decode")
+BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {
+    (128, 2, "decode"): "triton",
+    (128, 2, "prefill"): "flashinfer",
+    (128, 6, "decode"): "flashinfer",
+    (128, 6, "prefill"): "flashinfer",
+}
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -242,13 +255,17 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def preferred_backend(head_dim: int, group: int, flashinfer_ok: bool) -> tuple[str, str]:
-    """(backend, why) for `--backend auto` on CUDA."""
-    measured = BACKEND_PREFERENCE.get((head_dim, group))
+def preferred_backend(head_dim: int, group: int, flashinfer_ok: bool,
+                      kind: str = "prefill") -> tuple[str, str]:
+    """(backend, why) for `--backend auto` on CUDA, for one step kind (STEP_KINDS)."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"step kind {kind!r}: expected one of {STEP_KINDS}")
+    measured = BACKEND_PREFERENCE.get((head_dim, group, kind))
     if measured is not None:
         if measured == "flashinfer" and not flashinfer_ok:
-            return "triton", f"flashinfer measured faster for head_dim {head_dim}, group {group}, but it is not importable"
-        return measured, f"measured faster for head_dim {head_dim}, group {group} (scripts/tune_triton.py)"
+            return "triton", (f"flashinfer measured faster at {kind} steps for head_dim {head_dim}, "
+                              f"group {group}, but it is not importable")
+        return measured, f"measured faster at {kind} steps for head_dim {head_dim}, group {group} (gpu_run.sh backend-pref)"
     # Not measured: our kernels are tuned at head_dim 64; FlashInfer's FA2 kernels at 128.
     if head_dim >= 128 and flashinfer_ok:
         return "flashinfer", f"no measurement for head_dim {head_dim}, group {group}: FlashInfer's default at head_dim >= 128"

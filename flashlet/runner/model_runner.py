@@ -4,11 +4,13 @@ step's layout, plan the attention backend, forward, LM head on the sampled rows.
 The runner owns the step batch (`batch`, a batch.InputBatch: a row per running request, its
 page table kept between steps); `prepare(update)` applies the scheduler's BatchUpdate to it and
 returns the step's layout. `load(layout)` puts a step's layout into the runner's one set of step
-buffers. Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
+buffers. Two attention backends may serve it over the same pool (`attention/selection.py` picks
+them): `backend` every step with a prefill chunk, `decode_backend` the pure-decode steps the
+fused path does not serve (often the same object). Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
 replay, the graph reading the step buffers where its capture saw them (checked before each
 replay):
 - pure-decode steps: one graph per padded batch size (1, 2, 4, ... up to max_num_seqs) and per
-  the backend's `graph_key`; `load` pads such a step with rows that write to and read from the
+  the decode backend's `graph_key`; `load` pads such a step with rows that write to and read from the
   pool's scratch page. The graph ends in the logits.
 - mixed steps (any prefill chunk), on a backend that `supports_mixed_graph` (triton), without
   tensor parallelism (the workers would need the same graphs) and with `mixed_graphs`: one graph
@@ -24,8 +26,8 @@ pure-decode step of up to `fused.max_rows` rows (`fused_decode.SERVED_ROWS`: whe
 was measured faster than per-op) in which every row samples runs `FusedDecode` (CuTe GEMVs with
 the norms and epilogues folded in; flashlet/runner/fused_decode.py) instead of the model's
 per-op forward, padded to one of its row counts (the decode graph sizes up to it) and in that
-size's graph where graphs run, attending through `fused_attention` (the step backend, or a
-triton backend of the path's own where the step backend has no one-launch attention: only those
+size's graph where graphs run, attending through `fused_attention` (the decode or step backend
+where one has the one-launch attention, else a triton backend of the path's own: only those
 steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps whose requests
 are all plain greedy (the engine decides), so no logits are written at all. A speculative
 verify step of at most `fused.max_rows` query tokens, all sampled (verify rows and decodes, no
@@ -115,11 +117,16 @@ class ModelRunner:
                              model.local.num_heads // kv_pool.num_kv_heads, dtype,
                              getattr(model, "tp", None) is not None, config.cuda_graph)
         decode_rows = decode_rows_limit(config)
+        # The step backend serves every step with a chunk; the decode backend the pure-decode
+        # steps the fused path does not (one object where auto or --backend picks the same).
         self.backend = create_backend(paths.backend, kv_pool, model.local.num_heads,
                                       max_batch_size=decode_rows,
                                       max_pages_per_seq=max_pages_per_seq)
+        self.decode_backend = self.backend if paths.decode_backend == paths.backend else \
+            create_backend(paths.decode_backend, kv_pool, model.local.num_heads,
+                           max_batch_size=decode_rows, max_pages_per_seq=max_pages_per_seq)
         self.use_graphs = (config.cuda_graph and self.device.type == "cuda"
-                           and self.backend.supports_cuda_graph)
+                           and self.decode_backend.supports_cuda_graph)
         # Not under tensor parallelism: the workers run rank 0's steps eagerly, unpadded.
         self.use_mixed_graphs = (self.use_graphs and config.mixed_graphs
                                  and getattr(model, "tp", None) is None
@@ -187,9 +194,11 @@ class ModelRunner:
 
     def _fused_attention_backend(self, model, kv_pool, max_pages_per_seq: int):
         """The attention of the steps the fused path serves (up to fused.max_rows decode rows)."""
-        if (self.fused is None or not self.fused.one_launch_attention
-                or self.backend.supports_one_launch_decode):
-            return self.backend
+        if self.fused is None or not self.fused.one_launch_attention:
+            return self.decode_backend
+        for backend in (self.decode_backend, self.backend):
+            if backend.supports_one_launch_decode:
+                return backend
         from flashlet.attention.triton_backend import TritonBackend
 
         return TritonBackend(kv_pool, model.local.num_heads, max_batch_size=self.fused.max_rows,
@@ -201,7 +210,7 @@ class ModelRunner:
 
     def _decode_attention(self, size: int):
         """The attention backend a pure-decode step padded to `size` rows runs."""
-        return self.fused_attention if self._fused_size(size) else self.backend
+        return self.fused_attention if self._fused_size(size) else self.decode_backend
 
     def greedy_token_sizes(self) -> list[int]:
         """The fused sizes a pure-decode step pads to: those that may end in the greedy tokens'
@@ -270,13 +279,19 @@ class ModelRunner:
             self._mark_staged()
             logits = self.fused.logits(input_ids, meta.positions, self.fused_attention)
             return logits[: meta.num_seqs - meta.num_padding]
-        self.backend.plan(meta)
+        backend = self._eager_backend(meta)
+        backend.plan(meta)
         if meta.token_bucket is not None and self.use_mixed_graphs:
             hidden = self._replay_mixed(input_ids, meta)
             return self.model.compute_logits(hidden[meta.logits_indices])
         self._mark_staged()
-        hidden = self.model(input_ids, meta.positions, self.backend)
+        hidden = self.model(input_ids, meta.positions, backend)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def _eager_backend(self, meta: AttentionMetadata):
+        """The backend of a step that replays no decode graph: the decode backend for pure
+        decode, the step backend for a step with a chunk."""
+        return self.decode_backend if meta.host.is_pure_decode else self.backend
 
     @torch.inference_mode()
     def forward_hidden(self, input_ids: torch.Tensor,
@@ -287,16 +302,17 @@ class ModelRunner:
         graph's body eagerly, on the same padded inputs."""
         size = self.graph_batch_size(meta.host, meta.num_padding)
         if size is not None:
-            self.backend.plan_graph(meta, size)
+            self.decode_backend.plan_graph(meta, size)
             self._mark_staged()
-            hidden = self.model(input_ids, meta.positions, self.backend)
+            hidden = self.model(input_ids, meta.positions, self.decode_backend)
             return hidden, self.model.compute_logits(hidden)[: size - meta.num_padding]
-        self.backend.plan(meta)
+        backend = self._eager_backend(meta)
+        backend.plan(meta)
         if meta.token_bucket is not None and self.use_mixed_graphs:
             hidden = self._replay_mixed(input_ids, meta)
         else:
             self._mark_staged()
-            hidden = self.model(input_ids, meta.positions, self.backend)
+            hidden = self.model(input_ids, meta.positions, backend)
         return hidden, self.model.compute_logits(hidden[meta.logits_indices])
 
     def _fused_step(self, meta: AttentionMetadata) -> bool:
@@ -370,7 +386,7 @@ class ModelRunner:
         if self._fused_size(input_ids.shape[0]):
             fused = self.fused.token if tokens else self.fused.logits
             return fused(input_ids, positions, self.fused_attention)
-        hidden = self.model(input_ids, positions, self.backend)
+        hidden = self.model(input_ids, positions, self.decode_backend)
         return self.model.compute_logits(hidden)
 
     def _capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens: bool = False):

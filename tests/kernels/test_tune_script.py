@@ -54,8 +54,8 @@ def test_tune_shape_on_a_tiny_shape(tune, monkeypatch):
     assert set(dec) == {(16, 2, 1), (16, 2, 4)} and ratio is None
     assert set(pre) == {(16, 2, tuning.PREFILL_QLEN_BUCKETS[0]), (16, 2, tuning.PREFILL_QLEN_BUCKETS[-1])}
     assert all(r[3] and all(t > 0 for t in r[3]) for r in rows)
-    source = tune.table_literals(dec, pre, {(16, 2): "triton"})
+    source = tune.table_literals(dec, pre, {(16, 2, "decode"): "triton"})
     scope = {"DecodeConfig": DecodeConfig, "PrefillConfig": PrefillConfig}
     exec(source, scope)
     assert scope["DECODE_TABLE"] == dec and scope["PREFILL_TABLE"] == pre
-    assert scope["BACKEND_PREFERENCE"] == {(16, 2): "triton"}
+    assert scope["BACKEND_PREFERENCE"] == {(16, 2, "decode"): "triton"}

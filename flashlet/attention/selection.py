@@ -10,8 +10,8 @@ backend reads the pool's NHD layout, `KVPool`):
     decode (17+ rows)  the decode backend, per-op
     prefill/mixed      the step backend, per-op
 `--backend auto` picks the step backend and the decode backend apart, from the measured table
-(`tuning.BACKEND_PREFERENCE`, per head_dim, GQA group and step kind): on Qwen3's shape
-FlashInfer's prefill and our Triton decode each won their kind. A backend named by `--backend`
+(`tuning.BACKEND_PREFERENCE`, per head_dim, GQA group and step kind: on Qwen3's shape FlashInfer
+lost the large decode steps by 11% and only tied at prefill). A backend named by `--backend`
 serves both. The fused path brings its own attention (a `TritonBackend` over the pool), so
 installing FlashInfer changes what serves prefill and larger decode steps, never whether small
 decode steps are fused.

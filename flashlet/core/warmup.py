@@ -7,7 +7,9 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
 - steps with a chunk: the prefill variant of the step's longest chunk (`backend.prefill_variant`),
   and a second where a long context splits the keys (`backend.mixed_graph_contexts`); with
   mixed-step graphs, one graph per token bucket (`runner.token_buckets`), prefill variant and
-  context that a step can reach (`mixed_graph_steps`), each capturing that variant;
+  context that a step can reach (`mixed_graph_steps`), each capturing that variant; without
+  them (FlashInfer), on CUDA, one eager step more at each token bucket's length, for the GEMMs'
+  kernels (`eager_chunk_steps`);
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant; without, the decode variant of the batch size
   (`decode_backend.decode_variant`);
@@ -89,6 +91,20 @@ def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int,
     return steps
 
 
+def eager_chunk_steps(runner, max_chunk: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(chunk length, KV before it) of the warm-up's eager chunk steps where no mixed graph
+    captures them: one per prefill variant at each context that picks a kernel apart, then one
+    of each token bucket's length (a step's GEMMs run at its token count, and cuBLAS picks its
+    kernel by shape, loaded at first launch as `_warm_logits` says; the mixed graphs' captures
+    do this for the triton backend)."""
+    steps = [(q_len, context) for q_len in chunk_lengths(runner.backend, max_chunk)
+             for context in chunk_contexts(runner.backend, q_len, q_len, max_model_len)]
+    if runner.device.type == "cuda":
+        lengths = {q_len for q_len, _ in steps}
+        steps += [(n, 0) for n in runner.token_buckets if n <= min(max_chunk, max_model_len) and n not in lengths]
+    return steps
+
+
 def chunk_contexts(backend, num_tokens: int, q_len: int, max_model_len: int) -> list[int]:
     """The tokens before a q_len chunk in one step per variant that a step of num_tokens rows
     takes by its context length (`backend.mixed_graph_contexts`, those that fit max_model_len)."""
@@ -122,9 +138,8 @@ def warm_up(engine) -> dict:
         t0 = time.perf_counter()
         # One sequence with a chunk of q_len tokens, eagerly; with mixed graphs every chunk
         # step replays one, and their captures below compile the same prefill variants.
-        for q_len in [] if mixed else chunks:
-            for context in chunk_contexts(runner.backend, q_len, q_len, engine.max_model_len):
-                runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab, context)))
+        for q_len, context in [] if mixed else eager_chunk_steps(runner, max_chunk, engine.max_model_len):
+            runner.forward(*runner.load(synthetic_layout(1, q_len, engine.kv_pool, vocab, context)))
         _warm_sampling(engine)
         _warm_logits(engine)
         sync()

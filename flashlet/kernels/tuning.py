@@ -144,13 +144,15 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group, step kind) -> "triton" | "flashinfer": the faster on the H200, in the engine
-# (`gpu_run.sh backend-pref` at 6163844, H200, 2026-12-03): Qwen3-0.6B (128, 2) offline 23,856
-# tok/s with FlashInfer against 22,627, decode-sat 38,037 against 42,899; Qwen2.5-1.5B (128, 6)
-# offline 33,262 against 32,197, decode-sat 48,722 against 45,824.
+# (`gpu_run.sh backend-pref`, 2026-12-03; BENCHMARKS.md). Qwen3-0.6B (128, 2), FlashInfer against
+# Triton: decode-sat 38,037 against 42,899 tok/s; offline 23,856 against 22,627, but with
+# FlashInfer's prefill beside Triton's decode 22,615 against 22,586 (level), and a first
+# 1,000-token prompt's TTFT 18-27 against 5 ms: Triton for both. Qwen2.5-1.5B (128, 6):
+# decode-sat 48,722 against 45,824, offline 33,262 against 32,197: FlashInfer for both.
 STEP_KINDS = ("prefill", "decode")
 BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {
     (128, 2, "decode"): "triton",
-    (128, 2, "prefill"): "flashinfer",
+    (128, 2, "prefill"): "triton",
     (128, 6, "decode"): "flashinfer",
     (128, 6, "prefill"): "flashinfer",
 }

@@ -20,7 +20,9 @@ def platform(capability=H200, installed=("flashinfer",)):
     return Platform("cuda" if capability else "cpu", capability, frozenset(installed))
 
 
-def paths(requested="auto", plat=None, head_dim=128, group=2, dtype=BF16, tp=False, graphs=True):
+def paths(requested="auto", plat=None, head_dim=128, group=3, dtype=BF16, tp=False, graphs=True):
+    """The paths at a shape the measured table does not hold (head_dim 128, group 3) unless
+    asked: auto's default rule there is FlashInfer where it is installed."""
     return choose_paths(requested, plat or platform(), head_dim, group, dtype, tp, graphs)
 
 
@@ -69,16 +71,16 @@ def test_cpu_runs_torch_per_op():
 
 
 def test_the_start_line_names_each_step_kind_and_why():
-    fused = paths(group=3).log_line(fused_rows=16)  # a shape the table does not hold
+    fused = paths().log_line(fused_rows=16)
     assert fused == (f"decode (1-16 rows): {FUSED_DECODE_PATH}, and verify steps of <= 16 tokens; "
                      f"decode (17+ rows): flashinfer; prefill/mixed: "
                      f"flashinfer (no measurement for head_dim 128, group 3: FlashInfer's default at "
                      f"head_dim >= 128)")
-    one = paths(group=3).log_line(fused_rows=1)  # a GEMV of one row only
+    one = paths().log_line(fused_rows=1)  # a GEMV of one row only
     assert one.startswith(f"decode (1 row): {FUSED_DECODE_PATH}; decode (2+ rows): flashinfer")
-    off = paths(group=3, tp=True).log_line(fused_rows=0)
+    off = paths(tp=True).log_line(fused_rows=0)
     assert off.startswith("decode (1 row): flashinfer (per-op: tensor parallelism is on")
-    shape = paths(group=3).log_line(fused_rows=0, fused_why="intermediate_size = 18944 is over 16384")
+    shape = paths().log_line(fused_rows=0, fused_why="intermediate_size = 18944 is over 16384")
     assert "(per-op: intermediate_size = 18944 is over 16384)" in shape
 
 
@@ -87,16 +89,16 @@ def test_auto_picks_each_step_kind_from_the_measured_table(monkeypatch):
     decode each won their kind in the engine (tuning.BACKEND_PREFERENCE), so auto runs both."""
     monkeypatch.setattr(tuning, "BACKEND_PREFERENCE", {(128, 2, "decode"): "triton",
                                                        (128, 2, "prefill"): "flashinfer"})
-    got = paths()
+    got = paths(group=2)
     assert (got.backend, got.decode_backend) == ("flashinfer", "triton")
     assert "measured faster" in got.backend_why and "measured faster" in got.decode_why
     line = got.log_line(fused_rows=16)
     assert "decode (17+ rows): triton (measured faster at decode steps for head_dim 128, group 2" in line
     assert "prefill/mixed: flashinfer (measured faster at prefill steps" in line
-    assert paths(tp=True).log_line(fused_rows=0).startswith("decode (1 row): triton (per-op:")
-    without = paths(plat=platform(installed=()))  # not installed: triton serves both
+    assert paths(group=2, tp=True).log_line(fused_rows=0).startswith("decode (1 row): triton (per-op:")
+    without = paths(group=2, plat=platform(installed=()))  # not installed: triton serves both
     assert (without.backend, without.decode_backend) == ("triton", "triton")
-    named = paths("flashinfer")  # a backend by name serves every kind
+    named = paths("flashinfer", group=2)  # a backend by name serves every kind
     assert (named.backend, named.decode_backend) == ("flashinfer", "flashinfer")
 
 

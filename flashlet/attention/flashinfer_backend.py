@@ -78,10 +78,11 @@ class FlashInferBackend(AttentionBackend):
     def prefill_variant(self, max_q_len: int) -> tuple:
         """FA2's query tile for a step whose longest chunk is max_q_len tokens: plan() picks 16,
         64 or 128 query rows a CTA from the packed query length (rows x GQA group;
-        `FA2DetermineCtaTileQ`, head_dim < 256), and each tile is a kernel of its own. CUDA
-        loads a kernel's module at its first launch (lazy loading): a first prompt that needs
-        the 128-row tile stalled its step 14-30 ms (a 1,000-token prompt's step 17.7 ms on
-        Qwen3-0.6B, 33 ms on Qwen2.5-1.5B, H200), so the warm-up runs one step per tile."""
+        `FA2DetermineCtaTileQ`, head_dim < 256), and each tile is a kernel of its own, which
+        CUDA loads at its first launch (lazy loading), so the warm-up runs one step per tile. A
+        first 1,000-token prompt's step still took 18-27 ms on Qwen3-0.6B (H200, 2ddbba1)
+        against 3 warm: the eager step's GEMMs at a new token count are the next suspect
+        (`warmup.eager_chunk_steps`)."""
         packed = max_q_len * (self.num_q_heads // self.num_kv_heads)
         return ("cta_tile_q", 16 if packed <= 16 else 64 if packed <= 64 else 128)
 

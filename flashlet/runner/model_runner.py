@@ -6,12 +6,12 @@ page table kept between steps); `prepare(update)` applies the scheduler's BatchU
 returns the step's layout. `load(layout)` puts a step's layout into the runner's one set of step
 buffers. Two attention backends may serve it over the same pool (`attention/selection.py` picks
 them): `backend` every step with a prefill chunk, `decode_backend` the pure-decode steps the
-fused path does not serve (often the same object). Steps on CUDA are replayed from CUDA graphs, planned outside the graph before each
-replay, the graph reading the step buffers where its capture saw them (checked before each
-replay):
+fused path does not serve (often the same object). Steps on CUDA are replayed from CUDA
+graphs, planned outside the graph before each replay, the graph reading the step buffers where
+its capture saw them (checked before each replay):
 - pure-decode steps: one graph per padded batch size (1, 2, 4, ... up to max_num_seqs) and per
-  the decode backend's `graph_key`; `load` pads such a step with rows that write to and read from the
-  pool's scratch page. The graph ends in the logits.
+  the decode backend's `graph_key`; `load` pads such a step with rows that write to and read
+  from the pool's scratch page. The graph ends in the logits.
 - mixed steps (any prefill chunk), on a backend that `supports_mixed_graph` (triton), without
   tensor parallelism (the workers would need the same graphs) and with `mixed_graphs`: one graph
   per token bucket (16, 32, 64, ... up to max_num_batched_tokens, and it) and per the backend's

@@ -213,6 +213,18 @@ def scaled_mm_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
 
 # ---- FP8 checkpoints on the hub ---------------------------------------------------------------
 
+# What a checkpoint of `QuantizedWeight`s is written with (`weights.save_fp8_checkpoint`):
+# compressed-tensors' per-channel float8 weights, which `checkpoint_format` reads back exactly
+# and which other engines (vLLM) read as weight-only fp8; activations stay unquantized.
+PER_CHANNEL_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
+                    "dynamic": False}}}}
+
+
 class CheckpointFormat:
     """How an FP8 checkpoint stores a linear weight: `<name>` in fp8 beside `<name>_<scale_suffix>`
     (fp32: one value, one per row, or one per `block` [rows, cols] tile), W = q * scale."""

@@ -6,7 +6,8 @@ norms and the LM head stay in the model dtype. `--quantization fp8` quantizes a 
 checkpoint at load; FP8 checkpoints (`quant_method` "fp8" with per-tensor, per-channel or block
 scales, and compressed-tensors' float8 weights) convert to the same representation at load:
 per-tensor and per-channel scales exactly, block scales by dequantizing in fp32 and
-requantizing each row.
+requantizing each row. `python -m flashlet.quantize` writes a per-channel checkpoint whose codes
+GPTQ chose (`flashlet/models/gptq.py`) instead of rounding each weight to its nearest code.
 
 `linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). What
 runs where, and why (lab/fp8_fidelity.py emulates each variant on the CPU against fp32):

@@ -7,8 +7,9 @@ the same tokens: argmax agreement (with its binomial standard error), and the lo
 (per-row scales or 128 x 128 block scales, multiplied in fp32 or in bf16), the per-token fp8
 activations of the `torch._scaled_mm` path, the LM head in fp8, and each projection alone.
 The GPTQ variants keep the per-row format (e4m3 codes and one scale a row, loadable unchanged)
-but choose each code by GPTQ's error-compensating rounding (`gptq_rows`) on the Hessians of
-a calibration text (--calib: scripts/fidelity_text.txt and README.md, never a scored file).
+but choose each code by GPTQ's error-compensating rounding (`flashlet.models.gptq.gptq_rows`,
+what `python -m flashlet.quantize` writes as a checkpoint) on the Hessians of a calibration
+text (--calib: scripts/fidelity_text.txt and README.md, never a scored file).
 With bf16 run too, each row's agreement is also given as its paired difference to bf16's.
 
     PYTHONPATH=. python lab/fp8_fidelity.py --preset qwen2.5-0.5b --layers 6
@@ -32,11 +33,11 @@ import torch.nn.functional as F
 
 import flashlet.models.ops
 from flashlet.models import quantization as q
+from flashlet.models.gptq import DenseAttention, gptq_rows  # the rounding the CLI writes
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import (embedded_model_dir, load_model, load_tokenizer,
                                      preset_config, random_model)
 from scripts.fidelity import PERPLEXITY_TEXT, text_sequences  # the texts fidelity.py scores
-from tests.test_fp8 import DenseAttention  # causal attention over one whole sequence (no pool)
 
 
 class EmulatedWeight(q.QuantizedWeight):
@@ -77,39 +78,6 @@ def per_block(w, block=128):
     t = F.pad(w.float(), (0, pk, 0, pn)).reshape((n + pn) // block, block, (k + pk) // block, block)
     s = (t.abs().amax(dim=(1, 3), keepdim=True) / q.FP8_MAX).clamp(min=q.MIN_SCALE)
     return ((t / s).to(q.FP8).float() * s).reshape(n + pn, k + pk)[:n, :k]
-
-
-def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128):
-    """w [N, K], hessian [K, K] = X^T X of the layer's calibration inputs -> (codes [N, K] e4m3,
-    scale [N] fp32): the same per-row format as `quantize_rows` (scale = amax|row| / 448 of the
-    original row), but the columns are rounded one at a time (in descending diag(H) order with
-    `act_order`) and each column's rounding error is spread over the columns not yet rounded
-    through the inverse Hessian, so that X W^T rather than W is kept (GPTQ, Frantar et al. 2022:
-    the error of column j, divided by U[j, j], moves the rest by U[j, j+1:] where U is the upper
-    Cholesky factor of H^-1; done in blocks of `block` columns, the rest updated once a block).
-    `damp` adds that fraction of diag(H)'s mean to the diagonal."""
-    w = w.float().clone()
-    n, k = w.shape
-    scale = (w.abs().amax(dim=1) / q.FP8_MAX).clamp(min=q.MIN_SCALE)
-    h = hessian.double().clone()
-    dead = h.diagonal() == 0  # an input that never fires: its column does not matter
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    perm = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    codes = torch.empty_like(w)  # the e4m3 values as fp32 (exact), cast once at the end
-    for b0 in range(0, k, block):
-        b1 = min(b0 + block, k)
-        wb, err = w[:, b0:b1], torch.empty(n, b1 - b0)
-        for j in range(b1 - b0):
-            c = (wb[:, j] / scale).clamp(-q.FP8_MAX, q.FP8_MAX).to(q.FP8).float()
-            codes[:, b0 + j] = c
-            err[:, j] = (wb[:, j] - c * scale) / u[b0 + j, b0 + j]
-            wb[:, j + 1:] -= err[:, j:j + 1] * u[b0 + j, b0 + j + 1:b1]
-        w[:, b1:] -= err @ u[b0:b1, b1:]
-    return codes[:, torch.argsort(perm)].to(q.FP8), scale
 
 
 class RecordingWeight(EmulatedWeight):

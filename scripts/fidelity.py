@@ -80,8 +80,12 @@ agreement with the float32 run (+- 1.96 SE); each fp8 row also its paired differ
 weights within 3 points, an fp8 KV cache within 1 ("within" when the whole interval is above
 the bound, "short" when below, else undecided). The exit status is the perplexity rule's alone:
 1 when any fp8 row's perplexity is more than 3% over the --dtype row's.
+--quantized-model DIR...: each pre-quantized checkpoint of --model (an FP8 folder written by
+`python -m flashlet.quantize`, which loads with its fp8 weights as stored) scores one more fp8
+row on the same tokens, against --model's own fp32 run and its --dtype row.
 
     python scripts/fidelity.py --perplexity --device cpu --kv-cache-dtype fp8 --text docs/en/versions/*.md
+    python scripts/fidelity.py --perplexity --device cpu --quantized-model /tmp/smollm2-gptq --text docs/en/versions/*.md
 """
 
 from __future__ import annotations
@@ -140,6 +144,9 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=1024,
                    help="--perplexity: tokens a --text sequence keeps (its first)")
     p.add_argument("--model", default=None, help="--perplexity: the model (default: embedded SmolLM2)")
+    p.add_argument("--quantized-model", nargs="+", default=[], metavar="DIR",
+                   help="--perplexity: also score these pre-quantized checkpoints of --model "
+                        "(e.g. python -m flashlet.quantize's), each an fp8 weights row")
     p.add_argument("--diag-qk-scale", type=float, nargs="+", default=[1.0, 3.0],
                    help="--diagnose: q/k std as multiples of a random-weight model's "
                         "(0.02 sqrt(hidden)); 3 makes attention peaked")
@@ -149,6 +156,11 @@ def parse_args(argv=None):
     missing = [f for f in args.text or [] if not Path(f).is_file()]
     if missing:
         p.error(f"--text: no such file: {', '.join(missing)}")
+    if args.quantized_model and not args.perplexity:
+        p.error("--quantized-model is read by --perplexity only")
+    bad = [d for d in args.quantized_model if not (Path(d) / "config.json").is_file()]
+    if bad:
+        p.error(f"--quantized-model: not a model folder (no config.json): {', '.join(bad)}")
     if args.max_len < 2:
         p.error("--max-len must be at least 2")
     if args.num_seqs * args.seq_len < 256:
@@ -717,12 +729,13 @@ def text_sequences(tokenizer, files, max_len: int = 1024) -> list[list[int]]:
     return [tokenizer.encode(Path(f).read_text())[:max_len] for f in files]
 
 
-def engine_scores(args, seqs: list[list[int]], dtype: str, variant: dict):
-    """Teacher-forced through an engine in `dtype` with the EngineConfig settings `variant`
-    (quantization, kv_cache_dtype): each position's argmax token [positions] and each next
-    token's negative log-likelihood [positions - sequences], on the CPU."""
+def engine_scores(args, seqs: list[list[int]], dtype: str, variant: dict, model=None):
+    """Teacher-forced through an engine of `model` (default --model) in `dtype` with the
+    EngineConfig settings `variant` (quantization, kv_cache_dtype): each position's argmax token
+    [positions] and each next token's negative log-likelihood [positions - sequences], on the
+    CPU."""
     pages = -(-(max(map(len, seqs)) + 1) // args.page_size) + 4
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=dtype,
+    engine = Engine(EngineConfig(model=model or args.model, device=args.device, dtype=dtype,
                                  page_size=args.page_size, max_num_pages=pages,
                                  max_num_batched_tokens=args.chunk, enable_prefix_cache=False,
                                  max_num_seqs=4, cuda_graph=False, **variant))
@@ -823,6 +836,10 @@ def perplexity_main(args) -> int:
     for name, variant in perplexity_variants(args).items():
         top, nll = engine_scores(args, seqs, args.dtype, variant)
         rows[name] = agreement_row(ref_top, top, nll, base, agreement_bound(variant))
+    for folder in args.quantized_model:  # its fp8 weights as stored, against --model's fp32 run
+        top, nll = engine_scores(args, seqs, args.dtype, {}, model=folder)
+        rows[f"fp8 checkpoint {Path(folder).name}"] = agreement_row(ref_top, top, nll, base,
+                                                                     QUANTIZED_POINTS)
     model = args.model or "embedded SmolLM2-135M"
     positions = int(ref_top.numel())
     print(f"{model}, {positions} positions in {len(seqs)} sequence(s) of "

@@ -191,12 +191,16 @@ def fake_scores(n: int = 400):
 
     ref = torch.arange(n) % 7
     flipped = {"bfloat16": range(0, 12), "fp8 weights": range(6, 40), "fp8 KV": range(0, 16),
-               "both": range(0, 50)}
-    nll = {"float32": 3.0, "bfloat16": 3.01, "fp8 weights": 3.05, "fp8 KV": 3.012, "both": 3.06}
+               "both": range(0, 50), "checkpoint": range(8, 20)}
+    nll = {"float32": 3.0, "bfloat16": 3.01, "fp8 weights": 3.05, "fp8 KV": 3.012, "both": 3.06,
+           "checkpoint": 3.02}
 
-    def scores(args, seqs, dtype, variant):
+    def scores(args, seqs, dtype, variant, model=None):
         assert sum(map(len, seqs)) == n
-        if dtype == "float32":
+        if model is not None:  # a --quantized-model row: that folder, as stored
+            assert dtype == args.dtype and variant == {}
+            key = "checkpoint"
+        elif dtype == "float32":
             assert variant == {}
             key = "float32"
         else:
@@ -242,6 +246,42 @@ def test_perplexity_agreement_is_against_the_fp32_run_and_differences_are_paired
     assert both["allowed_points"] is None and both["agreement_verdict"] == "no #31 bound"
     assert weights["ratio"] == pytest.approx(math.exp(0.04))  # 4.1% over: the exit status's rule
     assert rc == 1
+
+
+def test_a_quantized_checkpoint_is_scored_against_the_original_models_fp32_run(
+        tmp_path, monkeypatch):
+    fidelity = load_script()
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    checkpoint = tmp_path / "gptq"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    scores, _ = fake_scores(400)
+    models = []
+
+    def recording(args, seqs, dtype, variant, model=None):
+        models.append((dtype, model))
+        return scores(args, seqs, dtype, variant, model)
+
+    monkeypatch.setattr(fidelity, "engine_scores", recording)
+    out = tmp_path / "p.json"
+    fidelity.main(["--perplexity", "--device", "cpu", "--text", str(text), "--max-len", "400",
+                   "--quantized-model", str(checkpoint), "--json", str(out)])
+    # the fp32 reference and the bf16 row are --model's (the default), the row the folder's
+    assert models[:2] == [("float32", None), ("bfloat16", None)]
+    assert models[-1] == ("bfloat16", str(checkpoint))
+    row = json.loads(out.read_text())["variants"]["fp8 checkpoint gptq"]
+    assert row["agreement"] == pytest.approx(1 - 12 / 400)
+    assert row["diff_vs_unquantized"] == pytest.approx((8 - 8) / 400)  # only bf16 wrong at 0-7, only it at 12-19
+    assert row["allowed_points"] == 0.03
+
+
+def test_quantized_model_is_read_by_perplexity_only_and_must_be_a_model_folder(tmp_path):
+    fidelity = load_script()
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--quantized-model", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--perplexity", "--quantized-model", str(tmp_path)])
 
 
 def test_agreement_verdict_reads_the_paired_interval():

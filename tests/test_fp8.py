@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flashlet.config import EngineConfig
+from flashlet.models.gptq import DenseAttention  # causal attention over one whole sequence
 from flashlet.models.ops import TorchOps
 from flashlet.models.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
                                    dequant_linear, quantize_rows, quantize_weight,
@@ -18,20 +19,6 @@ from tests.test_tensor_parallel import _Rank
 
 PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")
-
-
-class DenseAttention:
-    """Causal attention over the whole sequence (no pool): enough to get a model's logits."""
-
-    def run_rope(self, layer_idx, q, k, v, positions, cos_sin, qk_norm=None):
-        if qk_norm is not None:
-            q, k = qk_norm.apply(q, k)
-        q, k = TorchOps.rope(q, k, positions, cos_sin)
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True)
-        return o.transpose(0, 1)
 
 
 @torch.inference_mode()

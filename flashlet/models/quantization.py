@@ -6,7 +6,8 @@ norms and the LM head stay in the model dtype. `--quantization fp8` quantizes a 
 checkpoint at load; FP8 checkpoints (`quant_method` "fp8" with per-tensor, per-channel or block
 scales, and compressed-tensors' float8 weights) convert to the same representation at load:
 per-tensor and per-channel scales exactly, block scales by dequantizing in fp32 and
-requantizing each row.
+requantizing each row. `python -m flashlet.quantize` writes a per-channel checkpoint whose codes
+GPTQ chose (`flashlet/models/gptq.py`) instead of rounding each weight to its nearest code.
 
 `linear(x, w, bias)` is the one entry point the model's matmuls reach (`TorchOps.linear`). What
 runs where, and why (lab/fp8_fidelity.py emulates each variant on the CPU against fp32):
@@ -212,6 +213,18 @@ def scaled_mm_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
 
 
 # ---- FP8 checkpoints on the hub ---------------------------------------------------------------
+
+# What a checkpoint of `QuantizedWeight`s is written with (`weights.save_fp8_checkpoint`):
+# compressed-tensors' per-channel float8 weights, which `checkpoint_format` reads back exactly
+# and which other engines (vLLM) read as weight-only fp8; activations stay unquantized.
+PER_CHANNEL_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
+                    "dynamic": False}}}}
+
 
 class CheckpointFormat:
     """How an FP8 checkpoint stores a linear weight: `<name>` in fp8 beside `<name>_<scale_suffix>`

@@ -432,6 +432,58 @@ def _read_tensor(name: str, stored: StoredTensor, device) -> torch.Tensor:
         return sf.get_tensor(name)
 
 
+# What a checkpoint folder holds besides its tokenizer and other files, which are copied as they are.
+CHECKPOINT_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def save_fp8_checkpoint(model, source_dir: Path, out: Path) -> None:
+    """Write `model`, whose decoder projections are `QuantizedWeight`s and whose other tensors
+    are those of the checkpoint at `source_dir`, as a folder `out` that `load_model` reads back
+    exactly: each projection under its Hugging Face name(s) in e4m3 beside its per-row scale
+    [rows, 1] (`quantization.PER_CHANNEL_CONFIG`), every other tensor as `source_dir` stores it,
+    config.json with that quantization_config, and the tokenizer and other files copied. It is
+    written in a temporary sibling folder and renamed: `out` is never left half written."""
+    from safetensors.torch import save_file
+
+    source_dir, out = Path(source_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder")
+    stored = checkpoint_tensors(source_dir)
+    fmt = quantization_lib.checkpoint_format(quantization_lib.PER_CHANNEL_CONFIG)
+    modules = dict(model.named_modules())
+    tensors = {}
+    for ours, theirs in hf_to_flashlet_names(model.config):
+        holder = modules.get(ours)
+        if not isinstance(holder, quantization_lib.QuantizedWeight):
+            tensors.update((name, _read_tensor(name, stored[name], "cpu")) for name in theirs)
+            continue
+        row = 0
+        for name in theirs:  # a fused holder's rows, split back into the checkpoint's tensors
+            n = stored[name].shape[0]
+            tensors[name] = holder.qweight[row:row + n].cpu().contiguous()
+            tensors[fmt.scale_name(name)] = holder.scale[row:row + n, None].cpu().contiguous()
+            row += n
+    cfg = json.loads((source_dir / "config.json").read_text())
+    cfg["quantization_config"] = quantization_lib.PER_CHANNEL_CONFIG
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # one a killed run of this process id left
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for f in source_dir.iterdir():
+            if (f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors"
+                    and f.name not in CHECKPOINT_FILES):
+                shutil.copy(f, tmp / f.name)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def check_quantization(quantization: str | None) -> None:
     if quantization not in (None, *quantization_lib.QUANTIZATION_METHODS):
         raise ValueError(f"unknown quantization {quantization!r} (choose from "

@@ -1,0 +1,90 @@
+"""`python -m flashlet.quantize --out DIR`: write an FP8 checkpoint of a model, rounded by GPTQ.
+
+Offline, once: the model (--model, a Hugging Face folder, hub id or GGUF file; default the
+embedded SmolLM2-135M) loads in fp32, runs the calibration text one decoder layer at a time,
+and each layer's linear weights are rounded to e4m3 with one scale a row by GPTQ
+(`flashlet/models/gptq.py`); the folder written (`weights.save_fp8_checkpoint`) then loads
+with `LLM(model=DIR)` or `--model DIR`, no --quantization needed, at no cost at load. The
+default calibration text is flashlet/models/calibration_text.txt (a snapshot of the README:
+none of the texts scripts/fidelity.py scores). Bad usage is one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from flashlet.config import CliParser
+from flashlet.models.gptq import calibration_sequences, gptq_model
+from flashlet.models.weights import load_model, resolve_model_dir, save_fp8_checkpoint
+
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "models" / "calibration_text.txt"
+
+
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m flashlet.quantize", description=__doc__)
+    p.add_argument("--model", default=None,
+                   help="folder, hub id or .gguf file (default: the embedded SmolLM2-135M)")
+    p.add_argument("--out", required=True, help="the folder to write (absent or empty)")
+    p.add_argument("--calib-text", nargs="+", default=[str(CALIBRATION_TEXT)], metavar="FILE",
+                   help="calibration text files, tokenized and concatenated "
+                        "(default: flashlet/models/calibration_text.txt)")
+    p.add_argument("--calib-tokens", type=int, default=8192,
+                   help="calibration tokens, the text's first (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="calibration tokens per sequence (default: %(default)s)")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="GPTQ damping, a fraction of diag(H)'s mean (default: %(default)s)")
+    return p
+
+
+def check_args(p: CliParser, args) -> None:
+    missing = [f for f in args.calib_text if not Path(f).is_file()]
+    if missing:
+        p.error(f"--calib-text: no such file: {', '.join(missing)}")
+    if args.calib_tokens < 1:
+        p.error(f"--calib-tokens must be at least 1, got {args.calib_tokens}")
+    if args.seq_len < 1:
+        p.error(f"--seq-len must be at least 1, got {args.seq_len}")
+    if not 0 < args.damp <= 1:
+        p.error(f"--damp must be in (0, 1], got {args.damp}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        p.error(f"--out {out} exists and is not an empty folder")
+
+
+def main(argv=None) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    t0 = time.perf_counter()
+    try:
+        model_dir = resolve_model_dir(args.model)
+        model, tokenizer, _ = load_model(model_dir, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        p.exit(1, f"{p.prog}: error: could not load the model: {e}\n")
+    if tokenizer is None:
+        p.exit(1, f"{p.prog}: error: {model_dir} has no tokenizer to encode the calibration text\n")
+    tokens = [t for f in args.calib_text for t in tokenizer.encode(Path(f).read_text())]
+    tokens = tokens[:args.calib_tokens]
+    if not tokens:
+        p.exit(1, f"{p.prog}: error: the calibration text has no tokens\n")
+    if len(tokens) < args.calib_tokens:
+        print(f"note: the calibration text has {len(tokens)} tokens, fewer than --calib-tokens")
+    print(f"{model_dir}: loaded in {time.perf_counter() - t0:.1f} s; GPTQ on {len(tokens)} "
+          f"calibration tokens of {', '.join(Path(f).name for f in args.calib_text)}")
+    seqs = calibration_sequences(tokens, args.seq_len)
+    layers = len(model.layers)
+    try:
+        gptq_model(model, seqs, damp=args.damp,
+                   on_layer=lambda i: print(f"layer {i + 1}/{layers} rounded "
+                                            f"({time.perf_counter() - t0:.0f} s)", flush=True))
+        save_fp8_checkpoint(model, model_dir, Path(args.out))
+    except (OSError, ValueError) as e:
+        p.exit(1, f"{p.prog}: error: {e}\n")
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s: load it with --model {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,8 @@ embedded SmolLM2-135M) loads in fp32, runs the calibration text one decoder laye
 and each layer's linear weights are rounded to e4m3 with one scale a row by GPTQ
 (`flashlet/models/gptq.py`); the folder written (`weights.save_fp8_checkpoint`) then loads
 with `LLM(model=DIR)` or `--model DIR`, no --quantization needed, at no cost at load. The
-default calibration text is flashlet/models/calibration_text.txt (a snapshot of the README:
-none of the texts scripts/fidelity.py scores). Bad usage is one line on stderr, exit code 2."""
+calibration text is the user's (--calib-text, required): text like what the model will serve,
+none of what it will be scored on. Bad usage is one line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -19,17 +19,15 @@ from flashlet.config import CliParser
 from flashlet.models.gptq import calibration_sequences, gptq_model
 from flashlet.models.weights import load_model, resolve_model_dir, save_fp8_checkpoint
 
-CALIBRATION_TEXT = Path(__file__).resolve().parent / "models" / "calibration_text.txt"
-
 
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m flashlet.quantize", description=__doc__)
     p.add_argument("--model", default=None,
                    help="folder, hub id or .gguf file (default: the embedded SmolLM2-135M)")
     p.add_argument("--out", required=True, help="the folder to write (absent or empty)")
-    p.add_argument("--calib-text", nargs="+", default=[str(CALIBRATION_TEXT)], metavar="FILE",
-                   help="calibration text files, tokenized and concatenated "
-                        "(default: flashlet/models/calibration_text.txt)")
+    p.add_argument("--calib-text", nargs="+", required=True, metavar="FILE",
+                   help="calibration text files, tokenized and concatenated: text like what the "
+                        "model will serve (e.g. README.md docs/en/*.md for the embedded model)")
     p.add_argument("--calib-tokens", type=int, default=8192,
                    help="calibration tokens, the text's first (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=1024,

@@ -167,10 +167,14 @@ def test_cli_writes_a_checkpoint_the_engine_loads_with_the_tokenizer(tiny_llama,
     (["--calib-text", "/nonexistent/calib.txt"], "--calib-text: no such file"),
     (["--calib-tokens", "0"], "--calib-tokens must be at least 1"),
     (["--damp", "0"], "--damp must be in"),
-], ids=["missing-text", "no-tokens", "no-damping"])
+    ([], "the following arguments are required: --calib-text"),
+], ids=["missing-text", "no-tokens", "no-damping", "no-text-given"])
 def test_cli_bad_input_is_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
+    text = tmp_path / "calib.txt"
+    text.write_text("some calibration words")
+    given = ["--calib-text", str(text)] if flags and flags[0] != "--calib-text" else []
     with pytest.raises(SystemExit) as exit_info:
-        quantize.main(["--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *flags])
+        quantize.main(["--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *given, *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -178,8 +182,10 @@ def test_cli_refuses_an_out_folder_with_files(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "x").write_text("keep me")
+    (tmp_path / "calib.txt").write_text("some calibration words")
     with pytest.raises(SystemExit) as exit_info:
-        quantize.main(["--model", str(tmp_path / "no-model"), "--out", str(out)])
+        quantize.main(["--model", str(tmp_path / "no-model"), "--out", str(out),
+                       "--calib-text", str(tmp_path / "calib.txt")])
     assert exit_info.value.code == 2 and "exists and is not an empty folder" in capsys.readouterr().err
     assert (out / "x").read_text() == "keep me"
 

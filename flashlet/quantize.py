@@ -1,7 +1,8 @@
 """`python -m flashlet.quantize --out DIR`: write an FP8 checkpoint of a model, rounded by GPTQ.
 
 Offline, once: the model (--model, a Hugging Face folder, hub id or GGUF file; default the
-embedded SmolLM2-135M) loads in fp32, runs the calibration text one decoder layer at a time,
+embedded SmolLM2-135M) loads in fp32 on --device (cuda where available: the rounding runs
+there too), runs the calibration text one decoder layer at a time,
 and each layer's linear weights are rounded to e4m3 with one scale a row by GPTQ
 (`flashlet/models/gptq.py`); the folder written (`weights.save_fp8_checkpoint`) then loads
 with `LLM(model=DIR)` or `--model DIR`, no --quantization needed, at no cost at load. The
@@ -32,6 +33,9 @@ def build_parser() -> CliParser:
                    help="calibration tokens, the text's first (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=1024,
                    help="calibration tokens per sequence (default: %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="where the model calibrates and rounds, in fp32 (default: cuda where "
+                        "available, else cpu; a 7B model needs ~30 GB there)")
     p.add_argument("--damp", type=float, default=0.01,
                    help="GPTQ damping, a fraction of diag(H)'s mean (default: %(default)s)")
     return p
@@ -47,6 +51,13 @@ def check_args(p: CliParser, args) -> None:
         p.error(f"--seq-len must be at least 1, got {args.seq_len}")
     if not 0 < args.damp <= 1:
         p.error(f"--damp must be in (0, 1], got {args.damp}")
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError as e:
+            p.error(f"--device {args.device!r}: {e}")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: no CUDA device here")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         p.error(f"--out {out} exists and is not an empty folder")
@@ -59,7 +70,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     try:
         model_dir = resolve_model_dir(args.model)
-        model, tokenizer, _ = load_model(model_dir, dtype=torch.float32)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer, _ = load_model(model_dir, device=device, dtype=torch.float32)
     except (OSError, ValueError) as e:
         p.exit(1, f"{p.prog}: error: could not load the model: {e}\n")
     if tokenizer is None:
@@ -70,7 +82,7 @@ def main(argv=None) -> None:
         p.exit(1, f"{p.prog}: error: the calibration text has no tokens\n")
     if len(tokens) < args.calib_tokens:
         print(f"note: the calibration text has {len(tokens)} tokens, fewer than --calib-tokens")
-    print(f"{model_dir}: loaded in {time.perf_counter() - t0:.1f} s; GPTQ on {len(tokens)} "
+    print(f"{model_dir}: loaded on {device} in {time.perf_counter() - t0:.1f} s; GPTQ on {len(tokens)} "
           f"calibration tokens of {', '.join(Path(f).name for f in args.calib_text)}")
     seqs = calibration_sequences(tokens, args.seq_len)
     layers = len(model.layers)

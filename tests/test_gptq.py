@@ -168,7 +168,8 @@ def test_cli_writes_a_checkpoint_the_engine_loads_with_the_tokenizer(tiny_llama,
     (["--calib-tokens", "0"], "--calib-tokens must be at least 1"),
     (["--damp", "0"], "--damp must be in"),
     ([], "the following arguments are required: --calib-text"),
-], ids=["missing-text", "no-tokens", "no-damping", "no-text-given"])
+    (["--device", "tpu:x"], "--device 'tpu:x'"),
+], ids=["missing-text", "no-tokens", "no-damping", "no-text-given", "bad-device"])
 def test_cli_bad_input_is_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     text = tmp_path / "calib.txt"
     text.write_text("some calibration words")

@@ -33,19 +33,20 @@ def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128):
     `damp` adds that fraction of diag(H)'s mean to the diagonal."""
     w = w.float().clone()
     n, k = w.shape
+    device = w.device
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
-    h = hessian.double().clone()
+    h = hessian.to(device).double().clone()
     dead = h.diagonal() == 0  # an input that never fires: its column does not matter
     h[dead, dead] = 1
     w[:, dead] = 0
-    perm = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
+    perm = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k, device=device)
     w, h = w[:, perm], h[perm][:, perm]
-    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
+    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype, device=device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     codes = torch.empty_like(w)  # the e4m3 values as fp32 (exact), cast once at the end
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb, err = w[:, b0:b1], torch.empty(n, b1 - b0)
+        wb, err = w[:, b0:b1], torch.empty(n, b1 - b0, device=device)
         for j in range(b1 - b0):
             c = (wb[:, j] / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
             codes[:, b0 + j] = c
@@ -75,7 +76,8 @@ class HessianOps(TorchOps):
 
     def __init__(self, weights: dict[str, torch.Tensor]):
         self.names = {id(w): name for name, w in weights.items()}
-        self.sums = {name: torch.zeros(w.shape[1], w.shape[1]) for name, w in weights.items()}
+        self.sums = {name: torch.zeros(w.shape[1], w.shape[1], device=w.device)
+                     for name, w in weights.items()}
         self.rows = dict.fromkeys(weights, 0)
 
     def linear(self, x, weight, bias=None):
@@ -115,8 +117,8 @@ def gptq_model(model: CausalLM, seqs: list[list[int]], damp: float = 0.01, act_o
         states = [(*layer(x, r, pos, model.cos_sin_cache, i, attn, ops), pos)
                   for x, r, pos in states]
         for p, w in weights.items():
-            codes, scale = gptq_rows(w.cpu(), ops.hessian(p).cpu(), damp, act_order)
-            swap_weight(getattr(layer, p), QuantizedWeight(codes.to(device), scale.to(device)))
+            codes, scale = gptq_rows(w, ops.hessian(p), damp, act_order)  # on the model's device
+            swap_weight(getattr(layer, p), QuantizedWeight(codes, scale))
         del ops
         if on_layer is not None:
             on_layer(i)

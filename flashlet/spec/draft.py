@@ -221,9 +221,8 @@ class DraftProposer:
         runner, max_seqs = self.runner, self.runner_config.max_num_seqs
         max_chunk = min(self.max_step_tokens, self.max_model_len)
         mixed = warmup.mixed_graph_steps(runner, max_chunk, max_seqs, self.max_model_len)
-        for q_len in [] if mixed else warmup.chunk_lengths(runner.backend, max_chunk):
-            for context in warmup.chunk_contexts(runner.backend, q_len, q_len, self.max_model_len):
-                runner.forward(*runner.load(self._synthetic(1, q_len, context)))
+        for q_len, context in [] if mixed else warmup.eager_chunk_steps(runner, max_chunk, self.max_model_len):
+            runner.forward(*runner.load(self._synthetic(1, q_len, context)))
         for size in warmup.decode_sizes(runner, max_seqs):
             runner.forward(*runner.load(self._synthetic(size, 1)))
         for size in runner.fused.row_counts if runner.fused is not None else []:

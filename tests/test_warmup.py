@@ -131,7 +131,7 @@ def test_flashinfer_warms_up_each_query_tile_and_a_split_step(monkeypatch, reque
         tiles = [backend.prefill_variant(n)[1] for n in lengths]
         assert tiles == [16, 64, 128]
         assert {backend.prefill_variant(n) for n in range(2, 2049)} == set(map(backend.prefill_variant, lengths))
-    backend.mixed_graph_contexts = lambda t, q, b=backend: FlashInferBackend.mixed_graph_contexts(b, t, q)
+    backend.warm_contexts = lambda t, q, b=backend: FlashInferBackend.warm_contexts(b, t, q)
     assert chunk_contexts(backend, 33, 33, 32768) == [0, SPLIT_WARM_CONTEXT - 33]
     assert chunk_contexts(backend, 33, 33, 1024) == [0]  # a long context the model cannot hold
 

@@ -135,10 +135,10 @@ class AttentionBackend(ABC):
         """The kernel variant a mixed step padded for a graph runs (part of the graph's key)."""
         raise NotImplementedError(f"the {self.name} backend serves mixed steps eagerly")
 
-    def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
-        """Longest KV lengths of steps of num_tokens rows (padded) and a longest chunk of
-        max_q_len that, together, replay every mixed graph of that shape: (0,) where the key
-        does not depend on the KV lengths."""
+    def warm_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
+        """Longest KV lengths of the warm-up's steps of num_tokens rows (padded) and a longest
+        chunk of max_q_len that, together, reach every kernel variant (and mixed graph) of that
+        shape which the KV lengths pick: (0,) where none depends on them."""
         return (0,)
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class FlashInferBackend(AttentionBackend):
         packed = max_q_len * (self.num_q_heads // self.num_kv_heads)
         return ("cta_tile_q", 16 if packed <= 16 else 64 if packed <= 64 else 128)
 
-    def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
+    def warm_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
         """The warm-up's contexts for a chunk step (no mixed graphs here): none and a long one,
         where plan() splits the KV and a second kernel merges the partial outputs (also loaded
         at its first launch)."""

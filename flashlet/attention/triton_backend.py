@@ -14,7 +14,7 @@
   tokens split each tile's keys (the config's `num_splits`; $FLASHLET_PREFILL_SPLITS sets them
   for an A/B), their partials in one scratch allocated here; the split count a tile uses is
   derived on the device from `kv_lens`. Whether a step splits is decided in `plan` from its host
-  layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `mixed_graph_contexts` gives
+  layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `warm_contexts` gives
   the warm-up a context length that reaches each).
 
 - `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
@@ -239,7 +239,7 @@ class TritonBackend(AttentionBackend):
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
         return self._prefill_step(meta)  # (prefill_variant's config, the split cap)
 
-    def mixed_graph_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
+    def warm_contexts(self, num_tokens: int, max_q_len: int) -> tuple[int, ...]:
         """One step's longest KV per mixed graph of this shape: with splitting reachable, a
         short one and prefill_split_min_context."""
         if self.prefill_splits(max_q_len, num_tokens, self.prefill_split_min_context) > 1:

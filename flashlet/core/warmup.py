@@ -5,7 +5,7 @@ costs the first requests seconds. What a step compiles is a function of shapes f
 and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV length:
 
 - steps with a chunk: the prefill variant of the step's longest chunk (`backend.prefill_variant`),
-  and a second where a long context splits the keys (`backend.mixed_graph_contexts`); with
+  and a second where a long context splits the keys (`backend.warm_contexts`); with
   mixed-step graphs, one graph per token bucket (`runner.token_buckets`), prefill variant and
   context that a step can reach (`mixed_graph_steps`), each capturing that variant; without
   them (FlashInfer), on CUDA, one eager step more at each token bucket's length, for the GEMMs'
@@ -75,7 +75,7 @@ def mixed_graph_steps(runner, max_chunk: int, max_num_seqs: int,
     replay: each prefill variant's first chunk length, in each bucket that a step of that
     variant can fill past the bucket below (at most max_num_seqs sequences of at most the
     variant's longest chunk), at each context that keys a graph apart
-    (`backend.mixed_graph_contexts`) within max_model_len."""
+    (`backend.warm_contexts`) within max_model_len."""
     if not runner.use_mixed_graphs:
         return []
     firsts = chunk_lengths(runner.backend, max_chunk)
@@ -107,8 +107,8 @@ def eager_chunk_steps(runner, max_chunk: int, max_model_len: int) -> list[tuple[
 
 def chunk_contexts(backend, num_tokens: int, q_len: int, max_model_len: int) -> list[int]:
     """The tokens before a q_len chunk in one step per variant that a step of num_tokens rows
-    takes by its context length (`backend.mixed_graph_contexts`, those that fit max_model_len)."""
-    return [max(0, c - q_len) for c in backend.mixed_graph_contexts(num_tokens, q_len)
+    takes by its context length (`backend.warm_contexts`, those that fit max_model_len)."""
+    return [max(0, c - q_len) for c in backend.warm_contexts(num_tokens, q_len)
             if max(c, q_len) <= max_model_len]
 
 

@@ -192,7 +192,7 @@ def test_long_chunks_split_past_the_smallest_context_and_the_environment_sets_it
     assert reach._prefill_scratch[0].shape == (8, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
     assert [reach.prefill_splits(*step) for step in [(500, 600, 299), (500, 600, 300), (9, 600, 300),
                                                       (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]] == [1, 8, 1, 1]
-    assert reach.mixed_graph_contexts(600, 500) == (0, 300) and reach.mixed_graph_contexts(600, 9) == (0,)
+    assert reach.warm_contexts(600, 500) == (0, 300) and reach.warm_contexts(600, 9) == (0,)
     monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "4,512,256,100")
     on = TritonBackend(pool, 6, **BACKEND)
     cfg = on.prefill_config(500)

@@ -12,6 +12,7 @@ layers do) and prints microseconds per matmul and the weight's effective GB/s:
     python scripts/fp8_gemm_bench.py                       # the default shapes, M = 1..256
     python scripts/fp8_gemm_bench.py --rows 1 4 16 --sweep # triton tiles side by side
     python scripts/fp8_gemm_bench.py --shapes 896x4864 --json out.json
+    python scripts/fp8_gemm_bench.py --rows 1 --split-sweep   # tiles x K splits, best first
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ SHAPES = ["1152x896", "896x896", "9728x896", "896x4864", "4864x896",
 SWEEP = ([GemmTile(16, bn, bk, 4, s) for bn in (32, 64, 128) for bk in (128, 256) for s in (3, 4)]
          + [GemmTile(16, 64, 128, 2, 4), GemmTile(bit_widen=False),  # Triton's own widening
             GemmTile(64, 64, 128, 4, 4), GemmTile(64, 128, 128, 8, 3)])  # for rows above 16
+# --split-sweep: the one-pass tiles (BLOCK_M 16) against every K split 1..MAX_SPLIT_K
+SPLIT_SWEEP_TILES = [GemmTile(16, bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (128, 256)
+                     for w, s in ((4, 3), (4, 4), (8, 3)) if not (bn == 16 and w == 8)]
 L2_FLUSH_BYTES = 256 << 20  # weights touched per replay: well over an H200's 50 MB L2
 
 
@@ -45,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 128, 256])
     p.add_argument("--sweep", action="store_true",
                    help="time the triton kernel at each tile in SWEEP")
+    p.add_argument("--split-sweep", action="store_true",
+                   help="time the triton kernel at each SPLIT_SWEEP_TILES tile and K split "
+                        "(1..MAX_SPLIT_K) and print each shape's fastest against the default")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -97,6 +104,48 @@ def bench_shape(n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
     return out
 
 
+def split_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dict]:
+    """Every SPLIT_SWEEP_TILES tile at every K split that leaves each split work; prints the
+    fastest `top` per row count against the default launch (split_k_for's split)."""
+    from flashlet.kernels.fp8_gemv import MAX_SPLIT_K, _sm_count, split_k_for
+    import triton
+
+    copies = max(2, -(-L2_FLUSH_BYTES // (n * k)))
+    quantized = [quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                 for _ in range(copies)]
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        default_us = time_graph(lambda i: fp8_gemm(x, quantized[i].qweight, quantized[i].scale),
+                                copies)
+        default_split = split_k_for(m, n, k, _sm_count(None))
+        runs = []
+        for tile in SPLIT_SWEEP_TILES:
+            seen = set()
+            for split in range(1, MAX_SPLIT_K + 1):
+                k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
+                real = triton.cdiv(k, k_per_split)
+                if real in seen:
+                    continue
+                seen.add(real)
+                us = time_graph(lambda i, t=tile, s=real: fp8_gemm(
+                    x, quantized[i].qweight, quantized[i].scale, split_k=s, tile=t), copies)
+                programs = triton.cdiv(n, tile.block_n) * real
+                runs.append({"shape": f"{n}x{k}", "rows": m, "block_n": tile.block_n,
+                             "block_k": tile.block_k, "num_warps": tile.num_warps,
+                             "num_stages": tile.num_stages, "split": real,
+                             "programs": programs, "us": us, "weight_GBps": n * k / us / 1e3})
+        runs.sort(key=lambda r: r["us"])
+        print(f"{n}x{k} M={m}: default (split {default_split}) {default_us:.2f} us "
+              f"({n * k / default_us / 1e3:.0f} GB/s); fastest:")
+        for r in runs[:top]:
+            print(f"  {r['us']:6.2f} us ({r['weight_GBps']:5.0f} GB/s)  bn {r['block_n']:3d} "
+                  f"bk {r['block_k']} w{r['num_warps']} s{r['num_stages']} split {r['split']:2d} "
+                  f"programs {r['programs']}", flush=True)
+        out += [dict(r, default_us=default_us, default_split=default_split) for r in runs]
+    return out
+
+
 def table(results: list[dict]) -> str:
     paths = list(dict.fromkeys(r["path"] for r in results))
     lines = ["| shape N x K | M | " + " | ".join(f"{p} us (GB/s)" for p in paths) + " |",
@@ -118,9 +167,13 @@ def main(argv=None) -> int:
     results = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
+        if args.split_sweep:
+            results += split_sweep_shape(n, k, args.rows)
+            continue
         results += bench_shape(n, k, args.rows, args.sweep)
         print(f"{shape} done", flush=True)
-    print(table(results))
+    if not args.split_sweep:
+        print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

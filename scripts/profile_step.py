@@ -30,6 +30,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-pages", type=int, default=4096,
                    help="KV pages (16 tokens each): raise it for many long rows")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    p.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="weight quantization (fp8: the weight-only e4m3 GEMMs)")
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
     p.add_argument("--fused-decode", action="store_true", help="the CuTe fused decode path")
     p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
@@ -48,6 +50,7 @@ def main(argv=None) -> None:
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=args.max_num_pages,
                                  cuda_graph=not args.no_cuda_graph, dtype="bfloat16",
                                  kv_cache_dtype=args.kv_cache_dtype,
+                                 quantization=args.quantization,
                                  fused_decode=args.fused_decode),
                     parts if args.fused_decode else None)
     for b in range(args.batch):

@@ -30,6 +30,7 @@ by the conversion unit. `GemmTile` holds the launch shape (scripts/fp8_gemm_benc
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -37,7 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS_PER_SM = 2  # split K until the grid holds this many programs per SM
+# Split K until the grid holds this many programs per SM. Measured on the H200 at M = 1
+# (`scripts/fp8_gemm_bench.py --rows 1 --split-sweep`, the Qwen2.5-7B and Llama-3.1-8B shapes):
+# 3.5 with DEFAULT_TILE came within 3.4% of each shape's fastest tile-and-split, summed, where 2
+# with the old 64 x 128 s4 tile was 16% over (7B, a layer's four GEMMs: 94 -> 86 us; the down
+# projection, 56 column tiles, 29.7 -> 24.0: 5 splits left 16 of 132 SMs a third program).
+PROGRAMS_PER_SM = 3.5
 MAX_SPLIT_K = 16
 SPLIT_COUNTERS = 1 << 16  # tiles a split launch may have (one int32 counter each, per device)
 # The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
@@ -51,9 +57,9 @@ class GemmTile:
 
     block_m: int = 16  # the smallest tensor-core tile: every decode batch up to 16 in one pass
     block_n: int = 64
-    block_k: int = 128
+    block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     bit_widen: bool = True  # bf16 activations: widen fp8 by bit moves (`_fp8_to_bf16_bits`)
 
 
@@ -161,7 +167,7 @@ def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile = DEFAULT_
     """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
     least one block_k step per split."""
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, tiles)
+    wanted = math.ceil(PROGRAMS_PER_SM * sm_count / tiles)
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
 
 

@@ -92,6 +92,7 @@ def test_mismatched_shapes_are_refused(kh):
 def test_split_k_fills_the_gpu_only_where_columns_do_not():
     sms = 132
     assert split_k_for(1, 896, 4864, sms) == MAX_SPLIT_K   # 14 column tiles: split to the cap
-    assert split_k_for(1, 3584, 18944, sms) == 5           # 56 tiles: 5 x 56 >= 2 per SM
+    assert split_k_for(1, 3584, 18944, sms) == 9           # 56 tiles: 9 x 56 >= 3.5 per SM
+    assert split_k_for(1, 3584, 3584, sms) == 9            # 9 wanted (14 K blocks of 256)
     assert split_k_for(1, 151936, 896, sms) == 1           # thousands of tiles already
     assert split_k_for(1, 64, 128, sms) == 1               # one K block: nothing to split

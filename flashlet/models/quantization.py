@@ -15,9 +15,10 @@ runs where, and why (lab/fp8_fidelity.py emulates each variant on the CPU agains
 - Weight-only everywhere by default: activations stay in the model dtype, each fp8 weight is
   widened exactly and the products summed in fp32, the row scale applied once. Off CUDA (and as
   the reference) `dequant_linear` does this in fp32 PyTorch; on CUDA, up to
-  TRITON_GEMM_MAX_ROWS rows (decode) the Triton kernel `flashlet/kernels/fp8_gemv.py` streams
-  the fp8 weight once for all rows; above, `weight_only_linear` widens the weight to the
-  activation dtype for one cuBLAS GEMM.
+  TRITON_GEMM_MAX_ROWS rows (decode, and prefill chunks up to 512 tokens) the Triton kernel
+  `flashlet/kernels/fp8_gemv.py` streams the fp8 weight once per row tile; above,
+  `weight_only_linear` widens the weight to the activation dtype for one cuBLAS GEMM (the
+  widening alone moves 5 bytes a weight: 830 us for the 7B gate+up at any row count).
 - Per-token fp8 activations (`torch._scaled_mm`, sm_89+, bf16) only where a weight's
   `fp8_activations` is set. Quantizing activations as well as weights is what cost fidelity
   beyond the weights' own rounding: on SmolLM2-135M it moved perplexity over bf16's from +2.6%
@@ -53,10 +54,14 @@ MIN_SCALE = 1e-12  # an all-zero row gets this, not 0 (dividing by it stays fini
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 QUANTIZATION_METHODS = ("fp8",)
 # Rows up to which CUDA runs the Triton weight-only kernel (`flashlet/kernels/fp8_gemv.py`,
-# which streams the fp8 weight once for all rows); above it, a cuBLAS GEMM on the widened weight
-# (or `torch._scaled_mm` where a weight opts in to fp8 activations). Decode batches are the
-# rows below; where the switch pays best is measured by scripts/fp8_gemm_bench.py.
-TRITON_GEMM_MAX_ROWS = 16
+# which streams the fp8 weight once per row tile); above it, a cuBLAS GEMM on the widened
+# weight. Measured by scripts/fp8_gemm_bench.py on the H200 at the 7B shapes: the Triton kernel
+# is faster at every row count up to 512 (gate+up at 512 rows 502 us against 958; down 282
+# against 472), as the widening re-reads and writes the whole weight each call; 512 is as far as
+# that was measured. Above DECODE_ROWS a weight that opts in to fp8 activations
+# (`fp8_activations`) takes `torch._scaled_mm` instead.
+TRITON_GEMM_MAX_ROWS = 512
+DECODE_ROWS = 16
 
 
 class QuantizedWeight(nn.Module):
@@ -71,7 +76,7 @@ class QuantizedWeight(nn.Module):
                              f"{qweight.dtype} {tuple(qweight.shape)}, {scale.dtype} {tuple(scale.shape)}")
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        # Per-token fp8 activations (torch._scaled_mm) above TRITON_GEMM_MAX_ROWS rows: faster
+        # Per-token fp8 activations (torch._scaled_mm) above DECODE_ROWS rows: faster
         # prefill, but they cost fidelity (quantization's docstring), so off unless asked.
         self.fp8_activations = False
 
@@ -155,12 +160,13 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return dequant_linear(x, w, bias)
-    if x.shape[0] <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
+    rows = x.shape[0]
+    if rows > DECODE_ROWS and w.fp8_activations and scaled_mm_fits(x, w):
+        return scaled_mm_linear(x, w, bias)
+    if rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
         from flashlet.kernels.fp8_gemv import fp8_gemm
 
         return fp8_gemm(x, w.qweight, w.scale, bias)
-    if w.fp8_activations and scaled_mm_fits(x, w):
-        return scaled_mm_linear(x, w, bias)
     return weight_only_linear(x, w, bias)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashlet.kernels.fp8_gemv import GemmTile, fp8_gemm, fp8_gemm_reference
-from flashlet.models.quantization import (TRITON_GEMM_MAX_ROWS, dequant_linear, linear, quantize_weight,
+from flashlet.models.quantization import (DECODE_ROWS, TRITON_GEMM_MAX_ROWS, dequant_linear, linear, quantize_weight,
                                    scaled_mm_fits, scaled_mm_linear, weight_only_linear)
 
 pytestmark = [pytest.mark.gpu,
@@ -84,16 +84,20 @@ def test_triton_fp8_gemm_replays_in_a_cuda_graph():
 
 
 @needs_fp8_gemm
-def test_linear_takes_triton_for_decode_rows_and_weight_only_above():
+def test_linear_takes_triton_up_to_its_rows_and_weight_only_above():
     n, k = 1152, 896
-    for rows in (1, TRITON_GEMM_MAX_ROWS):
-        x, qw, bias = _case(rows, n, k)
-        assert torch.equal(linear(x, qw, bias), fp8_gemm(x, qw.qweight, qw.scale, bias))
+    for rows in (1, DECODE_ROWS, 33, 100, TRITON_GEMM_MAX_ROWS):  # both tiles
+        x, qw, bias = _case(rows, n, k, seed=rows)
+        ours = linear(x, qw, bias)
+        assert torch.equal(ours, fp8_gemm(x, qw.qweight, qw.scale, bias))
+        assert _relative_rms(ours, dequant_linear(x.float(), qw, bias.float())) < 0.005
     x, qw, bias = _case(TRITON_GEMM_MAX_ROWS + 1, n, k)
     assert torch.equal(linear(x, qw, bias), weight_only_linear(x, qw, bias))
     assert _relative_rms(linear(x, qw, bias), dequant_linear(x, qw, bias)) < 0.005
-    qw.fp8_activations = True
-    assert torch.equal(linear(x, qw, bias), scaled_mm_linear(x, qw, bias))
+    for rows in (DECODE_ROWS + 1, TRITON_GEMM_MAX_ROWS + 1):  # opted in: fp8 activations
+        x, qw, bias = _case(rows, n, k)
+        qw.fp8_activations = True
+        assert torch.equal(linear(x, qw, bias), scaled_mm_linear(x, qw, bias))
 
 
 @needs_fp8_gemm
@@ -110,7 +114,7 @@ def test_scaled_mm_matches_the_dequant_reference(rows, n, k):
 
 def test_shapes_scaled_mm_cannot_take_fall_back_to_weight_only():
     w = torch.randn(40, 24, device="cuda")  # K = 24: not a multiple of 16
-    x = torch.randn(TRITON_GEMM_MAX_ROWS + 3, 24, device="cuda").bfloat16()
+    x = torch.randn(TRITON_GEMM_MAX_ROWS + 3, 24, device="cuda").bfloat16()  # past Triton's rows
     qw = quantize_weight(w)
     qw.fp8_activations = True
     assert not scaled_mm_fits(x, qw)

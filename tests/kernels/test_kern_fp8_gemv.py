@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.kernels.fp8_gemv import (MAX_SPLIT_K, GemmTile, fp8_gemm, fp8_gemm_reference,
-                                       split_k_for)
+from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS,
+                                       GemmTile, fp8_gemm, fp8_gemm_reference, split_k_for,
+                                       tile_for_rows)
 from flashlet.models.quantization import quantize_rows
 
 
@@ -35,6 +36,7 @@ def _close(ours, ref):
     (5, 70, 300, 2, True),     # split K with a ragged last split
     (16, 64, 256, 1, False),   # a whole 16-row tile
     (17, 33, 130, 2, True),    # two row tiles, the second of one row
+    (70, 150, 300, 2, True),   # past SKINNY_MAX_ROWS: MANY_ROWS_TILE's 64-row tiles, two of them
 ])
 def test_fp8_gemm_matches_the_fp32_reference(kh, m, n, k, split_k, bias):
     x, qweight, scale, b = _case(m, n, k, bias=bias, seed=m + n, device=kh.device)
@@ -87,6 +89,12 @@ def test_mismatched_shapes_are_refused(kh):
         fp8_gemm(x[:, :48], qweight, scale)
     with pytest.raises(ValueError, match="do not fit"):
         fp8_gemm(x, qweight, scale[:16])
+
+
+def test_the_tile_follows_the_row_count():
+    assert tile_for_rows(1) is DEFAULT_TILE and tile_for_rows(SKINNY_MAX_ROWS) is DEFAULT_TILE
+    assert tile_for_rows(SKINNY_MAX_ROWS + 1) is MANY_ROWS_TILE
+    assert split_k_for(512, 37888, 3584, 132) == 1  # 8 x 296 tiles of 64 x 128 fill it already
 
 
 def test_split_k_fills_the_gpu_only_where_columns_do_not():

@@ -1,4 +1,5 @@
-"""Weight-only FP8 GEMM for skinny batches (decode): y = x @ (W_fp8 * scale[:, None]).T + bias.
+"""Weight-only FP8 GEMM for decode batches and prefill chunks (up to
+quantization.TRITON_GEMM_MAX_ROWS rows): y = x @ (W_fp8 * scale[:, None]).T + bias.
 
 Work. x [M, K] bf16/fp16/fp32, W [N, K] float8_e4m3fn with one fp32 scale per output row,
 bias [N] or None -> y [M, N] in x's dtype. Each fp8 weight is widened to x's dtype (exact: every
@@ -12,7 +13,8 @@ FLOPs: 2 * M * N * K.
 
 Design: grid (ceil(M / BLOCK_M), ceil(N / BLOCK_N), SPLIT_K). Each program streams a
 [BLOCK_N, K / SPLIT_K] strip of W once, for all BLOCK_M rows (BLOCK_M = 16, the smallest
-tensor-core tile, covers every decode batch up to 16 in one pass over W). Where N / BLOCK_N
+tensor-core tile, covers every decode batch up to 16 in one pass over W; past SKINNY_MAX_ROWS
+rows a 64-row tile, `tile_for_rows`). Where N / BLOCK_N
 programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split, still in one launch
 (a second kernel per projection would add a kernel boundary for a few microseconds of work):
 each split writes its fp32 partial sums and bumps its tile's counter, and the program that

@@ -171,11 +171,13 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
 
 
 def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
-    """Many rows on CUDA: the weight widened to x's dtype for this call (each entry rounded as a
-    bf16 weight's would be, far below fp8's own error) and one cuBLAS GEMM, whose FLOPs then
-    outweigh the widening's bytes. fp16 goes through fp32: a small scale is subnormal in fp16."""
-    if x.dtype == torch.bfloat16:  # fp32's exponent range: the scale survives the cast
-        widened = w.qweight.to(x.dtype).mul_(w.scale.to(x.dtype)[:, None])
+    """Many rows on CUDA: the weight widened to x's dtype for this call (code times scale in
+    fp32, rounded once, as `dequantize`; far below fp8's own error) by one Triton pass
+    (`dequantize_rows`), then one cuBLAS GEMM, whose FLOPs then outweigh the widening's bytes."""
+    if has_fp8_gemm(x.device.index):
+        from flashlet.kernels.fp8_gemv import dequantize_rows
+
+        widened = dequantize_rows(w.qweight, w.scale, x.dtype)
     else:
         widened = w.dequantize(x.dtype)
     return F.linear(x, widened, bias)

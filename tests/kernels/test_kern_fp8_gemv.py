@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS,
-                                       GemmTile, fp8_gemm, fp8_gemm_reference, split_k_for,
-                                       tile_for_rows)
+from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, INTERPRETED, MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS,
+                                       GemmTile, dequantize_rows, fp8_gemm, fp8_gemm_reference,
+                                       split_k_for, tile_for_rows)
 from flashlet.models.quantization import quantize_rows
 
 
@@ -104,3 +104,14 @@ def test_split_k_fills_the_gpu_only_where_columns_do_not():
     assert split_k_for(1, 3584, 3584, sms) == 9            # 9 wanted (14 K blocks of 256)
     assert split_k_for(1, 151936, 896, sms) == 1           # thousands of tiles already
     assert split_k_for(1, 64, 128, sms) == 1               # one K block: nothing to split
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_rows_rounds_code_times_scale_once(kh, dtype):
+    _, qweight, scale, _ = _case(1, 37, 300, bias=False, seed=13, device=kh.device)  # ragged tiles
+    ours, ref = dequantize_rows(qweight, scale, dtype), (qweight.float() * scale[:, None]).to(dtype)
+    if INTERPRETED and dtype == torch.bfloat16:  # the interpreter's bf16 cast truncates (NumPy
+        ulp = ref.float().abs() * torch.finfo(dtype).eps  # has no bf16): within one ulp there
+        assert ((ours.float() - ref.float()).abs() <= ulp).all()
+    else:
+        assert torch.equal(ours, ref)

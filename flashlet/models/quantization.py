@@ -174,7 +174,7 @@ def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
     """Many rows on CUDA: the weight widened to x's dtype for this call (code times scale in
     fp32, rounded once, as `dequantize`; far below fp8's own error) by one Triton pass
     (`dequantize_rows`), then one cuBLAS GEMM, whose FLOPs then outweigh the widening's bytes."""
-    if has_fp8_gemm(x.device.index):
+    if x.is_cuda and has_fp8_gemm(x.device.index):
         from flashlet.kernels.fp8_gemv import dequantize_rows
 
         widened = dequantize_rows(w.qweight, w.scale, x.dtype)

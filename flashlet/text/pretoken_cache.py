@@ -64,8 +64,8 @@ class PreTokenCache:
         self.added_starts = tuple(sorted({a[:2] for a in added}))
         # ... and one search for any of their first characters rules out nearly every text:
         # the starts' scans took a fifth of a 400-word prompt's encode (SmolLM2's seven)
-        self.added_first = (re.compile(f"[{''.join(sorted({re.escape(a[0]) for a in added}))}]")
-                            .search if added else None)
+        firsts = "".join(sorted({re.escape(a[0]) for a in added if a}))
+        self.added_first = re.compile(f"[{firsts}]").search if firsts else None
         # Where allowed (a chat template's text), added tokens are cut out as Rust does: first
         # the ones not normalized over the whole text, then the normalized ones in what is left
         # (two passes); in each the leftmost match, the longest there (none of them strips
@@ -222,6 +222,7 @@ class PreTokenCache:
             self.ids.clear()
         self.ids.update((w, ids) for w, ids in fresh.items() if len(w) <= MAX_WORD_CHARS)
         return body
+
 
 def _one_line(text: str) -> bool:
     """A printable text whose words are split by single spaces, none at either end."""

@@ -206,3 +206,32 @@ def test_text_encoder_encodes_from_the_cache(tok, monkeypatch):
     assert tok.apply_chat_template(messages[:1], tokenize=False,
                                    add_generation_prompt=True) in told
     enc.close()
+
+
+def _one_line_texts(count: int, seed: int) -> list[str]:
+    """Words of the atoms without whitespace, one space between them, none at either end."""
+    rng = random.Random(seed)
+    atoms = [a for a in _ATOMS if a.strip() == a and a]
+    return [" ".join("".join(rng.choice(atoms) for _ in range(rng.randint(1, 4)))
+                     for _ in range(rng.randint(1, 120))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("regex", [None, *SPLIT_REGEXES], ids=["gpt2", "llama3", "qwen2"])
+def test_one_line_texts_word_by_word_give_the_rust_ids(spec, regex):
+    """A one-line text is encoded from its space-separated words' cached ids (no regex): the
+    same ids as Rust's, cold (every word new) and warm, for each known pre-token regex."""
+    parts = {} if regex is None else {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+         "use_regex": False}]}}
+    rust = _rust_with(spec, **parts)
+    texts = _one_line_texts(300, seed=5)
+    # (all but those that hold an added token's string, "<|im_end" and "|>" side by side)
+    assert _check_matches_rust(rust, texts) >= 0.9 * 4 * len(texts)
+    cache = PreTokenCache.of(rust)
+    told = [text for text in texts if cache.encode(text, False) is not None]
+    assert cache.spaced_ids  # the words were kept, and the texts again come from them
+    for text in told:
+        whole = rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        assert cache._spaced_body(text) == whole, repr(text)

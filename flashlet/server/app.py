@@ -37,9 +37,13 @@ def create_app(loop, config: ServerConfig | None = None) -> FastAPI:
     EngineLoop (the engine on a thread). Several apps may share one."""
     config = config or ServerConfig()
     server = Server(loop, config)
+    # FastAPI's own OpenTelemetry spans and metrics off: the server keeps its metrics in
+    # Prometheus (metrics.py), and FastAPI would ask three global providers (environment
+    # lookups) on every request whether they are set up (~3 us of each request).
     app = FlashletApp(title="flashlet", version="0.1.0", docs_url=None, redoc_url=None,
                       description="flashlet inference server: /generate and an "
-                      "OpenAI-compatible API")
+                      "OpenAI-compatible API",
+                      telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.server = server
     install_error_handlers(app)
     add_simple_routes(app, server)

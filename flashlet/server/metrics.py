@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -169,15 +170,24 @@ class Metrics:
                              "Time from request arrival to its last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(loop))
+        # Each labelled child as labels() gave it: labels() checks and locks on every call
+        # (2.7 us a counter increment against 1.0 through this dict), twice a request.
+        self._children: dict[tuple, Any] = {}
+
+    def _child(self, metric, *labels):
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[(metric, labels)] = metric.labels(*labels)
+        return child
 
     def observe_http(self, path: str, method: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
         method = method if method in METHODS else "other"
-        self.http_requests.labels(endpoint, method, str(status)).inc()
+        self._child(self.http_requests, endpoint, method, str(status)).inc()
 
     def observe_finished(self, endpoint: str, finish_reason: str | None, num_prompt: int,
                          num_cached: int, num_output: int, latency_s: float) -> None:
-        self.requests_finished.labels(endpoint, finish_reason or "unknown").inc()
+        self._child(self.requests_finished, endpoint, finish_reason or "unknown").inc()
         self.prompt_tokens.inc(num_prompt)
         self.cached_tokens.inc(num_cached)
         self.generation_tokens.inc(num_output)

@@ -111,6 +111,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                 for i in range(len(gens)):
                     if echoes[i // num_samples]:
                         yield chunk(i, echoes[i // num_samples])
+            tail = b""  # the last events, sent with [DONE] (_last_event)
             try:
                 async for i, text, delta in _interleave(gens):
                     if delta.prompt_logprobs is not None:
@@ -119,12 +120,16 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                           if want_logprobs and delta.logprobs else None)
                     sent[i] += len(text)
                     if delta.finished or text or lp:
-                        yield chunk(i, text, delta.finish_reason if delta.finished else None, lp)
+                        event = chunk(i, text, delta.finish_reason if delta.finished else None, lp)
+                        if _last_event(delta, gens):
+                            tail = event
+                        else:
+                            yield event
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": _usage(gens, prompts, num_samples)})
+                    tail += sse({**base, "choices": [], "usage": _usage(gens, prompts, num_samples)})
             except ApiError as e:
-                yield sse(e.body())
-            yield DONE
+                tail += sse(e.body())
+            yield tail + DONE
 
         return EventStream(events(), gens)
 
@@ -188,6 +193,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             for i in range(len(gens)):
                 yield chunk(i, {"role": "assistant", "content": ""})
             replies = [parsers.stream() for _ in gens] if parsers.active else None
+            tail = b""  # the last events, sent with [DONE] (_last_event)
             try:
                 async for i, text, delta in _interleave(gens):
                     gen = gens[i]
@@ -197,23 +203,26 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                     lp = _chat_logprobs(ctx, delta.logprobs, logprobs) if delta.logprobs else None
                     if replies is not None:  # tool calls and reasoning taken out as they come
                         message = replies[i].push(text, delta.finished)
-                        if delta.finished:
-                            reason = delta.finish_reason
-                            if replies[i].called and reason == "stop":
-                                reason = "tool_calls"
-                            yield chunk(i, message, reason, lp)
-                        elif message or lp:
-                            yield chunk(i, message, None, lp)
-                        continue
+                        reason = delta.finish_reason
+                        if delta.finished and replies[i].called and reason == "stop":
+                            reason = "tool_calls"
+                        says = bool(message or lp)
+                    else:
+                        message = {"content": text} if text or not delta.finished else {}
+                        reason, says = delta.finish_reason, bool(text or lp)
                     if delta.finished:
-                        yield chunk(i, {"content": text} if text else {}, delta.finish_reason, lp)
-                    elif text or lp:
-                        yield chunk(i, {"content": text}, None, lp)
+                        event = chunk(i, message, reason, lp)
+                        if _last_event(delta, gens):
+                            tail = event
+                        else:
+                            yield event
+                    elif says:
+                        yield chunk(i, message, None, lp)
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(gens, prompts, body.n)})
+                    tail += sse({**head, "choices": [], "usage": _usage(gens, prompts, body.n)})
             except ApiError as e:
-                yield sse(e.body())
-            yield DONE
+                tail += sse(e.body())
+            yield tail + DONE
 
         return EventStream(events(), gens)
 
@@ -264,6 +273,13 @@ def _tool_call_format(tools: list[dict], tool_choice) -> dict:
 
 def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _last_event(delta, gens: list[Generation]) -> bool:
+    """Whether a choice's event is the stream's last but the usage (its one choice finished):
+    it then goes out with [DONE] in the body's last write (one packet and one wake-up of the
+    client fewer). With several choices their events keep the order they came in."""
+    return delta.finished and len(gens) == 1
 
 
 # ---- results -> OpenAI's shapes --------------------------------------------------------------

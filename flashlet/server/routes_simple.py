@@ -100,12 +100,15 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
         gen = await _start_generate(body, "generate_stream")
 
         async def events():
-            last = DONE  # what ends the body: [DONE], sent with the final event if one came
+            # What ends the body: [DONE], after the final event and the last token's event if
+            # they came (one write: the client reads them at once, and sends its next request)
+            last = DONE
             try:
                 async for delta, out in gen.deltas():
                     n = len(out.new_token_ids)
+                    event = b""
                     if n:  # an event per token, or per batch of n saying so (text may be held back)
-                        yield sse({"text": delta} if n == 1 else {"text": delta, "num_tokens": n})
+                        event = sse({"text": delta} if n == 1 else {"text": delta, "num_tokens": n})
                         delta = ""
                     if out.finished:  # text left here only when it ended without a token
                         final = {"text": delta, "token_ids": list(gen.token_ids),
@@ -115,7 +118,9 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
                                  "latency_ms": round(gen.latency_ms, 3)}
                         if out.finish_reason == FinishReason.ERROR:
                             final["error"] = out.error
-                        last = sse(final) + DONE  # one write: the client reads both at once
+                        last = event + sse(final) + DONE
+                    elif event:
+                        yield event
                     elif delta:
                         yield sse({"text": delta})
             except ApiError as e:

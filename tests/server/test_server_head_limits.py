@@ -198,3 +198,51 @@ def test_h11_protocol_answers_414_and_431_too():
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ---- the body read whole: LimitsMiddleware's receive arms no deadline ----------------------
+@pytest.mark.parametrize("base", ["httptools", "h11"])
+def test_the_protocol_marks_a_request_whose_body_is_read_whole(base):
+    """BODY_READ is in the scope before the app runs when the body came with the head, and only
+    once the rest arrived when it came later (till then the body's deadline holds)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from flashlet.server.limits import BODY_READ
+
+    seen = []
+
+    async def app(scope, receive, send):
+        at_start = scope.get(BODY_READ, False)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        seen.append((at_start, scope.get(BODY_READ, False), body))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    protocol = HttpToolsProtocol if base == "httptools" else H11Protocol
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           http=guarded_protocol(LimitStats(LIMITS), protocol)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(head + b"0123456789")  # whole
+            assert client.recv(4096).endswith(b"ok")
+            client.sendall(head + b"01234")  # half, then the rest
+            time.sleep(0.3)
+            client.sendall(b"56789")
+            assert client.recv(4096).endswith(b"ok")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert seen == [(True, True, b"0123456789"), (False, True, b"0123456789")]

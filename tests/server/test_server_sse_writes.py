@@ -1,7 +1,7 @@
-"""What a streamed response costs in writes: one per token event, and one that carries the
-final event, `data: [DONE]` and the end of the body together (each write the HTTP server makes
-is a packet and a wake-up of the client; a closed-loop client sends its next request only
-after the last)."""
+"""What a streamed response costs in writes: one per token event but the last, and one that
+carries the last token's event, the final event (or usage), `data: [DONE]` and the end of the
+body together (each write the HTTP server makes is a packet and a wake-up of the client; a
+closed-loop client sends its next request only after the last)."""
 
 from __future__ import annotations
 
@@ -70,13 +70,29 @@ def _post(app, path: str, body: dict) -> list[dict]:
     ("/generate_stream", {"prompt": "hello there", "max_new_tokens": 3, "ignore_eos": True}),
     ("/v1/completions", {"model": "m", "prompt": "hello there", "max_tokens": 3,
                          "ignore_eos": True, "stream": True}),
+    ("/v1/completions", {"model": "m", "prompt": "hello there", "max_tokens": 3,
+                         "ignore_eos": True, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 3, "ignore_eos": True, "stream": True,
+                              "stream_options": {"include_usage": True}}),
 ])
 def test_the_last_write_carries_done_and_ends_the_body(app, path, body):
     writes = _post(app, path, body)
     *events, last = writes
     assert all(w["more_body"] for w in events) and last["more_body"] is False
     assert last["body"].endswith(DONE) and not any(DONE in w["body"] for w in events)
-    assert len(events) == 3  # a token an event (completions': the last says finish_reason)
-    if path == "/generate_stream":  # its final event (usage) goes with [DONE]
-        final = json.loads(last["body"].split(b"\n\n")[0].removeprefix(b"data: "))
+    # an event a token but the last (chat's first: the assistant's role)
+    assert len(events) == 2 + (path == "/v1/chat/completions")
+    in_last = [json.loads(e.removeprefix(b"data: ")) for e in last["body"].split(b"\n\n")[:-2]]
+    if path == "/generate_stream":  # the last token's event, the final one (usage)
+        token, final = in_last
+        assert "text" in token and "finish_reason" not in token
         assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 3
+        return
+    choice, *usage = in_last  # the last token's chunk says finish_reason; then usage if asked
+    assert choice["choices"][0]["finish_reason"] == "length"
+    if "stream_options" in body:
+        assert usage[0]["choices"] == [] and usage[0]["usage"]["completion_tokens"] == 3
+    else:
+        assert usage == []

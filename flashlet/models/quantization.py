@@ -15,10 +15,10 @@ runs where, and why (lab/fp8_fidelity.py emulates each variant on the CPU agains
 - Weight-only everywhere by default: activations stay in the model dtype, each fp8 weight is
   widened exactly and the products summed in fp32, the row scale applied once. Off CUDA (and as
   the reference) `dequant_linear` does this in fp32 PyTorch; on CUDA, up to
-  TRITON_GEMM_MAX_ROWS rows (decode, and prefill chunks up to 512 tokens) the Triton kernel
+  TRITON_GEMM_MAX_ROWS rows (decode, short prefill chunks) the Triton kernel
   `flashlet/kernels/fp8_gemv.py` streams the fp8 weight once per row tile; above,
-  `weight_only_linear` widens the weight to the activation dtype for one cuBLAS GEMM (the
-  widening alone moves 5 bytes a weight: 830 us for the 7B gate+up at any row count).
+  `weight_only_linear` widens the weight to the activation dtype in one Triton pass
+  (`dequantize_rows`: 3 bytes a weight) for one cuBLAS GEMM.
 - Per-token fp8 activations (`torch._scaled_mm`, sm_89+, bf16) only where a weight's
   `fp8_activations` is set. Quantizing activations as well as weights is what cost fidelity
   beyond the weights' own rounding: on SmolLM2-135M it moved perplexity over bf16's from +2.6%
@@ -55,12 +55,13 @@ QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 QUANTIZATION_METHODS = ("fp8",)
 # Rows up to which CUDA runs the Triton weight-only kernel (`flashlet/kernels/fp8_gemv.py`,
 # which streams the fp8 weight once per row tile); above it, a cuBLAS GEMM on the widened
-# weight. Measured by scripts/fp8_gemm_bench.py on the H200 at the 7B shapes: the Triton kernel
-# is faster at every row count up to 512 (gate+up at 512 rows 502 us against 958; down 282
-# against 472), as the widening re-reads and writes the whole weight each call; 512 is as far as
-# that was measured. Above DECODE_ROWS a weight that opts in to fp8 activations
-# (`fp8_activations`) takes `torch._scaled_mm` instead.
-TRITON_GEMM_MAX_ROWS = 512
+# weight (one Triton pass, `dequantize_rows`). Measured by scripts/fp8_gemm_bench.py on the
+# H200 (c2407b5): at 128 rows the widening wins on four of five shapes (the 7B QKV 22.6 us
+# against 30.2, down 103 against 102, the 0.5B gate+up 14.2 against 26.5 and down 11.6 against
+# 17.9; the 7B gate+up loses, 185 against 148), at 256 rows and above on all; at 64 rows the
+# Triton tiles win (gate+up 82 us against ~180). Above DECODE_ROWS a weight that opts in to fp8
+# activations (`fp8_activations`) takes `torch._scaled_mm` instead.
+TRITON_GEMM_MAX_ROWS = 64
 DECODE_ROWS = 16
 
 

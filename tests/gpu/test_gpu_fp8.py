@@ -86,7 +86,7 @@ def test_triton_fp8_gemm_replays_in_a_cuda_graph():
 @needs_fp8_gemm
 def test_linear_takes_triton_up_to_its_rows_and_weight_only_above():
     n, k = 1152, 896
-    for rows in (1, DECODE_ROWS, 33, 100, TRITON_GEMM_MAX_ROWS):  # both tiles
+    for rows in (1, DECODE_ROWS, 33, TRITON_GEMM_MAX_ROWS):  # both tiles
         x, qw, bias = _case(rows, n, k, seed=rows)
         ours = linear(x, qw, bias)
         assert torch.equal(ours, fp8_gemm(x, qw.qweight, qw.scale, bias))

@@ -1,5 +1,6 @@
-"""Weight-only FP8 GEMM for decode batches and prefill chunks (up to
-quantization.TRITON_GEMM_MAX_ROWS rows): y = x @ (W_fp8 * scale[:, None]).T + bias.
+"""Weight-only FP8 GEMM for decode batches and short prefill chunks (up to
+quantization.TRITON_GEMM_MAX_ROWS rows): y = x @ (W_fp8 * scale[:, None]).T + bias; and the
+one-pass widening (`dequantize_rows`) that serves more rows through cuBLAS.
 
 Work. x [M, K] bf16/fp16/fp32, W [N, K] float8_e4m3fn with one fp32 scale per output row,
 bias [N] or None -> y [M, N] in x's dtype. Each fp8 weight is widened to x's dtype (exact: every

@@ -75,7 +75,8 @@ def gptq_rows_searched(w, hessian, damp=0.01, act_order=True, candidates=8):
     candidates=1 is plain `gptq_rows`. The e4m3 rounding error of a row's values depends on
     where they fall in the grid, so moving the grid by a fraction of a step lets each row pick
     its luckiest alignment: measured on SmolLM2, 8 candidates took GPTQ's argmax-agreement loss
-    against bf16 from -3.05 to -2.03 points (BENCHMARKS, session 24), at 8x the rounding time."""
+    against bf16 from -3.05 to -2.03 points (BENCHMARKS.md's fp8 fidelity row), at 8x the
+    rounding time."""
     w = w.float()
     amax = w.abs().amax(dim=1)
     h = hessian.to(w.device).float()

@@ -2,12 +2,13 @@
 
 Offline, once: the model (--model, a Hugging Face folder, hub id or GGUF file; default the
 embedded SmolLM2-135M) loads in fp32 on --device (cuda where available: the rounding runs
-there too), runs the calibration text one decoder layer at a time,
-and each layer's linear weights are rounded to e4m3 with one scale a row by GPTQ
-(`flashlet/models/gptq.py`); the folder written (`weights.save_fp8_checkpoint`) then loads
-with `LLM(model=DIR)` or `--model DIR`, no --quantization needed, at no cost at load. The
-calibration text is the user's (--calib-text, required): text like what the model will serve,
-none of what it will be scored on. Bad usage is one line on stderr, exit code 2."""
+there too), runs the calibration text one decoder layer at a time, and each layer's linear
+weights are rounded to e4m3 with one scale a row by GPTQ, each row's scale the best of
+--scale-candidates (`flashlet/models/gptq.py`); the folder written
+(`weights.save_fp8_checkpoint`) then loads with `LLM(model=DIR)` or `--model DIR`, no
+--quantization needed, at no cost at load. The calibration text is the user's (--calib-text,
+required): text like what the model will serve, none of what it will be scored on. Bad usage is one
+line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def build_parser() -> CliParser:
                         "available, else cpu; a 7B model needs ~30 GB there)")
     p.add_argument("--damp", type=float, default=0.01,
                    help="GPTQ damping, a fraction of diag(H)'s mean (default: %(default)s)")
+    p.add_argument("--scale-candidates", type=int, default=8,
+                   help="scales tried for each row, the best kept (1: amax / 448 alone; the "
+                        "rounding time grows with it; default: %(default)s)")
     return p
 
 
@@ -49,6 +53,8 @@ def check_args(p: CliParser, args) -> None:
         p.error(f"--calib-tokens must be at least 1, got {args.calib_tokens}")
     if args.seq_len < 1:
         p.error(f"--seq-len must be at least 1, got {args.seq_len}")
+    if args.scale_candidates < 1:
+        p.error(f"--scale-candidates must be at least 1, got {args.scale_candidates}")
     if not 0 < args.damp <= 1:
         p.error(f"--damp must be in (0, 1], got {args.damp}")
     if args.device is not None:
@@ -87,7 +93,7 @@ def main(argv=None) -> None:
     seqs = calibration_sequences(tokens, args.seq_len)
     layers = len(model.layers)
     try:
-        gptq_model(model, seqs, damp=args.damp,
+        gptq_model(model, seqs, damp=args.damp, scale_candidates=args.scale_candidates,
                    on_layer=lambda i: print(f"layer {i + 1}/{layers} rounded "
                                             f"({time.perf_counter() - t0:.0f} s)", flush=True))
         save_fp8_checkpoint(model, model_dir, Path(args.out))

@@ -11,7 +11,8 @@ import torch
 from flashlet import quantize
 from flashlet.config import EngineConfig
 from flashlet.core.engine import Engine
-from flashlet.models.gptq import DenseAttention, HessianOps, calibration_sequences, gptq_model, gptq_rows
+from flashlet.models.gptq import (DenseAttention, HessianOps, calibration_sequences, gptq_model,
+                                  gptq_rows, gptq_rows_searched, scale_fractions)
 from flashlet.models.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
                                           is_quantized, quantize_rows)
 from flashlet.models.weights import load_model, save_fp8_checkpoint
@@ -68,6 +69,40 @@ def test_gptq_codes_are_finite_e4m3_that_requantize_to_themselves():
     assert torch.equal(requantized.view(torch.uint8), codes.view(torch.uint8))
     assert (values[3] == 0).all() and (values[:, 5] == 0).all()
     QuantizedWeight(codes, scale)  # the engine's holder takes them as they are
+
+
+def row_errors(codes, scale, w, h):
+    """Each row's output error on the calibration inputs, e^T H e."""
+    e = codes.float() * scale[:, None] - w
+    return ((e @ h) * e).sum(dim=1)
+
+
+def test_scale_search_keeps_each_row_at_or_below_plain_gptqs_error():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g) * 0.05
+    w[5] = 0  # an all-zero row: every candidate the same
+    x = correlated_inputs(256, 64, seed=3)
+    h = x.T @ x / len(x)
+    plain_codes, plain_scale = gptq_rows(w, h)
+    one = gptq_rows_searched(w, h, candidates=1)  # one candidate: plain GPTQ itself
+    assert torch.equal(one[0].view(torch.uint8), plain_codes.view(torch.uint8))
+    assert torch.equal(one[1], plain_scale)
+    codes, scale = gptq_rows_searched(w, h, candidates=8)
+    ours, plain = row_errors(codes, scale, w, h), row_errors(plain_codes, plain_scale, w, h)
+    assert (ours <= plain).all() and ours.sum() < 0.95 * plain.sum()
+    assert not torch.equal(scale, plain_scale)  # some row took another scale
+    # each scale is one of the candidates, none clipping the row's largest entry
+    ratio = (w.abs().amax(dim=1) / scale / FP8_MAX)[w.abs().amax(dim=1) > 0]
+    fracs = torch.tensor(scale_fractions(8))
+    assert ((ratio[:, None] - fracs).abs().min(dim=1).values < 1e-5).all()
+    assert codes.dtype == FP8 and (codes.float().abs() <= FP8_MAX).all()
+    QuantizedWeight(codes, scale)
+
+
+def test_scale_fractions_span_one_binade():
+    fracs = scale_fractions(8)
+    assert fracs[0] == 1 and len(fracs) == 8 and min(fracs) > 0.5
+    assert fracs == sorted(fracs, reverse=True)
 
 
 def random_seqs(n=3, length=40, seed=0):
@@ -167,9 +202,10 @@ def test_cli_writes_a_checkpoint_the_engine_loads_with_the_tokenizer(tiny_llama,
     (["--calib-text", "/nonexistent/calib.txt"], "--calib-text: no such file"),
     (["--calib-tokens", "0"], "--calib-tokens must be at least 1"),
     (["--damp", "0"], "--damp must be in"),
+    (["--scale-candidates", "0"], "--scale-candidates must be at least 1"),
     ([], "the following arguments are required: --calib-text"),
     (["--device", "tpu:x"], "--device 'tpu:x'"),
-], ids=["missing-text", "no-tokens", "no-damping", "no-text-given", "bad-device"])
+], ids=["missing-text", "no-tokens", "no-damping", "no-scales", "no-text-given", "bad-device"])
 def test_cli_bad_input_is_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     text = tmp_path / "calib.txt"
     text.write_text("some calibration words")

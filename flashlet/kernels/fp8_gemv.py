@@ -15,7 +15,7 @@ FLOPs: 2 * M * N * K.
 Design: grid (ceil(M / BLOCK_M), ceil(N / BLOCK_N), SPLIT_K). Each program streams a
 [BLOCK_N, K / SPLIT_K] strip of W once, for all BLOCK_M rows (BLOCK_M = 16, the smallest
 tensor-core tile, covers every decode batch up to 16 in one pass over W; past SKINNY_MAX_ROWS
-rows a 64-row tile, `tile_for_rows`). Where N / BLOCK_N
+rows, on large weights, a 64-row tile: `tile_for`). Where N / BLOCK_N
 programs cannot fill the GPU (N = 896 on 132 SMs: 14 of them), K is split, still in one launch
 (a second kernel per projection would add a kernel boundary for a few microseconds of work):
 each split writes its fp32 partial sums and bumps its tile's counter, and the program that
@@ -67,17 +67,24 @@ class GemmTile:
 
 
 DEFAULT_TILE = GemmTile()
-# Above SKINNY_MAX_ROWS rows (prefill chunks, wide verify steps) a 64-row tile: W is read once
-# per 64 rows, not per 16. H200, `scripts/fp8_gemm_bench.py --rows 16 32 64 128 256 512 --sweep`
-# at the 7B shapes: at 32 rows the 16-row tile still wins (gate+up 63.5 us against 77.3), from
-# 64 rows on this one (gate+up 82.4 against 121 at 64, 502 against 969 at 512).
+# Above SKINNY_MAX_ROWS rows, on a large weight, a 64-row tile: W is read once per 64 rows, not
+# per 16. H200, `scripts/fp8_gemm_bench.py --rows 16 32 64 128 256 512 --sweep`, us at 32 / 64
+# rows, 16-row tile against this one: the 7B gate+up (136 M weights) 63.5 / 121 against 77.3 /
+# 82.4, its down (68 M) 41.5 / 74.9 against 52.7 / 63.5; the 7B QKV (16.5 M) 15.1 / 21.6 against
+# 19.5 / 24.1, the 0.5B gate+up (8.7 M) 10.4 / 13.1 against 16.4 / 21.3, its down (4.4 M) 8.5 /
+# 9.5 against 11.7 / 15.1. So the 16-row tile up to 32 rows everywhere, and past that on weights
+# under MANY_ROWS_MIN_WEIGHTS.
 SKINNY_MAX_ROWS = 32
+MANY_ROWS_MIN_WEIGHTS = 32 << 20
 MANY_ROWS_TILE = GemmTile(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
-def tile_for_rows(m: int) -> GemmTile:
-    """The launch shape for an M-row product: DEFAULT_TILE for decode-sized M, else MANY_ROWS_TILE."""
-    return DEFAULT_TILE if m <= SKINNY_MAX_ROWS else MANY_ROWS_TILE
+def tile_for(m: int, n: int, k: int) -> GemmTile:
+    """The launch shape for an [M, K] x [N, K]^T product: DEFAULT_TILE for decode-sized M or a
+    small weight, else MANY_ROWS_TILE."""
+    if m <= SKINNY_MAX_ROWS or n * k < MANY_ROWS_MIN_WEIGHTS:
+        return DEFAULT_TILE
+    return MANY_ROWS_TILE
 
 
 @triton.jit
@@ -179,8 +186,8 @@ def _sm_count(device_index: int | None) -> int:
 
 def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile | None = None) -> int:
     """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
-    least one block_k step per split. tile: tile_for_rows(m)'s unless given."""
-    tile = tile or tile_for_rows(m)
+    least one block_k step per split. tile: tile_for(m, n, k)'s unless given."""
+    tile = tile or tile_for(m, n, k)
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     wanted = math.ceil(PROGRAMS_PER_SM * sm_count / tiles)
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
@@ -190,10 +197,10 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None, split_k: int | None = None,
              tile: GemmTile | None = None) -> torch.Tensor:
     """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype.
-    tile: tile_for_rows(M)'s unless given."""
+    tile: tile_for(M, N, K)'s unless given."""
     m, k = x.shape
-    tile = tile or tile_for_rows(m)
     n = qweight.shape[0]
+    tile = tile or tile_for(m, n, k)
     if qweight.shape[1] != k or scale.shape != (n,):
         raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(qweight.shape)} and scale "
                          f"{tuple(scale.shape)} do not fit")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, INTERPRETED, MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS,
-                                       GemmTile, dequantize_rows, fp8_gemm, fp8_gemm_reference,
-                                       split_k_for, tile_for_rows)
+from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, INTERPRETED, MANY_ROWS_MIN_WEIGHTS,
+                                       MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS, GemmTile,
+                                       dequantize_rows, fp8_gemm, fp8_gemm_reference, split_k_for,
+                                       tile_for)
 from flashlet.models.quantization import quantize_rows
 
 
@@ -36,7 +37,7 @@ def _close(ours, ref):
     (5, 70, 300, 2, True),     # split K with a ragged last split
     (16, 64, 256, 1, False),   # a whole 16-row tile
     (17, 33, 130, 2, True),    # two row tiles, the second of one row
-    (70, 150, 300, 2, True),   # past SKINNY_MAX_ROWS: MANY_ROWS_TILE's 64-row tiles, two of them
+    (70, 150, 300, 2, True),   # past SKINNY_MAX_ROWS on a small weight: 16-row tiles, five
 ])
 def test_fp8_gemm_matches_the_fp32_reference(kh, m, n, k, split_k, bias):
     x, qweight, scale, b = _case(m, n, k, bias=bias, seed=m + n, device=kh.device)
@@ -64,7 +65,8 @@ def test_split_launches_leave_their_counters_at_zero(kh):
 def test_other_tiles_compute_the_same_product(kh):
     x, qweight, scale, b = _case(40, 72, 320, bias=True, seed=11, device=kh.device)
     ref = fp8_gemm_reference(x, qweight, scale, b)
-    for tile in (GemmTile(block_m=32, block_n=32, block_k=64), GemmTile(block_n=128, block_k=256)):
+    for tile in (GemmTile(block_m=32, block_n=32, block_k=64), GemmTile(block_n=128, block_k=256),
+                 MANY_ROWS_TILE):
         _close(fp8_gemm(x, qweight, scale, b, split_k=2, tile=tile), ref)
 
 
@@ -91,10 +93,13 @@ def test_mismatched_shapes_are_refused(kh):
         fp8_gemm(x, qweight, scale[:16])
 
 
-def test_the_tile_follows_the_row_count():
-    assert tile_for_rows(1) is DEFAULT_TILE and tile_for_rows(SKINNY_MAX_ROWS) is DEFAULT_TILE
-    assert tile_for_rows(SKINNY_MAX_ROWS + 1) is MANY_ROWS_TILE
-    assert split_k_for(512, 37888, 3584, 132) == 1  # 8 x 296 tiles of 64 x 128 fill it already
+def test_the_tile_follows_the_row_count_and_the_weight():
+    big, small = (37888, 3584), (9728, 896)  # the 7B and 0.5B gate+up
+    assert big[0] * big[1] >= MANY_ROWS_MIN_WEIGHTS > small[0] * small[1]
+    assert tile_for(1, *big) is DEFAULT_TILE and tile_for(SKINNY_MAX_ROWS, *big) is DEFAULT_TILE
+    assert tile_for(SKINNY_MAX_ROWS + 1, *big) is MANY_ROWS_TILE
+    assert tile_for(64, *small) is DEFAULT_TILE
+    assert split_k_for(512, *big, 132) == 1  # 8 x 296 tiles of 64 x 128 fill it already
 
 
 def test_split_k_fills_the_gpu_only_where_columns_do_not():

@@ -1,13 +1,14 @@
 """Round-to-nearest fp8 weights with each row's scale searched by plain squared error (no
-calibration text, no Hessian): what `--quantization fp8` could do at load, written as an FP8
-checkpoint to score with scripts/fidelity.py (issue 31).
+calibration text, no Hessian; `quantization.quantize_weight_rows`, what `--quantization fp8`
+does at load since this measurement) at a chosen candidate count, written as an FP8 checkpoint
+to score with scripts/fidelity.py (issue 31).
 
     PYTHONPATH=. python lab/fp8_rtn_search.py --candidates 8 --out /tmp/rtn-c8
     PYTHONPATH=. python scripts/fidelity.py --perplexity --device cpu \
         --text docs/en/versions/*.md --quantized-model /tmp/rtn-c8
 
-Each row tries the scales of `gptq.scale_fractions(candidates)` (the row's amax mapped to
-448 f, f from 1 down to just above 1/2: the e4m3 grid moved under the row's values, nothing
+Each row tries the scales of `quantization.scale_fractions(candidates)` (the row's amax mapped
+to 448 f, f from 1 down to just above 1/2: the e4m3 grid moved under the row's values, nothing
 clipped) and keeps the one whose dequantized row is closest to the float row. --candidates 1 is
 plain round-to-nearest (`quantize_rows`' codes).
 """
@@ -19,29 +20,9 @@ from pathlib import Path
 
 import torch
 
-from flashlet.models.gptq import scale_fractions
-from flashlet.models.quantization import (FP8, FP8_MAX, MIN_SCALE, QUANTIZED_PROJECTIONS,
-                                          QuantizedWeight, swap_weight)
+from flashlet.models.quantization import (QUANTIZED_PROJECTIONS, QuantizedWeight,
+                                          quantize_weight_rows, swap_weight)
 from flashlet.models.weights import load_model, resolve_model_dir, save_fp8_checkpoint
-
-
-def rtn_searched(w: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (codes [N, K] e4m3, scale [N]): each row's scale the candidate of least
-    squared error."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    best = None
-    for f in scale_fractions(candidates):
-        scale = (amax / (FP8_MAX * f)).clamp(min=MIN_SCALE)
-        codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        loss = ((codes.float() * scale[:, None] - w) ** 2).sum(dim=1)
-        if best is None:
-            best = codes, scale, loss
-            continue
-        better = loss < best[2]
-        kept = torch.where(better[:, None], codes.view(torch.uint8), best[0].view(torch.uint8))
-        best = kept.view(FP8), torch.where(better, scale, best[1]), torch.where(better, loss, best[2])
-    return best[0], best[1]
 
 
 def main() -> None:
@@ -55,7 +36,7 @@ def main() -> None:
     with torch.inference_mode():
         for layer in model.layers:
             for name in QUANTIZED_PROJECTIONS:
-                codes, scale = rtn_searched(getattr(layer, name).weight, args.candidates)
+                codes, scale = quantize_weight_rows(getattr(layer, name).weight, args.candidates)
                 swap_weight(getattr(layer, name), QuantizedWeight(codes, scale))
     save_fp8_checkpoint(model, model_dir, Path(args.out))
     print(f"wrote {args.out}")

@@ -13,6 +13,7 @@ from flashlet.models.gptq import DenseAttention  # causal attention over one who
 from flashlet.models.ops import TorchOps
 from flashlet.models.quantization import (FP8, FP8_MAX, QUANTIZED_PROJECTIONS, QuantizedWeight,
                                    dequant_linear, quantize_rows, quantize_weight,
+                                   quantize_weight_rows, scale_fractions,
                                    swap_weight, weight_only_linear)
 from flashlet.models.weights import ModelLoadError, load_model
 from tests.test_tensor_parallel import _Rank
@@ -62,7 +63,7 @@ def write_fp8_checkpoint(src, dst, quantization_config, quantize):
 
 
 def per_channel(w):
-    q, s = quantize_rows(w)
+    q, s = quantize_weight_rows(w)  # the codes and scales quantize-at-load would choose
     return {"": q, "_scale": s[:, None]}
 
 
@@ -98,6 +99,27 @@ def test_quantize_rows_error_is_within_half_an_fp8_step():
     assert ((deq - w).abs() <= bound).all()
     assert deq[5].abs().max() == 0
     assert torch.equal(q.float().abs().amax(1)[torch.arange(48) != 5], torch.full((47,), FP8_MAX))
+
+
+def test_weight_rows_take_the_scale_of_least_error_among_the_candidates():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g) * torch.logspace(-3, 1, 64)[:, None]
+    w[7] = 0
+    plain_q, plain_s = quantize_rows(w)
+    q1, s1 = quantize_weight_rows(w, candidates=1)
+    assert torch.equal(q1.view(torch.uint8), plain_q.view(torch.uint8)) and torch.equal(s1, plain_s)
+    q, s = quantize_weight_rows(w)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and torch.isfinite(s).all()
+    err = ((q.float() * s[:, None] - w) ** 2).sum(1)
+    plain_err = ((plain_q.float() * plain_s[:, None] - w) ** 2).sum(1)
+    assert (err <= plain_err).all() and (err < plain_err).sum() > 32  # most rows gain
+    amax = w.abs().amax(1)
+    fractions = torch.tensor(scale_fractions(8))
+    f = amax / (FP8_MAX * s)  # the fraction each row's scale maps its amax to
+    ok = amax > 0
+    assert ((f[ok, None] - fractions).abs().min(1).values < 1e-6).all()
+    assert q.float().abs().amax(1).le(FP8_MAX).all()  # nothing clipped past fp8's range
+    assert (q[7].float() == 0).all()
 
 
 def test_torch_ops_linear_sends_fp8_weights_to_the_dequantizing_matmul():
@@ -299,7 +321,7 @@ def test_tensor_parallel_ranks_quantize_their_own_slices(tiny_llama, rank):
     want = shard_state_dict(whole.state_dict(), whole.config, local_shape(whole.config, rank, 2))
     for i, layer in enumerate(part.layers):
         for proj in QUANTIZED_PROJECTIONS:
-            qweight, scale = quantize_rows(want[f"layers.{i}.{proj}.weight"])
+            qweight, scale = quantize_weight_rows(want[f"layers.{i}.{proj}.weight"])
             got = getattr(layer, proj).weight
             assert torch.equal(got.qweight.view(torch.uint8), qweight.view(torch.uint8))
             assert torch.equal(got.scale, scale)

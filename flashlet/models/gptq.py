@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from flashlet.models.model import CausalLM
 from flashlet.models.ops import TorchOps
 from flashlet.models.quantization import (FP8, FP8_MAX, MIN_SCALE, QUANTIZED_PROJECTIONS,
-                                          QuantizedWeight, swap_weight)
+                                          QuantizedWeight, scale_fractions, swap_weight)
 
 
 def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128, scale=None):
@@ -58,14 +58,6 @@ def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128, scale=None):
             wb[:, j + 1:] -= err[:, j:j + 1] * u[b0 + j, b0 + j + 1:b1]
         w[:, b1:] -= err @ u[b0:b1, b1:]
     return codes[:, torch.argsort(perm)].to(FP8), scale
-
-
-def scale_fractions(candidates: int) -> list[float]:
-    """The searched scales, as the fraction f of fp8's 448 that a row's amax maps to: 1 (amax /
-    448, round-to-nearest's scale) and `candidates - 1` more, evenly down to just above 1/2.
-    e4m3's grid is nearly the same in every binade, so f and 2f round alike: these f shift
-    the grid under the row's values through one whole binade, and none clips."""
-    return [1 - j / (2 * candidates) for j in range(candidates)]
 
 
 def gptq_rows_searched(w, hessian, damp=0.01, act_order=True, candidates=8):

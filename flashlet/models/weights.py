@@ -414,9 +414,9 @@ def _is_projection(ours: str) -> bool:
 def _copy_quantized(target, row: int, tensor: torch.Tensor, scale: tuple | None,
                     fp8_format, device) -> None:
     """Rows [row, row + n) of an fp8 holder from a checkpoint tensor: a float one quantized per
-    row; an fp8 one with its stored scale, converted to one scale per row."""
+    row (each row's scale searched: `quantize_weight_rows`); an fp8 one with its stored scale, converted to one scale per row."""
     if scale is None:
-        qweight, row_scale = quantization_lib.quantize_rows(tensor)
+        qweight, row_scale = quantization_lib.quantize_weight_rows(tensor)
     else:
         qweight, row_scale = fp8_format.to_rows(tensor, _read_tensor(*scale, device))
     n = qweight.shape[0]

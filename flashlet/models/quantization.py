@@ -3,7 +3,8 @@
 Every linear weight (fused QKV, O, fused gate-up, down) becomes a `QuantizedWeight`: `qweight`
 [N, K] float8_e4m3fn and `scale` [N] fp32, with W ~= qweight * scale[:, None]. Embeddings,
 norms and the LM head stay in the model dtype. `--quantization fp8` quantizes a bf16/fp16/fp32
-checkpoint at load; FP8 checkpoints (`quant_method` "fp8" with per-tensor, per-channel or block
+checkpoint at load (each row rounded to nearest under the best of SCALE_CANDIDATES scales:
+`quantize_weight_rows`); FP8 checkpoints (`quant_method` "fp8" with per-tensor, per-channel or block
 scales, and compressed-tensors' float8 weights) convert to the same representation at load:
 per-tensor and per-channel scales exactly, block scales by dequantizing in fp32 and
 requantizing each row. `python -m flashlet.quantize` writes a per-channel checkpoint whose codes

@@ -107,8 +107,9 @@ def bench_shape(n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
 def split_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dict]:
     """Every SPLIT_SWEEP_TILES tile at every K split that leaves each split work; prints the
     fastest `top` per row count against the default launch (split_k_for's split)."""
-    from flashlet.kernels.fp8_gemv import MAX_SPLIT_K, _sm_count, split_k_for
     import triton
+
+    from flashlet.kernels.fp8_gemv import MAX_SPLIT_K, _sm_count, split_k_for, split_layout
 
     copies = max(2, -(-L2_FLUSH_BYTES // (n * k)))
     quantized = [quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -123,8 +124,7 @@ def split_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dic
         for tile in SPLIT_SWEEP_TILES:
             seen = set()
             for split in range(1, MAX_SPLIT_K + 1):
-                k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
-                real = triton.cdiv(k, k_per_split)
+                real = split_layout(k, split, tile.block_k)[1]
                 if real in seen:
                     continue
                 seen.add(real)

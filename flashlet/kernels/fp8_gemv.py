@@ -193,6 +193,13 @@ def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile | None = N
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
 
 
+def split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(K per split, splits) of a launch asked for `split_k` splits: whole block_k steps a
+    split, and no split left without work."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None, split_k: int | None = None,
              tile: GemmTile | None = None) -> torch.Tensor:
@@ -213,8 +220,7 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         return y
     if split_k is None:
         split_k = split_k_for(m, n, k, _sm_count(x.device.index), tile)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), tile.block_k) * tile.block_k
-    split_k = triton.cdiv(k, k_per_split)  # no split left without work
+    k_per_split, split_k = split_layout(k, split_k, tile.block_k)
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split_k)
     if split_k > 1 and grid[0] * grid[1] > SPLIT_COUNTERS:
         raise ValueError(f"fp8_gemm: split_k {split_k} over {grid[0] * grid[1]} tiles needs more "

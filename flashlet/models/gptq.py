@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from flashlet.models.model import CausalLM
 from flashlet.models.ops import TorchOps
 from flashlet.models.quantization import (FP8, FP8_MAX, MIN_SCALE, QUANTIZED_PROJECTIONS,
-                                          QuantizedWeight, scale_fractions, swap_weight)
+                                          QuantizedWeight, keep_better_rows, scale_fractions,
+                                          swap_weight)
 
 
 def gptq_rows(w, hessian, damp=0.01, act_order=True, block=128, scale=None):
@@ -78,13 +79,7 @@ def gptq_rows_searched(w, hessian, damp=0.01, act_order=True, candidates=8):
                                  scale=(amax / (FP8_MAX * f)).clamp(min=MIN_SCALE))
         err = codes.float() * scale[:, None] - w
         loss = ((err @ h) * err).sum(dim=1)  # [N]: each row's e^T H e
-        if best is None:
-            best = codes, scale, loss
-            continue
-        better = loss < best[2]
-        kept = torch.where(better[:, None], codes.view(torch.uint8), best[0].view(torch.uint8))
-        best = (kept.view(FP8), torch.where(better, scale, best[1]),
-                torch.where(better, loss, best[2]))
+        best = keep_better_rows(best, codes, scale, loss)
     return best[0], best[1]
 
 

@@ -142,13 +142,18 @@ def quantize_weight_rows(weight: torch.Tensor, candidates: int = SCALE_CANDIDATE
         scale = (amax / (FP8_MAX * f)).clamp(min=MIN_SCALE)
         codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         loss = (codes.float().mul_(scale[:, None]).sub_(w)).square_().sum(dim=1)
-        if best is None:
-            best = codes, scale, loss
-            continue
-        better = loss < best[2]  # a tie keeps the earlier (larger) scale
-        kept = torch.where(better[:, None], codes.view(torch.uint8), best[0].view(torch.uint8))
-        best = kept.view(FP8), torch.where(better, scale, best[1]), torch.where(better, loss, best[2])
+        best = keep_better_rows(best, codes, scale, loss)
     return best[0], best[1]
+
+
+def keep_better_rows(best, codes: torch.Tensor, scale: torch.Tensor, loss: torch.Tensor):
+    """(codes [N, K] fp8, scale [N], loss [N]) taking each row from the new candidate where its
+    loss is lower than `best`'s (None: the candidate whole); a tie keeps the earlier one."""
+    if best is None:
+        return codes, scale, loss
+    better = loss < best[2]
+    kept = torch.where(better[:, None], codes.view(torch.uint8), best[0].view(torch.uint8))
+    return kept.view(FP8), torch.where(better, scale, best[1]), torch.where(better, loss, best[2])
 
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:

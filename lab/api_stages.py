@@ -39,7 +39,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path

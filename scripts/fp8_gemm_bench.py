@@ -13,11 +13,6 @@ layers do) and prints microseconds per matmul and the weight's effective GB/s:
     python scripts/fp8_gemm_bench.py --rows 1 4 16 --sweep # triton tiles side by side
     python scripts/fp8_gemm_bench.py --shapes 896x4864 --json out.json
     python scripts/fp8_gemm_bench.py --rows 1 --split-sweep   # tiles x K splits, best first
-    python scripts/fp8_gemm_bench.py --rows 1 4 16 --pdl-ab --silu-mul   # PDL off; SiLU-mul fused
-
-The triton paths launch with Programmatic Dependent Launch where the per-op path does (sm_90+):
-back to back in the graph, each one's first weight lines are asked of L2 while the one before
-runs, as after the step's RMSNorm or SiLU-mul; `--pdl-ab` adds the same launches without it.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashlet.kernels.fp8_gemv import GemmTile, fp8_gemm  # noqa: E402
-from flashlet.kernels.silu_mul import silu_and_mul  # noqa: E402
 from flashlet.models.quantization import (quantize_weight, scaled_mm_fits, scaled_mm_linear,  # noqa: E402
                                    weight_only_linear)
 
@@ -46,8 +40,6 @@ SWEEP = ([GemmTile(16, bn, bk, 4, s) for bn in (32, 64, 128) for bk in (128, 256
 # --split-sweep: the one-pass tiles (BLOCK_M 16) against every K split 1..MAX_SPLIT_K
 SPLIT_SWEEP_TILES = [GemmTile(16, bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (128, 256)
                      for w, s in ((4, 3), (4, 4), (8, 3)) if not (bn == 16 and w == 8)]
-# --silu-mul: tiles for the GEMM that makes silu(gate) * up as it loads (more live registers)
-SILU_TILES = [GemmTile(16, 64, 128, 4, 3), GemmTile(16, 64, 256, 8, 3), GemmTile(16, 64, 128, 4, 4)]
 L2_FLUSH_BYTES = 256 << 20  # weights touched per replay: well over an H200's 50 MB L2
 
 
@@ -60,10 +52,6 @@ def parse_args(argv=None):
     p.add_argument("--split-sweep", action="store_true",
                    help="time the triton kernel at each SPLIT_SWEEP_TILES tile and K split "
                         "(1..MAX_SPLIT_K) and print each shape's fastest against the default")
-    p.add_argument("--pdl-ab", action="store_true",
-                   help="also time the triton kernel without Programmatic Dependent Launch")
-    p.add_argument("--silu-mul", action="store_true",
-                   help="also time the down projection's SiLU-mul apart and in the GEMM's load")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -89,8 +77,7 @@ def time_graph(fn, copies: int) -> float:
     return 1e3 * start.elapsed_time(end) / (reps * copies)
 
 
-def bench_shape(n: int, k: int, rows: list[int], sweep: bool, pdl_ab: bool = False,
-                silu_mul: bool = False) -> list[dict]:
+def bench_shape(n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
     copies = max(2, -(-L2_FLUSH_BYTES // (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     quantized = [quantize_weight(w) for w in weights]
@@ -102,20 +89,6 @@ def bench_shape(n: int, k: int, rows: list[int], sweep: bool, pdl_ab: bool = Fal
                  "widen+bf16": lambda i: weight_only_linear(x, quantized[i])}
         if scaled_mm_fits(x, quantized[0]):
             paths["scaled_mm"] = lambda i: scaled_mm_linear(x, quantized[i])
-        if pdl_ab:
-            paths["triton no-pdl"] = lambda i: fp8_gemm(x, quantized[i].qweight, quantized[i].scale,
-                                                        pdl_launch=False)
-        if silu_mul:  # the down projection's input: gate | up, SiLU-mul apart or in the GEMM
-            gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-            paths["silu+triton"] = lambda i: fp8_gemm(silu_and_mul(gate_up), quantized[i].qweight,
-                                                      quantized[i].scale)
-            paths["triton silu"] = lambda i: fp8_gemm(gate_up, quantized[i].qweight,
-                                                      quantized[i].scale, silu_mul=True)
-            for tile in SILU_TILES:
-                name = f"triton silu {tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
-                paths[name] = lambda i, tile=tile: fp8_gemm(gate_up, quantized[i].qweight,
-                                                            quantized[i].scale, tile=tile,
-                                                            silu_mul=True)
         if sweep:
             for tile in SWEEP:
                 widen = "" if tile.bit_widen else " cvt"
@@ -197,7 +170,7 @@ def main(argv=None) -> int:
         if args.split_sweep:
             results += split_sweep_shape(n, k, args.rows)
             continue
-        results += bench_shape(n, k, args.rows, args.sweep, args.pdl_ab, args.silu_mul)
+        results += bench_shape(n, k, args.rows, args.sweep)
         print(f"{shape} done", flush=True)
     if not args.split_sweep:
         print(table(results))

@@ -38,10 +38,6 @@
 #                verify step (~10 min: more than one device call)
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
-#   pdl-ab       the per-op kernels' PDL chain and the fp8 down projection's fused SiLU-mul: the
-#                fp8 GEMM with and without (scripts/fp8_gemm_bench.py --pdl-ab --silu-mul), then
-#                one stream at the 7B shape (PDL_CONFIG), bf16 and fp8 weights, each also with
-#                $FLASHLET_PDL=0 (~8 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -307,15 +303,6 @@ for part in "${PARTS[@]}"; do
           --decode-tokens 128 --gpu-memory-utilization 0.1 --kv-cache-dtype $kv \
           --out "$OUT/json/kv-$kv-decode-sat-2k.json"
       done ;;
-    pdl-ab)  # the per-op path's PDL chain and fused SiLU-mul: the fp8 GEMM alone, then one stream
-      # at the 7B shape, bf16 and fp8 weights at the defaults, fp8 with $FLASHLET_PDL=0
-      run 200 python3 scripts/fp8_gemm_bench.py --rows 1 16 --pdl-ab --silu-mul \
-        --shapes 4608x3584 3584x3584 37888x3584 3584x18944 896x4864 --json "$OUT/json/fp8-gemm-pdl.json"
-      S="python3 -m flashlet.bench --config ${PDL_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
-      run 300 $S --out "$OUT/json/pdl-bf16-single.json"
-      run 300 $S --quantization fp8 --out "$OUT/json/pdl-fp8-single.json"
-      run 300 env FLASHLET_PDL=0 $S --quantization fp8 --out "$OUT/json/nopdl-fp8-single.json"
-      run 300 env FLASHLET_PDL=0 $S --out "$OUT/json/nopdl-bf16-single.json" ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"
       for pair in 1 2; do

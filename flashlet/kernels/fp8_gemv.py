@@ -28,14 +28,6 @@ split finishes last. Above 16 rows the row
 tiles are the grid's fastest axis, so the programs that share a strip of W run together and
 read it from L2. With bf16 activations W is widened by bit moves (`_fp8_to_bf16_bits`), not
 by the conversion unit. `GemmTile` holds the launch shape (scripts/fp8_gemm_bench.py --sweep).
-
-The down projection takes the gated MLP's gate | up as x (`silu_mul=True`): silu(gate) * up is
-made as x is loaded, so the SiLU-mul kernel and its [M, K] tensor go. With PDL (sm_90+,
-`pdl.per_op_enabled`) the kernel lets the next one launch first thing, asks L2 for the first
-PREFETCH_K columns of its weight strip, and only then waits for the kernel before it (the
-RMSNorm, attention or SiLU-mul that writes x): its launch and first weight loads overlap that
-kernel instead of following it. The counters and partials are touched only after the wait, so
-two launches never share them in flight.
 """
 
 from __future__ import annotations
@@ -48,8 +40,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from flashlet.kernels import pdl
 
 # Split K until the grid holds this many programs per SM. Measured on the H200 at M = 1
 # (`scripts/fp8_gemm_bench.py --rows 1 --split-sweep`, the Qwen2.5-7B and Llama-3.1-8B shapes):
@@ -87,10 +77,6 @@ DEFAULT_TILE = GemmTile()
 SKINNY_MAX_ROWS = 32
 MANY_ROWS_MIN_WEIGHTS = 32 << 20
 MANY_ROWS_TILE = GemmTile(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
-# With PDL, how much of each program's weight strip (columns of K) is asked of L2 before the wait:
-# two of DEFAULT_TILE's K blocks (32 KB a program; ~13 MB over a first wave of 3 programs an SM,
-# a quarter of the H200's L2). A power of two, at least one 128-byte line.
-PREFETCH_K = 512
 
 
 def tile_for(m: int, n: int, k: int) -> GemmTile:
@@ -141,44 +127,22 @@ def _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym
 
 
 @triton.jit
-def _silu_mul_rows(X, x_ptrs, mask, K):
-    """silu(gate) * up for the gate columns at x_ptrs and the up columns K further on, rounded
-    as `kernels/silu_mul.py` rounds them (silu to x's dtype, then the product)."""
-    g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
-    return (act.to(tl.float32) * u).to(X.dtype.element_ty)
-
-
-@triton.jit
 def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BIT_WIDEN: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
-                     PREFETCH_K: tl.constexpr,
+                     BIT_WIDEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    k_start = pid_k * k_per_split
-    if USE_PDL:
-        pdl.launch_dependents()
-        # The first PREFETCH_K columns of this program's weight strip, toward L2, while the
-        # kernel before still runs (weights: no kernel writes them). One prefetch a 128-byte line.
-        lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
-        line_ok = col_ok[:, None] & (lines < K)[None, :]
-        pdl.prefetch_l2(tl.where(line_ok, W + cols[:, None].to(tl.int64) * stride_wn + lines[None, :], W))
-        pdl.wait()  # x, the partials and the counters belong to the kernels before
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x_ptrs = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-        if SILU_MUL:
-            x = _silu_mul_rows(X, x_ptrs, row_ok[:, None] & k_ok[None, :], K)
-        else:
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_FP32:
@@ -229,11 +193,6 @@ def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile | None = N
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))
 
 
-def _prefetch_k(k_per_split: int) -> int:
-    """PREFETCH_K, or the largest power of two within a shorter split (at least one line)."""
-    return max(128, 1 << (min(PREFETCH_K, k_per_split).bit_length() - 1))
-
-
 def split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
     """(K per split, splits) of a launch asked for `split_k` splits: whole block_k steps a
     split, and no split left without work."""
@@ -243,18 +202,10 @@ def split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None, split_k: int | None = None,
-             tile: GemmTile | None = None, *, silu_mul: bool = False,
-             pdl_launch: bool | None = None) -> torch.Tensor:
+             tile: GemmTile | None = None) -> torch.Tensor:
     """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype.
-    tile: tile_for(M, N, K)'s unless given. silu_mul: x is the gated MLP's gate | up [M, 2K] and
-    the product's left side is silu(gate) * up, made as it is loaded (`kernels/silu_mul.py`'s
-    rounding: the same values, no kernel and no [M, K] tensor of its own). pdl_launch:
-    Programmatic Dependent Launch (`pdl.per_op_enabled`'s choice unless given)."""
+    tile: tile_for(M, N, K)'s unless given."""
     m, k = x.shape
-    if silu_mul:
-        if k % 2:
-            raise ValueError(f"fp8_gemm: silu_mul needs gate | up, an even width; got {k}")
-        k //= 2
     n = qweight.shape[0]
     tile = tile or tile_for(m, n, k)
     if qweight.shape[1] != k or scale.shape != (n,):
@@ -280,16 +231,13 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     counts = _split_counters(x.device) if split_k > 1 else scale  # never touched unsplit
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
     dot_fp32 = INTERPRETED or x.dtype == torch.float32
-    use_pdl = pdl.per_op_enabled(x.device) if pdl_launch is None else pdl_launch
     _fp8_gemm_kernel[grid](x, qweight, scale, bias_arg, y, partial, counts, m, n, k, k_per_split,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
-                           and x.dtype == torch.bfloat16, SILU_MUL=silu_mul, USE_PDL=use_pdl,
-                           PREFETCH_K=_prefetch_k(k_per_split) if use_pdl else 128,
+                           and x.dtype == torch.bfloat16,
                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                           num_warps=tile.num_warps, num_stages=tile.num_stages,
-                           **({"launch_pdl": True} if use_pdl else {}))
+                           num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 

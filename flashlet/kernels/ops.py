@@ -13,9 +13,7 @@ import torch
 from flashlet.kernels import rmsnorm as _rmsnorm
 from flashlet.kernels.rope_kv_write import rope_kv_write
 from flashlet.kernels.silu_mul import silu_and_mul as _silu_and_mul
-from flashlet.models import quantization
 from flashlet.models.ops import TorchOps
-from flashlet.models.quantization import QuantizedWeight
 
 
 class TritonOps:
@@ -37,16 +35,6 @@ class TritonOps:
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         return _silu_and_mul(gate_up)
-
-    @classmethod
-    def silu_mul_linear(cls, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up [T, I] @ weight [N, I].T: an fp8 weight on the Triton GEMM makes
-        silu(gate) * up as it loads gate | up (one kernel); else the two ops."""
-        if isinstance(weight, QuantizedWeight):
-            out = quantization.silu_mul_linear(gate_up, weight)
-            if out is not None:
-                return out
-        return cls.linear(cls.silu_and_mul(gate_up), weight)
 
     @staticmethod
     def rope(q, k, positions, cos_sin_cache):

@@ -11,8 +11,6 @@ FLOPs: about 4 * T * H (square, sum, scale, weight) plus T*H for the residual ad
 
 Design: grid (T,), one program per row holding the whole row (BLOCK = next_pow2(H)) in
 registers: one read of x (and residual), one write of each output. Rows up to 65536 wide.
-With PDL (`pdl.per_op_enabled`) it signals the next kernel first thing, then waits for the one
-before: the GEMM after it launches and fetches weights meanwhile.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from flashlet.kernels import pdl
 
 
 @triton.jit
@@ -31,11 +27,7 @@ def _rmsnorm_kernel(
     H, eps,
     BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        pdl.launch_dependents()
-        pdl.wait()  # x and the residual come from the kernels before
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -76,16 +68,13 @@ def _launch(x, residual, weight, eps, out, residual_out):
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(hidden)
-        use_pdl = pdl.per_op_enabled(x.device)
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight.contiguous(), y2, ro2,
             x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0),
             hidden, eps,
             BLOCK_H=block,
             HAS_RESIDUAL=residual is not None,
-            USE_PDL=use_pdl,
             num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16),
-            **({"launch_pdl": True} if use_pdl else {}),
         )
     return y, ro
 

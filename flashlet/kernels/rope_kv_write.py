@@ -24,7 +24,6 @@ Design: grid (T,), one program per token holding all its heads ([H_pad, D/2] til
 cos/sin row is loaded once per token. Numerics follow `TorchOps.rope`: cos and sin are read
 from the fp32 table as they are, the rotation runs in fp32 and is rounded once (transformers
 rounds cos/sin to bf16 first: measurably more error, `scripts/fidelity.py --diagnose`).
-With PDL (`pdl.per_op_enabled`) it signals the next kernel (attention) first thing, then waits.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from flashlet.kernels import pdl
 
 from flashlet.kvcache.kv_pool import quantize_fp8
 from flashlet.models.ops import QKNorm, TorchOps
@@ -81,11 +78,7 @@ def _rope_kv_write_kernel(
     WRITE_KV: tl.constexpr,
     CACHE_FP8: tl.constexpr,
     QK_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        pdl.launch_dependents()
-        pdl.wait()  # q, k, v (and the positions, slots) come from the kernels before
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
     i_mask = i < HALF
@@ -225,7 +218,6 @@ def rope_kv_write(
     pos = positions if apply_rope else dummy
     slots = slot_mapping if write_kv else dummy
     qw, kw = (qk_norm.q_weight, qk_norm.k_weight) if qk_norm is not None else (dummy, dummy)
-    use_pdl = pdl.per_op_enabled(k.device)
 
     _rope_kv_write_kernel[(num_tokens,)](
         qq, k, vv, qo, ko, pos, cs, kc, vc, slots, 1.0 / kv_scales[0], 1.0 / kv_scales[1],
@@ -247,9 +239,7 @@ def rope_kv_write(
         WRITE_KV=write_kv,
         CACHE_FP8=write_kv and k_cache.dtype == torch.float8_e4m3fn,
         QK_NORM=qk_norm is not None,
-        USE_PDL=use_pdl,
         num_warps=1 if (num_q_heads + num_kv_heads) * head_dim <= 2048 else 4,
-        **({"launch_pdl": True} if use_pdl else {}),
     )
     if apply_rope:
         return q_out, (k_out if return_k else None)

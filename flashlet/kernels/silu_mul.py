@@ -9,8 +9,6 @@ FLOPs: about 5 * T * I (negate/exp/add/divide for silu, one multiply), exp count
 
 Design: grid (T, ceil(I / BLOCK)); each program reads BLOCK gate and BLOCK up values of one row
 and writes BLOCK outputs. Purely bandwidth-bound; BLOCK = 1024 with 4 warps (8 values each).
-With PDL (`pdl.per_op_enabled`) it signals the next kernel first thing, then waits. (fp8 down
-projections take gate | up themselves: `fp8_gemv.fp8_gemm(silu_mul=True)`.)
 """
 
 from __future__ import annotations
@@ -20,14 +18,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashlet.kernels import pdl
-
 
 @triton.jit
-def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        pdl.launch_dependents()
-        pdl.wait()  # gate | up comes from the GEMM before
+def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -53,10 +46,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, bloc
     rows = x2.shape[0]
     if rows and inter:
         block = min(block, triton.next_power_of_2(inter))
-        use_pdl = pdl.per_op_enabled(gate_up.device)
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, y2, x2.stride(0), y2.stride(0), inter, BLOCK=block, USE_PDL=use_pdl,
-            num_warps=4 if block >= 512 else 1, **({"launch_pdl": True} if use_pdl else {})
+            x2, y2, x2.stride(0), y2.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1
         )
     return out
 

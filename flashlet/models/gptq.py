@@ -115,9 +115,6 @@ class HessianOps(TorchOps):
             self.rows[name] += xs.shape[0]
         return TorchOps.linear(x, weight, bias)
 
-    def silu_mul_linear(self, gate_up, weight):
-        return self.linear(self.silu_and_mul(gate_up), weight)  # the down projection's inputs too
-
     def hessian(self, name: str) -> torch.Tensor:
         """The mean X^T X of `name`'s input rows [K, K]."""
         return self.sums[name] / max(self.rows[name], 1)

@@ -182,7 +182,8 @@ class DecoderLayer(nn.Module):
             if self.o_proj.bias is not None:
                 x = x + self.o_proj.bias
         x, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, self.eps)
-        x = ops.silu_mul_linear(ops.linear(x, self.gate_up_proj.weight), self.down_proj.weight)
+        x = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight))
+        x = ops.linear(x, self.down_proj.weight)
         if self.tp is not None:  # row-parallel down
             x = self.tp.all_reduce(x)
         return x, residual

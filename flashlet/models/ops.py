@@ -42,11 +42,6 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    @classmethod
-    def silu_mul_linear(cls, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The gated MLP's second half: silu(gate) * up [T, I] @ weight [N, I].T -> [T, N]."""
-        return cls.linear(cls.silu_and_mul(gate_up), weight)
-
     @staticmethod
     def rope(q, k, positions, cos_sin_cache):
         """Rotate-half RoPE. q [T, Hq, D], k [T, Hkv, D]; cos_sin_cache [max_pos, D] (cos | sin).

@@ -205,32 +205,11 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     rows = x.shape[0]
     if rows > DECODE_ROWS and w.fp8_activations and scaled_mm_fits(x, w):
         return scaled_mm_linear(x, w, bias)
-    if _triton_gemm_serves(x, rows):
+    if rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
         from flashlet.kernels.fp8_gemv import fp8_gemm
 
         return fp8_gemm(x, w.qweight, w.scale, bias)
     return weight_only_linear(x, w, bias)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
-    """(silu(gate) * up) [T, K] @ W.T from gate | up [T, 2K] in one fp8 GEMM, where `linear`
-    would take the Triton GEMM for those rows (the SiLU-mul is made as the GEMM loads its
-    input: the same values as `silu_and_mul`'s, one kernel less); None elsewhere (the caller
-    runs the two ops)."""
-    rows = gate_up.shape[0]
-    if not (gate_up.is_cuda and gate_up.dtype in (torch.bfloat16, torch.float16)):
-        return None
-    if rows > DECODE_ROWS and w.fp8_activations:
-        return None  # linear may take _scaled_mm for them
-    if not _triton_gemm_serves(gate_up, rows):
-        return None
-    from flashlet.kernels.fp8_gemv import fp8_gemm
-
-    return fp8_gemm(gate_up, w.qweight, w.scale, silu_mul=True)
-
-
-def _triton_gemm_serves(x: torch.Tensor, rows: int) -> bool:
-    return rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index)
 
 
 def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:

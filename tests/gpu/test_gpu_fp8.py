@@ -133,25 +133,3 @@ def test_fp8_engine_greedy_tokens_mostly_match_bf16(demo_model_dir):
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
               for x, y in zip(fp8, bf16)]
     assert sum(prefix) >= 0.5 * 24 * len(prompts), prefix
-
-
-@needs_fp8_gemm
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_per_op_pdl_chain_gives_the_tokens_without_it(tmp_path, monkeypatch, quantization):
-    """The per-op path (fused decode off), graphs on, batches of 1 and 4 with the MLP's
-    SiLU-mul made inside the fp8 down projection: with the per-op kernels in the PDL chain
-    (sm_90+) and with $FLASHLET_PDL=0's launches the same logits, so the same greedy tokens
-    (PDL moves when kernels start, never what they compute)."""
-    from flashlet.kernels import pdl
-    from tests.conftest import save_tiny_model
-    from tests.gpu.test_gpu_fused_decode import SMALL, prompts, run
-
-    source = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL)),
-                  **({"quantization": quantization} if quantization else {}))
-    ps = prompts(4, SMALL["vocab_size"])
-    outs = {}
-    for on in (True, False):
-        monkeypatch.setattr(pdl, "PER_OP_PDL", on)
-        outs[on] = (run(source, ps, 24, fused=False)[0],
-                    run(source, ps, 24, fused=False, max_num_seqs=4)[0])
-    assert outs[True] == outs[False]

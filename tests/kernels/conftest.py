@@ -7,10 +7,7 @@ decorator runs), so it is set here, at import time.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -108,29 +105,8 @@ def make_step(pool, seqs, *, shared_prefix_pages=None, device=DEVICE):
     return meta, pages
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def lowered_by_one_child(args: list[str], count: int) -> list[dict]:
-    """Run `python *args` outside the interpreter (kernels lowered for a GPU target by Triton's
-    own ptxas: no GPU needed), the repository on its path, and return the last `count` JSON
-    lines it prints; skips where Triton has no ptxas. One child per module: its imports cost
-    more than a compile."""
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=REPO)
-    if proc.returncode != 0 and "No such file" in proc.stderr and "ptxas" in proc.stderr:
-        pytest.skip("Triton's bundled ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) >= count, proc.stdout[-3000:]
-    return [json.loads(line) for line in lines[-count:]]
-
-
 class _Helpers:
     device = DEVICE
-    lowered_by_one_child = staticmethod(lowered_by_one_child)
     rel_err = staticmethod(rel_err)
     make_paged = staticmethod(make_paged)
     cos_sin_cache = staticmethod(cos_sin_cache)

@@ -120,34 +120,3 @@ def test_dequantize_rows_rounds_code_times_scale_once(kh, dtype):
         assert ((ours.float() - ref.float()).abs() <= ulp).all()
     else:
         assert torch.equal(ours, ref)
-
-
-@pytest.mark.parametrize("m,split_k", [(1, 3), (5, 1), (17, 2)])
-def test_silu_mul_input_equals_the_silu_mul_kernel_then_the_gemm(kh, m, split_k):
-    """The down projection's fused input: gate | up in, the same values silu_and_mul makes, so
-    the product is the unfused one's bit for bit (same tile, same split, same sum order)."""
-    from flashlet.kernels.silu_mul import silu_and_mul
-
-    _, qweight, scale, _ = _case(1, 48, 384, bias=False, seed=m, device=kh.device)
-    g = torch.Generator().manual_seed(100 + m)
-    gate_up = (torch.randn(m, 2 * 384, generator=g) * 3).to(torch.bfloat16).to(kh.device)
-    fused = fp8_gemm(gate_up, qweight, scale, split_k=split_k, silu_mul=True)
-    assert torch.equal(fused, fp8_gemm(silu_and_mul(gate_up), qweight, scale, split_k=split_k))
-    with pytest.raises(ValueError, match="do not fit"):
-        fp8_gemm(gate_up[:, :512], qweight, scale, silu_mul=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="Programmatic Dependent Launch needs an sm_90+ GPU (the interpreter "
-                           "cannot run its inline assembly)")
-def test_pdl_launches_compute_the_same_product(kh):
-    """With PDL (prefetch, then wait) and without: bit-identical, split and unsplit, and the
-    split counters back at zero after launches in a row."""
-    from flashlet.kernels.fp8_gemv import _split_counters
-
-    x, qweight, scale, b = _case(3, 4608, 3584, bias=True, seed=21, device=kh.device)
-    for split_k in (1, 7):
-        plain = fp8_gemm(x, qweight, scale, b, split_k=split_k, pdl_launch=False)
-        for _ in range(3):
-            assert torch.equal(fp8_gemm(x, qweight, scale, b, split_k=split_k, pdl_launch=True), plain)
-        assert not _split_counters(x.device).any()

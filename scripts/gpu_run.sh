@@ -38,6 +38,8 @@
 #                verify step (~10 min: more than one device call)
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
+#   fp8-fused    the fused decode path with fp8 weights (opt-in: --fused-decode): its GPU tests,
+#                then one stream bf16 / fp8 per-op / fp8 fused at FP8_CONFIGS (0.5B, 7B; ~8 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -302,6 +304,16 @@ for part in "${PARTS[@]}"; do
         run 200 $F --workload decode-sat --decode-batch 128 --decode-prompt-len 2000 \
           --decode-tokens 128 --gpu-memory-utilization 0.1 --kv-cache-dtype $kv \
           --out "$OUT/json/kv-$kv-decode-sat-2k.json"
+      done ;;
+    fp8-fused)  # the fused decode path with fp8 weights: its GPU tests against per-op fp8, then
+      # one stream per-op (the default) and fused, at the 0.5B and 7B shapes, beside bf16's default
+      cute_env
+      run 420 $PYTEST tests/gpu/test_gpu_fused_fp8.py
+      for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
+        S="python3 -m flashlet.bench --config $cfg --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
+        run 300 $S --out "$OUT/json/$cfg-bf16-single.json"
+        run 300 $S --quantization fp8 --out "$OUT/json/$cfg-fp8-single.json"
+        run 300 $S --quantization fp8 --fused-decode --out "$OUT/json/$cfg-fp8-fused-single.json"
       done ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"

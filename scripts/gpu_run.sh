@@ -39,7 +39,8 @@
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
 #   fp8-fused    the fused decode path with fp8 weights (opt-in: --fused-decode): its GPU tests,
-#                then one stream bf16 / fp8 per-op / fp8 fused at FP8_CONFIGS (0.5B, 7B; ~8 min)
+#                then one stream bf16 / fp8 per-op / fp8 fused (CUDA-core and tensor-core GEMVs)
+#                at FP8_CONFIGS (0.5B, 7B; ~8 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -314,6 +315,8 @@ for part in "${PARTS[@]}"; do
         run 300 $S --out "$OUT/json/$cfg-bf16-single.json"
         run 300 $S --quantization fp8 --out "$OUT/json/$cfg-fp8-single.json"
         run 300 $S --quantization fp8 --fused-decode --out "$OUT/json/$cfg-fp8-fused-single.json"
+        run 300 $S --quantization fp8 --fused-decode --fused-decode-fp8-mma \
+          --out "$OUT/json/$cfg-fp8-fused-mma-single.json"
       done ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"

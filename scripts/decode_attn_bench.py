@@ -19,9 +19,10 @@ launched as `TritonBackend.attend_one_launch` launches it: PDL on, the look-back
 rows, one scratch and one set of merge counters for every layer) at the fused path's shapes:
 rows 1, 4, 8 and 16 at ~300 and ~1,000 tokens and one row at 8,000 and 30,000, for Qwen2.5-0.5B
 (head_dim 64, group 7) and Qwen3-0.6B (head_dim 128, group 2), or the shapes `--models` names
-(Qwen2.5-1.5B's and -7B's too: the per-op path's 1-16-row decode steps launch the same form). Per (model, rows bucket), stage 1
-times the tiles (block_n x warps x stages x KV heads a program) at ~1,000 tokens; stage 2 the
-best tiles over split caps, smallest splits and (one row) the long-row rule and the merge width,
+(Qwen2.5-1.5B's and -7B's too: the per-op path's 1-16-row decode steps launch the same form).
+Per (model, rows bucket), stage 1 times the tiles (block_n x warps x stages x KV heads a
+program) at ~1,000 tokens; stage 2 the best tiles over split caps, smallest splits and (one row)
+the long-row rule and the merge width,
 at every context of the bucket: one table entry must serve them all (a graph per row count),
 so the winner is the best geometric mean of its times over the derived config's. The winner and
 the derived config are then timed with PDL off too. It prints `ONE_LAUNCH_TABLE` entries and a

@@ -99,7 +99,8 @@ def test_more_rows_than_the_one_launch_limit_keep_the_two_launch_form(kh, monkey
     pool = _pool(kh, lengths, 2, 16, spare=8)
     calls = _spy(monkeypatch)
     q = torch.randn(17, 6, 16).to(kh.device)
-    for backend, rows in ((TritonBackend(pool, 6, **SMALL), 17), (TritonBackend(pool, 6, **SMALL, max_batch_size=2), 3)):
+    capped = TritonBackend(pool, 6, **SMALL, max_batch_size=2)
+    for backend, rows in ((TritonBackend(pool, 6, **SMALL), 17), (capped, 3)):
         meta, _ = kh.make_step(pool, [(n, 1) for n in lengths[:rows]])
         backend.plan(meta)
         ref = TorchBackend(pool, 6, batched_decode=False)
@@ -107,7 +108,7 @@ def test_more_rows_than_the_one_launch_limit_keep_the_two_launch_form(kh, monkey
         assert kh.rel_err(backend._attend(0, q[:rows]), ref._attend(0, q[:rows])) < 1e-5
         assert not calls["one"] and len(calls["two"]) == 1
         calls["two"].clear()
-    assert TritonBackend(pool, 6, **SMALL, max_batch_size=2).one_launch_decode_rows == 2
+    assert capped.one_launch_decode_rows == 2
     meta, _ = kh.make_step(pool, [(20, 4), (9, 1)])  # a chunk and a decode
     backend = TritonBackend(pool, 6, **SMALL)
     backend.plan(meta)

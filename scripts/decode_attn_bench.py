@@ -18,9 +18,11 @@ last lines are `BATCHED_DECODE_TABLE` entries for flashlet/kernels/tuning.py.
 launched as `TritonBackend.attend_one_launch` launches it: PDL on, the look-back of the step's
 rows, one scratch and one set of merge counters for every layer) at the fused path's shapes:
 rows 1, 4, 8 and 16 at ~300 and ~1,000 tokens and one row at 8,000 and 30,000, for Qwen2.5-0.5B
-(head_dim 64, group 7) and Qwen3-0.6B (head_dim 128, group 2). Per (model, rows bucket), stage 1
-times the tiles (block_n x warps x stages x KV heads a program) at ~1,000 tokens; stage 2 the
-best tiles over split caps, smallest splits and (one row) the long-row rule and the merge width,
+(head_dim 64, group 7) and Qwen3-0.6B (head_dim 128, group 2), or the shapes `--models` names
+(Qwen2.5-1.5B's and -7B's too: the per-op path's 1-16-row decode steps launch the same form).
+Per (model, rows bucket), stage 1 times the tiles (block_n x warps x stages x KV heads a
+program) at ~1,000 tokens; stage 2 the best tiles over split caps, smallest splits and (one row)
+the long-row rule and the merge width,
 at every context of the bucket: one table entry must serve them all (a graph per row count),
 so the winner is the best geometric mean of its times over the derived config's. The winner and
 the derived config are then timed with PDL off too. It prints `ONE_LAUNCH_TABLE` entries and a
@@ -29,6 +31,7 @@ summary per shape (us a layer, GB/s, against the derived config).
     python scripts/decode_attn_bench.py                      # H200: 128x2000, 32x8000, 1x30000
     python scripts/decode_attn_bench.py --budget-s 300 --json out.json
     python scripts/decode_attn_bench.py --one-launch --json out.json   # H200, ~4 min
+    python scripts/decode_attn_bench.py --one-launch --models qwen2.5-7b --table-json 7b.json
     python scripts/decode_attn_bench.py --smoke              # CPU: tiny shapes, interpreter, no timing
     python scripts/decode_attn_bench.py --smoke --one-launch
 """
@@ -524,6 +527,12 @@ ONE_LAUNCH_MODELS = (
     dict(name="qwen2.5-0.5b", layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),
     dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16),
 )
+# Shapes `--models` may name beside those: since the per-op path's decode steps of 1-16 rows also
+# attend in one launch, the larger presets' (head_dim 128, groups 6 and 7) use the table too.
+ONE_LAUNCH_MORE_MODELS = (
+    dict(name="qwen2.5-1.5b", layers=28, num_q_heads=12, num_kv_heads=2, head_dim=128, page_size=16),
+    dict(name="qwen2.5-7b", layers=28, num_q_heads=28, num_kv_heads=4, head_dim=128, page_size=16),
+)
 ONE_LAUNCH_ROWS = (1, 4, 8, 16)  # tuning.ONE_LAUNCH_ROW_BUCKETS: one shape per bucket
 ONE_LAUNCH_CONTEXTS = (300, 1000)  # tokens, every rows bucket
 ONE_LAUNCH_LONG = (8000, 30000)  # tokens, one row
@@ -731,6 +740,18 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
     return dict(derived_variant=derived, derived=ref, best=best and (best[1], best[2]))
 
 
+def one_launch_models(names: str | None) -> tuple[dict, ...]:
+    """The shapes a one-launch sweep runs: ONE_LAUNCH_MODELS, or those named (comma-separated,
+    from it and ONE_LAUNCH_MORE_MODELS)."""
+    if not names:
+        return ONE_LAUNCH_MODELS
+    known = {m["name"]: m for m in ONE_LAUNCH_MODELS + ONE_LAUNCH_MORE_MODELS}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; known: {', '.join(known)}")
+    return tuple(known[n] for n in names.split(","))
+
+
 def run_one_launch(args) -> list[dict]:
     import torch
 
@@ -739,7 +760,7 @@ def run_one_launch(args) -> list[dict]:
     from flashlet.kernels.bench import measure_copy_bandwidth
 
     device = "cpu" if args.smoke else "cuda"
-    models = SMOKE_ONE_LAUNCH_MODELS if args.smoke else ONE_LAUNCH_MODELS
+    models = SMOKE_ONE_LAUNCH_MODELS if args.smoke else one_launch_models(args.models)
     shape = SMOKE_ONE_LAUNCH if args.smoke else dict(rows=ONE_LAUNCH_ROWS, contexts=ONE_LAUNCH_CONTEXTS,
                                                      long=ONE_LAUNCH_LONG)
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
@@ -887,6 +908,9 @@ def parse_args(argv=None):
     p.add_argument("--one-launch", action="store_true",
                    help="sweep the fused decode path's one-launch attention (ONE_LAUNCH_TABLE), not the batched decode")
     p.add_argument("--kv", default="model,fp8", help="KV dtypes to sweep: model (bf16), fp8")
+    p.add_argument("--models", default=None,
+                   help="--one-launch: the shapes to sweep, comma-separated (default qwen2.5-0.5b,qwen3-0.6b; "
+                        "also qwen2.5-1.5b, qwen2.5-7b)")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
     p.add_argument("--top", type=int, default=None,
                    help="tiles of stage 1 that stage 2 times (default 4; --one-launch: 2, beside the derived tile)")

@@ -1,10 +1,23 @@
 """The Triton attention backend: `flashlet/kernels/` decode and ragged prefill kernels.
 
-- Pure-decode steps run `decode_attention` (grid (B, Hkv, S): one program per sequence, KV
+- Pure-decode steps of up to `one_launch_decode_rows` rows (ONE_LAUNCH_DECODE_MAX_ROWS, the
+  one-launch form's rows buckets: 16) attend in ONE launch a layer, `attend_one_launch`'s
+  (below; with Programmatic Dependent Launch where `pdl_supported`), through every entry: the
+  per-op path's `run` / `run_rope` as well as the fused path's. Its merge is in the kernel, so the
+  second launch (the merge kernel: 5.1 of 13.7 us a layer at Qwen2.5-7B's shape after a 1,000-token
+  prompt, FUSED_NOTES.md, "Issue 31: the 7B fp8 step, per-op") goes. An fp8 pool is read by it
+  too (widened to q's dtype, its scales applied as in the two-launch form). $FLASHLET_ONE_LAUNCH_DECODE
+  ("0": off, "nopdl": on without PDL; read by the constructor, whose `one_launch_decode` wins)
+  restores the two-launch form for a GPU A/B. Which form a batch size takes is fixed at
+  construction, so a CUDA graph keyed by the batch size holds one form.
+- Larger pure-decode steps run `decode_attention` (grid (B, Hkv, S): one program per sequence, KV
   group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
   and the tile sizes are chosen in `plan` from the batch size alone (`kernels/tuning.py`), so
   a CUDA graph captured for a batch size is valid for any KV lengths; the per-sequence split
-  count is derived on the device from `kv_lens`. The split partials live in buffers allocated once, in the constructor.
+  count is derived on the device from `kv_lens`. The split partials live in buffers allocated
+  once, in the constructor, shared by both forms (a step runs one of them; each leaves the merge
+  counters at zero, and the launches of one stream never overlap on them: a PDL launch touches
+  them only after its wait).
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
@@ -17,7 +30,8 @@
   layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `warm_contexts` gives
   the warm-up a context length that reaches each).
 
-- `attend_one_launch` (the fused decode path's one-launch attention): the same split-KV decode in
+- `attend_one_launch` (the fused decode path's one-launch attention, and the per-op path's up to
+  `one_launch_decode_rows` rows): the same split-KV decode in
   ONE launch, each KV group's last split program merging the partials
   (`decode_attention_one_launch`: per-(sequence, KV head) counters owned here, left at zero by
   every launch), optionally with Programmatic Dependent Launch. Its smallest split is
@@ -48,7 +62,8 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch
+from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch, one_launch_lookback
+from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
 
@@ -65,6 +80,13 @@ ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
 # A/B without editing code (read once, by the constructor; its arguments win; "1": off). The
 # tables' and tuning's values where unset.
 PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
+# The most rows of a pure-decode step that attends in one launch: the one-launch form's last rows
+# bucket (its table is measured up to there; the PDL look-back covers every earlier row of it).
+ONE_LAUNCH_DECODE_MAX_ROWS = tuning.ONE_LAUNCH_ROW_BUCKETS[-1]
+# "0": pure-decode steps keep the two-launch form (decode kernel + merge kernel); "nopdl": one
+# launch without PDL; unset or "1": one launch, with PDL where the device has it. Read once, by
+# the constructor (its one_launch_decode / one_launch_pdl win), for a GPU A/B in a fresh process.
+ONE_LAUNCH_DECODE_ENV = "FLASHLET_ONE_LAUNCH_DECODE"
 
 
 class TritonBackend(AttentionBackend):
@@ -91,6 +113,8 @@ class TritonBackend(AttentionBackend):
         prefill_min_split_tokens: int | None = None,
         prefill_split_max_tokens: int | None = None,
         prefill_split_min_context: int | None = None,
+        one_launch_decode: bool | None = None,
+        one_launch_pdl: bool | None = None,
     ):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
@@ -103,7 +127,10 @@ class TritonBackend(AttentionBackend):
         by steps of at most prefill_split_max_tokens query rows (None: that variable's third
         value, else tuning.PREFILL_SPLIT_MAX_TOKENS), the rows its scratch holds, whose longest
         KV holds at least prefill_split_min_context tokens (None: its fourth value, else
-        tuning.PREFILL_SPLIT_MIN_CONTEXT)."""
+        tuning.PREFILL_SPLIT_MIN_CONTEXT). one_launch_decode: pure-decode steps of up to
+        ONE_LAUNCH_DECODE_MAX_ROWS rows (and max_batch_size) attend in one launch, whatever the
+        caller (None: $FLASHLET_ONE_LAUNCH_DECODE, else on); one_launch_pdl: those launches use
+        PDL, where the device has it (None: that variable, else on)."""
         super().__init__(kv_pool, num_q_heads, scale)
         if num_q_heads % self.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads do not split into {self.num_kv_heads} KV heads")
@@ -146,6 +173,11 @@ class TritonBackend(AttentionBackend):
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
         self._merge_counts = torch.zeros(max_batch_size * self.num_kv_heads, dtype=torch.int32, device=device)
+        one_launch = one_launch_decode_from_env()
+        on = _first_given(one_launch_decode, one_launch.get("on"), True)
+        self.one_launch_decode_rows = min(ONE_LAUNCH_DECODE_MAX_ROWS, max_batch_size) if on else 0
+        self.one_launch_pdl = bool(_first_given(one_launch_pdl, one_launch.get("pdl"), True)) and pdl_supported(device)
+        self._decode_one_launch = False  # the planned pure-decode step attends in one launch
         self._num_splits = 1
         self._decode_cfg = self.decode_config(1)
         # decode_variant of each batch size planned so far: a function of the batch size, of
@@ -210,9 +242,19 @@ class TritonBackend(AttentionBackend):
                                       min_split_tokens=cfg.min_split_tokens, waves=cfg.waves)
 
     def decode_variant(self, num_seqs: int) -> tuple:
-        """What a pure-decode step of `num_seqs` compiles: (config, splits)."""
+        """What a pure-decode step of `num_seqs` compiles: (config, splits), a `tuning.DecodeConfig`
+        for the two-launch form; (config, splits, look-back) of `one_launch_form`, a
+        `tuning.OneLaunchConfig`, where the step attends in one launch (`one_launch_decode_rows`)."""
+        if num_seqs <= self.one_launch_decode_rows:
+            return self.one_launch_form(num_seqs, self.one_launch_pdl)
         cfg = self.decode_config(num_seqs)
         return cfg, self._splits_for(num_seqs, cfg)
+
+    def one_launch_form(self, num_seqs: int, pdl: bool) -> tuple[tuning.OneLaunchConfig, int, int]:
+        """(config, splits, look-back) of `attend_one_launch` for a batch: the look-back (how many
+        earlier rows a program checks for its own sequence's, PDL only) is compiled in too."""
+        cfg, splits = self.one_launch_config(num_seqs)
+        return cfg, splits, one_launch_lookback(num_seqs) if pdl else 0
 
     def prefill_variant(self, max_q_len: int) -> tuple:
         """What a step with a chunk (longest `max_q_len`) compiles. Whether it splits also
@@ -254,8 +296,10 @@ class TritonBackend(AttentionBackend):
             variant = self._decode_variants.get(n)
             if variant is None:
                 variant = self._decode_variants[n] = self.decode_variant(n)
-            self._decode_cfg, self._num_splits = variant
+            self._decode_one_launch = isinstance(variant[0], tuning.OneLaunchConfig)
+            self._decode_cfg, self._num_splits = variant[:2]
         else:
+            self._decode_one_launch = False
             self._prefill_cfg, self._prefill_step_splits = self._prefill_step(meta)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -278,6 +322,8 @@ class TritonBackend(AttentionBackend):
                 min_split_tokens=pc.min_split_tokens,
                 scratch=self._prefill_scratch if splits > 1 else None,
             )
+        if self._decode_one_launch:
+            return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)
         out = torch.empty_like(q)
         n, s, dc = meta.num_seqs, self._num_splits, self._decode_cfg
         decode_attention(
@@ -318,7 +364,10 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
-        cfg, splits = self.one_launch_config(n)
+        if self._decode_one_launch:  # planned: the per-op step's own form (same config)
+            cfg, splits = self._decode_cfg, self._num_splits
+        else:
+            cfg, splits = self.one_launch_config(n)
         k_scale, v_scale = self.kv_pool.scales(layer)
         out = torch.empty_like(q)
         decode_attention_one_launch(
@@ -369,3 +418,14 @@ def prefill_splits_from_env() -> dict:
         raise ValueError(f"{PREFILL_SPLITS_ENV}={text!r}: expected "
                          "'S[,min_split_tokens[,max_tokens[,min_context]]]', positive integers")
     return dict(zip(("num_splits", "min_split_tokens", "max_tokens", "min_context"), values))
+
+
+def one_launch_decode_from_env() -> dict:
+    """$FLASHLET_ONE_LAUNCH_DECODE as {on, pdl}: "1" {on: True}, "0" {on: False}, "nopdl" {on:
+    True, pdl: False}; {} when unset."""
+    text = os.environ.get(ONE_LAUNCH_DECODE_ENV, "").strip().lower()
+    forms = {"": {}, "1": {"on": True}, "0": {"on": False}, "nopdl": {"on": True, "pdl": False}}
+    if text not in forms:
+        raise ValueError(f"{ONE_LAUNCH_DECODE_ENV}={text!r}: expected 1 (one launch, PDL where the device "
+                         f"has it), nopdl (one launch without PDL) or 0 (the two-launch form)")
+    return forms[text]

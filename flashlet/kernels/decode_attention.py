@@ -655,12 +655,13 @@ def decode_attention_reference(
     return out
 
 
-# ---- one launch: split-KV whose last program merges (the fused decode path, batch 1) -------------
+# ---- one launch: split-KV whose last program merges (decode steps of 1-16 rows) -----------------
 #
-# The fused decode path (flashlet/runner/fused_decode.py) runs one sequence per step, where the two
+# The fused decode path (flashlet/runner/fused_decode.py) runs 1-16 rows a step, where the two
 # launches above (split kernel, then merge kernel) cost two dependent kernel boundaries a
 # layer for a few microseconds of work. `decode_attention_one_launch` does the same work in
-# one launch: grid (B, Hkv, S) as before, and a sequence whose kv_len needs one split writes
+# one launch (the Triton backend's per-op decode steps of as many rows too): grid (B, Hkv, S) as
+# before, and a sequence whose kv_len needs one split writes
 # O directly; otherwise each split writes its partial, then bumps a per-(sequence, KV head)
 # counter, and the program that brings it to n_splits (the last to finish) merges the
 # partials and sets the counter back to 0, so the next launch (the next layer, the next graph
@@ -669,12 +670,14 @@ def decode_attention_reference(
 # and by the atomic's acquire in the merging CTA, whose loads bypass L1 (".cg": another SM
 # wrote those lines).
 #
-# With USE_PDL (Programmatic Dependent Launch, sm_90+, the fused path's PDL) the kernel lets its
-# dependent (the O GEMV) launch at once, and reads before `griddepcontrol.wait` only what no
-# kernel of this step writes: kv_lens and the page table (copied in before the step) and the
-# first block's past K/V rows (written by earlier steps, which finished before this step's graph
-# started). q, this step's K/V rows (the QKV GEMV writes them), the partials and the counter (the
-# previous layer's attention may still run before the wait) come after it.
+# With USE_PDL (Programmatic Dependent Launch, sm_90+) the kernel lets its dependent (the O
+# projection) launch at once, and reads before `griddepcontrol.wait` only what no kernel of this
+# step writes: kv_lens and the page table (copied in before the step) and the first block's past
+# K/V rows (written by earlier steps, which finished before this step's graph started or, run
+# eagerly, before some kernel launched without PDL between them: the LM head's GEMM). q, this
+# step's K/V rows (the fused path's QKV GEMV writes them, the per-op path's RoPE + K/V write
+# kernel), the partials and the counter (the previous layer's attention may still run before the
+# wait) come after it.
 #
 # This step's rows of a sequence are usually its newest one. A speculative verify step run as
 # decode rows (fused_decode.verify_as_decode_rows) has k + 1 rows of one sequence, row i over KV

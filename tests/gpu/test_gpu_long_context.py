@@ -1,5 +1,6 @@
 """Decode attention after long prompts (8k and 32k tokens) on the GPU: the triton backend's
-one-launch (the fused path's) and two-launch forms, captured once in a CUDA graph at one row and
+one-launch (the fused path's), per-op (`attend`: one launch below 17 rows) and two-launch
+($FLASHLET_ONE_LAUNCH_DECODE=0's) forms, captured once in a CUDA graph at one row and
 replayed over short and long contexts (the split count a row uses is decided on the device from
 kv_lens), against the torch backend's attention."""
 
@@ -37,7 +38,7 @@ def _rel_err(got, want):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("form", ["one-launch", "two-launch"])
+@pytest.mark.parametrize("form", ["one-launch", "per-op", "two-launch"])
 def test_long_contexts_replay_in_one_graph(shape, form):
     from flashlet.attention.torch_ref import TorchBackend
     from flashlet.attention.triton_backend import TritonBackend
@@ -48,7 +49,8 @@ def test_long_contexts_replay_in_one_graph(shape, form):
     pool = _pool(hkv, head_dim)
     pages = pool.allocator.allocate(MAX_TOKENS // PAGE)
     buffers = StepBuffers(1, 1, len(pages), torch.device(DEV))
-    tri = TritonBackend(pool, hq, max_batch_size=1, max_pages_per_seq=len(pages))
+    tri = TritonBackend(pool, hq, max_batch_size=1, max_pages_per_seq=len(pages),
+                        one_launch_decode=form != "two-launch")
     pdl = form == "one-launch" and pdl_supported(torch.device(DEV))
 
     def load(n):

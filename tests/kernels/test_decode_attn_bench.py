@@ -194,3 +194,16 @@ def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, mo
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
     assert bench.load_table_json(str(path), tuning) == entries
     assert tuning.one_launch_table_config(64, 7, 12) == win.config(tuning)
+
+
+def test_one_launch_models_are_named_shapes(bench):
+    """--models picks the sweep's shapes (the per-op path's larger presets among them); the
+    derived config there is what the backend launches (Qwen2.5-7B: no table entry)."""
+    assert bench.one_launch_models(None) == bench.ONE_LAUNCH_MODELS
+    (seven,) = bench.one_launch_models("qwen2.5-7b")
+    assert (seven["num_q_heads"], seven["num_kv_heads"], seven["head_dim"]) == (28, 4, 128)
+    assert [m["name"] for m in bench.one_launch_models("qwen3-0.6b,qwen2.5-1.5b")] == ["qwen3-0.6b", "qwen2.5-1.5b"]
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.one_launch_models("qwen2.5-72b")
+    assert bench.derived_one_launch_variant(torch, seven, 1, 132, "cpu", True) == bench.OneLaunchVariant(32, 4, 3, 64, 256)
+    assert bench.parse_args(["--one-launch", "--models", "qwen2.5-7b"]).models == "qwen2.5-7b"

@@ -56,12 +56,14 @@ def test_mixed_step_with_shared_prefix(kh):
     assert not meta.is_pure_decode
 
 
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launch"])
 @pytest.mark.parametrize("group,num_sms", [(3, 4), (7, 64), (1, 4), (8, 16)])
-def test_pure_decode_with_split_kv(kh, group, num_sms):
+def test_pure_decode_with_split_kv(kh, group, num_sms, one_launch):
     pool = _pool(kh, num_kv_heads=2 if group < 8 else 1)
     hq = group * pool.num_kv_heads
-    tri, meta = _compare(kh, pool, hq, [(40, 1), (1, 1), (33, 1)], shared={2: (0, 3)}, num_sms=num_sms)
-    assert meta.is_pure_decode and tri._num_splits > 1
+    tri, meta = _compare(kh, pool, hq, [(40, 1), (1, 1), (33, 1)], shared={2: (0, 3)}, num_sms=num_sms,
+                         one_launch_decode=one_launch)
+    assert meta.is_pure_decode and tri._num_splits > 1 and tri._decode_one_launch == one_launch
 
 
 def test_pure_decode_above_max_batch_runs_unsplit(kh):
@@ -74,13 +76,15 @@ def test_a_decode_plan_is_its_batch_sizes_variant_each_time(kh):
     """plan keeps each batch size's decode_variant (a speculating stream plans one shape
     every step): alternating sizes, every plan holds that size's variant, as computed anew."""
     pool = _pool(kh, pages=64)
-    tri = TritonBackend(pool, 6, num_sms=4)
-    steps = {n: kh.make_step(pool, [(3 + i, 1) for i in range(n)])[0] for n in (1, 2, 4)}
-    fresh = {n: TritonBackend(pool, 6, num_sms=4).decode_variant(n) for n in steps}
-    assert len({splits for _, splits in fresh.values()}) == 3  # (each size its own)
-    for n in (2, 1, 4, 2, 4, 1):
-        tri.plan(steps[n])
-        assert (tri._decode_cfg, tri._num_splits) == fresh[n]
+    for one_launch in (True, False):
+        tri = TritonBackend(pool, 6, num_sms=4, one_launch_decode=one_launch)
+        steps = {n: kh.make_step(pool, [(3 + i, 1) for i in range(n)])[0] for n in (1, 2, 4)}
+        fresh = {n: TritonBackend(pool, 6, num_sms=4, one_launch_decode=one_launch).decode_variant(n)
+                 for n in steps}
+        assert len(set(fresh.values())) >= 2  # sizes of their own variants
+        for n in (2, 1, 4, 2, 4, 1):
+            tri.plan(steps[n])
+            assert (tri._decode_cfg, tri._num_splits) == fresh[n][:2] and tri._decode_one_launch == one_launch
 
 
 def test_page_size_one_and_sixteen(kh):
@@ -243,7 +247,7 @@ def _fp32_step(kh, cache_dtype=None):
     pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(pool.k_cache.dtype))
     pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g).to(pool.v_cache.dtype))
     meta, _ = kh.make_step(pool, [(40, 1), (70, 1), (5, 1)])
-    tri = TritonBackend(pool, 6, num_sms=4)
+    tri = TritonBackend(pool, 6, num_sms=4, one_launch_decode=False)  # the tables' form
     ref = TorchBackend(pool, 6, batched_decode=False)
     tri.plan(meta)
     ref.plan(meta)
@@ -270,7 +274,7 @@ def _bf16_step_over_an_fp8_pool(kh):
     pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
     pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
     meta, _ = kh.make_step(pool, [(47, 1), (16, 1), (70, 1)])
-    tri = TritonBackend(pool, 14, num_sms=4)
+    tri = TritonBackend(pool, 14, num_sms=4, one_launch_decode=False)  # the tables' form
     ref = TorchBackend(pool, 14, batched_decode=False)
     tri.plan(meta)
     ref.plan(meta)

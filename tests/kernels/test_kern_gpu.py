@@ -156,10 +156,11 @@ def test_backend_matches_torch_bf16(kh, seqs, shared):
         assert kh.rel_err(got, want) < 1e-2
 
 
-def test_plan_allocates_nothing_and_run_does_not_sync(kh):
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launch"])
+def test_plan_allocates_nothing_and_run_does_not_sync(kh, one_launch):
     pool = _bf16_pool(layers=1)
     meta, _ = kh.make_step(pool, [(2000, 1), (5, 1), (700, 1)], device=DEV)
-    tri = TritonBackend(pool, 14)
+    tri = TritonBackend(pool, 14, one_launch_decode=one_launch)
     q, k, v = _randn(3, 14, 64, seed=1), _randn(3, 2, 64, seed=2), _randn(3, 2, 64, seed=3)
     tri.plan(meta)
     tri.run(0, q, k, v)  # compile outside the checks
@@ -174,9 +175,11 @@ def test_plan_allocates_nothing_and_run_does_not_sync(kh):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_decode_step_replays_in_a_cuda_graph(kh):
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launch"])
+def test_decode_step_replays_in_a_cuda_graph(kh, one_launch):
     """Capture run() for a batch of 4 decodes once; replay it with other KV lengths, each step
-    loaded into the same step buffers (as the model runner does)."""
+    loaded into the same step buffers (as the model runner does). One launch: the per-op form
+    of up to 16 rows (PDL on sm_90+); two: $FLASHLET_ONE_LAUNCH_DECODE=0's."""
     batch, max_pages, hq = 4, 256, 14
     pool = _bf16_pool(layers=1, pages=batch * max_pages + 4)
     pages = [pool.allocator.allocate(max_pages) for _ in range(batch)]
@@ -187,8 +190,9 @@ def test_decode_step_replays_in_a_cuda_graph(kh):
         return buffers.load(build_layout(rows, 16))[1]
 
     q, k, v = _randn(batch, hq, 64, seed=1), _randn(batch, 2, 64, seed=2), _randn(batch, 2, 64, seed=3)
-    tri = TritonBackend(pool, hq)
+    tri = TritonBackend(pool, hq, one_launch_decode=one_launch)
     tri.plan(load([100, 1, 37, 2000]))
+    assert tri._decode_one_launch == one_launch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -210,6 +214,8 @@ def test_decode_step_replays_in_a_cuda_graph(kh):
         ref.plan(meta)
         want = ref.run(0, q, k, v)
         assert kh.rel_err(out, want) < 1e-2, lens
+    torch.cuda.synchronize()
+    assert not tri._merge_counts.any()
 
 
 # ---- the fused decode path's one-launch attention and embedding gather (fused-decode-tests) ----

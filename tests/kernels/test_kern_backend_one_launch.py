@@ -1,0 +1,233 @@
+"""The per-op decode step in one launch: TritonBackend's `run` / `run_rope` of a pure-decode step
+of up to ONE_LAUNCH_DECODE_MAX_ROWS rows call `decode_attention_one_launch` (the merge in the
+kernel) and never the two-launch kernels, and match the torch oracle and the two-launch form,
+which $FLASHLET_ONE_LAUNCH_DECODE=0 restores; through the engine the greedy tokens are the
+two-launch form's. Interpreted on the CPU, splits made small so that the merges run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.attention import triton_backend
+from flashlet.attention.torch_ref import TorchBackend
+from flashlet.attention.triton_backend import ONE_LAUNCH_DECODE_ENV, ONE_LAUNCH_DECODE_MAX_ROWS, TritonBackend
+from flashlet.kernels.decode_attention import one_launch_lookback
+from flashlet.kvcache.kv_pool import KVPool
+from tests.conftest import run_to_completion
+
+SPLIT = 16  # the smallest KV split and block of both forms here: a few dozen tokens split
+SMALL = dict(num_sms=4, min_split_tokens=SPLIT, decode_block_n=SPLIT)
+# Context lengths that end before, on and after split and page (16) boundaries.
+LENGTHS = (1, 15, 16, 17, 33, 48, 64, 71, 100, 31, 2, 47, 80, 16, 63, 129)
+
+
+@pytest.fixture(autouse=True)
+def small_splits(monkeypatch):
+    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", SPLIT)
+    monkeypatch.delenv(ONE_LAUNCH_DECODE_ENV, raising=False)
+
+
+def _spy(monkeypatch) -> dict:
+    """The keyword arguments of each call of either decode form the backend makes."""
+    calls = {"one": [], "two": []}
+    real_one, real_two = triton_backend.decode_attention_one_launch, triton_backend.decode_attention
+
+    def one(*args, **kwargs):
+        calls["one"].append(kwargs)
+        return real_one(*args, **kwargs)
+
+    def two(*args, **kwargs):
+        calls["two"].append(kwargs)
+        return real_two(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
+    monkeypatch.setattr(triton_backend, "decode_attention", two)
+    return calls
+
+
+def _pool(kh, lengths, num_kv_heads, head_dim, page_size=16, dtype=torch.float32, cache_dtype=None, spare=2):
+    pool = KVPool(1, sum(-(-n // page_size) for n in lengths) + spare, page_size, num_kv_heads, head_dim, dtype,
+                  kh.device, cache_dtype=cache_dtype)
+    g = torch.Generator().manual_seed(len(lengths))
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g).to(pool.k_cache.dtype))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g).to(pool.v_cache.dtype))
+    return pool
+
+
+# (head_dim, Hq, Hkv) -> batch sizes: Qwen2.5-7B's group 7 (no table entry: the derived config),
+# Qwen3's group 2 (its table entry at 4 rows: both KV heads a program) and Qwen2.5-1.5B's group 6.
+SHAPES = {(128, 28, 4): (1, 5, 16), (128, 4, 2): (4,), (128, 12, 2): (3,)}
+
+
+@pytest.mark.parametrize("shape,batch", [(s, b) for s, bs in SHAPES.items() for b in bs],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_a_per_op_decode_step_attends_in_one_launch(kh, monkeypatch, shape, batch):
+    """`run` (K/V write, then attention) of a pure-decode step: one one-launch call a layer,
+    no two-launch kernel; the oracle's output, the two-launch form's to fp32 rounding, and the
+    merge counters back at zero."""
+    head_dim, hq, hkv = shape
+    lengths = LENGTHS[:batch]
+    pool = _pool(kh, lengths, hkv, head_dim)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    # 32 SMs: several splits a row at every batch size here (up to 32 at one row, 2 at 16), in
+    # a fraction of the interpreter time of an H200's 132.
+    tri, two = (TritonBackend(pool, hq, **{**SMALL, "num_sms": 32}, one_launch_decode=on) for on in (True, False))
+    ref = TorchBackend(pool, hq, batched_decode=False)
+    for b in (tri, two, ref):
+        b.plan(meta)
+    g = torch.Generator().manual_seed(batch)
+    q, k, v = (torch.randn(batch, h, head_dim, generator=g).to(kh.device) for h in (hq, hkv, hkv))
+    calls = _spy(monkeypatch)
+    got = tri.run(0, q, k, v)
+    assert len(calls["one"]) == 1 and not calls["two"]
+    assert calls["one"][0]["num_splits"] > 1 and not calls["one"][0]["pdl"]  # no PDL off CUDA
+    want = ref.run(0, q, k, v)
+    assert kh.rel_err(got, want) < 1e-5
+    assert not tri._merge_counts.any()
+    old = two._attend(0, q)  # the two-launch form over the same pool
+    assert len(calls["two"]) == 1 and len(calls["one"]) == 1
+    assert kh.rel_err(got, old) < 1e-5
+
+
+def test_more_rows_than_the_one_launch_limit_keep_the_two_launch_form(kh, monkeypatch):
+    """17 rows (past ONE_LAUNCH_DECODE_MAX_ROWS) and rows past max_batch_size (the counters'
+    rows) take the two-launch form; a step with a chunk the prefill kernel."""
+    assert ONE_LAUNCH_DECODE_MAX_ROWS == 16
+    lengths = [5 + 3 * i for i in range(17)]
+    pool = _pool(kh, lengths, 2, 16, spare=8)
+    calls = _spy(monkeypatch)
+    q = torch.randn(17, 6, 16).to(kh.device)
+    capped = TritonBackend(pool, 6, **SMALL, max_batch_size=2)
+    for backend, rows in ((TritonBackend(pool, 6, **SMALL), 17), (capped, 3)):
+        meta, _ = kh.make_step(pool, [(n, 1) for n in lengths[:rows]])
+        backend.plan(meta)
+        ref = TorchBackend(pool, 6, batched_decode=False)
+        ref.plan(meta)
+        assert kh.rel_err(backend._attend(0, q[:rows]), ref._attend(0, q[:rows])) < 1e-5
+        assert not calls["one"] and len(calls["two"]) == 1
+        calls["two"].clear()
+    assert capped.one_launch_decode_rows == 2
+    meta, _ = kh.make_step(pool, [(20, 4), (9, 1)])  # a chunk and a decode
+    backend = TritonBackend(pool, 6, **SMALL)
+    backend.plan(meta)
+    backend._attend(0, torch.randn(5, 6, 16).to(kh.device))
+    assert not calls["one"] and not calls["two"]
+
+
+def test_run_rope_of_a_decode_step_attends_in_one_launch(kh, monkeypatch):
+    """The model's entry (the pool rotates and writes K/V, then attention) against RoPE in
+    PyTorch followed by the oracle."""
+    from flashlet.models.ops import TorchOps
+
+    lengths = (40, 7, 33)
+    pool = _pool(kh, lengths, 2, 32)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    cs = kh.cos_sin_cache(256, 32)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, h, 32, generator=g).to(kh.device) for h in (14, 2, 2))
+    tri, ref = TritonBackend(pool, 14, **SMALL), TorchBackend(pool, 14, batched_decode=False)
+    tri.plan(meta)
+    ref.plan(meta)
+    calls = _spy(monkeypatch)
+    got = tri.run_rope(0, q, k, v, meta.positions, cs)
+    qr, kr = TorchOps.rope(q, k, meta.positions, cs)
+    assert kh.rel_err(got, ref.run(0, qr, kr, v)) < 1e-5
+    assert len(calls["one"]) == 1 and not calls["two"]
+
+
+def test_an_fp8_pool_is_read_in_one_launch_with_its_scales(kh, monkeypatch):
+    """A bf16 model over a scaled fp8 pool (Qwen2.5's group 7): the one-launch form widens fp8 to
+    bf16 and applies k_scale / v_scale; within bf16 / fp8 rounding of the oracle and the
+    two-launch form (fp16 dots, V as uint16 pairs)."""
+    lengths = (47, 16, 70, 1)
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16, cache_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
+    pool.k_cache.copy_((torch.randn(pool.k_cache.shape, generator=g) * 20).to(torch.float8_e4m3fn))
+    pool.v_cache.copy_((torch.randn(pool.v_cache.shape, generator=g) * 50).to(torch.float8_e4m3fn))
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(4, 14, 16, generator=g).half().to(kh.device)
+    tri, two = (TritonBackend(pool, 14, **SMALL, one_launch_decode=on) for on in (True, False))
+    ref = TorchBackend(pool, 14, batched_decode=False)
+    for b in (tri, two, ref):
+        b.plan(meta)
+    calls = _spy(monkeypatch)
+    got = tri._attend(0, q)
+    assert len(calls["one"]) == 1 and not calls["two"]
+    assert calls["one"][0]["k_scale"] == 0.05 and calls["one"][0]["v_scale"] == 0.02
+    assert kh.rel_err(got.float(), ref._attend(0, q).float()) < 2e-2
+    assert kh.rel_err(got.float(), two._attend(0, q).float()) < 2e-2
+
+
+def test_pdl_where_the_device_has_it(kh, monkeypatch):
+    """On a device with PDL the per-op launch takes it (and the look-back over earlier rows of
+    the same sequence, compiled in: part of the decode variant); "nopdl" and one_launch_pdl=False
+    launch without. The kernel is stood in for: the CPU has no PDL."""
+    monkeypatch.setattr(triton_backend, "pdl_supported", lambda device: True)
+    seen = []
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                        lambda *a, **k: seen.append(k) or k["out"])
+    lengths = (30, 9, 17)
+    pool = _pool(kh, lengths, 2, 16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(3, 6, 16).to(kh.device)
+    backend = TritonBackend(pool, 6, **SMALL)
+    assert backend.one_launch_pdl
+    assert backend.decode_variant(3)[2] == one_launch_lookback(3) == 2 and backend.decode_variant(1)[2] == 0
+    backend.plan(meta)
+    backend._attend(0, q)
+    assert seen[-1]["pdl"] is True
+    monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, "nopdl")
+    for off in (TritonBackend(pool, 6, **SMALL), TritonBackend(pool, 6, **SMALL, one_launch_pdl=False)):
+        assert off.one_launch_decode_rows == 16 and not off.one_launch_pdl and off.decode_variant(3)[2] == 0
+        off.plan(meta)
+        off._attend(0, q)
+        assert seen[-1]["pdl"] is False
+
+
+def test_the_env_var_restores_the_two_launch_form(kh, monkeypatch):
+    """$FLASHLET_ONE_LAUNCH_DECODE, read by the constructor: "0" gives every decode step the
+    two-launch form, "1" (or unset) one launch; the constructor's argument wins; other values
+    are refused by name."""
+    lengths = (40, 3)
+    pool = _pool(kh, lengths, 2, 16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(2, 6, 16).to(kh.device)
+    calls = _spy(monkeypatch)
+    for value, asked, form in (("0", None, "two"), ("1", None, "one"), ("0", True, "one"), ("1", False, "two")):
+        monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, value)
+        backend = TritonBackend(pool, 6, **SMALL, one_launch_decode=asked)
+        monkeypatch.delenv(ONE_LAUNCH_DECODE_ENV)  # read once: later changes reach no backend built
+        backend.plan(meta)
+        backend._attend(0, q)
+        assert [k for k, v in calls.items() if v] == [form], (value, asked)
+        assert backend.one_launch_decode_rows == (16 if form == "one" else 0)
+        calls["one"].clear()
+        calls["two"].clear()
+    for bad in ("2", "off", "yes"):
+        monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, bad)
+        with pytest.raises(ValueError, match=ONE_LAUNCH_DECODE_ENV):
+            TritonBackend(pool, 6, **SMALL)
+
+
+@pytest.mark.slow
+def test_the_engines_per_op_decode_gives_the_two_launch_forms_tokens(tiny_qwen2, monkeypatch):
+    """Through the engine (triton backend, per-op path, interpreted: ~15 s): three requests
+    decoding together, their prompts past the 16-token splits, give the same greedy tokens in one
+    launch as with $FLASHLET_ONE_LAUNCH_DECODE=0; each form's decode steps call only its kernels."""
+    prompts = [[3, 5, 7, 9, 11] * 4, [2, 4, 6], [8] * 33]
+    params = [SamplingParams(max_new_tokens=5 + i, ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, value)
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=3,
+                                     fused_decode=False))
+        calls = _spy(monkeypatch)
+        outs[value] = [o.token_ids for o in run_to_completion(engine, prompts, params)]
+        one, two = len(calls["one"]), len(calls["two"])
+        assert (one > 0, two > 0) == ((True, False) if value == "1" else (False, True)), (value, one, two)
+        assert any(c["num_splits"] > 1 for c in calls["one"] + calls["two"])
+        assert not engine.runner.backend._merge_counts.any()
+    assert outs["1"] == outs["0"]

@@ -365,7 +365,6 @@ AUTO_CONDITIONS = {
     "tensor-parallel": "tensor parallelism is on",
     "no-graphs": "CUDA graphs are off",
     "fp8-kv": "the KV cache is fp8",
-    "fp8-weights": "the weights are fp8",
     "shape": "hidden_size = 64 is not a multiple of 128",
     "norm-chunks": "hidden_size = 64 gives its norm-folded one-row GEMVs 1 16-byte chunks a lane",
     "no-dsl": "pip install nvidia-cutlass-dsl",
@@ -386,8 +385,6 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
         model = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1)).model
     if broken == "tensor-parallel":
         monkeypatch.setattr(model, "tp", object())
-    if broken == "fp8-weights":
-        monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
     if broken == "shape":
         monkeypatch.setattr(fused_decode, "VEC", 128)
     if broken == "norm-chunks":
@@ -400,6 +397,15 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
         assert why is None
     else:
         assert why is not None and AUTO_CONDITIONS[broken] in why, why
+
+
+def test_auto_takes_fp8_weights_as_it_takes_bf16(bf16_model, monkeypatch):
+    """fp8 weights are no condition of auto (their fused GEMVs were measured faster than per-op
+    and hold to its tokens on the GPU): with everything else holding, auto says yes."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
+    assert fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True) is None
 
 
 def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2, reference_kernels,

@@ -102,28 +102,49 @@ def test_fp8_weights_are_served_up_to_the_cuda_core_rows(tiny_qwen2, reference_k
         assert engine.runner.fused.row_counts == served
 
 
-def test_fp8_tensor_cores_are_opt_in(tiny_model, reference_kernels):
+def test_fp8_tensor_cores_as_asked_or_by_hidden_size(tiny_model, reference_kernels):
     """fused_decode_fp8_mma plans the four fp8 projections on the tensor cores at every row count
-    and serves up to SERVED_ROWS rows (the LM head stays bf16); unset, the CUDA-core form at up
-    to SERVED_ROWS_FP8. Either way the tokens are the per-op fp8 engine's."""
+    and serves up to SERVED_ROWS rows (the LM head stays bf16); off, the CUDA-core form at up
+    to SERVED_ROWS_FP8; auto (None), the CUDA-core form below FP8_MMA_MIN_HIDDEN, as for this
+    tiny model. Either way the tokens are the per-op fp8 engine's."""
     want, _ = generate(tiny_model, False, PROMPTS, config=FP8)
-    for opt_in, served in ((False, [1, 2, 4]), (True, [1, 2, 4, 8, 16])):
+    for opt_in, served in ((None, [1, 2, 4]), (False, [1, 2, 4]), (True, [1, 2, 4, 8, 16])):
         config = dict(FP8, fused_decode_fp8_mma=opt_in)
         got, engine = generate(tiny_model, True, PROMPTS, config=config)
         assert got == want
-        assert engine.runner.fused.fp8_mma == opt_in
+        assert engine.runner.fused.fp8_mma == bool(opt_in)
         many = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=16, fused_decode=True, **config))
         fused = many.runner.fused
         assert fused.row_counts == served
         for m in served:
             plans = {name: getattr(fused.gemvs[m], name).plan for name in ("qkv", "o", "gate_up", "down", "lm_head")}
             assert {name: (p.fp8, p.mma) for name, p in plans.items()} == dict(
-                qkv=(True, opt_in), o=(True, opt_in), gate_up=(True, opt_in), down=(True, opt_in),
-                lm_head=(False, False))
+                qkv=(True, bool(opt_in)), o=(True, bool(opt_in)), gate_up=(True, bool(opt_in)),
+                down=(True, bool(opt_in)), lm_head=(False, False))
 
 
 def test_fp8_tensor_cores_need_the_fused_path():
     """Asking for fp8 on the tensor cores with the fused path turned off is a clear error."""
     with pytest.raises(ValueError, match="fused_decode=False"):
         EngineConfig(fused_decode=False, fused_decode_fp8_mma=True)
-    assert not EngineConfig().fused_decode_fp8_mma  # the default stays the CUDA-core form
+    assert EngineConfig().fused_decode_fp8_mma is None  # auto: fused_decode.fp8_tensor_cores
+
+
+def test_auto_puts_fp8_gemvs_on_the_tensor_cores_from_the_7b_hidden_size(monkeypatch):
+    """Auto's rule: the tensor-core form from FP8_MMA_MIN_HIDDEN (measured faster at 3,584,
+    slower at 896), where every K is a multiple of its K step; asked for, it holds below too."""
+    from types import SimpleNamespace
+
+    from flashlet.runner import fused_decode
+
+    monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
+
+    def model(hidden, q_size, inter):
+        layer = SimpleNamespace(q_size=q_size, down_proj=SimpleNamespace(weight=torch.empty(hidden, inter)))
+        return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden), layers=[layer])
+
+    assert fused_decode.FP8_MMA_MIN_HIDDEN == 3584
+    assert fused_decode.fp8_tensor_cores(model(3584, 3584, 18944), None)      # Qwen2.5-7B
+    assert not fused_decode.fp8_tensor_cores(model(896, 896, 4864), None)     # Qwen2.5-0.5B
+    assert fused_decode.fp8_tensor_cores(model(896, 896, 4864), True)
+    assert not fused_decode.fp8_tensor_cores(model(3584, 3584, 18944), False)

@@ -61,9 +61,12 @@ each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales)
 the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 5.4 more points of agreement
 and took its perplexity past +3% over bf16: quantization.py). Widths must
 then be multiples of 16 (`refusals`). `EngineConfig.fused_decode_fp8_mma` (`--fused-decode-fp8-mma`;
-opt-in, unmeasured on a GPU) puts the
+auto: from FP8_MMA_MIN_HIDDEN, where it measured faster) puts the
 fp8 GEMVs on the tensor cores (`CuteGemv(..., fp8=True, mma=True)`, every row count) where every
-width is a multiple of 64, and lets the fp8 path serve SERVED_ROWS rows.
+width is a multiple of 64, and lets the fp8 path serve SERVED_ROWS rows. With fp8 weights auto
+turns the path on as for bf16 (the GPU tests hold it to the per-op fp8 path's tokens,
+tests/gpu/test_gpu_fused_fp8.py): one stream measured 1,953 tok/s at the 0.5B shape against
+per-op's 951, 342 at the 7B shape against 304 (FUSED_NOTES.md, "Issue 31").
 
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
@@ -117,16 +120,27 @@ MAX_NORM_CHUNKS = 8
 #   with the tensor-core ones (2026-12-02 ~08:30 UTC, profile_step --prompt-len 400, PDL, RoPE
 #   and one-launch attention): 4 rows 0.690 ms, 16 rows 0.864 (per-op 1.23)    -> fused up to 16
 SERVED_ROWS = 16
-# fp8 weights stream through the CUDA-core M-row GEMVs by default (their tensor-core form is
-# opt-in: `fp8_tensor_cores`), whose 8- and 16-row steps measured slower than per-op (the first
-# line above).
+# fp8 weights on the CUDA-core M-row GEMVs (below FP8_MMA_MIN_HIDDEN, or asked for), whose 8- and
+# 16-row steps measured slower than per-op (the first line above); their tensor-core form
+# (`fp8_tensor_cores`) serves SERVED_ROWS.
 SERVED_ROWS_FP8 = 4
 
 
-def fp8_tensor_cores(model, asked: bool) -> bool:
+# fp8 weights on the fused path: the GEMVs' tensor-core form from this hidden size up, where
+# `EngineConfig.fused_decode_fp8_mma` is left to auto. Measured on the H200, one stream (`python3
+# -m flashlet.bench --config C --dtype bfloat16 --quiet --workload single --quantization fp8
+# --fused-decode [--fused-decode-fp8-mma]`, 2d38664, 2026-12-04): Qwen2.5-7B (hidden 3,584) 342
+# tok/s on the tensor cores against 329 on the CUDA cores (per-op 304); Qwen2.5-0.5B (896) 1,903
+# against 1,953 (per-op 951). Sizes between were not measured: they keep the CUDA-core form.
+FP8_MMA_MIN_HIDDEN = 3584
+
+
+def fp8_tensor_cores(model, asked: bool | None) -> bool:
     """Whether this model's fp8 GEMVs take the tensor-core form: asked for
-    (`EngineConfig.fused_decode_fp8_mma`), fp8 weights, and every GEMV's K a multiple of the
-    form's K step (MMA_K_FP8)."""
+    (`EngineConfig.fused_decode_fp8_mma`; None: auto, from FP8_MMA_MIN_HIDDEN), fp8 weights,
+    and every GEMV's K a multiple of the form's K step (MMA_K_FP8)."""
+    if asked is None:
+        asked = model.config.hidden_size >= FP8_MMA_MIN_HIDDEN
     if not asked or not is_quantized(model):
         return False
     cfg, layer = model.config, model.layers[0]
@@ -204,12 +218,6 @@ def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -
         # which stores bf16 only.
         return ("the KV cache is fp8; its QKV epilogue stores bf16 K/V only, and the path "
                 "was measured with a bf16 cache")
-    if is_quantized(model):
-        # Forced on (fused_decode=True) it runs, about twice the per-op fp8 path's speed, but
-        # below the bf16 fused path's (FUSED_NOTES.md, "Issue 31"); auto waits until the fp8
-        # GEMVs' agreement with per-op fp8 (tests/gpu/test_gpu_fused_fp8.py) holds on a GPU.
-        return ("the weights are fp8: their fused GEMVs are opt-in (--fused-decode) until "
-                "checked against the per-op fp8 path on a GPU")
     why = refusals(model, device)
     if why:
         return "; ".join(why)
@@ -254,7 +262,7 @@ class Gemvs:
                 if g is not None]
 
 
-def served_row_counts(padded_sizes: Sequence[int], model, fp8_mma: bool = False) -> list[int]:
+def served_row_counts(padded_sizes: Sequence[int], model, fp8_mma: bool | None = False) -> list[int]:
     """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
     SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores` of
     fp8_mma), and no more than the kernel takes): a step padded to any other runs per-op."""
@@ -281,11 +289,11 @@ class FusedDecode:
     row count's rows; a step uses views of its first M."""
 
     def __init__(self, model, device: torch.device, pdl: bool = False, kv_pool=None,
-                 one_launch_attention: bool = False, row_counts: Sequence[int] = (1,), fp8_mma: bool = False):
+                 one_launch_attention: bool = False, row_counts: Sequence[int] = (1,), fp8_mma: bool | None = False):
         """one_launch_attention: attention through the backend's `attend_one_launch` (the
         caller checks that the backend has it); with pdl, that kernel and the embedding gather
         launch with PDL too. row_counts: the step sizes (rows) to build GEMVs for. fp8_mma:
-        fp8 GEMVs on the tensor cores where `fp8_tensor_cores` allows (opt-in, unmeasured)."""
+        fp8 GEMVs on the tensor cores where `fp8_tensor_cores` allows (None: auto)."""
         check_fused_decode(model, device, kv_pool)
         ok, why = cute_available()
         if not ok:
@@ -296,7 +304,7 @@ class FusedDecode:
         self.model = model
         layer = model.layers[0]
         self.fp8 = is_quantized(model)  # the decoder's weights: fp8 codes + row scales (`_weight`)
-        self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores (opt-in)
+        self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue

@@ -41,6 +41,11 @@
 #   fp8-fused    the fused decode path with fp8 weights (opt-in: --fused-decode): its GPU tests,
 #                then one stream bf16 / fp8 per-op / fp8 fused (CUDA-core and tensor-core GEMVs)
 #                at FP8_CONFIGS (0.5B, 7B; ~8 min)
+#   one-launch-ab the per-op path's one-launch attention (1-16 rows) against two launches
+#                ($FLASHLET_ONE_LAUNCH_DECODE=0): its GPU tests, then one stream after 1,000 tokens
+#                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
+#   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
+#                FP8_CONFIGS (0.5B, 7B), beside bf16 (~3 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -317,6 +322,23 @@ for part in "${PARTS[@]}"; do
         run 300 $S --quantization fp8 --fused-decode --out "$OUT/json/$cfg-fp8-fused-single.json"
         run 300 $S --quantization fp8 --fused-decode --fused-decode-fp8-mma \
           --out "$OUT/json/$cfg-fp8-fused-mma-single.json"
+      done ;;
+    one-launch-ab)  # per-op decode steps of 1-16 rows in one attention launch or two: its GPU
+      # tests, then one stream at the 7B shape (bf16, per-op) with it and with
+      # FLASHLET_ONE_LAUNCH_DECODE=0, interleaved
+      run 420 $PYTEST tests/kernels/test_kern_gpu.py tests/gpu/test_gpu_long_context.py \
+        tests/gpu/test_gpu_decode_attention.py
+      S="python3 -m flashlet.bench --config ${ONE_LAUNCH_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --single-prompt-len 1000"
+      for pair in 1 2; do
+        run 300 $S --out "$OUT/json/one-launch-$pair.json"
+        run 300 env FLASHLET_ONE_LAUNCH_DECODE=0 $S --out "$OUT/json/two-launch-$pair.json"
+      done ;;
+    fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three
+      # timed runs of 256 tokens): 0.5B and 7B, beside bf16's
+      cute_env
+      for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
+        run 300 python3 lab/one_stream_pair.py bf16 --config $cfg
+        run 300 python3 lab/one_stream_pair.py fp8 --config $cfg --quantization fp8
       done ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"

@@ -326,8 +326,7 @@ for part in "${PARTS[@]}"; do
     one-launch-ab)  # per-op decode steps of 1-16 rows in one attention launch or two: its GPU
       # tests, then one stream at the 7B shape (bf16, per-op) with it and with
       # FLASHLET_ONE_LAUNCH_DECODE=0, interleaved
-      run 420 $PYTEST tests/kernels/test_kern_gpu.py tests/gpu/test_gpu_long_context.py \
-        tests/gpu/test_gpu_decode_attention.py
+      run 300 $PYTEST tests/kernels/test_kern_gpu.py tests/gpu/test_gpu_long_context.py
       S="python3 -m flashlet.bench --config ${ONE_LAUNCH_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --single-prompt-len 1000"
       for pair in 1 2; do
         run 300 $S --out "$OUT/json/one-launch-$pair.json"

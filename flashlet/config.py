@@ -61,7 +61,7 @@ class EngineConfig:
     # The fused path: None = auto, True / False = forced on / off. Engine.config then
     # holds what the engine chose (True / False); the log says why auto left it off.
     fused_decode: bool | None = None  # decode steps of 1-16 rows (sequences, or a verify step's query tokens; fused_decode.SERVED_ROWS) on the CuTe DSL fused path (one stream: about twice per-op's tok/s); default auto: on with CUDA sm_90+, bf16 (whatever --backend: it attends with triton), one GPU, CUDA graphs, a shape it serves and the CuTe DSL (pip install nvidia-cutlass-dsl==4.8.1; 4.3.5 to 4.8.1 work), else off; --no-fused-decode turns it off
-    fused_decode_fp8_mma: bool | None = None  # with fp8 weights on the fused path: their GEMVs on the tensor cores (e4m3 widened to bf16 by integer ops; every width a multiple of 64; then up to 16 rows a fused step, not 4); default auto: on from hidden size 3,584 (fused_decode.FP8_MMA_MIN_HIDDEN: measured faster at the 7B shape, slower at 0.5B's); --no-fused-decode-fp8-mma keeps the CUDA-core form
+    fused_decode_fp8_mma: bool | None = None  # with fp8 weights on the fused path: their GEMVs on the tensor cores (e4m3 widened to bf16 by integer ops; every width a multiple of 64; then up to 16 rows a fused step, not 4); default auto: on at the shapes where it measured faster (fused_decode.FP8_MMA_SHAPES: Qwen2.5-7B's; slower at 0.5B's and Llama-3.1-8B's); --no-fused-decode-fp8-mma keeps the CUDA-core form
     overlap: bool = True  # launch step N before reading step N-1's tokens (host work overlaps GPU)
     weights_seed: int = 0  # seeds the random weights of --config (sampling has its own)
     warmup_at_start: bool = True  # CUDA: compile every kernel variant, capture every graph first

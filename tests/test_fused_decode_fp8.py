@@ -105,7 +105,7 @@ def test_fp8_weights_are_served_up_to_the_cuda_core_rows(tiny_qwen2, reference_k
 def test_fp8_tensor_cores_as_asked_or_by_hidden_size(tiny_model, reference_kernels):
     """fused_decode_fp8_mma plans the four fp8 projections on the tensor cores at every row count
     and serves up to SERVED_ROWS rows (the LM head stays bf16); off, the CUDA-core form at up
-    to SERVED_ROWS_FP8; auto (None), the CUDA-core form below FP8_MMA_MIN_HIDDEN, as for this
+    to SERVED_ROWS_FP8; auto (None), the CUDA-core form outside FP8_MMA_SHAPES, as for this
     tiny model. Either way the tokens are the per-op fp8 engine's."""
     want, _ = generate(tiny_model, False, PROMPTS, config=FP8)
     for opt_in, served in ((None, [1, 2, 4]), (False, [1, 2, 4]), (True, [1, 2, 4, 8, 16])):
@@ -130,9 +130,10 @@ def test_fp8_tensor_cores_need_the_fused_path():
     assert EngineConfig().fused_decode_fp8_mma is None  # auto: fused_decode.fp8_tensor_cores
 
 
-def test_auto_puts_fp8_gemvs_on_the_tensor_cores_from_the_7b_hidden_size(monkeypatch):
-    """Auto's rule: the tensor-core form from FP8_MMA_MIN_HIDDEN (measured faster at 3,584,
-    slower at 896), where every K is a multiple of its K step; asked for, it holds below too."""
+def test_auto_puts_fp8_gemvs_on_the_tensor_cores_at_the_shapes_measured_faster(monkeypatch):
+    """Auto's rule: the tensor-core form at the (hidden, intermediate) shapes of FP8_MMA_SHAPES
+    (measured faster at Qwen2.5-7B's; slower at 0.5B's and Llama-3.1-8B's), where every K is a
+    multiple of its K step; asked for, it holds anywhere its K steps fit."""
     from types import SimpleNamespace
 
     from flashlet.runner import fused_decode
@@ -143,8 +144,8 @@ def test_auto_puts_fp8_gemvs_on_the_tensor_cores_from_the_7b_hidden_size(monkeyp
         layer = SimpleNamespace(q_size=q_size, down_proj=SimpleNamespace(weight=torch.empty(hidden, inter)))
         return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden), layers=[layer])
 
-    assert fused_decode.FP8_MMA_MIN_HIDDEN == 3584
     assert fused_decode.fp8_tensor_cores(model(3584, 3584, 18944), None)      # Qwen2.5-7B
+    assert not fused_decode.fp8_tensor_cores(model(4096, 4096, 14336), None)  # Llama-3.1-8B
     assert not fused_decode.fp8_tensor_cores(model(896, 896, 4864), None)     # Qwen2.5-0.5B
     assert fused_decode.fp8_tensor_cores(model(896, 896, 4864), True)
     assert not fused_decode.fp8_tensor_cores(model(3584, 3584, 18944), False)

@@ -1,14 +1,16 @@
 """The Triton attention backend: `flashlet/kernels/` decode and ragged prefill kernels.
 
-- Pure-decode steps of up to `one_launch_decode_rows` rows (ONE_LAUNCH_DECODE_MAX_ROWS, the
-  one-launch form's rows buckets: 16) attend in ONE launch a layer, `attend_one_launch`'s
-  (below; with Programmatic Dependent Launch where `pdl_supported`), through every entry: the
-  per-op path's `run` / `run_rope` as well as the fused path's. Its merge is in the kernel, so the
-  second launch (the merge kernel: 5.1 of 13.7 us a layer at Qwen2.5-7B's shape after a 1,000-token
-  prompt, FUSED_NOTES.md, "Issue 31: the 7B fp8 step, per-op") goes. An fp8 pool is read by it
-  too (widened to q's dtype, its scales applied as in the two-launch form). $FLASHLET_ONE_LAUNCH_DECODE
-  ("0": off, "nopdl": on without PDL; read by the constructor, whose `one_launch_decode` wins)
-  restores the two-launch form for a GPU A/B. Which form a batch size takes is fixed at
+- Asked for (`one_launch_decode`, or $FLASHLET_ONE_LAUNCH_DECODE=1 / "nopdl" without PDL, read
+  by the constructor), pure-decode steps of up to `one_launch_decode_rows` rows
+  (ONE_LAUNCH_DECODE_MAX_ROWS, the one-launch form's rows buckets: 16) attend in ONE launch a
+  layer, `attend_one_launch`'s (below; with Programmatic Dependent Launch where
+  `pdl_supported`), through every entry: the per-op path's `run` / `run_rope` as well as the
+  fused path's. Its merge is in the kernel, so the merge kernel's launch goes (5.1 of 13.7 us a
+  layer at Qwen2.5-7B's shape after a 1,000-token prompt, FUSED_NOTES.md, "Issue 31: the 7B fp8
+  step, per-op"). Off by default: at that shape, with no measured (128, 7) table entry, one
+  stream after 1,000 tokens ran 205 / 205 tok/s with it against 214 / 214 without (two
+  interleaved pairs, H200, 2026-12-04). An fp8 pool is read by it too (widened to q's dtype,
+  its scales applied as in the two-launch form). Which form a batch size takes is fixed at
   construction, so a CUDA graph keyed by the batch size holds one form.
 - Larger pure-decode steps run `decode_attention` (grid (B, Hkv, S): one program per sequence, KV
   group and KV split, then a log-sum-exp merge when S > 1). S, the most splits per sequence,
@@ -83,9 +85,10 @@ PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
 # The most rows of a pure-decode step that attends in one launch: the one-launch form's last rows
 # bucket (its table is measured up to there; the PDL look-back covers every earlier row of it).
 ONE_LAUNCH_DECODE_MAX_ROWS = tuning.ONE_LAUNCH_ROW_BUCKETS[-1]
-# "0": pure-decode steps keep the two-launch form (decode kernel + merge kernel); "nopdl": one
-# launch without PDL; unset or "1": one launch, with PDL where the device has it. Read once, by
-# the constructor (its one_launch_decode / one_launch_pdl win), for a GPU A/B in a fresh process.
+# "1": pure-decode steps of the per-op path attend in one launch, with PDL where the device has
+# it; "nopdl": one launch without PDL; unset or "0": the two-launch form (decode kernel + merge
+# kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
+# A/B in a fresh process.
 ONE_LAUNCH_DECODE_ENV = "FLASHLET_ONE_LAUNCH_DECODE"
 
 
@@ -129,7 +132,7 @@ class TritonBackend(AttentionBackend):
         KV holds at least prefill_split_min_context tokens (None: its fourth value, else
         tuning.PREFILL_SPLIT_MIN_CONTEXT). one_launch_decode: pure-decode steps of up to
         ONE_LAUNCH_DECODE_MAX_ROWS rows (and max_batch_size) attend in one launch, whatever the
-        caller (None: $FLASHLET_ONE_LAUNCH_DECODE, else on); one_launch_pdl: those launches use
+        caller (None: $FLASHLET_ONE_LAUNCH_DECODE, else off); one_launch_pdl: those launches use
         PDL, where the device has it (None: that variable, else on)."""
         super().__init__(kv_pool, num_q_heads, scale)
         if num_q_heads % self.num_kv_heads:
@@ -174,7 +177,7 @@ class TritonBackend(AttentionBackend):
         # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
         self._merge_counts = torch.zeros(max_batch_size * self.num_kv_heads, dtype=torch.int32, device=device)
         one_launch = one_launch_decode_from_env()
-        on = _first_given(one_launch_decode, one_launch.get("on"), True)
+        on = _first_given(one_launch_decode, one_launch.get("on"), False)
         self.one_launch_decode_rows = min(ONE_LAUNCH_DECODE_MAX_ROWS, max_batch_size) if on else 0
         self.one_launch_pdl = bool(_first_given(one_launch_pdl, one_launch.get("pdl"), True)) and pdl_supported(device)
         self._decode_one_launch = False  # the planned pure-decode step attends in one launch

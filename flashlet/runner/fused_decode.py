@@ -61,12 +61,13 @@ each sum scaled by its row's scale; `_weight` hands a GEMV the codes and scales)
 the per-op path; the LM head stays bf16 (an fp8 one cost SmolLM2 5.4 more points of agreement
 and took its perplexity past +3% over bf16: quantization.py). Widths must
 then be multiples of 16 (`refusals`). `EngineConfig.fused_decode_fp8_mma` (`--fused-decode-fp8-mma`;
-auto: from FP8_MMA_MIN_HIDDEN, where it measured faster) puts the
+auto: the shapes in FP8_MMA_SHAPES, where it measured faster) puts the
 fp8 GEMVs on the tensor cores (`CuteGemv(..., fp8=True, mma=True)`, every row count) where every
 width is a multiple of 64, and lets the fp8 path serve SERVED_ROWS rows. With fp8 weights auto
 turns the path on as for bf16 (the GPU tests hold it to the per-op fp8 path's tokens,
 tests/gpu/test_gpu_fused_fp8.py): one stream measured 1,953 tok/s at the 0.5B shape against
-per-op's 951, 342 at the 7B shape against 304 (FUSED_NOTES.md, "Issue 31").
+per-op's 951, 1,005 against 610 at the 1.5B, 342 against 304 at the 7B and 307 against 300 at
+Llama-3.1-8B's (FUSED_NOTES.md, "Issue 31").
 
 The runner builds this object where `EngineConfig.fused_decode` asks for it (True) or leaves it
 to auto (None): then only where `auto_declines` finds nothing against it; each of pdl, the
@@ -120,27 +121,30 @@ MAX_NORM_CHUNKS = 8
 #   with the tensor-core ones (2026-12-02 ~08:30 UTC, profile_step --prompt-len 400, PDL, RoPE
 #   and one-launch attention): 4 rows 0.690 ms, 16 rows 0.864 (per-op 1.23)    -> fused up to 16
 SERVED_ROWS = 16
-# fp8 weights on the CUDA-core M-row GEMVs (below FP8_MMA_MIN_HIDDEN, or asked for), whose 8- and
+# fp8 weights on the CUDA-core M-row GEMVs (outside FP8_MMA_SHAPES, or asked for), whose 8- and
 # 16-row steps measured slower than per-op (the first line above); their tensor-core form
 # (`fp8_tensor_cores`) serves SERVED_ROWS.
 SERVED_ROWS_FP8 = 4
 
 
-# fp8 weights on the fused path: the GEMVs' tensor-core form from this hidden size up, where
-# `EngineConfig.fused_decode_fp8_mma` is left to auto. Measured on the H200, one stream (`python3
-# -m flashlet.bench --config C --dtype bfloat16 --quiet --workload single --quantization fp8
-# --fused-decode [--fused-decode-fp8-mma]`, 2d38664, 2026-12-04): Qwen2.5-7B (hidden 3,584) 342
-# tok/s on the tensor cores against 329 on the CUDA cores (per-op 304); Qwen2.5-0.5B (896) 1,903
-# against 1,953 (per-op 951). Sizes between were not measured: they keep the CUDA-core form.
-FP8_MMA_MIN_HIDDEN = 3584
+# fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
+# the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
+# measured faster than the CUDA-core form. H200, one stream (`python3 -m flashlet.bench --config C
+# --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --quantization fp8
+# [--fused-decode] [--[no-]fused-decode-fp8-mma]`, 2d38664 / 6adb82f, 2026-12-04), tensor cores /
+# CUDA cores / per-op tok/s: Qwen2.5-7B (3,584, 18,944) 342 / 329 / 304; Llama-3.1-8B (4,096,
+# 14,336) 290 / 307 / 300; Qwen2.5-0.5B (896, 4,864) 1,903 / 1,953 / 951. No rule over the
+# shape separates them yet (the 7B's down projection is per-op's, past MAX_DOWN_K; the 8B's a GEMV),
+# so every other shape keeps the CUDA-core form.
+FP8_MMA_SHAPES = {(3584, 18944)}
 
 
 def fp8_tensor_cores(model, asked: bool | None) -> bool:
     """Whether this model's fp8 GEMVs take the tensor-core form: asked for
-    (`EngineConfig.fused_decode_fp8_mma`; None: auto, from FP8_MMA_MIN_HIDDEN), fp8 weights,
-    and every GEMV's K a multiple of the form's K step (MMA_K_FP8)."""
+    (`EngineConfig.fused_decode_fp8_mma`; None: auto, the shapes in FP8_MMA_SHAPES), fp8
+    weights, and every GEMV's K a multiple of the form's K step (MMA_K_FP8)."""
     if asked is None:
-        asked = model.config.hidden_size >= FP8_MMA_MIN_HIDDEN
+        asked = (model.config.hidden_size, model.layers[0].down_proj.weight.shape[1]) in FP8_MMA_SHAPES
     if not asked or not is_quantized(model):
         return False
     cfg, layer = model.config, model.layers[0]

@@ -1,7 +1,8 @@
-"""The per-op decode step in one launch: TritonBackend's `run` / `run_rope` of a pure-decode step
-of up to ONE_LAUNCH_DECODE_MAX_ROWS rows call `decode_attention_one_launch` (the merge in the
-kernel) and never the two-launch kernels, and match the torch oracle and the two-launch form,
-which $FLASHLET_ONE_LAUNCH_DECODE=0 restores; through the engine the greedy tokens are the
+"""The per-op decode step in one launch (asked for: $FLASHLET_ONE_LAUNCH_DECODE=1, set here for
+every test, or `one_launch_decode`; off by default, measured slower at the 7B shape):
+TritonBackend's `run` / `run_rope` of a pure-decode step of up to ONE_LAUNCH_DECODE_MAX_ROWS rows
+call `decode_attention_one_launch` (the merge in the kernel) and never the two-launch kernels,
+and match the torch oracle and the two-launch form; through the engine the greedy tokens are the
 two-launch form's. Interpreted on the CPU, splits made small so that the merges run."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LENGTHS = (1, 15, 16, 17, 33, 48, 64, 71, 100, 31, 2, 47, 80, 16, 63, 129)
 @pytest.fixture(autouse=True)
 def small_splits(monkeypatch):
     monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", SPLIT)
-    monkeypatch.delenv(ONE_LAUNCH_DECODE_ENV, raising=False)
+    monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, "1")
 
 
 def _spy(monkeypatch) -> dict:
@@ -188,15 +189,16 @@ def test_pdl_where_the_device_has_it(kh, monkeypatch):
 
 
 def test_the_env_var_restores_the_two_launch_form(kh, monkeypatch):
-    """$FLASHLET_ONE_LAUNCH_DECODE, read by the constructor: "0" gives every decode step the
-    two-launch form, "1" (or unset) one launch; the constructor's argument wins; other values
-    are refused by name."""
+    """$FLASHLET_ONE_LAUNCH_DECODE, read by the constructor: "0" (or unset: the default) gives
+    every decode step the two-launch form, "1" one launch; the constructor's argument wins; other
+    values are refused by name."""
     lengths = (40, 3)
     pool = _pool(kh, lengths, 2, 16)
     meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
     q = torch.randn(2, 6, 16).to(kh.device)
     calls = _spy(monkeypatch)
-    for value, asked, form in (("0", None, "two"), ("1", None, "one"), ("0", True, "one"), ("1", False, "two")):
+    for value, asked, form in (("", None, "two"), ("0", None, "two"), ("1", None, "one"), ("0", True, "one"),
+                               ("1", False, "two")):
         monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, value)
         backend = TritonBackend(pool, 6, **SMALL, one_launch_decode=asked)
         monkeypatch.delenv(ONE_LAUNCH_DECODE_ENV)  # read once: later changes reach no backend built

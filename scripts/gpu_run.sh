@@ -41,8 +41,8 @@
 #   fp8-fused    the fused decode path with fp8 weights (opt-in: --fused-decode): its GPU tests,
 #                then one stream bf16 / fp8 per-op / fp8 fused (CUDA-core and tensor-core GEMVs)
 #                at FP8_CONFIGS (0.5B, 7B; ~8 min)
-#   one-launch-ab the per-op path's one-launch attention (1-16 rows) against two launches
-#                ($FLASHLET_ONE_LAUNCH_DECODE=0): its GPU tests, then one stream after 1,000 tokens
+#   one-launch-ab the per-op path's one-launch attention (1-16 rows, $FLASHLET_ONE_LAUNCH_DECODE=1)
+#                against two launches (the default): its GPU tests, then one stream after 1,000 tokens
 #                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
 #                FP8_CONFIGS (0.5B, 7B), beside bf16 (~3 min)
@@ -323,14 +323,14 @@ for part in "${PARTS[@]}"; do
         run 300 $S --quantization fp8 --fused-decode --fused-decode-fp8-mma \
           --out "$OUT/json/$cfg-fp8-fused-mma-single.json"
       done ;;
-    one-launch-ab)  # per-op decode steps of 1-16 rows in one attention launch or two: its GPU
-      # tests, then one stream at the 7B shape (bf16, per-op) with it and with
-      # FLASHLET_ONE_LAUNCH_DECODE=0, interleaved
+    one-launch-ab)  # per-op decode steps of 1-16 rows in one attention launch (asked for by
+      # FLASHLET_ONE_LAUNCH_DECODE=1) or two (the default): its GPU tests, then one stream at the
+      # 7B shape (bf16, per-op) each way, interleaved
       run 300 $PYTEST tests/kernels/test_kern_gpu.py tests/gpu/test_gpu_long_context.py
       S="python3 -m flashlet.bench --config ${ONE_LAUNCH_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --single-prompt-len 1000"
       for pair in 1 2; do
-        run 300 $S --out "$OUT/json/one-launch-$pair.json"
-        run 300 env FLASHLET_ONE_LAUNCH_DECODE=0 $S --out "$OUT/json/two-launch-$pair.json"
+        run 300 env FLASHLET_ONE_LAUNCH_DECODE=1 $S --out "$OUT/json/one-launch-$pair.json"
+        run 300 $S --out "$OUT/json/two-launch-$pair.json"
       done ;;
     fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three
       # timed runs of 256 tokens): 0.5B and 7B, beside bf16's

@@ -19,7 +19,8 @@ launched as `TritonBackend.attend_one_launch` launches it: PDL on, the look-back
 rows, one scratch and one set of merge counters for every layer) at the fused path's shapes:
 rows 1, 4, 8 and 16 at ~300 and ~1,000 tokens and one row at 8,000 and 30,000, for Qwen2.5-0.5B
 (head_dim 64, group 7) and Qwen3-0.6B (head_dim 128, group 2), or the shapes `--models` names
-(Qwen2.5-1.5B's and -7B's too: the per-op path's 1-16-row decode steps launch the same form).
+(Qwen2.5-1.5B's and -7B's too: the per-op path's 1-16-row decode steps can launch the same form,
+`FLASHLET_ONE_LAUNCH_DECODE=1`; off by default, measured slower at the 7B shape without an entry).
 Per (model, rows bucket), stage 1 times the tiles (block_n x warps x stages x KV heads a
 program) at ~1,000 tokens; stage 2 the best tiles over split caps, smallest splits and (one row)
 the long-row rule and the merge width,
@@ -527,8 +528,9 @@ ONE_LAUNCH_MODELS = (
     dict(name="qwen2.5-0.5b", layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),
     dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16),
 )
-# Shapes `--models` may name beside those: since the per-op path's decode steps of 1-16 rows also
-# attend in one launch, the larger presets' (head_dim 128, groups 6 and 7) use the table too.
+# Shapes `--models` may name beside those: the per-op path's decode steps of 1-16 rows can attend
+# in one launch too (FLASHLET_ONE_LAUNCH_DECODE=1), at the larger presets' shapes (head_dim 128,
+# groups 6 and 7), from the same table.
 ONE_LAUNCH_MORE_MODELS = (
     dict(name="qwen2.5-1.5b", layers=28, num_q_heads=12, num_kv_heads=2, head_dim=128, page_size=16),
     dict(name="qwen2.5-7b", layers=28, num_q_heads=28, num_kv_heads=4, head_dim=128, page_size=16),

@@ -38,9 +38,9 @@
 #                verify step (~10 min: more than one device call)
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
-#   fp8-fused    the fused decode path with fp8 weights (opt-in: --fused-decode): its GPU tests,
-#                then one stream bf16 / fp8 per-op / fp8 fused (CUDA-core and tensor-core GEMVs)
-#                at FP8_CONFIGS (0.5B, 7B; ~8 min)
+#   fp8-fused    fp8 weights on the fused decode path (the default): its GPU tests, then one
+#                stream bf16 / fp8 at the defaults / per-op / fused on each GEMV form (CUDA cores,
+#                tensor cores) at FP8_CONFIGS (0.5B, 7B; ~8 min)
 #   one-launch-ab the per-op path's one-launch attention (1-16 rows, $FLASHLET_ONE_LAUNCH_DECODE=1)
 #                against two launches (the default): its GPU tests, then one stream after 1,000 tokens
 #                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
@@ -311,15 +311,18 @@ for part in "${PARTS[@]}"; do
           --decode-tokens 128 --gpu-memory-utilization 0.1 --kv-cache-dtype $kv \
           --out "$OUT/json/kv-$kv-decode-sat-2k.json"
       done ;;
-    fp8-fused)  # the fused decode path with fp8 weights: its GPU tests against per-op fp8, then
-      # one stream per-op (the default) and fused, at the 0.5B and 7B shapes, beside bf16's default
+    fp8-fused)  # fp8 weights on the fused decode path (the default since 6adb82f): its GPU
+      # tests against per-op fp8, then one stream at the defaults, per-op, and on each GEMV form
+      # (CUDA cores, tensor cores) at the 0.5B and 7B shapes, beside bf16's default
       cute_env
       run 420 $PYTEST tests/gpu/test_gpu_fused_fp8.py
       for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
         S="python3 -m flashlet.bench --config $cfg --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
         run 300 $S --out "$OUT/json/$cfg-bf16-single.json"
         run 300 $S --quantization fp8 --out "$OUT/json/$cfg-fp8-single.json"
-        run 300 $S --quantization fp8 --fused-decode --out "$OUT/json/$cfg-fp8-fused-single.json"
+        run 300 $S --quantization fp8 --no-fused-decode --out "$OUT/json/$cfg-fp8-per-op-single.json"
+        run 300 $S --quantization fp8 --fused-decode --no-fused-decode-fp8-mma \
+          --out "$OUT/json/$cfg-fp8-fused-cuda-cores-single.json"
         run 300 $S --quantization fp8 --fused-decode --fused-decode-fp8-mma \
           --out "$OUT/json/$cfg-fp8-fused-mma-single.json"
       done ;;

@@ -24,7 +24,9 @@ adds the bias, rounds, and sets the counter back to 0 for the next launch. The C
 before the counter's acq_rel atomic releases every thread's partial at GPU scope, and the
 last program's loads bypass L1 (".cg": other SMs wrote those lines), as in
 `decode_attention_one_launch`. The sum's order is fixed, so results do not depend on which
-split finishes last. Above 16 rows the row
+split finishes last. With `accumulate_into` the epilogue adds the output's own values in fp32
+before the one rounding (the fused decode path's residual stream: no add kernel after it). Above
+16 rows the row
 tiles are the grid's fastest axis, so the programs that share a strip of W run together and
 read it from L2. With bf16 activations W is widened by bit moves (`_fp8_to_bf16_bits`), not
 by the conversion unit. `GemmTile` holds the launch shape (scripts/fp8_gemm_bench.py --sweep).
@@ -117,20 +119,24 @@ def _fp8_to_bf16_bits(w):
 
 @triton.jit
 def _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym,
-                      HAS_BIAS: tl.constexpr):
-    """The epilogue: acc [BM, BN] fp32 times the row scales, plus the bias, rounded into Y."""
+                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """The epilogue: acc [BM, BN] fp32 times the row scales, plus the bias (plus Y's own values
+    with ACCUMULATE: a residual added in fp32), rounded into Y."""
     acc = acc * tl.load(SCALE + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
-             acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    y_ptrs = Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BIT_WIDEN: tl.constexpr,
+                     BIT_WIDEN: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -152,7 +158,8 @@ def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, M, N, K, k_per_split
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     if not SPLIT:
-        _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS)
+        _scale_bias_store(acc, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS,
+                          ACCUMULATE)
     else:
         out_mask = row_ok[:, None] & col_ok[None, :]
         tile = rows[:, None].to(tl.int64) * N + cols[None, :]  # [BM, BN] offsets in one split
@@ -166,7 +173,7 @@ def _fp8_gemm_kernel(X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, M, N, K, k_per_split
                 total += tl.load(PARTIAL + s * M * N + tile, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
             _scale_bias_store(total, SCALE, BIAS, Y, rows, cols, row_ok, col_ok, stride_ym,
-                              HAS_BIAS)
+                              HAS_BIAS, ACCUMULATE)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -202,9 +209,11 @@ def split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None, split_k: int | None = None,
-             tile: GemmTile | None = None) -> torch.Tensor:
+             tile: GemmTile | None = None, *, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype.
-    tile: tile_for(M, N, K)'s unless given."""
+    tile: tile_for(M, N, K)'s unless given. accumulate_into: an [M, N] tensor of x's dtype (rows
+    contiguous) that receives its own values plus the product, summed in fp32 and rounded once
+    (the fused decode path's residual stream, updated in place); it is returned."""
     m, k = x.shape
     n = qweight.shape[0]
     tile = tile or tile_for(m, n, k)
@@ -215,7 +224,14 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         x = x.contiguous()
     if qweight.stride(-1) != 1:
         qweight = qweight.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if accumulate_into is None:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif (accumulate_into.shape != (m, n) or accumulate_into.dtype != x.dtype
+          or accumulate_into.stride(-1) != 1):
+        raise ValueError(f"fp8_gemm: accumulate_into must be [{m}, {n}] {x.dtype} with contiguous "
+                         f"rows, got {tuple(accumulate_into.shape)} {accumulate_into.dtype}")
+    else:
+        y = accumulate_into
     if m == 0:
         return y
     if split_k is None:
@@ -235,7 +251,7 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
-                           and x.dtype == torch.bfloat16,
+                           and x.dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                            num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y

@@ -212,6 +212,18 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     return weight_only_linear(x, w, bias)
 
 
+def linear_add_(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """out += x [T, K] @ W.T, in place: where the Triton GEMM serves these rows, in its epilogue
+    (summed in fp32, rounded once: no add kernel); elsewhere `linear`, then the add."""
+    rows = x.shape[0]
+    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and out.dtype == x.dtype
+            and rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index)):
+        from flashlet.kernels.fp8_gemv import fp8_gemm
+
+        return fp8_gemm(x, w.qweight, w.scale, accumulate_into=out)
+    return out.add_(linear(x, w))
+
+
 def weight_only_linear(x, w: QuantizedWeight, bias=None) -> torch.Tensor:
     """Many rows on CUDA: the weight widened to x's dtype for this call (code times scale in
     fp32, rounded once, as `dequantize`; far below fp8's own error) by one Triton pass

@@ -420,12 +420,13 @@ class FusedDecode:
     def _down(g: Gemvs, layer, act: torch.Tensor, residual: torch.Tensor) -> None:
         """residual += act @ down^T, in place: the CuTe GEMV, or one cuBLAS GEMM whose beta = 1
         adds into the residual (rounded once, as the GEMV's residual epilogue is); fp8 weights
-        past MAX_DOWN_K: the per-op path's fp8 linear, then the add (rounded twice)."""
+        past MAX_DOWN_K: the per-op path's fp8 GEMM, adding into the residual in its epilogue
+        (`quantization.linear_add_`: rounded once too)."""
         if g.down is not None:
             w, scale = _weight(layer.down_proj.weight)
             g.down(act, w, residual, out=residual, **scale)
         elif isinstance(layer.down_proj.weight, QuantizedWeight):
-            residual.add_(quantization.linear(act, layer.down_proj.weight))
+            quantization.linear_add_(act, layer.down_proj.weight, residual)
         else:
             residual.addmm_(act, layer.down_proj.weight.t())
 

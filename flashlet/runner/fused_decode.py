@@ -131,7 +131,7 @@ SERVED_ROWS_FP8 = 4
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
 # measured faster than the CUDA-core form. H200, one stream (`python3 -m flashlet.bench --config C
 # --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --quantization fp8
-# [--fused-decode] [--[no-]fused-decode-fp8-mma]`, 2d38664 / 6adb82f, 2026-12-04), tensor cores /
+# [--fused-decode] [--[no-]fused-decode-fp8-mma]`, 2d38664 / a819160, 2026-12-04), tensor cores /
 # CUDA cores / per-op tok/s: Qwen2.5-7B (3,584, 18,944) 342 / 329 / 304; Llama-3.1-8B (4,096,
 # 14,336) 290 / 307 / 300; Qwen2.5-0.5B (896, 4,864) 1,903 / 1,953 / 951. No rule over the
 # shape separates them yet (the 7B's down projection is per-op's, past MAX_DOWN_K; the 8B's a GEMV),

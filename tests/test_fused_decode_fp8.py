@@ -149,3 +149,25 @@ def test_auto_puts_fp8_gemvs_on_the_tensor_cores_at_the_shapes_measured_faster(m
     assert not fused_decode.fp8_tensor_cores(model(896, 896, 4864), None)     # Qwen2.5-0.5B
     assert fused_decode.fp8_tensor_cores(model(896, 896, 4864), True)
     assert not fused_decode.fp8_tensor_cores(model(3584, 3584, 18944), False)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_fp8_fused_verify_steps_give_the_per_op_fp8_tokens(tiny_qwen2, reference_kernels, k):
+    """fp8 weights with n-gram speculation: auto now takes fp8 onto the fused path, so verify
+    steps meet the fp8 GEMVs (up to SERVED_ROWS_FP8 rows on the CUDA cores; a step of more, as
+    k = 5's full drafts, runs per-op). Greedy tokens equal the per-op fp8 engine's, and the
+    fused GEMVs ran verify rows (the prompt lookup drafts fewer than k at times)."""
+    from tests.test_speculative import NGRAM, generate as spec_generate, repetitive_prompts
+
+    spec = {**NGRAM, "num_speculative_tokens": k}
+    prompts = repetitive_prompts(3, seed=11)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    outs = {}
+    for fused in (False, True):
+        done, engine = spec_generate(tiny_qwen2, prompts, params, spec=spec, device="cpu",
+                                     max_num_seqs=1, fused_decode=fused, **FP8)
+        outs[fused] = [o.token_ids for o in done]
+        assert engine.spec.stats.num_drafts > 0
+    assert outs[True] == outs[False]
+    rows = {m for m, g in engine.runner.fused.gemvs.items() if g.qkv.calls}
+    assert max(rows) > 1 and max(rows) <= fused_decode.SERVED_ROWS_FP8, rows

@@ -1,6 +1,6 @@
 """Decode attention after long prompts (8k and 32k tokens) on the GPU: the triton backend's
-one-launch (the fused path's), per-op (`attend`: one launch below 17 rows) and two-launch
-($FLASHLET_ONE_LAUNCH_DECODE=0's) forms, captured once in a CUDA graph at one row and
+one-launch (the fused path's), per-op (`attend` asked for one launch: $FLASHLET_ONE_LAUNCH_DECODE=1)
+and two-launch (the per-op default) forms, captured once in a CUDA graph at one row and
 replayed over short and long contexts (the split count a row uses is decided on the device from
 kv_lens), against the torch backend's attention."""
 

@@ -179,7 +179,7 @@ def test_plan_allocates_nothing_and_run_does_not_sync(kh, one_launch):
 def test_decode_step_replays_in_a_cuda_graph(kh, one_launch):
     """Capture run() for a batch of 4 decodes once; replay it with other KV lengths, each step
     loaded into the same step buffers (as the model runner does). One launch: the per-op form
-    of up to 16 rows (PDL on sm_90+); two: $FLASHLET_ONE_LAUNCH_DECODE=0's."""
+    of up to 16 rows when asked for (PDL on sm_90+); two: the default."""
     batch, max_pages, hq = 4, 256, 14
     pool = _bf16_pool(layers=1, pages=batch * max_pages + 4)
     pages = [pool.allocator.allocate(max_pages) for _ in range(batch)]

@@ -281,6 +281,21 @@ def test_fused_greedy_tokens_match_the_per_op_path(small_model):
     assert engine.runner.fused is not None
 
 
+def test_fused_path_over_an_fp8_cache_matches_the_per_op_path(small_model):
+    """An fp8 (e4m3) KV cache, which auto still declines the fused path for (its RoPE + K/V write
+    leaves the QKV epilogue for the pool's own kernel, which quantizes; the one-launch attention
+    reads e4m3 with the layer's scales): forced on with PDL and one-launch attention, held to the
+    per-op path over the same fp8 cache by the module docstring's rule. The first check before
+    auto may take it (the demo model's test in test_gpu_kv_fp8.py needs a package the GPU
+    machines lack)."""
+    source, vocab = small_model
+    source = dict(source, kv_cache_dtype="fp8")
+    engine = check_against_reference_teacher_forced(source, prompts(16, vocab), 32, fused_decode_pdl=True,
+                                                    fused_decode_attn=True)
+    parts = engine.runner.fused.parts
+    assert engine.runner.kv_pool.is_fp8 and (parts.rope, parts.attn) == (False, True)
+
+
 def test_fused_path_without_graphs_gives_the_graph_tokens(small_model):
     """The same kernels eagerly: bit-identical tokens to the captured graph's."""
     source, vocab = small_model

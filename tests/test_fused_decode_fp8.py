@@ -171,3 +171,19 @@ def test_fp8_fused_verify_steps_give_the_per_op_fp8_tokens(tiny_qwen2, reference
     assert outs[True] == outs[False]
     rows = {m for m, g in engine.runner.fused.gemvs.items() if g.qkv.calls}
     assert max(rows) > 1 and max(rows) <= fused_decode.SERVED_ROWS_FP8, rows
+
+
+def test_qwen3_fp8_weights_on_the_fused_path_give_the_per_op_fp8_tokens(tmp_path, reference_kernels):
+    """Qwen3 (its per-head q / k norms in the pool's RoPE + K/V write kernel) with fp8 weights,
+    which auto now takes onto the fused path: the fp8 GEMVs' tokens are the per-op fp8
+    engine's."""
+    from tests.test_model_families import save_family
+
+    folder = save_family("qwen3", tmp_path / "q3")
+    want, _ = generate(folder, False, PROMPTS, config=FP8)
+    got, engine = generate(folder, True, PROMPTS, rope=None, config=FP8)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.fp8 and not fused.parts.rope
+    assert fp8_projections(fused.gemvs[1]) == dict(qkv=True, o=True, gate_up=True, down=True,
+                                                   lm_head=False, lm_argmax=False)

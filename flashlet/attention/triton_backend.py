@@ -299,7 +299,7 @@ class TritonBackend(AttentionBackend):
             variant = self._decode_variants.get(n)
             if variant is None:
                 variant = self._decode_variants[n] = self.decode_variant(n)
-            self._decode_one_launch = isinstance(variant[0], tuning.OneLaunchConfig)
+            self._decode_one_launch = n <= self.one_launch_decode_rows  # decode_variant's form
             self._decode_cfg, self._num_splits = variant[:2]
         else:
             self._decode_one_launch = False

@@ -199,25 +199,37 @@ def is_quantized(model) -> bool:
 # ---- the matmul -------------------------------------------------------------------------------
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, by `matmul_path`'s choice."""
+    path = matmul_path(x, w)
+    if path == "dequant":
         return dequant_linear(x, w, bias)
-    rows = x.shape[0]
-    if rows > DECODE_ROWS and w.fp8_activations and scaled_mm_fits(x, w):
+    if path == "scaled_mm":
         return scaled_mm_linear(x, w, bias)
-    if rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
+    if path == "triton":
         from flashlet.kernels.fp8_gemv import fp8_gemm
 
         return fp8_gemm(x, w.qweight, w.scale, bias)
     return weight_only_linear(x, w, bias)
 
 
-def linear_add_(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
-    """out += x [T, K] @ W.T, in place: where the Triton GEMM serves these rows, in its epilogue
-    (summed in fp32, rounded once: no add kernel); elsewhere `linear`, then the add."""
+def matmul_path(x: torch.Tensor, w: QuantizedWeight) -> str:
+    """Which matmul `linear` runs for these rows: "dequant" (off CUDA, or fp32: the reference),
+    "scaled_mm" (fp8 activations, opted in, above DECODE_ROWS), "triton" (the weight-only fp8
+    GEMM, up to TRITON_GEMM_MAX_ROWS) or "widen" (the widened weight, one cuBLAS GEMM)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return "dequant"
     rows = x.shape[0]
-    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and out.dtype == x.dtype
-            and rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index)):
+    if rows > DECODE_ROWS and w.fp8_activations and scaled_mm_fits(x, w):
+        return "scaled_mm"
+    if rows <= TRITON_GEMM_MAX_ROWS and has_fp8_gemm(x.device.index):
+        return "triton"
+    return "widen"
+
+
+def linear_add_(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """out += x [T, K] @ W.T, in place: where `linear` takes the Triton GEMM, in its epilogue
+    (summed in fp32, rounded once: no add kernel); elsewhere `linear`, then the add."""
+    if matmul_path(x, w) == "triton" and out.dtype == x.dtype:
         from flashlet.kernels.fp8_gemv import fp8_gemm
 
         return fp8_gemm(x, w.qweight, w.scale, accumulate_into=out)

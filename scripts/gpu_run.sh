@@ -39,8 +39,8 @@
 #   fp8          FP8 weights (one stream, decode-sat) and the FP8 KV cache against bf16's
 #                (decode-sat, 128 sequences x 2,000-token contexts)
 #   fp8-fused    fp8 weights on the fused decode path (the default): its GPU tests and the fp8
-#                KV cache's on the fused path (forced: auto declines it), one stream with an fp8
-#                cache per-op and fused (0.5B), then one stream bf16 / fp8 at the defaults /
+#                KV cache's on the fused path (the default too), one stream with an fp8
+#                cache fused and per-op (0.5B), then one stream bf16 / fp8 at the defaults /
 #                per-op / fused on each GEMV form (CUDA cores, tensor cores) at FP8_CONFIGS (0.5B,
 #                7B; ~9 min)
 #   one-launch-ab the per-op path's one-launch attention (1-16 rows, $FLASHLET_ONE_LAUNCH_DECODE=1)
@@ -318,10 +318,10 @@ for part in "${PARTS[@]}"; do
       # (CUDA cores, tensor cores) at the 0.5B and 7B shapes, beside bf16's default
       cute_env
       run 420 $PYTEST tests/gpu/test_gpu_fused_fp8.py
-      run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k fp8_cache  # an fp8 KV cache, forced fused
+      run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k fp8_cache  # an fp8 KV cache on the fused path
       K="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --kv-cache-dtype fp8"
-      run 300 $K --out "$OUT/json/kv-fp8-single.json"  # auto: per-op (declined for an fp8 cache)
-      run 300 $K --fused-decode --out "$OUT/json/kv-fp8-fused-single.json"
+      run 300 $K --out "$OUT/json/kv-fp8-single.json"  # auto: fused (since this session's 2026-12-04 run)
+      run 300 $K --no-fused-decode --out "$OUT/json/kv-fp8-per-op-single.json"
       for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
         S="python3 -m flashlet.bench --config $cfg --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
         run 300 $S --out "$OUT/json/$cfg-bf16-single.json"

@@ -123,6 +123,23 @@ def test_fused_wiring_gives_the_model_tokens(tiny_model, reference_kernels, para
 
 
 @pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
+def test_wide_lm_head_runs_the_norm_and_a_matmul(tiny_model, reference_kernels, monkeypatch, params):
+    """An LM head too wide for the norm-folded GEMV (`wide_head`: here MAX_NORM_CHUNKS lowered
+    below the tiny model's chunks) runs the final norm, one matmul and an argmax, the rest fused:
+    the model's tokens, in greedy and logits steps alike, and no head GEMV is built."""
+    monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
+    want, _ = generate(tiny_model, False, PROMPTS, **params)
+    matmuls = []
+    real = fused_decode.FusedDecode._wide_head
+    monkeypatch.setattr(fused_decode.FusedDecode, "_wide_head", lambda *a: matmuls.append(1) or real(*a))
+    got, engine = generate(tiny_model, True, PROMPTS, **params)
+    assert got == want
+    gemvs = engine.runner.fused.gemvs[1]
+    assert gemvs.lm_head is None and gemvs.lm_argmax is None
+    assert len(matmuls) == sum(12 - 1 for _ in PROMPTS) and gemvs.qkv.calls > 0
+
+
+@pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
 def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kernels, monkeypatch, params):
     """FusedParts.rope: RoPE and the K/V write happen in the QKV GEMV's epilogue (here its
     reference), the backend only attends; the pool's RoPE kernel never runs on a fused step."""
@@ -364,7 +381,6 @@ AUTO_CONDITIONS = {
     "fp32": "the dtype is float32; its kernels are bf16 only",
     "tensor-parallel": "tensor parallelism is on",
     "no-graphs": "CUDA graphs are off",
-    "fp8-kv": "the KV cache is fp8",
     "shape": "hidden_size = 64 is not a multiple of 128",
     "norm-chunks": "hidden_size = 64 gives its norm-folded one-row GEMVs 1 16-byte chunks a lane",
     "no-dsl": "pip install nvidia-cutlass-dsl",
@@ -390,8 +406,7 @@ def test_auto_turns_on_exactly_when_every_condition_holds(bf16_model, tiny_qwen2
     if broken == "norm-chunks":
         monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
     device = torch.device("cpu" if broken == "cpu" else "cuda")
-    pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu",
-                  cache_dtype=torch.float8_e4m3fn if broken == "fp8-kv" else None)
+    pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu")
     why = fused_decode.auto_declines(model, device, use_graphs=broken != "no-graphs", kv_pool=pool)
     if broken is None:
         assert why is None
@@ -406,6 +421,17 @@ def test_auto_takes_fp8_weights_as_it_takes_bf16(bf16_model, monkeypatch):
     monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
     monkeypatch.setattr(fused_decode, "is_quantized", lambda m: True)
     assert fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True) is None
+
+
+def test_auto_takes_an_fp8_kv_cache_as_it_takes_bf16(bf16_model, monkeypatch):
+    """An fp8 KV cache is no condition of auto (the fused path over it was measured faster than
+    per-op and holds to its tokens on the GPU): RoPE + the K/V write leave the QKV epilogue."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fused_decode, "cute_available", lambda: (True, ""))
+    pool = KVPool(1, 1, 16, 1, 16, torch.bfloat16, "cpu", cache_dtype=torch.float8_e4m3fn)
+    assert pool.is_fp8
+    assert fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True, kv_pool=pool) is None
+    assert any("the pool must be bf16" in why for why in fused_decode.rope_refusals(bf16_model, pool))
 
 
 def test_auto_on_builds_the_path_with_each_sub_flag_where_it_applies(tiny_qwen2, reference_kernels,

@@ -801,12 +801,14 @@ def _one_launch_kernel(
             k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    # New names in the loop: the first block's k and v are already q's dtype, an fp8 pool's
+    # blocks here are still fp8 (`_attend_block` widens them), and a loop-carried name keeps one type.
     for blk in range(start + BLOCK_N, end, BLOCK_N):
         t = blk + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
-        v = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-        m_i, l_i, acc = _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+        k_blk = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+        v_blk = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
     empty = l_i == 0.0

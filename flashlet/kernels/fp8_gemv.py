@@ -50,6 +50,13 @@ import triton.language as tl
 # projection, 56 column tiles, 29.7 -> 24.0: 5 splits left 16 of 132 SMs a third program).
 PROGRAMS_PER_SM = 3.5
 MAX_SPLIT_K = 16
+# Splits measured faster than the rule above at decode rows (one row tile of DEFAULT_TILE) on
+# a GPU of TUNED_SPLITS_SMS SMs, by weight shape (N, K). H200, `scripts/fp8_gemm_bench.py --rows 1
+# --split-sweep --shapes 3584x18944` (2026-12-04): Qwen2.5-7B's down projection, 56 column tiles,
+# 7 splits 22.41 us against the rule's 9 at 23.99 (392 programs: under three an SM, every one
+# the same length), the 7B fp8 step's one GEMM outside the fused GEMVs.
+TUNED_SPLITS = {(3584, 18944): 7}
+TUNED_SPLITS_SMS = 132
 SPLIT_COUNTERS = 1 << 16  # tiles a split launch may have (one int32 counter each, per device)
 # The interpreter's tl.dot mishandles bf16 (NumPy has no bf16): there the dot takes the same
 # values widened to fp32, which changes only the accumulation order.
@@ -193,8 +200,12 @@ def _sm_count(device_index: int | None) -> int:
 
 def split_k_for(m: int, n: int, k: int, sm_count: int, tile: GemmTile | None = None) -> int:
     """How many K splits fill `sm_count` SMs with PROGRAMS_PER_SM programs each, keeping at
-    least one block_k step per split. tile: tile_for(m, n, k)'s unless given."""
+    least one block_k step per split (or TUNED_SPLITS' where it holds the launch). tile:
+    tile_for(m, n, k)'s unless given."""
     tile = tile or tile_for(m, n, k)
+    if (sm_count == TUNED_SPLITS_SMS and tile == DEFAULT_TILE and m <= tile.block_m
+            and (n, k) in TUNED_SPLITS):
+        return TUNED_SPLITS[(n, k)]
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     wanted = math.ceil(PROGRAMS_PER_SM * sm_count / tiles)
     return max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, tile.block_k)))

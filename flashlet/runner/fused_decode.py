@@ -13,7 +13,8 @@ once for all M rows,
     gate+up GEMV with the RMSNorm folded in + SiLU-mul   one CuTe kernel
     down GEMV + residual add, written in place           one CuTe kernel (K <= MAX_DOWN_K), else
                                                          one cuBLAS GEMM into the residual (addmm_)
-and then the final RMSNorm + LM head (logits), or + argmax (the greedy token) in one kernel.
+and then the final RMSNorm + LM head (logits), or + argmax (the greedy token) in one kernel
+(where the head's K is too wide for that GEMV, `wide_head`: the norm, cuBLAS and an argmax).
 Six to seven kernels a layer where the per-op path runs about ten, and the GEMVs stream at
 several times cuBLAS's bandwidth on these skinny shapes (FUSED_NOTES.md).
 
@@ -158,6 +159,15 @@ def norm_chunks_per_lane(hidden_size: int, fp8: bool = False) -> int:
     return hidden_size // (vec * lanes_for(hidden_size, vec))
 
 
+def wide_head(hidden_size: int) -> bool:
+    """Whether the LM head runs on cuBLAS (after the final RMSNorm, then an argmax) instead of
+    the norm-folded GEMV: where its bf16 K (the LM head stays bf16 under fp8 weights) gives that
+    GEMV more than MAX_NORM_CHUNKS chunks a lane. Measured on the H200 (profile_step, Qwen2.5-7B
+    with fp8 weights, 14 chunks, 2026-12-04): the GEMV with its argmax 428 us for the 1.09 GB
+    head (2.5 TB/s), where the per-op path's cuBLAS read it in 257 (4.2 TB/s)."""
+    return norm_chunks_per_lane(hidden_size) > MAX_NORM_CHUNKS
+
+
 def check_fused_decode(model, device: torch.device, kv_pool=None) -> None:
     """Raise ValueError naming what the fused path cannot run (before anything compiles)."""
     why = refusals(model, device) + (rope_refusals(model, kv_pool) if kv_pool is not None else [])
@@ -216,12 +226,10 @@ def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -
     why = fused_decline(Platform.of(device), dtype, model.tp is not None, use_graphs)
     if why is not None:
         return why
-    if kv_pool is not None and kv_pool.is_fp8:
-        # Forced on (fused_decode=True) it runs: the pool's own write quantizes and the
-        # one-launch attention reads fp8, but RoPE + the K/V write leave the QKV epilogue,
-        # which stores bf16 only.
-        return ("the KV cache is fp8; its QKV epilogue stores bf16 K/V only, and the path "
-                "was measured with a bf16 cache")
+    # An fp8 KV cache is no condition: RoPE + the K/V write leave the QKV epilogue (which stores
+    # bf16 only: `rope_refusals`) for the pool's own kernel, which quantizes, and the one-launch
+    # attention reads e4m3. H200, qwen2.5-0.5b one stream with `--kv-cache-dtype fp8` (2026-12-04):
+    # 1,790 tok/s fused against 955 per-op.
     why = refusals(model, device)
     if why:
         return "; ".join(why)
@@ -258,8 +266,8 @@ class Gemvs:
     o: object
     gate_up: object
     down: object | None  # None: the down projection runs on cuBLAS (`_down`), see MAX_DOWN_K
-    lm_head: object
-    lm_argmax: object
+    lm_head: object | None    # None (both): the final norm, cuBLAS and an argmax (`wide_head`)
+    lm_argmax: object | None
 
     def all(self) -> list:
         return [g for g in (self.qkv, self.o, self.gate_up, self.down, self.lm_head, self.lm_argmax)
@@ -363,6 +371,7 @@ class FusedDecode:
         gemv = dict(head, **({"fp8": True} if self.fp8 else {}), **({"mma": True} if self.fp8_mma else {}))
         normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
         head_normed = dict(norm=True, eps=cfg.rms_norm_eps, **head)
+        narrow_head = not wide_head(h)
         if self.rope is not None:
             qkv = CuteGemv(q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", rope=self.rope, **normed)
         else:
@@ -370,8 +379,8 @@ class FusedDecode:
         return Gemvs(qkv=qkv, o=CuteGemv(h, q, "residual", **gemv),
                      gate_up=CuteGemv(2 * inter, h, "silu_mul", **normed),
                      down=CuteGemv(h, inter, "residual", **gemv) if inter <= MAX_DOWN_K else None,
-                     lm_head=CuteGemv(vocab, h, "none", **head_normed),
-                     lm_argmax=CuteGemv(vocab, h, "argmax", **head_normed))
+                     lm_head=CuteGemv(vocab, h, "none", **head_normed) if narrow_head else None,
+                     lm_argmax=CuteGemv(vocab, h, "argmax", **head_normed) if narrow_head else None)
 
     def compiled(self) -> tuple[int, float]:
         """(GEMVs compiled so far, the seconds they took; 0 for a plan another object compiled
@@ -471,14 +480,24 @@ class FusedDecode:
         g = self.gemvs_for(input_ids.shape[0])
         x = self.hidden(g, input_ids, positions, attn)
         out = self.logits_out[: x.shape[0]]
+        if g.lm_head is None:
+            return self._wide_head(x, out).float()
         g.lm_head(x, self.model.lm_head_weight, out=out, norm_weight=self.model.norm)
         return out.float()
+
+    def _wide_head(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm, then the LM head on cuBLAS into out [M, vocab] (bf16), as the
+        per-op path computes it: where `wide_head` keeps the head off the GEMVs."""
+        m = self.model
+        return torch.mm(m.ops.rms_norm(x, m.norm, m.config.rms_norm_eps), m.lm_head_weight.t(), out=out)
 
     def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel."""
         rows = input_ids.shape[0]
         g = self.gemvs_for(rows)
         x = self.hidden(g, input_ids, positions, attn)
+        if g.lm_argmax is None:  # into the int64 tokens, no cast after it
+            return torch.argmax(self._wide_head(x, self.logits_out[:rows]), dim=-1, out=self.token_id[:rows])
         argmax = g.lm_argmax
         if rows == 1:
             argmax(x, self.model.lm_head_weight, out=self.token_out, norm_weight=self.model.norm)

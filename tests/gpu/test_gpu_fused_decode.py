@@ -241,9 +241,11 @@ def check_teacher_forced(forced, ref_rows, fused_rows, picks, exact_rows, min_ag
         f"{fused_exact} positions against the reference's {ref_exact}")
 
 
-def check_against_reference_teacher_forced(source, prompt_list, new_tokens, max_num_seqs=1, **config):
+def check_against_reference_teacher_forced(source, prompt_list, new_tokens, max_num_seqs=1, min_agree=0.9,
+                                           **config):
     """The fused path (config) teacher-forced on the per-op tokens: argmax epilogue and logits
-    path, the module docstring's rule. -> the argmax run's engine. With max_num_seqs > 1 the
+    path, the module docstring's rule (min_agree: check_teacher_forced's). -> the argmax run's
+    engine. With max_num_seqs > 1 the
     prompts must all start in the first step (one prefill step) and decode together, so
     every decode row is a fused one."""
     ref_tokens, _, ref_rows = reference(source, prompt_list, new_tokens, max_num_seqs=max_num_seqs)
@@ -258,7 +260,7 @@ def check_against_reference_teacher_forced(source, prompt_list, new_tokens, max_
     # The fp32 anchor: the per-op path in fp32 (the torch oracle backend) on the same tokens.
     _, exact_rows, _ = teacher_forced(source, prompt_list, ref_tokens, new_tokens, logits=True,
                                       fused=False, dtype="float32", backend="torch", **common)
-    check_teacher_forced(forced, ref_rows, rows, picks, exact_rows)
+    check_teacher_forced(forced, ref_rows, rows, picks, exact_rows, min_agree)
     return engine
 
 
@@ -281,17 +283,22 @@ def test_fused_greedy_tokens_match_the_per_op_path(small_model):
     assert engine.runner.fused is not None
 
 
-def test_fused_path_over_an_fp8_cache_matches_the_per_op_path(small_model):
-    """An fp8 (e4m3) KV cache, which auto still declines the fused path for (its RoPE + K/V write
-    leaves the QKV epilogue for the pool's own kernel, which quantizes; the one-launch attention
-    reads e4m3 with the layer's scales): forced on with PDL and one-launch attention, held to the
-    per-op path over the same fp8 cache by the module docstring's rule. The first check before
-    auto may take it (the demo model's test in test_gpu_kv_fp8.py needs a package the GPU
-    machines lack)."""
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_path_over_an_fp8_cache_matches_the_per_op_path(small_model, batch):
+    """An fp8 (e4m3) KV cache, which auto takes the fused path for (its RoPE + K/V write leaves
+    the QKV epilogue for the pool's own kernel, which quantizes; the one-launch attention reads
+    e4m3 with the layer's scales), with PDL and one-launch attention, one row and four a step,
+    held to the per-op path over the same fp8 cache by the module docstring's rule (the demo
+    model's test in test_gpu_kv_fp8.py needs a package the GPU machines lack). Its picks may
+    part more often than over a bf16 cache: a K or V value the two paths round apart in bf16
+    can land a whole e4m3 step (1/8) apart. Measured (H200, 2026-12-04, one row): qwen2 455 of 512
+    picks agree, each parting inside the per-pick noise bound, the fused logits' RMS error
+    against fp32 0.455 against per-op's 0.461; so at least 85% must agree, not 90%."""
     source, vocab = small_model
     source = dict(source, kv_cache_dtype="fp8")
-    engine = check_against_reference_teacher_forced(source, prompts(16, vocab), 32, fused_decode_pdl=True,
-                                                    fused_decode_attn=True)
+    engine = check_against_reference_teacher_forced(source, prompts(16 if batch == 1 else batch, vocab), 32,
+                                                    max_num_seqs=batch, min_agree=0.85,
+                                                    fused_decode_pdl=True, fused_decode_attn=True)
     parts = engine.runner.fused.parts
     assert engine.runner.kv_pool.is_fp8 and (parts.rope, parts.attn) == (False, True)
 

@@ -49,7 +49,8 @@ def assert_fp8_gemvs(engine) -> None:
     assert fused is not None and fused.fp8
     for gemvs in fused.gemvs.values():
         assert all(g.plan.fp8 for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down) if g is not None)
-        assert not gemvs.lm_head.plan.fp8 and not gemvs.lm_argmax.plan.fp8
+        heads = [g for g in (gemvs.lm_head, gemvs.lm_argmax) if g is not None]  # none: `wide_head`
+        assert not any(g.plan.fp8 for g in heads)
 
 
 def test_fp8_fused_greedy_tokens_match_the_per_op_fp8_path(fp8_model):
@@ -103,6 +104,23 @@ def test_fp8_down_past_max_down_k_runs_the_fp8_gemm_inside_the_fused_step(fp8_mo
                                                     fused_decode_rope=True, fused_decode_attn=True)
     assert_fp8_gemvs(engine)
     assert all(g.down is None for g in engine.runner.fused.gemvs.values())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp8_step_in_the_7b_form_matches_the_per_op_fp8_path(fp8_model, monkeypatch, batch):
+    """The fused step as Qwen2.5-7B runs it: the down projection past MAX_DOWN_K (the fp8 GEMM
+    adding into the residual) and an LM head too wide for its GEMV (`wide_head`: the final norm,
+    cuBLAS and an argmax into the int64 tokens; MAX_NORM_CHUNKS lowered here below SMALL's),
+    captured in the step's graph, against per-op fp8."""
+    monkeypatch.setattr(fused_decode, "MAX_DOWN_K", 512)
+    monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
+    source, vocab = fp8_model
+    engine = check_against_reference_teacher_forced(source, prompts(4 if batch == 1 else batch, vocab), 24, max_num_seqs=batch,
+                                                    fused_decode_pdl=True, fused_decode_rope=True,
+                                                    fused_decode_attn=True)
+    assert_fp8_gemvs(engine)
+    for gemvs in engine.runner.fused.gemvs.values():
+        assert gemvs.down is None and gemvs.lm_head is None and gemvs.lm_argmax is None
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 16])

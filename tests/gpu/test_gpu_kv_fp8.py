@@ -68,8 +68,8 @@ def test_fp8_cache_greedy_tokens_mostly_match_bf16(demo_model_dir, backend):
     for kv in ("auto", "fp8"):
         llm = LLM(str(demo_model_dir), backend=backend, kv_cache_dtype=kv)
         assert llm.engine.kv_pool.k_cache.dtype == (FP8 if kv == "fp8" else torch.bfloat16)
-        if kv == "fp8":  # auto declines: its QKV epilogue stores bf16 only
-            assert llm.engine.config.fused_decode is False
+        if kv == "fp8" and llm.engine.runner.fused is not None:  # auto takes it: RoPE outside the epilogue
+            assert not llm.engine.runner.fused.parts.rope
         outs[kv] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.close()
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))

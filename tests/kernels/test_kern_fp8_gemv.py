@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, INTERPRETED, MANY_ROWS_MIN_WEIGHTS,
-                                       MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS, GemmTile,
+                                       MANY_ROWS_TILE, MAX_SPLIT_K, SKINNY_MAX_ROWS, TUNED_SPLITS,
+                                       TUNED_SPLITS_SMS, GemmTile,
                                        dequantize_rows, fp8_gemm, fp8_gemm_reference, split_k_for,
                                        tile_for)
 from flashlet.models.quantization import quantize_rows
@@ -105,10 +106,21 @@ def test_the_tile_follows_the_row_count_and_the_weight():
 def test_split_k_fills_the_gpu_only_where_columns_do_not():
     sms = 132
     assert split_k_for(1, 896, 4864, sms) == MAX_SPLIT_K   # 14 column tiles: split to the cap
-    assert split_k_for(1, 3584, 18944, sms) == 9           # 56 tiles: 9 x 56 >= 3.5 per SM
+    assert split_k_for(1, 4096, 14336, sms) == 8           # 64 tiles: 8 x 64 >= 3.5 per SM
     assert split_k_for(1, 3584, 3584, sms) == 9            # 9 wanted (14 K blocks of 256)
     assert split_k_for(1, 151936, 896, sms) == 1           # thousands of tiles already
     assert split_k_for(1, 64, 128, sms) == 1               # one K block: nothing to split
+
+
+def test_a_tuned_split_holds_only_the_launch_it_was_measured_at():
+    """TUNED_SPLITS (the 7B down projection's 7) at one row tile on the GPU it was measured on;
+    the rule elsewhere: 17+ rows (a second row tile), another SM count, another tile."""
+    sms, down = TUNED_SPLITS_SMS, (3584, 18944)
+    assert TUNED_SPLITS[down] == 7
+    assert split_k_for(1, *down, sms) == split_k_for(16, *down, sms) == 7
+    assert split_k_for(17, *down, sms) == 5  # 112 tiles: 5 x 112 >= 3.5 per SM
+    assert split_k_for(1, *down, 78) == 5    # 56 tiles on 78 SMs
+    assert split_k_for(1, *down, sms, GemmTile(block_n=128)) == 16  # 28 tiles: 17 wanted, the cap
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -113,13 +113,14 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
 BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
     # Qwen2.5-0.5B's shape, measured at 1 x 30,000, 32 x 8,000 and 128 x 2,000 tokens
     # (DECODE_NOTES.md). Bucket 1 holds 64 splits, the backend's split cap (128 measured best).
-    # fp8 at 256: both KV heads a program (its loop issues 78 warp instructions a KB of K/V
-    # against 104 with one, and fp8 is bound by issue) and the merge in the kernel: the
-    # prediction of DECODE_NOTES.md's round 2, until a sweep of this code replaces it.
+    # fp8 at 256: the sweep's winner at 128 x 2,000 (`decode_attn_bench.py --shapes 128x2000
+    # --quick --kv fp8`, 2026-12-04): small one-warp programs, four splits, the merge in the
+    # kernel, 25.5 us a layer against 29.0 for round 2's prediction (both KV heads a program, bn128
+    # w4 S2); decode-sat 128 x 2,000 with it 71,740 / 72,035 tok/s against 69,261 / 69,911.
     (64, 7, "fp8", 1): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=64, prefetch="pages"),
     (64, 7, "fp8", 64): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=8, prefetch="pages"),
-    (64, 7, "fp8", 256): DecodeConfig(block_n=128, num_warps=4, num_stages=3, num_splits=2, prefetch="pages",
-                                      kv_pack=2, merge_in_kernel=True),
+    (64, 7, "fp8", 256): DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=4, prefetch="pages",
+                                      merge_in_kernel=True),
     (64, 7, "model", 1): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=64, prefetch="pages"),
     (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
     (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),

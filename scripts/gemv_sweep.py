@@ -25,7 +25,16 @@ TUNED_PLANS entries and --plans-out keys carry M as a sixth element.
 
 --fp8 sweeps the fp8-weight kernel (`CuteGemv(..., fp8=True)`: e4m3 codes, a scale a row, as
 --quantization fp8 runs the fused path; the bank quantized per row, the check against
-gemv_reference with the scales); its keys end in "fp8". GPU only.
+gemv_reference with the scales); its keys end in "fp8". With --mma its tensor-core form (as
+`fused_decode.FP8_MMA_SHAPES` runs it) and that form's knobs (warps of K steps, a looping grid,
+splits of K over CTAs, a register cap); its keys end in "fp8", "mma". GPU only.
+
+--config PRESET takes the shapes from a preset (hidden, intermediate, heads, vocab; the default
+is Qwen2.5-0.5B's), e.g. the 7B fp8 step's GEMVs, applied at once through FLASHLET_GEMV_PLANS:
+
+    python3 scripts/gemv_sweep.py --config qwen2.5-7b --fp8 --mma --pdl on \
+        --only qkv_rope o gate_up --plans-out plans.json
+    FLASHLET_GEMV_PLANS=plans.json python3 -m flashlet.bench --config qwen2.5-7b ... --quantization fp8
 
 --registers needs no GPU: every variant is traced for sm_90a (CUTE_DSL_ARCH=sm_90a is set
 here), its cubin read with cuobjdump -res-usage and -sass: registers, local memory (spills),
@@ -54,17 +63,30 @@ from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv  #
 from flashlet.models.quantization import quantize_rows  # noqa: E402
 from fused_gemv_bench import L2_DEFEAT_BYTES, copy_bandwidth_gbs, rand, rel_err  # noqa: E402
 
-HIDDEN, INTER, VOCAB = 896, 4864, 151936
-QWEN05_ROPE = RopeShape(64, 14, 2, 4096, 8193 * 16)
-# name -> (N, K, epilogue, norm, rope): the GEMVs as flashlet/runner/fused_decode.py builds them.
-SHAPES = {
-    "qkv": (1152, HIDDEN, "bias", True, None),
-    "o": (HIDDEN, HIDDEN, "residual", False, None),
-    "gate_up": (2 * INTER, HIDDEN, "silu_mul", True, None),
-    "down": (HIDDEN, INTER, "residual", False, None),
-    "qkv_rope": (1152, HIDDEN, "bias_rope_kv", True, QWEN05_ROPE),
-    "lm_head": (VOCAB, HIDDEN, "argmax", True, None),
-}
+
+
+def shapes_for(preset: str) -> dict:
+    """name -> (N, K, epilogue, norm, rope): a preset's GEMVs as flashlet/runner/fused_decode.py
+    builds them (the QKV bias only where the model has one; the rope pool of 8,193 pages)."""
+    from flashlet.models.model import ModelConfig
+    from flashlet.models.weights import preset_config
+
+    cfg = ModelConfig.from_hf(preset_config(preset))
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    rope = RopeShape(d, cfg.num_heads, cfg.num_kv_heads, 4096, 8193 * 16)
+    return {
+        "qkv": (q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", True, None),
+        "o": (h, q, "residual", False, None),
+        "gate_up": (2 * inter, h, "silu_mul", True, None),
+        "down": (h, inter, "residual", False, None),
+        "qkv_rope": (q + 2 * kv, h, "bias_rope_kv" if cfg.qkv_bias else "rope_kv", True, rope),
+        "lm_head": (cfg.vocab_size, h, "argmax", True, None),
+    }
+
+
+# name -> (N, K, epilogue, norm, rope): the GEMVs of the preset swept (--config; main() rebinds it).
+SHAPES = shapes_for("qwen2.5-0.5b")
 DEFAULT_ONLY = ["gate_up", "down", "qkv", "o", "qkv_rope"]  # the LM head on request (272 MB a call)
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -74,10 +96,35 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False) -> list[tuple[str, dict]]:
+def mma_variants(name: str) -> list[tuple[str, dict]]:
+    """The tensor-core form's knobs (`cute_gemv._plan_mma`): warps (K steps each), a looping
+    grid, splits of K over CTAs (no norm or argmax), a register cap."""
+    norm, epilogue = SHAPES[name][3], SHAPES[name][2]
+    out = [(f"warps={w}", dict(warps=w)) for w in (4, 7, 8, 14, 16)]
+    out += [(f"loop {c}/SM", dict(ctas_per_sm=c)) for c in (1, 2, 4)]
+    if not norm and epilogue != "argmax":
+        out += [(f"splits={s}", dict(splits=s)) for s in (2, 3, 4, 6, 8)]
+        out += [(f"splits={s} warps={w}", dict(splits=s, warps=w)) for s, w in ((2, 8), (4, 4), (4, 8))]
+    out += [(f"regcap {c} CTAs/SM", dict(min_ctas_per_sm=c)) for c in (2, 3)]
+    return out
+
+
+def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool = False) -> list[tuple[str, dict]]:
     """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
-    (H200: 132 SMs)."""
+    (H200: 132 SMs). mma: the fp8 tensor-core form's knobs."""
     n, k, epilogue, norm, rope = SHAPES[name]
+    if mma:
+        seen, kept = set(), []
+        for label, knobs in [("default", {})] + mma_variants(name):
+            try:
+                plan = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, fp8=fp8,
+                                 mma=True, **knobs)
+            except ValueError:
+                continue  # not a plan of this shape (registers, K steps a warp)
+            if plan not in seen:
+                seen.add(plan)
+                kept.append((label, knobs))
+        return kept
     w0 = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, rows=rows, fp8=fp8).warps
     staged_ok = epilogue not in ("argmax", "bias_rope_kv", "rope_kv")
     # Most promising first: a budget cut drops the tail.
@@ -121,10 +168,10 @@ def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False) -> list[tup
 
 
 def make_gemv(name: str, pdl: bool, knobs: dict, rows: int = 1, device: str | None = None,
-              fp8: bool = False) -> CuteGemv:
+              fp8: bool = False, mma: bool = False) -> CuteGemv:
     n, k, epilogue, norm, rope = SHAPES[name]
     return CuteGemv(n, k, epilogue, device=device or DEV, pdl=pdl, norm=norm, rope=rope, tuned=False,
-                    rows=rows, fp8=fp8, **knobs)
+                    rows=rows, fp8=fp8, **({"mma": True} if mma else {}), **knobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,18 +262,18 @@ def time_chain(inputs: Inputs, gemv: CuteGemv) -> float:
 
 
 def sweep_shape(name: str, pdl: bool, copy_gbs: float, deadline: float, m: int = 1,
-                fp8: bool = False) -> list[dict]:
+                fp8: bool = False, mma: bool = False) -> list[dict]:
     n, k, epilogue, norm, rope = SHAPES[name]
     inputs = Inputs(name, m, fp8)
     rows = []
-    for label, knobs in variants(name, pdl, m, fp8):
+    for label, knobs in variants(name, pdl, m, fp8, mma):
         if time.perf_counter() > deadline:
             log(f"  budget spent: {name} pdl={pdl} stops before {label!r}")
             break
         row = dict(shape=name, n=n, k=k, epilogue=epilogue, norm=norm, pdl=pdl, rows=m, variant=label,
                    knobs=knobs, bytes=inputs.weight_bytes, fp8=fp8)
         try:
-            gemv = make_gemv(name, pdl, knobs, m, fp8=fp8)
+            gemv = make_gemv(name, pdl, knobs, m, fp8=fp8, mma=mma)
             row["plan"] = gemv.plan.describe()
             row["compile_s"] = round(gemv.compile(inputs.rope), 2)
             row["check"] = inputs.check(gemv)
@@ -260,23 +307,25 @@ def call_weight(w: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, dict]:
     return codes, {"scale": scale}
 
 
-def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int = 1, fp8: bool = False) -> float:
-    """One decode layer's four GEMVs (QKV + norm + bias, O + residual, gate+up + norm + SiLU-mul,
-    down + residual), `layers` layers of distinct weights (~0.7 GB: nothing stays in L2), as one
+def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int = 1, fp8: bool = False,
+                   mma: bool = False) -> float:
+    """One decode layer's four GEMVs (QKV + norm (+ bias), O + residual, gate+up + norm + SiLU-mul,
+    down + residual), `layers` layers of distinct weights (nothing stays in L2), as one
     graph; the residual updated in place, outputs feeding inputs as in the fused step (no
-    attention: at one row O reads the QKV output's first 896; at M rows those are not
-    contiguous, so O reads a fixed [M, 896]). Returns us per layer."""
+    attention: at one row O reads the QKV output's first q columns; at M rows those are not
+    contiguous, so O reads a fixed [M, q]). Returns us per layer."""
 
-    g = {s: make_gemv(s, pdl, plans.get(s, {}), m, fp8=fp8) for s in ("qkv", "o", "gate_up", "down")}
+    g = {s: make_gemv(s, pdl, plans.get(s, {}), m, fp8=fp8, mma=mma) for s in ("qkv", "o", "gate_up", "down")}
     w = [{s: rand(SHAPES[s][0], SHAPES[s][1], seed=1000 + 10 * i + j, scale=SHAPES[s][1] ** -0.5 * (0.1 if s in ("o", "down") else 1))
           for j, s in enumerate(g)} for i in range(layers)]
     w = [{s: call_weight(t, fp8) for s, t in lw.items()} for lw in w]
-    bias = rand(1152, seed=3)
-    nw = (torch.rand(HIDDEN, device=DEV) + 0.5).to(BF16)
-    h0 = rand(m, HIDDEN, seed=5)
+    hidden, q = SHAPES["o"][0], SHAPES["o"][1]
+    bias = rand(SHAPES["qkv"][0], seed=3) if SHAPES["qkv"][2] == "bias" else None
+    nw = (torch.rand(hidden, device=DEV) + 0.5).to(BF16)
+    h0 = rand(m, hidden, seed=5)
     h = torch.empty_like(h0)
     qkv_out, act = g["qkv"].out_like(), g["gate_up"].out_like()
-    attn = qkv_out[:, :HIDDEN] if m == 1 else rand(m, HIDDEN, seed=6)
+    attn = qkv_out[:, :q] if m == 1 else rand(m, q, seed=6)
 
     def step(_):
         h.copy_(h0)
@@ -308,8 +357,8 @@ def run_gpu(args) -> int:
         # An equal share of what is left, so a slow shape cannot starve the ones after it.
         share = (deadline - time.perf_counter()) / (len(todo) - i)
         log(f"== {name} {SHAPES[name][:3]} norm={SHAPES[name][3]} pdl={pdl} rows={args.rows} fp8={args.fp8} "
-            f"({share:.0f} s)")
-        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share, args.rows, args.fp8)
+            f"mma={args.mma} ({share:.0f} s)")
+        shape_rows = sweep_shape(name, pdl, copy_gbs, time.perf_counter() + share, args.rows, args.fp8, args.mma)
         rows += shape_rows
         b = best_of(shape_rows)
         if b:
@@ -336,6 +385,7 @@ def run_gpu(args) -> int:
         n, k, epilogue, norm, _ = SHAPES[name]
         m = f", {args.rows}" if args.rows > 1 else ""  # M > 1: the sixth key element
         m += ', "fp8"' if args.fp8 else ""
+        m += ', "mma"' if args.mma else ""
         log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}{m}): {b['knobs']},  "
             f"# {name}: {b['us']:.2f} us, {b['gbs']:.0f} GB/s, {b['of_copy']:.2f} of copy ({b['variant']})")
     if args.plans_out:  # for FLASHLET_GEMV_PLANS: the winners that beat the default by >= 3%
@@ -346,6 +396,7 @@ def run_gpu(args) -> int:
             if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
                 n, k, epilogue, norm, _ = SHAPES[name]
                 key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else []) + (["fp8"] if args.fp8 else [])
+                key += ["mma"] if args.mma else []
                 entries.append(dict(key=key, knobs=b["knobs"], us=b["us"],
                                     shape=name, variant=b["variant"]))
         with open(args.plans_out, "w") as fh:
@@ -358,9 +409,10 @@ def run_gpu(args) -> int:
         tuned = {s: best[(s, pdl)]["knobs"] for s in ("qkv", "o", "gate_up", "down")}
         for label, plans in (("default plans", {}), ("best per shape", tuned)):
             try:
-                us = layer_chain_us(plans, pdl, m=args.rows, fp8=args.fp8)
+                us = layer_chain_us(plans, pdl, m=args.rows, fp8=args.fp8, mma=args.mma)
                 chain[f"{label} pdl={pdl}"] = us
-                layer_bytes = 29.82e6 / (2 if args.fp8 else 1)
+                layer_bytes = sum(SHAPES[s][0] * SHAPES[s][1] for s in ("qkv", "o", "gate_up", "down"))
+                layer_bytes *= 1 if args.fp8 else 2
                 log(f"layer chain (QKV, O, gate+up, down; 24 layers), {label}, pdl={pdl}: {us:.1f} us a layer "
                     f"({layer_bytes / (us * 1e-6) / 1e9:.0f} GB/s; byte floor {layer_bytes / (copy_gbs * 1e3):.1f} us)")
             except Exception as e:  # noqa: BLE001
@@ -422,8 +474,8 @@ def run_registers(args) -> int:
             for index, (label, knobs) in enumerate(variants(name, pdl, args.rows)):
                 with tempfile.TemporaryDirectory() as d:
                     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=d)
-                    subprocess.run([sys.executable, __file__, "--trace-one", name, str(int(pdl)), str(index),
-                                    str(args.rows)],
+                    subprocess.run([sys.executable, __file__, "--config", args.config, "--trace-one", name,
+                                    str(int(pdl)), str(index), str(args.rows)],
                                    env=env, capture_output=True, timeout=300)
                     stats = cubin_stats(args.cuobjdump, d)
                 plan = make_gemv(name, pdl, knobs, args.rows, device="cpu").plan.describe()
@@ -439,6 +491,7 @@ def run_registers(args) -> int:
 
 
 def main() -> int:
+    global SHAPES  # --config's shapes
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=DEFAULT_ONLY, choices=list(SHAPES))
     ap.add_argument("--pdl", default="both", choices=["on", "off", "both"])
@@ -450,8 +503,13 @@ def main() -> int:
     ap.add_argument("--cuobjdump", default="cuobjdump", help="with --registers: the cuobjdump binary")
     ap.add_argument("--rows", type=int, default=1, help="decode rows per call (M, 1-16): plans for the M-row kernel")
     ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3) weights with row scales (GPU sweep only)")
+    ap.add_argument("--mma", action="store_true", help="with --fp8: the tensor-core form and its knobs")
+    ap.add_argument("--config", default="qwen2.5-0.5b", help="the preset whose GEMV shapes are swept")
     ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    SHAPES = shapes_for(args.config)
+    if args.mma and not args.fp8:
+        ap.error("--mma sweeps the fp8 tensor-core form: give --fp8 too (bf16 M-row plans take it by default)")
     if args.trace_one:
         name, pdl, index, rows = args.trace_one
         trace_one(name, pdl == "1", int(index), int(rows))

@@ -46,6 +46,8 @@
 #   one-launch-ab the per-op path's one-launch attention (1-16 rows, $FLASHLET_ONE_LAUNCH_DECODE=1)
 #                against two launches (the default): its GPU tests, then one stream after 1,000 tokens
 #                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
+#   gemv-fp8-7b  the fp8 tensor-core GEMVs' plan sweep at GEMV_CONFIG (qwen2.5-7b), then one stream
+#                with its winners (FLASHLET_GEMV_PLANS) against the built-in plans (~9 min)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
 #                FP8_CONFIGS (0.5B, 7B), beside bf16 (~3 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
@@ -341,6 +343,15 @@ for part in "${PARTS[@]}"; do
         run 300 env FLASHLET_ONE_LAUNCH_DECODE=1 $S --out "$OUT/json/one-launch-$pair.json"
         run 300 $S --out "$OUT/json/two-launch-$pair.json"
       done ;;
+    gemv-fp8-7b)  # the 7B fp8 step's tensor-core GEMVs (QKV + RoPE, O, gate+up): their plan
+      # sweep, then one stream with the winners (FLASHLET_GEMV_PLANS) against the built-in plans
+      cute_env
+      C=${GEMV_CONFIG:-qwen2.5-7b}
+      run 420 python3 scripts/gemv_sweep.py --config $C --fp8 --mma --pdl on --only qkv_rope o gate_up \
+        --budget-s 300 --plans-out "$OUT/json/gemv-plans.json" --json "$OUT/json/gemv-sweep.json"
+      S="python3 -m flashlet.bench --config $C --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --quantization fp8"
+      run 200 $S --out "$OUT/json/$C-fp8-built-in-plans.json"
+      run 200 env FLASHLET_GEMV_PLANS="$OUT/json/gemv-plans.json" $S --out "$OUT/json/$C-fp8-swept-plans.json" ;;
     fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three
       # timed runs of 256 tokens): 0.5B and 7B, beside bf16's
       cute_env

@@ -319,28 +319,35 @@ TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g
 
 
 def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
-               fp8: bool = False) -> tuple:
+               fp8: bool = False, mma: bool = False) -> tuple:
+    """TUNED_PLANS' key: (N, K, epilogue, norm, pdl), then M where M > 1, then "fp8" (half the
+    bytes a row: a bf16 plan does not bind it) and, for fp8 on the tensor cores (opt-in, so a
+    form of its own whose knobs mean other things), "mma"."""
     key = (n_rows, k, epilogue, bool(norm), bool(pdl))
     key = key if rows == 1 else (*key, rows)
-    return (*key, "fp8") if fp8 else key  # half the bytes a row: a bf16 plan does not bind it
+    if not fp8:
+        return key
+    return (*key, "fp8", "mma") if mma else (*key, "fp8")
 
 
 def load_tuned_plans(path: str) -> int:
     """Add the entries of a JSON file written by `scripts/gemv_sweep.py --plans-out` (a list of
-    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M and then "fp8" where
-    they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over the
-    built-in table. Returns how many were added."""
+    {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M, then "fp8" and "mma"
+    where they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over
+    the built-in table. Returns how many were added."""
     with open(path) as fh:
         entries = json.load(fh)
     for entry in entries:
         n, k, epilogue, norm, pdl, *rest = entry["key"]
+        mma = rest[-2:] == ["fp8", "mma"]
+        rest = rest[:-1] if mma else rest
         fp8 = rest[-1:] == ["fp8"]
         rows = rest[:-1] if fp8 else rest
         knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
-        if unknown or epilogue not in EPILOGUES or len(rows) > 1:
+        if unknown or epilogue not in EPILOGUES or len(rows) > 1 or not all(isinstance(r, int) for r in rows):
             raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown}, epilogue or key length")
-        key = _tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1, fp8)
+        key = _tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1, fp8, mma)
         TUNED_PLANS[key] = dict(knobs)
     return len(entries)
 
@@ -409,7 +416,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
-    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8)
+    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8, mma=bool(fp8 and mma))
     table = TUNED_PLANS.get(key, {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:

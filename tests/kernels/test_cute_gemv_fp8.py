@@ -92,6 +92,29 @@ def test_fp8_plans_do_not_take_the_bf16_tuned_entries(monkeypatch, tmp_path):
     assert cute_gemv.TUNED_PLANS[(896, 4864, "residual", False, True, 2, "fp8")] == {"warps": 2}
 
 
+def test_fp8_tensor_core_plans_have_keys_of_their_own(monkeypatch, tmp_path):
+    """The tensor-core fp8 form (mma=True, opt-in) is planned from entries ending in "fp8",
+    "mma": its knobs (warps of K steps, splits) mean other things than the CUDA-core form's,
+    which keeps the plain "fp8" entry; a sweep file's keys load the same way."""
+    key = (3584, 3584, "residual", False, True, "fp8")  # Qwen2.5-7B's O
+    base = plan_gemv(3584, 3584, "residual", pdl=True, fp8=True, mma=True)
+    monkeypatch.setitem(TUNED_PLANS, key, dict(warps=1))  # the CUDA-core form's entry
+    assert plan_gemv(3584, 3584, "residual", pdl=True, fp8=True, mma=True) == base
+    assert plan_gemv(3584, 3584, "residual", pdl=True, fp8=True).warps == 1
+    assert base.splits == 1
+    monkeypatch.setitem(TUNED_PLANS, (*key, "mma"), dict(splits=3))
+    assert plan_gemv(3584, 3584, "residual", pdl=True, fp8=True, mma=True).splits == 3
+    sweep = tmp_path / "plans.json"
+    sweep.write_text(json.dumps([{"key": [4608, 3584, "bias", True, True, "fp8", "mma"], "knobs": {"warps": 8}},
+                                 {"key": [3584, 3584, "residual", False, True, 4, "fp8", "mma"],
+                                  "knobs": {"splits": 2}}]))
+    monkeypatch.setattr(cute_gemv, "TUNED_PLANS", dict(TUNED_PLANS))
+    assert cute_gemv.load_tuned_plans(str(sweep)) == 2
+    assert cute_gemv.TUNED_PLANS[(4608, 3584, "bias", True, True, "fp8", "mma")] == {"warps": 8}
+    assert cute_gemv.TUNED_PLANS[(3584, 3584, "residual", False, True, 4, "fp8", "mma")] == {"splits": 2}
+    assert plan_gemv(4608, 3584, "bias", norm=True, pdl=True, fp8=True, mma=True).warps == 8
+
+
 # ---- the call's checks and the reference ------------------------------------------------------
 
 def _fp8_inputs(n=96, k=64, seed=0):
@@ -347,3 +370,27 @@ def test_gemv_sweep_refuses_fp8_with_registers():
                           text=True, timeout=120, cwd=script.parents[1],
                           env={**os.environ, "PYTHONPATH": str(script.parents[1])})
     assert done.returncode == 2 and "--fp8 sweeps on the GPU only" in done.stderr, done.stderr[-500:]
+
+
+def test_gemv_sweep_takes_a_presets_shapes_and_the_tensor_core_knobs(monkeypatch):
+    """--config: the sweep's shapes are the fused path's GEMVs of that preset (the 7B's as
+    fused_decode builds them); --mma: every variant it times is a distinct tensor-core plan, its
+    splits only where the epilogue allows them (O and down, not the norm-folded QKV / gate+up)."""
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    import gemv_sweep
+
+    shapes = gemv_sweep.shapes_for("qwen2.5-7b")
+    assert shapes["qkv_rope"][:4] == (4608, 3584, "bias_rope_kv", True)
+    assert shapes["o"][:2] == (3584, 3584) and shapes["down"][:2] == (3584, 18944)
+    assert shapes["gate_up"][:3] == (37888, 3584, "silu_mul") and shapes["lm_head"][:2] == (152064, 3584)
+    assert gemv_sweep.shapes_for("llama-3.1-8b")["qkv"][2] == "none"  # no QKV bias
+    monkeypatch.setattr(gemv_sweep, "SHAPES", shapes)
+    for name in ("qkv_rope", "o", "gate_up", "down"):
+        n, k, epilogue, norm, rope = shapes[name]
+        found = gemv_sweep.variants(name, True, 1, fp8=True, mma=True)
+        plans = [plan_gemv(n, k, epilogue, pdl=True, norm=norm, rope=rope, tuned=False, fp8=True, mma=True, **knobs)
+                 for _, knobs in found]
+        assert found[0][0] == "default" and len(found) >= 4 and len(set(plans)) == len(plans)
+        assert all(p.mma and p.fp8 for p in plans)
+        assert any(p.splits > 1 for p in plans) == (not norm), name

@@ -403,7 +403,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     a 16-byte chunk holds 16 weights, so K is chunked by 16 (lanes_for(K, 16)) and each chunk
     meets two of x's 16-byte loads; the sums are scaled once, before the epilogue. Its
     TUNED_PLANS keys end in "fp8" (a bf16 plan was measured for twice the bytes: the fp8
-    shapes are planned by the heuristic until a sweep measures them).
+    shapes are planned by the heuristic until a sweep measures them), its tensor-core form's in
+    "fp8", "mma".
 
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
     rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given); mma=False

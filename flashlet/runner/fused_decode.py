@@ -492,7 +492,8 @@ class FusedDecode:
         return torch.mm(m.ops.rms_norm(x, m.norm, m.config.rms_norm_eps), m.lm_head_weight.t(), out=out)
 
     def token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel."""
+        """-> the greedy tokens [M] int64: final RMSNorm, LM head and argmax in one kernel (three
+        where `wide_head`)."""
         rows = input_ids.shape[0]
         g = self.gemvs_for(rows)
         x = self.hidden(g, input_ids, positions, attn)

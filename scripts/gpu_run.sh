@@ -27,6 +27,8 @@
 #   long-prompts 64 streams decoding while eight 8,000-token prompts arrive: the streams' token
 #                gaps (p50 / p99 / max) and the long prompts' TTFT, then its slowest steps by
 #                kind (lab/gap_outliers.py) (~3 min)
+#   serve-gaps   the same through the HTTP server at its default flags (bench --url, the client's
+#                reads), then in-process at the server's shape (qwen2.5-0.5b-smolvocab) (~5 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
@@ -243,6 +245,23 @@ for part in "${PARTS[@]}"; do
         --max-num-pages 16384 --max-decode-step-tokens 512  # in-process steps as the server's
       run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
         --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
+    serve-gaps)  # issue 32's long prompts through the server at its default flags (a fresh
+      # server; the client's reads), then the same workload in-process at the same shape
+      cute_env
+      PORT=${SERVE_PORT:-18231}
+      python3 -m flashlet.server --port $PORT --no-access-log --tokenizer .tok/smollm2 \
+        --config qwen2.5-0.5b-smolvocab --dtype bfloat16 > "$OUT/serve-gaps-server.log" 2>&1 &
+      SPID=$!
+      python3 -c "import time, urllib.request as u
+for _ in range(480):
+    try:
+        u.urlopen('http://127.0.0.1:$PORT/health', timeout=2); break
+    except Exception: time.sleep(0.5)"
+      run 300 python3 -m flashlet.bench --url http://127.0.0.1:$PORT --workload long-prompt-gaps \
+        --quiet --out "$OUT/json/serve-gaps.json"
+      kill $SPID; wait $SPID
+      run 300 python3 -m flashlet.bench --config qwen2.5-0.5b-smolvocab --dtype bfloat16 --quiet \
+        --workload long-prompt-gaps --out "$OUT/json/serve-gaps-inprocess.json" ;;
     long-prompts)
       run 300 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
         --workload long-prompt-gaps --out "$OUT/json/long-prompts.json"

@@ -144,8 +144,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     err = parser.error
     wl = args.workload
     if args.url is not None:
-        if wl != "closed-loop":
-            err(f"--url runs the closed-loop or --rate open-loop workload, not {wl!r}")
+        if wl not in ("closed-loop", "long-prompt-gaps"):
+            err(f"--url runs the closed-loop (or --rate open-loop) and long-prompt-gaps workloads, not {wl!r}")
+        if wl == "long-prompt-gaps" and args.rate is not None:
+            err("--rate is the closed-loop workload's open loop; long-prompt-gaps sends its own arrivals")
         if not args.url.startswith(("http://", "https://")):
             err(f"--url must start with http:// or https://, got {args.url!r}")
         if args.peer:
@@ -258,6 +260,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         except ImportError:
             err("--url needs httptools (pip install 'flashlet[server]')")
         _check_server(err, args.url)
+        if wl == "long-prompt-gaps":  # the server's step bounds are its own: a length for any
+            args.gap_stream_tokens = remote.gap_stream_tokens(args)
         return {}
     if wl not in MODEL_WORKLOADS:
         return {}
@@ -408,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {
         "schema": "flashlet-bench/1",
-        "workload": "url" if args.url else args.workload,
+        "workload": "url" if args.url and args.workload == "closed-loop" else args.workload,
         "command": shlex.join(["python", "-m", "flashlet.bench", *argv]),
         "argv": argv,
         "date": utc_now(),

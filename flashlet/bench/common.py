@@ -75,6 +75,29 @@ def samples(values, scale: float = 1.0, digits: int = 4) -> list[float]:
     return [round(float(x), digits) for x in a]
 
 
+def token_gaps(token_times: list[list[float]], start: float, end: float) -> list[float]:
+    """Every stream's gaps between consecutive tokens that end inside (start, end]."""
+    return [b - a for times in token_times for a, b in zip(times, times[1:]) if start < b <= end]
+
+
+def gap_figures(token_times: list[list[float]], baseline_start: float, arrival: float, end: float,
+                ttft_s: list[float]) -> dict:
+    """The long-prompt-gaps figures (in-process or through a server): the streams' token gaps
+    from the long prompts' arrival to the last one's first token, against the window before it,
+    and the long prompts' TTFT (from their arrival)."""
+    itl, base = token_gaps(token_times, arrival, end), token_gaps(token_times, baseline_start, arrival)
+    under, before = summarize(itl, 1e3), summarize(base, 1e3)
+    return {
+        "streams": len(token_times),
+        "itl_ms": under, "itl_p99_over_p50": under["p99"] / under["p50"] if under["p50"] else None,
+        "baseline_itl_ms": before,
+        "itl_p99_over_baseline_p50": under["p99"] / before["p50"] if before["p50"] else None,
+        "long_ttft_ms": summarize(ttft_s, 1e3), "long_ttft_ms_each": [round(t * 1e3, 3) for t in ttft_s],
+        "window_s": end - arrival,
+        "samples": {"itl_ms": samples(itl, 1e3), "baseline_itl_ms": samples(base, 1e3)},
+    }
+
+
 def ratio(ours: float | None, theirs: float | None) -> float | None:
     if not ours or not theirs:
         return None

@@ -1,6 +1,8 @@
 """`--url`: load a running flashlet server through `POST /generate_stream` (SSE).
 
-Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals).
+Closed loop (N clients per `--concurrency` level) or open loop (`--rate`: Poisson arrivals); or
+`--workload long-prompt-gaps` (`long_prompt_gaps`): streams decoding while long prompts are sent
+beside them, their token gaps and the long prompts' TTFT as one client process reads them.
 The load generator must not be what limits: the streams are shared by `--client-procs` spawned
 client processes (default: one per 32 streams, at most half the CPUs), each on the lean
 httptools reader of sse.py (httpx costs several times more CPU per token,
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashlet.bench.common import NO_PROGRESS, Progress, Spec, now, summarize
+from flashlet.bench.common import NO_PROGRESS, Progress, Spec, gap_figures, now, summarize
 from flashlet.bench.sse import Connection
 from flashlet.bench.trace import Trace
 from flashlet.server.diagnostics import level_figures
@@ -470,7 +472,88 @@ def _mean_step(before, after, duration: float) -> dict | None:
             "min": None, "max": None}
 
 
+# ---- long prompts arriving beside decoding streams, through the server --------------------------
+def gap_stream_tokens(args) -> int:
+    """Output tokens each stream asks for, enough to outlast the window whatever the server's
+    step bounds: its baseline, then the long prompts' tokens at no fewer than 128 a step
+    (the server's default carries ~450 beside 64 decodes), doubled for slack."""
+    return 2 + args.gap_baseline_steps + 2 * math.ceil(args.gap_long_prompts * args.gap_long_prompt_len / 128) + 64
+
+
+async def _stream_into(conn: Connection, spec: Spec, events: _Events) -> None:
+    payload = json.dumps({"prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens,
+                          "temperature": 0, "ignore_eos": True}).encode()
+    await conn.post_stream("/generate_stream", payload, events.feed)
+
+
+async def _long_prompt_gaps(args) -> dict:
+    """N streams decode; once every one has its first token, gap_baseline_steps more tokens
+    each make the baseline window; then M long prompts (one output token) are sent at once,
+    and the window runs to the last one's first token. The streams' connections are closed
+    then (the server aborts their requests). Token times are the client's reads."""
+    N, M, L = args.gap_streams, args.gap_long_prompts, args.gap_long_prompt_len
+    streams = text_specs(N, (args.gap_stream_prompt_len,) * 2, (args.gap_stream_tokens,) * 2, args.seed, 1)
+    longs = text_specs(M, (L, L), (1, 1), args.seed, 2)
+    conns = [Connection(args.url) for _ in range(N + M)]
+    await asyncio.gather(*(c.open() for c in conns))
+    await conns[0].get("/health")
+    events = [_Events() for _ in streams]
+    tasks = [asyncio.create_task(_stream_into(conns[i], spec, events[i])) for i, spec in enumerate(streams)]
+
+    async def until(least: int) -> None:  # every stream has `least` tokens (a failed one raises)
+        deadline = now() + args.request_timeout
+        while min(len(e.times) for e in events) < least:
+            for t in tasks:
+                if t.done():
+                    t.result()  # its error, if it failed
+                    raise RuntimeError("long-prompt-gaps: a stream finished before the window "
+                                       "ended (too few output tokens for this server's steps)")
+            if now() > deadline:
+                raise TimeoutError(f"long-prompt-gaps: the streams had fewer than {least} tokens "
+                                   f"after --request-timeout {args.request_timeout} s")
+            await asyncio.sleep(0.0005)
+
+    try:
+        await until(2)
+        baseline_start = now()
+        await until(2 + args.gap_baseline_steps)
+        arrival = now()
+        long_events = [_Events() for _ in longs]
+        await asyncio.wait_for(asyncio.gather(*(_stream_into(conns[N + j], spec, long_events[j])
+                                                for j, spec in enumerate(longs))), args.request_timeout)
+        if any(t.done() for t in tasks):
+            await until(10**9)  # says which stream ended, or how
+        ends = [e.times[0] for e in long_events if e.times]
+        if len(ends) < M:
+            raise RuntimeError(f"long-prompt-gaps: {M - len(ends)} long prompt(s) gave no token")
+        end = max(ends)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in conns:
+            c.close()
+    return {"mode": "long-prompt-gaps", "max_decode_step_tokens": None, "max_num_batched_tokens": None,
+            **gap_figures([e.times for e in events], baseline_start, arrival, end, [t - arrival for t in ends]),
+            "stream_tokens_requested": args.gap_stream_tokens}
+
+
+def long_prompt_gaps(args, progress: Progress = NO_PROGRESS) -> dict:
+    task = progress.task(f"{args.url}: {args.gap_long_prompts} x {args.gap_long_prompt_len} words "
+                         f"beside {args.gap_streams} streams", 1)
+    before = server_steps(args.url)
+    t0 = now()
+    result = _event_loop_run(_long_prompt_gaps(args))
+    task.advance()
+    step = _mean_step(before, server_steps(args.url), now() - t0)
+    if step is not None:  # the whole run's steps (streams' prefill and the window)
+        result["run_step_ms"] = step
+    return result
+
+
 def run(args, progress: Progress = NO_PROGRESS) -> dict:
+    if args.workload == "long-prompt-gaps":
+        return long_prompt_gaps(args, progress)
     requested = getattr(args, "client_procs", None)
     if args.rate:
         procs = [requested or max(1, min(OPEN_LOOP_PROCS, usable_cpus() // 2))]

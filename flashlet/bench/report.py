@@ -86,7 +86,7 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 def _ours(record: dict) -> list[tuple[str, dict]]:
     """(row label, results) of the server, or of every flashlet backend in the order they ran."""
-    if record["workload"] == "url":
+    if "url" in record:  # a server's run: its one row
         return [("server", record["results"])]
     engines = record.get("engines") or {}
 
@@ -141,7 +141,7 @@ def markdown(record: dict) -> str:
 def _setup_line(record: dict) -> str:
     env, m, p = record.get("env", {}), record.get("model") or {}, record.get("params", {})
     bits = []
-    if record["workload"] == "url":
+    if "url" in record:
         bits.append(f"server {record.get('url')}")
     elif record["workload"] == "kernels":
         called = record.get("results", {}).get("called_with", {})
@@ -218,14 +218,21 @@ def _md_gaps(record: dict) -> str:
                 itl["p99"], itl["max"], _x(m["itl_p99_over_p50"]), ttft["p50"], ttft["max"]]
 
     p = record.get("params", {})
+    if "url" in record:  # through a server: words for tokens, the client's clock, bounds unknown here
+        note = (f"\n\nITL: the streams' token gaps as the client read them, from the sending of "
+                f"{p.get('gap_long_prompts')} prompts of {p.get('gap_long_prompt_len')} words (about a "
+                f"token each) at once to the last one's first token; before: the {p.get('gap_baseline_steps')} "
+                "tokens a stream just before. Long TTFT from their sending. The server's decode-step "
+                "bound is its own flag.")
+    else:
+        note = (f"\n\nITL: the decoding streams' token gaps from the arrival of {p.get('gap_long_prompts')} "
+                f"prompts of {p.get('gap_long_prompt_len')} tokens (all at once) to the last one's first "
+                f"token; before: {p.get('gap_baseline_steps')} pure-decode steps just before they arrive. Long TTFT "
+                "from their arrival.")
     return table(["engine", "streams", "decode-step tokens", "ITL p50 before (ms)",
                   "ITL p50 (ms)", "ITL p99 (ms)", "ITL max (ms)", "ITL p99 / p50",
                   "long TTFT p50 (ms)", "long TTFT max (ms)"],
-                 [row(name, m) for name, m in _ours(record)]) + \
-        f"\n\nITL: the decoding streams' token gaps from the arrival of {p.get('gap_long_prompts')} " \
-        f"prompts of {p.get('gap_long_prompt_len')} tokens (all at once) to the last one's first " \
-        f"token; before: {p.get('gap_baseline_steps')} pure-decode steps just before they arrive. Long TTFT " \
-        "from their arrival."
+                 [row(name, m) for name, m in _ours(record)]) + note
 
 
 def _e2e_step_lines(runs) -> str:

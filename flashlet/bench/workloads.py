@@ -33,6 +33,7 @@ from flashlet.bench.common import (
     Progress,
     Spec,
     copy_bandwidth,
+    gap_figures,
     make_specs,
     now,
     samples,
@@ -297,11 +298,6 @@ class _GapRecorder:
             elif out.new_token_ids:
                 self.first_token.setdefault(out.request_id, t1)
 
-    def gaps(self, start: float, end: float) -> list[float]:
-        """Every stream's token gaps that end inside (start, end]."""
-        return [b - a for times in self.token_times for a, b in zip(times, times[1:])
-                if start < b <= end]
-
     def steps(self, start: float, end: float) -> list[float]:
         return [d for t, d in self.step_s if start < t <= end]
 
@@ -337,26 +333,11 @@ def long_prompt_gaps(engine, args, progress: Progress = NO_PROGRESS) -> dict:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return gap_figures(rec, baseline_start, arrival, end,
-                       [rec.first_token[rid] - arrival for rid in long_ids], engine.config)
-
-
-def gap_figures(rec: _GapRecorder, baseline_start: float, arrival: float, end: float,
-                ttft_s: list[float], config) -> dict:
-    itl = rec.gaps(arrival, end)
-    base = rec.gaps(baseline_start, arrival)
-    under, before = summarize(itl, 1e3), summarize(base, 1e3)
-    return {
-        "streams": len(rec.token_times), "max_decode_step_tokens": config.max_decode_step_tokens,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "itl_ms": under, "itl_p99_over_p50": under["p99"] / under["p50"] if under["p50"] else None,
-        "baseline_itl_ms": before,
-        "itl_p99_over_baseline_p50": under["p99"] / before["p50"] if before["p50"] else None,
-        "long_ttft_ms": summarize(ttft_s, 1e3), "long_ttft_ms_each": [round(t * 1e3, 3) for t in ttft_s],
-        "window_s": end - arrival, "window_steps": len(rec.steps(arrival, end)),
-        "step_ms": summarize(rec.steps(arrival, end), 1e3),
-        "samples": {"itl_ms": samples(itl, 1e3), "baseline_itl_ms": samples(base, 1e3)},
-    }
+    figures = gap_figures(rec.token_times, baseline_start, arrival, end,
+                          [rec.first_token[rid] - arrival for rid in long_ids])
+    return {**figures, "max_decode_step_tokens": engine.config.max_decode_step_tokens,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "window_steps": len(rec.steps(arrival, end)), "step_ms": summarize(rec.steps(arrival, end), 1e3)}
 
 
 # ---- a single stream -----------------------------------------------------------------------

@@ -80,3 +80,52 @@ def test_open_loop_schedule_shared_by_client_processes(run_bench, live_server):
     assert res["mode"] == "open-loop" and res["client_procs"] == 2
     assert res["failed"] == 0 and res["completed"] == 6 and res["output_tokens"] == 18
     assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["min"] > 0
+
+
+def _server_idle(url: str, timeout: float = 30.0) -> bool:
+    """The server's core has no request left (its /metrics gauges read 0 running and waiting)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith(("flashlet_requests_running", "flashlet_requests_waiting"))
+                  and len(line.split()) == 2}
+        if gauges and not any(gauges.values()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_long_prompt_gaps_through_the_server(run_bench, live_server):
+    """--url with the long-prompt-gaps workload: streams decode through the server, long prompts
+    are sent beside them, and the gaps and TTFTs come from the client's reads; the streams'
+    requests end when their connections close (the server aborts them: it is left idle)."""
+    out, _, rec = run_bench("--url", live_server, "--workload", "long-prompt-gaps", "--gap-streams", 4,
+                            "--gap-stream-prompt-len", 8, "--gap-long-prompts", 2, "--gap-long-prompt-len", 200,
+                            "--gap-baseline-steps", 5)
+    r, p = rec["results"], rec["params"]
+    assert rec["workload"] == "long-prompt-gaps" and rec["url"] == live_server and "model" not in rec
+    assert r["mode"] == "long-prompt-gaps" and r["streams"] == 4
+    assert p["gap_stream_tokens"] == 2 + 5 + 2 * 4 + 64 == r["stream_tokens_requested"]
+    assert r["baseline_itl_ms"]["n"] >= 4 * 4  # 5 tokens a stream after its 2nd: 4 gaps or more
+    assert r["itl_ms"]["n"] >= 4 and r["itl_ms"]["min"] >= 0 and r["long_ttft_ms"]["n"] == 2
+    assert all(t > 0 for t in r["long_ttft_ms_each"]) and r["window_s"] > 0
+    assert r["itl_p99_over_p50"] is None or r["itl_p99_over_p50"] >= 1
+    assert "| server | 4 | – |" in out and "words (about a token each)" in out
+    assert _server_idle(live_server), "the closed streams' requests were not aborted"
+
+
+def test_long_prompt_gaps_through_the_server_says_when_streams_run_out(run_bench, live_server, monkeypatch):
+    """Streams too short for the window (the server's steps carry fewer prompt tokens than the
+    length assumes) end the run with that reason, not figures over a partial window."""
+    from flashlet.bench import remote
+
+    # the streams' last token is their baseline's last: they end as the long prompts are sent
+    monkeypatch.setattr(remote, "gap_stream_tokens", lambda args: 2 + args.gap_baseline_steps)
+    with pytest.raises(RuntimeError, match="a stream finished before the window ended"):
+        run_bench("--url", live_server, "--workload", "long-prompt-gaps", "--gap-streams", 2,
+                  "--gap-stream-prompt-len", 8, "--gap-long-prompts", 2, "--gap-long-prompt-len", 400,
+                  "--gap-baseline-steps", 3)
+    assert _server_idle(live_server)

@@ -136,3 +136,25 @@ def test_fp8_tensor_core_gemvs_match_the_per_op_fp8_path(fp8_model, batch):
     assert fused.fp8_mma and fused.max_rows >= batch
     for gemvs in fused.gemvs.values():
         assert all(g.plan.mma for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down) if g is not None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="auto turns the fused path on at sm_90+ only (PDL)")
+def test_qwen3_fp8_at_the_defaults_matches_the_per_op_fp8_path(tmp_path):
+    """Qwen3 with fp8 weights, no fused flag given (auto takes it since fp8 weights are no
+    condition): its per-head q / k norm keeps RoPE out of the QKV epilogue, the four fp8
+    projections stream through the fp8 GEMVs, and the tokens hold to per-op fp8's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_model_families import save_family
+
+    folder = save_family("qwen3", tmp_path / "q3", **SMALL, head_dim=64)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # bf16 values first: the engines and the fp32 anchor quantize the same
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    model.save_pretrained(folder)
+    source = dict(model=str(folder), quantization="fp8")
+    engine = check_against_reference_teacher_forced(source, prompts(8, SMALL["vocab_size"]), 32, fused=None)
+    assert_fp8_gemvs(engine)
+    assert engine.config.fused_decode and not engine.runner.fused.parts.rope

@@ -27,7 +27,9 @@ TUNED_PLANS entries and --plans-out keys carry M as a sixth element.
 --quantization fp8 runs the fused path; the bank quantized per row, the check against
 gemv_reference with the scales); its keys end in "fp8". With --mma its tensor-core form (as
 `fused_decode.FP8_MMA_SHAPES` runs it) and that form's knobs (warps of K steps, a looping grid,
-splits of K over CTAs, a register cap); its keys end in "fp8", "mma". GPU only.
+splits of K over CTAs, a register cap); its keys end in "fp8", "mma". --mma without --fp8 (one
+row) sweeps bf16's one-row tensor-core form, which no engine path takes yet: whether it streams
+the 7B's GEMVs, where the one-row CUDA-core form collapses (keys ending in "mma"). GPU only.
 
 --config PRESET takes the shapes from a preset (hidden, intermediate, heads, vocab; the default
 is Qwen2.5-0.5B's), e.g. the 7B fp8 step's GEMVs, applied at once through FLASHLET_GEMV_PLANS:
@@ -503,13 +505,15 @@ def main() -> int:
     ap.add_argument("--cuobjdump", default="cuobjdump", help="with --registers: the cuobjdump binary")
     ap.add_argument("--rows", type=int, default=1, help="decode rows per call (M, 1-16): plans for the M-row kernel")
     ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3) weights with row scales (GPU sweep only)")
-    ap.add_argument("--mma", action="store_true", help="with --fp8: the tensor-core form and its knobs")
+    ap.add_argument("--mma", action="store_true",
+                    help="the tensor-core form and its knobs, where it is asked for: --fp8, or one bf16 row")
     ap.add_argument("--config", default="qwen2.5-0.5b", help="the preset whose GEMV shapes are swept")
     ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SHAPES = shapes_for(args.config)
-    if args.mma and not args.fp8:
-        ap.error("--mma sweeps the fp8 tensor-core form: give --fp8 too (bf16 M-row plans take it by default)")
+    if args.mma and not args.fp8 and args.rows > 1:
+        ap.error("--mma sweeps the tensor-core form where it is asked for: fp8 weights, or one bf16 row "
+                 "(bf16's M-row plans take it by default)")
     if args.trace_one:
         name, pdl, index, rows = args.trace_one
         trace_one(name, pdl == "1", int(index), int(rows))

@@ -321,13 +321,13 @@ TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g
 def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
                fp8: bool = False, mma: bool = False) -> tuple:
     """TUNED_PLANS' key: (N, K, epilogue, norm, pdl), then M where M > 1, then "fp8" (half the
-    bytes a row: a bf16 plan does not bind it) and, for fp8 on the tensor cores (opt-in, so a
-    form of its own whose knobs mean other things), "mma"."""
+    bytes a row: a bf16 plan does not bind it) and "mma" for a tensor-core plan asked for where
+    the default form is the CUDA cores' (fp8, and bf16 at one row: a form of its own, whose knobs
+    mean other things)."""
     key = (n_rows, k, epilogue, bool(norm), bool(pdl))
     key = key if rows == 1 else (*key, rows)
-    if not fp8:
-        return key
-    return (*key, "fp8", "mma") if mma else (*key, "fp8")
+    key = (*key, "fp8") if fp8 else key
+    return (*key, "mma") if mma and (fp8 or rows == 1) else key
 
 
 def load_tuned_plans(path: str) -> int:
@@ -339,13 +339,14 @@ def load_tuned_plans(path: str) -> int:
         entries = json.load(fh)
     for entry in entries:
         n, k, epilogue, norm, pdl, *rest = entry["key"]
-        mma = rest[-2:] == ["fp8", "mma"]
+        mma = rest[-1:] == ["mma"]
         rest = rest[:-1] if mma else rest
         fp8 = rest[-1:] == ["fp8"]
         rows = rest[:-1] if fp8 else rest
         knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
-        if unknown or epilogue not in EPILOGUES or len(rows) > 1 or not all(isinstance(r, int) for r in rows):
+        if (unknown or epilogue not in EPILOGUES or len(rows) > 1 or not all(isinstance(r, int) for r in rows)
+                or (mma and not fp8 and rows)):  # bf16's M-row plans are the tensor-core form, unmarked
             raise ValueError(f"{path}: entry {entry['key']} has unknown knobs {unknown}, epilogue or key length")
         key = _tuned_key(int(n), int(k), epilogue, norm, pdl, int(rows[0]) if rows else 1, fp8, mma)
         TUNED_PLANS[key] = dict(knobs)
@@ -407,8 +408,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     "fp8", "mma".
 
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
-    rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given); mma=False
-    keeps the CUDA-core M-row form. With fp8=True the tensor-core form (1 to 16 rows, K a
+    rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given), and one
+    bf16 row only where asked; mma=False keeps the CUDA-core M-row form. With fp8=True the tensor-core form (1 to 16 rows, K a
     multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the tensor cores") is opt-in: only
     mma=True plans it, until a GPU measures it."""
     if epilogue not in EPILOGUES:
@@ -417,7 +418,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
-    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8, mma=bool(fp8 and mma))
+    key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8, mma=bool(mma))
     table = TUNED_PLANS.get(key, {}) if tuned else {}
     unknown = set(table) - set(TUNABLE)
     if unknown:
@@ -548,8 +549,11 @@ def _mma_refusal(k: int, rows: int, fp8: bool, knobs: dict, asked: bool = False)
     """Why the tensor-core form cannot plan this GEMV ("" where it can); asked: mma=True."""
     if fp8 and not asked:
         return "fp8 on the tensor cores is opt-in (mma=True) until measured on a GPU"
-    if rows < 2 and not fp8:
-        return "the tensor-core form is for rows >= 2 (one row keeps the CUDA-core kernel)"
+    if rows < 2 and not fp8 and not asked:
+        # Asked for (mma=True), one bf16 row plans the same kernel with one real column of its
+        # 8-row tile: for measurement at shapes whose one-row CUDA-core GEMV collapses (hidden
+        # 3,584: MAX_NORM_CHUNKS), not yet measured on a GPU.
+        return "the tensor-core form is for rows >= 2 unless asked (one row keeps the CUDA-core kernel)"
     step = mma_k_step(fp8)
     if k % step:
         return f"K must be a multiple of {step}, got {k}"
@@ -1292,7 +1296,7 @@ def _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The tensor-core form (bf16 rows >= 2, fp8 rows >= 1; FUSED_NOTES.md, "Stage 5: tensor-core M
+# The tensor-core form (bf16 rows >= 2 or asked, fp8 rows >= 1; FUSED_NOTES.md, "Stage 5: tensor-core M
 # rows" and "Issue 31: fp8 on the tensor cores").
 #
 # y^T [16 weight rows, 8 decode rows] += W [16, K] x^T [K, 8] with mma.sync m16n8k16 (bf16 in,
@@ -1839,7 +1843,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
 def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, stream,
                 k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
                 splits, min_ctas):
-    """The tensor-core form (bf16 weights, rows >= 2)."""
+    """The tensor-core form (bf16 weights; one row only where asked)."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                          k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
                          kv_heads, rows, splits, False, None).launch(

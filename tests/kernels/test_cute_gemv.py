@@ -494,7 +494,7 @@ def test_mma_plan_covers_every_output_and_k_step_once():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=928), "multiple of 64"), (dict(rows=1), "rows >= 2"),
+    (dict(k=200), "multiple of 32"), (dict(fp8=True, k=928), "multiple of 64"),
     (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
     (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
     (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
@@ -503,6 +503,23 @@ def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
     kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
     with pytest.raises(ValueError, match=match):
         plan_gemv(kwargs.pop("n_rows"), kwargs.pop("k"), "residual", mma=True, **kwargs)
+
+
+def test_one_bf16_row_takes_the_tensor_core_form_only_where_asked(monkeypatch):
+    """One bf16 row keeps the CUDA-core kernel by default (a CUDA-core knob too); mma=True plans
+    the tensor-core form at one row (at Qwen2.5-7B's shapes, where the one-row CUDA-core GEMVs
+    collapse: 14 warps of 8 K steps), from TUNED_PLANS entries keyed apart ("mma")."""
+    assert not plan_gemv(4608, 3584, "bias", norm=True, pdl=True).mma
+    for n, k, epilogue, norm in ((4608, 3584, "bias", True), (3584, 3584, "residual", False),
+                                 (37888, 3584, "silu_mul", True), (152064, 3584, "argmax", True)):
+        p = plan_gemv(n, k, epilogue, norm=norm, pdl=True, mma=True)
+        assert p.mma and p.rows == 1 and not p.fp8 and p.warps * p.chunks * 32 >= k, p.describe()
+    # the 0.5B's one-row CUDA-core entries (staged, ...) do not bind the asked-for form
+    assert cute_gemv.TUNED_PLANS[(896, 896, "residual", False, True)].get("staged")
+    assert plan_gemv(896, 896, "residual", pdl=True, mma=True).mma
+    monkeypatch.setitem(cute_gemv.TUNED_PLANS, (3584, 3584, "residual", False, True, "mma"), dict(splits=2))
+    assert plan_gemv(3584, 3584, "residual", pdl=True, mma=True).splits == 2
+    assert not plan_gemv(3584, 3584, "residual", pdl=True).mma
 
 
 def test_mma_is_the_default_for_rows_where_it_plans():
@@ -989,6 +1006,17 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
                  (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
                  (256, 8960, "residual", False, True, {})]  # Qwen2.5-1.5B's down K: split over 9 CTAs
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES[:6] + [(4608, 3584, "bias", True, True, {})])
+def test_mma_one_row_asked_for_matches_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs):
+    """One bf16 row on the tensor cores (mma=True: one real column of the 8-row tile), at the
+    fused path's 0.5B shapes and the 7B's QKV, before any engine takes it."""
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=1, mma=True, **knobs)
+    assert gemv.plan.mma and gemv.plan.rows == 1, gemv.plan.describe()
+    check_rows(kh, gemv, epilogue, norm, 1)
 
 
 @pytest.mark.gpu

@@ -394,3 +394,12 @@ def test_gemv_sweep_takes_a_presets_shapes_and_the_tensor_core_knobs(monkeypatch
         assert found[0][0] == "default" and len(found) >= 4 and len(set(plans)) == len(plans)
         assert all(p.mma and p.fp8 for p in plans)
         assert any(p.splits > 1 for p in plans) == (not norm), name
+
+
+def test_gemv_sweep_refuses_mma_for_bf16_rows_past_one():
+    """bf16's M-row plans are the tensor-core form already: --mma is for fp8 or one bf16 row."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gemv_sweep.py"
+    done = subprocess.run([sys.executable, str(script), "--mma", "--rows", "4"], capture_output=True,
+                          text=True, timeout=120, cwd=script.parents[1],
+                          env={**os.environ, "PYTHONPATH": str(script.parents[1])})
+    assert done.returncode == 2 and "one bf16 row" in done.stderr, done.stderr[-500:]

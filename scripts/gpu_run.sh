@@ -50,8 +50,9 @@
 #                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
 #   gemv-fp8-7b  the fp8 tensor-core GEMVs' plan sweep at GEMV_CONFIG (qwen2.5-7b), then one stream
 #                with its winners (FLASHLET_GEMV_PLANS) against the built-in plans (~9 min)
-#   gemv-bf16-mma one bf16 row on the tensor cores (opt-in): its GPU test, then the plan sweep at
-#                GEMV_CONFIG (qwen2.5-7b) with the four GEMVs' layer chain (~7 min)
+#   gemv-bf16-mma one bf16 row on the tensor cores (opt-in): its GPU test, the plan sweep at
+#                GEMV_CONFIG (qwen2.5-7b) with the four GEMVs' layer chain, then one stream at the
+#                default against the fused path on them (lab/bf16_one_row_mma.py) (~10 min)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
 #                FP8_CONFIGS (0.5B, 7B), beside bf16 (~3 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
@@ -379,7 +380,11 @@ for _ in range(480):
       cute_env
       run 300 $PYTEST tests/kernels/test_cute_gemv.py -k one_row_asked_for
       run 420 python3 scripts/gemv_sweep.py --config ${GEMV_CONFIG:-qwen2.5-7b} --mma --pdl on \
-        --only qkv_rope o gate_up down --budget-s 300 --json "$OUT/json/gemv-bf16-mma.json" ;;
+        --only qkv_rope o gate_up down --budget-s 300 --json "$OUT/json/gemv-bf16-mma.json"
+      # then one stream: the default (per-op at 7B) against the fused path with the shape added
+      S="--config ${GEMV_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
+      run 200 python3 -m flashlet.bench $S --out "$OUT/json/bf16-default-single.json"
+      run 300 python3 lab/bf16_one_row_mma.py $S --out "$OUT/json/bf16-one-row-mma-single.json" ;;
     fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three
       # timed runs of 256 tokens): 0.5B and 7B, beside bf16's
       cute_env

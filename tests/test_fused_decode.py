@@ -139,6 +139,29 @@ def test_wide_lm_head_runs_the_norm_and_a_matmul(tiny_model, reference_kernels, 
     assert len(matmuls) == sum(12 - 1 for _ in PROMPTS) and gemvs.qkv.calls > 0
 
 
+def test_a_bf16_shape_on_one_row_tensor_cores_is_wired_and_taken_by_auto(tiny_model, bf16_model, reference_kernels,
+                                                                        monkeypatch):
+    """A bf16 shape in BF16_ONE_ROW_MMA_SHAPES: its one-row GEMVs are planned on the tensor cores
+    (its M-row ones are already), the tokens stay the model's, and auto no longer declines it for
+    its norm-folded chunks (MAX_NORM_CHUNKS lowered here below the tiny model's)."""
+    want, _ = generate(tiny_model, False, PROMPTS)
+    model = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=1)).model
+    shape = (model.config.hidden_size, model.layers[0].down_proj.weight.shape[1])
+    monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", {shape})
+    got, engine = generate(tiny_model, True, PROMPTS)
+    assert got == want
+    gemvs = engine.runner.fused.gemvs[1]
+    assert all(g.plan.mma for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down))
+    assert not gemvs.lm_argmax.plan.mma  # the head keeps its own plan
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
+    bf16_shape = (bf16_model.config.hidden_size, bf16_model.layers[0].down_proj.weight.shape[1])
+    monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", set())
+    assert "chunks" in fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True)
+    monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", {bf16_shape})
+    assert fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True) is None
+
+
 @pytest.mark.parametrize("params", [{}, {"logprobs": 1}], ids=["argmax", "logits"])
 def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kernels, monkeypatch, params):
     """FusedParts.rope: RoPE and the K/V write happen in the QKV GEMV's epilogue (here its

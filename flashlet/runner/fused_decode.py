@@ -86,8 +86,8 @@ import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
-from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV, RopeShape,
-                                        VEC, cute_available, lanes_for, plan_gemv)
+from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV,
+                                        RopeShape, VEC, cute_available, lanes_for, plan_gemv)
 from flashlet.models import quantization
 from flashlet.models.quantization import QuantizedWeight, is_quantized
 from flashlet.runner.batch import StepLayout
@@ -150,6 +150,23 @@ def fp8_tensor_cores(model, asked: bool | None) -> bool:
         return False
     cfg, layer = model.config, model.layers[0]
     return all(k % MMA_K_FP8 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
+
+
+# bf16 models (hidden size, intermediate size) whose one-row GEMVs take the tensor-core form
+# (cute_gemv's mma=True at one row: one real column of its 8-row tile), where the one-row
+# CUDA-core GEMVs collapse past MAX_NORM_CHUNKS; auto then takes the fused path at that shape.
+# Empty until measured: `gpu_run.sh gemv-bf16-mma` (the GEMVs alone), then one stream at the 7B
+# shape with (3584, 18944) added here against per-op's 216 tok/s.
+BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = set()
+
+
+def bf16_one_row_tensor_cores(model) -> bool:
+    """Whether this bf16 model's one-row GEMVs take the tensor-core form: its shape is in
+    BF16_ONE_ROW_MMA_SHAPES and every GEMV's K a multiple of the form's K step (MMA_K)."""
+    cfg, layer = model.config, model.layers[0]
+    if is_quantized(model) or (cfg.hidden_size, layer.down_proj.weight.shape[1]) not in BF16_ONE_ROW_MMA_SHAPES:
+        return False
+    return all(k % MMA_K == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
 
 
 def norm_chunks_per_lane(hidden_size: int, fp8: bool = False) -> int:
@@ -234,7 +251,7 @@ def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -
     if why:
         return "; ".join(why)
     chunks = norm_chunks_per_lane(model.config.hidden_size, is_quantized(model))
-    if chunks > MAX_NORM_CHUNKS:
+    if chunks > MAX_NORM_CHUNKS and not bf16_one_row_tensor_cores(model):
         # Forced on (fused_decode=True) it runs, at a fraction of per-op's speed (MAX_NORM_CHUNKS).
         return (f"hidden_size = {model.config.hidden_size} gives its norm-folded one-row GEMVs "
                 f"{chunks} 16-byte chunks a lane (more than {MAX_NORM_CHUNKS}): at 14 (Qwen2.5-7B) "
@@ -317,6 +334,7 @@ class FusedDecode:
         layer = model.layers[0]
         self.fp8 = is_quantized(model)  # the decoder's weights: fp8 codes + row scales (`_weight`)
         self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores
+        self.bf16_one_row_mma = bf16_one_row_tensor_cores(model)  # one bf16 row on them too
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
@@ -368,7 +386,8 @@ class FusedDecode:
         h, q, kv, inter, vocab = self._widths()
         # rows= only past one row: the one-row kernels stay exactly the plans they always were
         head = dict(device=device, pdl=self.pdl, **({"rows": m} if m > 1 else {}))
-        gemv = dict(head, **({"fp8": True} if self.fp8 else {}), **({"mma": True} if self.fp8_mma else {}))
+        mma = self.fp8_mma or (m == 1 and self.bf16_one_row_mma)  # bf16 M-row GEMVs: mma by default
+        gemv = dict(head, **({"fp8": True} if self.fp8 else {}), **({"mma": True} if mma else {}))
         normed = dict(norm=True, eps=cfg.rms_norm_eps, **gemv)
         head_normed = dict(norm=True, eps=cfg.rms_norm_eps, **head)
         narrow_head = not wide_head(h)

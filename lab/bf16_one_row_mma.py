@@ -1,0 +1,31 @@
+"""The harness with one preset's bf16 shape added to `fused_decode.BF16_ONE_ROW_MMA_SHAPES`: its
+one-row GEMVs on the tensor cores, and auto taking the fused path there, before the set holds
+it (a measurement, not a default: the set is filled once this beats per-op).
+
+    python3 lab/bf16_one_row_mma.py --config qwen2.5-7b --dtype bfloat16 --quiet --workload single \\
+        --max-num-pages 8192            # any flashlet.bench arguments; --config names the shape
+"""
+
+from __future__ import annotations
+
+import sys
+
+from flashlet.bench.cli import main
+from flashlet.models.model import ModelConfig
+from flashlet.models.weights import preset_config
+from flashlet.runner import fused_decode
+
+
+def add_shape(argv: list[str]) -> tuple[int, int]:
+    """The --config preset's (hidden size, intermediate size), added to the set."""
+    if "--config" not in argv:
+        raise SystemExit("give --config PRESET (the shape to put on the tensor cores)")
+    cfg = ModelConfig.from_hf(preset_config(argv[argv.index("--config") + 1]))
+    shape = (cfg.hidden_size, cfg.intermediate_size)
+    fused_decode.BF16_ONE_ROW_MMA_SHAPES.add(shape)
+    return shape
+
+
+if __name__ == "__main__":
+    print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(sys.argv[1:])}", file=sys.stderr)
+    sys.exit(main(sys.argv[1:]))

@@ -49,7 +49,7 @@
 #                against two launches (the default): its GPU tests, then one stream after 1,000 tokens
 #                at ONE_LAUNCH_CONFIG (7B), two interleaved pairs (~6 min)
 #   gemv-fp8-7b  the fp8 tensor-core GEMVs' plan sweep at GEMV_CONFIG (qwen2.5-7b), then one stream
-#                with its winners (FLASHLET_GEMV_PLANS) against the built-in plans (~9 min)
+#                with its winners (FLASHLET_GEMV_PLANS) against the built-in plans (~8 min)
 #   gemv-bf16-mma one bf16 row on the tensor cores (opt-in): its GPU test, the plan sweep at
 #                GEMV_CONFIG (qwen2.5-7b) with the four GEMVs' layer chain, then one stream at the
 #                default against the fused path on them (lab/bf16_one_row_mma.py) (~10 min)
@@ -370,7 +370,7 @@ for _ in range(480):
       cute_env
       C=${GEMV_CONFIG:-qwen2.5-7b}
       run 420 python3 scripts/gemv_sweep.py --config $C --fp8 --mma --pdl on --only qkv_rope o gate_up \
-        --budget-s 300 --plans-out "$OUT/json/gemv-plans.json" --json "$OUT/json/gemv-sweep.json"
+        --budget-s 240 --plans-out "$OUT/json/gemv-plans.json" --json "$OUT/json/gemv-sweep.json"
       S="python3 -m flashlet.bench --config $C --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --quantization fp8"
       run 200 $S --out "$OUT/json/$C-fp8-built-in-plans.json"
       run 200 env FLASHLET_GEMV_PLANS="$OUT/json/gemv-plans.json" $S --out "$OUT/json/$C-fp8-swept-plans.json" ;;
@@ -380,7 +380,7 @@ for _ in range(480):
       cute_env
       run 300 $PYTEST tests/kernels/test_cute_gemv.py -k one_row_asked_for
       run 420 python3 scripts/gemv_sweep.py --config ${GEMV_CONFIG:-qwen2.5-7b} --mma --pdl on \
-        --only qkv_rope o gate_up down --budget-s 300 --json "$OUT/json/gemv-bf16-mma.json"
+        --only qkv o gate_up down qkv_rope --budget-s 240 --json "$OUT/json/gemv-bf16-mma.json"
       # then one stream: the default (per-op at 7B) against the fused path with the shape added
       S="--config ${GEMV_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
       run 200 python3 -m flashlet.bench $S --out "$OUT/json/bf16-default-single.json"

@@ -175,7 +175,7 @@ def _paged(batch, kv_len, page_size, num_kv_heads, head_dim, dtype, device, gen)
 def _decode_torch(q, k_cache, v_cache, indices, kv_len, scale):
     """Batched PyTorch decode for uniform kv_len: gather the pages, one SDPA call."""
     batch, hq, d = q.shape
-    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[2]
     idx = indices.view(batch, -1).long()
     k = k_cache[idx].flatten(1, 2)[:, :kv_len].transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[idx].flatten(1, 2)[:, :kv_len].transpose(1, 2)

@@ -196,7 +196,6 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             tail = b""  # the last events, sent with [DONE] (_last_event)
             try:
                 async for i, text, delta in _interleave(gens):
-                    gen = gens[i]
                     if delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
                         yield sse({**head, "choices": [], "prompt_logprobs": _vllm_prompt_logprobs(
                             ctx, delta.prompt_logprobs, body.prompt_logprobs)})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import shutil
 import socket
 import threading
 import time

@@ -409,9 +409,9 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
 
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
     rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given), and one
-    bf16 row only where asked; mma=False keeps the CUDA-core M-row form. With fp8=True the tensor-core form (1 to 16 rows, K a
-    multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the tensor cores") is opt-in: only
-    mma=True plans it, until a GPU measures it."""
+    bf16 row only where asked; mma=False keeps the CUDA-core M-row form. With fp8=True the
+    tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
+    tensor cores") is opt-in: only mma=True plans it, until a GPU measures it."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,

@@ -140,16 +140,23 @@ SERVED_ROWS_FP8 = 4
 FP8_MMA_SHAPES = {(3584, 18944)}
 
 
+def model_shape(model) -> tuple[int, int]:
+    """(hidden size, intermediate size): how FP8_MMA_SHAPES and BF16_ONE_ROW_MMA_SHAPES name a model."""
+    return model.config.hidden_size, model.layers[0].down_proj.weight.shape[1]
+
+
+def _ks_fit(model, k_step: int) -> bool:
+    """Whether every GEMV's K (hidden, q, intermediate) is a multiple of the tensor-core form's K step."""
+    return all(k % k_step == 0 for k in (*model_shape(model), model.layers[0].q_size))
+
+
 def fp8_tensor_cores(model, asked: bool | None) -> bool:
     """Whether this model's fp8 GEMVs take the tensor-core form: asked for
     (`EngineConfig.fused_decode_fp8_mma`; None: auto, the shapes in FP8_MMA_SHAPES), fp8
     weights, and every GEMV's K a multiple of the form's K step (MMA_K_FP8)."""
     if asked is None:
-        asked = (model.config.hidden_size, model.layers[0].down_proj.weight.shape[1]) in FP8_MMA_SHAPES
-    if not asked or not is_quantized(model):
-        return False
-    cfg, layer = model.config, model.layers[0]
-    return all(k % MMA_K_FP8 == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
+        asked = model_shape(model) in FP8_MMA_SHAPES
+    return bool(asked) and is_quantized(model) and _ks_fit(model, MMA_K_FP8)
 
 
 # bf16 models (hidden size, intermediate size) whose one-row GEMVs take the tensor-core form
@@ -163,10 +170,7 @@ BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = set()
 def bf16_one_row_tensor_cores(model) -> bool:
     """Whether this bf16 model's one-row GEMVs take the tensor-core form: its shape is in
     BF16_ONE_ROW_MMA_SHAPES and every GEMV's K a multiple of the form's K step (MMA_K)."""
-    cfg, layer = model.config, model.layers[0]
-    if is_quantized(model) or (cfg.hidden_size, layer.down_proj.weight.shape[1]) not in BF16_ONE_ROW_MMA_SHAPES:
-        return False
-    return all(k % MMA_K == 0 for k in (cfg.hidden_size, layer.q_size, layer.down_proj.weight.shape[1]))
+    return not is_quantized(model) and model_shape(model) in BF16_ONE_ROW_MMA_SHAPES and _ks_fit(model, MMA_K)
 
 
 def norm_chunks_per_lane(hidden_size: int, fp8: bool = False) -> int:

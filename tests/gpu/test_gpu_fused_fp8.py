@@ -31,16 +31,22 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def fp8_model(request, tmp_path_factory):
+def round_to_bf16(folder) -> None:
+    """The checkpoint's weights rounded to bf16 values (saved back in place): the bf16 engines
+    and the fp32 anchor then quantize the same values to the same codes and scales."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny_model(request.param, tmp_path_factory.mktemp(f"fused-fp8-{request.param}"), **SMALL)
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
     model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def fp8_model(request, tmp_path_factory):
+    folder = save_tiny_model(request.param, tmp_path_factory.mktemp(f"fused-fp8-{request.param}"), **SMALL)
+    round_to_bf16(folder)
     return dict(model=str(folder), quantization="fp8"), SMALL["vocab_size"]
 
 
@@ -144,16 +150,10 @@ def test_qwen3_fp8_at_the_defaults_matches_the_per_op_fp8_path(tmp_path):
     """Qwen3 with fp8 weights, no fused flag given (auto takes it since fp8 weights are no
     condition): its per-head q / k norm keeps RoPE out of the QKV epilogue, the four fp8
     projections stream through the fp8 GEMVs, and the tokens hold to per-op fp8's."""
-    from transformers import AutoModelForCausalLM
-
     from tests.test_model_families import save_family
 
     folder = save_family("qwen3", tmp_path / "q3", **SMALL, head_dim=64)
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    with torch.no_grad():  # bf16 values first: the engines and the fp32 anchor quantize the same
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
-    model.save_pretrained(folder)
+    round_to_bf16(folder)
     source = dict(model=str(folder), quantization="fp8")
     engine = check_against_reference_teacher_forced(source, prompts(8, SMALL["vocab_size"]), 32, fused=None)
     assert_fp8_gemvs(engine)

@@ -620,8 +620,11 @@ def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels, 
     assert outs[0] == outs[1]
     fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
     assert fused_decode.SERVED_ROWS == 4 and fused.row_counts == [1, 2, 4]
-    assert {(18, "logits"), (16, "logits"), (8, "logits"), (4, "tokens")} <= keys
-    assert not {(16, "tokens"), (8, "tokens")} & keys and fused.gemvs[4].lm_argmax.calls > 0
+    # plain greedy requests: every size replays a graph that ends in the tokens, the per-op
+    # sizes' (the argmax of the per-op LM head's logits) and the fused ones'
+    assert {(18, "tokens"), (16, "tokens"), (8, "tokens"), (4, "tokens")} <= keys
+    assert not any(kind == "logits" for _, kind in keys) and fused.gemvs[4].lm_argmax.calls > 0
+    assert sorted(fused.gemvs) == [1, 2, 4]
 
 
 def test_a_gemv_of_one_row_keeps_the_path_at_one_row(tiny_qwen2, reference_kernels, monkeypatch):

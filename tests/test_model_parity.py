@@ -38,6 +38,29 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_model):
         assert (ours - ref_logits).abs().max().item() < 1e-4
 
 
+def test_greedy_tokens_are_the_argmax_of_the_fp32_logits(tiny_model):
+    """Model.greedy_tokens (the per-op greedy decode graph's end) takes the argmax of the LM
+    head's bf16 logits: the same token as compute_logits' fp32 copy, ties included (a row of
+    equal hidden states, and a head with two equal rows)."""
+    from flashlet import Engine, EngineConfig
+
+    model = Engine(EngineConfig(model=str(tiny_model), device="cpu", dtype="bfloat16")).model
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+    hidden[3] = hidden[2]
+    with torch.inference_mode():
+        head = model.lm_head_weight
+        saved = head[5].clone()
+        head[5] = head[7]  # two ids with the same logit in every row: the first wins either way
+        try:
+            tokens, logits = model.greedy_tokens(hidden), model.compute_logits(hidden)
+        finally:
+            head[5] = saved
+    assert logits.dtype == torch.float32 and tokens.dtype == torch.int64
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert tokens[3] == tokens[2] and 7 not in tokens.tolist()
+
+
 def test_ragged_batch_equals_each_prompt_alone(tiny_model):
     llm = LLM(str(tiny_model))
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -462,7 +462,32 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
         if graphs:
             sizes = {key[0] for key in engine.runner.graphs}
             assert sizes >= {4, 2, 1} and sizes <= {1, 2, 4, 8}, sizes
+            # plain greedy requests: the graphs that end in the argmax, never the logits'
+            assert {key[1] for key in engine.runner.graphs} == {"tokens"}
     assert outs[0] == outs[1]
+
+
+def test_graph_steps_keep_the_logits_where_a_request_or_observer_needs_them(tiny_qwen2):
+    """A decode step replays the logits graph where a request's sampling needs the logits (here
+    logprobs) or an observer reads them, the greedy-token graph otherwise; the same tokens."""
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", dtype="bfloat16", max_num_seqs=8)
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
+    outs, kinds = [], []
+    for case in ("greedy", "logprobs", "observed"):
+        engine = Engine(cfg)
+        _graphs_on_the_cpu(engine)
+        if case == "observed":
+            engine.observe_steps(lambda meta, logits: None)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                    logprobs=1 if case == "logprobs" and i == 1 else None))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        outs.append([done[i] for i in ids])
+        kinds.append({key[1] for key in engine.runner.graphs})
+    assert kinds == [{"tokens"}, {"logits"}, {"logits"}]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_a_graph_step_not_loaded_by_the_runner_is_refused(tiny_qwen2):
@@ -635,7 +660,9 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
     report = warm_up(engine)
     mixed = {key for key in runner.graphs if key[0] == "mixed"}
     assert report["mixed_graphs"] == len(mixed) >= 3
-    assert report["graphs"] == len(runner.graphs) == len(mixed) + len(runner.graph_sizes)
+    # and two graphs a decode size: the one that ends in the logits, the one in greedy tokens
+    assert runner.greedy_token_sizes() == runner.graph_sizes
+    assert report["graphs"] == len(runner.graphs) == len(mixed) + 2 * len(runner.graph_sizes)
     captured = set(runner.graphs)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for prompt in ([3, 5, 7] * 14, [2, 4], [8] * 20, [1, 2, 9, 9, 4] * 6, [6] * 17):

@@ -357,11 +357,11 @@ class Engine:
         wants_hidden = pooling or scoring is not None
         verifying = bool(sched.proposals)
         if verifying and not wants_hidden:
-            tokens = self._fused_greedy_tokens(sched, input_ids, meta)
+            tokens = self._greedy_tokens(sched, input_ids, meta)
             if tokens is not None:  # every row plain greedy: the argmax epilogue decides
                 return self._launched_verify(sched, scoring, tokens=tokens)
         sampled = (None if wants_hidden or verifying
-                   else self._greedy_fused(sched, input_ids, meta))
+                   else self._greedy_decode(sched, input_ids, meta))
         if sampled is None:
             if wants_hidden:  # embedding rows and scored prompt rows read the hidden states
                 hidden, logits = self.runner.forward_hidden(input_ids, meta)
@@ -406,17 +406,19 @@ class Engine:
                              and len(r.prompt_logprobs) < r.num_prompt_tokens}
         return bool(self._scoring)
 
-    def _greedy_fused(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
-        """With fused_decode, a decode step the fused path serves whose requests are all plain
-        greedy takes their tokens from the LM head's argmax epilogue (no logits); None where
-        that does not apply (observers want logits; the sampler has work to do; not a fused step)."""
-        tokens = self._fused_greedy_tokens(sched, input_ids, meta)
+    def _greedy_decode(self, sched: SchedulerOutput, input_ids, meta) -> SamplerOutput | None:
+        """A pure-decode step whose requests are all plain greedy takes their tokens from the
+        argmax at the end of its graph (the fused path's LM head epilogue, or the per-op graph's
+        argmax of the bf16 logits: `runner.greedy_tokens`); None where that does not apply
+        (observers want logits; the sampler has work to do; a step no such graph serves)."""
+        tokens = self._greedy_tokens(sched, input_ids, meta)
         return None if tokens is None else SamplerOutput(tokens, {}, None)
 
-    def _fused_greedy_tokens(self, sched: SchedulerOutput, input_ids, meta) -> torch.Tensor | None:
-        """Each row's argmax token from the fused path (a decode step, or a verify step loaded
-        as decode rows) where every request is plain greedy and no observer wants logits."""
-        if self.runner.fused is None or self._step_observers:
+    def _greedy_tokens(self, sched: SchedulerOutput, input_ids, meta) -> torch.Tensor | None:
+        """Each row's argmax token, no logits kept, where every request is plain greedy and no
+        observer wants logits: from the fused path (a decode step, or a verify step loaded as
+        decode rows) or a per-op decode graph (`runner.greedy_tokens`)."""
+        if self._step_observers:
             return None
         if not all_plain_greedy(sched.sampling):
             return None

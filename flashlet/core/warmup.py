@@ -11,17 +11,17 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   them (FlashInfer), on CUDA, one eager step more at each token bucket's length, for the GEMMs'
   kernels (`eager_chunk_steps`);
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
-  each capturing its decode variant; without, the decode variant of the batch size
-  (`decode_backend.decode_variant`);
+  each capturing its decode variant, and a second, the one that ends in the greedy tokens
+  (`runner.greedy_tokens`, `runner.greedy_token_sizes`); without, the decode variant of the
+  batch size (`decode_backend.decode_variant`);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - on CUDA, the LM head's GEMM outside any graph (a step with a chunk computes its sampled rows'
   logits eagerly) at every row count such a step samples (`logits_row_counts`): cuBLAS picks its
   kernel by shape, and CUDA loads a kernel's module on its first launch (lazy loading), a
   several-ms host stall that, met mid-serving, drains the overlapped steps;
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
-  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4) and, per
-  size a step of requests pads to, a second graph, the one that ends in the greedy tokens
-  (`runner.greedy_tokens`).
+  CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4), and its
+  greedy-token graphs at every size a step of requests pads to, eagerly where graphs are off.
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples
@@ -146,7 +146,7 @@ def warm_up(engine) -> dict:
         t1 = time.perf_counter()
         for size in sizes:
             runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
-        for size in runner.greedy_token_sizes():  # the fused path's greedy-token graphs
+        for size in runner.greedy_token_sizes():  # the graphs that end in the greedy tokens
             runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
         sync()
         t2 = time.perf_counter()

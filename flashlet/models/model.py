@@ -241,6 +241,14 @@ class CausalLM(nn.Module):
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> each row's argmax token [N] int64: `compute_logits(...)
+        .argmax(-1)` without the fp32 copy (widening bf16 / fp16 to fp32 is exact, so the
+        argmax, the first index of the maximum, is the same). One device only."""
+        if self.tp is not None:
+            raise ValueError("greedy_tokens runs on one device (tensor parallel: compute_logits)")
+        return self.ops.linear(hidden, self.lm_head_weight).argmax(dim=-1)
+
 
 def rope_cache(cfg: ModelConfig) -> torch.Tensor:
     """[max_context_len, head_dim] fp32: cos | sin of each position (`flashlet.models.rope`)."""

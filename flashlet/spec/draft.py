@@ -225,8 +225,10 @@ class DraftProposer:
             runner.forward(*runner.load(self._synthetic(1, q_len, context)))
         for size in warmup.decode_sizes(runner, max_seqs):
             runner.forward(*runner.load(self._synthetic(size, 1)))
-        for size in runner.fused.row_counts if runner.fused is not None else []:
-            # the fused path's greedy-token graphs: decodes, and catch-ups as decode rows
+        # the greedy-token graphs: the fused path's (decodes, and catch-ups as decode rows),
+        # then the per-op decode sizes'
+        fused = list(runner.fused.row_counts) if runner.fused is not None else []
+        for size in fused + [s for s in runner.greedy_token_sizes() if s not in fused]:
             runner.greedy_tokens(*runner.load(self._synthetic(size, 1)))
         for bucket, q_len, context in reversed(mixed):  # the largest first: the rest reuse its memory
             runner.forward(*runner.load(self._synthetic(1, q_len, context), token_bucket=bucket))

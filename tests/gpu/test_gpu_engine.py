@@ -66,6 +66,32 @@ def test_graph_replay_gives_the_eager_tokens(backend):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_greedy_decode_graphs_give_the_logits_graphs_tokens(backend, monkeypatch):
+    """Decode steps of plain greedy requests replay the per-op graph that ends in the argmax of
+    the bf16 logits (no fp32 copy); the same steps with a step observer replay the logits graph
+    and the sampler takes the argmax: the same GEMM, so the same tokens."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    from flashlet.runner.model_runner import ModelRunner
+
+    took, greedy_tokens = [], ModelRunner.greedy_tokens
+
+    def counted(self, input_ids, meta):
+        tokens = greedy_tokens(self, input_ids, meta)
+        took.append(tokens is not None)
+        return tokens
+
+    monkeypatch.setattr(ModelRunner, "greedy_tokens", counted)
+    prompts = PROMPTS + [[(i * 13 + 5) % 150000 for i in range(n)] for n in (2, 8, 19, 64, 200)]
+    with_logits, engine = run_engine(backend, True, prompts, record=[])
+    warm_up = sum(took)  # the observer keeps every step on the logits graphs
+    assert warm_up == len(engine.runner.greedy_token_sizes()) > 0
+    tokens, engine = run_engine(backend, True, prompts)
+    assert sum(took) - 2 * warm_up >= 60, "the greedy graphs did not serve the decode steps"
+    assert tokens == with_logits
+
+
 @pytest.mark.parametrize("backend", ["torch", "flashinfer", "triton"])
 def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(backend):
     """Overlap launches step N before step N-1's tokens reach the host; on a GPU that really

@@ -60,17 +60,18 @@ def test_nothing_compiles_or_captures_after_start(backend):
     start = engine.start_report
     fused = engine.runner.fused  # on by default where it applies (sm_90+, the CuTe DSL, triton)
     assert start["warmed_up"]
-    # with the fused path, each of its sizes (those up to fused_decode.SERVED_ROWS: 1, 2, 4, 8, 16)
-    # has a second graph: the one that ends in the greedy tokens
+    # every decode size has a second graph, the one that ends in the greedy tokens: the fused
+    # path's (sizes up to fused_decode.SERVED_ROWS: 1, 2, 4, 8, 16), then the per-op ones
     from flashlet.runner import fused_decode
 
     greedy_sizes = engine.runner.greedy_token_sizes()
-    served = [s for s in engine.runner.graph_sizes if s <= fused_decode.SERVED_ROWS]
-    assert greedy_sizes == (served if fused is not None else [])
+    served = ([s for s in engine.runner.graph_sizes if s <= fused_decode.SERVED_ROWS]
+              if fused is not None else [])
+    assert greedy_sizes == served + [s for s in engine.runner.graph_sizes if s not in served]
     assert start["graphs"] == len(engine.runner.graph_sizes) + start["mixed_graphs"] + len(greedy_sizes)
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
-    cute = cute_kernels(fused, greedy_sizes)
+    cute = cute_kernels(fused, served)
     if fused is not None:  # every GEMV a step may run, compiled at start and counted
         assert start["cute_gemvs"] >= len(cute) and start["cute_compile_s"] > 0
     assert all(k is not None for k in cute.values()), f"CuTe GEMVs not compiled at start: {cute}"
@@ -78,16 +79,16 @@ def test_nothing_compiles_or_captures_after_start(backend):
         _workload(engine)
     assert compiles.count == 0, f"compiled after start: {compiles.names}"
     assert engine.runner.graphs.keys() == graphs.keys(), "a CUDA graph was captured after start"
-    after = cute_kernels(fused, greedy_sizes)
+    after = cute_kernels(fused, served)
     assert all(after[n] is cute[n] for n in cute), "a CuTe GEMV was compiled after start"
 
 
-def cute_kernels(fused, greedy_sizes) -> dict:
+def cute_kernels(fused, served) -> dict:
     """The fused path's compiled CuTe GEMVs by (rows, name) ({} without the path); the argmax
-    of the row counts that end in greedy tokens (the others serve verify steps only)."""
+    of its row counts that end in greedy tokens, `served` (the others serve verify steps only)."""
     names = ("qkv", "o", "gate_up", "down", "lm_head")
     if fused is None:
         return {}
     kernels = {(m, n): getattr(g, n)._compiled for m, g in fused.gemvs.items() for n in names
                if getattr(g, n) is not None}
-    return {**kernels, **{(m, "lm_argmax"): fused.gemvs[m].lm_argmax._compiled for m in greedy_sizes}}
+    return {**kernels, **{(m, "lm_argmax"): fused.gemvs[m].lm_argmax._compiled for m in served}}

@@ -5,6 +5,7 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py now
     PYTHONPATH=../old-tree:$CUTE python3 lab/one_stream_pair.py base      # alternate the two
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py fp8 --config qwen2.5-7b --quantization fp8
+    PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached 32-token prompt:
 256 decode steps. Prints one JSON line: tok/s of each run, the start-up seconds, the graphs' us.
@@ -49,10 +50,13 @@ def main() -> None:
     p.add_argument("label", nargs="?", default="now")
     p.add_argument("--config", default="qwen2.5-0.5b", help="a preset (random weights)")
     p.add_argument("--quantization", default=None, choices=("fp8",))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = p.parse_args()
     started = time.perf_counter()
-    llm = LLM(config=args.config, dtype="bfloat16", max_num_pages=8192, quantization=args.quantization)
+    llm = LLM(config=args.config, dtype="bfloat16", max_num_pages=8192, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     result = {"label": args.label, "config": args.config, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "fused": llm.engine.runner.fused is not None,
               "start_s": round(time.perf_counter() - started, 1)}
     vocab = llm.engine.model_config.vocab_size

@@ -50,15 +50,15 @@ def test_greedy_tokens_are_the_argmax_of_the_fp32_logits(tiny_model):
     hidden[3] = hidden[2]
     with torch.inference_mode():
         head = model.lm_head_weight
-        saved = head[5].clone()
-        head[5] = head[7]  # two ids with the same logit in every row: the first wins either way
+        saved = head[[5, 7]].clone()
+        head[5] = head[7] = hidden[0] * 4  # row 0's largest logit, at two ids: the first wins
         try:
             tokens, logits = model.greedy_tokens(hidden), model.compute_logits(hidden)
         finally:
-            head[5] = saved
+            head[[5, 7]] = saved
     assert logits.dtype == torch.float32 and tokens.dtype == torch.int64
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
-    assert tokens[3] == tokens[2] and 7 not in tokens.tolist()
+    assert tokens[0] == 5 and logits[0, 5] == logits[0, 7] and tokens[3] == tokens[2]
 
 
 def test_ragged_batch_equals_each_prompt_alone(tiny_model):

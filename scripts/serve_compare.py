@@ -13,7 +13,9 @@
 3. one markdown table: output tok/s, TTFT p50/p99 and ITL p50 of each side, and the ratios;
    then the server's own diagnostics per level (GET /debug/stats around it, read by the bench:
    server/diagnostics.py) beside the in-process engine's steps/s, tokens per step and step
-   time: where the server's time goes (DIAG_NOTES says what each column is).
+   time: where the server's time goes (DIAG_NOTES says what each column is); at the lowest
+   level, each request's TTFT and the shape of the long token gaps (late deliveries against
+   slow steps: Trace.itl_shape).
 Every level runs at least --min-requests (64) requests: at concurrency 1, one outlier of 64
 moves the TTFT p99 (between the two highest samples) less than one of 32 (near the highest).
 Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
@@ -190,6 +192,22 @@ def ttft_by_request(inproc: dict, server: dict, concurrency: int = 1) -> str:
     return "\n".join(lines)
 
 
+def itl_shape(inproc: dict, server: dict, concurrency: int = 1) -> str:
+    """The long token gaps at one level, and how many of them were tokens delivered late (a
+    long gap, then a short one: Trace.itl_shape) rather than slow steps."""
+    parts = []
+    for name, record in (("in-process", inproc), ("server", server)):
+        level = next((lv for lv in record["levels"] if lv["concurrency"] == concurrency), None)
+        shape = level.get("itl_shape") if level else None
+        if shape:
+            parts.append(f"{name} {100 * shape['long']:.1f}% long, {100 * shape['late']:.1f}% "
+                         f"late (median {shape['median_ms']:.3f} ms)")
+    if not parts:
+        return ""
+    return (f"ITL gaps at concurrency {concurrency} over 1.5x the median (long), and those followed "
+            f"by one under half of it (late: delivered late, not made late): " + "; ".join(parts))
+
+
 def _ms(q: dict | None) -> str:
     """A quantiles() figure: "p50 / p99 / max" (ms)."""
     if not q or q.get("p50") is None:
@@ -321,7 +339,8 @@ def main(argv=None) -> int:
         print()
     print(ttft_by_request(inproc, server, min(args.concurrency)))
     print()
-    for extra in (server_side_ttft(server), by_api_server(server)):
+    for extra in (itl_shape(inproc, server, min(args.concurrency)), server_side_ttft(server),
+                  by_api_server(server)):
         if extra:
             print(extra)
             print()

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flashlet.bench.common import samples, summarize
+
+# Trace.itl_shape: a gap is long over LONG_GAP x the median gap, short under SHORT_GAP x it.
+LONG_GAP = 1.5
+SHORT_GAP = 0.5
 
 
 @dataclass
@@ -41,6 +47,23 @@ class Trace:
     def itl(self) -> list[float]:
         return [b - a for t in self.token_times for a, b in zip(t, t[1:])]
 
+    def itl_shape(self) -> dict | None:
+        """Where the long token gaps come from. Over every stream's gaps in order: `long`, the
+        share over LONG_GAP x their median; `late`, the share that are long and followed by one
+        under SHORT_GAP x the median: the token reached its reader late and the next one on
+        time (a hop between the engine and the reader slept), where a long gap followed by a
+        usual one is a slow step. None without gaps."""
+        gaps = [np.diff(times) for times in self.token_times if len(times) > 1]
+        if not gaps:
+            return None
+        median = float(np.median(np.concatenate(gaps)))
+        total = long = late = 0
+        for g in gaps:
+            slow = g > LONG_GAP * median
+            total, long = total + g.size, long + int(slow.sum())
+            late += int((slow[:-1] & (g[1:] < SHORT_GAP * median)).sum())
+        return {"median_ms": median * 1e3, "long": long / total, "late": late / total}
+
     def metrics(self, keep_samples: bool = True) -> dict:
         """Throughput and latency figures (ms), with raw samples for the distribution plots."""
         out_tokens = self.output_tokens()
@@ -60,6 +83,7 @@ class Trace:
             "requests_per_s": done / dur,
             "ttft_ms": summarize(ttft, 1e3),
             "itl_ms": summarize(itl, 1e3),
+            "itl_shape": self.itl_shape(),
             "step_ms": summarize(self.step_s, 1e3),
             "num_steps": len(self.step_s),
             "num_preemptions": self.num_preemptions,

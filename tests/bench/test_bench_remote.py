@@ -137,3 +137,23 @@ def test_client_processes_yield_the_cpu_to_the_server():
             time.sleep(0.01)
         niceness = os.getpriority(os.PRIO_PROCESS, pid)
     assert niceness == min(ours + CLIENT_NICENESS, 19)
+
+
+def test_itl_shape_tells_late_deliveries_from_slow_steps():
+    """A token delivered late (a long gap, then a short one) against a slow step (a long gap,
+    then a usual one); tokens of one read share a time (a 0 gap), as the client records them."""
+    from flashlet.bench.trace import Trace
+
+    step = 0.001
+    late = [0.0, 1, 2, 3.9, 4.1, 5, 6, 7]  # token 3 late by 0.9 steps, token 4 on time
+    slow = [0.0, 1, 2, 4, 5, 6, 7, 8]  # one step took two
+    together = [0.0, 1, 2, 3, 3, 4, 5, 6]
+    trace = Trace(requested=[8, 8, 8], prompt_lens=[1, 1, 1],
+                  token_times=[[t * step for t in times] for times in (late, slow, together)])
+    shape = trace.itl_shape()
+    assert shape["median_ms"] == pytest.approx(1.0)
+    # 21 gaps; long (> 1.5 steps): 1.9 (late), 2 (slow); late: 1.9 then 0.2
+    assert shape["long"] == pytest.approx(2 / 21) and shape["late"] == pytest.approx(1 / 21)
+    assert trace.metrics()["itl_shape"] == shape
+    assert Trace(requested=[1], prompt_lens=[1], token_times=[[0.5]]).itl_shape() is None
+

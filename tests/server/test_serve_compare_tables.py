@@ -67,3 +67,15 @@ def test_the_main_table_gives_itl_p99_of_both_sides_and_their_ratio():
     server["levels"][0]["itl_ms"] = _summary(3.0)  # p99 6.0 against the in-process 4.0
     row = sc.table(inproc, server).splitlines()[2]
     assert "| 4.00 / 6.00 | 1.50 |" in row
+
+
+def test_the_itl_shape_line_gives_both_sides_long_and_late_gaps():
+    sc = load_script("serve_compare")
+    inproc = {"levels": _levels([1], server=False)}
+    server = {"levels": _levels([1], server=True)}
+    inproc["levels"][0]["itl_shape"] = {"median_ms": 0.46, "long": 0.001, "late": 0.0}
+    server["levels"][0]["itl_shape"] = {"median_ms": 0.456, "long": 0.113, "late": 0.09}
+    line = sc.itl_shape(inproc, server, 1)
+    assert "in-process 0.1% long, 0.0% late (median 0.460 ms)" in line
+    assert "server 11.3% long, 9.0% late (median 0.456 ms)" in line
+    assert sc.itl_shape({"levels": _levels([1], False)}, {"levels": _levels([1], True)}, 1) == ""

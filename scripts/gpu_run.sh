@@ -54,7 +54,9 @@
 #                GEMV_CONFIG (qwen2.5-7b) with the four GEMVs' layer chain, then one stream at the
 #                default against the fused path on them (lab/bf16_one_row_mma.py) (~10 min)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
-#                FP8_CONFIGS (0.5B, 7B), beside bf16 (~3 min)
+#                FP8_CONFIGS (0.5B, 7B), beside bf16, then the fp8 KV cache at 0.5B (~4 min)
+#   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
+#                bf16 and fp8 KV: each kernel's time (~1 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -391,6 +393,12 @@ for _ in range(480):
       for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
         run 300 python3 lab/one_stream_pair.py bf16 --config $cfg
         run 300 python3 lab/one_stream_pair.py fp8 --config $cfg --quantization fp8
+      done
+      run 300 python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8 ;;  # the fp8 KV cache (0.5B)
+    profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV
+      for kv in auto fp8; do
+        run 200 python3 scripts/profile_step.py --backend triton --batch 128 --prompt-len 2000 \
+          --kv-cache-dtype $kv --max-num-pages 20000 --rows 25 --timeline
       done ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"

@@ -13,6 +13,12 @@ layers do) and prints microseconds per matmul and the weight's effective GB/s:
     python scripts/fp8_gemm_bench.py --rows 1 4 16 --sweep # triton tiles side by side
     python scripts/fp8_gemm_bench.py --shapes 896x4864 --json out.json
     python scripts/fp8_gemm_bench.py --rows 1 --split-sweep   # tiles x K splits, best first
+    python scripts/fp8_gemm_bench.py --rows 128 --bf16-weights --shapes 1152x896 896x896 \
+        9728x896 896x4864     # the same kernel on bf16 weights (tiles x splits) against cuBLAS
+
+--bf16-weights asks whether our own tiles beat cuBLAS on an unquantized weight at the rows
+past the fused path (decode-sat's 128: cuBLAS runs the 0.5B's four GEMMs at ~1.2 TB/s,
+flashlet/kernels/DECODE_NOTES.md round 3).
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ SWEEP = ([GemmTile(16, bn, bk, 4, s) for bn in (32, 64, 128) for bk in (128, 256
 # --split-sweep: the one-pass tiles (BLOCK_M 16) against every K split 1..MAX_SPLIT_K
 SPLIT_SWEEP_TILES = [GemmTile(16, bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (128, 256)
                      for w, s in ((4, 3), (4, 4), (8, 3)) if not (bn == 16 and w == 8)]
+# --bf16-weights: tiles of many rows (one row tile holds all of a decode-sat step's 128)
+BF16_SWEEP_TILES = [GemmTile(bm, bn, bk, w, st, bit_widen=False) for bm in (64, 128)
+                    for bn in (32, 64, 128) for bk in (64, 128) for w, st in ((4, 3), (8, 3), (4, 4))
+                    if not (bm == 128 and bn == 128 and w == 4)]
+BF16_SPLITS = (1, 2, 4, 8)
 L2_FLUSH_BYTES = 256 << 20  # weights touched per replay: well over an H200's 50 MB L2
 
 
@@ -52,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--split-sweep", action="store_true",
                    help="time the triton kernel at each SPLIT_SWEEP_TILES tile and K split "
                         "(1..MAX_SPLIT_K) and print each shape's fastest against the default")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="time the kernel on bf16 weights (scale ones) at each BF16_SWEEP_TILES "
+                        "tile and K split against cuBLAS, and print each shape's fastest")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -146,6 +160,39 @@ def split_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dic
     return out
 
 
+def bf16_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dict]:
+    """The kernel on bf16 weights (scale ones) at every BF16_SWEEP_TILES tile and split in
+    BF16_SPLITS against F.linear (cuBLAS); prints the fastest `top` per row count."""
+    from flashlet.kernels.fp8_gemv import split_layout
+
+    copies = max(2, -(-L2_FLUSH_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ones = torch.ones(n, device="cuda", dtype=torch.float32)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas_us = time_graph(lambda i: F.linear(x, weights[i]), copies)
+        runs = []
+        for tile in BF16_SWEEP_TILES:
+            for split in sorted({split_layout(k, s, tile.block_k)[1] for s in BF16_SPLITS}):
+                us = time_graph(lambda i, t=tile, s=split: fp8_gemm(x, weights[i], ones,
+                                                                    split_k=s, tile=t), copies)
+                runs.append({"shape": f"{n}x{k}", "rows": m, "block_m": tile.block_m,
+                             "block_n": tile.block_n, "block_k": tile.block_k,
+                             "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+                             "split": split, "us": us, "weight_GBps": 2 * n * k / us / 1e3,
+                             "cublas_us": cublas_us})
+        runs.sort(key=lambda r: r["us"])
+        print(f"{n}x{k} M={m}: cuBLAS {cublas_us:.2f} us ({2 * n * k / cublas_us / 1e3:.0f} GB/s); "
+              f"fastest of ours:")
+        for r in runs[:top]:
+            print(f"  {r['us']:6.2f} us ({r['weight_GBps']:5.0f} GB/s)  {r['block_m']}x"
+                  f"{r['block_n']}x{r['block_k']} w{r['num_warps']} s{r['num_stages']} "
+                  f"split {r['split']}", flush=True)
+        out += runs
+    return out
+
+
 def table(results: list[dict]) -> str:
     paths = list(dict.fromkeys(r["path"] for r in results))
     lines = ["| shape N x K | M | " + " | ".join(f"{p} us (GB/s)" for p in paths) + " |",
@@ -167,12 +214,13 @@ def main(argv=None) -> int:
     results = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
-        if args.split_sweep:
-            results += split_sweep_shape(n, k, args.rows)
+        if args.split_sweep or args.bf16_weights:
+            sweep = bf16_sweep_shape if args.bf16_weights else split_sweep_shape
+            results += sweep(n, k, args.rows)
             continue
         results += bench_shape(n, k, args.rows, args.sweep)
         print(f"{shape} done", flush=True)
-    if not args.split_sweep:
+    if not (args.split_sweep or args.bf16_weights):
         print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

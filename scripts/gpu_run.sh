@@ -57,6 +57,8 @@
 #                FP8_CONFIGS (0.5B, 7B), beside bf16, then the fp8 KV cache at 0.5B (~4 min)
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
 #                bf16 and fp8 KV: each kernel's time (~1 min)
+#   gemm-128     the fp8 GEMM kernel's tiles and K splits on bf16 weights against cuBLAS at 128
+#                rows, the 0.5B's four projections (DECODE_NOTES round 3; ~5 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -400,6 +402,9 @@ for _ in range(480):
         run 200 python3 scripts/profile_step.py --backend triton --batch 128 --prompt-len 2000 \
           --kv-cache-dtype $kv --max-num-pages 20000 --rows 25 --timeline
       done ;;
+    gemm-128)  # our GEMM's tiles on bf16 weights against cuBLAS at 128 rows (the 0.5B's four)
+      run 500 python3 scripts/fp8_gemm_bench.py --rows 128 --bf16-weights \
+        --shapes 1152x896 896x896 9728x896 896x4864 --json "$OUT/json/gemm-bf16-128.json" ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"
       for pair in 1 2; do

@@ -222,6 +222,8 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None, split_k: int | None = None,
              tile: GemmTile | None = None, *, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (qweight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [M, N] in x's dtype.
+    qweight may also be x's own dtype (a bf16 weight with scale ones: the same tiles against
+    cuBLAS on an unquantized weight, scripts/fp8_gemm_bench.py --bf16-weights).
     tile: tile_for(M, N, K)'s unless given. accumulate_into: an [M, N] tensor of x's dtype (rows
     contiguous) that receives its own values plus the product, summed in fp32 and rounded once
     (the fused decode path's residual stream, updated in place); it is returned."""
@@ -262,7 +264,8 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                            x.stride(0), qweight.stride(0), y.stride(0),
                            HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                            DOT_FP32=dot_fp32, BIT_WIDEN=not dot_fp32 and tile.bit_widen
-                           and x.dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
+                           and x.dtype == torch.bfloat16 and qweight.dtype == torch.float8_e4m3fn,
+                           ACCUMULATE=accumulate_into is not None,
                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                            num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y

@@ -71,6 +71,19 @@ def test_other_tiles_compute_the_same_product(kh):
         _close(fp8_gemm(x, qweight, scale, b, split_k=2, tile=tile), ref)
 
 
+def test_a_bf16_weight_with_unit_scales_gives_its_plain_product(kh):
+    """The kernel on an unquantized weight (the bench's --bf16-weights: its tiles against
+    cuBLAS at rows past the fused path), never widened as if it were fp8."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 192, generator=g).to(torch.bfloat16).to(kh.device)
+    w = (torch.randn(72, 192, generator=g) * 0.1).to(torch.bfloat16).to(kh.device)
+    ones = torch.ones(72, dtype=torch.float32, device=kh.device)
+    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    for tile in (DEFAULT_TILE, GemmTile(block_m=32, block_n=32, block_k=64)):
+        for split_k in (1, 3):
+            _close(fp8_gemm(x, w, ones, split_k=split_k, tile=tile), ref)
+
+
 def test_strided_activation_rows_and_fp16(kh):
     x, qweight, scale, _ = _case(4, 32, 160, bias=False, seed=3, device=kh.device,
                                  dtype=torch.float16)

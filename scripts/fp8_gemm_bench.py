@@ -144,20 +144,31 @@ def split_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dic
                 seen.add(real)
                 us = time_graph(lambda i, t=tile, s=real: fp8_gemm(
                     x, quantized[i].qweight, quantized[i].scale, split_k=s, tile=t), copies)
-                programs = triton.cdiv(n, tile.block_n) * real
-                runs.append({"shape": f"{n}x{k}", "rows": m, "block_n": tile.block_n,
-                             "block_k": tile.block_k, "num_warps": tile.num_warps,
-                             "num_stages": tile.num_stages, "split": real,
-                             "programs": programs, "us": us, "weight_GBps": n * k / us / 1e3})
-        runs.sort(key=lambda r: r["us"])
-        print(f"{n}x{k} M={m}: default (split {default_split}) {default_us:.2f} us "
-              f"({n * k / default_us / 1e3:.0f} GB/s); fastest:")
-        for r in runs[:top]:
-            print(f"  {r['us']:6.2f} us ({r['weight_GBps']:5.0f} GB/s)  bn {r['block_n']:3d} "
-                  f"bk {r['block_k']} w{r['num_warps']} s{r['num_stages']} split {r['split']:2d} "
-                  f"programs {r['programs']}", flush=True)
+                runs.append(_tile_run(n, k, m, tile, real, us, n * k,
+                                      programs=triton.cdiv(n, tile.block_n) * real))
+        _print_fastest(f"{n}x{k} M={m}: default (split {default_split}) {default_us:.2f} us "
+                       f"({n * k / default_us / 1e3:.0f} GB/s); fastest:", runs, top)
         out += [dict(r, default_us=default_us, default_split=default_split) for r in runs]
     return out
+
+
+def _tile_run(n: int, k: int, m: int, tile: GemmTile, split: int, us: float, weight_bytes: int,
+              **extra) -> dict:
+    """One timed launch of a sweep, as its JSON record."""
+    return {"shape": f"{n}x{k}", "rows": m, "block_m": tile.block_m, "block_n": tile.block_n,
+            "block_k": tile.block_k, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+            "split": split, "us": us, "weight_GBps": weight_bytes / us / 1e3, **extra}
+
+
+def _print_fastest(header: str, runs: list[dict], top: int) -> None:
+    """A sweep's header line, then its `top` fastest launches (sorts `runs` in place)."""
+    runs.sort(key=lambda r: r["us"])
+    print(header)
+    for r in runs[:top]:
+        programs = f" programs {r['programs']}" if "programs" in r else ""
+        print(f"  {r['us']:6.2f} us ({r['weight_GBps']:5.0f} GB/s)  {r['block_m']}x{r['block_n']}"
+              f"x{r['block_k']} w{r['num_warps']} s{r['num_stages']} split {r['split']:2d}{programs}",
+              flush=True)
 
 
 def bf16_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dict]:
@@ -177,18 +188,9 @@ def bf16_sweep_shape(n: int, k: int, rows: list[int], top: int = 6) -> list[dict
             for split in sorted({split_layout(k, s, tile.block_k)[1] for s in BF16_SPLITS}):
                 us = time_graph(lambda i, t=tile, s=split: fp8_gemm(x, weights[i], ones,
                                                                     split_k=s, tile=t), copies)
-                runs.append({"shape": f"{n}x{k}", "rows": m, "block_m": tile.block_m,
-                             "block_n": tile.block_n, "block_k": tile.block_k,
-                             "num_warps": tile.num_warps, "num_stages": tile.num_stages,
-                             "split": split, "us": us, "weight_GBps": 2 * n * k / us / 1e3,
-                             "cublas_us": cublas_us})
-        runs.sort(key=lambda r: r["us"])
-        print(f"{n}x{k} M={m}: cuBLAS {cublas_us:.2f} us ({2 * n * k / cublas_us / 1e3:.0f} GB/s); "
-              f"fastest of ours:")
-        for r in runs[:top]:
-            print(f"  {r['us']:6.2f} us ({r['weight_GBps']:5.0f} GB/s)  {r['block_m']}x"
-                  f"{r['block_n']}x{r['block_k']} w{r['num_warps']} s{r['num_stages']} "
-                  f"split {r['split']}", flush=True)
+                runs.append(_tile_run(n, k, m, tile, split, us, 2 * n * k, cublas_us=cublas_us))
+        _print_fastest(f"{n}x{k} M={m}: cuBLAS {cublas_us:.2f} us "
+                       f"({2 * n * k / cublas_us / 1e3:.0f} GB/s); fastest of ours:", runs, top)
         out += runs
     return out
 

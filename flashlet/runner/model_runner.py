@@ -324,12 +324,16 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions, backend)
         return hidden, self.model.compute_logits(hidden[meta.logits_indices])
 
+    @staticmethod
+    def _decode_sampling_every_row(meta: AttentionMetadata) -> bool:
+        """A pure-decode step in which every real row samples (what a decode graph serves)."""
+        host = meta.host
+        return host.is_pure_decode and host.num_sampled == meta.num_seqs - meta.num_padding
+
     def _fused_step(self, meta: AttentionMetadata) -> bool:
         """Does the fused path serve this step: pure decode, padded to one of its row counts,
         every real row sampling."""
-        host = meta.host
-        return (host.is_pure_decode and self._fused_size(meta.num_seqs)
-                and host.num_sampled == meta.num_seqs - meta.num_padding)
+        return self._fused_size(meta.num_seqs) and self._decode_sampling_every_row(meta)
 
     @torch.inference_mode()
     def greedy_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -338,15 +342,14 @@ class ModelRunner:
         else from a per-op decode graph that ends in the argmax of the bf16 logits (one
         GPU without tensor parallelism: the workers replay the logits graph); None for any
         other step (call `forward`)."""
+        if not self._decode_sampling_every_row(meta):
+            return None
         size = self.graph_batch_size(meta.host, meta.num_padding)
-        if not self._fused_step(meta):
-            host = meta.host
-            if (size is None or self.model.tp is not None or not host.is_pure_decode
-                    or host.num_sampled != meta.num_seqs - meta.num_padding):
-                return None
+        fused = self._fused_size(meta.num_seqs)
+        if size is not None and (fused or self.model.tp is None):
             return self._replay(input_ids, meta, size, tokens=True)
-        if size is not None:
-            return self._replay(input_ids, meta, size, tokens=True)
+        if not fused:  # per-op and eager (no graphs), or tensor parallel: call `forward`
+            return None
         self.fused_attention.plan(meta)
         self._mark_staged()
         tokens = self.fused.token(input_ids, meta.positions, self.fused_attention)

@@ -469,17 +469,9 @@ def write_table_json(entries: dict, path: str) -> None:
 
 
 def load_table_json(path: str, tuning) -> dict:
-    """Read `write_table_json`'s file into tuning.BATCHED_DECODE_TABLE (keys of four:
-    head_dim, group, kv, bucket) or tuning.ONE_LAUNCH_TABLE (three: head_dim, group, rows
-    bucket); -> the entries."""
-    with open(path) as f:
-        rows = json.load(f)
-    entries = {}
-    for key, cfg in rows:
-        one_launch = len(key) == 3
-        entries[tuple(key)] = (tuning.OneLaunchConfig if one_launch else tuning.DecodeConfig)(**cfg)
-        (tuning.ONE_LAUNCH_TABLE if one_launch else tuning.BATCHED_DECODE_TABLE)[tuple(key)] = entries[tuple(key)]
-    return entries
+    """Read `write_table_json`'s file into tuning's tables (`tuning.load_tables`; an engine run
+    takes it with FLASHLET_DECODE_TABLES=PATH); -> the entries."""
+    return tuning.load_tables(path)
 
 
 def summarize(winners: dict, model: dict, tuning) -> None:
@@ -554,7 +546,9 @@ ONE_LAUNCH_TILES = {
           (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2), (32, 8, 3, 4)),
 }
 SMOKE_ONE_LAUNCH_TILES = ((16, 1, 1, 1), (16, 2, 2, 2))
-ONE_LAUNCH_MIN_SPLITS = (128, 256, 512)  # runtime values: no compile each
+# runtime values: no compile each. 32 and 64 spread one row of a few hundred to a thousand tokens
+# over more programs (Qwen3-0.6B, 8 KV heads: 1,000 tokens at 256 a split is 32 programs of 4 blocks)
+ONE_LAUNCH_MIN_SPLITS = (32, 64, 128, 256, 512)
 ONE_LAUNCH_LONG_RULES = ((2048, 64), (4096, 128))  # (from tokens, split tokens), one row
 # The wide merge tried at the largest split caps: partials read at a time in a [MS, 16, KV heads a
 # program x head_dim] fp32 tile of this many elements (the default merge: 4096).

@@ -24,7 +24,11 @@ instead times N streams through `LLM.generate` (issue 29's closed loop, through 
 API): one call of N distinct 32-token prompts, 128 new tokens each (greedy, ignore_eos), so
 every stream decodes for the whole call as a closed loop's clients do; each N's first call and
 a second with fresh prompts, in one fresh process per path. Per-stream tok/s is 128 / seconds
-of the call (its prefill included); the table gives it against N = 1's.
+of the call (its prefill included); the table gives it against N = 1's. A third call of fresh
+prompts asks for one token (its prefill alone): N x 127 / (second - third) seconds is the
+decode rate, the LLM.generate twin of decode-sat's end-to-end figure, e.g.
+
+    python scripts/fused_decode_bench.py --streams 128 --paths default --prompt-len 2000
 """
 
 from __future__ import annotations
@@ -45,8 +49,12 @@ PATHS = {"per-op": ["--no-fused-decode"], "default": []}  # path -> its engine f
 
 
 def fused_settings(flags: list[str]) -> dict:
-    """The EngineConfig fields the path's flags set (none: the engine's default)."""
-    return {"fused_decode": False} if "--no-fused-decode" in flags else {}
+    """The EngineConfig fields the path's flags set (none: the engine's default), and the KV
+    cache's dtype where `--kv-cache-dtype` is among them."""
+    settings = {"fused_decode": False} if "--no-fused-decode" in flags else {}
+    if "--kv-cache-dtype" in flags:
+        settings["kv_cache_dtype"] = flags[flags.index("--kv-cache-dtype") + 1]
+    return settings
 
 
 def harness(config: str, flags: list[str]) -> dict:
@@ -102,41 +110,50 @@ def generate_in_this_process(config: str, flags: list[str]) -> dict:
     return figures
 
 
-def streams_in_this_process(config: str, flags: list[str], streams: list[int], new_tokens: int) -> dict:
+def streams_in_this_process(config: str, flags: list[str], streams: list[int], new_tokens: int,
+                            prompt_len: int = PROMPT_LEN) -> dict:
     """Per stream tok/s of one `LLM.generate` call of N prompts, for each N: a first call and
-    a second with fresh prompts (none shares a prefix with another: no cache hits)."""
+    a second with fresh prompts (none shares a prefix with another: no cache hits), then a third
+    of one new token a stream (the prefill alone), which the decode rate is taken against."""
     import torch
 
     from flashlet import SamplingParams
 
-    llm, start_s = started_llm(config, flags, max_num_pages=8192)
-    figures = {"start_s": start_s, "ran": {"fused_decode": llm.engine.runner.fused is not None}}
+    tokens = max(streams) * (prompt_len + new_tokens + 16)  # each call's KV, with a page of slack a row
+    llm, start_s = started_llm(config, flags, max_num_pages=max(8192, -(-tokens // 16)))
+    figures = {"start_s": start_s, "ran": {"fused_decode": llm.engine.runner.fused is not None},
+               "prompt_len": prompt_len}
     vocab = llm.engine.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, seed = {}, 0
     for n in streams:
-        row = {}
-        for call in ("first", "second"):
+        row, seconds = {}, {}
+        for call, count in (("first", new_tokens), ("second", new_tokens), ("prefill", 1)):
             prompts = []
             for _ in range(n):
                 seed += 1
-                prompts.append([(seed * 1_000_003 + i * 7919) % vocab for i in range(PROMPT_LEN)])
+                prompts.append([(seed * 1_000_003 + i * 7919) % vocab for i in range(prompt_len)])
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            seconds = time.perf_counter() - t0
-            assert all(len(o.token_ids) == new_tokens for o in outs)
-            row[f"{call}_per_stream_tok_s"] = new_tokens / seconds
+            outs = llm.generate(prompts, SamplingParams(max_new_tokens=count, ignore_eos=True))
+            seconds[call] = time.perf_counter() - t0
+            assert all(len(o.token_ids) == count for o in outs)
+        row["first_per_stream_tok_s"] = new_tokens / seconds["first"]
+        row["second_per_stream_tok_s"] = new_tokens / seconds["second"]
+        decode_s = seconds["second"] - seconds["prefill"]
+        row["decode_tok_s"] = n * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else None
         rows[str(n)] = row
     figures["streams"] = rows
     return figures
 
 
 def streams_table(results: dict, streams: list[int], new_tokens: int) -> list[str]:
-    lines = [f"N streams through LLM.generate ({PROMPT_LEN}-token prompts, {new_tokens} new tokens each, "
-             "one call): per-stream tok/s, 1st / 2nd call, the 2nd against N = 1's",
-             f"{'path':10} {'N':>4} {'1st':>9} {'2nd':>9} {'total':>9} {'per stream / N=1':>17}"]
+    prompt_len = next((r.get("prompt_len") for r in results.values() if r.get("prompt_len")), PROMPT_LEN)
+    lines = [f"N streams through LLM.generate ({prompt_len}-token prompts, {new_tokens} new tokens each, "
+             "one call): per-stream tok/s, 1st / 2nd call, the 2nd against N = 1's; decode: "
+             f"N x {new_tokens - 1} tokens / (2nd call - a 1-token call's seconds)",
+             f"{'path':10} {'N':>4} {'1st':>9} {'2nd':>9} {'total':>9} {'per stream / N=1':>17} "
+             f"{'decode tok/s':>13}"]
     for name, res in results.items():
         rows = res.get("streams") or {}
         base = rows.get("1", {}).get("second_per_stream_tok_s")
@@ -146,8 +163,10 @@ def streams_table(results: dict, streams: list[int], new_tokens: int) -> list[st
                 continue
             second = r["second_per_stream_tok_s"]
             ratio = f"{second / base:17.2f}" if base else "-".rjust(17)
+            decode = r.get("decode_tok_s")
+            decode = f"{decode:13.1f}" if decode else "-".rjust(13)
             lines.append(f"{name:10} {n:4d} {r['first_per_stream_tok_s']:9.1f} {second:9.1f} "
-                         f"{second * n:9.1f} {ratio}")
+                         f"{second * n:9.1f} {ratio} {decode}")
     return lines
 
 
@@ -180,16 +199,21 @@ def main() -> int:
     ap.add_argument("--streams", nargs="+", type=int, default=None, metavar="N",
                     help="time N streams through LLM.generate instead (issue 29's closed loop)")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens a stream with --streams")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens a stream with --streams")
+    ap.add_argument("--kv-cache-dtype", default=None, help="the KV cache's dtype with --streams (default: the model's)")
     ap.add_argument("--generate-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--streams-child", action="store_true", help=argparse.SUPPRESS)
     args, child_flags = ap.parse_known_args()
-    if args.streams and (min(args.streams) < 1 or args.new_tokens < 1):
-        ap.error("--streams and --new-tokens take positive counts")
+    if args.kv_cache_dtype:
+        child_flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.streams and (min(args.streams) < 1 or args.new_tokens < 1 or args.prompt_len < 1):
+        ap.error("--streams, --new-tokens and --prompt-len take positive counts")
     if args.generate_child:
         print(json.dumps(generate_in_this_process(args.config, child_flags)))
         return 0
     if args.streams_child:
-        print(json.dumps(streams_in_this_process(args.config, child_flags, args.streams, args.new_tokens)))
+        print(json.dumps(streams_in_this_process(args.config, child_flags, args.streams, args.new_tokens,
+                                                 args.prompt_len)))
         return 0
     if args.streams:
         return streams_main(args)
@@ -233,7 +257,10 @@ def main() -> int:
 
 def streams_main(args) -> int:
     streams = sorted(set(args.streams) | {1})  # N = 1 is every ratio's base
-    child = ["--streams", *map(str, streams), "--new-tokens", str(args.new_tokens)]
+    child = ["--streams", *map(str, streams), "--new-tokens", str(args.new_tokens),
+             "--prompt-len", str(args.prompt_len)]
+    if args.kv_cache_dtype:
+        child += ["--kv-cache-dtype", args.kv_cache_dtype]
     results = {name: generate(args.config, PATHS[name] + child, "--streams-child") for name in args.paths}
     ok = True
     for name, res in results.items():

@@ -58,7 +58,10 @@
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
 #                bf16 and fp8 KV: each kernel's time (~1 min)
 #   gemm-128     the fp8 GEMM kernel's tiles and K splits on bf16 weights against cuBLAS at 128
-#                rows, the 0.5B's four projections (DECODE_NOTES round 3; ~5 min)
+#                rows, the 0.5B's four projections (DECODE_NOTES round 3; ~1 min)
+#   decode-sat-generate  decode-sat 128 x 2,000 through LLM.generate (scripts/fused_decode_bench.py
+#                --streams 128 --prompt-len 2000: decode rate from a 128-token and a 1-token
+#                call), bf16 and fp8 KV, each beside the harness's figure (~4 min)
 #   tp           tensor parallelism, TP = 1 against TP = 2 at the 7B and 14B shapes (2 GPUs)
 #   split-ab     the split-KV prefill (on by default from 4,096 tokens of context): the
 #                attention alone per split cap and smallest split (scripts/prefill_split_bench.py),
@@ -401,6 +404,15 @@ for _ in range(480):
       for kv in auto fp8; do
         run 200 python3 scripts/profile_step.py --backend triton --batch 128 --prompt-len 2000 \
           --kv-cache-dtype $kv --max-num-pages 20000 --rows 25 --timeline
+      done ;;
+    decode-sat-generate)  # decode-sat 128 x 2,000 through LLM.generate (the harness's twin beside
+                          # it, same tree), bf16 and fp8 KV: default settings otherwise
+      for kv in auto fp8; do
+        run 300 python3 scripts/fused_decode_bench.py --streams 128 --paths default --prompt-len 2000 \
+          --kv-cache-dtype $kv --json "$OUT/json/decode-sat-generate-$kv.json"
+        run 300 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload decode-sat \
+          --decode-batch 128 --decode-prompt-len 2000 --decode-tokens 128 --gpu-memory-utilization 0.1 \
+          --kv-cache-dtype $kv --out "$OUT/json/decode-sat-harness-$kv.json"
       done ;;
     gemm-128)  # our GEMM's tiles on bf16 weights against cuBLAS at 128 rows (the 0.5B's four)
       run 500 python3 scripts/fp8_gemm_bench.py --rows 128 --bf16-weights \

@@ -18,6 +18,10 @@
    slow steps: Trace.itl_shape).
 Every level runs at least --min-requests (64) requests: at concurrency 1, one outlier of 64
 moves the TTFT p99 (between the two highest samples) less than one of 32 (near the highest).
+And at least --requests-per-stream (16) a client: a level opens with every client sending at once,
+which in-process lands in one step (one prefill for all, then decodes in lockstep) and through
+the server one request at a time; at 4 requests a client that opening was a quarter of the level
+(H200, 2026-12-04: concurrency 16 read 0.92 at 64 requests and 0.96 at 256, same tree).
 Both runs write their JSON records into DIR (inprocess.json, server.json, server.log).
 """
 
@@ -51,7 +55,8 @@ def _workload_flags(args) -> list[str]:
     if args.num_requests:
         flags += ["--num-requests", str(args.num_requests)]
     else:
-        flags += ["--min-requests", str(args.min_requests)]
+        flags += ["--min-requests", str(args.min_requests),
+                  "--requests-per-stream", str(args.requests_per_stream)]
     return flags
 
 
@@ -309,6 +314,10 @@ def main(argv=None) -> int:
     p.add_argument("--min-requests", type=int, default=64,
                    help="requests per level at least (so that p99 at concurrency 1 is a "
                         "percentile; default %(default)s)")
+    p.add_argument("--requests-per-stream", type=int, default=16,
+                   help="requests per level at least this many times the concurrency (default "
+                        "%(default)s: a level's start, when in-process every client arrives in the "
+                        "same step and through the server one at a time, is a sixteenth of it)")
     p.add_argument("--tokenizer", default=None, help="the server's --tokenizer")
     p.add_argument("--api-server-count", type=int, default=None,
                    help="the server's --api-server-count (API processes; default: the "

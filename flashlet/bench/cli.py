@@ -63,11 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY,
                    help="closed-loop client counts, one level each")
     w.add_argument("--num-requests", type=int, default=None,
-                   help="requests per level (closed-loop: default max(2 x concurrency, --min-requests); "
+                   help="requests per level (closed-loop: default max(--requests-per-stream x "
+                        "concurrency, --min-requests); "
                         "offline: 256; --rate: 64)")
     w.add_argument("--min-requests", type=int, default=8,
                    help="closed-loop: at least this many requests per level when --num-requests "
                         "is not given (default %(default)s; 32 or more makes p99 a percentile)")
+    w.add_argument("--requests-per-stream", type=int, default=2,
+                   help="closed-loop: requests each client sends per level when --num-requests is "
+                        "not given (default %(default)s; more weighs a level's start, when every "
+                        "client arrives at once, less against its steady state)")
     w.add_argument("--max-new-tokens", type=int, default=None,
                    help="output tokens of every request (closed-loop default 32; decode-sat: the "
                         "decode steps, default 128; single: default 256)")
@@ -203,7 +208,9 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         elif args.num_requests is not None and args.num_requests < max(args.concurrency):
             err(f"--num-requests ({args.num_requests}) must be >= the largest concurrency "
                 f"({max(args.concurrency)}): every client must send at least one request")
-        args.level_requests = [args.num_requests or max(2 * c, args.min_requests)
+        if args.requests_per_stream < 1 or args.min_requests < 1:
+            err("--requests-per-stream and --min-requests take positive counts")
+        args.level_requests = [args.num_requests or max(args.requests_per_stream * c, args.min_requests)
                                for c in args.concurrency]
     elif wl == "offline":
         args.num_requests = args.num_requests or 256

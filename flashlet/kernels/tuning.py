@@ -35,7 +35,9 @@ row count serves every length.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 
 DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
@@ -157,6 +159,26 @@ BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {
     (128, 6, "decode"): "flashinfer",
     (128, 6, "prefill"): "flashinfer",
 }
+
+
+def load_tables(path: str) -> dict:
+    """Put a sweep's winners (`scripts/decode_attn_bench.py --table-json`: [[key, config fields],
+    ...]) into BATCHED_DECODE_TABLE (keys of four: head_dim, group, kv, bucket) or
+    ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket), over any entry of the same key;
+    -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
+    winners before they are written here."""
+    with open(path) as f:
+        rows = json.load(f)
+    entries = {}
+    for key, cfg in rows:
+        one_launch = len(key) == 3
+        entries[tuple(key)] = (OneLaunchConfig if one_launch else DecodeConfig)(**cfg)
+        (ONE_LAUNCH_TABLE if one_launch else BATCHED_DECODE_TABLE)[tuple(key)] = entries[tuple(key)]
+    return entries
+
+
+if os.environ.get("FLASHLET_DECODE_TABLES"):
+    load_tables(os.environ["FLASHLET_DECODE_TABLES"])
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:

@@ -39,6 +39,7 @@ BAD = [
     (["--config", "{tiny}", "--concurrency", "4", "4"], "must be distinct"),
     (["--config", "{tiny}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--config", "{tiny}", "--num-requests", "2", "--concurrency", "4"], "--num-requests (2)"),
+    (["--config", "{tiny}", "--requests-per-stream", "0"], "--requests-per-stream and --min-requests"),
     (["--config", "{tiny}", "--prompt-len-range", "50", "10"], "1 <= LO <= HI"),
     (["--config", "{tiny}", "--max-num-pages", "2"], "KV pool too small: one request"),
     (["--config", "qwen2.5-0.5b", "--max-num-pages", "8"], "KV pool too small: one request"),
@@ -83,6 +84,20 @@ def test_bad_input_exits_before_work(argv, message, tiny_config, no_model_load, 
     err = capsys.readouterr().err
     assert message in err, err
     assert "usage:" in err  # argparse's error format: usage line, then the message
+
+
+def test_closed_loop_levels_take_requests_per_stream_times_their_concurrency(tiny_config, no_model_load):
+    """A level sends max(--requests-per-stream x concurrency, --min-requests) requests unless
+    --num-requests says how many."""
+    from flashlet.bench.cli import build_parser, resolve
+
+    parser = build_parser()
+    for extra, want in (([], [8, 8, 32]), (["--requests-per-stream", "16"], [16, 64, 256]),
+                        (["--requests-per-stream", "16", "--min-requests", "64"], [64, 64, 256]),
+                        (["--num-requests", "40"], [40, 40, 40])):
+        args = parser.parse_args(["--config", tiny_config, "--concurrency", "1", "4", "16", *extra])
+        resolve(parser, args)
+        assert args.level_requests == want, extra
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message; CUDA is present")

@@ -124,6 +124,27 @@ def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
     assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2
 
 
+def test_table_json_reaches_a_fresh_engine_process_through_the_environment(bench, tmp_path):
+    """FLASHLET_DECODE_TABLES=PATH: a fresh process (an engine run) starts with the file's entries."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    row = dict(block_n=32, num_warps=1, num_stages=3, num_splits=8, prefetch="pages", kv_pack=1, us=1.0)
+    entries = bench.table_entries({("fp8", 128, 2000): (row, None, None)}, bench.MODEL, tuning)
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    code = ("import json; from flashlet.kernels import tuning; "
+            "c = tuning.batched_decode_config(64, 7, 128, 'fp8'); print(json.dumps([c.num_splits, c.num_warps]))")
+    env = {**os.environ, "FLASHLET_DECODE_TABLES": str(path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [8, 1]
+    env.pop("FLASHLET_DECODE_TABLES")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) != [8, 1]  # the table's own entry without it
+
+
 # ---- --one-launch: the fused decode path's attention ----------------------------------------------
 
 

@@ -208,6 +208,8 @@ def main() -> int:
         child_flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.streams and (min(args.streams) < 1 or args.new_tokens < 1 or args.prompt_len < 1):
         ap.error("--streams, --new-tokens and --prompt-len take positive counts")
+    if args.kv_cache_dtype and not (args.streams or args.streams_child):
+        ap.error("--kv-cache-dtype applies to --streams (the single-stream table compares paths at the model's dtype)")
     if args.generate_child:
         print(json.dumps(generate_in_this_process(args.config, child_flags)))
         return 0

@@ -59,6 +59,9 @@
 #                bf16 and fp8 KV: each kernel's time (~1 min)
 #   gemm-128     the fp8 GEMM kernel's tiles and K splits on bf16 weights against cuBLAS at 128
 #                rows, the 0.5B's four projections (DECODE_NOTES round 3; ~1 min)
+#   fused-presence  the in-process closed loop at 64 and 256 streams with the fused path on, with it
+#                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
+#                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
 #   decode-sat-generate  decode-sat 128 x 2,000 through LLM.generate (scripts/fused_decode_bench.py
 #                --streams 128 --prompt-len 2000: decode rate from a 128-token and a 1-token
 #                call), bf16 and fp8 KV, each beside the harness's figure (~4 min)
@@ -414,6 +417,13 @@ for _ in range(480):
           --decode-batch 128 --decode-prompt-len 2000 --decode-tokens 128 --gpu-memory-utilization 0.1 \
           --kv-cache-dtype $kv --out "$OUT/json/decode-sat-harness-$kv.json"
       done ;;
+    fused-presence)  # do steps the fused path never runs (64-256 rows, mixed) slow down when it
+                     # exists? lab/fused_presence_ab.py with the DSL (default / no-fused) and without
+      cute_env
+      base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
+      run 400 python3 lab/fused_presence_ab.py --json "$OUT/json/fused-presence-dsl.json"
+      run 200 env PYTHONPATH="$base" python3 lab/fused_presence_ab.py --pairs 1 --modes default \
+        --json "$OUT/json/fused-presence-no-dsl.json" ;;
     gemm-128)  # our GEMM's tiles on bf16 weights against cuBLAS at 128 rows (the 0.5B's four)
       run 500 python3 scripts/fp8_gemm_bench.py --rows 128 --bf16-weights \
         --shapes 1152x896 896x896 9728x896 896x4864 --json "$OUT/json/gemm-bf16-128.json" ;;

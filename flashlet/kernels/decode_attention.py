@@ -27,7 +27,10 @@ Design.
 - The group is padded to GP = max(16, next_pow2(G)) rows so that QK^T and PV are `tl.dot`s
   (tensor-core MMAs need M >= 16). Padded rows load zeros (masked, no memory traffic) and are
   never stored; decode is memory-bound, so the wasted MMA rows cost nothing measurable.
-  G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work.
+  G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work. The one-launch
+  form's `core_dots` variant computes both products as fp32 sums on the CUDA cores instead, the
+  rows padded to a power of two of at least 2 (measured where a one-row block's latency, not its
+  bytes, sets the time; DECODE_NOTES.md).
 - Tokens map to pages per token (a gather of page ids), so any power-of-two page size works,
   from 1 (one page per token) to larger than BLOCK_N.
 - Split-KV. S (a power of two) is the most splits a sequence may use; the launcher picks it

@@ -431,6 +431,7 @@
     app.setAttribute("data-to", s.to);
     app.setAttribute("data-file", s.file || "");
     app.setAttribute("data-view", s.view);
+    app.setAttribute("data-hash", hash); // what is on screen now (tests wait for it, not for the URL)
   }
 
   // ---- events --------------------------------------------------------------------------------

@@ -20,6 +20,13 @@ def wait_ready(page):
     page.wait_for_selector("#compare-app[data-state=ready]")
 
 
+def wait_rendered(page, condition: str):
+    """Until the page shows a state whose URL hash meets `condition` (JS on `hash`, e.g.
+    "hash.includes('view=split')"): a click sets the hash and the app renders on the hashchange
+    event after it, so the hash alone can run ahead of what is on screen."""
+    page.wait_for_function(f"(hash => {condition})(document.querySelector('#compare-app').dataset.hash || '')")
+
+
 def state(page) -> dict[str, str]:
     """The comparison state in the page's URL hash."""
     fragment = page.evaluate("location.hash").lstrip("#")
@@ -82,9 +89,8 @@ def test_changed_file_list_with_counts(docs_page, docs_server):
     assert page.locator(".file-item[data-path='cache.py'] .status-added").count() == 1
     assert page.locator(".file-item[data-path='notes.md'] .status-removed").count() == 1
     page.locator(".file-item[data-path='llm.py']").click()
-    page.wait_for_function("location.hash.includes('file=llm.py')")
-    # The hash moves before the app re-renders: its state may still read the last file's "ready".
-    page.wait_for_selector("#compare-app[data-file='llm.py'][data-state=ready]")
+    wait_rendered(page, "hash.includes('file=llm.py')")
+    assert page.locator("#compare-app").get_attribute("data-file") == "llm.py"
     assert "class KVCache:" in code_text(page)
 
 
@@ -95,7 +101,7 @@ def test_switch_view_expand_reload_and_change_language(docs_page, docs_server):
 
     # Split view: the URL follows.
     page.locator("#cmp-view-split").click()
-    page.wait_for_function("location.hash.includes('view=split')")
+    wait_rendered(page, "hash.includes('view=split')")
     assert state(page)["view"] == "split"
     assert page.locator("#cmp-diff .d2h-file-side-diff").count() == 2
     assert page.locator("#cmp-view-split").get_attribute("aria-pressed") == "true"
@@ -106,7 +112,7 @@ def test_switch_view_expand_reload_and_change_language(docs_page, docs_server):
     gap = page.locator("button.expand-gap[data-gap='0']").first
     assert re.search(r"Show \d+ unchanged lines", gap.inner_text())
     gap.click()
-    page.wait_for_function("location.hash.includes('expand=0')")
+    wait_rendered(page, "hash.includes('expand=0')")
     assert context_rows(page) > before
     assert "def layer_2(x):" in code_text(page)
     assert page.locator("button.expand-gap[data-gap='0']").count() == 0
@@ -172,21 +178,21 @@ def test_context_and_version_controls(docs_page, docs_server):
     page.goto(docs_server + COMPARE)
     wait_ready(page)
     page.locator("#cmp-context").select_option("all")
-    page.wait_for_function("location.hash.includes('context=all')")
+    wait_rendered(page, "hash.includes('context=all')")
     assert page.locator("button.expand-gap").count() == 0
     assert "def layer_29(x):" in code_text(page) and "def layer_0(x):" in code_text(page)
 
     page.locator("#cmp-from").select_option("v00_full_recompute")
-    page.wait_for_function("location.hash.includes('from=v00_full_recompute')")
+    wait_rendered(page, "hash.includes('from=v00_full_recompute')")
     wait_ready(page)
     assert state(page)["file"] == "model.py"  # still differs, so it stays open
     assert page.locator("#cmp-files .file-item[data-path='notes.md']").count() == 1
 
     page.locator("#cmp-swap").click()
-    page.wait_for_function("location.hash.startsWith('#from=v02_kv_cache')")
+    wait_rendered(page, "hash.startsWith('#from=v02_kv_cache')")
     assert state(page)["to"] == "v00_full_recompute"
     page.go_back()
-    page.wait_for_function("location.hash.startsWith('#from=v00_full_recompute')")
+    wait_rendered(page, "hash.startsWith('#from=v00_full_recompute')")
     wait_ready(page)
     assert page.locator("#cmp-from").input_value() == "v00_full_recompute"
 
@@ -241,7 +247,7 @@ def test_works_from_file_urls(docs_page, docs_site):
     wait_ready(page)
     assert "class KVCache:" in code_text(page)
     page.locator("#cmp-view-unified").click()
-    page.wait_for_function("location.hash.includes('view=unified')")
+    wait_rendered(page, "hash.includes('view=unified')")
     page.locator("a[data-lang-switch]").click()
     page.wait_for_url(re.compile(r"file://.*/zh/compare\.html#.*view=unified.*"))
     wait_ready(page)

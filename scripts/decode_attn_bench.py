@@ -462,16 +462,10 @@ def run(args) -> list[dict]:
 
 
 def write_table_json(entries: dict, path: str) -> None:
-    """The entries as JSON [[key, config fields], ...]: `load_table_json` puts them in
+    """The entries as JSON [[key, config fields], ...]: `tuning.load_tables` puts them in
     tuning.BATCHED_DECODE_TABLE of another process (an engine run with the sweep's winners)."""
     with open(path, "w") as f:
         json.dump([[list(key), asdict(cfg)] for key, cfg in sorted(entries.items())], f, indent=1)
-
-
-def load_table_json(path: str, tuning) -> dict:
-    """Read `write_table_json`'s file into tuning's tables (`tuning.load_tables`; an engine run
-    takes it with FLASHLET_DECODE_TABLES=PATH); -> the entries."""
-    return tuning.load_tables(path)
 
 
 def summarize(winners: dict, model: dict, tuning) -> None:
@@ -652,7 +646,7 @@ def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, 
 def tile_variant(tile: tuple, derived: OneLaunchVariant) -> OneLaunchVariant:
     """A stage-1 tile at the derived config's programs in flight (its split cap scaled by the KV
     heads a program) and the derived smallest split (at least one block)."""
-    bn, w, st, pack, *cores = tile
+    bn, w, st, pack, *cores = tile  # a fifth field, core_dots, where given
     splits = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
     return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl,
                             core_dots=bool(cores and cores[0]))
@@ -929,7 +923,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--table-json", default=None,
                    help="write the winners' BATCHED_DECODE_TABLE (--one-launch: ONE_LAUNCH_TABLE) entries here "
-                        "(see load_table_json)")
+                        "(tuning.load_tables; an engine run takes it with FLASHLET_DECODE_TABLES=PATH)")
     p.add_argument("--lower", default=None, nargs="+", metavar="BN,WARPS,STAGES,KV,PREFETCH[,KV_PACK[,MERGE]]",
                    help="only compile these variants for sm_90 (no GPU needed) and print lower_for_sm90's JSON, "
                         "a line each (MERGE: 'kernel' for the last-program merge)")

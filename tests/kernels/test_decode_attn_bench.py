@@ -120,7 +120,7 @@ def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
     path = tmp_path / "table.json"
     bench.write_table_json(entries, str(path))
     monkeypatch.setattr(tuning, "BATCHED_DECODE_TABLE", {})
-    assert bench.load_table_json(str(path), tuning) == entries
+    assert tuning.load_tables(str(path)) == entries
     assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2
 
 
@@ -213,7 +213,7 @@ def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, mo
     path = tmp_path / "table.json"
     bench.write_table_json(entries, str(path))
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
-    assert bench.load_table_json(str(path), tuning) == entries
+    assert tuning.load_tables(str(path)) == entries
     assert tuning.one_launch_table_config(64, 7, 12) == win.config(tuning)
 
 

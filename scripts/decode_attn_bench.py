@@ -527,7 +527,7 @@ ONE_LAUNCH_LONG = (8000, 30000)  # tokens, one row
 ONE_LAUNCH_MAX_SPLITS = 64  # TritonBackend's split cap (max_kv_splits): a larger entry would be clamped
 SMOKE_ONE_LAUNCH_MODELS = (dict(name="smoke", layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16, page_size=4),)
 SMOKE_ONE_LAUNCH = dict(rows=(1, 3), contexts=(37,), long=(150,))
-# (block_n, warps, stages, KV heads a program[, core_dots]) per head_dim, likelier winners first (the sweep may
+# (block_n, warps, stages, KV heads a program) per head_dim, likelier winners first (the sweep may
 # run out of time). head_dim 64: the derived whole-split block first, then smaller blocks that
 # leave room for two or more programs an SM (at 255 registers x 8 warps one program fills an SM),
 # one and both KV heads a program. head_dim 128 (group 2: 2 of 16 rows used with one head): 2 and 4
@@ -535,17 +535,11 @@ SMOKE_ONE_LAUNCH = dict(rows=(1, 3), contexts=(37,), long=(150,))
 # 4 heads spill at 4 warps, not at 8).
 ONE_LAUNCH_TILES = {
     64: ((256, 8, 2, 1), (128, 4, 2, 1), (64, 4, 3, 1), (64, 4, 2, 2), (128, 8, 2, 2), (64, 2, 3, 1),
-         (128, 8, 2, 1), (32, 2, 3, 2), (32, 2, 3, 1), (64, 4, 3, 2),
-         (16, 1, 3, 1, True), (16, 2, 3, 1, True)),  # CUDA-core dots (8 rows): no spills, at 255 registers
+         (128, 8, 2, 1), (32, 2, 3, 2), (32, 2, 3, 1), (64, 4, 3, 2)),
     128: ((32, 4, 3, 1), (32, 4, 3, 2), (32, 8, 2, 4), (64, 8, 2, 4), (64, 4, 2, 1), (64, 8, 2, 2),
-          (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2), (32, 8, 3, 4),
-          # QK^T and PV on the CUDA cores (`core_dots`): group 2's query tile of 2 rows, not 16;
-          # the tiles that lower for sm_90a without spills (Triton 3.7.1: 187-229 registers)
-          (32, 4, 3, 1, True), (16, 1, 3, 1, True), (64, 8, 2, 1, True), (32, 2, 3, 1, True)),
+          (64, 4, 3, 1), (32, 2, 3, 1), (16, 2, 3, 2), (32, 8, 3, 4)),
 }
-# As OneLaunchVariant.tile() gives them: (block_n, warps, stages, KV heads a program, core_dots).
-ONE_LAUNCH_TILES = {hd: tuple((*t, False)[:5] for t in tiles) for hd, tiles in ONE_LAUNCH_TILES.items()}
-SMOKE_ONE_LAUNCH_TILES = ((16, 1, 1, 1, False), (16, 2, 2, 2, False), (16, 1, 1, 1, True))
+SMOKE_ONE_LAUNCH_TILES = ((16, 1, 1, 1), (16, 2, 2, 2))
 # runtime values: no compile each. 32 and 64 spread one row of a few hundred to a thousand tokens
 # over more programs (Qwen3-0.6B, 8 KV heads: 1,000 tokens at 256 a split is 32 programs of 4 blocks)
 ONE_LAUNCH_MIN_SPLITS = (32, 64, 128, 256, 512)
@@ -568,17 +562,16 @@ class OneLaunchVariant:
     long_split_tokens: int = 0
     merge_splits: int | None = None
     pdl: bool = True
-    core_dots: bool = False
 
     def label(self) -> str:
-        tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (" cores" if self.core_dots else "") + (
+        tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (
             f" long{self.long_split_tokens}@{self.long_from_tokens}" if self.long_from_tokens else "") + (
             f" ms{self.merge_splits}" if self.merge_splits else "")
         return (f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits} "
                 f"min{self.min_split_tokens}{tail} pdl-{'on' if self.pdl else 'off'}")
 
     def tile(self) -> tuple:
-        return (self.block_n, self.num_warps, self.num_stages, self.kv_pack, self.core_dots)
+        return (self.block_n, self.num_warps, self.num_stages, self.kv_pack)
 
     def at_length(self, kv_len: int) -> OneLaunchVariant:
         """The variant a row of kv_len runs: below long_from_tokens the long rule does nothing (so
@@ -593,7 +586,7 @@ class OneLaunchVariant:
             block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
             min_split_tokens=self.min_split_tokens, num_splits=self.num_splits, kv_pack=self.kv_pack,
             long_from_tokens=self.long_from_tokens, long_split_tokens=self.long_split_tokens,
-            merge_splits=self.merge_splits, core_dots=self.core_dots)
+            merge_splits=self.merge_splits)
 
 
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
@@ -611,7 +604,7 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
             num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
             num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
             v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
-            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, core_dots=v.core_dots)
+            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits)
     return fn
 
 
@@ -629,7 +622,7 @@ def derived_one_launch_variant(torch, model: dict, rows: int, num_sms: int, devi
                             max_pages_per_seq=32768 // model["page_size"])
     cfg, splits = backend.one_launch_config(rows, table=table)
     return OneLaunchVariant(cfg.block_n, cfg.num_warps, cfg.num_stages, splits, cfg.min_split_tokens, cfg.kv_pack,
-                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl, cfg.core_dots)
+                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl)
 
 
 def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, near: int) -> list[int]:
@@ -646,10 +639,9 @@ def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, 
 def tile_variant(tile: tuple, derived: OneLaunchVariant) -> OneLaunchVariant:
     """A stage-1 tile at the derived config's programs in flight (its split cap scaled by the KV
     heads a program) and the derived smallest split (at least one block)."""
-    bn, w, st, pack, *cores = tile  # a fifth field, core_dots, where given
+    bn, w, st, pack = tile
     splits = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
-    return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl,
-                            core_dots=bool(cores and cores[0]))
+    return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl)
 
 
 def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict, num_sms: int, smoke: bool,
@@ -660,12 +652,12 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
     min_splits = SMOKE_MIN_SPLITS if smoke else ONE_LAUNCH_MIN_SPLITS
     rules = SMOKE_LONG_RULES if smoke else ONE_LAUNCH_LONG_RULES
     long_bucket = max(contexts) >= 4 * max(min_splits)
-    for bn, w, st, pack, *cores in tiles:
+    for bn, w, st, pack in tiles:
         wide = SMOKE_WIDE_MERGE if smoke else wide_merge(model, pack)
         near = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
         for s in one_launch_splits(rows, model["num_kv_heads"], pack, num_sms, near):
             for m in (ms for ms in min_splits if ms >= bn):
-                base = OneLaunchVariant(bn, w, st, s, m, pack, pdl=derived.pdl, core_dots=bool(cores and cores[0]))
+                base = OneLaunchVariant(bn, w, st, s, m, pack, pdl=derived.pdl)
                 out.append(base)
                 if not long_bucket:
                     continue

@@ -392,7 +392,6 @@ class TritonBackend(AttentionBackend):
             long_from_tokens=cfg.long_from_tokens,
             long_split_tokens=cfg.long_split_tokens,
             merge_splits=cfg.merge_splits,
-            core_dots=cfg.core_dots,
         )
         if q.shape[0] > n:
             out[n:].zero_()

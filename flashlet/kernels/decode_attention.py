@@ -27,10 +27,7 @@ Design.
 - The group is padded to GP = max(16, next_pow2(G)) rows so that QK^T and PV are `tl.dot`s
   (tensor-core MMAs need M >= 16). Padded rows load zeros (masked, no memory traffic) and are
   never stored; decode is memory-bound, so the wasted MMA rows cost nothing measurable.
-  G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work. The one-launch
-  form's `core_dots` variant computes both products as fp32 sums on the CUDA cores instead, the
-  rows padded to a power of two of at least 2 (measured where a one-row block's latency, not its
-  bytes, sets the time; DECODE_NOTES.md).
+  G = 7 (Qwen2.5-0.5B) and G = 3 (SmolLM2) both pad to 16; G = 1 and 8 also work.
 - Tokens map to pages per token (a gather of page ids), so any power-of-two page size works,
   from 1 (one page per token) to larger than BLOCK_N.
 - Split-KV. S (a power of two) is the most splits a sequence may use; the launcher picks it
@@ -99,18 +96,13 @@ def _split_range(kv_len, num_splits, min_split_tokens, block_n):
 
 @triton.jit
 def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True, CORE_DOTS: tl.constexpr = False):
+                  MASKED: tl.constexpr = True):
     """One block of keys into the online softmax (base 2): -> (m_i, l_i, acc). k, v: q's dtype
     or fp8 (widened here; their scales are applied by the caller). MASKED=False: every key of
-    the block is in range (t_mask unread). CORE_DOTS: both products as broadcast multiplies
-    summed in fp32 on the CUDA cores (q's rows need not be 16: a small group pads to a power of
-    two, not to a tensor-core tile, and no operand goes through shared memory)."""
+    the block is in range (t_mask unread)."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    if CORE_DOTS:
-        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
-    else:
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
     if MASKED:
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -118,10 +110,7 @@ def _attend_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CORE_DOTS:
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -730,7 +719,6 @@ def _one_launch_kernel(
     STEP_ROWS: tl.constexpr,
     KV_PACK: tl.constexpr,
     LONG_RULE: tl.constexpr,
-    CORE_DOTS: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -805,16 +793,14 @@ def _one_launch_kernel(
     first_keys = t_mask
     if LOOKBACK > 0:
         first_keys = t_mask & ((t < step_from) | (t == last))
-    m_i, l_i, acc = _attend_block(q, k, v, first_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION,
-                                  CORE_DOTS=CORE_DOTS)
+    m_i, l_i, acc = _attend_block(q, k, v, first_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     if LOOKBACK > 0:
         if step_from < last:
             s = step_from + tl.arange(0, STEP_ROWS)
             s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
             k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-            m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION,
-                                          CORE_DOTS=CORE_DOTS)
+            m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     # New names in the loop: the first block's k and v are already q's dtype, an fp8 pool's
     # blocks here are still fp8 (`_attend_block` widens them), and a loop-carried name keeps one type.
     for blk in range(start + BLOCK_N, end, BLOCK_N):
@@ -822,8 +808,7 @@ def _one_launch_kernel(
         t_mask = t < end
         k_blk = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
         v_blk = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION,
-                                      CORE_DOTS=CORE_DOTS)
+        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
     empty = l_i == 0.0
@@ -922,7 +907,6 @@ def decode_attention_one_launch(
     long_from_tokens: int = 0,
     long_split_tokens: int = 0,
     merge_splits: int | None = None,
-    core_dots: bool = False,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -940,9 +924,7 @@ def decode_attention_one_launch(
     min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
     larger grid.
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
-    as fit a 4096-element fp32 tile). core_dots: QK^T and PV on the CUDA cores (`_attend_block`),
-    the query tile padded to a power of two of at least 2 rows instead of 16: for small groups
-    (Qwen3's 2 query heads a KV head use 2 of a tensor-core tile's 16 rows)."""
+    as fit a 4096-element fp32 tile)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     check_kv_pack(kv_heads_per_program, num_kv_heads)
@@ -963,7 +945,7 @@ def decode_attention_one_launch(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    gp = max(2, _next_pow2(group * kv_heads_per_program)) if core_dots else group_pad(group * kv_heads_per_program)
+    gp = group_pad(group * kv_heads_per_program)
     cols = kv_heads_per_program * head_dim
     if merge_splits is None:  # partials merged at a time: a [MS, GP, cols] fp32 tile of at most 4096 elements
         merge_splits = max(1, min(num_splits, 4096 // (gp * cols)))
@@ -988,7 +970,6 @@ def decode_attention_one_launch(
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
-        CORE_DOTS=core_dots,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,

@@ -86,7 +86,6 @@ class OneLaunchConfig:
     long_from_tokens: int = 0
     long_split_tokens: int = 0
     merge_splits: int | None = None  # partials the merging program reads at a time (None: derived)
-    core_dots: bool = False  # QK^T and PV on the CUDA cores, the query tile not padded to 16 rows
 
     def smallest_split_tokens(self) -> int:
         """The shortest split any row may get (what bounds the useful split count)."""

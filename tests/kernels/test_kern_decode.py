@@ -234,22 +234,6 @@ def test_one_launch_variants_match_reference(kh, group, num_kv_heads, kv_pack, k
                       num_splits=num_splits, kv_heads_per_program=kv_pack, merge_splits=merge_splits)
 
 
-@pytest.mark.parametrize(
-    "group,num_kv_heads,kv_pack,kv_lens,num_splits,block_n",
-    [
-        (2, 4, 1, [57, 3, 0], 4, 16),  # Qwen3's group: a 2-row query tile, an empty row
-        (2, 4, 2, [100, 17], 8, 16),  # two KV heads a program: 4 rows, each its own head's columns
-        (7, 2, 1, [130], 16, 32),  # Qwen2.5's group: 8 rows, several blocks a split
-        (1, 2, 1, [40, 9], 2, 16),  # MHA: one real row, padded to 2
-    ],
-)
-def test_one_launch_core_dots_match_reference(kh, group, num_kv_heads, kv_pack, kv_lens, num_splits, block_n):
-    """QK^T and PV as CUDA-core sums (`core_dots`): the query tile a power of two of at least 2
-    rows, not 16."""
-    _check_one_launch(kh, group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens,
-                      num_splits=num_splits, block_n=block_n, kv_heads_per_program=kv_pack, core_dots=True)
-
-
 def _splits_written(scratch, num_splits, batch):
     """Per sequence, how many split partials a launch wrote (the scratch was NaN before)."""
     lse = scratch["mid_lse"][: batch * num_splits].view(batch, num_splits, -1)
@@ -305,7 +289,7 @@ _LOWER = textwrap.dedent("""
         consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
-                      LONG_RULE=False, CORE_DOTS=False)
+                      LONG_RULE=False)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))

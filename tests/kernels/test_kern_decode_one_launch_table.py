@@ -86,14 +86,11 @@ def test_an_entry_is_clamped_to_what_the_pool_can_use(kh, monkeypatch):
     assert long.one_launch_config(1)[1] == tuning.num_splits(1, 1, 132, 2, 64)
 
 
-@pytest.mark.parametrize("core_dots", [False, True])
-def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, core_dots):
-    """An entry with both KV heads a program, the long-row rule, a one-partial merge and (or not)
-    the CUDA-core dots reaches the kernel as given, and the step's output is the reference's
-    (interpreter on the CPU)."""
+def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch):
+    """An entry with both KV heads a program, the long-row rule and a one-partial merge reaches
+    the kernel as given, and the step's output is the reference's (interpreter on the CPU)."""
     entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=1, min_split_tokens=64, num_splits=8,
-                                   kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1,
-                                   core_dots=core_dots)
+                                   kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 4): entry})
     seen = []
     real = triton_backend.decode_attention_one_launch
@@ -116,4 +113,4 @@ def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, core_dots):
         assert not backend._merge_counts.any()
     got = seen[-1]
     assert (got["kv_heads_per_program"], got["long_from_tokens"], got["long_split_tokens"], got["merge_splits"],
-            got["num_splits"], got["block_n"], got["core_dots"]) == (2, 100, 16, 1, 8, 16, core_dots)
+            got["num_splits"], got["block_n"]) == (2, 100, 16, 1, 8, 16)

@@ -62,8 +62,7 @@
 #   fused-presence  the in-process closed loop at 64 and 256 streams with the fused path on, with it
 #                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
 #                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
-#   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape (CUDA-core dots among the
-#                tiles), then one stream after a 1,000-token prompt without and with the sweep's
+#   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after a 1,000-token prompt without and with the sweep's
 #                table (FLASHLET_DECODE_TABLES; ~4 min)
 #   decode-sat-generate  decode-sat 128 x 2,000 through LLM.generate (scripts/fused_decode_bench.py
 #                --streams 128 --prompt-len 2000: decode rate from a 128-token and a 1-token
@@ -427,7 +426,7 @@ for _ in range(480):
       run 400 python3 lab/fused_presence_ab.py --json "$OUT/json/fused-presence-dsl.json"
       run 200 env PYTHONPATH="$base" python3 lab/fused_presence_ab.py --pairs 1 --modes default \
         --json "$OUT/json/fused-presence-no-dsl.json" ;;
-    one-launch-qwen3)  # the one-launch sweep at Qwen3-0.6B (the CUDA-core dots among its tiles), then
+    one-launch-qwen3)  # the one-launch sweep at Qwen3-0.6B, then
                        # one stream after a 1,000-token prompt without and with its table
       cute_env
       run 300 python3 scripts/decode_attn_bench.py --one-launch --models qwen3-0.6b \

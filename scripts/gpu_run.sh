@@ -62,8 +62,9 @@
 #   fused-presence  the in-process closed loop at 64 and 256 streams with the fused path on, with it
 #                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
 #                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
-#   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after a 1,000-token prompt without and with the sweep's
-#                table (FLASHLET_DECODE_TABLES; ~4 min)
+#   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
+#                a 1,000-token prompt without and with the sweep's table (FLASHLET_DECODE_TABLES;
+#                ~4 min)
 #   decode-sat-generate  decode-sat 128 x 2,000 through LLM.generate (scripts/fused_decode_bench.py
 #                --streams 128 --prompt-len 2000: decode rate from a 128-token and a 1-token
 #                call), bf16 and fp8 KV, each beside the harness's figure (~4 min)

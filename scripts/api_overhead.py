@@ -58,6 +58,7 @@ class TokenSource:
         self.model_config = SimpleNamespace(vocab_size=1 << 20)
         self.max_model_len, self.backend_name, self.model_dir = 1 << 20, "token-source", None
         self.device, self.dtype = "cpu", "none"
+        self.device_wait_s = 0.0  # no device to wait on (Engine.device_wait_s)
 
     def add_request(self, prompt_token_ids, params, request_id, after=None, group=None) -> None:
         self.requests[request_id] = SimpleNamespace(  # (the core gives an int32 array)

@@ -233,13 +233,14 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     """The server's own view of each level (GET /debug/stats around it, diagnostics.py) beside
     the in-process engine's: where the server's time goes. Per core (cN) and API process (aK)."""
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
-            "step ms mean in / server | server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
+            "step ms mean in / server | of it blocked on the device (ms) in / server | "
+            "server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
             "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
             "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
             "client's own turnaround p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for lv, sv in paired_levels(inproc, server):
         diag = sv.get("server_diag")
         if not diag:
@@ -254,6 +255,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
                                                    for i, c in enumerate(cores))
             + f" | {_f(lv['step_ms']['mean'])} / " + ", ".join(
                 f"c{i} {_f(c['step_ms_mean'])}" for i, c in enumerate(cores))
+            + f" | {_f(lv.get('device_wait_ms'))} / " + ", ".join(
+                f"c{i} {_f(c.get('device_wait_ms_mean'))}" for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} {_f(c['step_ms']['p99'])} / {_f(c['step_ms']['max'])}"
                                 for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} " + " / ".join(
@@ -274,7 +277,10 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
 
 DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level; shares and "
               "rates over the level's duration): tokens per step = output tokens / steps (the "
-              "mean number of requests that got a token per step); the core loop's step / send "
+              "mean number of requests that got a token per step); blocked on the device: of a "
+              "step's time, the host's wait reading the tokens of the step before (steps overlap "
+              "the device: near the step's time the device paces the loop, near 0 the host "
+              "does); the core loop's step / send "
               "(encode + zmq send of the step's outputs) / receive (decode and add the new "
               "requests) / idle (the rest: waiting for requests); turnaround: from a request's "
               "finish in the core to the next request's arrival there (matched first in, first "

@@ -121,6 +121,38 @@ def test_overlap_gives_the_outputs_of_one_step_at_a_time(tiny_qwen2):
     assert run(overlap=True, eos=eos)[0] == expected
 
 
+def test_device_wait_sums_the_hosts_block_on_every_token_read(tiny_qwen2, monkeypatch):
+    """Engine.device_wait_s: the time each step's token read spent in its event's synchronize,
+    over both token buffers; without a device (the CPU) there is no event and no wait."""
+    import flashlet.core.engine as engine_module
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, max_num_seqs=4))
+    ids = [engine.add_request([3, 5, 7 + i], SamplingParams(max_new_tokens=4)) for i in range(3)]
+    run_all(engine)
+    assert engine.device_wait_s == 0.0
+    clock = [0.0]
+
+    class SlowEvent:  # a copy the host waits 2 ms for, on a clock of its own
+        def record(self):
+            pass
+
+        def synchronize(self):
+            clock[0] += 0.002
+
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    for buffer in engine._token_buffers:
+        buffer.event = SlowEvent()
+    reads = []
+    for buffer in engine._token_buffers:
+        read = buffer.read
+        monkeypatch.setattr(buffer, "read", lambda n=None, read=read: reads.append(n) or read(n))
+    done = {}
+    ids = [engine.add_request([3, 5, 7 + i], SamplingParams(max_new_tokens=4)) for i in range(3)]
+    run_all(engine, done=done)
+    assert sorted(done) == sorted(ids) and len(reads) >= 4
+    assert engine.device_wait_s == pytest.approx(0.002 * len(reads))
+
+
 def test_abort_while_a_step_is_in_flight(tiny_qwen2, alone):
     engine = Engine(EngineConfig(model=str(tiny_qwen2), page_size=4, overlap=True))
     keep = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=6, **GREEDY))

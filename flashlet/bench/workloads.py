@@ -80,6 +80,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None, params=No
     preempt0 = engine.stats()["num_preemptions"]
     done = 0
     sync()
+    wait0 = engine.device_wait_s
     trace.start = now()
     for _ in range(min(concurrency, n)):
         submit(trace.start)
@@ -106,6 +107,9 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None, params=No
                     submit(t1)
     trace.end = now()
     trace.num_preemptions = engine.stats()["num_preemptions"] - preempt0
+    # Of each step's time, the mean the host spent blocked on the device reading tokens
+    # (Engine.device_wait_s): near the step's time, the device paces the loop; near 0, the host.
+    trace.extra["device_wait_ms"] = (engine.device_wait_s - wait0) * 1e3 / max(len(trace.step_s), 1)
     return trace
 
 

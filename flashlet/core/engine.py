@@ -456,6 +456,15 @@ class Engine:
         self.scheduler.eos_token_ids = frozenset(ids)
         self.sampler.eos_token_ids = sorted(ids)  # min_tokens keeps them from being sampled
 
+    @property
+    def device_wait_s(self) -> float:
+        """Seconds the host has spent blocked on the device reading steps' tokens (cumulative):
+        a loop whose steps show about none of it is paced by its host (the next step launches
+        when the host gets to it); one whose steps wait most of their time, by the device. The
+        waits that a step's other reads make (a sampled verify step's, prompt logprobs') are
+        not in it."""
+        return sum(buffer.wait_s for buffer in self._token_buffers)
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         self.scheduler.check_batch(self.runner.batch)
@@ -547,6 +556,7 @@ class TokenBuffer:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
         self.count = 0
         self.event = torch.cuda.Event() if on_cuda else None
+        self.wait_s = 0.0  # the host's time blocked in read() on the copy (seconds, cumulative)
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
         self.count = tokens.numel()  # what `read` returns unless told fewer
@@ -557,7 +567,9 @@ class TokenBuffer:
 
     def read(self, n: int | None = None) -> list[int]:
         if self.event is not None:
+            t = time.perf_counter()
             self.event.synchronize()
+            self.wait_s += time.perf_counter() - t
         return self.host[: self.count if n is None else n].tolist()
 
 

@@ -115,6 +115,7 @@ class LoopCounters:
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
         self.steps = 0
         self.tokens = 0  # output tokens the steps made
+        self.device_wait = 0.0  # of the steps' seconds, those blocked reading tokens (Engine.device_wait_s)
         self.requests = 0  # requests added
         self.turnaround = LogHistogram()
         self.step_time = LogHistogram()
@@ -124,9 +125,12 @@ class LoopCounters:
     def add_time(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
-    def step_done(self, seconds: float, num_tokens: int, num_finished: int) -> None:
-        """A step of `seconds` made num_tokens tokens and finished num_finished requests."""
+    def step_done(self, seconds: float, num_tokens: int, num_finished: int,
+                  device_wait: float = 0.0) -> None:
+        """A step of `seconds` (device_wait of them blocked on the device's tokens) made
+        num_tokens tokens and finished num_finished requests."""
         self.seconds["step"] += seconds
+        self.device_wait += device_wait
         self.step_time.add(seconds)
         self.steps += 1
         self.tokens += num_tokens
@@ -143,7 +147,7 @@ class LoopCounters:
         are not matched with later arrivals: a reader probes between its measurements)."""
         self._finishes.clear()
         return {"steps": self.steps, "tokens": self.tokens, "requests": self.requests,
-                "seconds": dict(self.seconds), "turnaround": list(self.turnaround.counts),
+                "seconds": dict(self.seconds), "device_wait_s": self.device_wait, "turnaround": list(self.turnaround.counts),
                 "step_time": list(self.step_time.counts),
                 "gc_s": self.gc.seconds, "gc_full": self.gc.full, "gc_long": self.gc.long}
 
@@ -280,6 +284,10 @@ def level_figures(before: dict, after: dict, duration: float) -> dict:
             "steps_per_s": steps / wall,
             "tokens_per_step": tokens / steps if steps else None,
             "step_ms_mean": seconds["step"] * 1e3 / steps if steps else None,
+            # of it, blocked reading the tokens (a reading without the field: None)
+            "device_wait_ms_mean": ((la["device_wait_s"] - lb["device_wait_s"]) * 1e3 / steps
+                                    if steps and "device_wait_s" in la and "device_wait_s" in lb
+                                    else None),
             "step_ms": quantiles(lb["step_time"], la["step_time"]),
             "loop_share": {p: s / wall for p, s in seconds.items()},
             "turnaround_ms": quantiles(lb["turnaround"], la["turnaround"]),

@@ -504,6 +504,7 @@ class EngineCore:
         its errors are in self.errors)."""
         gc_timer = self.counters.gc
         gc_before = (gc_timer.collections, gc_timer.seconds)
+        wait_before = self.engine.device_wait_s
         t = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -514,7 +515,8 @@ class EngineCore:
         took = time.perf_counter() - t
         finished = [out.request_id for out in outputs if out.finished]
         self.unfinished.difference_update(finished)
-        self.counters.step_done(took, sum(map(len, map(_new_token_ids, outputs))), len(finished))
+        self.counters.step_done(took, sum(map(len, map(_new_token_ids, outputs))), len(finished),
+                                self.engine.device_wait_s - wait_before)
         mean = self.counters.seconds["step"] / self.counters.steps
         if took > max(SLOW_STEP_S, SLOW_STEP_TIMES_MEAN * mean):
             self._log_slow_step(took, outputs, gc_before)

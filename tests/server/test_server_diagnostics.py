@@ -63,6 +63,25 @@ def test_turnaround_matches_finishes_with_the_next_arrivals_in_order():
         counters.gc.close()
 
 
+def test_a_levels_device_wait_is_its_steps_waits_over_their_count():
+    """The core's steps' device wait (Engine.device_wait_s deltas, EngineCore._step) reaches a
+    level's figures as a mean per step; a reading from before the field reads None."""
+    counters = LoopCounters()
+    try:
+        counters.step_done(0.004, 1, 0, device_wait=0.001)
+        before = {"cores": [{"loop": counters.snapshot()}]}
+        counters.step_done(0.004, 1, 0, device_wait=0.003)
+        counters.step_done(0.002, 1, 0)  # a step that never waited (the host paced it)
+        after = {"cores": [{"loop": counters.snapshot()}]}
+        (core,) = level_figures(before, after, 0.01)["cores"]
+        assert core["steps"] == 2 and core["step_ms_mean"] == pytest.approx(3.0)
+        assert core["device_wait_ms_mean"] == pytest.approx(1.5)
+        del before["cores"][0]["loop"]["device_wait_s"]
+        assert level_figures(before, after, 0.01)["cores"][0]["device_wait_ms_mean"] is None
+    finally:
+        counters.gc.close()
+
+
 def test_debug_stats_of_the_in_thread_app_count_its_events(server):
     before = httpx.get(server.url + "/debug/stats", timeout=30).json()
     t0 = time.monotonic()
@@ -118,6 +137,7 @@ def test_debug_stats_through_the_cli_with_two_api_processes(two_api_servers):
     assert core["requests"] == 12 and core["tokens"] == 12 * 16
     assert core["steps"] >= 16 and 1 <= core["tokens_per_step"] <= 4
     assert core["step_ms_mean"] > 0 and core["steps_per_s"] > 0
+    assert core["device_wait_ms_mean"] == 0.0  # the CPU: no device to wait on
     assert core["step_ms"]["n"] == core["steps"]
     assert core["step_ms"]["p50"] <= core["step_ms"]["p99"] <= core["step_ms"]["max"]
     shares = core["loop_share"]

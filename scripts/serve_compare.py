@@ -235,12 +235,13 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
             "step ms mean in / server | of it blocked on the device (ms) in / server | "
             "server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
+            "core CPU busy, preempted a second | "
             "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
             "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
             "client's own turnaround p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for lv, sv in paired_levels(inproc, server):
         diag = sv.get("server_diag")
         if not diag:
@@ -262,6 +263,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
             + " | " + ", ".join(f"c{i} " + " / ".join(
                 f"{100 * c['loop_share'][p]:.1f}" for p in ("step", "send", "receive", "idle"))
                 for i, c in enumerate(cores))
+            + " | " + ", ".join(f"c{i} {_f(c.get('cpu_busy'))}, {_f(c.get('preempted_per_s'), '.0f')}"
+                                for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} {_ms(c['turnaround_ms'])}" for i, c in enumerate(cores))
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['busy'])}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['tokens_per_event'])}" for a in api)
@@ -282,7 +285,9 @@ DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level;
               "the device: near the step's time the device paces the loop, near 0 the host "
               "does); the core loop's step / send "
               "(encode + zmq send of the step's outputs) / receive (decode and add the new "
-              "requests) / idle (the rest: waiting for requests); turnaround: from a request's "
+              "requests) / idle (the rest: waiting for requests); core CPU busy: the core "
+              "process's CPU seconds (all threads) / level seconds, and preempted: the kernel's "
+              "involuntary context switches of it a second (other processes wanting its CPU); turnaround: from a request's "
               "finish in the core to the next request's arrival there (matched first in, first "
               "out); API CPU busy = the process's CPU seconds (all threads) / level seconds; "
               "event-loop lag: lateness of a 10 ms asyncio timer; delivery: a step message's "

@@ -6,7 +6,10 @@ Two sources, both cumulative counters (a reader takes two readings and their dif
   messages (decode + add_request) and waiting idle for one; with the turnaround, the time from a
   request finishing in the core to the next request arriving there (finishes and arrivals
   matched first in, first out: in a closed loop, a client's next request follows its last one's
-  finish). Kept in the core's loop at a few clock reads per step and sent only in a probe's
+  finish); the host's wait on the device inside the steps (`Engine.device_wait_s`); and, read
+  at the probe, the process's CPU time (every thread) and the times the kernel took its CPU
+  away while it could still run (involuntary context switches: other processes wanting the
+  CPU). Kept in the core's loop at a few clock reads per step and sent only in a probe's
   reply (never in the per-step messages).
 - each API process (`ApiCounters`): its CPU time (process_time: every thread) over wall time,
   the SSE events it sent and the tokens they carried, the lateness of a periodic event-loop
@@ -30,6 +33,7 @@ import bisect
 import collections
 import gc
 import multiprocessing
+import resource
 import time
 
 # Bucket upper edges, seconds: 25 us to ~2.6 s in steps of x1.25 (quantiles to within 25%).
@@ -147,7 +151,9 @@ class LoopCounters:
         are not matched with later arrivals: a reader probes between its measurements)."""
         self._finishes.clear()
         return {"steps": self.steps, "tokens": self.tokens, "requests": self.requests,
-                "seconds": dict(self.seconds), "device_wait_s": self.device_wait, "turnaround": list(self.turnaround.counts),
+                "seconds": dict(self.seconds), "device_wait_s": self.device_wait,
+                "cpu_s": time.process_time(),
+                "preempted": resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, "turnaround": list(self.turnaround.counts),
                 "step_time": list(self.step_time.counts),
                 "gc_s": self.gc.seconds, "gc_full": self.gc.full, "gc_long": self.gc.long}
 
@@ -265,6 +271,10 @@ class ApiCounters:
 
 
 # ---- a reader's side: two readings -> a level's figures ------------------------------------
+def _rate(before: dict, after: dict, key: str, wall: float) -> float | None:
+    return (after[key] - before[key]) / wall if key in before and key in after else None
+
+
 def level_figures(before: dict, after: dict, duration: float) -> dict:
     """What happened between two /debug/stats readings taken around a level of `duration`
     seconds (the level's own wall time: the readings' interval also holds the load generator's
@@ -291,6 +301,10 @@ def level_figures(before: dict, after: dict, duration: float) -> dict:
             "step_ms": quantiles(lb["step_time"], la["step_time"]),
             "loop_share": {p: s / wall for p, s in seconds.items()},
             "turnaround_ms": quantiles(lb["turnaround"], la["turnaround"]),
+            # the core process's CPU seconds a second, and the kernel's preemptions of it a
+            # second (None from a reading without them)
+            "cpu_busy": _rate(lb, la, "cpu_s", wall),
+            "preempted_per_s": _rate(lb, la, "preempted", wall),
             **_gc_figures(lb, la, wall)})
     api = []
     for b, a in zip(before.get("api_servers", []), after.get("api_servers", [])):

@@ -4,6 +4,7 @@ in-thread app; the CLI with two API processes) counted exactly and within plausi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -65,7 +66,8 @@ def test_turnaround_matches_finishes_with_the_next_arrivals_in_order():
 
 def test_a_levels_device_wait_is_its_steps_waits_over_their_count():
     """The core's steps' device wait (Engine.device_wait_s deltas, EngineCore._step) reaches a
-    level's figures as a mean per step; a reading from before the field reads None."""
+    level's figures as a mean per step, its CPU time and preemptions as rates; a reading from
+    before those fields reads None."""
     counters = LoopCounters()
     try:
         counters.step_done(0.004, 1, 0, device_wait=0.001)
@@ -76,8 +78,13 @@ def test_a_levels_device_wait_is_its_steps_waits_over_their_count():
         (core,) = level_figures(before, after, 0.01)["cores"]
         assert core["steps"] == 2 and core["step_ms_mean"] == pytest.approx(3.0)
         assert core["device_wait_ms_mean"] == pytest.approx(1.5)
-        del before["cores"][0]["loop"]["device_wait_s"]
-        assert level_figures(before, after, 0.01)["cores"][0]["device_wait_ms_mean"] is None
+        assert core["cpu_busy"] == pytest.approx(
+            (after["cores"][0]["loop"]["cpu_s"] - before["cores"][0]["loop"]["cpu_s"]) / 0.01)
+        assert core["preempted_per_s"] >= 0
+        for key in ("device_wait_s", "cpu_s", "preempted"):
+            del before["cores"][0]["loop"][key]
+        (core,) = level_figures(before, after, 0.01)["cores"]
+        assert core["device_wait_ms_mean"] is core["cpu_busy"] is core["preempted_per_s"] is None
     finally:
         counters.gc.close()
 
@@ -138,6 +145,7 @@ def test_debug_stats_through_the_cli_with_two_api_processes(two_api_servers):
     assert core["steps"] >= 16 and 1 <= core["tokens_per_step"] <= 4
     assert core["step_ms_mean"] > 0 and core["steps_per_s"] > 0
     assert core["device_wait_ms_mean"] == 0.0  # the CPU: no device to wait on
+    assert 0 < core["cpu_busy"] <= 2 * os.cpu_count() and core["preempted_per_s"] >= 0
     assert core["step_ms"]["n"] == core["steps"]
     assert core["step_ms"]["p50"] <= core["step_ms"]["p99"] <= core["step_ms"]["max"]
     shares = core["loop_share"]

@@ -224,6 +224,12 @@ def _f(x, fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _preempted(figures: dict) -> str:
+    """' (N/s)': a process's involuntary context switches a second, where the reading has them."""
+    rate = figures.get("preempted_per_s")
+    return "" if rate is None else f" ({rate:,.0f}/s)"
+
+
 def _gc(name: str, figures: dict) -> str:
     return (f"{name} {100 * figures['gc_share']:.2f} ({figures['gc_full']}, "
             f"{figures['gc_long']})")
@@ -235,8 +241,8 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
             "step ms mean in / server | of it blocked on the device (ms) in / server | "
             "server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
-            "core CPU busy, preempted a second | "
-            "turnaround p50 / p99 / max (ms) | API CPU busy | API tokens per event | "
+            "core CPU busy (preempted a second) | "
+            "turnaround p50 / p99 / max (ms) | API CPU busy (preempted a second) | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
             "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
             "client's own turnaround p50 / p99 / max (ms) | "
@@ -263,10 +269,10 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
             + " | " + ", ".join(f"c{i} " + " / ".join(
                 f"{100 * c['loop_share'][p]:.1f}" for p in ("step", "send", "receive", "idle"))
                 for i, c in enumerate(cores))
-            + " | " + ", ".join(f"c{i} {_f(c.get('cpu_busy'))}, {_f(c.get('preempted_per_s'), '.0f')}"
+            + " | " + ", ".join(f"c{i} {_f(c.get('cpu_busy'))}{_preempted(c)}"
                                 for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} {_ms(c['turnaround_ms'])}" for i, c in enumerate(cores))
-            + " | " + ", ".join(f"a{a['api_server']} {_f(a['busy'])}" for a in api)
+            + " | " + ", ".join(f"a{a['api_server']} {_f(a['busy'])}{_preempted(a)}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['tokens_per_event'])}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_ms(a['loop_lag_ms'])}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_ms(a['delivery_ms'])}" for a in api)
@@ -289,7 +295,7 @@ DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level;
               "process's CPU seconds (all threads) / level seconds, and preempted: the kernel's "
               "involuntary context switches of it a second (other processes wanting its CPU); turnaround: from a request's "
               "finish in the core to the next request's arrival there (matched first in, first "
-              "out); API CPU busy = the process's CPU seconds (all threads) / level seconds; "
+              "out); API CPU busy = the process's CPU seconds (all threads) / level seconds (preempted: as the core's); "
               "event-loop lag: lateness of a 10 ms asyncio timer; delivery: a step message's "
               "send in the core to its decoding in the API process's reader thread; intake: a "
               "request's handler start to its submission to a core (validation, tokenizing); "

@@ -11,7 +11,8 @@ Two sources, both cumulative counters (a reader takes two readings and their dif
   away while it could still run (involuntary context switches: other processes wanting the
   CPU). Kept in the core's loop at a few clock reads per step and sent only in a probe's
   reply (never in the per-step messages).
-- each API process (`ApiCounters`): its CPU time (process_time: every thread) over wall time,
+- each API process (`ApiCounters`): its CPU time (process_time: every thread) over wall time
+  and its involuntary context switches (as the core's),
   the SSE events it sent and the tokens they carried, the lateness of a periodic event-loop
   timer (the event loop's lag: what a step's tokens wait for once the reader thread hands them
   over) and the delay from a core sending a step's message to this process's reader thread
@@ -153,14 +154,20 @@ class LoopCounters:
         return {"steps": self.steps, "tokens": self.tokens, "requests": self.requests,
                 "seconds": dict(self.seconds), "device_wait_s": self.device_wait,
                 "cpu_s": time.process_time(),
-                "preempted": resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, "turnaround": list(self.turnaround.counts),
+                "preempted": preemptions(), "turnaround": list(self.turnaround.counts),
                 "step_time": list(self.step_time.counts),
                 "gc_s": self.gc.seconds, "gc_full": self.gc.full, "gc_long": self.gc.long}
 
 
+def preemptions() -> int:
+    """This process's involuntary context switches so far (every thread): the kernel took a
+    CPU from it while it could still run."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
 # ---- the API processes' row in shared memory -------------------------------------------------
-_CPU, _WALL, _EVENTS, _TOKENS, _GC_S, _GC_FULL, _GC_LONG = range(7)
-_LAG = 7
+_CPU, _WALL, _EVENTS, _TOKENS, _GC_S, _GC_FULL, _GC_LONG, _PREEMPTED = range(8)
+_LAG = 8
 _DELIVERY = _LAG + NUM_BUCKETS
 _INTAKE = _DELIVERY + NUM_BUCKETS
 _CLIENT_GAP = _INTAKE + NUM_BUCKETS
@@ -216,6 +223,7 @@ class ApiCounters:
         """Start the event-loop timer on the running loop (idempotent)."""
         if self._timer is None:
             self._started = (time.process_time(), time.monotonic())
+            self._preempted0 = preemptions()
             self._gc = GcTimer()
             self._ticks = 0
             self._arm(asyncio.get_running_loop())
@@ -251,6 +259,7 @@ class ApiCounters:
         gc_timer = self._gc
         rows[base + _GC_S], rows[base + _GC_FULL] = gc_timer.seconds, gc_timer.full
         rows[base + _GC_LONG] = gc_timer.long
+        rows[base + _PREEMPTED] = preemptions() - self._preempted0
 
     def snapshot(self) -> list[dict]:
         """Every API process's counters (those that have not started read zero; this
@@ -263,6 +272,7 @@ class ApiCounters:
             out.append({"api_server": k, "cpu_s": row[_CPU], "wall_s": row[_WALL],
                         "events": row[_EVENTS], "tokens": row[_TOKENS], "gc_s": row[_GC_S],
                         "gc_full": row[_GC_FULL], "gc_long": row[_GC_LONG],
+                        "preempted": row[_PREEMPTED],
                         "loop_lag": row[_LAG:_LAG + NUM_BUCKETS],
                         "delivery": row[_DELIVERY:_DELIVERY + NUM_BUCKETS],
                         "intake": row[_INTAKE:_INTAKE + NUM_BUCKETS],
@@ -311,6 +321,7 @@ def level_figures(before: dict, after: dict, duration: float) -> dict:
         events, tokens = a["events"] - b["events"], a["tokens"] - b["tokens"]
         api.append({
             "api_server": a["api_server"], "busy": (a["cpu_s"] - b["cpu_s"]) / wall,
+            "preempted_per_s": _rate(b, a, "preempted", wall),
             "events": int(events), "tokens": int(tokens),
             "tokens_per_event": tokens / events if events else None,
             "loop_lag_ms": quantiles(b["loop_lag"], a["loop_lag"]),

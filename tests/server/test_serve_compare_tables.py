@@ -4,6 +4,7 @@ columns, and the figures land in their columns."""
 
 from __future__ import annotations
 
+from flashlet.server import diagnostics
 from flashlet.server.diagnostics import NUM_BUCKETS, ApiCounters, LoopCounters, level_figures
 from tests.conftest import load_script
 
@@ -36,7 +37,7 @@ def _diag() -> dict:
             core.step_done(0.002, 0, 0)
         row = api.rows
         row[0], row[1], row[2], row[3] = 1.5, 10.0, 100, 400  # cpu, wall, events, tokens
-        row[7 + 3] += 5  # loop-lag samples in a low bucket
+        row[diagnostics._LAG + 3] += 5  # loop-lag samples in a low bucket
         after = {"cores": [{"loop": core.snapshot()}], "api_servers": api.snapshot()}
     finally:
         core.gc.close()
@@ -55,7 +56,7 @@ def test_both_tables_have_their_headers_columns():
         assert len(columns) == 1, text
     diag = sc.diagnostics_table(inproc, server).splitlines()[2]
     assert "| 1 | 102 / c0 0 |" in diag  # in-process steps/s (1024 in 10 s) / the core's
-    assert "a0 0.15, a1 0.00" in diag  # CPU busy: 1.5 s of 10
+    assert "a0 0.15 (0/s), a1 0.00 (0/s)" in diag  # CPU busy: 1.5 s of 10, never preempted
     assert "a0 4.00, a1 –" in diag  # tokens per event
     assert diag.count("a0 0.05 / 0.05 / 0.05") == 1  # the loop lag: 5 samples in bucket 3
 

@@ -102,7 +102,7 @@ def test_debug_stats_of_the_in_thread_app_count_its_events(server):
     figures = level_figures(before, after, time.monotonic() - t0)
     (api,) = figures["api_servers"]
     assert api["tokens"] == 6 and 2 <= api["events"] <= 6
-    assert 0 <= api["busy"] <= 1.5
+    assert 0 <= api["busy"] <= 1.5 and api["preempted_per_s"] >= 0
     assert api["intake_ms"]["n"] == 2 and api["client_gap_ms"]["n"] == 1
     assert api["loop_lag_ms"]["n"] >= 1 and api["loop_lag_ms"]["p50"] is not None
     assert figures["cores"] == []  # an in-thread engine has no core loop to report
@@ -160,6 +160,6 @@ def test_debug_stats_through_the_cli_with_two_api_processes(two_api_servers):
     assert [a["api_server"] for a in api] == [0, 1]
     assert sum(a["tokens"] for a in api) == 12 * 16
     for a in api:
-        assert 0 <= a["busy"] <= 1.5 and a["loop_lag_ms"]["n"] > 0
+        assert 0 <= a["busy"] <= 1.5 and a["loop_lag_ms"]["n"] > 0 and a["preempted_per_s"] >= 0
         if a["tokens"]:
             assert a["delivery_ms"]["n"] > 0 and a["tokens_per_event"] >= 1

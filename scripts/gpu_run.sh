@@ -62,6 +62,9 @@
 #   fused-presence  the in-process closed loop at 64 and 256 streams with the fused path on, with it
 #                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
 #                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
+#   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
+#                each step's wait on the device, the core's CPU and preemptions (lab/device_wait.py;
+#                .whl/ and .tok/ carried; CLIENT_PROCS=N; ~6 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
 #                a 1,000-token prompt without and with the sweep's table (FLASHLET_DECODE_TABLES;
 #                ~4 min)
@@ -437,6 +440,18 @@ for _ in range(480):
           --quiet --max-num-pages 8192 --workload single --single-prompt-len 1000 \
           --out "$OUT/json/qwen3-single-1000${t:+-table}.json"
       done ;;
+    serve-spread)  # the server's c = 64 / 256 spread: fresh servers (and in-process) three times,
+                   # then decode-sat: is each step paced by its host or by the device?
+      for round in 1 2 3; do
+        run 200 python3 scripts/serve_compare.py --out "$OUT/json/serve-spread-$round" \
+          --tokenizer .tok/smollm2 --concurrency 64 256 --max-new-tokens 128 \
+          ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
+          -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+          --max-num-pages 16384 --max-decode-step-tokens 512
+      done
+      run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
+        --max-num-pages 8192 --workload decode-sat --out "$OUT/json/decode-sat-wait.json"
+      run 30 python3 lab/device_wait.py "$OUT"/json/serve-spread-*/*.json "$OUT/json/decode-sat-wait.json" ;;
     gemm-128)  # our GEMM's tiles on bf16 weights against cuBLAS at 128 rows (the 0.5B's four)
       run 500 python3 scripts/fp8_gemm_bench.py --rows 128 --bf16-weights \
         --shapes 1152x896 896x896 9728x896 896x4864 --json "$OUT/json/gemm-bf16-128.json" ;;

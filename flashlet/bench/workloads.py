@@ -237,6 +237,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     # host has read a whole step's tokens (with overlap: the step before the one it launches).
     task = progress.task(f"decode-sat B={B}", D)
     step_s, tokens = [], 0
+    wait0 = engine.device_wait_s
     for _ in range(D):
         t0 = now()
         outs = engine.step()
@@ -246,6 +247,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
             raise RuntimeError(f"decode-sat: a decode step returned {got} tokens for {B} sequences")
         tokens += got
         task.advance()
+    wait = engine.device_wait_s - wait0
     for rid in ids:  # the margin tokens are not needed
         engine.abort(rid)
     while engine.has_unfinished():
@@ -259,6 +261,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
         "decode_tokens_requested": B * D, "decode_time_s": total,
         "decode_tok_s": tokens / total, "ms_per_step": total / D * 1e3,
         "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
+        "device_wait_ms": wait / D * 1e3,  # of each timed step, blocked on the device (as run_engine's)
         "num_preemptions": engine.stats()["num_preemptions"] - preempt0,
         "samples": {"step_ms": samples(step_s, 1e3)},
     }

@@ -124,6 +124,7 @@ def test_decode_sat(run_bench, tiny_config, tmp_path):
     assert r["step_ms"]["n"] == 6 and r["num_preemptions"] == 0 and r["prefill_steps"] >= 1
     assert math.isclose(r["decode_tok_s"], 24 / r["decode_time_s"])
     assert math.isclose(r["ms_per_step"], r["step_ms"]["mean"])
+    assert r["device_wait_ms"] == 0.0  # the CPU: no device to wait on (Engine.device_wait_s)
     hf = rec["peers"]["hf"]
     assert hf["decode_tokens"] == 24 and hf["decode_tok_s"] > 0
     assert math.isclose(hf["ratio_decode_tok_s"], r["decode_tok_s"] / hf["decode_tok_s"])

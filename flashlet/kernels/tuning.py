@@ -170,10 +170,16 @@ def load_tables(path: str) -> dict:
     with open(path) as f:
         rows = json.load(f)
     entries = {}
-    for key, cfg in rows:
-        one_launch = len(key) == 3
-        entries[tuple(key)] = (OneLaunchConfig if one_launch else DecodeConfig)(**cfg)
-        (ONE_LAUNCH_TABLE if one_launch else BATCHED_DECODE_TABLE)[tuple(key)] = entries[tuple(key)]
+    for row in rows:
+        try:
+            key, cfg = row
+            one_launch = len(key) == 3
+            entries[tuple(key)] = (OneLaunchConfig if one_launch else DecodeConfig)(**cfg)
+        except (TypeError, ValueError) as e:  # a file of another tree's fields, or not a table
+            raise ValueError(f"{path}: the entry {row!r} is not a [key, config fields] pair of "
+                             f"this tree's tables: {e}") from None
+    for key, cfg in entries.items():
+        (ONE_LAUNCH_TABLE if len(key) == 3 else BATCHED_DECODE_TABLE)[key] = cfg
     return entries
 
 

@@ -124,6 +124,21 @@ def test_table_json_round_trips_into_tuning(bench, tmp_path, monkeypatch):
     assert tuning.batched_decode_config(64, 7, 128, "fp8").kv_pack == 2
 
 
+def test_a_table_json_with_a_field_this_tree_lacks_is_refused_whole(tmp_path, monkeypatch):
+    """A sweep's file from another tree (a removed field such as core_dots) names the entry
+    and changes no table, not even by its valid entries."""
+    path = tmp_path / "table.json"
+    good = [[128, 2, 1], {"block_n": 64, "num_warps": 4, "num_stages": 3}]
+    path.write_text(json.dumps([good, [[128, 2, 4], {"block_n": 64, "core_dots": False}]]))
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
+    with pytest.raises(ValueError, match=r"table.json: the entry .*core_dots"):
+        tuning.load_tables(str(path))
+    assert tuning.ONE_LAUNCH_TABLE == {}
+    path.write_text(json.dumps([[128, 2, 1]]))  # not a pair
+    with pytest.raises(ValueError, match="not a \\[key, config fields\\] pair"):
+        tuning.load_tables(str(path))
+
+
 def test_table_json_reaches_a_fresh_engine_process_through_the_environment(bench, tmp_path):
     """FLASHLET_DECODE_TABLES=PATH: a fresh process (an engine run) starts with the file's entries."""
     import json

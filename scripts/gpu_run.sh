@@ -63,8 +63,9 @@
 #                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
 #                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
-#                each step's wait on the device, the core's CPU and preemptions (lab/device_wait.py;
-#                .whl/ and .tok/ carried; CLIENT_PROCS=N; ~6 min)
+#                each step's wait on the device, the core's CPU and preemptions (lab/device_wait.py),
+#                and a c = 256 server's implicit device syncs (FLASHLET_SYNC_DEBUG) (.whl/ and .tok/
+#                carried; CLIENT_PROCS=N; ~8 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
 #                a 1,000-token prompt without and with the sweep's table (FLASHLET_DECODE_TABLES;
 #                ~4 min)
@@ -449,6 +450,12 @@ for _ in range(480):
           -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384 --max-decode-step-tokens 512
       done
+      # the core's implicit device syncs (FLASHLET_SYNC_DEBUG: each code location once, in its log)
+      run 200 env FLASHLET_SYNC_DEBUG=1 python3 scripts/serve_compare.py --out "$OUT/json/serve-sync" \
+          --tokenizer .tok/smollm2 --concurrency 256 --max-new-tokens 128 \
+          -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+          --max-num-pages 16384 --max-decode-step-tokens 512
+      grep -B2 -A6 -i "synchroniz" "$OUT/json/serve-sync/server.log" | head -80
       run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
         --max-num-pages 8192 --workload decode-sat --out "$OUT/json/decode-sat-wait.json"
       run 30 python3 lab/device_wait.py "$OUT"/json/serve-spread-*/*.json "$OUT/json/decode-sat-wait.json" ;;

@@ -173,6 +173,14 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
         ctx.term()
         return
     gc.set_threshold(*SERVER_GC_THRESHOLDS)  # the engine has settled its start-up heap
+    if os.environ.get("FLASHLET_SYNC_DEBUG") and str(getattr(engine, "device", "")).startswith("cuda"):
+        # A diagnostic: every implicit device synchronization the loop makes from now on (the
+        # warm-up's are over) is warned about once per code location, into the server's log.
+        # The token read's event wait is explicit and not among them (Engine.device_wait_s).
+        import torch
+
+        torch.cuda.set_sync_debug_mode("warn")
+        log.warning("FLASHLET_SYNC_DEBUG: implicit device synchronizations are reported")
     info = engine_info(engine)
     # Listening before it says it is ready: each API process connects on that message, before
     # it sends this core anything.

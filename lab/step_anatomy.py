@@ -39,20 +39,26 @@ class ForwardTimer:
 
     def __init__(self, engine: Engine):
         self.runner = engine.runner
-        self.inner = self.runner.forward
         self.records: list[tuple[bool, int, float, float]] = []
-        self.runner.forward = self
+        # A step runs one of them: `forward` (logits), or `greedy_tokens` (a plain greedy
+        # decode step's graph ending in the argmax; None where no such graph serves it, and
+        # then the step calls `forward`).
+        for name in ("forward", "greedy_tokens"):
+            setattr(self.runner, name, self._timed(getattr(self.runner, name)))
 
-    def __call__(self, input_ids, meta):
-        sync()
-        t0 = time.perf_counter()
-        out = self.inner(input_ids, meta)
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        tokens = int(meta.host.arrays["qo_indptr"][-1])
-        self.records.append((meta.host.is_pure_decode, tokens, t1 - t0, t2 - t1))
-        return out
+    def _timed(self, inner):
+        def run(input_ids, meta):
+            sync()
+            t0 = time.perf_counter()
+            out = inner(input_ids, meta)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            if out is not None:
+                tokens = int(meta.host.arrays["qo_indptr"][-1])
+                self.records.append((meta.host.is_pure_decode, tokens, t1 - t0, t2 - t1))
+            return out
+        return run
 
 
 def summarize(label: str, records, step_walls) -> None:
@@ -75,14 +81,16 @@ def spin(stop) -> None:
 
 
 def closed_loop(engine: Engine, timer: ForwardTimer, concurrency: int, seconds: float, rng,
-                label: str | None = None) -> None:
+                label: str | None = None, settle_steps: int = 200) -> None:
     def add():
         n = rng.randint(32, MAX_PROMPT)
         engine.add_request([rng.randrange(2, VOCAB) for _ in range(n)],
                            SamplingParams(max_new_tokens=128, ignore_eos=True))
     for _ in range(concurrency):
         add()
-    walls, t_end, warm = [], time.perf_counter() + seconds, 30
+    # a level's opening burst (every stream's prompt at once, then lockstep decodes) is not
+    # its steady state: the first settle_steps steps are left out
+    walls, t_end, warm = [], time.perf_counter() + seconds, settle_steps
     timer.records.clear()
     while time.perf_counter() < t_end:
         t0 = time.perf_counter()
@@ -96,6 +104,9 @@ def closed_loop(engine: Engine, timer: ForwardTimer, concurrency: int, seconds: 
             if not warm:
                 timer.records.clear()
                 walls.clear()
+    if warm:
+        print(f"(c={concurrency}: {seconds} s ended {warm} steps before the level settled; "
+              "the figures hold its opening)")
     summarize(label or f"c={concurrency}", timer.records, walls)
     while engine.has_unfinished():
         for out in engine.step():
@@ -150,7 +161,10 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="qwen2.5-0.5b")
     p.add_argument("--backend", default="triton")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--seconds", type=float, default=4.0, help="each level's time, its settling included")
+    p.add_argument("--settle-steps", type=int, default=200,
+                   help="steps of each level left out first (128-token requests: a 64- or "
+                        "256-stream level's opening burst lasts ~130 steps)")
     p.add_argument("--max-prompt", type=int, default=768)
     p.add_argument("--profile-prefill", type=int, default=0, metavar="TOKENS",
                    help="first: torch.profiler over one prefill of this many tokens (a repeat)")
@@ -160,8 +174,8 @@ def main(argv=None) -> None:
     p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="steps with a prefill chunk replay CUDA graphs (EngineConfig.mixed_graphs)")
     args = p.parse_args(argv)
-    # fused_decode=False: the per-op path, whose forward ForwardTimer wraps (a fused greedy step
-    # at concurrency 1 goes through runner.greedy_tokens and would go uncounted)
+    # fused_decode=False: the per-op path (ForwardTimer counts its forward and greedy_tokens;
+    # the fused path's steps go through greedy_tokens too, but this tool reads per-op steps)
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, dtype="bfloat16",
                                  max_num_pages=16384, overlap=False,
                                  mixed_graphs=args.mixed_graphs, fused_decode=False))
@@ -179,7 +193,7 @@ def main(argv=None) -> None:
     prefill_lengths(engine, timer, rng)
     print(f"\n{'level':>10} {'kind':>7} {'steps':>6} {'tokens':>8} {'launch ms':>10} {'device ms':>10}")
     for c in args.concurrency:
-        closed_loop(engine, timer, c, args.seconds, rng)
+        closed_loop(engine, timer, c, args.seconds, rng, settle_steps=args.settle_steps)
     if args.burn:
         import multiprocessing as mp
         stop = mp.Event()
@@ -187,7 +201,8 @@ def main(argv=None) -> None:
         for b in burners:
             b.start()
         for c in args.concurrency:
-            closed_loop(engine, timer, c, args.seconds, rng, label=f"c={c}+{args.burn}")
+            closed_loop(engine, timer, c, args.seconds, rng, label=f"c={c}+{args.burn}",
+                        settle_steps=args.settle_steps)
         stop.set()
         for b in burners:
             b.join()

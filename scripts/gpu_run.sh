@@ -57,11 +57,6 @@
 #                FP8_CONFIGS (0.5B, 7B), beside bf16, then the fp8 KV cache at 0.5B (~4 min)
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
 #                bf16 and fp8 KV: each kernel's time (~1 min)
-#   gemm-128     the fp8 GEMM kernel's tiles and K splits on bf16 weights against cuBLAS at 128
-#                rows, the 0.5B's four projections (DECODE_NOTES round 3; ~1 min)
-#   fused-presence  the in-process closed loop at 64 and 256 streams with the fused path on, with it
-#                off but the CuTe DSL imported, and without the DSL (lab/fused_presence_ab.py:
-#                step times by kind; session 28 read the large levels slower with the DSL; ~5 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions (lab/device_wait.py),
 #                and a c = 256 server's implicit device syncs (FLASHLET_SYNC_DEBUG) (.whl/ and .tok/
@@ -424,13 +419,6 @@ for _ in range(480):
           --decode-batch 128 --decode-prompt-len 2000 --decode-tokens 128 --gpu-memory-utilization 0.1 \
           --kv-cache-dtype $kv --out "$OUT/json/decode-sat-harness-$kv.json"
       done ;;
-    fused-presence)  # do steps the fused path never runs (64-256 rows, mixed) slow down when it
-                     # exists? lab/fused_presence_ab.py with the DSL (default / no-fused) and without
-      cute_env
-      base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
-      run 400 python3 lab/fused_presence_ab.py --json "$OUT/json/fused-presence-dsl.json"
-      run 200 env PYTHONPATH="$base" python3 lab/fused_presence_ab.py --pairs 1 --modes default \
-        --json "$OUT/json/fused-presence-no-dsl.json" ;;
     one-launch-qwen3)  # the one-launch sweep at Qwen3-0.6B, then
                        # one stream after a 1,000-token prompt without and with its table
       cute_env
@@ -459,9 +447,6 @@ for _ in range(480):
       run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
         --max-num-pages 8192 --workload decode-sat --out "$OUT/json/decode-sat-wait.json"
       run 30 python3 lab/device_wait.py "$OUT"/json/serve-spread-*/*.json "$OUT/json/decode-sat-wait.json" ;;
-    gemm-128)  # our GEMM's tiles on bf16 weights against cuBLAS at 128 rows (the 0.5B's four)
-      run 500 python3 scripts/fp8_gemm_bench.py --rows 128 --bf16-weights \
-        --shapes 1152x896 896x896 9728x896 896x4864 --json "$OUT/json/gemm-bf16-128.json" ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"
       for pair in 1 2; do

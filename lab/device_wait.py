@@ -2,8 +2,9 @@
 flashlet.bench --out`, `scripts/serve_compare.py --out`), each level's or run's mean step and
 the part of it the host spent blocked reading the step's tokens (`Engine.device_wait_s`, as
 `device_wait_ms`; the server's core: `server_diag`'s `device_wait_ms_mean`), with the core's
-CPU busy and preemptions a second where the server reports them (issue 32: the server's steps
-at 64-256 streams ran slower than in-process by a margin that changed from run to run).
+CPU busy and preemptions a second where the server reports them, and the machine's CPUs busy
+and stolen by the hypervisor (`machine_cpu`) (issue 32: the server's steps at 64-256 streams
+ran slower than in-process by a margin that changed from run to run).
 
     python lab/device_wait.py out/decode-sat.json out/serve/inprocess.json out/serve/server.json
 
@@ -24,17 +25,24 @@ def rows(node):
     if isinstance(node, dict):
         run = f"c={node['concurrency']}" if "concurrency" in node else "steady"
         if "device_wait_ms" in node and isinstance(node.get("step_ms"), dict):
-            yield run, node["step_ms"].get("mean"), node["device_wait_ms"], ""
+            yield run, node["step_ms"].get("mean"), node["device_wait_ms"], _machine(node)
         for k, core in enumerate((node.get("server_diag") or {}).get("cores", [])):
             yield (f"{run} core {k}", core.get("step_ms_mean"), core.get("device_wait_ms_mean"),
                    f"CPU busy {_f(core.get('cpu_busy'))}, "
-                   f"preempted {_f(core.get('preempted_per_s'), '.0f')}/s")
+                   f"preempted {_f(core.get('preempted_per_s'), '.0f')}/s"
+                   + (f"; {_machine(node)}" if node.get("machine_cpu") else ""))
         for key, value in node.items():
             if key not in ("samples", "server_diag"):
                 yield from rows(value)
     elif isinstance(node, list):
         for item in node:
             yield from rows(item)
+
+
+def _machine(node: dict) -> str:
+    """The machine's CPUs over the run (bench's machine_cpu), where recorded."""
+    cpu = node.get("machine_cpu")
+    return "" if not cpu else f"machine CPUs {100 * cpu['busy']:.0f}% busy, {100 * cpu['steal']:.1f}% stolen"
 
 
 def _f(x, fmt: str = ".3f") -> str:

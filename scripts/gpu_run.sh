@@ -58,7 +58,8 @@
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
 #                bf16 and fp8 KV: each kernel's time (~1 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
-#                each step's wait on the device, the core's CPU and preemptions (lab/device_wait.py),
+#                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
+#                busy and stolen (lab/device_wait.py),
 #                and a c = 256 server's implicit device syncs (FLASHLET_SYNC_DEBUG) (.whl/ and .tok/
 #                carried; CLIENT_PROCS=N; ~8 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after

@@ -224,6 +224,12 @@ def _f(x, fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _machine(level: dict) -> str:
+    """A level's machine_cpu as 'busy / stolen' in % of all CPUs' time (– without it)."""
+    cpu = level.get("machine_cpu")
+    return "–" if not cpu else f"{100 * cpu['busy']:.0f} / {100 * cpu['steal']:.1f}"
+
+
 def _preempted(figures: dict) -> str:
     """' (N/s)': a process's involuntary context switches a second, where the reading has them."""
     rate = figures.get("preempted_per_s")
@@ -241,13 +247,13 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
             "step ms mean in / server | of it blocked on the device (ms) in / server | "
             "server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
-            "core CPU busy (preempted a second) | "
+            "core CPU busy (preempted a second) | machine CPUs busy / stolen % in / server | "
             "turnaround p50 / p99 / max (ms) | API CPU busy (preempted a second) | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
             "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "
             "client's own turnaround p50 / p99 / max (ms) | "
             "GC % of level (full collections, pauses > 5 ms) |")
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 17]
     for lv, sv in paired_levels(inproc, server):
         diag = sv.get("server_diag")
         if not diag:
@@ -271,6 +277,7 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
                 for i, c in enumerate(cores))
             + " | " + ", ".join(f"c{i} {_f(c.get('cpu_busy'))}{_preempted(c)}"
                                 for i, c in enumerate(cores))
+            + f" | {_machine(lv)} / {_machine(sv)}"
             + " | " + ", ".join(f"c{i} {_ms(c['turnaround_ms'])}" for i, c in enumerate(cores))
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['busy'])}{_preempted(a)}" for a in api)
             + " | " + ", ".join(f"a{a['api_server']} {_f(a['tokens_per_event'])}" for a in api)
@@ -293,7 +300,9 @@ DIAG_NOTES = ("Server diagnostics (GET /debug/stats before and after each level;
               "(encode + zmq send of the step's outputs) / receive (decode and add the new "
               "requests) / idle (the rest: waiting for requests); core CPU busy: the core "
               "process's CPU seconds (all threads) / level seconds, and preempted: the kernel's "
-              "involuntary context switches of it a second (other processes wanting its CPU); turnaround: from a request's "
+              "involuntary context switches of it a second (other processes wanting its CPU); "
+              "machine CPUs: the share of all the machine's CPU time busy, and stolen by the "
+              "hypervisor for other guests (/proc/stat), over each side's level; turnaround: from a request's "
               "finish in the core to the next request's arrival there (matched first in, first "
               "out); API CPU busy = the process's CPU seconds (all threads) / level seconds (preempted: as the core's); "
               "event-loop lag: lateness of a 10 ms asyncio timer; delivery: a step message's "

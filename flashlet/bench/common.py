@@ -56,6 +56,37 @@ def now() -> float:
     return time.perf_counter()
 
 
+# ---- the machine's CPUs --------------------------------------------------------------------
+PROC_STAT = "/proc/stat"
+
+
+def machine_cpu() -> tuple[int, ...] | None:
+    """The whole machine's CPU time counters so far, in ticks (Linux /proc/stat's `cpu` line:
+    user, nice, system, idle, iowait, irq, softirq, steal); None where there is no such file."""
+    try:
+        with open(PROC_STAT) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    return tuple(int(x) for x in (fields[1:9] + ["0"] * 8)[:8])
+
+
+def cpu_shares(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dict | None:
+    """Between two machine_cpu readings, shares of all the CPUs' time: `busy` (running
+    anything: neither idle, waiting on I/O, nor stolen) and `steal` (taken by the hypervisor
+    for other guests: a virtual machine's noisy neighbours). None without both readings."""
+    if before is None or after is None:
+        return None
+    d = [a - b for a, b in zip(after, before)]
+    total = sum(d)
+    if total <= 0:
+        return None
+    idle, iowait, steal = d[3], d[4], d[7]
+    return {"busy": (total - idle - iowait - steal) / total, "steal": steal / total}
+
+
 # ---- statistics ----------------------------------------------------------------------------
 def summarize(values, scale: float = 1.0) -> dict:
     """n, mean, p50, p90, p99, min, max of `values` (times `scale`); zeros when empty."""

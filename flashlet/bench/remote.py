@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashlet.bench.common import NO_PROGRESS, Progress, Spec, gap_figures, now, summarize
+from flashlet.bench.common import (NO_PROGRESS, Progress, Spec, cpu_shares, gap_figures, machine_cpu,
+                                   now, summarize)
 from flashlet.bench.sse import Connection
 from flashlet.bench.trace import Trace
 from flashlet.server.diagnostics import level_figures
@@ -582,8 +583,10 @@ def _run_levels(args, progress, procs, pool) -> dict:
                            args.seed, li + 1)
         task = progress.task(f"{args.url} c={c}", len(specs))
         before, debug_before = server_steps(args.url), server_debug_stats(args.url)
+        cpu0 = machine_cpu()  # this machine's: the server's, where it runs here too
         trace = _closed(args.url, specs, c, args.request_timeout, procs[li], pool, task)
-        level = {"concurrency": c, "client_procs": procs[li], **trace.metrics()}
+        level = {"concurrency": c, "client_procs": procs[li], **trace.metrics(),
+                 "machine_cpu": cpu_shares(cpu0, machine_cpu())}
         step = _mean_step(before, server_steps(args.url), trace.duration)
         if step is not None:
             level["step_ms"], level["num_steps"] = step, step["n"]

@@ -33,7 +33,9 @@ from flashlet.bench.common import (
     Progress,
     Spec,
     copy_bandwidth,
+    cpu_shares,
     gap_figures,
+    machine_cpu,
     make_specs,
     now,
     samples,
@@ -80,7 +82,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None, params=No
     preempt0 = engine.stats()["num_preemptions"]
     done = 0
     sync()
-    wait0 = engine.device_wait_s
+    wait0, cpu0 = engine.device_wait_s, machine_cpu()
     trace.start = now()
     for _ in range(min(concurrency, n)):
         submit(trace.start)
@@ -110,6 +112,7 @@ def run_engine(engine, specs: list[Spec], concurrency: int, task=None, params=No
     # Of each step's time, the mean the host spent blocked on the device reading tokens
     # (Engine.device_wait_s): near the step's time, the device paces the loop; near 0, the host.
     trace.extra["device_wait_ms"] = (engine.device_wait_s - wait0) * 1e3 / max(len(trace.step_s), 1)
+    trace.extra["machine_cpu"] = cpu_shares(cpu0, machine_cpu())  # what else ran beside it
     return trace
 
 
@@ -237,7 +240,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
     # host has read a whole step's tokens (with overlap: the step before the one it launches).
     task = progress.task(f"decode-sat B={B}", D)
     step_s, tokens = [], 0
-    wait0 = engine.device_wait_s
+    wait0, cpu0 = engine.device_wait_s, machine_cpu()
     for _ in range(D):
         t0 = now()
         outs = engine.step()
@@ -247,7 +250,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
             raise RuntimeError(f"decode-sat: a decode step returned {got} tokens for {B} sequences")
         tokens += got
         task.advance()
-    wait = engine.device_wait_s - wait0
+    wait, cpu = engine.device_wait_s - wait0, cpu_shares(cpu0, machine_cpu())
     for rid in ids:  # the margin tokens are not needed
         engine.abort(rid)
     while engine.has_unfinished():
@@ -262,6 +265,7 @@ def decode_sat(engine, args, progress: Progress = NO_PROGRESS) -> dict:
         "decode_tok_s": tokens / total, "ms_per_step": total / D * 1e3,
         "step_ms": summarize(step_s, 1e3), "prefill_steps": prefill_steps, "prefill_s": prefill_s,
         "device_wait_ms": wait / D * 1e3,  # of each timed step, blocked on the device (as run_engine's)
+        "machine_cpu": cpu,
         "num_preemptions": engine.stats()["num_preemptions"] - preempt0,
         "samples": {"step_ms": samples(step_s, 1e3)},
     }

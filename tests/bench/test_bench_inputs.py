@@ -188,6 +188,8 @@ def test_url_closed_loop(run_bench, fake_server, tmp_path):
         assert lv["output_tokens"] == lv["output_tokens_requested"] == 24
         assert lv["ttft_ms"]["n"] == 6 and lv["itl_ms"]["n"] == 6 * 3
         assert lv["ttft_ms"]["min"] > 0 and lv["output_tok_s"] > 0
+        cpu = lv["machine_cpu"]  # None where the level took no tick of CPU time, or not Linux
+        assert cpu is None or (0 <= cpu["busy"] <= 1 and 0 <= cpu["steal"] <= 1)
     assert len(FakeServer.seen) == 12
     path, body = FakeServer.seen[0]
     assert set(body) == {"prompt", "max_new_tokens", "temperature", "ignore_eos"}
@@ -218,6 +220,25 @@ def test_url_counts_failures(run_bench, fake_server, monkeypatch):
 
 
 # ---- building blocks -----------------------------------------------------------------------
+def test_machine_cpu_shares_from_proc_stat(tmp_path, monkeypatch):
+    """/proc/stat's cpu line -> busy and stolen shares of all CPUs' time between two readings;
+    no file (not Linux) or no time between them -> None."""
+    from flashlet.bench import common
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(common, "PROC_STAT", str(stat))
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    before = common.machine_cpu()
+    assert before == (100, 0, 50, 800, 10, 0, 0, 40)
+    # 100 ticks: user 30, system 10, idle 40, iowait 5, softirq 5, steal 10
+    stat.write_text("cpu  130 0 60 840 15 0 5 50 0 0\n")
+    shares = common.cpu_shares(before, common.machine_cpu())
+    assert shares == pytest.approx({"busy": 0.45, "steal": 0.10})
+    assert common.cpu_shares(before, before) is None
+    stat.unlink()
+    assert common.machine_cpu() is None and common.cpu_shares(before, None) is None
+
+
 def test_specs_are_seeded_and_in_range():
     from flashlet.bench.common import make_specs
 

@@ -69,6 +69,8 @@ def test_closed_loop_json_table_and_plots(run_bench, tiny_config, tmp_path):
         # Every step's time is inside the level's wall time.
         assert lv["step_ms"]["mean"] * lv["num_steps"] <= lv["duration_s"] * 1e3 * 1.001
         assert lv["device_wait_ms"] == 0.0  # the CPU: no device to wait on (Engine.device_wait_s)
+        cpu = lv["machine_cpu"]  # None where the level took no tick of CPU time, or not Linux
+        assert cpu is None or (0 < cpu["busy"] <= 1 and 0 <= cpu["steal"] <= 1)
     assert any("queue wait" in n for n in rec["notes"])
     assert "| concurrency | engine |" in out and "TTFT p50 (ms)*" in out and "queue wait" in out
     names = {Path(p).name for p in rec["plots"]}

@@ -225,9 +225,9 @@ def _f(x, fmt: str = ".2f") -> str:
 
 
 def _machine(level: dict) -> str:
-    """A level's machine_cpu as 'busy / stolen' in % of all CPUs' time (– without it)."""
+    """A level's machine_cpu: 'busy% (stolen%)' of all CPUs' time (– without it)."""
     cpu = level.get("machine_cpu")
-    return "–" if not cpu else f"{100 * cpu['busy']:.0f} / {100 * cpu['steal']:.1f}"
+    return "–" if not cpu else f"{100 * cpu['busy']:.0f}% ({100 * cpu['steal']:.1f}%)"
 
 
 def _preempted(figures: dict) -> str:
@@ -247,7 +247,7 @@ def diagnostics_table(inproc: dict, server: dict) -> str:
     head = ("| concurrency | steps/s in / server | tokens per step (mean batch) in / server | "
             "step ms mean in / server | of it blocked on the device (ms) in / server | "
             "server step ms p99 / max | core loop: step / send / receive / idle (% of level) | "
-            "core CPU busy (preempted a second) | machine CPUs busy / stolen % in / server | "
+            "core CPU busy (preempted a second) | machine CPUs busy (stolen) in / server | "
             "turnaround p50 / p99 / max (ms) | API CPU busy (preempted a second) | API tokens per event | "
             "API event-loop lag p50 / p99 / max (ms) | "
             "step message delivery p50 / p99 / max (ms) | API intake p50 / p99 / max (ms) | "

@@ -167,10 +167,14 @@ def load_tables(path: str) -> dict:
     ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket), over any entry of the same key;
     -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
     winners before they are written here."""
-    with open(path) as f:
-        rows = json.load(f)
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError) as e:  # no such file, or not JSON
+        raise ValueError(f"{path}: not a readable sweep table (decode_attn_bench.py "
+                         f"--table-json writes one): {e}") from None
     entries = {}
-    for row in rows:
+    for row in rows if isinstance(rows, list) else [rows]:
         try:
             key, cfg = row
             one_launch = len(key) == 3
@@ -184,7 +188,10 @@ def load_tables(path: str) -> dict:
 
 
 if os.environ.get("FLASHLET_DECODE_TABLES"):
-    load_tables(os.environ["FLASHLET_DECODE_TABLES"])
+    try:
+        load_tables(os.environ["FLASHLET_DECODE_TABLES"])
+    except ValueError as e:
+        raise ValueError(f"FLASHLET_DECODE_TABLES: {e}") from None
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:

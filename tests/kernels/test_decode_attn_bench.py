@@ -137,6 +137,14 @@ def test_a_table_json_with_a_field_this_tree_lacks_is_refused_whole(tmp_path, mo
     path.write_text(json.dumps([[128, 2, 1]]))  # not a pair
     with pytest.raises(ValueError, match="not a \\[key, config fields\\] pair"):
         tuning.load_tables(str(path))
+    path.write_text(json.dumps({"block_n": 64}))  # not a list of entries
+    with pytest.raises(ValueError, match="not a \\[key, config fields\\] pair"):
+        tuning.load_tables(str(path))
+    path.write_text("[[128, 2")  # cut short
+    with pytest.raises(ValueError, match="table.json: not a readable sweep table"):
+        tuning.load_tables(str(path))
+    with pytest.raises(ValueError, match="missing.json: not a readable sweep table"):
+        tuning.load_tables(str(tmp_path / "missing.json"))
 
 
 def test_table_json_reaches_a_fresh_engine_process_through_the_environment(bench, tmp_path):
@@ -155,6 +163,10 @@ def test_table_json_reaches_a_fresh_engine_process_through_the_environment(bench
     env = {**os.environ, "FLASHLET_DECODE_TABLES": str(path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [8, 1]
+    env["FLASHLET_DECODE_TABLES"] = str(tmp_path / "missing.json")  # a wrong path: said so at import
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "ValueError: FLASHLET_DECODE_TABLES: " in out.stderr and "missing.json" in out.stderr
     env.pop("FLASHLET_DECODE_TABLES")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) != [8, 1]  # the table's own entry without it

@@ -168,6 +168,29 @@ def test_bad_split_is_refused_before_any_process_starts(tmp_path):
         LLM(str(folder), device="cpu", tensor_parallel_size=3)
 
 
+@pytest.mark.parametrize("text", ["soon", "0", "-5", "inf", "nan"])
+def test_a_bad_tp_timeout_is_refused_with_its_name(text, monkeypatch):
+    from flashlet.distributed import parallel
+
+    monkeypatch.setenv("FLASHLET_TP_TIMEOUT_S", text)
+    with pytest.raises(ValueError, match="FLASHLET_TP_TIMEOUT_S=.*positive number of seconds"):
+        parallel.timeout()
+    monkeypatch.setenv("FLASHLET_TP_TIMEOUT_S", "2.5")
+    assert parallel.timeout().total_seconds() == 2.5
+
+
+def test_a_bad_tp_timeout_stops_the_engine_before_any_process_starts(tmp_path, monkeypatch):
+    from flashlet.distributed import parallel
+
+    spawned = []
+    monkeypatch.setattr(parallel, "_spawn_workers", lambda *a, **k: spawned.append(a) or [])
+    monkeypatch.setenv("FLASHLET_TP_TIMEOUT_S", "later")
+    folder = save_tiny_model("llama", tmp_path / "l")
+    with pytest.raises(ValueError, match="FLASHLET_TP_TIMEOUT_S='later'"):
+        LLM(str(folder), device="cpu", tensor_parallel_size=2)
+    assert spawned == []
+
+
 # ---- the split itself, no processes --------------------------------------------------------
 class _Rank:
     """Stands in for TensorParallel where only the split is needed (no collective runs)."""

@@ -380,8 +380,14 @@ def launched_rank() -> int:
 
 
 def timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("FLASHLET_TP_TIMEOUT_S",
-                                                           DEFAULT_TIMEOUT_S)))
+    text = os.environ.get("FLASHLET_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"FLASHLET_TP_TIMEOUT_S={text!r}: expected a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
 
 
 def start(config, device: torch.device, model_config, worker_entry) -> TensorParallel | None:
@@ -393,6 +399,7 @@ def start(config, device: torch.device, model_config, worker_entry) -> TensorPar
     if world == 1:
         return None
     local_shape(model_config, 0, world)  # raises ValueError where the model does not split
+    wait = timeout()  # a bad FLASHLET_TP_TIMEOUT_S is refused here, before any process starts
     if dist.is_initialized():
         gc.collect()  # an engine dropped but not collected yet leaves its group as it goes
     if dist.is_initialized():
@@ -415,7 +422,7 @@ def start(config, device: torch.device, model_config, worker_entry) -> TensorPar
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout())
+                                timeout=wait)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         _warm_up(device)
     except Exception as e:

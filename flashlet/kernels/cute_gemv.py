@@ -335,15 +335,23 @@ def load_tuned_plans(path: str) -> int:
     {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M, then "fp8" and "mma"
     where they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over
     the built-in table. Returns how many were added."""
-    with open(path) as fh:
-        entries = json.load(fh)
-    for entry in entries:
-        n, k, epilogue, norm, pdl, *rest = entry["key"]
+    try:
+        with open(path) as fh:
+            entries = json.load(fh)
+    except (OSError, ValueError) as e:  # no such file, or not JSON
+        raise ValueError(f"{path}: not a readable plan file (gemv_sweep.py --plans-out writes "
+                         f"one): {e}") from None
+    for entry in entries if isinstance(entries, list) else [entries]:
+        try:
+            n, k, epilogue, norm, pdl, *rest = entry["key"]
+            knobs = dict(entry["knobs"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"{path}: the entry {entry!r} is not a {{\"key\": [N, K, epilogue, "
+                             f"norm, pdl, ...], \"knobs\": {{...}}}} plan: {e!r}") from None
         mma = rest[-1:] == ["mma"]
         rest = rest[:-1] if mma else rest
         fp8 = rest[-1:] == ["fp8"]
         rows = rest[:-1] if fp8 else rest
-        knobs = entry["knobs"]
         unknown = set(knobs) - set(TUNABLE)
         if (unknown or epilogue not in EPILOGUES or len(rows) > 1 or not all(isinstance(r, int) for r in rows)
                 or (mma and not fp8 and rows)):  # bf16's M-row plans are the tensor-core form, unmarked
@@ -354,7 +362,10 @@ def load_tuned_plans(path: str) -> int:
 
 
 if os.environ.get("FLASHLET_GEMV_PLANS"):  # plans tuned on this machine (gemv_sweep --plans-out)
-    load_tuned_plans(os.environ["FLASHLET_GEMV_PLANS"])
+    try:
+        load_tuned_plans(os.environ["FLASHLET_GEMV_PLANS"])
+    except ValueError as e:
+        raise ValueError(f"FLASHLET_GEMV_PLANS: {e}") from None
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,

@@ -798,6 +798,15 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"key": [896, 896, "residual", False, True], "knobs": {"speed": 9}}]))
     with pytest.raises(ValueError, match="unknown knobs"):
         cute_gemv.load_tuned_plans(str(path))
+    for text in ('[{"knobs": {}}]', '[[896, 896]]', '{"key": [896]}'):  # not plans
+        path.write_text(text)
+        with pytest.raises(ValueError, match="plans.json: the entry .* is not a"):
+            cute_gemv.load_tuned_plans(str(path))
+    path.write_text("[{")  # cut short
+    with pytest.raises(ValueError, match="plans.json: not a readable plan file"):
+        cute_gemv.load_tuned_plans(str(path))
+    with pytest.raises(ValueError, match="nope.json: not a readable plan file"):
+        cute_gemv.load_tuned_plans(str(tmp_path / "nope.json"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,12 +76,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-import json
 import math
-import os
 import time
 
 import torch
+
+from flashlet.kernels import tuning
 
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
@@ -335,13 +335,8 @@ def load_tuned_plans(path: str) -> int:
     {"key": [N, K, epilogue, norm, pdl], "knobs": {...}}, the key with M, then "fp8" and "mma"
     where they apply, as in TUNED_PLANS) to TUNED_PLANS: plans measured on this machine, over
     the built-in table. Returns how many were added."""
-    try:
-        with open(path) as fh:
-            entries = json.load(fh)
-    except (OSError, ValueError) as e:  # no such file, or not JSON
-        raise ValueError(f"{path}: not a readable plan file (gemv_sweep.py --plans-out writes "
-                         f"one): {e}") from None
-    for entry in entries if isinstance(entries, list) else [entries]:
+    entries = tuning.read_sweep_file(path, "plan file", "gemv_sweep.py --plans-out")
+    for entry in entries:
         try:
             n, k, epilogue, norm, pdl, *rest = entry["key"]
             knobs = dict(entry["knobs"])
@@ -361,11 +356,7 @@ def load_tuned_plans(path: str) -> int:
     return len(entries)
 
 
-if os.environ.get("FLASHLET_GEMV_PLANS"):  # plans tuned on this machine (gemv_sweep --plans-out)
-    try:
-        load_tuned_plans(os.environ["FLASHLET_GEMV_PLANS"])
-    except ValueError as e:
-        raise ValueError(f"FLASHLET_GEMV_PLANS: {e}") from None
+tuning.load_from_env("FLASHLET_GEMV_PLANS", load_tuned_plans)  # plans tuned on this machine
 
 
 def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132,

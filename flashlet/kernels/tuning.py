@@ -167,14 +167,8 @@ def load_tables(path: str) -> dict:
     ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket), over any entry of the same key;
     -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
     winners before they are written here."""
-    try:
-        with open(path) as f:
-            rows = json.load(f)
-    except (OSError, ValueError) as e:  # no such file, or not JSON
-        raise ValueError(f"{path}: not a readable sweep table (decode_attn_bench.py "
-                         f"--table-json writes one): {e}") from None
     entries = {}
-    for row in rows if isinstance(rows, list) else [rows]:
+    for row in read_sweep_file(path, "sweep table", "decode_attn_bench.py --table-json"):
         try:
             key, cfg = row
             one_launch = len(key) == 3
@@ -187,11 +181,28 @@ def load_tables(path: str) -> dict:
     return entries
 
 
-if os.environ.get("FLASHLET_DECODE_TABLES"):
+def read_sweep_file(path: str, what: str, writer: str) -> list:
+    """The entries of a sweep's JSON file (`what`, which `writer` writes; a lone entry reads as
+    a list of one); ValueError naming the path where there is no such file or it is not JSON."""
     try:
-        load_tables(os.environ["FLASHLET_DECODE_TABLES"])
-    except ValueError as e:
-        raise ValueError(f"FLASHLET_DECODE_TABLES: {e}") from None
+        with open(path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable {what} ({writer} writes one): {e}") from None
+    return entries if isinstance(entries, list) else [entries]
+
+
+def load_from_env(variable: str, load) -> None:
+    """load($variable) where the variable is set (a sweep's file for an engine run), its
+    ValueError naming the variable."""
+    if os.environ.get(variable):
+        try:
+            load(os.environ[variable])
+        except ValueError as e:
+            raise ValueError(f"{variable}: {e}") from None
+
+
+load_from_env("FLASHLET_DECODE_TABLES", load_tables)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:

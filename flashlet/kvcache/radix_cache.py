@@ -54,6 +54,9 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by the tree
         self._leaves: set[RadixNode] = set()  # childless nodes other than the root
+        # (last_access, id, node) for eviction. Every unlocked leaf has an entry whose time is
+        # at most its last_access; entries of nodes that changed since are checked out lazily.
+        self._evictable: list[tuple[int, int, RadixNode]] = []
         self.hit_tokens = 0  # statistics for the engine's hit rate
         self.queried_tokens = 0
         self.num_evicted_pages = 0
@@ -85,7 +88,7 @@ class RadixCache:
         prefix_pages, node = self.match_prefix(tokens)
         done = len(prefix_pages) * self.page_size
         if done < len(tokens):
-            self._attach(node, tokens[done:], pages[len(prefix_pages):])
+            self._push(self._attach(node, tokens[done:], pages[len(prefix_pages):]))
         return done
 
     def extend_locked(self, node: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode | None:
@@ -111,15 +114,21 @@ class RadixCache:
         while node is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
+            if node.lock_ref == 0 and node in self._leaves:
+                self._push(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, LRU first; returns pages freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap, leaves = self._evictable, self._leaves
         freed = 0
         while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            access, _, leaf = heapq.heappop(heap)
+            if leaf.lock_ref or leaf not in leaves:
+                continue  # locked, or no longer a leaf: back in the heap when it can go again
+            if access != leaf.last_access:  # used since the entry was made: its real place
+                heapq.heappush(heap, (leaf.last_access, id(leaf), leaf))
+                continue
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.num_pages -= len(leaf.pages)
@@ -132,6 +141,17 @@ class RadixCache:
                     heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self.num_evicted_pages += freed
         return freed
+
+    def _push(self, node: RadixNode) -> None:
+        """An entry for `node`, which is (or may soon be) an unlocked leaf. Stale entries are
+        dropped by rebuilding the heap once they outnumber the leaves."""
+        heap = self._evictable
+        if len(heap) > 2 * len(self._leaves) + 64:
+            heap[:] = [(n.last_access, id(n), n) for n in self._leaves if n.lock_ref == 0]
+            heapq.heapify(heap)
+            if node.lock_ref or node not in self._leaves:
+                return
+        heapq.heappush(heap, (node.last_access, id(node), node))
 
     def reset(self) -> int:
         """Drop every unlocked page (to release memory); returns how many were freed."""
@@ -162,6 +182,13 @@ class RadixCache:
         assert len(tree_pages) == self.num_pages, "tree page count drifted"
         leaves = {n for n in self._nodes() if n is not self.root and not n.children}
         assert leaves == self._leaves, "the leaf set drifted from the tree"
+        entered = {}
+        for access, _, node in self._evictable:
+            entered[id(node)] = min(access, entered.get(id(node), access))
+        for leaf in leaves:
+            if leaf.lock_ref == 0:
+                assert entered.get(id(leaf), leaf.last_access + 1) <= leaf.last_access, (
+                    "an unlocked leaf is missing from the eviction heap")
         private = [p for h in holders for p in h.private_pages]
         owned = tree_pages + private
         assert len(owned) == len(set(owned)), "a page is owned twice"

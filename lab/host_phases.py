@@ -1,0 +1,138 @@
+"""Where an in-process step's host time goes in a closed loop, at the engine's default
+settings (overlap on, no device syncs added): each engine part wrapped by a timer (inclusive
+seconds, so nested parts are also in their callers), per step, beside the step's wall time
+and the part of it blocked on the device (Engine.device_wait_s). A part that is most of a
+host-paced step is what to trim (issue 32: at 256 streams the step is paced by its host).
+
+    python lab/host_phases.py --config qwen2.5-0.5b --backend triton --concurrency 64 256
+    python lab/host_phases.py --device cpu --config /tmp/tiny.json --concurrency 256 --seconds 30 \
+        --max-num-batched-tokens 8192 --max-num-pages 9000
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+from flashlet import Engine, EngineConfig, SamplingParams
+from flashlet.core.request_check import RequestLimits
+
+# (owner attribute path from the engine, method): timed, inclusive of what each calls
+PARTS = (
+    ("scheduler", "schedule"),
+    ("scheduler", "_schedule_decodes"),
+    ("scheduler", "_schedule_prompts"),
+    ("scheduler", "_batch_update"),
+    ("scheduler", "_reserve"),
+    ("scheduler.cache", "evict"),
+    ("scheduler", "on_launch"),
+    ("scheduler", "update"),
+    ("scheduler", "finish"),
+    ("", "_launch"),
+    ("runner", "prepare"),
+    ("runner", "load"),
+    ("runner", "forward"),
+    ("runner", "greedy_tokens"),
+    ("sampler", "sample"),
+    ("", "_finish"),
+    ("", "add_request"),
+)
+
+
+class PartTimer:
+    def __init__(self, engine: Engine):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        for path, name in PARTS:
+            owner = engine
+            for attr in filter(None, path.split(".")):
+                owner = getattr(owner, attr)
+            label = f"{path}.{name}" if path else f"engine.{name}"
+            setattr(owner, name, self._timed(label, getattr(owner, name)))
+
+    def _timed(self, label: str, inner):
+        seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+
+        def run(*args, **kwargs):
+            t0 = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[label] += clock() - t0
+                calls[label] += 1
+        return run
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def closed_loop(engine: Engine, timer: PartTimer, concurrency: int, seconds: float, rng,
+                vocab: int, max_prompt: int, settle_steps: int) -> None:
+    def add():
+        n = rng.randint(32, max_prompt)
+        engine.add_request([rng.randrange(2, vocab) for _ in range(n)],
+                           SamplingParams(max_new_tokens=128, ignore_eos=True))
+    for _ in range(concurrency):
+        add()
+    steps, step_s, tokens, left = 0, 0.0, 0, settle_steps
+    loop_t0 = t_end = wait0 = None  # set once the level's opening burst (settle_steps) is over
+    while t_end is None or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        step_s += time.perf_counter() - t0
+        steps += 1
+        for out in outs:
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                add()
+        left -= 1
+        if t_end is None and left <= 0:
+            timer.clear()
+            steps, step_s, tokens = 0, 0.0, 0
+            loop_t0, wait0 = time.perf_counter(), engine.device_wait_s
+            t_end = loop_t0 + seconds
+    loop_s = time.perf_counter() - loop_t0
+    wait_ms = (engine.device_wait_s - wait0) * 1e3 / steps
+    print(f"\nc={concurrency}: {steps} steps, {tokens / steps:.1f} tokens a step, "
+          f"{tokens / loop_s:,.0f} tok/s; step {step_s * 1e3 / steps:.3f} ms (loop "
+          f"{loop_s * 1e3 / steps:.3f}), blocked on the device {wait_ms:.3f} ms")
+    print(f"{'part':<34} {'calls/step':>10} {'ms/step':>8} {'us/call':>8}")
+    for label, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
+        n = timer.calls[label]
+        print(f"{label:<34} {n / steps:10.2f} {s * 1e3 / steps:8.3f} {s * 1e6 / n:8.1f}")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-0.5b")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--seconds", type=float, default=4.0, help="each level's timed time")
+    p.add_argument("--settle-steps", type=int, default=200)
+    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--max-num-pages", type=int, default=16384)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="(the CPU's default, 256, keeps a 256-stream loop from the GPU's mix)")
+    args = p.parse_args(argv)
+    kw = {"device": args.device} if args.device else {}
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    engine = Engine(EngineConfig(config=args.config, backend=args.backend,
+                                 dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
+                                 max_num_pages=args.max_num_pages, **kw))
+    vocab = min(30000, RequestLimits.of_engine(engine).vocab_size)
+    timer = PartTimer(engine)
+    rng = random.Random(0)
+    for c in args.concurrency:
+        closed_loop(engine, timer, c, args.seconds, rng, vocab, args.max_prompt, args.settle_steps)
+
+
+if __name__ == "__main__":
+    main()

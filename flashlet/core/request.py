@@ -61,6 +61,11 @@ class Request:
     # One per prompt token scored so far, if asked for (the first token's is None): filled a
     # chunk at a time (flashlet/runner/prompt_logprobs.py), complete once the prompt is computed.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # params.plain_greedy, read once: every decode step asks it of each of its rows
+    plain_greedy: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.plain_greedy = self.params.plain_greedy
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)

@@ -117,6 +117,13 @@ class SamplingParams:
         """True when a grammar constrains the output (json, a schema, a grammar, a tool call)."""
         return self.response_format is not None and self.response_format["type"] != "text"
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Nothing for a sampler to apply (no temperature, penalty, logprobs, min_tokens or
+        grammar): the logits' argmax is the token."""
+        return (self.is_greedy and not self.has_penalties and self.logprobs is None
+                and self.min_tokens == 0 and not self.is_constrained)
+
 
 @dataclass
 class TokenLogprob:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashlet.core.sampling import SamplingColumns, SamplingParams, TokenLogprob
+from flashlet.core.sampling import SamplingColumns, TokenLogprob
 from flashlet.text.structured import apply_grammar_masks
 
 
@@ -519,11 +519,6 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:
     """Redraw one row of Exp(1) noise from a request's own generator."""
     row.exponential_(generator=generator)
-
-
-def plain_greedy(p: SamplingParams) -> bool:
-    return (p.is_greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0
-            and not p.is_constrained)
 
 
 class StepLogprobs:

@@ -57,7 +57,7 @@ import torch
 
 from flashlet.core.request import Request
 from flashlet.core.sampling import SamplingColumns, TokenLogprob, _splitmix64
-from flashlet.runner.sampler import (StepLogprobs, apply_penalties, exponential_race, plain_greedy,
+from flashlet.runner.sampler import (StepLogprobs, apply_penalties, exponential_race,
                                      sampling_probs)
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
@@ -367,9 +367,9 @@ def verify(logits: torch.Tensor, requests: list[Request], proposals: dict[Reques
 
 
 def all_plain_greedy(requests: Sequence[Request]) -> bool:
-    """Is every request plain greedy (sampler.plain_greedy, no grammar): each row's argmax is
-    its token, in a decode step, and decides its verification (`verify_greedy`)."""
-    return all(plain_greedy(req.params) and req.grammar is None for req in requests)
+    """Is every request plain greedy (SamplingParams.plain_greedy, no grammar): each row's
+    argmax is its token, in a decode step, and decides its verification (`verify_greedy`)."""
+    return all(req.plain_greedy and req.grammar is None for req in requests)
 
 
 def verify_greedy(tokens: torch.Tensor | list[int], requests: list[Request],

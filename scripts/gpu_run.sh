@@ -59,7 +59,8 @@
 #                bf16 and fp8 KV: each kernel's time (~1 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
-#                busy and stolen (lab/device_wait.py),
+#                busy and stolen (lab/device_wait.py), each engine part's host time a step
+#                in-process (lab/host_phases.py),
 #                and a c = 256 server's implicit device syncs (FLASHLET_SYNC_DEBUG) (.whl/ and .tok/
 #                carried; CLIENT_PROCS=N; ~8 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
@@ -447,7 +448,8 @@ for _ in range(480):
       grep -B2 -A6 -i "synchroniz" "$OUT/json/serve-sync/server.log" | head -80
       run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
         --max-num-pages 8192 --workload decode-sat --out "$OUT/json/decode-sat-wait.json"
-      run 30 python3 lab/device_wait.py "$OUT"/json/serve-spread-*/*.json "$OUT/json/decode-sat-wait.json" ;;
+      run 30 python3 lab/device_wait.py "$OUT"/json/serve-spread-*/*.json "$OUT/json/decode-sat-wait.json"
+      run 120 python3 lab/host_phases.py --backend triton --concurrency 64 256 ;;
     split-ab)
       run 300 python3 scripts/prefill_split_bench.py --json "$OUT/json/prefill-split.json"
       for pair in 1 2; do

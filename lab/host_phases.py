@@ -7,11 +7,18 @@ host-paced step is what to trim (issue 32: at 256 streams the step is paced by i
     python lab/host_phases.py --config qwen2.5-0.5b --backend triton --concurrency 64 256
     python lab/host_phases.py --device cpu --config /tmp/tiny.json --concurrency 256 --seconds 30 \
         --max-num-batched-tokens 8192 --max-num-pages 9000
+
+`--burn N` runs each level again beside N busy processes (`--burn-kind spin`: a tight loop with
+no memory to speak of, sharing only a core; `memory`: Python objects read and rewritten over
+~64 MB each, as the server's API and client processes churn theirs, sharing the caches too):
+does the same step's host part slow down beside them, as the server's engine core's does
+(BENCHMARKS, session 30)?
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import random
 import time
 from collections import defaultdict
@@ -107,6 +114,22 @@ def closed_loop(engine: Engine, timer: PartTimer, concurrency: int, seconds: flo
         engine.step()
 
 
+def burn(kind: str, stop, ready) -> None:
+    """One busy process until `stop` is set: a tight loop, or a walk over ~64 MB of objects."""
+    if kind == "spin":
+        ready.put(True)
+        while not stop.is_set():
+            sum(range(10_000))
+        return
+    rng = random.Random()
+    rows = [[rng.random() for _ in range(64)] for _ in range(16_384)]  # ~64 MB of floats and lists
+    ready.put(True)
+    while not stop.is_set():
+        for _ in range(10_000):
+            row = rows[rng.randrange(len(rows))]
+            row[rng.randrange(64)] = row[rng.randrange(64)] + 1.0
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-0.5b")
@@ -118,6 +141,8 @@ def main(argv=None) -> None:
     p.add_argument("--settle-steps", type=int, default=200)
     p.add_argument("--max-prompt", type=int, default=768)
     p.add_argument("--max-num-pages", type=int, default=16384)
+    p.add_argument("--burn", type=int, default=0, help="also run each level beside N busy processes")
+    p.add_argument("--burn-kind", choices=["spin", "memory"], default="memory")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="(the CPU's default, 256, keeps a 256-stream loop from the GPU's mix)")
     args = p.parse_args(argv)
@@ -132,6 +157,23 @@ def main(argv=None) -> None:
     rng = random.Random(0)
     for c in args.concurrency:
         closed_loop(engine, timer, c, args.seconds, rng, vocab, args.max_prompt, args.settle_steps)
+        if args.burn:
+            spawn = mp.get_context("spawn")  # (no fork of a process holding a CUDA context)
+            stop, ready = spawn.Event(), spawn.Queue()
+            burners = [spawn.Process(target=burn, args=(args.burn_kind, stop, ready), daemon=True)
+                       for _ in range(args.burn)]
+            for b in burners:
+                b.start()
+            for _ in burners:  # each busy before the level starts
+                ready.get(timeout=120)
+            print(f"\nbeside {args.burn} busy processes ({args.burn_kind}):", end="")
+            try:
+                closed_loop(engine, timer, c, args.seconds, rng, vocab, args.max_prompt,
+                            args.settle_steps)
+            finally:
+                stop.set()
+                for b in burners:
+                    b.join()
 
 
 if __name__ == "__main__":

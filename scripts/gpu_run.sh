@@ -63,6 +63,10 @@
 #                in-process (lab/host_phases.py),
 #                and a c = 256 server's implicit device syncs (FLASHLET_SYNC_DEBUG) (.whl/ and .tok/
 #                carried; CLIENT_PROCS=N; ~8 min)
+#   host-burn    each engine part's host time a step in-process at c = 1 (the fused path, where the
+#                CuTe DSL is installed) and 256, alone and beside 8 busy processes, memory-churning
+#                then spinning (lab/host_phases.py --burn): do the server's neighbours slow the
+#                core's host part of a step? (~3 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
 #                a 1,000-token prompt without and with the sweep's table (FLASHLET_DECODE_TABLES;
 #                ~4 min)
@@ -430,6 +434,12 @@ for _ in range(480):
         run 200 env FLASHLET_DECODE_TABLES="$t" python3 -m flashlet.bench --config qwen3-0.6b --dtype bfloat16 \
           --quiet --max-num-pages 8192 --workload single --single-prompt-len 1000 \
           --out "$OUT/json/qwen3-single-1000${t:+-table}.json"
+      done ;;
+    host-burn)
+      cute_env
+      for kind in memory spin; do
+        run 200 python3 lab/host_phases.py --backend triton --concurrency 1 256 --seconds 4 \
+          --burn 8 --burn-kind "$kind"
       done ;;
     serve-spread)  # the server's c = 64 / 256 spread: fresh servers (and in-process) three times,
                    # then decode-sat: is each step paced by its host or by the device?

@@ -67,6 +67,9 @@
 #                CuTe DSL is installed) and 256, alone and beside 8 busy processes, memory-churning
 #                then spinning (lab/host_phases.py --burn): do the server's neighbours slow the
 #                core's host part of a step? (~3 min)
+#   core-phases  each engine part's host time a step in the server's engine core against the bench's
+#                own process on the same closed loop (lab/core_phases.py; CORE_PHASES_LEVELS="1";
+#                the fused path where the CuTe DSL is installed; .whl/ and .tok/ carried; ~2 min)
 #   one-launch-qwen3  the one-launch attention swept at Qwen3-0.6B's shape, then one stream after
 #                a 1,000-token prompt without and with the sweep's table (FLASHLET_DECODE_TABLES;
 #                ~4 min)
@@ -441,6 +444,12 @@ for _ in range(480):
         run 200 python3 lab/host_phases.py --backend triton --concurrency 1 256 --seconds 4 \
           --burn 8 --burn-kind "$kind"
       done ;;
+    core-phases)  # the same engine parts timed in the server's core and in-process, c = 1
+      cute_env
+      lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node)" || true
+      run 300 python3 lab/core_phases.py --out "$OUT/json/core-phases" --tokenizer .tok/smollm2 \
+        --concurrency ${CORE_PHASES_LEVELS:-1} -- --config qwen2.5-0.5b-smolvocab --backend triton \
+        --dtype bfloat16 --max-num-pages 16384 --max-decode-step-tokens 512 ;;
     serve-spread)  # the server's c = 64 / 256 spread: fresh servers (and in-process) three times,
                    # then decode-sat: is each step paced by its host or by the device?
       for round in 1 2 3; do

@@ -14,8 +14,10 @@ and is every step slower or a few much slower?).
    engine core's Engine gets the same timers, and its loop's receive / add / send parts their
    own; the bench's client (`flashlet.bench --url`, untimed) runs the workload twice, the second
    run is the one read;
-3. one table: each part's calls a step and us a call on both sides, then each side's 1-row
-   steps' host time (the step less its wait on the device) and wait at p10 / p50 / p90 / p99.
+3. one table: each part's calls a step and us a call on both sides, each side's CPU speed as
+   it went (a fixed bit of Python timed at each flush: the H200 machine's vCPUs differ ~2x, and
+   a process's speed changes within seconds), then each side's 1-row steps' host time (the
+   step less its wait on the device) and wait at p10 / p50 / p90 / p99.
 
 The timers cost ~0.5 us a call on both sides alike. Records go to DIR/<side>-<pid>.jsonl: every
 0.5 s of steps (and when the engine goes idle) the parts' running totals and the new steps.
@@ -35,6 +37,21 @@ from pathlib import Path
 RECORDS_ENV = "CORE_PHASES_OUT"  # the folder records go to; set: the timers are installed
 FLUSH_S = 0.5
 CORE_LOOP_PARTS = ("run_once", "_receive", "_add_queued", "_step", "_send")
+
+
+def cpu_probe_us() -> float:
+    """This process's CPU speed now: the best of three runs of a fixed bit of Python (dicts,
+    lists, ints: the engine's host work in miniature), us. On the H200 machine one vCPU reads
+    ~35 us and another ~65, and which is which changes within seconds."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(400):
+            row = {"slot": i, "tokens": [i, i + 1, i + 2]}
+            total += row["slot"] + len(row["tokens"])
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
 
 
 class StepRecorder:
@@ -68,7 +85,7 @@ class StepRecorder:
             setattr(obj, name, self.timer._timed(f"core.{name}", getattr(obj, name)))
 
     def flush(self, now: float) -> None:
-        record = {"time": time.time(), "seconds": dict(self.timer.seconds),
+        record = {"time": time.time(), "probe_us": cpu_probe_us(), "seconds": dict(self.timer.seconds),
                   "calls": dict(self.timer.calls), "steps": self.steps}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -113,7 +130,8 @@ def read(path: Path, t0: float = 0.0, t1: float = float("inf")) -> dict:
     seconds = {k: v - first["seconds"].get(k, 0.0) for k, v in last["seconds"].items()}
     calls = {k: v - first["calls"].get(k, 0) for k, v in last["calls"].items()}
     steps = [s for r in inside[1:] for s in r["steps"]]
-    return {"seconds": seconds, "calls": calls, "steps": steps}
+    return {"seconds": seconds, "calls": calls, "steps": steps,
+            "probes": [r["probe_us"] for r in inside]}
 
 
 def quantiles(values: list[float]) -> str:
@@ -144,6 +162,10 @@ def report(inproc: dict, core: dict) -> str:
         ratio = (f"{per_call[1] / per_call[0]:9.2f}" if per_call[0] and per_call[1] else f"{'-':>9}")
         lines.append(" ".join(row) + " " + ratio)
     lines.append("")
+    for name, side in (("in-process", inproc), ("core", core)):
+        p = sorted(side["probes"])
+        lines.append(f"CPU probe ({name}, every {FLUSH_S} s of steps): min / median / max "
+                     f"{p[0]:.0f} / {p[len(p) // 2]:.0f} / {p[-1]:.0f} us ({len(p)} readings)")
     lines.append("1-row steps, ms at p10 / p50 / p90 / p99:")
     for name, side in (("in-process", inproc), ("core", core)):
         one = [s for s in side["steps"] if s[3] == 1]

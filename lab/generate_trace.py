@@ -115,7 +115,7 @@ def main() -> int:
     prof.disable()
     print(f"cProfile generate {NEW_TOKENS / profiled:8.0f} tok/s (profiled)")
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(45)
     print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
     return 0
 

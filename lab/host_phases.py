@@ -46,16 +46,34 @@ PARTS = (
     ("", "_finish"),
     ("", "add_request"),
 )
+# --fine: the parts of a one-row step's launch too (those an engine lacks are left out)
+FINE_PARTS = (
+    ("runner", "wait_inputs_staged"),
+    ("runner.buffers", "load"),
+    ("runner.buffers", "_feed"),
+    ("runner.batch", "_advance"),
+    ("runner.batch", "_decode_layout"),
+    ("runner.batch", "_note_sampled"),
+    ("runner", "_replay"),
+    ("runner", "_replay_graph"),
+    ("runner", "_decode_attention"),
+    ("runner", "_decode_sampling_every_row"),
+    ("runner.fused_attention", "plan_graph"),
+    ("runner.fused_attention", "graph_key"),
+    ("", "_greedy_tokens"),
+)
 
 
 class PartTimer:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, parts=PARTS):
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        for path, name in PARTS:
+        for path, name in parts:
             owner = engine
             for attr in filter(None, path.split(".")):
-                owner = getattr(owner, attr)
+                owner = getattr(owner, attr, None)
+            if owner is None or not hasattr(owner, name):
+                continue
             label = f"{path}.{name}" if path else f"engine.{name}"
             setattr(owner, name, self._timed(label, getattr(owner, name)))
 
@@ -141,6 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--settle-steps", type=int, default=200)
     p.add_argument("--max-prompt", type=int, default=768)
     p.add_argument("--max-num-pages", type=int, default=16384)
+    p.add_argument("--fine", action="store_true", help="also time the parts of a one-row launch")
     p.add_argument("--burn", type=int, default=0, help="also run each level beside N busy processes")
     p.add_argument("--burn-kind", choices=["spin", "memory"], default="memory")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -153,7 +172,7 @@ def main(argv=None) -> None:
                                  dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
                                  max_num_pages=args.max_num_pages, **kw))
     vocab = min(30000, RequestLimits.of_engine(engine).vocab_size)
-    timer = PartTimer(engine)
+    timer = PartTimer(engine, PARTS + FINE_PARTS if args.fine else PARTS)
     rng = random.Random(0)
     for c in args.concurrency:
         closed_loop(engine, timer, c, args.seconds, rng, vocab, args.max_prompt, args.settle_steps)

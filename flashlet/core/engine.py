@@ -66,7 +66,7 @@ from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import model_config_path, model_from, ops_for
 from flashlet.runner.fused_decode import FusedParts
-from flashlet.runner.model_runner import ModelRunner
+from flashlet.runner.model_runner import CurrentStream, ModelRunner
 from flashlet.runner.pooling import Pooler
 from flashlet.runner.prompt_logprobs import PromptScoring
 from flashlet.runner.sampler import Sampler, SamplerOutput, StepLogprobs
@@ -556,13 +556,14 @@ class TokenBuffer:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
         self.count = 0
         self.event = torch.cuda.Event() if on_cuda else None
+        self.stream = CurrentStream(device) if on_cuda else None
         self.wait_s = 0.0  # the host's time blocked in read() on the copy (seconds, cumulative)
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":
         self.count = tokens.numel()  # what `read` returns unless told fewer
         self.host[: self.count].copy_(tokens, non_blocking=self.event is not None)
         if self.event is not None:
-            self.event.record()
+            self.event.record(self.stream())
         return self
 
     def read(self, n: int | None = None) -> list[int]:

@@ -717,6 +717,7 @@ class StepBuffers:
         # The last step's placement, kept while steps repeat its shape (a steady decode batch
         # does): a torch view costs microseconds, and a step reads ten.
         self._placed: _Placement | None = None
+        self._indices_views: tuple = (None, None, None)  # ((offset, count), host view, device view)
         # (placement, real rows) of the last step if it was padded to decode rows: its padding
         # rows are in the arena (see load)
         self._padded_as: tuple[_Placement, int] | None = None
@@ -766,8 +767,13 @@ class StepBuffers:
         num_indices = num_pages + (seqs_to - num_seqs if pad_tokens is None else 0)
         self._check_fits({"paged_kv_indices": num_indices})
         at = placed.indices_offset
-        host = {**placed.host, "paged_kv_indices": _field(self._host[np.int32], at, num_indices)}
-        dev = {**placed.dev, "paged_kv_indices": _field(self._dev[torch.int32], at, num_indices)}
+        views = self._indices_views  # the page indices' views: the last step's, if they fit
+        if views[0] != (at, num_indices):  # (a steady decode row adds a page every page_size steps)
+            views = self._indices_views = ((at, num_indices),
+                                           _field(self._host[np.int32], at, num_indices),
+                                           _field(self._dev[torch.int32], at, num_indices))
+        host = {**placed.host, "paged_kv_indices": views[1]}
+        dev = {**placed.dev, "paged_kv_indices": views[2]}
         for name, values in arrays.items():
             if len(values):
                 host[name][: len(values)] = values
@@ -841,7 +847,7 @@ class StepBuffers:
         feed_src = dev["feed_src"]
         if rows[-1] - first == count - 1:  # (every row fed: the input ids' own view, no slice)
             into = dev["input_ids"]
-            if count != len(into):
+            if count != into.shape[0]:
                 into = into[first : first + count]
             torch.index_select(fed_tokens, 0, feed_src, out=into)
         else:

@@ -112,6 +112,26 @@ def mixed_graph_buckets(max_num_batched_tokens: int) -> list[int]:
     return sizes + [max_num_batched_tokens]
 
 
+class CurrentStream:
+    """`torch.cuda.current_stream(device)` for an event's record at a C call's cost: the Stream
+    object is rebuilt only when the current stream changes. (`Event.record()` without a stream
+    asks torch for it through several Python layers, a device-index lookup and an environment
+    read among them; at one decode row the engine records two events a step.)"""
+
+    def __init__(self, device: torch.device):
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.key: tuple | None = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> torch.cuda.Stream:
+        key = torch._C._cuda_getCurrentStream(self.index)  # (stream id, device index, type)
+        if key != self.key:
+            self.key = key
+            self.stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                            device_type=key[2])
+        return self.stream
+
+
 class ModelRunner:
     def __init__(self, model, kv_pool, config, device, max_pages_per_seq: int, fused_parts=None):
         self.model = model
@@ -161,6 +181,7 @@ class ModelRunner:
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._stream = CurrentStream(self.device) if self.device.type == "cuda" else None
 
     def _fused_decode(self, config, model, kv_pool, parts, row_counts: list[int]):
         """The fused decode path (FusedDecode, GEMVs for each of row_counts) where
@@ -396,7 +417,7 @@ class ModelRunner:
 
     def _mark_staged(self) -> None:
         if self._staged is not None:
-            self._staged.record()
+            self._staged.record(self._stream())
 
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      tokens: bool = False) -> torch.Tensor:

@@ -141,3 +141,18 @@ def test_step_buffers_stage_pad_and_feed_on_cuda():
                  "paged_kv_last_page_len", "kv_lens", "logits_indices"):
         assert getattr(meta, name).is_cuda
         assert getattr(meta, name).tolist() == getattr(meta.host, name).tolist(), name
+
+
+def test_current_stream_follows_the_current_stream():
+    """The engine's events record on the stream current at each record (CurrentStream), not on
+    the one current when it was built: a step launched under another stream is read after it."""
+    from flashlet.runner.model_runner import CurrentStream
+
+    current = CurrentStream(torch.device("cuda"))
+    assert current() == torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current() == side
+        assert current() is current()  # unchanged: the same object, no rebuild
+    assert current() == torch.cuda.current_stream()
+

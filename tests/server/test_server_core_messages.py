@@ -451,6 +451,47 @@ def test_core_reads_its_inbox_without_a_recv_that_finds_nothing():
         ctx.term()
 
 
+class ChannelsStub:
+    """A core's request listener with `connected` API processes' channels and nothing to read."""
+
+    def __init__(self, connected: int):
+        self.readers = dict.fromkeys(range(connected))
+
+    def read_frames(self) -> list:
+        return []
+
+
+class AskingSocket:
+    """A zmq inbox that counts how often the core asks it whether a message waits."""
+
+    def __init__(self, waiting: list):
+        self.asked, self.waiting = 0, waiting
+
+    def get(self, option):
+        self.asked += 1
+        return engine_core.POLLIN if self.waiting else 0
+
+    def recv(self, flags=0):
+        return self.waiting.pop(0)
+
+
+@pytest.mark.parametrize("connected", [2, 1])
+def test_a_busy_core_asks_its_zmq_inbox_every_read_until_every_channel_is_connected(connected):
+    """With every API process on its request channel (two here), nothing comes over zmq: a busy
+    core asks its inbox once in ZMQ_CHECK_EVERY reads (a backstop, which still finds a message
+    there); with one process not connected, at every read."""
+    reads = 3 * engine_core.ZMQ_CHECK_EVERY
+    with _core(RecordingEngine(), outboxes=[None, None]) as core:
+        core.requests, core.inbox = ChannelsStub(connected), AskingSocket([])
+        for _ in range(reads):
+            core._receive(wait=False)
+        assert core.inbox.asked == (3 if connected == 2 else reads)
+        core.inbox.waiting.append(msgspec.msgpack.encode(AbortRequests([7])))
+        for _ in range(engine_core.ZMQ_CHECK_EVERY):
+            core._receive(wait=False)
+    assert core.engine.aborted == [7]
+
+
 def test_the_plain_pollin_is_zmqs():
     import zmq
 

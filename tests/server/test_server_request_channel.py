@@ -91,7 +91,7 @@ def test_an_idle_core_wakes_on_its_request_channel_and_an_abort_follows_its_requ
     inbox = ctx.socket(zmq.PULL)
     inbox.bind("inproc://idle-core-requests")
     core = EngineCore.__new__(EngineCore)  # its loop's receiving alone: no engine
-    core.inbox, core.writers, core.step_paths = inbox, [], None
+    core.inbox, core.writers, core.step_paths, core.outboxes, core.receives = inbox, [], None, [], 0
     core.requests = FrameListener.open(request_path(str(tmp_path), 0))
     core.decoder, core.counters = msgspec.msgpack.Decoder(CoreInput), LoopCounters()
     core.queued_adds, core.queued_ids = collections.deque(), set()

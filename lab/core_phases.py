@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -189,42 +188,20 @@ def drive(args, engine_flags: list[str]) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
     subprocess.run([*me, "bench", *engine_flags, *workload_flags(args),
                     "--out", str(out / "inprocess.json")], env=env, check=True, timeout=args.timeout)
-    import httpx
+    from scripts.serve_compare import _free_port, serving
 
-    port = 8000 + os.getpid() % 1000
-    url = f"http://127.0.0.1:{port}"
-    log = open(out / "server.log", "w")
-    flags = [*engine_flags, "--port", str(port), "--no-access-log", "--max-waiting", "100000"]
+    url = f"http://127.0.0.1:{_free_port()}"
+    flags = [*engine_flags, "--port", url.rsplit(":", 1)[1], "--no-access-log",
+             "--max-waiting", "100000"]
     if args.tokenizer:
         flags += ["--tokenizer", args.tokenizer]
-    server = subprocess.Popen([*me, "server", *flags], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + args.timeout
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited ({server.returncode}): see {out}/server.log")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not get ready in time")
-            time.sleep(0.5)
+    with serving([*me, "server", *flags], url, out / "server.log", args.timeout, env=env):
         client = [sys.executable, "-m", "flashlet.bench", "--url", url, *workload_flags(args)]
         subprocess.run([*client, "--out", str(out / "server-warm.json")], check=True,
                        timeout=args.timeout)
         t0 = time.time()
         subprocess.run([*client, "--out", str(out / "server.json")], check=True, timeout=args.timeout)
         t1 = time.time()
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        log.close()
     (inproc_path,) = out.glob("inprocess-*.jsonl")
     (core_path,) = out.glob("core-*.jsonl")
     for name in ("inprocess.json", "server.json"):

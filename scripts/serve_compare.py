@@ -28,6 +28,7 @@ Both runs write their JSON records into DIR (inprocess.json, server.json, server
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -85,15 +86,28 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
         server_flags += ["--api-server-count", str(args.api_server_count)]
     if args.busy_poll_ms:
         server_flags += ["--busy-poll-ms", str(args.busy_poll_ms)]
-    log = open(out / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flashlet.server", "--port", str(port),
-                             "--no-access-log", "--max-waiting", "100000", *server_flags],
-                            stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "flashlet.server", "--port", str(port), "--no-access-log",
+               "--max-waiting", "100000", *server_flags]
+    with serving(command, url, out / "server.log", args.timeout):
+        path = out / "server.json"
+        client = ["--client-procs", str(args.client_procs)] if args.client_procs else []
+        subprocess.run([sys.executable, "-m", "flashlet.bench", "--url", url,
+                        *_workload_flags(args), *client, "--out", str(path)], check=True,
+                       timeout=args.timeout)
+        return json.loads(path.read_text())["results"]
+
+
+@contextlib.contextmanager
+def serving(command: list[str], url: str, log_path: Path, timeout: float, env=None):
+    """A server started by `command` (its output into log_path), once its /health answers;
+    SIGTERM (then SIGKILL after 60 s) when the block ends."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}): see {out}/server.log")
+                raise RuntimeError(f"the server exited ({proc.returncode}): see {log_path}")
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     break
@@ -102,12 +116,7 @@ def run_server(args, engine_flags: list[str], out: Path) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not get ready in time")
             time.sleep(0.5)
-        path = out / "server.json"
-        client = ["--client-procs", str(args.client_procs)] if args.client_procs else []
-        subprocess.run([sys.executable, "-m", "flashlet.bench", "--url", url,
-                        *_workload_flags(args), *client, "--out", str(path)], check=True,
-                       timeout=args.timeout)
-        return json.loads(path.read_text())["results"]
+        yield proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

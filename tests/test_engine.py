@@ -133,7 +133,7 @@ def test_device_wait_sums_the_hosts_block_on_every_token_read(tiny_qwen2, monkey
     clock = [0.0]
 
     class SlowEvent:  # a copy the host waits 2 ms for, on a clock of its own
-        def record(self):
+        def record(self, stream=None):
             pass
 
         def synchronize(self):
@@ -141,7 +141,7 @@ def test_device_wait_sums_the_hosts_block_on_every_token_read(tiny_qwen2, monkey
 
     monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
     for buffer in engine._token_buffers:
-        buffer.event = SlowEvent()
+        buffer.event, buffer.stream = SlowEvent(), lambda: None  # (a CUDA buffer's pair)
     reads = []
     for buffer in engine._token_buffers:
         read = buffer.read

@@ -36,6 +36,7 @@ from pathlib import Path
 RECORDS_ENV = "CORE_PHASES_OUT"  # the folder records go to; set: the timers are installed
 FLUSH_S = 0.5
 CORE_LOOP_PARTS = ("run_once", "_receive", "_add_queued", "_step", "_send")
+_recorder: "StepRecorder | None" = None  # this process's latest timed Engine (install)
 
 
 def cpu_probe_us() -> float:
@@ -81,7 +82,7 @@ class StepRecorder:
     def time_methods(self, obj, names) -> None:
         """Time `obj`'s own methods too (the engine core's loop parts), as `core.<name>`."""
         for name in names:
-            setattr(obj, name, self.timer._timed(f"core.{name}", getattr(obj, name)))
+            setattr(obj, name, self.timer.timed(f"core.{name}", getattr(obj, name)))
 
     def flush(self, now: float) -> None:
         record = {"time": time.time(), "probe_us": cpu_probe_us(), "seconds": dict(self.timer.seconds),
@@ -100,8 +101,9 @@ def install(side: str) -> None:
     init = engine_module.Engine.__init__
 
     def timed_init(self, *args, **kwargs):
+        global _recorder
         init(self, *args, **kwargs)
-        install.recorder = StepRecorder(self, side, folder)
+        _recorder = StepRecorder(self, side, folder)
     engine_module.Engine.__init__ = timed_init
     if side == "core":
         from flashlet.server import engine_core
@@ -110,7 +112,7 @@ def install(side: str) -> None:
 
         def timed_core_init(self, *args, **kwargs):
             core_init(self, *args, **kwargs)
-            install.recorder.time_methods(self, CORE_LOOP_PARTS)
+            _recorder.time_methods(self, CORE_LOOP_PARTS)
         engine_core.EngineCore.__init__ = timed_core_init
 
 

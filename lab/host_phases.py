@@ -75,9 +75,10 @@ class PartTimer:
             if owner is None or not hasattr(owner, name):
                 continue
             label = f"{path}.{name}" if path else f"engine.{name}"
-            setattr(owner, name, self._timed(label, getattr(owner, name)))
+            setattr(owner, name, self.timed(label, getattr(owner, name)))
 
-    def _timed(self, label: str, inner):
+    def timed(self, label: str, inner):
+        """`inner`, its calls counted and their seconds added under `label`."""
         seconds, calls, clock = self.seconds, self.calls, time.perf_counter
 
         def run(*args, **kwargs):

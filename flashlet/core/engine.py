@@ -145,7 +145,8 @@ class Engine:
         self._scoring: set[Request] = set()  # requests whose prompt logprobs are not all in
         # A greedy verify step stages a token for each of its query rows (its token and proposals).
         rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
-        self._token_buffers = [TokenBuffer(rows, self.device) for _ in range(2)]
+        self._token_buffers = [TokenBuffer(rows, self.device, self.runner.current_stream)
+                               for _ in range(2)]
         self.num_steps = 0
         self._step_observers: list = []  # fn(meta, logits) after each forward (tests, tools)
         # A function, not a method: the finalizer must not keep the engine alive.
@@ -551,12 +552,14 @@ class TokenBuffer:
     are read while the next step's copy is queued. On the CPU too the tokens are copied: a step's
     token tensor may be a buffer the next step writes again (the fused path's argmax output)."""
 
-    def __init__(self, size: int, device: torch.device):
+    def __init__(self, size: int, device: torch.device, stream: CurrentStream | None):
+        """stream: the runner's reader of the current stream, which the copy's event records
+        on (None off CUDA)."""
         on_cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
         self.count = 0
         self.event = torch.cuda.Event() if on_cuda else None
-        self.stream = CurrentStream(device) if on_cuda else None
+        self.stream = stream
         self.wait_s = 0.0  # the host's time blocked in read() on the copy (seconds, cumulative)
 
     def stage(self, tokens: torch.Tensor) -> "TokenBuffer":

@@ -181,7 +181,8 @@ class ModelRunner:
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._stream = CurrentStream(self.device) if self.device.type == "cuda" else None
+        # the stream the step is launched on (None off CUDA): this event's and the token buffers'
+        self.current_stream = CurrentStream(self.device) if self.device.type == "cuda" else None
 
     def _fused_decode(self, config, model, kv_pool, parts, row_counts: list[int]):
         """The fused decode path (FusedDecode, GEMVs for each of row_counts) where
@@ -417,7 +418,7 @@ class ModelRunner:
 
     def _mark_staged(self) -> None:
         if self._staged is not None:
-            self._staged.record(self._stream())
+            self._staged.record(self.current_stream())
 
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      tokens: bool = False) -> torch.Tensor:

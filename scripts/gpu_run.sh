@@ -96,10 +96,6 @@
 #                (both installed by earlier calls: .whl-cute1/, .whl-cute2/, then .whl-cute/ with
 #                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
 #                (~5 min)
-#   l2-prefetch  the fused path's L2 prefetch of each layer's MLP weights on and off
-#                (fused_decode.L2_PREFETCH_MLP): its GPU tests, then lab/l2_prefetch_ab.py, two
-#                interleaved pairs of the closed loop c = 1 / 4 / 16 and one stream after 8,000
-#                tokens (~6 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -482,11 +478,6 @@ for _ in range(480):
             --out "$OUT/json/long-prompts-split-${splits:-default}-$pair.json"
         done
       done ;;
-    l2-prefetch)
-      cute_env
-      run 300 $PYTEST tests/kernels/test_kern_gpu.py tests/gpu/test_gpu_fused_decode.py \
-        -k "one_launch or greedy or qwen05_shape"
-      run 560 python3 lab/l2_prefetch_ab.py --config ${PREFETCH_CONFIG:-qwen2.5-0.5b} --pairs 2 --long 8000 ;;
     dsl-ab)
       cute_env
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick

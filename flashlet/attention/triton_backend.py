@@ -357,13 +357,10 @@ class TritonBackend(AttentionBackend):
         through the model's row-wise layers."""
         return torch.zeros_like(q) if self.meta.token_bucket is not None else torch.empty_like(q)
 
-    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
-        Launch (sm_90+). prefetch: tensors a later kernel reads, asked of L2 meanwhile
-        (`decode_attention_one_launch`). No host sync, fixed scratch: CUDA-graph safe for any
-        KV lengths."""
+        Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -395,7 +392,6 @@ class TritonBackend(AttentionBackend):
             long_from_tokens=cfg.long_from_tokens,
             long_split_tokens=cfg.long_split_tokens,
             merge_splits=cfg.merge_splits,
-            prefetch=prefetch,
         )
         if q.shape[0] > n:
             out[n:].zero_()

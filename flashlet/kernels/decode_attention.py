@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -702,7 +701,6 @@ def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
     KvIndptr, KvIndices, KvLens,
     qk_scale, v_scale, min_split_tokens, long_from_tokens, long_split_tokens,
-    Pf0, Pf1, pf0_bytes, pf1_bytes, pf0_chunks, pf_chunk,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -721,15 +719,12 @@ def _one_launch_kernel(
     STEP_ROWS: tl.constexpr,
     KV_PACK: tl.constexpr,
     LONG_RULE: tl.constexpr,
-    PF_CHUNKS: tl.constexpr,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
     b = tl.program_id(0)
     kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
     split = tl.program_id(2)
-    if PF_CHUNKS > 0:  # every program, before anything else: L2 warms while attention waits
-        _prefetch_share(Pf0, Pf1, pf0_bytes, pf1_bytes, pf0_chunks, pf_chunk, NUM_SPLITS, PF_CHUNKS)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
     # With LONG_RULE a row at least long_from_tokens long splits at long_split_tokens: runtime
@@ -837,22 +832,6 @@ def _one_launch_kernel(
 
 
 @triton.jit
-def _prefetch_share(Pf0, Pf1, pf0_bytes, pf1_bytes, pf0_chunks, pf_chunk,
-                    NUM_SPLITS: tl.constexpr, PF_CHUNKS: tl.constexpr):
-    """This program's PF_CHUNKS consecutive chunks (pf_chunk bytes each) of two byte regions
-    laid end to end (Pf0's pf0_chunks chunks, then Pf1's), asked of L2 (`pdl.prefetch_l2_bulk`):
-    the programs of the grid share them in order. Chunks past the end ask for nothing."""
-    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * NUM_SPLITS + tl.program_id(2)
-    c = pid * PF_CHUNKS + tl.arange(0, PF_CHUNKS)
-    first = c < pf0_chunks
-    off = tl.where(first, c, c - pf0_chunks).to(tl.int64) * pf_chunk
-    left = tl.where(first, pf0_bytes, pf1_bytes) - off
-    size = tl.maximum(tl.minimum(left, pf_chunk), 0).to(tl.int32)
-    ptrs = tl.where(first, Pf0 + off, Pf1 + off)
-    pdl.prefetch_l2_bulk(ptrs, size)
-
-
-@triton.jit
 def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvLens,
                                   LOOKBACK: tl.constexpr):
     """How many rows just before row b belong to its sequence in this step (a verify step's
@@ -928,7 +907,6 @@ def decode_attention_one_launch(
     long_from_tokens: int = 0,
     long_split_tokens: int = 0,
     merge_splits: int | None = None,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -946,10 +924,7 @@ def decode_attention_one_launch(
     min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
     larger grid.
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
-    as fit a 4096-element fp32 tile).
-    prefetch: up to two contiguous tensors that a later kernel of the stream reads (the fused
-    path: this layer's MLP weights), asked of L2 by every program before it waits (sm_90+,
-    `prefetch_plan`); () or another device: nothing."""
+    as fit a 4096-element fp32 tile)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     check_kv_pack(kv_heads_per_program, num_kv_heads)
@@ -975,14 +950,10 @@ def decode_attention_one_launch(
     if merge_splits is None:  # partials merged at a time: a [MS, GP, cols] fp32 tile of at most 4096 elements
         merge_splits = max(1, min(num_splits, 4096 // (gp * cols)))
     launch = {"launch_pdl": True} if pdl else {}
-    pf = prefetch_plan(prefetch, batch * groups * num_splits, 32 * num_warps) if prefetch else None
-    if pf is None:
-        pf = PrefetchPlan(out, out, 0, 0, 0, 16, 0)
     _one_launch_kernel[(batch, groups, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E * k_scale, v_scale, min_split_tokens, long_from_tokens, long_split_tokens,
-        pf.first, pf.second, pf.first_bytes, pf.second_bytes, pf.first_chunks, pf.chunk,
         *_strides(q, out, k_cache, v_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -999,59 +970,11 @@ def decode_attention_one_launch(
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
-        PF_CHUNKS=pf.chunks_per_program,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,
     )
     return out
-
-
-# The smallest piece one bulk L2 prefetch asks for: below it the requests, not the bytes, cost.
-MIN_PREFETCH_CHUNK = 512
-
-
-class PrefetchPlan(NamedTuple):
-    """How the one-launch kernel's programs share an L2 prefetch: byte views of the two regions,
-    their sizes, the first's chunk count, the chunk size, and chunks a program (0: none)."""
-
-    first: torch.Tensor
-    second: torch.Tensor
-    first_bytes: int
-    second_bytes: int
-    first_chunks: int
-    chunk: int
-    chunks_per_program: int
-
-
-def prefetch_plan(tensors: tuple[torch.Tensor, ...], programs: int, threads: int) -> PrefetchPlan | None:
-    """Split one or two tensors' bytes over `programs` programs of `threads` threads, at most one
-    chunk a thread, chunks at least MIN_PREFETCH_CHUNK bytes and multiples of 16 (the bulk
-    prefetch's rule) -> the plan, or None where it cannot run: more than two tensors, one not
-    contiguous or not 16-byte aligned in address and size, or a device without the instruction."""
-    if not 1 <= len(tensors) <= 2 or not pdl_supported(tensors[0].device):
-        return None
-    views = []
-    for t in tensors:
-        if not t.is_contiguous() or t.data_ptr() % 16 or (t.numel() * t.element_size()) % 16:
-            return None
-        views.append(t.view(-1).view(torch.uint8))
-    first, second = views[0], views[-1] if len(views) == 2 else views[0][:0]
-    chunk, per_program = prefetch_share(first.numel(), second.numel(), programs, threads)
-    return PrefetchPlan(first, second if second.numel() else first, first.numel(), second.numel(),
-                        -(-first.numel() // chunk), chunk, per_program)
-
-
-def prefetch_share(first_bytes: int, second_bytes: int, programs: int, threads: int) -> tuple[int, int]:
-    """(chunk bytes, chunks a program): the fewest chunks a program (a power of two, at most
-    `threads`) whose chunks, each a multiple of 16 and at least MIN_PREFETCH_CHUNK bytes, cover
-    both regions (each region's last chunk may be short) within `programs` programs."""
-    total = first_bytes + second_bytes
-    per_program = min(threads, _next_pow2(-(-total // (programs * MIN_PREFETCH_CHUNK))))
-    chunk = max(MIN_PREFETCH_CHUNK, -(-(-(-total // (programs * per_program))) // 16) * 16)
-    while -(-first_bytes // chunk) + -(-second_bytes // chunk) > programs * per_program:
-        chunk += 16  # the two short last chunks: a few steps at most
-    return chunk, per_program
 
 
 # The most earlier rows a program of the one-launch decode looks back over for rows of its own

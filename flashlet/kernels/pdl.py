@@ -32,16 +32,6 @@ def wait():
     tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def prefetch_l2_bulk(ptrs, nbytes):
-    """Ask L2 for `nbytes` bytes at each of `ptrs` (16-byte aligned, a multiple of 16; 0: nothing)
-    with the bulk prefetch (sm_90+): fire and forget, no register waits on it, so a kernel can
-    warm memory that a later kernel of the stream reads while its own work is latency-bound."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; } // dummy $0",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def pdl_supported(device: torch.device) -> bool:
     """CUDA devices of compute capability 9.0 (Hopper) and up."""
     device = torch.device(device)

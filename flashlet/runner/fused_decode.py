@@ -140,13 +140,6 @@ SERVED_ROWS_FP8 = 4
 FP8_MMA_SHAPES = {(3584, 18944)}
 
 
-# The one-launch attention asks L2 for its layer's MLP weights (gate | up, and down where a GEMV
-# reads it) before it waits, so the two largest GEMVs of the layer read them from L2: DRAM is
-# otherwise idle while QKV's epilogue, attention and O run, latency-bound (FUSED_NOTES.md,
-# "L2 prefetch from inside the chain"). sm_90+ (the bulk prefetch); on by default.
-L2_PREFETCH_MLP = True
-
-
 def model_shape(model) -> tuple[int, int]:
     """(hidden size, intermediate size): how FP8_MMA_SHAPES and BF16_ONE_ROW_MMA_SHAPES name a model."""
     return model.config.hidden_size, model.layers[0].down_proj.weight.shape[1]
@@ -500,22 +493,10 @@ class FusedDecode:
         return self._attend(i, q, attn)
 
     def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
-        """Attention over the pool, this step's K/V already written (with the one-launch form,
-        which asks L2 for the layer's MLP weights meanwhile: L2_PREFETCH_MLP)."""
+        """Attention over the pool, this step's K/V already written."""
         if self.one_launch_attention:
-            return attn.attend_one_launch(i, q, pdl=self.pdl, prefetch=self._mlp_weights(i))
+            return attn.attend_one_launch(i, q, pdl=self.pdl)
         return attn.attend(i, q)
-
-    def _mlp_weights(self, i: int) -> tuple[torch.Tensor, ...]:
-        """Layer i's weights the GEMVs after attention stream (gate | up, down where a GEMV reads
-        it; fp8 codes without their scales), or () where L2_PREFETCH_MLP is off or no PDL."""
-        if not (L2_PREFETCH_MLP and self.pdl):
-            return ()
-        layer = self.model.layers[i]
-        weights = [_weight(layer.gate_up_proj.weight)[0]]
-        if layer.down_proj.weight.shape[1] <= MAX_DOWN_K:
-            weights.append(_weight(layer.down_proj.weight)[0])
-        return tuple(weights)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""

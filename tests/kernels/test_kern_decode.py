@@ -10,20 +10,16 @@ import sys
 import textwrap
 
 import pytest
-import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashlet.kernels.decode_attention import (
-    MIN_PREFETCH_CHUNK,
     choose_num_splits,
     decode_attention,
     decode_attention_one_launch,
     decode_attention_reference,
     group_pad,
-    prefetch_plan,
-    prefetch_share,
 )
 
 NAN = float("nan")
@@ -285,16 +281,15 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, prefetch=0):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
-                   KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32",
-                   Pf0="*u8", Pf1="*u8")
+                   KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
         consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
-                      LONG_RULE=False, PF_CHUNKS=prefetch)
+                      LONG_RULE=False)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -307,9 +302,7 @@ _LOWER = textwrap.dedent("""
             launch=sum("griddepcontrol.launch_dependents" in l for l in lines), wait=len(wait),
             loads_before_wait=sum("ld.global" in l for l in lines[: wait[0]]) if wait else 0,
             atom_acq_rel=sum("atom.global.gpu.acq_rel.add" in l for l in lines),
-            cg_loads=sum("ld.global.cg" in l for l in lines), ptxas=info,
-            prefetch=sum("cp.async.bulk.prefetch.L2.global" in l for l in lines),
-            prefetch_before_wait=sum("cp.async.bulk.prefetch.L2.global" in l for l in lines[: wait[0]]) if wait else 0)
+            cg_loads=sum("ld.global.cg" in l for l in lines), ptxas=info)
 
     for variant in json.loads(sys.argv[1]):
         print(json.dumps(lower(*variant)), flush=True)
@@ -338,8 +331,6 @@ ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the 
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
     (16, True, 256, 8, 64, 8, "*fp8e4nv"),
-    # The fused path's form: the layer's MLP weights asked of L2 (256 chunks a program).
-    (16, True, 256, 8, 64, 0, "*bf16", 256),
 ]
 
 
@@ -354,22 +345,17 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("variant", ONE_LAUNCH_LOWERED, ids=str)
-def test_one_launch_lowers_for_sm90(one_launch_lowered, variant):
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv", ONE_LAUNCH_LOWERED)
+def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
+                                    lookback, kv):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
-    loads bypass L1; ptxas (sm_90a) reports no spills. With PF_CHUNKS each thread asks L2 for
-    its chunk with one bulk prefetch, before the wait; without it none is emitted."""
-    got = one_launch_lowered[variant]
-    pdl, prefetch = variant[1], (variant[7] if len(variant) > 7 else 0)
+    loads bypass L1; ptxas (sm_90a) reports no spills."""
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block
-    if prefetch:
-        assert got["prefetch"] >= 1 and got["prefetch_before_wait"] == got["prefetch"]
-    else:
-        assert got["prefetch"] == 0
     assert got["atom_acq_rel"] == 1 and got["cg_loads"] > 0
     import triton
 
@@ -593,40 +579,3 @@ def test_batched_decode_lowers_for_sm90(batched_lowered, block_n, warps, stages,
         assert "0 bytes spill stores" in got["ptxas"], got["ptxas"]
     else:
         assert "registers" in got["ptxas"]
-
-
-# ---- the one-launch kernel's L2 prefetch of the fused path's MLP weights --------------------
-
-
-@pytest.mark.parametrize("first,second,programs,threads", [
-    (17_432_576, 8_716_288, 128, 256),   # Qwen2.5-0.5B's gate | up and down, one row
-    (17_432_576, 8_716_288, 2048, 256),  # sixteen rows
-    (1_000_016, 0, 3, 128),              # one region
-    (48, 32, 64, 256),                   # less than a chunk in all
-])
-def test_prefetch_share_covers_both_regions_within_the_grid(first, second, programs, threads):
-    """The chunks the kernel's programs take in order (`_prefetch_share`: program p's chunks
-    p * per_program ..., the first region's chunks then the second's) cover every byte of both
-    regions once and fit the grid; each chunk obeys the bulk prefetch's size rule."""
-    chunk, per_program = prefetch_share(first, second, programs, threads)
-    assert chunk % 16 == 0 and chunk >= MIN_PREFETCH_CHUNK
-    assert 1 <= per_program <= threads and per_program & (per_program - 1) == 0
-    first_chunks = -(-first // chunk)
-    c = np.arange(programs * per_program)
-    in_first = c < first_chunks
-    off = np.where(in_first, c, c - first_chunks) * chunk
-    size = np.clip(np.minimum(np.where(in_first, first, second) - off, chunk), 0, None)
-    for region, total in ((in_first, first), (~in_first, second)):
-        asked = np.zeros(total, np.int32)
-        for o, n in zip(off[region & (size > 0)], size[region & (size > 0)]):
-            asked[o:o + n] += 1
-        assert (asked == 1).all()
-    if 1 < per_program < threads:  # the fewest a program: half as many would need chunks under the minimum
-        assert (first + second) / (programs * (per_program // 2)) > MIN_PREFETCH_CHUNK
-
-
-def test_prefetch_plan_declines_what_the_bulk_prefetch_cannot_take():
-    """Not on this device (no sm_90 here) or not 16-byte aligned: no plan, the kernel asks for nothing."""
-    w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert prefetch_plan((w,), 8, 128) is None  # a CPU tensor
-    assert prefetch_plan((w, w, w), 8, 128) is None

@@ -292,34 +292,6 @@ def test_one_launch_replays_in_a_cuda_graph(kh, pdl):
     assert not tri._merge_counts.any()
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-def test_one_launch_prefetch_leaves_attention_unchanged(rows):
-    """The fused path's form: the one-launch kernel asking L2 for two weight tensors (Qwen2.5-0.5B's
-    gate | up and down, 26 MB) gives the same bits as without, eagerly and replayed in a graph."""
-    if not pdl_supported(DEV):
-        pytest.skip("the bulk L2 prefetch needs sm_90+")
-    hq, n = 14, 300
-    pool = _bf16_pool(layers=1, pages=rows * 20 + 4)
-    buffers = StepBuffers(rows, rows, rows * 20, DEV)
-    layout = build_layout([StepRow([0], n - 1, pool.allocator.allocate(20)) for _ in range(rows)], 16)
-    meta = buffers.load(layout)[1]
-    tri = TritonBackend(pool, hq)
-    tri.plan(meta)
-    pool.write(0, _randn(rows, 2, 64, seed=2), _randn(rows, 2, 64, seed=3), tri.meta.slot_mapping)
-    q = _randn(rows, hq, 64, seed=1)
-    weights = (_randn(9728, 896, seed=4), _randn(896, 4864, seed=5))
-    plain = tri.attend_one_launch(0, q, pdl=True)
-    warmed = tri.attend_one_launch(0, q, pdl=True, prefetch=weights)
-    assert torch.equal(plain, warmed)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri.attend_one_launch(0, q, pdl=True, prefetch=weights)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain)
-    assert not tri._merge_counts.any()
-
-
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gather_rows_bf16(pdl):
     if pdl and not pdl_supported(DEV):

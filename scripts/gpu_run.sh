@@ -96,6 +96,10 @@
 #                (both installed by earlier calls: .whl-cute1/, .whl-cute2/, then .whl-cute/ with
 #                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
 #                (~5 min)
+#   steady       steady replay (the fused greedy graph moves its inputs on; steady steps load
+#                nothing): its GPU tests, lab/host_phases.py at c = 1 / 4 with it on and off
+#                (model_runner.STEADY_REPLAY), then one stream's token gaps through the server at
+#                default flags against in-process (lab/itl_clients.py, 3 x 64 requests) (~7 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -478,6 +482,19 @@ for _ in range(480):
             --out "$OUT/json/long-prompts-split-${splits:-default}-$pair.json"
         done
       done ;;
+    steady)
+      cute_env
+      run 300 $PYTEST tests/kernels/test_kern_step_advance.py tests/gpu/test_gpu_fused_decode.py \
+        -k "steady or advance or test_fused_greedy or qwen05_shape"
+      for on in True False; do
+        run 150 python3 -c "import sys; from flashlet.runner import model_runner
+model_runner.STEADY_REPLAY = $on
+from lab.host_phases import main
+main(['--backend', 'triton', '--concurrency', '1', '4', '--seconds', '4'])"
+      done
+      run 400 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess --variants default -- \
+        --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 --max-num-pages 16384 \
+        --tokenizer .tok/smollm2 ;;
     dsl-ab)
       cute_env
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick

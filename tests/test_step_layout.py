@@ -420,22 +420,26 @@ def test_padding_rows_use_the_scratch_page_and_leave_real_rows_alone():
 class ReplayEagerly:
     """Stands in for a captured CUDA graph on the CPU: replay() re-runs the captured body on the
     input views of the step it was captured on, into the same output tensor (as a graph reads
-    the addresses its capture saw)."""
+    the addresses its capture saw), then `after` on it (the runner's input advance), which
+    the capture does not run."""
 
-    def __init__(self, body):
-        self.body = body
+    def __init__(self, body, after=None):
+        self.body, self.after = body, after
         self.logits = body()
 
     def replay(self):
         self.logits.copy_(self.body())
+        if self.after is not None:
+            self.after(self.logits)
 
 
 def _graphs_on_the_cpu(engine):
     runner = engine.runner
     runner.use_graphs = True
 
-    def capture(input_ids, meta, tokens=False):
-        graph = ReplayEagerly(lambda: runner._decode_body(input_ids, meta.positions, tokens))
+    def capture(input_ids, meta, tokens=False, moves=False):
+        after = runner._input_advance(input_ids, meta) if moves else None
+        graph = ReplayEagerly(lambda: runner._decode_body(input_ids, meta.positions, tokens), after)
         return graph, graph.logits
 
     runner._capture = capture
@@ -465,6 +469,44 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
             # plain greedy requests: the graphs that end in the argmax, never the logits'
             assert {key[1] for key in engine.runner.graphs} == {"tokens"}
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_steady_replay_gives_the_loaded_steps_tokens(tiny_qwen2, monkeypatch, page_size):
+    """Steady replay (model_runner.STEADY_REPLAY) with every decode graph moving its inputs on
+    (on CUDA only the fused path's do; here the per-op graphs stand in, replayed eagerly):
+    requests of different lengths (rows leave one by one; 3 rows padded to 4, whose padding
+    row stays on the scratch page), pages starting every 16 or 4 tokens. The same tokens as
+    every step loaded, and the steady steps skipped their load."""
+    from flashlet.runner import model_runner
+
+    cfg = EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8, page_size=page_size,
+                       max_num_batched_tokens=64)
+    prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
+    outs, loads = [], []
+    for steady in (False, True):
+        monkeypatch.setattr(model_runner, "STEADY_REPLAY", steady)
+        engine = Engine(cfg)
+        _graphs_on_the_cpu(engine)
+        runner = engine.runner
+        monkeypatch.setattr(runner, "_moves_inputs_on", lambda size: model_runner.STEADY_REPLAY)
+        count, real_load = [0], runner.buffers.load
+
+        def counted(*args, count=count, real_load=real_load, **kwargs):
+            count[0] += 1
+            return real_load(*args, **kwargs)
+
+        runner.buffers.load = counted
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=20 + 9 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+        outs.append([done[i] for i in ids])
+        loads.append(count[0])
+    assert outs[0] == outs[1]
+    assert loads[1] < loads[0] * (0.5 if page_size == 16 else 0.9), loads
 
 
 def test_graph_steps_keep_the_logits_where_a_request_or_observer_needs_them(tiny_qwen2):

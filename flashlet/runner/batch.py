@@ -76,6 +76,10 @@ class StepLayout:
     # (Not a field: no annotation.) A verify step laid out as one decode row per query token
     # (InputBatch._as_decode_rows, fused_decode.verify_as_decode_rows).
     verify_as_decode_rows = False
+    # (Not a field either.) A steady decode step whose every column is the last step's plus one
+    # and every row is fed the token it sampled last step, in order (no row starts a page):
+    # what the fused greedy graph's own input advance makes on the device (ModelRunner.load).
+    advances_last = False
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], verify_as_decode_rows: bool = False) -> "StepLayout":
@@ -363,8 +367,11 @@ class InputBatch:
         self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
                                       kv_lens)
         self._note_sampled(rows, kv_lens)
-        return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
-                                   token_ids)
+        layout = self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
+                                     token_ids)
+        # every row fed from its own sample of last step (the same rows in the same order)
+        layout.advances_last = token_ids is None and not len(starting)
+        return layout
 
     def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray, page: np.ndarray,
                       slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

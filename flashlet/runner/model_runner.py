@@ -39,11 +39,19 @@ verify step of at most `fused.max_rows` query tokens, all sampled (verify rows a
 prefill chunk), is loaded as one decode row per query token (`fused_decode.verify_as_decode_rows`)
 and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
+
+Steady replay (STEADY_REPLAY): the fused greedy graph ends by moving its real rows' inputs on
+to the next step's on the device (kernels/step_advance.py: each row's sampled token becomes its
+input id; position, slot, KV length and last page length + 1). A next step of the same rows one
+token on, each fed its own token and none starting a page (`StepLayout.advances_last`), then
+needs no load: `load` hands back the last step's device views, and the host writes and uploads
+nothing. Any other step loads as usual, rewriting every field.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +63,20 @@ from flashlet.runner.batch import InputBatch, StepBuffers, StepLayout
 from flashlet.runner.fused_decode import FusedParts
 
 log = logging.getLogger("flashlet")
+
+# The fused greedy graph moves its inputs on for a steady next step, which then loads nothing
+# (the module docstring's "Steady replay"). Tests turn it off to compare.
+STEADY_REPLAY = True
+
+
+class MovedOn(NamedTuple):
+    """The last replayed step whose inputs its graph moved on: its device views (the next
+    steady step's, as they now hold), where its tokens are, and its real rows."""
+
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    tokens_at: int
+    rows: int
 
 
 def _given_or(value: bool | None, default: bool) -> bool:
@@ -181,6 +203,8 @@ class ModelRunner:
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._moved_on: MovedOn | None = None  # the last step, if its graph moved its inputs on
+        self._moving_graphs: set[tuple] = set()  # the keys of the graphs that do
         # the stream the step is launched on (None off CUDA): this event's and the token buffers'
         self.current_stream = CurrentStream(self.device) if self.device.type == "cuda" else None
 
@@ -268,7 +292,13 @@ class ModelRunner:
         """A step's layout into the step buffers (padded for the graph it replays, if any) ->
         (input_ids, metadata) for `forward`. fed_tokens: the previous step's sampled tokens on
         the device, for the rows that take them (overlap). token_bucket: a mixed step's bucket
-        when it is not the smallest that holds it (the warm-up's captures)."""
+        when it is not the smallest that holds it (the warm-up's captures). A steady step
+        whose inputs the last step's graph moved on (STEADY_REPLAY) loads nothing: its device
+        views are the last step's."""
+        moved, self._moved_on = self._moved_on, None
+        if (moved is not None and layout.advances_last and fed_tokens is not None
+                and fed_tokens.data_ptr() == moved.tokens_at and moved.rows == layout.num_seqs):
+            return moved.input_ids, moved.meta
         self.wait_inputs_staged()  # the pinned staging is free again
         # A verify step it serves, as decode rows (the batch lays most out so already).
         if self.fused is not None and not layout.verify_as_decode_rows:
@@ -386,9 +416,32 @@ class ModelRunner:
         attn = self._decode_attention(size)
         attn.plan_graph(meta, size)
         key = (size, "tokens" if tokens else "logits") + attn.graph_key(meta)
-        out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens),
+        moves = tokens and self._moves_inputs_on(size)
+        if moves and key not in self.graphs:
+            self._moving_graphs.add(key)
+        out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens, moves),
                                  f"a decode step padded to {size}")
+        if key in self._moving_graphs:
+            self._moved_on = MovedOn(input_ids, meta, out.data_ptr(), size - meta.num_padding)
         return out[: size - meta.num_padding]
+
+    def _moves_inputs_on(self, size: int) -> bool:
+        """Does the greedy graph of a step padded to `size` move its inputs on (steady replay)?"""
+        return STEADY_REPLAY and self._fused_size(size) and self.buffers.scratch_page is not None
+
+    def _input_advance(self, input_ids: torch.Tensor, meta: AttentionMetadata):
+        """The greedy graph's last kernel where it moves its inputs on: a call on its tokens.
+        Compiled here, on copies of the inputs, so that the capture compiles nothing. (Off
+        CUDA, where only tests stand in for graphs, the same in torch operations.)"""
+        from flashlet.kernels import step_advance
+
+        fields = (input_ids, meta.positions, meta.slot_mapping, meta.kv_lens, meta.paged_kv_last_page_len)
+        scratch, page_size = self.buffers.scratch_page, self.buffers.page_size
+        advance = step_advance.advance_decode_inputs_reference
+        if input_ids.is_cuda:
+            advance = step_advance.advance_decode_inputs
+            advance(*(f.clone() for f in fields), torch.zeros_like(input_ids), scratch, page_size)
+        return lambda tokens: advance(*fields, tokens, scratch, page_size)
 
     def _replay_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the mixed graph of a step padded to its token bucket (the backend planned
@@ -429,13 +482,18 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.decode_backend)
         return self.model.greedy_tokens(hidden) if tokens else self.model.compute_logits(hidden)
 
-    def _capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens: bool = False):
+    def _capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, tokens: bool = False,
+                 moves: bool = False):
         """A graph of this decode step's forward: it reads the step's inputs at these
-        addresses, the ones every later step padded to the same size has (StepBuffers)."""
+        addresses, the ones every later step padded to the same size has (StepBuffers).
+        moves: the graph ends by moving its inputs on (steady replay)."""
         size = input_ids.shape[0]
         kind = ", ".join((["fused"] if self._fused_size(size) else []) + (["greedy tokens"] if tokens else []))
         log.info("capturing a CUDA graph for decode batch %d%s", size, f" ({kind})" if kind else "")
-        return self._capture_body(lambda: self._decode_body(input_ids, meta.positions, tokens))
+        # The input advance runs in the graph only: the runs before the capture repeat this
+        # step on its own inputs, and its replay moves them on once.
+        after = self._input_advance(input_ids, meta) if moves else None
+        return self._capture_body(lambda: self._decode_body(input_ids, meta.positions, tokens), after)
 
     def _capture_mixed(self, input_ids: torch.Tensor, meta: AttentionMetadata):
         """A graph of this padded mixed step's forward up to the final hidden states."""
@@ -443,9 +501,10 @@ class ModelRunner:
                  self.backend.mixed_graph_key(meta))
         return self._capture_body(lambda: self.model(input_ids, meta.positions, self.backend))
 
-    def _capture_body(self, body):
+    def _capture_body(self, body, after=None):
         """(graph, output) of `body()`, captured after two runs off the graph (lazy kernel
-        compilation, the allocator), all graphs in one memory pool (they never run at once)."""
+        compilation, the allocator), all graphs in one memory pool (they never run at once).
+        after: a call on the output, captured after it and never run off the graph."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -455,6 +514,8 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = body()
+            if after is not None:
+                after(out)
         self.graph_pool = graph.pool()
         return graph, out
 

@@ -313,6 +313,49 @@ def test_fused_path_without_graphs_gives_the_graph_tokens(small_model):
     assert eager == graphed
 
 
+def _steady_run(source, steady: bool, monkeypatch, rows: int):
+    """`rows` prompts decoding together at default settings (fused, graphs, PDL), each for its
+    own number of tokens (rows leave at different steps; contexts cross pages) -> (tokens,
+    StepBuffers.load calls, steps)."""
+    from flashlet import SamplingParams
+    from flashlet.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "STEADY_REPLAY", steady)
+    engine = build(None, **source, backend="triton", dtype="bfloat16", max_num_pages=1024, max_num_seqs=8)
+    buffers, loads = engine.runner.buffers, [0]
+    real_load = buffers.load
+
+    def counted(*args, **kwargs):
+        loads[0] += 1
+        return real_load(*args, **kwargs)
+
+    buffers.load = counted
+    vocab = SMALL["vocab_size"]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=24 + 7 * i, ignore_eos=True))
+           for i, p in enumerate(prompts(rows, vocab))]
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        steps += 1
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    engine.check_integrity()
+    return [done[i] for i in ids], loads[0], steps
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_steady_replay_gives_the_loaded_steps_tokens(small_model, monkeypatch, rows):
+    """The fused greedy graph moves its inputs on (model_runner's steady replay) and steady
+    steps skip the load: the same tokens, bit for bit, as every step loaded, at one row, at 3
+    rows padded to 4 (the padding rows stay on the scratch page) and at 7; rows leaving one by
+    one and pages starting in between (those steps load). Steady steps skipped the load."""
+    source, _ = small_model
+    loaded, loads_off, steps_off = _steady_run(source, False, monkeypatch, rows)
+    steady, loads_on, steps_on = _steady_run(source, True, monkeypatch, rows)
+    assert steady == loaded
+    assert steps_on == steps_off
+    # a row starts a page every 16 tokens (7 rows: 7 steps in 16 load), and leaving rows load
+    assert loads_on < loads_off * (0.2 if rows == 1 else 0.75), (loads_on, loads_off)
+
+
 def test_pdl_gives_the_same_tokens(small_model):
     """PDL changes when each GEMV starts, never what it computes: a kernel that read x or the
     residual before its predecessor finished would show here as a different token."""

@@ -40,7 +40,7 @@ prefill chunk), is loaded as one decode row per query token (`fused_decode.verif
 and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
-Steady replay (STEADY_REPLAY): the fused greedy graph ends by moving its real rows' inputs on
+Steady replay (STEADY_REPLAY, off for now): the fused greedy graph ends by moving its real rows' inputs on
 to the next step's on the device (kernels/step_advance.py: each row's sampled token becomes its
 input id; position, slot, KV length and last page length + 1). A next step of the same rows one
 token on, each fed its own token and none starting a page (`StepLayout.advances_last`), then
@@ -65,8 +65,11 @@ from flashlet.runner.fused_decode import FusedParts
 log = logging.getLogger("flashlet")
 
 # The fused greedy graph moves its inputs on for a steady next step, which then loads nothing
-# (the module docstring's "Steady replay"). Tests turn it off to compare.
-STEADY_REPLAY = True
+# (the module docstring's "Steady replay"). Off until it has run on a GPU: built and tested on
+# the CPU only (the runner with the per-op graphs standing in, the kernel interpreted), 2026-12-04;
+# `bash scripts/gpu_run.sh steady` runs its GPU tests and measures it on and off (FUSED_NOTES.md,
+# "Steady replay", has the prediction). Tests set it either way to compare.
+STEADY_REPLAY = False
 
 
 class MovedOn(NamedTuple):

@@ -12,13 +12,19 @@ while speculating, the part a GPU does not overlap (issue 30).
                                                           # a speculating step, by part
     python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 3 --fused --phases
                                                           # ... on the fused path (as on a GPU)
+    python scripts/bench_host_step.py --seqs 1 4 --stub-forward --fused --graphs [--steady] --phases
+                                                          # decode steps replayed from stand-in
+                                                          # graphs, steady replay on or off
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
 rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
 a GPU settles it: engine.settle_heap). The CPU forward evicts the host's caches between
 steps (the host work after it runs ~2x slower than warm here), which a GPU step's graph replay
 does not: --stub-forward replaces the forward with a fixed table of logits, so a step is the
-engine's host work alone, in caches as warm as it leaves them.
+engine's host work alone, in caches as warm as it leaves them. --graphs runs the decode steps
+through the runner's CUDA-graph path (padding, planning, the address check, replay) with each
+graph a stand-in that replays the stubbed step (tests/test_step_layout.py's); --steady turns
+on model_runner.STEADY_REPLAY (the graphs move their inputs on, a steady step loads nothing).
 """
 
 from __future__ import annotations
@@ -115,6 +121,25 @@ def stub_forward(engine: Engine, accept: float | None = None) -> None:
         engine.runner.fused.token = lambda input_ids, positions, attn: tokens[positions]
 
 
+def advance_as_device_work(engine: Engine, timer: "ForwardTimer") -> None:
+    """A stand-in graph's input advance (steady replay) runs here in torch operations; on a GPU
+    it is a kernel inside the graph, no host time: its time counts with the forward's."""
+    make = engine.runner._input_advance
+
+    def timed(input_ids, meta):
+        advance = make(input_ids, meta)
+
+        def run(tokens):
+            started = time.process_time()
+            try:
+                advance(tokens)
+            finally:
+                timer.seconds += time.process_time() - started
+        return run
+
+    engine.runner._input_advance = timed
+
+
 def output_tokens(engine: Engine) -> int:
     """The running requests' output tokens so far."""
     return sum(len(r.output_token_ids) for r in engine.scheduler.running)
@@ -163,12 +188,20 @@ def main() -> None:
                     help="with --spec and --stub-forward: the share of proposals the stub accepts")
     ap.add_argument("--fused", action="store_true",
                     help="on the fused decode path (its GEMVs the fp32 references; with --stub-forward, stubbed)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode steps through the runner's graph path, each graph a stand-in replaying the step")
+    ap.add_argument("--steady", action="store_true",
+                    help="with --graphs: steady replay on (model_runner.STEADY_REPLAY)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each part's host us a step (StepPhases, in process time; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.fused:
         reference_fused_path()
+    if args.steady:
+        from flashlet.runner import model_runner
+
+        model_runner.STEADY_REPLAY = True
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
                              hidden_size=32, intermediate_size=32, num_attention_heads=2,
                              num_key_value_heads=1,
@@ -181,6 +214,11 @@ def main() -> None:
         if args.stub_forward:
             stub_forward(engine, args.accept if args.spec or args.fused else None)
         timer = ForwardTimer(engine)
+        if args.graphs:
+            from tests.test_step_layout import graphs_on_the_cpu
+
+            graphs_on_the_cpu(engine)
+            advance_as_device_work(engine, timer)
         phases = StepPhases(engine, time.process_time) if args.phases else None
         before = output_tokens(engine)
         times = [ms_per_step(engine, timer, args.steps) for _ in range(args.rounds)]

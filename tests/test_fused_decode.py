@@ -250,7 +250,7 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
     one-launch attention the fused path's own triton backend (interpreted, ~20 s): one- and
     two-row steps plan and key their graphs by it (never by the step backend, whose graph key
     is a page table width); tokens are the per-op engine's."""
-    from tests.test_step_layout import _graphs_on_the_cpu
+    from tests.test_step_layout import graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6]]
     outs = []
@@ -259,7 +259,7 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
                                      max_num_batched_tokens=32, fused_decode=fused),
                         FusedParts(attn=True if fused else None))
         perturb_norms(engine)
-        _graphs_on_the_cpu(engine)
+        graphs_on_the_cpu(engine)
         params = [SamplingParams(max_new_tokens=4 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
@@ -361,7 +361,7 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
     """The runner's graph path with the fused body (graphs stood in for by eager replays, as in
     test_step_layout): one- and two-row steps replay the fused greedy-token graphs of their
     size, and the tokens are the per-op engine's."""
-    from tests.test_step_layout import _graphs_on_the_cpu
+    from tests.test_step_layout import graphs_on_the_cpu
 
     prompts = [[3, 5, 7, 9, 11] * 3, [2, 4, 6], [8] * 9]
     outs = []
@@ -369,7 +369,7 @@ def test_fused_graph_path_on_the_cpu(tiny_qwen2, reference_kernels):
         engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2,
                                      max_num_batched_tokens=32, fused_decode=fused))
         perturb_norms(engine)
-        _graphs_on_the_cpu(engine)
+        graphs_on_the_cpu(engine)
         params = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
@@ -606,7 +606,7 @@ def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels, 
     SERVED_ROWS (set to 4 here, so most sizes lie past it), so steps of 5-18 rows replay the per-op
     graphs (the step backend's), steps of 4 or fewer the fused ones (graphs stood in for by
     eager replays); only the served sizes have GEMVs; tokens are the per-op engine's."""
-    from tests.test_step_layout import _graphs_on_the_cpu
+    from tests.test_step_layout import graphs_on_the_cpu
 
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", 4)
     prompts = [[(5 * i + p) % 200 + 2 for i in range(3)] for p in range(18)]
@@ -615,7 +615,7 @@ def test_past_the_served_rows_decode_runs_per_op(tiny_qwen2, reference_kernels, 
     for fused in (False, True):
         engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=18, fused_decode=fused))
         perturb_norms(engine)
-        _graphs_on_the_cpu(engine)
+        graphs_on_the_cpu(engine)
         outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
     assert outs[0] == outs[1]
     fused, keys = engine.runner.fused, {key[:2] for key in engine.runner.graphs}
@@ -933,7 +933,7 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
     tokens (past SERVED_ROWS) runs per-op; one of up to 4 (near max_new_tokens) is loaded as
     decode rows and replays the greedy-token graph of its padded size, never an eager fused
     step; the greedy tokens are speculation off's."""
-    from tests.test_step_layout import _graphs_on_the_cpu
+    from tests.test_step_layout import graphs_on_the_cpu
 
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", 4)  # (so a 5-token verify step lies past it)
     prompts, params = row_prompts(1), SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -944,7 +944,7 @@ def test_fused_verify_steps_replay_the_decode_graphs(tiny_qwen2, reference_kerne
                                  fused_decode=True, speculative_config={**NGRAM, "num_speculative_tokens": 4}))
     perturb_norms(engine)
     per_op = count_per_op_forwards(engine)
-    _graphs_on_the_cpu(engine)
+    graphs_on_the_cpu(engine)
     runner, replayed, eager = engine.runner, [], []
     real_replay, real_token = runner._replay, runner.fused.token
 

@@ -433,7 +433,7 @@ class ReplayEagerly:
             self.after(self.logits)
 
 
-def _graphs_on_the_cpu(engine):
+def graphs_on_the_cpu(engine):
     runner = engine.runner
     runner.use_graphs = True
 
@@ -456,7 +456,7 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
     for graphs in (False, True):
         engine = Engine(cfg)
         if graphs:
-            _graphs_on_the_cpu(engine)
+            graphs_on_the_cpu(engine)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=10 + 3 * i, ignore_eos=True))
                for i, p in enumerate(prompts)]
         done = {}
@@ -487,7 +487,7 @@ def test_steady_replay_gives_the_loaded_steps_tokens(tiny_qwen2, monkeypatch, pa
     for steady in (False, True):
         monkeypatch.setattr(model_runner, "STEADY_REPLAY", steady)
         engine = Engine(cfg)
-        _graphs_on_the_cpu(engine)
+        graphs_on_the_cpu(engine)
         runner = engine.runner
         monkeypatch.setattr(runner, "_moves_inputs_on", lambda size: model_runner.STEADY_REPLAY)
         count, real_load = [0], runner.buffers.load
@@ -517,7 +517,7 @@ def test_graph_steps_keep_the_logits_where_a_request_or_observer_needs_them(tiny
     outs, kinds = [], []
     for case in ("greedy", "logprobs", "observed"):
         engine = Engine(cfg)
-        _graphs_on_the_cpu(engine)
+        graphs_on_the_cpu(engine)
         if case == "observed":
             engine.observe_steps(lambda meta, logits: None)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True,
@@ -534,7 +534,7 @@ def test_graph_steps_keep_the_logits_where_a_request_or_observer_needs_them(tiny
 
 def test_a_graph_step_not_loaded_by_the_runner_is_refused(tiny_qwen2):
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8))
-    _graphs_on_the_cpu(engine)
+    graphs_on_the_cpu(engine)
     layout = build_layout([StepRow([5], 3, [0]), StepRow([6], 2, [1]), StepRow([7], 1, [2])], 16)
     with pytest.raises(ValueError, match="ModelRunner.load"):
         engine.runner.forward(*load_layout(layout, "cpu"))
@@ -546,7 +546,7 @@ def test_a_replay_whose_inputs_moved_is_refused(tiny_qwen2):
     """A graph reads the addresses its capture saw: a step whose inputs sit elsewhere must
     fail loudly instead of replaying on stale data."""
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=8))
-    _graphs_on_the_cpu(engine)
+    graphs_on_the_cpu(engine)
     runner = engine.runner
     layout = build_layout([StepRow([5], 3, [0]), StepRow([6], 2, [1]), StepRow([7], 1, [2])], 16)
     assert runner.forward(*runner.load(layout)).shape[0] == 3  # captures batch 4
@@ -614,7 +614,7 @@ def test_a_mixed_step_that_does_not_fit_its_bucket_is_refused():
         StepBuffers(64, 2, 20, "cpu").load(layout, pad_tokens=32)
 
 
-def _mixed_graphs_on_the_cpu(engine):
+def _mixedgraphs_on_the_cpu(engine):
     """The runner's mixed-step graph path on the CPU: padding in load, planning outside, a
     stand-in graph re-running the captured body on the captured step's input views."""
     runner = engine.runner
@@ -642,7 +642,7 @@ def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
     for graphs, backend in ((False, "torch"), (True, "triton")):
         engine = Engine(cfg.replace(backend=backend))
         if graphs:
-            _mixed_graphs_on_the_cpu(engine)
+            _mixedgraphs_on_the_cpu(engine)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=4 + i, ignore_eos=True))
                for i, p in enumerate(prompts)]
         done = {}
@@ -690,7 +690,7 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
 
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
                                  max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))
-    _graphs_on_the_cpu(engine)
+    graphs_on_the_cpu(engine)
     runner = engine.runner
     runner.use_mixed_graphs = True
 

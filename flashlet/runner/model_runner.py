@@ -40,12 +40,13 @@ prefill chunk), is loaded as one decode row per query token (`fused_decode.verif
 and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
-Steady replay (STEADY_REPLAY, off for now): the fused greedy graph ends by moving its real rows' inputs on
-to the next step's on the device (kernels/step_advance.py: each row's sampled token becomes its
-input id; position, slot, KV length and last page length + 1). A next step of the same rows one
-token on, each fed its own token and none starting a page (`StepLayout.advances_last`), then
-needs no load: `load` hands back the last step's device views, and the host writes and uploads
-nothing. Any other step loads as usual, rewriting every field.
+Steady replay (STEADY_REPLAY, off until it has run on a GPU): the fused greedy graph ends by
+moving its real rows' inputs on to the next step's on the device (kernels/step_advance.py: each
+row's sampled token becomes its input id; position, slot, KV length and last page length + 1).
+A next step of the same rows one token on, each fed its own token and none starting a page
+(`StepLayout.advances_last`), then needs no load: `load` hands back the last step's device
+views, and the host writes and uploads nothing. Any other step loads as usual, rewriting every
+field.
 """
 
 from __future__ import annotations
@@ -435,12 +436,12 @@ class ModelRunner:
     def _input_advance(self, input_ids: torch.Tensor, meta: AttentionMetadata):
         """The greedy graph's last kernel where it moves its inputs on: a call on its tokens.
         Compiled here, on copies of the inputs, so that the capture compiles nothing. (Off
-        CUDA, where only tests stand in for graphs, the same in torch operations.)"""
+        CUDA, where only tests and tools stand in for graphs, the same through numpy.)"""
         from flashlet.kernels import step_advance
 
         fields = (input_ids, meta.positions, meta.slot_mapping, meta.kv_lens, meta.paged_kv_last_page_len)
         scratch, page_size = self.buffers.scratch_page, self.buffers.page_size
-        advance = step_advance.advance_decode_inputs_reference
+        advance = step_advance.advance_decode_inputs_host
         if input_ids.is_cuda:
             advance = step_advance.advance_decode_inputs
             advance(*(f.clone() for f in fields), torch.zeros_like(input_ids), scratch, page_size)

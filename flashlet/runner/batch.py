@@ -90,9 +90,19 @@ class StepLayout:
         layout.verify_as_decode_rows = verify_as_decode_rows
         return layout
 
+    @classmethod
+    def deferred(cls, build) -> "StepLayout":
+        """A layout whose arrays `build()` makes when they are first read (a steady step's,
+        which a runner that skips its load never reads)."""
+        layout = cls.__new__(cls)
+        layout.build_arrays = build
+        return layout
+
     def __getattr__(self, name: str) -> torch.Tensor:
         # Reached only for attributes not set: a field of a layout made from arrays.
         arrays = self.__dict__.get("arrays")
+        if arrays is None and "build_arrays" in self.__dict__ and name in LAYOUT_DTYPES:
+            arrays = self.arrays
         if arrays is None or name not in LAYOUT_DTYPES:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         make = self.__dict__.get("make_tensor")
@@ -115,7 +125,11 @@ class StepLayout:
     @cached_property
     def arrays(self) -> dict[str, np.ndarray]:
         """The fields by name as numpy arrays sharing the tensors' memory (the builders and
-        StepBuffers.load give theirs: Tensor.numpy() costs about a microsecond a field)."""
+        StepBuffers.load give theirs: Tensor.numpy() costs about a microsecond a field), or
+        a deferred layout's, built now."""
+        build = self.__dict__.get("build_arrays")
+        if build is not None:
+            return build()
         return {name: getattr(self, name).numpy() for name in LAYOUT_DTYPES}
 
     @cached_property
@@ -163,6 +177,18 @@ class _DecodeColumns(NamedTuple):
     indices: np.ndarray  # int32, paged_kv_indices
     kv_lens: np.ndarray  # int32
     indices_changed: bool = False  # a row's indexed pages were replaced since
+    # Steady steps taken since these columns were made, each every row one token on and none
+    # starting a page: a step's positions, slots and KV lengths are these + ahead (_advance).
+    ahead: int = 0
+    room: int = 0  # how many such steps these columns allow before some row starts a page
+
+    def moved_on(self) -> "_DecodeColumns":
+        """The same columns with `ahead` added in (ahead 0)."""
+        k = self.ahead
+        if not k:
+            return self
+        return self._replace(positions=self.positions + k, slots=self.slots + k,
+                             kv_lens=self.kv_lens + k, ahead=0, room=self.room - k)
 
 
 class InputBatch:
@@ -207,6 +233,7 @@ class InputBatch:
         # tokens would repeat): its row, and the output index of the token it samples.
         self.sampled_rows = np.zeros(0, np.int64)
         self._sampled_kv_lens = np.zeros(0, np.int64)
+        self._sampled_from: _DecodeColumns | None = None  # else the KV lengths are its, moved on
         self._output_index: np.ndarray | None = None
         self._last_rows: tuple[tuple, np.ndarray] = ((-1, None), np.zeros(0, np.int64))
 
@@ -333,13 +360,20 @@ class InputBatch:
             self.sample_index[rows] = self._counting[: len(rows)]
             self.sampling_rows = rows.tolist()
         self.sampled_rows, self._sampled_kv_lens, self._output_index = rows, kv_lens, None
+        self._sampled_from = None
 
     def _keep_decode(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Keep a decode step's columns (every row one token, every row sampling): the next
         step may be the same rows one token on (`_advance`)."""
+        positions = arrays["positions"]
         self._decode = _DecodeColumns(
-            self.version, rows, arrays["positions"], arrays["slot_mapping"],
-            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"])
+            self.version, rows, positions, arrays["slot_mapping"],
+            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"],
+            room=self._room(positions))
+
+    def _room(self, positions: np.ndarray) -> int:
+        """Steps every row can move on from `positions` before one starts a page."""
+        return int((self.page_size - 1 - positions % self.page_size).min(initial=self.page_size))
 
     def _advance(self, token_ids: Sequence[int] | None) -> "StepLayout":
         """A steady decode step's layout: the last step's rows, in its order, each computing
@@ -352,6 +386,9 @@ class InputBatch:
         if last is None or last.version != self.version:
             raise ValueError("a steady update needs the last step to be a decode step of the "
                              "same rows, each sampling")
+        if token_ids is None and not last.indices_changed and last.ahead < last.room:
+            return self._advance_fed(last)
+        last = self._decode = last.moved_on()
         rows, positions = last.rows, last.positions + 1
         if last.indices_changed:  # the prefix cache swapped pages in: gather them all again
             layout = self._fresh_decode_layout(rows, positions, token_ids)
@@ -365,12 +402,30 @@ class InputBatch:
             kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
         kv_lens = last.kv_lens + 1
         self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
-                                      kv_lens)
+                                      kv_lens, room=self._room(positions))
         self._note_sampled(rows, kv_lens)
-        layout = self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
-                                     token_ids)
-        # every row fed from its own sample of last step (the same rows in the same order)
-        layout.advances_last = token_ids is None and not len(starting)
+        return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
+                                   token_ids)
+
+    def _advance_fed(self, last: "_DecodeColumns") -> "StepLayout":
+        """`_advance` where every row is fed its own last token and none starts a page: the
+        columns are only counted on (`ahead`), and the layout's arrays are made if it is read
+        (a runner whose graph moved its inputs on reads none: StepLayout.advances_last)."""
+        cols = self._decode = last._replace(ahead=last.ahead + 1)
+        self._note_sampled(cols.rows, None)
+        self._sampled_from = cols
+        n = len(cols.rows)
+
+        def build() -> dict[str, np.ndarray]:
+            at = cols.moved_on()
+            return self._decode_arrays(at.rows, at.positions, at.slots, at.kv_ptr, at.indices,
+                                       at.positions % self.page_size, at.kv_lens, None)
+
+        layout = StepLayout.deferred(build)
+        layout.query_lens = self._ones32[:n]  # (the cached properties, known already)
+        layout.is_pure_decode = True
+        layout.max_query_len = 1 if n else 0
+        layout.advances_last = True
         return layout
 
     def _insert_pages(self, last: "_DecodeColumns", starting: np.ndarray, page: np.ndarray,
@@ -400,8 +455,11 @@ class InputBatch:
         """The output index of the token each of the last step's sampled positions samples (a
         seeded row's noise is keyed by it); made when first read, as few steps need it."""
         if self._output_index is None:
+            kv_lens = self._sampled_kv_lens
+            if self._sampled_from is not None:  # a steady step's columns, counted on
+                kv_lens = self._sampled_from.moved_on().kv_lens
             # A row sampling after its last token (KV length n) samples output token n - prompt.
-            self._output_index = self._sampled_kv_lens - self.num_prompt_tokens[self.sampled_rows]
+            self._output_index = kv_lens - self.num_prompt_tokens[self.sampled_rows]
         return self._output_index
 
     def _rows_of(self, request_ids: list[int]) -> np.ndarray:
@@ -541,22 +599,29 @@ class InputBatch:
         """A decode step's layout from its per-row columns (offset: each token's in its page;
         the rest are counts). token_ids None: every row's token is fed from the step before."""
         n = len(rows)
-        if token_ids is None:
-            input_ids, feed_rows = np.zeros(n, np.int64), self._counting[:n]
-            feed_src = self.sample_index[rows]
-        else:
-            input_ids, feed_rows, feed_src = self._inputs(token_ids, rows)
-        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
-                      paged_kv_indices=indices,
-                      paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
-                      logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
+        arrays = self._decode_arrays(rows, positions, slots, kv_ptr, indices, offset, kv_lens, token_ids)
         layout = StepLayout.from_arrays(arrays)
         # the cached properties' values, known already
         layout.query_lens = self._ones32[:n]
         layout.is_pure_decode = True
         layout.max_query_len = 1 if n else 0
         return layout
+
+    def _decode_arrays(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       kv_ptr: np.ndarray, indices: np.ndarray, offset: np.ndarray,
+                       kv_lens: np.ndarray, token_ids: Sequence[int] | None) -> dict[str, np.ndarray]:
+        """`_decode_layout`'s fields by name."""
+        n = len(rows)
+        if token_ids is None:
+            input_ids, feed_rows = np.zeros(n, np.int64), self._counting[:n]
+            feed_src = self.sample_index[rows]
+        else:
+            input_ids, feed_rows, feed_src = self._inputs(token_ids, rows)
+        return dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                    qo_indptr=self._counting32[: n + 1], paged_kv_indptr=kv_ptr,
+                    paged_kv_indices=indices,
+                    paged_kv_last_page_len=np.add(offset, 1, dtype=np.int32), kv_lens=kv_lens,
+                    logits_indices=self._counting[:n], feed_rows=feed_rows, feed_src=feed_src)
 
     def _gather_pages(self, rows: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's first pages[i] page-table entries, concatenated -> (indptr, indices)."""

@@ -301,7 +301,7 @@ class ModelRunner:
         views are the last step's."""
         moved, self._moved_on = self._moved_on, None
         if (moved is not None and layout.advances_last and fed_tokens is not None
-                and fed_tokens.data_ptr() == moved.tokens_at and moved.rows == layout.num_seqs):
+                and fed_tokens.data_ptr() == moved.tokens_at and moved.rows == len(layout.query_lens)):
             return moved.input_ids, moved.meta
         self.wait_inputs_staged()  # the pinned staging is free again
         # A verify step it serves, as decode rows (the batch lays most out so already).

@@ -98,8 +98,9 @@
 #                (~5 min)
 #   steady       steady replay (the fused greedy graph moves its inputs on; steady steps load
 #                nothing): its GPU tests, lab/host_phases.py at c = 1 / 4 with it on and off
-#                (model_runner.STEADY_REPLAY), then one stream's token gaps through the server at
-#                default flags against in-process (lab/itl_clients.py, 3 x 64 requests) (~7 min)
+#                ($FLASHLET_STEADY_REPLAY=1 / 0), then one stream's token gaps through the server
+#                at default flags against in-process, on then off (lab/itl_clients.py, 3 x 64
+#                requests each) (~9 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -486,15 +487,14 @@ for _ in range(480):
       cute_env
       run 300 $PYTEST tests/kernels/test_kern_step_advance.py tests/gpu/test_gpu_fused_decode.py \
         -k "steady or advance or test_fused_greedy or qwen05_shape"
-      for on in True False; do
-        run 150 python3 -c "import sys; from flashlet.runner import model_runner
-model_runner.STEADY_REPLAY = $on
-from lab.host_phases import main
-main(['--backend', 'triton', '--concurrency', '1', '4', '--seconds', '4'])"
+      for on in 1 0; do
+        run 150 env FLASHLET_STEADY_REPLAY=$on python3 lab/host_phases.py --backend triton --concurrency 1 4 --seconds 4
       done
-      run 400 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess --variants default -- \
-        --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 --max-num-pages 16384 \
-        --tokenizer .tok/smollm2 ;;
+      for on in 1 0; do
+        run 300 env FLASHLET_STEADY_REPLAY=$on python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
+          --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+          --max-num-pages 16384 --tokenizer .tok/smollm2
+      done ;;
     dsl-ab)
       cute_env
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick

@@ -353,7 +353,7 @@ def test_steady_replay_gives_the_loaded_steps_tokens(small_model, monkeypatch, r
     assert steady == loaded
     assert steps_on == steps_off
     # a row starts a page every 16 tokens (7 rows: 7 steps in 16 load), and leaving rows load
-    assert loads_on < loads_off * (0.2 if rows == 1 else 0.75), (loads_on, loads_off)
+    assert loads_on < loads_off * (0.3 if rows == 1 else 0.75), (loads_on, loads_off)
 
 
 def test_pdl_gives_the_same_tokens(small_model):

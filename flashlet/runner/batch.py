@@ -381,7 +381,8 @@ class InputBatch:
         on from the last step's columns. Most rows stay on their page: their slot moves by one
         and their page indices stay; a row whose token starts a page has that page inserted
         after its others. (Few numpy calls: each costs microseconds, more after a forward has
-        evicted the host's caches, and a steady step should cost fewer than a rebuild.)"""
+        evicted the host's caches, and a steady step should cost fewer than a rebuild. Where
+        every row is fed and none starts a page, none: `_advance_fed`.)"""
         last = self._decode
         if last is None or last.version != self.version:
             raise ValueError("a steady update needs the last step to be a decode step of the "

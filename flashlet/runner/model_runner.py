@@ -86,6 +86,15 @@ class MovedOn(NamedTuple):
     rows: int
 
 
+class _Replayed(NamedTuple):
+    """A replay of a graph that moved its inputs on: the graph, the real rows' tokens (a view of
+    its output), and what it moved on (whose meta a steady next step brings back)."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    moved: MovedOn
+
+
 def _given_or(value: bool | None, default: bool) -> bool:
     """A setting given by name (True / False), else `default` (None: decided here)."""
     return default if value is None else value
@@ -212,6 +221,7 @@ class ModelRunner:
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
         self._moved_on: MovedOn | None = None  # the last step, if its graph moved its inputs on
         self._moving_graphs: set[tuple] = set()  # the keys of the graphs that do
+        self._replayed_moving: _Replayed | None = None  # the last such replay, for a steady step's
         # the stream the step is launched on (None off CUDA): this event's and the token buffers'
         self.current_stream = CurrentStream(self.device) if self.device.type == "cuda" else None
 
@@ -417,6 +427,15 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
                 tokens: bool = False) -> torch.Tensor:
+        again = self._replayed_moving
+        if tokens and again is not None and again.moved.meta is meta:
+            # A steady step that loaded nothing: the last step's graph on the same views,
+            # which that step checked against the capture (attention planned as then).
+            self._decode_attention(size).plan_graph(meta, size)
+            self._mark_staged()
+            again.graph.replay()
+            self._moved_on = again.moved
+            return again.tokens
         if meta.num_seqs != size or not self.buffers.holds(input_ids):
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
@@ -428,9 +447,12 @@ class ModelRunner:
             self._moving_graphs.add(key)
         out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens, moves),
                                  f"a decode step padded to {size}")
+        real = out[: size - meta.num_padding]
+        self._replayed_moving = None
         if key in self._moving_graphs:
             self._moved_on = MovedOn(input_ids, meta, out.data_ptr(), size - meta.num_padding)
-        return out[: size - meta.num_padding]
+            self._replayed_moving = _Replayed(self.graphs[key][0], real, self._moved_on)
+        return real
 
     def _moves_inputs_on(self, size: int) -> bool:
         """Does the greedy graph of a step padded to `size` move its inputs on (steady replay)?"""

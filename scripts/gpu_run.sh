@@ -97,10 +97,10 @@
 #                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
 #                (~5 min)
 #   steady       steady replay (the fused greedy graph moves its inputs on; steady steps load
-#                nothing): its GPU tests, lab/host_phases.py at c = 1 / 4 with it on and off
-#                ($FLASHLET_STEADY_REPLAY=1 / 0), then one stream's token gaps through the server
-#                at default flags against in-process, on then off (lab/itl_clients.py, 3 x 64
-#                requests each) (~9 min)
+#                nothing): its GPU tests, then lab/host_phases.py at c = 1 / 4 with it on and off
+#                ($FLASHLET_STEADY_REPLAY=1 / 0) (~5 min)
+#   steady-serve one stream's token gaps through the server at default flags against in-process,
+#                steady replay on then off (lab/itl_clients.py, 3 x 64 requests each) (~7 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
@@ -489,7 +489,9 @@ for _ in range(480):
         -k "steady or advance or test_fused_greedy or qwen05_shape"
       for on in 1 0; do
         run 150 env FLASHLET_STEADY_REPLAY=$on python3 lab/host_phases.py --backend triton --concurrency 1 4 --seconds 4
-      done
+      done ;;
+    steady-serve)
+      cute_env
       for on in 1 0; do
         run 300 env FLASHLET_STEADY_REPLAY=$on python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
           --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \

@@ -70,8 +70,8 @@ log = logging.getLogger("flashlet")
 # (the module docstring's "Steady replay"). Off until it has run on a GPU: built and tested on
 # the CPU only (the runner with the per-op graphs standing in, the kernel interpreted), 2026-12-04;
 # `bash scripts/gpu_run.sh steady steady-serve` runs its GPU tests and measures it on and off
-# (FUSED_NOTES.md, "Steady replay", has the prediction). $FLASHLET_STEADY_REPLAY=1 / 0 sets it for a fresh
-# process and the server's processes (an A/B); tests set it either way to compare.
+# (FUSED_NOTES.md, "Steady replay", has the prediction). $FLASHLET_STEADY_REPLAY=1 / 0 sets it
+# for a fresh process and the server's processes (an A/B); tests set it either way to compare.
 STEADY_REPLAY_ENV = "FLASHLET_STEADY_REPLAY"
 STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "0") == "1"
 

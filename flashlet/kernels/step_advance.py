@@ -18,8 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+# Rows of the kernel's block at the least: the fused path's most rows (cute_gemv.MAX_ROWS), so one
+# compiled kernel serves every row count it pads to (n is a runtime value).
+MIN_BLOCK = 16
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["n", "scratch_page"])
 def _advance_kernel(InputIds, Positions, Slots, KvLens, LastPageLen, Tokens, n, scratch_page,
                     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
@@ -46,8 +50,10 @@ def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot
                          f"{[tuple(t.shape) for t in fields]}, {tuple(tokens.shape)} tokens)")
     if n == 0:
         return
+    # One compiled kernel for every fused row count (up to MIN_BLOCK rows): n is not specialised.
     _advance_kernel[(1,)](input_ids, positions, slot_mapping, kv_lens, last_page_len, tokens, n,
-                          scratch_page, PAGE_SIZE=page_size, BLOCK=triton.next_power_of_2(n))
+                          scratch_page, PAGE_SIZE=page_size, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(n)))
+
 
 
 def advance_decode_inputs_host(input_ids, positions, slot_mapping, kv_lens, last_page_len, tokens,

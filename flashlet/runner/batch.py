@@ -180,7 +180,9 @@ class _DecodeColumns(NamedTuple):
     # Steady steps taken since these columns were made, each every row one token on and none
     # starting a page: a step's positions, slots and KV lengths are these + ahead (_advance).
     ahead: int = 0
-    room: int = 0  # how many such steps these columns allow before some row starts a page
+    # How many such steps these columns allow before some row starts a page (None: not asked
+    # yet; a fed steady step asks it once)
+    room: int | None = None
 
     def moved_on(self) -> "_DecodeColumns":
         """The same columns with `ahead` added in (ahead 0)."""
@@ -365,11 +367,9 @@ class InputBatch:
     def _keep_decode(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Keep a decode step's columns (every row one token, every row sampling): the next
         step may be the same rows one token on (`_advance`)."""
-        positions = arrays["positions"]
         self._decode = _DecodeColumns(
-            self.version, rows, positions, arrays["slot_mapping"],
-            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"],
-            room=self._room(positions))
+            self.version, rows, arrays["positions"], arrays["slot_mapping"],
+            arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["kv_lens"])
 
     def _room(self, positions: np.ndarray) -> int:
         """Steps every row can move on from `positions` before one starts a page."""
@@ -387,8 +387,11 @@ class InputBatch:
         if last is None or last.version != self.version:
             raise ValueError("a steady update needs the last step to be a decode step of the "
                              "same rows, each sampling")
-        if token_ids is None and not last.indices_changed and last.ahead < last.room:
-            return self._advance_fed(last)
+        if token_ids is None and not last.indices_changed:
+            if last.room is None:  # (ahead is 0 until room is known)
+                last = self._decode = last._replace(room=self._room(last.positions))
+            if last.ahead < last.room:
+                return self._advance_fed(last)
         last = self._decode = last.moved_on()
         rows, positions = last.rows, last.positions + 1
         if last.indices_changed:  # the prefix cache swapped pages in: gather them all again
@@ -403,7 +406,7 @@ class InputBatch:
             kv_ptr, indices = self._insert_pages(last, starting, page[starting], slots)
         kv_lens = last.kv_lens + 1
         self._decode = _DecodeColumns(self.version, rows, positions, slots, kv_ptr, indices,
-                                      kv_lens, room=self._room(positions))
+                                      kv_lens)
         self._note_sampled(rows, kv_lens)
         return self._decode_layout(rows, positions, slots, kv_ptr, indices, offset, kv_lens,
                                    token_ids)

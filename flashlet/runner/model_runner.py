@@ -77,22 +77,13 @@ STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "0") == "1"
 
 
 class MovedOn(NamedTuple):
-    """The last replayed step whose inputs its graph moved on: its device views (the next
-    steady step's, as they now hold), where its tokens are, and its real rows."""
-
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    tokens_at: int
-    rows: int
-
-
-class _Replayed(NamedTuple):
-    """A replay of a graph that moved its inputs on: the graph, the real rows' tokens (a view of
-    its output), and what it moved on (whose meta a steady next step brings back)."""
+    """A replayed step whose graph moved its inputs on: the graph, its device views (a steady
+    next step's, as they now hold) and the real rows' tokens (a view of the graph's output)."""
 
     graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
     tokens: torch.Tensor
-    moved: MovedOn
 
 
 def _given_or(value: bool | None, default: bool) -> bool:
@@ -219,9 +210,11 @@ class ModelRunner:
         # backend's plan), before its kernels: when it has fired, pinned staging memory may be
         # rewritten for the next step without waiting for this step's kernels.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._moved_on: MovedOn | None = None  # the last step, if its graph moved its inputs on
+        # The last step, if its graph moved its inputs on (a load takes it: one steady step a
+        # replay), and the last such replay (the steady step's own replay repeats it).
+        self._moved_on: MovedOn | None = None
+        self._last_moved: MovedOn | None = None
         self._moving_graphs: set[tuple] = set()  # the keys of the graphs that do
-        self._replayed_moving: _Replayed | None = None  # the last such replay, for a steady step's
         # the stream the step is launched on (None off CUDA): this event's and the token buffers'
         self.current_stream = CurrentStream(self.device) if self.device.type == "cuda" else None
 
@@ -314,7 +307,8 @@ class ModelRunner:
         views are the last step's."""
         moved, self._moved_on = self._moved_on, None
         if (moved is not None and layout.advances_last and fed_tokens is not None
-                and fed_tokens.data_ptr() == moved.tokens_at and moved.rows == len(layout.query_lens)):
+                and fed_tokens.data_ptr() == moved.tokens.data_ptr()
+                and moved.tokens.shape[0] == len(layout.query_lens)):
             return moved.input_ids, moved.meta
         self.wait_inputs_staged()  # the pinned staging is free again
         # A verify step it serves, as decode rows (the batch lays most out so already).
@@ -427,14 +421,14 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int,
                 tokens: bool = False) -> torch.Tensor:
-        again = self._replayed_moving
-        if tokens and again is not None and again.moved.meta is meta:
+        again = self._last_moved
+        if tokens and again is not None and again.meta is meta:
             # A steady step that loaded nothing: the last step's graph on the same views,
             # which that step checked against the capture (attention planned as then).
             self._decode_attention(size).plan_graph(meta, size)
             self._mark_staged()
             again.graph.replay()
-            self._moved_on = again.moved
+            self._moved_on = again
             return again.tokens
         if meta.num_seqs != size or not self.buffers.holds(input_ids):
             raise ValueError("a decode step replayed from a CUDA graph must come from "
@@ -448,10 +442,8 @@ class ModelRunner:
         out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens, moves),
                                  f"a decode step padded to {size}")
         real = out[: size - meta.num_padding]
-        self._replayed_moving = None
-        if key in self._moving_graphs:
-            self._moved_on = MovedOn(input_ids, meta, out.data_ptr(), size - meta.num_padding)
-            self._replayed_moving = _Replayed(self.graphs[key][0], real, self._moved_on)
+        moved = MovedOn(self.graphs[key][0], input_ids, meta, real) if key in self._moving_graphs else None
+        self._moved_on = self._last_moved = moved
         return real
 
     def _moves_inputs_on(self, size: int) -> bool:

@@ -12,9 +12,9 @@ while speculating, the part a GPU does not overlap (issue 30).
                                                           # a speculating step, by part
     python scripts/bench_host_step.py --seqs 1 --stub-forward --spec 3 --fused --phases
                                                           # ... on the fused path (as on a GPU)
-    python scripts/bench_host_step.py --seqs 1 4 --stub-forward --fused --graphs [--steady] --phases
+    python scripts/bench_host_step.py --seqs 1 4 --stub-forward --fused --graphs [--steady off] --phases
                                                           # decode steps replayed from stand-in
-                                                          # graphs, steady replay on or off
+                                                          # graphs, steady replay on (default) or off
 
 Prints the median CPU ms per step, and the part outside the model's forward, over --rounds
 rounds of --steps steps each (after a warm-up, and with start-up's heap settled as an engine on
@@ -23,8 +23,9 @@ steps (the host work after it runs ~2x slower than warm here), which a GPU step'
 does not: --stub-forward replaces the forward with a fixed table of logits, so a step is the
 engine's host work alone, in caches as warm as it leaves them. --graphs runs the decode steps
 through the runner's CUDA-graph path (padding, planning, the address check, replay) with each
-graph a stand-in that replays the stubbed step (tests/test_step_layout.py's); --steady turns
-on model_runner.STEADY_REPLAY (the graphs move their inputs on, a steady step loads nothing).
+graph a stand-in that replays the stubbed step (tests/test_step_layout.py's); --steady on / off
+sets model_runner.STEADY_REPLAY (the graphs move their inputs on, a steady step loads nothing;
+on by default).
 """
 
 from __future__ import annotations
@@ -190,18 +191,19 @@ def main() -> None:
                     help="on the fused decode path (its GEMVs the fp32 references; with --stub-forward, stubbed)")
     ap.add_argument("--graphs", action="store_true",
                     help="decode steps through the runner's graph path, each graph a stand-in replaying the step")
-    ap.add_argument("--steady", action="store_true",
-                    help="with --graphs: steady replay on (model_runner.STEADY_REPLAY)")
+    ap.add_argument("--steady", choices=("on", "off"),
+                    help="with --graphs: steady replay on or off (model_runner.STEADY_REPLAY; "
+                         "default: the runner's, on)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each part's host us a step (StepPhases, in process time; nested parts overlap)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.fused:
         reference_fused_path()
-    if args.steady:
+    if args.steady is not None:
         from flashlet.runner import model_runner
 
-        model_runner.STEADY_REPLAY = True
+        model_runner.STEADY_REPLAY = args.steady == "on"
     folder = save_tiny_model("qwen2", tempfile.mkdtemp(prefix="tiny-host-"), num_hidden_layers=1,
                              hidden_size=32, intermediate_size=32, num_attention_heads=2,
                              num_key_value_heads=1,

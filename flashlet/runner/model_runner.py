@@ -40,7 +40,7 @@ prefill chunk), is loaded as one decode row per query token (`fused_decode.verif
 and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
-Steady replay (STEADY_REPLAY, off until it has run on a GPU): the fused greedy graph ends by
+Steady replay (STEADY_REPLAY, on by default): the fused greedy graph ends by
 moving its real rows' inputs on to the next step's on the device (kernels/step_advance.py: each
 row's sampled token becomes its input id; position, slot, KV length and last page length + 1).
 A next step of the same rows one token on, each fed its own token and none starting a page
@@ -67,13 +67,12 @@ from flashlet.runner.fused_decode import FusedParts
 log = logging.getLogger("flashlet")
 
 # The fused greedy graph moves its inputs on for a steady next step, which then loads nothing
-# (the module docstring's "Steady replay"). Off until it has run on a GPU: built and tested on
-# the CPU only (the runner with the per-op graphs standing in, the kernel interpreted), 2026-12-04;
-# `bash scripts/gpu_run.sh steady steady-serve` runs its GPU tests and measures it on and off
-# (FUSED_NOTES.md, "Steady replay", has the prediction). $FLASHLET_STEADY_REPLAY=1 / 0 sets it
-# for a fresh process and the server's processes (an A/B); tests set it either way to compare.
+# (the module docstring's "Steady replay"). On by default since its GPU run (H200, 2026-12-04:
+# tokens on and off identical at 1, 3 and 7 rows; one stream's host part a step 0.171 -> 0.129
+# ms; FUSED_NOTES.md, "Steady replay"). $FLASHLET_STEADY_REPLAY=0 / 1 sets it for a fresh
+# process and the server's processes (an A/B); tests set it either way to compare.
 STEADY_REPLAY_ENV = "FLASHLET_STEADY_REPLAY"
-STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "0") == "1"
+STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "1") == "1"
 
 
 class MovedOn(NamedTuple):

@@ -23,7 +23,7 @@
 #                SERVE_LEVELS="1 4 16 64 256",
 #                SERVE_MIN_REQUESTS=N requests a level,
 #                CLIENT_PROCS=N load-generator processes), then the API process's own cost a
-#                token (~10-15 min)
+#                token (SERVE_API_COST=0 skips it) (~10-15 min)
 #   long-prompts 64 streams decoding while eight 8,000-token prompts arrive: the streams' token
 #                gaps (p50 / p99 / max) and the long prompts' TTFT, then its slowest steps by
 #                kind (lab/gap_outliers.py) (~3 min)
@@ -272,8 +272,8 @@ for part in "${PARTS[@]}"; do
         ${SERVE_MIN_REQUESTS:+--min-requests $SERVE_MIN_REQUESTS} \
         -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
         --max-num-pages 16384 --max-decode-step-tokens 512  # in-process steps as the server's
-      run 200 python3 scripts/api_overhead.py --tokenizer .tok/smollm2 --step-ms 2 \
-        --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
+      [[ ${SERVE_API_COST:-1} == 0 ]] || run 200 python3 scripts/api_overhead.py \
+        --tokenizer .tok/smollm2 --step-ms 2 --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     serve-gaps)  # issue 32's long prompts through the server at its default flags (a fresh
       # server; the client's reads), then the same workload in-process at the same shape
       cute_env

@@ -18,6 +18,8 @@
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
+#   streams      in-process closed loop at concurrency 1, 4, 16 (128 new tokens) in the harness and
+#                through LLM.generate, then one stream through LLM.generate (~5 min)
 #   serve        the HTTP server against in-process on the same workload, default server flags
 #                (API_SERVERS=N sets --api-server-count, BUSY_POLL_MS=MS --busy-poll-ms;
 #                SERVE_LEVELS="1 4 16 64 256",
@@ -263,6 +265,14 @@ for part in "${PARTS[@]}"; do
         --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
       run 300 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json" ;;
+    streams)  # issue 29's levels (128 new tokens) in the harness and through LLM.generate, then
+      # one stream through LLM.generate (a fresh process's three calls)
+      cute_env
+      run 200 $F --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+        --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
+      run 200 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
+        --json "$OUT/json/streams-generate.json"
+      run 150 python3 lab/one_stream_pair.py now ;;
     serve)
       cute_env  # one stream is measured with the fused path on, as a user with the DSL gets it
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \

@@ -268,7 +268,8 @@ for part in "${PARTS[@]}"; do
     streams)  # issue 29's levels (128 new tokens) in the harness and through LLM.generate, then
       # one stream through LLM.generate (a fresh process's three calls)
       cute_env
-      run 200 $F --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+      run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
+        --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
         --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
       run 200 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json"

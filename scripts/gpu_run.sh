@@ -278,7 +278,7 @@ for part in "${PARTS[@]}"; do
       # one stream through LLM.generate (a fresh process's three calls)
       cute_env
       run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
-        --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+        --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 \
         --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
       run 200 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json"

@@ -2,13 +2,15 @@
 tail the server's or the measuring client's (issue 32)?
 
     PYTHONPATH=. python lab/itl_clients.py [--requests 64] [--rounds 2] [--tokens 128]
-        [--variants default api1 pinned] [--inprocess] -- SERVER-FLAGS
+        [--variants default api1 pinned busypoll] [--inprocess] -- SERVER-FLAGS
     e.g. -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16
             --max-num-pages 16384 --tokenizer .tok/smollm2
 
 The server is `python -m flashlet.server` with SERVER-FLAGS plus each variant's:
 - `default`: nothing more (the API process count from the CPU count);
 - `api1`: `--api-server-count 1`;
+- `busypoll`: `--busy-poll-ms 2` (the reading event loop does not sleep between step messages
+  while requests are in flight: no wake-up on a token's way into the API process);
 - `pinned`: the server started under `taskset` on every CPU but the last, then, once ready, the
   engine core's threads (the process on the GPU, from nvidia-smi) moved onto that last CPU, so
   no other server process wakes up on the core's CPU (needs nvidia-smi and taskset).
@@ -125,6 +127,8 @@ def start_server(variant: str, server_flags: list[str], port: int, log) -> subpr
     cpus = sorted(os.sched_getaffinity(0))
     if variant == "api1":
         flags += ["--api-server-count", "1"]
+    elif variant == "busypoll":
+        flags += ["--busy-poll-ms", "2"]
     elif variant == "pinned":
         prefix = ["taskset", "-c", ",".join(map(str, cpus[:-1]))]
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "flashlet.server", "--port",
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=["default", "api1", "pinned"],
-                   choices=["default", "api1", "pinned"])
+                   choices=["default", "api1", "pinned", "busypoll"])
     p.add_argument("--inprocess", action="store_true")
     p.add_argument("server_flags", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)

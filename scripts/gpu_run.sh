@@ -18,6 +18,8 @@
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
+#   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
+#                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
 #                note says how to make them): a GPU test bisected over commits
 #   streams      in-process closed loop at concurrency 1, 4, 16 (128 new tokens) in the harness and
@@ -517,6 +519,12 @@ for _ in range(480):
           --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384 --tokenizer .tok/smollm2
       done ;;
+    itl-busypoll)  # one stream's token gaps through the server at default flags against
+      # --busy-poll-ms 2 (no wake-up on a token's way into the API process), in-process beside
+      cute_env
+      run 560 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
+        --variants default busypoll -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
+        --max-num-pages 16384 --tokenizer .tok/smollm2 ;;
     dsl-ab)
       cute_env
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick

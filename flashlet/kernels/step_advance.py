@@ -55,7 +55,6 @@ def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot
                           scratch_page, PAGE_SIZE=page_size, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(n)))
 
 
-
 def advance_decode_inputs_host(input_ids, positions, slot_mapping, kv_lens, last_page_len, tokens,
                                scratch_page: int, page_size: int) -> None:
     """The same on CPU tensors, through numpy views (a few microseconds at 16 rows, where torch's

@@ -460,8 +460,9 @@ class InputBatch:
         seeded row's noise is keyed by it); made when first read, as few steps need it."""
         if self._output_index is None:
             kv_lens = self._sampled_kv_lens
-            if self._sampled_from is not None:  # a steady step's columns, counted on
-                kv_lens = self._sampled_from.moved_on().kv_lens
+            cols = self._sampled_from
+            if cols is not None:  # a steady step's columns, counted on
+                kv_lens = cols.kv_lens + cols.ahead
             # A row sampling after its last token (KV length n) samples output token n - prompt.
             self._output_index = kv_lens - self.num_prompt_tokens[self.sampled_rows]
         return self._output_index

@@ -40,10 +40,10 @@ prefill chunk), is loaded as one decode row per query token (`fused_decode.verif
 and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
-Steady replay (STEADY_REPLAY, on by default): the fused greedy graph ends by
-moving its real rows' inputs on to the next step's on the device (kernels/step_advance.py: each
-row's sampled token becomes its input id; position, slot, KV length and last page length + 1).
-A next step of the same rows one token on, each fed its own token and none starting a page
+Steady replay (STEADY_REPLAY, on by default): the fused greedy graph ends by moving its real
+rows' inputs on to the next step's on the device (kernels/step_advance.py: each row's sampled
+token becomes its input id; position, slot, KV length and last page length + 1). A next step of
+the same rows one token on, each fed its own token and none starting a page
 (`StepLayout.advances_last`), then needs no load: `load` hands back the last step's device
 views, and the host writes and uploads nothing. Any other step loads as usual, rewriting every
 field.
@@ -435,8 +435,8 @@ class ModelRunner:
         attn = self._decode_attention(size)
         attn.plan_graph(meta, size)
         key = (size, "tokens" if tokens else "logits") + attn.graph_key(meta)
-        moves = tokens and self._moves_inputs_on(size)
-        if moves and key not in self.graphs:
+        moves = key not in self.graphs and tokens and self._moves_inputs_on(size)  # (a capture's)
+        if moves:
             self._moving_graphs.add(key)
         out = self._replay_graph(key, input_ids, meta, lambda: self._capture(input_ids, meta, tokens, moves),
                                  f"a decode step padded to {size}")

@@ -18,6 +18,9 @@
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
+#   rope-in      Qwen3's one-row fused steps with RoPE and the K/V write inside the attention kernel
+#                (FLASHLET_ROPE_IN_ATTENTION=1) against the kernel before it: GPU tests, then one
+#                stream through LLM.generate at qwen3-0.6b / 1.7b, two interleaved pairs (~6 min)
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -518,6 +521,19 @@ for _ in range(480):
         run 300 env FLASHLET_STEADY_REPLAY=$on python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
           --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384 --tokenizer .tok/smollm2
+      done ;;
+    rope-in)  # Qwen3's one-row steps with RoPE and the K/V write in the attention kernel
+      # (FLASHLET_ROPE_IN_ATTENTION=1) against the RoPE + K/V write kernel before it: the kernel
+      # and GPU tests, then one stream through LLM.generate, two interleaved pairs a shape
+      cute_env
+      run 400 $PYTEST tests/kernels/test_kern_decode_rope_in.py tests/gpu/test_gpu_fused_decode.py \
+        -k "rope_in or default_config"
+      for pair in 1 2; do
+        for on in 1 0; do
+          for c in qwen3-0.6b qwen3-1.7b; do
+            run 150 env FLASHLET_ROPE_IN_ATTENTION=$on python3 lab/one_stream_pair.py "rope-in=$on" --config $c
+          done
+        done
       done ;;
     itl-busypoll)  # one stream's token gaps through the server at default flags against
       # --busy-poll-ms 2 (no wake-up on a token's way into the API process), in-process beside

@@ -511,6 +511,45 @@ def test_qwen3_per_head_norms_on_the_fused_path(tmp_path, reference_kernels):
     assert engine.runner.fused.gemvs[1].lm_argmax.calls > 0
 
 
+@pytest.mark.slow
+def test_qwen3_rope_in_the_one_row_attention_gives_the_model_tokens(tmp_path, reference_kernels, monkeypatch):
+    """fused_decode.ROPE_IN_ATTENTION ($FLASHLET_ROPE_IN_ATTENTION=1): Qwen3's one-row fused
+    steps attend with `rope_in` (the triton backend, interpreted): its per-head norms, RoPE and
+    the newest K/V row's write inside the attention kernel, the pool's RoPE + K/V write never
+    called by a decode step; splits made small (16 tokens) so the newest row sits past the first
+    split and the merge runs; tokens are the per-op engine's."""
+    from flashlet.attention import triton_backend
+    from flashlet.kernels import tuning
+    from flashlet.kvcache.kv_pool import KVPool
+    from tests.test_model_families import save_family
+
+    folder = save_family("qwen3", tmp_path / "q3")
+    monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
+    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
+    triton = {"backend": "triton"}
+    want, _ = generate(folder, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
+    calls = {"rope_in": 0, "plain": 0, "decode_pool_rope": 0}
+    real_one, real_write = triton_backend.decode_attention_one_launch, KVPool.write_rope
+
+    def one(*a, **k):
+        calls["rope_in" if k.get("rope_in") is not None else "plain"] += 1
+        return real_one(*a, **k)
+
+    def write_rope(pool, layer, q, *a, **k):
+        calls["decode_pool_rope"] += q.shape[0] == 1  # a one-row fused step's (prefill chunks: 3+ rows)
+        return real_write(pool, layer, q, *a, **k)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
+    monkeypatch.setattr(KVPool, "write_rope", write_rope)
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", True)
+    got, engine = generate(folder, True, PROMPTS, n=ONE_LAUNCH_TOKENS, rope=None, attn=True, config=triton)
+    assert got == want
+    assert engine.runner.fused.rope_in_attention and engine.runner.fused.rope is None
+    decode_steps = sum(ONE_LAUNCH_TOKENS - 1 for _ in PROMPTS)
+    assert calls == {"rope_in": len(engine.model.layers) * decode_steps, "plain": 0, "decode_pool_rope": 0}
+    assert not engine.runner.fused_attention._merge_counts.any()
+
+
 # ---- several rows: decode steps of several sequences, verify steps as decode rows -----------
 def row_prompts(count: int) -> list[list[int]]:
     """Prompts of 3 to 3 + 2 (count - 1) tokens, each its own."""

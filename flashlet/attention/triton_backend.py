@@ -64,7 +64,8 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch, one_launch_lookback
+from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
+                                               one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
@@ -78,6 +79,11 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
+# The least warps of a one-launch tile that makes its row in the kernel (`rope_in`) with a first
+# block of 8,192+ elements (BLOCK_N x head_dim): at Qwen3's one-row entry (64 keys x 128, 4 warps)
+# ptxas (sm_90a) spilled 224 bytes with the row made in it (148 without); at 8 warps, none.
+ROPE_IN_MIN_WARPS = 8
+ROPE_IN_WIDE_BLOCK = 8192
 # "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU
 # A/B without editing code (read once, by the constructor; its arguments win; "1": off). The
 # tables' and tuning's values where unset.
@@ -357,10 +363,19 @@ class TritonBackend(AttentionBackend):
         through the model's row-wise layers."""
         return torch.zeros_like(q) if self.meta.token_bucket is not None else torch.empty_like(q)
 
-    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def one_launch_rope_in(self, num_seqs: int) -> bool:
+        """Whether `attend_one_launch(rope_in=)` serves a pure-decode step of num_seqs rows: one
+        row, read one KV head a program."""
+        return num_seqs == 1 and self.one_launch_config(1)[0].kv_pack == 1
+
+    def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
+                          rope_in: RopeIn | None = None) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
-        Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths."""
+        Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
+        rope_in (where `one_launch_rope_in`): q and this step's K/V as the QKV projection left
+        them; the kernel normalises and rotates them and writes the K/V row itself
+        (`decode_attention_one_launch`)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -383,7 +398,9 @@ class TritonBackend(AttentionBackend):
             num_splits=splits,
             min_split_tokens=cfg.min_split_tokens,
             block_n=cfg.block_n,
-            num_warps=cfg.num_warps,
+            num_warps=(max(cfg.num_warps, ROPE_IN_MIN_WARPS)
+                       if rope_in is not None and cfg.block_n * self.head_dim >= ROPE_IN_WIDE_BLOCK
+                       else cfg.num_warps),
             num_stages=cfg.num_stages,
             pdl=pdl,
             k_scale=k_scale,
@@ -392,6 +409,7 @@ class TritonBackend(AttentionBackend):
             long_from_tokens=cfg.long_from_tokens,
             long_split_tokens=cfg.long_split_tokens,
             merge_splits=cfg.merge_splits,
+            rope_in=rope_in,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -719,6 +720,12 @@ def _one_launch_kernel(
     STEP_ROWS: tl.constexpr,
     KV_PACK: tl.constexpr,
     LONG_RULE: tl.constexpr,
+    KNew=None, VNew=None, Pos=None, CosSin=None, QW=None, KW=None,
+    stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0, stride_cs=0,
+    norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0,
+    ROPE_IN: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
+    CACHE_FP8: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -772,16 +779,57 @@ def _one_launch_kernel(
     k = _kv_block(k_head, page_base, KvIndices, t, past, k_cols, stride_kp, stride_kt, PAGE_SIZE)
     v = _kv_block(v_head, page_base, KvIndices, t, past, v_cols, stride_vp, stride_vt, PAGE_SIZE)
     in_block = (kv_len > 0) & (last >= start) & (last < start + BLOCK_N) & (last < end)
-    last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=in_block, other=0).to(tl.int64)
+    # ROPE_IN: the program whose range holds the newest row makes that row and writes it.
+    owns_last = (kv_len > 0) & (last >= start) & (last < end)
+    last_mask = owns_last if ROPE_IN else in_block
+    last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=last_mask, other=0).to(tl.int64)
     k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
     v_last = v_head + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
+    if ROPE_IN:  # this row's RoPE table row (its position is copied in before the step)
+        cs_row = CosSin + tl.load(Pos + b).to(tl.int64) * stride_cs
     if USE_PDL:
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
-    q = tl.load(q_ptrs, mask=own, other=0.0)
+    if ROPE_IN:
+        # q and the newest k as the QKV GEMV left them: normalised (QK_NORM) and rotated here,
+        # rounded as rope_kv_write rounds them; the newest K/V row stored by its owner only
+        # (no other program of this launch reads it), as the pool holds it (an fp8 pool's
+        # scale applied), and read back in that form, as the loaded form would be. The table
+        # row and the norms' weights load beside q and k (one round trip): held across the
+        # wait they cost registers the first block's K/V need.
+        half = d % (HEAD_DIM // 2)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM  # the column the rotation pairs d with
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cos = tl.load(cs_row + half).to(tl.float32)
+        sin = tl.load(cs_row + HEAD_DIM // 2 + half).to(tl.float32)
+        qw = cos
+        qw_partner = cos
+        kw = cos
+        kw_partner = cos
+        if QK_NORM:
+            qw = tl.load(QW + d).to(tl.float32)
+            qw_partner = tl.load(QW + partner).to(tl.float32)
+            kw = tl.load(KW + d).to(tl.float32)
+            kw_partner = tl.load(KW + partner).to(tl.float32)
+        q = _norm_rope(tl.load(q_ptrs, mask=own, other=0.0),
+                       tl.load(q_ptrs + (partner - d)[None, :], mask=own, other=0.0),
+                       cos, sin, sign, qw, qw_partner, norm_eps, HEAD_DIM, QK_NORM, True)
+        kn_row = KNew + b * stride_knb + kvh * stride_knh
+        vn_row = VNew + b * stride_vnb + kvh * stride_vnh
+        k_rot = _norm_rope(tl.load(kn_row + d, mask=owns_last, other=0.0),
+                           tl.load(kn_row + partner, mask=owns_last, other=0.0),
+                           cos, sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, QK_NORM, False)
+        k_fresh = _as_cached(k_rot, k_inv_scale, K, CACHE_FP8)
+        v_fresh = _as_cached(tl.load(vn_row + d, mask=owns_last, other=0.0), v_inv_scale, V, CACHE_FP8)
+        tl.store(k_last, k_fresh, mask=owns_last)
+        tl.store(v_last, v_fresh, mask=owns_last)
+        k_new = k_fresh.to(q.dtype)
+        v_new = v_fresh.to(q.dtype)
+    else:
+        q = tl.load(q_ptrs, mask=own, other=0.0)
+        # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
+        k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
+        v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)
     is_last = (t == last)[:, None]
-    # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
-    k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
-    v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)
     k = tl.where(is_last, k_new[None, :], k.to(q.dtype))
     v = tl.where(is_last, v_new[None, :], v.to(q.dtype))
 
@@ -808,6 +856,10 @@ def _one_launch_kernel(
         t_mask = t < end
         k_blk = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
         v_blk = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+        if ROPE_IN:  # the newest row, if in this block, from registers (its store may not be seen yet)
+            fresh = (t == last)[:, None]
+            k_blk = tl.where(fresh, k_new[None, :], k_blk.to(q.dtype))
+            v_blk = tl.where(fresh, v_new[None, :], v_blk.to(q.dtype))
         m_i, l_i, acc = _attend_block(q, k_blk, v_blk, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
@@ -829,6 +881,34 @@ def _one_launch_kernel(
                                   NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _norm_rope(x, partner, cos, sin, sign, w, w_partner, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+               ROWS: tl.constexpr):
+    """Head vectors x (ROWS: [R, D], else one [D]) and `partner` (each column's rotation
+    pair: the halves swapped) -> RMSNorm'd over D (QK_NORM, weights w / w_partner) then
+    rotate-half RoPE, in x's dtype, rounded as `rope_kv_write` rounds (normalised to x's dtype,
+    times the weight, rounded; the rotation in fp32 from that, rounded once)."""
+    xf = x.to(tl.float32)
+    pf = partner.to(tl.float32)
+    if QK_NORM:
+        if ROWS:
+            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)[:, None]
+        else:
+            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
+        xf = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        pf = (w_partner * (pf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    return (xf * cos + sign * pf * sin).to(x.dtype)
+
+
+@triton.jit
+def _as_cached(x, inv_scale, C, CACHE_FP8: tl.constexpr):
+    """x as the pool C stores it: an fp8 pool's x / scale saturated to +-448 (KVPool.write's
+    rule), else cast."""
+    if CACHE_FP8:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+    return x.to(C.dtype.element_ty)
 
 
 @triton.jit
@@ -907,6 +987,7 @@ def decode_attention_one_launch(
     long_from_tokens: int = 0,
     long_split_tokens: int = 0,
     merge_splits: int | None = None,
+    rope_in: RopeIn | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -924,9 +1005,16 @@ def decode_attention_one_launch(
     min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
     larger grid.
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
-    as fit a 4096-element fp32 tile)."""
+    as fit a 4096-element fp32 tile).
+
+    rope_in (`RopeIn`): q and this step's newest K / V row come as the QKV projection left
+    them, and the kernel normalises (Qwen3's per-head norms) and rotates q and k itself and
+    writes the newest K / V row into the pool (at the row its page table gives it), so no RoPE +
+    K/V write kernel runs before it. One row only: a verify step's rows of one sequence would
+    read K/V rows this launch writes."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
+    rope_args = _rope_in_args(rope_in, q, k_cache, kv_heads_per_program, k_scale, v_scale)
     check_kv_pack(kv_heads_per_program, num_kv_heads)
     check_long_split(min_split_tokens, long_from_tokens, long_split_tokens)
     if merge_splits is not None and (merge_splits < 1 or merge_splits & (merge_splits - 1)):
@@ -972,9 +1060,57 @@ def decode_attention_one_launch(
         LONG_RULE=long_from_tokens > 0,
         num_warps=num_warps,
         num_stages=num_stages,
+        **rope_args,
         **launch,
     )
     return out
+
+
+class RopeIn(NamedTuple):
+    """What `decode_attention_one_launch(rope_in=)` needs to make this step's rows itself: the
+    newest k and v rows [B, Hkv, D] as the QKV projection wrote them (views of its output),
+    the rows' positions [B], the RoPE table [max_pos, D] (cos | sin) and Qwen3's per-head norms
+    (`QKNorm`: q_weight, k_weight [D], eps; None without them)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    qk_norm: object | None = None
+
+
+def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor, kv_pack: int,
+                  k_scale: float, v_scale: float) -> dict:
+    """The kernel's ROPE_IN arguments ({} without rope_in), or a ValueError naming what is off."""
+    if rope_in is None:
+        return {}
+    batch, _, head_dim = q.shape
+    kv_shape = (batch, k_cache.shape[2], head_dim)
+    if batch != 1:
+        raise ValueError(f"rope_in serves one-row steps (a verify step's rows of one sequence read "
+                         f"K/V this launch writes), got {batch} rows")
+    if kv_pack != 1:
+        raise ValueError(f"rope_in reads one KV head a program, got kv_heads_per_program={kv_pack}")
+    k, v, cos_sin = rope_in.k, rope_in.v, rope_in.cos_sin_cache
+    if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"rope_in's k / v must be {kv_shape} with contiguous head rows, got "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"rope_in's k / v must be q's dtype {q.dtype}, got {k.dtype} / {v.dtype}")
+    if cos_sin.shape[-1] != head_dim or cos_sin.stride(-1) != 1 or rope_in.positions.shape != (batch,):
+        raise ValueError(f"rope_in needs a [max_pos, {head_dim}] RoPE table with contiguous rows and "
+                         f"{batch} positions, got {tuple(cos_sin.shape)} and {tuple(rope_in.positions.shape)}")
+    norm = rope_in.qk_norm
+    if norm is not None and (tuple(norm.q_weight.shape), tuple(norm.k_weight.shape)) != ((head_dim,),) * 2:
+        raise ValueError(f"qk_norm weights must be [{head_dim}], got {tuple(norm.q_weight.shape)} "
+                         f"and {tuple(norm.k_weight.shape)}")
+    return dict(
+        KNew=k, VNew=v, Pos=rope_in.positions, CosSin=cos_sin,
+        QW=norm.q_weight if norm is not None else None, KW=norm.k_weight if norm is not None else None,
+        stride_knb=k.stride(0), stride_knh=k.stride(1), stride_vnb=v.stride(0), stride_vnh=v.stride(1),
+        stride_cs=cos_sin.stride(0), norm_eps=float(norm.eps) if norm is not None else 0.0,
+        k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
+        ROPE_IN=True, QK_NORM=norm is not None, CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 
 # The most earlier rows a program of the one-launch decode looks back over for rows of its own

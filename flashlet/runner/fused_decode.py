@@ -79,6 +79,7 @@ setting; tests and measurements name one variant through `Engine(..., fused_part
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -126,6 +127,15 @@ SERVED_ROWS = 16
 # 16-row steps measured slower than per-op (the first line above); their tensor-core form
 # (`fp8_tensor_cores`) serves SERVED_ROWS.
 SERVED_ROWS_FP8 = 4
+
+# One-row steps whose RoPE is not in the QKV epilogue (Qwen3's, whose per-head norms keep it out)
+# normalise and rotate q and the newest k, and write the newest K/V row, inside the one-launch
+# attention (`TritonBackend.attend_one_launch(rope_in=)`) instead of the pool's RoPE + K/V write
+# kernel before it: one kernel a layer fewer, and the attention follows the QKV GEMV in the PDL
+# chain (FUSED_NOTES.md, "RoPE in the attention kernel"). Off until measured on a GPU:
+# $FLASHLET_ROPE_IN_ATTENTION=1 turns it on for a fresh process (an A/B).
+ROPE_IN_ATTENTION_ENV = "FLASHLET_ROPE_IN_ATTENTION"
+ROPE_IN_ATTENTION = os.environ.get(ROPE_IN_ATTENTION_ENV, "0") == "1"
 
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
@@ -341,6 +351,8 @@ class FusedDecode:
         self.bf16_one_row_mma = bf16_one_row_tensor_cores(model)  # one bf16 row on them too
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
+        # One-row steps without the RoPE epilogue make their rows in the attention kernel
+        self.rope_in_attention = ROPE_IN_ATTENTION and one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:
@@ -472,9 +484,14 @@ class FusedDecode:
         q = q.view(rows, layer.num_heads, layer.head_dim)
         k = k.view(rows, layer.num_kv_heads, layer.head_dim)
         v = v.view(rows, layer.num_kv_heads, layer.head_dim)
-        qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel
+        qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel (or the attention's)
         if not self.one_launch_attention:
             return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
+        if self.rope_in_attention and attn.one_launch_rope_in(rows):
+            from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
+
+            return attn.attend_one_launch(i, q, pdl=self.pdl,
+                                          rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
         return self._attend(i, q, attn)

@@ -554,6 +554,23 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     assert engine.runner.fused is not None and not engine.runner.fused.declined_rows
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-1.7b"])
+def test_rope_in_the_one_row_attention_at_qwen3_shapes(monkeypatch, preset):
+    """fused_decode.ROPE_IN_ATTENTION ($FLASHLET_ROPE_IN_ATTENTION=1, off until measured): the
+    one-row steps normalise, rotate and write the newest K/V row inside the one-launch attention
+    (PDL on, as the default parts run it), held to the per-op path by the same rule as above,
+    96 positions; prompts up to 300 tokens, so rows attend over several splits."""
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", True)
+    vocab = preset_config(preset)["vocab_size"]
+    source = dict(config=preset, max_model_len=2048)
+    ps = [[(i * 31 + 7 * p + 1) % vocab for i in range(20 + 90 * p)] for p in range(4)]
+    engine = check_against_reference_teacher_forced(source, ps, 24, fused=None)
+    fused = engine.runner.fused
+    assert fused is not None and fused.pdl and fused.rope_in_attention and fused.rope is None
+    assert not engine.runner.fused_attention._merge_counts.any()
+
+
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
     """fused_decode_rope (RoPE + K/V write in the QKV GEMV's epilogue, attention alone after
     it): teacher-forced against the per-op path (module docstring: q and k are rounded once

@@ -281,15 +281,17 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
-                   KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32")
+                   KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32",
+                   KNew="*bf16", VNew="*bf16", Pos="*i64", CosSin="*fp32", QW="*bf16", KW="*bf16",
+                   norm_eps="fp32", k_inv_scale="fp32", v_inv_scale="fp32")
         consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
-                      LONG_RULE=False)
+                      LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv")
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -323,14 +325,18 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
     return [json.loads(line) for line in lines[-count:]]
 
 
-ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype)
-    (1, True, 256, 8, 64, 0, "*bf16"), (16, True, 256, 8, 64, 0, "*bf16"),  # head_dim 64, one row
-    (64, False, 256, 8, 64, 0, "*bf16"),
-    (16, True, 32, 4, 128, 0, "*bf16"),                    # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16"),                    # rows of a verify step: the look-back
+ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in)
+    (1, True, 256, 8, 64, 0, "*bf16", False), (16, True, 256, 8, 64, 0, "*bf16", False),  # head_dim 64, one row
+    (64, False, 256, 8, 64, 0, "*bf16", False),
+    (16, True, 32, 4, 128, 0, "*bf16", False),                    # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False),                    # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
-    (16, True, 256, 8, 64, 8, "*fp8e4nv"),
+    (16, True, 256, 8, 64, 8, "*fp8e4nv", False),
+    # The row made in the kernel (rope_in: norms, RoPE, the K/V write), at Qwen3's one-row table
+    # entry as rope_in launches it (block 64, 8 warps: ROPE_IN_MIN_WARPS) and at head_dim 64's
+    # whole-split tile.
+    (32, True, 64, 8, 128, 0, "*bf16", True), (16, True, 256, 8, 64, 0, "*bf16", True),
 ]
 
 
@@ -345,14 +351,14 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv", ONE_LAUNCH_LOWERED)
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in", ONE_LAUNCH_LOWERED)
 def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
-                                    lookback, kv):
+                                    lookback, kv, rope_in):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
     loads bypass L1; ptxas (sm_90a) reports no spills."""
-    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv)]
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block

@@ -1,0 +1,123 @@
+"""The one-launch decode making its own row (`decode_attention_one_launch(rope_in=)`): q and the
+newest k normalised (Qwen3's per-head norms) and rotated inside the attention kernel, the newest
+K/V row written into the pool by the program that owns it, against the two kernels it replaces'
+reference: `rope_kv_write_reference` (the model's norms, `TorchOps.rope`, the pool write), then
+`decode_attention_reference` over that pool. On the CPU the kernel runs in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.kernels.decode_attention import (RopeIn, decode_attention_one_launch, decode_attention_reference)
+from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
+from flashlet.kvcache.kv_pool import quantize_fp8
+from flashlet.models.ops import QKNorm
+
+NAN = float("nan")
+
+
+def _case(kh, *, group, num_kv_heads, page_size, kv_len, head_dim, dtype, seed=0):
+    """One row: its pool (random past rows, the newest row's slot poisoned), raw q / k / v as
+    views of one QKV output, its position (kv_len - 1), the RoPE table and per-head norms."""
+    paged = kh.make_paged([kv_len], page_size, num_kv_heads, head_dim, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    hq = group * num_kv_heads
+    qkv = (torch.randn(1, hq + 2 * num_kv_heads, head_dim, generator=g) * 3 + 0.5).to(dtype).to(kh.device)
+    q, k, v = qkv.split([hq, num_kv_heads, num_kv_heads], dim=1)
+    norm = QKNorm((torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(kh.device),
+                  (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(kh.device), 1e-6)
+    last = kv_len - 1
+    page = paged["pages"][0][last // page_size]
+    slot = torch.tensor([page * page_size + last % page_size], device=kh.device)
+    paged["k_cache"][page, last % page_size] = NAN  # the kernel must write it before any read
+    paged["v_cache"][page, last % page_size] = NAN
+    positions = torch.tensor([last], device=kh.device)
+    return paged, q, k, v, positions, kh.cos_sin_cache(kv_len + 8, head_dim), norm, slot
+
+
+def _run(kh, paged, q, k, v, positions, cos_sin, norm, *, num_splits, min_split_tokens, block_n,
+         k_cache=None, v_cache=None, k_scale=1.0, v_scale=1.0):
+    k_cache = paged["k_cache"] if k_cache is None else k_cache
+    v_cache = paged["v_cache"] if v_cache is None else v_cache
+    hq, head_dim = q.shape[1], q.shape[2]
+    out = torch.full((1, hq, head_dim), NAN, dtype=q.dtype, device=kh.device)
+    counts = torch.zeros(k_cache.shape[2], dtype=torch.int32, device=kh.device)
+    got = decode_attention_one_launch(
+        q, k_cache, v_cache, paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], head_dim**-0.5,
+        out=out, mid_o=torch.full((num_splits, hq, head_dim), NAN, device=kh.device),
+        mid_lse=torch.full((num_splits, hq), NAN, device=kh.device), merge_counts=counts,
+        num_splits=num_splits, min_split_tokens=min_split_tokens, block_n=block_n,
+        k_scale=k_scale, v_scale=v_scale, rope_in=RopeIn(k, v, positions, cos_sin, norm))
+    assert got is out and not torch.isnan(out).any() and not counts.any()
+    return out
+
+
+@pytest.mark.parametrize("group,num_kv_heads,page_size,kv_len,head_dim,num_splits,min_split_tokens,block_n,qk_norm,dtype", [
+    (2, 8, 16, 37, 128, 4, 16, 16, True, torch.float32),    # Qwen3's heads: 3 splits, newest in the last one's 1st block
+    (2, 4, 16, 90, 64, 2, 16, 16, True, torch.float32),     # the newest row in a later block of its split (the loop)
+    (7, 2, 8, 1, 64, 4, 16, 16, False, torch.float32),      # a one-token context: the newest row is the only one
+    (7, 2, 8, 100, 64, 8, 16, 32, False, torch.float32),    # Qwen2.5's group, no norms, 4 splits merged
+    (2, 8, 16, 45, 128, 4, 16, 16, True, torch.bfloat16),   # bf16: roundings as the RoPE kernel's
+])
+def test_rope_in_matches_the_rope_kernel_then_attention(kh, group, num_kv_heads, page_size, kv_len, head_dim,
+                                                        num_splits, min_split_tokens, block_n, qk_norm, dtype):
+    if dtype == torch.bfloat16 and kh.device != "cuda":
+        pytest.skip("the interpreter's bf16 dots are wrong for the one-launch kernel with or without rope_in")
+    paged, q, k, v, pos, cs, norm, slot = _case(kh, group=group, num_kv_heads=num_kv_heads, page_size=page_size,
+                                                 kv_len=kv_len, head_dim=head_dim, dtype=dtype)
+    norm = norm if qk_norm else None
+    kc_ref, vc_ref = paged["k_cache"].clone(), paged["v_cache"].clone()
+    want_q, _ = rope_kv_write_reference(q, k, v, pos, cs, kc_ref, vc_ref, slot, qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref, vc_ref, paged["kv_indptr"], paged["kv_indices"],
+                                      paged["kv_lens"], head_dim**-0.5)
+    got = _run(kh, paged, q, k, v, pos, cs, norm, num_splits=num_splits, min_split_tokens=min_split_tokens,
+               block_n=block_n)
+    # bf16 (GPU): the norm's and rotation's roundings may land an ulp apart (rstd summed in
+    # another order, test_kern_rope_qk_norm.py).
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert kh.rel_err(got, want) < tol
+    assert kh.rel_err(paged["k_cache"], kc_ref) < tol and torch.equal(paged["v_cache"], vc_ref)
+    # A second launch over the same pool (a graph replay) reads what the first one wrote.
+    again = _run(kh, paged, q, k, v, pos, cs, norm, num_splits=num_splits, min_split_tokens=min_split_tokens,
+                 block_n=block_n)
+    assert torch.equal(again, got)
+
+
+def test_rope_in_over_an_fp8_pool_writes_the_scaled_row_and_reads_it_back(kh):
+    """An e4m3 pool: the newest K / V row stored as the RoPE kernel stores it (x / scale,
+    saturated: the same bytes) and attended in that form, as the loaded row would be. (The
+    kernels, not the PyTorch reference, are the bytes' reference: the interpreter's e4m3 casts
+    truncate where PyTorch's round.)"""
+    paged, q, k, v, pos, cs, norm, slot = _case(kh, group=2, num_kv_heads=4, page_size=16, kv_len=40,
+                                                 head_dim=64, dtype=torch.float32, seed=3)
+    k_scale, v_scale = 0.05, 0.03
+    kc8 = quantize_fp8(paged["k_cache"].nan_to_num(0.0), k_scale, torch.float8_e4m3fn)
+    vc8 = quantize_fp8(paged["v_cache"].nan_to_num(0.0), v_scale, torch.float8_e4m3fn)
+    kc_ref, vc_ref = kc8.clone(), vc8.clone()
+    want_q, _ = rope_kv_write(q, k, v, pos, cs, kc_ref, vc_ref, slot, kv_scales=(k_scale, v_scale), qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref.float() * k_scale, vc_ref.float() * v_scale,
+                                      paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 64**-0.5)
+    got = _run(kh, paged, q, k, v, pos, cs, norm, num_splits=4, min_split_tokens=16, block_n=16,
+               k_cache=kc8, v_cache=vc8, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(kc8.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc8.view(torch.uint8), vc_ref.view(torch.uint8))
+    assert kh.rel_err(got, want) < 1e-5
+
+
+def test_rope_in_refuses_what_it_cannot_serve(kh):
+    paged, q, k, v, pos, cs, norm, _ = _case(kh, group=2, num_kv_heads=2, page_size=8, kv_len=9, head_dim=32,
+                                             dtype=torch.float32)
+    common = dict(out=torch.empty_like(q), mid_o=None, mid_lse=None,
+                  merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=1)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.2)
+    with pytest.raises(ValueError, match="one KV head a program"):
+        decode_attention_one_launch(*args, **common, kv_heads_per_program=2, rope_in=RopeIn(k, v, pos, cs, norm))
+    with pytest.raises(ValueError, match=r"qk_norm weights must be \[32\]"):
+        decode_attention_one_launch(*args, **common, rope_in=RopeIn(k, v, pos, cs, norm._replace(q_weight=norm.q_weight[:8])))
+    with pytest.raises(ValueError, match="RoPE table"):
+        decode_attention_one_launch(*args, **common, rope_in=RopeIn(k, v, pos, cs[:, :16], norm))
+    two = torch.cat([q, q])
+    with pytest.raises(ValueError, match="one-row steps"):
+        decode_attention_one_launch(two, *args[1:], **{**common, "out": torch.empty_like(two)},
+                                    rope_in=RopeIn(k, v, pos, cs, norm))

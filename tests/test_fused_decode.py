@@ -184,6 +184,17 @@ def test_rope_epilogue_wiring_gives_the_model_tokens(tiny_model, reference_kerne
 ONE_LAUNCH_TOKENS = 6
 
 
+def small_one_launch_splits(monkeypatch) -> dict:
+    """The triton backend's decode splits made 16 tokens (PROMPTS then take several, so the
+    one-launch attention's last program merges) -> the engine config that asks for that backend."""
+    from flashlet.attention import triton_backend
+    from flashlet.kernels import tuning
+
+    monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
+    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
+    return {"backend": "triton"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
                          ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
@@ -193,11 +204,8 @@ def test_one_launch_attention_wiring_gives_the_model_tokens(model, rope, referen
     small (16 tokens) so the last-program merge runs; tokens are the per-op engine's (same backend)."""
     tiny_model = request.getfixturevalue(model)
     from flashlet.attention import triton_backend
-    from flashlet.kernels import tuning
 
-    monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
-    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
-    triton = {"backend": "triton"}
+    triton = small_one_launch_splits(monkeypatch)
     want, _ = generate(tiny_model, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
     calls = {"one": 0, "merged": 0, "two": 0}
     real_one, real_two = triton_backend.decode_attention_one_launch, triton_backend.decode_attention
@@ -519,14 +527,11 @@ def test_qwen3_rope_in_the_one_row_attention_gives_the_model_tokens(tmp_path, re
     called by a decode step; splits made small (16 tokens) so the newest row sits past the first
     split and the merge runs; tokens are the per-op engine's."""
     from flashlet.attention import triton_backend
-    from flashlet.kernels import tuning
     from flashlet.kvcache.kv_pool import KVPool
     from tests.test_model_families import save_family
 
     folder = save_family("qwen3", tmp_path / "q3")
-    monkeypatch.setattr(tuning, "default_decode", lambda *a: tuning.DecodeConfig(block_n=16, min_split_tokens=16))
-    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MIN_SPLIT_TOKENS", 16)
-    triton = {"backend": "triton"}
+    triton = small_one_launch_splits(monkeypatch)
     want, _ = generate(folder, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
     calls = {"rope_in": 0, "plain": 0, "decode_pool_rope": 0}
     real_one, real_write = triton_backend.decode_attention_one_launch, KVPool.write_rope

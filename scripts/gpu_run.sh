@@ -18,9 +18,11 @@
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
-#   rope-in      Qwen3's one-row fused steps with RoPE and the K/V write inside the attention kernel
+#   rope-in      Qwen3's fused steps with RoPE and the K/V write inside the attention kernel
 #                (FLASHLET_ROPE_IN_ATTENTION=1) against the kernel before it: GPU tests, then one
 #                stream through LLM.generate at qwen3-0.6b / 1.7b, two interleaved pairs (~6 min)
+#   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
+#                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -534,6 +536,19 @@ for _ in range(480):
           for c in qwen3-0.6b qwen3-1.7b; do
             run 150 env FLASHLET_ROPE_IN_ATTENTION=$on python3 lab/one_stream_pair.py "rope-in=$on" --config $c
           done
+        done
+      done ;;
+    rope-in-rows)  # the rows made in the attention at 1, 4 and 16 streams through LLM.generate:
+      # qwen2.5-0.5b with its RoPE epilogue off (=all) against the default, Qwen3-0.6B (=1) too
+      cute_env
+      for pair in 1 2; do
+        for mode in all 0; do
+          run 150 env FLASHLET_ROPE_IN_ATTENTION=$mode python3 scripts/fused_decode_bench.py --streams 1 4 16 \
+            --paths default --new-tokens 128
+        done
+        for mode in 1 0; do
+          run 150 env FLASHLET_ROPE_IN_ATTENTION=$mode python3 scripts/fused_decode_bench.py --config qwen3-0.6b \
+            --streams 1 4 16 --paths default --new-tokens 128
         done
       done ;;
     itl-busypoll)  # one stream's token gaps through the server at default flags against

@@ -195,6 +195,37 @@ def small_one_launch_splits(monkeypatch) -> dict:
     return {"backend": "triton"}
 
 
+def count_rope_forms(monkeypatch) -> dict:
+    """Counts, from now on: the one-launch attention's launches with rope_in ("rope_in") and
+    without ("plain"), and the pool's RoPE + K/V writes inside a fused step ("fused_pool_rope")."""
+    from flashlet.attention import triton_backend
+
+    calls = {"rope_in": 0, "plain": 0, "fused_pool_rope": 0}
+    inside = [False]
+    real_one, real_write, real_hidden = (triton_backend.decode_attention_one_launch, KVPool.write_rope,
+                                         fused_decode.FusedDecode.hidden)
+
+    def one(*a, **k):
+        calls["rope_in" if k.get("rope_in") is not None else "plain"] += 1
+        return real_one(*a, **k)
+
+    def write_rope(pool, *a, **k):
+        calls["fused_pool_rope"] += inside[0]
+        return real_write(pool, *a, **k)
+
+    def hidden(self, *a, **k):
+        inside[0] = True
+        try:
+            return real_hidden(self, *a, **k)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
+    monkeypatch.setattr(KVPool, "write_rope", write_rope)
+    monkeypatch.setattr(fused_decode.FusedDecode, "hidden", hidden)
+    return calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
                          ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
@@ -526,32 +557,18 @@ def test_qwen3_rope_in_the_one_row_attention_gives_the_model_tokens(tmp_path, re
     the newest K/V row's write inside the attention kernel, the pool's RoPE + K/V write never
     called by a decode step; splits made small (16 tokens) so the newest row sits past the first
     split and the merge runs; tokens are the per-op engine's."""
-    from flashlet.attention import triton_backend
-    from flashlet.kvcache.kv_pool import KVPool
     from tests.test_model_families import save_family
 
     folder = save_family("qwen3", tmp_path / "q3")
     triton = small_one_launch_splits(monkeypatch)
     want, _ = generate(folder, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
-    calls = {"rope_in": 0, "plain": 0, "decode_pool_rope": 0}
-    real_one, real_write = triton_backend.decode_attention_one_launch, KVPool.write_rope
-
-    def one(*a, **k):
-        calls["rope_in" if k.get("rope_in") is not None else "plain"] += 1
-        return real_one(*a, **k)
-
-    def write_rope(pool, layer, q, *a, **k):
-        calls["decode_pool_rope"] += q.shape[0] == 1  # a one-row fused step's (prefill chunks: 3+ rows)
-        return real_write(pool, layer, q, *a, **k)
-
-    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
-    monkeypatch.setattr(KVPool, "write_rope", write_rope)
-    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", True)
+    calls = count_rope_forms(monkeypatch)
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
     got, engine = generate(folder, True, PROMPTS, n=ONE_LAUNCH_TOKENS, rope=None, attn=True, config=triton)
     assert got == want
     assert engine.runner.fused.rope_in_attention and engine.runner.fused.rope is None
     decode_steps = sum(ONE_LAUNCH_TOKENS - 1 for _ in PROMPTS)
-    assert calls == {"rope_in": len(engine.model.layers) * decode_steps, "plain": 0, "decode_pool_rope": 0}
+    assert calls == {"rope_in": len(engine.model.layers) * decode_steps, "plain": 0, "fused_pool_rope": 0}
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
@@ -894,20 +911,55 @@ def test_fused_verify_steps_through_the_one_launch_attention(tiny_qwen2, referen
     ~30 s) and RoPE + K/V write in the QKV epilogue (its reference): rows of one sequence at
     KV lengths L + 1 .. L + k + 1, each attending after every row's K/V is written; greedy
     tokens are the per-op engine's without speculation, the merge counters left at zero."""
-    prompts = row_prompts(2)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
+    prompts, params = row_prompts(2), verify_params()
     triton = {"backend": "triton"}
     want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, **triton)
     expanded = count_fused_verify_steps(monkeypatch)
-    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
-    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, page_size=4,
-                                 fused_decode=True, speculative_config=NGRAM, **triton),
-                    FusedParts(rope=True, attn=True))
-    perturb_norms(engine)
+    engine = always_guessing_engine(tiny_qwen2, monkeypatch, FusedParts(rope=True, attn=True), **triton)
     got = run_to_completion(engine, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert expanded and max(expanded) > 2 and engine.runner.fused.one_launch_attention
     assert not engine.runner.backend._merge_counts.any()
+
+
+def verify_params() -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
+
+
+def always_guessing_engine(model_dir, monkeypatch, parts: FusedParts, **config) -> Engine:
+    """Two sequences, the fused path forced with `parts`, n-gram speculation whose proposer
+    always guesses (AlwaysGuess): verify steps of several rows every step."""
+    monkeypatch.setattr(engine_module, "make_proposer", lambda config, engine: AlwaysGuess())
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=2, page_size=4,
+                                 fused_decode=True, speculative_config=NGRAM, **config), parts)
+    perturb_norms(engine)
+    return engine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_rope_in_the_attention_over_verify_steps_and_several_rows(tmp_path, tiny_qwen2, reference_kernels,
+                                                                 all_kernel_rows, monkeypatch, family):
+    """ROPE_IN_ATTENTION with n-gram verify steps as decode rows and two sequences decoding
+    together (triton, interpreted): every fused step's attention makes its rows (a verify row
+    the rows before it, from the rows that write them), none runs the pool's RoPE + K/V write;
+    greedy tokens are the per-op engine's without speculation. Qwen2 with its RoPE epilogue
+    off (FusedParts(rope=False)): the form a 4- or 16-row A/B would run."""
+    from tests.test_model_families import save_family
+
+    folder = save_family("qwen3", tmp_path / "q3") if family == "qwen3" else tiny_qwen2
+    prompts, params = row_prompts(2), verify_params()
+    triton = small_one_launch_splits(monkeypatch)
+    want, _, _ = run_engine(folder, False, prompts, params, 2, **triton)
+    calls = count_rope_forms(monkeypatch)
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
+    expanded = count_fused_verify_steps(monkeypatch)
+    engine = always_guessing_engine(folder, monkeypatch, FusedParts(rope=False, attn=True), **triton)
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert expanded and max(expanded) > 2 and engine.runner.fused.rope_in_attention
+    assert calls["rope_in"] > 0 and calls["plain"] == 0 and calls["fused_pool_rope"] == 0
+    assert not engine.runner.fused_attention._merge_counts.any()
 
 
 def test_verify_rows_as_decode_rows_give_the_ragged_steps_logits(tiny_qwen2):
@@ -1025,3 +1077,19 @@ def test_auto_declines_the_presets_whose_norm_folded_gemvs_hold_too_many_chunks_
                   "tinyllama-1.1b": True}
     assert fused_decode.norm_chunks_per_lane(3584) == 14
     assert fused_decode.norm_chunks_per_lane(3584, fp8=True) == 7  # 16 fp8 weights a chunk
+
+
+def test_rope_in_attention_switch_reads_its_three_values():
+    """$FLASHLET_ROPE_IN_ATTENTION: 0 / 1 / all, anything else a clear error at import."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from flashlet.runner import fused_decode as f; print(f.ROPE_IN_ATTENTION)"
+    for value in ("0", "1", "all"):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env={**os.environ, "FLASHLET_ROPE_IN_ATTENTION": value})
+        assert out.returncode == 0 and out.stdout.strip() == value, out.stderr[-500:]
+    bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "FLASHLET_ROPE_IN_ATTENTION": "yes"})
+    assert bad.returncode != 0 and "expected 0, 1 or all" in bad.stderr

@@ -64,7 +64,7 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
+from flashlet.kernels.decode_attention import (MAX_LOOKBACK, RopeIn, decode_attention, decode_attention_one_launch,
                                                one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
@@ -79,9 +79,11 @@ ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # head_dim 128 a 128-key block spills, so the decode config's blocks stay.
 ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
-# The least warps of a one-launch tile that makes its row in the kernel (`rope_in`) with a first
-# block of 8,192+ elements (BLOCK_N x head_dim): at Qwen3's one-row entry (64 keys x 128, 4 warps)
-# ptxas (sm_90a) spilled 224 bytes with the row made in it (148 without); at 8 warps, none.
+# The one-launch form that makes its rows in the kernel (`rope_in`) reads one KV head a program,
+# with at least ROPE_IN_MIN_WARPS warps where a block holds ROPE_IN_WIDE_BLOCK+ elements (BLOCK_N x
+# head_dim). ptxas (sm_90a, Triton 3.7) at Qwen3's table entries: one row, 64 keys x 128, 4 warps
+# spilled 224 bytes with the row made in it (148 without), 8 warps none; 4 and 16 rows, two KV
+# heads a program, 344 and 444 bytes (160 and 68 without), one head a program with 8 warps none.
 ROPE_IN_MIN_WARPS = 8
 ROPE_IN_WIDE_BLOCK = 8192
 # "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU
@@ -363,10 +365,18 @@ class TritonBackend(AttentionBackend):
         through the model's row-wise layers."""
         return torch.zeros_like(q) if self.meta.token_bucket is not None else torch.empty_like(q)
 
+    def rope_in_form(self, cfg: tuning.OneLaunchConfig) -> tuning.OneLaunchConfig:
+        """A one-launch config as `rope_in` runs it: one KV head a program, and at least
+        ROPE_IN_MIN_WARPS warps at wide blocks (the splits stay the config's)."""
+        warps = cfg.num_warps
+        if cfg.block_n * self.head_dim >= ROPE_IN_WIDE_BLOCK:
+            warps = max(warps, ROPE_IN_MIN_WARPS)
+        return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
+
     def one_launch_rope_in(self, num_seqs: int) -> bool:
-        """Whether `attend_one_launch(rope_in=)` serves a pure-decode step of num_seqs rows: one
-        row, read one KV head a program."""
-        return num_seqs == 1 and self.one_launch_config(1)[0].kv_pack == 1
+        """Whether `attend_one_launch(rope_in=)` serves a pure-decode step of num_seqs rows (its
+        look-back's limit)."""
+        return num_seqs <= MAX_LOOKBACK + 1
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None) -> torch.Tensor:
@@ -386,6 +396,8 @@ class TritonBackend(AttentionBackend):
             cfg, splits = self._decode_cfg, self._num_splits
         else:
             cfg, splits = self.one_launch_config(n)
+        if rope_in is not None:
+            cfg = self.rope_in_form(cfg)
         k_scale, v_scale = self.kv_pool.scales(layer)
         out = torch.empty_like(q)
         decode_attention_one_launch(
@@ -398,9 +410,7 @@ class TritonBackend(AttentionBackend):
             num_splits=splits,
             min_split_tokens=cfg.min_split_tokens,
             block_n=cfg.block_n,
-            num_warps=(max(cfg.num_warps, ROPE_IN_MIN_WARPS)
-                       if rope_in is not None and cfg.block_n * self.head_dim >= ROPE_IN_WIDE_BLOCK
-                       else cfg.num_warps),
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             pdl=pdl,
             k_scale=k_scale,

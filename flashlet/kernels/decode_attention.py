@@ -720,7 +720,7 @@ def _one_launch_kernel(
     STEP_ROWS: tl.constexpr,
     KV_PACK: tl.constexpr,
     LONG_RULE: tl.constexpr,
-    KNew=None, VNew=None, Pos=None, CosSin=None, QW=None, KW=None,
+    KNew=None, VNew=None, Pos=None, CosSin=None, QW=None, KW=None, KOut=None, VOut=None,
     stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0, stride_cs=0,
     norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0,
     ROPE_IN: tl.constexpr = False,
@@ -771,8 +771,12 @@ def _one_launch_kernel(
     last = kv_len - 1
     step_from = last  # the first position this step writes in this row's KV
     if LOOKBACK > 0:
-        step_from = last - _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices,
-                                                         KvLens, LOOKBACK)
+        if ROPE_IN:  # exact: these rows are made here, not read, so a false match would be wrong
+            step_from = last - _rows_before_writing_this_rows_kv(b, kv_len, page_base, KvIndptr, KvIndices,
+                                                                 KvLens, PAGE_SIZE, LOOKBACK)
+        else:
+            step_from = last - _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices,
+                                                             KvLens, LOOKBACK)
     t = start + tl.arange(0, BLOCK_N)
     t_mask = t < end
     past = t_mask & (t < step_from)
@@ -792,46 +796,54 @@ def _one_launch_kernel(
     if ROPE_IN:
         # q and the newest k as the QKV GEMV left them: normalised (QK_NORM) and rotated here,
         # rounded as rope_kv_write rounds them; the newest K/V row stored by its owner only
-        # (no other program of this launch reads it), as the pool holds it (an fp8 pool's
-        # scale applied), and read back in that form, as the loaded form would be. The table
-        # row and the norms' weights load beside q and k (one round trip): held across the
-        # wait they cost registers the first block's K/V need.
+        # (the rows of this step that read it make it themselves), as the pool holds it (an
+        # fp8 pool's scale applied), and read back in that form, as the loaded form would be.
+        # The table row and the norms' weights load beside q and k (one round trip): held across
+        # the wait they cost registers the first block's K/V need. Columns c of a packed tile:
+        # head c // D's column d; its rotation pair is that head's column `partner`.
         half = d % (HEAD_DIM // 2)
-        partner = (d + HEAD_DIM // 2) % HEAD_DIM  # the column the rotation pairs d with
-        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-        cos = tl.load(cs_row + half).to(tl.float32)
-        sin = tl.load(cs_row + HEAD_DIM // 2 + half).to(tl.float32)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :]
+        cos = tl.load(cs_row + half).to(tl.float32)[None, :]
+        sin = tl.load(cs_row + HEAD_DIM // 2 + half).to(tl.float32)[None, :]
         qw = cos
         qw_partner = cos
         kw = cos
         kw_partner = cos
         if QK_NORM:
-            qw = tl.load(QW + d).to(tl.float32)
-            qw_partner = tl.load(QW + partner).to(tl.float32)
-            kw = tl.load(KW + d).to(tl.float32)
-            kw_partner = tl.load(KW + partner).to(tl.float32)
+            qw = tl.load(QW + d).to(tl.float32)[None, :]
+            qw_partner = tl.load(QW + partner).to(tl.float32)[None, :]
+            kw = tl.load(KW + d).to(tl.float32)[None, :]
+            kw_partner = tl.load(KW + partner).to(tl.float32)[None, :]
         q = _norm_rope(tl.load(q_ptrs, mask=own, other=0.0),
                        tl.load(q_ptrs + (partner - d)[None, :], mask=own, other=0.0),
-                       cos, sin, sign, qw, qw_partner, norm_eps, HEAD_DIM, QK_NORM, True)
+                       cos, sin, sign, qw, qw_partner, norm_eps, HEAD_DIM, 1, QK_NORM)
+        kn_cols = ((c // HEAD_DIM) * stride_knh + d)[None, :]  # a row's KV_PACK heads, side by side
+        kn_partner = kn_cols + (partner - d)[None, :]
+        vn_cols = ((c // HEAD_DIM) * stride_vnh + d)[None, :]
         kn_row = KNew + b * stride_knb + kvh * stride_knh
         vn_row = VNew + b * stride_vnb + kvh * stride_vnh
-        k_rot = _norm_rope(tl.load(kn_row + d, mask=owns_last, other=0.0),
-                           tl.load(kn_row + partner, mask=owns_last, other=0.0),
-                           cos, sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, QK_NORM, False)
-        k_fresh = _as_cached(k_rot, k_inv_scale, K, CACHE_FP8)
-        v_fresh = _as_cached(tl.load(vn_row + d, mask=owns_last, other=0.0), v_inv_scale, V, CACHE_FP8)
-        tl.store(k_last, k_fresh, mask=owns_last)
-        tl.store(v_last, v_fresh, mask=owns_last)
-        k_new = k_fresh.to(q.dtype)
+        mine = (c >= 0)[None, :] & owns_last  # [1, COLS]
+        k_fresh = _as_cached(_norm_rope(tl.load(kn_row + kn_cols, mask=mine, other=0.0),
+                                        tl.load(kn_row + kn_partner, mask=mine, other=0.0),
+                                        cos, sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, KV_PACK, QK_NORM),
+                             k_inv_scale, K, CACHE_FP8)
+        v_fresh = _as_cached(tl.load(vn_row + vn_cols, mask=mine, other=0.0), v_inv_scale, V, CACHE_FP8)
+        # k_last / v_last's rows, in KOut / VOut (the pool unless a test redirects them)
+        k_row = kvh * stride_kh + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
+        v_row = kvh * stride_vh + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
+        tl.store((KOut + k_row)[None, :], k_fresh, mask=mine)
+        tl.store((VOut + v_row)[None, :], v_fresh, mask=mine)
+        k_new = k_fresh.to(q.dtype)  # [1, COLS]
         v_new = v_fresh.to(q.dtype)
     else:
         q = tl.load(q_ptrs, mask=own, other=0.0)
         # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
-        k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)
-        v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)
+        k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)[None, :]
+        v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)[None, :]
     is_last = (t == last)[:, None]
-    k = tl.where(is_last, k_new[None, :], k.to(q.dtype))
-    v = tl.where(is_last, v_new[None, :], v.to(q.dtype))
+    k = tl.where(is_last, k_new, k.to(q.dtype))
+    v = tl.where(is_last, v_new, v.to(q.dtype))
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -845,22 +857,43 @@ def _one_launch_kernel(
     if LOOKBACK > 0:
         if step_from < last:
             s = step_from + tl.arange(0, STEP_ROWS)
-            s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
-            k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
-            v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+            if ROPE_IN:
+                # Every one of them in this split's range, made from the rows that write them (row
+                # b - (last - s) of the step, at its own position), as those rows' programs make them.
+                s_mask = (s >= start) & (s < end) & (s < last)
+                src = b - (last - s)
+                s_cs = CosSin + tl.load(Pos + src, mask=s_mask, other=0).to(tl.int64)[:, None] * stride_cs
+                s_cos = tl.load(s_cs + half[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+                s_sin = tl.load(s_cs + HEAD_DIM // 2 + half[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+                s_k = KNew + src[:, None] * stride_knb + kvh * stride_knh
+                k_step = _as_cached(_norm_rope(tl.load(s_k + kn_cols, mask=s_mask[:, None], other=0.0),
+                                               tl.load(s_k + kn_partner, mask=s_mask[:, None], other=0.0),
+                                               s_cos, s_sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, KV_PACK,
+                                               QK_NORM),
+                                    k_inv_scale, K, CACHE_FP8)
+                v_step = _as_cached(tl.load(VNew + src[:, None] * stride_vnb + kvh * stride_vnh + vn_cols,
+                                            mask=s_mask[:, None], other=0.0), v_inv_scale, V, CACHE_FP8)
+            else:  # those in the first block (later blocks read theirs after the wait)
+                s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
+                k_step = _kv_block(k_head, page_base, KvIndices, s, s_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+                v_step = _kv_block(v_head, page_base, KvIndices, s, s_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     # New names in the loop: the first block's k and v are already q's dtype, an fp8 pool's
     # blocks here are still fp8 (`_attend_block` widens them), and a loop-carried name keeps one type.
     for blk in range(start + BLOCK_N, end, BLOCK_N):
         t = blk + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        k_blk = _kv_block(k_head, page_base, KvIndices, t, t_mask, k_cols, stride_kp, stride_kt, PAGE_SIZE)
-        v_blk = _kv_block(v_head, page_base, KvIndices, t, t_mask, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-        if ROPE_IN:  # the newest row, if in this block, from registers (its store may not be seen yet)
+        blk_keys = t_mask
+        if ROPE_IN:  # this step's rows were attended above; their slots, being written now, are
+            # not loaded (a stale value times a zero weight can still be a NaN)
+            blk_keys = t_mask & ((t < step_from) | (t == last))
+        k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+        v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+        if ROPE_IN:  # the newest row from registers
             fresh = (t == last)[:, None]
-            k_blk = tl.where(fresh, k_new[None, :], k_blk.to(q.dtype))
-            v_blk = tl.where(fresh, v_new[None, :], v_blk.to(q.dtype))
-        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, t_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+            k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
+            v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
+        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
     empty = l_i == 0.0
@@ -884,19 +917,24 @@ def _one_launch_kernel(
 
 
 @triton.jit
-def _norm_rope(x, partner, cos, sin, sign, w, w_partner, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-               ROWS: tl.constexpr):
-    """Head vectors x (ROWS: [R, D], else one [D]) and `partner` (each column's rotation
-    pair: the halves swapped) -> RMSNorm'd over D (QK_NORM, weights w / w_partner) then
-    rotate-half RoPE, in x's dtype, rounded as `rope_kv_write` rounds (normalised to x's dtype,
-    times the weight, rounded; the rotation in fp32 from that, rounded once)."""
+def _norm_rope(x, partner, cos, sin, sign, w, w_partner, eps, HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr,
+               QK_NORM: tl.constexpr):
+    """Rows x [R, SEGMENTS * D] of SEGMENTS head vectors each (1: one head a row, its other
+    columns zero), `partner` the same rows with each head's halves swapped (each column's
+    rotation pair), cos / sin / sign / the weights per column ([1, cols] or [R, cols]) -> each head
+    RMSNorm'd over D (QK_NORM) then rotate-half RoPE, in x's dtype, rounded as `rope_kv_write`
+    rounds (normalised to x's dtype, times the weight, rounded; the rotation in fp32 from that,
+    rounded once)."""
     xf = x.to(tl.float32)
     pf = partner.to(tl.float32)
     if QK_NORM:
-        if ROWS:
+        if SEGMENTS == 1:
             rstd = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)[:, None]
         else:
-            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
+            rows: tl.constexpr = x.shape[0]
+            ss = tl.sum(tl.reshape(xf * xf, (rows, SEGMENTS, HEAD_DIM)), 2)
+            per_head = tl.rsqrt(ss / HEAD_DIM + eps)[:, :, None]
+            rstd = tl.reshape(tl.broadcast_to(per_head, (rows, SEGMENTS, HEAD_DIM)), (rows, SEGMENTS * HEAD_DIM))
         xf = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
         pf = (w_partner * (pf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
     return (xf * cos + sign * pf * sin).to(x.dtype)
@@ -909,6 +947,26 @@ def _as_cached(x, inv_scale, C, CACHE_FP8: tl.constexpr):
     if CACHE_FP8:
         x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
     return x.to(C.dtype.element_ty)
+
+
+@triton.jit
+def _rows_before_writing_this_rows_kv(b, kv_len, page_base, KvIndptr, KvIndices, KvLens,
+                                      PAGE_SIZE: tl.constexpr, LOOKBACK: tl.constexpr):
+    """How many rows just before row b write, in this step, K/V rows that row b reads (rope_in,
+    where a row makes its newest K/V row itself): the run of rows b - j, j = 1 .. LOOKBACK, whose
+    newest position, kv_len - 1 - j, lies on the same pool page in their page table as in row b's
+    (so at the same slot). Exact: rows that only share a prefix's pages never match. Reads only
+    what is copied in before the step."""
+    j = 1 + tl.arange(0, LOOKBACK)
+    prev = b - j
+    pos = kv_len - 1 - j
+    prev_len = tl.load(KvLens + prev, mask=prev >= 0, other=0)
+    prev_base = tl.load(KvIndptr + prev, mask=prev >= 0, other=0)  # beside prev_len, not after it
+    cand = (prev >= 0) & (pos >= 0) & (prev_len == pos + 1)
+    mine = tl.load(KvIndices + page_base + pos // PAGE_SIZE, mask=cand, other=-1)
+    theirs = tl.load(KvIndices + prev_base + pos // PAGE_SIZE, mask=cand, other=-2)
+    same = cand & (mine == theirs)
+    return tl.min(tl.where(same, LOOKBACK + 1, j), 0) - 1  # the first j that does not match, less one
 
 
 @triton.jit
@@ -1007,14 +1065,16 @@ def decode_attention_one_launch(
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
     as fit a 4096-element fp32 tile).
 
-    rope_in (`RopeIn`): q and this step's newest K / V row come as the QKV projection left
+    rope_in (`RopeIn`): q and this step's newest K / V rows come as the QKV projection left
     them, and the kernel normalises (Qwen3's per-head norms) and rotates q and k itself and
-    writes the newest K / V row into the pool (at the row its page table gives it), so no RoPE +
-    K/V write kernel runs before it. One row only: a verify step's rows of one sequence would
-    read K/V rows this launch writes."""
+    writes each row's newest K / V row into the pool (at the slot its page table gives it), so
+    no RoPE + K/V write kernel runs before it. A verify step's rows of one sequence (each reads
+    the rows before it, which this launch writes) make those rows too, from the rows that write
+    them, found by `_rows_before_writing_this_rows_kv` (the look-back runs with or without PDL):
+    at most MAX_LOOKBACK + 1 rows."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
-    rope_args = _rope_in_args(rope_in, q, k_cache, kv_heads_per_program, k_scale, v_scale)
+    rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
     check_kv_pack(kv_heads_per_program, num_kv_heads)
     check_long_split(min_split_tokens, long_from_tokens, long_split_tokens)
     if merge_splits is not None and (merge_splits < 1 or merge_splits & (merge_splits - 1)):
@@ -1054,7 +1114,7 @@ def decode_attention_one_launch(
         MERGE_SPLITS=min(merge_splits, num_splits),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
-        LOOKBACK=one_launch_lookback(batch) if pdl else 0,
+        LOOKBACK=one_launch_lookback(batch) if pdl or rope_in is not None else 0,
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
@@ -1077,20 +1137,23 @@ class RopeIn(NamedTuple):
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     qk_norm: object | None = None
+    # Where the rows are written: the pool (None), or tensors of its shape. A test passes copies,
+    # so that no read can see a row this launch writes (on the GPU its programs run at once; the
+    # interpreter runs them one after another).
+    k_out: torch.Tensor | None = None
+    v_out: torch.Tensor | None = None
 
 
-def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor, kv_pack: int,
+def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: float, v_scale: float) -> dict:
     """The kernel's ROPE_IN arguments ({} without rope_in), or a ValueError naming what is off."""
     if rope_in is None:
         return {}
     batch, _, head_dim = q.shape
     kv_shape = (batch, k_cache.shape[2], head_dim)
-    if batch != 1:
-        raise ValueError(f"rope_in serves one-row steps (a verify step's rows of one sequence read "
-                         f"K/V this launch writes), got {batch} rows")
-    if kv_pack != 1:
-        raise ValueError(f"rope_in reads one KV head a program, got kv_heads_per_program={kv_pack}")
+    if batch > MAX_LOOKBACK + 1:
+        raise ValueError(f"rope_in serves steps of at most {MAX_LOOKBACK + 1} rows (its look-back finds "
+                         f"the rows of a sequence that write what another reads), got {batch}")
     k, v, cos_sin = rope_in.k, rope_in.v, rope_in.cos_sin_cache
     if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"rope_in's k / v must be {kv_shape} with contiguous head rows, got "
@@ -1100,12 +1163,17 @@ def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor
     if cos_sin.shape[-1] != head_dim or cos_sin.stride(-1) != 1 or rope_in.positions.shape != (batch,):
         raise ValueError(f"rope_in needs a [max_pos, {head_dim}] RoPE table with contiguous rows and "
                          f"{batch} positions, got {tuple(cos_sin.shape)} and {tuple(rope_in.positions.shape)}")
+    k_out = k_cache if rope_in.k_out is None else rope_in.k_out
+    v_out = v_cache if rope_in.v_out is None else rope_in.v_out
+    if (k_out.shape, k_out.stride(), k_out.dtype) != (k_cache.shape, k_cache.stride(), k_cache.dtype) or \
+            (v_out.shape, v_out.stride(), v_out.dtype) != (v_cache.shape, v_cache.stride(), v_cache.dtype):
+        raise ValueError("rope_in's k_out / v_out must be laid out as the pool's k / v caches")
     norm = rope_in.qk_norm
     if norm is not None and (tuple(norm.q_weight.shape), tuple(norm.k_weight.shape)) != ((head_dim,),) * 2:
         raise ValueError(f"qk_norm weights must be [{head_dim}], got {tuple(norm.q_weight.shape)} "
                          f"and {tuple(norm.k_weight.shape)}")
     return dict(
-        KNew=k, VNew=v, Pos=rope_in.positions, CosSin=cos_sin,
+        KNew=k, VNew=v, Pos=rope_in.positions, CosSin=cos_sin, KOut=k_out, VOut=v_out,
         QW=norm.q_weight if norm is not None else None, KW=norm.k_weight if norm is not None else None,
         stride_knb=k.stride(0), stride_knh=k.stride(1), stride_vnb=v.stride(0), stride_vnh=v.stride(1),
         stride_cs=cos_sin.stride(0), norm_eps=float(norm.eps) if norm is not None else 0.0,

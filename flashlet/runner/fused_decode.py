@@ -128,14 +128,17 @@ SERVED_ROWS = 16
 # (`fp8_tensor_cores`) serves SERVED_ROWS.
 SERVED_ROWS_FP8 = 4
 
-# One-row steps whose RoPE is not in the QKV epilogue (Qwen3's, whose per-head norms keep it out)
-# normalise and rotate q and the newest k, and write the newest K/V row, inside the one-launch
+# Fused steps whose RoPE is not in the QKV epilogue (Qwen3's, whose per-head norms keep it out)
+# normalise and rotate q and each row's newest k, and write its K/V row, inside the one-launch
 # attention (`TritonBackend.attend_one_launch(rope_in=)`) instead of the pool's RoPE + K/V write
 # kernel before it: one kernel a layer fewer, and the attention follows the QKV GEMV in the PDL
 # chain (FUSED_NOTES.md, "RoPE in the attention kernel"). Off until measured on a GPU:
-# $FLASHLET_ROPE_IN_ATTENTION=1 turns it on for a fresh process (an A/B).
+# $FLASHLET_ROPE_IN_ATTENTION for a fresh process (an A/B): "1" where the epilogue does not
+# apply; "all" also where it would (the epilogue off: the 4- and 16-row A/B at Qwen2.5's shape).
 ROPE_IN_ATTENTION_ENV = "FLASHLET_ROPE_IN_ATTENTION"
-ROPE_IN_ATTENTION = os.environ.get(ROPE_IN_ATTENTION_ENV, "0") == "1"
+ROPE_IN_ATTENTION = os.environ.get(ROPE_IN_ATTENTION_ENV, "0")
+if ROPE_IN_ATTENTION not in ("0", "1", "all"):
+    raise ValueError(f"{ROPE_IN_ATTENTION_ENV}={ROPE_IN_ATTENTION!r}: expected 0, 1 or all")
 
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
@@ -352,7 +355,7 @@ class FusedDecode:
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
         # One-row steps without the RoPE epilogue make their rows in the attention kernel
-        self.rope_in_attention = ROPE_IN_ATTENTION and one_launch_attention
+        self.rope_in_attention = ROPE_IN_ATTENTION != "0" and one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:

@@ -236,7 +236,8 @@ class ModelRunner:
                 self._fused_off_why = why
                 return None
         pdl = _given_or(parts.pdl, fused_decode.has_pdl(self.device))
-        rope = _given_or(parts.rope, not fused_decode.rope_refusals(model, kv_pool))
+        rope = _given_or(parts.rope, not fused_decode.rope_refusals(model, kv_pool)
+                         and fused_decode.ROPE_IN_ATTENTION != "all")  # "all": an A/B without it
         # On CUDA the one-launch attention is always there (the fused path's own triton
         # backend where the step backend lacks it); on the CPU only an interpreted one.
         attn = _given_or(parts.attn,

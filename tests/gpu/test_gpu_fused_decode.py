@@ -561,7 +561,7 @@ def test_rope_in_the_one_row_attention_at_qwen3_shapes(monkeypatch, preset):
     one-row steps normalise, rotate and write the newest K/V row inside the one-launch attention
     (PDL on, as the default parts run it), held to the per-op path by the same rule as above,
     96 positions; prompts up to 300 tokens, so rows attend over several splits."""
-    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", True)
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
     vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)
     ps = [[(i * 31 + 7 * p + 1) % vocab for i in range(20 + 90 * p)] for p in range(4)]

@@ -286,7 +286,7 @@ _LOWER = textwrap.dedent("""
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
                    KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32",
-                   KNew="*bf16", VNew="*bf16", Pos="*i64", CosSin="*fp32", QW="*bf16", KW="*bf16",
+                   KNew="*bf16", VNew="*bf16", Pos="*i64", CosSin="*fp32", QW="*bf16", KW="*bf16", KOut=kv, VOut=kv,
                    norm_eps="fp32", k_inv_scale="fp32", v_inv_scale="fp32")
         consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
@@ -333,10 +333,10 @@ ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the 
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
     (16, True, 256, 8, 64, 8, "*fp8e4nv", False),
-    # The row made in the kernel (rope_in: norms, RoPE, the K/V write), at Qwen3's one-row table
-    # entry as rope_in launches it (block 64, 8 warps: ROPE_IN_MIN_WARPS) and at head_dim 64's
-    # whole-split tile.
+    # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
+    # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
     (32, True, 64, 8, 128, 0, "*bf16", True), (16, True, 256, 8, 64, 0, "*bf16", True),
+    (16, True, 256, 8, 64, 8, "*bf16", True),  # rope_in over a verify step's rows: made, not loaded
 ]
 
 

@@ -37,7 +37,7 @@ def _case(kh, *, group, num_kv_heads, page_size, kv_len, head_dim, dtype, seed=0
 
 
 def _run(kh, paged, q, k, v, positions, cos_sin, norm, *, num_splits, min_split_tokens, block_n,
-         k_cache=None, v_cache=None, k_scale=1.0, v_scale=1.0):
+         k_cache=None, v_cache=None, k_scale=1.0, v_scale=1.0, outs=(None, None)):
     k_cache = paged["k_cache"] if k_cache is None else k_cache
     v_cache = paged["v_cache"] if v_cache is None else v_cache
     hq, head_dim = q.shape[1], q.shape[2]
@@ -48,7 +48,7 @@ def _run(kh, paged, q, k, v, positions, cos_sin, norm, *, num_splits, min_split_
         out=out, mid_o=torch.full((num_splits, hq, head_dim), NAN, device=kh.device),
         mid_lse=torch.full((num_splits, hq), NAN, device=kh.device), merge_counts=counts,
         num_splits=num_splits, min_split_tokens=min_split_tokens, block_n=block_n,
-        k_scale=k_scale, v_scale=v_scale, rope_in=RopeIn(k, v, positions, cos_sin, norm))
+        k_scale=k_scale, v_scale=v_scale, rope_in=RopeIn(k, v, positions, cos_sin, norm, *outs))
     assert got is out and not torch.isnan(out).any() and not counts.any()
     return out
 
@@ -71,16 +71,20 @@ def test_rope_in_matches_the_rope_kernel_then_attention(kh, group, num_kv_heads,
     want_q, _ = rope_kv_write_reference(q, k, v, pos, cs, kc_ref, vc_ref, slot, qk_norm=norm)
     want = decode_attention_reference(want_q, kc_ref, vc_ref, paged["kv_indptr"], paged["kv_indices"],
                                       paged["kv_lens"], head_dim**-0.5)
-    got = _run(kh, paged, q, k, v, pos, cs, norm, num_splits=num_splits, min_split_tokens=min_split_tokens,
-               block_n=block_n)
+    common = dict(num_splits=num_splits, min_split_tokens=min_split_tokens, block_n=block_n)
+    # Written into copies first: nothing of the pool read may be a row this launch writes (its
+    # slot stays poisoned), as on the GPU, where the programs run at once.
+    outs = (paged["k_cache"].clone(), paged["v_cache"].clone())
+    redirected = _run(kh, paged, q, k, v, pos, cs, norm, **common, outs=outs)
+    got = _run(kh, paged, q, k, v, pos, cs, norm, **common)
+    assert torch.equal(redirected, got) and torch.equal(outs[0], paged["k_cache"]) and torch.equal(outs[1], paged["v_cache"])
     # bf16 (GPU): the norm's and rotation's roundings may land an ulp apart (rstd summed in
     # another order, test_kern_rope_qk_norm.py).
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert kh.rel_err(got, want) < tol
     assert kh.rel_err(paged["k_cache"], kc_ref) < tol and torch.equal(paged["v_cache"], vc_ref)
     # A second launch over the same pool (a graph replay) reads what the first one wrote.
-    again = _run(kh, paged, q, k, v, pos, cs, norm, num_splits=num_splits, min_split_tokens=min_split_tokens,
-                 block_n=block_n)
+    again = _run(kh, paged, q, k, v, pos, cs, norm, **common)
     assert torch.equal(again, got)
 
 
@@ -111,13 +115,94 @@ def test_rope_in_refuses_what_it_cannot_serve(kh):
     common = dict(out=torch.empty_like(q), mid_o=None, mid_lse=None,
                   merge_counts=torch.zeros(2, dtype=torch.int32, device=kh.device), num_splits=1)
     args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"], 0.2)
-    with pytest.raises(ValueError, match="one KV head a program"):
-        decode_attention_one_launch(*args, **common, kv_heads_per_program=2, rope_in=RopeIn(k, v, pos, cs, norm))
     with pytest.raises(ValueError, match=r"qk_norm weights must be \[32\]"):
         decode_attention_one_launch(*args, **common, rope_in=RopeIn(k, v, pos, cs, norm._replace(q_weight=norm.q_weight[:8])))
     with pytest.raises(ValueError, match="RoPE table"):
         decode_attention_one_launch(*args, **common, rope_in=RopeIn(k, v, pos, cs[:, :16], norm))
-    two = torch.cat([q, q])
-    with pytest.raises(ValueError, match="one-row steps"):
-        decode_attention_one_launch(two, *args[1:], **{**common, "out": torch.empty_like(two)},
-                                    rope_in=RopeIn(k, v, pos, cs, norm))
+    with pytest.raises(ValueError, match="k / v must be"):
+        decode_attention_one_launch(*args, **common, rope_in=RopeIn(k[:, :1], v, pos, cs, norm))
+    many = q.expand(18, -1, -1).contiguous()
+    with pytest.raises(ValueError, match="at most 17 rows"):
+        decode_attention_one_launch(many, *args[1:], **{**common, "out": torch.empty_like(many)},
+                                    rope_in=RopeIn(k.expand(18, -1, -1), v.expand(18, -1, -1), pos.expand(18), cs, norm))
+
+
+# ---- several rows: distinct sequences, a verify step's rows of one sequence, shared prefixes -----
+
+
+def _batch_case(kh, rows, *, group, num_kv_heads, head_dim, page_size, shared_first_page=(), seed=0):
+    """rows: (sequence, kv_len) per row, in order; the rows of one sequence share its page table
+    (a verify step's rows: kv_lens one apart). shared_first_page: sequences whose first page is
+    sequence 0's (a cached prefix). Returns the pool (random past rows, every row's newest slot
+    poisoned), the page table, raw q / k / v, positions (kv_len - 1), slots, the table, norms."""
+    g = torch.Generator().manual_seed(seed)
+    longest = {}
+    for seq, kv_len in rows:
+        longest[seq] = max(longest.get(seq, 0), kv_len)
+    need = {seq: -(-n // page_size) for seq, n in longest.items()}
+    order = torch.randperm(sum(need.values()) + 2, generator=g).tolist()
+    pages = {seq: [order.pop() for _ in range(n)] for seq, n in need.items()}
+    for seq in shared_first_page:
+        pages[seq][0] = pages[0][0]
+    total = len(order) + sum(need.values())
+    k_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=g).to(kh.device)
+    v_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=g).to(kh.device)
+    indptr, indices, slots = [0], [], []
+    for seq, kv_len in rows:
+        own = pages[seq][: -(-kv_len // page_size)]
+        indices += own
+        indptr.append(len(indices))
+        slots.append(own[(kv_len - 1) // page_size] * page_size + (kv_len - 1) % page_size)
+    for slot in slots:
+        k_cache.view(-1, num_kv_heads, head_dim)[slot] = NAN
+        v_cache.view(-1, num_kv_heads, head_dim)[slot] = NAN
+    table = dict(kv_indptr=torch.tensor(indptr, dtype=torch.int32, device=kh.device),
+                 kv_indices=torch.tensor(indices, dtype=torch.int32, device=kh.device),
+                 kv_lens=torch.tensor([n for _, n in rows], dtype=torch.int32, device=kh.device))
+    hq = group * num_kv_heads
+    qkv = (torch.randn(len(rows), hq + 2 * num_kv_heads, head_dim, generator=g) * 3 + 0.5).to(kh.device)
+    q, k, v = qkv.split([hq, num_kv_heads, num_kv_heads], dim=1)
+    norm = QKNorm((torch.rand(head_dim, generator=g) + 0.5).to(kh.device),
+                  (torch.rand(head_dim, generator=g) + 0.5).to(kh.device), 1e-6)
+    positions = table["kv_lens"].long() - 1
+    return (k_cache, v_cache, table, q, k, v, positions, torch.tensor(slots, device=kh.device),
+            kh.cos_sin_cache(max(longest.values()) + 8, head_dim), norm)
+
+
+@pytest.mark.parametrize("rows,shared,kv_pack", [
+    ([(0, 40), (1, 70), (2, 1), (3, 33)], (), 1),                       # four sequences, one of one token
+    ([(0, 40), (1, 70), (2, 9), (3, 33)], (), 2),                       # the same, two KV heads a program
+    ([(0, 30), (1, 61), (1, 62), (1, 63), (1, 64), (1, 65), (2, 20)], (), 1),  # a k = 4 verify step between two
+    ([(1, 90), (1, 91), (1, 92)], (), 2),                               # verify rows in a split's second block
+    ([(0, 40), (1, 41), (2, 42)], (1, 2), 1),                           # a shared first page, lengths one apart
+])
+def test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(kh, rows, shared, kv_pack):
+    """Each row's newest K/V written by its own program; a verify step's rows (one sequence, KV
+    lengths one apart) each make the rows before them from the rows that write them, wherever
+    they fall in a split (the first block or later ones); rows of sequences that only share a
+    cached prefix's page never take each other's rows (the look-back is exact). The rows are
+    written into copies of the pool (RopeIn.k_out / v_out), whose poisoned slots stay in the
+    pool read: on a GPU the programs run at once, so no program may read a row this launch
+    writes, which the interpreter (one program after another) would otherwise let pass."""
+    num_kv_heads, head_dim, page_size = 4, 32, 8
+    kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(
+        kh, rows, group=2, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        shared_first_page=shared)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want_q, _ = rope_kv_write_reference(q, k, v, pos, cs, kc_ref, vc_ref, slots, qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref, vc_ref, table["kv_indptr"], table["kv_indices"],
+                                      table["kv_lens"], head_dim**-0.5)
+    num_splits, batch, hq = 4, len(rows), q.shape[1]
+    k_out, v_out = kc.clone(), vc.clone()
+    for launch in range(2):  # the same twice (a graph replay)
+        out = torch.full((batch, hq, head_dim), NAN, device=kh.device)
+        counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=kh.device)
+        decode_attention_one_launch(
+            q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], head_dim**-0.5, out=out,
+            mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device),
+            mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device), merge_counts=counts,
+            num_splits=num_splits, min_split_tokens=32, block_n=16, kv_heads_per_program=kv_pack,
+            rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out))
+        assert not torch.isnan(out).any() and not counts.any()
+        assert kh.rel_err(out, want) < 1e-5, launch
+    assert kh.rel_err(k_out, kc_ref) < 1e-5 and torch.equal(v_out, vc_ref)

@@ -398,6 +398,7 @@ class TritonBackend(AttentionBackend):
             cfg, splits = self.one_launch_config(n)
         if rope_in is not None:
             cfg = self.rope_in_form(cfg)
+            rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
         out = torch.empty_like(q)
         decode_attention_one_launch(

@@ -206,3 +206,32 @@ def test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(kh, ro
         assert not torch.isnan(out).any() and not counts.any()
         assert kh.rel_err(out, want) < 1e-5, launch
     assert kh.rel_err(k_out, kc_ref) < 1e-5 and torch.equal(v_out, vc_ref)
+
+
+def test_rope_in_over_an_fp8_pool_with_verify_rows(kh):
+    """A k = 2 verify step beside another sequence over an e4m3 pool: the rows a verify row makes
+    for the rows before it are rounded to the pool's e4m3 as those rows' own programs store them
+    (the RoPE kernel's bytes: the interpreter's e4m3 casts truncate, PyTorch's round)."""
+    rows = [(0, 25), (1, 50), (1, 51), (1, 52)]
+    kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(kh, rows, group=2, num_kv_heads=2, head_dim=32,
+                                                               page_size=8, seed=4)
+    k_scale, v_scale = 0.05, 0.03
+    kc8 = quantize_fp8(kc.nan_to_num(0.0), k_scale, torch.float8_e4m3fn)
+    vc8 = quantize_fp8(vc.nan_to_num(0.0), v_scale, torch.float8_e4m3fn)
+    kc_ref, vc_ref = kc8.clone(), vc8.clone()
+    want_q, _ = rope_kv_write(q, k, v, pos, cs, kc_ref, vc_ref, slots, kv_scales=(k_scale, v_scale), qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref.float() * k_scale, vc_ref.float() * v_scale,
+                                      table["kv_indptr"], table["kv_indices"], table["kv_lens"], 32**-0.5)
+    batch, hq = len(rows), q.shape[1]
+    k_out, v_out = kc8.clone(), vc8.clone()
+    out = torch.full((batch, hq, 32), NAN, device=kh.device)
+    decode_attention_one_launch(
+        q, kc8, vc8, table["kv_indptr"], table["kv_indices"], table["kv_lens"], 32**-0.5, out=out,
+        mid_o=torch.full((batch * 4, hq, 32), NAN, device=kh.device),
+        mid_lse=torch.full((batch * 4, hq), NAN, device=kh.device),
+        merge_counts=torch.zeros(batch * 2, dtype=torch.int32, device=kh.device),
+        num_splits=4, min_split_tokens=16, block_n=16, k_scale=k_scale, v_scale=v_scale,
+        rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out))
+    assert torch.equal(k_out.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(v_out.view(torch.uint8), vc_ref.view(torch.uint8))
+    assert kh.rel_err(out, want) < 1e-5

@@ -691,6 +691,13 @@ def decode_attention_reference(
 # stale. LOOKBACK covers every earlier row of a batch of up to MAX_LOOKBACK + 1 rows (the fused
 # path's steps) and, past that, sequences of up to MAX_LOOKBACK + 1 rows a step.
 #
+# ROPE_IN (`rope_in=`, off by default): q, k and v come as the QKV projection wrote them, and the
+# kernel makes this step's rows itself after its wait (Qwen3's per-head norms, RoPE, the pool's
+# rounding), the program whose split holds a row's newest position storing that K/V row. No
+# program then loads a slot this launch writes: the newest row comes from registers, and a verify
+# row makes the step's earlier rows it reads from the rows that write them, found exactly (the same
+# pool page for that position: `_rows_before_writing_this_rows_kv`), with or without PDL.
+#
 # Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
 # compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
 # `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
@@ -792,7 +799,7 @@ def _one_launch_kernel(
     if ROPE_IN:  # this row's RoPE table row (its position is copied in before the step)
         cs_row = CosSin + tl.load(Pos + b).to(tl.int64) * stride_cs
     if USE_PDL:
-        pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row are written
+        pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row (ROPE_IN: q, k, v) are written
     if ROPE_IN:
         # q and the newest k as the QKV GEMV left them: normalised (QK_NORM) and rotated here,
         # rounded as rope_kv_write rounds them; the newest K/V row stored by its owner only

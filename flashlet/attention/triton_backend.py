@@ -81,9 +81,10 @@ ONE_LAUNCH_WHOLE_SPLIT_HEAD_DIM = 64
 ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
 # The one-launch form that makes its rows in the kernel (`rope_in`) reads one KV head a program,
 # with at least ROPE_IN_MIN_WARPS warps where a block holds ROPE_IN_WIDE_BLOCK+ elements (BLOCK_N x
-# head_dim). ptxas (sm_90a, Triton 3.7) at Qwen3's table entries: one row, 64 keys x 128, 4 warps
-# spilled 224 bytes with the row made in it (148 without), 8 warps none; 4 and 16 rows, two KV
-# heads a program, 344 and 444 bytes (160 and 68 without), one head a program with 8 warps none.
+# head_dim). ptxas (sm_90a, Triton 3.7) at Qwen3's table entries, with the rows made in the kernel
+# (without them): one row, 64 keys x 128, 4 warps, 992 bytes spilled (160); 4 rows, two KV heads a
+# program, 8 warps, 736 (160); 16 rows, two heads, 32 keys, 4 warps, 228 (68). One head a program,
+# 8 warps at 64 keys and 4 at 32: none.
 ROPE_IN_MIN_WARPS = 8
 ROPE_IN_WIDE_BLOCK = 8192
 # "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU

@@ -354,7 +354,7 @@ class FusedDecode:
         self.bf16_one_row_mma = bf16_one_row_tensor_cores(model)  # one bf16 row on them too
         self.pdl = pdl
         self.one_launch_attention = one_launch_attention
-        # One-row steps without the RoPE epilogue make their rows in the attention kernel
+        # Steps without the RoPE epilogue make their rows in the attention kernel (ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION != "0" and one_launch_attention
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None

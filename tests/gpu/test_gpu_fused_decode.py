@@ -477,6 +477,22 @@ def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model
     with other split counts than one-token decodes: the rounding differs). With logprobs both
     runs pick from bf16 logits (checked both ways); without, the verify steps take each
     token's argmax from the LM head epilogue (checked against the logprobs run)."""
+    check_speculation_on_the_fused_path(small_model, monkeypatch, served, k)
+
+
+@pytest.mark.slow
+def test_rope_in_with_ngram_speculation_on_the_fused_path(small_model, monkeypatch):
+    """The test above (16 rows served, k = 4) with the rows made in the one-launch attention
+    (fused_decode.ROPE_IN_ATTENTION "all": the RoPE epilogue off): verify rows of one sequence
+    make the rows before them, which the same launch writes, while every program runs at once."""
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "all")
+    engine = check_speculation_on_the_fused_path(small_model, monkeypatch, 16, 4)
+    assert engine.runner.fused.rope_in_attention and engine.runner.fused.rope is None
+
+
+def check_speculation_on_the_fused_path(small_model, monkeypatch, served: int, k: int):
+    """test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output's body -> the greedy
+    run's engine."""
     from flashlet import SamplingParams
 
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", served)
@@ -501,6 +517,7 @@ def test_ngram_speculation_on_the_fused_path_keeps_the_greedy_output(small_model
     assert fused_steps > 0 and greedy_rows > 0, f"greedy run: verify steps run fused {fused_steps}, argmax rows {greedy_rows}"
     verdicts += [near_tie_or_equal(w, g, bound=0.5) for w, g in zip(plain, argmax)]
     print(f"speculation on the fused path (logprobs, argmax): {verdicts}; {counts}")
+    return engine
 
 
 @pytest.mark.slow
@@ -555,17 +572,20 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-1.7b"])
-def test_rope_in_the_one_row_attention_at_qwen3_shapes(monkeypatch, preset):
+def test_rope_in_the_attention_at_qwen3_shapes(monkeypatch, preset, batch):
     """fused_decode.ROPE_IN_ATTENTION ($FLASHLET_ROPE_IN_ATTENTION=1, off until measured): the
-    one-row steps normalise, rotate and write the newest K/V row inside the one-launch attention
-    (PDL on, as the default parts run it), held to the per-op path by the same rule as above,
-    96 positions; prompts up to 300 tokens, so rows attend over several splits."""
+    fused steps (one row, or four together) normalise, rotate and write each row's newest K/V row
+    inside the one-launch attention (PDL on, as the default parts run it), held to the per-op
+    path by the same rule as above, 96 positions; prompts up to 300 tokens, so rows attend over
+    several splits."""
     monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
     vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)
     ps = [[(i * 31 + 7 * p + 1) % vocab for i in range(20 + 90 * p)] for p in range(4)]
-    engine = check_against_reference_teacher_forced(source, ps, 24, fused=None)
+    engine = check_against_reference_teacher_forced(source, ps, 24, max_num_seqs=batch, fused=None)
     fused = engine.runner.fused
     assert fused is not None and fused.pdl and fused.rope_in_attention and fused.rope is None
     assert not engine.runner.fused_attention._merge_counts.any()

@@ -18,9 +18,11 @@
 #   offline      nano-vllm's offline workload, first run and repeat, beside HF
 #   closed-loop  in-process closed loop at concurrency 1, 8, 32, 128 (32 new tokens, beside HF),
 #                then 1, 4, 16 (128 new tokens) in the harness and through LLM.generate
-#   rope-in      Qwen3's fused steps with RoPE and the K/V write inside the attention kernel
-#                (FLASHLET_ROPE_IN_ATTENTION=1) against the kernel before it: GPU tests, then one
-#                stream through LLM.generate at qwen3-0.6b / 1.7b, two interleaved pairs (~6 min)
+#   rope-in      the tests of the rows made in the attention kernel (FLASHLET_ROPE_IN_ATTENTION,
+#                off by default): kernels, Qwen3's shapes at 1 and 4 rows, n-gram verify steps (~5 min)
+#   rope-in-ab   Qwen3 with RoPE and the K/V write inside the attention kernel (=1) against the
+#                kernel before it: one stream through LLM.generate at qwen3-0.6b / 1.7b, two
+#                interleaved pairs (~5 min)
 #   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
 #                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
@@ -525,12 +527,14 @@ for _ in range(480):
           --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
           --max-num-pages 16384 --tokenizer .tok/smollm2
       done ;;
-    rope-in)  # Qwen3's one-row steps with RoPE and the K/V write in the attention kernel
-      # (FLASHLET_ROPE_IN_ATTENTION=1) against the RoPE + K/V write kernel before it: the kernel
-      # and GPU tests, then one stream through LLM.generate, two interleaved pairs a shape
+    rope-in)  # the rows made in the attention kernel (FLASHLET_ROPE_IN_ATTENTION): its kernel and
+      # GPU tests (Qwen3's shapes at 1 and 4 rows, n-gram verify steps with the epilogue off)
       cute_env
-      run 400 $PYTEST tests/kernels/test_kern_decode_rope_in.py tests/gpu/test_gpu_fused_decode.py \
-        -k "rope_in or default_config"
+      run 500 $PYTEST tests/kernels/test_kern_decode_rope_in.py tests/gpu/test_gpu_fused_decode.py \
+        -k "rope_in or default_config" ;;
+    rope-in-ab)  # Qwen3 with RoPE and the K/V write in the attention kernel (=1) against the
+      # RoPE + K/V write kernel before it: one stream through LLM.generate, two interleaved pairs
+      cute_env
       for pair in 1 2; do
         for on in 1 0; do
           for c in qwen3-0.6b qwen3-1.7b; do

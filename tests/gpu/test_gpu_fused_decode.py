@@ -294,13 +294,27 @@ def test_fused_path_over_an_fp8_cache_matches_the_per_op_path(small_model, batch
     can land a whole e4m3 step (1/8) apart. Measured (H200, 2026-12-04, one row): qwen2 455 of 512
     picks agree, each parting inside the per-pick noise bound, the fused logits' RMS error
     against fp32 0.455 against per-op's 0.461; so at least 85% must agree, not 90%."""
-    source, vocab = small_model
-    source = dict(source, kv_cache_dtype="fp8")
-    engine = check_against_reference_teacher_forced(source, prompts(16 if batch == 1 else batch, vocab), 32,
-                                                    max_num_seqs=batch, min_agree=0.85,
-                                                    fused_decode_pdl=True, fused_decode_attn=True)
+    engine = check_over_an_fp8_cache(small_model, batch)
     parts = engine.runner.fused.parts
     assert engine.runner.kv_pool.is_fp8 and (parts.rope, parts.attn) == (False, True)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_rope_in_over_an_fp8_cache_matches_the_per_op_path(small_model, monkeypatch, batch):
+    """The test above with the rows made in the one-launch attention (ROPE_IN_ATTENTION "all"):
+    each row's newest K / V stored in e4m3 with the layer's scales by the attention kernel, which
+    attends over that stored form."""
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "all")
+    engine = check_over_an_fp8_cache(small_model, batch)
+    assert engine.runner.kv_pool.is_fp8 and engine.runner.fused.rope_in_attention
+
+
+def check_over_an_fp8_cache(small_model, batch: int):
+    source, vocab = small_model
+    source = dict(source, kv_cache_dtype="fp8")
+    return check_against_reference_teacher_forced(source, prompts(16 if batch == 1 else batch, vocab), 32,
+                                                  max_num_seqs=batch, min_agree=0.85,
+                                                  fused_decode_pdl=True, fused_decode_attn=True)
 
 
 def test_fused_path_without_graphs_gives_the_graph_tokens(small_model):

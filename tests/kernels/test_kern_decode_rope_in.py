@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashlet.kernels.decode_attention import (RopeIn, decode_attention_one_launch, decode_attention_reference)
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
@@ -235,3 +237,51 @@ def test_rope_in_over_an_fp8_pool_with_verify_rows(kh):
     assert torch.equal(k_out.view(torch.uint8), kc_ref.view(torch.uint8))
     assert torch.equal(v_out.view(torch.uint8), vc_ref.view(torch.uint8))
     assert kh.rel_err(out, want) < 1e-5
+
+
+@st.composite
+def rope_in_layouts(draw):
+    """(rows, shared, page_size): 1-4 sequences in a random order, each 1-4 rows of one verify
+    run (KV lengths one apart), some sharing sequence 0's first page (then no row of either
+    writes into it: a cached prefix's page is full)."""
+    page_size = draw(st.sampled_from([4, 8]))
+    count = draw(st.integers(1, 4))
+    runs = [(draw(st.integers(1, 60)), draw(st.integers(1, 4))) for _ in range(count)]
+    order = draw(st.permutations(range(count)))
+    rows = [(seq, runs[seq][0] + i) for seq in order for i in range(runs[seq][1])]
+    past_first_page = [runs[seq][0] > page_size for seq in range(count)]
+    shared = tuple(seq for seq in range(1, count)
+                   if past_first_page[0] and past_first_page[seq] and draw(st.booleans()))
+    return rows, shared, page_size
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(layout=rope_in_layouts(), kv_pack=st.sampled_from([1, 2]), num_splits=st.sampled_from([1, 2, 4]),
+       qk_norm=st.booleans(), seed=st.integers(0, 1000))
+def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, seed):
+    """Random steps of verify runs and plain rows, shared prefix pages, splits and packing:
+    the rope_in launch (its rows written into copies of the pool) against the RoPE kernel's
+    reference then attention."""
+    rows, shared, page_size = layout
+    num_kv_heads, head_dim = 4, 32
+    kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(
+        kh, rows, group=2, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        shared_first_page=shared, seed=seed)
+    norm = norm if qk_norm else None
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want_q, _ = rope_kv_write_reference(q, k, v, pos, cs, kc_ref, vc_ref, slots, qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref, vc_ref, table["kv_indptr"], table["kv_indices"],
+                                      table["kv_lens"], head_dim**-0.5)
+    batch, hq = len(rows), q.shape[1]
+    k_out, v_out = kc.clone(), vc.clone()
+    out = torch.full((batch, hq, head_dim), NAN, device=kh.device)
+    counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=kh.device)
+    decode_attention_one_launch(
+        q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], head_dim**-0.5, out=out,
+        mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device) if num_splits > 1 else None,
+        mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device) if num_splits > 1 else None,
+        merge_counts=counts, num_splits=num_splits, min_split_tokens=16, block_n=16,
+        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out))
+    assert not torch.isnan(out).any() and not counts.any()
+    assert kh.rel_err(out, want) < 1e-5
+    assert kh.rel_err(k_out, kc_ref) < 1e-5 and torch.equal(v_out, vc_ref)

@@ -1093,3 +1093,12 @@ def test_rope_in_attention_switch_reads_its_three_values():
     bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, "FLASHLET_ROPE_IN_ATTENTION": "yes"})
     assert bad.returncode != 0 and "expected 0, 1 or all" in bad.stderr
+
+
+def test_every_fused_row_count_is_within_the_rope_in_look_back():
+    """rope_in finds a verify row's earlier rows by looking back MAX_LOOKBACK rows: every row
+    count the fused path serves (cute_gemv.MAX_ROWS) must be within it."""
+    from flashlet.kernels.cute_gemv import MAX_ROWS
+    from flashlet.kernels.decode_attention import MAX_LOOKBACK
+
+    assert MAX_ROWS <= MAX_LOOKBACK + 1

@@ -64,7 +64,7 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import (MAX_LOOKBACK, RopeIn, decode_attention, decode_attention_one_launch,
+from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
                                                one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
@@ -374,19 +374,14 @@ class TritonBackend(AttentionBackend):
             warps = max(warps, ROPE_IN_MIN_WARPS)
         return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
 
-    def one_launch_rope_in(self, num_seqs: int) -> bool:
-        """Whether `attend_one_launch(rope_in=)` serves a pure-decode step of num_seqs rows (its
-        look-back's limit)."""
-        return num_seqs <= MAX_LOOKBACK + 1
-
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
-        rope_in (where `one_launch_rope_in`): q and this step's K/V as the QKV projection left
-        them; the kernel normalises and rotates them and writes the K/V row itself
-        (`decode_attention_one_launch`)."""
+        rope_in: q and this step's K/V as the QKV projection left them; the kernel normalises
+        and rotates them and writes the K/V rows itself (`decode_attention_one_launch`: steps of
+        up to MAX_LOOKBACK + 1 rows, every fused row count)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")

@@ -78,6 +78,7 @@ import triton.language as tl
 
 from flashlet.kernels import pdl, tuning
 from flashlet.kernels.pdl import pdl_supported
+from flashlet.kernels.rope_kv_write import _to_cache  # a row as the pool stores it
 
 LOG2E = 1.4426950408889634
 # The Triton interpreter runs no inline PTX: there fp8 V widens through Triton's own casts.
@@ -794,8 +795,10 @@ def _one_launch_kernel(
     owns_last = (kv_len > 0) & (last >= start) & (last < end)
     last_mask = owns_last if ROPE_IN else in_block
     last_page = tl.load(KvIndices + page_base + last // PAGE_SIZE, mask=last_mask, other=0).to(tl.int64)
-    k_last = k_head + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
-    v_last = v_head + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
+    k_last_at = kvh * stride_kh + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
+    v_last_at = kvh * stride_vh + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
+    k_last = K + k_last_at
+    v_last = V + v_last_at
     if ROPE_IN:  # this row's RoPE table row (its position is copied in before the step)
         cs_row = CosSin + tl.load(Pos + b).to(tl.int64) * stride_cs
     if USE_PDL:
@@ -831,16 +834,14 @@ def _one_launch_kernel(
         kn_row = KNew + b * stride_knb + kvh * stride_knh
         vn_row = VNew + b * stride_vnb + kvh * stride_vnh
         mine = (c >= 0)[None, :] & owns_last  # [1, COLS]
-        k_fresh = _as_cached(_norm_rope(tl.load(kn_row + kn_cols, mask=mine, other=0.0),
+        k_fresh = _to_cache(_norm_rope(tl.load(kn_row + kn_cols, mask=mine, other=0.0),
                                         tl.load(kn_row + kn_partner, mask=mine, other=0.0),
                                         cos, sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, KV_PACK, QK_NORM),
                              k_inv_scale, K, CACHE_FP8)
-        v_fresh = _as_cached(tl.load(vn_row + vn_cols, mask=mine, other=0.0), v_inv_scale, V, CACHE_FP8)
+        v_fresh = _to_cache(tl.load(vn_row + vn_cols, mask=mine, other=0.0), v_inv_scale, V, CACHE_FP8)
         # k_last / v_last's rows, in KOut / VOut (the pool unless a test redirects them)
-        k_row = kvh * stride_kh + last_page * stride_kp + (last % PAGE_SIZE) * stride_kt + k_cols
-        v_row = kvh * stride_vh + last_page * stride_vp + (last % PAGE_SIZE) * stride_vt + v_cols
-        tl.store((KOut + k_row)[None, :], k_fresh, mask=mine)
-        tl.store((VOut + v_row)[None, :], v_fresh, mask=mine)
+        tl.store((KOut + k_last_at)[None, :], k_fresh, mask=mine)
+        tl.store((VOut + v_last_at)[None, :], v_fresh, mask=mine)
         k_new = k_fresh.to(q.dtype)  # [1, COLS]
         v_new = v_fresh.to(q.dtype)
     else:
@@ -873,12 +874,12 @@ def _one_launch_kernel(
                 s_cos = tl.load(s_cs + half[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
                 s_sin = tl.load(s_cs + HEAD_DIM // 2 + half[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
                 s_k = KNew + src[:, None] * stride_knb + kvh * stride_knh
-                k_step = _as_cached(_norm_rope(tl.load(s_k + kn_cols, mask=s_mask[:, None], other=0.0),
+                k_step = _to_cache(_norm_rope(tl.load(s_k + kn_cols, mask=s_mask[:, None], other=0.0),
                                                tl.load(s_k + kn_partner, mask=s_mask[:, None], other=0.0),
                                                s_cos, s_sin, sign, kw, kw_partner, norm_eps, HEAD_DIM, KV_PACK,
                                                QK_NORM),
                                     k_inv_scale, K, CACHE_FP8)
-                v_step = _as_cached(tl.load(VNew + src[:, None] * stride_vnb + kvh * stride_vnh + vn_cols,
+                v_step = _to_cache(tl.load(VNew + src[:, None] * stride_vnb + kvh * stride_vnh + vn_cols,
                                             mask=s_mask[:, None], other=0.0), v_inv_scale, V, CACHE_FP8)
             else:  # those in the first block (later blocks read theirs after the wait)
                 s_mask = (s >= start) & (s < start + BLOCK_N) & (s < end) & (s < last)
@@ -945,15 +946,6 @@ def _norm_rope(x, partner, cos, sin, sign, w, w_partner, eps, HEAD_DIM: tl.const
         xf = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
         pf = (w_partner * (pf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
     return (xf * cos + sign * pf * sin).to(x.dtype)
-
-
-@triton.jit
-def _as_cached(x, inv_scale, C, CACHE_FP8: tl.constexpr):
-    """x as the pool C stores it: an fp8 pool's x / scale saturated to +-448 (KVPool.write's
-    rule), else cast."""
-    if CACHE_FP8:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
-    return x.to(C.dtype.element_ty)
 
 
 @triton.jit

@@ -490,7 +490,7 @@ class FusedDecode:
         qk_norm = layer.qk_norm()  # Qwen3: in the RoPE + K/V write kernel (or the attention's)
         if not self.one_launch_attention:
             return attn.run_rope(i, q, k, v, positions, m.cos_sin_cache, qk_norm)
-        if self.rope_in_attention and attn.one_launch_rope_in(rows):
+        if self.rope_in_attention:  # (every fused row count: MAX_ROWS is within its look-back)
             from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
 
             return attn.attend_one_launch(i, q, pdl=self.pdl,

@@ -6,18 +6,25 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=../old-tree:$CUTE python3 lab/one_stream_pair.py base      # alternate the two
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py fp8 --config qwen2.5-7b --quantization fp8
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8
+    PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py 1k --config qwen3-0.6b --prompt-len 1000
 
-Each run times `generate` of 257 new tokens minus that of 1, after a cached 32-token prompt:
-256 decode steps. Prints one JSON line: tok/s of each run, the start-up seconds, the graphs' us.
+Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
+unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run, the
+start-up seconds, the graphs' us, and issue 29's yardstick: the byte limit (the weights' bytes
+plus the KV bytes of the steps' mean context, at the H200's measured 4.24 TB/s copy bandwidth)
+and the best run's share of it. `--table` reads such lines on stdin and prints them as a table.
 """
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
 from flashlet import LLM, SamplingParams
+
+COPY_BYTES_PER_S = 4.24e12  # the H200's measured device-to-device copy bandwidth (BENCHMARKS.md)
 
 
 def timed_run(llm, prompt) -> float:
@@ -45,13 +52,42 @@ def graph_us(graph, replays: int = 300) -> float:
     return start.elapsed_time(end) * 1000 / replays
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every weight a decode step reads: the parameters and the quantized weights'
+    buffers (each tensor once: tied embeddings count once), not the RoPE table."""
+    tensors = {t.data_ptr(): t for t in model.parameters()}
+    tensors.update({t.data_ptr(): t for name, t in model.named_buffers() if not name.endswith("cos_sin_cache")})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def byte_limit(llm, context: int) -> float:
+    """tok/s at which one stream reads its weights and `context` tokens of KV at copy bandwidth."""
+    pool = llm.engine.kv_pool
+    kv_per_token = pool.bytes_per_page(pool.num_layers, 1, pool.num_kv_heads, pool.head_dim, pool.dtype)
+    return COPY_BYTES_PER_S / (weight_bytes(llm.engine.model) + context * kv_per_token)
+
+
+def print_table(lines) -> None:
+    """The JSON lines of earlier runs as a table: a row each, the best of its three runs."""
+    print(f"{'label':<14} {'config':<16} {'prompt':>6} {'fused':>5} {'tok/s':>8} {'limit':>8} {'share':>6}")
+    for line in lines:
+        r = json.loads(line)
+        print(f"{r['label']:<14} {r['config']:<16} {r.get('prompt_len', 32):>6} {str(r['fused']):>5} "
+              f"{max(r['tok_s']):>8.1f} {r.get('limit_tok_s', float('nan')):>8.1f} {r.get('share', float('nan')):>6.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("label", nargs="?", default="now")
+    p.add_argument("--table", action="store_true", help="print the JSON lines on stdin as a table")
     p.add_argument("--config", default="qwen2.5-0.5b", help="a preset (random weights)")
     p.add_argument("--quantization", default=None, choices=("fp8",))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of the cached prompt")
     args = p.parse_args()
+    if args.table:
+        print_table(line for line in sys.stdin if line.startswith("{"))
+        return
     started = time.perf_counter()
     llm = LLM(config=args.config, dtype="bfloat16", max_num_pages=8192, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
@@ -60,9 +96,12 @@ def main() -> None:
               "fused": llm.engine.runner.fused is not None,
               "start_s": round(time.perf_counter() - started, 1)}
     vocab = llm.engine.model_config.vocab_size
-    prompt = [(i * 7919 + 43) % vocab for i in range(32)]
+    prompt = [(i * 7919 + 43) % vocab for i in range(args.prompt_len)]
     llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # prompt cached
     result["tok_s"] = [round(timed_run(llm, prompt), 1) for _ in range(3)]
+    result["prompt_len"] = args.prompt_len
+    result["limit_tok_s"] = round(byte_limit(llm, args.prompt_len + 128), 1)  # the steps' mean context
+    result["share"] = round(max(result["tok_s"]) / result["limit_tok_s"], 3)
     result["graph_us"] = {str(key[:3]): round(graph_us(entry[0]), 1)
                           for key, entry in llm.engine.runner.graphs.items() if key[0] == 1}
     print(json.dumps(result))

@@ -514,11 +514,14 @@ ONE_LAUNCH_MODELS = (
     dict(name="qwen2.5-0.5b", layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),
     dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16),
 )
-# Shapes `--models` may name beside those: the per-op path's decode steps of 1-16 rows can attend
-# in one launch too (FLASHLET_ONE_LAUNCH_DECODE=1), at the larger presets' shapes (head_dim 128,
-# groups 6 and 7), from the same table.
+# Shapes `--models` may name beside those: the fused path's other presets (head_dim 128 at
+# group 6, head_dim 64 at groups 4 and 8: no table entry yet, so the derived config runs), and
+# the 7B's, whose per-op decode steps of 1-16 rows can attend in one launch too
+# (FLASHLET_ONE_LAUNCH_DECODE=1), from the same table.
 ONE_LAUNCH_MORE_MODELS = (
     dict(name="qwen2.5-1.5b", layers=28, num_q_heads=12, num_kv_heads=2, head_dim=128, page_size=16),
+    dict(name="llama-3.2-1b", layers=16, num_q_heads=32, num_kv_heads=8, head_dim=64, page_size=16),
+    dict(name="tinyllama-1.1b", layers=22, num_q_heads=32, num_kv_heads=4, head_dim=64, page_size=16),
     dict(name="qwen2.5-7b", layers=28, num_q_heads=28, num_kv_heads=4, head_dim=128, page_size=16),
 )
 ONE_LAUNCH_ROWS = (1, 4, 8, 16)  # tuning.ONE_LAUNCH_ROW_BUCKETS: one shape per bucket

@@ -25,6 +25,16 @@
 #                interleaved pairs (~5 min)
 #   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
 #                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
+#   presets-1k   issue 29's first line: one stream through LLM.generate after a cached 1,000-token
+#                prompt at every preset (PRESETS_1K="a b" to choose), a fresh process each, its
+#                share of the byte limit (weights + KV at 4.24 TB/s; lab/one_stream_pair.py), then a
+#                table; FI_1K=without runs them with FlashInfer's folder off PYTHONPATH, FI_1K=both
+#                each way (~7 min a pass: one pass a call)
+#   one-launch-presets the one-launch attention's sweep at the fused path's preset shapes with no
+#                table entry (Qwen2.5-1.5B, Llama-3.2-1B, TinyLlama-1.1B; ~5 min), its table kept
+#                in /tmp for the next part
+#   one-launch-presets-ab those presets after a 1,000-token prompt without and with that table
+#                (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -473,6 +483,38 @@ for _ in range(480):
           --quiet --max-num-pages 8192 --workload single --single-prompt-len 1000 \
           --out "$OUT/json/qwen3-single-1000${t:+-table}.json"
       done ;;
+    presets-1k)
+      cute_env
+      NO_FI=${PYTHONPATH//:\/tmp\/fi/}  # the same path without FlashInfer's folder
+      case ${FI_1K:-with} in without) passes=no ;; both) passes="yes no" ;; *) passes=yes ;; esac
+      for with in $passes; do
+        pp=$PYTHONPATH; [[ $with == no ]] && pp=$NO_FI
+        for c in ${PRESETS_1K:-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b \
+                               qwen2.5-7b llama-3.1-8b mistral-7b qwen2.5-14b}; do
+          run 150 env PYTHONPATH="$pp" python3 lab/one_stream_pair.py "fi=$with" --config $c --prompt-len 1000
+        done
+      done
+      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+    one-launch-presets)  # the sweep at the fused path's preset shapes that have no entry
+      cute_env
+      run 560 python3 scripts/decode_attn_bench.py --one-launch \
+        --models qwen2.5-1.5b,llama-3.2-1b,tinyllama-1.1b \
+        --json "$OUT/json/one-launch-presets.json" --table-json "$OUT/json/one-launch-presets-table.json"
+      cp "$OUT/json/one-launch-presets-table.json" /tmp/one-launch-presets-table.json ;;
+    one-launch-presets-ab)  # needs one-launch-presets' table from an earlier call on this machine
+      cute_env
+      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/one-launch-presets-table.json}
+      [[ -f $t ]] || { echo "part one-launch-presets-ab needs $t (run one-launch-presets first)" | tee -a "$LOG"
+                       status=2; continue; }
+      cp "$t" "$OUT/json/"
+      for pair in 1 2; do
+        for c in qwen2.5-1.5b llama-3.2-1b tinyllama-1.1b; do
+          run 150 python3 lab/one_stream_pair.py "table=none" --config $c --prompt-len 1000
+          run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --config $c \
+            --prompt-len 1000
+        done
+      done
+      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
     host-burn)
       cute_env
       for kind in memory spin; do

@@ -255,3 +255,14 @@ def test_one_launch_models_are_named_shapes(bench):
         bench.one_launch_models("qwen2.5-72b")
     assert bench.derived_one_launch_variant(torch, seven, 1, 132, "cpu", True) == bench.OneLaunchVariant(32, 4, 3, 64, 256)
     assert bench.parse_args(["--one-launch", "--models", "qwen2.5-7b"]).models == "qwen2.5-7b"
+
+
+def test_one_launch_shapes_are_their_presets(bench):
+    """Every shape the sweep may time is the preset of its name (layers, heads, head_dim), so a
+    table entry measured at it is the key (head_dim, group, rows) the engine looks up."""
+    presets = Path(__file__).resolve().parents[2] / "flashlet" / "presets"
+    for m in bench.ONE_LAUNCH_MODELS + bench.ONE_LAUNCH_MORE_MODELS:
+        cfg = json.loads((presets / f"{m['name']}.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        assert (m["layers"], m["num_q_heads"], m["num_kv_heads"], m["head_dim"]) == (
+            cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim), m["name"]

@@ -35,6 +35,10 @@
 #                in /tmp for the next part
 #   one-launch-presets-ab those presets after a 1,000-token prompt without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
+#   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
+#                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
+#                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
+#                qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1; ~2-3 min each); the reports come back in $OUT
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -515,6 +519,19 @@ for _ in range(480):
         done
       done
       grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+    ncu-step)
+      cute_env
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+      [[ -n $NCU ]] || { echo "part ncu-step: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }
+      for case in ${NCU_CASES:-qwen2.5-0.5b:32:1 qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1}; do
+        IFS=: read -r c plen streams <<< "$case"
+        rep="$OUT/ncu-$c-$plen-$streams"
+        run 300 "$NCU" --clock-control none --target-processes all --profile-from-start off \
+          --graph-profiling node --metrics "$(python3 lab/ncu_step.py metrics)" --export "$rep" -f \
+          python3 lab/ncu_step.py run --config "$c" --prompt-len "$plen" --streams "$streams"
+        run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --csv --page raw > \"$rep.csv\""
+        run 30 python3 lab/ncu_step.py summarize "$rep.csv"
+      done ;;
     host-burn)
       cute_env
       for kind in memory spin; do

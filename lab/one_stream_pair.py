@@ -7,6 +7,7 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py fp8 --config qwen2.5-7b --quantization fp8
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py 1k --config qwen3-0.6b --prompt-len 1000
+    PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py two-launch --prompt-len 30000 --fused-off attn
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
 unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run, the
@@ -22,7 +23,9 @@ import time
 
 import torch
 
+import flashlet.llm
 from flashlet import LLM, SamplingParams
+from flashlet.runner.fused_decode import FusedParts
 
 COPY_BYTES_PER_S = 4.24e12  # the H200's measured device-to-device copy bandwidth (BENCHMARKS.md)
 
@@ -84,15 +87,22 @@ def main() -> None:
     p.add_argument("--quantization", default=None, choices=("fp8",))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of the cached prompt")
+    p.add_argument("--fused-off", nargs="+", default=[], choices=("pdl", "rope", "attn"),
+                   help="turn these parts of the fused decode path off (the rest as the engine chooses); "
+                        "attn: the step backend's own decode attention (two launches) in the fused step")
     args = p.parse_args()
     if args.table:
         print_table(line for line in sys.stdin if line.startswith("{"))
         return
+    if args.fused_off:  # LLM builds its Engine with these parts named off
+        parts = FusedParts(**{name: False for name in args.fused_off})
+        engine_class = flashlet.llm.Engine
+        flashlet.llm.Engine = lambda config: engine_class(config, fused_parts=parts)
     started = time.perf_counter()
     llm = LLM(config=args.config, dtype="bfloat16", max_num_pages=8192, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     result = {"label": args.label, "config": args.config, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype,
+              "kv_cache_dtype": args.kv_cache_dtype, "fused_off": args.fused_off,
               "fused": llm.engine.runner.fused is not None,
               "start_s": round(time.perf_counter() - started, 1)}
     vocab = llm.engine.model_config.vocab_size

@@ -35,6 +35,10 @@
 #                in /tmp for the next part
 #   one-launch-presets-ab those presets after a 1,000-token prompt without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
+#   long-attn-ab one stream after 8,000- and 30,000-token prompts (qwen2.5-0.5b, LLM.generate): the
+#                fused step's one-launch attention (the default) against the step backend's
+#                two-launch decode in it (--fused-off attn: the sweep timed it at 12.9 us a layer at
+#                30,000 tokens against the one-launch form's 23-24), two interleaved pairs (~6 min)
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
 #                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
@@ -516,6 +520,15 @@ for _ in range(480):
           run 150 python3 lab/one_stream_pair.py "table=none" --config $c --prompt-len 1000
           run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --config $c \
             --prompt-len 1000
+        done
+      done
+      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+    long-attn-ab)
+      cute_env
+      for plen in ${LONG_AB_LENS:-8000 30000}; do
+        for pair in 1 2; do
+          run 150 python3 lab/one_stream_pair.py one-launch --prompt-len "$plen"
+          run 150 python3 lab/one_stream_pair.py two-launch --prompt-len "$plen" --fused-off attn
         done
       done
       grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;

@@ -8,7 +8,8 @@ a fused step's time goes when each kernel runs alone, without the PDL chain's ov
     ncu --import step.ncu-rep --csv --page raw > raw.csv
     python3 lab/ncu_step.py summarize raw.csv
 
-`gpu_run.sh ncu-step` runs both for each of NCU_CASES. `run` starts an engine at default
+`gpu_run.sh ncu-step` runs both for each of NCU_CASES, then profiles the same step's attention
+kernel with source counters (`summarize-source`: the lines of the kernel where its warps stall). `run` starts an engine at default
 settings (random weights at the preset's config), decodes `--streams` sequences past a cached
 prompt of `--prompt-len` tokens, and opens the profiler (cudaProfilerStart) around exactly one
 `Engine.step()` once every sequence is decoding: the kernels of one decode step (its CUDA
@@ -147,6 +148,29 @@ def summarize(lines: list[str], out=sys.stdout) -> list[dict]:
     return kernels
 
 
+def summarize_source(lines: list[str], top: int = 25, out=sys.stdout) -> bool:
+    """`ncu --import R --page source --csv --print-source cuda` -> the source lines with the
+    most warp stall samples (where in a kernel its warps wait). Without a column it knows, it
+    prints the report's first lines instead, so the next run can be read by eye."""
+    start = next((i for i, line in enumerate(lines) if "Source" in line and line.startswith('"')), None)
+    rows = list(csv.reader(lines[start:])) if start is not None else []
+    header = rows[0] if rows else []
+    source = next((i for i, h in enumerate(header) if h.strip() == "Source"), None)
+    samples = next((i for i, h in enumerate(header) if "Sampling" in h and "Not" not in h), None)
+    line_no = next((i for i, h in enumerate(header) if h.strip() in ("#", "Line", "# Line")), None)
+    if source is None or samples is None:
+        print("source page not in a known shape; its first lines:", file=out)
+        print("\n".join(lines[:40]), file=out)
+        return False
+    body = [r for r in rows[1:] if len(r) == len(header) and _num(r[samples]) is not None]
+    total = sum(_num(r[samples]) for r in body) or 1.0
+    print(f"{'line':>6} {'samples':>8} {'share':>6}  source ({header[samples]})", file=out)
+    for r in sorted(body, key=lambda r: -_num(r[samples]))[:top]:
+        where = r[line_no] if line_no is not None else ""
+        print(f"{where:>6} {_num(r[samples]):>8.0f} {_num(r[samples]) / total:>6.1%}  {r[source].strip()[:110]}", file=out)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -159,12 +183,17 @@ def main(argv=None) -> int:
                    help="the KV pool (kernel replay saves and restores what a kernel may write)")
     s = sub.add_parser("summarize", help="ncu's --csv --page raw output -> a table")
     s.add_argument("csv", nargs="?", default="-")
+    src = sub.add_parser("summarize-source", help="ncu's --page source --csv output -> the lines that stall most")
+    src.add_argument("csv", nargs="?", default="-")
     sub.add_parser("metrics", help="print the --metrics argument for ncu")
     args = p.parse_args(argv)
     if args.cmd == "run":
         run(args)
     elif args.cmd == "metrics":
         print(",".join(METRICS))
+    elif args.cmd == "summarize-source":
+        text = sys.stdin.read() if args.csv == "-" else open(args.csv).read()
+        return 0 if summarize_source(text.splitlines()) else 1
     else:
         text = sys.stdin.read() if args.csv == "-" else open(args.csv).read()
         if not summarize(text.splitlines()):

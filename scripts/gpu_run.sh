@@ -42,7 +42,8 @@
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
 #                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
-#                qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1; ~2-3 min each); the reports come back in $OUT
+#                qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1; ~3-4 min each), then the attention kernel's
+#                source lines by warp stall samples; the reports come back in $OUT
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -544,6 +545,14 @@ for _ in range(480):
           python3 lab/ncu_step.py run --config "$c" --prompt-len "$plen" --streams "$streams"
         run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --csv --page raw > \"$rep.csv\""
         run 30 python3 lab/ncu_step.py summarize "$rep.csv"
+        # the same step's attention kernel, where in its source its warps stall
+        run 200 "$NCU" --clock-control none --target-processes all --profile-from-start off \
+          --graph-profiling node -k regex:one_launch --launch-count 1 --section SourceCounters \
+          --import-source yes --export "$rep-attn" -f \
+          python3 lab/ncu_step.py run --config "$c" --prompt-len "$plen" --streams "$streams"
+        run 60 bash -c "\"$NCU\" --import \"$rep-attn.ncu-rep\" --csv --page source --print-source cuda \
+          > \"$rep-attn-source.csv\""
+        run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-source.csv"
       done ;;
     host-burn)
       cute_env

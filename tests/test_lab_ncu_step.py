@@ -41,3 +41,16 @@ def test_summary_reads_units_separators_and_stalls():
 def test_a_report_without_kernels_says_so(capsys):
     assert ncu_step.main(["summarize", "/dev/null"]) == 1
     assert "no kernel rows" in capsys.readouterr().err
+
+
+def test_source_summary_ranks_lines_by_stall_samples_or_shows_the_report():
+    report = ['"Kernel Name","_one_launch_kernel"', '"#","Source","Warp Stall Sampling (All Samples)",'
+              '"Warp Stall Sampling (Not-issued Samples)"',
+              '"10","m_i = 0","5","4"', '"11","x = tl.load(p)","90","80"', '"12","tl.atomic_add(c, 1)","1,005","900"']
+    out = io.StringIO()
+    assert ncu_step.summarize_source(report, out=out)
+    ranked = [line.split()[0] for line in out.getvalue().splitlines()[1:]]
+    assert ranked == ["12", "11", "10"]  # by all samples, "1,005" read as 1005
+    out = io.StringIO()
+    assert not ncu_step.summarize_source(['"ID","Something else"', '"1","2"'], out=out)
+    assert "first lines" in out.getvalue() and "Something else" in out.getvalue()

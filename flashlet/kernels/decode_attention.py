@@ -491,9 +491,14 @@ def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"{q.dtype} (or float8_e4m3fn for both)")
 
 
-def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
-    """-> (batch, Hq, D, page size, Hkv) of a decode call, or a ValueError naming what is off."""
-    batch, num_q_heads, head_dim = q.shape
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """q [rows, Hq, D] over one layer's pool k/v_cache [P, page, Hkv, D], as the Triton attention
+    kernels (decode and prefill) read them -> (Hq, D, page size, Hkv), or a ValueError naming
+    what is off."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [rows, heads, head_dim] and the k/v cache [pages, page_size, "
+                         f"kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    num_q_heads, head_dim = q.shape[1:]
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape
     if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
@@ -502,6 +507,15 @@ def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k/v cache rows must be contiguous in head_dim")
+    return num_q_heads, head_dim, page_size, num_kv_heads
+
+
+def _check_shapes(q, k_cache, v_cache, num_splits: int, block_n: int) -> tuple:
+    """-> (batch, Hq, D, page size, Hkv) of a decode call, or a ValueError naming what is off."""
+    num_q_heads, head_dim, page_size, num_kv_heads = check_paged_attention(q, k_cache, v_cache)
+    batch = q.shape[0]
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -561,8 +575,6 @@ def decode_attention(
         q, k_cache, v_cache, num_splits, block_n)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k/v cache rows must be contiguous in head_dim")
     group = num_q_heads // num_kv_heads
     check_kv_pack(kv_heads_per_program, num_kv_heads)
     if out is None:

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlet.kernels.decode_attention import check_cache_dtype
+from flashlet.kernels.decode_attention import check_paged_attention
 
 LOG2E = 1.4426950408889634
 # Two split programs resident per SM: 8 warps at head_dim 128 compile to 140 registers a thread
@@ -337,15 +337,8 @@ def prefill_attention(
     min_split_tokens keys (rounded up to block_n), merged by a second launch; scratch: the
     partials' buffers (`split_scratch`, at least num_splits x T; None: allocated here).
     Returns out [T, Hq, D] in q's dtype."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, head_dim_k = k_cache.shape
-    if head_dim_k != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not match k/v cache {tuple(k_cache.shape)}")
-    check_cache_dtype(q, k_cache, v_cache)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    num_q_heads, head_dim, page_size, num_kv_heads = check_paged_attention(q, k_cache, v_cache)
+    num_tokens = q.shape[0]
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {blk}")
@@ -353,8 +346,6 @@ def prefill_attention(
         raise ValueError(f"num_splits and min_split_tokens must be >= 1, got {num_splits}, {min_split_tokens}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k/v cache rows must be contiguous in head_dim")
     group = num_q_heads // num_kv_heads
     batch = qo_indptr.shape[0] - 1
     if out is None:

@@ -213,6 +213,12 @@ def test_one_launch_rejects_bad_arguments(kh):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="Programmatic Dependent Launch"):
             decode_attention_one_launch(*args, **ok, pdl=True)
+    q, k_cache, v_cache, *rest = args
+    strided = k_cache.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, head_dim not contiguous
+    with pytest.raises(ValueError, match="contiguous in head_dim"):  # `check_paged_attention`, shared
+        decode_attention_one_launch(q, strided, strided, *rest, **ok)
+    with pytest.raises(ValueError, match=r"\[rows, heads, head_dim\]"):
+        decode_attention_one_launch(q[0], k_cache, v_cache, *rest, **ok)
 
 
 # ---- the one-launch form's variants (selected by tuning.OneLaunchConfig; the defaults unchanged) --

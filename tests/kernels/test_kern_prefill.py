@@ -87,6 +87,11 @@ def test_prefill_rejects_bad_arguments(kh):
         prefill_attention(torch.randn(4, 3, 16, device=kh.device), *args)
     with pytest.raises(ValueError, match="block_m"):
         prefill_attention(torch.randn(4, 4, 16, device=kh.device), *args, block_m=24)
+    with pytest.raises(ValueError, match=r"\[rows, heads, head_dim\]"):
+        prefill_attention(torch.randn(4, 64, device=kh.device), *args)
+    strided = paged["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        prefill_attention(torch.randn(4, 4, 16, device=kh.device), strided, strided, *args[2:])
 
 
 def _check_padded(kh, *, group, num_kv_heads, page_size, kv_lens, q_lens, pad_tokens, block_m=16, block_n=16,

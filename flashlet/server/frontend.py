@@ -571,8 +571,10 @@ class Server:
         """No request of this process is streaming: its event loop has nobody else to serve."""
         return self.loop.num_streams == 0
 
-    def check_model(self, model: str) -> None:
-        if model != self.config.model_name:
+    def check_model(self, model: str | None) -> None:
+        """A request's `model`: the served model's name, or None (left out: the served model,
+        as vLLM takes it); any other name is a 404."""
+        if model is not None and model != self.config.model_name:
             raise ApiError(404, f"model: the model {echo(model)} does not exist; this server "
                            f"serves `{self.config.model_name}`", "model", "model_not_found")
 

@@ -190,7 +190,7 @@ ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject
 
 
 class _OpenAISampling(_Strict):
-    model: Text
+    model: Text | None = None  # optional, as in vLLM: the served model
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0

@@ -126,7 +126,7 @@ class TextOptions(_Strict):
 
 
 class ResponsesRequest(_Strict):
-    model: Text
+    model: Text | None = None  # optional, as in vLLM: the served model
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -154,7 +154,7 @@ class ResponsesRequest(_Strict):
 
 # ---- /v1/embeddings -----------------------------------------------------------------------
 class EmbeddingRequest(_Strict):
-    model: Text
+    model: Text | None = None  # optional, as in vLLM: the served model
     input: (NonEmptyText | TokenIds
             | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])

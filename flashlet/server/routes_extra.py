@@ -54,8 +54,7 @@ def add_tokenize_routes(app: FastAPI, server: Server) -> None:
 
 
 async def _context(server: Server, model: str | None) -> ModelContext:
-    if model is not None:  # optional here, as in vLLM
-        server.check_model(model)
+    server.check_model(model)
     return await server.context()
 
 
@@ -78,6 +77,8 @@ def add_responses_route(app: FastAPI, server: Server) -> None:
         **error_responses(400, 401, 404, 503)})
     async def responses(body: ResponsesRequest, request: Request):
         created = int(time.time())
+        if body.model is None:  # left out: the served model, named in the response
+            body = body.model_copy(update={"model": server.config.model_name})
         reply = await chat(chat_body(body), request)
         if not body.stream:
             return reply if not isinstance(reply, dict) else response_of_chat(body, reply,

@@ -337,6 +337,23 @@ def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
+def test_a_request_without_model_is_served_by_the_served_model(real):
+    """vLLM's `model: Optional[str] = None`: chat, completions, responses and embeddings
+    leave `model` out and get the served model (each response names it); a wrong name is
+    still a 404."""
+    _, srv = real
+    asks = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+            "/v1/embeddings": {"input": "hi", "encoding_format": "float"}}
+    for path, body in asks.items():
+        r = httpx.post(srv.url + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["model"] == MODEL, path
+        wrong = httpx.post(srv.url + path, json={**body, "model": "gpt-9"}, timeout=60)
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found", path
+
+
 # ---- /v1/embeddings ------------------------------------------------------------------------
 def _hf_embedding(folder, ids: list[int], mode: str) -> list[float]:
     import torch

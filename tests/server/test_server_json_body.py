@@ -108,7 +108,8 @@ VALID = {
         {"prompt": "n", "temperature": 1e-300, "top_p": 0.30000000000000004},
     ],
     "/v1/completions": [
-        {"model": "m", "prompt": "hi"}, {"model": "m", "prompt": ["a", [1, 2]], "n": 2,
+        {"model": "m", "prompt": "hi"}, {"prompt": "no model: the served one"},
+        {"model": "m", "prompt": ["a", [1, 2]], "n": 2,
                                          "best_of": 3, "logprobs": 2, "echo": True},
         {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True},
          "logit_bias": {}, "stop_token_ids": [0, 7], "priority": -3, "min_p": 0.5,
@@ -159,7 +160,7 @@ BAD = {
         {"prompt": "a", "top_k": 2**31}, {"prompt": "a", "seed": 1.5},
     ],
     "/v1/completions": [
-        {"prompt": "a"}, {"model": "m", "prompt": "a", "n": 0},
+        {"model": 5, "prompt": "a"}, {"model": "m", "prompt": "a", "n": 0},
         {"model": "m", "prompt": "a", "best_of": 1, "n": 2},
         {"model": "m", "prompt": "a", "stream_options": {"include_usage": True}},
         {"model": "m", "prompt": "a", "logit_bias": {"5": 1.0}},

@@ -9,7 +9,7 @@ neutral value, so a client never silently gets something other than what it aske
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -189,14 +189,30 @@ ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject
                            | ResponseFormatJsonSchema, Field(discriminator="type")]
 
 
-class _OpenAISampling(_Strict):
+class NullIsTheDefault(_Strict):
+    """A request whose fields named in NULL_IS_THE_DEFAULT may be sent as null, as OpenAI's API
+    (and vLLM) allow, meaning their default: each such field holds its default from validation
+    on, so the rest of the server never sees None there."""
+
+    NULL_IS_THE_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _null_is_the_default(self):
+        for name in self.NULL_IS_THE_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
+
+
+class _OpenAISampling(NullIsTheDefault):
     model: Text | None = None  # optional, as in vLLM: the served model
     max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = -1  # an extension (vLLM's): -1 = off
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stream: bool = False
+    # null: the default (NullIsTheDefault)
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = -1  # an extension (vLLM's): -1 = off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     seed: Seed | None = None
@@ -218,6 +234,8 @@ class _OpenAISampling(_Strict):
     # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
+    NULL_IS_THE_DEFAULT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "n", "stream")
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
@@ -232,7 +250,8 @@ class CompletionRequest(_OpenAISampling):
     prompt: PromptItem | Annotated[list[PromptItem], Field(min_length=1, max_length=MAX_PROMPTS)]
     # 0 (the legacy way to score a prompt, with echo and logprobs) generates nothing.
     max_tokens: Annotated[int, Field(ge=0)] | None = None
-    echo: bool = False
+    echo: bool | None = False  # null: the default (OpenAI's API allows it)
+    NULL_IS_THE_DEFAULT: ClassVar[tuple[str, ...]] = _OpenAISampling.NULL_IS_THE_DEFAULT + ("echo",)
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: None = None

@@ -4,13 +4,13 @@ shapes), /v1/responses (OpenAI's Responses API, the subset that maps onto chat) 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
 from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTokens,
-                                      NonEmptyText, TemplateKwargs, Temperature, Text, TokenIds,
-                                      Tool, TopP, _json_object_text, _Strict)
+                                      NonEmptyText, NullIsTheDefault, TemplateKwargs, Temperature,
+                                      Text, TokenIds, Tool, TopP, _json_object_text, _Strict)
 
 MAX_EMBEDDING_INPUTS = 64
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -125,16 +125,17 @@ class TextOptions(_Strict):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(NullIsTheDefault):
+    NULL_IS_THE_DEFAULT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "stream")
     model: Text | None = None  # optional, as in vLLM: the served model
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     max_output_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    stream: bool = False
+    temperature: Temperature | None = 1.0  # null: the default (NullIsTheDefault)
+    top_p: TopP | None = 1.0
+    stream: bool | None = False
     store: bool = True  # accepted; nothing is stored (so previous_response_id is refused)
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Text],
                         Field(max_length=16)] | None = None

@@ -337,10 +337,11 @@ def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
-def test_a_request_without_model_is_served_by_the_served_model(real):
+def test_a_request_without_model_or_with_null_sampling_fields_is_served(real):
     """vLLM's `model: Optional[str] = None`: chat, completions, responses and embeddings
     leave `model` out and get the served model (each response names it); a wrong name is
-    still a 404."""
+    still a 404. Sampling fields OpenAI's API lets be null (temperature, top_p, n, stream, ...)
+    sent as null mean their defaults (`protocol.NullIsTheDefault`)."""
     _, srv = real
     asks = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
             "/v1/completions": {"prompt": "hi", "max_tokens": 2},
@@ -350,6 +351,11 @@ def test_a_request_without_model_is_served_by_the_served_model(real):
         r = httpx.post(srv.url + path, json=body, timeout=60)
         assert r.status_code == 200, (path, r.text)
         assert r.json()["model"] == MODEL, path
+        if path != "/v1/embeddings":  # OpenAI's nullable sampling fields, sent as null: defaults
+            nulls = {"temperature": None, "top_p": None, "stream": None}
+            nulls.update({"n": None, "top_k": None} if path != "/v1/responses" else {})
+            r = httpx.post(srv.url + path, json={**body, **nulls}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == MODEL, (path, r.text)
         wrong = httpx.post(srv.url + path, json={**body, "model": "gpt-9"}, timeout=60)
         assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found", path
 

@@ -291,3 +291,21 @@ def test_fuzzed_valid_values_build_equal_models(apps, temperature, top_p, kwargs
     """Floats and free-form JSON (Any) parsed by pydantic-core equal json.loads's."""
     _same(apps, "/v1/chat/completions", _chat(temperature=temperature, top_p=top_p,
                                               chat_template_kwargs=kwargs))
+
+
+@pytest.mark.parametrize("cls, body", [
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}]}),
+    ("CompletionRequest", {"prompt": "x"}), ("ResponsesRequest", {"input": "x"})])
+def test_a_null_field_of_null_is_the_default_is_its_default(cls, body):
+    """Each field NULL_IS_THE_DEFAULT names, sent as null, validates to the same request as
+    with the field left out (from the bytes, as the server validates); other fields stay strict."""
+    from flashlet.server import protocol, protocol_extra
+
+    model = getattr(protocol, cls, None) or getattr(protocol_extra, cls)
+    assert model.NULL_IS_THE_DEFAULT
+    for name in model.NULL_IS_THE_DEFAULT:
+        with_null = model.model_validate_json(json.dumps({**body, name: None}))
+        assert getattr(with_null, name) == model.model_fields[name].default, name
+        assert with_null.model_dump() == model.model_validate_json(json.dumps(body)).model_dump(), name
+    with pytest.raises(ValueError):
+        model.model_validate_json(json.dumps({**body, "temperature": "0.5"}))

@@ -217,6 +217,21 @@ def test_required_tool_choice_ends_after_the_calls(tokenizer_llm):
     assert all(c["name"] in ("get_weather", "get_time") for c in calls)
 
 
+def test_required_tool_choice_without_parallel_calls_makes_exactly_one(tokenizer_llm):
+    """OpenAI's parallel_tool_calls: false under "required": the grammar ends after one call,
+    so the output is that call and EOS."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 10}}}}}
+        for name in ("get_weather", "get_time")]
+    one = tool_call_format(tools, "required", parallel=False)
+    assert one["format"]["stop_after_first"] and not tool_call_format(tools, "required")["format"]["stop_after_first"]
+    for prompt in ("Weather and time in Paris and in Rome?", "Tell me everything about Oslo."):
+        out = tokenizer_llm.generate([prompt], SamplingParams(max_new_tokens=200, response_format=one))[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] in tokenizer_llm.engine.eos_token_ids, out.text
+        assert out.text.count("<tool_call>") == 1 and out.text.rstrip().endswith("</tool_call>"), out.text
+
+
 def test_invalid_schemas_and_tools_are_clear_value_errors(tokenizer_llm):
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}
     with pytest.raises(ValueError, match="invalid json_schema"):

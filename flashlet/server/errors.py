@@ -87,6 +87,8 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
             msg = "field required" if path else "a JSON object body is required"
         elif kind == "extra_forbidden":
             msg = "unknown field (not allowed)"
+        elif kind == "none_required":  # an OpenAI field accepted at its neutral value only
+            msg = "not supported by this server (only null is accepted)"
         line = f"{path or 'request body'}: {msg}"
         if line not in messages:
             messages.append(line)

@@ -334,6 +334,7 @@ class ReplyParsers:
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    max_calls: int | None = None  # 1: the request's parallel_tool_calls is false
 
     def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
         """The assistant message and the finish reason ("tool_calls" when it called)."""
@@ -341,6 +342,7 @@ class ReplyParsers:
         calls = []
         if self.tool is not None and content:
             content, calls = self.tool.extract(content)
+            calls = calls[:self.max_calls]
         message = {"role": "assistant", "content": content}
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -355,13 +357,14 @@ class ReplyParsers:
 
     def stream(self) -> "ReplyStream":
         return ReplyStream(self.tool and ToolCallStream(self.tool),
-                           self.reasoning and ReasoningStream(self.reasoning))
+                           self.reasoning and ReasoningStream(self.reasoning), self.max_calls)
 
 
 @dataclass
 class ReplyStream:
     tools: ToolCallStream | None
     reasoning: ReasoningStream | None
+    max_calls: int | None = None  # calls past it (their chunk index) are not sent
 
     @property
     def called(self) -> bool:
@@ -381,13 +384,15 @@ class ReplyStream:
                 content, calls = content + rest, calls + last
         if content:
             delta["content"] = content
+        if self.max_calls is not None:
+            calls = [c for c in calls if c["index"] < self.max_calls]
         if calls:
             delta["tool_calls"] = calls
         return delta
 
 
 def reply_parsers(tool_call_parser: str | None, reasoning_parser_name: str | None,
-                  chat_template: str | None, tool_choice) -> ReplyParsers:
+                  chat_template: str | None, tool_choice, parallel_tool_calls: bool | None = None) -> ReplyParsers:
     """A chat request's parsers: the server's (or the template's default) tool parser for
     tool_choice "auto"; hermes for forced calls, which the grammar writes in that syntax
     (flashlet/text/structured.py); none without tools."""
@@ -398,4 +403,4 @@ def reply_parsers(tool_call_parser: str | None, reasoning_parser_name: str | Non
     else:
         tool = HermesToolParser()
     reasoning = reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None
-    return ReplyParsers(tool, reasoning)
+    return ReplyParsers(tool, reasoning, 1 if parallel_tool_calls is False else None)

@@ -57,6 +57,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+# OpenAI's `metadata`: up to 16 string pairs (accepted; nothing is stored).
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+
+
 class _Open(BaseModel):  # responses: never validated from client input
     model_config = ConfigDict(extra="allow")
 
@@ -351,10 +356,20 @@ class UserMessage(_Message):
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: Content | None = None
-    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # []: none
+    # A reply sent back as the history (what OpenAI's client does with a message it got): its
+    # reasoning (this server's and vLLM's reasoning parsers return it) goes to the chat template
+    # as HF's templates take it (Qwen3's keeps the last turn's); the rest is not shown the model.
+    reasoning_content: Text | None = None
+    refusal: Text | None = None
+    annotations: Annotated[list[dict[str, Any]], Field(max_length=64)] | None = None
+    audio: None = None
+    function_call: None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         message = super().as_template_dict()
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             # Chat templates (Qwen2.5's, HF's convention) take the arguments as a mapping.
             message["tool_calls"] = [
@@ -406,6 +421,23 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one tool call
+    # OpenAI's fields that change nothing here, accepted and ignored: a self-hosted model stores
+    # nothing, has one service tier, and its prefix cache needs no key.
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    # OpenAI's fields this server does not implement, accepted at their neutral values only.
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
+    audio: None = None
+    prediction: None = None
+    web_search_options: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    functions: None = None  # the deprecated form of tools
+    function_call: None = None
 
     @model_validator(mode="after")
     def _check_combinations(self):

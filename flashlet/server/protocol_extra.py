@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTokens,
+from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTokens, Metadata,
                                       NonEmptyText, NullIsTheDefault, TemplateKwargs, Temperature,
                                       Text, TokenIds, Tool, TopP, _json_object_text, _Strict)
 
@@ -137,8 +137,7 @@ class ResponsesRequest(NullIsTheDefault):
     top_p: TopP | None = 1.0
     stream: bool | None = False
     store: bool = True  # accepted; nothing is stored (so previous_response_id is refused)
-    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Text],
-                        Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     parallel_tool_calls: bool | None = None
     user: Text | None = None
     text: TextOptions | None = None

@@ -154,7 +154,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         max_tokens = ctx.budget(len(ids), requested, None, "messages", tokens_param)
-        response_format = (_tool_call_format(tools, tool_choice)
+        response_format = (_tool_call_format(tools, tool_choice, body.parallel_tool_calls is not False)
                            if tool_choice not in ("none", "auto") else _response_format(body))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(server, ctx, body, max_tokens, logprobs, response_format,
@@ -163,7 +163,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": config.model_name}
         parsers = reply_parsers(config.tool_call_parser, config.reasoning_parser,
-                                ctx.chat_template, tool_choice)
+                                ctx.chat_template, tool_choice, body.parallel_tool_calls)
         prompts = [(ids, max_tokens)]
 
         if not body.stream:
@@ -261,11 +261,11 @@ def _response_format(body) -> dict | None:
     return {"type": "json_schema", "json_schema": {"schema": fmt.json_schema.schema_}}
 
 
-def _tool_call_format(tools: list[dict], tool_choice) -> dict:
+def _tool_call_format(tools: list[dict], tool_choice, parallel: bool) -> dict:
     choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
               else tool_choice)
     try:
-        return structured.tool_call_format(tools, choice)
+        return structured.tool_call_format(tools, choice, parallel=parallel)
     except ValueError as e:
         raise ApiError(400, f"tools: {e}", "tools") from None
 

@@ -630,10 +630,11 @@ def advance_grammars(reqs: list, tokens: list) -> None:
 
 
 def tool_call_format(tools: list[dict], tool_choice="required",
-                     model_format: str = TOOL_CALL_MODEL_FORMAT) -> dict:
+                     model_format: str = TOOL_CALL_MODEL_FORMAT, parallel: bool = True) -> dict:
     """OpenAI `tools` and a `tool_choice` ("required" or {"type": "function", "function":
     {"name": ...}}) -> a structural_tag response_format that makes the model call them in
-    `model_format`'s syntax (Qwen2.5's <tool_call> by default); ValueError if invalid."""
+    `model_format`'s syntax (Qwen2.5's <tool_call> by default); ValueError if invalid.
+    parallel=False (OpenAI's parallel_tool_calls: false): "required" ends after one call."""
     import xgrammar as xgr
 
     if tool_choice == "auto" or tool_choice == "none":
@@ -645,14 +646,14 @@ def tool_call_format(tools: list[dict], tool_choice="required",
         raise ValueError(f"invalid tools or tool_choice: {e}") from None
     fmt = tag.model_dump(mode="json")["format"]
     if fmt["type"] == "triggered_tags":  # "required": calls only, then the end
-        fmt = calls_only(fmt)
+        fmt = calls_only(fmt, one=not parallel)
     return {"type": "structural_tag", "format": fmt}
 
 
-def calls_only(triggered: dict) -> dict:
+def calls_only(triggered: dict, one: bool = False) -> dict:
     """xgrammar's `required` format (triggered tags, at least one) allows free text around
     and after the calls, so a model may call and then talk to max_tokens. This one is one or
-    more calls, one a line, and nothing else: the grammar then ends, and with it (on EOS) the
-    request, whose finish_reason becomes "tool_calls"."""
+    more calls (one: exactly one), one a line, and nothing else: the grammar then ends, and
+    with it (on EOS) the request, whose finish_reason becomes "tool_calls"."""
     return {"type": "tags_with_separator", "tags": triggered["tags"], "separator": "\n",
-            "at_least_one": True, "stop_after_first": False}
+            "at_least_one": True, "stop_after_first": one}

@@ -94,6 +94,13 @@ CASES = {
     "chat content part bad type": ("/v1/chat/completions", _j({**OK_CHAT, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
         "messages[0].content", 400),
+    "chat reasoning_effort": ("/v1/chat/completions", _j({**OK_CHAT, "reasoning_effort": "high"}),
+                              "reasoning_effort", 400),  # OpenAI's, not implemented: null only
+    "chat audio modality": ("/v1/chat/completions", _j({**OK_CHAT, "modalities": ["text", "audio"]}),
+                            "modalities", 400),
+    "chat unknown field": ("/v1/chat/completions", _j({**OK_CHAT, "temprature": 0}), "temprature", 400),
+    "chat metadata too long": ("/v1/chat/completions",
+                               _j({**OK_CHAT, "metadata": {str(i): "v" for i in range(17)}}), "metadata", 400),
     "chat unknown model": ("/v1/chat/completions", _j({**OK_CHAT, "model": "gpt-9"}), "model",
                            404),
     "chat max_tokens 0": ("/v1/chat/completions", _j({**OK_CHAT, "max_tokens": 0}), "max_tokens",

@@ -360,6 +360,23 @@ def test_a_request_without_model_or_with_null_sampling_fields_is_served(real):
         assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found", path
 
 
+def test_openai_fields_that_change_nothing_and_a_reply_sent_back_are_served(real):
+    """What OpenAI's clients send beside the essentials: store, metadata, service_tier,
+    prompt_cache_key, safety_identifier, parallel_tool_calls, modalities ["text"] (accepted,
+    ignored), and a history holding a reply as a client got it (refusal, annotations, audio,
+    function_call, an empty tool_calls, reasoning_content)."""
+    _, srv = real
+    reply = {"role": "assistant", "content": "Hello.", "refusal": None, "annotations": [], "audio": None,
+             "function_call": None, "tool_calls": [], "reasoning_content": "greet back"}
+    body = {"messages": [{"role": "user", "content": "hi"}, reply, {"role": "user", "content": "again"}],
+            "max_tokens": 2, "store": False, "metadata": {"app": "test"}, "service_tier": "auto",
+            "prompt_cache_key": "k", "safety_identifier": "u1", "parallel_tool_calls": False,
+            "modalities": ["text"], "reasoning_effort": None, "audio": None}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
 # ---- /v1/embeddings ------------------------------------------------------------------------
 def _hf_embedding(folder, ids: list[int], mode: str) -> list[float]:
     import torch

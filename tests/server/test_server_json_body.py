@@ -309,3 +309,14 @@ def test_a_null_field_of_null_is_the_default_is_its_default(cls, body):
         assert with_null.model_dump() == model.model_validate_json(json.dumps(body)).model_dump(), name
     with pytest.raises(ValueError):
         model.model_validate_json(json.dumps({**body, "temperature": "0.5"}))
+
+
+def test_a_reply_sent_back_gives_the_template_its_reasoning_only():
+    """An assistant message as a client got it: its reasoning_content goes to the chat template
+    (HF's templates take it so), refusal / annotations / audio / an empty tool_calls do not."""
+    from flashlet.server.protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "assistant", "content": "Hi.", "reasoning_content": "think", "refusal": None,
+                          "annotations": [], "audio": None, "function_call": None, "tool_calls": []}]}
+    message = ChatCompletionRequest.model_validate_json(json.dumps(body)).messages[0]
+    assert message.as_template_dict() == {"role": "assistant", "content": "Hi.", "reasoning_content": "think"}

@@ -142,6 +142,18 @@ def test_reply_message_and_finish_reason():
     assert forced.tool.name == "hermes"
 
 
+def test_without_parallel_tool_calls_a_reply_keeps_its_first_call():
+    """OpenAI's parallel_tool_calls: false under "auto" (no grammar can hold the model to one
+    call): the message and the stream both carry the first call only."""
+    one = reply_parsers(None, None, "{{ '<tool_call>' }}", "auto", parallel_tool_calls=False)
+    message, reason = one.message(HERMES, "stop")
+    assert reason == "tool_calls" and _named(message["tool_calls"]) == EXPECTED[:1]
+    assert reply_parsers(None, None, "{{ '<tool_call>' }}", "auto", True).max_calls is None
+    for seed in range(5):
+        streamed, _ = _streamed(one, HERMES, random.Random(seed))
+        assert _named(streamed["tool_calls"]) == EXPECTED[:1]
+
+
 def test_server_flags_choose_the_parsers_and_pooling():
     from flashlet.server.cli import _check_server_args, build_parser, make_app
 

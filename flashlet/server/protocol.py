@@ -170,6 +170,54 @@ def _json_object_text(text: str) -> str:
 JsonSchema = Annotated[JsonObject, AfterValidator(_json_schema)]
 
 
+def _json_schema_text(text: str) -> dict:
+    """vLLM's guided_json may be a schema's JSON text: the schema, checked as a schema is."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise ValueError("must be a JSON schema (an object, or its JSON text)")
+    return _json_schema(schema)
+
+
+JsonSchemaOrText = JsonSchema | Annotated[str, AfterValidator(_json_schema_text)]
+MAX_CHOICES = 1024  # guided_choice's options
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` (its newer name for the guided_* fields): one constraint."""
+
+    json_: JsonSchemaOrText | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: NonEmptyText | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
+def guided_format(json_schema=None, regex=None, choice=None, grammar=None, json_object=False) -> dict | None:
+    """vLLM's structured-output constraint -> the engine's response_format (a regex or a choice
+    as an xgrammar structural tag); None for none."""
+    if json_schema is not None:
+        return {"type": "json_schema", "json_schema": {"schema": json_schema}}
+    if regex is not None:
+        return {"type": "structural_tag", "format": {"type": "regex", "pattern": regex}}
+    if choice is not None:
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "const_string", "value": c} for c in choice]}}
+    if grammar is not None:
+        return {"type": "grammar", "grammar": grammar}
+    return {"type": "json_object"} if json_object else None
+
+
 class JsonSchemaSpec(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Text | None = None
@@ -238,6 +286,12 @@ class _OpenAISampling(NullIsTheDefault):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    # vLLM's structured outputs, beside OpenAI's response_format (at most one of them all).
+    guided_json: JsonSchemaOrText | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: NonEmptyText | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     NULL_IS_THE_DEFAULT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "n", "stream")
 
@@ -245,7 +299,30 @@ class _OpenAISampling(NullIsTheDefault):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one structured-output constraint, not {' and '.join(given)}")
         return self
+
+    @property
+    def structured_format(self) -> dict | None:
+        """The engine's response_format for the constraint asked for (OpenAI's response_format
+        or vLLM's guided_* / structured_outputs), or None."""
+        so = self.structured_outputs
+        if so is not None:
+            return guided_format(so.json_, so.regex, so.choice, so.grammar, bool(so.json_object))
+        guided = guided_format(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        if guided is not None:
+            return guided
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"schema": fmt.json_schema.schema_}}
 
 
 PromptItem = NonEmptyText | TokenIds
@@ -451,8 +528,7 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError(f"tool_choice: no tool is named {name}")
         if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
             raise ValueError("tools: function names must be unique")
-        if self.uses_tools and self.response_format is not None \
-                and self.response_format.type != "text":
+        if self.uses_tools and self.structured_format is not None:
             raise ValueError("response_format: cannot be combined with tools")
         return self
 

@@ -54,7 +54,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             ids = await server.prompt_ids(ctx, prompt, param)
             prompts.append((ids, ctx.budget(len(ids), 1 if score_only else body.max_tokens, 16,
                                             param, "max_tokens")))
-        response_format = _response_format(body)
+        response_format = body.structured_format
         gens: list[Generation] = []
         try:
             for ids, max_tokens in prompts:
@@ -155,7 +155,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
             else "max_tokens"
         max_tokens = ctx.budget(len(ids), requested, None, "messages", tokens_param)
         response_format = (_tool_call_format(tools, tool_choice, body.parallel_tool_calls is not False)
-                           if tool_choice not in ("none", "auto") else _response_format(body))
+                           if tool_choice not in ("none", "auto") else body.structured_format)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(server, ctx, body, max_tokens, logprobs, response_format,
                          prompt_logprobs=body.prompt_logprobs)
@@ -252,13 +252,6 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
     return params
 
 
-def _response_format(body) -> dict | None:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"schema": fmt.json_schema.schema_}}
 
 
 def _tool_call_format(tools: list[dict], tool_choice, parallel: bool) -> dict:

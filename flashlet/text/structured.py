@@ -189,6 +189,8 @@ class StructuredLimits:
         """ValueError naming the limit if `fmt` (`text`: its JSON, if known) is past one."""
         for schema in schemas_in(fmt):
             self._check_schema(schema)  # first: a schema too deep for json.dumps is refused here
+        for where, pattern in tag_patterns_in(fmt):  # a structural tag's regexes (vLLM's guided_regex)
+            self._check_pattern(pattern, where)
         text = text if text is not None else StructuredOutputs.key(fmt)
         if len(text) > self.max_bytes:
             raise _over("is", f"{len(text)} bytes as JSON", self.max_bytes, "max-bytes")
@@ -246,6 +248,21 @@ def schemas_in(fmt: dict) -> list:
                     stack.append(value)
         elif isinstance(node, list):
             stack.extend(node)
+    return found
+
+
+def tag_patterns_in(fmt: dict) -> list[tuple[str, str]]:
+    """(where, pattern) of each regex a structural tag holds outside its JSON schemas (those
+    `schemas_in` gives, whose patterns `_check_schema` reads)."""
+    found, stack = [], [("format", fmt.get("format"))] if fmt.get("type") == "structural_tag" else []
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "regex" and isinstance(node.get("pattern"), str):
+                found.append((f"{where}.pattern", node["pattern"]))
+            stack += [(f"{where}.{k}", v) for k, v in node.items() if k != "json_schema"]
+        elif isinstance(node, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(node)]
     return found
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -165,6 +166,32 @@ def test_json_schema_output_parses_and_validates(client, idle):
     assert content.startswith("{")  # a small model may not close a free-form object in time
     if free.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
+
+
+def test_vllm_structured_outputs_guide_chat_and_completions(client, idle):
+    """vLLM's guided_choice / guided_regex / guided_json / guided_grammar (extra_body) and its
+    newer structured_outputs hold the output, on both endpoints, as its clients send them."""
+    choices = ["positive", "negative", "neutral"]
+    calls = [
+        lambda: chat(client, max_tokens=8, temperature=0, extra_body={"guided_choice": choices}),
+        lambda: client.completions.create(model=MODEL_NAME, prompt="Sentiment of 'great day':", max_tokens=8,
+                                          temperature=0, extra_body={"structured_outputs": {"choice": choices}}),
+        lambda: chat(client, max_tokens=12, temperature=0, extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"}),
+        lambda: chat(client, max_tokens=60, temperature=0,
+                     extra_body={"guided_json": json.dumps(PERSON)}),  # the schema as JSON text
+        lambda: client.completions.create(model=MODEL_NAME, prompt="Answer:", max_tokens=6, temperature=0,
+                                          extra_body={"guided_grammar": 'root ::= "yes" | "no"'})]
+    choice, choice_completion, regex, person, grammar = concurrently(*calls)
+    assert choice.choices[0].message.content in choices and choice.choices[0].finish_reason == "stop"
+    assert choice_completion.choices[0].text in choices
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].message.content)
+    jsonschema_rs.validate(PERSON, json.loads(person.choices[0].message.content))
+    assert grammar.choices[0].text in ("yes", "no")
+    for extra, word in [({"guided_regex": "a{5000}"}, "max-pattern-size"),
+                        ({"guided_choice": ["a"], "guided_regex": "b"}, "one structured-output constraint"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one")]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            chat(client, max_tokens=4, extra_body=extra)
 
 
 def test_named_tool_call_has_valid_arguments(client, idle):

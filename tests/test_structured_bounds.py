@@ -118,6 +118,18 @@ def test_a_tool_calls_parameter_schemas_are_bounded_too():
         LIMITS.check(tag, "{}")
 
 
+def test_a_structural_tags_regexes_are_bounded_too():
+    """A regex node anywhere in a structural tag (vLLM's guided_regex arrives as one) meets the
+    pattern bounds a schema's patterns do, named by where it sits."""
+    nested = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "id: "}, {"type": "regex", "pattern": "[0-9]{5000}"}]}}
+    with pytest.raises(ValueError, match=r"format\.elements\[1\]\.pattern.*max-pattern-size"):
+        LIMITS.check(nested, "{}")
+    with pytest.raises(ValueError, match="empty string"):
+        LIMITS.check({"type": "structural_tag", "format": {"type": "regex", "pattern": "(a|a?)+"}}, "{}")
+    LIMITS.check({"type": "structural_tag", "format": {"type": "regex", "pattern": "[0-9]{3}-[a-z]+"}}, "{}")
+
+
 # ---- the compile worker --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_tokenizer(demo_model_dir):

@@ -488,11 +488,30 @@ TemplateKwargs = Annotated[dict[Annotated[str, Field(max_length=64)], Any],
                            Field(max_length=16), AfterValidator(_template_kwargs)]
 
 
+def check_template_ending(body) -> None:
+    """vLLM's rule: a final message left open (continue_final_message) takes no generation
+    prompt after it."""
+    if body.continue_final_message and body.add_generation_prompt is not False:
+        raise ValueError("continue_final_message: needs add_generation_prompt: false (the model "
+                         "continues the last message instead of opening a reply)")
+
+
+def template_ending(body) -> dict:
+    """apply_chat_template's add_generation_prompt (default true) and continue_final_message
+    for a request that may set them."""
+    return {"add_generation_prompt": body.add_generation_prompt is not False,
+            "continue_final_message": bool(body.continue_final_message)}
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="More variables for the chat template (vLLM's), e.g. "
                           '{"enable_thinking": false} for Qwen3')
+    # vLLM's: the template's assistant opening (default on), or the last message left open for
+    # the model to continue (a prefilled reply: needs add_generation_prompt false).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -516,8 +535,14 @@ class ChatCompletionRequest(_OpenAISampling):
     functions: None = None  # the deprecated form of tools
     function_call: None = None
 
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's variables: chat_template_kwargs and how the prompt ends."""
+        return {**(self.chat_template_kwargs or {}), **template_ending(self)}
+
     @model_validator(mode="after")
     def _check_combinations(self):
+        check_template_ending(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

@@ -10,7 +10,8 @@ from pydantic import AfterValidator, Field, model_validator
 
 from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTokens, Metadata,
                                       NonEmptyText, NullIsTheDefault, TemplateKwargs, Temperature,
-                                      Text, TokenIds, Tool, TopP, _json_object_text, _Strict)
+                                      Text, TokenIds, Tool, TopP, _json_object_text, _Strict,
+                                      check_template_ending)
 
 MAX_EMBEDDING_INPUTS = 64
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -25,6 +26,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None  # prompt only (default true)
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool | None = None  # messages only (default true)
+    continue_final_message: bool | None = None  # messages only: the last message left open
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False  # each token's vocabulary string too (vLLM's)
@@ -33,11 +35,12 @@ class TokenizeRequest(_Strict):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give a prompt or messages (one of them)")
-        chat_only = ("add_generation_prompt", "tools", "chat_template_kwargs")
+        chat_only = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
         for name in chat_only if self.messages is None else ("add_special_tokens",):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: only with "
                                  f"{'messages' if self.messages is None else 'prompt'}")
+        check_template_ending(self)
         return self
 
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import Generation, ModelContext, Server, client_gone
+from flashlet.server.protocol import template_ending
 from flashlet.server.protocol_extra import (DetokenizeRequest, EmbeddingRequest,
                                             ResponsesRequest, TokenizeRequest)
 from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
@@ -33,8 +34,7 @@ def add_tokenize_routes(app: FastAPI, server: Server) -> None:
         if body.messages is not None:
             messages = [m.as_template_dict() for m in body.messages]
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            kwargs = {**(body.chat_template_kwargs or {}),
-                      "add_generation_prompt": body.add_generation_prompt is not False}
+            kwargs = {**(body.chat_template_kwargs or {}), **template_ending(body)}
             ids = await ctx.chat_ids(messages, tools, kwargs, server.alone)
         else:
             ids = await _encode(ctx, body.prompt, body.add_special_tokens is not False)

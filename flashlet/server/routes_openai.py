@@ -148,7 +148,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                            "'required' or a named function, which a grammar enforces, or give "
                            "--chat-template)", "tool_choice")
         messages = [m.as_template_dict() for m in body.messages]
-        ids = await ctx.chat_ids(messages, tools, body.chat_template_kwargs, server.alone)
+        ids = await ctx.chat_ids(messages, tools, body.template_kwargs, server.alone)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \

@@ -252,6 +252,27 @@ def test_tokenize_and_detokenize(real, tiny_llm):
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
+def test_a_prefilled_reply_is_continued(real, tiny_llm):
+    """vLLM's continue_final_message (with add_generation_prompt false): the last message is left
+    open, as apply_chat_template leaves it, and the reply continues it (its usage counts that
+    prompt); without add_generation_prompt false it is a 400 naming the field."""
+    _, srv = real
+    tok = tiny_llm.engine.tokenizer
+    prefill = [*ASK, {"role": "assistant", "content": "The answer is"}]
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    r = httpx.post(srv.url + "/tokenize", json={"messages": prefill, **ending}, timeout=60).json()
+    expected = tok.apply_chat_template(prefill, chat_template=QWEN3, tokenize=False, **ending)
+    assert r["tokens"] == tok.encode(expected, add_special_tokens=False)
+    assert tok.decode(r["tokens"]).endswith("The answer is")
+    reply = httpx.post(srv.url + "/v1/chat/completions", json={
+        "messages": prefill, "max_tokens": 3, **ending}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == r["count"]
+    for body in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": prefill, **body}, timeout=60)
+        assert bad.status_code == 400 and "continue_final_message" in bad.json()["error"]["message"], bad.text
+
+
 # ---- /v1/responses -------------------------------------------------------------------------
 def test_responses_text_whole_and_streamed(real):
     _, srv = real

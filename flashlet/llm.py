@@ -97,22 +97,39 @@ class LLM:
         self.close()
 
     def chat(self, conversations, params: SamplingParams | None = None, *,
-             allow_special_tokens: bool = False) -> list[RequestOutput]:
+             allow_special_tokens: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template
-        applied; control-token text in message content stays text unless allowed."""
+        applied (the keywords as `apply_chat_template` takes them, vLLM's names); control-token
+        text in message content stays text unless allowed."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.apply_chat_template(c, allow_special_tokens=allow_special_tokens)
-                              for c in conversations], params)
+        return self.generate([self.apply_chat_template(
+            c, allow_special_tokens=allow_special_tokens, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+            for c in conversations], params)
 
-    def apply_chat_template(self, messages: list[dict], *,
-                            allow_special_tokens: bool = False) -> list[int]:
-        """Token ids of the rendered conversation, ending with the assistant's turn opening.
-        Message content is encoded as text: `<|im_end|>` written in a message is not the
-        control token (flashlet/text/tokenizing.py), unless `allow_special_tokens`."""
+    def apply_chat_template(self, messages: list[dict], *, allow_special_tokens: bool = False,
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """Token ids of the rendered conversation, ending with the assistant's turn opening
+        (add_generation_prompt), or with the last message left open for the model to continue
+        (continue_final_message, which takes add_generation_prompt=False: vLLM's rule).
+        `tools` are shown to the model as the template shows them; `chat_template_kwargs` are
+        more template variables (e.g. Qwen3's enable_thinking). Message content is encoded as
+        text: `<|im_end|>` written in a message is not the control token
+        (flashlet/text/tokenizing.py), unless `allow_special_tokens`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False (the model "
+                             "continues the last message instead of opening a reply)")
+        kwargs = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message}
+        return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens, tools=tools,
+                        template_kwargs=kwargs)
 
     def _run_until_done(self, ids: set[int], count: int,
                         on_output=None) -> dict[int, RequestOutput]:

@@ -259,3 +259,26 @@ def test_short_chat_is_rendered_on_the_loop(tok, monkeypatch):
         enc.close()
     assert ids == chat_ids(tok, messages)
     assert threads == [threading.main_thread()]
+
+
+def test_llm_chat_takes_the_templates_keywords(demo_llm, tok):
+    """LLM.chat / apply_chat_template with vLLM's keywords: tools, chat_template_kwargs,
+    add_generation_prompt and continue_final_message render as apply_chat_template does, and
+    a prefilled reply is continued (greedy: what generate gives from those ids)."""
+    from flashlet import SamplingParams
+
+    prefill = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    open_ids = demo_llm.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    def hf(messages, **kwargs):
+        return tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)
+
+    assert open_ids == hf(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(open_ids).endswith("The capital of France is")
+    closed = demo_llm.apply_chat_template(prefill[:1], add_generation_prompt=False)
+    assert closed == hf(prefill[:1], add_generation_prompt=False)
+    params = SamplingParams(max_new_tokens=4)
+    assert demo_llm.chat(prefill, params, add_generation_prompt=False, continue_final_message=True)[0].token_ids \
+        == demo_llm.generate([open_ids], params)[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        demo_llm.apply_chat_template(prefill, continue_final_message=True)

@@ -19,10 +19,15 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def reference(tokenizer, ids, stop=()):
+def reference(tokenizer, ids, stop=(), include_stop=False):
+    """The whole text, cut at the stop string that completes first (the smallest end; of two
+    ending together, the one that starts first): before it, or after it with include_stop."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[: min(found)], True) if found else (text, False)
+    found = [(i + len(s), i) for i, s in ((text.find(s), s) for s in stop) if i >= 0]
+    if not found:
+        return text, False
+    end, at = min(found)
+    return text[: end if include_stop else at], True
 
 
 def run(detok, ids, chunk_sizes):
@@ -50,8 +55,9 @@ def test_streamed_text_equals_one_decode_with_partial_utf8_characters():
     assert "".join(pieces) + detok.finish() == detok.text == tok.decode(ids)
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_stop_strings_and_holdback_match_the_reference(seed):
+def test_stop_strings_and_holdback_match_the_reference(seed, include_stop):
     rng = random.Random(seed)
     tok = ByteTokenizer()
     text = "".join(rng.choice("ab c→") for _ in range(rng.randint(1, 40)))
@@ -59,9 +65,9 @@ def test_stop_strings_and_holdback_match_the_reference(seed):
             for _ in range(rng.randint(0, 3))]
     ids = tok.encode(text)
     chunks = [rng.randint(1, 4) for _ in range(len(ids))]
-    detok = IncrementalDetokenizer(tok, stop)
+    detok = IncrementalDetokenizer(tok, stop, include_stop=include_stop)
     emitted, stopped = run(detok, ids, chunks)
-    want, want_stopped = reference(tok, ids, stop)
+    want, want_stopped = reference(tok, ids, stop, include_stop)
     assert (emitted, stopped) == (want, want_stopped)
     assert detok.text == want
 
@@ -159,3 +165,35 @@ def test_the_python_window_takes_over_if_the_rust_stream_fails(demo_llm):
     text, _ = run(detok, ids, [1] * len(ids))
     assert detok._stream is None and len(calls) == len(ids) // 2 + 1
     assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_stop_string_that_completes_first_wins_in_any_chunks():
+    """"abcd" with stops "abcd" and "bc": "bc" is whole first, however the bytes arrive (the
+    earliest-starting rule gave "" in one push and "a" byte by byte)."""
+    tok = ByteTokenizer()
+    for include_stop, want in ((False, "a"), (True, "abc")):
+        for chunks in ([4], [1, 1, 1, 1], [2, 2], [3, 1]):
+            detok = IncrementalDetokenizer(tok, stop=["abcd", "bc"], include_stop=include_stop)
+            assert run(detok, tok.encode("abcd"), chunks) == (want, True), chunks
+    detok = IncrementalDetokenizer(tok, stop=["END", "xEND"], include_stop=True)
+    assert detok.push(tok.encode("hello xEND more")) == ("hello xEND", True)  # ending together: the first start
+
+
+def test_llm_generate_keeps_the_stop_string_and_special_tokens_when_asked(demo_llm):
+    """SamplingParams' include_stop_str_in_output and skip_special_tokens (vLLM's) through
+    LLM.generate: the same tokens, the text made as asked."""
+    from flashlet import SamplingParams
+
+    prompt = demo_llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    plain = demo_llm.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] in demo_llm.engine.eos_token_ids, plain.text
+    kept = demo_llm.generate([prompt], SamplingParams(max_new_tokens=24, skip_special_tokens=False))[0]
+    assert kept.token_ids == plain.token_ids
+    assert kept.text == plain.text + demo_llm.tokenizer.decode(plain.token_ids[-1:])  # the EOS's text
+    word = plain.text.split()[1]  # a stop string inside the reply
+    cut = demo_llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=[word]))[0]
+    with_stop = demo_llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=[word],
+                                                           include_stop_str_in_output=True))[0]
+    assert with_stop.text == cut.text + word and with_stop.finish_reason == "stop"
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output=1).validate()

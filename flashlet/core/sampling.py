@@ -44,6 +44,9 @@ class SamplingParams:
     # normalised (flashlet/runner/pooling.py) come back in the final output.
     pooling: str | None = None
     priority: int = 0  # with scheduling_policy "priority": lower values run first (vLLM's)
+    # How the text is made from the tokens (vLLM's names; where text is made, not in the engine):
+    skip_special_tokens: bool = True  # False: special tokens (an EOS such as <|im_end|>) in the text
+    include_stop_str_in_output: bool = False  # True: the text ends after the stop string it hit
     max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
     def __post_init__(self, max_tokens: int | None):
@@ -94,6 +97,9 @@ class SamplingParams:
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if not _is_int(self.priority) or not -2**63 <= self.priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_response_format(self.response_format)
         if self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")

@@ -100,8 +100,12 @@ class ModelContext:
                 or not self.decoder.decode([token_id]))
         return shown
 
-    def detokenizer(self, stop) -> IncrementalDetokenizer | None:
-        return None if self.decoder is None else IncrementalDetokenizer(self.decoder, stop)
+    def detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        """A request's text maker: its stop strings and how the text is made."""
+        if self.decoder is None:
+            return None
+        return IncrementalDetokenizer(self.decoder, params.stop, params.skip_special_tokens,
+                                      params.include_stop_str_in_output)
 
     async def encode(self, text: str, param: str, alone: bool = False) -> list[int]:
         """`alone`: the caller serves nothing else now, so a long text need not leave the
@@ -524,7 +528,7 @@ class Server:
                    for p in samples]
         for stream in streams:
             stream.group = group
-        gens = [Generation(self, stream, endpoint, t0, ctx.detokenizer(params.stop))
+        gens = [Generation(self, stream, endpoint, t0, ctx.detokenizer(params))
                 for stream in streams]
         retry = {"Retry-After": str(self.config.retry_after_s)}
         try:

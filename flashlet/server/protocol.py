@@ -286,6 +286,9 @@ class _OpenAISampling(NullIsTheDefault):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Accepted at its neutral value only: this server does not implement it.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    # vLLM's: how the text is made (special tokens left in it; the stop string hit kept).
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # vLLM's structured outputs, beside OpenAI's response_format (at most one of them all).
     guided_json: JsonSchemaOrText | None = None
     guided_regex: NonEmptyText | None = None

@@ -175,7 +175,8 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                 gen.check_error()
                 message, finish_reason = parsers.message(gen.text, gen.final.finish_reason)
                 choices.append({"index": i, "message": message, "finish_reason": finish_reason,
-                                "logprobs": _chat_logprobs(ctx, gen.logprobs, logprobs)})
+                                "logprobs": _chat_logprobs(ctx, gen.logprobs, logprobs,
+                                                           body.skip_special_tokens)})
             scored = ({"prompt_logprobs": _vllm_prompt_logprobs(ctx, gens[0].prompt_logprobs,
                                                                 body.prompt_logprobs)}
                       if body.prompt_logprobs is not None else {})  # vLLM's place for them
@@ -199,7 +200,8 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                     if delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
                         yield sse({**head, "choices": [], "prompt_logprobs": _vllm_prompt_logprobs(
                             ctx, delta.prompt_logprobs, body.prompt_logprobs)})
-                    lp = _chat_logprobs(ctx, delta.logprobs, logprobs) if delta.logprobs else None
+                    lp = (_chat_logprobs(ctx, delta.logprobs, logprobs, body.skip_special_tokens)
+                          if delta.logprobs else None)
                     if replies is not None:  # tool calls and reasoning taken out as they come
                         message = replies[i].push(text, delta.finished)
                         reason = delta.finish_reason
@@ -244,7 +246,8 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
         repetition_penalty=body.repetition_penalty or 1.0, min_p=body.min_p or 0.0,
         min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
         n=body.n, best_of=best_of, response_format=response_format, priority=body.priority,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output)
     try:
         ctx.limits.check_stop_token_ids(params)
     except RequestError as e:
@@ -333,19 +336,21 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def _shown(ctx: ModelContext, entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+def _shown(ctx: ModelContext, entries: list[TokenLogprob] | None,
+           skip_special: bool = True) -> list[TokenLogprob] | None:
     """The generated tokens' entries whose tokens are in the text (OpenAI's logprob tokens
-    concatenate to the text: an EOS the text leaves out is left out here too)."""
-    if entries is None or ctx.decoder is None:
+    concatenate to the text: an EOS the text leaves out is left out here too, unless the
+    request keeps special tokens in its text: skip_special False)."""
+    if entries is None or ctx.decoder is None or not skip_special:
         return entries
     return [e for e in entries if ctx.shown_in_text(e.token_id)]
 
 
 def _chat_logprobs(ctx: ModelContext, entries: list[TokenLogprob] | None,
-                   top: int | None) -> dict | None:
+                   top: int | None, skip_special: bool = True) -> dict | None:
     if entries is None or top is None:
         return None
-    entries = _shown(ctx, entries)
+    entries = _shown(ctx, entries, skip_special)
 
     def item(token_id: int, logprob: float) -> dict:
         text = ctx.token_text(token_id)

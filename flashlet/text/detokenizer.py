@@ -42,13 +42,15 @@ class IncrementalDetokenizer:
     spaces across tokens give the same text as decoding everything at once, and waits while the
     window ends in a partial UTF-8 character: with a Rust tokenizer, its own `DecodeStream`
     (the same window, kept in Rust: a third of the cost per token), else in Python here. With
-    stop strings, the text is cut before the first one, and a tail that could still grow into
-    one is held back until `finish()`."""
+    stop strings, the text is cut before the first one to complete (after it, with
+    include_stop), and a tail that could still grow into one is held back until `finish()`."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
         self.text = ""  # all text so far (cut at a stop string)
         self.stopped = False
         self._token_ids: list[int] = []
@@ -109,11 +111,15 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _find_stop(self, start: int) -> bool:
-        """Cut text before the earliest stop string at or after `start`; True if one was found."""
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        """Cut the text at the stop string that completes first at or after `start` (the
+        smallest end; of two ending together, the one that starts first): before it, or after
+        it with include_stop. The same stop whatever the pushes' sizes: one that ends first
+        was whole in the text when it was pushed. True if one was found."""
+        found = [(i + len(s), i) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        end, at = min(found)
+        self.text = self.text[: end if self.include_stop else at]
         return True
 
     def _emit(self, end: int) -> str:
@@ -141,7 +147,8 @@ class TextOutputs:
     def add(self, request_id: int, params) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop or ())
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop or (), params.skip_special_tokens,
+                                           params.include_stop_str_in_output)
         self._detoks[request_id] = detok
         self._token_ids[request_id] = []
 

@@ -1,6 +1,7 @@
-"""Server test fixtures: one engine (the demo model, loaded once per session through the
-shared `demo_llm` fixture) driven by one EngineLoop, and several small apps on it, each
-served by a real uvicorn on 127.0.0.1 in a background thread."""
+"""Server test fixtures: one engine (the demo model, `served_llm`: its own, not the session's
+`demo_llm`, which tests elsewhere step from the main thread while this package's loop thread
+may still own its engine on the same xdist worker) driven by one EngineLoop, and several small
+apps on it, each served by a real uvicorn on 127.0.0.1 in a background thread."""
 
 from __future__ import annotations
 
@@ -20,10 +21,18 @@ from flashlet.server import EngineLoop, ServerConfig, create_app  # noqa: E402
 
 
 @pytest.fixture(scope="package")
-def engine_loop(demo_llm):
-    """The demo model's engine, owned by a loop thread for the server tests (and handed back
-    idle afterwards, so demo_llm stays usable by other tests)."""
-    loop = EngineLoop(engine=demo_llm.engine).start()
+def served_llm(demo_model_dir):
+    """The demo model, for the server tests' loop alone (a test that compares with it runs
+    its LLM calls on the loop thread: `engine_loop.call`)."""
+    from flashlet import LLM
+
+    return LLM(str(demo_model_dir))
+
+
+@pytest.fixture(scope="package")
+def engine_loop(served_llm):
+    """The served model's engine, owned by a loop thread for the server tests."""
+    loop = EngineLoop(engine=served_llm.engine).start()
     assert loop.wait_ready(30)
     yield loop
     try:

@@ -15,9 +15,9 @@ PROMPT = "The capital of France is"
 N = 10
 
 
-def _llm_generate(engine_loop, demo_llm, prompt, **params) -> str:
+def _llm_generate(engine_loop, served_llm, prompt, **params) -> str:
     """LLM.generate on the very engine the server uses (on its loop thread, while idle)."""
-    fut = engine_loop.call(lambda _: demo_llm.generate(prompt, SamplingParams(**params))[0])
+    fut = engine_loop.call(lambda _: served_llm.generate(prompt, SamplingParams(**params))[0])
     return fut.result(300)
 
 
@@ -34,8 +34,8 @@ def test_health(server):
     assert r.json() == {"status": "ok"}
 
 
-def test_generate_greedy_equals_llm_generate_and_stream(server, engine_loop, demo_llm, idle):
-    expected = _llm_generate(engine_loop, demo_llm, PROMPT, max_new_tokens=N)
+def test_generate_greedy_equals_llm_generate_and_stream(server, engine_loop, served_llm, idle):
+    expected = _llm_generate(engine_loop, served_llm, PROMPT, max_new_tokens=N)
     assert expected.text
 
     r = httpx.post(server.url + "/generate", json={"prompt": PROMPT, "max_new_tokens": N},
@@ -62,8 +62,8 @@ def test_generate_greedy_equals_llm_generate_and_stream(server, engine_loop, dem
     assert 0 < final["ttft_ms"] <= final["latency_ms"]
 
 
-def test_stop_string_is_never_streamed(server, engine_loop, demo_llm, idle):
-    full = _llm_generate(engine_loop, demo_llm, PROMPT, max_new_tokens=N).text
+def test_stop_string_is_never_streamed(server, engine_loop, served_llm, idle):
+    full = _llm_generate(engine_loop, served_llm, PROMPT, max_new_tokens=N).text
     words = full.split()
     assert len(words) >= 3, full
     stop = " " + words[2]  # cut the answer before its third word
@@ -91,8 +91,8 @@ def test_seeded_sampling_is_reproducible(server, idle):
     assert a.json()["usage"]["completion_tokens"] == 4
 
 
-def test_token_id_prompt(server, engine_loop, demo_llm, idle):
-    ids = demo_llm.tokenizer.encode(PROMPT)
+def test_token_id_prompt(server, engine_loop, served_llm, idle):
+    ids = served_llm.tokenizer.encode(PROMPT)
     r = httpx.post(server.url + "/generate", json={"prompt": ids, "max_new_tokens": 3},
                    timeout=300)
     assert r.status_code == 200, r.text

@@ -26,9 +26,9 @@ def test_models_list(client):
     assert models.data[0].object == "model"
 
 
-def test_chat_completion_matches_llm_chat(client, engine_loop, demo_llm, idle):
+def test_chat_completion_matches_llm_chat(client, engine_loop, served_llm, idle):
     expected = engine_loop.call(
-        lambda _: demo_llm.chat(MESSAGES, SamplingParams(max_new_tokens=6))[0]).result(300)
+        lambda _: served_llm.chat(MESSAGES, SamplingParams(max_new_tokens=6))[0]).result(300)
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6,
                                        temperature=0)
     assert r.object == "chat.completion"

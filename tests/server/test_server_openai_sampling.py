@@ -194,6 +194,26 @@ def test_vllm_structured_outputs_guide_chat_and_completions(client, idle):
             chat(client, max_tokens=4, extra_body=extra)
 
 
+def test_vllm_text_options_keep_the_stop_string_and_special_tokens(client, idle):
+    """vLLM's include_stop_str_in_output and skip_special_tokens: the same tokens, the text
+    made as asked (the EOS's text, and its logprob entry, with skip_special_tokens false)."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    plain, kept = concurrently(
+        lambda: chat(client, messages=ask, max_tokens=24, temperature=0, logprobs=True),
+        lambda: chat(client, messages=ask, max_tokens=24, temperature=0, logprobs=True,
+                     extra_body={"skip_special_tokens": False}))
+    assert plain.choices[0].finish_reason == "stop"
+    assert kept.choices[0].message.content == plain.choices[0].message.content + "<|im_end|>"
+    tokens = [e.token for e in kept.choices[0].logprobs.content]
+    assert "".join(tokens) == kept.choices[0].message.content and tokens[-1] == "<|im_end|>"
+    word = plain.choices[0].message.content.split()[1]
+    cut, with_stop = concurrently(
+        lambda: chat(client, messages=ask, max_tokens=24, temperature=0, stop=[word]),
+        lambda: chat(client, messages=ask, max_tokens=24, temperature=0, stop=[word],
+                     extra_body={"include_stop_str_in_output": True}))
+    assert with_stop.choices[0].message.content == cut.choices[0].message.content + word
+
+
 def test_named_tool_call_has_valid_arguments(client, idle):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = dict(max_tokens=80, temperature=0, messages=messages, tools=[WEATHER_TOOL],

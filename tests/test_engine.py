@@ -426,3 +426,22 @@ def test_every_finish_reason_is_one_enum_that_reads_as_its_name(tiny_qwen2, monk
     assert json.dumps({"finish_reason": FinishReason.LENGTH}) == '{"finish_reason": "length"}'
     with pytest.raises(ValueError, match="must be 'abort' or 'stop'"):
         engine.abort(0, finish_reason=FinishReason.LENGTH)
+
+
+def test_llm_generate_leaves_the_engine_idle(demo_llm):
+    """Overlap launches a step past a request's last token, and a stop string's abort has a
+    final output for the next step: LLM.generate settles both before it returns, so the engine
+    is idle and a caller that steps it next sees nothing of these requests."""
+    engine = demo_llm.engine
+    prompt = demo_llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    for params in (SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, stop=["capital"]),
+                   SamplingParams(max_new_tokens=5, n=2, temperature=1.0, seed=1)):
+        demo_llm.generate([prompt], params)
+        assert not engine.has_unfinished(), params
+        assert engine.step() == []
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert engine.settle() == [] and engine.has_unfinished()  # a live request: no step taken
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].request_id == rid and outs[-1].finished

@@ -294,6 +294,17 @@ class Engine:
         return (self.scheduler.has_unfinished() or bool(self._pending)
                 or self._in_flight is not None or any(self._held.values()))
 
+    def settle(self) -> list[RequestOutput]:
+        """With no request left (none waiting, running or held), finish the step still in
+        flight (overlap launches one past a request's last token) and take the outputs still
+        pending (an abort's final one), so the engine is idle; returns those outputs. A no-op
+        while any request is live: stepping would advance it."""
+        outputs = []
+        while ((self._in_flight is not None or self._pending) and not self.scheduler.has_unfinished()
+               and not any(self._held.values())):
+            outputs += self.step()
+        return outputs
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (overlap) or this one."""

@@ -1,4 +1,5 @@
-"""The simple endpoints: /health, /v1/models, /metrics, /generate and /generate_stream."""
+"""The simple endpoints: /health, /v1/models (and one model's card), /version, /metrics,
+/generate and /generate_stream."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import flashlet
 from flashlet.core.request import FinishReason
 from flashlet.server.errors import ApiError, error_responses, sse_response
 from flashlet.server.frontend import DONE, EventStream, Generation, Server, client_gone, sse
 from flashlet.server.json_body import model_body_post
 from flashlet.server.protocol import (DEFAULT_MAX_NEW_TOKENS, GenerateRequest, GenerateResponse,
-                                      ModelList)
+                                      ModelCard, ModelList)
 
 
 def add_simple_routes(app: FastAPI, server: Server) -> None:
@@ -47,12 +49,26 @@ def add_simple_routes(app: FastAPI, server: Server) -> None:
             return {"status": "degraded", "reason": "; ".join(problems)}
         return {"status": "ok"}
 
+    async def model_card() -> dict:
+        ctx = await server.context()
+        return {"id": config.model_name, "object": "model", "created": server.created,
+                "owned_by": "flashlet", "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
     async def models():
-        ctx = await server.context()
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": server.created,
-            "owned_by": "flashlet", "max_model_len": ctx.max_model_len}]}
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
+    async def model(model: str):
+        """OpenAI's model retrieve: the served model's card (a name with a slash, as a hub id
+        has, is one path)."""
+        server.check_model(model)
+        return await model_card()
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: this server's version."""
+        return {"version": flashlet.__version__}
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text format", "content": {"text/plain": {}}},

@@ -20,10 +20,16 @@ def client(server):
                          timeout=300)
 
 
-def test_models_list(client):
+def test_models_list(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].object == "model"
+    one = client.models.retrieve(MODEL_NAME)  # OpenAI's retrieve: GET /v1/models/{model}
+    assert one.id == MODEL_NAME and one.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
+    import flashlet
+    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": flashlet.__version__}
 
 
 def test_chat_completion_matches_llm_chat(client, engine_loop, served_llm, idle):

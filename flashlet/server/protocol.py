@@ -157,13 +157,19 @@ def _json_schema(schema: dict) -> dict:
     return schema
 
 
-def _json_object_text(text: str) -> str:
+def _object_in_text(text: str, what: str) -> dict:
+    """The JSON object `text` holds; ValueError saying it must be `what` otherwise."""
     try:
         value = json.loads(text)
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise ValueError("must be a JSON object (as text)")
+        raise ValueError(f"must be {what}")
+    return value
+
+
+def _json_object_text(text: str) -> str:
+    _object_in_text(text, "a JSON object (as text)")
     return text
 
 
@@ -172,13 +178,7 @@ JsonSchema = Annotated[JsonObject, AfterValidator(_json_schema)]
 
 def _json_schema_text(text: str) -> dict:
     """vLLM's guided_json may be a schema's JSON text: the schema, checked as a schema is."""
-    try:
-        schema = json.loads(text)
-    except ValueError:
-        schema = None
-    if not isinstance(schema, dict):
-        raise ValueError("must be a JSON schema (an object, or its JSON text)")
-    return _json_schema(schema)
+    return _json_schema(_object_in_text(text, "a JSON schema (an object, or its JSON text)"))
 
 
 JsonSchemaOrText = JsonSchema | Annotated[str, AfterValidator(_json_schema_text)]

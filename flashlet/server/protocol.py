@@ -3,7 +3,12 @@
 Requests are strict (no "5" for an int, no 1 for a bool), reject unknown fields, NaN and
 infinities, and strings that cannot be encoded as UTF-8 (lone surrogates from JSON escapes).
 OpenAI parameters that this server accepts but does not implement are only allowed at their
-neutral value, so a client never silently gets something other than what it asked for.
+neutral value, so a client never silently gets something other than what it asked for; those
+that ask nothing of the output on a self-hosted model (store, metadata, service_tier,
+prompt_cache_key, safety_identifier: no store, one tier, a prefix cache needing no key) are
+accepted and ignored, and null means the default where OpenAI's API allows it. vLLM's names
+for what this server does implement (guided_*, structured_outputs, skip_special_tokens,
+include_stop_str_in_output, continue_final_message, ...) are taken as vLLM takes them.
 """
 
 from __future__ import annotations
@@ -302,6 +307,10 @@ class _OpenAISampling(NullIsTheDefault):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_structured_constraint(self):
         given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                    "structured_outputs") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":

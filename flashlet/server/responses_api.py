@@ -54,7 +54,8 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     translation is refused."""
     fields = {"model": body.model, "messages": chat_messages(body), "stream": body.stream,
               "temperature": body.temperature, "top_p": body.top_p,
-              "max_completion_tokens": body.max_output_tokens, "user": body.user}
+              "max_completion_tokens": body.max_output_tokens, "user": body.user,
+              "parallel_tool_calls": body.parallel_tool_calls}
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
     if body.tools:

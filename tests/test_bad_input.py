@@ -48,12 +48,18 @@ def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(temperature=-0.1), "temperature"),
-    (dict(top_k=-1), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=True), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(skip_special_tokens=0), "skip_special_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_is_off_as_vllm_had_it():
+    assert SamplingParams(top_k=-1).top_k == SamplingParams().top_k == 0
 
 
 def test_unknown_model_path_or_id(tmp_path):

@@ -22,7 +22,7 @@ POOLING_MODES = (None, "last", "mean")
 class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 is exact greedy (argmax)
-    top_k: int = 0  # 0 keeps every token
+    top_k: int = 0  # 0 keeps every token (so does -1, vLLM's older "off")
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
@@ -59,6 +59,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.logprobs, bool):  # OpenAI's chat API: logprobs=True, top_logprobs=0
             self.logprobs = 0 if self.logprobs else None
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
+            self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
@@ -69,7 +71,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")

@@ -18,13 +18,36 @@ from flashlet.text.detokenizer import TextOutputs
 from flashlet.text.tokenizing import chat_ids
 
 
+# vLLM's LLM(...) keywords for what flashlet calls otherwise: name -> (EngineConfig field, value).
+VLLM_KEYWORDS = {
+    "enforce_eager": ("cuda_graph", lambda eager: not eager),
+    "enable_prefix_caching": ("enable_prefix_cache", bool),
+    "block_size": ("page_size", lambda size: size),
+}
+
+
 class LLM:
     def __init__(self, model: str | None = None, backend: str = "auto", device=None,
-                 dtype=None, page_size: int = 16, max_num_pages: int | None = None, **kwargs):
+                 dtype=None, page_size: int = 16, max_num_pages: int | None = None, *,
+                 seed: int | None = None, trust_remote_code: bool = False, **kwargs):
+        """EngineConfig's fields as keywords, and vLLM's names for some (VLLM_KEYWORDS:
+        enforce_eager, enable_prefix_caching, block_size). seed seeds the random draws of
+        requests without a seed of their own (torch's generators: vLLM's LLM(seed=));
+        trust_remote_code is accepted and changes nothing (flashlet runs its own forward pass,
+        never a model's code)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         if device is not None:
             device = str(device)
+        for name, (field, convert) in VLLM_KEYWORDS.items():
+            if name in kwargs:
+                value = convert(kwargs.pop(name))
+                if field == "page_size":
+                    page_size = value
+                else:
+                    kwargs[field] = value
+        if seed is not None:
+            torch.manual_seed(seed)  # every device's generator
         self.config = EngineConfig(model=model, backend=backend, device=device, dtype=dtype,
                                    page_size=page_size, max_num_pages=max_num_pages, **kwargs)
         self.engine = Engine(self.config)
@@ -32,14 +55,21 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.text_outputs = TextOutputs(self.engine, self.tokenizer)
 
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts (a string, a list of strings, or token-id lists) as one ragged batch;
         returns the finished outputs in prompt order: one per prompt, or with `params.n` > 1
         n per prompt, grouped (prompt i's samples are outputs[i * n : (i + 1) * n]).
 
         The samples of one prompt share its KV pages: the first is admitted alone and the
         others once its prompt is computed, so they find the prompt in the prefix cache. With
-        best_of > n, best_of are sampled and the n of highest cumulative logprob kept."""
+        best_of > n, best_of are sampled and the n of highest cumulative logprob kept.
+        `sampling_params` is vLLM's name for `params`; `use_tqdm` is accepted (no progress bar
+        is drawn). A text prompt's outputs carry it as `prompt`."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("give params or sampling_params (vLLM's name for it), not both")
+            params = sampling_params
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
         limits = RequestLimits.of_engine(self.engine)
@@ -75,6 +105,10 @@ class LLM:
                 self.engine.abort(rid)
                 self.text_outputs.forget(rid)
             raise
+        for prompt, group in zip(prompts, groups):
+            if isinstance(prompt, str):
+                for rid in group:
+                    finished[rid].prompt = prompt
         return [out for group in groups for out in _best(params, [finished[i] for i in group])]
 
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
@@ -99,16 +133,18 @@ class LLM:
     def chat(self, conversations, params: SamplingParams | None = None, *,
              allow_special_tokens: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template
-        applied (the keywords as `apply_chat_template` takes them, vLLM's names); control-token
-        text in message content stays text unless allowed."""
+        applied (the keywords as `apply_chat_template` takes them, vLLM's names; sampling_params
+        and use_tqdm as `generate` takes them); control-token text in message content stays
+        text unless allowed."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([self.apply_chat_template(
             c, allow_special_tokens=allow_special_tokens, tools=tools, chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-            for c in conversations], params)
+            for c in conversations], params, sampling_params=sampling_params)
 
     def apply_chat_template(self, messages: list[dict], *, allow_special_tokens: bool = False,
                             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,

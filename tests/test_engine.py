@@ -445,3 +445,28 @@ def test_llm_generate_leaves_the_engine_idle(demo_llm):
     while engine.has_unfinished():
         outs += engine.step()
     assert outs[-1].request_id == rid and outs[-1].finished
+
+
+def test_vllm_quickstart_runs_as_written(demo_model_dir):
+    """vLLM's offline quickstart, its keywords and its output shape: LLM(enforce_eager=...,
+    enable_prefix_caching=..., block_size=..., trust_remote_code=..., seed=...),
+    generate(prompts, sampling_params=..., use_tqdm=...), output.prompt and
+    output.outputs[0].text; the same seed gives the same sampled text."""
+    from flashlet import LLM
+
+    def run(seed):
+        llm = LLM(model=str(demo_model_dir), enforce_eager=True, enable_prefix_caching=True, block_size=16,
+                  trust_remote_code=True, seed=seed, max_num_pages=64)
+        assert llm.config.cuda_graph is False and llm.config.enable_prefix_cache and llm.config.page_size == 16
+        prompts = ["Hello, my name is", "The capital of France is"]
+        outputs = llm.generate(prompts, sampling_params=SamplingParams(temperature=0.8, top_p=0.95, max_tokens=6),
+                               use_tqdm=False)
+        assert [o.prompt for o in outputs] == prompts
+        assert all(o.outputs[0] is o and o.outputs[0].token_ids for o in outputs)
+        ids = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0]
+        assert ids.prompt is None  # given token ids, as vLLM's
+        with pytest.raises(ValueError, match="not both"):
+            llm.generate(prompts, SamplingParams(), sampling_params=SamplingParams())
+        return [o.outputs[0].text for o in outputs]
+
+    assert run(7) == run(7)

@@ -145,6 +145,15 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     new_text: str = ""  # text safe to stream now (stop strings cut, a possible one held back)
     text: str = ""  # all output text so far
+    prompt: str | None = None  # the prompt's text, where LLM.generate was given text
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """vLLM's shape, for code written against it (`out.outputs[0].text`, `.token_ids`,
+        `.finish_reason`, `.logprobs`, `.cumulative_logprob`): this output, whose fields have
+        those names. Here each sample is an output of its own (LLM.generate returns a prompt's
+        n samples one after another), so the list holds one."""
+        return [self]
 
     @property
     def cumulative_logprob(self) -> float | None:

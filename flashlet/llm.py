@@ -170,8 +170,8 @@ class LLM:
     def _run_until_done(self, ids: set[int], count: int,
                         on_output=None) -> dict[int, RequestOutput]:
         """Step until `count` of the requests in `ids` (a set that may grow meanwhile) have
-        finished, then let the engine settle (`Engine.settle`: its step in flight and an
-        abort's echo); on_output sees each of their outputs first."""
+        finished, then take what the engine still holds for them (`Engine.take_pending`: a
+        stop string's abort echo); on_output sees each of their outputs first."""
         finished = {}
         while len(finished) < count:
             if not self.engine.has_unfinished():
@@ -183,7 +183,7 @@ class LLM:
                     on_output(out)
                 if out.finished:
                     finished[out.request_id] = out
-        self.text_outputs.process(self.engine.settle())  # idle on return (nothing of ours is left)
+        self.text_outputs.process(self.engine.take_pending())  # nothing of ours left for the next step
         return finished
 
 

@@ -294,16 +294,14 @@ class Engine:
         return (self.scheduler.has_unfinished() or bool(self._pending)
                 or self._in_flight is not None or any(self._held.values()))
 
-    def settle(self) -> list[RequestOutput]:
-        """With no request left (none waiting, running or held), finish the step still in
-        flight (overlap launches one past a request's last token) and take the outputs still
-        pending (an abort's final one), so the engine is idle; returns those outputs. A no-op
-        while any request is live: stepping would advance it."""
-        outputs = []
-        while ((self._in_flight is not None or self._pending) and not self.scheduler.has_unfinished()
-               and not any(self._held.values())):
-            outputs += self.step()
-        return outputs
+    def take_pending(self) -> list[RequestOutput]:
+        """The outputs waiting for the next step (an abort's final one: a stop string's), now,
+        as that step would hand them over: for a caller done with its requests (LLM.generate),
+        so that whoever steps next gets none of them. A step still in flight (overlap launches
+        one past a request's last token) stays for the next step: waiting for it here would
+        cost the caller a step of latency for a row whose token is dropped anyway."""
+        outputs, self._pending = self._pending, []
+        return self._hand_over(outputs)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -348,8 +346,15 @@ class Engine:
             else:
                 outputs += self._finish(launched)
         if self.spec is not None:
-            self.spec.release_finished([r.request_id for r in sched.preempted]
-                                       + [out.request_id for out in outputs if out.finished])
+            self.spec.release_finished([r.request_id for r in sched.preempted])
+        return self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """What every batch of outputs goes through on its way out: the finished requests'
+        speculation state released, held samples whose first one is done released, pooled
+        embeddings attached."""
+        if self.spec is not None:
+            self.spec.release_finished([out.request_id for out in outputs if out.finished])
         if self._held:
             self._release_held(outputs)
         if self.pooler.modes:

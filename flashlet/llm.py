@@ -55,11 +55,13 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.text_outputs = TextOutputs(self.engine, self.tokenizer)
 
-    def generate(self, prompts, params: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts (a string, a list of strings, or token-id lists) as one ragged batch;
-        returns the finished outputs in prompt order: one per prompt, or with `params.n` > 1
-        n per prompt, grouped (prompt i's samples are outputs[i * n : (i + 1) * n]).
+        returns the finished outputs in prompt order: one per prompt, or with `n` > 1 n per
+        prompt, grouped (prompt i's samples one after another). `params`: one SamplingParams
+        for every prompt, or a list of one a prompt (vLLM's form).
 
         The samples of one prompt share its KV pages: the first is admitted alone and the
         others once its prompt is computed, so they find the prompt in the prefix cache. With
@@ -71,18 +73,17 @@ class LLM:
                 raise ValueError("give params or sampling_params (vLLM's name for it), not both")
             params = sampling_params
         prompts = _as_prompt_list(prompts)
-        params = params or SamplingParams()
+        per_prompt = _per_prompt(params, len(prompts))
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
         prompt_ids = [self.engine.encode(p) for p in prompts]  # every prompt's ids first
-        prompt_ids = [limits.check(p, params) for p in prompt_ids]
-        num_samples = params.best_of or params.n
+        prompt_ids = [limits.check(ids, p) for ids, p in zip(prompt_ids, per_prompt)]
         groups: list[list[int]] = []
         mine: set[int] = set()
-        siblings_due: dict[int, tuple[list[int], list[int]]] = {}  # first id -> (prompt, group)
+        siblings_due: dict[int, tuple[list[int], list[int], SamplingParams]] = {}  # first id -> (prompt, group, params)
 
-        def add(token_ids: list[int], index: int) -> int:
-            sample = sample_params(params, index, num_samples)
+        def add(token_ids: list[int], p: SamplingParams, index: int) -> int:
+            sample = sample_params(p, index, p.best_of or p.n)
             rid = self.engine.add_request(token_ids, sample)
             self.text_outputs.add(rid, sample)
             mine.add(rid)
@@ -91,15 +92,15 @@ class LLM:
         def on_output(out: RequestOutput) -> None:
             due = siblings_due.pop(out.request_id, None)
             if due is not None:  # the first sample's prompt is computed and cached: fork
-                token_ids, group = due
-                group += [add(token_ids, k) for k in range(1, num_samples)]
+                token_ids, group, p = due
+                group += [add(token_ids, p, k) for k in range(1, p.best_of or p.n)]
 
         try:
-            for token_ids in prompt_ids:
-                groups.append([add(token_ids, 0)])
-                if num_samples > 1:
-                    siblings_due[groups[-1][0]] = (token_ids, groups[-1])
-            finished = self._run_until_done(mine, len(prompts) * num_samples, on_output)
+            for token_ids, p in zip(prompt_ids, per_prompt):
+                groups.append([add(token_ids, p, 0)])
+                if (p.best_of or p.n) > 1:
+                    siblings_due[groups[-1][0]] = (token_ids, groups[-1], p)
+            finished = self._run_until_done(mine, sum(p.best_of or p.n for p in per_prompt), on_output)
         except BaseException:
             for rid in (r for group in groups for r in group):  # frees their pages at once
                 self.engine.abort(rid)
@@ -109,7 +110,7 @@ class LLM:
             if isinstance(prompt, str):
                 for rid in group:
                     finished[rid].prompt = prompt
-        return [out for group in groups for out in _best(params, [finished[i] for i in group])]
+        return [out for group, p in zip(groups, per_prompt) for out in _best(p, [finished[i] for i in group])]
 
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
         """One embedding per prompt: its final hidden states pooled ("last" token or "mean")
@@ -130,10 +131,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def chat(self, conversations, params: SamplingParams | None = None, *,
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None, *,
              allow_special_tokens: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, sampling_params: SamplingParams | None = None,
+             continue_final_message: bool = False,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of {role, content}), chat template
         applied (the keywords as `apply_chat_template` takes them, vLLM's names; sampling_params
@@ -199,6 +201,17 @@ def _best(params: SamplingParams, outputs: list[RequestOutput]) -> list[RequestO
         for out in best:
             out.logprobs = None
     return best
+
+
+def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams a prompt: the one given for all, or a list of one a prompt."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"params: one SamplingParams for all prompts, or a list of {num_prompts} "
+                         f"(one a prompt), got {len(params)} items")
+    return params
 
 
 def _as_prompt_list(prompts) -> list:

@@ -473,3 +473,19 @@ def test_vllm_quickstart_runs_as_written(demo_model_dir):
         return [o.outputs[0].text for o in outputs]
 
     assert run(7) == run(7)
+
+
+def test_generate_takes_a_sampling_params_a_prompt(demo_llm):
+    """vLLM's list form: one SamplingParams a prompt, each prompt run as its own would be
+    (n samples where its params ask); a list of another length is a clear error."""
+    prompts = ["The capital of France is", "Hello, my name is"]
+    one = SamplingParams(max_new_tokens=3)
+    two = SamplingParams(max_new_tokens=5, n=2, temperature=1.0, seed=3)
+    outs = demo_llm.generate(prompts, [one, two])
+    assert [o.prompt for o in outs] == [prompts[0], prompts[1], prompts[1]]
+    assert [len(o.token_ids) for o in outs] == [3, 5, 5]
+    assert outs[0].token_ids == demo_llm.generate(prompts[:1], one)[0].token_ids
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in demo_llm.generate(prompts[1:], two)]
+    with pytest.raises(ValueError, match="a list of 2"):
+        demo_llm.generate(prompts, [one])
+    assert demo_llm.engine.stats()["requests"] == 0

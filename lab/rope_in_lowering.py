@@ -18,16 +18,16 @@ import sys
 from tests.kernels.test_kern_decode import _LOWER
 
 VARIANTS = [
-    (32, True, 64, 4, 128, 0, "*bf16", False, 1), (32, True, 64, 4, 128, 0, "*bf16", True, 1),
-    (8, True, 64, 8, 128, 4, "*bf16", False, 2), (8, True, 64, 8, 128, 4, "*bf16", True, 2),
-    (4, True, 32, 4, 128, 16, "*bf16", False, 2), (4, True, 32, 4, 128, 16, "*bf16", True, 2),
-    (32, True, 64, 8, 128, 0, "*bf16", True, 1), (8, True, 64, 8, 128, 4, "*bf16", True, 1),
-    (4, True, 32, 4, 128, 16, "*bf16", True, 1),
+    (32, True, 64, 4, 128, 0, "*bf16", False, False, 1), (32, True, 64, 4, 128, 0, "*bf16", True, False, 1),
+    (8, True, 64, 8, 128, 4, "*bf16", False, False, 2), (8, True, 64, 8, 128, 4, "*bf16", True, False, 2),
+    (4, True, 32, 4, 128, 16, "*bf16", False, False, 2), (4, True, 32, 4, 128, 16, "*bf16", True, False, 2),
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 1), (8, True, 64, 8, 128, 4, "*bf16", True, False, 1),
+    (4, True, 32, 4, 128, 16, "*bf16", True, False, 1),
 ]
 
 
 def main() -> None:
-    code = (_LOWER.replace("lookback, kv, rope_in):", "lookback, kv, rope_in, kv_pack=1):")
+    code = (_LOWER.replace("lookback, kv, rope_in, prefetch):", "lookback, kv, rope_in, prefetch, kv_pack=1):")
             .replace("KV_PACK=1,", "KV_PACK=kv_pack,")
             .replace("NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7", "NUM_Q_HEADS=16, NUM_KV_HEADS=8, GROUP=2"))
     if code.count("kv_pack") != 2 or "GROUP=2" not in code:

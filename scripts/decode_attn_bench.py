@@ -565,11 +565,12 @@ class OneLaunchVariant:
     long_split_tokens: int = 0
     merge_splits: int | None = None
     pdl: bool = True
+    prefetch_pages: bool = False
 
     def label(self) -> str:
         tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (
             f" long{self.long_split_tokens}@{self.long_from_tokens}" if self.long_from_tokens else "") + (
-            f" ms{self.merge_splits}" if self.merge_splits else "")
+            f" ms{self.merge_splits}" if self.merge_splits else "") + (" pages" if self.prefetch_pages else "")
         return (f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits} "
                 f"min{self.min_split_tokens}{tail} pdl-{'on' if self.pdl else 'off'}")
 
@@ -589,7 +590,7 @@ class OneLaunchVariant:
             block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
             min_split_tokens=self.min_split_tokens, num_splits=self.num_splits, kv_pack=self.kv_pack,
             long_from_tokens=self.long_from_tokens, long_split_tokens=self.long_split_tokens,
-            merge_splits=self.merge_splits)
+            merge_splits=self.merge_splits, prefetch_pages=self.prefetch_pages)
 
 
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
@@ -607,7 +608,7 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
             num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
             num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
             v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
-            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits)
+            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages)
     return fn
 
 
@@ -625,7 +626,7 @@ def derived_one_launch_variant(torch, model: dict, rows: int, num_sms: int, devi
                             max_pages_per_seq=32768 // model["page_size"])
     cfg, splits = backend.one_launch_config(rows, table=table)
     return OneLaunchVariant(cfg.block_n, cfg.num_warps, cfg.num_stages, splits, cfg.min_split_tokens, cfg.kv_pack,
-                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl)
+                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl, cfg.prefetch_pages)
 
 
 def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, near: int) -> list[int]:
@@ -650,7 +651,8 @@ def tile_variant(tile: tuple, derived: OneLaunchVariant) -> OneLaunchVariant:
 def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict, num_sms: int, smoke: bool,
                     derived: OneLaunchVariant) -> list[OneLaunchVariant]:
     """Every best tile over split caps and smallest splits; with a long context in the bucket,
-    also the long-row rules (splits of at least a block) and a wide merge at the largest caps."""
+    also the long-row rules (splits of at least a block), a wide merge at the largest caps, and
+    each of those with the block loop's page ids carried a block ahead (prefetch_pages)."""
     out = []
     min_splits = SMOKE_MIN_SPLITS if smoke else ONE_LAUNCH_MIN_SPLITS
     rules = SMOKE_LONG_RULES if smoke else ONE_LAUNCH_LONG_RULES
@@ -664,9 +666,9 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
                 out.append(base)
                 if not long_bucket:
                     continue
-                out += [replace(base, long_from_tokens=lf, long_split_tokens=ls) for lf, ls in rules if ls >= bn]
-                if s >= wide and m == max(min_splits):
-                    out.append(replace(base, merge_splits=wide))
+                longs = [replace(base, long_from_tokens=lf, long_split_tokens=ls) for lf, ls in rules if ls >= bn]
+                longs += [replace(base, merge_splits=wide)] if s >= wide and m == max(min_splits) else []
+                out += longs + [replace(v, prefetch_pages=True) for v in [base, *longs]]
     return list(dict.fromkeys(out))
 
 

@@ -39,6 +39,10 @@
 #                fused step's one-launch attention (the default) against the step backend's
 #                two-launch decode in it (--fused-off attn: the sweep timed it at 12.9 us a layer at
 #                30,000 tokens against the one-launch form's 23-24), two interleaved pairs (~6 min)
+#   one-launch-long the one-launch sweep at qwen2.5-0.5b's shape (its 1-row bucket with 8,000 / 30,000
+#                tokens now tries page ids carried ahead: prefetch_pages), its table kept in /tmp (~5 min)
+#   one-launch-long-ab one stream after 1,000 / 8,000 / 30,000 tokens without and with that table
+#                (FLASHLET_DECODE_TABLES), two interleaved pairs (~8 min; LONG_AB_LENS to choose)
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
 #                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
@@ -530,6 +534,24 @@ for _ in range(480):
         for pair in 1 2; do
           run 150 python3 lab/one_stream_pair.py one-launch --prompt-len "$plen"
           run 150 python3 lab/one_stream_pair.py two-launch --prompt-len "$plen" --fused-off attn
+        done
+      done
+      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+    one-launch-long)  # the sweep at the 0.5B shape, long contexts with the page ids carried ahead
+      cute_env
+      run 560 python3 scripts/decode_attn_bench.py --one-launch --models qwen2.5-0.5b \
+        --json "$OUT/json/one-launch-long.json" --table-json "$OUT/json/one-launch-long-table.json"
+      cp "$OUT/json/one-launch-long-table.json" /tmp/one-launch-long-table.json ;;
+    one-launch-long-ab)  # needs one-launch-long's table from an earlier call on this machine
+      cute_env
+      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/one-launch-long-table.json}
+      [[ -f $t ]] || { echo "part one-launch-long-ab needs $t (run one-launch-long first)" | tee -a "$LOG"
+                       status=2; continue; }
+      cp "$t" "$OUT/json/"
+      for plen in ${LONG_AB_LENS:-1000 8000 30000}; do
+        for pair in 1 2; do
+          run 150 python3 lab/one_stream_pair.py "table=none" --prompt-len "$plen"
+          run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --prompt-len "$plen"
         done
       done
       grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;

@@ -417,6 +417,7 @@ class TritonBackend(AttentionBackend):
             long_split_tokens=cfg.long_split_tokens,
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
+            prefetch_pages=cfg.prefetch_pages,
         )
         if q.shape[0] > n:
             out[n:].zero_()

@@ -714,7 +714,8 @@ def decode_attention_reference(
 # Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
 # compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
 # `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
-# (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width.
+# (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width;
+# PREFETCH_PAGES, page ids carried a block ahead by the block loop.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
@@ -746,6 +747,7 @@ def _one_launch_kernel(
     ROPE_IN: tl.constexpr = False,
     QK_NORM: tl.constexpr = False,
     CACHE_FP8: tl.constexpr = False,
+    PREFETCH_PAGES: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -813,6 +815,9 @@ def _one_launch_kernel(
     v_last = V + v_last_at
     if ROPE_IN:  # this row's RoPE table row (its position is copied in before the step)
         cs_row = CosSin + tl.load(Pos + b).to(tl.int64) * stride_cs
+    if PREFETCH_PAGES:  # the second block's page ids, before the wait too (the loop carries them)
+        t_next = start + BLOCK_N + tl.arange(0, BLOCK_N)
+        page_next = _page_ids(KvIndices, page_base, t_next, t_next < end, PAGE_SIZE)
     if USE_PDL:
         pdl.wait()  # the QKV GEMV has finished: q and the newest K/V row (ROPE_IN: q, k, v) are written
     if ROPE_IN:
@@ -900,20 +905,41 @@ def _one_launch_kernel(
             m_i, l_i, acc = _attend_block(q, k_step, v_step, s_mask, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     # New names in the loop: the first block's k and v are already q's dtype, an fp8 pool's
     # blocks here are still fp8 (`_attend_block` widens them), and a loop-carried name keeps one type.
-    for blk in range(start + BLOCK_N, end, BLOCK_N):
-        t = blk + tl.arange(0, BLOCK_N)
-        t_mask = t < end
-        blk_keys = t_mask
-        if ROPE_IN:  # this step's rows were attended above; their slots, being written now, are
-            # not loaded (a stale value times a zero weight can still be a NaN)
-            blk_keys = t_mask & ((t < step_from) | (t == last))
-        k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
-        v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-        if ROPE_IN:  # the newest row from registers
-            fresh = (t == last)[:, None]
-            k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
-            v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
-        m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    if PREFETCH_PAGES:
+        # Page ids a block ahead, carried by the loop (the two-launch form's "pages"): a block's
+        # K/V addresses come from the iteration before, not from a load in the same one, so the
+        # pipeliner can stage the block's copy num_stages - 1 iterations early.
+        for blk in range(start + BLOCK_N, end, BLOCK_N):
+            t = t_next
+            page = page_next
+            t_mask = t < end
+            blk_keys = t_mask
+            if ROPE_IN:  # (as below)
+                blk_keys = t_mask & ((t < step_from) | (t == last))
+            k_blk = _kv_rows(k_head, page, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v_blk = _kv_rows(v_head, page, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+            t_next = t + BLOCK_N
+            page_next = _page_ids(KvIndices, page_base, t_next, t_next < end, PAGE_SIZE)
+            if ROPE_IN:
+                fresh = (t == last)[:, None]
+                k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
+                v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
+            m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    else:
+        for blk in range(start + BLOCK_N, end, BLOCK_N):
+            t = blk + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            blk_keys = t_mask
+            if ROPE_IN:  # this step's rows were attended above; their slots, being written now,
+                # are not loaded (a stale value times a zero weight can still be a NaN)
+                blk_keys = t_mask & ((t < step_from) | (t == last))
+            k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
+            v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
+            if ROPE_IN:  # the newest row from registers
+                fresh = (t == last)[:, None]
+                k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
+                v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
+            m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale
     empty = l_i == 0.0
@@ -1057,6 +1083,7 @@ def decode_attention_one_launch(
     long_split_tokens: int = 0,
     merge_splits: int | None = None,
     rope_in: RopeIn | None = None,
+    prefetch_pages: bool = False,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -1074,7 +1101,8 @@ def decode_attention_one_launch(
     min_split_tokens, both runtime values: a long row takes more of the grid's splits without a
     larger grid.
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
-    as fit a 4096-element fp32 tile).
+    as fit a 4096-element fp32 tile). prefetch_pages: each block's page ids loaded a block
+    ahead (the second block's before the PDL wait), as the two-launch form's "pages" prefetch.
 
     rope_in (`RopeIn`): q and this step's newest K / V rows come as the QKV projection left
     them, and the kernel normalises (Qwen3's per-head norms) and rotates q and k itself and
@@ -1129,6 +1157,7 @@ def decode_attention_one_launch(
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
+        PREFETCH_PAGES=prefetch_pages,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -86,6 +86,7 @@ class OneLaunchConfig:
     long_from_tokens: int = 0
     long_split_tokens: int = 0
     merge_splits: int | None = None  # partials the merging program reads at a time (None: derived)
+    prefetch_pages: bool = False  # the block loop's page ids loaded a block ahead (the second before the wait)
 
     def smallest_split_tokens(self) -> int:
         """The shortest split any row may get (what bounds the useful split count)."""

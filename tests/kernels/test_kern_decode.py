@@ -240,6 +240,26 @@ def test_one_launch_variants_match_reference(kh, group, num_kv_heads, kv_pack, k
                       num_splits=num_splits, kv_heads_per_program=kv_pack, merge_splits=merge_splits)
 
 
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,page_size,kv_lens,num_splits,min_split_tokens,long_rule",
+    [
+        (7, 2, 1, 8, [100, 0, 37], 2, 16, None),  # several blocks a split, an empty row, a ragged last block
+        (7, 2, 1, 4, [130], 1, 16, None),  # one split: the whole row's blocks in one loop
+        (2, 4, 2, 8, [57, 200], 4, 16, None),  # Qwen3's group, two KV heads a program
+        (7, 2, 1, 8, [40, 300], 8, 64, (128, 32)),  # the long rule beside it
+        (8, 1, 1, 16, [300], 16, 16, None),  # pages larger than a block
+    ],
+)
+def test_one_launch_with_page_ids_carried_ahead_matches_reference(kh, group, num_kv_heads, kv_pack, page_size,
+                                                                  kv_lens, num_splits, min_split_tokens, long_rule):
+    """prefetch_pages: each block's page ids loaded a block ahead (the second block's before
+    the PDL wait); the output is the reference's at every shape the plain loop serves."""
+    long_from, long_split = long_rule or (0, 0)
+    _check_one_launch(kh, group=group, num_kv_heads=num_kv_heads, page_size=page_size, kv_lens=kv_lens,
+                      num_splits=num_splits, min_split_tokens=min_split_tokens, kv_heads_per_program=kv_pack,
+                      long_from_tokens=long_from, long_split_tokens=long_split, prefetch_pages=True)
+
+
 def _splits_written(scratch, num_splits, batch):
     """Per sequence, how many split partials a launch wrote (the scratch was NaN before)."""
     lse = scratch["mid_lse"][: batch * num_splits].view(batch, num_splits, -1)
@@ -287,7 +307,7 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
@@ -297,7 +317,8 @@ _LOWER = textwrap.dedent("""
         consts = dict(NUM_Q_HEADS=14, NUM_KV_HEADS=2, GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
-                      LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv")
+                      LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv",
+                      PREFETCH_PAGES=prefetch)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -331,18 +352,21 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
     return [json.loads(line) for line in lines[-count:]]
 
 
-ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in)
-    (1, True, 256, 8, 64, 0, "*bf16", False), (16, True, 256, 8, 64, 0, "*bf16", False),  # head_dim 64, one row
-    (64, False, 256, 8, 64, 0, "*bf16", False),
-    (16, True, 32, 4, 128, 0, "*bf16", False),                    # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16", False),                    # rows of a verify step: the look-back
+ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages)
+    (1, True, 256, 8, 64, 0, "*bf16", False, False), (16, True, 256, 8, 64, 0, "*bf16", False, False),  # head_dim 64, one row
+    (64, False, 256, 8, 64, 0, "*bf16", False, False),
+    (16, True, 32, 4, 128, 0, "*bf16", False, False),                    # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False, False),                    # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
-    (16, True, 256, 8, 64, 8, "*fp8e4nv", False),
+    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False),
     # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
     # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
-    (32, True, 64, 8, 128, 0, "*bf16", True), (16, True, 256, 8, 64, 0, "*bf16", True),
-    (16, True, 256, 8, 64, 8, "*bf16", True),  # rope_in over a verify step's rows: made, not loaded
+    (32, True, 64, 8, 128, 0, "*bf16", True, False), (16, True, 256, 8, 64, 0, "*bf16", True, False),
+    (16, True, 256, 8, 64, 8, "*bf16", True, False),  # rope_in over a verify step's rows: made, not loaded
+    # Page ids carried a block ahead (prefetch_pages) at the sweep's smaller tiles, plain and rope_in.
+    (64, True, 64, 4, 64, 0, "*bf16", False, True), (16, True, 64, 4, 128, 0, "*bf16", False, True),
+    (32, True, 64, 8, 128, 8, "*bf16", True, True),
 ]
 
 
@@ -357,14 +381,14 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in", ONE_LAUNCH_LOWERED)
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch", ONE_LAUNCH_LOWERED)
 def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
-                                    lookback, kv, rope_in):
+                                    lookback, kv, rope_in, prefetch):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
     loads bypass L1; ptxas (sm_90a) reports no spills."""
-    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in)]
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block

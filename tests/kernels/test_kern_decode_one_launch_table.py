@@ -86,11 +86,14 @@ def test_an_entry_is_clamped_to_what_the_pool_can_use(kh, monkeypatch):
     assert long.one_launch_config(1)[1] == tuning.num_splits(1, 1, 132, 2, 64)
 
 
-def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch):
-    """An entry with both KV heads a program, the long-row rule and a one-partial merge reaches
-    the kernel as given, and the step's output is the reference's (interpreter on the CPU)."""
+@pytest.mark.parametrize("prefetch_pages", [False, True])
+def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, prefetch_pages):
+    """An entry with both KV heads a program, the long-row rule, a one-partial merge and the
+    page ids carried ahead or not reaches the kernel as given, and the step's output is the
+    reference's (interpreter on the CPU)."""
     entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=1, min_split_tokens=64, num_splits=8,
-                                   kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1)
+                                   kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1,
+                                   prefetch_pages=prefetch_pages)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 4): entry})
     seen = []
     real = triton_backend.decode_attention_one_launch
@@ -113,4 +116,4 @@ def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch):
         assert not backend._merge_counts.any()
     got = seen[-1]
     assert (got["kv_heads_per_program"], got["long_from_tokens"], got["long_split_tokens"], got["merge_splits"],
-            got["num_splits"], got["block_n"]) == (2, 100, 16, 1, 8, 16)
+            got["num_splits"], got["block_n"], got["prefetch_pages"]) == (2, 100, 16, 1, 8, 16, prefetch_pages)

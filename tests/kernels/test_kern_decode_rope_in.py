@@ -257,11 +257,11 @@ def rope_in_layouts(draw):
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(layout=rope_in_layouts(), kv_pack=st.sampled_from([1, 2]), num_splits=st.sampled_from([1, 2, 4]),
-       qk_norm=st.booleans(), seed=st.integers(0, 1000))
-def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, seed):
-    """Random steps of verify runs and plain rows, shared prefix pages, splits and packing:
-    the rope_in launch (its rows written into copies of the pool) against the RoPE kernel's
-    reference then attention."""
+       qk_norm=st.booleans(), prefetch_pages=st.booleans(), seed=st.integers(0, 1000))
+def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, seed):
+    """Random steps of verify runs and plain rows, shared prefix pages, splits, packing and the
+    block loop with page ids carried ahead or not: the rope_in launch (its rows written into
+    copies of the pool) against the RoPE kernel's reference then attention."""
     rows, shared, page_size = layout
     num_kv_heads, head_dim = 4, 32
     kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(
@@ -281,7 +281,8 @@ def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, seed):
         mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device) if num_splits > 1 else None,
         mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device) if num_splits > 1 else None,
         merge_counts=counts, num_splits=num_splits, min_split_tokens=16, block_n=16,
-        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out))
+        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out),
+        prefetch_pages=prefetch_pages)
     assert not torch.isnan(out).any() and not counts.any()
     assert kh.rel_err(out, want) < 1e-5
     assert kh.rel_err(k_out, kc_ref) < 1e-5 and torch.equal(v_out, vc_ref)

@@ -1,5 +1,6 @@
 """Soak a flashlet server: streams, aborts, disconnects, preemption and structured-output
-requests that must be refused (poison and pathological schemas) for a bounded time, then
+requests that must be refused (poison and pathological schemas, as OpenAI's response_format and
+as vLLM's guided_* / structured_outputs) for a bounded time, then
 check that nothing went wrong: no 5xx (as the clients saw it and as /metrics counted it), no
 KV page still held by a request once the server is idle, the server's RSS flat.
 
@@ -41,7 +42,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_SERVER_ARGS = ["--max-num-pages", "64", "--max-num-seqs", "32"]
 GRACE_S = 30.0  # how long requests may run on after the deadline
 ACTIONS = ("generate", "stream", "stream_abort", "completion_stream_abort", "disconnect",
-           "chat_or_completion", "poison_schema", "pathological_schema")
+           "chat_or_completion", "poison_schema", "pathological_schema", "pathological_guided")
 # Structured-output requests the server must refuse with a 400 at once (issue 35): an integer
 # bound the core's messages cannot carry, and schemas that would compile for minutes, fetch a
 # URL or admit nothing.
@@ -51,6 +52,13 @@ PATHOLOGICAL_SCHEMAS = ({"type": "string", "pattern": "^(a|a?)+b$"},
                         {"enum": [f"v{i}" for i in range(100_000)]},
                         {"$ref": "http://127.0.0.1:9/schema.json"},
                         {"not": {}})
+# The same through vLLM's structured-output fields (guided_*, structured_outputs), and more
+# choices than a request may list: each a 400 at once too.
+PATHOLOGICAL_GUIDED = ({"guided_regex": "^(a|a?)+b$"}, {"guided_regex": "a{10000}"},
+                       {"structured_outputs": {"regex": "(x|x?)+"}},
+                       {"guided_json": {"$ref": "http://127.0.0.1:9/schema.json"}},
+                       {"guided_json": '{"not": {}}'},
+                       {"guided_choice": [f"c{i}" for i in range(5000)]})
 REFUSAL_S = 30.0  # a refusal slower than this stalled somewhere
 
 
@@ -220,14 +228,17 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
             tally.saw_response(r)
         except httpx.TimeoutException:
             tally.saw("client_timeout")
-    elif action in ("poison_schema", "pathological_schema"):
-        schema = POISON_SCHEMA if action == "poison_schema" else rng.choice(PATHOLOGICAL_SCHEMAS)
+    elif action in ("poison_schema", "pathological_schema", "pathological_guided"):
+        if action == "pathological_guided":
+            constraint = rng.choice(PATHOLOGICAL_GUIDED)
+        else:
+            schema = POISON_SCHEMA if action == "poison_schema" else rng.choice(PATHOLOGICAL_SCHEMAS)
+            constraint = {"response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "soak", "schema": schema}}}
         t0 = time.monotonic()
         r = await client.post(url + "/v1/completions", json={
             "model": args.model_name, "prompt": prompt, "max_tokens": new,
-            "n": rng.choice([1, 16]),
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "soak", "schema": schema}}})
+            "n": rng.choice([1, 16]), **constraint})
         tally.saw_response(r)
         if r.status_code != 400 and not CORE_DIED.search(r.text):  # a killed core's: explained
             tally.errors.append(f"{action} answered {r.status_code}: {r.text[:200]}")

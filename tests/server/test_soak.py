@@ -37,6 +37,7 @@ def test_short_soak(tmp_path):
     assert result["preemptions"] > 0, result  # the pool was too small for everyone at once
     assert result["status"].get("200", 0) > 10, result
     assert result["actions"].get("stream_abort", 0) + result["actions"].get("disconnect", 0) > 0
+    assert result["actions"].get("pathological_guided", 0) > 0  # vLLM's guided_* refused too
 
 
 def test_a_soak_survives_a_killed_core_under_data_parallel(tmp_path):

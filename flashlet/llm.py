@@ -112,6 +112,10 @@ class LLM:
                     finished[rid].prompt = prompt
         return [out for group, p in zip(groups, per_prompt) for out in _best(p, [finished[i] for i in group])]
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's accessor; also `llm.tokenizer`), None without one."""
+        return self.tokenizer
+
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
         """One embedding per prompt: its final hidden states pooled ("last" token or "mean")
         and normalised (flashlet/runner/pooling.py), in prompt order."""
@@ -215,11 +219,23 @@ def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
+    """Prompts as a list of texts and token-id lists: one text, one id list, a list of them, or
+    vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids})."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt as token ids
-    return prompts
+    return [_vllm_prompt(p) if isinstance(p, dict) else p for p in prompts]
+
+
+def _vllm_prompt(prompt: dict):
+    """vLLM's TextPrompt / TokensPrompt -> the text or the ids (nothing else in it is taken)."""
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f'a prompt dict holds "prompt" (text) or "prompt_token_ids" (ids) alone, '
+                     f"got keys {sorted(prompt)}")

@@ -489,3 +489,18 @@ def test_generate_takes_a_sampling_params_a_prompt(demo_llm):
     with pytest.raises(ValueError, match="a list of 2"):
         demo_llm.generate(prompts, [one])
     assert demo_llm.engine.stats()["requests"] == 0
+
+
+def test_generate_takes_vllms_prompt_dicts(demo_llm):
+    """{"prompt": text} and {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt), alone
+    or in a list, run as the text and the ids do; a dict with other keys is a clear error."""
+    params = SamplingParams(max_new_tokens=3)
+    text = "The capital of France is"
+    ids = demo_llm.get_tokenizer().encode(text)
+    want = demo_llm.generate([text], params)[0].token_ids
+    outs = demo_llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in outs] == [want, demo_llm.generate([ids], params)[0].token_ids]
+    assert outs[0].prompt == text and outs[1].prompt is None
+    assert demo_llm.generate({"prompt": text}, params)[0].token_ids == want
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        demo_llm.generate([{"prompt": text, "multi_modal_data": {}}], params)

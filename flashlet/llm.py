@@ -15,14 +15,14 @@ from flashlet.core.request_check import RequestLimits
 from flashlet.core.sampling import SamplingParams, sample_params
 from flashlet.distributed import tp_worker
 from flashlet.text.detokenizer import TextOutputs
-from flashlet.text.tokenizing import chat_ids
+from flashlet.text.tokenizing import chat_ids, chat_template_ending
 
 
 # vLLM's LLM(...) keywords for what flashlet calls otherwise: name -> (EngineConfig field, value).
 VLLM_KEYWORDS = {
     "enforce_eager": ("cuda_graph", lambda eager: not eager),
     "enable_prefix_caching": ("enable_prefix_cache", bool),
-    "block_size": ("page_size", lambda size: size),
+    "block_size": ("page_size", int),
 }
 
 
@@ -39,17 +39,14 @@ class LLM:
             dtype = str(dtype).removeprefix("torch.")
         if device is not None:
             device = str(device)
+        fields = dict(page_size=page_size, **kwargs)
         for name, (field, convert) in VLLM_KEYWORDS.items():
-            if name in kwargs:
-                value = convert(kwargs.pop(name))
-                if field == "page_size":
-                    page_size = value
-                else:
-                    kwargs[field] = value
+            if name in fields:
+                fields[field] = convert(fields.pop(name))
         if seed is not None:
             torch.manual_seed(seed)  # every device's generator
         self.config = EngineConfig(model=model, backend=backend, device=device, dtype=dtype,
-                                   page_size=page_size, max_num_pages=max_num_pages, **kwargs)
+                                   max_num_pages=max_num_pages, **fields)
         self.engine = Engine(self.config)
         tp_worker.serve_if_worker(self.engine)  # under torchrun, ranks 1.. serve and exit here
         self.tokenizer = self.engine.tokenizer
@@ -165,11 +162,8 @@ class LLM:
         (flashlet/text/tokenizing.py), unless `allow_special_tokens`."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=False (the model "
-                             "continues the last message instead of opening a reply)")
-        kwargs = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
-                  "continue_final_message": continue_final_message}
+        kwargs = {**(chat_template_kwargs or {}),
+                  **chat_template_ending(add_generation_prompt, continue_final_message)}
         return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens, tools=tools,
                         template_kwargs=kwargs)
 

@@ -206,6 +206,32 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
   [[ $rc -ne 0 ]] && status=$rc
   return 0
 }
+pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
+  grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
+}
+sweep_table() {  # sweep_table NAME MODELS: the one-launch sweep at MODELS; its table kept for NAME-ab
+  run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" \
+    --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
+  cp "$OUT/json/$1-table.json" "/tmp/$1-table.json"
+}
+table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS": one stream without and with NAME's table
+              # (an earlier call's sweep_table on this machine), two interleaved pairs each
+  local t=${ONE_LAUNCH_TABLE_JSON:-/tmp/$1-table.json} plen pair c
+  if [[ ! -f $t ]]; then
+    echo "part $1-ab needs $t (run $1 first)" | tee -a "$LOG"; status=2; return 0
+  fi
+  cp "$t" "$OUT/json/"
+  for plen in $3; do
+    for pair in 1 2; do
+      for c in $2; do
+        run 150 python3 lab/one_stream_pair.py "table=none" --config "$c" --prompt-len "$plen"
+        run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --config "$c" \
+          --prompt-len "$plen"
+      done
+    done
+  done
+  pair_table
+}
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
@@ -507,27 +533,13 @@ for _ in range(480):
           run 150 env PYTHONPATH="$pp" python3 lab/one_stream_pair.py "fi=$with" --config $c --prompt-len 1000
         done
       done
-      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+      pair_table ;;
     one-launch-presets)  # the sweep at the fused path's preset shapes that have no entry
       cute_env
-      run 560 python3 scripts/decode_attn_bench.py --one-launch \
-        --models qwen2.5-1.5b,llama-3.2-1b,tinyllama-1.1b \
-        --json "$OUT/json/one-launch-presets.json" --table-json "$OUT/json/one-launch-presets-table.json"
-      cp "$OUT/json/one-launch-presets-table.json" /tmp/one-launch-presets-table.json ;;
-    one-launch-presets-ab)  # needs one-launch-presets' table from an earlier call on this machine
+      sweep_table one-launch-presets qwen2.5-1.5b,llama-3.2-1b,tinyllama-1.1b ;;
+    one-launch-presets-ab)
       cute_env
-      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/one-launch-presets-table.json}
-      [[ -f $t ]] || { echo "part one-launch-presets-ab needs $t (run one-launch-presets first)" | tee -a "$LOG"
-                       status=2; continue; }
-      cp "$t" "$OUT/json/"
-      for pair in 1 2; do
-        for c in qwen2.5-1.5b llama-3.2-1b tinyllama-1.1b; do
-          run 150 python3 lab/one_stream_pair.py "table=none" --config $c --prompt-len 1000
-          run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --config $c \
-            --prompt-len 1000
-        done
-      done
-      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+      table_ab one-launch-presets "qwen2.5-1.5b llama-3.2-1b tinyllama-1.1b" 1000 ;;
     long-attn-ab)
       cute_env
       for plen in ${LONG_AB_LENS:-8000 30000}; do
@@ -536,25 +548,13 @@ for _ in range(480):
           run 150 python3 lab/one_stream_pair.py two-launch --prompt-len "$plen" --fused-off attn
         done
       done
-      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+      pair_table ;;
     one-launch-long)  # the sweep at the 0.5B shape, long contexts with the page ids carried ahead
       cute_env
-      run 560 python3 scripts/decode_attn_bench.py --one-launch --models qwen2.5-0.5b \
-        --json "$OUT/json/one-launch-long.json" --table-json "$OUT/json/one-launch-long-table.json"
-      cp "$OUT/json/one-launch-long-table.json" /tmp/one-launch-long-table.json ;;
-    one-launch-long-ab)  # needs one-launch-long's table from an earlier call on this machine
+      sweep_table one-launch-long qwen2.5-0.5b ;;
+    one-launch-long-ab)
       cute_env
-      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/one-launch-long-table.json}
-      [[ -f $t ]] || { echo "part one-launch-long-ab needs $t (run one-launch-long first)" | tee -a "$LOG"
-                       status=2; continue; }
-      cp "$t" "$OUT/json/"
-      for plen in ${LONG_AB_LENS:-1000 8000 30000}; do
-        for pair in 1 2; do
-          run 150 python3 lab/one_stream_pair.py "table=none" --prompt-len "$plen"
-          run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --prompt-len "$plen"
-        done
-      done
-      grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table ;;
+      table_ab one-launch-long qwen2.5-0.5b "${LONG_AB_LENS:-1000 8000 30000}" ;;
     ncu-step)
       cute_env
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)

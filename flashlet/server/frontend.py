@@ -102,10 +102,7 @@ class ModelContext:
 
     def detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         """A request's text maker: its stop strings and how the text is made."""
-        if self.decoder is None:
-            return None
-        return IncrementalDetokenizer(self.decoder, params.stop, params.skip_special_tokens,
-                                      params.include_stop_str_in_output)
+        return None if self.decoder is None else IncrementalDetokenizer.for_request(self.decoder, params)
 
     async def encode(self, text: str, param: str, alone: bool = False) -> list[int]:
         """`alone`: the caller serves nothing else now, so a long text need not leave the

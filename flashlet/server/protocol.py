@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from flashlet.text import structured
+from flashlet.text.tokenizing import chat_template_ending
 
 MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
@@ -500,19 +501,10 @@ TemplateKwargs = Annotated[dict[Annotated[str, Field(max_length=64)], Any],
                            Field(max_length=16), AfterValidator(_template_kwargs)]
 
 
-def check_template_ending(body) -> None:
-    """vLLM's rule: a final message left open (continue_final_message) takes no generation
-    prompt after it."""
-    if body.continue_final_message and body.add_generation_prompt is not False:
-        raise ValueError("continue_final_message: needs add_generation_prompt: false (the model "
-                         "continues the last message instead of opening a reply)")
-
-
 def template_ending(body) -> dict:
-    """apply_chat_template's add_generation_prompt (default true) and continue_final_message
-    for a request that may set them."""
-    return {"add_generation_prompt": body.add_generation_prompt is not False,
-            "continue_final_message": bool(body.continue_final_message)}
+    """A request's add_generation_prompt (default true) and continue_final_message as
+    apply_chat_template takes them (tokenizing.chat_template_ending: ValueError if they clash)."""
+    return chat_template_ending(body.add_generation_prompt is not False, bool(body.continue_final_message))
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -554,7 +546,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
     @model_validator(mode="after")
     def _check_combinations(self):
-        check_template_ending(self)
+        template_ending(self)  # checked here: a 400 naming the field
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

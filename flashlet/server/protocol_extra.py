@@ -11,7 +11,7 @@ from pydantic import AfterValidator, Field, model_validator
 from flashlet.server.protocol import (MAX_TOOLS, ChatMessage, JsonSchema, MaxTokens, Metadata,
                                       NonEmptyText, NullIsTheDefault, TemplateKwargs, Temperature,
                                       Text, TokenIds, Tool, TopP, _json_object_text, _Strict,
-                                      check_template_ending)
+                                      template_ending)
 
 MAX_EMBEDDING_INPUTS = 64
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -40,7 +40,7 @@ class TokenizeRequest(_Strict):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: only with "
                                  f"{'messages' if self.messages is None else 'prompt'}")
-        check_template_ending(self)
+        template_ending(self)  # checked here: a 400 naming the field
         return self
 
 

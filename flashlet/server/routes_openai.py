@@ -255,8 +255,6 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
     return params
 
 
-
-
 def _tool_call_format(tools: list[dict], tool_choice, parallel: bool) -> dict:
     choice = (tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice)
               else tool_choice)

@@ -63,6 +63,11 @@ class IncrementalDetokenizer:
             skip_special_tokens=skip_special_tokens)
         self._num_streamed = 0  # tokens whose text DecodeStream has given
 
+    @classmethod
+    def for_request(cls, tokenizer, params) -> "IncrementalDetokenizer":
+        """A request's: its SamplingParams' stop strings and how they make its text."""
+        return cls(tokenizer, params.stop or (), params.skip_special_tokens, params.include_stop_str_in_output)
+
     def push(self, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Add tokens; returns (new text safe to emit now, whether a stop string was hit).
 
@@ -147,8 +152,7 @@ class TextOutputs:
     def add(self, request_id: int, params) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop or (), params.skip_special_tokens,
-                                           params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, params)
         self._detoks[request_id] = detok
         self._token_ids[request_id] = []
 

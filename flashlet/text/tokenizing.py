@@ -114,6 +114,16 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return tokenizer.apply_chat_template(messages, tokenize=False, tools=tools, **kwargs)
 
 
+def chat_template_ending(add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict:
+    """apply_chat_template's two arguments for how the prompt ends: the assistant's turn opened,
+    or the last message left open for the model to continue (a prefilled reply). vLLM's rule:
+    the second takes no generation prompt after it (ValueError)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: needs add_generation_prompt=False (the model "
+                         "continues the last message instead of opening a reply)")
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+
+
 def template_shows_tools(tokenizer) -> bool:
     """Whether the chat template shows the model its tools: it renders a conversation
     differently with a tool than without."""

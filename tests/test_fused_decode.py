@@ -962,6 +962,101 @@ def test_rope_in_the_attention_over_verify_steps_and_several_rows(tmp_path, tiny
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
+def count_o_forms(monkeypatch, engine_holder=None) -> dict:
+    """Counts, from now on: the one-launch attention's launches with O in them ("attn_o") and
+    without ("plain"), and the O GEMV's calls inside a fused step ("o_gemv")."""
+    from flashlet.attention import triton_backend
+
+    calls = {"attn_o": 0, "plain": 0}
+    real_one = triton_backend.decode_attention_one_launch
+
+    def one(*a, **k):
+        calls["attn_o" if k.get("o_proj") is not None else "plain"] += 1
+        return real_one(*a, **k)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", one)
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,rope", [("tiny_qwen2", True), ("tiny_llama", False)],
+                         ids=["qwen2-rope-epilogue", "llama-rope-kernel"])
+def test_o_in_the_attentions_launch_gives_the_model_tokens(model, rope, reference_kernels, monkeypatch, request):
+    """fused_decode.ATTN_O ($FLASHLET_ATTN_O=1): every one-row fused step's attention launch
+    also projects through O into the residual stream (triton, interpreted), the O GEMV never
+    called; splits made small so the merge runs before the O programs read; tokens are the
+    per-op engine's, the counters left at zero."""
+    tiny_model = request.getfixturevalue(model)
+    triton = small_one_launch_splits(monkeypatch)
+    want, _ = generate(tiny_model, False, PROMPTS, n=ONE_LAUNCH_TOKENS, config=triton)
+    monkeypatch.setattr(fused_decode, "ATTN_O", "1")
+    calls = count_o_forms(monkeypatch)
+    got, engine = generate(tiny_model, True, PROMPTS, n=ONE_LAUNCH_TOKENS, rope=rope, attn=True, config=triton)
+    assert got == want
+    fused = engine.runner.fused
+    assert fused.attn_o and calls["plain"] == 0
+    assert calls["attn_o"] == len(engine.model.layers) * sum(ONE_LAUNCH_TOKENS - 1 for _ in PROMPTS)
+    assert fused.gemvs[1].o.calls == 0
+    assert not fused.o_counts.any() and not engine.runner.backend._merge_counts.any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rope_in", [False, True], ids=["rope-epilogue", "rope-in-attention"])
+def test_o_in_the_attentions_launch_over_several_rows_and_verify_steps(tiny_qwen2, reference_kernels,
+                                                                      all_kernel_rows, monkeypatch, rope_in):
+    """ATTN_O with n-gram verify steps as decode rows and two sequences decoding together
+    (padded row counts, the O programs' dot over several rows), with RoPE in the QKV epilogue or
+    the rows made in the attention (ROPE_IN_ATTENTION "all"); greedy tokens are the per-op
+    engine's without speculation."""
+    prompts, params = row_prompts(2), verify_params()
+    triton = small_one_launch_splits(monkeypatch)
+    want, _, _ = run_engine(tiny_qwen2, False, prompts, params, 2, **triton)
+    monkeypatch.setattr(fused_decode, "ATTN_O", "1")
+    if rope_in:
+        monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "all")
+    calls = count_o_forms(monkeypatch)
+    expanded = count_fused_verify_steps(monkeypatch)
+    engine = always_guessing_engine(tiny_qwen2, monkeypatch, FusedParts(rope=not rope_in, attn=True), **triton)
+    assert engine.runner.fused.rope_in_attention == rope_in
+    got = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert expanded and max(expanded) > 2 and engine.runner.fused.attn_o
+    assert calls["attn_o"] > 0 and calls["plain"] == 0
+    assert not engine.runner.fused.o_counts.any()
+
+
+def test_o_in_the_attentions_launch_declines_what_it_cannot_hold(tiny_qwen2, reference_kernels, monkeypatch):
+    """Where an O program cannot hold a row of O's weight, or the attention is not one launch,
+    ATTN_O leaves O to its GEMV and says why."""
+    from flashlet.kernels import decode_attention
+
+    monkeypatch.setattr(fused_decode, "ATTN_O", "1")
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True),
+                    FusedParts(attn=False))
+    assert not engine.runner.fused.attn_o
+    assert engine.runner.fused.attn_o_refusal() == "the one-launch attention is off"
+    monkeypatch.setattr(decode_attention, "MAX_O_K", 8)
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=1, fused_decode=True,
+                                 backend="triton"), FusedParts(attn=True))
+    assert not engine.runner.fused.attn_o and "wider than an O program holds" in engine.runner.fused.attn_o_refusal()
+
+
+def test_attn_o_switch_reads_its_two_values():
+    """$FLASHLET_ATTN_O: 0 / 1, anything else a clear error at import."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from flashlet.runner import fused_decode as f; print(f.ATTN_O)"
+    for value in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env={**os.environ, "FLASHLET_ATTN_O": value})
+        assert out.returncode == 0 and out.stdout.strip() == value, out.stderr
+    bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "FLASHLET_ATTN_O": "yes"})
+    assert bad.returncode != 0 and "FLASHLET_ATTN_O='yes': expected 0 or 1" in bad.stderr
+
+
 def test_verify_rows_as_decode_rows_give_the_ragged_steps_logits(tiny_qwen2):
     """A step of two verify rows (one from position 0, one after 5 cached tokens) and a decode,
     over a pool of random K/V: the same step as one decode row per query token gives the same

@@ -15,7 +15,7 @@ from flashlet.core.request_check import RequestLimits
 from flashlet.core.sampling import SamplingParams, sample_params
 from flashlet.distributed import tp_worker
 from flashlet.text.detokenizer import TextOutputs
-from flashlet.text.tokenizing import chat_ids, chat_template_ending
+from flashlet.text.tokenizing import check_messages, chat_ids, chat_template_ending
 
 
 # vLLM's LLM(...) keywords for what flashlet calls otherwise: name -> (EngineConfig field, value).
@@ -164,8 +164,12 @@ class LLM:
             raise ValueError("this model has no chat template")
         kwargs = {**(chat_template_kwargs or {}),
                   **chat_template_ending(add_generation_prompt, continue_final_message)}
-        return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens, tools=tools,
-                        template_kwargs=kwargs)
+        check_messages(messages)
+        try:
+            return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens, tools=tools,
+                            template_kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages (as the server says)
+            raise ValueError(f"the chat template rejected these messages: {e}") from e
 
     def _run_until_done(self, ids: set[int], count: int,
                         on_output=None) -> dict[int, RequestOutput]:
@@ -212,24 +216,38 @@ def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
     return params
 
 
+PROMPT_FORMS = 'a prompt is a string, a list of token ids, or {"prompt": text} / {"prompt_token_ids": ids}'
+
+
 def _as_prompt_list(prompts) -> list:
     """Prompts as a list of texts and token-id lists: one text, one id list, a list of them, or
-    vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids})."""
+    vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}); a TypeError naming
+    any other form."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    if isinstance(prompts, bytes) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts: {PROMPT_FORMS}, or a list of them; got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt as token ids
-    return [_vllm_prompt(p) if isinstance(p, dict) else p for p in prompts]
+    return [_one_prompt(p, i) for i, p in enumerate(prompts)]
 
 
-def _vllm_prompt(prompt: dict):
-    """vLLM's TextPrompt / TokensPrompt -> the text or the ids (nothing else in it is taken)."""
-    if set(prompt) == {"prompt"}:
-        return prompt["prompt"]
-    if set(prompt) == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
-    raise ValueError(f'a prompt dict holds "prompt" (text) or "prompt_token_ids" (ids) alone, '
-                     f"got keys {sorted(prompt)}")
+def _one_prompt(prompt, index: int):
+    """One prompt of a list as a text or an id list (vLLM's TextPrompt / TokensPrompt dicts
+    unwrapped: nothing else in them is taken)."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        elif set(prompt) == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+        else:
+            raise ValueError(f'prompts[{index}]: a prompt dict holds "prompt" (text) or "prompt_token_ids" '
+                             f"(ids) alone, got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt
+    if hasattr(prompt, "__iter__") and not isinstance(prompt, (bytes, dict)):
+        return list(prompt)  # its ids are checked with the request's limits
+    raise TypeError(f"prompts[{index}]: {PROMPT_FORMS}; got {type(prompt).__name__}")

@@ -31,6 +31,36 @@ def test_bad_prompts(llm, prompt, message):
     assert no_pages_held(llm) and not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("prompts, message", [
+    (None, r"prompts: a prompt is a string.*got NoneType"),
+    (5, r"prompts: a prompt is a string.*got int"),
+    ([None], r"prompts\[0\]: a prompt is a string.*got NoneType"),
+    ([[3, 4], 2.5], r"prompts\[1\]: a prompt is a string.*got float"),
+    ([{"prompt": 3}], r"prompts\[0\]: a prompt is a string.*got int"),
+])
+def test_a_prompt_of_no_known_form_is_named(llm, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert no_pages_held(llm) and not llm.engine.has_unfinished()
+
+
+def test_any_iterable_of_prompts_or_ids_is_taken(llm):
+    params = SamplingParams(max_new_tokens=2)
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
+    assert [o.token_ids for o in llm.generate((p for p in ([5, 6, 7], (8, 9))), params)] == want
+
+
+def test_any_integer_seed_runs_and_reproduces(llm):
+    """OpenAI's seed is any integer (the server takes it modulo 2**64): the torch sampler's
+    generator too, where 2**70 once failed inside the step."""
+    for seed in (2**70, -5, 2**64 - 1):
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed)
+        first, again = (llm.generate([[5, 6, 7]], params)[0].token_ids for _ in range(2))
+        assert first == again and len(first) == 4
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed="7")
+
+
 def test_text_prompt_without_tokenizer_is_an_error(llm):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello")

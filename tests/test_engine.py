@@ -504,3 +504,20 @@ def test_generate_takes_vllms_prompt_dicts(demo_llm):
     assert demo_llm.generate({"prompt": text}, params)[0].token_ids == want
     with pytest.raises(ValueError, match="prompt_token_ids"):
         demo_llm.generate([{"prompt": text, "multi_modal_data": {}}], params)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("hello", "messages must be a non-empty list"),
+    ([], "messages must be a non-empty list"),
+    (["hi"], r"messages\[0\] must be a dict"),
+    ([{"content": "x"}], r"messages\[0\] needs a role"),
+    ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+])
+def test_chat_names_what_is_off_in_a_conversation(demo_llm, messages, message):
+    """LLM.chat / apply_chat_template: a malformed conversation is a ValueError naming the
+    message and field (a template's own UndefinedError or TypeError before)."""
+    with pytest.raises(ValueError, match=message):
+        demo_llm.apply_chat_template(messages)
+    with pytest.raises(ValueError, match="messages"):
+        demo_llm.chat(messages if messages else [[]], SamplingParams(max_new_tokens=2))
+    assert not demo_llm.engine.has_unfinished()

@@ -97,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.priority) or not -2**63 <= self.priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
@@ -254,7 +256,7 @@ def make_generator(params: SamplingParams, device) -> torch.Generator | None:
     if params.is_greedy or params.seed is None:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
+    gen.manual_seed(params.seed & _MASK64)  # any integer seed, reduced modulo 2**64 (as the kernel's)
     return gen
 
 

@@ -148,8 +148,7 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
     `apply_chat_template(..., tokenize=True)` gives. Otherwise each string (or mapping key)
     that holds one is fenced with a random marker, the template is rendered, and the fenced
     spans are encoded with special tokens split (the template's own text with them parsed)."""
-    if not messages:
-        raise ValueError("the message list is empty")
+    check_messages(messages)
     specials = special_token_texts(tokenizer)
 
     def holds_special(text: str) -> bool:
@@ -172,6 +171,24 @@ def chat_ids(tokenizer, messages: list[dict], *, allow_special: bool = False,
             ids += encode_text(tokenizer, part, allow_special=i % 2 == 0,
                                add_special_tokens=False, pieces=pieces, pretokens=pretokens)
     return ids
+
+
+def check_messages(messages) -> None:
+    """A ValueError naming what is off in a chat conversation, before a template sees it:
+    a non-empty list of messages, each a dict with a string `role` and a `content` that is a
+    string, a list of content parts (dicts) or None (an assistant's tool calls)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with a role and content, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}] needs a role (a non-empty string), got {m.get('role')!r}")
+        content = m.get("content")
+        if not (content is None or isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(part, dict) for part in content))):
+            raise ValueError(f"messages[{i}].content must be a string, a list of content parts or None, "
+                             f"got {type(content).__name__}")
 
 
 def _any_string(predicate, value) -> bool:

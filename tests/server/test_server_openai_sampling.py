@@ -90,6 +90,15 @@ def test_n_samples_are_distinct_and_share_the_prompt(client, idle):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_a_seed_past_64_bits_samples_and_reproduces(client, idle):
+    """OpenAI's seed is any integer; the server takes it modulo 2**64 before the engine sees it
+    (the Python API's SamplingParams now does the same in the torch sampler: test_bad_input)."""
+    texts = [chat(client, max_tokens=6, temperature=1.0, seed=2**70 + 5,
+                  messages=[{"role": "user", "content": "Say anything."}]).choices[0].message.content
+             for _ in range(2)]
+    assert texts[0] and texts[0] == texts[1]
+
+
 def test_n_streamed_with_choice_index_and_usage(client, idle):
     chunks = list(chat(client, max_tokens=5, temperature=0, n=2, stream=True,
                        stream_options={"include_usage": True}))

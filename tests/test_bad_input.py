@@ -92,6 +92,18 @@ def test_top_k_minus_one_is_off_as_vllm_had_it():
     assert SamplingParams(top_k=-1).top_k == SamplingParams().top_k == 0
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len=-1), "max_model_len must be >= 1"),
+    (dict(max_model_len=0), "max_model_len must be >= 1"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+])
+def test_bad_engine_limits_name_the_field(tiny_qwen2, kwargs, message):
+    """Each refused before the model loads, by its own name (max_model_len=-1 once ran with a
+    context of -1 tokens; max_num_batched_tokens=0 was refused as max_decode_step_tokens)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_qwen2), **kwargs)
+
+
 def test_unknown_model_path_or_id(tmp_path):
     with pytest.raises(ModelLoadError, match="no-such-org/no-such-model"):
         load_model("no-such-org/no-such-model")

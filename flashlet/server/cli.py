@@ -364,6 +364,11 @@ def _check_server_args(args) -> HttpLimits:
                          f"{args.core_stall_timeout} and {args.stalled_request_timeout}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: any client sending an empty Bearer token would pass "
+                         "(an unset variable in `--api-key $KEY`?); leave the flag out for no key")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty; leave the flag out to serve the model's own name")
     if not 0 <= args.busy_poll_ms <= MAX_BUSY_POLL_S * 1e3:
         raise ValueError(f"--busy-poll-ms must be in [0, {MAX_BUSY_POLL_S * 1e3:g}], got "
                          f"{args.busy_poll_ms}")

@@ -53,6 +53,10 @@ BAD_USAGE = [
     ("flashlet.server", ["--allowed-origins", "[1]"], "JSON list of strings"),
     ("flashlet.server", ["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
     ("flashlet.server", ["--api-server-count", "-2"], "--api-server-count must be >= 1, got -2"),
+    ("flashlet.server", ["--api-key", ""], "--api-key is empty"),
+    ("flashlet.server", ["--api-key", "  "], "--api-key is empty"),
+    ("flashlet.server", ["--served-model-name", ""], "--served-model-name is empty"),
+    ("flashlet.server", ["--max-model-len", "-1"], "max_model_len must be >= 1"),
     ("flashlet.server", ["--busy-poll-ms", "-1"], "--busy-poll-ms must be in [0, 1000], got -1"),
     ("flashlet.server", ["--busy-poll-ms", "nan"], "--busy-poll-ms must be in [0, 1000], got nan"),
 ]

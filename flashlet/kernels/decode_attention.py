@@ -757,7 +757,7 @@ def _one_launch_kernel(
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the next kernel (the O GEMV, or gate+up) may launch and load its weights now
-    if O_PROJ:  # a flat grid: attn_programs attention programs, then the O projection's (see attend_o)
+    if O_PROJ:  # a flat grid: attn_programs attention programs, then the O projection's (OProj)
         pid = tl.program_id(0)
         if pid >= attn_programs:
             _o_projection(O, Wo, Res, OCount, pid - attn_programs, num_rows * (NUM_KV_HEADS // KV_PACK),
@@ -990,7 +990,7 @@ def _one_launch_kernel(
 def _o_projection(O, Wo, Res, OCount, o_pid, target, num_rows, o_width, k_width, stride_ob, stride_wo, stride_res,
                   O_ROWS: tl.constexpr, O_K: tl.constexpr, O_BATCH: tl.constexpr, O_PROGRAMS: tl.constexpr,
                   USE_PDL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One O program of `attend_o`: rows [o_pid * O_ROWS, +O_ROWS) of Res[b] += Wo @ O[b] for
+    """One O program (`OProj`): rows [o_pid * O_ROWS, +O_ROWS) of Res[b] += Wo @ O[b] for
     the num_rows rows b, once every one of the `target` (row, KV group) outputs is counted in
     OCount[0]. Its weights load first, before the PDL wait; OCount[1] counts the programs past
     the wait on OCount[0], and the last of them sets both back to zero for the next launch."""

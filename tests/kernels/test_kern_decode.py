@@ -374,7 +374,7 @@ ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the 
 ]
 
 
-# The O projection in the same launch (o_proj, `attend_o`) at the Qwen2.5-0.5B shape (56 programs of
+# The O projection in the same launch (o_proj, `OProj`) at the Qwen2.5-0.5B shape (56 programs of
 # 16 rows of a 896-wide O, padded to 1,024): one row (products summed), 4 and 16 rows (the dot).
 O_PROJ_LOWERED = [(16, True, 256, 8, 64, 0, "*bf16", False, False, 1),
                   (16, True, 256, 8, 64, 4, "*bf16", False, False, 4),

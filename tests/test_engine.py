@@ -19,6 +19,17 @@ def step(engine, done):
             done[out.request_id] = out
 
 
+def arrive(engine, done, prompt, params, abort: bool, aborted: set) -> int:
+    """Queue a request; with `abort`, one step later abort it (recorded in `aborted`)."""
+    rid = engine.add_request(prompt, params)
+    if abort:
+        step(engine, done)
+        engine.abort(rid)
+        aborted.add(rid)
+        engine.check_integrity()
+    return rid
+
+
 def run_all(engine, check=True, done=None):
     """Step until idle, checking integrity after every step; returns finished outputs by id."""
     done = {} if done is None else done
@@ -74,13 +85,8 @@ def test_random_arrivals_match_each_prompt_alone(tiny_qwen2, alone, data):
             step(engine, done)
             engine.check_integrity()
         prompt = (shared if use_shared else []) + suffix
-        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=n, **GREEDY))
+        rid = arrive(engine, done, prompt, SamplingParams(max_new_tokens=n, **GREEDY), abort, aborted)
         expected[rid] = (prompt, n)
-        if abort:
-            step(engine, done)
-            engine.abort(rid)
-            aborted.add(rid)
-            engine.check_integrity()
     run_all(engine, done=done)
     assert set(done) == set(expected), "a request was lost"
     for rid, (prompt, n) in expected.items():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
 from tests.conftest import save_near_copy
+from tests.test_engine import arrive, run_all, step
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -41,14 +42,6 @@ def alone(tiny_qwen2):
         return memo[key]
 
     return reference
-
-
-def _step(engine, done):
-    for out in engine.step():
-        if out.finished:
-            assert out.request_id not in done, "a request finished twice"
-            done[out.request_id] = out
-    engine.check_integrity()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -83,20 +76,14 @@ def test_random_arrivals_with_speculation_match_each_prompt_alone(tiny_qwen2, dr
     expected, aborted, done = {}, set(), {}
     for repeats, suffix, n, delay, abort, priority, stop, min_tokens in reqs:
         for _ in range(delay):
-            _step(engine, done)
+            step(engine, done)
+            engine.check_integrity()
         prompt = phrase * repeats + suffix
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, min_tokens=min(min_tokens, n),
                                 stop_token_ids=[phrase[0]] if stop else [],
                                 priority=priority if policy == "priority" else 0)
-        rid = engine.add_request(prompt, params)
-        expected[rid] = (prompt, params)
-        if abort:
-            _step(engine, done)
-            engine.abort(rid)
-            aborted.add(rid)
-            engine.check_integrity()
-    while engine.has_unfinished():
-        _step(engine, done)
+        expected[arrive(engine, done, prompt, params, abort, aborted)] = (prompt, params)
+    run_all(engine, done=done)
     assert set(done) == set(expected), "a request was lost"
     for rid, (prompt, params) in expected.items():
         tokens, reason = alone(kv_dtype, prompt, params)
@@ -158,7 +145,7 @@ def test_a_seeded_requests_tokens_do_not_depend_on_its_neighbours(tiny_qwen2, al
     expected, done = {}, {}
     for prompt, n, delay, sampling, unseeded in reqs:
         for _ in range(delay):
-            _step(engine, done)
+            step(engine, done)
         fields = dict(sampling or {})
         if unseeded:
             fields.pop("seed", None)
@@ -166,8 +153,7 @@ def test_a_seeded_requests_tokens_do_not_depend_on_its_neighbours(tiny_qwen2, al
         rid = engine.add_request(prompt, params)
         if params.temperature == 0 or params.seed is not None:  # an unseeded row is only a neighbour
             expected[rid] = (prompt, params)
-    while engine.has_unfinished():
-        _step(engine, done)
+    run_all(engine, done=done)
     for rid, (prompt, params) in expected.items():
         assert done[rid].token_ids == alone_sampled(prompt, params), f"request {rid}: {params}"
     engine.reset_prefix_cache()

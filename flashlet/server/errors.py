@@ -38,37 +38,36 @@ class ApiError(Exception):
 
 
 # ---- validation errors -> OpenAI error bodies -------------------------------------------------
-_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "constrained", "function",
-               "literal", "tagged", "json")
-_MESSAGE_TAGS = ("system", "developer", "user", "assistant")
-
-
-def _field_path(loc) -> str:
-    """pydantic's error location -> `messages[0].content`, without union-branch labels."""
+def _field_path_in(loc, body, missing: bool = False) -> str:
+    """pydantic's error location -> `messages[0].content`, read along the request body itself:
+    a name is a field where the body has that key (or, last, the required one a `missing` error
+    names), and otherwise a union branch's label (a message's role tag, `json_schema`, `str`,
+    ...), which is dropped."""
+    loc = list(loc)
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
     parts: list[str] = []
-    after_index = False
-    for p in loc:
-        if isinstance(p, int):
+    node = body
+    for i, p in enumerate(loc):
+        if isinstance(p, int) and isinstance(node, list) and 0 <= p < len(node):
             parts.append(f"[{p}]")
-            after_index = True
-            continue
-        p, was_after_index, after_index = str(p), after_index, False
-        if p == "body" and not parts:
-            continue
-        if was_after_index and p in _MESSAGE_TAGS:
-            continue  # the discriminated union's tag (a message's role), not a field
-        if any(p.startswith(t) for t in _UNION_TAGS) and ("[" in p or "-" in p or p in _UNION_TAGS):
-            continue  # pydantic's union-branch labels (str, list[int], ...), not field names
-        parts.append(("." if parts else "") + p)
+            node = node[p]
+        elif isinstance(node, dict) and p in node:
+            parts.append(("." if parts else "") + str(p))
+            node = node[p]
+        elif missing and isinstance(node, dict) and i == len(loc) - 1 and not isinstance(p, int):
+            parts.append(("." if parts else "") + str(p))  # a required field, missing
+        # else: a union branch's label, not in the body
     return "".join(parts)
 
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     messages, param = [], None
+    body = getattr(exc, "body", None)
     for err in errors:
-        path = _field_path(err.get("loc", ()))
         kind = err.get("type", "")
+        path = _field_path_in(err.get("loc", ()), body, missing=kind == "missing")
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "invalid JSON")
             messages.append(f"request body is not valid JSON: {detail}")

@@ -171,6 +171,25 @@ def test_bad_input(server, case):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "tool", "content": "s"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"messages": [{"role": "banana", "content": "s"}]}, "messages[0].role"),
+])
+def test_the_param_is_the_fields_path_in_the_body(server, body, param):
+    """The error's param follows the request body's own keys: a discriminated union's tag (a
+    message's role, a response format's type) is not a step of it, so a missing tool_call_id
+    is `messages[0].tool_call_id`, not `messages[0].tool.tool_call_id`."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2, **body},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param + ":"), r.text
+
+
 def test_non_json_content_type(server):
     r = httpx.post(server.url + "/generate", content=b"prompt=hi",
                    headers={"Content-Type": "application/x-www-form-urlencoded"})

@@ -120,6 +120,36 @@ def test_min_tokens_holds_back_stop_token_ids(llm):
     assert len(out.token_ids) >= 5
 
 
+def test_logit_bias_forces_bans_and_leaves_the_rest(llm):
+    """OpenAI's logit_bias: +100 on a token makes greedy (and sampling) pick it every time, -100
+    on the greedy output's tokens keeps them out; a bias on a token the output never nears
+    changes nothing; logprobs stay the model's own (raw), as vLLM's."""
+    plain = greedy(llm, logprobs=0)
+    forced = greedy(llm, logit_bias={42: 100.0})
+    assert forced.token_ids == [42] * 24
+    sampled = llm.generate([PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=3,
+                                                    logit_bias={42: 100.0}))[0]
+    assert sampled.token_ids == [42] * 24
+    banned = set(plain.token_ids)
+    avoided = greedy(llm, logit_bias={t: -100.0 for t in banned})
+    assert not banned & set(avoided.token_ids)
+    unused = next(t for t in range(2, 256) if t not in banned)
+    assert greedy(llm, logit_bias={unused: -100.0}).token_ids == plain.token_ids  # a token never picked
+    with_bias = greedy(llm, n=1, logit_bias={42: 100.0}, logprobs=0)
+    scored = llm.generate([PROMPT + [42]], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[0]
+    assert with_bias.logprobs[0].logprob == pytest.approx(scored.prompt_logprobs[-1].logprob, abs=1e-4)
+    assert with_bias.logprobs[0].logprob < -1  # the model's own, not the biased distribution's ~0
+
+
+def test_logit_bias_is_checked(llm):
+    for bad in ({5: 101.0}, {-1: 1.0}, {5: float("nan")}, {"5": 1.0}, [5]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="logit_bias: token id 999999 is not in the vocabulary"):
+        greedy(llm, logit_bias={999999: 1.0})
+    assert not llm.engine.has_unfinished()
+
+
 def test_bad_sampling_parameters_are_clear_value_errors(llm):
     for kwargs, word in [(dict(min_p=1.5), "min_p"), (dict(presence_penalty=3), "presence"),
                          (dict(repetition_penalty=0), "repetition"), (dict(n=0), "n must"),

@@ -299,6 +299,22 @@ def test_eos_in_proposals_and_min_tokens(tiny_qwen2):
     assert stops[0] and stops[1]  # EOS did end outputs, with min_tokens too
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logit_bias_holds_in_verify_steps(tiny_qwen2, temperature):
+    """Verify rows add each request's logit_bias as the sampler does: greedy output with a bias
+    equals it without speculation, and a banned token never appears, sampled or not."""
+    prompts = repetitive_prompts(3, seed=7)
+    banned = {t: -100.0 for t in set(prompts[0][:4])}  # tokens n-gram lookup proposes
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=5,
+                            logit_bias={**banned, 9: 3.0})
+    spec, engine = generate(tiny_qwen2, prompts, params, spec=NGRAM)
+    assert engine.stats()["spec_num_drafts"] > 0
+    assert not set(banned) & {t for o in spec for t in o.token_ids}
+    if temperature == 0:
+        plain, _ = generate(tiny_qwen2, prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
 def test_logprobs_of_every_accepted_token(tiny_qwen2):
     prompts = repetitive_prompts(3, seed=6)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=3)

@@ -109,9 +109,13 @@ class RequestLimits:
                 tokens_param)
 
     def check_stop_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's params name (stop_token_ids, logit_bias) are in the vocabulary."""
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}",
                                "stop_token_ids")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary "
+                               f"(< {self.vocab_size})", "logit_bias")
 
     def check(self, token_ids, params: SamplingParams) -> list[int]:
         """Everything about one request of token ids: the prompt, its budget, its params."""

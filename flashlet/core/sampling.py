@@ -15,6 +15,7 @@ import torch
 # tool calls use) are our extensions beside OpenAI's three.
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar", "structural_tag")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 100  # as OpenAI's logit_bias
 
 POOLING_MODES = (None, "last", "mean")
 
@@ -47,6 +48,9 @@ class SamplingParams:
     # How the text is made from the tokens (vLLM's names; where text is made, not in the engine):
     skip_special_tokens: bool = True  # False: special tokens (an EOS such as <|im_end|>) in the text
     include_stop_str_in_output: bool = False  # True: the text ends after the stop string it hit
+    # {token id: bias}: added to the model's logits before the penalties and sampling (OpenAI's
+    # and vLLM's logit_bias; each bias in [-100, 100]: -100 bans a token, 100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens (either, not both)
 
     def __post_init__(self, max_tokens: int | None):
@@ -97,6 +101,12 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not _is_int(t) or t < 0 or not isinstance(b, (int, float)) or isinstance(b, bool)
+                    or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids (integers >= 0) to biases in "
+                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {self.logit_bias!r}"[:300])
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.priority) or not -2**63 <= self.priority < 2**63:
@@ -129,10 +139,10 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Nothing for a sampler to apply (no temperature, penalty, logprobs, min_tokens or
-        grammar): the logits' argmax is the token."""
+        """Nothing for a sampler to apply (no temperature, penalty, logprobs, min_tokens, logit
+        bias or grammar): the logits' argmax is the token."""
         return (self.is_greedy and not self.has_penalties and self.logprobs is None
-                and self.min_tokens == 0 and not self.is_constrained)
+                and self.min_tokens == 0 and not self.is_constrained and not self.logit_bias)
 
 
 @dataclass
@@ -163,6 +173,7 @@ class SamplingColumns:
         self.logprobs = np.full(num_rows, -1, np.int64)  # top logprobs asked for; -1: none
         self.min_tokens = np.zeros(num_rows, np.int64)
         self.constrained = np.zeros(num_rows, bool)
+        self.biased = np.zeros(num_rows, bool)  # a logit_bias (its entries read from the request)
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> "SamplingColumns":
@@ -183,6 +194,7 @@ class SamplingColumns:
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens[row] = p.min_tokens
         self.constrained[row] = p.is_constrained
+        self.biased[row] = bool(p.logit_bias)
 
     def take(self, rows: np.ndarray) -> "SamplingColumns":
         """The columns at these rows, in this order (repeats allowed)."""
@@ -194,7 +206,7 @@ class SamplingColumns:
     def plain_greedy(self) -> np.ndarray:
         """Rows with nothing for the sampler to apply: the argmax is the token."""
         return (self.greedy & ~self.penalised & (self.logprobs < 0) & (self.min_tokens == 0)
-                & ~self.constrained)
+                & ~self.constrained & ~self.biased)
 
 
 def as_int64(value: int) -> int:

@@ -83,6 +83,8 @@ class BatchState:
     lp_index: torch.Tensor | None = None  # and lp_rows on the device
     constrained: bool = False  # a row has a grammar
     early_stop_rows: list[int] = field(default_factory=list)  # rows with a min_tokens
+    bias_index: torch.Tensor | None = None  # [E] int64: row * vocab + token of each logit_bias entry
+    bias_values: torch.Tensor | None = None  # [E] fp32: its bias
     penalised: list[int] = field(default_factory=list)
     pen_rows: torch.Tensor | None = None  # [P] int64, and their penalty slots [P]
     pen_slots: torch.Tensor | None = None
@@ -136,6 +138,8 @@ class Sampler:
             apply_grammar_masks(logits, reqs, errors)
         if state.early_stop_rows:
             self._mask_early_stops(logits, reqs, state.early_stop_rows)
+        if state.bias_index is not None:  # logit_bias: one flat add (atomics, no sort)
+            logits.view(-1).index_add_(0, state.bias_index, state.bias_values)
         if state.penalised:
             self._apply_penalties(logits, state)
         tokens = self._draw_all(logits, reqs, state, errors)
@@ -217,6 +221,10 @@ class Sampler:
         pen_values = uploads.floats(columns.penalties[penalised])
         random_index = uploads.ints(random_rows)
         uploaded_sample = uploads.floats(sample)
+        biased = np.flatnonzero(columns.biased).tolist()
+        bias = [(i * vocab + t, b) for i in biased for t, b in reqs[i].params.logit_bias.items()]
+        bias_index = uploads.ints([e for e, _ in bias]) if bias else None
+        bias_values = uploads.floats([b for _, b in bias]) if bias else None
         # A seeded row's noise: (its seed, its output position); position -1: unseeded. (The
         # seed as the int64 of its low 64 bits: the kernel mixes the bits as uint64, as the
         # host reference masks them.)
@@ -230,6 +238,7 @@ class Sampler:
             lp_ks=columns.logprobs[lp_rows].tolist(), lp_index=lp_index.get(),
             constrained=bool(columns.constrained.any()),
             early_stop_rows=np.flatnonzero(columns.min_tokens > 0).tolist(),
+            bias_index=bias_index.get() if bias else None, bias_values=bias_values.get() if bias else None,
             penalised=penalised, pen_rows=pen_rows.get(), pen_slots=pen_slots.get(),
             pen_values=pen_values.get().view(-1, 3),
             random_rows=random_rows, random_index=random_index.get(),

@@ -24,6 +24,7 @@ from flashlet.text.tokenizing import chat_template_ending
 MAX_STOP = 16
 DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids one request may bias (a bound on its per-step work)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.core.sampling's limit)
 MAX_TOOLS = 64
@@ -290,8 +291,10 @@ class _OpenAISampling(NullIsTheDefault):
     priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0
     # Each prompt token's logprob and its top k (the first token's is null), as vLLM returns.
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Accepted at its neutral value only: this server does not implement it.
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    # {token id (a string, as JSON keys are): bias in [-100, 100]}, added to the logits.
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM's: how the text is made (special tokens left in it; the stop string hit kept).
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -2,8 +2,8 @@
 
 A request of n samples (and best_of on completions) is n engine requests queued together on
 one engine core (Server.start_samples); their choices are streamed interleaved, each chunk
-naming its choice's index. Logprobs, penalties, min_p, min_tokens, stop_token_ids and seeds are
-SamplingParams fields; response_format and forced tool calls become an xgrammar grammar that
+naming its choice's index. Logprobs, penalties, min_p, min_tokens, stop_token_ids, logit_bias and
+seeds are SamplingParams fields; response_format and forced tool calls become an xgrammar grammar that
 the engine core compiles (flashlet/text/structured.py). Tool calls and reasoning come back parsed
 from the reply's text by the parsers of parsers.py (`--tool-call-parser`, `--reasoning-parser`).
 """
@@ -247,7 +247,8 @@ def _params(server: Server, ctx: ModelContext, body, max_tokens: int, logprobs: 
         min_tokens=body.min_tokens or 0, stop_token_ids=stop_token_ids, logprobs=logprobs,
         n=body.n, best_of=best_of, response_format=response_format, priority=body.priority,
         prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output)
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None)
     try:
         ctx.limits.check_stop_token_ids(params)
     except RequestError as e:

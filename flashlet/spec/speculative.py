@@ -456,8 +456,8 @@ def advance_verified_grammars(requests: list[Request], results: list, eos_token_
 
 def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows,
                       row_req: np.ndarray, eos_token_ids) -> torch.Tensor:
-    """The sampler's transforms before temperature, per position: min_tokens' mask and the
-    penalties, each position seeing the proposals before it as output tokens."""
+    """The sampler's transforms before temperature, per position: min_tokens' mask, the logit
+    bias and the penalties, each position seeing the proposals before it as output tokens."""
     for i, req in enumerate(requests):
         p, start, props = req.params, rows.starts[i], rows.proposals[i]
         generated = len(req.output_token_ids)
@@ -466,6 +466,10 @@ def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows
             short = min(p.min_tokens - generated, len(props) + 1)
             if banned:
                 logits[start : start + short, banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[start : start + len(props) + 1, ids] += bias
         if p.has_penalties:
             span = slice(start, start + len(props) + 1)
             logits[span] = _penalised(logits[span], req, props)

@@ -55,6 +55,22 @@ def test_engine_on_cuda_with_penalties_and_logprobs_overlapped(tiny_qwen2):
         assert len(b.logprobs) == len(b.token_ids)
 
 
+def test_engine_on_cuda_with_logit_bias_greedy_and_sampled(tiny_qwen2):
+    """logit_bias on CUDA (one flat index_add_ before the sampling kernel), overlapped steps,
+    greedy and sampled rows of one batch: +100 forces the token in each, -100 keeps the plain
+    greedy output's first token out."""
+    from flashlet import LLM
+
+    llm = LLM(str(tiny_qwen2), device="cuda")
+    plain = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    outs = llm.generate([[5, 6, 7], [9, 9], [5, 6, 7]], [
+        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={42: 100.0}),
+        SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, logit_bias={42: 100.0}),
+        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={plain[0]: -100.0})])
+    assert outs[0].token_ids == outs[1].token_ids == [42] * 8
+    assert plain[0] not in outs[2].token_ids
+
+
 QWEN_VOCAB, ROWS = 151936, 128
 FILTERS = [  # temperature, top_k, top_p, min_p
     (0.7, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (0.8, 0, 1.0, 0.05),

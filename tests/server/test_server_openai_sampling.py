@@ -90,6 +90,23 @@ def test_n_samples_are_distinct_and_share_the_prompt(client, idle):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_logit_bias_forces_a_token_and_bad_entries_are_named(server, client, idle):
+    """OpenAI's logit_bias ({token id as a string: bias}): +100 on a token makes every output
+    token that token; a key that is no token id, a bias past 100 and an id past the vocabulary
+    are each a 400 naming logit_bias."""
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": " yes"}, timeout=60).json()["tokens"][-1]
+    r = client.completions.create(model=MODEL_NAME, prompt="Answer:", max_tokens=4, temperature=0,
+                                  logit_bias={str(tok): 100})
+    assert r.choices[0].text == " yes" * 4
+    r = chat(client, max_tokens=3, temperature=1.0, logit_bias={str(tok): 100},
+             messages=[{"role": "user", "content": "Say no."}])
+    assert r.choices[0].message.content.replace(" ", "") == "yes" * 3
+    for bad in ({"abc": 1}, {str(tok): 101}, {"99999999": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, logit_bias=bad)
+        assert e.value.body["param"].startswith("logit_bias"), e.value.body
+
+
 def test_a_seed_past_64_bits_samples_and_reproduces(client, idle):
     """OpenAI's seed is any integer; the server takes it modulo 2**64 before the engine sees it
     (the Python API's SamplingParams now does the same in the torch sampler: test_bad_input)."""
@@ -296,7 +313,7 @@ BAD = [  # (endpoint, body, a word the message must contain)
     ("chat", {"stop_token_ids": [10**7]}, "stop_token_ids"),
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),
-    ("chat", {"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ("chat", {"logit_bias": {"1": 200.0}}, "logit_bias"),
     ("chat", {"messages": [{"role": "assistant", "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
      "arguments"),

@@ -111,7 +111,7 @@ def _pdl_ok() -> bool:
                          ids=["1x40", "1x1000", "4-rows", "16-rows"])
 def test_attention_then_o_bf16_in_a_cuda_graph(kh, kv_lens):
     """14 q heads over 2 KV heads of 64, O 896 x 896 (56 O programs): the replayed graph's
-    residual after each of 50 replays (its input copied in first) is the attention reference
+    residual after each of 50 replays (its input copied in before each) is the attention reference
     followed by O in fp32 to bf16 tolerance, the same bits every replay (a race between the
     release adds and the O programs' reads would show as a replay that differs), counters at
     zero."""
@@ -134,18 +134,21 @@ def test_attention_then_o_bf16_in_a_cuda_graph(kh, kv_lens):
     counts = torch.zeros(2, dtype=torch.int32, device=dev)
     residual, out = residual0.clone(), torch.empty_like(q)
 
-    def step():
-        residual.copy_(residual0)
+    def step():  # the launch alone in the graph, as the fused step's kernels are (PDL edges)
         decode_attention_one_launch(*args, out=out, num_splits=splits, min_split_tokens=256, block_n=64, pdl=True,
                                     **scratch, o_proj=OProj(weight, residual, counts))
 
-    step()  # compiled outside the capture
-    torch.cuda.synchronize()
+    side = torch.cuda.Stream()  # compiled outside the capture, on a side stream (torch's pattern)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
     results = []
     for _ in range(50):
+        residual.copy_(residual0)
         graph.replay()
         results.append(residual.clone())
     torch.cuda.synchronize()

@@ -25,11 +25,6 @@
 #                interleaved pairs (~5 min)
 #   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
 #                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
-#   attn-o       the tests of O in the one-launch attention's own launch (FLASHLET_ATTN_O): its kernel
-#                at the 0.5B shape in a CUDA graph (50 replays, bit-equal) and the engine at 1 / 4 / 16 rows
-#   attn-o-ab    qwen2.5-0.5b at 1 / 4 / 16 streams through LLM.generate (fused_decode_bench) and one
-#                stream after a 1,000-token prompt (one_stream_pair), O in the attention's launch (=1)
-#                against the O GEMV after it, two interleaved pairs (~8 min)
 #   presets-1k   issue 29's first line: one stream through LLM.generate after a cached 1,000-token
 #                prompt at every preset (PRESETS_1K="a b" to choose), a fresh process each, its
 #                share of the byte limit (weights + KV at 4.24 TB/s; lab/one_stream_pair.py), then a
@@ -648,19 +643,6 @@ for _ in range(480):
           for c in qwen3-0.6b qwen3-1.7b; do
             run 150 env FLASHLET_ROPE_IN_ATTENTION=$on python3 lab/one_stream_pair.py "rope-in=$on" --config $c
           done
-        done
-      done ;;
-    attn-o)  # O in the attention's launch (FLASHLET_ATTN_O): its kernel and engine GPU tests
-      cute_env
-      run 400 $PYTEST tests/kernels/test_kern_decode_attend_o.py tests/gpu/test_gpu_fused_decode.py \
-        -k "attention_then_o or attentions_launch" ;;
-    attn-o-ab)  # qwen2.5-0.5b at 1 / 4 / 16 streams, O in the attention's launch against the O GEMV
-      cute_env
-      for pair in 1 2; do
-        for on in 1 0; do
-          run 150 env FLASHLET_ATTN_O=$on python3 scripts/fused_decode_bench.py --streams 1 4 16 \
-            --paths default --new-tokens 128
-          run 150 env FLASHLET_ATTN_O=$on python3 lab/one_stream_pair.py "attn-o=$on 1k" --prompt-len 1000
         done
       done ;;
     rope-in-rows)  # the rows made in the attention at 1, 4 and 16 streams through LLM.generate:

@@ -64,7 +64,7 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.decode_attention import (OProj, RopeIn, decode_attention, decode_attention_one_launch,
+from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
                                                one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
@@ -375,15 +375,13 @@ class TritonBackend(AttentionBackend):
         return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          rope_in: RopeIn | None = None, o_proj: OProj | None = None) -> torch.Tensor:
+                          rope_in: RopeIn | None = None) -> torch.Tensor:
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
         rope_in: q and this step's K/V as the QKV projection left them; the kernel normalises
         and rotates them and writes the K/V rows itself (`decode_attention_one_launch`: steps of
-        up to MAX_LOOKBACK + 1 rows, every fused row count). o_proj (`OProj`): O and its residual
-        add in the same launch, for the sequences' rows (a padding row's residual is left as it is,
-        as adding O of its zero output would leave it); the output returned is then its input."""
+        up to MAX_LOOKBACK + 1 rows, every fused row count)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -420,9 +418,8 @@ class TritonBackend(AttentionBackend):
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
             prefetch_pages=cfg.prefetch_pages,
-            o_proj=o_proj,
         )
-        if q.shape[0] > n and o_proj is None:
+        if q.shape[0] > n:
             out[n:].zero_()
         return out
 

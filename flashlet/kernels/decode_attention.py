@@ -748,30 +748,12 @@ def _one_launch_kernel(
     QK_NORM: tl.constexpr = False,
     CACHE_FP8: tl.constexpr = False,
     PREFETCH_PAGES: tl.constexpr = False,
-    Wo=None, Res=None, OCount=None, attn_programs=0, num_rows=0, o_width=0, stride_wo=0, stride_res=0,
-    O_PROJ: tl.constexpr = False,
-    O_ROWS: tl.constexpr = 16,
-    O_K: tl.constexpr = 16,
-    O_BATCH: tl.constexpr = 1,
-    O_PROGRAMS: tl.constexpr = 1,
 ):
     if USE_PDL:
-        pdl.launch_dependents()  # the next kernel (the O GEMV, or gate+up) may launch and load its weights now
-    if O_PROJ:  # a flat grid: attn_programs attention programs, then the O projection's (OProj)
-        pid = tl.program_id(0)
-        if pid >= attn_programs:
-            _o_projection(O, Wo, Res, OCount, pid - attn_programs, num_rows * (NUM_KV_HEADS // KV_PACK),
-                          num_rows, o_width, NUM_Q_HEADS * HEAD_DIM, stride_ob, stride_wo, stride_res,
-                          O_ROWS, O_K, O_BATCH, O_PROGRAMS, USE_PDL, INPUT_PRECISION)
-            return
-        b = pid // ((NUM_KV_HEADS // KV_PACK) * NUM_SPLITS)
-        group_id = (pid // NUM_SPLITS) % (NUM_KV_HEADS // KV_PACK)
-        split = pid % NUM_SPLITS
-    else:
-        b = tl.program_id(0)
-        group_id = tl.program_id(1)
-        split = tl.program_id(2)
-    kvh = group_id * KV_PACK  # the first of the KV_PACK KV heads this program reads
+        pdl.launch_dependents()  # the O GEMV may launch and load its weights now
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
+    split = tl.program_id(2)
     kv_len = tl.load(KvLens + b)
     page_base = tl.load(KvIndptr + b)  # issued beside kv_len, not after the branch on it
     # With LONG_RULE a row at least long_from_tokens long splits at long_split_tokens: runtime
@@ -965,9 +947,6 @@ def _one_launch_kernel(
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if n_splits == 1:
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
-        if O_PROJ:  # this group's output is whole: the O programs count it
-            tl.debug_barrier()
-            tl.atomic_add(OCount, 1, sem="release", scope="gpu")
     else:
         slot0 = b * NUM_SPLITS
         mid = MidO + ((slot0 + split) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
@@ -975,53 +954,12 @@ def _one_launch_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        count = Counts + b * (NUM_KV_HEADS // KV_PACK) + group_id
+        count = Counts + b * (NUM_KV_HEADS // KV_PACK) + tl.program_id(1)
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
                                   NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
             tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-            if O_PROJ:
-                tl.debug_barrier()
-                tl.atomic_add(OCount, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _o_projection(O, Wo, Res, OCount, o_pid, target, num_rows, o_width, k_width, stride_ob, stride_wo, stride_res,
-                  O_ROWS: tl.constexpr, O_K: tl.constexpr, O_BATCH: tl.constexpr, O_PROGRAMS: tl.constexpr,
-                  USE_PDL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One O program (`OProj`): rows [o_pid * O_ROWS, +O_ROWS) of Res[b] += Wo @ O[b] for
-    the num_rows rows b, once every one of the `target` (row, KV group) outputs is counted in
-    OCount[0]. Its weights load first, before the PDL wait; OCount[1] counts the programs past
-    the wait on OCount[0], and the last of them sets both back to zero for the next launch."""
-    r = o_pid * O_ROWS + tl.arange(0, O_ROWS)
-    kk = tl.arange(0, O_K)
-    r_ok = r < o_width
-    k_ok = kk < k_width
-    w = tl.load(Wo + r[:, None] * stride_wo + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-    if USE_PDL:
-        pdl.wait()  # the previous layer's launch has finished with OCount; Res is written
-    done = tl.atomic_add(OCount, 0, sem="acquire", scope="gpu")
-    while done < target:
-        done = tl.atomic_add(OCount, 0, sem="acquire", scope="gpu")
-    if tl.atomic_add(OCount + 1, 1, sem="relaxed", scope="gpu") == O_PROGRAMS - 1:
-        tl.atomic_xchg(OCount, 0, sem="relaxed", scope="gpu")  # every program is past its wait
-        tl.atomic_xchg(OCount + 1, 0, sem="relaxed", scope="gpu")
-    if O_BATCH == 1:  # one row: products summed over K ([O_ROWS, O_K] -> [O_ROWS])
-        a = tl.load(O + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
-        acc = tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
-        res = tl.load(Res + r, mask=r_ok, other=0.0, cache_modifier=".cg")
-        tl.store(Res + r, (res.to(tl.float32) + acc).to(Res.dtype.element_ty), mask=r_ok)
-    else:  # [O_ROWS, O_K] @ [O_K, O_BATCH] on the tensor cores, the rows past num_rows zero
-        bb = tl.arange(0, O_BATCH)
-        b_ok = bb < num_rows
-        a = tl.load(O + bb[None, :] * stride_ob + kk[:, None], mask=k_ok[:, None] & b_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        acc = tl.dot(w, a, input_precision=INPUT_PRECISION)
-        at = Res + bb[None, :] * stride_res + r[:, None]
-        ok = r_ok[:, None] & b_ok[None, :]
-        res = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(at, (res.to(tl.float32) + acc).to(Res.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -1146,7 +1084,6 @@ def decode_attention_one_launch(
     merge_splits: int | None = None,
     rope_in: RopeIn | None = None,
     prefetch_pages: bool = False,
-    o_proj: OProj | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -1173,10 +1110,7 @@ def decode_attention_one_launch(
     no RoPE + K/V write kernel runs before it. A verify step's rows of one sequence (each reads
     the rows before it, which this launch writes) make those rows too, from the rows that write
     them, found by `_rows_before_writing_this_rows_kv` (the look-back runs with or without PDL):
-    at most MAX_LOOKBACK + 1 rows.
-
-    o_proj (`OProj`): the O projection and its residual add in the same launch (`OProj`
-    says how); `out` is then its input, scratch the caller need not read."""
+    at most MAX_LOOKBACK + 1 rows."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1203,13 +1137,7 @@ def decode_attention_one_launch(
     if merge_splits is None:  # partials merged at a time: a [MS, GP, cols] fp32 tile of at most 4096 elements
         merge_splits = max(1, min(num_splits, 4096 // (gp * cols)))
     launch = {"launch_pdl": True} if pdl else {}
-    grid = (batch, groups, num_splits)
-    if o_proj is not None:
-        o_args = _o_proj_args(o_proj, out, batch, batch * groups * num_splits)
-        grid = (batch * groups * num_splits + o_args["O_PROGRAMS"],)
-    else:
-        o_args = {}
-    _one_launch_kernel[grid](
+    _one_launch_kernel[(batch, groups, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
         kv_indptr, kv_indices, kv_lens,
         scale * LOG2E * k_scale, v_scale, min_split_tokens, long_from_tokens, long_split_tokens,
@@ -1233,68 +1161,9 @@ def decode_attention_one_launch(
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,
-        **o_args,
         **launch,
     )
     return out
-
-
-class OProj(NamedTuple):
-    """What `decode_attention_one_launch(o_proj=)` needs to finish the layer's attention block
-    in its own launch: residual[b] += weight @ out[b] (fp32 sums, rounded once, as the O GEMV's
-    residual epilogue rounds) for each of the B rows, in place.
-
-    The launch's grid is flat: the attention programs first, then O_PROGRAMS programs of
-    `rows_per_program` rows of the weight each. An O program loads its rows of the weight before
-    the PDL wait, then waits on `counts[0]` until every (row, KV group) output is whole (each
-    group's writer adds one with release order after its stores), and then reads the outputs
-    and the residual rows past L1. It is the only program of the launch that waits on
-    another, and only on attention programs, which never wait: with fewer O programs than
-    the GPU holds at once, the attention programs always find room to run (MAX_O_PROGRAMS).
-    counts: int32 [2], zero before the first launch; each launch leaves it at zero (keep one per
-    stream, never shared by two launches in flight)."""
-
-    weight: torch.Tensor  # [hidden, Hq * D], rows contiguous
-    residual: torch.Tensor  # [>= B, hidden], rows contiguous: updated in place
-    counts: torch.Tensor  # int32 [2]
-    rows_per_program: int = 16
-
-
-# The most O programs one launch may hold: each waits for the attention programs, so they must
-# leave the GPU room for those (132 SMs on an H200, each holding at least one program).
-MAX_O_PROGRAMS = 64
-# The widest Hq * D an O program holds (one program's [rows, K] weight tile in registers).
-MAX_O_K = 1024
-
-
-def _o_proj_args(o_proj: OProj, out: torch.Tensor, batch: int, attn_programs: int) -> dict:
-    """The kernel's O_PROJ arguments, or a ValueError naming what is off."""
-    w, res, counts, rows = o_proj
-    k_width = out.shape[1] * out.shape[2]
-    if w.dim() != 2 or w.shape[1] != k_width or w.stride(1) != 1 or w.dtype != out.dtype:
-        raise ValueError(f"o_proj's weight must be [hidden, {k_width}] of {out.dtype} with contiguous rows, "
-                         f"got {tuple(w.shape)} {w.dtype}")
-    if res.dim() != 2 or res.shape[0] < batch or res.shape[1] != w.shape[0] or res.stride(1) != 1 \
-            or res.dtype != out.dtype:
-        raise ValueError(f"o_proj's residual must be [>= {batch}, {w.shape[0]}] of {out.dtype} with contiguous "
-                         f"rows, got {tuple(res.shape)} {res.dtype}")
-    if counts.dtype != torch.int32 or counts.numel() < 2 or not counts.is_contiguous():
-        raise ValueError("o_proj's counts must be 2 contiguous int32 (zero before the first launch)")
-    if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
-        raise ValueError("o_proj needs each row of out contiguous (its heads side by side)")
-    o_k = _next_pow2(k_width)
-    o_batch = 1 if batch == 1 else max(16, _next_pow2(batch))
-    if o_k > MAX_O_K:
-        raise ValueError(f"o_proj holds Hq * D up to {MAX_O_K} in an O program, got {k_width}")
-    if rows < 1 or rows & (rows - 1) or (o_batch > 1 and rows < 16):
-        raise ValueError(f"o_proj's rows_per_program must be a power of two (16 or more past one row), got {rows}")
-    programs = -(-w.shape[0] // rows)
-    if programs > MAX_O_PROGRAMS:
-        raise ValueError(f"o_proj would launch {programs} O programs, more than {MAX_O_PROGRAMS}: "
-                         "raise rows_per_program")
-    return dict(Wo=w, Res=res, OCount=counts, attn_programs=attn_programs, num_rows=batch, o_width=w.shape[0],
-                stride_wo=w.stride(0), stride_res=res.stride(0), O_PROJ=True, O_ROWS=rows, O_K=o_k,
-                O_BATCH=o_batch, O_PROGRAMS=programs)
 
 
 class RopeIn(NamedTuple):

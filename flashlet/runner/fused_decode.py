@@ -140,18 +140,6 @@ ROPE_IN_ATTENTION = os.environ.get(ROPE_IN_ATTENTION_ENV, "0")
 if ROPE_IN_ATTENTION not in ("0", "1", "all"):
     raise ValueError(f"{ROPE_IN_ATTENTION_ENV}={ROPE_IN_ATTENTION!r}: expected 0, 1 or all")
 
-# The O projection and its residual add in the one-launch attention's own launch
-# (`decode_attention_one_launch(o_proj=)`: O programs after the attention programs, waiting on a
-# counter) instead of a CuTe GEMV after it: one kernel boundary a layer fewer (FUSED_NOTES.md,
-# "Attention and O in one launch"). Off until measured on a GPU: $FLASHLET_ATTN_O=1 turns it on
-# for a fresh process where it applies (`attn_o_refusal`), for that A/B.
-ATTN_O_ENV = "FLASHLET_ATTN_O"
-ATTN_O = os.environ.get(ATTN_O_ENV, "0")
-if ATTN_O not in ("0", "1"):
-    raise ValueError(f"{ATTN_O_ENV}={ATTN_O!r}: expected 0 or 1")
-# Rows of O's weight each O program holds: 56 programs at the Qwen2.5-0.5B shape.
-ATTN_O_ROWS_PER_PROGRAM = 16
-
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -368,8 +356,6 @@ class FusedDecode:
         self.one_launch_attention = one_launch_attention
         # Steps without the RoPE epilogue make their rows in the attention kernel (ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION != "0" and one_launch_attention
-        self.attn_o = ATTN_O == "1" and self.attn_o_refusal() is None  # O in the attention's launch
-        self.o_counts = torch.zeros(2, dtype=torch.int32, device=device)  # its counters (OProj.counts)
         self.kv_pool = kv_pool  # with a pool: RoPE + K/V write in the QKV epilogue
         self.rope = None
         if kv_pool is not None:
@@ -387,23 +373,6 @@ class FusedDecode:
         self.row_counts = sorted(self.gemvs)
         self.max_rows = self.row_counts[-1]
         self._allocate_buffers(self.max_rows, device)
-
-    def attn_o_refusal(self) -> str | None:
-        """Why O cannot run in the attention's launch here (None: it can): the one-launch
-        attention, bf16 O weights and a width an O program holds."""
-        from flashlet.kernels.decode_attention import MAX_O_K, MAX_O_PROGRAMS  # Triton's module
-
-        layer = self.model.layers[0]
-        hidden = self.model.config.hidden_size
-        if not self.one_launch_attention:
-            return "the one-launch attention is off"
-        if self.fp8:
-            return "fp8 O weights (the O programs read bf16)"
-        if layer.q_size > MAX_O_K:
-            return f"num_heads * head_dim = {layer.q_size} is wider than an O program holds ({MAX_O_K})"
-        if -(-hidden // ATTN_O_ROWS_PER_PROGRAM) > MAX_O_PROGRAMS:
-            return f"hidden_size = {hidden} needs more than {MAX_O_PROGRAMS} O programs"
-        return None
 
     def _widths(self) -> tuple[int, int, int, int, int]:
         """(hidden, q, kv, intermediate, vocab): the widths the GEMVs and the buffers have."""
@@ -483,14 +452,12 @@ class FusedDecode:
         else:
             torch.index_select(m.embed_tokens.weight, 0, input_ids, out=residual)
         for i, layer in enumerate(m.layers):
-            o_proj = self._o_proj(layer, residual) if self.attn_o else None
             if self.rope is not None:
-                o = self._qkv_rope_attend(g, i, layer, positions, attn, o_proj)
+                o = self._qkv_rope_attend(g, i, layer, positions, attn)
             else:
-                o = self._qkv_attend(g, i, layer, positions, attn, o_proj)
-            if o_proj is None:
-                w, scale = _weight(layer.o_proj.weight)
-                g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
+                o = self._qkv_attend(g, i, layer, positions, attn)
+            w, scale = _weight(layer.o_proj.weight)
+            g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
             w, scale = _weight(layer.gate_up_proj.weight)
             g.gate_up(residual, w, out=act, norm_weight=layer.post_attn_norm, **scale)
             self._down(g, layer, act, residual)
@@ -510,15 +477,8 @@ class FusedDecode:
         else:
             residual.addmm_(act, layer.down_proj.weight.t())
 
-    def _o_proj(self, layer, residual: torch.Tensor):
-        """The attention launch's O projection into the residual stream (`attn_o`)."""
-        from flashlet.kernels.decode_attention import OProj  # Triton's module: where it runs
-
-        return OProj(layer.o_proj.weight, residual, self.o_counts, ATTN_O_ROWS_PER_PROGRAM)
-
-    def _qkv_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn, o_proj=None) -> torch.Tensor:
-        """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels);
-        o_proj: O and its residual add in the attention's launch."""
+    def _qkv_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+        """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
         m, rows = self.model, positions.shape[0]
         qkv_out = self.qkv_out[:rows]
         w, scale = _weight(layer.qkv_proj.weight)
@@ -534,12 +494,12 @@ class FusedDecode:
             from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
 
             return attn.attend_one_launch(i, q, pdl=self.pdl,
-                                          rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm), o_proj=o_proj)
+                                          rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
-        return self._attend(i, q, attn, o_proj)
+        return self._attend(i, q, attn)
 
-    def _qkv_rope_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn, o_proj=None) -> torch.Tensor:
+    def _qkv_rope_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
         """QKV GEMV with RoPE and the K/V write (every row's, at its own position and slot) in
         its epilogue, then attention alone: each row attends to the K/V of all rows before it."""
         pool, rows = self.kv_pool, positions.shape[0]
@@ -550,12 +510,12 @@ class FusedDecode:
         g.qkv(self.residual[:rows], w, layer.qkv_proj.bias, out=qkv_out, norm_weight=layer.input_norm,
               rope_kv=step, **scale)
         q = qkv_out[:, : self.split[0]].view(rows, layer.num_heads, layer.head_dim)
-        return self._attend(i, q, attn, o_proj)
+        return self._attend(i, q, attn)
 
-    def _attend(self, i: int, q: torch.Tensor, attn, o_proj=None) -> torch.Tensor:
-        """Attention over the pool, this step's K/V already written (and with o_proj, O)."""
+    def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
+        """Attention over the pool, this step's K/V already written."""
         if self.one_launch_attention:
-            return attn.attend_one_launch(i, q, pdl=self.pdl, o_proj=o_proj)
+            return attn.attend_one_launch(i, q, pdl=self.pdl)
         return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

@@ -246,10 +246,9 @@ class ModelRunner:
                                          one_launch_attention=attn, row_counts=row_counts,
                                          fp8_mma=config.fused_decode_fp8_mma)
         log.info("fused decode path: on (%s), PDL %s, RoPE in QKV %s, one-launch attention %s, "
-                 "RoPE in the attention %s, O in the attention's launch %s, fp8 on the tensor cores %s, "
-                 "rows %s (%d CuTe GEMVs)", how,
+                 "RoPE in the attention %s, fp8 on the tensor cores %s, rows %s (%d CuTe GEMVs)", how,
                  *("on" if x else "off" for x in (pdl, rope, attn, fused.rope_in_attention and not rope,
-                                                  fused.attn_o, fused.fp8_mma)),
+                                                  fused.fp8_mma)),
                  ", ".join(map(str, fused.row_counts)), sum(len(g.all()) for g in fused.gemvs.values()))
         for rows, why in fused.declined_rows.items():
             log.info("fused decode path: no GEMVs of %d rows for this shape (per-op there): %s", rows, why)

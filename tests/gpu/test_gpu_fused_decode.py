@@ -605,26 +605,6 @@ def test_rope_in_the_attention_at_qwen3_shapes(monkeypatch, preset, batch):
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 4, 16])
-def test_o_in_the_attentions_launch_at_the_05b_shape(monkeypatch, batch):
-    """fused_decode.ATTN_O ($FLASHLET_ATTN_O=1, off until measured): O and its residual add in
-    the one-launch attention's own launch (the O programs waiting on the attention programs'
-    counter), one row, four or sixteen a step, PDL on, held to the per-op path by the same rule
-    as above, 24 positions; at one and four rows prompts up to 300 tokens, so rows attend over
-    several splits (at sixteen, shorter: every prompt starts in the first step)."""
-    monkeypatch.setattr(fused_decode, "ATTN_O", "1")
-    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
-    vocab = preset_config("qwen2.5-0.5b")["vocab_size"]
-    source = dict(config="qwen2.5-0.5b", max_model_len=2048)
-    step = 90 if batch < 16 else 4
-    ps = [[(i * 31 + 7 * p + 1) % vocab for i in range(20 + step * p)] for p in range(max(batch, 4))]
-    engine = check_against_reference_teacher_forced(source, ps, 24, max_num_seqs=batch, fused=None)
-    fused = engine.runner.fused
-    assert fused is not None and fused.pdl and fused.attn_o
-    assert not fused.o_counts.any() and not engine.runner.fused_attention._merge_counts.any()
-
-
 def test_rope_epilogue_gives_the_per_op_tokens(tmp_path):
     """fused_decode_rope (RoPE + K/V write in the QKV GEMV's epilogue, attention alone after
     it): teacher-forced against the per-op path (module docstring: q and k are rounded once

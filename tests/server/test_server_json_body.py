@@ -163,7 +163,7 @@ BAD = {
         {"model": 5, "prompt": "a"}, {"model": "m", "prompt": "a", "n": 0},
         {"model": "m", "prompt": "a", "best_of": 1, "n": 2},
         {"model": "m", "prompt": "a", "stream_options": {"include_usage": True}},
-        {"model": "m", "prompt": "a", "logit_bias": {"5": 1.0}},
+        {"model": "m", "prompt": "a", "logit_bias": {"5": 101.0}},
         {"model": "m", "prompt": "a", "suffix": "s"}, {"model": "m", "prompt": [[]]},
         {"model": "m", "prompt": "a", "priority": 2**63},
         {"model": "m", "prompt": "a", "response_format": {"type": "xml"}},

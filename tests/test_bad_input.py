@@ -44,6 +44,17 @@ def test_a_prompt_of_no_known_form_is_named(llm, prompts, message):
     assert no_pages_held(llm) and not llm.engine.has_unfinished()
 
 
+def test_text_prompt_without_tokenizer_is_an_error(llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello")
+
+
+def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[5, 6], []])
+    assert not llm.engine.has_unfinished() and no_pages_held(llm)
+
+
 def test_any_iterable_of_prompts_or_ids_is_taken(llm):
     params = SamplingParams(max_new_tokens=2)
     want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
@@ -59,17 +70,6 @@ def test_any_integer_seed_runs_and_reproduces(llm):
         assert first == again and len(first) == 4
     with pytest.raises(ValueError, match="seed must be an integer"):
         SamplingParams(seed="7")
-
-
-def test_text_prompt_without_tokenizer_is_an_error(llm):
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("hello")
-
-
-def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
-    with pytest.raises(ValueError, match="prompt is empty"):
-        llm.generate([[5, 6], []])
-    assert not llm.engine.has_unfinished() and no_pages_held(llm)
 
 
 @pytest.mark.parametrize("kwargs, field", [

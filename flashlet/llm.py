@@ -15,7 +15,7 @@ from flashlet.core.request_check import RequestLimits
 from flashlet.core.sampling import SamplingParams, sample_params
 from flashlet.distributed import tp_worker
 from flashlet.text.detokenizer import TextOutputs
-from flashlet.text.tokenizing import check_messages, chat_ids, chat_template_ending
+from flashlet.text.tokenizing import chat_ids, chat_template_ending
 
 
 # vLLM's LLM(...) keywords for what flashlet calls otherwise: name -> (EngineConfig field, value).
@@ -164,10 +164,11 @@ class LLM:
             raise ValueError("this model has no chat template")
         kwargs = {**(chat_template_kwargs or {}),
                   **chat_template_ending(add_generation_prompt, continue_final_message)}
-        check_messages(messages)
-        try:
+        try:  # chat_ids checks the messages' shape (tokenizing.check_messages) before the template
             return chat_ids(self.tokenizer, messages, allow_special=allow_special_tokens, tools=tools,
                             template_kwargs=kwargs)
+        except ValueError:
+            raise
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (as the server says)
             raise ValueError(f"the chat template rejected these messages: {e}") from e
 

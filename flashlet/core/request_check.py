@@ -113,9 +113,10 @@ class RequestLimits:
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}",
                                "stop_token_ids")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary "
-                               f"(< {self.vocab_size})", "logit_bias")
+        highest = max(params.logit_bias or (), default=-1)
+        if highest >= self.vocab_size:
+            raise RequestError(f"logit_bias: token id {highest} is not in the vocabulary (< {self.vocab_size})",
+                               "logit_bias")
 
     def check(self, token_ids, params: SamplingParams) -> list[int]:
         """Everything about one request of token ids: the prompt, its budget, its params."""

@@ -221,8 +221,9 @@ class Sampler:
         pen_values = uploads.floats(columns.penalties[penalised])
         random_index = uploads.ints(random_rows)
         uploaded_sample = uploads.floats(sample)
-        biased = np.flatnonzero(columns.biased).tolist()
-        bias = [(i * vocab + t, b) for i in biased for t, b in reqs[i].params.logit_bias.items()]
+        # logit_bias: each entry's flat position in the logits, and its bias
+        bias = [(i * vocab + t, b) for i in np.flatnonzero(columns.biased).tolist()
+                for t, b in reqs[i].params.logit_bias.items()]
         bias_index = uploads.ints([e for e, _ in bias]) if bias else None
         bias_values = uploads.floats([b for _, b in bias]) if bias else None
         # A seeded row's noise: (its seed, its output position); position -1: unseeded. (The

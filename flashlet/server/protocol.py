@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from flashlet.core.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from flashlet.text import structured
 from flashlet.text.tokenizing import chat_template_ending
 
@@ -26,7 +27,6 @@ DEFAULT_MAX_NEW_TOKENS = 64  # /generate's
 MAX_N = 16  # samples per prompt (n, best_of)
 MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids one request may bias (a bound on its per-step work)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (flashlet.core.sampling's limit)
 MAX_TOOLS = 64
 
 
@@ -293,7 +293,7 @@ class _OpenAISampling(NullIsTheDefault):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # {token id (a string, as JSON keys are): bias in [-100, 100]}, added to the logits.
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
-                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                               Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM's: how the text is made (special tokens left in it; the stop string hit kept).
     skip_special_tokens: bool = True

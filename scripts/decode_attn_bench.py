@@ -707,7 +707,8 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
     """Stage 1 (tiles at the bucket's longest short context; 30% of its share of time), stage 2
     (the best tiles over splits, smallest splits, long rules, merge width, at every context),
     then the winner and the derived config with PDL off too (the last 15%, at least 8 s: later buckets get less).
-    -> {"derived_variant", "derived": times, "best": (variant, times) or None}."""
+    -> {"derived_variant", "derived": times, "best": (variant, times) or None, "scored": every
+    timed (variant, times)}."""
     model, rows = bucket.model, bucket.rows
     probe = bucket.cases[max(n for n in bucket.contexts if n <= max(ONE_LAUNCH_CONTEXTS))]
     sweep.set_deadline(start + 0.3 * share)
@@ -732,7 +733,8 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
         sweep.set_deadline(max(start + share, time.monotonic() + 8.0))
         for v in (derived, best[1]) if best else (derived,):
             bucket.times(sweep, replace(v, pdl=False))
-    return dict(derived_variant=derived, derived=ref, best=best and (best[1], best[2]))
+    return dict(derived_variant=derived, derived=ref, best=best and (best[1], best[2]),
+                scored=[(v, got) for _, v, got in scored])
 
 
 def one_launch_models(names: str | None) -> tuple[dict, ...]:
@@ -758,6 +760,11 @@ def run_one_launch(args) -> list[dict]:
     models = SMOKE_ONE_LAUNCH_MODELS if args.smoke else one_launch_models(args.models)
     shape = SMOKE_ONE_LAUNCH if args.smoke else dict(rows=ONE_LAUNCH_ROWS, contexts=ONE_LAUNCH_CONTEXTS,
                                                      long=ONE_LAUNCH_LONG)
+    if args.rows:
+        unknown = sorted(set(args.rows) - set(shape["rows"]))
+        if unknown:
+            raise SystemExit(f"--rows: {unknown} are not rows buckets of this sweep ({shape['rows']})")
+        shape = {**shape, "rows": tuple(args.rows)}
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     # PDL needs sm_90+; the interpreter runs no inline PTX: the smoke run sweeps without it.
     pdl = not args.smoke and da.pdl_supported(torch.device(device))
@@ -878,22 +885,41 @@ ENTRY_MARGIN = 0.97  # a winner must beat the derived config by 3% (geomean): le
 def one_launch_entries(results: dict, tuning) -> dict:
     """ONE_LAUNCH_TABLE entries: each (model, rows bucket)'s winner, where it beat the derived
     config over the bucket's contexts by more than the noise (ENTRY_MARGIN; a tie keeps
-    today's config: no entry)."""
+    today's config: no entry). A bucket with contexts on both sides of
+    tuning.ONE_LAUNCH_LONG_CONTEXT is judged on each side: its entry over the short ones, and a
+    long entry (key + ("long",), ONE_LAUNCH_LONG_TABLE: a graph of its own) where the best over
+    the long ones beats what those rows run without it (the short entry, else the derived
+    config) by the margin."""
     entries = {}
     for (name, rows), (model, bucket, res) in results.items():
-        best = res["best"]
-        if not best or not res["derived"] or geomean_ratio(best[1], res["derived"]) >= ENTRY_MARGIN:
+        derived = res["derived"]
+        if not res["best"] or not derived:
             continue
         group = model["num_q_heads"] // model["num_kv_heads"]
         key = (model["head_dim"], group, tuning.bucket(rows, tuning.ONE_LAUNCH_ROW_BUCKETS))
-        entries[key] = best[0].config(tuning)
+        long_ = [n for n in derived if n >= tuning.ONE_LAUNCH_LONG_CONTEXT]
+        short = [n for n in derived if n < tuning.ONE_LAUNCH_LONG_CONTEXT]
+        sides = [(key, list(derived))] if not long_ or not short else [(key, short), (key + ("long",), long_)]
+        base = (None, derived)  # what a side's rows run without its entry
+        for k, ns in sides:
+            scored = [(v, got) for v, got in res["scored"] if all(n in got for n in ns)]
+            if not scored:
+                continue
+            ref = {n: base[1][n] for n in ns}
+            best = min(scored, key=lambda vg: geomean_ratio(vg[1], ref))
+            if geomean_ratio(best[1], ref) < ENTRY_MARGIN:
+                entries[k] = best[0].config(tuning)
+                if k == key:
+                    base = best
     return entries
 
 
 def one_launch_table_literal(entries: dict) -> str:
     """tuning.py source for the entries."""
     lines = ["ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {"]
-    lines += [f"    {key!r}: {cfg!r}," for key, cfg in sorted(entries.items())]
+    lines += [f"    {key!r}: {cfg!r}," for key, cfg in sorted(entries.items()) if len(key) == 3]
+    lines += ["}", "ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {"]
+    lines += [f"    {key[:3]!r}: {cfg!r}," for key, cfg in sorted(entries.items()) if len(key) == 4]
     return "\n".join(lines + ["}"])
 
 
@@ -906,6 +932,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default=None,
                    help="--one-launch: the shapes to sweep, comma-separated (default qwen2.5-0.5b,qwen3-0.6b; "
                         "also qwen2.5-1.5b, qwen2.5-7b)")
+    p.add_argument("--rows", type=int, nargs="+", default=None,
+                   help="--one-launch: the rows buckets to sweep (default all of ONE_LAUNCH_ROWS)")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")
     p.add_argument("--top", type=int, default=None,
                    help="tiles of stage 1 that stage 2 times (default 4; --one-launch: 2, beside the derived tile)")

@@ -39,8 +39,11 @@
 #                fused step's one-launch attention (the default) against the step backend's
 #                two-launch decode in it (--fused-off attn: the sweep timed it at 12.9 us a layer at
 #                30,000 tokens against the one-launch form's 23-24), two interleaved pairs (~6 min)
-#   one-launch-long the one-launch sweep at qwen2.5-0.5b's shape (its 1-row bucket with 8,000 / 30,000
-#                tokens now tries page ids carried ahead: prefetch_pages), its table kept in /tmp (~5 min)
+#   one-launch-long the GPU tests of a long-context entry (tuning.ONE_LAUNCH_LONG_TABLE: fused steps
+#                past ONE_LAUNCH_LONG_CONTEXT tokens in graphs of their own), then the one-launch
+#                sweep at qwen2.5-0.5b's shape (its 1-row bucket with 8,000 / 30,000 tokens tries page
+#                ids carried ahead: prefetch_pages; a long entry where the long contexts' best beats
+#                the short entry; the 1-row bucket only), its table kept in /tmp (~6 min)
 #   one-launch-long-ab one stream after 1,000 / 8,000 / 30,000 tokens without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~8 min; LONG_AB_LENS to choose)
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
@@ -209,8 +212,8 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
   grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
 }
-sweep_table() {  # sweep_table NAME MODELS: the one-launch sweep at MODELS; its table kept for NAME-ab
-  run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" \
+sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
+  run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
     --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
   cp "$OUT/json/$1-table.json" "/tmp/$1-table.json"
 }
@@ -551,7 +554,8 @@ for _ in range(480):
       pair_table ;;
     one-launch-long)  # the sweep at the 0.5B shape, long contexts with the page ids carried ahead
       cute_env
-      sweep_table one-launch-long qwen2.5-0.5b ;;
+      run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k long_context_entry
+      sweep_table one-launch-long qwen2.5-0.5b --rows 1 --budget-s 240 ;;
     one-launch-long-ab)
       cute_env
       table_ab one-launch-long qwen2.5-0.5b "${LONG_AB_LENS:-1000 8000 30000}" ;;

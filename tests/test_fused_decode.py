@@ -310,6 +310,51 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
     assert not runner.fused_attention._merge_counts.any()
 
 
+@pytest.mark.slow
+def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwen2, reference_kernels,
+                                                                          monkeypatch):
+    """tuning.ONE_LAUNCH_LONG_TABLE (here for one row, from 40 tokens; interpreted, ~30 s): the
+    warm-up captures each one-row fused graph twice (short and long), a step whose longest row
+    is past the threshold replays the long one, whose attention runs the long entry's variant,
+    and the tokens are the per-op engine's; two-row steps (no entry) keep one graph."""
+    from flashlet.attention import triton_backend
+    from flashlet.core import warmup
+    from flashlet.kernels import tuning
+    from tests.test_step_layout import graphs_on_the_cpu
+
+    triton = small_one_launch_splits(monkeypatch)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 40)
+    long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=16, num_splits=4,
+                                        prefetch_pages=True)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 2, 1): long_entry})
+    prompts = [[3, 5, 7, 9, 11] * 7, [2, 4, 6]]  # 35 tokens: its decode crosses 40
+    params = [SamplingParams(max_new_tokens=30 - 24 * i, ignore_eos=True) for i in range(len(prompts))]
+    outs = []
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
+                                     max_num_pages=32, fused_decode=fused, **triton),
+                        FusedParts(attn=True if fused else None))
+        perturb_norms(engine)
+        graphs_on_the_cpu(engine)
+        if fused:
+            engine.runner.use_mixed_graphs = False
+            warmup.warm_up(engine)
+            assert {(1, "tokens"), (1, "tokens", "long"), (1, "logits", "long"), (2, "tokens")} <= set(engine.runner.graphs)
+            assert not any(key[:1] == (2,) and "long" in key for key in engine.runner.graphs)
+            seen = []
+            real = triton_backend.decode_attention_one_launch
+            monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                                lambda *a, **k: seen.append((a[0].shape[0], int(a[5].max()), k["prefetch_pages"]))
+                                or real(*a, **k))
+        outs.append([o.token_ids for o in run_to_completion(engine, prompts, params)])
+    assert outs[0] == outs[1]
+    # Short steps and two-row steps run the short config; a steady step past the threshold keeps
+    # the graph it replays until its next load (at the latest a page start, 16 tokens on).
+    assert not any(p for rows, n, p in seen if n < 40 or rows > 1)
+    assert all(p for rows, n, p in seen if rows == 1 and n >= 40 + 16) and any(n >= 40 + 16 for _, n, _ in seen)
+    assert not engine.runner.fused_attention._merge_counts.any()
+
+
 def test_fused_logits_match_the_model(tiny_qwen2, reference_kernels):
     """Every step's logits (an observer makes the fused path write them) against the per-op
     model's, in fp32: the same sums in another order."""

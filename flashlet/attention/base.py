@@ -131,6 +131,11 @@ class AttentionBackend(ABC):
         """Extra shape (beyond the padded batch size) that a captured graph is specific to."""
         return ()
 
+    def decode_warm_contexts(self, num_seqs: int) -> tuple[int, ...]:
+        """Longest KV lengths of the warm-up's pure-decode steps of num_seqs rows (padded) that
+        reach every graph of that size which the KV lengths pick: (0,) where none depends on them."""
+        return (0,)
+
     def mixed_graph_key(self, meta: AttentionMetadata) -> tuple:
         """The kernel variant a mixed step padded for a graph runs (part of the graph's key)."""
         raise NotImplementedError(f"the {self.name} backend serves mixed steps eagerly")

@@ -43,7 +43,11 @@
   per layer up to 4k tokens on 16 splits x Hkv programs (FUSED_NOTES.md, "Stage 2, plan C").
   That derived config holds where `tuning.ONE_LAUNCH_TABLE` (measured per head_dim, group and
   rows bucket) has no entry; an entry sets the tile, the split cap, KV heads a program and the
-  split lengths (runtime values: a graph per row count serves every context length).
+  split lengths (runtime values: a graph per row count serves every context length). Where
+  `tuning.ONE_LAUNCH_LONG_TABLE` has an entry for the rows bucket, a one-launch step whose
+  longest row holds at least ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
+  says "long" (a second graph per row count) and `decode_warm_contexts` gives the warm-up a
+  context that reaches it.
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/core/warmup.py` covers at engine start.
@@ -179,7 +183,8 @@ class TritonBackend(AttentionBackend):
         self.max_kv_splits = max(self._max_splits(self.decode_config(b).min_split_tokens)
                                  for b in tuning.DECODE_BATCH_BUCKETS)
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
-        splits = [max(self._splits_for(b), self.one_launch_config(b)[1]) for b in range(1, max_batch_size + 1)]
+        splits = [max(self._splits_for(b), self.one_launch_config(b)[1], self.one_launch_config(b, long=True)[1])
+                  for b in range(1, max_batch_size + 1)]
         rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
@@ -190,6 +195,12 @@ class TritonBackend(AttentionBackend):
         self.one_launch_decode_rows = min(ONE_LAUNCH_DECODE_MAX_ROWS, max_batch_size) if on else 0
         self.one_launch_pdl = bool(_first_given(one_launch_pdl, one_launch.get("pdl"), True)) and pdl_supported(device)
         self._decode_one_launch = False  # the planned pure-decode step attends in one launch
+        # Pure-decode steps of up to this many rows attend in one launch through the fused decode
+        # path (the runner sets it where this backend is the fused path's attention): with
+        # one_launch_decode_rows, the steps a long-context entry can serve.
+        self.fused_rows = 0
+        self._long_meta = None  # the last step `long_context` was asked about, and its answer
+        self._long = False
         self._num_splits = 1
         self._decode_cfg = self.decode_config(1)
         # decode_variant of each batch size planned so far: a function of the batch size, of
@@ -225,11 +236,17 @@ class TritonBackend(AttentionBackend):
         return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
                                     self._max_splits(cfg.min_split_tokens))
 
-    def one_launch_config(self, num_seqs: int, table: bool = True) -> tuple[tuning.OneLaunchConfig, int]:
+    def one_launch_config(self, num_seqs: int, table: bool = True,
+                          long: bool = False) -> tuple[tuning.OneLaunchConfig, int]:
         """(config, splits) of `attend_one_launch` for a batch: `tuning.ONE_LAUNCH_TABLE`'s
-        measured entry for the rows bucket (the constructor's fixed block_n / min_split_tokens
-        still win), else (or with table=False) the derived config (`derived_one_launch_config`)."""
-        cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs) if table else None
+        measured entry for the rows bucket (long: `ONE_LAUNCH_LONG_TABLE`'s, where it has one;
+        the constructor's fixed block_n / min_split_tokens still win), else (or with
+        table=False) the derived config (`derived_one_launch_config`)."""
+        cfg = None
+        if table and long:
+            cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
+        if table and cfg is None:
+            cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs)
         if cfg is None:
             cfg = self.derived_one_launch_config(num_seqs)
         else:
@@ -252,6 +269,33 @@ class TritonBackend(AttentionBackend):
             cfg = dataclasses.replace(cfg, block_n=cfg.min_split_tokens, num_warps=ONE_LAUNCH_WHOLE_SPLIT_WARPS)
         return tuning.OneLaunchConfig(block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                       min_split_tokens=cfg.min_split_tokens, waves=cfg.waves)
+
+    def has_long_entry(self, num_seqs: int) -> bool:
+        """Does a one-launch step of `num_seqs` rows take a long-context entry past
+        ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)"""
+        attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
+        return (attends_in_one and self.max_tokens >= tuning.ONE_LAUNCH_LONG_CONTEXT
+                and tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) is not None)
+
+    def long_context(self, meta: AttentionMetadata) -> bool:
+        """Does this pure-decode step take its rows bucket's long-context entry (its longest row
+        at least ONE_LAUNCH_LONG_CONTEXT tokens)? Asked by `graph_key` and `attend_one_launch`,
+        not by `plan`: a steady step replays its graph unplanned for it, and reading its KV
+        lengths would build the host arrays it skips (its graph stays the one it had)."""
+        if meta is not self._long_meta:
+            self._long_meta = meta
+            self._long = (meta.is_pure_decode and self.has_long_entry(meta.num_seqs)
+                          and meta.host.max_kv_len >= tuning.ONE_LAUNCH_LONG_CONTEXT)
+        return self._long
+
+    def graph_key(self, meta: AttentionMetadata) -> tuple:
+        """("long",) for a step that takes a long-context entry (`long_context`): its own graph."""
+        return ("long",) if self.long_context(meta) else ()
+
+    def decode_warm_contexts(self, num_seqs: int) -> tuple[int, ...]:
+        """A pure-decode step's longest KV per graph of `num_seqs` rows: with a long-context
+        entry, a short one and ONE_LAUNCH_LONG_CONTEXT."""
+        return (0, tuning.ONE_LAUNCH_LONG_CONTEXT) if self.has_long_entry(num_seqs) else (0,)
 
     def decode_variant(self, num_seqs: int) -> tuple:
         """What a pure-decode step of `num_seqs` compiles: (config, splits), a `tuning.DecodeConfig`
@@ -388,7 +432,9 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
-        if self._decode_one_launch:  # planned: the per-op step's own form (same config)
+        if self.long_context(meta):
+            cfg, splits = self.one_launch_config(n, long=True)
+        elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
             cfg, splits = self._decode_cfg, self._num_splits
         else:
             cfg, splits = self.one_launch_config(n)

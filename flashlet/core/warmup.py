@@ -13,7 +13,8 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
 - pure-decode steps: with CUDA graphs, one graph per padded batch size (`runner.graph_sizes`),
   each capturing its decode variant, and a second, the one that ends in the greedy tokens
   (`runner.greedy_tokens`, `runner.greedy_token_sizes`); without, the decode variant of the
-  batch size (`decode_backend.decode_variant`);
+  batch size (`decode_backend.decode_variant`); each of them again past a context length that
+  takes another graph (`decode_contexts`: a one-launch long-context entry's);
 - the fused elementwise kernels and the LM head, in every step; sampling (top-k/top-p);
 - on CUDA, the LM head's GEMM outside any graph (a step with a chunk computes its sampled rows'
   logits eagerly) at every row count such a step samples (`logits_row_counts`): cuBLAS picks its
@@ -112,6 +113,14 @@ def chunk_contexts(backend, num_tokens: int, q_len: int, max_model_len: int) -> 
             if max(c, q_len) <= max_model_len]
 
 
+def decode_contexts(runner, size: int, max_model_len: int) -> list[int]:
+    """The cached lengths of the warm-up's decode steps of `size` rows: one per graph (or kernel
+    variant) the step's attention picks by its context length (`decode_warm_contexts` of the
+    backend that step attends through: a long-context entry's), those within max_model_len."""
+    backend = runner.decode_attention(size)
+    return [c for c in backend.decode_warm_contexts(size) if c + 1 <= max_model_len]
+
+
 def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int, context: int = 0) -> StepLayout:
     """`num_seqs` sequences of `q_len` new tokens after `context` cached ones, every token on
     the pool's scratch page: built like every step (`batch.build_layout`), so the same kernels
@@ -145,9 +154,11 @@ def warm_up(engine) -> dict:
         sync()
         t1 = time.perf_counter()
         for size in sizes:
-            runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
+            for context in decode_contexts(runner, size, engine.max_model_len):
+                runner.forward(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab, context)))
         for size in runner.greedy_token_sizes():  # the graphs that end in the greedy tokens
-            runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab)))
+            for context in decode_contexts(runner, size, engine.max_model_len):
+                runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab, context)))
         sync()
         t2 = time.perf_counter()
         for bucket, q_len, context in reversed(mixed):  # the largest first: the rest reuse its pool memory

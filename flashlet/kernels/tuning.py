@@ -30,7 +30,11 @@ ONE_LAUNCH_TABLE holds that script's `--one-launch` winners for the fused decode
 one-launch form, per (head_dim, group, rows bucket of ONE_LAUNCH_ROW_BUCKETS); a shape without
 an entry keeps the form's derived config (`TritonBackend.one_launch_config`). Its context-length
 handling (the smallest split, the long-row rule) is made of runtime values: one CUDA graph per
-row count serves every length.
+row count serves every length. The one exception, where a sweep measured that it pays:
+ONE_LAUNCH_LONG_TABLE's entry for a rows bucket serves the fused steps whose longest row holds at
+least ONE_LAUNCH_LONG_CONTEXT tokens, in a second CUDA graph per row count (the graph's key
+says "long"; warm-up captures it), as the split prefill has a second mixed graph past
+PREFILL_SPLIT_MIN_CONTEXT: one grid cannot be the best for 300 tokens and for 30,000.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ PREFILL_SPLIT_MAX_TOKENS = 1024
 # 1.09x; H200, scripts/prefill_split_bench.py, 2026-12-03). 2,048 is not measured.
 PREFILL_SPLIT_MIN_CONTEXT = 4096
 ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; more: no table entry
+# A fused step whose longest row holds at least this many tokens takes its rows bucket's
+# ONE_LAUNCH_LONG_TABLE entry, where it has one (the one-launch sweep's long contexts, 8,000 and
+# 30,000, lie past it; its short ones, 300 and 1,000, before it).
+ONE_LAUNCH_LONG_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,10 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
 }
+# (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
+# at least ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:
+# the best at the bucket's long contexts, where it beat what those rows run without it).
+ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group, step kind) -> "triton" | "flashinfer": the faster on the H200, in the engine
@@ -164,22 +176,36 @@ BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {
 
 def load_tables(path: str) -> dict:
     """Put a sweep's winners (`scripts/decode_attn_bench.py --table-json`: [[key, config fields],
-    ...]) into BATCHED_DECODE_TABLE (keys of four: head_dim, group, kv, bucket) or
-    ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket), over any entry of the same key;
+    ...]) into BATCHED_DECODE_TABLE (keys of four: head_dim, group, kv, bucket),
+    ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket) or ONE_LAUNCH_LONG_TABLE (four, the
+    last "long": head_dim, group, rows bucket, "long"), over any entry of the same key;
     -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
     winners before they are written here."""
     entries = {}
     for row in read_sweep_file(path, "sweep table", "decode_attn_bench.py --table-json"):
         try:
             key, cfg = row
-            one_launch = len(key) == 3
-            entries[tuple(key)] = (OneLaunchConfig if one_launch else DecodeConfig)(**cfg)
+            table = _table_of(tuple(key))
+            entries[tuple(key)] = (DecodeConfig if table is BATCHED_DECODE_TABLE else OneLaunchConfig)(**cfg)
         except (TypeError, ValueError) as e:  # a file of another tree's fields, or not a table
             raise ValueError(f"{path}: the entry {row!r} is not a [key, config fields] pair of "
                              f"this tree's tables: {e}") from None
     for key, cfg in entries.items():
-        (ONE_LAUNCH_TABLE if len(key) == 3 else BATCHED_DECODE_TABLE)[key] = cfg
+        table = _table_of(key)
+        table[key[:3] if table is ONE_LAUNCH_LONG_TABLE else key] = cfg
     return entries
+
+
+def _table_of(key: tuple) -> dict:
+    """The table a sweep file's key belongs to (`load_tables`); ValueError for another shape."""
+    if len(key) == 3:
+        return ONE_LAUNCH_TABLE
+    if len(key) == 4 and key[3] == "long":
+        return ONE_LAUNCH_LONG_TABLE
+    if len(key) == 4 and key[2] in KV_KINDS:
+        return BATCHED_DECODE_TABLE
+    raise ValueError(f"a key of (head_dim, group, rows bucket[, 'long']) or (head_dim, group, kv, "
+                     f"bucket), got {key!r}")
 
 
 def read_sweep_file(path: str, what: str, writer: str) -> list:
@@ -257,12 +283,13 @@ def batched_decode_config(head_dim: int, group: int, num_seqs: int, kv: str = "m
     return BATCHED_DECODE_TABLE.get((head_dim, group, kv, b)) or decode_config(head_dim, group, num_seqs)
 
 
-def one_launch_table_config(head_dim: int, group: int, rows: int) -> OneLaunchConfig | None:
-    """ONE_LAUNCH_TABLE's entry for a step of `rows` rows (its bucket), or None: no entry, or
-    more rows than the last bucket."""
+def one_launch_table_config(head_dim: int, group: int, rows: int, long: bool = False) -> OneLaunchConfig | None:
+    """ONE_LAUNCH_TABLE's entry (long: ONE_LAUNCH_LONG_TABLE's) for a step of `rows` rows (its
+    bucket), or None: no entry, or more rows than the last bucket."""
     if rows > ONE_LAUNCH_ROW_BUCKETS[-1]:
         return None
-    return ONE_LAUNCH_TABLE.get((head_dim, group, bucket(rows, ONE_LAUNCH_ROW_BUCKETS)))
+    table = ONE_LAUNCH_LONG_TABLE if long else ONE_LAUNCH_TABLE
+    return table.get((head_dim, group, bucket(rows, ONE_LAUNCH_ROW_BUCKETS)))
 
 
 def prefill_config(head_dim: int, group: int, max_q_len: int) -> PrefillConfig:

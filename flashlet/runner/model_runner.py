@@ -258,19 +258,20 @@ class ModelRunner:
         """The attention of the steps the fused path serves (up to fused.max_rows decode rows)."""
         if self.fused is None or not self.fused.one_launch_attention:
             return self.decode_backend
-        for backend in (self.decode_backend, self.backend):
-            if backend.supports_one_launch_decode:
-                return backend
-        from flashlet.attention.triton_backend import TritonBackend
+        backend = next((b for b in (self.decode_backend, self.backend) if b.supports_one_launch_decode), None)
+        if backend is None:
+            from flashlet.attention.triton_backend import TritonBackend
 
-        return TritonBackend(kv_pool, model.local.num_heads, max_batch_size=self.fused.max_rows,
-                             max_pages_per_seq=max_pages_per_seq)
+            backend = TritonBackend(kv_pool, model.local.num_heads, max_batch_size=self.fused.max_rows,
+                                    max_pages_per_seq=max_pages_per_seq)
+        backend.fused_rows = self.fused.max_rows  # its steps attend in one launch (a long-context entry's)
+        return backend
 
     def _fused_size(self, size: int) -> bool:
         """Does the fused path serve a pure-decode step padded to `size` rows?"""
         return self.fused is not None and size in self.fused.gemvs
 
-    def _decode_attention(self, size: int):
+    def decode_attention(self, size: int):
         """The attention backend a pure-decode step padded to `size` rows runs."""
         return self.fused_attention if self._fused_size(size) else self.decode_backend
 
@@ -426,7 +427,7 @@ class ModelRunner:
         if tokens and again is not None and again.meta is meta:
             # A steady step that loaded nothing: the last step's graph on the same views,
             # which that step checked against the capture (attention planned as then).
-            self._decode_attention(size).plan_graph(meta, size)
+            self.decode_attention(size).plan_graph(meta, size)
             self._mark_staged()
             again.graph.replay()
             self._moved_on = again
@@ -434,7 +435,7 @@ class ModelRunner:
         if meta.num_seqs != size or not self.buffers.holds(input_ids):
             raise ValueError("a decode step replayed from a CUDA graph must come from "
                              "ModelRunner.load (the graph reads its buffers, padded)")
-        attn = self._decode_attention(size)
+        attn = self.decode_attention(size)
         attn.plan_graph(meta, size)
         key = (size, "tokens" if tokens else "logits") + attn.graph_key(meta)
         moves = key not in self.graphs and tokens and self._moves_inputs_on(size)  # (a capture's)

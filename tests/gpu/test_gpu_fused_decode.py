@@ -657,6 +657,36 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"], ids=["rope-epilogue", "rope-in-attention"])
+def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family):
+    """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
+    more and shorter splits than the short config), PDL on as the default runs it, with RoPE in
+    the QKV epilogue (Qwen2) or in the attention (Qwen3): prompts of 700 to 1,800 tokens, some
+    rows crossing the threshold while they decode, teacher-forced against the per-op path; the
+    long graphs exist; CUDA graphs give the eager tokens."""
+    from flashlet.kernels import tuning
+
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 1024)
+    monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (64, 2, 1), tuning.OneLaunchConfig(
+        block_n=64, num_warps=2, num_stages=3, min_split_tokens=64, num_splits=32, prefetch_pages=True))
+    if family == "qwen3":
+        from tests.test_model_families import save_family
+
+        folder = save_family("qwen3", tmp_path / "q3", **SMALL, head_dim=64)
+    else:
+        folder = save_tiny_model("qwen2", tmp_path, **SMALL)
+    source, vocab = dict(model=str(folder)), SMALL["vocab_size"]
+    ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(1000 + 20 * p)] for p in range(3)]
+    ps += [[(i * 7 + p) % vocab for i in range(700 + 550 * p)] for p in range(3)]
+    flags = dict(fused_decode_attn=True, fused_decode_pdl=True, max_model_len=2048)
+    engine = check_against_reference_teacher_forced(source, ps, 40, **flags)
+    assert any("long" in key for key in engine.runner.graphs)
+    graphs, _ = run(source, ps, 40, fused=True, **flags)
+    eager, _ = run(source, ps, 40, fused=True, cuda_graph=False, **flags)
+    assert graphs == eager
+    assert not engine.runner.backend._merge_counts.any()
+
+
 # ---- the default (on by default where it is faster) --------------------------------------
 @pytest.mark.skipif(not SM90, reason="auto turns the fused path on at sm_90+ only")
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -228,13 +228,15 @@ def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, mo
     model = bench.ONE_LAUNCH_MODELS[0]
     derived = bench.OneLaunchVariant(256, 8, 2, 16, 256)
     win = bench.OneLaunchVariant(64, 4, 3, 4, 128, kv_pack=2)
-    results = {("qwen2.5-0.5b", 16): (model, None, dict(derived_variant=derived, derived={300: 9.0, 1000: 10.0},
-                                                         best=(win, {300: 5.0, 1000: 6.0}))),
-               ("qwen2.5-0.5b", 4): (model, None, dict(derived_variant=derived, derived={300: 4.0},
-                                                        best=(derived, {300: 4.0}))),
+
+    def res(ref, *scored):
+        return dict(derived_variant=derived, derived=ref, best=min(scored, key=lambda vg: sum(vg[1].values())),
+                    scored=list(scored))
+
+    results = {("qwen2.5-0.5b", 16): (model, None, res({300: 9.0, 1000: 10.0}, (win, {300: 5.0, 1000: 6.0}))),
+               ("qwen2.5-0.5b", 4): (model, None, res({300: 4.0}, (derived, {300: 4.0}))),
                # 1% faster: inside the timing noise (ENTRY_MARGIN), so no entry
-               ("qwen2.5-0.5b", 8): (model, None, dict(derived_variant=derived, derived={300: 5.0},
-                                                        best=(win, {300: 4.95})))}
+               ("qwen2.5-0.5b", 8): (model, None, res({300: 5.0}, (win, {300: 4.95})))}
     entries = bench.one_launch_entries(results, tuning)
     assert entries == {(64, 7, 16): win.config(tuning)}
     scope = {"OneLaunchConfig": tuning.OneLaunchConfig}
@@ -245,6 +247,40 @@ def test_one_launch_entries_are_tuning_source_and_round_trip(bench, tmp_path, mo
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
     assert tuning.load_tables(str(path)) == entries
     assert tuning.one_launch_table_config(64, 7, 12) == win.config(tuning)
+
+
+def test_a_bucket_with_long_contexts_gets_an_entry_a_side(bench, tmp_path, monkeypatch):
+    """One row's bucket (contexts on both sides of ONE_LAUNCH_LONG_CONTEXT): its entry is the best
+    over the short contexts, and a long entry the best over the long ones where it beats what
+    long rows would run without it (the short entry) by the margin; it loads into
+    ONE_LAUNCH_LONG_TABLE."""
+    model = bench.ONE_LAUNCH_MODELS[0]
+    derived = bench.OneLaunchVariant(256, 8, 2, 64, 256)
+    short_win = bench.OneLaunchVariant(256, 8, 2, 32, 256)
+    long_win = bench.OneLaunchVariant(64, 2, 3, 64, 128, prefetch_pages=True)
+    ref = {300: 6.4, 1000: 6.5, 8000: 13.6, 30000: 24.3}
+    scored = [(short_win, {300: 6.0, 1000: 6.1, 8000: 13.5, 30000: 23.0}),
+              (long_win, {300: 9.0, 1000: 9.5, 8000: 8.0, 30000: 13.0})]
+    results = {("qwen2.5-0.5b", 1): (model, None, dict(derived_variant=derived, derived=ref, best=scored[0],
+                                                        scored=scored))}
+    entries = bench.one_launch_entries(results, tuning)
+    assert entries == {(64, 7, 1): short_win.config(tuning), (64, 7, 1, "long"): long_win.config(tuning)}
+    scope = {"OneLaunchConfig": tuning.OneLaunchConfig}
+    exec(bench.one_launch_table_literal(entries), scope)
+    assert scope["ONE_LAUNCH_LONG_TABLE"] == {(64, 7, 1): long_win.config(tuning)}
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {})
+    assert tuning.load_tables(str(path)) == entries
+    assert tuning.one_launch_table_config(64, 7, 1, long=True) == long_win.config(tuning)
+    assert tuning.one_launch_table_config(64, 7, 1) == short_win.config(tuning)
+    # Long rows already as fast under the short entry: no long entry.
+    scored[1] = (long_win, {300: 9.0, 1000: 9.5, 8000: 13.4, 30000: 22.8})
+    assert bench.one_launch_entries(results, tuning) == {(64, 7, 1): short_win.config(tuning)}
+    path.write_text(json.dumps([[[64, 7, 1, "short"], {"block_n": 64}]]))
+    with pytest.raises(ValueError, match="a key of"):
+        tuning.load_tables(str(path))
 
 
 def test_one_launch_models_are_named_shapes(bench):

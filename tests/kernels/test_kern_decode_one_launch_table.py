@@ -117,3 +117,51 @@ def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, prefetch_pag
     got = seen[-1]
     assert (got["kv_heads_per_program"], got["long_from_tokens"], got["long_split_tokens"], got["merge_splits"],
             got["num_splits"], got["block_n"], got["prefetch_pages"]) == (2, 100, 16, 1, 8, 16, prefetch_pages)
+
+
+def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monkeypatch):
+    """ONE_LAUNCH_LONG_TABLE's entry serves the one-launch steps whose longest row holds at least
+    ONE_LAUNCH_LONG_CONTEXT tokens: they are keyed "long" (a graph of their own), the kernel gets
+    the long entry's variant, and the output is still the reference's; shorter steps, steps of
+    another rows bucket and steps that attend in two launches keep what they had."""
+    short_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=1, min_split_tokens=64, num_splits=4)
+    long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=32, num_splits=8,
+                                        prefetch_pages=True)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 1): short_entry})
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): long_entry})
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
+    seen = []
+    real = triton_backend.decode_attention_one_launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", spy)
+    pool = _pool(kh, pages=96)
+    backend = TritonBackend(pool, 14, num_sms=4)
+    assert backend.decode_warm_contexts(1) == (0,)  # two launches: no long entry applies
+    backend.fused_rows = 16  # the fused path's attention: its steps attend in one launch
+    assert backend.decode_warm_contexts(1) == (0, 200) and backend.decode_warm_contexts(2) == (0,)
+    assert backend._mid_o.shape[0] >= 8  # the scratch holds the long entry's splits
+    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(3)).to(kh.device)
+    for kv_len, key, block in ((199, (), (16, 1, 4)), (200, ("long",), (16, 2, 8)), (600, ("long",), (16, 2, 8))):
+        meta, pages = kh.make_step(pool, [(kv_len, 1)])
+        backend.plan(meta)
+        assert backend.graph_key(meta) == key
+        out = backend.attend_one_launch(1, q)
+        got = seen[-1]
+        assert (got["block_n"], got["num_stages"], got["num_splits"]) == block
+        assert got["prefetch_pages"] == (key == ("long",))
+        want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
+                                          meta.paged_kv_indices, meta.kv_lens, backend.scale)
+        assert kh.rel_err(out, want) < 1e-5
+        pool.allocator.free(pages[0])
+    meta, pages = kh.make_step(pool, [(300, 1), (20, 1)])  # rows bucket 4: no long entry
+    backend.plan(meta)
+    assert backend.graph_key(meta) == ()
+    pool.allocator.free(pages[0] + pages[1])
+    backend.fused_rows = 0
+    meta, pages = kh.make_step(pool, [(300, 1)])  # the per-op path's two launches
+    backend.plan(meta)
+    assert backend.graph_key(meta) == ()

@@ -24,6 +24,19 @@ def _pool(kh, *, pages=64, page_size=8, num_kv_heads=2, head_dim=16, seed=0):
     return pool
 
 
+def spy_one_launch(monkeypatch) -> list[dict]:
+    """The keyword arguments of every `decode_attention_one_launch` the backend makes from now on."""
+    seen = []
+    real = triton_backend.decode_attention_one_launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", spy)
+    return seen
+
+
 @pytest.fixture
 def empty_table(monkeypatch):
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
@@ -95,14 +108,7 @@ def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, prefetch_pag
                                    kv_pack=2, long_from_tokens=100, long_split_tokens=16, merge_splits=1,
                                    prefetch_pages=prefetch_pages)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 4): entry})
-    seen = []
-    real = triton_backend.decode_attention_one_launch
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", spy)
+    seen = spy_one_launch(monkeypatch)
     pool = _pool(kh)
     backend = TritonBackend(pool, 14, num_sms=4)
     meta, _ = kh.make_step(pool, [(120, 1), (30, 1), (65, 1)])
@@ -130,14 +136,7 @@ def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monk
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 1): short_entry})
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): long_entry})
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
-    seen = []
-    real = triton_backend.decode_attention_one_launch
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "decode_attention_one_launch", spy)
+    seen = spy_one_launch(monkeypatch)
     pool = _pool(kh, pages=96)
     backend = TritonBackend(pool, 14, num_sms=4)
     assert backend.decode_warm_contexts(1) == (0,)  # two launches: no long entry applies

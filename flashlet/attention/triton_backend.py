@@ -47,7 +47,10 @@
   `tuning.ONE_LAUNCH_LONG_TABLE` has an entry for the rows bucket, a one-launch step whose
   longest row holds at least ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
   says "long" (a second graph per row count) and `decode_warm_contexts` gives the warm-up a
-  context that reaches it.
+  context that reaches it. With $FLASHLET_LONG_DECODE=two-launch (an A/B, read by the
+  constructor) those steps attend through the two-launch decode instead (split kernel + merge
+  kernel, the batched table's config; a `rope_in` step's rows made by the pool's RoPE + K/V write
+  first), whether or not the table has an entry.
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/core/warmup.py` covers at engine start.
@@ -98,6 +101,10 @@ PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
 # The most rows of a pure-decode step that attends in one launch: the one-launch form's last rows
 # bucket (its table is measured up to there; the PDL look-back covers every earlier row of it).
 ONE_LAUNCH_DECODE_MAX_ROWS = tuning.ONE_LAUNCH_ROW_BUCKETS[-1]
+# "two-launch": the one-launch steps past ONE_LAUNCH_LONG_CONTEXT tokens (see above) attend in
+# two launches; unset or "table": ONE_LAUNCH_LONG_TABLE's entry where it has one. Read once, by
+# the constructor, for a GPU A/B in a fresh process.
+LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # "1": pure-decode steps of the per-op path attend in one launch, with PDL where the device has
 # it; "nopdl": one launch without PDL; unset or "0": the two-launch form (decode kernel + merge
 # kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
@@ -199,6 +206,7 @@ class TritonBackend(AttentionBackend):
         # path (the runner sets it where this backend is the fused path's attention): with
         # one_launch_decode_rows, the steps a long-context entry can serve.
         self.fused_rows = 0
+        self.long_two_launch = long_decode_from_env() == "two-launch"
         self._long_meta = None  # the last step `long_context` was asked about, and its answer
         self._long = False
         self._num_splits = 1
@@ -275,7 +283,8 @@ class TritonBackend(AttentionBackend):
         ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)"""
         attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
         return (attends_in_one and self.max_tokens >= tuning.ONE_LAUNCH_LONG_CONTEXT
-                and tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) is not None)
+                and (self.long_two_launch
+                     or tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) is not None))
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Does this pure-decode step take its rows bucket's long-context entry (its longest row
@@ -380,8 +389,16 @@ class TritonBackend(AttentionBackend):
             )
         if self._decode_one_launch:
             return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)
+        return self._two_launch_decode(layer, q, self._decode_cfg, self._num_splits)
+
+    def _two_launch_decode(self, layer: int, q: torch.Tensor, dc: tuning.DecodeConfig, s: int) -> torch.Tensor:
+        """A pure-decode step's attention in two launches (split kernel, then merge) with config
+        dc and split cap s; rows past the sequences get zeros."""
+        meta = self.meta
+        k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
+        k_scale, v_scale = self.kv_pool.scales(layer)
         out = torch.empty_like(q)
-        n, s, dc = meta.num_seqs, self._num_splits, self._decode_cfg
+        n = meta.num_seqs
         decode_attention(
             q[:n], k_cache, v_cache,
             meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
@@ -432,6 +449,13 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
+        if self.long_context(meta) and self.long_two_launch:
+            if rope_in is not None:  # this step's rows rotated and written first, as per-op
+                q = q.clone()
+                q[:n] = self.kv_pool.write_rope(layer, q[:n], rope_in.k[:n], rope_in.v[:n], rope_in.positions[:n],
+                                                rope_in.cos_sin_cache, meta.slot_mapping[:n], rope_in.qk_norm)
+            cfg = self.decode_config(n)
+            return self._two_launch_decode(layer, q, cfg, self._splits_for(n, cfg))
         if self.long_context(meta):
             cfg, splits = self.one_launch_config(n, long=True)
         elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
@@ -493,6 +517,15 @@ def prefill_splits_from_env() -> dict:
         raise ValueError(f"{PREFILL_SPLITS_ENV}={text!r}: expected "
                          "'S[,min_split_tokens[,max_tokens[,min_context]]]', positive integers")
     return dict(zip(("num_splits", "min_split_tokens", "max_tokens", "min_context"), values))
+
+
+def long_decode_from_env() -> str:
+    """$FLASHLET_LONG_DECODE: "two-launch" or "table" ("" when unset: the table)."""
+    text = os.environ.get(LONG_DECODE_ENV, "").strip().lower()
+    if text not in ("", "table", "two-launch"):
+        raise ValueError(f"{LONG_DECODE_ENV}={text!r}: expected two-launch (long fused steps attend in "
+                         f"two launches) or table (ONE_LAUNCH_LONG_TABLE's entry, the default)")
+    return text or "table"
 
 
 def one_launch_decode_from_env() -> dict:

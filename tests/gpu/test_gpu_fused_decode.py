@@ -657,15 +657,18 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
+@pytest.mark.parametrize("form", ["table", "two-launch"])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"], ids=["rope-epilogue", "rope-in-attention"])
-def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family):
+def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):
     """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
-    more and shorter splits than the short config), PDL on as the default runs it, with RoPE in
-    the QKV epilogue (Qwen2) or in the attention (Qwen3): prompts of 700 to 1,800 tokens, some
-    rows crossing the threshold while they decode, teacher-forced against the per-op path; the
-    long graphs exist; CUDA graphs give the eager tokens."""
+    more and shorter splits than the short config), or the two-launch decode there
+    ($FLASHLET_LONG_DECODE=two-launch), PDL on as the default runs it, with RoPE in the QKV
+    epilogue (Qwen2) or in the attention (Qwen3): prompts of 700 to 1,800 tokens, some rows
+    crossing the threshold while they decode, teacher-forced against the per-op path; the long
+    graphs exist; CUDA graphs give the eager tokens."""
     from flashlet.kernels import tuning
 
+    monkeypatch.setenv("FLASHLET_LONG_DECODE", form)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 1024)
     monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (64, 2, 1), tuning.OneLaunchConfig(
         block_n=64, num_warps=2, num_stages=3, min_split_tokens=64, num_splits=32, prefetch_pages=True))

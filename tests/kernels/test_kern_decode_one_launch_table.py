@@ -164,3 +164,41 @@ def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monk
     meta, pages = kh.make_step(pool, [(300, 1)])  # the per-op path's two launches
     backend.plan(meta)
     assert backend.graph_key(meta) == ()
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["rows-written", "rope-in"])
+def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, rope):
+    """$FLASHLET_LONG_DECODE=two-launch: long one-launch steps (keyed "long" with no table entry)
+    attend through the two-launch decode; with `rope_in` the pool's RoPE + K/V write makes this
+    step's rows first. Output and pool as the one-launch form leaves them (interpreter)."""
+    from flashlet.kernels.decode_attention import RopeIn
+
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {})
+    seen = spy_one_launch(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 14, 16, generator=g).to(kh.device)
+    k_new, v_new = (torch.randn(2, 2, 16, generator=g).to(kh.device) for _ in range(2))
+    cos_sin = kh.cos_sin_cache(1024, 16)
+    outs, pools = [], []
+    for form in ("table", "two-launch"):
+        monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, form)
+        pool = _pool(kh, pages=96)
+        backend = TritonBackend(pool, 14, num_sms=4)
+        backend.fused_rows = 16
+        meta, _ = kh.make_step(pool, [(300, 1), (40, 1)])
+        backend.plan(meta)
+        assert backend.graph_key(meta) == (("long",) if form == "two-launch" else ())
+        rope_in = RopeIn(k_new, v_new, meta.positions, cos_sin) if rope else None
+        if not rope:
+            pool.write(1, k_new, v_new, meta.slot_mapping)
+        calls = len(seen)
+        outs.append(backend.attend_one_launch(1, q, rope_in=rope_in))
+        assert (len(seen) > calls) == (form == "table")
+        pools.append(pool)
+    assert kh.rel_err(outs[1], outs[0]) < 1e-5
+    for cache in ("k_cache", "v_cache"):
+        assert kh.rel_err(getattr(pools[1], cache), getattr(pools[0], cache)) < 1e-6
+    monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FLASHLET_LONG_DECODE"):
+        TritonBackend(_pool(kh), 14, num_sms=4)

@@ -52,6 +52,11 @@
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
 #                qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1; ~3-4 min each), then the attention kernel's
 #                source lines by warp stall samples; the reports come back in $OUT
+#   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
+#                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
+#                form's derived config and the two-launch form, each kernel's speed of light, memory
+#                workload, occupancy, warp states and its source lines by stall samples (no CuTe
+#                DSL or wheels needed; ~2 min)
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -582,6 +587,21 @@ for _ in range(480):
         run 60 bash -c "\"$NCU\" --import \"$rep-attn.ncu-rep\" --csv --page source --print-source cuda \
           > \"$rep-attn-source.csv\""
         run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-source.csv"
+      done ;;
+    ncu-attn)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+      [[ -n $NCU ]] || { echo "part ncu-attn: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }
+      for n in ${NCU_ATTN_LENS:-8000 30000}; do
+        rep="$OUT/ncu-attn-$n"
+        run 200 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
+          --section SourceCounters --import-source yes --export "$rep" -f \
+          python3 lab/ncu_attention.py --kv-len "$n"
+        run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --page details > \"$rep-details.txt\""
+        grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall|L2 Hit|Theoretical Occ" \
+          "$rep-details.txt" | head -80 | tee -a "$LOG"
+        run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --csv --page source --print-source cuda > \"$rep-source.csv\""
+        run 30 python3 lab/ncu_step.py summarize-source "$rep-source.csv"
       done ;;
     host-burn)
       cute_env

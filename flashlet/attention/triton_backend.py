@@ -48,9 +48,9 @@
   longest row holds at least ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
   says "long" (a second graph per row count) and `decode_warm_contexts` gives the warm-up a
   context that reaches it. With $FLASHLET_LONG_DECODE=two-launch (an A/B, read by the
-  constructor) those steps attend through the two-launch decode instead (split kernel + merge
-  kernel, the batched table's config; a `rope_in` step's rows made by the pool's RoPE + K/V write
-  first), whether or not the table has an entry.
+  constructor), or where the table's entry is `tuning.TWO_LAUNCH`, those steps attend through the
+  two-launch decode instead (split kernel + merge kernel, the batched table's config; a `rope_in`
+  step's rows made by the pool's RoPE + K/V write first).
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/core/warmup.py` covers at engine start.
@@ -253,6 +253,7 @@ class TritonBackend(AttentionBackend):
         cfg = None
         if table and long:
             cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
+            cfg = None if cfg == tuning.TWO_LAUNCH else cfg
         if table and cfg is None:
             cfg = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs)
         if cfg is None:
@@ -285,6 +286,12 @@ class TritonBackend(AttentionBackend):
         return (attends_in_one and self.max_tokens >= tuning.ONE_LAUNCH_LONG_CONTEXT
                 and (self.long_two_launch
                      or tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) is not None))
+
+    def long_in_two_launches(self, num_seqs: int) -> bool:
+        """Do long one-launch steps of `num_seqs` rows attend in two launches (the table's
+        TWO_LAUNCH entry, or $FLASHLET_LONG_DECODE=two-launch)?"""
+        return self.long_two_launch or tuning.one_launch_table_config(
+            self.head_dim, self.group, num_seqs, long=True) == tuning.TWO_LAUNCH
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Does this pure-decode step take its rows bucket's long-context entry (its longest row
@@ -449,7 +456,7 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
-        if self.long_context(meta) and self.long_two_launch:
+        if self.long_context(meta) and self.long_in_two_launches(n):
             if rope_in is not None:  # this step's rows rotated and written first, as per-op
                 q = q.clone()
                 q[:n] = self.kv_pool.write_rope(layer, q[:n], rope_in.k[:n], rope_in.v[:n], rope_in.positions[:n],

@@ -155,8 +155,11 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
 # at least ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:
-# the best at the bucket's long contexts, where it beat what those rows run without it).
-ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {}
+# the best at the bucket's long contexts, where it beat what those rows run without it), or
+# TWO_LAUNCH: those steps attend through the two-launch decode (split kernel + merge kernel,
+# BATCHED_DECODE_TABLE's config), measured faster in the engine (`gpu_run.sh long-attn-ab`).
+TWO_LAUNCH = "two-launch"
+ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group, step kind) -> "triton" | "flashinfer": the faster on the H200, in the engine
@@ -186,6 +189,9 @@ def load_tables(path: str) -> dict:
         try:
             key, cfg = row
             table = _table_of(tuple(key))
+            if table is ONE_LAUNCH_LONG_TABLE and cfg == TWO_LAUNCH:
+                entries[tuple(key)] = TWO_LAUNCH
+                continue
             entries[tuple(key)] = (DecodeConfig if table is BATCHED_DECODE_TABLE else OneLaunchConfig)(**cfg)
         except (TypeError, ValueError) as e:  # a file of another tree's fields, or not a table
             raise ValueError(f"{path}: the entry {row!r} is not a [key, config fields] pair of "
@@ -283,9 +289,9 @@ def batched_decode_config(head_dim: int, group: int, num_seqs: int, kv: str = "m
     return BATCHED_DECODE_TABLE.get((head_dim, group, kv, b)) or decode_config(head_dim, group, num_seqs)
 
 
-def one_launch_table_config(head_dim: int, group: int, rows: int, long: bool = False) -> OneLaunchConfig | None:
-    """ONE_LAUNCH_TABLE's entry (long: ONE_LAUNCH_LONG_TABLE's) for a step of `rows` rows (its
-    bucket), or None: no entry, or more rows than the last bucket."""
+def one_launch_table_config(head_dim: int, group: int, rows: int, long: bool = False) -> OneLaunchConfig | str | None:
+    """ONE_LAUNCH_TABLE's entry (long: ONE_LAUNCH_LONG_TABLE's, which may be TWO_LAUNCH) for a
+    step of `rows` rows (its bucket), or None: no entry, or more rows than the last bucket."""
     if rows > ONE_LAUNCH_ROW_BUCKETS[-1]:
         return None
     table = ONE_LAUNCH_LONG_TABLE if long else ONE_LAUNCH_TABLE

@@ -305,3 +305,12 @@ def test_one_launch_shapes_are_their_presets(bench):
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         assert (m["layers"], m["num_q_heads"], m["num_kv_heads"], m["head_dim"]) == (
             cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim), m["name"]
+
+
+def test_a_two_launch_long_entry_loads_from_a_table_file(tmp_path, monkeypatch):
+    """A long key whose value is tuning.TWO_LAUNCH (what long-attn-ab can measure) loads as such."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps([[[64, 7, 1, "long"], "two-launch"]]))
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {})
+    assert tuning.load_tables(str(path)) == {(64, 7, 1, "long"): tuning.TWO_LAUNCH}
+    assert tuning.one_launch_table_config(64, 7, 1, long=True) == tuning.TWO_LAUNCH

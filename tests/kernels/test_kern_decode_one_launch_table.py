@@ -181,14 +181,16 @@ def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, 
     k_new, v_new = (torch.randn(2, 2, 16, generator=g).to(kh.device) for _ in range(2))
     cos_sin = kh.cos_sin_cache(1024, 16)
     outs, pools = [], []
-    for form in ("table", "two-launch"):
-        monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, form)
+    for form in ("table", "two-launch", "table-entry"):
+        monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, "table" if form == "table-entry" else form)
+        if form == "table-entry":  # the same through the table's TWO_LAUNCH entry
+            monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (16, 7, 4), tuning.TWO_LAUNCH)
         pool = _pool(kh, pages=96)
         backend = TritonBackend(pool, 14, num_sms=4)
         backend.fused_rows = 16
         meta, _ = kh.make_step(pool, [(300, 1), (40, 1)])
         backend.plan(meta)
-        assert backend.graph_key(meta) == (("long",) if form == "two-launch" else ())
+        assert backend.graph_key(meta) == (() if form == "table" else ("long",))
         rope_in = RopeIn(k_new, v_new, meta.positions, cos_sin) if rope else None
         if not rope:
             pool.write(1, k_new, v_new, meta.slot_mapping)
@@ -196,9 +198,11 @@ def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, 
         outs.append(backend.attend_one_launch(1, q, rope_in=rope_in))
         assert (len(seen) > calls) == (form == "table")
         pools.append(pool)
-    assert kh.rel_err(outs[1], outs[0]) < 1e-5
-    for cache in ("k_cache", "v_cache"):
-        assert kh.rel_err(getattr(pools[1], cache), getattr(pools[0], cache)) < 1e-6
+    for i in (1, 2):
+        assert kh.rel_err(outs[i], outs[0]) < 1e-5
+        for cache in ("k_cache", "v_cache"):
+            assert kh.rel_err(getattr(pools[i], cache), getattr(pools[0], cache)) < 1e-6
+    assert backend._mid_o.shape[0] >= backend._splits_for(1)  # the scratch sized without a one-launch entry
     monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="FLASHLET_LONG_DECODE"):
         TritonBackend(_pool(kh), 14, num_sms=4)

@@ -52,6 +52,10 @@
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
 #                qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1; ~3-4 min each), then the attention kernel's
 #                source lines by warp stall samples; the reports come back in $OUT
+#   early-page-ab the one-launch attention loading page_base beside kv_len ($FLASHLET_EARLY_PAGE_BASE=1:
+#                one dependent round trip fewer before the first block's K/V) against the default,
+#                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
+#                interleaved pairs (~4 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config and the two-launch form, each kernel's speed of light, memory
@@ -588,6 +592,15 @@ for _ in range(480):
           > \"$rep-attn-source.csv\""
         run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-source.csv"
       done ;;
+    early-page-ab)
+      cute_env
+      for pair in 1 2; do
+        for c in qwen2.5-0.5b qwen3-0.6b; do
+          run 150 python3 lab/one_stream_pair.py "early=0" --config "$c"
+          run 150 env FLASHLET_EARLY_PAGE_BASE=1 python3 lab/one_stream_pair.py "early=1" --config "$c"
+        done
+      done
+      pair_table ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       [[ -n $NCU ]] || { echo "part ncu-attn: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }

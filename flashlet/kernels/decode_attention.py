@@ -83,6 +83,10 @@ from flashlet.kernels.rope_kv_write import _to_cache  # a row as the pool stores
 LOG2E = 1.4426950408889634
 # The Triton interpreter runs no inline PTX: there fp8 V widens through Triton's own casts.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# "1": the one-launch decode loads page_base beside kv_len, not after its early exit
+# (`_one_launch_kernel`'s EARLY_PAGE_BASE), for a GPU A/B in a fresh process: off until measured
+# (at head_dim 128, 64-key blocks on 4 warps with page ids ahead, it spills 276 bytes at sm_90a).
+EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
 
 
 @triton.jit
@@ -748,6 +752,7 @@ def _one_launch_kernel(
     QK_NORM: tl.constexpr = False,
     CACHE_FP8: tl.constexpr = False,
     PREFETCH_PAGES: tl.constexpr = False,
+    EARLY_PAGE_BASE: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -762,7 +767,13 @@ def _one_launch_kernel(
     if LONG_RULE:
         split_tokens = tl.where(kv_len >= long_from_tokens, long_split_tokens, min_split_tokens)
     n_splits, split_len = _split_range(kv_len, NUM_SPLITS, split_tokens, BLOCK_N)
-    if split >= n_splits:
+    # EARLY_PAGE_BASE: page_base (never negative) in the branch, so its load stays beside
+    # kv_len's; the compiler sinks it past the branch otherwise (sm_90a SASS, Triton 3.7.1), one
+    # dependent round trip more before the first block's page ids.
+    past_the_splits = split >= n_splits
+    if EARLY_PAGE_BASE:
+        past_the_splits = past_the_splits | (page_base < 0)
+    if past_the_splits:
         return
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
@@ -1158,6 +1169,7 @@ def decode_attention_one_launch(
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
         PREFETCH_PAGES=prefetch_pages,
+        EARLY_PAGE_BASE=EARLY_PAGE_BASE,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -311,27 +311,35 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"], ids=["rope-epilogue", "rope-in-attention"])
 def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwen2, reference_kernels,
-                                                                          monkeypatch):
+                                                                          monkeypatch, tmp_path, family):
     """tuning.ONE_LAUNCH_LONG_TABLE (here for one row, from 40 tokens; interpreted, ~30 s): the
     warm-up captures each one-row fused graph twice (short and long), a step whose longest row
-    is past the threshold replays the long one, whose attention runs the long entry's variant,
-    and the tokens are the per-op engine's; two-row steps (no entry) keep one graph."""
+    is past the threshold replays the long one, whose attention runs the long entry's variant
+    (Qwen3: with the rows made in the kernel, `rope_in`), and the tokens are the per-op engine's;
+    two-row steps (no entry) keep one graph."""
     from flashlet.attention import triton_backend
     from flashlet.core import warmup
     from flashlet.kernels import tuning
+    from tests.test_model_families import save_family
     from tests.test_step_layout import graphs_on_the_cpu
 
+    model = tiny_qwen2 if family == "qwen2" else save_family("qwen3", tmp_path / "q3")
     triton = small_one_launch_splits(monkeypatch)
+    monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 40)
     long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=16, num_splits=4,
                                         prefetch_pages=True)
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 2, 1): long_entry})
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    key = (head_dim, cfg["num_attention_heads"] // cfg["num_key_value_heads"], 1)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {key: long_entry})
     prompts = [[3, 5, 7, 9, 11] * 7, [2, 4, 6]]  # 35 tokens: its decode crosses 40
     params = [SamplingParams(max_new_tokens=30 - 24 * i, ignore_eos=True) for i in range(len(prompts))]
     outs = []
     for fused in (False, True):
-        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
+        engine = Engine(EngineConfig(model=str(model), device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
                                      max_num_pages=32, fused_decode=fused, **triton),
                         FusedParts(attn=True if fused else None))
         perturb_norms(engine)

@@ -657,8 +657,17 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-@pytest.mark.parametrize("form", ["table", "two-launch"])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"], ids=["rope-epilogue", "rope-in-attention"])
+# Failed on the H200 (2026-12-05, 2671152; the run stopped there and its message was not kept):
+# Qwen3's rows made in the attention kernel under a long one-launch entry of 2 warps with page ids
+# ahead. The interpreter's run of the same (tests/test_fused_decode.py) passes. No long one-launch
+# entry is written for a shape that runs rope_in until this passes.
+ROPE_IN_LONG_ENTRY = pytest.mark.xfail(reason="failed on the H200 on 2026-12-05, not yet understood", strict=False)
+
+
+@pytest.mark.parametrize("family,form", [
+    ("qwen2", "table"), ("qwen2", "two-launch"),
+    pytest.param("qwen3", "table", marks=ROPE_IN_LONG_ENTRY), ("qwen3", "two-launch"),
+], ids=["rope-epilogue-table", "rope-epilogue-two-launch", "rope-in-attention-table", "rope-in-attention-two-launch"])
 def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):
     """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
     more and shorter splits than the short config), or the two-launch decode there

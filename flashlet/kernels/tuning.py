@@ -158,8 +158,16 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # the best at the bucket's long contexts, where it beat what those rows run without it), or
 # TWO_LAUNCH: those steps attend through the two-launch decode (split kernel + merge kernel,
 # BATCHED_DECODE_TABLE's config), measured faster in the engine (`gpu_run.sh long-attn-ab`).
+# Qwen2.5-0.5B's one row (H200, 2026-12-05, through LLM.generate, lab/one_stream_pair.py, one
+# fresh-process pair each): after 30,000 tokens 1,228 tok/s in two launches against 1,018 in one
+# (+21%), after 8,000 1,514 against 1,455 (+4%). The one-launch form's last program merges 59
+# partials alone: an ~18 us tail at 30,000 tokens with the GPU idle (Nsight Compute; FUSED_NOTES.md,
+# "A long-context graph for one row"). Its sweep's best one-launch config read 6-9% under the
+# derived one alone.
 TWO_LAUNCH = "two-launch"
-ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {}
+ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
+    (64, 7, 1): TWO_LAUNCH,
+}
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}
 # (head_dim, group, step kind) -> "triton" | "flashinfer": the faster on the H200, in the engine

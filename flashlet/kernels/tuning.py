@@ -1,10 +1,13 @@
 """Launch configurations of the Triton attention kernels, per shape, and the backend `auto` picks.
 
 Every choice here is a function of the model's shape (head_dim, GQA group size) and of a
-bucket of the batch: never of a KV length. That keeps the set of compiled kernel variants
-finite and known at engine start (`flashlet/core/warmup.py` compiles all of them), and a CUDA graph
-captured for a decode batch size stays valid for any KV lengths: the decode kernel adapts to
-the lengths on the device (the number of splits a sequence uses comes from `kv_lens`).
+bucket of the batch, and of a KV length only as one threshold a kind of step (a prefill step's
+split past PREFILL_SPLIT_MIN_CONTEXT, a fused decode step's long-context entry past
+ONE_LAUNCH_LONG_CONTEXT), each a second graph of its own. That keeps the set of compiled kernel
+variants finite and known at engine start (`flashlet/core/warmup.py` compiles all of them), and a
+CUDA graph captured for a decode batch size stays valid for any KV lengths on its side of the
+threshold: the decode kernel adapts to the lengths on the device (the number of splits a sequence
+uses comes from `kv_lens`).
 
 - Decode: bucket = the smallest of DECODE_BATCH_BUCKETS that holds the batch size (the last
   one holds every larger batch). Config: BLOCK_N keys per block, warps, stages, the smallest

@@ -59,8 +59,9 @@
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config and the two-launch form, each kernel's speed of light, memory
-#                workload, occupancy, warp states and its source lines by stall samples (no CuTe
-#                DSL or wheels needed; ~2 min)
+#                workload, occupancy and warp states (no CuTe DSL or wheels needed; ~1 min a length);
+#                its source page came back on 2026-12-05 without stall-sample columns (ncu's CSV
+#                printed lines only), so summarize-source printed its first lines instead
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's

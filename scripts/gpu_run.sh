@@ -36,9 +36,9 @@
 #   one-launch-presets-ab those presets after a 1,000-token prompt without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
 #   long-attn-ab one stream after 8,000- and 30,000-token prompts (qwen2.5-0.5b, LLM.generate): the
-#                fused step's one-launch attention (the default) against the two-launch decode in
-#                its long-context graphs ($FLASHLET_LONG_DECODE=two-launch: the sweep timed it at
-#                12.9 us a layer at 30,000 tokens against the one-launch form's 23-24), two
+#                fused step's one-launch attention for every length ($FLASHLET_LONG_DECODE=one-launch,
+#                the default before 201d20d) against the two-launch decode in its long-context
+#                graphs (=two-launch: the default at qwen2.5-0.5b's shape since 201d20d), two
 #                interleaved pairs (~6 min; LONG_AB_LENS, LONG_AB_CONFIG to choose)
 #   one-launch-long the GPU tests of a long-context entry (tuning.ONE_LAUNCH_LONG_TABLE: fused steps
 #                past ONE_LAUNCH_LONG_CONTEXT tokens in graphs of their own), then the one-launch
@@ -558,8 +558,8 @@ for _ in range(480):
       cute_env
       for plen in ${LONG_AB_LENS:-8000 30000}; do
         for pair in 1 2; do
-          run 150 python3 lab/one_stream_pair.py one-launch --config "${LONG_AB_CONFIG:-qwen2.5-0.5b}" \
-            --prompt-len "$plen"
+          run 150 env FLASHLET_LONG_DECODE=one-launch python3 lab/one_stream_pair.py one-launch \
+            --config "${LONG_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
           run 150 env FLASHLET_LONG_DECODE=two-launch python3 lab/one_stream_pair.py two-launch \
             --config "${LONG_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
         done

@@ -48,7 +48,8 @@
   longest row holds at least ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
   says "long" (a second graph per row count) and `decode_warm_contexts` gives the warm-up a
   context that reaches it. With $FLASHLET_LONG_DECODE=two-launch (an A/B, read by the
-  constructor), or where the table's entry is `tuning.TWO_LAUNCH`, those steps attend through the
+  constructor; =one-launch ignores a TWO_LAUNCH entry), or where the table's entry is
+  `tuning.TWO_LAUNCH`, those steps attend through the
   two-launch decode instead (split kernel + merge kernel, the batched table's config; a `rope_in`
   step's rows made by the pool's RoPE + K/V write first).
 
@@ -102,7 +103,8 @@ PREFILL_SPLITS_ENV = "FLASHLET_PREFILL_SPLITS"
 # bucket (its table is measured up to there; the PDL look-back covers every earlier row of it).
 ONE_LAUNCH_DECODE_MAX_ROWS = tuning.ONE_LAUNCH_ROW_BUCKETS[-1]
 # "two-launch": the one-launch steps past ONE_LAUNCH_LONG_CONTEXT tokens (see above) attend in
-# two launches; unset or "table": ONE_LAUNCH_LONG_TABLE's entry where it has one. Read once, by
+# two launches; "one-launch": they never do (a TWO_LAUNCH entry is ignored: one graph, as before
+# 2026-12-05); unset or "table": ONE_LAUNCH_LONG_TABLE's entry where it has one. Read once, by
 # the constructor, for a GPU A/B in a fresh process.
 LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # "1": pure-decode steps of the per-op path attend in one launch, with PDL where the device has
@@ -206,7 +208,7 @@ class TritonBackend(AttentionBackend):
         # path (the runner sets it where this backend is the fused path's attention): with
         # one_launch_decode_rows, the steps a long-context entry can serve.
         self.fused_rows = 0
-        self.long_two_launch = long_decode_from_env() == "two-launch"
+        self.long_decode = long_decode_from_env()
         self._long_meta = None  # the last step `long_context` was asked about, and its answer
         self._long = False
         self._num_splits = 1
@@ -283,15 +285,19 @@ class TritonBackend(AttentionBackend):
         """Does a one-launch step of `num_seqs` rows take a long-context entry past
         ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)"""
         attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
-        return (attends_in_one and self.max_tokens >= tuning.ONE_LAUNCH_LONG_CONTEXT
-                and (self.long_two_launch
-                     or tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) is not None))
+        if not attends_in_one or self.max_tokens < tuning.ONE_LAUNCH_LONG_CONTEXT:
+            return False
+        entry = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
+        if self.long_decode == "one-launch":
+            return entry is not None and entry != tuning.TWO_LAUNCH
+        return self.long_decode == "two-launch" or entry is not None
 
     def long_in_two_launches(self, num_seqs: int) -> bool:
         """Do long one-launch steps of `num_seqs` rows attend in two launches (the table's
-        TWO_LAUNCH entry, or $FLASHLET_LONG_DECODE=two-launch)?"""
-        return self.long_two_launch or tuning.one_launch_table_config(
-            self.head_dim, self.group, num_seqs, long=True) == tuning.TWO_LAUNCH
+        TWO_LAUNCH entry, or $FLASHLET_LONG_DECODE=two-launch; never with =one-launch)?"""
+        if self.long_decode != "table":
+            return self.long_decode == "two-launch"
+        return tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True) == tuning.TWO_LAUNCH
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Does this pure-decode step take its rows bucket's long-context entry (its longest row
@@ -527,11 +533,12 @@ def prefill_splits_from_env() -> dict:
 
 
 def long_decode_from_env() -> str:
-    """$FLASHLET_LONG_DECODE: "two-launch" or "table" ("" when unset: the table)."""
+    """$FLASHLET_LONG_DECODE: "two-launch", "one-launch" or "table" ("" when unset: the table)."""
     text = os.environ.get(LONG_DECODE_ENV, "").strip().lower()
-    if text not in ("", "table", "two-launch"):
+    if text not in ("", "table", "two-launch", "one-launch"):
         raise ValueError(f"{LONG_DECODE_ENV}={text!r}: expected two-launch (long fused steps attend in "
-                         f"two launches) or table (ONE_LAUNCH_LONG_TABLE's entry, the default)")
+                         f"two launches), one-launch (never) or table (ONE_LAUNCH_LONG_TABLE's entry, "
+                         f"the default)")
     return text or "table"
 
 

@@ -166,7 +166,7 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # (+21%), after 8,000 1,514 against 1,455 (+4%). The one-launch form's last program merges 59
 # partials alone: an ~18 us tail at 30,000 tokens with the GPU idle (Nsight Compute; FUSED_NOTES.md,
 # "A long-context graph for one row"). Its sweep's best one-launch config read 6-9% under the
-# derived one alone.
+# derived one alone. $FLASHLET_LONG_DECODE=one-launch turns such an entry off (one graph a row count).
 TWO_LAUNCH = "two-launch"
 ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
     (64, 7, 1): TWO_LAUNCH,

@@ -203,6 +203,12 @@ def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, 
         for cache in ("k_cache", "v_cache"):
             assert kh.rel_err(getattr(pools[i], cache), getattr(pools[0], cache)) < 1e-6
     assert backend._mid_o.shape[0] >= backend._splits_for(1)  # the scratch sized without a one-launch entry
+    # =one-launch ignores the TWO_LAUNCH entry: one graph, one launch, as before it.
+    monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, "one-launch")
+    backend = TritonBackend(pools[2], 14, num_sms=4)
+    backend.fused_rows = 16
+    backend.plan(meta)
+    assert backend.graph_key(meta) == () and backend.decode_warm_contexts(2) == (0,)
     monkeypatch.setenv(triton_backend.LONG_DECODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="FLASHLET_LONG_DECODE"):
         TritonBackend(_pool(kh), 14, num_sms=4)

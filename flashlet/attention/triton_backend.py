@@ -462,14 +462,14 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
-        if self.long_context(meta) and self.long_in_two_launches(n):
-            if rope_in is not None:  # this step's rows rotated and written first, as per-op
-                q = q.clone()
-                q[:n] = self.kv_pool.write_rope(layer, q[:n], rope_in.k[:n], rope_in.v[:n], rope_in.positions[:n],
-                                                rope_in.cos_sin_cache, meta.slot_mapping[:n], rope_in.qk_norm)
+        long = self.long_context(meta)
+        if long and self.long_in_two_launches(n):
+            if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
+                q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
+                                            rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
             cfg = self.decode_config(n)
             return self._two_launch_decode(layer, q, cfg, self._splits_for(n, cfg))
-        if self.long_context(meta):
+        if long:
             cfg, splits = self.one_launch_config(n, long=True)
         elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
             cfg, splits = self._decode_cfg, self._num_splits

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--model", default="qwen2.5-0.5b", help="a shape of decode_attn_bench's one-launch sweep")
     p.add_argument("--table", action="store_true", help="the one-launch form's table entry, not its derived config")
+    p.add_argument("--merge-group", type=int, default=0, help="the one-launch form's merge in two levels (merge_group)")
     args = p.parse_args(argv)
     import torch
 
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = bench.Case(torch, args.rows, args.kv_len, "model", {**model, "layers": 2}, device)
     one = bench.derived_one_launch_variant(torch, model, args.rows, num_sms, device, pdl=False, table=args.table)
+    one = replace(one, merge_group=args.merge_group)
     one_launch = bench.make_one_launch_call(da, torch, case, one)
     pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.bfloat16, device,
                   fused_rope=False)

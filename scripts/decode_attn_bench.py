@@ -550,7 +550,10 @@ ONE_LAUNCH_LONG_RULES = ((2048, 64), (4096, 128))  # (from tokens, split tokens)
 # The wide merge tried at the largest split caps: partials read at a time in a [MS, 16, KV heads a
 # program x head_dim] fp32 tile of this many elements (the default merge: 4096).
 WIDE_MERGE_ELEMENTS = 16384
-SMOKE_MIN_SPLITS, SMOKE_LONG_RULES, SMOKE_WIDE_MERGE = (16, 32), ((100, 16),), 2
+# The merge in two levels (merge_group: splits a first-level merge folds), tried beside the wide
+# merge: the long side's last program otherwise merges up to 64 partials alone (FUSED_NOTES.md).
+MERGE_GROUPS = (4, 8)
+SMOKE_MIN_SPLITS, SMOKE_LONG_RULES, SMOKE_WIDE_MERGE, SMOKE_MERGE_GROUPS = (16, 32), ((100, 16),), 2, (2,)
 
 
 @dataclass(frozen=True)
@@ -566,11 +569,13 @@ class OneLaunchVariant:
     merge_splits: int | None = None
     pdl: bool = True
     prefetch_pages: bool = False
+    merge_group: int = 0
 
     def label(self) -> str:
         tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (
             f" long{self.long_split_tokens}@{self.long_from_tokens}" if self.long_from_tokens else "") + (
-            f" ms{self.merge_splits}" if self.merge_splits else "") + (" pages" if self.prefetch_pages else "")
+            f" ms{self.merge_splits}" if self.merge_splits else "") + (" pages" if self.prefetch_pages else "") + (
+            f" mg{self.merge_group}" if self.merge_group else "")
         return (f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits} "
                 f"min{self.min_split_tokens}{tail} pdl-{'on' if self.pdl else 'off'}")
 
@@ -590,7 +595,7 @@ class OneLaunchVariant:
             block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
             min_split_tokens=self.min_split_tokens, num_splits=self.num_splits, kv_pack=self.kv_pack,
             long_from_tokens=self.long_from_tokens, long_split_tokens=self.long_split_tokens,
-            merge_splits=self.merge_splits, prefetch_pages=self.prefetch_pages)
+            merge_splits=self.merge_splits, prefetch_pages=self.prefetch_pages, merge_group=self.merge_group)
 
 
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
@@ -600,7 +605,8 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
     hq, d = case.q.shape[1], case.q.shape[2]
     mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device)
     mid_lse = torch.empty((rows, hq), dtype=torch.float32, device=case.q.device)
-    counts = torch.zeros(case.batch * case.model["num_kv_heads"], dtype=torch.int32, device=case.q.device)
+    counts = torch.zeros(da.one_launch_counters(case.batch, case.model["num_kv_heads"], v.num_splits, v.merge_group),
+                         dtype=torch.int32, device=case.q.device)
 
     def fn(layer):
         return da.decode_attention_one_launch(
@@ -608,7 +614,8 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
             num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
             num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
             v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
-            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages)
+            long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages,
+            merge_group=v.merge_group)
     return fn
 
 
@@ -626,7 +633,8 @@ def derived_one_launch_variant(torch, model: dict, rows: int, num_sms: int, devi
                             max_pages_per_seq=32768 // model["page_size"])
     cfg, splits = backend.one_launch_config(rows, table=table)
     return OneLaunchVariant(cfg.block_n, cfg.num_warps, cfg.num_stages, splits, cfg.min_split_tokens, cfg.kv_pack,
-                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl, cfg.prefetch_pages)
+                            cfg.long_from_tokens, cfg.long_split_tokens, cfg.merge_splits, pdl, cfg.prefetch_pages,
+                            cfg.merge_group)
 
 
 def one_launch_splits(rows: int, num_kv_heads: int, kv_pack: int, num_sms: int, near: int) -> list[int]:
@@ -652,10 +660,12 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
                     derived: OneLaunchVariant) -> list[OneLaunchVariant]:
     """Every best tile over split caps and smallest splits; with a long context in the bucket,
     also the long-row rules (splits of at least a block), a wide merge at the largest caps, and
-    each of those with the block loop's page ids carried a block ahead (prefetch_pages)."""
+    each of those with the block loop's page ids carried a block ahead (prefetch_pages); and at
+    the largest smallest split, each of MERGE_GROUPS below the cap (the merge in two levels)."""
     out = []
     min_splits = SMOKE_MIN_SPLITS if smoke else ONE_LAUNCH_MIN_SPLITS
     rules = SMOKE_LONG_RULES if smoke else ONE_LAUNCH_LONG_RULES
+    groups = SMOKE_MERGE_GROUPS if smoke else MERGE_GROUPS
     long_bucket = max(contexts) >= 4 * max(min_splits)
     for bn, w, st, pack in tiles:
         wide = SMOKE_WIDE_MERGE if smoke else wide_merge(model, pack)
@@ -668,7 +678,10 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
                     continue
                 longs = [replace(base, long_from_tokens=lf, long_split_tokens=ls) for lf, ls in rules if ls >= bn]
                 longs += [replace(base, merge_splits=wide)] if s >= wide and m == max(min_splits) else []
-                out += longs + [replace(v, prefetch_pages=True) for v in [base, *longs]]
+                paged = [replace(v, prefetch_pages=True) for v in [base, *longs]]
+                out += longs + paged
+                if m == max(min_splits):
+                    out += [replace(v, merge_group=g) for v in [base, paged[0]] for g in groups if g < s]
     return list(dict.fromkeys(out))
 
 

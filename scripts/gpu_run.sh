@@ -47,6 +47,12 @@
 #                the short entry; the 1-row bucket only), its table kept in /tmp (~6 min)
 #   one-launch-long-ab one stream after 1,000 / 8,000 / 30,000 tokens without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~8 min; LONG_AB_LENS to choose)
+#   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
+#                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
+#                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
+#                against it and the two-launch form), its best kept in /tmp as a long entry (~4 min)
+#   merge-group-ab one stream after 8,000 / 30,000 tokens, the default (two launches at the 0.5B shape)
+#                against that long entry (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
 #                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
@@ -58,7 +64,8 @@
 #                interleaved pairs (~4 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
-#                form's derived config and the two-launch form, each kernel's speed of light, memory
+#                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
+#                two-launch form, each kernel's speed of light, memory
 #                workload, occupancy and warp states (no CuTe DSL or wheels needed; ~1 min a length);
 #                its source page came back on 2026-12-05 without stall-sample columns (ncu's CSV
 #                printed lines only), so summarize-source printed its first lines instead
@@ -572,6 +579,14 @@ for _ in range(480):
     one-launch-long-ab)
       cute_env
       table_ab one-launch-long qwen2.5-0.5b "${LONG_AB_LENS:-1000 8000 30000}" ;;
+    merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
+      cute_env
+      run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
+      run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json"
+      cp "$OUT/json/merge-group-table.json" /tmp/merge-group-table.json ;;
+    merge-group-ab)
+      cute_env
+      table_ab merge-group qwen2.5-0.5b "${LONG_AB_LENS:-8000 30000}" ;;
     ncu-step)
       cute_env
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
@@ -610,7 +625,7 @@ for _ in range(480):
         run 200 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
           --section SourceCounters --import-source yes --export "$rep" -f \
-          python3 lab/ncu_attention.py --kv-len "$n"
+          python3 lab/ncu_attention.py --kv-len "$n" --merge-group "${NCU_ATTN_MERGE_GROUP:-0}"
         run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --page details > \"$rep-details.txt\""
         grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall|L2 Hit|Theoretical Occ" \
           "$rep-details.txt" | head -80 | tee -a "$LOG"

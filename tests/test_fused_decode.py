@@ -317,7 +317,8 @@ def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwe
     """tuning.ONE_LAUNCH_LONG_TABLE (here for one row, from 40 tokens; interpreted, ~30 s): the
     warm-up captures each one-row fused graph twice (short and long), a step whose longest row
     is past the threshold replays the long one, whose attention runs the long entry's variant
-    (Qwen3: with the rows made in the kernel, `rope_in`), and the tokens are the per-op engine's;
+    (Qwen3: with the rows made in the kernel, `rope_in`, and the merge in two levels), and the
+    tokens are the per-op engine's;
     two-row steps (no entry) keep one graph."""
     from flashlet.attention import triton_backend
     from flashlet.core import warmup
@@ -330,7 +331,7 @@ def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwe
     monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 40)
     long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=16, num_splits=4,
-                                        prefetch_pages=True)
+                                        prefetch_pages=True, merge_group=2 if family == "qwen3" else 0)
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     key = (head_dim, cfg["num_attention_heads"] // cfg["num_key_value_heads"], 1)

@@ -73,7 +73,7 @@ import torch
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
 from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
-                                               one_launch_lookback)
+                                               one_launch_counters, one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
@@ -197,8 +197,12 @@ class TritonBackend(AttentionBackend):
         rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
-        # The one-launch decode's merge counters, one per (sequence, KV head); zero between launches.
-        self._merge_counts = torch.zeros(max_batch_size * self.num_kv_heads, dtype=torch.int32, device=device)
+        # The one-launch decode's merge counters, one per (sequence, KV head) and, for a config
+        # that merges in two levels, one per group of splits too; zero between launches.
+        counters = max(one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
+                       for b in range(1, max_batch_size + 1)
+                       for cfg, s in (self.one_launch_config(b), self.one_launch_config(b, long=True)))
+        self._merge_counts = torch.zeros(counters, dtype=torch.int32, device=device)
         one_launch = one_launch_decode_from_env()
         on = _first_given(one_launch_decode, one_launch.get("on"), False)
         self.one_launch_decode_rows = min(ONE_LAUNCH_DECODE_MAX_ROWS, max_batch_size) if on else 0
@@ -501,6 +505,7 @@ class TritonBackend(AttentionBackend):
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
             prefetch_pages=cfg.prefetch_pages,
+            merge_group=cfg.merge_group,
         )
         if q.shape[0] > n:
             out[n:].zero_()

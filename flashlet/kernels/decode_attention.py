@@ -471,6 +471,13 @@ def _check_merge_counts(merge_counts: torch.Tensor, count: int) -> None:
         raise ValueError(f"merge_counts must hold {count} int32 counters")
 
 
+def one_launch_counters(batch: int, programs_per_row: int, num_splits: int, merge_group: int = 0) -> int:
+    """The merge counters a one-launch call reads: one per (sequence, program column), and with
+    a two-level merge (0 < merge_group < num_splits) one more per group of splits."""
+    groups = num_splits // merge_group if 0 < merge_group < num_splits else 0
+    return batch * programs_per_row * (1 + groups)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
@@ -753,6 +760,7 @@ def _one_launch_kernel(
     CACHE_FP8: tl.constexpr = False,
     PREFETCH_PAGES: tl.constexpr = False,
     EARLY_PAGE_BASE: tl.constexpr = False,
+    MERGE_GROUP: tl.constexpr = 0,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -966,11 +974,44 @@ def _one_launch_kernel(
         tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         count = Counts + b * (NUM_KV_HEADS // KV_PACK) + tl.program_id(1)
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            out = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
-                                  NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        if MERGE_GROUP == 0:
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                out, _ = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
+                                         NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS,
+                                         MERGE_SPLITS)
+                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        else:
+            # In two levels: the last program of each MERGE_GROUP consecutive splits folds their
+            # partials into the group's first slot, and the last group to finish merges the
+            # groups' into O. A row of at most MERGE_GROUP splits is one group, merged into O.
+            num_groups: tl.constexpr = NUM_SPLITS // MERGE_GROUP
+            n_groups = tl.cdiv(n_splits, MERGE_GROUP)
+            grp = split // MERGE_GROUP
+            g0 = grp * MERGE_GROUP
+            in_group = tl.minimum(n_splits - g0, MERGE_GROUP)
+            # The group counters follow the grid's (sequence, program column) top counters.
+            top_counters = tl.num_programs(0) * tl.num_programs(1)
+            group_count = Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * num_groups + grp
+            if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
+                out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
+                                             NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
+                                             MERGE_SPLITS)
+                tl.atomic_xchg(group_count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                if n_groups == 1:
+                    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                else:
+                    tl.debug_barrier()  # every thread has read the group's partials before its first is overwritten
+                    mid = MidO + ((slot0 + g0) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+                    tl.store(mid, out, mask=own)
+                    tl.store(MidLse + (slot0 + g0) * NUM_Q_HEADS + heads, lse_g, mask=g_mask)
+                    tl.debug_barrier()  # the group's partial is stored before the counter moves
+                    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                        out, _ = _merge_partials(MidO, MidLse, slot0, n_groups, heads, g_mask, d, own,
+                                                 NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, num_groups,
+                                                 MERGE_SPLITS, MERGE_GROUP)
+                        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -1037,12 +1078,14 @@ def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvL
 @triton.jit
 def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
                     NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, COLS: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
-    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials -> [GP, COLS]
-    (row r's own columns: `own`, [GP, 1] or [GP, COLS]). All log-sum-exps at once ([S, GP]),
-    then the partials MERGE_SPLITS at a time."""
+                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+                    SLOT_STRIDE: tl.constexpr = 1):
+    """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials in slots
+    slot0 + s * SLOT_STRIDE -> (o [GP, COLS], their log-sum-exp [GP]: m + log2 of the sum, -inf
+    where every partial is empty) (row r's own columns: `own`, [GP, 1] or [GP, COLS]). All
+    log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
     s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(MidLse + (slot0 + s[:, None]) * NUM_Q_HEADS + heads[None, :],
+    lse = tl.load(MidLse + (slot0 + s[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :],
                   mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
@@ -1051,17 +1094,18 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
     for s0 in range(0, n_splits, MERGE_SPLITS):
         sc = s0 + tl.arange(0, MERGE_SPLITS)
         mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
-        part_lse = tl.load(MidLse + (slot0 + sc[:, None]) * NUM_Q_HEADS + heads[None, :], mask=mask,
+        part_lse = tl.load(MidLse + (slot0 + sc[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :], mask=mask,
                            other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(part_lse - m[None, :])
         if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
             o_mask = mask[:, :, None]
         else:
             o_mask = mask[:, :, None] & own[None, :, :]
-        o = tl.load(MidO + ((slot0 + sc[:, None, None]) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+        o = tl.load(MidO + ((slot0 + sc[:, None, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
                     + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, :, None] * o, 0)
-    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    empty = den == 0.0
+    return acc / tl.where(empty, 1.0, den)[:, None], tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, den)))
 
 
 def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
@@ -1095,6 +1139,7 @@ def decode_attention_one_launch(
     merge_splits: int | None = None,
     rope_in: RopeIn | None = None,
     prefetch_pages: bool = False,
+    merge_group: int = 0,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -1114,6 +1159,10 @@ def decode_attention_one_launch(
     merge_splits: partials the merging program reads at a time (a power of two; None: as many
     as fit a 4096-element fp32 tile). prefetch_pages: each block's page ids loaded a block
     ahead (the second block's before the PDL wait), as the two-launch form's "pages" prefetch.
+    merge_group: the merge in two levels (0: one), a power of two: the last program of each
+    merge_group consecutive splits folds their partials, and the last group's program merges
+    the groups' (a row of at most merge_group splits: its one group's into O). merge_counts
+    then needs `one_launch_counters(...)` counters.
 
     rope_in (`RopeIn`): q and this step's newest K / V rows come as the QKV projection left
     them, and the kernel normalises (Qwen3's per-head norms) and rotates q and k itself and
@@ -1129,6 +1178,8 @@ def decode_attention_one_launch(
     check_long_split(min_split_tokens, long_from_tokens, long_split_tokens)
     if merge_splits is not None and (merge_splits < 1 or merge_splits & (merge_splits - 1)):
         raise ValueError(f"merge_splits must be a power of two, got {merge_splits}")
+    if merge_group < 0 or merge_group == 1 or merge_group & (merge_group - 1):
+        raise ValueError(f"merge_group must be 0 (one merge level) or a power of two >= 2, got {merge_group}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
@@ -1137,7 +1188,8 @@ def decode_attention_one_launch(
     elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
         raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
     groups = num_kv_heads // kv_heads_per_program
-    _check_merge_counts(merge_counts, batch * groups)
+    merge_group = merge_group if merge_group < num_splits else 0  # one group: one level
+    _check_merge_counts(merge_counts, one_launch_counters(batch, groups, num_splits, merge_group))
     if pdl and not pdl_supported(q.device):
         raise ValueError(f"Programmatic Dependent Launch needs a CUDA device of sm_90 or newer ({q.device})")
     if batch == 0:
@@ -1170,6 +1222,7 @@ def decode_attention_one_launch(
         LONG_RULE=long_from_tokens > 0,
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
+        MERGE_GROUP=merge_group,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -98,6 +98,7 @@ class OneLaunchConfig:
     long_split_tokens: int = 0
     merge_splits: int | None = None  # partials the merging program reads at a time (None: derived)
     prefetch_pages: bool = False  # the block loop's page ids loaded a block ahead (the second before the wait)
+    merge_group: int = 0  # splits a first-level merge folds (0: the last program merges them all)
 
     def smallest_split_tokens(self) -> int:
         """The shortest split any row may get (what bounds the useful split count)."""

@@ -665,22 +665,26 @@ ROPE_IN_LONG_ENTRY = pytest.mark.xfail(reason="failed on the H200 on 2026-12-05,
 
 
 @pytest.mark.parametrize("family,form", [
-    ("qwen2", "table"), ("qwen2", "two-launch"),
-    pytest.param("qwen3", "table", marks=ROPE_IN_LONG_ENTRY), ("qwen3", "two-launch"),
-], ids=["rope-epilogue-table", "rope-epilogue-two-launch", "rope-in-attention-table", "rope-in-attention-two-launch"])
+    ("qwen2", "table"), ("qwen2", "grouped"), ("qwen2", "two-launch"),
+    pytest.param("qwen3", "table", marks=ROPE_IN_LONG_ENTRY),
+    pytest.param("qwen3", "table-plain", marks=ROPE_IN_LONG_ENTRY),
+    pytest.param("qwen3", "grouped", marks=ROPE_IN_LONG_ENTRY), ("qwen3", "two-launch"),
+], ids=["rope-epilogue-table", "rope-epilogue-grouped", "rope-epilogue-two-launch", "rope-in-attention-table",
+        "rope-in-attention-table-plain", "rope-in-attention-grouped", "rope-in-attention-two-launch"])
 def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):
     """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
-    more and shorter splits than the short config), or the two-launch decode there
-    ($FLASHLET_LONG_DECODE=two-launch), PDL on as the default runs it, with RoPE in the QKV
-    epilogue (Qwen2) or in the attention (Qwen3): prompts of 700 to 1,800 tokens, some rows
-    crossing the threshold while they decode, teacher-forced against the per-op path; the long
-    graphs exist; CUDA graphs give the eager tokens."""
+    more and shorter splits than the short config; table-plain: without the pages ahead; grouped:
+    with the merge in two levels), or the two-launch decode there ($FLASHLET_LONG_DECODE=two-launch),
+    PDL on as the default runs it, with RoPE in the QKV epilogue (Qwen2) or in the attention
+    (Qwen3): prompts of 700 to 1,800 tokens, some rows crossing the threshold while they decode,
+    teacher-forced against the per-op path; the long graphs exist; CUDA graphs give the eager tokens."""
     from flashlet.kernels import tuning
 
-    monkeypatch.setenv("FLASHLET_LONG_DECODE", form)
+    monkeypatch.setenv("FLASHLET_LONG_DECODE", "two-launch" if form == "two-launch" else "table")
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 1024)
     monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (64, 2, 1), tuning.OneLaunchConfig(
-        block_n=64, num_warps=2, num_stages=3, min_split_tokens=64, num_splits=32, prefetch_pages=True))
+        block_n=64, num_warps=2, num_stages=3, min_split_tokens=64, num_splits=32,
+        prefetch_pages=form != "table-plain", merge_group=4 if form == "grouped" else 0))
     if family == "qwen3":
         from tests.test_model_families import save_family
 

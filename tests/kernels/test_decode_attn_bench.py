@@ -192,6 +192,7 @@ def test_one_launch_smoke_sweep_checks_every_variant(bench, tmp_path):
         "a rule that cannot fire is timed as the rule-free variant"
     assert {r["merge_splits"] for r in rows} == {None, bench.SMOKE_WIDE_MERGE}
     assert {r["prefetch_pages"] for r in rows} == {False, True}  # page ids carried ahead, checked too
+    assert {r["merge_group"] for r in rows} == {0, *bench.SMOKE_MERGE_GROUPS}  # the merge in two levels, checked
 
 
 def test_one_launch_derived_variant_is_what_the_backend_launches(bench):
@@ -209,12 +210,16 @@ def test_one_launch_candidates_stay_within_reason(bench):
     short = bench.stage2_variants([(256, 8, 2, 1), (64, 4, 2, 2)], 16, (300, 1000), model, 132, False, derived)
     assert all(v.min_split_tokens >= v.block_n and v.num_splits <= bench.ONE_LAUNCH_MAX_SPLITS for v in short)
     assert all(16 * (2 // v.kv_pack) * v.num_splits <= 4 * 132 for v in short)
-    assert not any(v.long_from_tokens or v.merge_splits or v.prefetch_pages for v in short)  # no long context
+    assert not any(v.long_from_tokens or v.merge_splits or v.prefetch_pages or v.merge_group
+                   for v in short)  # no long context
     one = bench.OneLaunchVariant(256, 8, 2, 64, 256)
     long = bench.stage2_variants([(64, 4, 3, 1)], 1, (300, 1000, 8000, 30000), model, 132, False, one)
     assert any(v.long_from_tokens for v in long) and any(v.merge_splits == 16 for v in long)
     assert {v for v in long if v.prefetch_pages} == {replace(v, prefetch_pages=True) for v in long if not v.prefetch_pages}
     assert all(v.long_split_tokens >= v.block_n for v in long if v.long_from_tokens)
+    assert {v.merge_group for v in long} == {0, *bench.MERGE_GROUPS}
+    assert all(v.merge_group < v.num_splits and v.min_split_tokens == max(bench.ONE_LAUNCH_MIN_SPLITS)
+               for v in long if v.merge_group)
     ruled = bench.OneLaunchVariant(64, 4, 3, 64, 256, long_from_tokens=2048, long_split_tokens=64)
     assert ruled.at_length(1000) == bench.OneLaunchVariant(64, 4, 3, 64, 256) and ruled.at_length(8000) == ruled
     assert bench.one_launch_splits(16, 2, 1, 132, 16) == [2, 4, 8, 16]

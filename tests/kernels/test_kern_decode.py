@@ -20,6 +20,7 @@ from flashlet.kernels.decode_attention import (
     decode_attention_one_launch,
     decode_attention_reference,
     group_pad,
+    one_launch_counters,
 )
 
 NAN = float("nan")
@@ -147,7 +148,9 @@ def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits
     rows = len(kv_lens) * num_splits
     scratch = dict(mid_o=torch.full((rows + 2, hq, head_dim), NAN, device=kh.device),
                    mid_lse=torch.full((rows + 2, hq), NAN, device=kh.device),
-                   merge_counts=torch.zeros(len(kv_lens) * num_kv_heads + 1, dtype=torch.int32, device=kh.device))
+                   merge_counts=torch.zeros(one_launch_counters(len(kv_lens), num_kv_heads, num_splits,
+                                                                variant.get("merge_group", 0)) + 1,
+                                            dtype=torch.int32, device=kh.device))
     want = decode_attention_reference(*args, head_dim**-0.5)
     outs = []
     for _ in range(launches):
@@ -283,6 +286,36 @@ def test_one_launch_long_rule_gives_only_long_rows_more_splits(kh):
     assert _splits_written(packed, 16, 2) == [0, 13]
 
 
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,kv_lens,num_splits,merge_group,long_rule",
+    [
+        (7, 2, 1, [250], 16, 4, None),  # 16 splits of 16: four full groups
+        (7, 2, 1, [100, 0, 37, 16], 8, 2, None),  # 7, 0, 3 and 1 splits: a ragged last group, one group, none
+        (7, 2, 1, [40, 300], 16, 8, (128, 16)),  # the long rule: 3 splits (one group) beside 16 (two)
+        (2, 4, 2, [57, 200], 8, 4, None),  # Qwen3's group, two KV heads a program
+        (8, 1, 1, [300], 16, 2, None),  # eight groups of two; pages larger than a block
+    ],
+)
+def test_one_launch_merged_in_two_levels_matches_reference(kh, group, num_kv_heads, kv_pack, kv_lens, num_splits,
+                                                           merge_group, long_rule):
+    """merge_group: each group's last program folds its splits' partials, the last group merges
+    the groups' (one group: straight into O); every counter, the groups' too, back at zero, and
+    the output the one-level merge's to fp32 rounding."""
+    long_from, long_split = long_rule or (0, 0)
+    common = dict(group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens, num_splits=num_splits,
+                  kv_heads_per_program=kv_pack, long_from_tokens=long_from, long_split_tokens=long_split)
+    two_level, _ = _check_one_launch(kh, **common, merge_group=merge_group)
+    one_level, _ = _check_one_launch(kh, **common)
+    assert kh.rel_err(two_level, one_level) < 1e-6
+
+
+def test_one_launch_counters():
+    """One counter a (sequence, program column); a two-level merge adds one a group of splits."""
+    assert one_launch_counters(3, 2, 16) == 6
+    assert one_launch_counters(3, 2, 16, merge_group=4) == 6 * 5
+    assert one_launch_counters(3, 2, 16, merge_group=16) == 6  # one group: one level
+
+
 def test_one_launch_rejects_bad_variants(kh):
     args, ok = _one_launch_call(kh)
     with pytest.raises(ValueError, match="kv_heads_per_program"):
@@ -293,6 +326,11 @@ def test_one_launch_rejects_bad_variants(kh):
         decode_attention_one_launch(*args, **ok, min_split_tokens=0)
     with pytest.raises(ValueError, match="merge_splits"):
         decode_attention_one_launch(*args, **ok, merge_splits=3)
+    for bad in (1, 3, -2):
+        with pytest.raises(ValueError, match="merge_group"):
+            decode_attention_one_launch(*args, **ok, merge_group=bad)
+    with pytest.raises(ValueError, match="merge_counts"):  # 2 groups of 2 splits: 2 + 2 * 2 counters
+        decode_attention_one_launch(*args, **ok, merge_group=2)
 
 
 # Lowered for sm_90a in a child process (the interpreter wraps this process's kernels): what the
@@ -307,7 +345,7 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
@@ -318,7 +356,7 @@ _LOWER = textwrap.dedent("""
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
                       LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv",
-                      PREFETCH_PAGES=prefetch)
+                      PREFETCH_PAGES=prefetch, MERGE_GROUP=merge_group)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -352,21 +390,23 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
     return [json.loads(line) for line in lines[-count:]]
 
 
-ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages)
-    (1, True, 256, 8, 64, 0, "*bf16", False, False), (16, True, 256, 8, 64, 0, "*bf16", False, False),  # head_dim 64, one row
-    (64, False, 256, 8, 64, 0, "*bf16", False, False),
-    (16, True, 32, 4, 128, 0, "*bf16", False, False),                    # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16", False, False),                    # rows of a verify step: the look-back
+ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group)
+    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0), (16, True, 256, 8, 64, 0, "*bf16", False, False, 0),  # head_dim 64, one row
+    (64, False, 256, 8, 64, 0, "*bf16", False, False, 0),
+    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0),                    # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0),                    # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
-    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False),
+    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0),
     # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
     # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
-    (32, True, 64, 8, 128, 0, "*bf16", True, False), (16, True, 256, 8, 64, 0, "*bf16", True, False),
-    (16, True, 256, 8, 64, 8, "*bf16", True, False),  # rope_in over a verify step's rows: made, not loaded
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0), (16, True, 256, 8, 64, 0, "*bf16", True, False, 0),
+    (16, True, 256, 8, 64, 8, "*bf16", True, False, 0),  # rope_in over a verify step's rows: made, not loaded
     # Page ids carried a block ahead (prefetch_pages) at the sweep's smaller tiles, plain and rope_in.
-    (64, True, 64, 4, 64, 0, "*bf16", False, True), (16, True, 64, 4, 128, 0, "*bf16", False, True),
-    (32, True, 64, 8, 128, 8, "*bf16", True, True),
+    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0), (16, True, 64, 4, 128, 0, "*bf16", False, True, 0),
+    (32, True, 64, 8, 128, 8, "*bf16", True, True, 0),
+    # The merge in two levels (merge_group): groups of 8 of the long side's 64 splits, plain and rope_in.
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8), (64, True, 64, 8, 128, 0, "*bf16", True, True, 8),
 ]
 
 
@@ -381,18 +421,19 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch", ONE_LAUNCH_LOWERED)
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch,merge_group",
+                         ONE_LAUNCH_LOWERED)
 def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
-                                    lookback, kv, rope_in, prefetch):
+                                    lookback, kv, rope_in, prefetch, merge_group):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
     loads bypass L1; ptxas (sm_90a) reports no spills."""
-    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch)]
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block
-    assert got["atom_acq_rel"] == 1 and got["cg_loads"] > 0
+    assert got["atom_acq_rel"] == (2 if merge_group else 1) and got["cg_loads"] > 0  # a group's counter too
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):

@@ -166,6 +166,34 @@ def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monk
     assert backend.graph_key(meta) == ()
 
 
+def test_a_long_entry_that_merges_in_two_levels_sizes_its_counters(kh, monkeypatch):
+    """A long entry with merge_group: the backend's merge counters hold the groups' too (sized at
+    construction for every rows count), the kernel gets the group, the output is the reference's
+    and every counter is back at zero after each step."""
+    from flashlet.kernels.decode_attention import one_launch_counters
+
+    long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=32, num_splits=8,
+                                        merge_group=2)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): long_entry})
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
+    seen = spy_one_launch(monkeypatch)
+    pool = _pool(kh, pages=96)
+    backend = TritonBackend(pool, 14, num_sms=4)
+    backend.fused_rows = 16
+    assert backend._merge_counts.numel() >= one_launch_counters(1, 2, 8, 2)
+    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(4)).to(kh.device)
+    for kv_len in (200, 250, 600):  # 7, 8 and 8 splits of 32 or more: ragged and full groups
+        meta, pages = kh.make_step(pool, [(kv_len, 1)])
+        backend.plan(meta)
+        out = backend.attend_one_launch(1, q)
+        assert (seen[-1]["merge_group"], seen[-1]["num_splits"]) == (2, 8)
+        want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
+                                          meta.paged_kv_indices, meta.kv_lens, backend.scale)
+        assert kh.rel_err(out, want) < 1e-5
+        assert not backend._merge_counts.any()
+        pool.allocator.free(pages[0])
+
+
 @pytest.mark.parametrize("rope", [False, True], ids=["rows-written", "rope-in"])
 def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, rope):
     """$FLASHLET_LONG_DECODE=two-launch: long one-launch steps (keyed "long" with no table entry)

@@ -1,0 +1,113 @@
+"""The one-launch attention's merge in two levels (`merge_group`), the kernel alone (issue 29, long
+contexts): one row of a one-launch sweep shape after each `--kv-lens` tokens, the derived config
+(its last program merges every partial), the same with each `--groups` size, with page ids carried
+ahead too, and the two-launch form (split kernel + merge kernel), each checked against the
+reference and timed over the layers as `decode_attn_bench.py` times them (PDL on, as the fused
+step launches it), then written as a long entry for an engine A/B:
+
+    PYTHONPATH=. python3 lab/merge_group_ab.py [--model qwen2.5-0.5b] [--kv-lens 8000 30000]
+        [--groups 4 8] [--table-json /tmp/merge-group.json]
+    PYTHONPATH=. python3 lab/merge_group_ab.py --smoke      (CPU: the interpreter checks, no times)
+
+Why: at 30,000 tokens the one-launch kernel ran 28.5 us where its SMs were busy ~10 us; the
+rest was its last program merging 59 partials alone (Nsight Compute, FUSED_NOTES.md "A
+long-context graph for one row"). --table-json writes the best grouped variant (by the geometric
+mean over the lengths) as a `[[head_dim, group, 1, "long"], fields]` entry that
+`FLASHLET_DECODE_TABLES` loads (`gpu_run.sh merge-group-ab`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("decode_attn_bench", ROOT / "scripts" / "decode_attn_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", help="a shape of decode_attn_bench's one-launch sweep")
+    p.add_argument("--kv-lens", type=int, nargs="+", default=[8000, 30000])
+    p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--table-json", default=None, help="write the best grouped variant as a long entry here")
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny lengths, checked, not timed")
+    args = p.parse_args(argv)
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from flashlet.attention.triton_backend import TritonBackend
+    from flashlet.kernels import decode_attention as da
+    from flashlet.kernels import tuning
+    from flashlet.kvcache.kv_pool import KVPool
+
+    bench = _bench()
+    (model,) = bench.one_launch_models(args.model)
+    device = "cpu" if args.smoke else "cuda"
+    num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [200, 600] if args.smoke else args.kv_lens
+    groups = [2] if args.smoke else args.groups
+    sweep = bench.Sweep(torch, da, args.smoke, budget_s=1e9, repeats=args.repeats, copy=None)
+    derived = bench.derived_one_launch_variant(torch, model, 1, num_sms, device, pdl=not args.smoke)
+    if args.smoke:  # blocks the interpreter runs in seconds, splits enough to group
+        derived = replace(derived, block_n=16, num_warps=1, min_split_tokens=16, num_splits=16)
+    variants = {"derived": derived}
+    for g in groups:
+        if g < derived.num_splits:
+            variants[f"mg{g}"] = replace(derived, merge_group=g)
+            variants[f"mg{g} pages"] = replace(derived, merge_group=g, prefetch_pages=True)
+    pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.bfloat16, device,
+                  fused_rope=False)
+    backend = TritonBackend(pool, model["num_q_heads"], num_sms=num_sms,
+                            max_pages_per_seq=-(-max(lens) // model["page_size"]))
+    cfg = backend.decode_config(1)
+    two = bench.Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, backend._splits_for(1, cfg), prefetch=cfg.prefetch,
+                        kv_pack=tuning.kv_pack_for(cfg, model["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
+    times: dict[str, dict[int, float]] = {}
+    failed = []
+    for n in lens:
+        case = bench.Case(torch, 1, n, "model", {**model, "layers": 2 if args.smoke else model["layers"]}, device)
+        for name, v in [*variants.items(), ("two-launch", two)]:
+            row = sweep.measure(case, v)
+            if row is None or "error" in row:
+                failed.append((name, n, (row or {}).get("error", "out of time")))
+                continue
+            times.setdefault(name, {})[n] = row.get("us", 1.0)
+    print(f"\n{args.model}, one row, us a layer (PDL on):")
+    print(f"{'variant':<16}" + "".join(f"{n:>10,}" for n in lens))
+    for name, t in times.items():
+        print(f"{name:<16}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))
+    for name, n, why in failed:
+        print(f"FAILED {name} at {n}: {why}")
+    if args.table_json:
+        grouped = [k for k in variants if k != "derived" and len(times.get(k, {})) == len(lens)]
+        if not grouped:
+            print("no grouped variant ran at every length: no table written")
+            return 1
+        best = min(grouped, key=lambda k: sum(math.log(times[k][n]) for n in lens))
+        entry = [[model["head_dim"], model["num_q_heads"] // model["num_kv_heads"], 1, "long"],
+                 asdict(variants[best].config(tuning))]
+        Path(args.table_json).write_text(json.dumps([entry], indent=1))
+        print(f"the long entry ({best}) written to {args.table_json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,9 @@ Why: at 30,000 tokens the one-launch kernel ran 28.5 us where its SMs were busy 
 rest was its last program merging 59 partials alone (Nsight Compute, FUSED_NOTES.md "A
 long-context graph for one row"). --table-json writes the best grouped variant (by the geometric
 mean over the lengths) as a `[[head_dim, group, 1, "long"], fields]` entry that
-`FLASHLET_DECODE_TABLES` loads (`gpu_run.sh merge-group-ab`).
+`FLASHLET_DECODE_TABLES` loads (`gpu_run.sh merge-group-ab`); --two-launch-json the two-launch
+form's one-row entry (BATCHED_DECODE_TABLE's, which long steps at this shape run by default) at
+128 splits.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--table-json", default=None, help="write the best grouped variant as a long entry here")
+    p.add_argument("--two-launch-json", default=None,
+                   help="write the two-launch form's one-row entry at the wider split cap here")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny lengths, checked, not timed")
     args = p.parse_args(argv)
     if args.smoke:
@@ -73,6 +77,13 @@ def main(argv=None) -> int:
         if g < derived.num_splits:
             variants[f"mg{g}"] = replace(derived, merge_group=g)
             variants[f"mg{g} pages"] = replace(derived, merge_group=g, prefetch_pages=True)
+    # The two-launch form's best split tile at 30,000 tokens (DECODE_NOTES: bn64 w2 st3 S128, page ids
+    # ahead) in one launch, at twice the default cap (a measured entry may pass it), grouped.
+    wide = 16 if args.smoke else 128
+    small = bench.OneLaunchVariant(16 if args.smoke else 64, 1 if args.smoke else 2, 3, wide,
+                                   16 if args.smoke else 128, pdl=derived.pdl, prefetch_pages=True)
+    for g in groups + [2 * max(groups)]:
+        variants[f"bn{small.block_n} S{wide} mg{g} pages"] = replace(small, merge_group=g)
     pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.bfloat16, device,
                   fused_rope=False)
     backend = TritonBackend(pool, model["num_q_heads"], num_sms=num_sms,
@@ -80,20 +91,21 @@ def main(argv=None) -> int:
     cfg = backend.decode_config(1)
     two = bench.Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, backend._splits_for(1, cfg), prefetch=cfg.prefetch,
                         kv_pack=tuning.kv_pack_for(cfg, model["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
+    two_wide = replace(two, num_splits=wide)
     times: dict[str, dict[int, float]] = {}
     failed = []
     for n in lens:
         case = bench.Case(torch, 1, n, "model", {**model, "layers": 2 if args.smoke else model["layers"]}, device)
-        for name, v in [*variants.items(), ("two-launch", two)]:
+        for name, v in [*variants.items(), ("two-launch", two), (f"two-launch S{wide}", two_wide)]:
             row = sweep.measure(case, v)
             if row is None or "error" in row:
                 failed.append((name, n, (row or {}).get("error", "out of time")))
                 continue
             times.setdefault(name, {})[n] = row.get("us", 1.0)
-    print(f"\n{args.model}, one row, us a layer (PDL on):")
-    print(f"{'variant':<16}" + "".join(f"{n:>10,}" for n in lens))
+    print(f"\n{args.model}, one row, us a layer (PDL {'off: the interpreter' if args.smoke else 'on'}):")
+    print(f"{'variant':<26}" + "".join(f"{n:>10,}" for n in lens))
     for name, t in times.items():
-        print(f"{name:<16}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))
+        print(f"{name:<26}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))
     for name, n, why in failed:
         print(f"FAILED {name} at {n}: {why}")
     if args.table_json:
@@ -106,6 +118,11 @@ def main(argv=None) -> int:
                  asdict(variants[best].config(tuning))]
         Path(args.table_json).write_text(json.dumps([entry], indent=1))
         print(f"the long entry ({best}) written to {args.table_json}")
+    if args.two_launch_json:
+        entry = [[model["head_dim"], model["num_q_heads"] // model["num_kv_heads"], "model", 1],
+                 asdict(replace(cfg, num_splits=wide))]
+        Path(args.two_launch_json).write_text(json.dumps([entry], indent=1))
+        print(f"the two-launch form's one-row entry at S{wide} written to {args.two_launch_json}")
     return 1 if failed else 0
 
 

@@ -265,7 +265,7 @@ def engine_variant(tuning, case: Case, num_sms: int, table: bool = True) -> Vari
         cfg = tuning.batched_decode_config(m["head_dim"], group, case.batch, case.kv)
     else:
         cfg = tuning.default_decode(m["head_dim"], group, tuning.bucket(case.batch, tuning.DECODE_BATCH_BUCKETS))
-    max_splits = 64  # TritonBackend's cap (max_kv_splits); its pool-wide length cap is larger
+    max_splits = tuning.measured_split_cap(cfg, 64)  # TritonBackend's cap; its pool-wide length cap is larger
     s = tuning.config_splits(cfg, case.batch, m["num_kv_heads"], num_sms, max_splits)
     return Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, s, cfg.prefetch,
                    kv_pack=tuning.kv_pack_for(cfg, m["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
@@ -527,7 +527,9 @@ ONE_LAUNCH_MORE_MODELS = (
 ONE_LAUNCH_ROWS = (1, 4, 8, 16)  # tuning.ONE_LAUNCH_ROW_BUCKETS: one shape per bucket
 ONE_LAUNCH_CONTEXTS = (300, 1000)  # tokens, every rows bucket
 ONE_LAUNCH_LONG = (8000, 30000)  # tokens, one row
-ONE_LAUNCH_MAX_SPLITS = 64  # TritonBackend's split cap (max_kv_splits): a larger entry would be clamped
+# The most splits a variant tries: past TritonBackend's default cap (64) a measured entry's splits
+# hold up to tuning.MEASURED_SPLIT_CAP; 128 spreads one long row over ~2 programs an SM.
+ONE_LAUNCH_MAX_SPLITS = 128
 SMOKE_ONE_LAUNCH_MODELS = (dict(name="smoke", layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16, page_size=4),)
 SMOKE_ONE_LAUNCH = dict(rows=(1, 3), contexts=(37,), long=(150,))
 # (block_n, warps, stages, KV heads a program) per head_dim, likelier winners first (the sweep may

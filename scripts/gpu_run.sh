@@ -50,9 +50,11 @@
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
-#                against it and the two-launch form), its best kept in /tmp as a long entry (~4 min)
-#   merge-group-ab one stream after 8,000 / 30,000 tokens, the default (two launches at the 0.5B shape)
-#                against that long entry (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
+#                against it, the two-launch form's tile at 128 splits grouped, the two-launch form at
+#                64 and 128 splits), its best and the two-launch 128-split entry kept in /tmp (~4 min)
+#   merge-group-ab one stream after 8,000 / 30,000 tokens (LONG_AB_LENS), the default (two launches
+#                at the 0.5B shape, 64 splits) against that long entry and against the two-launch
+#                form at 128 splits (FLASHLET_DECODE_TABLES each), two interleaved trios (~9 min)
 #   ncu-step     one decode step's kernels under Nsight Compute, each alone: its time, DRAM bytes,
 #                registers, occupancy, top warp stall reasons (lab/ncu_step.py) for each
 #                NCU_CASES entry config:prompt_len:streams (default qwen2.5-0.5b:32:1
@@ -582,11 +584,24 @@ for _ in range(480):
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
-      run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json"
-      cp "$OUT/json/merge-group-table.json" /tmp/merge-group-table.json ;;
-    merge-group-ab)
+      run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json" \
+        --two-launch-json "$OUT/json/two-launch-wide-table.json"
+      cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" /tmp/ ;;
+    merge-group-ab)  # three forms of long steps at the 0.5B shape, interleaved
       cute_env
-      table_ab merge-group qwen2.5-0.5b "${LONG_AB_LENS:-8000 30000}" ;;
+      for t in merge-group two-launch-wide; do
+        [[ -f /tmp/$t-table.json ]] || { echo "part merge-group-ab needs /tmp/$t-table.json (run merge-group first)" | tee -a "$LOG"; status=2; }
+      done
+      for plen in ${LONG_AB_LENS:-8000 30000}; do
+        for pair in 1 2; do
+          run 150 python3 lab/one_stream_pair.py default --config qwen2.5-0.5b --prompt-len "$plen"
+          for t in merge-group two-launch-wide; do
+            [[ -f /tmp/$t-table.json ]] && run 150 env FLASHLET_DECODE_TABLES="/tmp/$t-table.json" \
+              python3 lab/one_stream_pair.py "$t" --config qwen2.5-0.5b --prompt-len "$plen"
+          done
+        done
+      done
+      pair_table ;;
     ncu-step)
       cute_env
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)

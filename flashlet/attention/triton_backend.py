@@ -79,6 +79,9 @@ from flashlet.kernels.prefill_attention import prefill_attention, split_scratch
 from flashlet.kvcache.kv_pool import KVPool
 
 
+# The decode forms' split cap where the caller gives none and no measured entry says more: the
+# derived configs' splits (waves of programs an SM) stop here.
+DEFAULT_SPLIT_CAP = 64
 # The smallest KV split of the one-launch decode (see the module docstring).
 ONE_LAUNCH_MIN_SPLIT_TOKENS = 256
 # At head_dim <= 64 one block of the one-launch decode is a whole smallest split, loaded before
@@ -128,7 +131,7 @@ class TritonBackend(AttentionBackend):
         *,
         max_batch_size: int = 256,
         max_pages_per_seq: int | None = None,
-        max_kv_splits: int = 64,
+        max_kv_splits: int | None = None,
         min_split_tokens: int | None = None,
         num_sms: int | None = None,
         decode_block_n: int | None = None,
@@ -144,7 +147,8 @@ class TritonBackend(AttentionBackend):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
         pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
-        down to a power of two). num_sms: the device's SM count (read from the device, 4 on CPU).
+        down to a power of two; None: DEFAULT_SPLIT_CAP, which a measured table entry's num_splits
+        may pass, up to tuning.MEASURED_SPLIT_CAP). num_sms: the device's SM count (read from the device, 4 on CPU).
         min_split_tokens, decode_block_n, prefill_block_m/n: fixed values for every batch
         instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables).
         prefill_num_splits / prefill_min_split_tokens: the prefill kernel's split-KV cap and
@@ -167,7 +171,8 @@ class TritonBackend(AttentionBackend):
         self.group = num_q_heads // self.num_kv_heads
         self.max_tokens = max_pages_per_seq * kv_pool.page_size
         self.max_batch_size = max_batch_size
-        self.split_cap = max_kv_splits
+        self.split_cap = DEFAULT_SPLIT_CAP if max_kv_splits is None else max_kv_splits
+        self._split_cap_given = max_kv_splits is not None
         self.num_sms = num_sms
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         env = prefill_splits_from_env()
@@ -189,8 +194,8 @@ class TritonBackend(AttentionBackend):
         if prefill_splits > 1 and self.max_tokens >= self.prefill_split_min_context:  # reachable
             self._prefill_scratch = split_scratch(prefill_splits, self.prefill_split_max_tokens, num_q_heads,
                                                   self.head_dim, device)
-        self.max_kv_splits = max(self._max_splits(self.decode_config(b).min_split_tokens)
-                                 for b in tuning.DECODE_BATCH_BUCKETS)
+        self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
+                                 for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
         splits = [max(self._splits_for(b), self.one_launch_config(b)[1], self.one_launch_config(b, long=True)[1])
                   for b in range(1, max_batch_size + 1)]
@@ -238,9 +243,14 @@ class TritonBackend(AttentionBackend):
         cfg = tuning.prefill_config(self.head_dim, self.group, max_q_len)
         return dataclasses.replace(cfg, **self._prefill_overrides)
 
-    def _max_splits(self, split_tokens: int) -> int:
-        """Splits beyond ceil(longest sequence / smallest split) would all be empty."""
-        return max(1, min(self.split_cap, -(-self.max_tokens // split_tokens)))
+    def _max_splits(self, split_tokens: int, cfg: tuning.DecodeConfig | tuning.OneLaunchConfig | None = None) -> int:
+        """Splits beyond ceil(longest sequence / smallest split) would all be empty; and at most
+        the split cap, which a measured entry's num_splits (cfg's) may raise to
+        tuning.MEASURED_SPLIT_CAP where the caller gave no cap."""
+        cap = self.split_cap
+        if cfg is not None and not self._split_cap_given:
+            cap = tuning.measured_split_cap(cfg, cap)
+        return max(1, min(cap, -(-self.max_tokens // split_tokens)))
 
     def _splits_for(self, num_seqs: int, cfg: tuning.DecodeConfig | None = None) -> int:
         """The two-launch decode's splits for a batch (cfg: its `decode_config`, when known)."""
@@ -248,7 +258,7 @@ class TritonBackend(AttentionBackend):
             return 1
         cfg = self.decode_config(num_seqs) if cfg is None else cfg
         return tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
-                                    self._max_splits(cfg.min_split_tokens))
+                                    self._max_splits(cfg.min_split_tokens, cfg))
 
     def one_launch_config(self, num_seqs: int, table: bool = True,
                           long: bool = False) -> tuple[tuning.OneLaunchConfig, int]:
@@ -270,7 +280,7 @@ class TritonBackend(AttentionBackend):
         if num_seqs > self.max_batch_size:
             return cfg, 1
         return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
-                                         self._max_splits(cfg.smallest_split_tokens()))
+                                         self._max_splits(cfg.smallest_split_tokens(), cfg))
 
     def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
         """The one-launch config where no measurement holds: the decode config with the smallest

@@ -64,6 +64,10 @@ ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; m
 # ONE_LAUNCH_LONG_TABLE entry, where it has one (the one-launch sweep's long contexts, 8,000 and
 # 30,000, lie past it; its short ones, 300 and 1,000, before it).
 ONE_LAUNCH_LONG_CONTEXT = 4096
+# The most splits a measured entry's num_splits may give (past the backend's default cap of 64,
+# which the derived configs keep): one long row over more programs than SMs, as the two-launch
+# form's best at 30,000 tokens (S128, DECODE_NOTES.md) spreads it.
+MEASURED_SPLIT_CAP = 256
 
 
 @dataclass(frozen=True)
@@ -331,6 +335,14 @@ def config_splits(cfg: DecodeConfig | OneLaunchConfig, num_seqs: int, num_kv_hea
         return max(1, min(_prev_pow2(cfg.num_splits), _prev_pow2(max_splits)))
     groups = num_kv_heads // kv_pack_for(cfg, num_kv_heads)
     return num_splits(num_seqs, groups, num_sms, cfg.waves, max_splits)
+
+
+def measured_split_cap(cfg: DecodeConfig | OneLaunchConfig, default_cap: int) -> int:
+    """The split cap a config runs under: default_cap, raised to a measured entry's num_splits up
+    to MEASURED_SPLIT_CAP (the derived configs, with no num_splits, keep default_cap)."""
+    if cfg.num_splits is None:
+        return default_cap
+    return max(default_cap, min(cfg.num_splits, MEASURED_SPLIT_CAP))
 
 
 def kv_pack_for(cfg: DecodeConfig | OneLaunchConfig, num_kv_heads: int) -> int:

@@ -194,6 +194,33 @@ def test_a_long_entry_that_merges_in_two_levels_sizes_its_counters(kh, monkeypat
         pool.allocator.free(pages[0])
 
 
+def test_a_measured_entry_may_split_past_the_default_cap(kh, monkeypatch):
+    """A table entry's num_splits of 128 passes the backend's default cap of 64 (up to
+    tuning.MEASURED_SPLIT_CAP; the scratch sized for it, the output the reference's); the derived
+    config and a backend given max_kv_splits keep their cap; a short pool still bounds it."""
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): tuning.OneLaunchConfig(
+        block_n=16, num_warps=1, num_stages=2, min_split_tokens=16, num_splits=128, merge_group=8)})
+    pool = _pool(kh, pages=300)
+    backend = TritonBackend(pool, 14, num_sms=132)
+    backend.fused_rows = 16
+    assert backend.one_launch_config(1, long=True)[1] == 128
+    derived = TritonBackend(_pool(kh, pages=2100), 14, num_sms=132)  # 16,800 tokens: 65 splits of 256
+    assert derived.one_launch_config(1, table=False)[1] == triton_backend.DEFAULT_SPLIT_CAP
+    assert backend._mid_o.shape[0] >= 128
+    assert TritonBackend(pool, 14, num_sms=132, max_kv_splits=64).one_launch_config(1, long=True)[1] == 64
+    assert TritonBackend(pool, 14, num_sms=132, max_pages_per_seq=100).one_launch_config(1, long=True)[1] == 32
+    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(6)).to(kh.device)
+    meta, pages = kh.make_step(pool, [(2100, 1)])  # 2,100 tokens at 16 a split: 128 splits, 16 groups
+    backend.plan(meta)
+    out = backend.attend_one_launch(1, q)
+    want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
+                                      meta.paged_kv_indices, meta.kv_lens, backend.scale)
+    assert kh.rel_err(out, want) < 1e-5
+    assert not backend._merge_counts.any()
+    pool.allocator.free(pages[0])
+
+
 @pytest.mark.parametrize("rope", [False, True], ids=["rows-written", "rope-in"])
 def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, rope):
     """$FLASHLET_LONG_DECODE=two-launch: long one-launch steps (keyed "long" with no table entry)

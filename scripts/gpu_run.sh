@@ -64,6 +64,11 @@
 #                one dependent round trip fewer before the first block's K/V) against the default,
 #                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
 #                interleaved pairs (~4 min)
+#   merge-peel-ab the one-launch merge's first partials loaded beside their log-sum-exps
+#                ($FLASHLET_MERGE_PEEL=1: one L2 round trip fewer where a merge reads at most
+#                MERGE_SPLITS partials) against the default, one stream through LLM.generate after a
+#                1,000-token prompt (multi-split rows) at qwen2.5-0.5b and qwen3-0.6b, two
+#                interleaved pairs (~5 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -629,6 +634,15 @@ for _ in range(480):
         for c in qwen2.5-0.5b qwen3-0.6b; do
           run 150 python3 lab/one_stream_pair.py "early=0" --config "$c"
           run 150 env FLASHLET_EARLY_PAGE_BASE=1 python3 lab/one_stream_pair.py "early=1" --config "$c"
+        done
+      done
+      pair_table ;;
+    merge-peel-ab)
+      cute_env
+      for pair in 1 2; do
+        for c in qwen2.5-0.5b qwen3-0.6b; do
+          run 150 python3 lab/one_stream_pair.py "peel=0" --config "$c" --prompt-len 1000
+          run 150 env FLASHLET_MERGE_PEEL=1 python3 lab/one_stream_pair.py "peel=1" --config "$c" --prompt-len 1000
         done
       done
       pair_table ;;

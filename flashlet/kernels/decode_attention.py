@@ -87,6 +87,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (`_one_launch_kernel`'s EARLY_PAGE_BASE), for a GPU A/B in a fresh process: off until measured
 # (at head_dim 128, 64-key blocks on 4 warps with page ids ahead, it spills 276 bytes at sm_90a).
 EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
+# "1": the one-launch decode's merging program loads its first partials beside their
+# log-sum-exps (`_merge_partials`' PEEL: one L2 round trip, not two, where a merge reads at most
+# MERGE_SPLITS partials, as every row under 4,096 tokens does at the 0.5B shape), for a GPU A/B in
+# a fresh process: off until measured.
+MERGE_PEEL = os.environ.get("FLASHLET_MERGE_PEEL", "0") == "1"
 
 
 @triton.jit
@@ -761,6 +766,7 @@ def _one_launch_kernel(
     PREFETCH_PAGES: tl.constexpr = False,
     EARLY_PAGE_BASE: tl.constexpr = False,
     MERGE_GROUP: tl.constexpr = 0,
+    MERGE_PEEL: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -978,7 +984,7 @@ def _one_launch_kernel(
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
                 out, _ = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
                                          NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS,
-                                         MERGE_SPLITS)
+                                         MERGE_SPLITS, 1, MERGE_PEEL)
                 tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         else:
@@ -996,7 +1002,7 @@ def _one_launch_kernel(
             if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
                 out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
                                              NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
-                                             MERGE_SPLITS)
+                                             MERGE_SPLITS, 1, MERGE_PEEL)
                 tl.atomic_xchg(group_count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                 if n_groups == 1:
                     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
@@ -1009,7 +1015,7 @@ def _one_launch_kernel(
                     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
                         out, _ = _merge_partials(MidO, MidLse, slot0, n_groups, heads, g_mask, d, own,
                                                  NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, num_groups,
-                                                 MERGE_SPLITS, MERGE_GROUP)
+                                                 MERGE_SPLITS, MERGE_GROUP, MERGE_PEEL)
                         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
                         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
@@ -1079,19 +1085,54 @@ def _rows_before_of_same_sequence(b, kv_len, page_base, KvIndptr, KvIndices, KvL
 def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
                     NUM_Q_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr, COLS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-                    SLOT_STRIDE: tl.constexpr = 1):
+                    SLOT_STRIDE: tl.constexpr = 1, PEEL: tl.constexpr = False):
     """o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_splits partials in slots
     slot0 + s * SLOT_STRIDE -> (o [GP, COLS], their log-sum-exp [GP]: m + log2 of the sum, -inf
     where every partial is empty) (row r's own columns: `own`, [GP, 1] or [GP, COLS]). All
-    log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time."""
+    log-sum-exps at once ([S, GP]), then the partials MERGE_SPLITS at a time.
+    PEEL: the first MERGE_SPLITS partials load beside the log-sum-exps; where they are all of
+    them (a runtime branch) m and the sum come from that chunk alone: one L2 round trip and no
+    cross-warp reduction over the [S, GP] tile, where there were two round trips."""
+    if PEEL:
+        first_lse, first_o = _partials_chunk(MidO, MidLse, slot0, tl.arange(0, MERGE_SPLITS), n_splits, heads,
+                                             g_mask, d, own, NUM_Q_HEADS, COLS, HEAD_DIM, SLOT_STRIDE)
+        if n_splits <= MERGE_SPLITS:
+            m = tl.max(first_lse, 0)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp2(first_lse - m[None, :])
+            den = tl.sum(w, 0)
+            acc = tl.sum(w[:, :, None] * first_o, 0)
+        else:
+            m, den = _merge_weights(MidLse, slot0, n_splits, heads, g_mask, NUM_Q_HEADS, NUM_SPLITS, SLOT_STRIDE)
+            acc = tl.sum(tl.exp2(first_lse - m[None, :])[:, :, None] * first_o, 0)
+            acc = _merge_chunks(acc, m, MidO, MidLse, slot0, MERGE_SPLITS, n_splits, heads, g_mask, d, own,
+                                NUM_Q_HEADS, COLS, HEAD_DIM, MERGE_SPLITS, SLOT_STRIDE)
+    else:
+        m, den = _merge_weights(MidLse, slot0, n_splits, heads, g_mask, NUM_Q_HEADS, NUM_SPLITS, SLOT_STRIDE)
+        acc = _merge_chunks(tl.zeros([GROUP_PAD, COLS], tl.float32), m, MidO, MidLse, slot0, 0, n_splits, heads,
+                            g_mask, d, own, NUM_Q_HEADS, COLS, HEAD_DIM, MERGE_SPLITS, SLOT_STRIDE)
+    empty = den == 0.0
+    return acc / tl.where(empty, 1.0, den)[:, None], tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, den)))
+
+
+@triton.jit
+def _merge_weights(MidLse, slot0, n_splits, heads, g_mask, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   SLOT_STRIDE: tl.constexpr):
+    """(m, sum_s 2^(lse_s - m)) [GP] over every partial's log-sum-exp at once ([S, GP])."""
     s = tl.arange(0, NUM_SPLITS)
     lse = tl.load(MidLse + (slot0 + s[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :],
                   mask=(s[:, None] < n_splits) & g_mask[None, :], other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 2^-inf = 0
-    den = tl.sum(tl.exp2(lse - m[None, :]), 0)
-    acc = tl.zeros([GROUP_PAD, COLS], tl.float32)
-    for s0 in range(0, n_splits, MERGE_SPLITS):
+    return m, tl.sum(tl.exp2(lse - m[None, :]), 0)
+
+
+@triton.jit
+def _merge_chunks(acc, m, MidO, MidLse, slot0, first, n_splits, heads, g_mask, d, own, NUM_Q_HEADS: tl.constexpr,
+                  COLS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """acc + sum_s 2^(lse_s - m) o_s over partials first .. n_splits - 1, MERGE_SPLITS at a time
+    (as `_partials_chunk` loads them, the weights between the two loads)."""
+    for s0 in range(first, n_splits, MERGE_SPLITS):
         sc = s0 + tl.arange(0, MERGE_SPLITS)
         mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
         part_lse = tl.load(MidLse + (slot0 + sc[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :], mask=mask,
@@ -1104,8 +1145,24 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
         o = tl.load(MidO + ((slot0 + sc[:, None, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
                     + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, :, None] * o, 0)
-    empty = den == 0.0
-    return acc / tl.where(empty, 1.0, den)[:, None], tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, den)))
+    return acc
+
+
+@triton.jit
+def _partials_chunk(MidO, MidLse, slot0, sc, n_splits, heads, g_mask, d, own,
+                    NUM_Q_HEADS: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    SLOT_STRIDE: tl.constexpr):
+    """Partials sc's log-sum-exps [MS, GP] and outputs [MS, GP, COLS] (past L1; masked past n_splits)."""
+    mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
+    lse = tl.load(MidLse + (slot0 + sc[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :], mask=mask,
+                  other=float("-inf"), cache_modifier=".cg")
+    if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
+        o_mask = mask[:, :, None]
+    else:
+        o_mask = mask[:, :, None] & own[None, :, :]
+    o = tl.load(MidO + ((slot0 + sc[:, None, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
+                + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
+    return lse, o
 
 
 def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
@@ -1223,6 +1280,7 @@ def decode_attention_one_launch(
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
         MERGE_GROUP=merge_group,
+        MERGE_PEEL=MERGE_PEEL,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -309,6 +309,31 @@ def test_one_launch_merged_in_two_levels_matches_reference(kh, group, num_kv_hea
     assert kh.rel_err(two_level, one_level) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "group,num_kv_heads,kv_pack,kv_lens,num_splits,merge_splits,merge_group",
+    [
+        (7, 2, 1, [40, 100, 16], 8, 4, 0),  # 3 and 7 splits: the first chunk holds them all, or not; one split
+        (7, 2, 1, [250], 16, 4, 0),  # 16 splits: the first chunk, then three more
+        (2, 4, 2, [57, 200], 8, 2, 0),  # packed heads, two partials a chunk
+        (7, 2, 1, [250, 37], 16, 2, 4),  # the merge in two levels: each level peeled
+    ],
+)
+def test_one_launch_merge_with_its_first_partials_peeled_matches_reference(kh, monkeypatch, group, num_kv_heads,
+                                                                          kv_pack, kv_lens, num_splits,
+                                                                          merge_splits, merge_group):
+    """$FLASHLET_MERGE_PEEL (MERGE_PEEL): the merging program loads its first MERGE_SPLITS partials
+    beside the log-sum-exps, and takes m and the sum from them where they are all; the output
+    is the reference's and the unpeeled merge's to fp32 rounding."""
+    from flashlet.kernels import decode_attention as da
+
+    common = dict(group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens, num_splits=num_splits,
+                  kv_heads_per_program=kv_pack, merge_splits=merge_splits, merge_group=merge_group)
+    plain, _ = _check_one_launch(kh, **common)
+    monkeypatch.setattr(da, "MERGE_PEEL", True)
+    peeled, _ = _check_one_launch(kh, **common)
+    assert kh.rel_err(peeled, plain) < 1e-6
+
+
 def test_one_launch_counters():
     """One counter a (sequence, program column); a two-level merge adds one a group of splits."""
     assert one_launch_counters(3, 2, 16) == 6
@@ -345,7 +370,7 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group, peel):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
@@ -356,7 +381,8 @@ _LOWER = textwrap.dedent("""
                       BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=min(splits, 4), INPUT_PRECISION=None, USE_PDL=pdl,
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
                       LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv",
-                      PREFETCH_PAGES=prefetch, MERGE_GROUP=merge_group)
+                      PREFETCH_PAGES=prefetch, MERGE_GROUP=merge_group,
+                      MERGE_PEEL=peel, EARLY_PAGE_BASE=False)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -390,23 +416,25 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
     return [json.loads(line) for line in lines[-count:]]
 
 
-ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group)
-    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0), (16, True, 256, 8, 64, 0, "*bf16", False, False, 0),  # head_dim 64, one row
-    (64, False, 256, 8, 64, 0, "*bf16", False, False, 0),
-    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0),                    # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0),                    # rows of a verify step: the look-back
+ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group, peel)
+    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0, False), (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),  # head_dim 64, one row
+    (64, False, 256, 8, 64, 0, "*bf16", False, False, 0, False),
+    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0, False),                    # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0, False),                    # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
-    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0),
+    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0, False),
     # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
     # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
-    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0), (16, True, 256, 8, 64, 0, "*bf16", True, False, 0),
-    (16, True, 256, 8, 64, 8, "*bf16", True, False, 0),  # rope_in over a verify step's rows: made, not loaded
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, False), (16, True, 256, 8, 64, 0, "*bf16", True, False, 0, False),
+    (16, True, 256, 8, 64, 8, "*bf16", True, False, 0, False),  # rope_in over a verify step's rows: made, not loaded
     # Page ids carried a block ahead (prefetch_pages) at the sweep's smaller tiles, plain and rope_in.
-    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0), (16, True, 64, 4, 128, 0, "*bf16", False, True, 0),
-    (32, True, 64, 8, 128, 8, "*bf16", True, True, 0),
+    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0, False), (16, True, 64, 4, 128, 0, "*bf16", False, True, 0, False),
+    (32, True, 64, 8, 128, 8, "*bf16", True, True, 0, False),
     # The merge in two levels (merge_group): groups of 8 of the long side's 64 splits, plain and rope_in.
-    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8), (64, True, 64, 8, 128, 0, "*bf16", True, True, 8),
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, False), (64, True, 64, 8, 128, 0, "*bf16", True, True, 8, False),
+    # The merge's first partials loaded beside its log-sum-exps ($FLASHLET_MERGE_PEEL), one level and two.
+    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, True), (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, True),
 ]
 
 
@@ -421,15 +449,16 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch,merge_group",
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch,merge_group,peel",
                          ONE_LAUNCH_LOWERED)
 def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
-                                    lookback, kv, rope_in, prefetch, merge_group):
+                                    lookback, kv, rope_in, prefetch, merge_group, peel):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
     loads bypass L1; ptxas (sm_90a) reports no spills."""
-    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group)]
+    got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group,
+                              peel)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block

@@ -147,8 +147,9 @@ class TritonBackend(AttentionBackend):
         """max_batch_size: largest decode batch that may use split-KV (larger ones run unsplit,
         which needs no scratch). max_pages_per_seq: longest sequence in pages (default: the
         pool); with min_split_tokens it caps the useful splits. max_kv_splits: hard cap (rounded
-        down to a power of two; None: DEFAULT_SPLIT_CAP, which a measured table entry's num_splits
-        may pass, up to tuning.MEASURED_SPLIT_CAP). num_sms: the device's SM count (read from the device, 4 on CPU).
+        down to a power of two; None: DEFAULT_SPLIT_CAP, which a measured table entry's
+        num_splits may pass, up to tuning.MEASURED_SPLIT_CAP). num_sms: the device's SM count
+        (read from the device, 4 on CPU).
         min_split_tokens, decode_block_n, prefill_block_m/n: fixed values for every batch
         instead of `flashlet.kernels.tuning`'s per-shape tables (None: the tables).
         prefill_num_splits / prefill_min_split_tokens: the prefill kernel's split-KV cap and
@@ -243,7 +244,8 @@ class TritonBackend(AttentionBackend):
         cfg = tuning.prefill_config(self.head_dim, self.group, max_q_len)
         return dataclasses.replace(cfg, **self._prefill_overrides)
 
-    def _max_splits(self, split_tokens: int, cfg: tuning.DecodeConfig | tuning.OneLaunchConfig | None = None) -> int:
+    def _max_splits(self, split_tokens: int,
+                    cfg: tuning.DecodeConfig | tuning.OneLaunchConfig | None = None) -> int:
         """Splits beyond ceil(longest sequence / smallest split) would all be empty; and at most
         the split cap, which a measured entry's num_splits (cfg's) may raise to
         tuning.MEASURED_SPLIT_CAP where the caller gave no cap."""

@@ -731,7 +731,11 @@ def decode_attention_reference(
 # compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
 # `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
 # (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width;
-# PREFETCH_PAGES, page ids carried a block ahead by the block loop.
+# PREFETCH_PAGES, page ids carried a block ahead by the block loop; MERGE_GROUP, the merge in two
+# levels (each MERGE_GROUP splits' last program folds theirs, the last group's merges the groups':
+# one program no longer merges up to 64 partials alone while the GPU idles). MERGE_PEEL
+# ($FLASHLET_MERGE_PEEL, an A/B switch, not a config field): the merge's first partials load
+# beside its log-sum-exps.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
@@ -1112,7 +1116,8 @@ def _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
         acc = _merge_chunks(tl.zeros([GROUP_PAD, COLS], tl.float32), m, MidO, MidLse, slot0, 0, n_splits, heads,
                             g_mask, d, own, NUM_Q_HEADS, COLS, HEAD_DIM, MERGE_SPLITS, SLOT_STRIDE)
     empty = den == 0.0
-    return acc / tl.where(empty, 1.0, den)[:, None], tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, den)))
+    den_safe = tl.where(empty, 1.0, den)
+    return acc / den_safe[:, None], tl.where(empty, float("-inf"), m + tl.log2(den_safe))
 
 
 @triton.jit

@@ -416,25 +416,31 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
     return [json.loads(line) for line in lines[-count:]]
 
 
-ONE_LAUNCH_LOWERED = [  # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group, peel)
-    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0, False), (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),  # head_dim 64, one row
+ONE_LAUNCH_LOWERED = [
+    # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group, peel)
+    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),  # head_dim 64, one row
+    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),
     (64, False, 256, 8, 64, 0, "*bf16", False, False, 0, False),
-    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0, False),                    # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0, False),                    # rows of a verify step: the look-back
+    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0, False),  # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0, False),  # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
     (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0, False),
     # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
     # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
-    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, False), (16, True, 256, 8, 64, 0, "*bf16", True, False, 0, False),
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, False),
+    (16, True, 256, 8, 64, 0, "*bf16", True, False, 0, False),
     (16, True, 256, 8, 64, 8, "*bf16", True, False, 0, False),  # rope_in over a verify step's rows: made, not loaded
     # Page ids carried a block ahead (prefetch_pages) at the sweep's smaller tiles, plain and rope_in.
-    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0, False), (16, True, 64, 4, 128, 0, "*bf16", False, True, 0, False),
+    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0, False),
+    (16, True, 64, 4, 128, 0, "*bf16", False, True, 0, False),
     (32, True, 64, 8, 128, 8, "*bf16", True, True, 0, False),
     # The merge in two levels (merge_group): groups of 8 of the long side's 64 splits, plain and rope_in.
-    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, False), (64, True, 64, 8, 128, 0, "*bf16", True, True, 8, False),
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, False),
+    (64, True, 64, 8, 128, 0, "*bf16", True, True, 8, False),
     # The merge's first partials loaded beside its log-sum-exps ($FLASHLET_MERGE_PEEL), one level and two.
-    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, True), (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, True),
+    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, True),
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, True),
 ]
 
 

@@ -21,22 +21,14 @@ form's one-row entry (BATCHED_DECODE_TABLE's, which long steps at this shape run
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("decode_attn_bench", ROOT / "scripts" / "decode_attn_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ncu_attention import ROOT, _bench  # noqa: E402  (decode_attn_bench.py, loaded by path)
 
 
 def main(argv=None) -> int:

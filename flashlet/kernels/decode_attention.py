@@ -1135,20 +1135,10 @@ def _merge_weights(MidLse, slot0, n_splits, heads, g_mask, NUM_Q_HEADS: tl.const
 @triton.jit
 def _merge_chunks(acc, m, MidO, MidLse, slot0, first, n_splits, heads, g_mask, d, own, NUM_Q_HEADS: tl.constexpr,
                   COLS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
-    """acc + sum_s 2^(lse_s - m) o_s over partials first .. n_splits - 1, MERGE_SPLITS at a time
-    (as `_partials_chunk` loads them, the weights between the two loads)."""
+    """acc + sum_s 2^(lse_s - m) o_s over partials first .. n_splits - 1, MERGE_SPLITS at a time."""
     for s0 in range(first, n_splits, MERGE_SPLITS):
-        sc = s0 + tl.arange(0, MERGE_SPLITS)
-        mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
-        part_lse = tl.load(MidLse + (slot0 + sc[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :], mask=mask,
-                           other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(part_lse - m[None, :])
-        if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
-            o_mask = mask[:, :, None]
-        else:
-            o_mask = mask[:, :, None] & own[None, :, :]
-        o = tl.load(MidO + ((slot0 + sc[:, None, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :, None]) * HEAD_DIM
-                    + d[None, None, :], mask=o_mask, other=0.0, cache_modifier=".cg")
+        w, o = _partials_chunk(MidO, MidLse, slot0, s0 + tl.arange(0, MERGE_SPLITS), n_splits, heads, g_mask, d, own,
+                               NUM_Q_HEADS, COLS, HEAD_DIM, SLOT_STRIDE, m)
         acc += tl.sum(w[:, :, None] * o, 0)
     return acc
 
@@ -1156,11 +1146,14 @@ def _merge_chunks(acc, m, MidO, MidLse, slot0, first, n_splits, heads, g_mask, d
 @triton.jit
 def _partials_chunk(MidO, MidLse, slot0, sc, n_splits, heads, g_mask, d, own,
                     NUM_Q_HEADS: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    SLOT_STRIDE: tl.constexpr):
-    """Partials sc's log-sum-exps [MS, GP] and outputs [MS, GP, COLS] (past L1; masked past n_splits)."""
+                    SLOT_STRIDE: tl.constexpr, m=None):
+    """Partials sc's log-sum-exps [MS, GP] (given m: their weights 2^(lse - m), made between the
+    two loads) and outputs [MS, GP, COLS], past L1, masked past n_splits."""
     mask = (sc[:, None] < n_splits) & g_mask[None, :]  # [MS, GP]
     lse = tl.load(MidLse + (slot0 + sc[:, None] * SLOT_STRIDE) * NUM_Q_HEADS + heads[None, :], mask=mask,
                   other=float("-inf"), cache_modifier=".cg")
+    if m is not None:
+        lse = tl.exp2(lse - m[None, :])
     if COLS == HEAD_DIM:  # one KV head: a row's columns are all its own
         o_mask = mask[:, :, None]
     else:

@@ -6,7 +6,8 @@ reference and timed over the layers as `decode_attn_bench.py` times them (PDL on
 step launches it), then written as a long entry for an engine A/B:
 
     PYTHONPATH=. python3 lab/merge_group_ab.py [--model qwen2.5-0.5b] [--kv-lens 8000 30000]
-        [--groups 4 8] [--table-json /tmp/merge-group.json]
+        [--groups 4 8] [--table] [--table-json /tmp/merge-group.json]
+    FLASHLET_LEAN_MERGE=1 PYTHONPATH=. python3 lab/merge_group_ab.py ...   (the lean merge: `gpu_run.sh lean-merge`)
     PYTHONPATH=. python3 lab/merge_group_ab.py --smoke      (CPU: the interpreter checks, no times)
 
 Why: at 30,000 tokens the one-launch kernel ran 28.5 us where its SMs were busy ~10 us; the
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="qwen2.5-0.5b", help="a shape of decode_attn_bench's one-launch sweep")
     p.add_argument("--kv-lens", type=int, nargs="+", default=[8000, 30000])
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--table", action="store_true",
+                   help="start from the one-row bucket's ONE_LAUNCH_TABLE entry, not the derived config")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--table-json", default=None, help="write the best grouped variant as a long entry here")
     p.add_argument("--two-launch-json", default=None,
@@ -61,10 +64,12 @@ def main(argv=None) -> int:
     lens = [200, 600] if args.smoke else args.kv_lens
     groups = [2] if args.smoke else args.groups
     sweep = bench.Sweep(torch, da, args.smoke, budget_s=1e9, repeats=args.repeats, copy=None)
-    derived = bench.derived_one_launch_variant(torch, model, 1, num_sms, device, pdl=not args.smoke)
+    derived = bench.derived_one_launch_variant(torch, model, 1, num_sms, device, pdl=not args.smoke,
+                                               table=args.table)
     if args.smoke:  # blocks the interpreter runs in seconds, splits enough to group
         derived = replace(derived, block_n=16, num_warps=1, min_split_tokens=16, num_splits=16)
-    variants = {"derived": derived}
+    base = "table" if args.table else "derived"
+    variants = {base: derived}
     for g in groups:
         if g < derived.num_splits:
             variants[f"mg{g}"] = replace(derived, merge_group=g)
@@ -94,14 +99,16 @@ def main(argv=None) -> int:
                 failed.append((name, n, (row or {}).get("error", "out of time")))
                 continue
             times.setdefault(name, {})[n] = row.get("us", 1.0)
-    print(f"\n{args.model}, one row, us a layer (PDL {'off: the interpreter' if args.smoke else 'on'}):")
+    lean = ",".join(sorted(da.LEAN_MERGE)) or "off"
+    print(f"\n{args.model}, one row, us a layer (PDL {'off: the interpreter' if args.smoke else 'on'}; "
+          f"{'the table' if args.table else 'derived'}: {derived.label()}; lean merge {lean}):")
     print(f"{'variant':<26}" + "".join(f"{n:>10,}" for n in lens))
     for name, t in times.items():
         print(f"{name:<26}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))
     for name, n, why in failed:
         print(f"FAILED {name} at {n}: {why}")
     if args.table_json:
-        grouped = [k for k in variants if k != "derived" and len(times.get(k, {})) == len(lens)]
+        grouped = [k for k in variants if k != base and len(times.get(k, {})) == len(lens)]
         if not grouped:
             print("no grouped variant ran at every length: no table written")
             return 1

@@ -64,11 +64,15 @@
 #                one dependent round trip fewer before the first block's K/V) against the default,
 #                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
 #                interleaved pairs (~4 min)
-#   merge-peel-ab the one-launch merge's first partials loaded beside their log-sum-exps
-#                ($FLASHLET_MERGE_PEEL=1: one L2 round trip fewer where a merge reads at most
-#                MERGE_SPLITS partials) against the default, one stream through LLM.generate after a
-#                1,000-token prompt (multi-split rows) at qwen2.5-0.5b and qwen3-0.6b, two
-#                interleaved pairs (~5 min)
+#   lean-merge   the one-launch merge made lean ($FLASHLET_LEAN_MERGE=1: its first partials loaded
+#                beside their log-sum-exps, its tiles of the real query heads, not 16 padded rows)
+#                against the default: its kernel tests on the GPU, then the kernel alone
+#                (lab/merge_group_ab.py, both env values): one row of qwen3-0.6b (its table's
+#                config) and qwen2.5-0.5b after 1,000 / 8,000 / 30,000 tokens (~4 min)
+#   lean-merge-ab the same in the engine, one stream through LLM.generate after each LEAN_CASES
+#                config:prompt_len (default qwen2.5-0.5b:1000 qwen3-0.6b:1000 qwen3-0.6b:8000),
+#                LEAN_VARIANTS (default "0 1"; peel and rows name one part), two interleaved
+#                pairs (~8 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -589,6 +593,7 @@ for _ in range(480):
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
+      run 200 $PYTEST tests/kernels/test_kern_decode.py -k "two_levels or lean"  # the counters on the GPU's programs
       run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json" \
         --two-launch-json "$OUT/json/two-launch-wide-table.json"
       cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" /tmp/ ;;
@@ -637,12 +642,22 @@ for _ in range(480):
         done
       done
       pair_table ;;
-    merge-peel-ab)
+    lean-merge)  # the kernel alone; no CuTe DSL needed
+      run 200 $PYTEST tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py -k "lean or random"
+      for lean in 0 1; do
+        run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --model qwen3-0.6b --table \
+          --kv-lens 1000 8000 30000 --groups 8
+        run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --kv-lens 1000 8000 30000 --groups 8
+      done ;;
+    lean-merge-ab)
       cute_env
       for pair in 1 2; do
-        for c in qwen2.5-0.5b qwen3-0.6b; do
-          run 150 python3 lab/one_stream_pair.py "peel=0" --config "$c" --prompt-len 1000
-          run 150 env FLASHLET_MERGE_PEEL=1 python3 lab/one_stream_pair.py "peel=1" --config "$c" --prompt-len 1000
+        for case in ${LEAN_CASES:-qwen2.5-0.5b:1000 qwen3-0.6b:1000 qwen3-0.6b:8000}; do
+          IFS=: read -r c plen <<< "$case"
+          for lean in ${LEAN_VARIANTS:-0 1}; do
+            run 150 env FLASHLET_LEAN_MERGE=$lean python3 lab/one_stream_pair.py "lean=$lean" --config "$c" \
+              --prompt-len "$plen"
+          done
         done
       done
       pair_table ;;

@@ -87,11 +87,25 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (`_one_launch_kernel`'s EARLY_PAGE_BASE), for a GPU A/B in a fresh process: off until measured
 # (at head_dim 128, 64-key blocks on 4 warps with page ids ahead, it spills 276 bytes at sm_90a).
 EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
-# "1": the one-launch decode's merging program loads its first partials beside their
-# log-sum-exps (`_merge_partials`' PEEL: one L2 round trip, not two, where a merge reads at most
-# MERGE_SPLITS partials, as every row under 4,096 tokens does at the 0.5B shape), for a GPU A/B in
-# a fresh process: off until measured.
-MERGE_PEEL = os.environ.get("FLASHLET_MERGE_PEEL", "0") == "1"
+# The one-launch decode's lean merge, for a GPU A/B in a fresh process, off until measured:
+# $FLASHLET_LEAN_MERGE = "peel" (the merging program loads its first partials beside their
+# log-sum-exps: `_merge_partials`' PEEL, one L2 round trip, not two, where a merge reads at most
+# MERGE_SPLITS partials), "rows" (the merge's tiles hold the real query heads of a program padded
+# to a power of two, not to the dot's 16 rows: Qwen3's group 2 reads 8x the partials a step), "1"
+# both, "0" or unset neither.
+LEAN_MERGE_ENV = "FLASHLET_LEAN_MERGE"
+
+
+def lean_merge_from_env() -> frozenset:
+    """$FLASHLET_LEAN_MERGE as the set of its parts ("peel", "rows"); ValueError for another value."""
+    text = os.environ.get(LEAN_MERGE_ENV, "").strip().lower()
+    forms = {"": (), "0": (), "peel": ("peel",), "rows": ("rows",), "1": ("peel", "rows")}
+    if text not in forms:
+        raise ValueError(f"{LEAN_MERGE_ENV}={text!r}: expected peel, rows, 1 (both) or 0")
+    return frozenset(forms[text])
+
+
+LEAN_MERGE = lean_merge_from_env()
 
 
 @triton.jit
@@ -733,9 +747,9 @@ def decode_attention_reference(
 # (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width;
 # PREFETCH_PAGES, page ids carried a block ahead by the block loop; MERGE_GROUP, the merge in two
 # levels (each MERGE_GROUP splits' last program folds theirs, the last group's merges the groups':
-# one program no longer merges up to 64 partials alone while the GPU idles). MERGE_PEEL
-# ($FLASHLET_MERGE_PEEL, an A/B switch, not a config field): the merge's first partials load
-# beside its log-sum-exps.
+# one program no longer merges up to 64 partials alone while the GPU idles). MERGE_PEEL and
+# MERGE_ROWS ($FLASHLET_LEAN_MERGE, an A/B switch, not a config field): the merge's first
+# partials load beside its log-sum-exps; its tiles hold only the real query heads.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
@@ -771,6 +785,7 @@ def _one_launch_kernel(
     EARLY_PAGE_BASE: tl.constexpr = False,
     MERGE_GROUP: tl.constexpr = 0,
     MERGE_PEEL: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = 0,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -984,12 +999,30 @@ def _one_launch_kernel(
         tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         count = Counts + b * (NUM_KV_HEADS // KV_PACK) + tl.program_id(1)
+        # The merge's rows: the dot's GROUP_PAD (16 or more; MERGE_ROWS 0), or with MERGE_ROWS
+        # below it the KV_PACK * GROUP real query heads padded to MERGE_ROWS only (Qwen3's group 2:
+        # 2 rows, not 16), so a merge step reads GROUP_PAD / MERGE_ROWS times as many partials.
+        merge_rows: tl.constexpr = GROUP_PAD if MERGE_ROWS == 0 else MERGE_ROWS
+        if merge_rows == GROUP_PAD:
+            m_heads = heads
+            m_mask = g_mask
+            m_own = own
+            m_out = o_ptrs
+        else:
+            gm = tl.arange(0, merge_rows)
+            m_mask = gm < KV_PACK * GROUP
+            m_heads = kvh * GROUP + gm
+            if KV_PACK == 1:
+                m_own = m_mask[:, None]
+            else:
+                m_own = m_mask[:, None] & ((c // HEAD_DIM)[None, :] == (gm // GROUP)[:, None])
+            m_out = O + b * stride_ob + m_heads[:, None] * stride_oh + d[None, :]
         if MERGE_GROUP == 0:
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                out, _ = _merge_partials(MidO, MidLse, slot0, n_splits, heads, g_mask, d, own,
-                                         NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS,
+                out, _ = _merge_partials(MidO, MidLse, slot0, n_splits, m_heads, m_mask, d, m_own,
+                                         NUM_Q_HEADS, merge_rows, KV_PACK * HEAD_DIM, HEAD_DIM, NUM_SPLITS,
                                          MERGE_SPLITS, 1, MERGE_PEEL)
-                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                tl.store(m_out, out.to(O.dtype.element_ty), mask=m_own)
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         else:
             # In two levels: the last program of each MERGE_GROUP consecutive splits folds their
@@ -1004,23 +1037,23 @@ def _one_launch_kernel(
             top_counters = tl.num_programs(0) * tl.num_programs(1)
             group_count = Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * num_groups + grp
             if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
-                out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
-                                             NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
+                out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, m_heads, m_mask, d, m_own,
+                                             NUM_Q_HEADS, merge_rows, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
                                              MERGE_SPLITS, 1, MERGE_PEEL)
                 tl.atomic_xchg(group_count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                 if n_groups == 1:
-                    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                    tl.store(m_out, out.to(O.dtype.element_ty), mask=m_own)
                 else:
                     tl.debug_barrier()  # every thread has read the group's partials before its first is overwritten
-                    mid = MidO + ((slot0 + g0) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-                    tl.store(mid, out, mask=own)
-                    tl.store(MidLse + (slot0 + g0) * NUM_Q_HEADS + heads, lse_g, mask=g_mask)
+                    group_mid = MidO + ((slot0 + g0) * NUM_Q_HEADS + m_heads[:, None]) * HEAD_DIM + d[None, :]
+                    tl.store(group_mid, out, mask=m_own)
+                    tl.store(MidLse + (slot0 + g0) * NUM_Q_HEADS + m_heads, lse_g, mask=m_mask)
                     tl.debug_barrier()  # the group's partial is stored before the counter moves
                     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
-                        out, _ = _merge_partials(MidO, MidLse, slot0, n_groups, heads, g_mask, d, own,
-                                                 NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, num_groups,
+                        out, _ = _merge_partials(MidO, MidLse, slot0, n_groups, m_heads, m_mask, d, m_own,
+                                                 NUM_Q_HEADS, merge_rows, KV_PACK * HEAD_DIM, HEAD_DIM, num_groups,
                                                  MERGE_SPLITS, MERGE_GROUP, MERGE_PEEL)
-                        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+                        tl.store(m_out, out.to(O.dtype.element_ty), mask=m_own)
                         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -1252,8 +1285,10 @@ def decode_attention_one_launch(
     group = num_q_heads // num_kv_heads
     gp = group_pad(group * kv_heads_per_program)
     cols = kv_heads_per_program * head_dim
-    if merge_splits is None:  # partials merged at a time: a [MS, GP, cols] fp32 tile of at most 4096 elements
-        merge_splits = max(1, min(num_splits, 4096 // (gp * cols)))
+    # The merge's rows (`_one_launch_kernel`'s MERGE_ROWS): the dot's gp, or the lean merge's real heads.
+    merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in LEAN_MERGE else gp
+    if merge_splits is None:  # partials merged at a time: a [MS, rows, cols] fp32 tile of at most 4096 elements
+        merge_splits = max(1, min(num_splits, 4096 // (merge_rows * cols)))
     launch = {"launch_pdl": True} if pdl else {}
     _one_launch_kernel[(batch, groups, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
@@ -1278,7 +1313,8 @@ def decode_attention_one_launch(
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
         MERGE_GROUP=merge_group,
-        MERGE_PEEL=MERGE_PEEL,
+        MERGE_PEEL="peel" in LEAN_MERGE,
+        MERGE_ROWS=0 if merge_rows == gp else merge_rows,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -309,29 +309,44 @@ def test_one_launch_merged_in_two_levels_matches_reference(kh, group, num_kv_hea
     assert kh.rel_err(two_level, one_level) < 1e-6
 
 
+@pytest.mark.parametrize("lean", ["peel", "rows", "1"])
 @pytest.mark.parametrize(
     "group,num_kv_heads,kv_pack,kv_lens,num_splits,merge_splits,merge_group",
     [
         (7, 2, 1, [40, 100, 16], 8, 4, 0),  # 3 and 7 splits: the first chunk holds them all, or not; one split
         (7, 2, 1, [250], 16, 4, 0),  # 16 splits: the first chunk, then three more
-        (2, 4, 2, [57, 200], 8, 2, 0),  # packed heads, two partials a chunk
-        (7, 2, 1, [250, 37], 16, 2, 4),  # the merge in two levels: each level peeled
+        (2, 4, 2, [57, 200], 8, 2, 0),  # packed heads (4 merge rows), two partials a chunk
+        (2, 4, 1, [300], 16, None, 0),  # Qwen3's group: 2 merge rows, the derived merge width
+        (7, 2, 1, [250, 37], 16, 2, 4),  # the merge in two levels: each level lean
+        (1, 2, 1, [100, 5], 8, None, 0),  # MHA: one real row, two merge rows
     ],
 )
-def test_one_launch_merge_with_its_first_partials_peeled_matches_reference(kh, monkeypatch, group, num_kv_heads,
-                                                                          kv_pack, kv_lens, num_splits,
-                                                                          merge_splits, merge_group):
-    """$FLASHLET_MERGE_PEEL (MERGE_PEEL): the merging program loads its first MERGE_SPLITS partials
-    beside the log-sum-exps, and takes m and the sum from them where they are all; the output
-    is the reference's and the unpeeled merge's to fp32 rounding."""
+def test_one_launch_lean_merge_matches_reference(kh, monkeypatch, group, num_kv_heads, kv_pack, kv_lens, num_splits,
+                                                 merge_splits, merge_group, lean):
+    """$FLASHLET_LEAN_MERGE: the merging program loads its first MERGE_SPLITS partials beside the
+    log-sum-exps and takes m and the sum from them where they are all (peel), over tiles of the
+    real query heads (rows); the output is the reference's and the default merge's to fp32
+    rounding."""
     from flashlet.kernels import decode_attention as da
 
     common = dict(group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens, num_splits=num_splits,
                   kv_heads_per_program=kv_pack, merge_splits=merge_splits, merge_group=merge_group)
     plain, _ = _check_one_launch(kh, **common)
-    monkeypatch.setattr(da, "MERGE_PEEL", True)
-    peeled, _ = _check_one_launch(kh, **common)
-    assert kh.rel_err(peeled, plain) < 1e-6
+    monkeypatch.setenv(da.LEAN_MERGE_ENV, lean)
+    monkeypatch.setattr(da, "LEAN_MERGE", da.lean_merge_from_env())
+    leaned, _ = _check_one_launch(kh, **common)
+    assert kh.rel_err(leaned, plain) < 1e-6
+
+
+def test_lean_merge_env_is_checked(monkeypatch):
+    from flashlet.kernels import decode_attention as da
+
+    for text, want in (("", set()), ("0", set()), ("peel", {"peel"}), ("rows", {"rows"}), ("1", {"peel", "rows"})):
+        monkeypatch.setenv(da.LEAN_MERGE_ENV, text)
+        assert da.lean_merge_from_env() == want
+    monkeypatch.setenv(da.LEAN_MERGE_ENV, "yes")
+    with pytest.raises(ValueError, match="FLASHLET_LEAN_MERGE"):
+        da.lean_merge_from_env()
 
 
 def test_one_launch_counters():
@@ -370,7 +385,7 @@ _LOWER = textwrap.dedent("""
     from flashlet.kernels import decode_attention as da
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group, peel):
+    def lower(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group, lean):
         sig = {n: "i32" for n in da._one_launch_kernel.arg_names}
         mid = "*fp32" if splits > 1 else "*bf16"
         sig.update(Q="*bf16", K=kv, V=kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
@@ -382,7 +397,8 @@ _LOWER = textwrap.dedent("""
                       LOOKBACK=lookback, STEP_ROWS=16, KV_PACK=1,
                       LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=kv == "*fp8e4nv",
                       PREFETCH_PAGES=prefetch, MERGE_GROUP=merge_group,
-                      MERGE_PEEL=peel, EARLY_PAGE_BASE=False)
+                      MERGE_PEEL=lean in ("peel", "1"), MERGE_ROWS=8 if lean in ("rows", "1") else 0,
+                      EARLY_PAGE_BASE=False)
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=da._one_launch_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2, launch_pdl=pdl))
@@ -417,30 +433,32 @@ def _lowered_by_one_child(argv: list[str], count: int, env: dict) -> list[dict]:
 
 
 ONE_LAUNCH_LOWERED = [
-    # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group, peel)
-    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),  # head_dim 64, one row
-    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, False),
-    (64, False, 256, 8, 64, 0, "*bf16", False, False, 0, False),
-    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0, False),  # head_dim 128's decode config
-    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0, False),  # rows of a verify step: the look-back
+    # (splits, pdl, block_n, warps, head_dim, lookback, the pool's dtype, rope_in, prefetch_pages, merge_group, lean merge)
+    (1, True, 256, 8, 64, 0, "*bf16", False, False, 0, ""),  # head_dim 64, one row
+    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, ""),
+    (64, False, 256, 8, 64, 0, "*bf16", False, False, 0, ""),
+    (16, True, 32, 4, 128, 0, "*bf16", False, False, 0, ""),  # head_dim 128's decode config
+    (16, True, 256, 8, 64, 8, "*bf16", False, False, 0, ""),  # rows of a verify step: the look-back
     # An fp8 pool (the fused path over --kv-cache-dtype fp8): its blocks past the first stay
     # e4m3 until the dot, so the loop must not reuse the first block's (widened) names.
-    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0, False),
+    (16, True, 256, 8, 64, 8, "*fp8e4nv", False, False, 0, ""),
     # The rows made in the kernel (rope_in: norms, RoPE, the K/V write), at a 64 x 128 tile as
     # rope_in launches it (8 warps: triton_backend.rope_in_form) and at head_dim 64's whole split.
-    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, False),
-    (16, True, 256, 8, 64, 0, "*bf16", True, False, 0, False),
-    (16, True, 256, 8, 64, 8, "*bf16", True, False, 0, False),  # rope_in over a verify step's rows: made, not loaded
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, ""),
+    (16, True, 256, 8, 64, 0, "*bf16", True, False, 0, ""),
+    (16, True, 256, 8, 64, 8, "*bf16", True, False, 0, ""),  # rope_in over a verify step's rows: made, not loaded
     # Page ids carried a block ahead (prefetch_pages) at the sweep's smaller tiles, plain and rope_in.
-    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0, False),
-    (16, True, 64, 4, 128, 0, "*bf16", False, True, 0, False),
-    (32, True, 64, 8, 128, 8, "*bf16", True, True, 0, False),
+    (64, True, 64, 4, 64, 0, "*bf16", False, True, 0, ""),
+    (16, True, 64, 4, 128, 0, "*bf16", False, True, 0, ""),
+    (32, True, 64, 8, 128, 8, "*bf16", True, True, 0, ""),
     # The merge in two levels (merge_group): groups of 8 of the long side's 64 splits, plain and rope_in.
-    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, False),
-    (64, True, 64, 8, 128, 0, "*bf16", True, True, 8, False),
-    # The merge's first partials loaded beside its log-sum-exps ($FLASHLET_MERGE_PEEL), one level and two.
-    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, True),
-    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, True),
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, ""),
+    (64, True, 64, 8, 128, 0, "*bf16", True, True, 8, ""),
+    # The lean merge ($FLASHLET_LEAN_MERGE): its first partials beside its log-sum-exps, its tiles
+    # of the real query heads (7 of 8 rows here, not 16), one level and two.
+    (16, True, 256, 8, 64, 0, "*bf16", False, False, 0, "1"),
+    (64, True, 256, 8, 64, 0, "*bf16", False, False, 8, "1"),
+    (32, True, 64, 8, 128, 0, "*bf16", True, False, 0, "1"),
 ]
 
 
@@ -455,16 +473,16 @@ def one_launch_lowered() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("sm90-one-launch-lowering")  # --dist loadgroup: one worker, one child
-@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch,merge_group,peel",
+@pytest.mark.parametrize("splits,pdl,block_n,warps,head_dim,lookback,kv,rope_in,prefetch,merge_group,lean",
                          ONE_LAUNCH_LOWERED)
 def test_one_launch_lowers_for_sm90(one_launch_lowered, splits, pdl, block_n, warps, head_dim,
-                                    lookback, kv, rope_in, prefetch, merge_group, peel):
+                                    lookback, kv, rope_in, prefetch, merge_group, lean):
     """At the tiles `TritonBackend.one_launch_config` picks (~1.5 s each, in the one child).
     The PDL variants signal and wait once, with the first block's page ids and past K/V loads
     issued before the wait; the merge's counter is an acq_rel GPU-scope atomic and its partial
     loads bypass L1; ptxas (sm_90a) reports no spills."""
     got = one_launch_lowered[(splits, pdl, block_n, warps, head_dim, lookback, kv, rope_in, prefetch, merge_group,
-                              peel)]
+                              lean)]
     assert (got["launch"], got["wait"]) == ((1, 1) if pdl else (0, 0))
     if pdl:
         assert got["loads_before_wait"] >= 8  # page ids, K and V of the first block

@@ -257,11 +257,24 @@ def rope_in_layouts(draw):
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(layout=rope_in_layouts(), kv_pack=st.sampled_from([1, 2]), num_splits=st.sampled_from([1, 2, 4]),
-       qk_norm=st.booleans(), prefetch_pages=st.booleans(), seed=st.integers(0, 1000))
-def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, seed):
-    """Random steps of verify runs and plain rows, shared prefix pages, splits, packing and the
-    block loop with page ids carried ahead or not: the rope_in launch (its rows written into
-    copies of the pool) against the RoPE kernel's reference then attention."""
+       qk_norm=st.booleans(), prefetch_pages=st.booleans(), lean=st.sampled_from(["0", "1"]),
+       seed=st.integers(0, 1000))
+def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, lean, seed):
+    """Random steps of verify runs and plain rows, shared prefix pages, splits, packing, the
+    block loop with page ids carried ahead or not and the lean merge ($FLASHLET_LEAN_MERGE) or
+    not: the rope_in launch (its rows written into copies of the pool) against the RoPE kernel's
+    reference then attention."""
+    import flashlet.kernels.decode_attention as da
+
+    lean_before = da.LEAN_MERGE
+    da.LEAN_MERGE = frozenset({"peel", "rows"}) if lean == "1" else frozenset()
+    try:
+        _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, seed)
+    finally:
+        da.LEAN_MERGE = lean_before
+
+
+def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, seed):
     rows, shared, page_size = layout
     num_kv_heads, head_dim = 4, 32
     kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(

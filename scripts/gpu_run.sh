@@ -72,7 +72,7 @@
 #   lean-merge-ab the same in the engine, one stream through LLM.generate after each LEAN_CASES
 #                config:prompt_len (default qwen2.5-0.5b:1000 qwen3-0.6b:1000 qwen3-0.6b:8000),
 #                LEAN_VARIANTS (default "0 1"; peel and rows name one part), two interleaved
-#                pairs (~8 min)
+#                pairs (~8 min); LEAN_LOOP=1 adds the 0.5B's closed loop at c = 1 / 4 / 16 (~2 min more)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -658,6 +658,11 @@ for _ in range(480):
             run 150 env FLASHLET_LEAN_MERGE=$lean python3 lab/one_stream_pair.py "lean=$lean" --config "$c" \
               --prompt-len "$plen"
           done
+        done
+        for lean in ${LEAN_LOOP:+${LEAN_VARIANTS:-0 1}}; do  # LEAN_LOOP=1: issue 29's closed loop too
+          run 200 env FLASHLET_LEAN_MERGE=$lean python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
+            --quiet --backend triton --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+            --num-requests 64 --max-new-tokens 128 --out "$OUT/json/lean-$lean-loop-$pair.json"
         done
       done
       pair_table ;;

@@ -73,6 +73,11 @@
 #                config:prompt_len (default qwen2.5-0.5b:1000 qwen3-0.6b:1000 qwen3-0.6b:8000),
 #                LEAN_VARIANTS (default "0 1"; peel and rows name one part), two interleaved
 #                pairs (~8 min); LEAN_LOOP=1 adds the 0.5B's closed loop at c = 1 / 4 / 16 (~2 min more)
+#   lean-sweep   the one-launch sweep's one-row bucket with the lean merge on (LEAN_SWEEP_MODELS,
+#                default qwen3-0.6b: with 16 partials a merge step, more and shorter splits may win),
+#                its table kept in /tmp (~5 min)
+#   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
+#                table against none, two interleaved pairs (~6 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -666,6 +671,16 @@ for _ in range(480):
         done
       done
       pair_table ;;
+    lean-sweep)  # the one-row sweep with the lean merge on: more, shorter splits may win now
+      export FLASHLET_LEAN_MERGE=1
+      cute_env
+      sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows 1 --budget-s 240
+      unset FLASHLET_LEAN_MERGE ;;
+    lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
+      export FLASHLET_LEAN_MERGE=1
+      cute_env
+      table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
+      unset FLASHLET_LEAN_MERGE ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       [[ -n $NCU ]] || { echo "part ncu-attn: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }

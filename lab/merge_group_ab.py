@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--table-json", default=None, help="write the best grouped variant as a long entry here")
     p.add_argument("--two-launch-json", default=None,
                    help="write the two-launch form's one-row entry at the wider split cap here")
+    p.add_argument("--json", default=None, help="write {variant: {kv_len: us}} and the failures here")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny lengths, checked, not timed")
     args = p.parse_args(argv)
     if args.smoke:
@@ -107,6 +108,11 @@ def main(argv=None) -> int:
         print(f"{name:<26}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))
     for name, n, why in failed:
         print(f"FAILED {name} at {n}: {why}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            model=args.model, base=derived.label(), lean_merge=sorted(da.LEAN_MERGE),
+            labels={k: v.label() for k, v in [*variants.items(), ("two-launch", two), (f"two-launch S{wide}", two_wide)]},
+            us=times, failed=failed), indent=1))
     if args.table_json:
         grouped = [k for k in variants if k != base and len(times.get(k, {})) == len(lens)]
         if not grouped:

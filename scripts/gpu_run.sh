@@ -600,7 +600,7 @@ for _ in range(480):
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
       run 200 $PYTEST tests/kernels/test_kern_decode.py -k "two_levels or lean"  # the counters on the GPU's programs
       run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json" \
-        --two-launch-json "$OUT/json/two-launch-wide-table.json"
+        --two-launch-json "$OUT/json/two-launch-wide-table.json" --json "$OUT/json/merge-group.json"
       cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" /tmp/ ;;
     merge-group-ab)  # three forms of long steps at the 0.5B shape, interleaved
       cute_env
@@ -651,8 +651,9 @@ for _ in range(480):
       run 200 $PYTEST tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py -k "lean or random"
       for lean in 0 1; do
         run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --model qwen3-0.6b --table \
-          --kv-lens 1000 8000 30000 --groups 8
-        run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --kv-lens 1000 8000 30000 --groups 8
+          --kv-lens 1000 8000 30000 --groups 8 --json "$OUT/json/lean-$lean-qwen3.json"
+        run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --kv-lens 1000 8000 30000 --groups 8 \
+          --json "$OUT/json/lean-$lean-0.5b.json"
       done ;;
     lean-merge-ab)
       cute_env

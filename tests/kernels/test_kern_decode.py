@@ -338,6 +338,34 @@ def test_one_launch_lean_merge_matches_reference(kh, monkeypatch, group, num_kv_
     assert kh.rel_err(leaned, plain) < 1e-6
 
 
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    group=st.sampled_from([1, 2, 7]),
+    kv_pack=st.sampled_from([1, 2]),
+    page_size=st.sampled_from([4, 8]),
+    kv_lens=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    num_splits=st.sampled_from([4, 8, 16]),
+    merge_group=st.sampled_from([0, 2, 4]),
+    merge_splits=st.sampled_from([None, 1, 2]),
+    lean=st.sampled_from(["0", "peel", "rows", "1"]),
+    seed=st.integers(0, 1000),
+)
+def test_one_launch_merges_random(kh, group, kv_pack, page_size, kv_lens, num_splits, merge_group, merge_splits,
+                                  lean, seed):
+    """Random rows, splits, merge widths and levels, packed heads and lean-merge parts: the
+    reference's output, every counter back at zero, a replay equal to the first launch."""
+    from flashlet.kernels import decode_attention as da
+
+    before = da.LEAN_MERGE
+    da.LEAN_MERGE = frozenset({"0": (), "peel": ("peel",), "rows": ("rows",), "1": ("peel", "rows")}[lean])
+    try:
+        _check_one_launch(kh, group=group, num_kv_heads=2, page_size=page_size, kv_lens=kv_lens,
+                          num_splits=num_splits, seed=seed, kv_heads_per_program=kv_pack,
+                          merge_group=merge_group, merge_splits=merge_splits)
+    finally:
+        da.LEAN_MERGE = before
+
+
 def test_lean_merge_env_is_checked(monkeypatch):
     from flashlet.kernels import decode_attention as da
 

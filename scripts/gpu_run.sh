@@ -78,6 +78,10 @@
 #                its table kept in /tmp (~5 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
+#   short-grid-ab the short graph's one-launch grid cut to the splits a row under 4,096 tokens can use
+#                where long steps have their own graph ($FLASHLET_SHORT_GRID=1: the 0.5B's one row, 16
+#                splits, not 64) against the default: the long-entry GPU tests with it on, then one
+#                stream through LLM.generate after 32 and 1,000 tokens, two interleaved pairs (~5 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -682,6 +686,16 @@ for _ in range(480):
       cute_env
       table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
       unset FLASHLET_LEAN_MERGE ;;
+    short-grid-ab)
+      cute_env
+      run 300 env FLASHLET_SHORT_GRID=1 $PYTEST tests/gpu/test_gpu_fused_decode.py -k "long_context_entry and rope-epilogue"
+      for pair in 1 2; do
+        for plen in 32 1000; do
+          run 150 python3 lab/one_stream_pair.py "short-grid=0" --prompt-len "$plen"
+          run 150 env FLASHLET_SHORT_GRID=1 python3 lab/one_stream_pair.py "short-grid=1" --prompt-len "$plen"
+        done
+      done
+      pair_table ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       [[ -n $NCU ]] || { echo "part ncu-attn: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }

@@ -115,6 +115,11 @@ LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
 # A/B in a fresh process.
 ONE_LAUNCH_DECODE_ENV = "FLASHLET_ONE_LAUNCH_DECODE"
+# "1": where a rows bucket has a long-context entry (its long steps replay a graph of their own),
+# its short graph's one-launch grid holds only the splits a row under ONE_LAUNCH_LONG_CONTEXT
+# tokens can use (16 at 256-token splits, not 64): the same splits, fewer programs that exit at
+# once. Read once, by the constructor, for a GPU A/B in a fresh process: off until measured.
+SHORT_GRID_ENV = "FLASHLET_SHORT_GRID"
 
 
 class TritonBackend(AttentionBackend):
@@ -175,6 +180,7 @@ class TritonBackend(AttentionBackend):
         self.split_cap = DEFAULT_SPLIT_CAP if max_kv_splits is None else max_kv_splits
         self._split_cap_given = max_kv_splits is not None
         self.num_sms = num_sms
+        self.short_grid = False  # (SHORT_GRID_ENV, read below) off while the scratch is sized for the widest grids
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         env = prefill_splits_from_env()
         self._prefill_overrides = _given(
@@ -219,6 +225,7 @@ class TritonBackend(AttentionBackend):
         # one_launch_decode_rows, the steps a long-context entry can serve.
         self.fused_rows = 0
         self.long_decode = long_decode_from_env()
+        self.short_grid = os.environ.get(SHORT_GRID_ENV, "0").strip() == "1"
         self._long_meta = None  # the last step `long_context` was asked about, and its answer
         self._long = False
         self._num_splits = 1
@@ -281,8 +288,14 @@ class TritonBackend(AttentionBackend):
                                       **self._decode_overrides)
         if num_seqs > self.max_batch_size:
             return cfg, 1
-        return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms,
-                                         self._max_splits(cfg.smallest_split_tokens(), cfg))
+        max_splits = self._max_splits(cfg.smallest_split_tokens(), cfg)
+        if self.short_grid and not long and self.has_long_entry(num_seqs):
+            # The steps this graph serves hold fewer than ONE_LAUNCH_LONG_CONTEXT tokens a row
+            # (a steady step replays it up to 16 tokens past: fewer, longer splits, still right);
+            # the next power of two, as the caps are.
+            usable = -(-tuning.ONE_LAUNCH_LONG_CONTEXT // cfg.smallest_split_tokens())
+            max_splits = min(max_splits, 1 << (usable - 1).bit_length())
+        return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, max_splits)
 
     def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
         """The one-launch config where no measurement holds: the decode config with the smallest

@@ -78,10 +78,12 @@
 #                its table kept in /tmp (~5 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
-#   short-grid-ab the short graph's one-launch grid cut to the splits a row under 4,096 tokens can use
-#                where long steps have their own graph ($FLASHLET_SHORT_GRID=1: the 0.5B's one row, 16
-#                splits, not 64) against the default: the long-entry GPU tests with it on, then one
-#                stream through LLM.generate after 32 and 1,000 tokens, two interleaved pairs (~5 min)
+#   short-grid-ab every one-launch rows bucket's short graph with only the splits a row under 4,096
+#                tokens can use, its long steps in a graph of their own ($FLASHLET_SHORT_GRID=1: the
+#                0.5B's one row 16 splits, not 64; four rows 128 programs, not 512) against the
+#                default: the long-entry GPU tests with it on, then one stream through LLM.generate
+#                after SHORT_LENS tokens (default 32) and the closed loop at c = 1 / 4 / 16, two
+#                interleaved pairs (~8 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -690,9 +692,13 @@ for _ in range(480):
       cute_env
       run 300 env FLASHLET_SHORT_GRID=1 $PYTEST tests/gpu/test_gpu_fused_decode.py -k "long_context_entry and rope-epilogue"
       for pair in 1 2; do
-        for plen in 32 1000; do
-          run 150 python3 lab/one_stream_pair.py "short-grid=0" --prompt-len "$plen"
-          run 150 env FLASHLET_SHORT_GRID=1 python3 lab/one_stream_pair.py "short-grid=1" --prompt-len "$plen"
+        for grid in 0 1; do
+          for plen in ${SHORT_LENS:-32}; do
+            run 150 env FLASHLET_SHORT_GRID=$grid python3 lab/one_stream_pair.py "short-grid=$grid" --prompt-len "$plen"
+          done
+          run 200 env FLASHLET_SHORT_GRID=$grid python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
+            --quiet --backend triton --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
+            --num-requests 64 --max-new-tokens 128 --out "$OUT/json/short-grid-$grid-loop-$pair.json"
         done
       done
       pair_table ;;

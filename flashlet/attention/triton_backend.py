@@ -115,10 +115,12 @@ LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
 # A/B in a fresh process.
 ONE_LAUNCH_DECODE_ENV = "FLASHLET_ONE_LAUNCH_DECODE"
-# "1": where a rows bucket has a long-context entry (its long steps replay a graph of their own),
-# its short graph's one-launch grid holds only the splits a row under ONE_LAUNCH_LONG_CONTEXT
-# tokens can use (16 at 256-token splits, not 64): the same splits, fewer programs that exit at
-# once. Read once, by the constructor, for a GPU A/B in a fresh process: off until measured.
+# "1": every rows bucket the one-launch form serves gets a long graph (its steps past
+# ONE_LAUNCH_LONG_CONTEXT tokens: its long entry, or else its short config with the full grid), and
+# its short graph's grid holds only the splits a row under that threshold can use (16 at 256-token
+# splits, not 64): the same splits, fewer programs that exit at once (the 0.5B's 4 rows: 128 where
+# there were 512). Read once, by the constructor, for a GPU A/B in a fresh process: off until
+# measured.
 SHORT_GRID_ENV = "FLASHLET_SHORT_GRID"
 
 
@@ -312,14 +314,16 @@ class TritonBackend(AttentionBackend):
 
     def has_long_entry(self, num_seqs: int) -> bool:
         """Does a one-launch step of `num_seqs` rows take a long-context entry past
-        ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)"""
+        ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)
+        With `short_grid` every such bucket has one: its long graph keeps the full grid (its
+        entry, or else its short config), its short graph the cut one."""
         attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
         if not attends_in_one or self.max_tokens < tuning.ONE_LAUNCH_LONG_CONTEXT:
             return False
         entry = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
         if self.long_decode == "one-launch":
-            return entry is not None and entry != tuning.TWO_LAUNCH
-        return self.long_decode == "two-launch" or entry is not None
+            return self.short_grid or (entry is not None and entry != tuning.TWO_LAUNCH)
+        return self.long_decode == "two-launch" or entry is not None or self.short_grid
 
     def long_in_two_launches(self, num_seqs: int) -> bool:
         """Do long one-launch steps of `num_seqs` rows attend in two launches (the table's

@@ -222,31 +222,37 @@ def test_a_measured_entry_may_split_past_the_default_cap(kh, monkeypatch):
 
 
 def test_the_short_grid_holds_only_the_splits_a_short_row_can_use(kh, monkeypatch):
-    """$FLASHLET_SHORT_GRID=1: where the rows bucket has a long-context entry (here TWO_LAUNCH), its
-    short graph's one-launch grid stops at the splits a row under ONE_LAUNCH_LONG_CONTEXT tokens
-    can use (200 tokens at 16 a split: 13 -> 16, not 64): the same splits used, the reference's
-    output. Another bucket, the long graph and the variable unset keep their grids."""
+    """$FLASHLET_SHORT_GRID=1: every rows bucket the one-launch form serves gets a long graph (its
+    long entry, here TWO_LAUNCH at one row, or else its short config with the full grid), and its
+    short graph's grid stops at the splits a row under ONE_LAUNCH_LONG_CONTEXT tokens can use:
+    one row 16, not 64 (200 tokens at 16 a split: 13 used); two rows 1, not 8 (the derived
+    256-token splits). Outputs are the reference's in both graphs; unset, nothing changes."""
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 1): tuning.OneLaunchConfig(
         block_n=16, num_warps=1, num_stages=2, min_split_tokens=16, num_splits=64)})
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): tuning.TWO_LAUNCH})
     pool = _pool(kh, pages=300)
-    grids = {}
+    backends = {}
     for env in ("0", "1"):
         monkeypatch.setenv(triton_backend.SHORT_GRID_ENV, env)
-        backend = TritonBackend(pool, 14, num_sms=132)
-        backend.fused_rows = 16
-        grids[env] = backend.one_launch_config(1)[1], backend.one_launch_config(2)[1]
-    assert grids["0"] == (64, grids["1"][1]) and grids["1"][0] == 16
-    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(7)).to(kh.device)
-    meta, pages = kh.make_step(pool, [(199, 1)])  # 13 splits of 16: the most a short step uses
-    backend.plan(meta)
-    assert backend.graph_key(meta) == ()
-    out = backend.attend_one_launch(1, q)
-    want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
-                                      meta.paged_kv_indices, meta.kv_lens, backend.scale)
-    assert kh.rel_err(out, want) < 1e-5 and not backend._merge_counts.any()
-    pool.allocator.free(pages[0])
+        backends[env] = TritonBackend(pool, 14, num_sms=132)
+        backends[env].fused_rows = 16
+    off, on = backends["0"], backends["1"]
+    assert [off.one_launch_config(n)[1] for n in (1, 2)] == [64, 8]  # 8: the pool's 2,400 tokens at 256
+    assert [on.one_launch_config(n)[1] for n in (1, 2)] == [16, 1]
+    assert on.one_launch_config(2, long=True)[1] == 8  # the long graph keeps the full grid
+    assert not off.has_long_entry(2) and on.has_long_entry(2) and on.decode_warm_contexts(2) == (0, 200)
+    q = torch.randn(2, 14, 16, generator=torch.Generator().manual_seed(7)).to(kh.device)
+    for rows, key in (([(199, 1)], ()), ([(150, 1), (40, 1)], ()), ([(250, 1), (40, 1)], ("long",))):
+        meta, pages = kh.make_step(pool, rows)
+        on.plan(meta)
+        assert on.graph_key(meta) == key
+        n = len(rows)
+        out = on.attend_one_launch(1, q[:n])
+        want = decode_attention_reference(q[:n], pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
+                                          meta.paged_kv_indices, meta.kv_lens, on.scale)
+        assert kh.rel_err(out, want) < 1e-5 and not on._merge_counts.any()
+        pool.allocator.free([p for ps in pages for p in ps])
 
 
 @pytest.mark.parametrize("rope", [False, True], ids=["rows-written", "rope-in"])

@@ -275,6 +275,10 @@ table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS": one stream without and
   done
   pair_table
 }
+closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the 0.5B's closed loop at issue 29's levels (c = 1 / 4 / 16)
+  run 200 env "${@:2}" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
+    --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 --max-new-tokens 128 --out "$1"
+}
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
    --backend torch flashinfer triton"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
@@ -379,9 +383,7 @@ for part in "${PARTS[@]}"; do
     streams)  # issue 29's levels (128 new tokens) in the harness and through LLM.generate, then
       # one stream through LLM.generate (a fresh process's three calls)
       cute_env
-      run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
-        --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 \
-        --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
+      closed_loop "$OUT/json/closed-loop-1-4-16.json"
       run 200 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json"
       run 150 python3 lab/one_stream_pair.py now ;;
@@ -672,9 +674,7 @@ for _ in range(480):
           done
         done
         for lean in ${LEAN_LOOP:+${LEAN_VARIANTS:-0 1}}; do  # LEAN_LOOP=1: issue 29's closed loop too
-          run 200 env FLASHLET_LEAN_MERGE=$lean python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
-            --quiet --backend triton --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
-            --num-requests 64 --max-new-tokens 128 --out "$OUT/json/lean-$lean-loop-$pair.json"
+          closed_loop "$OUT/json/lean-$lean-loop-$pair.json" FLASHLET_LEAN_MERGE=$lean
         done
       done
       pair_table ;;
@@ -696,9 +696,7 @@ for _ in range(480):
           for plen in ${SHORT_LENS:-32}; do
             run 150 env FLASHLET_SHORT_GRID=$grid python3 lab/one_stream_pair.py "short-grid=$grid" --prompt-len "$plen"
           done
-          run 200 env FLASHLET_SHORT_GRID=$grid python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 \
-            --quiet --backend triton --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 \
-            --num-requests 64 --max-new-tokens 128 --out "$OUT/json/short-grid-$grid-loop-$pair.json"
+          closed_loop "$OUT/json/short-grid-$grid-loop-$pair.json" FLASHLET_SHORT_GRID=$grid
         done
       done
       pair_table ;;

@@ -37,6 +37,16 @@ def spy_one_launch(monkeypatch) -> list[dict]:
     return seen
 
 
+def attend_and_check(kh, backend, pool, q, meta):
+    """The planned step's `attend_one_launch` against the reference; every counter back at zero."""
+    out = backend.attend_one_launch(1, q)
+    want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
+                                      meta.paged_kv_indices, meta.kv_lens, backend.scale)
+    assert kh.rel_err(out, want) < 1e-5
+    assert not backend._merge_counts.any()
+    return out
+
+
 @pytest.fixture
 def empty_table(monkeypatch):
     monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {})
@@ -185,12 +195,8 @@ def test_a_long_entry_that_merges_in_two_levels_sizes_its_counters(kh, monkeypat
     for kv_len in (200, 250, 600):  # 7, 8 and 8 splits of 32 or more: ragged and full groups
         meta, pages = kh.make_step(pool, [(kv_len, 1)])
         backend.plan(meta)
-        out = backend.attend_one_launch(1, q)
+        attend_and_check(kh, backend, pool, q, meta)
         assert (seen[-1]["merge_group"], seen[-1]["num_splits"]) == (2, 8)
-        want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
-                                          meta.paged_kv_indices, meta.kv_lens, backend.scale)
-        assert kh.rel_err(out, want) < 1e-5
-        assert not backend._merge_counts.any()
         pool.allocator.free(pages[0])
 
 
@@ -213,11 +219,7 @@ def test_a_measured_entry_may_split_past_the_default_cap(kh, monkeypatch):
     q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(6)).to(kh.device)
     meta, pages = kh.make_step(pool, [(2100, 1)])  # 2,100 tokens at 16 a split: 128 splits, 16 groups
     backend.plan(meta)
-    out = backend.attend_one_launch(1, q)
-    want = decode_attention_reference(q, pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
-                                      meta.paged_kv_indices, meta.kv_lens, backend.scale)
-    assert kh.rel_err(out, want) < 1e-5
-    assert not backend._merge_counts.any()
+    attend_and_check(kh, backend, pool, q, meta)
     pool.allocator.free(pages[0])
 
 
@@ -247,11 +249,7 @@ def test_the_short_grid_holds_only_the_splits_a_short_row_can_use(kh, monkeypatc
         meta, pages = kh.make_step(pool, rows)
         on.plan(meta)
         assert on.graph_key(meta) == key
-        n = len(rows)
-        out = on.attend_one_launch(1, q[:n])
-        want = decode_attention_reference(q[:n], pool.k_cache[1], pool.v_cache[1], meta.paged_kv_indptr,
-                                          meta.paged_kv_indices, meta.kv_lens, on.scale)
-        assert kh.rel_err(out, want) < 1e-5 and not on._merge_counts.any()
+        attend_and_check(kh, on, pool, q[:len(rows)], meta)
         pool.allocator.free([p for ps in pages for p in ps])
 
 

@@ -53,10 +53,8 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from flashlet.attention.triton_backend import TritonBackend
     from flashlet.kernels import decode_attention as da
     from flashlet.kernels import tuning
-    from flashlet.kvcache.kv_pool import KVPool
 
     bench = _bench()
     (model,) = bench.one_launch_models(args.model)
@@ -82,18 +80,12 @@ def main(argv=None) -> int:
                                    16 if args.smoke else 128, pdl=derived.pdl, prefetch_pages=True)
     for g in groups + [2 * max(groups)]:
         variants[f"bn{small.block_n} S{wide} mg{g} pages"] = replace(small, merge_group=g)
-    pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.bfloat16, device,
-                  fused_rope=False)
-    backend = TritonBackend(pool, model["num_q_heads"], num_sms=num_sms,
-                            max_pages_per_seq=-(-max(lens) // model["page_size"]))
-    cfg = backend.decode_config(1)
-    two = bench.Variant(cfg.block_n, cfg.num_warps, cfg.num_stages, backend._splits_for(1, cfg), prefetch=cfg.prefetch,
-                        kv_pack=tuning.kv_pack_for(cfg, model["num_kv_heads"]), merge_in_kernel=cfg.merge_in_kernel)
-    two_wide = replace(two, num_splits=wide)
     times: dict[str, dict[int, float]] = {}
     failed = []
     for n in lens:
         case = bench.Case(torch, 1, n, "model", {**model, "layers": 2 if args.smoke else model["layers"]}, device)
+        two = bench.engine_variant(tuning, case, num_sms)  # the two-launch form as the engine launches it
+        two_wide = replace(two, num_splits=wide)
         for name, v in [*variants.items(), ("two-launch", two), (f"two-launch S{wide}", two_wide)]:
             row = sweep.measure(case, v)
             if row is None or "error" in row:

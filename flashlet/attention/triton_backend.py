@@ -205,17 +205,19 @@ class TritonBackend(AttentionBackend):
                                                   self.head_dim, device)
         self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
                                  for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
+        # Every batch's one-launch (config, splits), its short and long graphs' (the widest grids:
+        # short_grid is still off).
+        widest = {b: (self.one_launch_config(b), self.one_launch_config(b, long=True))
+                  for b in range(1, max_batch_size + 1)}
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
-        splits = [max(self._splits_for(b), self.one_launch_config(b)[1], self.one_launch_config(b, long=True)[1])
-                  for b in range(1, max_batch_size + 1)]
+        splits = [max(self._splits_for(b), *(s for _, s in forms)) for b, forms in widest.items()]
         rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         # The one-launch decode's merge counters, one per (sequence, KV head) and, for a config
         # that merges in two levels, one per group of splits too; zero between launches.
         counters = max(one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
-                       for b in range(1, max_batch_size + 1)
-                       for cfg, s in (self.one_launch_config(b), self.one_launch_config(b, long=True)))
+                       for b, forms in widest.items() for cfg, s in forms)
         self._merge_counts = torch.zeros(counters, dtype=torch.int32, device=device)
         one_launch = one_launch_decode_from_env()
         on = _first_given(one_launch_decode, one_launch.get("on"), False)

@@ -78,6 +78,13 @@
 #                its table kept in /tmp (~5 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
+#   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
+#                .whl-triton/ (scripts/gpu_wheels.sh; this machine's python3 has 3.6): the
+#                one-launch attention's kernel and fused-engine GPU tests compiled by it (~6 min)
+#   triton-pin-ab one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 and
+#                1,000 tokens, two interleaved pairs, and the 0.5B's closed loop, the pinned
+#                Triton against this machine's (TRITON_PIN_CONFIGS, TRITON_PIN_LENS) (~9 min).
+#                TRITON_PIN=1 runs any part on the pinned Triton
 #   short-grid-ab every one-launch rows bucket's short graph with only the splits a row under 4,096
 #                tokens can use, its long steps in a graph of their own ($FLASHLET_SHORT_GRID=1: the
 #                0.5B's one row 16 splits, not 64; four rows 128 programs, not 512) against the
@@ -229,6 +236,24 @@ if ls .whl-fi/*.whl >/dev/null 2>&1; then  # FlashInfer (scripts/gpu_wheels.sh),
   [[ -f /tmp/fi/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/fi .whl-fi/*.whl && touch /tmp/fi/.installed; }
   export PYTHONPATH="$PYTHONPATH:/tmp/fi"
+fi
+# The Triton pyproject.toml pins (a user's install: torch 2.13's 3.7.1) from a carried .whl-triton/
+# pack (scripts/gpu_wheels.sh), unpacked once into /tmp/triton-pin/VERSION; the CUDA binaries it
+# was shipped without are this machine's Triton's (the same CUDA 12.8 release). This machine's
+# python3 holds torch 2.11's Triton 3.6, which every part compiles with unless TRITON_PIN=1 puts
+# the pinned one in front of PYTHONPATH for the whole call (the log's version line says which).
+host_triton_bin=$(python3 -c "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin'))")
+for pack in .whl-triton/triton-*-py3.12-lean.tar.xz; do
+  [[ -f $pack ]] || continue
+  v=$(basename "$pack"); v=${v#triton-}; v=${v%%-py*}
+  [[ -f /tmp/triton-pin/$v/.installed ]] && continue
+  rm -rf "/tmp/triton-pin/$v" && mkdir -p "/tmp/triton-pin/$v" && xz -dc "$pack" | tar -xf - -C "/tmp/triton-pin/$v" &&
+    ln -s "$host_triton_bin" "/tmp/triton-pin/$v/triton/backends/nvidia/bin" && touch "/tmp/triton-pin/$v/.installed"
+done
+PIN_TRITON=$(ls -d /tmp/triton-pin/*/.installed 2>/dev/null | xargs -r -n1 dirname | sort -V | tail -1)
+if [[ ${TRITON_PIN:-0} == 1 ]]; then
+  [[ -n $PIN_TRITON ]] || { echo "TRITON_PIN=1: no pinned Triton on this machine (carry .whl-triton/)" | tee -a "$LOG"; exit 2; }
+  export PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
 fi
 [[ -f .fi_prev/fi_cache.tgz && ! -d .fi_cache ]] && tar xzf .fi_prev/fi_cache.tgz
 mkdir -p .fi_cache && export FLASHINFER_WORKSPACE_BASE="$PWD/.fi_cache"
@@ -688,6 +713,30 @@ for _ in range(480):
       cute_env
       table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
       unset FLASHLET_LEAN_MERGE ;;
+    triton-pin)  # the one-launch attention's kernel tests and the fused engine's agreement
+      # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
+      [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
+      cute_env
+      run 560 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/kernels/test_kern_gpu.py \
+        tests/gpu/test_gpu_decode_attention.py tests/gpu/test_gpu_fused_decode.py \
+        -k "one_launch or rope_in or default_config or qwen05 or long_context_entry" ;;
+    triton-pin-ab)  # what a user's install (the pinned Triton) gets against this machine's 3.6:
+      # one stream through LLM.generate at TRITON_PIN_CONFIGS after 32 and 1,000 tokens, two
+      # interleaved pairs, then the 0.5B's closed loop (c = 1 / 4 / 16) with each
+      [[ -n $PIN_TRITON ]] || { echo "part triton-pin-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
+      cute_env
+      for pair in 1 2; do
+        for c in ${TRITON_PIN_CONFIGS:-qwen2.5-0.5b qwen3-0.6b}; do
+          for plen in ${TRITON_PIN_LENS:-32 1000}; do
+            run 150 python3 lab/one_stream_pair.py "triton=host" --config "$c" --prompt-len "$plen"
+            run 150 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" python3 lab/one_stream_pair.py "triton=pin" \
+              --config "$c" --prompt-len "$plen"
+          done
+        done
+      done
+      closed_loop "$OUT/json/triton-host-loop.json"
+      closed_loop "$OUT/json/triton-pin-loop.json" PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
+      pair_table ;;
     short-grid-ab)
       cute_env
       run 300 env FLASHLET_SHORT_GRID=1 $PYTEST tests/gpu/test_gpu_fused_decode.py -k "long_context_entry and rope-epilogue"

@@ -15,6 +15,14 @@
 #                 --no-deps: the CuTe DSL it needs, >= 4.6.2, is the pin above; with 4.3.5
 #                 `import flashinfer` fails): gpu_run.sh installs them into /tmp/fi and
 #                 `fi-parity` runs with and without them. It travels with .whl/ and .tok/ (~57 MB)
+#   .whl-triton/  the Triton that pyproject.toml pins (torch 2.13's, 3.7.1), for the GPU machine,
+#                 whose python3 holds 3.6 (torch 2.11's): every GPU figure so far compiled our
+#                 kernels with 3.6, a user's install compiles them with the pin. Its 198 MB wheel
+#                 made to fit one call (~38 MB): libtriton.so stripped of its symbols (440 ->
+#                 180 MB), xz-compressed, without the CUDA binaries it bundles (ptxas and the
+#                 rest: 3.6 bundles the same CUDA 12.8 release, which `triton_pin_env` links in)
+#                 and without its profiler (proton, CUPTI). `TRITON_PIN=1 bash scripts/gpu_run.sh
+#                 PART` runs a part on it, `triton-pin-ab` compares the two
 #   .tok/smollm2  the SmolLM2 tokenizer `serve` loads (scripts/export_tokenizer.py)
 #   bash scripts/gpu_wheels.sh
 set -euo pipefail
@@ -53,5 +61,16 @@ for ((i = 1; i <= parts; i++)); do
   mv "$stage/$name.tar.part$(printf %02d $((i - 1)))" ".whl-cute$i/"
   echo "$sha $parts" > ".whl-cute$i/$name.manifest"
 done
+# The pinned Triton for the GPU machine's CPython (TRITON_PIN_PYTHON: 3.11 builds one this machine
+# can import, to check the pack), made to fit one call (see .whl-triton/ above).
+TRITON_PIN=$("$PY" -c "import re; print(re.search(r'\"triton==([^\"]+)\"', open('pyproject.toml').read())[1])")
+pin_py=${TRITON_PIN_PYTHON:-3.12}
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pin_py" \
+  --platform manylinux_2_28_x86_64 -d "$stage/triton" "triton==$TRITON_PIN"
+mkdir -p "$stage/triton/pkg" && (cd "$stage/triton/pkg" && python3 -m zipfile -e ../triton-*.whl .)
+(cd "$stage/triton/pkg/triton" && strip --strip-unneeded _C/libtriton.so &&
+ rm -rf backends/nvidia/bin backends/nvidia/lib/cupti _C/libproton.so instrumentation)
+rm -rf .whl-triton && mkdir -p .whl-triton
+tar -C "$stage/triton/pkg" -cf - . | xz -T0 -9 > ".whl-triton/triton-$TRITON_PIN-py$pin_py-lean.tar.xz"
 [[ -f .tok/smollm2/tokenizer.json ]] || "$PY" scripts/export_tokenizer.py
-du -sh .whl .whl-cute .whl-cute[0-9]* .whl-fi .tok
+du -sh .whl .whl-cute .whl-cute[0-9]* .whl-fi .whl-triton .tok

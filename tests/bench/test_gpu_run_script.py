@@ -1,0 +1,35 @@
+"""scripts/gpu_run.sh, read without a GPU: it parses, and its header lists exactly the parts its
+case statement runs (the header is the only place a reader learns what a part measures)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_run.sh"
+
+
+def _parts() -> tuple[set[str], set[str]]:
+    """(parts the header lists, parts the case statement has an arm for)."""
+    text = SCRIPT.read_text()
+    header = text.split("\nset -uo pipefail")[0]
+    listed = set(re.findall(r"^#   ([a-z0-9][a-z0-9-]*)\s", header, re.M)) - {"bash"}  # `#   bash scripts/...`: usage
+    arms = {name for arm in re.findall(r"^    ([a-z0-9|-]+)\)", text, re.M) for name in arm.split("|")}
+    return listed, arms
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash on this machine")
+def test_gpu_run_parses():
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_part_is_in_the_header_and_has_an_arm():
+    listed, arms = _parts()
+    assert "setup" in arms and "triton-pin-ab" in arms  # the reader found the case statement
+    assert arms - listed == set(), "parts the header does not describe"
+    assert listed - arms == {"all"}, "parts the header lists that nothing runs"

@@ -44,3 +44,40 @@ def test_helper_calls_reuse_the_launchs_patching_and_compute_the_same(monkeypatc
     assert names[0] == "_sum_of_scaled_squares"  # the launch's own patching
     assert "_scaled_square" not in names  # none for the 10 helper calls
     assert tl.core.is_builtin(tl.arange) and not _patched(_sum_of_scaled_squares.fn)  # restored
+
+
+@triton.jit
+def _store_then_load(x_ptr, out_ptr, n, SHIFT: tl.constexpr):
+    """Each program stores x[pid], then loads x[(pid + SHIFT) % n] (SHIFT 0: its own)."""
+    pid = tl.program_id(0)
+    tl.store(x_ptr + pid, pid * 1.0)
+    tl.store(out_ptr + pid, tl.load(x_ptr + (pid + SHIFT) % n))
+
+
+needs_interpreter = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the access log reads the CPU interpreter's loads and stores")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shift,expected", [
+    (1, ["launch 0, x: program (0, 0, 0) loads [1] that program (1, 0, 0) stores",
+         "launch 0, x: program (1, 0, 0) loads [2] that program (2, 0, 0) stores",
+         "launch 0, x: program (2, 0, 0) loads [0] that program (0, 0, 0) stores"]),
+    (0, ["launch 0, x: program (0, 0, 0) loads [0] after storing them",
+         "launch 0, x: program (1, 0, 0) loads [1] after storing them",
+         "launch 0, x: program (2, 0, 0) loads [2] after storing them"]),
+], ids=["another-programs-store", "its-own-store"])
+def test_the_access_log_names_what_a_program_reads_of_a_launchs_stores(shift, expected):
+    """Programs that run in turn here and at once on a GPU: a load of an element another program
+    of the launch stores is a race, and so is a load of an element the program stored itself
+    (its other threads may not see the store); out, written once per element, is not watched."""
+    from tests.triton_interpreter import record_accesses
+
+    x, out = torch.zeros(3), torch.zeros(3)
+    with record_accesses(x=x) as log:
+        _store_then_load[(3,)](x, out, 3, SHIFT=shift)
+    assert sorted(log.hazards()) == sorted(expected)
+    assert log.hazards(own_reads=False) == (expected if shift else [])
+    with record_accesses(out=out) as log:  # each element stored once, never loaded
+        _store_then_load[(3,)](x, out, 3, SHIFT=shift)
+    assert log.hazards() == [] and len(log.launches) == 1

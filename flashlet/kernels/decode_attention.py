@@ -737,9 +737,13 @@ def decode_attention_reference(
 # ROPE_IN (`rope_in=`, off by default): q, k and v come as the QKV projection wrote them, and the
 # kernel makes this step's rows itself after its wait (Qwen3's per-head norms, RoPE, the pool's
 # rounding), the program whose split holds a row's newest position storing that K/V row. No
-# program then loads a slot this launch writes: the newest row comes from registers, and a verify
-# row makes the step's earlier rows it reads from the rows that write them, found exactly (the same
-# pool page for that position: `_rows_before_writing_this_rows_kv`), with or without PDL.
+# program then loads a slot another program of this launch writes: the newest row comes from
+# registers, and a verify row makes the step's earlier rows it reads from the rows that write them,
+# found exactly (the same pool page for that position: `_rows_before_writing_this_rows_kv`), with
+# or without PDL. (The owner's block loop past its first block loads the newest row's slot too, and
+# replaces what it loads with the row in registers: a mask of its own for that load cost registers
+# and spills at the 64 x 128 tile with page ids ahead and groups. The interpreter's access log,
+# tests/triton_interpreter.py, holds the kernel to this.)
 #
 # Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
 # compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in

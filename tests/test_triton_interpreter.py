@@ -60,8 +60,8 @@ needs_interpreter = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTE
 
 @needs_interpreter
 @pytest.mark.parametrize("shift,expected", [
-    (1, ["launch 0, x: program (0, 0, 0) loads [1] that program (1, 0, 0) stores",
-         "launch 0, x: program (1, 0, 0) loads [2] that program (2, 0, 0) stores",
+    (1, ["launch 0, x: program (1, 0, 0) stores [1] that program (0, 0, 0) loads",
+         "launch 0, x: program (2, 0, 0) stores [2] that program (1, 0, 0) loads",
          "launch 0, x: program (2, 0, 0) loads [0] that program (0, 0, 0) stores"]),
     (0, ["launch 0, x: program (0, 0, 0) loads [0] after storing them",
          "launch 0, x: program (1, 0, 0) loads [1] after storing them",
@@ -77,7 +77,53 @@ def test_the_access_log_names_what_a_program_reads_of_a_launchs_stores(shift, ex
     with record_accesses(x=x) as log:
         _store_then_load[(3,)](x, out, 3, SHIFT=shift)
     assert sorted(log.hazards()) == sorted(expected)
-    assert log.hazards(own_reads=False) == (expected if shift else [])
+    assert sorted(log.hazards(own_reads=False)) == (sorted(expected) if shift else [])
     with record_accesses(out=out) as log:  # each element stored once, never loaded
         _store_then_load[(3,)](x, out, 3, SHIFT=shift)
     assert log.hazards() == [] and len(log.launches) == 1
+
+
+@triton.jit
+def _last_one_sums(part_ptr, count_ptr, out_ptr, n, SYNC: tl.constexpr, FENCE: tl.constexpr):
+    """Each program stores its partial; the last to arrive sums them all. SYNC 0: "last" is the
+    highest program id, no counter (ordered only by the interpreter's grid order); 1: the
+    counter with acq_rel; 2: the counter relaxed. FENCE: a barrier between store and counter."""
+    pid = tl.program_id(0)
+    tl.store(part_ptr + pid, pid + 1.0)
+    if FENCE:
+        tl.debug_barrier()
+    if SYNC == 0:
+        last = pid == n - 1
+    elif SYNC == 1:
+        last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+    else:
+        last = tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu") == n - 1
+    if last:
+        offs = tl.arange(0, 4)
+        tl.store(out_ptr, tl.sum(tl.load(part_ptr + offs, mask=offs < n, other=0.0)))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sync,fence,expected", [
+    (1, True, []),
+    (0, True, ["program (3, 0, 0) loads [0] that program (0, 0, 0) stores",
+               "program (3, 0, 0) loads [1] that program (1, 0, 0) stores",
+               "program (3, 0, 0) loads [2] that program (2, 0, 0) stores"]),
+    (2, True, ["program (3, 0, 0) loads [0] that program (0, 0, 0) stores",
+               "program (3, 0, 0) loads [1] that program (1, 0, 0) stores",
+               "program (3, 0, 0) loads [2] that program (2, 0, 0) stores"]),
+    (1, False, [f"program ({p}, 0, 0) releases counter [0] with no barrier after its last access" for p in range(4)]
+     + ["program (3, 0, 0) loads [3] after storing them"]),
+], ids=["counter", "grid-order", "relaxed", "no-barrier"])
+def test_the_access_log_takes_a_counters_order_and_nothing_else(sync, fence, expected):
+    """The last program to arrive at an acq_rel counter reads every partial in order; one picked
+    by its id, or through a relaxed counter, reads them in grid order only; a release with no
+    barrier after the stores leaves the program's other threads' stores unordered, and so does
+    a load of its own partial with no barrier after the store."""
+    from tests.triton_interpreter import record_accesses
+
+    part, count, out = torch.zeros(4), torch.zeros(1, dtype=torch.int32), torch.zeros(1)
+    with record_accesses(sync=count, part=part) as log:
+        _last_one_sums[(4,)](part, count, out, 4, SYNC=sync, FENCE=fence)
+    assert out.item() == 10.0
+    assert sorted(log.hazards()) == sorted(f"launch 0, {'sync' if 'counter [' in e else 'part'}: {e}" for e in expected)

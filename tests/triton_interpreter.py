@@ -69,80 +69,127 @@ def skip_redundant_patching() -> bool:
 
 class AccessLog:
     """What every program of each interpreted launch loads and stores inside chosen tensors
-    (`record_accesses`): the interpreter runs a launch's programs one after another, so a
-    program reading what another program of the same launch writes reads it in grid order
-    here and in any order on a GPU, where they run at once. `hazards()` names those pairs."""
+    (`record_accesses`). The interpreter runs a launch's programs one after another, so a
+    program that reads what another program of the same launch writes reads it in grid order
+    here, and in any order on a GPU, where they run at once, unless the two are ordered through
+    a counter: the writer's release (after a barrier) on it, the reader's acquire on it later
+    (`sync`, the kernel's own protocol, e.g. "the last program to arrive merges"), directly or
+    through other programs. `hazards()` names the pairs left unordered."""
 
-    def __init__(self, tensors: dict):
+    def __init__(self, tensors: dict, sync=None):
         # name -> (first byte, end byte, element size) of each watched tensor's storage
         self.ranges = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
                        for name, t in tensors.items()}
-        self.launches: list[list[tuple]] = []  # each launch's (program, op, name, element offsets)
+        if sync is not None:
+            self.ranges["sync"] = (sync.data_ptr(), sync.data_ptr() + sync.numel() * sync.element_size(),
+                                   sync.element_size())
+        self.launches: list[list[tuple]] = []  # each launch's (program, op, name, element offsets, sem)
 
-    def _record(self, builder, op: str, ptrs, mask) -> None:
+    def _record(self, builder, op: str, ptrs, mask, sem=None) -> None:
         import numpy as np
 
+        if op == "barrier":
+            self.launches[-1].append((builder.grid_idx, op, None, None, None))
+            return
         addrs = np.asarray(ptrs.data).astype(np.uint64).ravel()
         if mask is not None:
             addrs = addrs[np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).ravel()]
         for name, (lo, hi, size) in self.ranges.items():
             inside = addrs[(addrs >= lo) & (addrs < hi)]
             if inside.size:
-                self.launches[-1].append((builder.grid_idx, op, name, (inside - lo) // size))
+                kind = "sync" if name == "sync" and op == "atomic" else "store" if op == "atomic" else op
+                self.launches[-1].append((builder.grid_idx, kind, name, np.unique((inside - lo) // size), sem))
 
     def hazards(self, own_reads: bool = True) -> list[str]:
-        """Per launch and watched tensor: an element one program stores that another program of
-        the same launch loads or stores, and (own_reads) an element a program loads after storing
-        it itself (its other threads may read it before the store lands: only a barrier orders
-        them, so the kernel must not depend on the value it loads)."""
-        import numpy as np
-
+        """Per launch and watched tensor, the pairs of programs that touch one element, one of
+        them storing it, with no counter ordering the first before the second (a load of an
+        element another program stores, a store of one it loads, two stores); and (own_reads) a
+        program's load of an element it stored itself (its other threads may read it before
+        the store lands: only a barrier orders them, so the kernel must not use that value)."""
         found = []
         for n, launch in enumerate(self.launches):
-            for name in self.ranges:
-                records = [(i, program, op, elems) for i, (program, op, tname, elems) in enumerate(launch)
-                           if tname == name]
-                writers: dict[int, list[tuple]] = {}  # element -> [(program, record index)]
-                for i, program, op, elems in records:
-                    if op == "store":
-                        for e in np.unique(elems).tolist():
-                            writers.setdefault(e, []).append((program, i))
-                if not writers:
-                    continue
-                pairs: dict[tuple, set] = {}  # (what, reader or first writer, writer) -> elements
-                for e, ws in writers.items():
-                    for p, _ in ws[1:]:
-                        if p != ws[0][0]:
-                            pairs.setdefault(("both store", ws[0][0], p), set()).add(e)
-                written = np.fromiter(writers, dtype=np.uint64)
-                for i, q, op, elems in records:
-                    if op != "load":
-                        continue
-                    for e in np.unique(elems[np.isin(elems, written)]).tolist():
-                        for p, j in writers[e]:
-                            if p != q:
-                                pairs.setdefault(("loads", q, p), set()).add(e)
-                            elif j < i and own_reads:
-                                pairs.setdefault(("own", q, q), set()).add(e)
-                for (what, a, b), elems in sorted(pairs.items()):
-                    some = sorted(elems)[:4]
-                    found.append(f"launch {n}, {name}: " + (
-                        f"programs {a} and {b} both store {some}" if what == "both store" else
-                        f"program {a} loads {some} that program {b} stores" if what == "loads" else
-                        f"program {a} loads {some} after storing them"))
+            found += self._launch_hazards(n, launch, own_reads)
+        return found
+
+    def _launch_hazards(self, n: int, launch: list, own_reads: bool) -> list[str]:
+        import numpy as np
+        from triton.runtime.interpreter import _ir
+
+        acquire = (_ir.MEM_SEMANTIC.ACQUIRE, _ir.MEM_SEMANTIC.ACQUIRE_RELEASE)
+        release = (_ir.MEM_SEMANTIC.RELEASE, _ir.MEM_SEMANTIC.ACQUIRE_RELEASE)
+        ids: dict[tuple, int] = {}  # program -> its index
+        names: list[tuple] = []
+        clocks: dict[int, dict[int, int]] = {}  # vector clocks: what each program has seen of each
+        counters: dict[int, dict[int, int]] = {}  # each sync element's clock (what its releases carried)
+        fenced: dict[int, int] = {}  # each program's data accesses since its last barrier
+        barrier_at: dict[int, int] = {}  # each program's clock at its last barrier
+        data = {name: dict(writer=np.full((hi - lo) // size, -1), wrote=np.zeros((hi - lo) // size, np.int64),
+                           reads={}) for name, (lo, hi, size) in self.ranges.items() if name != "sync"}
+        pairs: dict[tuple, set] = {}  # (what, program, other program, tensor) -> elements
+
+        def join(into: dict, other: dict) -> None:
+            for k, v in other.items():
+                into[k] = max(into.get(k, 0), v)
+
+        for program, op, name, elems, sem in launch:
+            if program not in ids:
+                ids[program] = len(names)
+                names.append(program)
+            p = ids[program]
+            vc = clocks.setdefault(p, {p: 0})
+            vc[p] += 1
+            if op == "barrier":
+                fenced[p], barrier_at[p] = 0, vc[p]
+                continue
+            if op == "sync":
+                for e in elems.tolist():
+                    if sem in acquire:
+                        join(vc, counters.get(e, {}))
+                    if sem in release:
+                        if fenced.get(p, 0):
+                            pairs.setdefault(("unfenced", p, p, name), set()).add(e)
+                        join(counters.setdefault(e, {}), vc)
+                continue
+            fenced[p] = fenced.get(p, 0) + 1
+            d = data[name]
+            writer, wrote = d["writer"][elems], d["wrote"][elems]
+            for q in np.unique(writer[writer >= 0]).tolist():
+                seen = vc.get(q, 0) if q != p else barrier_at.get(p, 0)  # its own: ordered by a barrier
+                hit = elems[(writer == q) & (wrote > seen)]
+                if hit.size and (q != p or (op == "load" and own_reads)):
+                    what = "own" if q == p else "loads" if op == "load" else "both store"
+                    pairs.setdefault((what, p, q, name), set()).update(hit.tolist())
+            if op == "load":
+                d["reads"].setdefault(p, np.zeros(len(d["writer"]), np.int64))[elems] = vc[p]
+                continue
+            for q, read in d["reads"].items():
+                if q != p:
+                    hit = elems[read[elems] > vc.get(q, 0)]
+                    if hit.size:
+                        pairs.setdefault(("stores", p, q, name), set()).update(hit.tolist())
+            d["writer"][elems], d["wrote"][elems] = p, vc[p]
+        texts = {"loads": "program {a} loads {e} that program {b} stores",
+                 "stores": "program {a} stores {e} that program {b} loads",
+                 "both store": "programs {b} and {a} both store {e}",
+                 "own": "program {a} loads {e} after storing them",
+                 "unfenced": "program {a} releases counter {e} with no barrier after its last access"}
+        found = []
+        for (what, a, b, name), elems in sorted(pairs.items(), key=lambda kv: (kv[0][3], kv[0][0], names[kv[0][1]],
+                                                                               names[kv[0][2]])):
+            found.append(f"launch {n}, {name}: " + texts[what].format(a=names[a], b=names[b], e=sorted(elems)[:4]))
         return found
 
 
 @contextlib.contextmanager
-def record_accesses(**tensors):
+def record_accesses(sync=None, **tensors):
     """Interpreter mode only: an AccessLog of every launch made inside the block, watching the
-    given tensors (name=tensor). Loads, masked or not, count their active lanes; atomics count
-    as stores (their ordering is the kernel's own protocol, not a data read)."""
+    given tensors (name=tensor): loads, masked or not, count their active lanes; atomics count
+    as stores, except those on `sync` (the kernel's counters), which order what they carry."""
     from triton.runtime import interpreter
 
-    log = AccessLog(tensors)
+    log = AccessLog(tensors, sync)
     builder = interpreter.interpreter_builder
-    names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")
+    names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas", "create_barrier")
     saved = {name: getattr(builder, name) for name in names}
     launch = interpreter.GridExecutor.__call__
 
@@ -154,20 +201,24 @@ def record_accesses(**tensors):
         log._record(builder, "store", ptrs, mask)
         return saved["create_masked_store"](ptrs, value, mask, *args)
 
-    def rmw(op, ptr, val, mask, *args):
-        log._record(builder, "store", ptr, mask)
-        return saved["create_atomic_rmw"](op, ptr, val, mask, *args)
+    def rmw(op, ptr, val, mask, sem, scope):
+        log._record(builder, "atomic", ptr, mask, sem)
+        return saved["create_atomic_rmw"](op, ptr, val, mask, sem, scope)
 
-    def cas(ptr, *args):
-        log._record(builder, "store", ptr, None)
-        return saved["create_atomic_cas"](ptr, *args)
+    def cas(ptr, cmp, val, sem, scope):
+        log._record(builder, "atomic", ptr, None, sem)
+        return saved["create_atomic_cas"](ptr, cmp, val, sem, scope)
+
+    def barrier():
+        log._record(builder, "barrier", None, None)
+        return saved["create_barrier"]()
 
     def launched(self, *args, **kwargs):
         log.launches.append([])
         return launch(self, *args, **kwargs)
 
     builder.create_masked_load, builder.create_masked_store = load, store
-    builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
+    builder.create_atomic_rmw, builder.create_atomic_cas, builder.create_barrier = rmw, cas, barrier
     interpreter.GridExecutor.__call__ = launched
     try:
         yield log

@@ -291,17 +291,21 @@ def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, see
     batch, hq = len(rows), q.shape[1]
     out = torch.full((batch, hq, head_dim), NAN, device=kh.device)
     counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=kh.device)
+    scratch = dict(mid_o=None, mid_lse=None)
+    if num_splits > 1:
+        scratch = dict(mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device),
+                       mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device))
     launch = functools.partial(
         decode_attention_one_launch,
         q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], head_dim**-0.5, out=out,
-        mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device) if num_splits > 1 else None,
-        mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device) if num_splits > 1 else None,
         merge_counts=counts, num_splits=num_splits, min_split_tokens=16, block_n=16,
-        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm), prefetch_pages=prefetch_pages)
-    if kh.device == "cpu":  # the rows written into the pool read: no program may load another's
+        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm), prefetch_pages=prefetch_pages, **scratch)
+    if kh.device == "cpu":  # the rows written into the pool read: no program may load another's;
+        # the partials and outputs: only as the merge's counters order them
         from tests.triton_interpreter import record_accesses
 
-        with record_accesses(k_cache=kc, v_cache=vc) as log:
+        watched = {name: t for name, t in scratch.items() if t is not None}
+        with record_accesses(sync=counts, k_cache=kc, v_cache=vc, out=out, **watched) as log:
             launch()
         # (A program whose newest row falls past its split's first block loads that row's slot
         # after storing it, and replaces what it loads with the row in registers.)

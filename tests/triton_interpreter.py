@@ -76,14 +76,28 @@ class AccessLog:
     (`sync`, the kernel's own protocol, e.g. "the last program to arrive merges"), directly or
     through other programs. `hazards()` names the pairs left unordered."""
 
-    def __init__(self, tensors: dict, sync=None):
-        # name -> (first byte, end byte, element size) of each watched tensor's storage
-        self.ranges = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
-                       for name, t in tensors.items()}
-        if sync is not None:
-            self.ranges["sync"] = (sync.data_ptr(), sync.data_ptr() + sync.numel() * sync.element_size(),
-                                   sync.element_size())
+    def __init__(self, tensors: dict, sync=None, args: tuple = ()):
+        self.tensors, self.sync, self.args = dict(tensors), sync, tuple(args)
+        self.ranges: dict[str, tuple] = {}  # the launch being recorded's watched storages
         self.launches: list[list[tuple]] = []  # each launch's (program, op, name, element offsets, sem)
+        self.launch_ranges: list[dict] = []  # each launch's watched storages
+
+    def _begin(self, named: dict) -> None:
+        """A launch starts; named: its arguments by name (`args` and a named `sync` come from it).
+        Each watched tensor's whole storage, as (first byte, end byte, element size), under the
+        first name that watches it."""
+        watched = {**self.tensors, **{a: named[a] for a in self.args if hasattr(named.get(a), "data_ptr")}}
+        sync = named.get(self.sync) if isinstance(self.sync, str) else self.sync
+        self.ranges = {}
+        seen = set()
+        for name, t in [*watched.items(), *([("sync", sync)] if sync is not None else [])]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen and name != "sync":
+                continue
+            seen.add(storage.data_ptr())
+            self.ranges[name] = (storage.data_ptr(), storage.data_ptr() + storage.nbytes(), t.element_size())
+        self.launches.append([])
+        self.launch_ranges.append(self.ranges)
 
     def _record(self, builder, op: str, ptrs, mask, sem=None) -> None:
         import numpy as np
@@ -124,7 +138,7 @@ class AccessLog:
         fenced: dict[int, int] = {}  # each program's data accesses since its last barrier
         barrier_at: dict[int, int] = {}  # each program's clock at its last barrier
         data = {name: dict(writer=np.full((hi - lo) // size, -1), wrote=np.zeros((hi - lo) // size, np.int64),
-                           reads={}) for name, (lo, hi, size) in self.ranges.items() if name != "sync"}
+                           reads={}) for name, (lo, hi, size) in self.launch_ranges[n].items() if name != "sync"}
         pairs: dict[tuple, set] = {}  # (what, program, other program, tensor) -> elements
 
         def join(into: dict, other: dict) -> None:
@@ -149,6 +163,8 @@ class AccessLog:
                         if fenced.get(p, 0):
                             pairs.setdefault(("unfenced", p, p, name), set()).add(e)
                         join(counters.setdefault(e, {}), vc)
+                continue
+            if name == "sync":  # a counter read or written plainly: the protocol's own business
                 continue
             fenced[p] = fenced.get(p, 0) + 1
             d = data[name]
@@ -181,13 +197,18 @@ class AccessLog:
 
 
 @contextlib.contextmanager
-def record_accesses(sync=None, **tensors):
+def record_accesses(sync=None, args: tuple = (), **tensors):
     """Interpreter mode only: an AccessLog of every launch made inside the block, watching the
-    given tensors (name=tensor): loads, masked or not, count their active lanes; atomics count
-    as stores, except those on `sync` (the kernel's counters), which order what they carry."""
+    given tensors (name=tensor) and, in each launch, its arguments named in `args` (tensors a
+    function allocates and passes on); a tensor's whole storage is watched. Loads, masked or
+    not, count their active lanes; atomics count as stores, except those on `sync` (the kernel's
+    counters: a tensor, or the name of the kernel argument that holds them), which order what
+    they carry."""
+    import inspect
+
     from triton.runtime import interpreter
 
-    log = AccessLog(tensors, sync)
+    log = AccessLog(tensors, sync, args)
     builder = interpreter.interpreter_builder
     names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas", "create_barrier")
     saved = {name: getattr(builder, name) for name in names}
@@ -214,7 +235,7 @@ def record_accesses(sync=None, **tensors):
         return saved["create_barrier"]()
 
     def launched(self, *args, **kwargs):
-        log.launches.append([])
+        log._begin(inspect.getcallargs(self.fn, *args, **{k: v for k, v in kwargs.items() if k in self.arg_names}))
         return launch(self, *args, **kwargs)
 
     builder.create_masked_load, builder.create_masked_store = load, store

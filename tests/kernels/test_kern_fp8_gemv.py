@@ -150,13 +150,22 @@ def test_dequantize_rows_rounds_code_times_scale_once(kh, dtype):
 @pytest.mark.parametrize("m,split_k", [(1, 1), (1, 4), (5, 3), (17, 2)])
 def test_accumulate_into_adds_the_product_to_its_values_rounded_once(kh, m, split_k):
     """The fused path's residual stream: residual + x @ W^T summed in fp32 and rounded once, in
-    place (the tensor returned is the one given), split or not."""
+    place (the tensor returned is the one given), split or not; in the interpreter, the split
+    tiles' partials and the residual read only as their counters order them."""
     x, qweight, scale, _ = _case(m, 72, 512, bias=False, seed=40 + m, device=kh.device)
     residual = (torch.randn(m, 72, generator=torch.Generator().manual_seed(m)) * 4).to(torch.bfloat16)
     residual = residual.to(kh.device)
     want = (residual.float() + fp8_gemm_reference(x.float(), qweight, scale)).to(torch.bfloat16)
     before = residual.clone()
-    got = fp8_gemm(x, qweight, scale, split_k=split_k, accumulate_into=residual)
+    if INTERPRETED:  # each tile's last split reads the others' partials and the residual: only
+        # after its counter says they are written (tests/triton_interpreter.py's access log)
+        from tests.triton_interpreter import record_accesses
+
+        with record_accesses(sync="COUNTS", args=("PARTIAL", "Y")) as log:
+            got = fp8_gemm(x, qweight, scale, split_k=split_k, accumulate_into=residual)
+        assert log.hazards() == [] and len(log.launches) == 1
+    else:
+        got = fp8_gemm(x, qweight, scale, split_k=split_k, accumulate_into=residual)
     assert got is residual and not torch.equal(residual, before)
     _close(got, want)
     with pytest.raises(ValueError, match="accumulate_into"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from flashlet.kernels.decode_attention import (
     group_pad,
     one_launch_counters,
 )
+from tests.triton_interpreter import interpreted_accesses
 
 NAN = float("nan")
 
@@ -136,26 +136,13 @@ def test_group_pad():
 # ---- one launch: the last split program of a group merges (the fused decode path) -----------
 
 
-@contextlib.contextmanager
-def _access_log(**tensors):
-    """In the interpreter, tests/triton_interpreter.py's access log of the launches in the block
-    (programs run there one after another: a read of another program's write that no counter
-    orders would pass here and race on a GPU); elsewhere None."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield None
-        return
-    from tests.triton_interpreter import record_accesses
-
-    with record_accesses(**tensors) as log:
-        yield log
-
-
 def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits, head_dim=16, block_n=16,
                       min_split_tokens=16, seed=0, launches=2, scratch_out=None, **variant):
     """Poisoned output and partials; the counters must be back at 0 after every launch, a
     second launch over the same scratch must give the same output (it is graph-replayed), and
     in the interpreter no program reads a partial or output another one writes, or writes one
-    another reads, unless the merge's counters order the two (`_access_log`).
+    another reads, unless the merge's counters order the two (the access log,
+    tests/triton_interpreter.py).
     variant: decode_attention_one_launch's variant arguments; scratch_out: a dict that gets the
     scratch (to read which partials were written)."""
     paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=seed)
@@ -172,7 +159,7 @@ def _check_one_launch(kh, *, group, num_kv_heads, page_size, kv_lens, num_splits
     outs = []
     for _ in range(launches):
         out = torch.full_like(q, NAN)
-        with _access_log(sync=scratch["merge_counts"], mid_o=scratch["mid_o"], mid_lse=scratch["mid_lse"],
+        with interpreted_accesses(sync=scratch["merge_counts"], mid_o=scratch["mid_o"], mid_lse=scratch["mid_lse"],
                          out=out) as log:
             got = decode_attention_one_launch(*args, head_dim**-0.5, out=out, num_splits=num_splits,
                                               min_split_tokens=min_split_tokens, block_n=block_n, **scratch, **variant)
@@ -654,7 +641,7 @@ def test_merge_in_kernel_matches_the_reference_and_leaves_counters_at_zero(
     """Each group's last split program merges (no merge launch): the output over poisoned
     scratch matches the reference, every counter is back at 0, a second launch over the same
     scratch (a graph replay) gives the same output, and the counters order every read of a
-    partial (`_access_log`)."""
+    partial (tests/triton_interpreter.py's access log)."""
     paged = kh.make_paged(kv_lens, page_size, num_kv_heads, head_dim, seed=2)
     q = torch.randn(len(kv_lens), group * num_kv_heads, head_dim, generator=torch.Generator().manual_seed(3))
     args = (q.to(kh.device), paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"],
@@ -667,7 +654,7 @@ def test_merge_in_kernel_matches_the_reference_and_leaves_counters_at_zero(
     outs = []
     for _ in range(2):
         out = torch.full_like(args[0], NAN)
-        with _access_log(sync=counts, out=out, **scratch) as log:
+        with interpreted_accesses(sync=counts, out=out, **scratch) as log:
             decode_attention(*args, out=out, num_splits=num_splits, min_split_tokens=16, block_n=16,
                              prefetch=prefetch, kv_heads_per_program=kv_pack, merge_counts=counts, **scratch)
         assert log is None or log.hazards() == [], "partials or outputs read unordered (the merge's counters)"

@@ -17,6 +17,7 @@ from flashlet.kernels.decode_attention import (RopeIn, decode_attention_one_laun
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kvcache.kv_pool import quantize_fp8
 from flashlet.models.ops import QKNorm
+from tests.triton_interpreter import interpreted_accesses
 
 NAN = float("nan")
 
@@ -300,18 +301,14 @@ def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, see
         q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], head_dim**-0.5, out=out,
         merge_counts=counts, num_splits=num_splits, min_split_tokens=16, block_n=16,
         kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm), prefetch_pages=prefetch_pages, **scratch)
-    if kh.device == "cpu":  # the rows written into the pool read: no program may load another's;
-        # the partials and outputs: only as the merge's counters order them
-        from tests.triton_interpreter import record_accesses
-
-        watched = {name: t for name, t in scratch.items() if t is not None}
-        with record_accesses(sync=counts, k_cache=kc, v_cache=vc, out=out, **watched) as log:
-            launch()
-        # (A program whose newest row falls past its split's first block loads that row's slot
-        # after storing it, and replaces what it loads with the row in registers.)
-        assert log.hazards(own_reads=False) == []
-    else:
+    # The rows written into the pool read: no program may load another's; the partials and
+    # outputs: only as the merge's counters order them. (A program whose newest row falls past
+    # its split's first block loads that row's slot after storing it, and replaces what it loads
+    # with the row in registers: own reads are allowed.)
+    watched = {name: t for name, t in scratch.items() if t is not None}
+    with interpreted_accesses(sync=counts, k_cache=kc, v_cache=vc, out=out, **watched) as log:
         launch()
+    assert log is None or log.hazards(own_reads=False) == []
     assert not torch.isnan(out).any() and not counts.any()
     assert kh.rel_err(out, want) < 1e-5
     assert kh.rel_err(kc, kc_ref) < 1e-5 and torch.equal(vc, vc_ref)

@@ -13,6 +13,7 @@ from flashlet.kernels.fp8_gemv import (DEFAULT_TILE, INTERPRETED, MANY_ROWS_MIN_
                                        dequantize_rows, fp8_gemm, fp8_gemm_reference, split_k_for,
                                        tile_for)
 from flashlet.models.quantization import quantize_rows
+from tests.triton_interpreter import interpreted_accesses
 
 
 def _case(m, n, k, *, bias, seed, device, dtype=torch.bfloat16):
@@ -157,15 +158,11 @@ def test_accumulate_into_adds_the_product_to_its_values_rounded_once(kh, m, spli
     residual = residual.to(kh.device)
     want = (residual.float() + fp8_gemm_reference(x.float(), qweight, scale)).to(torch.bfloat16)
     before = residual.clone()
-    if INTERPRETED:  # each tile's last split reads the others' partials and the residual: only
-        # after its counter says they are written (tests/triton_interpreter.py's access log)
-        from tests.triton_interpreter import record_accesses
-
-        with record_accesses(sync="COUNTS", args=("PARTIAL", "Y")) as log:
-            got = fp8_gemm(x, qweight, scale, split_k=split_k, accumulate_into=residual)
-        assert log.hazards() == [] and len(log.launches) == 1
-    else:
+    # Each tile's last split reads the others' partials and the residual only after its counter
+    # says they are written (the access log, tests/triton_interpreter.py).
+    with interpreted_accesses(sync="COUNTS", args=("PARTIAL", "Y")) as log:
         got = fp8_gemm(x, qweight, scale, split_k=split_k, accumulate_into=residual)
+    assert log is None or (log.hazards() == [] and len(log.launches) == 1)
     assert got is residual and not torch.equal(residual, before)
     _close(got, want)
     with pytest.raises(ValueError, match="accumulate_into"):

@@ -80,7 +80,8 @@
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
 #                .whl-triton/ (scripts/gpu_wheels.sh; this machine's python3 has 3.6): the
-#                one-launch attention's kernel and fused-engine GPU tests compiled by it (~6 min)
+#                attention and fp8 GEMM kernel tests and the fused engine's GPU tests compiled
+#                by it (~7 min)
 #   triton-pin-ab one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 and
 #                1,000 tokens, two interleaved pairs, and the 0.5B's closed loop, the pinned
 #                Triton against this machine's (TRITON_PIN_CONFIGS, TRITON_PIN_LENS) (~9 min).
@@ -717,9 +718,10 @@ for _ in range(480):
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env
-      run 560 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/kernels/test_kern_gpu.py \
-        tests/gpu/test_gpu_decode_attention.py tests/gpu/test_gpu_fused_decode.py \
-        -k "one_launch or rope_in or default_config or qwen05 or long_context_entry" ;;
+      run 200 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/kernels/test_kern_gpu.py \
+        tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py tests/kernels/test_kern_fp8_gemv.py
+      run 360 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/gpu/test_gpu_decode_attention.py \
+        tests/gpu/test_gpu_fused_decode.py -k "one_launch or default_config or qwen05 or long_context_entry" ;;
     triton-pin-ab)  # what a user's install (the pinned Triton) gets against this machine's 3.6:
       # one stream through LLM.generate at TRITON_PIN_CONFIGS after 32 and 1,000 tokens, two
       # interleaved pairs, then the 0.5B's closed loop (c = 1 / 4 / 16) with each

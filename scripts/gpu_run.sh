@@ -682,7 +682,7 @@ for _ in range(480):
       done
       pair_table ;;
     lean-merge)  # the kernel alone; no CuTe DSL needed
-      run 200 $PYTEST tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py -k "lean or random"
+      run 200 $PYTEST tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py -k "lean or random or long_entry"
       for lean in 0 1; do
         run 200 env FLASHLET_LEAN_MERGE=$lean python3 lab/merge_group_ab.py --model qwen3-0.6b --table \
           --kv-lens 1000 8000 30000 --groups 8 --json "$OUT/json/lean-$lean-qwen3.json"

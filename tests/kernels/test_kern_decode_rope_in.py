@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlet.kernels.decode_attention import (RopeIn, decode_attention_one_launch, decode_attention_reference)
+from flashlet.kernels.decode_attention import (RopeIn, decode_attention_one_launch, decode_attention_reference,
+                                               one_launch_counters)
 from flashlet.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from flashlet.kvcache.kv_pool import quantize_fp8
 from flashlet.models.ops import QKNorm
@@ -310,5 +311,38 @@ def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, see
         launch()
     assert log is None or log.hazards(own_reads=False) == []
     assert not torch.isnan(out).any() and not counts.any()
+    assert kh.rel_err(out, want) < 1e-5
+    assert kh.rel_err(kc, kc_ref) < 1e-5 and torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("kv_len,prefetch_pages,merge_group", [(1100, True, 0), (1500, True, 4), (1100, False, 0)])
+def test_rope_in_at_the_long_entry_that_failed_on_the_h200(kh, kv_len, prefetch_pages, merge_group):
+    """The one-row long one-launch entry test_gpu_fused_decode.py's ROPE_IN_LONG_ENTRY marks
+    (Qwen3's rows made in the kernel, head_dim 64 and group 2 as its tiny model: 64-key blocks on 2
+    warps, 3 stages, 32 splits, rows of 1,024+ tokens split at 64, page ids carried ahead, grouped
+    or not): the reference's output, and in the interpreter no race in the pool or the merge. On
+    the H200 the engine's test at that entry failed (2026-12-05); passing in the interpreter says
+    the cause is not the kernel's protocol as the interpreter sees it; on a GPU (fp32 here) it
+    runs the entry's exact tile, its programs at once."""
+    rows = [(0, kv_len)]
+    kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(kh, rows, group=2, num_kv_heads=2, head_dim=64,
+                                                               page_size=16, seed=kv_len)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want_q, _ = rope_kv_write_reference(q, k, v, pos, cs, kc_ref, vc_ref, slots, qk_norm=norm)
+    want = decode_attention_reference(want_q, kc_ref, vc_ref, table["kv_indptr"], table["kv_indices"],
+                                      table["kv_lens"], 64**-0.5)
+    splits, hq = 32, q.shape[1]
+    out = torch.full((1, hq, 64), NAN, device=kh.device)
+    counts = torch.zeros(one_launch_counters(1, 2, splits, merge_group), dtype=torch.int32, device=kh.device)
+    scratch = dict(mid_o=torch.full((splits, hq, 64), NAN, device=kh.device),
+                   mid_lse=torch.full((splits, hq), NAN, device=kh.device))
+    with interpreted_accesses(sync=counts, k_cache=kc, v_cache=vc, out=out, **scratch) as log:
+        decode_attention_one_launch(
+            q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], 64**-0.5, out=out,
+            merge_counts=counts, num_splits=splits, min_split_tokens=256, block_n=64, num_warps=2, num_stages=3,
+            long_from_tokens=1024, long_split_tokens=64, rope_in=RopeIn(k, v, pos, cs, norm),
+            prefetch_pages=prefetch_pages, merge_group=merge_group, **scratch)
+    assert log is None or log.hazards(own_reads=False) == []
+    assert not counts.any()
     assert kh.rel_err(out, want) < 1e-5
     assert kh.rel_err(kc, kc_ref) < 1e-5 and torch.equal(vc, vc_ref)

@@ -714,7 +714,7 @@ for _ in range(480):
       cute_env
       table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
       unset FLASHLET_LEAN_MERGE ;;
-    triton-pin)  # the one-launch attention's kernel tests and the fused engine's agreement
+    triton-pin)  # the attention and fp8 GEMM kernel tests and the fused engine's agreement
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env

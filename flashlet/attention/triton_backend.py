@@ -45,7 +45,7 @@
   rows bucket) has no entry; an entry sets the tile, the split cap, KV heads a program and the
   split lengths (runtime values: a graph per row count serves every context length). Where
   `tuning.ONE_LAUNCH_LONG_TABLE` has an entry for the rows bucket, a one-launch step whose
-  longest row holds at least ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
+  longest row holds more than ONE_LAUNCH_LONG_CONTEXT tokens takes it instead: `graph_key` then
   says "long" (a second graph per row count) and `decode_warm_contexts` gives the warm-up a
   context that reaches it. With $FLASHLET_LONG_DECODE=two-launch (an A/B, read by the
   constructor; =one-launch ignores a TWO_LAUNCH entry), or where the table's entry is
@@ -320,7 +320,7 @@ class TritonBackend(AttentionBackend):
         With `short_grid` every such bucket has one: its long graph keeps the full grid (its
         entry, or else its short config), its short graph the cut one."""
         attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
-        if not attends_in_one or self.max_tokens < tuning.ONE_LAUNCH_LONG_CONTEXT:
+        if not attends_in_one or self.max_tokens <= tuning.ONE_LAUNCH_LONG_CONTEXT:
             return False
         entry = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
         if self.long_decode == "one-launch":
@@ -336,13 +336,17 @@ class TritonBackend(AttentionBackend):
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Does this pure-decode step take its rows bucket's long-context entry (its longest row
-        at least ONE_LAUNCH_LONG_CONTEXT tokens)? Asked by `graph_key` and `attend_one_launch`,
+        past ONE_LAUNCH_LONG_CONTEXT tokens)? Asked by `graph_key` and `attend_one_launch`,
         not by `plan`: a steady step replays its graph unplanned for it, and reading its KV
-        lengths would build the host arrays it skips (its graph stays the one it had)."""
+        lengths would build the host arrays it skips (its graph stays the one it had). So the
+        switch falls on a step that loads: past the threshold, a multiple of the page size, the
+        row's newest token is its page's first, which no steady step is (at "at least", the
+        step at the threshold replayed the short graph while an eager run took the long
+        config, and their tokens parted at near ties: the H100, 2026-12-05)."""
         if meta is not self._long_meta:
             self._long_meta = meta
             self._long = (meta.is_pure_decode and self.has_long_entry(meta.num_seqs)
-                          and meta.host.max_kv_len >= tuning.ONE_LAUNCH_LONG_CONTEXT)
+                          and meta.host.max_kv_len > tuning.ONE_LAUNCH_LONG_CONTEXT)
         return self._long
 
     def graph_key(self, meta: AttentionMetadata) -> tuple:

@@ -87,19 +87,21 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (`_one_launch_kernel`'s EARLY_PAGE_BASE), for a GPU A/B in a fresh process: off until measured
 # (at head_dim 128, 64-key blocks on 4 warps with page ids ahead, it spills 276 bytes at sm_90a).
 EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
-# The one-launch decode's lean merge, for a GPU A/B in a fresh process, off until measured:
-# $FLASHLET_LEAN_MERGE = "peel" (the merging program loads its first partials beside their
-# log-sum-exps: `_merge_partials`' PEEL, one L2 round trip, not two, where a merge reads at most
-# MERGE_SPLITS partials), "rows" (the merge's tiles hold the real query heads of a program padded
-# to a power of two, not to the dot's 16 rows: Qwen3's group 2 reads 8x the partials a step), "1"
-# both, "0" or unset neither.
+# The one-launch decode's lean merge: "peel" (the merging program loads its first partials beside
+# their log-sum-exps: `_merge_partials`' PEEL, one L2 round trip, not two, where a merge reads at
+# most MERGE_SPLITS partials) and "rows" (the merge's tiles hold the real query heads of a program
+# padded to a power of two, not to the dot's 16 rows: Qwen3's group 2 reads 8x the partials a
+# step). Both on by default since their GPU run (H100, 2026-12-05, through LLM.generate, two
+# interleaved pairs: qwen3-0.6b after 1,000 tokens 1,000 -> 1,053 tok/s, after 8,000 529 -> 680,
+# qwen2.5-0.5b after 1,000 1,740 -> 1,767; FUSED_NOTES.md, "A lean merge"). $FLASHLET_LEAN_MERGE
+# = "0" turns both off for an A/B in a fresh process, "peel" / "rows" one; "1" or unset both.
 LEAN_MERGE_ENV = "FLASHLET_LEAN_MERGE"
 
 
 def lean_merge_from_env() -> frozenset:
     """$FLASHLET_LEAN_MERGE as the set of its parts ("peel", "rows"); ValueError for another value."""
     text = os.environ.get(LEAN_MERGE_ENV, "").strip().lower()
-    forms = {"": (), "0": (), "peel": ("peel",), "rows": ("rows",), "1": ("peel", "rows")}
+    forms = {"": ("peel", "rows"), "0": (), "peel": ("peel",), "rows": ("rows",), "1": ("peel", "rows")}
     if text not in forms:
         raise ValueError(f"{LEAN_MERGE_ENV}={text!r}: expected peel, rows, 1 (both) or 0")
     return frozenset(forms[text])
@@ -752,7 +754,7 @@ def decode_attention_reference(
 # PREFETCH_PAGES, page ids carried a block ahead by the block loop; MERGE_GROUP, the merge in two
 # levels (each MERGE_GROUP splits' last program folds theirs, the last group's merges the groups':
 # one program no longer merges up to 64 partials alone while the GPU idles). MERGE_PEEL and
-# MERGE_ROWS ($FLASHLET_LEAN_MERGE, an A/B switch, not a config field): the merge's first
+# MERGE_ROWS (LEAN_MERGE: on by default, $FLASHLET_LEAN_MERGE=0 an A/B switch, not a config field): the merge's first
 # partials load beside its log-sum-exps; its tiles hold only the real query heads.
 
 

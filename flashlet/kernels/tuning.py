@@ -34,8 +34,8 @@ one-launch form, per (head_dim, group, rows bucket of ONE_LAUNCH_ROW_BUCKETS); a
 an entry keeps the form's derived config (`TritonBackend.one_launch_config`). Its context-length
 handling (the smallest split, the long-row rule) is made of runtime values: one CUDA graph per
 row count serves every length. The one exception, where a sweep measured that it pays:
-ONE_LAUNCH_LONG_TABLE's entry for a rows bucket serves the fused steps whose longest row holds at
-least ONE_LAUNCH_LONG_CONTEXT tokens, in a second CUDA graph per row count (the graph's key
+ONE_LAUNCH_LONG_TABLE's entry for a rows bucket serves the fused steps whose longest row holds
+more than ONE_LAUNCH_LONG_CONTEXT tokens, in a second CUDA graph per row count (the graph's key
 says "long"; warm-up captures it), as the split prefill has a second mixed graph past
 PREFILL_SPLIT_MIN_CONTEXT: one grid cannot be the best for 300 tokens and for 30,000.
 """
@@ -60,9 +60,11 @@ PREFILL_SPLIT_MAX_TOKENS = 1024
 # 1.09x; H200, scripts/prefill_split_bench.py, 2026-12-03). 2,048 is not measured.
 PREFILL_SPLIT_MIN_CONTEXT = 4096
 ONE_LAUNCH_ROW_BUCKETS = (1, 4, 8, 16)  # the fused decode path's rows a step; more: no table entry
-# A fused step whose longest row holds at least this many tokens takes its rows bucket's
+# A fused step whose longest row holds more than this many tokens takes its rows bucket's
 # ONE_LAUNCH_LONG_TABLE entry, where it has one (the one-launch sweep's long contexts, 8,000 and
-# 30,000, lie past it; its short ones, 300 and 1,000, before it).
+# 30,000, lie past it; its short ones, 300 and 1,000, before it). A multiple of every page size,
+# so the step that crosses it starts a page and loads (no steady replay keeps the short graph:
+# `TritonBackend.long_context`).
 ONE_LAUNCH_LONG_CONTEXT = 4096
 # The most splits a measured entry's num_splits may give (past the backend's default cap of 64,
 # which the derived configs keep): one long row over more programs than SMs, as the two-launch
@@ -162,7 +164,7 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
-# at least ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:
+# more than ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:
 # the best at the bucket's long contexts, where it beat what those rows run without it), or
 # TWO_LAUNCH: those steps attend through the two-launch decode (split kernel + merge kernel,
 # BATCHED_DECODE_TABLE's config), measured faster in the engine (`gpu_run.sh long-attn-ab`).

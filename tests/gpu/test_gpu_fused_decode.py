@@ -657,11 +657,15 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-# Failed on the H200 (2026-12-05, 2671152; the run stopped there and its message was not kept):
-# Qwen3's rows made in the attention kernel under a long one-launch entry of 2 warps with page ids
-# ahead. The interpreter's run of the same (tests/test_fused_decode.py) passes. No long one-launch
-# entry is written for a shape that runs rope_in until this passes.
-ROPE_IN_LONG_ENTRY = pytest.mark.xfail(reason="failed on the H200 on 2026-12-05, not yet understood", strict=False)
+# Failed on the H200 (2026-12-05, 2671152) and on an H100 (the same day, with --runxfail): the
+# teacher-forced agreement held (232 of 240 picks, the fused logits nearer fp32 than per-op's),
+# the graphs' free-running tokens parted from the eager run's at token 34 of the 1,000-token
+# prompt. The step whose row reached the threshold exactly was a steady one: it replayed the short
+# graph, while the eager run took the long entry (other arithmetic, a near tie later). Since then
+# the long entry starts past the threshold, on a step that loads (`TritonBackend.long_context`).
+# Marked until a GPU run passes it; no long one-launch entry is written for a rope_in shape before.
+ROPE_IN_LONG_ENTRY = pytest.mark.xfail(reason="graphs parted from eager on 2026-12-05; the threshold moved since",
+                                       strict=False)
 
 
 @pytest.mark.parametrize("family,form", [

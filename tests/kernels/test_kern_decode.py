@@ -338,6 +338,7 @@ def test_one_launch_lean_merge_matches_reference(kh, monkeypatch, group, num_kv_
 
     common = dict(group=group, num_kv_heads=num_kv_heads, page_size=8, kv_lens=kv_lens, num_splits=num_splits,
                   kv_heads_per_program=kv_pack, merge_splits=merge_splits, merge_group=merge_group)
+    monkeypatch.setattr(da, "LEAN_MERGE", frozenset())  # the merge before it (the default now leans)
     plain, _ = _check_one_launch(kh, **common)
     monkeypatch.setenv(da.LEAN_MERGE_ENV, lean)
     monkeypatch.setattr(da, "LEAN_MERGE", da.lean_merge_from_env())
@@ -376,7 +377,8 @@ def test_one_launch_merges_random(kh, group, kv_pack, page_size, kv_lens, num_sp
 def test_lean_merge_env_is_checked(monkeypatch):
     from flashlet.kernels import decode_attention as da
 
-    for text, want in (("", set()), ("0", set()), ("peel", {"peel"}), ("rows", {"rows"}), ("1", {"peel", "rows"})):
+    for text, want in (("", {"peel", "rows"}), ("0", set()), ("peel", {"peel"}), ("rows", {"rows"}),
+                       ("1", {"peel", "rows"})):
         monkeypatch.setenv(da.LEAN_MERGE_ENV, text)
         assert da.lean_merge_from_env() == want
     monkeypatch.setenv(da.LEAN_MERGE_ENV, "yes")

@@ -136,7 +136,7 @@ def test_attend_one_launch_runs_the_entrys_variant(kh, monkeypatch, prefetch_pag
 
 
 def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monkeypatch):
-    """ONE_LAUNCH_LONG_TABLE's entry serves the one-launch steps whose longest row holds at least
+    """ONE_LAUNCH_LONG_TABLE's entry serves the one-launch steps whose longest row holds more than
     ONE_LAUNCH_LONG_CONTEXT tokens: they are keyed "long" (a graph of their own), the kernel gets
     the long entry's variant, and the output is still the reference's; shorter steps, steps of
     another rows bucket and steps that attend in two launches keep what they had."""
@@ -154,7 +154,7 @@ def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monk
     assert backend.decode_warm_contexts(1) == (0, 200) and backend.decode_warm_contexts(2) == (0,)
     assert backend._mid_o.shape[0] >= 8  # the scratch holds the long entry's splits
     q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(3)).to(kh.device)
-    for kv_len, key, block in ((199, (), (16, 1, 4)), (200, ("long",), (16, 2, 8)), (600, ("long",), (16, 2, 8))):
+    for kv_len, key, block in ((200, (), (16, 1, 4)), (201, ("long",), (16, 2, 8)), (600, ("long",), (16, 2, 8))):
         meta, pages = kh.make_step(pool, [(kv_len, 1)])
         backend.plan(meta)
         assert backend.graph_key(meta) == key
@@ -192,7 +192,7 @@ def test_a_long_entry_that_merges_in_two_levels_sizes_its_counters(kh, monkeypat
     backend.fused_rows = 16
     assert backend._merge_counts.numel() >= one_launch_counters(1, 2, 8, 2)
     q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(4)).to(kh.device)
-    for kv_len in (200, 250, 600):  # 7, 8 and 8 splits of 32 or more: ragged and full groups
+    for kv_len in (201, 250, 600):  # 7, 8 and 8 splits of 32 or more: ragged and full groups
         meta, pages = kh.make_step(pool, [(kv_len, 1)])
         backend.plan(meta)
         attend_and_check(kh, backend, pool, q, meta)

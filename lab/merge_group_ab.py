@@ -115,9 +115,10 @@ def main(argv=None) -> int:
                  asdict(variants[best].config(tuning))]
         Path(args.table_json).write_text(json.dumps([entry], indent=1))
         print(f"the long entry ({best}) written to {args.table_json}")
-    if args.two_launch_json:
-        entry = [[model["head_dim"], model["num_q_heads"] // model["num_kv_heads"], "model", 1],
-                 asdict(replace(cfg, num_splits=wide))]
+    if args.two_launch_json:  # the one-row bucket's BATCHED_DECODE_TABLE config, its split cap widened
+        group = model["num_q_heads"] // model["num_kv_heads"]
+        cfg = tuning.batched_decode_config(model["head_dim"], group, 1, "model")
+        entry = [[model["head_dim"], group, "model", 1], asdict(replace(cfg, num_splits=wide))]
         Path(args.two_launch_json).write_text(json.dumps([entry], indent=1))
         print(f"the two-launch form's one-row entry at S{wide} written to {args.two_launch_json}")
     return 1 if failed else 0

@@ -294,9 +294,9 @@ class TritonBackend(AttentionBackend):
             return cfg, 1
         max_splits = self._max_splits(cfg.smallest_split_tokens(), cfg)
         if self.short_grid and not long and self.has_long_entry(num_seqs):
-            # The steps this graph serves hold fewer than ONE_LAUNCH_LONG_CONTEXT tokens a row
-            # (a steady step replays it up to 16 tokens past: fewer, longer splits, still right);
-            # the next power of two, as the caps are.
+            # The steps this graph serves hold at most ONE_LAUNCH_LONG_CONTEXT tokens a row (the
+            # step past it starts a page and loads: `long_context`); the next power of two, as
+            # the caps are.
             usable = -(-tuning.ONE_LAUNCH_LONG_CONTEXT // cfg.smallest_split_tokens())
             max_splits = min(max_splits, 1 << (usable - 1).bit_length())
         return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, max_splits)

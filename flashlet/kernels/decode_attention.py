@@ -747,15 +747,16 @@ def decode_attention_reference(
 # and spills at the 64 x 128 tile with page ids ahead and groups. The interpreter's access log,
 # tests/triton_interpreter.py, holds the kernel to this.)
 #
-# Variants (tuning.OneLaunchConfig picks them per rows bucket; off by default, and then the kernel
-# compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
+# Variants (tuning.OneLaunchConfig picks them per rows bucket; off where no entry sets them, and
+# then the kernel compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in
 # `_decode_kernel`; LONG_RULE, a row of at least long_from_tokens splitting at long_split_tokens
 # (runtime values: one graph per row count serves every length); MERGE_SPLITS, the merge width;
 # PREFETCH_PAGES, page ids carried a block ahead by the block loop; MERGE_GROUP, the merge in two
 # levels (each MERGE_GROUP splits' last program folds theirs, the last group's merges the groups':
 # one program no longer merges up to 64 partials alone while the GPU idles). MERGE_PEEL and
-# MERGE_ROWS (LEAN_MERGE: on by default, $FLASHLET_LEAN_MERGE=0 an A/B switch, not a config field): the merge's first
-# partials load beside its log-sum-exps; its tiles hold only the real query heads.
+# MERGE_ROWS, the lean merge (LEAN_MERGE: on by default; $FLASHLET_LEAN_MERGE=0 is an A/B switch,
+# not a config field): the merge's first partials load beside its log-sum-exps; its tiles hold
+# only the real query heads.
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])

@@ -174,9 +174,14 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # partials alone: an ~18 us tail at 30,000 tokens with the GPU idle (Nsight Compute; FUSED_NOTES.md,
 # "A long-context graph for one row"). Its sweep's best one-launch config read 6-9% under the
 # derived one alone. $FLASHLET_LONG_DECODE=one-launch turns such an entry off (one graph a row count).
+# Qwen3-0.6B's one row (H100, 2026-12-05, 6c77db2, the lean merge on in the one-launch form, two
+# interleaved fresh-process pairs, `LONG_AB_CONFIG=qwen3-0.6b gpu_run.sh long-attn-ab`): after
+# 30,000 tokens 458 / 459 tok/s in two launches against 357 / 356 in one (+29%), after 8,000
+# 777 / 777 against 681 / 681 (+14%). The key covers Qwen3-1.7B too (group 2), not measured there.
 TWO_LAUNCH = "two-launch"
 ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
     (64, 7, 1): TWO_LAUNCH,
+    (128, 2, 1): TWO_LAUNCH,
 }
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}

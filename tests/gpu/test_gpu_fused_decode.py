@@ -657,22 +657,13 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-# Failed on the H200 (2026-12-05, 2671152) and on an H100 (the same day, with --runxfail): the
-# teacher-forced agreement held (232 of 240 picks, the fused logits nearer fp32 than per-op's),
-# the graphs' free-running tokens parted from the eager run's at token 34 of the 1,000-token
-# prompt. The step whose row reached the threshold exactly was a steady one: it replayed the short
-# graph, while the eager run took the long entry (other arithmetic, a near tie later). Since then
-# the long entry starts past the threshold, on a step that loads (`TritonBackend.long_context`).
-# Marked until a GPU run passes it; no long one-launch entry is written for a rope_in shape before.
-ROPE_IN_LONG_ENTRY = pytest.mark.xfail(reason="graphs parted from eager on 2026-12-05; the threshold moved since",
-                                       strict=False)
-
-
+# Failed on the H200 (2026-12-05, 2671152) for Qwen3's one-launch forms: the step whose row
+# reached the threshold exactly was a steady one and replayed the short graph, while the eager
+# run took the long entry. Since bc637cc the long entry starts past the threshold, on a step that
+# loads (`TritonBackend.long_context`); all seven cases passed on an H100 (6c77db2, 2026-12-05).
 @pytest.mark.parametrize("family,form", [
     ("qwen2", "table"), ("qwen2", "grouped"), ("qwen2", "two-launch"),
-    pytest.param("qwen3", "table", marks=ROPE_IN_LONG_ENTRY),
-    pytest.param("qwen3", "table-plain", marks=ROPE_IN_LONG_ENTRY),
-    pytest.param("qwen3", "grouped", marks=ROPE_IN_LONG_ENTRY), ("qwen3", "two-launch"),
+    ("qwen3", "table"), ("qwen3", "table-plain"), ("qwen3", "grouped"), ("qwen3", "two-launch"),
 ], ids=["rope-epilogue-table", "rope-epilogue-grouped", "rope-epilogue-two-launch", "rope-in-attention-table",
         "rope-in-attention-table-plain", "rope-in-attention-grouped", "rope-in-attention-two-launch"])
 def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):

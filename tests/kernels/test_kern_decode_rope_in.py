@@ -317,13 +317,14 @@ def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, see
 
 @pytest.mark.parametrize("kv_len,prefetch_pages,merge_group", [(1100, True, 0), (1500, True, 4), (1100, False, 0)])
 def test_rope_in_at_the_long_entry_that_failed_on_the_h200(kh, kv_len, prefetch_pages, merge_group):
-    """The one-row long one-launch entry test_gpu_fused_decode.py's ROPE_IN_LONG_ENTRY marks
+    """The one-row long one-launch entry of test_gpu_fused_decode.py's rope-in-attention cases
     (Qwen3's rows made in the kernel, head_dim 64 and group 2 as its tiny model: 64-key blocks on 2
     warps, 3 stages, 32 splits, rows of 1,024+ tokens split at 64, page ids carried ahead, grouped
     or not): the reference's output, and in the interpreter no race in the pool or the merge. On
-    the H200 the engine's test at that entry failed (2026-12-05); passing in the interpreter says
-    the cause is not the kernel's protocol as the interpreter sees it; on a GPU (fp32 here) it
-    runs the entry's exact tile, its programs at once."""
+    the H200 the engine's test at that entry failed (2026-12-05): not the kernel, but a steady step
+    at the threshold that replayed the short graph (fixed in TritonBackend.long_context; the
+    engine's test passed on an H100 since). On a GPU (fp32 here) this runs the entry's exact tile,
+    its programs at once."""
     rows = [(0, kv_len)]
     kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(kh, rows, group=2, num_kv_heads=2, head_dim=64,
                                                                page_size=16, seed=kv_len)

@@ -86,12 +86,6 @@
 #                (TRITON_PIN_LENS=1000: after 1,000, in a call of its own), two interleaved
 #                pairs, and the 0.5B's closed loop, the pinned Triton against this machine's
 #                (TRITON_PIN_CONFIGS) (~7 min). TRITON_PIN=1 runs any part on the pinned Triton
-#   short-grid-ab every one-launch rows bucket's short graph with only the splits a row under 4,096
-#                tokens can use, its long steps in a graph of their own ($FLASHLET_SHORT_GRID=1: the
-#                0.5B's one row 16 splits, not 64; four rows 128 programs, not 512) against the
-#                default: the long-entry GPU tests with it on, then one stream through LLM.generate
-#                after SHORT_LENS tokens (default 32) and the closed loop at c = 1 / 4 / 16, two
-#                interleaved pairs (~8 min)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -738,18 +732,6 @@ for _ in range(480):
       done
       closed_loop "$OUT/json/triton-host-loop.json"
       closed_loop "$OUT/json/triton-pin-loop.json" PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
-      pair_table ;;
-    short-grid-ab)
-      cute_env
-      run 300 env FLASHLET_SHORT_GRID=1 $PYTEST tests/gpu/test_gpu_fused_decode.py -k "long_context_entry and rope-epilogue"
-      for pair in 1 2; do
-        for grid in 0 1; do
-          for plen in ${SHORT_LENS:-32}; do
-            run 150 env FLASHLET_SHORT_GRID=$grid python3 lab/one_stream_pair.py "short-grid=$grid" --prompt-len "$plen"
-          done
-          closed_loop "$OUT/json/short-grid-$grid-loop-$pair.json" FLASHLET_SHORT_GRID=$grid
-        done
-      done
       pair_table ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)

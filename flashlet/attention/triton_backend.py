@@ -115,13 +115,6 @@ LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
 # A/B in a fresh process.
 ONE_LAUNCH_DECODE_ENV = "FLASHLET_ONE_LAUNCH_DECODE"
-# "1": every rows bucket the one-launch form serves gets a long graph (its steps past
-# ONE_LAUNCH_LONG_CONTEXT tokens: its long entry, or else its short config with the full grid), and
-# its short graph's grid holds only the splits a row under that threshold can use (16 at 256-token
-# splits, not 64): the same splits, fewer programs that exit at once (the 0.5B's 4 rows: 128 where
-# there were 512). Read once, by the constructor, for a GPU A/B in a fresh process: off until
-# measured.
-SHORT_GRID_ENV = "FLASHLET_SHORT_GRID"
 
 
 class TritonBackend(AttentionBackend):
@@ -182,7 +175,6 @@ class TritonBackend(AttentionBackend):
         self.split_cap = DEFAULT_SPLIT_CAP if max_kv_splits is None else max_kv_splits
         self._split_cap_given = max_kv_splits is not None
         self.num_sms = num_sms
-        self.short_grid = False  # (SHORT_GRID_ENV, read below) off while the scratch is sized for the widest grids
         self._decode_overrides = _given(min_split_tokens=min_split_tokens, block_n=decode_block_n)
         env = prefill_splits_from_env()
         self._prefill_overrides = _given(
@@ -205,8 +197,7 @@ class TritonBackend(AttentionBackend):
                                                   self.head_dim, device)
         self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
                                  for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
-        # Every batch's one-launch (config, splits), its short and long graphs' (the widest grids:
-        # short_grid is still off).
+        # Every batch's one-launch (config, splits), its short and long graphs'.
         widest = {b: (self.one_launch_config(b), self.one_launch_config(b, long=True))
                   for b in range(1, max_batch_size + 1)}
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
@@ -229,7 +220,6 @@ class TritonBackend(AttentionBackend):
         # one_launch_decode_rows, the steps a long-context entry can serve.
         self.fused_rows = 0
         self.long_decode = long_decode_from_env()
-        self.short_grid = os.environ.get(SHORT_GRID_ENV, "0").strip() == "1"
         self._long_meta = None  # the last step `long_context` was asked about, and its answer
         self._long = False
         self._num_splits = 1
@@ -293,12 +283,6 @@ class TritonBackend(AttentionBackend):
         if num_seqs > self.max_batch_size:
             return cfg, 1
         max_splits = self._max_splits(cfg.smallest_split_tokens(), cfg)
-        if self.short_grid and not long and self.has_long_entry(num_seqs):
-            # The steps this graph serves hold at most ONE_LAUNCH_LONG_CONTEXT tokens a row (the
-            # step past it starts a page and loads: `long_context`); the next power of two, as
-            # the caps are.
-            usable = -(-tuning.ONE_LAUNCH_LONG_CONTEXT // cfg.smallest_split_tokens())
-            max_splits = min(max_splits, 1 << (usable - 1).bit_length())
         return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, max_splits)
 
     def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
@@ -316,16 +300,14 @@ class TritonBackend(AttentionBackend):
 
     def has_long_entry(self, num_seqs: int) -> bool:
         """Does a one-launch step of `num_seqs` rows take a long-context entry past
-        ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)
-        With `short_grid` every such bucket has one: its long graph keeps the full grid (its
-        entry, or else its short config), its short graph the cut one."""
+        ONE_LAUNCH_LONG_CONTEXT tokens? (A step the per-op path runs in two launches does not.)"""
         attends_in_one = num_seqs <= max(self.one_launch_decode_rows, self.fused_rows)
         if not attends_in_one or self.max_tokens <= tuning.ONE_LAUNCH_LONG_CONTEXT:
             return False
         entry = tuning.one_launch_table_config(self.head_dim, self.group, num_seqs, long=True)
         if self.long_decode == "one-launch":
-            return self.short_grid or (entry is not None and entry != tuning.TWO_LAUNCH)
-        return self.long_decode == "two-launch" or entry is not None or self.short_grid
+            return entry is not None and entry != tuning.TWO_LAUNCH
+        return self.long_decode == "two-launch" or entry is not None
 
     def long_in_two_launches(self, num_seqs: int) -> bool:
         """Do long one-launch steps of `num_seqs` rows attend in two launches (the table's

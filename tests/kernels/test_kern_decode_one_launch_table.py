@@ -223,36 +223,6 @@ def test_a_measured_entry_may_split_past_the_default_cap(kh, monkeypatch):
     pool.allocator.free(pages[0])
 
 
-def test_the_short_grid_holds_only_the_splits_a_short_row_can_use(kh, monkeypatch):
-    """$FLASHLET_SHORT_GRID=1: every rows bucket the one-launch form serves gets a long graph (its
-    long entry, here TWO_LAUNCH at one row, or else its short config with the full grid), and its
-    short graph's grid stops at the splits a row under ONE_LAUNCH_LONG_CONTEXT tokens can use:
-    one row 16, not 64 (200 tokens at 16 a split: 13 used); two rows 1, not 8 (the derived
-    256-token splits). Outputs are the reference's in both graphs; unset, nothing changes."""
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 200)
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 1): tuning.OneLaunchConfig(
-        block_n=16, num_warps=1, num_stages=2, min_split_tokens=16, num_splits=64)})
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): tuning.TWO_LAUNCH})
-    pool = _pool(kh, pages=300)
-    backends = {}
-    for env in ("0", "1"):
-        monkeypatch.setenv(triton_backend.SHORT_GRID_ENV, env)
-        backends[env] = TritonBackend(pool, 14, num_sms=132)
-        backends[env].fused_rows = 16
-    off, on = backends["0"], backends["1"]
-    assert [off.one_launch_config(n)[1] for n in (1, 2)] == [64, 8]  # 8: the pool's 2,400 tokens at 256
-    assert [on.one_launch_config(n)[1] for n in (1, 2)] == [16, 1]
-    assert on.one_launch_config(2, long=True)[1] == 8  # the long graph keeps the full grid
-    assert not off.has_long_entry(2) and on.has_long_entry(2) and on.decode_warm_contexts(2) == (0, 200)
-    q = torch.randn(2, 14, 16, generator=torch.Generator().manual_seed(7)).to(kh.device)
-    for rows, key in (([(199, 1)], ()), ([(150, 1), (40, 1)], ()), ([(250, 1), (40, 1)], ("long",))):
-        meta, pages = kh.make_step(pool, rows)
-        on.plan(meta)
-        assert on.graph_key(meta) == key
-        attend_and_check(kh, on, pool, q[:len(rows)], meta)
-        pool.allocator.free([p for ps in pages for p in ps])
-
-
 @pytest.mark.parametrize("rope", [False, True], ids=["rows-written", "rope-in"])
 def test_long_steps_in_two_launches_give_the_one_launch_output(kh, monkeypatch, rope):
     """$FLASHLET_LONG_DECODE=two-launch: long one-launch steps (keyed "long" with no table entry)

@@ -8,9 +8,12 @@ install the pinned 3.7.1):
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:. python lab/triton_lowering.py             # the GPU machine's
 
-Tiles (one row, PDL on, bf16 pool): the 0.5B's derived config, Qwen3's table entry with the rows
-made in the kernel (rope_in: 8 warps, as `TritonBackend.rope_in_form` launches it), the
-Qwen2.5-1.5B's derived config. `--json` prints one JSON line a tile instead of the table.
+Tiles (PDL on, bf16 pool, the merge's constexprs and the look-back as the launcher sets them,
+the lean merge as this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the 0.5B's
+one-row and four-row derived config and its 16-row table entry, Qwen3's one-row and four-row table
+entries with the rows made in the kernel (rope_in: one KV head a program on 8 warps, as
+`TritonBackend.rope_in_form` launches them), the Qwen2.5-1.5B's derived config. `--json` prints
+one JSON line a tile instead of the table.
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ from triton.compiler import ASTSource
 
 from flashlet.kernels import decode_attention as da
 
-# name: (head_dim, group, KV heads, block_n, warps, stages, splits, rope_in)
+# name: (head_dim, group, KV heads, block_n, warps, stages, splits, rope_in, rows)
 TILES = {
-    "qwen2.5-0.5b derived (256 x 64, 8 warps, 2 stages)": (64, 7, 2, 256, 8, 2, 64, False),
-    "qwen3-0.6b rope_in entry (64 x 128, 8 warps, 3 stages)": (128, 2, 8, 64, 8, 3, 32, True),
-    "qwen2.5-1.5b derived (32 x 128, 4 warps, 3 stages)": (128, 6, 2, 32, 4, 3, 64, False),
+    "qwen2.5-0.5b 1 row derived (256 x 64, 8 warps, 2 stages, 64 splits)": (64, 7, 2, 256, 8, 2, 64, False, 1),
+    "qwen2.5-0.5b 4 rows derived (256 x 64, 8 warps, 2 stages, 64 splits)": (64, 7, 2, 256, 8, 2, 64, False, 4),
+    "qwen2.5-0.5b 16 rows entry (256 x 64, 8 warps, 2 stages, 2 splits)": (64, 7, 2, 256, 8, 2, 2, False, 16),
+    "qwen3-0.6b 1 row rope_in entry (64 x 128, 8 warps, 3 stages, 32 splits)": (128, 2, 8, 64, 8, 3, 32, True, 1),
+    "qwen3-0.6b 4 rows rope_in entry (64 x 128, 8 warps, 2 stages, 8 splits)": (128, 2, 8, 64, 8, 2, 8, True, 4),
+    "qwen2.5-1.5b 1 row derived (32 x 128, 4 warps, 3 stages, 64 splits)": (128, 6, 2, 32, 4, 3, 64, False, 1),
 }
 ROPE_ARGS = ("KNew", "VNew", "Pos", "CosSin", "QW", "KW", "KOut", "VOut")
 ROPE_STRIDES = ("stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cs")
 
 
-def lower(head_dim, group, kv_heads, block_n, warps, stages, splits, rope_in) -> dict:
+def lower(head_dim, group, kv_heads, block_n, warps, stages, splits, rope_in, rows) -> dict:
     fn = da._one_launch_kernel
     names = fn.arg_names
     sig = {n: "i32" for n in names}
@@ -47,10 +53,10 @@ def lower(head_dim, group, kv_heads, block_n, warps, stages, splits, rope_in) ->
                KNew="*bf16", VNew="*bf16", Pos="*i64", CosSin="*fp32", QW="*bf16", KW="*bf16", KOut="*bf16",
                VOut="*bf16", norm_eps="fp32", k_inv_scale="fp32", v_inv_scale="fp32")
     consts = dict(NUM_Q_HEADS=group * kv_heads, NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=da.group_pad(group),
-                  HEAD_DIM=head_dim, PAGE_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, MERGE_SPLITS=4,
-                  INPUT_PRECISION=None, USE_PDL=True, LOOKBACK=0, STEP_ROWS=16, KV_PACK=1, LONG_RULE=False,
-                  ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=False, PREFETCH_PAGES=False, EARLY_PAGE_BASE=False,
-                  MERGE_GROUP=0, MERGE_PEEL=False, MERGE_ROWS=0)
+                  HEAD_DIM=head_dim, PAGE_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits,
+                  INPUT_PRECISION=None, USE_PDL=True, LOOKBACK=da.one_launch_lookback(rows), STEP_ROWS=da.MAX_LOOKBACK,
+                  KV_PACK=1, LONG_RULE=False, ROPE_IN=rope_in, QK_NORM=rope_in, CACHE_FP8=False, PREFETCH_PAGES=False,
+                  EARLY_PAGE_BASE=False, MERGE_GROUP=0, **da.one_launch_merge_constexprs(group, 1, head_dim, splits))
     if not rope_in:  # the arguments a launch without rows made in the kernel leaves at their defaults
         consts.update({n: None for n in ROPE_ARGS}, **{n: 0 for n in ROPE_STRIDES})
         consts.update(norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0)

@@ -1291,11 +1291,6 @@ def decode_attention_one_launch(
         return out
     group = num_q_heads // num_kv_heads
     gp = group_pad(group * kv_heads_per_program)
-    cols = kv_heads_per_program * head_dim
-    # The merge's rows (`_one_launch_kernel`'s MERGE_ROWS): the dot's gp, or the lean merge's real heads.
-    merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in LEAN_MERGE else gp
-    if merge_splits is None:  # partials merged at a time: a [MS, rows, cols] fp32 tile of at most 4096 elements
-        merge_splits = max(1, min(num_splits, 4096 // (merge_rows * cols)))
     launch = {"launch_pdl": True} if pdl else {}
     _one_launch_kernel[(batch, groups, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, merge_counts,
@@ -1310,7 +1305,6 @@ def decode_attention_one_launch(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MERGE_SPLITS=min(merge_splits, num_splits),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
         LOOKBACK=one_launch_lookback(batch) if pdl or rope_in is not None else 0,
@@ -1320,8 +1314,7 @@ def decode_attention_one_launch(
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
         MERGE_GROUP=merge_group,
-        MERGE_PEEL="peel" in LEAN_MERGE,
-        MERGE_ROWS=0 if merge_rows == gp else merge_rows,
+        **one_launch_merge_constexprs(group, kv_heads_per_program, head_dim, num_splits, merge_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,
@@ -1388,6 +1381,20 @@ def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor
 # The most earlier rows a program of the one-launch decode looks back over for rows of its own
 # sequence (see above): the fused path's steps have at most 16 rows.
 MAX_LOOKBACK = 16
+
+
+def one_launch_merge_constexprs(group: int, kv_heads_per_program: int, head_dim: int, num_splits: int,
+                                merge_splits: int | None = None) -> dict:
+    """`_one_launch_kernel`'s merge constexprs as `decode_attention_one_launch` launches it, the
+    lean merge (LEAN_MERGE) as this process has it: MERGE_SPLITS, partials merged at a time (None:
+    as many as a [MS, rows, cols] fp32 tile of at most 4096 elements holds), MERGE_PEEL, and
+    MERGE_ROWS, the merge's rows (0: the dot's GROUP_PAD; the lean merge's real heads below it)."""
+    gp = group_pad(group * kv_heads_per_program)
+    merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in LEAN_MERGE else gp
+    if merge_splits is None:
+        merge_splits = max(1, min(num_splits, 4096 // (merge_rows * kv_heads_per_program * head_dim)))
+    return dict(MERGE_SPLITS=min(merge_splits, num_splits), MERGE_PEEL="peel" in LEAN_MERGE,
+                MERGE_ROWS=0 if merge_rows == gp else merge_rows)
 
 
 def one_launch_lookback(batch: int) -> int:

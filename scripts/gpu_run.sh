@@ -84,8 +84,8 @@
 #                by it (~7 min)
 #   triton-pin-ab one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 tokens
 #                (TRITON_PIN_LENS=1000: after 1,000, in a call of its own), two interleaved
-#                pairs, and the 0.5B's closed loop, the pinned Triton against this machine's
-#                (TRITON_PIN_CONFIGS) (~7 min). TRITON_PIN=1 runs any part on the pinned Triton
+#                pairs, and the 0.5B's closed loop (two interleaved pairs), the pinned Triton against
+#                this machine's (TRITON_PIN_CONFIGS) (~8 min). TRITON_PIN=1 runs any part on the pinned Triton
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -718,7 +718,7 @@ for _ in range(480):
         tests/gpu/test_gpu_fused_decode.py -k "one_launch or default_config or qwen05 or long_context_entry" ;;
     triton-pin-ab)  # what a user's install (the pinned Triton) gets against this machine's 3.6:
       # one stream through LLM.generate at TRITON_PIN_CONFIGS after TRITON_PIN_LENS tokens (32;
-      # "1000" in a second call), two interleaved pairs, then the 0.5B's closed loop with each
+      # "1000" in a second call), two interleaved pairs, then the 0.5B's closed loop, two pairs
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env
       for pair in 1 2; do
@@ -730,8 +730,10 @@ for _ in range(480):
           done
         done
       done
-      closed_loop "$OUT/json/triton-host-loop.json"
-      closed_loop "$OUT/json/triton-pin-loop.json" PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
+      for pair in 1 2; do  # interleaved: one reading each read -5% at c = 4 / 16 twice on an H100
+        closed_loop "$OUT/json/triton-host-loop-$pair.json"
+        closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
+      done
       pair_table ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)

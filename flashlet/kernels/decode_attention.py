@@ -98,13 +98,18 @@ EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
 LEAN_MERGE_ENV = "FLASHLET_LEAN_MERGE"
 
 
-def lean_merge_from_env() -> frozenset:
-    """$FLASHLET_LEAN_MERGE as the set of its parts ("peel", "rows"); ValueError for another value."""
-    text = os.environ.get(LEAN_MERGE_ENV, "").strip().lower()
+def lean_merge_parts(text: str) -> frozenset:
+    """A $FLASHLET_LEAN_MERGE value as the set of its parts ("peel", "rows"); ValueError for another."""
+    text = text.strip().lower()
     forms = {"": ("peel", "rows"), "0": (), "peel": ("peel",), "rows": ("rows",), "1": ("peel", "rows")}
     if text not in forms:
         raise ValueError(f"{LEAN_MERGE_ENV}={text!r}: expected peel, rows, 1 (both) or 0")
     return frozenset(forms[text])
+
+
+def lean_merge_from_env() -> frozenset:
+    """$FLASHLET_LEAN_MERGE's parts (unset: both)."""
+    return lean_merge_parts(os.environ.get(LEAN_MERGE_ENV, ""))
 
 
 LEAN_MERGE = lean_merge_from_env()
@@ -1384,16 +1389,18 @@ MAX_LOOKBACK = 16
 
 
 def one_launch_merge_constexprs(group: int, kv_heads_per_program: int, head_dim: int, num_splits: int,
-                                merge_splits: int | None = None) -> dict:
-    """`_one_launch_kernel`'s merge constexprs as `decode_attention_one_launch` launches it, the
-    lean merge (LEAN_MERGE) as this process has it: MERGE_SPLITS, partials merged at a time (None:
-    as many as a [MS, rows, cols] fp32 tile of at most 4096 elements holds), MERGE_PEEL, and
-    MERGE_ROWS, the merge's rows (0: the dot's GROUP_PAD; the lean merge's real heads below it)."""
+                                merge_splits: int | None = None, lean: frozenset | None = None) -> dict:
+    """`_one_launch_kernel`'s merge constexprs as `decode_attention_one_launch` launches it, with
+    the lean merge's parts `lean` (None: LEAN_MERGE, as this process has it): MERGE_SPLITS, partials
+    merged at a time (None: as many as a [MS, rows, cols] fp32 tile of at most 4096 elements
+    holds), MERGE_PEEL, and MERGE_ROWS, the merge's rows (0: the dot's GROUP_PAD; the lean
+    merge's real heads below it)."""
+    lean = LEAN_MERGE if lean is None else lean
     gp = group_pad(group * kv_heads_per_program)
-    merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in LEAN_MERGE else gp
+    merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in lean else gp
     if merge_splits is None:
         merge_splits = max(1, min(num_splits, 4096 // (merge_rows * kv_heads_per_program * head_dim)))
-    return dict(MERGE_SPLITS=min(merge_splits, num_splits), MERGE_PEEL="peel" in LEAN_MERGE,
+    return dict(MERGE_SPLITS=min(merge_splits, num_splits), MERGE_PEEL="peel" in lean,
                 MERGE_ROWS=0 if merge_rows == gp else merge_rows)
 
 

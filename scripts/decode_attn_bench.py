@@ -1,9 +1,9 @@
 """The batched decode attention kernel alone, swept over its launch configs, per KV dtype.
 
 What the engine's pure-decode step runs for each layer (`decode_attention`, the two-launch
-split-KV form) is timed over a model's worth of layers (24 pools, as Qwen2.5-0.5B has, so
-that no layer's K/V sits in L2 from the previous repeat), replayed from one CUDA graph. Each
-row gives microseconds per layer, the bytes the kernel must read (K and V of every token once
+split-KV form) is timed over a model's worth of layers (Qwen2.5-0.5B's 24 pools, or the shape
+`--models` names), so that no layer's K/V sits in L2 from the previous repeat, replayed from one
+CUDA graph. Each row gives microseconds per layer, the bytes the kernel must read (K and V of every token once
 per KV head, plus q, the output and the page ids) and the achieved GB/s against the
 device-to-device copy bandwidth measured in the same run.
 
@@ -31,6 +31,7 @@ summary per shape (us a layer, GB/s, against the derived config).
 
     python scripts/decode_attn_bench.py                      # H200: 128x2000, 32x8000, 1x30000
     python scripts/decode_attn_bench.py --budget-s 300 --json out.json
+    python scripts/decode_attn_bench.py --models qwen3-0.6b --shapes 1x8000,1x30000 --kv model
     python scripts/decode_attn_bench.py --one-launch --json out.json   # H200, ~4 min
     python scripts/decode_attn_bench.py --one-launch --models qwen2.5-7b --table-json 7b.json
     python scripts/decode_attn_bench.py --smoke              # CPU: tiny shapes, interpreter, no timing
@@ -398,7 +399,7 @@ def run(args) -> list[dict]:
 
     device = "cpu" if args.smoke else "cuda"
     kvs = [k for k in ("model", "fp8") if k in args.kv]
-    shapes, model = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (args.shapes, MODEL)
+    shapes, model = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (args.shapes, batched_model(args.models))
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     copy = None if args.smoke else measure_copy_bandwidth(torch.device(device), repeats=5)
     print(f"device: {'cpu (interpreter, no timing)' if args.smoke else torch.cuda.get_device_name(0)}, "
@@ -752,6 +753,16 @@ def sweep_one_launch_bucket(sweep: Sweep, bucket: OneLaunchBucket, derived: OneL
                 scored=[(v, got) for _, v, got in scored])
 
 
+def batched_model(name: str | None) -> dict:
+    """The shape the batched sweep runs: MODEL (Qwen2.5-0.5B), or the one `--models` names."""
+    if not name:
+        return MODEL
+    models = one_launch_models(name)
+    if len(models) != 1:
+        raise SystemExit(f"--models: the batched sweep runs one shape, got {name!r}")
+    return models[0]
+
+
 def one_launch_models(names: str | None) -> tuple[dict, ...]:
     """The shapes a one-launch sweep runs: ONE_LAUNCH_MODELS, or those named (comma-separated,
     from it and ONE_LAUNCH_MORE_MODELS)."""
@@ -946,7 +957,8 @@ def parse_args(argv=None):
     p.add_argument("--kv", default="model,fp8", help="KV dtypes to sweep: model (bf16), fp8")
     p.add_argument("--models", default=None,
                    help="--one-launch: the shapes to sweep, comma-separated (default qwen2.5-0.5b,qwen3-0.6b; "
-                        "also qwen2.5-1.5b, qwen2.5-7b)")
+                        "also qwen2.5-1.5b, llama-3.2-1b, tinyllama-1.1b, qwen2.5-7b); the batched sweep: "
+                        "one of them (default qwen2.5-0.5b), whose (head_dim, group) keys its table entries")
     p.add_argument("--rows", type=int, nargs="+", default=None,
                    help="--one-launch: the rows buckets to sweep (default all of ONE_LAUNCH_ROWS)")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")

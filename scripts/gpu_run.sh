@@ -47,6 +47,12 @@
 #                the short entry; the 1-row bucket only), its table kept in /tmp (~6 min)
 #   one-launch-long-ab one stream after 1,000 / 8,000 / 30,000 tokens without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~8 min; LONG_AB_LENS to choose)
+#   two-launch-long the two-launch decode (Qwen3's long one-row steps since c148f5a: its derived config,
+#                no table entry) swept alone at TWO_LAUNCH_MODEL's shape (qwen3-0.6b) after 8,000 / 30,000
+#                tokens, bf16 pool (scripts/decode_attn_bench.py --models), its table kept in /tmp: one entry,
+#                the 30,000-token winner (one a rows bucket; per-op one-row steps read it too) (~6 min)
+#   two-launch-long-ab one stream after 8,000 / 30,000 tokens (LONG_AB_LENS) without and with that
+#                table (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -623,6 +629,14 @@ for _ in range(480):
     one-launch-long-ab)
       cute_env
       table_ab one-launch-long qwen2.5-0.5b "${LONG_AB_LENS:-1000 8000 30000}" ;;
+    two-launch-long)  # the batched sweep at one row's long contexts; its table for two-launch-long-ab
+      run 560 python3 scripts/decode_attn_bench.py --models "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" \
+        --shapes 1x8000,1x30000 --kv model --budget-s 420 --json "$OUT/json/two-launch-long.json" \
+        --table-json "$OUT/json/two-launch-long-table.json"
+      cp "$OUT/json/two-launch-long-table.json" /tmp/ ;;
+    two-launch-long-ab)
+      cute_env
+      table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept

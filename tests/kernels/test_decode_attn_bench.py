@@ -301,6 +301,24 @@ def test_one_launch_models_are_named_shapes(bench):
     assert bench.parse_args(["--one-launch", "--models", "qwen2.5-7b"]).models == "qwen2.5-7b"
 
 
+def test_the_batched_sweep_runs_one_named_shape_keyed_by_it(bench, tmp_path, monkeypatch):
+    """--models picks the batched sweep's shape too (one: its table entries are keyed by its
+    head_dim and group): Qwen3-0.6B's winner at one row is the BATCHED_DECODE_TABLE entry its
+    two-launch long steps read."""
+    assert bench.batched_model(None) is bench.MODEL
+    qwen3 = bench.batched_model("qwen3-0.6b")
+    with pytest.raises(SystemExit, match="one shape"):
+        bench.batched_model("qwen3-0.6b,qwen2.5-1.5b")
+    row = dict(block_n=32, num_warps=4, num_stages=3, num_splits=128, prefetch="pages", kv_pack=1, us=1.0)
+    entries = bench.table_entries({("model", 1, 30000): (row, None, None)}, qwen3, tuning)
+    assert list(entries) == [(128, 2, "model", 1)]
+    path = tmp_path / "table.json"
+    bench.write_table_json(entries, str(path))
+    monkeypatch.setattr(tuning, "BATCHED_DECODE_TABLE", {})
+    tuning.load_tables(str(path))
+    assert tuning.batched_decode_config(128, 2, 1, "model").num_splits == 128
+
+
 def test_one_launch_shapes_are_their_presets(bench):
     """Every shape the sweep may time is the preset of its name (layers, heads, head_dim), so a
     table entry measured at it is the key (head_dim, group, rows) the engine looks up."""

@@ -91,7 +91,8 @@
 #   triton-pin-ab one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 tokens
 #                (TRITON_PIN_LENS=1000: after 1,000, in a call of its own), two interleaved
 #                pairs, and the 0.5B's closed loop (two interleaved pairs), the pinned Triton against
-#                this machine's (TRITON_PIN_CONFIGS) (~8 min). TRITON_PIN=1 runs any part on the pinned Triton
+#                this machine's (TRITON_PIN_CONFIGS) (~8 min). Every other part runs on the pinned Triton
+#                once a call has unpacked it on this machine (TRITON_PIN=0: on the image's 3.6)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -241,8 +242,10 @@ fi
 # The Triton pyproject.toml pins (a user's install: torch 2.13's 3.7.1) from a carried .whl-triton/
 # pack (scripts/gpu_wheels.sh), unpacked once into /tmp/triton-pin/VERSION; the CUDA binaries it
 # was shipped without are this machine's Triton's (the same CUDA 12.8 release). This machine's
-# python3 holds torch 2.11's Triton 3.6, which every part compiles with unless TRITON_PIN=1 puts
-# the pinned one in front of PYTHONPATH for the whole call (the log's version line says which).
+# python3 holds torch 2.11's Triton 3.6. Once a call has unpacked the pin on this machine, every
+# later part compiles with it (what a user's install runs; TRITON_PIN=auto, the default): it goes
+# in front of PYTHONPATH for the whole call. TRITON_PIN=0 keeps the image's 3.6, TRITON_PIN=1
+# requires the pin (the log's version line says which ran). triton-pin-ab runs both either way.
 host_triton_bin=$(python3 -c "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin'))")
 for pack in .whl-triton/triton-*-py3.12-lean.tar.xz; do
   [[ -f $pack ]] || continue
@@ -252,10 +255,17 @@ for pack in .whl-triton/triton-*-py3.12-lean.tar.xz; do
     ln -s "$host_triton_bin" "/tmp/triton-pin/$v/triton/backends/nvidia/bin" && touch "/tmp/triton-pin/$v/.installed"
 done
 PIN_TRITON=$(ls -d /tmp/triton-pin/*/.installed 2>/dev/null | xargs -r -n1 dirname | sort -V | tail -1)
-if [[ ${TRITON_PIN:-0} == 1 ]]; then
+TRITON_PIN=${TRITON_PIN:-auto}
+[[ $TRITON_PIN == auto ]] && { [[ -n $PIN_TRITON ]] && TRITON_PIN=1 || TRITON_PIN=0; }
+if [[ $TRITON_PIN == 1 ]]; then
   [[ -n $PIN_TRITON ]] || { echo "TRITON_PIN=1: no pinned Triton on this machine (carry .whl-triton/)" | tee -a "$LOG"; exit 2; }
   export PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
 fi
+without_pin() {  # this call's PYTHONPATH (the CuTe DSL's roots included) without the pinned Triton
+  local p=":$PYTHONPATH:"
+  p=${p//:$PIN_TRITON:/:}
+  p=${p#:}; echo "${p%:}"
+}
 [[ -f .fi_prev/fi_cache.tgz && ! -d .fi_cache ]] && tar xzf .fi_prev/fi_cache.tgz
 mkdir -p .fi_cache && export FLASHINFER_WORKSPACE_BASE="$PWD/.fi_cache"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -726,9 +736,9 @@ for _ in range(480):
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env
-      run 200 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/kernels/test_kern_gpu.py \
+      run 200 env PYTHONPATH="$PIN_TRITON:$(without_pin)" $PYTEST tests/kernels/test_kern_gpu.py \
         tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py tests/kernels/test_kern_fp8_gemv.py
-      run 360 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" $PYTEST tests/gpu/test_gpu_decode_attention.py \
+      run 360 env PYTHONPATH="$PIN_TRITON:$(without_pin)" $PYTEST tests/gpu/test_gpu_decode_attention.py \
         tests/gpu/test_gpu_fused_decode.py -k "one_launch or default_config or qwen05 or long_context_entry" ;;
     triton-pin-ab)  # what a user's install (the pinned Triton) gets against this machine's 3.6:
       # one stream through LLM.generate at TRITON_PIN_CONFIGS after TRITON_PIN_LENS tokens (32;
@@ -738,15 +748,16 @@ for _ in range(480):
       for pair in 1 2; do
         for c in ${TRITON_PIN_CONFIGS:-qwen2.5-0.5b qwen3-0.6b}; do
           for plen in ${TRITON_PIN_LENS:-32}; do
-            run 150 python3 lab/one_stream_pair.py "triton=host" --config "$c" --prompt-len "$plen"
-            run 150 env PYTHONPATH="$PIN_TRITON:$PYTHONPATH" python3 lab/one_stream_pair.py "triton=pin" \
+            run 150 env PYTHONPATH="$(without_pin)" python3 lab/one_stream_pair.py "triton=host" --config "$c" \
+              --prompt-len "$plen"
+            run 150 env PYTHONPATH="$PIN_TRITON:$(without_pin)" python3 lab/one_stream_pair.py "triton=pin" \
               --config "$c" --prompt-len "$plen"
           done
         done
       done
       for pair in 1 2; do  # interleaved: one reading each read -5% at c = 4 / 16 twice on an H100
-        closed_loop "$OUT/json/triton-host-loop-$pair.json"
-        closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$PIN_TRITON:$PYTHONPATH"
+        closed_loop "$OUT/json/triton-host-loop-$pair.json" PYTHONPATH="$(without_pin)"
+        closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$PIN_TRITON:$(without_pin)"
       done
       pair_table ;;
     ncu-attn)

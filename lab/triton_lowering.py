@@ -159,7 +159,8 @@ def main() -> None:
             print(json.dumps(dict(triton=triton.__version__, tile=name, **got)))
         return
     print(f"Triton {triton.__version__}, sm_90a")
-    print("| tile | registers | spill bytes | SASS instructions | loads 128 / 64 / 32 / 16-bit | loads before the PDL wait |")
+    print("| tile | registers | spill bytes | SASS instructions | loads 128 / 64 / 32 / 16-bit "
+          "| loads before the PDL wait |")
     print("|---|---:|---:|---:|---|---:|")
     for name, g in rows.items():
         print(f"| {name} | {g['registers']} | {g['spill_bytes']} | {g['instructions']:,} | "

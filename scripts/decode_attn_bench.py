@@ -3,9 +3,9 @@
 What the engine's pure-decode step runs for each layer (`decode_attention`, the two-launch
 split-KV form) is timed over a model's worth of layers (Qwen2.5-0.5B's 24 pools, or the shape
 `--models` names), so that no layer's K/V sits in L2 from the previous repeat, replayed from one
-CUDA graph. Each row gives microseconds per layer, the bytes the kernel must read (K and V of every token once
-per KV head, plus q, the output and the page ids) and the achieved GB/s against the
-device-to-device copy bandwidth measured in the same run.
+CUDA graph. Each row gives microseconds per layer, the bytes the kernel must read (K and V of
+every token once per KV head, plus q, the output and the page ids) and the achieved GB/s against
+the device-to-device copy bandwidth measured in the same run.
 
 Stage 1 sweeps the tiles (block_n x warps x stages x prefetch x KV heads a program) at the
 first shape with the split count the engine picks today; stage 2 times the best tiles at every

@@ -461,7 +461,8 @@ ONE_LAUNCH_LOWERED = [
 @pytest.fixture(scope="module")
 def one_launch_lowered() -> dict:
     """Each of ONE_LAUNCH_LOWERED lowered for sm_90a, all by one child: {variant: its counts}."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
     tiles = [dict(head_dim=head_dim, group=7, kv_heads=2, block_n=block_n, warps=warps, stages=2, splits=splits,
                   lookback=lookback, kv=kv, rope_in=rope_in, prefetch=prefetch, merge_group=merge_group, pdl=pdl,
                   lean=lean or "0")

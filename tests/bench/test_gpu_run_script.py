@@ -1,5 +1,6 @@
-"""scripts/gpu_run.sh, read without a GPU: it parses, and its header lists exactly the parts its
-case statement runs (the header is the only place a reader learns what a part measures)."""
+"""scripts/gpu_run.sh, read without a GPU: it parses, its header lists exactly the parts its
+case statement runs (the header is the only place a reader learns what a part measures), and
+its PYTHONPATH helper takes the pinned Triton off the arms that compare against it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,23 @@ def test_every_part_is_in_the_header_and_has_an_arm():
     assert "setup" in arms and "triton-pin-ab" in arms  # the reader found the case statement
     assert arms - listed == set(), "parts the header does not describe"
     assert listed - arms == {"all"}, "parts the header lists that nothing runs"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash on this machine")
+@pytest.mark.parametrize("path,want", [
+    ("/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:/tmp/triton-pin/3.7.1:.::/tmp/site",
+     "/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:.::/tmp/site"),
+    ("/tmp/triton-pin/3.7.1:.::/tmp/site", ".::/tmp/site"),
+    (".::/tmp/site:/tmp/triton-pin/3.7.1", ".::/tmp/site"),
+    (".::/tmp/site", ".::/tmp/site"),  # no pin: unchanged
+    ("/tmp/triton-pin/3.7.1x:.", "/tmp/triton-pin/3.7.1x:."),  # only the whole entry goes
+], ids=["behind-the-dsl", "first", "last", "absent", "a-longer-name"])
+def test_without_pin_drops_only_the_pinned_tritons_entry(path, want):
+    """triton-pin-ab's 3.6 arm runs with `without_pin`'s PYTHONPATH: the pinned Triton's entry
+    gone wherever the call put it (first, or behind the CuTe DSL's roots), nothing else touched."""
+    text = SCRIPT.read_text()
+    func = re.search(r"^without_pin\(\) \{.*?^\}", text, re.M | re.S)[0]
+    script = f'{func}\nPIN_TRITON=/tmp/triton-pin/3.7.1\nPYTHONPATH="$1"\nwithout_pin'
+    proc = subprocess.run(["bash", "-c", script, "bash", path], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == want

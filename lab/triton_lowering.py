@@ -106,8 +106,9 @@ def lower(t: Tile) -> dict:
                   LOOKBACK=da.one_launch_lookback(t.rows) if t.lookback is None else t.lookback,
                   STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in,
                   QK_NORM=t.rope_in, CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch,
-                  EARLY_PAGE_BASE=False, MERGE_GROUP=t.merge_group if t.merge_group < t.splits else 0,
-                  **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits, lean=lean))
+                  EARLY_PAGE_BASE=False,
+                  **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits,
+                                                   merge_group=t.merge_group, lean=lean))
     if not t.rope_in:  # the arguments a launch without rows made in the kernel leaves at their defaults
         consts.update({n: None for n in ROPE_ARGS}, **{n: 0 for n in ROPE_STRIDES})
         consts.update(norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0)

@@ -266,6 +266,7 @@ without_pin() {  # this call's PYTHONPATH (the CuTe DSL's roots included) withou
   p=${p//:$PIN_TRITON:/:}
   p=${p#:}; echo "${p%:}"
 }
+with_pin() { echo "$(with_pin)"; }  # the same with the pinned Triton first
 [[ -f .fi_prev/fi_cache.tgz && ! -d .fi_cache ]] && tar xzf .fi_prev/fi_cache.tgz
 mkdir -p .fi_cache && export FLASHINFER_WORKSPACE_BASE="$PWD/.fi_cache"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -736,9 +737,9 @@ for _ in range(480):
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env
-      run 200 env PYTHONPATH="$PIN_TRITON:$(without_pin)" $PYTEST tests/kernels/test_kern_gpu.py \
+      run 200 env PYTHONPATH="$(with_pin)" $PYTEST tests/kernels/test_kern_gpu.py \
         tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py tests/kernels/test_kern_fp8_gemv.py
-      run 360 env PYTHONPATH="$PIN_TRITON:$(without_pin)" $PYTEST tests/gpu/test_gpu_decode_attention.py \
+      run 360 env PYTHONPATH="$(with_pin)" $PYTEST tests/gpu/test_gpu_decode_attention.py \
         tests/gpu/test_gpu_fused_decode.py -k "one_launch or default_config or qwen05 or long_context_entry" ;;
     triton-pin-ab)  # what a user's install (the pinned Triton) gets against this machine's 3.6:
       # one stream through LLM.generate at TRITON_PIN_CONFIGS after TRITON_PIN_LENS tokens (32;
@@ -750,14 +751,14 @@ for _ in range(480):
           for plen in ${TRITON_PIN_LENS:-32}; do
             run 150 env PYTHONPATH="$(without_pin)" python3 lab/one_stream_pair.py "triton=host" --config "$c" \
               --prompt-len "$plen"
-            run 150 env PYTHONPATH="$PIN_TRITON:$(without_pin)" python3 lab/one_stream_pair.py "triton=pin" \
+            run 150 env PYTHONPATH="$(with_pin)" python3 lab/one_stream_pair.py "triton=pin" \
               --config "$c" --prompt-len "$plen"
           done
         done
       done
       for pair in 1 2; do  # interleaved: one reading each read -5% at c = 4 / 16 twice on an H100
         closed_loop "$OUT/json/triton-host-loop-$pair.json" PYTHONPATH="$(without_pin)"
-        closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$PIN_TRITON:$(without_pin)"
+        closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$(with_pin)"
       done
       pair_table ;;
     ncu-attn)

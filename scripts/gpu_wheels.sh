@@ -21,8 +21,8 @@
 #                 made to fit one call (~38 MB): libtriton.so stripped of its symbols (440 ->
 #                 180 MB), xz-compressed, without the CUDA binaries it bundles (ptxas and the
 #                 rest: 3.6 bundles the same CUDA 12.8 release, which gpu_run.sh links in)
-#                 and without its profiler (proton, CUPTI). `TRITON_PIN=1 bash scripts/gpu_run.sh
-#                 PART` runs a part on it, `triton-pin-ab` compares the two
+#                 and without its profiler (proton, CUPTI). gpu_run.sh compiles every part with it
+#                 once a call has carried it (TRITON_PIN=0: the image's), `triton-pin-ab` compares the two
 #   .tok/smollm2  the SmolLM2 tokenizer `serve` loads (scripts/export_tokenizer.py)
 #   bash scripts/gpu_wheels.sh
 set -euo pipefail

@@ -1288,8 +1288,9 @@ def decode_attention_one_launch(
     elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
         raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
     groups = num_kv_heads // kv_heads_per_program
-    merge_group = merge_group if merge_group < num_splits else 0  # one group: one level
-    _check_merge_counts(merge_counts, one_launch_counters(batch, groups, num_splits, merge_group))
+    merge = one_launch_merge_constexprs(num_q_heads // num_kv_heads, kv_heads_per_program, head_dim, num_splits,
+                                        merge_splits, merge_group)
+    _check_merge_counts(merge_counts, one_launch_counters(batch, groups, num_splits, merge["MERGE_GROUP"]))
     if pdl and not pdl_supported(q.device):
         raise ValueError(f"Programmatic Dependent Launch needs a CUDA device of sm_90 or newer ({q.device})")
     if batch == 0:
@@ -1318,8 +1319,7 @@ def decode_attention_one_launch(
         LONG_RULE=long_from_tokens > 0,
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
-        MERGE_GROUP=merge_group,
-        **one_launch_merge_constexprs(group, kv_heads_per_program, head_dim, num_splits, merge_splits),
+        **merge,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,
@@ -1389,19 +1389,20 @@ MAX_LOOKBACK = 16
 
 
 def one_launch_merge_constexprs(group: int, kv_heads_per_program: int, head_dim: int, num_splits: int,
-                                merge_splits: int | None = None, lean: frozenset | None = None) -> dict:
+                                merge_splits: int | None = None, merge_group: int = 0,
+                                lean: frozenset | None = None) -> dict:
     """`_one_launch_kernel`'s merge constexprs as `decode_attention_one_launch` launches it, with
     the lean merge's parts `lean` (None: LEAN_MERGE, as this process has it): MERGE_SPLITS, partials
     merged at a time (None: as many as a [MS, rows, cols] fp32 tile of at most 4096 elements
-    holds), MERGE_PEEL, and MERGE_ROWS, the merge's rows (0: the dot's GROUP_PAD; the lean
-    merge's real heads below it)."""
+    holds), MERGE_GROUP (0 where one group would hold every split: one level), MERGE_PEEL, and
+    MERGE_ROWS, the merge's rows (0: the dot's GROUP_PAD; the lean merge's real heads below it)."""
     lean = LEAN_MERGE if lean is None else lean
     gp = group_pad(group * kv_heads_per_program)
     merge_rows = min(gp, max(2, _next_pow2(group * kv_heads_per_program))) if "rows" in lean else gp
     if merge_splits is None:
         merge_splits = max(1, min(num_splits, 4096 // (merge_rows * kv_heads_per_program * head_dim)))
-    return dict(MERGE_SPLITS=min(merge_splits, num_splits), MERGE_PEEL="peel" in lean,
-                MERGE_ROWS=0 if merge_rows == gp else merge_rows)
+    return dict(MERGE_SPLITS=min(merge_splits, num_splits), MERGE_GROUP=merge_group if merge_group < num_splits else 0,
+                MERGE_PEEL="peel" in lean, MERGE_ROWS=0 if merge_rows == gp else merge_rows)
 
 
 def one_launch_lookback(batch: int) -> int:

@@ -47,8 +47,8 @@
 #                the short entry; the 1-row bucket only), its table kept in /tmp (~6 min)
 #   one-launch-long-ab one stream after 1,000 / 8,000 / 30,000 tokens without and with that table
 #                (FLASHLET_DECODE_TABLES), two interleaved pairs (~8 min; LONG_AB_LENS to choose)
-#   two-launch-long the two-launch decode (Qwen3's long one-row steps since c148f5a: its derived config,
-#                no table entry) swept alone at TWO_LAUNCH_MODEL's shape (qwen3-0.6b) after 8,000 / 30,000
+#   two-launch-long the two-launch decode (Qwen3's long one-row steps since c148f5a; its table entry
+#                since this part's 2026-12-05 run) swept alone at TWO_LAUNCH_MODEL's shape (qwen3-0.6b) after 8,000 / 30,000
 #                tokens, bf16 pool (scripts/decode_attn_bench.py --models), its table kept in /tmp: one entry,
 #                the 30,000-token winner (one a rows bucket; per-op one-row steps read it too) (~6 min)
 #   two-launch-long-ab one stream after 8,000 / 30,000 tokens (LONG_AB_LENS) without and with that

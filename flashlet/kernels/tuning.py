@@ -145,6 +145,14 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
     (64, 7, "model", 1): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=64, prefetch="pages"),
     (64, 7, "model", 64): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=8, prefetch="pages"),
     (64, 7, "model", 256): DecodeConfig(block_n=64, num_warps=2, num_stages=3, num_splits=2, prefetch="pages"),
+    # Qwen3-0.6B's (and 1.7B's) shape, one row: its long steps attend in two launches
+    # (ONE_LAUNCH_LONG_TABLE). `gpu_run.sh two-launch-long` (H100, 2026-12-05, f76f346): 49.8 us a
+    # layer at 30,000 tokens against the derived config's 51.9 (bn32 w4 S64, no prefetch), 19.1
+    # against 21.0 at 8,000. Through LLM.generate (two-launch-long-ab, two interleaved pairs):
+    # after 30,000 tokens 484.2 / 484.0 tok/s against 458.4 / 458.7 (+5.6%), after 8,000 808.9 /
+    # 809.4 against 776.7 / 776.2 (+4.2%) under Triton 3.6; 480.3 / 481.8 against 466.1 / 466.2
+    # (+3.2%) at 30,000 under the pinned 3.7.1.
+    (128, 2, "model", 1): DecodeConfig(block_n=64, num_warps=4, num_stages=3, num_splits=32, prefetch="pages"),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig of the fused decode path's one-launch attention,
 # measured on an H200 by `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, with

@@ -1133,24 +1133,29 @@ def test_auto_declines_the_presets_whose_norm_folded_gemvs_hold_too_many_chunks_
     assert fused_decode.norm_chunks_per_lane(3584, fp8=True) == 7  # 16 fp8 weights a chunk
 
 
-def test_rope_in_attention_switch_reads_its_three_values():
-    """$FLASHLET_ROPE_IN_ATTENTION: 0 / 1 / all, unset 1 (the default: measured faster for
-    Qwen3), anything else a clear error at import."""
+@pytest.mark.parametrize("name, env, values, expected", [
+    ("ROPE_IN_ATTENTION", "FLASHLET_ROPE_IN_ATTENTION", ("0", "1", "all"), "expected 0, 1 or all"),
+    ("ATTENTION_PDL", "FLASHLET_ATTENTION_PDL", ("0", "1"), "expected 0 or 1"),
+])
+def test_env_switches_read_their_values(name, env, values, expected):
+    """$FLASHLET_ROPE_IN_ATTENTION: 0 / 1 / all; $FLASHLET_ATTENTION_PDL: 0 / 1. Each unset is
+    1 (the default: rope_in measured faster for Qwen3; the attention launched with PDL like the
+    GEMVs around it), anything else a clear error at import."""
     import os
     import subprocess
     import sys
 
-    probe = "from flashlet.runner import fused_decode as f; print(f.ROPE_IN_ATTENTION)"
-    unset = {k: v for k, v in os.environ.items() if k != "FLASHLET_ROPE_IN_ATTENTION"}
+    probe = f"from flashlet.runner import fused_decode as f; print(f.{name})"
+    unset = {k: v for k, v in os.environ.items() if k != env}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=unset)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-500:]
-    for value in ("0", "1", "all"):
+    for value in values:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             env={**os.environ, "FLASHLET_ROPE_IN_ATTENTION": value})
+                             env={**os.environ, env: value})
         assert out.returncode == 0 and out.stdout.strip() == value, out.stderr[-500:]
     bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, "FLASHLET_ROPE_IN_ATTENTION": "yes"})
-    assert bad.returncode != 0 and "expected 0, 1 or all" in bad.stderr
+                         env={**os.environ, env: "yes"})
+    assert bad.returncode != 0 and expected in bad.stderr
 
 
 def test_every_fused_row_count_is_within_the_rope_in_look_back():

@@ -143,6 +143,18 @@ ROPE_IN_ATTENTION = os.environ.get(ROPE_IN_ATTENTION_ENV, "1")
 if ROPE_IN_ATTENTION not in ("0", "1", "all"):
     raise ValueError(f"{ROPE_IN_ATTENTION_ENV}={ROPE_IN_ATTENTION!r}: expected 0, 1 or all")
 
+# The one-launch attention launches with Programmatic Dependent Launch like the GEMVs around it:
+# its programs start while the QKV GEMV still runs, load their page ids and first K/V blocks, and
+# wait for q. $FLASHLET_ATTENTION_PDL=0 (a fresh process; an A/B, `gpu_run.sh attn-pdl-ab`)
+# launches it in plain stream order instead. The question it answers: under the pinned Triton
+# (3.7.1) the attention needs 128 registers a thread against 3.6's 185, so twice as many of its
+# programs fit beside the GEMV's blocks, and the closed loop at 4 / 16 rows read 5-6% slower
+# although each kernel alone reads the same (FUSED_NOTES.md, session 41's outcomes).
+ATTENTION_PDL_ENV = "FLASHLET_ATTENTION_PDL"
+ATTENTION_PDL = os.environ.get(ATTENTION_PDL_ENV, "1")
+if ATTENTION_PDL not in ("0", "1"):
+    raise ValueError(f"{ATTENTION_PDL_ENV}={ATTENTION_PDL!r}: expected 0 or 1")
+
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -356,6 +368,7 @@ class FusedDecode:
         self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores
         self.bf16_one_row_mma = bf16_one_row_tensor_cores(model)  # one bf16 row on them too
         self.pdl = pdl
+        self.attention_pdl = pdl and ATTENTION_PDL == "1"  # the one-launch attention's launch
         self.one_launch_attention = one_launch_attention
         # Steps without the RoPE epilogue make their rows in the attention kernel (ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION != "0" and one_launch_attention
@@ -496,7 +509,7 @@ class FusedDecode:
         if self.rope_in_attention:  # (every fused row count: MAX_ROWS is within its look-back)
             from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
 
-            return attn.attend_one_launch(i, q, pdl=self.pdl,
+            return attn.attend_one_launch(i, q, pdl=self.attention_pdl,
                                           rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
@@ -518,7 +531,7 @@ class FusedDecode:
     def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
         """Attention over the pool, this step's K/V already written."""
         if self.one_launch_attention:
-            return attn.attend_one_launch(i, q, pdl=self.pdl)
+            return attn.attend_one_launch(i, q, pdl=self.attention_pdl)
         return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

@@ -149,15 +149,16 @@ def summarize(lines: list[str], out=sys.stdout) -> list[dict]:
 
 
 def summarize_source(lines: list[str], top: int = 25, out=sys.stdout) -> bool:
-    """`ncu --import R --page source --csv --print-source cuda` -> the source lines with the
-    most warp stall samples (where in a kernel its warps wait). Without a column it knows, it
-    prints the report's first lines instead, so the next run can be read by eye."""
+    """`ncu --import R --page source --csv --print-source cuda` (or `sass`: one row an
+    instruction, its address first) -> the source lines with the most warp stall samples (where
+    in a kernel its warps wait). Without a column it knows, it prints the report's first lines
+    instead, so the next run can be read by eye, and returns False (the command exits 1)."""
     start = next((i for i, line in enumerate(lines) if "Source" in line and line.startswith('"')), None)
     rows = list(csv.reader(lines[start:])) if start is not None else []
     header = rows[0] if rows else []
     source = next((i for i, h in enumerate(header) if h.strip() == "Source"), None)
     samples = next((i for i, h in enumerate(header) if "Sampling" in h and "Not" not in h), None)
-    line_no = next((i for i, h in enumerate(header) if h.strip() in ("#", "Line", "# Line")), None)
+    line_no = next((i for i, h in enumerate(header) if h.strip() in ("#", "Line", "# Line", "Line No", "Address", "# Address")), None)
     if source is None or samples is None:
         print("source page not in a known shape; its first lines:", file=out)
         print("\n".join(lines[:40]), file=out)

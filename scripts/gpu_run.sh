@@ -93,13 +93,17 @@
 #                pairs, and the 0.5B's closed loop (two interleaved pairs), the pinned Triton against
 #                this machine's (TRITON_PIN_CONFIGS) (~8 min). Every other part runs on the pinned Triton
 #                once a call has unpacked it on this machine (TRITON_PIN=0: on the image's 3.6)
+#   attn-pdl-ab  the fused path's one-launch attention launched in plain stream order
+#                ($FLASHLET_ATTENTION_PDL=0) against with PDL (the default): its GPU test, then the
+#                0.5B's closed loop (c = 1 / 4 / 16), under the pinned Triton and the image's 3.6,
+#                two interleaved quartets (ATTN_PDL_PAIRS; ~9 min: .whl-triton/ carried earlier)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
 #                two-launch form, each kernel's speed of light, memory
 #                workload, occupancy and warp states (no CuTe DSL or wheels needed; ~1 min a length);
 #                its source page came back on 2026-12-05 without stall-sample columns (ncu's CSV
-#                printed lines only), so summarize-source printed its first lines instead
+#                printed lines only; ncu-step's the same), so both parts also summarize the SASS view
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
 #   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
@@ -690,6 +694,10 @@ for _ in range(480):
         run 60 bash -c "\"$NCU\" --import \"$rep-attn.ncu-rep\" --csv --page source --print-source cuda \
           > \"$rep-attn-source.csv\""
         run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-source.csv"
+        # twice on 2026-12-05 the CUDA view came back as lines alone: the SASS view too, per instruction
+        run 60 bash -c "\"$NCU\" --import \"$rep-attn.ncu-rep\" --csv --page source --print-source sass \
+          > \"$rep-attn-sass.csv\""
+        run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-sass.csv"
       done ;;
     early-page-ab)
       cute_env
@@ -761,6 +769,16 @@ for _ in range(480):
         closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$(with_pin)"
       done
       pair_table ;;
+    attn-pdl-ab)  # does the attention's early start beside the QKV GEMV cost the pin its 4 / 16 rows?
+      [[ -n $PIN_TRITON ]] || { echo "part attn-pdl-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
+      cute_env
+      run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k pdl_chain
+      for pair in $(seq 1 "${ATTN_PDL_PAIRS:-2}"); do
+        for pdl in 1 0; do
+          closed_loop "$OUT/json/attn-pdl-$pdl-pin-$pair.json" PYTHONPATH="$(with_pin)" FLASHLET_ATTENTION_PDL=$pdl
+          closed_loop "$OUT/json/attn-pdl-$pdl-host-$pair.json" PYTHONPATH="$(without_pin)" FLASHLET_ATTENTION_PDL=$pdl
+        done
+      done ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       [[ -n $NCU ]] || { echo "part ncu-attn: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }
@@ -775,6 +793,8 @@ for _ in range(480):
           "$rep-details.txt" | head -80 | tee -a "$LOG"
         run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --csv --page source --print-source cuda > \"$rep-source.csv\""
         run 30 python3 lab/ncu_step.py summarize-source "$rep-source.csv"
+        run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --csv --page source --print-source sass > \"$rep-sass.csv\""
+        run 30 python3 lab/ncu_step.py summarize-source "$rep-sass.csv"
       done ;;
     host-burn)
       cute_env

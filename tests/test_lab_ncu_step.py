@@ -51,6 +51,14 @@ def test_source_summary_ranks_lines_by_stall_samples_or_shows_the_report():
     assert ncu_step.summarize_source(report, out=out)
     ranked = [line.split()[0] for line in out.getvalue().splitlines()[1:]]
     assert ranked == ["12", "11", "10"]  # by all samples, "1,005" read as 1005
+    sass = ['"# Address","Source","Warp Stall Sampling (All Samples)"',
+            '"00007f00","LDG.E.128 R4, desc[UR4][R2.64]","40"', '"00007f10","HMMA.16816.F32.BF16 R8, R4, R6, R8","3"']
+    out = io.StringIO()
+    assert ncu_step.summarize_source(sass, out=out)  # the SASS view: one row an instruction
+    assert out.getvalue().splitlines()[1].split()[:2] == ["00007f00", "40"]
+    out = io.StringIO()  # 2026-12-05's CUDA view: lines with no sample columns
+    assert not ncu_step.summarize_source(['"File Name","/x/decode_attention.py"', '"Line No","Source"',
+                                          '"1","import triton"'], out=out)
     out = io.StringIO()
     assert not ncu_step.summarize_source(['"ID","Something else"', '"1","2"'], out=out)
     assert "first lines" in out.getvalue() and "Something else" in out.getvalue()

@@ -3,7 +3,7 @@
 A machine's own pip set-up can hide a broken pin set: here /etc/pip.conf and PIP_FIND_LINKS
 add a local wheel directory (a CPU torch among others) and /etc/xdg/pip a constraints file.
 This runs pip's resolver with none of that (a clean environment, PIP_CONFIG_FILE=/dev/null,
---isolated) against PyPI, for `.[dev]` exactly as `make setup` installs it, without
+--isolated) against PyPI, for `.[dev,cuda]` as `make setup` installs it on a CUDA machine, without
 installing anything: `--dry-run --report`. Wheels only, and PyPI serves each wheel's metadata
 on its own (PEP 658), so no multi-GB torch wheel is downloaded: about 1-2 minutes, mostly
 network round trips. Fails (exit 1) on ResolutionImpossible, on a package that PyPI alone
@@ -49,7 +49,7 @@ def main() -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="check-pins-") as home:
         report = Path(home) / "report.json"
-        done = resolve([".[dev]"], report, home)
+        done = resolve([".[dev,cuda]"], report, home)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
             print("pins do NOT resolve on PyPI alone:\n" + "\n".join(errors or [done.stderr]),

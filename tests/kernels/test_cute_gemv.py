@@ -277,6 +277,21 @@ def test_missing_dsl_gives_install_hint(monkeypatch):
     with pytest.raises(cute_gemv.CuteUnavailable, match=cute_gemv.CUTE_DSL_PIN):
         CuteGemv(128, 64, device="cpu").compile()
 
+
+def test_one_cute_dsl_version_everywhere():
+    """The DSL release the install hint names is the `cuda` extra's pin (what `make setup`
+    installs on a CUDA machine, resolved by `make check-pins`) and the one gpu_wheels.sh packs
+    for the GPU figures."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    extra = re.search(r"^cuda = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M)
+    assert extra and f'"{cute_gemv.CUTE_DSL_PIN}"' in extra.group(1)
+    wheels = re.search(r"^CUTE_DSL_VERSION=(\S+)", (root / "scripts/gpu_wheels.sh").read_text(), re.M)
+    assert wheels and cute_gemv.CUTE_DSL_PIN == f"nvidia-cutlass-dsl=={wheels.group(1)}"
+    assert 'cuda' in re.search(r"^EXTRAS.*$", (root / "Makefile").read_text(), re.M).group(0)
+
 # One row compiles to the kernel it was before M rows existed: its 16-byte loads and FMAs in the
 # PTX, as counted on the one-row kernel (whose whole PTX the M-row change left byte-identical).
 ONE_ROW_PTX = {(1152, 896, "bias", 1, 0, 1): (21, 114), (896, 896, "residual", 1, 0, 0): (14, 56),

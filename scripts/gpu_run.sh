@@ -94,9 +94,10 @@
 #                this machine's (TRITON_PIN_CONFIGS) (~8 min). Every other part runs on the pinned Triton
 #                once a call has unpacked it on this machine (TRITON_PIN=0: on the image's 3.6)
 #   attn-pdl-ab  the fused path's one-launch attention launched in plain stream order
-#                ($FLASHLET_ATTENTION_PDL=0) against with PDL (the default): its GPU test, then the
-#                0.5B's closed loop (c = 1 / 4 / 16), under the pinned Triton and the image's 3.6,
-#                two interleaved quartets (ATTN_PDL_PAIRS; ~9 min: .whl-triton/ carried earlier)
+#                ($FLASHLET_ATTENTION_PDL=0; =one-row: on steps of several rows only) against with
+#                PDL (the default): its GPU test, then the 0.5B's closed loop (c = 1 / 4 / 16) under
+#                the pinned Triton, two interleaved trios (ATTN_PDL_PAIRS), then 0 and 1 under the
+#                image's 3.6 once (~9 min; .whl-triton/ carried in this call or an earlier one)
 #   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
 #                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
 #                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
@@ -773,11 +774,13 @@ for _ in range(480):
       [[ -n $PIN_TRITON ]] || { echo "part attn-pdl-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env
       run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k pdl_chain
-      for pair in $(seq 1 "${ATTN_PDL_PAIRS:-2}"); do
-        for pdl in 1 0; do
+      for pair in $(seq 1 "${ATTN_PDL_PAIRS:-2}"); do  # the pin: on, off, off past one row
+        for pdl in 1 0 one-row; do
           closed_loop "$OUT/json/attn-pdl-$pdl-pin-$pair.json" PYTHONPATH="$(with_pin)" FLASHLET_ATTENTION_PDL=$pdl
-          closed_loop "$OUT/json/attn-pdl-$pdl-host-$pair.json" PYTHONPATH="$(without_pin)" FLASHLET_ATTENTION_PDL=$pdl
         done
+      done
+      for pdl in 1 0; do  # 3.6 once: whether its own 4 / 16 rows move with the attention's PDL
+        closed_loop "$OUT/json/attn-pdl-$pdl-host.json" PYTHONPATH="$(without_pin)" FLASHLET_ATTENTION_PDL=$pdl
       done ;;
     ncu-attn)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)

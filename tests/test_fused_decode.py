@@ -1135,12 +1135,12 @@ def test_auto_declines_the_presets_whose_norm_folded_gemvs_hold_too_many_chunks_
 
 @pytest.mark.parametrize("name, env, values, expected", [
     ("ROPE_IN_ATTENTION", "FLASHLET_ROPE_IN_ATTENTION", ("0", "1", "all"), "expected 0, 1 or all"),
-    ("ATTENTION_PDL", "FLASHLET_ATTENTION_PDL", ("0", "1"), "expected 0 or 1"),
+    ("ATTENTION_PDL", "FLASHLET_ATTENTION_PDL", ("0", "1", "one-row"), "expected 0, 1 or one-row"),
 ])
 def test_env_switches_read_their_values(name, env, values, expected):
-    """$FLASHLET_ROPE_IN_ATTENTION: 0 / 1 / all; $FLASHLET_ATTENTION_PDL: 0 / 1. Each unset is
-    1 (the default: rope_in measured faster for Qwen3; the attention launched with PDL like the
-    GEMVs around it), anything else a clear error at import."""
+    """$FLASHLET_ROPE_IN_ATTENTION: 0 / 1 / all; $FLASHLET_ATTENTION_PDL: 0 / 1 / one-row. Each
+    unset is 1 (the default: rope_in measured faster for Qwen3; the attention launched with PDL
+    like the GEMVs around it), anything else a clear error at import."""
     import os
     import subprocess
     import sys
@@ -1156,6 +1156,19 @@ def test_env_switches_read_their_values(name, env, values, expected):
     bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, env: "yes"})
     assert bad.returncode != 0 and expected in bad.stderr
+
+
+@pytest.mark.parametrize("value, launches", [("1", (True, True, True)), ("0", (False, False, False)),
+                                             ("one-row", (True, False, False))])
+def test_the_attention_pdl_rule_by_rows(monkeypatch, value, launches):
+    """FusedDecode.attention_pdl(rows): with PDL on the path, the attention launches with it on
+    steps of 1 / 4 / 16 rows as ATTENTION_PDL says; with PDL off (the CPU, pre-sm_90) never."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", value)
+    rule = fused_decode.FusedDecode.attention_pdl
+    assert tuple(rule(SimpleNamespace(pdl=True), rows) for rows in (1, 4, 16)) == launches
+    assert not any(rule(SimpleNamespace(pdl=False), rows) for rows in (1, 4, 16))
 
 
 def test_every_fused_row_count_is_within_the_rope_in_look_back():

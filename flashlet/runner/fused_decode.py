@@ -145,15 +145,17 @@ if ROPE_IN_ATTENTION not in ("0", "1", "all"):
 
 # The one-launch attention launches with Programmatic Dependent Launch like the GEMVs around it:
 # its programs start while the QKV GEMV still runs, load their page ids and first K/V blocks, and
-# wait for q. $FLASHLET_ATTENTION_PDL=0 (a fresh process; an A/B, `gpu_run.sh attn-pdl-ab`)
-# launches it in plain stream order instead. The question it answers: under the pinned Triton
+# wait for q. $FLASHLET_ATTENTION_PDL (a fresh process; an A/B, `gpu_run.sh attn-pdl-ab`): "0"
+# launches it in plain stream order instead, "one-row" so on steps of several rows only (the
+# candidate rule should the A/B find PDL's early start pays at one row and costs at more). The
+# question it answers: under the pinned Triton
 # (3.7.1) the attention needs 128 registers a thread against 3.6's 185, so twice as many of its
 # programs fit beside the GEMV's blocks, and the closed loop at 4 / 16 rows read 5-6% slower
 # although each kernel alone reads the same (FUSED_NOTES.md, session 41's outcomes).
 ATTENTION_PDL_ENV = "FLASHLET_ATTENTION_PDL"
 ATTENTION_PDL = os.environ.get(ATTENTION_PDL_ENV, "1")
-if ATTENTION_PDL not in ("0", "1"):
-    raise ValueError(f"{ATTENTION_PDL_ENV}={ATTENTION_PDL!r}: expected 0 or 1")
+if ATTENTION_PDL not in ("0", "1", "one-row"):
+    raise ValueError(f"{ATTENTION_PDL_ENV}={ATTENTION_PDL!r}: expected 0, 1 or one-row")
 
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
@@ -368,7 +370,6 @@ class FusedDecode:
         self.fp8_mma = fp8_tensor_cores(model, fp8_mma)  # their GEMVs on the tensor cores
         self.bf16_one_row_mma = bf16_one_row_tensor_cores(model)  # one bf16 row on them too
         self.pdl = pdl
-        self.attention_pdl = pdl and ATTENTION_PDL == "1"  # the one-launch attention's launch
         self.one_launch_attention = one_launch_attention
         # Steps without the RoPE epilogue make their rows in the attention kernel (ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION != "0" and one_launch_attention
@@ -509,7 +510,7 @@ class FusedDecode:
         if self.rope_in_attention:  # (every fused row count: MAX_ROWS is within its look-back)
             from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
 
-            return attn.attend_one_launch(i, q, pdl=self.attention_pdl,
+            return attn.attend_one_launch(i, q, pdl=self.attention_pdl(rows),
                                           rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
@@ -528,10 +529,14 @@ class FusedDecode:
         q = qkv_out[:, : self.split[0]].view(rows, layer.num_heads, layer.head_dim)
         return self._attend(i, q, attn)
 
+    def attention_pdl(self, rows: int) -> bool:
+        """Whether a step of `rows` rows launches its one-launch attention with PDL (ATTENTION_PDL)."""
+        return self.pdl and (ATTENTION_PDL == "1" or (ATTENTION_PDL == "one-row" and rows == 1))
+
     def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
         """Attention over the pool, this step's K/V already written."""
         if self.one_launch_attention:
-            return attn.attend_one_launch(i, q, pdl=self.attention_pdl)
+            return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]))
         return attn.attend(i, q)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

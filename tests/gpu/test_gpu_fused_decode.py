@@ -658,20 +658,23 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
 
 
 def test_attention_out_of_the_pdl_chain_gives_the_same_tokens(tmp_path, monkeypatch):
-    """$FLASHLET_ATTENTION_PDL=0 (fused_decode.ATTENTION_PDL, an A/B): the GEMVs launch with PDL,
-    the one-launch attention in plain stream order between them (the O GEMV's wait then returns
-    at once): the same tokens bit for bit as every launch with PDL, four rows a step (one as
-    they finish), prompts of 30 to 930 tokens (one to four splits)."""
+    """$FLASHLET_ATTENTION_PDL=0 / one-row (fused_decode.ATTENTION_PDL, an A/B): the GEMVs launch
+    with PDL, the one-launch attention in plain stream order between them (on every step, or on
+    steps of several rows; the O GEMV's wait then returns at once): the same tokens bit for bit
+    as every launch with PDL, four rows a step (fewer as they finish), prompts of 30 to 930
+    tokens (one to four splits)."""
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(30 + 300 * p)] for p in range(4)]
     flags = dict(fused=True, fused_decode_attn=True, fused_decode_rope=True, fused_decode_pdl=True,
                  max_num_seqs=4)
     pdl, engine = run(source, ps, 16, **flags)
-    assert engine.runner.fused.attention_pdl
-    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", "0")
-    plain_attention, engine = run(source, ps, 16, **flags)
-    assert engine.runner.fused.pdl and not engine.runner.fused.attention_pdl
-    assert plain_attention == pdl
+    assert engine.runner.fused.attention_pdl(1) and engine.runner.fused.attention_pdl(4)
+    for value, one_row in (("0", False), ("one-row", True)):
+        monkeypatch.setattr(fused_decode, "ATTENTION_PDL", value)
+        plain_attention, engine = run(source, ps, 16, **flags)
+        fused = engine.runner.fused
+        assert fused.pdl and fused.attention_pdl(1) == one_row and not fused.attention_pdl(4)
+        assert plain_attention == pdl, value
 
 
 # Failed on the H200 (2026-12-05, 2671152) for Qwen3's one-launch forms: the step whose row

@@ -148,10 +148,10 @@ if ROPE_IN_ATTENTION not in ("0", "1", "all"):
 # wait for q. $FLASHLET_ATTENTION_PDL (a fresh process; an A/B, `gpu_run.sh attn-pdl-ab`): "0"
 # launches it in plain stream order instead, "one-row" so on steps of several rows only (the
 # candidate rule should the A/B find PDL's early start pays at one row and costs at more). The
-# question it answers: under the pinned Triton
-# (3.7.1) the attention needs 128 registers a thread against 3.6's 185, so twice as many of its
-# programs fit beside the GEMV's blocks, and the closed loop at 4 / 16 rows read 5-6% slower
-# although each kernel alone reads the same (FUSED_NOTES.md, session 41's outcomes).
+# question it answers: under the pinned Triton (3.7.1) the attention needs 128 registers a thread
+# against 3.6's 185, so twice as many of its programs fit beside the GEMV's blocks, and the closed
+# loop at 4 / 16 rows read 5-6% slower although each kernel alone reads the same (FUSED_NOTES.md,
+# session 41's outcomes).
 ATTENTION_PDL_ENV = "FLASHLET_ATTENTION_PDL"
 ATTENTION_PDL = os.environ.get(ATTENTION_PDL_ENV, "1")
 if ATTENTION_PDL not in ("0", "1", "one-row"):

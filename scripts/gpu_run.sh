@@ -29,7 +29,8 @@
 #                prompt at every preset (PRESETS_1K="a b" to choose), a fresh process each, its
 #                share of the byte limit (weights + KV at 4.24 TB/s; lab/one_stream_pair.py), then a
 #                table; FI_1K=without runs them with FlashInfer's folder off PYTHONPATH, FI_1K=both
-#                each way (~7 min a pass: one pass a call)
+#                each way (~7 min a pass: one pass a call); PRESETS_LENS="8000 30000": the default
+#                flags' long-context figures instead (no A/B: what a user gets)
 #   one-launch-presets the one-launch attention's sweep at the fused path's preset shapes with no
 #                table entry (Qwen2.5-1.5B, Llama-3.2-1B, TinyLlama-1.1B; ~5 min), its table kept
 #                in /tmp for the next part
@@ -617,7 +618,9 @@ for _ in range(480):
         pp=$PYTHONPATH; [[ $with == no ]] && pp=$NO_FI
         for c in ${PRESETS_1K:-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b \
                                qwen2.5-7b llama-3.1-8b mistral-7b qwen2.5-14b}; do
-          run 150 env PYTHONPATH="$pp" python3 lab/one_stream_pair.py "fi=$with" --config $c --prompt-len 1000
+          for plen in ${PRESETS_LENS:-1000}; do
+            run 150 env PYTHONPATH="$pp" python3 lab/one_stream_pair.py "fi=$with" --config $c --prompt-len "$plen"
+          done
         done
       done
       pair_table ;;

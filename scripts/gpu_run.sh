@@ -54,6 +54,11 @@
 #                the 30,000-token winner (one a rows bucket; per-op one-row steps read it too) (~6 min)
 #   two-launch-long-ab one stream after 8,000 / 30,000 tokens (LONG_AB_LENS) without and with that
 #                table (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
+#   gemv-preset  the CuTe GEMVs' one-row plan sweep (scripts/gemv_sweep.py --config, PDL on: QKV, O,
+#                gate+up, down, the LM head) at GEMV_CONFIG (default qwen3-0.6b, whose shapes run the
+#                built-in heuristic: TUNED_PLANS holds the 0.5B's), the winners kept in /tmp (~6 min)
+#   gemv-preset-ab one stream through LLM.generate after 32 / 1,000 tokens (GEMV_AB_LENS) without
+#                and with those plans (FLASHLET_GEMV_PLANS), two interleaved pairs (~4 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -300,9 +305,10 @@ sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODEL
     --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
   cp "$OUT/json/$1-table.json" "/tmp/$1-table.json"
 }
-table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS": one stream without and with NAME's table
-              # (an earlier call's sweep_table on this machine), two interleaved pairs each
-  local t=${ONE_LAUNCH_TABLE_JSON:-/tmp/$1-table.json} plen pair c
+table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS" [VAR]: one stream without and with NAME's
+              # table (an earlier call's sweep on this machine) in $VAR (FLASHLET_DECODE_TABLES),
+              # two interleaved pairs each
+  local t=${ONE_LAUNCH_TABLE_JSON:-/tmp/$1-table.json} plen pair c var=${4:-FLASHLET_DECODE_TABLES}
   if [[ ! -f $t ]]; then
     echo "part $1-ab needs $t (run $1 first)" | tee -a "$LOG"; status=2; return 0
   fi
@@ -311,7 +317,7 @@ table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS": one stream without and
     for pair in 1 2; do
       for c in $2; do
         run 150 python3 lab/one_stream_pair.py "table=none" --config "$c" --prompt-len "$plen"
-        run 150 env FLASHLET_DECODE_TABLES="$t" python3 lab/one_stream_pair.py "table=sweep" --config "$c" \
+        run 150 env "$var=$t" python3 lab/one_stream_pair.py "table=sweep" --config "$c" \
           --prompt-len "$plen"
       done
     done
@@ -656,6 +662,15 @@ for _ in range(480):
     two-launch-long-ab)
       cute_env
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
+    gemv-preset)  # the one-row GEMV plans at a preset whose shapes TUNED_PLANS lacks (PDL on)
+      cute_env
+      C=${GEMV_CONFIG:-qwen3-0.6b}
+      run 450 python3 scripts/gemv_sweep.py --config "$C" --pdl on --only qkv o gate_up down lm_head \
+        --budget-s 300 --plans-out "$OUT/json/gemv-preset-table.json" --json "$OUT/json/gemv-preset.json"
+      cp "$OUT/json/gemv-preset-table.json" /tmp/ ;;
+    gemv-preset-ab)
+      cute_env
+      table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept

@@ -13,9 +13,12 @@ setup: $(STAMP)
 # index, so that index is named here, and used only when it answers. Otherwise plain pip:
 # the CUDA build from PyPI, or a CPU wheel that this machine's pip config finds on local disk.
 TORCH           := torch==2.13.0
-# The extras: dev everywhere, and on a machine with an NVIDIA GPU cuda (the CuTe DSL of the fused
-# decode path: without it decode steps run per-op, at under half the one-stream speed).
-EXTRAS          := dev$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
+# An NVIDIA GPU here (nvidia-smi found): torch as pip finds it (PyPI's CUDA build), and the extras
+# add cuda (the CuTe DSL of the fused decode path: without it decode steps run per-op, at under
+# half the one-stream speed); dev everywhere.
+NVIDIA_SMI      := $(shell command -v nvidia-smi 2>/dev/null)
+comma           := ,
+EXTRAS          := dev$(if $(NVIDIA_SMI),$(comma)cuda)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 REACHABLE        = $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_CPU_INDEX) >/dev/null 2>&1
 
@@ -23,7 +26,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@if $(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then echo "torch: $$($(PY) -c 'import torch; print(torch.__version__)') already installed"; \
-	elif ! command -v nvidia-smi >/dev/null && $(REACHABLE); then \
+	elif [ -z "$(NVIDIA_SMI)" ] && $(REACHABLE); then \
 	  echo "torch: the CPU build from $(TORCH_CPU_INDEX)"; $(PIP) install -q $(TORCH) --index-url $(TORCH_CPU_INDEX); \
 	else echo "torch: $(TORCH) as pip finds it"; $(PIP) install -q $(TORCH); fi
 	$(PIP) install -q -e ".[$(EXTRAS)]" --config-settings editable_mode=compat

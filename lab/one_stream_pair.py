@@ -10,8 +10,8 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py two-launch --prompt-len 30000 --fused-off attn
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
-unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run, the
-start-up seconds, the graphs' us, and issue 29's yardstick: the byte limit (the weights' bytes
+unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run (and its two
+calls' ms), the start-up seconds, the graphs' us, and issue 29's yardstick: the byte limit (the weights' bytes
 plus the KV bytes of the steps' mean context, at the H200's measured 4.24 TB/s copy bandwidth)
 and the best run's share of it. `--table` reads such lines on stdin and prints them as a table.
 """
@@ -30,7 +30,8 @@ from flashlet.runner.fused_decode import FusedParts
 COPY_BYTES_PER_S = 4.24e12  # the H200's measured device-to-device copy bandwidth (BENCHMARKS.md)
 
 
-def timed_run(llm, prompt) -> float:
+def timed_run(llm, prompt) -> tuple[float, float, float]:
+    """(tok/s of the 256 decode steps, the 1-token call's seconds, the 257-token call's)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
@@ -39,7 +40,7 @@ def timed_run(llm, prompt) -> float:
     llm.generate([prompt], SamplingParams(max_new_tokens=257, ignore_eos=True))
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    return 256 / ((t2 - t1) - (t1 - t0))
+    return 256 / ((t2 - t1) - (t1 - t0)), t1 - t0, t2 - t1
 
 
 def graph_us(graph, replays: int = 300) -> float:
@@ -108,7 +109,10 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     prompt = [(i * 7919 + 43) % vocab for i in range(args.prompt_len)]
     llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # prompt cached
-    result["tok_s"] = [round(timed_run(llm, prompt), 1) for _ in range(3)]
+    runs = [timed_run(llm, prompt) for _ in range(3)]
+    result["tok_s"] = [round(tok_s, 1) for tok_s, _, _ in runs]
+    # each run's two calls, ms: which of them moves where a repeat reads slower than the first run
+    result["calls_ms"] = [[round(one * 1e3, 2), round(all_ * 1e3, 2)] for _, one, all_ in runs]
     result["prompt_len"] = args.prompt_len
     result["limit_tok_s"] = round(byte_limit(llm, args.prompt_len + 128), 1)  # the steps' mean context
     result["share"] = round(max(result["tok_s"]) / result["limit_tok_s"], 3)

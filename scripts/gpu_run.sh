@@ -55,10 +55,12 @@
 #   two-launch-long-ab one stream after 8,000 / 30,000 tokens (LONG_AB_LENS) without and with that
 #                table (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
 #   gemv-preset  the CuTe GEMVs' one-row plan sweep (scripts/gemv_sweep.py --config, PDL on: QKV, O,
-#                gate+up, down, the LM head) at GEMV_CONFIG (default qwen3-0.6b, whose shapes run the
-#                built-in heuristic: TUNED_PLANS holds the 0.5B's), the winners kept in /tmp (~6 min)
-#   gemv-preset-ab one stream through LLM.generate after 32 / 1,000 tokens (GEMV_AB_LENS) without
-#                and with those plans (FLASHLET_GEMV_PLANS), two interleaved pairs (~4 min)
+#                gate+up, down, the LM head; GEMV_SHAPES to choose, qkv_rope the QKV with the RoPE
+#                epilogue) at each GEMV_CONFIG preset (default qwen3-0.6b; ~1 min each on an H200),
+#                the winners over TUNED_PLANS of them all in one file kept in /tmp
+#   gemv-preset-ab one stream through LLM.generate after 32 / 1,000 tokens (GEMV_AB_LENS) at each
+#                GEMV_CONFIG preset without and with those plans (FLASHLET_GEMV_PLANS), two
+#                interleaved pairs (~1 min a preset and length a pair)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -664,10 +666,12 @@ for _ in range(480):
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
     gemv-preset)  # the one-row GEMV plans at a preset whose shapes TUNED_PLANS lacks (PDL on)
       cute_env
-      C=${GEMV_CONFIG:-qwen3-0.6b}
-      run 450 python3 scripts/gemv_sweep.py --config "$C" --pdl on --only qkv o gate_up down lm_head \
-        --budget-s 300 --plans-out "$OUT/json/gemv-preset-table.json" --json "$OUT/json/gemv-preset.json"
-      cp "$OUT/json/gemv-preset-table.json" /tmp/ ;;
+      for c in ${GEMV_CONFIG:-qwen3-0.6b}; do  # several configs: a sweep each, their winners in one file
+        run 450 python3 scripts/gemv_sweep.py --config "$c" --pdl on --only ${GEMV_SHAPES:-qkv o gate_up down lm_head} \
+          --budget-s 300 --plans-out "$OUT/json/gemv-preset-$c-table.json" --json "$OUT/json/gemv-preset-$c.json"
+      done
+      python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
+        "$OUT"/json/gemv-preset-*-table.json > /tmp/gemv-preset-table.json ;;
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;

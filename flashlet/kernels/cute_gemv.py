@@ -314,6 +314,34 @@ TUNED_PLANS: dict[tuple, dict] = {
     (1152, 896, "bias_rope_kv", True, True): {"warps": 8},  # qkv + RoPE
     # The tied LM head with its argmax: a looping grid of 2 CTAs an SM.
     (151936, 896, "argmax", True, True): {"ctas_per_sm": 2},
+    # The other fused presets' one-row plans, swept on an H200 (gpu_run.sh gemv-preset, 2026-12-05):
+    # one stream after 1,000 tokens through LLM.generate +8-15% against the heuristic's plans
+    # (BENCHMARKS.md's history). The O projection at K = 2048 won with 8 warps at all three
+    # presets that have it. The plain QKV entries of Llama-3.2-1B, TinyLlama and Qwen2.5-1.5B
+    # serve steps without the RoPE epilogue (an fp8 KV pool); with it their QKV is unswept.
+    (4096, 1024, "none", True, True): {"min_ctas_per_sm": 8},  # qwen3-0.6b qkv
+    (1024, 2048, "residual", False, True): {"warps": 8},  # qwen3-0.6b o
+    (6144, 1024, "silu_mul", True, True): {"staged": True},  # qwen3-0.6b gate_up
+    (1024, 3072, "residual", False, True): {"min_ctas_per_sm": 12},  # qwen3-0.6b down
+    (151936, 1024, "argmax", True, True): {"ctas_per_sm": 2},  # qwen3-0.6b lm_head
+    (4096, 2048, "none", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # qwen3-1.7b qkv
+    (2048, 2048, "residual", False, True): {"warps": 8},  # o at hidden 2048
+    (12288, 2048, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 8},  # qwen3-1.7b gate_up
+    (2048, 6144, "residual", False, True): {"ctas_per_sm": 4},  # qwen3-1.7b down
+    (151936, 2048, "argmax", True, True): {"ctas_per_sm": 4, "warps": 2},  # qwen3-1.7b lm_head
+    (3072, 2048, "none", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # llama-3.2-1b qkv
+    (16384, 2048, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 8},  # llama-3.2-1b gate_up
+    (2048, 8192, "residual", False, True): {"warps": 8},  # llama-3.2-1b down
+    (128256, 2048, "argmax", True, True): {"ctas_per_sm": 4, "warps": 2},  # llama-3.2-1b lm_head
+    (2560, 2048, "none", True, True): {"late_g": True, "warps": 1},  # tinyllama-1.1b qkv
+    (11264, 2048, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 8},  # tinyllama-1.1b gate_up
+    (2048, 5632, "residual", False, True): {"ctas_per_sm": 4},  # tinyllama-1.1b down
+    (32000, 2048, "argmax", True, True): {"ctas_per_sm": 4, "warps": 2},  # tinyllama-1.1b lm_head
+    (2048, 1536, "bias", True, True): {"outs_per_group": 3},  # qwen2.5-1.5b qkv
+    (1536, 1536, "residual", False, True): {"warps": 8},  # qwen2.5-1.5b o
+    (17920, 1536, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # qwen2.5-1.5b gate_up
+    (1536, 8960, "residual", False, True): {"warps": 8},  # qwen2.5-1.5b down
+    (151936, 1536, "argmax", True, True): {"late_g": True, "min_ctas_per_sm": 3},  # qwen2.5-1.5b lm_head
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 

@@ -824,6 +824,29 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
         cute_gemv.load_tuned_plans(str(tmp_path / "nope.json"))
 
 
+
+FUSED_PRESETS = ["qwen2.5-0.5b", "qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b"]
+
+
+def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypatch):
+    """Each built-in one-row bf16 entry of TUNED_PLANS names a GEMV the fused path builds at one of
+    the presets it serves (gemv_sweep.shapes_for: a mistyped or stale shape would steer nothing),
+    and planning that GEMV gives the plan its knobs give, not the heuristic's."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import gemv_sweep
+
+    gemvs = {shape[:4]: shape[4] for preset in FUSED_PRESETS for shape in gemv_sweep.shapes_for(preset).values()}
+    one_row = {key: knobs for key, knobs in TUNED_PLANS.items() if len(key) == 5}
+    assert len(one_row) >= 6 * 4  # the 0.5B's and five more presets' (the O at K = 2048 shared)
+    for (n, k, epilogue, norm, pdl), knobs in one_row.items():
+        assert (n, k, epilogue, norm) in gemvs, f"{(n, k, epilogue, norm)} is no fused preset's GEMV"
+        rope = gemvs[(n, k, epilogue, norm)]
+        tuned = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope)
+        assert tuned == plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
+        assert tuned != plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False), (n, k, epilogue)
+
 # ---------------------------------------------------------------------------------------------
 # M decode rows a launch (rows=M): y[M, N] = x[M, K] W^T, the weights read once for all rows.
 

@@ -671,7 +671,7 @@ for _ in range(480):
     two-launch-long-ab)
       cute_env
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
-    gemv-preset)  # the one-row GEMV plans at a preset whose shapes TUNED_PLANS lacks (PDL on)
+    gemv-preset)  # the one-row GEMV plans at presets, against TUNED_PLANS' (PDL on)
       cute_env
       for c in ${GEMV_CONFIG:-qwen3-0.6b}; do  # several configs: a sweep each, their winners in one file
         run 450 python3 scripts/gemv_sweep.py --config "$c" --pdl on --only ${GEMV_SHAPES:-qkv o gate_up down lm_head} \

@@ -11,6 +11,9 @@
 #                one device call): the fused engine tests (bf16, fp8, long down projections, the
 #                batches at each served preset's shape), speculation (n-gram, draft), the CuTe
 #                GEMV kernels, the one-launch attention's verify rows
+#   tests-one-row the fused path at each served preset's shape, one row, teacher-forced against
+#                per-op (test_fused_batches_at_the_preset_shapes[P-1]): its one-row GEMV plans and
+#                attention entries (~3 min)
 #   single       one stream: every backend beside the HF peers, then per-op against the
 #                default (the fused decode path where it applies) in the harness and through
 #                LLM.generate (~8 min)
@@ -409,6 +412,10 @@ for part in "${PARTS[@]}"; do
       # the fused batches at each served preset's shape (~9 min: 20 cases of four engines each)
       run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
       run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
+    tests-one-row)  # tests-fused's preset cases at one row (FUSED_PRESETS in the test file)
+      cute_env
+      run 400 $PYTEST $(for p in qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b; do
+        echo "tests/gpu/test_gpu_fused_decode.py::test_fused_batches_at_the_preset_shapes[$p-1]"; done) ;;
     single)
       cute_env
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

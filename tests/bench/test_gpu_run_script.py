@@ -54,3 +54,13 @@ def test_without_pin_drops_only_the_pinned_tritons_entry(path, want):
     proc = subprocess.run(["bash", "-c", script, "bash", path], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == want
+
+
+def test_tests_one_row_names_every_fused_preset_of_the_gpu_test():
+    """`tests-one-row` lists the preset cases by node id (pytest's -k cannot pick a batch id):
+    exactly the GPU test's FUSED_PRESETS, so a preset the path comes to serve is not left out."""
+    from tests.gpu.test_gpu_fused_decode import FUSED_PRESETS
+
+    arm = re.search(r"^    tests-one-row\).*?;;", SCRIPT.read_text(), re.M | re.S)[0]
+    named = re.search(r"for p in ([^;]+);", arm)[1].split()
+    assert named == list(FUSED_PRESETS)

@@ -825,9 +825,6 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
 
 
 
-FUSED_PRESETS = ["qwen2.5-0.5b", "qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b"]
-
-
 def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypatch):
     """Each built-in one-row bf16 entry of TUNED_PLANS names a GEMV the fused path builds at one of
     the presets it serves (gemv_sweep.shapes_for: a mistyped or stale shape would steer nothing),
@@ -837,7 +834,9 @@ def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypa
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
     import gemv_sweep
 
-    gemvs = {shape[:4]: shape[4] for preset in FUSED_PRESETS for shape in gemv_sweep.shapes_for(preset).values()}
+    from tests.gpu.test_gpu_fused_decode import FUSED_PRESETS  # the presets past the 0.5B it serves
+
+    gemvs = {shape[:4]: shape[4] for preset in ("qwen2.5-0.5b", *FUSED_PRESETS) for shape in gemv_sweep.shapes_for(preset).values()}
     one_row = {key: knobs for key, knobs in TUNED_PLANS.items() if len(key) == 5}
     assert len(one_row) >= 6 * 4  # the 0.5B's and five more presets' (the O at K = 2048 shared)
     for (n, k, epilogue, norm, pdl), knobs in one_row.items():

@@ -19,6 +19,10 @@ form's one-row entry (BATCHED_DECODE_TABLE's, which long steps at this shape run
 128 splits. --short-json writes the best one-launch variant of all (the base among them) as the
 one-row bucket's entry, `[[head_dim, group, 1], fields]`, for the steps short of the long entry
 (`--kv-lens 300 1000 3000`; `gpu_run.sh short-entry short-entry-ab`); none where the base leads.
+Qwen3's one-launch variants run as the fused path launches them: the rows made in the kernel
+(per-head norms, RoPE, the K/V write), in the backend's form for them (one KV head a program, 8
+warps at wide blocks; `--rope-in off`: without); the entries written are the configs, which the
+engine puts in that form.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ def main(argv=None) -> int:
                    help="write the two-launch form's one-row entry at the wider split cap here")
     p.add_argument("--short-json", default=None,
                    help="write the best one-launch variant as the one-row bucket's (short) entry here")
+    p.add_argument("--rope-in", choices=("auto", "off"), default="auto",
+                   help="auto: the one-launch variants as the fused path launches them (Qwen3's with the rows made "
+                        "in the kernel, decode_attn_bench.engine_form); off: without. The two-launch rows are "
+                        "always without (the engine runs a RoPE kernel before them, not timed here)")
     p.add_argument("--json", default=None, help="write {variant: {kv_len: us}} and the failures here")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny lengths, checked, not timed")
     args = p.parse_args(argv)
@@ -71,6 +79,7 @@ def main(argv=None) -> int:
                                                table=args.table)
     if args.smoke:  # blocks the interpreter runs in seconds, splits enough to group
         derived = replace(derived, block_n=16, num_warps=1, min_split_tokens=16, num_splits=16)
+    derived = bench.engine_form(derived, model, args.rope_in)
     base = "table" if args.table else "derived"
     variants = {base: derived}
     for g in groups:
@@ -81,7 +90,8 @@ def main(argv=None) -> int:
     # ahead) in one launch, at twice the default cap (a measured entry may pass it), grouped.
     wide = 16 if args.smoke else 128
     small = bench.OneLaunchVariant(16 if args.smoke else 64, 1 if args.smoke else 2, 3, wide,
-                                   16 if args.smoke else 128, pdl=derived.pdl, prefetch_pages=True)
+                                   16 if args.smoke else 128, pdl=derived.pdl, prefetch_pages=True,
+                                   rope_in=derived.rope_in)
     variants[f"bn{small.block_n} S{wide} pages"] = small
     for g in groups + [2 * max(groups)]:
         variants[f"bn{small.block_n} S{wide} mg{g} pages"] = replace(small, merge_group=g)
@@ -99,7 +109,8 @@ def main(argv=None) -> int:
             times.setdefault(name, {})[n] = row.get("us", 1.0)
     lean = ",".join(sorted(da.LEAN_MERGE)) or "off"
     print(f"\n{args.model}, one row, us a layer (PDL {'off: the interpreter' if args.smoke else 'on'}; "
-          f"{'the table' if args.table else 'derived'}: {derived.label()}; lean merge {lean}):")
+          f"{'the table' if args.table else 'derived'}: {derived.label()}; lean merge {lean}"
+          f"{'; one launch with its rows made in the kernel' if derived.rope_in else ''}):")
     print(f"{'variant':<26}" + "".join(f"{n:>10,}" for n in lens))
     for name, t in times.items():
         print(f"{name:<26}" + "".join(f"{t[n]:>10.2f}" if n in t else f"{'-':>10}" for n in lens))

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = bench.Case(torch, args.rows, args.kv_len, "model", {**model, "layers": 2}, device)
     one = bench.derived_one_launch_variant(torch, model, args.rows, num_sms, device, pdl=False, table=args.table)
-    one = replace(one, merge_group=args.merge_group)
+    one = bench.engine_form(replace(one, merge_group=args.merge_group), model)  # Qwen3's: rope_in, as the fused path
     one_launch = bench.make_one_launch_call(da, torch, case, one)
     pool = KVPool(1, 1, model["page_size"], model["num_kv_heads"], model["head_dim"], torch.bfloat16, device,
                   fused_rope=False)

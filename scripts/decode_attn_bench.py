@@ -146,6 +146,45 @@ class Case:
         self.out = torch.empty_like(self.q)
         self.scale = d**-0.5
         self.elem = self.k.element_size()
+        self._rope_in = None
+
+    def rope_in_inputs(self, torch):
+        """What a rope_in launch reads beside the pool (decode_attention.RopeIn): each row's newest
+        k and v as the QKV projection left them, its position (kv_len - 1), a RoPE table, and the
+        per-head q / k norms where the model has them (model["qk_norm"]: Qwen3). The newest rows
+        are written into a scratch of one layer's pool shape, not the pool: every variant of the
+        case reads the same pool (the kernel takes the newest row from registers, not the pool)."""
+        if self._rope_in is None:
+            from flashlet.kernels.decode_attention import RopeIn
+            from flashlet.models.ops import QKNorm
+
+            m, dev, dtype = self.model, self.q.device, self.q.dtype
+            gen = torch.Generator(device=dev).manual_seed(7)
+            hkv, d = m["num_kv_heads"], m["head_dim"]
+            k, v = (torch.randn(self.batch, hkv, d, generator=gen, device=dev).to(dtype) for _ in range(2))
+            inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32, device=dev) / d))
+            freqs = torch.outer(torch.arange(self.kv_len, dtype=torch.float32, device=dev), inv)
+            weights = [(torch.rand(d, generator=gen, device=dev) + 0.5).to(dtype) for _ in range(2)]
+            norm = QKNorm(*weights, 1e-6) if m.get("qk_norm") else None
+            self._rope_in = RopeIn(k, v, (self.lens - 1).long(), torch.cat((freqs.cos(), freqs.sin()), dim=-1),
+                                   norm, torch.empty_like(self.k[0]), torch.empty_like(self.v[0]))
+        return self._rope_in
+
+    def rope_in_reference(self, torch, da):
+        """Layer 0's output with this step's rows made as the model makes them
+        (`rope_kv_write_reference` into copies of the pool), then the reference attention."""
+        from flashlet.kernels.rope_kv_write import rope_kv_write_reference
+
+        r = self.rope_in_inputs(torch)
+        ps = self.model["page_size"]
+        last = self.lens.long() - 1
+        pages = self.indices.long()[self.indptr[:-1].long() + last // ps]
+        k_pool, v_pool = self.k[0].clone(), self.v[0].clone()
+        q, _ = rope_kv_write_reference(self.q, r.k, r.v, r.positions, r.cos_sin_cache, k_pool, v_pool,
+                                       pages * ps + last % ps, kv_scales=(self.k_scale, self.v_scale),
+                                       qk_norm=r.qk_norm)
+        return da.decode_attention_reference(q, k_pool, v_pool, self.indptr, self.indices, self.lens, self.scale,
+                                             k_scale=self.k_scale, v_scale=self.v_scale)
 
     def kv_bytes(self) -> int:
         """Bytes one layer's call must move: K and V once per KV head, q and out, page ids."""
@@ -216,7 +255,7 @@ class Sweep:
         fn = maker(self.da, self.torch, case, v)
         try:
             fn(0)
-            row["rel_err"] = _rel_err(case.out, self.reference(case))
+            row["rel_err"] = _rel_err(case.out, self.reference(case, getattr(v, "rope_in", False)))
             if not row["rel_err"] < TOLERANCE:
                 row.update(error=f"output differs from the reference (rel err {row['rel_err']:.3g})")
             elif not self.smoke:
@@ -227,11 +266,12 @@ class Sweep:
             row.update(error=f"{type(exc).__name__}: {str(exc)[:160]}")
         return self._record(row)
 
-    def reference(self, case: Case):
-        key = (case.model.get("name"), case.batch, case.kv_len, case.kv)  # the same seed builds the same case
+    def reference(self, case: Case, rope_in: bool = False):
+        key = (case.model.get("name"), case.batch, case.kv_len, case.kv, rope_in)  # the same seed builds the same case
         if key not in self._refs:
-            self._refs[key] = self.da.decode_attention_reference(
-                *case.args(0), k_scale=case.k_scale, v_scale=case.v_scale).float()
+            self._refs[key] = (case.rope_in_reference(self.torch, self.da) if rope_in else
+                               self.da.decode_attention_reference(*case.args(0), k_scale=case.k_scale,
+                                                                  v_scale=case.v_scale)).float()
         return self._refs[key]
 
     def _record(self, row: dict) -> dict:
@@ -513,7 +553,7 @@ def table_literal(entries: dict) -> str:
 
 ONE_LAUNCH_MODELS = (
     dict(name="qwen2.5-0.5b", layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),
-    dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16),
+    dict(name="qwen3-0.6b", layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16, qk_norm=True),
 )
 # Shapes `--models` may name beside those: the fused path's other presets (head_dim 128 at
 # group 6, head_dim 64 at groups 4 and 8: no table entry yet, so the derived config runs), and
@@ -573,12 +613,13 @@ class OneLaunchVariant:
     pdl: bool = True
     prefetch_pages: bool = False
     merge_group: int = 0
+    rope_in: bool = False  # launched as the engine launches Qwen3's: its rows made in the kernel
 
     def label(self) -> str:
         tail = (f" kv{self.kv_pack}" if self.kv_pack > 1 else "") + (
             f" long{self.long_split_tokens}@{self.long_from_tokens}" if self.long_from_tokens else "") + (
             f" ms{self.merge_splits}" if self.merge_splits else "") + (" pages" if self.prefetch_pages else "") + (
-            f" mg{self.merge_group}" if self.merge_group else "")
+            f" mg{self.merge_group}" if self.merge_group else "") + (" rope-in" if self.rope_in else "")
         return (f"bn{self.block_n} w{self.num_warps} st{self.num_stages} S{self.num_splits} "
                 f"min{self.min_split_tokens}{tail} pdl-{'on' if self.pdl else 'off'}")
 
@@ -603,7 +644,16 @@ class OneLaunchVariant:
 
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
     """fn(layer): one `decode_attention_one_launch` of `v` into case.out; as the backend does, one
-    scratch and one set of merge counters serve every layer (each launch leaves them at zero)."""
+    scratch and one set of merge counters serve every layer (each launch leaves them at zero).
+    v.rope_in: in the form the backend gives the config (triton_backend.rope_in_form), making
+    the step's rows from case.rope_in_inputs."""
+    rope_in, kv_pack, warps = None, v.kv_pack, v.num_warps
+    if v.rope_in:
+        from flashlet.attention.triton_backend import rope_in_form
+        from flashlet.kernels import tuning
+
+        form = rope_in_form(v.config(tuning), case.model["head_dim"])
+        rope_in, kv_pack, warps = case.rope_in_inputs(torch), form.kv_pack, form.num_warps
     rows = case.batch * v.num_splits
     hq, d = case.q.shape[1], case.q.shape[2]
     mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device)
@@ -615,10 +665,10 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
         return da.decode_attention_one_launch(
             *case.args(layer), out=case.out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
             num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
-            num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
-            v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
+            num_warps=warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
+            v_scale=case.v_scale, kv_heads_per_program=kv_pack, long_from_tokens=v.long_from_tokens,
             long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages,
-            merge_group=v.merge_group)
+            merge_group=v.merge_group, rope_in=rope_in)
     return fn
 
 
@@ -656,7 +706,8 @@ def tile_variant(tile: tuple, derived: OneLaunchVariant) -> OneLaunchVariant:
     heads a program) and the derived smallest split (at least one block)."""
     bn, w, st, pack = tile
     splits = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
-    return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl)
+    return OneLaunchVariant(bn, w, st, splits, max(derived.min_split_tokens, bn), pack, pdl=derived.pdl,
+                            rope_in=derived.rope_in)
 
 
 def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict, num_sms: int, smoke: bool,
@@ -675,7 +726,7 @@ def stage2_variants(tiles: list[tuple], rows: int, contexts: tuple, model: dict,
         near = max(1, min(ONE_LAUNCH_MAX_SPLITS, derived.num_splits * pack // derived.kv_pack))
         for s in one_launch_splits(rows, model["num_kv_heads"], pack, num_sms, near):
             for m in (ms for ms in min_splits if ms >= bn):
-                base = OneLaunchVariant(bn, w, st, s, m, pack, pdl=derived.pdl)
+                base = OneLaunchVariant(bn, w, st, s, m, pack, pdl=derived.pdl, rope_in=derived.rope_in)
                 out.append(base)
                 if not long_bucket:
                     continue
@@ -801,7 +852,7 @@ def run_one_launch(args) -> list[dict]:
     sweep = Sweep(torch, da, args.smoke, args.budget_s, args.repeats, copy)
     buckets = [(m, rows) for m in models for rows in shape["rows"]]
     if not args.smoke:
-        precompile_one_launch(buckets, shape, num_sms, pdl, args.jobs, device)
+        precompile_one_launch(buckets, shape, num_sms, pdl, args.jobs, device, args.rope_in)
     end = sweep.start + args.budget_s
     # One row has four contexts (two long): twice the time of another bucket.
     weights = [2.0 if rows == 1 else 1.0 for _, rows in buckets]
@@ -810,7 +861,7 @@ def run_one_launch(args) -> list[dict]:
         contexts = shape["contexts"] + (shape["long"] if rows == 1 else ())
         print(f"\n== one launch, {model['name']}: {rows} row(s) at {contexts} tokens ==", flush=True)
         bucket = OneLaunchBucket(torch, model, rows, contexts, device)
-        derived = derived_one_launch_variant(torch, model, rows, num_sms, device, pdl)
+        derived = engine_form(derived_one_launch_variant(torch, model, rows, num_sms, device, pdl), model, args.rope_in)
         tiles = SMOKE_ONE_LAUNCH_TILES if args.smoke else ONE_LAUNCH_TILES[model["head_dim"]]
         start = time.monotonic()
         share = max(1.0, (end - start) * weights[i] / sum(weights[i:]))
@@ -822,14 +873,21 @@ def run_one_launch(args) -> list[dict]:
     return sweep.rows
 
 
-def _one_launch_items(buckets, shape, num_sms, pdl, device) -> list[tuple]:
+def engine_form(derived: OneLaunchVariant, model: dict, rope_in: str = "auto") -> OneLaunchVariant:
+    """The derived variant as the fused path launches this model's attention, which every variant
+    of its sweep inherits: with the rows made in the kernel where the model has per-head q / k
+    norms (Qwen3: `fused_decode.ROPE_IN_ATTENTION`, on by default; rope_in="off": without)."""
+    return replace(derived, rope_in=rope_in == "auto" and bool(model.get("qk_norm")))
+
+
+def _one_launch_items(buckets, shape, num_sms, pdl, device, rope_in: str = "auto") -> list[tuple]:
     """(model, rows, variant) for every variant the sweep may compile (stage 2 for every tile)."""
     import torch
 
     items = []
     for model, rows in buckets:
         contexts = shape["contexts"] + (shape["long"] if rows == 1 else ())
-        derived = derived_one_launch_variant(torch, model, rows, num_sms, device, pdl)
+        derived = engine_form(derived_one_launch_variant(torch, model, rows, num_sms, device, pdl), model, rope_in)
         tiles = [derived.tile()] + list(ONE_LAUNCH_TILES[model["head_dim"]])
         variants = [derived, replace(derived, pdl=False)] + [tile_variant(t, derived)
                                                               for t in tiles]
@@ -860,9 +918,10 @@ def _compile_one_launch(items: list[tuple], device: str) -> None:
         torch.cuda.synchronize()
 
 
-def precompile_one_launch(buckets, shape, num_sms: int, pdl: bool, jobs: int, device: str) -> None:
+def precompile_one_launch(buckets, shape, num_sms: int, pdl: bool, jobs: int, device: str,
+                          rope_in: str = "auto") -> None:
     """Compile every variant the sweep may time in `jobs` processes at once."""
-    items = _one_launch_items(buckets, shape, num_sms, pdl, device)
+    items = _one_launch_items(buckets, shape, num_sms, pdl, device, rope_in)
     if jobs < 2:
         return
     t0 = time.monotonic()
@@ -959,6 +1018,9 @@ def parse_args(argv=None):
                    help="--one-launch: the shapes to sweep, comma-separated (default qwen2.5-0.5b,qwen3-0.6b; "
                         "also qwen2.5-1.5b, llama-3.2-1b, tinyllama-1.1b, qwen2.5-7b); the batched sweep: "
                         "one of them (default qwen2.5-0.5b), whose (head_dim, group) keys its table entries")
+    p.add_argument("--rope-in", choices=("auto", "off"), default="auto",
+                   help="--one-launch: time Qwen3's shapes with the rows made in the kernel, as the fused path "
+                        "launches them (auto), or without (off: the kernel before 58915bd's default)")
     p.add_argument("--rows", type=int, nargs="+", default=None,
                    help="--one-launch: the rows buckets to sweep (default all of ONE_LAUNCH_ROWS)")
     p.add_argument("--shapes", default=None, help="BxL,BxL,... (default 128x2000,32x8000,1x30000)")

@@ -96,8 +96,9 @@
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   short-entry  the one-row bucket's one-launch entry for steps short of the long entry (Qwen3's
-#                table config, swept before the lean merge), kernel alone after 300 / 1,000 / 3,000
-#                tokens against its merge groups and a 128-split form with page ids ahead
+#                table config, swept before the lean merge), kernel alone as the fused path launches
+#                it (rows made in the kernel) after 300 / 1,000 / 3,000 tokens against its merge
+#                groups and a 128-split form with page ids ahead
 #                (lab/merge_group_ab.py --short-json; SHORT_MODEL, default qwen3-0.6b), its best
 #                kept in /tmp where it beats the table's (~2 min)
 #   short-entry-ab one stream after 32 / 1,000 tokens (SHORT_AB_LENS) without and with that entry

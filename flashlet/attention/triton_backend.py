@@ -98,6 +98,16 @@ ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
 # 8 warps at 64 keys and 4 at 32: none.
 ROPE_IN_MIN_WARPS = 8
 ROPE_IN_WIDE_BLOCK = 8192
+
+
+def rope_in_form(cfg: tuning.OneLaunchConfig, head_dim: int) -> tuning.OneLaunchConfig:
+    """A one-launch config as `rope_in` runs it: one KV head a program, and at least
+    ROPE_IN_MIN_WARPS warps at wide blocks (the splits stay the config's). The backend and
+    the kernel benchmarks (decode_attn_bench.py's rope_in variants) launch this form."""
+    warps = cfg.num_warps
+    if cfg.block_n * head_dim >= ROPE_IN_WIDE_BLOCK:
+        warps = max(warps, ROPE_IN_MIN_WARPS)
+    return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
 # "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU
 # A/B without editing code (read once, by the constructor; its arguments win; "1": off). The
 # tables' and tuning's values where unset.
@@ -462,12 +472,8 @@ class TritonBackend(AttentionBackend):
         return torch.zeros_like(q) if self.meta.token_bucket is not None else torch.empty_like(q)
 
     def rope_in_form(self, cfg: tuning.OneLaunchConfig) -> tuning.OneLaunchConfig:
-        """A one-launch config as `rope_in` runs it: one KV head a program, and at least
-        ROPE_IN_MIN_WARPS warps at wide blocks (the splits stay the config's)."""
-        warps = cfg.num_warps
-        if cfg.block_n * self.head_dim >= ROPE_IN_WIDE_BLOCK:
-            warps = max(warps, ROPE_IN_MIN_WARPS)
-        return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
+        """A one-launch config as `rope_in` runs it at this pool's head_dim (`rope_in_form`)."""
+        return rope_in_form(cfg, self.head_dim)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None) -> torch.Tensor:

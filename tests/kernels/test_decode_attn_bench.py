@@ -195,6 +195,39 @@ def test_one_launch_smoke_sweep_checks_every_variant(bench, tmp_path):
     assert {r["merge_group"] for r in rows} == {0, *bench.SMOKE_MERGE_GROUPS}  # the merge in two levels, checked
 
 
+def test_a_rope_in_variant_makes_its_rows_and_is_checked_against_the_rope_reference(bench, monkeypatch):
+    """rope_in=True launches the config as the backend launches Qwen3's (rope_in_form: one KV
+    head a program) with the rows made in the kernel, checked against the RoPE reference then
+    attention, which the plain reference is not (a launch that ignored rope_in would fail)."""
+    model = dict(bench.SMOKE_ONE_LAUNCH_MODELS[0], qk_norm=True)
+    case = bench.Case(torch, 2, 37, "model", model, "cpu")
+    sweep = bench.Sweep(torch, da, True, budget_s=1e9, repeats=1, copy=None)
+    launched = []
+    real = da.decode_attention_one_launch
+    monkeypatch.setattr(da, "decode_attention_one_launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    v = bench.OneLaunchVariant(16, 1, 2, 4, 16, kv_pack=2, pdl=False, rope_in=True)
+    row = sweep.measure(case, v)
+    assert "error" not in row and row["rel_err"] < bench.TOLERANCE and "rope-in" in row["label"]
+    assert launched[0]["rope_in"] is not None and launched[0]["kv_heads_per_program"] == 1
+    assert bench._rel_err(sweep.reference(case, rope_in=True), sweep.reference(case)) > 0.01
+    plain = sweep.measure(case, replace(v, rope_in=False))  # the same case's pool, untouched by the rope_in launch
+    assert "error" not in plain and launched[1]["rope_in"] is None and launched[1]["kv_heads_per_program"] == 2
+
+
+def test_the_sweep_times_qwen3_with_its_rows_made_in_the_kernel(bench):
+    """Every variant the one-launch sweep may time at Qwen3's shape carries rope_in (the fused
+    path's default there: fused_decode.ROPE_IN_ATTENTION), none at the 0.5B's; --rope-in off
+    times Qwen3's without."""
+    shape = dict(contexts=(300, 1000), long=(8000,))
+    for rope_in, want in (("auto", {"qwen3-0.6b": {True}, "qwen2.5-0.5b": {False}}),
+                          ("off", {"qwen3-0.6b": {False}, "qwen2.5-0.5b": {False}})):
+        items = bench._one_launch_items([(m, 1) for m in bench.ONE_LAUNCH_MODELS], shape, 132, True, "cpu", rope_in)
+        got = {}
+        for model, _, v in items:
+            got.setdefault(model["name"], set()).add(v.rope_in)
+        assert got == want, rope_in
+
+
 def test_one_launch_derived_variant_is_what_the_backend_launches(bench):
     """The sweep's baseline is TritonBackend's derived config at the fused path's shapes."""
     got = {(m["name"], rows): bench.derived_one_launch_variant(torch, m, rows, 132, "cpu", True)
@@ -328,6 +361,7 @@ def test_one_launch_shapes_are_their_presets(bench):
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         assert (m["layers"], m["num_q_heads"], m["num_kv_heads"], m["head_dim"]) == (
             cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim), m["name"]
+        assert m.get("qk_norm", False) == (cfg["model_type"] == "qwen3"), m["name"]  # its rope_in variants' norms
 
 
 def test_a_two_launch_long_entry_loads_from_a_table_file(tmp_path, monkeypatch):

@@ -81,6 +81,11 @@
 #                one dependent round trip fewer before the first block's K/V) against the default,
 #                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
 #                interleaved pairs (~4 min)
+#   short-cap-ab one-row steps short of the long entry launching only the splits a 4,096-token row
+#                uses ($FLASHLET_SHORT_SPLIT_CAP=1: Qwen3's grid 256 -> 128 programs, the 0.5B's
+#                128 -> 32; the same output bit for bit) against the default, one stream through
+#                LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 / 1,000 tokens (SHORT_CAP_LENS),
+#                two interleaved pairs (~8 min)
 #   lean-merge   the one-launch merge made lean ($FLASHLET_LEAN_MERGE=1: its first partials loaded
 #                beside their log-sum-exps, its tiles of the real query heads, not 16 padded rows)
 #                against the default: its kernel tests on the GPU, then the kernel alone
@@ -743,6 +748,19 @@ for _ in range(480):
         for c in qwen2.5-0.5b qwen3-0.6b; do
           run 150 python3 lab/one_stream_pair.py "early=0" --config "$c"
           run 150 env FLASHLET_EARLY_PAGE_BASE=1 python3 lab/one_stream_pair.py "early=1" --config "$c"
+        done
+      done
+      pair_table ;;
+    short-cap-ab)
+      cute_env
+      for plen in ${SHORT_CAP_LENS:-32 1000}; do
+        for pair in 1 2; do
+          for c in qwen2.5-0.5b qwen3-0.6b; do
+            for cap in 0 1; do
+              run 150 env FLASHLET_SHORT_SPLIT_CAP=$cap python3 lab/one_stream_pair.py "cap=$cap" --config "$c" \
+                --prompt-len "$plen"
+            done
+          done
         done
       done
       pair_table ;;

@@ -21,7 +21,9 @@ of each, and TUNED_PLANS entries to paste into cute_gemv.py; --json keeps every 
     python3 scripts/gemv_sweep.py --registers --cuobjdump PATH/cuobjdump   # CPU: regs per variant
 
 --rows M sweeps the M-row kernel (`CuteGemv(..., rows=M)`; plus the one-tile-a-CTA plan), and its
-TUNED_PLANS entries and --plans-out keys carry M as a sixth element.
+TUNED_PLANS entries and --plans-out keys carry M as a sixth element. bf16 M rows run the
+tensor-core form by default (the CUDA-core form where a knob only it has is asked for): both
+forms' knobs are swept, keyed as the engine looks them up (no "mma" element).
 
 --fp8 sweeps the fp8-weight kernel (`CuteGemv(..., fp8=True)`: e4m3 codes, a scale a row, as
 --quantization fp8 runs the fused path; the bank quantized per row, the check against
@@ -156,6 +158,8 @@ def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool =
     out += [(f"regcap {regs}", dict(min_ctas_per_sm=warps_sm // w0)) for regs, warps_sm in ((128, 16), (168, 12))]
     if norm and pdl:
         out += [("late_g regcap 168", dict(late_g=True, min_ctas_per_sm=12 // w0))]
+    if rows > 1 and not fp8:  # bf16 M rows run the tensor-core form by default: its own knobs too
+        out += [(f"mma {label}", knobs) for label, knobs in mma_variants(name)]
     seen, kept = set(), []
     for label, knobs in out:
         try:

@@ -64,6 +64,12 @@
 #   gemv-preset-ab one stream through LLM.generate after 32 / 1,000 tokens (GEMV_AB_LENS) at each
 #                GEMV_CONFIG preset without and with those plans (FLASHLET_GEMV_PLANS), two
 #                interleaved pairs (~1 min a preset and length a pair)
+#   gemv-rows    the CuTe GEMVs' M-row plan sweep (scripts/gemv_sweep.py --rows M, PDL on: the
+#                tensor-core form's knobs beside the CUDA-core form's; TUNED_PLANS has no M-row
+#                entry) at GEMV_ROWS (default 4 16) of GEMV_CONFIG (default qwen2.5-0.5b), the
+#                winners in one file kept in /tmp (~1-2 min a row count on an H200)
+#   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) without and with those plans
+#                (FLASHLET_GEMV_PLANS), one run each (~7 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -695,6 +701,22 @@ for _ in range(480):
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
+    gemv-rows)  # the M-row GEMV plans (the closed loop's 4 and 16-row steps), against the heuristic's
+      cute_env
+      rm -f "$OUT"/json/gemv-rows-*-table.json
+      for m in ${GEMV_ROWS:-4 16}; do
+        run 450 python3 scripts/gemv_sweep.py --config "${GEMV_CONFIG:-qwen2.5-0.5b}" --rows "$m" --pdl on \
+          --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 \
+          --plans-out "$OUT/json/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
+      done
+      python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
+        "$OUT"/json/gemv-rows-*-table.json > /tmp/gemv-rows-table.json ;;
+    gemv-rows-ab)
+      cute_env
+      [[ -f /tmp/gemv-rows-table.json ]] || { echo "part gemv-rows-ab needs /tmp/gemv-rows-table.json (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }
+      cp /tmp/gemv-rows-table.json "$OUT/json/"
+      closed_loop "$OUT/json/gemv-rows-none.json"
+      closed_loop "$OUT/json/gemv-rows-plans.json" FLASHLET_GEMV_PLANS=/tmp/gemv-rows-table.json ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept

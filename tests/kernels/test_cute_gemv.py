@@ -825,6 +825,25 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
 
 
 
+def test_the_m_row_sweep_tries_both_forms_knobs(monkeypatch):
+    """gemv_sweep --rows M (bf16): the tensor-core form, M rows' default, with its own knobs
+    (splits of K where the epilogue allows them) beside the CUDA-core form's (staged, R): every
+    variant a distinct plan, each planned as the engine plans its key (no "mma" element)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import gemv_sweep
+
+    for name in ("o", "gate_up"):
+        n, k, epilogue, norm, rope = gemv_sweep.SHAPES[name]
+        found = gemv_sweep.variants(name, True, 4)
+        plans = [plan_gemv(n, k, epilogue, pdl=True, norm=norm, rope=rope, tuned=False, rows=4, **knobs)
+                 for _, knobs in found]
+        assert len(set(plans)) == len(plans) and found[0][0] == "default" and plans[0].mma
+        assert any(p.mma for p in plans[1:]) and any(not p.mma for p in plans)
+    assert any(label.startswith("mma splits") for label, _ in gemv_sweep.variants("o", True, 4))
+
+
 def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypatch):
     """Each built-in one-row bf16 entry of TUNED_PLANS names a GEMV the fused path builds at one of
     the presets it serves (gemv_sweep.shapes_for: a mistyped or stale shape would steer nothing),

@@ -242,6 +242,8 @@ class Sweep:
         """The variant's row (None when it was out of time); a wrong output gives error, no time.
         v: a Variant (the two-launch form) or a OneLaunchVariant."""
         name = case.model.get("name")
+        if isinstance(v, OneLaunchVariant):  # variants that launch the same kernel are timed once
+            v = launched_form(v, case.model["head_dim"])
         key = (name, case.batch, case.kv_len, case.kv, v)
         if key in self._done:
             return self._done[key]
@@ -642,18 +644,26 @@ class OneLaunchVariant:
             merge_splits=self.merge_splits, prefetch_pages=self.prefetch_pages, merge_group=self.merge_group)
 
 
+def launched_form(v: OneLaunchVariant, head_dim: int) -> OneLaunchVariant:
+    """The variant as its launch runs it: a rope_in variant in the backend's form for it
+    (triton_backend.rope_in_form: one KV head a program, 8 warps at wide blocks), so tiles that
+    differ only in what that form overrides are one variant (timed once); others unchanged."""
+    if not v.rope_in:
+        return v
+    from flashlet.attention.triton_backend import rope_in_form
+    from flashlet.kernels import tuning
+
+    form = rope_in_form(v.config(tuning), head_dim)
+    return replace(v, kv_pack=form.kv_pack, num_warps=form.num_warps)
+
+
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
     """fn(layer): one `decode_attention_one_launch` of `v` into case.out; as the backend does, one
     scratch and one set of merge counters serve every layer (each launch leaves them at zero).
     v.rope_in: in the form the backend gives the config (triton_backend.rope_in_form), making
     the step's rows from case.rope_in_inputs."""
-    rope_in, kv_pack, warps = None, v.kv_pack, v.num_warps
-    if v.rope_in:
-        from flashlet.attention.triton_backend import rope_in_form
-        from flashlet.kernels import tuning
-
-        form = rope_in_form(v.config(tuning), case.model["head_dim"])
-        rope_in, kv_pack, warps = case.rope_in_inputs(torch), form.kv_pack, form.num_warps
+    v = launched_form(v, case.model["head_dim"])
+    rope_in = case.rope_in_inputs(torch) if v.rope_in else None
     rows = case.batch * v.num_splits
     hq, d = case.q.shape[1], case.q.shape[2]
     mid_o = torch.empty((rows, hq, d), dtype=torch.float32, device=case.q.device)
@@ -665,8 +675,8 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
         return da.decode_attention_one_launch(
             *case.args(layer), out=case.out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
             num_splits=v.num_splits, min_split_tokens=v.min_split_tokens, block_n=v.block_n,
-            num_warps=warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
-            v_scale=case.v_scale, kv_heads_per_program=kv_pack, long_from_tokens=v.long_from_tokens,
+            num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
+            v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
             long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages,
             merge_group=v.merge_group, rope_in=rope_in)
     return fn
@@ -893,7 +903,8 @@ def _one_launch_items(buckets, shape, num_sms, pdl, device, rope_in: str = "auto
                                                               for t in tiles]
         variants += stage2_variants(tiles, rows, contexts, model, num_sms, False, derived)
         # min_split_tokens and the long rule's lengths are runtime values (whether it is on is compiled).
-        keys = {replace(v, min_split_tokens=256, long_from_tokens=4096 if v.long_from_tokens else 0,
+        keys = {replace(launched_form(v, model["head_dim"]), min_split_tokens=256,
+                        long_from_tokens=4096 if v.long_from_tokens else 0,
                         long_split_tokens=128 if v.long_from_tokens else 0) for v in variants}
         items += [(model, rows, v) for v in keys]
     return items
@@ -932,7 +943,7 @@ def precompile_one_launch(buckets, shape, num_sms: int, pdl: bool, jobs: int, de
 
 
 def _layer_row(sweep: Sweep, model: dict, rows: int, kv_len: int, v: OneLaunchVariant) -> dict | None:
-    return sweep._done.get((model["name"], rows, kv_len, "model", v.at_length(kv_len)))
+    return sweep._done.get((model["name"], rows, kv_len, "model", launched_form(v.at_length(kv_len), model["head_dim"])))
 
 
 def summarize_one_launch(results: dict, sweep: Sweep, tuning) -> None:

@@ -210,6 +210,7 @@ def test_a_rope_in_variant_makes_its_rows_and_is_checked_against_the_rope_refere
     assert "error" not in row and row["rel_err"] < bench.TOLERANCE and "rope-in" in row["label"]
     assert launched[0]["rope_in"] is not None and launched[0]["kv_heads_per_program"] == 1
     assert bench._rel_err(sweep.reference(case, rope_in=True), sweep.reference(case)) > 0.01
+    assert sweep.measure(case, replace(v, kv_pack=1)) is row and len(launched) == 1  # the same launch: timed once
     plain = sweep.measure(case, replace(v, rope_in=False))  # the same case's pool, untouched by the rope_in launch
     assert "error" not in plain and launched[1]["rope_in"] is None and launched[1]["kv_heads_per_program"] == 2
 

@@ -25,7 +25,10 @@ Per (model, rows bucket), stage 1 times the tiles (block_n x warps x stages x KV
 program) at ~1,000 tokens; stage 2 the best tiles over split caps, smallest splits and (one row)
 the long-row rule and the merge width,
 at every context of the bucket: one table entry must serve them all (a graph per row count),
-so the winner is the best geometric mean of its times over the derived config's. The winner and
+so the winner is the best geometric mean of its times over the derived config's. Qwen3's
+variants launch as the fused path launches its attention, with the step's rows made in the
+kernel (rope_in, in the backend's form for it; `--rope-in off`: without), checked against the
+RoPE reference then attention. The winner and
 the derived config are then timed with PDL off too. It prints `ONE_LAUNCH_TABLE` entries and a
 summary per shape (us a layer, GB/s, against the derived config).
 

@@ -108,6 +108,8 @@ def rope_in_form(cfg: tuning.OneLaunchConfig, head_dim: int) -> tuning.OneLaunch
     if cfg.block_n * head_dim >= ROPE_IN_WIDE_BLOCK:
         warps = max(warps, ROPE_IN_MIN_WARPS)
     return dataclasses.replace(cfg, kv_pack=1, num_warps=warps)
+
+
 # "S[,min_split_tokens[,max_tokens[,min_context]]]": the split-KV prefill's settings for a GPU
 # A/B without editing code (read once, by the constructor; its arguments win; "1": off). The
 # tables' and tuning's values where unset.

@@ -857,7 +857,7 @@ def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypa
 
     gemvs = {shape[:4]: shape[4] for preset in ("qwen2.5-0.5b", *FUSED_PRESETS) for shape in gemv_sweep.shapes_for(preset).values()}
     one_row = {key: knobs for key, knobs in TUNED_PLANS.items() if len(key) == 5}
-    assert len(one_row) >= 6 * 4  # the 0.5B's and five more presets' (the O at K = 2048 shared)
+    assert len(one_row) >= 6 + 23  # the 0.5B's and five more presets' (the O at K = 2048 shared)
     for (n, k, epilogue, norm, pdl), knobs in one_row.items():
         assert (n, k, epilogue, norm) in gemvs, f"{(n, k, epilogue, norm)} is no fused preset's GEMV"
         rope = gemvs[(n, k, epilogue, norm)]

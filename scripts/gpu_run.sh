@@ -301,7 +301,7 @@ without_pin() {  # this call's PYTHONPATH (the CuTe DSL's roots included) withou
   p=${p//:$PIN_TRITON:/:}
   p=${p#:}; echo "${p%:}"
 }
-with_pin() { echo "$(with_pin)"; }  # the same with the pinned Triton first
+with_pin() { echo "$PIN_TRITON:$(without_pin)"; }  # the same with the pinned Triton first
 [[ -f .fi_prev/fi_cache.tgz && ! -d .fi_cache ]] && tar xzf .fi_prev/fi_cache.tgz
 mkdir -p .fi_cache && export FLASHINFER_WORKSPACE_BASE="$PWD/.fi_cache"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -56,6 +56,21 @@ def test_without_pin_drops_only_the_pinned_tritons_entry(path, want):
     assert proc.stdout.strip() == want
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash on this machine")
+def test_with_pin_puts_the_pinned_triton_first_once():
+    """The pinned arms (triton-pin, triton-pin-ab, attn-pdl-ab) run with `with_pin`'s PYTHONPATH:
+    the pinned Triton first, the rest as `without_pin` leaves it (f76f346's with_pin called
+    itself: a recursion that never returned)."""
+    text = SCRIPT.read_text()
+    without = re.search(r"^without_pin\(\) \{.*?^\}", text, re.M | re.S)[0]
+    with_ = re.search(r"^with_pin\(\) \{.*$", text, re.M)[0]  # one line
+    script = f'{without}\n{with_}\nPIN_TRITON=/tmp/triton-pin/3.7.1\nPYTHONPATH="$1"\nwith_pin'
+    path = "/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:/tmp/triton-pin/3.7.1:.::/tmp/site"
+    proc = subprocess.run(["bash", "-c", script, "bash", path], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "/tmp/triton-pin/3.7.1:/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:.::/tmp/site"
+
+
 def test_tests_one_row_names_every_fused_preset_of_the_gpu_test():
     """`tests-one-row` lists the preset cases by node id (pytest's -k cannot pick a batch id):
     exactly the GPU test's FUSED_PRESETS, so a preset the path comes to serve is not left out."""

@@ -88,10 +88,10 @@
 #                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
 #                interleaved pairs (~4 min)
 #   short-cap-ab one-row steps short of the long entry launching only the splits a 4,096-token row
-#                uses ($FLASHLET_SHORT_SPLIT_CAP=1: Qwen3's grid 256 -> 128 programs, the 0.5B's
-#                128 -> 32; the same output bit for bit) against the default, one stream through
-#                LLM.generate at qwen2.5-0.5b and qwen3-0.6b after 32 / 1,000 tokens (SHORT_CAP_LENS),
-#                two interleaved pairs (~8 min)
+#                uses ($FLASHLET_SHORT_SPLIT_CAP=1: Qwen3's grid 256 -> 128 programs; the same output
+#                bit for bit; at the 0.5B's one row the short grid read level, session 40) against
+#                the default, one stream through LLM.generate at SHORT_CAP_CONFIGS (qwen3-0.6b)
+#                after 32 / 1,000 tokens (SHORT_CAP_LENS), two interleaved pairs (~4 min)
 #   lean-merge   the one-launch merge made lean ($FLASHLET_LEAN_MERGE=1: its first partials loaded
 #                beside their log-sum-exps, its tiles of the real query heads, not 16 padded rows)
 #                against the default: its kernel tests on the GPU, then the kernel alone
@@ -777,7 +777,7 @@ for _ in range(480):
       cute_env
       for plen in ${SHORT_CAP_LENS:-32 1000}; do
         for pair in 1 2; do
-          for c in qwen2.5-0.5b qwen3-0.6b; do
+          for c in ${SHORT_CAP_CONFIGS:-qwen3-0.6b}; do
             for cap in 0 1; do
               run 150 env FLASHLET_SHORT_SPLIT_CAP=$cap python3 lab/one_stream_pair.py "cap=$cap" --config "$c" \
                 --prompt-len "$plen"

@@ -127,7 +127,8 @@ LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
 # tokens uses (next power of two of it over the smallest split): the rest would exit at once,
 # every row's splits are the same, its output bit for bit. Qwen3's one-row grid 256 -> 128
 # programs, the 0.5B's 128 -> 32. Unset or "0": the config's cap. Read once, by the constructor,
-# for a GPU A/B in a fresh process (`gpu_run.sh short-cap-ab`).
+# for a GPU A/B in a fresh process (`gpu_run.sh short-cap-ab`). The one-row half of the short grid
+# that 2e99daf removed (level at the 0.5B's one row; FUSED_NOTES.md), kept for Qwen3's two-wave grid.
 SHORT_SPLIT_CAP_ENV = "FLASHLET_SHORT_SPLIT_CAP"
 # "1": pure-decode steps of the per-op path attend in one launch, with PDL where the device has
 # it; "nopdl": one launch without PDL; unset or "0": the two-launch form (decode kernel + merge

@@ -74,16 +74,27 @@ TILES = {
     "qwen2.5-1.5b 1 row derived (32 x 128, 4 warps, 3 stages, 64 splits)": Tile(128, 6, 2, 32, 4, 3, 64),
 }
 # Qwen3-0.6B's ONE_LAUNCH_TABLE entries (1 / 4 / 16 rows) as the table has them, each without and
-# with rope_in, then the forms rope_in launches (`TritonBackend.rope_in_form`: one KV head a
+# with rope_in, then the forms rope_in launches (`triton_backend.rope_in_form`: one KV head a
 # program, 8 warps at blocks of 8,192+ elements).
-ROPE_IN_TILES = {
-    f"qwen3 {rows} rows bn{bn} w{w} st{st} S{s} kv{pack}{' rope_in' if rope else ''}":
-        Tile(128, 2, 8, bn, w, st, s, rows=rows, rope_in=rope, kv_pack=pack)
-    for rows, bn, w, st, s, pack, rope in (
-        (1, 64, 4, 3, 32, 1, False), (1, 64, 4, 3, 32, 1, True), (4, 64, 8, 2, 8, 2, False),
-        (4, 64, 8, 2, 8, 2, True), (16, 32, 4, 3, 4, 2, False), (16, 32, 4, 3, 4, 2, True),
-        (1, 64, 8, 3, 32, 1, True), (4, 64, 8, 2, 8, 1, True), (16, 32, 4, 3, 4, 1, True))
-}
+QWEN3_ENTRIES = ((1, 64, 4, 3, 32, 1), (4, 64, 8, 2, 8, 2), (16, 32, 4, 3, 4, 2))  # rows, bn, w, st, S, kv
+
+
+def _rope_in_tiles() -> dict:
+    from flashlet.attention.triton_backend import rope_in_form
+    from flashlet.kernels.tuning import OneLaunchConfig
+
+    tiles, forms = {}, {}
+    for rows, bn, w, st, s, pack in QWEN3_ENTRIES:
+        for rope in (False, True):
+            tiles[f"qwen3 {rows} rows bn{bn} w{w} st{st} S{s} kv{pack}{' rope_in' if rope else ''}"] = \
+                Tile(128, 2, 8, bn, w, st, s, rows=rows, rope_in=rope, kv_pack=pack)
+        form = rope_in_form(OneLaunchConfig(block_n=bn, num_warps=w, num_stages=st, num_splits=s, kv_pack=pack), 128)
+        forms[f"qwen3 {rows} rows bn{bn} w{form.num_warps} st{st} S{s} kv{form.kv_pack} rope_in"] = \
+            Tile(128, 2, 8, bn, form.num_warps, st, s, rows=rows, rope_in=True, kv_pack=form.kv_pack)
+    return {**tiles, **forms}
+
+
+ROPE_IN_TILES = _rope_in_tiles()
 SETS = {"default": TILES, "rope-in": ROPE_IN_TILES}
 ROPE_ARGS = ("KNew", "VNew", "Pos", "CosSin", "QW", "KW", "KOut", "VOut")
 ROPE_STRIDES = ("stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cs")

@@ -348,6 +348,10 @@ table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS" [VAR]: one stream witho
   done
   pair_table
 }
+merge_plans() {  # merge_plans DEST FILE...: gemv_sweep.py --plans-out files' entries in one (FLASHLET_GEMV_PLANS)
+  python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
+    "${@:2}" > "$1"
+}
 closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the 0.5B's closed loop at issue 29's levels (c = 1 / 4 / 16)
   run 200 env "${@:2}" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
     --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 --max-new-tokens 128 --out "$1"
@@ -692,12 +696,12 @@ for _ in range(480):
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
     gemv-preset)  # the one-row GEMV plans at presets, against TUNED_PLANS' (PDL on)
       cute_env
+      rm -f "$OUT"/json/gemv-preset-*-table.json
       for c in ${GEMV_CONFIG:-qwen3-0.6b}; do  # several configs: a sweep each, their winners in one file
         run 450 python3 scripts/gemv_sweep.py --config "$c" --pdl on --only ${GEMV_SHAPES:-qkv o gate_up down lm_head} \
           --budget-s 300 --plans-out "$OUT/json/gemv-preset-$c-table.json" --json "$OUT/json/gemv-preset-$c.json"
       done
-      python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
-        "$OUT"/json/gemv-preset-*-table.json > /tmp/gemv-preset-table.json ;;
+      merge_plans /tmp/gemv-preset-table.json "$OUT"/json/gemv-preset-*-table.json ;;
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
@@ -709,8 +713,7 @@ for _ in range(480):
           --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 \
           --plans-out "$OUT/json/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
       done
-      python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
-        "$OUT"/json/gemv-rows-*-table.json > /tmp/gemv-rows-table.json ;;
+      merge_plans /tmp/gemv-rows-table.json "$OUT"/json/gemv-rows-*-table.json ;;
     gemv-rows-ab)
       cute_env
       [[ -f /tmp/gemv-rows-table.json ]] || { echo "part gemv-rows-ab needs /tmp/gemv-rows-table.json (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }

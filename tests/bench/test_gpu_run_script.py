@@ -4,8 +4,10 @@ its PYTHONPATH helper takes the pinned Triton off the arms that compare against 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -66,9 +68,18 @@ def test_with_pin_puts_the_pinned_triton_first_once():
     with_ = re.search(r"^with_pin\(\) \{.*$", text, re.M)[0]  # one line
     script = f'{without}\n{with_}\nPIN_TRITON=/tmp/triton-pin/3.7.1\nPYTHONPATH="$1"\nwith_pin'
     path = "/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:/tmp/triton-pin/3.7.1:.::/tmp/site"
-    proc = subprocess.run(["bash", "-c", script, "bash", path], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "/tmp/triton-pin/3.7.1:/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:.::/tmp/site"
+    # In a process group of its own: were with_pin to call itself again, its chain of subshells
+    # would outlive a plain timeout's kill of the first one (it did, once, eating the memory).
+    proc = subprocess.Popen(["bash", "-c", script, "bash", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("with_pin did not return within 30 s") from None
+    assert proc.returncode == 0, err
+    assert out.strip() == "/tmp/triton-pin/3.7.1:/tmp/cute/4.8.1/dsl:/tmp/cute/4.8.1:.::/tmp/site"
 
 
 def test_tests_one_row_names_every_fused_preset_of_the_gpu_test():

@@ -705,15 +705,20 @@ for _ in range(480):
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
-    gemv-rows)  # the M-row GEMV plans (the closed loop's 4 and 16-row steps), against the heuristic's
+    gemv-rows)  # the M-row GEMV plans (the closed loop's 4 and 16-row steps), against the heuristic's.
+      # One M's sweep takes up to ~6 min (its 300 s budget, then compiles): GEMV_ROWS=4 and
+      # GEMV_ROWS=16 in calls of their own; each M's table stays in /tmp, and the merge takes every one there
       cute_env
-      rm -f "$OUT"/json/gemv-rows-*-table.json
       for m in ${GEMV_ROWS:-4 16}; do
+        rm -f "/tmp/gemv-rows-$m-table.json"
         run 450 python3 scripts/gemv_sweep.py --config "${GEMV_CONFIG:-qwen2.5-0.5b}" --rows "$m" --pdl on \
           --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 \
-          --plans-out "$OUT/json/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
+          --plans-out "/tmp/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
+        cp "/tmp/gemv-rows-$m-table.json" "$OUT/json/" 2>/dev/null || true
       done
-      merge_plans /tmp/gemv-rows-table.json "$OUT"/json/gemv-rows-*-table.json ;;
+      if compgen -G '/tmp/gemv-rows-[0-9]*-table.json' > /dev/null; then
+        merge_plans /tmp/gemv-rows-table.json /tmp/gemv-rows-[0-9]*-table.json
+      fi ;;
     gemv-rows-ab)
       cute_env
       [[ -f /tmp/gemv-rows-table.json ]] || { echo "part gemv-rows-ab needs /tmp/gemv-rows-table.json (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }

@@ -161,12 +161,20 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
 # Nor has one whose winner lost in the engine: Qwen2.5-0.5B's 4-row winner (5.81 against 6.91 us
 # a layer alone) made the closed loop at c = 4 4% slower (0.680 against 0.650 ms a step, two
 # interleaved pairs), where the attention follows the QKV GEMV, not another attention. The
-# 16-row entry measured level in the same pairs (c = 16: 0.966-0.969 against 0.971 ms); Qwen3's
-# one-row entry read 1,232 tok/s one stream against 1,183 earlier (another day's run); its 4-16-row
-# entries are the kernel's winners alone (0.52-0.86 of the derived time), not yet timed in the engine.
+# 16-row entry measured level in the same pairs (c = 16: 0.966-0.969 against 0.971 ms). Qwen3's
+# 4-16-row entries are the kernel's winners alone (0.52-0.86 of the derived time), swept without
+# rope_in and not yet timed in the engine; its one-row entry says where it comes from.
 ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     (64, 7, 16): OneLaunchConfig(block_n=256, num_warps=8, num_stages=2, min_split_tokens=256, waves=2, num_splits=2, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
-    (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # Qwen3-0.6B's (and 1.7B's) one row, re-swept in the engine's form (rope_in, the lean merge;
+    # H100, 2026-12-05, 5e5a580, `gpu_run.sh lean-sweep`): 6.53 us a layer alone at 1,000 tokens
+    # against the derived config's 21.25. Through LLM.generate (`lean-sweep-ab` with this entry
+    # alone, two interleaved fresh-process pairs, pinned Triton 3.7.1): after 32 tokens 1,515.0 /
+    # 1,515.8 tok/s against 1,388.5 / 1,389.9 (+9.1%), after 1,000 1,377.8 / 1,376.4 against
+    # 1,193.9 / 1,193.6 (+15.4%), after 8,000 (long steps: ONE_LAUNCH_LONG_TABLE) 848.6 / 845.1
+    # against 849.7 / 844.9 (level). The entry it replaced (bn64 w4 st3 S32 min256) was swept
+    # without rope_in.
+    (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
     (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=8, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),

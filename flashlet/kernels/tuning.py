@@ -170,8 +170,8 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     # H100, 2026-12-05, 5e5a580, `gpu_run.sh lean-sweep`): 6.53 us a layer alone at 1,000 tokens
     # against the derived config's 21.25. Through LLM.generate (`lean-sweep-ab` with this entry
     # alone, two interleaved fresh-process pairs, pinned Triton 3.7.1): after 32 tokens 1,515.0 /
-    # 1,515.8 tok/s against 1,388.5 / 1,389.9 (+9.1%), after 1,000 1,377.8 / 1,376.4 against
-    # 1,193.9 / 1,193.6 (+15.4%), after 8,000 (long steps: ONE_LAUNCH_LONG_TABLE) 848.6 / 845.1
+    # 1,515.8 tok/s against 1,388.5 / 1,389.9 (+9.1%), after 1,000 1,375.7 / 1,377.8 against
+    # 1,191.3 / 1,193.9 (+15.4%), after 8,000 (long steps: ONE_LAUNCH_LONG_TABLE) 848.6 / 845.1
     # against 849.7 / 844.9 (level). The entry it replaced (bn64 w4 st3 S32 min256) was swept
     # without rope_in.
     (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),

@@ -16,9 +16,7 @@ long-context graph for one row"). --table-json writes the best grouped variant (
 mean over the lengths) as a `[[head_dim, group, 1, "long"], fields]` entry that
 `FLASHLET_DECODE_TABLES` loads (`gpu_run.sh merge-group-ab`); --two-launch-json the two-launch
 form's one-row entry (BATCHED_DECODE_TABLE's, which long steps at this shape run by default) at
-128 splits. --short-json writes the best one-launch variant of all (the base among them) as the
-one-row bucket's entry, `[[head_dim, group, 1], fields]`, for the steps short of the long entry
-(`--kv-lens 300 1000 3000`; `gpu_run.sh short-entry short-entry-ab`); none where the base leads.
+128 splits.
 Qwen3's one-launch variants run as the fused path launches them: the rows made in the kernel
 (per-head norms, RoPE, the K/V write), in the backend's form for them (one KV head a program, 8
 warps at wide blocks; `--rope-in off`: without); the entries written are the configs, which the
@@ -49,8 +47,6 @@ def main(argv=None) -> int:
     p.add_argument("--table-json", default=None, help="write the best grouped variant as a long entry here")
     p.add_argument("--two-launch-json", default=None,
                    help="write the two-launch form's one-row entry at the wider split cap here")
-    p.add_argument("--short-json", default=None,
-                   help="write the best one-launch variant as the one-row bucket's (short) entry here")
     p.add_argument("--rope-in", choices=("auto", "off"), default="auto",
                    help="auto: the one-launch variants as the fused path launches them (Qwen3's with the rows made "
                         "in the kernel, decode_attn_bench.engine_form); off: without. The two-launch rows are "
@@ -131,17 +127,6 @@ def main(argv=None) -> int:
                  asdict(variants[best].config(tuning))]
         Path(args.table_json).write_text(json.dumps([entry], indent=1))
         print(f"the long entry ({best}) written to {args.table_json}")
-    if args.short_json:  # every one-launch variant, the base among them: the short steps' entry
-        ran = [k for k in variants if len(times.get(k, {})) == len(lens)]
-        best = min(ran, key=lambda k: sum(math.log(times[k][n]) for n in lens), default=None)
-        if best is None or best == base:
-            print(f"{'no variant ran at every length' if best is None else 'the ' + base + ' leads'}: "
-                  f"no short entry written")
-        else:
-            entry = [[model["head_dim"], model["num_q_heads"] // model["num_kv_heads"], 1],
-                     asdict(variants[best].config(tuning))]
-            Path(args.short_json).write_text(json.dumps([entry], indent=1))
-            print(f"the one-row entry ({best}) written to {args.short_json}")
     if args.two_launch_json:  # the one-row bucket's BATCHED_DECODE_TABLE config, its split cap widened
         group = model["num_q_heads"] // model["num_kv_heads"]
         cfg = tuning.batched_decode_config(model["head_dim"], group, 1, "model")

@@ -87,11 +87,6 @@
 #                one dependent round trip fewer before the first block's K/V) against the default,
 #                one stream through LLM.generate at qwen2.5-0.5b and qwen3-0.6b (32 tokens), two
 #                interleaved pairs (~4 min)
-#   short-cap-ab one-row steps short of the long entry launching only the splits a 4,096-token row
-#                uses ($FLASHLET_SHORT_SPLIT_CAP=1: Qwen3's grid 256 -> 128 programs; the same output
-#                bit for bit; at the 0.5B's one row the short grid read level, session 40) against
-#                the default, one stream through LLM.generate at SHORT_CAP_CONFIGS (qwen3-0.6b)
-#                after 32 / 1,000 tokens (SHORT_CAP_LENS), two interleaved pairs (~4 min)
 #   lean-merge   the one-launch merge made lean ($FLASHLET_LEAN_MERGE=1: its first partials loaded
 #                beside their log-sum-exps, its tiles of the real query heads, not 16 padded rows)
 #                against the default: its kernel tests on the GPU, then the kernel alone
@@ -106,14 +101,6 @@
 #                its table kept in /tmp (~5 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
-#   short-entry  the one-row bucket's one-launch entry for steps short of the long entry (Qwen3's
-#                table config, swept before the lean merge), kernel alone as the fused path launches
-#                it (rows made in the kernel) after 300 / 1,000 / 3,000 tokens against its merge
-#                groups and a 128-split form with page ids ahead
-#                (lab/merge_group_ab.py --short-json; SHORT_MODEL, default qwen3-0.6b), its best
-#                kept in /tmp where it beats the table's (~2 min)
-#   short-entry-ab one stream after 32 / 1,000 tokens (SHORT_AB_LENS) without and with that entry
-#                (FLASHLET_DECODE_TABLES), two interleaved pairs (~4 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
 #                .whl-triton/ (scripts/gpu_wheels.sh; this machine's python3 has 3.6): the
 #                attention and fp8 GEMM kernel tests and the fused engine's GPU tests compiled
@@ -781,19 +768,6 @@ for _ in range(480):
         done
       done
       pair_table ;;
-    short-cap-ab)
-      cute_env
-      for plen in ${SHORT_CAP_LENS:-32 1000}; do
-        for pair in 1 2; do
-          for c in ${SHORT_CAP_CONFIGS:-qwen3-0.6b}; do
-            for cap in 0 1; do
-              run 150 env FLASHLET_SHORT_SPLIT_CAP=$cap python3 lab/one_stream_pair.py "cap=$cap" --config "$c" \
-                --prompt-len "$plen"
-            done
-          done
-        done
-      done
-      pair_table ;;
     lean-merge)  # the kernel alone; no CuTe DSL needed
       run 200 $PYTEST tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py -k "lean or random or long_entry"
       for lean in 0 1; do
@@ -827,13 +801,6 @@ for _ in range(480):
       cute_env
       table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
       unset FLASHLET_LEAN_MERGE ;;
-    short-entry)  # the one-row short steps' one-launch config, kernel alone (the lean merge on: the default)
-      rm -f /tmp/short-entry-table.json
-      run 300 python3 lab/merge_group_ab.py --model "${SHORT_MODEL:-qwen3-0.6b}" --table --kv-lens 300 1000 3000 \
-        --groups 8 --short-json /tmp/short-entry-table.json --json "$OUT/json/short-entry.json" ;;
-    short-entry-ab)
-      cute_env
-      table_ab short-entry "${SHORT_MODEL:-qwen3-0.6b}" "${SHORT_AB_LENS:-32 1000}" ;;
     triton-pin)  # the attention and fp8 GEMM kernel tests and the fused engine's agreement
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }

@@ -122,14 +122,6 @@ ONE_LAUNCH_DECODE_MAX_ROWS = tuning.ONE_LAUNCH_ROW_BUCKETS[-1]
 # 2026-12-05); unset or "table": ONE_LAUNCH_LONG_TABLE's entry where it has one. Read once, by
 # the constructor, for a GPU A/B in a fresh process.
 LONG_DECODE_ENV = "FLASHLET_LONG_DECODE"
-# "1": a short one-launch step (every row within ONE_LAUNCH_LONG_CONTEXT tokens) at a row count whose
-# long steps take a long-context entry launches at most the splits a row of ONE_LAUNCH_LONG_CONTEXT
-# tokens uses (next power of two of it over the smallest split): the rest would exit at once,
-# every row's splits are the same, its output bit for bit. Qwen3's one-row grid 256 -> 128
-# programs, the 0.5B's 128 -> 32. Unset or "0": the config's cap. Read once, by the constructor,
-# for a GPU A/B in a fresh process (`gpu_run.sh short-cap-ab`). The one-row half of the short grid
-# that 2e99daf removed (level at the 0.5B's one row; FUSED_NOTES.md), kept for Qwen3's two-wave grid.
-SHORT_SPLIT_CAP_ENV = "FLASHLET_SHORT_SPLIT_CAP"
 # "1": pure-decode steps of the per-op path attend in one launch, with PDL where the device has
 # it; "nopdl": one launch without PDL; unset or "0": the two-launch form (decode kernel + merge
 # kernel). Read once, by the constructor (its one_launch_decode / one_launch_pdl win), for a GPU
@@ -217,8 +209,7 @@ class TritonBackend(AttentionBackend):
                                                   self.head_dim, device)
         self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
                                  for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
-        # Every batch's one-launch (config, splits), its short and long graphs' (uncapped: the most).
-        self.short_split_cap = False
+        # Every batch's one-launch (config, splits), its short and long graphs'.
         widest = {b: (self.one_launch_config(b), self.one_launch_config(b, long=True))
                   for b in range(1, max_batch_size + 1)}
         # Split scratch, sized for the worst batch of either decode form: rows = max over B of B * S(B).
@@ -241,7 +232,6 @@ class TritonBackend(AttentionBackend):
         # one_launch_decode_rows, the steps a long-context entry can serve.
         self.fused_rows = 0
         self.long_decode = long_decode_from_env()
-        self.short_split_cap = short_split_cap_from_env()
         self._long_meta = None  # the last step `long_context` was asked about, and its answer
         self._long = False
         self._num_splits = 1
@@ -305,10 +295,6 @@ class TritonBackend(AttentionBackend):
         if num_seqs > self.max_batch_size:
             return cfg, 1
         max_splits = self._max_splits(cfg.smallest_split_tokens(), cfg)
-        if self.short_split_cap and not long and self.has_long_entry(num_seqs):
-            # this config's steps hold no row past ONE_LAUNCH_LONG_CONTEXT tokens (`long_context`)
-            longest = -(-tuning.ONE_LAUNCH_LONG_CONTEXT // cfg.smallest_split_tokens())
-            max_splits = min(max_splits, 1 << (longest - 1).bit_length())  # a power of two: config_splits' own
         return cfg, tuning.config_splits(cfg, num_seqs, self.num_kv_heads, self.num_sms, max_splits)
 
     def derived_one_launch_config(self, num_seqs: int) -> tuning.OneLaunchConfig:
@@ -584,16 +570,6 @@ def long_decode_from_env() -> str:
                          f"two launches), one-launch (never) or table (ONE_LAUNCH_LONG_TABLE's entry, "
                          f"the default)")
     return text or "table"
-
-
-def short_split_cap_from_env() -> bool:
-    """$FLASHLET_SHORT_SPLIT_CAP: "1" caps a short one-launch step's splits (above), unset or "0"
-    does not."""
-    text = os.environ.get(SHORT_SPLIT_CAP_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{SHORT_SPLIT_CAP_ENV}={text!r}: expected 1 (short one-launch steps launch the splits "
-                         f"a row of {tuning.ONE_LAUNCH_LONG_CONTEXT} tokens uses) or 0 (the config's cap)")
-    return text == "1"
 
 
 def one_launch_decode_from_env() -> dict:

@@ -176,41 +176,6 @@ def test_a_long_context_entry_serves_long_steps_in_a_graph_of_their_own(kh, monk
     assert backend.graph_key(meta) == ()
 
 
-def test_short_steps_with_the_split_cap_launch_only_splits_a_row_can_use(kh, monkeypatch):
-    """$FLASHLET_SHORT_SPLIT_CAP=1: where long steps take a long entry, a short step (no row past
-    ONE_LAUNCH_LONG_CONTEXT) launches next_pow2(ceil(threshold / smallest split)) splits, not the
-    entry's cap, and its output is the uncapped launch's bit for bit (every row's splits are the
-    same); long steps, and rows buckets or paths without a long entry, keep the entry's cap."""
-    short_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=1, min_split_tokens=16, num_splits=16)
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(16, 7, 1): short_entry})
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(16, 7, 1): short_entry})
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 48)  # 3 splits of 16: a cap of 4
-    seen = spy_one_launch(monkeypatch)
-    pool = _pool(kh, pages=96)
-    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(4)).to(kh.device)
-    backends = {}
-    for cap in ("0", "1"):
-        monkeypatch.setenv(triton_backend.SHORT_SPLIT_CAP_ENV, cap)
-        backend = backends[cap] = TritonBackend(pool, 14, num_sms=4)
-        assert backend.one_launch_config(1)[1] == 16  # the per-op path's steps: two launches, no long entry
-        backend.fused_rows = 16
-        assert backend.one_launch_config(1)[1] == (4 if cap == "1" else 16)
-        assert backend.one_launch_config(1, long=True)[1] == 16
-    assert backends["1"].one_launch_config(2) == backends["0"].one_launch_config(2)  # no long entry at 2 rows
-    for kv_len in (1, 17, 33, 48, 49):
-        meta, pages = kh.make_step(pool, [(kv_len, 1)])
-        outs = {}
-        for cap, backend in backends.items():
-            backend.plan(meta)
-            outs[cap] = backend.attend_one_launch(1, q).clone()
-            assert seen[-1]["num_splits"] == (4 if cap == "1" and kv_len <= 48 else 16), (cap, kv_len)
-        assert torch.equal(outs["0"], outs["1"]), kv_len
-        pool.allocator.free(pages[0])
-    monkeypatch.setenv(triton_backend.SHORT_SPLIT_CAP_ENV, "2")
-    with pytest.raises(ValueError, match="FLASHLET_SHORT_SPLIT_CAP='2': expected 1"):
-        TritonBackend(pool, 14, num_sms=4)
-
-
 def test_a_long_entry_that_merges_in_two_levels_sizes_its_counters(kh, monkeypatch):
     """A long entry with merge_group: the backend's merge counters hold the groups' too (sized at
     construction for every rows count), the kernel gets the group, the output is the reference's

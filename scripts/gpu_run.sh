@@ -38,7 +38,8 @@
 #                table entry (Qwen2.5-1.5B, Llama-3.2-1B, TinyLlama-1.1B; ~5 min), its table kept
 #                in /tmp for the next part
 #   one-launch-presets-ab those presets after a 1,000-token prompt without and with that table
-#                (FLASHLET_DECODE_TABLES), two interleaved pairs (~6 min)
+#                (FLASHLET_DECODE_TABLES; ONE_LAUNCH_TABLE_JSON=lab/tables/... a kept table, as for
+#                every table_ab part), two interleaved pairs (~6 min)
 #   long-attn-ab one stream after 8,000- and 30,000-token prompts (qwen2.5-0.5b, LLM.generate): the
 #                fused step's one-launch attention for every length ($FLASHLET_LONG_DECODE=one-launch,
 #                the default before 201d20d) against the two-launch decode in its long-context
@@ -67,9 +68,9 @@
 #   gemv-rows    the CuTe GEMVs' M-row plan sweep (scripts/gemv_sweep.py --rows M, PDL on: the
 #                tensor-core form's knobs beside the CUDA-core form's; TUNED_PLANS has no M-row
 #                entry) at GEMV_ROWS (default 4 16) of GEMV_CONFIG (default qwen2.5-0.5b), the
-#                winners in one file kept in /tmp (~1-2 min a row count on an H200)
+#                winners in one file kept in /tmp (up to ~6 min a row count on an H100: one a call)
 #   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) without and with those plans
-#                (FLASHLET_GEMV_PLANS), one run each (~7 min)
+#                (FLASHLET_GEMV_PLANS; GEMV_ROWS_TABLE=lab/tables/... a kept table), one run each (~7 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -706,12 +707,13 @@ for _ in range(480):
       if compgen -G '/tmp/gemv-rows-[0-9]*-table.json' > /dev/null; then
         merge_plans /tmp/gemv-rows-table.json /tmp/gemv-rows-[0-9]*-table.json
       fi ;;
-    gemv-rows-ab)
+    gemv-rows-ab)  # GEMV_ROWS_TABLE: a kept table (lab/tables/) in place of this machine's sweep
       cute_env
-      [[ -f /tmp/gemv-rows-table.json ]] || { echo "part gemv-rows-ab needs /tmp/gemv-rows-table.json (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }
-      cp /tmp/gemv-rows-table.json "$OUT/json/"
+      t=${GEMV_ROWS_TABLE:-/tmp/gemv-rows-table.json}
+      [[ -f $t ]] || { echo "part gemv-rows-ab needs $t (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }
+      cp "$t" "$OUT/json/"
       closed_loop "$OUT/json/gemv-rows-none.json"
-      closed_loop "$OUT/json/gemv-rows-plans.json" FLASHLET_GEMV_PLANS=/tmp/gemv-rows-table.json ;;
+      closed_loop "$OUT/json/gemv-rows-plans.json" FLASHLET_GEMV_PLANS="$t" ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept

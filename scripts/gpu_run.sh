@@ -98,8 +98,11 @@
 #                LEAN_VARIANTS (default "0 1"; peel and rows name one part), two interleaved
 #                pairs (~8 min); LEAN_LOOP=1 adds the 0.5B's closed loop at c = 1 / 4 / 16 (~2 min more)
 #   lean-sweep   the one-launch sweep's one-row bucket with the lean merge on (LEAN_SWEEP_MODELS,
-#                default qwen3-0.6b: with 16 partials a merge step, more and shorter splits may win),
-#                its table kept in /tmp (~5 min)
+#                default qwen3-0.6b: with 16 partials a merge step, more and shorter splits may win;
+#                LEAN_SWEEP_ROWS="4 8 16" those buckets instead), its table kept in /tmp (~2-5 min)
+#   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
+#                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
+#                interleaved pairs (~6 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -340,8 +343,9 @@ merge_plans() {  # merge_plans DEST FILE...: gemv_sweep.py --plans-out files' en
   python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
     "${@:2}" > "$1"
 }
-closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the 0.5B's closed loop at issue 29's levels (c = 1 / 4 / 16)
-  run 200 env "${@:2}" python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton \
+closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the closed loop at issue 29's levels (c = 1 / 4 / 16)
+  # at LOOP_CONFIG (default the 0.5B)
+  run 200 env "${@:2}" python3 -m flashlet.bench --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --dtype bfloat16 --quiet --backend triton \
     --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 --max-new-tokens 128 --out "$1"
 }
 B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
@@ -796,8 +800,17 @@ for _ in range(480):
     lean-sweep)  # the one-row sweep with the lean merge on: more, shorter splits may win now
       export FLASHLET_LEAN_MERGE=1
       cute_env
-      sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows 1 --budget-s 240
+      sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows ${LEAN_SWEEP_ROWS:-1} --budget-s 240
       unset FLASHLET_LEAN_MERGE ;;
+    loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
+      cute_env
+      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/lean-sweep-table.json}
+      [[ -f $t ]] || { echo "part loop-table-ab needs $t (run lean-sweep first)" | tee -a "$LOG"; status=2; continue; }
+      cp "$t" "$OUT/json/"
+      for pair in 1 2; do
+        LOOP_CONFIG=${LOOP_CONFIG:-qwen3-0.6b} closed_loop "$OUT/json/loop-table-none-$pair.json"
+        LOOP_CONFIG=${LOOP_CONFIG:-qwen3-0.6b} closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
+      done ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

@@ -251,7 +251,8 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 || ${PARTS[0]} == all ]] && \
   PARTS=(tests single decode-sat offline closed-loop fidelity kernels)
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT" "$OUT/json"
+KEEP=${GPU_RUN_KEEP:-/tmp}  # sweep tables a later call's A/B reads (/tmp outlives a call on a warm machine)
+mkdir -p "$OUT" "$OUT/json" "$KEEP"
 LOG="$OUT/log.txt"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Installed once per machine (/tmp/site/.installed), so instances side by side do not race.
@@ -318,12 +319,12 @@ pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
   run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
     --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
-  cp "$OUT/json/$1-table.json" "/tmp/$1-table.json"
+  cp "$OUT/json/$1-table.json" "$KEEP/$1-table.json"
 }
 table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS" [VAR]: one stream without and with NAME's
               # table (an earlier call's sweep on this machine) in $VAR (FLASHLET_DECODE_TABLES),
               # two interleaved pairs each
-  local t=${ONE_LAUNCH_TABLE_JSON:-/tmp/$1-table.json} plen pair c var=${4:-FLASHLET_DECODE_TABLES}
+  local t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/$1-table.json} plen pair c var=${4:-FLASHLET_DECODE_TABLES}
   if [[ ! -f $t ]]; then
     echo "part $1-ab needs $t (run $1 first)" | tee -a "$LOG"; status=2; return 0
   fi
@@ -682,7 +683,7 @@ for _ in range(480):
       run 560 python3 scripts/decode_attn_bench.py --models "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" \
         --shapes 1x8000,1x30000 --kv model --budget-s 420 --json "$OUT/json/two-launch-long.json" \
         --table-json "$OUT/json/two-launch-long-table.json"
-      cp "$OUT/json/two-launch-long-table.json" /tmp/ ;;
+      cp "$OUT/json/two-launch-long-table.json" "$KEEP/" ;;
     two-launch-long-ab)
       cute_env
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
@@ -693,27 +694,27 @@ for _ in range(480):
         run 450 python3 scripts/gemv_sweep.py --config "$c" --pdl on --only ${GEMV_SHAPES:-qkv o gate_up down lm_head} \
           --budget-s 300 --plans-out "$OUT/json/gemv-preset-$c-table.json" --json "$OUT/json/gemv-preset-$c.json"
       done
-      merge_plans /tmp/gemv-preset-table.json "$OUT"/json/gemv-preset-*-table.json ;;
+      merge_plans "$KEEP/gemv-preset-table.json" "$OUT"/json/gemv-preset-*-table.json ;;
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
     gemv-rows)  # the M-row GEMV plans (the closed loop's 4 and 16-row steps), against the heuristic's.
       # One M's sweep takes up to ~6 min (its 300 s budget, then compiles): GEMV_ROWS=4 and
-      # GEMV_ROWS=16 in calls of their own; each M's table stays in /tmp, and the merge takes every one there
+      # GEMV_ROWS=16 in calls of their own; each M's table stays in $KEEP, and the merge takes every one there
       cute_env
       for m in ${GEMV_ROWS:-4 16}; do
-        rm -f "/tmp/gemv-rows-$m-table.json"
+        rm -f "$KEEP/gemv-rows-$m-table.json"
         run 450 python3 scripts/gemv_sweep.py --config "${GEMV_CONFIG:-qwen2.5-0.5b}" --rows "$m" --pdl on \
           --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 \
-          --plans-out "/tmp/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
-        cp "/tmp/gemv-rows-$m-table.json" "$OUT/json/" 2>/dev/null || true
+          --plans-out "$KEEP/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
+        cp "$KEEP/gemv-rows-$m-table.json" "$OUT/json/" 2>/dev/null || true
       done
-      if compgen -G '/tmp/gemv-rows-[0-9]*-table.json' > /dev/null; then
-        merge_plans /tmp/gemv-rows-table.json /tmp/gemv-rows-[0-9]*-table.json
+      if compgen -G "$KEEP/gemv-rows-[0-9]*-table.json" > /dev/null; then
+        merge_plans "$KEEP/gemv-rows-table.json" "$KEEP"/gemv-rows-[0-9]*-table.json
       fi ;;
     gemv-rows-ab)  # GEMV_ROWS_TABLE: a kept table (lab/tables/) in place of this machine's sweep
       cute_env
-      t=${GEMV_ROWS_TABLE:-/tmp/gemv-rows-table.json}
+      t=${GEMV_ROWS_TABLE:-$KEEP/gemv-rows-table.json}
       [[ -f $t ]] || { echo "part gemv-rows-ab needs $t (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }
       cp "$t" "$OUT/json/"
       closed_loop "$OUT/json/gemv-rows-none.json"
@@ -724,17 +725,17 @@ for _ in range(480):
       run 200 $PYTEST tests/kernels/test_kern_decode.py -k "two_levels or lean"  # the counters on the GPU's programs
       run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json" \
         --two-launch-json "$OUT/json/two-launch-wide-table.json" --json "$OUT/json/merge-group.json"
-      cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" /tmp/ ;;
+      cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" "$KEEP/" ;;
     merge-group-ab)  # three forms of long steps at the 0.5B shape, interleaved
       cute_env
       for t in merge-group two-launch-wide; do
-        [[ -f /tmp/$t-table.json ]] || { echo "part merge-group-ab needs /tmp/$t-table.json (run merge-group first)" | tee -a "$LOG"; status=2; }
+        [[ -f $KEEP/$t-table.json ]] || { echo "part merge-group-ab needs $KEEP/$t-table.json (run merge-group first)" | tee -a "$LOG"; status=2; }
       done
       for plen in ${LONG_AB_LENS:-8000 30000}; do
         for pair in 1 2; do
           run 150 python3 lab/one_stream_pair.py default --config qwen2.5-0.5b --prompt-len "$plen"
           for t in merge-group two-launch-wide; do
-            [[ -f /tmp/$t-table.json ]] && run 150 env FLASHLET_DECODE_TABLES="/tmp/$t-table.json" \
+            [[ -f $KEEP/$t-table.json ]] && run 150 env FLASHLET_DECODE_TABLES="$KEEP/$t-table.json" \
               python3 lab/one_stream_pair.py "$t" --config qwen2.5-0.5b --prompt-len "$plen"
           done
         done
@@ -804,7 +805,7 @@ for _ in range(480):
       unset FLASHLET_LEAN_MERGE ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
       cute_env
-      t=${ONE_LAUNCH_TABLE_JSON:-/tmp/lean-sweep-table.json}
+      t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/lean-sweep-table.json}
       [[ -f $t ]] || { echo "part loop-table-ab needs $t (run lean-sweep first)" | tee -a "$LOG"; status=2; continue; }
       cp "$t" "$OUT/json/"
       for pair in 1 2; do

@@ -1,0 +1,126 @@
+"""scripts/gpu_run.sh's parts run on the CPU with `python3` stubbed: the commands a part would
+send to the GPU machine, in order, with the variables that steer them, and the sweep tables it
+keeps for a later call's A/B. A part that runs the wrong command costs a device call to find out;
+here it costs a test. The stub logs each command and writes an empty-but-named table where a
+sweep is asked for one; merge_plans' `python3 -c` runs for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_run.sh"
+
+STUB = r"""#!/usr/bin/env bash
+# python3 for gpu_run.sh on a machine without a GPU: inline JSON snippets (merge_plans) run for
+# real, the version lines print a stand-in, pip fails (no install), anything else is logged with
+# the FLASHLET_* variables it sees.
+if [[ $1 == -c ]]; then
+  [[ $2 == *json* ]] && exec "$REAL_PY" "$@"
+  echo "stub python3 -c"; exit 0
+fi
+[[ $1 == -m && $2 == pip ]] && exit 1
+printf '%s| %s\n' "$(env | grep -E '^FLASHLET_[A-Z_]+=' | sort | tr '\n' ' ')" "$*" >> "$CALLS"
+args=("$@")
+for ((i = 0; i < ${#args[@]} - 1; i++)); do
+  case ${args[i]} in
+    --plans-out|--table-json) printf '[{"written_by": "%s"}]\n' "${args[*]}" > "${args[i + 1]}" ;;
+  esac
+done
+exit 0
+"""
+
+
+@pytest.fixture
+def gpu_run(tmp_path):
+    """run(*parts, **env) -> (exit status, [(variables, command)]) of a copy of gpu_run.sh in a
+    bare tree (no carried folders: nothing to install), python3 stubbed, its tables kept in
+    tmp_path/keep across calls as /tmp is on a warm device."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash on this machine")
+    root = tmp_path / "tree"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts" / "gpu_run.sh")
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir()
+    (stub_dir / "python3").write_text(STUB)
+    (stub_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    keep = tmp_path / "keep"
+
+    def run(*parts: str, **env: str) -> tuple[int, list[tuple[str, str]]]:
+        calls.write_text("")
+        full = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHLET_", "GEMV_", "LEAN_", "LOOP_"))}
+        full.update(PATH=f"{stub_dir}:{os.environ['PATH']}", REAL_PY=sys.executable, CALLS=str(calls),
+                    GPU_RUN_KEEP=str(keep), OUT=str(tmp_path / "out"), TRITON_PIN="0", **env)
+        proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), *parts], env=full,
+                              capture_output=True, text=True, timeout=120)
+        lines = [line.split("| ", 1) for line in calls.read_text().splitlines()]
+        return proc.returncode, [(v.strip(), c) for v, c in lines]
+
+    run.keep = keep
+    return run
+
+
+def test_gemv_rows_in_two_calls_merges_both_row_counts(gpu_run):
+    """GEMV_ROWS=4 and GEMV_ROWS=16 in calls of their own (one sweep fills a call): the second
+    call's merge holds both row counts' plans, which gemv-rows-ab then times."""
+    rc, first = gpu_run("gemv-rows", GEMV_ROWS="4")
+    assert rc == 0
+    assert [c.split()[:6] for _, c in first] == [["scripts/gemv_sweep.py", "--config", "qwen2.5-0.5b", "--rows", "4", "--pdl"]]
+    rc, second = gpu_run("gemv-rows", GEMV_ROWS="16")
+    assert rc == 0 and "--rows 16" in second[0][1]
+    merged = json.loads((gpu_run.keep / "gemv-rows-table.json").read_text())
+    assert sorted("--rows 4" in e["written_by"] for e in merged) == [False, True]
+    rc, ab = gpu_run("gemv-rows-ab")
+    assert rc == 0
+    assert [v for v, _ in ab] == ["", f"FLASHLET_GEMV_PLANS={gpu_run.keep / 'gemv-rows-table.json'}"]
+    assert all("-m flashlet.bench --config qwen2.5-0.5b" in c and "--concurrency 1 4 16" in c for _, c in ab)
+
+
+def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_path):
+    rc, calls = gpu_run("gemv-rows-ab")
+    assert rc == 2 and calls == []  # nothing swept on this machine, no table named: nothing timed
+    kept = tmp_path / "kept.json"
+    kept.write_text("[]")
+    rc, calls = gpu_run("gemv-rows-ab", GEMV_ROWS_TABLE=str(kept))
+    assert rc == 0 and [v for v, _ in calls] == ["", f"FLASHLET_GEMV_PLANS={kept}"]
+
+
+def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
+    """LEAN_SWEEP_ROWS="4 8 16" sweeps those buckets; loop-table-ab times Qwen3's closed loop
+    without and with that table, two interleaved pairs; LOOP_CONFIG picks another preset."""
+    rc, sweep = gpu_run("lean-sweep", LEAN_SWEEP_ROWS="4 8 16")
+    assert rc == 0 and len(sweep) == 1
+    variables, command = sweep[0]
+    assert "--models qwen3-0.6b --rows 4 8 16 " in command and "FLASHLET_LEAN_MERGE=1" in variables
+    table = gpu_run.keep / "lean-sweep-table.json"
+    assert table.exists()
+    rc, loop = gpu_run("loop-table-ab")
+    assert rc == 0
+    assert [v for v, _ in loop] == ["", f"FLASHLET_DECODE_TABLES={table}"] * 2
+    assert all("--config qwen3-0.6b" in c and "--workload closed-loop" in c for _, c in loop)
+    rc, loop = gpu_run("loop-table-ab", LOOP_CONFIG="qwen2.5-1.5b")
+    assert rc == 0 and all("--config qwen2.5-1.5b" in c for _, c in loop)
+    rc, loop = gpu_run("gemv-rows-ab", GEMV_ROWS_TABLE=str(table))
+    assert all("--config qwen2.5-0.5b" in c for _, c in loop)  # LOOP_CONFIG did not leak past its part
+
+
+def test_one_launch_presets_ab_takes_the_kept_table(gpu_run):
+    """The table kept in lab/tables for the next device session: one stream at each of the three
+    presets after 1,000 tokens, without and with it, two interleaved pairs."""
+    table = SCRIPT.parents[1] / "lab" / "tables" / "one-launch-presets-2026-12-05.json"
+    rc, calls = gpu_run("one-launch-presets-ab", ONE_LAUNCH_TABLE_JSON=str(table))
+    assert rc == 0
+    runs = [c for _, c in calls if c.startswith("lab/one_stream_pair.py table=")]
+    assert len(runs) == 12
+    configs = [c.split("--config ")[1].split()[0] for c in runs]
+    assert configs[:6] == ["qwen2.5-1.5b"] * 2 + ["llama-3.2-1b"] * 2 + ["tinyllama-1.1b"] * 2
+    assert [v for v, c in calls if "table=sweep" in c] == [f"FLASHLET_DECODE_TABLES={table}"] * 6
+    assert all("--prompt-len 1000" in c for c in runs)

@@ -100,6 +100,10 @@
 #   lean-sweep   the one-launch sweep's one-row bucket with the lean merge on (LEAN_SWEEP_MODELS,
 #                default qwen3-0.6b: with 16 partials a merge step, more and shorter splits may win;
 #                LEAN_SWEEP_ROWS="4 8 16" those buckets instead), its table kept in /tmp (~2-5 min)
+#   cached-prompt a 1-token LLM.generate call on a cached prompt of 32 / 1,000 / 8,000 / 30,000
+#                tokens at CACHED_CONFIGS (default qwen3-0.6b qwen2.5-0.5b): its wall clock, the
+#                prefix cache's hits, its device kernels under torch.profiler (lab/cached_prompt_call.py;
+#                ~3 min): the first token of a chat whose history is cached
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
 #                interleaved pairs (~6 min)
@@ -803,6 +807,11 @@ for _ in range(480):
       cute_env
       sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows ${LEAN_SWEEP_ROWS:-1} --budget-s 240
       unset FLASHLET_LEAN_MERGE ;;
+    cached-prompt)  # a 1-token call on a cached prompt as it grows: wall clock, device kernels
+      cute_env
+      for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do
+        run 300 python3 lab/cached_prompt_call.py --config "$c"
+      done ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
       cute_env
       t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/lean-sweep-table.json}

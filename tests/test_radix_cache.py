@@ -2,6 +2,9 @@
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flashlet.kvcache.kv_pool import PageAllocator
 from flashlet.kvcache.radix_cache import PageHolder, RadixCache, RadixNode
 
@@ -180,3 +183,19 @@ def run_cache_ops(ops):
             assert cache.evict(n) == len(want)
             assert alloc.free_pages() - free_before == set(want)
         cache.check_integrity([holder(p, node, k, s) for s, (_, p, node, k) in live.items()])
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.lists(st.integers(0, 3), max_size=60), st.integers(0, 60),
+       st.lists(st.integers(0, 3), max_size=12), st.integers(0, 6))
+def test_common_pages_matches_a_page_at_a_time(page_size, key, cut, tail, start):
+    """`_common_pages` compares runs of pages at once (a binary search where they differ); a page
+    at a time is the reference. `tokens` repeats key[:cut] after `start` others, then `tail`."""
+    cache = RadixCache(PageAllocator(4), page_size)
+    tokens = [9] * start + key[:cut] + tail
+    n = 0
+    while ((n + 1) * page_size <= len(key) and start + (n + 1) * page_size <= len(tokens)
+           and key[n * page_size:(n + 1) * page_size] == tokens[start + n * page_size:start + (n + 1) * page_size]):
+        n += 1
+    assert cache._common_pages(key, tokens, start) == n

@@ -120,11 +120,15 @@ class RequestLimits:
 
     def check(self, token_ids, params: SamplingParams) -> list[int]:
         """Everything about one request of token ids: the prompt, its budget, its params."""
+        self.check_params(params)
+        token_ids = self.check_prompt_ids(token_ids)
+        self.check_fits(len(token_ids), params.max_new_tokens)
+        return token_ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """A request's params on their own (`check` less the prompt and its budget)."""
         try:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         self.check_stop_token_ids(params)
-        token_ids = self.check_prompt_ids(token_ids)
-        self.check_fits(len(token_ids), params.max_new_tokens)
-        return token_ids

@@ -203,13 +203,22 @@ class RadixCache:
         return tuple(tokens[start : start + self.page_size])
 
     def _common_pages(self, key: list[int], tokens: list[int], start: int) -> int:
-        """How many whole pages of `key` equal `tokens[start:]`."""
-        ps, n = self.page_size, 0
-        while (n + 1) * ps <= len(key) and start + (n + 1) * ps <= len(tokens):
-            if key[n * ps : (n + 1) * ps] != tokens[start + n * ps : start + (n + 1) * ps]:
-                break
-            n += 1
-        return n
+        """How many whole pages of `key` equal `tokens[start:]`. Whole runs of pages are compared
+        at once (list equality runs in C): the full run first, the usual case on a cached
+        prompt; where it differs, a binary search for the last equal page. A page at a time in
+        Python cost ~50 us a node of 16 pages, ~20 ms a lookup of a cached 30,000-token prompt."""
+        ps = self.page_size
+        n = min(len(key), len(tokens) - start) // ps
+        if key[: n * ps] == tokens[start : start + n * ps]:
+            return n
+        equal, differs = 0, n  # the first `equal` pages match; the first `differs` do not all match
+        while differs - equal > 1:
+            mid = (equal + differs) // 2
+            if key[equal * ps : mid * ps] == tokens[start + equal * ps : start + mid * ps]:
+                equal = mid
+            else:
+                differs = mid
+        return equal
 
     def _attach(self, parent: RadixNode, tokens: list[int], pages: list[int],
                 key: tuple[int, ...] | None = None) -> RadixNode:

@@ -73,9 +73,11 @@ class LLM:
         per_prompt = _per_prompt(params, len(prompts))
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
-        prompt_ids = [self.engine.encode(p) for p in prompts]  # every prompt's ids first (checked)
-        for ids, p in zip(prompt_ids, per_prompt):  # then each request (not its ids again: ~0.5 ms
-            limits.check_params(p)                   # an 8,000-token prompt on a slow core)
+        # Every prompt's ids first (`encode` checks them), then each request's params and budget:
+        # the ids are not checked a second time here (add_request checks them once more).
+        prompt_ids = [self.engine.encode(p) for p in prompts]
+        for ids, p in zip(prompt_ids, per_prompt):
+            limits.check_params(p)
             limits.check_fits(len(ids), p.max_new_tokens)
         groups: list[list[int]] = []
         mine: set[int] = set()

@@ -329,10 +329,7 @@ table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS" [VAR]: one stream witho
               # table (an earlier call's sweep on this machine) in $VAR (FLASHLET_DECODE_TABLES),
               # two interleaved pairs each
   local t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/$1-table.json} plen pair c var=${4:-FLASHLET_DECODE_TABLES}
-  if [[ ! -f $t ]]; then
-    echo "part $1-ab needs $t (run $1 first)" | tee -a "$LOG"; status=2; return 0
-  fi
-  cp "$t" "$OUT/json/"
+  kept_table "$1-ab" "$t" "$1" || return 0
   for plen in $3; do
     for pair in 1 2; do
       for c in $2; do
@@ -343,6 +340,10 @@ table_ab() {  # table_ab NAME "CONFIGS" "PROMPT LENGTHS" [VAR]: one stream witho
     done
   done
   pair_table
+}
+kept_table() {  # kept_table PART FILE SWEEP: FILE copied into $OUT/json, or a note and status 2 (false)
+  if [[ -f $2 ]]; then cp "$2" "$OUT/json/"; return 0; fi
+  echo "part $1 needs $2 (run $3 first)" | tee -a "$LOG"; status=2; return 1
 }
 merge_plans() {  # merge_plans DEST FILE...: gemv_sweep.py --plans-out files' entries in one (FLASHLET_GEMV_PLANS)
   python3 -c 'import json, sys; json.dump([e for f in sys.argv[1:] for e in json.load(open(f))], sys.stdout, indent=1)' \
@@ -719,8 +720,7 @@ for _ in range(480):
     gemv-rows-ab)  # GEMV_ROWS_TABLE: a kept table (lab/tables/) in place of this machine's sweep
       cute_env
       t=${GEMV_ROWS_TABLE:-$KEEP/gemv-rows-table.json}
-      [[ -f $t ]] || { echo "part gemv-rows-ab needs $t (run gemv-rows first)" | tee -a "$LOG"; status=2; continue; }
-      cp "$t" "$OUT/json/"
+      kept_table gemv-rows-ab "$t" gemv-rows || continue
       closed_loop "$OUT/json/gemv-rows-none.json"
       closed_loop "$OUT/json/gemv-rows-plans.json" FLASHLET_GEMV_PLANS="$t" ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
@@ -814,12 +814,11 @@ for _ in range(480):
       done ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
       cute_env
-      t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/lean-sweep-table.json}
-      [[ -f $t ]] || { echo "part loop-table-ab needs $t (run lean-sweep first)" | tee -a "$LOG"; status=2; continue; }
-      cp "$t" "$OUT/json/"
+      t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/lean-sweep-table.json} cfg=${LOOP_CONFIG:-qwen3-0.6b}
+      kept_table loop-table-ab "$t" lean-sweep || continue
       for pair in 1 2; do
-        LOOP_CONFIG=${LOOP_CONFIG:-qwen3-0.6b} closed_loop "$OUT/json/loop-table-none-$pair.json"
-        LOOP_CONFIG=${LOOP_CONFIG:-qwen3-0.6b} closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
+        LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-none-$pair.json"
+        LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
       done ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1

@@ -175,6 +175,13 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     # against 849.7 / 844.9 (level). The entry it replaced (bn64 w4 st3 S32 min256) was swept
     # without rope_in.
     (128, 2, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
+    # Qwen2.5-1.5B's one row (H100, 2026-12-05, b5a4033, `ONE_LAUNCH_TABLE_JSON=lab/tables/
+    # one-launch-presets-2026-12-05.json gpu_run.sh one-launch-presets-ab`, two interleaved
+    # fresh-process pairs, pinned Triton 3.7.1): after 1,000 tokens through LLM.generate 657.8 /
+    # 656.1 tok/s against 597.5 / 597.6 (+10%); alone 6.61 us a layer against the derived 10.81.
+    # The same sweep's one-row entries for Llama-3.2-1B (-0.9%) and TinyLlama-1.1B (+2.4%, one
+    # pair) stayed out, as did its long and multi-row entries (not timed in the engine).
+    (128, 6, 1): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=32, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
     (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=8, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),

@@ -14,6 +14,9 @@
 #   tests-one-row the fused path at each served preset's shape, one row, teacher-forced against
 #                per-op (test_fused_batches_at_the_preset_shapes[P-1]): its one-row GEMV plans and
 #                attention entries (~3 min)
+#   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
+#                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
+#                speculative verify steps (short chunks), the padded layouts (~5 min)
 #   single       one stream: every backend beside the HF peers, then per-op against the
 #                default (the fused decode path where it applies) in the harness and through
 #                LLM.generate (~8 min)
@@ -103,7 +106,9 @@
 #   cached-prompt a 1-token LLM.generate call on a cached prompt of 32 / 1,000 / 8,000 / 30,000
 #                tokens at CACHED_CONFIGS (default qwen3-0.6b qwen2.5-0.5b): its wall clock, the
 #                prefix cache's hits, its device kernels under torch.profiler (lab/cached_prompt_call.py;
-#                ~3 min): the first token of a chat whose history is cached
+#                ~3 min): the first token of a chat whose history is cached. CACHED_SPLITS="default 1"
+#                times each config with the tables' prefill splits, then with none (1: the cached
+#                prompt's last page unsplit, as before 2026-12-05); CACHED_LENS="8000 30000" those only
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
 #                interleaved pairs (~6 min)
@@ -430,6 +435,10 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 400 $PYTEST $(for p in qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b; do
         echo "tests/gpu/test_gpu_fused_decode.py::test_fused_batches_at_the_preset_shapes[$p-1]"; done) ;;
+    tests-mixed)
+      cute_env
+      run 480 $PYTEST tests/gpu/test_gpu_mixed_graphs.py tests/kernels/test_kern_prefill_split.py \
+        tests/kernels/test_kern_prefill.py tests/gpu/test_gpu_speculative.py tests/test_step_layout.py ;;
     single)
       cute_env
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \
@@ -810,7 +819,14 @@ for _ in range(480):
     cached-prompt)  # a 1-token call on a cached prompt as it grows: wall clock, device kernels
       cute_env
       for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do
-        run 300 python3 lab/cached_prompt_call.py --config "$c"
+        for s in ${CACHED_SPLITS:-default}; do
+          if [[ $s == default ]]; then
+            run 300 python3 lab/cached_prompt_call.py --config "$c" ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
+          else
+            run 300 env FLASHLET_PREFILL_SPLITS="$s" python3 lab/cached_prompt_call.py --config "$c" \
+              ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
+          fi
+        done
       done ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
       cute_env

@@ -23,11 +23,11 @@
 - Every other step (prefill chunks, possibly mixed with decodes) runs one `prefill_attention`
   launch over the ragged batch, its tiles chosen from a bucket of the longest chunk. Its grid
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
-  max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
+  as many sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
   (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too). Steps of at most
-  `prefill_split_max_tokens` rows whose longest KV holds at least `prefill_split_min_context`
+  the config's `split_max_tokens` rows whose longest KV holds at least `prefill_split_min_context`
   tokens split each tile's keys (the config's `num_splits`; $FLASHLET_PREFILL_SPLITS sets them
-  for an A/B), their partials in one scratch allocated here; the split count a tile uses is
+  for an A/B), their partials in one scratch allocated here (a view of it per config); the split count a tile uses is
   derived on the device from `kv_lens`. Whether a step splits is decided in `plan` from its host
   layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `warm_contexts` gives
   the warm-up a context length that reaches each).
@@ -167,7 +167,7 @@ class TritonBackend(AttentionBackend):
         prefill_num_splits / prefill_min_split_tokens: the prefill kernel's split-KV cap and
         smallest split for every step (None: $FLASHLET_PREFILL_SPLITS, else the tables), used
         by steps of at most prefill_split_max_tokens query rows (None: that variable's third
-        value, else tuning.PREFILL_SPLIT_MAX_TOKENS), the rows its scratch holds, whose longest
+        value, else the tables: per bucket, its scratch rows over its splits), whose longest
         KV holds at least prefill_split_min_context tokens (None: its fourth value, else
         tuning.PREFILL_SPLIT_MIN_CONTEXT). one_launch_decode: pure-decode steps of up to
         ONE_LAUNCH_DECODE_MAX_ROWS rows (and max_batch_size) attend in one launch, whatever the
@@ -192,21 +192,21 @@ class TritonBackend(AttentionBackend):
         self._prefill_overrides = _given(
             block_m=prefill_block_m, block_n=prefill_block_n,
             num_splits=_first_given(prefill_num_splits, env.get("num_splits")),
-            min_split_tokens=_first_given(prefill_min_split_tokens, env.get("min_split_tokens")))
-        self.prefill_split_max_tokens = _first_given(prefill_split_max_tokens, env.get("max_tokens"),
-                                                     tuning.PREFILL_SPLIT_MAX_TOKENS)
+            min_split_tokens=_first_given(prefill_min_split_tokens, env.get("min_split_tokens")),
+            split_max_tokens=_first_given(prefill_split_max_tokens, env.get("max_tokens")))
         self.prefill_split_min_context = _first_given(prefill_split_min_context, env.get("min_context"),
                                                       tuning.PREFILL_SPLIT_MIN_CONTEXT)
-        # The split prefill's partials, for the most splits any bucket's config asks (none: no scratch).
-        prefill_splits = max(self.prefill_config(b).num_splits for b in tuning.PREFILL_QLEN_BUCKETS)
-        if min(prefill_splits, self.prefill_split_max_tokens, self.prefill_split_min_context) < 1:
+        split_cfgs = [c for c in map(self.prefill_config, tuning.PREFILL_QLEN_BUCKETS) if c.num_splits > 1]
+        if min([self.prefill_split_min_context] + [min(c.num_splits, c.split_max_tokens) for c in split_cfgs]) < 1:
             raise ValueError(f"prefill splits, their token limit and their smallest context must be >= 1, "
-                             f"got {prefill_splits}, {self.prefill_split_max_tokens}, "
+                             f"got {[(c.num_splits, c.split_max_tokens) for c in split_cfgs]}, "
                              f"{self.prefill_split_min_context}")
-        self._prefill_scratch = None
-        if prefill_splits > 1 and self.max_tokens >= self.prefill_split_min_context:  # reachable
-            self._prefill_scratch = split_scratch(prefill_splits, self.prefill_split_max_tokens, num_q_heads,
-                                                  self.head_dim, device)
+        # The split prefill's partials: one buffer of the most splits x rows any bucket's config
+        # splits, each split step's [splits, rows] a view of it (`_prefill_step`; none: no scratch).
+        self._prefill_scratch = self._prefill_step_scratch = None
+        if split_cfgs and self.max_tokens >= self.prefill_split_min_context:  # reachable
+            rows = max(c.num_splits * c.split_max_tokens for c in split_cfgs)
+            self._prefill_scratch = tuple(t[0] for t in split_scratch(1, rows, num_q_heads, self.head_dim, device))
         self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
                                  for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
         # Every batch's one-launch (config, splits), its short and long graphs'.
@@ -374,14 +374,20 @@ class TritonBackend(AttentionBackend):
 
     def prefill_splits(self, max_q_len: int, num_tokens: int, max_kv_len: int) -> int:
         """The split cap of a step with a chunk: its longest chunk's config's, where the step
-        has at most prefill_split_max_tokens query rows (padded: its token bucket) and its longest
-        KV at least prefill_split_min_context tokens; else 1."""
+        has at most that config's split_max_tokens query rows (padded: its token bucket) and its
+        longest KV at least prefill_split_min_context tokens; else 1."""
         return self._splits_of(self.prefill_config(max_q_len), num_tokens, max_kv_len)
 
     def _splits_of(self, cfg: tuning.PrefillConfig, num_tokens: int, max_kv_len: int) -> int:
-        if num_tokens > self.prefill_split_max_tokens or max_kv_len < self.prefill_split_min_context:
+        if num_tokens > cfg.split_max_tokens or max_kv_len < self.prefill_split_min_context:
             return 1
         return cfg.num_splits
+
+    def prefill_scratch(self, cfg: tuning.PrefillConfig) -> tuple:
+        """The partials of a split step of config cfg: the scratch's first splits x rows, viewed
+        as [cfg.num_splits, cfg.split_max_tokens, ...]."""
+        shape = (cfg.num_splits, cfg.split_max_tokens)
+        return tuple(t[:shape[0] * shape[1]].view(*shape, *t.shape[1:]) for t in self._prefill_scratch)
 
     def _prefill_step(self, meta: AttentionMetadata) -> tuple[tuning.PrefillConfig, int]:
         """(config, split cap) of a step with a chunk, from its host layout."""
@@ -412,6 +418,9 @@ class TritonBackend(AttentionBackend):
         else:
             self._decode_one_launch = False
             self._prefill_cfg, self._prefill_step_splits = self._prefill_step(meta)
+            self._prefill_step_scratch = None
+            if self._prefill_step_splits > 1:
+                self._prefill_step_scratch = self.prefill_scratch(self._prefill_cfg)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -431,7 +440,7 @@ class TritonBackend(AttentionBackend):
                 v_scale=v_scale,
                 num_splits=splits,
                 min_split_tokens=pc.min_split_tokens,
-                scratch=self._prefill_scratch if splits > 1 else None,
+                scratch=self._prefill_step_scratch,
             )
         if self._decode_one_launch:
             return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)

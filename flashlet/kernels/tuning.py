@@ -14,11 +14,12 @@ uses comes from `kv_lens`).
   KV split in tokens, and `waves`: how many programs per SM the split count aims at.
 - Prefill (every step with a chunk): bucket = the smallest of PREFILL_QLEN_BUCKETS that holds
   the step's longest chunk (mixed steps of decodes and short chunks get smaller tiles). Its
-  split-KV cap (num_splits: 8 for chunks past the first bucket, 1 for short ones) applies to
-  steps of at most PREFILL_SPLIT_MAX_TOKENS rows whose longest KV holds at least
-  PREFILL_SPLIT_MIN_CONTEXT tokens (known on the host when the step is planned: a second
-  mixed-graph variant per token bucket); how many splits a tile uses comes from the KV lengths
-  on the device (min_split_tokens), so those graphs serve every length past it.
+  split-KV cap (num_splits: 8 for chunks past the first bucket; 16 or 32 for short ones, whose
+  few tiles alone would leave most SMs idle) applies to steps of at most the config's
+  split_max_tokens rows whose longest KV holds at least PREFILL_SPLIT_MIN_CONTEXT tokens (known
+  on the host when the step is planned: a second mixed-graph variant per token bucket); how many
+  splits a tile uses comes from the KV lengths on the device (min_split_tokens), so those graphs
+  serve every length past it.
 
 DECODE_TABLE and PREFILL_TABLE hold measured winners from `scripts/tune_triton.py` (H200),
 pasted in as it prints them; shapes not in them get `default_decode` / `default_prefill`.
@@ -50,9 +51,12 @@ from dataclasses import dataclass
 DECODE_BATCH_BUCKETS = (1, 4, 16, 64, 256)
 KV_KINDS = ("model", "fp8")  # the KV cache's dtype, as BATCHED_DECODE_TABLE keys it
 PREFILL_QLEN_BUCKETS = (16, 1 << 30)
-# The most query rows of a step the prefill kernel splits (and its scratch holds): a larger
-# step has enough tiles to fill the GPU unsplit (1,024 rows at group 7: 112 tiles a KV head).
+# The most query rows of a step the prefill kernel splits (and its scratch holds) for long
+# chunks: a larger step has enough tiles to fill the GPU unsplit (1,024 rows at group 7: 112
+# tiles a KV head). Short chunks split more ways over fewer rows (`default_prefill`), so every
+# config's splits x rows fits one scratch of PREFILL_SPLIT_SCRATCH_ROWS.
 PREFILL_SPLIT_MAX_TOKENS = 1024
+PREFILL_SPLIT_SCRATCH_ROWS = 8 * PREFILL_SPLIT_MAX_TOKENS
 # The shortest longest-KV of a step that splits. The split kernel, even where every tile takes
 # one split, writes its partials and merges them, under a register cap: a 448-token chunk with
 # 64 decodes at 1,024 tokens of context took 0.818 ms of attention (24 layers) split (8, 1,024)
@@ -117,13 +121,14 @@ class OneLaunchConfig:
 class PrefillConfig:
     """A launch of `prefill_attention`. num_splits > 1: split-KV, each tile's keys over up to
     num_splits programs of at least min_split_tokens keys (a runtime rule: a short context uses
-    one split), for steps of at most the backend's `prefill_split_max_tokens` query rows."""
+    one split), for steps of at most split_max_tokens query rows (padded: the token bucket)."""
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int = 1
     min_split_tokens: int = 1024
+    split_max_tokens: int = PREFILL_SPLIT_MAX_TOKENS
 
 
 # (head_dim, group, batch bucket) -> DecodeConfig. Measured on an H200 (scripts/tune_triton.py).
@@ -314,8 +319,22 @@ def default_prefill(head_dim: int, group: int, qlen_bucket: int) -> PrefillConfi
     # (scripts/prefill_split_bench.py on the H200: qwen2.5-0.5b 1.71x / 1.96x / 2.66x at 4k / 8k
     # / 30k, qwen3-0.6b 1.09x / 1.25x / 1.60x). With every step of the long-prompt-gaps
     # workload split, the streams' token gaps went from 3.57 / 5.72-6.07 ms (p50 / p99) to 2.71 /
-    # 4.68 and the long prompts' TTFT from 291 to 224 ms. Short chunks were not measured split.
-    splits = {} if short else dict(num_splits=8, min_split_tokens=1024)
+    # 4.68 and the long prompts' TTFT from 291 to 224 ms.
+    # Short chunks (a cached prompt's last page, a speculative verify, decodes beside a short
+    # chunk) are one tile a KV head: unsplit, Qwen3-0.6B's 16-token chunk after 8,000 cached
+    # tokens took 381 us a layer on 8 programs. Split 16 ways (head_dim 128, splits of 512+ keys)
+    # or 32 (head_dim 64, 256+), a 1-token LLM.generate call on that cached prompt went from 13.7
+    # to 6.9 ms (Qwen3-0.6B; 45.4 to 11.4-13.6 after 30,000) and from 6.4 to 3.7 ms (Qwen2.5-0.5B;
+    # 19.0 to 7.0 after 30,000): `lab/cached_prompt_call.py` with $FLASHLET_PREFILL_SPLITS, H100,
+    # 2026-12-05. The other of the two settings read 8.8 / 14.6 ms (Qwen3, 32 x 256) and 3.7 / 9.2
+    # (0.5B, 16 x 512). A step of more rows than PREFILL_SPLIT_SCRATCH_ROWS holds at those splits
+    # (512 / 256) runs unsplit: it has as many tiles.
+    if not short:
+        splits = dict(num_splits=8, min_split_tokens=1024)
+    elif head_dim >= 128:
+        splits = dict(num_splits=16, min_split_tokens=512, split_max_tokens=PREFILL_SPLIT_SCRATCH_ROWS // 16)
+    else:
+        splits = dict(num_splits=32, min_split_tokens=256, split_max_tokens=PREFILL_SPLIT_SCRATCH_ROWS // 32)
     if head_dim >= 128:
         return PrefillConfig(block_m=block_m, block_n=32 if short else 64, num_warps=8 if not short else 4,
                              **splits)

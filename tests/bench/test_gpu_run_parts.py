@@ -56,7 +56,7 @@ def gpu_run(tmp_path):
 
     def run(*parts: str, **env: str) -> tuple[int, list[tuple[str, str]]]:
         calls.write_text("")
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHLET_", "GEMV_", "LEAN_", "LOOP_"))}
+        full = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHLET_", "GEMV_", "LEAN_", "LOOP_", "CACHED_"))}
         full.update(PATH=f"{stub_dir}:{os.environ['PATH']}", REAL_PY=sys.executable, CALLS=str(calls),
                     GPU_RUN_KEEP=str(keep), OUT=str(tmp_path / "out"), TRITON_PIN="0", **env)
         proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), *parts], env=full,
@@ -124,3 +124,18 @@ def test_one_launch_presets_ab_takes_the_kept_table(gpu_run):
     assert configs[:6] == ["qwen2.5-1.5b"] * 2 + ["llama-3.2-1b"] * 2 + ["tinyllama-1.1b"] * 2
     assert [v for v, c in calls if "table=sweep" in c] == [f"FLASHLET_DECODE_TABLES={table}"] * 6
     assert all("--prompt-len 1000" in c for c in runs)
+
+
+def test_cached_prompt_times_each_split_setting_at_each_config(gpu_run):
+    """CACHED_SPLITS="default 1": the tables' prefill splits, then none, at each config in turn;
+    CACHED_LENS narrows the prompt lengths. Unset: the defaults only, at every length."""
+    rc, calls = gpu_run("cached-prompt", CACHED_SPLITS="default 1", CACHED_LENS="8000 30000")
+    assert rc == 0
+    runs = [(v, c) for v, c in calls if c.startswith("lab/cached_prompt_call.py")]
+    assert [(v, c.split("--config ")[1].split()[0]) for v, c in runs] == [
+        ("", "qwen3-0.6b"), ("FLASHLET_PREFILL_SPLITS=1", "qwen3-0.6b"),
+        ("", "qwen2.5-0.5b"), ("FLASHLET_PREFILL_SPLITS=1", "qwen2.5-0.5b")]
+    assert all(c.endswith("--prompt-lens 8000 30000") for _, c in runs)
+    rc, calls = gpu_run("cached-prompt")
+    assert rc == 0 and [c for _, c in calls if c.startswith("lab/cached")] == [
+        "lab/cached_prompt_call.py --config qwen3-0.6b", "lab/cached_prompt_call.py --config qwen2.5-0.5b"]

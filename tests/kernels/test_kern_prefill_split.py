@@ -165,10 +165,38 @@ def test_backend_splits_a_mixed_step_into_its_one_scratch(kh, monkeypatch):
     pool = _pool(kh)
     tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16,
                         prefill_split_min_context=150)
-    assert tri._prefill_scratch[0].shape == (4, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
+    # splits x rows of the long bucket's config, the most of either bucket (the short one's: 4 x 256)
+    assert tri._prefill_scratch[0].shape == (4 * tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
     _step_against_torch(kh, pool, tri, [(150, 9), (120, 1), (30, 1)])
     assert [c["num_splits"] for c in calls] == [4, 4]
-    assert all(c["scratch"] is tri._prefill_scratch for c in calls)  # one scratch, every layer
+    step_scratch = calls[0]["scratch"]
+    assert all(c["scratch"] is step_scratch for c in calls)  # one view a step, every layer
+    assert step_scratch[0].shape == (4, tri.prefill_config(9).split_max_tokens, 6, 16)  # a short chunk's step
+    assert all(v.data_ptr() == t.data_ptr() for v, t in zip(step_scratch, tri._prefill_scratch))
+
+
+def test_short_chunks_split_more_ways_in_the_same_scratch(kh, monkeypatch):
+    """A step of decodes and short chunks (the short bucket: one tile a KV head) beside a long
+    context splits 32 ways at head_dim 16 (16 at 128), over at most the rows the one scratch holds
+    at that split count; its partials land in the scratch's first splits x rows."""
+    monkeypatch.delenv(triton_backend.PREFILL_SPLITS_ENV, raising=False)
+    calls = _spy(monkeypatch)
+    pool = _pool(kh)
+    tri = TritonBackend(pool, 6, **BACKEND, prefill_min_split_tokens=16, prefill_split_min_context=150)
+    short = tri.prefill_config(9)
+    assert (short.num_splits, short.split_max_tokens) == (32, tuning.PREFILL_SPLIT_SCRATCH_ROWS // 32)
+    assert tri._prefill_scratch[0].shape == (tuning.PREFILL_SPLIT_SCRATCH_ROWS, 6, 16)
+    for t in tri._prefill_scratch:
+        t.fill_(NAN)
+    _step_against_torch(kh, pool, tri, [(300, 9), (120, 1), (30, 1)])
+    assert [c["num_splits"] for c in calls] == [32, 32]
+    acc = calls[0]["scratch"][0]
+    assert acc.shape == (32, short.split_max_tokens, 6, 16)
+    assert not torch.isnan(acc[1, :11]).all()  # the long sequence's rows wrote a second split
+    assert torch.isnan(tri._prefill_scratch[0][32 * short.split_max_tokens:]).all()  # past the view
+    assert tri.prefill_splits(9, short.split_max_tokens + 1, 300) == 1  # more rows: unsplit
+    wide = tuning.default_prefill(128, 2, tuning.PREFILL_QLEN_BUCKETS[0])
+    assert (wide.num_splits, wide.num_splits * wide.split_max_tokens) == (16, tuning.PREFILL_SPLIT_SCRATCH_ROWS)
 
 
 def test_backend_runs_a_step_past_the_token_limit_unsplit(kh, monkeypatch):
@@ -176,7 +204,7 @@ def test_backend_runs_a_step_past_the_token_limit_unsplit(kh, monkeypatch):
     pool = _pool(kh)
     tri = TritonBackend(pool, 6, **BACKEND, prefill_num_splits=4, prefill_min_split_tokens=16,
                         prefill_split_max_tokens=8, prefill_split_min_context=1)
-    assert tri._prefill_scratch[0].shape[:2] == (4, 8)
+    assert tri._prefill_scratch[0].shape[0] == 4 * 8  # every bucket's rows capped at 8
     _step_against_torch(kh, pool, tri, [(100, 9), (60, 1)])  # 10 rows > 8
     assert [(c["num_splits"], c["scratch"]) for c in calls] == [(1, None), (1, None)]
 
@@ -185,20 +213,22 @@ def test_long_chunks_split_past_the_smallest_context_and_the_environment_sets_it
     pool = _pool(kh)  # 64 pages of 8: sequences up to 512 tokens
     monkeypatch.delenv(triton_backend.PREFILL_SPLITS_ENV, raising=False)
     default = TritonBackend(pool, 6, **BACKEND)
-    assert (default.prefill_config(500).num_splits, default.prefill_config(9).num_splits) == (8, 1)
+    assert (default.prefill_config(500).num_splits, default.prefill_config(9).num_splits) == (8, 32)
     assert default.prefill_split_min_context == tuning.PREFILL_SPLIT_MIN_CONTEXT > 512
     assert default._prefill_scratch is None  # no sequence reaches the smallest context
     reach = TritonBackend(pool, 6, **BACKEND, prefill_split_min_context=300)
-    assert reach._prefill_scratch[0].shape == (8, tuning.PREFILL_SPLIT_MAX_TOKENS, 6, 16)
-    assert [reach.prefill_splits(*step) for step in [(500, 600, 299), (500, 600, 300), (9, 600, 300),
-                                                      (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]] == [1, 8, 1, 1]
+    assert reach._prefill_scratch[0].shape == (tuning.PREFILL_SPLIT_SCRATCH_ROWS, 6, 16)
+    assert [reach.prefill_splits(*step) for step in [(500, 600, 299), (500, 600, 300), (9, 600, 300), (9, 200, 300),
+                                                      (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]] == [1, 8, 1, 32, 1]
     assert reach.warm_contexts(600, 500) == (0, 300) and reach.warm_contexts(600, 9) == (0,)
+    assert reach.warm_contexts(200, 9) == (0, 300)
     monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "4,512,256,100")
     on = TritonBackend(pool, 6, **BACKEND)
     cfg = on.prefill_config(500)
-    assert (cfg.num_splits, cfg.min_split_tokens, on.prefill_split_max_tokens,
+    assert (cfg.num_splits, cfg.min_split_tokens, cfg.split_max_tokens,
             on.prefill_split_min_context) == (4, 512, 256, 100)
-    assert on._prefill_scratch[0].shape == (4, 256, 6, 16)
+    assert on.prefill_config(9).split_max_tokens == 256  # every bucket's
+    assert on._prefill_scratch[0].shape == (4 * 256, 6, 16)
     assert on.prefill_variant(500) != default.prefill_variant(500)  # mixed graphs keyed apart
     monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "1")  # off
     assert TritonBackend(pool, 6, **BACKEND, prefill_split_min_context=1)._prefill_scratch is None

@@ -605,6 +605,45 @@ def test_mixed_steps_padded_to_one_bucket_find_every_field_at_one_address(ps):
     assert len(seen) == 1
 
 
+def test_a_small_bucket_pads_to_as_many_sequences_as_tokens():
+    """With room for 64 sequences, a step padded to a 16-token bucket carries 16 sequences (each
+    of a step's sequences has a row), so the prefill kernel's grid holds 16 spare tiles, not 64;
+    a 128-token bucket carries all 64. Each bucket's fields stay at one address; the runner
+    sends a step of more sequences than its bucket's tokens (one with no row) to eager."""
+    ps = 4
+    buffers = StepBuffers(256, 64, 64 * 20, "cpu", scratch_page=SCRATCH, page_size=ps)
+    assert [buffers.mixed_seqs(t) for t in (16, 64, 128)] == [16, 64, 64]
+    seen = set()
+    for n in (1, 3, 9):
+        rows = [StepRow([5 + b], b % 3, [b]) for b in range(n - 1)] + [StepRow([1, 2, 3], 0, [40])]
+        layout = build_layout(rows, ps)
+        input_ids, meta = buffers.load(layout, pad_tokens=16)
+        assert meta.kv_lens.shape[0] == 16 and meta.num_padding == 16 - n
+        want = mixed_padded_reference(layout, ps, 16, 16)
+        for name, values in want.items():
+            if name != "input_ids":
+                assert getattr(meta.host, name).tolist() == values, (name, n)
+        seen.add(graph_input_addresses(input_ids, meta))
+    assert len(seen) == 1
+    _, meta = buffers.load(layout, pad_tokens=128)
+    assert meta.kv_lens.shape[0] == 64
+    empty = build_layout([StepRow([], 4, [b]) for b in range(17)] + [StepRow([1], 0, [20])], ps)
+    assert (empty.num_seqs, empty.num_tokens) == (18, 1)  # rows with no token
+    with pytest.raises(ValueError, match="padded to 16 tokens holds 16"):
+        buffers.load(empty, pad_tokens=16)
+
+
+def test_a_step_of_more_sequences_than_its_buckets_tokens_runs_eagerly(tiny_qwen2):
+    engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=32,
+                                 max_num_batched_tokens=64, max_num_pages=64))
+    runner = engine.runner
+    runner.use_mixed_graphs = True  # as on CUDA
+    rows = [StepRow([5], 1, [0]), StepRow([1, 2, 3, 4], 0, [1])]
+    assert runner.token_bucket(build_layout(rows, 16)) == 16
+    empty = [StepRow([], 4, [b]) for b in range(17)] + [StepRow([1], 0, [20])]
+    assert runner.token_bucket(build_layout(empty, 16)) is None
+
+
 def test_a_mixed_step_that_does_not_fit_its_bucket_is_refused():
     buffers = StepBuffers(64, 2, 20, "cpu", scratch_page=SCRATCH, page_size=4)
     layout = build_layout([StepRow(list(range(1, 18)), 0, list(range(5)))], 4)

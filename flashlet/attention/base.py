@@ -70,8 +70,8 @@ class AttentionMetadata:
     kv_lens: torch.Tensor  # [num_seqs] int32, KV length of each sequence including this step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
     num_padding: int = 0  # last sequences: padding to a CUDA graph's batch size (or max_num_seqs)
-    # A mixed step padded to this many tokens and max_num_seqs sequences for a CUDA graph
-    # (StepBuffers.load(pad_tokens=)): rows past qo_indptr[num_seqs - num_padding] are padding.
+    # A mixed step padded to this many tokens and as many sequences (max_num_seqs at most) for
+    # a CUDA graph (StepBuffers.load(pad_tokens=)): rows past qo_indptr[num_seqs - num_padding] are padding.
     token_bucket: int | None = None
 
     @property
@@ -98,8 +98,8 @@ class AttentionBackend(ABC):
     step). `graph_key(meta)` names any extra shape a capture depends on.
 
     A backend that also sets `supports_mixed_graph` can serve any step (prefill chunks mixed
-    with decodes) padded to a token bucket and max_num_seqs sequences, some with no query rows
-    and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs outside the graph and
+    with decodes) padded to a token bucket and as many sequences (max_num_seqs at most), some
+    with no query rows and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs outside the graph and
     `mixed_graph_key(meta)` names the kernel variant the capture baked in.
 
     A backend that sets `supports_one_launch_decode` implements `attend_one_launch`: a

@@ -17,8 +17,8 @@ synthetic ones and the tests'.
   no tensor is allocated per step, and placed so that a decode step padded to a CUDA graph's
   batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it
   pads a pure-decode step to a captured batch size with rows that write to and read from the
-  pool's scratch page, or (`pad_tokens`) pads any step to a token bucket and to max_seqs
-  sequences for a mixed-step CUDA graph, and it feeds the previous step's sampled tokens (still
+  pool's scratch page, or (`pad_tokens`) pads any step to a token bucket and to as many
+  sequences (max_seqs at most) for a mixed-step CUDA graph, and it feeds the previous step's sampled tokens (still
   on the device) into the rows that take them.
 """
 
@@ -762,7 +762,7 @@ class StepBuffers:
     A CUDA graph reads its inputs at the addresses its capture saw. Each field's offset is a
     function of the step's token and sequence counts (`arena_offsets`), so every pure-decode
     step padded to batch size b (b tokens, b sequences), and every step padded to a token
-    bucket (T_b tokens, max_seqs sequences), puts every field at the same address, whatever its
+    bucket (T_b tokens, `mixed_seqs(T_b)` sequences), puts every field at the same address, whatever its
     page count; ModelRunner still checks the addresses before each replay."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device,
@@ -819,14 +819,14 @@ class StepBuffers:
         arena. fed_tokens: the previous step's sampled tokens on the device, which the fed
         rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
         batch) with rows on the scratch page. pad_tokens: pad any step to that many tokens (a
-        mixed-step graph's bucket) and to max_seqs sequences (see `_pad_mixed`). The pinned
+        mixed-step graph's bucket) and to as many sequences, max_seqs at most (see `_pad_mixed`). The pinned
         staging must be free (the previous step's copy done: ModelRunner.wait_inputs_staged)."""
         arrays = layout.arrays
         num_seqs, num_tokens = len(arrays["kv_lens"]), len(arrays["input_ids"])
         seqs_to, tokens_to = num_seqs, num_tokens
         if pad_tokens is not None:
             self._check_token_padding(layout, pad_tokens)
-            seqs_to, tokens_to = self.max_seqs, pad_tokens
+            seqs_to, tokens_to = self.mixed_seqs(pad_tokens), pad_tokens
         elif pad_to is not None and pad_to > num_seqs:
             self._check_padding(layout, pad_to)
             seqs_to = tokens_to = pad_to
@@ -944,12 +944,19 @@ class StepBuffers:
             raise ValueError("padding needs the pool's scratch page: StepBuffers(scratch_page=)")
         if size < layout.num_tokens:
             raise ValueError(f"cannot pad a step of {layout.num_tokens} tokens to {size}")
-        if layout.num_seqs > self.max_seqs:
-            raise ValueError(f"the step has {layout.num_seqs} sequences; "
-                             f"the buffers hold {self.max_seqs}")
+        if layout.num_seqs > self.mixed_seqs(size):
+            raise ValueError(f"the step has {layout.num_seqs} sequences; a step padded to {size} tokens "
+                             f"holds {self.mixed_seqs(size)}")
+
+    def mixed_seqs(self, pad_tokens: int) -> int:
+        """The sequences a step padded to pad_tokens tokens is padded to: one a token (each of
+        a step's sequences has a row), max_seqs at most. Fewer padding sequences, fewer
+        programs: the prefill kernel's grid holds one spare tile a sequence (x the KV heads x
+        its splits), each finding its sequence by a search before it exits."""
+        return min(self.max_seqs, pad_tokens)
 
     def _pad_mixed(self, a: dict[str, np.ndarray], n: int, num_tokens: int, num_pages: int) -> None:
-        """Pad a step to the loaded token count and max_seqs sequences, so that every field's
+        """Pad a step to the loaded token count and `mixed_seqs` of it, so that every field's
         offset depends on the token bucket only (a mixed-step graph's inputs). Tokens past
         num_tokens belong to no sequence: id 0 at position 0, their K/V written to the scratch
         page's first slot, their outputs never read (not sampled; attention leaves them zero and

@@ -21,7 +21,7 @@ its capture saw them (checked before each replay):
   tensor parallelism (the workers would need the same graphs) and with `mixed_graphs`: one graph
   per token bucket (16, 32, 64, ... up to max_num_batched_tokens, and it) and per the backend's
   `mixed_graph_key` (the prefill kernel's tile variant); `load` pads the step to the bucket and
-  to max_num_seqs sequences (`StepBuffers.load(pad_tokens=)`). The graph ends in the final
+  to as many sequences, max_num_seqs at most (`StepBuffers.load(pad_tokens=)`). The graph ends in the final
   hidden states [bucket, hidden]; the LM head runs after it, eagerly, on the sampled rows
   (their count varies). A mixed step of more tokens than the largest bucket runs eagerly.
 Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
@@ -330,7 +330,9 @@ class ModelRunner:
         if (not self.use_mixed_graphs or layout.is_pure_decode or n > self.token_buckets[-1]
                 or max(layout.num_seqs, layout.num_sampled) > self.buffers.max_seqs):
             return None
-        return next(t for t in self.token_buckets if t >= n)
+        bucket = next(t for t in self.token_buckets if t >= n)
+        # (a step of more sequences than tokens, one with no row, would not fit its padding)
+        return bucket if layout.num_seqs <= self.buffers.mixed_seqs(bucket) else None
 
     def graph_batch_size(self, layout: StepLayout, num_padding: int = 0) -> int | None:
         """The captured batch size that a step replays at, or None where it runs eagerly:

@@ -1,6 +1,7 @@
 """GPU: mixed steps (prefill chunks with decodes) replayed from CUDA graphs, padded to a token
-bucket and max_num_seqs sequences, against the same steps run eagerly unpadded; an engine with
-mixed graphs against one without graphs; nothing captured after the warm-up.
+bucket and as many sequences (max_num_seqs at most), against the same steps run eagerly
+unpadded; an engine with mixed graphs against one without graphs; nothing captured after the
+warm-up.
 
 fp32 (the Triton prefill kernel then runs IEEE fp32 dots, torch's matmuls no TF32), so the two
 paths differ by summation order only (cuBLAS picks kernels by row count): logits agree within

@@ -6,10 +6,11 @@ goes: the first token of a multi-turn chat whose history is in the prefix cache.
 One fresh process. For each length: the prompt is cached (one 8-token call), then --calls
 1-token calls are timed (wall clock, synchronized), with the prefix cache's hit tokens, then one
 more runs under torch.profiler: its device time by kernel (the top few) and in all, so the host's
-part is the rest. Why: `lab/one_stream_pair.py` on an H100 (session 43) read such a call at 2.0 ms
-after 32 tokens, 3.4 after 1,000 and 14.2 after 8,000 (Qwen3-0.6B), where only the last page's
-16 tokens are computed. One JSON line a length; on the CPU (tiny random model, `--model DIR`)
-the same without the device part.
+part is the rest; and one under cProfile: the host functions that took the most time of their
+own. Why: `lab/one_stream_pair.py` on an H100 (session 43) read such a call at 2.0 ms after 32
+tokens, 3.4 after 1,000 and 14.2 after 8,000 (Qwen3-0.6B), where only the last page's 16 tokens
+are computed. One JSON line a length; on the CPU (tiny random model, `--model DIR`) the same
+without the device part.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +46,22 @@ def device_kernels(llm, prompt, top: int) -> dict:
     kernels.sort(key=lambda e: -e.device_time_total)
     return {"device_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 3),
             "top": [[e.key[:80], e.count, round(e.device_time_total / 1e3, 3)] for e in kernels[:top]]}
+
+
+def host_functions(llm, prompt, top: int) -> dict:
+    """One more call under cProfile: the host functions that took the most time of their own
+    (ms), what grows with the prompt besides the device's part."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_call(llm, prompt)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"host_top": [[f"{Path(f).name}:{line}({name})", calls, round(own * 1e3, 3)]
+                         for (f, line, name), (calls, _, own, _, _) in rows]}
 
 
 def main(argv=None) -> None:
@@ -73,6 +91,7 @@ def main(argv=None) -> None:
                "queried_tokens_a_call": (cache.queried_tokens - queried0) // args.calls}
         if torch.cuda.is_available():
             row.update(device_kernels(llm, prompt, args.top))
+        row.update(host_functions(llm, prompt, args.top))
         print(json.dumps(row), flush=True)
 
 

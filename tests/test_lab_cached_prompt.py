@@ -23,3 +23,4 @@ def test_a_cached_prompt_call_hits_all_but_its_last_page(tiny_qwen2, capsys):
         # whole pages of 16, never the last token: 32 of 40, 192 of 200
         assert r["hit_tokens_a_call"] == (r["prompt_len"] - 1) // 16 * 16
         assert ("device_ms" in r) == torch.cuda.is_available()  # the device part where there is one
+        assert len(r["host_top"]) == 6 and all(ms >= 0 for _, _, ms in r["host_top"])

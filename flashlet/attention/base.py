@@ -71,7 +71,8 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
     num_padding: int = 0  # last sequences: padding to a CUDA graph's batch size (or max_num_seqs)
     # A mixed step padded to this many tokens and as many sequences (max_num_seqs at most) for
-    # a CUDA graph (StepBuffers.load(pad_tokens=)): rows past qo_indptr[num_seqs - num_padding] are padding.
+    # a CUDA graph (StepBuffers.load(pad_tokens=)): rows past qo_indptr[num_seqs - num_padding]
+    # are padding.
     token_bucket: int | None = None
 
     @property
@@ -99,8 +100,8 @@ class AttentionBackend(ABC):
 
     A backend that also sets `supports_mixed_graph` can serve any step (prefill chunks mixed
     with decodes) padded to a token bucket and as many sequences (max_num_seqs at most), some
-    with no query rows and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs outside the graph and
-    `mixed_graph_key(meta)` names the kernel variant the capture baked in.
+    with no query rows and no KV (AttentionMetadata.token_bucket): `plan(meta)` then runs
+    outside the graph and `mixed_graph_key(meta)` names the kernel variant the capture baked in.
 
     A backend that sets `supports_one_launch_decode` implements `attend_one_launch`: a
     pure-decode step's attention in one kernel a layer, for the fused decode path.

@@ -25,10 +25,11 @@
   depends on the token and sequence counts only, so a mixed step padded to a token bucket and
   as many sequences (`StepBuffers.load(pad_tokens=)`) replays from a CUDA graph
   (`supports_mixed_graph`; the graph is keyed by `prefill_variant` too). Steps of at most
-  the config's `split_max_tokens` rows whose longest KV holds at least `prefill_split_min_context`
-  tokens split each tile's keys (the config's `num_splits`; $FLASHLET_PREFILL_SPLITS sets them
-  for an A/B), their partials in one scratch allocated here (a view of it per config); the split count a tile uses is
-  derived on the device from `kv_lens`. Whether a step splits is decided in `plan` from its host
+  the config's `split_max_tokens` rows whose longest KV holds at least
+  `prefill_split_min_context` tokens split each tile's keys (the config's `num_splits`;
+  $FLASHLET_PREFILL_SPLITS sets them for an A/B), their partials in one scratch allocated here
+  (a view of it per config); the split count a tile uses is derived on the device from
+  `kv_lens`. Whether a step splits is decided in `plan` from its host
   layout, so a mixed graph is keyed by it too (`mixed_graph_key`; `warm_contexts` gives
   the warm-up a context length that reaches each).
 
@@ -202,7 +203,7 @@ class TritonBackend(AttentionBackend):
                              f"got {[(c.num_splits, c.split_max_tokens) for c in split_cfgs]}, "
                              f"{self.prefill_split_min_context}")
         # The split prefill's partials: one buffer of the most splits x rows any bucket's config
-        # splits, each split step's [splits, rows] a view of it (`_prefill_step`; none: no scratch).
+        # splits, each split step's [splits, rows] a view of it (`prefill_scratch`; none: no scratch).
         self._prefill_scratch = self._prefill_step_scratch = None
         if split_cfgs and self.max_tokens >= self.prefill_split_min_context:  # reachable
             rows = max(c.num_splits * c.split_max_tokens for c in split_cfgs)

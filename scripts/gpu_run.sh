@@ -109,6 +109,11 @@
 #                ~3 min): the first token of a chat whose history is cached. CACHED_SPLITS="default 1"
 #                times each config with the tables' prefill splits, then with none (1: the cached
 #                prompt's last page unsplit, as before 2026-12-05); CACHED_LENS="8000 30000" those only
+#   prefill-short-sweep the prefill kernel alone on a 16-token chunk after 8,000 / 30,000 tokens
+#                (scripts/prefill_split_bench.py: the short bucket's key blocks, stages, splits),
+#                each model's best kept in /tmp as a FLASHLET_DECODE_TABLES file (~5 min)
+#   prefill-short-ab a cached prompt's 1-token call (lab/cached_prompt_call.py, 8,000 / 30,000
+#                tokens) without and with that table, two interleaved pairs at CACHED_CONFIGS (~4 min)
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
 #                interleaved pairs (~6 min)
@@ -826,6 +831,22 @@ for _ in range(480):
             run 300 env FLASHLET_PREFILL_SPLITS="$s" python3 lab/cached_prompt_call.py --config "$c" \
               ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
           fi
+        done
+      done ;;
+    prefill-short-sweep)  # the short bucket's tile and splits alone: a cached prompt's last page
+      run 560 python3 scripts/prefill_split_bench.py --chunk 16 --decodes 0 --contexts 8000,30000 \
+        --splits 8,16,32 --min-split-tokens 256,512 --block-n 32,64 --num-stages 2,3,4 \
+        --json "$OUT/json/prefill-short.json" --table-json "$KEEP/prefill-short-table.json"
+      kept_table prefill-short-sweep "$KEEP/prefill-short-table.json" prefill-short-sweep || continue ;;
+    prefill-short-ab)  # a cached prompt's 1-token call without and with that sweep's entries
+      cute_env
+      t=$KEEP/prefill-short-table.json
+      kept_table prefill-short-ab "$t" prefill-short-sweep || continue
+      for pair in 1 2; do
+        for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do
+          run 200 python3 lab/cached_prompt_call.py --config "$c" --prompt-lens 8000 30000
+          run 200 env FLASHLET_DECODE_TABLES="$t" python3 lab/cached_prompt_call.py --config "$c" \
+            --prompt-lens 8000 30000
         done
       done ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table

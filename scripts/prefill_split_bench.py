@@ -6,13 +6,16 @@ one 448-token chunk ending a context of C tokens plus 64 decode rows of --decode
 each, timed over 24 layers (pools apart, so no layer's K/V sits in L2 from the layer before),
 replayed from one CUDA graph. Per model (Qwen2.5-0.5B: 14 query heads, 2 KV heads, head_dim 64;
 Qwen3-0.6B: 16, 8, 128), per context C (1k, 4k, 8k, 30k) and per split cap S (1, 2, 4, 8, 16)
-and smallest split (--min-split-tokens): milliseconds for the 24 layers and the speed-up over
-S = 1. Every config is checked against `prefill_attention_reference` on one layer before it is
+and smallest split (--min-split-tokens), at the engine's tile or the key blocks and stages given
+(--block-n, --num-stages): milliseconds for the 24 layers and the speed-up over S = 1 at the
+engine's tile. Every config is checked against `prefill_attention_reference` on one layer before it is
 timed; a wrong one is reported and not timed. The engine's switch for the same thing is
 $FLASHLET_PREFILL_SPLITS (`attention/triton_backend.py`).
 
     python scripts/prefill_split_bench.py                     # H200
     python scripts/prefill_split_bench.py --models qwen2.5-0.5b --contexts 8000 --json out.json
+    python scripts/prefill_split_bench.py --chunk 16 --decodes 0 --contexts 8000,30000 --splits 16,32 \
+        --min-split-tokens 256,512 --block-n 32,64 --num-stages 2,3,4   # a cached prompt's last page
     python scripts/prefill_split_bench.py --smoke             # CPU: tiny shapes, interpreter, no timing
     python scripts/prefill_split_bench.py --lower 1 8         # CPU: the sm_90a lowering per model and S
 """
@@ -20,6 +23,7 @@ $FLASHLET_PREFILL_SPLITS (`attention/triton_backend.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -88,22 +92,26 @@ def run(args) -> list[dict]:
         tile = tuning.prefill_config(model["head_dim"], group, args.chunk)
         if args.smoke:
             tile = tuning.PrefillConfig(block_m=SMOKE["block_m"], block_n=SMOKE["block_n"])
+        # the engine's tile first (the speed-ups' base), then the other key blocks and stages asked for
+        tiles = list(dict.fromkeys([tile] + [dataclasses.replace(tile, block_n=bn, num_stages=ns)
+                                             for bn in args.block_n or (tile.block_n,)
+                                             for ns in args.num_stages or (tile.num_stages,)]))
         for context in args.contexts:
             step = Step(torch, model, context, args.chunk, args.decodes, args.decode_context, device)
             want = prefill_attention_reference(*step.args(0))
             scratch = split_scratch(max(args.splits), step.q.shape[0], model["num_q_heads"], model["head_dim"],
                                     device)
             base_ms = None
-            for splits, min_split in configs(args.splits, args.min_split_tokens):
+            for tile, (splits, min_split) in [(t, c) for t in tiles for c in configs(args.splits, args.min_split_tokens)]:
 
-                def launch(layer, splits=splits, min_split=min_split):
+                def launch(layer, splits=splits, min_split=min_split, tile=tile):
                     prefill_attention(*step.args(layer), out=step.out, block_m=tile.block_m, block_n=tile.block_n,
                                       num_warps=tile.num_warps, num_stages=tile.num_stages, num_splits=splits,
                                       min_split_tokens=max(1, min_split), scratch=scratch if splits > 1 else None)
 
                 row = dict(model=name, context=context, chunk=args.chunk, decodes=args.decodes,
                            decode_context=args.decode_context, splits=splits, min_split_tokens=min_split,
-                           block_m=tile.block_m, block_n=tile.block_n)
+                           block_m=tile.block_m, block_n=tile.block_n, num_stages=tile.num_stages)
                 step.out.fill_(float("nan"))
                 launch(0)
                 err = float((step.out.double() - want.double()).abs().max() / want.double().abs().max())
@@ -115,7 +123,7 @@ def run(args) -> list[dict]:
                     from flashlet.kernels.bench import graph_time_us  # with torch: --smoke runs without CUDA
 
                     row["ms_24_layers"] = graph_time_us(model["layers"], launch, replays=args.repeats) * 24 / 1e3
-                    base_ms = row["ms_24_layers"] if splits == 1 else base_ms
+                    base_ms = row["ms_24_layers"] if splits == 1 and base_ms is None else base_ms
                     if base_ms:
                         row["speedup"] = base_ms / row["ms_24_layers"]
                 rows.append(row)
@@ -183,9 +191,39 @@ def lower_for_sm90(model: dict, splits: int, chunk: int = CHUNK) -> dict:
     return row
 
 
+def table_entries(rows: list[dict], chunk: int) -> list:
+    """The best timed config per model over every context timed (least total ms; a config missing
+    a context is left out) as `tuning.load_tables` entries: [[head_dim, group, q-length bucket,
+    "prefill"], PrefillConfig fields], for an engine A/B with FLASHLET_DECODE_TABLES before it is
+    written into tuning.PREFILL_TABLE."""
+    from flashlet.kernels import tuning
+
+    entries = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        timed = [r for r in rows if r["model"] == name and "ms_24_layers" in r]
+        contexts = {r["context"] for r in timed}
+        totals: dict[tuple, list] = {}
+        for r in timed:
+            totals.setdefault((r["block_n"], r["num_stages"], r["splits"], r["min_split_tokens"]), []).append(r)
+        whole = {k: v for k, v in totals.items() if {r["context"] for r in v} == contexts}
+        if not whole:
+            continue
+        (block_n, stages, splits, min_split), _ = min(whole.items(), key=lambda kv: sum(r["ms_24_layers"] for r in kv[1]))
+        model = MODELS[name]
+        group = model["num_q_heads"] // model["num_kv_heads"]
+        tile = tuning.prefill_config(model["head_dim"], group, chunk)
+        cfg = dataclasses.replace(tile, block_n=block_n, num_stages=stages, num_splits=splits)
+        if splits > 1:  # the one scratch holds splits x rows (`tuning.PREFILL_SPLIT_SCRATCH_ROWS`)
+            cfg = dataclasses.replace(cfg, min_split_tokens=min_split, split_max_tokens=min(
+                tile.split_max_tokens, tuning.PREFILL_SPLIT_SCRATCH_ROWS // splits))
+        key = [model["head_dim"], group, tuning.bucket(chunk, tuning.PREFILL_QLEN_BUCKETS), "prefill"]
+        entries.append([key, dataclasses.asdict(cfg)])
+    return entries
+
+
 def _fmt(row: dict) -> str:
     head = (f"{row['model']:13s} C={row['context']:6d} S={row['splits']:2d} min={row['min_split_tokens']:5d} "
-            f"err {row['max_rel_err']:.1e}")
+            f"bn{row['block_n']} st{row['num_stages']} err {row['max_rel_err']:.1e}")
     if "ms_24_layers" not in row:
         return head + ("  WRONG" if row.get("wrong") else "  (checked, not timed)")
     return head + f"  {row['ms_24_layers']:7.3f} ms / 24 layers  x{row.get('speedup', float('nan')):.2f}"
@@ -202,7 +240,8 @@ def summarize(rows: list[dict]) -> None:
         base = next((r for r in shape if r["splits"] == 1), None)
         best = min(shape, key=lambda r: r["ms_24_layers"])
         print(f"  {key[0]:13s} C={key[1]:6d}  S=1 {base['ms_24_layers'] if base else float('nan'):7.3f}  "
-              f"best S={best['splits']} min={best['min_split_tokens']} {best['ms_24_layers']:7.3f}  "
+              f"best S={best['splits']} min={best['min_split_tokens']} bn{best['block_n']} st{best['num_stages']} "
+              f"{best['ms_24_layers']:7.3f}  "
               f"x{best.get('speedup', float('nan')):.2f}")
 
 
@@ -216,8 +255,12 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=None, help=f"query rows of the prompt's chunk (default {CHUNK})")
     p.add_argument("--decodes", type=int, default=None, help=f"decode rows beside it (default {DECODES})")
     p.add_argument("--decode-context", type=int, default=None, help=f"tokens of each decode (default {DECODE_CONTEXT})")
+    p.add_argument("--block-n", default=None, help="key blocks to time besides the engine's, comma-separated")
+    p.add_argument("--num-stages", default=None, help="pipeline stages to time besides the engine's, comma-separated")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--table-json", default=None, help="write each model's best config here as a "
+                   "FLASHLET_DECODE_TABLES file (`table_entries`)")
     p.add_argument("--lower", type=int, nargs="+", default=None, metavar="S",
                    help="only compile the kernels for sm_90a at these split caps (no GPU needed) and print "
                         "lower_for_sm90's JSON, a line per model and S")
@@ -228,6 +271,9 @@ def parse_args(argv=None):
     args.contexts = ints(args.contexts, defaults["contexts"])
     args.splits = tuple(sorted(set(ints(args.splits, defaults["splits"])) | {1}))
     args.min_split_tokens = ints(args.min_split_tokens, defaults["min_split_tokens"])
+    args.block_n, args.num_stages = ints(args.block_n, ()), ints(args.num_stages, ())
+    if any(bn < 16 or bn & (bn - 1) for bn in args.block_n) or any(ns < 1 for ns in args.num_stages):
+        p.error("key blocks must be powers of two >= 16, stages >= 1")
     for name in ("chunk", "decodes", "decode_context"):
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
@@ -259,6 +305,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.table_json:
+        with open(args.table_json, "w") as f:
+            json.dump(table_entries(rows, args.chunk), f, indent=1)
     return 1 if any(r.get("wrong") for r in rows) else 0
 
 

@@ -233,8 +233,9 @@ def load_tables(path: str) -> dict:
     """Put a sweep's winners (`scripts/decode_attn_bench.py --table-json`: [[key, config fields],
     ...]) into BATCHED_DECODE_TABLE (keys of four: head_dim, group, kv, bucket),
     ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket) or ONE_LAUNCH_LONG_TABLE (four, the
-    last "long": head_dim, group, rows bucket, "long"), over any entry of the same key;
-    -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
+    last "long": head_dim, group, rows bucket, "long"), or PREFILL_TABLE (four, the last
+    "prefill": head_dim, group, q-length bucket, "prefill"; `scripts/prefill_split_bench.py
+    --table-json`), over any entry of the same key; -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
     winners before they are written here."""
     entries = {}
     for row in read_sweep_file(path, "sweep table", "decode_attn_bench.py --table-json"):
@@ -244,13 +245,15 @@ def load_tables(path: str) -> dict:
             if table is ONE_LAUNCH_LONG_TABLE and cfg == TWO_LAUNCH:
                 entries[tuple(key)] = TWO_LAUNCH
                 continue
-            entries[tuple(key)] = (DecodeConfig if table is BATCHED_DECODE_TABLE else OneLaunchConfig)(**cfg)
+            kind = (DecodeConfig if table is BATCHED_DECODE_TABLE else PrefillConfig if table is PREFILL_TABLE
+                    else OneLaunchConfig)
+            entries[tuple(key)] = kind(**cfg)
         except (TypeError, ValueError) as e:  # a file of another tree's fields, or not a table
             raise ValueError(f"{path}: the entry {row!r} is not a [key, config fields] pair of "
                              f"this tree's tables: {e}") from None
     for key, cfg in entries.items():
         table = _table_of(key)
-        table[key[:3] if table is ONE_LAUNCH_LONG_TABLE else key] = cfg
+        table[key[:3] if table is ONE_LAUNCH_LONG_TABLE or table is PREFILL_TABLE else key] = cfg
     return entries
 
 
@@ -260,10 +263,12 @@ def _table_of(key: tuple) -> dict:
         return ONE_LAUNCH_TABLE
     if len(key) == 4 and key[3] == "long":
         return ONE_LAUNCH_LONG_TABLE
+    if len(key) == 4 and key[3] == "prefill":
+        return PREFILL_TABLE
     if len(key) == 4 and key[2] in KV_KINDS:
         return BATCHED_DECODE_TABLE
-    raise ValueError(f"a key of (head_dim, group, rows bucket[, 'long']) or (head_dim, group, kv, "
-                     f"bucket), got {key!r}")
+    raise ValueError(f"a key of (head_dim, group, rows bucket[, 'long']), (head_dim, group, kv, "
+                     f"bucket) or (head_dim, group, q-length bucket, 'prefill'), got {key!r}")
 
 
 def read_sweep_file(path: str, what: str, writer: str) -> list:

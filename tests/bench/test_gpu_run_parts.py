@@ -139,3 +139,20 @@ def test_cached_prompt_times_each_split_setting_at_each_config(gpu_run):
     rc, calls = gpu_run("cached-prompt")
     assert rc == 0 and [c for _, c in calls if c.startswith("lab/cached")] == [
         "lab/cached_prompt_call.py --config qwen3-0.6b", "lab/cached_prompt_call.py --config qwen2.5-0.5b"]
+
+
+def test_the_short_prefill_sweep_keeps_a_table_its_ab_loads(gpu_run):
+    """prefill-short-sweep: the bench at a 16-token chunk, its best kept; prefill-short-ab: the
+    cached prompt's call without and with it, two interleaved pairs at each config."""
+    rc, calls = gpu_run("prefill-short-ab")
+    assert rc == 2 and calls == []  # no table kept yet: a note, nothing run
+    rc, sweep = gpu_run("prefill-short-sweep")
+    assert rc == 0 and len(sweep) == 1
+    assert "--chunk 16 --decodes 0 --contexts 8000,30000" in sweep[0][1]
+    table = gpu_run.keep / "prefill-short-table.json"
+    assert table.exists() and f"--table-json {table}" in sweep[0][1]
+    rc, calls = gpu_run("prefill-short-ab")
+    assert rc == 0
+    assert [(v, c.split("--config ")[1].split()[0]) for v, c in calls] == [
+        ("", "qwen3-0.6b"), (f"FLASHLET_DECODE_TABLES={table}", "qwen3-0.6b"),
+        ("", "qwen2.5-0.5b"), (f"FLASHLET_DECODE_TABLES={table}", "qwen2.5-0.5b")] * 2

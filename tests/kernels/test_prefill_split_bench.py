@@ -31,6 +31,19 @@ def test_smoke_checks_every_config(tmp_path):
 
 
 @CPU_ONLY
+def test_smoke_checks_the_other_tiles_asked_for(tmp_path):
+    """--block-n / --num-stages: the engine's tile first, then each other key block and stage
+    count, every config checked."""
+    out = tmp_path / "rows.json"
+    assert load_script("prefill_split_bench").main([*FEW, "--block-n", "16,32", "--num-stages", "3",
+                                                   "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["block_n"], r["num_stages"], r["splits"]) for r in rows if r["model"] == "tiny-g3"] == [
+        (16, 2, 1), (16, 2, 2), (16, 3, 1), (16, 3, 2), (32, 3, 1), (32, 3, 2)]
+    assert all(r["max_rel_err"] < 1e-5 and not r.get("wrong") for r in rows)
+
+
+@CPU_ONLY
 def test_a_wrong_kernel_is_reported_not_timed(monkeypatch, tmp_path):
     real = pa.prefill_attention
 
@@ -45,7 +58,8 @@ def test_a_wrong_kernel_is_reported_not_timed(monkeypatch, tmp_path):
 
 def test_arguments_are_checked():
     bench = load_script("prefill_split_bench")
-    for bad in (["--models", "llama"], ["--contexts", "100", "--chunk", "448"], ["--splits", "0"]):
+    for bad in (["--models", "llama"], ["--contexts", "100", "--chunk", "448"], ["--splits", "0"],
+                ["--block-n", "24"], ["--num-stages", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
     args = bench.parse_args(["--splits", "4,8"])
@@ -68,3 +82,35 @@ def test_split_kernel_lowers_for_sm90_without_spills():
     assert "Used 128 registers" in split["prefill_kernel_ptxas"]
     for text in (unsplit["prefill_kernel_ptxas"], split["prefill_kernel_ptxas"], split["merge_kernel_ptxas"]):
         assert "0 bytes spill stores" in text and "0 bytes spill loads" in text
+
+
+def test_the_best_config_becomes_a_prefill_table_entry_the_engine_loads(tmp_path, monkeypatch):
+    """--table-json: per model the config of least total time over every context timed (one
+    missing a context is left out), in the short bucket's key, with its splits' rows cut to fit
+    the one scratch; tuning.load_tables puts it in PREFILL_TABLE, where prefill_config finds it."""
+    from flashlet.kernels import tuning
+
+    bench = load_script("prefill_split_bench")
+
+    def row(bn, st, s, m, context, ms):
+        return dict(model="qwen3-0.6b", context=context, block_n=bn, num_stages=st, splits=s, min_split_tokens=m,
+                    ms_24_layers=ms)
+
+    rows = [row(32, 2, 16, 512, 8000, 2.0), row(32, 2, 16, 512, 30000, 4.0),
+            row(64, 3, 32, 256, 8000, 1.5), row(64, 3, 32, 256, 30000, 3.0),
+            row(64, 4, 32, 256, 8000, 0.5),  # not timed at 30,000: left out
+            dict(model="qwen3-0.6b", context=8000, block_n=32, num_stages=2, splits=1, min_split_tokens=0,
+                 wrong=True)]
+    entries = bench.table_entries(rows, chunk=16)
+    assert len(entries) == 1
+    key, fields = entries[0]
+    assert key == [128, 2, 16, "prefill"]
+    assert (fields["block_n"], fields["num_stages"], fields["num_splits"], fields["min_split_tokens"],
+            fields["split_max_tokens"]) == (64, 3, 32, 256, tuning.PREFILL_SPLIT_SCRATCH_ROWS // 32)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(entries))
+    monkeypatch.setattr(tuning, "PREFILL_TABLE", {})
+    tuning.load_tables(str(path))
+    got = tuning.prefill_config(128, 2, 9)
+    assert (got.block_n, got.num_stages, got.num_splits) == (64, 3, 32)
+    assert tuning.prefill_config(128, 2, 500) == tuning.default_prefill(128, 2, tuning.PREFILL_QLEN_BUCKETS[1])

@@ -721,12 +721,20 @@ def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
     torch.testing.assert_close(logits[2], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
+@pytest.mark.parametrize("splits", [None, "4,16,48,40"], ids=["default", "split"])
+def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2, monkeypatch, splits):
     """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures
-    one mixed graph per reachable (token bucket, prefill variant), and a run of chunked prompts
-    mixed with decodes afterwards replays only those."""
+    one mixed graph per reachable (token bucket, prefill variant, split cap), and a run of
+    chunked prompts mixed with decodes afterwards replays only those. "split": every bucket's
+    steps split past 40 tokens of context (short chunks' and decodes' steps too), which these
+    prompts reach."""
+    from flashlet.attention.triton_backend import PREFILL_SPLITS_ENV
     from flashlet.core.warmup import warm_up
 
+    if splits is None:
+        monkeypatch.delenv(PREFILL_SPLITS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PREFILL_SPLITS_ENV, splits)
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
                                  max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))
     graphs_on_the_cpu(engine)
@@ -750,7 +758,15 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2):
         engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()
+    # a short chunk beside a decode 44+ tokens in: the short bucket's step, split where asked
+    engine.add_request([5] * 44, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request([7, 8, 9], params)
+    while engine.has_unfinished():
+        engine.step()
     assert set(runner.graphs) == captured, set(runner.graphs) - captured
+    assert {key[-1] for key in mixed} == ({1, 4} if splits else {1})
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])

@@ -8,8 +8,8 @@ replayed from one CUDA graph. Per model (Qwen2.5-0.5B: 14 query heads, 2 KV head
 Qwen3-0.6B: 16, 8, 128), per context C (1k, 4k, 8k, 30k) and per split cap S (1, 2, 4, 8, 16)
 and smallest split (--min-split-tokens), at the engine's tile or the key blocks and stages given
 (--block-n, --num-stages): milliseconds for the 24 layers and the speed-up over S = 1 at the
-engine's tile. Every config is checked against `prefill_attention_reference` on one layer before it is
-timed; a wrong one is reported and not timed. The engine's switch for the same thing is
+engine's tile. Every config is checked against `prefill_attention_reference` on one layer
+before it is timed; a wrong one is reported and not timed. The engine's switch for the same thing is
 $FLASHLET_PREFILL_SPLITS (`attention/triton_backend.py`).
 
     python scripts/prefill_split_bench.py                     # H200
@@ -102,7 +102,8 @@ def run(args) -> list[dict]:
             scratch = split_scratch(max(args.splits), step.q.shape[0], model["num_q_heads"], model["head_dim"],
                                     device)
             base_ms = None
-            for tile, (splits, min_split) in [(t, c) for t in tiles for c in configs(args.splits, args.min_split_tokens)]:
+            for tile, (splits, min_split) in [(t, c) for t in tiles
+                                              for c in configs(args.splits, args.min_split_tokens)]:
 
                 def launch(layer, splits=splits, min_split=min_split, tile=tile):
                     prefill_attention(*step.args(layer), out=step.out, block_m=tile.block_m, block_n=tile.block_n,
@@ -208,7 +209,8 @@ def table_entries(rows: list[dict], chunk: int) -> list:
         whole = {k: v for k, v in totals.items() if {r["context"] for r in v} == contexts}
         if not whole:
             continue
-        (block_n, stages, splits, min_split), _ = min(whole.items(), key=lambda kv: sum(r["ms_24_layers"] for r in kv[1]))
+        (block_n, stages, splits, min_split), _ = min(whole.items(),
+                                                      key=lambda kv: sum(r["ms_24_layers"] for r in kv[1]))
         model = MODELS[name]
         group = model["num_q_heads"] // model["num_kv_heads"]
         tile = tuning.prefill_config(model["head_dim"], group, chunk)

@@ -235,8 +235,8 @@ def load_tables(path: str) -> dict:
     ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket) or ONE_LAUNCH_LONG_TABLE (four, the
     last "long": head_dim, group, rows bucket, "long"), or PREFILL_TABLE (four, the last
     "prefill": head_dim, group, q-length bucket, "prefill"; `scripts/prefill_split_bench.py
-    --table-json`), over any entry of the same key; -> the entries. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
-    winners before they are written here."""
+    --table-json`), over any entry of the same key; -> the entries. FLASHLET_DECODE_TABLES=PATH
+    does it at import: an engine run with a sweep's winners before they are written here."""
     entries = {}
     for row in read_sweep_file(path, "sweep table", "decode_attn_bench.py --table-json"):
         try:

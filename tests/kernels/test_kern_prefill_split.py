@@ -218,8 +218,9 @@ def test_long_chunks_split_past_the_smallest_context_and_the_environment_sets_it
     assert default._prefill_scratch is None  # no sequence reaches the smallest context
     reach = TritonBackend(pool, 6, **BACKEND, prefill_split_min_context=300)
     assert reach._prefill_scratch[0].shape == (tuning.PREFILL_SPLIT_SCRATCH_ROWS, 6, 16)
-    assert [reach.prefill_splits(*step) for step in [(500, 600, 299), (500, 600, 300), (9, 600, 300), (9, 200, 300),
-                                                      (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]] == [1, 8, 1, 32, 1]
+    steps = [(500, 600, 299), (500, 600, 300), (9, 600, 300), (9, 200, 300),
+             (500, tuning.PREFILL_SPLIT_MAX_TOKENS + 1, 512)]  # (longest chunk, rows, longest KV)
+    assert [reach.prefill_splits(*step) for step in steps] == [1, 8, 1, 32, 1]
     assert reach.warm_contexts(600, 500) == (0, 300) and reach.warm_contexts(600, 9) == (0,)
     assert reach.warm_contexts(200, 9) == (0, 300)
     monkeypatch.setenv(triton_backend.PREFILL_SPLITS_ENV, "4,512,256,100")

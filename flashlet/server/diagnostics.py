@@ -19,7 +19,7 @@ Two sources, both cumulative counters (a reader takes two readings and their dif
   decoding it (zmq and the interpreter lock), a request's intake (its handler's start to its
   submission to a core: validation, tokenizing), the client's own turnaround (on a keep-alive
   connection, from a response's end to the next request's start: what the load generator
-  adds to the core's turnaround), and the time in the garbage collector (also
+  adds to the core's turnaround; a monitor's probes, `metrics.PROBE_PATHS`, apart), and the time in the garbage collector (also
   counted in each core). Kept in shared memory, one row per API process,
   so that whichever process answers /debug/stats reports all of them.
 

@@ -195,11 +195,17 @@ class Metrics:
             self.e2e.observe(latency_s)
 
 
+# Requests a monitor sends, not a client's traffic: they take no part in the connections'
+# turnaround (a probe's short connection, closed at once, left an entry that a later connection
+# reusing its port, a loopback client's next, read as a gap of its own).
+PROBE_PATHS = frozenset({"/debug/stats", "/metrics", "/health"})
+
+
 class MetricsMiddleware:
     """Pure ASGI middleware counting every HTTP response by endpoint and status code, and (with
     `server`) when each request starts and its response ends on its client connection: the
     client's own turnaround in server.api_counters (diagnostics.py; read per request, the CLI
-    replaces them after the app is built)."""
+    replaces them after the app is built), PROBE_PATHS' requests apart."""
 
     def __init__(self, app, metrics: Metrics, server=None):
         self.app = app
@@ -211,7 +217,7 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         status = [500]
         counters = connection = None
-        if self.server is not None and scope.get("client"):
+        if self.server is not None and scope.get("client") and scope.get("path") not in PROBE_PATHS:
             counters, connection = self.server.api_counters, tuple(scope["client"])
             counters.request_started(connection)
 

@@ -89,6 +89,34 @@ def test_a_levels_device_wait_is_its_steps_waits_over_their_count():
         counters.gc.close()
 
 
+def test_a_probe_request_takes_no_part_in_the_client_turnaround():
+    """The middleware marks a request's start and its response's end on its connection, but not
+    a monitor's probe (/debug/stats, /metrics, /health): a probe's closed connection would leave
+    an entry that a later connection reusing its port reads as a gap."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from flashlet.server.metrics import PROBE_PATHS, MetricsMiddleware
+
+    marks = []
+    counters = SimpleNamespace(request_started=lambda c: marks.append(("start", c)),
+                               response_ended=lambda c: marks.append(("end", c)))
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message):
+        pass
+
+    metrics = SimpleNamespace(observe_http=lambda path, method, status: None)
+    middleware = MetricsMiddleware(app, metrics, server=SimpleNamespace(api_counters=counters))
+    for path in ("/generate", *sorted(PROBE_PATHS)):
+        scope = {"type": "http", "path": path, "method": "GET", "client": ("127.0.0.1", 5000)}
+        asyncio.run(middleware(scope, None, send))
+    assert marks == [("start", ("127.0.0.1", 5000)), ("end", ("127.0.0.1", 5000))]
+
+
 def test_debug_stats_of_the_in_thread_app_count_its_events(server):
     before = httpx.get(server.url + "/debug/stats", timeout=30).json()
     t0 = time.monotonic()

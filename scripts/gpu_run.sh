@@ -747,7 +747,7 @@ for _ in range(480):
     merge-group-ab)  # three forms of long steps at the 0.5B shape, interleaved
       cute_env
       for t in merge-group two-launch-wide; do
-        [[ -f $KEEP/$t-table.json ]] || { echo "part merge-group-ab needs $KEEP/$t-table.json (run merge-group first)" | tee -a "$LOG"; status=2; }
+        kept_table merge-group-ab "$KEEP/$t-table.json" merge-group || true
       done
       for plen in ${LONG_AB_LENS:-8000 30000}; do
         for pair in 1 2; do
@@ -825,12 +825,9 @@ for _ in range(480):
       cute_env
       for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do
         for s in ${CACHED_SPLITS:-default}; do
-          if [[ $s == default ]]; then
-            run 300 python3 lab/cached_prompt_call.py --config "$c" ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
-          else
-            run 300 env FLASHLET_PREFILL_SPLITS="$s" python3 lab/cached_prompt_call.py --config "$c" \
-              ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
-          fi
+          splits=(); [[ $s == default ]] || splits=(FLASHLET_PREFILL_SPLITS="$s")
+          run 300 env "${splits[@]}" python3 lab/cached_prompt_call.py --config "$c" \
+            ${CACHED_LENS:+--prompt-lens $CACHED_LENS}
         done
       done ;;
     prefill-short-sweep)  # the short bucket's tile and splits alone: a cached prompt's last page

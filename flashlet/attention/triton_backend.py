@@ -197,17 +197,21 @@ class TritonBackend(AttentionBackend):
             split_max_tokens=_first_given(prefill_split_max_tokens, env.get("max_tokens")))
         self.prefill_split_min_context = _first_given(prefill_split_min_context, env.get("min_context"),
                                                       tuning.PREFILL_SPLIT_MIN_CONTEXT)
-        split_cfgs = [c for c in map(self.prefill_config, tuning.PREFILL_QLEN_BUCKETS) if c.num_splits > 1]
-        if min([self.prefill_split_min_context] + [min(c.num_splits, c.split_max_tokens) for c in split_cfgs]) < 1:
+        prefill_cfgs = [self.prefill_config(b) for b in tuning.PREFILL_QLEN_BUCKETS]
+        if min([self.prefill_split_min_context] + [min(c.num_splits, c.split_max_tokens) for c in prefill_cfgs]) < 1:
             raise ValueError(f"prefill splits, their token limit and their smallest context must be >= 1, "
-                             f"got {[(c.num_splits, c.split_max_tokens) for c in split_cfgs]}, "
+                             f"got {[(c.num_splits, c.split_max_tokens) for c in prefill_cfgs]}, "
                              f"{self.prefill_split_min_context}")
         # The split prefill's partials: one buffer of the most splits x rows any bucket's config
-        # splits, each split step's [splits, rows] a view of it (`prefill_scratch`; none: no scratch).
-        self._prefill_scratch = self._prefill_step_scratch = None
+        # splits, and each such config's [splits, rows, ...] view of its start (none: no scratch).
+        split_cfgs = [c for c in prefill_cfgs if c.num_splits > 1]
+        self._prefill_scratch, self._prefill_scratch_views = None, {}
         if split_cfgs and self.max_tokens >= self.prefill_split_min_context:  # reachable
             rows = max(c.num_splits * c.split_max_tokens for c in split_cfgs)
             self._prefill_scratch = tuple(t[0] for t in split_scratch(1, rows, num_q_heads, self.head_dim, device))
+            self._prefill_scratch_views = {
+                c: tuple(t[:c.num_splits * c.split_max_tokens].view(c.num_splits, c.split_max_tokens, *t.shape[1:])
+                         for t in self._prefill_scratch) for c in split_cfgs}
         self.max_kv_splits = max(self._max_splits(cfg.min_split_tokens, cfg)
                                  for cfg in map(self.decode_config, tuning.DECODE_BATCH_BUCKETS))
         # Every batch's one-launch (config, splits), its short and long graphs'.
@@ -384,12 +388,6 @@ class TritonBackend(AttentionBackend):
             return 1
         return cfg.num_splits
 
-    def prefill_scratch(self, cfg: tuning.PrefillConfig) -> tuple:
-        """The partials of a split step of config cfg: the scratch's first splits x rows, viewed
-        as [cfg.num_splits, cfg.split_max_tokens, ...]."""
-        shape = (cfg.num_splits, cfg.split_max_tokens)
-        return tuple(t[:shape[0] * shape[1]].view(*shape, *t.shape[1:]) for t in self._prefill_scratch)
-
     def _prefill_step(self, meta: AttentionMetadata) -> tuple[tuning.PrefillConfig, int]:
         """(config, split cap) of a step with a chunk, from its host layout."""
         host = meta.host
@@ -419,9 +417,6 @@ class TritonBackend(AttentionBackend):
         else:
             self._decode_one_launch = False
             self._prefill_cfg, self._prefill_step_splits = self._prefill_step(meta)
-            self._prefill_step_scratch = None
-            if self._prefill_step_splits > 1:
-                self._prefill_step_scratch = self.prefill_scratch(self._prefill_cfg)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -441,7 +436,7 @@ class TritonBackend(AttentionBackend):
                 v_scale=v_scale,
                 num_splits=splits,
                 min_split_tokens=pc.min_split_tokens,
-                scratch=self._prefill_step_scratch,
+                scratch=self._prefill_scratch_views[pc] if splits > 1 else None,
             )
         if self._decode_one_launch:
             return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)

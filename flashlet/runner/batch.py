@@ -18,8 +18,8 @@ synthetic ones and the tests'.
   batch size finds every field at the addresses that graph reads. Asked to (`pad_to`), it
   pads a pure-decode step to a captured batch size with rows that write to and read from the
   pool's scratch page, or (`pad_tokens`) pads any step to a token bucket and to as many
-  sequences (max_seqs at most) for a mixed-step CUDA graph, and it feeds the previous step's sampled tokens (still
-  on the device) into the rows that take them.
+  sequences (max_seqs at most) for a mixed-step CUDA graph, and it feeds the previous step's
+  sampled tokens (still on the device) into the rows that take them.
 """
 
 from __future__ import annotations
@@ -762,8 +762,8 @@ class StepBuffers:
     A CUDA graph reads its inputs at the addresses its capture saw. Each field's offset is a
     function of the step's token and sequence counts (`arena_offsets`), so every pure-decode
     step padded to batch size b (b tokens, b sequences), and every step padded to a token
-    bucket (T_b tokens, `mixed_seqs(T_b)` sequences), puts every field at the same address, whatever its
-    page count; ModelRunner still checks the addresses before each replay."""
+    bucket (T_b tokens, `mixed_seqs(T_b)` sequences), puts every field at the same address,
+    whatever its page count; ModelRunner still checks the addresses before each replay."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device,
                  scratch_page: int | None = None, page_size: int = 1):
@@ -819,8 +819,9 @@ class StepBuffers:
         arena. fed_tokens: the previous step's sampled tokens on the device, which the fed
         rows take. pad_to: pad a pure-decode step to that many sequences (a CUDA graph's
         batch) with rows on the scratch page. pad_tokens: pad any step to that many tokens (a
-        mixed-step graph's bucket) and to as many sequences, max_seqs at most (see `_pad_mixed`). The pinned
-        staging must be free (the previous step's copy done: ModelRunner.wait_inputs_staged)."""
+        mixed-step graph's bucket) and to as many sequences, max_seqs at most (see `_pad_mixed`).
+        The pinned staging must be free (the previous step's copy done:
+        ModelRunner.wait_inputs_staged)."""
         arrays = layout.arrays
         num_seqs, num_tokens = len(arrays["kv_lens"]), len(arrays["input_ids"])
         seqs_to, tokens_to = num_seqs, num_tokens

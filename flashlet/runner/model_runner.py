@@ -21,8 +21,8 @@ its capture saw them (checked before each replay):
   tensor parallelism (the workers would need the same graphs) and with `mixed_graphs`: one graph
   per token bucket (16, 32, 64, ... up to max_num_batched_tokens, and it) and per the backend's
   `mixed_graph_key` (the prefill kernel's tile variant); `load` pads the step to the bucket and
-  to as many sequences, max_num_seqs at most (`StepBuffers.load(pad_tokens=)`). The graph ends in the final
-  hidden states [bucket, hidden]; the LM head runs after it, eagerly, on the sampled rows
+  to as many sequences, max_num_seqs at most (`StepBuffers.load(pad_tokens=)`). The graph ends
+  in the final hidden states [bucket, hidden]; the LM head runs after it, eagerly, on the sampled rows
   (their count varies). A mixed step of more tokens than the largest bucket runs eagerly.
 Without graphs (CPU, `cuda_graph` off) every step runs eagerly, unpadded.
 

@@ -94,12 +94,13 @@ def _core_stats(url: str) -> dict[str, float]:
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_after=None,
-):
+            client: httpx.Client | None = None):
     """Stream a completion; keep (process, events, error) (stop_after: disconnect after so many
-    events)."""
+    events; client: send it on that client's open connection, and close the client after)."""
     events, process, error = [], None, None
+    client = client or httpx.Client()
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+        with client.stream("POST", url + "/v1/completions", timeout=60, json={
                 "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}) as r:
             process = r.headers.get("x-flashlet-api-server")
@@ -110,7 +111,27 @@ def _stream(url: str, prompt: list[int], max_tokens: int, results: list, stop_af
                         break
     except httpx.HTTPError as e:
         error = e
+    finally:
+        client.close()
     results.append((process, events, error))
+
+
+def _clients_on_each_process(url: str, per_process: int) -> list[httpx.Client]:
+    """Clients whose one kept-alive connection is served by a known API process, per_process of
+    them on each of the two. The kernel hashes each new connection to a process, so a fixed
+    number of fresh connections lands all on one with some chance (8: 1 in 128, which a CI
+    run met); a GET /health on each connection says which process holds it."""
+    clients: dict[str, list[httpx.Client]] = {"0": [], "1": []}
+    for _ in range(200):
+        if all(len(v) == per_process for v in clients.values()):
+            return clients["0"] + clients["1"]
+        client = httpx.Client(timeout=10)
+        process = client.get(url + "/health").headers["x-flashlet-api-server"]
+        if len(clients[process]) < per_process:
+            clients[process].append(client)
+        else:
+            client.close()
+    raise AssertionError(f"200 connections did not give {per_process} on each process")
 
 
 def _warm_flags(metrics: str) -> dict[str, float]:
@@ -179,8 +200,9 @@ def test_two_api_servers_serve_streams_side_by_side_with_the_same_greedy_outputs
     # 16 concurrent streams, some dropped by their client mid-way.
     results: list = []
     threads = [threading.Thread(target=_stream, args=(
-        p.url, PROMPTS[i % len(PROMPTS)], 64, results, 3 if i % 4 == 0 else None))
-        for i in range(16)]
+        p.url, PROMPTS[i % len(PROMPTS)], 64, results, 3 if i % 4 == 0 else None),
+        kwargs={"client": client})
+        for i, client in enumerate(_clients_on_each_process(p.url, 8))]
     for t in threads:
         t.start()
     for t in threads:
@@ -205,8 +227,10 @@ def test_a_dead_core_fails_the_streams_of_both_api_servers(tiny_qwen2):
         _wait_both_serving(p.url)
         pid = int(re.search(r"engine core 0 ready \(pid (\d+)\)", p.log).group(1))
         results: list = []
-        threads = [threading.Thread(target=_stream, args=(p.url, PROMPTS[i % 8], 200, results))
-                   for i in range(8)]
+        clients = _clients_on_each_process(p.url, 4)
+        threads = [threading.Thread(target=_stream, args=(p.url, PROMPTS[i], 200, results),
+                                    kwargs={"client": client})
+                   for i, client in enumerate(clients)]
         for t in threads:
             t.start()
         wait_until(lambda: _core_stats(p.url).get("flashlet_requests_running") == 8, 30,

@@ -8,7 +8,9 @@
 #                 libs-cu12) come to ~97 MB, over the 64 MiB one device call carries, so they are
 #                 tarred and split into equal parts of at most PART_MB, one folder each, each with
 #                 the tar's manifest (sha256, part count). Carry one folder a call: `cute_env`
-#                 (scripts/gpu_run.sh) gathers the parts in /tmp and installs once all are there
+#                 (scripts/gpu_run.sh) gathers the parts in /tmp and installs once all are there.
+#                 (Unpacked, its .so files already stripped, and xz -9'd: 66 MB, still over what
+#                 one call carries beside the ~7 MB repository; so two parts, 2026-12-05)
 #   .whl-cute/    the fallback: the last one-wheel DSL, 4.3.5 (~56 MB), until the GPU confirms
 #                 the pin; `cute_env` installs it too and the newest installed one is used
 #   .whl-fi/      FlashInfer and the packages it imports that such a machine lacks (~37 MB,

@@ -278,6 +278,47 @@ def test_invalid_schemas_and_tools_are_clear_value_errors(tokenizer_llm):
     assert tokenizer_llm.engine.stats()["requests"] == 0
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_min_tokens_gives_way_where_the_response_format_can_only_end(tokenizer_llm, speculative):
+    """A grammar whose output is complete allows nothing but EOS: there min_tokens' ban would
+    leave no token at all, so the response format's end wins and the request stops short of
+    min_tokens (it failed with "token 0 does not fit the response format", the server's 500,
+    found by a long fuzz run). Where the grammar allows more, min_tokens still holds EOS back.
+    With speculation too: its verify rows take the same rule."""
+    llm = tokenizer_llm
+    if speculative:
+        llm = LLM(llm.engine.model_dir, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1})
+    eos = llm.engine.eos_token_ids
+    one = {"type": "structural_tag", "format": {"type": "regex", "pattern": "7"}}
+    out = llm.generate(["7 7 7 7 7"], SamplingParams(max_new_tokens=8, min_tokens=4, response_format=one))[0]
+    assert out.error is None and out.finish_reason == "stop", out
+    assert out.text == "7" and out.token_ids[-1] in eos
+    digits = {"type": "structural_tag", "format": {"type": "regex", "pattern": "[0-9 ]{1,40}"}}
+    out = llm.generate(["1 2 3 1 2 3"], SamplingParams(max_new_tokens=12, min_tokens=6,
+                                                      response_format=digits))[0]
+    assert out.error is None and len(out.token_ids) >= 6, out
+    assert not set(out.token_ids[:6]) & set(eos)
+    assert set(out.text) <= set("0123456789 ")
+    llm.engine.check_integrity()
+
+
+def test_ban_early_stops_keeps_the_stop_ids_only_of_a_row_left_with_nothing():
+    """The rule itself, on the device-free path: a row whose only finite logits are the banned
+    ids keeps them; a row with another finite logit loses them."""
+    import torch
+
+    from flashlet.runner.sampler import ban_early_stops
+
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 1.0, inf, 2.0],   # only ids 1 and 3: both banned below
+                           [0.5, 1.0, inf, 2.0],   # id 0 stays: the ban holds
+                           [inf, 1.0, inf, 2.0]])  # only id 1 banned: id 3 stays
+    ban_early_stops(logits, torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1, 3, 1, 3, 1]))
+    assert logits.tolist() == [[inf, 1.0, inf, 2.0], [0.5, inf, inf, inf], [inf, inf, inf, 2.0]]
+
+
 def test_grammar_mask_leaves_exactly_the_allowed_tokens(tokenizer_llm):
     """apply_grammar_masks against a direct reading of the matcher: a row with a grammar keeps
     the tokens its grammar allows next (and only those), a free row keeps everything."""

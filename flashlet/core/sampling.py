@@ -33,7 +33,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # end the request; the token is kept
     ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    # EOS and stop_token_ids cannot be sampled before this many tokens, except where a
+    # response_format's grammar allows nothing else (its output is complete: the format wins)
+    min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     # None: none; k >= 0: each prompt token's logprob (the first has none) and the top k there.
     # Such a request computes its whole prompt (no prefix-cache hit): every position is scored.

@@ -1,7 +1,8 @@
 """The batched sampler: one step's logits [rows, vocab] -> one token per row, on the device.
 
 The order is vLLM's: the model's logits -> their logprobs (kept for rows that ask) -> grammar
-mask (structured output) -> min_tokens mask -> repetition, frequency and presence penalties ->
+mask (structured output) -> min_tokens mask (not where a grammar allows only the stop tokens:
+its output is complete, and the format's end wins) -> repetition, frequency and presence penalties ->
 greedy rows take the argmax; sampled rows go through temperature -> min_p -> top-k -> top-p and
 an exponential race: token = argmax(probs / E) with E ~ Exp(1) i.i.d., which picks token i with
 probability probs[i] (the Gumbel-max trick in another form), so one batched draw of noise serves
@@ -251,17 +252,21 @@ class Sampler:
 
     # ---- the pieces -------------------------------------------------------------------------
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list, candidates: list[int]) -> None:
-        """Rows short of min_tokens may not sample EOS or a stop token id."""
-        rows, ids = [], []
+        """Rows short of min_tokens may not sample EOS or a stop token id, unless a grammar
+        allows nothing else there (`ban_early_stops`)."""
+        plain, constrained = ([], []), ([], [])
         for i in candidates:
             req = reqs[i]
             p = req.params
             if len(req.output_token_ids) < p.min_tokens:
                 banned = p.early_stop_ids(self.eos_token_ids)
+                rows, ids = constrained if req.grammar is not None else plain
                 rows += [i] * len(banned)
                 ids += banned
-        if rows:
-            logits[self._index(rows), self._index(ids)] = float("-inf")
+        if plain[0]:
+            logits[self._index(plain[0]), self._index(plain[1])] = float("-inf")
+        if constrained[0]:
+            ban_early_stops(logits, self._index(constrained[0]), self._index(constrained[1]))
 
     def _apply_penalties(self, logits: torch.Tensor, state: BatchState) -> None:
         """In place, on the seen tokens of each penalised row only."""
@@ -509,6 +514,19 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def ban_early_stops(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> None:
+    """min_tokens' ban on a constrained request's rows: logits[rows, ids] = -inf (one ban an
+    entry), except in a row that the ban would leave with no token at all. There the grammar
+    allows only the stop tokens (its output is complete, as a regex of one digit is after that
+    digit), and the response format's end wins over min_tokens: the request stops short of it.
+    Without this the row samples a token its grammar refuses, and the request fails. On the
+    device, with no sync; the rows (gathered whole) are the few constrained ones."""
+    kept = logits[rows, ids]  # (advanced indexing: a copy)
+    logits[rows, ids] = float("-inf")
+    emptied = torch.isneginf(logits[rows].amax(dim=1))
+    logits[rows, ids] = torch.where(emptied, kept, torch.full_like(kept, float("-inf")))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,8 @@ import torch
 
 from flashlet.core.request import Request
 from flashlet.core.sampling import SamplingColumns, TokenLogprob, _splitmix64
-from flashlet.runner.sampler import (StepLogprobs, apply_penalties, exponential_race,
-                                     sampling_probs)
+from flashlet.runner.sampler import (StepLogprobs, apply_penalties, ban_early_stops,
+                                     exponential_race, sampling_probs)
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
 
@@ -464,7 +464,11 @@ def _apply_transforms(logits: torch.Tensor, requests: list[Request], rows: _Rows
         if p.min_tokens > generated:  # positions still short of min_tokens may not stop
             banned = p.early_stop_ids(eos_token_ids)
             short = min(p.min_tokens - generated, len(props) + 1)
-            if banned:
+            if banned and req.grammar is not None:  # a grammar's end wins (ban_early_stops)
+                span = torch.arange(start, start + short, device=logits.device)
+                ban_early_stops(logits, span.repeat_interleave(len(banned)),
+                                torch.tensor(banned * short, device=logits.device))
+            elif banned:
                 logits[start : start + short, banned] = float("-inf")
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)

@@ -9,7 +9,8 @@ a fused step's time goes when each kernel runs alone, without the PDL chain's ov
     python3 lab/ncu_step.py summarize raw.csv
 
 `gpu_run.sh ncu-step` runs both for each of NCU_CASES, then profiles the same step's attention
-kernel with source counters (`summarize-source`: the lines of the kernel where its warps stall). `run` starts an engine at default
+kernel with source counters (`summarize-source`: the lines of the kernel where its warps stall,
+and in the SASS view the samples before and after its PDL wait). `run` starts an engine at default
 settings (random weights at the preset's config), decodes `--streams` sequences past a cached
 prompt of `--prompt-len` tokens, and opens the profiler (cudaProfilerStart) around exactly one
 `Engine.step()` once every sequence is decoding: the kernels of one decode step (its CUDA
@@ -169,6 +170,14 @@ def summarize_source(lines: list[str], top: int = 25, out=sys.stdout) -> bool:
     for r in sorted(body, key=lambda r: -_num(r[samples]))[:top]:
         where = r[line_no] if line_no is not None else ""
         print(f"{where:>6} {_num(r[samples]):>8.0f} {_num(r[samples]) / total:>6.1%}  {r[source].strip()[:110]}", file=out)
+    # The SASS view of a PDL kernel: its griddepcontrol.wait is ACQBULK. Alone under ncu the
+    # wait returns at once, so the samples before it (launch, parameters, work on inputs no
+    # earlier kernel writes) are what a PDL chain overlaps with the kernel before.
+    wait = next((i for i, r in enumerate(body) if r[source].split()[:1] == ["ACQBULK"]), None)
+    if wait is not None:
+        before = sum(_num(r[samples]) for r in body[:wait])
+        print(f"before the PDL wait (ACQBULK, instruction {wait} of {len(body)}): {before:.0f} of "
+              f"{total:.0f} samples ({before / total:.0%}); after it {total - before:.0f}", file=out)
     return True
 
 

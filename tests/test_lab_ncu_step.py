@@ -56,6 +56,11 @@ def test_source_summary_ranks_lines_by_stall_samples_or_shows_the_report():
     out = io.StringIO()
     assert ncu_step.summarize_source(sass, out=out)  # the SASS view: one row an instruction
     assert out.getvalue().splitlines()[1].split()[:2] == ["00007f00", "40"]
+    assert "PDL wait" not in out.getvalue()  # no ACQBULK: not a PDL kernel
+    out = io.StringIO()
+    assert ncu_step.summarize_source(sass[:2] + ['"00007f08","ACQBULK","1"'] + sass[2:], out=out)
+    assert out.getvalue().splitlines()[-1] == ("before the PDL wait (ACQBULK, instruction 1 of 3): "
+                                               "40 of 44 samples (91%); after it 4")
     out = io.StringIO()  # 2026-12-05's CUDA view: lines with no sample columns
     assert not ncu_step.summarize_source(['"File Name","/x/decode_attention.py"', '"Line No","Source"',
                                           '"1","import triton"'], out=out)

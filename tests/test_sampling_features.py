@@ -151,9 +151,28 @@ def test_logit_bias_is_checked(llm):
     assert stats["waiting"] == 0 and stats["running"] == 0
 
 
+def test_temperatures_too_small_for_fp32_are_greedy(llm):
+    """A temperature under GREEDY_TEMPERATURE (vLLM's 1e-5) is greedy: divided into the logits
+    in fp32, 1e-40 overflowed them to inf and 5e-324 rounded to 0, and the NaN of their softmax
+    drew token 0 every step. At the threshold itself the row still samples."""
+    from flashlet.core.sampling import GREEDY_TEMPERATURE
+
+    plain = greedy(llm).token_ids
+    for temperature in (5e-324, 1e-40, GREEDY_TEMPERATURE / 2):
+        assert SamplingParams(temperature=temperature).is_greedy
+        assert greedy(llm, temperature=temperature).token_ids == plain
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).is_greedy
+    out = greedy(llm, temperature=GREEDY_TEMPERATURE, seed=1)
+    assert len(set(out.token_ids)) > 1  # not the NaN row's token 0 every step
+
+
 def test_bad_sampling_parameters_are_clear_value_errors(llm):
     for kwargs, word in [(dict(min_p=1.5), "min_p"), (dict(presence_penalty=3), "presence"),
                          (dict(repetition_penalty=0), "repetition"), (dict(n=0), "n must"),
+                         # fp32 makes 5e-324 a 0 (-inf x 0 = NaN) and 1e-40 overflows a logit
+                         (dict(repetition_penalty=5e-324), "repetition"),
+                         (dict(repetition_penalty=1e-40), "repetition"),
+                         (dict(repetition_penalty=101), "repetition"),
                          (dict(n=3, best_of=2), "best_of"), (dict(logprobs=21), "logprobs"),
                          (dict(min_tokens=100, max_new_tokens=10), "min_tokens"),
                          (dict(stop_token_ids=[-1]), "stop_token_ids"),

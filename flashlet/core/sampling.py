@@ -16,13 +16,20 @@ import torch
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar", "structural_tag")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100  # as OpenAI's logit_bias
+# Temperatures below this are greedy (vLLM's threshold): the logits are divided by the temperature
+# in fp32, where a tiny one overflows them to inf (and 5e-324 rounds to 0), and a softmax of inf
+# is NaN: the row would draw garbage.
+GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty lies in [1 / this, this]: a logit is divided or multiplied by it in fp32, and
+# a penalty that rounds to 0 there (5e-324) or overflows a logit makes NaN (-inf x 0, inf / inf).
+MAX_REPETITION_PENALTY = 100.0
 
 POOLING_MODES = (None, "last", "mean")
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 is exact greedy (argmax)
+    temperature: float = 0.0  # 0 is exact greedy (argmax); so is any below GREEDY_TEMPERATURE
     top_k: int = 0  # 0 keeps every token (so does -1, vLLM's older "off")
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
@@ -85,8 +92,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not 0 < self.repetition_penalty <= 100:  # also rejects NaN
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # and NaN
+            raise ValueError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -122,7 +130,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -32,7 +32,6 @@ from flashlet.server.warmup import warm_up
 from flashlet.text.detokenizer import IncrementalDetokenizer
 from flashlet.text.tokenizing import PromptTooLong, TextEncoder
 
-MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
 # top_p below this keeps only the top token anyway (its probability is >= 1/vocab); smaller
 # values (e.g. 5e-324) round to 0 in float32 inside the sampler, which then drops every token.
 MIN_TOP_P = 1e-8
@@ -479,8 +478,6 @@ class Server:
         ApiError 400 naming the field if they do not go together."""
         if self.config.max_tokens_cap is not None:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
-        if temperature < MIN_TEMPERATURE:
-            temperature = 0.0
         top_p = max(top_p, MIN_TOP_P)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if seed is not None:

@@ -282,7 +282,7 @@ class _OpenAISampling(NullIsTheDefault):
     presence_penalty: Penalty | None = None
     response_format: ResponseFormat | None = None
     # Extensions (vLLM's names).
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0)] | None = None  # SamplingParams' range
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],

@@ -115,6 +115,9 @@ CASES = {
     "chat temperature above 2": ("/v1/chat/completions", _j({**OK_CHAT, "temperature": 2.5}),
                                  "temperature", 400),
     "chat top_p 0": ("/v1/chat/completions", _j({**OK_CHAT, "top_p": 0}), "top_p", 400),
+    "chat repetition_penalty 0 in fp32": ("/v1/chat/completions",  # (a long fuzz run's 500)
+                                          _j({**OK_CHAT, "repetition_penalty": 5e-324}),
+                                          "repetition_penalty", 400),
     "chat n 17": ("/v1/chat/completions", _j({**OK_CHAT, "n": 17}), "n", 400),
     "chat unknown field": ("/v1/chat/completions", _j({**OK_CHAT, "foo": True}), "foo", 400),
     "chat stream not bool": ("/v1/chat/completions", _j({**OK_CHAT, "stream": "yes"}), "stream",

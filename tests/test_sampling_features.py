@@ -323,6 +323,30 @@ def test_min_tokens_gives_way_where_the_response_format_can_only_end(tokenizer_l
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_format_that_no_token_can_write_is_refused_or_ends_with_its_error(tokenizer_llm, speculative):
+    """The demo tokenizer has no token for the UTF-8 lead byte 0xF1, so nothing can write U+40000:
+    a format that begins with it is refused at once (its first mask is empty), and one that
+    reaches it ends its request there with the request's own error (RequestError: a 400 through
+    the server), not "token 0 does not fit" from a draw over no token. With speculation too: a
+    verify row's refused token is judged the same way."""
+    from flashlet.text.structured import DEAD_END
+
+    llm = tokenizer_llm
+    if speculative:
+        llm = LLM(llm.engine.model_dir, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1})
+    start = {"type": "structural_tag", "format": {"type": "regex", "pattern": "\U00040000"}}
+    with pytest.raises(ValueError, match="can begin"):
+        llm.generate(["a a a a"], SamplingParams(max_new_tokens=4, response_format=start))
+    later = {"type": "structural_tag", "format": {"type": "regex", "pattern": "a\U00040000"}}
+    out = llm.generate(["a a a a"], SamplingParams(max_new_tokens=6, response_format=later))[0]
+    assert out.finish_reason == "error" and out.error == DEAD_END.format("continue"), out
+    assert out.text == "a"
+    llm.engine.check_integrity()
+
+
 def test_ban_early_stops_keeps_the_stop_ids_only_of_a_row_left_with_nothing():
     """The rule itself, on the device-free path: a row whose only finite logits are the banned
     ids keeps them; a row with another finite logit loses them."""

@@ -451,14 +451,15 @@ class Engine:
             if verified is None:  # plain greedy rows (no grammar to advance): their argmax, read now
                 verified = verify_greedy(launched.staged.read(), sched.sampling, sched.proposals)
             else:
-                verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids)
+                verified = advance_verified_grammars(sched.sampling, verified, self.eos_token_ids,
+                                                     self.model_config.vocab_size)
             self.spec.accepted(sched.proposals, sched.sampling, verified)
             return self.scheduler.update(sched, verified)
         tokens = launched.read()
         if launched.errors:  # a row whose sampling failed gets its error instead of a token
             tokens = [launched.errors.get(row, v) for row, v in enumerate(tokens)]
         if launched.constrained:
-            advance_grammars(launched.sched.sampling, tokens)
+            advance_grammars(launched.sched.sampling, tokens, self.model_config.vocab_size)
         if launched.scoring is not None:  # before the outputs, which carry them
             launched.scoring.deliver()
         return self.scheduler.update(launched.sched, tokens, launched.logprobs)

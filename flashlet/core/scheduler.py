@@ -35,7 +35,8 @@ from functools import cached_property
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from flashlet.core.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
+from flashlet.core.request import (PLACEHOLDER, FinishReason, Request, RequestError, RequestOutput,
+                                   RequestStatus)
 from flashlet.core.sampling import SamplingParams
 from flashlet.kvcache.kv_pool import OutOfPages, PageAllocator
 from flashlet.kvcache.radix_cache import PageHolder, RadixCache
@@ -418,7 +419,8 @@ class Scheduler:
         """A row's token written in with every check: its logprob, a failed sampling, a stop
         token, the last token it may have."""
         if isinstance(token, Exception):
-            req.finish_reason, req.error = FinishReason.ERROR, f"sampling failed: {token!r}"
+            req.finish_reason = FinishReason.ERROR
+            req.error = str(token) if isinstance(token, RequestError) else f"sampling failed: {token!r}"
             self.finish(req)
             return req.output([])
         if isinstance(token, tuple):  # a verify step's tokens (speculative.Verified)

@@ -308,7 +308,10 @@ class Generation:
 
     def check_error(self) -> None:
         if self.final.finish_reason == FinishReason.ERROR:
-            raise ApiError(500, f"generation failed: {self.final.error}")
+            error = self.final.error or ""
+            if error.startswith("response_format:"):  # the request's own (core.request.RequestError)
+                raise ApiError(400, error, "response_format")
+            raise ApiError(500, f"generation failed: {error}")
 
 
 # The scope key under which the app (app.py) keeps the HTTP server's own `send`.

@@ -61,6 +61,7 @@ from flashlet.runner.sampler import (StepLogprobs, apply_penalties, ban_early_st
                                      exponential_race, sampling_probs)
 from flashlet.spec.draft import DraftProposer
 from flashlet.spec.api import Proposer, SpeculativeConfig
+from flashlet.text.structured import refused_token
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "SpeculativeDecoding", "verify",
            "verify_greedy", "all_plain_greedy"]
@@ -436,9 +437,10 @@ def mask_grammars(logits: torch.Tensor, requests: list[Request], rows: "_Rows",
                                             vocab_size=logits.shape[1])
 
 
-def advance_verified_grammars(requests: list[Request], results: list, eos_token_ids) -> list:
+def advance_verified_grammars(requests: list[Request], results: list, eos_token_ids,
+                              vocab_size: int) -> list:
     """Feed each constrained request the tokens it keeps, up to a stop (which ends it, and
-    its grammar); a token its grammar refuses turns the row into that error."""
+    its grammar); a token its grammar refuses turns the row into that error (`refused_token`)."""
     results = list(results)
     for i, req in enumerate(requests):
         result = results[i]
@@ -447,7 +449,7 @@ def advance_verified_grammars(requests: list[Request], results: list, eos_token_
         p = req.params
         for token in result.tokens:
             if not req.grammar.accept_token(token):
-                results[i] = ValueError(f"token {token} does not fit the response format")
+                results[i] = refused_token(req.grammar, token, vocab_size)
                 break
             if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
                 break

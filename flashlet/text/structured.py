@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from flashlet.core.request import RequestError
+
 TOOL_CALL_MODEL_FORMAT = "qwen_3"  # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # xgrammar reads schema integers as int64
 
@@ -550,6 +552,10 @@ class StructuredOutputs:
         self.check(fmt, key)
         key = key if key is not None else self.key(fmt)
         grammar = self._compile(key, fmt)
+        import xgrammar as xgr
+
+        if allows_no_token(xgr.GrammarMatcher(grammar), self.vocab_size):
+            raise ValueError(DEAD_END.format("begin"))
         with self._lock:
             self.num_compiled += 1
             self._compiled[key] = grammar
@@ -622,8 +628,8 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
             reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
             took = time.thread_time() - started
             if took > MASK_CPU_BUDGET_S:
-                raise ValueError(f"response_format: its grammar took {took:.2f} s of CPU for "
-                                 f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s")
+                raise RequestError(f"response_format: its grammar took {took:.2f} s of CPU for "
+                                   f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s")
             filled.append(i)
         except Exception as e:  # one bad request must not fail the batch
             errors[i] = e
@@ -634,16 +640,41 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
                                         vocab_size=logits.shape[1], indices=filled)
 
 
-def advance_grammars(reqs: list, tokens: list) -> None:
+# A grammar that allows no token next: the output it asks for needs a character that no token
+# of the vocabulary spells (SmolLM2's has no token for the UTF-8 lead byte 0xF1, so nothing can
+# write U+40000). The request's own doing: it ends with this error, a 400 through the server.
+DEAD_END = ("response_format: no token of this model's vocabulary can {} the output it allows "
+            "(it needs a character no token spells)")
+
+
+def allows_no_token(grammar, vocab_size: int) -> bool:
+    """Whether the grammar's next-token mask is empty: a dead end for this vocabulary."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    grammar.fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any())
+
+
+def refused_token(grammar, token: int, vocab_size: int) -> Exception:
+    """The error of a row whose sampled token its grammar refused: at a dead end (an empty
+    mask: the row drew from no token at all) the request's own RequestError, else a ValueError
+    (a token the mask should have kept out)."""
+    if allows_no_token(grammar, vocab_size):
+        return RequestError(DEAD_END.format("continue"))
+    return ValueError(f"token {token} does not fit the response format")
+
+
+def advance_grammars(reqs: list, tokens: list, vocab_size: int) -> None:
     """Feed each constrained request its sampled token (tokens: one per row, an Exception where
-    sampling failed); a token its grammar rejects becomes that row's error. The grammar ends on
-    an EOS token, which ends the request as any EOS does."""
+    sampling failed); a token its grammar rejects becomes that row's error (`refused_token`).
+    The grammar ends on an EOS token, which ends the request as any EOS does."""
     for row, req in enumerate(reqs):
         token = tokens[row]
         if req.grammar is None or req.is_finished or isinstance(token, Exception):
             continue  # unconstrained, a void row (stopped a step before), or failed already
         if not req.grammar.accept_token(token):
-            tokens[row] = ValueError(f"token {token} does not fit the response format")
+            tokens[row] = refused_token(req.grammar, token, vocab_size)
 
 
 def tool_call_format(tools: list[dict], tool_choice="required",

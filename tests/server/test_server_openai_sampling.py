@@ -218,6 +218,14 @@ def test_vllm_structured_outputs_guide_chat_and_completions(client, idle):
                         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one")]:
         with pytest.raises(openai.BadRequestError, match=word):
             chat(client, max_tokens=4, extra_body=extra)
+    # No token of the demo model's vocabulary spells U+40000 (no token for the UTF-8 byte 0xF1):
+    # refused at once where the format must begin with it, and a 400 naming response_format
+    # where an output reaches it (both were 500s: a long fuzz run found them)
+    for extra, word in [({"guided_regex": "\U00040000"}, "can begin"),
+                        ({"guided_regex": "a\U00040000"}, "can continue")]:
+        with pytest.raises(openai.BadRequestError, match=word) as e:
+            chat(client, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == "response_format"
 
 
 def test_vllm_text_options_keep_the_stop_string_and_special_tokens(client, idle):

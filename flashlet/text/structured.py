@@ -543,7 +543,8 @@ class StructuredOutputs:
 
     def compile(self, fmt: dict):
         """A response_format -> xgrammar's CompiledGrammar (cached); ValueError if it is
-        invalid, past a limit or too slow to compile; CompileCancelled after cancel(fmt)."""
+        invalid, past a limit, too slow to compile or begins with what no token of the
+        vocabulary spells (DEAD_END); CompileCancelled after cancel(fmt)."""
         key = self._key_if_readable(fmt)
         with self._lock:
             if key in self._compiled:

@@ -173,6 +173,7 @@ def test_bad_sampling_parameters_are_clear_value_errors(llm):
                          (dict(repetition_penalty=5e-324), "repetition"),
                          (dict(repetition_penalty=1e-40), "repetition"),
                          (dict(repetition_penalty=101), "repetition"),
+                         (dict(temperature=1e300), "temperature"),  # inf in fp32: -inf / inf = NaN
                          (dict(n=3, best_of=2), "best_of"), (dict(logprobs=21), "logprobs"),
                          (dict(min_tokens=100, max_new_tokens=10), "min_tokens"),
                          (dict(stop_token_ids=[-1]), "stop_token_ids"),

@@ -20,6 +20,7 @@ MAX_LOGIT_BIAS = 100  # as OpenAI's logit_bias
 # in fp32, where a tiny one overflows them to inf (and 5e-324 rounds to 0), and a softmax of inf
 # is NaN: the row would draw garbage.
 GREEDY_TEMPERATURE = 1e-5
+FP32_MAX = float(np.finfo(np.float32).max)
 # repetition_penalty lies in [1 / this, this]: a logit is divided or multiplied by it in fp32, and
 # a penalty that rounds to 0 there (5e-324) or overflows a logit makes NaN (-inf x 0, inf / inf).
 MAX_REPETITION_PENALTY = 100.0
@@ -80,8 +81,9 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= FP32_MAX:  # (the sampler divides by it in fp32)
+            raise ValueError(f"temperature must be finite in fp32 (0 to {FP32_MAX:.4g}), got "
+                             f"{self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:

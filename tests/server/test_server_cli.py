@@ -39,7 +39,7 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
 
 
 BAD_USAGE = [
-    ("flashlet", ["--temperature", "-1"], "temperature must be finite and >= 0"),
+    ("flashlet", ["--temperature", "-1"], "temperature must be finite in fp32"),
     ("flashlet", ["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     ("flashlet", ["--top-p", "0"], "top_p must be in (0, 1]"),
     ("flashlet", ["--page-size", "3"], "page_size must be a power of two"),

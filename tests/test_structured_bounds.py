@@ -207,7 +207,7 @@ def test_a_grammar_whose_mask_is_too_slow_ends_its_row_not_the_batch(monkeypatch
     errors: dict = {}
     structured.apply_grammar_masks(logits, reqs, errors)
     assert list(errors) == [2] and "over the limit" in str(errors[2])
-    from flashlet.core.request import RequestError
+    from flashlet.core.request_check import RequestError
     assert isinstance(errors[2], RequestError)  # the request's own: a 400 through the server
     assert torch.isinf(logits[0, 1:]).all() and logits[0, 0] == 0  # masked
     assert not torch.isinf(logits[1]).any() and not torch.isinf(logits[2]).any()

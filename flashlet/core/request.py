@@ -18,12 +18,6 @@ from flashlet.core.sampling import SamplingParams, TokenLogprob
 PLACEHOLDER = -1
 
 
-class RequestError(ValueError):
-    """What stopped a request part-way that its own parameters caused (a response format the
-    model's vocabulary cannot go on with, its grammar past its CPU limit): the request ends
-    with this message as its error, and the server answers such an error as a bad request."""
-
-
 class FinishReason(enum.StrEnum):
     """Why a request ended. A str (`FinishReason.STOP == "stop"`), so JSON bodies, metrics
     labels and comparisons with the plain names stay as they were."""

@@ -4,7 +4,9 @@ token budget against the context and the KV pool, and its sampling parameters.
 `LLM`, the server's API process and the engine (a last defensive check) all call these, so a
 request is refused with the same words wherever it comes in. Errors are `RequestError`, a
 ValueError that names the request field at fault (`param`) and, for context overflows, carries
-OpenAI's `context_length_exceeded` code.
+OpenAI's `context_length_exceeded` code. A request that its own parameters stop part-way (a
+response format no token of the vocabulary can continue, its grammar's mask past its CPU limit)
+ends with a RequestError's message as its error, which the server answers as a bad request.
 """
 
 from __future__ import annotations

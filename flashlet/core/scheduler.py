@@ -35,8 +35,8 @@ from functools import cached_property
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from flashlet.core.request import (PLACEHOLDER, FinishReason, Request, RequestError, RequestOutput,
-                                   RequestStatus)
+from flashlet.core.request import PLACEHOLDER, FinishReason, Request, RequestOutput, RequestStatus
+from flashlet.core.request_check import RequestError
 from flashlet.core.sampling import SamplingParams
 from flashlet.kvcache.kv_pool import OutOfPages, PageAllocator
 from flashlet.kvcache.radix_cache import PageHolder, RadixCache

@@ -309,7 +309,7 @@ class Generation:
     def check_error(self) -> None:
         if self.final.finish_reason == FinishReason.ERROR:
             error = self.final.error or ""
-            if error.startswith("response_format:"):  # the request's own (core.request.RequestError)
+            if error.startswith("response_format:"):  # the request's own (a RequestError part-way)
                 raise ApiError(400, error, "response_format")
             raise ApiError(500, f"generation failed: {error}")
 

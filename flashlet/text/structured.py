@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from flashlet.core.request import RequestError
+from flashlet.core.request_check import RequestError
 
 TOOL_CALL_MODEL_FORMAT = "qwen_3"  # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # xgrammar reads schema integers as int64
@@ -630,7 +630,8 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
             took = time.thread_time() - started
             if took > MASK_CPU_BUDGET_S:
                 raise RequestError(f"response_format: its grammar took {took:.2f} s of CPU for "
-                                   f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s")
+                                   f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s",
+                                   "response_format")
             filled.append(i)
         except Exception as e:  # one bad request must not fail the batch
             errors[i] = e
@@ -662,7 +663,7 @@ def refused_token(grammar, token: int, vocab_size: int) -> Exception:
     mask: the row drew from no token at all) the request's own RequestError, else a ValueError
     (a token the mask should have kept out)."""
     if allows_no_token(grammar, vocab_size):
-        return RequestError(DEAD_END.format("continue"))
+        return RequestError(DEAD_END.format("continue"), "response_format")
     return ValueError(f"token {token} does not fit the response format")
 
 

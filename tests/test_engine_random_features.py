@@ -23,10 +23,17 @@ def draft(tiny_qwen2, tmp_path_factory):
     return save_near_copy(tiny_qwen2, tmp_path_factory.mktemp("near-copy"))
 
 
+# An fp8 KV cache rounds each K/V value to 3 mantissa bits, so a last-bit difference in fp32
+# (another batch shape in a matmul) can move a value across a rounding boundary: a step of an
+# fp8 unit, which can swap two next tokens whose logprobs lie this close. (Found by a 300-example
+# run: 3 requests side by side turned a 0.001 gap the other way.)
+FP8_NEAR_TIE = 0.02
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_qwen2):
     """Greedy tokens of a prompt run alone (no prefix cache, no speculation), per KV dtype and
-    stop rule: the reference."""
+    stop rule, with each token's top-5 logprobs: the reference."""
     llms, memo = {}, {}
 
     def reference(kv_dtype, prompt, params):
@@ -36,12 +43,23 @@ def alone(tiny_qwen2):
                 llms[kv_dtype] = LLM(str(tiny_qwen2), enable_prefix_cache=False, page_size=4,
                                      kv_cache_dtype=kv_dtype)
             plain = SamplingParams(max_new_tokens=params.max_new_tokens, ignore_eos=True,
-                                   stop_token_ids=list(params.stop_token_ids), min_tokens=params.min_tokens)
+                                   stop_token_ids=list(params.stop_token_ids), min_tokens=params.min_tokens,
+                                   logprobs=5)
             out = llms[kv_dtype].generate([prompt], plain)[0]
-            memo[key] = (out.token_ids, out.finish_reason)
+            memo[key] = (out.token_ids, out.finish_reason, out.logprobs)
         return memo[key]
 
     return reference
+
+
+def parted_at_an_fp8_near_tie(got: list[int], want: list[int], logprobs) -> bool:
+    """Whether `got` leaves `want` (the reference's tokens, with their top-5 logprobs) first at
+    a position where its token was within FP8_NEAR_TIE of the reference's choice."""
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if k is None:
+        return False
+    top = dict(logprobs[k].top)
+    return got[k] in top and top[want[k]] - top[got[k]] < FP8_NEAR_TIE
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -86,7 +104,9 @@ def test_random_arrivals_with_speculation_match_each_prompt_alone(tiny_qwen2, dr
     run_all(engine, done=done)
     assert set(done) == set(expected), "a request was lost"
     for rid, (prompt, params) in expected.items():
-        tokens, reason = alone(kv_dtype, prompt, params)
+        tokens, reason, logprobs = alone(kv_dtype, prompt, params)
+        if kv_dtype == "fp8" and parted_at_an_fp8_near_tie(done[rid].token_ids, tokens, logprobs):
+            continue  # (past that point the two are different texts)
         if rid in aborted and done[rid].finish_reason == "abort":
             assert tokens[:len(done[rid].token_ids)] == done[rid].token_ids
             continue

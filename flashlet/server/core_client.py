@@ -19,8 +19,9 @@ non-zero: restarting a core would drop its cache and its requests anyway, and a 
 restarts servers better). It also watches for silence (the messages it counts are read on the
 loop: a loop blocked that long looks the same): a core with requests in flight that
 ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
-next step message: no request is routed to it and /health says why (503 if no core is left to
-serve). Each core's heartbeat thread says every second that its process runs: a core silent
+next step message: no request is routed to it, /health says why (503 if no core is left to
+serve) and the core writes each of its threads' Python stacks into the log (faulthandler, on
+engine_core.STACKS_SIGNAL from the API process that started it). Each core's heartbeat thread says every second that its process runs: a core silent
 in both ways is stopped or hung, and after stalled_request_timeout_s its requests end with a
 503 error (and are aborted in it, should it run again); one in a long step keeps them. A core
 that waits on grammar compiles sends its stats every second, so that wait is not a stall.
@@ -69,7 +70,7 @@ from flashlet.config import EngineConfig
 from flashlet.core.request import FinishReason
 from flashlet.core.request_check import RequestLimits
 from flashlet.models.weights import load_tokenizer
-from flashlet.server.engine_core import (POLLIN, build_engine,  # the process's entry
+from flashlet.server.engine_core import (POLLIN, STACKS_SIGNAL, build_engine,  # the process's entry
                                          run_engine_core)
 from flashlet.server.engine_loop import (EngineClient, NotReady, RequestStream,
                                          StreamError)
@@ -916,13 +917,25 @@ class CoreClient(EngineClient):
                 f"engine core {core.index} stalled: {why} for {silent:.0f} s with "
                 f"{core.num_in_flight} requests in flight")
             if was_stalled is None:
-                log.error("%s", core.stalled)
+                self._report_stall(core)
             if frozen and silent >= self.stalled_request_timeout_s:
                 log.error("ending the %d requests of stalled engine core %d",
                           core.num_in_flight, core.index)
                 self._abort_in_cores(core)  # dropped there if it ever runs again
                 message = f"{core.stalled}; the request was ended after {silent:.0f} s"
                 self._end_all(lambda rid: StreamError(message, 503), core)
+
+    def _report_stall(self, core: CoreProcess) -> None:
+        """Log a core's stall once; the owning API process also has the core write each of its
+        threads' Python stacks into the log (what a step of many seconds is doing)."""
+        if core.process is None:  # a core this process did not start (another API process's)
+            log.error("%s", core.stalled)
+            return
+        log.error("%s; its threads' Python stacks follow", core.stalled)
+        try:
+            os.kill(core.pid, STACKS_SIGNAL)
+        except OSError:  # gone: the pid watch reports it
+            pass
 
     def _fatal(self, error: BaseException) -> None:
         log.error("%s", error)

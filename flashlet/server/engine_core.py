@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import faulthandler
 import gc
 import itertools
 import logging
@@ -89,6 +90,8 @@ HEARTBEAT_S = 1.0
 ZMQ_CHECK_EVERY = 64
 # Queued requests looked at for one prompt of each client request before the rest in order.
 QUEUE_SCAN_DEPTH = 256
+# Sent by an API process that sees this core stalled: each thread's Python stack, to stderr.
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 _new_token_ids = attrgetter("new_token_ids")
@@ -145,6 +148,9 @@ def run_engine_core(config, core: int, input_addrs: list[str], output_addrs: lis
     parent_death_signal: see exit_with_parent.)"""
     import zmq
 
+    # A stalled core's threads' Python stacks, into the server's log when an API process that
+    # sees the stall asks (core_client.STACKS_SIGNAL): where a step of many seconds spends them.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     exit_with_parent(parent_pid, parent_death_signal)
 
     # Ctrl-C reaches the whole process group, and a supervisor's SIGTERM may reach every

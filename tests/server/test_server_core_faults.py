@@ -226,11 +226,13 @@ def run_long_step_engine_core(*args) -> None:
 
 
 def test_a_core_in_one_long_step_is_reported_but_its_request_completes(tiny_qwen2,
-                                                                       monkeypatch):
-    """Its heartbeat goes on: /health says 503 with that reason during the step, and the
-    request (past the request bound) is not ended: it finishes when the step does. The stall
-    timeout is two heartbeats (engine_core.HEARTBEAT_S): at one, a heartbeat a few ms late on
-    a loaded machine made the core look frozen and its request was ended."""
+                                                                       monkeypatch, capfd,
+                                                                       caplog):
+    """Its heartbeat goes on: /health says 503 with that reason during the step, the core's
+    Python stacks reach the log (the step's frame among them), and the request (past the
+    request bound) is not ended: it finishes when the step does. The stall timeout is two
+    heartbeats (engine_core.HEARTBEAT_S): at one, a heartbeat a few ms late on a loaded
+    machine made the core look frozen and its request was ended."""
     monkeypatch.setattr(flashlet.server.core_client, "run_engine_core",
                         run_long_step_engine_core)
     client = CoreClient(_config(tiny_qwen2), stall_timeout_s=2.0 * HEARTBEAT_S,
@@ -246,6 +248,9 @@ def test_a_core_in_one_long_step_is_reported_but_its_request_completes(tiny_qwen
                             and r, 30, "/health to see the long step", interval=0.1)
         assert "its process runs, but no step ended" in health.json()["reason"], health.json()
         worker.join(60)
+        assert "its threads' Python stacks follow" in caplog.text
+        err = capfd.readouterr().err  # the core's stderr is this process's
+        assert "in long_third_step" in err, err[-2000:]  # where the stalled step was
         events = results[0]
         assert events[-2]["finish_reason"] == "length", events[-2]
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}

@@ -69,16 +69,24 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     if fmt is not None:
         fields["response_format"] = {"type": fmt.type} if fmt.type != "json_schema" else {
             "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
+    if not fields["messages"]:
+        raise ApiError(400, "input: holds no message for the model (reasoning items are not "
+                            "shown to it again)", "input")
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
         error = e.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else "input"
-        param = FIELD_NAMES.get(field, field)
         message = error["msg"].removeprefix("Value error, ")
         for chat_name, name in FIELD_NAMES.items():
             message = message.replace(f"{chat_name}:", f"{name}:")
-        raise ApiError(400, f"{param}: {message}", param) from None
+        if error["loc"]:
+            field = str(error["loc"][0])
+            param = FIELD_NAMES.get(field, field)
+            raise ApiError(400, f"{param}: {message}", param) from None
+        # A check of the whole request: its message begins with the field it names.
+        named, colon, _ = message.partition(":")
+        param = named if colon and named.isidentifier() else "input"
+        raise ApiError(400, message if param == named else f"input: {message}", param) from None
 
 
 # ---- response --------------------------------------------------------------------------------

@@ -350,12 +350,17 @@ def test_responses_tool_call_and_reasoning(scripted):
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
-     "input")])
+     "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing left for the model
+    ({"input": "x", "text": {"format": {"type": "json_object"}},  # a check of the whole request
+      "tools": [{"type": "function", "name": "f"}]}, "text")])
 def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):
     _, qwen3, _ = scripted
     r = httpx.post(qwen3.url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
-    assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and error["message"].startswith(param), error
+    assert not error["message"].startswith(f"{param}: {param}:"), error
 
 
 def test_a_request_without_model_or_with_null_sampling_fields_is_served(real):

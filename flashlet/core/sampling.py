@@ -102,8 +102,8 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers >= 0")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], "
-                             f"got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be an integer from 0 to the request's most new "
+                             f"tokens ({self.max_new_tokens!r}), got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):

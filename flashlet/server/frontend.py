@@ -479,8 +479,10 @@ class Server:
                         seed: int | None, stop, ignore_eos: bool, **extra) -> SamplingParams:
         """SamplingParams from a request's fields (`extra`: more SamplingParams fields);
         ApiError 400 naming the field if they do not go together."""
-        if self.config.max_tokens_cap is not None:
-            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        if self.config.max_tokens_cap is not None and max_tokens > self.config.max_tokens_cap:
+            max_tokens = self.config.max_tokens_cap  # and a min_tokens over it, with it
+            if extra.get("min_tokens"):
+                extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
         top_p = max(top_p, MIN_TOP_P)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if seed is not None:

@@ -298,6 +298,19 @@ def test_generate_accepts_max_tokens(server, idle):
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
+def test_min_tokens_over_max_tokens_names_the_bound_and_the_cap_lowers_both(server, fuzz_server,
+                                                                         idle):
+    """min_tokens past max_tokens is a 400 that says the bound; a server's --max-tokens-cap
+    lowers a request's min_tokens with its max_tokens (the request itself was valid)."""
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, "min_tokens": 9}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "(4), got 9" in r.json()["error"]["message"], r.text
+    body["max_tokens"] = 9  # valid; the fuzz server caps every request at 1 token
+    r = httpx.post(fuzz_server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
 BAD = [  # (endpoint, body, a word the message must contain)
     ("chat", {"top_logprobs": 2}, "logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -5,6 +5,8 @@ provoke; the demo model's real tokenizer checks the BPE space handling."""
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flashlet.text.detokenizer import IncrementalDetokenizer
 
@@ -43,6 +45,7 @@ def run(detok, ids, chunk_sizes):
             break
     if not stopped:
         pieces.append(detok.finish())
+        stopped = detok.stopped  # a stop string in the text of tokens that ended mid-character
     return "".join(pieces), stopped
 
 
@@ -95,6 +98,44 @@ def test_the_earliest_stop_string_wins():
     detok = IncrementalDetokenizer(tok, stop=["stop", "ong"])
     text, stopped = detok.push(tok.encode("a long stop"))
     assert stopped and text == detok.text == "a l"
+
+
+def test_a_request_cut_off_inside_a_character_ends_with_one_decodes_text():
+    """Tokens that end inside a UTF-8 character (max_tokens reached mid-character) are held
+    while more may come; at the end their text is one decode's (U+FFFD), and a stop string
+    in it still cuts the text."""
+    tok = ByteTokenizer()
+    ids = tok.encode("hé")[:-1]  # "h" and the first byte of "é"
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == ("h", False) and detok.push(ids[1:]) == ("", False)
+    assert detok.finish() == "\ufffd" and detok.text == tok.decode(ids) == "h\ufffd"
+    detok = IncrementalDetokenizer(tok, stop=["h\ufffd"], include_stop=False)
+    assert detok.push(ids) == ("", False)  # "h" may begin the stop string: held back
+    assert detok.finish() == "" and detok.stopped and detok.text == ""
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_real_tokenizer_any_tokens_and_stops_match_the_reference(demo_llm, data):
+    """Any token ids of the demo vocabulary (byte tokens that split characters, special
+    tokens), pushed in chunks of 1-4, with stop strings cut from the text itself: what is
+    emitted is the reference's (one decode, cut at the first stop string to complete)."""
+    tok = demo_llm.tokenizer
+    ids = data.draw(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.integers(0, 300)),
+                             min_size=1, max_size=24), label="ids")
+    skip, include = data.draw(st.booleans(), label="skip"), data.draw(st.booleans(), label="include")
+    text = tok.decode(ids, skip_special_tokens=skip)
+    spans = st.tuples(st.integers(0, max(len(text) - 1, 0)), st.integers(1, 4))
+    stop = [text[i:i + n] for i, n in data.draw(st.lists(spans, max_size=3), label="stops")]
+    stop = [s for s in stop if s]
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)), label="chunks")
+
+    class Decoder:  # the reference's decode, with this case's skip_special_tokens
+        def decode(self, ids, skip_special_tokens=True):
+            return tok.decode(ids, skip_special_tokens=skip)
+
+    detok = IncrementalDetokenizer(tok, stop, skip_special_tokens=skip, include_stop=include)
+    assert run(detok, ids, chunks) == reference(Decoder(), ids, stop, include)
 
 
 def test_real_tokenizer_streaming_equals_one_decode(demo_llm):

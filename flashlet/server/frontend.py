@@ -243,6 +243,8 @@ class Generation:
                 delta.finished, delta.finish_reason = True, FinishReason.STOP
             elif item.finished and self.detokenizer is not None:
                 text += self.detokenizer.finish()
+                if self.detokenizer.stopped and delta.finish_reason == FinishReason.LENGTH:
+                    delta.finish_reason = FinishReason.STOP  # a stop string in its last tokens
             if delta.finished:
                 self._finish(delta, item, now)
             yield text, delta

@@ -85,7 +85,20 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text) - self._holdback), False
 
     def finish(self) -> str:
-        """The held-back tail, at the end of a request that did not stop on a stop string."""
+        """The rest of the text at the end of a request that did not stop on a stop string: the
+        held-back tail, and the text of last tokens that end inside a UTF-8 character (a request
+        cut off mid-character), as one decode of every token gives it (U+FFFD for the partial
+        bytes). Their text may still hold a stop string: then `stopped` turns True."""
+        if self.stopped:
+            return ""
+        decoded = self._num_streamed if self._stream is not None else self._read_offset
+        if decoded < len(self._token_ids):  # rare: one whole decode, once
+            searched = max(len(self.text) - self._holdback, 0)
+            whole = self._decode_ids(self._token_ids)
+            if len(whole) > len(self.text) and whole.startswith(self.text):
+                self.text = whole
+                if self.stop and self._find_stop(searched):
+                    self.stopped = True
         return self._emit(len(self.text))
 
     def _stream_decode(self, token_ids: Sequence[int]) -> bool:
@@ -188,6 +201,8 @@ class TextOutputs:
             out = replace(out, finished=True, finish_reason=FinishReason.STOP, token_ids=list(token_ids))
         elif out.finished and detok is not None and not stopped:
             new_text += detok.finish()
+            if detok.stopped and out.finish_reason == FinishReason.LENGTH:  # a stop string in its last tokens' text
+                out = replace(out, finish_reason=FinishReason.STOP)
         elif stopped:
             out = replace(out, finish_reason=FinishReason.STOP)
         if out.finished:

@@ -194,6 +194,24 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                                   "items": {"enum": ["red", "blue"]}}}}
 
 
+def test_a_stop_string_keeps_the_logprobs_and_the_best_of_ranking(tokenizer_llm):
+    """A sample that a stop string ends keeps its logprobs and its prompt's (they were lost
+    with the stop: None), so best_of ranks it by its own cumulative logprob (None had ranked
+    it as 0.0, above every other sample)."""
+    params = dict(max_new_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    free = tokenizer_llm.generate(["a b c"], SamplingParams(n=5, **params))
+    stop = next(o.text[1:3] for o in free if len(o.text.strip()) >= 3)  # in that sample at least
+    ranked = tokenizer_llm.generate(["a b c"], SamplingParams(n=5, logprobs=0, prompt_logprobs=0,
+                                                              stop=[stop], **params))
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 8 for o in ranked), ranked
+    for o in ranked:
+        assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids), o
+        assert o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(ranked[0].prompt_token_ids)
+    outs = tokenizer_llm.generate(["a b c"], SamplingParams(n=2, best_of=5, stop=[stop], **params))
+    best = sorted(ranked, key=lambda o: o.cumulative_logprob, reverse=True)[:2]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in best]
+
+
 def check_person(obj):
     assert set(obj) == {"name", "age", "tags"}
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 8

@@ -160,6 +160,10 @@ class TextOutputs:
         self.tokenizer = tokenizer
         self._detoks: dict[int, IncrementalDetokenizer | None] = {}
         self._token_ids: dict[int, list[int]] = {}
+        # What a final output carries, kept for one that a stop string ends here: its logprobs
+        # so far (None unless asked for) and its prompt's (from its first output).
+        self._logprobs: dict[int, list | None] = {}
+        self._prompt_logprobs: dict[int, list | None] = {}
         self._ended: set[int] = set()  # stopped here: the engine's echo of the abort is dropped
 
     def add(self, request_id: int, params) -> None:
@@ -168,11 +172,15 @@ class TextOutputs:
             detok = IncrementalDetokenizer.for_request(self.tokenizer, params)
         self._detoks[request_id] = detok
         self._token_ids[request_id] = []
+        self._logprobs[request_id] = [] if params.logprobs is not None else None
+        self._prompt_logprobs[request_id] = None
 
     def forget(self, request_id: int) -> None:
         """Stop tracking a request (its caller is gone)."""
         self._detoks.pop(request_id, None)
         self._token_ids.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         result = []
@@ -191,6 +199,11 @@ class TextOutputs:
         detok = self._detoks[rid]
         token_ids = self._token_ids[rid]
         token_ids.extend(out.new_token_ids)
+        logprobs = self._logprobs[rid]
+        if logprobs is not None and out.new_logprobs:
+            logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs[rid] = out.prompt_logprobs
         if detok is None:
             new_text, stopped = "", False
         else:
@@ -198,7 +211,9 @@ class TextOutputs:
         if stopped and not out.finished:
             self.engine.abort(rid, finish_reason=FinishReason.STOP)
             self._ended.add(rid)
-            out = replace(out, finished=True, finish_reason=FinishReason.STOP, token_ids=list(token_ids))
+            out = replace(out, finished=True, finish_reason=FinishReason.STOP, token_ids=list(token_ids),
+                          logprobs=None if logprobs is None else list(logprobs),
+                          prompt_logprobs=self._prompt_logprobs[rid])
         elif out.finished and detok is not None and not stopped:
             new_text += detok.finish()
             if detok.stopped and out.finish_reason == FinishReason.LENGTH:  # a stop string in its last tokens' text

@@ -160,6 +160,28 @@ def test_a_compile_past_its_time_limit_is_refused_and_the_worker_serves_on(demo_
 
 
 @pytest.mark.slow
+def test_the_worker_started_ahead_serves_the_first_compile(demo_tokenizer):
+    """start_worker (a server's core at start-up) runs the process the first compile uses: no
+    second start; closed first, it starts nothing."""
+    outputs = StructuredOutputs(demo_tokenizer, 49152, {2})
+    try:
+        outputs.start_worker()
+        worker = outputs._worker
+        assert worker.num_started == 1 and worker._proc.poll() is None
+        assert outputs.compile({"type": "json_object"}) is not None
+        assert outputs._worker is worker and worker.num_started == 1
+    finally:
+        outputs.close()
+    closed = StructuredOutputs(demo_tokenizer, 49152, {2})
+    closed.close()
+    closed.start_worker()
+    assert closed._worker is None
+    in_process = StructuredOutputs(demo_tokenizer, 49152, {2}, limits=StructuredLimits(timeout_s=0))
+    in_process.start_worker()  # compiles in this process: no worker to start
+    assert in_process._worker is None
+
+
+@pytest.mark.slow
 def test_a_cancelled_compile_stops_and_close_ends_the_worker(demo_tokenizer):
     outputs = StructuredOutputs(demo_tokenizer, 49152, {2}, limits=StructuredLimits(
         timeout_s=120, max_pattern_size=10**9))

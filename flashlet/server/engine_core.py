@@ -97,6 +97,15 @@ STACKS_SIGNAL = signal.SIGUSR1
 _new_token_ids = attrgetter("new_token_ids")
 
 
+def _start_grammar_worker(structured) -> None:
+    """On the grammar thread at start-up; a worker that fails to start now is started again by
+    the first compile (which then reports why)."""
+    try:
+        structured.start_worker()
+    except Exception as e:  # noqa: BLE001 - said, not raised: the server serves without it
+        log.warning("the grammar compile worker did not start ahead of use: %s", e)
+
+
 def engine_info(engine) -> dict:
     stats = engine.stats()
     return {"max_model_len": engine.max_model_len,
@@ -303,6 +312,8 @@ class EngineCore:
         self.compiling: dict[int, tuple[concurrent.futures.Future, np.ndarray, SamplingParams,
                                         int | None]] = {}
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, "flashlet-grammar")
+        if engine.structured is not None:  # the compile worker, started before any format needs it
+            self.compiler.submit(_start_grammar_worker, engine.structured)
         self.counters = LoopCounters()
         # Requests received and not added yet, oldest first (_receive reads the whole inbox).
         self.queued_adds: collections.deque[AddRequests] = collections.deque()

@@ -358,6 +358,12 @@ class CompileWorker:
             raise ValueError(reply[1:].decode())
         return reply[1:].decode()
 
+    def start(self) -> None:
+        """Start the process now, if it is not running (what the next compile would do first:
+        the process imports xgrammar and torch, seconds on a busy machine)."""
+        with self._compile_lock:
+            self._started()
+
     def cancel(self, key: str) -> bool:
         """Stop the compile of `key` if it is the one running (any thread); True if it was."""
         with self._state_lock:
@@ -563,6 +569,20 @@ class StructuredOutputs:
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return grammar
+
+    def start_worker(self) -> None:
+        """Build the tokenizer's info and start the compile worker ahead of the first format
+        (a server does at start-up, on its grammar thread), so that the first request with a
+        response_format does not wait for them: seconds of imports on a busy machine."""
+        if not self.limits.timeout_s or self._closed:
+            return
+        info = self._tokenizer_info()
+        if self._worker is None:
+            self._worker = CompileWorker(info.serialize_json())
+        try:
+            self._worker.start()
+        except CompileCancelled:  # closed meanwhile (the server stops)
+            pass
 
     def cancel(self, fmt: dict) -> bool:
         """Stop `fmt`'s compile if it is the one running (its request left); True if it was."""

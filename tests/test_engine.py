@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from flashlet import Engine, EngineConfig, LLM, SamplingParams
 from flashlet.text.detokenizer import TextOutputs
+from tests.test_detokenizer import ByteTokenizer
 
 GREEDY = dict(ignore_eos=True)
 
@@ -324,6 +325,36 @@ def test_stop_string_never_reaches_the_stream(demo_model_dir, overlap):
     assert "P" in full and full.startswith(final.text), "the stop string was not in the tokens"
     engine.check_integrity()
     assert engine.stats()["requests"] == 0
+
+
+def test_outputs_after_a_stop_string_are_dropped_up_to_the_abort_echo():
+    """One step() may hand over two of a request's tokens as two outputs (two steps' worth:
+    overlap, a verify step): when the first completes a stop string, the second and the abort's
+    echo after it are both dropped, and the final output is the one the stop made. (Found by
+    a fuzz run with speculation and n = 2: the second output was dropped as the echo, and the
+    real echo then passed as another caller's, with no text: the sample ended with text "".)"""
+    from flashlet.core.request import FinishReason, RequestOutput
+
+    class ScriptedEngine:
+        def __init__(self):
+            self.aborted = []
+
+        def abort(self, rid, finish_reason=FinishReason.ABORT):
+            self.aborted.append((rid, finish_reason))
+            return True
+
+    engine = ScriptedEngine()
+    text_outputs = TextOutputs(engine, ByteTokenizer())
+    text_outputs.add(7, SamplingParams(max_new_tokens=8, stop=["b"]))
+    first = text_outputs.process([RequestOutput(7, [ord("a")], False),
+                                  RequestOutput(7, [ord("b")], False),  # completes "b"
+                                  RequestOutput(7, [ord("c")], False)])  # made before the abort
+    assert [(o.text, o.finished, o.finish_reason) for o in first] == [
+        ("a", False, None), ("a", True, FinishReason.STOP)]
+    assert first[-1].token_ids == [ord("a"), ord("b")] and engine.aborted == [(7, FinishReason.STOP)]
+    echo = RequestOutput(7, [], True, FinishReason.STOP, token_ids=[ord(x) for x in "abc"])
+    assert text_outputs.process([echo]) == []
+    assert text_outputs.process([RequestOutput(7, [], True)]) == [RequestOutput(7, [], True)]  # not ours now
 
 
 def test_engine_outputs_are_token_ids_and_take_caller_ids(demo_llm):

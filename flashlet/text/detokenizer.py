@@ -164,7 +164,10 @@ class TextOutputs:
         # so far (None unless asked for) and its prompt's (from its first output).
         self._logprobs: dict[int, list | None] = {}
         self._prompt_logprobs: dict[int, list | None] = {}
-        self._ended: set[int] = set()  # stopped here: the engine's echo of the abort is dropped
+        # Stopped here on a stop string: the engine's outputs for them are dropped up to and
+        # with their finished one (the abort's echo; a step's outputs may also carry a token
+        # made after the one that completed the stop string).
+        self._ended: set[int] = set()
 
     def add(self, request_id: int, params) -> None:
         detok = None
@@ -186,7 +189,8 @@ class TextOutputs:
         result = []
         for out in outputs:
             if out.request_id in self._ended:
-                self._ended.discard(out.request_id)
+                if out.finished:
+                    self._ended.discard(out.request_id)
                 continue
             if out.request_id not in self._detoks:
                 result.append(out)  # not ours: passed on as it is

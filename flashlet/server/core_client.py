@@ -21,10 +21,11 @@ loop: a loop blocked that long looks the same): a core with requests in flight t
 ends no step for stall_timeout_s (stopped, hung, or in one step that long) is stalled until its
 next step message: no request is routed to it, /health says why (503 if no core is left to
 serve) and the core writes each of its threads' Python stacks into the log (faulthandler, on
-engine_core.STACKS_SIGNAL from the API process that started it). Each core's heartbeat thread says every second that its process runs: a core silent
-in both ways is stopped or hung, and after stalled_request_timeout_s its requests end with a
-503 error (and are aborted in it, should it run again); one in a long step keeps them. A core
-that waits on grammar compiles sends its stats every second, so that wait is not a stall.
+engine_core.STACKS_SIGNAL from the API process that started it). Each core's heartbeat
+thread says every second that its process runs: a core silent in both ways is stopped or
+hung, and after stalled_request_timeout_s its requests end with a 503 error (and are aborted in
+it, should it run again); one in a long step keeps them. A core that waits on grammar compiles
+sends its stats every second, so that wait is not a stall.
 
 What it sends a core (requests, aborts, probes, shutdown) goes over one Unix socket to that
 core's request listener (step_channel.py), connected when the core says it is ready (what was

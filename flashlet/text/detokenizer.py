@@ -220,8 +220,8 @@ class TextOutputs:
                           prompt_logprobs=self._prompt_logprobs[rid])
         elif out.finished and detok is not None and not stopped:
             new_text += detok.finish()
-            if detok.stopped and out.finish_reason == FinishReason.LENGTH:  # a stop string in its last tokens' text
-                out = replace(out, finish_reason=FinishReason.STOP)
+            if detok.stopped and out.finish_reason == FinishReason.LENGTH:
+                out = replace(out, finish_reason=FinishReason.STOP)  # a stop string in that text
         elif stopped:
             out = replace(out, finish_reason=FinishReason.STOP)
         if out.finished:

@@ -311,6 +311,20 @@ def test_min_tokens_over_max_tokens_names_the_bound_and_the_cap_lowers_both(serv
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_reply_cut_off_inside_a_character_ends_with_its_bytes_text(server, idle):
+    """max_tokens reached on a byte token that begins no whole character (SmolLM2's 111: the
+    byte 0xA1): the text is the one decode of the tokens gives, U+FFFD, streamed or not (it
+    was "": the detokenizer held the byte for a character that never came)."""
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "temperature": 0,
+            "logit_bias": {"111": 100}}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "\ufffd", r.text
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        events = parse_sse(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == "\ufffd"
+
+
 BAD = [  # (endpoint, body, a word the message must contain)
     ("chat", {"top_logprobs": 2}, "logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

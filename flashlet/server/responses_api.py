@@ -25,6 +25,21 @@ FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
                "response_format": "text"}
 
 
+def in_responses_terms(message: str) -> str:
+    """A chat request's error message with the Responses request's field names."""
+    for chat_name, name in FIELD_NAMES.items():
+        message = message.replace(f"{chat_name}:", f"{name}:")
+    return message
+
+
+def responses_error(error: ApiError) -> ApiError:
+    """An error the chat endpoint raised for the translated request, named as the Responses
+    request's fields (a prompt too long for the context is `input`'s, not `messages`')."""
+    param = FIELD_NAMES.get(error.param, error.param)
+    return ApiError(error.status, in_responses_terms(error.message), param, error.code,
+                    error.headers)
+
+
 # ---- request ---------------------------------------------------------------------------------
 def chat_messages(body: ResponsesRequest) -> list[dict]:
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -76,9 +91,7 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
         error = e.errors()[0]
-        message = error["msg"].removeprefix("Value error, ")
-        for chat_name, name in FIELD_NAMES.items():
-            message = message.replace(f"{chat_name}:", f"{name}:")
+        message = in_responses_terms(error["msg"].removeprefix("Value error, "))
         if error["loc"]:
             field = str(error["loc"][0])
             param = FIELD_NAMES.get(field, field)

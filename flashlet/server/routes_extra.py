@@ -17,7 +17,8 @@ from flashlet.server.frontend import Generation, ModelContext, Server, client_go
 from flashlet.server.protocol import template_ending
 from flashlet.server.protocol_extra import (DetokenizeRequest, EmbeddingRequest,
                                             ResponsesRequest, TokenizeRequest)
-from flashlet.server.responses_api import chat_body, response_of_chat, stream_of_chat
+from flashlet.server.responses_api import (chat_body, response_of_chat, responses_error,
+                                            stream_of_chat)
 from flashlet.text.tokenizing import PromptTooLong
 
 
@@ -79,7 +80,10 @@ def add_responses_route(app: FastAPI, server: Server) -> None:
         created = int(time.time())
         if body.model is None:  # left out: the served model, named in the response
             body = body.model_copy(update={"model": server.config.model_name})
-        reply = await chat(chat_body(body), request)
+        try:
+            reply = await chat(chat_body(body), request)
+        except ApiError as e:
+            raise responses_error(e) from None
         if not body.stream:
             return reply if not isinstance(reply, dict) else response_of_chat(body, reply,
                                                                              created)

@@ -352,6 +352,7 @@ def test_responses_tool_call_and_reasoning(scripted):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
      "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing left for the model
+    ({"input": "word " * 600}, "input"),  # longer than the context (the chat check's "messages")
     ({"input": "x", "text": {"format": {"type": "json_object"}},  # a check of the whole request
       "tools": [{"type": "function", "name": "f"}]}, "text")])
 def test_responses_bad_requests_are_400_naming_the_field(scripted, body, param):

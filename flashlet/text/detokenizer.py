@@ -12,7 +12,7 @@ when a stop string appears.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from tokenizers.decoders import DecodeStream
@@ -147,6 +147,18 @@ class IncrementalDetokenizer:
         return new
 
 
+@dataclass
+class _Tracked:
+    """What TextOutputs keeps of one request: its detokenizer (None without a tokenizer) and
+    what its final output carries, for one that a stop string ends here: its token ids and
+    logprobs so far (None unless asked for), and its prompt's (from its first output)."""
+
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+
 class TextOutputs:
     """Fills in the text of an in-process engine's outputs, one IncrementalDetokenizer per
     request, and ends a request on a stop string (`engine.abort(rid, finish_reason="stop")`).
@@ -158,12 +170,7 @@ class TextOutputs:
     def __init__(self, engine, tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
-        self._detoks: dict[int, IncrementalDetokenizer | None] = {}
-        self._token_ids: dict[int, list[int]] = {}
-        # What a final output carries, kept for one that a stop string ends here: its logprobs
-        # so far (None unless asked for) and its prompt's (from its first output).
-        self._logprobs: dict[int, list | None] = {}
-        self._prompt_logprobs: dict[int, list | None] = {}
+        self._tracked: dict[int, _Tracked] = {}
         # Stopped here on a stop string: the engine's outputs for them are dropped up to and
         # with their finished one (the abort's echo; a step's outputs may also carry a token
         # made after the one that completed the stop string).
@@ -173,17 +180,11 @@ class TextOutputs:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer.for_request(self.tokenizer, params)
-        self._detoks[request_id] = detok
-        self._token_ids[request_id] = []
-        self._logprobs[request_id] = [] if params.logprobs is not None else None
-        self._prompt_logprobs[request_id] = None
+        self._tracked[request_id] = _Tracked(detok, logprobs=[] if params.logprobs is not None else None)
 
     def forget(self, request_id: int) -> None:
         """Stop tracking a request (its caller is gone)."""
-        self._detoks.pop(request_id, None)
-        self._token_ids.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
+        self._tracked.pop(request_id, None)
 
     def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         result = []
@@ -192,22 +193,20 @@ class TextOutputs:
                 if out.finished:
                     self._ended.discard(out.request_id)
                 continue
-            if out.request_id not in self._detoks:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
                 result.append(out)  # not ours: passed on as it is
                 continue
-            result.append(self._with_text(out))
+            result.append(self._with_text(out, tracked))
         return result
 
-    def _with_text(self, out: RequestOutput) -> RequestOutput:
-        rid = out.request_id
-        detok = self._detoks[rid]
-        token_ids = self._token_ids[rid]
-        token_ids.extend(out.new_token_ids)
-        logprobs = self._logprobs[rid]
-        if logprobs is not None and out.new_logprobs:
-            logprobs.extend(out.new_logprobs)
+    def _with_text(self, out: RequestOutput, tracked: _Tracked) -> RequestOutput:
+        rid, detok = out.request_id, tracked.detok
+        tracked.token_ids.extend(out.new_token_ids)
+        if tracked.logprobs is not None and out.new_logprobs:
+            tracked.logprobs.extend(out.new_logprobs)
         if out.prompt_logprobs is not None:
-            self._prompt_logprobs[rid] = out.prompt_logprobs
+            tracked.prompt_logprobs = out.prompt_logprobs
         if detok is None:
             new_text, stopped = "", False
         else:
@@ -215,9 +214,9 @@ class TextOutputs:
         if stopped and not out.finished:
             self.engine.abort(rid, finish_reason=FinishReason.STOP)
             self._ended.add(rid)
-            out = replace(out, finished=True, finish_reason=FinishReason.STOP, token_ids=list(token_ids),
-                          logprobs=None if logprobs is None else list(logprobs),
-                          prompt_logprobs=self._prompt_logprobs[rid])
+            out = replace(out, finished=True, finish_reason=FinishReason.STOP,
+                          token_ids=list(tracked.token_ids), prompt_logprobs=tracked.prompt_logprobs,
+                          logprobs=None if tracked.logprobs is None else list(tracked.logprobs))
         elif out.finished and detok is not None and not stopped:
             new_text += detok.finish()
             if detok.stopped and out.finish_reason == FinishReason.LENGTH:

@@ -576,11 +576,8 @@ class StructuredOutputs:
         response_format does not wait for them: seconds of imports on a busy machine."""
         if not self.limits.timeout_s or self._closed:
             return
-        info = self._tokenizer_info()
-        if self._worker is None:
-            self._worker = CompileWorker(info.serialize_json())
         try:
-            self._worker.start()
+            self._compile_worker(self._tokenizer_info()).start()
         except CompileCancelled:  # closed meanwhile (the server stops)
             pass
 
@@ -608,12 +605,15 @@ class StructuredOutputs:
             if self._compiler is None:
                 self._compiler = xgr.GrammarCompiler(info)
             return compile_format(self._compiler, fmt)
+        return xgr.CompiledGrammar.deserialize_json(
+            self._compile_worker(info).compile(key, fmt, self.limits.timeout_s), info)
+
+    def _compile_worker(self, info) -> CompileWorker:
         if self._worker is None:
             self._worker = CompileWorker(info.serialize_json())
             if self._closed:  # close() ran while the tokenizer info was built
                 self._worker.close()
-        return xgr.CompiledGrammar.deserialize_json(
-            self._worker.compile(key, fmt, self.limits.timeout_s), info)
+        return self._worker
 
     def _tokenizer_info(self):
         with self._info_lock:

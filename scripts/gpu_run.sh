@@ -16,7 +16,7 @@
 #                attention entries (~3 min)
 #   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
 #                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
-#                speculative verify steps (short chunks), the padded layouts (~5 min)
+#                speculative verify steps (short chunks), on the GPU (~2 min)
 #   single       one stream: every backend beside the HF peers, then per-op against the
 #                default (the fused decode path where it applies) in the harness and through
 #                LLM.generate (~8 min)
@@ -443,7 +443,7 @@ for part in "${PARTS[@]}"; do
     tests-mixed)
       cute_env
       run 480 $PYTEST tests/gpu/test_gpu_mixed_graphs.py tests/kernels/test_kern_prefill_split.py \
-        tests/kernels/test_kern_prefill.py tests/gpu/test_gpu_speculative.py tests/test_step_layout.py ;;
+        tests/kernels/test_kern_prefill.py tests/gpu/test_gpu_speculative.py ;;
     single)
       cute_env
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \

@@ -19,6 +19,13 @@ from flashlet.runner.batch import (ARENA_ALIGN, LAYOUT_DTYPES, InputBatch, StepB
                             build_layout, load_layout)
 from flashlet.runner.model_runner import graph_input_addresses
 
+# The CPU engine with the Triton backend runs its kernels through the interpreter, which a
+# machine with a GPU does not turn on (tests/conftest.py): there tests/gpu/test_gpu_mixed_graphs.py
+# runs the mixed steps' graphs, padding and splits on the device.
+CPU_ENGINE_THROUGH_THE_INTERPRETER = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU engine's Triton kernels through the interpreter; on "
+    "a GPU tests/gpu/test_gpu_mixed_graphs.py runs the mixed steps")
+
 
 def reference_layout(rows, ps):
     """Token by token, the obvious way."""
@@ -668,6 +675,7 @@ def _mixedgraphs_on_the_cpu(engine):
     runner.graph_batch_size = lambda layout, num_padding=0: None  # decodes stay eager
 
 
+@CPU_ENGINE_THROUGH_THE_INTERPRETER
 @pytest.mark.parametrize("overlap", [True, False])
 def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
     """Prompts longer than the step budget, so chunks share steps with decodes (fed rows under
@@ -697,6 +705,7 @@ def test_mixed_graph_path_gives_the_eager_tokens(tiny_qwen2, overlap):
     assert outs[0] == outs[1]
 
 
+@CPU_ENGINE_THROUGH_THE_INTERPRETER
 def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
     """One mixed step (a chunk with a prefix, a decode, a chunk whose row is not sampled) run
     eagerly unpadded and padded to its bucket and max_num_seqs: the sampled rows' logits agree,
@@ -721,6 +730,7 @@ def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
     torch.testing.assert_close(logits[2], logits[0], rtol=1e-5, atol=1e-5)
 
 
+@CPU_ENGINE_THROUGH_THE_INTERPRETER
 @pytest.mark.parametrize("splits", [None, "4,16,48,40"], ids=["default", "split"])
 def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2, monkeypatch, splits):
     """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures

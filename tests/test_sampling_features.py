@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from flashlet import LLM, SamplingParams
+from flashlet.core.request_check import RequestError
 from flashlet.text.structured import tool_call_format
 
 from tests.conftest import save_tiny_model
@@ -357,12 +358,13 @@ def test_a_format_that_no_token_can_write_is_refused_or_ends_with_its_error(toke
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
             "prompt_lookup_min": 1})
     start = {"type": "structural_tag", "format": {"type": "regex", "pattern": "\U00040000"}}
-    with pytest.raises(ValueError, match="can begin"):
+    with pytest.raises(RequestError, match="can begin") as refused:
         llm.generate(["a a a a"], SamplingParams(max_new_tokens=4, response_format=start))
+    assert refused.value.param == "response_format"
     later = {"type": "structural_tag", "format": {"type": "regex", "pattern": "a\U00040000"}}
     out = llm.generate(["a a a a"], SamplingParams(max_new_tokens=6, response_format=later))[0]
     assert out.finish_reason == "error" and out.error == DEAD_END.format("continue"), out
-    assert out.text == "a"
+    assert out.error_param == "response_format" and out.text == "a"
     llm.engine.check_integrity()
 
 

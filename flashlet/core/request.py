@@ -53,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field its error names, if its own (a RequestError)
     grammar: object = None  # xgrammar matcher of a constrained request (flashlet/text/structured.py)
     output_logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
     # The client request this one is part of (a multi-prompt completion's prompts share one):
@@ -112,7 +113,7 @@ class Request:
         finished = self.status is RequestStatus.FINISHED
         out = RequestOutput(self.request_id, new_token_ids, finished, self.finish_reason,
                             self.prompt_token_ids, num_cached_tokens=self.num_cached_tokens,
-                            error=self.error)
+                            error=self.error, error_param=self.error_param)
         if finished:
             out.token_ids = list(self.output_token_ids)
         if self.prompt_logprobs is not None and (finished or first):
@@ -138,6 +139,7 @@ class RequestOutput:
     token_ids: list[int] | None = None  # every output token, in the final output only
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # the request field at fault, where the error is its own
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
     logprobs: list[TokenLogprob] | None = None  # one per output token, in the final output only
     embedding: list[float] | None = None  # an embedding request's, in its final output

@@ -420,7 +420,10 @@ class Scheduler:
         token, the last token it may have."""
         if isinstance(token, Exception):
             req.finish_reason = FinishReason.ERROR
-            req.error = str(token) if isinstance(token, RequestError) else f"sampling failed: {token!r}"
+            if isinstance(token, RequestError):  # the request's own doing (its format)
+                req.error, req.error_param = str(token), token.param
+            else:
+                req.error = f"sampling failed: {token!r}"
             self.finish(req)
             return req.output([])
         if isinstance(token, tuple):  # a verify step's tokens (speculative.Verified)

@@ -830,7 +830,7 @@ class CoreClient(EngineClient):
                     core.num_in_flight -= 1
                     if (out.finish_reason == FinishReason.ERROR and not out.new_token_ids
                             and out.status == 400):
-                        out = StreamError(out.error, 400)
+                        out = StreamError(out.error, 400, out.error_param)
                 by_loop[stream.aloop].append((stream, out))
         for aloop, items in by_loop.items():  # one wake-up per event loop and step
             if aloop is self._delivering_on:  # read on that loop: no hand-off

@@ -493,8 +493,8 @@ class EngineCore:
                 and not structured.is_cached(params.response_format)):
             try:  # the static bounds, at once: a refused format never waits for a compile
                 structured.check(params.response_format)
-            except ValueError as e:
-                self.errors.append(CoreOutput.refused(rid, str(e)))
+            except ValueError as e:  # a RequestError naming response_format
+                self.errors.append(CoreOutput.refused(rid, str(e), param=getattr(e, "param", None)))
                 return
             future = self.compiler.submit(structured.compile, params.response_format)
             self.compiling[rid] = (future, prompt, params, after, group)
@@ -520,9 +520,10 @@ class EngineCore:
                 return
             del self.compiling[rid]
             error = future.exception()
-            if error is not None:  # a ValueError is the format's fault; anything else ours
+            if error is not None:  # a ValueError (a RequestError) is the format's fault; else ours
                 status = 400 if isinstance(error, ValueError) else 500
-                self.errors.append(CoreOutput.refused(rid, str(error), status))
+                self.errors.append(CoreOutput.refused(rid, str(error), status,
+                                                      getattr(error, "param", None)))
             else:
                 # the engine finds the grammar cached
                 self._add_now(rid, prompt, params, after, group)

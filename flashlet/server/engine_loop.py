@@ -40,9 +40,10 @@ class NotReady(Exception):
 class StreamError:
     """Put on a stream instead of a RequestOutput when its request could not run."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
         self.message = message
         self.status = status
+        self.param = param  # the request field at fault (a 400's), where known
 
 
 class RequestStream:
@@ -352,8 +353,8 @@ class EngineLoop(EngineClient):
                     leader = stream.leader.request_id if stream.leader is not None else None
                     rid = self.engine.add_request(stream.prompt_token_ids, stream.params,
                                                   after=leader)
-            except ValueError as e:
-                stream.put(StreamError(str(e), status=400))
+            except ValueError as e:  # the API checked all but its format: a RequestError names it
+                stream.put(StreamError(str(e), status=400, param=getattr(e, "param", None)))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
                 log.exception("add_request failed")
                 stream.put(StreamError(f"could not queue the request: {e}", status=500))

@@ -173,6 +173,7 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field at fault, where the error is its own
     logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if asked for
     # The prompt's (first token's None), in the delta they arrived with, if asked for.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -215,10 +216,7 @@ class Generation:
             if isinstance(item, StreamError):
                 self.stream.finished = True
                 self.server.metrics.requests_finished.labels(self.endpoint, FinishReason.ERROR).inc()
-                # The core's refusals of a format (limits, compile) name it before a colon.
-                param = "response_format" if "response_format" in item.message.split(":")[0] \
-                    else None
-                raise ApiError(item.status, item.message, param)
+                raise ApiError(item.status, item.message, item.param)
             now = time.monotonic()
             if ids:
                 gaps = len(ids)
@@ -235,6 +233,7 @@ class Generation:
                     self.logprobs.extend(logprobs)
             text, stopped = self.detokenizer.push(ids) if self.detokenizer and ids else ("", False)
             delta = Delta(ids, item.finished, item.finish_reason, item.error,
+                          item.error_param,
                           logprobs if self.logprobs is not None else None)
             if self.prompt_logprobs is None and prompt_logprobs is not None:
                 self.prompt_logprobs = delta.prompt_logprobs = prompt_logprobs
@@ -308,12 +307,19 @@ class Generation:
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
+    def error(self) -> ApiError | None:
+        """What a request that ended part-way with an error answers: its own fault (a
+        RequestError, naming its field) a 400, anything else a 500; None if it did not."""
+        if self.final is None or self.final.finish_reason != FinishReason.ERROR:
+            return None
+        error = self.final.error or ""
+        if self.final.error_param is not None:
+            return ApiError(400, error, self.final.error_param)
+        return ApiError(500, f"generation failed: {error}")
+
     def check_error(self) -> None:
-        if self.final.finish_reason == FinishReason.ERROR:
-            error = self.final.error or ""
-            if error.startswith("response_format:"):  # the request's own (a RequestError part-way)
-                raise ApiError(400, error, "response_format")
-            raise ApiError(500, f"generation failed: {error}")
+        if (error := self.error()) is not None:
+            raise error
 
 
 # The scope key under which the app (app.py) keeps the HTTP server's own `send`.

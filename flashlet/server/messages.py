@@ -90,6 +90,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
     error: str | None = None  # only with finished
     status: int = 500  # the HTTP status of an error: 400 for a request the engine refused
+    error_param: str | None = None  # the request field a 400 names, where the core knows it
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, if logprobs were asked
     embedding: list[float] | None = None  # an embedding request's (final output only)
     # The prompt's, with the first token and at the end, if prompt_logprobs was asked for.
@@ -101,14 +102,16 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
         if isinstance(out, CoreOutput):
             return out
         return cls(out.request_id, out.new_token_ids, out.num_cached_tokens, out.finished,
-                   out.finish_reason, out.error, new_logprobs=out.new_logprobs,
+                   out.finish_reason, out.error, error_param=out.error_param,
+                   new_logprobs=out.new_logprobs,
                    embedding=out.embedding, prompt_logprobs=out.prompt_logprobs)
 
     @classmethod
-    def refused(cls, request_id: int, message: str, status: int = 400) -> "CoreOutput":
-        """The final output of a request that could not run."""
+    def refused(cls, request_id: int, message: str, status: int = 400,
+                param: str | None = None) -> "CoreOutput":
+        """The final output of a request that could not run (`param`: the field at fault)."""
         return cls(request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message,
-                   status=status)
+                   status=status, error_param=param)
 
 
 def output_rows(outputs) -> list:

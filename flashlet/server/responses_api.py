@@ -195,10 +195,12 @@ class ResponseEvents:
                 self.event("response.in_progress", response=self.response("in_progress"))]
 
     def chunk(self, chunk: dict) -> list[bytes]:
-        if "error" in chunk:
+        if "error" in chunk:  # named as the Responses request's fields (responses_error)
             self.failed = True
-            return [self.event("error", message=chunk["error"]["message"],
-                               code=chunk["error"].get("code"), param=chunk["error"].get("param"))]
+            error = chunk["error"]
+            return [self.event("error", message=in_responses_terms(error["message"]),
+                               code=error.get("code"),
+                               param=FIELD_NAMES.get(error.get("param"), error.get("param")))]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         events = []

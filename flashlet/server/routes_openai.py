@@ -125,6 +125,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                             tail = event
                         else:
                             yield event
+                tail += _error_events(gens)
                 if include_usage:
                     tail += sse({**base, "choices": [], "usage": _usage(gens, prompts, num_samples)})
             except ApiError as e:
@@ -219,6 +220,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
                             yield event
                     elif says:
                         yield chunk(i, message, None, lp)
+                tail += _error_events(gens)
                 if include_usage:
                     tail += sse({**head, "choices": [], "usage": _usage(gens, prompts, body.n)})
             except ApiError as e:
@@ -263,6 +265,13 @@ def _tool_call_format(tools: list[dict], tool_choice, parallel: bool) -> dict:
         return structured.tool_call_format(tools, choice, parallel=parallel)
     except ValueError as e:
         raise ApiError(400, f"tools: {e}", "tools") from None
+
+
+def _error_events(gens: list[Generation]) -> bytes:
+    """After the finish chunks of a stream, the error of a sample that ended part-way with one
+    (finish_reason "error"), as an error event: the client learns why, as a 400 or a 500 would
+    have told it had the request not streamed."""
+    return next((sse(error.body()) for gen in gens if (error := gen.error()) is not None), b"")
 
 
 def _include_usage(body) -> bool:

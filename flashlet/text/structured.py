@@ -36,12 +36,14 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from flashlet.core.request_check import RequestError
 
+FORMAT_PARAM = "response_format"  # the request field a format's errors name (RequestError.param)
 TOOL_CALL_MODEL_FORMAT = "qwen_3"  # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # xgrammar reads schema integers as int64
 
@@ -498,6 +500,18 @@ def _compile_with(compiler, fmt: dict):
 
 
 # ---- StructuredOutputs -----------------------------------------------------------------------
+@contextmanager
+def _format_errors():
+    """A ValueError raised about a format becomes the request's own RequestError, naming the
+    field at fault (FORMAT_PARAM), so that every place it ends up answers it as a bad request."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except ValueError as e:
+        raise RequestError(str(e), FORMAT_PARAM) from None
+
+
 class StructuredOutputs:
     """Compiles response formats for one tokenizer (checked, bounded, cached by format) and
     makes a matcher per request."""
@@ -538,31 +552,34 @@ class StructuredOutputs:
             return None
 
     def check(self, fmt: dict, key: str | None = None) -> None:
-        """ValueError naming the reason if `fmt` may not compile: a schema's own rules
-        (check_json_schema) and the static limits. Cheap: the core runs it on its loop."""
-        for schema in schemas_in(fmt):
-            try:
-                check_json_schema(schema)
-            except ValueError as e:
-                raise ValueError(f"invalid {fmt['type']} response_format: {e}") from None
-        self.limits.check(fmt, key)
+        """RequestError (param response_format) naming the reason if `fmt` may not compile: a
+        schema's own rules (check_json_schema) and the static limits. Cheap: the core runs it
+        on its loop."""
+        with _format_errors():
+            for schema in schemas_in(fmt):
+                try:
+                    check_json_schema(schema)
+                except ValueError as e:
+                    raise ValueError(f"invalid {fmt['type']} response_format: {e}") from None
+            self.limits.check(fmt, key)
 
     def compile(self, fmt: dict):
-        """A response_format -> xgrammar's CompiledGrammar (cached); ValueError if it is
-        invalid, past a limit, too slow to compile or begins with what no token of the
-        vocabulary spells (DEAD_END); CompileCancelled after cancel(fmt)."""
+        """A response_format -> xgrammar's CompiledGrammar (cached); RequestError (param
+        response_format) if it is invalid, past a limit, too slow to compile or begins with
+        what no token of the vocabulary spells (DEAD_END); CompileCancelled after cancel(fmt)."""
         key = self._key_if_readable(fmt)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         self.check(fmt, key)
-        key = key if key is not None else self.key(fmt)
-        grammar = self._compile(key, fmt)
+        with _format_errors():
+            key = key if key is not None else self.key(fmt)
+            grammar = self._compile(key, fmt)
         import xgrammar as xgr
 
         if allows_no_token(xgr.GrammarMatcher(grammar), self.vocab_size):
-            raise ValueError(DEAD_END.format("begin"))
+            raise RequestError(DEAD_END.format("begin"), FORMAT_PARAM)
         with self._lock:
             self.num_compiled += 1
             self._compiled[key] = grammar
@@ -651,7 +668,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, errors: dict) -> None:
             if took > MASK_CPU_BUDGET_S:
                 raise RequestError(f"response_format: its grammar took {took:.2f} s of CPU for "
                                    f"one token's mask, over the limit of {MASK_CPU_BUDGET_S} s",
-                                   "response_format")
+                                   FORMAT_PARAM)
             filled.append(i)
         except Exception as e:  # one bad request must not fail the batch
             errors[i] = e
@@ -683,7 +700,7 @@ def refused_token(grammar, token: int, vocab_size: int) -> Exception:
     mask: the row drew from no token at all) the request's own RequestError, else a ValueError
     (a token the mask should have kept out)."""
     if allows_no_token(grammar, vocab_size):
-        return RequestError(DEAD_END.format("continue"), "response_format")
+        return RequestError(DEAD_END.format("continue"), FORMAT_PARAM)
     return ValueError(f"token {token} does not fit the response format")
 
 

@@ -79,4 +79,42 @@ def test_json_schema_compiles_in_the_core(core_server):
                                        "json_schema": {"name": "bad", "schema": bad}}})
     assert r.status_code == 400, r.text
     assert "json_schema" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "response_format", r.text
+    assert_idle(client)
+
+
+@ON_CORE_SERVER
+def test_a_format_no_token_can_write_is_the_requests_own_400_through_the_core(core_server):
+    """No token of the demo vocabulary spells U+40000 (no token for the UTF-8 byte 0xF1): a
+    format that must begin with it is refused by the core's compile, one an output reaches ends
+    there part-way; both answer 400 naming response_format (the core says which field, in its
+    output, not in the words of its message), streamed or not."""
+    client, srv = core_server
+    for pattern, word in [("\U00040000", "can begin"), ("a\U00040000", "can continue")]:
+        r = post(srv, {"guided_regex": pattern})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert word in error["message"] and error["param"] == "response_format", error
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=300, json={
+            "model": NAME, "max_tokens": 6, "temperature": 0, "stream": True,
+            "guided_regex": "a\U00040000",
+            "messages": [{"role": "user", "content": "Say hi."}]}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {\"error\"")]
+    assert len(errors) == 1 and errors[0]["param"] == "response_format", events
+    assert '"finish_reason":"error"' in events[-2] and errors[0]["message"] in events[-1]
+    # The Responses API names its own field (text), whole and streamed (an error event, failed)
+    fmt = {"format": {"type": "json_schema", "name": "x",
+                      "schema": {"type": "string", "pattern": "^a\U00040000$"}}}
+    body = {"model": NAME, "input": "Say hi.", "max_output_tokens": 6, "text": fmt}
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=300)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    with httpx.stream("POST", srv.url + "/v1/responses", timeout=300,
+                      json={**body, "stream": True}) as r:
+        kinds_and_data = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+    kinds = [event["type"] for event in kinds_and_data]
+    assert kinds.count("error") == 1 and kinds[-1] == "response.failed", kinds
+    error = kinds_and_data[kinds.index("error")]
+    assert error["param"] == "text" and "can continue" in error["message"], error
     assert_idle(client)

@@ -25,6 +25,11 @@ FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
                "response_format": "text"}
 
 
+def responses_field(name: str | None) -> str | None:
+    """A chat request's field name as the Responses request's (the same where it has no other)."""
+    return FIELD_NAMES.get(name, name)
+
+
 def in_responses_terms(message: str) -> str:
     """A chat request's error message with the Responses request's field names."""
     for chat_name, name in FIELD_NAMES.items():
@@ -35,9 +40,8 @@ def in_responses_terms(message: str) -> str:
 def responses_error(error: ApiError) -> ApiError:
     """An error the chat endpoint raised for the translated request, named as the Responses
     request's fields (a prompt too long for the context is `input`'s, not `messages`')."""
-    param = FIELD_NAMES.get(error.param, error.param)
-    return ApiError(error.status, in_responses_terms(error.message), param, error.code,
-                    error.headers)
+    return ApiError(error.status, in_responses_terms(error.message), responses_field(error.param),
+                    error.code, error.headers)
 
 
 # ---- request ---------------------------------------------------------------------------------
@@ -93,8 +97,7 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
         error = e.errors()[0]
         message = in_responses_terms(error["msg"].removeprefix("Value error, "))
         if error["loc"]:
-            field = str(error["loc"][0])
-            param = FIELD_NAMES.get(field, field)
+            param = responses_field(str(error["loc"][0]))
             raise ApiError(400, f"{param}: {message}", param) from None
         # A check of the whole request: its message begins with the field it names.
         named, colon, _ = message.partition(":")
@@ -200,7 +203,7 @@ class ResponseEvents:
             error = chunk["error"]
             return [self.event("error", message=in_responses_terms(error["message"]),
                                code=error.get("code"),
-                               param=FIELD_NAMES.get(error.get("param"), error.get("param")))]
+                               param=responses_field(error.get("param")))]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         events = []

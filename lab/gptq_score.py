@@ -2,6 +2,7 @@
 docs/en/versions/*.md --quantized-model DIR` does (its own engine path), with the fp32 and bf16
 runs cached in --cache, and each folder's paired difference to bf16 and to the first folder."""
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -20,8 +21,11 @@ def paired(a, b):
 
 
 def main():
-    cache = Path(sys.argv[1])
-    folders = sys.argv[2:]
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("cache", type=Path, help="file holding the fp32 and bf16 runs (written on first use)")
+    parser.add_argument("folders", nargs="*", help="checkpoint folders to score")
+    args = parser.parse_args()
+    cache, folders = args.cache, args.folders
     files = sorted(str(f) for f in Path("docs/en/versions").glob("*.md"))
     args = fidelity.parse_args(["--perplexity", "--device", "cpu", "--text", *files])
     seqs = fidelity.text_sequences(load_tokenizer(resolve_model_dir(None)), files, args.max_len)

@@ -11,8 +11,8 @@ warm-up / capture, s), and
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -50,7 +50,9 @@ def fmt(x) -> str:
 
 
 def main(argv=None) -> int:
-    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
+    parser = argparse.ArgumentParser(description="One compact table from flashlet.bench JSON files.")
+    parser.add_argument("paths", nargs="*", type=Path, help="bench JSON records")
+    paths = parser.parse_args(argv).paths
     head = ["file", "workload", "model", "backend", "start load/warm/capture s", "end to end tok/s",
             "steady/repeat tok/s", "ratio", "ratio is"]
     print("| " + " | ".join(head) + " |")

@@ -10,6 +10,7 @@ The server serves random weights at the qwen2.5-0.5b shape with it:
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -19,9 +20,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Copy the embedded model's tokenizer files into a folder.")
+    parser.add_argument("out_dir", nargs="?", default=".tok/smollm2", help="where to write (default %(default)s)")
+    out = Path(parser.parse_args(argv).out_dir)
     from flashlet.models.weights import embedded_model_dir, load_tokenizer
 
-    out = Path(argv[0] if argv else ".tok/smollm2")
     source = embedded_model_dir()
     out.mkdir(parents=True, exist_ok=True)
     copied = [f for f in TOKENIZER_FILES if (source / f).is_file()]

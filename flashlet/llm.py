@@ -73,8 +73,8 @@ class LLM:
         per_prompt = _per_prompt(params, len(prompts))
         limits = RequestLimits.of_engine(self.engine)
         # Check every prompt before any is queued (the server checks with the same rules).
-        # Every prompt's ids first (`encode` checks them), then each request's params and budget:
-        # the ids are not checked a second time here (add_request checks them once more).
+        # Every prompt's ids first (`encode` checks them), then each request's params and budget;
+        # add_request is told the ids are checked (checked=True), so they are not read again.
         prompt_ids = [self.engine.encode(p) for p in prompts]
         for ids, p in zip(prompt_ids, per_prompt):
             limits.check_params(p)
@@ -85,7 +85,7 @@ class LLM:
 
         def add(token_ids: list[int], p: SamplingParams, index: int) -> int:
             sample = sample_params(p, index, p.best_of or p.n)
-            rid = self.engine.add_request(token_ids, sample)
+            rid = self.engine.add_request(token_ids, sample, checked=True)
             self.text_outputs.add(rid, sample)
             mine.add(rid)
             return rid

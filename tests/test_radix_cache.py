@@ -87,7 +87,7 @@ def test_integrity_catches_a_leaked_page():
         raise AssertionError("a leaked page went unnoticed")
 
 
-def test_extend_locked_moves_the_lock_and_refuses_an_existing_child():
+def test_extend_locked_moves_the_lock_and_takes_the_trees_pages_where_it_has_them():
     alloc = PageAllocator(8)
     cache = RadixCache(alloc, PS)
     first = alloc.allocate(1)
@@ -96,17 +96,42 @@ def test_extend_locked_moves_the_lock_and_refuses_an_existing_child():
     cache.lock(node)
     user = holder(list(pages), node, 1)
     mine = alloc.allocate(1)
-    child = cache.extend_locked(node, [2] * 4, mine)
-    assert child is not None and child.parent is node
+    child, path = cache.extend_locked(node, [2] * 4, mine)
+    assert child.parent is node and path == mine
     user = holder(first + mine, child, 2)
     cache.check_integrity([user])  # lock counts: the path through `child` holds one lock
     assert cache.match_prefix([1] * 4 + [2] * 4)[0] == first + mine
-    other = alloc.allocate(1)
-    assert cache.extend_locked(node, [2] * 4, other) is None, "a duplicate child was hung"
-    alloc.free(other)
-    cache.check_integrity([user])
+    # A second request on the same first page extends by the same page and one more: the
+    # first keeps the tree's page (its own is a duplicate to free), the second is hung below.
+    cache.lock(node)
+    other = alloc.allocate(2)
+    end, path = cache.extend_locked(node, [2] * 4 + [3] * 4, other)
+    assert path == mine + other[1:] and end.parent is child
+    alloc.free(other[:1])
+    second = holder(first + path, end, 3, rid=1)
+    cache.check_integrity([user, second])
     cache.unlock(child)
-    assert cache.evict(10) == 2
+    cache.check_integrity([second])
+    assert cache.evict(10) == 0, "a locked path was evicted"
+    cache.unlock(end)
+    assert cache.evict(10) == 3
+    cache.check_integrity([])
+
+
+def test_extend_locked_splits_a_node_it_shares_only_in_part():
+    alloc = PageAllocator(8)
+    cache = RadixCache(alloc, PS)
+    root_pages, tail = alloc.allocate(1), alloc.allocate(2)
+    cache.insert([1] * 4 + [2] * 4 + [3] * 4, root_pages + tail)
+    pages, node = cache.match_prefix([1] * 4)  # splits after the first page
+    cache.lock(node)
+    mine = alloc.allocate(2)
+    end, path = cache.extend_locked(node, [2] * 4 + [9] * 4, mine)
+    assert path == tail[:1] + mine[1:]  # the shared page is the tree's, the other is hung
+    alloc.free(mine[:1])
+    cache.check_integrity([holder(root_pages + path, end, 3)])
+    assert cache.match_prefix([1] * 4 + [2] * 4 + [3] * 4)[0] == root_pages + tail
+    cache.unlock(end)
     cache.check_integrity([])
 
 
@@ -139,7 +164,7 @@ def test_eviction_matches_a_full_scan_through_random_use():
     about one sequence in seventy, more often than hypothesis's short lists reach it.)"""
     rng = random.Random(0)
     for _ in range(1500):
-        run_cache_ops([(rng.choice("aefmu"), rng.randrange(4), rng.randint(1, 6))
+        run_cache_ops([(rng.choice("aefmu"), rng.randrange(6), rng.randint(1, 6))
                        for _ in range(rng.randint(1, 60))])
 
 
@@ -149,8 +174,10 @@ def run_cache_ops(ops):
     cache = RadixCache(alloc, PS)
     live = {}  # slot -> [tokens, pages, node, tree page count]
 
-    def tokens_of(slot, pages):  # prompts of one slot share their start; slots share a page
-        return ([0] * PS + [slot] * PS + list(range(100 * slot, 100 * slot + PS * pages)))[: PS * pages]
+    def tokens_of(slot, pages):  # prompts of one stream share their start; streams share a
+        stream = slot % 4  # page; slots 4 and 5 run streams 0 and 1 again (live at once: the
+        # same continuation extended by two requests, the second taking the tree's pages)
+        return ([0] * PS + [stream] * PS + list(range(100 * stream, 100 * stream + PS * pages)))[: PS * pages]
 
     for op, slot, n in ops:
         if op == "a" and slot not in live:  # admit: adopt the cached prefix, own the rest
@@ -166,10 +193,11 @@ def run_cache_ops(ops):
             live[slot] = [tokens, list(pages) + alloc.allocate(need), node, len(pages)]
         elif op == "e" and slot in live:  # extend: a decode filled its pages; hang them below
             tokens, pages, node, n_tree = live[slot]
-            child = cache.extend_locked(node, tokens[n_tree * PS:], pages[n_tree:]) \
-                if len(pages) > n_tree else None
-            if child is not None:
-                live[slot] = [tokens, pages, child, len(pages)]
+            if len(pages) > n_tree:
+                mine = pages[n_tree:]
+                child, tree = cache.extend_locked(node, tokens[n_tree * PS:], mine)
+                alloc.free([p for p, q in zip(mine, tree) if p != q])  # the tree held these
+                live[slot] = [tokens, pages[:n_tree] + tree, child, len(pages)]
         elif op == "f" and slot in live:  # finish: insert everything, free duplicates, unlock
             tokens, pages, node, n_tree = live.pop(slot)
             already = cache.insert(tokens, pages) // PS

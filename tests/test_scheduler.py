@@ -81,3 +81,29 @@ def test_the_random_runs_reach_every_way_a_row_ends():
     reasons = {reason for seed in range(40) for reason in
                (state[1] for state in random_run(seed)[1][:-2])}
     assert reasons == {"stop", "length", "abort", "error"}
+
+
+def test_a_prompt_run_again_takes_the_trees_copy_of_the_page_it_recomputed():
+    """A cached prompt's last token always runs, so a prompt of whole pages recomputes its last
+    page, which the tree already holds: the request must switch to the tree's page and free its
+    own (found below the path it holds locked, with no walk from the root), keep every
+    ownership invariant, and leave the pool as the first run left it."""
+    sched = Scheduler(PageAllocator(40), 4, max_num_seqs=4, max_num_batched_tokens=16,
+                      enable_prefix_cache=True, eos_token_ids={EOS})
+    prompt = list(range(2, 14))  # three whole pages
+    held_after = []
+    for rid in range(2):
+        req = Request(rid, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        sched.add(req)
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.on_launch(out)
+            sched.update(out, [5] * len(out.sampling), StepLogprobsStub())
+            sched.check_integrity()
+            if rid == 1 and req.num_computed_tokens == len(prompt):  # its prompt is computed
+                tree_pages = sched.cache.match_prefix(prompt)[0]
+                assert req.page_ids[:3] == tree_pages, "the recomputed page was not the tree's"
+                assert req.num_tree_pages == 3
+        held_after.append((sched.allocator.num_free, sched.cache.num_pages))
+    assert held_after[1] == held_after[0], "the second run left the pool otherwise"
+    assert sum(held_after[1]) == 40

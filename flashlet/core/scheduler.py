@@ -565,13 +565,17 @@ class Scheduler:
         num_full = req.num_computed_tokens // ps
         if num_full <= req.num_tree_pages:
             return
-        if req.tree_node is not None:  # the common case: pages appended below the locked path
-            node = self.cache.extend_locked(
-                req.tree_node, req.token_slice(req.num_tree_pages * ps, num_full * ps),
-                req.page_ids[req.num_tree_pages : num_full])
-            if node is not None:
-                req.num_tree_pages, req.tree_node = num_full, node
-                return
+        start = req.num_tree_pages
+        if req.tree_node is not None:  # pages hung below the path the request holds locked
+            mine = req.page_ids[start:num_full]
+            node, tree = self.cache.extend_locked(
+                req.tree_node, req.token_slice(start * ps, num_full * ps), mine)
+            duplicates = [p for p, q in zip(mine, tree) if p != q]  # the tree held these already
+            if duplicates:
+                self.allocator.free(duplicates)
+                self._set_pages(req, req.page_ids[:start] + tree + req.page_ids[num_full:], start)
+            req.num_tree_pages, req.tree_node = num_full, node
+            return
         tokens = req.token_slice(0, num_full * ps)
         already = self.cache.insert(tokens, req.page_ids[:num_full]) // ps
         # Where the tree already held these tokens our own copies are duplicates: free them.

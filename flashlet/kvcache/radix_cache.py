@@ -91,18 +91,33 @@ class RadixCache:
             self._push(self._attach(node, tokens[done:], pages[len(prefix_pages):]))
         return done
 
-    def extend_locked(self, node: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode | None:
+    def extend_locked(self, node: RadixNode, tokens: list[int],
+                      pages: list[int]) -> tuple[RadixNode, list[int]]:
         """Hang `tokens` (whole pages) with their `pages` below `node`, the end of a path that
-        one request holds locked, and move that request's lock to the new node: the fast path
-        of a decoding request whose latest page just filled (no walk from the root). Returns
-        None, changing nothing, when `node` already has a child starting with these tokens
-        (use `insert` then)."""
-        key = self._page_key(tokens, 0)
-        if key in node.children:
-            return None
-        child = self._attach(node, tokens, pages, key)
-        child.lock_ref = 1  # the request's lock now ends here; the path above already counts it
-        return child
+        one request holds locked, and move that request's lock to the path's new end: the fast
+        path of a request whose latest pages just filled (no walk from the root). Returns that
+        end and the path's pages below `node`. Where the tree already holds a first part of
+        `tokens` below `node` (another request cached the same continuation: the same prompt
+        again), that part keeps the tree's pages, and the caller frees its own that the
+        returned ones replace."""
+        ps, now, path, i = self.page_size, next(self._clock), [], 0
+        while i < len(tokens):
+            child = node.children.get(self._page_key(tokens, i))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.lock_ref += 1  # the request's lock now passes through here
+            child.last_access = now
+            path += child.pages
+            i += len(child.key)
+            node = child
+        if i < len(tokens):
+            node = self._attach(node, tokens[i:], pages[i // ps:])
+            node.lock_ref = 1  # the request's lock now ends here
+            path += node.pages
+        return node, path
 
     # ---- locks and eviction ---------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:
@@ -209,8 +224,8 @@ class RadixCache:
         every request on a long cached prompt pay for each of its pages, three walks a request.)"""
         ps = self.page_size
         n = min(len(key), len(tokens) - start) // ps
-        if key[: n * ps] == tokens[start : start + n * ps]:
-            return n
+        if (key if n * ps == len(key) else key[: n * ps]) == tokens[start : start + n * ps]:
+            return n  # (the whole key compared as it is: one copy fewer on a long prompt)
         equal, differs = 0, n  # the first `equal` pages match; the first `differs` do not all match
         while differs - equal > 1:
             mid = (equal + differs) // 2

@@ -364,8 +364,10 @@ closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the closed loop at issue 29
   run 200 env "${@:2}" python3 -m flashlet.bench --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --dtype bfloat16 --quiet --backend triton \
     --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 --max-new-tokens 128 --out "$1"
 }
-B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet
-   --backend torch flashinfer triton"
+fi_there() {  # "flashinfer" where it imports (its wheels travel in .whl-fi/), else nothing: the
+  # parts that compare backends then run without it instead of failing at their first command
+  python3 -c "import flashinfer" >/dev/null 2>&1 && echo flashinfer
+}
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 on: dsl_packages)
   local root=/tmp/cute/$1/nvidia_cutlass_dsl/dsl_packages
@@ -416,6 +418,8 @@ cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first us
     2>&1 | tail -1 | tee -a "$LOG"
 }
 for part in "${PARTS[@]}"; do
+  FI=$(fi_there)  # again each part: setup may have installed it
+  B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend torch $FI triton"
   case $part in
     setup) cute_env ;;  # the rest is done above for every part
     tests)
@@ -516,13 +520,13 @@ for _ in range(480):
     shapes)
       for c in tinyllama-1.1b qwen2.5-1.5b qwen2.5-7b; do
         run 240 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet \
-          --backend triton flashinfer auto --workload offline --num-requests 64 \
+          --backend triton $FI auto --workload offline --num-requests 64 \
           --prompt-len-range 300 300 --output-len-range 64 64 --max-num-pages 8192 \
           --out "$OUT/json/shapes-$c.json"
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
     start)  # cold: empty Triton and FlashInfer caches; warm: the same caches again
-      for b in triton flashinfer; do
+      for b in triton $FI; do
         d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
         for label in cold warm; do
           run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \

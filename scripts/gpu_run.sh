@@ -113,7 +113,8 @@
 #                (scripts/prefill_split_bench.py: the short bucket's key blocks, stages, splits),
 #                each model's best kept in /tmp as a FLASHLET_DECODE_TABLES file (~5 min)
 #   prefill-short-ab a cached prompt's 1-token call (lab/cached_prompt_call.py, 8,000 / 30,000
-#                tokens) without and with that table, two interleaved pairs at CACHED_CONFIGS (~4 min)
+#                tokens) without and with that table (or PREFILL_SHORT_TABLE_JSON), two interleaved
+#                pairs at CACHED_CONFIGS (~4 min)
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
 #                interleaved pairs (~6 min)
@@ -841,7 +842,7 @@ for _ in range(480):
       kept_table prefill-short-sweep "$KEEP/prefill-short-table.json" prefill-short-sweep || continue ;;
     prefill-short-ab)  # a cached prompt's 1-token call without and with that sweep's entries
       cute_env
-      t=$KEEP/prefill-short-table.json
+      t=${PREFILL_SHORT_TABLE_JSON:-$KEEP/prefill-short-table.json}  # or a kept one (lab/tables/)
       kept_table prefill-short-ab "$t" prefill-short-sweep || continue
       for pair in 1 2; do
         for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do

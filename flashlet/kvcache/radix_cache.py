@@ -64,21 +64,7 @@ class RadixCache:
     # ---- lookup and insertion -------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
         """Longest cached prefix of `tokens` in whole pages -> (its pages, the node it ends at)."""
-        node, pages, i = self.root, [], 0
-        now = next(self._clock)
-        node.last_access = now
-        while i + self.page_size <= len(tokens):
-            child = node.children.get(self._page_key(tokens, i))
-            if child is None:
-                break
-            n = self._common_pages(child.key, tokens, i)
-            if n < len(child.pages):
-                child = self._split(child, n)
-            child.last_access = now
-            pages += child.pages
-            i += len(child.key)
-            node = child
-        return pages, node
+        return self._walk(self.root, tokens)
 
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         """Add `tokens` (whole pages) with their `pages`; returns how many tokens were cached
@@ -100,24 +86,13 @@ class RadixCache:
         `tokens` below `node` (another request cached the same continuation: the same prompt
         again), that part keeps the tree's pages, and the caller frees its own that the
         returned ones replace."""
-        ps, now, path, i = self.page_size, next(self._clock), [], 0
-        while i < len(tokens):
-            child = node.children.get(self._page_key(tokens, i))
-            if child is None:
-                break
-            n = self._common_pages(child.key, tokens, i)
-            if n < len(child.pages):
-                child = self._split(child, n)
-            child.lock_ref += 1  # the request's lock now passes through here
-            child.last_access = now
-            path += child.pages
-            i += len(child.key)
-            node = child
-        if i < len(tokens):
-            node = self._attach(node, tokens[i:], pages[i // ps:])
-            node.lock_ref = 1  # the request's lock now ends here
-            path += node.pages
-        return node, path
+        path, end = self._walk(node, tokens, lock=True)
+        done = len(path) * self.page_size
+        if done < len(tokens):
+            end = self._attach(end, tokens[done:], pages[len(path):])
+            end.lock_ref = 1  # the request's lock now ends here
+            path += end.pages
+        return end, path
 
     # ---- locks and eviction ---------------------------------------------------------------
     def lock(self, node: RadixNode | None) -> None:
@@ -214,6 +189,29 @@ class RadixCache:
         )
 
     # ---- helpers --------------------------------------------------------------------------
+    def _walk(self, node: RadixNode, tokens: list[int],
+              lock: bool = False) -> tuple[list[int], RadixNode]:
+        """Follow `tokens` down from `node` as far as the tree holds them in whole pages,
+        splitting the last node where they part from it -> (the pages passed, the node reached).
+        Every node on the way is touched (LRU); with `lock`, each below `node` also counts one
+        more lock (a request's lock moving down from `node` to the node reached)."""
+        pages, i, now = [], 0, next(self._clock)
+        node.last_access = now
+        while i + self.page_size <= len(tokens):
+            child = node.children.get(self._page_key(tokens, i))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            if lock:
+                child.lock_ref += 1
+            child.last_access = now
+            pages += child.pages
+            i += len(child.key)
+            node = child
+        return pages, node
+
     def _page_key(self, tokens, start) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
 

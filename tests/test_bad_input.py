@@ -49,6 +49,23 @@ def test_text_prompt_without_tokenizer_is_an_error(llm):
         llm.generate("hello")
 
 
+class _PastTheVocabulary:
+    """A tokenizer that holds ids the model's embedding does not (a mismatched tokenizer)."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def encode(self, text, **kwargs):
+        return [1, self.vocab_size + 3]
+
+
+def test_a_text_prompt_the_tokenizer_encodes_past_the_vocabulary_is_refused(llm, monkeypatch):
+    monkeypatch.setattr(llm.engine, "tokenizer", _PastTheVocabulary(llm.engine.model_config.vocab_size))
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2))
+    assert no_pages_held(llm) and not llm.engine.has_unfinished()
+
+
 def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate([[5, 6], []])

@@ -262,10 +262,10 @@ class Engine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, not text")
-            token_ids = list(self.tokenizer.encode(prompt))
+            token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError("prompt encodes to no tokens")
-            return token_ids
+            prompt = token_ids  # checked too: a tokenizer can hold ids the embedding does not
         return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
     def abort(self, request_id: int, finish_reason: FinishReason | str = FinishReason.ABORT) -> bool:

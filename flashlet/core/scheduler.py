@@ -565,26 +565,17 @@ class Scheduler:
         num_full = req.num_computed_tokens // ps
         if num_full <= req.num_tree_pages:
             return
+        if req.tree_node is None:  # it adopted no prefix (it computes every position): its
+            req.tree_node = self.cache.root  # path starts at the root, which it now holds too
+            self.cache.lock(req.tree_node)
         start = req.num_tree_pages
-        if req.tree_node is not None:  # pages hung below the path the request holds locked
-            mine = req.page_ids[start:num_full]
-            node, tree = self.cache.extend_locked(
-                req.tree_node, req.token_slice(start * ps, num_full * ps), mine)
-            duplicates = [p for p, q in zip(mine, tree) if p != q]  # the tree held these already
-            if duplicates:
-                self.allocator.free(duplicates)
-                self._set_pages(req, req.page_ids[:start] + tree + req.page_ids[num_full:], start)
-            req.num_tree_pages, req.tree_node = num_full, node
-            return
-        tokens = req.token_slice(0, num_full * ps)
-        already = self.cache.insert(tokens, req.page_ids[:num_full]) // ps
-        # Where the tree already held these tokens our own copies are duplicates: free them.
-        self.allocator.free(req.page_ids[req.num_tree_pages : max(already, req.num_tree_pages)])
-        pages, node = self.cache.match_prefix(tokens)
-        self.cache.lock(node)
-        self.cache.unlock(req.tree_node)
-        # The pages below req.num_tree_pages were the tree's already: only the rest changed.
-        self._set_pages(req, list(pages) + req.page_ids[num_full:], req.num_tree_pages)
+        mine = req.page_ids[start:num_full]
+        node, tree = self.cache.extend_locked(
+            req.tree_node, req.token_slice(start * ps, num_full * ps), mine)
+        duplicates = [p for p, q in zip(mine, tree) if p != q]  # the tree held these already
+        if duplicates:
+            self.allocator.free(duplicates)
+            self._set_pages(req, req.page_ids[:start] + tree + req.page_ids[num_full:], start)
         req.num_tree_pages, req.tree_node = num_full, node
 
     def release(self, req: Request, cache: bool = True) -> None:

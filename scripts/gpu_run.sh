@@ -365,9 +365,11 @@ closed_loop() {  # closed_loop JSON [VAR=VALUE ...]: the closed loop at issue 29
   run 200 env "${@:2}" python3 -m flashlet.bench --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --dtype bfloat16 --quiet --backend triton \
     --max-num-pages 8192 --workload closed-loop --concurrency 1 4 16 --num-requests 64 --max-new-tokens 128 --out "$1"
 }
-fi_there() {  # "flashinfer" where it imports (its wheels travel in .whl-fi/), else nothing: the
-  # parts that compare backends then run without it instead of failing at their first command
-  python3 -c "import flashinfer" >/dev/null 2>&1 && echo flashinfer
+fi_there() {  # "flashinfer" where it is installed (its wheels travel in .whl-fi/), else nothing:
+  # the parts that compare backends then run without it instead of failing at their first
+  # command (found, not imported: an import would cost each part seconds of device time)
+  python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('flashinfer') is None)" \
+    2>/dev/null && echo flashinfer
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 on: dsl_packages)

@@ -193,3 +193,24 @@ def test_the_token_id_check_is_the_per_id_rule(ids):
     else:
         with pytest.raises(RequestError, match="token ids must be integers"):
             limits.check_prompt_ids(ids)
+
+
+@pytest.mark.parametrize("ids", [
+    [1, 2, 3], [0, 9], [10], [-1], [True], [1, False], [1.0], ["1"], [None], [2**70], [9, 3.5],
+    list(range(10)) * 50 + [10], list(range(10)) * 50])
+def test_the_servers_check_of_strictly_validated_ids_is_the_per_id_rule(ids):
+    """The API process checks a prompt of token ids after the protocol's strict models hold it
+    to ints >= 0 (`typed`: only the vocabulary's bound left): together, the per-id rule."""
+    from pydantic import ValidationError
+
+    from flashlet.core.request_check import RequestError, RequestLimits
+    from flashlet.server.protocol import GenerateRequest
+
+    limits = RequestLimits(max_model_len=1000, vocab_size=10, page_size=16, num_pages=100)
+    valid = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10 for t in ids)
+    try:
+        prompt = GenerateRequest.model_validate({"prompt": ids}).prompt
+        checked = limits.check_prompt_ids(prompt, typed=True)
+    except (ValidationError, RequestError):
+        checked = None
+    assert checked == (ids if valid else None)

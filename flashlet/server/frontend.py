@@ -151,7 +151,7 @@ class ModelContext:
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         try:
-            return self.limits.check_prompt_ids(ids, param)
+            return self.limits.check_prompt_ids(ids, param, typed=True)  # protocol.TokenIds
         except RequestError as e:
             raise ApiError(400, e.message, e.param, e.code) from None
 

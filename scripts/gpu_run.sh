@@ -160,6 +160,8 @@
 #                reads), then in-process at the server's shape (qwen2.5-0.5b-smolvocab) (~5 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
+#   start-ab     warm engine start with the DSL on the path, one run off the graph before each
+#                capture against two (FLASHLET_CAPTURE_WARM_RUNS), then the graph tests with one (~6 min)
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
 #   kernels      the kernel sweep against PyTorch and FlashInfer; torchlet's progression table
 #   long-context one stream after 8,000- and 30,000-token prompts
@@ -538,6 +540,24 @@ for _ in range(480):
         done
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start.jsonl" ;;
+    start-ab)  # warm start with the CuTe DSL on the path, FLASHLET_CAPTURE_WARM_RUNS 2 (the
+      # default) against 1, two interleaved pairs after one cold start fills the caches; then
+      # the graph tests with one warm run (decode, fused, mixed-step graphs against eager)
+      cute_env
+      d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
+      run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
+        python3 scripts/start_time.py --config qwen2.5-0.5b --backend triton --label cold
+      for pair in 1 2; do
+        for runs in 2 1; do
+          run 120 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
+            FLASHLET_CAPTURE_WARM_RUNS=$runs python3 scripts/start_time.py --config qwen2.5-0.5b \
+            --backend triton --label "warm-runs$runs" --append "$OUT/json/start-ab.jsonl"
+        done
+      done
+      run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
+      run 300 env FLASHLET_CAPTURE_WARM_RUNS=1 $PYTEST tests/gpu/test_gpu_mixed_graphs.py \
+        tests/gpu/test_gpu_graph_inputs.py tests/gpu/test_gpu_step_paths.py tests/gpu/test_gpu_engine.py \
+        tests/gpu/test_gpu_fused_decode.py -k "not preset_shapes and not rope_in" ;;
     fidelity) run 540 python3 scripts/fidelity.py --dtype bfloat16 --num-seqs 16 \
                 --json "$OUT/json/fidelity.json" ;;
     kernels)

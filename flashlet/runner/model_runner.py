@@ -74,6 +74,12 @@ log = logging.getLogger("flashlet")
 STEADY_REPLAY_ENV = "FLASHLET_STEADY_REPLAY"
 STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "1") == "1"
 
+# Runs of a step's forward off the graph before its capture: the first compiles what is lazy
+# (Triton, the CuTe DSL) and lets the allocator settle; a second only repeats it on the same
+# side stream. Capture is most of a warm start (62 graphs, 4.6 of 6.4 s on an H100), so
+# $FLASHLET_CAPTURE_WARM_RUNS=1 / 2 sets it for an A/B of start time and the graph tests.
+CAPTURE_WARM_RUNS = max(1, int(os.environ.get("FLASHLET_CAPTURE_WARM_RUNS", "2")))
+
 
 class MovedOn(NamedTuple):
     """A replayed step whose graph moved its inputs on: the graph, its device views (a steady
@@ -527,13 +533,13 @@ class ModelRunner:
         return self._capture_body(lambda: self.model(input_ids, meta.positions, self.backend))
 
     def _capture_body(self, body, after=None):
-        """(graph, output) of `body()`, captured after two runs off the graph (lazy kernel
-        compilation, the allocator), all graphs in one memory pool (they never run at once).
-        after: a call on the output, captured after it and never run off the graph."""
+        """(graph, output) of `body()`, captured after CAPTURE_WARM_RUNS runs off the graph
+        (lazy kernel compilation, the allocator), all graphs in one memory pool (they never run
+        at once). after: a call on the output, captured after it and never run off the graph."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(CAPTURE_WARM_RUNS):
                 body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

@@ -265,7 +265,9 @@ class Engine:
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError("prompt encodes to no tokens")
-            prompt = token_ids  # checked too: a tokenizer can hold ids the embedding does not
+            # Its ints are checked against the vocabulary too: a tokenizer can hold ids the
+            # embedding does not.
+            return RequestLimits.of_engine(self).check_prompt_ids(token_ids, typed=True)
         return RequestLimits.of_engine(self).check_prompt_ids(prompt)
 
     def abort(self, request_id: int, finish_reason: FinishReason | str = FinishReason.ABORT) -> bool:

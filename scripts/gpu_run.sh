@@ -555,7 +555,7 @@ for _ in range(480):
         done
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
-      run 300 env FLASHLET_CAPTURE_WARM_RUNS=1 $PYTEST tests/gpu/test_gpu_mixed_graphs.py \
+      run 240 env FLASHLET_CAPTURE_WARM_RUNS=1 $PYTEST tests/gpu/test_gpu_mixed_graphs.py \
         tests/gpu/test_gpu_graph_inputs.py tests/gpu/test_gpu_step_paths.py tests/gpu/test_gpu_engine.py \
         tests/gpu/test_gpu_fused_decode.py -k "not preset_shapes and not rope_in" ;;
     fidelity) run 540 python3 scripts/fidelity.py --dtype bfloat16 --num-seqs 16 \

@@ -78,7 +78,18 @@ STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "1") == "1"
 # (Triton, the CuTe DSL) and lets the allocator settle; a second only repeats it on the same
 # side stream. Capture is most of a warm start (62 graphs, 4.6 of 6.4 s on an H100), so
 # $FLASHLET_CAPTURE_WARM_RUNS=1 / 2 sets it for an A/B of start time and the graph tests.
-CAPTURE_WARM_RUNS = max(1, int(os.environ.get("FLASHLET_CAPTURE_WARM_RUNS", "2")))
+CAPTURE_WARM_RUNS_ENV = "FLASHLET_CAPTURE_WARM_RUNS"
+
+
+def capture_warm_runs_from_env() -> int:
+    text = os.environ.get(CAPTURE_WARM_RUNS_ENV, "2").strip()
+    if text not in ("1", "2"):
+        raise ValueError(f"{CAPTURE_WARM_RUNS_ENV}={text!r}: expected 1 or 2 (runs of a step "
+                         "off the graph before its capture)")
+    return int(text)
+
+
+CAPTURE_WARM_RUNS = capture_warm_runs_from_env()
 
 
 class MovedOn(NamedTuple):

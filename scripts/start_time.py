@@ -57,7 +57,8 @@ def table(paths) -> str:
             "triton_compiles", "first_request_s")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in head]
+        cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else "-" if r.get(k) is None
+                 else str(r.get(k)) for k in head]  # "-": not measured (no fused path, older lines)
         cells[1] = r["backend"] if r["backend"] == r.get("resolved") else f"{r['backend']} ({r.get('resolved')})"
         cells[1] += " +fused" if r.get("fused_decode") else ""  # the default's CuTe compiles included
         out.append("| " + " | ".join(cells) + " |")

@@ -37,9 +37,11 @@ def test_start_table_names_what_auto_resolved_to(tmp_path):
     path = tmp_path / "start.jsonl"
     path.write_text(json.dumps(line) + "\n")
     text = _load("start_time").table([path])
-    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | 9 | 21 | 0.20 |" in text
-    path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True}) + "\n")
-    assert "| cold | triton +fused | 12.50 |" in _load("start_time").table([path])
+    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | - | 9 | 21 | 0.20 |" in text
+    path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True,
+                                "cute_gemvs": 12, "cute_compile_s": 1.75}) + "\n")
+    assert ("| cold | triton +fused | 12.50 | 2.00 | 8.00 | 2.50 | 1.75 | 9 | 21 | 0.20 |"
+            in _load("start_time").table([path]))
 
 
 def test_labels_say_where_one_stream_ran_fused():

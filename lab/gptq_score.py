@@ -24,8 +24,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("cache", type=Path, help="file holding the fp32 and bf16 runs (written on first use)")
     parser.add_argument("folders", nargs="*", help="checkpoint folders to score")
-    args = parser.parse_args()
-    cache, folders = args.cache, args.folders
+    cli = parser.parse_args()
+    cache, folders = cli.cache, cli.folders
     files = sorted(str(f) for f in Path("docs/en/versions").glob("*.md"))
     args = fidelity.parse_args(["--perplexity", "--device", "cpu", "--text", *files])
     seqs = fidelity.text_sequences(load_tokenizer(resolve_model_dir(None)), files, args.max_len)

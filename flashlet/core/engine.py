@@ -262,7 +262,7 @@ class Engine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, not text")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = list(self.tokenizer.encode(prompt))  # (a tokenizer passed in may give a tuple)
             if not token_ids:
                 raise ValueError("prompt encodes to no tokens")
             # Its ints are checked against the vocabulary too: a tokenizer can hold ids the

@@ -160,8 +160,9 @@
 #                reads), then in-process at the server's shape (qwen2.5-0.5b-smolvocab) (~5 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
-#   start-ab     warm engine start with the DSL on the path, one run off the graph before each
-#                capture against two (FLASHLET_CAPTURE_WARM_RUNS), then the graph tests with one (~6 min)
+#   start-ab     warm engine start with the DSL on the path, its GEMVs loaded from the disk cache
+#                (FLASHLET_CUTE_CACHE, the default) against compiled again (=off), then the cache's
+#                GPU test and the warm-up's (~6 min)
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
 #   kernels      the kernel sweep against PyTorch and FlashInfer; torchlet's progression table
 #   long-context one stream after 8,000- and 30,000-token prompts
@@ -530,34 +531,34 @@ for _ in range(480):
           --out "$OUT/json/shapes-$c.json"
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
-    start)  # cold: empty Triton and FlashInfer caches; warm: the same caches again
+    start)  # cold: empty Triton, FlashInfer and CuTe GEMV caches; warm: the same caches again
       for b in triton $FI; do
-        d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
+        d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
         for label in cold warm; do
-          run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
+          run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" FLASHLET_CUTE_CACHE="$d/cute" \
             python3 scripts/start_time.py --config qwen2.5-0.5b --backend $b --label $label \
             --append "$OUT/json/start.jsonl"
         done
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start.jsonl" ;;
-    start-ab)  # warm start with the CuTe DSL on the path, FLASHLET_CAPTURE_WARM_RUNS 2 (the
-      # default) against 1, two interleaved pairs after one cold start fills the caches; then
-      # the graph tests with one warm run (decode, fused, mixed-step graphs against eager)
+    start-ab)  # warm start with the CuTe DSL on the path: its GEMVs loaded from FLASHLET_CUTE_CACHE
+      # (the default) against compiled again (=off), two interleaved pairs after one cold start
+      # fills the caches; then the cache's own GPU test and the warm-up's
       cute_env
-      d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi"
-      run 240 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
-        python3 scripts/start_time.py --config qwen2.5-0.5b --backend triton --label cold
+      d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
+      caches=(TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi")
+      run 240 env "${caches[@]}" FLASHLET_CUTE_CACHE="$d/cute" python3 scripts/start_time.py \
+        --config qwen2.5-0.5b --backend triton --label cold --append "$OUT/json/start-ab.jsonl"
       for pair in 1 2; do
-        for runs in 2 1; do
-          run 120 env TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi" \
-            FLASHLET_CAPTURE_WARM_RUNS=$runs python3 scripts/start_time.py --config qwen2.5-0.5b \
-            --backend triton --label "warm-runs$runs" --append "$OUT/json/start-ab.jsonl"
+        for mode in on off; do
+          cute=off; [[ $mode == on ]] && cute="$d/cute"
+          run 120 env "${caches[@]}" FLASHLET_CUTE_CACHE="$cute" python3 scripts/start_time.py \
+            --config qwen2.5-0.5b --backend triton --label "warm-cute-cache-$mode" \
+            --append "$OUT/json/start-ab.jsonl"
         done
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
-      run 240 env FLASHLET_CAPTURE_WARM_RUNS=1 $PYTEST tests/gpu/test_gpu_mixed_graphs.py \
-        tests/gpu/test_gpu_graph_inputs.py tests/gpu/test_gpu_step_paths.py tests/gpu/test_gpu_engine.py \
-        tests/gpu/test_gpu_fused_decode.py -k "not preset_shapes and not rope_in" ;;
+      run 240 $PYTEST tests/kernels/test_cute_disk_cache.py tests/gpu/test_gpu_warmup.py ;;
     fidelity) run 540 python3 scripts/fidelity.py --dtype bfloat16 --num-seqs 16 \
                 --json "$OUT/json/fidelity.json" ;;
     kernels)

@@ -3,10 +3,11 @@
     python scripts/start_time.py --config qwen2.5-0.5b --backend triton --label cold --append start.jsonl
     python scripts/start_time.py --table start.jsonl
 
-Run it once with empty kernel caches (TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE pointed at
-fresh folders: "cold") and once more with the same folders ("warm"); gpu_run.sh's `start` part
-does. The line also says how many Triton kernels warm-up compiled or loaded, with the fused
-decode path how many CuTe GEMVs it compiled and in how long (part of capture_s), and, as a
+Run it once with empty kernel caches (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE and
+FLASHLET_CUTE_CACHE pointed at fresh folders: "cold") and once more with the same folders
+("warm"); gpu_run.sh's `start` part does. The line also says how many Triton kernels warm-up
+compiled or loaded, with the fused decode path how many CuTe GEMVs it readied, in how long (part
+of capture_s) and how many of them came from the disk cache (cute_from_disk), and, as a
 check that warm-up is complete, the time of a first request after start.
 """
 
@@ -46,6 +47,7 @@ def measure(args) -> dict:
             "load_s": s["load_s"], "warmup_s": s["warmup_s"], "capture_s": s["capture_s"],
             "graphs": s.get("graphs"), "triton_compiles": s.get("triton_compiles"),
             "cute_gemvs": s.get("cute_gemvs"), "cute_compile_s": s.get("cute_compile_s"),
+            "cute_from_disk": s.get("cute_from_disk"),
             "first_request_s": first_request,
             "triton_cache": os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"),
             "flashinfer_cache": os.environ.get("FLASHINFER_WORKSPACE_BASE", "~")}
@@ -53,7 +55,8 @@ def measure(args) -> dict:
 
 def table(paths) -> str:
     rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
-    head = ("label", "backend", "start_s", "load_s", "warmup_s", "capture_s", "cute_compile_s", "graphs",
+    head = ("label", "backend", "start_s", "load_s", "warmup_s", "capture_s", "cute_compile_s", "cute_from_disk",
+            "graphs",
             "triton_compiles", "first_request_s")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

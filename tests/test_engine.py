@@ -559,3 +559,18 @@ def test_chat_names_what_is_off_in_a_conversation(demo_llm, messages, message):
         demo_llm.chat(messages if messages else [[]], SamplingParams(max_new_tokens=2))
     stats = demo_llm.engine.stats()  # nothing queued (an earlier call's step may still be in flight)
     assert stats["waiting"] == 0 and stats["running"] == 0
+
+
+def test_a_pool_budget_from_free_memory_gives_the_same_pages_after_a_small_drift():
+    """Free memory moves by a few MB from one process to the next; the page count must not (the
+    fused path's compiled GEMVs, kept on disk, are keyed on the pool's size)."""
+    from flashlet.core.engine import POOL_BUDGET_STEP, round_pool_budget
+
+    base = 70 * 2**30 + 100 * 2**20
+    budgets = {round_pool_budget(base + drift * 2**20) for drift in (-30, -7, 0, 3, 50)}
+    assert budgets == {70 * 2**30}
+    for budget in (base, 9.5 * POOL_BUDGET_STEP, 123456789012.0):
+        rounded = round_pool_budget(budget)
+        assert rounded % POOL_BUDGET_STEP == 0 and 0 <= budget - rounded < POOL_BUDGET_STEP
+    small = 7.9 * POOL_BUDGET_STEP  # a small GPU keeps every byte it was given
+    assert round_pool_budget(small) == small

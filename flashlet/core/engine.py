@@ -552,7 +552,7 @@ class Engine:
                                          c.resolved_kv_cache_dtype())
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * c.gpu_memory_utilization
+            budget = round_pool_budget(free * c.gpu_memory_utilization)
         else:
             budget = c.kv_memory_gb * 2**30
         # Never more than every sequence at full length needs.
@@ -561,6 +561,20 @@ class Engine:
         if self.tp is not None:  # page ids are shared: every rank's pool must hold them all
             num_pages = self.tp.agree_min(num_pages)
         return num_pages
+
+
+POOL_BUDGET_STEP = 256 * 2**20  # bytes: see round_pool_budget
+
+
+def round_pool_budget(budget: float) -> float:
+    """A KV budget taken from free GPU memory, rounded down to whole POOL_BUDGET_STEPs (when it
+    holds at least 8 of them: under 0.4% lost, never a small GPU's whole pool), so that a
+    process gets the same page count as the last one although free memory moves by a few MB.
+    The fused path's compiled GEMVs are keyed on the pool's size (their RoPE epilogue writes
+    into it), and only an unchanged size finds them in cute_disk_cache."""
+    if budget < 8 * POOL_BUDGET_STEP:
+        return budget
+    return budget - budget % POOL_BUDGET_STEP
 
 
 def _release_group(runner: ModelRunner, tp) -> None:

@@ -39,6 +39,7 @@ import time
 import torch
 
 from flashlet.core.sampling import SamplingParams, make_generator, sample_one
+from flashlet.kernels import cute_disk_cache
 from flashlet.runner.batch import StepLayout, StepRow, build_layout
 
 log = logging.getLogger("flashlet")
@@ -134,8 +135,9 @@ def synthetic_layout(num_seqs: int, q_len: int, kv_pool, vocab: int, context: in
 def warm_up(engine) -> dict:
     """Run one step of every kernel variant and capture every graph; returns {"warmup_s",
     "capture_s", "chunk_lengths", "decode_sizes", "mixed_graphs", "mixed_capture_s", "graphs",
-    "triton_compiles"} and, with the fused path, "cute_gemvs" and "cute_compile_s" (its GEMVs
-    ready, the seconds they took to compile; capture_s includes those and mixed_capture_s)."""
+    "triton_compiles"} and, with the fused path, "cute_gemvs", "cute_compile_s" and
+    "cute_from_disk" (its GEMVs ready, the seconds they took to compile or load, how many were
+    loaded from the disk cache; capture_s includes those and mixed_capture_s)."""
     runner, cfg = engine.runner, engine.config
     vocab = engine.model_config.vocab_size
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -170,9 +172,10 @@ def warm_up(engine) -> dict:
               "chunk_lengths": chunks, "decode_sizes": sizes, "mixed_graphs": len(mixed),
               "graphs": len(runner.graphs), "triton_compiles": compiles.count}
     if runner.fused is not None:
-        report["cute_gemvs"], report["cute_compile_s"] = runner.fused.compiled()
-        log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) compiled in %.2f s",
-                 runner.fused.row_counts, report["cute_gemvs"], report["cute_compile_s"])
+        report["cute_gemvs"], report["cute_compile_s"], report["cute_from_disk"] = runner.fused.compiled()
+        log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) ready in %.2f s (%d "
+                 "loaded from %s)", runner.fused.row_counts, report["cute_gemvs"],
+                 report["cute_compile_s"], report["cute_from_disk"], cute_disk_cache.cache_dir() or "no cache")
     log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s, "
              "%d mixed-step graph(s) in %.2f s (%d CUDA graphs); %s Triton kernel(s) compiled "
              "or loaded", len(chunks), chunks, report["warmup_s"], len(sizes), t2 - t1,

@@ -81,7 +81,7 @@ import time
 
 import torch
 
-from flashlet.kernels import tuning
+from flashlet.kernels import cute_disk_cache, tuning
 
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
@@ -1931,6 +1931,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _disk_key(plan: GemvPlan, device: torch.device) -> str | None:
+    """The plan's file in cute_disk_cache (None off the GPU, with the cache off, or with a DSL
+    that cannot load one)."""
+    if device.type != "cuda" or cute_disk_cache.cache_dir() is None or not cute_disk_cache.loader_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    version = dsl_version() or getattr(_dsl()["cutlass"], "__version__", "")
+    return cute_disk_cache.kernel_key(plan, f"sm_{props.major}{props.minor} x{props.multi_processor_count}",
+                                      version)
+
+
 _ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
 _COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
 
@@ -1979,6 +1990,7 @@ class CuteGemv:
                                   torch.zeros(2, dtype=torch.int64, device=self.device))
         self._compiled = None
         self.compile_seconds: float | None = None
+        self.from_disk = False  # the launcher was loaded from cute_disk_cache, not compiled
 
     def out_like(self) -> torch.Tensor:
         """A new output tensor of the right shape and dtype: [M, outputs], or int32 [M] tokens."""
@@ -2091,35 +2103,46 @@ class CuteGemv:
 
     def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
-        share the compiled kernel, which holds no tensor); returns the seconds it took (0 when
-        the kernel was compiled before). rope_kv: the call's own step tensors, so that compiling
-        a rope variant allocates no stand-in of a pool layer's size."""
+        share the compiled kernel, which holds no tensor; on a GPU, once a machine: the launcher
+        is kept on disk, cute_disk_cache); returns the seconds it took (0 when the kernel was
+        compiled before in this process; `from_disk` says whether it was loaded). rope_kv: the
+        call's own step tensors, so that compiling a rope variant allocates no stand-in of a
+        pool layer's size."""
         key = (self.plan, str(self.device))
         if self._compiled is None and key in _COMPILED:
             self._compiled, self.compile_seconds = _COMPILED[key], 0.0
         if self._compiled is None:
-            d = _dsl()
-            p = self.plan
-            if self.device.type == "cuda":
-                # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
-                x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
-                w = torch.empty(p.n_rows, p.k, dtype=p.weight_dtype, device=self.device)
-                scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
-                extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
-                         if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
-                g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
-                args = self._args(x, w, extra, self.out_like(), g,
-                                  rope_kv or RopeKV.like(p.rope, self.device, p.rows), scale)
-            else:
-                args = self._fake_args()
             t0 = time.perf_counter()
-            launcher = ("launcher_mma" if p.mma else "launcher") + ("_fp8" if p.fp8 else "")
-            params = _MMA_PLAN_PARAMS if p.mma else _PLAN_PARAMS
-            self._compiled = d["cute"].compile(d[launcher], *args, self._stream(),
-                                               *(getattr(p, name) for name in params))
+            disk_key = _disk_key(self.plan, self.device)
+            self._compiled = cute_disk_cache.load(disk_key) if disk_key else None
+            self.from_disk = self._compiled is not None
+            if self._compiled is None:
+                self._compiled = self._compile_now(rope_kv)
+                if disk_key:
+                    cute_disk_cache.store(disk_key, self._compiled)
             self.compile_seconds = time.perf_counter() - t0
             _COMPILED[key] = self._compiled
         return self.compile_seconds
+
+    def _compile_now(self, rope_kv: RopeKV | None):
+        """cute.compile of this plan's launcher, traced with stand-ins of the call's shapes."""
+        d = _dsl()
+        p = self.plan
+        if self.device.type == "cuda":
+            # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
+            x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
+            w = torch.empty(p.n_rows, p.k, dtype=p.weight_dtype, device=self.device)
+            scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
+            extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)
+                     if p.epilogue in ("bias", "residual", "bias_rope_kv") else None)
+            g = torch.empty(p.k, dtype=torch.bfloat16, device=self.device) if p.norm else None
+            args = self._args(x, w, extra, self.out_like(), g,
+                              rope_kv or RopeKV.like(p.rope, self.device, p.rows), scale)
+        else:
+            args = self._fake_args()
+        launcher = ("launcher_mma" if p.mma else "launcher") + ("_fp8" if p.fp8 else "")
+        params = _MMA_PLAN_PARAMS if p.mma else _PLAN_PARAMS
+        return d["cute"].compile(d[launcher], *args, self._stream(), *(getattr(p, name) for name in params))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None = None,
                  *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,

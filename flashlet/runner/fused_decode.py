@@ -437,12 +437,14 @@ class FusedDecode:
                      lm_head=CuteGemv(vocab, h, "none", **head_normed) if narrow_head else None,
                      lm_argmax=CuteGemv(vocab, h, "argmax", **head_normed) if narrow_head else None)
 
-    def compiled(self) -> tuple[int, float]:
-        """(GEMVs compiled so far, the seconds they took; 0 for a plan another object compiled
-        in this process): what the path costs at start."""
-        seconds = [g.compile_seconds for gemvs in self.gemvs.values() for g in gemvs.all()
-                   if getattr(g, "compile_seconds", None) is not None]
-        return len(seconds), sum(seconds)
+    def compiled(self) -> tuple[int, float, int]:
+        """(GEMVs ready so far, the seconds they took, how many of them were loaded from the
+        disk cache rather than compiled; 0 s for a plan another object readied in this process):
+        what the path costs at start."""
+        ready = [g for gemvs in self.gemvs.values() for g in gemvs.all()
+                 if getattr(g, "compile_seconds", None) is not None]
+        return (len(ready), sum(g.compile_seconds for g in ready),
+                sum(bool(getattr(g, "from_disk", False)) for g in ready))
 
     def gemvs_for(self, m: int) -> Gemvs:
         """The GEMVs of a step of m rows (a padded size: one of row_counts)."""

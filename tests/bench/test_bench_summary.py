@@ -37,10 +37,10 @@ def test_start_table_names_what_auto_resolved_to(tmp_path):
     path = tmp_path / "start.jsonl"
     path.write_text(json.dumps(line) + "\n")
     text = _load("start_time").table([path])
-    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | - | 9 | 21 | 0.20 |" in text
+    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | - | - | 9 | 21 | 0.20 |" in text
     path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True,
-                                "cute_gemvs": 12, "cute_compile_s": 1.75}) + "\n")
-    assert ("| cold | triton +fused | 12.50 | 2.00 | 8.00 | 2.50 | 1.75 | 9 | 21 | 0.20 |"
+                                "cute_gemvs": 12, "cute_compile_s": 1.75, "cute_from_disk": 12}) + "\n")
+    assert ("| cold | triton +fused | 12.50 | 2.00 | 8.00 | 2.50 | 1.75 | 12 | 9 | 21 | 0.20 |"
             in _load("start_time").table([path]))
 
 

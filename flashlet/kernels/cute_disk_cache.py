@@ -1,0 +1,112 @@
+"""The CuTe GEMVs' compiled launchers, kept on disk from one process to the next.
+
+`cute.compile` caches nothing: the DSL turns its own caches off for a compile-only call. So every
+process traced and compiled each of the fused decode path's GEMVs again, 17-18 s of a 27 s warm
+engine start on an H100 (FUSED_NOTES.md, "Session 50"). The DSL can write a compiled launcher to
+an object file (`export_to_c`'s .o, the host launcher with its cubin inside) and load it back
+(`cutlass.cute.runtime.load_module(path, enable_tvm_ffi=False)`), which this module uses: a GEMV
+compiled once on a machine loads in a fraction of a second in every later process.
+
+A file's name is a hash of all that its kernel was compiled from (`kernel_key`): the plan
+(shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version and the
+kernel's source (cute_gemv.py). Nothing else changes the code; a stale file is never read.
+
+FLASHLET_CUTE_CACHE names the folder (default `$XDG_CACHE_HOME/flashlet/cute`, else
+`~/.cache/flashlet/cute`); `off` turns the cache off. The DSL releases before the loader (4.3.5
+loads object files through TVM-FFI only) compile every process, as before. A file that fails to
+load is compiled again and replaced; a folder that cannot be written only costs the next start.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "FLASHLET_CUTE_CACHE"
+_SOURCE = Path(__file__).with_name("cute_gemv.py")  # the kernels: their code is part of every key
+_MODULES: list = []  # the loaded object files' modules: their engines hold the launchers' code
+
+
+def cache_dir() -> Path | None:
+    """The folder of compiled launchers, or None when FLASHLET_CUTE_CACHE is `off`."""
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flashlet" / "cute"
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
+
+
+def kernel_key(plan, arch: str, dsl_version: str) -> str:
+    """The file name's hash: the plan (a frozen dataclass: its repr lists every field), the GPU
+    (arch: compute capability and SM count), the DSL's version and the kernel source."""
+    text = "\n".join((repr(plan), arch, dsl_version, _source_digest()))
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def loader_available() -> bool:
+    """Whether this DSL loads an exported object file without TVM-FFI (4.4 on; not 4.3.5)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("cutlass.base_dsl.export.external_binary_module") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _prefix(key: str) -> str:
+    return f"flashlet_gemv_{key}"  # the object file's symbols: a C identifier
+
+
+def load(key: str, loader=None):
+    """The launcher stored under `key`, or None (no folder, no file, or a file that does not
+    load: that one is removed, to be written again)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    path = folder / f"{key}.o"
+    if not path.is_file():
+        return None
+    try:
+        if loader is None:
+            from cutlass.cute.runtime import load_module
+            loader = functools.partial(load_module, enable_tvm_ffi=False)
+        module = loader(str(path))
+        launcher = getattr(module, _prefix(key))
+    except Exception as e:  # a truncated or foreign file: compile again
+        log.warning("the compiled CuTe GEMV %s did not load (%s: %s); compiling it again",
+                    path, type(e).__name__, e)
+        path.unlink(missing_ok=True)
+        return None
+    _MODULES.append(module)
+    return launcher
+
+
+def store(key: str, compiled) -> bool:
+    """Write `compiled` (what `cute.compile` returned) under `key`: exported into a temporary
+    folder beside the file, then renamed into place, so that a reader never sees half a file.
+    Returns whether it was written; a failure is logged, never raised (the kernel is compiled)."""
+    folder = cache_dir()
+    if folder is None:
+        return False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+            compiled.export_to_c(tmp, key, function_prefix=_prefix(key))
+            os.replace(Path(tmp) / f"{key}.o", folder / f"{key}.o")
+    except Exception as e:
+        log.warning("could not keep the compiled CuTe GEMV in %s (%s: %s); the next process "
+                    "compiles it again (%s=off stops trying)", folder, type(e).__name__, e, ENV)
+        return False
+    return True

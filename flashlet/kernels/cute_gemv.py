@@ -152,6 +152,10 @@ def _dsl():
     # Compile-time parameters are marked here: the annotations need `cutlass`, imported late.
     for fn, names in _CONSTEXPR_PARAMS.items():
         fn.__annotations__ = {name: cutlass.Constexpr for name in names}
+    for fn in (_gemv_launch, _gemv_launch_fp8, _mma_launch, _mma_launch_fp8):
+        # Typed, as an exported launcher's C signature needs every runtime argument typed
+        # (cute_disk_cache's export_to_c; tensors are typed by their values).
+        fn.__annotations__["stream"] = cuda_driver.CUstream
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,

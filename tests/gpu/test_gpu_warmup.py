@@ -79,8 +79,9 @@ def test_nothing_compiles_or_captures_after_start(backend):
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
     cute = cute_kernels(fused, served)
-    if fused is not None:  # every GEMV a step may run, compiled at start and counted
-        assert start["cute_gemvs"] >= len(cute) and start["cute_compile_s"] > 0
+    if fused is not None:  # every GEMV a step may run, readied at start and counted (in 0 s
+        # where an engine before this one in the process readied it)
+        assert start["cute_gemvs"] >= len(cute) and start["cute_compile_s"] >= 0
     assert all(k is not None for k in cute.values()), f"CuTe GEMVs not compiled at start: {cute}"
     with count_triton_compiles() as compiles:
         _workload(engine)

@@ -5,7 +5,8 @@ process traced and compiled each of the fused decode path's GEMVs again, 17-18 s
 engine start on an H100 (FUSED_NOTES.md, "Session 50"). The DSL can write a compiled launcher to
 an object file (`export_to_c`'s .o, the host launcher with its cubin inside) and load it back
 (`cutlass.cute.runtime.load_module(path, enable_tvm_ffi=False)`), which this module uses: a GEMV
-compiled once on a machine loads in a fraction of a second in every later process.
+compiled once on a machine loads in a fraction of a second in every later process (the 0.5B's
+30: 0.06 s, and a warm start 5.9 s against 16.0 compiling them; H100, 5a13ebc).
 
 A file's name is a hash of all that its kernel was compiled from (`kernel_key`): the plan
 (shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version and the

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 ENV = "FLASHLET_CUTE_CACHE"
 _SOURCE = Path(__file__).with_name("cute_gemv.py")  # the kernels: their code is part of every key
 _MODULES: list = []  # the loaded object files' modules: their engines hold the launchers' code
+_WARNED: list = []  # a store failed in this process (warned once; later ones are debug lines)
 
 
 def cache_dir() -> Path | None:
@@ -106,8 +107,10 @@ def store(key: str, compiled) -> bool:
         with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
             compiled.export_to_c(tmp, key, function_prefix=_prefix(key))
             os.replace(Path(tmp) / f"{key}.o", folder / f"{key}.o")
-    except Exception as e:
-        log.warning("could not keep the compiled CuTe GEMV in %s (%s: %s); the next process "
-                    "compiles it again (%s=off stops trying)", folder, type(e).__name__, e, ENV)
+    except Exception as e:  # said once a process (a full disk would fail every GEMV's store)
+        log.log(logging.DEBUG if _WARNED else logging.WARNING,
+                "could not keep the compiled CuTe GEMV in %s (%s: %s); the next process compiles "
+                "it again (%s=off stops trying)", folder, type(e).__name__, e, ENV)
+        _WARNED.append(True)
         return False
     return True

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flashlet.kernels import cute_disk_cache, cute_gemv
-from flashlet.kernels.cute_gemv import RopeShape, plan_gemv
+from flashlet.kernels.cute_gemv import CuteGemv, RopeShape, plan_gemv
 
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
 
@@ -124,10 +124,13 @@ def test_a_file_that_does_not_load_is_removed_and_compiled_again(monkeypatch, tm
 
 def test_a_store_that_fails_costs_only_the_next_start(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cute_disk_cache, "_WARNED", [])
     with caplog.at_level(logging.WARNING, logger=cute_disk_cache.__name__):
         assert not cute_disk_cache.store("56" * 20, FakeCompiled(b"", fail=True))
+        assert not cute_disk_cache.store("57" * 20, FakeCompiled(b"", fail=True))
     assert "could not keep" in caplog.text and f"{cute_disk_cache.ENV}=off" in caplog.text
-    assert list((tmp_path / "cache").iterdir()) == []  # the temporary folder is gone too
+    assert caplog.text.count("could not keep") == 1  # once a process, not once a GEMV
+    assert list((tmp_path / "cache").iterdir()) == []  # the temporary folders are gone too
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv(cute_disk_cache.ENV, str(blocker / "cache"))
@@ -144,6 +147,36 @@ def test_with_the_cache_off_nothing_is_read_or_written(monkeypatch, tmp_path):
 def test_gemv_plans_off_the_gpu_have_no_file():
     """Tracing on a CPU machine (the PTX tests) compiles for a stand-in GPU: never stored."""
     assert cute_gemv._disk_key(plan_gemv(896, 896, "none", num_sms=132), torch.device("cpu")) is None
+
+
+class FakeLauncher:
+    def __call__(self, *args):
+        raise AssertionError("not run here")
+
+
+def test_a_gemv_on_the_gpu_loads_its_file_before_compiling(monkeypatch):
+    """CuteGemv.compile's wiring, on the CPU: a file found is the launcher (nothing compiled,
+    from_disk); none found compiles and stores under the plan's key; the process's own cache
+    then serves a second object of the plan without either."""
+    gemv = CuteGemv.__new__(CuteGemv)  # the plan and device only: no tensors, no DSL
+    gemv.plan, gemv.device = plan_gemv(896, 896, "residual", num_sms=132), torch.device("cuda")
+    gemv._compiled, gemv.compile_seconds, gemv.from_disk = None, None, False
+    calls = []
+    monkeypatch.setattr(cute_gemv, "_COMPILED", {})
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: "k" * 40)
+    monkeypatch.setattr(CuteGemv, "_compile_now", lambda self, rope_kv: calls.append("compile") or "compiled")
+    monkeypatch.setattr(cute_disk_cache, "store", lambda key, compiled: calls.append(("store", key, compiled)))
+    loaded = FakeLauncher()
+    monkeypatch.setattr(cute_disk_cache, "load", lambda key: loaded)
+    assert gemv.compile() >= 0 and gemv._compiled is loaded and gemv.from_disk and calls == []
+    gemv._compiled = None
+    monkeypatch.setattr(cute_gemv, "_COMPILED", {})
+    monkeypatch.setattr(cute_disk_cache, "load", lambda key: None)
+    gemv.compile()
+    assert gemv._compiled == "compiled" and not gemv.from_disk
+    assert calls == ["compile", ("store", "k" * 40, "compiled")]
+    gemv._compiled = None  # another object of the same plan: the process's cache, 0 s
+    assert gemv.compile() == 0.0 and gemv._compiled == "compiled" and len(calls) == 2
 
 
 # One GEMV of each kind a step runs (bias + norm, the rope epilogue with its pool write, the

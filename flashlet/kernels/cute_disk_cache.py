@@ -10,11 +10,12 @@ compiled once on a machine loads in a fraction of a second in every later proces
 
 A file's name is a hash of all that its kernel was compiled from (`kernel_key`): the plan
 (shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version and the
-kernel's source (cute_gemv.py). Nothing else changes the code; a stale file is never read.
+kernel's source (cute_gemv.py). Nothing else that flashlet varies changes the code, so a stale
+file is never read.
 
 FLASHLET_CUTE_CACHE names the folder (default `$XDG_CACHE_HOME/flashlet/cute`, else
-`~/.cache/flashlet/cute`); `off` turns the cache off. The DSL releases before the loader (4.3.5
-loads object files through TVM-FFI only) compile every process, as before. A file that fails to
+`~/.cache/flashlet/cute`); `off` turns the cache off. A DSL release without that loader (4.3.5
+loads object files through TVM-FFI only) compiles in every process, as before. A file that fails to
 load is compiled again and replaced; a folder that cannot be written only costs the next start.
 """
 
@@ -59,7 +60,7 @@ def kernel_key(plan, arch: str, dsl_version: str) -> str:
 
 
 def loader_available() -> bool:
-    """Whether this DSL loads an exported object file without TVM-FFI (4.4 on; not 4.3.5)."""
+    """Whether this DSL loads an exported object file without TVM-FFI (4.8.1 does, 4.3.5 not)."""
     import importlib.util
     try:
         return importlib.util.find_spec("cutlass.base_dsl.export.external_binary_module") is not None

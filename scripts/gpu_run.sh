@@ -14,6 +14,8 @@
 #   tests-one-row the fused path at each served preset's shape, one row, teacher-forced against
 #                per-op (test_fused_batches_at_the_preset_shapes[P-1]): its one-row GEMV plans and
 #                attention entries (~3 min)
+#   tests-at     TESTS_AT (pytest arguments) in each older tree under bisect/, written by
+#                scripts/bisect_trees.sh: where a GPU test began to fail (~30 s a tree)
 #   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
 #                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
 #                speculative verify steps (short chunks), on the GPU (~2 min)
@@ -450,6 +452,13 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 400 $PYTEST $(for p in qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b; do
         echo "tests/gpu/test_gpu_fused_decode.py::test_fused_batches_at_the_preset_shapes[$p-1]"; done) ;;
+    tests-at)  # TESTS_AT's pytest arguments in each older tree under bisect/ (scripts/bisect_trees.sh)
+      cute_env
+      for d in bisect/*/; do
+        [[ -d $d ]] || { echo "no bisect/ trees: scripts/bisect_trees.sh writes them" | tee -a "$LOG"; status=2; break; }
+        run 200 env -C "$d" PYTHONPATH=".:$PYTHONPATH" $PYTEST ${TESTS_AT:?TESTS_AT: pytest arguments}
+      done
+      grep -E "^### env -C|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-mixed)
       cute_env
       run 480 $PYTEST tests/gpu/test_gpu_mixed_graphs.py tests/kernels/test_kern_prefill_split.py \

@@ -164,7 +164,9 @@
 #   start        engine start time, cold and warm kernel caches, triton and flashinfer
 #   start-ab     warm engine start with the DSL on the path, its GEMVs loaded from the disk cache
 #                (FLASHLET_CUTE_CACHE, the default) against compiled again (=off), then the cache's
-#                GPU test and the warm-up's (~6 min)
+#                GPU test and the warm-up's (~3 min); START_AB=runs: one run off the graph before
+#                each capture against two (FLASHLET_CAPTURE_WARM_RUNS), the cache on, then the graph
+#                tests with one (~9 min)
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
 #   kernels      the kernel sweep against PyTorch and FlashInfer; torchlet's progression table
 #   long-context one stream after 8,000- and 30,000-token prompts
@@ -550,24 +552,40 @@ for _ in range(480):
         done
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start.jsonl" ;;
-    start-ab)  # warm start with the CuTe DSL on the path: its GEMVs loaded from FLASHLET_CUTE_CACHE
-      # (the default) against compiled again (=off), two interleaved pairs after one cold start
-      # fills the caches; then the cache's own GPU test and the warm-up's
+    start-ab)  # warm start with the CuTe DSL on the path, two interleaved pairs after one cold
+      # start fills the caches: START_AB=cache (default) the GEMVs loaded from FLASHLET_CUTE_CACHE
+      # against compiled again (=off), then the cache's GPU test and the warm-up's; START_AB=runs
+      # FLASHLET_CAPTURE_WARM_RUNS 2 (the default) against 1 with the cache on, then the graph
+      # tests with one run
       cute_env
       d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
       caches=(TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi")
       run 240 env "${caches[@]}" FLASHLET_CUTE_CACHE="$d/cute" python3 scripts/start_time.py \
         --config qwen2.5-0.5b --backend triton --label cold --append "$OUT/json/start-ab.jsonl"
       for pair in 1 2; do
-        for mode in on off; do
-          cute=off; [[ $mode == on ]] && cute="$d/cute"
-          run 120 env "${caches[@]}" FLASHLET_CUTE_CACHE="$cute" python3 scripts/start_time.py \
-            --config qwen2.5-0.5b --backend triton --label "warm-cute-cache-$mode" \
-            --append "$OUT/json/start-ab.jsonl"
-        done
+        if [[ ${START_AB:-cache} == runs ]]; then
+          for runs in 2 1; do
+            run 120 env "${caches[@]}" FLASHLET_CUTE_CACHE="$d/cute" FLASHLET_CAPTURE_WARM_RUNS=$runs \
+              python3 scripts/start_time.py --config qwen2.5-0.5b --backend triton \
+              --label "warm-runs$runs" --append "$OUT/json/start-ab.jsonl"
+          done
+        else
+          for mode in on off; do
+            cute=off; [[ $mode == on ]] && cute="$d/cute"
+            run 120 env "${caches[@]}" FLASHLET_CUTE_CACHE="$cute" python3 scripts/start_time.py \
+              --config qwen2.5-0.5b --backend triton --label "warm-cute-cache-$mode" \
+              --append "$OUT/json/start-ab.jsonl"
+          done
+        fi
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
-      run 240 $PYTEST tests/kernels/test_cute_disk_cache.py tests/gpu/test_gpu_warmup.py ;;
+      if [[ ${START_AB:-cache} == runs ]]; then
+        run 400 env FLASHLET_CAPTURE_WARM_RUNS=1 $PYTEST tests/gpu/test_gpu_mixed_graphs.py \
+          tests/gpu/test_gpu_graph_inputs.py tests/gpu/test_gpu_step_paths.py tests/gpu/test_gpu_engine.py \
+          tests/gpu/test_gpu_fused_decode.py -k "not preset_shapes and not rope_in"
+      else
+        run 240 $PYTEST tests/kernels/test_cute_disk_cache.py tests/gpu/test_gpu_warmup.py
+      fi ;;
     fidelity) run 540 python3 scripts/fidelity.py --dtype bfloat16 --num-seqs 16 \
                 --json "$OUT/json/fidelity.json" ;;
     kernels)

@@ -25,7 +25,9 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,19 @@ def load(key: str, loader=None):
     return launcher
 
 
+STALE_EXPORT_S = 3600  # an export folder this old belongs to a process that died mid-export
+
+
+def _remove_stale_exports(folder: Path) -> None:
+    """Export folders left by processes killed mid-export (a live export takes under a second)."""
+    for stale in folder.glob(".export-*"):
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_EXPORT_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            pass
+
+
 def store(key: str, compiled) -> bool:
     """Write `compiled` (what `cute.compile` returned) under `key`: exported into a temporary
     folder beside the file, then renamed into place, so that a reader never sees half a file.
@@ -105,6 +120,7 @@ def store(key: str, compiled) -> bool:
         return False
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_exports(folder)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
             compiled.export_to_c(tmp, key, function_prefix=_prefix(key))
             os.replace(Path(tmp) / f"{key}.o", folder / f"{key}.o")

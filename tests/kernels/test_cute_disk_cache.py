@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -135,6 +136,19 @@ def test_a_store_that_fails_costs_only_the_next_start(monkeypatch, tmp_path, cap
     blocker.write_text("not a folder")
     monkeypatch.setenv(cute_disk_cache.ENV, str(blocker / "cache"))
     assert not cute_disk_cache.store("56" * 20, FakeCompiled(b"OBJ:x"))
+
+
+def test_a_store_removes_exports_left_by_killed_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path))
+    old, live = tmp_path / ".export-old", tmp_path / ".export-live"
+    for d in (old, live):
+        d.mkdir()
+        (d / "half.o").write_bytes(b"OBJ")
+    hours_ago = time.time() - 2 * cute_disk_cache.STALE_EXPORT_S
+    os.utime(old, (hours_ago, hours_ago))
+    key = "9a" * 20
+    assert cute_disk_cache.store(key, FakeCompiled(b"OBJ:" + cute_disk_cache._prefix(key).encode()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export-live", f"{key}.o"]
 
 
 def test_with_the_cache_off_nothing_is_read_or_written(monkeypatch, tmp_path):

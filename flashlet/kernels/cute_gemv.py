@@ -66,7 +66,8 @@ four m16n8k16 products a step take them with x's two 16-byte chunks of the same 
 
 The CuTe DSL (`nvidia-cutlass-dsl`, 4.3.5 to 4.8.1; CUTE_DSL_PIN is the recommended one, which
 also meets FlashInfer's floor of 4.6.2) is imported on first use, so the rest of flashlet never
-needs it; `CuteUnavailable` says how to install it when it is missing. The code is the same on
+needs it; `CuteUnavailable` says how to install it when it is missing. A compiled launcher is
+kept on disk and loaded by later processes (`cute_disk_cache`). The code is the same on
 each version; the PTX is not (instruction selection, a load's type spelled otherwise), the SASS's
 loads and products are (FUSED_NOTES.md, "CuTe DSL versions").
 """

@@ -6,7 +6,8 @@ goes: the first token of a multi-turn chat whose history is in the prefix cache.
 One fresh process. For each length: the prompt is cached (one 8-token call), then --calls
 1-token calls are timed (wall clock, synchronized), with the prefix cache's hit tokens, then one
 more runs under torch.profiler: its device time by kernel (the top few) and in all, so the host's
-part is the rest; and one under cProfile: the host functions that took the most time of their
+part is the rest, and where in the call that rest falls (before the device's first event, in gaps
+between its events, after its last); and one under cProfile: the host functions that took the most time of their
 own. Why: `lab/one_stream_pair.py` on an H100 (session 43) read such a call at 2.0 ms after 32
 tokens, 3.4 after 1,000 and 14.2 after 8,000 (Qwen3-0.6B), where only the last page's 16 tokens
 are computed. One JSON line a length; on the CPU (tiny random model, `--model DIR`) the same
@@ -36,16 +37,44 @@ def timed_call(llm, prompt) -> float:
     return time.perf_counter() - t0
 
 
+def timeline(call: tuple[float, float], device: list[tuple[float, float]]) -> dict:
+    """Where a call's wall clock went, from its span and its device events' spans (us, one
+    clock): before the first device event (the host's work before it launches anything), the
+    device busy (the union of its events), the gaps between them, and after the last one (the
+    host's work after the device's). The four add up to the call."""
+    start, end = call
+    spans = sorted((max(a, start), min(b, end)) for a, b in device if b > start and a < end)
+    if not spans:
+        return {"before_device_ms": round((end - start) / 1e3, 3), "device_busy_ms": 0.0,
+                "device_gaps_ms": 0.0, "after_device_ms": 0.0}
+    busy, reach = 0.0, spans[0][0]
+    for a, b in spans:
+        busy += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    first, last = spans[0][0], reach
+    return {"before_device_ms": round((first - start) / 1e3, 3), "device_busy_ms": round(busy / 1e3, 3),
+            "device_gaps_ms": round((last - first - busy) / 1e3, 3),
+            "after_device_ms": round((end - last) / 1e3, 3)}
+
+
 def device_kernels(llm, prompt, top: int) -> dict:
-    """One more call under torch.profiler: device ms in all, and its `top` kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
+    """One more call under torch.profiler: device ms in all, its `top` kernels by time, and the
+    call's timeline (`timeline`): which part of the host's share comes before the device starts,
+    between its kernels and after it ends."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed_call(llm, prompt)
+        with record_function("cached_prompt_call"):
+            timed_call(llm, prompt)
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     kernels.sort(key=lambda e: -e.device_time_total)
+    events = prof.events()
+    call = next(e for e in events if e.name == "cached_prompt_call" and e.device_type.name == "CPU")
+    device = [(e.time_range.start, e.time_range.end) for e in events  # (not the range's own GPU mark)
+              if e.device_type.name == "CUDA" and e.name != "cached_prompt_call"]
     return {"device_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 3),
-            "top": [[e.key[:80], e.count, round(e.device_time_total / 1e3, 3)] for e in kernels[:top]]}
+            "top": [[e.key[:80], e.count, round(e.device_time_total / 1e3, 3)] for e in kernels[:top]],
+            **timeline((call.time_range.start, call.time_range.end), device)}
 
 
 def host_functions(llm, prompt, top: int) -> dict:

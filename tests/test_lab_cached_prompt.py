@@ -24,3 +24,15 @@ def test_a_cached_prompt_call_hits_all_but_its_last_page(tiny_qwen2, capsys):
         assert r["hit_tokens_a_call"] == (r["prompt_len"] - 1) // 16 * 16
         assert ("device_ms" in r) == torch.cuda.is_available()  # the device part where there is one
         assert len(r["host_top"]) == 6 and all(ms >= 0 for _, _, ms in r["host_top"])
+
+
+def test_the_timeline_splits_a_call_into_four_parts_that_add_up():
+    # a call from 0 to 1,000 us; device events 100-300, 250-400 (overlapping), 500-700, one past the end
+    got = cached_prompt_call.timeline((0.0, 1000.0), [(500, 700), (100, 300), (250, 400), (950, 1200)])
+    assert got == {"before_device_ms": 0.1, "device_busy_ms": 0.55, "device_gaps_ms": 0.35,
+                   "after_device_ms": 0.0}
+    assert sum(got.values()) == 1.0
+    got = cached_prompt_call.timeline((0.0, 1000.0), [(200, 600)])
+    assert got == {"before_device_ms": 0.2, "device_busy_ms": 0.4, "device_gaps_ms": 0.0,
+                   "after_device_ms": 0.4}
+    assert cached_prompt_call.timeline((0.0, 500.0), [])["before_device_ms"] == 0.5

@@ -9,9 +9,9 @@ compiled once on a machine loads in a fraction of a second in every later proces
 30: 0.06 s, and a warm start 5.9 s against 16.0 compiling them; H100, 5a13ebc).
 
 A file's name is a hash of all that its kernel was compiled from (`kernel_key`): the plan
-(shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version and the
-kernel's source (cute_gemv.py). Nothing else that flashlet varies changes the code, so a stale
-file is never read.
+(shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version, the
+kernel's source (cute_gemv.py) and the DSL's settings in the environment (CUTE_DSL_*). Nothing
+else that flashlet varies changes the code, so a stale file is never read.
 
 FLASHLET_CUTE_CACHE names the folder (default `$XDG_CACHE_HOME/flashlet/cute`, else
 `~/.cache/flashlet/cute`); `off` turns the cache off. A DSL release without that loader (4.3.5
@@ -56,8 +56,10 @@ def _source_digest() -> str:
 
 def kernel_key(plan, arch: str, dsl_version: str) -> str:
     """The file name's hash: the plan (a frozen dataclass: its repr lists every field), the GPU
-    (arch: compute capability and SM count), the DSL's version and the kernel source."""
-    text = "\n".join((repr(plan), arch, dsl_version, _source_digest()))
+    (arch: compute capability and SM count), the DSL's version, the kernel source, and the DSL's
+    own settings from the environment (CUTE_DSL_ARCH, an opt level...: any CUTE_DSL_* variable)."""
+    dsl_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_"))
+    text = "\n".join((repr(plan), arch, dsl_version, _source_digest(), repr(dsl_env)))
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 

@@ -56,6 +56,18 @@ def test_the_key_changes_with_everything_the_kernel_is_compiled_from():
     assert key not in others and len(others) == 5
 
 
+def test_the_key_includes_the_dsls_settings_from_the_environment(monkeypatch):
+    plan = plan_gemv(896, 896, "residual", num_sms=132)
+    for name in [k for k in os.environ if k.startswith("CUTE_DSL_")]:
+        monkeypatch.delenv(name)
+    key = cute_disk_cache.kernel_key(plan, "sm_90 x132", "4.8.1")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90")
+    assert cute_disk_cache.kernel_key(plan, "sm_90 x132", "4.8.1") != key
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    monkeypatch.setenv("FLASHLET_UNRELATED", "1")  # only the DSL's own variables
+    assert cute_disk_cache.kernel_key(plan, "sm_90 x132", "4.8.1") == key
+
+
 def test_the_key_includes_the_kernel_source(monkeypatch, tmp_path):
     plan = plan_gemv(896, 896, "residual", num_sms=132)
     key = cute_disk_cache.kernel_key(plan, "sm_90 x132", "4.8.1")

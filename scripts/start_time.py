@@ -28,6 +28,7 @@ def measure(args) -> dict:
     import torch
 
     from flashlet import Engine, EngineConfig, SamplingParams
+    from flashlet.kernels import cute_disk_cache
 
     imported = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -50,14 +51,14 @@ def measure(args) -> dict:
             "cute_from_disk": s.get("cute_from_disk"),
             "first_request_s": first_request,
             "triton_cache": os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"),
-            "flashinfer_cache": os.environ.get("FLASHINFER_WORKSPACE_BASE", "~")}
+            "flashinfer_cache": os.environ.get("FLASHINFER_WORKSPACE_BASE", "~"),
+            "cute_cache": str(cute_disk_cache.cache_dir() or "off")}
 
 
 def table(paths) -> str:
     rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
     head = ("label", "backend", "start_s", "load_s", "warmup_s", "capture_s", "cute_compile_s", "cute_from_disk",
-            "graphs",
-            "triton_compiles", "first_request_s")
+            "graphs", "triton_compiles", "first_request_s")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else "-" if r.get(k) is None

@@ -175,7 +175,7 @@ def warm_up(engine) -> dict:
         report["cute_gemvs"], report["cute_compile_s"], report["cute_from_disk"] = runner.fused.compiled()
         log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) ready in %.2f s (%d "
                  "loaded from %s)", runner.fused.row_counts, report["cute_gemvs"],
-                 report["cute_compile_s"], report["cute_from_disk"], cute_disk_cache.cache_dir() or "no cache")
+                 report["cute_compile_s"], report["cute_from_disk"], cute_disk_cache.usable_dir() or "no disk cache")
     log.info("warm-up: %d chunk step(s) %s and sampling in %.2f s; %d decode size(s) in %.2f s, "
              "%d mixed-step graph(s) in %.2f s (%d CUDA graphs); %s Triton kernel(s) compiled "
              "or loaded", len(chunks), chunks, report["warmup_s"], len(sizes), t2 - t1,

@@ -63,6 +63,7 @@ def kernel_key(plan, arch: str, dsl_version: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
+@functools.cache
 def loader_available() -> bool:
     """Whether this DSL loads an exported object file without TVM-FFI (4.8.1 does, 4.3.5 not)."""
     import importlib.util
@@ -70,6 +71,12 @@ def loader_available() -> bool:
         return importlib.util.find_spec("cutlass.base_dsl.export.external_binary_module") is not None
     except ModuleNotFoundError:
         return False
+
+
+def usable_dir() -> Path | None:
+    """The folder when this process reads and writes it: the cache on and a DSL that loads."""
+    folder = cache_dir()
+    return folder if folder is not None and loader_available() else None
 
 
 def _prefix(key: str) -> str:

@@ -1939,7 +1939,7 @@ def _num_sms(device: torch.device) -> int:
 def _disk_key(plan: GemvPlan, device: torch.device) -> str | None:
     """The plan's file in cute_disk_cache (None off the GPU, with the cache off, or with a DSL
     that cannot load one)."""
-    if device.type != "cuda" or cute_disk_cache.cache_dir() is None or not cute_disk_cache.loader_available():
+    if device.type != "cuda" or cute_disk_cache.usable_dir() is None:
         return None
     props = torch.cuda.get_device_properties(device)
     version = dsl_version() or getattr(_dsl()["cutlass"], "__version__", "")

@@ -77,8 +77,9 @@ STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "1") == "1"
 # Runs of a step's forward off the graph before its capture: the first compiles what is lazy
 # (Triton, the CuTe DSL) and lets the allocator settle; a second only repeats it on the same
 # side stream. $FLASHLET_CAPTURE_WARM_RUNS=1 / 2 sets it for an A/B of start time and the graph
-# tests: one run read capture -1% on an H100 (FUSED_NOTES.md, "Session 49"; within the processes'
-# spread), so the default stays 2 until the next A/B, with the CuTe compile seconds taken out.
+# tests: one run read capture -1% on an H100 (FUSED_NOTES.md, "Session 49"), -29% with the CuTe
+# compile seconds taken out ("Session 50"); the default stays 2 until that A/B is repeated with
+# the compiles on disk and the graph tests pass under one run (the queue's item 4b).
 CAPTURE_WARM_RUNS_ENV = "FLASHLET_CAPTURE_WARM_RUNS"
 
 

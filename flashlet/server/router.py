@@ -14,7 +14,9 @@ request lengthens every step a newcomer shares with it); the request adds its ow
 the prefix that core holds. So a chat template's page or two is worth less than one request
 fewer in flight, and the work spreads over the cores, while a long shared system prompt
 (thousands of tokens it need not compute again) keeps its requests on the core that holds it
-until that core's queue is longer than the prompt. Ties go to the core with fewer in flight.
+until that core's queue is longer than the prompt. Ties go to the core with fewer in flight,
+then take turns (requests that arrive one after another on an idle server alternate instead of
+all landing on the first core).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class PrefixRouter:
         self.indexes = [PrefixIndex(page_size, max_pages_per_core) for _ in range(num_cores)]
         self.page_size = page_size
         self.request_cost_tokens = request_cost_tokens
+        self.next_on_tie = 0  # the core that wins a full tie next (turns go round)
 
     def route(self, token_ids: Sequence[int], loads: Sequence[int],
               pending_tokens: Sequence[int] | None = None) -> int:
@@ -85,6 +88,8 @@ class PrefixRouter:
                       for index in self.indexes]
         finish = [pending[c] + self.request_cost_tokens * loads[c] + to_compute[c]
                   for c in range(len(loads))]
-        core = min(range(len(loads)), key=lambda c: (finish[c], loads[c]))
+        n = len(loads)
+        core = min(range(n), key=lambda c: (finish[c], loads[c], (c - self.next_on_tie) % n))
+        self.next_on_tie = (core + 1) % n
         self.indexes[core].insert(keys)
         return core, to_compute[core]

@@ -95,6 +95,21 @@ def test_router_spreads_requests_that_share_only_a_template_prefix():
     assert cores.count(0) == cores.count(1) == 16
 
 
+def test_router_alternates_requests_that_arrive_one_after_another_on_idle_cores():
+    """Each request done before the next arrives (loads and waits all zero): the cores take
+    turns, where always picking the first core of a tie sent them all to core 0 (issue 32's
+    two-core test saw 21 of 32 there)."""
+    router = PrefixRouter(num_cores=3, page_size=16)
+    template = list(range(1000, 1030))  # a page and a bit
+    # Three at once first: each core comes to hold the template's page.
+    assert [router.route(template + [i], loads) for i, loads in
+            enumerate(([0, 0, 0], [1, 0, 0], [1, 1, 0]))] == [0, 1, 2]
+    cores = [router.route(template + [i] * 12, [0, 0, 0]) for i in range(30)]
+    assert [cores.count(c) for c in range(3)] == [10, 10, 10], cores
+    # A tie broken by turn never outweighs fewer in flight.
+    assert router.route([5] * 20, [0, 1, 1]) == 0 and router.route([6] * 20, [1, 0, 1]) == 1
+
+
 def test_router_keeps_a_long_shared_system_prompt_on_its_core():
     router = PrefixRouter(num_cores=2, page_size=16)
     system = list(range(2000))

@@ -145,8 +145,6 @@
 #                printed lines only; ncu-step's the same), so both parts also summarize the SASS view
 #   itl-busypoll one stream's token gaps through the server, default flags against --busy-poll-ms 2,
 #                two clients, in-process beside (lab/itl_clients.py; .whl/ and .tok/ carried; ~4 min)
-#   trees        TREE_TEST (pytest arguments) in each older tree under .trees/ (carried; the part's
-#                note says how to make them): a GPU test bisected over commits
 #   streams      in-process closed loop at concurrency 1, 4, 16 (128 new tokens) in the harness and
 #                through LLM.generate, then one stream through LLM.generate (~5 min)
 #   serve        the HTTP server against in-process on the same workload, default server flags
@@ -487,13 +485,6 @@ for part in "${PARTS[@]}"; do
         --max-new-tokens 128 --out "$OUT/json/closed-loop-1-4-16.json"
       run 300 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json" ;;
-    trees)  # TREE_TEST (pytest arguments) run in each older tree under .trees/ (a bisect), each
-      # with that tree's flashlet and tests on the same machine. Make them here, then carry .trees:
-      #   for c in A B; do mkdir -p .trees/$c && git archive $c flashlet tests | tar -x -C .trees/$c; done
-      cute_env
-      for t in .trees/*/; do
-        (cd "$t" && run 150 env PYTHONPATH=".:$PYTHONPATH" $PYTEST -x ${TREE_TEST:?TREE_TEST=pytest args})
-      done ;;
     streams)  # issue 29's levels (128 new tokens) in the harness and through LLM.generate, then
       # one stream through LLM.generate (a fresh process's three calls)
       cute_env

@@ -172,6 +172,8 @@ def warm_up(engine) -> dict:
               "chunk_lengths": chunks, "decode_sizes": sizes, "mixed_graphs": len(mixed),
               "graphs": len(runner.graphs), "triton_compiles": compiles.count}
     if runner.fused is not None:
+        if runner.fused.precompile is not None:  # every GEMV is ready: its workers have ended
+            runner.fused.precompile.close()
         report["cute_gemvs"], report["cute_compile_s"], report["cute_from_disk"] = runner.fused.compiled()
         log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) ready in %.2f s (%d "
                  "loaded from %s)", runner.fused.row_counts, report["cute_gemvs"],

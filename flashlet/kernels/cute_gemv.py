@@ -82,7 +82,7 @@ import time
 
 import torch
 
-from flashlet.kernels import cute_disk_cache, tuning
+from flashlet.kernels import cute_disk_cache, cute_precompile, tuning
 
 EPILOGUES = ("none", "bias", "residual", "silu_mul", "argmax", "rope_kv", "bias_rope_kv")
 ROPE_EPILOGUES = ("rope_kv", "bias_rope_kv")
@@ -1936,15 +1936,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _disk_key(plan: GemvPlan, device: torch.device) -> str | None:
+def _disk_key(plan: GemvPlan, device: torch.device, traced: str = "") -> str | None:
     """The plan's file in cute_disk_cache (None off the GPU, with the cache off, or with a DSL
-    that cannot load one)."""
+    that cannot load one). traced: how a file not compiled the usual way was traced
+    (cute_precompile's stand-ins), kept apart from the usual files."""
     if device.type != "cuda" or cute_disk_cache.usable_dir() is None:
         return None
     props = torch.cuda.get_device_properties(device)
     version = dsl_version() or getattr(_dsl()["cutlass"], "__version__", "")
     return cute_disk_cache.kernel_key(plan, f"sm_{props.major}{props.minor} x{props.multi_processor_count}",
-                                      version)
+                                      version, traced)
 
 
 _ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
@@ -1975,11 +1976,24 @@ class CuteGemv:
         [N, K] and each call passes its row scales (`scale=`, fp32 [N]). knobs: plan_gemv's plan
         overrides (warps, outs_per_group, ctas_per_sm, stages, late_g, min_ctas_per_sm, tuned);
         by default TUNED_PLANS or the heuristic decide."""
-        self.device = torch.device(device)
-        self.plan = plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(self.device), pdl=pdl,
-                              max_loads=max_loads, staged=staged, norm=norm, eps=eps, rope=rope,
-                              rows=rows, fp8=fp8, **knobs)
+        device = torch.device(device)
+        self._setup(device, plan_gemv(n_rows, k, epilogue, num_sms=_num_sms(device), pdl=pdl,
+                                      max_loads=max_loads, staged=staged, norm=norm, eps=eps,
+                                      rope=rope, rows=rows, fp8=fp8, **knobs))
+
+    @classmethod
+    def of_plan(cls, plan: GemvPlan, device="cpu") -> CuteGemv:
+        """A GEMV for a plan made elsewhere: cute_precompile's workers trace a GPU's plans with
+        stand-ins on the host (`device` cpu), touching no GPU."""
+        gemv = cls.__new__(cls)
+        gemv._setup(torch.device(device), plan)
+        return gemv
+
+    def _setup(self, device: torch.device, plan: GemvPlan) -> None:
+        """The plan's own buffers (the argmax's partials, split-K's sums and counters)."""
+        self.device, self.plan = device, plan
         p = self.plan
+        epilogue = p.epilogue
         f32, i32 = torch.float32, torch.int32
         parts = p.grid * p.rows if epilogue == "argmax" else 1
         counters = 1
@@ -2120,6 +2134,8 @@ class CuteGemv:
             t0 = time.perf_counter()
             disk_key = _disk_key(self.plan, self.device)
             self._compiled = cute_disk_cache.load(disk_key) if disk_key else None
+            if self._compiled is None and disk_key:  # a worker's, where precompiling is on
+                self._compiled = cute_precompile.load(self.plan, self.device)
             self.from_disk = self._compiled is not None
             if self._compiled is None:
                 self._compiled = self._compile_now(rope_kv)

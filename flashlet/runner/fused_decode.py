@@ -87,6 +87,7 @@ import numpy as np
 import torch
 
 from flashlet.attention.selection import Platform, fused_decline
+from flashlet.kernels import cute_precompile
 from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV,
                                         RopeShape, VEC, cute_available, lanes_for, plan_gemv)
 from flashlet.models import quantization
@@ -390,6 +391,9 @@ class FusedDecode:
         self.row_counts = sorted(self.gemvs)
         self.max_rows = self.row_counts[-1]
         self._allocate_buffers(self.max_rows, device)
+        # Plans not on disk compile in worker processes meanwhile, where that is on (the
+        # warm-up's first calls then load them; warm_up ends the workers).
+        self.precompile = cute_precompile.start(g for gemvs in self.gemvs.values() for g in gemvs.all())
 
     def _widths(self) -> tuple[int, int, int, int, int]:
         """(hidden, q, kv, intermediate, vocab): the widths the GEMVs and the buffers have."""

@@ -1,0 +1,275 @@
+"""The fused path's GEMVs compiled in worker processes (flashlet.kernels.cute_precompile): which
+plans `start` hands out and to how many workers, a GEMV's first call waiting for its worker's
+file (or compiling itself where the worker failed), the workers ended; with the CuTe DSL on
+the path, a worker really traces and exports the plans (the host needs no GPU for that)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashlet.kernels import cute_disk_cache, cute_gemv, cute_precompile
+from flashlet.kernels.cute_gemv import CuteGemv, RopeKV, RopeShape, plan_gemv
+
+HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
+
+# A worker standing in for the real one: writes each job's file after `delay` s, except keys
+# starting with "fail", then exits 1 if any failed (the real worker's exit).
+STUB_WORKER = textwrap.dedent("""
+    import pickle, sys, time
+    from pathlib import Path
+    jobs = pickle.loads(sys.stdin.buffer.read())
+    failed = 0
+    for plan, key, folder in jobs:
+        time.sleep(float(sys.argv[1]))
+        if key.startswith("fail"):
+            failed += 1
+        else:
+            Path(folder, key + ".o").write_text(repr(plan))
+    sys.exit(1 if failed else 0)
+""")
+
+
+def stub(delay: float = 0.0) -> list[str]:
+    return [sys.executable, "-c", STUB_WORKER, str(delay)]
+
+
+def test_the_switch_reads_0_or_1(monkeypatch):
+    monkeypatch.delenv(cute_precompile.ENV, raising=False)
+    assert not cute_precompile.enabled()
+    monkeypatch.setenv(cute_precompile.ENV, "1")
+    assert cute_precompile.enabled()
+    monkeypatch.setenv(cute_precompile.ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        cute_precompile.enabled()
+
+
+def test_workers_are_half_the_cpus_at_most_eight_never_more_than_the_plans():
+    assert cute_precompile.worker_count(30, cpus=16) == 8
+    assert cute_precompile.worker_count(30, cpus=64) == 8
+    assert cute_precompile.worker_count(3, cpus=16) == 3
+    assert cute_precompile.worker_count(30, cpus=2) == 1
+    assert cute_precompile.worker_count(30, cpus=1) == 1
+
+
+def test_each_plan_goes_to_one_worker_and_its_first_call_waits_for_the_file(tmp_path):
+    jobs = [(f"plan {i}", f"key{i}") for i in range(5)]
+    job = cute_precompile.Precompile(jobs, tmp_path, "sm_90a", command=stub(0.2), workers=2)
+    try:
+        assert len(set(job.worker_of.values())) == 2
+        assert all(cute_precompile._PENDING[key] is job for _, key in jobs)
+        t0 = time.monotonic()
+        assert job.wait("key4")  # round robin: worker 0 has key0, key2, key4 (0.2 s each)
+        assert time.monotonic() - t0 >= 0.6 and (tmp_path / "key4.o").read_text() == "'plan 4'"
+        assert "key4" not in cute_precompile._PENDING
+        for _, key in jobs:
+            assert job.wait(key)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"key{i}.o" for i in range(5)]
+    finally:
+        job.close()
+    assert not cute_precompile._PENDING
+    assert all(proc.returncode == 0 for proc in job.worker_of.values())
+
+
+def test_a_failed_plan_is_not_waited_for_past_its_workers_end(tmp_path):
+    job = cute_precompile.Precompile([("a", "fail-a"), ("b", "key-b")], tmp_path, "sm_90a",
+                                     command=stub(), workers=1)
+    try:
+        assert not job.wait("fail-a", timeout=60)  # the worker ended without it
+        assert job.wait("key-b")
+    finally:
+        job.close()
+    assert next(iter(job.worker_of.values())).returncode == 1
+
+
+def test_close_ends_workers_still_running(tmp_path):
+    job = cute_precompile.Precompile([("a", "k-a"), ("b", "k-b")], tmp_path, "sm_90a",
+                                     command=stub(60), workers=2)
+    job.close()
+    assert all(proc.returncode is not None for proc in job.worker_of.values())
+    assert not cute_precompile._PENDING and not list(tmp_path.iterdir())
+
+
+def test_a_worker_that_cannot_start_its_jobs_leaves_them_to_the_engine(tmp_path):
+    job = cute_precompile.Precompile([("a", "k-a"), ("b", "k-b")], tmp_path, "sm_90a",
+                                     command=[sys.executable, "-c", "import sys; sys.exit(3)"], workers=1)
+    try:
+        assert not job.wait("k-a", timeout=60) and not job.wait("k-b", timeout=60)
+    finally:
+        job.close()
+
+
+def test_workers_get_the_gpus_arch_and_this_checkout_on_their_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    script = ("import os, pickle, sys; from pathlib import Path; "
+              "jobs = pickle.loads(sys.stdin.buffer.read()); "
+              "Path(jobs[0][2], jobs[0][1] + '.o').write_text("
+              "os.environ['CUTE_DSL_ARCH'] + '|' + os.environ['PYTHONPATH'] + '|' + os.environ['OMP_NUM_THREADS'])")
+    job = cute_precompile.Precompile([("a", "k")], tmp_path, "sm_90a", command=[sys.executable, "-c", script])
+    try:
+        assert job.wait("k", timeout=60)
+    finally:
+        job.close()
+    arch, path, threads = (tmp_path / "k.o").read_text().split("|")
+    repo = str(cute_precompile.Path(cute_precompile.__file__).resolve().parents[2])
+    assert arch == "sm_90a" and path.split(os.pathsep) == [repo, "/elsewhere"] and threads == "1"
+
+
+class FakeGemv(SimpleNamespace):
+    pass
+
+
+def test_start_hands_out_the_plans_on_disk_neither_way_once_each(tmp_path, monkeypatch):
+    """The usual file or a worker's file already there, a plan compiled in this process, a plan
+    twice: none handed out; the rest go to Precompile with their workers' keys."""
+    monkeypatch.setenv(cute_precompile.ENV, "1")
+    monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: tmp_path)
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device, traced="": f"{plan}-{bool(traced)}")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    made = []
+    monkeypatch.setattr(cute_precompile, "Precompile",
+                        lambda jobs, folder, arch: made.append((jobs, folder, arch)) or "job")
+    (tmp_path / "usual-False.o").write_text("")
+    (tmp_path / "worker-True.o").write_text("")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(cute_gemv._COMPILED, ("here", str(cuda)), object())
+    plans = ["usual", "worker", "here", "a", "b", "a", "c"]
+    assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in plans) == "job"
+    assert made == [([("a", "a-True"), ("b", "b-True"), ("c", "c-True")], tmp_path, "sm_90a")]
+    # Fewer than MIN_PLANS missing, the switch off, the cache off, or a CPU engine: no workers.
+    made.clear()
+    assert cute_precompile.start([FakeGemv(plan="a", device=cuda)]) is None
+    monkeypatch.setenv(cute_precompile.ENV, "0")
+    assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in "abc") is None
+    monkeypatch.setenv(cute_precompile.ENV, "1")
+    assert cute_precompile.start(FakeGemv(plan=p, device=torch.device("cpu")) for p in "abc") is None
+    monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: None)
+    assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in "abc") is None
+    assert not made
+
+
+def test_a_gemvs_first_call_loads_its_workers_file(tmp_path, monkeypatch):
+    """CuteGemv.compile: the usual file missing, precompiling on -> the worker's file is waited
+    for and loaded (counted as from disk), nothing compiled here."""
+    monkeypatch.setenv(cute_precompile.ENV, "1")
+    monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device, traced="": "w" if traced else "u")
+    job = cute_precompile.Precompile([("p", "w")], tmp_path, "sm_90a", command=stub(0.1), workers=1)
+    loaded = []
+    monkeypatch.setattr(cute_disk_cache, "load",
+                        lambda key: loaded.append((key, (tmp_path / f"{key}.o").is_file())) or (
+                            "launcher" if key == "w" else None))
+    gemv = CuteGemv(896, 896, "residual", device="cpu")
+    monkeypatch.setattr(gemv, "_compile_now", lambda rope_kv: pytest.fail("compiled in the engine"))
+    try:
+        gemv.compile()
+    finally:
+        job.close()
+        cute_gemv._COMPILED.pop((gemv.plan, "cpu"), None)
+    assert loaded == [("u", False), ("w", True)] and gemv._compiled == "launcher" and gemv.from_disk
+
+
+def cubin_sm(obj: bytes) -> int:
+    """The SM of the cubin inside an exported object file (the inner ELF's e_flags, low byte)."""
+    inner = obj.find(b"\x7fELF", 1)
+    assert inner > 0, "no cubin inside"
+    return struct.unpack_from("<I", obj, inner + 48)[0] & 0xFF
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_CUTE, reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:120]}")
+def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path):
+    """The real worker (`python -m flashlet.kernels.cute_precompile`), on this machine whether
+    it has a GPU or not: three kinds of plan exported as object files under their keys, each
+    launcher named for its key, each cubin for sm_90 (what the worker was told, where a DSL on a
+    host without a GPU would default to sm_100)."""
+    rope = RopeShape(64, 14, 2, 4096, 1024)
+    plans = [plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132),
+             plan_gemv(896, 4864, "residual", pdl=True, num_sms=132, rows=4, mma=False),
+             plan_gemv(4096, 256, "argmax", norm=True, num_sms=132)]
+    jobs = [(plan, f"plan{i}") for i, plan in enumerate(plans)]
+    job = cute_precompile.Precompile(jobs, tmp_path, "sm_90a", workers=2)
+    try:
+        assert all(job.wait(key, timeout=280) for _, key in jobs)
+    finally:
+        job.close()
+    assert all(proc.returncode == 0 for proc in job.worker_of.values())
+    for _, key in jobs:
+        obj = (tmp_path / f"{key}.o").read_bytes()
+        assert f"flashlet_gemv_{key}_cuda_init".encode() in obj and cubin_sm(obj) == 90
+
+
+def test_jobs_pickle_with_their_plans():
+    rope = RopeShape(64, 14, 2, 4096, 1024)
+    plan = plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, num_sms=132)
+    assert pickle.loads(pickle.dumps([(plan, "k", "/f")])) == [(plan, "k", "/f")]
+
+
+ROPE = RopeShape(64, 14, 2, 4096, 1024)
+GPU_CASES = {  # the fused path's kinds of GEMV: every epilogue, M rows, the tensor-core form, fp8
+    "qkv-rope": (1152, 896, "bias_rope_kv", dict(norm=True, pdl=True, rope=ROPE)),
+    "qkv-rope-4-rows": (1152, 896, "bias_rope_kv", dict(norm=True, pdl=True, rope=ROPE, rows=4)),
+    "o": (896, 896, "residual", dict(pdl=True)),
+    "gate-up": (9728, 896, "silu_mul", dict(norm=True, pdl=True)),
+    "down-8-rows": (896, 4864, "residual", dict(pdl=True, rows=8)),
+    "lm-head-16-rows": (151936, 896, "none", dict(norm=True, pdl=True, rows=16)),
+    "argmax": (151936, 896, "argmax", dict(norm=True, pdl=True)),
+    "argmax-4-rows": (151936, 896, "argmax", dict(norm=True, pdl=True, rows=4)),
+    "o-fp8": (896, 896, "residual", dict(pdl=True, fp8=True)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_CUTE,
+                    reason="needs CUDA and the CuTe DSL: both launchers run on the same inputs")
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_a_launcher_traced_with_stand_ins_computes_what_the_usual_one_does(case):
+    """What a worker compiles (traced with stand-ins on the host, `CuteGemv.of_plan(plan, "cpu")`)
+    against what the engine compiles (traced with the GPU's own tensors): the same outputs bit
+    for bit, and for the rope epilogues the same pool writes, on the same inputs."""
+    n, k, epilogue, kwargs = GPU_CASES[case]
+    gemv = CuteGemv(n, k, epilogue, device="cuda", **kwargs)
+    p = gemv.plan
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    x = randn(p.rows, k)
+    w = randn(p.n_rows, k, scale=0.05)
+    scale = None
+    if p.fp8:
+        scale = torch.rand(p.n_rows, device="cuda", generator=gen) * 0.01 + 0.001
+        w = (w.float() / scale[:, None]).to(p.weight_dtype)
+    extra = randn(gemv._extra_numel) if epilogue in ("bias", "residual", "bias_rope_kv") else None
+    norm_weight = randn(k) if p.norm else None
+    rope_kv = None
+    if p.rope is not None:
+        r = p.rope
+        pool = (r.cache_slots, r.num_kv_heads, r.head_dim)
+        rope_kv = RopeKV(torch.randint(0, r.table_rows, (p.rows,), device="cuda", generator=gen),
+                         torch.randn(r.table_rows, r.head_dim, device="cuda", generator=gen),
+                         torch.zeros(pool, dtype=torch.bfloat16, device="cuda"),
+                         torch.zeros(pool, dtype=torch.bfloat16, device="cuda"),
+                         torch.arange(p.rows, device="cuda") * 3 + 1)
+    results = []
+    for launcher in (gemv._compile_now(rope_kv), CuteGemv.of_plan(p, "cpu")._compile_now(None)):
+        out = gemv.out_like()
+        step = None if rope_kv is None else RopeKV(rope_kv.positions, rope_kv.cos_sin_cache,
+                                                   rope_kv.k_cache.clone(), rope_kv.v_cache.clone(),
+                                                   rope_kv.slot_mapping)
+        launcher(*gemv._args(x, w, extra, out, norm_weight, step, scale), gemv._stream())
+        torch.cuda.synchronize()
+        results.append([out] + ([] if step is None else [step.k_cache, step.v_cache]))
+    usual, stand_in = results
+    assert all(torch.equal(a, b) for a, b in zip(usual, stand_in)), case
+    assert usual[0].float().abs().sum() > 0  # the kernel wrote something

@@ -61,7 +61,7 @@ class Precompile:
         """jobs: (plan, key) pairs; arch: the GPU's (sm_90a), which the workers trace for.
         command: the worker's argv (a test's stand-in; default this module)."""
         self.folder = folder
-        count = workers if workers is not None else worker_count(len(jobs))
+        count = min(workers, len(jobs)) if workers is not None else worker_count(len(jobs))
         shares = [jobs[i::count] for i in range(count)]  # round robin: each a mix of the rows
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.setdefault("CUTE_DSL_ARCH", arch)
@@ -69,7 +69,6 @@ class Precompile:
             [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         argv = command or [sys.executable, "-m", "flashlet.kernels.cute_precompile"]
         self.worker_of: dict[str, subprocess.Popen] = {}
-        self.started = time.monotonic()
         for share in shares:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
             try:
@@ -125,9 +124,11 @@ def start(gemvs) -> Precompile | None:
     from flashlet.kernels.cute_gemv import _COMPILED, _disk_key
 
     folder = cute_disk_cache.usable_dir()
+    if folder is None:
+        return None
     jobs, seen, device = [], set(), None
     for gemv in gemvs:
-        if gemv.device.type != "cuda" or folder is None:
+        if gemv.device.type != "cuda":
             return None
         if gemv.plan in seen or (gemv.plan, str(gemv.device)) in _COMPILED:
             continue

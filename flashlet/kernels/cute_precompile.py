@@ -163,14 +163,17 @@ def load(plan, device):
 
 def compile_into(jobs: list[tuple[object, str, str]]) -> int:
     """A worker's part: trace each plan with stand-ins, export it under its key into its folder
-    (cute_disk_cache.store); returns how many failed."""
+    (cute_disk_cache.store), stopping early if the engine's process ends; returns how many
+    failed."""
     import torch
 
     from flashlet.kernels.cute_gemv import CuteGemv
 
     torch.set_num_threads(1)
-    failed = 0
+    failed, parent = 0, os.getppid()
     for plan, key, folder in jobs:
+        if os.getppid() != parent:  # the engine is gone: nobody waits for the rest
+            return failed
         os.environ[cute_disk_cache.ENV] = folder
         try:
             compiled = CuteGemv.of_plan(plan, "cpu")._compile_now(None)

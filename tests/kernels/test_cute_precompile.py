@@ -208,6 +208,29 @@ def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path
         assert f"flashlet_gemv_{key}_cuda_init".encode() in obj and cubin_sm(obj) == 90
 
 
+def test_a_worker_stops_when_the_engine_is_gone_and_counts_its_failures(monkeypatch, tmp_path):
+    """compile_into: each plan traced and stored under its key in its folder; a trace that
+    raises is counted; once the parent process has changed (the engine died: the worker was
+    reparented) the rest are left."""
+    stored, parents = [], iter([100, 100, 100, 100, 1])  # its start, then before each plan
+    monkeypatch.setattr(cute_precompile.os, "getppid", lambda: next(parents))
+
+    def of_plan(plan, device):
+        assert device == "cpu"
+        if plan == "bad":
+            return SimpleNamespace(_compile_now=lambda rope_kv: 1 / 0)
+        return SimpleNamespace(_compile_now=lambda rope_kv: f"compiled {plan}")
+
+    monkeypatch.setattr(CuteGemv, "of_plan", staticmethod(of_plan))
+    monkeypatch.setattr(cute_disk_cache, "store", lambda key, compiled: stored.append(
+        (key, compiled, os.environ[cute_disk_cache.ENV])) or True)
+    monkeypatch.setenv(cute_disk_cache.ENV, "unset")
+    jobs = [("a", "ka", str(tmp_path)), ("bad", "kb", str(tmp_path)), ("c", "kc", str(tmp_path)),
+            ("d", "kd", str(tmp_path))]
+    assert cute_precompile.compile_into(jobs) == 1
+    assert stored == [("ka", "compiled a", str(tmp_path)), ("kc", "compiled c", str(tmp_path))]
+
+
 def test_jobs_pickle_with_their_plans():
     rope = RopeShape(64, 14, 2, 4096, 1024)
     plan = plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, num_sms=132)

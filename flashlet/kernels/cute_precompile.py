@@ -4,7 +4,8 @@ A machine's first engine start compiles each of the fused decode path's GEMVs on
 another in the engine's process: 30 at the 0.5B shape, 10-18 s of a 31-53 s cold start on an
 H100 (FUSED_NOTES.md, "Session 50"); later starts load them from cute_disk_cache. A GEMV's
 compile needs no GPU: traced with stand-ins of its arguments' shapes (`CuteGemv._fake_args`,
-what the CPU's PTX tests lower), it gives the same kernel for the arch it is told. So as soon
+what the CPU's PTX tests lower), it lowers for the arch it is told, and should compute what
+the launcher traced with the GPU's own tensors computes (a GPU test compares them). So as soon
 as the plans are known (FusedDecode's constructor, before the warm-up), `start` hands those not
 on disk to a few worker processes (`python -m flashlet.kernels.cute_precompile`), which trace
 and export them into the cache folder while the engine goes on with its own warm-up; a GEMV's

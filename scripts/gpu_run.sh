@@ -16,6 +16,8 @@
 #                attention entries (~3 min)
 #   tests-at     TESTS_AT (pytest arguments) in each older tree under bisect/, written by
 #                scripts/bisect_trees.sh: where a GPU test began to fail (~30 s a tree)
+#   tests-envs   TESTS_AT (pytest arguments) in this tree once per TESTS_ENVS entry (";" between
+#                entries, each "VAR=value ..." or empty for the defaults): which switch undoes a failure
 #   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
 #                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
 #                speculative verify steps (short chunks), on the GPU (~2 min)
@@ -454,6 +456,13 @@ for part in "${PARTS[@]}"; do
       cute_env
       run 400 $PYTEST $(for p in qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b; do
         echo "tests/gpu/test_gpu_fused_decode.py::test_fused_batches_at_the_preset_shapes[$p-1]"; done) ;;
+    tests-envs)  # TESTS_AT's pytest arguments here, under each TESTS_ENVS setting in turn
+      cute_env
+      IFS=';' read -ra settings <<< "${TESTS_ENVS:?TESTS_ENVS: settings between ;}"
+      for setting in "${settings[@]}"; do
+        run 200 env $setting $PYTEST ${TESTS_AT:?TESTS_AT: pytest arguments}
+      done
+      grep -E "^### env|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-at)  # TESTS_AT's pytest arguments in each older tree under bisect/ (scripts/bisect_trees.sh)
       cute_env
       for d in bisect/*/; do

@@ -161,7 +161,8 @@
 #   serve-gaps   the same through the HTTP server at its default flags (bench --url, the client's
 #                reads), then in-process at the server's shape (qwen2.5-0.5b-smolvocab) (~5 min)
 #   shapes       64 x 300-token prompts at the TinyLlama-1.1B, Qwen2.5-1.5B and -7B shapes
-#   start        engine start time, cold and warm kernel caches, triton and flashinfer
+#   start        engine start time, cold and warm kernel caches, triton and flashinfer, the DSL on
+#                the path where installed (the fused path's GEMVs, compiled in workers when cold)
 #   start-ab     warm engine start with the DSL on the path, its GEMVs loaded from the disk cache
 #                (FLASHLET_CUTE_CACHE, the default) against compiled again (=off), then the cache's
 #                GPU test and the warm-up's (~3 min); START_AB=runs: one run off the graph before
@@ -545,6 +546,7 @@ for _ in range(480):
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
     start)  # cold: empty Triton, FlashInfer and CuTe GEMV caches; warm: the same caches again
+      cute_env  # the fused path where the DSL is installed (what `make setup` gives a GPU machine)
       for b in triton $FI; do
         d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
         for label in cold warm; do

@@ -7,7 +7,8 @@ Run it once with empty kernel caches (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BAS
 FLASHLET_CUTE_CACHE pointed at fresh folders: "cold") and once more with the same folders
 ("warm"); gpu_run.sh's `start` part does. The line also says how many Triton kernels warm-up
 compiled or loaded, with the fused decode path how many CuTe GEMVs it readied, in how long (part
-of capture_s) and how many of them came from the disk cache (cute_from_disk), and, as a
+of capture_s) and how many of them came from the disk cache (cute_from_disk) or worker
+processes (cute_precompile: when their files came), and, as a
 check that warm-up is complete, the time of a first request after start.
 """
 
@@ -48,7 +49,7 @@ def measure(args) -> dict:
             "load_s": s["load_s"], "warmup_s": s["warmup_s"], "capture_s": s["capture_s"],
             "graphs": s.get("graphs"), "triton_compiles": s.get("triton_compiles"),
             "cute_gemvs": s.get("cute_gemvs"), "cute_compile_s": s.get("cute_compile_s"),
-            "cute_from_disk": s.get("cute_from_disk"),
+            "cute_from_disk": s.get("cute_from_disk"), "cute_precompile": s.get("cute_precompile"),
             "first_request_s": first_request,
             "triton_cache": os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"),
             "flashinfer_cache": os.environ.get("FLASHINFER_WORKSPACE_BASE", "~"),
@@ -58,9 +59,12 @@ def measure(args) -> dict:
 def table(paths) -> str:
     rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
     head = ("label", "backend", "start_s", "load_s", "warmup_s", "capture_s", "cute_compile_s", "cute_from_disk",
-            "graphs", "triton_compiles", "first_request_s")
+            "graphs", "triton_compiles", "first_request_s", "cute_workers")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        w = r.get("cute_precompile")  # the workers' files: first and last, s from their start
+        r["cute_workers"] = (f"{w['files']}/{w['plans']} in {w['workers']}: {w['first_file_s']:.1f}-"
+                             f"{w['last_file_s']:.1f} s" if w and w.get("files") else None)
         cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else "-" if r.get(k) is None
                  else str(r.get(k)) for k in head]  # "-": not measured (no fused path, older lines)
         cells[1] = r["backend"] if r["backend"] == r.get("resolved") else f"{r['backend']} ({r.get('resolved')})"

@@ -137,7 +137,8 @@ def warm_up(engine) -> dict:
     "capture_s", "chunk_lengths", "decode_sizes", "mixed_graphs", "mixed_capture_s", "graphs",
     "triton_compiles"} and, with the fused path, "cute_gemvs", "cute_compile_s" and
     "cute_from_disk" (its GEMVs ready, the seconds they took to compile or load, how many were
-    loaded from the disk cache; capture_s includes those and mixed_capture_s)."""
+    loaded from the disk cache; capture_s includes those and mixed_capture_s), and where worker
+    processes compiled them, "cute_precompile" (Precompile.report)."""
     runner, cfg = engine.runner, engine.config
     vocab = engine.model_config.vocab_size
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -174,6 +175,11 @@ def warm_up(engine) -> dict:
     if runner.fused is not None:
         if runner.fused.precompile is not None:  # every GEMV is ready: its workers have ended
             runner.fused.precompile.close()
+            report["cute_precompile"] = workers = runner.fused.precompile.report()
+            log.info("warm-up: %d of %d CuTe GEMV(s) compiled in %d worker process(es), their files "
+                     "from %.1f to %.1f s after the workers started; the engine waited %.2f s for them",
+                     workers["files"], workers["plans"], workers["workers"], workers["first_file_s"] or 0,
+                     workers["last_file_s"] or 0, workers["waited_s"])
         report["cute_gemvs"], report["cute_compile_s"], report["cute_from_disk"] = runner.fused.compiled()
         log.info("warm-up: the fused decode path's rows %s: %d CuTe GEMV(s) ready in %.2f s (%d "
                  "loaded from %s)", runner.fused.row_counts, report["cute_gemvs"],

@@ -54,15 +54,12 @@ def _source_digest() -> str:
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
 
 
-def kernel_key(plan, arch: str, dsl_version: str, traced: str = "") -> str:
+def kernel_key(plan, arch: str, dsl_version: str) -> str:
     """The file name's hash: the plan (a frozen dataclass: its repr lists every field), the GPU
     (arch: compute capability and SM count), the DSL's version, the kernel source, and the DSL's
-    own settings from the environment (CUTE_DSL_ARCH, an opt level...: any CUTE_DSL_* variable);
-    `traced` names a way of tracing other than the usual (cute_precompile's stand-ins)."""
+    own settings from the environment (CUTE_DSL_ARCH, an opt level...: any CUTE_DSL_* variable)."""
     dsl_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_"))
     text = "\n".join((repr(plan), arch, dsl_version, _source_digest(), repr(dsl_env)))
-    if traced:
-        text += "\ntraced: " + traced
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 

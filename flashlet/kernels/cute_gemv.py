@@ -1936,16 +1936,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _disk_key(plan: GemvPlan, device: torch.device, traced: str = "") -> str | None:
+def _disk_key(plan: GemvPlan, device: torch.device) -> str | None:
     """The plan's file in cute_disk_cache (None off the GPU, with the cache off, or with a DSL
-    that cannot load one). traced: how a file not compiled the usual way was traced
-    (cute_precompile's stand-ins), kept apart from the usual files."""
+    that cannot load one)."""
     if device.type != "cuda" or cute_disk_cache.usable_dir() is None:
         return None
     props = torch.cuda.get_device_properties(device)
     version = dsl_version() or getattr(_dsl()["cutlass"], "__version__", "")
     return cute_disk_cache.kernel_key(plan, f"sm_{props.major}{props.minor} x{props.multi_processor_count}",
-                                      version, traced)
+                                      version)
 
 
 _ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
@@ -2134,8 +2133,8 @@ class CuteGemv:
             t0 = time.perf_counter()
             disk_key = _disk_key(self.plan, self.device)
             self._compiled = cute_disk_cache.load(disk_key) if disk_key else None
-            if self._compiled is None and disk_key:  # a worker's, where precompiling is on
-                self._compiled = cute_precompile.load(self.plan, self.device)
+            if self._compiled is None and disk_key:  # a worker's, where one is at it
+                self._compiled = cute_precompile.load(disk_key)
             self.from_disk = self._compiled is not None
             if self._compiled is None:
                 self._compiled = self._compile_now(rope_kv)

@@ -4,16 +4,18 @@ A machine's first engine start compiles each of the fused decode path's GEMVs on
 another in the engine's process: 30 at the 0.5B shape, 10-18 s of a 31-53 s cold start on an
 H100 (FUSED_NOTES.md, "Session 50"); later starts load them from cute_disk_cache. A GEMV's
 compile needs no GPU: traced with stand-ins of its arguments' shapes (`CuteGemv._fake_args`,
-what the CPU's PTX tests lower), it lowers for the arch it is told, and should compute what
-the launcher traced with the GPU's own tensors computes (a GPU test compares them). So as soon
+what the CPU's PTX tests lower), it lowers for the arch it is told, and computes what the
+launcher traced with the GPU's own tensors computes, bit for bit (the GPU test in
+tests/kernels/test_cute_precompile.py; H100, 2026-12-06). So as soon
 as the plans are known (FusedDecode's constructor, before the warm-up), `start` hands those not
 on disk to a few worker processes (`python -m flashlet.kernels.cute_precompile`), which trace
 and export them into the cache folder while the engine goes on with its own warm-up; a GEMV's
 first call (`CuteGemv.compile`) then waits for its file, loads it, and compiles the kernel
 itself only where a worker failed.
 
-Off by default until a GPU run has compared these files with the usual ones (FLASHLET_CUTE_PRECOMPILE=1
-turns it on): the worker's files are keyed apart (`TRACED`), so the two never mix.
+On by default (FLASHLET_CUTE_PRECOMPILE=0 turns it off): on an H100 a first start of the 0.5B
+took 21 s with the workers against 35 s without (FUSED_NOTES.md, "Session 52"). A worker's file
+has the usual key, so a later start loads it as any other.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from flashlet.kernels import cute_disk_cache
 log = logging.getLogger(__name__)
 
 ENV = "FLASHLET_CUTE_PRECOMPILE"
-TRACED = "stand-ins on the host"  # the workers' way of tracing, part of their files' keys
 MIN_PLANS = 2   # fewer plans missing than this: compiling them in the engine costs no more
 MAX_WORKERS = 8
 WAIT_S = 300.0  # the longest a GEMV's first call waits for a worker's file
@@ -41,7 +42,7 @@ _PENDING: dict[str, "Precompile"] = {}  # a worker's key -> the job compiling it
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "0").strip()
+    value = os.environ.get(ENV, "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -62,6 +63,8 @@ class Precompile:
         """jobs: (plan, key) pairs; arch: the GPU's (sm_90a), which the workers trace for.
         command: the worker's argv (a test's stand-in; default this module)."""
         self.folder = folder
+        self.started = time.time()  # wall clock: compared with the files' mtimes
+        self.waited_s = 0.0  # the engine's GEMVs' waits for the workers' files
         count = min(workers, len(jobs)) if workers is not None else worker_count(len(jobs))
         shares = [jobs[i::count] for i in range(count)]  # round robin: each a mix of the rows
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -87,14 +90,16 @@ class Precompile:
         """Until the key's file is there (True) or its worker has ended without it (False)."""
         path = self.folder / f"{key}.o"
         proc = self.worker_of.get(key)
-        deadline = time.monotonic() + timeout
-        while not path.is_file():
-            if proc is None or proc.poll() is not None or time.monotonic() > deadline:
-                _PENDING.pop(key, None)
-                return path.is_file()
-            time.sleep(0.005)
-        _PENDING.pop(key, None)
-        return True
+        t0 = time.monotonic()
+        try:
+            while not path.is_file():
+                if proc is None or proc.poll() is not None or time.monotonic() > t0 + timeout:
+                    return path.is_file()
+                time.sleep(0.005)
+            return True
+        finally:
+            _PENDING.pop(key, None)
+            self.waited_s += time.monotonic() - t0
 
     def close(self) -> None:
         """Reap the workers: one whose files are all there is let exit (a moment); one still at
@@ -110,16 +115,18 @@ class Precompile:
         for key in self.worker_of:
             _PENDING.pop(key, None)
 
-
-def stand_in_key(plan, device) -> str | None:
-    from flashlet.kernels.cute_gemv import _disk_key
-
-    return _disk_key(plan, device, TRACED)
+    def report(self) -> dict:
+        """When the workers' files came, in seconds from their start (the first file: a worker's
+        imports and one plan), and how long the engine waited for them in all."""
+        made = sorted(path.stat().st_mtime - self.started for path in
+                      (self.folder / f"{key}.o" for key in self.worker_of) if path.is_file())
+        return {"workers": len(set(self.worker_of.values())), "plans": len(self.worker_of),
+                "files": len(made), "first_file_s": made[0] if made else None,
+                "last_file_s": made[-1] if made else None, "waited_s": self.waited_s}
 
 
 def start(gemvs) -> Precompile | None:
-    """Workers for the plans of `gemvs` (CuteGemv objects on one GPU) found on disk neither way,
-    or None: precompiling off, the cache off, or fewer than MIN_PLANS missing."""
+    """Workers for the plans of `gemvs` (CuteGemv objects on one GPU) not on disk yet, or None: precompiling off, the cache off, or fewer than MIN_PLANS missing."""
     if not enabled():
         return None
     from flashlet.kernels.cute_gemv import _COMPILED, _disk_key
@@ -135,10 +142,8 @@ def start(gemvs) -> Precompile | None:
             continue
         seen.add(gemv.plan)
         device = gemv.device
-        usual, key = _disk_key(gemv.plan, gemv.device), stand_in_key(gemv.plan, gemv.device)
-        if key is None or key in _PENDING:
-            continue
-        if not (folder / f"{usual}.o").is_file() and not (folder / f"{key}.o").is_file():
+        key = _disk_key(gemv.plan, gemv.device)
+        if key is not None and key not in _PENDING and not (folder / f"{key}.o").is_file():
             jobs.append((gemv.plan, key))
     if len(jobs) < MIN_PLANS:
         return None
@@ -148,17 +153,12 @@ def start(gemvs) -> Precompile | None:
     return Precompile(jobs, folder, f"sm_{major}{minor}{'a' if major >= 9 else ''}")
 
 
-def load(plan, device):
-    """The launcher a worker traced for this plan (waiting for the worker where one is at it),
-    or None: precompiling off, no such file, or a worker that failed."""
-    if not enabled():
-        return None
-    key = stand_in_key(plan, device)
-    if key is None:
-        return None
+def load(key: str):
+    """The launcher a worker is compiling under this disk key, once its file is there, or None:
+    no worker at it (precompiling off, or the plan was on disk before), or a worker that failed."""
     job = _PENDING.get(key)
-    if job is not None:
-        job.wait(key)
+    if job is None or not job.wait(key):
+        return None
     return cute_disk_cache.load(key)
 
 

@@ -37,11 +37,15 @@ def test_start_table_names_what_auto_resolved_to(tmp_path):
     path = tmp_path / "start.jsonl"
     path.write_text(json.dumps(line) + "\n")
     text = _load("start_time").table([path])
-    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | - | - | 9 | 21 | 0.20 |" in text
+    assert "| cold | auto (triton) | 12.50 | 2.00 | 8.00 | 2.50 | - | - | 9 | 21 | 0.20 | - |" in text
     path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True,
                                 "cute_gemvs": 12, "cute_compile_s": 1.75, "cute_from_disk": 12}) + "\n")
-    assert ("| cold | triton +fused | 12.50 | 2.00 | 8.00 | 2.50 | 1.75 | 12 | 9 | 21 | 0.20 |"
+    assert ("| cold | triton +fused | 12.50 | 2.00 | 8.00 | 2.50 | 1.75 | 12 | 9 | 21 | 0.20 | - |"
             in _load("start_time").table([path]))
+    workers = {"workers": 4, "plans": 12, "files": 11, "first_file_s": 6.04, "last_file_s": 9.5, "waited_s": 7.0}
+    path.write_text(json.dumps({**line, "backend": "triton", "fused_decode": True, "cute_gemvs": 12,
+                                "cute_compile_s": 7.25, "cute_from_disk": 11, "cute_precompile": workers}) + "\n")
+    assert ("| 7.25 | 11 | 9 | 21 | 0.20 | 11/12 in 4: 6.0-9.5 s |" in _load("start_time").table([path]))
 
 
 def test_labels_say_where_one_stream_ran_fused():

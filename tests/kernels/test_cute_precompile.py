@@ -42,11 +42,11 @@ def stub(delay: float = 0.0) -> list[str]:
     return [sys.executable, "-c", STUB_WORKER, str(delay)]
 
 
-def test_the_switch_reads_0_or_1(monkeypatch):
+def test_the_switch_is_on_by_default_and_reads_0_or_1(monkeypatch):
     monkeypatch.delenv(cute_precompile.ENV, raising=False)
-    assert not cute_precompile.enabled()
-    monkeypatch.setenv(cute_precompile.ENV, "1")
     assert cute_precompile.enabled()
+    monkeypatch.setenv(cute_precompile.ENV, "0")
+    assert not cute_precompile.enabled()
     monkeypatch.setenv(cute_precompile.ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         cute_precompile.enabled()
@@ -77,6 +77,12 @@ def test_each_plan_goes_to_one_worker_and_its_first_call_waits_for_the_file(tmp_
         job.close()
     assert not cute_precompile._PENDING
     assert all(proc.returncode == 0 for proc in job.worker_of.values())
+    # When the files came (from the workers' start: the first after one plan's 0.2 s, the last
+    # after three), and the engine's waits (at least the 0.6 s for key4).
+    report = job.report()
+    assert (report["workers"], report["plans"], report["files"]) == (2, 5, 5)
+    assert 0.15 <= report["first_file_s"] <= report["last_file_s"] and report["last_file_s"] >= 0.55
+    assert report["waited_s"] >= 0.6
 
 
 def test_a_failed_plan_is_not_waited_for_past_its_workers_end(tmp_path):
@@ -128,23 +134,24 @@ class FakeGemv(SimpleNamespace):
     pass
 
 
-def test_start_hands_out_the_plans_on_disk_neither_way_once_each(tmp_path, monkeypatch):
-    """The usual file or a worker's file already there, a plan compiled in this process, a plan
-    twice: none handed out; the rest go to Precompile with their workers' keys."""
-    monkeypatch.setenv(cute_precompile.ENV, "1")
+def test_start_hands_out_the_plans_not_on_disk_once_each(tmp_path, monkeypatch):
+    """A plan's file already there, a plan compiled in this process, a plan a worker of an
+    earlier start is at, a plan twice: none handed out; the rest go to Precompile with their
+    disk keys."""
+    monkeypatch.delenv(cute_precompile.ENV, raising=False)  # on by default
     monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: tmp_path)
-    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device, traced="": f"{plan}-{bool(traced)}")
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: f"{plan}-key")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     made = []
     monkeypatch.setattr(cute_precompile, "Precompile",
                         lambda jobs, folder, arch: made.append((jobs, folder, arch)) or "job")
-    (tmp_path / "usual-False.o").write_text("")
-    (tmp_path / "worker-True.o").write_text("")
+    (tmp_path / "on-disk-key.o").write_text("")
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(cute_gemv._COMPILED, ("here", str(cuda)), object())
-    plans = ["usual", "worker", "here", "a", "b", "a", "c"]
+    monkeypatch.setitem(cute_precompile._PENDING, "pending-key", object())
+    plans = ["on-disk", "here", "pending", "a", "b", "a", "c"]
     assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in plans) == "job"
-    assert made == [([("a", "a-True"), ("b", "b-True"), ("c", "c-True")], tmp_path, "sm_90a")]
+    assert made == [([("a", "a-key"), ("b", "b-key"), ("c", "c-key")], tmp_path, "sm_90a")]
     # Fewer than MIN_PLANS missing, the switch off, the cache off, or a CPU engine: no workers.
     made.clear()
     assert cute_precompile.start([FakeGemv(plan="a", device=cuda)]) is None
@@ -157,17 +164,16 @@ def test_start_hands_out_the_plans_on_disk_neither_way_once_each(tmp_path, monke
     assert not made
 
 
-def test_a_gemvs_first_call_loads_its_workers_file(tmp_path, monkeypatch):
-    """CuteGemv.compile: the usual file missing, precompiling on -> the worker's file is waited
-    for and loaded (counted as from disk), nothing compiled here."""
-    monkeypatch.setenv(cute_precompile.ENV, "1")
+def test_a_gemvs_first_call_waits_for_its_workers_file_and_loads_it(tmp_path, monkeypatch):
+    """CuteGemv.compile: the plan's file not there yet, a worker at it -> the file is waited for
+    and loaded (counted as from disk), nothing compiled here."""
     monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path))
-    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device, traced="": "w" if traced else "u")
-    job = cute_precompile.Precompile([("p", "w")], tmp_path, "sm_90a", command=stub(0.1), workers=1)
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: "k")
+    job = cute_precompile.Precompile([("p", "k")], tmp_path, "sm_90a", command=stub(0.3), workers=1)
     loaded = []
     monkeypatch.setattr(cute_disk_cache, "load",
                         lambda key: loaded.append((key, (tmp_path / f"{key}.o").is_file())) or (
-                            "launcher" if key == "w" else None))
+                            "launcher" if (tmp_path / f"{key}.o").is_file() else None))
     gemv = CuteGemv(896, 896, "residual", device="cpu")
     monkeypatch.setattr(gemv, "_compile_now", lambda rope_kv: pytest.fail("compiled in the engine"))
     try:
@@ -175,7 +181,30 @@ def test_a_gemvs_first_call_loads_its_workers_file(tmp_path, monkeypatch):
     finally:
         job.close()
         cute_gemv._COMPILED.pop((gemv.plan, "cpu"), None)
-    assert loaded == [("u", False), ("w", True)] and gemv._compiled == "launcher" and gemv.from_disk
+    assert loaded == [("k", False), ("k", True)] and gemv._compiled == "launcher" and gemv.from_disk
+
+
+def test_a_gemvs_first_call_compiles_where_its_worker_failed_or_none_is_at_it(tmp_path, monkeypatch):
+    """CuteGemv.compile: the worker ended without the file, or no worker at all (precompiling
+    off) -> compiled in the engine and stored under the same key."""
+    monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: "fail-k")
+    monkeypatch.setattr(cute_disk_cache, "load", lambda key: None)
+    stored = []
+    monkeypatch.setattr(cute_disk_cache, "store", lambda key, compiled: stored.append((key, compiled)))
+    for worker in (True, False):
+        job = (cute_precompile.Precompile([("p", "fail-k")], tmp_path, "sm_90a", command=stub(), workers=1)
+               if worker else None)
+        gemv = CuteGemv(896, 896, "residual", device="cpu")
+        monkeypatch.setattr(gemv, "_compile_now", lambda rope_kv: "compiled here")
+        try:
+            gemv.compile()
+        finally:
+            if job is not None:
+                job.close()
+            cute_gemv._COMPILED.pop((gemv.plan, "cpu"), None)
+        assert gemv._compiled == "compiled here" and not gemv.from_disk
+    assert stored == [("fail-k", "compiled here")] * 2 and not cute_precompile._PENDING
 
 
 def cubin_sm(obj: bytes) -> int:

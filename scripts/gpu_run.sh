@@ -169,7 +169,8 @@
 #                each capture against two (FLASHLET_CAPTURE_WARM_RUNS), the cache on, then the graph
 #                tests with one (~9 min); START_AB=precompile: a first start (empty CuTe cache)
 #                with the GEMVs compiled in worker processes against in the engine, then their
-#                GPU tests (~6 min)
+#                GPU tests (~6 min; PRECOMPILE_AB="late 1" START_AB_TESTS=0: the workers started
+#                once the plans are known against before the weights load, the starts alone ~3 min)
 #   fidelity     bf16 logits per preset and backend against HF fp32 (11 presets x 4096 positions)
 #   kernels      the kernel sweep against PyTorch and FlashInfer; torchlet's progression table
 #   long-context one stream after 8,000- and 30,000-token prompts
@@ -561,8 +562,10 @@ for _ in range(480):
       # against compiled again (=off), then the cache's GPU test and the warm-up's; START_AB=runs
       # FLASHLET_CAPTURE_WARM_RUNS 2 (the default) against 1 with the cache on, then the graph
       # tests with one run; START_AB=precompile starts with an empty CuTe cache,
-      # FLASHLET_CUTE_PRECOMPILE 0 against 1 (workers), then the stand-in launchers against
-      # the usual ones and the fused path's teacher-forced tests on workers' files
+      # FLASHLET_CUTE_PRECOMPILE 0 against 1 (workers; PRECOMPILE_AB="late 1": started once the
+      # plans are known against before the weights load), then (START_AB_TESTS=0: not) the
+      # stand-in launchers against the usual ones and the fused path's teacher-forced tests on
+      # workers' files
       cute_env
       d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
       caches=(TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi")
@@ -570,7 +573,7 @@ for _ in range(480):
         --config qwen2.5-0.5b --backend triton --label cold --append "$OUT/json/start-ab.jsonl"
       for pair in 1 2; do
         if [[ ${START_AB:-cache} == precompile ]]; then
-          for pre in 0 1; do  # each start with an empty CuTe cache (the Triton one warm)
+          for pre in ${PRECOMPILE_AB:-0 1}; do  # each start with an empty CuTe cache (the Triton one warm)
             run 180 env "${caches[@]}" FLASHLET_CUTE_CACHE="$d/cute-$pair-$pre" FLASHLET_CUTE_PRECOMPILE=$pre \
               python3 scripts/start_time.py --config qwen2.5-0.5b --backend triton \
               --label "cute-cold-precompile$pre" --append "$OUT/json/start-ab.jsonl"
@@ -591,7 +594,9 @@ for _ in range(480):
         fi
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
-      if [[ ${START_AB:-cache} == precompile ]]; then
+      if [[ ${START_AB:-cache} == precompile && ${START_AB_TESTS:-1} == 0 ]]; then
+        :  # the starts alone
+      elif [[ ${START_AB:-cache} == precompile ]]; then
         run 300 $PYTEST tests/kernels/test_cute_precompile.py
         run 300 env FLASHLET_CUTE_CACHE="$d/cute-tests" FLASHLET_CUTE_PRECOMPILE=1 $PYTEST \
           tests/gpu/test_gpu_fused_decode.py -k "fused_greedy_tokens_match or fp8_cache"

@@ -62,6 +62,7 @@ from flashlet.core.sampling import SamplingParams, make_generator
 from flashlet.core.scheduler import Scheduler, SchedulerOutput
 from flashlet.core.warmup import warm_up
 from flashlet.distributed import parallel, tp_worker
+from flashlet.kernels import cute_precompile
 from flashlet.kvcache.kv_pool import KVPool
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import model_config_path, model_from, ops_for
@@ -108,6 +109,8 @@ class Engine:
                                      functools.partial(tp_worker.worker_main, type(self)))
         if self.tp is not None:
             self.device = self.tp.device  # this rank's GPU
+        elif config.fused_decode is not False:  # a first start's CuTe compile workers, importing
+            cute_precompile.prestart(config, self.device)  # while the weights load
         ops = ops_for(config, self.device)
         self.model, self.tokenizer, self.model_dir = model_from(
             config.config, config.model, self.device, self.dtype, config.weights_seed, ops=ops,
@@ -132,6 +135,7 @@ class Engine:
         max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.runner = ModelRunner(self.model, self.kv_pool, config, self.device, max_pages_per_seq,
                                   fused_parts)
+        cute_precompile.release_prestarted()  # those the fused path's plans did not take
         # What runs, not what was asked: the fused path's auto (None) resolved by the runner.
         self.config = config.replace(fused_decode=self.runner.fused is not None)
         spec = config.speculative_config
@@ -153,6 +157,8 @@ class Engine:
         self._group_finalizer = (weakref.finalize(self, _release_group, self.runner, self.tp)
                                  if self.tp is not None else None)
         self.start_report = self._warm_up(time.perf_counter() - started)
+        if self.tp is None:  # later starts of this configuration start no workers ahead
+            cute_precompile.mark_started(config, self.device)
 
     def _warm_up(self, load_s: float) -> dict:
         """Compile every kernel variant and capture every graph now, not in the first requests

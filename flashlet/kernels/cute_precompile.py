@@ -13,16 +13,25 @@ and export them into the cache folder while the engine goes on with its own warm
 first call (`CuteGemv.compile`) then waits for its file, loads it, and compiles the kernel
 itself only where a worker failed.
 
-On by default (FLASHLET_CUTE_PRECOMPILE=0 turns it off): on an H100 a first start of the 0.5B
-took 21 s with the workers against 35 s without (FUSED_NOTES.md, "Session 52"). A worker's file
-has the usual key, so a later start loads it as any other.
+A worker's own start (Python, torch and the DSL imported) takes seconds, so on an engine
+configuration's first start on a machine (no stamp for it in the cache folder: `prestart`) the
+workers are started before the weights load, and wait for their plans; the stamp is written
+once the engine has started (`mark_started`), and later starts spawn workers only for plans
+found missing.
+
+On by default (FLASHLET_CUTE_PRECOMPILE=0 turns it off; =late starts the workers only once the
+plans are known, an A/B): on an H100 a first start of the 0.5B took 21 s with late workers
+against 35 s without (FUSED_NOTES.md, "Session 52"). A worker's file has the usual key, so a
+later start loads it as any other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -37,15 +46,23 @@ MIN_PLANS = 2   # fewer plans missing than this: compiling them in the engine co
 MAX_WORKERS = 8
 WAIT_S = 300.0  # the longest a GEMV's first call waits for a worker's file
 EXIT_S = 5.0    # the longest a worker with all its files written is given to exit
+IDLE_S = 600.0  # the longest a pre-started worker waits for its plans (an engine that failed)
 
 _PENDING: dict[str, "Precompile"] = {}  # a worker's key -> the job compiling it
+_PRESTARTED: "Workers | None" = None  # this process's workers started before its plans were known
+
+
+def mode() -> str:
+    """FLASHLET_CUTE_PRECOMPILE: "1" (the default: workers, started early on a first start),
+    "late" (started only once the plans are known) or "0" (none)."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value not in ("0", "1", "late"):
+        raise ValueError(f"{ENV} must be 0, 1 or late, got {value!r}")
+    return value
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return mode() != "0"
 
 
 def worker_count(num_plans: int, cpus: int | None = None) -> int:
@@ -55,35 +72,64 @@ def worker_count(num_plans: int, cpus: int | None = None) -> int:
     return max(1, min(num_plans, cpus // 2, MAX_WORKERS))
 
 
-class Precompile:
-    """Worker processes compiling plans into the cache folder; `wait` for one plan's file."""
+class Workers:
+    """Worker processes (`python -m flashlet.kernels.cute_precompile`) that import what a trace
+    needs at once, then wait on stdin for their plans (`hand`)."""
 
-    def __init__(self, jobs: list[tuple[object, str]], folder: Path, arch: str,
-                 command: list[str] | None = None, workers: int | None = None):
-        """jobs: (plan, key) pairs; arch: the GPU's (sm_90a), which the workers trace for.
+    def __init__(self, count: int, arch: str, command: list[str] | None = None):
+        """arch: the GPU's (sm_90a), which the workers trace for (the DSL reads it at import).
         command: the worker's argv (a test's stand-in; default this module)."""
-        self.folder = folder
-        self.started = time.time()  # wall clock: compared with the files' mtimes
-        self.waited_s = 0.0  # the engine's GEMVs' waits for the workers' files
-        count = min(workers, len(jobs)) if workers is not None else worker_count(len(jobs))
-        shares = [jobs[i::count] for i in range(count)]  # round robin: each a mix of the rows
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.setdefault("CUTE_DSL_ARCH", arch)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         argv = command or [sys.executable, "-m", "flashlet.kernels.cute_precompile"]
-        self.worker_of: dict[str, subprocess.Popen] = {}
-        for share in shares:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+        self.arch = arch
+        self.started = time.time()  # wall clock: compared with the files' mtimes
+        self.procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, env=env) for _ in range(count)]
+
+    def hand(self, shares: list[list[tuple[object, str, str]]]) -> None:
+        """Each worker its share of (plan, key, folder) jobs; workers past the shares get none
+        (they exit). A worker is handed its share once."""
+        for i, proc in enumerate(self.procs):
+            if proc.stdin.closed:
+                continue
             try:
-                proc.stdin.write(pickle.dumps([(plan, key, str(folder)) for plan, key in share]))
+                proc.stdin.write(pickle.dumps(shares[i] if i < len(shares) else []))
                 proc.stdin.close()
-            except OSError:  # the worker died at once: its plans compile in the engine
+            except OSError:  # the worker died: its plans compile in the engine
                 pass
+
+    def release(self) -> None:
+        """No plans for any worker not handed its share yet: they exit."""
+        self.hand([])
+
+
+class Precompile:
+    """Worker processes compiling plans into the cache folder; `wait` for one plan's file."""
+
+    def __init__(self, jobs: list[tuple[object, str]], folder: Path, arch: str,
+                 command: list[str] | None = None, workers: int | None = None,
+                 pool: Workers | None = None):
+        """jobs: (plan, key) pairs; arch: the GPU's (sm_90a), which the workers trace for.
+        command: the worker's argv (a test's stand-in; default this module). pool: workers
+        started before (prestart), of which those past the jobs are let go."""
+        self.folder = folder
+        if pool is None:
+            count = min(workers, len(jobs)) if workers is not None else worker_count(len(jobs))
+            pool = Workers(count, arch, command)
+        self.pool = pool
+        self.started = pool.started  # wall clock: compared with the files' mtimes
+        self.waited_s = 0.0  # the engine's GEMVs' waits for the workers' files
+        count = min(len(pool.procs), len(jobs))
+        shares = [jobs[i::count] for i in range(count)]  # round robin: each a mix of the rows
+        pool.hand([[(plan, key, str(folder)) for plan, key in share] for share in shares])
+        self.worker_of: dict[str, subprocess.Popen] = {}
+        for proc, share in zip(pool.procs, shares):
             for _, key in share:
                 self.worker_of[key] = proc
                 _PENDING[key] = self
-        log.info("CuTe GEMVs: %d plans compiling in %d worker processes (%s=1)",
+        log.info("CuTe GEMVs: %d plans compiling in %d worker processes (%s)",
                  len(jobs), len(shares), ENV)
 
     def wait(self, key: str, timeout: float = WAIT_S) -> bool:
@@ -102,9 +148,10 @@ class Precompile:
             self.waited_s += time.monotonic() - t0
 
     def close(self) -> None:
-        """Reap the workers: one whose files are all there is let exit (a moment); one still at
-        a plan (hung, or slower than the engine, which compiled the plan itself) is killed."""
-        for proc in set(self.worker_of.values()):
+        """Reap the workers: one whose files are all there (or that had none) is let exit (a
+        moment); one still at a plan (hung, or slower than the engine, which compiled the plan
+        itself) is killed."""
+        for proc in self.pool.procs:
             done = all((self.folder / f"{key}.o").is_file()
                        for key, owner in self.worker_of.items() if owner is proc)
             try:
@@ -125,8 +172,81 @@ class Precompile:
                 "last_file_s": made[-1] if made else None, "waited_s": self.waited_s}
 
 
+def _stamp(engine_config, arch: str) -> Path | None:
+    """The file that says an engine of this configuration started on this machine's GPU kind
+    with this kernel source and DSL (None with the cache off)."""
+    folder = cute_disk_cache.usable_dir()
+    if folder is None:
+        return None
+    from flashlet.kernels.cute_gemv import dsl_version
+
+    text = "\n".join((repr(engine_config), arch, dsl_version(), cute_disk_cache._source_digest()))
+    return folder / f"{hashlib.sha256(text.encode()).hexdigest()[:40]}.started"
+
+
+def _arch(device) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def prestart(engine_config, device) -> None:
+    """On this configuration's first start on this machine, start the workers now (before the
+    weights load) so that their imports are done when the plans are known; `start` hands them
+    the plans. Nothing where precompiling is off or late, off CUDA, with the cache off, or once
+    the stamp is there."""
+    global _PRESTARTED
+    release_prestarted()
+    if mode() != "1" or device.type != "cuda":
+        return
+    arch = _arch(device)
+    stamp = _stamp(engine_config, arch)
+    if stamp is None or stamp.is_file():
+        return
+    _PRESTARTED = Workers(worker_count(MAX_WORKERS), arch)
+    log.info("CuTe GEMVs: %d worker processes started ahead of the plans (a first start: no %s)",
+             len(_PRESTARTED.procs), stamp.name)
+
+
+def release_prestarted() -> None:
+    """The pre-started workers `start` did not take (the fused path off, or its plans on disk)
+    are let go."""
+    global _PRESTARTED
+    if _PRESTARTED is not None:
+        _PRESTARTED.release()
+        _PRESTARTED = None
+
+
+def mark_started(engine_config, device) -> None:
+    """Write the stamp `prestart` looks for: this configuration has started here."""
+    if device.type != "cuda" or not enabled():
+        return
+    stamp = _stamp(engine_config, _arch(device))
+    if stamp is not None and not stamp.is_file():
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(repr(engine_config) + "\n")
+        except OSError as e:  # a read-only cache: the next start starts workers early again
+            log.warning("could not write %s (%s)", stamp, e)
+
+
 def start(gemvs) -> Precompile | None:
-    """Workers for the plans of `gemvs` (CuteGemv objects on one GPU) not on disk yet, or None: precompiling off, the cache off, or fewer than MIN_PLANS missing."""
+    """Workers for the plans of `gemvs` (CuteGemv objects on one GPU) not on disk yet (the
+    pre-started ones where there are), or None: precompiling off, the cache off, or fewer than
+    MIN_PLANS missing."""
+    global _PRESTARTED
+    pool, _PRESTARTED = _PRESTARTED, None
+    job = None
+    try:
+        job = _start(gemvs, pool)
+    finally:
+        if pool is not None and (job is None or job.pool is not pool):
+            pool.release()
+    return job
+
+
+def _start(gemvs, pool: Workers | None) -> Precompile | None:
     if not enabled():
         return None
     from flashlet.kernels.cute_gemv import _COMPILED, _disk_key
@@ -147,10 +267,8 @@ def start(gemvs) -> Precompile | None:
             jobs.append((gemv.plan, key))
     if len(jobs) < MIN_PLANS:
         return None
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return Precompile(jobs, folder, f"sm_{major}{minor}{'a' if major >= 9 else ''}")
+    arch = _arch(device)
+    return Precompile(jobs, folder, arch, pool=pool if pool is not None and pool.arch == arch else None)
 
 
 def load(key: str):
@@ -186,6 +304,23 @@ def compile_into(jobs: list[tuple[object, str, str]]) -> int:
     return failed
 
 
-if __name__ == "__main__":
+def read_jobs(stdin, idle_s: float = IDLE_S) -> list:
+    """The plans handed to this worker (none: the engine let it go or its process ended, or
+    nothing came within idle_s)."""
+    ready, _, _ = select.select([stdin], [], [], idle_s)
+    data = stdin.read() if ready else b""
+    return pickle.loads(data) if data else []
+
+
+def main() -> int:
+    """A worker: import what a trace needs (torch, the kernels, the DSL) before the plans come,
+    then compile them; 1 if any failed."""
     logging.basicConfig(level=logging.WARNING, format="cute_precompile: %(message)s")
-    sys.exit(1 if compile_into(pickle.loads(sys.stdin.buffer.read())) else 0)
+    from flashlet.kernels.cute_gemv import cute_available
+
+    cute_available()
+    return 1 if compile_into(read_jobs(sys.stdin.buffer)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,13 +42,15 @@ def stub(delay: float = 0.0) -> list[str]:
     return [sys.executable, "-c", STUB_WORKER, str(delay)]
 
 
-def test_the_switch_is_on_by_default_and_reads_0_or_1(monkeypatch):
+def test_the_switch_is_on_by_default_and_reads_0_1_or_late(monkeypatch):
     monkeypatch.delenv(cute_precompile.ENV, raising=False)
-    assert cute_precompile.enabled()
+    assert cute_precompile.enabled() and cute_precompile.mode() == "1"
+    monkeypatch.setenv(cute_precompile.ENV, "late")
+    assert cute_precompile.enabled() and cute_precompile.mode() == "late"
     monkeypatch.setenv(cute_precompile.ENV, "0")
     assert not cute_precompile.enabled()
     monkeypatch.setenv(cute_precompile.ENV, "yes")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
+    with pytest.raises(ValueError, match="must be 0, 1 or late"):
         cute_precompile.enabled()
 
 
@@ -144,14 +146,14 @@ def test_start_hands_out_the_plans_not_on_disk_once_each(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     made = []
     monkeypatch.setattr(cute_precompile, "Precompile",
-                        lambda jobs, folder, arch: made.append((jobs, folder, arch)) or "job")
+                        lambda jobs, folder, arch, pool: made.append((jobs, folder, arch, pool)) or "job")
     (tmp_path / "on-disk-key.o").write_text("")
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(cute_gemv._COMPILED, ("here", str(cuda)), object())
     monkeypatch.setitem(cute_precompile._PENDING, "pending-key", object())
     plans = ["on-disk", "here", "pending", "a", "b", "a", "c"]
     assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in plans) == "job"
-    assert made == [([("a", "a-key"), ("b", "b-key"), ("c", "c-key")], tmp_path, "sm_90a")]
+    assert made == [([("a", "a-key"), ("b", "b-key"), ("c", "c-key")], tmp_path, "sm_90a", None)]
     # Fewer than MIN_PLANS missing, the switch off, the cache off, or a CPU engine: no workers.
     made.clear()
     assert cute_precompile.start([FakeGemv(plan="a", device=cuda)]) is None
@@ -205,6 +207,129 @@ def test_a_gemvs_first_call_compiles_where_its_worker_failed_or_none_is_at_it(tm
             cute_gemv._COMPILED.pop((gemv.plan, "cpu"), None)
         assert gemv._compiled == "compiled here" and not gemv.from_disk
     assert stored == [("fail-k", "compiled here")] * 2 and not cute_precompile._PENDING
+
+
+# A pre-started worker standing in for the real one: it says it is up (its "imports" done),
+# then waits for its plans as the real one does (read_jobs) and writes each job's file.
+STUB_EARLY_WORKER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from flashlet.kernels.cute_precompile import read_jobs
+    Path(sys.argv[1], "up-%d" % __import__("os").getpid()).write_text("")
+    for plan, key, folder in read_jobs(sys.stdin.buffer, idle_s=float(sys.argv[2])):
+        Path(folder, key + ".o").write_text(repr(plan))
+""")
+
+
+def early_stub(tmp_path, idle_s: float = 60.0) -> list[str]:
+    return [sys.executable, "-c", STUB_EARLY_WORKER, str(tmp_path), str(idle_s)]
+
+
+def wait_for(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_pre_started_workers_wait_for_their_plans_and_those_past_the_plans_exit(tmp_path):
+    """Workers started before the plans are known: up and waiting; then 3 plans for 4 workers
+    (round robin over 3 of them), the fourth handed nothing exits at once."""
+    up, out = tmp_path / "up", tmp_path / "out"
+    up.mkdir(), out.mkdir()
+    pool, job = cute_precompile.Workers(4, "sm_90a", command=early_stub(up)), None
+    try:
+        assert wait_for(lambda: len(list(up.iterdir())) == 4)  # all up, nothing to do yet
+        assert all(proc.poll() is None for proc in pool.procs)
+        job = cute_precompile.Precompile([("a", "ka"), ("b", "kb"), ("c", "kc")], out, "sm_90a", pool=pool)
+        assert job.pool is pool and [job.worker_of[k] for k in ("ka", "kb", "kc")] == pool.procs[:3]
+        assert all(job.wait(key) for key in ("ka", "kb", "kc"))
+        assert pool.procs[3].wait(timeout=60) == 0
+    finally:
+        job.close() if job is not None else pool.release()
+    assert all(proc.returncode == 0 for proc in pool.procs)
+    assert sorted(p.name for p in out.iterdir()) == ["ka.o", "kb.o", "kc.o"]
+    assert (out / "kb.o").read_text() == "'b'"
+
+
+def test_a_pre_started_worker_let_go_or_never_handed_plans_exits(tmp_path):
+    """release: the workers exit with nothing done; a worker nobody hands plans to (an engine
+    that failed while the weights loaded) gives up after its idle time."""
+    pool = cute_precompile.Workers(2, "sm_90a", command=early_stub(tmp_path))
+    pool.release()
+    assert [proc.wait(timeout=60) for proc in pool.procs] == [0, 0]
+    pool.release()  # twice: nothing more
+    idle = cute_precompile.Workers(1, "sm_90a", command=early_stub(tmp_path, idle_s=0.2))
+    try:
+        assert idle.procs[0].wait(timeout=60) == 0
+    finally:
+        idle.release()
+    assert not list(tmp_path.glob("*.o"))
+
+
+class FakeWorkers:
+    def __init__(self, count, arch, command=None):
+        self.procs, self.arch, self.released = [None] * count, arch, False
+
+    def release(self):
+        self.released = True
+
+
+def test_workers_start_ahead_on_a_configurations_first_start_only(tmp_path, monkeypatch):
+    """prestart: workers started before the weights load where no stamp says this engine
+    configuration started here before; mark_started writes the stamp (keyed by the
+    configuration), after which the same configuration starts none ahead and another does.
+    None with precompiling off or late, off CUDA, or with the cache off."""
+    monkeypatch.delenv(cute_precompile.ENV, raising=False)
+    monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cute_precompile, "Workers", FakeWorkers)
+    cuda, config, other = torch.device("cuda", 0), "EngineConfig(a)", "EngineConfig(b)"
+
+    def ahead(config, device=cuda):
+        cute_precompile.prestart(config, device)
+        pool, cute_precompile._PRESTARTED = cute_precompile._PRESTARTED, None
+        return pool
+
+    pool = ahead(config)
+    assert pool is not None and pool.arch == "sm_90a"
+    assert len(pool.procs) == cute_precompile.worker_count(cute_precompile.MAX_WORKERS)
+    cute_precompile.mark_started(config, cuda)
+    assert len(list(tmp_path.glob("*.started"))) == 1
+    assert ahead(config) is None and ahead(other) is not None
+    assert ahead(other, torch.device("cpu")) is None
+    for value in ("0", "late"):
+        monkeypatch.setenv(cute_precompile.ENV, value)
+        assert ahead(other) is None
+    monkeypatch.delenv(cute_precompile.ENV)
+    monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: None)
+    assert ahead(other) is None
+    cute_precompile.mark_started(other, cuda)  # the cache off: no stamp, no error
+    assert len(list(tmp_path.glob("*.started"))) == 1
+
+
+def test_start_takes_the_pre_started_workers_or_lets_them_go(tmp_path, monkeypatch):
+    """start hands the plans to the pre-started workers; with too few plans missing it lets them
+    go, and release_prestarted lets go of workers no fused path took."""
+    monkeypatch.delenv(cute_precompile.ENV, raising=False)
+    monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: tmp_path)
+    monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: f"{plan}-key")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    made = []
+    monkeypatch.setattr(cute_precompile, "Precompile", lambda jobs, folder, arch, pool: made.append(pool) or
+                        SimpleNamespace(pool=pool))
+    cuda = torch.device("cuda", 0)
+    for plans, taken in (("abc", True), ("a", False)):
+        pool = cute_precompile._PRESTARTED = FakeWorkers(8, "sm_90a")
+        job = cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in plans)
+        assert (job is not None) == taken and pool.released != taken
+        assert cute_precompile._PRESTARTED is None
+    assert made == [made[0]] and made[0] is not None
+    pool = cute_precompile._PRESTARTED = FakeWorkers(8, "sm_90a")
+    cute_precompile.release_prestarted()
+    assert pool.released and cute_precompile._PRESTARTED is None
 
 
 def cubin_sm(obj: bytes) -> int:

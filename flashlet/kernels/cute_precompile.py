@@ -198,8 +198,8 @@ def prestart(engine_config, device) -> None:
     the stamp is there."""
     global _PRESTARTED
     release_prestarted()
-    if mode() != "1" or device.type != "cuda":
-        return
+    if mode() != "1" or device.type != "cuda" or cute_disk_cache.usable_dir() is None:
+        return  # (no DSL that loads files: nothing asks the GPU its arch)
     arch = _arch(device)
     stamp = _stamp(engine_config, arch)
     if stamp is None or stamp.is_file():
@@ -220,7 +220,7 @@ def release_prestarted() -> None:
 
 def mark_started(engine_config, device) -> None:
     """Write the stamp `prestart` looks for: this configuration has started here."""
-    if device.type != "cuda" or not enabled():
+    if device.type != "cuda" or not enabled() or cute_disk_cache.usable_dir() is None:
         return
     stamp = _stamp(engine_config, _arch(device))
     if stamp is not None and not stamp.is_file():

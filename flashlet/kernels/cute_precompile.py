@@ -6,12 +6,12 @@ H100 (FUSED_NOTES.md, "Session 50"); later starts load them from cute_disk_cache
 compile needs no GPU: traced with stand-ins of its arguments' shapes (`CuteGemv._fake_args`,
 what the CPU's PTX tests lower), it lowers for the arch it is told, and computes what the
 launcher traced with the GPU's own tensors computes, bit for bit (the GPU test in
-tests/kernels/test_cute_precompile.py; H100, 2026-12-06). So as soon
-as the plans are known (FusedDecode's constructor, before the warm-up), `start` hands those not
-on disk to a few worker processes (`python -m flashlet.kernels.cute_precompile`), which trace
-and export them into the cache folder while the engine goes on with its own warm-up; a GEMV's
-first call (`CuteGemv.compile`) then waits for its file, loads it, and compiles the kernel
-itself only where a worker failed.
+tests/kernels/test_cute_precompile.py; H100, 2026-12-06). So as soon as the plans are known
+(FusedDecode's constructor, before the warm-up), `start` hands those not on disk to a few
+worker processes (`python -m flashlet.kernels.cute_precompile`), which trace and export them
+into the cache folder while the engine goes on with its own warm-up; a GEMV's first call
+(`CuteGemv.compile`) then waits for its file, loads it, and compiles the kernel itself only
+where a worker failed.
 
 A worker's own start (Python, torch and the DSL imported) takes seconds, so on an engine
 configuration's first start on a machine (no stamp for it in the cache folder: `prestart`) the
@@ -20,9 +20,10 @@ once the engine has started (`mark_started`), and later starts spawn workers onl
 found missing.
 
 On by default (FLASHLET_CUTE_PRECOMPILE=0 turns it off; =late starts the workers only once the
-plans are known, an A/B): on an H100 a first start of the 0.5B took 21 s with late workers
-against 35 s without (FUSED_NOTES.md, "Session 52"). A worker's file has the usual key, so a
-later start loads it as any other.
+plans are known, an A/B). On an H100, a start of the 0.5B with an empty CuTe cache took 21 s
+with late workers against 35 s without; on another, 10.7-12.4 s with early workers against
+12.8-14.4 s late (FUSED_NOTES.md, "Session 52"). A worker's file has the usual key, so a later
+start loads it as any other.
 """
 
 from __future__ import annotations

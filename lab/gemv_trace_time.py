@@ -62,7 +62,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if workers == 0:
             for i, plan in enumerate(plans):
-                compiled = CuteGemv.of_plan(plan, "cpu")._compile_now(None)
+                compiled = CuteGemv.stand_in(plan)._compile_now(None)
                 compiled.export_to_c(str(folder), f"k{i}", function_prefix=f"flashlet_gemv_k{i}")
         else:
             job = cute_precompile.Precompile([(plan, f"k{i}") for i, plan in enumerate(plans)],

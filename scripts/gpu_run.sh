@@ -594,6 +594,9 @@ for _ in range(480):
         fi
       done
       run 20 python3 scripts/start_time.py --table "$OUT/json/start-ab.jsonl"
+      [[ ${START_AB:-cache} == precompile ]] &&  # a worker's own start: its imports, no plans
+        run 60 bash -c 'for i in 1 2; do /usr/bin/time -f "a worker with no plans: %e s" \
+          python3 -m flashlet.kernels.cute_precompile < /dev/null; done'
       if [[ ${START_AB:-cache} == precompile && ${START_AB_TESTS:-1} == 0 ]]; then
         :  # the starts alone
       elif [[ ${START_AB:-cache} == precompile ]]; then

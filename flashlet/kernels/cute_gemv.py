@@ -80,7 +80,10 @@ import importlib.metadata
 import math
 import time
 
-import torch
+try:
+    import torch
+except ImportError:  # a cute_precompile worker, which keeps torch out (half its start): its
+    torch = None     # traces use stand-ins only (CuteGemv.stand_in)
 
 from flashlet.kernels import cute_disk_cache, cute_precompile, tuning
 
@@ -1949,6 +1952,24 @@ def _disk_key(plan: GemvPlan, device: torch.device) -> str | None:
 
 _ROPE_ALIGN = (8, 4, 8, 2, 2)  # position, table, slot, k pool, v pool (RopeKV.flat's order)
 _COMPILED: dict = {}  # (plan, device) -> the compiled launcher (see CuteGemv.compile)
+_DUMMY_NUMEL = 8  # the bf16 stand-in of an absent bias / norm weight / pool (one 16-byte load)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostDevice:
+    """Where a stand-in GEMV traces (CuteGemv.stand_in): the host, without torch."""
+    type: str = "cpu"
+
+
+_HOST = _HostDevice()
+
+
+def _buffer_sizes(p: GemvPlan) -> tuple[int, int]:
+    """A plan's partials and counters: the argmax's per-CTA partials (one counter), or
+    split-K's fp32 sums of each CTA's K (a lane's slots) and a counter a tile; else one of each."""
+    if p.splits > 1:
+        return p.grid * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
+    return (p.grid * p.rows if p.epilogue == "argmax" else 1), 1
 
 
 class CuteGemv:
@@ -1981,27 +2002,23 @@ class CuteGemv:
                                       rope=rope, rows=rows, fp8=fp8, **knobs))
 
     @classmethod
-    def of_plan(cls, plan: GemvPlan, device="cpu") -> CuteGemv:
-        """A GEMV for a plan made elsewhere: cute_precompile's workers trace a GPU's plans with
-        stand-ins on the host (`device` cpu), touching no GPU."""
+    def stand_in(cls, plan: GemvPlan) -> CuteGemv:
+        """A GEMV that only traces a plan made elsewhere, with stand-ins on the host (no buffers,
+        no GPU, no torch): what cute_precompile's workers compile and export."""
         gemv = cls.__new__(cls)
-        gemv._setup(torch.device(device), plan)
+        gemv.device, gemv.plan = _HOST, plan
+        gemv._compiled, gemv.compile_seconds, gemv.from_disk = None, None, False
         return gemv
 
     def _setup(self, device: torch.device, plan: GemvPlan) -> None:
         """The plan's own buffers (the argmax's partials, split-K's sums and counters)."""
         self.device, self.plan = device, plan
-        p = self.plan
-        epilogue = p.epilogue
         f32, i32 = torch.float32, torch.int32
-        parts = p.grid * p.rows if epilogue == "argmax" else 1
-        counters = 1
-        if p.splits > 1:  # each CTA's fp32 sums of its K (a lane's slots), and a counter a tile
-            parts, counters = p.grid * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
+        parts, counters = _buffer_sizes(plan)
         self._parts_val = torch.zeros(parts, dtype=f32, device=self.device)
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
         self._counter = torch.zeros(counters, dtype=i32, device=self.device)  # the kernel resets them
-        self._dummy = torch.zeros(8, dtype=torch.bfloat16, device=self.device)
+        self._dummy = torch.zeros(_DUMMY_NUMEL, dtype=torch.bfloat16, device=self.device)
         self._dummy_rope = RopeKV(torch.zeros(2, dtype=torch.int64, device=self.device),
                                   torch.zeros(4, dtype=f32, device=self.device),
                                   self._dummy, self._dummy,
@@ -2102,7 +2119,8 @@ class CuteGemv:
                                   assumed_align=align)
 
         out_shape = (p.rows,) if p.epilogue == "argmax" else (p.rows * self._out_numel,)
-        extra_shape = (self._extra_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else tuple(self._dummy.shape)
+        extra_shape = (self._extra_numel,) if p.epilogue in ("bias", "residual", "bias_rope_kv") else (_DUMMY_NUMEL,)
+        parts, counters = _buffer_sizes(p)
         r = p.rope
         rope_shapes = ([(p.rows,), (r.table_rows * r.head_dim,), (p.rows,),
                         (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
@@ -2113,8 +2131,7 @@ class CuteGemv:
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
-                fake(c.Float32, tuple(self._parts_val.shape), 4),
-                fake(c.Int32, tuple(self._parts_idx.shape), 4), fake(c.Int32, tuple(self._counter.shape), 4),
+                fake(c.Float32, (parts,), 4), fake(c.Int32, (parts,), 4), fake(c.Int32, (counters,), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
                       (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]
@@ -2247,14 +2264,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "none"
 
 def rope_kv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       rope: RopeShape, rope_kv: RopeKV, norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
+                      eps: float = 1e-6, dtype: torch.dtype | None = None,
                       scale: torch.Tensor | None = None) -> torch.Tensor:
     """The rope epilogues the slow obvious way, row by row of x [M, K]: y = W x (+ b) in fp32
     (x RMS-normalised first with norm_weight), q and k heads rotated in fp32 with the fp32 table
-    row at the row's position (rotate-half, as `TorchOps.rope`), rounded once to dtype (bf16,
-    the kernel's; fp32 for the CPU wiring tests); k and v heads copied into the pool at the
+    row at the row's position (rotate-half, as `TorchOps.rope`), rounded once to dtype (None:
+    bf16, the kernel's; fp32 for the CPU wiring tests); k and v heads copied into the pool at the
     row's slot (skipped when negative). scale: fp8 weights' row scales (gemv_reference's).
     Returns y [M, N]; the pool is updated in place."""
+    dtype = torch.bfloat16 if dtype is None else dtype
     y = gemv_reference(x, weight, "none", norm_weight=norm_weight, eps=eps, scale=scale)
     if bias is not None:
         y = y + bias.float().reshape(1, -1)

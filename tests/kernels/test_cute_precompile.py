@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import subprocess
 import sys
 import textwrap
 import time
@@ -139,7 +140,8 @@ class FakeGemv(SimpleNamespace):
 def test_start_hands_out_the_plans_not_on_disk_once_each(tmp_path, monkeypatch):
     """A plan's file already there, a plan compiled in this process, a plan a worker of an
     earlier start is at, a plan twice: none handed out; the rest go to Precompile with their
-    disk keys."""
+    disk keys. No workers for a CPU engine, GEMVs with no device (the CPU wiring tests' stand-in
+    class), the switch off or the cache off."""
     monkeypatch.delenv(cute_precompile.ENV, raising=False)  # on by default
     monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: tmp_path)
     monkeypatch.setattr(cute_gemv, "_disk_key", lambda plan, device: f"{plan}-key")
@@ -161,6 +163,7 @@ def test_start_hands_out_the_plans_not_on_disk_once_each(tmp_path, monkeypatch):
     assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in "abc") is None
     monkeypatch.setenv(cute_precompile.ENV, "1")
     assert cute_precompile.start(FakeGemv(plan=p, device=torch.device("cpu")) for p in "abc") is None
+    assert cute_precompile.start(FakeGemv(plan=p) for p in "abc") is None  # no device: a test's stand-in
     monkeypatch.setattr(cute_disk_cache, "usable_dir", lambda: None)
     assert cute_precompile.start(FakeGemv(plan=p, device=cuda) for p in "abc") is None
     assert not made
@@ -362,6 +365,45 @@ def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path
         assert f"flashlet_gemv_{key}_cuda_init".encode() in obj and cubin_sm(obj) == 90
 
 
+TRACE_WITH_TORCH = textwrap.dedent("""
+    import os, pickle, sys
+    import torch  # loaded, as in the engine's process
+    from flashlet.kernels import cute_disk_cache
+    from flashlet.kernels.cute_gemv import CuteGemv
+    jobs = pickle.load(open(sys.argv[1], "rb"))
+    os.environ[cute_disk_cache.ENV] = sys.argv[2]
+    for plan, key in jobs:
+        assert cute_disk_cache.store(key, CuteGemv.stand_in(plan)._compile_now(None))
+    assert "torch" in sys.modules
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_CUTE, reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:120]}")
+def test_a_worker_without_torch_exports_what_a_process_with_torch_does(tmp_path):
+    """The worker keeps torch out of its process (half its start); its object files for a rope,
+    a tensor-core and an fp8 plan are byte for byte those traced where torch is loaded."""
+    rope = RopeShape(64, 14, 2, 4096, 1024)
+    plans = [plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132),
+             plan_gemv(896, 4864, "residual", pdl=True, num_sms=132, rows=4, mma=True),
+             plan_gemv(896, 896, "residual", pdl=True, num_sms=132, fp8=True)]
+    jobs = [(plan, f"plan{i}") for i, plan in enumerate(plans)]
+    (tmp_path / "worker").mkdir(), (tmp_path / "torch").mkdir()
+    job = cute_precompile.Precompile(jobs, tmp_path / "worker", "sm_90a", workers=1)
+    try:
+        assert all(job.wait(key, timeout=280) for _, key in jobs)
+    finally:
+        job.close()
+    (tmp_path / "jobs.pkl").write_bytes(pickle.dumps(jobs))
+    repo = str(cute_precompile.Path(cute_precompile.__file__).resolve().parents[2])
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", TRACE_WITH_TORCH, str(tmp_path / "jobs.pkl"), str(tmp_path / "torch")],
+                   env=env, check=True, timeout=280)
+    for _, key in jobs:
+        assert (tmp_path / "worker" / f"{key}.o").read_bytes() == (tmp_path / "torch" / f"{key}.o").read_bytes()
+
+
 def test_a_worker_stops_when_the_engine_is_gone_and_counts_its_failures(monkeypatch, tmp_path):
     """compile_into: each plan traced and stored under its key in its folder; a trace that
     raises is counted; once the parent process has changed (the engine died: the worker was
@@ -369,13 +411,12 @@ def test_a_worker_stops_when_the_engine_is_gone_and_counts_its_failures(monkeypa
     stored, parents = [], iter([100, 100, 100, 100, 1])  # its start, then before each plan
     monkeypatch.setattr(cute_precompile.os, "getppid", lambda: next(parents))
 
-    def of_plan(plan, device):
-        assert device == "cpu"
+    def stand_in(plan):
         if plan == "bad":
             return SimpleNamespace(_compile_now=lambda rope_kv: 1 / 0)
         return SimpleNamespace(_compile_now=lambda rope_kv: f"compiled {plan}")
 
-    monkeypatch.setattr(CuteGemv, "of_plan", staticmethod(of_plan))
+    monkeypatch.setattr(CuteGemv, "stand_in", staticmethod(stand_in))
     monkeypatch.setattr(cute_disk_cache, "store", lambda key, compiled: stored.append(
         (key, compiled, os.environ[cute_disk_cache.ENV])) or True)
     monkeypatch.setenv(cute_disk_cache.ENV, "unset")
@@ -410,7 +451,7 @@ GPU_CASES = {  # the fused path's kinds of GEMV: every epilogue, M rows, the ten
                     reason="needs CUDA and the CuTe DSL: both launchers run on the same inputs")
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_a_launcher_traced_with_stand_ins_computes_what_the_usual_one_does(case):
-    """What a worker compiles (traced with stand-ins on the host, `CuteGemv.of_plan(plan, "cpu")`)
+    """What a worker compiles (traced with stand-ins on the host, `CuteGemv.stand_in(plan)`)
     against what the engine compiles (traced with the GPU's own tensors): the same outputs bit
     for bit, and for the rope epilogues the same pool writes, on the same inputs."""
     n, k, epilogue, kwargs = GPU_CASES[case]
@@ -439,7 +480,7 @@ def test_a_launcher_traced_with_stand_ins_computes_what_the_usual_one_does(case)
                          torch.zeros(pool, dtype=torch.bfloat16, device="cuda"),
                          torch.arange(p.rows, device="cuda") * 3 + 1)
     results = []
-    for launcher in (gemv._compile_now(rope_kv), CuteGemv.of_plan(p, "cpu")._compile_now(None)):
+    for launcher in (gemv._compile_now(rope_kv), CuteGemv.stand_in(p)._compile_now(None)):
         out = gemv.out_like()
         step = None if rope_kv is None else RopeKV(rope_kv.positions, rope_kv.cos_sin_cache,
                                                    rope_kv.k_cache.clone(), rope_kv.v_cache.clone(),

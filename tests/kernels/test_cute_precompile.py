@@ -365,6 +365,28 @@ def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path
         assert f"flashlet_gemv_{key}_cuda_init".encode() in obj and cubin_sm(obj) == 90
 
 
+def test_a_workers_modules_import_and_plan_without_torch(tmp_path):
+    """What a worker imports (cute_precompile, cute_gemv, cute_disk_cache, tuning) with torch
+    blocked as the worker blocks it: no module-level torch use creeps in (it would cost every
+    worker torch's import, or fail it); a pickled plan loads and a stand-in GEMV is made."""
+    rope = RopeShape(64, 14, 2, 4096, 1024)
+    plan = plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132, rows=4)
+    (tmp_path / "plan.pkl").write_bytes(pickle.dumps(plan))
+    script = textwrap.dedent("""
+        import pickle, sys
+        sys.modules["torch"] = None
+        from flashlet.kernels import cute_precompile
+        from flashlet.kernels.cute_gemv import CuteGemv, _buffer_sizes
+        plan = pickle.load(open(sys.argv[1], "rb"))
+        gemv = CuteGemv.stand_in(plan)
+        assert gemv.plan == plan and gemv.device.type == "cpu" and _buffer_sizes(plan)[0] >= 1
+        assert sys.modules["torch"] is None
+    """)
+    repo = str(cute_precompile.Path(cute_precompile.__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "plan.pkl")], check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])))
+
+
 TRACE_WITH_TORCH = textwrap.dedent("""
     import os, pickle, sys
     import torch  # loaded, as in the engine's process

@@ -79,6 +79,11 @@ def usable_dir() -> Path | None:
     return folder if folder is not None and loader_available() else None
 
 
+def file_of(folder: Path, key: str) -> Path:
+    """Where the launcher stored under `key` lies in `folder` (the export's own name for it)."""
+    return folder / f"{key}.o"
+
+
 def _prefix(key: str) -> str:
     return f"flashlet_gemv_{key}"  # the object file's symbols: a C identifier
 
@@ -89,7 +94,7 @@ def load(key: str, loader=None):
     folder = cache_dir()
     if folder is None:
         return None
-    path = folder / f"{key}.o"
+    path = file_of(folder, key)
     if not path.is_file():
         return None
     try:
@@ -132,7 +137,7 @@ def store(key: str, compiled) -> bool:
         _remove_stale_exports(folder)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
             compiled.export_to_c(tmp, key, function_prefix=_prefix(key))
-            os.replace(Path(tmp) / f"{key}.o", folder / f"{key}.o")
+            os.replace(file_of(Path(tmp), key), file_of(folder, key))
     except Exception as e:  # said once a process (a full disk would fail every GEMV's store)
         log.log(logging.DEBUG if _WARNED else logging.WARNING,
                 "could not keep the compiled CuTe GEMV in %s (%s: %s); the next process compiles "

@@ -120,7 +120,6 @@ class Precompile:
             count = min(workers, len(jobs)) if workers is not None else worker_count(len(jobs))
             pool = Workers(count, arch, command)
         self.pool = pool
-        self.started = pool.started  # wall clock: compared with the files' mtimes
         self.waited_s = 0.0  # the engine's GEMVs' waits for the workers' files
         count = min(len(pool.procs), len(jobs))
         shares = [jobs[i::count] for i in range(count)]  # round robin: each a mix of the rows
@@ -135,7 +134,7 @@ class Precompile:
 
     def wait(self, key: str, timeout: float = WAIT_S) -> bool:
         """Until the key's file is there (True) or its worker has ended without it (False)."""
-        path = self.folder / f"{key}.o"
+        path = cute_disk_cache.file_of(self.folder, key)
         proc = self.worker_of.get(key)
         t0 = time.monotonic()
         try:
@@ -153,7 +152,7 @@ class Precompile:
         moment); one still at a plan (hung, or slower than the engine, which compiled the plan
         itself) is killed."""
         for proc in self.pool.procs:
-            done = all((self.folder / f"{key}.o").is_file()
+            done = all(cute_disk_cache.file_of(self.folder, key).is_file()
                        for key, owner in self.worker_of.items() if owner is proc)
             try:
                 proc.wait(timeout=EXIT_S if done else 0)
@@ -166,8 +165,8 @@ class Precompile:
     def report(self) -> dict:
         """When the workers' files came, in seconds from their start (the first file: a worker's
         imports and one plan), and how long the engine waited for them in all."""
-        made = sorted(path.stat().st_mtime - self.started for path in
-                      (self.folder / f"{key}.o" for key in self.worker_of) if path.is_file())
+        made = sorted(path.stat().st_mtime - self.pool.started for path in
+                      (cute_disk_cache.file_of(self.folder, key) for key in self.worker_of) if path.is_file())
         return {"workers": len(set(self.worker_of.values())), "plans": len(self.worker_of),
                 "files": len(made), "first_file_s": made[0] if made else None,
                 "last_file_s": made[-1] if made else None, "waited_s": self.waited_s}
@@ -264,7 +263,7 @@ def _start(gemvs, pool: Workers | None) -> Precompile | None:
         seen.add(gemv.plan)
         device = gemv.device
         key = _disk_key(gemv.plan, gemv.device)
-        if key is not None and key not in _PENDING and not (folder / f"{key}.o").is_file():
+        if key is not None and key not in _PENDING and not cute_disk_cache.file_of(folder, key).is_file():
             jobs.append((gemv.plan, key))
     if len(jobs) < MIN_PLANS:
         return None

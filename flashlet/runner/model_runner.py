@@ -78,8 +78,8 @@ STEADY_REPLAY = os.environ.get(STEADY_REPLAY_ENV, "1") == "1"
 # (Triton, the CuTe DSL) and lets the allocator settle; a second only repeats it on the same
 # side stream. $FLASHLET_CAPTURE_WARM_RUNS=1 / 2 sets it for an A/B of start time and the graph
 # tests: one run read capture -1% on an H100 (FUSED_NOTES.md, "Session 49"), -29% with the CuTe
-# compile seconds taken out ("Session 50"); the default stays 2 until that A/B is repeated with
-# the compiles on disk and the graph tests pass under one run (the queue's item 4b).
+# compile seconds taken out ("Session 50"), and with the compiles on disk a warm start moved
+# 0.24 s, inside the pairs' spread ("Session 52"): the default stays 2.
 CAPTURE_WARM_RUNS_ENV = "FLASHLET_CAPTURE_WARM_RUNS"
 
 

@@ -113,6 +113,13 @@ def mma_variants(name: str) -> list[tuple[str, dict]]:
     return out
 
 
+# From this many bf16 rows the sweep leaves out the CUDA-core M-row form's plans: on an H100 (session
+# 53, 0.5B shapes) they read 3-4x the tensor-core form's time at 8 rows (down 17-18 us against 5.4)
+# and 3-12x at 16 (down 19-52 against 6.1; the LM head 394-1,179 against 94-100), and the 16-row
+# LM head's CUDA-core variants took the sweep past its call's limit twice (a compile of minutes).
+CUDA_CORE_ROWS_CAP = 8
+
+
 def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool = False) -> list[tuple[str, dict]]:
     """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
     (H200: 132 SMs). mma: the fp8 tensor-core form's knobs."""
@@ -167,6 +174,8 @@ def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool =
                              **knobs)
         except ValueError:
             continue  # e.g. over the 48 KB of shared memory, or staged fp8: not a variant of this shape
+        if rows >= CUDA_CORE_ROWS_CAP and not fp8 and not plan.mma:
+            continue  # the CUDA-core M-row form at 8+ rows: 3-12x the tensor-core form's time, slow to compile
         if plan not in seen:
             seen.add(plan)
             kept.append((label, knobs))
@@ -344,6 +353,23 @@ def layer_chain_us(plans: dict[str, dict], pdl: bool, layers: int = 24, m: int =
     return graph_time_us(1, step) / layers
 
 
+def write_plans(path: str, rows: list[dict], best: dict, args) -> int:
+    """Write the winners that beat their shape's default by >= 3% as FLASHLET_GEMV_PLANS entries;
+    returns how many."""
+    entries = []
+    for (name, pdl), b in best.items():
+        base = next((d for d in rows if d["shape"] == name and d["pdl"] == pdl
+                     and d["variant"] == "default" and d.get("us")), None)
+        if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
+            n, k, epilogue, norm, _ = SHAPES[name]
+            key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else []) + (["fp8"] if args.fp8 else [])
+            key += ["mma"] if args.mma else []
+            entries.append(dict(key=key, knobs=b["knobs"], us=b["us"], shape=name, variant=b["variant"]))
+    with open(path, "w") as fh:
+        json.dump(entries, fh, indent=1)
+    return len(entries)
+
+
 def run_gpu(args) -> int:
 
     t_start = time.perf_counter()
@@ -371,6 +397,8 @@ def run_gpu(args) -> int:
             best[(name, pdl)] = b
         if args.json:  # after every shape: a timeout still leaves what was measured
             dump(args.json, copy_gbs, rows, best, {})
+        if args.plans_out:  # so too the winners so far
+            write_plans(args.plans_out, rows, best, args)
 
     log("")
     log(f"copy bandwidth {copy_gbs:.0f} GB/s; us per call in a CUDA graph chain of calls (PDL launches "
@@ -394,20 +422,9 @@ def run_gpu(args) -> int:
         m += ', "mma"' if args.mma else ""
         log(f"    ({n}, {k}, {epilogue!r}, {norm}, {pdl}{m}): {b['knobs']},  "
             f"# {name}: {b['us']:.2f} us, {b['gbs']:.0f} GB/s, {b['of_copy']:.2f} of copy ({b['variant']})")
-    if args.plans_out:  # for FLASHLET_GEMV_PLANS: the winners that beat the default by >= 3%
-        entries = []
-        for (name, pdl), b in best.items():
-            base = next((d for d in rows if d["shape"] == name and d["pdl"] == pdl
-                         and d["variant"] == "default" and d.get("us")), None)
-            if b["variant"] != "default" and (base is None or base["us"] >= 1.03 * b["us"]):
-                n, k, epilogue, norm, _ = SHAPES[name]
-                key = [n, k, epilogue, norm, pdl] + ([args.rows] if args.rows > 1 else []) + (["fp8"] if args.fp8 else [])
-                key += ["mma"] if args.mma else []
-                entries.append(dict(key=key, knobs=b["knobs"], us=b["us"],
-                                    shape=name, variant=b["variant"]))
-        with open(args.plans_out, "w") as fh:
-            json.dump(entries, fh, indent=1)
-        log(f"{len(entries)} tuned plan(s) written to {args.plans_out} (FLASHLET_GEMV_PLANS)")
+    if args.plans_out:
+        log(f"{write_plans(args.plans_out, rows, best, args)} tuned plan(s) written to {args.plans_out} "
+            f"(FLASHLET_GEMV_PLANS)")
     chain = {}
     for pdl in pdls:
         if time.perf_counter() > deadline + 60 or not all((s, pdl) in best for s in ("qkv", "o", "gate_up", "down")):

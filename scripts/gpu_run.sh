@@ -73,11 +73,13 @@
 #                GEMV_CONFIG preset without and with those plans (FLASHLET_GEMV_PLANS), two
 #                interleaved pairs (~1 min a preset and length a pair)
 #   gemv-rows    the CuTe GEMVs' M-row plan sweep (scripts/gemv_sweep.py --rows M, PDL on: the
-#                tensor-core form's knobs beside the CUDA-core form's; TUNED_PLANS has no M-row
-#                entry) at GEMV_ROWS (default 4 16) of GEMV_CONFIG (default qwen2.5-0.5b), the
-#                winners in one file kept in /tmp (up to ~6 min a row count on an H100: one a call)
-#   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) without and with those plans
-#                (FLASHLET_GEMV_PLANS; GEMV_ROWS_TABLE=lab/tables/... a kept table), one run each (~7 min)
+#                tensor-core form's knobs beside the CUDA-core form's below 8 rows; TUNED_PLANS
+#                holds the 0.5B's 2-, 4- and 16-row entries) at GEMV_ROWS (default 4 16) of
+#                GEMV_CONFIG (default qwen2.5-0.5b; GEMV_SHAPES the shapes), the winners in one
+#                file kept in /tmp (45-80 s a row count on an H100 without the LM head)
+#   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG without and with
+#                those plans (FLASHLET_GEMV_PLANS; GEMV_ROWS_TABLE=lab/tables/... a kept table), two
+#                interleaved pairs, then N = 1 2 4 8 16 streams through LLM.generate each way (~4 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -796,9 +798,9 @@ for _ in range(480):
     gemv-preset-ab)
       cute_env
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
-    gemv-rows)  # the M-row GEMV plans (the closed loop's 4 and 16-row steps), against the heuristic's.
-      # One M's sweep takes up to ~6 min (its 300 s budget, then compiles): GEMV_ROWS=4 and
-      # GEMV_ROWS=16 in calls of their own; each M's table stays in $KEEP, and the merge takes every one there
+    gemv-rows)  # the M-row GEMV plans (the closed loop's 2- to 16-row steps), against the heuristic's.
+      # One M's sweep took 45-80 s on an H100 without the LM head (session 53; 8+ rows sweep the
+      # tensor-core form only); each M's table stays in $KEEP, and the merge takes every one there
       cute_env
       for m in ${GEMV_ROWS:-4 16}; do
         rm -f "$KEEP/gemv-rows-$m-table.json"
@@ -814,8 +816,16 @@ for _ in range(480):
       cute_env
       t=${GEMV_ROWS_TABLE:-$KEEP/gemv-rows-table.json}
       kept_table gemv-rows-ab "$t" gemv-rows || continue
-      closed_loop "$OUT/json/gemv-rows-none.json"
-      closed_loop "$OUT/json/gemv-rows-plans.json" FLASHLET_GEMV_PLANS="$t" ;;
+      for pair in 1 2; do  # two interleaved pairs, then N streams through LLM.generate without and with
+        closed_loop "$OUT/json/gemv-rows-none-$pair.json"
+        closed_loop "$OUT/json/gemv-rows-plans-$pair.json" FLASHLET_GEMV_PLANS="$t"
+      done
+      for v in none plans; do
+        plans=(); [[ $v == plans ]] && plans=(FLASHLET_GEMV_PLANS="$t")
+        run 200 env "${plans[@]}" python3 scripts/fused_decode_bench.py \
+          --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --paths default --streams 1 2 4 8 16 \
+          --json "$OUT/json/gemv-rows-streams-$v.json"
+      done ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept

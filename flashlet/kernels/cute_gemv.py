@@ -350,6 +350,23 @@ TUNED_PLANS: dict[tuple, dict] = {
     (17920, 1536, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # qwen2.5-1.5b gate_up
     (1536, 8960, "residual", False, True): {"warps": 8},  # qwen2.5-1.5b down
     (151936, 1536, "argmax", True, True): {"late_g": True, "min_ctas_per_sm": 3},  # qwen2.5-1.5b lm_head
+    # Qwen2.5-0.5B's 2-, 4- and 16-row plans (the tensor-core form), swept on an H100 (gpu_run.sh
+    # gemv-rows, 2026-12-05 for 4 rows, 2026-12-06 for 2 and 16). The closed loop at c = 2 / 16
+    # +16% / +11-14%, c = 4 -0.7 to +3.0%; N streams through LLM.generate +19% / +7-8% / +22% at
+    # 2 / 4 / 16 (BENCHMARKS.md's history, session 53). The 8-row winners lost 3-5% in the
+    # engine (c = 8), so 8 rows keep the heuristic's plans.
+    (1152, 896, "bias_rope_kv", True, True, 2): {"min_ctas_per_sm": 2},  # qkv + RoPE
+    (896, 896, "residual", False, True, 2): {"min_ctas_per_sm": 3},  # o
+    (9728, 896, "silu_mul", True, True, 2): {"ctas_per_sm": 3},  # gate_up
+    (896, 4864, "residual", False, True, 2): {"ctas_per_sm": 4, "warps": 2},  # down
+    (1152, 896, "bias_rope_kv", True, True, 4): {"min_ctas_per_sm": 4},
+    (896, 896, "residual", False, True, 4): {"min_ctas_per_sm": 3},
+    (9728, 896, "silu_mul", True, True, 4): {"ctas_per_sm": 3},
+    (896, 4864, "residual", False, True, 4): {"splits": 2},
+    (1152, 896, "bias_rope_kv", True, True, 16): {"min_ctas_per_sm": 2},
+    (896, 896, "residual", False, True, 16): {"min_ctas_per_sm": 2},
+    (9728, 896, "silu_mul", True, True, 16): {"ctas_per_sm": 2},
+    (896, 4864, "residual", False, True, 16): {"splits": 2},
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 
@@ -463,6 +480,12 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
         raise ValueError(f"TUNED_PLANS entry for {key} has unknown knobs {unknown}")
     if staged is False:  # the caller chose registers: the table's staging depth does not apply
         table = {name: v for name, v in table.items() if name != "stages"}
+    if table and mma is not None and rows > 1 and not fp8:
+        # bf16's M-row entries are keyed as the default form plans them: one measured in the
+        # other form than the caller asks for does not steer this plan
+        measured = plan_gemv(n_rows, k, epilogue, num_sms=num_sms, pdl=pdl, max_loads=max_loads, norm=norm,
+                             eps=eps, rope=rope, tuned=False, rows=rows, **table)
+        table = table if measured.mma == bool(mma) else {}
     knobs = {name: table.get(name) if value is None else value for name, value in knobs.items()}
     staged = bool(knobs["staged"])
     stages = knobs["stages"] or 1

@@ -135,9 +135,9 @@ def test_tuned_plans_table_supplies_defaults(monkeypatch):
 
 @pytest.mark.parametrize("key", sorted(TUNED_PLANS, key=str))
 def test_every_tuned_plan_is_valid(key):
-    n, k, epilogue, norm, pdl = key
+    n, k, epilogue, norm, pdl, *rows = key  # the built-in entries are bf16: M follows where M > 1
     rope = RopeShape(64, 14, 2, 4096, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
-    p = plan_gemv(n, k, epilogue, norm=norm, pdl=pdl, rope=rope)
+    p = plan_gemv(n, k, epilogue, norm=norm, pdl=pdl, rope=rope, rows=rows[0] if rows else 1)
     assert sorted(t for tiles in tiles_per_cta(p) for t in tiles) == list(range(p.num_tiles))
     assert (p.num_tiles - 1) * p.outs_per_tile < p.n_out <= p.num_tiles * p.outs_per_tile
 
@@ -444,9 +444,9 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     """The PTX holds m16n8k16 bf16 products, two a K step and n-tile, and per K step each lane's
     16-byte loads as designed: weight rows g and g + 8, x of decode row g (and g + 8 past 8
     rows), the norm's weight; ptxas keeps it all in registers (no stack frame)."""
-    counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {}, rows)
-    rope = rope_as_lowered(n, epilogue)
-    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows)
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, pdl, 0, norm, {"mma": True}, rows)  # (a tuned entry
+    rope = rope_as_lowered(n, epilogue)  # may plan the CUDA-core form: the 0.5B's 2-row down)
+    p = plan_gemv(n, k, epilogue, rope=rope, pdl=bool(pdl), norm=bool(norm), rows=rows, mma=True)
     assert p.mma
     n_tiles = -(-rows // 8)
     # the first tile's products, and where the grid loops the loop's (each traced once); its
@@ -842,12 +842,19 @@ def test_the_m_row_sweep_tries_both_forms_knobs(monkeypatch):
         assert len(set(plans)) == len(plans) and found[0][0] == "default" and plans[0].mma
         assert any(p.mma for p in plans[1:]) and any(not p.mma for p in plans)
     assert any(label.startswith("mma splits") for label, _ in gemv_sweep.variants("o", True, 4))
+    for name in ("down", "lm_head"):  # from CUDA_CORE_ROWS_CAP rows: the tensor-core form's plans only
+        n, k, epilogue, norm, rope = gemv_sweep.SHAPES[name]
+        for rows in (gemv_sweep.CUDA_CORE_ROWS_CAP, 16):
+            found = gemv_sweep.variants(name, True, rows)
+            assert len(found) > 3 and all(plan_gemv(n, k, epilogue, pdl=True, norm=norm, rope=rope, tuned=False,
+                                                    rows=rows, **knobs).mma for _, knobs in found)
 
 
 def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypatch):
-    """Each built-in one-row bf16 entry of TUNED_PLANS names a GEMV the fused path builds at one of
-    the presets it serves (gemv_sweep.shapes_for: a mistyped or stale shape would steer nothing),
-    and planning that GEMV gives the plan its knobs give, not the heuristic's."""
+    """Each built-in bf16 entry of TUNED_PLANS (one row, or M rows) names a GEMV the fused path
+    builds at one of the presets it serves (gemv_sweep.shapes_for: a mistyped or stale shape would
+    steer nothing), and planning that GEMV at its row count gives the plan its knobs give, not the
+    heuristic's."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -858,12 +865,15 @@ def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypa
     gemvs = {shape[:4]: shape[4] for preset in ("qwen2.5-0.5b", *FUSED_PRESETS) for shape in gemv_sweep.shapes_for(preset).values()}
     one_row = {key: knobs for key, knobs in TUNED_PLANS.items() if len(key) == 5}
     assert len(one_row) >= 6 + 23  # the 0.5B's and five more presets' (the O at K = 2048 shared)
-    for (n, k, epilogue, norm, pdl), knobs in one_row.items():
+    m_rows = {key: knobs for key, knobs in TUNED_PLANS.items() if len(key) == 6 and isinstance(key[5], int)}
+    assert {key[5] for key in m_rows} >= {2, 4, 16}  # the 0.5B's 2-, 4- and 16-row plans
+    for (n, k, epilogue, norm, pdl, *rows), knobs in {**one_row, **m_rows}.items():
         assert (n, k, epilogue, norm) in gemvs, f"{(n, k, epilogue, norm)} is no fused preset's GEMV"
-        rope = gemvs[(n, k, epilogue, norm)]
-        tuned = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope)
-        assert tuned == plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False, **knobs)
-        assert tuned != plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, tuned=False), (n, k, epilogue)
+        rope, m = gemvs[(n, k, epilogue, norm)], rows[0] if rows else 1
+        tuned = plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, rows=m)
+        assert tuned == plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, rows=m, tuned=False, **knobs)
+        assert tuned != plan_gemv(n, k, epilogue, pdl=pdl, norm=norm, rope=rope, rows=m, tuned=False), \
+            (n, k, epilogue, m)
 
 # ---------------------------------------------------------------------------------------------
 # M decode rows a launch (rows=M): y[M, N] = x[M, K] W^T, the weights read once for all rows.
@@ -937,7 +947,8 @@ def test_argmax_rows_need_as_many_lanes():
 
 def test_tuned_plans_hold_for_their_own_row_count(tmp_path, monkeypatch):
     """An entry measured at one row does not steer the M-row kernel; a sixth key element does."""
-    monkeypatch.setattr(cute_gemv, "TUNED_PLANS", dict(cute_gemv.TUNED_PLANS))
+    one_row = {key: knobs for key, knobs in cute_gemv.TUNED_PLANS.items() if len(key) == 5}
+    monkeypatch.setattr(cute_gemv, "TUNED_PLANS", one_row)  # the built-in M-row entries aside
     one_row = cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True)
     four = cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=4)
     assert one_row.staged and not four.staged and four == cute_gemv.plan_gemv(
@@ -948,6 +959,21 @@ def test_tuned_plans_hold_for_their_own_row_count(tmp_path, monkeypatch):
     assert cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=4).warps == 2
     assert cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=2) == \
         cute_gemv.plan_gemv(9728, 896, "silu_mul", norm=True, pdl=True, rows=2, tuned=False)
+
+
+def test_an_m_row_entry_steers_only_the_form_it_was_measured_in():
+    """The 0.5B's 4-row down entry is a tensor-core plan (splits of K), its 2-row one a CUDA-core
+    plan (2 warps, a looping grid): a caller asking for the other form gets the heuristic's plan of
+    that form, not an error or a plan nobody measured."""
+    four, two = (896, 4864, "residual", False, True, 4), (896, 4864, "residual", False, True, 2)
+    assert TUNED_PLANS[four] == {"splits": 2} and "warps" in TUNED_PLANS[two]
+    args = (896, 4864, "residual")
+    assert plan_gemv(*args, pdl=True, rows=4).splits == 2
+    assert plan_gemv(*args, pdl=True, rows=4, mma=False) == plan_gemv(*args, pdl=True, rows=4, mma=False, tuned=False)
+    assert plan_gemv(*args, pdl=True, rows=4, mma=True).splits == 2
+    assert not plan_gemv(*args, pdl=True, rows=2).mma
+    assert plan_gemv(*args, pdl=True, rows=2, mma=False) == plan_gemv(*args, pdl=True, rows=2)
+    assert plan_gemv(*args, pdl=True, rows=2, mma=True) == plan_gemv(*args, pdl=True, rows=2, mma=True, tuned=False)
 
 
 def _rows_inputs(n, k, epilogue, rows, seed, device="cpu", norm=False):

@@ -350,11 +350,11 @@ TUNED_PLANS: dict[tuple, dict] = {
     (17920, 1536, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # qwen2.5-1.5b gate_up
     (1536, 8960, "residual", False, True): {"warps": 8},  # qwen2.5-1.5b down
     (151936, 1536, "argmax", True, True): {"late_g": True, "min_ctas_per_sm": 3},  # qwen2.5-1.5b lm_head
-    # Qwen2.5-0.5B's 2-, 4- and 16-row plans (the tensor-core form), swept on an H100 (gpu_run.sh
-    # gemv-rows, 2026-12-05 for 4 rows, 2026-12-06 for 2 and 16). The closed loop at c = 2 / 16
-    # +16% / +11-14%, c = 4 -0.7 to +3.0%; N streams through LLM.generate +19% / +7-8% / +22% at
-    # 2 / 4 / 16 (BENCHMARKS.md's history, session 53). The 8-row winners lost 3-5% in the
-    # engine (c = 8), so 8 rows keep the heuristic's plans.
+    # Qwen2.5-0.5B's 2-, 4- and 16-row plans (the tensor-core form, but for the 2-row down's CUDA
+    # cores), swept on an H100 (gpu_run.sh gemv-rows, 2026-12-05 for 4 rows, 2026-12-06 for 2 and
+    # 16). The closed loop at c = 2 / 16 +16% / +11-14%, c = 4 -0.7 to +3.0%; N streams through
+    # LLM.generate +19% / +7-8% / +22% at 2 / 4 / 16 (BENCHMARKS.md's history, session 53). The
+    # 8-row winners lost 3-5% in the engine (c = 8), so 8 rows keep the heuristic's plans.
     (1152, 896, "bias_rope_kv", True, True, 2): {"min_ctas_per_sm": 2},  # qkv + RoPE
     (896, 896, "residual", False, True, 2): {"min_ctas_per_sm": 3},  # o
     (9728, 896, "silu_mul", True, True, 2): {"ctas_per_sm": 3},  # gate_up

@@ -78,10 +78,12 @@ def test_gemv_rows_in_two_calls_merges_both_row_counts(gpu_run):
     assert rc == 0 and "--rows 16" in second[0][1]
     merged = json.loads((gpu_run.keep / "gemv-rows-table.json").read_text())
     assert sorted("--rows 4" in e["written_by"] for e in merged) == [False, True]
-    rc, ab = gpu_run("gemv-rows-ab")
+    rc, ab = gpu_run("gemv-rows-ab")  # two interleaved closed-loop pairs, then N streams each way
     assert rc == 0
-    assert [v for v, _ in ab] == ["", f"FLASHLET_GEMV_PLANS={gpu_run.keep / 'gemv-rows-table.json'}"]
-    assert all("-m flashlet.bench --config qwen2.5-0.5b" in c and "--concurrency 1 4 16" in c for _, c in ab)
+    assert [v for v, _ in ab] == ["", f"FLASHLET_GEMV_PLANS={gpu_run.keep / 'gemv-rows-table.json'}"] * 3
+    assert all("-m flashlet.bench --config qwen2.5-0.5b" in c and "--concurrency 1 4 16" in c for _, c in ab[:4])
+    assert all(c.startswith("scripts/fused_decode_bench.py --config qwen2.5-0.5b") and "--streams 1 2 4 8 16" in c
+               for _, c in ab[4:])
 
 
 def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_path):
@@ -90,7 +92,7 @@ def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_pa
     kept = tmp_path / "kept.json"
     kept.write_text("[]")
     rc, calls = gpu_run("gemv-rows-ab", GEMV_ROWS_TABLE=str(kept))
-    assert rc == 0 and [v for v, _ in calls] == ["", f"FLASHLET_GEMV_PLANS={kept}"]
+    assert rc == 0 and [v for v, _ in calls] == ["", f"FLASHLET_GEMV_PLANS={kept}"] * 3
 
 
 def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
@@ -109,7 +111,7 @@ def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
     rc, loop = gpu_run("loop-table-ab", LOOP_CONFIG="qwen2.5-1.5b")
     assert rc == 0 and all("--config qwen2.5-1.5b" in c for _, c in loop)
     rc, calls = gpu_run("loop-table-ab", "gemv-rows-ab", GEMV_ROWS_TABLE=str(table))  # one call, two parts
-    assert rc == 0 and [c.split("--config ")[1].split()[0] for _, c in calls] == ["qwen3-0.6b"] * 4 + ["qwen2.5-0.5b"] * 2
+    assert rc == 0 and [c.split("--config ")[1].split()[0] for _, c in calls] == ["qwen3-0.6b"] * 4 + ["qwen2.5-0.5b"] * 6
 
 
 def test_one_launch_presets_ab_takes_the_kept_table(gpu_run):

@@ -21,14 +21,13 @@ found missing.
 
 On by default (FLASHLET_CUTE_PRECOMPILE=0 turns it off; =late starts the workers only once the
 plans are known, an A/B). On an H100, a start of the 0.5B with an empty CuTe cache took 21 s
-with late workers against 35 s without; on another, 10.7-12.4 s with early workers against
-12.8-14.4 s late (FUSED_NOTES.md, "Session 52"). A worker's file has the usual key, so a later
-start loads it as any other.
+with late workers against 35 s without (FUSED_NOTES.md, "Session 52"); with torch kept out of
+the workers (a worker's start 2.2-2.4 s against 4.8-5.1), 8.9-10.5 s, early and late level
+("Session 53"). A worker's file has the usual key, so a later start loads it as any other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
@@ -180,8 +179,8 @@ def _stamp(engine_config, arch: str) -> Path | None:
         return None
     from flashlet.kernels.cute_gemv import dsl_version
 
-    text = "\n".join((repr(engine_config), arch, dsl_version(), cute_disk_cache._source_digest()))
-    return folder / f"{hashlib.sha256(text.encode()).hexdigest()[:40]}.started"
+    # hashed as a launcher's file name is, the configuration in the plan's place
+    return folder / f"{cute_disk_cache.kernel_key(engine_config, arch, dsl_version())}.started"
 
 
 def _arch(device) -> str:

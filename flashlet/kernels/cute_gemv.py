@@ -367,6 +367,20 @@ TUNED_PLANS: dict[tuple, dict] = {
     (896, 896, "residual", False, True, 16): {"min_ctas_per_sm": 2},
     (9728, 896, "silu_mul", True, True, 16): {"ctas_per_sm": 2},
     (896, 4864, "residual", False, True, 16): {"splits": 2},
+    # Qwen3-0.6B's 4-row plans and Llama-3.2-1B's 16-row plans (the tensor-core form), swept on
+    # an H100 (gpu_run.sh gemv-rows, 2026-12-06, session 54), each A/B'd in the engine with its
+    # 2-, 4- and 16-row winners together. Qwen3: the closed loop at c = 4 +4.0% / +3.9% (two
+    # interleaved pairs), 4 streams through LLM.generate +3.4%; its 2- and 16-row winners moved
+    # their steps 2% or less (c = 16 +0.7%, N = 2 / 16 +1.7% / +2.2%), so they stay out. Llama:
+    # c = 16 +11.1% / +10.5%, N = 16 +8.4%; its 2- and 4-row winners lost through LLM.generate
+    # (N = 2 -5.5%, N = 4 -2.5%) and stay out (FUSED_NOTES.md, "Session 54").
+    (4096, 1024, "none", True, True, 4): {"min_ctas_per_sm": 3},  # qwen3-0.6b qkv (1.15x alone)
+    (1024, 2048, "residual", False, True, 4): {"min_ctas_per_sm": 2},  # qwen3-0.6b o (1.08x)
+    (1024, 3072, "residual", False, True, 4): {"min_ctas_per_sm": 1},  # qwen3-0.6b down (1.16x)
+    (3072, 2048, "rope_kv", True, True, 16): {"min_ctas_per_sm": 2},  # llama-3.2-1b qkv + RoPE (1.27x)
+    (2048, 2048, "residual", False, True, 16): {"warps": 16},  # llama-3.2-1b o (1.07x)
+    (16384, 2048, "silu_mul", True, True, 16): {"ctas_per_sm": 1},  # llama-3.2-1b gate_up (1.21x)
+    (2048, 8192, "residual", False, True, 16): {"splits": 4},  # llama-3.2-1b down (1.19x)
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 

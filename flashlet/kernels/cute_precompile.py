@@ -308,15 +308,31 @@ def read_jobs(stdin, idle_s: float = IDLE_S) -> list:
     return pickle.loads(data) if data else []
 
 
+def init_driver() -> bool:
+    """The CUDA driver initialised in this process (cuInit: no context, no GPU memory). The DSL
+    reads the GPU's shared memory per SM while it traces a register-capped plan (min_ctas > 1,
+    for the carveout), which fails with CUDA_ERROR_NOT_INITIALIZED in a process that never
+    called cuInit: a torch-free worker (session 54, an H100: the engine then compiled those
+    GEMVs itself). False where no driver answers (a host without a GPU): such plans then fail
+    in the worker, as before, and the engine compiles them."""
+    try:
+        from cuda.bindings import driver
+        return driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS
+    except Exception:  # noqa: BLE001  (no cuda-python, no driver library, no device)
+        return False
+
+
 def main() -> int:
-    """A worker: import what a trace needs (the kernels, the DSL) before the plans come, then
-    compile them; 1 if any failed. Torch stays out: a stand-in trace needs none, and its import
-    was half a worker's start (2.6 of 4.8-5.1 s on an H100 machine, FUSED_NOTES "Session 52")."""
+    """A worker: import what a trace needs (the kernels, the DSL) and initialise the driver
+    before the plans come, then compile them; 1 if any failed. Torch stays out: a stand-in trace
+    needs none, and its import was half a worker's start (2.6 of 4.8-5.1 s on an H100 machine,
+    FUSED_NOTES "Session 52")."""
     logging.basicConfig(level=logging.WARNING, format="cute_precompile: %(message)s")
     sys.modules["torch"] = None  # an import of torch now raises ImportError (cute_gemv's is optional)
     from flashlet.kernels.cute_gemv import cute_available
 
     cute_available()
+    init_driver()
     return 1 if compile_into(read_jobs(sys.stdin.buffer)) else 0
 
 

@@ -136,7 +136,8 @@ def test_tuned_plans_table_supplies_defaults(monkeypatch):
 @pytest.mark.parametrize("key", sorted(TUNED_PLANS, key=str))
 def test_every_tuned_plan_is_valid(key):
     n, k, epilogue, norm, pdl, *rows = key  # the built-in entries are bf16: M follows where M > 1
-    rope = RopeShape(64, 14, 2, 4096, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
+    # a rope entry's rows are (Hq + 2 Hkv) heads of 64 (the 0.5B's 14 + 2 x 2 at N = 1,152)
+    rope = RopeShape(64, n // 64 - 4, 2, 4096, 8193 * 16) if epilogue in ROPE_EPILOGUES else None
     p = plan_gemv(n, k, epilogue, norm=norm, pdl=pdl, rope=rope, rows=rows[0] if rows else 1)
     assert sorted(t for tiles in tiles_per_cta(p) for t in tiles) == list(range(p.num_tiles))
     assert (p.num_tiles - 1) * p.outs_per_tile < p.n_out <= p.num_tiles * p.outs_per_tile

@@ -426,6 +426,55 @@ def test_a_worker_without_torch_exports_what_a_process_with_torch_does(tmp_path)
         assert (tmp_path / "worker" / f"{key}.o").read_bytes() == (tmp_path / "torch" / f"{key}.o").read_bytes()
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_CUTE,
+                    reason="needs CUDA and the CuTe DSL: the DSL reads the GPU while tracing a register cap")
+def test_a_worker_exports_register_capped_plans_as_the_engine_traces_them(tmp_path, monkeypatch):
+    """A register cap (min_ctas_per_sm > 1) makes the DSL read the GPU's shared memory per SM
+    while it traces. A torch-free worker that never initialised the CUDA driver failed those
+    plans (CUDA_ERROR_NOT_INITIALIZED, session 54 on an H100: TUNED_PLANS' regcap entries, which
+    the engine then compiled itself). The worker's files are byte for byte this process's
+    traces, where torch has initialised CUDA as the engine's has."""
+    rope = RopeShape(64, 14, 2, 4096, 1024)
+    plans = [plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132,
+                       rows=2, mma=True, min_ctas_per_sm=2),
+             plan_gemv(4096, 1024, "none", norm=True, pdl=True, num_sms=132, rows=16, mma=True,
+                       min_ctas_per_sm=2)]
+    assert all(p.min_ctas == 2 for p in plans)
+    jobs = [(plan, f"regcap{i}") for i, plan in enumerate(plans)]
+    (tmp_path / "worker").mkdir(), (tmp_path / "engine").mkdir()
+    job = cute_precompile.Precompile(jobs, tmp_path / "worker", "sm_90a", workers=1)
+    try:
+        assert all(job.wait(key, timeout=280) for _, key in jobs)
+    finally:
+        job.close()
+    assert all(proc.returncode == 0 for proc in job.worker_of.values())
+    torch.zeros(1, device="cuda")  # CUDA initialised here, as in the engine
+    monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path / "engine"))
+    for plan, key in jobs:
+        assert cute_disk_cache.store(key, CuteGemv.stand_in(plan)._compile_now(None))
+    for _, key in jobs:
+        assert (tmp_path / "worker" / f"{key}.o").read_bytes() == (tmp_path / "engine" / f"{key}.o").read_bytes()
+
+
+def test_init_driver_calls_cuinit_once_and_says_whether_it_answered(monkeypatch):
+    """The worker's driver set-up: cuInit(0) through cuda-python, True only on CUDA_SUCCESS;
+    no cuda-python (a CPU install) or an error code: False, never an exception."""
+    calls, result = [], {"code": 0}
+    driver = SimpleNamespace(CUresult=SimpleNamespace(CUDA_SUCCESS=0),
+                             cuInit=lambda flags: calls.append(flags) or (result["code"],))
+    bindings = SimpleNamespace(driver=driver)
+    monkeypatch.setitem(sys.modules, "cuda", SimpleNamespace(bindings=bindings, __path__=[]))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    assert cute_precompile.init_driver() is True and calls == [0]
+    result["code"] = 100  # CUDA_ERROR_NO_DEVICE
+    assert cute_precompile.init_driver() is False
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
+    assert cute_precompile.init_driver() is False
+
+
 def test_a_worker_stops_when_the_engine_is_gone_and_counts_its_failures(monkeypatch, tmp_path):
     """compile_into: each plan traced and stored under its key in its folder; a trace that
     raises is counted; once the parent process has changed (the engine died: the worker was

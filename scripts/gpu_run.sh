@@ -453,7 +453,7 @@ for part in "${PARTS[@]}"; do
         tests/gpu/test_gpu_fused_long_down.py tests/gpu/test_gpu_speculative.py \
         tests/gpu/test_gpu_spec_draft.py tests/kernels/test_kern_one_launch_verify.py \
         -k "not preset_shapes and not rope_in"  # (rope_in: its own part while it is off by default)
-      # the fused batches at each served preset's shape (~9 min for 20 cases of four engines each before the 4-row cases came in: 25 now)
+      # the fused batches at each served preset's shape (25 cases of four engines each; the 20 before the 4-row cases took ~9 min)
       run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
       run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
     tests-one-row)  # tests-fused's preset cases at one row (FUSED_PRESETS in the test file)

@@ -381,6 +381,22 @@ TUNED_PLANS: dict[tuple, dict] = {
     (2048, 2048, "residual", False, True, 16): {"warps": 16},  # llama-3.2-1b o (1.07x)
     (16384, 2048, "silu_mul", True, True, 16): {"ctas_per_sm": 1},  # llama-3.2-1b gate_up (1.21x)
     (2048, 8192, "residual", False, True, 16): {"splits": 4},  # llama-3.2-1b down (1.19x)
+    # Qwen2.5-1.5B's 2-, 4- and 16-row plans (the tensor-core form, but for the 2-row QKV's CUDA
+    # cores; H100, gpu_run.sh gemv-rows, session 54). The closed loop at c = 4 / 16 +6.1-6.3% /
+    # +6.5-7.0% (two interleaved pairs), c = 1 level; N streams through LLM.generate +5.2% /
+    # +6.9% / +7.2% at 2 / 4 / 16.
+    (2048, 1536, "bias_rope_kv", True, True, 2): {"warps": 4},  # qkv + RoPE (1.08x alone)
+    (1536, 1536, "residual", False, True, 2): {"min_ctas_per_sm": 3},  # o (1.15x)
+    (17920, 1536, "silu_mul", True, True, 2): {"ctas_per_sm": 2},  # gate_up (1.06x)
+    (1536, 8960, "residual", False, True, 2): {"splits": 8},  # down (1.10x)
+    (2048, 1536, "bias_rope_kv", True, True, 4): {"min_ctas_per_sm": 2},  # (1.06x)
+    (1536, 1536, "residual", False, True, 4): {"warps": 16},  # (1.14x)
+    (17920, 1536, "silu_mul", True, True, 4): {"ctas_per_sm": 2},  # (1.07x)
+    (1536, 8960, "residual", False, True, 4): {"splits": 8},  # (1.11x)
+    (2048, 1536, "bias_rope_kv", True, True, 16): {"warps": 8},  # (1.01x)
+    (1536, 1536, "residual", False, True, 16): {"min_ctas_per_sm": 2},  # (1.10x)
+    (17920, 1536, "silu_mul", True, True, 16): {"ctas_per_sm": 1},  # (1.14x)
+    (1536, 8960, "residual", False, True, 16): {"splits": 8},  # (1.12x)
 }
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
 

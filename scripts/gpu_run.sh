@@ -79,7 +79,8 @@
 #                file kept in /tmp (45-80 s a row count on an H100 without the LM head)
 #   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG without and with
 #                those plans (FLASHLET_GEMV_PLANS; GEMV_ROWS_TABLE=lab/tables/... a kept table), two
-#                interleaved pairs, then N = 1 2 4 8 16 streams through LLM.generate each way (~4 min)
+#                interleaved pairs, then N = 1 2 4 8 16 streams through LLM.generate each way, side
+#                by side last (lab/ab_table.py; ~2.5-4 min)
 #   merge-group  the GPU tests of a long-context entry (the merge in two levels among them), then the
 #                one-launch attention's merge in two levels alone (lab/merge_group_ab.py: one row of
 #                the 0.5B shape after 8,000 / 30,000 tokens, the derived config with groups of 4 and 8
@@ -123,7 +124,7 @@
 #                pairs at CACHED_CONFIGS (~4 min)
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
-#                interleaved pairs (~6 min)
+#                interleaved pairs, side by side last (lab/ab_table.py; ~6 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -343,6 +344,11 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 }
 pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
   grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
+}
+ab_table() {  # ab_table A B [ARGS]: this call's closed-loop pairs $OUT/json/A-{1,2}.json against
+  # B-{1,2}.json side by side (lab/ab_table.py; ARGS: its --streams-a / --streams-b)
+  python3 lab/ab_table.py --loop-a "$OUT/json/$1-"{1,2}.json --loop-b "$OUT/json/$2-"{1,2}.json "${@:3}" 2>&1 \
+    | tee -a "$LOG"
 }
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
   run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
@@ -825,7 +831,9 @@ for _ in range(480):
         run 200 env "${plans[@]}" python3 scripts/fused_decode_bench.py \
           --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --paths default --streams 1 2 4 8 16 \
           --json "$OUT/json/gemv-rows-streams-$v.json"
-      done ;;
+      done
+      ab_table gemv-rows-none gemv-rows-plans --streams-a "$OUT/json/gemv-rows-streams-none.json" \
+        --streams-b "$OUT/json/gemv-rows-streams-plans.json" ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
@@ -942,7 +950,8 @@ for _ in range(480):
       for pair in 1 2; do
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-none-$pair.json"
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
-      done ;;
+      done
+      ab_table loop-table-none loop-table-sweep ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

@@ -80,10 +80,14 @@ def test_gemv_rows_in_two_calls_merges_both_row_counts(gpu_run):
     assert sorted("--rows 4" in e["written_by"] for e in merged) == [False, True]
     rc, ab = gpu_run("gemv-rows-ab")  # two interleaved closed-loop pairs, then N streams each way
     assert rc == 0
+    *ab, (_, summary) = ab  # last: the pairs side by side
     assert [v for v, _ in ab] == ["", f"FLASHLET_GEMV_PLANS={gpu_run.keep / 'gemv-rows-table.json'}"] * 3
     assert all("-m flashlet.bench --config qwen2.5-0.5b" in c and "--concurrency 1 4 16" in c for _, c in ab[:4])
     assert all(c.startswith("scripts/fused_decode_bench.py --config qwen2.5-0.5b") and "--streams 1 2 4 8 16" in c
                for _, c in ab[4:])
+    outs = [c.split("--out ")[1].split()[0] for _, c in ab[:4]] + [c.split("--json ")[1].split()[0] for _, c in ab[4:]]
+    assert summary.split() == ["lab/ab_table.py", "--loop-a", outs[0], outs[2], "--loop-b", outs[1], outs[3],
+                               "--streams-a", outs[4], "--streams-b", outs[5]]
 
 
 def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_path):
@@ -92,7 +96,7 @@ def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_pa
     kept = tmp_path / "kept.json"
     kept.write_text("[]")
     rc, calls = gpu_run("gemv-rows-ab", GEMV_ROWS_TABLE=str(kept))
-    assert rc == 0 and [v for v, _ in calls] == ["", f"FLASHLET_GEMV_PLANS={kept}"] * 3
+    assert rc == 0 and [v for v, _ in calls] == ["", f"FLASHLET_GEMV_PLANS={kept}"] * 3 + [""]
 
 
 def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
@@ -106,12 +110,17 @@ def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
     assert table.exists()
     rc, loop = gpu_run("loop-table-ab")
     assert rc == 0
+    *loop, (_, summary) = loop  # last: the pairs side by side
     assert [v for v, _ in loop] == ["", f"FLASHLET_DECODE_TABLES={table}"] * 2
     assert all("--config qwen3-0.6b" in c and "--workload closed-loop" in c for _, c in loop)
+    outs = [c.split("--out ")[1].split()[0] for _, c in loop]
+    assert summary.split() == ["lab/ab_table.py", "--loop-a", outs[0], outs[2], "--loop-b", outs[1], outs[3]]
     rc, loop = gpu_run("loop-table-ab", LOOP_CONFIG="qwen2.5-1.5b")
-    assert rc == 0 and all("--config qwen2.5-1.5b" in c for _, c in loop)
+    assert rc == 0 and all("--config qwen2.5-1.5b" in c for _, c in loop[:-1])
     rc, calls = gpu_run("loop-table-ab", "gemv-rows-ab", GEMV_ROWS_TABLE=str(table))  # one call, two parts
-    assert rc == 0 and [c.split("--config ")[1].split()[0] for _, c in calls] == ["qwen3-0.6b"] * 4 + ["qwen2.5-0.5b"] * 6
+    configs = [c.split("--config ")[1].split()[0] for _, c in calls if "--config " in c]
+    assert rc == 0 and configs == ["qwen3-0.6b"] * 4 + ["qwen2.5-0.5b"] * 6
+    assert [c.split()[0] for _, c in calls if "--config " not in c] == ["lab/ab_table.py"] * 2
 
 
 def test_one_launch_presets_ab_takes_the_kept_table(gpu_run):

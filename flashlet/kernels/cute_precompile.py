@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import select
 import subprocess
 import sys
@@ -293,11 +294,29 @@ def compile_into(jobs: list[tuple[object, str, str]]) -> int:
         try:
             compiled = CuteGemv.stand_in(plan)._compile_now(None)
         except Exception as e:  # the engine compiles this one itself
-            log.warning("precompiling a CuTe GEMV failed (%s: %s)", type(e).__name__, e)
+            log.warning("precompiling the CuTe GEMV %s failed (%s: %s); the engine compiles it",
+                        _named(plan), type(e).__name__, brief(e))
+            log.debug("the worker's trace of %s", plan, exc_info=True)
             failed += 1
             continue
         failed += not cute_disk_cache.store(key, compiled)
     return failed
+
+
+def _named(plan) -> str:
+    """A plan as the warnings name it: its shape, epilogue and plan tag."""
+    describe = getattr(plan, "describe", None)
+    return f"{plan.n_rows} x {plan.k} {plan.epilogue} ({describe()})" if describe else repr(plan)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def brief(e: Exception) -> str:
+    """An exception's message in one line: the DSL's are dozens of coloured lines (the error, the
+    GPU, suggestions), of which the first with text says what failed."""
+    lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines()]
+    return next((line for line in lines if line), "")
 
 
 def read_jobs(stdin, idle_s: float = IDLE_S) -> list:

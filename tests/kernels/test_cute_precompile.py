@@ -497,6 +497,29 @@ def test_a_worker_stops_when_the_engine_is_gone_and_counts_its_failures(monkeypa
     assert stored == [("ka", "compiled a", str(tmp_path)), ("kc", "compiled c", str(tmp_path))]
 
 
+def test_a_failed_plans_warning_is_one_line_naming_the_plan(monkeypatch, tmp_path, caplog):
+    """The DSL's errors run to dozens of coloured lines (the error, the GPU, suggestions); a
+    worker's warning keeps the first line with text, names the plan, and says who compiles it."""
+    plan = plan_gemv(896, 896, "residual", pdl=True, num_sms=132, rows=2, min_ctas_per_sm=3)
+    dsl_message = ("\n\x1b[91m\x1b[1merror:\x1b[0m CUDA_ERROR_NOT_INITIALIZED (error code: 3) \n"
+                   "\x1b[91m\u274c CUDA context not initialized.\x1b[0m\n\n  suggestion: 1. Check CUDA driver installation\n")
+
+    def stand_in(p):
+        def fail(rope_kv):
+            raise RuntimeError(dsl_message)
+        return SimpleNamespace(_compile_now=fail)
+
+    monkeypatch.setattr(CuteGemv, "stand_in", staticmethod(stand_in))
+    monkeypatch.setattr(cute_precompile.os, "getppid", lambda: 7)
+    with caplog.at_level("WARNING", logger=cute_precompile.log.name):
+        assert cute_precompile.compile_into([(plan, "k", str(tmp_path))]) == 1
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert record.getMessage() == ("precompiling the CuTe GEMV 896 x 896 residual (" + plan.describe() + ") failed "
+                                   "(RuntimeError: error: CUDA_ERROR_NOT_INITIALIZED (error code: 3)); "
+                                   "the engine compiles it")
+    assert cute_precompile.brief(ValueError("")) == ""
+
+
 def test_jobs_pickle_with_their_plans():
     rope = RopeShape(64, 14, 2, 4096, 1024)
     plan = plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, num_sms=132)

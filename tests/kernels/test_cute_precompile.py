@@ -342,6 +342,18 @@ def cubin_sm(obj: bytes) -> int:
     return struct.unpack_from("<I", obj, inner + 48)[0] & 0xFF
 
 
+def exported_by_workers(plans, folder, prefix: str, workers: int = 1):
+    """The plans handed to `workers` real worker processes tracing for sm_90a, each one's file
+    waited for in folder -> (the jobs, the ended Precompile)."""
+    jobs = [(plan, f"{prefix}{i}") for i, plan in enumerate(plans)]
+    job = cute_precompile.Precompile(jobs, folder, "sm_90a", workers=workers)
+    try:
+        assert all(job.wait(key, timeout=280) for _, key in jobs)
+    finally:
+        job.close()
+    return jobs, job
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_CUTE, reason=f"needs the CuTe DSL: {NO_CUTE_REASON[:120]}")
 def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path):
@@ -353,12 +365,7 @@ def test_a_worker_traces_and_exports_each_plan_for_the_arch_it_is_given(tmp_path
     plans = [plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132),
              plan_gemv(896, 4864, "residual", pdl=True, num_sms=132, rows=4, mma=False),
              plan_gemv(4096, 256, "argmax", norm=True, num_sms=132)]
-    jobs = [(plan, f"plan{i}") for i, plan in enumerate(plans)]
-    job = cute_precompile.Precompile(jobs, tmp_path, "sm_90a", workers=2)
-    try:
-        assert all(job.wait(key, timeout=280) for _, key in jobs)
-    finally:
-        job.close()
+    jobs, job = exported_by_workers(plans, tmp_path, "plan", workers=2)
     assert all(proc.returncode == 0 for proc in job.worker_of.values())
     for _, key in jobs:
         obj = (tmp_path / f"{key}.o").read_bytes()
@@ -409,13 +416,8 @@ def test_a_worker_without_torch_exports_what_a_process_with_torch_does(tmp_path)
     plans = [plan_gemv(1152, 896, "bias_rope_kv", norm=True, rope=rope, pdl=True, num_sms=132),
              plan_gemv(896, 4864, "residual", pdl=True, num_sms=132, rows=4, mma=True),
              plan_gemv(896, 896, "residual", pdl=True, num_sms=132, fp8=True)]
-    jobs = [(plan, f"plan{i}") for i, plan in enumerate(plans)]
     (tmp_path / "worker").mkdir(), (tmp_path / "torch").mkdir()
-    job = cute_precompile.Precompile(jobs, tmp_path / "worker", "sm_90a", workers=1)
-    try:
-        assert all(job.wait(key, timeout=280) for _, key in jobs)
-    finally:
-        job.close()
+    jobs, _ = exported_by_workers(plans, tmp_path / "worker", "plan")
     (tmp_path / "jobs.pkl").write_bytes(pickle.dumps(jobs))
     repo = str(cute_precompile.Path(cute_precompile.__file__).resolve().parents[2])
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
@@ -442,13 +444,8 @@ def test_a_worker_exports_register_capped_plans_as_the_engine_traces_them(tmp_pa
              plan_gemv(4096, 1024, "none", norm=True, pdl=True, num_sms=132, rows=16, mma=True,
                        min_ctas_per_sm=2)]
     assert all(p.min_ctas == 2 for p in plans)
-    jobs = [(plan, f"regcap{i}") for i, plan in enumerate(plans)]
     (tmp_path / "worker").mkdir(), (tmp_path / "engine").mkdir()
-    job = cute_precompile.Precompile(jobs, tmp_path / "worker", "sm_90a", workers=1)
-    try:
-        assert all(job.wait(key, timeout=280) for _, key in jobs)
-    finally:
-        job.close()
+    jobs, job = exported_by_workers(plans, tmp_path / "worker", "regcap")
     assert all(proc.returncode == 0 for proc in job.worker_of.values())
     torch.zeros(1, device="cuda")  # CUDA initialised here, as in the engine
     monkeypatch.setenv(cute_disk_cache.ENV, str(tmp_path / "engine"))

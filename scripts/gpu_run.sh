@@ -124,7 +124,8 @@
 #                pairs at CACHED_CONFIGS (~4 min)
 #   loop-table-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG (default
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
-#                interleaved pairs, side by side last (lab/ab_table.py; ~6 min)
+#                interleaved pairs, then 1 / 4 / 16 streams through LLM.generate after
+#                LOOP_PROMPT_LEN (400) tokens each way, side by side last (lab/ab_table.py; ~7 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -951,7 +952,13 @@ for _ in range(480):
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-none-$pair.json"
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
       done
-      ab_table loop-table-none loop-table-sweep ;;
+      for v in none sweep; do  # then 1 / 4 / 16 streams through LLM.generate at the loop's mean context
+        tables=(); [[ $v == sweep ]] && tables=(FLASHLET_DECODE_TABLES="$t")
+        run 200 env "${tables[@]}" python3 scripts/fused_decode_bench.py --config "$cfg" --paths default \
+          --streams 1 4 16 --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$OUT/json/loop-table-streams-$v.json"
+      done
+      ab_table loop-table-none loop-table-sweep --streams-a "$OUT/json/loop-table-streams-none.json" \
+        --streams-b "$OUT/json/loop-table-streams-sweep.json" ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

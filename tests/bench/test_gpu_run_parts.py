@@ -101,7 +101,8 @@ def test_gemv_rows_ab_takes_a_kept_table_and_refuses_without_one(gpu_run, tmp_pa
 
 def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
     """LEAN_SWEEP_ROWS="4 8 16" sweeps those buckets; loop-table-ab times Qwen3's closed loop
-    without and with that table, two interleaved pairs; LOOP_CONFIG picks another preset."""
+    without and with that table, two interleaved pairs, then 1 / 4 / 16 streams after
+    LOOP_PROMPT_LEN tokens each way; LOOP_CONFIG picks another preset."""
     rc, sweep = gpu_run("lean-sweep", LEAN_SWEEP_ROWS="4 8 16")
     assert rc == 0 and len(sweep) == 1
     variables, command = sweep[0]
@@ -110,16 +111,20 @@ def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
     assert table.exists()
     rc, loop = gpu_run("loop-table-ab")
     assert rc == 0
-    *loop, (_, summary) = loop  # last: the pairs side by side
-    assert [v for v, _ in loop] == ["", f"FLASHLET_DECODE_TABLES={table}"] * 2
-    assert all("--config qwen3-0.6b" in c and "--workload closed-loop" in c for _, c in loop)
-    outs = [c.split("--out ")[1].split()[0] for _, c in loop]
-    assert summary.split() == ["lab/ab_table.py", "--loop-a", outs[0], outs[2], "--loop-b", outs[1], outs[3]]
-    rc, loop = gpu_run("loop-table-ab", LOOP_CONFIG="qwen2.5-1.5b")
+    *loop, (_, summary) = loop  # last: the pairs and the streams side by side
+    assert [v for v, _ in loop] == ["", f"FLASHLET_DECODE_TABLES={table}"] * 3
+    assert all("--config qwen3-0.6b" in c and "--workload closed-loop" in c for _, c in loop[:4])
+    assert all(c.startswith("scripts/fused_decode_bench.py --config qwen3-0.6b") and "--streams 1 4 16" in c
+               and "--prompt-len 400" in c for _, c in loop[4:])
+    outs = [c.split("--out ")[1].split()[0] for _, c in loop[:4]] + [c.split("--json ")[1].split()[0] for _, c in loop[4:]]
+    assert summary.split() == ["lab/ab_table.py", "--loop-a", outs[0], outs[2], "--loop-b", outs[1], outs[3],
+                               "--streams-a", outs[4], "--streams-b", outs[5]]
+    rc, loop = gpu_run("loop-table-ab", LOOP_CONFIG="qwen2.5-1.5b", LOOP_PROMPT_LEN="1000")
     assert rc == 0 and all("--config qwen2.5-1.5b" in c for _, c in loop[:-1])
+    assert all("--prompt-len 1000" in c for _, c in loop[4:-1])
     rc, calls = gpu_run("loop-table-ab", "gemv-rows-ab", GEMV_ROWS_TABLE=str(table))  # one call, two parts
     configs = [c.split("--config ")[1].split()[0] for _, c in calls if "--config " in c]
-    assert rc == 0 and configs == ["qwen3-0.6b"] * 4 + ["qwen2.5-0.5b"] * 6
+    assert rc == 0 and configs == ["qwen3-0.6b"] * 6 + ["qwen2.5-0.5b"] * 6
     assert [c.split()[0] for _, c in calls if "--config " not in c] == ["lab/ab_table.py"] * 2
 
 

@@ -385,7 +385,7 @@ TUNED_PLANS: dict[tuple, dict] = {
     (2048, 8192, "residual", False, True, 16): {"splits": 4},  # llama-3.2-1b down (1.19x)
     # Qwen2.5-1.5B's 2-, 4- and 16-row plans (the tensor-core form, but for the 2-row QKV's CUDA
     # cores; H100, gpu_run.sh gemv-rows, session 54). The closed loop at c = 4 / 16 +6.1-6.3% /
-    # +6.5-7.0% (two interleaved pairs), c = 1 level; N streams through LLM.generate +5.2% /
+    # +6.4-7.0% (two interleaved pairs), c = 1 level; N streams through LLM.generate +5.2% /
     # +6.9% / +7.2% at 2 / 4 / 16.
     (2048, 1536, "bias_rope_kv", True, True, 2): {"warps": 4},  # qkv + RoPE (1.08x alone)
     (1536, 1536, "residual", False, True, 2): {"min_ctas_per_sm": 3},  # o (1.15x)

@@ -351,6 +351,16 @@ ab_table() {  # ab_table A B [ARGS]: this call's closed-loop pairs $OUT/json/A-{
   python3 lab/ab_table.py --loop-a "$OUT/json/$1-"{1,2}.json --loop-b "$OUT/json/$2-"{1,2}.json "${@:3}" 2>&1 \
     | tee -a "$LOG"
 }
+streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.generate (fused_decode_bench.py
+  # ARGS) without, then with VAR=VALUE, into $OUT/json/NAME-streams-{none,B}.json; then this call's
+  # closed-loop pairs NAME-none-{1,2} against NAME-B-{1,2} and those runs side by side
+  local v with
+  for v in none "$2"; do
+    with=(); [[ $v == none ]] || with=("$3")
+    run 200 env "${with[@]}" python3 scripts/fused_decode_bench.py "${@:4}" --json "$OUT/json/$1-streams-$v.json"
+  done
+  ab_table "$1-none" "$1-$2" --streams-a "$OUT/json/$1-streams-none.json" --streams-b "$OUT/json/$1-streams-$2.json"
+}
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
   run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
     --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
@@ -827,14 +837,8 @@ for _ in range(480):
         closed_loop "$OUT/json/gemv-rows-none-$pair.json"
         closed_loop "$OUT/json/gemv-rows-plans-$pair.json" FLASHLET_GEMV_PLANS="$t"
       done
-      for v in none plans; do
-        plans=(); [[ $v == plans ]] && plans=(FLASHLET_GEMV_PLANS="$t")
-        run 200 env "${plans[@]}" python3 scripts/fused_decode_bench.py \
-          --config "${LOOP_CONFIG:-qwen2.5-0.5b}" --paths default --streams 1 2 4 8 16 \
-          --json "$OUT/json/gemv-rows-streams-$v.json"
-      done
-      ab_table gemv-rows-none gemv-rows-plans --streams-a "$OUT/json/gemv-rows-streams-none.json" \
-        --streams-b "$OUT/json/gemv-rows-streams-plans.json" ;;
+      streams_ab gemv-rows plans FLASHLET_GEMV_PLANS="$t" --config "${LOOP_CONFIG:-qwen2.5-0.5b}" \
+        --paths default --streams 1 2 4 8 16 ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
       cute_env
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
@@ -952,13 +956,9 @@ for _ in range(480):
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-none-$pair.json"
         LOOP_CONFIG=$cfg closed_loop "$OUT/json/loop-table-sweep-$pair.json" FLASHLET_DECODE_TABLES="$t"
       done
-      for v in none sweep; do  # then 1 / 4 / 16 streams through LLM.generate at the loop's mean context
-        tables=(); [[ $v == sweep ]] && tables=(FLASHLET_DECODE_TABLES="$t")
-        run 200 env "${tables[@]}" python3 scripts/fused_decode_bench.py --config "$cfg" --paths default \
-          --streams 1 4 16 --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$OUT/json/loop-table-streams-$v.json"
-      done
-      ab_table loop-table-none loop-table-sweep --streams-a "$OUT/json/loop-table-streams-none.json" \
-        --streams-b "$OUT/json/loop-table-streams-sweep.json" ;;
+      # then 1 / 4 / 16 streams through LLM.generate at the loop's mean context
+      streams_ab loop-table sweep FLASHLET_DECODE_TABLES="$t" --config "$cfg" --paths default \
+        --streams 1 4 16 --prompt-len "${LOOP_PROMPT_LEN:-400}" ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

@@ -160,17 +160,29 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
     (128, 2, "model", 1): DecodeConfig(block_n=64, num_warps=4, num_stages=3, num_splits=32, prefetch="pages"),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig of the fused decode path's one-launch attention,
-# measured on an H200 by `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, with
-# PDL as the fused step launches it; 2026-12-03, b5db6b4). A bucket whose winner beat the derived
-# config by less than 3% (the script's ENTRY_MARGIN) has no entry: Qwen2.5-0.5B at 1 and 8 rows.
-# Nor has one whose winner lost in the engine: Qwen2.5-0.5B's 4-row winner (5.81 against 6.91 us
-# a layer alone) made the closed loop at c = 4 4% slower (0.680 against 0.650 ms a step, two
-# interleaved pairs), where the attention follows the QKV GEMV, not another attention. The
-# 16-row entry measured level in the same pairs (c = 16: 0.966-0.969 against 0.971 ms). Qwen3's
-# 4-16-row entries are the kernel's winners alone (0.52-0.86 of the derived time), swept without
-# rope_in and not yet timed in the engine; its one-row entry says where it comes from.
+# the winners of `scripts/decode_attn_bench.py --one-launch` (KV in the model's dtype, PDL and the
+# lean merge on, Qwen3's rows made in the kernel: the fused step's launch) that won in the engine
+# too. The multi-row entries (4, 8 and 16 rows; `gpu_run.sh lean-sweep` with LEAN_SWEEP_ROWS="4 8
+# 16", then `loop-table-ab`: the harness's closed loop, 64 requests x 128 tokens, prompts 32-768,
+# two interleaved fresh-process pairs without and with the sweep's table, then 1 / 4 / 16 streams
+# through LLM.generate after 400-token prompts; H100, pinned Triton 3.7.1, 2026-12-06, d634cea):
+#   Qwen2.5-0.5B (64, 7): c = 4 +9.2% / +9.2%, c = 16 +15.2% / +15.0%; N = 4 +7.5%, N = 16 +10.9%
+#   Llama-3.2-1B (64, 4; lab/tables/one-launch-presets-2026-12-05.json): c = 4 +7.5% / +7.2%,
+#     c = 16 +8.8% / +8.7%; N = 4 +7.4%, N = 16 +7.8%
+#   Qwen3-0.6B (128, 2): c = 4 +4.9% / +4.9%, c = 16 +19.1% / +19.1%; N = 4 +3.7%, N = 16 +19.3%
+#   Qwen2.5-1.5B (128, 6; the presets table): c = 4 +13.0% / +13.1%, c = 16 +5.6% / +5.8%;
+#     N = 4 +14.2%, N = 16 +7.3%
+# c = 1 and N = 1 level (-0.2..+0.9%) in each. The entries they replaced (the 0.5B's 16 rows,
+# Qwen3's 4-16) were H200 winners alone, swept without the lean merge (and Qwen3's without its
+# rows made in the kernel). TinyLlama-1.1B (64, 8) has the presets table's entries untimed in the
+# engine: none here. One-row entries say where each comes from.
 ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
-    (64, 7, 16): OneLaunchConfig(block_n=256, num_warps=8, num_stages=2, min_split_tokens=256, waves=2, num_splits=2, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 7, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 7, 8): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 7, 16): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 4, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 4, 8): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 4, 16): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     # Qwen3-0.6B's (and 1.7B's) one row, re-swept in the engine's form (rope_in, the lean merge;
     # H100, 2026-12-05, 5e5a580, `gpu_run.sh lean-sweep`): 6.53 us a layer alone at 1,000 tokens
     # against the derived config's 21.25. Through LLM.generate (`lean-sweep-ab` with this entry
@@ -187,9 +199,12 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     # The same sweep's one-row entries for Llama-3.2-1B (-0.9%) and TinyLlama-1.1B (+2.4%, one
     # pair) stayed out, as did its long and multi-row entries (not timed in the engine).
     (128, 6, 1): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=32, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
-    (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=8, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
-    (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=256, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
-    (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=128, waves=2, num_splits=4, kv_pack=2, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 8): OneLaunchConfig(block_n=32, num_warps=2, num_stages=3, min_split_tokens=32, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=2, num_stages=3, min_split_tokens=64, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 6, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 6, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 6, 16): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
 # more than ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:

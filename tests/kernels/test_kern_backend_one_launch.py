@@ -15,6 +15,7 @@ from flashlet.attention import triton_backend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import ONE_LAUNCH_DECODE_ENV, ONE_LAUNCH_DECODE_MAX_ROWS, TritonBackend
 from flashlet.kernels.decode_attention import one_launch_lookback
+from flashlet.kernels.pdl import pdl_supported
 from flashlet.kvcache.kv_pool import KVPool
 from tests.conftest import run_to_completion
 
@@ -58,7 +59,7 @@ def _pool(kh, lengths, num_kv_heads, head_dim, page_size=16, dtype=torch.float32
 
 
 # (head_dim, Hq, Hkv) -> batch sizes: Qwen2.5-7B's group 7 (no table entry: the derived config),
-# Qwen3's group 2 (its table entry at 4 rows: both KV heads a program) and Qwen2.5-1.5B's group 6.
+# Qwen3's group 2 (its table entry at 4 rows) and Qwen2.5-1.5B's group 6.
 SHAPES = {(128, 28, 4): (1, 5, 16), (128, 4, 2): (4,), (128, 12, 2): (3,)}
 
 
@@ -83,7 +84,8 @@ def test_a_per_op_decode_step_attends_in_one_launch(kh, monkeypatch, shape, batc
     calls = _spy(monkeypatch)
     got = tri.run(0, q, k, v)
     assert len(calls["one"]) == 1 and not calls["two"]
-    assert calls["one"][0]["num_splits"] > 1 and not calls["one"][0]["pdl"]  # no PDL off CUDA
+    # PDL where the device has it (a Hopper GPU), never in the interpreter
+    assert calls["one"][0]["num_splits"] > 1 and calls["one"][0]["pdl"] == pdl_supported(pool.k_cache.device)
     want = ref.run(0, q, k, v)
     assert kh.rel_err(got, want) < 1e-5
     assert not tri._merge_counts.any()
@@ -215,8 +217,8 @@ def test_the_env_var_restores_the_two_launch_form(kh, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_engines_per_op_decode_gives_the_two_launch_forms_tokens(tiny_qwen2, monkeypatch):
-    """Through the engine (triton backend, per-op path, interpreted: ~15 s): three requests
+def test_the_engines_per_op_decode_gives_the_two_launch_forms_tokens(kh, tiny_qwen2, monkeypatch):
+    """Through the engine (triton backend, per-op path; interpreted on the CPU: ~15 s): three requests
     decoding together, their prompts past the 16-token splits, give the same greedy tokens in one
     launch as with $FLASHLET_ONE_LAUNCH_DECODE=0; each form's decode steps call only its kernels."""
     prompts = [[3, 5, 7, 9, 11] * 4, [2, 4, 6], [8] * 33]
@@ -224,7 +226,7 @@ def test_the_engines_per_op_decode_gives_the_two_launch_forms_tokens(tiny_qwen2,
     outs = {}
     for value in ("1", "0"):
         monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, value)
-        engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton", max_num_seqs=3,
+        engine = Engine(EngineConfig(model=str(tiny_qwen2), device=kh.device, backend="triton", max_num_seqs=3,
                                      fused_decode=False))
         calls = _spy(monkeypatch)
         outs[value] = [o.token_ids for o in run_to_completion(engine, prompts, params)]

@@ -142,9 +142,10 @@
 #                PDL (the default): its GPU test, then the 0.5B's closed loop (c = 1 / 4 / 16) under
 #                the pinned Triton, two interleaved trios (ATTN_PDL_PAIRS), then 0 and 1 under the
 #                image's 3.6 once (~9 min; .whl-triton/ carried in this call or an earlier one)
-#   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): one row of
-#                the 0.5B shape after NCU_ATTN_LENS tokens (default 8000 30000), the one-launch
-#                form's derived config (NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
+#   ncu-attn     the decode attention alone under Nsight Compute (lab/ncu_attention.py): NCU_ATTN_ROWS
+#                rows (1) of the NCU_ATTN_MODEL shape (qwen2.5-0.5b) after NCU_ATTN_LENS tokens
+#                (default 8000 30000), the one-launch form's derived config (NCU_ATTN_TABLE=1: its
+#                table entry; NCU_ATTN_MERGE_GROUP=8: its merge in two levels) and the
 #                two-launch form, each kernel's speed of light, memory
 #                workload, occupancy and warp states (no CuTe DSL or wheels needed; ~1 min a length);
 #                its source page came back on 2026-12-05 without stall-sample columns (ncu's CSV
@@ -1012,7 +1013,8 @@ for _ in range(480):
         run 200 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
           --section SourceCounters --import-source yes --export "$rep" -f \
-          python3 lab/ncu_attention.py --kv-len "$n" --merge-group "${NCU_ATTN_MERGE_GROUP:-0}"
+          python3 lab/ncu_attention.py --kv-len "$n" --merge-group "${NCU_ATTN_MERGE_GROUP:-0}" \
+          --model "${NCU_ATTN_MODEL:-qwen2.5-0.5b}" --rows "${NCU_ATTN_ROWS:-1}" ${NCU_ATTN_TABLE:+--table}
         run 60 bash -c "\"$NCU\" --import \"$rep.ncu-rep\" --page details > \"$rep-details.txt\""
         grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall|L2 Hit|Theoretical Occ" \
           "$rep-details.txt" | head -80 | tee -a "$LOG"

@@ -244,19 +244,27 @@ BACKEND_PREFERENCE: dict[tuple[int, int, str], str] = {
 }
 
 
+DERIVED = None  # a sweep table's config that removes its key's entry (load_tables)
+
+
 def load_tables(path: str) -> dict:
     """Put a sweep's winners (`scripts/decode_attn_bench.py --table-json`: [[key, config fields],
     ...]) into BATCHED_DECODE_TABLE (keys of four: head_dim, group, kv, bucket),
     ONE_LAUNCH_TABLE (three: head_dim, group, rows bucket) or ONE_LAUNCH_LONG_TABLE (four, the
     last "long": head_dim, group, rows bucket, "long"), or PREFILL_TABLE (four, the last
     "prefill": head_dim, group, q-length bucket, "prefill"; `scripts/prefill_split_bench.py
-    --table-json`), over any entry of the same key; -> the entries. FLASHLET_DECODE_TABLES=PATH
-    does it at import: an engine run with a sweep's winners before they are written here."""
+    --table-json`), over any entry of the same key; -> the entries. A null config (DERIVED)
+    removes its key's entry: that bucket runs its derived config, for an A/B of a built-in entry
+    against none. FLASHLET_DECODE_TABLES=PATH does it at import: an engine run with a sweep's
+    winners before they are written here."""
     entries = {}
     for row in read_sweep_file(path, "sweep table", "decode_attn_bench.py --table-json"):
         try:
             key, cfg = row
             table = _table_of(tuple(key))
+            if cfg is DERIVED:
+                entries[tuple(key)] = DERIVED
+                continue
             if table is ONE_LAUNCH_LONG_TABLE and cfg == TWO_LAUNCH:
                 entries[tuple(key)] = TWO_LAUNCH
                 continue
@@ -268,7 +276,11 @@ def load_tables(path: str) -> dict:
                              f"this tree's tables: {e}") from None
     for key, cfg in entries.items():
         table = _table_of(key)
-        table[key[:3] if table is ONE_LAUNCH_LONG_TABLE or table is PREFILL_TABLE else key] = cfg
+        key = key[:3] if table is ONE_LAUNCH_LONG_TABLE or table is PREFILL_TABLE else key
+        if cfg is DERIVED:
+            table.pop(key, None)
+        else:
+            table[key] = cfg
     return entries
 
 

@@ -3,6 +3,7 @@ reference, a wrong kernel is reported and never timed, and the printed table is 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import replace
 import json
@@ -372,3 +373,18 @@ def test_a_two_launch_long_entry_loads_from_a_table_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {})
     assert tuning.load_tables(str(path)) == {(64, 7, 1, "long"): tuning.TWO_LAUNCH}
     assert tuning.one_launch_table_config(64, 7, 1, long=True) == tuning.TWO_LAUNCH
+
+
+def test_a_null_config_removes_a_built_in_entry(tmp_path, monkeypatch):
+    """A key whose config is null (tuning.DERIVED) takes that bucket back to its derived config,
+    in whichever table the key names; the other keys of the file load as usual."""
+    entry = tuning.ONE_LAUNCH_TABLE[(128, 2, 16)]
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_TABLE", {(128, 2, 16): entry, (128, 2, 4): entry})
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {(64, 7, 1): tuning.TWO_LAUNCH})
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps([[[128, 2, 16], None], [[64, 7, 1, "long"], None],
+                                [[128, 2, 8], dataclasses.asdict(entry)]]))
+    assert tuning.load_tables(str(path)) == {(128, 2, 16): None, (64, 7, 1, "long"): None, (128, 2, 8): entry}
+    assert tuning.ONE_LAUNCH_TABLE == {(128, 2, 4): entry, (128, 2, 8): entry}
+    assert tuning.ONE_LAUNCH_LONG_TABLE == {}
+    assert tuning.one_launch_table_config(128, 2, 16) is None

@@ -275,7 +275,8 @@
 # scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute1/ ..., .whl-cute/) where PyPI
 # is reachable.
 # Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
-# JSON results in results.tgz, and fi_cache.tgz.
+# JSON results in results.tgz, and fi_cache.tgz. Runs one after another in one $OUT (`a; b`)
+# add to both: each opens the results.tgz an earlier run left before writing its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=("$@")
@@ -284,6 +285,7 @@ PARTS=("$@")
 OUT=${OUT:-gpu-out}
 KEEP=${GPU_RUN_KEEP:-/tmp}  # sweep tables a later call's A/B reads (/tmp outlives a call on a warm machine)
 mkdir -p "$OUT" "$OUT/json" "$KEEP"
+[[ -f $OUT/results.tgz ]] && tar xzf "$OUT/results.tgz" -C "$OUT"  # an earlier run's JSON in this $OUT
 LOG="$OUT/log.txt"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Installed once per machine (/tmp/site/.installed), so instances side by side do not race.

@@ -172,3 +172,16 @@ def test_the_short_prefill_sweep_keeps_a_table_its_ab_loads(gpu_run):
     assert [(v, c.split("--config ")[1].split()[0]) for v, c in calls] == [
         ("", "qwen3-0.6b"), (f"FLASHLET_DECODE_TABLES={table}", "qwen3-0.6b"),
         ("", "qwen2.5-0.5b"), (f"FLASHLET_DECODE_TABLES={table}", "qwen2.5-0.5b")] * 2
+
+
+def test_runs_one_after_another_in_one_out_keep_every_runs_json(gpu_run, tmp_path):
+    """`a; b` in one device call: b's results.tgz holds a's JSON beside its own (session 55 lost
+    a sweep's table when the next run's archive replaced the first's)."""
+    import tarfile
+
+    assert gpu_run("lean-sweep")[0] == 0
+    assert gpu_run("prefill-short-sweep")[0] == 0
+    with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"lean-sweep-table.json", "prefill-short-table.json"} <= names, names
+    assert not (tmp_path / "out" / "json").exists()  # folded into the archive, as before

@@ -245,11 +245,13 @@ def test_rope_in_over_an_fp8_pool_with_verify_rows(kh):
 
 @st.composite
 def rope_in_layouts(draw):
-    """(rows, shared, page_size): 1-4 sequences in a random order, each 1-4 rows of one verify
+    """(rows, shared, page_size): 1-3 sequences in a random order, each 1-4 rows of one verify
     run (KV lengths one apart), some sharing sequence 0's first page (then no row of either
-    writes into it: a cached prefix's page is full)."""
+    writes into it: a cached prefix's page is full). (Up to 3 sequences and 12 examples: the
+    interpreter's time grows with the rows' tokens; the 12 still draw up to 10 rows, all 4 splits
+    used, the block loop with and without page ids carried ahead, shared pages, both packings.)"""
     page_size = draw(st.sampled_from([4, 8]))
-    count = draw(st.integers(1, 4))
+    count = draw(st.integers(1, 3))
     runs = [(draw(st.integers(1, 60)), draw(st.integers(1, 4))) for _ in range(count)]
     order = draw(st.permutations(range(count)))
     rows = [(seq, runs[seq][0] + i) for seq in order for i in range(runs[seq][1])]
@@ -259,7 +261,7 @@ def rope_in_layouts(draw):
     return rows, shared, page_size
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(layout=rope_in_layouts(), kv_pack=st.sampled_from([1, 2]), num_splits=st.sampled_from([1, 2, 4]),
        qk_norm=st.booleans(), prefetch_pages=st.booleans(), lean=st.sampled_from(["0", "1"]),
        seed=st.integers(0, 1000))

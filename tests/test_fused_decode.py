@@ -314,7 +314,7 @@ def test_fused_graphs_attend_through_the_fused_attention_behind_another_backend(
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"], ids=["rope-epilogue", "rope-in-attention"])
 def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwen2, reference_kernels,
                                                                           monkeypatch, tmp_path, family):
-    """tuning.ONE_LAUNCH_LONG_TABLE (here for one row, from 40 tokens; interpreted, ~30 s): the
+    """tuning.ONE_LAUNCH_LONG_TABLE (here for one row, from 24 tokens; interpreted, ~15 s): the
     warm-up captures each one-row fused graph twice (short and long), a step whose longest row
     is past the threshold replays the long one, whose attention runs the long entry's variant
     (Qwen3: with the rows made in the kernel, `rope_in`, and the merge in two levels), and the
@@ -329,15 +329,15 @@ def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwe
     model = tiny_qwen2 if family == "qwen2" else save_family("qwen3", tmp_path / "q3")
     triton = small_one_launch_splits(monkeypatch)
     monkeypatch.setattr(fused_decode, "ROPE_IN_ATTENTION", "1")
-    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 40)
+    monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 24)  # short steps still split in 2
     long_entry = tuning.OneLaunchConfig(block_n=16, num_warps=2, num_stages=2, min_split_tokens=16, num_splits=4,
                                         prefetch_pages=True, merge_group=2 if family == "qwen3" else 0)
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     key = (head_dim, cfg["num_attention_heads"] // cfg["num_key_value_heads"], 1)
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_TABLE", {key: long_entry})
-    prompts = [[3, 5, 7, 9, 11] * 7, [2, 4, 6]]  # 35 tokens: its decode crosses 40
-    params = [SamplingParams(max_new_tokens=30 - 24 * i, ignore_eos=True) for i in range(len(prompts))]
+    prompts = [[3, 5, 7, 9, 11] * 4, [2, 4, 6]]  # 20 tokens: its decode crosses 24, then 24 + 16
+    params = [SamplingParams(max_new_tokens=22 - 16 * i, ignore_eos=True) for i in range(len(prompts))]
     outs = []
     for fused in (False, True):
         engine = Engine(EngineConfig(model=str(model), device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
@@ -359,8 +359,8 @@ def test_a_long_context_entry_takes_long_steps_into_graphs_of_their_own(tiny_qwe
     assert outs[0] == outs[1]
     # Short steps and two-row steps run the short config; a steady step past the threshold keeps
     # the graph it replays until its next load (at the latest a page start, 16 tokens on).
-    assert not any(p for rows, n, p in seen if n < 40 or rows > 1)
-    assert all(p for rows, n, p in seen if rows == 1 and n >= 40 + 16) and any(n >= 40 + 16 for _, n, _ in seen)
+    assert not any(p for rows, n, p in seen if n < 24 or rows > 1)
+    assert all(p for rows, n, p in seen if rows == 1 and n >= 24 + 16) and any(n >= 24 + 16 for _, n, _ in seen)
     assert not engine.runner.fused_attention._merge_counts.any()
 
 

@@ -1145,17 +1145,27 @@ def test_env_switches_read_their_values(name, env, values, expected):
     import subprocess
     import sys
 
-    probe = f"from flashlet.runner import fused_decode as f; print(f.{name})"
+    # One child (torch imported once, not once a value): the module imported with the switch
+    # unset, then re-imported (importlib.reload runs its top level again) at each value.
+    probe = """if True:
+        import importlib, json, os, sys
+        env, name, values = sys.argv[1], sys.argv[2], sys.argv[3:]
+        from flashlet.runner import fused_decode as f
+        got = [getattr(f, name)]
+        for value in values:
+            os.environ[env] = value
+            try:
+                got.append(getattr(importlib.reload(f), name))
+            except ValueError as e:
+                got.append("ValueError: " + str(e))
+        print(json.dumps(got))"""
     unset = {k: v for k, v in os.environ.items() if k != env}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=unset)
-    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-500:]
-    for value in values:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             env={**os.environ, env: value})
-        assert out.returncode == 0 and out.stdout.strip() == value, out.stderr[-500:]
-    bad = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, env: "yes"})
-    assert bad.returncode != 0 and expected in bad.stderr
+    out = subprocess.run([sys.executable, "-c", probe, env, name, *values, "yes"], capture_output=True, text=True,
+                         env=unset)
+    assert out.returncode == 0, out.stderr[-500:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[0] == "1" and got[1:-1] == list(values), got
+    assert got[-1].startswith("ValueError: ") and expected in got[-1], got[-1]
 
 
 @pytest.mark.parametrize("value, launches", [("1", (True, True, True)), ("0", (False, False, False)),

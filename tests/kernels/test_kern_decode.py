@@ -345,7 +345,10 @@ def test_one_launch_lean_merge_matches_reference(kh, monkeypatch, group, num_kv_
     assert kh.rel_err(leaned, plain) < 1e-6
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+# 12 examples: the derandomized draws past the 12th repeated earlier layouts ([257] twice, [0, 37]
+# twice, [0] twice); the 12 hold every group, packing, split cap, merge width and level, lean part,
+# all 16 splits used, and splits looping over several blocks.
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     group=st.sampled_from([1, 2, 7]),
     kv_pack=st.sampled_from([1, 2]),

@@ -731,7 +731,7 @@ def test_padded_mixed_step_gives_the_unpadded_steps_logits(tiny_qwen2):
 
 
 @CPU_ENGINE_THROUGH_THE_INTERPRETER
-@pytest.mark.parametrize("splits", [None, "4,16,48,40"], ids=["default", "split"])
+@pytest.mark.parametrize("splits", [None, "2,16,48,40"], ids=["default", "split"])
 def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2, monkeypatch, splits):
     """With stand-in graphs on the CPU (Triton through the interpreter): the warm-up captures
     one mixed graph per reachable (token bucket, prefill variant, split cap), and a run of
@@ -746,7 +746,7 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2, monkeyp
     else:
         monkeypatch.setenv(PREFILL_SPLITS_ENV, splits)
     engine = Engine(EngineConfig(model=str(tiny_qwen2), device="cpu", backend="triton",
-                                 max_num_seqs=6, max_num_batched_tokens=48, max_num_pages=64))
+                                 max_num_seqs=4, max_num_batched_tokens=48, max_num_pages=64))
     graphs_on_the_cpu(engine)
     runner = engine.runner
     runner.use_mixed_graphs = True
@@ -776,7 +776,7 @@ def test_warm_up_captures_every_mixed_graph_the_steps_replay(tiny_qwen2, monkeyp
     while engine.has_unfinished():
         engine.step()
     assert set(runner.graphs) == captured, set(runner.graphs) - captured
-    assert {key[-1] for key in mixed} == ({1, 4} if splits else {1})
+    assert {key[-1] for key in mixed} == ({1, 2} if splits else {1})
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])

@@ -539,7 +539,8 @@ def test_structured_output_speculates_within_its_grammar(demo_model_dir, demo_ll
         return [done[i] for i in ids], llm
 
     plain, _ = run(demo_llm)  # the session's plain engine
-    spec, llm = run(LLM(str(demo_model_dir), speculative_config=NGRAM))
+    # (its grammar compiled in this process: no compile worker to start, which imports torch)
+    spec, llm = run(LLM(str(demo_model_dir), speculative_config=NGRAM, structured_output_timeout_s=0))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[1].finish_reason in ("stop", "length") and spec[1].error is None
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0

@@ -127,3 +127,38 @@ def test_the_access_log_takes_a_counters_order_and_nothing_else(sync, fence, exp
         _last_one_sums[(4,)](part, count, out, 4, SYNC=sync, FENCE=fence)
     assert out.item() == 10.0
     assert sorted(log.hazards()) == sorted(f"launch 0, {'sync' if 'counter [' in e else 'part'}: {e}" for e in expected)
+
+
+@triton.jit
+def _times(x_ptr, out_ptr, k, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) * k)
+
+
+@interpreting
+def test_integer_overflow_checks_are_built_where_the_interpreter_asserts_them(monkeypatch):
+    """An int32 product that overflows wraps as it did (the interpreter's options have debug
+    off, and its device_assert drops the check); with debug on, the check is built and fails."""
+    from triton.runtime import interpreter
+
+    x = torch.tensor([3, 1 << 30], dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32)
+    assert not interpreter.interpreter_builder.options.debug
+    _times[(1,)](x, out, 4, BLOCK=2)
+    assert out.tolist() == [12, 0]  # 2^32 wraps to 0
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        interpreter.InterpreterOptions(debug=True))
+    with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+        _times[(1,)](x, out, 4, BLOCK=2)
+
+
+@interpreting
+def test_the_kept_numpy_dtypes_are_the_interpreters_own():
+    from triton.runtime import interpreter
+
+    kept = interpreter._get_np_dtype
+    types = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e4nv, tl.float8e5, tl.pointer_type(tl.float32)]
+    types += [tl.block_type(t, [4, 2]) for t in types]
+    for _ in range(2):  # computed, then kept
+        assert [kept(t) for t in types] == [kept.original(t) for t in types]

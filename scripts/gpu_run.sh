@@ -349,11 +349,6 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
   grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
 }
-ab_table() {  # ab_table A B [ARGS]: this call's closed-loop pairs $OUT/json/A-{1,2}.json against
-  # B-{1,2}.json side by side (lab/ab_table.py; ARGS: its --streams-a / --streams-b)
-  python3 lab/ab_table.py --loop-a "$OUT/json/$1-"{1,2}.json --loop-b "$OUT/json/$2-"{1,2}.json "${@:3}" 2>&1 \
-    | tee -a "$LOG"
-}
 streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.generate (fused_decode_bench.py
   # ARGS) without, then with VAR=VALUE, into $OUT/json/NAME-streams-{none,B}.json; then this call's
   # closed-loop pairs NAME-none-{1,2} against NAME-B-{1,2} and those runs side by side
@@ -362,7 +357,8 @@ streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.genera
     with=(); [[ $v == none ]] || with=("$3")
     run 200 env "${with[@]}" python3 scripts/fused_decode_bench.py "${@:4}" --json "$OUT/json/$1-streams-$v.json"
   done
-  ab_table "$1-none" "$1-$2" --streams-a "$OUT/json/$1-streams-none.json" --streams-b "$OUT/json/$1-streams-$2.json"
+  python3 lab/ab_table.py --loop-a "$OUT/json/$1-none-"{1,2}.json --loop-b "$OUT/json/$1-$2-"{1,2}.json \
+    --streams-a "$OUT/json/$1-streams-none.json" --streams-b "$OUT/json/$1-streams-$2.json" 2>&1 | tee -a "$LOG"
 }
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
   run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \

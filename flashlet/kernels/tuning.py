@@ -262,11 +262,8 @@ def load_tables(path: str) -> dict:
         try:
             key, cfg = row
             table = _table_of(tuple(key))
-            if cfg is DERIVED:
-                entries[tuple(key)] = DERIVED
-                continue
-            if table is ONE_LAUNCH_LONG_TABLE and cfg == TWO_LAUNCH:
-                entries[tuple(key)] = TWO_LAUNCH
+            if cfg is DERIVED or (table is ONE_LAUNCH_LONG_TABLE and cfg == TWO_LAUNCH):
+                entries[tuple(key)] = cfg  # a marker, not a config's fields
                 continue
             kind = (DecodeConfig if table is BATCHED_DECODE_TABLE else PrefillConfig if table is PREFILL_TABLE
                     else OneLaunchConfig)

@@ -61,6 +61,7 @@ class Tile:
     kv_pack: int = 1
     pdl: bool = True
     lean: str | None = None
+    maxnreg: int | None = None  # a register cap (Triton's `maxnreg` option); None: ptxas's choice
 
 
 TILES = {
@@ -126,7 +127,8 @@ def lower(t: Tile) -> dict:
     sig.update({c: "constexpr" for c in consts})
     aligned = [n for n in names if (n.startswith("stride") or n[0].isupper()) and n not in consts]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    options = dict(num_warps=t.warps, num_stages=t.stages, **({"launch_pdl": True} if t.pdl else {}))
+    options = dict(num_warps=t.warps, num_stages=t.stages, **({"launch_pdl": True} if t.pdl else {}),
+                   **({"maxnreg": t.maxnreg} if t.maxnreg else {}))
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

@@ -126,6 +126,11 @@
 #                qwen3-0.6b) without and with that table (or ONE_LAUNCH_TABLE_JSON), two
 #                interleaved pairs, then 1 / 4 / 16 streams through LLM.generate after
 #                LOOP_PROMPT_LEN (400) tokens each way, side by side last (lab/ab_table.py; ~7 min)
+#   base-ab      the same closed loop and streams as loop-table-ab at LOOP_CONFIG (default
+#                qwen3-0.6b), in BASE_TREE (default _base/) against this tree: a kernel change
+#                timed against the commit before it, with no switch in the code. Make the base
+#                before the call (an untracked folder travels with the checkout): `mkdir _base &&
+#                git archive BASE flashlet scripts lab | tar x -C _base`; delete it after (~7 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -958,6 +963,25 @@ for _ in range(480):
       # then 1 / 4 / 16 streams through LLM.generate at the loop's mean context
       streams_ab loop-table sweep FLASHLET_DECODE_TABLES="$t" --config "$cfg" --paths default \
         --streams 1 4 16 --prompt-len "${LOOP_PROMPT_LEN:-400}" ;;
+    base-ab)  # the closed loop and N streams at LOOP_CONFIG in BASE_TREE against this tree
+      cute_env
+      b=${BASE_TREE:-_base} cfg=${LOOP_CONFIG:-qwen3-0.6b} out=$(cd "$OUT" && pwd)
+      LOG=$out/log.txt  # the same file, named from anywhere
+      if [[ ! -d $b/flashlet ]]; then
+        echo "part base-ab needs $b/flashlet: mkdir $b && git archive BASE flashlet scripts lab | tar x -C $b" \
+          | tee -a "$LOG"; status=2; continue
+      fi
+      for pair in 1 2; do  # the base's commands from inside it: PYTHONPATH's "." is then the base
+        (cd "$b" && LOOP_CONFIG=$cfg closed_loop "$out/json/base-none-$pair.json")
+        LOOP_CONFIG=$cfg closed_loop "$out/json/base-tree-$pair.json"
+      done
+      for side in none tree; do
+        (if [[ $side == none ]]; then cd "$b"; fi
+         run 200 python3 scripts/fused_decode_bench.py --config "$cfg" --paths default --streams 1 4 16 \
+           --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$out/json/base-streams-$side.json")
+      done
+      python3 lab/ab_table.py --loop-a "$out/json/base-none-"{1,2}.json --loop-b "$out/json/base-tree-"{1,2}.json \
+        --streams-a "$out/json/base-streams-none.json" --streams-b "$out/json/base-streams-tree.json" 2>&1 | tee -a "$LOG" ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

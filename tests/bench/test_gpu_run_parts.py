@@ -185,3 +185,25 @@ def test_runs_one_after_another_in_one_out_keep_every_runs_json(gpu_run, tmp_pat
         names = {Path(n).name for n in tar.getnames()}
     assert {"lean-sweep-table.json", "prefill-short-table.json"} <= names, names
     assert not (tmp_path / "out" / "json").exists()  # folded into the archive, as before
+
+
+def test_base_ab_runs_the_base_trees_commands_from_inside_it(gpu_run, tmp_path):
+    """base-ab: without BASE_TREE's flashlet/ it fails and times nothing; with one, the closed
+    loop alternates base and tree (two pairs), then N streams each way, then the side-by-side
+    table; the base's commands run from inside the base (PYTHONPATH's "." is then the base)."""
+    base = tmp_path / "base"
+    rc, calls = gpu_run("base-ab", BASE_TREE=str(base))
+    assert rc == 2 and calls == []
+    (base / "flashlet").mkdir(parents=True)
+    stub = tmp_path / "bin" / "python3"
+    stub.write_text(stub.read_text().replace('"$*" >> "$CALLS"', '"$PWD $*" >> "$CALLS"'))
+    rc, calls = gpu_run("base-ab", BASE_TREE=str(base), LOOP_CONFIG="qwen2.5-0.5b")
+    assert rc == 0
+    *timed, (_, summary) = calls
+    places = [c.split()[0] for _, c in timed]
+    assert places == [str(base), str(tmp_path / "tree")] * 3
+    assert all("--config qwen2.5-0.5b" in c for _, c in timed)
+    assert all("--workload closed-loop" in c for _, c in timed[:4])
+    assert all("scripts/fused_decode_bench.py" in c and "--streams 1 4 16" in c for _, c in timed[4:])
+    assert summary.split()[1:3] == ["lab/ab_table.py", "--loop-a"]
+    assert "base-none-1.json" in summary and "base-streams-tree.json" in summary

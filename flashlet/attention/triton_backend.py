@@ -96,7 +96,10 @@ ONE_LAUNCH_WHOLE_SPLIT_WARPS = 8
 # head_dim). ptxas (sm_90a, Triton 3.7) at Qwen3's table entries, with the rows made in the kernel
 # (without them): one row, 64 keys x 128, 4 warps, 992 bytes spilled (160); 4 rows, two KV heads a
 # program, 8 warps, 736 (160); 16 rows, two heads, 32 keys, 4 warps, 228 (68). One head a program,
-# 8 warps at 64 keys and 4 at 32: none.
+# 8 warps at 64 keys and 4 at 32: none. At steps of 2+ rows the newest row now opens the softmax
+# instead of riding the block loop (`NEWEST_FIRST`, 2026-12-06, FUSED_NOTES "Session 56"): the
+# 4-row form 0 (235 registers), the 16-row one 104; one row keeps the loop's splice (992). The
+# rule stays until a sweep times the forms it would then allow.
 ROPE_IN_MIN_WARPS = 8
 ROPE_IN_WIDE_BLOCK = 8192
 

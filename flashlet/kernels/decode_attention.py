@@ -791,6 +791,7 @@ def _one_launch_kernel(
     stride_knb=0, stride_knh=0, stride_vnb=0, stride_vnh=0, stride_cs=0,
     norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0,
     ROPE_IN: tl.constexpr = False,
+    NEWEST_FIRST: tl.constexpr = False,
     QK_NORM: tl.constexpr = False,
     CACHE_FP8: tl.constexpr = False,
     PREFETCH_PAGES: tl.constexpr = False,
@@ -922,18 +923,37 @@ def _one_launch_kernel(
         # In q's dtype before the select (an fp8 pool's rows are widened here, not in the dots).
         k_new = tl.load(k_last, mask=in_block, other=0.0).to(q.dtype)[None, :]
         v_new = tl.load(v_last, mask=in_block, other=0.0).to(q.dtype)[None, :]
-    is_last = (t == last)[:, None]
-    k = tl.where(is_last, k_new, k.to(q.dtype))
-    v = tl.where(is_last, v_new, v.to(q.dtype))
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
-    # This step's earlier rows of the sequence (a verify row's) are keys of a block of their
-    # own, loaded now; the first block holds the rows before them and the newest row.
-    first_keys = t_mask
-    if LOOKBACK > 0:
-        first_keys = t_mask & ((t < step_from) | (t == last))
+    if NEWEST_FIRST:
+        # (ROPE_IN steps of 2+ rows.) The newest row made here opens the online softmax as its
+        # one key (CUDA-core dot products, exact weight 1), so k_new / v_new die here: carried
+        # through the block loop to be spliced into the block that holds their slot, they cost
+        # the loop ~90 registers a thread (Qwen3's 4-row tile: 217 -> 128, two blocks an SM; sm_90a,
+        # Triton 3.7.1). The blocks then never attend that slot (and never load it: a stale value
+        # times a zero weight can still be a NaN). Rows a program does not own the newest key of
+        # start empty. At one row the splice stays: the cross-warp sums put a dependent step
+        # between the wait and the first block, and one stream lost 3-5% (H100, FUSED_NOTES
+        # "Session 56").
+        # Row r of a packed tile holds q in its own head's columns and zeros elsewhere, so the
+        # sum over all columns is its own head's score; acc takes every head's V, as PV does.
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+        m_i = tl.where(owns_last, s_new, float("-inf"))
+        l_i = tl.where(owns_last, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.where(owns_last, v_new.to(tl.float32), 0.0) + tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
+        first_keys = t_mask & (t < step_from)  # step_from <= last: the newest row is attended above
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    else:
+        is_last = (t == last)[:, None]
+        k = tl.where(is_last, k_new, k.to(q.dtype))
+        v = tl.where(is_last, v_new, v.to(q.dtype))
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
+        # This step's earlier rows of the sequence (a verify row's) are keys of a block of their
+        # own, loaded now; the first block holds the rows before them and the newest row.
+        first_keys = t_mask
+        if LOOKBACK > 0:
+            first_keys = t_mask & ((t < step_from) | (t == last))
     m_i, l_i, acc = _attend_block(q, k, v, first_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     if LOOKBACK > 0:
         if step_from < last:
@@ -970,13 +990,15 @@ def _one_launch_kernel(
             page = page_next
             t_mask = t < end
             blk_keys = t_mask
-            if ROPE_IN:  # (as below)
+            if NEWEST_FIRST:  # (as below)
+                blk_keys = t_mask & (t < step_from)
+            elif ROPE_IN:
                 blk_keys = t_mask & ((t < step_from) | (t == last))
             k_blk = _kv_rows(k_head, page, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_rows(v_head, page, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             t_next = t + BLOCK_N
             page_next = _page_ids(KvIndices, page_base, t_next, t_next < end, PAGE_SIZE)
-            if ROPE_IN:
+            if ROPE_IN and not NEWEST_FIRST:
                 fresh = (t == last)[:, None]
                 k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
                 v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
@@ -986,12 +1008,15 @@ def _one_launch_kernel(
             t = blk + tl.arange(0, BLOCK_N)
             t_mask = t < end
             blk_keys = t_mask
-            if ROPE_IN:  # this step's rows were attended above; their slots, being written now,
-                # are not loaded (a stale value times a zero weight can still be a NaN)
+            if NEWEST_FIRST:  # this step's rows, the newest among them, were attended above;
+                # their slots, being written now, are not loaded (a stale value times a zero
+                # weight can still be a NaN)
+                blk_keys = t_mask & (t < step_from)
+            elif ROPE_IN:  # this step's earlier rows were attended above (as above)
                 blk_keys = t_mask & ((t < step_from) | (t == last))
             k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
-            if ROPE_IN:  # the newest row from registers
+            if ROPE_IN and not NEWEST_FIRST:  # the newest row from registers
                 fresh = (t == last)[:, None]
                 k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
                 v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
@@ -1380,7 +1405,8 @@ def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor
         stride_knb=k.stride(0), stride_knh=k.stride(1), stride_vnb=v.stride(0), stride_vnh=v.stride(1),
         stride_cs=cos_sin.stride(0), norm_eps=float(norm.eps) if norm is not None else 0.0,
         k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
-        ROPE_IN=True, QK_NORM=norm is not None, CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn)
+        ROPE_IN=True, NEWEST_FIRST=batch > 1, QK_NORM=norm is not None,
+        CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 
 # The most earlier rows a program of the one-launch decode looks back over for rows of its own

@@ -116,8 +116,8 @@ def lower(t: Tile) -> dict:
                   GROUP_PAD=da.group_pad(t.group * t.kv_pack), HEAD_DIM=t.head_dim, PAGE_SIZE=16,
                   BLOCK_N=t.block_n, NUM_SPLITS=t.splits, INPUT_PRECISION=None, USE_PDL=t.pdl,
                   LOOKBACK=da.one_launch_lookback(t.rows) if t.lookback is None else t.lookback,
-                  STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in, NEWEST_FIRST=t.rope_in and t.rows > 1,
-                  QK_NORM=t.rope_in, CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch,
+                  STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in,
+                  NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in, CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch,
                   EARLY_PAGE_BASE=False,
                   **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits,
                                                    merge_group=t.merge_group, lean=lean))

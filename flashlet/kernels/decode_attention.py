@@ -1371,6 +1371,13 @@ class RopeIn(NamedTuple):
     v_out: torch.Tensor | None = None
 
 
+def rope_in_newest_first(rows: int) -> bool:
+    """Whether a rope_in step of `rows` rows opens the softmax with the newest row
+    (`_one_launch_kernel`'s NEWEST_FIRST): at 2+ rows, where it frees the block loop's registers;
+    one row keeps the splice (FUSED_NOTES "Session 56")."""
+    return rows > 1
+
+
 def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: float, v_scale: float) -> dict:
     """The kernel's ROPE_IN arguments ({} without rope_in), or a ValueError naming what is off."""
@@ -1405,7 +1412,7 @@ def _rope_in_args(rope_in: RopeIn | None, q: torch.Tensor, k_cache: torch.Tensor
         stride_knb=k.stride(0), stride_knh=k.stride(1), stride_vnb=v.stride(0), stride_vnh=v.stride(1),
         stride_cs=cos_sin.stride(0), norm_eps=float(norm.eps) if norm is not None else 0.0,
         k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
-        ROPE_IN=True, NEWEST_FIRST=batch > 1, QK_NORM=norm is not None,
+        ROPE_IN=True, NEWEST_FIRST=rope_in_newest_first(batch), QK_NORM=norm is not None,
         CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 

@@ -747,10 +747,12 @@ def decode_attention_reference(
 # program then loads a slot another program of this launch writes: the newest row comes from
 # registers, and a verify row makes the step's earlier rows it reads from the rows that write them,
 # found exactly (the same pool page for that position: `_rows_before_writing_this_rows_kv`), with
-# or without PDL. (The owner's block loop past its first block loads the newest row's slot too, and
-# replaces what it loads with the row in registers: a mask of its own for that load cost registers
-# and spills at the 64 x 128 tile with page ids ahead and groups. The interpreter's access log,
-# tests/triton_interpreter.py, holds the kernel to this.)
+# or without PDL. NEWEST_FIRST (rope_in steps of 2+ rows: `rope_in_newest_first`): the newest row
+# opens the online softmax as a one-key block of its own, and no block loads or attends its slot.
+# Otherwise (one row) the owner's block loop past its first block loads the newest row's slot too,
+# and replaces what it loads with the row in registers: a mask of its own for that load cost
+# registers and spills at the 64 x 128 tile with page ids ahead and groups. The interpreter's
+# access log, tests/triton_interpreter.py, holds the kernel to this.
 #
 # Variants (tuning.OneLaunchConfig picks them per rows bucket; off where no entry sets them, and
 # then the kernel compiles to the PTX it had before they existed): KV_PACK KV heads a program, as in

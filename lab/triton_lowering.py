@@ -117,8 +117,8 @@ def lower(t: Tile) -> dict:
                   BLOCK_N=t.block_n, NUM_SPLITS=t.splits, INPUT_PRECISION=None, USE_PDL=t.pdl,
                   LOOKBACK=da.one_launch_lookback(t.rows) if t.lookback is None else t.lookback,
                   STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in,
-                  NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in, CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch,
-                  EARLY_PAGE_BASE=False,
+                  NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in,
+                  CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch, EARLY_PAGE_BASE=False,
                   **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits,
                                                    merge_group=t.merge_group, lean=lean))
     if not t.rope_in:  # the arguments a launch without rows made in the kernel leaves at their defaults

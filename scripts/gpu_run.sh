@@ -354,6 +354,11 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
 pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
   grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
 }
+ab_table() {  # ab_table A B STREAMS_A STREAMS_B: closed-loop pairs A-{1,2}.json against
+  # B-{1,2}.json (A, B: paths less "-1.json") and the N-streams JSON side by side (lab/ab_table.py)
+  python3 lab/ab_table.py --loop-a "$1-"{1,2}.json --loop-b "$2-"{1,2}.json --streams-a "$3" --streams-b "$4" 2>&1 \
+    | tee -a "$LOG"
+}
 streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.generate (fused_decode_bench.py
   # ARGS) without, then with VAR=VALUE, into $OUT/json/NAME-streams-{none,B}.json; then this call's
   # closed-loop pairs NAME-none-{1,2} against NAME-B-{1,2} and those runs side by side
@@ -362,8 +367,7 @@ streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.genera
     with=(); [[ $v == none ]] || with=("$3")
     run 200 env "${with[@]}" python3 scripts/fused_decode_bench.py "${@:4}" --json "$OUT/json/$1-streams-$v.json"
   done
-  python3 lab/ab_table.py --loop-a "$OUT/json/$1-none-"{1,2}.json --loop-b "$OUT/json/$1-$2-"{1,2}.json \
-    --streams-a "$OUT/json/$1-streams-none.json" --streams-b "$OUT/json/$1-streams-$2.json" 2>&1 | tee -a "$LOG"
+  ab_table "$OUT/json/$1-none" "$OUT/json/$1-$2" "$OUT/json/$1-streams-none.json" "$OUT/json/$1-streams-$2.json"
 }
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
   run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
@@ -980,8 +984,7 @@ for _ in range(480):
          run 200 python3 scripts/fused_decode_bench.py --config "$cfg" --paths default --streams 1 4 16 \
            --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$out/json/base-streams-$side.json")
       done
-      python3 lab/ab_table.py --loop-a "$out/json/base-none-"{1,2}.json --loop-b "$out/json/base-tree-"{1,2}.json \
-        --streams-a "$out/json/base-streams-none.json" --streams-b "$out/json/base-streams-tree.json" 2>&1 | tee -a "$LOG" ;;
+      ab_table "$out/json/base-none" "$out/json/base-tree" "$out/json/base-streams-"{none,tree}.json ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

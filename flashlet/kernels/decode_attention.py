@@ -156,6 +156,28 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 
 @triton.jit
+def _loop_keys(t, t_mask, step_from, last, ROPE_IN: tl.constexpr, NEWEST_FIRST: tl.constexpr):
+    """The keys of a one-launch block past the first, which it loads and attends. ROPE_IN: this
+    step's rows were attended before the loop, and their slots, being written now, are not loaded
+    (a stale value times a zero weight can still be a NaN); the newest is kept, to be spliced in
+    from registers (`_splice_newest`), unless NEWEST_FIRST opened the softmax with it."""
+    keys = t_mask
+    if NEWEST_FIRST:
+        keys = t_mask & (t < step_from)
+    elif ROPE_IN:
+        keys = t_mask & ((t < step_from) | (t == last))
+    return keys
+
+
+@triton.jit
+def _splice_newest(k, v, t, last, k_new, v_new):
+    """A block's K and V in k_new's dtype, the newest row's slot (t == last) taken from
+    k_new / v_new ([1, COLS], in registers) -> (k, v)."""
+    fresh = (t == last)[:, None]
+    return tl.where(fresh, k_new, k.to(k_new.dtype)), tl.where(fresh, v_new, v.to(k_new.dtype))
+
+
+@triton.jit
 def _v_pairs_as_f16(head16, page, t, t_mask, d2, stride_p, stride_t, PAGE_SIZE: tl.constexpr,
                     PRMT: tl.constexpr, MASKED: tl.constexpr):
     """An fp8 V block read as uint16 pairs (d = 2j, 2j + 1) -> two [BLOCK_N, D / 2] fp16 tiles,
@@ -945,9 +967,7 @@ def _one_launch_kernel(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     else:
-        is_last = (t == last)[:, None]
-        k = tl.where(is_last, k_new, k.to(q.dtype))
-        v = tl.where(is_last, v_new, v.to(q.dtype))
+        k, v = _splice_newest(k, v, t, last, k_new, v_new)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
@@ -991,37 +1011,23 @@ def _one_launch_kernel(
             t = t_next
             page = page_next
             t_mask = t < end
-            blk_keys = t_mask
-            if NEWEST_FIRST:  # (as below)
-                blk_keys = t_mask & (t < step_from)
-            elif ROPE_IN:
-                blk_keys = t_mask & ((t < step_from) | (t == last))
+            blk_keys = _loop_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
             k_blk = _kv_rows(k_head, page, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_rows(v_head, page, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             t_next = t + BLOCK_N
             page_next = _page_ids(KvIndices, page_base, t_next, t_next < end, PAGE_SIZE)
             if ROPE_IN and not NEWEST_FIRST:
-                fresh = (t == last)[:, None]
-                k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
-                v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
+                k_blk, v_blk = _splice_newest(k_blk, v_blk, t, last, k_new, v_new)
             m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     else:
         for blk in range(start + BLOCK_N, end, BLOCK_N):
             t = blk + tl.arange(0, BLOCK_N)
             t_mask = t < end
-            blk_keys = t_mask
-            if NEWEST_FIRST:  # this step's rows, the newest among them, were attended above;
-                # their slots, being written now, are not loaded (a stale value times a zero
-                # weight can still be a NaN)
-                blk_keys = t_mask & (t < step_from)
-            elif ROPE_IN:  # this step's earlier rows were attended above (as above)
-                blk_keys = t_mask & ((t < step_from) | (t == last))
+            blk_keys = _loop_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
             k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             if ROPE_IN and not NEWEST_FIRST:  # the newest row from registers
-                fresh = (t == last)[:, None]
-                k_blk = tl.where(fresh, k_new, k_blk.to(q.dtype))
-                v_blk = tl.where(fresh, v_new, v_blk.to(q.dtype))
+                k_blk, v_blk = _splice_newest(k_blk, v_blk, t, last, k_new, v_new)
             m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
     acc = acc * v_scale

@@ -217,6 +217,7 @@ class ModelRunner:
             decode_rows = config.max_num_seqs
         self.graph_sizes = graph_batch_sizes(decode_rows)
         self.max_num_seqs = config.max_num_seqs
+        self.speculates = config.speculative_config is not None
         self.max_pages_per_seq = max_pages_per_seq
         self.batch = InputBatch(config.max_num_seqs, max_pages_per_seq, kv_pool.page_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -307,6 +308,16 @@ class ModelRunner:
         if self.use_graphs and self.model.tp is None:
             sizes += [s for s in self.graph_sizes if s not in sizes and not self._fused_size(s)]
         return sizes
+
+    def verify_graph_sizes(self) -> list[int]:
+        """The fused sizes of 2+ rows whose verify steps (decode rows of one sequence) the
+        warm-up captures graphs for: their attention compiles a look-back that plain steps' does
+        not, so they key graphs of their own (`TritonBackend.looks_back`). Where the engine
+        speculates; else none: a step of a short prompt whose every logit is asked for (prompt
+        logprobs, an echo) is the only other such step, and its graph is captured when it comes."""
+        if not (self.speculates and self.use_graphs):
+            return []
+        return [s for s in self.greedy_token_sizes() if s > 1 and self._fused_size(s)]
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""

@@ -13,7 +13,8 @@ test process interprets its kernels). Run it under two Tritons to compare what e
     PYTHONPATH=. python lab/triton_lowering.py --set rope-in        # Qwen3's tiles, rope_in or not
 
 The default set (PDL on, bf16 pool, the merge's constexprs and the look-back as the launcher sets
-them, the lean merge as this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the
+them for a plain decode step, none (a Tile's `verify`: a verify step's rows), the lean merge as
+this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the
 0.5B's one-row and four-row derived config and its 16-row table entry, Qwen3's one-row and
 four-row table entries with the rows made in the kernel (rope_in: one KV head a program on 8
 warps, as `TritonBackend.rope_in_form` launches them), the Qwen2.5-1.5B's derived config.

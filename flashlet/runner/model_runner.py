@@ -37,7 +37,9 @@ steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps 
 are all plain greedy (the engine decides), so no logits are written at all. A speculative
 verify step of at most `fused.max_rows` query tokens, all sampled (verify rows and decodes, no
 prefill chunk), is loaded as one decode row per query token (`fused_decode.verify_as_decode_rows`)
-and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
+and runs fused graphs of the same sizes, keyed apart (their attention looks back over the
+step's rows of one sequence: `TritonBackend.looks_back`; `verify_graph_sizes` says which the
+warm-up captures); its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
 Steady replay (STEADY_REPLAY, on by default): the fused greedy graph ends by moving its real

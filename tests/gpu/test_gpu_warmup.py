@@ -18,8 +18,9 @@ SAMPLED = [{}, dict(temperature=0.8, top_k=40, top_p=0.9, seed=7),
            dict(temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.2, logprobs=2)]
 
 
-def _workload(engine):
-    """Yield nothing; run requests in three waves so every decode batch size 1..64 occurs."""
+def _workload(engine, repetitive=False):
+    """Yield nothing; run requests in three waves so every decode batch size 1..64 occurs.
+    repetitive: prompts that repeat a phrase (n-gram speculation then finds proposals)."""
     from flashlet import SamplingParams
 
     vocab = engine.model_config.vocab_size
@@ -34,7 +35,8 @@ def _workload(engine):
     for w, wave in enumerate(waves):
         for i, (n, new) in enumerate(wave):
             params = SamplingParams(max_new_tokens=new, ignore_eos=True, **SAMPLED[(i + w) % 4])
-            engine.add_request([(17 * j + 31 * i + w) % vocab for j in range(n)], params)
+            period = 5 + i % 3 if repetitive else n  # a phrase repeated, or none
+            engine.add_request([(17 * (j % period) + 31 * i + w) % vocab for j in range(n)], params)
         done = 0
         while engine.has_unfinished():
             for out in engine.step():
@@ -44,8 +46,12 @@ def _workload(engine):
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
-def test_nothing_compiles_or_captures_after_start(backend):
+@pytest.mark.parametrize("backend,spec", [("triton", False), ("flashinfer", False), ("auto", False),
+                                          ("auto", True)], ids=["triton", "flashinfer", "auto", "auto-ngram"])
+def test_nothing_compiles_or_captures_after_start(backend, spec):
+    """spec: with n-gram speculation, whose verify steps of up to 16 tokens run the fused path
+    as decode rows in graphs of their own (their attention looks back over the step's rows of
+    one sequence: `runner.verify_graph_sizes`), captured at start too."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     import triton
@@ -55,8 +61,11 @@ def test_nothing_compiles_or_captures_after_start(backend):
     from flashlet import Engine, EngineConfig
     from flashlet.core.warmup import count_triton_compiles
 
+    from tests.test_speculative import NGRAM
+
     engine = Engine(EngineConfig(config="qwen2.5-0.5b", backend=backend, max_num_seqs=64,
-                                 max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4))
+                                 max_model_len=8192, max_num_pages=64 * 8192 // 16 // 4,
+                                 speculative_config=NGRAM if spec else None))
     start = engine.start_report
     fused = engine.runner.fused  # on by default where it applies (sm_90+, the CuTe DSL, triton)
     assert start["warmed_up"]
@@ -75,7 +84,10 @@ def test_nothing_compiles_or_captures_after_start(backend):
     def graphs_of(sizes):
         return sum(len(decode_contexts(engine.runner, s, engine.max_model_len)) for s in sizes)
 
-    assert start["graphs"] == graphs_of(engine.runner.graph_sizes) + start["mixed_graphs"] + graphs_of(greedy_sizes)
+    verify_sizes = engine.runner.verify_graph_sizes()  # logits and greedy tokens again
+    assert bool(verify_sizes) == (spec and fused is not None)
+    assert start["graphs"] == (graphs_of(engine.runner.graph_sizes) + start["mixed_graphs"] + graphs_of(greedy_sizes)
+                               + 2 * graphs_of(verify_sizes))
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
     cute = cute_kernels(fused, served)
@@ -84,7 +96,9 @@ def test_nothing_compiles_or_captures_after_start(backend):
         assert start["cute_gemvs"] >= len(cute) and start["cute_compile_s"] >= 0
     assert all(k is not None for k in cute.values()), f"CuTe GEMVs not compiled at start: {cute}"
     with count_triton_compiles() as compiles:
-        _workload(engine)
+        _workload(engine, repetitive=spec)
+        if spec:
+            assert engine.stats()["spec_num_drafts"] > 0  # verify steps ran
     assert compiles.count == 0, f"compiled after start: {compiles.names}"
     assert engine.runner.graphs.keys() == graphs.keys(), "a CUDA graph was captured after start"
     after = cute_kernels(fused, served)

@@ -156,15 +156,16 @@ def _kv_block(head, page_base, KvIndices, t, t_mask, d, stride_p, stride_t, PAGE
 
 
 @triton.jit
-def _loop_keys(t, t_mask, step_from, last, ROPE_IN: tl.constexpr, NEWEST_FIRST: tl.constexpr):
-    """The keys of a one-launch block past the first, which it loads and attends. ROPE_IN: this
-    step's rows were attended before the loop, and their slots, being written now, are not loaded
-    (a stale value times a zero weight can still be a NaN); the newest is kept, to be spliced in
-    from registers (`_splice_newest`), unless NEWEST_FIRST opened the softmax with it."""
+def _block_keys(t, t_mask, step_from, last, STEP_ROWS_APART: tl.constexpr, NEWEST_FIRST: tl.constexpr):
+    """The keys a one-launch block attends. STEP_ROWS_APART: this step's earlier rows (a verify
+    row's, from step_from on) are attended in a block of their own, so this block leaves them
+    out, and does not load them (being written now, a stale value times a zero weight can still
+    be a NaN); the newest row is kept, to be spliced in from registers (`_splice_newest`), unless
+    NEWEST_FIRST opened the softmax with it (then it is left out too)."""
     keys = t_mask
     if NEWEST_FIRST:
         keys = t_mask & (t < step_from)
-    elif ROPE_IN:
+    elif STEP_ROWS_APART:
         keys = t_mask & ((t < step_from) | (t == last))
     return keys
 
@@ -963,7 +964,6 @@ def _one_launch_kernel(
         m_i = tl.where(owns_last, s_new, float("-inf"))
         l_i = tl.where(owns_last, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.where(owns_last, v_new.to(tl.float32), 0.0) + tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
-        first_keys = t_mask & (t < step_from)  # step_from <= last: the newest row is attended above
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     else:
@@ -971,11 +971,10 @@ def _one_launch_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, KV_PACK * HEAD_DIM], tl.float32)
-        # This step's earlier rows of the sequence (a verify row's) are keys of a block of their
-        # own, loaded now; the first block holds the rows before them and the newest row.
-        first_keys = t_mask
-        if LOOKBACK > 0:
-            first_keys = t_mask & ((t < step_from) | (t == last))
+    # This step's earlier rows of the sequence (a verify row's) are keys of a block of their own,
+    # loaded now; the first block holds the rows before them (and the newest row, unless it
+    # opened the softmax above).
+    first_keys = _block_keys(t, t_mask, step_from, last, LOOKBACK > 0, NEWEST_FIRST)
     m_i, l_i, acc = _attend_block(q, k, v, first_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
     if LOOKBACK > 0:
         if step_from < last:
@@ -1011,7 +1010,7 @@ def _one_launch_kernel(
             t = t_next
             page = page_next
             t_mask = t < end
-            blk_keys = _loop_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
+            blk_keys = _block_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
             k_blk = _kv_rows(k_head, page, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_rows(v_head, page, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             t_next = t + BLOCK_N
@@ -1023,7 +1022,7 @@ def _one_launch_kernel(
         for blk in range(start + BLOCK_N, end, BLOCK_N):
             t = blk + tl.arange(0, BLOCK_N)
             t_mask = t < end
-            blk_keys = _loop_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
+            blk_keys = _block_keys(t, t_mask, step_from, last, ROPE_IN, NEWEST_FIRST)
             k_blk = _kv_block(k_head, page_base, KvIndices, t, blk_keys, k_cols, stride_kp, stride_kt, PAGE_SIZE)
             v_blk = _kv_block(v_head, page_base, KvIndices, t, blk_keys, v_cols, stride_vp, stride_vt, PAGE_SIZE)
             if ROPE_IN and not NEWEST_FIRST:  # the newest row from registers

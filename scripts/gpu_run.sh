@@ -130,7 +130,10 @@
 #                qwen3-0.6b), in BASE_TREE (default _base/) against this tree: a kernel change
 #                timed against the commit before it, with no switch in the code. Make the base
 #                before the call (an untracked folder travels with the checkout): `mkdir _base &&
-#                git archive BASE flashlet scripts lab | tar x -C _base`; delete it after (~7 min)
+#                git archive BASE flashlet scripts lab | tar x -C _base`; delete it after (~7 min).
+#                BASE_AB_TREE_ENV="VAR=value ..." for this tree's side only (e.g.
+#                FLASHLET_DECODE_TABLES=/tmp/lean-sweep-table.json: a change with
+#                the table an earlier call swept for it, against the base with its own)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -977,11 +980,12 @@ for _ in range(480):
       fi
       for pair in 1 2; do  # the base's commands from inside it: PYTHONPATH's "." is then the base
         (cd "$b" && LOOP_CONFIG=$cfg closed_loop "$out/json/base-none-$pair.json")
-        LOOP_CONFIG=$cfg closed_loop "$out/json/base-tree-$pair.json"
+        LOOP_CONFIG=$cfg closed_loop "$out/json/base-tree-$pair.json" ${BASE_AB_TREE_ENV:-}
       done
       for side in none tree; do
-        (if [[ $side == none ]]; then cd "$b"; fi
-         run 200 python3 scripts/fused_decode_bench.py --config "$cfg" --paths default --streams 1 4 16 \
+        (tree_env=(${BASE_AB_TREE_ENV:-})
+         if [[ $side == none ]]; then cd "$b"; tree_env=(); fi
+         run 200 env "${tree_env[@]}" python3 scripts/fused_decode_bench.py --config "$cfg" --paths default --streams 1 4 16 \
            --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$out/json/base-streams-$side.json")
       done
       ab_table "$out/json/base-none" "$out/json/base-tree" "$out/json/base-streams-"{none,tree}.json ;;

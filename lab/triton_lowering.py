@@ -13,7 +13,8 @@ test process interprets its kernels). Run it under two Tritons to compare what e
     PYTHONPATH=. python lab/triton_lowering.py --set rope-in        # Qwen3's tiles, rope_in or not
 
 The default set (PDL on, bf16 pool, the merge's constexprs and the look-back as the launcher sets
-them, the lean merge as this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the
+them for a plain decode step, none (a Tile's `verify`: a verify step's rows), the lean merge as
+this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the
 0.5B's one-row and four-row derived config and its 16-row table entry, Qwen3's one-row and
 four-row table entries with the rows made in the kernel (rope_in: one KV head a program on 8
 warps, as `TritonBackend.rope_in_form` launches them), the Qwen2.5-1.5B's derived config.
@@ -42,8 +43,9 @@ from flashlet.kernels import decode_attention as da
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """One launch of `_one_launch_kernel`: its shape, config and variant flags. rows: the step's
-    rows (the look-back follows, as `one_launch_lookback` gives it) unless lookback is given;
-    kv: the pool's pointer type; lean: a $FLASHLET_LEAN_MERGE value (None: this process's)."""
+    rows; verify: rows of a verify step (the look-back compiled in, as `launch_lookback` gives
+    it; a plain decode step's rows: none) unless lookback is given; kv: the pool's pointer type;
+    lean: a $FLASHLET_LEAN_MERGE value (None: this process's)."""
 
     head_dim: int
     group: int
@@ -53,6 +55,7 @@ class Tile:
     stages: int
     splits: int
     rows: int = 1
+    verify: bool = False
     lookback: int | None = None
     kv: str = "*bf16"
     rope_in: bool = False
@@ -115,7 +118,7 @@ def lower(t: Tile) -> dict:
     consts = dict(NUM_Q_HEADS=t.group * t.kv_heads, NUM_KV_HEADS=t.kv_heads, GROUP=t.group,
                   GROUP_PAD=da.group_pad(t.group * t.kv_pack), HEAD_DIM=t.head_dim, PAGE_SIZE=16,
                   BLOCK_N=t.block_n, NUM_SPLITS=t.splits, INPUT_PRECISION=None, USE_PDL=t.pdl,
-                  LOOKBACK=da.one_launch_lookback(t.rows) if t.lookback is None else t.lookback,
+                  LOOKBACK=da.launch_lookback(t.rows, t.verify, t.pdl, t.rope_in) if t.lookback is None else t.lookback,
                   STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in,
                   NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in,
                   CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch, EARLY_PAGE_BASE=False,

@@ -663,6 +663,8 @@ def launched_form(v: OneLaunchVariant, head_dim: int) -> OneLaunchVariant:
 def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
     """fn(layer): one `decode_attention_one_launch` of `v` into case.out; as the backend does, one
     scratch and one set of merge counters serve every layer (each launch leaves them at zero).
+    The case's rows are different sequences': a plain decode step, launched as the backend
+    launches one (verify_rows=False: no look-back over rows of one sequence).
     v.rope_in: in the form the backend gives the config (triton_backend.rope_in_form), making
     the step's rows from case.rope_in_inputs."""
     v = launched_form(v, case.model["head_dim"])
@@ -681,7 +683,7 @@ def make_one_launch_call(da, torch, case: Case, v: OneLaunchVariant):
             num_warps=v.num_warps, num_stages=v.num_stages, pdl=v.pdl, k_scale=case.k_scale,
             v_scale=case.v_scale, kv_heads_per_program=v.kv_pack, long_from_tokens=v.long_from_tokens,
             long_split_tokens=v.long_split_tokens, merge_splits=v.merge_splits, prefetch_pages=v.prefetch_pages,
-            merge_group=v.merge_group, rope_in=rope_in)
+            merge_group=v.merge_group, rope_in=rope_in, verify_rows=False)
     return fn
 
 

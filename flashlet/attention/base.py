@@ -54,6 +54,10 @@ class HostLayout(Protocol):
     @property
     def num_sampled(self) -> int: ...
 
+    # A verify step laid out as one decode row per query token: rows of one sequence, each
+    # reading K/V rows the rows before it write (`fused_decode.verify_as_decode_rows`).
+    verify_as_decode_rows: bool
+
 
 @dataclass
 class AttentionMetadata:

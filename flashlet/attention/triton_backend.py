@@ -53,6 +53,12 @@
   `tuning.TWO_LAUNCH`, those steps attend through the
   two-launch decode instead (split kernel + merge kernel, the batched table's config; a `rope_in`
   step's rows made by the pool's RoPE + K/V write first).
+- A verify step laid out as decode rows (`StepLayout.verify_as_decode_rows`: rows of one
+  sequence, each reading K/V rows the rows before it write) compiles the one-launch kernel's
+  look-back over earlier rows (`one_launch_lookback`, with PDL or rope_in); a plain decode step,
+  every row another sequence's, compiles it out (fewer registers at 2+ rows). `graph_key` says
+  "verify" for the first: a graph of its own per row count, captured at the warm-up where the
+  engine speculates (`verify_graph_sizes`), else at the first such step.
 
 `decode_variant(B)` and `prefill_variant(max_q_len)` name what a step compiles: a finite set
 that `flashlet/core/warmup.py` covers at engine start.
@@ -352,8 +358,16 @@ class TritonBackend(AttentionBackend):
         return self._long
 
     def graph_key(self, meta: AttentionMetadata) -> tuple:
-        """("long",) for a step that takes a long-context entry (`long_context`): its own graph."""
-        return ("long",) if self.long_context(meta) else ()
+        """("long",) for a step that takes a long-context entry (`long_context`), ("verify",)
+        for one that compiles the look-back (`looks_back`): each its own graph."""
+        return ("long",) * self.long_context(meta) + ("verify",) * self.looks_back(meta)
+
+    @staticmethod
+    def looks_back(meta: AttentionMetadata) -> bool:
+        """Does this pure-decode step's one-launch attention look back over earlier rows of its
+        own sequence: a verify step's decode rows, 2+ of them (`decode_attention_one_launch`'s
+        verify_rows; PDL or rope_in decide whether the kernel needs it, not the graph key)."""
+        return meta.host.verify_as_decode_rows and one_launch_lookback(meta.num_seqs) > 0
 
     def decode_warm_contexts(self, num_seqs: int) -> tuple[int, ...]:
         """A pure-decode step's longest KV per graph of `num_seqs` rows: with a long-context
@@ -361,19 +375,14 @@ class TritonBackend(AttentionBackend):
         return (0, tuning.ONE_LAUNCH_LONG_CONTEXT) if self.has_long_entry(num_seqs) else (0,)
 
     def decode_variant(self, num_seqs: int) -> tuple:
-        """What a pure-decode step of `num_seqs` compiles: (config, splits), a `tuning.DecodeConfig`
-        for the two-launch form; (config, splits, look-back) of `one_launch_form`, a
-        `tuning.OneLaunchConfig`, where the step attends in one launch (`one_launch_decode_rows`)."""
+        """What a plain pure-decode step of `num_seqs` compiles: (config, splits), a
+        `tuning.DecodeConfig` for the two-launch form, a `tuning.OneLaunchConfig` where the step
+        attends in one launch (`one_launch_decode_rows`). A verify step's decode rows compile
+        the look-back besides (`looks_back`)."""
         if num_seqs <= self.one_launch_decode_rows:
-            return self.one_launch_form(num_seqs, self.one_launch_pdl)
+            return self.one_launch_config(num_seqs)
         cfg = self.decode_config(num_seqs)
         return cfg, self._splits_for(num_seqs, cfg)
-
-    def one_launch_form(self, num_seqs: int, pdl: bool) -> tuple[tuning.OneLaunchConfig, int, int]:
-        """(config, splits, look-back) of `attend_one_launch` for a batch: the look-back (how many
-        earlier rows a program checks for its own sequence's, PDL only) is compiled in too."""
-        cfg, splits = self.one_launch_config(num_seqs)
-        return cfg, splits, one_launch_lookback(num_seqs) if pdl else 0
 
     def prefill_variant(self, max_q_len: int) -> tuple:
         """What a step with a chunk (longest `max_q_len`) compiles. Whether it splits also
@@ -530,6 +539,7 @@ class TritonBackend(AttentionBackend):
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             pdl=pdl,
+            verify_rows=self.looks_back(meta),
             k_scale=k_scale,
             v_scale=v_scale,
             kv_heads_per_program=cfg.kv_pack,

@@ -22,7 +22,10 @@ and of two small sets of buckets (`flashlet/kernels/tuning.py`), never of a KV l
   several-ms host stall that, met mid-serving, drains the overlapped steps;
 - with the fused decode path (`runner.fused`: asked for, or on by default where it applies): its
   CuTe GEMVs (compiled at the decode steps of its row counts, the graph sizes up to 4), and its
-  greedy-token graphs at every size a step of requests pads to, eagerly where graphs are off.
+  greedy-token graphs at every size a step of requests pads to, eagerly where graphs are off;
+  where the engine speculates, both graphs again at each fused size of 2+ rows for verify steps
+  laid out as decode rows (`runner.verify_graph_sizes`: their attention looks back over the
+  step's rows of one sequence, which a plain decode step's does not).
 
 `warm_up(engine)` runs one synthetic step per variant through `ModelRunner.forward`, on the
 pool's scratch page only (no page is allocated, the prefix cache is untouched), then samples
@@ -162,6 +165,12 @@ def warm_up(engine) -> dict:
         for size in runner.greedy_token_sizes():  # the graphs that end in the greedy tokens
             for context in decode_contexts(runner, size, engine.max_model_len):
                 runner.greedy_tokens(*runner.load(synthetic_layout(size, 1, engine.kv_pool, vocab, context)))
+        for size in runner.verify_graph_sizes():  # a verify step's decode rows: both graphs again
+            for context in decode_contexts(runner, size, engine.max_model_len):
+                for step in (runner.forward, runner.greedy_tokens):
+                    layout = synthetic_layout(size, 1, engine.kv_pool, vocab, context)
+                    layout.verify_as_decode_rows = True
+                    step(*runner.load(layout))
         sync()
         t2 = time.perf_counter()
         for bucket, q_len, context in reversed(mixed):  # the largest first: the rest reuse its pool memory

@@ -1272,6 +1272,7 @@ def decode_attention_one_launch(
     rope_in: RopeIn | None = None,
     prefetch_pages: bool = False,
     merge_group: int = 0,
+    verify_rows: bool = True,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -1302,7 +1303,14 @@ def decode_attention_one_launch(
     no RoPE + K/V write kernel runs before it. A verify step's rows of one sequence (each reads
     the rows before it, which this launch writes) make those rows too, from the rows that write
     them, found by `_rows_before_writing_this_rows_kv` (the look-back runs with or without PDL):
-    at most MAX_LOOKBACK + 1 rows."""
+    at most MAX_LOOKBACK + 1 rows.
+
+    verify_rows: whether rows of one sequence may be in this batch (a verify step as decode
+    rows, `fused_decode.verify_as_decode_rows`: each row reads K/V rows that the rows before it
+    write). With PDL or rope_in those take the look-back (`one_launch_lookback`); False, a
+    plain decode step's rows (every one another sequence's), compiles it out: fewer registers
+    at 2+ rows (FUSED_NOTES "Session 57"). False over rows of one sequence reads what another
+    row has not yet written: wrong output."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1345,7 +1353,7 @@ def decode_attention_one_launch(
         NUM_SPLITS=num_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         USE_PDL=pdl,
-        LOOKBACK=one_launch_lookback(batch) if pdl or rope_in is not None else 0,
+        LOOKBACK=launch_lookback(batch, verify_rows, pdl, rope_in is not None),
         STEP_ROWS=MAX_LOOKBACK,
         KV_PACK=kv_heads_per_program,
         LONG_RULE=long_from_tokens > 0,
@@ -1449,3 +1457,10 @@ def one_launch_lookback(batch: int) -> int:
     """Earlier rows a program looks back over in a batch of `batch` rows: all of them (a power
     of two, at least 2) up to MAX_LOOKBACK; 0 for one row (nothing before it)."""
     return 0 if batch == 1 else min(MAX_LOOKBACK, max(2, _next_pow2(batch - 1)))
+
+
+def launch_lookback(batch: int, verify_rows: bool, pdl: bool, rope_in: bool) -> int:
+    """The LOOKBACK `decode_attention_one_launch` compiles: `one_launch_lookback` where rows of
+    one sequence may be in the batch (verify_rows) and a row could otherwise read one of them
+    unwritten: before the PDL wait, or as a row made in the kernel (rope_in); else 0."""
+    return one_launch_lookback(batch) if verify_rows and (pdl or rope_in) else 0

@@ -199,8 +199,13 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     # The same sweep's one-row entries for Llama-3.2-1B (-0.9%) and TinyLlama-1.1B (+2.4%, one
     # pair) stayed out, as did its long and multi-row entries (not timed in the engine).
     (128, 6, 1): OneLaunchConfig(block_n=32, num_warps=4, num_stages=3, min_split_tokens=32, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
-    (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
-    (128, 2, 8): OneLaunchConfig(block_n=32, num_warps=2, num_stages=3, min_split_tokens=32, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # Qwen3's 4 and 8 rows swept again once plain decode steps compiled the look-back out
+    # (verify_rows; H100, 2026-12-06, session 58, the lean-sweep as above): the 16-row winner
+    # held, these two moved (4 rows from bn64 w4 st3 S4; 8 rows from bn32 w2 st3 S8 min32). With
+    # them against the tree before the look-back came out (`BASE_AB_TREE_ENV=... base-ab`):
+    # Qwen3-0.6B c = 4 +1.4% / +2.4%, c = 16 +1.1% / +1.8%, N = 4 +0.9%, N = 16 +1.4%.
+    (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=2, num_stages=3, min_split_tokens=64, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),

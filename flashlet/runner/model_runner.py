@@ -37,7 +37,9 @@ steps plan it); `greedy_tokens` runs it through the LM head's argmax, for steps 
 are all plain greedy (the engine decides), so no logits are written at all. A speculative
 verify step of at most `fused.max_rows` query tokens, all sampled (verify rows and decodes, no
 prefill chunk), is loaded as one decode row per query token (`fused_decode.verify_as_decode_rows`)
-and runs the same fused graphs; its logits rows are the verify step's own. Larger steps run
+and runs fused graphs of the same sizes, keyed apart (their attention looks back over the
+step's rows of one sequence: `TritonBackend.looks_back`; `verify_graph_sizes` says which the
+warm-up captures); its logits rows are the verify step's own. Larger steps run
 per-op (in the per-op decode graphs).
 
 Steady replay (STEADY_REPLAY, on by default): the fused greedy graph ends by moving its real
@@ -217,6 +219,7 @@ class ModelRunner:
             decode_rows = config.max_num_seqs
         self.graph_sizes = graph_batch_sizes(decode_rows)
         self.max_num_seqs = config.max_num_seqs
+        self.speculates = config.speculative_config is not None
         self.max_pages_per_seq = max_pages_per_seq
         self.batch = InputBatch(config.max_num_seqs, max_pages_per_seq, kv_pool.page_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -307,6 +310,16 @@ class ModelRunner:
         if self.use_graphs and self.model.tp is None:
             sizes += [s for s in self.graph_sizes if s not in sizes and not self._fused_size(s)]
         return sizes
+
+    def verify_graph_sizes(self) -> list[int]:
+        """The fused sizes of 2+ rows whose verify steps (decode rows of one sequence) the
+        warm-up captures graphs for: their attention compiles a look-back that plain steps' does
+        not, so they key graphs of their own (`TritonBackend.looks_back`). Where the engine
+        speculates; else none: a step of a short prompt whose every logit is asked for (prompt
+        logprobs, an echo) is the only other such step, and its graph is captured when it comes."""
+        if not (self.speculates and self.use_graphs):
+            return []
+        return [s for s in self.greedy_token_sizes() if s > 1 and self._fused_size(s)]
 
     def wait_inputs_staged(self) -> None:
         """Block until the previous step's inputs have reached the device."""

@@ -50,8 +50,8 @@ def _workload(engine, repetitive=False):
                                           ("auto", True)], ids=["triton", "flashinfer", "auto", "auto-ngram"])
 def test_nothing_compiles_or_captures_after_start(backend, spec):
     """spec: with n-gram speculation, whose verify steps of up to 16 tokens run the fused path
-    as decode rows (the same graphs as decode steps of their padded size) and the others mixed
-    graphs: nothing of theirs compiles or captures after start either."""
+    as decode rows in graphs of their own (their attention looks back over the step's rows of
+    one sequence: `runner.verify_graph_sizes`), captured at start too."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     import triton
@@ -84,7 +84,10 @@ def test_nothing_compiles_or_captures_after_start(backend, spec):
     def graphs_of(sizes):
         return sum(len(decode_contexts(engine.runner, s, engine.max_model_len)) for s in sizes)
 
-    assert start["graphs"] == graphs_of(engine.runner.graph_sizes) + start["mixed_graphs"] + graphs_of(greedy_sizes)
+    verify_sizes = engine.runner.verify_graph_sizes()  # logits and greedy tokens again
+    assert bool(verify_sizes) == (spec and fused is not None)
+    assert start["graphs"] == (graphs_of(engine.runner.graph_sizes) + start["mixed_graphs"] + graphs_of(greedy_sizes)
+                               + 2 * graphs_of(verify_sizes))
     assert (start["mixed_graphs"] > 0) == engine.runner.use_mixed_graphs
     graphs = dict(engine.runner.graphs)
     cute = cute_kernels(fused, served)

@@ -7,6 +7,7 @@ two-launch form's. Interpreted on the CPU, splits made small so that the merges 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,6 @@ from flashlet import Engine, EngineConfig, SamplingParams
 from flashlet.attention import triton_backend
 from flashlet.attention.torch_ref import TorchBackend
 from flashlet.attention.triton_backend import ONE_LAUNCH_DECODE_ENV, ONE_LAUNCH_DECODE_MAX_ROWS, TritonBackend
-from flashlet.kernels.decode_attention import one_launch_lookback
 from flashlet.kernels.pdl import pdl_supported
 from flashlet.kvcache.kv_pool import KVPool
 from tests.conftest import run_to_completion
@@ -165,9 +165,9 @@ def test_an_fp8_pool_is_read_in_one_launch_with_its_scales(kh, monkeypatch):
 
 
 def test_pdl_where_the_device_has_it(kh, monkeypatch):
-    """On a device with PDL the per-op launch takes it (and the look-back over earlier rows of
-    the same sequence, compiled in: part of the decode variant); "nopdl" and one_launch_pdl=False
-    launch without. The kernel is stood in for: the CPU has no PDL."""
+    """On a device with PDL the per-op launch takes it; "nopdl" and one_launch_pdl=False launch
+    without. A plain decode step's rows are different sequences': the launch says so
+    (verify_rows=False: no look-back compiled in). The kernel is stood in for: the CPU has no PDL."""
     monkeypatch.setattr(triton_backend, "pdl_supported", lambda device: True)
     seen = []
     monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
@@ -178,16 +178,48 @@ def test_pdl_where_the_device_has_it(kh, monkeypatch):
     q = torch.randn(3, 6, 16).to(kh.device)
     backend = TritonBackend(pool, 6, **SMALL)
     assert backend.one_launch_pdl
-    assert backend.decode_variant(3)[2] == one_launch_lookback(3) == 2 and backend.decode_variant(1)[2] == 0
     backend.plan(meta)
     backend._attend(0, q)
-    assert seen[-1]["pdl"] is True
+    assert seen[-1]["pdl"] is True and seen[-1]["verify_rows"] is False
     monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, "nopdl")
     for off in (TritonBackend(pool, 6, **SMALL), TritonBackend(pool, 6, **SMALL, one_launch_pdl=False)):
-        assert off.one_launch_decode_rows == 16 and not off.one_launch_pdl and off.decode_variant(3)[2] == 0
+        assert off.one_launch_decode_rows == 16 and not off.one_launch_pdl
         off.plan(meta)
         off._attend(0, q)
         assert seen[-1]["pdl"] is False
+
+
+def test_a_verify_steps_decode_rows_look_back_in_a_graph_of_their_own(kh, monkeypatch):
+    """A verify step laid out as decode rows (rows of one sequence, `verify_as_decode_rows`)
+    launches with verify_rows=True (the look-back compiled in) and keys a graph apart from a plain
+    step's of the same rows ("verify"); one row looks back at nothing, so it keeps the plain key;
+    a long-context step's key holds both. The kernel is stood in for."""
+    from flashlet.runner.batch import load_layout
+    from flashlet.runner.fused_decode import verify_as_decode_rows
+
+    monkeypatch.setattr(triton_backend, "pdl_supported", lambda device: True)
+    seen = []
+    monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                        lambda *a, **k: seen.append(k) or k["out"])
+    pool = _pool(kh, (30, 20, 12, 30, 20, 30), 2, 16)
+    backend = TritonBackend(pool, 6, **SMALL)
+    plain, _ = kh.make_step(pool, [(30, 1), (20, 1), (12, 1)])
+    ragged, _ = kh.make_step(pool, [(30, 3), (20, 1)])  # a k = 2 verify row beside a decode row
+    ragged.host.arrays["logits_indices"] = np.arange(4)  # every query token sampled
+    verify_layout = verify_as_decode_rows(ragged.host, pool.page_size, 16)
+    assert verify_layout is not None and verify_layout.num_seqs == 4
+    _, verify = load_layout(verify_layout, kh.device)
+    one_row, _ = kh.make_step(pool, [(30, 1)])
+    one_row.host.verify_as_decode_rows = True
+    keys = []
+    for meta in (plain, verify, one_row):
+        backend.plan(meta)
+        backend._attend(0, torch.randn(meta.num_seqs, 6, 16).to(kh.device))
+        keys.append(backend.graph_key(meta))
+    assert keys == [(), ("verify",), ()]
+    assert [k["verify_rows"] for k in seen] == [False, True, False]
+    monkeypatch.setattr(backend, "long_context", lambda meta: True)
+    assert backend.graph_key(verify) == ("long", "verify") and backend.graph_key(plain) == ("long",)
 
 
 def test_the_env_var_restores_the_two_launch_form(kh, monkeypatch):

@@ -182,14 +182,19 @@ def _batch_case(kh, rows, *, group, num_kv_heads, head_dim, page_size, shared_fi
     ([(1, 90), (1, 91), (1, 92)], (), 2),                               # verify rows in a split's second block
     ([(0, 40), (1, 41), (2, 42)], (1, 2), 1),                           # a shared first page, lengths one apart
 ])
-def test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(kh, rows, shared, kv_pack):
+def test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(kh, rows, shared, kv_pack,
+                                                                         verify_rows=None):
     """Each row's newest K/V written by its own program; a verify step's rows (one sequence, KV
     lengths one apart) each make the rows before them from the rows that write them, wherever
     they fall in a split (the first block or later ones); rows of sequences that only share a
     cached prefix's page never take each other's rows (the look-back is exact). The rows are
     written into copies of the pool (RopeIn.k_out / v_out), whose poisoned slots stay in the
     pool read: on a GPU the programs run at once, so no program may read a row this launch
-    writes, which the interpreter (one program after another) would otherwise let pass."""
+    writes, which the interpreter (one program after another) would otherwise let pass. Steps
+    whose rows are all different sequences' launch as a plain decode step (no look-back), as
+    the engine launches them (`TritonBackend.looks_back`)."""
+    if verify_rows is None:
+        verify_rows = _has_verify_rows(rows)
     num_kv_heads, head_dim, page_size = 4, 32, 8
     kc, vc, table, q, k, v, pos, slots, cs, norm = _batch_case(
         kh, rows, group=2, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
@@ -208,10 +213,24 @@ def test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(kh, ro
             mid_o=torch.full((batch * num_splits, hq, head_dim), NAN, device=kh.device),
             mid_lse=torch.full((batch * num_splits, hq), NAN, device=kh.device), merge_counts=counts,
             num_splits=num_splits, min_split_tokens=32, block_n=16, kv_heads_per_program=kv_pack,
-            rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out))
+            rope_in=RopeIn(k, v, pos, cs, norm, k_out, v_out), verify_rows=verify_rows)
         assert not torch.isnan(out).any() and not counts.any()
         assert kh.rel_err(out, want) < 1e-5, launch
     assert kh.rel_err(k_out, kc_ref) < 1e-5 and torch.equal(v_out, vc_ref)
+
+
+def _has_verify_rows(rows) -> bool:
+    """Do 2+ of these (sequence, kv_len) rows belong to one sequence (a verify step's)?"""
+    return len({seq for seq, _ in rows}) < len(rows)
+
+
+def test_rope_in_verify_rows_launched_as_plain_rows_read_what_no_one_wrote(kh):
+    """verify_rows=False compiles the look-back out: a k = 4 verify step so launched (the engine
+    never does) reads the rows before each row from the pool, where no one wrote them (poisoned
+    slots, NaN). The look-back, shown by its absence."""
+    with pytest.raises(AssertionError):
+        test_rope_in_over_several_rows_matches_the_rope_kernel_then_attention(
+            kh, [(0, 30), (1, 61), (1, 62), (1, 63), (1, 64), (1, 65), (2, 20)], (), 1, verify_rows=False)
 
 
 def test_rope_in_over_an_fp8_pool_with_verify_rows(kh):
@@ -266,7 +285,8 @@ def rope_in_layouts(draw):
        qk_norm=st.booleans(), prefetch_pages=st.booleans(), lean=st.sampled_from(["0", "1"]),
        seed=st.integers(0, 1000))
 def test_rope_in_random_layouts(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, lean, seed):
-    """Random steps of verify runs and plain rows, shared prefix pages, splits, packing, the
+    """Random steps of verify runs and plain rows (launched as the engine does: with the
+    look-back only where a sequence has 2+ rows), shared prefix pages, splits, packing, the
     block loop with page ids carried ahead or not and the lean merge ($FLASHLET_LEAN_MERGE) or
     not: the rope_in launch against the RoPE kernel's reference then attention, and in the
     interpreter its access log: no program loads or stores a pool element that another program
@@ -303,7 +323,8 @@ def _random_layout(kh, layout, kv_pack, num_splits, qk_norm, prefetch_pages, see
         decode_attention_one_launch,
         q, kc, vc, table["kv_indptr"], table["kv_indices"], table["kv_lens"], head_dim**-0.5, out=out,
         merge_counts=counts, num_splits=num_splits, min_split_tokens=16, block_n=16,
-        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm), prefetch_pages=prefetch_pages, **scratch)
+        kv_heads_per_program=kv_pack, rope_in=RopeIn(k, v, pos, cs, norm), prefetch_pages=prefetch_pages,
+        verify_rows=_has_verify_rows(rows), **scratch)
     # The rows written into the pool read: no program may load another's; the partials and
     # outputs: only as the merge's counters order them. (A program whose newest row falls past
     # its split's first block loads that row's slot after storing it, and replaces what it loads

@@ -66,10 +66,17 @@ STEP = [(14, 4), (8, 1), (5, 3), (30, 7)]
 SHARED_PREFIX = ([(20, 1), (21, 1), (6, 2)], {1: (0, 2)})
 
 
+# A plain decode step (every row another sequence's) over the same shared first page: launched
+# as the engine launches it (verify_rows=False), with no look-back compiled in.
+PLAIN_SHARED_PREFIX = ([(20, 1), (21, 1), (6, 1), (30, 1)], {1: (0, 2)})
+
+
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 16), (4, 16), (2, 32)])
-@pytest.mark.parametrize("step,shared", [(STEP, None), SHARED_PREFIX], ids=["verify", "shared-prefix"])
+@pytest.mark.parametrize("step,shared,verify_rows", [(STEP, None, True), (*SHARED_PREFIX, True),
+                                                     (*PLAIN_SHARED_PREFIX, False)],
+                         ids=["verify", "shared-prefix", "plain-no-look-back"])
 def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, num_splits, block_n,
-                                                              step, shared, scales=None, kv_pack=1):
+                                                              step, shared, verify_rows, scales=None, kv_pack=1):
     if kh.device != "cpu":
         pytest.skip("plays PDL in the interpreter (on a GPU the fused-path tests check it)")
     paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, step, shared)
@@ -86,15 +93,34 @@ def test_a_verify_step_reads_no_row_of_its_own_before_the_wait(kh, monkeypatch, 
         q, *caches, indptr, indices, lens, head_dim**-0.5, out=out,
         mid_o=torch.full((rows * num_splits, hq, head_dim), NAN), mid_lse=torch.full((rows * num_splits, hq), NAN),
         merge_counts=torch.zeros(rows * 2, dtype=torch.int32), num_splits=num_splits, min_split_tokens=16,
-        block_n=block_n, pdl=True, kv_heads_per_program=kv_pack, **scales)
+        block_n=block_n, pdl=True, kv_heads_per_program=kv_pack, verify_rows=verify_rows, **scales)
     assert not torch.isnan(out).any(), "a row written this step was read before the wait"
     assert kh.rel_err(out, want) < 1e-5
+
+
+def test_a_verify_step_launched_as_plain_rows_reads_its_rows_unwritten(kh, monkeypatch):
+    """verify_rows=False compiles the look-back out: over a verify step's rows (which the engine
+    never launches so) a row reads the rows before it before the wait, as NaN here. What the
+    look-back is for, shown by its absence."""
+    if kh.device != "cpu":
+        pytest.skip("plays PDL in the interpreter")
+    paged, indptr, indices, lens, written = verify_step_as_decode_rows(kh, 4, STEP)
+    rows, hq, head_dim = len(lens), 4, 16
+    q = torch.randn(rows, hq, head_dim, generator=torch.Generator().manual_seed(7))
+    caches = (paged["k_cache"], paged["v_cache"])
+    play_the_qkv_gemv(monkeypatch, caches, written)
+    out = torch.full_like(q, NAN)
+    decode_attention_one_launch(
+        q, *caches, indptr, indices, lens, head_dim**-0.5, out=out, mid_o=None, mid_lse=None,
+        merge_counts=torch.zeros(rows * 2, dtype=torch.int32), num_splits=1, block_n=16, pdl=True,
+        verify_rows=False)
+    assert torch.isnan(out).any()
 
 
 def test_a_verify_step_over_an_fp8_pool(kh, monkeypatch):
     """The same over an fp8 (e4m3) pool: this step's rows widened and scaled as the rest."""
     test_a_verify_step_reads_no_row_of_its_own_before_the_wait(
-        kh, monkeypatch, 2, 16, STEP, None, scales=dict(k_scale=0.5, v_scale=2.0))
+        kh, monkeypatch, 2, 16, STEP, None, True, scales=dict(k_scale=0.5, v_scale=2.0))
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -102,7 +128,7 @@ def test_a_verify_step_with_both_kv_heads_a_program(kh, monkeypatch, num_splits)
     """The one-launch variant that reads both KV heads in one program: the newest rows and this
     step's earlier rows of both heads are read after the wait too."""
     test_a_verify_step_reads_no_row_of_its_own_before_the_wait(
-        kh, monkeypatch, num_splits, 16, STEP, None, kv_pack=2)
+        kh, monkeypatch, num_splits, 16, STEP, None, True, kv_pack=2)
 
 
 def test_the_look_back_covers_every_earlier_row_of_a_fused_step():

@@ -316,7 +316,10 @@ class ModelRunner:
         warm-up captures graphs for: their attention compiles a look-back that plain steps' does
         not, so they key graphs of their own (`TritonBackend.looks_back`). Where the engine
         speculates; else none: a step of a short prompt whose every logit is asked for (prompt
-        logprobs, an echo) is the only other such step, and its graph is captured when it comes."""
+        logprobs, an echo: the whole prompt at most `fused.max_rows` tokens) is the only other
+        such step, and the first one compiles its attention's look-back variant and captures its
+        graph when it comes (once an engine, the kernel from Triton's disk cache after the first:
+        a short prompt's logprobs are rare; a speculating engine's verify steps are not)."""
         if not (self.speculates and self.use_graphs):
             return []
         return [s for s in self.greedy_token_sizes() if s > 1 and self._fused_size(s)]

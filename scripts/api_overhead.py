@@ -39,6 +39,7 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from flashlet.core.request import RequestOutput  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing "
          "matches in the old town hall near the river").split()
@@ -76,10 +77,9 @@ class TokenSource:
             finished = r.left == 0
             if finished:
                 del self.requests[rid]
-            outputs.append(SimpleNamespace(
+            outputs.append(RequestOutput(  # the engine's own type: its fields cannot drift apart
                 request_id=rid, new_token_ids=[token], finished=finished,
-                finish_reason="length" if finished else None, error=None, num_cached_tokens=0,
-                new_logprobs=None, prompt_logprobs=None, embedding=None))
+                finish_reason="length" if finished else None))
         return outputs
 
     def abort(self, request_id, finish_reason="abort") -> None:

@@ -7,6 +7,7 @@ import numpy as np
 
 from flashlet.core.sampling import SamplingParams
 from flashlet.server.engine_core import core_stats, engine_info
+from flashlet.server.messages import CoreOutput
 from tests.conftest import load_script
 
 
@@ -15,6 +16,13 @@ def test_token_source_gives_what_the_core_reads_of_an_engine():
     info = engine_info(source)  # what CoreReady carries: a missing stat failed the core's start
     assert info["kv_cache_dtype"] == "none" and info["num_pages"] == 1 << 16
     source.add_request(np.array([5, 6], np.int32), SamplingParams(max_new_tokens=2), 0)
-    assert [out.new_token_ids for out in source.step()] == [[5]]
+    first = source.step()
+    assert [out.new_token_ids for out in first] == [[5]]
     assert core_stats(source)["num_requests"] == 1
-    assert source.step()[0].finished and not source.has_unfinished()
+    last = source.step()
+    assert last[0].finished and not source.has_unfinished()
+    # what the core sends of each output (a field the source lacked stopped the core at its
+    # first step once)
+    sent = [CoreOutput.of(out) for out in first + last]
+    assert [(o.new_token_ids, o.finished, o.finish_reason) for o in sent] == [
+        ([5], False, None), ([6], True, "length")]

@@ -22,7 +22,9 @@ ignore_eos):
 - `raw`: this process on one blocking TCP socket (TCP_NODELAY), each read's arrival time given
   to every token its events carry, as the bench does.
 `--inprocess` first runs the same closed loop in-process (the bench, SERVER-FLAGS without the
-server-only ones) as the reference. Prints ITL p50 / p90 / p99 (ms) for each run.
+server-only ones) as the reference. Prints ITL p50 / p90 / p99 (ms) for each run, and
+after each bench round the server's own side of it (`server_side`: the core's step time p50 /
+p99, each API process's delivery and event-loop lag p99): which process the tail is in.
 """
 
 from __future__ import annotations
@@ -55,9 +57,32 @@ def bench_flags(args, num_requests: int) -> list[str]:
 
 
 def itl_of(record: dict) -> np.ndarray:
+    return np.array(itl_level(record)["samples"]["itl_ms"])
+
+
+def server_side(record: dict) -> str:
+    """Where a server's token gaps grew, from its own diagnostics around the level (`bench
+    --url` records them: server/diagnostics.py): the engine core's step time as the core
+    loop times it (p50 / p99), its loop's share sending, the kernel's preemptions of it a
+    second; each API process's delivery (a step message's arrival to its SSE write) and
+    event-loop lag p99. A tail in the core's steps is the engine's in that process; one in
+    delivery or lag, the API process's; neither, the client's or the network's."""
+    diag = itl_level(record).get("server_diag") or {}
+    parts = []
+    for c in diag.get("cores", []):
+        q = c["step_ms"]
+        parts.append(f"core step {q['p50']:.3f} / {q['p99']:.3f}, send {c['loop_share']['send']:.0%}, "
+                     f"preempted {c['preempted_per_s'] or 0:.0f}/s")
+    for a in diag.get("api_servers", []):
+        parts.append(f"api{a['api_server']} delivery p99 {a['delivery_ms']['p99']:.3f}, "
+                     f"loop lag p99 {a['loop_lag_ms']['p99']:.3f}")
+    return "; ".join(parts) or "no server diagnostics"
+
+
+def itl_level(record: dict) -> dict:
     levels = record["results"]["levels"] if "results" in record else \
         next(iter(record["backends"].values()))["levels"]
-    return np.array(levels[0]["samples"]["itl_ms"])
+    return levels[0]
 
 
 def run_bench(args, url: str | None, engine_flags: list[str], folder: Path, name: str):
@@ -66,7 +91,10 @@ def run_bench(args, url: str | None, engine_flags: list[str], folder: Path, name
     subprocess.run([sys.executable, "-m", "flashlet.bench", *target,
                     *bench_flags(args, args.requests), "--out", str(out)], check=True,
                    timeout=900, cwd=ROOT)
-    return itl_of(json.loads(out.read_text()))
+    record = json.loads(out.read_text())
+    if url:
+        print(f"  server side (ms): {server_side(record)}", flush=True)
+    return itl_of(record)
 
 
 def raw_requests(args, seed: int) -> list[bytes]:

@@ -90,13 +90,11 @@ def drain(sock: socket.socket) -> None:
 
 def step_frame(encoder, request_id: int, token: int, finished: bool) -> bytes:
     """One step's message for one request, as an engine core makes it (engine_core._send)."""
-    from types import SimpleNamespace
-
+    from flashlet.core.request import RequestOutput
     from flashlet.server.messages import StepOutputs, output_rows
 
-    out = SimpleNamespace(request_id=request_id, new_token_ids=[token], num_cached_tokens=0,
-                          finished=finished, finish_reason="length" if finished else None,
-                          error=None, new_logprobs=None, prompt_logprobs=None, embedding=None)
+    out = RequestOutput(request_id=request_id, new_token_ids=[token], finished=finished,
+                        finish_reason="length" if finished else None)
     stats = {"requests": 1, "running": 1, "waiting": 0, "num_steps": 1000, "kv_pages_total":
              65536, "kv_pages_used": 30, "kv_pages_cached": 0, "kv_pool_bytes": 1 << 30,
              "num_preemptions": 0, "prefix_cache_hit_rate": 0.0, "num_requests": 1,

@@ -373,7 +373,7 @@ streams_ab() {  # streams_ab NAME B VAR=VALUE ARGS: N streams through LLM.genera
   ab_table "$OUT/json/$1-none" "$OUT/json/$1-$2" "$OUT/json/$1-streams-none.json" "$OUT/json/$1-streams-$2.json"
 }
 sweep_table() {  # sweep_table NAME MODELS [ARGS]: the one-launch sweep at MODELS; its table kept for NAME-ab
-  run 560 python3 scripts/decode_attn_bench.py --one-launch --models "$2" "${@:3}" \
+  run 560 python3 scripts/decode_attn_bench.py --one-launch --models "${2// /,}" "${@:3}" \
     --json "$OUT/json/$1.json" --table-json "$OUT/json/$1-table.json"
   cp "$OUT/json/$1-table.json" "$KEEP/$1-table.json"
 }

@@ -174,10 +174,14 @@ BATCHED_DECODE_TABLE: dict[tuple[int, int, str, int], DecodeConfig] = {
 #     N = 4 +14.2%, N = 16 +7.3%
 # c = 1 and N = 1 level (-0.2..+0.9%) in each. The entries they replaced (the 0.5B's 16 rows,
 # Qwen3's 4-16) were H200 winners alone, swept without the lean merge (and Qwen3's without its
-# rows made in the kernel). TinyLlama-1.1B (64, 8) has the presets table's entries untimed in the
-# engine: none here. One-row entries say where each comes from.
+# rows made in the kernel). One-row entries, and entries swept since, say where each comes from.
 ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
-    (64, 7, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # The 0.5B's 4 rows swept again in the plain-step form (H100, 2026-12-06, session 59, d35c25c,
+    # `LEAN_SWEEP_MODELS="qwen2.5-0.5b llama-3.2-1b" LEAN_SWEEP_ROWS="4 8 16" lean-sweep`, then
+    # `loop-table-ab`): S32 -> S8, c = 4 +3.8% / +3.7%, N = 4 +4.5%, c = 16 and c = 1 level. Its 8
+    # and 16 rows held. Llama's 4-row winner (w8, two KV heads a program) lost in the engine
+    # (c = 4 -5.9% / -5.9%) and stayed out; its 8 and 16 rows held.
+    (64, 7, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (64, 7, 8): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (64, 7, 16): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (64, 4, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
@@ -207,6 +211,15 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     (128, 2, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 2, 16): OneLaunchConfig(block_n=32, num_warps=2, num_stages=3, min_split_tokens=64, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # TinyLlama-1.1B (64, 8): the presets table's one-row and multi-row entries (lab/tables/
+    # one-launch-presets-2026-12-05.json), timed in the engine in session 59 (H100, d35c25c,
+    # `LOOP_CONFIG=tinyllama-1.1b ONE_LAUNCH_TABLE_JSON=... loop-table-ab`, two interleaved pairs):
+    # c = 1 +3.8% / +3.5%, c = 4 +12.0% / +12.0%, c = 16 +5.2% / +5.3%; N = 1 / 4 / 16 +4.7% /
+    # +12.6% / +6.6%. Its long entry stays out (not timed past 4,096 tokens).
+    (64, 8, 1): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
+    (64, 8, 4): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 8, 8): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (64, 8, 16): OneLaunchConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=4, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 16): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),

@@ -17,7 +17,8 @@
 #   tests-at     TESTS_AT (pytest arguments) in each older tree under bisect/, written by
 #                scripts/bisect_trees.sh: where a GPU test began to fail (~30 s a tree)
 #   tests-envs   TESTS_AT (pytest arguments) in this tree once per TESTS_ENVS entry (";" between
-#                entries, each "VAR=value ..." or empty for the defaults): which switch undoes a failure
+#                entries, each "VAR=value ..." or empty for the defaults): which switch undoes a failure.
+#                Both split TESTS_AT at spaces; TESTS_K="a and b" passes pytest's -k expression whole
 #   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
 #                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
 #                speculative verify steps (short chunks), on the GPU (~2 min)
@@ -492,14 +493,14 @@ for part in "${PARTS[@]}"; do
       cute_env
       IFS=';' read -ra settings <<< "${TESTS_ENVS:?TESTS_ENVS: settings between ;}"
       for setting in "${settings[@]}"; do
-        run 200 env $setting $PYTEST ${TESTS_AT:?TESTS_AT: pytest arguments}
+        run 200 env $setting $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
       done
       grep -E "^### env|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-at)  # TESTS_AT's pytest arguments in each older tree under bisect/ (scripts/bisect_trees.sh)
       cute_env
       for d in bisect/*/; do
         [[ -d $d ]] || { echo "no bisect/ trees: scripts/bisect_trees.sh writes them" | tee -a "$LOG"; status=2; break; }
-        run 200 env -C "$d" PYTHONPATH=".:$PYTHONPATH" $PYTEST ${TESTS_AT:?TESTS_AT: pytest arguments}
+        run 200 env -C "$d" PYTHONPATH=".:$PYTHONPATH" $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
       done
       grep -E "^### env -C|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-mixed)

@@ -128,6 +128,14 @@ def test_lean_sweep_at_several_rows_then_the_closed_loop_at_qwen3(gpu_run):
     assert [c.split()[0] for _, c in calls if "--config " not in c] == ["lab/ab_table.py"] * 2
 
 
+def test_lean_sweep_takes_several_models_space_separated(gpu_run):
+    """LEAN_SWEEP_MODELS="a b" reaches decode_attn_bench.py as its comma-separated --models (as
+    one name with a space, the bench refused it: session 59's first sweep call)."""
+    rc, sweep = gpu_run("lean-sweep", LEAN_SWEEP_MODELS="qwen2.5-0.5b llama-3.2-1b", LEAN_SWEEP_ROWS="4 8 16")
+    assert rc == 0 and len(sweep) == 1
+    assert "--models qwen2.5-0.5b,llama-3.2-1b --rows 4 8 16 " in sweep[0][1]
+
+
 def test_one_launch_presets_ab_takes_the_kept_table(gpu_run):
     """The table kept in lab/tables for the next device session: one stream at each of the three
     presets after 1,000 tokens, without and with it, two interleaved pairs."""

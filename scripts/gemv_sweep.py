@@ -102,14 +102,24 @@ def log(msg: str) -> None:
 
 def mma_variants(name: str) -> list[tuple[str, dict]]:
     """The tensor-core form's knobs (`cute_gemv._plan_mma`): warps (K steps each), a looping
-    grid, splits of K over CTAs (no norm or argmax), a register cap."""
+    grid, splits of K over CTAs (no norm or argmax), a register cap, tiles a CTA sharing one
+    load of x (tile_group; not with the argmax's looping grid)."""
     norm, epilogue = SHAPES[name][3], SHAPES[name][2]
     out = [(f"warps={w}", dict(warps=w)) for w in (4, 7, 8, 14, 16)]
     out += [(f"loop {c}/SM", dict(ctas_per_sm=c)) for c in (1, 2, 4)]
-    if not norm and epilogue != "argmax":
+    can_split = not norm and epilogue != "argmax"
+    if can_split:
         out += [(f"splits={s}", dict(splits=s)) for s in (2, 3, 4, 6, 8)]
         out += [(f"splits={s} warps={w}", dict(splits=s, warps=w)) for s, w in ((2, 8), (4, 4), (4, 8))]
     out += [(f"regcap {c} CTAs/SM", dict(min_ctas_per_sm=c)) for c in (2, 3)]
+    if epilogue != "argmax":  # at 16 rows x costs a CTA as many L2 bytes as its weights: G tiles share it
+        out += [(f"group {g}", dict(tile_group=g)) for g in (2, 4)]
+        out += [(f"group 2 warps={w}", dict(tile_group=2, warps=w)) for w in (2, 4, 8)]
+    if can_split:
+        out += [(f"group {g} splits={s}", dict(tile_group=g, splits=s))
+                for g, s in ((2, 2), (2, 3), (2, 4), (4, 4), (4, 8))]
+        out += [(f"group {g} splits={s} warps={w}", dict(tile_group=g, splits=s, warps=w))
+                for g, s, w in ((2, 2, 4), (2, 4, 4), (4, 4, 4))]
     return out
 
 

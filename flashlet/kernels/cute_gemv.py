@@ -45,7 +45,9 @@ Tensor cores (`mma`, the default for 2-16 bf16 rows where it plans; FUSED_NOTES.
 5"): the M rows' sums come from mma.sync m16n8k16 (bf16 in, fp32 sums) with W as the A operand
 and x^T as B, each lane's natural 16-byte loads its fragments (K permuted alike in both), so the
 products cost about one row's: a CTA owns 16 weight rows and its warps split K (`_plan_mma`,
-`_mma_kernel`); a long K also splits over CTAs (`splits`). One row, fp8 and the staged variant
+`_mma_kernel`); a long K also splits over CTAs (`splits`), and a CTA may take G tiles at once
+(`tile_group`: their weight loads all in flight, x's fragments, at 16 rows as many bytes as a
+tile's weights, read from L2 once for the G). One row, fp8 and the staged variant
 keep the CUDA-core form by default (`mma=False` asks for it); fp8 has a tensor-core form too,
 opt-in (below).
 
@@ -199,6 +201,7 @@ class GemvPlan:
     fp8: bool = False     # W is fp8 (e4m3) with one fp32 scale a row, applied to each sum
     mma: bool = False     # tensor cores (M >= 2): `chunks` K steps of 32 a warp, `warps` split K
     splits: int = 1       # mma: CTAs sharing a tile's K (their sums meet in a workspace)
+    tile_group: int = 1   # mma: weight tiles a CTA loads at once and sums against one load of x
 
     @property
     def vec(self) -> int:
@@ -248,7 +251,7 @@ class GemvPlan:
     @property
     def loops(self) -> bool:
         """A resident grid: fewer CTAs than tiles, each CTA walks tiles bidx, bidx + grid, ..."""
-        return self.grid < self.num_tiles
+        return self.grid * self.tile_group < self.num_tiles * self.splits
 
     def describe(self) -> str:
         """A short tag for tables: warps, rows in flight, grid, and the options that are on."""
@@ -260,6 +263,7 @@ class GemvPlan:
         tag += " fp8" if self.fp8 else ""
         tag += f" mma{self.chunks}" if self.mma else ""
         tag += f" s{self.splits}" if self.splits > 1 else ""
+        tag += f" tg{self.tile_group}" if self.tile_group > 1 else ""
         return tag
 
 
@@ -308,6 +312,8 @@ def lanes_for(k: int, vec: int = VEC) -> int:
 #   late_g           read the norm's weight after the PDL wait (fewer registers held across it)
 #   min_ctas_per_sm  ptxas register cap: this many CTAs must fit an SM
 #   splits           the tensor-core form (M > 1): CTAs sharing a tile's K
+#   tile_group       the tensor-core form: weight tiles a CTA computes together, their loads in
+#                    flight at once, x's fragments loaded once for all of them
 # An argument given to plan_gemv wins over the table; a knob the table leaves out keeps the
 # built-in heuristic below. A shape with no entry (every shape, until measured) is planned by
 # the heuristic alone. Entries hold for the GPU they were measured on (H200, 132 SMs: the
@@ -400,7 +406,8 @@ TUNED_PLANS: dict[tuple, dict] = {
     (17920, 1536, "silu_mul", True, True, 16): {"ctas_per_sm": 1},  # (1.14x)
     (1536, 8960, "residual", False, True, 16): {"splits": 8},  # (1.12x)
 }
-TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits")
+TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits",
+           "tile_group")
 
 
 def _tuned_key(n_rows: int, k: int, epilogue: str, norm: bool, pdl: bool, rows: int,
@@ -451,7 +458,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
               tuned: bool = True, rows: int = 1, fp8: bool = False, mma: bool | None = None,
-              splits: int | None = None) -> GemvPlan:
+              splits: int | None = None, tile_group: int | None = None) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -496,13 +503,15 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
 
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
     rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given), and one
-    bf16 row only where asked; mma=False keeps the CUDA-core M-row form. With fp8=True the
+    bf16 row only where asked; mma=False keeps the CUDA-core M-row form. Its knobs of its own:
+    splits (K over CTAs) and tile_group (tiles a CTA sharing one load of x; `_plan_mma`). With fp8=True the
     tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
     tensor cores") is opt-in: only mma=True plans it, until a GPU measures it."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
-                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits)
+                 stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits,
+                 tile_group=tile_group)
     if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}] (decode rows per launch), got {rows!r}")
     key = _tuned_key(n_rows, k, epilogue, norm, pdl, rows, fp8, mma=bool(mma))
@@ -552,10 +561,13 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
             return _plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl, norm=norm,
                              eps=eps, rope=rope, fp8=fp8)
         except ValueError:
-            if mma:
-                raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form
+            if mma or knobs["splits"] not in (None, 1) or knobs["tile_group"] not in (None, 1):
+                raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form,
+                       # unless a knob only that form has was given: its reason is the one to give
     if knobs["splits"] not in (None, 1):
         raise ValueError("splits (K over CTAs) is the tensor-core form's knob: it needs mma")
+    if knobs["tile_group"] not in (None, 1):
+        raise ValueError("tile_group (weight tiles a CTA sharing x) is the tensor-core form's knob: it needs mma")
     for name in ("warps", "outs_per_group"):
         if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
             raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")
@@ -668,8 +680,12 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
     CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
     applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
-    `warps`, `splits`, `ctas_per_sm` and `min_ctas_per_sm` override. fp8: K steps of 64 (a
-    16-byte load holds 16 e4m3), each with twice a bf16 step's x registers."""
+    `tile_group` G > 1 gives a CTA G consecutive tiles (of a split's K where splits > 1): all
+    their weight loads are issued before the PDL wait and x's fragments, which cost as many bytes
+    as a tile's weights at 16 rows, are read from L2 once for the G tiles (G must divide the
+    tiles; not with a looping grid or the argmax). `warps`, `splits`, `tile_group`,
+    `ctas_per_sm` and `min_ctas_per_sm` override. fp8: K steps of 64 (a 16-byte load holds 16
+    e4m3), each with twice a bf16 step's x registers."""
     steps = k // mma_k_step(fp8)
     x_regs = 8 if fp8 else 4  # a K step's B registers an n-tile
     # fp8 past 8 rows: half the K steps a warp (at 7 a lane held 255 registers and spilled: the
@@ -687,24 +703,31 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     if (splits or 1) > 1 and not can_split:
         raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
     given_warps = warps
+    group = 1 if knobs["tile_group"] is None else knobs["tile_group"]
+    if not isinstance(group, int) or group < 1 or tiles % group:
+        raise ValueError(f"tile_group must be a positive int dividing the {tiles} tiles, got {group!r}")
+    if group > 1 and (epilogue == "argmax" or knobs["ctas_per_sm"]):
+        raise ValueError("tile_group > 1 is not combined with a looping grid (ctas_per_sm, the argmax)")
+    ctas_a_split = tiles // group  # CTAs a split of K
 
-    def warps_for(n_splits: int) -> tuple[int, int]:  # (warps, K steps a warp) at n_splits CTAs a tile
-        return _mma_warps(math.ceil(steps / n_splits), tiles * n_splits, num_sms, given_warps, max_steps)
+    def warps_for(n_splits: int) -> tuple[int, int]:  # (warps, K steps a warp) at n_splits CTAs a tile group
+        return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, max_steps)
 
     if splits is None:
         splits = 1
-        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs):
+        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs, group):
             splits += 1
         if fp8 and can_split and steps > 2 * MMA_MAX_STEPS and tiles < num_sms:
             splits = max(splits, 2)  # fp8's long K may fit unsplit: split anyway where SMs would idle
-        while 1 < splits < steps and tiles * splits < num_sms:  # splitting anyway: every SM a CTA
+        while 1 < splits < steps and ctas_a_split * splits < num_sms:  # splitting anyway: every SM a CTA
             splits += 1
     warps, chunks = warps_for(splits)
     if chunks > max_steps:
         raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {max_steps}")
-    if not _mma_fits(warps, chunks, n_tiles, x_regs):
-        raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps, over an SM's 64K registers "
-                         "(more CTAs a tile would: splits)")
+    if not _mma_fits(warps, chunks, n_tiles, x_regs, group):
+        raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps"
+                         f"{f' for {group} tiles' if group > 1 else ''}, over an SM's 64K registers or 255 "
+                         "a thread (more CTAs a tile would: splits; or a smaller tile_group)")
     if 2 * warps * n_tiles * 4 * 32 * 4 > 48 << 10:  # the warps' sums, double-buffered
         raise ValueError(f"{warps} warps at {rows} rows need over the 48 KB of shared memory a CTA gets")
     min_ctas = knobs["min_ctas_per_sm"] or 0
@@ -717,9 +740,10 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         raise ValueError("ctas_per_sm (a looping grid) is not combined with splits > 1 (one tile a CTA)")
     if ctas_per_sm is None:
         ctas_per_sm = MMA_ARGMAX_CTAS_PER_SM if epilogue == "argmax" else 0
-    grid = tiles * splits if splits > 1 else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles
+    grid = (ctas_a_split * splits if splits > 1 or group > 1
+            else min(tiles, ctas_per_sm * num_sms) if ctas_per_sm else tiles)
     return GemvPlan(n_rows, k, n_out, epilogue, 32, chunks, 1, warps, grid, pdl, False, norm, float(eps),
-                    rope, 1, False, min_ctas, rows, fp8, True, splits)
+                    rope, 1, False, min_ctas, rows, fp8, True, splits, group)
 
 
 def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None,
@@ -737,13 +761,14 @@ def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None,
     return math.ceil(steps / chunks), chunks  # no warp left without a step
 
 
-def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4) -> bool:
+def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4, group: int = 1) -> bool:
     """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
-    each, 2 a K step), its x fragments (x_regs a step and n-tile, kept across tiles: 4 bf16, 8
+    each, 2 a K step, for each of the group's tiles), its x fragments (x_regs a step and n-tile, kept across tiles: 4 bf16, 8
     fp8), two accumulator chains (8 an n-tile) and ~40 more (fp8: 16 more, a step's widened
-    weights). Past that ptxas caps the registers and spills (it did at K = 4864's 19 warps)."""
-    regs = 8 * chunks + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
-    return regs * warps * 32 <= 65536
+    weights). Past that ptxas caps the registers and spills (it did at K = 4864's 19 warps), as
+    it does past 255 a thread (three 16-row tiles of 8 K steps a warp: 152 bytes of stack)."""
+    regs = 8 * chunks * group + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
+    return regs <= 255 and regs * warps * 32 <= 65536
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1852,14 +1877,16 @@ def _mma_argmax_finish(mTokens, mPartVal, mPartIdx, mCounter, sLast, best_val, b
 @_deferred.kernel
 def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                 k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits,
-                fp8, mS):
+                tile_group, fp8, mS):
     # The tensors as `_gemv_kernel` takes them (bf16, or fp8 codes with their row scales mS
     # (None for bf16); K steps of 32 bf16 or 64 fp8; with splits > 1 mPartVal is the workspace
     # [tiles x splits, n-tiles x 4, 32] of the CTAs' sums and mCounter [tiles] their counters). A
     # CTA's warps split its K (warp w: steps w C .. w C + C - 1, C = chunks, from the CTA's
     # first); it walks tiles bidx, bidx + grid, ... (splits > 1: CTA bidx computes split
-    # bidx % splits of tile bidx // splits alone). The first tile's weight loads are issued
-    # before the PDL wait; x (and g) are read once after it.
+    # bidx % splits of tile bidx // splits alone; tile_group G > 1: CTA bidx computes tiles
+    # G b .. G b + G - 1 for b = bidx // splits, split bidx % splits). The first tile's weight
+    # loads (a group's: all G tiles') are issued before the PDL wait; x (and g) are read once
+    # after it.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -1883,7 +1910,13 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         split = bidx % splits
         first = split * per_split
         end = cutlass.min(first + per_split, steps)
+    if cutlass.const_expr(tile_group > 1):
+        tile = tile * tile_group
     w = _mma_load_weights(mW, tile, first, end, warp, lane, n_out, chunks, epilogue, head_dim)
+    w_group = [w]  # the group's tiles' loads, all in flight across the wait
+    for j in cutlass.range_constexpr(1, tile_group):
+        w_group.append(_mma_load_weights(mW, tile + j, first, end, warp, lane, n_out, chunks, epilogue,
+                                         head_dim))
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
     b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits, fp8)
@@ -1907,7 +1940,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # A looping CTA issues its next tile's weight loads right after this tile's products, so
     # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
     # L2, no DRAM bytes).
-    loops = splits == 1 and grid < num_tiles
+    loops = splits == 1 and tile_group == 1 and grid < num_tiles
     c = _mma_products(w, b, chunks, rows, fp8)
     if cutlass.const_expr(loops):
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
@@ -1915,6 +1948,14 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
                                    mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
                                    epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
+    for j in cutlass.range_constexpr(1, tile_group):  # the group's other tiles, against the same x
+        pre = _mma_epilogue_inputs(tile + j, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
+                                   kv_heads)
+        scl = _mma_row_scales(mS, tile + j, lane, n_out, epilogue, head_dim)
+        c = _mma_products(w_group[j], b, chunks, rows, fp8)
+        best_val, best_idx = _mma_tile(c, tile + j, j, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
+                                       mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
+                                       epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
     if cutlass.const_expr(loops):
         for cur in range(bidx + gdim, num_tiles, gdim):
             pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
@@ -1935,11 +1976,11 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
 @_deferred.jit
 def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, stream,
                 k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
-                splits, min_ctas):
+                splits, tile_group, min_ctas):
     """The tensor-core form (bf16 weights; one row only where asked)."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                          k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows, splits, False, None).launch(
+                         kv_heads, rows, splits, tile_group, False, None).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
@@ -1947,17 +1988,17 @@ def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
 @_deferred.jit
 def _mma_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mS, stream,
                     k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
-                    splits, min_ctas):
+                    splits, tile_group, min_ctas):
     """The tensor-core form with fp8 weights (1 to 16 rows) and their row scales mS [n_rows] fp32."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
                          k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows, splits, True, mS).launch(
+                         kv_heads, rows, splits, tile_group, True, mS).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _MMA_PLAN_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
-                    "q_heads", "kv_heads", "rows", "splits", "min_ctas")  # the launchers'
+                    "q_heads", "kv_heads", "rows", "splits", "tile_group", "min_ctas")  # the launchers'
 _MMA_KERNEL_PARAMS = (*_MMA_PLAN_PARAMS[:-1], "fp8")
 
 
@@ -2023,7 +2064,7 @@ def _buffer_sizes(p: GemvPlan) -> tuple[int, int]:
     """A plan's partials and counters: the argmax's per-CTA partials (one counter), or
     split-K's fp32 sums of each CTA's K (a lane's slots) and a counter a tile; else one of each."""
     if p.splits > 1:
-        return p.grid * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
+        return p.num_tiles * p.splits * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
     return (p.grid * p.rows if p.epilogue == "argmax" else 1), 1
 
 

@@ -344,6 +344,7 @@ PTX_SCRIPT = textwrap.dedent("""
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
           "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "PRMT", ptx.count("prmt.b32"),
           "WIDEN", ptx.count(", t, 0x87f087f0;"),
+          "PREWAIT", sum(ptx.split("griddepcontrol.wait")[0].count(op) for op in ("ld.global.v4.b32", "ld.global.v4.u32")),
           "SHA", sha)
 """)
 
@@ -465,6 +466,35 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     assert int(counts["STORE"]) >= 1 and int(counts["FMA"]) < rows * p.loads_in_flight_per_lane * VEC
 
 
+# tile_group: G weight tiles a CTA against one load of x, at Qwen3-0.6B's 16-row shapes (O, down,
+# gate+up with the norm, QKV with RoPE), unsplit and with K over CTAs.
+TILE_GROUP_LOWERING = [(1024, 2048, "residual", 0, dict(tile_group=2, splits=2)),
+                       (1024, 2048, "residual", 0, dict(tile_group=2, warps=8)),
+                       (1024, 3072, "residual", 0, dict(tile_group=4, splits=4)),
+                       (6144, 1024, "silu_mul", 1, dict(tile_group=2)),
+                       (4096, 1024, "rope_kv", 1, dict(tile_group=2))]
+
+
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("n, k, epilogue, norm, knobs", TILE_GROUP_LOWERING)
+def test_tile_group_issues_its_tiles_loads_before_the_wait_and_reads_x_once(tmp_path, n, k, epilogue, norm, knobs):
+    """A CTA of G tiles: G tiles' products and weight loads, every weight load before the PDL
+    wait, and x's fragments (and the norm's weight) loaded once, as one tile's; no stack frame."""
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, 1, 0, norm, dict(knobs, mma=True), 16)
+    p = plan_gemv(n, k, epilogue, rope=rope_as_lowered(n, epilogue), pdl=True, norm=bool(norm), rows=16,
+                  mma=True, **knobs)
+    group = knobs["tile_group"]
+    assert p.tile_group == group and not p.loops and p.grid * group == p.num_tiles * p.splits
+    assert int(counts["MMA"]) == group * p.chunks * 2 * 2
+    weight_loads = group * p.loads_in_flight_per_lane
+    assert int(counts["PREWAIT"]) == weight_loads
+    assert int(counts["W128"]) + int(counts["W128U"]) == weight_loads + p.chunks * (2 + norm)
+    assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0, counts["REGS"]
+    assert (int(counts["ATOM"]) > 0) == (p.splits > 1)
+
+
 def test_mma_fragments_from_natural_loads_give_exact_dot_products():
     """The permutation argument, lane by lane: place each lane's operand registers
     (`mma_operands` of its 16-byte loads) where the PTX fragment layout of m16n8k16 puts them,
@@ -514,11 +544,38 @@ def test_mma_plan_covers_every_output_and_k_step_once():
     (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
     (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
     (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
+    (dict(tile_group=3), "dividing the 56 tiles"), (dict(tile_group=0), "tile_group"),
+    (dict(tile_group=2, ctas_per_sm=1), "looping grid"),
 ])
 def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
     kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
     with pytest.raises(ValueError, match=match):
         plan_gemv(kwargs.pop("n_rows"), kwargs.pop("k"), "residual", mma=True, **kwargs)
+
+
+@pytest.mark.parametrize("n, k, epilogue, norm, knobs", [
+    (1024, 2048, "residual", False, dict(tile_group=2, splits=2)), (1024, 2048, "residual", False, dict(tile_group=4)),
+    (1024, 3072, "residual", False, dict(tile_group=4, splits=4)), (6144, 1024, "silu_mul", True, dict(tile_group=2)),
+    (896, 4864, "residual", False, dict(tile_group=2, splits=4)), (416, 1184, "bias", False, dict(tile_group=2, splits=3))])
+def test_tile_group_plan_gives_every_tile_and_split_one_cta(n, k, epilogue, norm, knobs):
+    """CTA b computes tiles G (b // splits) .. + G - 1 over split b % splits of K (the kernel's
+    mapping): each (tile, split) once, every CTA's registers within 255 a thread, the split-K
+    workspace a slot for every (tile, split)."""
+    p = plan_gemv(n, k, epilogue, norm=norm, pdl=True, rows=16, **knobs)
+    g = knobs["tile_group"]
+    assert p.mma and p.tile_group == g and not p.loops and f"tg{g}" in p.describe()
+    seen = sorted((p.tile_group * (b // p.splits) + j, b % p.splits) for b in range(p.grid) for j in range(g))
+    assert seen == [(t, s) for t in range(p.num_tiles) for s in range(p.splits)]
+    assert cute_gemv._mma_fits(p.warps, p.chunks, 2, 4, g)
+    if p.splits > 1:
+        assert cute_gemv._buffer_sizes(p) == (p.num_tiles * p.splits * 2 * 4 * 32, p.num_tiles)
+
+
+def test_tile_group_refuses_the_argmax_and_tiles_past_a_threads_registers():
+    with pytest.raises(ValueError, match="looping grid"):
+        plan_gemv(151936, 896, "argmax", norm=True, rows=16, tile_group=2)
+    with pytest.raises(ValueError, match="255 a thread .* tile_group"):  # three tiles of 8 K steps a warp
+        plan_gemv(6144, 1024, "silu_mul", norm=True, rows=16, tile_group=3, warps=4)
 
 
 def test_one_bf16_row_takes_the_tensor_core_form_only_where_asked(monkeypatch):
@@ -547,6 +604,8 @@ def test_mma_is_the_default_for_rows_where_it_plans():
     assert not plan_gemv(896, 4864, "none", rows=4, norm=True).mma           # (no split under the norm)
     with pytest.raises(ValueError, match="tensor-core"):
         plan_gemv(896, 4864, "residual", rows=4, mma=False, splits=2)
+    with pytest.raises(ValueError, match="tile_group .* tensor-core"):
+        plan_gemv(896, 4864, "residual", rows=4, mma=False, tile_group=2)
     assert not plan_gemv(896, 896, "residual", rows=4, fp8=True).mma
     assert not plan_gemv(9728, 896, "silu_mul", rows=4, staged=True).mma    # a CUDA-core knob asks for that form
     assert not plan_gemv(9728, 896, "silu_mul", rows=4, mma=False).mma
@@ -843,6 +902,11 @@ def test_the_m_row_sweep_tries_both_forms_knobs(monkeypatch):
         assert len(set(plans)) == len(plans) and found[0][0] == "default" and plans[0].mma
         assert any(p.mma for p in plans[1:]) and any(not p.mma for p in plans)
     assert any(label.startswith("mma splits") for label, _ in gemv_sweep.variants("o", True, 4))
+    for name in ("o", "gate_up", "down"):  # tiles sharing x: with splits where the epilogue has them
+        labels = [label for label, _ in gemv_sweep.variants(name, True, 16)]
+        assert any(label.startswith("mma group 2") for label in labels), labels
+        assert any(" splits=" in label for label in labels if "group" in label) == (name != "gate_up")
+    assert not any("group" in label for label, _ in gemv_sweep.variants("lm_head", True, 16))
     for name in ("down", "lm_head"):  # from CUDA_CORE_ROWS_CAP rows: the tensor-core form's plans only
         n, k, epilogue, norm, rope = gemv_sweep.SHAPES[name]
         for rows in (gemv_sweep.CUDA_CORE_ROWS_CAP, 16):
@@ -1121,6 +1185,35 @@ def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, row
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
     assert gemv.plan.mma, gemv.plan.describe()
     check_rows(kh, gemv, epilogue, norm, rows)
+
+
+# tile_group (G tiles a CTA against one load of x) at Qwen3-0.6B's O, down, gate+up and QKV, and with
+# K split unevenly over three CTAs.
+TILE_GROUP_GPU_CASES = [(1024, 2048, "residual", False, True, dict(tile_group=2, splits=2)),
+                        (1024, 3072, "residual", False, True, dict(tile_group=4, splits=4)),
+                        (6144, 1024, "silu_mul", True, True, dict(tile_group=2)),
+                        (4096, 1024, "none", True, True, dict(tile_group=2)),
+                        (416, 1184, "bias", False, False, dict(tile_group=2, splits=3))]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", TILE_GROUP_GPU_CASES)
+def test_tile_group_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, rows):
+    gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, **knobs)
+    assert gemv.plan.tile_group == knobs["tile_group"], gemv.plan.describe()
+    check_rows(kh, gemv, epilogue, norm, rows)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 7, 16])
+def test_tile_group_rope_kv_each_at_its_position_and_slot(kh, rows):
+    gemv = CuteGemv(QWEN05_ROPE.rows, 896, "bias_rope_kv", pdl=True, norm=True, rope=QWEN05_ROPE, rows=rows,
+                    tile_group=2)
+    assert gemv.plan.tile_group == 2, gemv.plan.describe()
+    check_rows_rope(kh, gemv, QWEN05_ROPE, 896, True, rows)
 
 
 def check_rows(kh, gemv: CuteGemv, epilogue: str, norm: bool, rows: int) -> None:

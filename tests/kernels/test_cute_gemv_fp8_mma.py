@@ -210,6 +210,26 @@ def test_fp8_mma_lowers_to_mma_sync_and_integer_widening(tmp_path, n, k, epilogu
     assert (counts["GRIDDEP"] > 0) == bool(pdl) and (counts["RSQRT"] > 0) == bool(norm)
 
 
+@pytest.mark.slow
+@needs_cute
+@on_the_cpu
+@pytest.mark.parametrize("n, k, epilogue, norm, knobs", [(1024, 2048, "residual", 0, dict(tile_group=2, splits=2)),
+                                                       (6144, 1024, "silu_mul", 1, dict(tile_group=2))])
+def test_fp8_mma_tile_group_widens_each_tile_and_reads_x_once(tmp_path, n, k, epilogue, norm, knobs):
+    """fp8 with tile_group G (Qwen3-0.6B's O and gate+up at 16 rows): G tiles' weight loads, all
+    before the PDL wait, each widened; x's two chunks a K step and n-tile loaded once."""
+    counts = {key: int(v) for key, v in lower_to_ptx(tmp_path, n, k, epilogue, 1, 0, norm, dict(knobs, mma=True),
+                                                     16, fp8=True).items() if key != "SHA"}
+    p = plan_gemv(n, k, epilogue, pdl=True, norm=bool(norm), rows=16, fp8=True, mma=True, **knobs)
+    group = knobs["tile_group"]
+    assert p.tile_group == group and not p.loops
+    weight_loads = group * p.loads_in_flight_per_lane
+    assert counts["MMA"] == group * p.chunks * 4 * 2 and counts["PREWAIT"] == weight_loads, counts
+    assert counts["W128"] + counts["W128U"] == weight_loads + 2 * p.chunks * (2 + norm), counts
+    assert counts["PRMT"] == weight_loads * 4 * 2 and counts["WIDEN"] == counts["PRMT"], counts
+    assert counts["STACK"] == 0 and counts["LOCAL"] == 0, counts
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 
 FP8_MMA_GPU_CASES = [  # (n, k, epilogue, norm, pdl): the fused path's GEMVs (Qwen2.5-0.5B), small shapes
@@ -229,6 +249,17 @@ def test_fp8_mma_gemv_matches_dequant_linear(kh, n, k, epilogue, norm, pdl, rows
     each row against gemv_reference with the row scales (dequant_linear's fp32 numerics)."""
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=rows, fp8=True, mma=True)
     assert gemv.plan.mma and gemv.plan.fp8
+    check_fp8_rows(kh, gemv)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 16])
+@pytest.mark.parametrize("n, k, epilogue, norm, knobs", [(1024, 2048, "residual", False, dict(tile_group=2, splits=2)),
+                                                       (6144, 1024, "silu_mul", True, dict(tile_group=2))])
+def test_fp8_mma_tile_group_matches_dequant_linear(kh, n, k, epilogue, norm, knobs, rows):
+    gemv = CuteGemv(n, k, epilogue, pdl=True, norm=norm, rows=rows, fp8=True, mma=True, **knobs)
+    assert gemv.plan.tile_group == knobs["tile_group"], gemv.plan.describe()
     check_fp8_rows(kh, gemv)
 
 

@@ -92,6 +92,7 @@ def shapes_for(preset: str) -> dict:
 # name -> (N, K, epilogue, norm, rope): the GEMVs of the preset swept (--config; main() rebinds it).
 SHAPES = shapes_for("qwen2.5-0.5b")
 DEFAULT_ONLY = ["gate_up", "down", "qkv", "o", "qkv_rope"]  # the LM head on request (272 MB a call)
+VARIANTS_MATCHING: list[str] = []  # --variants: only labels holding one of these (and the default)
 DEV = "cuda"
 BF16 = torch.bfloat16
 
@@ -133,6 +134,16 @@ CUDA_CORE_ROWS_CAP = 8
 def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool = False) -> list[tuple[str, dict]]:
     """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
     (H200: 132 SMs). mma: the fp8 tensor-core form's knobs."""
+    n, k, epilogue, norm, rope = SHAPES[name]
+    if VARIANTS_MATCHING:
+        return [(label, knobs) for label, knobs in variants_unfiltered(name, pdl, rows, fp8, mma)
+                if label == "default" or any(part in label for part in VARIANTS_MATCHING)]
+    return variants_unfiltered(name, pdl, rows, fp8, mma)
+
+
+def variants_unfiltered(name: str, pdl: bool, rows: int = 1, fp8: bool = False,
+                        mma: bool = False) -> list[tuple[str, dict]]:
+    """`variants` before --variants' filter."""
     n, k, epilogue, norm, rope = SHAPES[name]
     if mma:
         seen, kept = set(), []
@@ -539,9 +550,12 @@ def main() -> int:
     ap.add_argument("--mma", action="store_true",
                     help="the tensor-core form and its knobs, where it is asked for: --fp8, or one bf16 row")
     ap.add_argument("--config", default="qwen2.5-0.5b", help="the preset whose GEMV shapes are swept")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="only the variants whose label holds one of these (e.g. 'group' 'splits=2'); the default plan always")
     ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SHAPES = shapes_for(args.config)
+    VARIANTS_MATCHING[:] = args.variants
     if args.mma and not args.fp8 and args.rows > 1:
         ap.error("--mma sweeps the tensor-core form where it is asked for: fp8 weights, or one bf16 row "
                  "(bf16's M-row plans take it by default)")

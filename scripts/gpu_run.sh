@@ -77,7 +77,8 @@
 #                tensor-core form's knobs beside the CUDA-core form's below 8 rows; TUNED_PLANS
 #                holds the 0.5B's 2-, 4- and 16-row entries) at GEMV_ROWS (default 4 16) of
 #                GEMV_CONFIG (default qwen2.5-0.5b; GEMV_SHAPES the shapes), the winners in one
-#                file kept in /tmp (45-80 s a row count on an H100 without the LM head)
+#                file kept in /tmp (45-80 s a row count on an H100 without the LM head);
+#                GEMV_VARIANTS="group splits=2" sweeps only the variants whose labels hold one
 #   gemv-rows-ab the closed loop at c = 1 / 4 / 16 (128 new tokens) at LOOP_CONFIG without and with
 #                those plans (FLASHLET_GEMV_PLANS; GEMV_ROWS_TABLE=lab/tables/... a kept table), two
 #                interleaved pairs, then N = 1 2 4 8 16 streams through LLM.generate each way, side
@@ -834,7 +835,7 @@ for _ in range(480):
       for m in ${GEMV_ROWS:-4 16}; do
         rm -f "$KEEP/gemv-rows-$m-table.json"
         run 450 python3 scripts/gemv_sweep.py --config "${GEMV_CONFIG:-qwen2.5-0.5b}" --rows "$m" --pdl on \
-          --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 \
+          --only ${GEMV_SHAPES:-qkv_rope o gate_up down lm_head} --budget-s 300 ${GEMV_VARIANTS:+--variants $GEMV_VARIANTS} \
           --plans-out "$KEEP/gemv-rows-$m-table.json" --json "$OUT/json/gemv-rows-$m.json"
         cp "$KEEP/gemv-rows-$m-table.json" "$OUT/json/" 2>/dev/null || true
       done

@@ -913,6 +913,10 @@ def test_the_m_row_sweep_tries_both_forms_knobs(monkeypatch):
             found = gemv_sweep.variants(name, True, rows)
             assert len(found) > 3 and all(plan_gemv(n, k, epilogue, pdl=True, norm=norm, rope=rope, tuned=False,
                                                     rows=rows, **knobs).mma for _, knobs in found)
+    monkeypatch.setattr(gemv_sweep, "VARIANTS_MATCHING", ["group", "splits=2"])  # --variants
+    labels = [label for label, _ in gemv_sweep.variants("o", True, 16)]
+    assert labels[0] == "default" and len(labels) > 3
+    assert all("group" in label or "splits=2" in label for label in labels[1:]), labels
 
 
 def test_every_one_row_tuned_plan_is_a_presets_gemv_and_steers_its_plan(monkeypatch):

@@ -551,7 +551,8 @@ def main() -> int:
                     help="the tensor-core form and its knobs, where it is asked for: --fp8, or one bf16 row")
     ap.add_argument("--config", default="qwen2.5-0.5b", help="the preset whose GEMV shapes are swept")
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="only the variants whose label holds one of these (e.g. 'group' 'splits=2'); the default plan always")
+                    help="only the variants whose label holds one of these (e.g. 'group' 'splits=2'); "
+                         "the default plan always")
     ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SHAPES = shapes_for(args.config)

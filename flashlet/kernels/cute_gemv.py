@@ -504,8 +504,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     mma=True sums on the tensor cores (`_plan_mma`; FUSED_NOTES.md, "Stage 5"): the default for
     rows >= 2 bf16 where it applies (K a multiple of 32, no CUDA-core-only knob given), and one
     bf16 row only where asked; mma=False keeps the CUDA-core M-row form. Its knobs of its own:
-    splits (K over CTAs) and tile_group (tiles a CTA sharing one load of x; `_plan_mma`). With fp8=True the
-    tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
+    splits (K over CTAs) and tile_group (tiles a CTA sharing one load of x; `_plan_mma`). With
+    fp8=True the tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
     tensor cores") is opt-in: only mma=True plans it, until a GPU measures it."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
@@ -763,10 +763,11 @@ def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None,
 
 def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4, group: int = 1) -> bool:
     """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
-    each, 2 a K step, for each of the group's tiles), its x fragments (x_regs a step and n-tile, kept across tiles: 4 bf16, 8
-    fp8), two accumulator chains (8 an n-tile) and ~40 more (fp8: 16 more, a step's widened
-    weights). Past that ptxas caps the registers and spills (it did at K = 4864's 19 warps), as
-    it does past 255 a thread (three 16-row tiles of 8 K steps a warp: 152 bytes of stack)."""
+    each, 2 a K step, for each of the group's tiles), its x fragments (x_regs a step and
+    n-tile, kept across tiles: 4 bf16, 8 fp8), two accumulator chains (8 an n-tile) and ~40
+    more (fp8: 16 more, a step's widened weights). Past that ptxas caps the registers and
+    spills (it did at K = 4864's 19 warps), as it does past 255 a thread (three 16-row tiles of
+    8 K steps a warp: 152 bytes of stack)."""
     regs = 8 * chunks * group + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
     return regs <= 255 and regs * warps * 32 <= 65536
 

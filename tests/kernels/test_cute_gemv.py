@@ -344,7 +344,8 @@ PTX_SCRIPT = textwrap.dedent("""
           "REGS", regs, "CVT8", ptx.count("cvt.rn.f16x2.e4m3x2"), "LOCAL", ptx.count(".local"),
           "MMA", ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "PRMT", ptx.count("prmt.b32"),
           "WIDEN", ptx.count(", t, 0x87f087f0;"),
-          "PREWAIT", sum(ptx.split("griddepcontrol.wait")[0].count(op) for op in ("ld.global.v4.b32", "ld.global.v4.u32")),
+          "PREWAIT", sum(ptx.split("griddepcontrol.wait")[0].count(op)  # 16-byte loads before the PDL wait
+                         for op in ("ld.global.v4.b32", "ld.global.v4.u32")),
           "SHA", sha)
 """)
 

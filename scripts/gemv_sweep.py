@@ -134,7 +134,6 @@ CUDA_CORE_ROWS_CAP = 8
 def variants(name: str, pdl: bool, rows: int = 1, fp8: bool = False, mma: bool = False) -> list[tuple[str, dict]]:
     """(label, plan_gemv knobs) for one shape at M = rows, deduplicated by the plan they give
     (H200: 132 SMs). mma: the fp8 tensor-core form's knobs."""
-    n, k, epilogue, norm, rope = SHAPES[name]
     if VARIANTS_MATCHING:
         return [(label, knobs) for label, knobs in variants_unfiltered(name, pdl, rows, fp8, mma)
                 if label == "default" or any(part in label for part in VARIANTS_MATCHING)]

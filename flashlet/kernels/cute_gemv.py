@@ -406,6 +406,8 @@ TUNED_PLANS: dict[tuple, dict] = {
     (17920, 1536, "silu_mul", True, True, 16): {"ctas_per_sm": 1},  # (1.14x)
     (1536, 8960, "residual", False, True, 16): {"splits": 8},  # (1.12x)
 }
+# The tensor-core form's own knobs, each with what it does (the CUDA-core form refuses them).
+MMA_ONLY_KNOBS = {"splits": "K over CTAs", "tile_group": "weight tiles a CTA sharing x"}
 TUNABLE = ("warps", "outs_per_group", "ctas_per_sm", "staged", "stages", "late_g", "min_ctas_per_sm", "splits",
            "tile_group")
 
@@ -556,18 +558,18 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     refusal = _mma_refusal(k, rows, fp8, knobs, asked=bool(mma))
     if mma and refusal:
         raise ValueError(f"mma=True: {refusal}")
+    mma_only = [name for name in MMA_ONLY_KNOBS if knobs[name] not in (None, 1)]  # given, past their default
     if mma or (mma is None and not refusal):
         try:
             return _plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl, norm=norm,
                              eps=eps, rope=rope, fp8=fp8)
         except ValueError:
-            if mma or knobs["splits"] not in (None, 1) or knobs["tile_group"] not in (None, 1):
+            if mma or mma_only:
                 raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form,
                        # unless a knob only that form has was given: its reason is the one to give
-    if knobs["splits"] not in (None, 1):
-        raise ValueError("splits (K over CTAs) is the tensor-core form's knob: it needs mma")
-    if knobs["tile_group"] not in (None, 1):
-        raise ValueError("tile_group (weight tiles a CTA sharing x) is the tensor-core form's knob: it needs mma")
+    if mma_only:
+        name = mma_only[0]
+        raise ValueError(f"{name} ({MMA_ONLY_KNOBS[name]}) is the tensor-core form's knob: it needs mma")
     for name in ("warps", "outs_per_group"):
         if knobs[name] is not None and (not isinstance(knobs[name], int) or knobs[name] < 1):
             raise ValueError(f"{name} must be a positive int, got {knobs[name]!r}")

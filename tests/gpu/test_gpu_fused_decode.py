@@ -596,8 +596,9 @@ FUSED_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "
 def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     """Each served preset's real shapes, random weights, default parts, teacher-forced against
     the per-op path at 1, 2, 4, 7 (padded to 8) and 16 rows (4: Qwen3-0.6B's 4-row GEMV plans):
-    issue 29's agreement rule on every preset the path serves (qwen2.5-0.5b's: the tests above). At least 96 positions a case: the
-    rule's count (90% agree, or fp32's pick as often, or short of it within SIGN_TEST_P's sign test) is noise over a few dozen (qwen3-1.7b or
+    issue 29's agreement rule on every preset the path serves (qwen2.5-0.5b's: the tests above).
+    At least 96 positions a case: the rule's count (90% agree, or fp32's pick as often, or short
+    of it within SIGN_TEST_P's sign test) is noise over a few dozen (qwen3-1.7b or
     tinyllama at 2 rows x 12 tokens failed it by one pick on the H200, every parting a near tie
     and the fused logits nearer fp32 than per-op's)."""
     monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)

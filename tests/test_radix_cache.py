@@ -125,12 +125,37 @@ def test_extend_locked_splits_a_node_it_shares_only_in_part():
     cache.insert([1] * 4 + [2] * 4 + [3] * 4, root_pages + tail)
     pages, node = cache.match_prefix([1] * 4)  # splits after the first page
     cache.lock(node)
+    other_pages, other_node = cache.match_prefix([1] * 4 + [2] * 4)  # another request holds
+    cache.lock(other_node)  # the shared page (split off its node)
     mine = alloc.allocate(2)
     end, path = cache.extend_locked(node, [2] * 4 + [9] * 4, mine)
     assert path == tail[:1] + mine[1:]  # the shared page is the tree's, the other is hung
     alloc.free(mine[:1])
-    cache.check_integrity([holder(root_pages + path, end, 3)])
+    cache.check_integrity([holder(root_pages + path, end, 3), holder(other_pages, other_node, 2, 1)])
     assert cache.match_prefix([1] * 4 + [2] * 4 + [3] * 4)[0] == root_pages + tail
+    cache.unlock(end)
+    cache.unlock(other_node)
+    cache.check_integrity([])
+
+
+def test_extend_locked_gives_a_node_no_one_holds_the_callers_pages():
+    """The same continuation again, with no other request on it (a repeated prompt decoding
+    the tokens an earlier request cached): the tree takes the caller's pages and frees its own,
+    so the caller's page table is unchanged; a part the tree does not hold is hung below."""
+    alloc = PageAllocator(8)
+    cache = RadixCache(alloc, PS)
+    root_pages, tail = alloc.allocate(1), alloc.allocate(2)
+    cache.insert([1] * 4 + [2] * 4 + [3] * 4, root_pages + tail)
+    pages, node = cache.match_prefix([1] * 4)  # splits after the first page
+    cache.lock(node)
+    mine = alloc.allocate(2)
+    free_before = alloc.free_pages()
+    end, path = cache.extend_locked(node, [2] * 4 + [9] * 4, mine)
+    assert path == mine  # the caller keeps its pages: nothing of its own to free
+    assert alloc.free_pages() - free_before == {tail[0]}  # the tree's copy went back
+    cache.check_integrity([holder(root_pages + path, end, 3)])
+    # the tree's other continuation still follows the shared page, now the caller's
+    assert cache.match_prefix([1] * 4 + [2] * 4 + [3] * 4)[0] == root_pages + mine[:1] + tail[1:]
     cache.unlock(end)
     cache.check_integrity([])
 

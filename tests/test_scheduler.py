@@ -83,27 +83,60 @@ def test_the_random_runs_reach_every_way_a_row_ends():
     assert reasons == {"stop", "length", "abort", "error"}
 
 
-def test_a_prompt_run_again_takes_the_trees_copy_of_the_page_it_recomputed():
+def test_a_prompt_run_again_gives_the_tree_the_pages_it_recomputed_and_decoded():
     """A cached prompt's last token always runs, so a prompt of whole pages recomputes its last
-    page, which the tree already holds: the request must switch to the tree's page and free its
-    own (found below the path it holds locked, with no walk from the root), keep every
-    ownership invariant, and leave the pool as the first run left it."""
+    page, and a greedy run again decodes the pages the first run cached: the tree holds them
+    already. With no other request on them, the tree takes the request's pages and frees its
+    own (found below the path it holds locked, with no walk from the root), so the request's
+    page table only ever grows at its end (a running row's indices never move under it), every
+    ownership invariant holds, and the pool ends as the first run left it."""
     sched = Scheduler(PageAllocator(40), 4, max_num_seqs=4, max_num_batched_tokens=16,
                       enable_prefix_cache=True, eos_token_ids={EOS})
     prompt = list(range(2, 14))  # three whole pages
     held_after = []
     for rid in range(2):
-        req = Request(rid, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        req = Request(rid, prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
         sched.add(req)
+        pages_before = []
         while sched.has_unfinished():
             out = sched.schedule()
+            for i, first, _ in out.batch_update.pages:
+                assert i == rid and first == len(pages_before), "a page-table entry changed"
+            pages_before = list(req.page_ids)
             sched.on_launch(out)
-            sched.update(out, [5] * len(out.sampling), StepLogprobsStub())
+            sched.update(out, [5 + len(req.output_token_ids)] * len(out.sampling), StepLogprobsStub())
             sched.check_integrity()
-            if rid == 1 and req.num_computed_tokens == len(prompt):  # its prompt is computed
-                tree_pages = sched.cache.match_prefix(prompt)[0]
-                assert req.page_ids[:3] == tree_pages, "the recomputed page was not the tree's"
-                assert req.num_tree_pages == 3
+            if req.num_computed_tokens >= len(prompt) and req.status is RequestStatus.RUNNING:
+                tree_pages = sched.cache.match_prefix(req.token_slice(0, req.num_computed_tokens))[0]
+                assert req.page_ids[:req.num_tree_pages] == tree_pages
+                assert req.num_tree_pages == req.num_computed_tokens // 4
+                assert req.page_ids[:len(pages_before)] == pages_before
         held_after.append((sched.allocator.num_free, sched.cache.num_pages))
     assert held_after[1] == held_after[0], "the second run left the pool otherwise"
     assert sum(held_after[1]) == 40
+
+
+def test_two_requests_decoding_the_same_tokens_share_the_first_ones_pages():
+    """Two greedy requests of one prompt running at once cache the same continuation: the one
+    whose pages fill second finds them held by the other, takes the tree's pages (its page
+    table changes inside) and frees its own; the pool ends with one copy."""
+    sched = Scheduler(PageAllocator(40), 4, max_num_seqs=4, max_num_batched_tokens=32,
+                      enable_prefix_cache=True, eos_token_ids={EOS})
+    prompt = list(range(2, 10))  # two whole pages
+    reqs = [Request(rid, prompt, SamplingParams(max_new_tokens=9, ignore_eos=True)) for rid in range(2)]
+    for req in reqs:
+        sched.add(req)
+    moved, tables = [], {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        moved += [(i, first) for i, first, _ in out.batch_update.pages if first < len(tables.get(i, []))]
+        tables = {r.request_id: list(r.page_ids) for r in reqs}
+        sched.on_launch(out)
+        sched.update(out, [5 + len(r.output_token_ids) for r in out.sampling], StepLogprobsStub())
+        sched.check_integrity()
+        a, b = reqs
+        if a.status is b.status is RequestStatus.RUNNING and a.num_tree_pages == b.num_tree_pages:
+            assert a.page_ids[:a.num_tree_pages] == b.page_ids[:b.num_tree_pages]
+    assert moved, "no request took another's pages"
+    # one copy of the prompt's 2 pages and the continuation's (17 tokens: 4 whole pages)
+    assert sched.cache.num_pages == 4 and sched.allocator.num_free == 36

@@ -83,10 +83,13 @@ class RadixCache:
         one request holds locked, and move that request's lock to the path's new end: the fast
         path of a request whose latest pages just filled (no walk from the root). Returns that
         end and the path's pages below `node`. Where the tree already holds a first part of
-        `tokens` below `node` (another request cached the same continuation: the same prompt
-        again), that part keeps the tree's pages, and the caller frees its own that the
-        returned ones replace."""
-        path, end = self._walk(node, tokens, lock=True)
+        `tokens` below `node` (an earlier request cached the same continuation: the same prompt
+        again), a node no other request holds takes the caller's pages and frees its own (the
+        same tokens' K/V), so the caller's page table stays as it is: a running row's pages do
+        not change under it, and its next step needs no new page indices. A node another
+        request holds keeps its pages, and the caller frees its own that the returned ones
+        replace."""
+        path, end = self._walk(node, tokens, lock=True, adopt=pages)
         done = len(path) * self.page_size
         if done < len(tokens):
             end = self._attach(end, tokens[done:], pages[len(path):])
@@ -189,12 +192,14 @@ class RadixCache:
         )
 
     # ---- helpers --------------------------------------------------------------------------
-    def _walk(self, node: RadixNode, tokens: list[int],
-              lock: bool = False) -> tuple[list[int], RadixNode]:
+    def _walk(self, node: RadixNode, tokens: list[int], lock: bool = False,
+              adopt: list[int] | None = None) -> tuple[list[int], RadixNode]:
         """Follow `tokens` down from `node` as far as the tree holds them in whole pages,
         splitting the last node where they part from it -> (the pages passed, the node reached).
         Every node on the way is touched (LRU); with `lock`, each below `node` also counts one
-        more lock (a request's lock moving down from `node` to the node reached)."""
+        more lock (a request's lock moving down from `node` to the node reached). adopt: pages
+        holding `tokens`' K/V (a request's own): a node passed that no request holds (lock_ref 0,
+        before this walk's lock) takes them in place of its own, which go back to the pool."""
         pages, i, now = [], 0, next(self._clock)
         node.last_access = now
         while i + self.page_size <= len(tokens):
@@ -204,6 +209,9 @@ class RadixCache:
             n = self._common_pages(child.key, tokens, i)
             if n < len(child.pages):
                 child = self._split(child, n)
+            if adopt is not None and child.lock_ref == 0:
+                self.allocator.free(child.pages)
+                child.pages = adopt[len(pages) : len(pages) + len(child.pages)]
             if lock:
                 child.lock_ref += 1
             child.last_access = now

@@ -72,12 +72,14 @@ def byte_limit(llm, context: int) -> float:
 
 
 def print_table(lines) -> None:
-    """The JSON lines of earlier runs as a table: a row each, the best of its three runs."""
-    print(f"{'label':<14} {'config':<16} {'prompt':>6} {'fused':>5} {'tok/s':>8} {'limit':>8} {'share':>6}")
+    """The JSON lines of earlier runs as a table: a row each, the best of its three runs, then
+    all three (a repeat slower than the first shows there)."""
+    print(f"{'label':<14} {'config':<16} {'prompt':>6} {'fused':>5} {'tok/s':>8} {'limit':>8} {'share':>6}  runs")
     for line in lines:
         r = json.loads(line)
+        runs = " / ".join(f"{t:.1f}" for t in r['tok_s'])
         print(f"{r['label']:<14} {r['config']:<16} {r.get('prompt_len', 32):>6} {str(r['fused']):>5} "
-              f"{max(r['tok_s']):>8.1f} {r.get('limit_tok_s', float('nan')):>8.1f} {r.get('share', float('nan')):>6.3f}")
+              f"{max(r['tok_s']):>8.1f} {r.get('limit_tok_s', float('nan')):>8.1f} {r.get('share', float('nan')):>6.3f}  {runs}")
 
 
 def main() -> None:

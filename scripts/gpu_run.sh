@@ -136,6 +136,10 @@
 #                BASE_AB_TREE_ENV="VAR=value ..." for this tree's side only (e.g.
 #                FLASHLET_DECODE_TABLES=/tmp/lean-sweep-table.json: a change with
 #                the table an earlier call swept for it, against the base with its own)
+#   base-pair-ab one stream through LLM.generate after PAIR_AB_LENS (8000 30000) -token prompts at
+#                PAIR_AB_CONFIG (qwen2.5-0.5b), a fresh process's three calls, in BASE_TREE (default _base/,
+#                made as for base-ab) against this tree, two interleaved pairs: a host-side change
+#                (e.g. a repeat call's page tables) timed against the commit before it (~6 min)
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -991,6 +995,21 @@ for _ in range(480):
            --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$out/json/base-streams-$side.json")
       done
       ab_table "$out/json/base-none" "$out/json/base-tree" "$out/json/base-streams-"{none,tree}.json ;;
+    base-pair-ab)  # one stream after long prompts in BASE_TREE against this tree, each run's calls
+      cute_env
+      b=${BASE_TREE:-_base} out=$(cd "$OUT" && pwd)
+      LOG=$out/log.txt
+      if [[ ! -d $b/flashlet ]]; then
+        echo "part base-pair-ab needs $b/flashlet: mkdir $b && git archive BASE flashlet scripts lab | tar x -C $b" \
+          | tee -a "$LOG"; status=2; continue
+      fi
+      for plen in ${PAIR_AB_LENS:-8000 30000}; do
+        for pair in 1 2; do
+          (cd "$b" && run 150 python3 lab/one_stream_pair.py base --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen")
+          run 150 python3 lab/one_stream_pair.py tree --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
+        done
+      done
+      pair_table ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

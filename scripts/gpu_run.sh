@@ -140,6 +140,10 @@
 #                PAIR_AB_CONFIG (qwen2.5-0.5b), a fresh process's three calls, in BASE_TREE (default _base/,
 #                made as for base-ab) against this tree, two interleaved pairs: a host-side change
 #                (e.g. a repeat call's page tables) timed against the commit before it (~6 min)
+#   base-itl-ab  one stream's token gaps through the server (lab/itl_clients.py, default flags, 3
+#                rounds of 64 requests on each client) in BASE_TREE (as for base-ab) against this tree,
+#                in-process beside once (~5 min): the bench client's rounds 1 and 2 send round 0's prompts
+#                again, so a change in how a repeated prompt decodes shows in those rounds
 #   lean-sweep-ab one stream after 1,000 / 8,000 tokens (LEAN_SWEEP_LENS), the lean merge on, that
 #                table against none, two interleaved pairs (~6 min)
 #   triton-pin   the pinned Triton (pyproject's 3.7.1: a user's install) from a carried
@@ -1010,6 +1014,18 @@ for _ in range(480):
         done
       done
       pair_table ;;
+    base-itl-ab)  # one stream's token gaps through the server at default flags, BASE_TREE then this
+      # tree (in-process beside, once): each round's p99 (the bench client's rounds 1 and 2 repeat round 0's prompts)
+      cute_env
+      b=${BASE_TREE:-_base} out=$(cd "$OUT" && pwd)
+      LOG=$out/log.txt
+      if [[ ! -d $b/flashlet ]]; then
+        echo "part base-itl-ab needs $b/flashlet (as for base-ab)" | tee -a "$LOG"; status=2; continue
+      fi
+      itl_flags=(-- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 --max-num-pages 16384 \
+                 --tokenizer "$(pwd)/.tok/smollm2")
+      (cd "$b" && run 280 python3 lab/itl_clients.py --requests 64 --rounds 3 --variants default "${itl_flags[@]}")
+      run 280 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess --variants default "${itl_flags[@]}" ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
       cute_env

@@ -8,6 +8,7 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py 1k --config qwen3-0.6b --prompt-len 1000
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py two-launch --prompt-len 30000 --fused-off attn
+    PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py swap --prompt-len 30000 --page-swap
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
 unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run (and its two
@@ -25,9 +26,22 @@ import torch
 
 import flashlet.llm
 from flashlet import LLM, SamplingParams
+from flashlet.kvcache.radix_cache import RadixCache
 from flashlet.runner.fused_decode import FusedParts
 
 COPY_BYTES_PER_S = 4.24e12  # the H200's measured device-to-device copy bandwidth (BENCHMARKS.md)
+
+
+def extend_locked_swapping(self, node, tokens, pages):
+    """RadixCache.extend_locked before e13e412: where the tree holds the continuation already,
+    the caller takes the tree's pages (and frees its own), whoever else holds them."""
+    path, end = self._walk(node, tokens, lock=True)
+    done = len(path) * self.page_size
+    if done < len(tokens):
+        end = self._attach(end, tokens[done:], pages[len(path):])
+        end.lock_ref = 1
+        path += end.pages
+    return end, path
 
 
 def timed_run(llm, prompt) -> tuple[float, float, float]:
@@ -93,7 +107,12 @@ def main() -> None:
     p.add_argument("--fused-off", nargs="+", default=[], choices=("pdl", "rope", "attn"),
                    help="turn these parts of the fused decode path off (the rest as the engine chooses); "
                         "attn: the step backend's own decode attention (two launches) in the fused step")
+    p.add_argument("--page-swap", action="store_true",
+                   help="the prefix cache as before e13e412: a repeat's filled page that the tree holds "
+                        "swapped into the request's table (the tree keeps its own): an A/B's old side")
     args = p.parse_args()
+    if args.page_swap:
+        RadixCache.extend_locked = extend_locked_swapping
     if args.table:
         print_table(line for line in sys.stdin if line.startswith("{"))
         return

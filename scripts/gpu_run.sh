@@ -136,10 +136,11 @@
 #                BASE_AB_TREE_ENV="VAR=value ..." for this tree's side only (e.g.
 #                FLASHLET_DECODE_TABLES=/tmp/lean-sweep-table.json: a change with
 #                the table an earlier call swept for it, against the base with its own)
-#   base-pair-ab one stream through LLM.generate after PAIR_AB_LENS (8000 30000) -token prompts at
-#                PAIR_AB_CONFIG (qwen2.5-0.5b), a fresh process's three calls, in BASE_TREE (default _base/,
-#                made as for base-ab) against this tree, two interleaved pairs: a host-side change
-#                (e.g. a repeat call's page tables) timed against the commit before it (~6 min)
+#   page-swap-ab one stream through LLM.generate after PAIR_AB_LENS (30000) -token prompts at
+#                PAIR_AB_CONFIG (qwen2.5-0.5b), a fresh process's three calls, with a repeated
+#                continuation's pages swapped into the request as before e13e412 (one_stream_pair.py
+#                --page-swap) against the tree (the tree's node takes the request's), PAIR_AB_PAIRS
+#                (1) interleaved pairs (~2 min a pair at 30,000)
 #   base-itl-ab  one stream's token gaps through the server (lab/itl_clients.py, default flags, 3
 #                rounds of 64 requests on each client) in BASE_TREE (as for base-ab) against this tree,
 #                in-process beside once (~5 min): the bench client's rounds 1 and 2 send round 0's prompts
@@ -999,18 +1000,12 @@ for _ in range(480):
            --prompt-len "${LOOP_PROMPT_LEN:-400}" --json "$out/json/base-streams-$side.json")
       done
       ab_table "$out/json/base-none" "$out/json/base-tree" "$out/json/base-streams-"{none,tree}.json ;;
-    base-pair-ab)  # one stream after long prompts in BASE_TREE against this tree, each run's calls
+    page-swap-ab)  # one stream after long prompts: a repeat's pages swapped as before e13e412, against now
       cute_env
-      b=${BASE_TREE:-_base} out=$(cd "$OUT" && pwd)
-      LOG=$out/log.txt
-      if [[ ! -d $b/flashlet ]]; then
-        echo "part base-pair-ab needs $b/flashlet: mkdir $b && git archive BASE flashlet scripts lab | tar x -C $b" \
-          | tee -a "$LOG"; status=2; continue
-      fi
-      for plen in ${PAIR_AB_LENS:-8000 30000}; do
-        for pair in 1 2; do
-          (cd "$b" && run 150 python3 lab/one_stream_pair.py base --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen")
-          run 150 python3 lab/one_stream_pair.py tree --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
+      for plen in ${PAIR_AB_LENS:-30000}; do
+        for pair in $(seq "${PAIR_AB_PAIRS:-1}"); do
+          run 150 python3 lab/one_stream_pair.py swap --page-swap --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
+          run 150 python3 lab/one_stream_pair.py adopt --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
         done
       done
       pair_table ;;

@@ -118,13 +118,20 @@ def test_extend_locked_moves_the_lock_and_takes_the_trees_pages_where_it_has_the
     cache.check_integrity([])
 
 
-def test_extend_locked_splits_a_node_it_shares_only_in_part():
+def three_pages_cached_and_the_first_locked():
+    """A cache holding tokens 1 / 2 / 3 (a page each) and a request holding the first page
+    locked -> (allocator, cache, [that page], [the other two], the first page's node)."""
     alloc = PageAllocator(8)
     cache = RadixCache(alloc, PS)
     root_pages, tail = alloc.allocate(1), alloc.allocate(2)
     cache.insert([1] * 4 + [2] * 4 + [3] * 4, root_pages + tail)
-    pages, node = cache.match_prefix([1] * 4)  # splits after the first page
+    _, node = cache.match_prefix([1] * 4)  # splits after the first page
     cache.lock(node)
+    return alloc, cache, root_pages, tail, node
+
+
+def test_extend_locked_splits_a_node_it_shares_only_in_part():
+    alloc, cache, root_pages, tail, node = three_pages_cached_and_the_first_locked()
     other_pages, other_node = cache.match_prefix([1] * 4 + [2] * 4)  # another request holds
     cache.lock(other_node)  # the shared page (split off its node)
     mine = alloc.allocate(2)
@@ -142,12 +149,7 @@ def test_extend_locked_gives_a_node_no_one_holds_the_callers_pages():
     """The same continuation again, with no other request on it (a repeated prompt decoding
     the tokens an earlier request cached): the tree takes the caller's pages and frees its own,
     so the caller's page table is unchanged; a part the tree does not hold is hung below."""
-    alloc = PageAllocator(8)
-    cache = RadixCache(alloc, PS)
-    root_pages, tail = alloc.allocate(1), alloc.allocate(2)
-    cache.insert([1] * 4 + [2] * 4 + [3] * 4, root_pages + tail)
-    pages, node = cache.match_prefix([1] * 4)  # splits after the first page
-    cache.lock(node)
+    alloc, cache, root_pages, tail, node = three_pages_cached_and_the_first_locked()
     mine = alloc.allocate(2)
     free_before = alloc.free_pages()
     end, path = cache.extend_locked(node, [2] * 4 + [9] * 4, mine)

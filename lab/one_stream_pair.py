@@ -32,16 +32,12 @@ from flashlet.runner.fused_decode import FusedParts
 COPY_BYTES_PER_S = 4.24e12  # the H200's measured device-to-device copy bandwidth (BENCHMARKS.md)
 
 
-def extend_locked_swapping(self, node, tokens, pages):
-    """RadixCache.extend_locked before e13e412: where the tree holds the continuation already,
-    the caller takes the tree's pages (and frees its own), whoever else holds them."""
-    path, end = self._walk(node, tokens, lock=True)
-    done = len(path) * self.page_size
-    if done < len(tokens):
-        end = self._attach(end, tokens[done:], pages[len(path):])
-        end.lock_ref = 1
-        path += end.pages
-    return end, path
+def keep_the_trees_pages() -> None:
+    """The prefix cache as before e13e412: its walks adopt no caller's pages, so where the tree
+    holds a continuation already the caller takes the tree's pages (and frees its own), whoever
+    else holds them."""
+    walk = RadixCache._walk
+    RadixCache._walk = lambda self, node, tokens, lock=False, adopt=None: walk(self, node, tokens, lock)
 
 
 def timed_run(llm, prompt) -> tuple[float, float, float]:
@@ -112,7 +108,7 @@ def main() -> None:
                         "swapped into the request's table (the tree keeps its own): an A/B's old side")
     args = p.parse_args()
     if args.page_swap:
-        RadixCache.extend_locked = extend_locked_swapping
+        keep_the_trees_pages()
     if args.table:
         print_table(line for line in sys.stdin if line.startswith("{"))
         return

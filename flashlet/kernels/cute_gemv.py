@@ -724,6 +724,13 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         while 1 < splits < steps and ctas_a_split * splits < num_sms:  # splitting anyway: every SM a CTA
             splits += 1
     warps, chunks = warps_for(splits)
+    # A CTA's registers hold its weight loads for each of the group's tiles: where they would not
+    # fit (fp8 at 2 rows: 2 warps of 8 K steps for 2 tiles), fewer K steps a warp and more warps.
+    while given_warps is None and chunks > 1 and not _mma_fits(warps, chunks, n_tiles, x_regs, group):
+        more = _mma_warps(math.ceil(steps / splits), ctas_a_split * splits, num_sms, None, chunks // 2)
+        if more[0] > MMA_MAX_WARPS:
+            break
+        warps, chunks = more
     if chunks > max_steps:
         raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {max_steps}")
     if not _mma_fits(warps, chunks, n_tiles, x_regs, group):

@@ -558,18 +558,22 @@ def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
     (1024, 2048, "residual", False, dict(tile_group=2, splits=2)), (1024, 2048, "residual", False, dict(tile_group=4)),
     (1024, 3072, "residual", False, dict(tile_group=4, splits=4)), (6144, 1024, "silu_mul", True, dict(tile_group=2)),
     (896, 4864, "residual", False, dict(tile_group=2, splits=4)), (416, 1184, "bias", False, dict(tile_group=2, splits=3))])
-def test_tile_group_plan_gives_every_tile_and_split_one_cta(n, k, epilogue, norm, knobs):
+@pytest.mark.parametrize("rows, fp8", [(16, False), (2, True), (16, True)])
+def test_tile_group_plan_gives_every_tile_and_split_one_cta(n, k, epilogue, norm, knobs, rows, fp8):
     """CTA b computes tiles G (b // splits) .. + G - 1 over split b % splits of K (the kernel's
-    mapping): each (tile, split) once, every CTA's registers within 255 a thread, the split-K
-    workspace a slot for every (tile, split)."""
-    p = plan_gemv(n, k, epilogue, norm=norm, pdl=True, rows=16, **knobs)
+    mapping): each (tile, split) once, every CTA's registers within 255 a thread (fp8 at 2 rows:
+    more warps of fewer K steps than without the group), the split-K workspace a slot for every
+    (tile, split)."""
+    if fp8 and k % 64:
+        pytest.skip("fp8 K steps are 64 wide")
+    p = plan_gemv(n, k, epilogue, norm=norm, pdl=True, rows=rows, fp8=fp8, mma=True, **knobs)
     g = knobs["tile_group"]
     assert p.mma and p.tile_group == g and not p.loops and f"tg{g}" in p.describe()
     seen = sorted((p.tile_group * (b // p.splits) + j, b % p.splits) for b in range(p.grid) for j in range(g))
     assert seen == [(t, s) for t in range(p.num_tiles) for s in range(p.splits)]
-    assert cute_gemv._mma_fits(p.warps, p.chunks, 2, 4, g)
+    assert cute_gemv._mma_fits(p.warps, p.chunks, -(-rows // 8), 8 if fp8 else 4, g)
     if p.splits > 1:
-        assert cute_gemv._buffer_sizes(p) == (p.num_tiles * p.splits * 2 * 4 * 32, p.num_tiles)
+        assert cute_gemv._buffer_sizes(p) == (p.num_tiles * p.splits * -(-rows // 8) * 4 * 32, p.num_tiles)
 
 
 def test_tile_group_refuses_the_argmax_and_tiles_past_a_threads_registers():

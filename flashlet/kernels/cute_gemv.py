@@ -712,8 +712,9 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         raise ValueError("tile_group > 1 is not combined with a looping grid (ctas_per_sm, the argmax)")
     ctas_a_split = tiles // group  # CTAs a split of K
 
-    def warps_for(n_splits: int) -> tuple[int, int]:  # (warps, K steps a warp) at n_splits CTAs a tile group
-        return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, max_steps)
+    def warps_for(n_splits: int, most_steps: int = max_steps) -> tuple[int, int]:
+        # (warps, K steps a warp, at most most_steps) at n_splits CTAs a tile group
+        return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, most_steps)
 
     if splits is None:
         splits = 1
@@ -727,7 +728,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     # A CTA's registers hold its weight loads for each of the group's tiles: where they would not
     # fit (fp8 at 2 rows: 2 warps of 8 K steps for 2 tiles), fewer K steps a warp and more warps.
     while given_warps is None and chunks > 1 and not _mma_fits(warps, chunks, n_tiles, x_regs, group):
-        more = _mma_warps(math.ceil(steps / splits), ctas_a_split * splits, num_sms, None, chunks // 2)
+        more = warps_for(splits, chunks // 2)
         if more[0] > MMA_MAX_WARPS:
             break
         warps, chunks = more

@@ -1054,18 +1054,6 @@ for _ in range(480):
         closed_loop "$OUT/json/triton-pin-loop-$pair.json" PYTHONPATH="$(with_pin)"
       done
       pair_table ;;
-    x-fence-ab)  # the tensor-core GEMVs' x loads all issued before their first product (MMA_X_FENCE,
-      # the default) against ptxas's own order (FLASHLET_MMA_X_FENCE=0; FUSED_NOTES.md, "Session 63"):
-      # the M-row GEMV tests (X_FENCE_TESTS=0 skips them), then two interleaved closed-loop pairs at
-      # LOOP_CONFIG and N streams through LLM.generate after 400-token prompts, fence on and off
-      cute_env
-      [[ ${X_FENCE_TESTS:-1} == 0 ]] || run 300 $PYTEST tests/kernels/test_cute_gemv.py -k "mma_rows_match and 16"
-      for pair in 1 2; do
-        closed_loop "$OUT/json/x-fence-none-$pair.json"
-        closed_loop "$OUT/json/x-fence-off-$pair.json" FLASHLET_MMA_X_FENCE=0
-      done
-      streams_ab x-fence off FLASHLET_MMA_X_FENCE=0 --config "${LOOP_CONFIG:-qwen2.5-0.5b}" \
-        --paths default --streams 1 4 16 --prompt-len 400 ;;
     attn-pdl-ab)  # does the attention's early start beside the QKV GEMV cost the pin its 4 / 16 rows?
       [[ -n $PIN_TRITON ]] || { echo "part attn-pdl-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
       cute_env

@@ -10,9 +10,8 @@ compiled once on a machine loads in a fraction of a second in every later proces
 
 A file's name is a hash of all that its kernel was compiled from (`kernel_key`): the plan
 (shapes, epilogue, knobs), the GPU's compute capability and SM count, the DSL's version, the
-kernel's source (cute_gemv.py), the DSL's settings in the environment (CUTE_DSL_*) and
-cute_gemv's own compile switches there (CODE_ENV). Nothing else that flashlet varies changes the
-code, so a stale file is never read.
+kernel's source (cute_gemv.py) and the DSL's settings in the environment (CUTE_DSL_*). Nothing
+else that flashlet varies changes the code, so a stale file is never read.
 
 FLASHLET_CUTE_CACHE names the folder (default `$XDG_CACHE_HOME/flashlet/cute`, else
 `~/.cache/flashlet/cute`); `off` turns the cache off. A DSL release without that loader (4.3.5
@@ -34,7 +33,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV = "FLASHLET_CUTE_CACHE"
-CODE_ENV = ("FLASHLET_MMA_X_FENCE",)  # cute_gemv's switches that change a kernel's code (A/Bs)
 _SOURCE = Path(__file__).with_name("cute_gemv.py")  # the kernels: their code is part of every key
 _MODULES: list = []  # the loaded object files' modules: their engines hold the launchers' code
 _WARNED: list = []  # a store failed in this process (warned once; later ones are debug lines)
@@ -59,9 +57,8 @@ def _source_digest() -> str:
 def kernel_key(plan, arch: str, dsl_version: str) -> str:
     """The file name's hash: the plan (a frozen dataclass: its repr lists every field), the GPU
     (arch: compute capability and SM count), the DSL's version, the kernel source, and the DSL's
-    own settings from the environment (CUTE_DSL_ARCH, an opt level...: any CUTE_DSL_* variable)
-    and the kernels' own compile switches there (CODE_ENV: cute_gemv reads them at import)."""
-    dsl_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_") or k in CODE_ENV)
+    own settings from the environment (CUTE_DSL_ARCH, an opt level...: any CUTE_DSL_* variable)."""
+    dsl_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_"))
     text = "\n".join((repr(plan), arch, dsl_version, _source_digest(), repr(dsl_env)))
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 

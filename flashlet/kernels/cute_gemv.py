@@ -80,7 +80,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
-import os
 import time
 
 try:
@@ -102,15 +101,6 @@ MMA_MAX_STEPS = 8  # K steps a warp loads at once: 16 weight loads a lane in fli
 MMA_MAX_WARPS = 32  # a CTA's warps splitting K (1024 threads)
 MMA_ARGMAX_CTAS_PER_SM = 8  # the tensor-core argmax's looping grid (a CTA walks ~9 LM-head tiles)
 MMA_K_FP8 = 64  # fp8's K step: a lane's 16-byte load a row holds 16 e4m3, four m16n8k16 products
-# The tensor-core form issues all of a warp's x loads before its first product (`_x_fence`).
-# Without the fence ptxas (sm_90a) moves most of them down among the products, a K step or two
-# ahead of their use: at Qwen3-0.6B's 16-row O GEMV 4 of a warp's 16 x loads precede its first
-# HMMA, so a CTA's work after the PDL wait waits on four L2 round trips, not one (FUSED_NOTES.md,
-# "Session 63"). $FLASHLET_MMA_X_FENCE=0 compiles the form without it (read at import; an A/B).
-MMA_X_FENCE_ENV = "FLASHLET_MMA_X_FENCE"
-MMA_X_FENCE = os.environ.get(MMA_X_FENCE_ENV, "1")
-if MMA_X_FENCE not in ("0", "1"):
-    raise ValueError(f"{MMA_X_FENCE_ENV}={MMA_X_FENCE!r}: expected 0 or 1")
 # fp8 on the tensor cores widens e4m3 to bf16 with integer ops (`widen_e4m3_word`, exact): each
 # 32-bit word of four codes becomes two bf16 pairs whose values are the codes' times 2^-120; the
 # epilogue multiplies each sum by E4M3_BF16_SCALE before the row's scale.
@@ -1640,30 +1630,13 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
     return rstd
 
 
-def _x_fence(b):
-    """A zero that depends on every x register of b (`_mma_x_fragments`): the accumulators start
-    from it, so ptxas issues all of the warp's x loads before its first product and they fly
-    together (MMA_X_FENCE). It is -0.0 where the registers' XOR is 0, else +0.0: either adds
-    nothing to a product's sum (only an exactly zero sum keeps its sign). The choice is inline
-    PTX: LLVM, told signed zeros do not matter, folds it to 0.0 as IR (and drops the XOR), and
-    ptxas cannot fold a choice between two bit patterns. The XOR is a tree, not a chain."""
-    regs = [r for step in b for r in step]
-    while len(regs) > 1:
-        regs = [regs[i] ^ regs[i + 1] if i + 1 < len(regs) else regs[i] for i in range(0, len(regs), 2)]
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [regs[0].ir_value()],
-        "{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\nselp.f32 $0, 0f80000000, 0f00000000, p;\n}", "=f,r"))
-
-
-def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False, zero=None) -> list:
+def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
     """This warp's sums of one tile over its K steps, c[nt] = its four accumulators (two
-    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end), each chain starting from `zero`
-    (`_x_fence`; None: 0.0). fp8: each step's 16 codes a row widened to eight bf16 pairs
-    (`_widen_e4m3_x16`), four products a step (16 t + 4 p .. + 3, p = 0..3, alternating between
-    the two chains)."""
+    chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end). fp8: each step's 16 codes a row
+    widened to eight bf16 pairs (`_widen_e4m3_x16`), four products a step (16 t + 4 p .. + 3,
+    p = 0..3, alternating between the two chains)."""
     n_tiles = (rows + 7) // 8
-    zero = cutlass.Float32(0.0) if zero is None else zero
-    acc = [[zero] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]
+    acc = [[cutlass.Float32(0.0)] * 4 for _ in range(2 * n_tiles)]  # [nt * 2 + half]
     for s in range(chunks):
         widen = _widen_e4m3_x16 if fp8 else _as_i32x4
         wa = widen(w[2 * s])
@@ -1958,9 +1931,6 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
     b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits, fp8)
-    zero = None
-    if cutlass.const_expr(MMA_X_FENCE == "1"):
-        zero = _x_fence(b)
     pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                kv_heads)
     scl = _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim)
@@ -1982,7 +1952,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
     # L2, no DRAM bytes).
     loops = splits == 1 and tile_group == 1 and grid < num_tiles
-    c = _mma_products(w, b, chunks, rows, fp8, zero)
+    c = _mma_products(w, b, chunks, rows, fp8)
     if cutlass.const_expr(loops):
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                               epilogue, head_dim)
@@ -1993,7 +1963,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         pre = _mma_epilogue_inputs(tile + j, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                    kv_heads)
         scl = _mma_row_scales(mS, tile + j, lane, n_out, epilogue, head_dim)
-        c = _mma_products(w_group[j], b, chunks, rows, fp8, zero)
+        c = _mma_products(w_group[j], b, chunks, rows, fp8)
         best_val, best_idx = _mma_tile(c, tile + j, j, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
                                        mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
                                        epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
@@ -2002,7 +1972,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
             pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                        kv_heads)
             scl = _mma_row_scales(mS, cur, lane, n_out, epilogue, head_dim)
-            c = _mma_products(w, b, chunks, rows, fp8, zero)
+            c = _mma_products(w, b, chunks, rows, fp8)
             w = _mma_load_weights(mW, _next_tile(cur, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                                   epilogue, head_dim)
             best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,

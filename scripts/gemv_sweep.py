@@ -103,7 +103,7 @@ def log(msg: str) -> None:
 
 def mma_variants(name: str) -> list[tuple[str, dict]]:
     """The tensor-core form's knobs (`cute_gemv._plan_mma`): warps (K steps each), a looping
-    grid, splits of K over CTAs (no norm or argmax), a register cap, tiles a CTA sharing one
+    grid, splits of K over CTAs (asked for: no norm or argmax), a register cap, tiles a CTA sharing one
     load of x (tile_group; not with the argmax's looping grid)."""
     norm, epilogue = SHAPES[name][3], SHAPES[name][2]
     out = [(f"warps={w}", dict(warps=w)) for w in (4, 7, 8, 14, 16)]

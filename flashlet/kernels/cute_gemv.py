@@ -165,8 +165,8 @@ def _dsl():
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_tile,
-                   _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
+                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_rstd_all_k,
+                   _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -681,7 +681,8 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     reduces one partial a CTA) with eight CTAs an SM. Where a CTA's warps would not fit
     an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
     CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
-    applies the epilogue (not with the norm or argmax, whose reductions span K or tiles).
+    applies the epilogue (not the argmax, whose reduction spans tiles; the norm splits only where
+    one CTA cannot hold K, each CTA then reading all of x for the rstd its sums are scaled by).
     `tile_group` G > 1 gives a CTA G consecutive tiles (of a split's K where splits > 1): all
     their weight loads are issued before the PDL wait and x's fragments, which cost as many bytes
     as a tile's weights at 16 rows, are read from L2 once for the G tiles (G must divide the
@@ -701,9 +702,8 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         raise ValueError(f"warps must be in [1, {MMA_MAX_WARPS}] for the tensor-core form, got {warps}")
     if splits is not None and (not isinstance(splits, int) or not 1 <= splits <= steps):
         raise ValueError(f"splits must be in [1, K / {mma_k_step(fp8)} = {steps}], got {splits!r}")
-    can_split = not norm and epilogue != "argmax"
-    if (splits or 1) > 1 and not can_split:
-        raise ValueError("splits > 1 (K over CTAs) has no norm or argmax epilogue (their sums span K or tiles)")
+    if (splits or 1) > 1 and epilogue == "argmax":
+        raise ValueError("splits > 1 (K over CTAs) has no argmax epilogue (its reduction spans the tiles)")
     given_warps = warps
     group = 1 if knobs["tile_group"] is None else knobs["tile_group"]
     if not isinstance(group, int) or group < 1 or tiles % group:
@@ -716,6 +716,9 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         # (warps, K steps a warp, at most most_steps) at n_splits CTAs a tile group
         return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, most_steps)
 
+    # The norm splits K only where one CTA's warps cannot hold it (Llama-3.1-8B's K = 4,096 at one
+    # row): each CTA then reads all of x for the rows' sums of squares (`_mma_rstd_all_k`).
+    can_split = epilogue != "argmax" and (not norm or not _mma_fits(*warps_for(1), n_tiles, x_regs, group))
     if splits is None:
         splits = 1
         while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs, group):
@@ -1630,6 +1633,37 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
     return rstd
 
 
+@_deferred.jit
+def _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps):
+    """`_mma_rstd` where K is split over CTAs (splits > 1): each decode row's sum of x^2 over all
+    of K, from x itself (its 16-byte chunks strided over the CTA's threads, the warps' sums met
+    in shared memory), in the same lane layout [nt * 2 + j]. Every CTA of a tile computes the
+    same rstd and scales its partial sums by it (`_mma_tile`), so their sum is the normed one."""
+    lane = tidx % 32
+    warp = tidx // 32
+    t = lane % 4
+    x_chunks = k // VEC
+    for m in cutlass.range_constexpr(rows):
+        ss = cutlass.Float32(0.0)
+        for c in range(tidx, x_chunks, warps * 32):
+            xf = mX[m * x_chunks + c, None].load().to(cutlass.Float32)
+            ss = ss + cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+        ss = cute.arch.warp_reduction_sum(ss)
+        if lane == 0:
+            sSq[warp * MMA_ROWS + m] = ss
+    cute.arch.sync_threads()
+    rstd = []
+    for nt in cutlass.range_constexpr((rows + 7) // 8):
+        for j in cutlass.range_constexpr(2):
+            m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
+            ss = cutlass.Float32(0.0)
+            for wi in cutlass.range_constexpr(warps):
+                ss = ss + sSq[wi * MMA_ROWS + m]
+            rstd.append(cutlass.Float32(cute.math.rsqrt(
+                ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
+    return rstd
+
+
 def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
     """This warp's sums of one tile over its K steps, c[nt] = its four accumulators (two
     chains, K 8t .. 8t+3 and 8t+4 .. 8t+7, added at the end). fp8: each step's 16 codes a row
@@ -1665,7 +1699,7 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
                                            pre, scl)
     elif cutlass.const_expr(warps == 1):
-        _mma_store_split(mPart, c, tile * splits + split, lane, rows)
+        _mma_store_split(mPart, _normed(c, rstd, norm), tile * splits + split, lane, rows)
     else:
         per_warp = n_tiles * 4 * 32
         base = (it % 2) * warps * per_warp
@@ -1688,11 +1722,19 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
                                                    mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
                                                    q_heads, kv_heads, pre, scl)
             else:
-                _mma_store_split(mPart, total, tile * splits + split, lane, rows)
+                _mma_store_split(mPart, _normed(total, rstd, norm), tile * splits + split, lane, rows)
     if cutlass.const_expr(splits > 1):
         _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
                           epilogue, rows, head_dim, q_heads, kv_heads, splits, mS)
     return best_val, best_idx
+
+
+def _normed(c, rstd, norm: bool) -> list:
+    """A split's sums times their decode rows' rstd (with the norm; c as `_mma_products` gives
+    it: c[nt][i] is decode row 8 nt + 2 t + i % 2), before they meet the other splits' sums."""
+    if not norm:
+        return c
+    return [[c[nt][i] * rstd[nt * 2 + i % 2] for i in range(4)] for nt in range(len(c))]
 
 
 def _next_tile(tile, gdim, num_tiles):
@@ -1945,7 +1987,8 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     rstd = []
     if cutlass.const_expr(norm):
         sSq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps * MMA_ROWS), byte_alignment=16)
-        rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
+        if cutlass.const_expr(splits == 1):  # (split: after the products, which do not need it)
+            rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
     # A looping CTA issues its next tile's weight loads right after this tile's products, so
@@ -1953,6 +1996,8 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # L2, no DRAM bytes).
     loops = splits == 1 and tile_group == 1 and grid < num_tiles
     c = _mma_products(w, b, chunks, rows, fp8)
+    if cutlass.const_expr(norm and splits > 1):  # this CTA's K is a part of x's: the sums over all of it
+        rstd = _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps)
     if cutlass.const_expr(loops):
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                               epilogue, head_dim)
@@ -2028,7 +2073,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _mma_load_weights: ("n_out", "chunks", "epilogue", "head_dim"),
                      _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits", "fp8"),
                      _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
-                     _mma_rstd: ("k", "warps", "rows", "eps"),
+                     _mma_rstd: ("k", "warps", "rows", "eps"), _mma_rstd_all_k: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
                                  "kv_heads", "splits"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),

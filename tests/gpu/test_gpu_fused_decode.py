@@ -26,6 +26,7 @@ fp32 references with poisoned outputs in tests/kernels/test_cute_gemv.py.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -607,6 +608,27 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
     engine = check_against_reference_teacher_forced(source, prompts(batch, vocab), max(12, -(-96 // batch)),
                                                     max_num_seqs=batch, fused=None)
     assert engine.runner.fused is not None and not engine.runner.fused.declined_rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 2, 16])
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "llama-3.1-8b"])
+def test_fused_batches_at_the_large_shapes_on_the_tensor_cores(monkeypatch, tmp_path, preset, batch):
+    """The 7B- and 8B-class widths, where the one-row CUDA-core GEMVs collapse and auto runs
+    per-op: with the shape in BF16_ONE_ROW_MMA_SHAPES (one bf16 row on the tensor cores; at the
+    8B's K = 4,096 the normed GEMVs split K, each CTA reading all of x for its rstd), teacher-forced
+    against the per-op path by the rule above. Two layers at the preset's widths keep the four
+    engines small: the GEMVs, the attention shape and the LM head are the preset's."""
+    cfg = dict(preset_config(preset), num_hidden_layers=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", {(cfg["hidden_size"], cfg["intermediate_size"])})
+    source = dict(config=str(path), max_model_len=2048)
+    engine = check_against_reference_teacher_forced(source, prompts(batch, cfg["vocab_size"]), max(12, -(-96 // batch)),
+                                                    max_num_seqs=batch, fused=None)
+    fused = engine.runner.fused
+    assert fused is not None and fused.bf16_one_row_mma and not fused.declined_rows
 
 
 @pytest.mark.slow

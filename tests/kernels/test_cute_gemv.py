@@ -467,6 +467,27 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
     assert int(counts["STORE"]) >= 1 and int(counts["FMA"]) < rows * p.loads_in_flight_per_lane * VEC
 
 
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("n, k, epilogue", [(6144, 4096, "none"), (28672, 4096, "silu_mul")])
+def test_the_norm_with_k_split_reads_all_of_x_for_its_rstd(tmp_path, n, k, epilogue, rows):
+    """Llama-3.1-8B's normed GEMVs on the tensor cores (one row asked for, or 16): K over CTAs,
+    each CTA's products and fragment loads as an unsplit CTA's of its K, one more 16-byte load of
+    x a decode row (the sums of squares over all of K, in a loop), the rsqrt, the split's counter;
+    no stack frame."""
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, 1, 0, 1, {"mma": True}, rows)
+    p = plan_gemv(n, k, epilogue, pdl=True, norm=True, rows=rows, mma=True)
+    assert p.splits > 1 and not p.loops
+    n_tiles = -(-rows // 8)
+    assert int(counts["MMA"]) == p.chunks * 2 * n_tiles
+    x_and_g = p.chunks * (n_tiles + 1)
+    assert int(counts["W128"]) + int(counts["W128U"]) == p.loads_in_flight_per_lane + x_and_g + rows
+    assert int(counts["RSQRT"]) > 0 and int(counts["ATOM"]) > 0
+    assert int(counts["STACK"]) <= 0 and int(counts["LOCAL"]) == 0
+
+
 # tile_group: G weight tiles a CTA against one load of x, at Qwen3-0.6B's 16-row shapes (O, down,
 # gate+up with the norm, QKV with RoPE), unsplit and with K over CTAs.
 TILE_GROUP_LOWERING = [(1024, 2048, "residual", 0, dict(tile_group=2, splits=2)),
@@ -543,8 +564,8 @@ def test_mma_plan_covers_every_output_and_k_step_once():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(k=200), "multiple of 32"), (dict(fp8=True, k=928), "multiple of 64"),
     (dict(outs_per_group=2), "outs_per_group"), (dict(staged=True), "staged"), (dict(warps=33), "warps"),
-    (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True), "registers"),
-    (dict(splits=2, norm=True), "norm"), (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
+    (dict(k=4864, warps=19, splits=1), "registers"), (dict(k=4864, norm=True, splits=1), "registers"),
+    (dict(splits=29), "splits"), (dict(splits=2, ctas_per_sm=1), "ctas_per_sm"),
     (dict(tile_group=3), "dividing the 56 tiles"), (dict(tile_group=0), "tile_group"),
     (dict(tile_group=2, ctas_per_sm=1), "looping grid"),
 ])
@@ -552,6 +573,28 @@ def test_mma_plan_refuses_what_it_cannot_do(kwargs, match):
     kwargs = dict(dict(n_rows=896, k=896, rows=4), **kwargs)
     with pytest.raises(ValueError, match=match):
         plan_gemv(kwargs.pop("n_rows"), kwargs.pop("k"), "residual", mma=True, **kwargs)
+
+
+def test_mma_argmax_does_not_split_k():
+    with pytest.raises(ValueError, match="argmax"):
+        plan_gemv(151936, 896, "argmax", norm=True, rows=4, mma=True, splits=2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_the_norm_splits_k_only_where_one_cta_cannot_hold_it(rows):
+    """A normed tensor-core GEMV keeps K in one CTA where its warps fit (the fused presets'
+    shapes: plans as before), and splits it where they do not (Llama-3.1-8B's K = 4,096 and
+    Qwen2.5-14B's 5,120: before, the planner raised), every split's CTA then reading all of x."""
+    for n, k, epilogue in ((1152, 896, "bias"), (9728, 896, "silu_mul"), (4096, 1024, "none"),
+                           (12288, 2048, "silu_mul")):
+        p = plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True)
+        assert p.splits == 1, (n, k, rows, p.describe())
+    for n, k, epilogue in ((6144, 4096, "none"), (28672, 4096, "silu_mul"), (7168, 5120, "bias")):
+        p = plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True)
+        assert p.splits > 1 and p.grid == p.num_tiles * p.splits, (n, k, rows, p.describe())
+        assert cute_gemv._mma_fits(p.warps, p.chunks, -(-rows // 8))
+        with pytest.raises(ValueError, match="registers"):
+            plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True, splits=1)
 
 
 @pytest.mark.parametrize("n, k, epilogue, norm, knobs", [
@@ -580,7 +623,7 @@ def test_tile_group_refuses_the_argmax_and_tiles_past_a_threads_registers():
     with pytest.raises(ValueError, match="looping grid"):
         plan_gemv(151936, 896, "argmax", norm=True, rows=16, tile_group=2)
     with pytest.raises(ValueError, match="255 a thread .* tile_group"):  # three tiles of 8 K steps a warp
-        plan_gemv(6144, 1024, "silu_mul", norm=True, rows=16, tile_group=3, warps=4)
+        plan_gemv(6144, 1024, "silu_mul", norm=True, rows=16, tile_group=3, warps=4, splits=1)
 
 
 def test_one_bf16_row_takes_the_tensor_core_form_only_where_asked(monkeypatch):
@@ -606,7 +649,8 @@ def test_mma_is_the_default_for_rows_where_it_plans():
     assert not plan_gemv(136, 200, "silu_mul", rows=4).mma                   # K not a multiple of 32
     down = plan_gemv(896, 4864, "residual", rows=4)                          # 19 warps would not fit an SM:
     assert down.mma and down.splits == 3 and down.grid == 3 * 56             # K over three CTAs a tile
-    assert not plan_gemv(896, 4864, "none", rows=4, norm=True).mma           # (no split under the norm)
+    normed = plan_gemv(896, 4864, "none", rows=4, norm=True)                 # under the norm too, each
+    assert normed.mma and normed.splits == 3                                 # split reading all of x
     with pytest.raises(ValueError, match="tensor-core"):
         plan_gemv(896, 4864, "residual", rows=4, mma=False, splits=2)
     with pytest.raises(ValueError, match="tile_group .* tensor-core"):
@@ -1170,12 +1214,17 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (256, 1184, "bias", True, False, {}), (200, 1184, "bias", False, False, dict(splits=3)),
                  (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
                  (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
-                 (256, 8960, "residual", False, True, {})]  # Qwen2.5-1.5B's down K: split over 9 CTAs
+                 (256, 8960, "residual", False, True, {}),  # Qwen2.5-1.5B's down K: split over 9 CTAs
+                 # the norm with K over CTAs (each reads all of x for its rstd): Llama-3.1-8B's K,
+                 # where one CTA cannot hold it, and a short K split as asked
+                 (256, 4096, "silu_mul", True, True, {}), (192, 4096, "bias", True, False, {}),
+                 (136, 1184, "none", True, True, dict(splits=3))]
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES[:6] + [(4608, 3584, "bias", True, True, {})])
+@pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES[:6] + [(4608, 3584, "bias", True, True, {}),
+                                                                                (6144, 4096, "none", True, True, {})])
 def test_mma_one_row_asked_for_matches_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs):
     """One bf16 row on the tensor cores (mma=True: one real column of the 8-row tile), at the
     fused path's 0.5B shapes and the 7B's QKV, before any engine takes it."""

@@ -377,7 +377,8 @@ def test_gemv_sweep_refuses_fp8_with_registers():
 def test_gemv_sweep_takes_a_presets_shapes_and_the_tensor_core_knobs(monkeypatch):
     """--config: the sweep's shapes are the fused path's GEMVs of that preset (the 7B's as
     fused_decode builds them); --mma: every variant it times is a distinct tensor-core plan, its
-    splits only where the epilogue allows them (O and down, not the norm-folded QKV / gate+up)."""
+    splits where the epilogue allows them (O and down; the norm-folded QKV / gate+up only where one CTA
+    cannot hold K)."""
     scripts = Path(__file__).resolve().parents[2] / "scripts"
     monkeypatch.syspath_prepend(str(scripts))
     import gemv_sweep
@@ -395,7 +396,8 @@ def test_gemv_sweep_takes_a_presets_shapes_and_the_tensor_core_knobs(monkeypatch
                  for _, knobs in found]
         assert found[0][0] == "default" and len(found) >= 4 and len(set(plans)) == len(plans)
         assert all(p.mma and p.fp8 for p in plans)
-        assert any(p.splits > 1 for p in plans) == (not norm), name
+        if not norm:  # (under the norm only a plan whose K one CTA cannot hold splits)
+            assert any(p.splits > 1 for p in plans), name
 
 
 def test_gemv_sweep_refuses_mma_for_bf16_rows_past_one():

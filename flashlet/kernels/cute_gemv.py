@@ -166,7 +166,7 @@ def _dsl():
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_rstd_all_k,
-                   _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
+                   _lane_rows_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -1620,9 +1620,17 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
         ss = cute.arch.warp_reduction_sum(ss, threads_in_group=4)
         if t == 0:
             sSq[warp * MMA_ROWS + nt * 8 + g] = ss
+    return _lane_rows_rstd(sSq, lane, k, warps, rows, eps)
+
+
+@_deferred.jit
+def _lane_rows_rstd(sSq, lane, k, warps, rows, eps):
+    """After each warp's sums of x^2 a decode row reach sSq[warp * MMA_ROWS + m]: the rstd of
+    this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]."""
+    t = lane % 4
     cute.arch.sync_threads()
     rstd = []
-    for nt in cutlass.range_constexpr(n_tiles):
+    for nt in cutlass.range_constexpr((rows + 7) // 8):
         for j in cutlass.range_constexpr(2):
             m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
             ss = cutlass.Float32(0.0)
@@ -1641,7 +1649,6 @@ def _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps):
     same rstd and scales its partial sums by it (`_mma_tile`), so their sum is the normed one."""
     lane = tidx % 32
     warp = tidx // 32
-    t = lane % 4
     x_chunks = k // VEC
     for m in cutlass.range_constexpr(rows):
         ss = cutlass.Float32(0.0)
@@ -1651,17 +1658,7 @@ def _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps):
         ss = cute.arch.warp_reduction_sum(ss)
         if lane == 0:
             sSq[warp * MMA_ROWS + m] = ss
-    cute.arch.sync_threads()
-    rstd = []
-    for nt in cutlass.range_constexpr((rows + 7) // 8):
-        for j in cutlass.range_constexpr(2):
-            m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
-            ss = cutlass.Float32(0.0)
-            for wi in cutlass.range_constexpr(warps):
-                ss = ss + sSq[wi * MMA_ROWS + m]
-            rstd.append(cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
-    return rstd
+    return _lane_rows_rstd(sSq, lane, k, warps, rows, eps)
 
 
 def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
@@ -2074,6 +2071,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits", "fp8"),
                      _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
                      _mma_rstd: ("k", "warps", "rows", "eps"), _mma_rstd_all_k: ("k", "warps", "rows", "eps"),
+                     _lane_rows_rstd: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
                                  "kv_heads", "splits"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),

@@ -42,7 +42,9 @@ is Qwen2.5-0.5B's), e.g. the 7B fp8 step's GEMVs, applied at once through FLASHL
 
 --registers needs no GPU: every variant is traced for sm_90a (CUTE_DSL_ARCH=sm_90a is set
 here), its cubin read with cuobjdump -res-usage and -sass: registers, local memory (spills),
-16-byte loads.
+16-byte loads, and for the tensor-core form how many of the loads after the PDL wait ptxas issues
+before the first product (cuobjdump: the CUDA toolkit's, or the one in Triton's wheel at
+triton/backends/nvidia/bin).
 """
 
 from __future__ import annotations
@@ -487,7 +489,25 @@ def cubin_stats(cuobjdump: str, cubin_dir: str) -> dict:
     stats["spill_ops"] = len(re.findall(r"\b(LDL|STL)\b", sass))
     stats["ldg128"] = sass.count("LDG.E.128")
     stats["ldgsts"] = sass.count("LDGSTS")
+    stats["x_first"] = loads_before_first_product(sass)
     return stats
+
+
+def loads_before_first_product(sass: str) -> str:
+    """'issued / all' of the 16-byte loads after the PDL wait (ACQBULK) that ptxas issues before
+    the first tensor-core product (HMMA), '-' without both: how many of x's fragment loads fly
+    together after the wait (at Qwen3-0.6B's 16-row O 4 of 16; FUSED_NOTES.md, "Session 63")."""
+    lines = sass.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
+    if wait is None:
+        return "-"
+    after = lines[wait + 1:]
+    first = next((i for i, line in enumerate(after) if "HMMA" in line), None)
+    if first is None:
+        return "-"
+    def count(part):
+        return sum("LDG.E.128" in line for line in part)
+    return f"{count(after[:first])} / {count(after)}"
 
 
 def trace_one(name: str, pdl: bool, index: int, rows: int = 1) -> None:
@@ -526,7 +546,7 @@ def run_registers(args) -> int:
                 rows.append(row)
                 log(f"| {name} | {'on' if pdl else 'off'} | {label} | {plan} | {stats.get('regs', '?')} | "
                     f"{stats.get('stack', '?')} | {stats.get('spill_ops', '?')} | {stats.get('ldg128', '?')} | "
-                    f"{stats.get('ldgsts', '?')} |")
+                    f"{stats.get('ldgsts', '?')} | {stats.get('x_first', '?')} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -566,8 +586,9 @@ def main() -> int:
     if args.registers and args.fp8:
         ap.error("--fp8 sweeps on the GPU only: --registers traces the bf16 variants")
     if args.registers:
-        log("| shape | pdl | variant | plan | registers | stack bytes | LDL/STL | LDG.128 | LDGSTS |")
-        log("|---|---|---|---|---:|---:|---:|---:|---:|")
+        log("| shape | pdl | variant | plan | registers | stack bytes | LDL/STL | LDG.128 | LDGSTS | "
+            "loads after the wait before the first HMMA |")
+        log("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
         return run_registers(args)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure (--registers runs on the CPU)")

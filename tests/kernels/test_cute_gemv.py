@@ -934,6 +934,33 @@ def test_tuned_plans_load_from_a_sweep_file(tmp_path, monkeypatch):
 
 
 
+# Qwen3-0.6B's 16-row O GEMV as ptxas scheduled it (sm_90a, CuTe DSL 4.8.1 on the CPU; cuobjdump
+# -sass, cut down): two of the x loads issued after the first products.
+O_16_SASS = """
+        /*0240*/                   LDG.E.128 R16, desc[UR6][R34.64+0x1c0] ;
+        /*0250*/                   ACQBULK ;
+        /*0260*/                   LDG.E.128 R52, desc[UR6][R52.64] ;
+        /*0290*/                   LDG.E.128 R48, desc[UR6][R48.64] ;
+        /*0380*/                   HMMA.16816.F32.BF16 R80, R76, R52, RZ ;
+        /*03a0*/                   HMMA.16816.F32.BF16 R80, R60, R48, R80 ;
+        /*04c0*/                   LDG.E.128 R52, desc[UR6][R52.64] ;
+        /*0500*/                   LDG.E.128 R60, desc[UR6][R60.64] ;
+        /*0650*/                   HMMA.16816.F32.BF16 R80, R88, R52, R80 ;
+        /*0f60*/                   LDG.E.U16 R51, desc[UR6][R4.64] ;
+"""
+
+
+def test_the_sweep_counts_the_loads_ptxas_issues_before_the_first_product(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import gemv_sweep
+
+    assert gemv_sweep.loads_before_first_product(O_16_SASS) == "2 / 4"  # the wait's loads, not the weights'
+    assert gemv_sweep.loads_before_first_product(O_16_SASS.replace("HMMA", "FFMA")) == "-"  # CUDA cores
+    assert gemv_sweep.loads_before_first_product(O_16_SASS.replace("ACQBULK", "NOP")) == "-"  # no PDL wait
+
+
 def test_the_m_row_sweep_tries_both_forms_knobs(monkeypatch):
     """gemv_sweep --rows M (bf16): the tensor-core form, M rows' default, with its own knobs
     (splits of K where the epilogue allows them) beside the CUDA-core form's (staged, R): every

@@ -505,9 +505,8 @@ def loads_before_first_product(sass: str) -> str:
     first = next((i for i, line in enumerate(after) if "HMMA" in line), None)
     if first is None:
         return "-"
-    def count(part):
-        return sum("LDG.E.128" in line for line in part)
-    return f"{count(after[:first])} / {count(after)}"
+    loads = [i for i, line in enumerate(after) if "LDG.E.128" in line]
+    return f"{sum(i < first for i in loads)} / {len(loads)}"
 
 
 def trace_one(name: str, pdl: bool, index: int, rows: int = 1) -> None:

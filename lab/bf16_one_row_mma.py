@@ -4,13 +4,15 @@ it (a measurement, not a default: the set is filled once this beats per-op).
 
     python3 lab/bf16_one_row_mma.py --config qwen2.5-7b --dtype bfloat16 --quiet --workload single \\
         --max-num-pages 8192            # any flashlet.bench arguments; --config names the shape
+    python3 lab/bf16_one_row_mma.py pair mma --config qwen2.5-7b --prompt-len 1000
+                                        # `pair`: lab/one_stream_pair.py's arguments instead
+                                        # (one stream through LLM.generate, a fresh process)
 """
 
 from __future__ import annotations
 
 import sys
 
-from flashlet.bench.cli import main
 from flashlet.models.model import ModelConfig
 from flashlet.models.weights import preset_config
 from flashlet.runner import fused_decode
@@ -27,5 +29,15 @@ def add_shape(argv: list[str]) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(sys.argv[1:])}", file=sys.stderr)
-    sys.exit(main(sys.argv[1:]))
+    args = sys.argv[1:]
+    print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(args)}", file=sys.stderr)
+    if args[:1] == ["pair"]:
+        sys.path.insert(0, "lab")
+        import one_stream_pair
+
+        sys.argv = ["one_stream_pair.py", *args[1:]]
+        one_stream_pair.main()
+    else:
+        from flashlet.bench.cli import main
+
+        sys.exit(main(args))

@@ -960,7 +960,7 @@ for _ in range(480):
     lean-sweep)  # the one-row sweep with the lean merge on: more, shorter splits may win now
       export FLASHLET_LEAN_MERGE=1
       cute_env
-      sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows ${LEAN_SWEEP_ROWS:-1} --budget-s 240
+      sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows ${LEAN_SWEEP_ROWS:-1} --budget-s ${LEAN_SWEEP_BUDGET:-240}
       unset FLASHLET_LEAN_MERGE ;;
     cached-prompt)  # a 1-token call on a cached prompt as it grows: wall clock, device kernels
       cute_env

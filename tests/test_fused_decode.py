@@ -142,8 +142,9 @@ def test_wide_lm_head_runs_the_norm_and_a_matmul(tiny_model, reference_kernels, 
 def test_a_bf16_shape_on_one_row_tensor_cores_is_wired_and_taken_by_auto(tiny_model, bf16_model, reference_kernels,
                                                                         monkeypatch):
     """A bf16 shape in BF16_ONE_ROW_MMA_SHAPES: its one-row GEMVs are planned on the tensor cores
-    (its M-row ones are already), the tokens stay the model's, and auto no longer declines it for
-    its norm-folded chunks (MAX_NORM_CHUNKS lowered here below the tiny model's)."""
+    (its M-row ones are already), the tokens stay the model's, the path serves up to
+    SERVED_ROWS_BF16_LARGE rows there, and auto no longer declines it for its norm-folded chunks
+    (MAX_NORM_CHUNKS lowered here below the tiny model's)."""
     want, _ = generate(tiny_model, False, PROMPTS)
     model = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=1)).model
     shape = (model.config.hidden_size, model.layers[0].down_proj.weight.shape[1])
@@ -153,6 +154,10 @@ def test_a_bf16_shape_on_one_row_tensor_cores_is_wired_and_taken_by_auto(tiny_mo
     gemvs = engine.runner.fused.gemvs[1]
     assert all(g.plan.mma for g in (gemvs.qkv, gemvs.o, gemvs.gate_up, gemvs.down))
     assert not gemvs.lm_argmax.plan.mma  # the head keeps its own plan
+    # Its steps of more rows than SERVED_ROWS_BF16_LARGE run per-op (cuBLAS beat the 16-row GEMVs)
+    many = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=16, fused_decode=True))
+    assert many.runner.fused.row_counts == [1, 2, 4] == [r for r in [1, 2, 4, 8, 16]
+                                                         if r <= fused_decode.SERVED_ROWS_BF16_LARGE]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
     bf16_shape = (bf16_model.config.hidden_size, bf16_model.layers[0].down_proj.weight.shape[1])

@@ -128,6 +128,13 @@ SERVED_ROWS = 16
 # 16-row steps measured slower than per-op (the first line above); their tensor-core form
 # (`fp8_tensor_cores`) serves SERVED_ROWS.
 SERVED_ROWS_FP8 = 4
+# bf16 shapes in BF16_ONE_ROW_MMA_SHAPES (7B-class widths, where per-op's cuBLAS is the
+# alternative at every row count): the most rows a fused step serves there. Qwen2.5-7B on an
+# H100 (session 64, 2026-12-07, `gpu_run.sh bf16-mma-ab`, the closed loop of 32 requests, per-op
+# against the fused path up to 16 rows): c = 1 171 -> 182 tok/s, c = 4 647 -> 670, c = 16 2,209
+# -> 1,070 (ITL 6.14 -> 13.8 ms: the 16-row M-row GEMVs' layer chain 467 us alone against 169 at 4
+# rows, `gemv_sweep.py --config qwen2.5-7b --rows 16`). 8 rows not measured: per-op from 5 up.
+SERVED_ROWS_BF16_LARGE = 4
 
 # Fused steps whose RoPE is not in the QKV epilogue (Qwen3's, whose per-head norms keep it out)
 # normalise and rotate q and each row's newest k, and write its K/V row, inside the one-launch
@@ -327,10 +334,16 @@ class Gemvs:
 
 
 def served_row_counts(padded_sizes: Sequence[int], model, fp8_mma: bool | None = False) -> list[int]:
-    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS, or
+    """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS;
     SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores` of
-    fp8_mma), and no more than the kernel takes): a step padded to any other runs per-op."""
-    served = SERVED_ROWS_FP8 if is_quantized(model) and not fp8_tensor_cores(model, fp8_mma) else SERVED_ROWS
+    fp8_mma); SERVED_ROWS_BF16_LARGE at a bf16 shape of BF16_ONE_ROW_MMA_SHAPES; and no more than
+    the kernel takes): a step padded to any other runs per-op."""
+    if is_quantized(model) and not fp8_tensor_cores(model, fp8_mma):
+        served = SERVED_ROWS_FP8
+    elif bf16_one_row_tensor_cores(model):
+        served = SERVED_ROWS_BF16_LARGE
+    else:
+        served = SERVED_ROWS
     return [s for s in padded_sizes if s <= min(served, gemv_row_limit())]
 
 

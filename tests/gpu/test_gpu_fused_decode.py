@@ -622,7 +622,7 @@ def test_fused_batches_at_the_large_shapes_on_the_tensor_cores(monkeypatch, tmp_
     cfg = dict(preset_config(preset), num_hidden_layers=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    monkeypatch.setattr(fused_decode, "SERVED_ROWS", fused_decode.MAX_ROWS)
+    monkeypatch.setattr(fused_decode, "SERVED_ROWS_BF16_LARGE", fused_decode.MAX_ROWS)  # 16 rows too
     monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", {(cfg["hidden_size"], cfg["intermediate_size"])})
     source = dict(config=str(path), max_model_len=2048)
     engine = check_against_reference_teacher_forced(source, prompts(batch, cfg["vocab_size"]), max(12, -(-96 // batch)),

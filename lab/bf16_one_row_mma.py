@@ -1,6 +1,7 @@
 """The harness with one preset's bf16 shape added to `fused_decode.BF16_ONE_ROW_MMA_SHAPES`: its
-one-row GEMVs on the tensor cores, and auto taking the fused path there, before the set holds
-it (a measurement, not a default: the set is filled once this beats per-op).
+one-row GEMVs on the tensor cores, and auto taking the fused path there for up to
+SERVED_ROWS_BF16_LARGE rows, before the set holds it (a measurement, not a default: a shape joins
+the set once this beats per-op; the 7B's has, session 64).
 
     python3 lab/bf16_one_row_mma.py --config qwen2.5-7b --dtype bfloat16 --quiet --workload single \\
         --max-num-pages 8192            # any flashlet.bench arguments; --config names the shape

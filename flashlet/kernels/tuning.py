@@ -223,6 +223,14 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     (128, 6, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 8): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=32, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
     (128, 6, 16): OneLaunchConfig(block_n=64, num_warps=4, num_stages=3, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # Qwen2.5-7B's 1 and 4 rows, once the fused path serves its shape (fused_decode.
+    # BF16_ONE_ROW_MMA_SHAPES; H100, 2026-12-07, session 64, `LEAN_SWEEP_MODELS=qwen2.5-7b
+    # LEAN_SWEEP_ROWS="1 4" lean-sweep`, lab/tables/one-launch-qwen2.5-7b-2026-12-07.json): alone
+    # at 1,000 tokens 12.85 / 16.13 us a layer against the derived config's 17.45 / 18.43; one
+    # stream through LLM.generate after 1,000 tokens 178.9 -> 183.5 tok/s (+2.6%). The sweep's
+    # long entry stays out (not timed in the engine).
+    (128, 7, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
+    (128, 7, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=256, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
 # more than ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:

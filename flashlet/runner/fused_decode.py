@@ -199,10 +199,15 @@ def fp8_tensor_cores(model, asked: bool | None) -> bool:
 
 # bf16 models (hidden size, intermediate size) whose one-row GEMVs take the tensor-core form
 # (cute_gemv's mma=True at one row: one real column of its 8-row tile), where the one-row
-# CUDA-core GEMVs collapse past MAX_NORM_CHUNKS; auto then takes the fused path at that shape.
-# Empty until measured: `gpu_run.sh gemv-bf16-mma` (the GEMVs alone), then one stream at the 7B
-# shape with (3584, 18944) added here against per-op's 216 tok/s.
-BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = set()
+# CUDA-core GEMVs collapse past MAX_NORM_CHUNKS; auto then takes the fused path at that shape for
+# steps of up to SERVED_ROWS_BF16_LARGE rows. Qwen2.5-7B (3,584, 18,944), on an H100 (session 64,
+# 2026-12-07, `gpu_run.sh bf16-mma-ab` and its one-launch entries (128, 7, *), per-op (the
+# default before) against the fused path): one stream through LLM.generate after a cached
+# 1,000-token prompt 172.3 -> 183.5 tok/s (+6.5%); the closed loop of 32 requests c = 1 / 4 / 16
+# 173 / 648 / 2,218 -> 185 / 680 / 2,216. Llama-3.1-8B (4,096, 14,336) and Qwen2.5-14B (5,120,
+# 13,824), where the normed GEMVs split K, lost at one row (161.3 -> 152.3 and 89.0 -> 75.6):
+# per-op's.
+BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = {(3584, 18944)}
 
 
 def bf16_one_row_tensor_cores(model) -> bool:

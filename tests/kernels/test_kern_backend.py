@@ -173,14 +173,16 @@ def test_split_scratch_is_sized_for_every_batch(kh):
 def test_one_launch_blocks_hold_a_whole_split_at_small_head_dims(kh, head_dim):
     """At head_dim <= 64 a block is the whole smallest split (all of it loaded before the PDL
     wait), on 8 warps; at 128 the decode config's blocks stay (a 128-key block spills); a fixed
-    decode_block_n wins over both. test_kern_decode lowers these tiles for sm_90a."""
+    decode_block_n wins over both. test_kern_decode lowers these tiles for sm_90a. Group 5: no
+    ONE_LAUNCH_TABLE entry at either head_dim, so the derived config runs."""
     pool = _pool(kh, pages=256, head_dim=head_dim)
-    cfg, _ = TritonBackend(pool, 14, num_sms=132).one_launch_config(1)
+    assert not [key for key in tuning.ONE_LAUNCH_TABLE if key[1] == 5]
+    cfg, _ = TritonBackend(pool, 10, num_sms=132).one_launch_config(1)
     if head_dim == 64:
         assert (cfg.block_n, cfg.num_warps) == (cfg.min_split_tokens, 8) == (256, 8)
     else:
         assert (cfg.block_n, cfg.num_warps) == (32, 4)
-    fixed, _ = TritonBackend(pool, 14, num_sms=132, decode_block_n=16).one_launch_config(1)
+    fixed, _ = TritonBackend(pool, 10, num_sms=132, decode_block_n=16).one_launch_config(1)
     assert fixed.block_n == 16
 
 

@@ -165,7 +165,7 @@ def _dsl():
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_rstd_all_k,
+                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_store_sq,
                    _lane_rows_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
@@ -682,7 +682,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     an SM's registers (a long K: down at K = 4864), `splits` CTAs share a tile's K (one tile a
     CTA, every SM busy); they add their fp32 sums through a workspace and the last to finish
     applies the epilogue (not the argmax, whose reduction spans tiles; the norm splits only where
-    one CTA cannot hold K, each CTA then reading all of x for the rstd its sums are scaled by).
+    one CTA cannot hold K, each CTA then storing its K's sums of x^2 for the last one's rstd).
     `tile_group` G > 1 gives a CTA G consecutive tiles (of a split's K where splits > 1): all
     their weight loads are issued before the PDL wait and x's fragments, which cost as many bytes
     as a tile's weights at 16 rows, are read from L2 once for the G tiles (G must divide the
@@ -717,7 +717,7 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, most_steps)
 
     # The norm splits K only where one CTA's warps cannot hold it (Llama-3.1-8B's K = 4,096 at one
-    # row): each CTA then reads all of x for the rows' sums of squares (`_mma_rstd_all_k`).
+    # row): each CTA then stores its K's sums of squares for the tile's last CTA (`_mma_store_sq`).
     can_split = epilogue != "argmax" and (not norm or not _mma_fits(*warps_for(1), n_tiles, x_regs, group))
     if splits is None:
         splits = 1
@@ -1642,23 +1642,34 @@ def _lane_rows_rstd(sSq, lane, k, warps, rows, eps):
 
 
 @_deferred.jit
-def _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps):
-    """`_mma_rstd` where K is split over CTAs (splits > 1): each decode row's sum of x^2 over all
-    of K, from x itself (its 16-byte chunks strided over the CTA's threads, the warps' sums met
-    in shared memory), in the same lane layout [nt * 2 + j]. Every CTA of a tile computes the
-    same rstd and scales its partial sums by it (`_mma_tile`), so their sum is the normed one."""
-    lane = tidx % 32
-    warp = tidx // 32
-    x_chunks = k // VEC
-    for m in cutlass.range_constexpr(rows):
-        ss = cutlass.Float32(0.0)
-        for c in range(tidx, x_chunks, warps * 32):
-            xf = mX[m * x_chunks + c, None].load().to(cutlass.Float32)
-            ss = ss + cutlass.Float32((xf * xf).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
-        ss = cute.arch.warp_reduction_sum(ss)
-        if lane == 0:
-            sSq[warp * MMA_ROWS + m] = ss
-    return _lane_rows_rstd(sSq, lane, k, warps, rows, eps)
+def _mma_store_sq(sq, sSq, mPart, tile, split, warp, lane, warps, rows, splits, tile_group, sq_at):
+    """`_mma_rstd` where K is split over CTAs (splits > 1): this CTA's sums of x^2 over its part of
+    K, a decode row each (the warps' sums met in shared memory), stored by warp 0's lane m < rows
+    at sq_at + part x MMA_ROWS + m for each of its tiles' parts (part = tile x splits + split; a
+    tile group's G tiles share them). The tile's last CTA adds the splits' sums for the rstd and
+    scales the tile's sums once (`_mma_finish_split`): no CTA reads x beyond its own K. Warp 0's
+    fence after its partial sums (`_mma_store_split`) covers these stores too."""
+    g = lane // 4
+    t = lane % 4
+    for nt in cutlass.range_constexpr((rows + 7) // 8):
+        ss = cutlass.Float32(sq[nt].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
+        ss = cute.arch.warp_reduction_sum(ss, threads_in_group=4)
+        if t == 0:
+            sSq[warp * MMA_ROWS + nt * 8 + g] = ss
+    cute.arch.sync_threads()
+    if warp == 0:
+        if lane < rows:
+            total = cutlass.Float32(0.0)
+            for wi in cutlass.range_constexpr(warps):
+                total = total + sSq[wi * MMA_ROWS + lane]
+            for j in cutlass.range_constexpr(tile_group):
+                mPart[sq_at + ((tile + j) * splits + split) * MMA_ROWS + lane] = total
+
+
+def _split_sq_at(num_tiles: int, splits: int, rows: int) -> int:
+    """Where a split plan's workspace keeps the CTAs' sums of x^2 (`_mma_store_sq`, with the
+    norm): after the partial sums' num_tiles x splits parts of n-tiles x 4 x 32 slots."""
+    return num_tiles * splits * ((rows + 7) // 8) * 4 * 32
 
 
 def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
@@ -1682,12 +1693,13 @@ def _mma_products(w, b, chunks: int, rows: int, fp8: bool = False) -> list:
 @_deferred.jit
 def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot, mKC, mVC,
               mPart, mCounter, sLast, split, tidx, pre, warps, n_out, epilogue, rows, norm, head_dim,
-              q_heads, kv_heads, splits, scl=None, mS=None):
+              q_heads, kv_heads, splits, k, eps, sq_at, scl=None, mS=None):
     """One tile from this warp's sums c (`_mma_products`): the warps' sums added in shared
     memory (buffer it % 2: a warp may write the next tile's while warp 0 still reads this
     one's), and warp 0 finishes the tile (splits > 1: stores the CTA's sums for the last of the
-    tile's CTAs to finish). Returns the lane's running argmax pair. fp8: scl the lane's two
-    rows' scales (`_mma_row_scales`), mS all of them (for the split's last CTA)."""
+    tile's CTAs to finish, unscaled: with the norm the last applies the rstd from the splits'
+    sums of x^2 at sq_at, `_mma_store_sq`). Returns the lane's running argmax pair. fp8: scl the
+    lane's two rows' scales (`_mma_row_scales`), mS all of them (for the split's last CTA)."""
     warp = tidx // 32
     lane = tidx % 32
     n_tiles = (rows + 7) // 8
@@ -1696,7 +1708,7 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
                                            mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads,
                                            pre, scl)
     elif cutlass.const_expr(warps == 1):
-        _mma_store_split(mPart, _normed(c, rstd, norm), tile * splits + split, lane, rows)
+        _mma_store_split(mPart, c, tile * splits + split, lane, rows)
     else:
         per_warp = n_tiles * 4 * 32
         base = (it % 2) * warps * per_warp
@@ -1719,19 +1731,11 @@ def _mma_tile(c, tile, it, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mS
                                                    mSlot, mKC, mVC, lane, n_out, epilogue, rows, norm, head_dim,
                                                    q_heads, kv_heads, pre, scl)
             else:
-                _mma_store_split(mPart, _normed(total, rstd, norm), tile * splits + split, lane, rows)
+                _mma_store_split(mPart, total, tile * splits + split, lane, rows)
     if cutlass.const_expr(splits > 1):
         _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
-                          epilogue, rows, head_dim, q_heads, kv_heads, splits, mS)
+                          epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, k, eps, sq_at, mS)
     return best_val, best_idx
-
-
-def _normed(c, rstd, norm: bool) -> list:
-    """A split's sums times their decode rows' rstd (with the norm; c as `_mma_products` gives
-    it: c[nt][i] is decode row 8 nt + 2 t + i % 2), before they meet the other splits' sums."""
-    if not norm:
-        return c
-    return [[c[nt][i] * rstd[nt * 2 + i % 2] for i in range(4)] for nt in range(len(c))]
 
 
 def _next_tile(tile, gdim, num_tiles):
@@ -1752,12 +1756,14 @@ def _mma_store_split(mPart, c, part, lane, rows):
 
 @_deferred.jit
 def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS, mSlot, mKC, mVC, n_out,
-                      epilogue, rows, head_dim, q_heads, kv_heads, splits, mS=None):
+                      epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, k, eps, sq_at, mS=None):
     """The tile's CTAs count themselves done (a counter a tile); the last adds their sums (its
     warp 0, each lane its own slots, in split order) and applies the epilogue (fp8: the rows'
-    scales from mS), then resets the counter for the next launch."""
+    scales from mS; the norm: each decode row's rstd from the splits' sums of x^2 at sq_at,
+    added in split order), then resets the counter for the next launch."""
     n_tiles = (rows + 7) // 8
     lane = tidx % 32
+    t = lane % 4
     cute.arch.sync_threads()
     if tidx == 0:
         sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator + tile, cutlass.Int32(1))
@@ -1774,8 +1780,18 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS
                         v = v + mPart[((tile * splits + sp) * n_tiles * 4 + nt * 4 + i) * 32 + lane]
                     row.append(v)
                 total.append(row)
-            _mma_epilogue(total, tile, [], cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
-                          mVC, lane, n_out, epilogue, rows, False, head_dim, q_heads, kv_heads, pre,
+            rstd = []
+            if cutlass.const_expr(norm):  # this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]
+                for nt in cutlass.range_constexpr(n_tiles):
+                    for j in cutlass.range_constexpr(2):
+                        m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
+                        ss = cutlass.Float32(0.0)
+                        for sp in cutlass.range_constexpr(splits):
+                            ss = ss + mPart[sq_at + (tile * splits + sp) * MMA_ROWS + m]
+                        rstd.append(cutlass.Float32(cute.math.rsqrt(
+                            ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
+            _mma_epilogue(total, tile, rstd, cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
+                          mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads, pre,
                           _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim))
         if tidx == 0:
             mCounter[tile] = cutlass.Int32(0)
@@ -1984,7 +2000,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     rstd = []
     if cutlass.const_expr(norm):
         sSq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps * MMA_ROWS), byte_alignment=16)
-        if cutlass.const_expr(splits == 1):  # (split: after the products, which do not need it)
+        if cutlass.const_expr(splits == 1):  # (split: its part of the sums, after the products)
             rstd = _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps)
     best_val = cutlass.Float32(-math.inf)
     best_idx = cutlass.Int32(0)
@@ -1992,15 +2008,16 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # they fly during the warps' reduction and the epilogue (the last tile re-reads its own:
     # L2, no DRAM bytes).
     loops = splits == 1 and tile_group == 1 and grid < num_tiles
+    sq_at = _split_sq_at(num_tiles, splits, rows)
     c = _mma_products(w, b, chunks, rows, fp8)
-    if cutlass.const_expr(norm and splits > 1):  # this CTA's K is a part of x's: the sums over all of it
-        rstd = _mma_rstd_all_k(mX, sSq, tidx, k, warps, rows, eps)
+    if cutlass.const_expr(norm and splits > 1):  # this CTA's K is a part of x's: its sums of x^2 for the last CTA
+        _mma_store_sq(sq, sSq, mPartVal, tile, split, warp, lane, warps, rows, splits, tile_group, sq_at)
     if cutlass.const_expr(loops):
         w = _mma_load_weights(mW, _next_tile(tile, gdim, num_tiles), 0, steps, warp, lane, n_out, chunks,
                               epilogue, head_dim)
     best_val, best_idx = _mma_tile(c, tile, 0, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
                                    mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
-                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
+                                   epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, k, eps, sq_at, scl, mS)
     for j in cutlass.range_constexpr(1, tile_group):  # the group's other tiles, against the same x
         pre = _mma_epilogue_inputs(tile + j, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                    kv_heads)
@@ -2008,7 +2025,8 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
         c = _mma_products(w_group[j], b, chunks, rows, fp8)
         best_val, best_idx = _mma_tile(c, tile + j, j, sAcc, rstd, best_val, best_idx, mY, mE, mPos, mCS, mSlot,
                                        mKC, mVC, mPartVal, mCounter, sLast, split, tidx, pre, warps, n_out,
-                                       epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, scl, mS)
+                                       epilogue, rows, norm, head_dim, q_heads, kv_heads, splits, k, eps, sq_at,
+                                       scl, mS)
     if cutlass.const_expr(loops):
         for cur in range(bidx + gdim, num_tiles, gdim):
             pre = _mma_epilogue_inputs(cur, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
@@ -2020,7 +2038,7 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
             best_val, best_idx = _mma_tile(c, cur, (cur - bidx) // gdim, sAcc, rstd, best_val, best_idx, mY,
                                            mE, mPos, mCS, mSlot, mKC, mVC, mPartVal, mCounter, sLast, 0, tidx,
                                            pre, warps, n_out, epilogue, rows, norm, head_dim, q_heads,
-                                           kv_heads, 1, scl, mS)
+                                           kv_heads, 1, k, eps, sq_at, scl, mS)
     if cutlass.const_expr(epilogue == "argmax"):
         _mma_argmax_finish(mY, mPartVal, mPartIdx, mCounter, sLast, best_val, best_idx, tidx, bidx, gdim,
                            warps, grid, rows)
@@ -2069,11 +2087,13 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _mma_kernel: _MMA_KERNEL_PARAMS, _mma_launch: _MMA_PLAN_PARAMS,
                      _mma_load_weights: ("n_out", "chunks", "epilogue", "head_dim"),
                      _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits", "fp8"),
-                     _mma_finish_split: ("n_out", "epilogue", "rows", "head_dim", "q_heads", "kv_heads", "splits"),
-                     _mma_rstd: ("k", "warps", "rows", "eps"), _mma_rstd_all_k: ("k", "warps", "rows", "eps"),
+                     _mma_finish_split: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads",
+                                         "splits", "k", "eps", "sq_at"),
+                     _mma_rstd: ("k", "warps", "rows", "eps"),
+                     _mma_store_sq: ("warps", "rows", "splits", "tile_group", "sq_at"),
                      _lane_rows_rstd: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
-                                 "kv_heads", "splits"),
+                                 "kv_heads", "splits", "k", "eps", "sq_at"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
                      _mma_argmax_finish: ("warps", "grid", "rows"),
                      _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
@@ -2117,8 +2137,9 @@ _HOST = _HostDevice()
 def _buffer_sizes(p: GemvPlan) -> tuple[int, int]:
     """A plan's partials and counters: the argmax's per-CTA partials (one counter), or
     split-K's fp32 sums of each CTA's K (a lane's slots) and a counter a tile; else one of each."""
-    if p.splits > 1:
-        return p.num_tiles * p.splits * math.ceil(p.rows / 8) * 4 * 32, p.num_tiles
+    if p.splits > 1:  # with the norm, each part's sums of x^2 after them (`_split_sq_at`)
+        sums = _split_sq_at(p.num_tiles, p.splits, p.rows)
+        return sums + (p.num_tiles * p.splits * MMA_ROWS if p.norm else 0), p.num_tiles
     return (p.grid * p.rows if p.epilogue == "argmax" else 1), 1
 
 

@@ -472,18 +472,18 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("n, k, epilogue", [(6144, 4096, "none"), (28672, 4096, "silu_mul")])
-def test_the_norm_with_k_split_reads_all_of_x_for_its_rstd(tmp_path, n, k, epilogue, rows):
+def test_the_norm_with_k_split_reads_only_its_own_part_of_x(tmp_path, n, k, epilogue, rows):
     """Llama-3.1-8B's normed GEMVs on the tensor cores (one row asked for, or 16): K over CTAs,
-    each CTA's products and fragment loads as an unsplit CTA's of its K, one more 16-byte load of
-    x a decode row (the sums of squares over all of K, in a loop), the rsqrt, the split's counter;
-    no stack frame."""
+    each CTA's products and fragment loads as an unsplit CTA's of its K and no other load of x
+    (its sums of squares are its own K's, stored for the split's last CTA, which takes the
+    rsqrt), the split's counter; no stack frame."""
     counts = lower_to_ptx(tmp_path, n, k, epilogue, 1, 0, 1, {"mma": True}, rows)
     p = plan_gemv(n, k, epilogue, pdl=True, norm=True, rows=rows, mma=True)
     assert p.splits > 1 and not p.loops
     n_tiles = -(-rows // 8)
     assert int(counts["MMA"]) == p.chunks * 2 * n_tiles
     x_and_g = p.chunks * (n_tiles + 1)
-    assert int(counts["W128"]) + int(counts["W128U"]) == p.loads_in_flight_per_lane + x_and_g + rows
+    assert int(counts["W128"]) + int(counts["W128U"]) == p.loads_in_flight_per_lane + x_and_g
     assert int(counts["RSQRT"]) > 0 and int(counts["ATOM"]) > 0
     assert int(counts["STACK"]) <= 0 and int(counts["LOCAL"]) == 0
 
@@ -606,7 +606,7 @@ def test_tile_group_plan_gives_every_tile_and_split_one_cta(n, k, epilogue, norm
     """CTA b computes tiles G (b // splits) .. + G - 1 over split b % splits of K (the kernel's
     mapping): each (tile, split) once, every CTA's registers within 255 a thread (fp8 at 2 rows:
     more warps of fewer K steps than without the group), the split-K workspace a slot for every
-    (tile, split)."""
+    (tile, split), and with the norm a row's sum of x^2 for each."""
     if fp8 and k % 64:
         pytest.skip("fp8 K steps are 64 wide")
     p = plan_gemv(n, k, epilogue, norm=norm, pdl=True, rows=rows, fp8=fp8, mma=True, **knobs)
@@ -616,7 +616,8 @@ def test_tile_group_plan_gives_every_tile_and_split_one_cta(n, k, epilogue, norm
     assert seen == [(t, s) for t in range(p.num_tiles) for s in range(p.splits)]
     assert cute_gemv._mma_fits(p.warps, p.chunks, -(-rows // 8), 8 if fp8 else 4, g)
     if p.splits > 1:
-        assert cute_gemv._buffer_sizes(p) == (p.num_tiles * p.splits * -(-rows // 8) * 4 * 32, p.num_tiles)
+        sums = p.num_tiles * p.splits * -(-rows // 8) * 4 * 32
+        assert cute_gemv._buffer_sizes(p) == (sums + norm * p.num_tiles * p.splits * cute_gemv.MMA_ROWS, p.num_tiles)
 
 
 def test_tile_group_refuses_the_argmax_and_tiles_past_a_threads_registers():
@@ -1242,8 +1243,8 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
                  (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
                  (256, 8960, "residual", False, True, {}),  # Qwen2.5-1.5B's down K: split over 9 CTAs
-                 # the norm with K over CTAs (each reads all of x for its rstd): Llama-3.1-8B's K,
-                 # where one CTA cannot hold it, and a short K split as asked
+                 # the norm with K over CTAs (each stores its K's sums of x^2 for the last CTA's
+                 # rstd): Llama-3.1-8B's K, where one CTA cannot hold it, and a short K split as asked
                  (256, 4096, "silu_mul", True, True, {}), (192, 4096, "bias", True, False, {}),
                  (136, 1184, "none", True, True, dict(splits=3))]
 
@@ -1273,12 +1274,14 @@ def test_mma_rows_match_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs, row
 
 
 # tile_group (G tiles a CTA against one load of x) at Qwen3-0.6B's O, down, gate+up and QKV, and with
-# K split unevenly over three CTAs.
+# K split (unevenly over three CTAs; gate+up's norm over two).
 TILE_GROUP_GPU_CASES = [(1024, 2048, "residual", False, True, dict(tile_group=2, splits=2)),
                         (1024, 3072, "residual", False, True, dict(tile_group=4, splits=4)),
                         (6144, 1024, "silu_mul", True, True, dict(tile_group=2)),
                         (4096, 1024, "none", True, True, dict(tile_group=2)),
-                        (416, 1184, "bias", False, False, dict(tile_group=2, splits=3))]
+                        (416, 1184, "bias", False, False, dict(tile_group=2, splits=3)),
+                        # the norm with K split: each CTA's sums of x^2 stored for both its tiles
+                        (6144, 1024, "silu_mul", True, True, dict(tile_group=2, splits=2))]
 
 
 @pytest.mark.gpu

@@ -237,6 +237,7 @@ FP8_MMA_GPU_CASES = [  # (n, k, epilogue, norm, pdl): the fused path's GEMVs (Qw
     (9728, 896, "silu_mul", True, True), (896, 4864, "residual", False, True), (896, 4864, "none", False, False),
     (151936, 896, "none", True, True), (136, 64, "silu_mul", True, False), (96, 128, "bias", False, False),
     (256, 256, "residual", False, False), (3584, 18944, "residual", False, True),  # 7B's down: split over CTAs
+    (4608, 3584, "bias", True, True),  # 7B's QKV: at 16 rows the norm with K split over two CTAs
 ]
 
 

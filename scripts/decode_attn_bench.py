@@ -569,6 +569,10 @@ ONE_LAUNCH_MORE_MODELS = (
     dict(name="llama-3.2-1b", layers=16, num_q_heads=32, num_kv_heads=8, head_dim=64, page_size=16),
     dict(name="tinyllama-1.1b", layers=22, num_q_heads=32, num_kv_heads=4, head_dim=64, page_size=16),
     dict(name="qwen2.5-7b", layers=28, num_q_heads=28, num_kv_heads=4, head_dim=128, page_size=16),
+    # the shapes that may join the fused path's BF16_ONE_ROW_MMA_SHAPES next (Mistral-7B's attention
+    # is the 8B's: 32 / 8 heads of 128, 32 layers)
+    dict(name="llama-3.1-8b", layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16),
+    dict(name="qwen2.5-14b", layers=48, num_q_heads=40, num_kv_heads=8, head_dim=128, page_size=16),
 )
 ONE_LAUNCH_ROWS = (1, 4, 8, 16)  # tuning.ONE_LAUNCH_ROW_BUCKETS: one shape per bucket
 ONE_LAUNCH_CONTEXTS = (300, 1000)  # tokens, every rows bucket

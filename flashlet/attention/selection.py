@@ -6,7 +6,8 @@ backend reads the pool's NHD layout, `KVPool`):
                        `flashlet/runner/fused_decode.py`), where the platform and the model allow
                        it; so do speculative verify steps of at most 16 query tokens (the rows
                        where it was measured faster: `fused_decode.SERVED_ROWS`; 4 with fp8
-                       weights, `SERVED_ROWS_FP8`)
+                       weights, `SERVED_ROWS_FP8`, and at the 7B's bf16 shape,
+                       `SERVED_ROWS_BF16_LARGE`)
     decode (17+ rows)  the decode backend, per-op
     prefill/mixed      the step backend, per-op
 `--backend auto` picks the step backend and the decode backend apart, from the measured table

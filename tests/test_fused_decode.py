@@ -163,6 +163,12 @@ def test_a_bf16_shape_on_one_row_tensor_cores_is_wired_and_taken_by_auto(tiny_mo
     bf16_shape = (bf16_model.config.hidden_size, bf16_model.layers[0].down_proj.weight.shape[1])
     monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", set())
     assert "chunks" in fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True)
+    # Declined by auto, the wide shape still runs its one row on the tensor cores when forced on
+    # (the CUDA-core form collapses past MAX_NORM_CHUNKS)
+    assert fused_decode.bf16_one_row_tensor_cores(bf16_model)
+    monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 10**6)
+    assert not fused_decode.bf16_one_row_tensor_cores(bf16_model)
+    monkeypatch.setattr(fused_decode, "MAX_NORM_CHUNKS", 0)
     monkeypatch.setattr(fused_decode, "BF16_ONE_ROW_MMA_SHAPES", {bf16_shape})
     assert fused_decode.auto_declines(bf16_model, torch.device("cuda"), use_graphs=True) is None
 

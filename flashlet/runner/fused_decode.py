@@ -104,13 +104,14 @@ MAX_DOWN_K = 16_384
 
 # The most 16-byte chunks of x a lane may hold in the one-row GEMVs that fold the RMSNorm in
 # (QKV, gate+up: x, the norm's weight g and the weights, each C chunks a lane, held at once).
-# Auto declines the path past it. Measured on the H200, one stream (2026-12-02, spec_bench's
+# Past it bf16's one row takes the tensor-core form instead (`bf16_one_row_tensor_cores`), and auto
+# declines the path but at the shapes measured faster fused (BF16_ONE_ROW_MMA_SHAPES). Measured on the H200, one stream (2026-12-02, spec_bench's
 # plain row and profile_step at the Qwen2.5-7B shape, hidden 3,584: 14 chunks): 45.8 ms a step
 # fused (22 tok/s) against per-op's 4.50 (222); its gate+up GEMV took 1.38 ms for 272 MB and
 # QKV 182 us for 33 MB (~0.19 TB/s each), while the down projection on cuBLAS took 44 us and O
 # (no norm, also 14 chunks) 29 us. At 8 (Llama-3.2-1B, hidden 2,048) the path ran at 1,156
-# tok/s, 67% of its byte limit. Nothing between 8 and 14 was measured, nor above 14
-# (Llama-3.1-8B / Mistral-7B 16, Qwen2.5-14B 20): they run per-op until measured.
+# tok/s, 67% of its byte limit. Nothing between 8 and 14 was measured on the CUDA cores, nor
+# above 14 (Llama-3.1-8B / Mistral-7B 16, Qwen2.5-14B 20).
 MAX_NORM_CHUNKS = 8
 
 # MAX_ROWS (cute_gemv's): the most decode rows (sequences, or a verify step's query tokens) one
@@ -197,23 +198,29 @@ def fp8_tensor_cores(model, asked: bool | None) -> bool:
     return bool(asked) and is_quantized(model) and _ks_fit(model, MMA_K_FP8)
 
 
-# bf16 models (hidden size, intermediate size) whose one-row GEMVs take the tensor-core form
-# (cute_gemv's mma=True at one row: one real column of its 8-row tile), where the one-row
-# CUDA-core GEMVs collapse past MAX_NORM_CHUNKS; auto then takes the fused path at that shape for
-# steps of up to SERVED_ROWS_BF16_LARGE rows. Qwen2.5-7B (3,584, 18,944), on an H100 (session 64,
+# bf16 models (hidden size, intermediate size) past MAX_NORM_CHUNKS that auto takes the fused
+# path at: those measured faster than per-op there. Past MAX_NORM_CHUNKS the one-row CUDA-core
+# GEMVs collapse, so one row takes the tensor-core form (cute_gemv's mma=True at one row: one real
+# column of its 8-row tile; `bf16_one_row_tensor_cores`), and steps of up to
+# SERVED_ROWS_BF16_LARGE rows run fused. Qwen2.5-7B (3,584, 18,944), on an H100 (session 64,
 # 2026-12-07, `gpu_run.sh bf16-mma-ab` and its one-launch entries (128, 7, *), per-op (the
 # default before) against the fused path): one stream through LLM.generate after a cached
 # 1,000-token prompt 172.3 -> 183.5 tok/s (+6.5%); the closed loop of 32 requests c = 1 / 4 / 16
 # 173 / 648 / 2,218 -> 185 / 680 / 2,216. Llama-3.1-8B (4,096, 14,336) and Qwen2.5-14B (5,120,
-# 13,824), where the normed GEMVs split K, lost at one row (161.3 -> 152.3 and 89.0 -> 75.6):
-# per-op's.
+# 13,824), where the normed GEMVs split K, lost at one row (161.3 -> 152.3 and 89.0 -> 75.6; with
+# the split norm's last CTA taking the rstd, 158.3 and 78.2 on another H100): per-op's, unless
+# forced on (`fused_decode=True`).
 BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = {(3584, 18944)}
 
 
 def bf16_one_row_tensor_cores(model) -> bool:
-    """Whether this bf16 model's one-row GEMVs take the tensor-core form: its shape is in
-    BF16_ONE_ROW_MMA_SHAPES and every GEMV's K a multiple of the form's K step (MMA_K)."""
-    return not is_quantized(model) and model_shape(model) in BF16_ONE_ROW_MMA_SHAPES and _ks_fit(model, MMA_K)
+    """Whether this bf16 model's one-row GEMVs take the tensor-core form: where the norm-folded
+    CUDA-core ones would hold more than MAX_NORM_CHUNKS chunks a lane (they collapse there:
+    Qwen2.5-7B ran 22 tok/s on them, 179.6 on the tensor cores) or its shape is in
+    BF16_ONE_ROW_MMA_SHAPES, and every GEMV's K a multiple of the form's K step (MMA_K)."""
+    wide = norm_chunks_per_lane(model.config.hidden_size) > MAX_NORM_CHUNKS
+    return (not is_quantized(model) and (wide or model_shape(model) in BF16_ONE_ROW_MMA_SHAPES)
+            and _ks_fit(model, MMA_K))
 
 
 def norm_chunks_per_lane(hidden_size: int, fp8: bool = False) -> int:
@@ -298,11 +305,14 @@ def auto_declines(model, device: torch.device, use_graphs: bool, kv_pool=None) -
     if why:
         return "; ".join(why)
     chunks = norm_chunks_per_lane(model.config.hidden_size, is_quantized(model))
-    if chunks > MAX_NORM_CHUNKS and not bf16_one_row_tensor_cores(model):
-        # Forced on (fused_decode=True) it runs, at a fraction of per-op's speed (MAX_NORM_CHUNKS).
+    if chunks > MAX_NORM_CHUNKS and (is_quantized(model) or model_shape(model) not in BF16_ONE_ROW_MMA_SHAPES):
+        # Forced on (fused_decode=True) it runs: bf16 with one row on the tensor cores, fp8 on
+        # the CUDA cores at a fraction of per-op's speed (MAX_NORM_CHUNKS).
         return (f"hidden_size = {model.config.hidden_size} gives its norm-folded one-row GEMVs "
-                f"{chunks} 16-byte chunks a lane (more than {MAX_NORM_CHUNKS}): at 14 (Qwen2.5-7B) "
-                "one stream measured 22 tok/s fused against per-op's 222")
+                f"{chunks} 16-byte chunks a lane (more than {MAX_NORM_CHUNKS}), and its shape "
+                f"{model_shape(model)} is not one measured faster fused there "
+                "(fused_decode.BF16_ONE_ROW_MMA_SHAPES; Llama-3.1-8B read 158 tok/s fused against "
+                "per-op's 161)")
     ok, unavailable = cute_available()
     return None if ok else unavailable  # says how to install it
 

@@ -9,6 +9,7 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py 1k --config qwen3-0.6b --prompt-len 1000
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py two-launch --prompt-len 30000 --fused-off attn
     PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py swap --prompt-len 30000 --page-swap
+    PYTHONPATH=.:$CUTE python3 lab/one_stream_pair.py per-op --config qwen2.5-7b --no-fused-decode
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
 unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run (and its two
@@ -103,6 +104,8 @@ def main() -> None:
     p.add_argument("--fused-off", nargs="+", default=[], choices=("pdl", "rope", "attn"),
                    help="turn these parts of the fused decode path off (the rest as the engine chooses); "
                         "attn: the step backend's own decode attention (two launches) in the fused step")
+    p.add_argument("--no-fused-decode", action="store_true",
+                   help="the per-op path for every step (fused_decode=False): an A/B's per-op side")
     p.add_argument("--page-swap", action="store_true",
                    help="the prefix cache as before e13e412: a repeat's filled page that the tree holds "
                         "swapped into the request's table (the tree keeps its own): an A/B's old side")
@@ -118,7 +121,7 @@ def main() -> None:
         flashlet.llm.Engine = lambda config: engine_class(config, fused_parts=parts)
     started = time.perf_counter()
     llm = LLM(config=args.config, dtype="bfloat16", max_num_pages=8192, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, **({"fused_decode": False} if args.no_fused_decode else {}))
     result = {"label": args.label, "config": args.config, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "fused_off": args.fused_off,
               "fused": llm.engine.runner.fused is not None,

@@ -217,8 +217,8 @@
 #   gemv-bf16-mma one bf16 row on the tensor cores (opt-in): its GPU test, the plan sweep at
 #                GEMV_CONFIG (qwen2.5-7b) with the four GEMVs' layer chain, then one stream at the
 #                default against the fused path on them (lab/bf16_one_row_mma.py) (~10 min)
-#   bf16-mma-ab  at each BF16_AB_CONFIGS preset (qwen2.5-7b), per-op (the default while the shape is
-#                not in BF16_ONE_ROW_MMA_SHAPES) against the shape added (lab/bf16_one_row_mma.py):
+#   bf16-mma-ab  at each BF16_AB_CONFIGS preset (qwen2.5-7b), per-op (--no-fused-decode) against the
+#                fused path with the shape in BF16_ONE_ROW_MMA_SHAPES (lab/bf16_one_row_mma.py):
 #                one stream through LLM.generate after a cached 1,000-token prompt, then the closed
 #                loop c = 1 / 4 / 16, 32 requests (BF16_AB_LOOP=0 skips it) (~4 min a preset)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
@@ -755,12 +755,12 @@ for _ in range(480):
     bf16-mma-ab)  # per-op against one bf16 row on the tensor cores (and the fused path's M rows)
       cute_env
       for cfg in ${BF16_AB_CONFIGS:-qwen2.5-7b}; do
-        run 200 python3 lab/one_stream_pair.py per-op --config "$cfg" --prompt-len 1000
+        run 200 python3 lab/one_stream_pair.py per-op --config "$cfg" --prompt-len 1000 --no-fused-decode
         run 200 python3 lab/bf16_one_row_mma.py pair mma --config "$cfg" --prompt-len 1000
         if [[ ${BF16_AB_LOOP:-1} == 1 ]]; then
           L="--config $cfg --dtype bfloat16 --quiet --workload closed-loop --concurrency 1 4 16 --num-requests 32 \
              --max-new-tokens 128 --max-num-pages 8192"
-          run 240 python3 -m flashlet.bench $L --out "$OUT/json/bf16-ab-$cfg-per-op.json"
+          run 240 python3 -m flashlet.bench $L --no-fused-decode --out "$OUT/json/bf16-ab-$cfg-per-op.json"
           run 240 python3 lab/bf16_one_row_mma.py $L --out "$OUT/json/bf16-ab-$cfg-mma.json"
         fi
       done

@@ -584,8 +584,9 @@ def test_fused_batches_at_the_qwen05_shape(monkeypatch, batch):
     assert engine.runner.fused.row_counts == [1, 2, 4, 8, 16] and not engine.runner.fused.declined_rows
 
 
-# Every other preset whose decode steps the fused path serves by default (auto declines hidden
-# sizes past fused_decode.MAX_NORM_CHUNKS: the 7B-and-larger presets run per-op). Each brings
+# Every other preset whose decode steps the fused path serves by default (past
+# fused_decode.MAX_NORM_CHUNKS auto serves only the shapes of BF16_ONE_ROW_MMA_SHAPES, the 7B's:
+# tested at two layers below, `test_fused_batches_at_the_large_shapes_on_the_tensor_cores`). Each brings
 # its GEMV shapes and its attention shape (head_dim, group), hence its one-launch attention
 # entry (tuning.ONE_LAUNCH_TABLE) or derived config.
 FUSED_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b")
@@ -611,7 +612,7 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 2, 16])
+@pytest.mark.parametrize("batch", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("preset", ["qwen2.5-7b", "llama-3.1-8b"])
 def test_fused_batches_at_the_large_shapes_on_the_tensor_cores(monkeypatch, tmp_path, preset, batch):
     """The 7B- and 8B-class widths, where the one-row CUDA-core GEMVs collapse and auto runs

@@ -716,12 +716,15 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         # (warps, K steps a warp, at most most_steps) at n_splits CTAs a tile group
         return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, most_steps)
 
-    # The norm splits K only where one CTA's warps cannot hold it (Llama-3.1-8B's K = 4,096 at one
+    # The norm splits K only where one CTA's warps cannot hold it (Qwen2.5-14B's K = 5,120 at one
     # row): each CTA then stores its K's sums of squares for the tile's last CTA (`_mma_store_sq`).
-    can_split = epilogue != "argmax" and (not norm or not _mma_fits(*warps_for(1), n_tiles, x_regs, group))
+    # Its registers are counted as lowered (`_mma_fits`'s lean_x): Llama-3.1-8B's K = 4,096 fits
+    # 16 warps of 8 K steps.
+    lean = norm and epilogue != "argmax"  # (the looping argmax holds its next tile's loads too)
+    can_split = epilogue != "argmax" and (not norm or not _mma_fits(*warps_for(1), n_tiles, x_regs, group, lean))
     if splits is None:
         splits = 1
-        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs, group):
+        while can_split and splits < steps and not _mma_fits(*warps_for(splits), n_tiles, x_regs, group, lean):
             splits += 1
         if fp8 and can_split and steps > 2 * MMA_MAX_STEPS and tiles < num_sms:
             splits = max(splits, 2)  # fp8's long K may fit unsplit: split anyway where SMs would idle
@@ -730,14 +733,14 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
     warps, chunks = warps_for(splits)
     # A CTA's registers hold its weight loads for each of the group's tiles: where they would not
     # fit (fp8 at 2 rows: 2 warps of 8 K steps for 2 tiles), fewer K steps a warp and more warps.
-    while given_warps is None and chunks > 1 and not _mma_fits(warps, chunks, n_tiles, x_regs, group):
+    while given_warps is None and chunks > 1 and not _mma_fits(warps, chunks, n_tiles, x_regs, group, lean):
         more = warps_for(splits, chunks // 2)
         if more[0] > MMA_MAX_WARPS:
             break
         warps, chunks = more
     if chunks > max_steps:
         raise ValueError(f"K = {k} with {warps} warps gives each {chunks} K steps, over {max_steps}")
-    if not _mma_fits(warps, chunks, n_tiles, x_regs, group):
+    if not _mma_fits(warps, chunks, n_tiles, x_regs, group, lean):
         raise ValueError(f"K = {k} needs {warps} warps of {chunks} K steps"
                          f"{f' for {group} tiles' if group > 1 else ''}, over an SM's 64K registers or 255 "
                          "a thread (more CTAs a tile would: splits; or a smaller tile_group)")
@@ -774,14 +777,22 @@ def _mma_warps(steps: int, ctas: int, num_sms: int, warps: int | None,
     return math.ceil(steps / chunks), chunks  # no warp left without a step
 
 
-def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4, group: int = 1) -> bool:
+def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4, group: int = 1, lean_x: bool = False) -> bool:
     """Whether a CTA's registers fit an SM's 64K: a lane holds its weight loads (4 registers
     each, 2 a K step, for each of the group's tiles), its x fragments (x_regs a step and
     n-tile, kept across tiles: 4 bf16, 8 fp8), two accumulator chains (8 an n-tile) and ~40
     more (fp8: 16 more, a step's widened weights). Past that ptxas caps the registers and
     spills (it did at K = 4864's 19 warps), as it does past 255 a thread (three 16-row tiles of
-    8 K steps a warp: 152 bytes of stack)."""
-    regs = 8 * chunks * group + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
+    8 K steps a warp: 152 bytes of stack). lean_x (the planner's, for a normed bf16 GEMV of one
+    n-tile and one tile, up to 8 rows): few of the x fragments are held at once, ptxas issuing
+    them among the products, so the weights, the accumulators and 48 (lowered for sm_90a at 8 K
+    steps a warp, DSL 4.8.1: 106 registers at 14 warps, 100-104 at 16, 96 at 20, no stack; this
+    count gives 120, the full one 144). Only there, where K split in two costs the norm its own
+    reduction: elsewhere the full count keeps the plans that were measured."""
+    if lean_x and x_regs == 4 and n_tiles == 1 and group == 1:
+        regs = 8 * chunks + 8 + 48
+    else:
+        regs = 8 * chunks * group + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
     return regs <= 255 and regs * warps * 32 <= 65536
 
 

@@ -326,7 +326,12 @@ PTX_SCRIPT = textwrap.dedent("""
     sha = hashlib.sha256(ptx.encode()).hexdigest()
     ptx = re.sub(r"[ \t]+", " ", ptx)  # 4.6 on separates an opcode from its operands by a tab
     stack = regs = -1  # ptxas's stack frame (spills, local arrays) where a CUDA toolkit's ptxas is at hand
-    ptxas = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
+    try:  # Triton's wheel brings one
+        import triton
+        bundled = glob.glob(triton.__path__[0] + "/backends/nvidia/bin/ptxas")
+    except ImportError:
+        bundled = []
+    ptxas = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas") + bundled)), None)
     if ptxas and ptx:
         open(sys.argv[5] + "/all.ptx.s", "w").write(ptx)
         res = subprocess.run([ptxas, "-arch=sm_90a", "-v", sys.argv[5] + "/all.ptx.s", "-o", "/dev/null"],
@@ -470,10 +475,10 @@ def test_mma_variant_lowers_to_mma_sync_with_16_byte_fragment_loads(tmp_path, n,
 @pytest.mark.slow
 @needs_cute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
-@pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("n, k, epilogue", [(6144, 4096, "none"), (28672, 4096, "silu_mul")])
+@pytest.mark.parametrize("n, k, epilogue, rows", [(7168, 5120, "none", 1), (27648, 5120, "silu_mul", 1),
+                                                   (6144, 4096, "none", 16), (28672, 4096, "silu_mul", 16)])
 def test_the_norm_with_k_split_reads_only_its_own_part_of_x(tmp_path, n, k, epilogue, rows):
-    """Llama-3.1-8B's normed GEMVs on the tensor cores (one row asked for, or 16): K over CTAs,
+    """Qwen2.5-14B's normed GEMVs on the tensor cores at one row (asked for), Llama-3.1-8B's at 16: K over CTAs,
     each CTA's products and fragment loads as an unsplit CTA's of its K and no other load of x
     (its sums of squares are its own K's, stored for the split's last CTA, which takes the
     rsqrt), the split's counter; no stack frame."""
@@ -486,6 +491,24 @@ def test_the_norm_with_k_split_reads_only_its_own_part_of_x(tmp_path, n, k, epil
     assert int(counts["W128"]) + int(counts["W128U"]) == p.loads_in_flight_per_lane + x_and_g
     assert int(counts["RSQRT"]) > 0 and int(counts["ATOM"]) > 0
     assert int(counts["STACK"]) <= 0 and int(counts["LOCAL"]) == 0
+
+
+@pytest.mark.slow
+@needs_cute
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels for real")
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("n, k, epilogue", [(6144, 4096, "bias"), (28672, 4096, "silu_mul")])
+def test_the_norm_at_k_4096_holds_k_in_one_cta(tmp_path, n, k, epilogue, rows):
+    """Llama-3.1-8B's normed GEMVs up to 8 rows (one n-tile): one CTA a tile, 16 warps of 8 K
+    steps (`_mma_fits`' lean count), which ptxas keeps within the SM's 64K registers (128 a
+    thread at 512 threads) with no stack frame."""
+    p = plan_gemv(n, k, epilogue, pdl=True, norm=True, rows=rows, mma=True)
+    assert (p.splits, p.warps, p.chunks) == (1, 16, 8), p.describe()
+    counts = lower_to_ptx(tmp_path, n, k, epilogue, 1, 0, 1, {"mma": True}, rows)
+    if int(counts["REGS"]) < 0:
+        pytest.skip("no ptxas (a CUDA toolkit's or Triton's) to count the registers")
+    assert int(counts["STACK"]) == 0 and int(counts["LOCAL"]) == 0
+    assert int(counts["REGS"]) * p.warps * 32 <= 65536, counts["REGS"]
 
 
 # tile_group: G weight tiles a CTA against one load of x, at Qwen3-0.6B's 16-row shapes (O, down,
@@ -583,16 +606,19 @@ def test_mma_argmax_does_not_split_k():
 @pytest.mark.parametrize("rows", [1, 2, 16])
 def test_the_norm_splits_k_only_where_one_cta_cannot_hold_it(rows):
     """A normed tensor-core GEMV keeps K in one CTA where its warps fit (the fused presets'
-    shapes: plans as before), and splits it where they do not (Llama-3.1-8B's K = 4,096 and
-    Qwen2.5-14B's 5,120: before, the planner raised), every split's CTA then reading all of x."""
-    for n, k, epilogue in ((1152, 896, "bias"), (9728, 896, "silu_mul"), (4096, 1024, "none"),
-                           (12288, 2048, "silu_mul")):
+    shapes: plans as before; Llama-3.1-8B's K = 4,096 up to 8 rows, by the lean count of its
+    registers: 16 warps), and splits it where they do not (the 8B's K at 16 rows, Qwen2.5-14B's
+    5,120: before 913c4fb, the planner raised), each split's CTA then storing its K's sums of x^2."""
+    one_cta = [(1152, 896, "bias"), (9728, 896, "silu_mul"), (4096, 1024, "none"), (12288, 2048, "silu_mul")]
+    split = [(7168, 5120, "bias"), (27648, 5120, "silu_mul")]
+    (one_cta if rows <= 8 else split).extend([(6144, 4096, "none"), (28672, 4096, "silu_mul")])
+    for n, k, epilogue in one_cta:
         p = plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True)
         assert p.splits == 1, (n, k, rows, p.describe())
-    for n, k, epilogue in ((6144, 4096, "none"), (28672, 4096, "silu_mul"), (7168, 5120, "bias")):
+    for n, k, epilogue in split:
         p = plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True)
         assert p.splits > 1 and p.grid == p.num_tiles * p.splits, (n, k, rows, p.describe())
-        assert cute_gemv._mma_fits(p.warps, p.chunks, -(-rows // 8))
+        assert cute_gemv._mma_fits(p.warps, p.chunks, -(-rows // 8), lean_x=True)
         with pytest.raises(ValueError, match="registers"):
             plan_gemv(n, k, epilogue, norm=True, pdl=True, rows=rows, mma=True, splits=1)
 
@@ -1243,8 +1269,8 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
                  (136, 1184, "silu_mul", False, True, dict(splits=2, warps=3)),
                  (9000, 64, "residual", False, True, {}),  # a looping grid (563 tiles), a tail tile
                  (256, 8960, "residual", False, True, {}),  # Qwen2.5-1.5B's down K: split over 9 CTAs
-                 # the norm with K over CTAs (each stores its K's sums of x^2 for the last CTA's
-                 # rstd): Llama-3.1-8B's K, where one CTA cannot hold it, and a short K split as asked
+                 # Llama-3.1-8B's K with the norm: one CTA of 16 warps up to 8 rows, K over CTAs at 16
+                 # (each storing its K's sums of x^2 for the last CTA's rstd); a short K split as asked
                  (256, 4096, "silu_mul", True, True, {}), (192, 4096, "bias", True, False, {}),
                  (136, 1184, "none", True, True, dict(splits=3))]
 
@@ -1252,10 +1278,12 @@ MMA_GPU_CASES = [(1152, 896, "bias", True, True, {}), (896, 896, "residual", Fal
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n, k, epilogue, norm, pdl, knobs", MMA_GPU_CASES[:6] + [(4608, 3584, "bias", True, True, {}),
-                                                                                (6144, 4096, "none", True, True, {})])
+                                                                                (6144, 4096, "none", True, True, {}),
+                                                                                (7168, 5120, "bias", True, True, {})])
 def test_mma_one_row_asked_for_matches_fp32_reference(kh, n, k, epilogue, norm, pdl, knobs):
     """One bf16 row on the tensor cores (mma=True: one real column of the 8-row tile), at the
-    fused path's 0.5B shapes and the 7B's QKV, before any engine takes it."""
+    fused path's 0.5B shapes and the 7B's, 8B's (one CTA of 16 warps) and 14B's (K split with the
+    norm) QKV."""
     gemv = CuteGemv(n, k, epilogue, pdl=pdl, norm=norm, rows=1, mma=True, **knobs)
     assert gemv.plan.mma and gemv.plan.rows == 1, gemv.plan.describe()
     check_rows(kh, gemv, epilogue, norm, 1)

@@ -509,17 +509,18 @@ def loads_before_first_product(sass: str) -> str:
     return f"{sum(i < first for i in loads)} / {len(loads)}"
 
 
-def trace_one(name: str, pdl: bool, index: int, rows: int = 1) -> None:
+def trace_one(name: str, pdl: bool, index: int, rows: int = 1, mma: bool = False) -> None:
     """Compile variant `index` of (name, pdl) for sm_90a in this process (the DSL reads its
-    dump settings from the environment at import: one process a variant)."""
+    dump settings from the environment at import: one process a variant); mma: of the
+    tensor-core form's variants (one bf16 row asked for)."""
     cute_gemv._dsl()
     import cutlass.cutlass_dsl.cutlass as dsl_module
     # Without a GPU: the launch's shared-memory carveout hint (set only with a register cap)
     # queries the device; it is a runtime hint, not part of the code, so tracing skips it.
     dsl_module._build_kernel_attrs = lambda config: {}
-    label, knobs = variants(name, pdl, rows)[index]
+    label, knobs = variants(name, pdl, rows, mma=mma)[index]
     try:
-        make_gemv(name, pdl, knobs, rows, device="cpu").compile()
+        make_gemv(name, pdl, knobs, rows, device="cpu", mma=mma).compile()
     except Exception:  # noqa: BLE001  (no GPU: the final module load fails after the cubin is written)
         pass
 
@@ -533,14 +534,14 @@ def run_registers(args) -> int:
     rows = []
     for pdl in pdls:
         for name in args.only:
-            for index, (label, knobs) in enumerate(variants(name, pdl, args.rows)):
+            for index, (label, knobs) in enumerate(variants(name, pdl, args.rows, mma=args.mma)):
                 with tempfile.TemporaryDirectory() as d:
                     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=d)
                     subprocess.run([sys.executable, __file__, "--config", args.config, "--trace-one", name,
-                                    str(int(pdl)), str(index), str(args.rows)],
+                                    str(int(pdl)), str(index), str(args.rows), str(int(args.mma))],
                                    env=env, capture_output=True, timeout=300)
                     stats = cubin_stats(args.cuobjdump, d)
-                plan = make_gemv(name, pdl, knobs, args.rows, device="cpu").plan.describe()
+                plan = make_gemv(name, pdl, knobs, args.rows, device="cpu", mma=args.mma).plan.describe()
                 row = dict(shape=name, pdl=pdl, variant=label, plan=plan, **stats)
                 rows.append(row)
                 log(f"| {name} | {'on' if pdl else 'off'} | {label} | {plan} | {stats.get('regs', '?')} | "
@@ -571,7 +572,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="*", default=[],
                     help="only the variants whose label holds one of these (e.g. 'group' 'splits=2'); "
                          "the default plan always")
-    ap.add_argument("--trace-one", nargs=4, metavar=("SHAPE", "PDL", "INDEX", "ROWS"), help=argparse.SUPPRESS)
+    ap.add_argument("--trace-one", nargs=5, metavar=("SHAPE", "PDL", "INDEX", "ROWS", "MMA"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SHAPES = shapes_for(args.config)
     VARIANTS_MATCHING[:] = args.variants
@@ -579,8 +580,8 @@ def main() -> int:
         ap.error("--mma sweeps the tensor-core form where it is asked for: fp8 weights, or one bf16 row "
                  "(bf16's M-row plans take it by default)")
     if args.trace_one:
-        name, pdl, index, rows = args.trace_one
-        trace_one(name, pdl == "1", int(index), int(rows))
+        name, pdl, index, rows, mma = args.trace_one
+        trace_one(name, pdl == "1", int(index), int(rows), mma == "1")
         return 0
     if args.registers and args.fp8:
         ap.error("--fp8 sweeps on the GPU only: --registers traces the bf16 variants")

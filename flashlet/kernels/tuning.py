@@ -248,10 +248,16 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # 30,000 tokens 458 / 459 tok/s in two launches against 357 / 356 in one (+29%), after 8,000
 # 777 / 777 against 681 / 681 (+14%). Qwen3-1.7B has the same key and the same attention (16 / 8
 # heads of 128, 28 layers: the same kernels at the same shapes); its engine figure is not measured.
+# Qwen2.5-7B's one row (128, 7), fused since session 64: not measured in the engine past 4,096
+# tokens. Its short entry (ONE_LAUNCH_TABLE, 8 splits) read 128.5 us a layer alone at 30,000
+# tokens (the derived config 106.9; H100, `lean-sweep`, lab/tables/one-launch-qwen2.5-7b-2026-12-07
+# .json), so its long steps take the two launches per-op's decode ran there before, as the two
+# shapes measured in the engine do (`long-attn-ab` with LONG_AB_CONFIG=qwen2.5-7b reads it).
 TWO_LAUNCH = "two-launch"
 ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
     (64, 7, 1): TWO_LAUNCH,
     (128, 2, 1): TWO_LAUNCH,
+    (128, 7, 1): TWO_LAUNCH,
 }
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}

@@ -252,12 +252,14 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # tokens. Its short entry (ONE_LAUNCH_TABLE, 8 splits) read 128.5 us a layer alone at 30,000
 # tokens (the derived config 106.9; H100, `lean-sweep`, lab/tables/one-launch-qwen2.5-7b-2026-12-07
 # .json), so its long steps take the two launches per-op's decode ran there before, as the two
-# shapes measured in the engine do (`long-attn-ab` with LONG_AB_CONFIG=qwen2.5-7b reads it).
+# shapes measured in the engine do (`long-attn-ab` with LONG_AB_CONFIG=qwen2.5-7b reads it); its
+# 2-4 rows too (their entry was swept at 300 and 1,000 tokens only).
 TWO_LAUNCH = "two-launch"
 ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
     (64, 7, 1): TWO_LAUNCH,
     (128, 2, 1): TWO_LAUNCH,
     (128, 7, 1): TWO_LAUNCH,
+    (128, 7, 4): TWO_LAUNCH,
 }
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}

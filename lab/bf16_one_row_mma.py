@@ -12,6 +12,7 @@ the set once this beats per-op; the 7B's has, session 64).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from flashlet.models.model import ModelConfig
@@ -33,7 +34,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(args)}", file=sys.stderr)
     if args[:1] == ["pair"]:
-        sys.path.insert(0, "lab")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
         import one_stream_pair
 
         sys.argv = ["one_stream_pair.py", *args[1:]]

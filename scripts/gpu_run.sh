@@ -741,16 +741,16 @@ for _ in range(480):
       S="python3 -m flashlet.bench --config $C --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --quantization fp8"
       run 200 $S --out "$OUT/json/$C-fp8-built-in-plans.json"
       run 200 env FLASHLET_GEMV_PLANS="$OUT/json/gemv-plans.json" $S --out "$OUT/json/$C-fp8-swept-plans.json" ;;
-    gemv-bf16-mma)  # one bf16 row on the tensor cores (asked for: no engine path takes it yet) at
-      # GEMV_CONFIG (7B), where the one-row CUDA-core GEMVs collapse: its GPU test, then the plan
-      # sweep of the four GEMVs and their layer chain (per-op's cuBLAS: 136.5 us a layer)
+    gemv-bf16-mma)  # one bf16 row on the tensor cores (asked for, or auto at the shapes of
+      # BF16_ONE_ROW_MMA_SHAPES) at GEMV_CONFIG (7B), where the one-row CUDA-core GEMVs collapse: its
+      # GPU test, then the plan sweep of the four GEMVs and their layer chain (per-op's cuBLAS: 136.5 us a layer)
       cute_env
       run 300 $PYTEST tests/kernels/test_cute_gemv.py -k one_row_asked_for
       run 420 python3 scripts/gemv_sweep.py --config ${GEMV_CONFIG:-qwen2.5-7b} --mma --pdl on \
         --only qkv o gate_up down qkv_rope --budget-s 240 --json "$OUT/json/gemv-bf16-mma.json"
-      # then one stream: the default (per-op at 7B) against the fused path with the shape added
+      # then one stream: per-op against the fused path with the shape added (bf16-mma-ab does more)
       S="--config ${GEMV_CONFIG:-qwen2.5-7b} --dtype bfloat16 --quiet --workload single --max-num-pages 8192"
-      run 200 python3 -m flashlet.bench $S --out "$OUT/json/bf16-default-single.json"
+      run 200 python3 -m flashlet.bench $S --no-fused-decode --out "$OUT/json/bf16-default-single.json"
       run 300 python3 lab/bf16_one_row_mma.py $S --out "$OUT/json/bf16-one-row-mma-single.json" ;;
     bf16-mma-ab)  # per-op against one bf16 row on the tensor cores (and the fused path's M rows)
       cute_env

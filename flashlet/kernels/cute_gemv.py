@@ -165,8 +165,8 @@ def _dsl():
     g["_gemv_kernel_compiled"] = cute.kernel(_gemv_kernel)
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
-                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_store_sq,
-                   _lane_rows_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
+                   _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_sq_to_smem,
+                   _mma_store_sq, _lane_rows_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -1620,17 +1620,28 @@ def _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, nor
 
 
 @_deferred.jit
-def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
-    """1 / sqrt(mean(x^2) + eps) of this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]: each
-    warp's sums over its K steps (reduced over a row's four lanes) meet in shared memory."""
+def _mma_sq_to_smem(sq, sSq, warp, lane, rows):
+    """This warp's sums of x^2 over its K steps, a decode row each (reduced over the row's four
+    lanes), into sSq[warp * MMA_ROWS + row]; the caller syncs before reading them."""
     g = lane // 4
     t = lane % 4
-    n_tiles = (rows + 7) // 8
-    for nt in cutlass.range_constexpr(n_tiles):
+    for nt in cutlass.range_constexpr((rows + 7) // 8):
         ss = cutlass.Float32(sq[nt].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
         ss = cute.arch.warp_reduction_sum(ss, threads_in_group=4)
         if t == 0:
             sSq[warp * MMA_ROWS + nt * 8 + g] = ss
+
+
+def _rstd(ss, k: int, eps: float):
+    """1 / sqrt(mean(x^2) + eps) from a decode row's sum of x^2 over all of K."""
+    return cutlass.Float32(cute.math.rsqrt(ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True))
+
+
+@_deferred.jit
+def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
+    """1 / sqrt(mean(x^2) + eps) of this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]: each
+    warp's sums over its K steps meet in shared memory (`_mma_sq_to_smem`)."""
+    _mma_sq_to_smem(sq, sSq, warp, lane, rows)
     return _lane_rows_rstd(sSq, lane, k, warps, rows, eps)
 
 
@@ -1647,8 +1658,7 @@ def _lane_rows_rstd(sSq, lane, k, warps, rows, eps):
             ss = cutlass.Float32(0.0)
             for wi in cutlass.range_constexpr(warps):
                 ss = ss + sSq[wi * MMA_ROWS + m]
-            rstd.append(cutlass.Float32(cute.math.rsqrt(
-                ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
+            rstd.append(_rstd(ss, k, eps))
     return rstd
 
 
@@ -1660,13 +1670,7 @@ def _mma_store_sq(sq, sSq, mPart, tile, split, warp, lane, warps, rows, splits, 
     tile group's G tiles share them). The tile's last CTA adds the splits' sums for the rstd and
     scales the tile's sums once (`_mma_finish_split`): no CTA reads x beyond its own K. Warp 0's
     fence after its partial sums (`_mma_store_split`) covers these stores too."""
-    g = lane // 4
-    t = lane % 4
-    for nt in cutlass.range_constexpr((rows + 7) // 8):
-        ss = cutlass.Float32(sq[nt].reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0))
-        ss = cute.arch.warp_reduction_sum(ss, threads_in_group=4)
-        if t == 0:
-            sSq[warp * MMA_ROWS + nt * 8 + g] = ss
+    _mma_sq_to_smem(sq, sSq, warp, lane, rows)
     cute.arch.sync_threads()
     if warp == 0:
         if lane < rows:
@@ -1799,8 +1803,7 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS
                         ss = cutlass.Float32(0.0)
                         for sp in cutlass.range_constexpr(splits):
                             ss = ss + mPart[sq_at + (tile * splits + sp) * MMA_ROWS + m]
-                        rstd.append(cutlass.Float32(cute.math.rsqrt(
-                            ss * cutlass.Float32(1.0 / k) + cutlass.Float32(eps), fastmath=True)))
+                        rstd.append(_rstd(ss, k, eps))
             _mma_epilogue(total, tile, rstd, cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
                           mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads, pre,
                           _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim))
@@ -2100,7 +2103,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                      _mma_x_fragments: ("k", "warps", "chunks", "rows", "norm", "splits", "fp8"),
                      _mma_finish_split: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads",
                                          "splits", "k", "eps", "sq_at"),
-                     _mma_rstd: ("k", "warps", "rows", "eps"),
+                     _mma_rstd: ("k", "warps", "rows", "eps"), _mma_sq_to_smem: ("rows",),
                      _mma_store_sq: ("warps", "rows", "splits", "tile_group", "sq_at"),
                      _lane_rows_rstd: ("k", "warps", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",

@@ -221,6 +221,14 @@
 #                fused path with the shape in BF16_ONE_ROW_MMA_SHAPES (lab/bf16_one_row_mma.py):
 #                one stream through LLM.generate after a cached 1,000-token prompt, then the closed
 #                loop c = 1 / 4 / 16, 32 requests (BF16_AB_LOOP=0 skips it) (~4 min a preset)
+#   served-rows-ab the closed loop (c = 1 / 4 / 16, 32 requests) at SERVED_CONFIG (qwen2.5-7b) with
+#                SERVED_ARGS (e.g. "--quantization fp8") at the tree's served rows, then with
+#                SERVED_SET (NAME=N for lab/served_rows.py, e.g. SERVED_ROWS=8): which row counts
+#                a fused step should serve there (~4 min)
+#   large-long   one stream after LARGE_LONG_LENS-token prompts (8000 30000) at LARGE_LONG_CONFIG
+#                (qwen2.5-7b) through LLM.generate: per-op (--no-fused-decode), the default, and
+#                the default with its long rows attended in one launch (FLASHLET_LONG_DECODE)
+#                (~2 min a length at the 7B)
 #   fp8-generate fp8 weights at the defaults through LLM.generate (lab/one_stream_pair.py) at
 #                FP8_CONFIGS (0.5B, 7B), beside bf16, then the fp8 KV cache at 0.5B (~4 min)
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
@@ -763,6 +771,21 @@ for _ in range(480):
           run 240 python3 -m flashlet.bench $L --no-fused-decode --out "$OUT/json/bf16-ab-$cfg-per-op.json"
           run 240 python3 lab/bf16_one_row_mma.py $L --out "$OUT/json/bf16-ab-$cfg-mma.json"
         fi
+      done
+      pair_table ;;
+    served-rows-ab)  # the closed loop at the tree's served rows against SERVED_SET
+      cute_env
+      L="--config ${SERVED_CONFIG:-qwen2.5-7b} $SERVED_ARGS --dtype bfloat16 --quiet --workload closed-loop \
+         --concurrency 1 4 16 --num-requests 32 --max-new-tokens 128 --max-num-pages 8192"
+      run 240 python3 -m flashlet.bench $L --out "$OUT/json/served-rows-tree.json"
+      run 240 python3 lab/served_rows.py "${SERVED_SET:?SERVED_SET: NAME=N}" $L --out "$OUT/json/served-rows-set.json" ;;
+    large-long)  # one stream after long prompts at a large preset: per-op, the default, one launch
+      cute_env
+      for plen in ${LARGE_LONG_LENS:-8000 30000}; do
+        c="--config ${LARGE_LONG_CONFIG:-qwen2.5-7b} --prompt-len $plen"
+        run 200 python3 lab/one_stream_pair.py per-op $c --no-fused-decode
+        run 200 python3 lab/one_stream_pair.py default $c
+        run 200 env FLASHLET_LONG_DECODE=one-launch python3 lab/one_stream_pair.py one-launch $c
       done
       pair_table ;;
     fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three

@@ -223,8 +223,9 @@
 #                loop c = 1 / 4 / 16, 32 requests (BF16_AB_LOOP=0 skips it) (~4 min a preset)
 #   served-rows-ab the closed loop (c = 1 / 4 / 16, 32 requests) at SERVED_CONFIG (qwen2.5-7b) with
 #                SERVED_ARGS (e.g. "--quantization fp8") at the tree's served rows, then with
-#                SERVED_SET (NAME=N for lab/served_rows.py, e.g. SERVED_ROWS=8): which row counts
-#                a fused step should serve there (~4 min)
+#                each of SERVED_SET (NAME=N for lab/served_rows.py, e.g. "SERVED_ROWS=8
+#                SERVED_ROWS=4"; SERVED_CONC the concurrencies): which row counts a fused step
+#                should serve there (~1 min a run at the 7B)
 #   large-long   one stream after LARGE_LONG_LENS-token prompts (8000 30000) at LARGE_LONG_CONFIG
 #                (qwen2.5-7b) through LLM.generate: per-op (--no-fused-decode), the default, and
 #                the default with its long rows attended in one launch (FLASHLET_LONG_DECODE)
@@ -775,10 +776,12 @@ for _ in range(480):
       pair_table ;;
     served-rows-ab)  # the closed loop at the tree's served rows against SERVED_SET
       cute_env
-      L="--config ${SERVED_CONFIG:-qwen2.5-7b} $SERVED_ARGS --dtype bfloat16 --quiet --workload closed-loop \
-         --concurrency 1 4 16 --num-requests 32 --max-new-tokens 128 --max-num-pages 8192"
+      L="--config ${SERVED_CONFIG:-qwen2.5-7b} ${SERVED_ARGS:-} --dtype bfloat16 --quiet --workload closed-loop \
+         --concurrency ${SERVED_CONC:-1 4 16} --num-requests 32 --max-new-tokens 128 --max-num-pages 8192"
       run 240 python3 -m flashlet.bench $L --out "$OUT/json/served-rows-tree.json"
-      run 240 python3 lab/served_rows.py "${SERVED_SET:?SERVED_SET: NAME=N}" $L --out "$OUT/json/served-rows-set.json" ;;
+      for set in ${SERVED_SET:?SERVED_SET: NAME=N ...}; do
+        run 240 python3 lab/served_rows.py "$set" $L --out "$OUT/json/served-rows-$set.json"
+      done ;;
     large-long)  # one stream after long prompts at a large preset: per-op, the default, one launch
       cute_env
       for plen in ${LARGE_LONG_LENS:-8000 30000}; do

@@ -231,6 +231,15 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
     # long entry stays out (not timed in the engine).
     (128, 7, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=128, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None, prefetch_pages=True),
     (128, 7, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=256, waves=2, num_splits=16, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    # Llama-3.1-8B's 1 and 4 rows (and Mistral-7B's: the same key, 32 / 8 heads of 128), once the
+    # fused path serves its shape (H100, 2026-12-07, session 65, `LEAN_SWEEP_MODELS=llama-3.1-8b
+    # LEAN_SWEEP_ROWS="1 4" lean-sweep`, lab/tables/one-launch-llama-3.1-8b-2026-12-07.json): alone
+    # at 1,000 tokens the sweep's best 9.39 / 11.82 us a layer against the derived config's 15.77
+    # / 20.82; with this table one stream through LLM.generate after 1,000 tokens 171.4 tok/s
+    # against per-op's 161.4 (+6.2%), the closed loop c = 1 / 4 / 16 174 / 621 / 2,020 against
+    # 160 / 608 / 2,022 (`FLASHLET_DECODE_TABLES=... BF16_AB_CONFIGS=llama-3.1-8b bf16-mma-ab`).
+    (128, 4, 1): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=64, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
+    (128, 4, 4): OneLaunchConfig(block_n=64, num_warps=4, num_stages=2, min_split_tokens=64, waves=2, num_splits=8, kv_pack=1, long_from_tokens=0, long_split_tokens=0, merge_splits=None),
 }
 # (head_dim, group, rows bucket) -> OneLaunchConfig for the fused steps whose longest row holds
 # more than ONE_LAUNCH_LONG_CONTEXT tokens (`decode_attn_bench.py --one-launch`'s long entries:
@@ -253,13 +262,19 @@ ONE_LAUNCH_TABLE: dict[tuple[int, int, int], OneLaunchConfig] = {
 # tokens (the derived config 106.9; H100, `lean-sweep`, lab/tables/one-launch-qwen2.5-7b-2026-12-07
 # .json), so its long steps take the two launches per-op's decode ran there before, as the two
 # shapes measured in the engine do (`long-attn-ab` with LONG_AB_CONFIG=qwen2.5-7b reads it); its
-# 2-4 rows too (their entry was swept at 300 and 1,000 tokens only).
+# 2-4 rows too (their entry was swept at 300 and 1,000 tokens only). Read in the engine in session
+# 65 (H100, `gpu_run.sh large-long`, one fresh process each): after 8,000 / 30,000 tokens the
+# default (two launches) 179.8 / 164.5 tok/s, one launch 160.1 / 113.9, per-op 168.8 / 155.4.
+# Llama-3.1-8B's 1 and 4 rows (128, 4), fused since session 65, the same way (its short entries
+# were swept at 1,000 tokens at most).
 TWO_LAUNCH = "two-launch"
 ONE_LAUNCH_LONG_TABLE: dict[tuple[int, int, int], OneLaunchConfig | str] = {
     (64, 7, 1): TWO_LAUNCH,
     (128, 2, 1): TWO_LAUNCH,
     (128, 7, 1): TWO_LAUNCH,
     (128, 7, 4): TWO_LAUNCH,
+    (128, 4, 1): TWO_LAUNCH,
+    (128, 4, 4): TWO_LAUNCH,
 }
 # (head_dim, group, q-length bucket) -> PrefillConfig. Measured on an H200.
 PREFILL_TABLE: dict[tuple[int, int, int], PrefillConfig] = {}

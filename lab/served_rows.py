@@ -1,9 +1,10 @@
 """The harness (or `lab/one_stream_pair.py` with `pair`) with one of the fused path's served-row
 constants set: how many rows a fused step serves at a model's kind (`fused_decode.SERVED_ROWS`,
-`SERVED_ROWS_FP8` or `SERVED_ROWS_BF16_LARGE`), for an A/B against the tree's value before the
-constant moves (a measurement, not a setting: the constant is where the measured answer goes).
+`SERVED_ROWS_FP8`, `SERVED_ROWS_FP8_LARGE` or `SERVED_ROWS_BF16_LARGE`), for an A/B against the
+tree's value before the constant moves (a measurement, not a setting: the constant is where the
+measured answer goes).
 
-    python3 lab/served_rows.py SERVED_ROWS=8 --config qwen2.5-7b --quantization fp8 --dtype bfloat16 \\
+    python3 lab/served_rows.py SERVED_ROWS_FP8_LARGE=16 --config qwen2.5-7b --quantization fp8 --dtype bfloat16 \\
         --quiet --workload closed-loop --concurrency 1 4 16 --max-num-pages 8192
     python3 lab/served_rows.py SERVED_ROWS_BF16_LARGE=8 pair rows8 --config qwen2.5-7b
 """
@@ -16,7 +17,7 @@ import sys
 from flashlet.kernels.cute_gemv import MAX_ROWS
 from flashlet.runner import fused_decode
 
-CONSTANTS = ("SERVED_ROWS", "SERVED_ROWS_FP8", "SERVED_ROWS_BF16_LARGE")
+CONSTANTS = ("SERVED_ROWS", "SERVED_ROWS_FP8", "SERVED_ROWS_FP8_LARGE", "SERVED_ROWS_BF16_LARGE")
 
 
 def set_constant(setting: str) -> str:

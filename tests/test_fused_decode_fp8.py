@@ -123,6 +123,25 @@ def test_fp8_tensor_cores_as_asked_or_by_hidden_size(tiny_model, reference_kerne
                 down=(True, bool(opt_in)), lm_head=(False, False))
 
 
+def test_fp8_tensor_cores_at_a_measured_shape_serve_their_own_rows(tiny_model, reference_kernels, monkeypatch):
+    """At a shape of FP8_MMA_SHAPES (the 7B's, where 16-row fused steps lost to per-op's cuBLAS)
+    fp8 on the tensor cores serves up to SERVED_ROWS_FP8_LARGE rows, asked for or by auto; the
+    same tiny model outside the set, asked for, serves SERVED_ROWS."""
+    from flashlet.runner import fused_decode
+
+    def served(opt_in):
+        config = dict(FP8, fused_decode_fp8_mma=opt_in)
+        engine = Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=16, fused_decode=True, **config))
+        return engine.runner.fused.row_counts
+
+    assert served(True) == [1, 2, 4, 8, 16]
+    shape = fused_decode.model_shape(Engine(EngineConfig(model=str(tiny_model), device="cpu", max_num_seqs=1)).model)
+    monkeypatch.setattr(fused_decode, "FP8_MMA_SHAPES", {shape})
+    want = [r for r in [1, 2, 4, 8, 16] if r <= fused_decode.SERVED_ROWS_FP8_LARGE]
+    assert served(None) == served(True) == want == [1, 2, 4, 8]
+    assert served(False) == [1, 2, 4]  # the CUDA-core form: SERVED_ROWS_FP8
+
+
 def test_fp8_tensor_cores_need_the_fused_path():
     """Asking for fp8 on the tensor cores with the fused path turned off is a clear error."""
     with pytest.raises(ValueError, match="fused_decode=False"):

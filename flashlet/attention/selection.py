@@ -6,8 +6,9 @@ backend reads the pool's NHD layout, `KVPool`):
                        `flashlet/runner/fused_decode.py`), where the platform and the model allow
                        it; so do speculative verify steps of at most 16 query tokens (the rows
                        where it was measured faster: `fused_decode.SERVED_ROWS`; 4 with fp8
-                       weights, `SERVED_ROWS_FP8`, and at the 7B's bf16 shape,
-                       `SERVED_ROWS_BF16_LARGE`)
+                       weights on the CUDA cores, `SERVED_ROWS_FP8`; 8 with them on the tensor
+                       cores at the 7B's shape, `SERVED_ROWS_FP8_LARGE`; 4 at the 7B's and
+                       8B's bf16 shapes, `SERVED_ROWS_BF16_LARGE`)
     decode (17+ rows)  the decode backend, per-op
     prefill/mixed      the step backend, per-op
 `--backend auto` picks the step backend and the decode backend apart, from the measured table

@@ -136,6 +136,12 @@ SERVED_ROWS_FP8 = 4
 # -> 1,070 (ITL 6.14 -> 13.8 ms: the 16-row M-row GEMVs' layer chain 467 us alone against 169 at 4
 # rows, `gemv_sweep.py --config qwen2.5-7b --rows 16`). 8 rows not measured: per-op from 5 up.
 SERVED_ROWS_BF16_LARGE = 4
+# fp8 weights on the tensor cores at a shape of FP8_MMA_SHAPES (the 7B's): the most rows a fused
+# step serves there. Qwen2.5-7B on an H100 (session 65, 2026-12-07, `SERVED_ARGS="--quantization
+# fp8" gpu_run.sh served-rows-ab`, the closed loop of 32 requests, one call): c = 8 fused 1,693 /
+# 1,696 tok/s against 1,584 with 5-8 rows per-op (+7%); c = 16 16-row fused steps 2,469 against
+# 2,775 with 9-16 rows per-op (-11%; per-op's cuBLAS 2,776 without the DSL, another call).
+SERVED_ROWS_FP8_LARGE = 8
 
 # Fused steps whose RoPE is not in the QKV epilogue (Qwen3's, whose per-head norms keep it out)
 # normalise and rotate q and each row's newest k, and write its K/V row, inside the one-launch
@@ -355,10 +361,13 @@ class Gemvs:
 def served_row_counts(padded_sizes: Sequence[int], model, fp8_mma: bool | None = False) -> list[int]:
     """Of the runner's padded decode sizes, those the fused path serves (SERVED_ROWS;
     SERVED_ROWS_FP8 for a model with fp8 weights off the tensor cores (`fp8_tensor_cores` of
-    fp8_mma); SERVED_ROWS_BF16_LARGE at a bf16 shape of BF16_ONE_ROW_MMA_SHAPES; and no more than
-    the kernel takes): a step padded to any other runs per-op."""
+    fp8_mma), SERVED_ROWS_FP8_LARGE on them at a shape of FP8_MMA_SHAPES; SERVED_ROWS_BF16_LARGE
+    at a bf16 shape of BF16_ONE_ROW_MMA_SHAPES; and no more than the kernel takes): a step padded
+    to any other runs per-op."""
     if is_quantized(model) and not fp8_tensor_cores(model, fp8_mma):
         served = SERVED_ROWS_FP8
+    elif is_quantized(model) and model_shape(model) in FP8_MMA_SHAPES:
+        served = SERVED_ROWS_FP8_LARGE
     elif bf16_one_row_tensor_cores(model):
         served = SERVED_ROWS_BF16_LARGE
     else:

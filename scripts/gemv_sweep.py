@@ -105,12 +105,15 @@ def log(msg: str) -> None:
 
 def mma_variants(name: str) -> list[tuple[str, dict]]:
     """The tensor-core form's knobs (`cute_gemv._plan_mma`): warps (K steps each), a looping
-    grid, splits of K over CTAs (asked for: no norm or argmax), a register cap, tiles a CTA sharing one
-    load of x (tile_group; not with the argmax's looping grid)."""
+    grid, splits of K over CTAs (no argmax; a normed GEMV in two only, the split norm's last CTA
+    taking the rstd), a register cap, tiles a CTA sharing one load of x (tile_group; not with
+    the argmax's looping grid)."""
     norm, epilogue = SHAPES[name][3], SHAPES[name][2]
     out = [(f"warps={w}", dict(warps=w)) for w in (4, 7, 8, 14, 16)]
     out += [(f"loop {c}/SM", dict(ctas_per_sm=c)) for c in (1, 2, 4)]
     can_split = not norm and epilogue != "argmax"
+    if norm and epilogue != "argmax":  # K in two where the planner keeps it in one CTA (or the reverse)
+        out += [("splits=2", dict(splits=2))]
     if can_split:
         out += [(f"splits={s}", dict(splits=s)) for s in (2, 3, 4, 6, 8)]
         out += [(f"splits={s} warps={w}", dict(splits=s, warps=w)) for s, w in ((2, 8), (4, 4), (4, 8))]

@@ -716,10 +716,10 @@ def _plan_mma(n_rows: int, k: int, epilogue: str, n_out: int, rows: int, knobs: 
         # (warps, K steps a warp, at most most_steps) at n_splits CTAs a tile group
         return _mma_warps(math.ceil(steps / n_splits), ctas_a_split * n_splits, num_sms, given_warps, most_steps)
 
-    # The norm splits K only where one CTA's warps cannot hold it (Qwen2.5-14B's K = 5,120 at one
-    # row): each CTA then stores its K's sums of squares for the tile's last CTA (`_mma_store_sq`).
+    # The norm splits K only where one CTA's warps cannot hold it (Qwen2.5-14B's K = 5,120 past 8
+    # rows): each CTA then stores its K's sums of squares for the tile's last CTA (`_mma_store_sq`).
     # Its registers are counted as lowered (`_mma_fits`'s lean_x): Llama-3.1-8B's K = 4,096 fits
-    # 16 warps of 8 K steps.
+    # 16 warps of 8 K steps, Qwen2.5-14B's 5,120 20 warps (up to 8 rows).
     lean = norm and epilogue != "argmax"  # (the looping argmax holds its next tile's loads too)
     can_split = epilogue != "argmax" and (not norm or not _mma_fits(*warps_for(1), n_tiles, x_regs, group, lean))
     if splits is None:
@@ -785,12 +785,15 @@ def _mma_fits(warps: int, chunks: int, n_tiles: int, x_regs: int = 4, group: int
     spills (it did at K = 4864's 19 warps), as it does past 255 a thread (three 16-row tiles of
     8 K steps a warp: 152 bytes of stack). lean_x (the planner's, for a normed bf16 GEMV of one
     n-tile and one tile, up to 8 rows): few of the x fragments are held at once, ptxas issuing
-    them among the products, so the weights, the accumulators and 48 (lowered for sm_90a at 8 K
-    steps a warp, DSL 4.8.1: 106 registers at 14 warps, 100-104 at 16, 96 at 20, no stack; this
-    count gives 120, the full one 144). Only there, where K split in two costs the norm its own
-    reduction: elsewhere the full count keeps the plans that were measured."""
+    them among the products, so the weights, the accumulators and 24 (lowered for sm_90a at 8 K
+    steps a warp, DSL 4.8.1, Triton's ptxas: 106 registers at 14 warps, where ptxas may take
+    146; 100-104 at 16, 128 at 16 warps of 8 rows; at 20 warps, where it may take 102,
+    Qwen2.5-14B's QKV (with its RoPE epilogue or its bias alone) and gate+up 96 at 1, 4 and 8
+    rows with no stack, 8-16 bytes of stack at 2 rows; this count gives 96, the full one 144).
+    Only there, where K split in two costs the norm its own reduction: elsewhere the full count
+    keeps the plans that were measured."""
     if lean_x and x_regs == 4 and n_tiles == 1 and group == 1:
-        regs = 8 * chunks + 8 + 48
+        regs = 8 * chunks + 8 + 24
     else:
         regs = 8 * chunks * group + x_regs * chunks * n_tiles + 8 * n_tiles + 40 + (16 if x_regs > 4 else 0)
     return regs <= 255 and regs * warps * 32 <= 65536

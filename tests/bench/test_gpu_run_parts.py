@@ -58,7 +58,8 @@ def gpu_run(tmp_path):
         calls.write_text("")
         full = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHLET_", "GEMV_", "LEAN_", "LOOP_", "CACHED_"))}
         full.update(PATH=f"{stub_dir}:{os.environ['PATH']}", REAL_PY=sys.executable, CALLS=str(calls),
-                    GPU_RUN_KEEP=str(keep), OUT=str(tmp_path / "out"), TRITON_PIN="0", **env)
+                    GPU_RUN_KEEP=str(keep), OUT=str(tmp_path / "out"), TRITON_PIN="0")
+        full.update({"CUTE_OPTIONAL": "1", **env})  # no CuTe DSL here: the parts that ask for it run on
         proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), *parts], env=full,
                               capture_output=True, text=True, timeout=120)
         lines = [line.split("| ", 1) for line in calls.read_text().splitlines()]
@@ -66,6 +67,48 @@ def gpu_run(tmp_path):
 
     run.keep = keep
     return run
+
+
+def test_a_part_asking_for_the_cute_dsl_is_skipped_where_it_is_missing(gpu_run):
+    """A fresh machine without the DSL (not carried in that call): a part whose figures are the
+    fused path's runs nothing and exits 2, where it would have labelled per-op readings as fused;
+    a part that does not ask for the DSL runs; CUTE_OPTIONAL=1 runs the first anyway."""
+    rc, calls = gpu_run("large-long", CUTE_OPTIONAL="0")
+    assert rc == 2 and calls == []
+    rc, calls = gpu_run("two-launch-long", CUTE_OPTIONAL="0")
+    assert rc == 0 and calls[0][1].startswith("scripts/decode_attn_bench.py")
+    rc, calls = gpu_run("large-long", "served-rows-ab", CUTE_OPTIONAL="0", SERVED_SET="SERVED_ROWS=8")
+    assert rc == 2 and calls == []  # (each part asks; neither runs)
+    rc, calls = gpu_run("large-long", LARGE_LONG_LENS="8000")
+    assert rc == 0 and len(calls) == 4
+
+
+def test_large_long_runs_per_op_the_default_and_one_launch_at_each_length(gpu_run):
+    rc, calls = gpu_run("large-long", LARGE_LONG_CONFIG="llama-3.1-8b", LARGE_LONG_LENS="1000 8000")
+    assert rc == 0
+    *runs, (_, table) = calls
+    assert [v for v, _ in runs] == ["", "", "FLASHLET_LONG_DECODE=one-launch"] * 2
+    assert [c for _, c in runs[:3]] == [
+        "lab/one_stream_pair.py per-op --config llama-3.1-8b --prompt-len 1000 --no-fused-decode",
+        "lab/one_stream_pair.py default --config llama-3.1-8b --prompt-len 1000",
+        "lab/one_stream_pair.py one-launch --config llama-3.1-8b --prompt-len 1000"]
+    assert all("--prompt-len 8000" in c for _, c in runs[3:])
+    assert table == "lab/one_stream_pair.py --table"
+
+
+def test_served_rows_ab_runs_the_tree_then_each_setting(gpu_run):
+    rc, calls = gpu_run("served-rows-ab", SERVED_ARGS="--quantization fp8", SERVED_CONC="8 16",
+                        SERVED_SET="SERVED_ROWS_FP8_LARGE=16 SERVED_ROWS_FP8_LARGE=4")
+    assert rc == 0
+    assert [c.split()[:3] for _, c in calls] == [["-m", "flashlet.bench", "--config"],
+                                                 ["lab/served_rows.py", "SERVED_ROWS_FP8_LARGE=16", "--config"],
+                                                 ["lab/served_rows.py", "SERVED_ROWS_FP8_LARGE=4", "--config"]]
+    assert all("--config qwen2.5-7b --quantization fp8 " in c and "--concurrency 8 16 " in c for _, c in calls)
+    outs = [c.split("--out ")[1] for _, c in calls]
+    assert [o.rsplit("/", 1)[1] for o in outs] == ["served-rows-tree.json", "served-rows-SERVED_ROWS_FP8_LARGE=16.json",
+                                                   "served-rows-SERVED_ROWS_FP8_LARGE=4.json"]
+    rc, calls = gpu_run("served-rows-ab")
+    assert rc != 0 and len(calls) == 1  # the tree's run, then no SERVED_SET: the part stops
 
 
 def test_gemv_rows_in_two_calls_merges_both_row_counts(gpu_run):

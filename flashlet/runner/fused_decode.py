@@ -134,7 +134,8 @@ SERVED_ROWS_FP8 = 4
 # H100 (session 64, 2026-12-07, `gpu_run.sh bf16-mma-ab`, the closed loop of 32 requests, per-op
 # against the fused path up to 16 rows): c = 1 171 -> 182 tok/s, c = 4 647 -> 670, c = 16 2,209
 # -> 1,070 (ITL 6.14 -> 13.8 ms: the 16-row M-row GEMVs' layer chain 467 us alone against 169 at 4
-# rows, `gemv_sweep.py --config qwen2.5-7b --rows 16`). 8 rows not measured: per-op from 5 up.
+# rows, `gemv_sweep.py --config qwen2.5-7b --rows 16`). 8 against 4 (session 65, one H100,
+# `served-rows-ab`): c = 8 1,239 against 1,225, c = 16 2,204 against 2,208 (noise; 4 kept).
 SERVED_ROWS_BF16_LARGE = 4
 # fp8 weights on the tensor cores at a shape of FP8_MMA_SHAPES (the 7B's): the most rows a fused
 # step serves there. Qwen2.5-7B on an H100 (session 65, 2026-12-07, `SERVED_ARGS="--quantization
@@ -219,7 +220,8 @@ def fp8_tensor_cores(model, asked: bool | None) -> bool:
 # session 65 (H100, 2026-12-07), its normed GEMVs in one CTA up to 8 rows since a662b8c and its
 # one-launch entries (128, 4, *) swept: one stream after 1,000 tokens 161.4 -> 171.4 (+6.2%), the
 # closed loop c = 1 / 4 / 16 160 / 608 / 2,022 -> 174 / 621 / 2,020 (`bf16-mma-ab`, one call).
-# Qwen2.5-14B stays out (not re-read since the split norm).
+# Qwen2.5-14B stays out (78.2 against 89.0 with the split norm; its normed GEMVs keep K in one
+# CTA of 20 warps since session 65, not yet timed).
 BF16_ONE_ROW_MMA_SHAPES: set[tuple[int, int]] = {(3584, 18944), (4096, 14336)}
 
 

@@ -33,13 +33,7 @@ def add_shape(argv: list[str]) -> tuple[int, int]:
 if __name__ == "__main__":
     args = sys.argv[1:]
     print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(args)}", file=sys.stderr)
-    if args[:1] == ["pair"]:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
-        import one_stream_pair
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
+    from one_stream_pair import pair_or_bench
 
-        sys.argv = ["one_stream_pair.py", *args[1:]]
-        one_stream_pair.main()
-    else:
-        from flashlet.bench.cli import main
-
-        sys.exit(main(args))
+    pair_or_bench(args)

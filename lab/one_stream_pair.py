@@ -142,5 +142,17 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def pair_or_bench(args: list[str]) -> None:
+    """For a lab tool that patches the engine in its own process first: `pair ARGS` runs this
+    script's main on ARGS, anything else the bench harness's (`python -m flashlet.bench ARGS`)."""
+    if args[:1] == ["pair"]:
+        sys.argv = ["one_stream_pair.py", *args[1:]]
+        main()
+    else:
+        from flashlet.bench.cli import main as bench_main
+
+        sys.exit(bench_main(args))
+
+
 if __name__ == "__main__":
     main()

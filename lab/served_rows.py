@@ -38,13 +38,7 @@ if __name__ == "__main__":
         raise SystemExit(__doc__)
     print(set_constant(sys.argv[1]), file=sys.stderr)
     args = sys.argv[2:]
-    if args[:1] == ["pair"]:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
-        import one_stream_pair
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
+    from one_stream_pair import pair_or_bench
 
-        sys.argv = ["one_stream_pair.py", *args[1:]]
-        one_stream_pair.main()
-    else:
-        from flashlet.bench.cli import main
-
-        sys.exit(main(args))
+    pair_or_bench(args)

@@ -166,7 +166,7 @@ def _dsl():
     g["_mma_kernel_compiled"] = cute.kernel(_mma_kernel)
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_sq_to_smem,
-                   _mma_store_sq, _lane_rows_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
+                   _mma_store_sq, _lane_rows_rstd, _summed_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
                    _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
@@ -1652,15 +1652,23 @@ def _mma_rstd(sq, sSq, warp, lane, k, warps, rows, eps):
 def _lane_rows_rstd(sSq, lane, k, warps, rows, eps):
     """After each warp's sums of x^2 a decode row reach sSq[warp * MMA_ROWS + m]: the rstd of
     this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]."""
-    t = lane % 4
     cute.arch.sync_threads()
+    return _summed_rstd(sSq, 0, 0, lane, k, warps, rows, eps)
+
+
+@_deferred.jit
+def _summed_rstd(mSq, at, first, lane, k, parts, rows, eps):
+    """The rstd of this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j], from `parts` sums of x^2
+    a row at mSq[at + (first + part) * MMA_ROWS + m], added in part order (a CTA's warps' in
+    shared memory; a split tile's CTAs' in the workspace)."""
+    t = lane % 4
     rstd = []
     for nt in cutlass.range_constexpr((rows + 7) // 8):
         for j in cutlass.range_constexpr(2):
             m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
             ss = cutlass.Float32(0.0)
-            for wi in cutlass.range_constexpr(warps):
-                ss = ss + sSq[wi * MMA_ROWS + m]
+            for part in cutlass.range_constexpr(parts):
+                ss = ss + mSq[at + (first + part) * MMA_ROWS + m]
             rstd.append(_rstd(ss, k, eps))
     return rstd
 
@@ -1781,7 +1789,6 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS
     added in split order), then resets the counter for the next launch."""
     n_tiles = (rows + 7) // 8
     lane = tidx % 32
-    t = lane % 4
     cute.arch.sync_threads()
     if tidx == 0:
         sLast[0] = cutlass.utils.distributed.atomicAdd(mCounter.iterator + tile, cutlass.Int32(1))
@@ -1799,14 +1806,8 @@ def _mma_finish_split(mPart, mCounter, sLast, tile, tidx, pre, mY, mE, mPos, mCS
                     row.append(v)
                 total.append(row)
             rstd = []
-            if cutlass.const_expr(norm):  # this lane's decode rows 8 nt + 2 t + j, [nt * 2 + j]
-                for nt in cutlass.range_constexpr(n_tiles):
-                    for j in cutlass.range_constexpr(2):
-                        m = cutlass.min(nt * 8 + 2 * t + j, rows - 1)
-                        ss = cutlass.Float32(0.0)
-                        for sp in cutlass.range_constexpr(splits):
-                            ss = ss + mPart[sq_at + (tile * splits + sp) * MMA_ROWS + m]
-                        rstd.append(_rstd(ss, k, eps))
+            if cutlass.const_expr(norm):  # the splits' sums of x^2 of this tile (`_mma_store_sq`)
+                rstd = _summed_rstd(mPart, sq_at, tile * splits, lane, k, splits, rows, eps)
             _mma_epilogue(total, tile, rstd, cutlass.Float32(0.0), cutlass.Int32(0), mY, mE, mPos, mCS, mSlot, mKC,
                           mVC, lane, n_out, epilogue, rows, norm, head_dim, q_heads, kv_heads, pre,
                           _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim))
@@ -2108,7 +2109,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                                          "splits", "k", "eps", "sq_at"),
                      _mma_rstd: ("k", "warps", "rows", "eps"), _mma_sq_to_smem: ("rows",),
                      _mma_store_sq: ("warps", "rows", "splits", "tile_group", "sq_at"),
-                     _lane_rows_rstd: ("k", "warps", "rows", "eps"),
+                     _lane_rows_rstd: ("k", "warps", "rows", "eps"), _summed_rstd: ("k", "parts", "rows", "eps"),
                      _mma_tile: ("warps", "n_out", "epilogue", "rows", "norm", "head_dim", "q_heads",
                                  "kv_heads", "splits", "k", "eps", "sq_at"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
@@ -2155,8 +2156,8 @@ def _buffer_sizes(p: GemvPlan) -> tuple[int, int]:
     """A plan's partials and counters: the argmax's per-CTA partials (one counter), or
     split-K's fp32 sums of each CTA's K (a lane's slots) and a counter a tile; else one of each."""
     if p.splits > 1:  # with the norm, each part's sums of x^2 after them (`_split_sq_at`)
-        sums = _split_sq_at(p.num_tiles, p.splits, p.rows)
-        return sums + (p.num_tiles * p.splits * MMA_ROWS if p.norm else 0), p.num_tiles
+        partials = _split_sq_at(p.num_tiles, p.splits, p.rows)
+        return partials + (p.num_tiles * p.splits * MMA_ROWS if p.norm else 0), p.num_tiles
     return (p.grid * p.rows if p.epilogue == "argmax" else 1), 1
 
 

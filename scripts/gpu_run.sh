@@ -234,6 +234,9 @@
 #                FP8_CONFIGS (0.5B, 7B), beside bf16, then the fp8 KV cache at 0.5B (~4 min)
 #   profile-128  a 128-row decode step under torch.profiler (decode-sat's 128 x 2,000 shape),
 #                bf16 and fp8 KV: each kernel's time (~1 min)
+#   step-timeline one fused row's step as the engine runs it by default, at each of TIMELINE_CONFIGS
+#                after TIMELINE_LEN (1000) tokens, under torch.profiler: each kernel's end delta
+#                (what it adds to the step under PDL), summed by kernel name (~30 s a preset)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -806,6 +809,14 @@ for _ in range(480):
         run 300 python3 lab/one_stream_pair.py fp8 --config $cfg --quantization fp8
       done
       run 300 python3 lab/one_stream_pair.py kv-fp8 --kv-cache-dtype fp8 ;;  # the fp8 KV cache (0.5B)
+    step-timeline)  # where a fused one-row step's time goes, kernel by kernel, at the defaults
+      cute_env || continue
+      for c in ${TIMELINE_CONFIGS:-qwen2.5-1.5b llama-3.2-1b qwen2.5-0.5b}; do
+        echo "### step-timeline $c" | tee -a "$LOG"
+        run 200 python3 scripts/profile_step.py --backend triton --fused-decode --fused-parts default \
+          --config "$c" --prompt-len "${TIMELINE_LEN:-1000}" --rows 3 --timeline
+      done
+      grep -E "^### step-timeline|^## |end delta" "$LOG" | tail -60 ;;
     profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV
       for kv in auto fp8; do
         run 200 python3 scripts/profile_step.py --backend triton --batch 128 --prompt-len 2000 \

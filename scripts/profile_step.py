@@ -4,6 +4,8 @@ kernels and host functions of a few steps under torch.profiler.
     python scripts/profile_step.py --backend torch --batch 1 --config qwen2.5-0.5b
     python scripts/profile_step.py --backend triton --batch 8 --fused-decode --fused-parts pdl rope attn \
         --served-rows 8 --timeline     # a fused step of rows past fused_decode.SERVED_ROWS
+    python scripts/profile_step.py --backend triton --fused-decode --fused-parts default --prompt-len 1000 \
+        --config qwen2.5-1.5b --timeline   # one row as the engine runs it by default
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def main(argv=None) -> None:
                    help="weight quantization (fp8: the weight-only e4m3 GEMMs)")
     # Each off unless given (not the engine's auto): a profile names the variant it shows.
     p.add_argument("--fused-decode", action="store_true", help="the CuTe fused decode path")
-    p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn"),
-                   help="with --fused-decode: the parts on (the rest off)")
+    p.add_argument("--fused-parts", nargs="*", default=[], choices=("pdl", "rope", "attn", "default"),
+                   help="with --fused-decode: the parts on (the rest off); 'default': each where it "
+                        "applies, as the engine chooses")
     p.add_argument("--served-rows", type=int, default=None,
                    help="with --fused-decode: the most rows it serves (fused_decode.SERVED_ROWS, "
                         "the measured choice, by default; up to MAX_ROWS)")
@@ -46,7 +49,8 @@ def main(argv=None) -> None:
         if not 1 <= args.served_rows <= fused_decode.MAX_ROWS:
             p.error(f"--served-rows must be in 1..{fused_decode.MAX_ROWS}")
         fused_decode.SERVED_ROWS = args.served_rows
-    parts = FusedParts(**{part: part in args.fused_parts for part in ("pdl", "rope", "attn")})
+    parts = (FusedParts() if "default" in args.fused_parts
+             else FusedParts(**{part: part in args.fused_parts for part in ("pdl", "rope", "attn")}))
     engine = Engine(EngineConfig(config=args.config, backend=args.backend, max_num_pages=args.max_num_pages,
                                  cuda_graph=not args.no_cuda_graph, dtype="bfloat16",
                                  kv_cache_dtype=args.kv_cache_dtype,

@@ -332,7 +332,7 @@ TUNED_PLANS: dict[tuple, dict] = {
     # one stream after 1,000 tokens through LLM.generate +8-15% against the heuristic's plans
     # (BENCHMARKS.md's history). The O projection at K = 2048 won with 8 warps at all three
     # presets that have it. The plain QKV entries of Llama-3.2-1B, TinyLlama and Qwen2.5-1.5B
-    # serve steps without the RoPE epilogue (an fp8 KV pool); with it their QKV is unswept.
+    # serve steps without the RoPE epilogue (an fp8 KV pool); with it, see below.
     (4096, 1024, "none", True, True): {"min_ctas_per_sm": 8},  # qwen3-0.6b qkv
     (1024, 2048, "residual", False, True): {"warps": 8},  # qwen3-0.6b o
     (6144, 1024, "silu_mul", True, True): {"staged": True},  # qwen3-0.6b gate_up
@@ -356,6 +356,12 @@ TUNED_PLANS: dict[tuple, dict] = {
     (17920, 1536, "silu_mul", True, True): {"staged": True, "stages": 2, "ctas_per_sm": 4},  # qwen2.5-1.5b gate_up
     (1536, 8960, "residual", False, True): {"warps": 8},  # qwen2.5-1.5b down
     (151936, 1536, "argmax", True, True): {"late_g": True, "min_ctas_per_sm": 3},  # qwen2.5-1.5b lm_head
+    # Qwen2.5-1.5B's QKV with its RoPE epilogue (the one-row steps' form), swept on an H100
+    # (gpu_run.sh gemv-preset with GEMV_SHAPES=qkv_rope, session 66): 1.05x alone, but one stream
+    # after 1,000 tokens through LLM.generate +13.6% / +13.8% (two interleaved pairs), the
+    # attention after it no longer waiting on 1,024 one-warp CTAs. Llama-3.2-1B's winner (1.20x
+    # alone) read +0.7% and TinyLlama's (1.27x) -2.7% in the same A/B: neither is an entry.
+    (2048, 1536, "bias_rope_kv", True, True): {"warps": 2, "outs_per_group": 2},  # qwen2.5-1.5b qkv + RoPE
     # Qwen2.5-0.5B's 2-, 4- and 16-row plans (the tensor-core form, but for the 2-row down's CUDA
     # cores), swept on an H100 (gpu_run.sh gemv-rows, 2026-12-05 for 4 rows, 2026-12-06 for 2 and
     # 16). The closed loop at c = 2 / 16 +16% / +11-14%, c = 4 -0.7 to +3.0%; N streams through

@@ -237,6 +237,13 @@
 #   step-timeline one fused row's step as the engine runs it by default, at each of TIMELINE_CONFIGS
 #                after TIMELINE_LEN (1000) tokens, under torch.profiler: each kernel's end delta
 #                (what it adds to the step under PDL), summed by kernel name (~30 s a preset)
+#   step-plans   one fused GEMV's plans ranked inside the engine's one-row step
+#                (lab/step_plan_sweep.py) at each of STEP_PLANS_CONFIGS x STEP_PLANS_GEMVS (qkv),
+#                after STEP_PLANS_LEN (1000) tokens, STEP_PLANS_BUDGET (200) s each: where the
+#                kernel-alone sweep (gemv-preset) misranks the plans a chain wants
+#   o-plain-ab   one stream after 1,000 tokens at each of O_PLAIN_CONFIGS (qwen2.5-1.5b
+#                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
+#                (lab/o_plain_launch.py), two interleaved pairs, then the latter's step timeline
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -817,6 +824,27 @@ for _ in range(480):
           --config "$c" --prompt-len "${TIMELINE_LEN:-1000}" --rows 3 --timeline
       done
       grep -E "^### step-timeline|^## |end delta" "$LOG" | tail -60 ;;
+    step-plans)  # a fused GEMV's plans ranked in the engine's one-row step, not alone
+      cute_env || continue
+      for c in ${STEP_PLANS_CONFIGS:-tinyllama-1.1b llama-3.2-1b}; do
+        for g in ${STEP_PLANS_GEMVS:-qkv}; do
+          run 420 python3 lab/step_plan_sweep.py --config "$c" --gemv "$g" --prompt-len "${STEP_PLANS_LEN:-1000}" \
+            --budget-s "${STEP_PLANS_BUDGET:-200}" --json "$OUT/json/step-plans-$c-$g.json"
+        done
+      done ;;
+    o-plain-ab)  # the tree against its O GEMV in plain stream order: does the attention's span shrink?
+      cute_env || continue
+      for pair in 1 2; do
+        for c in ${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}; do
+          run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
+          run 150 python3 lab/o_plain_launch.py pair o-plain --config "$c" --prompt-len 1000
+        done
+      done
+      for c in ${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}; do
+        run 200 python3 lab/o_plain_launch.py profile --backend triton --fused-decode --fused-parts default \
+          --config "$c" --prompt-len 1000 --rows 3 --timeline
+      done
+      pair_table ;;
     profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV
       for kv in auto fp8; do
         run 200 python3 scripts/profile_step.py --backend triton --batch 128 --prompt-len 2000 \

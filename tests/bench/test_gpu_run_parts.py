@@ -258,3 +258,29 @@ def test_base_ab_runs_the_base_trees_commands_from_inside_it(gpu_run, tmp_path):
     assert all("scripts/fused_decode_bench.py" in c and "--streams 1 4 16" in c for _, c in timed[4:])
     assert summary.split()[1:3] == ["lab/ab_table.py", "--loop-a"]
     assert "base-none-1.json" in summary and "base-streams-tree.json" in summary
+
+
+def test_step_timeline_profiles_one_row_at_the_defaults_at_each_config(gpu_run):
+    rc, calls = gpu_run("step-timeline", TIMELINE_CONFIGS="qwen2.5-1.5b llama-3.2-1b", TIMELINE_LEN="8000")
+    assert rc == 0
+    assert [c for _, c in calls] == [
+        f"scripts/profile_step.py --backend triton --fused-decode --fused-parts default --config {c} "
+        "--prompt-len 8000 --rows 3 --timeline" for c in ("qwen2.5-1.5b", "llama-3.2-1b")]
+
+
+def test_step_plans_sweeps_each_gemv_at_each_config_in_the_engine(gpu_run):
+    rc, calls = gpu_run("step-plans", STEP_PLANS_CONFIGS="tinyllama-1.1b", STEP_PLANS_GEMVS="qkv o")
+    assert rc == 0
+    assert [c.split(" --json")[0] for _, c in calls] == [
+        f"lab/step_plan_sweep.py --config tinyllama-1.1b --gemv {g} --prompt-len 1000 --budget-s 200" for g in ("qkv", "o")]
+    assert calls[1][1].endswith("step-plans-tinyllama-1.1b-o.json")
+
+
+def test_o_plain_ab_interleaves_two_pairs_then_profiles_the_plain_form(gpu_run):
+    rc, calls = gpu_run("o-plain-ab", O_PLAIN_CONFIGS="qwen2.5-1.5b")
+    assert rc == 0
+    *runs, (_, table) = calls
+    assert [c.split()[:2] for _, c in runs] == [["lab/one_stream_pair.py", "tree"], ["lab/o_plain_launch.py", "pair"]] * 2 + [
+        ["lab/o_plain_launch.py", "profile"]]
+    assert all("--config qwen2.5-1.5b" in c and "--prompt-len 1000" in c for _, c in runs)
+    assert table == "lab/one_stream_pair.py --table"

@@ -34,6 +34,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     print(f"BF16_ONE_ROW_MMA_SHAPES += {add_shape(args)}", file=sys.stderr)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
-    from one_stream_pair import pair_or_bench
+    from one_stream_pair import run_patched
 
-    pair_or_bench(args)
+    run_patched(args)

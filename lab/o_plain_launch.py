@@ -40,14 +40,7 @@ if __name__ == "__main__":
         raise SystemExit(__doc__)
     patch_o_plain()
     print("the O GEMV launches without PDL", file=sys.stderr)
-    args = sys.argv[1:]
-    if args[0] == "profile":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-        from profile_step import main as profile_main
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
+    from one_stream_pair import run_patched
 
-        profile_main(args[1:])
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
-        from one_stream_pair import pair_or_bench
-
-        pair_or_bench(args)
+    run_patched(sys.argv[1:])

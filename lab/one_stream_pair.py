@@ -20,6 +20,7 @@ and the best run's share of it. `--table` reads such lines on stdin and prints t
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -136,18 +137,29 @@ def main() -> None:
     result["prompt_len"] = args.prompt_len
     result["limit_tok_s"] = round(byte_limit(llm, args.prompt_len + 128), 1)  # the steps' mean context
     result["share"] = round(max(result["tok_s"]) / result["limit_tok_s"], 3)
-    runner = llm.engine.runner  # (a graph that moves its inputs on would run past the row's pages)
-    result["graph_us"] = {str(key[:3]): round(graph_us(entry[0]), 1)
-                          for key, entry in runner.graphs.items() if key[0] == 1 and key not in runner._moving_graphs}
+    result["graph_us"] = one_row_graphs_us(llm.engine.runner)
     print(json.dumps(result))
 
 
-def pair_or_bench(args: list[str]) -> None:
+def one_row_graphs_us(runner) -> dict[str, float]:
+    """Each captured batch-1 graph replayed alone, us (not one that moves its inputs on: its
+    replays would run past the row's pages), by the first three parts of its key."""
+    return {str(key[:3]): round(graph_us(entry[0]), 1)
+            for key, entry in runner.graphs.items() if key[0] == 1 and key not in runner._moving_graphs}
+
+
+def run_patched(args: list[str]) -> None:
     """For a lab tool that patches the engine in its own process first: `pair ARGS` runs this
-    script's main on ARGS, anything else the bench harness's (`python -m flashlet.bench ARGS`)."""
+    script's main on ARGS, `profile ARGS` scripts/profile_step.py's, anything else the bench
+    harness's (`python -m flashlet.bench ARGS`)."""
     if args[:1] == ["pair"]:
         sys.argv = ["one_stream_pair.py", *args[1:]]
         main()
+    elif args[:1] == ["profile"]:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+        from profile_step import main as profile_main
+
+        profile_main(args[1:])
     else:
         from flashlet.bench.cli import main as bench_main
 

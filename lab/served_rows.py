@@ -39,6 +39,6 @@ if __name__ == "__main__":
     print(set_constant(sys.argv[1]), file=sys.stderr)
     args = sys.argv[2:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/, whatever the cwd
-    from one_stream_pair import pair_or_bench
+    from one_stream_pair import run_patched
 
-    pair_or_bench(args)
+    run_patched(args)

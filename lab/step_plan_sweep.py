@@ -31,23 +31,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "scripts")]
 
 import gemv_sweep  # noqa: E402  (scripts/)
-from one_stream_pair import graph_us, timed_run  # noqa: E402  (lab/)
+from one_stream_pair import one_row_graphs_us, timed_run  # noqa: E402  (lab/)
 
 from flashlet import LLM, SamplingParams  # noqa: E402
 from flashlet.kernels import cute_gemv  # noqa: E402
 
-# --gemv -> (the one-row Gemvs field, gemv_sweep's shape name; the QKV's is "qkv_rope" where the
-# engine builds it with the RoPE epilogue)
+# --gemv -> the one-row Gemvs field (gemv_sweep's shape name: sweep_name)
 FIELDS = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down", "lm_head": "lm_argmax"}
 
 
 def sweep_name(gemv: str, plan) -> str:
+    """gemv_sweep's name for the shape: the QKV's is "qkv_rope" where the engine builds it with
+    the RoPE epilogue."""
     if gemv == "qkv":
         return "qkv_rope" if plan.rope is not None else "qkv"
     return gemv
 
 
-def one_row_graphs_dropped(runner) -> int:
+def drop_one_row_graphs(runner) -> None:
     """The batch-1 graphs forgotten (the next one-row step captures its own), with the steady
     replay's hold on the last one: between calls, with no request running."""
     keys = [key for key in runner.graphs if key[0] == 1]
@@ -55,7 +56,6 @@ def one_row_graphs_dropped(runner) -> int:
         del runner.graphs[key]
         runner._moving_graphs.discard(key)
     runner._moved_on = runner._last_moved = None
-    return len(keys)
 
 
 def with_entry(llm, gemv: str, key: tuple, knobs: dict | None):
@@ -69,7 +69,7 @@ def with_entry(llm, gemv: str, key: tuple, knobs: dict | None):
     fused = runner.fused
     rebuilt = getattr(fused._build_gemvs(1, runner.device), FIELDS[gemv])
     fused.gemvs[1] = dataclasses.replace(fused.gemvs[1], **{FIELDS[gemv]: rebuilt})
-    one_row_graphs_dropped(runner)
+    drop_one_row_graphs(runner)
     return rebuilt.plan
 
 
@@ -116,9 +116,7 @@ def main() -> None:
             continue  # the same plan as one timed already (the heuristic's, or the tree's entry)
         seen.add(built)
         llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # compile, capture
-        runner = llm.engine.runner
-        graph = {str(k[:3]): round(graph_us(entry[0]), 1) for k, entry in runner.graphs.items()
-                 if k[0] == 1 and k not in runner._moving_graphs}
+        graph = one_row_graphs_us(llm.engine.runner)
         tok_s, _, _ = timed_run(llm, prompt)
         row = {"label": label, "knobs": knobs, "plan": built.describe(), "graph_us": graph, "tok_s": round(tok_s, 1)}
         rows.append(row)

@@ -834,13 +834,14 @@ for _ in range(480):
       done ;;
     o-plain-ab)  # the tree against its O GEMV in plain stream order: does the attention's span shrink?
       cute_env || continue
+      configs=${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}
       for pair in 1 2; do
-        for c in ${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}; do
+        for c in $configs; do
           run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
           run 150 python3 lab/o_plain_launch.py pair o-plain --config "$c" --prompt-len 1000
         done
       done
-      for c in ${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}; do
+      for c in $configs; do
         run 200 python3 lab/o_plain_launch.py profile --backend triton --fused-decode --fused-parts default \
           --config "$c" --prompt-len 1000 --rows 3 --timeline
       done

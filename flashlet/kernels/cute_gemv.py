@@ -359,7 +359,8 @@ TUNED_PLANS: dict[tuple, dict] = {
     # Qwen2.5-1.5B's QKV with its RoPE epilogue (the one-row steps' form), swept on an H100
     # (gpu_run.sh gemv-preset with GEMV_SHAPES=qkv_rope, session 66): 1.05x alone, but one stream
     # after 1,000 tokens through LLM.generate +13.6% / +13.8% (two interleaved pairs), the
-    # attention after it no longer waiting on 1,024 one-warp CTAs. Llama-3.2-1B's winner (1.20x
+    # attention after it no longer waiting on 1,024 one-warp CTAs (read under the image's Triton
+    # 3.6, where the attention holds more registers; under the pin not yet). Llama-3.2-1B's winner (1.20x
     # alone) read +0.7% and TinyLlama's (1.27x) -2.7% in the same A/B: neither is an entry.
     (2048, 1536, "bias_rope_kv", True, True): {"warps": 2, "outs_per_group": 2},  # qwen2.5-1.5b qkv + RoPE
     # Qwen2.5-0.5B's 2-, 4- and 16-row plans (the tensor-core form, but for the 2-row down's CUDA

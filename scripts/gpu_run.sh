@@ -240,7 +240,8 @@
 #   step-plans   one fused GEMV's plans ranked inside the engine's one-row step
 #                (lab/step_plan_sweep.py) at each of STEP_PLANS_CONFIGS x STEP_PLANS_GEMVS (qkv),
 #                after STEP_PLANS_LEN (1000) tokens, STEP_PLANS_BUDGET (200) s each: where the
-#                kernel-alone sweep (gemv-preset) misranks the plans a chain wants
+#                kernel-alone sweep (gemv-preset) misranks the plans a chain wants; STEP_PLANS_ROWS
+#                (1): the M-row GEMV in M-row steps (M streams)
 #   o-plain-ab   one stream after 1,000 tokens at each of O_PLAIN_CONFIGS (qwen2.5-1.5b
 #                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
 #                (lab/o_plain_launch.py) and against the attention letting O launch only after its
@@ -830,8 +831,9 @@ for _ in range(480):
       cute_env || continue
       for c in ${STEP_PLANS_CONFIGS:-tinyllama-1.1b llama-3.2-1b}; do
         for g in ${STEP_PLANS_GEMVS:-qkv}; do
-          run 420 python3 lab/step_plan_sweep.py --config "$c" --gemv "$g" --prompt-len "${STEP_PLANS_LEN:-1000}" \
-            --budget-s "${STEP_PLANS_BUDGET:-200}" --json "$OUT/json/step-plans-$c-$g.json"
+          rows=${STEP_PLANS_ROWS:-1}
+          run 420 python3 lab/step_plan_sweep.py --config "$c" --gemv "$g" --rows "$rows" --prompt-len "${STEP_PLANS_LEN:-1000}" \
+            --budget-s "${STEP_PLANS_BUDGET:-200}" --json "$OUT/json/step-plans-$c-$g-$rows.json"
         done
       done ;;
     o-plain-ab)  # the tree against its O GEMV in plain stream order: does the attention's span shrink?

@@ -272,8 +272,13 @@ def test_step_plans_sweeps_each_gemv_at_each_config_in_the_engine(gpu_run):
     rc, calls = gpu_run("step-plans", STEP_PLANS_CONFIGS="tinyllama-1.1b", STEP_PLANS_GEMVS="qkv o")
     assert rc == 0
     assert [c.split(" --json")[0] for _, c in calls] == [
-        f"lab/step_plan_sweep.py --config tinyllama-1.1b --gemv {g} --prompt-len 1000 --budget-s 200" for g in ("qkv", "o")]
-    assert calls[1][1].endswith("step-plans-tinyllama-1.1b-o.json")
+        f"lab/step_plan_sweep.py --config tinyllama-1.1b --gemv {g} --rows 1 --prompt-len 1000 --budget-s 200"
+        for g in ("qkv", "o")]
+    assert calls[1][1].endswith("step-plans-tinyllama-1.1b-o-1.json")
+    rc, calls = gpu_run("step-plans", STEP_PLANS_CONFIGS="qwen2.5-0.5b", STEP_PLANS_GEMVS="down", STEP_PLANS_ROWS="4")
+    assert rc == 0 and [c.split(" --prompt-len")[0] for _, c in calls] == [
+        "lab/step_plan_sweep.py --config qwen2.5-0.5b --gemv down --rows 4"]
+    assert calls[0][1].endswith("step-plans-qwen2.5-0.5b-down-4.json")
 
 
 def test_o_plain_ab_interleaves_three_forms_then_profiles_each(gpu_run):

@@ -236,7 +236,8 @@
 #                bf16 and fp8 KV: each kernel's time (~1 min)
 #   step-timeline one fused row's step as the engine runs it by default, at each of TIMELINE_CONFIGS
 #                after TIMELINE_LEN (1000) tokens, under torch.profiler: each kernel's end delta
-#                (what it adds to the step under PDL), summed by kernel name (~30 s a preset)
+#                (what it adds to the step under PDL), summed by kernel name (~30 s a preset);
+#                TIMELINE_BATCH (1): a step of that many rows
 #   step-plans   one fused GEMV's plans ranked inside the engine's one-row step
 #                (lab/step_plan_sweep.py) at each of STEP_PLANS_CONFIGS x STEP_PLANS_GEMVS (qkv),
 #                after STEP_PLANS_LEN (1000) tokens, STEP_PLANS_BUDGET (200) s each: where the
@@ -824,7 +825,7 @@ for _ in range(480):
       for c in ${TIMELINE_CONFIGS:-qwen2.5-1.5b llama-3.2-1b qwen2.5-0.5b}; do
         echo "### step-timeline $c" | tee -a "$LOG"
         run 200 python3 scripts/profile_step.py --backend triton --fused-decode --fused-parts default \
-          --config "$c" --prompt-len "${TIMELINE_LEN:-1000}" --rows 3 --timeline
+          --config "$c" --batch "${TIMELINE_BATCH:-1}" --prompt-len "${TIMELINE_LEN:-1000}" --rows 3 --timeline
       done
       grep -E "^### step-timeline|^## |end delta" "$LOG" | tail -60 ;;
     step-plans)  # a fused GEMV's plans ranked in the engine's one-row step, not alone

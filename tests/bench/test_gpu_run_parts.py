@@ -265,7 +265,9 @@ def test_step_timeline_profiles_one_row_at_the_defaults_at_each_config(gpu_run):
     assert rc == 0
     assert [c for _, c in calls] == [
         f"scripts/profile_step.py --backend triton --fused-decode --fused-parts default --config {c} "
-        "--prompt-len 8000 --rows 3 --timeline" for c in ("qwen2.5-1.5b", "llama-3.2-1b")]
+        "--batch 1 --prompt-len 8000 --rows 3 --timeline" for c in ("qwen2.5-1.5b", "llama-3.2-1b")]
+    rc, calls = gpu_run("step-timeline", TIMELINE_CONFIGS="qwen2.5-0.5b", TIMELINE_BATCH="4")
+    assert rc == 0 and [c.split(" --prompt-len")[0].split("--config ")[1] for _, c in calls] == ["qwen2.5-0.5b --batch 4"]
 
 
 def test_step_plans_sweeps_each_gemv_at_each_config_in_the_engine(gpu_run):

@@ -242,7 +242,8 @@
 #                (lab/step_plan_sweep.py) at each of STEP_PLANS_CONFIGS x STEP_PLANS_GEMVS (qkv),
 #                after STEP_PLANS_LEN (1000) tokens, STEP_PLANS_BUDGET (200) s each: where the
 #                kernel-alone sweep (gemv-preset) misranks the plans a chain wants; STEP_PLANS_ROWS
-#                (1): the M-row GEMV in M-row steps (M streams)
+#                (1): the M-row GEMV in M-row steps (M streams); "attention" among STEP_PLANS_GEMVS:
+#                the one-launch attention's table entry and its neighbours
 #   o-plain-ab   one stream after 1,000 tokens at each of O_PLAIN_CONFIGS (qwen2.5-1.5b
 #                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
 #                (lab/o_plain_launch.py) and against the attention letting O launch only after its

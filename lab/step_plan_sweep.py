@@ -90,7 +90,7 @@ def attention_key(backend, rows: int) -> tuple:
 
 def with_attention_entry(llm, key: tuple, cfg, rows: int) -> tuple:
     """ONE_LAUNCH_TABLE[key] = cfg (None: no entry), the batch-`rows` graphs dropped -> (config,
-    splits) as a step of `rows` rows launches it. ValueError (the entry undone) where it needs
+    splits) as a step of `rows` rows launches it (with rope_in: its form for that). ValueError (the entry undone) where it needs
     more split scratch or merge counters than the backend allocated at start for its tree's table."""
     backend = llm.engine.runner.fused_attention
     before = tuning.ONE_LAUNCH_TABLE.get(key)
@@ -108,6 +108,8 @@ def with_attention_entry(llm, key: tuple, cfg, rows: int) -> tuple:
         put(before)
         raise ValueError(f"{splits} splits x {rows} rows need more scratch than the backend allocated")
     drop_graphs(llm.engine.runner, rows)
+    if llm.engine.runner.fused.rope_in_attention:  # Qwen3's rows made in the kernel: the form it launches
+        launched = backend.rope_in_form(launched)
     return launched, splits
 
 
@@ -156,7 +158,8 @@ def main() -> None:
     p.add_argument("--gemv", default="qkv", choices=sorted(FIELDS) + ["attention"],
                    help="a fused GEMV, or the one-launch attention (its table entry's configs)")
     p.add_argument("--prompt-len", type=int, default=1000, help="tokens of the cached prompt")
-    p.add_argument("--rows", type=int, default=1, help="the M-row GEMV, timed in M-row steps (a row count the path serves)")
+    p.add_argument("--rows", type=int, default=1,
+                   help="steps of M rows (M streams; a row count the path serves): the M-row GEMV, the attention's rows bucket")
     p.add_argument("--variants", nargs="*", default=[],
                    help="only the sweep's variants whose label holds one of these (and the default)")
     p.add_argument("--budget-s", type=float, default=300, help="stop starting variants after this long")

@@ -122,7 +122,6 @@ def lower(t: Tile) -> dict:
                   STEP_ROWS=da.MAX_LOOKBACK, KV_PACK=t.kv_pack, LONG_RULE=False, ROPE_IN=t.rope_in,
                   NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in,
                   CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch, EARLY_PAGE_BASE=False,
-                  LATE_DEPENDENTS=da.LATE_DEPENDENTS,
                   **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits,
                                                    merge_group=t.merge_group, lean=lean))
     if not t.rope_in:  # the arguments a launch without rows made in the kernel leaves at their defaults

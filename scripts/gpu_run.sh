@@ -246,9 +246,8 @@
 #                the one-launch attention's table entry and its neighbours
 #   o-plain-ab   one stream after 1,000 tokens at each of O_PLAIN_CONFIGS (qwen2.5-1.5b
 #                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
-#                (lab/o_plain_launch.py) and against the attention letting O launch only after its
-#                block loops ($FLASHLET_LATE_DEPENDENTS=1), two interleaved pairs, then each form's
-#                step timeline (~4-5 min a config)
+#                (lab/o_plain_launch.py), two interleaved pairs, then each form's step timeline
+#                (~3-4 min a config)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -846,14 +845,12 @@ for _ in range(480):
         for c in $configs; do
           run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
           run 150 python3 lab/o_plain_launch.py pair o-plain --config "$c" --prompt-len 1000
-          run 150 env FLASHLET_LATE_DEPENDENTS=1 python3 lab/one_stream_pair.py late-dep --config "$c" --prompt-len 1000
         done
       done
       for c in $configs; do
-        echo "### o-plain-ab timelines $c: tree, o-plain, late-dep" | tee -a "$LOG"
+        echo "### o-plain-ab timelines $c: tree, o-plain" | tee -a "$LOG"
         run 200 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
         run 200 python3 lab/o_plain_launch.py profile "${timeline[@]}" --config "$c"
-        run 200 env FLASHLET_LATE_DEPENDENTS=1 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
       done
       pair_table ;;
     profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV

@@ -87,11 +87,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (`_one_launch_kernel`'s EARLY_PAGE_BASE), for a GPU A/B in a fresh process: off until measured
 # (at head_dim 128, 64-key blocks on 4 warps with page ids ahead, it spills 276 bytes at sm_90a).
 EARLY_PAGE_BASE = os.environ.get("FLASHLET_EARLY_PAGE_BASE", "0") == "1"
-# "1": the one-launch decode lets its dependent (the O GEMV) launch only once its programs have run
-# their block loops (`_one_launch_kernel`'s LATE_DEPENDENTS), not at their start: O's CTAs and their
-# weight loads (and, under PDL, gate+up's after them) then no longer run beside the attention's
-# dependent loads. An A/B switch in a fresh process, off until measured (FUSED_NOTES.md, "Session 67").
-LATE_DEPENDENTS = os.environ.get("FLASHLET_LATE_DEPENDENTS", "0") == "1"
 # The one-launch decode's lean merge: "peel" (the merging program loads its first partials beside
 # their log-sum-exps: `_merge_partials`' PEEL, one L2 round trip, not two, where a merge reads at
 # most MERGE_SPLITS partials) and "rows" (the merge's tiles hold the real query heads of a program
@@ -829,9 +824,8 @@ def _one_launch_kernel(
     MERGE_GROUP: tl.constexpr = 0,
     MERGE_PEEL: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 0,
-    LATE_DEPENDENTS: tl.constexpr = False,
 ):
-    if USE_PDL and not LATE_DEPENDENTS:
+    if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
     b = tl.program_id(0)
     kvh = tl.program_id(1) * KV_PACK  # the first of the KV_PACK KV heads this program reads
@@ -1035,8 +1029,6 @@ def _one_launch_kernel(
                 k_blk, v_blk = _splice_newest(k_blk, v_blk, t, last, k_new, v_new)
             m_i, l_i, acc = _attend_block(q, k_blk, v_blk, blk_keys, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
 
-    if USE_PDL and LATE_DEPENDENTS:
-        pdl.launch_dependents()  # the O GEMV may launch now: this program's keys are read
     acc = acc * v_scale
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -1367,7 +1359,6 @@ def decode_attention_one_launch(
         LONG_RULE=long_from_tokens > 0,
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
-        LATE_DEPENDENTS=LATE_DEPENDENTS,
         **merge,
         num_warps=num_warps,
         num_stages=num_stages,

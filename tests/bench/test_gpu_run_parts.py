@@ -283,15 +283,12 @@ def test_step_plans_sweeps_each_gemv_at_each_config_in_the_engine(gpu_run):
     assert calls[0][1].endswith("step-plans-qwen2.5-0.5b-down-4.json")
 
 
-def test_o_plain_ab_interleaves_three_forms_then_profiles_each(gpu_run):
+def test_o_plain_ab_interleaves_two_pairs_then_profiles_each_form(gpu_run):
     rc, calls = gpu_run("o-plain-ab", O_PLAIN_CONFIGS="qwen2.5-1.5b")
     assert rc == 0
     *runs, (_, table) = calls
-    assert [c.split()[:2] for _, c in runs] == [
-        ["lab/one_stream_pair.py", "tree"], ["lab/o_plain_launch.py", "pair"], ["lab/one_stream_pair.py", "late-dep"]] * 2 + [
-        ["scripts/profile_step.py", "--backend"], ["lab/o_plain_launch.py", "profile"], ["scripts/profile_step.py", "--backend"]]
-    late = [v for v, c in runs if "FLASHLET_LATE_DEPENDENTS=1" in v]
-    assert len(late) == 3 and all("FLASHLET_LATE_DEPENDENTS" not in v for v, _ in runs[:2])
+    assert [c.split()[:2] for _, c in runs] == [["lab/one_stream_pair.py", "tree"], ["lab/o_plain_launch.py", "pair"]] * 2 + [
+        ["scripts/profile_step.py", "--backend"], ["lab/o_plain_launch.py", "profile"]]
     assert all("--config qwen2.5-1.5b" in c and "--prompt-len 1000" in c for _, c in runs)
-    assert all("--timeline" in c for _, c in runs[6:])
+    assert all("--timeline" in c for _, c in runs[4:])
     assert table == "lab/one_stream_pair.py --table"

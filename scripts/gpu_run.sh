@@ -293,6 +293,9 @@
 #   steady-serve one stream's token gaps through the server at default flags against in-process,
 #                steady replay on then off (lab/itl_clients.py, 3 x 64 requests each) (~7 min)
 #   all          tests single decode-sat offline closed-loop fidelity kernels
+# GPU_RUN_DEADLINE=S: no part starts once the call has run S seconds (a device call ends at 600 s,
+# killing what runs then): chain a queue's parts in one call, likeliest first, and the ones that
+# would not fit are named in the log as not started instead of cut off midway.
 # Two GPUs: run two instances side by side, each on one, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=o/g0 bash scripts/gpu_run.sh tests &
 #   CUDA_VISIBLE_DEVICES=1 OUT=o/g1 bash scripts/gpu_run.sh fidelity & wait
@@ -507,6 +510,10 @@ cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first us
     2>&1 | tail -1 | tee -a "$LOG"
 }
 for part in "${PARTS[@]}"; do
+  if [[ -n ${GPU_RUN_DEADLINE:-} ]] && (( SECONDS >= GPU_RUN_DEADLINE )); then
+    echo "### part $part not started: ${SECONDS}s past GPU_RUN_DEADLINE=${GPU_RUN_DEADLINE}s" | tee -a "$LOG"
+    continue
+  fi
   FI=$(fi_there)  # again each part: setup may have installed it
   B="python3 -m flashlet.bench --config qwen2.5-0.5b --dtype bfloat16 --quiet --backend torch $FI triton"
   case $part in

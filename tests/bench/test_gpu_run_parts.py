@@ -292,3 +292,13 @@ def test_o_plain_ab_interleaves_two_pairs_then_profiles_each_form(gpu_run):
     assert all("--config qwen2.5-1.5b" in c and "--prompt-len 1000" in c for _, c in runs)
     assert all("--timeline" in c for _, c in runs[4:])
     assert table == "lab/one_stream_pair.py --table"
+
+
+def test_no_part_starts_past_the_deadline(gpu_run, tmp_path):
+    rc, calls = gpu_run("step-timeline", "step-plans", TIMELINE_CONFIGS="qwen2.5-0.5b", STEP_PLANS_CONFIGS="qwen2.5-0.5b",
+                        GPU_RUN_DEADLINE="0")
+    assert rc == 0 and calls == []
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "### part step-timeline not started" in log and "### part step-plans not started" in log
+    rc, calls = gpu_run("step-timeline", TIMELINE_CONFIGS="qwen2.5-0.5b", GPU_RUN_DEADLINE="600")
+    assert rc == 0 and len(calls) == 1

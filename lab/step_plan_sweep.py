@@ -90,8 +90,9 @@ def attention_key(backend, rows: int) -> tuple:
 
 def with_attention_entry(llm, key: tuple, cfg, rows: int) -> tuple:
     """ONE_LAUNCH_TABLE[key] = cfg (None: no entry), the batch-`rows` graphs dropped -> (config,
-    splits) as a step of `rows` rows launches it (with rope_in: its form for that). ValueError (the entry undone) where it needs
-    more split scratch or merge counters than the backend allocated at start for its tree's table."""
+    splits) as a step of `rows` rows launches it (with rope_in: its form for that). ValueError
+    (the entry undone) where it needs more split scratch or merge counters than the backend
+    allocated at start for its tree's table."""
     backend = llm.engine.runner.fused_attention
     before = tuning.ONE_LAUNCH_TABLE.get(key)
 

@@ -238,7 +238,7 @@
 #                after TIMELINE_LEN (1000) tokens, under torch.profiler: each kernel's end delta
 #                (what it adds to the step under PDL), summed by kernel name (~30 s a preset);
 #                TIMELINE_BATCH (1): a step of that many rows
-#   step-plans   one fused GEMV's plans ranked inside the engine's one-row step
+#   step-plans   one fused GEMV's plans ranked inside the engine's step
 #                (lab/step_plan_sweep.py) at each of STEP_PLANS_CONFIGS x STEP_PLANS_GEMVS (qkv),
 #                after STEP_PLANS_LEN (1000) tokens, STEP_PLANS_BUDGET (200) s each: where the
 #                kernel-alone sweep (gemv-preset) misranks the plans a chain wants; STEP_PLANS_ROWS
@@ -835,7 +835,7 @@ for _ in range(480):
           --config "$c" --batch "${TIMELINE_BATCH:-1}" --prompt-len "${TIMELINE_LEN:-1000}" --rows 3 --timeline
       done
       grep -E "^### step-timeline|^## |end delta" "$LOG" | tail -60 ;;
-    step-plans)  # a fused GEMV's plans ranked in the engine's one-row step, not alone
+    step-plans)  # a fused GEMV's plans (or the attention's configs) ranked in the engine's step, not alone
       cute_env || continue
       for c in ${STEP_PLANS_CONFIGS:-tinyllama-1.1b llama-3.2-1b}; do
         for g in ${STEP_PLANS_GEMVS:-qkv}; do

@@ -138,7 +138,9 @@ def attention_variants(cfg, splits: int) -> list[tuple[str, object]]:
     for f in (2, 4):  # smaller blocks and splits, more of them (more programs at work on a short row)
         bn = cfg.block_n // f
         if bn >= 16:
-            m, w, s = max(bn, cfg.min_split_tokens // f), max(1, min(cfg.num_warps, 16 * bn // 256)), min(128, splits * f)
+            m = max(bn, cfg.min_split_tokens // f)
+            w = max(1, min(cfg.num_warps, 16 * bn // 256))  # a [16, bn] score tile, 8+ values a thread
+            s = min(128, splits * f)
             out += [(f"bn{bn} min{m} w{w} S{s}", dataclasses.replace(base, block_n=bn, min_split_tokens=m, num_warps=w,
                                                                      num_splits=s))]
     out += [(f"st{st}", dataclasses.replace(base, num_stages=st)) for st in (cfg.num_stages - 1, cfg.num_stages + 1)
@@ -160,7 +162,8 @@ def main() -> None:
                    help="a fused GEMV, or the one-launch attention (its table entry's configs)")
     p.add_argument("--prompt-len", type=int, default=1000, help="tokens of the cached prompt")
     p.add_argument("--rows", type=int, default=1,
-                   help="steps of M rows (M streams; a row count the path serves): the M-row GEMV, the attention's rows bucket")
+                   help="steps of M rows (M streams; a row count the path serves): the M-row GEMV, "
+                        "the attention's rows bucket")
     p.add_argument("--variants", nargs="*", default=[],
                    help="only the sweep's variants whose label holds one of these (and the default)")
     p.add_argument("--budget-s", type=float, default=300, help="stop starting variants after this long")
@@ -191,7 +194,8 @@ def main() -> None:
     swept = gemv_sweep.variants(name, plan.pdl, rows=args.rows, mma=plan.mma)
     candidates = [("tree", tree_entry)] + [(label, knobs) for label, knobs in swept]
     rows = time_candidates(llm, args, started, prompts, candidates,
-                           lambda knobs: with_entry(llm, args.gemv, key, knobs, args.rows), lambda built: built.describe())
+                           lambda knobs: with_entry(llm, args.gemv, key, knobs, args.rows),
+                           lambda built: built.describe())
     with_entry(llm, args.gemv, key, tree_entry, args.rows)  # as the tree has it
     report(args, key, rows)
 

@@ -123,14 +123,16 @@ def describe_attention(launched, splits: int) -> str:
 
 def attention_variants(cfg, splits: int) -> list[tuple[str, object]]:
     """The tree's config's neighbours, one knob moved at a time (each a ONE_LAUNCH_TABLE entry
-    with its split cap given): fewer and more splits, half and twice the smallest split, half
-    and twice the warps, half the block; then the block and the smallest split a half and a
-    quarter (warps to match, splits the more); a stage less and more, page ids ahead toggled."""
+    with its split cap given): fewer and more splits, half, twice and four times the smallest
+    split (a short row in one or two splits: no merge, or a short one), half and twice the
+    warps, half the block; then the block and the smallest split a half and a quarter (warps to
+    match, splits the more); a stage less and more, page ids ahead toggled."""
     base = dataclasses.replace(cfg, num_splits=splits, long_from_tokens=0, long_split_tokens=0)
     out = [(f"S{s}", dataclasses.replace(base, num_splits=s))
            for s in (splits // 4, splits // 2, splits * 2) if 1 <= s <= 128]
     out += [(f"min{m}", dataclasses.replace(base, min_split_tokens=m))
-            for m in (cfg.min_split_tokens // 2, cfg.min_split_tokens * 2) if m >= cfg.block_n]
+            for m in (cfg.min_split_tokens // 2, cfg.min_split_tokens * 2, cfg.min_split_tokens * 4)
+            if m >= cfg.block_n]
     out += [(f"w{w}", dataclasses.replace(base, num_warps=w)) for w in (cfg.num_warps // 2, cfg.num_warps * 2)
             if 1 <= w <= 8]
     if cfg.block_n >= 32:

@@ -42,10 +42,14 @@ def keep_the_trees_pages() -> None:
     RadixCache._walk = lambda self, node, tokens, lock=False, adopt=None: walk(self, node, tokens, lock)
 
 
-def timed_run(llm, prompt) -> tuple[float, float, float]:
-    """(tok/s of the 256 decode steps, the 1-token call's seconds, the 257-token call's). `prompt`
-    a list of token ids, or a list of such lists (that many streams at once: tok/s a stream)."""
-    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+def prompts_for(rows: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """`rows` prompts of prompt_len tokens, no two alike (their pages are their own)."""
+    return [[(i * 7919 + 43 + r * 104729) % vocab for i in range(prompt_len)] for r in range(rows)]
+
+
+def timed_run(llm, prompts: list[list[int]]) -> tuple[float, float, float]:
+    """(a stream's tok/s over the 256 decode steps, the 1-token call's seconds, the 257-token
+    call's): the prompts decoded together, one stream each."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
@@ -129,10 +133,9 @@ def main() -> None:
               "kv_cache_dtype": args.kv_cache_dtype, "fused_off": args.fused_off,
               "fused": llm.engine.runner.fused is not None,
               "start_s": round(time.perf_counter() - started, 1)}
-    vocab = llm.engine.model_config.vocab_size
-    prompt = [(i * 7919 + 43) % vocab for i in range(args.prompt_len)]
-    llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))  # prompt cached
-    runs = [timed_run(llm, prompt) for _ in range(3)]
+    prompts = prompts_for(1, args.prompt_len, llm.engine.model_config.vocab_size)
+    llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # prompt cached
+    runs = [timed_run(llm, prompts) for _ in range(3)]
     result["tok_s"] = [round(tok_s, 1) for tok_s, _, _ in runs]
     # each run's two calls, ms: which of them moves where a repeat reads slower than the first run
     result["calls_ms"] = [[round(one * 1e3, 2), round(all_ * 1e3, 2)] for _, one, all_ in runs]

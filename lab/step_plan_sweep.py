@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "scripts")]
 
 import gemv_sweep  # noqa: E402  (scripts/)
-from one_stream_pair import graphs_us, timed_run  # noqa: E402  (lab/)
+from one_stream_pair import graphs_us, prompts_for, timed_run  # noqa: E402  (lab/)
 
 from flashlet import LLM, SamplingParams  # noqa: E402
 from flashlet.kernels import cute_gemv, tuning  # noqa: E402
@@ -150,11 +150,6 @@ def attention_variants(cfg, splits: int) -> list[tuple[str, object]]:
     out += [("pages" if not cfg.prefetch_pages else "no pages",
              dataclasses.replace(base, prefetch_pages=not cfg.prefetch_pages))]
     return out
-
-
-def prompts_for(rows: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    """`rows` prompts of prompt_len tokens, no two alike (their pages are their own)."""
-    return [[(i * 7919 + 43 + r * 104729) % vocab for i in range(prompt_len)] for r in range(rows)]
 
 
 def main() -> None:

@@ -248,6 +248,11 @@
 #                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
 #                (lab/o_plain_launch.py), two interleaved pairs, then each form's step timeline
 #                (~3-4 min a config)
+#   merge-in-o-ab one stream after 1,000 tokens at each of MERGE_AB_CONFIGS (qwen2.5-0.5b): the
+#                tree against one row's attention merged in the O GEMV's prologue
+#                (FLASHLET_MERGE_IN_O = each of MERGE_AB_FORMS, "1 w4"), two interleaved pairs,
+#                then the tree's and the first form's step timelines; its tests first
+#                (tests/kernels/test_merge_in_o.py, the engine's -k merge_in_the_o_gemv) (~4 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -858,6 +863,26 @@ for _ in range(480):
         echo "### o-plain-ab timelines $c: tree, o-plain" | tee -a "$LOG"
         run 200 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
         run 200 python3 lab/o_plain_launch.py profile "${timeline[@]}" --config "$c"
+      done
+      pair_table ;;
+    merge-in-o-ab)  # one row's attention merged in the O GEMV (FLASHLET_MERGE_IN_O) against the tree
+      cute_env || continue
+      configs=${MERGE_AB_CONFIGS:-qwen2.5-0.5b}
+      forms=${MERGE_AB_FORMS:-1 w4}
+      run 300 $PYTEST tests/kernels/test_merge_in_o.py tests/gpu/test_gpu_fused_decode.py -k "${MERGE_AB_TESTS:-merge}"
+      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len 1000 --rows 3 --timeline)
+      for pair in 1 2; do
+        for c in $configs; do
+          run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
+          for f in $forms; do
+            run 150 env FLASHLET_MERGE_IN_O="$f" python3 lab/one_stream_pair.py "merge-$f" --config "$c" --prompt-len 1000
+          done
+        done
+      done
+      for c in $configs; do
+        echo "### merge-in-o-ab timelines $c: tree, merge-${forms%% *}" | tee -a "$LOG"
+        run 200 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
+        run 200 env FLASHLET_MERGE_IN_O="${forms%% *}" python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
       done
       pair_table ;;
     profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV

@@ -495,13 +495,18 @@ class TritonBackend(AttentionBackend):
         return rope_in_form(cfg, self.head_dim)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          rope_in: RopeIn | None = None) -> torch.Tensor:
+                          rope_in: RopeIn | None = None, partials_out: bool = False):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
         rope_in: q and this step's K/V as the QKV projection left them; the kernel normalises
         and rotates them and writes the K/V rows itself (`decode_attention_one_launch`: steps of
-        up to MAX_LOOKBACK + 1 rows, every fused row count)."""
+        up to MAX_LOOKBACK + 1 rows, every fused row count).
+
+        partials_out (one row): where this step runs the one-launch kernel with a config whose
+        split rule a consumer can follow (no long rule), return the row's split partials
+        (`cute_gemv.SplitPartials`, its `rule` the GEMV's `merge_in`) and leave the merge to the
+        O GEMV; otherwise (a long step, such a config, no split scratch) the output as always."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -525,6 +530,8 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
+        partials_out = (partials_out and n == 1 and q.shape[0] == 1 and not long and not cfg.long_from_tokens
+                        and self._mid_o.shape[0] >= splits)
         out = torch.empty_like(q)
         decode_attention_one_launch(
             q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
@@ -548,8 +555,14 @@ class TritonBackend(AttentionBackend):
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
             prefetch_pages=cfg.prefetch_pages,
-            merge_group=cfg.merge_group,
+            merge_group=0 if partials_out else cfg.merge_group,
+            partials_out=partials_out,
         )
+        if partials_out:
+            from flashlet.kernels.cute_gemv import SplitPartials, merge_in
+
+            return SplitPartials(self._mid_o, self._mid_lse, meta.kv_lens,
+                                 merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim))
         if q.shape[0] > n:
             out[n:].zero_()
         return out

@@ -167,7 +167,7 @@ def _dsl():
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_sq_to_smem,
                    _mma_store_sq, _lane_rows_rstd, _summed_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
-                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials):
+                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials, _merge_split_count, _merge_x):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
                 launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
@@ -202,6 +202,7 @@ class GemvPlan:
     mma: bool = False     # tensor cores (M >= 2): `chunks` K steps of 32 a warp, `warps` split K
     splits: int = 1       # mma: CTAs sharing a tile's K (their sums meet in a workspace)
     tile_group: int = 1   # mma: weight tiles a CTA loads at once and sums against one load of x
+    merge: tuple = ()     # x merged from the attention's split partials (`merge_in`); () reads x
 
     @property
     def vec(self) -> int:
@@ -264,6 +265,7 @@ class GemvPlan:
         tag += f" mma{self.chunks}" if self.mma else ""
         tag += f" s{self.splits}" if self.splits > 1 else ""
         tag += f" tg{self.tile_group}" if self.tile_group > 1 else ""
+        tag += f" merge{self.merge[4]}" if self.merge else ""
         return tag
 
 
@@ -286,6 +288,54 @@ class RopeShape:
     @property
     def rows(self) -> int:
         return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group: int = 4) -> tuple:
+    """A GEMV's `merge` (plan_gemv): its x is the one-launch attention's output for one row, left
+    by the attention as split partials (`decode_attention_one_launch(partials_out=True)`) and
+    merged in the GEMV's prologue, each CTA merging all of x into shared memory. The attention's
+    split rule (the grid's splits, the smallest split's tokens, its key block) gives the row's
+    split count from its KV length; `group` splits load at once (one L2 round trip a group)."""
+    for name, v in (("splits", splits), ("split_tokens", split_tokens), ("block_n", block_n),
+                    ("head_dim", head_dim), ("group", group)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"merge_in: {name} must be a positive int, got {v!r}")
+    if head_dim % VEC:
+        raise ValueError(f"merge_in: head_dim must be a multiple of {VEC} (a chunk of x in one head), got {head_dim}")
+    return (splits, split_tokens, block_n, head_dim, group)
+
+
+@dataclasses.dataclass
+class SplitPartials:
+    """A merge GEMV's x (`merge_in`): the attention's split partials of one row, mid_o [>= splits,
+    Hq, D] fp32 and mid_lse [>= splits, Hq] fp32 (base-2 log-sum-exps), its kv_lens [>= 1] int32
+    (the row's KV length: its split count), and `rule`, the `merge_in` tuple of the attention's
+    split rule: the GEMV planned with it is the one that reads these."""
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    kv_lens: torch.Tensor
+    rule: tuple
+
+
+def split_count(kv_len: int, rule: tuple) -> int:
+    """The splits the one-launch attention gives a row of kv_len tokens under `rule` (merge_in's
+    tuple): its `_split_range`, which the merge GEMV's prologue repeats on the device."""
+    splits, split_tokens, block_n = rule[:3]
+    n = max(min(-(-kv_len // split_tokens), splits), 1)
+    split_len = max(-(-(-(-kv_len // n)) // block_n) * block_n, block_n)
+    return max(-(-kv_len // split_len), 1)
+
+
+def merge_partials_reference(parts: SplitPartials) -> torch.Tensor:
+    """The slow obvious merge of one row's split partials -> x [1, Hq * D] fp32: the first
+    split_count(kv_len) slots only (what lies past them is never read), each head weighted by
+    2^(lse - max lse)."""
+    head_dim = parts.rule[3]
+    n = split_count(int(parts.kv_lens.view(-1)[0]), parts.rule)
+    lse = parts.mid_lse.view(-1).float()[: n * parts.mid_o.shape[-2]].view(n, -1)  # [n, Hq]
+    o = parts.mid_o.reshape(-1).float()[: lse.numel() * head_dim].view(n, -1, head_dim)
+    w = torch.exp2(lse - lse.max(dim=0).values)
+    return ((w[:, :, None] * o).sum(0) / w.sum(0)[:, None]).reshape(1, -1)
 
 
 def lanes_for(k: int, vec: int = VEC) -> int:
@@ -467,7 +517,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
               ctas_per_sm: int | None = None, stages: int | None = None,
               late_g: bool | None = None, min_ctas_per_sm: int | None = None,
               tuned: bool = True, rows: int = 1, fp8: bool = False, mma: bool | None = None,
-              splits: int | None = None, tile_group: int | None = None) -> GemvPlan:
+              splits: int | None = None, tile_group: int | None = None, merge: tuple = ()) -> GemvPlan:
     """Pick lanes per row, rows in flight per lane group, warps per CTA and the grid.
 
     The knobs (warps, outs_per_group, ctas_per_sm, staged, stages, late_g, min_ctas_per_sm)
@@ -515,9 +565,23 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     bf16 row only where asked; mma=False keeps the CUDA-core M-row form. Its knobs of its own:
     splits (K over CTAs) and tile_group (tiles a CTA sharing one load of x; `_plan_mma`). With
     fp8=True the tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
-    tensor cores") is opt-in: only mma=True plans it, until a GPU measures it."""
+    tensor cores") is opt-in: only mma=True plans it, until a GPU measures it.
+
+    merge (`merge_in`): x is one row of attention output left as split partials, merged by each
+    CTA in its prologue (the CUDA-core form, bf16 weights, one row, no norm, K a whole number of
+    heads); the other knobs plan as for x itself."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
+    if merge:
+        if len(merge) != 5:
+            raise ValueError(f"merge must be merge_in(...)'s tuple, got {merge!r}")
+        why = ("rows > 1" if rows != 1 else "fp8 weights" if fp8 else "the tensor-core form" if mma
+               else "norm" if norm else "rope" if rope is not None else "argmax" if epilogue == "argmax"
+               else f"K = {k} not a whole number of heads of {merge[3]}" if k % merge[3] else None)
+        if why:
+            raise ValueError(f"merge (x from the attention's split partials) is planned for one bf16 row "
+                             f"on the CUDA cores without a norm: not with {why}")
+        mma = False
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits,
                  tile_group=tile_group)
@@ -651,7 +715,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if ctas_per_sm:
         grid = min(grid, ctas_per_sm * num_sms)
     return GemvPlan(n_rows, k, n_out, epilogue, lanes, chunks, outs_per_group, warps, grid, pdl,
-                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8)
+                    staged, norm, float(eps), rope, stages, late_g and pdl, min_ctas, rows, fp8,
+                    merge=tuple(merge))
 
 
 def mma_k_step(fp8: bool) -> int:
@@ -829,8 +894,9 @@ _deferred = _Deferred()
 
 @_deferred.kernel
 def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                 n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8, mS):
+                 mMid, mLse, mKvLen, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
+                 staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8,
+                 merge, mS):
     # mW [n_rows, K/8, 8] bf16, or with fp8 [n_rows, K/16, 16] e4m3 and mS [n_rows] fp32 its row
     # scales (None for bf16: no such kernel argument), each weight chunk then meeting two of x's
     # (and g's) chunks; mX [rows * K/8, 8] (decode row m's chunks from m * K/8); mY
@@ -840,6 +906,9 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # otherwise); mPart*: [rows * grid] partials (argmax). The rope epilogues: mPos [rows] int64
     # the positions, mCS [table_rows * D] fp32 the cos | sin table, mSlot [rows] int64 the pool
     # slots, mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
+    # merge (`MergeIn` as a tuple; () otherwise): x is not read from mX but merged here from the
+    # one-launch attention's split partials, mMid [splits * K/8, 8] fp32 and their log-sum-exps
+    # mLse [splits * Hq] fp32, the split count from mKvLen [1] int32 (`_merge_x`).
     # With rows > 1 each lane of a group ends with the whole sums of its own decode rows
     # (`reduce_scatter`, `lane_rows`) and finishes them: the epilogue's work is spread over the
     # group's lanes.
@@ -864,9 +933,23 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     if cutlass.const_expr(rows > 1):
         own_rows = lane_rows(sub, lanes, rows, _select)
     stored = n_out * rows_per_out if rope else n_out  # outputs a decode row stores
+    merging = len(merge) > 0
 
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
+
+    smem = None  # one allocator for the staged weights and the merged x (each starts at the base)
+    if cutlass.const_expr(staged or merging):
+        smem = cutlass.utils.SmemAllocator()
+    sX = None
+    n_parts = 0
+    if cutlass.const_expr(merging):
+        # x's K/8 chunks as the CTA merges them, each lane then reading its own (bf16, as the
+        # attention would have stored x); the split count from the row's KV length, which no
+        # kernel of this step writes: before the wait.
+        sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((x_chunks, VEC), stride=(VEC, 1)),
+                                  byte_alignment=16)
+        n_parts = _merge_split_count(mKvLen[0], merge)
 
     # Without PDL x is ready at launch: load it once, before the weights. Measured in the SASS
     # (sm_90a): with x loaded inside the tile, ptxas interleaves and issues only 10-14 of a
@@ -893,7 +976,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         # slots. Each thread reads back only its own slots, so no barrier is ever needed.
         threads = warps * 32
         w_type = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16  # 16 bytes a slot either way
-        sW = cutlass.utils.SmemAllocator().allocate_tensor(
+        sW = smem.allocate_tensor(
             w_type, cute.make_layout((threads, stages * per_stage, vec),
                                      stride=(vec, threads * vec, 1)), byte_alignment=16)
         g2s = cute.make_copy_atom(
@@ -941,7 +1024,16 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             cute.arch.cp_async_commit_group()
         xs = []
         gs = g_early
-        if cutlass.const_expr(not row_dots):
+        if cutlass.const_expr(merging):
+            if cutlass.const_expr(pdl):
+                cute.arch.griddepcontrol_wait()  # the attention's partials (and r) are written
+            _merge_x(mMid, mLse, sX, n_parts, tidx, warps * 32, x_chunks, merge)
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(chunks):
+                xs.append(sX[sub + j * lanes, None].load())
+            if cutlass.const_expr(grid < num_tiles):
+                cute.arch.sync_threads()  # a looping CTA merges again into sX for its next tile
+        elif cutlass.const_expr(not row_dots):
             for j in cutlass.range_constexpr(chunks):
                 if cutlass.const_expr(pdl):
                     if cutlass.const_expr(j == 0):
@@ -1077,6 +1169,64 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     if cutlass.const_expr(epilogue == "argmax" and rows > 1):
         _argmax_finish_rows(mY, mPartVal, mPartIdx, mCounter, best_val, best_idx, tidx, bidx, gdim,
                             warps, grid, lanes, rows)
+
+
+@_deferred.jit
+def _merge_split_count(kv_len, merge):
+    """The splits the one-launch attention gave a row of kv_len tokens (its `_split_range`,
+    the grid's splits and the smallest split's tokens from `merge`)."""
+    splits, split_tokens, block_n = merge[0], merge[1], merge[2]
+    kv = cutlass.Int32(kv_len)
+    n = cutlass.max(cutlass.min((kv + split_tokens - 1) // split_tokens, splits), 1)
+    split_len = ((kv + n - 1) // n + block_n - 1) // block_n * block_n
+    split_len = cutlass.max(split_len, block_n)
+    return cutlass.max((kv + split_len - 1) // split_len, 1)
+
+
+@_deferred.jit
+def _merge_x(mMid, mLse, sX, n_parts, tidx, threads, x_chunks, merge):
+    """x into sX from the attention's n_parts split partials: for each 8-wide chunk of x (head h),
+    sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m), as the attention's own merge sums them, rounded
+    to bf16 as it stores x. The CTA's threads share the chunks (a thread past the last one merges
+    the last again and stores nothing); `merge`'s group of splits loads at once for every chunk a
+    thread has (one L2 round trip for a row of at most that many splits), a running max past it."""
+    head_dim, group = merge[3], merge[4]
+    q_heads = x_chunks * VEC // head_dim
+    per = (x_chunks + threads - 1) // threads
+    chunk = [cutlass.min(tidx + i * threads, x_chunks - 1) for i in range(per)]
+    head = [chunk[i] * VEC // head_dim for i in range(per)]
+    m = [cutlass.Float32(-math.inf)] * per
+    den = [cutlass.Float32(0.0)] * per
+    acc = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(per)]
+    for s0 in range(0, n_parts, group):
+        lses = []
+        parts = []
+        for j in cutlass.range_constexpr(group):  # every load of the group first
+            s = cutlass.min(s0 + j, n_parts - 1)  # past the last split: read it again, weigh it 0
+            for i in cutlass.range_constexpr(per):
+                lses.append(cutlass.Float32(mLse[s * q_heads + head[i]]))
+                parts.append(mMid[s * x_chunks + chunk[i], None].load())
+        for i in cutlass.range_constexpr(per):
+            m_new = m[i]
+            for j in cutlass.range_constexpr(group):
+                lse = cutlass.Float32(_select(s0 + j < n_parts, lses[j * per + i], cutlass.Float32(-math.inf)))
+                lses[j * per + i] = lse
+                m_new = cutlass.max(m_new, lse)
+            m_ref = cutlass.Float32(_select(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new))
+            alpha = cute.math.exp2(m[i] - m_ref, fastmath=True)
+            a = acc[i] * alpha
+            d = den[i] * alpha
+            for j in cutlass.range_constexpr(group):
+                w = cute.math.exp2(lses[j * per + i] - m_ref, fastmath=True)
+                a = a + parts[j * per + i] * w
+                d = d + w
+            acc[i] = a
+            den[i] = d
+            m[i] = m_new
+    for i in cutlass.range_constexpr(per):
+        if tidx + i * threads < x_chunks:
+            d = cutlass.Float32(_select(den[i] == cutlass.Float32(0.0), cutlass.Float32(1.0), den[i]))
+            sX[chunk[i], None].store((acc[i] / d).to(cutlass.BFloat16))
 
 
 @_deferred.jit
@@ -1416,34 +1566,38 @@ def _argmax_last_cta_rows(mTokens, mPartVal, mPartIdx, mCounter, sLast, tidx, gd
 
 @_deferred.jit
 def _gemv_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                 stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid, staged,
-                 norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
+                 mMid, mLse, mKvLen, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue,
+                 pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas,
+                 rows, fp8, merge):
     """bf16 weights (the kernel's mS is None: no scale argument reaches the kernel)."""
     _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                   None, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8)
+                   mMid, mLse, mKvLen, None, stream, n_out, lanes, chunks, outs_per_group, warps,
+                   epilogue, pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads, stages,
+                   late_g, min_ctas, rows, fp8, merge)
 
 
 @_deferred.jit
 def _gemv_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                     mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                     staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows,
-                     fp8):
+                     mMid, mLse, mKvLen, mS, stream, n_out, lanes, chunks, outs_per_group, warps,
+                     epilogue, pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads, stages,
+                     late_g, min_ctas, rows, fp8, merge):
     """fp8 weights with their row scales mS [n_rows] fp32."""
     _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                   mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8)
+                   mMid, mLse, mKvLen, mS, stream, n_out, lanes, chunks, outs_per_group, warps,
+                   epilogue, pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads, stages,
+                   late_g, min_ctas, rows, fp8, merge)
 
 
 def _launch_traced(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                   mS, stream, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                   staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g, min_ctas, rows, fp8):
+                   mMid, mLse, mKvLen, mS, stream, n_out, lanes, chunks, outs_per_group, warps,
+                   epilogue, pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads, stages,
+                   late_g, min_ctas, rows, fp8, merge):
     """The launch both jit entries trace: the bf16 one passes no scale tensor (mS None), the
     fp8 one its row scales."""
     _gemv_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC,
-                          mVC, n_out, lanes, chunks, outs_per_group, warps, epilogue, pdl, grid,
-                          staged, norm, eps, head_dim, q_heads, kv_heads, stages, late_g,
-                          min_ctas, rows, fp8, mS).launch(
+                          mVC, mMid, mLse, mKvLen, n_out, lanes, chunks, outs_per_group, warps,
+                          epilogue, pdl, grid, staged, norm, eps, head_dim, q_heads, kv_heads,
+                          stages, late_g, min_ctas, rows, fp8, merge, mS).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
@@ -2100,7 +2254,7 @@ _MMA_KERNEL_PARAMS = (*_MMA_PLAN_PARAMS[:-1], "fp8")
 
 _PLAN_PARAMS = ("n_out", "lanes", "chunks", "outs_per_group", "warps", "epilogue", "pdl", "grid",
                 "staged", "norm", "eps", "head_dim", "q_heads", "kv_heads", "stages", "late_g",
-                "min_ctas", "rows", "fp8")
+                "min_ctas", "rows", "fp8", "merge")
 _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _gemv_launch_fp8: _PLAN_PARAMS,
                      _mma_launch_fp8: _MMA_PLAN_PARAMS,
                      _rope_kv_store: ("head_dim", "q_heads", "kv_heads"),
@@ -2121,6 +2275,7 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                                  "kv_heads", "splits", "k", "eps", "sq_at"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
                      _mma_argmax_finish: ("warps", "grid", "rows"),
+                     _merge_split_count: ("merge",), _merge_x: ("threads", "x_chunks", "merge"),
                      _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
                      _fp8_partials: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm")}
 
@@ -2215,6 +2370,9 @@ class CuteGemv:
         self._parts_idx = torch.zeros_like(self._parts_val, dtype=i32)
         self._counter = torch.zeros(counters, dtype=i32, device=self.device)  # the kernel resets them
         self._dummy = torch.zeros(_DUMMY_NUMEL, dtype=torch.bfloat16, device=self.device)
+        self._dummy_parts = SplitPartials(torch.zeros(VEC, dtype=f32, device=self.device),
+                                          torch.zeros(VEC, dtype=f32, device=self.device),
+                                          torch.zeros(4, dtype=i32, device=self.device), ())
         self._dummy_rope = RopeKV(torch.zeros(2, dtype=torch.int64, device=self.device),
                                   torch.zeros(4, dtype=f32, device=self.device),
                                   self._dummy, self._dummy,
@@ -2254,7 +2412,20 @@ class CuteGemv:
         if scale is not None and (scale.shape != (p.n_rows,) or bad(scale, p.n_rows, torch.float32)):
             raise ValueError(f"scale must be a contiguous, 16-byte aligned float32 [{p.n_rows}] (one per "
                              f"weight row), got {scale.dtype} {tuple(scale.shape)}")
-        if bad(x, p.rows * p.k, torch.bfloat16):
+        if p.merge:
+            if not isinstance(x, SplitPartials):
+                raise ValueError(f"a merge GEMV's x is the attention's SplitPartials, got {type(x).__name__}")
+            if tuple(x.rule) != p.merge:
+                raise ValueError(f"partials split by {tuple(x.rule)} given to a GEMV that merges {p.merge}: "
+                                 "it would count the splits wrong")
+            splits, heads = p.merge[0], p.k // p.merge[3]
+            for name, t, numel, dtype in (("mid_o", x.mid_o, splits * p.k, torch.float32),
+                                          ("mid_lse", x.mid_lse, splits * heads, torch.float32),
+                                          ("kv_lens", x.kv_lens, 1, torch.int32)):
+                if t.numel() < numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+                    raise ValueError(f"SplitPartials.{name} must be a contiguous, 16-byte aligned {dtype} of at "
+                                     f"least {numel}, got {t.dtype} {tuple(t.shape)}")
+        elif bad(x, p.rows * p.k, torch.bfloat16):
             raise ValueError(f"x must be a contiguous, 16-byte aligned bf16 [rows={p.rows}, {p.k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
         wants_extra = p.epilogue in ("bias", "residual", "bias_rope_kv")
@@ -2289,14 +2460,24 @@ class CuteGemv:
         v = p.vec  # weights a 16-byte chunk (x and g: 8 bf16 a chunk whatever the weights)
         scales = [aligned(scale)] if p.fp8 else []
         norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
-        return [aligned(weight.view(p.n_rows, p.k // v, v)), aligned(x.reshape(p.rows * p.k // VEC, VEC)),
+        merge = []  # the CUDA-core form's merge inputs (dummies without merge); the mma form has none
+        if not p.mma:
+            parts = x if p.merge else self._dummy_parts
+            n = p.merge[0] if p.merge else 1
+            heads = p.k // p.merge[3] if p.merge else VEC
+            merge = [aligned(parts.mid_o.view(-1)[: n * p.k if p.merge else VEC].view(-1, VEC)),
+                     aligned(parts.mid_lse.view(-1)[: n * heads]),
+                     d["from_dlpack"](parts.kv_lens.view(-1)[:1], assumed_align=4)]
+            x = self._dummy if p.merge else x
+        return [aligned(weight.view(p.n_rows, p.k // v, v)),
+                aligned(x.reshape(-1, VEC) if p.merge else x.reshape(p.rows * p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
                 aligned(norm_weight),
                 d["from_dlpack"](self._parts_val, assumed_align=4),
                 d["from_dlpack"](self._parts_idx, assumed_align=4),
                 d["from_dlpack"](self._counter, assumed_align=4),
                 *(d["from_dlpack"](t.detach(), assumed_align=a)  # scalar reads: element alignment
-                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN)), *scales]
+                  for t, a in zip((rope_kv or self._dummy_rope).flat(), _ROPE_ALIGN)), *merge, *scales]
 
     def _stream(self):
         d = _dsl()
@@ -2322,15 +2503,20 @@ class CuteGemv:
                         (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
         v = p.vec
         scales = [fake(c.Float32, (p.n_rows,), 16)] if p.fp8 else []
+        merge = []
+        if not p.mma:
+            n, heads = (p.merge[0], p.k // p.merge[3]) if p.merge else (1, VEC)
+            merge = [fake(c.Float32, (n * p.k // VEC if p.merge else 1, VEC), 16), fake(c.Float32, (n * heads,), 16),
+                     fake(c.Int32, (1,), 4)]
         return [fake(c.Float8E4M3FN if p.fp8 else c.BFloat16, (p.n_rows, p.k // v, v), 16),
-                fake(c.BFloat16, (p.rows * p.k // VEC, VEC), 16),
+                fake(c.BFloat16, (1, VEC) if p.merge else (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
                 fake(c.BFloat16, extra_shape, 16),
                 fake(c.BFloat16, (p.k // VEC, VEC) if p.norm else (1, VEC), 16),
                 fake(c.Float32, (parts,), 4), fake(c.Int32, (parts,), 4), fake(c.Int32, (counters,), 4),
                 *(fake(dtype, shape, align) for dtype, shape, align in
                   zip((c.Int64, c.Float32, c.Int64, c.BFloat16, c.BFloat16),
-                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *scales]
+                      (*rope_shapes, rope_shapes[3]), _ROPE_ALIGN)), *merge, *scales]
 
     def compile(self, rope_kv: RopeKV | None = None) -> float:
         """Compile for this plan (once a process: objects with the same plan on the same device
@@ -2363,7 +2549,10 @@ class CuteGemv:
         p = self.plan
         if self.device.type == "cuda":
             # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
-            x = torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device)
+            x = (SplitPartials(torch.zeros(p.merge[0] * p.k, dtype=torch.float32, device=self.device),
+                               torch.zeros(p.merge[0] * p.k // p.merge[3], dtype=torch.float32, device=self.device),
+                               torch.ones(1, dtype=torch.int32, device=self.device), p.merge)
+                 if p.merge else torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device))
             w = torch.empty(p.n_rows, p.k, dtype=p.weight_dtype, device=self.device)
             scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None
             extra = (torch.empty(self._extra_numel, dtype=torch.bfloat16, device=self.device)

@@ -824,6 +824,7 @@ def _one_launch_kernel(
     MERGE_GROUP: tl.constexpr = 0,
     MERGE_PEEL: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 0,
+    PARTIALS_OUT: tl.constexpr = False,
 ):
     if USE_PDL:
         pdl.launch_dependents()  # the O GEMV may launch and load its weights now
@@ -1033,7 +1034,15 @@ def _one_launch_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if n_splits == 1:
+    if PARTIALS_OUT:
+        # The merge is the consumer's (the O GEMV's prologue, `cute_gemv.merge_in`): every split,
+        # one included, leaves its partial and log-sum-exp, and no counter moves.
+        slot = b * NUM_SPLITS + split
+        tl.store(MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                 mask=own)
+        tl.store(MidLse + slot * NUM_Q_HEADS + heads, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)),
+                 mask=g_mask)
+    elif n_splits == 1:
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
         slot0 = b * NUM_SPLITS
@@ -1273,6 +1282,7 @@ def decode_attention_one_launch(
     prefetch_pages: bool = False,
     merge_group: int = 0,
     verify_rows: bool = True,
+    partials_out: bool = False,
 ) -> torch.Tensor:
     """`decode_attention` in one launch, the split-KV merge done by each group's last program.
 
@@ -1310,7 +1320,12 @@ def decode_attention_one_launch(
     write). With PDL or rope_in those take the look-back (`one_launch_lookback`); False, a
     plain decode step's rows (every one another sequence's), compiles it out: fewer registers
     at 2+ rows (FUSED_NOTES "Session 57"). False over rows of one sequence reads what another
-    row has not yet written: wrong output."""
+    row has not yet written: wrong output.
+
+    partials_out: no merge here: every split of each row (one split too) leaves its partial
+    in mid_o and its log-sum-exp in mid_lse, slot b * num_splits + s, for the consumer to merge
+    (the O GEMV's prologue, `cute_gemv.merge_in`, which takes the split count from kv_lens by
+    the same rule); out is not written, merge_counts not touched."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1323,7 +1338,9 @@ def decode_attention_one_launch(
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
-    if num_splits == 1:
+    if partials_out and merge_group:
+        raise ValueError("partials_out leaves the merge to the consumer: merge_group must be 0")
+    if num_splits == 1 and not partials_out:
         mid_o, mid_lse = out, out  # unused: one split writes O directly
     elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
         raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
@@ -1360,6 +1377,7 @@ def decode_attention_one_launch(
         PREFETCH_PAGES=prefetch_pages,
         EARLY_PAGE_BASE=EARLY_PAGE_BASE,
         **merge,
+        PARTIALS_OUT=partials_out,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_args,

@@ -89,7 +89,7 @@ import torch
 from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels import cute_precompile
 from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV,
-                                        RopeShape, VEC, cute_available, lanes_for, plan_gemv)
+                                        RopeShape, SplitPartials, VEC, cute_available, lanes_for, plan_gemv)
 from flashlet.models import quantization
 from flashlet.models.quantization import QuantizedWeight, is_quantized
 from flashlet.runner.batch import StepLayout
@@ -173,6 +173,17 @@ ATTENTION_PDL = os.environ.get(ATTENTION_PDL_ENV, "1")
 if ATTENTION_PDL not in ("0", "1", "one-row"):
     raise ValueError(f"{ATTENTION_PDL_ENV}={ATTENTION_PDL!r}: expected 0, 1 or one-row")
 
+# One row's attention leaves its split partials, and the O GEMV merges them in its prologue
+# (`cute_gemv.merge_in`, `TritonBackend.attend_one_launch(partials_out=)`): the attention's tail
+# (a CTA barrier, the counter's acq_rel atomic, the last program's loads of the partials and its
+# store of x) leaves the chain, and each O CTA loads the partials where it loaded x (FUSED_NOTES.md,
+# "Session 68"). $FLASHLET_MERGE_IN_O for a fresh process (an A/B, `gpu_run.sh merge-in-o-ab`): "0"
+# (the default until measured) off; "1" the merge GEMV planned as O's own plan; "w1" / "w2" / "w4"
+# / "w8" that many warps a CTA (fewer CTAs, each loading all of the partials).
+MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
+MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "0")
+if MERGE_IN_O not in ("0", "1", "w1", "w2", "w4", "w8"):
+    raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected 0, 1, w1, w2, w4 or w8")
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -423,6 +434,8 @@ class FusedDecode:
             self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
                                   model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // layer.kv_size)
         self.gemvs: dict[int, Gemvs] = {}
+        # One row's O GEMVs that merge the attention's split partials, by split rule (MERGE_IN_O)
+        self.merge_o: dict[tuple, CuteGemv] = {}
         self.declined_rows: dict[int, str] = {}  # row counts the kernel cannot plan, and why
         for m in sorted(set(row_counts)):
             try:
@@ -523,7 +536,10 @@ class FusedDecode:
             else:
                 o = self._qkv_attend(g, i, layer, positions, attn)
             w, scale = _weight(layer.o_proj.weight)
-            g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
+            if isinstance(o, SplitPartials):
+                self._merge_o(o.rule, residual.device)(o, w, residual, out=residual)
+            else:
+                g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
             w, scale = _weight(layer.gate_up_proj.weight)
             g.gate_up(residual, w, out=act, norm_weight=layer.post_attn_norm, **scale)
             self._down(g, layer, act, residual)
@@ -560,7 +576,8 @@ class FusedDecode:
             from flashlet.kernels.decode_attention import RopeIn  # Triton's module: where it runs
 
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(rows),
-                                          rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm))
+                                          rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm),
+                                          partials_out=self.merges_in_o(rows))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
         return self._attend(i, q, attn)
@@ -582,11 +599,27 @@ class FusedDecode:
         """Whether a step of `rows` rows launches its one-launch attention with PDL (ATTENTION_PDL)."""
         return self.pdl and (ATTENTION_PDL == "1" or (ATTENTION_PDL == "one-row" and rows == 1))
 
-    def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor:
-        """Attention over the pool, this step's K/V already written."""
+    def _attend(self, i: int, q: torch.Tensor, attn):
+        """Attention over the pool, this step's K/V already written (one row with MERGE_IN_O: its
+        split partials where the backend leaves them)."""
         if self.one_launch_attention:
-            return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]))
+            return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]),
+                                          partials_out=self.merges_in_o(q.shape[0]))
         return attn.attend(i, q)
+
+    def merges_in_o(self, rows: int) -> bool:
+        """Whether a step of `rows` rows asks the attention for split partials (MERGE_IN_O: one
+        bf16 row whose O GEMV is on the CUDA cores)."""
+        return MERGE_IN_O != "0" and rows == 1 and not self.fp8 and not self.bf16_one_row_mma
+
+    def _merge_o(self, rule: tuple, device: torch.device) -> CuteGemv:
+        """The one-row O GEMV that merges partials split by `rule` (compiled at its first call,
+        the warm-up's, as every GEMV)."""
+        if rule not in self.merge_o:
+            h, q = self._widths()[:2]
+            knobs = {"warps": int(MERGE_IN_O[1:])} if MERGE_IN_O.startswith("w") else {}
+            self.merge_o[rule] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=rule, **knobs)
+        return self.merge_o[rule]
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""

@@ -1,0 +1,160 @@
+"""One row's attention merged in the O GEMV's prologue (fused_decode.MERGE_IN_O): the one-launch
+attention leaves its split partials (`decode_attention_one_launch(partials_out=True)`) and the
+CuTe GEMV planned with `merge_in` merges them into x before its dot products.
+
+On any machine: the attention's partials (Triton's interpreter without CUDA), merged by the slow
+obvious reference under the split rule the GEMV repeats, give the attention's own output; the
+plan and the call refuse what the merge form cannot do. With CUDA and the CuTe DSL: the merge
+GEMV against the reference merge followed by the fp32 GEMV, the slots past the row's splits
+poisoned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlet.kernels import cute_gemv
+from flashlet.kernels.cute_gemv import (CuteGemv, SplitPartials, gemv_reference, merge_in, merge_partials_reference,
+                                        plan_gemv, split_count)
+from flashlet.kernels.decode_attention import decode_attention_one_launch, decode_attention_reference
+
+NAN = float("nan")
+HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
+GPU_SKIP = ("needs CUDA" if not torch.cuda.is_available()
+            else None if HAVE_CUTE else f"needs the CuTe DSL: {NO_CUTE_REASON[:160]}")
+needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+
+
+def _split_range(kv_len: int, num_splits: int, split_tokens: int, block_n: int) -> int:
+    """decode_attention's `_split_range` written out step by step (its split count)."""
+    n = min(-(-kv_len // split_tokens), num_splits)
+    n = max(n, 1)
+    split_len = -(-(-(-kv_len // n)) // block_n) * block_n
+    split_len = max(split_len, block_n)
+    return max(-(-kv_len // split_len), 1)
+
+
+@pytest.mark.parametrize("kv_len", [1, 15, 16, 17, 255, 256, 257, 1000, 1024, 4095, 9000])
+@pytest.mark.parametrize("splits, split_tokens, block_n", [(64, 256, 256), (16, 64, 64), (32, 64, 64), (4, 16, 16)])
+def test_split_count_is_the_attention_split_rule(kv_len, splits, split_tokens, block_n):
+    assert split_count(kv_len, merge_in(splits, split_tokens, block_n, 64)) == \
+        _split_range(kv_len, splits, split_tokens, block_n)
+
+
+@pytest.mark.parametrize("group, num_kv_heads, kv_pack, kv_len, num_splits, split_tokens, block_n", [
+    (7, 2, 1, 40, 4, 16, 16),   # Qwen2.5's group, 3 of 4 splits
+    (7, 2, 1, 16, 4, 16, 16),   # one split: a partial all the same (no direct store of O)
+    (7, 2, 2, 100, 8, 16, 16),  # KV heads packed two a program, 7 splits (two merge groups of 4)
+    (2, 4, 1, 70, 8, 16, 16),   # Qwen3's group
+    (3, 1, 1, 200, 4, 16, 32),  # splits of several blocks
+])
+def test_partials_out_merged_by_the_rule_give_the_attention_output(kh, group, num_kv_heads, kv_pack, kv_len,
+                                                                     num_splits, split_tokens, block_n):
+    head_dim = 16
+    paged = kh.make_paged([kv_len], 8, num_kv_heads, head_dim, seed=kv_len)
+    hq = group * num_kv_heads
+    q = torch.randn(1, hq, head_dim, generator=torch.Generator().manual_seed(3)).to(kh.device)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"],
+            head_dim**-0.5)
+    mid_o = torch.full((num_splits + 2, hq, head_dim), NAN, device=kh.device)  # poisoned past the splits used
+    mid_lse = torch.full((num_splits + 2, hq), NAN, device=kh.device)
+    counts = torch.zeros(num_kv_heads + 1, dtype=torch.int32, device=kh.device)
+    out = torch.full_like(q, NAN)
+    got = decode_attention_one_launch(*args, out=out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
+                                      num_splits=num_splits, min_split_tokens=split_tokens, block_n=block_n,
+                                      kv_heads_per_program=kv_pack, partials_out=True)
+    assert got is out and torch.isnan(out).all(), "partials_out writes no output"
+    assert not counts.any(), "partials_out moves no merge counter"
+    rule = merge_in(num_splits, split_tokens, block_n, head_dim)
+    n = split_count(kv_len, rule)
+    assert not torch.isnan(mid_o[:n]).any() and not torch.isnan(mid_lse[:n]).any(), "a used split left no partial"
+    assert torch.isnan(mid_lse[n:]).all(), "a split past the row's count wrote a partial"
+    x = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule))
+    want = decode_attention_reference(*args)
+    assert kh.rel_err(x.view_as(want), want) < 1e-5
+
+
+def test_partials_out_refuses_a_two_level_merge(kh):
+    paged = kh.make_paged([40], 8, 2, 16)
+    q = torch.randn(1, 14, 16, device=kh.device)
+    with pytest.raises(ValueError, match="merge_group must be 0"):
+        decode_attention_one_launch(q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"],
+                                    paged["kv_lens"], 0.25, out=torch.empty_like(q),
+                                    mid_o=torch.empty(8, 14, 16, device=kh.device),
+                                    mid_lse=torch.empty(8, 14, device=kh.device),
+                                    merge_counts=torch.zeros(64, dtype=torch.int32, device=kh.device),
+                                    num_splits=8, min_split_tokens=16, block_n=16, merge_group=2,
+                                    partials_out=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rows=2), "rows > 1"), (dict(fp8=True), "fp8"), (dict(norm=True), "norm"),
+    (dict(mma=True), "tensor-core"),
+])
+def test_merge_plan_refuses_what_it_cannot_do(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_gemv(896, 896, "residual", merge=merge_in(64, 256, 256, 64), **kwargs)
+    with pytest.raises(ValueError, match="whole number of heads"):
+        plan_gemv(896, 900, "residual", merge=merge_in(64, 256, 256, 64))
+    with pytest.raises(ValueError, match="positive int"):
+        merge_in(0, 256, 256, 64)
+
+
+def test_merge_plan_is_os_plan_with_its_rule():
+    plain = plan_gemv(896, 896, "residual", pdl=True)
+    merged = plan_gemv(896, 896, "residual", pdl=True, merge=merge_in(64, 256, 256, 64))
+    assert merged.merge == (64, 256, 256, 64, 4) and "merge4" in merged.describe()
+    assert merged == plain.__class__(**{**plain.__dict__, "merge": merged.merge})
+
+
+def test_merge_call_refuses_partials_of_another_rule():
+    gemv = CuteGemv(896, 896, "residual", device="cpu", merge=merge_in(64, 256, 256, 64))
+    parts = SplitPartials(torch.zeros(64 * 896), torch.zeros(64 * 14), torch.ones(1, dtype=torch.int32),
+                          merge_in(32, 256, 256, 64))
+    w, r = torch.zeros(896, 896, dtype=torch.bfloat16), torch.zeros(1, 896, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="count the splits wrong"):
+        gemv(parts, w, r, out=r)
+    with pytest.raises(ValueError, match="SplitPartials"):
+        gemv(torch.zeros(1, 896, dtype=torch.bfloat16), w, r, out=r)
+    short = SplitPartials(torch.zeros(8 * 896), torch.zeros(64 * 14), torch.ones(1, dtype=torch.int32),
+                          merge_in(64, 256, 256, 64))
+    with pytest.raises(ValueError, match="mid_o"):
+        gemv(short, w, r, out=r)
+
+
+def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> SplitPartials:
+    """Random partials and log-sum-exps in the first n_used slots, NaN past them, and a KV length
+    the rule (256-token splits, 64-key blocks) gives exactly n_used splits."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = k // head_dim
+    mid_o = torch.full((splits, heads, head_dim), NAN)
+    mid_lse = torch.full((splits, heads), NAN)
+    mid_o[:n_used] = torch.randn(n_used, heads, head_dim, generator=gen)
+    mid_lse[:n_used] = 4 * torch.randn(n_used, heads, generator=gen)  # weights far apart and near
+    rule = merge_in(splits, 256, 64, head_dim)
+    kv_len = 256 * n_used - 100
+    assert split_count(kv_len, rule) == n_used
+    return SplitPartials(mid_o.cuda(), mid_lse.cuda(), torch.tensor([kv_len], dtype=torch.int32, device="cuda"), rule)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128), (1536, 1536, 128)])
+@pytest.mark.parametrize("n_used", [1, 3, 4, 7, 9])
+@pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2), dict(warps=2, staged=False)])
+def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs):
+    """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
+    against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV."""
+    parts = _partials(n_used, 16, k, head_dim, seed=n_used)
+    gemv = CuteGemv(n, k, "residual", pdl=True, merge=parts.rule, **knobs)
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
+    r = torch.randn(1, n, generator=gen).to(torch.bfloat16).cuda()
+    want = gemv_reference(merge_partials_reference(parts).to(torch.bfloat16), w, "residual", r)
+    for _ in range(2):  # a second launch: nothing left over from the first
+        out = r.clone()
+        gemv(parts, w, out, out=out)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert kh.rel_err(out, want) < 1e-2

@@ -248,11 +248,13 @@
 #                qwen2.5-0.5b): the tree against its O GEMV launched in plain stream order
 #                (lab/o_plain_launch.py), two interleaved pairs, then each form's step timeline
 #                (~3-4 min a config)
-#   merge-in-o-ab one stream after 1,000 tokens at each of MERGE_AB_CONFIGS (qwen2.5-0.5b): the
-#                tree against one row's attention merged in the O GEMV's prologue
-#                (FLASHLET_MERGE_IN_O = each of MERGE_AB_FORMS, "1 w4"), two interleaved pairs,
-#                then the tree's and the first form's step timelines; its tests first
-#                (tests/kernels/test_merge_in_o.py, the engine's -k merge_in_the_o_gemv) (~4 min)
+#   merge-in-o-ab one stream after MERGE_AB_LEN (1,000) tokens at each of MERGE_AB_CONFIGS
+#                (qwen2.5-0.5b): the tree (one row's attention merged in the O GEMV's prologue at
+#                fused_decode.MERGE_IN_O_SHAPES) against FLASHLET_MERGE_IN_O = each of
+#                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4": merged in O at any
+#                shape), two interleaved pairs, then the tree's and the first form's step
+#                timelines; its tests first (tests/kernels/test_merge_in_o.py, the engine's
+#                MERGE_AB_TESTS, -k merge) (~4 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -868,14 +870,15 @@ for _ in range(480):
     merge-in-o-ab)  # one row's attention merged in the O GEMV (FLASHLET_MERGE_IN_O) against the tree
       cute_env || continue
       configs=${MERGE_AB_CONFIGS:-qwen2.5-0.5b}
-      forms=${MERGE_AB_FORMS:-1 w4}
+      forms=${MERGE_AB_FORMS:-0}
       run 300 $PYTEST tests/kernels/test_merge_in_o.py tests/gpu/test_gpu_fused_decode.py -k "${MERGE_AB_TESTS:-merge}"
       timeline=(--backend triton --fused-decode --fused-parts default --prompt-len 1000 --rows 3 --timeline)
       for pair in 1 2; do
         for c in $configs; do
-          run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
+          run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len "${MERGE_AB_LEN:-1000}"
           for f in $forms; do
-            run 150 env FLASHLET_MERGE_IN_O="$f" python3 lab/one_stream_pair.py "merge-$f" --config "$c" --prompt-len 1000
+            run 150 env FLASHLET_MERGE_IN_O="$f" python3 lab/one_stream_pair.py "merge-$f" --config "$c" \
+              --prompt-len "${MERGE_AB_LEN:-1000}"
           done
         done
       done

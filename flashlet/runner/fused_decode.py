@@ -177,13 +177,21 @@ if ATTENTION_PDL not in ("0", "1", "one-row"):
 # (`cute_gemv.merge_in`, `TritonBackend.attend_one_launch(partials_out=)`): the attention's tail
 # (a CTA barrier, the counter's acq_rel atomic, the last program's loads of the partials and its
 # store of x) leaves the chain, and each O CTA loads the partials where it loaded x (FUSED_NOTES.md,
-# "Session 68"). $FLASHLET_MERGE_IN_O for a fresh process (an A/B, `gpu_run.sh merge-in-o-ab`): "0"
-# (the default until measured) off; "1" the merge GEMV planned as O's own plan; "w1" / "w2" / "w4"
-# / "w8" that many warps a CTA (fewer CTAs, each loading all of the partials).
+# "Session 68"). By default ("auto") at the shapes of MERGE_IN_O_SHAPES, with four warps a CTA:
+# measured on an H100 (2026-12-07, a7a9116, `gpu_run.sh merge-in-o-ab`, one stream through
+# LLM.generate after 1,000 tokens, two interleaved fresh-process pairs): Qwen2.5-0.5B 1,739 / 1,742
+# -> 1,864 / 1,856 tok/s (+7%), Qwen2.5-1.5B 632 / 631 -> 680 / 680 (+8%), but Qwen3-0.6B 1,231 ->
+# 1,151 (-6.5%: 16 splits of its 2 heads a group, four rounds of loads in each O CTA): Qwen3 and
+# the unmeasured shapes keep the merge in the attention. O's own plan at the 0.5B (448 one-warp
+# CTAs, each loading all the partials) read 1,579 (-9%). $FLASHLET_MERGE_IN_O for a fresh process
+# (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off everywhere; "1" on at every shape with O's own
+# plan; "w1" / "w2" / "w4" / "w8" on at every shape with that many warps a CTA.
 MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
-MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "0")
-if MERGE_IN_O not in ("0", "1", "w1", "w2", "w4", "w8"):
-    raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected 0, 1, w1, w2, w4 or w8")
+MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "auto")
+if MERGE_IN_O not in ("auto", "0", "1", "w1", "w2", "w4", "w8"):
+    raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected auto, 0, 1, w1, w2, w4 or w8")
+MERGE_IN_O_SHAPES = {(896, 4864), (1536, 8960)}  # (hidden size, intermediate size): 0.5B, 1.5B
+MERGE_IN_O_WARPS = 4  # "auto"'s CTAs
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -609,15 +617,18 @@ class FusedDecode:
 
     def merges_in_o(self, rows: int) -> bool:
         """Whether a step of `rows` rows asks the attention for split partials (MERGE_IN_O: one
-        bf16 row whose O GEMV is on the CUDA cores)."""
-        return MERGE_IN_O != "0" and rows == 1 and not self.fp8 and not self.bf16_one_row_mma
+        bf16 row whose O GEMV is on the CUDA cores; by default at MERGE_IN_O_SHAPES only)."""
+        if MERGE_IN_O == "0" or rows != 1 or self.fp8 or self.bf16_one_row_mma:
+            return False
+        return MERGE_IN_O != "auto" or model_shape(self.model) in MERGE_IN_O_SHAPES
 
     def _merge_o(self, rule: tuple, device: torch.device) -> CuteGemv:
         """The one-row O GEMV that merges partials split by `rule` (compiled at its first call,
         the warm-up's, as every GEMV)."""
         if rule not in self.merge_o:
             h, q = self._widths()[:2]
-            knobs = {"warps": int(MERGE_IN_O[1:])} if MERGE_IN_O.startswith("w") else {}
+            knobs = ({"warps": int(MERGE_IN_O[1:])} if MERGE_IN_O.startswith("w")
+                     else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto" else {})
             self.merge_o[rule] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=rule, **knobs)
         return self.merge_o[rule]
 

@@ -123,6 +123,28 @@ def test_merge_call_refuses_partials_of_another_rule():
         gemv(short, w, r, out=r)
 
 
+@pytest.mark.parametrize("setting, shape, rows, fp8, mma, merges", [
+    ("auto", (896, 4864), 1, False, False, True),    # Qwen2.5-0.5B: measured, on
+    ("auto", (1536, 8960), 1, False, False, True),   # Qwen2.5-1.5B
+    ("auto", (1024, 3072), 1, False, False, False),  # Qwen3-0.6B: measured to lose, off
+    ("auto", (896, 4864), 2, False, False, False),   # one row only
+    ("auto", (896, 4864), 1, True, False, False),    # bf16 weights only
+    ("1", (1024, 3072), 1, False, False, True),      # forced at any shape
+    ("w4", (2048, 8192), 1, False, True, False),     # not where O runs on the tensor cores
+    ("0", (896, 4864), 1, False, False, False),
+])
+def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8, mma, merges):
+    from types import SimpleNamespace
+
+    from flashlet.runner import fused_decode
+
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
+    down = SimpleNamespace(weight=torch.empty(shape[0], shape[1], device="meta"))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=shape[0]), layers=[SimpleNamespace(down_proj=down)])
+    fused = SimpleNamespace(model=model, fp8=fp8, bf16_one_row_mma=mma)
+    assert fused_decode.FusedDecode.merges_in_o(fused, rows) is merges
+
+
 def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> SplitPartials:
     """Random partials and log-sum-exps in the first n_used slots, NaN past them, and a KV length
     the rule (256-token splits, 64-key blocks) gives exactly n_used splits."""
@@ -142,7 +164,7 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> Spl
 @needs_gpu
 @pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128), (1536, 1536, 128)])
 @pytest.mark.parametrize("n_used", [1, 3, 4, 7, 9])
-@pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2), dict(warps=2, staged=False)])
+@pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2, warps=2), dict(warps=2, staged=False)])
 def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
     against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV."""

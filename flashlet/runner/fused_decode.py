@@ -509,8 +509,8 @@ class FusedDecode:
         """(GEMVs ready so far, the seconds they took, how many of them were loaded from the
         disk cache rather than compiled; 0 s for a plan another object readied in this process):
         what the path costs at start."""
-        ready = [g for gemvs in self.gemvs.values() for g in gemvs.all()
-                 if getattr(g, "compile_seconds", None) is not None]
+        every = [*(g for gemvs in self.gemvs.values() for g in gemvs.all()), *self.merge_o.values()]
+        ready = [g for g in every if getattr(g, "compile_seconds", None) is not None]
         return (len(ready), sum(g.compile_seconds for g in ready),
                 sum(bool(getattr(g, "from_disk", False)) for g in ready))
 

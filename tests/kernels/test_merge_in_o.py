@@ -42,15 +42,16 @@ def test_split_count_is_the_attention_split_rule(kv_len, splits, split_tokens, b
         _split_range(kv_len, splits, split_tokens, block_n)
 
 
-@pytest.mark.parametrize("group, num_kv_heads, kv_pack, kv_len, num_splits, split_tokens, block_n", [
-    (7, 2, 1, 40, 4, 16, 16),   # Qwen2.5's group, 3 of 4 splits
-    (7, 2, 1, 16, 4, 16, 16),   # one split: a partial all the same (no direct store of O)
-    (7, 2, 2, 100, 8, 16, 16),  # KV heads packed two a program, 7 splits (two merge groups of 4)
-    (2, 4, 1, 70, 8, 16, 16),   # Qwen3's group
-    (3, 1, 1, 200, 4, 16, 32),  # splits of several blocks
+@pytest.mark.parametrize("group, num_kv_heads, kv_pack, kv_len, num_splits, split_tokens, block_n, prefetch", [
+    (7, 2, 1, 40, 4, 16, 16, False),   # Qwen2.5-0.5B's group, 3 of 4 splits
+    (7, 2, 1, 16, 4, 16, 16, False),   # one split: a partial all the same (no direct store of O)
+    (7, 2, 2, 100, 8, 16, 16, False),  # KV heads packed two a program, 7 splits (two merge groups of 4)
+    (2, 4, 1, 70, 8, 16, 16, False),   # Qwen3's group
+    (3, 1, 1, 200, 4, 16, 32, False),  # splits of several blocks
+    (6, 2, 1, 300, 16, 16, 16, True),  # Qwen2.5-1.5B's group and entry's form: 16 splits, page ids ahead
 ])
 def test_partials_out_merged_by_the_rule_give_the_attention_output(kh, group, num_kv_heads, kv_pack, kv_len,
-                                                                     num_splits, split_tokens, block_n):
+                                                                     num_splits, split_tokens, block_n, prefetch):
     head_dim = 16
     paged = kh.make_paged([kv_len], 8, num_kv_heads, head_dim, seed=kv_len)
     hq = group * num_kv_heads
@@ -63,7 +64,7 @@ def test_partials_out_merged_by_the_rule_give_the_attention_output(kh, group, nu
     out = torch.full_like(q, NAN)
     got = decode_attention_one_launch(*args, out=out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
                                       num_splits=num_splits, min_split_tokens=split_tokens, block_n=block_n,
-                                      kv_heads_per_program=kv_pack, partials_out=True)
+                                      kv_heads_per_program=kv_pack, prefetch_pages=prefetch, partials_out=True)
     assert got is out and torch.isnan(out).all(), "partials_out writes no output"
     assert not counts.any(), "partials_out moves no merge counter"
     rule = merge_in(num_splits, split_tokens, block_n, head_dim)

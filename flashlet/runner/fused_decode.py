@@ -567,7 +567,8 @@ class FusedDecode:
         else:
             residual.addmm_(act, layer.down_proj.weight.t())
 
-    def _qkv_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+    def _qkv_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor,
+                    attn) -> torch.Tensor | SplitPartials:
         """QKV GEMV, then the pool's RoPE + K/V write kernel and attention (two more kernels)."""
         m, rows = self.model, positions.shape[0]
         qkv_out = self.qkv_out[:rows]
@@ -590,7 +591,8 @@ class FusedDecode:
                                     qk_norm)
         return self._attend(i, q, attn)
 
-    def _qkv_rope_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor, attn) -> torch.Tensor:
+    def _qkv_rope_attend(self, g: Gemvs, i: int, layer, positions: torch.Tensor,
+                         attn) -> torch.Tensor | SplitPartials:
         """QKV GEMV with RoPE and the K/V write (every row's, at its own position and slot) in
         its epilogue, then attention alone: each row attends to the K/V of all rows before it."""
         pool, rows = self.kv_pool, positions.shape[0]
@@ -607,7 +609,7 @@ class FusedDecode:
         """Whether a step of `rows` rows launches its one-launch attention with PDL (ATTENTION_PDL)."""
         return self.pdl and (ATTENTION_PDL == "1" or (ATTENTION_PDL == "one-row" and rows == 1))
 
-    def _attend(self, i: int, q: torch.Tensor, attn):
+    def _attend(self, i: int, q: torch.Tensor, attn) -> torch.Tensor | SplitPartials:
         """Attention over the pool, this step's K/V already written (one row with MERGE_IN_O: its
         split partials where the backend leaves them)."""
         if self.one_launch_attention:

@@ -707,8 +707,9 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
 
 @pytest.mark.parametrize("form", ["1", "w4"])
 def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form):
-    """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O, an A/B; "w4": four warps a CTA): one row's
-    attention leaves its split partials and the O GEMV merges them in its prologue. Prompts of
+    """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
+    leaves out; "w4": four warps a CTA): one row's attention leaves its split partials and the O
+    GEMV merges them in its prologue. Prompts of
     300 to 1,700 tokens (2 to 7 splits of 256, merged four at a time), PDL on: teacher-forced
     against the per-op path; the merge GEMV ran and no merge counter moved."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", form)
@@ -724,9 +725,9 @@ def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b"])
 def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset):
-    """MERGE_IN_O at the presets' real shapes and default parts (Qwen3: q and k made in the
-    attention, rope_in), one row over prompts of 20 to 1,100 tokens: teacher-forced against the
-    per-op path, 96 positions."""
+    """MERGE_IN_O forced ("1": O's own plan) at the presets' real shapes and default parts (Qwen3:
+    q and k made in the attention, rope_in), one row over prompts of 20 to 1,100 tokens:
+    teacher-forced against the per-op path, 96 positions."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
     vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)

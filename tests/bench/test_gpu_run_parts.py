@@ -302,3 +302,18 @@ def test_no_part_starts_past_the_deadline(gpu_run, tmp_path):
     assert "### part step-timeline not started" in log and "### part step-plans not started" in log
     rc, calls = gpu_run("step-timeline", TIMELINE_CONFIGS="qwen2.5-0.5b", GPU_RUN_DEADLINE="600")
     assert rc == 0 and len(calls) == 1
+
+
+def test_merge_in_o_ab_tests_then_interleaves_the_forms_then_profiles(gpu_run):
+    rc, calls = gpu_run("merge-in-o-ab", MERGE_AB_CONFIGS="qwen2.5-1.5b", MERGE_AB_FORMS="0 w8", MERGE_AB_LEN="3000",
+                        MERGE_AB_TESTS="preset_shapes")
+    assert rc == 0
+    tests, *runs, (_, table) = calls
+    assert "tests/kernels/test_merge_in_o.py" in tests[1] and "-k preset_shapes" in tests[1]
+    pairs, profiles = runs[:6], runs[6:]
+    assert [(env.strip(), c.split()[1]) for env, c in pairs] == [
+        ("", "tree"), ("FLASHLET_MERGE_IN_O=0", "merge-0"), ("FLASHLET_MERGE_IN_O=w8", "merge-w8")] * 2
+    assert all("--config qwen2.5-1.5b" in c and "--prompt-len 3000" in c for _, c in pairs)
+    assert [env.strip() for env, _ in profiles] == ["", "FLASHLET_MERGE_IN_O=0"]
+    assert all(c.startswith("scripts/profile_step.py") and "--timeline" in c for _, c in profiles)
+    assert table == "lab/one_stream_pair.py --table"

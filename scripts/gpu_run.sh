@@ -251,8 +251,8 @@
 #   merge-in-o-ab one stream after MERGE_AB_LEN (1,000) tokens at each of MERGE_AB_CONFIGS
 #                (qwen2.5-0.5b): the tree (one row's attention merged in the O GEMV's prologue at
 #                fused_decode.MERGE_IN_O_SHAPES) against FLASHLET_MERGE_IN_O = each of
-#                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4": merged in O at any
-#                shape), two interleaved pairs, then the tree's and the first form's step
+#                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4", "w8g16": merged in O at
+#                any shape), two interleaved pairs, then the tree's and the first form's step
 #                timelines; its tests first (tests/kernels/test_merge_in_o.py, the engine's
 #                MERGE_AB_TESTS, -k merge) (~4 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -185,11 +186,13 @@ if ATTENTION_PDL not in ("0", "1", "one-row"):
 # the unmeasured shapes keep the merge in the attention. O's own plan at the 0.5B (448 one-warp
 # CTAs, each loading all the partials) read 1,579 (-9%). $FLASHLET_MERGE_IN_O for a fresh process
 # (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off everywhere; "1" on at every shape with O's own
-# plan; "w1" / "w2" / "w4" / "w8" on at every shape with that many warps a CTA.
+# plan; "w1" / "w2" / "w4" / "w8" on at every shape with that many warps a CTA, and with "g8" /
+# "g16" after it ("w8g16") that many splits loaded a round (4 otherwise: `cute_gemv.merge_in`).
 MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
 MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "auto")
-if MERGE_IN_O not in ("auto", "0", "1", "w1", "w2", "w4", "w8"):
-    raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected auto, 0, 1, w1, w2, w4 or w8")
+if not re.fullmatch(r"auto|0|1|w[1248](g(4|8|16))?", MERGE_IN_O):
+    raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected auto, 0, 1, or w1 / w2 / w4 / w8 with an "
+                     "optional g4 / g8 / g16")
 MERGE_IN_O_SHAPES = {(896, 4864), (1536, 8960)}  # (hidden size, intermediate size): 0.5B, 1.5B
 MERGE_IN_O_WARPS = 4  # "auto"'s CTAs
 
@@ -629,9 +632,10 @@ class FusedDecode:
         the warm-up's, as every GEMV)."""
         if rule not in self.merge_o:
             h, q = self._widths()[:2]
-            knobs = ({"warps": int(MERGE_IN_O[1:])} if MERGE_IN_O.startswith("w")
-                     else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto" else {})
-            self.merge_o[rule] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=rule, **knobs)
+            form = re.fullmatch(r"w(\d+)(?:g(\d+))?", MERGE_IN_O)
+            knobs = ({"warps": int(form[1])} if form else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto" else {})
+            merge = (*rule[:4], int(form[2])) if form and form[2] else rule  # the GEMV's group of splits a round
+            self.merge_o[rule] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
         return self.merge_o[rule]
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

@@ -705,7 +705,7 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-@pytest.mark.parametrize("form", ["1", "w4"])
+@pytest.mark.parametrize("form", ["1", "w4", "w8g16"])
 def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form):
     """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
     leaves out; "w4": four warps a CTA): one row's attention leaves its split partials and the O

@@ -109,6 +109,25 @@ def test_merge_plan_is_os_plan_with_its_rule():
     assert merged == plain.__class__(**{**plain.__dict__, "merge": merged.merge})
 
 
+def test_the_merge_forms_build_their_gemv(monkeypatch):
+    """$FLASHLET_MERGE_IN_O's forms as FusedDecode._merge_o plans them: warps, and the group of
+    splits a round in the GEMV's merge (the attention's rule otherwise)."""
+    from types import SimpleNamespace
+
+    from flashlet.runner import fused_decode
+
+    rule = merge_in(16, 64, 64, 128)
+    for setting, warps, group in (("w8g16", 8, 16), ("w4", 4, 4), ("auto", 4, 4)):
+        monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
+        fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
+        plan = fused_decode.FusedDecode._merge_o(fused, rule, torch.device("cpu")).plan
+        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group)), setting
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
+    fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
+    assert fused_decode.FusedDecode._merge_o(fused, rule, torch.device("cpu")).plan == \
+        plan_gemv(1024, 2048, "residual", pdl=True, merge=rule)
+
+
 def test_merge_call_refuses_partials_of_another_rule():
     gemv = CuteGemv(896, 896, "residual", device="cpu", merge=merge_in(64, 256, 256, 64))
     parts = SplitPartials(torch.zeros(64 * 896), torch.zeros(64 * 14), torch.ones(1, dtype=torch.int32),
@@ -132,6 +151,7 @@ def test_merge_call_refuses_partials_of_another_rule():
     ("auto", (896, 4864), 1, True, False, False),    # bf16 weights only
     ("1", (1024, 3072), 1, False, False, True),      # forced at any shape
     ("w4", (2048, 8192), 1, False, True, False),     # not where O runs on the tensor cores
+    ("w8g16", (1024, 3072), 1, False, False, True),  # a form with its own group of splits a round
     ("0", (896, 4864), 1, False, False, False),
 ])
 def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8, mma, merges):
@@ -167,11 +187,13 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> Spl
 @pytest.mark.parametrize("n_used", [1, 3, 4, 7, 9])
 @pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2, warps=2),
                                    dict(warps=2, staged=False)])
-def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs):
+@pytest.mark.parametrize("group", [4, 16])
+def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
-    against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV."""
+    against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV;
+    four or sixteen splits loaded a round (the GEMV's own group: the partials' rule keeps 4)."""
     parts = _partials(n_used, 16, k, head_dim, seed=n_used)
-    gemv = CuteGemv(n, k, "residual", pdl=True, merge=parts.rule, **knobs)
+    gemv = CuteGemv(n, k, "residual", pdl=True, merge=(*parts.rule[:4], group), **knobs)
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
     r = torch.randn(1, n, generator=gen).to(torch.bfloat16).cuda()

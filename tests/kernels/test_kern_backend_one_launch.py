@@ -269,3 +269,30 @@ def test_the_engines_per_op_decode_gives_the_two_launch_forms_tokens(kh, tiny_qw
         assert any(c["num_splits"] > 1 for c in calls["one"] + calls["two"])
         assert not engine.runner.backend._merge_counts.any()
     assert outs["1"] == outs["0"]
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("length", [1, 40, 129])
+def test_one_row_partials_out_merge_to_the_attention_output(kh, monkeypatch, cache_dtype, length):
+    """`attend_one_launch(partials_out=True)` at one row (the fused path's merge in the O GEMV):
+    the split partials it returns, merged by the reference under the rule it names, are its
+    output without them, over a bf16 or a scaled fp8 pool; no merge counter moves. More rows, or
+    a long step, return the output as always."""
+    from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference, split_count
+
+    pool = _pool(kh, [length], 2, 16, dtype=torch.float16, cache_dtype=cache_dtype)
+    if cache_dtype is not None:
+        pool.k_scales[0], pool.v_scales[0] = 0.05, 0.02
+    meta, _ = kh.make_step(pool, [(length, 1)])
+    q = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(length)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
+    tri.plan(meta)
+    want = tri.attend_one_launch(0, q)
+    parts = tri.attend_one_launch(0, q, partials_out=True)
+    assert isinstance(parts, SplitPartials) and not tri._merge_counts.any()
+    cfg, splits = tri.one_launch_config(1)
+    assert parts.rule[:4] == (splits, cfg.min_split_tokens, cfg.block_n, 16)
+    assert (split_count(length, parts.rule) > 1) == (length > SPLIT)  # the longer rows merge several
+    assert kh.rel_err(merge_partials_reference(parts).view_as(want).float(), want.float()) < 1e-3
+    monkeypatch.setattr(tri, "long_context", lambda meta: True)
+    assert isinstance(tri.attend_one_launch(0, q, partials_out=True), torch.Tensor)

@@ -503,10 +503,11 @@ class TritonBackend(AttentionBackend):
         and rotates them and writes the K/V rows itself (`decode_attention_one_launch`: steps of
         up to MAX_LOOKBACK + 1 rows, every fused row count).
 
-        partials_out (one row): where this step runs the one-launch kernel with a config whose
-        split rule a consumer can follow (no long rule), return the row's split partials
+        partials_out: where this step runs the one-launch kernel with a config whose split rule a
+        consumer can follow (no long rule) over all of q's rows, return the rows' split partials
         (`cute_gemv.SplitPartials`, its `rule` the GEMV's `merge_in`) and leave the merge to the
-        O GEMV; otherwise (a long step, such a config, no split scratch) the output as always."""
+        O GEMV; otherwise (a long step, such a config, rows past the step's, too little split
+        scratch) the output as always."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -530,8 +531,8 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
-        partials_out = (partials_out and n == 1 and q.shape[0] == 1 and not long and not cfg.long_from_tokens
-                        and self._mid_o.shape[0] >= splits)
+        partials_out = (partials_out and q.shape[0] == n and not long and not cfg.long_from_tokens
+                        and self._mid_o.shape[0] >= n * splits)
         out = torch.empty_like(q)
         decode_attention_one_launch(
             q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],

@@ -167,7 +167,7 @@ def _dsl():
     for helper in (_argmax_pick, _argmax_warp, _argmax_cta, _argmax_finish, _argmax_finish_rows,
                    _argmax_last_cta_rows, _mma_load_weights, _mma_x_fragments, _mma_rstd, _mma_sq_to_smem,
                    _mma_store_sq, _lane_rows_rstd, _summed_rstd, _mma_tile, _mma_epilogue, _mma_argmax_finish, _mma_finish_split,
-                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials, _merge_split_count, _merge_x):
+                   _rope_kv_store, _stage_tile, _dot_rows, _fp8_partials, _merge_split_count, _merge_counts, _merge_x):
         g[helper.__name__] = cute.jit(helper)
     return dict(cutlass=cutlass, cute=cute, from_dlpack=from_dlpack, cuda=cuda_driver,
                 launcher=cute.jit(_gemv_launch), launcher_fp8=cute.jit(_gemv_launch_fp8),
@@ -326,16 +326,21 @@ def split_count(kv_len: int, rule: tuple) -> int:
     return max(-(-kv_len // split_len), 1)
 
 
-def merge_partials_reference(parts: SplitPartials) -> torch.Tensor:
-    """The slow obvious merge of one row's split partials -> x [1, Hq * D] fp32: the first
-    split_count(kv_len) slots only (what lies past them is never read), each head weighted by
-    2^(lse - max lse)."""
-    head_dim = parts.rule[3]
-    n = split_count(int(parts.kv_lens.view(-1)[0]), parts.rule)
-    lse = parts.mid_lse.view(-1).float()[: n * parts.mid_o.shape[-2]].view(n, -1)  # [n, Hq]
-    o = parts.mid_o.reshape(-1).float()[: lse.numel() * head_dim].view(n, -1, head_dim)
-    w = torch.exp2(lse - lse.max(dim=0).values)
-    return ((w[:, :, None] * o).sum(0) / w.sum(0)[:, None]).reshape(1, -1)
+def merge_partials_reference(parts: SplitPartials, rows: int = 1) -> torch.Tensor:
+    """The slow obvious merge of `rows` decode rows' split partials -> x [rows, Hq * D] fp32: row
+    b's slots b * splits .. b * splits + split_count(kv_len_b) - 1 only (what lies past them is never
+    read), each head weighted by 2^(lse - max lse)."""
+    splits, head_dim = parts.rule[0], parts.rule[3]
+    heads = parts.mid_o.shape[-2]
+    lse_all = parts.mid_lse.reshape(-1, heads).float()
+    o_all = parts.mid_o.reshape(-1, heads, head_dim).float()
+    out = []
+    for b in range(rows):
+        n = split_count(int(parts.kv_lens.view(-1)[b]), parts.rule)
+        lse, o = lse_all[b * splits: b * splits + n], o_all[b * splits: b * splits + n]
+        w = torch.exp2(lse - lse.max(dim=0).values)
+        out.append(((w[:, :, None] * o).sum(0) / w.sum(0)[:, None]).reshape(-1))
+    return torch.stack(out)
 
 
 def lanes_for(k: int, vec: int = VEC) -> int:
@@ -575,13 +580,14 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if merge:
         if len(merge) != 5:
             raise ValueError(f"merge must be merge_in(...)'s tuple, got {merge!r}")
-        why = ("rows > 1" if rows != 1 else "fp8 weights" if fp8 else "the tensor-core form" if mma
+        why = ("fp8 weights" if fp8 else "one row on the tensor cores" if mma and rows == 1
                else "norm" if norm else "rope" if rope is not None else "argmax" if epilogue == "argmax"
                else f"K = {k} not a whole number of heads of {merge[3]}" if k % merge[3] else None)
         if why:
-            raise ValueError(f"merge (x from the attention's split partials) is planned for one bf16 row "
-                             f"on the CUDA cores without a norm: not with {why}")
-        mma = False
+            raise ValueError(f"merge (x from the attention's split partials) is planned for bf16 weights without "
+                             f"a norm, one row on the CUDA cores: not with {why}")
+        if rows == 1:
+            mma = False
     knobs = dict(warps=warps, outs_per_group=outs_per_group, ctas_per_sm=ctas_per_sm, staged=staged,
                  stages=stages, late_g=late_g, min_ctas_per_sm=min_ctas_per_sm, splits=splits,
                  tile_group=tile_group)
@@ -632,8 +638,8 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     mma_only = [name for name in MMA_ONLY_KNOBS if knobs[name] not in (None, 1)]  # given, past their default
     if mma or (mma is None and not refusal):
         try:
-            return _plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl, norm=norm,
-                             eps=eps, rope=rope, fp8=fp8)
+            return dataclasses.replace(_plan_mma(n_rows, k, epilogue, n_out, rows, knobs, num_sms=num_sms, pdl=pdl,
+                                                 norm=norm, eps=eps, rope=rope, fp8=fp8), merge=tuple(merge))
         except ValueError:
             if mma or mma_only:
                 raise  # by default a shape the tensor-core form cannot plan keeps the CUDA-core form,
@@ -942,14 +948,15 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     if cutlass.const_expr(staged or merging):
         smem = cutlass.utils.SmemAllocator()
     sX = None
-    n_parts = 0
+    counts = []
+    most = 0
     if cutlass.const_expr(merging):
         # x's K/8 chunks as the CTA merges them, each lane then reading its own (bf16, as the
         # attention would have stored x); the split count from the row's KV length, which no
         # kernel of this step writes: before the wait.
-        sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((x_chunks, VEC), stride=(VEC, 1)),
+        sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * x_chunks, VEC), stride=(VEC, 1)),
                                   byte_alignment=16)
-        n_parts = _merge_split_count(mKvLen[0], merge)
+        counts, most = _merge_counts(mKvLen, rows, merge)
 
     # Without PDL x is ready at launch: load it once, before the weights. Measured in the SASS
     # (sm_90a): with x loaded inside the tile, ptxas interleaves and issues only 10-14 of a
@@ -1027,12 +1034,13 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
         if cutlass.const_expr(merging):
             if cutlass.const_expr(pdl):
                 cute.arch.griddepcontrol_wait()  # the attention's partials (and r) are written
-            _merge_x(mMid, mLse, sX, n_parts, tidx, warps * 32, x_chunks, merge)
-            cute.arch.sync_threads()
-            for j in cutlass.range_constexpr(chunks):
-                xs.append(sX[sub + j * lanes, None].load())
             if cutlass.const_expr(grid < num_tiles):
-                cute.arch.sync_threads()  # a looping CTA merges again into sX for its next tile
+                cute.arch.sync_threads()  # a looping CTA merges again: every warp has read the last tile's x
+            _merge_x(mMid, mLse, sX, counts, most, tidx, warps * 32, x_chunks, rows, merge)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(not row_dots):
+                for j in cutlass.range_constexpr(chunks):
+                    xs.append(sX[sub + j * lanes, None].load())
         elif cutlass.const_expr(not row_dots):
             for j in cutlass.range_constexpr(chunks):
                 if cutlass.const_expr(pdl):
@@ -1112,8 +1120,8 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             x_base = 0
             if cutlass.const_expr(not pdl):  # (with PDL the wait before x keeps x in the loop)
                 x_base = _opaque_zero()
-            sums = _dot_rows(mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows, rows_in_flight, norm,
-                             eps, vec)
+            sums = _dot_rows(sX if merging else mX, mG, w, gs, sub, x_base, lanes, chunks, x_chunks, rows,
+                             rows_in_flight, norm, eps, vec)
             if cutlass.const_expr(fp8):  # each weight row's scale, once: W x = scale * (q x)
                 sums = [[v * scales[i] for v in sums[i]] for i in range(rows_in_flight)]
         if cutlass.const_expr(not row_dots):
@@ -1184,32 +1192,55 @@ def _merge_split_count(kv_len, merge):
 
 
 @_deferred.jit
-def _merge_x(mMid, mLse, sX, n_parts, tidx, threads, x_chunks, merge):
-    """x into sX from the attention's n_parts split partials: for each 8-wide chunk of x (head h),
-    sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m), as the attention's own merge sums them, rounded
-    to bf16 as it stores x. The CTA's threads share the chunks (a thread past the last one merges
+def _merge_counts(mKvLen, rows, merge):
+    """Each decode row's split count (`_merge_split_count` of its KV length), and their largest:
+    read before the PDL wait (no kernel of the step writes the KV lengths)."""
+    counts = [_merge_split_count(mKvLen[m], merge) for m in range(rows)]
+    most = counts[0]
+    for m in cutlass.range_constexpr(1, rows):
+        most = cutlass.max(most, counts[m])
+    return counts, most
+
+
+@_deferred.jit
+def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge):
+    """x into sX [rows * K/8, 8] from the attention's split partials: for each 8-wide chunk of a
+    decode row's x (head h), sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over that row's
+    counts[row] splits (slots row * splits + s), as the attention's own merge sums them, rounded to
+    bf16 as it stores x. The CTA's threads share the rows' chunks (a thread past the last merges
     the last again and stores nothing); `merge`'s group of splits loads at once for every chunk a
-    thread has (one L2 round trip for a row of at most that many splits), a running max past it."""
-    head_dim, group = merge[3], merge[4]
+    thread has (one L2 round trip while the longest row has at most that many), a running max
+    past it."""
+    splits, head_dim, group = merge[0], merge[3], merge[4]
     q_heads = x_chunks * VEC // head_dim
-    per = (x_chunks + threads - 1) // threads
-    chunk = [cutlass.min(tidx + i * threads, x_chunks - 1) for i in range(per)]
+    items = rows * x_chunks
+    per = (items + threads - 1) // threads
+    item = [cutlass.min(tidx + i * threads, items - 1) for i in range(per)]
+    row = [item[i] // x_chunks for i in range(per)]
+    chunk = [item[i] - row[i] * x_chunks for i in range(per)]
     head = [chunk[i] * VEC // head_dim for i in range(per)]
+    count = []  # each item's row's split count
+    for i in cutlass.range_constexpr(per):
+        n = counts[0]
+        for r in cutlass.range_constexpr(1, rows):
+            n = cutlass.Int32(_select(row[i] == r, counts[r], n))
+        count.append(n)
     m = [cutlass.Float32(-math.inf)] * per
     den = [cutlass.Float32(0.0)] * per
     acc = [cute.full((VEC,), 0.0, cutlass.Float32) for _ in range(per)]
-    for s0 in range(0, n_parts, group):
+    for s0 in range(0, most, group):
         lses = []
         parts = []
         for j in cutlass.range_constexpr(group):  # every load of the group first
-            s = cutlass.min(s0 + j, n_parts - 1)  # past the last split: read it again, weigh it 0
             for i in cutlass.range_constexpr(per):
-                lses.append(cutlass.Float32(mLse[s * q_heads + head[i]]))
-                parts.append(mMid[s * x_chunks + chunk[i], None].load())
+                s = cutlass.min(s0 + j, count[i] - 1)  # past the row's last split: read it again, weigh it 0
+                slot = row[i] * splits + s
+                lses.append(cutlass.Float32(mLse[slot * q_heads + head[i]]))
+                parts.append(mMid[slot * x_chunks + chunk[i], None].load())
         for i in cutlass.range_constexpr(per):
             m_new = m[i]
             for j in cutlass.range_constexpr(group):
-                lse = cutlass.Float32(_select(s0 + j < n_parts, lses[j * per + i], cutlass.Float32(-math.inf)))
+                lse = cutlass.Float32(_select(s0 + j < count[i], lses[j * per + i], cutlass.Float32(-math.inf)))
                 lses[j * per + i] = lse
                 m_new = cutlass.max(m_new, lse)
             m_ref = cutlass.Float32(_select(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new))
@@ -1224,9 +1255,9 @@ def _merge_x(mMid, mLse, sX, n_parts, tidx, threads, x_chunks, merge):
             den[i] = d
             m[i] = m_new
     for i in cutlass.range_constexpr(per):
-        if tidx + i * threads < x_chunks:
+        if tidx + i * threads < items:
             d = cutlass.Float32(_select(den[i] == cutlass.Float32(0.0), cutlass.Float32(1.0), den[i]))
-            sX[chunk[i], None].store((acc[i] / d).to(cutlass.BFloat16))
+            sX[item[i], None].store((acc[i] / d).to(cutlass.BFloat16))
 
 
 @_deferred.jit
@@ -2120,9 +2151,9 @@ def _mma_argmax_finish(mTokens, mPartVal, mPartIdx, mCounter, sLast, best_val, b
 
 
 @_deferred.kernel
-def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows, splits,
-                tile_group, fp8, mS):
+def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mMid, mLse,
+                mKvLen, k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
+                splits, tile_group, merge, fp8, mS):
     # The tensors as `_gemv_kernel` takes them (bf16, or fp8 codes with their row scales mS
     # (None for bf16); K steps of 32 bf16 or 64 fp8; with splits > 1 mPartVal is the workspace
     # [tiles x splits, n-tiles x 4, 32] of the CTAs' sums and mCounter [tiles] their counters). A
@@ -2131,7 +2162,8 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     # bidx % splits of tile bidx // splits alone; tile_group G > 1: CTA bidx computes tiles
     # G b .. G b + G - 1 for b = bidx // splits, split bidx % splits). The first tile's weight
     # loads (a group's: all G tiles') are issued before the PDL wait; x (and g) are read once
-    # after it.
+    # after it. merge (`merge_in`): x merged from the attention's split partials into shared
+    # memory first (`_gemv_kernel`'s), the fragments read from there.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -2145,6 +2177,15 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
     steps = k // (MMA_K_FP8 if fp8 else MMA_K)
     if cutlass.const_expr(fp8):  # the codes as bytes: the widening is integer work (`_widen_e4m3`)
         mW = cute.recast_tensor(mW, cutlass.Uint8)
+    smem = cutlass.utils.SmemAllocator()
+    merging = len(merge) > 0
+    sX = None
+    counts = []
+    most = 0
+    if cutlass.const_expr(merging):
+        sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * (k // VEC), VEC), stride=(VEC, 1)),
+                                  byte_alignment=16)
+        counts, most = _merge_counts(mKvLen, rows, merge)
     tile = bidx
     split = 0
     first = 0
@@ -2164,11 +2205,14 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
                                          head_dim))
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()  # x, the residual, positions and slots: the previous kernel's
-    b, sq = _mma_x_fragments(mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm, splits, fp8)
+    if cutlass.const_expr(merging):
+        _merge_x(mMid, mLse, sX, counts, most, tidx, warps * 32, k // VEC, rows, merge)
+        cute.arch.sync_threads()
+    b, sq = _mma_x_fragments(sX if merging else mX, mG, first, end, warp, lane, k, warps, chunks, rows, norm,
+                             splits, fp8)
     pre = _mma_epilogue_inputs(tile, lane, mPos, mCS, mSlot, mE, n_out, epilogue, rows, head_dim, q_heads,
                                kv_heads)
     scl = _mma_row_scales(mS, tile, lane, n_out, epilogue, head_dim)
-    smem = cutlass.utils.SmemAllocator()
     sAcc = None
     if cutlass.const_expr(warps > 1):
         sAcc = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * warps * n_tiles * 4 * 32),
@@ -2224,31 +2268,31 @@ def _mma_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSl
 
 
 @_deferred.jit
-def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, stream,
-                k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
-                splits, tile_group, min_ctas):
+def _mma_launch(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mMid, mLse,
+                mKvLen, stream, k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
+                kv_heads, rows, splits, tile_group, merge, min_ctas):
     """The tensor-core form (bf16 weights; one row only where asked)."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                         k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows, splits, tile_group, False, None).launch(
+                         mMid, mLse, mKvLen, k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim,
+                         q_heads, kv_heads, rows, splits, tile_group, merge, False, None).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 @_deferred.jit
-def _mma_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mS, stream,
-                    k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads, kv_heads, rows,
-                    splits, tile_group, min_ctas):
+def _mma_launch_fp8(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC, mMid, mLse,
+                    mKvLen, mS, stream, k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
+                    kv_heads, rows, splits, tile_group, merge, min_ctas):
     """The tensor-core form with fp8 weights (1 to 16 rows) and their row scales mS [n_rows] fp32."""
     _mma_kernel_compiled(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mSlot, mKC, mVC,
-                         k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim, q_heads,
-                         kv_heads, rows, splits, tile_group, True, mS).launch(
+                         mMid, mLse, mKvLen, k, n_out, epilogue, warps, chunks, pdl, grid, norm, eps, head_dim,
+                         q_heads, kv_heads, rows, splits, tile_group, merge, True, mS).launch(
         grid=[grid, 1, 1], block=[warps * 32, 1, 1], stream=stream, use_pdl=pdl,
         min_blocks_per_mp=min_ctas)
 
 
 _MMA_PLAN_PARAMS = ("k", "n_out", "epilogue", "warps", "chunks", "pdl", "grid", "norm", "eps", "head_dim",
-                    "q_heads", "kv_heads", "rows", "splits", "tile_group", "min_ctas")  # the launchers'
+                    "q_heads", "kv_heads", "rows", "splits", "tile_group", "merge", "min_ctas")  # the launchers'
 _MMA_KERNEL_PARAMS = (*_MMA_PLAN_PARAMS[:-1], "fp8")
 
 
@@ -2275,7 +2319,8 @@ _CONSTEXPR_PARAMS = {_gemv_kernel: _PLAN_PARAMS, _gemv_launch: _PLAN_PARAMS, _ge
                                  "kv_heads", "splits", "k", "eps", "sq_at"),
                      _mma_epilogue: ("n_out", "epilogue", "rows", "norm", "head_dim", "q_heads", "kv_heads"),
                      _mma_argmax_finish: ("warps", "grid", "rows"),
-                     _merge_split_count: ("merge",), _merge_x: ("threads", "x_chunks", "merge"),
+                     _merge_split_count: ("merge",), _merge_counts: ("rows", "merge"),
+                     _merge_x: ("threads", "x_chunks", "rows", "merge"),
                      _dot_rows: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm", "eps", "vec"),
                      _fp8_partials: ("lanes", "chunks", "x_chunks", "rows", "rows_in_flight", "norm")}
 
@@ -2418,10 +2463,10 @@ class CuteGemv:
             if tuple(x.rule)[:4] != p.merge[:4]:  # (the group of splits a round is the GEMV's own)
                 raise ValueError(f"partials split by {tuple(x.rule)[:4]} given to a GEMV that merges "
                                  f"{p.merge[:4]}: it would count the splits wrong")
-            splits, heads = p.merge[0], p.k // p.merge[3]
-            for name, t, numel, dtype in (("mid_o", x.mid_o, splits * p.k, torch.float32),
-                                          ("mid_lse", x.mid_lse, splits * heads, torch.float32),
-                                          ("kv_lens", x.kv_lens, 1, torch.int32)):
+            slots, heads = p.rows * p.merge[0], p.k // p.merge[3]
+            for name, t, numel, dtype in (("mid_o", x.mid_o, slots * p.k, torch.float32),
+                                          ("mid_lse", x.mid_lse, slots * heads, torch.float32),
+                                          ("kv_lens", x.kv_lens, p.rows, torch.int32)):
                 if t.numel() < numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
                     raise ValueError(f"SplitPartials.{name} must be a contiguous, 16-byte aligned {dtype} of at "
                                      f"least {numel}, got {t.dtype} {tuple(t.shape)}")
@@ -2460,15 +2505,14 @@ class CuteGemv:
         v = p.vec  # weights a 16-byte chunk (x and g: 8 bf16 a chunk whatever the weights)
         scales = [aligned(scale)] if p.fp8 else []
         norm_weight = norm_weight.view(p.k // VEC, VEC) if norm_weight is not None else self._dummy.view(1, VEC)
-        merge = []  # the CUDA-core form's merge inputs (dummies without merge); the mma form has none
-        if not p.mma:
-            parts = x if p.merge else self._dummy_parts
-            n = p.merge[0] if p.merge else 1
-            heads = p.k // p.merge[3] if p.merge else VEC
-            merge = [aligned(parts.mid_o.view(-1)[: n * p.k if p.merge else VEC].view(-1, VEC)),
-                     aligned(parts.mid_lse.view(-1)[: n * heads]),
-                     d["from_dlpack"](parts.kv_lens.view(-1)[:1], assumed_align=4)]
-            x = self._dummy if p.merge else x
+        # the merge inputs (`merge_in`: each row's splits' partials; dummies without merge)
+        parts = x if p.merge else self._dummy_parts
+        slots = p.rows * p.merge[0] if p.merge else 1
+        heads = p.k // p.merge[3] if p.merge else VEC
+        merge = [aligned(parts.mid_o.view(-1)[: slots * p.k if p.merge else VEC].view(-1, VEC)),
+                 aligned(parts.mid_lse.view(-1)[: slots * heads]),
+                 d["from_dlpack"](parts.kv_lens.view(-1)[: p.rows if p.merge else 1], assumed_align=4)]
+        x = self._dummy if p.merge else x
         return [aligned(weight.view(p.n_rows, p.k // v, v)),
                 aligned(x.reshape(-1, VEC) if p.merge else x.reshape(p.rows * p.k // VEC, VEC)),
                 aligned(out.view(-1)), aligned(extra.view(-1) if extra is not None else self._dummy),
@@ -2503,11 +2547,9 @@ class CuteGemv:
                         (r.cache_slots * r.num_kv_heads * r.head_dim,)] if r else [(2,), (4,), (2,), (8,)])
         v = p.vec
         scales = [fake(c.Float32, (p.n_rows,), 16)] if p.fp8 else []
-        merge = []
-        if not p.mma:
-            n, heads = (p.merge[0], p.k // p.merge[3]) if p.merge else (1, VEC)
-            merge = [fake(c.Float32, (n * p.k // VEC if p.merge else 1, VEC), 16), fake(c.Float32, (n * heads,), 16),
-                     fake(c.Int32, (1,), 4)]
+        slots, heads = (p.rows * p.merge[0], p.k // p.merge[3]) if p.merge else (1, VEC)
+        merge = [fake(c.Float32, (slots * p.k // VEC if p.merge else 1, VEC), 16),
+                 fake(c.Float32, (slots * heads,), 16), fake(c.Int32, (p.rows if p.merge else 1,), 4)]
         return [fake(c.Float8E4M3FN if p.fp8 else c.BFloat16, (p.n_rows, p.k // v, v), 16),
                 fake(c.BFloat16, (1, VEC) if p.merge else (p.rows * p.k // VEC, VEC), 16),
                 fake(c.Int32 if p.epilogue == "argmax" else c.BFloat16, out_shape, 16),
@@ -2549,9 +2591,10 @@ class CuteGemv:
         p = self.plan
         if self.device.type == "cuda":
             # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
-            x = (SplitPartials(torch.zeros(p.merge[0] * p.k, dtype=torch.float32, device=self.device),
-                               torch.zeros(p.merge[0] * p.k // p.merge[3], dtype=torch.float32, device=self.device),
-                               torch.ones(1, dtype=torch.int32, device=self.device), p.merge)
+            slots = p.rows * p.merge[0] if p.merge else 0
+            x = (SplitPartials(torch.zeros(slots * p.k, dtype=torch.float32, device=self.device),
+                               torch.zeros(slots * p.k // p.merge[3], dtype=torch.float32, device=self.device),
+                               torch.ones(p.rows, dtype=torch.int32, device=self.device), p.merge)
                  if p.merge else torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device))
             w = torch.empty(p.n_rows, p.k, dtype=p.weight_dtype, device=self.device)
             scale = torch.empty(p.n_rows, dtype=torch.float32, device=self.device) if p.fp8 else None

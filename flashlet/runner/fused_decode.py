@@ -195,6 +195,15 @@ if not re.fullmatch(r"auto|0|1|w[1248](g(4|8|16))?", MERGE_IN_O):
                      "optional g4 / g8 / g16")
 MERGE_IN_O_SHAPES = {(896, 4864), (1536, 8960)}  # (hidden size, intermediate size): 0.5B, 1.5B
 MERGE_IN_O_WARPS = 4  # "auto"'s CTAs
+# Steps of up to this many rows merge in O where MERGE_IN_O does ($FLASHLET_MERGE_IN_O_ROWS, an A/B;
+# 1, one row, until several are measured). Past one row O keeps its M-row plan (the tensor cores
+# at bf16) without its register cap, whose ~97 registers a thread the merge's loads overflow: the
+# 0.5B's O at 2 / 4 / 8 rows lowers to 105 / 106 / 206 registers and no stack (sm_90a, this CPU),
+# at 16 rows to 254 and 112 bytes of stack: at most 8.
+MERGE_IN_O_ROWS_ENV = "FLASHLET_MERGE_IN_O_ROWS"
+MERGE_IN_O_ROWS = int(os.environ.get(MERGE_IN_O_ROWS_ENV, "1"))
+if not 1 <= MERGE_IN_O_ROWS <= 8:
+    raise ValueError(f"{MERGE_IN_O_ROWS_ENV}={MERGE_IN_O_ROWS}: expected 1 to 8 (rows a step merging in O)")
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -445,7 +454,7 @@ class FusedDecode:
             self.rope = RopeShape(layer.head_dim, layer.num_heads, layer.num_kv_heads,
                                   model.cos_sin_cache.shape[0], kv_pool.k_cache[0].numel() // layer.kv_size)
         self.gemvs: dict[int, Gemvs] = {}
-        # One row's O GEMVs that merge the attention's split partials, by split rule (MERGE_IN_O)
+        # The O GEMVs that merge the attention's split partials, by (split rule, rows) (MERGE_IN_O)
         self.merge_o: dict[tuple, CuteGemv] = {}
         self.declined_rows: dict[int, str] = {}  # row counts the kernel cannot plan, and why
         for m in sorted(set(row_counts)):
@@ -548,7 +557,7 @@ class FusedDecode:
                 o = self._qkv_attend(g, i, layer, positions, attn)
             w, scale = _weight(layer.o_proj.weight)
             if isinstance(o, SplitPartials):
-                self._merge_o(o.rule, residual.device)(o, w, residual, out=residual)
+                self._merge_o(o.rule, rows, residual.device)(o, w, residual, out=residual)
             else:
                 g.o(o.reshape(rows, -1).contiguous(), w, residual, out=residual, **scale)
             w, scale = _weight(layer.gate_up_proj.weight)
@@ -621,22 +630,27 @@ class FusedDecode:
         return attn.attend(i, q)
 
     def merges_in_o(self, rows: int) -> bool:
-        """Whether a step of `rows` rows asks the attention for split partials (MERGE_IN_O: one
-        bf16 row whose O GEMV is on the CUDA cores; by default at MERGE_IN_O_SHAPES only)."""
-        if MERGE_IN_O == "0" or rows != 1 or self.fp8 or self.bf16_one_row_mma:
+        """Whether a step of `rows` rows asks the attention for split partials (MERGE_IN_O: bf16
+        weights, steps of up to MERGE_IN_O_ROWS rows, not a one-row O on the tensor cores; by
+        default at MERGE_IN_O_SHAPES only)."""
+        if MERGE_IN_O == "0" or rows > MERGE_IN_O_ROWS or self.fp8 or (rows == 1 and self.bf16_one_row_mma):
             return False
         return MERGE_IN_O != "auto" or model_shape(self.model) in MERGE_IN_O_SHAPES
 
-    def _merge_o(self, rule: tuple, device: torch.device) -> CuteGemv:
-        """The one-row O GEMV that merges partials split by `rule` (compiled at its first call,
-        the warm-up's, as every GEMV)."""
-        if rule not in self.merge_o:
+    def _merge_o(self, rule: tuple, rows: int, device: torch.device) -> CuteGemv:
+        """The O GEMV of `rows` rows that merges partials split by `rule` (compiled at its first
+        call, the warm-up's, as every GEMV)."""
+        if (rule, rows) not in self.merge_o:
             h, q = self._widths()[:2]
             form = re.fullmatch(r"w(\d+)(?:g(\d+))?", MERGE_IN_O)
-            knobs = ({"warps": int(form[1])} if form else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto" else {})
+            if rows > 1:  # O's M-row plan, uncapped (MERGE_IN_O_ROWS)
+                knobs = {"rows": rows, "min_ctas_per_sm": 0}
+            else:
+                knobs = ({"warps": int(form[1])} if form else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto"
+                         else {})
             merge = (*rule[:4], int(form[2])) if form and form[2] else rule  # the GEMV's group of splits a round
-            self.merge_o[rule] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
-        return self.merge_o[rule]
+            self.merge_o[rule, rows] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
+        return self.merge_o[rule, rows]
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """-> logits [M, vocab] fp32 (final RMSNorm folded into the LM head GEMV)."""

@@ -722,6 +722,22 @@ def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, 
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
+def test_the_merge_in_the_o_gemv_of_several_rows_gives_the_per_op_tokens(tmp_path, monkeypatch):
+    """$FLASHLET_MERGE_IN_O_ROWS=4 (fused_decode.MERGE_IN_O_ROWS, an A/B) with the merge forced:
+    steps of up to four rows (fewer as they finish) merge in O's M-row GEMV, each row its own
+    split count (prompts of 60 to 390 tokens, one or two splits of 256, all in the first step):
+    teacher-forced against the per-op path."""
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 4)
+    source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
+    ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(60 + 110 * p)] for p in range(4)]
+    engine = check_against_reference_teacher_forced(source, ps, 16, max_num_seqs=4, fused_decode_attn=True,
+                                                    fused_decode_rope=True, fused_decode_pdl=True)
+    fused = engine.runner.fused
+    assert {rows for _, rows in fused.merge_o} >= {4}, f"merged in O at {sorted(fused.merge_o)}"
+    assert not engine.runner.fused_attention._merge_counts.any()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b"])
 def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset):

@@ -90,8 +90,7 @@ def test_partials_out_refuses_a_two_level_merge(kh):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(rows=2), "rows > 1"), (dict(fp8=True), "fp8"), (dict(norm=True), "norm"),
-    (dict(mma=True), "tensor-core"),
+    (dict(fp8=True), "fp8"), (dict(norm=True), "norm"), (dict(mma=True), "one row on the tensor cores"),
 ])
 def test_merge_plan_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -100,6 +99,15 @@ def test_merge_plan_refuses_what_it_cannot_do(kwargs, match):
         plan_gemv(896, 900, "residual", merge=merge_in(64, 256, 256, 64))
     with pytest.raises(ValueError, match="positive int"):
         merge_in(0, 256, 256, 64)
+
+
+@pytest.mark.parametrize("rows, mma", [(2, None), (4, None), (16, None), (4, False)])
+def test_merge_plans_m_rows_as_x_itself_in_either_form(rows, mma):
+    """M decode rows merge too, on the tensor cores (bf16's default past one row) or the CUDA cores."""
+    rule = merge_in(8, 128, 128, 64)
+    plain = plan_gemv(896, 896, "residual", pdl=True, rows=rows, mma=mma)
+    merged = plan_gemv(896, 896, "residual", pdl=True, rows=rows, mma=mma, merge=rule)
+    assert merged == plain.__class__(**{**plain.__dict__, "merge": rule})
 
 
 def test_merge_plan_is_os_plan_with_its_rule():
@@ -120,12 +128,16 @@ def test_the_merge_forms_build_their_gemv(monkeypatch):
     for setting, warps, group in (("w8g16", 8, 16), ("w4", 4, 4), ("auto", 4, 4)):
         monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
         fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
-        plan = fused_decode.FusedDecode._merge_o(fused, rule, torch.device("cpu")).plan
+        plan = fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan
         assert (plan.warps, plan.merge) == (warps, (*rule[:4], group)), setting
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
     fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
-    assert fused_decode.FusedDecode._merge_o(fused, rule, torch.device("cpu")).plan == \
+    assert fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan == \
         plan_gemv(1024, 2048, "residual", pdl=True, merge=rule)
+    # past one row: O's M-row plan, its register cap off (the merge's loads need the registers)
+    four = fused_decode.FusedDecode._merge_o(fused, rule, 4, torch.device("cpu")).plan
+    assert four == plan_gemv(1024, 2048, "residual", pdl=True, rows=4, min_ctas_per_sm=0, merge=rule)
+    assert four.rows == 4 and four.min_ctas == 0 and set(fused.merge_o) == {(rule, 1), (rule, 4)}
 
 
 def test_merge_call_refuses_partials_of_another_rule():
@@ -147,7 +159,8 @@ def test_merge_call_refuses_partials_of_another_rule():
     ("auto", (896, 4864), 1, False, False, True),    # Qwen2.5-0.5B: measured, on
     ("auto", (1536, 8960), 1, False, False, True),   # Qwen2.5-1.5B
     ("auto", (1024, 3072), 1, False, False, False),  # Qwen3-0.6B: measured to lose, off
-    ("auto", (896, 4864), 2, False, False, False),   # one row only
+    ("auto", (896, 4864), 2, False, False, False),   # one row only (MERGE_IN_O_ROWS)
+    ("auto", (896, 4864), 2, False, True, False),    # (a 7B-class one row on the tensor cores: 2 rows too)
     ("auto", (896, 4864), 1, True, False, False),    # bf16 weights only
     ("1", (1024, 3072), 1, False, False, True),      # forced at any shape
     ("w4", (2048, 8192), 1, False, True, False),     # not where O runs on the tensor cores
@@ -160,10 +173,14 @@ def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8,
     from flashlet.runner import fused_decode
 
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 1)
     down = SimpleNamespace(weight=torch.empty(shape[0], shape[1], device="meta"))
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=shape[0]), layers=[SimpleNamespace(down_proj=down)])
     fused = SimpleNamespace(model=model, fp8=fp8, bf16_one_row_mma=mma)
     assert fused_decode.FusedDecode.merges_in_o(fused, rows) is merges
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 4)  # several rows asked for: up to 4 merge
+    assert fused_decode.FusedDecode.merges_in_o(fused, rows) is (merges or (rows == 2 and not fp8
+                                                                           and setting != "0"))
 
 
 def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> SplitPartials:
@@ -204,3 +221,35 @@ def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         assert kh.rel_err(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("knobs", [dict(min_ctas_per_sm=0), dict(mma=False, warps=8)])
+def test_m_row_merge_gemv_matches_the_reference_merge_then_gemv(kh, rows, knobs):
+    """M decode rows, each with its own split count (1 to 9 of 16, slots row * 16 + s), merged
+    into shared memory and read as x by the tensor-core fragments or the CUDA-core rows: against
+    the reference merge rounded to bf16 and the fp32 GEMV, every unused slot poisoned."""
+    n, k, head_dim, splits = 896, 896, 64, 16
+    heads = k // head_dim
+    gen = torch.Generator().manual_seed(rows)
+    used = [1 + (3 * m + 2) % 9 for m in range(rows)]
+    mid_o = torch.full((rows * splits, heads, head_dim), NAN)
+    mid_lse = torch.full((rows * splits, heads), NAN)
+    for m, u in enumerate(used):
+        mid_o[m * splits: m * splits + u] = torch.randn(u, heads, head_dim, generator=gen)
+        mid_lse[m * splits: m * splits + u] = 4 * torch.randn(u, heads, generator=gen)
+    rule = merge_in(splits, 256, 64, head_dim)
+    kv_lens = torch.tensor([256 * u - 100 for u in used], dtype=torch.int32)
+    assert [split_count(int(v), rule) for v in kv_lens] == used
+    parts = SplitPartials(mid_o.cuda(), mid_lse.cuda(), kv_lens.cuda(), rule)
+    gemv = CuteGemv(n, k, "residual", pdl=True, rows=rows, merge=rule, **knobs)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
+    r = torch.randn(rows, n, generator=gen).to(torch.bfloat16).cuda()
+    want = gemv_reference(merge_partials_reference(parts, rows).to(torch.bfloat16), w, "residual", r)
+    out = r.clone()
+    gemv(parts, w, out, out=out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert kh.rel_err(out, want) < 1e-2

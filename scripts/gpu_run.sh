@@ -221,6 +221,10 @@
 #                fused path with the shape in BF16_ONE_ROW_MMA_SHAPES (lab/bf16_one_row_mma.py):
 #                one stream through LLM.generate after a cached 1,000-token prompt, then the closed
 #                loop c = 1 / 4 / 16, 32 requests (BF16_AB_LOOP=0 skips it) (~4 min a preset)
+#   merge-rows-ab the closed loop (c = 1 / 4 / 16: MERGE_ROWS_CONC; 32 requests, 128 new tokens) at
+#                MERGE_ROWS_CONFIG (qwen2.5-0.5b): the tree (one row's attention merged in O) against
+#                steps of up to N rows merging in O (FLASHLET_MERGE_IN_O_ROWS = each of MERGE_ROWS_N,
+#                "4 8"), two interleaved fresh-process rounds (~6 min)
 #   served-rows-ab the closed loop (c = 1 / 4 / 16, 32 requests) at SERVED_CONFIG (qwen2.5-7b) with
 #                SERVED_ARGS (e.g. "--quantization fp8") at the tree's served rows, then with
 #                each of SERVED_SET (NAME=N for lab/served_rows.py, e.g. "SERVED_ROWS=8
@@ -809,6 +813,16 @@ for _ in range(480):
         fi
       done
       pair_table ;;
+    merge-rows-ab)  # the closed loop: one row merging in O (the tree) against steps of up to N rows
+      cute_env || continue
+      L="--config ${MERGE_ROWS_CONFIG:-qwen2.5-0.5b} --dtype bfloat16 --quiet --workload closed-loop \
+         --concurrency ${MERGE_ROWS_CONC:-1 4 16} --num-requests 32 --max-new-tokens 128 --max-num-pages 8192"
+      for pair in 1 2; do
+        run 240 python3 -m flashlet.bench $L --out "$OUT/json/merge-rows-tree-$pair.json"
+        for n in ${MERGE_ROWS_N:-4 8}; do
+          run 240 env FLASHLET_MERGE_IN_O_ROWS="$n" python3 -m flashlet.bench $L --out "$OUT/json/merge-rows-$n-$pair.json"
+        done
+      done ;;
     served-rows-ab)  # the closed loop at the tree's served rows against SERVED_SET
       cute_env || continue
       L="--config ${SERVED_CONFIG:-qwen2.5-7b} ${SERVED_ARGS:-} --dtype bfloat16 --quiet --workload closed-loop \

@@ -317,3 +317,13 @@ def test_merge_in_o_ab_tests_then_interleaves_the_forms_then_profiles(gpu_run):
     assert [env.strip() for env, _ in profiles] == ["", "FLASHLET_MERGE_IN_O=0"]
     assert all(c.startswith("scripts/profile_step.py") and "--timeline" in c for _, c in profiles)
     assert table == "lab/one_stream_pair.py --table"
+
+
+def test_merge_rows_ab_interleaves_the_tree_with_each_row_limit(gpu_run):
+    rc, calls = gpu_run("merge-rows-ab", MERGE_ROWS_N="4")
+    assert rc == 0
+    assert [env.strip() for env, _ in calls] == ["", "FLASHLET_MERGE_IN_O_ROWS=4"] * 2
+    assert all(c.startswith("-m flashlet.bench --config qwen2.5-0.5b") and "--concurrency 1 4 16" in c
+               for _, c in calls)
+    assert [c.split("--out ")[1].rsplit("/", 1)[1] for _, c in calls] == [
+        "merge-rows-tree-1.json", "merge-rows-4-1.json", "merge-rows-tree-2.json", "merge-rows-4-2.json"]

@@ -296,3 +296,22 @@ def test_one_row_partials_out_merge_to_the_attention_output(kh, monkeypatch, cac
     assert kh.rel_err(merge_partials_reference(parts).view_as(want).float(), want.float()) < 1e-3
     monkeypatch.setattr(tri, "long_context", lambda meta: True)
     assert isinstance(tri.attend_one_launch(0, q, partials_out=True), torch.Tensor)
+
+
+def test_rows_partials_out_merge_to_the_attention_output(kh):
+    """Three rows of a step (1, 40 and 129 tokens: one, several and the most splits), each row's
+    partials in its own slots: merged by the reference, the step's output without them."""
+    from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference
+
+    lengths = [1, 40, 129]
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(3)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
+    tri.plan(meta)
+    want = tri.attend_one_launch(0, q)
+    parts = tri.attend_one_launch(0, q, partials_out=True)
+    assert isinstance(parts, SplitPartials) and not tri._merge_counts.any()
+    assert kh.rel_err(merge_partials_reference(parts, 3).view_as(want).float(), want.float()) < 1e-3
+    # rows past the step's (a padded q) keep the output form
+    assert isinstance(tri.attend_one_launch(0, torch.cat([q, q[:1]]), partials_out=True), torch.Tensor)

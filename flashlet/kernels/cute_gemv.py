@@ -951,9 +951,9 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     counts = []
     most = 0
     if cutlass.const_expr(merging):
-        # x's K/8 chunks as the CTA merges them, each lane then reading its own (bf16, as the
-        # attention would have stored x); the split count from the row's KV length, which no
-        # kernel of this step writes: before the wait.
+        # Each row's K/8 chunks of x as the CTA merges them, each lane then reading its own
+        # (bf16, as the attention would have stored x); each row's split count from its KV
+        # length, which no kernel of this step writes: before the wait.
         sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * x_chunks, VEC), stride=(VEC, 1)),
                                   byte_alignment=16)
         counts, most = _merge_counts(mKvLen, rows, merge)

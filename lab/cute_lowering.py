@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-GEMVS = ("qkv", "o", "gate_up", "down", "lm_head")
+GEMVS = ("qkv", "o", "gate_up", "down", "qkv_rope", "lm_head")  # scripts/gemv_sweep.py's shape names
 
 
 def _tool(name: str) -> str:
@@ -41,25 +41,17 @@ def _tool(name: str) -> str:
 
 def plans_for(config: str, gemv: str, rows: int, num_sms: int = 132):
     """The fused path's plan of each GEMV asked for at a preset's shape (TUNED_PLANS or the
-    heuristic, as `FusedDecode._build_gemvs` asks for it; the QKV without its RoPE epilogue,
-    which needs a pool shape)."""
+    heuristic), the shapes as `scripts/gemv_sweep.py` names them (`shapes_for`)."""
     from flashlet.kernels.cute_gemv import plan_gemv
-    from flashlet.models.model import ModelConfig
-    from flashlet.models.weights import preset_config
 
-    cfg = ModelConfig.from_hf(preset_config(config))
-    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    normed = dict(norm=True, eps=cfg.rms_norm_eps)
-    shapes = {"qkv": (q + 2 * kv, h, "bias" if cfg.qkv_bias else "none", normed),
-              "o": (h, q, "residual", {}),
-              "gate_up": (2 * inter, h, "silu_mul", normed),
-              "down": (h, inter, "residual", {}),
-              "lm_head": (cfg.vocab_size, h, "argmax", normed)}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from gemv_sweep import shapes_for
+
+    shapes = shapes_for(config)
     extra = {"rows": rows} if rows > 1 else {}
     names = GEMVS if gemv == "all" else (gemv,)
-    return [(name, plan_gemv(*shapes[name][:3], num_sms=num_sms, pdl=True, **shapes[name][3], **extra))
-            for name in names]
+    return [(name, plan_gemv(n, k, epilogue, num_sms=num_sms, pdl=True, norm=norm, rope=rope, **extra))
+            for name, (n, k, epilogue, norm, rope) in ((name, shapes[name]) for name in names)]
 
 
 def lower(plan, dump: str) -> dict:

@@ -79,6 +79,7 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
+from flashlet.kernels.cute_gemv import SplitPartials, merge_in  # plain Python: the DSL loads on first compile
 from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
                                                one_launch_counters, one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
@@ -560,8 +561,6 @@ class TritonBackend(AttentionBackend):
             partials_out=partials_out,
         )
         if partials_out:
-            from flashlet.kernels.cute_gemv import SplitPartials, merge_in
-
             return SplitPartials(self._mid_o, self._mid_lse, meta.kv_lens,
                                  merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim))
         if q.shape[0] > n:

@@ -291,11 +291,11 @@ class RopeShape:
 
 
 def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group: int = 4) -> tuple:
-    """A GEMV's `merge` (plan_gemv): its x is the one-launch attention's output for one row, left
-    by the attention as split partials (`decode_attention_one_launch(partials_out=True)`) and
-    merged in the GEMV's prologue, each CTA merging all of x into shared memory. The attention's
-    split rule (the grid's splits, the smallest split's tokens, its key block) gives the row's
-    split count from its KV length; `group` splits load at once (one L2 round trip a group)."""
+    """A GEMV's `merge` (plan_gemv): its x is the one-launch attention's output, left by the
+    attention as split partials (`decode_attention_one_launch(partials_out=True)`) and merged in
+    the GEMV's prologue, each CTA merging all of x into shared memory. The attention's split rule
+    (the grid's splits, the smallest split's tokens, its key block) gives each row's split count
+    from its KV length; `group` splits load at once (one L2 round trip a group)."""
     for name, v in (("splits", splits), ("split_tokens", split_tokens), ("block_n", block_n),
                     ("head_dim", head_dim), ("group", group)):
         if not isinstance(v, int) or v < 1:
@@ -307,10 +307,11 @@ def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group:
 
 @dataclasses.dataclass
 class SplitPartials:
-    """A merge GEMV's x (`merge_in`): the attention's split partials of one row, mid_o [>= splits,
-    Hq, D] fp32 and mid_lse [>= splits, Hq] fp32 (base-2 log-sum-exps), its kv_lens [>= 1] int32
-    (the row's KV length: its split count), and `rule`, the `merge_in` tuple of the attention's
-    split rule: the GEMV planned with it is the one that reads these."""
+    """A merge GEMV's x (`merge_in`): the attention's split partials of M rows, mid_o [>= M x
+    splits, Hq, D] fp32 and mid_lse [>= M x splits, Hq] fp32 (base-2 log-sum-exps; row b's in slots
+    b x splits + s), its kv_lens [>= M] int32 (each row's KV length: its split count), and `rule`,
+    the `merge_in` tuple of the attention's split rule, which the GEMV's plan must share (all but
+    its group of splits a round, the GEMV's own)."""
     mid_o: torch.Tensor
     mid_lse: torch.Tensor
     kv_lens: torch.Tensor
@@ -572,9 +573,9 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     fp8=True the tensor-core form (1 to 16 rows, K a multiple of 64; FUSED_NOTES.md, "Issue 31: fp8 on the
     tensor cores") is opt-in: only mma=True plans it, until a GPU measures it.
 
-    merge (`merge_in`): x is one row of attention output left as split partials, merged by each
-    CTA in its prologue (the CUDA-core form, bf16 weights, one row, no norm, K a whole number of
-    heads); the other knobs plan as for x itself."""
+    merge (`merge_in`): x is attention output left as split partials, merged by each CTA in its
+    prologue (bf16 weights, no norm, K a whole number of heads; one row on the CUDA cores, M rows
+    in either form); the other knobs plan as for x itself."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if merge:
@@ -912,9 +913,10 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # otherwise); mPart*: [rows * grid] partials (argmax). The rope epilogues: mPos [rows] int64
     # the positions, mCS [table_rows * D] fp32 the cos | sin table, mSlot [rows] int64 the pool
     # slots, mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
-    # merge (`MergeIn` as a tuple; () otherwise): x is not read from mX but merged here from the
-    # one-launch attention's split partials, mMid [splits * K/8, 8] fp32 and their log-sum-exps
-    # mLse [splits * Hq] fp32, the split count from mKvLen [1] int32 (`_merge_x`).
+    # merge (`merge_in`'s tuple; () otherwise): x is not read from mX but merged here from the
+    # one-launch attention's split partials, mMid [rows * splits * K/8, 8] fp32 and their
+    # log-sum-exps mLse [rows * splits * Hq] fp32, each row's split count from mKvLen [rows]
+    # int32 (`_merge_counts`, `_merge_x`).
     # With rows > 1 each lane of a group ends with the whole sums of its own decode rows
     # (`reduce_scatter`, `lane_rows`) and finishes them: the epilogue's work is spread over the
     # group's lanes.
@@ -1035,9 +1037,12 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
             if cutlass.const_expr(pdl):
                 cute.arch.griddepcontrol_wait()  # the attention's partials (and r) are written
             if cutlass.const_expr(grid < num_tiles):
-                cute.arch.sync_threads()  # a looping CTA merges again: every warp has read the last tile's x
-            _merge_x(mMid, mLse, sX, counts, most, tidx, warps * 32, x_chunks, rows, merge)
-            cute.arch.sync_threads()
+                if tile == bidx:  # a looping CTA merges once: sX holds x for its later tiles
+                    _merge_x(mMid, mLse, sX, counts, most, tidx, warps * 32, x_chunks, rows, merge)
+                    cute.arch.sync_threads()
+            else:
+                _merge_x(mMid, mLse, sX, counts, most, tidx, warps * 32, x_chunks, rows, merge)
+                cute.arch.sync_threads()
             if cutlass.const_expr(not row_dots):
                 for j in cutlass.range_constexpr(chunks):
                     xs.append(sX[sub + j * lanes, None].load())

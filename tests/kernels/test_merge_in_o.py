@@ -203,7 +203,7 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> Spl
 @pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128), (1536, 1536, 128)])
 @pytest.mark.parametrize("n_used", [1, 3, 4, 7, 9])
 @pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2, warps=2),
-                                   dict(warps=2, staged=False)])
+                                   dict(warps=2, staged=False), dict(ctas_per_sm=1)])  # (the last loops)
 @pytest.mark.parametrize("group", [4, 16])
 def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,

@@ -789,6 +789,15 @@ def decode_attention_reference(
 # only the real query heads.
 
 
+@triton.jit
+def _store_partial(MidO, MidLse, slot, heads, d, own, g_mask, acc, l_safe, m_i, empty,
+                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's partial (its normalised output, fp32) and base-2 log-sum-exp (-inf where it saw
+    no key) into split slot `slot` of MidO / MidLse."""
+    tl.store(MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=own)
+    tl.store(MidLse + slot * NUM_Q_HEADS + heads, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=g_mask)
+
+
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
@@ -1037,19 +1046,14 @@ def _one_launch_kernel(
     if PARTIALS_OUT:
         # The merge is the consumer's (the O GEMV's prologue, `cute_gemv.merge_in`): every split,
         # one included, leaves its partial and log-sum-exp, and no counter moves.
-        slot = b * NUM_SPLITS + split
-        tl.store(MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-                 mask=own)
-        tl.store(MidLse + slot * NUM_Q_HEADS + heads, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)),
-                 mask=g_mask)
+        _store_partial(MidO, MidLse, b * NUM_SPLITS + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
+                       NUM_Q_HEADS, HEAD_DIM)
     elif n_splits == 1:
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
         slot0 = b * NUM_SPLITS
-        mid = MidO + ((slot0 + split) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid, acc / l_safe[:, None], mask=own)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(MidLse + (slot0 + split) * NUM_Q_HEADS + heads, lse, mask=g_mask)
+        _store_partial(MidO, MidLse, slot0 + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
+                       NUM_Q_HEADS, HEAD_DIM)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         count = Counts + b * (NUM_KV_HEADS // KV_PACK) + tl.program_id(1)
         # The merge's rows: the dot's GROUP_PAD (16 or more; MERGE_ROWS 0), or with MERGE_ROWS

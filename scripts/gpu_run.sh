@@ -222,7 +222,7 @@
 #                one stream through LLM.generate after a cached 1,000-token prompt, then the closed
 #                loop c = 1 / 4 / 16, 32 requests (BF16_AB_LOOP=0 skips it) (~4 min a preset)
 #   merge-rows-ab the closed loop (c = 1 / 4 / 16: MERGE_ROWS_CONC; 32 requests, 128 new tokens) at
-#                MERGE_ROWS_CONFIG (qwen2.5-0.5b): the tree (one row's attention merged in O) against
+#                MERGE_ROWS_CONFIG (qwen2.5-0.5b): the tree (fused_decode.merge_form's rows) against
 #                steps of up to N rows merging in O (FLASHLET_MERGE_IN_O_ROWS = each of MERGE_ROWS_N,
 #                "4 8"), two interleaved fresh-process rounds (~6 min)
 #   served-rows-ab the closed loop (c = 1 / 4 / 16, 32 requests) at SERVED_CONFIG (qwen2.5-7b) with
@@ -253,8 +253,8 @@
 #                (lab/o_plain_launch.py), two interleaved pairs, then each form's step timeline
 #                (~3-4 min a config)
 #   merge-in-o-ab one stream after MERGE_AB_LEN (1,000) tokens at each of MERGE_AB_CONFIGS
-#                (qwen2.5-0.5b): the tree (one row's attention merged in the O GEMV's prologue at
-#                fused_decode.MERGE_IN_O_SHAPES) against FLASHLET_MERGE_IN_O = each of
+#                (qwen2.5-0.5b): the tree (the attention merged in the O GEMV's prologue at
+#                fused_decode.MERGE_IN_O_SHAPES, each in its form) against FLASHLET_MERGE_IN_O = each of
 #                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4", "w8g16": merged in O at
 #                any shape), two interleaved pairs, then the tree's and the first form's step
 #                timelines; its tests first (tests/kernels/test_merge_in_o.py, the engine's

@@ -82,7 +82,7 @@ import inspect
 import os
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -174,36 +174,72 @@ ATTENTION_PDL = os.environ.get(ATTENTION_PDL_ENV, "1")
 if ATTENTION_PDL not in ("0", "1", "one-row"):
     raise ValueError(f"{ATTENTION_PDL_ENV}={ATTENTION_PDL!r}: expected 0, 1 or one-row")
 
-# One row's attention leaves its split partials, and the O GEMV merges them in its prologue
+# A step's attention leaves its split partials, and the O GEMV merges them in its prologue
 # (`cute_gemv.merge_in`, `TritonBackend.attend_one_launch(partials_out=)`): the attention's tail
 # (a CTA barrier, the counter's acq_rel atomic, the last program's loads of the partials and its
 # store of x) leaves the chain, and each O CTA loads the partials where it loaded x (FUSED_NOTES.md,
-# "Session 68"). By default ("auto") at the shapes of MERGE_IN_O_SHAPES, with four warps a CTA:
-# measured on an H100 (2026-12-07, a7a9116, `gpu_run.sh merge-in-o-ab`, one stream through
-# LLM.generate after 1,000 tokens, two interleaved fresh-process pairs): Qwen2.5-0.5B 1,739 / 1,742
-# -> 1,864 / 1,856 tok/s (+7%), Qwen2.5-1.5B 632 / 631 -> 680 / 680 (+8%), but Qwen3-0.6B 1,231 ->
-# 1,151 (-6.5%: 16 splits of its 2 heads a group, four rounds of loads in each O CTA): Qwen3 and
-# the unmeasured shapes keep the merge in the attention. O's own plan at the 0.5B (448 one-warp
-# CTAs, each loading all the partials) read 1,579 (-9%). $FLASHLET_MERGE_IN_O for a fresh process
-# (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off everywhere; "1" on at every shape with O's own
-# plan; "w1" / "w2" / "w4" / "w8" on at every shape with that many warps a CTA, and with "g8" /
-# "g16" after it ("w8g16") that many splits loaded a round (4 otherwise: `cute_gemv.merge_in`).
+# "Session 68" and "Session 69"). By default ("auto") at the shapes of MERGE_IN_O_SHAPES, each in
+# the form measured best there; every other shape keeps the merge in the attention. On H100s
+# (2026-12-07, `gpu_run.sh merge-in-o-ab`: one stream through LLM.generate after 1,000 tokens,
+# two interleaved fresh-process pairs; `merge-rows-ab`: the closed loop, 128 new tokens):
+# - Qwen2.5-0.5B, four warps a CTA: 1,739 / 1,742 -> 1,864 / 1,856 tok/s (+7%, a7a9116); O's own
+#   plan (448 one-warp CTAs, each loading all the partials) 1,579 (-9%). Steps of up to four rows
+#   too (O's M-row plan): the closed loop at c = 4 5,372 / 5,364 -> 5,650 / 5,666 tok/s (+5%), c = 1
+#   and c = 16 level (session 69). Eight warps do not fit its K = 896 staged (57 KB of shared memory).
+# - Qwen2.5-1.5B, eight warps and all 16 splits loaded in one round: 676.7 / 676.5 against four
+#   warps and rounds of four 729.9 / 730.4 (+7.9%, session 69); four warps against the attention's
+#   merge 632 / 631 -> 680 / 680 (+8%, a7a9116).
+# - Qwen3-0.6B, eight warps (O's own plan's) and 16 splits a round: 1,224.5 / 1,226.1 -> 1,282.4 /
+#   1,282.6 (+4.7%, session 69); four warps in rounds of four lost 6.5% (1,231 -> 1,151).
+# - Not taken: Qwen3-1.7B 634.0 / 633.7 -> 612.4 / 612.3 and Llama-3.2-1B 985.5 / 984.1 -> 962.8 /
+#   961.5 in the 1.5B's form (-3.4%, -2.3%, session 69); TinyLlama not measured.
+# $FLASHLET_MERGE_IN_O for a fresh process (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off
+# everywhere; "1" on at every shape with O's own plan; "w1" / "w2" / "w4" / "w8" on at every
+# shape with that many warps a CTA, and with "g8" / "g16" after it ("w8g16") that many splits
+# loaded a round (4 otherwise: `cute_gemv.merge_in`). $FLASHLET_MERGE_IN_O_ROWS=N (1 to 8) merges
+# steps of up to N rows wherever the merge is on ("auto": the shape's rows, 1 for a forced form).
+# Past one row O keeps its M-row plan (the tensor cores at bf16) without its register cap, whose
+# ~97 registers a thread the merge's loads overflow: the 0.5B's O at 2 / 4 / 8 rows lowers to 105 /
+# 106 / 206 registers and no stack (sm_90a, this CPU), at 16 rows to 254 and 112 bytes of stack.
+class MergeForm(NamedTuple):
+    """How O merges the attention's partials at a shape: `warps` a CTA (None: O's own plan),
+    `group` splits loaded a round (None: the attention's rule's 4), steps of up to `rows` rows."""
+
+    warps: int | None
+    group: int | None
+    rows: int
+
+
+MERGE_IN_O_SHAPES = {  # (hidden size, intermediate size) -> "auto"'s form there
+    (896, 4864): MergeForm(warps=4, group=None, rows=4),   # Qwen2.5-0.5B
+    (1536, 8960): MergeForm(warps=8, group=16, rows=1),    # Qwen2.5-1.5B
+    (1024, 3072): MergeForm(warps=8, group=16, rows=1),    # Qwen3-0.6B
+}
 MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
 MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "auto")
 if not re.fullmatch(r"auto|0|1|w[1248](g(4|8|16))?", MERGE_IN_O):
     raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected auto, 0, 1, or w1 / w2 / w4 / w8 with an "
                      "optional g4 / g8 / g16")
-MERGE_IN_O_SHAPES = {(896, 4864), (1536, 8960)}  # (hidden size, intermediate size): 0.5B, 1.5B
-MERGE_IN_O_WARPS = 4  # "auto"'s CTAs
-# Steps of up to this many rows merge in O where MERGE_IN_O does ($FLASHLET_MERGE_IN_O_ROWS, an A/B;
-# 1, one row, until several are measured). Past one row O keeps its M-row plan (the tensor cores
-# at bf16) without its register cap, whose ~97 registers a thread the merge's loads overflow: the
-# 0.5B's O at 2 / 4 / 8 rows lowers to 105 / 106 / 206 registers and no stack (sm_90a, this CPU),
-# at 16 rows to 254 and 112 bytes of stack: at most 8.
 MERGE_IN_O_ROWS_ENV = "FLASHLET_MERGE_IN_O_ROWS"
-MERGE_IN_O_ROWS = int(os.environ.get(MERGE_IN_O_ROWS_ENV, "1"))
-if not 1 <= MERGE_IN_O_ROWS <= 8:
-    raise ValueError(f"{MERGE_IN_O_ROWS_ENV}={MERGE_IN_O_ROWS}: expected 1 to 8 (rows a step merging in O)")
+MERGE_IN_O_ROWS = os.environ.get(MERGE_IN_O_ROWS_ENV, "auto")
+if not re.fullmatch(r"auto|[1-8]", MERGE_IN_O_ROWS):
+    raise ValueError(f"{MERGE_IN_O_ROWS_ENV}={MERGE_IN_O_ROWS!r}: expected auto or 1 to 8 (rows a step merging in O)")
+
+
+def merge_form(shape: tuple[int, int]) -> MergeForm | None:
+    """The merge in O at a model shape under MERGE_IN_O and MERGE_IN_O_ROWS (None: the attention
+    merges its own partials)."""
+    if MERGE_IN_O == "0":
+        return None
+    if MERGE_IN_O == "auto":
+        form = MERGE_IN_O_SHAPES.get(shape)
+    else:
+        asked = re.fullmatch(r"w(\d+)(?:g(\d+))?", MERGE_IN_O)
+        form = MergeForm(int(asked[1]) if asked else None, int(asked[2]) if asked and asked[2] else None, 1)
+    if form is not None and MERGE_IN_O_ROWS != "auto":
+        form = form._replace(rows=int(MERGE_IN_O_ROWS))
+    return form
+
 
 # fp8 weights on the fused path: the model shapes (hidden size, intermediate size) whose GEMVs take
 # the tensor-core form where `EngineConfig.fused_decode_fp8_mma` is left to auto: those where it
@@ -630,25 +666,22 @@ class FusedDecode:
         return attn.attend(i, q)
 
     def merges_in_o(self, rows: int) -> bool:
-        """Whether a step of `rows` rows asks the attention for split partials (MERGE_IN_O: bf16
-        weights, steps of up to MERGE_IN_O_ROWS rows, not a one-row O on the tensor cores; by
-        default at MERGE_IN_O_SHAPES only)."""
-        if MERGE_IN_O == "0" or rows > MERGE_IN_O_ROWS or self.fp8 or (rows == 1 and self.bf16_one_row_mma):
-            return False
-        return MERGE_IN_O != "auto" or model_shape(self.model) in MERGE_IN_O_SHAPES
+        """Whether a step of `rows` rows asks the attention for split partials (`merge_form`: bf16
+        weights, steps of up to the form's rows, not a one-row O on the tensor cores)."""
+        form = merge_form(model_shape(self.model))
+        return not (form is None or rows > form.rows or self.fp8 or (rows == 1 and self.bf16_one_row_mma))
 
     def _merge_o(self, rule: tuple, rows: int, device: torch.device) -> CuteGemv:
         """The O GEMV of `rows` rows that merges partials split by `rule` (compiled at its first
-        call, the warm-up's, as every GEMV)."""
+        call, the warm-up's, as every GEMV), in the shape's `merge_form`."""
         if (rule, rows) not in self.merge_o:
             h, q = self._widths()[:2]
-            form = re.fullmatch(r"w(\d+)(?:g(\d+))?", MERGE_IN_O)
-            if rows > 1:  # O's M-row plan, uncapped (MERGE_IN_O_ROWS)
+            form = merge_form(model_shape(self.model))
+            if rows > 1:  # O's M-row plan, uncapped
                 knobs = {"rows": rows, "min_ctas_per_sm": 0}
             else:
-                knobs = ({"warps": int(form[1])} if form else {"warps": MERGE_IN_O_WARPS} if MERGE_IN_O == "auto"
-                         else {})
-            merge = (*rule[:4], int(form[2])) if form and form[2] else rule  # the GEMV's group of splits a round
+                knobs = {"warps": form.warps} if form.warps else {}
+            merge = (*rule[:4], form.group) if form.group else rule  # the GEMV's group of splits a round
             self.merge_o[rule, rows] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
         return self.merge_o[rule, rows]
 

@@ -728,7 +728,7 @@ def test_the_merge_in_the_o_gemv_of_several_rows_gives_the_per_op_tokens(tmp_pat
     split count (prompts of 60 to 390 tokens, one or two splits of 256, all in the first step):
     teacher-forced against the per-op path."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
-    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 4)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "4")
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(60 + 110 * p)] for p in range(4)]
     engine = check_against_reference_teacher_forced(source, ps, 16, max_num_seqs=4, fused_decode_attn=True,

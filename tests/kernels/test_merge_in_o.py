@@ -117,27 +117,69 @@ def test_merge_plan_is_os_plan_with_its_rule():
     assert merged == plain.__class__(**{**plain.__dict__, "merge": merged.merge})
 
 
-def test_the_merge_forms_build_their_gemv(monkeypatch):
-    """$FLASHLET_MERGE_IN_O's forms as FusedDecode._merge_o plans them: warps, and the group of
-    splits a round in the GEMV's merge (the attention's rule otherwise)."""
+def _fused_at(shape: tuple[int, int], **fields):
+    """A stand-in FusedDecode with a model of `shape` (hidden size, intermediate size), as
+    `model_shape` reads one."""
     from types import SimpleNamespace
 
+    down = SimpleNamespace(weight=torch.empty(shape[0], shape[1], device="meta"))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=shape[0]), layers=[SimpleNamespace(down_proj=down)])
+    return SimpleNamespace(model=model, **fields)
+
+
+def test_the_merge_forms_build_their_gemv(monkeypatch):
+    """$FLASHLET_MERGE_IN_O's forms as FusedDecode._merge_o plans them: warps, and the group of
+    splits a round in the GEMV's merge (the attention's rule otherwise); "auto" the shape's entry."""
     from flashlet.runner import fused_decode
 
     rule = merge_in(16, 64, 64, 128)
-    for setting, warps, group in (("w8g16", 8, 16), ("w4", 4, 4), ("auto", 4, 4)):
+    for setting, shape, warps, group in (("w8g16", (2048, 8192), 8, 16), ("w4", (1024, 3072), 4, 4),
+                                         ("auto", (896, 4864), 4, 4), ("auto", (1024, 3072), 8, 16),
+                                         ("auto", (1536, 8960), 8, 16)):
         monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
-        fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
+        fused = _fused_at(shape, merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
         plan = fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan
-        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group)), setting
+        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group)), (setting, shape)
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
-    fused = SimpleNamespace(merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
+    fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
     assert fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan == \
         plan_gemv(1024, 2048, "residual", pdl=True, merge=rule)
     # past one row: O's M-row plan, its register cap off (the merge's loads need the registers)
     four = fused_decode.FusedDecode._merge_o(fused, rule, 4, torch.device("cpu")).plan
     assert four == plan_gemv(1024, 2048, "residual", pdl=True, rows=4, min_ctas_per_sm=0, merge=rule)
     assert four.rows == 4 and four.min_ctas == 0 and set(fused.merge_o) == {(rule, 1), (rule, 4)}
+
+
+def test_merge_forms_at_each_preset_shape(monkeypatch):
+    """"auto" merges in O only at the shapes measured to gain (MERGE_IN_O_SHAPES), each in its form;
+    $FLASHLET_MERGE_IN_O_ROWS replaces the form's rows wherever the merge is on."""
+    from flashlet.runner import fused_decode
+    from flashlet.runner.fused_decode import MergeForm, merge_form
+
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "auto")
+    assert merge_form((896, 4864)) == MergeForm(4, None, 4)
+    assert merge_form((1536, 8960)) == merge_form((1024, 3072)) == MergeForm(8, 16, 1)
+    for lost_or_unmeasured in ((2048, 6144), (2048, 8192), (2048, 5632), (3584, 18944)):
+        assert merge_form(lost_or_unmeasured) is None
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w2g8")
+    assert merge_form((2048, 8192)) == MergeForm(2, 8, 1)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "8")
+    assert merge_form((2048, 8192)) == MergeForm(2, 8, 8)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "0")
+    assert merge_form((896, 4864)) is None
+
+
+def test_merge_settings_refuse_what_they_do_not_know():
+    """A mistyped $FLASHLET_MERGE_IN_O or $FLASHLET_MERGE_IN_O_ROWS stops the import with a message
+    that names the variable and what it takes."""
+    import subprocess
+    import sys
+
+    for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
+                       ("FLASHLET_MERGE_IN_O_ROWS", "4x")):
+        run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
+                             text=True, env={**__import__("os").environ, env: value})
+        assert run.returncode != 0 and f"{env}={value!r}: expected" in run.stderr, (env, value, run.stderr[-300:])
 
 
 def test_merge_call_refuses_partials_of_another_rule():
@@ -157,30 +199,31 @@ def test_merge_call_refuses_partials_of_another_rule():
 
 @pytest.mark.parametrize("setting, shape, rows, fp8, mma, merges", [
     ("auto", (896, 4864), 1, False, False, True),    # Qwen2.5-0.5B: measured, on
+    ("auto", (896, 4864), 4, False, False, True),    # ... steps of up to four rows too
+    ("auto", (896, 4864), 5, False, False, False),
     ("auto", (1536, 8960), 1, False, False, True),   # Qwen2.5-1.5B
-    ("auto", (1024, 3072), 1, False, False, False),  # Qwen3-0.6B: measured to lose, off
-    ("auto", (896, 4864), 2, False, False, False),   # one row only (MERGE_IN_O_ROWS)
-    ("auto", (896, 4864), 2, False, True, False),    # (a 7B-class one row on the tensor cores: 2 rows too)
+    ("auto", (1536, 8960), 2, False, False, False),  # one row there
+    ("auto", (1024, 3072), 1, False, False, True),   # Qwen3-0.6B, in its own form
+    ("auto", (2048, 8192), 1, False, False, False),  # Llama-3.2-1B: measured to lose, off
+    ("auto", (896, 4864), 1, False, True, False),    # not a one-row O on the tensor cores (a 7B-class shape's)
+    ("auto", (896, 4864), 2, False, True, True),     # ... whose M-row steps still merge
     ("auto", (896, 4864), 1, True, False, False),    # bf16 weights only
-    ("1", (1024, 3072), 1, False, False, True),      # forced at any shape
+    ("1", (2048, 5632), 1, False, False, True),      # forced at any shape
+    ("1", (2048, 5632), 2, False, False, False),     # ... one row unless rows are asked for
     ("w4", (2048, 8192), 1, False, True, False),     # not where O runs on the tensor cores
-    ("w8g16", (1024, 3072), 1, False, False, True),  # a form with its own group of splits a round
+    ("w8g16", (2048, 6144), 1, False, False, True),  # a form with its own group of splits a round
     ("0", (896, 4864), 1, False, False, False),
 ])
 def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8, mma, merges):
-    from types import SimpleNamespace
-
     from flashlet.runner import fused_decode
 
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
-    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 1)
-    down = SimpleNamespace(weight=torch.empty(shape[0], shape[1], device="meta"))
-    model = SimpleNamespace(config=SimpleNamespace(hidden_size=shape[0]), layers=[SimpleNamespace(down_proj=down)])
-    fused = SimpleNamespace(model=model, fp8=fp8, bf16_one_row_mma=mma)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "auto")
+    fused = _fused_at(shape, fp8=fp8, bf16_one_row_mma=mma)
     assert fused_decode.FusedDecode.merges_in_o(fused, rows) is merges
-    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", 4)  # several rows asked for: up to 4 merge
-    assert fused_decode.FusedDecode.merges_in_o(fused, rows) is (merges or (rows == 2 and not fp8
-                                                                           and setting != "0"))
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "4")  # several rows asked for: up to 4 merge
+    assert fused_decode.FusedDecode.merges_in_o(fused, rows) is (setting != "0" and not fp8 and rows <= 4 and (
+        rows > 1 or not mma) and (setting != "auto" or shape in fused_decode.MERGE_IN_O_SHAPES))
 
 
 def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> SplitPartials:

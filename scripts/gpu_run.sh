@@ -256,7 +256,8 @@
 #                (qwen2.5-0.5b): the tree (the attention merged in the O GEMV's prologue at
 #                fused_decode.MERGE_IN_O_SHAPES, each in its form) against FLASHLET_MERGE_IN_O = each of
 #                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4", "w8g16": merged in O at
-#                any shape), two interleaved pairs, then the tree's and the first form's step
+#                any shape; a form with "=" is the environment itself, NAME=VALUE[,NAME=VALUE], e.g.
+#                FLASHLET_MERGE_PARTIALS=bf16), two interleaved pairs, then the tree's and the first form's step
 #                timelines; its tests first (tests/kernels/test_merge_in_o.py, the engine's
 #                MERGE_AB_TESTS, -k merge) (~4 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
@@ -887,11 +888,14 @@ for _ in range(480):
       forms=${MERGE_AB_FORMS:-0}
       run 300 $PYTEST tests/kernels/test_merge_in_o.py tests/gpu/test_gpu_fused_decode.py -k "${MERGE_AB_TESTS:-merge}"
       timeline=(--backend triton --fused-decode --fused-parts default --prompt-len 1000 --rows 3 --timeline)
+      merge_env() {  # a form: FLASHLET_MERGE_IN_O's value, or NAME=VALUE[,NAME=VALUE...] itself
+        case $1 in *=*) echo "${1//,/ }" ;; *) echo "FLASHLET_MERGE_IN_O=$1" ;; esac
+      }
       for pair in 1 2; do
         for c in $configs; do
           run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len "${MERGE_AB_LEN:-1000}"
           for f in $forms; do
-            run 150 env FLASHLET_MERGE_IN_O="$f" python3 lab/one_stream_pair.py "merge-$f" --config "$c" \
+            run 150 env $(merge_env "$f") python3 lab/one_stream_pair.py "merge-${f//[=,]/-}" --config "$c" \
               --prompt-len "${MERGE_AB_LEN:-1000}"
           done
         done
@@ -899,7 +903,7 @@ for _ in range(480):
       for c in $configs; do
         echo "### merge-in-o-ab timelines $c: tree, merge-${forms%% *}" | tee -a "$LOG"
         run 200 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
-        run 200 env FLASHLET_MERGE_IN_O="${forms%% *}" python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
+        run 200 env $(merge_env "${forms%% *}") python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
       done
       pair_table ;;
     profile-128)  # where a 128-row decode step's time goes (decode-sat 128 x 2,000), bf16 and fp8 KV

@@ -232,6 +232,9 @@ class TritonBackend(AttentionBackend):
         rows = max((b * s for b, s in enumerate(splits, start=1) if s > 1), default=0)
         self._mid_o = torch.empty((rows, num_q_heads, self.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
+        # The same scratch's first half as bf16 rows: partials left to a consumer's merge in bf16
+        # (`attend_one_launch(partials="bf16")`).
+        self._mid_o_bf16 = self._mid_o.view(-1).view(torch.bfloat16)[: self._mid_o.numel()].view(self._mid_o.shape)
         # The one-launch decode's merge counters, one per (sequence, KV head) and, for a config
         # that merges in two levels, one per group of splits too; zero between launches.
         counters = max(one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
@@ -496,7 +499,7 @@ class TritonBackend(AttentionBackend):
         return rope_in_form(cfg, self.head_dim)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          rope_in: RopeIn | None = None, partials_out: bool = False):
+                          rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32"):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
@@ -508,7 +511,7 @@ class TritonBackend(AttentionBackend):
         consumer can follow (no long rule) over all of q's rows, return the rows' split partials
         (`cute_gemv.SplitPartials`, its `rule` the GEMV's `merge_in`) and leave the merge to the
         O GEMV; otherwise (a long step, such a config, rows past the step's, too little split
-        scratch) the output as always."""
+        scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -534,12 +537,15 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = self.kv_pool.scales(layer)
         partials_out = (partials_out and q.shape[0] == n and not long and not cfg.long_from_tokens
                         and self._mid_o.shape[0] >= n * splits)
+        if partials not in ("fp32", "bf16"):
+            raise ValueError(f"partials must be 'fp32' or 'bf16', got {partials!r}")
+        mid_o = self._mid_o_bf16 if partials_out and partials == "bf16" else self._mid_o
         out = torch.empty_like(q)
         decode_attention_one_launch(
             q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
             meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
             out=out[:n],
-            mid_o=self._mid_o,
+            mid_o=mid_o,
             mid_lse=self._mid_lse,
             merge_counts=self._merge_counts,
             num_splits=splits,
@@ -561,8 +567,8 @@ class TritonBackend(AttentionBackend):
             partials_out=partials_out,
         )
         if partials_out:
-            return SplitPartials(self._mid_o, self._mid_lse, meta.kv_lens,
-                                 merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim))
+            return SplitPartials(mid_o, self._mid_lse, meta.kv_lens,
+                                 merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials))
         if q.shape[0] > n:
             out[n:].zero_()
         return out

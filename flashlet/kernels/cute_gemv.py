@@ -266,6 +266,7 @@ class GemvPlan:
         tag += f" s{self.splits}" if self.splits > 1 else ""
         tag += f" tg{self.tile_group}" if self.tile_group > 1 else ""
         tag += f" merge{self.merge[4]}" if self.merge else ""
+        tag += " bf16parts" if self.merge and self.merge[5] == "bf16" else ""
         return tag
 
 
@@ -290,25 +291,44 @@ class RopeShape:
         return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
-def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group: int = 4) -> tuple:
+PARTIAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # merge_in(partials=): mid_o's dtype (torch's name)
+
+
+def partial_dtype(rule: tuple):
+    """The torch dtype of a `merge_in` rule's partial outputs (mid_o)."""
+    return getattr(torch, PARTIAL_DTYPES[rule[5]])
+
+
+def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group: int = 4,
+             partials: str = "fp32") -> tuple:
     """A GEMV's `merge` (plan_gemv): its x is the one-launch attention's output, left by the
     attention as split partials (`decode_attention_one_launch(partials_out=True)`) and merged in
     the GEMV's prologue, each CTA merging all of x into shared memory. The attention's split rule
     (the grid's splits, the smallest split's tokens, its key block) gives each row's split count
-    from its KV length; `group` splits load at once (one L2 round trip a group)."""
+    from its KV length; `group` splits load at once (one L2 round trip a group); `partials` is
+    the partial outputs' dtype ("fp32", or "bf16": half the bytes each CTA loads; the
+    log-sum-exps stay fp32)."""
     for name, v in (("splits", splits), ("split_tokens", split_tokens), ("block_n", block_n),
                     ("head_dim", head_dim), ("group", group)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"merge_in: {name} must be a positive int, got {v!r}")
     if head_dim % VEC:
         raise ValueError(f"merge_in: head_dim must be a multiple of {VEC} (a chunk of x in one head), got {head_dim}")
-    return (splits, split_tokens, block_n, head_dim, group)
+    if partials not in PARTIAL_DTYPES:
+        raise ValueError(f"merge_in: partials must be one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
+    return (splits, split_tokens, block_n, head_dim, group, partials)
+
+
+def same_split_rule(a: tuple, b: tuple) -> bool:
+    """Whether two `merge_in` tuples count and store the splits alike (all but the group of
+    splits a round, which is the consuming GEMV's own)."""
+    return tuple(a)[:4] + tuple(a)[5:] == tuple(b)[:4] + tuple(b)[5:]
 
 
 @dataclasses.dataclass
 class SplitPartials:
     """A merge GEMV's x (`merge_in`): the attention's split partials of M rows, mid_o [>= M x
-    splits, Hq, D] fp32 and mid_lse [>= M x splits, Hq] fp32 (base-2 log-sum-exps; row b's in slots
+    splits, Hq, D] fp32 (bf16 where the rule says so) and mid_lse [>= M x splits, Hq] fp32 (base-2 log-sum-exps; row b's in slots
     b x splits + s), its kv_lens [>= M] int32 (each row's KV length: its split count), and `rule`,
     the `merge_in` tuple of the attention's split rule, which the GEMV's plan must share (all but
     its group of splits a round, the GEMV's own)."""
@@ -579,7 +599,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if merge:
-        if len(merge) != 5:
+        if len(merge) != 6:
             raise ValueError(f"merge must be merge_in(...)'s tuple, got {merge!r}")
         why = ("fp8 weights" if fp8 else "one row on the tensor cores" if mma and rows == 1
                else "norm" if norm else "rope" if rope is not None else "argmax" if epilogue == "argmax"
@@ -914,7 +934,7 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
     # the positions, mCS [table_rows * D] fp32 the cos | sin table, mSlot [rows] int64 the pool
     # slots, mKC / mVC [cache_slots * Hkv * D] bf16 one layer's pool, flat (dummies otherwise).
     # merge (`merge_in`'s tuple; () otherwise): x is not read from mX but merged here from the
-    # one-launch attention's split partials, mMid [rows * splits * K/8, 8] fp32 and their
+    # one-launch attention's split partials, mMid [rows * splits * K/8, 8] fp32 (bf16: merge[5]) and their
     # log-sum-exps mLse [rows * splits * Hq] fp32, each row's split count from mKvLen [rows]
     # int32 (`_merge_counts`, `_merge_x`).
     # With rows > 1 each lane of a group ends with the whole sums of its own decode rows
@@ -1212,7 +1232,7 @@ def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge)
     """x into sX [rows * K/8, 8] from the attention's split partials: for each 8-wide chunk of a
     decode row's x (head h), sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over that row's
     counts[row] splits (slots row * splits + s), as the attention's own merge sums them, rounded to
-    bf16 as it stores x. The CTA's threads share the rows' chunks (a thread past the last merges
+    bf16 as it stores x (bf16 partials widened as they load). The CTA's threads share the rows' chunks (a thread past the last merges
     the last again and stores nothing); `merge`'s group of splits loads at once for every chunk a
     thread has (one L2 round trip while the longest row has at most that many), a running max
     past it."""
@@ -1241,7 +1261,7 @@ def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge)
                 s = cutlass.min(s0 + j, count[i] - 1)  # past the row's last split: read it again, weigh it 0
                 slot = row[i] * splits + s
                 lses.append(cutlass.Float32(mLse[slot * q_heads + head[i]]))
-                parts.append(mMid[slot * x_chunks + chunk[i], None].load())
+                parts.append(mMid[slot * x_chunks + chunk[i], None].load().to(cutlass.Float32))
         for i in cutlass.range_constexpr(per):
             m_new = m[i]
             for j in cutlass.range_constexpr(group):
@@ -2465,11 +2485,11 @@ class CuteGemv:
         if p.merge:
             if not isinstance(x, SplitPartials):
                 raise ValueError(f"a merge GEMV's x is the attention's SplitPartials, got {type(x).__name__}")
-            if tuple(x.rule)[:4] != p.merge[:4]:  # (the group of splits a round is the GEMV's own)
-                raise ValueError(f"partials split by {tuple(x.rule)[:4]} given to a GEMV that merges "
-                                 f"{p.merge[:4]}: it would count the splits wrong")
+            if not same_split_rule(x.rule, p.merge):  # (the group of splits a round is the GEMV's own)
+                raise ValueError(f"partials split by {tuple(x.rule)} given to a GEMV that merges "
+                                 f"{p.merge}: it would count or read the splits wrong")
             slots, heads = p.rows * p.merge[0], p.k // p.merge[3]
-            for name, t, numel, dtype in (("mid_o", x.mid_o, slots * p.k, torch.float32),
+            for name, t, numel, dtype in (("mid_o", x.mid_o, slots * p.k, partial_dtype(p.merge)),
                                           ("mid_lse", x.mid_lse, slots * heads, torch.float32),
                                           ("kv_lens", x.kv_lens, p.rows, torch.int32)):
                 if t.numel() < numel or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
@@ -2553,7 +2573,8 @@ class CuteGemv:
         v = p.vec
         scales = [fake(c.Float32, (p.n_rows,), 16)] if p.fp8 else []
         slots, heads = (p.rows * p.merge[0], p.k // p.merge[3]) if p.merge else (1, VEC)
-        merge = [fake(c.Float32, (slots * p.k // VEC if p.merge else 1, VEC), 16),
+        mid = c.BFloat16 if p.merge and p.merge[5] == "bf16" else c.Float32
+        merge = [fake(mid, (slots * p.k // VEC if p.merge else 1, VEC), 16),
                  fake(c.Float32, (slots * heads,), 16), fake(c.Int32, (p.rows if p.merge else 1,), 4)]
         return [fake(c.Float8E4M3FN if p.fp8 else c.BFloat16, (p.n_rows, p.k // v, v), 16),
                 fake(c.BFloat16, (1, VEC) if p.merge else (p.rows * p.k // VEC, VEC), 16),
@@ -2597,7 +2618,7 @@ class CuteGemv:
         if self.device.type == "cuda":
             # Stand-ins with the call's shapes: layouts are compiled in, pointers are arguments.
             slots = p.rows * p.merge[0] if p.merge else 0
-            x = (SplitPartials(torch.zeros(slots * p.k, dtype=torch.float32, device=self.device),
+            x = (SplitPartials(torch.zeros(slots * p.k, dtype=partial_dtype(p.merge), device=self.device),
                                torch.zeros(slots * p.k // p.merge[3], dtype=torch.float32, device=self.device),
                                torch.ones(p.rows, dtype=torch.int32, device=self.device), p.merge)
                  if p.merge else torch.empty(p.rows, p.k, dtype=torch.bfloat16, device=self.device))

@@ -792,9 +792,11 @@ def decode_attention_reference(
 @triton.jit
 def _store_partial(MidO, MidLse, slot, heads, d, own, g_mask, acc, l_safe, m_i, empty,
                    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A split's partial (its normalised output, fp32) and base-2 log-sum-exp (-inf where it saw
-    no key) into split slot `slot` of MidO / MidLse."""
-    tl.store(MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=own)
+    """A split's partial (its normalised output, in MidO's dtype: fp32, or bf16 left to a consumer's
+    merge) and base-2 log-sum-exp (fp32, -inf where it saw no key) into split slot `slot` of MidO /
+    MidLse."""
+    tl.store(MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :],
+             (acc / l_safe[:, None]).to(MidO.dtype.element_ty), mask=own)
     tl.store(MidLse + slot * NUM_Q_HEADS + heads, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=g_mask)
 
 
@@ -1253,8 +1255,8 @@ def _partials_chunk(MidO, MidLse, slot0, sc, n_splits, heads, g_mask, d, own,
     return lse, o
 
 
-def _scratch_ok(t: torch.Tensor | None, rows: int) -> bool:
-    return t is not None and t.shape[0] >= rows and t.is_contiguous() and t.dtype == torch.float32
+def _scratch_ok(t: torch.Tensor | None, rows: int, dtypes: tuple = (torch.float32,)) -> bool:
+    return t is not None and t.shape[0] >= rows and t.is_contiguous() and t.dtype in dtypes
 
 
 def decode_attention_one_launch(
@@ -1329,7 +1331,8 @@ def decode_attention_one_launch(
     partials_out: no merge here: every split of each row (one split too) leaves its partial
     in mid_o and its log-sum-exp in mid_lse, slot b * num_splits + s, for the consumer to merge
     (the O GEMV's prologue, `cute_gemv.merge_in`, which takes the split count from kv_lens by
-    the same rule); out is not written, merge_counts not touched."""
+    the same rule); out is not written, merge_counts not touched. mid_o may then be bf16 (half
+    the bytes the consumer loads; `merge_in(partials="bf16")`)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1346,8 +1349,10 @@ def decode_attention_one_launch(
         raise ValueError("partials_out leaves the merge to the consumer: merge_group must be 0")
     if num_splits == 1 and not partials_out:
         mid_o, mid_lse = out, out  # unused: one split writes O directly
-    elif not _scratch_ok(mid_o, rows) or not _scratch_ok(mid_lse, rows):
-        raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse)")
+    elif (not _scratch_ok(mid_o, rows, (torch.float32, torch.bfloat16) if partials_out else (torch.float32,))
+          or not _scratch_ok(mid_lse, rows)):
+        raise ValueError(f"split scratch must be {rows} contiguous fp32 rows (mid_o, mid_lse; mid_o may be bf16 "
+                         "with partials_out)")
     groups = num_kv_heads // kv_heads_per_program
     merge = one_launch_merge_constexprs(num_q_heads // num_kv_heads, kv_heads_per_program, head_dim, num_splits,
                                         merge_splits, merge_group)

@@ -224,6 +224,15 @@ MERGE_IN_O_ROWS_ENV = "FLASHLET_MERGE_IN_O_ROWS"
 MERGE_IN_O_ROWS = os.environ.get(MERGE_IN_O_ROWS_ENV, "auto")
 if not re.fullmatch(r"auto|[1-8]", MERGE_IN_O_ROWS):
     raise ValueError(f"{MERGE_IN_O_ROWS_ENV}={MERGE_IN_O_ROWS!r}: expected auto or 1 to 8 (rows a step merging in O)")
+# The partials' dtype where the merge is in O ($FLASHLET_MERGE_PARTIALS, an A/B; fp32 until bf16 is
+# measured): "bf16" halves the bytes each O CTA loads before its first product (at Qwen3-1.7B's
+# and Llama-3.2-1B's O, 16 splits x 2,048 x 4 bytes = 128 KB a CTA at 1,000 tokens, where the merge
+# in O lost 2-3%: FUSED_NOTES.md, "Session 69"), and adds one bf16 rounding of each split's output
+# before the merge (the log-sum-exps stay fp32).
+MERGE_PARTIALS_ENV = "FLASHLET_MERGE_PARTIALS"
+MERGE_PARTIALS = os.environ.get(MERGE_PARTIALS_ENV, "fp32")
+if MERGE_PARTIALS not in ("fp32", "bf16"):
+    raise ValueError(f"{MERGE_PARTIALS_ENV}={MERGE_PARTIALS!r}: expected fp32 or bf16")
 
 
 def merge_form(shape: tuple[int, int]) -> MergeForm | None:
@@ -662,7 +671,7 @@ class FusedDecode:
         split partials where the backend leaves them)."""
         if self.one_launch_attention:
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]),
-                                          partials_out=self.merges_in_o(q.shape[0]))
+                                          partials_out=self.merges_in_o(q.shape[0]), partials=MERGE_PARTIALS)
         return attn.attend(i, q)
 
     def merges_in_o(self, rows: int) -> bool:
@@ -681,7 +690,7 @@ class FusedDecode:
                 knobs = {"rows": rows, "min_ctas_per_sm": 0}
             else:
                 knobs = {"warps": form.warps} if form.warps else {}
-            merge = (*rule[:4], form.group) if form.group else rule  # the GEMV's group of splits a round
+            merge = (*rule[:4], form.group, *rule[5:]) if form.group else rule  # the GEMV's group of splits a round
             self.merge_o[rule, rows] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
         return self.merge_o[rule, rows]
 

@@ -319,6 +319,17 @@ def test_merge_in_o_ab_tests_then_interleaves_the_forms_then_profiles(gpu_run):
     assert table == "lab/one_stream_pair.py --table"
 
 
+def test_merge_in_o_ab_takes_a_form_as_its_environment(gpu_run):
+    rc, calls = gpu_run("merge-in-o-ab", MERGE_AB_FORMS="FLASHLET_MERGE_PARTIALS=bf16,FLASHLET_MERGE_IN_O=w8g16 w4")
+    assert rc == 0
+    _, *runs, _ = calls
+    both = ["FLASHLET_MERGE_IN_O=w8g16", "FLASHLET_MERGE_PARTIALS=bf16"]
+    assert [(sorted(env.split()), c.split()[1]) for env, c in runs[:3]] == [
+        ([], "tree"), (both, "merge-FLASHLET_MERGE_PARTIALS-bf16-FLASHLET_MERGE_IN_O-w8g16"),
+        (["FLASHLET_MERGE_IN_O=w4"], "merge-w4")]
+    assert sorted(runs[-1][0].split()) == both
+
+
 def test_merge_rows_ab_interleaves_the_tree_with_each_row_limit(gpu_run):
     rc, calls = gpu_run("merge-rows-ab", MERGE_ROWS_N="4")
     assert rc == 0

@@ -705,20 +705,22 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-@pytest.mark.parametrize("form", ["1", "w4", "w8g16"])
-def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form):
+@pytest.mark.parametrize("form, partials", [("1", "fp32"), ("w4", "fp32"), ("w8g16", "fp32"), ("w4", "bf16")])
+def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials):
     """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
-    leaves out; "w4": four warps a CTA): one row's attention leaves its split partials and the O
-    GEMV merges them in its prologue. Prompts of
+    leaves out; "w4": four warps a CTA): one row's attention leaves its split partials (fp32, or
+    bf16: $FLASHLET_MERGE_PARTIALS) and the O GEMV merges them in its prologue. Prompts of
     300 to 1,700 tokens (2 to 7 splits of 256, merged four at a time), PDL on: teacher-forced
     against the per-op path; the merge GEMV ran and no merge counter moved."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", form)
+    monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", partials)
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(300 + 350 * p)] for p in range(5)]
     engine = check_against_reference_teacher_forced(source, ps, 16, fused_decode_attn=True, fused_decode_rope=True,
                                                     fused_decode_pdl=True)
     fused = engine.runner.fused
     assert fused.merges_in_o(1) and fused.merge_o, "no step merged in the O GEMV"
+    assert {rule[5] for rule, _ in fused.merge_o} == {partials}
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
@@ -739,18 +741,24 @@ def test_the_merge_in_the_o_gemv_of_several_rows_gives_the_per_op_tokens(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("form", ["1", "auto"])
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b"])
-def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset):
-    """MERGE_IN_O forced ("1": O's own plan) at the presets' real shapes and default parts (Qwen3:
-    q and k made in the attention, rope_in), one row over prompts of 20 to 1,100 tokens:
-    teacher-forced against the per-op path, 96 positions."""
-    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
+def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset, form):
+    """The merge in O at the presets' real shapes and default parts (Qwen3: q and k made in the
+    attention, rope_in), forced in O's own plan ("1": one row) or in each shape's own form
+    ("auto", the default: MERGE_IN_O_SHAPES, the 0.5B's steps of up to four rows), over four
+    prompts of 20 to 1,100 tokens: teacher-forced against the per-op path, 96 positions."""
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", form)
     vocab = preset_config(preset)["vocab_size"]
     source = dict(config=preset, max_model_len=2048)
     ps = [[(i * 31 + 7 * p + 1) % vocab for i in range(20 + 360 * p)] for p in range(4)]
-    engine = check_against_reference_teacher_forced(source, ps, 24, fused=None)
+    rows = 4 if form == "auto" else 1  # the four prompts decode together (one prefill step of 2,240 tokens)
+    engine = check_against_reference_teacher_forced(source, ps, 24, max_num_seqs=rows, fused=None)
     fused = engine.runner.fused
     assert fused.merge_o and not engine.runner.fused_attention._merge_counts.any()
+    want = fused_decode.merge_form(fused_decode.model_shape(fused.model))
+    if form == "auto":
+        assert max(r for _, r in fused.merge_o) == want.rows, sorted(fused.merge_o)  # the 0.5B's 4 rows merged
 
 
 def test_attention_out_of_the_pdl_chain_gives_the_same_tokens(tmp_path, monkeypatch):

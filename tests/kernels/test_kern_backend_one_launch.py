@@ -315,3 +315,35 @@ def test_rows_partials_out_merge_to_the_attention_output(kh):
     assert kh.rel_err(merge_partials_reference(parts, 3).view_as(want).float(), want.float()) < 1e-3
     # rows past the step's (a padded q) keep the output form
     assert isinstance(tri.attend_one_launch(0, torch.cat([q, q[:1]]), partials_out=True), torch.Tensor)
+
+
+def test_bf16_partials_are_the_fp32_partials_rounded(kh):
+    """`attend_one_launch(partials="bf16")` (FLASHLET_MERGE_PARTIALS=bf16): the same split partials
+    as fp32's, each rounded once to bf16 (not left fp32) in the same scratch's bf16 view, the log-sum-exps fp32
+    and unchanged, the rule naming the dtype; merged, the output within bf16's rounding."""
+    from flashlet.kernels.cute_gemv import merge_partials_reference, same_split_rule, split_count
+
+    lengths = [1, 40, 129]
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(5)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
+    tri.plan(meta)
+    want = tri.attend_one_launch(0, q)
+    fp32 = tri.attend_one_launch(0, q, partials_out=True)
+    o32, lse32 = fp32.mid_o.clone(), fp32.mid_lse.clone()
+    bf16 = tri.attend_one_launch(0, q, partials_out=True, partials="bf16")
+    assert bf16.mid_o.dtype == torch.bfloat16 and bf16.mid_o.data_ptr() == fp32.mid_o.data_ptr()
+    assert bf16.rule[5] == "bf16" and fp32.rule[5] == "fp32" and not same_split_rule(bf16.rule, fp32.rule)
+    splits = fp32.rule[0]
+    for b, n in enumerate(lengths):
+        used = slice(b * splits, b * splits + split_count(n, fp32.rule))
+        # within one bf16 step of the fp32 value (the GPU rounds to nearest; Triton's CPU
+        # interpreter truncates)
+        err = (bf16.mid_o[used].float() - o32[used]).abs()
+        assert (err <= o32[used].abs() * 2.0**-7).all() and bf16.mid_o[used].float().ne(o32[used]).any(), \
+            f"row {b}'s partials"
+        assert torch.equal(bf16.mid_lse[used], lse32[used]), f"row {b}'s log-sum-exps"
+    assert kh.rel_err(merge_partials_reference(bf16, 3).view_as(want).float(), want.float()) < 1e-2
+    with pytest.raises(ValueError, match="partials must be"):
+        tri.attend_one_launch(0, q, partials_out=True, partials="fp16")

@@ -99,6 +99,8 @@ def test_merge_plan_refuses_what_it_cannot_do(kwargs, match):
         plan_gemv(896, 900, "residual", merge=merge_in(64, 256, 256, 64))
     with pytest.raises(ValueError, match="positive int"):
         merge_in(0, 256, 256, 64)
+    with pytest.raises(ValueError, match="partials must be one of"):
+        merge_in(64, 256, 256, 64, partials="fp16")
 
 
 @pytest.mark.parametrize("rows, mma", [(2, None), (4, None), (16, None), (4, False)])
@@ -113,7 +115,7 @@ def test_merge_plans_m_rows_as_x_itself_in_either_form(rows, mma):
 def test_merge_plan_is_os_plan_with_its_rule():
     plain = plan_gemv(896, 896, "residual", pdl=True)
     merged = plan_gemv(896, 896, "residual", pdl=True, merge=merge_in(64, 256, 256, 64))
-    assert merged.merge == (64, 256, 256, 64, 4) and "merge4" in merged.describe()
+    assert merged.merge == (64, 256, 256, 64, 4, "fp32") and "merge4" in merged.describe()
     assert merged == plain.__class__(**{**plain.__dict__, "merge": merged.merge})
 
 
@@ -139,7 +141,13 @@ def test_the_merge_forms_build_their_gemv(monkeypatch):
         monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
         fused = _fused_at(shape, merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
         plan = fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan
-        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group)), (setting, shape)
+        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group, "fp32")), (setting, shape)
+    # bf16 partials keep their dtype in the GEMV's rule, its group its own
+    bf16 = merge_in(16, 64, 64, 128, partials="bf16")
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w8g16")
+    fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
+    plan = fused_decode.FusedDecode._merge_o(fused, bf16, 1, torch.device("cpu")).plan
+    assert plan.merge == (16, 64, 64, 128, 16, "bf16") and "bf16parts" in plan.describe()
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
     assert fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan == \
@@ -176,7 +184,7 @@ def test_merge_settings_refuse_what_they_do_not_know():
     import sys
 
     for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
-                       ("FLASHLET_MERGE_IN_O_ROWS", "4x")):
+                       ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16")):
         run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
                              text=True, env={**__import__("os").environ, env: value})
         assert run.returncode != 0 and f"{env}={value!r}: expected" in run.stderr, (env, value, run.stderr[-300:])
@@ -187,7 +195,7 @@ def test_merge_call_refuses_partials_of_another_rule():
     parts = SplitPartials(torch.zeros(64 * 896), torch.zeros(64 * 14), torch.ones(1, dtype=torch.int32),
                           merge_in(32, 256, 256, 64))
     w, r = torch.zeros(896, 896, dtype=torch.bfloat16), torch.zeros(1, 896, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="count the splits wrong"):
+    with pytest.raises(ValueError, match="count or read the splits wrong"):
         gemv(parts, w, r, out=r)
     with pytest.raises(ValueError, match="SplitPartials"):
         gemv(torch.zeros(1, 896, dtype=torch.bfloat16), w, r, out=r)
@@ -195,6 +203,14 @@ def test_merge_call_refuses_partials_of_another_rule():
                           merge_in(64, 256, 256, 64))
     with pytest.raises(ValueError, match="mid_o"):
         gemv(short, w, r, out=r)
+    # bf16 partials: the rule says so, and mid_o must be bf16 (the plan compiles its loads in)
+    halves = CuteGemv(896, 896, "residual", device="cpu", merge=merge_in(64, 256, 256, 64, partials="bf16"))
+    with pytest.raises(ValueError, match="count or read the splits wrong"):
+        halves(parts, w, r, out=r)
+    as_fp32 = SplitPartials(torch.zeros(64 * 896), torch.zeros(64 * 14), torch.ones(1, dtype=torch.int32),
+                            merge_in(64, 256, 256, 64, partials="bf16"))
+    with pytest.raises(ValueError, match="mid_o must be a contiguous, 16-byte aligned torch.bfloat16"):
+        halves(as_fp32, w, r, out=r)
 
 
 @pytest.mark.parametrize("setting, shape, rows, fp8, mma, merges", [
@@ -226,7 +242,7 @@ def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8,
         rows > 1 or not mma) and (setting != "auto" or shape in fused_decode.MERGE_IN_O_SHAPES))
 
 
-def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> SplitPartials:
+def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partials: str = "fp32") -> SplitPartials:
     """Random partials and log-sum-exps in the first n_used slots, NaN past them, and a KV length
     the rule (256-token splits, 64-key blocks) gives exactly n_used splits."""
     gen = torch.Generator().manual_seed(seed)
@@ -235,10 +251,11 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> Spl
     mid_lse = torch.full((splits, heads), NAN)
     mid_o[:n_used] = torch.randn(n_used, heads, head_dim, generator=gen)
     mid_lse[:n_used] = 4 * torch.randn(n_used, heads, generator=gen)  # weights far apart and near
-    rule = merge_in(splits, 256, 64, head_dim)
+    rule = merge_in(splits, 256, 64, head_dim, partials=partials)
     kv_len = 256 * n_used - 100
     assert split_count(kv_len, rule) == n_used
-    return SplitPartials(mid_o.cuda(), mid_lse.cuda(), torch.tensor([kv_len], dtype=torch.int32, device="cuda"), rule)
+    return SplitPartials(mid_o.to(cute_gemv.partial_dtype(rule)).cuda(), mid_lse.cuda(),
+                         torch.tensor([kv_len], dtype=torch.int32, device="cuda"), rule)
 
 
 @pytest.mark.gpu
@@ -248,12 +265,12 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int) -> Spl
 @pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2, warps=2),
                                    dict(warps=2, staged=False), dict(ctas_per_sm=1)])  # (the last loops)
 @pytest.mark.parametrize("group", [4, 16])
-def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group):
+def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, partials="fp32"):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
     against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV;
     four or sixteen splits loaded a round (the GEMV's own group: the partials' rule keeps 4)."""
-    parts = _partials(n_used, 16, k, head_dim, seed=n_used)
-    gemv = CuteGemv(n, k, "residual", pdl=True, merge=(*parts.rule[:4], group), **knobs)
+    parts = _partials(n_used, 16, k, head_dim, seed=n_used, partials=partials)
+    gemv = CuteGemv(n, k, "residual", pdl=True, merge=(*parts.rule[:4], group, partials), **knobs)
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
     r = torch.randn(1, n, generator=gen).to(torch.bfloat16).cuda()
@@ -264,6 +281,18 @@ def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         assert kh.rel_err(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128)])
+@pytest.mark.parametrize("n_used", [1, 4, 9])
+@pytest.mark.parametrize("knobs", [dict(warps=4), dict(warps=8)])
+@pytest.mark.parametrize("group", [4, 16])
+def test_merge_gemv_of_bf16_partials(kh, n, k, head_dim, n_used, knobs, group):
+    """The same with bf16 partial outputs (`merge_in(partials="bf16")`: half the bytes a CTA loads),
+    against the reference merge of the same bf16 values."""
+    test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, "bf16")
 
 
 @pytest.mark.gpu

@@ -195,19 +195,23 @@ if ATTENTION_PDL not in ("0", "1", "one-row"):
 #   961.5 in the 1.5B's form (-3.4%, -2.3%, session 69); TinyLlama not measured.
 # $FLASHLET_MERGE_IN_O for a fresh process (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off
 # everywhere; "1" on at every shape with O's own plan; "w1" / "w2" / "w4" / "w8" on at every
-# shape with that many warps a CTA, and with "g8" / "g16" after it ("w8g16") that many splits
-# loaded a round (4 otherwise: `cute_gemv.merge_in`). $FLASHLET_MERGE_IN_O_ROWS=N (1 to 8) merges
+# shape with that many warps a CTA, with "g8" / "g16" after it ("w8g16") that many splits
+# loaded a round (4 otherwise: `cute_gemv.merge_in`), and with "c1" / "c2" / "c4" last ("w8g16c1")
+# a looping grid of that many CTAs an SM, each merging once for all its tiles: fewer CTAs load
+# the partials (Llama-3.2-1B's O launches 256 CTAs of eight warps, each loading all 128 KB). $FLASHLET_MERGE_IN_O_ROWS=N (1 to 8) merges
 # steps of up to N rows wherever the merge is on ("auto": the shape's rows, 1 for a forced form).
 # Past one row O keeps its M-row plan (the tensor cores at bf16) without its register cap, whose
 # ~97 registers a thread the merge's loads overflow: the 0.5B's O at 2 / 4 / 8 rows lowers to 105 /
 # 106 / 206 registers and no stack (sm_90a, this CPU), at 16 rows to 254 and 112 bytes of stack.
 class MergeForm(NamedTuple):
     """How O merges the attention's partials at a shape: `warps` a CTA (None: O's own plan),
-    `group` splits loaded a round (None: the attention's rule's 4), steps of up to `rows` rows."""
+    `group` splits loaded a round (None: the attention's rule's 4), steps of up to `rows` rows,
+    `ctas_per_sm` a looping grid (None: one CTA a tile)."""
 
     warps: int | None
     group: int | None
     rows: int
+    ctas_per_sm: int | None = None
 
 
 MERGE_IN_O_SHAPES = {  # (hidden size, intermediate size) -> "auto"'s form there
@@ -217,9 +221,9 @@ MERGE_IN_O_SHAPES = {  # (hidden size, intermediate size) -> "auto"'s form there
 }
 MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
 MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "auto")
-if not re.fullmatch(r"auto|0|1|w[1248](g(4|8|16))?", MERGE_IN_O):
+if not re.fullmatch(r"auto|0|1|w[1248](g(4|8|16))?(c[124])?", MERGE_IN_O):
     raise ValueError(f"{MERGE_IN_O_ENV}={MERGE_IN_O!r}: expected auto, 0, 1, or w1 / w2 / w4 / w8 with an "
-                     "optional g4 / g8 / g16")
+                     "optional g4 / g8 / g16, then an optional c1 / c2 / c4")
 MERGE_IN_O_ROWS_ENV = "FLASHLET_MERGE_IN_O_ROWS"
 MERGE_IN_O_ROWS = os.environ.get(MERGE_IN_O_ROWS_ENV, "auto")
 if not re.fullmatch(r"auto|[1-8]", MERGE_IN_O_ROWS):
@@ -243,8 +247,9 @@ def merge_form(shape: tuple[int, int]) -> MergeForm | None:
     if MERGE_IN_O == "auto":
         form = MERGE_IN_O_SHAPES.get(shape)
     else:
-        asked = re.fullmatch(r"w(\d+)(?:g(\d+))?", MERGE_IN_O)
-        form = MergeForm(int(asked[1]) if asked else None, int(asked[2]) if asked and asked[2] else None, 1)
+        asked = re.fullmatch(r"w(\d+)(?:g(\d+))?(?:c(\d+))?", MERGE_IN_O)
+        form = MergeForm(*(int(asked[i]) if asked and asked[i] else None for i in (1, 2)), 1,
+                         int(asked[3]) if asked and asked[3] else None)
     if form is not None and MERGE_IN_O_ROWS != "auto":
         form = form._replace(rows=int(MERGE_IN_O_ROWS))
     return form
@@ -689,7 +694,8 @@ class FusedDecode:
             if rows > 1:  # O's M-row plan, uncapped
                 knobs = {"rows": rows, "min_ctas_per_sm": 0}
             else:
-                knobs = {"warps": form.warps} if form.warps else {}
+                knobs = ({"warps": form.warps} if form.warps else {}) | (
+                    {"ctas_per_sm": form.ctas_per_sm} if form.ctas_per_sm else {})
             merge = (*rule[:4], form.group, *rule[5:]) if form.group else rule  # the GEMV's group of splits a round
             self.merge_o[rule, rows] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
         return self.merge_o[rule, rows]

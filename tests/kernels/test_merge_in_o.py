@@ -148,6 +148,13 @@ def test_the_merge_forms_build_their_gemv(monkeypatch):
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
     plan = fused_decode.FusedDecode._merge_o(fused, bf16, 1, torch.device("cpu")).plan
     assert plan.merge == (16, 64, 64, 128, 16, "bf16") and "bf16parts" in plan.describe()
+    # a looping grid: one CTA an SM walks the tiles, merging once
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w8g16c1")
+    fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (2048, 2048, 0, 0, 0))
+    plan = fused_decode.FusedDecode._merge_o(fused, bf16, 1, torch.device("cpu")).plan
+    assert plan == plan_gemv(2048, 2048, "residual", pdl=True, warps=8, ctas_per_sm=1,
+                             merge=(16, 64, 64, 128, 16, "bf16"))
+    assert plan.grid < plan.num_tiles
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
     assert fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan == \
@@ -171,6 +178,11 @@ def test_merge_forms_at_each_preset_shape(monkeypatch):
         assert merge_form(lost_or_unmeasured) is None
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w2g8")
     assert merge_form((2048, 8192)) == MergeForm(2, 8, 1)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w8g16c1")
+    assert merge_form((2048, 8192)) == MergeForm(8, 16, 1, ctas_per_sm=1)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w4c2")
+    assert merge_form((2048, 8192)) == MergeForm(4, None, 1, ctas_per_sm=2)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w2g8")
     monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "8")
     assert merge_form((2048, 8192)) == MergeForm(2, 8, 8)
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "0")
@@ -183,7 +195,7 @@ def test_merge_settings_refuse_what_they_do_not_know():
     import subprocess
     import sys
 
-    for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
+    for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O", "w8c3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
                        ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16")):
         run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
                              text=True, env={**__import__("os").environ, env: value})
@@ -263,7 +275,8 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partia
 @pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128), (1536, 1536, 128)])
 @pytest.mark.parametrize("n_used", [1, 3, 4, 7, 9])
 @pytest.mark.parametrize("knobs", [{}, dict(warps=4), dict(staged=True, stages=2, warps=2),
-                                   dict(warps=2, staged=False), dict(ctas_per_sm=1)])  # (the last loops)
+                                   dict(warps=2, staged=False), dict(ctas_per_sm=1)],  # (the last loops)
+                         ids=["plan", "w4", "staged", "w2", "looping"])
 @pytest.mark.parametrize("group", [4, 16])
 def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, partials="fp32"):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
@@ -287,7 +300,8 @@ def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_
 @needs_gpu
 @pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128)])
 @pytest.mark.parametrize("n_used", [1, 4, 9])
-@pytest.mark.parametrize("knobs", [dict(warps=4), dict(warps=8)])
+@pytest.mark.parametrize("knobs", [dict(warps=4), dict(warps=8), dict(warps=8, ctas_per_sm=1)],
+                         ids=["w4", "w8", "w8-looping"])
 @pytest.mark.parametrize("group", [4, 16])
 def test_merge_gemv_of_bf16_partials(kh, n, k, head_dim, n_used, knobs, group):
     """The same with bf16 partial outputs (`merge_in(partials="bf16")`: half the bytes a CTA loads),

@@ -18,7 +18,8 @@
 #                scripts/bisect_trees.sh: where a GPU test began to fail (~30 s a tree)
 #   tests-envs   TESTS_AT (pytest arguments) in this tree once per TESTS_ENVS entry (";" between
 #                entries, each "VAR=value ..." or empty for the defaults): which switch undoes a failure.
-#                Both split TESTS_AT at spaces; TESTS_K="a and b" passes pytest's -k expression whole
+#                Both split TESTS_AT at spaces; TESTS_K="a and b" passes pytest's -k expression whole;
+#                TESTS_LIMIT (200) the seconds each entry's run may take
 #   tests-mixed  the steps with a chunk: mixed-step graphs against eager (default and split),
 #                the split-KV prefill kernel (a short chunk's 16 / 32 splits among them), the
 #                speculative verify steps (short chunks), on the GPU (~2 min)
@@ -556,7 +557,7 @@ for part in "${PARTS[@]}"; do
       cute_env || continue
       IFS=';' read -ra settings <<< "${TESTS_ENVS:?TESTS_ENVS: settings between ;}"
       for setting in "${settings[@]}"; do
-        run 200 env $setting $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
+        run "${TESTS_LIMIT:-200}" env $setting $PYTEST ${TESTS_K:+-k "$TESTS_K"} ${TESTS_AT:?TESTS_AT: pytest arguments}
       done
       grep -E "^### env|passed|failed" "$LOG" | grep -B1 -E "passed|failed" | tail -40 ;;
     tests-at)  # TESTS_AT's pytest arguments in each older tree under bisect/ (scripts/bisect_trees.sh)

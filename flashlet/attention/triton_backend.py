@@ -498,6 +498,22 @@ class TritonBackend(AttentionBackend):
         """A one-launch config as `rope_in` runs it at this pool's head_dim (`rope_in_form`)."""
         return rope_in_form(cfg, self.head_dim)
 
+    def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str) -> tuple | None:
+        """The split rule (`cute_gemv.merge_in`) a short step of `rows` rows under (cfg, splits)
+        leaves its partials by, or None where it cannot (a config with a long rule, whose split
+        length a consumer cannot follow; too little split scratch)."""
+        if cfg.long_from_tokens or self._mid_o.shape[0] < rows * splits:
+            return None
+        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials)
+
+    def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32") -> tuple | None:
+        """The rule `attend_one_launch(partials_out=True)` names for a short step of `rows` rows at
+        the one-launch table's config (as the fused path's steps plan it; rope_in: its form with
+        RoPE in the attention), or None where such a step returns its output: what the consumer's
+        merge GEMV can be planned by before any step runs."""
+        cfg, splits = self.one_launch_config(rows)
+        return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials)
+
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32"):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
@@ -535,10 +551,10 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
-        partials_out = (partials_out and q.shape[0] == n and not long and not cfg.long_from_tokens
-                        and self._mid_o.shape[0] >= n * splits)
         if partials not in ("fp32", "bf16"):
             raise ValueError(f"partials must be 'fp32' or 'bf16', got {partials!r}")
+        rule = self._partials_rule(cfg, n, splits, partials) if partials_out and q.shape[0] == n and not long else None
+        partials_out = rule is not None
         mid_o = self._mid_o_bf16 if partials_out and partials == "bf16" else self._mid_o
         out = torch.empty_like(q)
         decode_attention_one_launch(
@@ -567,8 +583,7 @@ class TritonBackend(AttentionBackend):
             partials_out=partials_out,
         )
         if partials_out:
-            return SplitPartials(mid_o, self._mid_lse, meta.kv_lens,
-                                 merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials))
+            return SplitPartials(mid_o, self._mid_lse, meta.kv_lens, rule)
         if q.shape[0] > n:
             out[n:].zero_()
         return out

@@ -517,9 +517,23 @@ class FusedDecode:
         self.row_counts = sorted(self.gemvs)
         self.max_rows = self.row_counts[-1]
         self._allocate_buffers(self.max_rows, device)
-        # Plans not on disk compile in worker processes meanwhile, where that is on (the
-        # warm-up's first calls then load them; warm_up ends the workers).
-        self.precompile = cute_precompile.start(g for gemvs in self.gemvs.values() for g in gemvs.all())
+        self.device = device
+        self.precompile = None  # `start_precompile`'s workers
+
+    def start_precompile(self, attn=None) -> None:
+        """Plans not on disk compile in worker processes meanwhile, where that is on (the warm-up's
+        first calls then load them; warm_up ends the workers): every row count's GEMVs and, given
+        the fused steps' attention backend, the O GEMVs that merge its partials (MERGE_IN_O), each
+        under the split rule the backend names for that row count (`partials_rule`). A step whose
+        rule differs (another config planned at run time) builds its own at its first call."""
+        merges = []
+        if attn is not None and self.one_launch_attention and hasattr(attn, "partials_rule"):
+            for rows in self.row_counts:
+                if self.merges_in_o(rows):
+                    rule = attn.partials_rule(rows, self.rope is None and self.rope_in_attention, MERGE_PARTIALS)
+                    if rule is not None:
+                        merges.append(self._merge_o(rule, rows, self.device))
+        self.precompile = cute_precompile.start([*(g for gemvs in self.gemvs.values() for g in gemvs.all()), *merges])
 
     def _widths(self) -> tuple[int, int, int, int, int]:
         """(hidden, q, kv, intermediate, vocab): the widths the GEMVs and the buffers have."""
@@ -648,7 +662,7 @@ class FusedDecode:
 
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(rows),
                                           rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm),
-                                          partials_out=self.merges_in_o(rows))
+                                          partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS)
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
         return self._attend(i, q, attn)

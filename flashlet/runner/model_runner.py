@@ -213,6 +213,8 @@ class ModelRunner:
         # The fused steps' attention: the step backend where it has the one-launch form, else
         # a triton backend of its own over the same pool (only fused decode steps use it).
         self.fused_attention = self._fused_attention_backend(model, kv_pool, max_pages_per_seq)
+        if self.fused is not None:  # its CuTe GEMVs (the merging O's too) compile in workers meanwhile
+            self.fused.start_precompile(self.fused_attention)
         fused_rows = self.fused.max_rows if self.fused is not None else 0
         log.info("step paths: %s", paths.log_line(fused_rows, self._fused_off_why))
         if self.fused is None:  # rows past max_num_seqs come from fused verify steps only

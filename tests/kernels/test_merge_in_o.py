@@ -339,3 +339,41 @@ def test_m_row_merge_gemv_matches_the_reference_merge_then_gemv(kh, rows, knobs)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     assert kh.rel_err(out, want) < 1e-2
+
+
+def test_start_precompile_hands_the_merging_o_gemvs_to_the_workers(monkeypatch):
+    """FusedDecode.start_precompile, given the fused steps' attention backend: beside every row
+    count's GEMVs, the O GEMVs that merge (one per row count that merges in O, under the rule the
+    backend names for it: Qwen3's with RoPE in the attention), so that no merging O compiles in
+    the warm-up on a first start; none without a backend or where the backend names no rule."""
+    from types import MethodType, SimpleNamespace
+
+    from flashlet.runner import fused_decode
+
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O", "auto")
+    monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "auto")
+    monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", "bf16")
+    handed = []
+    monkeypatch.setattr(fused_decode.cute_precompile, "start", lambda gemvs: handed.append(list(gemvs)) or "job")
+    asked = []
+
+    class Attn:
+        def partials_rule(self, rows, rope_in, partials):
+            asked.append((rows, rope_in, partials))
+            return None if rows == 3 else merge_in(8 * rows, 128, 128, 64, partials=partials)
+
+    plain = [SimpleNamespace(name=f"gemv{m}") for m in (1, 2, 3, 4, 8)]
+    fused = _fused_at((896, 4864), merge_o={}, pdl=True, _widths=lambda: (896, 896, 0, 0, 0), fp8=False,
+                      bf16_one_row_mma=False, one_launch_attention=True, rope=None, rope_in_attention=True,
+                      row_counts=[1, 2, 3, 4, 8], device=torch.device("cpu"),
+                      gemvs={m: SimpleNamespace(all=lambda g=g: [g]) for m, g in zip((1, 2, 3, 4, 8), plain)})
+    fused.merges_in_o = MethodType(fused_decode.FusedDecode.merges_in_o, fused)
+    fused._merge_o = MethodType(fused_decode.FusedDecode._merge_o, fused)
+    fused_decode.FusedDecode.start_precompile(fused, Attn())
+    assert fused.precompile == "job" and asked == [(m, True, "bf16") for m in (1, 2, 3, 4)]  # the 0.5B: up to 4 rows
+    merging = handed[0][len(plain):]
+    assert handed[0][:len(plain)] == plain and merging == [fused.merge_o[k] for k in fused.merge_o]
+    assert sorted(rows for _, rows in fused.merge_o) == [1, 2, 4]  # 3 rows: the backend names no rule
+    assert all(rule == merge_in(8 * rows, 128, 128, 64, partials="bf16") for rule, rows in fused.merge_o)
+    fused_decode.FusedDecode.start_precompile(fused, None)  # no backend: the row counts' GEMVs only
+    assert handed[1] == plain

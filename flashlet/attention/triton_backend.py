@@ -458,14 +458,29 @@ class TritonBackend(AttentionBackend):
             return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)
         return self._two_launch_decode(layer, q, self._decode_cfg, self._num_splits)
 
-    def _two_launch_decode(self, layer: int, q: torch.Tensor, dc: tuning.DecodeConfig, s: int) -> torch.Tensor:
+    def _two_launch_decode(self, layer: int, q: torch.Tensor, dc: tuning.DecodeConfig, s: int,
+                           partials_group: int = 0, partials: str = "fp32"):
         """A pure-decode step's attention in two launches (split kernel, then merge) with config
-        dc and split cap s; rows past the sequences get zeros."""
+        dc and split cap s; rows past the sequences get zeros. partials_group > 0: where the step
+        splits (s > 1) over all of q's rows, the split kernel alone, its partials returned
+        (`cute_gemv.SplitPartials`, the rule's group of splits a round partials_group) for the
+        consumer to merge."""
         meta = self.meta
         k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
         k_scale, v_scale = self.kv_pool.scales(layer)
-        out = torch.empty_like(q)
         n = meta.num_seqs
+        if partials_group and s > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * s:
+            mid_o = self._mid_o_bf16 if partials == "bf16" else self._mid_o
+            decode_attention(
+                q[:n], k_cache, v_cache, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
+                out=torch.empty_like(q[:n]), num_splits=s, min_split_tokens=dc.min_split_tokens, block_n=dc.block_n,
+                mid_o=mid_o[: n * s], mid_lse=self._mid_lse[: n * s], num_warps=dc.num_warps,
+                num_stages=dc.num_stages, k_scale=k_scale, v_scale=v_scale, prefetch=dc.prefetch,
+                kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads), partials_out=True)
+            return SplitPartials(mid_o, self._mid_lse, meta.kv_lens,
+                                 merge_in(s, dc.min_split_tokens, dc.block_n, self.head_dim, partials_group,
+                                          partials=partials))
+        out = torch.empty_like(q)
         decode_attention(
             q[:n], k_cache, v_cache,
             meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
@@ -515,7 +530,8 @@ class TritonBackend(AttentionBackend):
         return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32"):
+                          rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32",
+                          long_partials_group: int = 0):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
@@ -527,20 +543,25 @@ class TritonBackend(AttentionBackend):
         consumer can follow (no long rule) over all of q's rows, return the rows' split partials
         (`cute_gemv.SplitPartials`, its `rule` the GEMV's `merge_in`) and leave the merge to the
         O GEMV; otherwise (a long step, such a config, rows past the step's, too little split
-        scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s)."""
+        scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s).
+        long_partials_group > 0 (with partials_out): a long step attended in two launches returns
+        its split kernel's partials too (`_two_launch_decode`), the rule's group that many."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
+        if partials not in ("fp32", "bf16"):
+            raise ValueError(f"partials must be 'fp32' or 'bf16', got {partials!r}")
         long = self.long_context(meta)
         if long and self.long_in_two_launches(n):
             if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
                 q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
                                             rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
             cfg = self.decode_config(n)
-            return self._two_launch_decode(layer, q, cfg, self._splits_for(n, cfg))
+            return self._two_launch_decode(layer, q, cfg, self._splits_for(n, cfg),
+                                           long_partials_group if partials_out else 0, partials)
         if long:
             cfg, splits = self.one_launch_config(n, long=True)
         elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
@@ -551,8 +572,6 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
-        if partials not in ("fp32", "bf16"):
-            raise ValueError(f"partials must be 'fp32' or 'bf16', got {partials!r}")
         rule = self._partials_rule(cfg, n, splits, partials) if partials_out and q.shape[0] == n and not long else None
         partials_out = rule is not None
         mid_o = self._mid_o_bf16 if partials_out and partials == "bf16" else self._mid_o

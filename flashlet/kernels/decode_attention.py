@@ -406,7 +406,7 @@ def _decode_kernel(
     else:
         slot = b * num_splits + split
         mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid_ptrs, out, mask=own)
+        tl.store(mid_ptrs, out.to(MidO.dtype.element_ty), mask=own)  # fp32, or bf16 left to a consumer
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
         if MERGE_IN_KERNEL:
@@ -613,6 +613,7 @@ def decode_attention(
     prefetch: str = "none",
     kv_heads_per_program: int = 1,
     merge_counts: torch.Tensor | None = None,
+    partials_out: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -630,6 +631,11 @@ def decode_attention(
     and left at zero by each: with them (and num_splits > 1) each group's last split program
     merges the partials, no merge kernel is launched (one per stream, never shared by two
     launches in flight). Returns out [B, Hq, D] in q's dtype. No host sync.
+    partials_out (num_splits > 1, the scratch given, no merge_counts): no merge at all: the
+    split kernel leaves every split's partial and log-sum-exp (slot b * num_splits + s, the
+    split count by `_split_range`, as `decode_attention_one_launch(partials_out=True)` leaves
+    them) for the consumer to merge (`cute_gemv.merge_in`); out is not written; mid_o may be
+    bf16.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -641,8 +647,12 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    if partials_out and (num_splits == 1 or mid_o is None or mid_lse is None or merge_counts is not None):
+        raise ValueError("partials_out needs num_splits > 1, the split scratch (mid_o, mid_lse) and no merge_counts")
     if num_splits > 1:
         rows = batch * num_splits
+        if mid_o is not None and mid_o.dtype != torch.float32 and not (partials_out and mid_o.dtype == torch.bfloat16):
+            raise ValueError(f"mid_o must be fp32 (bf16 with partials_out), got {mid_o.dtype}")
         if mid_o is None:
             mid_o = torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
         if mid_lse is None:
@@ -681,7 +691,7 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1 and not merge_in_kernel:
+    if num_splits > 1 and not merge_in_kernel and not partials_out:
         merge_gp = group_pad(group)  # the merge kernel's rows: one KV head's group
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
         hpp = max(2, min(merge_gp, 8192 // (num_splits * head_dim)))

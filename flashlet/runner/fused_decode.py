@@ -237,6 +237,15 @@ MERGE_PARTIALS_ENV = "FLASHLET_MERGE_PARTIALS"
 MERGE_PARTIALS = os.environ.get(MERGE_PARTIALS_ENV, "fp32")
 if MERGE_PARTIALS not in ("fp32", "bf16"):
     raise ValueError(f"{MERGE_PARTIALS_ENV}={MERGE_PARTIALS!r}: expected fp32 or bf16")
+# Long steps attended in two launches (past tuning.ONE_LAUNCH_LONG_CONTEXT tokens, where
+# ONE_LAUNCH_LONG_TABLE says TWO_LAUNCH) merge in O too, the split kernel's partials loaded "gN"
+# splits a round ($FLASHLET_MERGE_IN_O_LONG, an A/B, "0" off by default): the merge kernel's
+# launch leaves the chain (the 0.5B's 64 splits after 8,000 tokens: each O CTA then loads 230 KB
+# of fp32 partials, 115 KB of bf16). Wherever the merge is in O at the step's rows (`merge_form`).
+MERGE_IN_O_LONG_ENV = "FLASHLET_MERGE_IN_O_LONG"
+MERGE_IN_O_LONG = os.environ.get(MERGE_IN_O_LONG_ENV, "0")
+if not re.fullmatch(r"0|g(4|8|16)", MERGE_IN_O_LONG):
+    raise ValueError(f"{MERGE_IN_O_LONG_ENV}={MERGE_IN_O_LONG!r}: expected 0, g4, g8 or g16")
 
 
 def merge_form(shape: tuple[int, int]) -> MergeForm | None:
@@ -662,7 +671,8 @@ class FusedDecode:
 
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(rows),
                                           rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm),
-                                          partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS)
+                                          partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS,
+                                          long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
         return self._attend(i, q, attn)
@@ -690,7 +700,8 @@ class FusedDecode:
         split partials where the backend leaves them)."""
         if self.one_launch_attention:
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]),
-                                          partials_out=self.merges_in_o(q.shape[0]), partials=MERGE_PARTIALS)
+                                          partials_out=self.merges_in_o(q.shape[0]), partials=MERGE_PARTIALS,
+                                          long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
         return attn.attend(i, q)
 
     def merges_in_o(self, rows: int) -> bool:

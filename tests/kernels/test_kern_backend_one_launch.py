@@ -347,3 +347,32 @@ def test_bf16_partials_are_the_fp32_partials_rounded(kh):
     assert kh.rel_err(merge_partials_reference(bf16, 3).view_as(want).float(), want.float()) < 1e-2
     with pytest.raises(ValueError, match="partials must be"):
         tri.attend_one_launch(0, q, partials_out=True, partials="fp16")
+
+
+@pytest.mark.parametrize("partials", ["fp32", "bf16"])
+def test_long_two_launch_steps_leave_partials_when_asked(kh, monkeypatch, partials):
+    """A long step attended in two launches (`long_in_two_launches`) with long_partials_group
+    (FLASHLET_MERGE_IN_O_LONG): the split kernel alone, its partials returned under the decode
+    config's rule with the group asked for, merged by the reference to the step's output; without
+    it (or without partials_out) the output as always."""
+    from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference, split_count
+
+    lengths = [90, 200]
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(2, 14, 16, generator=torch.Generator().manual_seed(9)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
+    tri.plan(meta)
+    monkeypatch.setattr(tri, "long_context", lambda meta: True)
+    monkeypatch.setattr(tri, "long_in_two_launches", lambda n: True)
+    want = tri.attend_one_launch(0, q, partials_out=True)  # no group asked: the output
+    assert isinstance(want, torch.Tensor)
+    parts = tri.attend_one_launch(0, q, partials_out=True, partials=partials, long_partials_group=16)
+    assert isinstance(parts, SplitPartials) and parts.rule[4] == 16 and parts.rule[5] == partials
+    dc = tri.decode_config(2)
+    assert parts.rule[:4] == (tri._splits_for(2, dc), dc.min_split_tokens, dc.block_n, 16)
+    assert any(split_count(n, parts.rule) > 1 for n in lengths), "the test wants a row of several splits"
+    tol = 1e-3 if partials == "fp32" else 1e-2
+    assert kh.rel_err(merge_partials_reference(parts, 2).view_as(want).float(), want.float()) < tol
+    assert isinstance(tri.attend_one_launch(0, q, long_partials_group=16), torch.Tensor)  # partials_out off
+

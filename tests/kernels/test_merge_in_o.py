@@ -17,7 +17,7 @@ import torch
 from flashlet.kernels import cute_gemv
 from flashlet.kernels.cute_gemv import (CuteGemv, SplitPartials, gemv_reference, merge_in, merge_partials_reference,
                                         plan_gemv, split_count)
-from flashlet.kernels.decode_attention import decode_attention_one_launch, decode_attention_reference
+from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch, decode_attention_reference
 
 NAN = float("nan")
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
@@ -74,6 +74,34 @@ def test_partials_out_merged_by_the_rule_give_the_attention_output(kh, group, nu
     x = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule))
     want = decode_attention_reference(*args)
     assert kh.rel_err(x.view_as(want), want) < 1e-5
+
+
+@pytest.mark.parametrize("kv_len, num_splits, split_tokens, block_n", [(40, 4, 16, 16), (300, 16, 16, 16), (16, 4, 16, 16)])
+def test_two_launch_partials_out_merged_by_the_rule_give_its_output(kh, kv_len, num_splits, split_tokens, block_n):
+    """`decode_attention(partials_out=True)` (the two-launch form's split kernel alone, a long
+    step merging in O): the same slots and split rule as the one-launch form's, merged by the
+    reference to the two-launch output; no merge kernel writes out."""
+    head_dim, group, num_kv_heads = 16, 7, 2
+    paged = kh.make_paged([kv_len], 8, num_kv_heads, head_dim, seed=kv_len + 1)
+    q = torch.randn(1, group * num_kv_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(kh.device)
+    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"],
+            head_dim**-0.5)
+    kw = dict(num_splits=num_splits, min_split_tokens=split_tokens, block_n=block_n)
+    want = decode_attention(*args, **kw)
+    mid_o = torch.full((num_splits + 2, 14, head_dim), NAN, device=kh.device)
+    mid_lse = torch.full((num_splits + 2, 14), NAN, device=kh.device)
+    out = torch.full_like(q, NAN)
+    decode_attention(*args, out=out, mid_o=mid_o, mid_lse=mid_lse, partials_out=True, **kw)
+    assert torch.isnan(out).all(), "partials_out writes no output"
+    rule = merge_in(num_splits, split_tokens, block_n, head_dim)
+    n = split_count(kv_len, rule)
+    assert not torch.isnan(mid_lse[:n]).any() and torch.isnan(mid_lse[n:]).all()
+    x = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule))
+    assert kh.rel_err(x.view_as(want), want) < 1e-5
+    with pytest.raises(ValueError, match="partials_out needs"):
+        decode_attention(*args, partials_out=True, **kw)  # no scratch
+    with pytest.raises(ValueError, match="mid_o must be fp32"):
+        decode_attention(*args, mid_o=mid_o.to(torch.bfloat16), mid_lse=mid_lse, **kw)
 
 
 def test_partials_out_refuses_a_two_level_merge(kh):
@@ -196,7 +224,8 @@ def test_merge_settings_refuse_what_they_do_not_know():
     import sys
 
     for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O", "w8c3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
-                       ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16")):
+                       ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16"),
+                       ("FLASHLET_MERGE_IN_O_LONG", "g32")):
         run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
                              text=True, env={**__import__("os").environ, env: value})
         assert run.returncode != 0 and f"{env}={value!r}: expected" in run.stderr, (env, value, run.stderr[-300:])

@@ -298,17 +298,23 @@ def test_one_row_partials_out_merge_to_the_attention_output(kh, monkeypatch, cac
     assert isinstance(tri.attend_one_launch(0, q, partials_out=True), torch.Tensor)
 
 
+def _planned_step(kh, lengths: list[int], seed: int):
+    """A one-launch triton backend planned for a decode step of one row per length (group 7, two
+    KV heads of 16, an fp16 pool), and the step's q."""
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(len(lengths), 14, 16, generator=torch.Generator().manual_seed(seed)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
+    tri.plan(meta)
+    return tri, q
+
+
 def test_rows_partials_out_merge_to_the_attention_output(kh):
     """Three rows of a step (1, 40 and 129 tokens: one, several and the most splits), each row's
     partials in its own slots: merged by the reference, the step's output without them."""
     from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference
 
-    lengths = [1, 40, 129]
-    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
-    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
-    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(3)).half().to(kh.device)
-    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
-    tri.plan(meta)
+    tri, q = _planned_step(kh, [1, 40, 129], seed=3)
     want = tri.attend_one_launch(0, q)
     parts = tri.attend_one_launch(0, q, partials_out=True)
     assert isinstance(parts, SplitPartials) and not tri._merge_counts.any()
@@ -319,16 +325,13 @@ def test_rows_partials_out_merge_to_the_attention_output(kh):
 
 def test_bf16_partials_are_the_fp32_partials_rounded(kh):
     """`attend_one_launch(partials="bf16")` (FLASHLET_MERGE_PARTIALS=bf16): the same split partials
-    as fp32's, each rounded once to bf16 (not left fp32) in the same scratch's bf16 view, the log-sum-exps fp32
-    and unchanged, the rule naming the dtype; merged, the output within bf16's rounding."""
+    as fp32's, each rounded once to bf16 (not left fp32) in the same scratch's bf16 view, the
+    log-sum-exps fp32 and unchanged, the rule naming the dtype; merged, the output within bf16's
+    rounding."""
     from flashlet.kernels.cute_gemv import merge_partials_reference, same_split_rule, split_count
 
     lengths = [1, 40, 129]
-    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
-    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
-    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(5)).half().to(kh.device)
-    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
-    tri.plan(meta)
+    tri, q = _planned_step(kh, lengths, seed=5)
     want = tri.attend_one_launch(0, q)
     fp32 = tri.attend_one_launch(0, q, partials_out=True)
     o32, lse32 = fp32.mid_o.clone(), fp32.mid_lse.clone()
@@ -358,11 +361,7 @@ def test_long_two_launch_steps_leave_partials_when_asked(kh, monkeypatch, partia
     from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference, split_count
 
     lengths = [90, 200]
-    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
-    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
-    q = torch.randn(2, 14, 16, generator=torch.Generator().manual_seed(9)).half().to(kh.device)
-    tri = TritonBackend(pool, 14, **SMALL, one_launch_decode=True)
-    tri.plan(meta)
+    tri, q = _planned_step(kh, lengths, seed=9)
     monkeypatch.setattr(tri, "long_context", lambda meta: True)
     monkeypatch.setattr(tri, "long_in_two_launches", lambda n: True)
     want = tri.attend_one_launch(0, q, partials_out=True)  # no group asked: the output

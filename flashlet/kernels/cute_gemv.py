@@ -327,11 +327,11 @@ def same_split_rule(a: tuple, b: tuple) -> bool:
 
 @dataclasses.dataclass
 class SplitPartials:
-    """A merge GEMV's x (`merge_in`): the attention's split partials of M rows, mid_o [>= M x
-    splits, Hq, D] fp32 (bf16 where the rule says so) and mid_lse [>= M x splits, Hq] fp32 (base-2 log-sum-exps; row b's in slots
-    b x splits + s), its kv_lens [>= M] int32 (each row's KV length: its split count), and `rule`,
-    the `merge_in` tuple of the attention's split rule, which the GEMV's plan must share (all but
-    its group of splits a round, the GEMV's own)."""
+    """A merge GEMV's x (`merge_in`): the attention's split partials of M rows, mid_o [>= M x splits,
+    Hq, D] fp32 (bf16 where the rule says so) and mid_lse [>= M x splits, Hq] fp32 (base-2
+    log-sum-exps; row b's in slots b x splits + s), its kv_lens [>= M] int32 (each row's KV length:
+    its split count), and `rule`, the `merge_in` tuple of the attention's split rule, which the
+    GEMV's plan must share (all but its group of splits a round, the GEMV's own)."""
     mid_o: torch.Tensor
     mid_lse: torch.Tensor
     kv_lens: torch.Tensor
@@ -1229,13 +1229,13 @@ def _merge_counts(mKvLen, rows, merge):
 
 @_deferred.jit
 def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge):
-    """x into sX [rows * K/8, 8] from the attention's split partials: for each 8-wide chunk of a
-    decode row's x (head h), sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over that row's
-    counts[row] splits (slots row * splits + s), as the attention's own merge sums them, rounded to
-    bf16 as it stores x (bf16 partials widened as they load). The CTA's threads share the rows' chunks (a thread past the last merges
-    the last again and stores nothing); `merge`'s group of splits loads at once for every chunk a
-    thread has (one L2 round trip while the longest row has at most that many), a running max
-    past it."""
+    """x into sX [rows * K/8, 8] from the attention's split partials: for each 8-wide chunk of a decode
+    row's x (head h), sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over that row's counts[row]
+    splits (slots row * splits + s), as the attention's own merge sums them, rounded to bf16 as it
+    stores x (bf16 partials widened as they load). The CTA's threads share the rows' chunks (a
+    thread past the last merges the last again and stores nothing); `merge`'s group of splits loads
+    at once for every chunk a thread has (one L2 round trip while the longest row has at most that
+    many), a running max past it."""
     splits, head_dim, group = merge[0], merge[3], merge[4]
     q_heads = x_chunks * VEC // head_dim
     items = rows * x_chunks

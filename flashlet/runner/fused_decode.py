@@ -198,8 +198,9 @@ if ATTENTION_PDL not in ("0", "1", "one-row"):
 # shape with that many warps a CTA, with "g8" / "g16" after it ("w8g16") that many splits
 # loaded a round (4 otherwise: `cute_gemv.merge_in`), and with "c1" / "c2" / "c4" last ("w8g16c1")
 # a looping grid of that many CTAs an SM, each merging once for all its tiles: fewer CTAs load
-# the partials (Llama-3.2-1B's O launches 256 CTAs of eight warps, each loading all 128 KB). $FLASHLET_MERGE_IN_O_ROWS=N (1 to 8) merges
-# steps of up to N rows wherever the merge is on ("auto": the shape's rows, 1 for a forced form).
+# the partials (Llama-3.2-1B's O launches 256 CTAs of eight warps, each loading all 128 KB).
+# $FLASHLET_MERGE_IN_O_ROWS=N (1 to 8) merges steps of up to N rows wherever the merge is on
+# ("auto": the shape's rows, 1 for a forced form).
 # Past one row O keeps its M-row plan (the tensor cores at bf16) without its register cap, whose
 # ~97 registers a thread the merge's loads overflow: the 0.5B's O at 2 / 4 / 8 rows lowers to 105 /
 # 106 / 206 registers and no stack (sm_90a, this CPU), at 16 rows to 254 and 112 bytes of stack.
@@ -539,10 +540,12 @@ class FusedDecode:
         if attn is not None and self.one_launch_attention and hasattr(attn, "partials_rule"):
             for rows in self.row_counts:
                 if self.merges_in_o(rows):
-                    rule = attn.partials_rule(rows, self.rope is None and self.rope_in_attention, MERGE_PARTIALS)
+                    rope_in = self.rope is None and self.rope_in_attention  # as `_qkv_attend` calls it
+                    rule = attn.partials_rule(rows, rope_in, MERGE_PARTIALS)
                     if rule is not None:
                         merges.append(self._merge_o(rule, rows, self.device))
-        self.precompile = cute_precompile.start([*(g for gemvs in self.gemvs.values() for g in gemvs.all()), *merges])
+        every_row_count = [g for gemvs in self.gemvs.values() for g in gemvs.all()]
+        self.precompile = cute_precompile.start(every_row_count + merges)
 
     def _widths(self) -> tuple[int, int, int, int, int]:
         """(hidden, q, kv, intermediate, vocab): the widths the GEMVs and the buffers have."""

@@ -758,7 +758,8 @@ def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset, form)
     assert fused.merge_o and not engine.runner.fused_attention._merge_counts.any()
     want = fused_decode.merge_form(fused_decode.model_shape(fused.model))
     if form == "auto":
-        assert max(r for _, r in fused.merge_o) == want.rows, sorted(fused.merge_o)  # the 0.5B's 4 rows merged
+        assert fused.merges_in_o(want.rows) and not fused.merges_in_o(want.rows + 1)  # the 0.5B's steps of 4 rows
+        assert max(r for _, r in fused.merge_o) == want.rows, sorted(fused.merge_o)  # their O GEMVs planned
 
 
 def test_attention_out_of_the_pdl_chain_gives_the_same_tokens(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ import torch
 
 from flashlet.attention.base import AttentionBackend, AttentionMetadata
 from flashlet.kernels import tuning
-from flashlet.kernels.cute_gemv import SplitPartials, merge_in  # plain Python: the DSL loads on first compile
+from flashlet.kernels.cute_gemv import PARTIAL_DTYPES, SplitPartials, merge_in  # plain Python: the DSL loads on first compile
 from flashlet.kernels.decode_attention import (RopeIn, decode_attention, decode_attention_one_launch,
                                                one_launch_counters, one_launch_lookback)
 from flashlet.kernels.pdl import pdl_supported
@@ -466,38 +466,24 @@ class TritonBackend(AttentionBackend):
         (`cute_gemv.SplitPartials`, the rule's group of splits a round partials_group) for the
         consumer to merge."""
         meta = self.meta
-        k_cache, v_cache = self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer]
         k_scale, v_scale = self.kv_pool.scales(layer)
         n = meta.num_seqs
+        step = (q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
+                meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale)
+        cfg = dict(num_splits=s, min_split_tokens=dc.min_split_tokens, block_n=dc.block_n, num_warps=dc.num_warps,
+                   num_stages=dc.num_stages, k_scale=k_scale, v_scale=v_scale, prefetch=dc.prefetch,
+                   kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads))
         if partials_group and s > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * s:
-            mid_o = self._mid_o_bf16 if partials == "bf16" else self._mid_o
-            decode_attention(
-                q[:n], k_cache, v_cache, meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
-                out=torch.empty_like(q[:n]), num_splits=s, min_split_tokens=dc.min_split_tokens, block_n=dc.block_n,
-                mid_o=mid_o[: n * s], mid_lse=self._mid_lse[: n * s], num_warps=dc.num_warps,
-                num_stages=dc.num_stages, k_scale=k_scale, v_scale=v_scale, prefetch=dc.prefetch,
-                kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads), partials_out=True)
+            mid_o = self._partials_scratch(partials)
+            decode_attention(*step, mid_o=mid_o[: n * s], mid_lse=self._mid_lse[: n * s], partials_out=True, **cfg)
             return SplitPartials(mid_o, self._mid_lse, meta.kv_lens,
                                  merge_in(s, dc.min_split_tokens, dc.block_n, self.head_dim, partials_group,
                                           partials=partials))
         out = torch.empty_like(q)
-        decode_attention(
-            q[:n], k_cache, v_cache,
-            meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale,
-            out=out[:n],
-            num_splits=s,
-            min_split_tokens=dc.min_split_tokens,
-            block_n=dc.block_n,
-            mid_o=self._mid_o[: n * s] if s > 1 else None,
-            mid_lse=self._mid_lse[: n * s] if s > 1 else None,
-            num_warps=dc.num_warps,
-            num_stages=dc.num_stages,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            prefetch=dc.prefetch,
-            kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads),
-            merge_counts=self._merge_counts if dc.merge_in_kernel else None,
-        )
+        decode_attention(*step, out=out[:n],
+                         mid_o=self._mid_o[: n * s] if s > 1 else None,
+                         mid_lse=self._mid_lse[: n * s] if s > 1 else None,
+                         merge_counts=self._merge_counts if dc.merge_in_kernel else None, **cfg)
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
         return out
@@ -512,6 +498,10 @@ class TritonBackend(AttentionBackend):
     def rope_in_form(self, cfg: tuning.OneLaunchConfig) -> tuning.OneLaunchConfig:
         """A one-launch config as `rope_in` runs it at this pool's head_dim (`rope_in_form`)."""
         return rope_in_form(cfg, self.head_dim)
+
+    def _partials_scratch(self, partials: str) -> torch.Tensor:
+        """The split scratch partials left to a consumer go to: fp32, or its bf16 view."""
+        return self._mid_o_bf16 if partials == "bf16" else self._mid_o
 
     def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str) -> tuple | None:
         """The split rule (`cute_gemv.merge_in`) a short step of `rows` rows under (cfg, splits)
@@ -552,8 +542,8 @@ class TritonBackend(AttentionBackend):
         n = meta.num_seqs
         if n > self.max_batch_size:
             raise ValueError(f"attend_one_launch serves at most {self.max_batch_size} sequences, got {n}")
-        if partials not in ("fp32", "bf16"):
-            raise ValueError(f"partials must be 'fp32' or 'bf16', got {partials!r}")
+        if partials not in PARTIAL_DTYPES:
+            raise ValueError(f"partials must be one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
         long = self.long_context(meta)
         if long and self.long_in_two_launches(n):
             if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
@@ -574,7 +564,7 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = self.kv_pool.scales(layer)
         rule = self._partials_rule(cfg, n, splits, partials) if partials_out and q.shape[0] == n and not long else None
         partials_out = rule is not None
-        mid_o = self._mid_o_bf16 if partials_out and partials == "bf16" else self._mid_o
+        mid_o = self._partials_scratch(partials) if partials_out else self._mid_o
         out = torch.empty_like(q)
         decode_attention_one_launch(
             q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],

@@ -399,16 +399,12 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * v_scale / l_safe[:, None]
     if not SPLIT:
         o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=own)
+        tl.store(o_ptrs, (acc * v_scale / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
-        slot = b * num_splits + split
-        mid_ptrs = MidO + (slot * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(mid_ptrs, out.to(MidO.dtype.element_ty), mask=own)  # fp32, or bf16 left to a consumer
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(MidLse + slot * NUM_Q_HEADS + heads, lse, mask=g_mask)
+        _store_partial(MidO, MidLse, b * num_splits + split, heads, d, own, g_mask, acc * v_scale, l_safe, m_i,
+                       empty, NUM_Q_HEADS, HEAD_DIM)
         if MERGE_IN_KERNEL:
             # The last split program of this (sequence, KV heads) to finish merges: see the
             # one-launch kernel below for the ordering (barrier, acq_rel count, L2 loads).

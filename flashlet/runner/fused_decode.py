@@ -90,7 +90,8 @@ import torch
 from flashlet.attention.selection import Platform, fused_decline
 from flashlet.kernels import cute_precompile
 from flashlet.kernels.cute_gemv import (FP8_VEC, MAX_ROWS, MMA_K, MMA_K_FP8, CuteGemv, CuteUnavailable, RopeKV,
-                                        RopeShape, SplitPartials, VEC, cute_available, lanes_for, plan_gemv)
+                                        PARTIAL_DTYPES, RopeShape, SplitPartials, VEC, cute_available, lanes_for,
+                                        plan_gemv)
 from flashlet.models import quantization
 from flashlet.models.quantization import QuantizedWeight, is_quantized
 from flashlet.runner.batch import StepLayout
@@ -236,8 +237,8 @@ if not re.fullmatch(r"auto|[1-8]", MERGE_IN_O_ROWS):
 # before the merge (the log-sum-exps stay fp32).
 MERGE_PARTIALS_ENV = "FLASHLET_MERGE_PARTIALS"
 MERGE_PARTIALS = os.environ.get(MERGE_PARTIALS_ENV, "fp32")
-if MERGE_PARTIALS not in ("fp32", "bf16"):
-    raise ValueError(f"{MERGE_PARTIALS_ENV}={MERGE_PARTIALS!r}: expected fp32 or bf16")
+if MERGE_PARTIALS not in PARTIAL_DTYPES:
+    raise ValueError(f"{MERGE_PARTIALS_ENV}={MERGE_PARTIALS!r}: expected one of {', '.join(PARTIAL_DTYPES)}")
 # Long steps attended in two launches (past tuning.ONE_LAUNCH_LONG_CONTEXT tokens, where
 # ONE_LAUNCH_LONG_TABLE says TWO_LAUNCH) merge in O too, the split kernel's partials loaded "gN"
 # splits a round ($FLASHLET_MERGE_IN_O_LONG, an A/B, "0" off by default): the merge kernel's

@@ -675,8 +675,7 @@ class FusedDecode:
 
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(rows),
                                           rope_in=RopeIn(k, v, positions, m.cos_sin_cache, qk_norm),
-                                          partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS,
-                                          long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
+                                          **self._partials_asked(rows))
         q = attn.kv_pool.write_rope(i, q, k, v, positions, m.cos_sin_cache, attn.meta.slot_mapping,
                                     qk_norm)
         return self._attend(i, q, attn)
@@ -704,9 +703,15 @@ class FusedDecode:
         split partials where the backend leaves them)."""
         if self.one_launch_attention:
             return attn.attend_one_launch(i, q, pdl=self.attention_pdl(q.shape[0]),
-                                          partials_out=self.merges_in_o(q.shape[0]), partials=MERGE_PARTIALS,
-                                          long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
+                                          **self._partials_asked(q.shape[0]))
         return attn.attend(i, q)
+
+    def _partials_asked(self, rows: int) -> dict:
+        """`attend_one_launch`'s partials arguments for a step of `rows` rows: whether it leaves
+        them to O (`merges_in_o`), their dtype (MERGE_PARTIALS), and for a long step in two
+        launches the group of splits a round its rule asks (MERGE_IN_O_LONG; 0: the output)."""
+        return dict(partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS,
+                    long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
 
     def merges_in_o(self, rows: int) -> bool:
         """Whether a step of `rows` rows asks the attention for split partials (`merge_form`: bf16

@@ -499,6 +499,15 @@ class TritonBackend(AttentionBackend):
         """A one-launch config as `rope_in` runs it at this pool's head_dim (`rope_in_form`)."""
         return rope_in_form(cfg, self.head_dim)
 
+    def long_partials_form(self, dc: tuning.DecodeConfig) -> tuning.OneLaunchConfig:
+        """The one-launch config that splits a long row as the two-launch decode config dc does
+        (the same tile, split rule and page ids ahead), for `attend_one_launch`'s long partials
+        with PDL: the O GEMV merges them by the rule the two-launch form's would follow."""
+        return tuning.OneLaunchConfig(block_n=dc.block_n, num_warps=dc.num_warps, num_stages=dc.num_stages,
+                                      min_split_tokens=dc.min_split_tokens, waves=dc.waves, num_splits=dc.num_splits,
+                                      kv_pack=tuning.kv_pack_for(dc, self.num_kv_heads),
+                                      prefetch_pages=dc.prefetch == "pages")
+
     def _partials_scratch(self, partials: str) -> torch.Tensor:
         """The split scratch partials left to a consumer go to: fp32, or its bf16 view."""
         return self._mid_o_bf16 if partials == "bf16" else self._mid_o
@@ -521,7 +530,7 @@ class TritonBackend(AttentionBackend):
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32",
-                          long_partials_group: int = 0):
+                          long_partials_group: int = 0, long_partials_pdl: bool = False):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
@@ -535,7 +544,10 @@ class TritonBackend(AttentionBackend):
         O GEMV; otherwise (a long step, such a config, rows past the step's, too little split
         scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s).
         long_partials_group > 0 (with partials_out): a long step attended in two launches returns
-        its split kernel's partials too (`_two_launch_decode`), the rule's group that many."""
+        its split kernel's partials too (`_two_launch_decode`), the rule's group that many; with
+        long_partials_pdl the one-launch kernel leaves them instead, at the two-launch form's tile
+        and splits (`long_partials_form`) and launched as pdl says: its page ids and first block
+        load before the PDL wait, and O launches at its start (`rope_in` made in it too)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -545,14 +557,20 @@ class TritonBackend(AttentionBackend):
         if partials not in PARTIAL_DTYPES:
             raise ValueError(f"partials must be one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
         long = self.long_context(meta)
+        rule = None
         if long and self.long_in_two_launches(n):
-            if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
-                q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
-                                            rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
-            cfg = self.decode_config(n)
-            return self._two_launch_decode(layer, q, cfg, self._splits_for(n, cfg),
-                                           long_partials_group if partials_out else 0, partials)
-        if long:
+            dc = self.decode_config(n)
+            splits = self._splits_for(n, dc)
+            long_group = long_partials_group if partials_out else 0
+            if long_partials_pdl and long_group and splits > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * splits:
+                cfg = self.long_partials_form(dc)
+                rule = merge_in(splits, dc.min_split_tokens, dc.block_n, self.head_dim, long_group, partials=partials)
+            else:
+                if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
+                    q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
+                                                rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
+                return self._two_launch_decode(layer, q, dc, splits, long_group, partials)
+        elif long:
             cfg, splits = self.one_launch_config(n, long=True)
         elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
             cfg, splits = self._decode_cfg, self._num_splits
@@ -562,7 +580,8 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
-        rule = self._partials_rule(cfg, n, splits, partials) if partials_out and q.shape[0] == n and not long else None
+        if rule is None and partials_out and q.shape[0] == n and not long:
+            rule = self._partials_rule(cfg, n, splits, partials)
         partials_out = rule is not None
         mid_o = self._partials_scratch(partials) if partials_out else self._mid_o
         out = torch.empty_like(q)

@@ -244,10 +244,14 @@ if MERGE_PARTIALS not in PARTIAL_DTYPES:
 # splits a round ($FLASHLET_MERGE_IN_O_LONG, an A/B, "0" off by default): the merge kernel's
 # launch leaves the chain (the 0.5B's 64 splits after 8,000 tokens: each O CTA then loads 230 KB
 # of fp32 partials, 115 KB of bf16). Wherever the merge is in O at the step's rows (`merge_form`).
+# "gN-pdl": the one-launch kernel leaves those partials instead of the split kernel, at the same
+# tile and splits and launched with PDL as the short steps' attention is: its page ids and first
+# block of K/V load while the QKV GEMV runs, and O launches (its weights loading) at its start;
+# the two-launch kernels launch after the kernel before them ends (`long_partials_form`).
 MERGE_IN_O_LONG_ENV = "FLASHLET_MERGE_IN_O_LONG"
 MERGE_IN_O_LONG = os.environ.get(MERGE_IN_O_LONG_ENV, "0")
-if not re.fullmatch(r"0|g(4|8|16)", MERGE_IN_O_LONG):
-    raise ValueError(f"{MERGE_IN_O_LONG_ENV}={MERGE_IN_O_LONG!r}: expected 0, g4, g8 or g16")
+if not re.fullmatch(r"0|g(4|8|16)(-pdl)?", MERGE_IN_O_LONG):
+    raise ValueError(f"{MERGE_IN_O_LONG_ENV}={MERGE_IN_O_LONG!r}: expected 0, or g4, g8 or g16 with an optional -pdl")
 
 
 def merge_form(shape: tuple[int, int]) -> MergeForm | None:
@@ -709,9 +713,11 @@ class FusedDecode:
     def _partials_asked(self, rows: int) -> dict:
         """`attend_one_launch`'s partials arguments for a step of `rows` rows: whether it leaves
         them to O (`merges_in_o`), their dtype (MERGE_PARTIALS), and for a long step in two
-        launches the group of splits a round its rule asks (MERGE_IN_O_LONG; 0: the output)."""
+        launches the group of splits a round its rule asks and which kernel leaves them
+        (MERGE_IN_O_LONG; group 0: the output)."""
+        group, pdl = re.fullmatch(r"0|g(\d+)(-pdl)?", MERGE_IN_O_LONG).groups()
         return dict(partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS,
-                    long_partials_group=int(MERGE_IN_O_LONG[1:] or 0))
+                    long_partials_group=int(group or 0), long_partials_pdl=pdl is not None)
 
     def merges_in_o(self, rows: int) -> bool:
         """Whether a step of `rows` rows asks the attention for split partials (`merge_form`: bf16

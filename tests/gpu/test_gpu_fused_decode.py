@@ -790,14 +790,17 @@ def test_attention_out_of_the_pdl_chain_gives_the_same_tokens(tmp_path, monkeypa
     ("qwen2", "table"), ("qwen2", "grouped"), ("qwen2", "two-launch"),
     ("qwen3", "table"), ("qwen3", "table-plain"), ("qwen3", "grouped"), ("qwen3", "two-launch"),
     ("qwen2", "two-launch-in-o"), ("qwen3", "two-launch-in-o-bf16"),
+    ("qwen2", "two-launch-in-o-pdl"), ("qwen3", "two-launch-in-o-pdl"),
 ], ids=["rope-epilogue-table", "rope-epilogue-grouped", "rope-epilogue-two-launch", "rope-in-attention-table",
         "rope-in-attention-table-plain", "rope-in-attention-grouped", "rope-in-attention-two-launch",
-        "rope-epilogue-two-launch-merged-in-o", "rope-in-attention-two-launch-merged-in-o-bf16"])
+        "rope-epilogue-two-launch-merged-in-o", "rope-in-attention-two-launch-merged-in-o-bf16",
+        "rope-epilogue-two-launch-merged-in-o-pdl", "rope-in-attention-two-launch-merged-in-o-pdl"])
 def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):
     """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
     more and shorter splits than the short config; table-plain: without the pages ahead; grouped:
     with the merge in two levels), or the two-launch decode there ($FLASHLET_LONG_DECODE=two-launch;
-    "-in-o": its split partials merged in the O GEMV, $FLASHLET_MERGE_IN_O_LONG=g16, fp32 or bf16),
+    "-in-o": its split partials merged in the O GEMV, $FLASHLET_MERGE_IN_O_LONG=g16, fp32 or bf16;
+    "-pdl": those partials left by the one-launch kernel at the same tile, =g16-pdl),
     PDL on as the default runs it, with RoPE in the QKV epilogue (Qwen2) or in the attention
     (Qwen3): prompts of 700 to 1,800 tokens, some rows crossing the threshold while they decode,
     teacher-forced against the per-op path; the long graphs exist; CUDA graphs give the eager tokens."""
@@ -806,7 +809,7 @@ def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, fam
     monkeypatch.setenv("FLASHLET_LONG_DECODE", "two-launch" if form.startswith("two-launch") else "table")
     if "in-o" in form:
         monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
-        monkeypatch.setattr(fused_decode, "MERGE_IN_O_LONG", "g16")
+        monkeypatch.setattr(fused_decode, "MERGE_IN_O_LONG", "g16-pdl" if form.endswith("pdl") else "g16")
         monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", "bf16" if form.endswith("bf16") else "fp32")
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 1024)
     monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (64, 2, 1), tuning.OneLaunchConfig(

@@ -352,12 +352,14 @@ def test_bf16_partials_are_the_fp32_partials_rounded(kh):
         tri.attend_one_launch(0, q, partials_out=True, partials="fp16")
 
 
-@pytest.mark.parametrize("partials", ["fp32", "bf16"])
-def test_long_two_launch_steps_leave_partials_when_asked(kh, monkeypatch, partials):
+@pytest.mark.parametrize("partials,kernel", [("fp32", "split"), ("bf16", "split"), ("fp32", "one-launch"),
+                                              ("bf16", "one-launch")])
+def test_long_two_launch_steps_leave_partials_when_asked(kh, monkeypatch, partials, kernel):
     """A long step attended in two launches (`long_in_two_launches`) with long_partials_group
-    (FLASHLET_MERGE_IN_O_LONG): the split kernel alone, its partials returned under the decode
-    config's rule with the group asked for, merged by the reference to the step's output; without
-    it (or without partials_out) the output as always."""
+    (FLASHLET_MERGE_IN_O_LONG): the split kernel alone (or with long_partials_pdl the one-launch
+    kernel at the same tile and splits, `long_partials_form`), its partials returned under the
+    decode config's rule with the group asked for, merged by the reference to the step's output;
+    without it (or without partials_out) the output as always."""
     from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference, split_count
 
     lengths = [90, 200]
@@ -366,12 +368,32 @@ def test_long_two_launch_steps_leave_partials_when_asked(kh, monkeypatch, partia
     monkeypatch.setattr(tri, "long_in_two_launches", lambda n: True)
     want = tri.attend_one_launch(0, q, partials_out=True)  # no group asked: the output
     assert isinstance(want, torch.Tensor)
-    parts = tri.attend_one_launch(0, q, partials_out=True, partials=partials, long_partials_group=16)
+    one_launch = kernel == "one-launch"
+    if one_launch:  # the split kernel's partials first, to hold the one-launch kernel's against
+        split = tri.attend_one_launch(0, q, partials_out=True, partials=partials, long_partials_group=16)
+        split_o, split_lse = split.mid_o.clone(), split.mid_lse.clone()
+        launched, real = [], triton_backend.decode_attention_one_launch
+        monkeypatch.setattr(triton_backend, "decode_attention_one_launch",
+                            lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    parts = tri.attend_one_launch(0, q, partials_out=True, partials=partials, long_partials_group=16,
+                                  long_partials_pdl=one_launch)
     assert isinstance(parts, SplitPartials) and parts.rule[4] == 16 and parts.rule[5] == partials
     dc = tri.decode_config(2)
     assert parts.rule[:4] == (tri._splits_for(2, dc), dc.min_split_tokens, dc.block_n, 16)
     assert any(split_count(n, parts.rule) > 1 for n in lengths), "the test wants a row of several splits"
     tol = 1e-3 if partials == "fp32" else 1e-2
     assert kh.rel_err(merge_partials_reference(parts, 2).view_as(want).float(), want.float()) < tol
-    assert isinstance(tri.attend_one_launch(0, q, long_partials_group=16), torch.Tensor)  # partials_out off
+    if one_launch:  # the same tile and splits in the one-launch kernel, each split's partial the split kernel's
+        assert len(launched) == 1 and launched[0]["partials_out"]
+        form = tri.long_partials_form(dc)
+        assert (launched[0]["block_n"], launched[0]["num_warps"], launched[0]["num_stages"]) == \
+            (dc.block_n, dc.num_warps, dc.num_stages)
+        assert launched[0]["num_splits"] == parts.rule[0] and launched[0]["prefetch_pages"] == form.prefetch_pages
+        splits = parts.rule[0]
+        for b, n in enumerate(lengths):
+            used = slice(b * splits, b * splits + split_count(n, parts.rule))
+            assert kh.rel_err(parts.mid_o[used].float(), split_o[used].float()) < tol, f"row {b}'s partials"
+            assert torch.allclose(parts.mid_lse[used], split_lse[used], atol=1e-3), f"row {b}'s log-sum-exps"
+    assert isinstance(tri.attend_one_launch(0, q, long_partials_group=16, long_partials_pdl=one_launch),
+                      torch.Tensor)  # partials_out off
 

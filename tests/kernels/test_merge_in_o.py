@@ -225,7 +225,7 @@ def test_merge_settings_refuse_what_they_do_not_know():
 
     for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O", "w8c3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
                        ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16"),
-                       ("FLASHLET_MERGE_IN_O_LONG", "g32")):
+                       ("FLASHLET_MERGE_IN_O_LONG", "g32"), ("FLASHLET_MERGE_IN_O_LONG", "g16pdl")):
         run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
                              text=True, env={**__import__("os").environ, env: value})
         assert run.returncode != 0 and f"{env}={value!r}: expected" in run.stderr, (env, value, run.stderr[-300:])

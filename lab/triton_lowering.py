@@ -65,6 +65,7 @@ class Tile:
     pdl: bool = True
     lean: str | None = None
     maxnreg: int | None = None  # a register cap (Triton's `maxnreg` option); None: ptxas's choice
+    partials: str | None = None  # "fp32" / "bf16": the splits' partials left to the O GEMV (PARTIALS_OUT)
 
 
 TILES = {
@@ -99,7 +100,20 @@ def _rope_in_tiles() -> dict:
 
 
 ROPE_IN_TILES = _rope_in_tiles()
-SETS = {"default": TILES, "rope-in": ROPE_IN_TILES}
+# Long steps' partials left to the O GEMV by the one-launch kernel at the two-launch form's tile
+# (`TritonBackend.long_partials_form`, $FLASHLET_MERGE_IN_O_LONG=gN-pdl): the 0.5B's one-row
+# BATCHED_DECODE_TABLE entry and Qwen3's (as rope_in launches it: one KV head a program, 8 warps),
+# beside the same tiles merging in the kernel.
+LONG_PARTIALS_TILES = {
+    "qwen2.5-0.5b long (64 x 64, 2 warps, 3 stages, 64 splits, pages ahead) partials fp32":
+        Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True, partials="fp32"),
+    "qwen2.5-0.5b long, partials bf16": Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True, partials="bf16"),
+    "qwen2.5-0.5b long, merged in the kernel": Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True),
+    "qwen3-0.6b long rope_in (64 x 128, 8 warps, 3 stages, 32 splits, pages ahead) partials fp32":
+        Tile(128, 2, 8, 64, 8, 3, 32, prefetch=True, rope_in=True, partials="fp32"),
+    "qwen3-0.6b long rope_in, merged in the kernel": Tile(128, 2, 8, 64, 8, 3, 32, prefetch=True, rope_in=True),
+}
+SETS = {"default": TILES, "rope-in": ROPE_IN_TILES, "long-partials": LONG_PARTIALS_TILES}
 ROPE_ARGS = ("KNew", "VNew", "Pos", "CosSin", "QW", "KW", "KOut", "VOut")
 ROPE_STRIDES = ("stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cs")
 
@@ -109,8 +123,10 @@ def lower(t: Tile) -> dict:
     fn = da._one_launch_kernel
     names = fn.arg_names
     mid = "*fp32" if t.splits > 1 else "*bf16"  # one split: the launcher passes out for the unused scratch
+    if t.partials:
+        mid = "*bf16" if t.partials == "bf16" else "*fp32"
     sig = {n: "i32" for n in names}
-    sig.update(Q="*bf16", K=t.kv, V=t.kv, O="*bf16", MidO=mid, MidLse=mid, Counts="*i32",
+    sig.update(Q="*bf16", K=t.kv, V=t.kv, O="*bf16", MidO=mid, MidLse="*fp32" if t.partials else mid, Counts="*i32",
                KvIndptr="*i32", KvIndices="*i32", KvLens="*i32", qk_scale="fp32", v_scale="fp32",
                KNew="*bf16", VNew="*bf16", Pos="*i64", CosSin="*fp32", QW="*bf16", KW="*bf16", KOut=t.kv,
                VOut=t.kv, norm_eps="fp32", k_inv_scale="fp32", v_inv_scale="fp32")
@@ -123,7 +139,8 @@ def lower(t: Tile) -> dict:
                   NEWEST_FIRST=t.rope_in and da.rope_in_newest_first(t.rows), QK_NORM=t.rope_in,
                   CACHE_FP8=t.kv == "*fp8e4nv", PREFETCH_PAGES=t.prefetch, EARLY_PAGE_BASE=False,
                   **da.one_launch_merge_constexprs(t.group, t.kv_pack, t.head_dim, t.splits,
-                                                   merge_group=t.merge_group, lean=lean))
+                                                   merge_group=t.merge_group, lean=lean),
+                  PARTIALS_OUT=t.partials is not None)
     if not t.rope_in:  # the arguments a launch without rows made in the kernel leaves at their defaults
         consts.update({n: None for n in ROPE_ARGS}, **{n: 0 for n in ROPE_STRIDES})
         consts.update(norm_eps=0.0, k_inv_scale=1.0, v_inv_scale=1.0)

@@ -259,8 +259,8 @@
 #                MERGE_AB_FORMS ("0": the merge in the attention; "1", "w4", "w8g16": merged in O at
 #                any shape; a form with "=" is the environment itself, NAME=VALUE[,NAME=VALUE], e.g.
 #                FLASHLET_MERGE_PARTIALS=bf16), two interleaved pairs, then the tree's and the first form's step
-#                timelines; its tests first (tests/kernels/test_merge_in_o.py, the engine's
-#                MERGE_AB_TESTS, -k merge) (~4 min)
+#                timelines (at MERGE_AB_LEN; MERGE_AB_TIMELINES=0: none); its tests first
+#                (tests/kernels/test_merge_in_o.py, the engine's MERGE_AB_TESTS, -k merge) (~4 min)
 #   serve-spread the server against in-process at c = 64 / 256, three fresh pairs, then decode-sat:
 #                each step's wait on the device, the core's CPU and preemptions, the machine's CPUs
 #                busy and stolen (lab/device_wait.py), each engine part's host time a step
@@ -870,7 +870,8 @@ for _ in range(480):
     o-plain-ab)  # the tree against its O GEMV in plain stream order: does the attention's span shrink?
       cute_env || continue
       configs=${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}
-      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len 1000 --rows 3 --timeline)
+      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len "${MERGE_AB_LEN:-1000}" --rows 3
+                --timeline)
       for pair in 1 2; do
         for c in $configs; do
           run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
@@ -888,7 +889,8 @@ for _ in range(480):
       configs=${MERGE_AB_CONFIGS:-qwen2.5-0.5b}
       forms=${MERGE_AB_FORMS:-0}
       run 300 $PYTEST tests/kernels/test_merge_in_o.py tests/gpu/test_gpu_fused_decode.py -k "${MERGE_AB_TESTS:-merge}"
-      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len 1000 --rows 3 --timeline)
+      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len "${MERGE_AB_LEN:-1000}" --rows 3
+                --timeline)
       merge_env() {  # a form: FLASHLET_MERGE_IN_O's value, or NAME=VALUE[,NAME=VALUE...] itself
         case $1 in *=*) echo "${1//,/ }" ;; *) echo "FLASHLET_MERGE_IN_O=$1" ;; esac
       }
@@ -902,6 +904,7 @@ for _ in range(480):
         done
       done
       for c in $configs; do
+        [[ ${MERGE_AB_TIMELINES:-1} == 0 ]] && break
         echo "### merge-in-o-ab timelines $c: tree, merge-${forms%% *}" | tee -a "$LOG"
         run 200 python3 scripts/profile_step.py "${timeline[@]}" --config "$c"
         run 200 env $(merge_env "${forms%% *}") python3 scripts/profile_step.py "${timeline[@]}" --config "$c"

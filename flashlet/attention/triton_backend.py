@@ -237,8 +237,11 @@ class TritonBackend(AttentionBackend):
         self._mid_o_bf16 = self._mid_o.view(-1).view(torch.bfloat16)[: self._mid_o.numel()].view(self._mid_o.shape)
         # The one-launch decode's merge counters, one per (sequence, KV head) and, for a config
         # that merges in two levels, one per group of splits too; zero between launches.
-        counters = max(one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
-                       for b, forms in widest.items() for cfg, s in forms)
+        # A fold of the partials left to a consumer (`attend_one_launch(partials_fold=)`) takes group
+        # counters too: at most one per two of the scratch's split rows, beside the top ones.
+        counters = max([one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
+                        for b, forms in widest.items() for cfg, s in forms]
+                       + [self.num_kv_heads * (max_batch_size + rows // 2)])
         self._merge_counts = torch.zeros(counters, dtype=torch.int32, device=device)
         one_launch = one_launch_decode_from_env()
         on = _first_given(one_launch_decode, one_launch.get("on"), False)
@@ -512,25 +515,28 @@ class TritonBackend(AttentionBackend):
         """The split scratch partials left to a consumer go to: fp32, or its bf16 view."""
         return self._mid_o_bf16 if partials == "bf16" else self._mid_o
 
-    def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str) -> tuple | None:
+    def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str,
+                       fold: int = 1) -> tuple | None:
         """The split rule (`cute_gemv.merge_in`) a short step of `rows` rows under (cfg, splits)
         leaves its partials by, or None where it cannot (a config with a long rule, whose split
-        length a consumer cannot follow; too little split scratch)."""
+        length a consumer cannot follow; too little split scratch). fold: as asked, where it is
+        below the splits (`fold_for`)."""
         if cfg.long_from_tokens or self._mid_o.shape[0] < rows * splits:
             return None
-        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials)
+        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials,
+                        fold=fold_for(fold, splits))
 
-    def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32") -> tuple | None:
+    def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32", fold: int = 1) -> tuple | None:
         """The rule `attend_one_launch(partials_out=True)` names for a short step of `rows` rows at
         the one-launch table's config (as the fused path's steps plan it; rope_in: its form with
         RoPE in the attention), or None where such a step returns its output: what the consumer's
         merge GEMV can be planned by before any step runs."""
         cfg, splits = self.one_launch_config(rows)
-        return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials)
+        return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials, fold)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
                           rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32",
-                          long_partials_group: int = 0, long_partials_pdl: bool = False):
+                          long_partials_group: int = 0, long_partials_pdl: bool = False, partials_fold: int = 1):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
@@ -547,7 +553,10 @@ class TritonBackend(AttentionBackend):
         its split kernel's partials too (`_two_launch_decode`), the rule's group that many; with
         long_partials_pdl the one-launch kernel leaves them instead, at the two-launch form's tile
         and splits (`long_partials_form`) and launched as pdl says: its page ids and first block
-        load before the PDL wait, and O launches at its start (`rope_in` made in it too)."""
+        load before the PDL wait, and O launches at its start (`rope_in` made in it too).
+        partials_fold (a power of two): where the one-launch kernel leaves partials, each group of
+        that many splits folded into its first's slot first (`merge_in(fold=)`; `fold_for`: no
+        fold where the step has no more splits than that)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -564,7 +573,8 @@ class TritonBackend(AttentionBackend):
             long_group = long_partials_group if partials_out else 0
             if long_partials_pdl and long_group and splits > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * splits:
                 cfg = self.long_partials_form(dc)
-                rule = merge_in(splits, dc.min_split_tokens, dc.block_n, self.head_dim, long_group, partials=partials)
+                rule = merge_in(splits, dc.min_split_tokens, dc.block_n, self.head_dim, long_group, partials=partials,
+                                fold=fold_for(partials_fold, splits))
             else:
                 if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
                     q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
@@ -581,7 +591,7 @@ class TritonBackend(AttentionBackend):
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
         if rule is None and partials_out and q.shape[0] == n and not long:
-            rule = self._partials_rule(cfg, n, splits, partials)
+            rule = self._partials_rule(cfg, n, splits, partials, partials_fold)
         partials_out = rule is not None
         mid_o = self._partials_scratch(partials) if partials_out else self._mid_o
         out = torch.empty_like(q)
@@ -607,7 +617,7 @@ class TritonBackend(AttentionBackend):
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
             prefetch_pages=cfg.prefetch_pages,
-            merge_group=0 if partials_out else cfg.merge_group,
+            merge_group=(rule[6] if rule[6] > 1 else 0) if partials_out else cfg.merge_group,
             partials_out=partials_out,
         )
         if partials_out:
@@ -615,6 +625,14 @@ class TritonBackend(AttentionBackend):
         if q.shape[0] > n:
             out[n:].zero_()
         return out
+
+
+def fold_for(fold: int, splits: int) -> int:
+    """The fold a step of `splits` splits takes when `fold` is asked: it, where it is below the
+    splits (a group of every split would be the attention's whole merge), else none (1)."""
+    if fold < 1 or fold & (fold - 1):
+        raise ValueError(f"a fold of the partials must be a power of two, got {fold}")
+    return fold if fold < splits else 1
 
 
 def _given(**values) -> dict:

@@ -1053,9 +1053,31 @@ def _one_launch_kernel(
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if PARTIALS_OUT:
         # The merge is the consumer's (the O GEMV's prologue, `cute_gemv.merge_in`): every split,
-        # one included, leaves its partial and log-sum-exp, and no counter moves.
-        _store_partial(MidO, MidLse, b * NUM_SPLITS + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
+        # one included, leaves its partial and log-sum-exp, and no counter moves; with MERGE_GROUP
+        # (a fold, `merge_in(fold=)`) the last program of each group of MERGE_GROUP consecutive
+        # splits folds their partials into the group's first slot, so the consumer merges fold
+        # times fewer (a group of one split keeps its partial and touches no counter).
+        slot0 = b * NUM_SPLITS
+        _store_partial(MidO, MidLse, slot0 + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
                        NUM_Q_HEADS, HEAD_DIM)
+        if MERGE_GROUP > 0:
+            num_groups_f: tl.constexpr = NUM_SPLITS // MERGE_GROUP
+            g0 = split // MERGE_GROUP * MERGE_GROUP
+            in_group = tl.minimum(n_splits - g0, MERGE_GROUP)
+            if in_group > 1:
+                tl.debug_barrier()  # every thread's partial is stored before the counter moves
+                top_counters = tl.num_programs(0) * tl.num_programs(1)
+                group_count = (Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * num_groups_f
+                               + split // MERGE_GROUP)
+                if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
+                    out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
+                                                 NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
+                                                 MERGE_SPLITS, 1, MERGE_PEEL)
+                    tl.atomic_xchg(group_count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                    tl.debug_barrier()  # every thread has read the group's partials before its first is overwritten
+                    group_mid = MidO + ((slot0 + g0) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+                    tl.store(group_mid, out.to(MidO.dtype.element_ty), mask=own)
+                    tl.store(MidLse + (slot0 + g0) * NUM_Q_HEADS + heads, lse_g, mask=g_mask)
     elif n_splits == 1:
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
@@ -1338,7 +1360,9 @@ def decode_attention_one_launch(
     in mid_o and its log-sum-exp in mid_lse, slot b * num_splits + s, for the consumer to merge
     (the O GEMV's prologue, `cute_gemv.merge_in`, which takes the split count from kv_lens by
     the same rule); out is not written, merge_counts not touched. mid_o may then be bf16 (half
-    the bytes the consumer loads; `merge_in(partials="bf16")`)."""
+    the bytes the consumer loads; `merge_in(partials="bf16")`). With merge_group (below
+    num_splits) too, a fold: each group's last program merges its splits into the group's first
+    slot (`merge_in(fold=merge_group)`: the consumer merges those), the group counters moving."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1351,8 +1375,9 @@ def decode_attention_one_launch(
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
-    if partials_out and merge_group:
-        raise ValueError("partials_out leaves the merge to the consumer: merge_group must be 0")
+    if partials_out and merge_group >= num_splits > 0 and merge_group:
+        raise ValueError(f"partials_out with merge_group (a fold) needs fewer than num_splits ({num_splits}) "
+                         f"splits a group, got {merge_group}")
     if num_splits == 1 and not partials_out:
         mid_o, mid_lse = out, out  # unused: one split writes O directly
     elif (not _scratch_ok(mid_o, rows, (torch.float32, torch.bfloat16) if partials_out else (torch.float32,))

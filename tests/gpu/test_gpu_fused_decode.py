@@ -705,15 +705,18 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-@pytest.mark.parametrize("form, partials", [("1", "fp32"), ("w4", "fp32"), ("w8g16", "fp32"), ("w4", "bf16")])
-def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials):
+@pytest.mark.parametrize("form, partials, fold", [("1", "fp32", 1), ("w4", "fp32", 1), ("w8g16", "fp32", 1),
+                                                 ("w4", "bf16", 1), ("w4", "fp32", 2), ("w8g16", "bf16", 4)])
+def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials, fold):
     """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
     leaves out; "w4": four warps a CTA): one row's attention leaves its split partials (fp32, or
-    bf16: $FLASHLET_MERGE_PARTIALS) and the O GEMV merges them in its prologue. Prompts of
-    300 to 1,700 tokens (2 to 7 splits of 256, merged four at a time), PDL on: teacher-forced
-    against the per-op path; the merge GEMV ran and no merge counter moved."""
+    bf16: $FLASHLET_MERGE_PARTIALS; folded `fold` splits a partial first: $FLASHLET_MERGE_FOLD)
+    and the O GEMV merges them in its prologue. Prompts of 300 to 1,700 tokens (2 to 7 splits of
+    256, merged four at a time), PDL on: teacher-forced against the per-op path; the merge GEMV
+    ran and no merge counter moved."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", form)
     monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", partials)
+    monkeypatch.setattr(fused_decode, "MERGE_FOLD", fold)
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(300 + 350 * p)] for p in range(5)]
     engine = check_against_reference_teacher_forced(source, ps, 16, fused_decode_attn=True, fused_decode_rope=True,
@@ -721,6 +724,7 @@ def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, 
     fused = engine.runner.fused
     assert fused.merges_in_o(1) and fused.merge_o, "no step merged in the O GEMV"
     assert {rule[5] for rule, _ in fused.merge_o} == {partials}
+    assert fold in {rule[6] for rule, _ in fused.merge_o}, sorted(fused.merge_o)
     assert not engine.runner.fused_attention._merge_counts.any()
 
 

@@ -323,6 +323,32 @@ def test_rows_partials_out_merge_to_the_attention_output(kh):
     assert isinstance(tri.attend_one_launch(0, torch.cat([q, q[:1]]), partials_out=True), torch.Tensor)
 
 
+@pytest.mark.parametrize("fold", [2, 4])
+def test_folded_partials_merge_to_the_attention_output(kh, fold):
+    """`attend_one_launch(partials_fold=)`: the rule names the fold, each row's groups of splits are
+    folded into their first slots (the group counters back at zero), and the reference merging
+    those slots gives the step's output; a fold of every split is none."""
+    from flashlet.attention.triton_backend import fold_for
+    from flashlet.kernels.cute_gemv import SplitPartials, merge_partials_reference, split_count
+
+    lengths = [1, 40, 129]
+    pool = _pool(kh, lengths, 2, 16, dtype=torch.float16)
+    meta, _ = kh.make_step(pool, [(n, 1) for n in lengths])
+    q = torch.randn(3, 14, 16, generator=torch.Generator().manual_seed(4)).half().to(kh.device)
+    tri = TritonBackend(pool, 14, **{**SMALL, "num_sms": 32}, one_launch_decode=True)  # 8+ splits a row
+    tri.plan(meta)
+    want = tri.attend_one_launch(0, q)
+    parts = tri.attend_one_launch(0, q, partials_out=True, partials_fold=fold)
+    assert isinstance(parts, SplitPartials) and not tri._merge_counts.any()
+    splits = parts.rule[0]
+    assert splits > fold and parts.rule[6] == fold, parts.rule
+    assert max(split_count(n, parts.rule) for n in lengths) > fold, "the test wants a row of several groups"
+    assert kh.rel_err(merge_partials_reference(parts, 3).view_as(want).float(), want.float()) < 1e-3
+    assert fold_for(splits, splits) == fold_for(2 * splits, splits) == 1
+    with pytest.raises(ValueError, match="power of two"):
+        fold_for(3, splits)
+
+
 def test_bf16_partials_are_the_fp32_partials_rounded(kh):
     """`attend_one_launch(partials="bf16")` (FLASHLET_MERGE_PARTIALS=bf16): the same split partials
     as fp32's, each rounded once to bf16 (not left fp32) in the same scratch's bf16 view, the

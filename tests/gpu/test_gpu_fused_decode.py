@@ -706,7 +706,8 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
 
 
 @pytest.mark.parametrize("form, partials, fold", [("1", "fp32", 1), ("w4", "fp32", 1), ("w8g16", "fp32", 1),
-                                                 ("w4", "bf16", 1), ("w4", "fp32", 2), ("w8g16", "bf16", 4)])
+                                                 ("w4", "bf16", 1), ("w4", "fp32", 2), ("w8g16", "bf16", 4)],
+                         ids=["1-fp32", "w4-fp32", "w8g16-fp32", "w4-bf16", "w4-fp32-fold2", "w8g16-bf16-fold4"])
 def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials, fold):
     """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
     leaves out; "w4": four warps a CTA): one row's attention leaves its split partials (fp32, or

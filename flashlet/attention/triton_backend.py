@@ -571,7 +571,8 @@ class TritonBackend(AttentionBackend):
             dc = self.decode_config(n)
             splits = self._splits_for(n, dc)
             long_group = long_partials_group if partials_out else 0
-            if long_partials_pdl and long_group and splits > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * splits:
+            leaves_all = splits > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * splits
+            if long_partials_pdl and long_group and leaves_all:
                 cfg = self.long_partials_form(dc)
                 rule = merge_in(splits, dc.min_split_tokens, dc.block_n, self.head_dim, long_group, partials=partials,
                                 fold=fold_for(partials_fold, splits))

@@ -343,8 +343,9 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partia
     heads = k // head_dim
     mid_o = torch.full((splits, heads, head_dim), NAN)
     mid_lse = torch.full((splits, heads), NAN)
-    mid_o[:n_used:fold] = torch.randn(len(range(0, n_used, fold)), heads, head_dim, generator=gen)
-    mid_lse[:n_used:fold] = 4 * torch.randn(len(range(0, n_used, fold)), heads, generator=gen)  # weights far apart and near
+    kept = len(range(0, n_used, fold))
+    mid_o[:n_used:fold] = torch.randn(kept, heads, head_dim, generator=gen)
+    mid_lse[:n_used:fold] = 4 * torch.randn(kept, heads, generator=gen)  # weights far apart and near
     rule = merge_in(splits, 256, 64, head_dim, partials=partials, fold=fold)
     kv_len = 256 * n_used - 100
     assert split_count(kv_len, rule) == n_used

@@ -516,14 +516,14 @@ class TritonBackend(AttentionBackend):
         return self._mid_o_bf16 if partials == "bf16" else self._mid_o
 
     def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str,
-                       fold: int = 1) -> tuple | None:
-        """The split rule (`cute_gemv.merge_in`) a short step of `rows` rows under (cfg, splits)
-        leaves its partials by, or None where it cannot (a config with a long rule, whose split
-        length a consumer cannot follow; too little split scratch). fold: as asked, where it is
-        below the splits (`fold_for`)."""
+                       fold: int = 1, group: int = 4) -> tuple | None:
+        """The split rule (`cute_gemv.merge_in`, `group` splits a round) a step of `rows` rows under
+        (cfg, splits) leaves its partials by, or None where it cannot (a config with a long rule,
+        whose split length a consumer cannot follow; too little split scratch). fold: as asked,
+        where it is below the splits (`fold_for`)."""
         if cfg.long_from_tokens or self._mid_o.shape[0] < rows * splits:
             return None
-        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials,
+        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, group, partials=partials,
                         fold=fold_for(fold, splits))
 
     def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32", fold: int = 1) -> tuple | None:
@@ -571,12 +571,10 @@ class TritonBackend(AttentionBackend):
             dc = self.decode_config(n)
             splits = self._splits_for(n, dc)
             long_group = long_partials_group if partials_out else 0
-            leaves_all = splits > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * splits
-            if long_partials_pdl and long_group and leaves_all:
+            if long_partials_pdl and long_group and splits > 1 and q.shape[0] == n:
                 cfg = self.long_partials_form(dc)
-                rule = merge_in(splits, dc.min_split_tokens, dc.block_n, self.head_dim, long_group, partials=partials,
-                                fold=fold_for(partials_fold, splits))
-            else:
+                rule = self._partials_rule(cfg, n, splits, partials, partials_fold, long_group)
+            if rule is None:
                 if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
                     q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
                                                 rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)

@@ -806,6 +806,14 @@ def _store_partial(MidO, MidLse, slot, heads, d, own, g_mask, acc, l_safe, m_i, 
     tl.store(MidLse + slot * NUM_Q_HEADS + heads, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=g_mask)
 
 
+@triton.jit
+def _group_counter(Counts, b, grp, NUM_GROUPS: tl.constexpr):
+    """Split group grp's counter for sequence b and this program's column: the group counters
+    follow the grid's (sequence, program column) top counters (`one_launch_counters`)."""
+    top_counters = tl.num_programs(0) * tl.num_programs(1)
+    return Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * NUM_GROUPS + grp
+
+
 @triton.jit(do_not_specialize=["min_split_tokens", "long_from_tokens", "long_split_tokens"])
 def _one_launch_kernel(
     Q, K, V, O, MidO, MidLse, Counts,
@@ -1061,14 +1069,12 @@ def _one_launch_kernel(
         _store_partial(MidO, MidLse, slot0 + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
                        NUM_Q_HEADS, HEAD_DIM)
         if MERGE_GROUP > 0:
-            num_groups_f: tl.constexpr = NUM_SPLITS // MERGE_GROUP
-            g0 = split // MERGE_GROUP * MERGE_GROUP
+            grp = split // MERGE_GROUP
+            g0 = grp * MERGE_GROUP
             in_group = tl.minimum(n_splits - g0, MERGE_GROUP)
             if in_group > 1:
                 tl.debug_barrier()  # every thread's partial is stored before the counter moves
-                top_counters = tl.num_programs(0) * tl.num_programs(1)
-                group_count = (Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * num_groups_f
-                               + split // MERGE_GROUP)
+                group_count = _group_counter(Counts, b, grp, NUM_SPLITS // MERGE_GROUP)
                 if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
                     out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
                                                  NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
@@ -1120,9 +1126,7 @@ def _one_launch_kernel(
             grp = split // MERGE_GROUP
             g0 = grp * MERGE_GROUP
             in_group = tl.minimum(n_splits - g0, MERGE_GROUP)
-            # The group counters follow the grid's (sequence, program column) top counters.
-            top_counters = tl.num_programs(0) * tl.num_programs(1)
-            group_count = Counts + top_counters + (b * tl.num_programs(1) + tl.program_id(1)) * num_groups + grp
+            group_count = _group_counter(Counts, b, grp, num_groups)
             if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
                 out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, m_heads, m_mask, d, m_own,
                                              NUM_Q_HEADS, merge_rows, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
@@ -1375,7 +1379,7 @@ def decode_attention_one_launch(
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
-    if partials_out and merge_group >= num_splits > 0 and merge_group:
+    if partials_out and merge_group >= num_splits:
         raise ValueError(f"partials_out with merge_group (a fold) needs fewer than num_splits ({num_splits}) "
                          f"splits a group, got {merge_group}")
     if num_splits == 1 and not partials_out:

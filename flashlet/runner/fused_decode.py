@@ -193,7 +193,13 @@ if ATTENTION_PDL not in ("0", "1", "one-row"):
 # - Qwen3-0.6B, eight warps (O's own plan's) and 16 splits a round: 1,224.5 / 1,226.1 -> 1,282.4 /
 #   1,282.6 (+4.7%, session 69); four warps in rounds of four lost 6.5% (1,231 -> 1,151).
 # - Not taken: Qwen3-1.7B 634.0 / 633.7 -> 612.4 / 612.3 and Llama-3.2-1B 985.5 / 984.1 -> 962.8 /
-#   961.5 in the 1.5B's form (-3.4%, -2.3%, session 69); TinyLlama not measured.
+#   961.5 in the 1.5B's form (-3.4%, -2.3%, session 69).
+# - TinyLlama-1.1B, eight warps, 16 splits a round and a looping grid of one CTA an SM (each
+#   merging once for all its tiles): 967.7 / 969.5 -> 1,001.4 / 1,001.8 (+3.4%; the same without
+#   the looping grid 975.8 / 975.4, +0.7%; session 71).
+# - Refuted and removed in session 71: a fold of the splits in the attention before O (Llama-3.2-1B
+#   977 -> 868 against "w8g16", Qwen3-1.7B 617 -> 479) and the long steps' merge in O (the 0.5B after
+#   8,000 tokens 1,357 -> 1,251 "g16", 1,249 with the one-launch kernel's partials under PDL).
 # $FLASHLET_MERGE_IN_O for a fresh process (an A/B, `gpu_run.sh merge-in-o-ab`): "0" off
 # everywhere; "1" on at every shape with O's own plan; "w1" / "w2" / "w4" / "w8" on at every
 # shape with that many warps a CTA, with "g8" / "g16" after it ("w8g16") that many splits
@@ -220,6 +226,7 @@ MERGE_IN_O_SHAPES = {  # (hidden size, intermediate size) -> "auto"'s form there
     (896, 4864): MergeForm(warps=4, group=None, rows=4),   # Qwen2.5-0.5B
     (1536, 8960): MergeForm(warps=8, group=16, rows=1),    # Qwen2.5-1.5B
     (1024, 3072): MergeForm(warps=8, group=16, rows=1),    # Qwen3-0.6B
+    (2048, 5632): MergeForm(warps=8, group=16, rows=1, ctas_per_sm=1),  # TinyLlama-1.1B
 }
 MERGE_IN_O_ENV = "FLASHLET_MERGE_IN_O"
 MERGE_IN_O = os.environ.get(MERGE_IN_O_ENV, "auto")

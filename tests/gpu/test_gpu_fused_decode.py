@@ -747,7 +747,7 @@ def test_the_merge_in_the_o_gemv_of_several_rows_gives_the_per_op_tokens(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["1", "auto"])
-@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b"])
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "tinyllama-1.1b"])
 def test_the_merge_in_the_o_gemv_at_the_preset_shapes(monkeypatch, preset, form):
     """The merge in O at the presets' real shapes and default parts (Qwen3: q and k made in the
     attention, rope_in), forced in O's own plan ("1": one row) or in each shape's own form

@@ -252,7 +252,8 @@ def test_merge_forms_at_each_preset_shape(monkeypatch):
     monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "auto")
     assert merge_form((896, 4864)) == MergeForm(4, None, 4)
     assert merge_form((1536, 8960)) == merge_form((1024, 3072)) == MergeForm(8, 16, 1)
-    for lost_or_unmeasured in ((2048, 6144), (2048, 8192), (2048, 5632), (3584, 18944)):
+    assert merge_form((2048, 5632)) == MergeForm(8, 16, 1, ctas_per_sm=1)
+    for lost_or_unmeasured in ((2048, 6144), (2048, 8192), (3584, 18944)):
         assert merge_form(lost_or_unmeasured) is None
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w2g8")
     assert merge_form((2048, 8192)) == MergeForm(2, 8, 1)
@@ -389,7 +390,10 @@ def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_
 @pytest.mark.parametrize("group", [4, 16])
 def test_merge_gemv_of_bf16_partials(kh, n, k, head_dim, n_used, knobs, group):
     """The same with bf16 partial outputs (`merge_in(partials="bf16")`: half the bytes a CTA loads),
-    against the reference merge of the same bf16 values."""
+    against the reference merge of the same bf16 values (eight warps at K = 896 in the register
+    form: staged they need 57 KB of shared memory, which the plan refuses)."""
+    if knobs["warps"] == 8 and k == 896:
+        knobs = {**knobs, "staged": False}
     test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, "bf16")
 
 

@@ -19,9 +19,10 @@ this process has it: on unless $FLASHLET_LEAN_MERGE says otherwise): the
 four-row table entries with the rows made in the kernel (rope_in: one KV head a program on 8
 warps, as `TritonBackend.rope_in_form` launches them), the Qwen2.5-1.5B's derived config.
 `--set rope-in`: Qwen3's table entries at 1, 4 and 16 rows without and with rope_in (as the table
-has them: KV heads packed), then the forms rope_in launches. `--set long-partials`: the tiles that
-leave their partials to the O GEMV (long steps' and folded ones). `--json` prints one JSON line a
-tile instead of the table; `--variants JSON` lowers a list of `Tile` field dicts, a line each.
+has them: KV heads packed), then the forms rope_in launches. `--json` prints one JSON line a
+tile instead of the table; `--variants JSON` lowers a list of `Tile` field dicts, a line each
+(`"partials": "fp32"` or `"bf16"`: the form that leaves its partials to the O GEMV, as the shapes
+that merge in O launch it).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class Tile:
     pdl: bool = True
     lean: str | None = None
     maxnreg: int | None = None  # a register cap (Triton's `maxnreg` option); None: ptxas's choice
-    partials: str | None = None  # "fp32" / "bf16": the splits' partials left to the O GEMV (PARTIALS_OUT)
+    # "fp32" / "bf16": the splits' partials left to the O GEMV (PARTIALS_OUT, the merge in O);
+    # None: merged in the kernel. Always passed: a constexpr left out would lower as a runtime argument.
+    partials: str | None = None
 
 
 TILES = {
@@ -101,27 +104,7 @@ def _rope_in_tiles() -> dict:
 
 
 ROPE_IN_TILES = _rope_in_tiles()
-# Long steps' partials left to the O GEMV by the one-launch kernel at the two-launch form's tile
-# (`TritonBackend.long_partials_form`, $FLASHLET_MERGE_IN_O_LONG=gN-pdl): the 0.5B's one-row
-# BATCHED_DECODE_TABLE entry and Qwen3's (as rope_in launches it: one KV head a program, 8 warps),
-# beside the same tiles merging in the kernel; then folds (16f98c3).
-LONG_PARTIALS_TILES = {
-    "qwen2.5-0.5b long (64 x 64, 2 warps, 3 stages, 64 splits, pages ahead) partials fp32":
-        Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True, partials="fp32"),
-    "qwen2.5-0.5b long, partials bf16": Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True, partials="bf16"),
-    "qwen2.5-0.5b long, merged in the kernel": Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True),
-    "qwen3-0.6b long rope_in (64 x 128, 8 warps, 3 stages, 32 splits, pages ahead) partials fp32":
-        Tile(128, 2, 8, 64, 8, 3, 32, prefetch=True, rope_in=True, partials="fp32"),
-    "qwen3-0.6b long rope_in, merged in the kernel": Tile(128, 2, 8, 64, 8, 3, 32, prefetch=True, rope_in=True),
-    # the partials folded by the attention first ($FLASHLET_MERGE_FOLD: merge_group with partials out)
-    "qwen2.5-0.5b long, partials fp32 folded 8 a group":
-        Tile(64, 7, 2, 64, 2, 3, 64, prefetch=True, partials="fp32", merge_group=8),
-    "qwen3-0.6b 1 row rope_in entry (64 x 128, 8 warps, 2 stages, 16 splits) partials fp32":
-        Tile(128, 2, 8, 64, 8, 2, 16, prefetch=True, rope_in=True, partials="fp32"),
-    "qwen3-0.6b 1 row rope_in entry, partials folded 4 a group":
-        Tile(128, 2, 8, 64, 8, 2, 16, prefetch=True, rope_in=True, partials="fp32", merge_group=4),
-}
-SETS = {"default": TILES, "rope-in": ROPE_IN_TILES, "long-partials": LONG_PARTIALS_TILES}
+SETS = {"default": TILES, "rope-in": ROPE_IN_TILES}
 ROPE_ARGS = ("KNew", "VNew", "Pos", "CosSin", "QW", "KW", "KOut", "VOut")
 ROPE_STRIDES = ("stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cs")
 

@@ -237,11 +237,8 @@ class TritonBackend(AttentionBackend):
         self._mid_o_bf16 = self._mid_o.view(-1).view(torch.bfloat16)[: self._mid_o.numel()].view(self._mid_o.shape)
         # The one-launch decode's merge counters, one per (sequence, KV head) and, for a config
         # that merges in two levels, one per group of splits too; zero between launches.
-        # A fold of the partials left to a consumer (`attend_one_launch(partials_fold=)`) takes group
-        # counters too: at most one per two of the scratch's split rows, beside the top ones.
-        counters = max([one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
-                        for b, forms in widest.items() for cfg, s in forms]
-                       + [self.num_kv_heads * (max_batch_size + rows // 2)])
+        counters = max(one_launch_counters(b, self.num_kv_heads, s, cfg.merge_group)
+                       for b, forms in widest.items() for cfg, s in forms)
         self._merge_counts = torch.zeros(counters, dtype=torch.int32, device=device)
         one_launch = one_launch_decode_from_env()
         on = _first_given(one_launch_decode, one_launch.get("on"), False)
@@ -461,32 +458,21 @@ class TritonBackend(AttentionBackend):
             return self.attend_one_launch(layer, q, pdl=self.one_launch_pdl)
         return self._two_launch_decode(layer, q, self._decode_cfg, self._num_splits)
 
-    def _two_launch_decode(self, layer: int, q: torch.Tensor, dc: tuning.DecodeConfig, s: int,
-                           partials_group: int = 0, partials: str = "fp32"):
+    def _two_launch_decode(self, layer: int, q: torch.Tensor, dc: tuning.DecodeConfig, s: int) -> torch.Tensor:
         """A pure-decode step's attention in two launches (split kernel, then merge) with config
-        dc and split cap s; rows past the sequences get zeros. partials_group > 0: where the step
-        splits (s > 1) over all of q's rows, the split kernel alone, its partials returned
-        (`cute_gemv.SplitPartials`, the rule's group of splits a round partials_group) for the
-        consumer to merge."""
+        dc and split cap s; rows past the sequences get zeros."""
         meta = self.meta
         k_scale, v_scale = self.kv_pool.scales(layer)
         n = meta.num_seqs
-        step = (q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
-                meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale)
-        cfg = dict(num_splits=s, min_split_tokens=dc.min_split_tokens, block_n=dc.block_n, num_warps=dc.num_warps,
-                   num_stages=dc.num_stages, k_scale=k_scale, v_scale=v_scale, prefetch=dc.prefetch,
-                   kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads))
-        if partials_group and s > 1 and q.shape[0] == n and self._mid_o.shape[0] >= n * s:
-            mid_o = self._partials_scratch(partials)
-            decode_attention(*step, mid_o=mid_o[: n * s], mid_lse=self._mid_lse[: n * s], partials_out=True, **cfg)
-            return SplitPartials(mid_o, self._mid_lse, meta.kv_lens,
-                                 merge_in(s, dc.min_split_tokens, dc.block_n, self.head_dim, partials_group,
-                                          partials=partials))
         out = torch.empty_like(q)
-        decode_attention(*step, out=out[:n],
+        decode_attention(q[:n], self.kv_pool.k_cache[layer], self.kv_pool.v_cache[layer],
+                         meta.paged_kv_indptr, meta.paged_kv_indices, meta.kv_lens, self.scale, out=out[:n],
+                         num_splits=s, min_split_tokens=dc.min_split_tokens, block_n=dc.block_n,
                          mid_o=self._mid_o[: n * s] if s > 1 else None,
                          mid_lse=self._mid_lse[: n * s] if s > 1 else None,
-                         merge_counts=self._merge_counts if dc.merge_in_kernel else None, **cfg)
+                         num_warps=dc.num_warps, num_stages=dc.num_stages, k_scale=k_scale, v_scale=v_scale,
+                         prefetch=dc.prefetch, kv_heads_per_program=tuning.kv_pack_for(dc, self.num_kv_heads),
+                         merge_counts=self._merge_counts if dc.merge_in_kernel else None)
         if q.shape[0] > n:  # rows past the sequences (a padded batch) get zeros
             out[n:].zero_()
         return out
@@ -502,41 +488,28 @@ class TritonBackend(AttentionBackend):
         """A one-launch config as `rope_in` runs it at this pool's head_dim (`rope_in_form`)."""
         return rope_in_form(cfg, self.head_dim)
 
-    def long_partials_form(self, dc: tuning.DecodeConfig) -> tuning.OneLaunchConfig:
-        """The one-launch config that splits a long row as the two-launch decode config dc does
-        (the same tile, split rule and page ids ahead), for `attend_one_launch`'s long partials
-        with PDL: the O GEMV merges them by the rule the two-launch form's would follow."""
-        return tuning.OneLaunchConfig(block_n=dc.block_n, num_warps=dc.num_warps, num_stages=dc.num_stages,
-                                      min_split_tokens=dc.min_split_tokens, waves=dc.waves, num_splits=dc.num_splits,
-                                      kv_pack=tuning.kv_pack_for(dc, self.num_kv_heads),
-                                      prefetch_pages=dc.prefetch == "pages")
-
     def _partials_scratch(self, partials: str) -> torch.Tensor:
         """The split scratch partials left to a consumer go to: fp32, or its bf16 view."""
         return self._mid_o_bf16 if partials == "bf16" else self._mid_o
 
-    def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str,
-                       fold: int = 1, group: int = 4) -> tuple | None:
-        """The split rule (`cute_gemv.merge_in`, `group` splits a round) a step of `rows` rows under
-        (cfg, splits) leaves its partials by, or None where it cannot (a config with a long rule,
-        whose split length a consumer cannot follow; too little split scratch). fold: as asked,
-        where it is below the splits (`fold_for`)."""
+    def _partials_rule(self, cfg: tuning.OneLaunchConfig, rows: int, splits: int, partials: str) -> tuple | None:
+        """The split rule (`cute_gemv.merge_in`) a short step of `rows` rows under (cfg, splits)
+        leaves its partials by, or None where it cannot (a config with a long rule, whose split
+        length a consumer cannot follow; too little split scratch)."""
         if cfg.long_from_tokens or self._mid_o.shape[0] < rows * splits:
             return None
-        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, group, partials=partials,
-                        fold=fold_for(fold, splits))
+        return merge_in(splits, cfg.min_split_tokens, cfg.block_n, self.head_dim, partials=partials)
 
-    def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32", fold: int = 1) -> tuple | None:
+    def partials_rule(self, rows: int, rope_in: bool = False, partials: str = "fp32") -> tuple | None:
         """The rule `attend_one_launch(partials_out=True)` names for a short step of `rows` rows at
         the one-launch table's config (as the fused path's steps plan it; rope_in: its form with
         RoPE in the attention), or None where such a step returns its output: what the consumer's
         merge GEMV can be planned by before any step runs."""
         cfg, splits = self.one_launch_config(rows)
-        return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials, fold)
+        return self._partials_rule(self.rope_in_form(cfg) if rope_in else cfg, rows, splits, partials)
 
     def attend_one_launch(self, layer: int, q: torch.Tensor, pdl: bool = False,
-                          rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32",
-                          long_partials_group: int = 0, long_partials_pdl: bool = False, partials_fold: int = 1):
+                          rope_in: RopeIn | None = None, partials_out: bool = False, partials: str = "fp32"):
         """A pure-decode step's attention (this step's K/V already in the pool) in one kernel:
         split-KV whose last split program merges. pdl: launch with Programmatic Dependent
         Launch (sm_90+). No host sync, fixed scratch: CUDA-graph safe for any KV lengths.
@@ -548,15 +521,7 @@ class TritonBackend(AttentionBackend):
         consumer can follow (no long rule) over all of q's rows, return the rows' split partials
         (`cute_gemv.SplitPartials`, its `rule` the GEMV's `merge_in`) and leave the merge to the
         O GEMV; otherwise (a long step, such a config, rows past the step's, too little split
-        scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s).
-        long_partials_group > 0 (with partials_out): a long step attended in two launches returns
-        its split kernel's partials too (`_two_launch_decode`), the rule's group that many; with
-        long_partials_pdl the one-launch kernel leaves them instead, at the two-launch form's tile
-        and splits (`long_partials_form`) and launched as pdl says: its page ids and first block
-        load before the PDL wait, and O launches at its start (`rope_in` made in it too).
-        partials_fold (a power of two): where the one-launch kernel leaves partials, each group of
-        that many splits folded into its first's slot first (`merge_in(fold=)`; `fold_for`: no
-        fold where the step has no more splits than that)."""
+        scratch) the output as always. partials: their dtype, "fp32" or "bf16" (`merge_in`'s)."""
         meta = self.meta
         if not meta.is_pure_decode:
             raise ValueError("attend_one_launch serves pure-decode steps only")
@@ -566,20 +531,13 @@ class TritonBackend(AttentionBackend):
         if partials not in PARTIAL_DTYPES:
             raise ValueError(f"partials must be one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
         long = self.long_context(meta)
-        rule = None
         if long and self.long_in_two_launches(n):
+            if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
+                q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
+                                            rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
             dc = self.decode_config(n)
-            splits = self._splits_for(n, dc)
-            long_group = long_partials_group if partials_out else 0
-            if long_partials_pdl and long_group and splits > 1 and q.shape[0] == n:
-                cfg = self.long_partials_form(dc)
-                rule = self._partials_rule(cfg, n, splits, partials, partials_fold, long_group)
-            if rule is None:
-                if rope_in is not None:  # this step's rows rotated and written first, as the per-op path does
-                    q = self.kv_pool.write_rope(layer, q, rope_in.k, rope_in.v, rope_in.positions,
-                                                rope_in.cos_sin_cache, meta.slot_mapping, rope_in.qk_norm)
-                return self._two_launch_decode(layer, q, dc, splits, long_group, partials)
-        elif long:
+            return self._two_launch_decode(layer, q, dc, self._splits_for(n, dc))
+        if long:
             cfg, splits = self.one_launch_config(n, long=True)
         elif self._decode_one_launch:  # planned: the per-op step's own form (same config)
             cfg, splits = self._decode_cfg, self._num_splits
@@ -589,8 +547,7 @@ class TritonBackend(AttentionBackend):
             cfg = self.rope_in_form(cfg)
             rope_in = rope_in._replace(k=rope_in.k[:n], v=rope_in.v[:n], positions=rope_in.positions[:n])
         k_scale, v_scale = self.kv_pool.scales(layer)
-        if rule is None and partials_out and q.shape[0] == n and not long:
-            rule = self._partials_rule(cfg, n, splits, partials, partials_fold)
+        rule = self._partials_rule(cfg, n, splits, partials) if partials_out and q.shape[0] == n and not long else None
         partials_out = rule is not None
         mid_o = self._partials_scratch(partials) if partials_out else self._mid_o
         out = torch.empty_like(q)
@@ -616,7 +573,7 @@ class TritonBackend(AttentionBackend):
             merge_splits=cfg.merge_splits,
             rope_in=rope_in,
             prefetch_pages=cfg.prefetch_pages,
-            merge_group=(rule[6] if rule[6] > 1 else 0) if partials_out else cfg.merge_group,
+            merge_group=0 if partials_out else cfg.merge_group,
             partials_out=partials_out,
         )
         if partials_out:
@@ -624,14 +581,6 @@ class TritonBackend(AttentionBackend):
         if q.shape[0] > n:
             out[n:].zero_()
         return out
-
-
-def fold_for(fold: int, splits: int) -> int:
-    """The fold a step of `splits` splits takes when `fold` is asked: it, where it is below the
-    splits (a group of every split would be the attention's whole merge), else none (1)."""
-    if fold < 1 or fold & (fold - 1):
-        raise ValueError(f"a fold of the partials must be a power of two, got {fold}")
-    return fold if fold < splits else 1
 
 
 def _given(**values) -> dict:

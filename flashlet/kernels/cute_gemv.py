@@ -267,7 +267,6 @@ class GemvPlan:
         tag += f" tg{self.tile_group}" if self.tile_group > 1 else ""
         tag += f" merge{self.merge[4]}" if self.merge else ""
         tag += " bf16parts" if self.merge and self.merge[5] == "bf16" else ""
-        tag += f" fold{self.merge[6]}" if self.merge and self.merge[6] > 1 else ""
         return tag
 
 
@@ -301,27 +300,23 @@ def partial_dtype(rule: tuple):
 
 
 def merge_in(splits: int, split_tokens: int, block_n: int, head_dim: int, group: int = 4,
-             partials: str = "fp32", fold: int = 1) -> tuple:
+             partials: str = "fp32") -> tuple:
     """A GEMV's `merge` (plan_gemv): its x is the one-launch attention's output, left by the
     attention as split partials (`decode_attention_one_launch(partials_out=True)`) and merged in
     the GEMV's prologue, each CTA merging all of x into shared memory. The attention's split rule
     (the grid's splits, the smallest split's tokens, its key block) gives each row's split count
     from its KV length; `group` splits load at once (one L2 round trip a group); `partials` is
     the partial outputs' dtype ("fp32", or "bf16": half the bytes each CTA loads; the
-    log-sum-exps stay fp32). fold > 1: the attention has folded each `fold` consecutive splits
-    into their first's slot (its `merge_group` with partials_out), so the GEMV merges
-    ceil(count / fold) partials, slots fold apart: each CTA loads fold times fewer bytes."""
+    log-sum-exps stay fp32)."""
     for name, v in (("splits", splits), ("split_tokens", split_tokens), ("block_n", block_n),
-                    ("head_dim", head_dim), ("group", group), ("fold", fold)):
+                    ("head_dim", head_dim), ("group", group)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"merge_in: {name} must be a positive int, got {v!r}")
-    if fold & (fold - 1) or fold > splits:
-        raise ValueError(f"merge_in: fold must be a power of two of at most the splits ({splits}), got {fold}")
     if head_dim % VEC:
         raise ValueError(f"merge_in: head_dim must be a multiple of {VEC} (a chunk of x in one head), got {head_dim}")
     if partials not in PARTIAL_DTYPES:
         raise ValueError(f"merge_in: partials must be one of {tuple(PARTIAL_DTYPES)}, got {partials!r}")
-    return (splits, split_tokens, block_n, head_dim, group, partials, fold)
+    return (splits, split_tokens, block_n, head_dim, group, partials)
 
 
 def same_split_rule(a: tuple, b: tuple) -> bool:
@@ -352,15 +347,9 @@ def split_count(kv_len: int, rule: tuple) -> int:
     return max(-(-kv_len // split_len), 1)
 
 
-def merged_slots(kv_len: int, rule: tuple) -> range:
-    """The split slots (offsets from the row's first) whose partials the merge reads for a row of
-    kv_len tokens: every split's, or with a fold each group's first (`merge_in(fold=)`)."""
-    return range(0, split_count(kv_len, rule), rule[6])
-
-
 def merge_partials_reference(parts: SplitPartials, rows: int = 1) -> torch.Tensor:
     """The slow obvious merge of `rows` decode rows' split partials -> x [rows, Hq * D] fp32: row
-    b's slots b * splits + `merged_slots(kv_len_b)` only (what lies past or between them is never
+    b's slots b * splits .. b * splits + split_count(kv_len_b) - 1 only (what lies past them is never
     read), each head weighted by 2^(lse - max lse)."""
     splits, head_dim = parts.rule[0], parts.rule[3]
     heads = parts.mid_o.shape[-2]
@@ -368,8 +357,8 @@ def merge_partials_reference(parts: SplitPartials, rows: int = 1) -> torch.Tenso
     o_all = parts.mid_o.reshape(-1, heads, head_dim).float()
     out = []
     for b in range(rows):
-        slots = [b * splits + s for s in merged_slots(int(parts.kv_lens.view(-1)[b]), parts.rule)]
-        lse, o = lse_all[slots], o_all[slots]
+        n = split_count(int(parts.kv_lens.view(-1)[b]), parts.rule)
+        lse, o = lse_all[b * splits: b * splits + n], o_all[b * splits: b * splits + n]
         w = torch.exp2(lse - lse.max(dim=0).values)
         out.append(((w[:, :, None] * o).sum(0) / w.sum(0)[:, None]).reshape(-1))
     return torch.stack(out)
@@ -610,7 +599,7 @@ def plan_gemv(n_rows: int, k: int, epilogue: str = "none", *, num_sms: int = 132
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if merge:
-        if len(merge) != 7:
+        if len(merge) != 6:
             raise ValueError(f"merge must be merge_in(...)'s tuple, got {merge!r}")
         why = ("fp8 weights" if fp8 else "one row on the tensor cores" if mma and rows == 1
                else "norm" if norm else "rope" if rope is not None else "argmax" if epilogue == "argmax"
@@ -1217,18 +1206,14 @@ def _gemv_kernel(mW, mX, mY, mE, mG, mPartVal, mPartIdx, mCounter, mPos, mCS, mS
 
 @_deferred.jit
 def _merge_split_count(kv_len, merge):
-    """The partials to merge for a row of kv_len tokens: the splits the one-launch attention gave it
-    (its `_split_range`, the grid's splits and the smallest split's tokens from `merge`), or with
-    a fold (merge[6]) the groups they were folded into."""
-    splits, split_tokens, block_n, fold = merge[0], merge[1], merge[2], merge[6]
+    """The splits the one-launch attention gave a row of kv_len tokens (its `_split_range`,
+    the grid's splits and the smallest split's tokens from `merge`)."""
+    splits, split_tokens, block_n = merge[0], merge[1], merge[2]
     kv = cutlass.Int32(kv_len)
     n = cutlass.max(cutlass.min((kv + split_tokens - 1) // split_tokens, splits), 1)
     split_len = ((kv + n - 1) // n + block_n - 1) // block_n * block_n
     split_len = cutlass.max(split_len, block_n)
-    count = cutlass.max((kv + split_len - 1) // split_len, 1)
-    if cutlass.const_expr(fold > 1):
-        count = (count + fold - 1) // fold
-    return count
+    return cutlass.max((kv + split_len - 1) // split_len, 1)
 
 
 @_deferred.jit
@@ -1246,12 +1231,12 @@ def _merge_counts(mKvLen, rows, merge):
 def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge):
     """x into sX [rows * K/8, 8] from the attention's split partials: for each 8-wide chunk of a decode
     row's x (head h), sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over that row's counts[row]
-    partials (slots row * splits + s * fold, merge[6]), as the attention's own merge sums them, rounded to bf16 as it
+    splits (slots row * splits + s), as the attention's own merge sums them, rounded to bf16 as it
     stores x (bf16 partials widened as they load). The CTA's threads share the rows' chunks (a
     thread past the last merges the last again and stores nothing); `merge`'s group of splits loads
     at once for every chunk a thread has (one L2 round trip while the longest row has at most that
     many), a running max past it."""
-    splits, head_dim, group, fold = merge[0], merge[3], merge[4], merge[6]
+    splits, head_dim, group = merge[0], merge[3], merge[4]
     q_heads = x_chunks * VEC // head_dim
     items = rows * x_chunks
     per = (items + threads - 1) // threads
@@ -1274,7 +1259,7 @@ def _merge_x(mMid, mLse, sX, counts, most, tidx, threads, x_chunks, rows, merge)
         for j in cutlass.range_constexpr(group):  # every load of the group first
             for i in cutlass.range_constexpr(per):
                 s = cutlass.min(s0 + j, count[i] - 1)  # past the row's last split: read it again, weigh it 0
-                slot = row[i] * splits + s * fold
+                slot = row[i] * splits + s
                 lses.append(cutlass.Float32(mLse[slot * q_heads + head[i]]))
                 parts.append(mMid[slot * x_chunks + chunk[i], None].load().to(cutlass.Float32))
         for i in cutlass.range_constexpr(per):

@@ -609,7 +609,6 @@ def decode_attention(
     prefetch: str = "none",
     kv_heads_per_program: int = 1,
     merge_counts: torch.Tensor | None = None,
-    partials_out: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one row per sequence) over one layer's pool k/v_cache [P, page, Hkv, D].
 
@@ -627,11 +626,6 @@ def decode_attention(
     and left at zero by each: with them (and num_splits > 1) each group's last split program
     merges the partials, no merge kernel is launched (one per stream, never shared by two
     launches in flight). Returns out [B, Hq, D] in q's dtype. No host sync.
-    partials_out (num_splits > 1, the scratch given, no merge_counts): no merge at all: the
-    split kernel leaves every split's partial and log-sum-exp (slot b * num_splits + s, the
-    split count by `_split_range`, as `decode_attention_one_launch(partials_out=True)` leaves
-    them) for the consumer to merge (`cute_gemv.merge_in`); out is not written; mid_o may be
-    bf16.
     """
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
@@ -643,12 +637,8 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if partials_out and (num_splits == 1 or mid_o is None or mid_lse is None or merge_counts is not None):
-        raise ValueError("partials_out needs num_splits > 1, the split scratch (mid_o, mid_lse) and no merge_counts")
     if num_splits > 1:
         rows = batch * num_splits
-        if mid_o is not None and mid_o.dtype != torch.float32 and not (partials_out and mid_o.dtype == torch.bfloat16):
-            raise ValueError(f"mid_o must be fp32 (bf16 with partials_out), got {mid_o.dtype}")
         if mid_o is None:
             mid_o = torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
         if mid_lse is None:
@@ -687,7 +677,7 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1 and not merge_in_kernel and not partials_out:
+    if num_splits > 1 and not merge_in_kernel:
         merge_gp = group_pad(group)  # the merge kernel's rows: one KV head's group
         # Heads per merge program: keep the [S, heads, D] fp32 tile near 8192 elements (>= 2 heads).
         hpp = max(2, min(merge_gp, 8192 // (num_splits * head_dim)))
@@ -1061,29 +1051,9 @@ def _one_launch_kernel(
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if PARTIALS_OUT:
         # The merge is the consumer's (the O GEMV's prologue, `cute_gemv.merge_in`): every split,
-        # one included, leaves its partial and log-sum-exp, and no counter moves; with MERGE_GROUP
-        # (a fold, `merge_in(fold=)`) the last program of each group of MERGE_GROUP consecutive
-        # splits folds their partials into the group's first slot, so the consumer merges fold
-        # times fewer (a group of one split keeps its partial and touches no counter).
-        slot0 = b * NUM_SPLITS
-        _store_partial(MidO, MidLse, slot0 + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
+        # one included, leaves its partial and log-sum-exp, and no counter moves.
+        _store_partial(MidO, MidLse, b * NUM_SPLITS + split, heads, d, own, g_mask, acc, l_safe, m_i, empty,
                        NUM_Q_HEADS, HEAD_DIM)
-        if MERGE_GROUP > 0:
-            grp = split // MERGE_GROUP
-            g0 = grp * MERGE_GROUP
-            in_group = tl.minimum(n_splits - g0, MERGE_GROUP)
-            if in_group > 1:
-                tl.debug_barrier()  # every thread's partial is stored before the counter moves
-                group_count = _group_counter(Counts, b, grp, NUM_SPLITS // MERGE_GROUP)
-                if tl.atomic_add(group_count, 1, sem="acq_rel", scope="gpu") == in_group - 1:
-                    out, lse_g = _merge_partials(MidO, MidLse, slot0 + g0, in_group, heads, g_mask, d, own,
-                                                 NUM_Q_HEADS, GROUP_PAD, KV_PACK * HEAD_DIM, HEAD_DIM, MERGE_GROUP,
-                                                 MERGE_SPLITS, 1, MERGE_PEEL)
-                    tl.atomic_xchg(group_count, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                    tl.debug_barrier()  # every thread has read the group's partials before its first is overwritten
-                    group_mid = MidO + ((slot0 + g0) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-                    tl.store(group_mid, out.to(MidO.dtype.element_ty), mask=own)
-                    tl.store(MidLse + (slot0 + g0) * NUM_Q_HEADS + heads, lse_g, mask=g_mask)
     elif n_splits == 1:
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=own)
     else:
@@ -1364,9 +1334,7 @@ def decode_attention_one_launch(
     in mid_o and its log-sum-exp in mid_lse, slot b * num_splits + s, for the consumer to merge
     (the O GEMV's prologue, `cute_gemv.merge_in`, which takes the split count from kv_lens by
     the same rule); out is not written, merge_counts not touched. mid_o may then be bf16 (half
-    the bytes the consumer loads; `merge_in(partials="bf16")`). With merge_group (below
-    num_splits) too, a fold: each group's last program merges its splits into the group's first
-    slot (`merge_in(fold=merge_group)`: the consumer merges those), the group counters moving."""
+    the bytes the consumer loads; `merge_in(partials="bf16")`)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _check_shapes(
         q, k_cache, v_cache, num_splits, block_n)
     rope_args = _rope_in_args(rope_in, q, k_cache, v_cache, k_scale, v_scale)
@@ -1379,9 +1347,8 @@ def decode_attention_one_launch(
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must match in shape and have contiguous head rows")
     rows = batch * num_splits
-    if partials_out and merge_group >= num_splits:
-        raise ValueError(f"partials_out with merge_group (a fold) needs fewer than num_splits ({num_splits}) "
-                         f"splits a group, got {merge_group}")
+    if partials_out and merge_group:
+        raise ValueError("partials_out leaves the merge to the consumer: merge_group must be 0")
     if num_splits == 1 and not partials_out:
         mid_o, mid_lse = out, out  # unused: one split writes O directly
     elif (not _scratch_ok(mid_o, rows, (torch.float32, torch.bfloat16) if partials_out else (torch.float32,))

@@ -246,30 +246,6 @@ MERGE_PARTIALS_ENV = "FLASHLET_MERGE_PARTIALS"
 MERGE_PARTIALS = os.environ.get(MERGE_PARTIALS_ENV, "fp32")
 if MERGE_PARTIALS not in PARTIAL_DTYPES:
     raise ValueError(f"{MERGE_PARTIALS_ENV}={MERGE_PARTIALS!r}: expected one of {', '.join(PARTIAL_DTYPES)}")
-# Splits the attention folds into one partial before the O GEMV merges them ($FLASHLET_MERGE_FOLD,
-# an A/B, 1 (none) by default): the last program of each group of that many consecutive splits
-# merges their partials into the group's first slot (a counter a group), and each O CTA loads
-# fold times fewer (Qwen3-1.7B's and Llama-3.2-1B's 16 splits x 2,048 x 4 bytes = 128 KB a CTA at
-# 1,000 tokens, where the merge in O lost 2-3%). A power of two; a step with no more splits than
-# that folds none (`triton_backend.fold_for`).
-MERGE_FOLD_ENV = "FLASHLET_MERGE_FOLD"
-MERGE_FOLD = os.environ.get(MERGE_FOLD_ENV, "1")
-if MERGE_FOLD not in ("1", "2", "4", "8", "16"):
-    raise ValueError(f"{MERGE_FOLD_ENV}={MERGE_FOLD!r}: expected 1, 2, 4, 8 or 16 (splits folded a partial)")
-MERGE_FOLD = int(MERGE_FOLD)
-# Long steps attended in two launches (past tuning.ONE_LAUNCH_LONG_CONTEXT tokens, where
-# ONE_LAUNCH_LONG_TABLE says TWO_LAUNCH) merge in O too, the split kernel's partials loaded "gN"
-# splits a round ($FLASHLET_MERGE_IN_O_LONG, an A/B, "0" off by default): the merge kernel's
-# launch leaves the chain (the 0.5B's 64 splits after 8,000 tokens: each O CTA then loads 230 KB
-# of fp32 partials, 115 KB of bf16). Wherever the merge is in O at the step's rows (`merge_form`).
-# "gN-pdl": the one-launch kernel leaves those partials instead of the split kernel, at the same
-# tile and splits and launched with PDL as the short steps' attention is: its page ids and first
-# block of K/V load while the QKV GEMV runs, and O launches (its weights loading) at its start;
-# the two-launch kernels launch after the kernel before them ends (`long_partials_form`).
-MERGE_IN_O_LONG_ENV = "FLASHLET_MERGE_IN_O_LONG"
-MERGE_IN_O_LONG = os.environ.get(MERGE_IN_O_LONG_ENV, "0")
-if not re.fullmatch(r"0|g(4|8|16)(-pdl)?", MERGE_IN_O_LONG):
-    raise ValueError(f"{MERGE_IN_O_LONG_ENV}={MERGE_IN_O_LONG!r}: expected 0, or g4, g8 or g16 with an optional -pdl")
 
 
 def merge_form(shape: tuple[int, int]) -> MergeForm | None:
@@ -564,7 +540,7 @@ class FusedDecode:
             for rows in self.row_counts:
                 if self.merges_in_o(rows):
                     rope_in = self.rope is None and self.rope_in_attention  # as `_qkv_attend` calls it
-                    rule = attn.partials_rule(rows, rope_in, MERGE_PARTIALS, MERGE_FOLD)
+                    rule = attn.partials_rule(rows, rope_in, MERGE_PARTIALS)
                     if rule is not None:
                         merges.append(self._merge_o(rule, rows, self.device))
         every_row_count = [g for gemvs in self.gemvs.values() for g in gemvs.all()]
@@ -730,12 +706,8 @@ class FusedDecode:
 
     def _partials_asked(self, rows: int) -> dict:
         """`attend_one_launch`'s partials arguments for a step of `rows` rows: whether it leaves
-        them to O (`merges_in_o`), their dtype (MERGE_PARTIALS) and fold (MERGE_FOLD), and for a
-        long step in two launches the group of splits a round its rule asks and which kernel leaves
-        them (MERGE_IN_O_LONG; group 0: the output)."""
-        group, pdl = re.fullmatch(r"0|g(\d+)(-pdl)?", MERGE_IN_O_LONG).groups()
-        return dict(partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS, partials_fold=MERGE_FOLD,
-                    long_partials_group=int(group or 0), long_partials_pdl=pdl is not None)
+        them to O (`merges_in_o`) and their dtype (MERGE_PARTIALS)."""
+        return dict(partials_out=self.merges_in_o(rows), partials=MERGE_PARTIALS)
 
     def merges_in_o(self, rows: int) -> bool:
         """Whether a step of `rows` rows asks the attention for split partials (`merge_form`: bf16
@@ -754,12 +726,7 @@ class FusedDecode:
             else:
                 knobs = ({"warps": form.warps} if form.warps else {}) | (
                     {"ctas_per_sm": form.ctas_per_sm} if form.ctas_per_sm else {})
-            # The GEMV's group of splits a round: the form's (else the rule's); with a fold no more
-            # than the partials it leaves (a group past them would load the last again).
-            group = form.group or rule[4]
-            if rule[6] > 1:
-                group = min(group, -(-rule[0] // rule[6]))
-            merge = (*rule[:4], group, *rule[5:])
+            merge = (*rule[:4], form.group, *rule[5:]) if form.group else rule  # the GEMV's group of splits a round
             self.merge_o[rule, rows] = CuteGemv(h, q, "residual", device=device, pdl=self.pdl, merge=merge, **knobs)
         return self.merge_o[rule, rows]
 

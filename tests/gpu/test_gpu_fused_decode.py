@@ -705,19 +705,15 @@ def test_one_launch_attention_with_split_contexts(tmp_path):
     assert not engine.runner.backend._merge_counts.any()
 
 
-@pytest.mark.parametrize("form, partials, fold", [("1", "fp32", 1), ("w4", "fp32", 1), ("w8g16", "fp32", 1),
-                                                 ("w4", "bf16", 1), ("w4", "fp32", 2), ("w8g16", "bf16", 4)],
-                         ids=["1-fp32", "w4-fp32", "w8g16-fp32", "w4-bf16", "w4-fp32-fold2", "w8g16-bf16-fold4"])
-def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials, fold):
+@pytest.mark.parametrize("form, partials", [("1", "fp32"), ("w4", "fp32"), ("w8g16", "fp32"), ("w4", "bf16")])
+def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, form, partials):
     """fused_decode.MERGE_IN_O ($FLASHLET_MERGE_IN_O; forced at this tiny shape, which "auto"
     leaves out; "w4": four warps a CTA): one row's attention leaves its split partials (fp32, or
-    bf16: $FLASHLET_MERGE_PARTIALS; folded `fold` splits a partial first: $FLASHLET_MERGE_FOLD)
-    and the O GEMV merges them in its prologue. Prompts of 300 to 1,700 tokens (2 to 7 splits of
-    256, merged four at a time), PDL on: teacher-forced against the per-op path; the merge GEMV
-    ran and no merge counter moved."""
+    bf16: $FLASHLET_MERGE_PARTIALS) and the O GEMV merges them in its prologue. Prompts of
+    300 to 1,700 tokens (2 to 7 splits of 256, merged four at a time), PDL on: teacher-forced
+    against the per-op path; the merge GEMV ran and no merge counter moved."""
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", form)
     monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", partials)
-    monkeypatch.setattr(fused_decode, "MERGE_FOLD", fold)
     source, vocab = dict(model=str(save_tiny_model("qwen2", tmp_path, **SMALL))), SMALL["vocab_size"]
     ps = [[(i * 13 + 5 * p + 2) % vocab for i in range(300 + 350 * p)] for p in range(5)]
     engine = check_against_reference_teacher_forced(source, ps, 16, fused_decode_attn=True, fused_decode_rope=True,
@@ -725,7 +721,6 @@ def test_the_merge_in_the_o_gemv_gives_the_per_op_tokens(tmp_path, monkeypatch, 
     fused = engine.runner.fused
     assert fused.merges_in_o(1) and fused.merge_o, "no step merged in the O GEMV"
     assert {rule[5] for rule, _ in fused.merge_o} == {partials}
-    assert fold in {rule[6] for rule, _ in fused.merge_o}, sorted(fused.merge_o)
     assert not engine.runner.fused_attention._merge_counts.any()
 
 
@@ -794,28 +789,18 @@ def test_attention_out_of_the_pdl_chain_gives_the_same_tokens(tmp_path, monkeypa
 @pytest.mark.parametrize("family,form", [
     ("qwen2", "table"), ("qwen2", "grouped"), ("qwen2", "two-launch"),
     ("qwen3", "table"), ("qwen3", "table-plain"), ("qwen3", "grouped"), ("qwen3", "two-launch"),
-    ("qwen2", "two-launch-in-o"), ("qwen3", "two-launch-in-o-bf16"),
-    ("qwen2", "two-launch-in-o-pdl"), ("qwen3", "two-launch-in-o-pdl"),
 ], ids=["rope-epilogue-table", "rope-epilogue-grouped", "rope-epilogue-two-launch", "rope-in-attention-table",
-        "rope-in-attention-table-plain", "rope-in-attention-grouped", "rope-in-attention-two-launch",
-        "rope-epilogue-two-launch-merged-in-o", "rope-in-attention-two-launch-merged-in-o-bf16",
-        "rope-epilogue-two-launch-merged-in-o-pdl", "rope-in-attention-two-launch-merged-in-o-pdl"])
+        "rope-in-attention-table-plain", "rope-in-attention-grouped", "rope-in-attention-two-launch"])
 def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, family, form):
     """tuning.ONE_LAUNCH_LONG_TABLE's one-row entry (here from 1,024 tokens, pages carried ahead,
     more and shorter splits than the short config; table-plain: without the pages ahead; grouped:
-    with the merge in two levels), or the two-launch decode there ($FLASHLET_LONG_DECODE=two-launch;
-    "-in-o": its split partials merged in the O GEMV, $FLASHLET_MERGE_IN_O_LONG=g16, fp32 or bf16;
-    "-pdl": those partials left by the one-launch kernel at the same tile, =g16-pdl),
+    with the merge in two levels), or the two-launch decode there ($FLASHLET_LONG_DECODE=two-launch),
     PDL on as the default runs it, with RoPE in the QKV epilogue (Qwen2) or in the attention
     (Qwen3): prompts of 700 to 1,800 tokens, some rows crossing the threshold while they decode,
     teacher-forced against the per-op path; the long graphs exist; CUDA graphs give the eager tokens."""
     from flashlet.kernels import tuning
 
-    monkeypatch.setenv("FLASHLET_LONG_DECODE", "two-launch" if form.startswith("two-launch") else "table")
-    if "in-o" in form:
-        monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
-        monkeypatch.setattr(fused_decode, "MERGE_IN_O_LONG", "g16-pdl" if form.endswith("pdl") else "g16")
-        monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", "bf16" if form.endswith("bf16") else "fp32")
+    monkeypatch.setenv("FLASHLET_LONG_DECODE", "two-launch" if form == "two-launch" else "table")
     monkeypatch.setattr(tuning, "ONE_LAUNCH_LONG_CONTEXT", 1024)
     monkeypatch.setitem(tuning.ONE_LAUNCH_LONG_TABLE, (64, 2, 1), tuning.OneLaunchConfig(
         block_n=64, num_warps=2, num_stages=3, min_split_tokens=64, num_splits=32,
@@ -832,8 +817,6 @@ def test_a_long_context_entry_gives_the_per_op_tokens(tmp_path, monkeypatch, fam
     flags = dict(fused_decode_attn=True, fused_decode_pdl=True, max_model_len=2048)
     engine = check_against_reference_teacher_forced(source, ps, 40, **flags)
     assert any("long" in key for key in engine.runner.graphs)
-    if "in-o" in form:  # the long steps' rule asks 16 splits a round; the short ones' 4
-        assert any(rule[4] == 16 for rule, _ in engine.runner.fused.merge_o), sorted(engine.runner.fused.merge_o)
     graphs, _ = run(source, ps, 40, fused=True, **flags)
     eager, _ = run(source, ps, 40, fused=True, cuda_graph=False, **flags)
     assert graphs == eager

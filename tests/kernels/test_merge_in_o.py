@@ -16,8 +16,8 @@ import torch
 
 from flashlet.kernels import cute_gemv
 from flashlet.kernels.cute_gemv import (CuteGemv, SplitPartials, gemv_reference, merge_in, merge_partials_reference,
-                                        merged_slots, plan_gemv, split_count)
-from flashlet.kernels.decode_attention import decode_attention, decode_attention_one_launch, decode_attention_reference
+                                        plan_gemv, split_count)
+from flashlet.kernels.decode_attention import decode_attention_one_launch, decode_attention_reference
 
 NAN = float("nan")
 HAVE_CUTE, NO_CUTE_REASON = cute_gemv.cute_available()
@@ -76,89 +76,17 @@ def test_partials_out_merged_by_the_rule_give_the_attention_output(kh, group, nu
     assert kh.rel_err(x.view_as(want), want) < 1e-5
 
 
-@pytest.mark.parametrize("kv_len, num_splits, split_tokens, block_n", [(40, 4, 16, 16), (300, 16, 16, 16), (16, 4, 16, 16)])
-def test_two_launch_partials_out_merged_by_the_rule_give_its_output(kh, kv_len, num_splits, split_tokens, block_n):
-    """`decode_attention(partials_out=True)` (the two-launch form's split kernel alone, a long
-    step merging in O): the same slots and split rule as the one-launch form's, merged by the
-    reference to the two-launch output; no merge kernel writes out."""
-    head_dim, group, num_kv_heads = 16, 7, 2
-    paged = kh.make_paged([kv_len], 8, num_kv_heads, head_dim, seed=kv_len + 1)
-    q = torch.randn(1, group * num_kv_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(kh.device)
-    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"],
-            head_dim**-0.5)
-    kw = dict(num_splits=num_splits, min_split_tokens=split_tokens, block_n=block_n)
-    want = decode_attention(*args, **kw)
-    mid_o = torch.full((num_splits + 2, 14, head_dim), NAN, device=kh.device)
-    mid_lse = torch.full((num_splits + 2, 14), NAN, device=kh.device)
-    out = torch.full_like(q, NAN)
-    decode_attention(*args, out=out, mid_o=mid_o, mid_lse=mid_lse, partials_out=True, **kw)
-    assert torch.isnan(out).all(), "partials_out writes no output"
-    rule = merge_in(num_splits, split_tokens, block_n, head_dim)
-    n = split_count(kv_len, rule)
-    assert not torch.isnan(mid_lse[:n]).any() and torch.isnan(mid_lse[n:]).all()
-    x = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule))
-    assert kh.rel_err(x.view_as(want), want) < 1e-5
-    with pytest.raises(ValueError, match="partials_out needs"):
-        decode_attention(*args, partials_out=True, **kw)  # no scratch
-    with pytest.raises(ValueError, match="mid_o must be fp32"):
-        decode_attention(*args, mid_o=mid_o.to(torch.bfloat16), mid_lse=mid_lse, **kw)
-
-
-@pytest.mark.parametrize("group, num_kv_heads, kv_pack, kv_len, num_splits, fold, partials", [
-    (7, 2, 1, 100, 8, 2, "fp32"),    # Qwen2.5-0.5B's group: 7 splits, groups of 2 (the last of one split)
-    (7, 2, 2, 100, 8, 4, "fp32"),    # KV heads packed two a program, groups of 4 and 3
-    (2, 4, 1, 70, 8, 4, "bf16"),     # Qwen3's group, bf16 partials: 5 splits, groups of 4 and 1
-    (6, 2, 1, 300, 16, 4, "fp32"),   # Qwen2.5-1.5B's group: 16 splits, four whole groups
-    (7, 2, 1, 16, 4, 2, "fp32"),     # one split: one group of one, no counter moves
-])
-def test_folded_partials_merged_by_the_rule_give_the_attention_output(kh, group, num_kv_heads, kv_pack, kv_len,
-                                                                        num_splits, fold, partials):
-    """partials_out with merge_group (a fold, `merge_in(fold=)`): each group's last program folds its
-    splits into the group's first slot, and the reference merging those slots alone (fold apart)
-    gives the attention's output; the counters are back at zero, the slots past the row's splits
-    untouched."""
-    head_dim, split_tokens, block_n = 16, 16, 16
-    paged = kh.make_paged([kv_len], 8, num_kv_heads, head_dim, seed=kv_len + fold)
-    hq = group * num_kv_heads
-    q = torch.randn(1, hq, head_dim, generator=torch.Generator().manual_seed(5)).to(kh.device)
-    args = (q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"], paged["kv_lens"],
-            head_dim**-0.5)
-    dtype = torch.bfloat16 if partials == "bf16" else torch.float32
-    mid_o = torch.full((num_splits + 2, hq, head_dim), NAN, device=kh.device, dtype=dtype)
-    mid_lse = torch.full((num_splits + 2, hq), NAN, device=kh.device)
-    counts = torch.zeros(64, dtype=torch.int32, device=kh.device)
-    out = torch.full_like(q, NAN)
-    decode_attention_one_launch(*args, out=out, mid_o=mid_o, mid_lse=mid_lse, merge_counts=counts,
-                                num_splits=num_splits, min_split_tokens=split_tokens, block_n=block_n,
-                                kv_heads_per_program=kv_pack, merge_group=fold, partials_out=True)
-    assert torch.isnan(out).all(), "partials_out writes no output"
-    assert not counts.any(), "the group counters are left at zero"
-    rule = merge_in(num_splits, split_tokens, block_n, head_dim, partials=partials, fold=fold)
-    n = split_count(kv_len, rule)
-    assert list(merged_slots(kv_len, rule)) == list(range(0, n, fold))
-    assert torch.isnan(mid_lse[n:]).all(), "a split past the row's count wrote a partial"
-    x = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule))
-    want = decode_attention_reference(*args)
-    assert kh.rel_err(x.view_as(want), want) < (1e-5 if partials == "fp32" else 1e-2)
-    unfolded = merge_partials_reference(SplitPartials(mid_o, mid_lse, paged["kv_lens"], rule[:6] + (1,)))
-    if n > fold:  # the folded slots are not the splits' own: merging every slot counts splits twice
-        assert kh.rel_err(unfolded.view_as(want), want) > 1e-3
-
-
-def test_a_fold_needs_fewer_splits_a_group_than_the_grid_has(kh):
+def test_partials_out_refuses_a_two_level_merge(kh):
     paged = kh.make_paged([40], 8, 2, 16)
     q = torch.randn(1, 14, 16, device=kh.device)
-    with pytest.raises(ValueError, match="fewer than num_splits"):
+    with pytest.raises(ValueError, match="merge_group must be 0"):
         decode_attention_one_launch(q, paged["k_cache"], paged["v_cache"], paged["kv_indptr"], paged["kv_indices"],
                                     paged["kv_lens"], 0.25, out=torch.empty_like(q),
                                     mid_o=torch.empty(8, 14, 16, device=kh.device),
                                     mid_lse=torch.empty(8, 14, device=kh.device),
                                     merge_counts=torch.zeros(64, dtype=torch.int32, device=kh.device),
-                                    num_splits=4, min_split_tokens=16, block_n=16, merge_group=4,
+                                    num_splits=8, min_split_tokens=16, block_n=16, merge_group=2,
                                     partials_out=True)
-    for fold in (3, 0, 128):
-        with pytest.raises(ValueError, match="fold must be"):
-            merge_in(64, 256, 256, 64, fold=fold)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -187,10 +115,8 @@ def test_merge_plans_m_rows_as_x_itself_in_either_form(rows, mma):
 def test_merge_plan_is_os_plan_with_its_rule():
     plain = plan_gemv(896, 896, "residual", pdl=True)
     merged = plan_gemv(896, 896, "residual", pdl=True, merge=merge_in(64, 256, 256, 64))
-    assert merged.merge == (64, 256, 256, 64, 4, "fp32", 1) and "merge4" in merged.describe()
+    assert merged.merge == (64, 256, 256, 64, 4, "fp32") and "merge4" in merged.describe()
     assert merged == plain.__class__(**{**plain.__dict__, "merge": merged.merge})
-    folded = plan_gemv(896, 896, "residual", pdl=True, merge=merge_in(64, 256, 256, 64, fold=8))
-    assert "fold8" in folded.describe() and "fold" not in merged.describe()
 
 
 def _fused_at(shape: tuple[int, int], **fields):
@@ -215,23 +141,19 @@ def test_the_merge_forms_build_their_gemv(monkeypatch):
         monkeypatch.setattr(fused_decode, "MERGE_IN_O", setting)
         fused = _fused_at(shape, merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
         plan = fused_decode.FusedDecode._merge_o(fused, rule, 1, torch.device("cpu")).plan
-        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group, "fp32", 1)), (setting, shape)
+        assert (plan.warps, plan.merge) == (warps, (*rule[:4], group, "fp32")), (setting, shape)
     # bf16 partials keep their dtype in the GEMV's rule, its group its own
     bf16 = merge_in(16, 64, 64, 128, partials="bf16")
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w8g16")
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
     plan = fused_decode.FusedDecode._merge_o(fused, bf16, 1, torch.device("cpu")).plan
-    assert plan.merge == (16, 64, 64, 128, 16, "bf16", 1) and "bf16parts" in plan.describe()
-    # a fold of 4 leaves at most 4 partials of the 16 splits: 4 load a round, not 16
-    folded = merge_in(16, 64, 64, 128, fold=4)
-    plan = fused_decode.FusedDecode._merge_o(fused, folded, 1, torch.device("cpu")).plan
-    assert plan.merge == (16, 64, 64, 128, 4, "fp32", 4) and "fold4" in plan.describe()
+    assert plan.merge == (16, 64, 64, 128, 16, "bf16") and "bf16parts" in plan.describe()
     # a looping grid: one CTA an SM walks the tiles, merging once
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "w8g16c1")
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (2048, 2048, 0, 0, 0))
     plan = fused_decode.FusedDecode._merge_o(fused, bf16, 1, torch.device("cpu")).plan
     assert plan == plan_gemv(2048, 2048, "residual", pdl=True, warps=8, ctas_per_sm=1,
-                             merge=(16, 64, 64, 128, 16, "bf16", 1))
+                             merge=(16, 64, 64, 128, 16, "bf16"))
     assert plan.grid < plan.num_tiles
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "1")
     fused = _fused_at((2048, 8192), merge_o={}, pdl=True, _widths=lambda: (1024, 2048, 0, 0, 0))
@@ -275,9 +197,7 @@ def test_merge_settings_refuse_what_they_do_not_know():
     import sys
 
     for env, value in (("FLASHLET_MERGE_IN_O", "w3"), ("FLASHLET_MERGE_IN_O", "w8c3"), ("FLASHLET_MERGE_IN_O_ROWS", "16"),
-                       ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16"),
-                       ("FLASHLET_MERGE_IN_O_LONG", "g32"), ("FLASHLET_MERGE_IN_O_LONG", "g16pdl"),
-                       ("FLASHLET_MERGE_FOLD", "3")):
+                       ("FLASHLET_MERGE_IN_O_ROWS", "4x"), ("FLASHLET_MERGE_PARTIALS", "fp16")):
         run = subprocess.run([sys.executable, "-c", "import flashlet.runner.fused_decode"], capture_output=True,
                              text=True, env={**__import__("os").environ, env: value})
         assert run.returncode != 0 and f"{env}={value!r}: expected" in run.stderr, (env, value, run.stderr[-300:])
@@ -335,19 +255,16 @@ def test_which_steps_merge_in_the_o_gemv(monkeypatch, setting, shape, rows, fp8,
         rows > 1 or not mma) and (setting != "auto" or shape in fused_decode.MERGE_IN_O_SHAPES))
 
 
-def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partials: str = "fp32",
-              fold: int = 1) -> SplitPartials:
-    """Random partials and log-sum-exps in the first n_used slots (with a fold: each group's first
-    of them), NaN in every other, and a KV length the rule (256-token splits, 64-key blocks)
-    gives exactly n_used splits."""
+def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partials: str = "fp32") -> SplitPartials:
+    """Random partials and log-sum-exps in the first n_used slots, NaN past them, and a KV length
+    the rule (256-token splits, 64-key blocks) gives exactly n_used splits."""
     gen = torch.Generator().manual_seed(seed)
     heads = k // head_dim
     mid_o = torch.full((splits, heads, head_dim), NAN)
     mid_lse = torch.full((splits, heads), NAN)
-    kept = len(range(0, n_used, fold))
-    mid_o[:n_used:fold] = torch.randn(kept, heads, head_dim, generator=gen)
-    mid_lse[:n_used:fold] = 4 * torch.randn(kept, heads, generator=gen)  # weights far apart and near
-    rule = merge_in(splits, 256, 64, head_dim, partials=partials, fold=fold)
+    mid_o[:n_used] = torch.randn(n_used, heads, head_dim, generator=gen)
+    mid_lse[:n_used] = 4 * torch.randn(n_used, heads, generator=gen)  # weights far apart and near
+    rule = merge_in(splits, 256, 64, head_dim, partials=partials)
     kv_len = 256 * n_used - 100
     assert split_count(kv_len, rule) == n_used
     return SplitPartials(mid_o.to(cute_gemv.partial_dtype(rule)).cuda(), mid_lse.cuda(),
@@ -362,13 +279,12 @@ def _partials(n_used: int, splits: int, k: int, head_dim: int, seed: int, partia
                                    dict(warps=2, staged=False), dict(ctas_per_sm=1)],  # (the last loops)
                          ids=["plan", "w4", "staged", "w2", "looping"])
 @pytest.mark.parametrize("group", [4, 16])
-def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, partials="fp32",
-                                                          fold=1):
+def test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, group, partials="fp32"):
     """x merged in the prologue (poisoned slots past the row's splits never read), then W x + r,
     against the reference merge rounded to bf16 (as the attention stores x) and the fp32 GEMV;
     four or sixteen splits loaded a round (the GEMV's own group: the partials' rule keeps 4)."""
-    parts = _partials(n_used, 16, k, head_dim, seed=n_used, partials=partials, fold=fold)
-    gemv = CuteGemv(n, k, "residual", pdl=True, merge=(*parts.rule[:4], group, *parts.rule[5:]), **knobs)
+    parts = _partials(n_used, 16, k, head_dim, seed=n_used, partials=partials)
+    gemv = CuteGemv(n, k, "residual", pdl=True, merge=(*parts.rule[:4], group, partials), **knobs)
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
     r = torch.randn(1, n, generator=gen).to(torch.bfloat16).cuda()
@@ -399,26 +315,12 @@ def test_merge_gemv_of_bf16_partials(kh, n, k, head_dim, n_used, knobs, group):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("n, k, head_dim", [(896, 896, 64), (1024, 2048, 128)])
-@pytest.mark.parametrize("n_used", [3, 9, 16])
-@pytest.mark.parametrize("knobs", [{}, dict(warps=8, ctas_per_sm=1)], ids=["plan", "w8-looping"])
-@pytest.mark.parametrize("fold", [2, 4])
-def test_merge_gemv_of_folded_partials(kh, n, k, head_dim, n_used, knobs, fold):
-    """The same with the attention's splits folded (`merge_in(fold=)`): the GEMV merges each
-    group's first slot only (the others poisoned), ceil(splits / fold) of them."""
-    test_merge_gemv_matches_the_reference_merge_then_gemv(kh, n, k, head_dim, n_used, knobs, 4, "fp32", fold)
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("rows", [2, 4, 8])
 @pytest.mark.parametrize("knobs", [dict(min_ctas_per_sm=0), dict(mma=False, warps=8)])
-@pytest.mark.parametrize("fold", [1, 4])
-def test_m_row_merge_gemv_matches_the_reference_merge_then_gemv(kh, rows, knobs, fold):
+def test_m_row_merge_gemv_matches_the_reference_merge_then_gemv(kh, rows, knobs):
     """M decode rows, each with its own split count (1 to 9 of 16, slots row * 16 + s), merged
     into shared memory and read as x by the tensor-core fragments or the CUDA-core rows: against
-    the reference merge rounded to bf16 and the fp32 GEMV, every unused slot poisoned (with a
-    fold of 4, every slot but each group's first too)."""
+    the reference merge rounded to bf16 and the fp32 GEMV, every unused slot poisoned."""
     n, k, head_dim, splits = 896, 896, 64, 16
     heads = k // head_dim
     gen = torch.Generator().manual_seed(rows)
@@ -426,10 +328,9 @@ def test_m_row_merge_gemv_matches_the_reference_merge_then_gemv(kh, rows, knobs,
     mid_o = torch.full((rows * splits, heads, head_dim), NAN)
     mid_lse = torch.full((rows * splits, heads), NAN)
     for m, u in enumerate(used):
-        kept = len(range(0, u, fold))
-        mid_o[m * splits: m * splits + u: fold] = torch.randn(kept, heads, head_dim, generator=gen)
-        mid_lse[m * splits: m * splits + u: fold] = 4 * torch.randn(kept, heads, generator=gen)
-    rule = merge_in(splits, 256, 64, head_dim, fold=fold)
+        mid_o[m * splits: m * splits + u] = torch.randn(u, heads, head_dim, generator=gen)
+        mid_lse[m * splits: m * splits + u] = 4 * torch.randn(u, heads, generator=gen)
+    rule = merge_in(splits, 256, 64, head_dim)
     kv_lens = torch.tensor([256 * u - 100 for u in used], dtype=torch.int32)
     assert [split_count(int(v), rule) for v in kv_lens] == used
     parts = SplitPartials(mid_o.cuda(), mid_lse.cuda(), kv_lens.cuda(), rule)
@@ -456,15 +357,14 @@ def test_start_precompile_hands_the_merging_o_gemvs_to_the_workers(monkeypatch):
     monkeypatch.setattr(fused_decode, "MERGE_IN_O", "auto")
     monkeypatch.setattr(fused_decode, "MERGE_IN_O_ROWS", "auto")
     monkeypatch.setattr(fused_decode, "MERGE_PARTIALS", "bf16")
-    monkeypatch.setattr(fused_decode, "MERGE_FOLD", 2)
     handed = []
     monkeypatch.setattr(fused_decode.cute_precompile, "start", lambda gemvs: handed.append(list(gemvs)) or "job")
     asked = []
 
     class Attn:
-        def partials_rule(self, rows, rope_in, partials, fold):
-            asked.append((rows, rope_in, partials, fold))
-            return None if rows == 3 else merge_in(8 * rows, 128, 128, 64, partials=partials, fold=fold)
+        def partials_rule(self, rows, rope_in, partials):
+            asked.append((rows, rope_in, partials))
+            return None if rows == 3 else merge_in(8 * rows, 128, 128, 64, partials=partials)
 
     plain = [SimpleNamespace(name=f"gemv{m}") for m in (1, 2, 3, 4, 8)]
     fused = _fused_at((896, 4864), merge_o={}, pdl=True, _widths=lambda: (896, 896, 0, 0, 0), fp8=False,
@@ -474,10 +374,10 @@ def test_start_precompile_hands_the_merging_o_gemvs_to_the_workers(monkeypatch):
     fused.merges_in_o = MethodType(fused_decode.FusedDecode.merges_in_o, fused)
     fused._merge_o = MethodType(fused_decode.FusedDecode._merge_o, fused)
     fused_decode.FusedDecode.start_precompile(fused, Attn())
-    assert fused.precompile == "job" and asked == [(m, True, "bf16", 2) for m in (1, 2, 3, 4)]  # the 0.5B: up to 4 rows
+    assert fused.precompile == "job" and asked == [(m, True, "bf16") for m in (1, 2, 3, 4)]  # the 0.5B: up to 4 rows
     merging = handed[0][len(plain):]
     assert handed[0][:len(plain)] == plain and merging == [fused.merge_o[k] for k in fused.merge_o]
     assert sorted(rows for _, rows in fused.merge_o) == [1, 2, 4]  # 3 rows: the backend names no rule
-    assert all(rule == merge_in(8 * rows, 128, 128, 64, partials="bf16", fold=2) for rule, rows in fused.merge_o)
+    assert all(rule == merge_in(8 * rows, 128, 128, 64, partials="bf16") for rule, rows in fused.merge_o)
     fused_decode.FusedDecode.start_precompile(fused, None)  # no backend: the row counts' GEMVs only
     assert handed[1] == plain

@@ -469,7 +469,9 @@ fi_there() {  # "flashinfer" where it is installed (its wheels travel in .whl-fi
   python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('flashinfer') is None)" \
     2>/dev/null && echo flashinfer
 }
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+# -rfs: each failure's and skip's name in the summary at the end, which is what a call's tail shows
+# (session 71's first call read "6 failed" with no name and spent a second call to find them).
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfs"
 cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 on: dsl_packages)
   local root=/tmp/cute/$1/nvidia_cutlass_dsl/dsl_packages
   [[ -d $root ]] || root=/tmp/cute/$1/nvidia_cutlass_dsl/python_packages

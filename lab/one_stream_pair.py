@@ -13,9 +13,10 @@ in interleaved processes, where the machine's own modes move one reading by ~7%.
 
 Each run times `generate` of 257 new tokens minus that of 1, after a cached prompt (32 tokens
 unless --prompt-len says): 256 decode steps. Prints one JSON line: tok/s of each run (and its two
-calls' ms), the start-up seconds, the graphs' us, and issue 29's yardstick: the byte limit (the weights' bytes
-plus the KV bytes of the steps' mean context, at the H200's measured 4.24 TB/s copy bandwidth)
-and the best run's share of it. `--table` reads such lines on stdin and prints them as a table.
+calls' ms), the start-up seconds and where they went (the engine's start report), the graphs'
+us, and issue 29's yardstick: the byte limit (the weights' bytes plus the KV bytes of the steps'
+mean context, at the H200's measured 4.24 TB/s copy bandwidth) and the best run's share of it.
+`--table` reads such lines on stdin and prints them as a table.
 """
 
 import argparse
@@ -132,7 +133,8 @@ def main() -> None:
     result = {"label": args.label, "config": args.config, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "fused_off": args.fused_off,
               "fused": llm.engine.runner.fused is not None,
-              "start_s": round(time.perf_counter() - started, 1)}
+              "start_s": round(time.perf_counter() - started, 1),
+              "start": start_parts(llm.engine)}
     prompts = prompts_for(1, args.prompt_len, llm.engine.model_config.vocab_size)
     llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # prompt cached
     runs = [timed_run(llm, prompts) for _ in range(3)]
@@ -144,6 +146,16 @@ def main() -> None:
     result["share"] = round(max(result["tok_s"]) / result["limit_tok_s"], 3)
     result["graph_us"] = graphs_us(llm.engine.runner)
     print(json.dumps(result))
+
+
+def start_parts(engine) -> dict:
+    """Where start_s went, from the engine's start report: its load / warm-up / capture seconds,
+    the graphs captured and the CuTe GEMVs readied (compiled, or loaded from the disk cache), so
+    an A/B's processes say what a start spends without a call of their own."""
+    report = getattr(engine, "start_report", None) or {}
+    keys = ("load_s", "warmup_s", "capture_s", "graphs", "mixed_graphs", "mixed_capture_s", "triton_compiles",
+            "cute_gemvs", "cute_compile_s", "cute_from_disk", "cute_precompile")
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in report.items() if k in keys}
 
 
 def graphs_us(runner, rows: int = 1) -> dict[str, float]:

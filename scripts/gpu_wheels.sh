@@ -8,8 +8,9 @@
 #                 files come stripped), split into parts beside a manifest (sha256, part count,
 #                 "xz"). The last one-wheel DSL, 4.3.5 (58.6 MB as a wheel, ~41 MB packed), goes
 #                 whole into .whl-cute/; the pin, CUTE_DSL_VERSION (its four wheels ~97 MB, ~66 MB
-#                 packed: more than one call carries beside the ~8 MB repository), in two parts,
-#                 the smaller beside 4.3.5 in .whl-cute/, the larger (CARRY_MB) in .whl-cute1/.
+#                 packed: more than one call carries beside the ~8 MB repository), in two parts
+#                 that leave both folders ~53 MB (each under CARRY_MB): the smaller beside 4.3.5
+#                 in .whl-cute/, the larger in .whl-cute1/.
 #                 Carry .whl-cute/ in a machine's first call (it runs under 4.3.5) and .whl-cute1/
 #                 in its second: from then on every part runs under the pin, whose compiled GEMVs
 #                 load from its disk cache where 4.3.5 compiles them in every process

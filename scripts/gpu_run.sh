@@ -324,8 +324,8 @@
 # front of /tmp/site and /tmp/fi. A version travels as a pack: the tree `pip install --target`
 # makes of its wheels, tarred and xz'd, in parts (cute-dsl-VERSION.tar.partNN, each folder with
 # the pack's manifest: sha256, part count, "xz"), unpacked once all parts are in /tmp/cute-parts
-# (--target skips the wheels' .pth file, so the import roots go on PYTHONPATH by hand (4.6 on:
-# nvidia_cutlass_dsl/dsl_packages, 4.3.5: nvidia_cutlass_dsl/python_packages, each with the folder
+# (--target skips the wheels' .pth file, so the import roots go on PYTHONPATH by hand: 4.6 on
+# nvidia_cutlass_dsl/dsl_packages, 4.3.5 nvidia_cutlass_dsl/python_packages, each with the folder
 # itself). gpu_wheels.sh packs the one-wheel 4.3.5 whole (~41 MB) and the pin (4.8.1, ~66 MB
 # xz'd, more than one call carries beside the repository) in two parts: the smaller beside 4.3.5
 # in .whl-cute/, the larger in .whl-cute1/. So the first call on a machine runs under 4.3.5, and
@@ -486,6 +486,13 @@ cute_path() {  # the PYTHONPATH roots of CuTe DSL version $1 in $CUTE_ROOT (4.6 
   [[ -d $root ]] || root=$CUTE_ROOT/$1/nvidia_cutlass_dsl/python_packages
   echo "$root:$CUTE_ROOT/$1"
 }
+unpack_dsl() {  # unpack_dsl DIR FORM DEST: DIR/dsl.tar (a pack's joined parts) installed into DEST
+  if [[ $2 == xz ]]; then  # the tree pip --target would make, so no pip
+    rm -rf "${3:?}" && mkdir -p "$3" && xz -dc "$1/dsl.tar" | tar -xf - -C "$3"
+  else  # an older pack: a tar of the wheels themselves
+    tar xf "$1/dsl.tar" -C "$1" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$3" "$1"/*.whl
+  fi
+}
 cute_env() {  # the CuTe DSL from $CUTE_ROOT/VERSION, installed there on first use from the
              # carried packs (cute-dsl-VERSION.tar.partNN with its manifest, in .whl-cute/ and
              # .whl-cute1/ ...: gathered in $CUTE_ROOT-parts over calls) or the one-wheel fallback
@@ -508,13 +515,7 @@ cute_env() {  # the CuTe DSL from $CUTE_ROOT/VERSION, installed there on first u
     cat "$parts"/cute-dsl-$v.tar.part* > "$d/dsl.tar"  # the glob sorts part00, part01 ...
     if [[ $(sha256sum < "$d/dsl.tar" | cut -d' ' -f1) != "$sha" ]]; then
       echo "CuTe DSL $v: the joined parts do not match their manifest" | tee -a "$LOG"
-    elif [[ ${form:-} == xz ]]; then  # the tree pip --target would make, so no pip
-      rm -rf "${CUTE_ROOT:?}/$v" && mkdir -p "$CUTE_ROOT/$v" &&
-        xz -dc "$d/dsl.tar" | tar -xf - -C "$CUTE_ROOT/$v" && touch "$CUTE_ROOT/$v/.installed" &&
-        rm -f "$parts"/cute-dsl-$v.tar.part* ||
-        echo "CuTe DSL $v: the joined parts do not unpack" | tee -a "$LOG"
-    elif tar xf "$d/dsl.tar" -C "$d" &&
-         python3 -m pip install -q --no-index --no-deps --no-compile --target "$CUTE_ROOT/$v" "$d"/*.whl; then
+    elif unpack_dsl "$d" "${form:-}" "$CUTE_ROOT/$v"; then
       touch "$CUTE_ROOT/$v/.installed" && rm -f "$parts"/cute-dsl-$v.tar.part*
     else
       echo "CuTe DSL $v: the joined parts do not install" | tee -a "$LOG"

@@ -6,11 +6,15 @@ sweep is asked for one; merge_plans' `python3 -c` runs for real."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import lzma
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -343,10 +347,6 @@ def test_merge_rows_ab_interleaves_the_tree_with_each_row_limit(gpu_run):
 def _dsl_pack(version: str, root_dir: str) -> tuple[bytes, str]:
     """A stand-in CuTe DSL tree (the import root gpu_run.sh puts on the path, one file) packed as
     gpu_wheels.sh packs one: tarred, xz'd; returns the pack's bytes and its sha256."""
-    import hashlib
-    import io
-    import lzma
-    import tarfile
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         data = f"version = {version!r}\n".encode()

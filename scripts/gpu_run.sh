@@ -37,6 +37,9 @@
 #                interleaved pairs (~5 min)
 #   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
 #                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
+#   counter-probe stage 3's stage boundary: one program an SM passing grid-wide counters (release,
+#                acquire spin, the next stage's vector from L2), us a round, then the persistent
+#                plan's predicted step at that cost (lab/counter_probe.py; ~1 min, no DSL)
 #   presets-1k   issue 29's first line: one stream through LLM.generate after a cached 1,000-token
 #                prompt at every preset (PRESETS_1K="a b" to choose), a fresh process each, its
 #                share of the byte limit (weights + KV at 4.24 TB/s; lab/one_stream_pair.py), then a
@@ -966,6 +969,9 @@ for _ in range(480):
         done
       done
       pair_table ;;
+    counter-probe)  # stage 3's boundary (lab/counter_probe.py), then the plan's step at the measured cost
+      run 120 python3 lab/counter_probe.py
+      run 60 python3 lab/counter_probe.py --programs 2 --payload 896 --presets ;;
     one-launch-presets)  # the sweep at the fused path's preset shapes that have no entry
       cute_env || continue
       sweep_table one-launch-presets qwen2.5-1.5b,llama-3.2-1b,tinyllama-1.1b ;;

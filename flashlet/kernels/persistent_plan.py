@@ -257,7 +257,7 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
             layer = model.layers[ins.layer]
             outs = []
             for h in range(hkv):
-                parts = [v for (lyr, hd, _), v in sorted(buf["partial"].items()) if lyr == ins.layer and hd == h]
+                parts = [v for (hd, _), v in sorted(buf["partial"].items()) if hd == h]
                 o = torch.stack([p[0] for p in parts])  # [splits, group, D]
                 lse = torch.stack([p[1] for p in parts])  # [splits, group]
                 w = torch.softmax(lse, 0)
@@ -277,7 +277,7 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
             buf["qkv"][ins.lo:ins.hi] = value
         elif ins.stage == "attn":
             o, lse, (k_new, v_new, owns) = value
-            buf["partial"][(ins.layer, ins.head, ins.lo)] = (o, lse)
+            buf["partial"][(ins.head, ins.lo)] = (o, lse)  # one slot a split, every layer's
             if owns:
                 keys[ins.layer][ins.head, pos], values[ins.layer][ins.head, pos] = k_new, v_new
         elif ins.stage in ("o", "down"):

@@ -1,5 +1,6 @@
-"""lab/counter_probe.py's rounds in the interpreter, one program (its spins need every program
-resident, which only a GPU gives): each round's store, release, acquire spin and load, folded."""
+"""lab/counter_probe.py in the interpreter: its rounds with one program (their spins need every
+program resident, which only a GPU gives), each round's store, release, acquire spin and load
+folded; its chain of stage launches; its prediction; and both kernels lowered for sm_90a."""
 
 import importlib.util
 import pathlib
@@ -23,6 +24,16 @@ def test_one_program_passes_every_round_and_reads_back_its_stores(payload):
     # each round folds the sum of the vector it stored (payload copies of its value) into it
     want = (1 + payload * 1e-6) ** rounds
     assert torch.allclose(out[0], torch.full_like(out[0], want), rtol=1e-6)
+
+
+def test_each_launch_reads_the_vector_the_launch_before_it_wrote():
+    programs, payload = 2, 16  # a slice of 8 a program
+    got = probe().launches(programs, count=3, payload=payload, device="cpu", pdl_on=False)
+    vec = torch.zeros(payload)
+    for _ in range(3):
+        total = float(vec.sum())
+        vec = torch.tensor([total * 1e-6 + pid + 1 for pid in range(programs) for _ in range(8)])
+    torch.testing.assert_close(got, vec)
 
 
 def test_the_prediction_at_a_measured_boundary_slows_as_the_boundary_grows():
@@ -49,4 +60,5 @@ def test_the_probe_lowers_to_one_release_add_and_an_acquire_spin_for_sm90():
     for line in lines:
         assert line["atom.global.gpu.release.add"] == 1
         assert line["ld.global.gpu.acquire"] >= 1
+        assert line["griddepcontrol.wait"] == 1 and line["griddepcontrol.launch_dependents"] == 1  # the PDL stage
     assert lines[0]["ld.global.cg"] == 0 and lines[1]["ld.global.cg"] > 0  # the vector read past L1

@@ -38,8 +38,9 @@
 #   rope-in-rows the same at 1 / 4 / 16 streams (fused_decode_bench --streams): qwen2.5-0.5b with its
 #                RoPE epilogue off (=all) and qwen3-0.6b (=1), each against the default (~6 min)
 #   counter-probe stage 3's stage boundary: one program an SM passing grid-wide counters (release,
-#                acquire spin, the next stage's vector from L2), us a round, then the persistent
-#                plan's predicted step at that cost (lab/counter_probe.py; ~1 min, no DSL)
+#                acquire spin, the next stage's vector from L2), us a round, beside today's (a PDL
+#                launch in a graph reading the launch before it), then the persistent plan's
+#                predicted step at the counter's cost (lab/counter_probe.py; ~1 min, no DSL)
 #   presets-1k   issue 29's first line: one stream through LLM.generate after a cached 1,000-token
 #                prompt at every preset (PRESETS_1K="a b" to choose), a fresh process each, its
 #                share of the byte limit (weights + KV at 4.24 TB/s; lab/one_stream_pair.py), then a

@@ -73,10 +73,15 @@ def _stage(Src, Dst, PAYLOAD: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.const
     tl.store(Dst + own, tl.zeros([SLICE], tl.float32) + tl.sum(x) * 1e-6 + pid + 1, mask=own < PAYLOAD)
 
 
+def _slice(payload: int, programs: int) -> int:
+    """Each program's share of the vector, a power of two (its stores are masked past the end)."""
+    return max(1, triton.next_power_of_2(-(-max(payload, 1) // programs)))
+
+
 def launches(programs: int, count: int, payload: int, device: str, pdl_on: bool) -> torch.Tensor:
     """`count` launches of `_stage`, each reading what the one before it wrote; returns the last
     vector written."""
-    slice_ = max(1, triton.next_power_of_2(-(-max(payload, 1) // programs)))
+    slice_ = _slice(payload, programs)
     bufs = [torch.zeros(max(payload, 1), dtype=torch.float32, device=device) for _ in range(2)]
     for i in range(count):
         _stage[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], PAYLOAD=payload, SLICE=slice_,
@@ -109,7 +114,7 @@ def lowered_ptx(payload: int, programs: int = 132) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    slice_ = max(1, triton.next_power_of_2(-(-max(payload, 1) // programs)))
+    slice_ = _slice(payload, programs)
     sig = {"Counters": "*i32", "Payload": "*fp32", "Out": "*fp32", "rounds": "i32", "programs": "i32",
            "PAYLOAD": "constexpr", "SLICE": "constexpr", "BLOCK": "constexpr"}
     consts = dict(PAYLOAD=payload, SLICE=slice_, BLOCK=triton.next_power_of_2(max(payload, 1)))
@@ -124,7 +129,7 @@ def lowered_ptx(payload: int, programs: int = 132) -> str:
 
 def run(programs: int, rounds: int, payload: int, device: str) -> torch.Tensor:
     """One launch of `rounds` rounds; returns each program's folded slice [programs, SLICE]."""
-    slice_ = max(1, triton.next_power_of_2(-(-max(payload, 1) // programs)))
+    slice_ = _slice(payload, programs)
     counters = torch.zeros(rounds, dtype=torch.int32, device=device)
     buf = torch.zeros(2 * max(payload, 1), dtype=torch.float32, device=device)
     out = torch.empty(programs, slice_, dtype=torch.float32, device=device)

@@ -16,6 +16,7 @@ second.
     PYTHONPATH=. python3 lab/counter_probe.py                       # P = the SM count, payloads 0 / 896 / 4864
     PYTHONPATH=. python3 lab/counter_probe.py --programs 2 --payload 896
     PYTHONPATH=. python3 lab/counter_probe.py --lower                # no GPU: the sm_90a PTX's counter ops
+    PYTHONPATH=. python3 lab/counter_probe.py --model-only 1.5 2 3   # no GPU: the plan's step at these costs
 
 Prints one JSON line a payload: us a round and us a PDL launch (best of --repeats); then, for
 --presets, the timing model's step at 1,000 tokens (FUSED_NOTES.md, "Stage 3 before its kernel")
@@ -166,7 +167,15 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=500, help="PDL launches in the graph (today's boundary)")
     p.add_argument("--presets", nargs="*", default=["qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b"])
     p.add_argument("--lower", action="store_true", help="no GPU: count the sm_90a PTX's counter ops a payload")
+    p.add_argument("--model-only", type=float, nargs="+", metavar="B",
+                   help="no GPU: the plan's step for --presets at these boundary costs (us), 132 SMs")
+    p.add_argument("--kv-len", type=int, default=1000, help="the row's context for the predictions")
     args = p.parse_args()
+    if args.model_only:
+        for preset in args.presets:
+            for b in args.model_only:
+                print(json.dumps(predict(preset, b, 132, args.kv_len)), flush=True)
+        return
     if args.lower:
         for payload in args.payload:
             ptx = lowered_ptx(payload)
@@ -188,7 +197,7 @@ def main() -> None:
     if boundary is not None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for preset in args.presets:
-            print(json.dumps(predict(preset, boundary, sms)), flush=True)
+            print(json.dumps(predict(preset, boundary, sms, args.kv_len)), flush=True)
 
 
 def predict(preset: str, boundary_us: float, num_sms: int, kv_len: int = 1000) -> dict:
@@ -201,7 +210,7 @@ def predict(preset: str, boundary_us: float, num_sms: int, kv_len: int = 1000) -
     machine = dataclasses.replace(pp.H200, num_sms=num_sms, counter_us=boundary_us, load_us=0.0)
     queues = pp.plan_step(pp.default_shape(cfg, kv_len, num_sms), num_sms)
     got = pp.predict_step(queues, machine, kv_bytes_per_key=2 * cfg.head_dim * 2)
-    return {"preset": preset, "boundary_us": round(boundary_us, 3), "step_us": round(got["step_us"], 1),
+    return {"preset": preset, "kv_len": kv_len, "boundary_us": round(boundary_us, 3), "step_us": round(got["step_us"], 1),
             "tok_s": round(1e6 / got["step_us"]), "share_of_h200_limit": round(got["share"], 3)}
 
 

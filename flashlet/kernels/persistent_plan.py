@@ -39,6 +39,7 @@ import random
 import torch
 
 from flashlet.models.model import CausalLM, ModelConfig
+from flashlet.models.ops import TorchOps
 
 STAGES = ("qkv", "attn", "o", "gate_up", "down")  # one layer's, in order; then "lm_head", "argmax"
 TILE_BYTES = 96 * 1024  # a GEMV tile's weights at most: two in a CTA's buffer (Machine.smem_bytes)
@@ -197,20 +198,15 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
     c = model.config
     d, hq, hkv = c.head_dim, c.num_heads, c.num_kv_heads
     group, pos = hq // hkv, kv[0][0].shape[1]
-    cos, sin = model.cos_sin_cache[pos, : d // 2], model.cos_sin_cache[pos, d // 2:]
-    eps = c.rms_norm_eps
+    eps, position = c.rms_norm_eps, torch.tensor([pos])
     longest = max(i.hi for q in queues for i in q if i.stage == "attn")
     if longest != pos + 1:
         raise ValueError(f"the queues attend over {longest} keys; the context and this token are {pos + 1}")
     keys = [torch.cat([k, torch.zeros(hkv, 1, d)], 1) for k, _ in kv]
     values = [torch.cat([v, torch.zeros(hkv, 1, d)], 1) for _, v in kv]
 
-    def rms(x, w):
-        return x * torch.rsqrt(x.pow(2).mean() + eps) * w
-
-    def rope(x):  # [heads, D]
-        a, b = x[:, : d // 2], x[:, d // 2:]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    def rms(x, w):  # in fp32: a bf16 weight times the fp32 norm promotes
+        return TorchOps.rms_norm(x, w, eps)
 
     buf = {"residual": model.embed_tokens.weight[token].float().clone(),
            "qkv": torch.zeros((hq + 2 * hkv) * d),
@@ -221,9 +217,10 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
     def load(ins: Instr):
         if ins.stage in ("qkv", "gate_up", "lm_head"):  # normed input, each tile its own norm
             layer = model.layers[ins.layer] if ins.layer >= 0 else None
-            w_norm = {"qkv": lambda: layer.input_norm, "gate_up": lambda: layer.post_attn_norm,
-                      "lm_head": lambda: model.norm}[ins.stage]()
-            x = rms(buf["residual"], w_norm.float())
+            if ins.stage == "lm_head":
+                x = rms(buf["residual"], model.norm)
+            else:
+                x = rms(buf["residual"], layer.input_norm if ins.stage == "qkv" else layer.post_attn_norm)
             if ins.stage == "qkv":
                 w, bias = layer.qkv_proj.weight.float(), layer.qkv_proj.bias
                 y = w[ins.lo:ins.hi] @ x + (bias.float()[ins.lo:ins.hi] if bias is not None else 0)
@@ -232,7 +229,7 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
                 w = layer.gate_up_proj.weight.float()
                 i = c.intermediate_size
                 gate, up = w[ins.lo:ins.hi] @ x, w[i + ins.lo:i + ins.hi] @ x
-                return torch.nn.functional.silu(gate) * up
+                return TorchOps.silu_and_mul(torch.cat([gate, up]))
             return model.lm_head_weight.float()[ins.lo:ins.hi] @ x
         if ins.stage == "attn":  # q of the head's group and this row's K/V, made here from qkv
             qkv = buf["qkv"]
@@ -242,9 +239,9 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
             layer = model.layers[ins.layer]
             norm = layer.qk_norm()
             if norm is not None:
-                q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * norm.q_weight.float()
-                k_new = k_new * torch.rsqrt(k_new.pow(2).mean(-1, keepdim=True) + eps) * norm.k_weight.float()
-            q, k_new = rope(q), rope(k_new)[0]
+                q, k_new = norm.apply(q, k_new)
+            q, k_new = TorchOps.rope(q[None], k_new[None], position, model.cos_sin_cache)
+            q, k_new = q[0], k_new[0, 0]
             k = keys[ins.layer][ins.head, ins.lo:ins.hi].clone()
             v = values[ins.layer][ins.head, ins.lo:ins.hi].clone()
             if ins.lo <= pos < ins.hi:  # the split holding the newest key makes it
@@ -295,7 +292,7 @@ def execute(model: CausalLM, token: int, kv: list[tuple[torch.Tensor, torch.Tens
                 pending[ins] = load(ins)
             else:
                 store(ins, pending.pop(ins))
-        hidden = rms(buf["residual"], model.norm.float())
+        hidden = rms(buf["residual"], model.norm)
     return buf["token"], hidden
 
 
